@@ -1,0 +1,50 @@
+//! A page-aligned, zeroed host allocation addressed through raw pointers.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::ptr::NonNull;
+
+use crate::DeviceError;
+
+const ALIGN: usize = 4096;
+
+/// Raw host memory: written by stores and peers through addresses, never through `&mut`.
+pub(crate) struct HostBuffer {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: HostBuffer owns its allocation outright; it hands out addresses only, and the
+// kvlink protocol (one writer per slot per batch, readers after the layer is ready) orders
+// every access to the bytes behind them.
+unsafe impl Send for HostBuffer {}
+// SAFETY: see Send; shared references expose only the address and length.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    pub(crate) fn zeroed(len: usize) -> Result<Self, DeviceError> {
+        let alloc_err = || DeviceError::Alloc {
+            bytes: len as u64,
+            what: "host pool buffer",
+        };
+        let layout = Layout::from_size_align(len.max(1), ALIGN).map_err(|_| alloc_err())?;
+        // SAFETY: the layout has a non-zero size (max(1)) and a valid power-of-two alignment.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or_else(alloc_err)?;
+        Ok(HostBuffer { ptr, layout })
+    }
+
+    pub(crate) fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.layout.size()
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `alloc_zeroed` with exactly this layout and is freed once.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}

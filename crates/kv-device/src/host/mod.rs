@@ -1,0 +1,6 @@
+//! The host backend: pools in host memory; a layer lands the moment its reads return.
+
+mod buffer;
+mod pool;
+
+pub use pool::HostKvPool;

@@ -1,0 +1,169 @@
+//! The host KV pool.
+
+use kv_geometry::{ComponentId, KvGeometry};
+
+use super::buffer::HostBuffer;
+use crate::pool::locate;
+use crate::{DeviceError, KvPool, Residence};
+
+/// A KV pool in host memory: one zeroed, page-aligned buffer per (component, carried layer).
+///
+/// ```
+/// use kv_device::{HostKvPool, KvPool};
+/// use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
+/// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+/// let pool = HostKvPool::new(g, 4).unwrap();
+/// assert_eq!(pool.regions().len(), 78 + 21);
+/// let mut page = vec![0xff; 41_984];
+/// pool.read_slot(ComponentId(0), 5, 3, &mut page).unwrap();
+/// assert!(page.iter().all(|&b| b == 0));
+/// ```
+pub struct HostKvPool {
+    geometry: KvGeometry,
+    pages: u32,
+    buffers: Vec<HostBuffer>,
+}
+
+impl HostKvPool {
+    /// A zeroed pool of `pages` page slots for `geometry`.
+    pub fn new(geometry: KvGeometry, pages: u32) -> Result<Self, DeviceError> {
+        let mut buffers = Vec::new();
+        for c in geometry.components() {
+            let bytes = c.page_layer_bytes * u64::from(pages);
+            let len = usize::try_from(bytes).map_err(|_| DeviceError::Alloc {
+                bytes,
+                what: "host pool buffer",
+            })?;
+            for _ in &c.layers {
+                buffers.push(HostBuffer::zeroed(len)?);
+            }
+        }
+        Ok(HostKvPool {
+            geometry,
+            pages,
+            buffers,
+        })
+    }
+
+    fn slice_ptr(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        len: usize,
+    ) -> Result<*mut u8, DeviceError> {
+        let (buf, off) = locate(&self.geometry, self.pages, component, layer, slot)?;
+        let c = self
+            .geometry
+            .component(component)
+            .map_err(|_| DeviceError::OutOfPool {
+                component: component.0,
+                layer,
+                slot,
+                reason: "unknown component",
+            })?;
+        if len as u64 != c.page_layer_bytes {
+            return Err(DeviceError::OutOfPool {
+                component: component.0,
+                layer,
+                slot,
+                reason: "buffer length is not the slice length",
+            });
+        }
+        Ok((self.buffers[buf].addr() + off as usize) as *mut u8)
+    }
+
+    /// Copies one page slot's slice of (component, layer) out. `out` must be exactly the
+    /// slice's length. The caller orders this after the layer is ready (or after the load).
+    pub fn read_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        let src = self.slice_ptr(component, layer, slot, out.len())?;
+        // SAFETY: `src` points inside our own buffer with `out.len()` bytes available
+        // (checked by `slice_ptr`); `out` is a distinct, exclusive slice.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into one page slot's slice of (component, layer), as an engine's
+    /// attention would write new KV. `data` must be exactly the slice's length.
+    pub fn write_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        let dst = self.slice_ptr(component, layer, slot, data.len())?;
+        // SAFETY: `dst` points inside our own buffer with `data.len()` bytes available; the
+        // caller owns this slot (no load targets it concurrently); `data` is a distinct slice.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+}
+
+impl KvPool for HostKvPool {
+    fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    fn pages(&self) -> u32 {
+        self.pages
+    }
+
+    fn residence(&self) -> Residence {
+        Residence::Host
+    }
+
+    fn slot_addr(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+    ) -> Result<usize, DeviceError> {
+        let (buf, off) = locate(&self.geometry, self.pages, component, layer, slot)?;
+        Ok(self.buffers[buf].addr() + off as usize)
+    }
+
+    fn regions(&self) -> Vec<(usize, usize)> {
+        self.buffers.iter().map(|b| (b.addr(), b.len())).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_geometry::ModelKvSpec;
+
+    #[test]
+    fn slots_are_distinct_and_round_trip() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 2, 1).unwrap();
+        let pool = HostKvPool::new(g, 3).unwrap();
+        let ix = ComponentId(1);
+        let a = vec![7u8; 8448];
+        pool.write_slot(ix, 3, 2, &a).unwrap();
+        let mut out = vec![0u8; 8448];
+        pool.read_slot(ix, 3, 2, &mut out).unwrap();
+        assert_eq!(out, a);
+        pool.read_slot(ix, 3, 1, &mut out).unwrap();
+        assert!(out.iter().all(|&b| b == 0), "neighbouring slot untouched");
+        assert_eq!(
+            pool.slot_addr(ix, 3, 2).unwrap() - pool.slot_addr(ix, 3, 1).unwrap(),
+            8448
+        );
+        // Layer 1 carries no indexer; slot 3 is past the pool; wrong length refused.
+        assert!(matches!(
+            pool.slot_addr(ix, 1, 0),
+            Err(DeviceError::OutOfPool { .. })
+        ));
+        assert!(matches!(
+            pool.slot_addr(ix, 0, 3),
+            Err(DeviceError::OutOfPool { .. })
+        ));
+        assert!(pool.write_slot(ix, 0, 0, &a[..10]).is_err());
+    }
+}

@@ -1,0 +1,75 @@
+//! KV pools: one buffer per (component, carried layer), rows = tokens or pages, the way
+//! engines keep them; addressed by page slot.
+
+use kv_geometry::{ComponentId, KvGeometry};
+
+use crate::DeviceError;
+
+/// Where a pool's memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Residence {
+    /// Host memory the CPU (and a TCP store) can write directly.
+    Host,
+    /// Device memory of GPU `ordinal`.
+    Device {
+        /// CUDA device ordinal.
+        ordinal: u32,
+    },
+}
+
+/// One rank's KV pool: for every component and every layer it carries, a buffer of
+/// `pages()` page slots of `page_layer_bytes` each. Slot `s` of a buffer is the page whose
+/// rows start at token `s * page_size` (token-row components) or row `s` (page-row ones).
+pub trait KvPool: Send + Sync {
+    /// The geometry this pool is laid out for.
+    fn geometry(&self) -> &KvGeometry;
+
+    /// Page slots per buffer.
+    fn pages(&self) -> u32;
+
+    /// Where the memory lives.
+    fn residence(&self) -> Residence;
+
+    /// Address of slot `slot` in the buffer of (`component`, model layer `layer`); the slice
+    /// is `page_layer_bytes` of that component long.
+    fn slot_addr(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+    ) -> Result<usize, DeviceError>;
+
+    /// Every buffer as (address, length), e.g. to register them with a store once.
+    fn regions(&self) -> Vec<(usize, usize)>;
+}
+
+/// Checks (component, layer, slot) against a geometry and a pool size; returns the buffer
+/// index of the (component, layer) and the byte offset of the slot in it.
+pub(crate) fn locate(
+    geometry: &KvGeometry,
+    pages: u32,
+    component: ComponentId,
+    layer: u32,
+    slot: u32,
+) -> Result<(usize, u64), DeviceError> {
+    let err = |reason| DeviceError::OutOfPool {
+        component: component.0,
+        layer,
+        slot,
+        reason,
+    };
+    let c = geometry
+        .component(component)
+        .map_err(|_| err("unknown component"))?;
+    if slot >= pages {
+        return Err(err("slot past the pool"));
+    }
+    let pos = c
+        .position(layer)
+        .ok_or(err("component not on this layer"))?;
+    let first: usize = geometry.components()[..usize::from(component.0)]
+        .iter()
+        .map(|c| c.layers.len())
+        .sum();
+    Ok((first + pos as usize, c.slot_range(slot).start))
+}

@@ -1,0 +1,35 @@
+//! Element types of KV rows.
+
+/// The element type a KV component is stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ElementType {
+    /// bfloat16, 2 bytes.
+    Bf16,
+    /// IEEE half, 2 bytes.
+    F16,
+    /// FP8 E4M3, 1 byte.
+    Fp8E4m3,
+    /// Opaque bytes (packed formats such as DSA FP8 rows with inline scales).
+    Bytes,
+}
+
+impl ElementType {
+    /// Bytes per element.
+    pub const fn size(self) -> u32 {
+        match self {
+            ElementType::Bf16 | ElementType::F16 => 2,
+            ElementType::Fp8E4m3 | ElementType::Bytes => 1,
+        }
+    }
+
+    /// Parses the names engines use for a KV cache dtype (`bf16`, `bfloat16`, `fp16`, `f16`,
+    /// `float16`, `fp8`, `fp8_e4m3`).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" => Some(ElementType::Bf16),
+            "f16" | "fp16" | "float16" | "half" => Some(ElementType::F16),
+            "fp8" | "fp8_e4m3" | "float8_e4m3fn" | "e4m3" => Some(ElementType::Fp8E4m3),
+            _ => None,
+        }
+    }
+}

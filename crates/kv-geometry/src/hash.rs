@@ -1,0 +1,84 @@
+//! Page hashes: chained SHA-256 over token ids, SGLang's scheme.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// The SHA-256 digest that names a page: `sha256(prev_digest || u32le(token)...)`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageHash(pub [u8; 32]);
+
+impl PageHash {
+    /// Hash of one page of `tokens`, chained from `prior` (the previous page's hash; `None`
+    /// for the first page of a sequence).
+    pub fn of_page(prior: Option<&PageHash>, tokens: &[u32]) -> PageHash {
+        let mut h = Sha256::new();
+        if let Some(p) = prior {
+            h.update(p.0);
+        }
+        for t in tokens {
+            h.update(t.to_le_bytes());
+        }
+        PageHash(h.finalize().into())
+    }
+
+    /// Lower-case hex, 64 characters.
+    pub fn to_hex(&self) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            s.push(HEX[usize::from(b >> 4)] as char);
+            s.push(HEX[usize::from(b & 15)] as char);
+        }
+        s
+    }
+
+    /// Parses 64 hex characters.
+    pub fn from_hex(hex: &str) -> Option<PageHash> {
+        if hex.len() != 64 || !hex.is_ascii() {
+            return None;
+        }
+        let mut out = [0u8; 32];
+        for (i, chunk) in hex.as_bytes().chunks(2).enumerate() {
+            let s = std::str::from_utf8(chunk).ok()?;
+            out[i] = u8::from_str_radix(s, 16).ok()?;
+        }
+        Some(PageHash(out))
+    }
+}
+
+impl fmt::Debug for PageHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PageHash({})", &self.to_hex()[..16])
+    }
+}
+
+impl fmt::Display for PageHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// Hashes of the whole pages of `tokens` (a partial last page is not keyed), chained from
+/// `prior`.
+///
+/// ```
+/// use kv_geometry::page_hashes;
+/// let tokens: Vec<u32> = (0..130).collect();
+/// let hashes = page_hashes(&tokens, 64, None);
+/// assert_eq!(hashes.len(), 2); // the last 2 tokens make no whole page
+/// ```
+pub fn page_hashes(tokens: &[u32], page_size: u32, prior: Option<PageHash>) -> Vec<PageHash> {
+    if page_size == 0 {
+        return Vec::new();
+    }
+    let mut prev = prior;
+    tokens
+        .chunks_exact(page_size as usize)
+        .map(|page| {
+            let h = PageHash::of_page(prev.as_ref(), page);
+            prev = Some(h);
+            h
+        })
+        .collect()
+}

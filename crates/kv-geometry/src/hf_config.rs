@@ -1,0 +1,111 @@
+//! Building a [`ModelKvSpec`] from a Hugging Face `config.json`.
+
+use serde_json::Value;
+
+use crate::model::{DSA_FP8_ROW_BYTES, DSA_INDEX_HEAD_DIM};
+use crate::{ComponentSpec, ElementType, GeometryError, LayerMap, ModelKvSpec, RowUnit};
+
+fn field_u32(cfg: &Value, name: &str) -> Result<u32, GeometryError> {
+    cfg.get(name)
+        .and_then(Value::as_u64)
+        .and_then(|v| u32::try_from(v).ok())
+        .ok_or_else(|| GeometryError::BadConfig(format!("missing or bad integer field `{name}`")))
+}
+
+fn opt_u32(cfg: &Value, name: &str) -> Option<u32> {
+    cfg.get(name)
+        .and_then(Value::as_u64)
+        .and_then(|v| u32::try_from(v).ok())
+}
+
+impl ModelKvSpec {
+    /// A spec from a Hugging Face `config.json` text, the KV cache dtype and the page size.
+    ///
+    /// Known `model_type`s: `deepseek_v3` (MLA latent in `kv_dtype`), `deepseek_v32` and
+    /// `glm_moe_dsa` (DSA: FP8 KV as 656 B rows when `kv_dtype` is fp8, the bf16/f16 latent
+    /// otherwise, plus the indexer on every layer — override with
+    /// [`ModelKvSpec::with_component_layers`]), `llama` (K and V sharded by KV head). Any other
+    /// type is refused with an error naming it.
+    ///
+    /// ```
+    /// use kv_geometry::{ElementType, ModelKvSpec};
+    /// let cfg = r#"{"model_type":"deepseek_v3","num_hidden_layers":61,
+    ///               "kv_lora_rank":512,"qk_rope_head_dim":64}"#;
+    /// let spec = ModelKvSpec::from_hf_config(cfg, ElementType::Bf16, 64).unwrap();
+    /// assert_eq!(spec.bytes_per_token(), 70_272.0);
+    /// ```
+    pub fn from_hf_config(
+        config_json: &str,
+        kv_dtype: ElementType,
+        page_size: u32,
+    ) -> Result<ModelKvSpec, GeometryError> {
+        let cfg: Value = serde_json::from_str(config_json)
+            .map_err(|e| GeometryError::BadConfig(format!("not JSON: {e}")))?;
+        let model_type = cfg
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| GeometryError::BadConfig("missing `model_type`".into()))?;
+        let layers = field_u32(&cfg, "num_hidden_layers")?;
+        if kv_dtype == ElementType::Bytes {
+            return Err(GeometryError::UnsupportedKvDtype {
+                dtype: kv_dtype,
+                model: model_type.to_string(),
+            });
+        }
+        let latent = |cfg: &Value| -> Result<ComponentSpec, GeometryError> {
+            let elems = field_u32(cfg, "kv_lora_rank")? + field_u32(cfg, "qk_rope_head_dim")?;
+            Ok(ComponentSpec::new(
+                "k",
+                RowUnit::Token,
+                kv_dtype,
+                elems * kv_dtype.size(),
+            ))
+        };
+        let components = match model_type {
+            "deepseek_v3" => vec![latent(&cfg)?],
+            "deepseek_v32" | "glm_moe_dsa" => {
+                let kv = if kv_dtype == ElementType::Fp8E4m3 {
+                    ModelKvSpec::dsa_fp8_kv()
+                } else {
+                    latent(&cfg)?
+                };
+                if kv_dtype == ElementType::Fp8E4m3 && kv.row_bytes != DSA_FP8_ROW_BYTES {
+                    return Err(GeometryError::BadConfig("unexpected DSA row".into()));
+                }
+                let head_dim = opt_u32(&cfg, "index_head_dim").unwrap_or(DSA_INDEX_HEAD_DIM);
+                vec![
+                    kv,
+                    ModelKvSpec::dsa_indexer(page_size, head_dim, LayerMap::Dense),
+                ]
+            }
+            "llama" => {
+                let kv_heads = opt_u32(&cfg, "num_key_value_heads")
+                    .map_or_else(|| field_u32(&cfg, "num_attention_heads"), Ok)?;
+                let head_dim = match opt_u32(&cfg, "head_dim") {
+                    Some(d) => d,
+                    None => {
+                        let hidden = field_u32(&cfg, "hidden_size")?;
+                        let heads = field_u32(&cfg, "num_attention_heads")?;
+                        if heads == 0 {
+                            return Err(GeometryError::BadConfig(
+                                "num_attention_heads is zero".into(),
+                            ));
+                        }
+                        hidden / heads
+                    }
+                };
+                let row = kv_heads * head_dim * kv_dtype.size();
+                let part = |n: &str| {
+                    ComponentSpec::new(n, RowUnit::Token, kv_dtype, row).sharded(kv_heads)
+                };
+                vec![part("k"), part("v")]
+            }
+            other => return Err(GeometryError::UnsupportedModelType(other.to_string())),
+        };
+        let name = cfg
+            .get("_name_or_path")
+            .and_then(Value::as_str)
+            .unwrap_or(model_type);
+        ModelKvSpec::new(name, layers, page_size, components)
+    }
+}

@@ -1,0 +1,223 @@
+//! Model KV specs: the components of a model's KV cache, and the presets kvlink knows.
+
+use crate::{ComponentSpec, ElementType, GeometryError, LayerMap, RowUnit};
+
+/// MLA latent width: `kv_lora_rank + qk_rope_head_dim` elements per token per layer.
+pub const MLA_LATENT_ELEMENTS: u32 = 512 + 64;
+/// DSA FP8 KV row: 512 fp8 nope + 4 fp32 scales (one per 128) + 64 bf16 rope.
+pub const DSA_FP8_ROW_BYTES: u32 = 512 + (512 / 128) * 4 + 64 * 2;
+/// DSA indexer head dim of DeepSeek-V3.2 and GLM-5.
+pub const DSA_INDEX_HEAD_DIM: u32 = 128;
+/// Indexer layers of GLM-5.2 (SGLang's host pool: "21 physical indexer layers out of 78").
+pub const GLM52_INDEXER_LAYERS: u32 = 21;
+
+/// A model's KV cache: its layers, page size and components.
+///
+/// ```
+/// use kv_geometry::ModelKvSpec;
+/// let glm = ModelKvSpec::glm52_dsa_fp8();
+/// assert_eq!(glm.num_layers, 78);
+/// assert_eq!(glm.bytes_per_token(), 53_940.0);
+/// assert_eq!(glm.bytes_for_tokens(131_072), 7_070_023_680);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ModelKvSpec {
+    /// Model name, for logs and errors.
+    pub model: String,
+    /// Transformer layers.
+    pub num_layers: u32,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Components, in object-key and load order.
+    pub components: Vec<ComponentSpec>,
+}
+
+impl ModelKvSpec {
+    /// A validated spec: non-zero layers and page size, unique non-empty component names,
+    /// non-zero rows, layer maps inside the model.
+    pub fn new(
+        model: &str,
+        num_layers: u32,
+        page_size: u32,
+        components: Vec<ComponentSpec>,
+    ) -> Result<Self, GeometryError> {
+        if num_layers == 0 {
+            return Err(GeometryError::BadConfig(format!("{model}: zero layers")));
+        }
+        if page_size == 0 {
+            return Err(GeometryError::BadPageSize {
+                page_size,
+                reason: "must be at least one token".into(),
+            });
+        }
+        if components.is_empty() {
+            return Err(GeometryError::BadConfig(format!(
+                "{model}: no KV components"
+            )));
+        }
+        for (i, c) in components.iter().enumerate() {
+            let bad = |reason: &str| GeometryError::BadComponent {
+                component: c.name.clone(),
+                reason: reason.to_string(),
+            };
+            if c.name.is_empty() || c.name.contains('_') {
+                return Err(bad("name must be non-empty and free of '_'"));
+            }
+            if c.row_bytes == 0 {
+                return Err(bad("zero-byte rows"));
+            }
+            if components[..i].iter().any(|o| o.name == c.name) {
+                return Err(bad("two components share this name"));
+            }
+            c.layers.validate(&c.name, num_layers)?;
+        }
+        Ok(ModelKvSpec {
+            model: model.to_string(),
+            num_layers,
+            page_size,
+            components,
+        })
+    }
+
+    /// Bytes per token over all layers and components, for the whole model (one TP copy of
+    /// replicated components, all shards of sharded ones).
+    pub fn bytes_per_token(&self) -> f64 {
+        self.components
+            .iter()
+            .map(|c| c.bytes_per_token(self.num_layers, self.page_size))
+            .sum()
+    }
+
+    /// Bytes of a prefix of `tokens` tokens (whole pages only: a partial last page is not
+    /// stored).
+    pub fn bytes_for_tokens(&self, tokens: u64) -> u64 {
+        let pages = tokens / u64::from(self.page_size);
+        self.components
+            .iter()
+            .map(|c| {
+                let rows = match c.row_unit {
+                    RowUnit::Token => u64::from(self.page_size),
+                    RowUnit::Page => 1,
+                };
+                pages * rows * u64::from(c.row_bytes) * u64::from(c.layers.count(self.num_layers))
+            })
+            .sum()
+    }
+
+    /// The component named `name`.
+    pub fn component(&self, name: &str) -> Result<&ComponentSpec, GeometryError> {
+        self.components
+            .iter()
+            .find(|c| c.name == name)
+            .ok_or_else(|| GeometryError::UnknownComponent(name.to_string()))
+    }
+
+    /// The same spec with component `name` on other layers (e.g. another indexer map).
+    pub fn with_component_layers(
+        mut self,
+        name: &str,
+        layers: LayerMap,
+    ) -> Result<Self, GeometryError> {
+        layers.validate(name, self.num_layers)?;
+        let c = self
+            .components
+            .iter_mut()
+            .find(|c| c.name == name)
+            .ok_or_else(|| GeometryError::UnknownComponent(name.to_string()))?;
+        c.layers = layers;
+        Ok(self)
+    }
+
+    /// The MLA latent component in `dtype` (576 elements per token).
+    pub fn mla_latent(dtype: ElementType) -> ComponentSpec {
+        ComponentSpec::new(
+            "k",
+            RowUnit::Token,
+            dtype,
+            MLA_LATENT_ELEMENTS * dtype.size(),
+        )
+    }
+
+    /// The DSA FP8 KV component (656 B per token: FlashMLA's V3.2 byte format).
+    pub fn dsa_fp8_kv() -> ComponentSpec {
+        ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, DSA_FP8_ROW_BYTES)
+    }
+
+    /// The DSA indexer component: one row per page of `page_size * (head_dim + head_dim/128*4)`
+    /// bytes (fp8 keys with fp32 scales), 8448 B at page size 64.
+    pub fn dsa_indexer(page_size: u32, index_head_dim: u32, layers: LayerMap) -> ComponentSpec {
+        let row = page_size * (index_head_dim + index_head_dim.div_ceil(128) * 4);
+        ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, row).on_layers(layers)
+    }
+
+    fn known(model: &str, num_layers: u32, page_size: u32, comps: Vec<ComponentSpec>) -> Self {
+        // The presets are built from constants that satisfy `new`'s checks.
+        ModelKvSpec {
+            model: model.to_string(),
+            num_layers,
+            page_size,
+            components: comps,
+        }
+    }
+
+    /// GLM-5.2 with DSA FP8 KV: 78 layers, 656 B/token KV, indexer (8448 B/page) on 21 layers.
+    ///
+    /// Default indexer map: 21 layers evenly spaced over 78 (`floor(i * 78 / 21)`), since the
+    /// public config does not say which layers they are; the byte totals match SGLang's
+    /// (53,940 B/token). Override with [`ModelKvSpec::with_component_layers`].
+    pub fn glm52_dsa_fp8() -> Self {
+        Self::known(
+            "GLM-5.2",
+            78,
+            64,
+            vec![
+                Self::dsa_fp8_kv(),
+                Self::dsa_indexer(
+                    64,
+                    DSA_INDEX_HEAD_DIM,
+                    LayerMap::evenly_spaced(GLM52_INDEXER_LAYERS, 78),
+                ),
+            ],
+        )
+    }
+
+    /// GLM-5 with DSA FP8 KV and the indexer on every one of its 78 layers.
+    pub fn glm5_dsa_fp8() -> Self {
+        Self::known(
+            "GLM-5",
+            78,
+            64,
+            vec![
+                Self::dsa_fp8_kv(),
+                Self::dsa_indexer(64, DSA_INDEX_HEAD_DIM, LayerMap::Dense),
+            ],
+        )
+    }
+
+    /// DeepSeek-V3 (61 layers, MLA) with the latent in `dtype` (bf16: 1152 B, fp8: 576 B per
+    /// token per layer), page size 64.
+    pub fn deepseek_v3(dtype: ElementType) -> Self {
+        Self::known("DeepSeek-V3", 61, 64, vec![Self::mla_latent(dtype)])
+    }
+
+    /// DeepSeek-V3.2 with DSA FP8 KV and the indexer on all 61 layers.
+    pub fn deepseek_v32_dsa_fp8() -> Self {
+        Self::known(
+            "DeepSeek-V3.2",
+            61,
+            64,
+            vec![
+                Self::dsa_fp8_kv(),
+                Self::dsa_indexer(64, DSA_INDEX_HEAD_DIM, LayerMap::Dense),
+            ],
+        )
+    }
+
+    /// Llama-3-70B (GQA): 80 layers, 8 KV heads × 128, bf16; K and V sharded across TP.
+    pub fn llama3_70b() -> Self {
+        let kv = |name: &str| {
+            ComponentSpec::new(name, RowUnit::Token, ElementType::Bf16, 8 * 128 * 2).sharded(8)
+        };
+        Self::known("Llama-3-70B", 80, 64, vec![kv("k"), kv("v")])
+    }
+}

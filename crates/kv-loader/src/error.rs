@@ -1,0 +1,293 @@
+//! Typed errors a server can act on: which batch, which layer, which pages, retryable or not.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_geometry::GeometryError;
+
+use crate::BatchId;
+
+/// Why a plan was refused before any I/O.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// The plan has a different number of slots than pages.
+    #[error("{slots} slots for {pages} pages")]
+    SlotCount {
+        /// Pages in the logical plan.
+        pages: usize,
+        /// Slots given.
+        slots: usize,
+    },
+    /// A token row that does not start a page.
+    #[error("token row {row} is not a multiple of the page size {page_size}")]
+    Misaligned {
+        /// The row.
+        row: u64,
+        /// Page size.
+        page_size: u32,
+    },
+    /// Two pages of the plan land in the same slot.
+    #[error("slot {slot} is used by pages {first} and {second} of the plan")]
+    DuplicateSlot {
+        /// The slot.
+        slot: u32,
+        /// First plan page using it.
+        first: usize,
+        /// Second plan page using it.
+        second: usize,
+    },
+    /// A slot past the end of the pool.
+    #[error("slot {slot} (page {page} of the plan) is outside a pool of {pool_pages} pages")]
+    SlotOutOfPool {
+        /// The slot.
+        slot: u32,
+        /// Plan page.
+        page: usize,
+        /// Pages in the pool.
+        pool_pages: u32,
+    },
+    /// A component id the geometry does not have, or listed twice.
+    #[error("component #{0} is unknown or repeated")]
+    BadComponent(u16),
+    /// A layer past the model.
+    #[error("layer {layer} is out of range for {num_layers} layers")]
+    LayerOutOfRange {
+        /// Layer asked for.
+        layer: u32,
+        /// Layers of the model.
+        num_layers: u32,
+    },
+    /// The store holds an object whose size does not match the geometry.
+    #[error("object `{key}` holds {actual} bytes, the geometry expects {expected}")]
+    ObjectSize {
+        /// The key.
+        key: String,
+        /// Bytes expected.
+        expected: u64,
+        /// Bytes found.
+        actual: u64,
+    },
+}
+
+/// The kind of a store failure, as the linker saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoreFailure {
+    /// The object is not in the store.
+    NotFound,
+    /// The store has no room.
+    NoSpace,
+    /// The data transfer failed.
+    TransferFailed,
+    /// A lease ran out or could not be taken.
+    Lease,
+    /// An RPC to the store timed out.
+    RpcTimeout,
+    /// The store refused an argument.
+    InvalidArgument,
+    /// The store cannot be reached.
+    Unavailable,
+    /// Fewer bytes came back than asked for.
+    ShortRead,
+    /// Anything else, with the store's code in the detail.
+    Other,
+}
+
+impl StoreFailure {
+    /// Whether trying again later may succeed.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            StoreFailure::TransferFailed
+                | StoreFailure::Lease
+                | StoreFailure::RpcTimeout
+                | StoreFailure::Unavailable
+                | StoreFailure::NoSpace
+                | StoreFailure::ShortRead
+        )
+    }
+}
+
+/// Everything that can go wrong loading or saving KV. Cheap to clone (every rank and every
+/// waiter of a failed batch gets a copy).
+///
+/// ```
+/// use kv_loader::{BatchId, KvLoadError, StoreFailure};
+/// let e = KvLoadError::Store {
+///     batch: Some(BatchId(7)),
+///     layer: Some(12),
+///     pages: vec![3, 4].into(),
+///     kind: StoreFailure::RpcTimeout,
+///     detail: "key glm_ab.._k: rpc timeout".into(),
+/// };
+/// assert!(e.is_retryable());
+/// assert_eq!(e.batch(), Some(BatchId(7)));
+/// assert!(e.to_string().contains("layer 12"));
+/// ```
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum KvLoadError {
+    /// The plan was refused before any I/O.
+    #[error("{batch}: invalid plan: {reason}")]
+    InvalidPlan {
+        /// The batch.
+        batch: BatchId,
+        /// Why.
+        reason: PlanError,
+    },
+    /// A store operation failed.
+    #[error("{}store failure ({kind:?}){}{}: {detail}", batch.map(|b| format!("{b}: ")).unwrap_or_default(), layer.map(|l| format!(" at layer {l}")).unwrap_or_default(), pages_suffix(pages))]
+    Store {
+        /// The batch, if the failure belongs to one.
+        batch: Option<BatchId>,
+        /// The layer being read, if any.
+        layer: Option<u32>,
+        /// Plan page indices involved.
+        pages: Arc<[u32]>,
+        /// What kind of failure.
+        kind: StoreFailure,
+        /// The store's words, with the key.
+        detail: String,
+    },
+    /// A wait reached its deadline.
+    #[error("{batch}: layer {layer} not ready after {waited:?}")]
+    Timeout {
+        /// The batch.
+        batch: BatchId,
+        /// The layer waited for.
+        layer: u32,
+        /// How long.
+        waited: Duration,
+    },
+    /// The batch was cancelled by `reset` or `close`.
+    #[error("{batch}: cancelled")]
+    Cancelled {
+        /// The batch.
+        batch: BatchId,
+    },
+    /// Another TP rank failed this batch; every rank reports the same failure.
+    #[error("{batch}: rank {rank} failed at layer {layer}: {detail}")]
+    PeerFailed {
+        /// The batch.
+        batch: BatchId,
+        /// The rank that failed first.
+        rank: u32,
+        /// The layer where it failed.
+        layer: u32,
+        /// What that rank said.
+        detail: String,
+    },
+    /// A collective operation among the TP ranks failed or timed out.
+    #[error("{}collective failure: {detail}", batch.map(|b| format!("{b}: ")).unwrap_or_default())]
+    Collective {
+        /// The batch, if any.
+        batch: Option<BatchId>,
+        /// What happened.
+        detail: String,
+    },
+    /// A device (copy, event, allocation) failure.
+    #[error("device failure: {0}")]
+    Device(String),
+    /// The ticket belongs to a batch that is finished, or from before a reset.
+    #[error("stale ticket for {batch}")]
+    StaleTicket {
+        /// The batch the ticket named.
+        batch: BatchId,
+    },
+    /// Too many batches in flight: take outcomes (`wait_batch`/`completed`) first.
+    #[error("{capacity} batches already in flight")]
+    Busy {
+        /// Batches the loader tracks at once.
+        capacity: u32,
+    },
+    /// The loader is closed.
+    #[error("the loader is closed")]
+    Closed,
+    /// Bad geometry or configuration.
+    #[error("geometry: {0}")]
+    Geometry(#[from] GeometryError),
+    /// Bad configuration of the loader.
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+fn pages_suffix(pages: &[u32]) -> String {
+    match pages.len() {
+        0 => String::new(),
+        1..=8 => format!(" (plan pages {pages:?})"),
+        n => format!(" ({n} plan pages from {})", pages[0]),
+    }
+}
+
+impl KvLoadError {
+    /// Whether the same load may succeed if tried again (the engine may also recompute).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            KvLoadError::Store { kind, .. } => kind.is_retryable(),
+            KvLoadError::Timeout { .. }
+            | KvLoadError::PeerFailed { .. }
+            | KvLoadError::Collective { .. }
+            | KvLoadError::Busy { .. }
+            | KvLoadError::Cancelled { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// The batch the error belongs to, if any.
+    pub fn batch(&self) -> Option<BatchId> {
+        match self {
+            KvLoadError::InvalidPlan { batch, .. }
+            | KvLoadError::Timeout { batch, .. }
+            | KvLoadError::Cancelled { batch }
+            | KvLoadError::PeerFailed { batch, .. }
+            | KvLoadError::StaleTicket { batch } => Some(*batch),
+            KvLoadError::Store { batch, .. } | KvLoadError::Collective { batch, .. } => *batch,
+            _ => None,
+        }
+    }
+
+    /// The layer the error happened at, if any.
+    pub fn layer(&self) -> Option<u32> {
+        match self {
+            KvLoadError::Store { layer, .. } => *layer,
+            KvLoadError::Timeout { layer, .. } | KvLoadError::PeerFailed { layer, .. } => {
+                Some(*layer)
+            }
+            _ => None,
+        }
+    }
+
+    /// Plan page indices involved, where known (empty: the whole batch).
+    pub fn pages(&self) -> &[u32] {
+        match self {
+            KvLoadError::Store { pages, .. } => pages,
+            _ => &[],
+        }
+    }
+
+    /// A short name of the error's kind, for metrics labels.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            KvLoadError::InvalidPlan { .. } => "invalid_plan",
+            KvLoadError::Store { kind, .. } => match kind {
+                StoreFailure::NotFound => "store_not_found",
+                StoreFailure::NoSpace => "store_no_space",
+                StoreFailure::TransferFailed => "store_transfer",
+                StoreFailure::Lease => "store_lease",
+                StoreFailure::RpcTimeout => "store_rpc_timeout",
+                StoreFailure::InvalidArgument => "store_invalid_argument",
+                StoreFailure::Unavailable => "store_unavailable",
+                StoreFailure::ShortRead => "store_short_read",
+                StoreFailure::Other => "store_other",
+            },
+            KvLoadError::Timeout { .. } => "timeout",
+            KvLoadError::Cancelled { .. } => "cancelled",
+            KvLoadError::PeerFailed { .. } => "peer_failed",
+            KvLoadError::Collective { .. } => "collective",
+            KvLoadError::Device(_) => "device",
+            KvLoadError::StaleTicket { .. } => "stale_ticket",
+            KvLoadError::Busy { .. } => "busy",
+            KvLoadError::Closed => "closed",
+            KvLoadError::Geometry(_) => "geometry",
+            KvLoadError::Config(_) => "config",
+        }
+    }
+}

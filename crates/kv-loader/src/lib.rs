@@ -1,0 +1,40 @@
+//! The engine-facing API of kvlink: the [`KvLoader`] trait, plans, tickets, outcomes and
+//! errors, and (feature `mock`) a scriptable [`mock::MockKvLoader`] for engines' own tests.
+//!
+//! A plan has two parts: the [`LogicalPlan`] (requests, page hashes, components), which every
+//! TP rank must agree on, and the per-rank slots where each page lands.
+//!
+//! ```
+//! use kv_geometry::{page_hashes, KvGeometry, ModelKvSpec};
+//! use kv_loader::{BatchId, BatchPlan, RequestPages};
+//! let g = KvGeometry::new(ModelKvSpec::deepseek_v3(kv_geometry::ElementType::Bf16), 1, 0).unwrap();
+//! let tokens: Vec<u32> = (0..256).collect();
+//! let pages = page_hashes(&tokens, g.page_size(), None);
+//! let plan = BatchPlan::all_components(&g, BatchId(3),
+//!     vec![RequestPages { request: "req-a".into(), pages }], vec![7, 6, 2, 5]);
+//! assert!(plan.validate(&g, 8).is_ok());
+//! assert_eq!(plan.logical.num_pages(), 4);
+//! ```
+
+mod error;
+mod ids;
+mod loader;
+mod lookup;
+#[cfg(feature = "mock")]
+pub mod mock;
+mod outcome;
+mod plan;
+mod ticket;
+
+pub use error::{KvLoadError, PlanError, StoreFailure};
+pub use ids::{BatchId, RequestId};
+pub use loader::KvLoader;
+pub use lookup::{LookupHit, LookupRequest};
+pub use outcome::{BatchOutcome, LoadStats, SaveReport, ShareMode};
+pub use plan::{
+    slots_from_token_rows, BatchPlan, LogicalPlan, RequestPages, CANONICAL_PLAN_VERSION,
+};
+pub use ticket::{LayerReady, LoadTicket, RawStream, StreamWaitable};
+
+/// Re-exported so engines name one crate.
+pub use layerwise_counter;

@@ -1,0 +1,57 @@
+//! The engine-facing trait.
+
+use crate::{
+    BatchOutcome, BatchPlan, KvLoadError, LayerReady, LoadTicket, LookupHit, LookupRequest,
+    SaveReport,
+};
+
+/// What an LLM server calls, on every TP rank, between its prefix cache and its attention
+/// layers. Object-safe: engines hold an `Arc<dyn KvLoader>`.
+///
+/// The calls of one batch, in order (design.md §4):
+/// 1. [`lookup`](KvLoader::lookup) after the engine's own prefix match: the pages the store
+///    can give (the same answer on every rank of a TP group).
+/// 2. The engine allocates slots, then [`start_load`](KvLoader::start_load) on every rank in
+///    the same batch order.
+/// 3. Before attention on layer *l*: [`wait_layer`](KvLoader::wait_layer).
+/// 4. [`wait_batch`](KvLoader::wait_batch) or [`completed`](KvLoader::completed): the
+///    outcome (on failure, recompute the batch's pages).
+/// 5. After prefill: [`save`](KvLoader::save) of the new pages.
+///
+/// ```
+/// use kv_loader::KvLoader;
+/// fn assert_object_safe(_: &dyn KvLoader) {}
+/// ```
+pub trait KvLoader: Send + Sync {
+    /// Layers of the model this loader serves.
+    fn num_layers(&self) -> u32;
+
+    /// The longest run of pages after the engine's own hit that the store holds.
+    fn lookup(&self, request: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError>;
+
+    /// Validates `plan` (typed errors, before any I/O) and starts loading it layer by layer.
+    fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError>;
+
+    /// Waits (bounded by the loader's deadline) for layer `layer` of the batch. Host pools:
+    /// returns [`LayerReady::Resident`] once the bytes are in the pool. Device pools: may
+    /// return an event for the compute stream to wait on instead of blocking.
+    fn wait_layer(&self, ticket: &LoadTicket, layer: u32) -> Result<LayerReady, KvLoadError>;
+
+    /// Waits (bounded) for the batch to finish and takes its outcome.
+    fn wait_batch(&self, ticket: &LoadTicket) -> Result<BatchOutcome, KvLoadError>;
+
+    /// Takes the outcomes of batches finished since the last call (not already taken by
+    /// `wait_batch`).
+    fn completed(&self) -> Vec<BatchOutcome>;
+
+    /// Writes the plan's pages from this rank's pool to the store, skipping objects the store
+    /// already has and objects this rank does not own.
+    fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError>;
+
+    /// Cancels every batch in flight and waits until nothing is in flight; waiters get
+    /// `Cancelled`. The loader stays usable.
+    fn reset(&self) -> Result<(), KvLoadError>;
+
+    /// Like `reset`, then releases every resource; later calls return `Closed`.
+    fn close(&self) -> Result<(), KvLoadError>;
+}

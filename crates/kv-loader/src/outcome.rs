@@ -1,0 +1,57 @@
+//! The outcome of a batch, the same on every rank.
+
+use std::time::Duration;
+
+use crate::{BatchId, KvLoadError};
+
+/// How the ranks shared replicated components for a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ShareMode {
+    /// Every rank read its own copy.
+    AllRanks,
+    /// Rank 0 read each layer and broadcast it.
+    Rank0Broadcast,
+    /// Each rank read a share of the pages; an all-gather completed every pool.
+    SplitAllGather,
+}
+
+/// What a loaded batch did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadStats {
+    /// Pages loaded.
+    pub pages: u32,
+    /// Layers loaded.
+    pub layers: u32,
+    /// Bytes this rank read from the store.
+    pub bytes_read: u64,
+    /// Bytes that landed in this rank's pool.
+    pub bytes_landed: u64,
+    /// How replicated components were shared.
+    pub mode: ShareMode,
+    /// From `start_load` to the first layer ready.
+    pub first_layer: Duration,
+    /// From `start_load` to the last layer ready.
+    pub last_layer: Duration,
+}
+
+/// A finished batch: loaded, or failed with the same error on every rank.
+#[derive(Debug, Clone)]
+pub struct BatchOutcome {
+    /// The batch.
+    pub batch: BatchId,
+    /// Stats, or why it failed (the engine then recomputes the batch's pages).
+    pub result: Result<LoadStats, KvLoadError>,
+}
+
+/// What a save did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SaveReport {
+    /// Objects written.
+    pub objects_written: u32,
+    /// Objects skipped because the store already had them.
+    pub objects_present: u32,
+    /// Objects this rank does not own (replicated components on ranks other than 0).
+    pub objects_not_owned: u32,
+    /// Bytes written.
+    pub bytes_written: u64,
+}

@@ -1,0 +1,8 @@
+//! The [`KvStore`](store::KvStore) trait (the in-process [`EmbeddedStore`](store::EmbeddedStore);
+//! Mooncake), and the [`Linker`]: the `KvLoader` implementation that plans, reads, saves, and
+//! drives the layer counter.
+
+mod linker;
+pub mod store;
+
+pub use linker::{Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};

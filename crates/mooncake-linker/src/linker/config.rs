@@ -1,0 +1,54 @@
+//! Linker configuration.
+
+use std::time::Duration;
+
+use kv_loader::ShareMode;
+
+/// How a linker names keys, bounds its waits and shares replicated components.
+///
+/// ```
+/// use std::time::Duration;
+/// use mooncake_linker::LinkerConfig;
+/// let cfg = LinkerConfig { namespace: "glm52".into(), ..LinkerConfig::default() };
+/// assert_eq!(cfg.wait_deadline, Duration::from_secs(30));
+/// ```
+#[derive(Debug, Clone)]
+pub struct LinkerConfig {
+    /// Key prefix shared by every rank of a deployment (model and tag).
+    pub namespace: String,
+    /// Context-parallel rank (in the key suffix).
+    pub cp_rank: u32,
+    /// Pipeline-parallel rank (in the key suffix).
+    pub pp_rank: u32,
+    /// Longest a `wait_layer` or `wait_batch` blocks.
+    pub wait_deadline: Duration,
+    /// Longest one layer's store reads may take before the batch fails as timed out.
+    pub layer_read_timeout: Duration,
+    /// Renew read sessions (lease pins) this often during a load.
+    pub lease_renewal: Duration,
+    /// Check before the first read that each object's size matches the geometry.
+    pub verify_object_sizes: bool,
+    /// Objects per store call when saving.
+    pub save_chunk: usize,
+    /// Batches tracked at once (started and not yet taken).
+    pub max_in_flight: u32,
+    /// How replicated components are shared among TP ranks.
+    pub mode: ShareMode,
+}
+
+impl Default for LinkerConfig {
+    fn default() -> Self {
+        LinkerConfig {
+            namespace: String::new(),
+            cp_rank: 0,
+            pp_rank: 0,
+            wait_deadline: Duration::from_secs(30),
+            layer_read_timeout: Duration::from_secs(20),
+            lease_renewal: Duration::from_secs(5),
+            verify_object_sizes: true,
+            save_chunk: 64,
+            max_in_flight: 64,
+            mode: ShareMode::AllRanks,
+        }
+    }
+}

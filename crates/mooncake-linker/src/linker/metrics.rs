@@ -1,0 +1,122 @@
+//! Counters a server can export.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+/// Upper bounds (µs) of the per-layer read latency histogram buckets; the last is +∞.
+pub const LAYER_LATENCY_BUCKETS_US: [u64; 12] = [
+    100,
+    250,
+    500,
+    1_000,
+    2_500,
+    5_000,
+    10_000,
+    25_000,
+    50_000,
+    100_000,
+    250_000,
+    u64::MAX,
+];
+
+/// Live counters of one linker (atomics; cheap to update on the load path).
+#[derive(Debug, Default)]
+pub struct LinkerMetrics {
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    pages_hit: AtomicU64,
+    pages_looked_up: AtomicU64,
+    batches_loaded: AtomicU64,
+    batches_failed: AtomicU64,
+    layer_reads: AtomicU64,
+    layer_read_us: AtomicU64,
+    layer_hist: [AtomicU64; 12],
+    failures: Mutex<BTreeMap<&'static str, u64>>,
+}
+
+/// A copy of the counters at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MetricsSnapshot {
+    /// Bytes read from the store.
+    pub bytes_read: u64,
+    /// Bytes written to the store.
+    pub bytes_written: u64,
+    /// Pages found by lookups.
+    pub pages_hit: u64,
+    /// Pages asked about by lookups.
+    pub pages_looked_up: u64,
+    /// Batches loaded whole.
+    pub batches_loaded: u64,
+    /// Batches failed.
+    pub batches_failed: u64,
+    /// Layer reads done.
+    pub layer_reads: u64,
+    /// Total time of layer reads.
+    pub layer_read_time: Duration,
+    /// Layer reads per latency bucket (see [`LAYER_LATENCY_BUCKETS_US`]).
+    pub layer_read_histogram: [u64; 12],
+    /// Failures by kind (`KvLoadError::kind_name`).
+    pub failures: BTreeMap<&'static str, u64>,
+}
+
+impl LinkerMetrics {
+    pub(crate) fn read(&self, bytes: u64) {
+        self.bytes_read.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn written(&self, bytes: u64) {
+        self.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn lookup(&self, asked: u64, hit: u64) {
+        self.pages_looked_up.fetch_add(asked, Ordering::Relaxed);
+        self.pages_hit.fetch_add(hit, Ordering::Relaxed);
+    }
+
+    pub(crate) fn layer_read(&self, took: Duration) {
+        let us = took.as_micros() as u64;
+        self.layer_reads.fetch_add(1, Ordering::Relaxed);
+        self.layer_read_us.fetch_add(us, Ordering::Relaxed);
+        let b = LAYER_LATENCY_BUCKETS_US
+            .iter()
+            .position(|&ub| us <= ub)
+            .unwrap_or(LAYER_LATENCY_BUCKETS_US.len() - 1);
+        self.layer_hist[b].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn batch(&self, ok: bool) {
+        let c = if ok {
+            &self.batches_loaded
+        } else {
+            &self.batches_failed
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn failure(&self, kind: &'static str) {
+        *self.failures.lock().entry(kind).or_default() += 1;
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let mut hist = [0; 12];
+        for (h, a) in hist.iter_mut().zip(&self.layer_hist) {
+            *h = a.load(Ordering::Relaxed);
+        }
+        MetricsSnapshot {
+            bytes_read: self.bytes_read.load(Ordering::Relaxed),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
+            pages_hit: self.pages_hit.load(Ordering::Relaxed),
+            pages_looked_up: self.pages_looked_up.load(Ordering::Relaxed),
+            batches_loaded: self.batches_loaded.load(Ordering::Relaxed),
+            batches_failed: self.batches_failed.load(Ordering::Relaxed),
+            layer_reads: self.layer_reads.load(Ordering::Relaxed),
+            layer_read_time: Duration::from_micros(self.layer_read_us.load(Ordering::Relaxed)),
+            layer_read_histogram: hist,
+            failures: self.failures.lock().clone(),
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Reading one layer of a batch: one batched ranged read per component, straight into the
+//! landing's targets.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use kv_device::LayerLanding;
+use kv_geometry::ComponentLayout;
+use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
+use smallvec::smallvec;
+
+use crate::store::{KvStore, RangedGet, ReadRange, StoreError};
+
+/// One planned component and its object keys, in plan page order (built once per batch).
+pub(crate) struct ComponentKeys {
+    pub(crate) layout: ComponentLayout,
+    pub(crate) keys: Vec<String>,
+}
+
+/// A store error as a batch failure at `layer` on plan page `page`.
+pub(crate) fn store_failure(
+    batch: BatchId,
+    layer: Option<u32>,
+    pages: Vec<u32>,
+    e: &StoreError,
+) -> KvLoadError {
+    KvLoadError::Store {
+        batch: Some(batch),
+        layer,
+        pages: pages.into(),
+        kind: e.failure(),
+        detail: e.to_string(),
+    }
+}
+
+/// Reads layers of one batch on one rank.
+pub(crate) struct LayerReader<'a> {
+    pub(crate) store: &'a dyn KvStore,
+    pub(crate) batch: BatchId,
+    pub(crate) components: &'a [ComponentKeys],
+}
+
+impl LayerReader<'_> {
+    /// Reads layer `layer` of plan pages `pages` into `landing`'s targets. Returns the bytes
+    /// read. Any failed or short key fails the whole layer, naming the pages.
+    pub(crate) fn read_layer(
+        &self,
+        landing: &mut dyn LayerLanding,
+        layer: u32,
+        pages: Range<usize>,
+    ) -> Result<u64, KvLoadError> {
+        let mut total = 0;
+        for comp in self.components {
+            let Some(range) = comp.layout.layer_range(layer) else {
+                continue;
+            };
+            let len = comp.layout.page_layer_bytes as usize;
+            let mut gets = Vec::with_capacity(pages.len());
+            for page in pages.clone() {
+                let dst = landing
+                    .target(comp.layout.id, layer, page)
+                    .map_err(KvLoadError::from)?;
+                gets.push(RangedGet {
+                    key: &comp.keys[page],
+                    ranges: smallvec![ReadRange {
+                        dst: dst as *mut u8,
+                        len,
+                        offset: range.start,
+                    }],
+                });
+            }
+            // SAFETY: every destination is a distinct slice of `len` bytes handed out by the
+            // landing for this batch (distinct slots: the plan was validated for duplicates),
+            // which nothing else reads or writes until the layer is marked ready.
+            let results = unsafe { self.store.get_ranges(&gets) };
+            let mut failed: Vec<u32> = Vec::new();
+            let mut first: Option<KvLoadError> = None;
+            for (i, r) in results.iter().enumerate() {
+                let page = (pages.start + i) as u32;
+                match r {
+                    Ok(n) if *n == len as u64 => total += n,
+                    Ok(n) => {
+                        failed.push(page);
+                        first.get_or_insert_with(|| KvLoadError::Store {
+                            batch: Some(self.batch),
+                            layer: Some(layer),
+                            pages: Arc::from(Vec::new()),
+                            kind: StoreFailure::ShortRead,
+                            detail: format!(
+                                "`{}`: short read: {n} of {len} bytes",
+                                comp.keys[page as usize]
+                            ),
+                        });
+                    }
+                    Err(e) => {
+                        failed.push(page);
+                        first.get_or_insert_with(|| {
+                            store_failure(self.batch, Some(layer), Vec::new(), e)
+                        });
+                    }
+                }
+            }
+            if results.len() != gets.len() {
+                return Err(KvLoadError::Store {
+                    batch: Some(self.batch),
+                    layer: Some(layer),
+                    pages: Arc::from(Vec::new()),
+                    kind: StoreFailure::Other,
+                    detail: format!("{} results for {} reads", results.len(), gets.len()),
+                });
+            }
+            if let Some(mut e) = first {
+                if let KvLoadError::Store { pages, .. } = &mut e {
+                    *pages = failed.into();
+                }
+                return Err(e);
+            }
+        }
+        Ok(total)
+    }
+
+    /// Checks that every object holds exactly the bytes the geometry expects.
+    pub(crate) fn verify_sizes(&self) -> Result<(), KvLoadError> {
+        for comp in self.components {
+            let keys: Vec<&str> = comp.keys.iter().map(String::as_str).collect();
+            let expected = comp.layout.object_bytes();
+            for (i, r) in self.store.object_size(&keys).into_iter().enumerate() {
+                match r {
+                    Ok(actual) if actual == expected => {}
+                    Ok(actual) => {
+                        return Err(KvLoadError::InvalidPlan {
+                            batch: self.batch,
+                            reason: PlanError::ObjectSize {
+                                key: keys[i].to_string(),
+                                expected,
+                                actual,
+                            },
+                        })
+                    }
+                    Err(e) => return Err(store_failure(self.batch, None, vec![i as u32], &e)),
+                }
+            }
+        }
+        Ok(())
+    }
+}

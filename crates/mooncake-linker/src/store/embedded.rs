@@ -1,0 +1,456 @@
+//! The embedded store: in-process, thread-safe, byte-bounded with LRU eviction.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use tracing::debug;
+
+use super::{
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
+};
+
+const SHARDS: usize = 16;
+
+struct Entry {
+    data: Arc<[u8]>,
+    last_used: AtomicU64,
+    pins: AtomicU32,
+}
+
+/// An in-process [`KvStore`]: the default of the example and of most tests, with no setup.
+///
+/// Thread-safe (keys spread over 16 lock shards; bytes are copied outside the locks), bounded
+/// by a byte capacity with least-recently-used eviction of unpinned objects, first-write-wins
+/// puts like Mooncake, ranged reads. An object that cannot fit is refused with `NoSpace`.
+///
+/// ```
+/// use mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
+/// let store = EmbeddedStore::new(1 << 20);
+/// let data = [1u8, 2, 3, 4, 5, 6];
+/// let put = ObjectPut { key: "a", parts: [(data.as_ptr(), 6)].into_iter().collect() };
+/// // SAFETY: `data` is valid for reads of 6 bytes for the call.
+/// let written = unsafe { store.put(&[put]) };
+/// assert!(written[0].is_ok());
+/// let mut out = [0u8; 2];
+/// let get = RangedGet {
+///     key: "a",
+///     ranges: [ReadRange { dst: out.as_mut_ptr(), len: 2, offset: 3 }].into_iter().collect(),
+/// };
+/// // SAFETY: `out` is valid for writes of 2 bytes and nothing else touches it.
+/// let got = unsafe { store.get_ranges(&[get]) };
+/// assert_eq!(got[0], Ok(2));
+/// assert_eq!(out, [4, 5]);
+/// ```
+pub struct EmbeddedStore {
+    shards: Vec<RwLock<HashMap<String, Entry>>>,
+    capacity: u64,
+    used: Mutex<u64>,
+    clock: AtomicU64,
+}
+
+fn shard_of(key: &str) -> usize {
+    // FNV-1a: cheap and good enough to spread keys over the shards.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.as_bytes() {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    (h % SHARDS as u64) as usize
+}
+
+impl EmbeddedStore {
+    /// An empty store holding at most `capacity` bytes of objects.
+    pub fn new(capacity: u64) -> Self {
+        EmbeddedStore {
+            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
+            capacity,
+            used: Mutex::new(0),
+            clock: AtomicU64::new(1),
+        }
+    }
+
+    /// Bytes held now.
+    pub fn used_bytes(&self) -> u64 {
+        *self.used.lock()
+    }
+
+    /// Objects held now.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.read().len()).sum()
+    }
+
+    /// True when no object is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn lookup(&self, key: &str) -> Option<Arc<[u8]>> {
+        let shard = self.shards[shard_of(key)].read();
+        let e = shard.get(key)?;
+        e.last_used.store(self.tick(), Ordering::Relaxed);
+        Some(e.data.clone())
+    }
+
+    /// Frees at least `need` bytes by evicting unpinned objects, oldest first. Called with
+    /// `used` locked, so evictions and reservations do not race.
+    fn evict_for(&self, used: &mut u64, need: u64) -> bool {
+        while *used + need > self.capacity {
+            let mut oldest: Option<(u64, usize, String)> = None;
+            for (i, shard) in self.shards.iter().enumerate() {
+                for (k, e) in shard.read().iter() {
+                    if e.pins.load(Ordering::Acquire) > 0 {
+                        continue;
+                    }
+                    let t = e.last_used.load(Ordering::Relaxed);
+                    if oldest.as_ref().is_none_or(|o| t < o.0) {
+                        oldest = Some((t, i, k.clone()));
+                    }
+                }
+            }
+            let Some((_, i, key)) = oldest else {
+                return false;
+            };
+            if let Some(e) = self.shards[i].write().remove(&key) {
+                *used -= e.data.len() as u64;
+                debug!(key, bytes = e.data.len(), "embedded store evicted");
+            }
+        }
+        true
+    }
+
+    fn put_one(&self, put: &ObjectPut<'_>) -> Result<PutOutcome, StoreError> {
+        let len = put.len();
+        if self.shards[shard_of(put.key)].read().contains_key(put.key) {
+            return Ok(PutOutcome::AlreadyPresent);
+        }
+        if len > self.capacity {
+            return Err(StoreError::NoSpace {
+                key: put.key.to_string(),
+                detail: format!(
+                    "object of {len} bytes exceeds the store's capacity of {} bytes",
+                    self.capacity
+                ),
+            });
+        }
+        let mut data = Vec::with_capacity(len as usize);
+        for &(ptr, n) in &put.parts {
+            if n == 0 {
+                continue;
+            }
+            if ptr.is_null() {
+                return Err(StoreError::InvalidArgument {
+                    key: put.key.to_string(),
+                    detail: "null source".into(),
+                });
+            }
+            // SAFETY: the caller of `put` promised each part is valid for reads of `n` bytes
+            // and not written during the call (trait contract).
+            data.extend_from_slice(unsafe { std::slice::from_raw_parts(ptr, n) });
+        }
+        let mut used = self.used.lock();
+        if !self.evict_for(&mut used, len) {
+            return Err(StoreError::NoSpace {
+                key: put.key.to_string(),
+                detail: format!(
+                    "{len} bytes do not fit: {} of {} bytes held, all pinned",
+                    *used, self.capacity
+                ),
+            });
+        }
+        let mut shard = self.shards[shard_of(put.key)].write();
+        if shard.contains_key(put.key) {
+            return Ok(PutOutcome::AlreadyPresent);
+        }
+        *used += len;
+        shard.insert(
+            put.key.to_string(),
+            Entry {
+                data: data.into(),
+                last_used: AtomicU64::new(self.tick()),
+                pins: AtomicU32::new(0),
+            },
+        );
+        Ok(PutOutcome::Written)
+    }
+
+    fn not_found(key: &str) -> StoreError {
+        StoreError::NotFound {
+            key: key.to_string(),
+        }
+    }
+
+    fn pin(&self, keys: &[String], delta: i32) {
+        for k in keys {
+            if let Some(e) = self.shards[shard_of(k)].read().get(k.as_str()) {
+                if delta > 0 {
+                    e.pins.fetch_add(1, Ordering::AcqRel);
+                } else {
+                    // Never below zero, even for a session ended twice.
+                    let _ = e
+                        .pins
+                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| p.checked_sub(1));
+                }
+            }
+        }
+    }
+}
+
+impl KvStore for EmbeddedStore {
+    fn name(&self) -> &str {
+        "embedded"
+    }
+
+    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
+        keys.iter()
+            .map(|k| Ok(self.shards[shard_of(k)].read().contains_key(*k)))
+            .collect()
+    }
+
+    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
+        keys.iter()
+            .map(|k| {
+                self.shards[shard_of(k)]
+                    .read()
+                    .get(*k)
+                    .map(|e| e.data.len() as u64)
+                    .ok_or_else(|| Self::not_found(k))
+            })
+            .collect()
+    }
+
+    unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        gets.iter()
+            .map(|g| {
+                let data = self.lookup(g.key).ok_or_else(|| Self::not_found(g.key))?;
+                if data.len() > g.len || g.dst.is_null() {
+                    return Err(StoreError::InvalidArgument {
+                        key: g.key.to_string(),
+                        detail: format!("object of {} bytes, buffer of {}", data.len(), g.len),
+                    });
+                }
+                // SAFETY: the caller promised `dst` is valid for writes of `g.len` >=
+                // data.len() bytes and not accessed by others; `data` is our own allocation,
+                // so the two cannot overlap.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), g.dst, data.len()) };
+                Ok(data.len() as u64)
+            })
+            .collect()
+    }
+
+    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        gets.iter()
+            .map(|g| {
+                let data = self.lookup(g.key).ok_or_else(|| Self::not_found(g.key))?;
+                let mut done = 0u64;
+                for r in &g.ranges {
+                    let end = r.offset.checked_add(r.len as u64);
+                    if end.is_none_or(|e| e > data.len() as u64) || r.dst.is_null() {
+                        return Err(StoreError::InvalidArgument {
+                            key: g.key.to_string(),
+                            detail: format!(
+                                "range {}+{} outside an object of {} bytes",
+                                r.offset,
+                                r.len,
+                                data.len()
+                            ),
+                        });
+                    }
+                    // SAFETY: the range was checked to lie inside `data`; the caller promised
+                    // `dst` is valid for writes of `r.len` bytes and not accessed by others.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            data.as_ptr().add(r.offset as usize),
+                            r.dst,
+                            r.len,
+                        )
+                    };
+                    done += r.len as u64;
+                }
+                Ok(done)
+            })
+            .collect()
+    }
+
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        puts.iter().map(|p| self.put_one(p)).collect()
+    }
+
+    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        keys.iter()
+            .map(|k| {
+                let removed = self.shards[shard_of(k)].write().remove(*k);
+                let e = removed.ok_or_else(|| Self::not_found(k))?;
+                *self.used.lock() -= e.data.len() as u64;
+                Ok(())
+            })
+            .collect()
+    }
+
+    fn register(&self, _region: MemoryRegion) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn unregister(&self, _region: MemoryRegion) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
+        let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        self.pin(&keys, 1);
+        Ok(ReadSession { keys, lease: None })
+    }
+
+    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
+        self.pin(&session.keys, -1);
+        Ok(())
+    }
+
+    fn health(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::ReadRange;
+
+    fn put(store: &EmbeddedStore, key: &str, data: &[u8]) -> Result<PutOutcome, StoreError> {
+        let p = ObjectPut {
+            key,
+            parts: [(data.as_ptr(), data.len())].into_iter().collect(),
+        };
+        // SAFETY: `data` is a live slice, read-only for the call.
+        unsafe { store.put(&[p]) }.remove(0)
+    }
+
+    fn get(store: &EmbeddedStore, key: &str, n: usize) -> Result<Vec<u8>, StoreError> {
+        let mut out = vec![0u8; n];
+        let g = ObjectGet {
+            key,
+            dst: out.as_mut_ptr(),
+            len: n,
+        };
+        // SAFETY: `out` is ours, n bytes long, untouched during the call.
+        let got = unsafe { store.get_into(&[g]) }.remove(0)?;
+        out.truncate(got as usize);
+        Ok(out)
+    }
+
+    #[test]
+    fn first_write_wins_and_round_trips() {
+        let s = EmbeddedStore::new(1000);
+        assert_eq!(put(&s, "a", &[1, 2, 3]), Ok(PutOutcome::Written));
+        assert_eq!(put(&s, "a", &[9, 9, 9]), Ok(PutOutcome::AlreadyPresent));
+        assert_eq!(get(&s, "a", 10).unwrap(), vec![1, 2, 3]);
+        assert_eq!(s.used_bytes(), 3);
+        assert_eq!(s.exists(&["a", "b"]), vec![Ok(true), Ok(false)]);
+        assert_eq!(s.object_size(&["a"]), vec![Ok(3)]);
+        assert!(matches!(get(&s, "b", 3), Err(StoreError::NotFound { key }) if key == "b"));
+    }
+
+    #[test]
+    fn lru_evicts_oldest_unpinned_and_refuses_what_cannot_fit() {
+        let s = EmbeddedStore::new(30);
+        put(&s, "a", &[0; 10]).unwrap();
+        put(&s, "b", &[0; 10]).unwrap();
+        put(&s, "c", &[0; 10]).unwrap();
+        get(&s, "a", 10).unwrap(); // a is now newer than b
+        put(&s, "d", &[0; 10]).unwrap();
+        assert_eq!(
+            s.exists(&["a", "b", "c", "d"]),
+            vec![Ok(true), Ok(false), Ok(true), Ok(true)]
+        );
+        let err = put(&s, "huge", &[0; 31]).unwrap_err();
+        assert!(matches!(&err, StoreError::NoSpace { key, .. } if key == "huge"));
+        assert!(err.to_string().contains("exceeds the store's capacity"));
+        // Pinned objects are never evicted.
+        let sess = s.start_session(&["a", "c", "d"]).unwrap();
+        assert!(matches!(
+            put(&s, "e", &[0; 10]),
+            Err(StoreError::NoSpace { .. })
+        ));
+        s.end_session(&sess).unwrap();
+        assert_eq!(put(&s, "e", &[0; 10]), Ok(PutOutcome::Written));
+        assert_eq!(s.used_bytes(), 30);
+    }
+
+    #[test]
+    fn ranged_reads_check_bounds() {
+        let s = EmbeddedStore::new(100);
+        put(&s, "o", &(0u8..20).collect::<Vec<_>>()).unwrap();
+        let mut a = [0u8; 4];
+        let mut b = [0u8; 3];
+        let g = RangedGet {
+            key: "o",
+            ranges: [
+                ReadRange {
+                    dst: a.as_mut_ptr(),
+                    len: 4,
+                    offset: 16,
+                },
+                ReadRange {
+                    dst: b.as_mut_ptr(),
+                    len: 3,
+                    offset: 2,
+                },
+            ]
+            .into_iter()
+            .collect(),
+        };
+        // SAFETY: a and b are live, distinct, untouched during the call.
+        assert_eq!(unsafe { s.get_ranges(&[g]) }, vec![Ok(7)]);
+        assert_eq!((a, b), ([16, 17, 18, 19], [2, 3, 4]));
+        let bad = RangedGet {
+            key: "o",
+            ranges: [ReadRange {
+                dst: a.as_mut_ptr(),
+                len: 4,
+                offset: 17,
+            }]
+            .into_iter()
+            .collect(),
+        };
+        // SAFETY: as above.
+        let r = unsafe { s.get_ranges(&[bad]) };
+        assert!(matches!(&r[0], Err(StoreError::InvalidArgument { .. })));
+    }
+
+    #[test]
+    fn remove_frees_space() {
+        let s = EmbeddedStore::new(10);
+        put(&s, "a", &[0; 10]).unwrap();
+        assert_eq!(
+            s.remove(&["a", "a"]),
+            vec![Ok(()), Err(EmbeddedStore::not_found("a"))]
+        );
+        assert_eq!(s.used_bytes(), 0);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn concurrent_readers_and_writers() {
+        let s = Arc::new(EmbeddedStore::new(1 << 20));
+        std::thread::scope(|sc| {
+            for t in 0..4u8 {
+                let s = &s;
+                sc.spawn(move || {
+                    for i in 0..200u32 {
+                        let key = format!("k{}", i % 50);
+                        let _ = put(s, &key, &[t; 64]);
+                        if let Ok(v) = get(s, &key, 64) {
+                            // Whoever wrote first, the object is whole and one writer's.
+                            assert!(v.len() == 64 && v.iter().all(|&x| x == v[0]));
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(s.len(), 50);
+    }
+}

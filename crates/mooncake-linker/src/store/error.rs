@@ -1,0 +1,93 @@
+//! Store errors: one per key, typed, with the key.
+
+use kv_loader::StoreFailure;
+
+/// A failed store operation on one key (or on the whole store).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The object is not in the store.
+    #[error("`{key}`: not found")]
+    NotFound {
+        /// The key.
+        key: String,
+    },
+    /// The store has no room for the object.
+    #[error("`{key}`: no space ({detail})")]
+    NoSpace {
+        /// The key.
+        key: String,
+        /// The store's words.
+        detail: String,
+    },
+    /// Moving the bytes failed.
+    #[error("`{key}`: transfer failed (code {code})")]
+    TransferFailed {
+        /// The key.
+        key: String,
+        /// The store's code.
+        code: i64,
+    },
+    /// A lease could not be taken or ran out.
+    #[error("`{key}`: lease: {detail}")]
+    Lease {
+        /// The key.
+        key: String,
+        /// The store's words.
+        detail: String,
+    },
+    /// An RPC timed out.
+    #[error("`{key}`: RPC timeout")]
+    RpcTimeout {
+        /// The key.
+        key: String,
+    },
+    /// The store refused an argument (bad range, buffer not registered, …).
+    #[error("`{key}`: invalid argument: {detail}")]
+    InvalidArgument {
+        /// The key.
+        key: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The store cannot be reached.
+    #[error("store unavailable: {detail}")]
+    Unavailable {
+        /// What happened.
+        detail: String,
+    },
+    /// Fewer bytes than asked for came back.
+    #[error("`{key}`: short read: {got} of {expected} bytes")]
+    ShortRead {
+        /// The key.
+        key: String,
+        /// Bytes asked for.
+        expected: u64,
+        /// Bytes that came.
+        got: u64,
+    },
+    /// Any other code of the store.
+    #[error("`{key}`: store error code {code}")]
+    Other {
+        /// The key.
+        key: String,
+        /// The store's code.
+        code: i64,
+    },
+}
+
+impl StoreError {
+    /// The kind, as the loader's errors carry it.
+    pub fn failure(&self) -> StoreFailure {
+        match self {
+            StoreError::NotFound { .. } => StoreFailure::NotFound,
+            StoreError::NoSpace { .. } => StoreFailure::NoSpace,
+            StoreError::TransferFailed { .. } => StoreFailure::TransferFailed,
+            StoreError::Lease { .. } => StoreFailure::Lease,
+            StoreError::RpcTimeout { .. } => StoreFailure::RpcTimeout,
+            StoreError::InvalidArgument { .. } => StoreFailure::InvalidArgument,
+            StoreError::Unavailable { .. } => StoreFailure::Unavailable,
+            StoreError::ShortRead { .. } => StoreFailure::ShortRead,
+            StoreError::Other { .. } => StoreFailure::Other,
+        }
+    }
+}

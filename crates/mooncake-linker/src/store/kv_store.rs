@@ -1,0 +1,176 @@
+//! The `KvStore` trait: batched, zero-copy object operations with per-key results.
+
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use super::StoreError;
+
+/// A caller-owned memory region (host now; device memory for stores that can write it).
+///
+/// Plain address and length: the store never keeps it past a call except between
+/// [`KvStore::register`] and [`KvStore::unregister`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MemoryRegion {
+    /// First byte.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// One destination range of a ranged read: `len` bytes at byte `offset` of the object go to
+/// `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadRange {
+    /// Destination address.
+    pub dst: *mut u8,
+    /// Bytes to read.
+    pub len: usize,
+    /// Byte offset inside the object.
+    pub offset: u64,
+}
+
+// SAFETY: a ReadRange is an address and two integers; the store only writes through `dst`
+// inside an `unsafe` read call, whose caller promises (see `KvStore::get_ranges`) that the
+// memory is valid and not accessed by anyone else for the duration of that call, from
+// whichever thread performs it.
+unsafe impl Send for ReadRange {}
+// SAFETY: shared references to a ReadRange only read its fields.
+unsafe impl Sync for ReadRange {}
+
+/// A ranged read of one object: several (destination, length, offset) ranges.
+#[derive(Debug, Clone)]
+pub struct RangedGet<'k> {
+    /// The object's key.
+    pub key: &'k str,
+    /// Ranges of it to read (one per layer read; usually one).
+    pub ranges: SmallVec<[ReadRange; 2]>,
+}
+
+impl RangedGet<'_> {
+    /// Bytes this read asks for.
+    pub fn expected(&self) -> u64 {
+        self.ranges.iter().map(|r| r.len as u64).sum()
+    }
+}
+
+/// A whole-object read into `dst` (capacity `len`).
+#[derive(Debug, Clone, Copy)]
+pub struct ObjectGet<'k> {
+    /// The object's key.
+    pub key: &'k str,
+    /// Destination.
+    pub dst: *mut u8,
+    /// Capacity of the destination.
+    pub len: usize,
+}
+
+// SAFETY: as for ReadRange: plain data, written through only inside an unsafe call whose
+// contract covers the memory.
+unsafe impl Send for ObjectGet<'_> {}
+// SAFETY: shared references only read the fields.
+unsafe impl Sync for ObjectGet<'_> {}
+
+/// A write of one object, gathered from several source pieces in order.
+#[derive(Debug, Clone)]
+pub struct ObjectPut<'k> {
+    /// The object's key.
+    pub key: &'k str,
+    /// Source pieces (address, length); the object is their concatenation.
+    pub parts: SmallVec<[(*const u8, usize); 4]>,
+}
+
+impl ObjectPut<'_> {
+    /// Bytes of the object.
+    pub fn len(&self) -> u64 {
+        self.parts.iter().map(|p| p.1 as u64).sum()
+    }
+
+    /// True for an empty object.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+// SAFETY: plain data, read through only inside an unsafe call whose contract covers it.
+unsafe impl Send for ObjectPut<'_> {}
+// SAFETY: shared references only read the fields.
+unsafe impl Sync for ObjectPut<'_> {}
+
+/// What a put did to one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// The object was written.
+    Written,
+    /// The key existed; the store kept the first write (nothing was written).
+    AlreadyPresent,
+}
+
+/// A pinned set of objects: the store keeps them (no eviction) until the session ends. Long
+/// loads hold one and renew it before the lease runs out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadSession {
+    /// Keys pinned.
+    pub keys: Vec<String>,
+    /// How long the pin lasts without renewal (`None`: until ended).
+    pub lease: Option<Duration>,
+}
+
+/// A KV object store, batched and zero-copy: the linker reads layer slices straight into pool
+/// memory through it. Results are per key, in request order: a batch can partly fail.
+///
+/// # Safety contract for buffers
+/// The read and write calls take raw addresses (host or, for stores that support it, device
+/// memory). They are `unsafe`: the caller promises that for the whole call every destination
+/// range is valid for writes of its length and not read or written by anyone else, every
+/// source range is valid for reads of its length and not written by anyone else, and the
+/// memory is of a kind the store can access (registered with [`KvStore::register`] where the
+/// store needs that). Destinations of one call must not overlap.
+pub trait KvStore: Send + Sync {
+    /// A short name for logs ("embedded", "mooncake").
+    fn name(&self) -> &str;
+
+    /// Whether each key is present.
+    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>>;
+
+    /// Size in bytes of each object.
+    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>>;
+
+    /// Reads whole objects; per key, the bytes read.
+    ///
+    /// # Safety
+    /// See the trait's buffer contract.
+    unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>>;
+
+    /// Reads byte ranges of objects; per key, the bytes read (the sum of its ranges when
+    /// whole; less is a short read and the caller must treat it as a failure).
+    ///
+    /// # Safety
+    /// See the trait's buffer contract.
+    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>>;
+
+    /// Writes objects, first write wins: an existing key is left as it is.
+    ///
+    /// # Safety
+    /// See the trait's buffer contract.
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>>;
+
+    /// Removes objects (a missing key is `NotFound`).
+    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>>;
+
+    /// Registers memory the store will read into or write from (a no-op for stores that do
+    /// not need it).
+    fn register(&self, region: MemoryRegion) -> Result<(), StoreError>;
+
+    /// Undoes [`register`](KvStore::register).
+    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError>;
+
+    /// Pins objects for a multi-step read (renew by calling again before the lease ends).
+    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError>;
+
+    /// Releases a pin.
+    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError>;
+
+    /// Whether the store answers.
+    fn health(&self) -> Result<(), StoreError>;
+}

@@ -1,0 +1,514 @@
+//! The linker end to end on the embedded store: layer-wise loads into scattered slots,
+//! single rank and TP ranks as threads, every failure rule, reset and close.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvlink::kv_device::HostKvPool;
+use kvlink::kv_geometry::{KvGeometry, ModelKvSpec};
+use kvlink::kv_loader::{KvLoadError, KvLoader, LookupRequest, PlanError, StoreFailure};
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, StoreError,
+};
+use kvlink::mooncake_linker::{Linker, LinkerConfig};
+
+fn cfg() -> LinkerConfig {
+    LinkerConfig {
+        namespace: "test".into(),
+        wait_deadline: Duration::from_secs(10),
+        ..LinkerConfig::default()
+    }
+}
+
+struct Rig {
+    spec: ModelKvSpec,
+    faulty: Arc<FaultyStore>,
+    pages: Vec<kvlink::kv_geometry::PageHash>,
+    tokens: Vec<u32>,
+}
+
+fn rig(pages: usize) -> Rig {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let tokens = prompt(7, pages, spec.page_size);
+    let saved = save_prefix(&spec, store.clone(), &tokens, &cfg());
+    Rig {
+        faulty: Arc::new(FaultyStore::new(store)),
+        spec,
+        pages: saved,
+        tokens,
+    }
+}
+
+fn rank_linker(
+    r: &Rig,
+    tp: u32,
+    rank: u32,
+    pool_pages: u32,
+    config: LinkerConfig,
+) -> (Linker, Arc<HostKvPool>) {
+    let g = KvGeometry::new(r.spec.clone(), tp, rank).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), pool_pages).unwrap());
+    let linker = Linker::new(g, r.faulty.clone(), pool.clone(), config).unwrap();
+    (linker, pool)
+}
+
+/// Scattered, reversed slots with gaps: page i goes to slot 3 * (n - i) + 1.
+fn scattered(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 3 * (n as u32 - i) + 1).collect()
+}
+
+#[test]
+fn loads_scattered_slots_layer_by_layer() {
+    let r = rig(5);
+    let (linker, pool) = rank_linker(&r, 1, 0, 32, cfg());
+    let hit = linker
+        .lookup(&LookupRequest {
+            tokens: &r.tokens,
+            skip_pages: 1,
+        })
+        .unwrap();
+    assert_eq!((hit.first_page, hit.pages.len(), hit.tokens), (1, 4, 16));
+    assert_eq!(hit.pages, r.pages[1..]);
+    let slots = scattered(5);
+    let ticket = linker
+        .start_load(load_plan(linker.geometry(), 1, &r.pages, slots.clone()))
+        .unwrap();
+    for l in 0..linker.num_layers() {
+        linker.wait_layer(&ticket, l).unwrap();
+        // Layer l is resident as soon as its wait returns.
+        pool_matches(&pool, &r.pages, &slots, l + 1).unwrap();
+    }
+    let outcome = linker.wait_batch(&ticket).unwrap();
+    let stats = outcome.result.unwrap();
+    let g = linker.geometry();
+    assert_eq!(stats.bytes_read, 5 * g.bytes_per_page());
+    assert!(stats.first_layer <= stats.last_layer);
+    let m = linker.metrics();
+    assert_eq!(m.bytes_read, stats.bytes_read);
+    assert_eq!(m.layer_reads, 6);
+    assert_eq!(m.batches_loaded, 1);
+    assert_eq!(m.pages_hit, 4);
+    // The ticket is spent.
+    assert!(matches!(
+        linker.wait_layer(&ticket, 0),
+        Err(KvLoadError::StaleTicket { .. })
+    ));
+}
+
+#[test]
+fn tp_ranks_as_threads_each_load_their_own_slots() {
+    let r = rig(6);
+    std::thread::scope(|s| {
+        for rank in 0..4u32 {
+            let r = &r;
+            s.spawn(move || {
+                let (linker, pool) = rank_linker(r, 4, rank, 40, cfg());
+                // Each rank allocates different slots.
+                let slots: Vec<u32> = (0..6).map(|i| (i * 5 + rank * 3) % 40).collect();
+                let t = linker
+                    .start_load(load_plan(linker.geometry(), 1, &r.pages, slots.clone()))
+                    .unwrap();
+                wait_all(&linker, &t).unwrap();
+                linker.wait_batch(&t).unwrap().result.unwrap();
+                pool_matches(&pool, &r.pages, &slots, 6).unwrap();
+            });
+        }
+    });
+}
+
+#[test]
+fn bad_plans_are_refused_before_any_io() {
+    let r = rig(3);
+    let (linker, _pool) = rank_linker(&r, 1, 0, 8, cfg());
+    let g = linker.geometry().clone();
+    let before = linker.metrics();
+    let dup = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![1, 2, 1]))
+        .unwrap_err();
+    assert!(matches!(
+        dup,
+        KvLoadError::InvalidPlan {
+            reason: PlanError::DuplicateSlot {
+                slot: 1,
+                first: 0,
+                second: 2
+            },
+            ..
+        }
+    ));
+    let out = linker
+        .start_load(load_plan(&g, 2, &r.pages, vec![1, 2, 8]))
+        .unwrap_err();
+    assert!(matches!(
+        out,
+        KvLoadError::InvalidPlan {
+            reason: PlanError::SlotOutOfPool { slot: 8, .. },
+            ..
+        }
+    ));
+    let count = linker
+        .start_load(load_plan(&g, 3, &r.pages, vec![1, 2]))
+        .unwrap_err();
+    assert!(matches!(
+        count,
+        KvLoadError::InvalidPlan {
+            reason: PlanError::SlotCount { .. },
+            ..
+        }
+    ));
+    assert!(!dup.is_retryable());
+    assert_eq!(linker.metrics(), before, "no I/O for refused plans");
+}
+
+#[test]
+fn object_size_mismatch_is_a_typed_error() {
+    // The store holds the small model; a geometry with another KV row size must not load it.
+    let r = rig(2);
+    let mut spec = r.spec.clone();
+    spec.components[0].row_bytes = 48;
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 4).unwrap());
+    let linker = Linker::new(g.clone(), r.faulty.clone(), pool, cfg()).unwrap();
+    let t = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1]))
+        .unwrap();
+    let err = linker.wait_layer(&t, 0).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            KvLoadError::InvalidPlan {
+                reason: PlanError::ObjectSize {
+                    expected: 1152,
+                    actual: 960,
+                    ..
+                },
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+fn failing_load(r: &Rig, layer: u32, fault: Fault) -> (KvLoadError, Linker, Arc<HostKvPool>) {
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let offset = g
+        .component_by_name("k")
+        .unwrap()
+        .layer_range(layer)
+        .unwrap()
+        .start;
+    r.faulty.inject(
+        FaultRule {
+            key_contains: Some(format!("{}_cp0", r.pages[1])),
+            offset: Some(offset),
+            times: Some(1),
+        },
+        fault,
+    );
+    let (linker, pool) = rank_linker(r, 1, 0, 16, cfg());
+    let slots = scattered(r.pages.len());
+    let t = linker
+        .start_load(load_plan(&g, 1, &r.pages, slots.clone()))
+        .unwrap();
+    // Layers before the failure are ready and right; the failed layer and all after it fail.
+    for l in 0..layer {
+        linker.wait_layer(&t, l).unwrap();
+    }
+    pool_matches(&pool, &r.pages, &slots, layer).unwrap();
+    let err = linker.wait_layer(&t, layer).unwrap_err();
+    for l in layer..linker.num_layers() {
+        assert_eq!(
+            linker.wait_layer(&t, l).unwrap_err().to_string(),
+            err.to_string()
+        );
+    }
+    let outcome = linker.wait_batch(&t).unwrap();
+    assert_eq!(outcome.result.unwrap_err().to_string(), err.to_string());
+    r.faulty.clear();
+    // A later batch on the same linker works.
+    let t2 = linker
+        .start_load(load_plan(&g, 2, &r.pages, slots.clone()))
+        .unwrap();
+    wait_all(&linker, &t2).unwrap();
+    linker.wait_batch(&t2).unwrap().result.unwrap();
+    pool_matches(&pool, &r.pages, &slots, 6).unwrap();
+    (err, linker, pool)
+}
+
+#[test]
+fn failed_read_at_first_middle_and_last_layer_fails_the_batch() {
+    for layer in [0, 3, 5] {
+        let r = rig(3);
+        let fault = Fault::Error(StoreError::TransferFailed {
+            key: "injected".into(),
+            code: -800,
+        });
+        let (err, linker, _) = failing_load(&r, layer, fault);
+        match &err {
+            KvLoadError::Store {
+                batch,
+                layer: Some(l),
+                pages,
+                kind: StoreFailure::TransferFailed,
+                ..
+            } => {
+                assert_eq!(*batch, Some(kvlink::kv_loader::BatchId(1)));
+                assert_eq!(*l, layer);
+                assert_eq!(&pages[..], &[1]);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(err.is_retryable());
+        let m = linker.metrics();
+        assert_eq!((m.batches_failed, m.batches_loaded), (1, 1));
+        assert_eq!(m.failures.get("store_transfer"), Some(&1));
+    }
+}
+
+#[test]
+fn short_read_fails_the_batch() {
+    let r = rig(3);
+    let (err, _, _) = failing_load(&r, 2, Fault::Short);
+    assert!(
+        matches!(
+            &err,
+            KvLoadError::Store {
+                kind: StoreFailure::ShortRead,
+                layer: Some(2),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("short read"));
+}
+
+#[test]
+fn slow_read_times_out_the_batch() {
+    let r = rig(3);
+    let config = LinkerConfig {
+        layer_read_timeout: Duration::from_millis(50),
+        ..cfg()
+    };
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let offset = g
+        .component_by_name("k")
+        .unwrap()
+        .layer_range(4)
+        .unwrap()
+        .start;
+    r.faulty.inject(
+        FaultRule {
+            offset: Some(offset),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Delay(Duration::from_millis(200)),
+    );
+    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
+    let t = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    let err = wait_all(&linker, &t).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            KvLoadError::Store {
+                kind: StoreFailure::RpcTimeout,
+                layer: Some(4),
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_wait_never_outlives_its_deadline() {
+    let r = rig(3);
+    let config = LinkerConfig {
+        wait_deadline: Duration::from_millis(100),
+        ..cfg()
+    };
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    r.faulty.inject(
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Delay(Duration::from_millis(600)),
+    );
+    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
+    let t = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    let t0 = Instant::now();
+    let err = linker.wait_layer(&t, 0).unwrap_err();
+    assert!(
+        matches!(err, KvLoadError::Timeout { layer: 0, .. }),
+        "{err}"
+    );
+    assert!(t0.elapsed() < Duration::from_millis(500));
+    assert!(matches!(
+        linker.wait_batch(&t),
+        Err(KvLoadError::Timeout { .. })
+    ));
+    // Once the slow read is over the batch completes.
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(linker.completed().iter().any(|o| o.result.is_ok()));
+}
+
+#[test]
+fn missing_object_fails_with_not_found() {
+    let r = rig(3);
+    let (linker, _pool) = rank_linker(&r, 1, 0, 16, cfg());
+    let g = linker.geometry().clone();
+    let keys = linker
+        .object_keys(&load_plan(&g, 9, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    let removed = r.faulty.remove(&[keys[1][2].as_str()]);
+    assert!(removed[0].is_ok());
+    let t = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    let err = wait_all(&linker, &t).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            KvLoadError::Store {
+                kind: StoreFailure::NotFound,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(!err.is_retryable());
+}
+
+#[test]
+fn reset_during_a_load_cancels_it_and_the_linker_goes_on() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    r.faulty.inject(
+        FaultRule::default(),
+        Fault::Delay(Duration::from_millis(30)),
+    );
+    let (linker, pool) = rank_linker(&r, 1, 0, 16, cfg());
+    let t = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    let queued = linker
+        .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))
+        .unwrap();
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| linker.wait_layer(&t, 5));
+        std::thread::sleep(Duration::from_millis(60));
+        linker.reset().unwrap();
+        let res = waiter.join().unwrap();
+        assert!(
+            matches!(
+                res,
+                Err(KvLoadError::Cancelled { .. }) | Err(KvLoadError::StaleTicket { .. })
+            ),
+            "{res:?}"
+        );
+    });
+    // After reset nothing is in flight: both batches ended cancelled.
+    let outcomes = linker.completed();
+    assert_eq!(outcomes.len(), 2);
+    assert!(outcomes
+        .iter()
+        .all(|o| matches!(o.result, Err(KvLoadError::Cancelled { .. }))));
+    assert!(matches!(
+        linker.wait_layer(&queued, 0),
+        Err(KvLoadError::StaleTicket { .. })
+    ));
+    r.faulty.clear();
+    let t = linker
+        .start_load(load_plan(&g, 3, &r.pages, vec![7, 8, 9]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    pool_matches(&pool, &r.pages, &[7, 8, 9], 6).unwrap();
+}
+
+#[test]
+fn close_with_loads_in_flight_leaves_no_thread() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    r.faulty.inject(
+        FaultRule::default(),
+        Fault::Delay(Duration::from_millis(20)),
+    );
+    let before = threads_named("kvlink-load-r5");
+    let (linker, _pool) = rank_linker(&r, 8, 5, 16, cfg());
+    // The thread names itself as it starts.
+    let t0 = Instant::now();
+    while threads_named("kvlink-load-r5") == before && t0.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(threads_named("kvlink-load-r5"), before + 1);
+    let mut tickets = Vec::new();
+    for b in 0..3 {
+        let slots = (0..3).map(|i| b * 3 + i).collect();
+        tickets.push(
+            linker
+                .start_load(load_plan(&g, u64::from(b) + 1, &r.pages, slots))
+                .unwrap(),
+        );
+    }
+    linker.close().unwrap();
+    assert_eq!(
+        threads_named("kvlink-load-r5"),
+        before,
+        "the load thread has exited"
+    );
+    assert!(matches!(
+        linker.start_load(load_plan(&g, 9, &r.pages, vec![0, 1, 2])),
+        Err(KvLoadError::Closed)
+    ));
+    assert!(matches!(
+        linker.wait_layer(&tickets[0], 0),
+        Err(KvLoadError::StaleTicket { .. })
+    ));
+    assert!(linker.close().is_ok(), "close twice is fine");
+}
+
+#[test]
+fn save_skips_present_pages_and_only_rank0_writes_replicated() {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let tokens = prompt(3, 4, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &cfg());
+    // Saving again writes nothing.
+    let g = KvGeometry::new(spec.clone(), 2, 1).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 4).unwrap());
+    let linker = Linker::new(g.clone(), store.clone(), pool, cfg()).unwrap();
+    let report = linker
+        .save(&load_plan(&g, 1, &pages, vec![0, 1, 2, 3]))
+        .unwrap();
+    assert_eq!(report.objects_written, 0);
+    assert_eq!(
+        report.objects_not_owned, 8,
+        "rank 1 does not write replicated objects"
+    );
+    // A sharded model: every rank writes its own part.
+    let llama = ModelKvSpec::llama3_70b();
+    let mut small = llama.clone();
+    small.num_layers = 2;
+    small.page_size = 2;
+    for rank in 0..2 {
+        let g = KvGeometry::new(small.clone(), 2, rank).unwrap();
+        let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+        let linker = Linker::new(g.clone(), store.clone(), pool, cfg()).unwrap();
+        let pages = kvlink::kv_geometry::page_hashes(&[1, 2, 3, 4], 2, None);
+        let report = linker.save(&load_plan(&g, 1, &pages, vec![0, 1])).unwrap();
+        assert_eq!((report.objects_written, report.objects_not_owned), (4, 0));
+        // 4 objects of 2 layers x 2 tokens x 1024 B (4 of 8 heads x 128 x bf16).
+        assert_eq!(report.bytes_written, 4 * 2 * 2 * 1024);
+    }
+}
