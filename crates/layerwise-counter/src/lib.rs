@@ -54,10 +54,12 @@
 //!
 //! # Cost
 //! The slot table is allocated by the constructor; `begin` allocates only to grow a slot's
-//! layer bit set. A `wait`/`is_ready`/`ready_layers` on a ready layer reads three atomics
-//! (generation, prefix, generation again, seqlock-style) and takes no lock, allocates
-//! nothing and does not read the clock. The slow path blocks on the slot's parking_lot
-//! `Condvar` with `wait_until(deadline)`.
+//! layer bit set. A `wait`/`is_ready`/`ready_layers` on a ready layer reads four atomics
+//! of its slot (generation, layer count, ready prefix, then the generation again,
+//! seqlock-style, so a recycled slot is never read as the old batch) and takes no lock,
+//! allocates nothing and does not read the clock (about 8 ns, `docs/benchmarks.md`). The
+//! slow path blocks on the slot's parking_lot `Condvar` with `wait_until(deadline)`;
+//! writers notify it after dropping the slot lock.
 //!
 //! # Concurrency checks
 //! Both: `tests/loom.rs` runs small models under [loom](https://docs.rs/loom) (built with
