@@ -1,1 +1,60 @@
-//! How TP ranks share replicated KV: the Collective trait, the plan gate, rank-0 layer broadcast, split read and all-gather, mode choice.
+//! How the TP ranks of a group share replicated KV (MLA latent, DSA KV and indexer): each byte
+//! is read from the store once and moved between ranks over the fabric.
+//!
+//! The building blocks, one idea per module:
+//! - [`Collective`]: a TP group's collective operations (broadcast, all-gather, small host
+//!   values), issued in the same order on every rank, each bounded by a deadline.
+//!   [`InProcessGroup`] implements it for ranks that are threads of one process; an NCCL
+//!   implementation over device buffers comes with the CUDA backend.
+//! - The plan gate ([`plan_digest`], [`check_plan`]): every rank checks that all ranks hold the
+//!   same logical plan before a batch shares anything; any difference and that batch falls
+//!   back to every rank reading its own copy.
+//! - Shares and staging ([`page_shares`], [`padded_share`], [`StagingLayout`]): which pages a
+//!   rank reads, and where each page's rows of a layer sit in the staging buffer that is
+//!   broadcast (`Rank0Broadcast`) or all-gathered (`SplitAllGather`).
+//! - The status exchange ([`LayerStatus`], [`GroupStatus`]): after every layer every rank
+//!   all-gathers a status word, so a failure anywhere fails the batch on every rank, alike.
+//! - Mode choice ([`ModeChoice`], [`choose_mode`]): fixed, or from measured bandwidths.
+//!
+//! Two ranks as threads, rank 0 broadcasting a layer's bytes:
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use dedup_broadcast::{broadcast_slice, Collective, InProcessGroup};
+//!
+//! let ranks = InProcessGroup::new(2);
+//! let deadline = Instant::now() + Duration::from_secs(10);
+//! let results: Vec<Vec<u8>> = std::thread::scope(|s| {
+//!     let handles: Vec<_> = ranks
+//!         .iter()
+//!         .map(|coll| {
+//!             s.spawn(move || {
+//!                 let mut layer = if coll.rank() == 0 { vec![7u8; 4096] } else { vec![0u8; 4096] };
+//!                 broadcast_slice(coll, &mut layer, 0, deadline).unwrap();
+//!                 layer
+//!             })
+//!         })
+//!         .collect();
+//!     handles.into_iter().map(|h| h.join().unwrap()).collect()
+//! });
+//! assert!(results.iter().all(|layer| layer == &vec![7u8; 4096]));
+//! ```
+
+mod collective;
+mod gate;
+mod in_process;
+mod mode;
+mod share;
+mod status;
+
+pub use collective::{
+    all_gather_in_place, all_gather_slices, broadcast_slice, Buffer, Collective, CollectiveError,
+};
+pub use gate::{check_digest, check_plan, plan_digest, GateVerdict, PLAN_DIGEST_SEED};
+pub use in_process::{InProcessCollective, InProcessGroup};
+pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};
+pub use share::{padded_share, page_shares, ShareError, StagedComponent, StagedRow, StagingLayout};
+pub use status::{
+    code_name, exchange_status, fail_code, GroupStatus, LayerStatus, CODE_LAYER_MISMATCH,
+    CODE_MALFORMED, CODE_OTHER,
+};

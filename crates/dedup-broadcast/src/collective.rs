@@ -1,0 +1,316 @@
+//! The [`Collective`] trait: a TP group's collective operations over raw memory regions.
+//!
+//! Every rank of the group issues the same operations, in the same order (NCCL's rule). The
+//! n-th operation a rank issues is matched with the n-th operation of every other rank; each
+//! rank numbers its operations (its *sequence number*, starting at 0), and errors carry it.
+
+use std::time::Instant;
+
+use kv_device::Residence;
+
+/// A caller-owned memory region: `len` bytes at `addr`, living where `residence` says.
+///
+/// The collective never owns the memory; the `unsafe` methods of [`Collective`] state what
+/// the caller guarantees about it. A zero-length buffer may have any address (it is never
+/// dereferenced).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Buffer {
+    /// First byte.
+    pub addr: usize,
+    /// Bytes.
+    pub len: usize,
+    /// Host memory or memory of one GPU. An implementation refuses (with
+    /// [`CollectiveError::InvalidArgument`]) a residence it cannot move.
+    pub residence: Residence,
+}
+
+impl Buffer {
+    /// A region of host memory.
+    pub fn host(addr: usize, len: usize) -> Self {
+        Buffer {
+            addr,
+            len,
+            residence: Residence::Host,
+        }
+    }
+
+    /// A region of the memory of GPU `ordinal`.
+    pub fn device(ordinal: u32, addr: usize, len: usize) -> Self {
+        Buffer {
+            addr,
+            len,
+            residence: Residence::Device { ordinal },
+        }
+    }
+
+    /// The host slice `bytes` (its address and length).
+    pub fn of_slice(bytes: &[u8]) -> Self {
+        Buffer::host(bytes.as_ptr() as usize, bytes.len())
+    }
+
+    /// One past the last byte (saturating).
+    pub fn end(&self) -> usize {
+        self.addr.saturating_add(self.len)
+    }
+
+    /// True when the two regions share at least one byte.
+    pub fn overlaps(&self, other: &Buffer) -> bool {
+        self.len > 0 && other.len > 0 && self.addr < other.end() && other.addr < self.end()
+    }
+}
+
+/// Why a collective operation did not complete.
+///
+/// Every variant names the operation (`op`) and the sequence number (`seq`) of the rank that
+/// reports it. Implementations that can decide an operation's fate for the whole group (the
+/// in-process one does) give every rank that takes part the same variant.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CollectiveError {
+    /// A participant's deadline passed before every rank had arrived; `missing` are the ranks
+    /// that had not arrived by then.
+    #[error("{op} #{seq}: timed out waiting for ranks {missing:?}")]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// Ranks that had not issued it.
+        missing: Vec<u32>,
+    },
+    /// The group had given this operation up before this rank issued it (this rank arrived
+    /// late, after another rank's deadline or a failure); `missing` are the ranks that had not
+    /// arrived when it was given up (this rank among them), `cause` why.
+    #[error("{op} #{seq}: given up before this rank arrived ({cause}); missing ranks {missing:?}")]
+    Aborted {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// Ranks that had not arrived when it was given up.
+        missing: Vec<u32>,
+        /// Why the group gave it up.
+        cause: String,
+    },
+    /// A rank's handle was dropped (its thread ended) before it issued this operation.
+    #[error("{op} #{seq}: ranks {gone:?} have left the group")]
+    RankGone {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// Ranks that left.
+        gone: Vec<u32>,
+    },
+    /// A rank issued the same operation with a different length than the first rank to arrive.
+    #[error("{op} #{seq}: rank {rank} gave {got} bytes, rank {first} gave {expected}")]
+    SizeMismatch {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// The rank whose length differs.
+        rank: u32,
+        /// Length of the first rank to arrive.
+        expected: usize,
+        /// Length of `rank`.
+        got: usize,
+        /// The first rank to arrive.
+        first: u32,
+    },
+    /// Ranks issued different operations (or a different root) at the same sequence number:
+    /// the group's sequences have diverged.
+    #[error("{op} #{seq}: rank {rank} issued {detail}")]
+    Mismatch {
+        /// The operation (as the first rank to arrive issued it).
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// The rank that differs.
+        rank: u32,
+        /// What it issued instead.
+        detail: String,
+    },
+    /// A rank passed arguments the operation cannot take (lengths, root, residence, overlap).
+    #[error("{op} #{seq}: rank {rank}: {reason}")]
+    InvalidArgument {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// The rank with the bad arguments.
+        rank: u32,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The transport failed (e.g. an NCCL error).
+    #[error("collective backend: {0}")]
+    Backend(String),
+}
+
+impl CollectiveError {
+    /// The operation's sequence number, where the error names one.
+    pub fn seq(&self) -> Option<u64> {
+        match self {
+            CollectiveError::Timeout { seq, .. }
+            | CollectiveError::Aborted { seq, .. }
+            | CollectiveError::RankGone { seq, .. }
+            | CollectiveError::SizeMismatch { seq, .. }
+            | CollectiveError::Mismatch { seq, .. }
+            | CollectiveError::InvalidArgument { seq, .. } => Some(*seq),
+            CollectiveError::Backend(_) => None,
+        }
+    }
+}
+
+impl From<CollectiveError> for kv_loader::KvLoadError {
+    fn from(e: CollectiveError) -> Self {
+        kv_loader::KvLoadError::Collective {
+            batch: None,
+            detail: e.to_string(),
+        }
+    }
+}
+
+/// The collective operations of one rank of a TP group.
+///
+/// **Ordering.** Every rank issues the same operations with matching arguments (same kind,
+/// same root, same lengths) in the same order; the n-th call on one rank's handle meets the
+/// n-th call on every other's. Calls on one handle must not overlap in time.
+///
+/// **Deadlines.** No call waits past its `deadline` for a rank that has not arrived: it
+/// returns [`CollectiveError::Timeout`] naming the missing ranks. (It may still wait,
+/// briefly, for peers that are in the middle of copying from or to its memory: that wait is
+/// bounded by the copy, not by another rank's progress.)
+///
+/// **Memory (the `unsafe` methods).** The caller guarantees, for the whole call:
+/// - every [`Buffer`] is valid for reads (what is sent) or writes (what receives) of its
+///   `len` bytes, in the memory its `residence` names, and stays allocated until the call
+///   returns, `Ok` or `Err`;
+/// - nothing else touches a receiving region during the call, nor writes a sending region
+///   (no other thread, no device work in flight);
+/// - the regions of different ranks do not overlap one another (each rank has its own);
+/// - within one call, regions relate only as the method allows (see `all_gather`).
+///
+/// On `Ok`, receiving regions hold the result and sending regions are no longer read, so
+/// the caller may reuse them at once. On `Err`, receiving regions hold unspecified bytes
+/// (never used as data: the operation failed on every rank that got the error).
+/// An implementation over device memory (NCCL) documents how its completion relates to
+/// device streams.
+pub trait Collective: Send + Sync {
+    /// This rank, `0..size()`.
+    fn rank(&self) -> u32;
+
+    /// Ranks in the group.
+    fn size(&self) -> u32;
+
+    /// Copies root's `buf` into every other rank's `buf`. Same `len` on every rank.
+    ///
+    /// # Safety
+    /// See the trait's memory rules: on the root, `buf` is read; on every other rank it is
+    /// written.
+    unsafe fn broadcast(
+        &self,
+        buf: Buffer,
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError>;
+
+    /// Each rank contributes `send` (`n` bytes, the same `n` on every rank); `recv`
+    /// (`size() * n` bytes) receives every rank's contribution in rank order, rank `r`'s at
+    /// `recv[r*n .. (r+1)*n]`.
+    ///
+    /// # Safety
+    /// See the trait's memory rules. `send` is read and `recv` written; `send` is either
+    /// disjoint from `recv` or exactly `recv[rank*n .. (rank+1)*n]` (in place, as NCCL
+    /// allows); no other overlap.
+    unsafe fn all_gather(
+        &self,
+        send: Buffer,
+        recv: Buffer,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError>;
+
+    /// Every rank gets every rank's `value`, in rank order.
+    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError>;
+
+    /// Every rank gets every rank's `value` (the same length on every rank), in rank order.
+    fn all_gather_bytes(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError>;
+
+    /// The minimum of every rank's `value` (lookups: the loadable prefix; verdicts).
+    fn all_reduce_min_u64(&self, value: u64, deadline: Instant) -> Result<u64, CollectiveError> {
+        let all = self.all_gather_u64(value, deadline)?;
+        Ok(all.into_iter().min().unwrap_or(value))
+    }
+}
+
+/// [`Collective::broadcast`] of a host slice: the root sends `buf`, every other rank receives
+/// into it.
+///
+/// Safe: the exclusive borrow makes `buf` this call's alone, and the buffer is marked
+/// [`Residence::Host`], which an implementation that moves device memory only refuses.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use dedup_broadcast::{broadcast_slice, InProcessGroup};
+/// let ranks = InProcessGroup::new(1);
+/// let mut buf = *b"hello";
+/// let deadline = Instant::now() + Duration::from_secs(5);
+/// broadcast_slice(&ranks[0], &mut buf, 0, deadline).unwrap();
+/// assert_eq!(&buf, b"hello");
+/// ```
+pub fn broadcast_slice(
+    coll: &dyn Collective,
+    buf: &mut [u8],
+    root: u32,
+    deadline: Instant,
+) -> Result<(), CollectiveError> {
+    let b = Buffer::host(buf.as_mut_ptr() as usize, buf.len());
+    // SAFETY: `buf` is exclusively borrowed for the whole call, so it is valid for reads and
+    // writes of its length and nothing else touches it; another rank's `&mut` slice cannot
+    // alias it; and it is truthfully marked as host memory.
+    unsafe { coll.broadcast(b, root, deadline) }
+}
+
+/// [`Collective::all_gather`] of host slices: `recv` (`size() * send.len()` bytes) gets every
+/// rank's `send` in rank order.
+///
+/// Safe for the same reasons as [`broadcast_slice`]; `send` and `recv` are disjoint because
+/// one is shared-borrowed and the other exclusively borrowed.
+pub fn all_gather_slices(
+    coll: &dyn Collective,
+    send: &[u8],
+    recv: &mut [u8],
+    deadline: Instant,
+) -> Result<(), CollectiveError> {
+    let s = Buffer::of_slice(send);
+    let r = Buffer::host(recv.as_mut_ptr() as usize, recv.len());
+    // SAFETY: `send` is borrowed (no writer exists during the call) and `recv` exclusively
+    // borrowed, so they are valid, disjoint and untouched by anything else for the call; both
+    // are host memory, as marked.
+    unsafe { coll.all_gather(s, r, deadline) }
+}
+
+/// In-place [`Collective::all_gather`] of a host slice: this rank's contribution is already at
+/// `buf[rank*n .. (rank+1)*n]` with `n = buf.len() / size()`; on return `buf` holds every
+/// rank's.
+pub fn all_gather_in_place(
+    coll: &dyn Collective,
+    buf: &mut [u8],
+    deadline: Instant,
+) -> Result<(), CollectiveError> {
+    let size = coll.size().max(1) as usize;
+    let n = buf.len() / size;
+    let base = buf.as_mut_ptr() as usize;
+    let send = Buffer::host(base + coll.rank() as usize * n, n);
+    let recv = Buffer::host(base, buf.len());
+    // SAFETY: `buf` is exclusively borrowed for the call (valid, untouched by anything else,
+    // host memory). `send` is exactly recv[rank*n..(rank+1)*n] when `buf.len()` is a multiple
+    // of `size()` and rank < size; otherwise the implementation refuses the lengths or the
+    // overlap before touching memory, and `send` still lies inside `buf` because
+    // rank*n + n <= size*n <= buf.len() for any rank < size.
+    unsafe { coll.all_gather(send, recv, deadline) }
+}

@@ -1,0 +1,163 @@
+//! The plan gate: digest of the canonical encoding; the same verdict on every rank.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dedup_broadcast::{check_plan, plan_digest, GateVerdict, InProcessGroup};
+use kv_geometry::{ComponentId, PageHash};
+use kv_loader::{BatchId, LogicalPlan, RequestPages};
+use proptest::prelude::*;
+
+fn page(i: u32) -> PageHash {
+    let mut h = [0u8; 32];
+    h[..4].copy_from_slice(&i.to_le_bytes());
+    PageHash(h)
+}
+
+fn plan(batch: u64, requests: &[(&str, &[u32])], components: &[u16]) -> LogicalPlan {
+    LogicalPlan {
+        batch: BatchId(batch),
+        requests: requests
+            .iter()
+            .map(|(id, pages)| RequestPages {
+                request: (*id).into(),
+                pages: pages.iter().map(|&p| page(p)).collect(),
+            })
+            .collect(),
+        components: components.iter().map(|&c| ComponentId(c)).collect(),
+    }
+}
+
+#[test]
+fn digest_sees_every_part_of_the_plan() {
+    let base = plan(1, &[("a", &[1, 2]), ("b", &[3])], &[0, 1]);
+    let variants = [
+        plan(2, &[("a", &[1, 2]), ("b", &[3])], &[0, 1]), // batch
+        plan(1, &[("a", &[1, 2]), ("c", &[3])], &[0, 1]), // request id
+        plan(1, &[("a", &[1, 4]), ("b", &[3])], &[0, 1]), // a page
+        plan(1, &[("a", &[2, 1]), ("b", &[3])], &[0, 1]), // page order
+        plan(1, &[("b", &[3]), ("a", &[1, 2])], &[0, 1]), // request order
+        plan(1, &[("a", &[1]), ("b", &[2, 3])], &[0, 1]), // where pages split
+        plan(1, &[("a", &[1, 2]), ("b", &[3])], &[0]),    // components
+        plan(1, &[("a", &[1, 2]), ("b", &[3]), ("c", &[])], &[0, 1]), // an empty request
+        plan(1, &[], &[0, 1]),                            // empty
+    ];
+    let d = plan_digest(&base);
+    assert_eq!(d, plan_digest(&base.clone()));
+    for (i, v) in variants.iter().enumerate() {
+        assert_ne!(plan_digest(v), d, "variant {i}");
+    }
+}
+
+#[test]
+fn digest_of_a_512k_token_plan_in_several_requests() {
+    // 8192 pages of 32 B in 4 requests: the digest is stable and the whole encoding counts.
+    let reqs: Vec<RequestPages> = (0..4u32)
+        .map(|r| RequestPages {
+            request: kv_loader::RequestId(format!("req-{r}")),
+            pages: (0..2048).map(|i| page(r * 2048 + i)).collect(),
+        })
+        .collect();
+    let mut p = LogicalPlan {
+        batch: BatchId(9),
+        requests: reqs,
+        components: vec![ComponentId(0), ComponentId(1)],
+    };
+    let d = plan_digest(&p);
+    assert_eq!(d, plan_digest(&p.clone()));
+    p.requests[3].pages[2047].0[31] ^= 1; // last byte of the encoding
+    assert_ne!(plan_digest(&p), d);
+}
+
+fn gate_on_group(plans: Vec<LogicalPlan>) -> Vec<GateVerdict> {
+    let ranks = InProcessGroup::new(plans.len() as u32);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .zip(&plans)
+            .map(|(c, p)| s.spawn(move || check_plan(c, p, deadline).unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn every_rank_gets_the_same_verdict() {
+    let a = plan(5, &[("a", &[1, 2, 3])], &[0]);
+    let b = plan(5, &[("a", &[1, 2])], &[0]);
+    let agreed = gate_on_group(vec![a.clone(); 4]);
+    assert!(agreed.iter().all(|v| *v == GateVerdict::Agreed));
+
+    let mixed = gate_on_group(vec![a.clone(), b.clone(), a.clone(), b.clone()]);
+    assert!(mixed.iter().all(|v| *v
+        == GateVerdict::Mismatch {
+            differing: vec![1, 3]
+        }));
+
+    let rank0_odd = gate_on_group(vec![b.clone(), a.clone(), a.clone()]);
+    assert!(rank0_odd.iter().all(|v| *v
+        == GateVerdict::Mismatch {
+            differing: vec![1, 2]
+        }));
+}
+
+#[test]
+fn empty_plans_pass_the_gate_and_an_empty_rank_does_not() {
+    let empty = plan(6, &[], &[0]);
+    assert!(gate_on_group(vec![empty.clone(); 3])
+        .iter()
+        .all(GateVerdict::agreed));
+    let full = plan(6, &[("a", &[1])], &[0]);
+    let v = gate_on_group(vec![full.clone(), empty, full]);
+    assert!(v
+        .iter()
+        .all(|v| *v == GateVerdict::Mismatch { differing: vec![1] }));
+}
+
+fn arb_plan() -> impl Strategy<Value = LogicalPlan> {
+    (
+        0u64..4,
+        prop::collection::vec(("[a-c]{0,2}", prop::collection::vec(0u32..6, 0..4)), 0..4),
+        prop::collection::btree_set(0u16..3, 0..3),
+    )
+        .prop_map(|(batch, reqs, comps)| LogicalPlan {
+            batch: BatchId(batch),
+            requests: reqs
+                .into_iter()
+                .map(|(id, pages)| RequestPages {
+                    request: id.as_str().into(),
+                    pages: pages.into_iter().map(page).collect(),
+                })
+                .collect(),
+            components: comps.into_iter().map(ComponentId).collect(),
+        })
+}
+
+proptest! {
+    #[test]
+    fn digests_are_equal_exactly_when_plans_are(a in arb_plan(), b in arb_plan()) {
+        prop_assert_eq!(plan_digest(&a) == plan_digest(&b), a == b);
+    }
+}
+
+#[test]
+fn digest_is_xxh3_128_of_the_canonical_bytes_whatever_the_piece_sizes() {
+    // Pieces that straddle, exactly fill and exceed the internal 4 KiB block.
+    for id_len in [0usize, 1, 4059, 4060, 4061, 4096, 10_000] {
+        let mut p = plan(3, &[("a", &[1, 2, 3])], &[0, 2]);
+        p.requests.push(RequestPages {
+            request: kv_loader::RequestId("x".repeat(id_len)),
+            pages: (0..200).map(page).collect(),
+        });
+        let expected = xxhash_rust::xxh3::xxh3_128_with_seed(
+            &p.canonical_bytes(),
+            dedup_broadcast::PLAN_DIGEST_SEED,
+        );
+        assert_eq!(
+            plan_digest(&p),
+            expected.to_le_bytes(),
+            "id of {id_len} bytes"
+        );
+    }
+}

@@ -1,0 +1,467 @@
+//! InProcessGroup: correctness under random interleavings, matching errors on every rank,
+//! deadlines, late arrivers, departed ranks.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dedup_broadcast::{
+    all_gather_in_place, all_gather_slices, broadcast_slice, Buffer, Collective, CollectiveError,
+    InProcessCollective, InProcessGroup,
+};
+
+/// xorshift64*: deterministic per-rank randomness without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    /// Nothing, a yield, or a short sleep: shakes up the interleaving.
+    fn jitter(&mut self) {
+        match self.below(8) {
+            0..=3 => {}
+            4 | 5 => thread::yield_now(),
+            6 => thread::sleep(Duration::from_micros(self.below(50))),
+            _ => thread::sleep(Duration::from_micros(self.below(400))),
+        }
+    }
+}
+
+fn far() -> Instant {
+    Instant::now() + Duration::from_secs(60)
+}
+
+/// Runs `f` on every rank of a fresh group of `size`, one thread each; results in rank order.
+fn run_group<T: Send>(size: u32, f: impl Fn(&InProcessCollective) -> T + Sync) -> Vec<T> {
+    let ranks = InProcessGroup::new(size);
+    let f = &f;
+    thread::scope(|s| {
+        let hs: Vec<_> = ranks.iter().map(|c| s.spawn(move || f(c))).collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank panicked"))
+            .collect()
+    })
+}
+
+/// The byte rank `rank` contributes at position `i` of op `op`.
+fn pattern(op: u64, rank: u32, i: usize) -> u8 {
+    (op as usize * 31 + rank as usize * 7 + i * 13) as u8
+}
+
+#[test]
+fn broadcast_every_size_and_root_under_jitter() {
+    for size in 1..=8u32 {
+        let results = run_group(size, |c| {
+            let mut rng = Rng::new(u64::from(c.rank()) + 100 * u64::from(size));
+            let mut buf = Vec::new();
+            for op in 0..60u64 {
+                let root = (op % u64::from(size)) as u32;
+                let len = [0usize, 1, 7, 4096, 65_537][(op % 5) as usize];
+                rng.jitter();
+                buf.clear();
+                buf.resize(len, 0xEE);
+                if c.rank() == root {
+                    for (i, b) in buf.iter_mut().enumerate() {
+                        *b = pattern(op, root, i);
+                    }
+                }
+                broadcast_slice(c, &mut buf, root, far()).unwrap();
+                for (i, b) in buf.iter().enumerate() {
+                    assert_eq!(*b, pattern(op, root, i), "op {op} size {size} byte {i}");
+                }
+                // The root's buffer is reusable at once: scribble on it. A receiver still
+                // copying from it would see this and fail the check above.
+                buf.fill(0xAB);
+            }
+            c.rank()
+        });
+        assert_eq!(results, (0..size).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn all_gather_every_size_in_place_and_not_under_jitter() {
+    for size in 1..=8u32 {
+        run_group(size, |c| {
+            let mut rng = Rng::new(7 + u64::from(c.rank()) * 13 + u64::from(size));
+            let (rank, n_ranks) = (c.rank(), c.size() as usize);
+            for op in 0..60u64 {
+                let n = [0usize, 1, 3, 1000, 8192][(op % 5) as usize];
+                rng.jitter();
+                let mut recv = vec![0xEEu8; n * n_ranks];
+                if op % 2 == 0 {
+                    let mut send: Vec<u8> = (0..n).map(|i| pattern(op, rank, i)).collect();
+                    all_gather_slices(c, &send, &mut recv, far()).unwrap();
+                    send.fill(0xAB); // reusable at once
+                } else {
+                    for i in 0..n {
+                        recv[rank as usize * n + i] = pattern(op, rank, i);
+                    }
+                    all_gather_in_place(c, &mut recv, far()).unwrap();
+                }
+                for r in 0..n_ranks {
+                    for i in 0..n {
+                        assert_eq!(
+                            recv[r * n + i],
+                            pattern(op, r as u32, i),
+                            "op {op} from {r}"
+                        );
+                    }
+                }
+                recv.fill(0xAB); // reusable at once: peers copied out of it already
+            }
+        });
+    }
+}
+
+#[test]
+fn thousands_of_mixed_ops_never_deadlock() {
+    for size in [2u32, 3, 5, 8] {
+        let results = run_group(size, |c| {
+            let mut rng = Rng::new(99 + u64::from(c.rank()));
+            let size = c.size();
+            let mut checksum = 0u64;
+            for op in 0..2000u64 {
+                if op % 16 == 0 {
+                    rng.jitter();
+                } else if rng.below(4) == 0 {
+                    thread::yield_now();
+                }
+                match op % 5 {
+                    0 => {
+                        let all = c
+                            .all_gather_u64(op * 10 + u64::from(c.rank()), far())
+                            .unwrap();
+                        assert_eq!(
+                            all,
+                            (0..u64::from(size))
+                                .map(|r| op * 10 + r)
+                                .collect::<Vec<_>>()
+                        );
+                    }
+                    1 => {
+                        let min = c
+                            .all_reduce_min_u64(1000 - u64::from(c.rank()), far())
+                            .unwrap();
+                        assert_eq!(min, 1000 - u64::from(size - 1));
+                    }
+                    2 => {
+                        let mut b = [c.rank() as u8; 64];
+                        let root = (op % u64::from(size)) as u32;
+                        broadcast_slice(c, &mut b, root, far()).unwrap();
+                        assert_eq!(b, [root as u8; 64]);
+                    }
+                    3 => {
+                        let v = [c.rank() as u8; 3];
+                        let all = c.all_gather_bytes(&v, far()).unwrap();
+                        assert_eq!(all.len(), size as usize);
+                        assert!(all.iter().enumerate().all(|(r, v)| v == &vec![r as u8; 3]));
+                    }
+                    _ => {
+                        let mut recv = vec![0u8; 16 * size as usize];
+                        all_gather_slices(c, &[c.rank() as u8 + 1; 16], &mut recv, far()).unwrap();
+                        checksum += recv.iter().map(|&b| u64::from(b)).sum::<u64>();
+                    }
+                }
+            }
+            checksum
+        });
+        assert!(results.windows(2).all(|w| w[0] == w[1]));
+    }
+}
+
+#[test]
+fn length_mismatch_fails_every_rank_and_the_next_op_works() {
+    let results = run_group(4, |c| {
+        let mut rng = Rng::new(u64::from(c.rank()));
+        rng.jitter();
+        let mut buf = vec![1u8; if c.rank() == 2 { 9 } else { 8 }];
+        let first = broadcast_slice(c, &mut buf, 0, far());
+        rng.jitter();
+        let next = c.all_gather_u64(u64::from(c.rank()), far());
+        (first, next)
+    });
+    for (rank, (first, next)) in results.into_iter().enumerate() {
+        match first {
+            Err(CollectiveError::SizeMismatch {
+                seq: 0,
+                op: "broadcast",
+                ..
+            })
+            | Err(CollectiveError::Aborted { seq: 0, .. }) => {}
+            other => panic!("rank {rank}: {other:?}"),
+        }
+        assert_eq!(next.unwrap(), vec![0, 1, 2, 3], "rank {rank}");
+    }
+}
+
+#[test]
+fn bytes_length_mismatch_and_op_mismatch_fail_every_rank() {
+    let results = run_group(3, |c| {
+        let v = vec![0u8; 4 + c.rank() as usize / 2];
+        let a = c.all_gather_bytes(&v, far());
+        let b = if c.rank() == 1 {
+            c.all_gather_u64(1, far()).map(|_| ())
+        } else {
+            let mut x = [0u8; 4];
+            broadcast_slice(c, &mut x, 0, far())
+        };
+        let after = c.all_reduce_min_u64(5 + u64::from(c.rank()), far());
+        (a, b, after)
+    });
+    for (a, b, after) in results {
+        assert!(matches!(
+            a,
+            Err(CollectiveError::SizeMismatch { .. }) | Err(CollectiveError::Aborted { .. })
+        ));
+        assert!(matches!(
+            b,
+            Err(CollectiveError::Mismatch { .. }) | Err(CollectiveError::Aborted { .. })
+        ));
+        assert_eq!(after.unwrap(), 5);
+    }
+}
+
+#[test]
+fn bad_arguments_fail_every_rank() {
+    let results = run_group(3, |c| {
+        // Root out of range on every rank.
+        let mut b = [0u8; 4];
+        let bad_root = broadcast_slice(c, &mut b, 3, far());
+        // recv of the wrong length on rank 1 only.
+        let mut recv = vec![0u8; if c.rank() == 1 { 11 } else { 12 }];
+        let bad_recv = all_gather_slices(c, &[1u8; 4], &mut recv, far());
+        // Device memory is not for the in-process group (never dereferenced: refused first).
+        // SAFETY: the buffer is refused before any access; nothing is read or written.
+        let device = unsafe { c.broadcast(Buffer::device(0, 0x1000, 4), 0, far()) };
+        let ok = c.all_gather_u64(1, far());
+        (bad_root, bad_recv, device, ok)
+    });
+    for (bad_root, bad_recv, device, ok) in results {
+        assert!(bad_root.is_err() && bad_recv.is_err() && device.is_err());
+        assert_eq!(ok.unwrap(), vec![1, 1, 1]);
+    }
+}
+
+#[test]
+fn partial_overlap_of_send_and_recv_is_refused() {
+    let r = run_group(2, |c| {
+        let mut buf = vec![0u8; 8];
+        let base = buf.as_mut_ptr() as usize;
+        // Rank 0's send starts one byte into its chunk: neither in place nor disjoint.
+        let send = Buffer::host(base + if c.rank() == 0 { 1 } else { 4 }, 4);
+        // SAFETY: both regions lie inside `buf`, exclusively owned by this thread for the call.
+        unsafe { c.all_gather(send, Buffer::host(base, 8), far()) }
+    });
+    assert!(r.iter().all(|r| r.is_err()), "{r:?}");
+}
+
+#[test]
+fn a_rank_that_stops_makes_the_others_time_out_and_can_catch_up_later() {
+    let ranks = InProcessGroup::new(4);
+    let deadline_after = Duration::from_millis(200);
+    let results = thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    if c.rank() == 3 {
+                        // Misses op 0 entirely, then arrives late for it.
+                        thread::sleep(Duration::from_millis(600));
+                    }
+                    let t0 = Instant::now();
+                    let mut b = [c.rank() as u8; 16];
+                    let r = broadcast_slice(c, &mut b, 0, t0 + deadline_after);
+                    out.push((r, t0.elapsed(), b));
+                    // Everyone, the late rank included, goes on in order.
+                    let next = c.all_gather_u64(u64::from(c.rank()), far());
+                    (out, next)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for (rank, (out, next)) in results.into_iter().enumerate() {
+        let (r, elapsed, b) = &out[0];
+        if rank == 3 {
+            match r {
+                Err(CollectiveError::Aborted {
+                    seq: 0, missing, ..
+                }) => {
+                    assert_eq!(missing, &vec![3])
+                }
+                other => panic!("late rank: {other:?}"),
+            }
+            assert!(
+                *elapsed < Duration::from_millis(100),
+                "late rank waited {elapsed:?}"
+            );
+            assert_eq!(b, &[3u8; 16], "a late rank's buffer is left alone");
+        } else {
+            match r {
+                Err(CollectiveError::Timeout {
+                    seq: 0,
+                    missing,
+                    op: "broadcast",
+                }) => {
+                    assert_eq!(missing, &vec![3])
+                }
+                other => panic!("rank {rank}: {other:?}"),
+            }
+            assert!(
+                *elapsed >= Duration::from_millis(150),
+                "rank {rank}: {elapsed:?}"
+            );
+            assert!(
+                *elapsed < Duration::from_secs(5),
+                "rank {rank} waited {elapsed:?}"
+            );
+        }
+        assert_eq!(next.unwrap(), vec![0, 1, 2, 3], "rank {rank}");
+    }
+}
+
+#[test]
+fn survivors_keep_erroring_at_their_deadline_while_a_rank_is_away() {
+    let ranks = InProcessGroup::new(3);
+    thread::scope(|s| {
+        let mut it = ranks.iter();
+        let (a, b, away) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+        let survivors: Vec<_> = [a, b]
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    for _ in 0..5 {
+                        let t0 = Instant::now();
+                        let r = c.all_gather_u64(1, t0 + Duration::from_millis(30));
+                        assert!(
+                            matches!(&r, Err(CollectiveError::Timeout { missing, .. }) if missing == &vec![2]),
+                            "{r:?}"
+                        );
+                        assert!(t0.elapsed() < Duration::from_secs(5));
+                    }
+                    // The away rank catches up: it has issued the five aborted ops by then.
+                    c.all_gather_u64(7, far())
+                })
+            })
+            .collect();
+        let away = s.spawn(move || {
+            thread::sleep(Duration::from_millis(400));
+            for _ in 0..5 {
+                assert!(matches!(
+                    away.all_gather_u64(1, far()),
+                    Err(CollectiveError::Aborted { .. })
+                ));
+            }
+            away.all_gather_u64(7, far())
+        });
+        for h in survivors {
+            assert_eq!(h.join().unwrap().unwrap(), vec![7, 7, 7]);
+        }
+        assert_eq!(away.join().unwrap().unwrap(), vec![7, 7, 7]);
+    });
+}
+
+#[test]
+fn a_dropped_rank_fails_the_others_at_once() {
+    let mut ranks = InProcessGroup::new(3);
+    let gone = ranks.pop().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dropper = thread::spawn(move || {
+        rx.recv().unwrap();
+        drop(gone);
+    });
+    let results = thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let t0 = Instant::now();
+                    let mut b = [0u8; 8];
+                    let r = broadcast_slice(c, &mut b, 0, t0 + Duration::from_secs(30));
+                    (r, t0.elapsed())
+                })
+            })
+            .collect();
+        thread::sleep(Duration::from_millis(50));
+        tx.send(()).unwrap();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    dropper.join().unwrap();
+    for (r, elapsed) in &results {
+        assert!(
+            matches!(r, Err(CollectiveError::RankGone { gone, .. }) if gone == &vec![2]),
+            "{r:?}"
+        );
+        assert!(*elapsed < Duration::from_secs(10));
+    }
+    // Later ops fail at once too, without waiting for their deadline (the first survivor to
+    // arrive fails the round; one arriving after that finds it given up).
+    let t0 = Instant::now();
+    let r = run_on(&ranks, |c| c.all_gather_u64(0, far()));
+    assert!(
+        r.iter().all(|r| matches!(
+            r,
+            Err(CollectiveError::RankGone { .. }) | Err(CollectiveError::Aborted { .. })
+        )),
+        "{r:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+fn run_on<T: Send>(
+    ranks: &[InProcessCollective],
+    f: impl Fn(&InProcessCollective) -> T + Sync,
+) -> Vec<T> {
+    let f = &f;
+    thread::scope(|s| {
+        let hs: Vec<_> = ranks.iter().map(|c| s.spawn(move || f(c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn random_timeouts_give_every_rank_the_same_answer() {
+    // Random per-rank delays against short deadlines: each op either succeeds on every rank
+    // that issued it in time or fails on every rank; never a wrong value.
+    for trial in 0..30u64 {
+        let size = 2 + (trial % 4) as u32;
+        let results = run_group(size, |c| {
+            let mut rng = Rng::new(trial * 1000 + u64::from(c.rank()));
+            let mut outcomes = Vec::new();
+            for op in 0..20u64 {
+                if rng.below(6) == 0 {
+                    thread::sleep(Duration::from_millis(rng.below(15)));
+                }
+                let deadline = Instant::now() + Duration::from_millis(5);
+                let mut b = [c.rank() as u8; 32];
+                let r = broadcast_slice(c, &mut b, (op % u64::from(c.size())) as u32, deadline);
+                if r.is_ok() {
+                    assert_eq!(b, [(op % u64::from(c.size())) as u8; 32]);
+                }
+                outcomes.push(r.is_ok());
+            }
+            outcomes
+        });
+        for w in results.windows(2) {
+            assert_eq!(
+                w[0], w[1],
+                "trial {trial}: ranks disagree on which ops succeeded"
+            );
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! Status words round-trip; every rank folds the exchange into the same verdict.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dedup_broadcast::{
+    code_name, fail_code, Collective, GroupStatus, InProcessGroup, LayerStatus,
+    CODE_LAYER_MISMATCH, CODE_MALFORMED,
+};
+use kv_loader::{BatchId, KvLoadError, StoreFailure};
+use proptest::prelude::*;
+
+proptest! {
+    #[test]
+    fn words_round_trip(layer in any::<u32>(), code in any::<u16>()) {
+        let s = if code == 0 { LayerStatus::Ok } else { LayerStatus::failed(code) };
+        prop_assert_eq!(LayerStatus::decode(s.encode(layer)), Some((layer, s)));
+        prop_assert_eq!(LayerStatus::decode_for(s.encode(layer), layer), s);
+    }
+
+    #[test]
+    fn garbage_is_never_ok(word in any::<u64>(), layer in any::<u32>()) {
+        let s = LayerStatus::decode_for(word, layer);
+        if s.is_ok() {
+            prop_assert_eq!(word, LayerStatus::Ok.encode(layer));
+        }
+    }
+}
+
+#[test]
+fn malformed_and_misplaced_words_fail() {
+    assert_eq!(LayerStatus::decode_for(0, 3).code(), CODE_MALFORMED);
+    assert_eq!(
+        LayerStatus::decode_for(LayerStatus::Ok.encode(4), 3).code(),
+        CODE_LAYER_MISMATCH
+    );
+    assert_eq!(LayerStatus::failed(0).code(), dedup_broadcast::CODE_OTHER);
+}
+
+#[test]
+fn codes_name_the_error_kind() {
+    let e = KvLoadError::Store {
+        batch: None,
+        layer: Some(2),
+        pages: vec![].into(),
+        kind: StoreFailure::ShortRead,
+        detail: String::new(),
+    };
+    assert_eq!(code_name(fail_code(&e)), "store_short_read");
+    assert_eq!(LayerStatus::from_error(&e).code(), fail_code(&e));
+    assert_eq!(code_name(CODE_MALFORMED), "malformed_status");
+    assert_eq!(code_name(999), "unknown");
+}
+
+#[test]
+fn first_failure_is_lowest_layer_then_lowest_rank_whatever_the_order() {
+    let mut g = GroupStatus::default();
+    assert!(g.is_ok() && g.to_error(BatchId(1)).is_none());
+    assert!(g.record(4, &[LayerStatus::Ok; 3]));
+    assert!(!g.record(
+        5,
+        &[
+            LayerStatus::Ok,
+            LayerStatus::failed(2),
+            LayerStatus::failed(3)
+        ]
+    ));
+    assert_eq!(g.first_failed, Some((1, 5)));
+    // An earlier layer recorded later still wins.
+    assert!(!g.record(
+        2,
+        &[LayerStatus::Ok, LayerStatus::Ok, LayerStatus::failed(4)]
+    ));
+    assert_eq!(g.first_failed, Some((2, 2)));
+    assert_eq!(g.code, 4);
+    g.record(
+        2,
+        &[LayerStatus::failed(6), LayerStatus::Ok, LayerStatus::Ok],
+    );
+    assert_eq!(g.first_failed, Some((0, 2)));
+    match g.to_error(BatchId(7)) {
+        Some(KvLoadError::PeerFailed {
+            batch,
+            rank: 0,
+            layer: 2,
+            detail,
+        }) => {
+            assert_eq!(batch, BatchId(7));
+            assert_eq!(detail, code_name(6));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn every_rank_reaches_the_same_verdict() {
+    // 4 ranks, 6 layers; rank 2 fails from layer 3 on, rank 1 fails at layer 4 only.
+    let ranks = InProcessGroup::new(4);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let verdicts: Vec<GroupStatus> = thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut g = GroupStatus::default();
+                    for layer in 0..6 {
+                        let mine = match (c.rank(), layer) {
+                            (2, 3..) => LayerStatus::failed(11),
+                            (1, 4) => LayerStatus::failed(12),
+                            _ => LayerStatus::Ok,
+                        };
+                        let all_ok = g.exchange(c, layer, mine, deadline).unwrap();
+                        assert_eq!(all_ok, layer < 3);
+                    }
+                    g
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for v in &verdicts {
+        assert_eq!(v.first_failed, Some((2, 3)));
+        assert_eq!(v.code, 11);
+    }
+    let mut words = GroupStatus::default();
+    words.record_words(0, &[LayerStatus::Ok.encode(0), 17]);
+    assert_eq!(words.first_failed, Some((1, 0)));
+    assert_eq!(words.code, CODE_MALFORMED);
+}
