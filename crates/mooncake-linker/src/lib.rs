@@ -5,4 +5,9 @@
 mod linker;
 pub mod store;
 
-pub use linker::{Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
+pub use linker::{
+    Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, TpGroup, LAYER_LATENCY_BUCKETS_US,
+};
+
+/// Re-exported: how the linker shares replicated KV (modes, bandwidths, collectives).
+pub use dedup_broadcast;

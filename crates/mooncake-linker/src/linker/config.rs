@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use dedup_broadcast::{Bandwidths, ModeChoice};
 use kv_loader::ShareMode;
 
 /// How a linker names keys, bounds its waits and shares replicated components.
@@ -32,8 +33,15 @@ pub struct LinkerConfig {
     pub save_chunk: usize,
     /// Batches tracked at once (started and not yet taken).
     pub max_in_flight: u32,
-    /// How replicated components are shared among TP ranks.
-    pub mode: ShareMode,
+    /// How replicated components are shared among TP ranks (with a [`TpGroup`](crate::TpGroup);
+    /// a linker without one always reads its own copy).
+    pub mode: ModeChoice,
+    /// Store and fabric bandwidths `Auto` decides from (GB/s; unknown values rule a mode
+    /// out). The linker refines the store's per-rank figure from its own layer reads.
+    pub bandwidths: Bandwidths,
+    /// Longest a rank waits in one collective for its peers (must exceed
+    /// `layer_read_timeout`: in `Rank0Broadcast` the others wait for rank 0's read).
+    pub collective_timeout: Duration,
 }
 
 impl Default for LinkerConfig {
@@ -48,7 +56,14 @@ impl Default for LinkerConfig {
             verify_object_sizes: true,
             save_chunk: 64,
             max_in_flight: 64,
-            mode: ShareMode::AllRanks,
+            mode: ModeChoice::Fixed(ShareMode::AllRanks),
+            bandwidths: Bandwidths {
+                store_per_rank_gbps: f64::NAN,
+                store_aggregate_gbps: f64::NAN,
+                fabric_broadcast_gbps: f64::NAN,
+                fabric_all_gather_gbps: f64::NAN,
+            },
+            collective_timeout: Duration::from_secs(25),
         }
     }
 }

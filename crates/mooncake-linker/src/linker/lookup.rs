@@ -41,6 +41,17 @@ impl Shared {
             }
             hit = i + 1;
         }
+        if let Some(g) = self.group.as_ref().filter(|g| g.size() > 1) {
+            let deadline = std::time::Instant::now() + self.config.collective_timeout;
+            let min = g
+                .control
+                .all_reduce_min_u64(hit as u64, deadline)
+                .map_err(|e| KvLoadError::Collective {
+                    batch: None,
+                    detail: format!("lookup: {e}"),
+                })?;
+            hit = hit.min(min as usize);
+        }
         self.metrics.lookup(candidates.len() as u64, hit as u64);
         debug!(candidates = candidates.len(), hit, "lookup");
         Ok(LookupHit {

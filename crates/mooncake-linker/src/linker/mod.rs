@@ -2,11 +2,14 @@
 
 mod batch;
 mod config;
+mod group;
 mod lookup;
+mod measure;
 mod metrics;
 mod reader;
 mod save;
 mod session;
+mod staging;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -28,6 +31,7 @@ use tracing::{info, warn};
 use crate::store::KvStore;
 use batch::BatchJob;
 pub use config::LinkerConfig;
+pub use group::TpGroup;
 pub use metrics::{LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
 
 /// State shared by the linker's API and its load thread.
@@ -37,6 +41,12 @@ pub(crate) struct Shared {
     pub(crate) store: Arc<dyn KvStore>,
     pub(crate) pool: Arc<dyn KvPool>,
     pub(crate) config: LinkerConfig,
+    /// The TP group, when this rank shares replicated components with others.
+    pub(crate) group: Option<TpGroup>,
+    /// Bandwidths `Auto` decides from (configured, refined by measurement).
+    pub(crate) measured: Mutex<dedup_broadcast::Bandwidths>,
+    /// Staging buffers kept between batches.
+    pub(crate) staging_cache: Mutex<Vec<Vec<u8>>>,
     pub(crate) counter: LayerCounter<KvLoadError>,
     pub(crate) metrics: LinkerMetrics,
     /// Bumped by `reset`: a batch whose epoch differs is cancelled.
@@ -197,6 +207,43 @@ impl Linker {
         pool: Arc<dyn KvPool>,
         config: LinkerConfig,
     ) -> Result<Self, KvLoadError> {
+        Self::build(geometry, store, pool, config, None)
+    }
+
+    /// A linker for rank `group.rank()` of a TP group: replicated components are shared as
+    /// `config.mode` says, lookups agree on the group's minimum, and every rank reaches the
+    /// same outcome for every batch. Every rank must call `lookup` and `start_load` in the
+    /// same order.
+    pub fn with_group(
+        geometry: KvGeometry,
+        store: Arc<dyn KvStore>,
+        pool: Arc<dyn KvPool>,
+        config: LinkerConfig,
+        group: TpGroup,
+    ) -> Result<Self, KvLoadError> {
+        if group.rank() != geometry.tp_rank
+            || group.size() != geometry.tp_size
+            || group.control.rank() != group.rank()
+            || group.control.size() != group.size()
+        {
+            return Err(KvLoadError::Config(format!(
+                "group rank {}/{} does not match geometry rank {}/{}",
+                group.rank(),
+                group.size(),
+                geometry.tp_rank,
+                geometry.tp_size
+            )));
+        }
+        Self::build(geometry, store, pool, config, Some(group))
+    }
+
+    fn build(
+        geometry: KvGeometry,
+        store: Arc<dyn KvStore>,
+        pool: Arc<dyn KvPool>,
+        config: LinkerConfig,
+        group: Option<TpGroup>,
+    ) -> Result<Self, KvLoadError> {
         if pool.geometry() != &geometry {
             return Err(KvLoadError::Config(
                 "the pool is laid out for another geometry".into(),
@@ -221,7 +268,10 @@ impl Linker {
             keys,
             store,
             pool,
+            measured: Mutex::new(config.bandwidths),
             config,
+            group,
+            staging_cache: Mutex::new(Vec::new()),
             metrics: LinkerMetrics::default(),
             epoch: AtomicU64::new(0),
             closed: AtomicBool::new(false),

@@ -119,10 +119,14 @@ impl LayerReader<'_> {
         Ok(total)
     }
 
-    /// Checks that every object holds exactly the bytes the geometry expects.
-    pub(crate) fn verify_sizes(&self) -> Result<(), KvLoadError> {
+    /// Checks that the objects of plan pages `pages` hold exactly the bytes the geometry
+    /// expects.
+    pub(crate) fn verify_sizes(&self, pages: Range<usize>) -> Result<(), KvLoadError> {
         for comp in self.components {
-            let keys: Vec<&str> = comp.keys.iter().map(String::as_str).collect();
+            let Some(keys) = comp.keys.get(pages.clone()) else {
+                continue;
+            };
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
             let expected = comp.layout.object_bytes();
             for (i, r) in self.store.object_size(&keys).into_iter().enumerate() {
                 match r {
@@ -137,7 +141,10 @@ impl LayerReader<'_> {
                             },
                         })
                     }
-                    Err(e) => return Err(store_failure(self.batch, None, vec![i as u32], &e)),
+                    Err(e) => {
+                        let page = (pages.start + i) as u32;
+                        return Err(store_failure(self.batch, None, vec![page], &e));
+                    }
                 }
             }
         }

@@ -1,0 +1,90 @@
+//! Staging of shared layers: where a rank's reads of replicated components go, and how the
+//! staged rows reach its own slots.
+
+use dedup_broadcast::StagingLayout;
+
+use super::Shared;
+use kv_device::{DeviceError, LayerLanding};
+use kv_geometry::ComponentId;
+use kv_loader::LayerReady;
+
+/// Targets inside one layer's staging buffer (rows in the layout's order).
+pub(crate) struct StagingLanding<'a> {
+    pub(crate) base: usize,
+    pub(crate) layout: &'a StagingLayout,
+}
+
+impl LayerLanding for StagingLanding<'_> {
+    fn target(
+        &mut self,
+        component: ComponentId,
+        layer: u32,
+        plan_page: usize,
+    ) -> Result<usize, DeviceError> {
+        let off = self
+            .layout
+            .offset(component, plan_page)
+            .ok_or(DeviceError::OutOfPool {
+                component: component.0,
+                layer,
+                slot: plan_page as u32,
+                reason: "row not staged at this layer",
+            })?;
+        Ok(self.base + off)
+    }
+
+    fn land(&mut self, _layer: u32) -> Result<LayerReady, DeviceError> {
+        Ok(LayerReady::Resident)
+    }
+}
+
+/// Copies every staged row of the layer from `staging` into its slot, as `landing` places
+/// plan pages. Returns the bytes copied.
+pub(crate) fn scatter_rows(
+    staging: &[u8],
+    layout: &StagingLayout,
+    landing: &mut dyn LayerLanding,
+) -> Result<u64, DeviceError> {
+    let mut bytes = 0;
+    for row in layout.rows(0..layout.pages()) {
+        let src = staging
+            .get(row.offset..row.offset + row.len)
+            .ok_or(DeviceError::OutOfPool {
+                component: row.component.0,
+                layer: layout.layer(),
+                slot: row.plan_page as u32,
+                reason: "row past the staging buffer",
+            })?;
+        let dst = landing.target(row.component, layout.layer(), row.plan_page)?;
+        // SAFETY: `dst` is the pool slice of this plan page's slot for (component, layer),
+        // `row.len` (= page_layer_bytes) long; slots of a plan are distinct and no one else
+        // touches them before the layer is marked ready; `src` is our staging buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, row.len) };
+        bytes += row.len as u64;
+    }
+    Ok(bytes)
+}
+
+impl Shared {
+    /// Two staging buffers of at least `len` bytes (reused across batches; none when
+    /// nothing is shared).
+    pub(crate) fn take_staging(&self, len: usize) -> Vec<Vec<u8>> {
+        let mut cache = self.staging_cache.lock();
+        (0..2)
+            .map(|_| {
+                let mut b = cache.pop().unwrap_or_default();
+                if b.len() < len {
+                    b.resize(len, 0);
+                }
+                b
+            })
+            .collect()
+    }
+
+    /// Gives staging buffers back for the next batch.
+    pub(crate) fn return_staging(&self, bufs: Vec<Vec<u8>>) {
+        let mut cache = self.staging_cache.lock();
+        cache.extend(bufs.into_iter().filter(|b| !b.is_empty()));
+        cache.truncate(2);
+    }
+}

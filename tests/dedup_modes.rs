@@ -1,0 +1,453 @@
+//! Sharing replicated KV among TP ranks (threads, in-process group, embedded store): every
+//! mode lands the same bytes as every rank reading its own copy, reads each byte once, falls
+//! back on a plan mismatch, and fails symmetrically.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvlink::kv_device::HostKvPool;
+use kvlink::kv_geometry::{
+    ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash, RowUnit,
+};
+use kvlink::kv_loader::{BatchOutcome, KvLoadError, KvLoader, LookupRequest, ShareMode};
+use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, StoreError,
+};
+use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
+use proptest::prelude::*;
+
+const MODES: [ShareMode; 3] = [
+    ShareMode::AllRanks,
+    ShareMode::Rank0Broadcast,
+    ShareMode::SplitAllGather,
+];
+
+/// A DSA-like model plus a sharded component, so a batch mixes shared and per-rank reads.
+fn mixed_spec() -> ModelKvSpec {
+    ModelKvSpec::new(
+        "mixed",
+        5,
+        4,
+        vec![
+            ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 40),
+            ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, 24)
+                .on_layers(LayerMap::Sparse(vec![1, 4])),
+            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 32).sharded(4),
+        ],
+    )
+    .unwrap()
+}
+
+fn cfg(mode: ShareMode) -> LinkerConfig {
+    LinkerConfig {
+        namespace: "dedup".into(),
+        mode: ModeChoice::Fixed(mode),
+        wait_deadline: Duration::from_secs(10),
+        collective_timeout: Duration::from_secs(5),
+        ..LinkerConfig::default()
+    }
+}
+
+struct Rank {
+    linker: Linker,
+    pool: Arc<HostKvPool>,
+    faults: Arc<FaultyStore>,
+    slots: Vec<u32>,
+}
+
+/// Saves a prefix the way TP ranks do (rank 0 writes replicated objects, every rank its
+/// shard), then builds one linker per rank over `store`.
+fn ranks(
+    spec: &ModelKvSpec,
+    tp: u32,
+    store: Arc<dyn KvStore>,
+    pages: usize,
+    config: &LinkerConfig,
+) -> (Vec<Rank>, Vec<PageHash>) {
+    let tokens = prompt(11, pages, spec.page_size);
+    let hashes = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    for (rank, group) in TpGroup::in_process(tp).into_iter().enumerate() {
+        let g = KvGeometry::new(spec.clone(), tp, rank as u32).unwrap();
+        let pool = HostKvPool::new(g.clone(), pages as u32).unwrap();
+        let slots: Vec<u32> = (0..pages as u32).collect();
+        fill_rank_pool(&pool, &hashes, &slots, rank as u32);
+        let linker = Linker::with_group(
+            g.clone(),
+            store.clone(),
+            Arc::new(pool),
+            config.clone(),
+            group,
+        )
+        .unwrap();
+        linker.save(&load_plan(&g, 0, &hashes, slots)).unwrap();
+    }
+    let groups = TpGroup::in_process(tp);
+    let out = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let g = KvGeometry::new(spec.clone(), tp, rank as u32).unwrap();
+            let pool_pages = 3 * pages as u32 + 4;
+            let pool = Arc::new(HostKvPool::new(g.clone(), pool_pages).unwrap());
+            let faults = Arc::new(FaultyStore::new(store.clone()));
+            let linker =
+                Linker::with_group(g, faults.clone(), pool.clone(), config.clone(), group).unwrap();
+            // Every rank allocates its own, different, scattered slots.
+            let slots = (0..pages as u32)
+                .map(|i| (i * 3 + rank as u32 * 7) % pool_pages)
+                .collect();
+            Rank {
+                linker,
+                pool,
+                faults,
+                slots,
+            }
+        })
+        .collect();
+    (out, hashes)
+}
+
+/// Each rank's own bytes of a page: replicated components are the same everywhere, a
+/// sharded one differs per rank (its part of the heads).
+fn rank_byte(
+    page: &PageHash,
+    c: &kvlink::kv_geometry::ComponentLayout,
+    rank: u32,
+    l: u32,
+    i: usize,
+) -> u8 {
+    let salt = if c.replicated { 0 } else { rank as u8 + 1 };
+    page_byte(page, c.id.0, l, i) ^ salt.wrapping_mul(101)
+}
+
+fn fill_rank_pool(pool: &HostKvPool, pages: &[PageHash], slots: &[u32], rank: u32) {
+    use kvlink::kv_device::KvPool;
+    let g = pool.geometry().clone();
+    for (page, &slot) in pages.iter().zip(slots) {
+        for c in g.components() {
+            for &l in &c.layers {
+                let data: Vec<u8> = (0..c.page_layer_bytes as usize)
+                    .map(|i| rank_byte(page, c, rank, l, i))
+                    .collect();
+                pool.write_slot(c.id, l, slot, &data).unwrap();
+            }
+        }
+    }
+}
+
+fn rank_pool_matches(r: &Rank, pages: &[PageHash], rank: u32) -> Result<(), String> {
+    use kvlink::kv_device::KvPool;
+    let g = r.pool.geometry().clone();
+    for (pi, (page, &slot)) in pages.iter().zip(&r.slots).enumerate() {
+        for c in g.components() {
+            for &l in &c.layers {
+                let mut got = vec![0u8; c.page_layer_bytes as usize];
+                r.pool.read_slot(c.id, l, slot, &mut got).unwrap();
+                if let Some(i) = got
+                    .iter()
+                    .enumerate()
+                    .position(|(i, &b)| b != rank_byte(page, c, rank, l, i))
+                {
+                    return Err(format!(
+                        "rank {rank} page {pi} comp {} layer {l} byte {i}",
+                        c.name
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every rank starts the batch, waits every layer like an engine, and takes the outcome.
+fn run(ranks: &[Rank], batch: u64, pages: &[PageHash]) -> Vec<BatchOutcome> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|r| {
+                s.spawn(move || {
+                    let plan = load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
+                    let t = r.linker.start_load(plan).unwrap();
+                    let _ = wait_all(&r.linker, &t);
+                    r.linker.wait_batch(&t).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn every_mode_lands_every_rank_byte_identical_and_reads_once() {
+    let spec = ModelKvSpec::glm52_dsa_fp8();
+    let mut small = spec.clone();
+    small.num_layers = 6;
+    small.components[1].layers = LayerMap::Sparse(vec![0, 3]);
+    for tp in [2u32, 4] {
+        for mode in MODES {
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+            let (rs, pages) = ranks(&small, tp, store, 5, &cfg(mode));
+            let outcomes = run(&rs, 1, &pages);
+            let g = rs[0].linker.geometry().clone();
+            let one_copy = 5 * g.bytes_per_page();
+            let mut total = 0;
+            for (rank, (r, o)) in rs.iter().zip(&outcomes).enumerate() {
+                let stats = o
+                    .result
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("tp{tp} {mode:?} rank {rank}: {e}"));
+                assert_eq!(stats.mode, mode);
+                assert_eq!(
+                    stats.bytes_landed, one_copy,
+                    "every rank's pool got every byte"
+                );
+                rank_pool_matches(r, &pages, rank as u32).unwrap();
+                total += stats.bytes_read;
+                if mode == ShareMode::Rank0Broadcast {
+                    assert_eq!(stats.bytes_read, if rank == 0 { one_copy } else { 0 });
+                }
+                if mode == ShareMode::SplitAllGather {
+                    assert!(
+                        stats.bytes_read < one_copy,
+                        "rank {rank} read only its share"
+                    );
+                }
+            }
+            let expected_total = if mode == ShareMode::AllRanks {
+                one_copy * u64::from(tp)
+            } else {
+                one_copy
+            };
+            assert_eq!(
+                total, expected_total,
+                "tp{tp} {mode:?}: store bytes over all ranks"
+            );
+        }
+    }
+}
+
+#[test]
+fn sharded_components_are_read_per_rank_in_every_mode() {
+    for mode in MODES {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+        let (rs, pages) = ranks(&mixed_spec(), 2, store, 6, &cfg(mode));
+        for (rank, (r, o)) in rs.iter().zip(run(&rs, 1, &pages)).enumerate() {
+            o.result.unwrap();
+            rank_pool_matches(r, &pages, rank as u32).unwrap();
+        }
+    }
+}
+
+#[test]
+fn plans_that_differ_fall_back_to_all_ranks() {
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, pages) = ranks(&mixed_spec(), 2, store, 4, &cfg(ShareMode::SplitAllGather));
+    let outcomes: Vec<BatchOutcome> = std::thread::scope(|s| {
+        let hs: Vec<_> = rs
+            .iter()
+            .enumerate()
+            .map(|(rank, r)| {
+                let pages = &pages;
+                s.spawn(move || {
+                    let mut plan = load_plan(r.linker.geometry(), 1, pages, r.slots.clone());
+                    if rank == 1 {
+                        plan.logical.requests[0].request = "another-request-id".into();
+                    }
+                    let t = r.linker.start_load(plan).unwrap();
+                    wait_all(&r.linker, &t).unwrap();
+                    r.linker.wait_batch(&t).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (r, o)) in rs.iter().zip(outcomes).enumerate() {
+        assert_eq!(o.result.unwrap().mode, ShareMode::AllRanks);
+        rank_pool_matches(r, &pages, rank as u32).unwrap();
+    }
+    // The next batch, with agreeing plans, shares again.
+    for o in run(&rs, 2, &pages) {
+        assert_eq!(o.result.unwrap().mode, ShareMode::SplitAllGather);
+    }
+}
+
+#[test]
+fn a_failure_on_any_rank_at_any_layer_fails_every_rank_the_same_way() {
+    let spec = mixed_spec();
+    for mode in MODES {
+        for fail_rank in [0u32, 1] {
+            for layer in [0u32, 2, 4] {
+                let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+                let (rs, pages) = ranks(&spec, 2, store, 4, &cfg(mode));
+                // The failing rank's read of its own shard at `layer`: present in every mode.
+                let g = rs[fail_rank as usize].linker.geometry().clone();
+                let v = g.component_by_name("v").unwrap();
+                rs[fail_rank as usize].faults.inject(
+                    FaultRule {
+                        key_contains: Some(format!("tp{fail_rank}_cp0_pp0_v")),
+                        offset: Some(v.layer_range(layer).unwrap().start),
+                        times: Some(1),
+                    },
+                    Fault::Error(StoreError::TransferFailed {
+                        key: "injected".into(),
+                        code: -800,
+                    }),
+                );
+                let t0 = Instant::now();
+                let outcomes = run(&rs, 1, &pages);
+                assert!(
+                    t0.elapsed() < Duration::from_secs(5),
+                    "no rank waited for a deadline"
+                );
+                let errs: Vec<String> = outcomes
+                    .iter()
+                    .map(|o| o.result.as_ref().unwrap_err().to_string())
+                    .collect();
+                assert_eq!(
+                    errs[0], errs[1],
+                    "{mode:?} rank {fail_rank} layer {layer}: same verdict"
+                );
+                match outcomes[0].result.as_ref().unwrap_err() {
+                    KvLoadError::PeerFailed { rank, layer: l, .. } => {
+                        assert_eq!((*rank, *l), (fail_rank, layer))
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+                for r in &rs {
+                    assert_eq!(r.linker.metrics().batches_failed, 1);
+                }
+                // The next batch loads on every rank.
+                for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &pages)).enumerate() {
+                    o.result
+                        .unwrap_or_else(|e| panic!("{mode:?} after failure, rank {rank}: {e}"));
+                    rank_pool_matches(r, &pages, rank as u32).unwrap();
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_failed_shared_read_on_the_reader_fails_every_rank() {
+    // Rank 0 reads every replicated page in Rank0Broadcast; rank 1 reads half of them in
+    // SplitAllGather: fail exactly those reads.
+    let spec = mixed_spec();
+    for (mode, fail_rank, page) in [
+        (ShareMode::Rank0Broadcast, 0usize, 3usize),
+        (ShareMode::SplitAllGather, 1, 3),
+    ] {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+        let (rs, pages) = ranks(&spec, 2, store, 4, &cfg(mode));
+        let g = rs[0].linker.geometry().clone();
+        let k = g.component_by_name("k").unwrap();
+        rs[fail_rank].faults.inject(
+            FaultRule {
+                key_contains: Some(format!("{}_cp0_pp0_k", pages[page])),
+                offset: Some(k.layer_range(3).unwrap().start),
+                times: Some(1),
+            },
+            Fault::Short,
+        );
+        let outcomes = run(&rs, 1, &pages);
+        for o in &outcomes {
+            assert!(
+                matches!(o.result, Err(KvLoadError::PeerFailed { rank, layer: 3, .. }) if rank == fail_rank as u32),
+                "{:?}",
+                o.result
+            );
+        }
+        assert_eq!(
+            outcomes[0].result.as_ref().unwrap_err().to_string(),
+            outcomes[1].result.as_ref().unwrap_err().to_string()
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_fails_the_others_within_the_deadline() {
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let config = LinkerConfig {
+        collective_timeout: Duration::from_millis(300),
+        ..cfg(ShareMode::Rank0Broadcast)
+    };
+    let (rs, pages) = ranks(&mixed_spec(), 2, store, 4, &config);
+    // Rank 1's thread stops issuing collectives: it never starts the batch.
+    let r = &rs[0];
+    let t0 = Instant::now();
+    let t = r
+        .linker
+        .start_load(load_plan(r.linker.geometry(), 1, &pages, r.slots.clone()))
+        .unwrap();
+    let err = r.linker.wait_layer(&t, 0).unwrap_err();
+    assert!(matches!(err, KvLoadError::Collective { .. }), "{err}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "failed within the deadline"
+    );
+    assert!(r.linker.wait_batch(&t).unwrap().result.is_err());
+}
+
+#[test]
+fn lookups_agree_on_the_group_minimum() {
+    let spec = mixed_spec();
+    let full: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, pages) = ranks(&spec, 2, full.clone(), 6, &cfg(ShareMode::SplitAllGather));
+    let tokens = prompt(11, 6, spec.page_size);
+    // Rank 1's copy of its shard of page 4 is gone: rank 1 alone could load 4 pages.
+    let keys = rs[1]
+        .linker
+        .object_keys(&load_plan(rs[1].linker.geometry(), 9, &pages, vec![0; 6]))
+        .unwrap();
+    assert!(full.remove(&[keys[2][4].as_str()])[0].is_ok());
+    let hits: Vec<usize> = std::thread::scope(|s| {
+        let hs: Vec<_> = rs
+            .iter()
+            .map(|r| {
+                let tokens = &tokens;
+                s.spawn(move || {
+                    r.linker
+                        .lookup(&LookupRequest {
+                            tokens,
+                            skip_pages: 0,
+                        })
+                        .unwrap()
+                        .pages
+                        .len()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(hits, vec![4, 4]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    /// Random geometries, plans and per-rank slots: every mode's pools equal AllRanks'.
+    #[test]
+    fn modes_equal_all_ranks(layers in 2u32..6, page_pow in 0u32..3, rows in 1u32..40,
+                             pages in 0usize..7, tp in 2u32..4, seed in any::<u64>()) {
+        let page = 1 << page_pow;
+        let sparse: Vec<u32> = (0..layers).filter(|l| (seed >> l) & 1 == 1).collect();
+        let mut comps = vec![ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, rows)];
+        if !sparse.is_empty() {
+            comps.push(ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, rows + 5).on_layers(LayerMap::Sparse(sparse)));
+        }
+        if seed % 3 == 0 {
+            comps.push(ComponentSpec::new("v", RowUnit::Token, ElementType::Bytes, 6 * tp).sharded(tp * 2));
+        }
+        let spec = ModelKvSpec::new("prop", layers, page, comps).unwrap();
+        for mode in MODES {
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+            let (rs, hashes) = ranks(&spec, tp, store, pages, &cfg(mode));
+            for (rank, (r, o)) in rs.iter().zip(run(&rs, 1, &hashes)).enumerate() {
+                prop_assert!(o.result.is_ok(), "{:?}", o.result);
+                prop_assert_eq!(rank_pool_matches(r, &hashes, rank as u32), Ok(()));
+            }
+        }
+    }
+}
