@@ -18,12 +18,20 @@ struct Forward {
 /// A minimal prefill step: lookup, allocate, start_load, attention per layer after its
 /// wait, outcome; a failed load turns into recompute of those pages; then save.
 fn prefill(loader: &dyn KvLoader, batch: u64, tokens: &[u32]) -> Forward {
-    let hit = loader.lookup(&LookupRequest { tokens, skip_pages: 0 }).expect("lookup");
+    let hit = loader
+        .lookup(&LookupRequest {
+            tokens,
+            skip_pages: 0,
+        })
+        .expect("lookup");
     let n = hit.pages.len();
     let plan = BatchPlan {
         logical: LogicalPlan {
             batch: BatchId(batch),
-            requests: vec![RequestPages { request: format!("r{batch}").as_str().into(), pages: hit.pages.clone() }],
+            requests: vec![RequestPages {
+                request: format!("r{batch}").as_str().into(),
+                pages: hit.pages.clone(),
+            }],
             components: vec![],
         },
         slots: (0..n as u32).collect(),
@@ -38,44 +46,125 @@ fn prefill(loader: &dyn KvLoader, batch: u64, tokens: &[u32]) -> Forward {
         layers_run += 1; // attention on this layer
     }
     let outcome = loader.wait_batch(&ticket).expect("outcome");
-    assert_eq!(outcome.result.is_err(), load_failed, "the outcome agrees with the waits");
-    let (loaded, recomputed) = if outcome.result.is_ok() { (n, 0) } else { (0, n) };
+    assert_eq!(
+        outcome.result.is_err(),
+        load_failed,
+        "the outcome agrees with the waits"
+    );
+    let (loaded, recomputed) = if outcome.result.is_ok() {
+        (n, 0)
+    } else {
+        (0, n)
+    };
     loader.save(&plan).expect("save");
-    Forward { loaded_pages: loaded, recomputed_pages: recomputed, layers_run }
+    Forward {
+        loaded_pages: loaded,
+        recomputed_pages: recomputed,
+        layers_run,
+    }
 }
 
 #[test]
 fn engine_loop_loads_or_falls_back_to_recompute() {
-    let mut script = MockScript { page_size: 4, lookup_pages: Some(3), ..MockScript::default() };
+    let mut script = MockScript {
+        page_size: 4,
+        lookup_pages: Some(3),
+        ..MockScript::default()
+    };
     script.fail_at_layer.insert(2, 4);
     let mock = Arc::new(MockKvLoader::new(6, script));
     let tokens: Vec<u32> = (0..20).collect();
 
     let ok = prefill(mock.as_ref(), 1, &tokens);
-    assert_eq!(ok, Forward { loaded_pages: 3, recomputed_pages: 0, layers_run: 6 });
+    assert_eq!(
+        ok,
+        Forward {
+            loaded_pages: 3,
+            recomputed_pages: 0,
+            layers_run: 6
+        }
+    );
     let failed = prefill(mock.as_ref(), 2, &tokens);
-    assert_eq!(failed, Forward { loaded_pages: 0, recomputed_pages: 3, layers_run: 6 });
+    assert_eq!(
+        failed,
+        Forward {
+            loaded_pages: 0,
+            recomputed_pages: 3,
+            layers_run: 6
+        }
+    );
 
     let calls = mock.calls();
     // Batch 1: lookup, start, six waits in layer order, outcome, save.
     let waits: Vec<u32> = calls
         .iter()
-        .filter_map(|c| match c { MockCall::WaitLayer { batch: BatchId(1), layer } => Some(*layer), _ => None })
+        .filter_map(|c| match c {
+            MockCall::WaitLayer {
+                batch: BatchId(1),
+                layer,
+            } => Some(*layer),
+            _ => None,
+        })
         .collect();
     assert_eq!(waits, vec![0, 1, 2, 3, 4, 5]);
     // Batch 2 stopped waiting at the failed layer.
-    let waits2 = calls.iter().filter(|c| matches!(c, MockCall::WaitLayer { batch: BatchId(2), .. })).count();
+    let waits2 = calls
+        .iter()
+        .filter(|c| {
+            matches!(
+                c,
+                MockCall::WaitLayer {
+                    batch: BatchId(2),
+                    ..
+                }
+            )
+        })
+        .count();
     assert_eq!(waits2, 5);
-    assert_eq!(calls[0], MockCall::Lookup { tokens: 20, skip_pages: 0 });
-    assert!(calls.contains(&MockCall::Save { batch: BatchId(2), pages: 3 }));
+    assert_eq!(
+        calls[0],
+        MockCall::Lookup {
+            tokens: 20,
+            skip_pages: 0
+        }
+    );
+    assert!(calls.contains(&MockCall::Save {
+        batch: BatchId(2),
+        pages: 3
+    }));
     // The mock's lookup hashes pages the same way the linker does.
-    assert_eq!(mock.lookup(&LookupRequest { tokens: &tokens, skip_pages: 1 }).unwrap().pages, page_hashes(&tokens, 4, None)[1..4]);
+    assert_eq!(
+        mock.lookup(&LookupRequest {
+            tokens: &tokens,
+            skip_pages: 1
+        })
+        .unwrap()
+        .pages,
+        page_hashes(&tokens, 4, None)[1..4]
+    );
 }
 
 #[test]
 fn closed_mock_refuses_calls() {
-    let mock = MockKvLoader::new(2, MockScript { page_size: 4, ..MockScript::default() });
+    let mock = MockKvLoader::new(
+        2,
+        MockScript {
+            page_size: 4,
+            ..MockScript::default()
+        },
+    );
     mock.close().unwrap();
-    assert!(mock.lookup(&LookupRequest { tokens: &[1, 2, 3, 4], skip_pages: 0 }).is_err());
-    assert_eq!(mock.calls().last(), Some(&MockCall::Lookup { tokens: 4, skip_pages: 0 }));
+    assert!(mock
+        .lookup(&LookupRequest {
+            tokens: &[1, 2, 3, 4],
+            skip_pages: 0
+        })
+        .is_err());
+    assert_eq!(
+        mock.calls().last(),
+        Some(&MockCall::Lookup {
+            tokens: 4,
+            skip_pages: 0
+        })
+    );
 }
