@@ -1,1 +1,37 @@
 //! Raw binding to the Mooncake Store C ABI (store_c.h plus kvlink's extensions), loaded at run time.
+//!
+//! No registry ships upstream's `libmooncake_store.so`, so kvlink builds its own: a small C++
+//! shim (`csrc/shim.cpp`, ABI in `csrc/kvlink_mooncake.h`) over the client inside the pinned
+//! PyPI wheel `mooncake-transfer-engine-non-cuda==0.3.13.post1`, built by
+//! `scripts/mooncake-build-shim.sh` into `<repo>/.mooncake/lib/libkvlink_mooncake.so`. It
+//! exports the `store_c.h` functions under their upstream names, plus `kvlink_mc_*`
+//! extensions: ranged multi-buffer reads, read sessions (lease pinning), batched upsert, an ABI
+//! report and error names.
+//!
+//! The library is opened with `dlopen` when asked for ([`Library::load_default`],
+//! [`Library::open`]), so this crate builds and its users' tests run without Mooncake; a
+//! missing library is a [`MooncakeError::LibraryNotFound`], never a panic.
+//!
+//! Layers (as in cudarc):
+//! - [`sys`]: the C types, function-pointer types and error-code constants, unchecked;
+//! - [`result`]: one checked function per C entry point (`Result<_, MooncakeError>`, per-key
+//!   results for batches);
+//! - [`Library`] and [`Client`]: the loaded library (ABI checked at load) and a safe client
+//!   handle (`Send + Sync`, destroyed on drop).
+//!
+//! | variable | meaning |
+//! |---|---|
+//! | `MOONCAKE_STORE_LIBRARY` | the library to load (path or name); when set, the only candidate |
+//! | `KVLINK_MOONCAKE_DIR` | the build script's directory (`<dir>/lib/libkvlink_mooncake.so`) |
+
+pub mod client;
+pub mod error;
+pub mod library;
+pub mod result;
+pub mod sys;
+
+pub use client::{Client, Health, KeyResult};
+pub use error::{ErrorCode, ErrorKind, MooncakeError, Result};
+pub use library::{AbiInfo, Library};
+pub use result::{CKeys, ReplicateConfig, SetupArgs};
+pub use sys::KvlinkMcRange as Range;

@@ -5,6 +5,8 @@ mod embedded;
 mod error;
 mod faulty;
 mod kv_store;
+pub mod mooncake;
+mod simulated;
 
 pub use embedded::EmbeddedStore;
 
@@ -13,3 +15,4 @@ pub use faulty::{Fault, FaultRule, FaultyStore};
 pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
 };
+pub use simulated::{SimulatedLink, SimulatedRemoteStore};

@@ -1,0 +1,385 @@
+//! [`MooncakeConfig`]: a typed builder, and the environment the way SGLang reads it.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use mooncake_sys::ReplicateConfig;
+
+/// Where [`MooncakeConfig::from_env`] could not use a variable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MooncakeConfigError {
+    /// A required variable is unset or empty.
+    #[error("{var} is not set (the Mooncake master's address, e.g. 127.0.0.1:50051)")]
+    Missing {
+        /// The variable.
+        var: &'static str,
+    },
+    /// A variable's value cannot be used.
+    #[error("{var}={value:?}: {reason}")]
+    Invalid {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// How to reach and join a Mooncake Store.
+///
+/// Build it with [`MooncakeConfig::new`] and the setters, or read it with
+/// [`MooncakeConfig::from_env`]:
+///
+/// | variable | setter | default | meaning |
+/// |---|---|---|---|
+/// | `MOONCAKE_MASTER` | [`new`](Self::new) | (required) | master RPC address, `host:port` |
+/// | `MOONCAKE_PROTOCOL` | [`protocol`](Self::protocol) | `tcp` | transport: `tcp` or `rdma` |
+/// | `MOONCAKE_DEVICE` | [`device`](Self::device) | empty | RDMA device name(s); empty for TCP |
+/// | `MOONCAKE_TE_META_DATA_SERVER` | [`metadata_server`](Self::metadata_server) | `P2PHANDSHAKE` | transfer-engine metadata: `P2PHANDSHAKE`, `http://…`, `etcd://…` |
+/// | `MOONCAKE_GLOBAL_SEGMENT_SIZE` | [`global_segment_size`](Self::global_segment_size) | 4 GiB | RAM this process lends to the pool (`0`: pure client); bytes or `4gb`, `512MB`, `1 GB` (1024-based) |
+/// | `MOONCAKE_LOCAL_BUFFER_SIZE` (else `SGLANG_MOONCAKE_LOCAL_BUFFER_SIZE`) | [`local_buffer_size`](Self::local_buffer_size) | 16 MiB | the client's staging buffer for copying puts/gets |
+/// | `MOONCAKE_LOCAL_HOSTNAME` (else `LOCAL_HOSTNAME`) | [`local_hostname`](Self::local_hostname) | `localhost` | address other clients reach this one at |
+/// | `MOONCAKE_STORE_LIBRARY` | [`library`](Self::library) | search (mooncake-sys) | the store library (kvlink shim) to load |
+///
+/// Differences from SGLang: the protocol defaults to `tcp` (SGLang's newest default is `rdma`),
+/// and `MOONCAKE_DEVICE` must be a device name (SGLang also accepts a JSON map by TP rank).
+///
+/// Variables read by the Mooncake client itself (not through this type): `MC_TCP_BIND_ADDRESS`
+/// (the address advertised to peers; needed where no non-loopback NIC exists), `MC_LOG_LEVEL`,
+/// and `MC_STORE_CLIENT_SETUP_RETRIES` (default 20): with the master unreachable,
+/// [`MooncakeStore::connect`](super::MooncakeStore::connect) fails only after all retries,
+/// about 90 s with the default (measured); lower it to fail fast.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MooncakeConfig {
+    master: String,
+    protocol: String,
+    device: String,
+    metadata_server: String,
+    global_segment_size: u64,
+    local_buffer_size: u64,
+    local_hostname: String,
+    library: Option<PathBuf>,
+    replicate: ReplicateConfig,
+    lease: Duration,
+}
+
+/// SGLang's default global segment: "4gb".
+pub const DEFAULT_GLOBAL_SEGMENT_SIZE: u64 = 4 << 30;
+/// SGLang's default local buffer: 16 MiB.
+pub const DEFAULT_LOCAL_BUFFER_SIZE: u64 = 16 << 20;
+/// The master's default read lease (`--default_kv_lease_ttl`, 10 s).
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+
+impl MooncakeConfig {
+    /// Defaults (see the table) for a master at `master` (`host:port`).
+    pub fn new(master: impl Into<String>) -> Self {
+        Self {
+            master: master.into(),
+            protocol: "tcp".into(),
+            device: String::new(),
+            metadata_server: "P2PHANDSHAKE".into(),
+            global_segment_size: DEFAULT_GLOBAL_SEGMENT_SIZE,
+            local_buffer_size: DEFAULT_LOCAL_BUFFER_SIZE,
+            local_hostname: "localhost".into(),
+            library: None,
+            replicate: ReplicateConfig::default(),
+            lease: DEFAULT_LEASE,
+        }
+    }
+
+    /// Reads the process environment (see the table).
+    pub fn from_env() -> Result<Self, MooncakeConfigError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Like [`from_env`](Self::from_env), reading variables through `get` (for tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, MooncakeConfigError> {
+        let var = |name: &str| get(name).filter(|v| !v.trim().is_empty());
+        let master = var("MOONCAKE_MASTER").ok_or(MooncakeConfigError::Missing {
+            var: "MOONCAKE_MASTER",
+        })?;
+        let mut cfg = Self::new(master.trim());
+        if let Some(p) = var("MOONCAKE_PROTOCOL") {
+            cfg.protocol = p.trim().to_owned();
+        }
+        if let Some(d) = get("MOONCAKE_DEVICE") {
+            let d = d.trim();
+            if d.starts_with('{') {
+                return Err(MooncakeConfigError::Invalid {
+                    var: "MOONCAKE_DEVICE",
+                    value: d.to_owned(),
+                    reason: "per-rank JSON device maps are not supported; give the device name(s)"
+                        .into(),
+                });
+            }
+            cfg.device = d.to_owned();
+        }
+        if let Some(m) = var("MOONCAKE_TE_META_DATA_SERVER") {
+            cfg.metadata_server = m.trim().to_owned();
+        }
+        if let Some(v) = var("MOONCAKE_GLOBAL_SEGMENT_SIZE") {
+            cfg.global_segment_size = size_var("MOONCAKE_GLOBAL_SEGMENT_SIZE", &v)?;
+        }
+        if let Some((name, v)) = var("MOONCAKE_LOCAL_BUFFER_SIZE")
+            .map(|v| ("MOONCAKE_LOCAL_BUFFER_SIZE", v))
+            .or_else(|| {
+                var("SGLANG_MOONCAKE_LOCAL_BUFFER_SIZE")
+                    .map(|v| ("SGLANG_MOONCAKE_LOCAL_BUFFER_SIZE", v))
+            })
+        {
+            cfg.local_buffer_size = size_var(name, &v)?;
+        }
+        if let Some(h) = var("MOONCAKE_LOCAL_HOSTNAME").or_else(|| var("LOCAL_HOSTNAME")) {
+            cfg.local_hostname = h.trim().to_owned();
+        }
+        if let Some(l) = var("MOONCAKE_STORE_LIBRARY") {
+            cfg.library = Some(PathBuf::from(l));
+        }
+        Ok(cfg)
+    }
+
+    /// Transport: `tcp` or `rdma`.
+    pub fn protocol(mut self, protocol: impl Into<String>) -> Self {
+        self.protocol = protocol.into();
+        self
+    }
+
+    /// RDMA device name(s) (empty for TCP).
+    pub fn device(mut self, device: impl Into<String>) -> Self {
+        self.device = device.into();
+        self
+    }
+
+    /// Transfer-engine metadata service.
+    pub fn metadata_server(mut self, metadata_server: impl Into<String>) -> Self {
+        self.metadata_server = metadata_server.into();
+        self
+    }
+
+    /// Bytes of this process's RAM mounted into the pool (0: a pure client).
+    pub fn global_segment_size(mut self, bytes: u64) -> Self {
+        self.global_segment_size = bytes;
+        self
+    }
+
+    /// Bytes of the client's local staging buffer.
+    pub fn local_buffer_size(mut self, bytes: u64) -> Self {
+        self.local_buffer_size = bytes;
+        self
+    }
+
+    /// Address other clients reach this one at.
+    pub fn local_hostname(mut self, hostname: impl Into<String>) -> Self {
+        self.local_hostname = hostname.into();
+        self
+    }
+
+    /// The store library to load (default: mooncake-sys's search).
+    pub fn library(mut self, path: impl Into<PathBuf>) -> Self {
+        self.library = Some(path.into());
+        self
+    }
+
+    /// Replication of puts (default: one replica, no pinning).
+    pub fn replicate(mut self, replicate: ReplicateConfig) -> Self {
+        self.replicate = replicate;
+        self
+    }
+
+    /// The master's read lease (`--default_kv_lease_ttl`), reported in read sessions so that
+    /// callers renew in time.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The master's address.
+    pub fn master_addr(&self) -> &str {
+        &self.master
+    }
+
+    /// See [`protocol`](Self::protocol).
+    pub fn protocol_name(&self) -> &str {
+        &self.protocol
+    }
+
+    /// See [`device`](Self::device).
+    pub fn device_name(&self) -> &str {
+        &self.device
+    }
+
+    /// See [`metadata_server`](Self::metadata_server).
+    pub fn metadata_server_addr(&self) -> &str {
+        &self.metadata_server
+    }
+
+    /// See [`global_segment_size`](Self::global_segment_size).
+    pub fn global_segment_bytes(&self) -> u64 {
+        self.global_segment_size
+    }
+
+    /// See [`local_buffer_size`](Self::local_buffer_size).
+    pub fn local_buffer_bytes(&self) -> u64 {
+        self.local_buffer_size
+    }
+
+    /// See [`local_hostname`](Self::local_hostname).
+    pub fn hostname(&self) -> &str {
+        &self.local_hostname
+    }
+
+    /// See [`library`](Self::library).
+    pub fn library_path(&self) -> Option<&std::path::Path> {
+        self.library.as_deref()
+    }
+
+    /// See [`replicate`](Self::replicate).
+    pub fn replicate_config(&self) -> &ReplicateConfig {
+        &self.replicate
+    }
+
+    /// See [`lease`](Self::lease).
+    pub fn lease_duration(&self) -> Duration {
+        self.lease
+    }
+
+    pub(super) fn setup_args(&self) -> mooncake_sys::SetupArgs {
+        mooncake_sys::SetupArgs {
+            local_hostname: self.local_hostname.clone(),
+            metadata_server: self.metadata_server.clone(),
+            global_segment_size: self.global_segment_size,
+            local_buffer_size: self.local_buffer_size,
+            protocol: self.protocol.clone(),
+            device_name: self.device.clone(),
+            master_server_addr: self.master.clone(),
+        }
+    }
+}
+
+fn size_var(var: &'static str, value: &str) -> Result<u64, MooncakeConfigError> {
+    parse_size(value).ok_or_else(|| MooncakeConfigError::Invalid {
+        var,
+        value: value.to_owned(),
+        reason: "expected bytes or a size like 4gb, 512MB, 1 GB".into(),
+    })
+}
+
+/// Parses `"4294967296"`, `"4gb"`, `"4 GB"`, `"512mb"`, `"16MiB"`, `"64k"` (1024-based, like
+/// SGLang's `"Ngb"` and Mooncake's `"1 GB"`).
+pub fn parse_size(value: &str) -> Option<u64> {
+    let v = value.trim();
+    let split = v
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(v.len());
+    let (number, unit) = v.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let shift = match unit.as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
+    };
+    if number.contains('.') {
+        let x: f64 = number.parse().ok()?;
+        let bytes = x * (1u64 << shift) as f64;
+        (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+    } else {
+        number.parse::<u64>().ok()?.checked_mul(1u64 << shift)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4gb"), Some(4 << 30));
+        assert_eq!(parse_size("1 GB"), Some(1 << 30));
+        assert_eq!(parse_size("512MB"), Some(512 << 20));
+        assert_eq!(parse_size("16MiB"), Some(16 << 20));
+        assert_eq!(parse_size("1234"), Some(1234));
+        assert_eq!(parse_size("1.5g"), Some(3 << 29));
+        assert_eq!(parse_size("lots"), None);
+        assert_eq!(parse_size("4 parsecs"), None);
+        assert_eq!(parse_size("99999999999999t"), None);
+    }
+
+    #[test]
+    fn from_env_defaults_and_overrides() {
+        assert_eq!(
+            MooncakeConfig::from_lookup(lookup(&[])),
+            Err(MooncakeConfigError::Missing {
+                var: "MOONCAKE_MASTER"
+            })
+        );
+        let cfg =
+            MooncakeConfig::from_lookup(lookup(&[("MOONCAKE_MASTER", "10.0.0.1:50051")])).unwrap();
+        assert_eq!(cfg, MooncakeConfig::new("10.0.0.1:50051"));
+        assert_eq!(cfg.global_segment_bytes(), 4 << 30);
+        assert_eq!(cfg.local_buffer_bytes(), 16 << 20);
+        assert_eq!(cfg.metadata_server_addr(), "P2PHANDSHAKE");
+
+        let cfg = MooncakeConfig::from_lookup(lookup(&[
+            ("MOONCAKE_MASTER", "127.0.0.1:1"),
+            ("MOONCAKE_PROTOCOL", "rdma"),
+            ("MOONCAKE_DEVICE", "mlx5_0"),
+            (
+                "MOONCAKE_TE_META_DATA_SERVER",
+                "http://127.0.0.1:8080/metadata",
+            ),
+            ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "2gb"),
+            ("SGLANG_MOONCAKE_LOCAL_BUFFER_SIZE", "32mb"),
+            ("LOCAL_HOSTNAME", "node7"),
+            ("MOONCAKE_STORE_LIBRARY", "/opt/lib.so"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.protocol_name(), "rdma");
+        assert_eq!(cfg.device_name(), "mlx5_0");
+        assert_eq!(cfg.metadata_server_addr(), "http://127.0.0.1:8080/metadata");
+        assert_eq!(cfg.global_segment_bytes(), 2 << 30);
+        assert_eq!(cfg.local_buffer_bytes(), 32 << 20);
+        assert_eq!(cfg.hostname(), "node7");
+        assert_eq!(
+            cfg.library_path(),
+            Some(std::path::Path::new("/opt/lib.so"))
+        );
+
+        let err = MooncakeConfig::from_lookup(lookup(&[
+            ("MOONCAKE_MASTER", "m:1"),
+            ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "huge"),
+        ]))
+        .unwrap_err();
+        assert!(matches!(
+            err,
+            MooncakeConfigError::Invalid {
+                var: "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+                ..
+            }
+        ));
+        let err = MooncakeConfig::from_lookup(lookup(&[
+            ("MOONCAKE_MASTER", "m:1"),
+            ("MOONCAKE_DEVICE", "{\"0\": \"mlx5_0\"}"),
+        ]))
+        .unwrap_err();
+        assert!(matches!(
+            err,
+            MooncakeConfigError::Invalid {
+                var: "MOONCAKE_DEVICE",
+                ..
+            }
+        ));
+    }
+}

@@ -1,0 +1,613 @@
+//! [`MooncakeStore`]: [`KvStore`] on a real Mooncake Store through mooncake-sys.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError, Range};
+use parking_lot::Mutex;
+use tracing::{debug, warn};
+
+use super::config::MooncakeConfig;
+use crate::store::{
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
+};
+
+/// Read-session bookkeeping of one key: Mooncake's sessions are not reference counted (one
+/// `batch_get_session_end` ends it), so the store counts its users.
+#[derive(Debug, Default)]
+struct KeySession {
+    /// Pinned by [`KvStore::start_session`] until [`KvStore::end_session`].
+    explicit: bool,
+    /// Ranged reads in flight that opened (or joined) the session.
+    implicit: usize,
+}
+
+/// A [`KvStore`] on a Mooncake Store: one Mooncake client embedded in this process (it also
+/// lends `global_segment_size` bytes of RAM to the pool).
+///
+/// - Reads go straight into caller memory (`batch_get_into`, and ranged reads with
+///   `batch_get_into_multi_buffer_ranges`); register the destination once with
+///   [`KvStore::register`] (required for RDMA; TCP works either way).
+/// - Ranged reads need a Mooncake read session: keys that are not in one opened with
+///   [`KvStore::start_session`] get one for the duration of the call.
+/// - Puts are first-write-wins, as in Mooncake: keys found present are reported
+///   [`PutOutcome::AlreadyPresent`] and not written (a key that appears between the check and
+///   the write is reported `Written`, while Mooncake keeps the other writer's bytes).
+///   Single-part objects are put zero-copy; multi-part objects are gathered into one staging
+///   buffer first.
+/// - `remove` does not force: an object with a live read lease (10 s after a read or an
+///   exists check) is refused with [`StoreError::Lease`].
+/// - Each error carries the key; Mooncake codes map to [`StoreError`] variants (see
+///   [`store_error`]).
+pub struct MooncakeStore {
+    client: Client,
+    config: MooncakeConfig,
+    sessions: Mutex<HashMap<String, KeySession>>,
+}
+
+impl std::fmt::Debug for MooncakeStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MooncakeStore")
+            .field("config", &self.config)
+            .field("library", &self.client.library().path())
+            .finish()
+    }
+}
+
+impl MooncakeStore {
+    /// Loads the store library, creates a client and joins the cluster.
+    pub fn connect(config: MooncakeConfig) -> Result<Self, StoreError> {
+        let library = match config.library_path() {
+            Some(path) => Library::open(path),
+            None => Library::load_default(),
+        }
+        .map_err(|e| StoreError::Unavailable {
+            detail: e.to_string(),
+        })?;
+        Self::connect_with(library, config)
+    }
+
+    /// Like [`connect`](Self::connect), with an already loaded library.
+    pub fn connect_with(library: Arc<Library>, config: MooncakeConfig) -> Result<Self, StoreError> {
+        let client = Client::connect(library, &config.setup_args()).map_err(|e| {
+            StoreError::Unavailable {
+                detail: format!(
+                    "joining the Mooncake master at {} failed: {e}",
+                    config.master_addr()
+                ),
+            }
+        })?;
+        debug!(
+            master = config.master_addr(),
+            protocol = config.protocol_name(),
+            segment = config.global_segment_bytes(),
+            "mooncake store connected"
+        );
+        Ok(Self {
+            client,
+            config,
+            sessions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The configuration it was connected with.
+    pub fn config(&self) -> &MooncakeConfig {
+        &self.config
+    }
+
+    /// The underlying mooncake-sys client (for what the trait does not cover, e.g. upsert).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Opens (or joins) read sessions for `keys` for one ranged read; per distinct key, whether
+    /// it is in a session now. Holds the lock across the RPC so that a concurrent end cannot
+    /// overtake the start (and vice versa).
+    fn join_sessions(&self, keys: &[&str]) -> HashMap<String, Result<(), StoreError>> {
+        let mut sessions = self.sessions.lock();
+        let mut out = HashMap::with_capacity(keys.len());
+        let mut to_start: Vec<&str> = Vec::new();
+        for &k in keys {
+            if out.contains_key(k) {
+                continue;
+            }
+            if let Some(s) = sessions.get_mut(k) {
+                s.implicit += 1;
+                out.insert(k.to_owned(), Ok(()));
+            } else {
+                to_start.push(k);
+                out.insert(k.to_owned(), Ok(()));
+            }
+        }
+        if to_start.is_empty() {
+            return out;
+        }
+        for (k, r) in to_start.iter().zip(start_sessions(&self.client, &to_start)) {
+            match r {
+                Ok(()) => {
+                    sessions.entry((*k).to_owned()).or_default().implicit += 1;
+                }
+                Err(e) => {
+                    out.insert((*k).to_owned(), Err(e));
+                }
+            }
+        }
+        out
+    }
+
+    /// Undoes [`join_sessions`](Self::join_sessions) for the keys it put in a session.
+    fn leave_sessions<'a>(&self, keys: impl Iterator<Item = &'a str>) {
+        let mut sessions = self.sessions.lock();
+        let mut to_end = Vec::new();
+        for k in keys {
+            if let Some(s) = sessions.get_mut(k) {
+                s.implicit = s.implicit.saturating_sub(1);
+                if s.implicit == 0 && !s.explicit {
+                    sessions.remove(k);
+                    to_end.push(k);
+                }
+            }
+        }
+        if !to_end.is_empty() {
+            if let Err(e) = self.client.batch_get_session_end(&to_end) {
+                warn!(keys = to_end.len(), error = %e, "mooncake: ending read sessions failed");
+            }
+        }
+    }
+}
+
+fn start_sessions(client: &Client, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+    let (valid, mut out) = split_valid(keys);
+    if valid.is_empty() {
+        return out.into_iter().map(|r| r.map(|_| ())).collect();
+    }
+    let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
+    match client.batch_get_session_start(&names) {
+        Ok(results) => {
+            for (&i, r) in valid.iter().zip(results) {
+                out[i] = r.map_err(|c| code_error(keys[i], c));
+            }
+        }
+        Err(e) => {
+            for &i in &valid {
+                out[i] = Err(store_error(keys[i], &e));
+            }
+        }
+    }
+    out
+}
+
+/// Indices of keys Mooncake can take (no NUL byte), and a result vector with the others
+/// already failed.
+fn split_valid(keys: &[&str]) -> (Vec<usize>, Vec<Result<(), StoreError>>) {
+    let mut valid = Vec::with_capacity(keys.len());
+    let out = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            if k.contains('\0') {
+                Err(StoreError::InvalidArgument {
+                    key: (*k).to_owned(),
+                    detail: "key contains a NUL byte".into(),
+                })
+            } else {
+                valid.push(i);
+                Ok(())
+            }
+        })
+        .collect();
+    (valid, out)
+}
+
+/// Maps a Mooncake status code for `key` to a [`StoreError`].
+///
+/// | Mooncake codes | StoreError |
+/// |---|---|
+/// | OBJECT_NOT_FOUND (-704), REPLICA_NOT_FOUND, REPLICA_IS_GONE | `NotFound` |
+/// | NO_AVAILABLE_HANDLE (-200), BUFFER_OVERFLOW, quota/limit codes | `NoSpace` |
+/// | OBJECT_HAS_LEASE (-706), LEASE_EXPIRED (-707) | `Lease` |
+/// | TRANSFER_FAIL (-800), CHECKSUM_MISMATCH, WRITE_FAIL | `TransferFailed` |
+/// | RPC_TIMEOUT (-901) | `RpcTimeout` |
+/// | RPC_FAIL (-900), SEGMENT/CLIENT_NOT_FOUND, UNAVAILABLE_* | `Unavailable` |
+/// | INVALID_PARAMS (-600), INVALID_KEY/READ/WRITE, shim argument codes | `InvalidArgument` |
+/// | anything else | `Other` |
+pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
+    let key = key.to_owned();
+    match code.kind() {
+        ErrorKind::NotFound => StoreError::NotFound { key },
+        ErrorKind::NoSpace => StoreError::NoSpace {
+            key,
+            detail: code.to_string(),
+        },
+        ErrorKind::Lease => StoreError::Lease {
+            key,
+            detail: code.to_string(),
+        },
+        ErrorKind::Transfer => StoreError::TransferFailed {
+            key,
+            code: i64::from(code.raw()),
+        },
+        ErrorKind::Timeout => StoreError::RpcTimeout { key },
+        ErrorKind::Unavailable => StoreError::Unavailable {
+            detail: format!("`{key}`: {code}"),
+        },
+        ErrorKind::InvalidArgument => StoreError::InvalidArgument {
+            key,
+            detail: code.to_string(),
+        },
+        _ => StoreError::Other {
+            key,
+            code: i64::from(code.raw()),
+        },
+    }
+}
+
+/// Maps a whole-call mooncake-sys error to the [`StoreError`] of `key`.
+pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
+    match e {
+        MooncakeError::Status { code, .. } => code_error(key, *code),
+        MooncakeError::NulInString { .. } | MooncakeError::InvalidArguments { .. } => {
+            StoreError::InvalidArgument {
+                key: key.to_owned(),
+                detail: e.to_string(),
+            }
+        }
+        _ => StoreError::Unavailable {
+            detail: format!("`{key}`: {e}"),
+        },
+    }
+}
+
+fn per_key<T>(
+    keys: &[&str],
+    results: Result<Vec<mooncake_sys::KeyResult<T>>, MooncakeError>,
+    valid: &[usize],
+    out: &mut [Result<T, StoreError>],
+) {
+    match results {
+        Ok(results) => {
+            for (&i, r) in valid.iter().zip(results) {
+                out[i] = r.map_err(|c| code_error(keys[i], c));
+            }
+        }
+        Err(e) => {
+            for &i in valid {
+                out[i] = Err(store_error(keys[i], &e));
+            }
+        }
+    }
+}
+
+fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
+    Err(StoreError::Other {
+        key: key.to_owned(),
+        code: 0,
+    })
+}
+
+impl KvStore for MooncakeStore {
+    fn name(&self) -> &str {
+        "mooncake"
+    }
+
+    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
+        let (valid, checked) = split_valid(keys);
+        let mut out: Vec<Result<bool, StoreError>> =
+            checked.into_iter().map(|r| r.map(|()| false)).collect();
+        if valid.is_empty() {
+            return out;
+        }
+        let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
+        per_key(keys, self.client.batch_is_exist(&names), &valid, &mut out);
+        out
+    }
+
+    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
+        keys.iter()
+            .map(|k| self.client.get_size(k).map_err(|e| store_error(k, &e)))
+            .collect()
+    }
+
+    unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
+        let (valid, checked) = split_valid(&keys);
+        let mut out: Vec<Result<u64, StoreError>> =
+            checked.into_iter().map(|r| r.map(|()| 0)).collect();
+        let valid: Vec<usize> = valid
+            .into_iter()
+            .filter(|&i| {
+                if gets[i].dst.is_null() {
+                    out[i] = Err(StoreError::InvalidArgument {
+                        key: keys[i].to_owned(),
+                        detail: "null destination".into(),
+                    });
+                    false
+                } else {
+                    true
+                }
+            })
+            .collect();
+        if valid.is_empty() {
+            return out;
+        }
+        let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
+        let ckeys = match CKeys::new(&names) {
+            Ok(k) => k,
+            Err(e) => {
+                for &i in &valid {
+                    out[i] = Err(store_error(keys[i], &e));
+                }
+                return out;
+            }
+        };
+        let ptrs: Vec<*mut u8> = valid.iter().map(|&i| gets[i].dst).collect();
+        let sizes: Vec<usize> = valid.iter().map(|&i| gets[i].len).collect();
+        // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract) that each
+        // `dst` is valid for writes of `len` bytes, not accessed by anyone else during the call,
+        // and registered where the transport needs it; the call is synchronous.
+        let results = unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
+        per_key(&keys, results, &valid, &mut out);
+        out
+    }
+
+    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
+        let (valid, checked) = split_valid(&keys);
+        let mut out: Vec<Result<u64, StoreError>> =
+            checked.into_iter().map(|r| r.map(|()| 0)).collect();
+        // Gets with nothing to read succeed without I/O; null destinations are refused.
+        let valid: Vec<usize> = valid
+            .into_iter()
+            .filter(|&i| {
+                let g = &gets[i];
+                if g.ranges.iter().any(|r| r.dst.is_null()) {
+                    out[i] = Err(StoreError::InvalidArgument {
+                        key: g.key.to_owned(),
+                        detail: "null destination".into(),
+                    });
+                    return false;
+                }
+                !g.ranges.is_empty()
+            })
+            .collect();
+        if valid.is_empty() {
+            return out;
+        }
+        let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
+        let joined = self.join_sessions(&names);
+        // Keys in a session now; the others fail with the session's error.
+        let readable: Vec<usize> = valid
+            .iter()
+            .copied()
+            .filter(|&i| match &joined[keys[i]] {
+                Ok(()) => true,
+                Err(e) => {
+                    out[i] = Err(e.clone());
+                    false
+                }
+            })
+            .collect();
+        if !readable.is_empty() {
+            let read_names: Vec<&str> = readable.iter().map(|&i| keys[i]).collect();
+            match CKeys::new(&read_names) {
+                Err(e) => {
+                    for &i in &readable {
+                        out[i] = Err(store_error(keys[i], &e));
+                    }
+                }
+                Ok(ckeys) => {
+                    let counts: Vec<usize> =
+                        readable.iter().map(|&i| gets[i].ranges.len()).collect();
+                    let ranges: Vec<Range> = readable
+                        .iter()
+                        .flat_map(|&i| gets[i].ranges.iter())
+                        .map(|r| Range {
+                            dst: r.dst.cast(),
+                            size: r.len as u64,
+                            offset: r.offset,
+                        })
+                        .collect();
+                    // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer
+                    // contract) that every range's `dst` is valid for writes of `len` bytes, not
+                    // accessed by anyone else during the call, and registered where the
+                    // transport needs it; the call is synchronous.
+                    let results =
+                        unsafe { self.client.batch_get_ranges_raw(&ckeys, &counts, &ranges) };
+                    per_key(&keys, results, &readable, &mut out);
+                    for &i in &readable {
+                        let expected = gets[i].expected();
+                        if let Ok(got) = out[i] {
+                            if got != expected {
+                                out[i] = Err(StoreError::ShortRead {
+                                    key: keys[i].to_owned(),
+                                    expected,
+                                    got,
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let joined_ok = joined
+            .iter()
+            .filter(|(_, r)| r.is_ok())
+            .map(|(k, _)| k.as_str());
+        self.leave_sessions(joined_ok);
+        out
+    }
+
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        let keys: Vec<&str> = puts.iter().map(|p| p.key).collect();
+        let mut out: Vec<Result<PutOutcome, StoreError>> =
+            keys.iter().map(|k| failed_placeholder(k)).collect();
+        // First write wins: find the keys already there.
+        let exists = self.exists(&keys);
+        let mut to_write = Vec::new();
+        for (i, e) in exists.into_iter().enumerate() {
+            match e {
+                Ok(true) => out[i] = Ok(PutOutcome::AlreadyPresent),
+                Ok(false) if puts[i].is_empty() => {
+                    out[i] = Err(StoreError::InvalidArgument {
+                        key: keys[i].to_owned(),
+                        detail: "Mooncake cannot store an empty object".into(),
+                    })
+                }
+                Ok(false) if puts[i].parts.iter().any(|p| p.0.is_null() && p.1 > 0) => {
+                    out[i] = Err(StoreError::InvalidArgument {
+                        key: keys[i].to_owned(),
+                        detail: "null source".into(),
+                    })
+                }
+                Ok(false) => to_write.push(i),
+                Err(e) => out[i] = Err(e),
+            }
+        }
+        if to_write.is_empty() {
+            return out;
+        }
+        // Multi-part objects are gathered into staging buffers (kept alive until the put
+        // returns); single-part objects go zero-copy.
+        let mut staging: Vec<Vec<u8>> = Vec::new();
+        let mut ptrs: Vec<*mut u8> = Vec::with_capacity(to_write.len());
+        let mut sizes: Vec<usize> = Vec::with_capacity(to_write.len());
+        for &i in &to_write {
+            let parts = &puts[i].parts;
+            if let [(ptr, len)] = parts.as_slice() {
+                ptrs.push(ptr.cast_mut());
+                sizes.push(*len);
+            } else {
+                let mut buf = Vec::with_capacity(puts[i].len() as usize);
+                for &(ptr, len) in parts.iter().filter(|p| p.1 > 0) {
+                    // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer
+                    // contract) that every source part is valid for reads of its length and not
+                    // written during the call; null parts of length > 0 were refused above.
+                    buf.extend_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
+                }
+                ptrs.push(buf.as_mut_ptr());
+                sizes.push(buf.len());
+                staging.push(buf);
+            }
+        }
+        let names: Vec<&str> = to_write.iter().map(|&i| keys[i]).collect();
+        let results = match CKeys::new(&names) {
+            // SAFETY: every pointer is either a caller's single source part (valid for reads of
+            // its length for the whole call, by the trait's contract) or one of `staging`'s
+            // buffers, which live until the end of this function; the put is synchronous.
+            Ok(ckeys) => unsafe {
+                self.client.batch_put_from_raw(
+                    &ckeys,
+                    &ptrs,
+                    &sizes,
+                    self.config.replicate_config(),
+                )
+            },
+            Err(e) => Err(e),
+        };
+        let mut written: Vec<Result<(), StoreError>> = to_write
+            .iter()
+            .map(|&i| failed_placeholder(keys[i]))
+            .collect();
+        let positions: Vec<usize> = (0..to_write.len()).collect();
+        per_key(&names, results, &positions, &mut written);
+        for (&i, r) in to_write.iter().zip(written) {
+            out[i] = r.map(|()| PutOutcome::Written);
+        }
+        drop(staging);
+        out
+    }
+
+    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        keys.iter()
+            .map(|k| self.client.remove(k, false).map_err(|e| store_error(k, &e)))
+            .collect()
+    }
+
+    fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        // SAFETY: registering only tells the transfer engine about the region; Mooncake reads
+        // or writes it only inside this store's get/put calls, whose callers promise (KvStore's
+        // buffer contract) that the memory is valid for them. Between calls nothing touches it,
+        // so the region need not outlive the registration for memory safety (RDMA pins the
+        // pages in the kernel while registered).
+        unsafe {
+            self.client
+                .register_buffer(region.addr as *mut u8, region.len)
+        }
+        .map_err(|e| StoreError::InvalidArgument {
+            key: format!("<region {:#x}+{}>", region.addr, region.len),
+            detail: e.to_string(),
+        })
+    }
+
+    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        // SAFETY: as for `register`: no memory is accessed by unregistering. A transfer that
+        // another thread has in flight into the region would fail (a typed error of that call),
+        // not touch memory outside what its caller vouched for.
+        unsafe { self.client.unregister_buffer(region.addr as *mut u8) }.map_err(|e| {
+            StoreError::InvalidArgument {
+                key: format!("<region {:#x}+{}>", region.addr, region.len),
+                detail: e.to_string(),
+            }
+        })
+    }
+
+    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
+        let mut sessions = self.sessions.lock();
+        // Always asks the master: a repeated start renews the lease.
+        let results = start_sessions(&self.client, keys);
+        if let Some(pos) = results.iter().position(Result::is_err) {
+            // Undo what this call opened, keep what was open before.
+            let opened: Vec<&str> = keys
+                .iter()
+                .zip(&results)
+                .filter(|(k, r)| r.is_ok() && !sessions.contains_key(**k))
+                .map(|(k, _)| *k)
+                .collect();
+            if !opened.is_empty() {
+                if let Err(e) = self.client.batch_get_session_end(&opened) {
+                    warn!(error = %e, "mooncake: undoing a partial read session failed");
+                }
+            }
+            return Err(results[pos].clone().unwrap_err());
+        }
+        for k in keys {
+            sessions.entry((*k).to_owned()).or_default().explicit = true;
+        }
+        Ok(ReadSession {
+            keys: keys.iter().map(|k| (*k).to_owned()).collect(),
+            lease: Some(self.config.lease_duration()),
+        })
+    }
+
+    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
+        let mut sessions = self.sessions.lock();
+        let mut to_end = Vec::new();
+        for k in &session.keys {
+            if let Some(s) = sessions.get_mut(k) {
+                s.explicit = false;
+                if s.implicit == 0 {
+                    sessions.remove(k);
+                    to_end.push(k.as_str());
+                }
+            }
+        }
+        if to_end.is_empty() {
+            return Ok(());
+        }
+        self.client
+            .batch_get_session_end(&to_end)
+            .map_err(|e| store_error(to_end[0], &e))
+    }
+
+    fn health(&self) -> Result<(), StoreError> {
+        match self.client.health() {
+            Ok(Health::Healthy) => Ok(()),
+            Ok(other) => Err(StoreError::Unavailable {
+                detail: format!("Mooncake health check: {other:?}"),
+            }),
+            Err(e) => Err(StoreError::Unavailable {
+                detail: e.to_string(),
+            }),
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! A SIMULATION of a remote store for benchmarks: wraps a store and paces its reads as if
+//! they crossed a network — a link per client (its NIC) and one link shared by every client
+//! (the storage node's), each with a bandwidth, plus a latency per request. It moves no bytes
+//! over any network; everything it names says "simulated".
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::{
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
+};
+
+/// A modelled link: transfers queue on it first come, first served at `gbps`.
+#[derive(Debug)]
+pub struct SimulatedLink {
+    gbps: f64,
+    free_at: Mutex<Instant>,
+}
+
+impl SimulatedLink {
+    /// A link of `gbps` GB/s (1e9 bytes per second); non-positive means unlimited.
+    pub fn new(gbps: f64) -> Self {
+        SimulatedLink {
+            gbps,
+            free_at: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// Reserves the link for `bytes` from `now`; returns when the transfer ends.
+    fn reserve(&self, now: Instant, bytes: u64) -> Instant {
+        if !(self.gbps.is_finite() && self.gbps > 0.0) {
+            return now;
+        }
+        let mut free = self.free_at.lock();
+        let start = (*free).max(now);
+        let end = start + Duration::from_secs_f64(bytes as f64 / (self.gbps * 1e9));
+        *free = end;
+        end
+    }
+}
+
+/// One client's view of a simulated remote store: reads of the wrapped store are delayed
+/// until they would have crossed this client's link and the shared link, plus `latency` per
+/// batched call. Puts, lookups and everything else pass through unpaced.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use mooncake_linker::store::{EmbeddedStore, KvStore, SimulatedLink, SimulatedRemoteStore};
+/// let shared = Arc::new(SimulatedLink::new(2.0));
+/// let rank0 = SimulatedRemoteStore::new(Arc::new(EmbeddedStore::new(1 << 20)), shared, 1.5, Duration::from_micros(50));
+/// assert!(rank0.name().contains("simulated"));
+/// ```
+pub struct SimulatedRemoteStore {
+    inner: Arc<dyn KvStore>,
+    shared: Arc<SimulatedLink>,
+    own: SimulatedLink,
+    latency: Duration,
+    name: String,
+}
+
+impl SimulatedRemoteStore {
+    /// A client with a link of `client_gbps` to a store whose node link (`shared`) all
+    /// clients made with the same `shared` use.
+    pub fn new(
+        inner: Arc<dyn KvStore>,
+        shared: Arc<SimulatedLink>,
+        client_gbps: f64,
+        latency: Duration,
+    ) -> Self {
+        let name = format!(
+            "{} (SIMULATED remote: {} GB/s shared, {client_gbps} GB/s per client, {latency:?} per call)",
+            inner.name(),
+            shared.gbps
+        );
+        SimulatedRemoteStore {
+            inner,
+            own: SimulatedLink::new(client_gbps),
+            shared,
+            latency,
+            name,
+        }
+    }
+
+    fn pace(&self, started: Instant, bytes: u64) {
+        let done = self
+            .own
+            .reserve(started, bytes)
+            .max(self.shared.reserve(started, bytes))
+            + self.latency;
+        let now = Instant::now();
+        if done > now {
+            std::thread::sleep(done - now);
+        }
+    }
+}
+
+impl KvStore for SimulatedRemoteStore {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
+        self.inner.exists(keys)
+    }
+
+    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
+        self.inner.object_size(keys)
+    }
+
+    unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        let t0 = Instant::now();
+        // SAFETY: forwarded with the caller's own promise.
+        let r = unsafe { self.inner.get_into(gets) };
+        self.pace(t0, r.iter().flatten().sum());
+        r
+    }
+
+    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        let t0 = Instant::now();
+        // SAFETY: forwarded with the caller's own promise.
+        let r = unsafe { self.inner.get_ranges(gets) };
+        self.pace(t0, r.iter().flatten().sum());
+        r
+    }
+
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe { self.inner.put(puts) }
+    }
+
+    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        self.inner.remove(keys)
+    }
+
+    fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        self.inner.register(region)
+    }
+
+    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        self.inner.unregister(region)
+    }
+
+    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
+        self.inner.start_session(keys)
+    }
+
+    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
+        self.inner.end_session(session)
+    }
+
+    fn health(&self) -> Result<(), StoreError> {
+        self.inner.health()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{EmbeddedStore, ReadRange};
+
+    #[test]
+    fn concurrent_readers_share_the_node_link() {
+        let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+        let data = vec![7u8; 1 << 20];
+        let put = ObjectPut {
+            key: "o",
+            parts: [(data.as_ptr(), data.len())].into_iter().collect(),
+        };
+        // SAFETY: `data` is live and unchanged during the call.
+        assert!(unsafe { inner.put(&[put]) }[0].is_ok());
+        // 1 MiB at 0.5 GB/s shared: ≈ 2.1 ms alone, ≈ 4.2 ms for two readers together.
+        let shared = Arc::new(SimulatedLink::new(0.5));
+        let read = |s: &SimulatedRemoteStore| {
+            let mut out = vec![0u8; 1 << 20];
+            let g = RangedGet {
+                key: "o",
+                ranges: [ReadRange {
+                    dst: out.as_mut_ptr(),
+                    len: out.len(),
+                    offset: 0,
+                }]
+                .into_iter()
+                .collect(),
+            };
+            // SAFETY: `out` is ours and untouched during the call.
+            assert_eq!(unsafe { s.get_ranges(&[g]) }[0], Ok(1 << 20));
+        };
+        let a = SimulatedRemoteStore::new(inner.clone(), shared.clone(), 100.0, Duration::ZERO);
+        let b = SimulatedRemoteStore::new(inner, shared, 100.0, Duration::ZERO);
+        let t0 = Instant::now();
+        read(&a);
+        let alone = t0.elapsed();
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| read(&a));
+            s.spawn(|| read(&b));
+        });
+        let together = t0.elapsed();
+        assert!(alone >= Duration::from_micros(2000), "{alone:?}");
+        assert!(together >= Duration::from_micros(4000), "{together:?}");
+        assert!(a.name().contains("SIMULATED"));
+    }
+}

@@ -1,0 +1,926 @@
+//! `MooncakeStore` against a real Mooncake master.
+//!
+//! Run: `scripts/mooncake-build-shim.sh && scripts/with-mooncake.sh cargo test -p mooncake-linker
+//! --test mooncake_store`. Without `MOONCAKE_MASTER` the tests skip with a message;
+//! `KVLINK_REQUIRE_MOONCAKE=1` (CI) turns that into a failure.
+//!
+//! One test uses the master `with-mooncake.sh` started, through `MooncakeConfig::from_env`.
+//! The others each start a private `mooncake_master` (`MOONCAKE_MASTER_BIN`) on a free
+//! loopback port, so that no test's objects live in another test's segment (a segment goes
+//! away with its client) and the store-full and master-killed tests control the whole cluster.
+
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
+use mooncake_linker::store::{
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, StoreError,
+};
+
+// ---------------------------------------------------------------------------------- helpers
+
+fn require() -> bool {
+    std::env::var("KVLINK_REQUIRE_MOONCAKE").is_ok_and(|v| v == "1")
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// Whether Mooncake is there; says how to enable the test when it is not (or fails, in CI).
+#[allow(clippy::print_stderr)] // the skip message is the point
+fn available(test: &str, needs: &[&str]) -> bool {
+    let missing: Vec<&str> = std::iter::once("MOONCAKE_MASTER")
+        .chain(needs.iter().copied())
+        .filter(|v| env(v).is_none())
+        .collect();
+    if missing.is_empty() {
+        return true;
+    }
+    assert!(
+        !require(),
+        "{test}: KVLINK_REQUIRE_MOONCAKE=1 but {missing:?} unset; run under scripts/with-mooncake.sh"
+    );
+    eprintln!(
+        "skipping {test}: {missing:?} not set. To run it: scripts/mooncake-build-shim.sh && \
+         scripts/with-mooncake.sh cargo test -p mooncake-linker --test mooncake_store"
+    );
+    false
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `mooncake_master` of this test only, on 127.0.0.1; killed on drop.
+struct PrivateMaster {
+    child: Option<Child>,
+    addr: String,
+    log: PathBuf,
+}
+
+impl PrivateMaster {
+    fn start(extra: &[&str]) -> Self {
+        let bin = env("MOONCAKE_MASTER_BIN").expect("MOONCAKE_MASTER_BIN");
+        let port = free_port();
+        let metrics = free_port();
+        let log = std::env::temp_dir().join(format!("kvlink-master-{port}.log"));
+        let child = Command::new(bin)
+            .arg("--rpc_address=127.0.0.1")
+            .arg(format!("--rpc_port={port}"))
+            .arg("--metrics_host=127.0.0.1")
+            .arg(format!("--metrics_port={metrics}"))
+            .arg("--enable_http_metadata_server=false")
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .spawn()
+            .expect("start mooncake_master");
+        let addr = format!("127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(&addr).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "private master not listening on {addr}; log {}",
+                log.display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self {
+            child: Some(child),
+            addr,
+            log,
+        }
+    }
+
+    fn config(&self, segment: u64) -> MooncakeConfig {
+        let mut cfg = MooncakeConfig::new(&self.addr)
+            .local_hostname("127.0.0.1")
+            .global_segment_size(segment)
+            .local_buffer_size(16 << 20);
+        if let Some(lib) = env("MOONCAKE_STORE_LIBRARY") {
+            cfg = cfg.library(lib);
+        }
+        if let Some(p) = env("MOONCAKE_PROTOCOL") {
+            cfg = cfg.protocol(p);
+        }
+        cfg
+    }
+
+    /// SIGKILL, now.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateMaster {
+    fn drop(&mut self) {
+        self.kill();
+        // Keep the log of a failed test.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        }
+    }
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}-{}-{nanos}", std::process::id())
+}
+
+/// The same bytes the Python side generates: `(i * 131 + seed) % 251`.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| ((i * 131 + seed) % 251) as u8)
+        .collect()
+}
+
+fn put_one(store: &dyn KvStore, key: &str, data: &[u8]) -> Result<PutOutcome, StoreError> {
+    let put = ObjectPut {
+        key,
+        parts: [(data.as_ptr(), data.len())].into_iter().collect(),
+    };
+    // SAFETY: `data` is valid for reads of its length for the whole call.
+    unsafe { store.put(&[put]) }.remove(0)
+}
+
+fn get_one(store: &dyn KvStore, key: &str, cap: usize) -> Result<Vec<u8>, StoreError> {
+    let mut buf = vec![0u8; cap];
+    let get = ObjectGet {
+        key,
+        dst: buf.as_mut_ptr(),
+        len: cap,
+    };
+    // SAFETY: `buf` is valid for writes of `cap` bytes and not otherwise accessed.
+    let n = unsafe { store.get_into(&[get]) }.remove(0)?;
+    buf.truncate(n as usize);
+    Ok(buf)
+}
+
+fn python(script: &str, args: &[&str]) -> std::process::Output {
+    let py = env("MOONCAKE_PYTHON").unwrap_or_else(|| "python3".into());
+    let out = Command::new(py)
+        .env(
+            "PYTHONPATH",
+            env("MOONCAKE_PYTHONPATH").expect("MOONCAKE_PYTHONPATH"),
+        )
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("run the wheel's Python client");
+    assert!(
+        out.status.success(),
+        "python failed: {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Python prelude: a pure client (no segment) of the master in argv[1].
+const PY_CLIENT: &str = r#"
+import sys
+from mooncake.store import MooncakeDistributedStore
+def pattern(seed, n):
+    return bytes((i * 131 + seed) % 251 for i in range(n))
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", sys.argv[1])
+assert rc == 0, f"setup {rc}"
+"#;
+
+// ---------------------------------------------------------------------------------- tests
+
+/// The master of with-mooncake.sh, configured exactly as SGLang would be (environment).
+#[test]
+fn from_env_round_trip_exists_missing_remove() {
+    if !available("from_env_round_trip_exists_missing_remove", &[]) {
+        return;
+    }
+    let cfg = MooncakeConfig::from_env().expect("MOONCAKE_* environment");
+    let store = MooncakeStore::connect(cfg).expect("connect");
+    store.health().unwrap();
+    assert_eq!(store.name(), "mooncake");
+
+    let a = unique("rt-a");
+    let data = pattern(3, 100_000);
+    assert_eq!(put_one(&store, &a, &data), Ok(PutOutcome::Written));
+    assert_eq!(
+        put_one(&store, &a, &pattern(4, 100_000)),
+        Ok(PutOutcome::AlreadyPresent)
+    );
+    assert_eq!(
+        get_one(&store, &a, 200_000).unwrap(),
+        data,
+        "first write wins"
+    );
+    assert_eq!(store.object_size(&[&a]), vec![Ok(100_000)]);
+
+    // Multi-part put: the object is the concatenation.
+    let b = unique("rt-b");
+    let (p1, p2) = (pattern(5, 1000), pattern(6, 3000));
+    let put = ObjectPut {
+        key: &b,
+        parts: [(p1.as_ptr(), p1.len()), (p2.as_ptr(), p2.len())]
+            .into_iter()
+            .collect(),
+    };
+    // SAFETY: both parts are valid for reads for the call.
+    assert_eq!(unsafe { store.put(&[put]) }, vec![Ok(PutOutcome::Written)]);
+    assert_eq!(get_one(&store, &b, 4000).unwrap(), [p1, p2].concat());
+
+    // exists / missing.
+    let missing = unique("rt-missing");
+    assert_eq!(
+        store.exists(&[&a, &missing, &b]),
+        vec![Ok(true), Ok(false), Ok(true)]
+    );
+    assert_eq!(
+        get_one(&store, &missing, 16),
+        Err(StoreError::NotFound {
+            key: missing.clone()
+        })
+    );
+    assert_eq!(
+        store.object_size(&[&missing]),
+        vec![Err(StoreError::NotFound {
+            key: missing.clone()
+        })]
+    );
+    // A too-small destination is the caller's error, for that key.
+    assert!(matches!(
+        get_one(&store, &a, 10),
+        Err(StoreError::InvalidArgument { key, .. }) if key == a
+    ));
+
+    // remove: a never-read object goes at once; a just-read one holds a lease.
+    let c = unique("rt-c");
+    put_one(&store, &c, &pattern(7, 64)).unwrap();
+    assert_eq!(store.remove(&[&c]), vec![Ok(())]);
+    assert_eq!(store.exists(&[&c]), vec![Ok(false)]);
+    assert!(matches!(&store.remove(&[&a])[0], Err(StoreError::Lease { key, .. }) if *key == a));
+    assert_eq!(
+        store.remove(&[&missing]),
+        vec![Err(StoreError::NotFound {
+            key: missing.clone()
+        })]
+    );
+}
+
+/// Pages are objects laid out layer after layer; a load reads a few layers of every page
+/// straight into a layer-major pool, as the linker does.
+#[test]
+fn ranged_reads_of_several_layers_of_several_pages() {
+    if !available(
+        "ranged_reads_of_several_layers_of_several_pages",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let store = MooncakeStore::connect(master.config(64 << 20)).expect("connect");
+    const PAGES: usize = 5;
+    const LAYERS: usize = 6;
+    const LAYER_BYTES: usize = 4096;
+    let keys: Vec<String> = (0..PAGES).map(|p| unique(&format!("page{p}"))).collect();
+    let objects: Vec<Vec<u8>> = (0..PAGES)
+        .map(|p| pattern(p as u64 * 17 + 1, LAYERS * LAYER_BYTES))
+        .collect();
+    for (k, o) in keys.iter().zip(&objects) {
+        assert_eq!(put_one(&store, k, o), Ok(PutOutcome::Written));
+    }
+
+    // pool[layer][page] = LAYER_BYTES; read layers 1, 3 and 4.
+    let read_layers = [1usize, 3, 4];
+    let mut pool = vec![0u8; LAYERS * PAGES * LAYER_BYTES];
+    let region = MemoryRegion {
+        addr: pool.as_mut_ptr() as usize,
+        len: pool.len(),
+    };
+    store.register(region).unwrap();
+    let base = pool.as_mut_ptr();
+    let slot = |layer: usize, page: usize| (layer * PAGES + page) * LAYER_BYTES;
+
+    let gets = |pages: &[usize]| -> Vec<RangedGet<'_>> {
+        pages
+            .iter()
+            .map(|&p| RangedGet {
+                key: &keys[p],
+                ranges: read_layers
+                    .iter()
+                    .map(|&l| ReadRange {
+                        // SAFETY: slot() < pool.len() - LAYER_BYTES, inside `pool`.
+                        dst: unsafe { base.add(slot(l, p)) },
+                        len: LAYER_BYTES,
+                        offset: (l * LAYER_BYTES) as u64,
+                    })
+                    .collect(),
+            })
+            .collect()
+    };
+    // Without an explicit session (the store opens one for the call), pages 0..3 ...
+    let first = gets(&[0, 1, 2]);
+    // SAFETY: the destinations are distinct slots of `pool`, registered, untouched meanwhile.
+    let got = unsafe { store.get_ranges(&first) };
+    assert_eq!(got, vec![Ok((3 * LAYER_BYTES) as u64); 3]);
+    // ... and inside an explicit session, the rest.
+    let rest: Vec<&str> = keys[3..].iter().map(String::as_str).collect();
+    let session = store.start_session(&rest).unwrap();
+    assert_eq!(session.lease, Some(Duration::from_secs(10)));
+    let second = gets(&[3, 4]);
+    // SAFETY: as above.
+    let got = unsafe { store.get_ranges(&second) };
+    assert_eq!(got, vec![Ok((3 * LAYER_BYTES) as u64); 2]);
+    store.end_session(&session).unwrap();
+
+    for p in 0..PAGES {
+        for l in 0..LAYERS {
+            let s = &pool[slot(l, p)..slot(l, p) + LAYER_BYTES];
+            if read_layers.contains(&l) {
+                assert_eq!(
+                    s,
+                    &objects[p][l * LAYER_BYTES..(l + 1) * LAYER_BYTES],
+                    "page {p} layer {l}"
+                );
+            } else {
+                assert!(
+                    s.iter().all(|&b| b == 0),
+                    "page {p} layer {l} must be untouched"
+                );
+            }
+        }
+    }
+
+    // A batch can partly fail: a missing page and a range past the end, next to a good one.
+    let missing = unique("page-missing");
+    let mut small = vec![0u8; 2 * LAYER_BYTES];
+    let sp = small.as_mut_ptr();
+    let mixed = vec![
+        RangedGet {
+            key: &keys[0],
+            ranges: [ReadRange {
+                dst: sp,
+                len: LAYER_BYTES,
+                offset: 0,
+            }]
+            .into_iter()
+            .collect(),
+        },
+        RangedGet {
+            key: &missing,
+            ranges: [ReadRange {
+                // SAFETY: LAYER_BYTES + 16 <= small.len(): inside `small`.
+                dst: unsafe { sp.add(LAYER_BYTES) },
+                len: 16,
+                offset: 0,
+            }]
+            .into_iter()
+            .collect(),
+        },
+        RangedGet {
+            key: &keys[1],
+            ranges: [ReadRange {
+                // SAFETY: LAYER_BYTES + 128 <= small.len(): inside `small`.
+                dst: unsafe { sp.add(LAYER_BYTES + 64) },
+                len: 64,
+                offset: (LAYERS * LAYER_BYTES - 32) as u64,
+            }]
+            .into_iter()
+            .collect(),
+        },
+    ];
+    // SAFETY: distinct ranges of `small`, untouched meanwhile.
+    let got = unsafe { store.get_ranges(&mixed) };
+    assert_eq!(got[0], Ok(LAYER_BYTES as u64));
+    assert_eq!(
+        got[1],
+        Err(StoreError::NotFound {
+            key: missing.clone()
+        })
+    );
+    assert!(
+        matches!(&got[2], Err(StoreError::InvalidArgument { key, .. }) if *key == keys[1]),
+        "{:?}",
+        got[2]
+    );
+    assert_eq!(&small[..LAYER_BYTES], &objects[0][..LAYER_BYTES]);
+    store.unregister(region).unwrap();
+}
+
+#[test]
+fn store_full_is_no_space_with_the_key() {
+    if !available(
+        "store_full_is_no_space_with_the_key",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    // The only segment of this cluster: 16 MiB (Mooncake's minimum).
+    let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
+    let big_key = unique("full-big");
+    let big = pattern(1, 32 << 20);
+    assert!(
+        matches!(put_one(&store, &big_key, &big), Err(StoreError::NoSpace { key, .. }) if key == big_key),
+        "an object larger than the whole pool"
+    );
+    // A batch that overflows: some keys fail with NoSpace, each error names its key.
+    let keys: Vec<String> = (0..40).map(|i| unique(&format!("full-{i}"))).collect();
+    let data = pattern(2, 1 << 20);
+    let puts: Vec<ObjectPut<'_>> = keys
+        .iter()
+        .map(|k| ObjectPut {
+            key: k,
+            parts: [(data.as_ptr(), data.len())].into_iter().collect(),
+        })
+        .collect();
+    // SAFETY: `data` is valid for reads for the call.
+    let got = unsafe { store.put(&puts) };
+    let full: Vec<&String> = got
+        .iter()
+        .zip(&keys)
+        .filter_map(|(r, k)| match r {
+            Err(StoreError::NoSpace { key, .. }) => {
+                assert_eq!(key, k);
+                Some(k)
+            }
+            Ok(PutOutcome::Written) => None,
+            other => panic!("{k}: unexpected {other:?}"),
+        })
+        .collect();
+    assert!(
+        !full.is_empty(),
+        "24 MiB into an 8 MiB pool must not all fit"
+    );
+    assert!(full.len() < keys.len(), "some objects fit");
+}
+
+#[test]
+fn python_client_writes_rust_reads_byte_for_byte() {
+    if !available(
+        "python_client_writes_rust_reads_byte_for_byte",
+        &["MOONCAKE_MASTER_BIN", "MOONCAKE_PYTHONPATH"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    // The Rust store holds the only segment, so the Python client's put lands in it and
+    // outlives the Python process.
+    let store = MooncakeStore::connect(master.config(64 << 20)).expect("connect");
+    let key = unique("py2rs");
+    let n = (1 << 20) + 123;
+    python(
+        &format!(
+            "{PY_CLIENT}\nrc = s.put(sys.argv[2], pattern(11, {n}))\nassert rc == 0, rc\ns.close()"
+        ),
+        &[&master.addr, &key],
+    );
+    let got = get_one(&store, &key, n + 100).unwrap();
+    assert_eq!(got.len(), n);
+    assert!(got == pattern(11, n), "bytes differ");
+}
+
+#[test]
+fn rust_writes_python_client_reads_byte_for_byte() {
+    if !available(
+        "rust_writes_python_client_reads_byte_for_byte",
+        &["MOONCAKE_MASTER_BIN", "MOONCAKE_PYTHONPATH"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let store = MooncakeStore::connect(master.config(64 << 20)).expect("connect");
+    let key = unique("rs2py");
+    let n = (1 << 20) + 77;
+    let data = pattern(23, n);
+    assert_eq!(put_one(&store, &key, &data), Ok(PutOutcome::Written));
+    let out = std::env::temp_dir().join(format!("{key}.bin"));
+    python(
+        &format!(
+            "{PY_CLIENT}\nv = s.get(sys.argv[2])\nassert len(v) == {n}, len(v)\n\
+             open(sys.argv[3], 'wb').write(v)\ns.close()"
+        ),
+        &[&master.addr, &key, out.to_str().unwrap()],
+    );
+    let got = std::fs::read(&out).unwrap();
+    let _ = std::fs::remove_file(&out);
+    assert!(got == data, "bytes differ");
+}
+
+#[test]
+fn master_killed_mid_batch_is_a_typed_error_in_bounded_time() {
+    if !available(
+        "master_killed_mid_batch_is_a_typed_error_in_bounded_time",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let mut master = PrivateMaster::start(&[]);
+    let store = Arc::new(MooncakeStore::connect(master.config(64 << 20)).expect("connect"));
+    const N: usize = 32;
+    const SIZE: usize = 256 << 10;
+    let keys: Vec<String> = (0..N).map(|i| unique(&format!("kill{i}"))).collect();
+    let data = pattern(5, SIZE);
+    for k in &keys {
+        put_one(&*store, k, &data).unwrap();
+    }
+
+    // A reader loops over batched ranged reads until one fails.
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (store, keys, stop) = (Arc::clone(&store), keys.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut dst = vec![0u8; N * SIZE];
+            let base = dst.as_mut_ptr();
+            let mut ok_batches = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let gets: Vec<RangedGet<'_>> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| RangedGet {
+                        key: k,
+                        ranges: [ReadRange {
+                            // SAFETY: slot i of `dst`.
+                            dst: unsafe { base.add(i * SIZE) },
+                            len: SIZE,
+                            offset: 0,
+                        }]
+                        .into_iter()
+                        .collect(),
+                    })
+                    .collect();
+                // SAFETY: distinct slots of `dst`, owned by this thread.
+                let got = unsafe { store.get_ranges(&gets) };
+                if let Some(e) = got.into_iter().find_map(Result::err) {
+                    return (ok_batches, Some((Instant::now(), e)));
+                }
+                ok_batches += 1;
+            }
+            (ok_batches, None)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let killed_at = Instant::now();
+    master.kill();
+    // Bounded: the reader must report within 30 s (measured: well under 5 s).
+    let deadline = killed_at + Duration::from_secs(30);
+    while !reader.is_finished() {
+        if Instant::now() > deadline {
+            stop.store(true, Ordering::Relaxed);
+            panic!("no error 30 s after the master was killed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (ok_batches, failure) = reader.join().unwrap();
+    let (failed_at, err) = failure.expect("reads must fail once the master is gone");
+    assert!(ok_batches > 0, "some batches ran before the kill");
+    let elapsed = failed_at.saturating_duration_since(killed_at);
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}");
+    assert!(
+        matches!(
+            err,
+            StoreError::Unavailable { .. }
+                | StoreError::RpcTimeout { .. }
+                | StoreError::TransferFailed { .. }
+        ),
+        "{err:?}"
+    );
+    // Other calls fail typed too.
+    let exists = store.exists(&[&keys[0]]);
+    assert!(
+        matches!(
+            exists[0],
+            Err(StoreError::Unavailable { .. } | StoreError::RpcTimeout { .. })
+        ),
+        "{exists:?}"
+    );
+    // Health follows the client's heartbeat to the master: it turns within a few periods.
+    let deadline = killed_at + Duration::from_secs(30);
+    while store.health().is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "health still ok 30 s after the kill"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    report(&format!(
+        "master killed: first failed batch after {elapsed:?} ({err}); health unavailable after {:?}",
+        killed_at.elapsed()
+    ));
+}
+
+/// Measurements go to stderr (shown with --nocapture).
+#[allow(clippy::print_stderr)]
+fn report(line: &str) {
+    eprintln!("[mooncake_store] {line}");
+}
+
+/// A `mooncake_client` storage node of this test only; killed on drop.
+struct StorageNode(Child);
+
+impl StorageNode {
+    fn start(master: &PrivateMaster, segment: &str) -> Self {
+        let bin = env("MOONCAKE_CLIENT_BIN").expect("MOONCAKE_CLIENT_BIN");
+        let port = free_port();
+        let child = Command::new(bin)
+            .arg("--host=127.0.0.1")
+            .arg(format!("--port={port}"))
+            .arg(format!("--global_segment_size={segment}"))
+            .arg("--metadata_server=P2PHANDSHAKE")
+            .arg(format!("--master_server_address={}", master.addr))
+            .arg("--protocol=tcp")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start mooncake_client");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "storage node not listening");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self(child)
+    }
+}
+
+impl Drop for StorageNode {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Rust `MooncakeStore` ranged batched reads vs the wheel's Python client `batch_get_into`, on
+/// the same objects held by a separate storage node (`mooncake_client`), same run. Both readers
+/// are pure clients in their own process, reading over TCP loopback.
+#[test]
+#[ignore = "benchmark: scripts/with-mooncake.sh cargo test -p mooncake-linker --test mooncake_store -- --ignored --nocapture"]
+fn bench_rust_ranged_reads_vs_python_batch_get_into() {
+    if !available(
+        "bench_rust_ranged_reads_vs_python_batch_get_into",
+        &[
+            "MOONCAKE_MASTER_BIN",
+            "MOONCAKE_CLIENT_BIN",
+            "MOONCAKE_PYTHONPATH",
+        ],
+    ) {
+        return;
+    }
+    const OBJECTS: usize = 64;
+    const LAYERS: usize = 8;
+    const LAYER_BYTES: usize = 128 << 10; // 1 MiB objects
+    const OBJ: usize = LAYERS * LAYER_BYTES;
+    const ITERS: usize = 20;
+    let master = PrivateMaster::start(&[]);
+    let _node = StorageNode::start(&master, "1 GB");
+    // A pure client: every object lands on the storage node.
+    let store =
+        MooncakeStore::connect(master.config(0).local_buffer_size(64 << 20)).expect("connect");
+    let total_bytes = OBJECTS * OBJ;
+    let keys: Vec<String> = (0..OBJECTS).map(|i| unique(&format!("bench{i}"))).collect();
+    let data: Vec<Vec<u8>> = (0..OBJECTS).map(|i| pattern(i as u64, OBJ)).collect();
+    let puts: Vec<ObjectPut<'_>> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| ObjectPut {
+            key: k,
+            parts: [(d.as_ptr(), d.len())].into_iter().collect(),
+        })
+        .collect();
+    // SAFETY: `data` outlives the call.
+    assert!(unsafe { store.put(&puts) }
+        .iter()
+        .all(|r| r == &Ok(PutOutcome::Written)));
+
+    let mut dst = vec![0u8; OBJECTS * OBJ];
+    let region = MemoryRegion {
+        addr: dst.as_mut_ptr() as usize,
+        len: dst.len(),
+    };
+    store.register(region).unwrap();
+    let base = dst.as_mut_ptr();
+    let ranged = |layers: &[usize]| -> Vec<RangedGet<'_>> {
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| RangedGet {
+                key: k,
+                ranges: layers
+                    .iter()
+                    .map(|&l| ReadRange {
+                        // SAFETY: object slot i, layer l: inside `dst`.
+                        dst: unsafe { base.add(i * OBJ + l * LAYER_BYTES) },
+                        len: LAYER_BYTES,
+                        offset: (l * LAYER_BYTES) as u64,
+                    })
+                    .collect(),
+            })
+            .collect()
+    };
+    let all_layers: Vec<usize> = (0..LAYERS).collect();
+    let read_ranges = |gets: &[RangedGet<'_>]| {
+        // SAFETY: distinct slots of `dst` (registered), untouched meanwhile.
+        let got = unsafe { store.get_ranges(gets) };
+        assert!(
+            got.iter().all(Result::is_ok),
+            "{:?}",
+            got.iter().find(|r| r.is_err())
+        );
+    };
+    let eight = ranged(&all_layers);
+    let one_layer = ranged(&[3]);
+    let whole_as_range: Vec<RangedGet<'_>> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| RangedGet {
+            key: k,
+            ranges: [ReadRange {
+                // SAFETY: object slot i: inside `dst`.
+                dst: unsafe { base.add(i * OBJ) },
+                len: OBJ,
+                offset: 0,
+            }]
+            .into_iter()
+            .collect(),
+        })
+        .collect();
+    let whole: Vec<ObjectGet<'_>> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| ObjectGet {
+            key: k,
+            // SAFETY: object slot i: inside `dst`.
+            dst: unsafe { base.add(i * OBJ) },
+            len: OBJ,
+        })
+        .collect();
+    let names: Vec<&str> = keys.iter().map(String::as_str).collect();
+
+    // The wheel's Python client in its own process, reading the same objects on command, so
+    // that its iterations interleave with the Rust ones (the machine's load drifts).
+    let script = format!(
+        r#"
+import sys, ctypes, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", sys.argv[1]) == 0
+keys = sys.argv[2].split(",")
+buf = ctypes.create_string_buffer({OBJECTS} * {OBJ})
+p = ctypes.addressof(buf)
+assert s.register_buffer(p, {OBJECTS} * {OBJ}) == 0
+ptrs = [p + i * {OBJ} for i in range(len(keys))]
+L, LB = {LAYERS}, {LAYER_BYTES}
+rptrs = [[q + l * LB for l in range(L)] for q in ptrs]
+rsizes = [[LB] * L] * len(keys)
+roffs = [[l * LB for l in range(L)]] * len(keys)
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    t0 = time.perf_counter()
+    if cmd == "get":
+        r = s.batch_get_into(keys, ptrs, [{OBJ}] * len(keys))
+    elif cmd == "ranges":
+        assert all(x == 0 for x in s.batch_get_session_start(keys))
+        r = s.batch_get_into_multi_buffer_ranges(keys, rptrs, rsizes, roffs)
+        s.batch_get_session_end(keys)
+    else:
+        break
+    dt = time.perf_counter() - t0
+    assert all(x == {OBJ} for x in r), r
+    print(dt, flush=True)
+s.close()
+"#
+    );
+    let mut py = Command::new(env("MOONCAKE_PYTHON").unwrap_or_else(|| "python3".into()))
+        .env(
+            "PYTHONPATH",
+            env("MOONCAKE_PYTHONPATH").expect("MOONCAKE_PYTHONPATH"),
+        )
+        .arg("-c")
+        .arg(&script)
+        .arg(&master.addr)
+        .arg(keys.join(","))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the Python reader");
+    let mut py_in = py.stdin.take().unwrap();
+    let mut py_out = std::io::BufReader::new(py.stdout.take().unwrap());
+    let mut py_line = |cmd: &str| -> f64 {
+        use std::io::{BufRead, Write};
+        if !cmd.is_empty() {
+            writeln!(py_in, "{cmd}").unwrap();
+            py_in.flush().unwrap();
+        }
+        let mut l = String::new();
+        py_out.read_line(&mut l).unwrap();
+        l.trim().parse().unwrap_or(f64::NAN)
+    };
+    py_line(""); // "ready"
+
+    let timed = |f: &dyn Fn()| {
+        let start = Instant::now();
+        f();
+        start.elapsed().as_secs_f64()
+    };
+    // (name, bytes per iteration, times)
+    let mut results: Vec<(String, usize, Vec<f64>)> = [
+        "rust get_into (batch_get_into, whole objects)".to_owned(),
+        "python batch_get_into (whole objects)".to_owned(),
+        format!("rust get_ranges, {LAYERS} ranges/object"),
+        format!("python session + {LAYERS} ranges/object + end"),
+        "rust get_ranges, 1 range = whole object".to_owned(),
+        format!("rust get_ranges, {LAYERS} ranges/object, explicit session"),
+        "rust get_ranges, 1 layer/object".to_owned(),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, n)| {
+        (
+            n,
+            if i == 6 {
+                total_bytes / LAYERS
+            } else {
+                total_bytes
+            },
+            Vec::new(),
+        )
+    })
+    .collect();
+    for _ in 0..ITERS {
+        let round = [
+            timed(&|| {
+                // SAFETY: distinct slots of `dst` (registered), untouched meanwhile.
+                let got = unsafe { store.get_into(&whole) };
+                assert!(got.iter().all(Result::is_ok));
+            }),
+            py_line("get"),
+            timed(&|| read_ranges(&eight)),
+            py_line("ranges"),
+            timed(&|| read_ranges(&whole_as_range)),
+            timed(&|| {
+                let session = store.start_session(&names).unwrap();
+                read_ranges(&eight);
+                store.end_session(&session).unwrap();
+            }),
+            timed(&|| read_ranges(&one_layer)),
+        ];
+        for (r, t) in results.iter_mut().zip(round) {
+            r.2.push(t);
+        }
+    }
+    py_line("quit");
+    let _ = py.wait();
+    for (i, d) in data.iter().enumerate() {
+        assert!(dst[i * OBJ..(i + 1) * OBJ] == d[..], "object {i}");
+    }
+    store.unregister(region).unwrap();
+
+    let gib = |bytes: usize, secs: f64| bytes as f64 / secs / f64::from(1u32 << 30);
+    report(&format!(
+        "{OBJECTS} objects x {LAYERS} layers x {} KiB on a storage node, TCP loopback, \
+         interleaved, median of {ITERS} (min):",
+        LAYER_BYTES >> 10
+    ));
+    let medians: Vec<f64> = results
+        .iter()
+        .map(|(name, bytes, t)| {
+            let min = t.iter().copied().fold(f64::INFINITY, f64::min);
+            let m = median(t.clone());
+            report(&format!(
+                "  {name:<56} {:>7.1} ms = {:.2} GiB/s  (best {:.2} GiB/s)",
+                m * 1e3,
+                gib(*bytes, m),
+                gib(*bytes, min)
+            ));
+            m
+        })
+        .collect();
+    report(&format!(
+        "  python/rust time ratio: batch_get_into {:.2}; {LAYERS} ranges/object {:.2}; \
+         rust ranged vs python batch_get_into {:.2}",
+        medians[1] / medians[0],
+        medians[3] / medians[2],
+        medians[1] / medians[2]
+    ));
+}

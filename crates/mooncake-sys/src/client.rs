@@ -1,0 +1,314 @@
+//! The safe client handle.
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::error::{ErrorCode, MooncakeError, Result};
+use crate::library::Library;
+use crate::result::{self, CKeys, ReplicateConfig, SetupArgs};
+use crate::sys::KvlinkMcRange;
+
+/// Per-key outcome of a batch call.
+pub type KeyResult<T> = std::result::Result<T, ErrorCode>;
+
+/// What `health_check` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// Set up and the master answers.
+    Healthy,
+    /// Not set up, or closed.
+    Closed,
+    /// The master does not answer.
+    MasterUnreachable,
+    /// A value this crate does not know.
+    Other(i32),
+}
+
+/// A Mooncake store client (`RealClient` inside the loaded library), set up and connected.
+///
+/// The client is shared between threads by reference (`&Client`); all methods take `&self`.
+/// Dropping it tears the client down (`tearDownAll`: its segment is unmounted, so objects held
+/// only there disappear) and frees it.
+///
+/// Memory handed to the client: methods taking slices only use them for the duration of the
+/// call (Mooncake's calls are synchronous and wait for their transfers). The `*_raw` methods
+/// take raw pointers for zero-copy into registered regions; their contracts are on each.
+pub struct Client {
+    lib: Arc<Library>,
+    store: NonNull<c_void>,
+}
+
+// SAFETY: the handle is a heap-allocated `shared_ptr<RealClient>` that is not tied to the
+// thread that created it. `RealClient` is used concurrently from many threads by its Python
+// users (SGLang's HiCache backend) and by upstream's own Rust crate (which declares its store
+// `Send + Sync`); kvlink's own test with 4 threads sharing one client saw no error (brief §7).
+// The only operation needing exclusivity, `destroy`, happens in `Drop` (which has `&mut self`).
+unsafe impl Send for Client {}
+// SAFETY: see `Send` above: every `&self` method is a thread-safe call into `RealClient`.
+unsafe impl Sync for Client {}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("library", &self.lib.path())
+            .field("handle", &self.store)
+            .finish()
+    }
+}
+
+impl Client {
+    /// Creates a client and sets it up (mounts `global_segment_size` bytes of this process's
+    /// RAM into the pool, connects to the master).
+    pub fn connect(lib: Arc<Library>, args: &SetupArgs) -> Result<Self> {
+        let store = result::create(&lib)?;
+        let store = NonNull::new(store).ok_or(MooncakeError::CreateFailed { message: None })?;
+        let client = Self { lib, store };
+        // SAFETY: `client.store` was just created by `client.lib`; on failure `client` is
+        // dropped, which destroys the handle exactly once.
+        unsafe { result::setup(&client.lib, client.raw(), args) }?;
+        Ok(client)
+    }
+
+    /// The library this client lives in.
+    pub fn library(&self) -> &Arc<Library> {
+        &self.lib
+    }
+
+    /// The raw handle, for [`crate::result`] calls. It stays valid while `self` lives.
+    pub fn raw(&self) -> *mut c_void {
+        self.store.as_ptr()
+    }
+
+    /// `health_check`.
+    pub fn health(&self) -> Result<Health> {
+        // SAFETY: `self.store` is a live handle of `self.lib` until `Drop`.
+        let v = unsafe { result::health_check(&self.lib, self.raw()) }?;
+        Ok(match v {
+            0 => Health::Healthy,
+            1 => Health::Closed,
+            2 => Health::MasterUnreachable,
+            other => Health::Other(other),
+        })
+    }
+
+    /// Puts `value` under `key` (first write wins: an existing key is left as it is).
+    pub fn put(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> Result<()> {
+        // SAFETY: live handle (see `health`); `value` is a valid slice for the whole call.
+        unsafe { result::put(&self.lib, self.raw(), key, value, cfg) }
+    }
+
+    /// Reads the whole object `key` into `buf` (which must be at least as large as the object)
+    /// and returns its size.
+    pub fn get_into(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
+        // SAFETY: live handle; `buf` is an exclusively borrowed, writable slice of `buf.len()`
+        // bytes for the whole (synchronous) call.
+        let n =
+            unsafe { result::get_into(&self.lib, self.raw(), key, buf.as_mut_ptr(), buf.len()) }?;
+        Ok(n as usize)
+    }
+
+    /// Reads the whole object `key` into a new vector.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let size = self.get_size(key)?;
+        let mut buf = vec![0u8; size as usize];
+        let n = self.get_into(key, &mut buf)?;
+        buf.truncate(n);
+        Ok(buf)
+    }
+
+    /// Whether `key` exists.
+    pub fn is_exist(&self, key: &str) -> Result<bool> {
+        // SAFETY: live handle.
+        unsafe { result::is_exist(&self.lib, self.raw(), key) }
+    }
+
+    /// Per key, whether it exists.
+    pub fn batch_is_exist<K: AsRef<str>>(&self, keys: &[K]) -> Result<Vec<KeyResult<bool>>> {
+        let keys = CKeys::new(keys)?;
+        // SAFETY: live handle.
+        unsafe { result::batch_is_exist(&self.lib, self.raw(), &keys) }
+    }
+
+    /// The size of object `key` in bytes.
+    pub fn get_size(&self, key: &str) -> Result<u64> {
+        // SAFETY: live handle.
+        unsafe { result::get_size(&self.lib, self.raw(), key) }
+    }
+
+    /// The address this client registered under.
+    pub fn hostname(&self) -> Result<String> {
+        // SAFETY: live handle.
+        unsafe { result::get_hostname(&self.lib, self.raw()) }
+    }
+
+    /// Removes `key` (`force`: even when it holds a lease).
+    pub fn remove(&self, key: &str, force: bool) -> Result<()> {
+        // SAFETY: live handle.
+        unsafe { result::remove(&self.lib, self.raw(), key, force) }
+    }
+
+    /// Removes every key matching the regular expression; returns how many.
+    pub fn remove_by_regex(&self, pattern: &str, force: bool) -> Result<u64> {
+        // SAFETY: live handle.
+        unsafe { result::remove_by_regex(&self.lib, self.raw(), pattern, force) }
+    }
+
+    /// Removes every object of the cluster; returns how many.
+    pub fn remove_all(&self, force: bool) -> Result<u64> {
+        // SAFETY: live handle.
+        unsafe { result::remove_all(&self.lib, self.raw(), force) }
+    }
+
+    /// Batched put from slices (first write wins per key).
+    pub fn batch_put<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        values: &[&[u8]],
+        cfg: &ReplicateConfig,
+    ) -> Result<Vec<KeyResult<()>>> {
+        let keys = CKeys::new(keys)?;
+        let (ptrs, sizes) = read_parts(values);
+        // SAFETY: live handle; each pointer/size pair comes from a slice borrowed for the whole
+        // (synchronous) call, which only reads it.
+        unsafe { self.batch_put_from_raw(&keys, &ptrs, &sizes, cfg) }
+    }
+
+    /// Batched upsert from slices (overwrites existing keys).
+    pub fn batch_upsert<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        values: &[&[u8]],
+        cfg: &ReplicateConfig,
+    ) -> Result<Vec<KeyResult<()>>> {
+        let keys = CKeys::new(keys)?;
+        let (ptrs, sizes) = read_parts(values);
+        // SAFETY: as in `batch_put`.
+        unsafe { self.batch_upsert_from_raw(&keys, &ptrs, &sizes, cfg) }
+    }
+
+    /// Batched whole-object reads into slices; per key, the object's size.
+    pub fn batch_get_into<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<KeyResult<u64>>> {
+        let keys = CKeys::new(keys)?;
+        let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        let sizes: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        // SAFETY: live handle; each pointer/size pair comes from a distinct, exclusively
+        // borrowed slice that outlives the (synchronous) call.
+        unsafe { self.batch_get_into_raw(&keys, &ptrs, &sizes) }
+    }
+
+    /// Starts a read session (replicas resolved once, read lease per key): needed before
+    /// [`Client::batch_get_ranges_raw`].
+    pub fn batch_get_session_start<K: AsRef<str>>(&self, keys: &[K]) -> Result<Vec<KeyResult<()>>> {
+        let keys = CKeys::new(keys)?;
+        // SAFETY: live handle.
+        unsafe { result::batch_get_session_start(&self.lib, self.raw(), &keys) }
+    }
+
+    /// Ends a read session for `keys`.
+    pub fn batch_get_session_end<K: AsRef<str>>(&self, keys: &[K]) -> Result<()> {
+        let keys = CKeys::new(keys)?;
+        // SAFETY: live handle.
+        unsafe { result::batch_get_session_end(&self.lib, self.raw(), &keys) }
+    }
+
+    /// Zero-copy batched put: per key, `sizes[i]` bytes at `ptrs[i]`.
+    ///
+    /// # Safety
+    /// Each `ptrs[i]` is valid for reads of `sizes[i]` bytes for the duration of the call and
+    /// lies in a region registered with [`Client::register_buffer`] (required by RDMA).
+    pub unsafe fn batch_put_from_raw(
+        &self,
+        keys: &CKeys,
+        ptrs: &[*mut u8],
+        sizes: &[usize],
+        cfg: &ReplicateConfig,
+    ) -> Result<Vec<KeyResult<()>>> {
+        // SAFETY: live handle; pointer contract forwarded from the caller.
+        unsafe { result::batch_put_from(&self.lib, self.raw(), keys, ptrs, sizes, cfg) }
+    }
+
+    /// Zero-copy batched upsert.
+    ///
+    /// # Safety
+    /// As [`Client::batch_put_from_raw`].
+    pub unsafe fn batch_upsert_from_raw(
+        &self,
+        keys: &CKeys,
+        ptrs: &[*mut u8],
+        sizes: &[usize],
+        cfg: &ReplicateConfig,
+    ) -> Result<Vec<KeyResult<()>>> {
+        // SAFETY: live handle; pointer contract forwarded from the caller.
+        unsafe { result::batch_upsert_from(&self.lib, self.raw(), keys, ptrs, sizes, cfg) }
+    }
+
+    /// Zero-copy batched whole-object reads.
+    ///
+    /// # Safety
+    /// Each `ptrs[i]` is valid for writes of `sizes[i]` bytes, not accessed by anything else
+    /// during the call, and lies in a registered region (required by RDMA).
+    pub unsafe fn batch_get_into_raw(
+        &self,
+        keys: &CKeys,
+        ptrs: &[*mut u8],
+        sizes: &[usize],
+    ) -> Result<Vec<KeyResult<u64>>> {
+        // SAFETY: live handle; pointer contract forwarded from the caller.
+        unsafe { result::batch_get_into(&self.lib, self.raw(), keys, ptrs, sizes) }
+    }
+
+    /// Zero-copy ranged reads: key `i` owns the next `range_counts[i]` entries of `ranges`.
+    /// Per key, the bytes read. The keys must be in a read session.
+    ///
+    /// # Safety
+    /// Every `ranges[j].dst` is valid for writes of `ranges[j].size` bytes, not accessed by
+    /// anything else during the call, and lies in a registered region (required by RDMA).
+    pub unsafe fn batch_get_ranges_raw(
+        &self,
+        keys: &CKeys,
+        range_counts: &[usize],
+        ranges: &[KvlinkMcRange],
+    ) -> Result<Vec<KeyResult<u64>>> {
+        // SAFETY: live handle; pointer contract forwarded from the caller.
+        unsafe { result::batch_get_ranges(&self.lib, self.raw(), keys, range_counts, ranges) }
+    }
+
+    /// Registers `[ptr, ptr + len)` with the transfer engine, for zero-copy transfers.
+    ///
+    /// # Safety
+    /// The region stays allocated until [`Client::unregister_buffer`] or until the client is
+    /// dropped.
+    pub unsafe fn register_buffer(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: live handle; region lifetime guaranteed by the caller.
+        unsafe { result::register_buffer(&self.lib, self.raw(), ptr, len) }
+    }
+
+    /// Unregisters a region registered with [`Client::register_buffer`].
+    ///
+    /// # Safety
+    /// No call using the region is in flight.
+    pub unsafe fn unregister_buffer(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: live handle; no transfer in flight (caller).
+        unsafe { result::unregister_buffer(&self.lib, self.raw(), ptr) }
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // SAFETY: `self.store` was created by `self.lib`, `&mut self` proves no other use is in
+        // progress, and it is destroyed exactly once (here).
+        unsafe { result::destroy(&self.lib, self.raw()) }
+    }
+}
+
+fn read_parts(values: &[&[u8]]) -> (Vec<*mut u8>, Vec<usize>) {
+    // The C ABI takes `void**` for puts too; the shim and Mooncake only read through them.
+    let ptrs = values.iter().map(|v| v.as_ptr().cast_mut()).collect();
+    let sizes = values.iter().map(|v| v.len()).collect();
+    (ptrs, sizes)
+}

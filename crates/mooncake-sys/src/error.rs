@@ -1,0 +1,212 @@
+//! Errors of mooncake-sys.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use crate::sys;
+
+/// A negative status code returned by Mooncake (its `ErrorCode`) or by the kvlink shim.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ErrorCode(pub i32);
+
+impl ErrorCode {
+    /// `OBJECT_NOT_FOUND` (-704).
+    pub const OBJECT_NOT_FOUND: Self = Self(sys::codes::OBJECT_NOT_FOUND);
+    /// `NO_AVAILABLE_HANDLE` (-200): no segment has room for the object.
+    pub const NO_AVAILABLE_HANDLE: Self = Self(sys::codes::NO_AVAILABLE_HANDLE);
+    /// `INVALID_PARAMS` (-600).
+    pub const INVALID_PARAMS: Self = Self(sys::codes::INVALID_PARAMS);
+    /// `TRANSFER_FAIL` (-800).
+    pub const TRANSFER_FAIL: Self = Self(sys::codes::TRANSFER_FAIL);
+    /// `RPC_FAIL` (-900).
+    pub const RPC_FAIL: Self = Self(sys::codes::RPC_FAIL);
+    /// `RPC_TIMEOUT` (-901).
+    pub const RPC_TIMEOUT: Self = Self(sys::codes::RPC_TIMEOUT);
+
+    /// The raw value.
+    pub fn raw(self) -> i32 {
+        self.0
+    }
+
+    /// The code's name (`"OBJECT_NOT_FOUND"`), if this crate knows it.
+    pub fn name(self) -> Option<&'static str> {
+        sys::code_name(self.0)
+    }
+
+    /// The broad class of the code, for mapping to higher-level errors.
+    pub fn kind(self) -> ErrorKind {
+        use sys::codes as c;
+        match self.0 {
+            c::OBJECT_NOT_FOUND | c::REPLICA_NOT_FOUND | c::REPLICA_IS_GONE => ErrorKind::NotFound,
+            c::NO_AVAILABLE_HANDLE
+            | c::BUFFER_OVERFLOW
+            | c::TENANT_QUOTA_EXCEEDED
+            | c::KEYS_ULTRA_LIMIT
+            | c::KEYS_EXCEED_BUCKET_LIMIT => ErrorKind::NoSpace,
+            c::OBJECT_HAS_LEASE | c::LEASE_EXPIRED => ErrorKind::Lease,
+            c::TRANSFER_FAIL | c::CHECKSUM_MISMATCH | c::WRITE_FAIL => ErrorKind::Transfer,
+            c::RPC_TIMEOUT => ErrorKind::Timeout,
+            c::RPC_FAIL
+            | c::SEGMENT_NOT_FOUND
+            | c::CLIENT_NOT_FOUND
+            | c::UNAVAILABLE_IN_CURRENT_STATUS
+            | c::UNAVAILABLE_IN_CURRENT_MODE => ErrorKind::Unavailable,
+            c::INVALID_PARAMS
+            | c::INVALID_KEY
+            | c::INVALID_READ
+            | c::INVALID_WRITE
+            | c::INVALID_VERSION
+            | sys::shim_codes::NULL_ARG
+            | sys::shim_codes::INVALID_ARG => ErrorKind::InvalidArgument,
+            c::OBJECT_ALREADY_EXISTS => ErrorKind::AlreadyExists,
+            c::REPLICA_IS_NOT_READY | c::OBJECT_REPLICA_BUSY => ErrorKind::Busy,
+            _ => ErrorKind::Other,
+        }
+    }
+}
+
+impl fmt::Debug for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(name) => write!(f, "{name} ({})", self.0),
+            None => write!(f, "error code {}", self.0),
+        }
+    }
+}
+
+/// Broad classes of [`ErrorCode`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The object (or its replica) does not exist.
+    NotFound,
+    /// The store has no room for the object.
+    NoSpace,
+    /// A lease prevented the operation or ran out during it.
+    Lease,
+    /// Moving the bytes failed (e.g. the holder of the replica is gone).
+    Transfer,
+    /// An RPC timed out.
+    Timeout,
+    /// The master or a segment could not be reached.
+    Unavailable,
+    /// The arguments were rejected (sizes, keys, null pointers).
+    InvalidArgument,
+    /// The object already exists.
+    AlreadyExists,
+    /// The replica is being written or moved.
+    Busy,
+    /// Anything else (internal errors, exceptions in the shim, ...).
+    Other,
+}
+
+/// Errors of mooncake-sys.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MooncakeError {
+    /// No candidate library could be loaded.
+    #[error("Mooncake store library not found; set MOONCAKE_STORE_LIBRARY or build it with scripts/mooncake-build-shim.sh (tried: {})", display_attempts(.attempts))]
+    LibraryNotFound {
+        /// Each path or name tried, with the loader's error.
+        attempts: Vec<(PathBuf, String)>,
+    },
+    /// The library loaded but lacks a required symbol.
+    #[error("{path}: missing symbol {symbol}: {reason}")]
+    MissingSymbol {
+        /// The library.
+        path: PathBuf,
+        /// The symbol.
+        symbol: String,
+        /// The loader's message.
+        reason: String,
+    },
+    /// The shim was built for another ABI or wheel than this crate expects.
+    #[error("{path}: ABI mismatch: {detail}")]
+    AbiMismatch {
+        /// The library.
+        path: PathBuf,
+        /// What differs.
+        detail: String,
+    },
+    /// The loaded library lacks the kvlink extensions (ranged reads, sessions, upsert).
+    #[error("{operation} needs the kvlink shim's extensions, which {path} does not export")]
+    Unsupported {
+        /// The library.
+        path: PathBuf,
+        /// The operation.
+        operation: &'static str,
+    },
+    /// A string argument contains a NUL byte.
+    #[error("{what} contains a NUL byte: {value:?}")]
+    NulInString {
+        /// Which argument.
+        what: &'static str,
+        /// Its value (lossy).
+        value: String,
+    },
+    /// Arguments that cannot be passed (lengths differ, sizes overflow, ...).
+    #[error("invalid arguments to {operation}: {detail}")]
+    InvalidArguments {
+        /// The operation.
+        operation: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+    /// `mooncake_store_create` returned NULL.
+    #[error("mooncake_store_create failed{}", display_message(.message))]
+    CreateFailed {
+        /// The shim's last exception message, if any.
+        message: Option<String>,
+    },
+    /// An operation returned a negative status for the whole call.
+    #[error("{operation}{} failed: {code}{}", display_key(.key), display_message(.message))]
+    Status {
+        /// The operation (the C function's short name).
+        operation: &'static str,
+        /// The key, for single-key operations.
+        key: Option<String>,
+        /// The status.
+        code: ErrorCode,
+        /// The shim's last exception message (for shim exception codes).
+        message: Option<String>,
+    },
+}
+
+impl MooncakeError {
+    /// The status code, for [`MooncakeError::Status`].
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Self::Status { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+fn display_attempts(attempts: &[(PathBuf, String)]) -> String {
+    attempts
+        .iter()
+        .map(|(p, e)| format!("{}: {e}", p.display()))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn display_key(key: &Option<String>) -> String {
+    key.as_ref()
+        .map(|k| format!(" of {k:?}"))
+        .unwrap_or_default()
+}
+
+fn display_message(message: &Option<String>) -> String {
+    message
+        .as_ref()
+        .map(|m| format!(" ({m})"))
+        .unwrap_or_default()
+}
+
+/// `Result` of mooncake-sys.
+pub type Result<T, E = MooncakeError> = std::result::Result<T, E>;

@@ -1,0 +1,363 @@
+//! Loading the Mooncake store library at run time.
+
+use std::ffi::{c_char, CStr, OsStr};
+use std::mem::ManuallyDrop;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use crate::error::{MooncakeError, Result};
+use crate::sys::{self, symbols};
+
+/// File name of the kvlink shim built by `scripts/mooncake-build-shim.sh`.
+pub const SHIM_FILE_NAME: &str = "libkvlink_mooncake.so";
+/// File name of upstream's C-API library (`cmake -DWITH_STORE_C_SHARED=ON`), tried last.
+pub const UPSTREAM_FILE_NAME: &str = "libmooncake_store.so";
+/// Environment variable naming the library to load (a path, or a name for the system's search).
+pub const ENV_LIBRARY: &str = "MOONCAKE_STORE_LIBRARY";
+/// Environment variable naming the directory the build script fills (`<repo>/.mooncake`).
+pub const ENV_DIR: &str = "KVLINK_MOONCAKE_DIR";
+
+/// The `store_c.h` functions (present in every candidate library).
+#[derive(Clone, Copy)]
+pub(crate) struct Core {
+    pub create: sys::FnCreate,
+    pub destroy: sys::FnDestroy,
+    pub setup: sys::FnSetup,
+    pub health_check: sys::FnHealthCheck,
+    pub put: sys::FnPut,
+    pub put_from: sys::FnPutFrom,
+    pub batch_put_from: sys::FnBatchPutFrom,
+    pub get_into: sys::FnGetInto,
+    pub batch_get_into: sys::FnBatchGetInto,
+    pub is_exist: sys::FnIsExist,
+    pub batch_is_exist: sys::FnBatchIsExist,
+    pub get_size: sys::FnGetSize,
+    pub get_hostname: sys::FnGetHostname,
+    pub remove: sys::FnRemove,
+    pub remove_by_regex: sys::FnRemoveByRegex,
+    pub remove_all: sys::FnRemoveAll,
+    pub register_buffer: sys::FnRegisterBuffer,
+    pub unregister_buffer: sys::FnUnregisterBuffer,
+}
+
+/// The kvlink extensions (`kvlink_mc_*`), present in the kvlink shim only.
+#[derive(Clone, Copy)]
+pub(crate) struct Extensions {
+    pub abi_info: sys::FnAbiInfo,
+    pub error_name: sys::FnErrorName,
+    pub last_error: sys::FnLastError,
+    pub batch_get_ranges: sys::FnBatchGetRanges,
+    pub batch_get_session_start: sys::FnBatchGetSessionStart,
+    pub batch_get_session_end: sys::FnBatchGetSessionEnd,
+    pub batch_upsert_from: sys::FnBatchUpsertFrom,
+}
+
+/// What the shim reports about the ABI it was compiled against (`kvlink_mc_abi_info`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AbiInfo {
+    /// `KVLINK_MC_ABI_VERSION` of the shim.
+    pub abi_version: u32,
+    /// The wheel version the shim was built for.
+    pub wheel_version: String,
+    /// `sizeof(mooncake::ReplicateConfig)` in the shim.
+    pub replicate_config_size: u64,
+    /// Offsets of soft_pin_action, soft_pin_ttl_ms, with_hard_pin, preferred_segments,
+    /// preferred_segment, host_id, group_ids in the shim's `ReplicateConfig`.
+    pub replicate_config_offsets: [u64; 7],
+}
+
+/// A loaded Mooncake store library: the kvlink shim, or upstream's `libmooncake_store.so`.
+///
+/// The library is never unloaded: Mooncake's client starts background threads and registers
+/// `atexit` handlers inside it, so `dlclose` while the process runs would be unsound. Dropping a
+/// `Library` therefore leaves the code mapped.
+pub struct Library {
+    path: PathBuf,
+    pub(crate) core: Core,
+    pub(crate) ext: Option<Extensions>,
+    abi: Option<AbiInfo>,
+    // Keeps the handle for the life of the process (never dlclose'd; see above).
+    _handle: ManuallyDrop<libloading::Library>,
+}
+
+impl std::fmt::Debug for Library {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Library")
+            .field("path", &self.path)
+            .field("extensions", &self.ext.is_some())
+            .field("abi", &self.abi)
+            .finish()
+    }
+}
+
+impl Library {
+    /// Loads the library at `path` (a path, or a bare file name looked up by the system's
+    /// dynamic loader), resolves its symbols, and checks the shim's ABI report.
+    pub fn open(path: impl AsRef<Path>) -> Result<Arc<Self>> {
+        let path = path.as_ref().to_path_buf();
+        let handle = load(&path).map_err(|reason| MooncakeError::LibraryNotFound {
+            attempts: vec![(path.clone(), reason)],
+        })?;
+        Self::from_handle(path, handle).map(Arc::new)
+    }
+
+    /// Loads the library from `MOONCAKE_STORE_LIBRARY` when it is set (and only from there), or
+    /// else from the first of [`Library::candidates`] that loads. Successful loads are cached
+    /// for the process.
+    pub fn load_default() -> Result<Arc<Self>> {
+        static DEFAULT: Mutex<Option<Arc<Library>>> = Mutex::new(None);
+        let mut cached = DEFAULT
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(lib) = cached.as_ref() {
+            return Ok(Arc::clone(lib));
+        }
+        let mut attempts = Vec::new();
+        for candidate in Self::candidates() {
+            match load(&candidate) {
+                Ok(handle) => {
+                    let lib = Arc::new(Self::from_handle(candidate, handle)?);
+                    *cached = Some(Arc::clone(&lib));
+                    return Ok(lib);
+                }
+                Err(reason) => attempts.push((candidate, reason)),
+            }
+        }
+        Err(MooncakeError::LibraryNotFound { attempts })
+    }
+
+    /// Where [`Library::load_default`] looks, in order:
+    /// 1. `$MOONCAKE_STORE_LIBRARY` — when set, the only candidate;
+    /// 2. `$KVLINK_MOONCAKE_DIR/lib/libkvlink_mooncake.so`;
+    /// 3. `.mooncake/lib/libkvlink_mooncake.so` in the directories above the running executable
+    ///    (a `target/` inside the repository finds the repository's `.mooncake/`);
+    /// 4. `<workspace>/.mooncake/lib/libkvlink_mooncake.so` of the source tree this crate was
+    ///    compiled from;
+    /// 5. `libkvlink_mooncake.so`, then `libmooncake_store.so`, through the system's search path.
+    pub fn candidates() -> Vec<PathBuf> {
+        if let Some(explicit) = std::env::var_os(ENV_LIBRARY).filter(|v| !v.is_empty()) {
+            return vec![PathBuf::from(explicit)];
+        }
+        let in_dir = |dir: &Path| dir.join("lib").join(SHIM_FILE_NAME);
+        let mut out = Vec::new();
+        if let Some(dir) = std::env::var_os(ENV_DIR).filter(|v| !v.is_empty()) {
+            out.push(in_dir(Path::new(&dir)));
+        }
+        if let Ok(exe) = std::env::current_exe() {
+            for dir in exe.ancestors().skip(1) {
+                let candidate = in_dir(&dir.join(".mooncake"));
+                if candidate.is_file() {
+                    out.push(candidate);
+                    break;
+                }
+            }
+        }
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        out.push(in_dir(&workspace.join(".mooncake")));
+        out.push(PathBuf::from(SHIM_FILE_NAME));
+        out.push(PathBuf::from(UPSTREAM_FILE_NAME));
+        let mut seen = std::collections::HashSet::new();
+        out.retain(|p| seen.insert(p.clone()));
+        out
+    }
+
+    fn from_handle(path: PathBuf, handle: libloading::Library) -> Result<Self> {
+        let core = Core {
+            create: symbol(&handle, &path, symbols::CREATE)?,
+            destroy: symbol(&handle, &path, symbols::DESTROY)?,
+            setup: symbol(&handle, &path, symbols::SETUP)?,
+            health_check: symbol(&handle, &path, symbols::HEALTH_CHECK)?,
+            put: symbol(&handle, &path, symbols::PUT)?,
+            put_from: symbol(&handle, &path, symbols::PUT_FROM)?,
+            batch_put_from: symbol(&handle, &path, symbols::BATCH_PUT_FROM)?,
+            get_into: symbol(&handle, &path, symbols::GET_INTO)?,
+            batch_get_into: symbol(&handle, &path, symbols::BATCH_GET_INTO)?,
+            is_exist: symbol(&handle, &path, symbols::IS_EXIST)?,
+            batch_is_exist: symbol(&handle, &path, symbols::BATCH_IS_EXIST)?,
+            get_size: symbol(&handle, &path, symbols::GET_SIZE)?,
+            get_hostname: symbol(&handle, &path, symbols::GET_HOSTNAME)?,
+            remove: symbol(&handle, &path, symbols::REMOVE)?,
+            remove_by_regex: symbol(&handle, &path, symbols::REMOVE_BY_REGEX)?,
+            remove_all: symbol(&handle, &path, symbols::REMOVE_ALL)?,
+            register_buffer: symbol(&handle, &path, symbols::REGISTER_BUFFER)?,
+            unregister_buffer: symbol(&handle, &path, symbols::UNREGISTER_BUFFER)?,
+        };
+        // The extensions are all-or-nothing: a library exporting `kvlink_mc_abi_info` must be a
+        // complete kvlink shim; one without it is taken as upstream's store_c.h library.
+        let ext = match symbol::<sys::FnAbiInfo>(&handle, &path, symbols::ABI_INFO) {
+            Err(_) => None,
+            Ok(abi_info) => Some(Extensions {
+                abi_info,
+                error_name: symbol(&handle, &path, symbols::ERROR_NAME)?,
+                last_error: symbol(&handle, &path, symbols::LAST_ERROR)?,
+                batch_get_ranges: symbol(&handle, &path, symbols::BATCH_GET_RANGES)?,
+                batch_get_session_start: symbol(&handle, &path, symbols::BATCH_GET_SESSION_START)?,
+                batch_get_session_end: symbol(&handle, &path, symbols::BATCH_GET_SESSION_END)?,
+                batch_upsert_from: symbol(&handle, &path, symbols::BATCH_UPSERT_FROM)?,
+            }),
+        };
+        let abi = match &ext {
+            None => None,
+            Some(ext) => Some(check_abi(&path, ext)?),
+        };
+        Ok(Self {
+            path,
+            core,
+            ext,
+            abi,
+            _handle: ManuallyDrop::new(handle),
+        })
+    }
+
+    /// The path (or name) the library was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether the kvlink extensions (ranged reads, read sessions, upsert) are available.
+    pub fn has_extensions(&self) -> bool {
+        self.ext.is_some()
+    }
+
+    /// The shim's ABI report (`None` for a library without the kvlink extensions). It was
+    /// checked against this crate's expectations when the library was opened.
+    pub fn abi_info(&self) -> Option<&AbiInfo> {
+        self.abi.as_ref()
+    }
+
+    /// The name the *loaded wheel* gives to an error code (its own `mooncake::toString`), for
+    /// checking [`crate::sys::codes`] against a new wheel. `None` without the extensions.
+    pub fn wheel_error_name(&self, code: i32) -> Option<String> {
+        let ext = self.ext.as_ref()?;
+        // SAFETY: `kvlink_mc_error_name` takes any i32 and returns a non-null pointer to a
+        // NUL-terminated string with static storage (the header's contract); it is copied
+        // before returning.
+        let name = unsafe { CStr::from_ptr((ext.error_name)(code)) };
+        Some(name.to_string_lossy().into_owned())
+    }
+
+    /// The message of the last C++ exception the shim caught on this thread, if any.
+    pub(crate) fn last_error(&self) -> Option<String> {
+        let ext = self.ext.as_ref()?;
+        let mut buf = vec![0 as c_char; 512];
+        // SAFETY: `buf` is valid for writes of `buf.len()` bytes; the shim writes at most that
+        // many, NUL-terminated.
+        let n = unsafe { (ext.last_error)(buf.as_mut_ptr(), buf.len()) };
+        if n == 0 {
+            return None;
+        }
+        // SAFETY: the shim NUL-terminated `buf` (len > 0) above.
+        let msg = unsafe { CStr::from_ptr(buf.as_ptr()) };
+        Some(msg.to_string_lossy().into_owned())
+    }
+
+    pub(crate) fn extensions(&self, operation: &'static str) -> Result<&Extensions> {
+        self.ext.as_ref().ok_or_else(|| MooncakeError::Unsupported {
+            path: self.path.clone(),
+            operation,
+        })
+    }
+}
+
+fn check_abi(path: &Path, ext: &Extensions) -> Result<AbiInfo> {
+    let mismatch = |detail: String| MooncakeError::AbiMismatch {
+        path: path.to_path_buf(),
+        detail,
+    };
+    let mut raw = std::mem::MaybeUninit::<sys::KvlinkMcAbiInfo>::zeroed();
+    // SAFETY: `raw` is valid for writes of one `kvlink_mc_abi_info_t` (same `repr(C)` layout as
+    // the header; the info_size check below catches a different one); the call only fills it.
+    let rc = unsafe { (ext.abi_info)(raw.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(mismatch(format!("kvlink_mc_abi_info returned {rc}")));
+    }
+    // SAFETY: zero-initialised, then filled by the shim; all-zero is a valid value of this
+    // plain-old-data struct either way.
+    let raw = unsafe { raw.assume_init() };
+    if raw.abi_version != sys::KVLINK_MC_ABI_VERSION
+        || raw.info_size as usize != std::mem::size_of::<sys::KvlinkMcAbiInfo>()
+    {
+        return Err(mismatch(format!(
+            "shim ABI version {} (info size {}), this crate speaks version {} (info size {})",
+            raw.abi_version,
+            raw.info_size,
+            sys::KVLINK_MC_ABI_VERSION,
+            std::mem::size_of::<sys::KvlinkMcAbiInfo>()
+        )));
+    }
+    let version_bytes: Vec<u8> = raw
+        .wheel_version
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    let info = AbiInfo {
+        abi_version: raw.abi_version,
+        wheel_version: String::from_utf8_lossy(&version_bytes).into_owned(),
+        replicate_config_size: raw.replicate_config_size,
+        replicate_config_offsets: [
+            raw.off_soft_pin_action,
+            raw.off_soft_pin_ttl_ms,
+            raw.off_with_hard_pin,
+            raw.off_preferred_segments,
+            raw.off_preferred_segment,
+            raw.off_host_id,
+            raw.off_group_ids,
+        ],
+    };
+    if info.wheel_version != sys::EXPECTED_WHEEL_VERSION {
+        return Err(mismatch(format!(
+            "shim built for wheel {}, this crate expects {}",
+            info.wheel_version,
+            sys::EXPECTED_WHEEL_VERSION
+        )));
+    }
+    if info.replicate_config_size != sys::EXPECTED_REPLICATE_CONFIG_SIZE
+        || info.replicate_config_offsets != sys::EXPECTED_REPLICATE_CONFIG_OFFSETS
+    {
+        return Err(mismatch(format!(
+            "ReplicateConfig compiled as size {} offsets {:?}, expected size {} offsets {:?}",
+            info.replicate_config_size,
+            info.replicate_config_offsets,
+            sys::EXPECTED_REPLICATE_CONFIG_SIZE,
+            sys::EXPECTED_REPLICATE_CONFIG_OFFSETS
+        )));
+    }
+    Ok(info)
+}
+
+fn load(path: &Path) -> std::result::Result<libloading::Library, String> {
+    #[cfg(unix)]
+    {
+        use libloading::os::unix::{Library as UnixLibrary, RTLD_LOCAL, RTLD_NOW};
+        // A bare name goes to the dynamic loader's search; anything with a '/' is a path.
+        let name: &OsStr = path.as_os_str();
+        // SAFETY: loading runs the library's initialisers. For the kvlink shim these are
+        // store.so's C++ static constructors and the shim's own (which only promotes the already
+        // loaded libpython to global scope); they are what every Mooncake user runs on import.
+        // RTLD_NOW reports unresolved symbols (e.g. a missing libibverbs) here as an error
+        // instead of at a later call.
+        unsafe { UnixLibrary::open(Some(name), RTLD_NOW | RTLD_LOCAL) }
+            .map(libloading::Library::from)
+            .map_err(|e| e.to_string())
+    }
+    #[cfg(not(unix))]
+    {
+        // SAFETY: as above; the library's initialisers are Mooncake's own.
+        unsafe { libloading::Library::new(path.as_os_str()) }.map_err(|e| e.to_string())
+    }
+}
+
+fn symbol<T: Copy>(handle: &libloading::Library, path: &Path, name: &[u8]) -> Result<T> {
+    // SAFETY: every `T` used with this function is the `sys::Fn*` type that mirrors the C
+    // declaration of `name` in csrc/kvlink_mooncake.h (one to one, checked by review; the shim
+    // and this crate share the ABI version checked in `check_abi`). The pointer stays valid for
+    // the life of the process because the library is never unloaded (`ManuallyDrop`).
+    unsafe { handle.get::<T>(name) }
+        .map(|s| *s)
+        .map_err(|e| MooncakeError::MissingSymbol {
+            path: path.to_path_buf(),
+            symbol: String::from_utf8_lossy(name.strip_suffix(b"\0").unwrap_or(name)).into_owned(),
+            reason: e.to_string(),
+        })
+}

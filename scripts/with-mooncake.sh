@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# Runs CMD next to a real Mooncake master (and optionally a storage node), all on 127.0.0.1 inside
+# a private network namespace, then stops exactly the processes it started and returns CMD's exit
+# status.
+#
+# Usage: scripts/with-mooncake.sh [--storage-node] [--print-env] [--] CMD [ARG...]
+#   --storage-node  also start one `mooncake_client` storage node (MOONCAKE_STORAGE_NODE_SEGMENT,
+#                   default "1 GB")
+#   --print-env     print the environment CMD would get and exit (starts nothing)
+#
+# Why a network namespace (brief §8): some Mooncake listeners bind the wildcard address whatever
+# their flags say (the Transfer Engine data port [::]:15000-17000, its handshake port 0.0.0.0).
+# `unshare -n` gives this script and everything it starts a namespace whose only interface is
+# `lo`, so nothing is reachable from outside the machine. The caller's own network is untouched.
+# Needs root (or unprivileged user namespaces: then `unshare -rn` is used).
+#
+# Environment CMD gets (what the tests and MooncakeConfig::from_env read):
+#   MOONCAKE_MASTER=127.0.0.1:<port>   MOONCAKE_PROTOCOL=tcp   MOONCAKE_DEVICE=
+#   MOONCAKE_TE_META_DATA_SERVER=P2PHANDSHAKE   MOONCAKE_LOCAL_HOSTNAME=127.0.0.1
+#   MOONCAKE_GLOBAL_SEGMENT_SIZE (default 512 MiB)   MOONCAKE_LOCAL_BUFFER_SIZE (default 64 MiB)
+#   MOONCAKE_STORE_LIBRARY=<shim>   MC_TCP_BIND_ADDRESS=127.0.0.1   MC_LOG_LEVEL (default ERROR)
+#   MOONCAKE_MASTER_BIN / MOONCAKE_CLIENT_BIN (for tests that run their own master)
+#   MOONCAKE_PYTHON / MOONCAKE_PYTHONPATH (the wheel's Python client, for interop tests)
+#   MOONCAKE_MASTER_METRICS=127.0.0.1:<port>   MOONCAKE_MASTER_PID
+#
+# Tunables: MOONCAKE_MASTER_PORT (50051), MOONCAKE_MASTER_METRICS_PORT (9003),
+#   MOONCAKE_MASTER_ARGS (extra master flags), MOONCAKE_READY_TIMEOUT (seconds, 30),
+#   MOONCAKE_KEEP_LOGS=1 (keep $KVLINK_MOONCAKE_DIR/run/<id>/ logs even when CMD succeeds).
+set -euo pipefail
+# shellcheck source=scripts/mooncake-common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/mooncake-common.sh"
+
+storage_node=0
+print_env=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --storage-node) storage_node=1; shift ;;
+    --print-env) print_env=1; shift ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    --) shift; break ;;
+    -*) mc_die "unknown option: $1" ;;
+    *) break ;;
+  esac
+done
+
+master_port="${MOONCAKE_MASTER_PORT:-50051}"
+metrics_port="${MOONCAKE_MASTER_METRICS_PORT:-9003}"
+
+mc_env() {
+  cat <<ENV
+MOONCAKE_MASTER=127.0.0.1:$master_port
+MOONCAKE_MASTER_METRICS=127.0.0.1:$metrics_port
+MOONCAKE_PROTOCOL=tcp
+MOONCAKE_DEVICE=
+MOONCAKE_TE_META_DATA_SERVER=P2PHANDSHAKE
+MOONCAKE_LOCAL_HOSTNAME=127.0.0.1
+MOONCAKE_GLOBAL_SEGMENT_SIZE=${MOONCAKE_GLOBAL_SEGMENT_SIZE:-536870912}
+MOONCAKE_LOCAL_BUFFER_SIZE=${MOONCAKE_LOCAL_BUFFER_SIZE:-67108864}
+MOONCAKE_STORE_LIBRARY=${MOONCAKE_STORE_LIBRARY:-$MC_SHIM}
+MOONCAKE_MASTER_BIN=$MC_BIN_DIR/mooncake_master
+MOONCAKE_CLIENT_BIN=$MC_BIN_DIR/mooncake_client
+MOONCAKE_PYTHON=${MOONCAKE_PYTHON:-python3}
+MOONCAKE_PYTHONPATH=$MC_WHEEL_DIR
+MC_TCP_BIND_ADDRESS=127.0.0.1
+MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
+ENV
+}
+
+if [[ $print_env -eq 1 ]]; then
+  mc_env | sed 's/^/export /'
+  exit 0
+fi
+[[ $# -gt 0 ]] || mc_die "no command given (usage: scripts/with-mooncake.sh [--storage-node] [--] CMD...)"
+[[ -x "$MC_BIN_DIR/mooncake_master" ]] || mc_die "no $MC_BIN_DIR/mooncake_master: run scripts/mooncake-build-shim.sh first"
+
+# 1. Enter a private network namespace (once): re-run this script under unshare.
+if [[ "${KVLINK_MC_IN_NETNS:-}" != 1 ]]; then
+  command -v unshare >/dev/null || mc_die "unshare not found (apt-get install util-linux)"
+  flags=(--net)
+  [[ $(id -u) -eq 0 ]] || flags=(--map-root-user --net)
+  args=()
+  [[ $storage_node -eq 1 ]] && args+=(--storage-node)
+  # exec: unshare replaces this shell, so the caller's signals reach the script directly.
+  exec env KVLINK_MC_IN_NETNS=1 unshare "${flags[@]}" -- bash "$0" "${args[@]}" -- "$@"
+fi
+
+# 2. Inside the namespace: only lo, and up.
+unset KVLINK_MC_IN_NETNS
+ip link set lo up
+others="$(ip -o link show | awk -F': ' '$2 != "lo" {print $2}')"
+[[ -z "$others" ]] || mc_die "network namespace has interfaces besides lo: $others"
+
+run_dir="$MC_DIR/run/$(date +%Y%m%d-%H%M%S)-$$"
+mkdir -p "$run_dir"
+pids=()
+
+stop_started() {
+  local pid i
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do
+    for ((i = 0; i < 50; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then
+      mc_log "pid $pid did not stop on SIGTERM within 5 s: SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+    wait "$pid" 2>/dev/null || true
+  done
+  pids=()
+}
+trap stop_started EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+wait_port() { # $1 port, $2 pid, $3 name, $4 log
+  local deadline=$((SECONDS + ${MOONCAKE_READY_TIMEOUT:-30}))
+  while ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; do
+    if ! kill -0 "$2" 2>/dev/null; then
+      tail -n 30 "$4" >&2 || true
+      mc_die "$3 (pid $2) exited before listening on 127.0.0.1:$1; log: $4"
+    fi
+    if ((SECONDS >= deadline)); then
+      tail -n 30 "$4" >&2 || true
+      mc_die "$3 not listening on 127.0.0.1:$1 after ${MOONCAKE_READY_TIMEOUT:-30} s; log: $4"
+    fi
+    sleep 0.1
+  done
+}
+
+# 3. The master (metadata only; no data goes through it).
+export MC_TCP_BIND_ADDRESS=127.0.0.1 MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
+# shellcheck disable=SC2086 # MOONCAKE_MASTER_ARGS is a list of flags
+"$MC_BIN_DIR/mooncake_master" \
+  --rpc_address=127.0.0.1 --rpc_port="$master_port" \
+  --metrics_host=127.0.0.1 --metrics_port="$metrics_port" \
+  --enable_http_metadata_server=false \
+  ${MOONCAKE_MASTER_ARGS:-} >"$run_dir/master.log" 2>&1 &
+master_pid=$!
+pids+=("$master_pid")
+wait_port "$master_port" "$master_pid" mooncake_master "$run_dir/master.log"
+wait_port "$metrics_port" "$master_pid" "mooncake_master metrics" "$run_dir/master.log"
+mc_log "mooncake_master pid $master_pid on 127.0.0.1:$master_port (log $run_dir/master.log)"
+
+# 4. Optional storage node.
+if [[ $storage_node -eq 1 ]]; then
+  node_port="${MOONCAKE_STORAGE_NODE_PORT:-50052}"
+  "$MC_BIN_DIR/mooncake_client" --host=127.0.0.1 --port="$node_port" \
+    --global_segment_size="${MOONCAKE_STORAGE_NODE_SEGMENT:-1 GB}" \
+    --metadata_server=P2PHANDSHAKE --master_server_address="127.0.0.1:$master_port" \
+    --protocol=tcp >"$run_dir/storage-node.log" 2>&1 &
+  node_pid=$!
+  pids+=("$node_pid")
+  wait_port "$node_port" "$node_pid" mooncake_client "$run_dir/storage-node.log"
+  mc_log "mooncake_client storage node pid $node_pid on 127.0.0.1:$node_port"
+fi
+
+# 5. The command, with the environment.
+while IFS= read -r line; do export "${line?}"; done < <(mc_env)
+export MOONCAKE_MASTER_PID="$master_pid"
+mc_env | sed 's/^/[mooncake] env: /' >&2
+set +e
+"$@"
+status=$?
+set -e
+stop_started
+trap - EXIT
+mc_log "command exited with $status; stopped ${master_pid}${node_pid:+ $node_pid}"
+# Logs are kept when something failed (or MOONCAKE_KEEP_LOGS=1).
+if [[ $status -eq 0 && "${MOONCAKE_KEEP_LOGS:-0}" != 1 ]]; then rm -rf "$run_dir"; fi
+exit "$status"
