@@ -1,0 +1,164 @@
+//! The linker over a real Mooncake store (one client per TP rank, master on loopback):
+//! save, layer-wise load in every mode, a missing object.
+//!
+//! Run: `scripts/mooncake-build-shim.sh && scripts/with-mooncake.sh cargo test --test
+//! linker_mooncake`. Without `MOONCAKE_MASTER` the tests skip with a message;
+//! `KVLINK_REQUIRE_MOONCAKE=1` (CI) turns that into a failure.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use kvlink::kv_device::HostKvPool;
+use kvlink::kv_geometry::{KvGeometry, PageHash};
+use kvlink::kv_loader::{BatchOutcome, KvLoadError, KvLoader, ShareMode, StoreFailure};
+use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
+use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
+use kvlink::mooncake_linker::store::KvStore;
+use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
+
+#[allow(clippy::print_stderr)] // the skip message is the point
+fn mooncake_clients(n: usize) -> Option<Vec<Arc<dyn KvStore>>> {
+    if std::env::var("MOONCAKE_MASTER").map_or(true, |v| v.is_empty()) {
+        assert!(
+            std::env::var("KVLINK_REQUIRE_MOONCAKE").map_or(true, |v| v != "1"),
+            "KVLINK_REQUIRE_MOONCAKE=1 but MOONCAKE_MASTER is unset: run under scripts/with-mooncake.sh"
+        );
+        eprintln!(
+            "skipping: MOONCAKE_MASTER not set. To run: scripts/mooncake-build-shim.sh && \
+             scripts/with-mooncake.sh cargo test --test linker_mooncake"
+        );
+        return None;
+    }
+    let cfg = MooncakeConfig::from_env().expect("Mooncake environment");
+    Some(
+        (0..n)
+            .map(|_| {
+                Arc::new(MooncakeStore::connect(cfg.clone()).expect("connect")) as Arc<dyn KvStore>
+            })
+            .collect(),
+    )
+}
+
+fn cfg(ns: &str, mode: ShareMode) -> LinkerConfig {
+    LinkerConfig {
+        namespace: ns.into(),
+        mode: ModeChoice::Fixed(mode),
+        wait_deadline: Duration::from_secs(30),
+        ..LinkerConfig::default()
+    }
+}
+
+fn unique_ns(name: &str) -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{name}-{t}")
+}
+
+#[test]
+fn tp2_loads_every_mode_over_mooncake() {
+    let Some(clients) = mooncake_clients(2) else {
+        return;
+    };
+    let spec = small_spec();
+    let ns = unique_ns("lm");
+    let tokens = prompt(5, 6, spec.page_size);
+    let pages: Vec<PageHash> = save_prefix(
+        &spec,
+        clients[0].clone(),
+        &tokens,
+        &cfg(&ns, ShareMode::AllRanks),
+    );
+    for mode in [
+        ShareMode::AllRanks,
+        ShareMode::Rank0Broadcast,
+        ShareMode::SplitAllGather,
+    ] {
+        let groups = TpGroup::in_process(2);
+        let outcomes: Vec<(BatchOutcome, Arc<HostKvPool>, Vec<u32>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = groups
+                .into_iter()
+                .enumerate()
+                .map(|(rank, group)| {
+                    let (store, spec, pages, ns) =
+                        (clients[rank].clone(), spec.clone(), &pages, &ns);
+                    s.spawn(move || {
+                        let g = KvGeometry::new(spec, 2, rank as u32).unwrap();
+                        let pool = Arc::new(HostKvPool::new(g.clone(), 32).unwrap());
+                        let linker = Linker::with_group(
+                            g.clone(),
+                            store,
+                            pool.clone(),
+                            cfg(ns, mode),
+                            group,
+                        )
+                        .unwrap();
+                        let slots: Vec<u32> = (0..6).map(|i| 31 - i * 4 - rank as u32).collect();
+                        let t = linker
+                            .start_load(load_plan(&g, 1, pages, slots.clone()))
+                            .unwrap();
+                        wait_all(&linker, &t).unwrap();
+                        (linker.wait_batch(&t).unwrap(), pool, slots)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut total = 0;
+        for (o, pool, slots) in &outcomes {
+            let stats = o
+                .result
+                .as_ref()
+                .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+            assert_eq!(stats.mode, mode);
+            total += stats.bytes_read;
+            pool_matches(pool, &pages, slots, 6).unwrap();
+        }
+        let g = KvGeometry::new(spec.clone(), 2, 0).unwrap();
+        let copies = if mode == ShareMode::AllRanks { 2 } else { 1 };
+        assert_eq!(total, copies * 6 * g.bytes_per_page(), "{mode:?}");
+    }
+}
+
+#[test]
+fn a_missing_object_fails_the_batch_with_not_found() {
+    let Some(clients) = mooncake_clients(1) else {
+        return;
+    };
+    let spec = small_spec();
+    let ns = unique_ns("miss");
+    let config = cfg(&ns, ShareMode::AllRanks);
+    let tokens = prompt(9, 3, spec.page_size);
+    let pages = save_prefix(&spec, clients[0].clone(), &tokens, &config);
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), clients[0].clone(), pool.clone(), config).unwrap();
+    // The first three pages load; a fourth that was never saved fails the batch.
+    let mut with_missing = pages.clone();
+    with_missing.push(PageHash([0x42; 32]));
+    let t = linker
+        .start_load(load_plan(&g, 1, &with_missing, vec![0, 1, 2, 3]))
+        .unwrap();
+    let err = wait_all(&linker, &t).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            KvLoadError::Store {
+                kind: StoreFailure::NotFound,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(linker.wait_batch(&t).unwrap().result.is_err());
+    let t = linker
+        .start_load(load_plan(&g, 2, &pages, vec![5, 6, 7]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    pool_matches(&pool, &pages, &[5, 6, 7], 6).unwrap();
+}
