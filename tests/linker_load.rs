@@ -512,3 +512,38 @@ fn save_skips_present_pages_and_only_rank0_writes_replicated() {
         assert_eq!(report.bytes_written, 4 * 2 * 2 * 1024);
     }
 }
+
+#[test]
+fn outcomes_taken_by_completed_free_their_slots() {
+    let r = rig(2);
+    let config = LinkerConfig {
+        max_in_flight: 2,
+        ..cfg()
+    };
+    let (linker, _pool) = rank_linker(&r, 1, 0, 8, config);
+    let g = linker.geometry().clone();
+    let t1 = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1]))
+        .unwrap();
+    let _t2 = linker
+        .start_load(load_plan(&g, 2, &r.pages, vec![2, 3]))
+        .unwrap();
+    let busy = linker.start_load(load_plan(&g, 3, &r.pages, vec![4, 5]));
+    assert!(
+        matches!(busy, Err(KvLoadError::Busy { capacity: 2 })),
+        "{busy:?}"
+    );
+    wait_all(&linker, &t1).unwrap();
+    for batch in 3..8 {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut taken = Vec::new();
+        while taken.is_empty() && Instant::now() < deadline {
+            taken = linker.completed();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(taken.iter().all(|o| o.result.is_ok()));
+        linker
+            .start_load(load_plan(&g, batch, &r.pages, vec![6, 7]))
+            .unwrap();
+    }
+}

@@ -54,7 +54,8 @@ pub(crate) struct Shared {
     closed: AtomicBool,
     /// Per batch, what each ready layer's wait hands back (device pools only).
     readies: Mutex<HashMap<BatchId, Vec<Option<LayerReady>>>>,
-    outcomes: Mutex<HashMap<BatchId, BatchOutcome>>,
+    /// Finished batches not yet taken, with their counter tickets (released when taken).
+    outcomes: Mutex<HashMap<BatchId, (layerwise_counter::Ticket, BatchOutcome)>>,
     outcome_ready: Condvar,
     /// Batches submitted and not yet finished by the load thread.
     pending: Mutex<usize>,
@@ -91,7 +92,7 @@ impl Shared {
         }
         self.outcomes
             .lock()
-            .insert(batch, BatchOutcome { batch, result });
+            .insert(batch, (job.ticket.counter, BatchOutcome { batch, result }));
         self.outcome_ready.notify_all();
     }
 
@@ -131,7 +132,7 @@ impl Shared {
     fn take_outcome(&self, batch: BatchId, deadline: Instant) -> Option<BatchOutcome> {
         let mut outcomes = self.outcomes.lock();
         loop {
-            if let Some(o) = outcomes.remove(&batch) {
+            if let Some((_, o)) = outcomes.remove(&batch) {
                 return Some(o);
             }
             if self
@@ -139,7 +140,7 @@ impl Shared {
                 .wait_until(&mut outcomes, deadline)
                 .timed_out()
             {
-                return outcomes.remove(&batch);
+                return outcomes.remove(&batch).map(|(_, o)| o);
             }
         }
     }
@@ -438,7 +439,14 @@ impl KvLoader for Linker {
 
     fn completed(&self) -> Vec<BatchOutcome> {
         let s = &self.shared;
-        let mut out: Vec<BatchOutcome> = s.outcomes.lock().drain().map(|(_, o)| o).collect();
+        let taken: Vec<(layerwise_counter::Ticket, BatchOutcome)> =
+            s.outcomes.lock().drain().map(|(_, t)| t).collect();
+        let mut out = Vec::with_capacity(taken.len());
+        for (ticket, outcome) in taken {
+            // Already stale after a reset; otherwise this frees the batch's counter slot.
+            let _ = s.counter.finish(ticket);
+            out.push(outcome);
+        }
         out.sort_by_key(|o| o.batch);
         let mut readies = s.readies.lock();
         for o in &out {
@@ -471,6 +479,7 @@ impl KvLoader for Linker {
                 let _ = t.join();
             }
         }
+        self.shared.drop_staging();
         if self.shared.pool.residence() == Residence::Host {
             for (addr, len) in self.shared.pool.regions() {
                 let region = crate::store::MemoryRegion { addr, len };

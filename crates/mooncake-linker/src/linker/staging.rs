@@ -66,25 +66,62 @@ pub(crate) fn scatter_rows(
 }
 
 impl Shared {
-    /// Two staging buffers of at least `len` bytes (reused across batches; none when
-    /// nothing is shared).
+    /// Two staging buffers of at least `len` bytes, registered with the store (reused across
+    /// batches, so registered once). Always two, empty when nothing is shared: the pipeline
+    /// passes them between reader and load thread as its two tokens.
     pub(crate) fn take_staging(&self, len: usize) -> Vec<Vec<u8>> {
+        if len == 0 {
+            return vec![Vec::new(), Vec::new()];
+        }
         let mut cache = self.staging_cache.lock();
         (0..2)
             .map(|_| {
                 let mut b = cache.pop().unwrap_or_default();
                 if b.len() < len {
-                    b.resize(len, 0);
+                    self.register_staging(&b, false);
+                    b = vec![0; len];
+                    self.register_staging(&b, true);
                 }
                 b
             })
             .collect()
     }
 
+    /// Registers (or unregisters) a staging buffer with the store; a store that refuses only
+    /// costs a warning here (a TCP store reads into any memory).
+    fn register_staging(&self, b: &[u8], register: bool) {
+        if b.is_empty() {
+            return;
+        }
+        let region = crate::store::MemoryRegion {
+            addr: b.as_ptr() as usize,
+            len: b.len(),
+        };
+        let r = if register {
+            self.store.register(region)
+        } else {
+            self.store.unregister(region)
+        };
+        if let Err(e) = r {
+            tracing::warn!(error = %e, register, bytes = b.len(), "staging registration");
+        }
+    }
+
+    /// Unregisters and frees the kept staging buffers (on close).
+    pub(crate) fn drop_staging(&self) {
+        for b in self.staging_cache.lock().drain(..) {
+            self.register_staging(&b, false);
+        }
+    }
+
     /// Gives staging buffers back for the next batch.
     pub(crate) fn return_staging(&self, bufs: Vec<Vec<u8>>) {
         let mut cache = self.staging_cache.lock();
         cache.extend(bufs.into_iter().filter(|b| !b.is_empty()));
-        cache.truncate(2);
+        while cache.len() > 2 {
+            if let Some(b) = cache.pop() {
+                self.register_staging(&b, false);
+            }
+        }
     }
 }
