@@ -44,6 +44,8 @@ mod collective;
 mod gate;
 mod in_process;
 mod mode;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod share;
 mod status;
 

@@ -12,6 +12,8 @@
 //! assert_eq!(pool.regions()[0].1, 16 * 64 * 576);
 //! ```
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 mod host;
 mod landing;

@@ -1,0 +1,734 @@
+//! The thread that owns one rank's NCCL communicator (a `ncclComm_t` is not `Send`): it
+//! creates the communicator, runs the requests of the rank's [`NcclCollective`] handle in
+//! order on a dedicated comm stream, enforces each request's deadline, aborts the
+//! communicator when an operation cannot finish, and tears it down when the handle goes.
+//!
+//! [`NcclCollective`]: super::NcclCollective
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{sys as cu, CudaEvent, CudaStream};
+use cudarc::nccl::sys;
+use kv_device::cuda::{CudaDevice, CudaLayerEvent, DeviceBuffer};
+use kv_device::Residence;
+
+use super::error::nccl_error;
+use super::NcclConfig;
+use crate::{Buffer, CollectiveError};
+
+/// What a rank asks its comm thread to do.
+pub(crate) enum Op {
+    /// [`Collective::broadcast`](crate::Collective::broadcast), completed before the reply.
+    Broadcast { buf: Buffer, root: u32 },
+    /// [`Collective::all_gather`](crate::Collective::all_gather), completed before the reply.
+    AllGather { send: Buffer, recv: Buffer },
+    /// A device broadcast enqueued after `after`; the reply is its completion event.
+    BroadcastAsync {
+        buf: Buffer,
+        root: u32,
+        after: Option<Arc<CudaLayerEvent>>,
+    },
+    /// A device all-gather enqueued after `after`; the reply is its completion event.
+    AllGatherAsync {
+        send: Buffer,
+        recv: Buffer,
+        after: Option<Arc<CudaLayerEvent>>,
+    },
+    /// Abort the communicator (every later operation fails).
+    Abort { cause: String },
+}
+
+impl Op {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Op::Broadcast { .. } => "broadcast",
+            Op::AllGather { .. } => "all_gather",
+            Op::BroadcastAsync { .. } => "broadcast_async",
+            Op::AllGatherAsync { .. } => "all_gather_async",
+            Op::Abort { .. } => "abort",
+        }
+    }
+}
+
+/// What a completed request gives back.
+pub(crate) enum Reply {
+    /// Done; with timing on, the device time of the NCCL call.
+    Done { device_ms: Option<f32> },
+    /// Enqueued; the event completes with the operation.
+    Event(Arc<CudaLayerEvent>),
+}
+
+pub(crate) struct Request {
+    pub(crate) seq: u64,
+    pub(crate) op: Op,
+    pub(crate) deadline: Instant,
+    pub(crate) reply: mpsc::SyncSender<Result<Reply, CollectiveError>>,
+}
+
+/// Who this thread is.
+pub(crate) struct Setup {
+    pub(crate) rank: u32,
+    pub(crate) size: u32,
+    pub(crate) ordinal: u32,
+    pub(crate) id: sys::ncclUniqueId,
+    pub(crate) config: NcclConfig,
+    pub(crate) init_deadline: Instant,
+}
+
+/// `ncclConfig_t` as NCCL 2.17 laid it out. NCCL reads the leading `size` field and copies
+/// only `min(size, its own sizeof)` bytes, then applies defaults for every field newer than
+/// `version` (NCCL's documented backward compatibility), so this prefix works with the 2.28
+/// library on the H200 machine as with later ones, whatever bindings cudarc was built with.
+#[repr(C)]
+struct NcclConfigV217 {
+    size: usize,
+    magic: c_uint,
+    version: c_uint,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+const NCCL_CONFIG_UNDEF_INT: c_int = c_int::MIN;
+
+impl NcclConfigV217 {
+    fn non_blocking() -> Self {
+        NcclConfigV217 {
+            size: std::mem::size_of::<Self>(),
+            magic: 0xcafe_beef,
+            version: 21_700,
+            blocking: 0,
+            cga_cluster_size: NCCL_CONFIG_UNDEF_INT,
+            min_ctas: NCCL_CONFIG_UNDEF_INT,
+            max_ctas: NCCL_CONFIG_UNDEF_INT,
+            net_name: std::ptr::null(),
+            split_share: NCCL_CONFIG_UNDEF_INT,
+        }
+    }
+}
+
+/// Why an operation failed inside the worker.
+enum Fail {
+    /// The deadline passed with the operation not finished.
+    Deadline,
+    /// Anything else, already as the error to report.
+    Error(CollectiveError),
+}
+
+pub(crate) struct Worker {
+    rank: u32,
+    size: u32,
+    ordinal: u32,
+    device: Arc<CudaDevice>,
+    stream: Arc<CudaStream>,
+    comm: sys::ncclComm_t,
+    non_blocking: bool,
+    timing: bool,
+    grace: Duration,
+    scratch: Option<DeviceBuffer>,
+    /// Recorded after the last work enqueued on the comm stream.
+    last: Option<Arc<CudaLayerEvent>>,
+    /// Set once the communicator was aborted; every later operation fails with it.
+    aborted: Option<String>,
+}
+
+fn cerr(e: kv_device::DeviceError) -> CollectiveError {
+    CollectiveError::Backend(e.to_string())
+}
+
+impl Worker {
+    /// Opens the device, the comm stream and the communicator (waiting for every rank up to
+    /// `init_deadline`).
+    pub(crate) fn start(s: &Setup) -> Result<Worker, CollectiveError> {
+        let device = CudaDevice::new(s.ordinal).map_err(cerr)?;
+        device.bind().map_err(cerr)?;
+        let stream = device
+            .context()
+            .new_stream()
+            .map_err(|e| CollectiveError::Backend(format!("cuStreamCreate (comm stream): {e}")))?;
+        let mut w = Worker {
+            rank: s.rank,
+            size: s.size,
+            ordinal: s.ordinal,
+            device,
+            stream,
+            comm: std::ptr::null_mut(),
+            non_blocking: s.config.non_blocking,
+            timing: s.config.timing,
+            grace: s.config.abort_grace,
+            scratch: None,
+            last: None,
+            aborted: None,
+        };
+        w.init_comm(s)?;
+        Ok(w)
+    }
+
+    fn init_comm(&mut self, s: &Setup) -> Result<(), CollectiveError> {
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        if self.non_blocking {
+            let mut cfg = NcclConfigV217::non_blocking();
+            // SAFETY: `comm` is a valid out-pointer; `cfg` is a properly initialised config
+            // prefix whose `size` field tells NCCL how many bytes to read (see
+            // NcclConfigV217); it outlives the call (NCCL copies it). The device is current.
+            let r = unsafe {
+                sys::ncclCommInitRankConfig(
+                    &mut comm,
+                    s.size as c_int,
+                    s.id,
+                    s.rank as c_int,
+                    (&mut cfg as *mut NcclConfigV217).cast::<sys::ncclConfig_t>(),
+                )
+            };
+            self.comm = comm;
+            match r {
+                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
+                e => {
+                    let err = nccl_error("ncclCommInitRankConfig", e, comm);
+                    self.abort_comm("initialisation failed");
+                    return Err(err);
+                }
+            }
+            match self.settle("ncclCommInitRankConfig", s.init_deadline) {
+                Ok(()) => Ok(()),
+                Err(Fail::Deadline) => {
+                    self.abort_comm("initialisation timed out");
+                    Err(CollectiveError::Timeout {
+                        op: "init",
+                        seq: 0,
+                        missing: Vec::new(),
+                    })
+                }
+                Err(Fail::Error(e)) => {
+                    self.abort_comm("initialisation failed");
+                    Err(e)
+                }
+            }
+        } else {
+            // SAFETY: `comm` is a valid out-pointer; blocking init returns when every rank
+            // joined (no deadline: this mode is the documented fallback).
+            let r =
+                unsafe { sys::ncclCommInitRank(&mut comm, s.size as c_int, s.id, s.rank as c_int) };
+            if r != sys::ncclResult_t::ncclSuccess {
+                return Err(nccl_error("ncclCommInitRank", r, std::ptr::null_mut()));
+            }
+            self.comm = comm;
+            Ok(())
+        }
+    }
+
+    /// Waits until the communicator has no NCCL call in progress (non-blocking mode).
+    fn settle(&self, call: &'static str, deadline: Instant) -> Result<(), Fail> {
+        if !self.non_blocking {
+            return Ok(());
+        }
+        let mut spins = 0u32;
+        loop {
+            let mut state = sys::ncclResult_t::ncclInProgress;
+            // SAFETY: `comm` is our live communicator; `state` a valid out-pointer.
+            let r = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+            if r != sys::ncclResult_t::ncclSuccess {
+                return Err(Fail::Error(nccl_error(
+                    "ncclCommGetAsyncError",
+                    r,
+                    self.comm,
+                )));
+            }
+            match state {
+                sys::ncclResult_t::ncclSuccess => return Ok(()),
+                sys::ncclResult_t::ncclInProgress => {}
+                e => return Err(Fail::Error(nccl_error(call, e, self.comm))),
+            }
+            if Instant::now() >= deadline {
+                return Err(Fail::Deadline);
+            }
+            spins += 1;
+            if spins < 128 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// Checks the result of an enqueue call, then settles it.
+    fn enqueued(
+        &self,
+        call: &'static str,
+        r: sys::ncclResult_t,
+        deadline: Instant,
+    ) -> Result<(), Fail> {
+        match r {
+            sys::ncclResult_t::ncclSuccess => Ok(()),
+            sys::ncclResult_t::ncclInProgress => self.settle(call, deadline),
+            e => Err(Fail::Error(nccl_error(call, e, self.comm))),
+        }
+    }
+
+    /// Waits for `ev` up to `deadline`, watching the communicator for asynchronous errors
+    /// (a peer that failed) while waiting.
+    fn complete(&self, ev: &CudaLayerEvent, deadline: Instant) -> Result<(), Fail> {
+        let mut spins = 0u32;
+        loop {
+            if ev.is_complete().map_err(|e| Fail::Error(cerr(e)))? {
+                return Ok(());
+            }
+            let mut state = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: live communicator, valid out-pointer.
+            let r = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+            if r == sys::ncclResult_t::ncclSuccess
+                && state != sys::ncclResult_t::ncclSuccess
+                && state != sys::ncclResult_t::ncclInProgress
+            {
+                return Err(Fail::Error(nccl_error(
+                    "asynchronous NCCL error",
+                    state,
+                    self.comm,
+                )));
+            }
+            if Instant::now() >= deadline {
+                return Err(Fail::Deadline);
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 256 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+
+    /// Aborts the communicator (ncclCommAbort also stops NCCL kernels still waiting for a
+    /// peer), then waits a bounded time for the comm stream to drain.
+    fn abort_comm(&mut self, cause: &str) {
+        if self.comm.is_null() {
+            self.aborted.get_or_insert_with(|| cause.to_string());
+            return;
+        }
+        tracing::warn!(rank = self.rank, cause, "aborting the NCCL communicator");
+        // SAFETY: `comm` is our live communicator; it is aborted once and nulled.
+        let r = unsafe { sys::ncclCommAbort(self.comm) };
+        if r != sys::ncclResult_t::ncclSuccess {
+            tracing::warn!(rank = self.rank, code = ?r, "ncclCommAbort failed");
+        }
+        self.comm = std::ptr::null_mut();
+        self.aborted.get_or_insert_with(|| cause.to_string());
+        if let Ok(ev) = CudaLayerEvent::record_on(&self.stream, u32::MAX) {
+            if !matches!(ev.wait_until(Instant::now() + self.grace), Ok(true)) {
+                tracing::error!(
+                    rank = self.rank,
+                    "comm stream still busy after ncclCommAbort; its buffers may still be in use"
+                );
+            }
+        }
+        self.last = None;
+    }
+
+    /// A device scratch buffer of at least `len` bytes (for host buffers).
+    fn scratch(&mut self, len: usize) -> Result<u64, CollectiveError> {
+        if self.scratch.as_ref().is_none_or(|b| b.len() < len) {
+            self.scratch = None;
+            let cap = len.max(1 << 16).next_power_of_two();
+            self.scratch = Some(
+                DeviceBuffer::alloc(self.device.context(), cap, "NCCL host-op scratch")
+                    .map_err(cerr)?,
+            );
+        }
+        Ok(self.scratch.as_ref().map_or(0, |b| b.ptr()))
+    }
+
+    fn invalid(&self, op: &'static str, seq: u64, reason: String) -> CollectiveError {
+        CollectiveError::InvalidArgument {
+            op,
+            seq,
+            rank: self.rank,
+            reason,
+        }
+    }
+
+    /// `Some(is_host)` for a buffer this rank can move, or the error.
+    fn residence(&self, op: &'static str, seq: u64, b: &Buffer) -> Result<bool, CollectiveError> {
+        match b.residence {
+            Residence::Host => Ok(true),
+            Residence::Device { ordinal } if ordinal == self.ordinal => Ok(false),
+            Residence::Device { ordinal } => Err(self.invalid(
+                op,
+                seq,
+                format!(
+                    "buffer on GPU {ordinal}, but this rank's communicator is on GPU {}",
+                    self.ordinal
+                ),
+            )),
+        }
+    }
+
+    fn stream(&self) -> sys::cudaStream_t {
+        self.stream.cu_stream() as sys::cudaStream_t
+    }
+
+    fn timer(&self) -> Option<(CudaEvent, CudaEvent)> {
+        if !self.timing {
+            return None;
+        }
+        let ctx = self.device.context();
+        let flags = Some(cu::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = ctx.new_event(flags).ok()?;
+        let end = ctx.new_event(flags).ok()?;
+        start.record(&self.stream).ok()?;
+        Some((start, end))
+    }
+
+    /// Waits for the previous asynchronous operation (so host copies never block on it).
+    fn drain_last(&mut self, deadline: Instant) -> Result<(), Fail> {
+        if let Some(ev) = self.last.take() {
+            self.complete(&ev, deadline)?;
+        }
+        Ok(())
+    }
+
+    fn record(&mut self, tag: u32) -> Result<Arc<CudaLayerEvent>, Fail> {
+        let ev = CudaLayerEvent::record_on(&self.stream, tag).map_err(|e| Fail::Error(cerr(e)))?;
+        self.last = Some(ev.clone());
+        Ok(ev)
+    }
+
+    fn h2d(&self, dst: u64, src: usize, len: usize) -> Result<(), Fail> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: `src` is the caller's host buffer valid for `len` bytes (Collective's memory
+        // contract), `dst` our scratch of at least `len` bytes; synchronous copy.
+        unsafe { cu::cuMemcpyHtoD_v2(dst, src as *const c_void, len) }
+            .result()
+            .map_err(|e| Fail::Error(CollectiveError::Backend(format!("cuMemcpyHtoD: {e}"))))
+    }
+
+    fn d2h(&self, dst: usize, src: u64, len: usize) -> Result<(), Fail> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: `dst` is the caller's host buffer valid for writes of `len` bytes, `src` our
+        // scratch holding the result (the NCCL op completed); synchronous copy.
+        unsafe { cu::cuMemcpyDtoH_v2(dst as *mut c_void, src, len) }
+            .result()
+            .map_err(|e| Fail::Error(CollectiveError::Backend(format!("cuMemcpyDtoH: {e}"))))
+    }
+
+    fn run(&mut self, op: Op, seq: u64, deadline: Instant) -> Result<Reply, Fail> {
+        let name = op.name();
+        if let Op::Abort { cause } = op {
+            self.abort_comm(&cause);
+            return Ok(Reply::Done { device_ms: None });
+        }
+        if let Some(cause) = &self.aborted {
+            return Err(Fail::Error(CollectiveError::Aborted {
+                op: name,
+                seq,
+                missing: Vec::new(),
+                cause: format!("the NCCL communicator was aborted earlier: {cause}"),
+            }));
+        }
+        self.device.bind().map_err(|e| Fail::Error(cerr(e)))?;
+        match op {
+            Op::Broadcast { buf, root } => self.broadcast(name, seq, buf, root, deadline),
+            Op::AllGather { send, recv } => self.all_gather(name, seq, send, recv, deadline),
+            Op::BroadcastAsync { buf, root, after } => {
+                self.broadcast_async(name, seq, buf, root, after, deadline)
+            }
+            Op::AllGatherAsync { send, recv, after } => {
+                self.all_gather_async(name, seq, send, recv, after, deadline)
+            }
+            Op::Abort { .. } => Ok(Reply::Done { device_ms: None }),
+        }
+    }
+
+    fn check_root(&self, op: &'static str, seq: u64, root: u32) -> Result<(), Fail> {
+        if root >= self.size {
+            return Err(Fail::Error(self.invalid(
+                op,
+                seq,
+                format!("root {root} is not a rank of a group of {}", self.size),
+            )));
+        }
+        Ok(())
+    }
+
+    fn broadcast(
+        &mut self,
+        op: &'static str,
+        seq: u64,
+        buf: Buffer,
+        root: u32,
+        deadline: Instant,
+    ) -> Result<Reply, Fail> {
+        self.check_root(op, seq, root)?;
+        let host = self.residence(op, seq, &buf).map_err(Fail::Error)?;
+        self.drain_last(deadline)?;
+        let ptr = if host {
+            let s = self.scratch(buf.len).map_err(Fail::Error)?;
+            if self.rank == root {
+                self.h2d(s, buf.addr, buf.len)?;
+            }
+            s
+        } else {
+            buf.addr as u64
+        };
+        let timer = self.timer();
+        // SAFETY: `ptr` is device memory of this rank's GPU valid for `buf.len` bytes (the
+        // caller's device buffer under the Collective memory contract, or our scratch); the
+        // broadcast is in place (NCCL allows sendbuff == recvbuff); the comm and stream are
+        // ours and live.
+        let r = unsafe {
+            sys::ncclBroadcast(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                buf.len,
+                sys::ncclDataType_t::ncclUint8,
+                root as c_int,
+                self.comm,
+                self.stream(),
+            )
+        };
+        self.enqueued("ncclBroadcast", r, deadline)?;
+        if let Some((_, end)) = &timer {
+            let _ = end.record(&self.stream);
+        }
+        let ev = self.record(seq as u32)?;
+        self.complete(&ev, deadline)?;
+        self.last = None;
+        if host && self.rank != root {
+            self.d2h(buf.addr, ptr, buf.len)?;
+        }
+        Ok(Reply::Done {
+            device_ms: timer.and_then(|(s, e)| s.elapsed_ms(&e).ok()),
+        })
+    }
+
+    fn all_gather(
+        &mut self,
+        op: &'static str,
+        seq: u64,
+        send: Buffer,
+        recv: Buffer,
+        deadline: Instant,
+    ) -> Result<Reply, Fail> {
+        let n = send.len;
+        let size = self.size as usize;
+        if n.checked_mul(size) != Some(recv.len) {
+            return Err(Fail::Error(self.invalid(
+                op,
+                seq,
+                format!("recv holds {} bytes, not {size} × {n}", recv.len),
+            )));
+        }
+        let send_host = self.residence(op, seq, &send).map_err(Fail::Error)?;
+        let recv_host = self.residence(op, seq, &recv).map_err(Fail::Error)?;
+        if send_host != recv_host {
+            return Err(Fail::Error(self.invalid(
+                op,
+                seq,
+                "send and recv must both be host or both device memory".into(),
+            )));
+        }
+        let in_place = send.addr == recv.addr + self.rank as usize * n;
+        if send.overlaps(&recv) && !in_place {
+            return Err(Fail::Error(self.invalid(
+                op,
+                seq,
+                "send overlaps recv without being this rank's slot of it".into(),
+            )));
+        }
+        self.drain_last(deadline)?;
+        let (sptr, rptr) = if send_host {
+            let s = self.scratch(recv.len).map_err(Fail::Error)?;
+            let mine = s + (self.rank as usize * n) as u64;
+            self.h2d(mine, send.addr, n)?;
+            (mine, s)
+        } else {
+            (send.addr as u64, recv.addr as u64)
+        };
+        let timer = self.timer();
+        // SAFETY: `sptr` holds `n` readable bytes and `rptr` `size * n` writable bytes of this
+        // rank's GPU (the caller's device buffers under the Collective contract, or our
+        // scratch, in place at this rank's slot as NCCL allows); comm and stream are ours.
+        let r = unsafe {
+            sys::ncclAllGather(
+                sptr as *const c_void,
+                rptr as *mut c_void,
+                n,
+                sys::ncclDataType_t::ncclUint8,
+                self.comm,
+                self.stream(),
+            )
+        };
+        self.enqueued("ncclAllGather", r, deadline)?;
+        if let Some((_, end)) = &timer {
+            let _ = end.record(&self.stream);
+        }
+        let ev = self.record(seq as u32)?;
+        self.complete(&ev, deadline)?;
+        self.last = None;
+        if recv_host {
+            self.d2h(recv.addr, rptr, recv.len)?;
+        }
+        Ok(Reply::Done {
+            device_ms: timer.and_then(|(s, e)| s.elapsed_ms(&e).ok()),
+        })
+    }
+
+    fn broadcast_async(
+        &mut self,
+        op: &'static str,
+        seq: u64,
+        buf: Buffer,
+        root: u32,
+        after: Option<Arc<CudaLayerEvent>>,
+        deadline: Instant,
+    ) -> Result<Reply, Fail> {
+        self.check_root(op, seq, root)?;
+        if self.residence(op, seq, &buf).map_err(Fail::Error)? {
+            return Err(Fail::Error(self.invalid(
+                op,
+                seq,
+                "an asynchronous broadcast moves device memory only".into(),
+            )));
+        }
+        if let Some(ev) = &after {
+            ev.wait_on(&self.stream).map_err(|e| Fail::Error(cerr(e)))?;
+        }
+        // SAFETY: `buf` is device memory of this rank's GPU valid for `buf.len` bytes until
+        // the returned event completes (the caller's contract for broadcast_async); in place;
+        // comm and stream are ours.
+        let r = unsafe {
+            sys::ncclBroadcast(
+                buf.addr as *const c_void,
+                buf.addr as *mut c_void,
+                buf.len,
+                sys::ncclDataType_t::ncclUint8,
+                root as c_int,
+                self.comm,
+                self.stream(),
+            )
+        };
+        self.enqueued("ncclBroadcast", r, deadline)?;
+        Ok(Reply::Event(self.record(seq as u32)?))
+    }
+
+    fn all_gather_async(
+        &mut self,
+        op: &'static str,
+        seq: u64,
+        send: Buffer,
+        recv: Buffer,
+        after: Option<Arc<CudaLayerEvent>>,
+        deadline: Instant,
+    ) -> Result<Reply, Fail> {
+        let n = send.len;
+        if n.checked_mul(self.size as usize) != Some(recv.len) {
+            return Err(Fail::Error(self.invalid(
+                op,
+                seq,
+                format!("recv holds {} bytes, not {} × {n}", recv.len, self.size),
+            )));
+        }
+        let send_host = self.residence(op, seq, &send).map_err(Fail::Error)?;
+        let recv_host = self.residence(op, seq, &recv).map_err(Fail::Error)?;
+        if send_host || recv_host {
+            return Err(Fail::Error(self.invalid(
+                op,
+                seq,
+                "an asynchronous all-gather moves device memory only".into(),
+            )));
+        }
+        let in_place = send.addr == recv.addr + self.rank as usize * n;
+        if send.overlaps(&recv) && !in_place {
+            return Err(Fail::Error(self.invalid(
+                op,
+                seq,
+                "send overlaps recv without being this rank's slot of it".into(),
+            )));
+        }
+        if let Some(ev) = &after {
+            ev.wait_on(&self.stream).map_err(|e| Fail::Error(cerr(e)))?;
+        }
+        // SAFETY: `send` (n bytes) and `recv` (size × n bytes) are device memory of this
+        // rank's GPU, valid and untouched by other work until the returned event completes
+        // (the caller's contract for all_gather_async); in place or disjoint (checked); comm
+        // and stream are ours.
+        let r = unsafe {
+            sys::ncclAllGather(
+                send.addr as *const c_void,
+                recv.addr as *mut c_void,
+                n,
+                sys::ncclDataType_t::ncclUint8,
+                self.comm,
+                self.stream(),
+            )
+        };
+        self.enqueued("ncclAllGather", r, deadline)?;
+        Ok(Reply::Event(self.record(seq as u32)?))
+    }
+
+    /// Serves requests until the handle is dropped, then tears the communicator down.
+    pub(crate) fn serve(mut self, rx: mpsc::Receiver<Request>) {
+        while let Ok(req) = rx.recv() {
+            let name = req.op.name();
+            let result = match self.run(req.op, req.seq, req.deadline) {
+                Ok(r) => Ok(r),
+                Err(Fail::Error(e)) => {
+                    if matches!(e, CollectiveError::Backend(_)) {
+                        self.abort_comm(&format!("{name} #{} failed: {e}", req.seq));
+                    }
+                    Err(e)
+                }
+                Err(Fail::Deadline) => {
+                    self.abort_comm(&format!("{name} #{} timed out", req.seq));
+                    Err(CollectiveError::Timeout {
+                        op: name,
+                        seq: req.seq,
+                        missing: Vec::new(),
+                    })
+                }
+            };
+            let _ = req.reply.send(result);
+        }
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        if self.comm.is_null() {
+            return;
+        }
+        let _ = self.device.bind();
+        let deadline = Instant::now() + self.grace;
+        if self.drain_last(deadline).is_err() {
+            self.abort_comm("closing with an operation still in flight");
+            return;
+        }
+        // SAFETY: live communicator with no operation in flight (drained above).
+        let r = unsafe { sys::ncclCommFinalize(self.comm) };
+        let finalized = match r {
+            sys::ncclResult_t::ncclSuccess => true,
+            sys::ncclResult_t::ncclInProgress => self.settle("ncclCommFinalize", deadline).is_ok(),
+            _ => false,
+        };
+        if !finalized {
+            self.abort_comm("ncclCommFinalize did not complete");
+            return;
+        }
+        // SAFETY: finalized communicator, destroyed once and nulled.
+        let r = unsafe { sys::ncclCommDestroy(self.comm) };
+        if r != sys::ncclResult_t::ncclSuccess {
+            tracing::warn!(rank = self.rank, code = ?r, "ncclCommDestroy failed");
+        }
+        self.comm = std::ptr::null_mut();
+    }
+}

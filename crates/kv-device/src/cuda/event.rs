@@ -1,0 +1,175 @@
+//! The per-layer event a device wait hands the engine.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
+use kv_loader::{KvLoadError, RawStream, StreamWaitable};
+
+use super::device::{driver_error_text, drv};
+use crate::DeviceError;
+
+/// A CUDA event recorded on a stream after some device work (a layer's copies, a broadcast):
+/// the engine's compute stream waits on it ([`StreamWaitable::wait_on_stream`], i.e.
+/// `cuStreamWaitEvent`, which returns at once and blocks no CPU thread), or a host thread
+/// waits for it ([`StreamWaitable::synchronize`], or [`CudaLayerEvent::wait_until`] with a
+/// deadline).
+///
+/// Created with `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`: the cheapest kind to
+/// record and wait on, and a host synchronize sleeps instead of spinning.
+pub struct CudaLayerEvent {
+    ctx: Arc<CudaContext>,
+    event: sys::CUevent,
+    layer: u32,
+}
+
+// SAFETY: a CUevent handle may be used from any thread (the driver API is thread-safe); every
+// use binds the owning context first. The handle is destroyed once, in Drop.
+unsafe impl Send for CudaLayerEvent {}
+// SAFETY: as for Send; recording happens only in `record_on` before the event is shared.
+unsafe impl Sync for CudaLayerEvent {}
+
+impl fmt::Debug for CudaLayerEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaLayerEvent")
+            .field("layer", &self.layer)
+            .field("device", &self.ctx.ordinal())
+            .finish()
+    }
+}
+
+impl CudaLayerEvent {
+    /// Records a new event for `layer` on `stream` (after the work enqueued on it so far).
+    pub fn record_on(stream: &CudaStream, layer: u32) -> Result<Arc<Self>, DeviceError> {
+        Self::record_raw(stream.context(), stream.cu_stream(), layer)
+    }
+
+    /// Records a new event on a raw stream of context `ctx`.
+    pub(crate) fn record_raw(
+        ctx: &Arc<CudaContext>,
+        stream: sys::CUstream,
+        layer: u32,
+    ) -> Result<Arc<Self>, DeviceError> {
+        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+            | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+        // SAFETY: the context is current; `event` is a valid out-pointer.
+        unsafe { sys::cuEventCreate(&mut event, flags) }
+            .result()
+            .map_err(drv("cuEventCreate"))?;
+        let ev = CudaLayerEvent {
+            ctx: ctx.clone(),
+            event,
+            layer,
+        };
+        // SAFETY: `event` was just created in this context; `stream` is a live stream of the
+        // same context (callers pass their own streams).
+        unsafe { sys::cuEventRecord(ev.event, stream) }
+            .result()
+            .map_err(drv("cuEventRecord"))?;
+        Ok(Arc::new(ev))
+    }
+
+    /// The layer (or operation number) it marks.
+    pub fn layer(&self) -> u32 {
+        self.layer
+    }
+
+    /// The raw event handle (do not destroy it).
+    pub fn cu_event(&self) -> sys::CUevent {
+        self.event
+    }
+
+    /// The context it belongs to.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Makes the cudarc `stream` wait for this event (device-side; returns at once).
+    pub fn wait_on(&self, stream: &CudaStream) -> Result<(), DeviceError> {
+        self.wait_raw(stream.cu_stream())
+            .map_err(drv("cuStreamWaitEvent"))
+    }
+
+    fn wait_raw(&self, stream: sys::CUstream) -> Result<(), DriverError> {
+        // The engine's thread keeps its own current context (a stream handle names its
+        // context); ours is made current only where none is.
+        if cudarc::driver::result::ctx::get_current()?.is_none() {
+            self.ctx.bind_to_thread()?;
+        }
+        // SAFETY: the event is live (we own it); the caller vouches that `stream` is a live
+        // stream handle (any context may wait on an event of another context).
+        unsafe { sys::cuStreamWaitEvent(stream, self.event, 0) }.result()
+    }
+
+    /// True when the work before the event has finished; a device error surfaces here.
+    pub fn is_complete(&self) -> Result<bool, DeviceError> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: the event is live.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(drv("cuEventQuery")(DriverError(e))),
+        }
+    }
+
+    /// Blocks the calling thread until the event completes.
+    pub fn wait(&self) -> Result<(), DeviceError> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: the event is live.
+        unsafe { sys::cuEventSynchronize(self.event) }
+            .result()
+            .map_err(drv("cuEventSynchronize"))
+    }
+
+    /// Waits, polling, until the event completes (`Ok(true)`) or `deadline` passes
+    /// (`Ok(false)`); never blocks past the deadline (by more than one short sleep).
+    pub fn wait_until(&self, deadline: Instant) -> Result<bool, DeviceError> {
+        let mut spins = 0u32;
+        loop {
+            if self.is_complete()? {
+                return Ok(true);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 256 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50).min(deadline - now));
+            }
+        }
+    }
+}
+
+impl StreamWaitable for CudaLayerEvent {
+    /// `stream.0` is a `CUstream` (the engine's compute stream) cast to `usize`.
+    fn wait_on_stream(&self, stream: RawStream) -> Result<(), KvLoadError> {
+        self.wait_raw(stream.0 as sys::CUstream).map_err(|e| {
+            KvLoadError::Device(format!(
+                "cuStreamWaitEvent (layer {}): {}",
+                self.layer,
+                driver_error_text(e)
+            ))
+        })
+    }
+
+    fn synchronize(&self) -> Result<(), KvLoadError> {
+        self.wait().map_err(KvLoadError::from)
+    }
+}
+
+impl Drop for CudaLayerEvent {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: we own the event and destroy it once; destroying an event whose work is
+        // still pending is allowed (the driver releases it when the work completes).
+        let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
+    }
+}

@@ -1,0 +1,197 @@
+//! Raw device and pinned host allocations, owned and freed by us (no cudarc `CudaSlice`: the
+//! loader addresses pool memory by raw address across streams, and orders access with its own
+//! events, so cudarc's per-slice event tracking would only add events).
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext};
+
+use super::device::drv;
+use crate::DeviceError;
+
+/// Device memory of one GPU: `len` bytes at a raw device address.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes (`cuMemAlloc`, at least 256-byte aligned), contents unspecified.
+    pub fn alloc(
+        ctx: &Arc<CudaContext>,
+        len: usize,
+        what: &'static str,
+    ) -> Result<Self, DeviceError> {
+        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: the context is current; cuMemAlloc returns fresh memory we own and free once
+        // in Drop. Its contents are never read as a Rust value.
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| {
+            tracing::warn!(bytes = len, what, error = %super::device::driver_error_text(e), "cuMemAlloc failed");
+            DeviceError::Alloc {
+                bytes: len as u64,
+                what,
+            }
+        })?;
+        Ok(DeviceBuffer {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// Allocates `len` zeroed bytes.
+    pub fn zeroed(
+        ctx: &Arc<CudaContext>,
+        len: usize,
+        what: &'static str,
+    ) -> Result<Self, DeviceError> {
+        let b = Self::alloc(ctx, len, what)?;
+        // SAFETY: `b.ptr` is our allocation of at least `len` bytes and nothing else uses it
+        // yet; the synchronous memset completes before returning.
+        unsafe { result::memset_d8_sync(b.ptr, 0, len) }.map_err(drv("cuMemsetD8"))?;
+        Ok(b)
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The context it belongs to.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // Owners order frees after the device work that uses the memory (they synchronize
+        // their streams or events before dropping); cuMemFree itself also waits for the
+        // device to finish work in flight on the memory.
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once.
+        if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+            tracing::warn!(error = %super::device::driver_error_text(e), "cuMemFree failed");
+        }
+    }
+}
+
+/// Plain pinned host memory (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_PORTABLE` only: not
+/// write-combined, so CPU reads stay fast; portable so every context sees it as pinned, as
+/// when ranks of one process drive different GPUs). The store writes it through addresses.
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: PinnedBuffer owns its allocation and hands out addresses only; every access to the
+// bytes goes through raw pointers whose users (stores, copies ordered by events) are
+// responsible for ordering, as for the host pool's buffers.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: as for Send: shared references expose only the address and length.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `len` bytes of pinned host memory, zeroed.
+    pub fn zeroed(
+        ctx: &Arc<CudaContext>,
+        len: usize,
+        what: &'static str,
+    ) -> Result<Self, DeviceError> {
+        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: the context is current; cuMemHostAlloc returns fresh page-locked memory of
+        // at least `len.max(1)` bytes that we own and free once in Drop.
+        let raw = unsafe { result::malloc_host(len.max(1), flags) }.map_err(|e| {
+            tracing::warn!(bytes = len, what, error = %super::device::driver_error_text(e), "cuMemHostAlloc failed");
+            DeviceError::Alloc {
+                bytes: len as u64,
+                what,
+            }
+        })?;
+        let ptr = raw as *mut u8;
+        // SAFETY: `ptr` is valid for writes of `len` bytes (just allocated, not shared yet).
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedBuffer {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// The host address.
+    pub fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `data` into the buffer at `offset` (a CPU write, e.g. in tests).
+    ///
+    /// # Safety
+    /// No device copy and no store read may be in flight on that range.
+    pub unsafe fn write(&self, offset: usize, data: &[u8]) -> Result<(), DeviceError> {
+        check_range(offset, data.len(), self.len)?;
+        // SAFETY: the range lies inside our allocation (checked); the caller guarantees
+        // nothing else accesses it; `data` is a distinct Rust slice.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
+        Ok(())
+    }
+
+    /// Copies bytes out of the buffer at `offset`.
+    ///
+    /// # Safety
+    /// No device copy may be writing that range.
+    pub unsafe fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), DeviceError> {
+        check_range(offset, out.len(), self.len)?;
+        // SAFETY: as in `write`, reversed.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+}
+
+fn check_range(offset: usize, len: usize, cap: usize) -> Result<(), DeviceError> {
+    if offset.checked_add(len).is_none_or(|end| end > cap) {
+        return Err(DeviceError::OutOfPool {
+            component: u16::MAX,
+            layer: u32::MAX,
+            slot: u32::MAX,
+            reason: "range outside the pinned buffer",
+        });
+    }
+    Ok(())
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` came from cuMemHostAlloc and is freed exactly once; owners drop it only
+        // after the copies that read or write it completed (they synchronize first).
+        if let Err(e) = unsafe { result::free_host(self.ptr as *mut c_void) } {
+            tracing::warn!(error = %super::device::driver_error_text(e), "cuMemFreeHost failed");
+        }
+    }
+}

@@ -1,0 +1,658 @@
+//! Benchmarks, each with its ceiling measured in the same run.
+
+use std::fmt::Write as _;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use kvlink::dedup_broadcast::nccl::{NcclConfig, NcclGroup};
+use kvlink::dedup_broadcast::{Buffer, Collective};
+use kvlink::kv_device::cuda::cudarc::driver::{sys, CudaEvent};
+use kvlink::kv_device::cuda::cudarc::nccl as cnccl;
+use kvlink::kv_device::cuda::{
+    CudaDevice, CudaKvPool, DeviceBuffer, PinnedBuffer, ScatterStrategy, StagedLanding, StagingPool,
+};
+use kvlink::kv_device::LayerLanding;
+use kvlink::kv_geometry::KvGeometry;
+use kvlink::kv_loader::{LayerReady, RawStream};
+use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
+
+use crate::checks::{glm, half_bytes};
+use crate::util::{de, fill_row, gbps, median, timing_event, Report, Rng, Status};
+use crate::Args;
+
+const SEC: &str = "bench";
+
+pub fn run(args: &Args, gpus: u32, report: &mut Report) {
+    let dev = match CudaDevice::new(0) {
+        Ok(d) => d,
+        Err(e) => {
+            report.push(SEC, "open GPU 0", Status::Fail, de(e));
+            return;
+        }
+    };
+    h2d(&dev, args, report);
+    wait_cost(&dev, report);
+    for tokens in [32_768u64, 131_072] {
+        if tokens > 32_768 && (args.no_128k || args.quick) {
+            report.push(
+                SEC,
+                format!("layer-wise load {}K", tokens / 1024),
+                Status::Skip,
+                "--no-128k/--quick",
+            );
+            continue;
+        }
+        let tokens = if args.quick { tokens / 8 } else { tokens };
+        let name = format!("layer-wise load {}K tokens (embedded store)", tokens / 1024);
+        report.check(SEC, &name, || store_load(&dev, tokens, args));
+    }
+    nccl_bench(args, gpus, report);
+}
+
+/// The layer of the batch with the most bytes.
+fn widest_layer(g: &KvGeometry) -> u32 {
+    (0..g.num_layers())
+        .max_by_key(|&l| {
+            g.components()
+                .iter()
+                .filter(|c| c.position(l).is_some())
+                .map(|c| c.page_layer_bytes)
+                .sum::<u64>()
+        })
+        .unwrap_or(0)
+}
+
+fn time_on<F: FnMut() -> Result<(), String>>(
+    dev: &CudaDevice,
+    warm: usize,
+    iters: usize,
+    mut f: F,
+) -> Result<f64, String> {
+    let mut ms = Vec::with_capacity(iters);
+    for i in 0..warm + iters {
+        let start = timing_event(dev.load_stream())?;
+        f()?;
+        let end = timing_event(dev.load_stream())?;
+        let t = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
+        if i >= warm {
+            ms.push(f64::from(t));
+        }
+    }
+    Ok(median(&mut ms))
+}
+
+/// Staged landing of one GLM-5.2 layer (scattered slots) vs a plain pinned copy of its bytes.
+fn h2d(dev: &Arc<CudaDevice>, args: &Args, report: &mut Report) {
+    let r = (|| -> Result<(), String> {
+        let g = glm();
+        let n = if args.quick { 512 } else { 2048 };
+        let pages = n as u32 + 128;
+        let layer = widest_layer(&g);
+        let bytes: usize = g
+            .components()
+            .iter()
+            .filter(|c| c.position(layer).is_some())
+            .map(|c| c.page_layer_bytes as usize * n)
+            .sum();
+        let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
+        let staging = StagingPool::new(dev, half_bytes(&g, n), 1).map_err(de)?;
+        let (warm, iters) = if args.quick { (2, 5) } else { (3, 15) };
+        // Ceiling: one plain pinned → device copy of the same bytes, same stream.
+        let pinned = PinnedBuffer::zeroed(dev.context(), bytes, "bench").map_err(de)?;
+        let dbuf = DeviceBuffer::alloc(dev.context(), bytes, "bench").map_err(de)?;
+        let stream = dev.load_stream().cu_stream();
+        let ceiling = time_on(dev, warm, iters, || {
+            dev.bind().map_err(de)?;
+            // SAFETY: our pinned buffer and device buffer, `bytes` each; the timing event
+            // after it is synchronized before the next iteration or the drop.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dbuf.ptr(), pinned.addr() as *const _, bytes, stream)
+            }
+            .result()
+            .map_err(|e| e.to_string())
+        })?;
+        report.info(
+            SEC,
+            format!(
+                "H2D ceiling: plain pinned copy, {:.1} MB",
+                bytes as f64 / 1e6
+            ),
+            format!("{ceiling:.3} ms = {:.1} GB/s", gbps(bytes as u64, ceiling)),
+        );
+        let scattered: Arc<[u32]> = Rng(11).scattered_slots(n, pages).into();
+        let contiguous: Arc<[u32]> = (64..64 + n as u32).collect::<Vec<_>>().into();
+        for (label, slots, strategy, target) in [
+            (
+                "scattered, kernel (auto)",
+                &scattered,
+                ScatterStrategy::Auto,
+                true,
+            ),
+            (
+                "contiguous, one copy (auto)",
+                &contiguous,
+                ScatterStrategy::Auto,
+                true,
+            ),
+            (
+                "scattered, one copy per page (for contrast)",
+                &scattered,
+                ScatterStrategy::Runs,
+                false,
+            ),
+        ] {
+            let mut calls = (0, 0);
+            // Set-up (a fresh landing, targets) stays off the timed span: only `land` is
+            // between the two events.
+            let t = {
+                let mut ms = Vec::new();
+                for i in 0..warm + iters {
+                    let mut l = StagedLanding::new(
+                        pool.clone(),
+                        staging.lease().map_err(de)?,
+                        slots.clone(),
+                    )
+                    .map_err(de)?
+                    .with_strategy(strategy);
+                    for c in g
+                        .components()
+                        .iter()
+                        .filter(|c| c.position(layer).is_some())
+                    {
+                        for p in 0..n {
+                            l.target(c.id, layer, p).map_err(de)?;
+                        }
+                    }
+                    let start = timing_event(dev.load_stream())?;
+                    l.land(layer).map_err(de)?;
+                    let end = timing_event(dev.load_stream())?;
+                    let e = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
+                    if i >= warm {
+                        ms.push(f64::from(e));
+                    }
+                    let s = l.stats();
+                    calls = (s.copies, s.kernel_launches);
+                }
+                median(&mut ms)
+            };
+            let ratio = ceiling / t;
+            let status = if !target {
+                Status::Info
+            } else if ratio >= 0.8 {
+                Status::Pass
+            } else {
+                Status::Fail
+            };
+            report.push(
+                SEC,
+                format!("H2D staged landing, {label}"),
+                status,
+                format!(
+                    "{t:.3} ms = {:.1} GB/s = {:.0} % of ceiling{} ({} copies, {} launches)",
+                    gbps(bytes as u64, t),
+                    ratio * 100.0,
+                    if target { " (target ≥ 80 %)" } else { "" },
+                    calls.0,
+                    calls.1
+                ),
+            );
+        }
+        Ok(())
+    })();
+    if let Err(e) = r {
+        report.push(SEC, "H2D staged landing", Status::Fail, e);
+    }
+}
+
+/// The layer wait's cost on the compute stream: `cuStreamWaitEvent` enqueue time.
+fn wait_cost(dev: &Arc<CudaDevice>, report: &mut Report) {
+    report.check(SEC, "layer wait on the compute stream (cuStreamWaitEvent)", || {
+        let g = glm();
+        let pool = Arc::new(CudaKvPool::new(dev, g.clone(), 8).map_err(de)?);
+        let staging = StagingPool::new(dev, half_bytes(&g, 4), 1).map_err(de)?;
+        let mut l = StagedLanding::new(pool, staging.lease().map_err(de)?, vec![0, 2, 4, 6].into())
+            .map_err(de)?;
+        for c in g.components().iter().filter(|c| c.position(0).is_some()) {
+            for p in 0..4 {
+                l.target(c.id, 0, p).map_err(de)?;
+            }
+        }
+        let LayerReady::Event(ev) = l.land(0).map_err(de)? else {
+            return Err("no event".into());
+        };
+        let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
+        let raw = RawStream(compute.cu_stream() as usize);
+        let mut per_call = Vec::new();
+        for _ in 0..20 {
+            let n = 1000;
+            let t0 = Instant::now();
+            for _ in 0..n {
+                ev.wait_on_stream(raw).map_err(|e| e.to_string())?;
+            }
+            per_call.push(t0.elapsed().as_nanos() as f64 / f64::from(n));
+        }
+        compute.synchronize().map_err(|e| e.to_string())?;
+        let wait_ns = median(&mut per_call);
+        let mut q = Vec::new();
+        for _ in 0..20 {
+            let t0 = Instant::now();
+            for _ in 0..1000 {
+                let _ = ev.synchronize();
+            }
+            q.push(t0.elapsed().as_nanos() as f64 / 1000.0);
+        }
+        let q_ns = median(&mut q);
+        Ok(format!(
+            "cuStreamWaitEvent enqueue {wait_ns:.0} ns/call (CPU thread not blocked); host synchronize on a finished layer {q_ns:.0} ns"
+        ))
+    });
+}
+
+struct LayerTimes {
+    read: (f64, f64),
+    copy: (f64, f64),
+}
+
+/// Layer-wise load of `tokens` tokens of GLM-5.2 from the embedded store through the staged
+/// landing; pipelined time vs the sum of its parts; timeline CSV + SVG; sampled check.
+fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String, String> {
+    let g = glm();
+    let n = (tokens / u64::from(g.page_size())) as usize;
+    let pages = n as u32 + 64;
+    let total: u64 = g.components().iter().map(|c| c.object_bytes()).sum::<u64>() * n as u64;
+    let store = EmbeddedStore::new(total + (1 << 30));
+    let t_fill = Instant::now();
+    let keys: Vec<Vec<String>> = g
+        .components()
+        .iter()
+        .map(|c| (0..n).map(|p| format!("bench_p{p}_c{}", c.id.0)).collect())
+        .collect();
+    for (ci, c) in g.components().iter().enumerate() {
+        let mut obj = vec![0u8; c.object_bytes() as usize];
+        let row = c.page_layer_bytes as usize;
+        for (p, key) in keys[ci].iter().enumerate() {
+            for &l in &c.layers {
+                let pos = c.position(l).unwrap_or(0) as usize;
+                fill_row(
+                    &mut obj[pos * row..(pos + 1) * row],
+                    u64::from(c.id.0) + 1,
+                    l,
+                    p as u64,
+                );
+            }
+            let put = ObjectPut {
+                key,
+                parts: vec![(obj.as_ptr(), obj.len())].into(),
+            };
+            // SAFETY: `obj` is a live Vec read (not written) during the call.
+            let r = unsafe { store.put(&[put]) };
+            if let Some(Err(e)) = r.first() {
+                return Err(format!("put: {e}"));
+            }
+        }
+    }
+    let fill_s = t_fill.elapsed().as_secs_f64();
+    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
+    let staging = StagingPool::new(dev, half_bytes(&g, n), 1).map_err(de)?;
+    for (a, l) in staging.host_regions() {
+        let _ = store.register(kvlink::mooncake_linker::store::MemoryRegion { addr: a, len: l });
+    }
+    let slots: Arc<[u32]> = Rng(tokens).scattered_slots(n, pages).into();
+    let readers = 8usize;
+    let mut best: Option<(f64, Vec<LayerTimes>, String)> = None;
+    let reps = if args.quick { 1 } else { 3 };
+    for _ in 0..reps {
+        let mut landing =
+            StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
+                .map_err(de)?;
+        let base = timing_event(dev.load_stream())?;
+        let t0 = Instant::now();
+        let mut marks: Vec<(f64, f64, CudaEvent, CudaEvent)> = Vec::new();
+        let mut last = None;
+        for layer in 0..g.num_layers() {
+            let r0 = t0.elapsed().as_secs_f64() * 1e3;
+            let mut dsts: Vec<(usize, usize, usize)> = Vec::new();
+            for (ci, c) in g.components().iter().enumerate() {
+                if c.position(layer).is_none() {
+                    continue;
+                }
+                for p in 0..n {
+                    dsts.push((ci, p, landing.target(c.id, layer, p).map_err(de)?));
+                }
+            }
+            let chunk = dsts.len().div_ceil(readers).max(1);
+            let failed = std::thread::scope(|s| {
+                let hs: Vec<_> = dsts
+                    .chunks(chunk)
+                    .map(|part| {
+                        let store = &store;
+                        let keys = &keys;
+                        let g = &g;
+                        s.spawn(move || {
+                            let gets: Vec<RangedGet<'_>> = part
+                                .iter()
+                                .map(|&(ci, p, dst)| {
+                                    let c = &g.components()[ci];
+                                    let range = c.layer_range(layer).unwrap_or(0..0);
+                                    RangedGet {
+                                        key: &keys[ci][p],
+                                        ranges: vec![ReadRange {
+                                            dst: dst as *mut u8,
+                                            len: c.page_layer_bytes as usize,
+                                            offset: range.start,
+                                        }]
+                                        .into(),
+                                    }
+                                })
+                                .collect();
+                            // SAFETY: every destination is a distinct staging row of this
+                            // layer handed out by the landing, untouched until it lands.
+                            let res = unsafe { store.get_ranges(&gets) };
+                            res.iter().filter(|r| r.is_err()).count()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap_or(1)).sum::<usize>()
+            });
+            if failed > 0 {
+                return Err(format!("{failed} reads failed at layer {layer}"));
+            }
+            let r1 = t0.elapsed().as_secs_f64() * 1e3;
+            let s = timing_event(dev.load_stream())?;
+            let ready = landing.land(layer).map_err(de)?;
+            let e = timing_event(dev.load_stream())?;
+            marks.push((r0, r1, s, e));
+            last = Some(ready);
+        }
+        if let Some(LayerReady::Event(ev)) = &last {
+            ev.synchronize().map_err(|e| e.to_string())?;
+        }
+        let wall = t0.elapsed().as_secs_f64() * 1e3;
+        let mut times = Vec::new();
+        for (r0, r1, s, e) in &marks {
+            let cs = f64::from(base.elapsed_ms(s).map_err(|x| x.to_string())?);
+            let ce = f64::from(base.elapsed_ms(e).map_err(|x| x.to_string())?);
+            times.push(LayerTimes {
+                read: (*r0, *r1),
+                copy: (cs, ce),
+            });
+        }
+        let stats = landing.stats();
+        let detail = format!(
+            "{} copies + {} launches",
+            stats.copies, stats.kernel_launches
+        );
+        drop(landing);
+        if best.as_ref().is_none_or(|b| wall < b.0) {
+            best = Some((wall, times, detail));
+        }
+    }
+    let (wall, times, detail) = best.ok_or("no run")?;
+    // Sampled check: three layers, every component on them, every page.
+    let mut row = Vec::new();
+    let mut want = Vec::new();
+    let mut checked = 0u64;
+    for layer in [0u32, g.num_layers() / 2, g.num_layers() - 1] {
+        for c in g
+            .components()
+            .iter()
+            .filter(|c| c.position(layer).is_some())
+        {
+            let len = c.page_layer_bytes as usize;
+            row.resize(len, 0u8);
+            want.resize(len, 0u8);
+            for p in (0..n).step_by(7) {
+                pool.read_slot(c.id, layer, slots[p], &mut row)
+                    .map_err(de)?;
+                fill_row(&mut want, u64::from(c.id.0) + 1, layer, p as u64);
+                if row != want {
+                    return Err(format!(
+                        "layer {layer} component {} page {p}: wrong bytes",
+                        c.id.0
+                    ));
+                }
+                checked += len as u64;
+            }
+        }
+    }
+    let read_sum: f64 = times.iter().map(|t| t.read.1 - t.read.0).sum();
+    let copy_sum: f64 = times.iter().map(|t| t.copy.1 - t.copy.0).sum();
+    let one_layer = times
+        .iter()
+        .map(|t| (t.read.1 - t.read.0).max(t.copy.1 - t.copy.0))
+        .fold(0.0, f64::max);
+    let bound = read_sum.max(copy_sum) + one_layer;
+    let bytes = (total as f64) / 1e9;
+    if let Some(dir) = &args.out {
+        let tag = format!("{}k", tokens / 1024);
+        let mut csv = String::from("layer,read_start_ms,read_end_ms,copy_start_ms,copy_end_ms\n");
+        for (l, t) in times.iter().enumerate() {
+            let _ = writeln!(
+                csv,
+                "{l},{:.3},{:.3},{:.3},{:.3}",
+                t.read.0, t.read.1, t.copy.0, t.copy.1
+            );
+        }
+        let _ = std::fs::write(dir.join(format!("timeline_{tag}.csv")), csv);
+        let _ = std::fs::write(
+            dir.join(format!("timeline_{tag}.svg")),
+            timeline_svg(&times, &tag, wall),
+        );
+    }
+    let ok = wall <= (read_sum + copy_sum) * 0.98 || copy_sum < 0.05 * read_sum;
+    let verdict = if ok { "" } else { " — NOT overlapped" };
+    if !ok {
+        return Err(format!(
+            "{:.2} GB: pipelined {wall:.0} ms vs sum of parts {:.0} ms (read {read_sum:.0} + copy {copy_sum:.0}){verdict}",
+            bytes,
+            read_sum + copy_sum
+        ));
+    }
+    Ok(format!(
+        "{bytes:.2} GB in {wall:.0} ms ({:.1} GB/s); sum of parts {:.0} ms (read {read_sum:.0} with {readers} threads + H2D {copy_sum:.0}); bound max+1 layer {bound:.0} ms; {detail}; store fill {fill_s:.1} s; {:.0} MB sampled equal",
+        bytes / (wall / 1e3),
+        read_sum + copy_sum,
+        checked as f64 / 1e6
+    ))
+}
+
+fn timeline_svg(times: &[LayerTimes], tag: &str, wall: f64) -> String {
+    let w = 1000.0;
+    let row_h = 6.0;
+    let h = 40.0 + times.len() as f64 * row_h * 2.0 + 20.0;
+    let end = times
+        .iter()
+        .map(|t| t.read.1.max(t.copy.1))
+        .fold(wall, f64::max)
+        .max(1e-3);
+    let x = |ms: f64| 60.0 + ms / end * (w - 80.0);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"monospace\" font-size=\"10\">\n\
+         <text x=\"10\" y=\"15\">GLM-5.2 {tag} layer-wise load: store read (blue, host) and H2D landing (orange, device); {wall:.0} ms total</text>\n"
+    );
+    for (l, t) in times.iter().enumerate() {
+        let y = 30.0 + l as f64 * row_h * 2.0;
+        let _ = writeln!(
+            s,
+            "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.2}\" height=\"{row_h}\" fill=\"#3b78c2\"/>",
+            x(t.read.0),
+            (x(t.read.1) - x(t.read.0)).max(0.5)
+        );
+        let _ = writeln!(
+            s,
+            "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.2}\" height=\"{row_h}\" fill=\"#e8862a\"/>",
+            x(t.copy.0),
+            y + row_h,
+            (x(t.copy.1) - x(t.copy.0)).max(0.5)
+        );
+        if l % 10 == 0 {
+            let _ = writeln!(s, "<text x=\"5\" y=\"{:.1}\">L{l}</text>", y + row_h * 1.5);
+        }
+    }
+    let _ = writeln!(
+        s,
+        "<text x=\"60\" y=\"{:.1}\">0 ms</text><text x=\"{:.1}\" y=\"{:.1}\">{end:.0} ms</text></svg>",
+        h - 5.0,
+        w - 80.0,
+        h - 5.0
+    );
+    s
+}
+
+/// NCCL broadcast of one GLM-5.2 layer of a 128K prefix (131072 × 656 B): kvlink's
+/// collective vs raw NCCL (cudarc) for the same bytes, two GPUs.
+fn nccl_bench(args: &Args, gpus: u32, report: &mut Report) {
+    let bytes = 131_072usize * 656;
+    let (warm, iters) = if args.quick { (2, 5) } else { (5, 20) };
+    if gpus < 2 {
+        report.check(SEC, "NCCL broadcast 86 MB, 1 rank (local; no fabric)", || {
+            let cfg = NcclConfig {
+                timing: true,
+                ..NcclConfig::default()
+            };
+            let ranks = NcclGroup::new_in_process_with(&[0], cfg).map_err(|e| e.to_string())?;
+            let dev = CudaDevice::new(0).map_err(de)?;
+            let d = DeviceBuffer::zeroed(dev.context(), bytes, "bench").map_err(de)?;
+            let mut dev_ms = Vec::new();
+            let mut wall = Vec::new();
+            for i in 0..warm + iters {
+                let t0 = Instant::now();
+                // SAFETY: our device buffer on GPU 0, idle during the call.
+                unsafe {
+                    ranks[0].broadcast(
+                        Buffer::device(0, d.ptr() as usize, bytes),
+                        0,
+                        Instant::now() + Duration::from_secs(30),
+                    )
+                }
+                .map_err(|e| e.to_string())?;
+                if i >= warm {
+                    wall.push(t0.elapsed().as_secs_f64() * 1e3);
+                    dev_ms.push(ranks[0].last_device_ms());
+                }
+            }
+            Ok(format!(
+                "device {:.3} ms, call {:.3} ms (one rank: no transfer; 2-GPU numbers need nvidia-h200-x2)",
+                median(&mut dev_ms),
+                median(&mut wall)
+            ))
+        });
+        report.push(
+            SEC,
+            "NCCL broadcast 86 MB vs raw NCCL, 2 ranks",
+            Status::Skip,
+            format!("{gpus} GPU visible; needs 2"),
+        );
+        return;
+    }
+    report.check(SEC, "NCCL broadcast 86 MB (one 128K layer) vs raw NCCL, 2 ranks", || {
+        let raw = raw_nccl_broadcast(bytes, warm, iters)?;
+        let cfg = NcclConfig {
+            timing: true,
+            ..NcclConfig::default()
+        };
+        let ranks = NcclGroup::new_in_process_with(&[0, 1], cfg).map_err(|e| e.to_string())?;
+        let barrier = Barrier::new(2);
+        let res: Vec<Result<(f64, f64), String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .iter()
+                .map(|coll| {
+                    let barrier = &barrier;
+                    s.spawn(move || -> Result<(f64, f64), String> {
+                        let r = coll.rank();
+                        let dev = CudaDevice::new(r).map_err(de)?;
+                        let d = DeviceBuffer::zeroed(dev.context(), bytes, "bench").map_err(de)?;
+                        let mut wall = Vec::new();
+                        let mut dms = Vec::new();
+                        for i in 0..warm + iters {
+                            barrier.wait();
+                            let t0 = Instant::now();
+                            // SAFETY: this rank's device buffer, idle during the call.
+                            unsafe {
+                                coll.broadcast(
+                                    Buffer::device(r, d.ptr() as usize, bytes),
+                                    0,
+                                    Instant::now() + Duration::from_secs(30),
+                                )
+                            }
+                            .map_err(|e| e.to_string())?;
+                            if i >= warm {
+                                wall.push(t0.elapsed().as_secs_f64() * 1e3);
+                                dms.push(coll.last_device_ms());
+                            }
+                        }
+                        Ok((median(&mut wall), median(&mut dms)))
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("panic".into())))
+                .collect()
+        });
+        let (wall, dms) = res.into_iter().next().ok_or("no rank 0")??;
+        let ratio = raw / wall;
+        let v = format!(
+            "kvlink {wall:.3} ms call ({:.0} GB/s), device {dms:.3} ms; raw NCCL {raw:.3} ms ({:.0} GB/s); {:.0} % of raw (target ≥ 80 %)",
+            gbps(bytes as u64, wall),
+            gbps(bytes as u64, raw),
+            ratio * 100.0
+        );
+        if ratio >= 0.8 {
+            Ok(v)
+        } else {
+            Err(v)
+        }
+    });
+}
+
+/// Raw NCCL broadcast (cudarc's safe API, one thread per rank): median device ms on rank 0.
+fn raw_nccl_broadcast(bytes: usize, warm: usize, iters: usize) -> Result<f64, String> {
+    let id = cnccl::Id::new().map_err(|e| {
+        format!(
+            "ncclGetUniqueId: {}",
+            kvlink::dedup_broadcast::nccl::nccl_result_name(e.0)
+        )
+    })?;
+    let barrier = Barrier::new(2);
+    let res: Vec<Result<f64, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2usize)
+            .map(|r| {
+                let barrier = &barrier;
+                s.spawn(move || -> Result<f64, String> {
+                    let ctx = kvlink::kv_device::cuda::cudarc::driver::CudaContext::new(r)
+                        .map_err(|e| e.to_string())?;
+                    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+                    let mut buf = stream.alloc_zeros::<u8>(bytes).map_err(|e| e.to_string())?;
+                    let comm = cnccl::Comm::from_rank(stream.clone(), r, 2, id).map_err(|e| {
+                        format!(
+                            "ncclCommInitRank: {}",
+                            kvlink::dedup_broadcast::nccl::nccl_result_name(e.0)
+                        )
+                    })?;
+                    let mut ms = Vec::new();
+                    for i in 0..warm + iters {
+                        barrier.wait();
+                        let start = timing_event(&stream)?;
+                        comm.broadcast_in_place(&mut buf, 0).map_err(|e| {
+                            format!(
+                                "ncclBroadcast: {}",
+                                kvlink::dedup_broadcast::nccl::nccl_result_name(e.0)
+                            )
+                        })?;
+                        let end = timing_event(&stream)?;
+                        let t = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
+                        if i >= warm {
+                            ms.push(f64::from(t));
+                        }
+                    }
+                    stream.synchronize().map_err(|e| e.to_string())?;
+                    Ok(median(&mut ms))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("panic".into())))
+            .collect()
+    });
+    res.into_iter().next().ok_or("no rank 0")?
+}

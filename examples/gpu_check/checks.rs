@@ -1,0 +1,499 @@
+//! Correctness of the CUDA backend: kernels, staged landing, failures, gather.
+
+use std::sync::Arc;
+
+use kvlink::kv_device::cuda::cudarc::driver::result;
+use kvlink::kv_device::cuda::{
+    CudaDevice, CudaKvPool, DeviceBuffer, KernelSource, RowCopy, ScatterStrategy, StagedLanding,
+    StagingPool,
+};
+use kvlink::kv_device::{DeviceError, DirectLanding, HostKvPool, KvPool, LayerLanding};
+use kvlink::kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
+use kvlink::kv_loader::{LayerReady, RawStream};
+
+use crate::util::{de, fill_row, Report, Rng, Status};
+use crate::Args;
+
+const SEC: &str = "correctness";
+
+pub fn glm() -> KvGeometry {
+    KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).expect("GLM-5.2 geometry")
+}
+
+/// Bytes of the largest layer of a batch of `pages` pages.
+pub fn half_bytes(g: &KvGeometry, pages: usize) -> usize {
+    (0..g.num_layers())
+        .map(|l| {
+            g.components()
+                .iter()
+                .filter(|c| c.position(l).is_some())
+                .map(|c| c.page_layer_bytes as usize * pages)
+                .sum::<usize>()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+pub fn run(args: &Args, report: &mut Report) {
+    let dev = match CudaDevice::new(0) {
+        Ok(d) => d,
+        Err(e) => {
+            report.push(SEC, "open GPU 0", Status::Fail, de(e));
+            return;
+        }
+    };
+    let name = dev.name().unwrap_or_else(de);
+    report.info("env", "GPU 0", name);
+    kernels(&dev, report);
+    let pages: u32 = if args.quick { 48 } else { 160 };
+    let n = if args.quick { 20 } else { 64 };
+    let mut rng = Rng(0x5eed);
+    let scattered = rng.scattered_slots(n, pages);
+    let contiguous: Vec<u32> = (7..7 + n as u32).collect();
+    let mut mixed: Vec<u32> = (100 % pages..100 % pages + 4).collect();
+    mixed.extend(0..(n as u32 - 4) / 2);
+    mixed.extend((pages - (n as u32 - 4 - (n as u32 - 4) / 2))..pages);
+    for (label, slots, strategy) in [
+        (
+            "scattered slots, auto (kernel)",
+            &scattered,
+            ScatterStrategy::Auto,
+        ),
+        ("scattered slots, runs", &scattered, ScatterStrategy::Runs),
+        (
+            "contiguous slots, auto (one copy)",
+            &contiguous,
+            ScatterStrategy::Auto,
+        ),
+        (
+            "contiguous slots, kernel",
+            &contiguous,
+            ScatterStrategy::Kernel,
+        ),
+        ("3 runs, auto", &mixed, ScatterStrategy::Auto),
+    ] {
+        report.check(
+            SEC,
+            &format!("staged load = host reference: {label}"),
+            || load_and_compare(&dev, pages, slots, strategy, None),
+        );
+    }
+    report.check(
+        SEC,
+        "failure at layer 5: earlier layers in, later untouched, lease back",
+        || failure_at_layer(&dev, pages, &scattered, 5),
+    );
+    report.check(SEC, "misuse refused with typed errors (no panic)", || {
+        misuse(&dev, pages)
+    });
+    report.check(SEC, "gather (save direction) = loaded rows", || {
+        gather(&dev, pages, &scattered)
+    });
+}
+
+fn kernels(dev: &Arc<CudaDevice>, report: &mut Report) {
+    for source in [KernelSource::Nvrtc, KernelSource::EmbeddedPtx] {
+        let name = format!("copy kernel from {source:?}");
+        let k = match dev.load_kernels(source) {
+            Ok(k) => k,
+            Err(e @ DeviceError::Unavailable(_)) if source == KernelSource::Nvrtc => {
+                report.push(
+                    SEC,
+                    name,
+                    Status::Skip,
+                    format!("{e} (the shipped PTX is used instead)"),
+                );
+                continue;
+            }
+            Err(e) => {
+                report.push(SEC, name, Status::Fail, de(e));
+                continue;
+            }
+        };
+        report.check(SEC, &name, || {
+            let mut detail = Vec::new();
+            for row in [41_984u64, 8_448, 1_000, 3] {
+                detail.push(kernel_case(dev, &k, row)?);
+            }
+            Ok(detail.join("; "))
+        });
+    }
+    match dev.kernels() {
+        Ok(k) => report.info(SEC, "kernels used by landings", format!("{:?}", k.source())),
+        Err(e) => report.push(SEC, "kernels used by landings", Status::Fail, de(e)),
+    }
+}
+
+/// Scatter 37 rows into 53 slots and gather them back, with `row` bytes per row.
+fn kernel_case(
+    dev: &Arc<CudaDevice>,
+    k: &kvlink::kv_device::cuda::Kernels,
+    row: u64,
+) -> Result<String, String> {
+    let rows = 37usize;
+    let slots_n = 53u32;
+    let mut rng = Rng(row ^ 0xabc);
+    let slots = rng.scattered_slots(rows, slots_n);
+    let r = row as usize;
+    let mut src = vec![0u8; rows * r];
+    for (i, chunk) in src.chunks_mut(r).enumerate() {
+        fill_row(chunk, 9, 1, i as u64);
+    }
+    let ctx = dev.context();
+    let d_src = DeviceBuffer::zeroed(ctx, src.len(), "test").map_err(de)?;
+    let d_dst = DeviceBuffer::zeroed(ctx, slots_n as usize * r, "test").map_err(de)?;
+    let d_back = DeviceBuffer::zeroed(ctx, src.len(), "test").map_err(de)?;
+    let d_slots = DeviceBuffer::zeroed(ctx, rows * 4, "test").map_err(de)?;
+    dev.bind().map_err(de)?;
+    let stream = dev.load_stream().cu_stream();
+    // SAFETY: every buffer is ours with the sizes used; copies are synchronous; the kernels
+    // write rows inside d_dst (slots < slots_n) and d_back (rows < rows); the stream is
+    // synchronized before the buffers are read or dropped.
+    unsafe {
+        result::memcpy_htod_sync(d_src.ptr(), &src).map_err(|e| e.to_string())?;
+        result::memcpy_htod_sync(d_slots.ptr(), &slots).map_err(|e| e.to_string())?;
+        k.copy_rows(
+            stream,
+            RowCopy {
+                src: d_src.ptr(),
+                dst: d_dst.ptr(),
+                src_rows: 0,
+                dst_rows: d_slots.ptr(),
+                n_rows: rows as u32,
+                row_bytes: row,
+            },
+        )
+        .map_err(de)?;
+        k.copy_rows(
+            stream,
+            RowCopy {
+                src: d_dst.ptr(),
+                dst: d_back.ptr(),
+                src_rows: d_slots.ptr(),
+                dst_rows: 0,
+                n_rows: rows as u32,
+                row_bytes: row,
+            },
+        )
+        .map_err(de)?;
+    }
+    dev.synchronize_load_stream().map_err(de)?;
+    let mut dst = vec![0u8; slots_n as usize * r];
+    let mut back = vec![0u8; src.len()];
+    // SAFETY: synchronous copies out of our buffers into Vecs of the same sizes.
+    unsafe {
+        result::memcpy_dtoh_sync(&mut dst, d_dst.ptr()).map_err(|e| e.to_string())?;
+        result::memcpy_dtoh_sync(&mut back, d_back.ptr()).map_err(|e| e.to_string())?;
+    }
+    for (i, &s) in slots.iter().enumerate() {
+        if dst[s as usize * r..(s as usize + 1) * r] != src[i * r..(i + 1) * r] {
+            return Err(format!("row {i} → slot {s} wrong (row {row} B)"));
+        }
+    }
+    let untouched = (0..slots_n).filter(|s| !slots.contains(s)).all(|s| {
+        dst[s as usize * r..(s as usize + 1) * r]
+            .iter()
+            .all(|&b| b == 0)
+    });
+    if !untouched {
+        return Err(format!("a slot outside the list was written (row {row} B)"));
+    }
+    if back != src {
+        return Err(format!("gather back differs (row {row} B)"));
+    }
+    Ok(format!("{row} B rows ok"))
+}
+
+/// Writes row data for (component, layer, page) into both landings' targets.
+fn stage_layer(
+    g: &KvGeometry,
+    layer: u32,
+    n: usize,
+    staged: &mut StagedLanding,
+    direct: Option<&mut DirectLanding>,
+) -> Result<(), String> {
+    let mut direct = direct;
+    for c in g.components() {
+        if c.position(layer).is_none() {
+            continue;
+        }
+        let len = c.page_layer_bytes as usize;
+        let mut row = vec![0u8; len];
+        for page in 0..n {
+            fill_row(&mut row, u64::from(c.id.0) + 1, layer, page as u64);
+            let t = staged.target(c.id, layer, page).map_err(de)?;
+            // SAFETY: `t` is this landing's staging address for the row, `len` bytes, which
+            // nothing else touches until the layer is landed.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), t as *mut u8, len) };
+            if let Some(d) = direct.as_deref_mut() {
+                let h = d.target(c.id, layer, page).map_err(de)?;
+                // SAFETY: `h` is the host pool's slot for the row, `len` bytes, ours alone.
+                unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), h as *mut u8, len) };
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every device buffer equals the host pool's buffer (region by region, same order).
+pub fn compare_pools(
+    dev: &CudaDevice,
+    pool: &CudaKvPool,
+    host: &HostKvPool,
+) -> Result<u64, String> {
+    dev.synchronize_load_stream().map_err(de)?;
+    let dregs = pool.regions();
+    let hregs = host.regions();
+    if dregs.len() != hregs.len() {
+        return Err("region counts differ".into());
+    }
+    let mut bytes = 0u64;
+    let mut buf = Vec::new();
+    for (i, (d, h)) in dregs.iter().zip(&hregs).enumerate() {
+        buf.resize(d.1, 0u8);
+        dev.bind().map_err(de)?;
+        // SAFETY: synchronous copy of our pool buffer `d` (d.1 bytes) into a Vec of that size.
+        unsafe { result::memcpy_dtoh_sync(&mut buf, d.0 as u64) }.map_err(|e| e.to_string())?;
+        // SAFETY: `h` is a live buffer of the host pool, `h.1` bytes, not written now.
+        let hs = unsafe { std::slice::from_raw_parts(h.0 as *const u8, h.1) };
+        if buf[..] != hs[..] {
+            let at = buf.iter().zip(hs).position(|(a, b)| a != b).unwrap_or(0);
+            return Err(format!(
+                "buffer #{i} differs from the host reference at byte {at}"
+            ));
+        }
+        bytes += d.1 as u64;
+    }
+    Ok(bytes)
+}
+
+fn load_and_compare(
+    dev: &Arc<CudaDevice>,
+    pages: u32,
+    slots: &[u32],
+    strategy: ScatterStrategy,
+    fail_at: Option<u32>,
+) -> Result<String, String> {
+    let g = glm();
+    let n = slots.len();
+    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
+    let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
+    let staging = StagingPool::new(dev, half_bytes(&g, n), 1).map_err(de)?;
+    let slots: Arc<[u32]> = slots.into();
+    let mut staged = StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
+        .map_err(de)?
+        .with_strategy(strategy);
+    let host_dyn: Arc<dyn KvPool> = host.clone();
+    let mut direct = DirectLanding::new(host_dyn, slots.clone());
+    let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
+    let mut events = 0;
+    for layer in 0..g.num_layers() {
+        stage_layer(&g, layer, n, &mut staged, Some(&mut direct))?;
+        match staged.land(layer).map_err(de)? {
+            LayerReady::Event(ev) => {
+                ev.wait_on_stream(RawStream(compute.cu_stream() as usize))
+                    .map_err(|e| e.to_string())?;
+                events += 1;
+            }
+            LayerReady::Resident => return Err("a device landing returned Resident".into()),
+        }
+        let _ = direct.land(layer);
+        if fail_at == Some(layer) {
+            break;
+        }
+    }
+    compute.synchronize().map_err(|e| e.to_string())?;
+    let stats = staged.stats();
+    drop(staged);
+    let bytes = compare_pools(dev, &pool, &host)?;
+    if staging.available() != 1 {
+        return Err("the staging lease did not return to its pool".into());
+    }
+    Ok(format!(
+        "{events} layer events, {} runs, {} copies + {} kernel launches, {:.0} MB compared",
+        runs(&slots),
+        stats.copies,
+        stats.kernel_launches,
+        bytes as f64 / 1e6
+    ))
+}
+
+fn runs(slots: &[u32]) -> usize {
+    slots
+        .windows(2)
+        .filter(|w| w[0].checked_add(1) != Some(w[1]))
+        .count()
+        + usize::from(!slots.is_empty())
+}
+
+fn failure_at_layer(
+    dev: &Arc<CudaDevice>,
+    pages: u32,
+    slots: &[u32],
+    fail: u32,
+) -> Result<String, String> {
+    let g = glm();
+    let n = slots.len();
+    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
+    let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
+    let staging = StagingPool::new(dev, half_bytes(&g, n), 1).map_err(de)?;
+    let slots: Arc<[u32]> = slots.into();
+    {
+        let mut staged =
+            StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
+                .map_err(de)?;
+        let host_dyn: Arc<dyn KvPool> = host.clone();
+        let mut direct = DirectLanding::new(host_dyn, slots.clone());
+        for layer in 0..fail {
+            stage_layer(&g, layer, n, &mut staged, Some(&mut direct))?;
+            staged.land(layer).map_err(de)?;
+        }
+        // Layer `fail`: its reads "fail" half-way: staging was written, the layer never lands.
+        stage_layer(&g, fail, n / 2, &mut staged, None)?;
+        if staging.available() != 0 {
+            return Err("lease not held during the batch".into());
+        }
+        // The batch is abandoned here: the landing is dropped with layer `fail` unlanded.
+    }
+    if staging.available() != 1 {
+        return Err("the staging lease did not return after the failed batch".into());
+    }
+    let bytes = compare_pools(dev, &pool, &host)?;
+    // The next batch on the same staging loads completely.
+    let mut staged = StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
+        .map_err(de)?;
+    let host_dyn: Arc<dyn KvPool> = host.clone();
+    let mut direct = DirectLanding::new(host_dyn, slots.clone());
+    for layer in 0..g.num_layers() {
+        stage_layer(&g, layer, n, &mut staged, Some(&mut direct))?;
+        staged.land(layer).map_err(de)?;
+    }
+    staged.synchronize().map_err(de)?;
+    drop(staged);
+    compare_pools(dev, &pool, &host)?;
+    Ok(format!(
+        "layers 0..{fail} equal, {fail}.. untouched ({:.0} MB compared); next batch on the same staging loads fully",
+        bytes as f64 / 1e6
+    ))
+}
+
+fn misuse(dev: &Arc<CudaDevice>, pages: u32) -> Result<String, String> {
+    let g = glm();
+    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
+    let staging = StagingPool::new(dev, half_bytes(&g, 4), 1).map_err(de)?;
+    let mut seen = Vec::new();
+    let mut expect = |what: &str, r: Result<(), DeviceError>| -> Result<(), String> {
+        match r {
+            Err(e) => {
+                seen.push(format!("{what}: {e}"));
+                Ok(())
+            }
+            Ok(()) => Err(format!("{what}: accepted")),
+        }
+    };
+    expect(
+        "slot past the pool",
+        StagedLanding::new(
+            pool.clone(),
+            staging.lease().map_err(de)?,
+            vec![0, pages].into(),
+        )
+        .map(|_| ()),
+    )?;
+    expect(
+        "staging half too small",
+        StagedLanding::new(
+            pool.clone(),
+            staging.lease().map_err(de)?,
+            (0..64).collect::<Vec<u32>>().into(),
+        )
+        .map(|_| ()),
+    )?;
+    let mut l = StagedLanding::new(
+        pool.clone(),
+        staging.lease().map_err(de)?,
+        vec![3, 1, 2, 0].into(),
+    )
+    .map_err(de)?;
+    expect(
+        "second lease of a 1-buffer pool",
+        staging.lease().map(|_| ()),
+    )?;
+    expect(
+        "plan page without a slot",
+        l.target(ComponentId(0), 0, 4).map(|_| ()),
+    )?;
+    let off_layer = (0..g.num_layers())
+        .find(|&x| g.components().iter().any(|c| c.position(x).is_none()))
+        .unwrap_or(0);
+    let missing = g
+        .components()
+        .iter()
+        .find(|c| c.position(off_layer).is_none())
+        .map(|c| c.id)
+        .unwrap_or(ComponentId(99));
+    expect(
+        "component not on the layer",
+        l.target(missing, off_layer, 0).map(|_| ()),
+    )?;
+    l.target(ComponentId(0), 0, 0).map_err(de)?;
+    expect(
+        "layer 2 while layer 0 is unlanded",
+        l.target(ComponentId(0), 2, 0).map(|_| ()),
+    )?;
+    l.land(0).map_err(de)?;
+    expect("land layer 0 twice", l.land(0).map(|_| ()))?;
+    Ok(format!("{} refusals: {}", seen.len(), seen.join(" | ")))
+}
+
+fn gather(dev: &Arc<CudaDevice>, pages: u32, slots: &[u32]) -> Result<String, String> {
+    let g = glm();
+    let n = slots.len();
+    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
+    let staging = StagingPool::new(dev, half_bytes(&g, n), 2).map_err(de)?;
+    let slots: Arc<[u32]> = slots.into();
+    let mut staged = StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
+        .map_err(de)?;
+    for layer in 0..g.num_layers() {
+        stage_layer(&g, layer, n, &mut staged, None)?;
+        staged.land(layer).map_err(de)?;
+    }
+    staged.synchronize().map_err(de)?;
+    drop(staged);
+    let mut checked = 0u64;
+    for strategy in [ScatterStrategy::Kernel, ScatterStrategy::Runs] {
+        let mut save =
+            StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
+                .map_err(de)?
+                .with_strategy(strategy);
+        for layer in [0u32, 1, 2, 3, 40, 77] {
+            for c in g.components() {
+                if c.position(layer).is_none() {
+                    continue;
+                }
+                let (addr, ev) = save.gather(c.id, layer).map_err(de)?;
+                ev.wait().map_err(de)?;
+                let len = c.page_layer_bytes as usize;
+                let mut want = vec![0u8; len];
+                for page in 0..n {
+                    fill_row(&mut want, u64::from(c.id.0) + 1, layer, page as u64);
+                    // SAFETY: the gather's event completed; the rows lie in our pinned half.
+                    let got = unsafe {
+                        std::slice::from_raw_parts((addr + page * len) as *const u8, len)
+                    };
+                    if got != &want[..] {
+                        return Err(format!(
+                            "{strategy:?}: layer {layer} component {} page {page} differs",
+                            c.id.0
+                        ));
+                    }
+                    checked += len as u64;
+                }
+            }
+        }
+    }
+    Ok(format!(
+        "{:.1} MB of gathered rows equal",
+        checked as f64 / 1e6
+    ))
+}

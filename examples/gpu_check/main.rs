@@ -1,0 +1,134 @@
+//! `gpu_check`: the CUDA backend and the NCCL collective, checked and measured on a GPU in one
+//! run (built here with `--features cuda`, run on the GPU machine by `scripts/gpu-run.sh`).
+//!
+//! 1. Correctness: the copy kernel (NVRTC and the shipped PTX), the staged landing (device pool
+//!    bytes equal the host pool's after the same load; scattered, contiguous and mixed slots;
+//!    every scatter strategy), a batch that fails at a layer, misuse refused with typed
+//!    errors, the save-direction gather, and the dedup path on one rank (stage to device,
+//!    NCCL broadcast, land from device).
+//! 2. NCCL: one rank end to end (set-up, broadcast and all-gather of device and host buffers,
+//!    small host exchanges, asynchronous broadcast), an initialisation that times out, and two
+//!    ranks when two GPUs are visible (otherwise skipped).
+//! 3. Benchmarks, each with its ceiling measured in the same run: host→device through the
+//!    staged landing vs a plain pinned copy of the same bytes; the layer wait on a compute
+//!    stream; the layer-wise load of a GLM-5.2 prefix (32K and 128K tokens) from the embedded
+//!    store vs the sum of its parts, with a per-layer timeline (SVG); NCCL broadcast of one
+//!    GLM-5.2 layer of a 128K prefix vs raw NCCL (two GPUs).
+//!
+//! Prints a table last. Exit status: 0 all passed, 1 a check failed, 2 CUDA is unavailable.
+//! Flags: `--quick` (smaller sizes), `--out DIR` (CSV and SVG; default `$OUT` when set),
+//! `--no-128k`.
+
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+mod bench;
+mod checks;
+mod nccl_checks;
+mod util;
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use kvlink::kv_device::cuda::cuda_device_count;
+use tracing_subscriber::EnvFilter;
+
+use util::{Report, Status};
+
+/// Run settings.
+#[derive(Debug, Clone)]
+pub struct Args {
+    /// Smaller sizes, fewer iterations.
+    pub quick: bool,
+    /// Skip the 128K-token load.
+    pub no_128k: bool,
+    /// Where CSV and SVG files go.
+    pub out: Option<std::path::PathBuf>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        quick: false,
+        no_128k: false,
+        out: std::env::var_os("OUT").map(Into::into),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--quick" => a.quick = true,
+            "--no-128k" => a.no_128k = true,
+            "--out" => a.out = Some(it.next().ok_or("--out needs a directory")?.into()),
+            "-h" | "--help" => {
+                return Err("usage: gpu_check [--quick] [--no-128k] [--out DIR]".into());
+            }
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    Ok(a)
+}
+
+/// Runs one part; a panic that escapes its own checks becomes a FAIL row, and the run goes on.
+fn section(report: &mut Report, name: &'static str, f: impl FnOnce(&mut Report)) {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(report)));
+    if let Err(p) = r {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panic".into());
+        report.push(
+            name,
+            "(section aborted)",
+            Status::Fail,
+            format!("PANIC: {msg}"),
+        );
+    }
+}
+
+fn main() -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let gpus = match cuda_device_count() {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("gpu_check: {e}");
+            eprintln!("gpu_check: nothing was run (this program needs an NVIDIA GPU and driver)");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(dir) = &args.out {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let started = Instant::now();
+    let mut report = Report::default();
+    report.info("env", "GPUs visible", gpus.to_string());
+    section(&mut report, "correctness", |r| checks::run(&args, r));
+    section(&mut report, "nccl", |r| nccl_checks::run(&args, gpus, r));
+    section(&mut report, "bench", |r| bench::run(&args, gpus, r));
+    section(&mut report, "nccl", |r| nccl_checks::run_aborts(gpus, r));
+    report.info(
+        "env",
+        "total run time",
+        format!("{:.1} s", started.elapsed().as_secs_f64()),
+    );
+    let text = report.table();
+    if let Some(dir) = &args.out {
+        let _ = std::fs::write(dir.join("gpu_check_table.txt"), &text);
+    }
+    println!("\n{text}");
+    if report.rows.iter().any(|r| r.status == Status::Fail) {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}

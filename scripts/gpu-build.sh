@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds the GPU binaries HERE (no GPU, no CUDA toolkit needed: cudarc loads libcuda, libnccl
+# and libnvrtc at run time) into gpu-bin/ at the repo root, ready to be carried to the GPU
+# machine, where scripts/gpu-run.sh runs them.
+#
+# Usage: scripts/gpu-build.sh               release build of examples/gpu_check (--features cuda)
+#        scripts/gpu-build.sh --regen-ptx   regenerate crates/kv-device/src/cuda/copy_rows.ptx
+#                                           from copy_rows.cu with NVRTC 13.0 from PyPI
+# Output: gpu-bin/gpu_check (stripped), gpu-bin/BUILD_INFO. Fails if gpu-bin/ exceeds 60 MiB or
+# a binary needs glibc newer than 2.34 (what the GPU machine was checked to run).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [[ "${1:-}" == "--regen-ptx" ]]; then
+  tools="${KVLINK_NVRTC_DIR:-$PWD/target/nvrtc-cu13}"
+  if [[ ! -e "$tools/nvidia/cu13/lib/libnvrtc.so.13" ]]; then
+    python3 -m pip install --quiet --no-deps --target "$tools" "nvidia-cuda-nvrtc==13.0.*"
+  fi
+  lib="$tools/nvidia/cu13/lib"
+  LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python3 scripts/gen-ptx.py \
+    "$lib/libnvrtc.so.13" crates/kv-device/src/cuda/copy_rows.cu crates/kv-device/src/cuda/copy_rows.ptx
+  exit 0
+fi
+
+cargo build --release --example gpu_check --features cuda
+rm -rf gpu-bin
+mkdir -p gpu-bin
+cp target/release/examples/gpu_check gpu-bin/
+strip gpu-bin/gpu_check
+
+max_glibc=$(objdump -T gpu-bin/gpu_check | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -Vu | tail -1)
+if [[ "$(printf '%s\n2.34\n' "$max_glibc" | sort -V | tail -1)" != "2.34" ]]; then
+  echo "gpu-build: gpu_check needs glibc $max_glibc (> 2.34): it may not run on the GPU machine" >&2
+  exit 1
+fi
+size=$(du -sb gpu-bin | cut -f1)
+if (( size > 60 * 1024 * 1024 )); then
+  echo "gpu-build: gpu-bin/ is $size bytes (> 60 MiB)" >&2
+  exit 1
+fi
+{
+  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+  echo "rustc: $(rustc --version)"
+  echo "max glibc symbol: $max_glibc"
+} > gpu-bin/BUILD_INFO
+ls -l gpu-bin
+echo "gpu-build: gpu-bin/ ready ($(( size / 1024 )) KiB); on the GPU machine: bash scripts/gpu-run.sh (carry gpu-bin)"
