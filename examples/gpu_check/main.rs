@@ -23,6 +23,7 @@
 
 mod bench;
 mod checks;
+mod linker;
 mod nccl_checks;
 mod util;
 
@@ -114,6 +115,7 @@ fn main() -> ExitCode {
     report.info("env", "GPUs visible", gpus.to_string());
     section(&mut report, "correctness", |r| checks::run(&args, r));
     section(&mut report, "nccl", |r| nccl_checks::run(&args, gpus, r));
+    section(&mut report, "linker", |r| linker::run(&args, r));
     section(&mut report, "bench", |r| bench::run(&args, gpus, r));
     section(&mut report, "nccl", |r| nccl_checks::run_aborts(gpus, r));
     report.info(

@@ -72,3 +72,45 @@ impl LayerLanding for DirectLanding {
         Ok(LayerReady::Resident)
     }
 }
+
+/// Makes the landing of each batch: what a linker holds instead of knowing the backend.
+pub trait LandingFactory: Send + Sync {
+    /// A landing for one batch whose plan page `i` goes to slot `slots[i]`.
+    fn begin(&self, slots: Arc<[u32]>) -> Result<Box<dyn LayerLanding>, DeviceError>;
+
+    /// The host memory a store writes into for this backend (pool buffers, or pinned
+    /// staging), as (address, length): register it with the store once.
+    fn store_regions(&self) -> Vec<(usize, usize)>;
+}
+
+/// Landings straight into a host pool ([`DirectLanding`]).
+///
+/// ```
+/// use std::sync::Arc;
+/// use kv_device::{DirectLandingFactory, HostKvPool, KvPool, LandingFactory};
+/// use kv_geometry::{KvGeometry, ModelKvSpec};
+/// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+/// let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 2).unwrap());
+/// let f = DirectLandingFactory::new(pool.clone());
+/// assert_eq!(f.store_regions(), pool.regions());
+/// ```
+pub struct DirectLandingFactory {
+    pool: Arc<dyn KvPool>,
+}
+
+impl DirectLandingFactory {
+    /// Landings into `pool`.
+    pub fn new(pool: Arc<dyn KvPool>) -> Self {
+        DirectLandingFactory { pool }
+    }
+}
+
+impl LandingFactory for DirectLandingFactory {
+    fn begin(&self, slots: Arc<[u32]>) -> Result<Box<dyn LayerLanding>, DeviceError> {
+        Ok(Box::new(DirectLanding::new(self.pool.clone(), slots)))
+    }
+
+    fn store_regions(&self) -> Vec<(usize, usize)> {
+        self.pool.regions()
+    }
+}

@@ -13,7 +13,7 @@ use super::event::CudaLayerEvent;
 use super::kernels::RowCopy;
 use super::memory::DeviceBuffer;
 use super::pool::CudaKvPool;
-use super::staging::StagingLease;
+use super::staging::{StagingLease, StagingPool};
 use crate::{DeviceError, KvPool, LayerLanding};
 
 /// How `land` moves a staged layer into scattered slots.
@@ -641,6 +641,30 @@ impl Drop for StagedLanding {
         if let Err(e) = self.synchronize() {
             tracing::warn!(error = %e, "staged landing: waiting for copies before release failed");
         }
+    }
+}
+
+/// Staged landings into a device pool, each batch leasing a staging buffer of `staging`.
+pub struct StagedLandingFactory {
+    pool: Arc<CudaKvPool>,
+    staging: Arc<StagingPool>,
+}
+
+impl StagedLandingFactory {
+    /// Landings into `pool` through `staging` (the same GPU).
+    pub fn new(pool: Arc<CudaKvPool>, staging: Arc<StagingPool>) -> Self {
+        StagedLandingFactory { pool, staging }
+    }
+}
+
+impl crate::LandingFactory for StagedLandingFactory {
+    fn begin(&self, slots: Arc<[u32]>) -> Result<Box<dyn crate::LayerLanding>, DeviceError> {
+        let lease = self.staging.lease()?;
+        Ok(Box::new(StagedLanding::new(self.pool.clone(), lease, slots)?))
+    }
+
+    fn store_regions(&self) -> Vec<(usize, usize)> {
+        self.staging.host_regions()
     }
 }
 

@@ -21,7 +21,9 @@ mod staging;
 pub use device::{cuda_device_count, CudaDevice};
 pub use event::CudaLayerEvent;
 pub use kernels::{KernelSource, Kernels, RowCopy, COPY_ROWS_PTX, COPY_ROWS_SRC};
-pub use landing::{LandingStats, ScatterStrategy, StagedLanding, DIRECT_RUNS_MAX};
+pub use landing::{
+    LandingStats, ScatterStrategy, StagedLanding, StagedLandingFactory, DIRECT_RUNS_MAX,
+};
 pub use memory::{DeviceBuffer, PinnedBuffer};
 pub use pool::CudaKvPool;
 pub use staging::{StagingLease, StagingPool};

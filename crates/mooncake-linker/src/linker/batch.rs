@@ -9,13 +9,14 @@ use dedup_broadcast::{
     check_plan, choose_mode, Buffer, Collective, GateVerdict, GroupStatus, LayerStatus,
     StagingLayout,
 };
-use kv_device::{DirectLanding, LayerLanding};
+use kv_device::LayerLanding;
+use parking_lot::Mutex;
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMode};
 use tracing::{debug, info_span, warn};
 
 use super::reader::{store_failure, ComponentKeys, LayerReader};
 use super::session::PinnedKeys;
-use super::staging::{scatter_rows, StagingLanding};
+use super::staging::{scatter_rows, SharedLanding, StagingLanding};
 use super::Shared;
 
 /// A batch handed to the load thread.
@@ -160,6 +161,11 @@ impl Shared {
         let staging_len = layouts.iter().flatten().map(StagingLayout::len).max();
 
         // Local preparation; a failure here is this rank's status from layer 0 on.
+        let slots: std::sync::Arc<[u32]> = job.plan.slots.clone().into();
+        let (landing, landing_error) = match self.landings.begin(slots) {
+            Ok(l) => (Some(Mutex::new(l)), String::new()),
+            Err(e) => (None, format!("{batch}: landing: {e}")),
+        };
         let own_reader = LayerReader {
             store: self.store.as_ref(),
             batch,
@@ -187,6 +193,9 @@ impl Shared {
         let prep = PinnedKeys::start(self.store.as_ref(), &read_keys, self.config.lease_renewal)
             .map_err(|e| store_failure(batch, None, Vec::new(), &e))
             .and_then(|pins| {
+                if landing.is_none() {
+                    return Err(KvLoadError::Device(landing_error.clone()));
+                }
                 if self.config.verify_object_sizes {
                     own_reader.verify_sizes(0..pages)?;
                     shared_reader.verify_sizes(my_pages.clone())?;
@@ -195,7 +204,6 @@ impl Shared {
             });
 
         let group_failed = AtomicBool::new(false);
-        let slots: std::sync::Arc<[u32]> = job.plan.slots.clone().into();
         let staging_bufs = self.take_staging(staging_len.unwrap_or(0));
         let mut first_layer = Duration::ZERO;
         let mut landed = 0u64;
@@ -208,13 +216,12 @@ impl Shared {
             for b in staging_bufs {
                 let _ = to_reader.send(b);
             }
-            let (layouts, group_failed, reader_slots) = (&layouts, &group_failed, slots.clone());
+            let (layouts, group_failed, landing) = (&layouts, &group_failed, &landing);
             let (own_reader, shared_reader) = (&own_reader, &shared_reader);
             let reader = std::thread::Builder::new()
                 .name(format!("kvlink-read-r{}", self.geometry.tp_rank))
                 .spawn_scoped(s, move || {
                     let mut pins = prep;
-                    let mut landing = DirectLanding::new(self.pool.clone(), reader_slots);
                     let mut summary = ReadSummary {
                         bytes_read: 0,
                         own_bytes: 0,
@@ -231,13 +238,13 @@ impl Shared {
                         if summary.failure.is_none() && group_failed.load(Ordering::Acquire) {
                             summary.failure = Some(KvLoadError::Cancelled { batch });
                         }
-                        if summary.failure.is_none() {
+                        if let (None, Some(landing)) = (&summary.failure, landing) {
                             let layout = layouts[layer as usize].as_ref();
                             let read = self.read_one_layer(
                                 &mut pins,
                                 own_reader,
                                 shared_reader,
-                                &mut landing,
+                                &mut SharedLanding(landing),
                                 &mut staging,
                                 layout,
                                 layer,
@@ -280,7 +287,6 @@ impl Shared {
                     return None;
                 }
             };
-            let mut landing = DirectLanding::new(self.pool.clone(), slots.clone());
             for layer in 0..num_layers {
                 let Ok(msg) = from_reader.recv() else {
                     broken.get_or_insert(KvLoadError::Config(format!(
@@ -312,12 +318,12 @@ impl Shared {
                 if was_ok && !group_status.is_ok() {
                     group_failed.store(true, Ordering::Release);
                 }
-                if group_status.is_ok() {
+                if let (true, Some(landing)) = (group_status.is_ok(), &landing) {
                     match self.share_and_land(
                         coll,
                         layouts[layer as usize].as_ref(),
                         &msg.staging,
-                        &mut landing,
+                        &mut SharedLanding(landing),
                         job,
                         layer,
                     ) {
@@ -377,7 +383,7 @@ impl Shared {
         pins: &mut Result<PinnedKeys<'_>, KvLoadError>,
         own: &LayerReader<'_>,
         shared: &LayerReader<'_>,
-        landing: &mut DirectLanding,
+        landing: &mut dyn LayerLanding,
         staging: &mut [u8],
         layout: Option<&StagingLayout>,
         layer: u32,
@@ -425,7 +431,7 @@ impl Shared {
         coll: Option<&dyn Collective>,
         layout: Option<&StagingLayout>,
         staging: &[u8],
-        landing: &mut DirectLanding,
+        landing: &mut dyn LayerLanding,
         job: &BatchJob,
         layer: u32,
     ) -> Result<u64, KvLoadError> {

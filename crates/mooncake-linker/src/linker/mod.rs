@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kv_device::{KvPool, Residence};
+use kv_device::{DirectLandingFactory, KvPool, LandingFactory, Residence};
 use kv_geometry::{KeyScheme, KvGeometry};
 use kv_loader::{
     BatchId, BatchOutcome, BatchPlan, KvLoadError, KvLoader, LayerReady, LoadTicket, LookupHit,
@@ -40,6 +40,8 @@ pub(crate) struct Shared {
     pub(crate) keys: KeyScheme,
     pub(crate) store: Arc<dyn KvStore>,
     pub(crate) pool: Arc<dyn KvPool>,
+    /// Makes each batch's landing (host: straight into the pool; CUDA: pinned staging).
+    pub(crate) landings: Arc<dyn LandingFactory>,
     pub(crate) config: LinkerConfig,
     /// The TP group, when this rank shares replicated components with others.
     pub(crate) group: Option<TpGroup>,
@@ -208,20 +210,37 @@ impl Linker {
         pool: Arc<dyn KvPool>,
         config: LinkerConfig,
     ) -> Result<Self, KvLoadError> {
-        Self::build(geometry, store, pool, config, None)
+        let landings = Self::host_landings(&pool)?;
+        Self::build(geometry, store, pool, landings, config, None)
     }
 
-    /// A linker for rank `group.rank()` of a TP group: replicated components are shared as
-    /// `config.mode` says, lookups agree on the group's minimum, and every rank reaches the
-    /// same outcome for every batch. Every rank must call `lookup` and `start_load` in the
-    /// same order.
-    pub fn with_group(
+    /// A linker whose batches land through `landings` (the CUDA backend's
+    /// `StagedLandingFactory` for a device pool), optionally sharing with a TP group.
+    pub fn with_landings(
         geometry: KvGeometry,
         store: Arc<dyn KvStore>,
         pool: Arc<dyn KvPool>,
+        landings: Arc<dyn LandingFactory>,
         config: LinkerConfig,
-        group: TpGroup,
+        group: Option<TpGroup>,
     ) -> Result<Self, KvLoadError> {
+        if let Some(g) = &group {
+            Self::check_group(&geometry, g)?;
+        }
+        Self::build(geometry, store, pool, landings, config, group)
+    }
+
+    fn host_landings(pool: &Arc<dyn KvPool>) -> Result<Arc<dyn LandingFactory>, KvLoadError> {
+        if pool.residence() != Residence::Host {
+            return Err(KvLoadError::Config(
+                "a device pool lands through its backend's staging: use Linker::with_landings"
+                    .into(),
+            ));
+        }
+        Ok(Arc::new(DirectLandingFactory::new(pool.clone())))
+    }
+
+    fn check_group(geometry: &KvGeometry, group: &TpGroup) -> Result<(), KvLoadError> {
         if group.rank() != geometry.tp_rank
             || group.size() != geometry.tp_size
             || group.control.rank() != group.rank()
@@ -235,13 +254,30 @@ impl Linker {
                 geometry.tp_size
             )));
         }
-        Self::build(geometry, store, pool, config, Some(group))
+        Ok(())
+    }
+
+    /// A linker for rank `group.rank()` of a TP group: replicated components are shared as
+    /// `config.mode` says, lookups agree on the group's minimum, and every rank reaches the
+    /// same outcome for every batch. Every rank must call `lookup` and `start_load` in the
+    /// same order.
+    pub fn with_group(
+        geometry: KvGeometry,
+        store: Arc<dyn KvStore>,
+        pool: Arc<dyn KvPool>,
+        config: LinkerConfig,
+        group: TpGroup,
+    ) -> Result<Self, KvLoadError> {
+        Self::check_group(&geometry, &group)?;
+        let landings = Self::host_landings(&pool)?;
+        Self::build(geometry, store, pool, landings, config, Some(group))
     }
 
     fn build(
         geometry: KvGeometry,
         store: Arc<dyn KvStore>,
         pool: Arc<dyn KvPool>,
+        landings: Arc<dyn LandingFactory>,
         config: LinkerConfig,
         group: Option<TpGroup>,
     ) -> Result<Self, KvLoadError> {
@@ -250,12 +286,10 @@ impl Linker {
                 "the pool is laid out for another geometry".into(),
             ));
         }
-        if pool.residence() == Residence::Host {
-            for (addr, len) in pool.regions() {
-                store
-                    .register(crate::store::MemoryRegion { addr, len })
-                    .map_err(|e| KvLoadError::Config(format!("registering the pool: {e}")))?;
-            }
+        for (addr, len) in landings.store_regions() {
+            store
+                .register(crate::store::MemoryRegion { addr, len })
+                .map_err(|e| KvLoadError::Config(format!("registering landing memory: {e}")))?;
         }
         let keys = KeyScheme::new(
             &config.namespace,
@@ -269,6 +303,7 @@ impl Linker {
             keys,
             store,
             pool,
+            landings,
             measured: Mutex::new(config.bandwidths),
             config,
             group,
@@ -480,12 +515,10 @@ impl KvLoader for Linker {
             }
         }
         self.shared.drop_staging();
-        if self.shared.pool.residence() == Residence::Host {
-            for (addr, len) in self.shared.pool.regions() {
-                let region = crate::store::MemoryRegion { addr, len };
-                if let Err(e) = self.shared.store.unregister(region) {
-                    warn!(error = %e, "unregistering the pool failed");
-                }
+        for (addr, len) in self.shared.landings.store_regions() {
+            let region = crate::store::MemoryRegion { addr, len };
+            if let Err(e) = self.shared.store.unregister(region) {
+                warn!(error = %e, "unregistering landing memory failed");
             }
         }
         cancelled

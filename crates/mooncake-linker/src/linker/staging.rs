@@ -38,6 +38,24 @@ impl LayerLanding for StagingLanding<'_> {
     }
 }
 
+/// One batch's landing, shared by the reader (targets) and the load thread (scatter, land).
+pub(crate) struct SharedLanding<'a>(pub(crate) &'a parking_lot::Mutex<Box<dyn LayerLanding>>);
+
+impl LayerLanding for SharedLanding<'_> {
+    fn target(
+        &mut self,
+        component: ComponentId,
+        layer: u32,
+        plan_page: usize,
+    ) -> Result<usize, DeviceError> {
+        self.0.lock().target(component, layer, plan_page)
+    }
+
+    fn land(&mut self, layer: u32) -> Result<LayerReady, DeviceError> {
+        self.0.lock().land(layer)
+    }
+}
+
 /// Copies every staged row of the layer from `staging` into its slot, as `landing` places
 /// plan pages. Returns the bytes copied.
 pub(crate) fn scatter_rows(

@@ -51,7 +51,7 @@ impl SimulatedLink {
 /// use mooncake_linker::store::{EmbeddedStore, KvStore, SimulatedLink, SimulatedRemoteStore};
 /// let shared = Arc::new(SimulatedLink::new(2.0));
 /// let rank0 = SimulatedRemoteStore::new(Arc::new(EmbeddedStore::new(1 << 20)), shared, 1.5, Duration::from_micros(50));
-/// assert!(rank0.name().contains("simulated"));
+/// assert!(rank0.name().contains("SIMULATED"));
 /// ```
 pub struct SimulatedRemoteStore {
     inner: Arc<dyn KvStore>,
