@@ -451,3 +451,51 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn auto_measures_each_mode_then_keeps_the_fastest() {
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    // Pages large enough (≥ 1 MiB landed per batch) to be measured.
+    let mut spec = ModelKvSpec::glm52_dsa_fp8();
+    spec.num_layers = 4;
+    spec.components[1].layers = LayerMap::Sparse(vec![0, 2]);
+    let config = LinkerConfig {
+        mode: ModeChoice::Auto,
+        ..cfg(ShareMode::AllRanks)
+    };
+    let (rs, pages) = ranks(&spec, 2, store, 8, &config);
+    let mut modes = Vec::new();
+    for batch in 1..=5 {
+        let outcomes = run(&rs, batch, &pages);
+        let m: Vec<ShareMode> = outcomes
+            .iter()
+            .map(|o| o.result.as_ref().unwrap().mode)
+            .collect();
+        assert_eq!(m[0], m[1], "every rank runs rank 0's proposal");
+        modes.push(m[0]);
+    }
+    assert_eq!(&modes[..3], &MODES, "each mode is measured once first");
+    assert_eq!(modes[3], modes[4], "then one mode is kept");
+}
+
+#[test]
+fn auto_with_configured_bandwidths_follows_the_model() {
+    use kvlink::mooncake_linker::dedup_broadcast::Bandwidths;
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let config = LinkerConfig {
+        mode: ModeChoice::Auto,
+        // Each rank's path to the store is its limit (1 GB/s, 2 GB/s for both together) and
+        // the fabric is NVLink-class: split reads use both paths and win.
+        bandwidths: Bandwidths {
+            store_per_rank_gbps: 1.0,
+            store_aggregate_gbps: 2.0,
+            fabric_broadcast_gbps: 300.0,
+            fabric_all_gather_gbps: 300.0,
+        },
+        ..cfg(ShareMode::AllRanks)
+    };
+    let (rs, pages) = ranks(&mixed_spec(), 2, store, 4, &config);
+    for o in run(&rs, 1, &pages) {
+        assert_eq!(o.result.unwrap().mode, ShareMode::SplitAllGather);
+    }
+}

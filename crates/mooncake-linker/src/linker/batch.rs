@@ -6,13 +6,12 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use dedup_broadcast::{
-    check_plan, choose_mode, Buffer, Collective, GateVerdict, GroupStatus, LayerStatus,
-    StagingLayout,
+    check_plan, Buffer, Collective, GateVerdict, GroupStatus, LayerStatus, StagingLayout,
 };
 use kv_device::LayerLanding;
-use parking_lot::Mutex;
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMode};
-use tracing::{debug, info_span, warn};
+use parking_lot::Mutex;
+use tracing::{info, info_span, warn};
 
 use super::reader::{store_failure, ComponentKeys, LayerReader};
 use super::session::PinnedKeys;
@@ -97,12 +96,7 @@ impl Shared {
         let batch = job.plan.logical.batch;
         let verdict = check_plan(coll, &job.plan.logical, self.collective_deadline())
             .map_err(|e| collective_failure(batch, e))?;
-        let (proposal, why) = choose_mode(
-            self.config.mode,
-            &self.bandwidths(),
-            coll.size(),
-            replicated_bytes_per_layer,
-        );
+        let (proposal, why) = self.propose_mode(coll.size(), replicated_bytes_per_layer);
         let proposals = coll
             .all_gather_u64(mode_code(proposal), self.collective_deadline())
             .map_err(|e| collective_failure(batch, e))?;
@@ -113,7 +107,7 @@ impl Shared {
         match verdict {
             GateVerdict::Agreed => {
                 if coll.rank() == 0 {
-                    debug!(%batch, ?mode, why, "share mode");
+                    info!(%batch, ?mode, why, "share mode");
                 }
                 Ok(mode)
             }
@@ -364,6 +358,10 @@ impl Shared {
                     .unwrap_or(KvLoadError::Cancelled { batch }),
             });
         }
+        let last_layer = job.started.elapsed();
+        if coll.is_some() {
+            self.observe_batch(mode, landed, last_layer);
+        }
         Ok(LoadStats {
             pages: pages as u32,
             layers: num_layers,
@@ -371,7 +369,7 @@ impl Shared {
             bytes_landed: landed,
             mode,
             first_layer,
-            last_layer: job.started.elapsed(),
+            last_layer,
         })
     }
 

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use dedup_broadcast::Bandwidths;
+use dedup_broadcast::{choose_mode, layer_times, Bandwidths, ModeChoice};
 use kv_loader::ShareMode;
 
 use super::Shared;
@@ -54,5 +54,86 @@ impl Shared {
                 ShareMode::AllRanks => {}
             }
         }
+    }
+}
+
+/// Modes `Auto` tries, in the order it explores them.
+const AUTO_MODES: [ShareMode; 3] = [
+    ShareMode::AllRanks,
+    ShareMode::Rank0Broadcast,
+    ShareMode::SplitAllGather,
+];
+
+fn slot(mode: ShareMode) -> usize {
+    match mode {
+        ShareMode::AllRanks => 0,
+        ShareMode::Rank0Broadcast => 1,
+        ShareMode::SplitAllGather => 2,
+    }
+}
+
+fn all_known(bw: &Bandwidths) -> bool {
+    [
+        bw.store_per_rank_gbps,
+        bw.store_aggregate_gbps,
+        bw.fabric_broadcast_gbps,
+        bw.fabric_all_gather_gbps,
+    ]
+    .iter()
+    .all(|v| v.is_finite() && *v > 0.0)
+}
+
+impl Shared {
+    /// This rank's proposal for the next batch, and why. Fixed modes are proposed as they
+    /// are. `Auto`: from the time model when every bandwidth is configured; otherwise it
+    /// measures: each mode runs once (explore), then the mode with the lowest measured
+    /// time per landed byte wins (only rank 0's proposal is used, so rank 0's measurements
+    /// decide for the group).
+    pub(crate) fn propose_mode(&self, tp_size: u32, bytes_per_layer: u64) -> (ShareMode, String) {
+        let bw = self.bandwidths();
+        if self.config.mode != ModeChoice::Auto || all_known(&self.config.bandwidths) {
+            return choose_mode(self.config.mode, &bw, tp_size, bytes_per_layer);
+        }
+        let seen = *self.mode_seconds_per_byte.lock();
+        if let Some(m) = AUTO_MODES.iter().find(|m| seen[slot(**m)].is_none()) {
+            return (
+                *m,
+                format!("Auto: measuring {m:?} (no batch ran in it yet)"),
+            );
+        }
+        let best = AUTO_MODES
+            .iter()
+            .copied()
+            .min_by(|a, b| {
+                let (x, y) = (
+                    seen[slot(*a)].unwrap_or(f64::MAX),
+                    seen[slot(*b)].unwrap_or(f64::MAX),
+                );
+                x.total_cmp(&y)
+            })
+            .unwrap_or(ShareMode::AllRanks);
+        let ns = |m: ShareMode| seen[slot(m)].map_or(f64::NAN, |v| v * 1e9);
+        let model = layer_times(&bw, tp_size, bytes_per_layer);
+        (
+            best,
+            format!(
+                "Auto: measured ns per landed byte AllRanks {:.3}, Rank0Broadcast {:.3}, SplitAllGather {:.3} (model: {:?})",
+                ns(ShareMode::AllRanks),
+                ns(ShareMode::Rank0Broadcast),
+                ns(ShareMode::SplitAllGather),
+                model
+            ),
+        )
+    }
+
+    /// A batch of `mode` landed `bytes` in `took` (start to last layer) on this rank.
+    pub(crate) fn observe_batch(&self, mode: ShareMode, bytes: u64, took: Duration) {
+        if bytes < MIN_BYTES {
+            return;
+        }
+        let v = took.as_secs_f64() / bytes as f64;
+        let mut seen = self.mode_seconds_per_byte.lock();
+        let s = &mut seen[slot(mode)];
+        *s = Some(s.map_or(v, |old| blend(old, v)));
     }
 }

@@ -47,6 +47,9 @@ pub(crate) struct Shared {
     pub(crate) group: Option<TpGroup>,
     /// Bandwidths `Auto` decides from (configured, refined by measurement).
     pub(crate) measured: Mutex<dedup_broadcast::Bandwidths>,
+    /// `Auto`'s measurements: seconds per landed byte of each mode (AllRanks, Rank0Broadcast,
+    /// SplitAllGather), a running average.
+    pub(crate) mode_seconds_per_byte: Mutex<[Option<f64>; 3]>,
     /// Staging buffers kept between batches.
     pub(crate) staging_cache: Mutex<Vec<Vec<u8>>>,
     pub(crate) counter: LayerCounter<KvLoadError>,
@@ -308,6 +311,7 @@ impl Linker {
             config,
             group,
             staging_cache: Mutex::new(Vec::new()),
+            mode_seconds_per_byte: Mutex::new([None; 3]),
             metrics: LinkerMetrics::default(),
             epoch: AtomicU64::new(0),
             closed: AtomicBool::new(false),
