@@ -1,0 +1,92 @@
+//! Typed errors of the adapter.
+
+use kv_device::DeviceError;
+use kv_geometry::GeometryError;
+use kv_loader::KvLoadError;
+
+/// What went wrong reading or writing a layer of the pool as tensors, or waiting for it.
+///
+/// [`CandleKvError::is_load_failure`] separates the one case an engine answers by
+/// recomputing the prefix (the load failed) from its own bugs and bad input.
+#[derive(Debug, thiserror::Error)]
+pub enum CandleKvError {
+    /// The latent format does not fit the pool's component (row size, element type, rows per
+    /// page), or names a dtype the adapter cannot move.
+    #[error("latent format: {0}")]
+    Format(String),
+    /// The component or layer is not in the geometry.
+    #[error("geometry: {0}")]
+    Geometry(#[from] GeometryError),
+    /// The pool refused a slot (out of the pool, layer not carried, wrong length).
+    #[error("pool: {0}")]
+    Pool(#[from] DeviceError),
+    /// A read or write asked for tokens past the sequence's page table.
+    #[error("tokens {start}..{end} need {needed} pages; the page table has {have}")]
+    PageTable {
+        /// First token asked for.
+        start: usize,
+        /// One past the last token asked for.
+        end: usize,
+        /// Pages those tokens span.
+        needed: usize,
+        /// Pages in the page table.
+        have: usize,
+    },
+    /// A tensor of the wrong shape was handed in.
+    #[error("expected a tensor of shape {expected}, got {got:?}")]
+    Shape {
+        /// The shape the adapter expected, in words.
+        expected: String,
+        /// The shape it got.
+        got: Vec<usize>,
+    },
+    /// A layer past the loaded batch's layers.
+    #[error("layer {layer} is out of range for a load of {num_layers} layers")]
+    LayerOutOfRange {
+        /// Layer asked for.
+        layer: u32,
+        /// Layers the load covers.
+        num_layers: u32,
+    },
+    /// The load feeding this cache failed (a layer wait, or the batch outcome): the prefix
+    /// is not in the pool and the engine must recompute it. `layer` is the layer whose wait
+    /// failed first, `None` when the batch outcome said so.
+    #[error("{}the prefix load failed: {source}", layer.map(|l| format!("layer {l}: ")).unwrap_or_default())]
+    Load {
+        /// The layer whose wait failed first, if a wait saw it.
+        layer: Option<u32>,
+        /// The loader's error (the same verdict on every TP rank).
+        #[source]
+        source: KvLoadError,
+    },
+    /// The batch's outcome could not be taken (`wait_batch` itself failed: its deadline
+    /// passed, the loader is closed, the ticket is stale). The prefix is unusable **and the
+    /// load may still be writing its slots**: `reset()` the loader (it cancels and waits for
+    /// everything in flight) before recomputing into them.
+    #[error("the prefix load did not settle: {source}")]
+    Unsettled {
+        /// The loader's error from `wait_batch`.
+        #[source]
+        source: KvLoadError,
+    },
+    /// candle refused a tensor operation.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+impl CandleKvError {
+    /// True when the loaded prefix is unusable because its load failed (or did not
+    /// settle): recompute it.
+    pub fn is_load_failure(&self) -> bool {
+        matches!(
+            self,
+            CandleKvError::Load { .. } | CandleKvError::Unsettled { .. }
+        )
+    }
+
+    /// True when the load may still be writing its slots: reset the loader before reusing
+    /// them.
+    pub fn needs_reset(&self) -> bool {
+        matches!(self, CandleKvError::Unsettled { .. })
+    }
+}

@@ -1,0 +1,141 @@
+//! The latent row format: `kv_lora_rank` compressed-KV elements then `rope_dim` rope-key
+//! elements, in one dtype, one row per token per layer (DeepSeek-V3's MLA cache).
+
+use candle_core::{DType, Tensor};
+use kv_geometry::{ComponentLayout, ElementType, KvGeometry, RowUnit};
+
+use crate::CandleKvError;
+
+/// How one latent row is laid out in the pool: `[c_kv (kv_lora_rank) | k_pe (rope_dim)]`,
+/// every element `dtype`. DeepSeek-V3: 512 + 64 in bf16 = 1152 B.
+///
+/// ```
+/// use kvlink_candle::{candle_core::DType, LatentFormat};
+/// let f = LatentFormat::new(512, 64, DType::BF16).unwrap();
+/// assert_eq!((f.width(), f.row_bytes()), (576, 1152));
+/// assert!(LatentFormat::new(512, 64, DType::U32).is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LatentFormat {
+    /// Elements of the compressed KV (`c_kv`), first in the row.
+    pub kv_lora_rank: usize,
+    /// Elements of the shared rope key (`k_pe`), after `c_kv`.
+    pub rope_dim: usize,
+    /// Element type in the pool (f32, bf16 or f16).
+    pub dtype: DType,
+}
+
+impl LatentFormat {
+    /// A format; refuses empty rows and dtypes the adapter does not move (anything but
+    /// f32, bf16, f16).
+    pub fn new(kv_lora_rank: usize, rope_dim: usize, dtype: DType) -> Result<Self, CandleKvError> {
+        if kv_lora_rank == 0 {
+            return Err(CandleKvError::Format(
+                "kv_lora_rank must be non-zero".into(),
+            ));
+        }
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(CandleKvError::Format(format!(
+                "dtype {dtype:?} is not supported (f32, bf16, f16)"
+            )));
+        }
+        Ok(LatentFormat {
+            kv_lora_rank,
+            rope_dim,
+            dtype,
+        })
+    }
+
+    /// Elements per row: `kv_lora_rank + rope_dim`.
+    pub fn width(&self) -> usize {
+        self.kv_lora_rank + self.rope_dim
+    }
+
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.width() * self.dtype.size_in_bytes()
+    }
+
+    /// Checks this format against a pool component: token rows, this row size, and an
+    /// element type that agrees (`Bytes` components take any dtype of the right size).
+    pub fn check(
+        &self,
+        geometry: &KvGeometry,
+        component: &ComponentLayout,
+    ) -> Result<(), CandleKvError> {
+        let spec = geometry.spec.component(&component.name)?;
+        if spec.row_unit != RowUnit::Token || component.rows_per_page != geometry.page_size() {
+            return Err(CandleKvError::Format(format!(
+                "component `{}` does not keep one row per token",
+                component.name
+            )));
+        }
+        if component.row_bytes as usize != self.row_bytes() {
+            return Err(CandleKvError::Format(format!(
+                "component `{}` rows are {} B on this rank; {} x {:?} is {} B",
+                component.name,
+                component.row_bytes,
+                self.width(),
+                self.dtype,
+                self.row_bytes()
+            )));
+        }
+        let agrees = match spec.element {
+            ElementType::Bf16 => self.dtype == DType::BF16,
+            ElementType::F16 => self.dtype == DType::F16,
+            ElementType::Fp8E4m3 => false,
+            ElementType::Bytes => true,
+        };
+        if !agrees {
+            return Err(CandleKvError::Format(format!(
+                "component `{}` holds {:?}, not {:?}",
+                component.name, spec.element, self.dtype
+            )));
+        }
+        Ok(())
+    }
+
+    /// The two-tensor form mistral.rs keeps: `(c_kv, k_pe)` of a latent tensor whose last
+    /// dimension is [`width`](Self::width) (views, no copy).
+    pub fn split(&self, latent: &Tensor) -> Result<(Tensor, Tensor), CandleKvError> {
+        let dims = latent.dims();
+        if dims.last() != Some(&self.width()) {
+            return Err(CandleKvError::Shape {
+                expected: format!("[.., {}]", self.width()),
+                got: dims.to_vec(),
+            });
+        }
+        let last = dims.len() - 1;
+        Ok((
+            latent.narrow(last, 0, self.kv_lora_rank)?,
+            latent.narrow(last, self.kv_lora_rank, self.rope_dim)?,
+        ))
+    }
+}
+
+/// The little-endian bytes of `t` (any shape, any layout), which must already be `dtype`.
+pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>, CandleKvError> {
+    let flat = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::F32 => flat
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::BF16 => flat
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F16 => flat
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        other => {
+            return Err(CandleKvError::Format(format!(
+                "dtype {other:?} is not supported (f32, bf16, f16)"
+            )))
+        }
+    })
+}

@@ -1,0 +1,373 @@
+//! The adapter on its own: pool ↔ tensor round trips (partial pages, dtypes), refusals of
+//! bad input with typed errors, and the layer gate over the mock loader (one wait per layer,
+//! failures kept and typed, events synchronized or handed to a stream).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use kv_device::HostKvPool;
+use kv_geometry::{ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, RowUnit};
+use kv_loader::mock::{MockCall, MockKvLoader, MockScript};
+use kv_loader::{
+    BatchId, BatchOutcome, BatchPlan, KvLoadError, KvLoader, LayerReady, LoadTicket, LogicalPlan,
+    LookupHit, LookupRequest, RawStream, SaveReport, StreamWaitable,
+};
+use kvlink_candle::{
+    candle_core, CandleKvError, LatentFormat, LatentPool, LayerGate, PagedLatentCache,
+};
+
+const PAGE: u32 = 4;
+
+fn pool_for(element: ElementType, row_bytes: u32, pages: u32) -> Arc<HostKvPool> {
+    let spec = ModelKvSpec::new(
+        "t",
+        3,
+        PAGE,
+        vec![
+            ComponentSpec::new("k", RowUnit::Token, element, row_bytes),
+            ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, 24)
+                .on_layers(LayerMap::Sparse(vec![1])),
+        ],
+    )
+    .unwrap();
+    Arc::new(HostKvPool::new(KvGeometry::new(spec, 1, 0).unwrap(), pages).unwrap())
+}
+
+fn f32_latents(pages: u32) -> LatentPool {
+    let f = LatentFormat::new(4, 2, DType::F32).unwrap();
+    LatentPool::new(
+        pool_for(ElementType::Bytes, f.row_bytes() as u32, pages),
+        "k",
+        f,
+        Device::Cpu,
+    )
+    .unwrap()
+}
+
+fn rows(n: usize, base: f32) -> Tensor {
+    Tensor::arange(base, base + (n * 6) as f32, &Device::Cpu)
+        .unwrap()
+        .reshape((n, 6))
+        .unwrap()
+}
+
+#[test]
+fn rows_round_trip_across_partial_pages_and_keep_their_neighbours() {
+    let lp = f32_latents(8);
+    let table = [6u32, 1, 3];
+    // Tokens 0..3, then 3..9 (finishes page 0, fills page 1, starts page 2), then 9..11.
+    lp.write_tokens(2, &table, 0, &rows(3, 0.0)).unwrap();
+    lp.write_tokens(2, &table, 3, &rows(6, 18.0)).unwrap();
+    lp.write_tokens(2, &table, 9, &rows(2, 54.0)).unwrap();
+    let all = lp.read_tokens(2, &table, 11).unwrap();
+    assert_eq!(
+        all.to_vec2::<f32>().unwrap(),
+        rows(11, 0.0).to_vec2::<f32>().unwrap()
+    );
+    // Prefix reads, the paged form, and other layers untouched.
+    assert_eq!(
+        lp.read_tokens(2, &table, 5)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap(),
+        rows(5, 0.0).to_vec2::<f32>().unwrap()
+    );
+    let paged = lp.read_pages(2, &table[..2]).unwrap();
+    assert_eq!(paged.dims(), &[2, 4, 6]);
+    assert_eq!(
+        paged.reshape((8, 6)).unwrap().to_vec2::<f32>().unwrap(),
+        rows(8, 0.0).to_vec2::<f32>().unwrap()
+    );
+    let other = lp.read_tokens(1, &table, 11).unwrap();
+    assert!(other
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .all(|&v| v == 0.0));
+    // Zero tokens is an empty tensor, not an error.
+    assert_eq!(lp.read_tokens(0, &table, 0).unwrap().dims(), &[0, 6]);
+}
+
+#[test]
+fn bf16_and_f16_pools_take_f32_rows_converted() {
+    for (element, dtype) in [
+        (ElementType::Bf16, DType::BF16),
+        (ElementType::F16, DType::F16),
+    ] {
+        let f = LatentFormat::new(4, 2, dtype).unwrap();
+        assert_eq!(f.row_bytes(), 12);
+        let lp = LatentPool::new(pool_for(element, 12, 4), "k", f, Device::Cpu).unwrap();
+        let r = rows(5, 0.0); // small integers: exact in both
+        lp.write_tokens(0, &[2, 0], 0, &r).unwrap();
+        let back = lp.read_tokens(0, &[2, 0], 5).unwrap();
+        assert_eq!(back.dtype(), dtype);
+        assert_eq!(
+            back.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap(),
+            r.to_vec2::<f32>().unwrap()
+        );
+    }
+}
+
+#[test]
+fn formats_that_do_not_fit_the_component_are_refused() {
+    let f32f = LatentFormat::new(4, 2, DType::F32).unwrap();
+    let bad = |r: Result<LatentPool, CandleKvError>| match r {
+        Err(e @ (CandleKvError::Format(_) | CandleKvError::Geometry(_))) => e.to_string(),
+        other => panic!("accepted: {other:?}"),
+    };
+    // Row size, element type, page rows, unknown component.
+    bad(LatentPool::new(
+        pool_for(ElementType::Bytes, 20, 4),
+        "k",
+        f32f,
+        Device::Cpu,
+    ));
+    let e = bad(LatentPool::new(
+        pool_for(ElementType::Bf16, 24, 4),
+        "k",
+        f32f,
+        Device::Cpu,
+    ));
+    assert!(e.contains("Bf16"), "{e}");
+    bad(LatentPool::new(
+        pool_for(ElementType::Bytes, 24, 4),
+        "indexer",
+        f32f,
+        Device::Cpu,
+    ));
+    bad(LatentPool::new(
+        pool_for(ElementType::Bytes, 24, 4),
+        "v",
+        f32f,
+        Device::Cpu,
+    ));
+    assert!(LatentFormat::new(0, 2, DType::F32).is_err());
+    assert!(LatentFormat::new(4, 2, DType::I64).is_err());
+}
+
+#[test]
+fn bad_reads_and_writes_are_typed_errors() {
+    let lp = f32_latents(4);
+    assert!(matches!(
+        lp.read_tokens(0, &[0, 1], 9),
+        Err(CandleKvError::PageTable {
+            needed: 3,
+            have: 2,
+            ..
+        })
+    ));
+    assert!(matches!(
+        lp.write_tokens(0, &[0], 2, &rows(3, 0.0)),
+        Err(CandleKvError::PageTable {
+            start: 2,
+            end: 5,
+            ..
+        })
+    ));
+    let wrong = Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap();
+    assert!(matches!(
+        lp.write_tokens(0, &[0], 0, &wrong),
+        Err(CandleKvError::Shape { .. })
+    ));
+    // A slot past the pool, a layer past the model.
+    assert!(matches!(
+        lp.read_tokens(0, &[4], 1),
+        Err(CandleKvError::Pool(_))
+    ));
+    assert!(matches!(
+        lp.read_tokens(3, &[0], 1),
+        Err(CandleKvError::Pool(_))
+    ));
+    assert!(matches!(
+        lp.write_tokens(0, &[9], 0, &rows(1, 0.0)),
+        Err(CandleKvError::Pool(_))
+    ));
+    let f = *lp.format();
+    assert!(matches!(f.split(&wrong), Err(CandleKvError::Shape { .. })));
+    let (c, k) = f.split(&rows(3, 0.0)).unwrap();
+    assert_eq!((c.dims(), k.dims()), (&[3, 4][..], &[3, 2][..]));
+}
+
+fn plan(batch: u64) -> BatchPlan {
+    BatchPlan {
+        logical: LogicalPlan {
+            batch: BatchId(batch),
+            requests: vec![],
+            components: vec![],
+        },
+        slots: vec![],
+    }
+}
+
+fn waits(mock: &MockKvLoader) -> Vec<u32> {
+    mock.calls()
+        .into_iter()
+        .filter_map(|c| match c {
+            MockCall::WaitLayer { layer, .. } => Some(layer),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn each_layer_is_waited_once_before_it_is_read() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let ticket = mock.start_load(plan(1)).unwrap();
+    let mut cache = PagedLatentCache::new(f32_latents(4), vec![0, 1], 4)
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    assert!(cache.gate().is_loading());
+    for _ in 0..3 {
+        cache.layer(1, 6).unwrap();
+    }
+    cache.layer_pages(0, 2).unwrap();
+    // Writing a new token after the loaded prefix needs no wait; into the prefix it does.
+    cache.write(2, 4, &rows(1, 0.0)).unwrap();
+    assert_eq!(waits(&mock), vec![1, 0]);
+    cache.write(2, 0, &rows(1, 0.0)).unwrap();
+    assert_eq!(waits(&mock), vec![1, 0, 2]);
+    assert!(matches!(
+        cache.layer(3, 1),
+        Err(CandleKvError::LayerOutOfRange {
+            layer: 3,
+            num_layers: 3
+        })
+    ));
+    assert_eq!(cache.finish_load().unwrap().unwrap().layers, 3);
+    assert!(!cache.gate().is_loading());
+    assert_eq!(cache.loaded_tokens(), 4);
+    assert!(
+        cache.finish_load().unwrap().is_none(),
+        "nothing left to finish"
+    );
+}
+
+#[test]
+fn a_failed_wait_is_kept_typed_and_ends_in_a_failed_outcome() {
+    let mut script = MockScript::default();
+    script.fail_at_layer.insert(7, 1);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(7)).unwrap();
+    let mut cache = PagedLatentCache::new(f32_latents(4), vec![0, 1], 8)
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    cache.layer(0, 8).unwrap();
+    let e = cache.layer(1, 8).unwrap_err();
+    assert!(e.is_load_failure());
+    assert!(matches!(
+        e,
+        CandleKvError::Load {
+            layer: Some(1),
+            source: KvLoadError::Store { .. }
+        }
+    ));
+    // Later layers report the first failure without asking the loader again.
+    let again = cache.layer(2, 8).unwrap_err();
+    assert!(matches!(again, CandleKvError::Load { layer: Some(1), .. }));
+    assert_eq!(waits(&mock), vec![0, 1]);
+    // The outcome fails too; the prefix is gone and the engine recomputes into the slots.
+    let out = cache.finish_load().unwrap_err();
+    assert!(out.is_load_failure(), "{out}");
+    assert_eq!(cache.loaded_tokens(), 0);
+    cache.write(1, 0, &rows(8, 0.0)).unwrap();
+    assert_eq!(cache.layer(1, 8).unwrap().dims(), &[8, 6]);
+}
+
+#[test]
+fn an_open_gate_never_calls_a_loader() {
+    let cache = PagedLatentCache::new(f32_latents(2), vec![1], 0);
+    assert!(cache.layer(2, 3).is_ok());
+    assert!(format!("{:?}", cache.gate()).contains("open"));
+}
+
+/// A loader whose layers come back as device events (like a CUDA pool's).
+struct EventLoader {
+    inner: MockKvLoader,
+    event: Arc<CountingEvent>,
+}
+
+#[derive(Debug, Default)]
+struct CountingEvent {
+    synchronized: AtomicU32,
+    streamed: AtomicU32,
+}
+
+impl StreamWaitable for CountingEvent {
+    fn wait_on_stream(&self, stream: RawStream) -> Result<(), KvLoadError> {
+        assert_eq!(stream, RawStream(0xabc));
+        self.streamed.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<(), KvLoadError> {
+        self.synchronized.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+impl KvLoader for EventLoader {
+    fn num_layers(&self) -> u32 {
+        self.inner.num_layers()
+    }
+    fn lookup(&self, r: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
+        self.inner.lookup(r)
+    }
+    fn start_load(&self, p: BatchPlan) -> Result<LoadTicket, KvLoadError> {
+        self.inner.start_load(p)
+    }
+    fn wait_layer(&self, t: &LoadTicket, l: u32) -> Result<LayerReady, KvLoadError> {
+        self.inner.wait_layer(t, l)?;
+        Ok(LayerReady::Event(self.event.clone()))
+    }
+    fn wait_batch(&self, t: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
+        self.inner.wait_batch(t)
+    }
+    fn completed(&self) -> Vec<BatchOutcome> {
+        self.inner.completed()
+    }
+    fn save(&self, p: &BatchPlan) -> Result<SaveReport, KvLoadError> {
+        self.inner.save(p)
+    }
+    fn reset(&self) -> Result<(), KvLoadError> {
+        self.inner.reset()
+    }
+    fn close(&self) -> Result<(), KvLoadError> {
+        self.inner.close()
+    }
+}
+
+#[test]
+fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
+    let event = Arc::new(CountingEvent::default());
+    let loader = Arc::new(EventLoader {
+        inner: MockKvLoader::new(2, MockScript::default()),
+        event: event.clone(),
+    });
+    let t1 = loader.start_load(plan(1)).unwrap();
+    let host = LayerGate::new(loader.clone(), t1);
+    host.wait(0).unwrap();
+    host.wait(0).unwrap();
+    let t2 = loader.start_load(plan(2)).unwrap();
+    let mut stream = LayerGate::new(loader.clone(), t2).on_stream(RawStream(0xabc));
+    stream.wait(1).unwrap();
+    assert_eq!(event.synchronized.load(Ordering::SeqCst), 1);
+    assert_eq!(event.streamed.load(Ordering::SeqCst), 1);
+    assert!(stream.finish().unwrap().is_some());
+}
+
+#[test]
+fn an_outcome_that_cannot_be_taken_asks_for_a_reset() {
+    let mock = Arc::new(MockKvLoader::new(2, MockScript::default()));
+    let ticket = mock.start_load(plan(4)).unwrap();
+    let mut gate = LayerGate::new(mock.clone(), ticket);
+    gate.wait(0).unwrap();
+    mock.reset().unwrap(); // the ticket is stale now: wait_batch fails
+    let e = gate.finish().unwrap_err();
+    assert!(e.is_load_failure() && e.needs_reset(), "{e}");
+    assert!(matches!(
+        e,
+        CandleKvError::Unsettled {
+            source: KvLoadError::StaleTicket { .. }
+        }
+    ));
+}
