@@ -660,7 +660,11 @@ impl StagedLandingFactory {
 impl crate::LandingFactory for StagedLandingFactory {
     fn begin(&self, slots: Arc<[u32]>) -> Result<Box<dyn crate::LayerLanding>, DeviceError> {
         let lease = self.staging.lease()?;
-        Ok(Box::new(StagedLanding::new(self.pool.clone(), lease, slots)?))
+        Ok(Box::new(StagedLanding::new(
+            self.pool.clone(),
+            lease,
+            slots,
+        )?))
     }
 
     fn store_regions(&self) -> Vec<(usize, usize)> {
