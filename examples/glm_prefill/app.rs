@@ -657,6 +657,10 @@ fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result<ModeOutcom
         );
     }
 
+    if mode == ModeArg::Auto {
+        calibrate_auto(&rigs, &ctx.pages[..agreed], out)?;
+    }
+
     // Load on every rank at once: a load thread per rank (the linker's), an engine thread per
     // rank waiting for each layer and "computing" it, and a watcher thread per rank that
     // notes when each layer becomes ready.
@@ -731,7 +735,11 @@ fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result<ModeOutcom
                         Ok(o) => o.result.map_err(|e| e.to_string()),
                         Err(e) => Err(e.to_string()),
                     };
-                    raw.store_bytes_read = linker.metrics().bytes_read;
+                    // This batch's own reads (Auto ran calibration batches before it).
+                    raw.store_bytes_read = match &raw.stats {
+                        Ok(stats) => stats.bytes_read,
+                        Err(_) => linker.metrics().bytes_read,
+                    };
                     raw
                 })
             })
@@ -899,6 +907,48 @@ fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result<ModeOutcom
         bytes(run.store_bytes_total())
     );
     Ok(ModeOutcome::Loaded(Box::new(run)))
+}
+
+/// Auto measures before it chooses: one batch in each mode on the same linkers (no simulated
+/// compute, not timed here), so the measured load that follows runs the mode Auto kept.
+fn calibrate_auto(rigs: &[RankRig], pages: &[PageHash], out: &mut dyn Write) -> Result<()> {
+    let mut ran = Vec::new();
+    for batch in 100..103u64 {
+        let modes: Vec<Result<ShareMode>> = std::thread::scope(|s| {
+            let hs: Vec<_> = rigs
+                .iter()
+                .map(|rig| {
+                    s.spawn(move || -> Result<ShareMode> {
+                        let plan = BatchPlan::all_components(
+                            rig.linker.geometry(),
+                            BatchId(batch),
+                            vec![RequestPages {
+                                request: "auto-calibration".into(),
+                                pages: pages.to_vec(),
+                            }],
+                            rig.slots.clone(),
+                        );
+                        let t = rig.linker.start_load(plan)?;
+                        for l in 0..rig.linker.num_layers() {
+                            rig.linker.wait_layer(&t, l)?;
+                        }
+                        Ok(rig.linker.wait_batch(&t)?.result?.mode)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("calibration panicked"))))
+                .collect()
+        });
+        let modes: Vec<ShareMode> = modes.into_iter().collect::<Result<_>>()?;
+        ran.push(format!("{:?}", modes[0]));
+    }
+    say!(
+        out,
+        "  Auto: calibration batches (one per mode, measured by rank 0's linker) ran {}",
+        ran.join(", ")
+    );
+    Ok(())
 }
 
 fn close_all(rigs: &[RankRig]) {
