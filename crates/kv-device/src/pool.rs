@@ -73,3 +73,29 @@ pub(crate) fn locate(
         .sum();
     Ok((first + pos as usize, c.slot_range(slot).start))
 }
+
+/// Like [`locate`], and checks that `len` is exactly the slice's length (one layer of one
+/// page of the component): the buffer index and the slot's byte offset in it.
+pub(crate) fn locate_slice(
+    geometry: &KvGeometry,
+    pages: u32,
+    component: ComponentId,
+    layer: u32,
+    slot: u32,
+    len: usize,
+) -> Result<(usize, u64), DeviceError> {
+    let (buf, off) = locate(geometry, pages, component, layer, slot)?;
+    let slice = geometry
+        .component(component)
+        .map(|c| c.page_layer_bytes)
+        .unwrap_or(0);
+    if len as u64 != slice {
+        return Err(DeviceError::OutOfPool {
+            component: component.0,
+            layer,
+            slot,
+            reason: "buffer length is not the slice length",
+        });
+    }
+    Ok((buf, off))
+}

@@ -7,7 +7,7 @@ use kv_geometry::{ComponentId, KvGeometry};
 
 use super::device::{drv, CudaDevice};
 use super::memory::DeviceBuffer;
-use crate::pool::locate;
+use crate::pool::{locate, locate_slice};
 use crate::{DeviceError, KvPool, Residence};
 
 /// A KV pool in the memory of one GPU: one zeroed device buffer per (component, carried
@@ -71,24 +71,7 @@ impl CudaKvPool {
         slot: u32,
         len: usize,
     ) -> Result<u64, DeviceError> {
-        let (buf, off) = locate(&self.geometry, self.pages, component, layer, slot)?;
-        let c = self
-            .geometry
-            .component(component)
-            .map_err(|_| DeviceError::OutOfPool {
-                component: component.0,
-                layer,
-                slot,
-                reason: "unknown component",
-            })?;
-        if len as u64 != c.page_layer_bytes {
-            return Err(DeviceError::OutOfPool {
-                component: component.0,
-                layer,
-                slot,
-                reason: "buffer length is not the slice length",
-            });
-        }
+        let (buf, off) = locate_slice(&self.geometry, self.pages, component, layer, slot, len)?;
         Ok(self.buffers[buf].ptr() + off)
     }
 

@@ -3,7 +3,7 @@
 use kv_geometry::{ComponentId, KvGeometry};
 
 use super::buffer::HostBuffer;
-use crate::pool::locate;
+use crate::pool::{locate, locate_slice};
 use crate::{DeviceError, KvPool, Residence};
 
 /// A KV pool in host memory: one zeroed, page-aligned buffer per (component, carried layer).
@@ -52,24 +52,7 @@ impl HostKvPool {
         slot: u32,
         len: usize,
     ) -> Result<*mut u8, DeviceError> {
-        let (buf, off) = locate(&self.geometry, self.pages, component, layer, slot)?;
-        let c = self
-            .geometry
-            .component(component)
-            .map_err(|_| DeviceError::OutOfPool {
-                component: component.0,
-                layer,
-                slot,
-                reason: "unknown component",
-            })?;
-        if len as u64 != c.page_layer_bytes {
-            return Err(DeviceError::OutOfPool {
-                component: component.0,
-                layer,
-                slot,
-                reason: "buffer length is not the slice length",
-            });
-        }
+        let (buf, off) = locate_slice(&self.geometry, self.pages, component, layer, slot, len)?;
         Ok((self.buffers[buf].addr() + off as usize) as *mut u8)
     }
 

@@ -98,16 +98,10 @@ impl SimulatedRemoteStore {
 }
 
 impl KvStore for SimulatedRemoteStore {
+    forward_to_inner!();
+
     fn name(&self) -> &str {
         &self.name
-    }
-
-    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
-        self.inner.exists(keys)
-    }
-
-    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
-        self.inner.object_size(keys)
     }
 
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
@@ -124,35 +118,6 @@ impl KvStore for SimulatedRemoteStore {
         let r = unsafe { self.inner.get_ranges(gets) };
         self.pace(t0, r.iter().flatten().sum());
         r
-    }
-
-    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
-        // SAFETY: forwarded with the caller's own promise.
-        unsafe { self.inner.put(puts) }
-    }
-
-    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-        self.inner.remove(keys)
-    }
-
-    fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        self.inner.register(region)
-    }
-
-    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        self.inner.unregister(region)
-    }
-
-    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
-        self.inner.start_session(keys)
-    }
-
-    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        self.inner.end_session(session)
-    }
-
-    fn health(&self) -> Result<(), StoreError> {
-        self.inner.health()
     }
 }
 
