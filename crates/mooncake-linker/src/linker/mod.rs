@@ -214,7 +214,7 @@ impl Linker {
         config: LinkerConfig,
     ) -> Result<Self, KvLoadError> {
         let landings = Self::host_landings(&pool)?;
-        Self::build(geometry, store, pool, landings, config, None)
+        Self::with_landings(geometry, store, pool, landings, config, None)
     }
 
     /// A linker whose batches land through `landings` (the CUDA backend's
@@ -271,9 +271,8 @@ impl Linker {
         config: LinkerConfig,
         group: TpGroup,
     ) -> Result<Self, KvLoadError> {
-        Self::check_group(&geometry, &group)?;
         let landings = Self::host_landings(&pool)?;
-        Self::build(geometry, store, pool, landings, config, Some(group))
+        Self::with_landings(geometry, store, pool, landings, config, Some(group))
     }
 
     fn build(
