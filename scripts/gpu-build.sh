@@ -3,11 +3,13 @@
 # and libnvrtc at run time) into gpu-bin/ at the repo root, ready to be carried to the GPU
 # machine, where scripts/gpu-run.sh runs them.
 #
-# Usage: scripts/gpu-build.sh               release build of examples/gpu_check (--features cuda)
+# Usage: scripts/gpu-build.sh               release build of examples/gpu_check and examples/tp_gpu
+#                                           (--features cuda)
 #        scripts/gpu-build.sh --regen-ptx   regenerate crates/kv-device/src/cuda/copy_rows.ptx
 #                                           from copy_rows.cu with NVRTC 13.0 from PyPI
-# Output: gpu-bin/gpu_check (stripped), gpu-bin/BUILD_INFO. Fails if gpu-bin/ exceeds 60 MiB or
-# a binary needs glibc newer than 2.34 (what the GPU machine was checked to run).
+# Output: gpu-bin/gpu_check and gpu-bin/tp_gpu (stripped; tp_gpu is run by scripts/gpu-tp-run.sh),
+# gpu-bin/BUILD_INFO. Fails if gpu-bin/ exceeds 60 MiB or a binary needs glibc newer than 2.34
+# (what the GPU machine was checked to run).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -22,17 +24,21 @@ if [[ "${1:-}" == "--regen-ptx" ]]; then
   exit 0
 fi
 
-cargo build --release --example gpu_check --features cuda
+bins=(gpu_check tp_gpu)
+cargo build --release --features cuda "${bins[@]/#/--example=}"
 rm -rf gpu-bin
 mkdir -p gpu-bin
-cp target/release/examples/gpu_check gpu-bin/
-strip gpu-bin/gpu_check
-
-max_glibc=$(objdump -T gpu-bin/gpu_check | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -Vu | tail -1)
-if [[ "$(printf '%s\n2.34\n' "$max_glibc" | sort -V | tail -1)" != "2.34" ]]; then
-  echo "gpu-build: gpu_check needs glibc $max_glibc (> 2.34): it may not run on the GPU machine" >&2
-  exit 1
-fi
+max_glibc=0
+for b in "${bins[@]}"; do
+  cp "target/release/examples/$b" gpu-bin/
+  strip "gpu-bin/$b"
+  need=$(objdump -T "gpu-bin/$b" | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -Vu | tail -1)
+  if [[ "$(printf '%s\n2.34\n' "$need" | sort -V | tail -1)" != "2.34" ]]; then
+    echo "gpu-build: $b needs glibc $need (> 2.34): it may not run on the GPU machine" >&2
+    exit 1
+  fi
+  max_glibc=$(printf '%s\n%s\n' "$max_glibc" "$need" | sort -V | tail -1)
+done
 size=$(du -sb gpu-bin | cut -f1)
 if (( size > 60 * 1024 * 1024 )); then
   echo "gpu-build: gpu-bin/ is $size bytes (> 60 MiB)" >&2
@@ -45,4 +51,4 @@ fi
   echo "max glibc symbol: $max_glibc"
 } > gpu-bin/BUILD_INFO
 ls -l gpu-bin
-echo "gpu-build: gpu-bin/ ready ($(( size / 1024 )) KiB); on the GPU machine: bash scripts/gpu-run.sh (carry gpu-bin)"
+echo "gpu-build: gpu-bin/ ready ($(( size / 1024 )) KiB); on the GPU machine: bash scripts/gpu-run.sh or bash scripts/gpu-tp-run.sh (carry gpu-bin)"

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (no Rust there): gpu-bin/tp_gpu, built here by scripts/gpu-build.sh.
+# The NCCL dedup run of issues 8/9/10 in one command: correctness on every rank (all modes,
+# plan-mismatch fallback, failure symmetry), then the TP benchmark (128K/256K/512K tokens,
+# every mode, ceilings measured in the same run, embedded store). The table is printed last.
+#
+# Usage: bash scripts/gpu-tp-run.sh [tp_gpu flags]
+#   --tp N           ranks (GPUs 0..N-1); default: every visible GPU (1 GPU = the dry run)
+#   --quick          correctness on 32 pages, benchmark at 8K tokens only, one repetition
+#   --max-tokens T   largest prefix benchmarked (e.g. 262144 skips 512K); below 128K, T alone
+#   --min-tokens T   smallest prefix benchmarked (--min-tokens 524288 --no-checks: 512K alone)
+#   --reps R         measured repetitions per mode after one warm-up (default 3)
+#   --budget-s S     start no size that would end past S seconds (default 540)
+#   --host-mem-gib G host memory to plan with (default here: the machine's size, see below)
+#   --no-bench / --no-checks / --threads T
+# Output in $OUT when set (else gpu-bin/out/), six files (the device tool brings back at most 8):
+#   env_tp.txt, tp_gpu.stdout.log (benchmark tables, then the result table), tp_gpu.stderr.log
+#   (every row as it was produced, warnings), tp_gpu_bench_tp<N>.md (the benchmark tables,
+#   rewritten after each size), tp_gpu_table_tp<N>.txt, timelines_tp<N>.tar (per size and mode:
+#   timeline_*.svg and .csv).
+# tp_gpu is stopped after KVLINK_TP_TIMEOUT seconds (default 580, inside the device tool's 600 s
+# limit) so that the logs are still packed and printed; tp_gpu itself starts no prefix size that
+# would end past --budget-s (540 s).
+# Exit status: tp_gpu's (0 all passed, 1 a check failed, 2 CUDA unavailable or too few GPUs;
+# 124 stopped by KVLINK_TP_TIMEOUT).
+#
+# From the build machine: scripts/gpu-build.sh, then with the device tool
+#   run(command="bash scripts/gpu-tp-run.sh", carry=["gpu-bin"], kind="nvidia-h200-x2", timeout_s=600)
+# (kind -x4 / -x8 for TP4 / TP8; one GPU: the dry run, e.g. --quick).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bin_dir="${KVLINK_GPU_BIN:-gpu-bin}"
+out="${OUT:-$bin_dir/out}"
+mkdir -p "$out"
+if [[ ! -x "$bin_dir/tp_gpu" ]]; then
+  echo "gpu-tp-run: $bin_dir/tp_gpu missing: run scripts/gpu-build.sh on the build machine and carry gpu-bin" >&2
+  exit 2
+fi
+
+# libcuda comes with the driver; libnccl.so is in /usr/lib/x86_64-linux-gnu. libnvrtc (for the
+# run-time kernel compile; without it the PTX shipped in the binary is used) sits with the
+# toolkit or in PyTorch's wheels: put what exists on the loader path. (As scripts/gpu-run.sh.)
+extra=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/targets/x86_64-linux/lib; do
+  [[ -e "$d/libnvrtc.so.13" || -e "$d/libnvrtc.so" ]] && extra="$extra:$d"
+done
+if [[ -z "$extra" ]]; then
+  nvrtc=$(find /opt /usr/local /usr/lib -maxdepth 9 -name 'libnvrtc.so.13*' -not -name '*builtins*' 2>/dev/null | head -1)
+  [[ -n "$nvrtc" ]] && extra=":$(dirname "$nvrtc")"
+fi
+export LD_LIBRARY_PATH="${extra#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export RUST_BACKTRACE=1
+# NVLink multicast stays off (the lent machines set this; KINDS.md: a program using it can put
+# the host's shared GPUs out of service). kvlink never asks for it; keep it off regardless.
+export NCCL_NVLS_ENABLE=0
+
+# Host memory on the lent machines starts small and grows as it is used (KINDS.md: MemTotal
+# reads 31-62 GiB at the start), so tp_gpu would skip sizes that fit. Unless --host-mem-gib is
+# given, plan with the machine's size by its GPU count: 1 → 128, 2 → 256, 4 → 512, 8 → 560 GiB.
+extra_args=()
+if [[ " $* " != *" --host-mem-gib "* ]]; then
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  case "$ngpu" in
+    1) extra_args=(--host-mem-gib 120) ;;
+    2) extra_args=(--host-mem-gib 240) ;;
+    4) extra_args=(--host-mem-gib 490) ;;
+    8) extra_args=(--host-mem-gib 540) ;;
+  esac
+fi
+
+{
+  echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+  echo "command: bash scripts/gpu-tp-run.sh $*"
+  echo "tp_gpu flags added: ${extra_args[*]:-none}"
+  cat "$bin_dir/BUILD_INFO" 2>/dev/null
+  ldd --version 2>&1 | head -1
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv 2>&1
+  nvidia-smi topo -m 2>&1 | head -20
+  echo "CPUs: $(nproc)"
+  grep -E 'MemTotal|MemAvailable' /proc/meminfo
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  ls -l /usr/lib/x86_64-linux-gnu/libnccl.so* 2>&1
+} > "$out/env_tp.txt"
+
+rm -rf "$out/timelines"
+timeout -k 15 "${KVLINK_TP_TIMEOUT:-580}" "$bin_dir/tp_gpu" --out "$out" "${extra_args[@]}" "$@" \
+  > "$out/tp_gpu.stdout.log" 2> "$out/tp_gpu.stderr.log"
+rc=$?
+if [[ -d "$out/timelines" ]]; then
+  tp=$(find "$out/timelines" -name 'timeline_tp*' | sed -n 's/.*timeline_tp\([0-9]*\)_.*/\1/p' | head -1)
+  tar -C "$out" -cf "$out/timelines_tp${tp:-N}.tar" timelines && rm -rf "$out/timelines"
+fi
+cat "$out/env_tp.txt"
+echo "== tp_gpu stderr (last 80 lines; full log: $out/tp_gpu.stderr.log)"
+tail -n 80 "$out/tp_gpu.stderr.log"
+[[ $rc -eq 124 || $rc -eq 137 ]] && echo "== tp_gpu stopped after ${KVLINK_TP_TIMEOUT:-580} s: rows so far are in the stderr log above; tables of finished sizes in $out/tp_gpu_bench_tp*.md"
+echo "== tp_gpu exit status $rc; benchmark tables and result table:"
+cat "$out/tp_gpu.stdout.log"
+exit "$rc"
