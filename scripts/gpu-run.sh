@@ -16,19 +16,8 @@ if [[ ! -x "$bin_dir/gpu_check" ]]; then
   exit 2
 fi
 
-# libcuda comes with the driver; libnccl.so is in /usr/lib/x86_64-linux-gnu. libnvrtc (for the
-# run-time kernel compile; without it the PTX shipped in the binary is used) sits with the
-# toolkit or in PyTorch's wheels: put what exists on the loader path.
-extra=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/targets/x86_64-linux/lib; do
-  [[ -e "$d/libnvrtc.so.13" || -e "$d/libnvrtc.so" ]] && extra="$extra:$d"
-done
-if [[ -z "$extra" ]]; then
-  nvrtc=$(find /opt /usr/local /usr/lib -maxdepth 9 -name 'libnvrtc.so.13*' -not -name '*builtins*' 2>/dev/null | head -1)
-  [[ -n "$nvrtc" ]] && extra=":$(dirname "$nvrtc")"
-fi
-export LD_LIBRARY_PATH="${extra#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export RUST_BACKTRACE=1
+# shellcheck source=scripts/gpu-common.sh
+source scripts/gpu-common.sh
 
 {
   echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"

@@ -37,22 +37,8 @@ if [[ ! -x "$bin_dir/tp_gpu" ]]; then
   exit 2
 fi
 
-# libcuda comes with the driver; libnccl.so is in /usr/lib/x86_64-linux-gnu. libnvrtc (for the
-# run-time kernel compile; without it the PTX shipped in the binary is used) sits with the
-# toolkit or in PyTorch's wheels: put what exists on the loader path. (As scripts/gpu-run.sh.)
-extra=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/targets/x86_64-linux/lib; do
-  [[ -e "$d/libnvrtc.so.13" || -e "$d/libnvrtc.so" ]] && extra="$extra:$d"
-done
-if [[ -z "$extra" ]]; then
-  nvrtc=$(find /opt /usr/local /usr/lib -maxdepth 9 -name 'libnvrtc.so.13*' -not -name '*builtins*' 2>/dev/null | head -1)
-  [[ -n "$nvrtc" ]] && extra=":$(dirname "$nvrtc")"
-fi
-export LD_LIBRARY_PATH="${extra#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export RUST_BACKTRACE=1
-# NVLink multicast stays off (the lent machines set this; KINDS.md: a program using it can put
-# the host's shared GPUs out of service). kvlink never asks for it; keep it off regardless.
-export NCCL_NVLS_ENABLE=0
+# shellcheck source=scripts/gpu-common.sh
+source scripts/gpu-common.sh
 
 # Host memory on the lent machines starts small and grows as it is used (KINDS.md: MemTotal
 # reads 31-62 GiB at the start), so tp_gpu would skip sizes that fit. Unless --host-mem-gib is

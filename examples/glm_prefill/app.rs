@@ -937,7 +937,10 @@ fn calibrate_auto(rigs: &[RankRig], pages: &[PageHash], out: &mut dyn Write) -> 
                 })
                 .collect();
             hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("calibration panicked"))))
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("calibration panicked")))
+                })
                 .collect()
         });
         let modes: Vec<ShareMode> = modes.into_iter().collect::<Result<_>>()?;

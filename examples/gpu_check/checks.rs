@@ -20,18 +20,9 @@ pub fn glm() -> KvGeometry {
     KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).expect("GLM-5.2 geometry")
 }
 
-/// Bytes of the largest layer of a batch of `pages` pages.
+/// Bytes of the widest layer of a batch of `pages` pages (one staging half).
 pub fn half_bytes(g: &KvGeometry, pages: usize) -> usize {
-    (0..g.num_layers())
-        .map(|l| {
-            g.components()
-                .iter()
-                .filter(|c| c.position(l).is_some())
-                .map(|c| c.page_layer_bytes as usize * pages)
-                .sum::<usize>()
-        })
-        .max()
-        .unwrap_or(0)
+    (g.max_layer_bytes_per_page() * pages as u64) as usize
 }
 
 pub fn run(args: &Args, report: &mut Report) {

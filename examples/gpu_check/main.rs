@@ -25,6 +25,7 @@ mod bench;
 mod checks;
 mod linker;
 mod nccl_checks;
+#[path = "../gpu_common/util.rs"]
 mod util;
 
 use std::process::ExitCode;

@@ -59,6 +59,7 @@
 mod bench;
 mod checks;
 mod setup;
+#[path = "../gpu_common/util.rs"]
 mod util;
 
 use std::process::ExitCode;

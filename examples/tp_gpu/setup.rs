@@ -41,16 +41,7 @@ pub fn glm(tp: u32, rank: u32) -> Result<KvGeometry, String> {
 
 /// Bytes of the widest layer of a batch of `pages` pages (one staging half).
 pub fn half_bytes(g: &KvGeometry, pages: usize) -> usize {
-    (0..g.num_layers())
-        .map(|l| {
-            g.components()
-                .iter()
-                .filter(|c| c.position(l).is_some())
-                .map(|c| c.page_layer_bytes as usize * pages)
-                .sum::<usize>()
-        })
-        .max()
-        .unwrap_or(0)
+    (g.max_layer_bytes_per_page() * pages as u64) as usize
 }
 
 /// The tag of a component in the byte pattern.

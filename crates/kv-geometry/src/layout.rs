@@ -149,6 +149,15 @@ impl KvGeometry {
         self.components.iter().map(|c| c.object_bytes()).sum()
     }
 
+    /// Bytes of the widest layer of one page on this rank (the most any one layer's slices of
+    /// a page add up to): what a per-layer staging buffer needs per page.
+    pub fn max_layer_bytes_per_page(&self) -> u64 {
+        (0..self.spec.num_layers)
+            .map(|l| self.layer_bytes_per_page(l).unwrap_or(0))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Bytes of layer `layer` of one page on this rank, over the components that carry it.
     pub fn layer_bytes_per_page(&self, layer: u32) -> Result<u64, GeometryError> {
         if layer >= self.spec.num_layers {

@@ -64,6 +64,7 @@ fn glm52_objects_and_layers() {
     assert_eq!(g.bytes_per_page(), 3_274_752 + 21 * 8_448);
     assert_eq!(g.layer_bytes_per_page(0).unwrap(), 41_984 + 8_448);
     assert_eq!(g.layer_bytes_per_page(1).unwrap(), 41_984);
+    assert_eq!(g.max_layer_bytes_per_page(), 41_984 + 8_448);
     assert!(matches!(
         g.layer_bytes_per_page(78),
         Err(GeometryError::LayerOutOfRange { layer: 78, .. })

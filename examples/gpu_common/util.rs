@@ -1,4 +1,8 @@
 //! The result table, byte patterns, per-rank threads, timing helpers, markdown tables.
+//!
+//! Shared by the `gpu_check` and `tp_gpu` examples (each `#[path]`-includes it and uses a
+//! subset, hence the `dead_code` allowance).
+#![allow(dead_code)]
 
 use std::fmt::Write as _;
 use std::sync::Arc;
