@@ -282,7 +282,7 @@ impl Shared {
                 }
             };
             for layer in 0..num_layers {
-                let Ok(msg) = from_reader.recv() else {
+                let Ok(mut msg) = from_reader.recv() else {
                     broken.get_or_insert(KvLoadError::Config(format!(
                         "{batch}: the reader stopped before layer {layer}"
                     )));
@@ -316,7 +316,7 @@ impl Shared {
                     match self.share_and_land(
                         coll,
                         layouts[layer as usize].as_ref(),
-                        &msg.staging,
+                        &mut msg.staging,
                         &mut SharedLanding(landing),
                         job,
                         layer,
@@ -428,7 +428,7 @@ impl Shared {
         &self,
         coll: Option<&dyn Collective>,
         layout: Option<&StagingLayout>,
-        staging: &[u8],
+        staging: &mut [u8],
         landing: &mut dyn LayerLanding,
         job: &BatchJob,
         layer: u32,
@@ -437,7 +437,8 @@ impl Shared {
         let mut landed = 0;
         if let (Some(layout), Some(c)) = (layout, coll) {
             if !layout.is_empty() {
-                let whole = Buffer::host(staging.as_ptr() as usize, layout.len());
+                // Derived from `&mut`: receivers' bytes are written through it.
+                let whole = Buffer::host(staging.as_mut_ptr() as usize, layout.len());
                 let t0 = Instant::now();
                 // SAFETY: `staging` is this rank's own buffer of at least `layout.len()`
                 // bytes, owned by this thread for the call (the reader has handed it over and
