@@ -68,11 +68,16 @@ fn plan(g: &KvGeometry, b: u64, pages: &[PageHash], slots: &[u32]) -> BatchPlan 
     )
 }
 
-#[divan::bench(sample_count = 10)]
-fn linker_layerwise_load(bencher: Bencher) {
+/// The full KvLoader path with `read_parallelism` store calls per layer at once.
+#[divan::bench(sample_count = 10, args = [1, 2])]
+fn linker_layerwise_load(bencher: Bencher, read_parallelism: usize) {
     let f = fixture();
     let pool = Arc::new(HostKvPool::new(f.g.clone(), PAGES).unwrap());
-    let linker = Linker::new(f.g.clone(), f.store.clone(), pool, LinkerConfig::default()).unwrap();
+    let config = LinkerConfig {
+        read_parallelism,
+        ..LinkerConfig::default()
+    };
+    let linker = Linker::new(f.g.clone(), f.store.clone(), pool, config).unwrap();
     let mut batch = 1;
     bencher
         .counter(BytesCount::new(f.g.bytes_per_page() * u64::from(PAGES)))

@@ -547,3 +547,52 @@ fn outcomes_taken_by_completed_free_their_slots() {
             .unwrap();
     }
 }
+
+#[test]
+fn parallel_layer_reads_land_the_same_bytes_and_fail_the_same_way() {
+    let r = rig(7);
+    let config = LinkerConfig {
+        read_parallelism: 3,
+        ..cfg()
+    };
+    let (linker, pool) = rank_linker(&r, 1, 0, 32, config.clone());
+    let slots = scattered(7);
+    let t = linker
+        .start_load(load_plan(linker.geometry(), 1, &r.pages, slots.clone()))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    let stats = linker.wait_batch(&t).unwrap().result.unwrap();
+    assert_eq!(stats.bytes_read, 7 * linker.geometry().bytes_per_page());
+    pool_matches(&pool, &r.pages, &slots, 6).unwrap();
+    drop(linker);
+    // A failure in one of the parallel parts names its page.
+    let (err, _, _) = {
+        let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+        let offset = g
+            .component_by_name("k")
+            .unwrap()
+            .layer_range(2)
+            .unwrap()
+            .start;
+        r.faulty.inject(
+            FaultRule {
+                key_contains: Some(format!("{}_cp0", r.pages[5])),
+                offset: Some(offset),
+                times: Some(1),
+            },
+            Fault::Error(StoreError::TransferFailed {
+                key: "injected".into(),
+                code: -800,
+            }),
+        );
+        let (linker, pool) = rank_linker(&r, 1, 0, 32, config);
+        let t = linker
+            .start_load(load_plan(&g, 2, &r.pages, slots.clone()))
+            .unwrap();
+        (wait_all(&linker, &t).unwrap_err(), linker, pool)
+    };
+    assert!(
+        matches!(&err, KvLoadError::Store { layer: Some(2), pages, .. } if pages[..] == [5]),
+        "{err}"
+    );
+}

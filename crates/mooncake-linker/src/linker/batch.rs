@@ -164,11 +164,11 @@ impl Shared {
             store: self.store.as_ref(),
             batch,
             components: &own,
+            parallelism: self.config.read_parallelism,
         };
         let shared_reader = LayerReader {
-            store: self.store.as_ref(),
-            batch,
             components: &shared,
+            ..own_reader
         };
         let my_pages = layouts
             .iter()

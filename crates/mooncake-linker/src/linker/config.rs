@@ -29,6 +29,10 @@ pub struct LinkerConfig {
     pub lease_renewal: Duration,
     /// Check before the first read that each object's size matches the geometry.
     pub verify_object_sizes: bool,
+    /// Store calls each layer's reads are split into, issued at once from scoped threads
+    /// (1: one batched call per layer per component). Stores whose batched call is served by
+    /// one thread (the embedded store) read faster with more.
+    pub read_parallelism: usize,
     /// Objects per store call when saving.
     pub save_chunk: usize,
     /// Batches tracked at once (started and not yet taken).
@@ -54,6 +58,7 @@ impl Default for LinkerConfig {
             layer_read_timeout: Duration::from_secs(20),
             lease_renewal: Duration::from_secs(5),
             verify_object_sizes: true,
+            read_parallelism: 1,
             save_chunk: 64,
             max_in_flight: 64,
             mode: ModeChoice::Fixed(ShareMode::AllRanks),

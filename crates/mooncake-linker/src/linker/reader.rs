@@ -38,6 +38,8 @@ pub(crate) struct LayerReader<'a> {
     pub(crate) store: &'a dyn KvStore,
     pub(crate) batch: BatchId,
     pub(crate) components: &'a [ComponentKeys],
+    /// Store calls one layer's reads are split into, run at once (1: one call).
+    pub(crate) parallelism: usize,
 }
 
 impl LayerReader<'_> {
@@ -72,7 +74,7 @@ impl LayerReader<'_> {
             // SAFETY: every destination is a distinct slice of `len` bytes handed out by the
             // landing for this batch (distinct slots: the plan was validated for duplicates),
             // which nothing else reads or writes until the layer is marked ready.
-            let results = unsafe { self.store.get_ranges(&gets) };
+            let results = unsafe { self.get_ranges(&gets) };
             let mut failed: Vec<u32> = Vec::new();
             let mut first: Option<KvLoadError> = None;
             for (i, r) in results.iter().enumerate() {
@@ -117,6 +119,47 @@ impl LayerReader<'_> {
             }
         }
         Ok(total)
+    }
+
+    /// One batched read, or `parallelism` of them on scoped threads over contiguous parts
+    /// of `gets`; results in `gets` order.
+    ///
+    /// # Safety
+    /// As [`KvStore::get_ranges`]: every destination valid for writes of its length, distinct,
+    /// and untouched by anyone else during the call.
+    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        let parts = self.parallelism.clamp(1, gets.len().max(1));
+        if parts == 1 {
+            // SAFETY: the caller's promise covers `gets`.
+            return unsafe { self.store.get_ranges(gets) };
+        }
+        let chunk = gets.len().div_ceil(parts);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = gets
+                .chunks(chunk)
+                .map(|part| {
+                    // SAFETY: `part` is a sub-slice of `gets`, covered by the caller's
+                    // promise; parts are disjoint, so no two calls write the same memory.
+                    s.spawn(move || unsafe { self.store.get_ranges(part) })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .zip(gets.chunks(chunk))
+                .flat_map(|(h, part)| {
+                    h.join().unwrap_or_else(|_| {
+                        part.iter()
+                            .map(|g| {
+                                Err(StoreError::Other {
+                                    key: g.key.to_string(),
+                                    code: -1,
+                                })
+                            })
+                            .collect()
+                    })
+                })
+                .collect()
+        })
     }
 
     /// Checks that the objects of plan pages `pages` hold exactly the bytes the geometry
