@@ -462,6 +462,11 @@ fn close_with_loads_in_flight_leaves_no_thread() {
         );
     }
     linker.close().unwrap();
+    // close() joined the thread; the kernel drops its /proc entry just after the join.
+    let t0 = Instant::now();
+    while threads_named("kvlink-load-r5") != before && t0.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert_eq!(
         threads_named("kvlink-load-r5"),
         before,
