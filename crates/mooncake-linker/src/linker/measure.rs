@@ -57,6 +57,25 @@ impl Shared {
     }
 }
 
+/// `Auto` leaves the mode it keeps only for one measured this much faster (hysteresis, so
+/// noise does not flip it from batch to batch).
+pub(crate) const AUTO_SWITCH_GAIN: f64 = 0.9;
+
+/// The mode with the lowest measured seconds per byte, staying with `kept` unless the best
+/// beats it by [`AUTO_SWITCH_GAIN`].
+fn pick_measured(seen: &[Option<f64>; 3], kept: Option<ShareMode>) -> ShareMode {
+    let time = |m: ShareMode| seen[slot(m)].unwrap_or(f64::MAX);
+    let best = AUTO_MODES
+        .iter()
+        .copied()
+        .min_by(|a, b| time(*a).total_cmp(&time(*b)))
+        .unwrap_or(ShareMode::AllRanks);
+    match kept {
+        Some(k) if time(best) >= time(k) * AUTO_SWITCH_GAIN => k,
+        _ => best,
+    }
+}
+
 /// Modes `Auto` tries, in the order it explores them.
 const AUTO_MODES: [ShareMode; 3] = [
     ShareMode::AllRanks,
@@ -101,17 +120,9 @@ impl Shared {
                 format!("Auto: measuring {m:?} (no batch ran in it yet)"),
             );
         }
-        let best = AUTO_MODES
-            .iter()
-            .copied()
-            .min_by(|a, b| {
-                let (x, y) = (
-                    seen[slot(*a)].unwrap_or(f64::MAX),
-                    seen[slot(*b)].unwrap_or(f64::MAX),
-                );
-                x.total_cmp(&y)
-            })
-            .unwrap_or(ShareMode::AllRanks);
+        let mut kept = self.auto_kept.lock();
+        let best = pick_measured(&seen, *kept);
+        *kept = Some(best);
         let ns = |m: ShareMode| seen[slot(m)].map_or(f64::NAN, |v| v * 1e9);
         let model = layer_times(&bw, tp_size, bytes_per_layer);
         (
@@ -135,5 +146,31 @@ impl Shared {
         let mut seen = self.mode_seconds_per_byte.lock();
         let s = &mut seen[slot(mode)];
         *s = Some(s.map_or(v, |old| blend(old, v)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_keeps_its_mode_unless_another_is_clearly_faster() {
+        let seen = [Some(3.0), Some(2.0), Some(1.9)];
+        assert_eq!(pick_measured(&seen, None), ShareMode::SplitAllGather);
+        // 1.9 is within 10 % of 2.0: stay.
+        assert_eq!(
+            pick_measured(&seen, Some(ShareMode::Rank0Broadcast)),
+            ShareMode::Rank0Broadcast
+        );
+        // 1.5 is clearly faster than 2.0: switch.
+        let seen = [Some(3.0), Some(2.0), Some(1.5)];
+        assert_eq!(
+            pick_measured(&seen, Some(ShareMode::Rank0Broadcast)),
+            ShareMode::SplitAllGather
+        );
+        assert_eq!(
+            pick_measured(&seen, Some(ShareMode::AllRanks)),
+            ShareMode::SplitAllGather
+        );
     }
 }

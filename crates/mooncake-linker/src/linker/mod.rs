@@ -50,6 +50,8 @@ pub(crate) struct Shared {
     /// `Auto`'s measurements: seconds per landed byte of each mode (AllRanks, Rank0Broadcast,
     /// SplitAllGather), a running average.
     pub(crate) mode_seconds_per_byte: Mutex<[Option<f64>; 3]>,
+    /// The mode `Auto` settled on, once it has measured every mode.
+    pub(crate) auto_kept: Mutex<Option<kv_loader::ShareMode>>,
     /// Staging buffers kept between batches.
     pub(crate) staging_cache: Mutex<Vec<Vec<u8>>>,
     pub(crate) counter: LayerCounter<KvLoadError>,
@@ -311,6 +313,7 @@ impl Linker {
             group,
             staging_cache: Mutex::new(Vec::new()),
             mode_seconds_per_byte: Mutex::new([None; 3]),
+            auto_kept: Mutex::new(None),
             metrics: LinkerMetrics::default(),
             epoch: AtomicU64::new(0),
             closed: AtomicBool::new(false),
