@@ -140,6 +140,13 @@ pub fn run(args: &Args, report: &mut Report) {
         status(&r),
         r.unwrap_or_else(|e| e),
     );
+    let r = save_from_device(&dev, n);
+    report.push(
+        SEC,
+        "Linker: save from a device pool, reload into another = saved bytes",
+        status(&r),
+        r.unwrap_or_else(|e| e),
+    );
     let r = failure(&dev, n);
     report.push(
         SEC,
@@ -196,6 +203,69 @@ fn correctness(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
         "{n} pages, 78 layer events, {:.0} MB compared, {} B read",
         bytes as f64 / 1e6,
         stats.bytes_read
+    ))
+}
+
+/// A prefix loaded into one device pool is saved from it into a fresh store (the save
+/// direction: device slots → pinned staging → objects), then loaded into a second device pool
+/// with other slots and compared with the original bytes.
+fn save_from_device(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
+    let p = saved_prefix(n, 13)?;
+    let pool_pages = 2 * n as u32 + 8;
+    let (first, pool_a) = device_linker(1, dev, &p.g, p.store.clone(), pool_pages, n)?;
+    let slots_a = Rng(3).scattered_slots(n, pool_pages);
+    let t = first
+        .start_load(plan(&p.g, 1, &p.pages, slots_a.clone()))
+        .map_err(|e| e.to_string())?;
+    wait_layers(&first, &t)?;
+    first
+        .wait_batch(&t)
+        .map_err(|e| e.to_string())?
+        .result
+        .map_err(|e| e.to_string())?;
+    // The same pool, saved through a linker over a fresh store.
+    let fresh = Arc::new(EmbeddedStore::new(
+        p.g.bytes_per_page() * n as u64 + (1 << 30),
+    ));
+    let staging = StagingPool::new(dev, half_bytes(&p.g, n), 1).map_err(de)?;
+    let saver = Linker::with_landings(
+        p.g.clone(),
+        fresh.clone(),
+        pool_a.clone(),
+        Arc::new(StagedLandingFactory::new(pool_a.clone(), staging)),
+        LinkerConfig::default(),
+        None,
+    )
+    .map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let report = saver
+        .save(&plan(&p.g, 2, &p.pages, slots_a))
+        .map_err(|e| e.to_string())?;
+    let save_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let expected = n * p.g.components().len();
+    if report.objects_written as usize != expected {
+        return Err(format!(
+            "{} objects written, {expected} expected",
+            report.objects_written
+        ));
+    }
+    let (second, pool_b) = device_linker(1, dev, &p.g, fresh.clone(), pool_pages, n)?;
+    let slots_b: Vec<u32> = (0..n as u32).map(|i| pool_pages - 1 - 2 * i).collect();
+    let t = second
+        .start_load(plan(&p.g, 3, &p.pages, slots_b.clone()))
+        .map_err(|e| e.to_string())?;
+    wait_layers(&second, &t)?;
+    second
+        .wait_batch(&t)
+        .map_err(|e| e.to_string())?
+        .result
+        .map_err(|e| e.to_string())?;
+    let bytes = compare(&pool_b, &p.g, &slots_b, p.g.num_layers())?;
+    Ok(format!(
+        "{} objects ({:.0} MB) saved from device slots in {save_ms:.0} ms; reloaded elsewhere, {:.0} MB compared",
+        report.objects_written,
+        report.bytes_written as f64 / 1e6,
+        bytes as f64 / 1e6
     ))
 }
 

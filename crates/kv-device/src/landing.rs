@@ -81,6 +81,24 @@ pub trait LandingFactory: Send + Sync {
     /// The host memory a store writes into for this backend (pool buffers, or pinned
     /// staging), as (address, length): register it with the store once.
     fn store_regions(&self) -> Vec<(usize, usize)>;
+
+    /// For saving from a pool the store cannot read directly (device memory): a gatherer of
+    /// the slices of plan page `i` (slot `slots[i]`) into host memory. Host pools are read in
+    /// place and need none.
+    fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
+        let _ = slots;
+        Err(DeviceError::Unavailable(
+            "this backend's pool is read in place; it has no save gatherer".into(),
+        ))
+    }
+}
+
+/// Brings a batch's slices to host memory for a save.
+pub trait SaveGather: Send {
+    /// Gathers (`component`, `layer`) of every plan page and waits for it: the rows, in plan
+    /// order, `page_layer_bytes` each, start at the returned host address and stay valid
+    /// until the next call.
+    fn gather(&mut self, component: ComponentId, layer: u32) -> Result<usize, DeviceError>;
 }
 
 /// Landings straight into a host pool ([`DirectLanding`]).

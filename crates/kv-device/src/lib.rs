@@ -21,5 +21,5 @@ mod pool;
 
 pub use error::DeviceError;
 pub use host::HostKvPool;
-pub use landing::{DirectLanding, DirectLandingFactory, LandingFactory, LayerLanding};
+pub use landing::{DirectLanding, DirectLandingFactory, LandingFactory, LayerLanding, SaveGather};
 pub use pool::{KvPool, Residence};

@@ -670,6 +670,26 @@ impl crate::LandingFactory for StagedLandingFactory {
     fn store_regions(&self) -> Vec<(usize, usize)> {
         self.staging.host_regions()
     }
+
+    fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn crate::SaveGather>, DeviceError> {
+        let lease = self.staging.lease()?;
+        Ok(Box::new(StagedGather(StagedLanding::new(
+            self.pool.clone(),
+            lease,
+            slots,
+        )?)))
+    }
+}
+
+/// A staged landing used the save way: device slots → pinned staging, synchronously.
+struct StagedGather(StagedLanding);
+
+impl crate::SaveGather for StagedGather {
+    fn gather(&mut self, component: ComponentId, layer: u32) -> Result<usize, DeviceError> {
+        let (host, event) = self.0.gather(component, layer)?;
+        event.wait()?;
+        Ok(host)
+    }
 }
 
 #[cfg(test)]
