@@ -314,3 +314,16 @@ pub fn all_gather_in_place(
     // rank*n + n <= size*n <= buf.len() for any rank < size.
     unsafe { coll.all_gather(send, recv, deadline) }
 }
+
+/// Little-endian `u64`s from gathered 8-byte values (a shorter value is zero-padded), in rank
+/// order: how `all_gather_u64` implementations decode what they gathered as bytes.
+pub(crate) fn u64_words(all: &[Vec<u8>]) -> Vec<u64> {
+    all.iter()
+        .map(|v| {
+            let mut w = [0u8; 8];
+            let k = v.len().min(8);
+            w[..k].copy_from_slice(&v[..k]);
+            u64::from_le_bytes(w)
+        })
+        .collect()
+}

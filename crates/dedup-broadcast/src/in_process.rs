@@ -585,15 +585,7 @@ impl Collective for InProcessCollective {
 
     fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
         let all = self.gather_values(OpKind::GatherU64, value.to_le_bytes().to_vec(), deadline)?;
-        Ok(all
-            .iter()
-            .map(|v| {
-                let mut w = [0u8; 8];
-                let k = v.len().min(8);
-                w[..k].copy_from_slice(&v[..k]);
-                u64::from_le_bytes(w)
-            })
-            .collect())
+        Ok(crate::collective::u64_words(&all))
     }
 
     fn all_gather_bytes(

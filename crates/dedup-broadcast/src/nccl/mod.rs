@@ -435,14 +435,7 @@ impl Collective for NcclCollective {
 
     fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
         let all = self.all_gather_bytes(&value.to_le_bytes(), deadline)?;
-        Ok(all
-            .into_iter()
-            .map(|b| {
-                let mut w = [0u8; 8];
-                w.copy_from_slice(&b[..8]);
-                u64::from_le_bytes(w)
-            })
-            .collect())
+        Ok(crate::collective::u64_words(&all))
     }
 
     fn all_gather_bytes(

@@ -141,7 +141,9 @@ impl Shared {
         let (shared, own): (Vec<ComponentKeys>, Vec<ComponentKeys>) = components
             .into_iter()
             .partition(|c| c.layout.replicated && mode != ShareMode::AllRanks);
-        let layouts: Vec<Option<StagingLayout>> = (0..num_layers)
+        // After the gate every rank must issue the batch's per-layer exchanges, so a staging
+        // error becomes this rank's status (below), not an early return.
+        let layouts: Result<Vec<Option<StagingLayout>>, KvLoadError> = (0..num_layers)
             .map(|l| {
                 if shared.is_empty() {
                     return Ok(None);
@@ -151,7 +153,11 @@ impl Shared {
                     .map(Some)
                     .map_err(|e| KvLoadError::Config(format!("{batch}: staging: {e}")))
             })
-            .collect::<Result<_, _>>()?;
+            .collect();
+        let (layouts, layout_error) = match layouts {
+            Ok(l) => (l, None),
+            Err(e) => (vec![None; num_layers as usize], Some(e)),
+        };
         let staging_len = layouts.iter().flatten().map(StagingLayout::len).max();
 
         // Local preparation; a failure here is this rank's status from layer 0 on.
@@ -187,6 +193,9 @@ impl Shared {
         let prep = PinnedKeys::start(self.store.as_ref(), &read_keys, self.config.lease_renewal)
             .map_err(|e| store_failure(batch, None, Vec::new(), &e))
             .and_then(|pins| {
+                if let Some(e) = &layout_error {
+                    return Err(e.clone());
+                }
                 if landing.is_none() {
                     return Err(KvLoadError::Device(landing_error.clone()));
                 }
