@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use kv_device::Residence;
+use kv_device::{DeviceRegion, HostRow, Residence, SharedEvent};
 
 /// A caller-owned memory region: `len` bytes at `addr`, living where `residence` says.
 ///
@@ -145,6 +145,15 @@ pub enum CollectiveError {
     /// The transport failed (e.g. an NCCL error).
     #[error("collective backend: {0}")]
     Backend(String),
+    /// This implementation does not offer the operation (e.g. device operations on a group
+    /// that moves host memory only). Nothing was issued: the sequence number did not advance.
+    #[error("{op}: not supported by this collective ({detail})")]
+    Unsupported {
+        /// The operation.
+        op: &'static str,
+        /// Why, or what the implementation moves instead.
+        detail: String,
+    },
 }
 
 impl CollectiveError {
@@ -157,7 +166,7 @@ impl CollectiveError {
             | CollectiveError::SizeMismatch { seq, .. }
             | CollectiveError::Mismatch { seq, .. }
             | CollectiveError::InvalidArgument { seq, .. } => Some(*seq),
-            CollectiveError::Backend(_) => None,
+            CollectiveError::Backend(_) | CollectiveError::Unsupported { .. } => None,
         }
     }
 }
@@ -245,6 +254,130 @@ pub trait Collective: Send + Sync {
         let all = self.all_gather_u64(value, deadline)?;
         Ok(all.into_iter().min().unwrap_or(value))
     }
+
+    /// Which data operations this collective moves: host rows, device regions, or both.
+    fn memory(&self) -> MemorySupport {
+        MemorySupport {
+            host: true,
+            device: false,
+        }
+    }
+
+    /// **Host rows, broadcast.** `rows` are the same count with the same lengths on every
+    /// rank (a layer's replicated rows in plan order); root's rows are read, every other
+    /// rank's rows receive root's row `i` into its row `i`. Completes before it returns.
+    ///
+    /// # Safety
+    /// The trait's memory rules, per row: on the root every row is valid for reads and not
+    /// written by anyone during the call; elsewhere every row is valid for writes and touched
+    /// by nothing else during the call. Rows of one rank do not overlap one another.
+    unsafe fn broadcast_rows(
+        &self,
+        rows: &[HostRow],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let _ = (rows, root, deadline);
+        Err(CollectiveError::Unsupported {
+            op: "broadcast_rows",
+            detail: "host rows are not implemented by this collective".into(),
+        })
+    }
+
+    /// **Host rows, all-gather in place.** `rows` are the same count with the same lengths on
+    /// every rank; rank `r` owns rows `counts[..r].sum() .. counts[..=r].sum()` and holds
+    /// their bytes already; on return every rank's rows hold every owner's bytes.
+    /// `counts.len() == size()` and `counts` sum to `rows.len()` (the same on every rank).
+    ///
+    /// # Safety
+    /// As for [`broadcast_rows`](Collective::broadcast_rows): this rank's own rows are read,
+    /// every other row is written; no row is touched by anything else during the call.
+    unsafe fn all_gather_rows(
+        &self,
+        rows: &[HostRow],
+        counts: &[usize],
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let _ = (rows, counts, deadline);
+        Err(CollectiveError::Unsupported {
+            op: "all_gather_rows",
+            detail: "host rows are not implemented by this collective".into(),
+        })
+    }
+
+    /// **Device region, broadcast, event-ordered.** Enqueues, on this rank's comm stream
+    /// and after `after` (an event of another stream: the copy that filled the root's
+    /// region, or whatever last used a receiver's), a broadcast of root's `region` into
+    /// every other rank's `region` (same length everywhere), and returns at once with the
+    /// event that completes when this rank's part is done (receivers: the bytes are in;
+    /// root: its region is no longer read). The call itself (matching with the other ranks,
+    /// enqueueing) is bounded by `deadline`; the returned event may still never complete (a
+    /// peer that never issues its part): the caller waits on it with a deadline and then
+    /// calls [`abort`](Collective::abort).
+    ///
+    /// # Safety
+    /// `region` is device memory of this rank's device, valid for reads (root) or writes
+    /// (others) of `region.len` bytes, and nothing else touches it from the moment `after`
+    /// completes until the returned event completes (or, on `Err`, until the call returns;
+    /// after an abort, until [`broken`](Collective::broken) reports the group drained); it
+    /// stays allocated until then.
+    unsafe fn broadcast_device(
+        &self,
+        region: DeviceRegion,
+        after: Option<SharedEvent>,
+        root: u32,
+        deadline: Instant,
+    ) -> Result<SharedEvent, CollectiveError> {
+        let _ = (region, after, root, deadline);
+        Err(CollectiveError::Unsupported {
+            op: "broadcast_device",
+            detail: "this collective moves host memory only".into(),
+        })
+    }
+
+    /// **Device region, all-gather in place, event-ordered.** `region` holds `size()` chunks
+    /// of `region.len / size()` bytes; this rank's chunk `rank()` is filled (after `after`);
+    /// when the returned event completes every chunk holds its owner's bytes. Deadline and
+    /// event as for [`broadcast_device`](Collective::broadcast_device).
+    ///
+    /// # Safety
+    /// As for [`broadcast_device`](Collective::broadcast_device); `region.len` is a multiple
+    /// of `size()`, the same on every rank.
+    unsafe fn all_gather_device(
+        &self,
+        region: DeviceRegion,
+        after: Option<SharedEvent>,
+        deadline: Instant,
+    ) -> Result<SharedEvent, CollectiveError> {
+        let _ = (region, after, deadline);
+        Err(CollectiveError::Unsupported {
+            op: "all_gather_device",
+            detail: "this collective moves host memory only".into(),
+        })
+    }
+
+    /// Gives up every operation of this rank in flight, because a wait on one of them passed
+    /// its deadline (e.g. a device event that never completed). NCCL aborts its communicator;
+    /// the group is then [`broken`](Collective::broken) until it is re-formed. Implementations
+    /// whose operations cannot be left in flight do nothing.
+    fn abort(&self, cause: &str) {
+        let _ = cause;
+    }
+
+    /// `Some(why)` once this handle can no longer run operations (aborted, a peer process
+    /// gone for good): the group must be re-formed before the next batch shares.
+    fn broken(&self) -> Option<String> {
+        None
+    }
+}
+
+/// Which memory a [`Collective`]'s data operations move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemorySupport {
+    /// Host rows ([`Collective::broadcast_rows`], [`Collective::all_gather_rows`]).
+    pub host: bool,
+    /// Device regions ([`Collective::broadcast_device`], [`Collective::all_gather_device`]).
+    pub device: bool,
 }
 
 /// [`Collective::broadcast`] of a host slice: the root sends `buf`, every other rank receives

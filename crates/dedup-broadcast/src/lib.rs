@@ -51,6 +51,7 @@ mod status;
 
 pub use collective::{
     all_gather_in_place, all_gather_slices, broadcast_slice, Buffer, Collective, CollectiveError,
+    MemorySupport,
 };
 pub use gate::{check_digest, check_plan, plan_digest, GateVerdict, PLAN_DIGEST_SEED};
 pub use in_process::{InProcessCollective, InProcessGroup};

@@ -18,8 +18,10 @@ mod error;
 mod host;
 mod landing;
 mod pool;
+mod region;
 
 pub use error::DeviceError;
 pub use host::HostKvPool;
 pub use landing::{DirectLanding, DirectLandingFactory, LandingFactory, LayerLanding, SaveGather};
 pub use pool::{KvPool, Residence};
+pub use region::{DeviceEvent, DeviceRegion, HostRow, SharedEvent};

@@ -1,0 +1,93 @@
+//! Memory regions and completion events as they pass between crates: what a collective moves
+//! and what orders device work.
+//!
+//! Raw regions ([`HostRow`], [`DeviceRegion`]) are plain data: an address and a length. They
+//! are what `unsafe` backend calls take. Code above the backends passes the typed handles a
+//! landing hands out instead (which vouch that the memory is live and this batch's alone);
+//! see the landing module.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kv_loader::StreamWaitable;
+
+use crate::DeviceError;
+
+/// One row of host memory: `len` bytes at `addr` (a pool slot's slice of one layer, or a
+/// piece of host staging). Plain data; whoever dereferences it vouches for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct HostRow {
+    /// First byte.
+    pub addr: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+impl HostRow {
+    /// One past the last byte (saturating).
+    pub fn end(&self) -> usize {
+        self.addr.saturating_add(self.len)
+    }
+
+    /// True when the two rows share at least one byte.
+    pub fn overlaps(&self, other: &HostRow) -> bool {
+        self.len > 0 && other.len > 0 && self.addr < other.end() && other.addr < self.end()
+    }
+}
+
+/// A byte range of the memory of one device: `len` bytes at device address `addr` of GPU
+/// `ordinal` (for the CPU device backend, `addr` is a host address). Plain data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceRegion {
+    /// The device.
+    pub ordinal: u32,
+    /// First byte (device address).
+    pub addr: u64,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// A completion marker recorded on a device stream after some work (a copy, a scatter, a
+/// collective): it completes once that work has finished.
+///
+/// Every wait on it is bounded: [`wait_until`](DeviceEvent::wait_until) returns at the
+/// deadline whatever the device does. Events of one backend can be waited on by that
+/// backend's streams (device-side, no CPU thread blocks); [`as_any`](DeviceEvent::as_any)
+/// lets a backend recognise its own events. As a [`StreamWaitable`] it is what a layer wait
+/// hands the engine.
+pub trait DeviceEvent: StreamWaitable + Any {
+    /// True once the work before the event has finished; a device error surfaces here.
+    fn is_complete(&self) -> Result<bool, DeviceError>;
+
+    /// Waits until the event completes (`Ok(true)`) or `deadline` passes (`Ok(false)`); never
+    /// blocks past the deadline by more than one short sleep.
+    fn wait_until(&self, deadline: Instant) -> Result<bool, DeviceError>;
+
+    /// The concrete event, for a backend to downcast.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A shared device event.
+pub type SharedEvent = Arc<dyn DeviceEvent>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_overlap_only_when_they_share_a_byte() {
+        let a = HostRow { addr: 100, len: 10 };
+        assert!(a.overlaps(&HostRow { addr: 109, len: 1 }));
+        assert!(!a.overlaps(&HostRow { addr: 110, len: 5 }));
+        assert!(!a.overlaps(&HostRow { addr: 100, len: 0 }));
+        assert_eq!(
+            HostRow {
+                addr: usize::MAX,
+                len: 2
+            }
+            .end(),
+            usize::MAX
+        );
+    }
+}
