@@ -8,19 +8,21 @@ use kvlink::dedup_broadcast::nccl::{NcclConfig, NcclGroup};
 use kvlink::dedup_broadcast::{Buffer, Collective};
 use kvlink::kv_device::cuda::cudarc::driver::{sys, CudaEvent};
 use kvlink::kv_device::cuda::cudarc::nccl as cnccl;
-use kvlink::kv_device::cuda::{
-    CudaDevice, CudaKvPool, DeviceBuffer, PinnedBuffer, ScatterStrategy, StagedLanding, StagingPool,
-};
-use kvlink::kv_device::LayerLanding;
+use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, DeviceBuffer, PinnedBuffer};
+use kvlink::kv_device::{LayerLanding, ScatterStrategy, StagedLanding, StagingPool};
 use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::{LayerReady, RawStream};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
 
-use crate::checks::{glm, half_bytes};
+use crate::checks::{glm, half_bytes, own_all};
 use crate::util::{de, fill_row, gbps, median, timing_event, Report, Rng, Status};
 use crate::Args;
 
 const SEC: &str = "bench";
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
 
 pub fn run(args: &Args, gpus: u32, report: &mut Report) {
     let dev = match CudaDevice::new(0) {
@@ -70,9 +72,9 @@ fn time_on<F: FnMut() -> Result<(), String>>(
 ) -> Result<f64, String> {
     let mut ms = Vec::with_capacity(iters);
     for i in 0..warm + iters {
-        let start = timing_event(dev.load_stream())?;
+        let start = timing_event(dev.cuda_load_stream())?;
         f()?;
-        let end = timing_event(dev.load_stream())?;
+        let end = timing_event(dev.cuda_load_stream())?;
         let t = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
         if i >= warm {
             ms.push(f64::from(t));
@@ -94,13 +96,13 @@ fn h2d(dev: &Arc<CudaDevice>, args: &Args, report: &mut Report) {
             .filter(|c| c.position(layer).is_some())
             .map(|c| c.page_layer_bytes as usize * n)
             .sum();
-        let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
-        let staging = StagingPool::new(dev, half_bytes(&g, n), 1).map_err(de)?;
+        let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
+        let staging = StagingPool::new(dev.clone(), half_bytes(&g, n), 1).map_err(de)?;
         let (warm, iters) = if args.quick { (2, 5) } else { (3, 15) };
         // Ceiling: one plain pinned → device copy of the same bytes, same stream.
         let pinned = PinnedBuffer::zeroed(dev.context(), bytes, "bench").map_err(de)?;
         let dbuf = DeviceBuffer::alloc(dev.context(), bytes, "bench").map_err(de)?;
-        let stream = dev.load_stream().cu_stream();
+        let stream = dev.cuda_load_stream().cu_stream();
         let ceiling = time_on(dev, warm, iters, || {
             dev.bind().map_err(de)?;
             // SAFETY: our pinned buffer and device buffer, `bytes` each; the timing event
@@ -151,21 +153,16 @@ fn h2d(dev: &Arc<CudaDevice>, args: &Args, report: &mut Report) {
                         pool.clone(),
                         staging.lease().map_err(de)?,
                         slots.clone(),
+                        own_all(&g),
                     )
                     .map_err(de)?
                     .with_strategy(strategy);
-                    for c in g
-                        .components()
-                        .iter()
-                        .filter(|c| c.position(layer).is_some())
-                    {
-                        for p in 0..n {
-                            l.target(c.id, layer, p).map_err(de)?;
-                        }
-                    }
-                    let start = timing_event(dev.load_stream())?;
-                    l.land(layer).map_err(de)?;
-                    let end = timing_event(dev.load_stream())?;
+                    let mut stages = l.take_stages();
+                    let stage = &mut stages[0];
+                    l.open(stage, layer, soon()).map_err(de)?;
+                    let start = timing_event(dev.cuda_load_stream())?;
+                    l.land(stage).map_err(de)?;
+                    let end = timing_event(dev.cuda_load_stream())?;
                     let e = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
                     if i >= warm {
                         ms.push(f64::from(e));
@@ -208,16 +205,18 @@ fn h2d(dev: &Arc<CudaDevice>, args: &Args, report: &mut Report) {
 fn wait_cost(dev: &Arc<CudaDevice>, report: &mut Report) {
     report.check(SEC, "layer wait on the compute stream (cuStreamWaitEvent)", || {
         let g = glm();
-        let pool = Arc::new(CudaKvPool::new(dev, g.clone(), 8).map_err(de)?);
-        let staging = StagingPool::new(dev, half_bytes(&g, 4), 1).map_err(de)?;
-        let mut l = StagedLanding::new(pool, staging.lease().map_err(de)?, vec![0, 2, 4, 6].into())
-            .map_err(de)?;
-        for c in g.components().iter().filter(|c| c.position(0).is_some()) {
-            for p in 0..4 {
-                l.target(c.id, 0, p).map_err(de)?;
-            }
-        }
-        let LayerReady::Event(ev) = l.land(0).map_err(de)? else {
+        let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), 8).map_err(de)?);
+        let staging = StagingPool::new(dev.clone(), half_bytes(&g, 4), 1).map_err(de)?;
+        let mut l = StagedLanding::new(
+            pool,
+            staging.lease().map_err(de)?,
+            vec![0, 2, 4, 6].into(),
+            own_all(&g),
+        )
+        .map_err(de)?;
+        let mut stages = l.take_stages();
+        l.open(&mut stages[0], 0, soon()).map_err(de)?;
+        let LayerReady::Event(ev) = l.land(&mut stages[0]).map_err(de)? else {
             return Err("no event".into());
         };
         let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
@@ -292,8 +291,8 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
         }
     }
     let fill_s = t_fill.elapsed().as_secs_f64();
-    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
-    let staging = StagingPool::new(dev, half_bytes(&g, n), 1).map_err(de)?;
+    let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
+    let staging = StagingPool::new(dev.clone(), half_bytes(&g, n), 1).map_err(de)?;
     for (a, l) in staging.host_regions() {
         let _ = store.register(kvlink::mooncake_linker::store::MemoryRegion { addr: a, len: l });
     }
@@ -302,22 +301,29 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
     let mut best: Option<(f64, Vec<LayerTimes>, String)> = None;
     let reps = if args.quick { 1 } else { 3 };
     for _ in 0..reps {
-        let mut landing =
-            StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
-                .map_err(de)?;
-        let base = timing_event(dev.load_stream())?;
+        let mut landing = StagedLanding::new(
+            pool.clone(),
+            staging.lease().map_err(de)?,
+            slots.clone(),
+            own_all(&g),
+        )
+        .map_err(de)?;
+        let mut stages = landing.take_stages();
+        let base = timing_event(dev.cuda_load_stream())?;
         let t0 = Instant::now();
         let mut marks: Vec<(f64, f64, CudaEvent, CudaEvent)> = Vec::new();
         let mut last = None;
         for layer in 0..g.num_layers() {
             let r0 = t0.elapsed().as_secs_f64() * 1e3;
+            let stage = &mut stages[layer as usize % 2];
+            landing.open(stage, layer, soon()).map_err(de)?;
             let mut dsts: Vec<(usize, usize, usize)> = Vec::new();
             for (ci, c) in g.components().iter().enumerate() {
                 if c.position(layer).is_none() {
                     continue;
                 }
                 for p in 0..n {
-                    dsts.push((ci, p, landing.target(c.id, layer, p).map_err(de)?));
+                    dsts.push((ci, p, landing.target(stage, c.id, p).map_err(de)?));
                 }
             }
             let chunk = dsts.len().div_ceil(readers).max(1);
@@ -358,9 +364,9 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
                 return Err(format!("{failed} reads failed at layer {layer}"));
             }
             let r1 = t0.elapsed().as_secs_f64() * 1e3;
-            let s = timing_event(dev.load_stream())?;
-            let ready = landing.land(layer).map_err(de)?;
-            let e = timing_event(dev.load_stream())?;
+            let s = timing_event(dev.cuda_load_stream())?;
+            let ready = landing.land(stage).map_err(de)?;
+            let e = timing_event(dev.cuda_load_stream())?;
             marks.push((r0, r1, s, e));
             last = Some(ready);
         }

@@ -2,12 +2,15 @@
 
 use std::sync::Arc;
 
+use std::time::{Duration, Instant};
+
 use kvlink::kv_device::cuda::cudarc::driver::result;
-use kvlink::kv_device::cuda::{
-    CudaDevice, CudaKvPool, DeviceBuffer, KernelSource, RowCopy, ScatterStrategy, StagedLanding,
+use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, DeviceBuffer, KernelSource};
+use kvlink::kv_device::{
+    BatchShape, Device, DeviceError, DirectLanding, HostKvPool, KvPool, LandingFactory,
+    LayerLanding, LayerStage, RowCopy, ScatterStrategy, StagedLanding, StagedLandingFactory,
     StagingPool,
 };
-use kvlink::kv_device::{DeviceError, DirectLanding, HostKvPool, KvPool, LayerLanding};
 use kvlink::kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
 use kvlink::kv_loader::{LayerReady, RawStream};
 
@@ -22,7 +25,16 @@ pub fn glm() -> KvGeometry {
 
 /// Bytes of the widest layer of a batch of `pages` pages (one staging half).
 pub fn half_bytes(g: &KvGeometry, pages: usize) -> usize {
-    (g.max_layer_bytes_per_page() * pages as u64) as usize
+    StagingPool::half_bytes_for(g, pages, 1)
+}
+
+/// Every component of the geometry, read by this rank itself (nothing shared).
+pub fn own_all(g: &KvGeometry) -> BatchShape {
+    BatchShape::own_only(g.components().iter().map(|c| c.id).collect())
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(30)
 }
 
 pub fn run(args: &Args, report: &mut Report) {
@@ -33,8 +45,7 @@ pub fn run(args: &Args, report: &mut Report) {
             return;
         }
     };
-    let name = dev.name().unwrap_or_else(de);
-    report.info("env", "GPU 0", name);
+    report.info("env", "GPU 0", dev.name());
     kernels(&dev, report);
     let pages: u32 = if args.quick { 48 } else { 160 };
     let n = if args.quick { 20 } else { 64 };
@@ -136,7 +147,7 @@ fn kernel_case(
     let d_back = DeviceBuffer::zeroed(ctx, src.len(), "test").map_err(de)?;
     let d_slots = DeviceBuffer::zeroed(ctx, rows * 4, "test").map_err(de)?;
     dev.bind().map_err(de)?;
-    let stream = dev.load_stream().cu_stream();
+    let stream = dev.cuda_load_stream().cu_stream();
     // SAFETY: every buffer is ours with the sizes used; copies are synchronous; the kernels
     // write rows inside d_dst (slots < slots_n) and d_back (rows < rows); the stream is
     // synchronized before the buffers are read or dropped.
@@ -195,15 +206,21 @@ fn kernel_case(
     Ok(format!("{row} B rows ok"))
 }
 
-/// Writes row data for (component, layer, page) into both landings' targets.
+/// Opens `layer` in `stage` of both landings and writes row data for (component, layer, page)
+/// of pages `0..n` into their targets.
 fn stage_layer(
     g: &KvGeometry,
     layer: u32,
     n: usize,
-    staged: &mut StagedLanding,
-    direct: Option<&mut DirectLanding>,
+    staged: (&StagedLanding, &mut LayerStage),
+    direct: Option<(&DirectLanding, &mut LayerStage)>,
 ) -> Result<(), String> {
+    let (sl, ss) = staged;
+    sl.open(ss, layer, soon()).map_err(de)?;
     let mut direct = direct;
+    if let Some((dl, ds)) = direct.as_mut() {
+        dl.open(ds, layer, soon()).map_err(de)?;
+    }
     for c in g.components() {
         if c.position(layer).is_none() {
             continue;
@@ -212,12 +229,12 @@ fn stage_layer(
         let mut row = vec![0u8; len];
         for page in 0..n {
             fill_row(&mut row, u64::from(c.id.0) + 1, layer, page as u64);
-            let t = staged.target(c.id, layer, page).map_err(de)?;
+            let t = sl.target(ss, c.id, page).map_err(de)?;
             // SAFETY: `t` is this landing's staging address for the row, `len` bytes, which
             // nothing else touches until the layer is landed.
             unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), t as *mut u8, len) };
-            if let Some(d) = direct.as_deref_mut() {
-                let h = d.target(c.id, layer, page).map_err(de)?;
+            if let Some((dl, ds)) = direct.as_ref() {
+                let h = dl.target(ds, c.id, page).map_err(de)?;
                 // SAFETY: `h` is the host pool's slot for the row, `len` bytes, ours alone.
                 unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), h as *mut u8, len) };
             }
@@ -227,12 +244,7 @@ fn stage_layer(
 }
 
 /// Every device buffer equals the host pool's buffer (region by region, same order).
-pub fn compare_pools(
-    dev: &CudaDevice,
-    pool: &CudaKvPool,
-    host: &HostKvPool,
-) -> Result<u64, String> {
-    dev.synchronize_load_stream().map_err(de)?;
+pub fn compare_pools(pool: &CudaKvPool, host: &HostKvPool) -> Result<u64, String> {
     let dregs = pool.regions();
     let hregs = host.regions();
     if dregs.len() != hregs.len() {
@@ -242,9 +254,7 @@ pub fn compare_pools(
     let mut buf = Vec::new();
     for (i, (d, h)) in dregs.iter().zip(&hregs).enumerate() {
         buf.resize(d.1, 0u8);
-        dev.bind().map_err(de)?;
-        // SAFETY: synchronous copy of our pool buffer `d` (d.1 bytes) into a Vec of that size.
-        unsafe { result::memcpy_dtoh_sync(&mut buf, d.0 as u64) }.map_err(|e| e.to_string())?;
+        pool.read_buffer(i, &mut buf).map_err(de)?;
         // SAFETY: `h` is a live buffer of the host pool, `h.1` bytes, not written now.
         let hs = unsafe { std::slice::from_raw_parts(h.0 as *const u8, h.1) };
         if buf[..] != hs[..] {
@@ -258,6 +268,59 @@ pub fn compare_pools(
     Ok(bytes)
 }
 
+/// A staged landing and a direct landing of the same batch, with their stages.
+struct Pair {
+    staged: StagedLanding,
+    direct: DirectLanding,
+    s: Vec<LayerStage>,
+    d: Vec<LayerStage>,
+}
+
+fn pair(
+    pool: &Arc<CudaKvPool>,
+    host: &Arc<HostKvPool>,
+    staging: &Arc<StagingPool>,
+    slots: &Arc<[u32]>,
+    strategy: ScatterStrategy,
+) -> Result<Pair, String> {
+    let g = pool.geometry().clone();
+    let mut staged = StagedLanding::new(
+        pool.clone(),
+        staging.lease().map_err(de)?,
+        slots.clone(),
+        own_all(&g),
+    )
+    .map_err(de)?
+    .with_strategy(strategy);
+    let host_dyn: Arc<dyn KvPool> = host.clone();
+    let mut direct = DirectLanding::new(host_dyn, slots.clone(), own_all(&g)).map_err(de)?;
+    let s = staged.take_stages();
+    let d = direct.take_stages();
+    Ok(Pair {
+        staged,
+        direct,
+        s,
+        d,
+    })
+}
+
+impl Pair {
+    /// Stages layer `layer` (pages `0..n`) in both landings, then lands both; the staged
+    /// landing's ready signal.
+    fn layer(&mut self, g: &KvGeometry, layer: u32, n: usize) -> Result<LayerReady, String> {
+        let h = layer as usize % 2;
+        stage_layer(
+            g,
+            layer,
+            n,
+            (&self.staged, &mut self.s[h]),
+            Some((&self.direct, &mut self.d[h])),
+        )?;
+        let _ = self.direct.land(&mut self.d[h]);
+        self.staged.land(&mut self.s[h]).map_err(de)
+    }
+}
+
 fn load_and_compare(
     dev: &Arc<CudaDevice>,
     pages: u32,
@@ -267,20 +330,15 @@ fn load_and_compare(
 ) -> Result<String, String> {
     let g = glm();
     let n = slots.len();
-    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
+    let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
     let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
-    let staging = StagingPool::new(dev, half_bytes(&g, n), 1).map_err(de)?;
+    let staging = StagingPool::new(dev.clone(), half_bytes(&g, n), 1).map_err(de)?;
     let slots: Arc<[u32]> = slots.into();
-    let mut staged = StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
-        .map_err(de)?
-        .with_strategy(strategy);
-    let host_dyn: Arc<dyn KvPool> = host.clone();
-    let mut direct = DirectLanding::new(host_dyn, slots.clone());
+    let mut p = pair(&pool, &host, &staging, &slots, strategy)?;
     let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
     let mut events = 0;
     for layer in 0..g.num_layers() {
-        stage_layer(&g, layer, n, &mut staged, Some(&mut direct))?;
-        match staged.land(layer).map_err(de)? {
+        match p.layer(&g, layer, n)? {
             LayerReady::Event(ev) => {
                 ev.wait_on_stream(RawStream(compute.cu_stream() as usize))
                     .map_err(|e| e.to_string())?;
@@ -288,23 +346,24 @@ fn load_and_compare(
             }
             LayerReady::Resident => return Err("a device landing returned Resident".into()),
         }
-        let _ = direct.land(layer);
         if fail_at == Some(layer) {
             break;
         }
     }
     compute.synchronize().map_err(|e| e.to_string())?;
-    let stats = staged.stats();
-    drop(staged);
-    let bytes = compare_pools(dev, &pool, &host)?;
+    let stats = p.staged.stats();
+    let h2d: u64 = p.staged.transfers().iter().map(|t| t.host_to_device).sum();
+    drop(p);
+    let bytes = compare_pools(&pool, &host)?;
     if staging.available() != 1 {
         return Err("the staging lease did not return to its pool".into());
     }
     Ok(format!(
-        "{events} layer events, {} runs, {} copies + {} kernel launches, {:.0} MB compared",
+        "{events} layer events, {} runs, {} copies + {} kernel launches, {:.0} MB over PCIe, {:.0} MB compared",
         runs(&slots),
         stats.copies,
         stats.kernel_launches,
+        h2d as f64 / 1e6,
         bytes as f64 / 1e6
     ))
 }
@@ -325,22 +384,18 @@ fn failure_at_layer(
 ) -> Result<String, String> {
     let g = glm();
     let n = slots.len();
-    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
+    let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
     let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
-    let staging = StagingPool::new(dev, half_bytes(&g, n), 1).map_err(de)?;
+    let staging = StagingPool::new(dev.clone(), half_bytes(&g, n), 1).map_err(de)?;
     let slots: Arc<[u32]> = slots.into();
     {
-        let mut staged =
-            StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
-                .map_err(de)?;
-        let host_dyn: Arc<dyn KvPool> = host.clone();
-        let mut direct = DirectLanding::new(host_dyn, slots.clone());
+        let mut p = pair(&pool, &host, &staging, &slots, ScatterStrategy::Auto)?;
         for layer in 0..fail {
-            stage_layer(&g, layer, n, &mut staged, Some(&mut direct))?;
-            staged.land(layer).map_err(de)?;
+            p.layer(&g, layer, n)?;
         }
         // Layer `fail`: its reads "fail" half-way: staging was written, the layer never lands.
-        stage_layer(&g, fail, n / 2, &mut staged, None)?;
+        let h = fail as usize % 2;
+        stage_layer(&g, fail, n / 2, (&p.staged, &mut p.s[h]), None)?;
         if staging.available() != 0 {
             return Err("lease not held during the batch".into());
         }
@@ -349,19 +404,14 @@ fn failure_at_layer(
     if staging.available() != 1 {
         return Err("the staging lease did not return after the failed batch".into());
     }
-    let bytes = compare_pools(dev, &pool, &host)?;
+    let bytes = compare_pools(&pool, &host)?;
     // The next batch on the same staging loads completely.
-    let mut staged = StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
-        .map_err(de)?;
-    let host_dyn: Arc<dyn KvPool> = host.clone();
-    let mut direct = DirectLanding::new(host_dyn, slots.clone());
+    let mut p = pair(&pool, &host, &staging, &slots, ScatterStrategy::Auto)?;
     for layer in 0..g.num_layers() {
-        stage_layer(&g, layer, n, &mut staged, Some(&mut direct))?;
-        staged.land(layer).map_err(de)?;
+        p.layer(&g, layer, n)?;
     }
-    staged.synchronize().map_err(de)?;
-    drop(staged);
-    compare_pools(dev, &pool, &host)?;
+    drop(p);
+    compare_pools(&pool, &host)?;
     Ok(format!(
         "layers 0..{fail} equal, {fail}.. untouched ({:.0} MB compared); next batch on the same staging loads fully",
         bytes as f64 / 1e6
@@ -370,8 +420,8 @@ fn failure_at_layer(
 
 fn misuse(dev: &Arc<CudaDevice>, pages: u32) -> Result<String, String> {
     let g = glm();
-    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
-    let staging = StagingPool::new(dev, half_bytes(&g, 4), 1).map_err(de)?;
+    let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
+    let staging = StagingPool::new(dev.clone(), half_bytes(&g, 4), 1).map_err(de)?;
     let mut seen = Vec::new();
     let mut expect = |what: &str, r: Result<(), DeviceError>| -> Result<(), String> {
         match r {
@@ -382,37 +432,25 @@ fn misuse(dev: &Arc<CudaDevice>, pages: u32) -> Result<String, String> {
             Ok(()) => Err(format!("{what}: accepted")),
         }
     };
-    expect(
-        "slot past the pool",
-        StagedLanding::new(
-            pool.clone(),
-            staging.lease().map_err(de)?,
-            vec![0, pages].into(),
-        )
-        .map(|_| ()),
-    )?;
-    expect(
-        "staging half too small",
-        StagedLanding::new(
-            pool.clone(),
-            staging.lease().map_err(de)?,
-            (0..64).collect::<Vec<u32>>().into(),
-        )
-        .map(|_| ()),
-    )?;
-    let mut l = StagedLanding::new(
-        pool.clone(),
-        staging.lease().map_err(de)?,
-        vec![3, 1, 2, 0].into(),
-    )
-    .map_err(de)?;
+    let new = |slots: Vec<u32>| {
+        StagedLanding::new(pool.clone(), staging.lease()?, slots.into(), own_all(&g))
+    };
+    expect("slot past the pool", new(vec![0, pages]).map(|_| ()))?;
+    expect("staging half too small", new((0..64).collect()).map(|_| ()))?;
+    let mut l = new(vec![3, 1, 2, 0]).map_err(de)?;
     expect(
         "second lease of a 1-buffer pool",
         staging.lease().map(|_| ()),
     )?;
+    let mut stages = l.take_stages();
+    expect(
+        "a target before the layer is open",
+        l.target(&stages[0], ComponentId(0), 0).map(|_| ()),
+    )?;
+    l.open(&mut stages[0], 0, soon()).map_err(de)?;
     expect(
         "plan page without a slot",
-        l.target(ComponentId(0), 0, 4).map(|_| ()),
+        l.target(&stages[0], ComponentId(0), 4).map(|_| ()),
     )?;
     let off_layer = (0..g.num_layers())
         .find(|&x| g.components().iter().any(|c| c.position(x).is_none()))
@@ -423,52 +461,55 @@ fn misuse(dev: &Arc<CudaDevice>, pages: u32) -> Result<String, String> {
         .find(|c| c.position(off_layer).is_none())
         .map(|c| c.id)
         .unwrap_or(ComponentId(99));
+    l.open(&mut stages[1], off_layer, soon()).map_err(de)?;
     expect(
         "component not on the layer",
-        l.target(missing, off_layer, 0).map(|_| ()),
+        l.target(&stages[1], missing, 0).map(|_| ()),
     )?;
-    l.target(ComponentId(0), 0, 0).map_err(de)?;
+    l.land(&mut stages[0]).map_err(de)?;
+    expect("land a stage twice", l.land(&mut stages[0]).map(|_| ()))?;
+    let other = DirectLanding::new(
+        Arc::new(HostKvPool::new(g.clone(), 4).map_err(de)?),
+        vec![0].into(),
+        own_all(&g),
+    )
+    .map_err(de)?;
     expect(
-        "layer 2 while layer 0 is unlanded",
-        l.target(ComponentId(0), 2, 0).map(|_| ()),
+        "a stage of another landing",
+        other.open(&mut stages[1], 0, soon()),
     )?;
-    l.land(0).map_err(de)?;
-    expect("land layer 0 twice", l.land(0).map(|_| ()))?;
     Ok(format!("{} refusals: {}", seen.len(), seen.join(" | ")))
 }
 
 fn gather(dev: &Arc<CudaDevice>, pages: u32, slots: &[u32]) -> Result<String, String> {
     let g = glm();
     let n = slots.len();
-    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
-    let staging = StagingPool::new(dev, half_bytes(&g, n), 2).map_err(de)?;
+    let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
+    let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
+    let staging = StagingPool::new(dev.clone(), half_bytes(&g, n), 2).map_err(de)?;
     let slots: Arc<[u32]> = slots.into();
-    let mut staged = StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
-        .map_err(de)?;
+    let mut p = pair(&pool, &host, &staging, &slots, ScatterStrategy::Auto)?;
     for layer in 0..g.num_layers() {
-        stage_layer(&g, layer, n, &mut staged, None)?;
-        staged.land(layer).map_err(de)?;
+        p.layer(&g, layer, n)?;
     }
-    staged.synchronize().map_err(de)?;
-    drop(staged);
+    drop(p);
     let mut checked = 0u64;
     for strategy in [ScatterStrategy::Kernel, ScatterStrategy::Runs] {
-        let mut save =
-            StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
-                .map_err(de)?
-                .with_strategy(strategy);
+        let factory =
+            StagedLandingFactory::new(pool.clone(), staging.clone()).with_strategy(strategy);
+        let mut save = factory.begin_save(slots.clone()).map_err(de)?;
         for layer in [0u32, 1, 2, 3, 40, 77] {
             for c in g.components() {
                 if c.position(layer).is_none() {
                     continue;
                 }
-                let (addr, ev) = save.gather(c.id, layer).map_err(de)?;
-                ev.wait().map_err(de)?;
+                let addr = save.gather(c.id, layer).map_err(de)?;
                 let len = c.page_layer_bytes as usize;
                 let mut want = vec![0u8; len];
                 for page in 0..n {
                     fill_row(&mut want, u64::from(c.id.0) + 1, layer, page as u64);
-                    // SAFETY: the gather's event completed; the rows lie in our pinned half.
+                    // SAFETY: the gather finished; its rows stay in our pinned half until the
+                    // next gather.
                     let got = unsafe {
                         std::slice::from_raw_parts((addr + page * len) as *const u8, len)
                     };

@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, StagedLandingFactory, StagingPool};
+use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool};
 use kvlink::kv_device::HostKvPool;
+use kvlink::kv_device::{StagedLandingFactory, StagingPool};
 use kvlink::kv_geometry::{page_hashes, KvGeometry, PageHash};
 use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, LayerReady, RequestPages};
 use kvlink::mooncake_linker::store::{
@@ -75,8 +76,8 @@ fn device_linker(
     pool_pages: u32,
     pages: usize,
 ) -> Result<(Linker, Arc<CudaKvPool>), String> {
-    let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pool_pages).map_err(de)?);
-    let staging = StagingPool::new(dev, half_bytes(g, pages), 2).map_err(de)?;
+    let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pool_pages).map_err(de)?);
+    let staging = StagingPool::new(dev.clone(), half_bytes(g, pages), 2).map_err(de)?;
     let landings = Arc::new(StagedLandingFactory::new(pool.clone(), staging));
     let config = LinkerConfig {
         wait_deadline: Duration::from_secs(60),
@@ -227,7 +228,7 @@ fn save_from_device(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
     let fresh = Arc::new(EmbeddedStore::new(
         p.g.bytes_per_page() * n as u64 + (1 << 30),
     ));
-    let staging = StagingPool::new(dev, half_bytes(&p.g, n), 1).map_err(de)?;
+    let staging = StagingPool::new(dev.clone(), half_bytes(&p.g, n), 1).map_err(de)?;
     let saver = Linker::with_landings(
         p.g.clone(),
         fresh.clone(),

@@ -11,12 +11,15 @@ use kvlink::dedup_broadcast::{
     all_gather_slices, broadcast_slice, Buffer, Collective, CollectiveError,
 };
 use kvlink::kv_device::cuda::cudarc::driver::result;
-use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, DeviceBuffer, StagedLanding, StagingPool};
-use kvlink::kv_device::{DirectLanding, HostKvPool, KvPool, LayerLanding};
-use kvlink::kv_geometry::ComponentId;
+use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, DeviceBuffer};
+use kvlink::kv_device::{
+    BatchShape, DeviceShare, DirectLanding, HostKvPool, KvPool, LayerLanding, RowBlock,
+    SharedEvent, StagedLanding, StagingPool,
+};
+use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::LayerReady;
 
-use crate::checks::{compare_pools, glm, half_bytes};
+use crate::checks::{compare_pools, glm, half_bytes, own_all};
 use crate::util::{de, fill_row, Report, Rng, Status};
 use crate::Args;
 
@@ -145,8 +148,8 @@ fn device_ops(coll: &NcclCollective) -> Result<String, String> {
     }
     // The asynchronous form: ordered after an event of the load stream, completion as an event.
     let d3 = DeviceBuffer::zeroed(dev.context(), n, "test").map_err(de)?;
-    let before =
-        kvlink::kv_device::cuda::CudaLayerEvent::record_on(dev.load_stream(), 0).map_err(de)?;
+    let before = kvlink::kv_device::cuda::CudaLayerEvent::record_on(dev.cuda_load_stream(), 0)
+        .map_err(de)?;
     // SAFETY: `d` and `d3` are ours, disjoint, untouched until the returned event completes.
     let ev = unsafe {
         coll.all_gather_async(
@@ -215,41 +218,84 @@ fn misuse(coll: &NcclCollective) -> Result<String, String> {
     Ok(seen.join(" | "))
 }
 
-/// The dedup building blocks on one rank: the reader's rows go to device staging, NCCL
-/// broadcasts them on the comm stream (ordered after the copy by an event), the load stream
-/// waits for the broadcast and scatters into the slots; the pool must equal the host reference.
+/// Rank0Broadcast's share area of `layer`: one block per component carried, pages in plan
+/// order.
+fn blocks(g: &KvGeometry, layer: u32, n: usize) -> Vec<RowBlock> {
+    let mut off = 0;
+    g.components()
+        .iter()
+        .filter(|c| c.position(layer).is_some())
+        .map(|c| {
+            let b = RowBlock {
+                component: c.id,
+                first_page: 0,
+                pages: n,
+                offset: off,
+            };
+            off += n * c.page_layer_bytes as usize;
+            b
+        })
+        .collect()
+}
+
+/// The dedup path on one rank: the reader's rows go to the share area of pinned staging, one
+/// upload to device staging, NCCL broadcasts it on the comm stream (ordered after the upload
+/// by an event), the load stream waits for the broadcast and scatters into the slots; the pool
+/// must equal the host reference.
 fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> {
     let dev = CudaDevice::new(0).map_err(de)?;
     let g = glm();
     let pages = if args.quick { 48 } else { 128 };
     let n = if args.quick { 16 } else { 48 };
     let slots: Arc<[u32]> = Rng(77).scattered_slots(n, pages).into();
-    let pool = Arc::new(CudaKvPool::new(&dev, g.clone(), pages).map_err(de)?);
+    let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
     let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
-    let staging = StagingPool::new(&dev, half_bytes(&g, n), 1).map_err(de)?;
-    let mut staged = StagedLanding::new(pool.clone(), staging.lease().map_err(de)?, slots.clone())
-        .map_err(de)?;
+    let staging = StagingPool::new(dev.clone(), half_bytes(&g, n), 1).map_err(de)?;
+    let share_bytes: Vec<usize> = (0..g.num_layers())
+        .map(|l| {
+            blocks(&g, l, n)
+                .iter()
+                .map(|b| {
+                    b.pages
+                        * g.component(b.component)
+                            .map_or(0, |c| c.page_layer_bytes as usize)
+                })
+                .sum()
+        })
+        .collect();
+    let shape = BatchShape {
+        own: Vec::new(),
+        shared: g.components().iter().map(|c| c.id).collect(),
+        share_bytes: share_bytes.clone(),
+    };
+    let mut staged = StagedLanding::new(
+        pool.clone(),
+        staging.lease().map_err(de)?,
+        slots.clone(),
+        shape,
+    )
+    .map_err(de)?;
     let host_dyn: Arc<dyn KvPool> = host.clone();
-    let mut direct = DirectLanding::new(host_dyn, slots.clone());
+    let mut direct = DirectLanding::new(host_dyn, slots.clone(), own_all(&g)).map_err(de)?;
+    let (mut ss, mut ds) = (staged.take_stages(), direct.take_stages());
     let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
     for layer in 0..g.num_layers() {
-        let comps: Vec<ComponentId> = g
-            .components()
-            .iter()
-            .filter(|c| c.position(layer).is_some())
-            .map(|c| c.id)
-            .collect();
-        for c in g
-            .components()
-            .iter()
-            .filter(|c| c.position(layer).is_some())
-        {
-            let len = c.page_layer_bytes as usize;
+        let (s, d) = (&mut ss[layer as usize % 2], &mut ds[layer as usize % 2]);
+        staged.open(s, layer, soon()).map_err(de)?;
+        direct.open(d, layer, soon()).map_err(de)?;
+        let bl = blocks(&g, layer, n);
+        for b in &bl {
+            let len = g
+                .component(b.component)
+                .map_err(|e| e.to_string())?
+                .page_layer_bytes as usize;
             let mut row = vec![0u8; len];
             for page in 0..n {
-                fill_row(&mut row, u64::from(c.id.0) + 1, layer, page as u64);
-                let t = staged.target(c.id, layer, page).map_err(de)?;
-                let h = direct.target(c.id, layer, page).map_err(de)?;
+                fill_row(&mut row, u64::from(b.component.0) + 1, layer, page as u64);
+                let t = staged
+                    .share_target(s, b.offset + page * len, len)
+                    .map_err(de)?;
+                let h = direct.target(d, b.component, page).map_err(de)?;
                 // SAFETY: `t` and `h` are this batch's targets for the row, `len` bytes each.
                 unsafe {
                     std::ptr::copy_nonoverlapping(row.as_ptr(), t as *mut u8, len);
@@ -257,37 +303,47 @@ fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> {
                 }
             }
         }
-        let copied = staged.stage_to_device(layer).map_err(de)?;
-        let (_, dptr, len) = staged.layer_region(layer).map_err(de)?;
-        // SAFETY: the device half of this layer is ours for the batch; it is read/written by
-        // the broadcast only after `copied` and reused only after the landing's event.
-        let bcast = unsafe {
-            coll.broadcast_async(
-                Buffer::device(0, dptr as usize, len),
-                0,
-                Some(copied),
-                soon(),
-            )
-        }
-        .map_err(ce)?;
-        match staged
-            .land_from_device(layer, &comps, Some(&bcast))
-            .map_err(de)?
-        {
+        staged
+            .upload(s, 0..share_bytes[layer as usize])
+            .map_err(de)?;
+        let bcast: SharedEvent = {
+            let mut stage = staged.device_stage(s).map_err(de)?;
+            let r = stage.region();
+            // SAFETY: the device stage vouches for the region until its fences complete, and
+            // the broadcast's event is pushed as a fence before the stage is released.
+            let ev = unsafe {
+                coll.broadcast_async(
+                    Buffer::device(0, r.addr as usize, r.len),
+                    0,
+                    stage.after(),
+                    soon(),
+                )
+            }
+            .map_err(ce)?;
+            stage.fence(ev.clone());
+            ev
+        };
+        staged.scatter(s, &bl, &bcast).map_err(de)?;
+        match staged.land(s).map_err(de)? {
             LayerReady::Event(ev) => ev
                 .wait_on_stream(kvlink::kv_loader::RawStream(compute.cu_stream() as usize))
                 .map_err(|e| e.to_string())?,
             LayerReady::Resident => return Err("Resident from a device landing".into()),
         }
-        let _ = direct.land(layer);
+        let _ = direct.land(d);
     }
     compute.synchronize().map_err(|e| e.to_string())?;
+    let t = staged.transfers();
     drop(staged);
-    let bytes = compare_pools(&dev, &pool, &host)?;
+    let bytes = compare_pools(&pool, &host)?;
+    let h2d: u64 = t.iter().map(|t| t.host_to_device).sum();
+    let d2d: u64 = t.iter().map(|t| t.device_to_device).sum();
     Ok(format!(
-        "{} layers, {:.0} MB compared",
+        "{} layers, {:.0} MB compared; {:.0} MB host→device (one upload per layer), {:.0} MB device→device (scatter)",
         g.num_layers(),
-        bytes as f64 / 1e6
+        bytes as f64 / 1e6,
+        h2d as f64 / 1e6,
+        d2d as f64 / 1e6
     ))
 }
 

@@ -93,7 +93,7 @@ fn sizes(args: &Args) -> Vec<u64> {
 pub fn run(args: &Args, groups: &mut Groups, started: Instant, report: &mut Report) -> String {
     let tp = args.tp;
     let gpu = CudaDevice::new(0)
-        .and_then(|d| d.name())
+        .map(|d| kvlink::kv_device::Device::name(&*d))
         .unwrap_or_else(|e| e.to_string());
     let mut results: Vec<SizeResult> = Vec::new();
     let mut last_cost: Option<(u64, f64)> = None;
@@ -393,7 +393,7 @@ fn ceilings(args: &Args, layer_bytes: u64, report: &mut Report, tag: &str) -> Ce
         let dev = CudaDevice::new(r as u32).map_err(de)?;
         let pinned = PinnedBuffer::zeroed(dev.context(), bytes, "ceiling").map_err(de)?;
         let dbuf = DeviceBuffer::alloc(dev.context(), bytes, "ceiling").map_err(de)?;
-        let stream = dev.load_stream();
+        let stream = dev.cuda_load_stream();
         let mut ms = Vec::new();
         for i in 0..warm + iters {
             // Every GPU copies at once (they share the host's memory and PCIe).

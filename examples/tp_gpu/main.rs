@@ -231,7 +231,7 @@ fn main() -> ExitCode {
     );
     for r in 0..args.tp {
         let name = kvlink::kv_device::cuda::CudaDevice::new(r)
-            .and_then(|d| d.name())
+            .map(|d| kvlink::kv_device::Device::name(&*d))
             .unwrap_or_else(|e| e.to_string());
         report.info("env", format!("GPU {r}"), name);
     }

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use kvlink::dedup_broadcast::nccl::NcclGroup;
 use kvlink::dedup_broadcast::Collective;
 use kvlink::kv_device::cuda::cudarc::driver::result;
-use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, StagedLandingFactory, StagingPool};
+use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool};
 use kvlink::kv_device::HostKvPool;
+use kvlink::kv_device::{StagedLandingFactory, StagingPool};
 use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec, PageHash};
 use kvlink::kv_loader::{
     BatchId, BatchOutcome, BatchPlan, KvLoader, LayerReady, RequestPages, ShareMode,
@@ -191,8 +192,8 @@ pub fn rank_devs(tp: u32, pool_pages: u32, batch_pages: usize) -> Result<Vec<Ran
         let r = r as u32;
         let dev = CudaDevice::new(r).map_err(de)?;
         let g = glm(tp, r)?;
-        let pool = Arc::new(CudaKvPool::new(&dev, g.clone(), pool_pages).map_err(de)?);
-        let staging = StagingPool::new(&dev, half_bytes(&g, batch_pages), 2).map_err(de)?;
+        let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pool_pages).map_err(de)?);
+        let staging = StagingPool::new(dev.clone(), half_bytes(&g, batch_pages), 2).map_err(de)?;
         Ok(RankDev {
             rank: r,
             dev,

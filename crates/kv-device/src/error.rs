@@ -1,5 +1,7 @@
 //! Device-side errors.
 
+use std::time::Duration;
+
 /// What went wrong with pool memory, staging, copies or events.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DeviceError {
@@ -29,6 +31,25 @@ pub enum DeviceError {
     /// A driver call failed.
     #[error("driver: {0}")]
     Driver(String),
+    /// A stream was asked to wait on an event of another backend.
+    #[error("event of another backend: {0}")]
+    ForeignEvent(String),
+    /// A bounded wait for device work ran out.
+    #[error("{what}: device work not finished after {waited:?}")]
+    Timeout {
+        /// What was waited for.
+        what: &'static str,
+        /// How long.
+        waited: Duration,
+    },
+    /// Staging that device work may still use (a wait for it timed out, or a collective on it
+    /// was aborted): it is never reused nor freed until that work is known to be done.
+    #[error("staging poisoned: {0}")]
+    Poisoned(&'static str),
+    /// A stage or row block used against the rules (another batch's stage, a layer not open,
+    /// a block outside the share area).
+    #[error("invalid stage use: {0}")]
+    InvalidStage(&'static str),
 }
 
 impl From<DeviceError> for kv_loader::KvLoadError {

@@ -1,7 +1,12 @@
 //! Where loaded KV bytes land: KV pools ([`KvPool`]), landing of a batch's layer reads
-//! ([`LayerLanding`]), and the backends that implement them. The host backend
-//! ([`HostKvPool`], [`DirectLanding`]) is always built; the CUDA backend comes behind the
-//! feature `cuda`.
+//! ([`LayerLanding`]), and the backends that implement them.
+//!
+//! - The host backend ([`HostKvPool`], [`DirectLanding`]): reads go straight into pool slots.
+//! - The device path ([`DeviceKvPool`], [`StagingPool`], [`StagedLanding`]), written once over
+//!   the device traits ([`Device`], [`Stream`], [`DeviceEvent`]): pinned staging, copies and
+//!   scatters on a load stream ordered by events, and the share step of replicated rows in
+//!   device memory. Two backends implement the traits: CUDA (feature `cuda`) and
+//!   [`CpuDevice`], which runs the device path in host memory (CI).
 //!
 //! ```
 //! use kv_device::{HostKvPool, KvPool, Residence};
@@ -12,6 +17,8 @@
 //! assert_eq!(pool.regions()[0].1, 16 * 64 * 576);
 //! ```
 
+mod backend;
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
@@ -19,9 +26,19 @@ mod host;
 mod landing;
 mod pool;
 mod region;
+mod staged;
 
+pub use backend::{Device, DeviceMemory, PinnedMemory, RowCopy, Stream, Transfer};
+pub use cpu::{CpuDevice, CpuDeviceConfig};
 pub use error::DeviceError;
 pub use host::HostKvPool;
-pub use landing::{DirectLanding, DirectLandingFactory, LandingFactory, LayerLanding, SaveGather};
+pub use landing::{
+    BatchShape, DeviceShare, DeviceStage, DirectLanding, DirectLandingFactory, HostRows, HostShare,
+    LandingFactory, LayerLanding, LayerStage, RowBlock, SaveGather, SharePath, ShareSide,
+};
 pub use pool::{KvPool, Residence};
 pub use region::{DeviceEvent, DeviceRegion, HostRow, SharedEvent};
+pub use staged::{
+    DeviceKvPool, LandingStats, ScatterStrategy, StagedLanding, StagedLandingFactory, StagingLease,
+    StagingPool, DIRECT_RUNS_MAX,
+};

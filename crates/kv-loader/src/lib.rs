@@ -25,6 +25,7 @@ pub mod mock;
 mod outcome;
 mod plan;
 mod ticket;
+mod transfer;
 
 pub use error::{KvLoadError, PlanError, StoreFailure};
 pub use ids::{BatchId, RequestId};
@@ -35,6 +36,7 @@ pub use plan::{
     slots_from_token_rows, BatchPlan, LogicalPlan, RequestPages, CANONICAL_PLAN_VERSION,
 };
 pub use ticket::{LayerReady, LoadTicket, RawStream, StreamWaitable};
+pub use transfer::TransferBytes;
 
 /// Re-exported so engines name one crate.
 pub use layerwise_counter;

@@ -168,6 +168,8 @@ impl MockKvLoader {
                 mode: ShareMode::AllRanks,
                 first_layer: Duration::ZERO,
                 last_layer: Duration::ZERO,
+                transfers: Default::default(),
+                layer_transfers: Vec::new(),
             })
         };
         BatchOutcome { batch: b, result }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::{BatchId, KvLoadError};
+use crate::{BatchId, KvLoadError, TransferBytes};
 
 /// How the ranks shared replicated components for a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -32,6 +32,11 @@ pub struct LoadStats {
     pub first_layer: Duration,
     /// From `start_load` to the last layer ready.
     pub last_layer: Duration,
+    /// Bytes this rank moved to land the batch, by direction (see [`TransferBytes`]).
+    pub transfers: TransferBytes,
+    /// The same, layer by layer (index = model layer; empty when the loader does not count
+    /// per layer).
+    pub layer_transfers: Vec<TransferBytes>,
 }
 
 /// A finished batch: loaded, or failed with the same error on every rank.

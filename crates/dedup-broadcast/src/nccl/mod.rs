@@ -356,7 +356,7 @@ impl NcclCollective {
         &self,
         buf: Buffer,
         root: u32,
-        after: Option<Arc<CudaLayerEvent>>,
+        after: Option<kv_device::SharedEvent>,
         deadline: Instant,
     ) -> Result<Arc<CudaLayerEvent>, CollectiveError> {
         match self.call(Op::BroadcastAsync { buf, root, after }, deadline)? {
@@ -380,7 +380,7 @@ impl NcclCollective {
         &self,
         send: Buffer,
         recv: Buffer,
-        after: Option<Arc<CudaLayerEvent>>,
+        after: Option<kv_device::SharedEvent>,
         deadline: Instant,
     ) -> Result<Arc<CudaLayerEvent>, CollectiveError> {
         match self.call(Op::AllGatherAsync { send, recv, after }, deadline)? {

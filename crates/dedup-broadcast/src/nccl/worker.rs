@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys as cu, CudaEvent, CudaStream};
 use cudarc::nccl::sys;
 use kv_device::cuda::{CudaDevice, CudaLayerEvent, DeviceBuffer};
-use kv_device::Residence;
+use kv_device::{Residence, SharedEvent};
 
 use super::error::nccl_error;
 use super::NcclConfig;
@@ -29,13 +29,13 @@ pub(crate) enum Op {
     BroadcastAsync {
         buf: Buffer,
         root: u32,
-        after: Option<Arc<CudaLayerEvent>>,
+        after: Option<SharedEvent>,
     },
     /// A device all-gather enqueued after `after`; the reply is its completion event.
     AllGatherAsync {
         send: Buffer,
         recv: Buffer,
-        after: Option<Arc<CudaLayerEvent>>,
+        after: Option<SharedEvent>,
     },
     /// Abort the communicator (every later operation fails).
     Abort { cause: String },
@@ -590,7 +590,7 @@ impl Worker {
         seq: u64,
         buf: Buffer,
         root: u32,
-        after: Option<Arc<CudaLayerEvent>>,
+        after: Option<SharedEvent>,
         deadline: Instant,
     ) -> Result<Reply, Fail> {
         self.check_root(op, seq, root)?;
@@ -602,7 +602,7 @@ impl Worker {
             )));
         }
         if let Some(ev) = &after {
-            ev.wait_on(&self.stream).map_err(|e| Fail::Error(cerr(e)))?;
+            self.wait_after(op, seq, ev)?;
         }
         // SAFETY: `buf` is device memory of this rank's GPU valid for `buf.len` bytes until
         // the returned event completes (the caller's contract for broadcast_async); in place;
@@ -628,7 +628,7 @@ impl Worker {
         seq: u64,
         send: Buffer,
         recv: Buffer,
-        after: Option<Arc<CudaLayerEvent>>,
+        after: Option<SharedEvent>,
         deadline: Instant,
     ) -> Result<Reply, Fail> {
         let n = send.len;
@@ -657,7 +657,7 @@ impl Worker {
             )));
         }
         if let Some(ev) = &after {
-            ev.wait_on(&self.stream).map_err(|e| Fail::Error(cerr(e)))?;
+            self.wait_after(op, seq, ev)?;
         }
         // SAFETY: `send` (n bytes) and `recv` (size × n bytes) are device memory of this
         // rank's GPU, valid and untouched by other work until the returned event completes
@@ -675,6 +675,18 @@ impl Worker {
         };
         self.enqueued("ncclAllGather", r, deadline)?;
         Ok(Reply::Event(self.record(seq as u32)?))
+    }
+
+    /// Makes the comm stream wait for `ev` (a CUDA event; anything else is refused).
+    fn wait_after(&self, op: &'static str, seq: u64, ev: &SharedEvent) -> Result<(), Fail> {
+        match ev.as_any().downcast_ref::<CudaLayerEvent>() {
+            Some(ev) => ev.wait_on(&self.stream).map_err(|e| Fail::Error(cerr(e))),
+            None => Err(Fail::Error(self.invalid(
+                op,
+                seq,
+                format!("`after` is not a CUDA event: {ev:?}"),
+            ))),
+        }
     }
 
     /// Serves requests until the handle is dropped, then tears the communicator down.

@@ -1,13 +1,18 @@
 //! One GPU: its (primary) context, the load stream, and the copy kernels; the availability
-//! check that runs before the first CUDA call.
+//! check that runs before the first CUDA call. [`CudaDevice`] is the CUDA backend of the
+//! [`Device`] trait.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use parking_lot::Mutex;
 
 use super::kernels::{KernelSource, Kernels};
-use crate::DeviceError;
+use super::memory::{DeviceBuffer, PinnedBuffer};
+use super::stream::CuStream;
+use crate::staged::sync::SYNC_LIMIT;
+use crate::{Device, DeviceError, DeviceMemory, DeviceRegion, PinnedMemory, Stream};
 
 /// A driver error as a [`DeviceError::Driver`] naming the call that failed.
 pub(crate) fn drv(what: &'static str) -> impl FnOnce(DriverError) -> DeviceError {
@@ -57,6 +62,26 @@ pub fn cuda_device_count() -> Result<u32, DeviceError> {
     Ok(n as u32)
 }
 
+/// The copy kernels of one context, loaded on first use and shared by its streams.
+#[derive(Debug)]
+pub(crate) struct KernelCache {
+    ctx: Arc<CudaContext>,
+    loaded: Mutex<Option<Arc<Kernels>>>,
+}
+
+impl KernelCache {
+    pub(crate) fn get(&self) -> Result<Arc<Kernels>, DeviceError> {
+        let mut k = self.loaded.lock();
+        if let Some(k) = k.as_ref() {
+            return Ok(k.clone());
+        }
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let loaded = Arc::new(Kernels::load(&self.ctx, None)?);
+        *k = Some(loaded.clone());
+        Ok(loaded)
+    }
+}
+
 /// One GPU as the loader uses it: the device's primary context (the one engines such as
 /// candle use, so pointers and events are shared), a dedicated non-blocking **load stream**
 /// for host→device copies and scatters, and the copy kernels (loaded on first use).
@@ -66,8 +91,8 @@ pub fn cuda_device_count() -> Result<u32, DeviceError> {
 pub struct CudaDevice {
     ordinal: u32,
     ctx: Arc<CudaContext>,
-    load_stream: Arc<CudaStream>,
-    kernels: Mutex<Option<Arc<Kernels>>>,
+    load_stream: Arc<CuStream>,
+    kernels: Arc<KernelCache>,
 }
 
 impl CudaDevice {
@@ -81,20 +106,19 @@ impl CudaDevice {
             )));
         }
         let ctx = CudaContext::new(ordinal as usize).map_err(drv("cuDevicePrimaryCtxRetain"))?;
-        let load_stream = ctx
+        let kernels = Arc::new(KernelCache {
+            ctx: ctx.clone(),
+            loaded: Mutex::new(None),
+        });
+        let stream = ctx
             .new_stream()
             .map_err(drv("cuStreamCreate (load stream)"))?;
         Ok(Arc::new(CudaDevice {
             ordinal,
+            load_stream: Arc::new(CuStream::new(stream, kernels.clone())),
             ctx,
-            load_stream,
-            kernels: Mutex::new(None),
+            kernels,
         }))
-    }
-
-    /// CUDA device ordinal.
-    pub fn ordinal(&self) -> u32 {
-        self.ordinal
     }
 
     /// The device's primary context (cudarc), e.g. to create engine streams in it.
@@ -102,14 +126,9 @@ impl CudaDevice {
         &self.ctx
     }
 
-    /// The stream host→device copies and scatters of loads are enqueued on.
-    pub fn load_stream(&self) -> &Arc<CudaStream> {
-        &self.load_stream
-    }
-
-    /// The device's name, e.g. "NVIDIA H200".
-    pub fn name(&self) -> Result<String, DeviceError> {
-        self.ctx.name().map_err(drv("cuDeviceGetName"))
+    /// The load stream as a cudarc stream (for timing events and raw copies in benchmarks).
+    pub fn cuda_load_stream(&self) -> &Arc<CudaStream> {
+        self.load_stream.cuda()
     }
 
     /// Makes the context current on the calling thread (raw driver calls need it).
@@ -117,25 +136,25 @@ impl CudaDevice {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))
     }
 
-    /// Blocks until the load stream is idle.
+    /// Waits until the load stream's work so far is done, at most a minute (polling an event;
+    /// never an unbounded `cuStreamSynchronize`).
     pub fn synchronize_load_stream(&self) -> Result<(), DeviceError> {
-        self.load_stream
-            .synchronize()
-            .map_err(drv("cuStreamSynchronize (load stream)"))
+        let ev = self.load_stream.record()?;
+        if ev.wait_until(Instant::now() + SYNC_LIMIT)? {
+            Ok(())
+        } else {
+            Err(DeviceError::Timeout {
+                what: "load stream",
+                waited: SYNC_LIMIT,
+            })
+        }
     }
 
     /// The copy kernels, compiled on first use: NVRTC at run time when `libnvrtc` is present,
     /// otherwise the PTX shipped in the binary (the same source, compiled ahead). The
     /// environment variable `KVLINK_KERNELS=nvrtc|ptx` forces one.
     pub fn kernels(&self) -> Result<Arc<Kernels>, DeviceError> {
-        let mut k = self.kernels.lock();
-        if let Some(k) = k.as_ref() {
-            return Ok(k.clone());
-        }
-        self.bind()?;
-        let loaded = Arc::new(Kernels::load(&self.ctx, None)?);
-        *k = Some(loaded.clone());
-        Ok(loaded)
+        self.kernels.get()
     }
 
     /// Loads the copy kernels from a given source (tests and benchmarks compare them); does not
@@ -143,5 +162,47 @@ impl CudaDevice {
     pub fn load_kernels(&self, source: KernelSource) -> Result<Kernels, DeviceError> {
         self.bind()?;
         Kernels::load(&self.ctx, Some(source))
+    }
+}
+
+impl Device for CudaDevice {
+    fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+
+    fn name(&self) -> String {
+        self.ctx
+            .name()
+            .unwrap_or_else(|e| format!("CUDA device {} ({})", self.ordinal, driver_error_text(e)))
+    }
+
+    fn alloc(&self, len: usize, what: &'static str) -> Result<DeviceMemory, DeviceError> {
+        let buf = DeviceBuffer::zeroed(&self.ctx, len, what)?;
+        let region = DeviceRegion {
+            ordinal: self.ordinal,
+            addr: buf.ptr(),
+            len,
+        };
+        // SAFETY: `buf` owns this cuMemAlloc allocation of at least `len` bytes of this GPU,
+        // frees it once when dropped, and nothing else holds the address.
+        Ok(unsafe { DeviceMemory::from_owner(region, Box::new(buf)) })
+    }
+
+    fn alloc_pinned(&self, len: usize, what: &'static str) -> Result<PinnedMemory, DeviceError> {
+        let buf = PinnedBuffer::zeroed(&self.ctx, len, what)?;
+        let addr = buf.addr();
+        // SAFETY: `buf` owns this cuMemHostAlloc allocation of at least `len` bytes, frees it
+        // once when dropped, and nothing else holds the address.
+        Ok(unsafe { PinnedMemory::from_owner(addr, len, Box::new(buf)) })
+    }
+
+    fn load_stream(&self) -> Arc<dyn Stream> {
+        self.load_stream.clone()
+    }
+
+    fn new_stream(&self) -> Result<Arc<dyn Stream>, DeviceError> {
+        self.bind()?;
+        let stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        Ok(Arc::new(CuStream::new(stream, self.kernels.clone())))
     }
 }

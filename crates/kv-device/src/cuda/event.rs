@@ -1,5 +1,6 @@
 //! The per-layer event a device wait hands the engine.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,13 +9,15 @@ use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 use kv_loader::{KvLoadError, RawStream, StreamWaitable};
 
 use super::device::{driver_error_text, drv};
-use crate::DeviceError;
+use crate::staged::sync::SYNC_LIMIT;
+use crate::{DeviceError, DeviceEvent};
 
 /// A CUDA event recorded on a stream after some device work (a layer's copies, a broadcast):
 /// the engine's compute stream waits on it ([`StreamWaitable::wait_on_stream`], i.e.
 /// `cuStreamWaitEvent`, which returns at once and blocks no CPU thread), or a host thread
-/// waits for it ([`StreamWaitable::synchronize`], or [`CudaLayerEvent::wait_until`] with a
-/// deadline).
+/// waits for it, always bounded: [`CudaLayerEvent::wait_until`] polls until a deadline, and
+/// [`StreamWaitable::synchronize`] gives up after a minute. It is the CUDA backend's
+/// [`DeviceEvent`].
 ///
 /// Created with `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`: the cheapest kind to
 /// record and wait on, and a host synchronize sleeps instead of spinning.
@@ -115,15 +118,6 @@ impl CudaLayerEvent {
         }
     }
 
-    /// Blocks the calling thread until the event completes.
-    pub fn wait(&self) -> Result<(), DeviceError> {
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        // SAFETY: the event is live.
-        unsafe { sys::cuEventSynchronize(self.event) }
-            .result()
-            .map_err(drv("cuEventSynchronize"))
-    }
-
     /// Waits, polling, until the event completes (`Ok(true)`) or `deadline` passes
     /// (`Ok(false)`); never blocks past the deadline (by more than one short sleep).
     pub fn wait_until(&self, deadline: Instant) -> Result<bool, DeviceError> {
@@ -160,8 +154,32 @@ impl StreamWaitable for CudaLayerEvent {
         })
     }
 
+    /// Polls until the event completes, at most a minute (never an unbounded
+    /// `cuEventSynchronize`).
     fn synchronize(&self) -> Result<(), KvLoadError> {
-        self.wait().map_err(KvLoadError::from)
+        match self.wait_until(Instant::now() + SYNC_LIMIT) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(DeviceError::Timeout {
+                what: "layer event",
+                waited: SYNC_LIMIT,
+            }
+            .into()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+impl DeviceEvent for CudaLayerEvent {
+    fn is_complete(&self) -> Result<bool, DeviceError> {
+        CudaLayerEvent::is_complete(self)
+    }
+
+    fn wait_until(&self, deadline: Instant) -> Result<bool, DeviceError> {
+        CudaLayerEvent::wait_until(self, deadline)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }
 

@@ -8,7 +8,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use super::device::drv;
-use crate::DeviceError;
+use crate::{DeviceError, RowCopy};
 
 /// The CUDA C source of the kernels.
 pub const COPY_ROWS_SRC: &str = include_str!("copy_rows.cu");
@@ -32,23 +32,6 @@ pub struct Kernels {
     source: KernelSource,
     func: CudaFunction,
     _module: Arc<CudaModule>,
-}
-
-/// One launch of the row-copy kernel (see [`Kernels::copy_rows`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RowCopy {
-    /// Source base (device address).
-    pub src: u64,
-    /// Destination base (device address).
-    pub dst: u64,
-    /// Device array of `n_rows` source row indices, or 0 for `0..n_rows`.
-    pub src_rows: u64,
-    /// Device array of `n_rows` destination row indices, or 0 for `0..n_rows`.
-    pub dst_rows: u64,
-    /// Rows.
-    pub n_rows: u32,
-    /// Bytes per row.
-    pub row_bytes: u64,
 }
 
 /// Threads per block of the copy kernel.

@@ -1,8 +1,9 @@
-//! The CUDA backend (feature `cuda`), through cudarc loaded at run time: device KV pools
-//! ([`CudaKvPool`]), a reusable pinned staging pool ([`StagingPool`]), the staged landing
-//! ([`StagedLanding`]: store → pinned staging → async copies on a load stream → a per-layer
-//! [`CudaLayerEvent`] the engine's compute stream waits on), and the row-copy kernel
-//! ([`Kernels`], NVRTC at run time or the PTX shipped in the binary).
+//! The CUDA backend (feature `cuda`), through cudarc loaded at run time: [`CudaDevice`]
+//! implements the [`Device`](crate::Device) traits (async copies and the row-copy kernel on
+//! CUDA streams, [`CudaLayerEvent`] as the event), so the device path of this crate
+//! ([`DeviceKvPool`](crate::DeviceKvPool), [`StagingPool`](crate::StagingPool),
+//! [`StagedLanding`](crate::StagedLanding)) runs on a GPU. The row-copy kernel ([`Kernels`])
+//! is compiled by NVRTC at run time, or loaded from the PTX shipped in the binary.
 //!
 //! Every constructor checks first that the driver library is present
 //! ([`cuda_device_count`]); a machine without it gets [`DeviceError::Unavailable`]
@@ -13,20 +14,16 @@
 mod device;
 mod event;
 mod kernels;
-mod landing;
 mod memory;
-mod pool;
-mod staging;
+mod stream;
 
 pub use device::{cuda_device_count, CudaDevice};
 pub use event::CudaLayerEvent;
-pub use kernels::{KernelSource, Kernels, RowCopy, COPY_ROWS_PTX, COPY_ROWS_SRC};
-pub use landing::{
-    LandingStats, ScatterStrategy, StagedLanding, StagedLandingFactory, DIRECT_RUNS_MAX,
-};
+pub use kernels::{KernelSource, Kernels, COPY_ROWS_PTX, COPY_ROWS_SRC};
 pub use memory::{DeviceBuffer, PinnedBuffer};
-pub use pool::CudaKvPool;
-pub use staging::{StagingLease, StagingPool};
+
+/// The device KV pool on a GPU: [`DeviceKvPool`](crate::DeviceKvPool) over a [`CudaDevice`].
+pub type CudaKvPool = crate::DeviceKvPool;
 
 /// The cudarc this backend is built on (engines name its types through this re-export).
 pub use cudarc;

@@ -21,10 +21,10 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
-    pub(crate) fn zeroed(len: usize) -> Result<Self, DeviceError> {
+    pub(crate) fn zeroed(len: usize, what: &'static str) -> Result<Self, DeviceError> {
         let alloc_err = || DeviceError::Alloc {
             bytes: len as u64,
-            what: "host pool buffer",
+            what,
         };
         let layout = Layout::from_size_align(len.max(1), ALIGN).map_err(|_| alloc_err())?;
         // SAFETY: the layout has a non-zero size (max(1)) and a valid power-of-two alignment.

@@ -3,4 +3,5 @@
 mod buffer;
 mod pool;
 
+pub(crate) use buffer::HostBuffer;
 pub use pool::HostKvPool;

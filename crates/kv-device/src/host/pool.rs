@@ -35,7 +35,7 @@ impl HostKvPool {
                 what: "host pool buffer",
             })?;
             for _ in &c.layers {
-                buffers.push(HostBuffer::zeroed(len)?);
+                buffers.push(HostBuffer::zeroed(len, "host pool buffer")?);
             }
         }
         Ok(HostKvPool {

@@ -8,14 +8,13 @@ use std::time::{Duration, Instant};
 use dedup_broadcast::{
     check_plan, Buffer, Collective, GateVerdict, GroupStatus, LayerStatus, StagingLayout,
 };
-use kv_device::LayerLanding;
+use kv_device::{BatchShape, LayerLanding, LayerStage};
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMode};
-use parking_lot::Mutex;
 use tracing::{info, info_span, warn};
 
 use super::reader::{store_failure, ComponentKeys, LayerReader};
 use super::session::PinnedKeys;
-use super::staging::{scatter_rows, SharedLanding, StagingLanding};
+use super::staging::{scatter_rows, StageTargets, StagingLanding};
 use super::Shared;
 
 /// A batch handed to the load thread.
@@ -30,6 +29,7 @@ pub(crate) struct BatchJob {
 struct ReadLayer {
     layer: u32,
     staging: Vec<u8>,
+    stage: Option<LayerStage>,
     status: LayerStatus,
 }
 
@@ -162,8 +162,9 @@ impl Shared {
 
         // Local preparation; a failure here is this rank's status from layer 0 on.
         let slots: std::sync::Arc<[u32]> = job.plan.slots.clone().into();
-        let (landing, landing_error) = match self.landings.begin(slots) {
-            Ok(l) => (Some(Mutex::new(l)), String::new()),
+        let shape = BatchShape::own_only(job.plan.logical.components.clone());
+        let (mut landing, landing_error) = match self.landings.begin(slots, shape) {
+            Ok(l) => (Some(l), String::new()),
             Err(e) => (None, format!("{batch}: landing: {e}")),
         };
         let own_reader = LayerReader {
@@ -215,11 +216,16 @@ impl Shared {
 
         let summary = std::thread::scope(|s| {
             let (to_exchange, from_reader) = mpsc::sync_channel::<ReadLayer>(1);
-            let (to_reader, free_staging) = mpsc::channel::<Vec<u8>>();
+            let (to_reader, free_staging) = mpsc::channel::<(Vec<u8>, Option<LayerStage>)>();
+            let mut stages = landing
+                .as_mut()
+                .map(|l| l.take_stages())
+                .unwrap_or_default();
             for b in staging_bufs {
-                let _ = to_reader.send(b);
+                let _ = to_reader.send((b, stages.pop()));
             }
-            let (layouts, group_failed, landing) = (&layouts, &group_failed, &landing);
+            let landing: Option<&dyn LayerLanding> = landing.as_deref();
+            let (layouts, group_failed) = (&layouts, &group_failed);
             let (own_reader, shared_reader) = (&own_reader, &shared_reader);
             let reader = std::thread::Builder::new()
                 .name(format!("kvlink-read-r{}", self.geometry.tp_rank))
@@ -232,7 +238,7 @@ impl Shared {
                         staging: Vec::new(),
                     };
                     for layer in 0..num_layers {
-                        let Ok(mut staging) = free_staging.recv() else {
+                        let Ok((mut staging, mut stage)) = free_staging.recv() else {
                             break;
                         };
                         if summary.failure.is_none() && self.cancelled(job) {
@@ -241,19 +247,26 @@ impl Shared {
                         if summary.failure.is_none() && group_failed.load(Ordering::Acquire) {
                             summary.failure = Some(KvLoadError::Cancelled { batch });
                         }
-                        if let (None, Some(landing)) = (&summary.failure, landing) {
+                        if let (None, Some(landing), Some(stage)) =
+                            (&summary.failure, landing, stage.as_mut())
+                        {
                             let layout = layouts[layer as usize].as_ref();
-                            let read = self.read_one_layer(
-                                &mut pins,
-                                own_reader,
-                                shared_reader,
-                                &mut SharedLanding(landing),
-                                &mut staging,
-                                layout,
-                                layer,
-                                rank,
-                                pages,
-                            );
+                            let read = landing
+                                .open(stage, layer, self.collective_deadline())
+                                .map_err(KvLoadError::from)
+                                .and_then(|()| {
+                                    self.read_one_layer(
+                                        &mut pins,
+                                        own_reader,
+                                        shared_reader,
+                                        &StageTargets { landing, stage },
+                                        &mut staging,
+                                        layout,
+                                        layer,
+                                        rank,
+                                        pages,
+                                    )
+                                });
                             match read {
                                 Ok((own, shared)) => {
                                     summary.own_bytes += own;
@@ -272,6 +285,7 @@ impl Shared {
                         let msg = ReadLayer {
                             layer,
                             staging,
+                            stage,
                             status,
                         };
                         if to_exchange.send(msg).is_err() {
@@ -280,7 +294,7 @@ impl Shared {
                     }
                     drop(to_exchange);
                     // Every buffer comes back once the load thread is done with it.
-                    summary.staging.extend(free_staging.iter());
+                    summary.staging.extend(free_staging.iter().map(|(b, _)| b));
                     summary
                 });
             let reader = match reader {
@@ -321,12 +335,15 @@ impl Shared {
                 if was_ok && !group_status.is_ok() {
                     group_failed.store(true, Ordering::Release);
                 }
-                if let (true, Some(landing)) = (group_status.is_ok(), &landing) {
+                if let (true, Some(landing), Some(stage)) =
+                    (group_status.is_ok(), landing, msg.stage.as_mut())
+                {
                     match self.share_and_land(
                         coll,
                         layouts[layer as usize].as_ref(),
                         &mut msg.staging,
-                        &mut SharedLanding(landing),
+                        landing,
+                        stage,
                         job,
                         layer,
                     ) {
@@ -340,7 +357,7 @@ impl Shared {
                         first_layer = job.started.elapsed();
                     }
                 }
-                let _ = to_reader.send(msg.staging);
+                let _ = to_reader.send((msg.staging, msg.stage));
             }
             drop(to_reader);
             drop(from_reader);
@@ -379,6 +396,8 @@ impl Shared {
             mode,
             first_layer,
             last_layer,
+            transfers: Default::default(),
+            layer_transfers: Vec::new(),
         })
     }
 
@@ -390,7 +409,7 @@ impl Shared {
         pins: &mut Result<PinnedKeys<'_>, KvLoadError>,
         own: &LayerReader<'_>,
         shared: &LayerReader<'_>,
-        landing: &mut dyn LayerLanding,
+        landing: &StageTargets<'_>,
         staging: &mut [u8],
         layout: Option<&StagingLayout>,
         layer: u32,
@@ -406,11 +425,11 @@ impl Shared {
         let own_bytes = own.read_layer(landing, layer, 0..pages)?;
         let mut shared_bytes = 0;
         if let Some(layout) = layout {
-            let mut target = StagingLanding {
+            let target = StagingLanding {
                 base: staging.as_mut_ptr() as usize,
                 layout,
             };
-            shared_bytes = shared.read_layer(&mut target, layer, layout.share(rank))?;
+            shared_bytes = shared.read_layer(&target, layer, layout.share(rank))?;
         }
         let n = own_bytes + shared_bytes;
         let took = t0.elapsed();
@@ -433,12 +452,14 @@ impl Shared {
 
     /// Every rank agreed the layer is good: move the staged rows between ranks, scatter them
     /// into this rank's slots, land and publish the layer. Returns the bytes landed.
+    #[allow(clippy::too_many_arguments)]
     fn share_and_land(
         &self,
         coll: Option<&dyn Collective>,
         layout: Option<&StagingLayout>,
         staging: &mut [u8],
-        landing: &mut dyn LayerLanding,
+        landing: &dyn LayerLanding,
+        stage: &mut LayerStage,
         job: &BatchJob,
         layer: u32,
     ) -> Result<u64, KvLoadError> {
@@ -464,11 +485,11 @@ impl Shared {
                 };
                 r.map_err(|e| collective_failure(batch, e))?;
                 self.observe_fabric(layout.mode(), layout.len() as u64, t0.elapsed());
-                landed += scatter_rows(&staging[..layout.len()], layout, landing)
+                landed += scatter_rows(&staging[..layout.len()], layout, landing, stage)
                     .map_err(KvLoadError::from)?;
             }
         }
-        let ready = landing.land(layer).map_err(KvLoadError::from)?;
+        let ready = landing.land(stage).map_err(KvLoadError::from)?;
         self.publish(job, layer, ready);
         Ok(landed)
     }

@@ -4,11 +4,11 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use kv_device::LayerLanding;
 use kv_geometry::ComponentLayout;
 use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
 use smallvec::smallvec;
 
+use super::staging::RowTarget;
 use crate::store::{KvStore, RangedGet, ReadRange, StoreError};
 
 /// One planned component and its object keys, in plan page order (built once per batch).
@@ -47,7 +47,7 @@ impl LayerReader<'_> {
     /// read. Any failed or short key fails the whole layer, naming the pages.
     pub(crate) fn read_layer(
         &self,
-        landing: &mut dyn LayerLanding,
+        landing: &dyn RowTarget,
         layer: u32,
         pages: Range<usize>,
     ) -> Result<u64, KvLoadError> {
@@ -60,7 +60,7 @@ impl LayerReader<'_> {
             let mut gets = Vec::with_capacity(pages.len());
             for page in pages.clone() {
                 let dst = landing
-                    .target(comp.layout.id, layer, page)
+                    .row(comp.layout.id, layer, page)
                     .map_err(KvLoadError::from)?;
                 gets.push(RangedGet {
                     key: &comp.keys[page],

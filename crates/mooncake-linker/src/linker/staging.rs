@@ -4,9 +4,19 @@
 use dedup_broadcast::StagingLayout;
 
 use super::Shared;
-use kv_device::{DeviceError, LayerLanding};
+use kv_device::{DeviceError, LayerLanding, LayerStage};
 use kv_geometry::ComponentId;
-use kv_loader::LayerReady;
+
+/// Where the store writes a row of one layer.
+pub(crate) trait RowTarget {
+    /// The host address of plan page `plan_page`'s slice of (`component`, `layer`).
+    fn row(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        plan_page: usize,
+    ) -> Result<usize, DeviceError>;
+}
 
 /// Targets inside one layer's staging buffer (rows in the layout's order).
 pub(crate) struct StagingLanding<'a> {
@@ -14,9 +24,9 @@ pub(crate) struct StagingLanding<'a> {
     pub(crate) layout: &'a StagingLayout,
 }
 
-impl LayerLanding for StagingLanding<'_> {
-    fn target(
-        &mut self,
+impl RowTarget for StagingLanding<'_> {
+    fn row(
+        &self,
         component: ComponentId,
         layer: u32,
         plan_page: usize,
@@ -32,27 +42,22 @@ impl LayerLanding for StagingLanding<'_> {
             })?;
         Ok(self.base + off)
     }
-
-    fn land(&mut self, _layer: u32) -> Result<LayerReady, DeviceError> {
-        Ok(LayerReady::Resident)
-    }
 }
 
-/// One batch's landing, shared by the reader (targets) and the load thread (scatter, land).
-pub(crate) struct SharedLanding<'a>(pub(crate) &'a parking_lot::Mutex<Box<dyn LayerLanding>>);
+/// The landing's targets of one open stage.
+pub(crate) struct StageTargets<'a> {
+    pub(crate) landing: &'a dyn LayerLanding,
+    pub(crate) stage: &'a LayerStage,
+}
 
-impl LayerLanding for SharedLanding<'_> {
-    fn target(
-        &mut self,
+impl RowTarget for StageTargets<'_> {
+    fn row(
+        &self,
         component: ComponentId,
-        layer: u32,
+        _layer: u32,
         plan_page: usize,
     ) -> Result<usize, DeviceError> {
-        self.0.lock().target(component, layer, plan_page)
-    }
-
-    fn land(&mut self, layer: u32) -> Result<LayerReady, DeviceError> {
-        self.0.lock().land(layer)
+        self.landing.target(self.stage, component, plan_page)
     }
 }
 
@@ -61,7 +66,8 @@ impl LayerLanding for SharedLanding<'_> {
 pub(crate) fn scatter_rows(
     staging: &[u8],
     layout: &StagingLayout,
-    landing: &mut dyn LayerLanding,
+    landing: &dyn LayerLanding,
+    stage: &LayerStage,
 ) -> Result<u64, DeviceError> {
     let mut bytes = 0;
     for row in layout.rows(0..layout.pages()) {
@@ -73,7 +79,7 @@ pub(crate) fn scatter_rows(
                 slot: row.plan_page as u32,
                 reason: "row past the staging buffer",
             })?;
-        let dst = landing.target(row.component, layout.layer(), row.plan_page)?;
+        let dst = landing.target(stage, row.component, row.plan_page)?;
         // SAFETY: `dst` is the pool slice of this plan page's slot for (component, layer),
         // `row.len` (= page_layer_bytes) long; slots of a plan are distinct and no one else
         // touches them before the layer is marked ready; `src` is our staging buffer.

@@ -1,0 +1,244 @@
+//! The CPU device and its test controls.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::stream::CpuStream;
+use crate::host::HostBuffer;
+use crate::{Device, DeviceError, DeviceMemory, DeviceRegion, PinnedMemory, Stream};
+
+/// Settings of a [`CpuDevice`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuDeviceConfig {
+    /// Longest a stream waits on an event; a stream whose wait runs out fails: its later
+    /// work is skipped and its later events report the failure. Also bounds
+    /// `StreamWaitable::synchronize` on its events.
+    pub wait_limit: Duration,
+    /// Each operation first sleeps a pseudo-random time up to this (0: none), so that streams
+    /// drift against each other and a missing wait shows.
+    pub max_op_delay: Duration,
+    /// Record a [`TraceOp`] for every operation run.
+    pub trace: bool,
+}
+
+impl Default for CpuDeviceConfig {
+    fn default() -> Self {
+        CpuDeviceConfig {
+            wait_limit: Duration::from_secs(10),
+            max_op_delay: Duration::ZERO,
+            trace: false,
+        }
+    }
+}
+
+/// Kinds of stream operations (for traces and injected faults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CpuOp {
+    /// [`Transfer::ToDevice`](crate::Transfer::ToDevice).
+    ToDevice,
+    /// [`Transfer::ToHost`](crate::Transfer::ToHost).
+    ToHost,
+    /// [`Transfer::OnDevice`](crate::Transfer::OnDevice).
+    OnDevice,
+    /// A [`RowCopy`](crate::RowCopy).
+    Rows,
+    /// An event recorded.
+    Record,
+    /// A wait on an event.
+    Wait,
+}
+
+/// One operation a stream ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceOp {
+    /// The stream (0 is the load stream, then streams in creation order).
+    pub stream: u32,
+    /// What it was.
+    pub op: CpuOp,
+    /// Bytes copied.
+    pub bytes: u64,
+    /// When it started (after any stall or delay).
+    pub started: Instant,
+    /// When it finished.
+    pub finished: Instant,
+}
+
+/// State every stream of one device shares.
+pub(crate) struct Control {
+    pub(crate) ordinal: u32,
+    pub(crate) config: CpuDeviceConfig,
+    stalled_until: Mutex<Option<Instant>>,
+    /// Injected enqueue failures: (kind, enqueues of that kind still to let through).
+    faults: Mutex<Vec<(CpuOp, u32)>>,
+    trace: Mutex<Vec<TraceOp>>,
+}
+
+impl Control {
+    /// How long the device is still stalled.
+    pub(crate) fn stalled_for(&self) -> Option<Duration> {
+        let until = (*self.stalled_until.lock())?;
+        until.checked_duration_since(Instant::now())
+    }
+
+    /// Fails this enqueue when an injected fault says so.
+    pub(crate) fn check_fault(&self, op: CpuOp) -> Result<(), DeviceError> {
+        let mut faults = self.faults.lock();
+        let Some(i) = faults.iter().position(|(k, _)| *k == op) else {
+            return Ok(());
+        };
+        if faults[i].1 > 0 {
+            faults[i].1 -= 1;
+            return Ok(());
+        }
+        faults.remove(i);
+        Err(DeviceError::Driver(format!(
+            "injected failure of a {op:?} enqueue on CPU device {}",
+            self.ordinal
+        )))
+    }
+
+    pub(crate) fn traced(&self, stream: u32, op: CpuOp, bytes: u64, started: Instant) {
+        if self.config.trace {
+            self.trace.lock().push(TraceOp {
+                stream,
+                op,
+                bytes,
+                started,
+                finished: Instant::now(),
+            });
+        }
+    }
+}
+
+/// A device whose memory is host memory and whose streams are worker threads: the device
+/// path (staging, streams, events, device collectives) running for real on a machine without
+/// a GPU. See the [module docs](crate::cpu).
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use kv_device::{CpuDevice, Device, Transfer};
+/// let dev = CpuDevice::new(0).unwrap();
+/// let src = dev.alloc_pinned(8, "example").unwrap();
+/// let dst = dev.alloc(8, "example").unwrap();
+/// // SAFETY: both allocations are ours, 8 bytes, and live until the event below completes.
+/// unsafe {
+///     std::ptr::write_bytes(src.addr() as *mut u8, 7, 8);
+///     dev.load_stream()
+///         .transfer(Transfer::ToDevice { dst: dst.addr(), src: src.addr(), len: 8 })
+///         .unwrap();
+/// }
+/// let ev = dev.load_stream().record().unwrap();
+/// assert!(ev.wait_until(Instant::now() + Duration::from_secs(5)).unwrap());
+/// // SAFETY: the copy has finished (its event completed).
+/// assert_eq!(unsafe { *(dst.addr() as *const u8) }, 7);
+/// ```
+pub struct CpuDevice {
+    control: Arc<Control>,
+    load: Arc<CpuStream>,
+    next_stream: AtomicU32,
+}
+
+impl fmt::Debug for CpuDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CpuDevice")
+            .field("ordinal", &self.control.ordinal)
+            .field("config", &self.control.config)
+            .finish()
+    }
+}
+
+impl CpuDevice {
+    /// A CPU device numbered `ordinal`, default settings.
+    pub fn new(ordinal: u32) -> Result<Arc<Self>, DeviceError> {
+        Self::with_config(ordinal, CpuDeviceConfig::default())
+    }
+
+    /// A CPU device with explicit settings.
+    pub fn with_config(ordinal: u32, config: CpuDeviceConfig) -> Result<Arc<Self>, DeviceError> {
+        let control = Arc::new(Control {
+            ordinal,
+            config,
+            stalled_until: Mutex::new(None),
+            faults: Mutex::new(Vec::new()),
+            trace: Mutex::new(Vec::new()),
+        });
+        let load = CpuStream::spawn(0, control.clone())?;
+        Ok(Arc::new(CpuDevice {
+            control,
+            load,
+            next_stream: AtomicU32::new(1),
+        }))
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> CpuDeviceConfig {
+        self.control.config
+    }
+
+    /// No stream of this device starts an operation for `d` from now (operations in progress
+    /// finish): a device that stops making progress for a while.
+    pub fn stall_for(&self, d: Duration) {
+        *self.control.stalled_until.lock() = Some(Instant::now() + d);
+    }
+
+    /// Ends a stall early.
+    pub fn resume(&self) {
+        *self.control.stalled_until.lock() = None;
+    }
+
+    /// The enqueue of an operation of kind `op` after `skip` more such enqueues (on any stream
+    /// of this device) fails with [`DeviceError::Driver`], as a driver call that returns an
+    /// error would.
+    pub fn fail_enqueue(&self, op: CpuOp, skip: u32) {
+        self.control.faults.lock().push((op, skip));
+    }
+
+    /// Operations run so far (with [`CpuDeviceConfig::trace`]), in the order they finished.
+    pub fn trace(&self) -> Vec<TraceOp> {
+        let mut t = self.control.trace.lock().clone();
+        t.sort_by_key(|o| o.finished);
+        t
+    }
+}
+
+impl Device for CpuDevice {
+    fn ordinal(&self) -> u32 {
+        self.control.ordinal
+    }
+
+    fn name(&self) -> String {
+        format!("CPU device {}", self.control.ordinal)
+    }
+
+    fn alloc(&self, len: usize, what: &'static str) -> Result<DeviceMemory, DeviceError> {
+        let buf = HostBuffer::zeroed(len, what)?;
+        let region = DeviceRegion {
+            ordinal: self.control.ordinal,
+            addr: buf.addr() as u64,
+            len,
+        };
+        // SAFETY: `buf` owns this zeroed allocation of at least `len` bytes (HostBuffer allocates
+        // `len.max(1)`), frees it when dropped, and nothing else holds its address.
+        Ok(unsafe { DeviceMemory::from_owner(region, Box::new(buf)) })
+    }
+
+    fn alloc_pinned(&self, len: usize, what: &'static str) -> Result<PinnedMemory, DeviceError> {
+        let buf = HostBuffer::zeroed(len, what)?;
+        let addr = buf.addr();
+        // SAFETY: as in `alloc`.
+        Ok(unsafe { PinnedMemory::from_owner(addr, len, Box::new(buf)) })
+    }
+
+    fn load_stream(&self) -> Arc<dyn Stream> {
+        self.load.clone()
+    }
+
+    fn new_stream(&self) -> Result<Arc<dyn Stream>, DeviceError> {
+        let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        Ok(CpuStream::spawn(id, self.control.clone())?)
+    }
+}

@@ -1,0 +1,80 @@
+//! A CUDA stream as a [`Stream`]: async copies, the row-copy kernel, events.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaStream};
+
+use super::device::{drv, KernelCache};
+use super::event::CudaLayerEvent;
+use crate::{DeviceError, RowCopy, SharedEvent, Stream, Transfer};
+
+/// One cudarc stream and the kernels of its context.
+#[derive(Debug)]
+pub(crate) struct CuStream {
+    stream: Arc<CudaStream>,
+    kernels: Arc<KernelCache>,
+}
+
+impl CuStream {
+    pub(crate) fn new(stream: Arc<CudaStream>, kernels: Arc<KernelCache>) -> Self {
+        CuStream { stream, kernels }
+    }
+
+    pub(crate) fn cuda(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn bind(&self) -> Result<(), DeviceError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(drv("cuCtxSetCurrent"))
+    }
+}
+
+// SAFETY: a CUDA stream runs its work in order; an event recorded on it completes after every
+// piece of work enqueued before; cuStreamWaitEvent holds back later work until the event.
+unsafe impl Stream for CuStream {
+    unsafe fn transfer(&self, t: Transfer) -> Result<(), DeviceError> {
+        if t.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        let s = self.stream.cu_stream();
+        // SAFETY: the caller promised both ranges are valid and untouched by others until an
+        // event recorded after this copy completes; the context is current.
+        let r = unsafe {
+            match t {
+                Transfer::ToDevice { dst, src, len } => {
+                    sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, s)
+                }
+                Transfer::ToHost { dst, src, len } => {
+                    sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, len, s)
+                }
+                Transfer::OnDevice { dst, src, len } => sys::cuMemcpyDtoDAsync_v2(dst, src, len, s),
+            }
+        };
+        r.result().map_err(drv("cuMemcpyAsync"))
+    }
+
+    unsafe fn copy_rows(&self, c: RowCopy) -> Result<(), DeviceError> {
+        let kernels = self.kernels.get()?;
+        self.bind()?;
+        // SAFETY: the caller's promise (Stream::copy_rows) is the kernel's contract.
+        unsafe { kernels.copy_rows(self.stream.cu_stream(), c) }
+    }
+
+    fn record(&self) -> Result<SharedEvent, DeviceError> {
+        Ok(CudaLayerEvent::record_on(&self.stream, u32::MAX)?)
+    }
+
+    fn wait(&self, event: &SharedEvent) -> Result<(), DeviceError> {
+        match event.as_any().downcast_ref::<CudaLayerEvent>() {
+            Some(ev) => ev.wait_on(&self.stream),
+            None => Err(DeviceError::ForeignEvent(format!(
+                "a CUDA stream cannot wait on {event:?}"
+            ))),
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! The host landing: reads go straight into a host pool's slots; a layer is resident when its
+//! reads (and its collective) return.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kv_geometry::ComponentId;
+use kv_loader::{LayerReady, TransferBytes};
+
+use super::{
+    next_landing_id, BatchShape, HostRows, HostShare, LandingFactory, LayerLanding, LayerStage,
+    RowBlock, SharePath, ShareSide, TransferLog,
+};
+use crate::{DeviceError, HostRow, KvPool, Residence};
+
+/// Reads straight into a host pool's slots; a layer is resident when its reads return. Shared
+/// rows are read into this rank's own slots too, and a host collective moves them slot to
+/// slot ([`HostRows`]).
+///
+/// ```
+/// use std::sync::Arc;
+/// use kv_device::{BatchShape, DirectLanding, HostKvPool, KvPool, LayerLanding};
+/// use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
+/// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+/// let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 8).unwrap());
+/// let shape = BatchShape::own_only(vec![ComponentId(0)]);
+/// let mut landing = DirectLanding::new(pool.clone(), vec![5, 2].into(), shape).unwrap();
+/// let mut stages = landing.take_stages();
+/// let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+/// landing.open(&mut stages[0], 0, deadline).unwrap();
+/// let addr = landing.target(&stages[0], ComponentId(0), 1).unwrap();
+/// assert_eq!(addr, pool.slot_addr(ComponentId(0), 0, 2).unwrap());
+/// ```
+pub struct DirectLanding {
+    id: u64,
+    pool: Arc<dyn KvPool>,
+    slots: Arc<[u32]>,
+    shape: BatchShape,
+    stages: Vec<LayerStage>,
+    log: TransferLog,
+}
+
+impl DirectLanding {
+    /// Landing of a batch whose plan page `i` goes to page slot `slots[i]` of `pool` (a host
+    /// pool), for the components of `shape`.
+    pub fn new(
+        pool: Arc<dyn KvPool>,
+        slots: Arc<[u32]>,
+        shape: BatchShape,
+    ) -> Result<Self, DeviceError> {
+        if pool.residence() != Residence::Host {
+            return Err(DeviceError::Unavailable(
+                "a direct landing writes host pools only".into(),
+            ));
+        }
+        let id = next_landing_id();
+        let layers = pool.geometry().num_layers();
+        Ok(DirectLanding {
+            id,
+            pool,
+            slots,
+            shape,
+            stages: LayerStage::pair(id),
+            log: TransferLog::new(layers),
+        })
+    }
+
+    fn slot_addr(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        plan_page: usize,
+    ) -> Result<usize, DeviceError> {
+        let err = |reason| DeviceError::OutOfPool {
+            component: component.0,
+            layer,
+            slot: u32::MAX,
+            reason,
+        };
+        if !self.shape.plans(component) {
+            return Err(err("component not planned in this batch"));
+        }
+        let slot = *self
+            .slots
+            .get(plan_page)
+            .ok_or(err("plan page without a slot"))?;
+        self.pool.slot_addr(component, layer, slot)
+    }
+}
+
+impl LayerLanding for DirectLanding {
+    fn take_stages(&mut self) -> Vec<LayerStage> {
+        std::mem::take(&mut self.stages)
+    }
+
+    fn open(
+        &self,
+        stage: &mut LayerStage,
+        layer: u32,
+        _deadline: Instant,
+    ) -> Result<(), DeviceError> {
+        stage.half(self.id)?;
+        if layer >= self.pool.geometry().num_layers() {
+            return Err(DeviceError::InvalidStage("layer past the model"));
+        }
+        stage.set_layer(Some(layer));
+        Ok(())
+    }
+
+    fn target(
+        &self,
+        stage: &LayerStage,
+        component: ComponentId,
+        plan_page: usize,
+    ) -> Result<usize, DeviceError> {
+        let (_, layer) = stage.open_layer(self.id)?;
+        self.slot_addr(component, layer, plan_page)
+    }
+
+    fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
+        stage.open_layer(self.id)?;
+        stage.set_layer(None);
+        Ok(LayerReady::Resident)
+    }
+
+    fn poison(&self, _stage: &mut LayerStage) {
+        // Host collectives complete before they return: nothing can still write the slots.
+    }
+
+    fn transfers(&self) -> Vec<TransferBytes> {
+        self.log.all()
+    }
+
+    fn share(&self) -> ShareSide<'_> {
+        ShareSide::Host(self)
+    }
+}
+
+impl HostShare for DirectLanding {
+    fn rows<'s>(
+        &'s self,
+        stage: &'s mut LayerStage,
+        blocks: &[RowBlock],
+    ) -> Result<HostRows<'s>, DeviceError> {
+        let (_, layer) = stage.open_layer(self.id)?;
+        let mut rows = Vec::new();
+        for b in blocks {
+            let len = self
+                .pool
+                .geometry()
+                .component(b.component)
+                .map_err(|_| DeviceError::InvalidStage("a row block of an unknown component"))?
+                .page_layer_bytes as usize;
+            let end = b.first_page.checked_add(b.pages);
+            if end.is_none_or(|e| e > self.slots.len()) {
+                return Err(DeviceError::InvalidStage("a row block past the plan"));
+            }
+            for page in b.first_page..b.first_page + b.pages {
+                let addr = self.slot_addr(b.component, layer, page)?;
+                rows.push(HostRow { addr, len });
+            }
+        }
+        if overlapping(&rows) {
+            return Err(DeviceError::InvalidStage("row blocks name a slot twice"));
+        }
+        // SAFETY: every row is a whole slot slice (`page_layer_bytes`) of the host pool, which
+        // `self` keeps alive for 's; no two rows overlap (checked above). The stage
+        // is borrowed exclusively for 's, and nothing else of this batch touches this layer's
+        // slots meanwhile (the reader works on the other stage; the engine leaves slots of a
+        // batch in flight alone).
+        Ok(unsafe { HostRows::new(rows, layer, &self.log, stage) })
+    }
+}
+
+/// True when two rows share a byte.
+fn overlapping(rows: &[HostRow]) -> bool {
+    let mut sorted: Vec<HostRow> = rows.iter().copied().filter(|r| r.len > 0).collect();
+    sorted.sort_by_key(|r| r.addr);
+    sorted.windows(2).any(|w| w[0].overlaps(&w[1]))
+}
+
+/// Landings straight into a host pool ([`DirectLanding`]).
+///
+/// ```
+/// use std::sync::Arc;
+/// use kv_device::{DirectLandingFactory, HostKvPool, KvPool, LandingFactory};
+/// use kv_geometry::{KvGeometry, ModelKvSpec};
+/// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+/// let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 2).unwrap());
+/// let f = DirectLandingFactory::new(pool.clone());
+/// assert_eq!(f.store_regions(), pool.regions());
+/// ```
+pub struct DirectLandingFactory {
+    pool: Arc<dyn KvPool>,
+}
+
+impl DirectLandingFactory {
+    /// Landings into `pool`.
+    pub fn new(pool: Arc<dyn KvPool>) -> Self {
+        DirectLandingFactory { pool }
+    }
+}
+
+impl LandingFactory for DirectLandingFactory {
+    fn begin(
+        &self,
+        slots: Arc<[u32]>,
+        shape: BatchShape,
+    ) -> Result<Box<dyn LayerLanding>, DeviceError> {
+        Ok(Box::new(DirectLanding::new(
+            self.pool.clone(),
+            slots,
+            shape,
+        )?))
+    }
+
+    fn store_regions(&self) -> Vec<(usize, usize)> {
+        self.pool.regions()
+    }
+
+    fn share_path(&self) -> SharePath {
+        SharePath::Host
+    }
+}

@@ -1,0 +1,241 @@
+//! The typed handles a landing lends out for one layer's collective ([`HostRows`],
+//! [`DeviceStage`]), and the bookkeeping behind them (fences, byte counters).
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use kv_loader::TransferBytes;
+use parking_lot::Mutex;
+
+use super::LayerStage;
+use crate::{DeviceError, DeviceRegion, HostRow, SharedEvent};
+
+/// Bytes moved per model layer.
+#[derive(Debug)]
+pub(crate) struct TransferLog(Mutex<Vec<TransferBytes>>);
+
+impl TransferLog {
+    pub(crate) fn new(layers: u32) -> Self {
+        TransferLog(Mutex::new(vec![TransferBytes::default(); layers as usize]))
+    }
+
+    pub(crate) fn add(&self, layer: u32, f: impl FnOnce(&mut TransferBytes)) {
+        if let Some(t) = self.0.lock().get_mut(layer as usize) {
+            f(t);
+        }
+    }
+
+    pub(crate) fn all(&self) -> Vec<TransferBytes> {
+        self.0.lock().clone()
+    }
+}
+
+/// The events that must complete before a staging half is reused or released, and whether it
+/// is poisoned (some of them may never complete).
+#[derive(Debug, Default)]
+pub(crate) struct Fences {
+    events: Mutex<Vec<SharedEvent>>,
+    poisoned: AtomicBool,
+    /// Poisoned by work that has no fence here (an aborted collective): its end is unknown.
+    unfenced: AtomicBool,
+}
+
+impl Fences {
+    pub(crate) fn push(&self, ev: SharedEvent) {
+        self.events.lock().push(ev);
+    }
+
+    pub(crate) fn poison(&self) {
+        self.poisoned.store(true, Ordering::Release);
+    }
+
+    /// Poisoned by work whose end no fence tells.
+    pub(crate) fn poison_unfenced(&self) {
+        self.unfenced.store(true, Ordering::Release);
+        self.poison();
+    }
+
+    pub(crate) fn is_unfenced(&self) -> bool {
+        self.unfenced.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
+    }
+
+    /// True when some fence has not completed yet.
+    pub(crate) fn busy(&self) -> bool {
+        self.events
+            .lock()
+            .iter()
+            .any(|e| !matches!(e.is_complete(), Ok(true)))
+    }
+
+    /// Waits for every fence until `deadline`; clears them when all completed. A fence that
+    /// does not complete in time, or fails, poisons the half.
+    pub(crate) fn drain(&self, deadline: Instant, what: &'static str) -> Result<(), DeviceError> {
+        if self.is_poisoned() {
+            return Err(DeviceError::Poisoned(what));
+        }
+        let mut events = self.events.lock();
+        let started = Instant::now();
+        for ev in events.iter() {
+            match ev.wait_until(deadline) {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.poison();
+                    return Err(DeviceError::Timeout {
+                        what,
+                        waited: started.elapsed(),
+                    });
+                }
+                Err(e) => {
+                    self.poison();
+                    return Err(e);
+                }
+            }
+        }
+        events.clear();
+        Ok(())
+    }
+
+    /// The fences, for a release that must wait for them elsewhere.
+    pub(crate) fn take(&self) -> Vec<SharedEvent> {
+        std::mem::take(&mut *self.events.lock())
+    }
+}
+
+/// Rows of host memory lent for one collective: pool slots of one layer of a batch, in the
+/// order a host collective moves them. While it lives, nothing else touches these rows (it
+/// borrows the batch's stage of that layer exclusively; the engine does not touch slots of a
+/// batch in flight). Only kv-device makes them.
+#[derive(Debug)]
+pub struct HostRows<'a> {
+    rows: Vec<HostRow>,
+    layer: u32,
+    log: &'a TransferLog,
+    _stage: PhantomData<&'a mut LayerStage>,
+}
+
+impl<'a> HostRows<'a> {
+    /// # Safety
+    /// Every row is host memory valid for reads and writes of its length for `'a`, rows do not
+    /// overlap one another, and nothing else reads or writes them while the result lives.
+    pub(crate) unsafe fn new(
+        rows: Vec<HostRow>,
+        layer: u32,
+        log: &'a TransferLog,
+        _stage: &'a mut LayerStage,
+    ) -> Self {
+        HostRows {
+            rows,
+            layer,
+            log,
+            _stage: PhantomData,
+        }
+    }
+
+    /// The rows, in order. Valid for reads and writes, and this holder's alone, while `self`
+    /// lives.
+    pub fn rows(&self) -> &[HostRow] {
+        &self.rows
+    }
+
+    /// Bytes of all rows.
+    pub fn bytes(&self) -> u64 {
+        self.rows.iter().map(|r| r.len as u64).sum()
+    }
+
+    /// The layer.
+    pub fn layer(&self) -> u32 {
+        self.layer
+    }
+
+    /// Counts what a collective moved into (`received`) and out of (`sent`) these rows.
+    pub fn count_collective(&mut self, received: u64, sent: u64) {
+        self.log.add(self.layer, |t| {
+            t.collective_received += received;
+            t.collective_sent += sent;
+        });
+    }
+}
+
+/// The share area of one layer's staging in device memory, lent for one collective: its
+/// region, the event after which it holds this rank's part ([`after`](Self::after)), and the
+/// half's fences: every event pushed with [`fence`](Self::fence) must complete before the
+/// half is reused or its memory released. Only kv-device makes them.
+///
+/// It vouches that the region is device memory of the landing's device, valid for reads and
+/// writes until every fence completes, and that nothing else touches it from `after` until
+/// the fences pushed complete (the stage is borrowed exclusively; the landing reuses a half
+/// only after its fences).
+#[derive(Debug)]
+pub struct DeviceStage<'a> {
+    region: DeviceRegion,
+    after: Option<SharedEvent>,
+    layer: u32,
+    fences: &'a Fences,
+    log: &'a TransferLog,
+    _stage: PhantomData<&'a mut LayerStage>,
+}
+
+impl<'a> DeviceStage<'a> {
+    /// # Safety
+    /// `region` is device memory valid until every event pushed on `fences` completes, never
+    /// freed nor reused before (the owner drains `fences` first, or never frees it), and
+    /// touched by nothing else from `after` on while the result lives.
+    pub(crate) unsafe fn new(
+        region: DeviceRegion,
+        after: Option<SharedEvent>,
+        layer: u32,
+        fences: &'a Fences,
+        log: &'a TransferLog,
+        _stage: &'a mut LayerStage,
+    ) -> Self {
+        DeviceStage {
+            region,
+            after,
+            layer,
+            fences,
+            log,
+            _stage: PhantomData,
+        }
+    }
+
+    /// The share area in device memory.
+    pub fn region(&self) -> DeviceRegion {
+        self.region
+    }
+
+    /// The event after which the region holds this rank's part (its upload).
+    pub fn after(&self) -> Option<SharedEvent> {
+        self.after.clone()
+    }
+
+    /// The layer.
+    pub fn layer(&self) -> u32 {
+        self.layer
+    }
+
+    /// `event` must complete before the half is reused or released (a collective's
+    /// completion event, which may still write the region).
+    pub fn fence(&mut self, event: SharedEvent) {
+        self.fences.push(event);
+    }
+
+    /// Work on the region may never finish, and no fence tells when it does (a collective that
+    /// failed after it may have started, on a group now aborted): the half is never reused nor
+    /// freed.
+    pub fn poison(&mut self) {
+        self.fences.poison_unfenced();
+    }
+
+    /// Counts what a collective moved into (`received`) and out of (`sent`) the region.
+    pub fn count_collective(&mut self, received: u64, sent: u64) {
+        self.log.add(self.layer, |t| {
+            t.collective_received += received;
+            t.collective_sent += sent;
+        });
+    }
+}

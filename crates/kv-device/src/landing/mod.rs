@@ -1,0 +1,283 @@
+//! Landing: where a batch's layer reads go, how shared rows move between ranks' memory, and
+//! how a layer becomes resident.
+//!
+//! A [`LandingFactory`] makes one [`LayerLanding`] per batch. The linker drives it through
+//! two [`LayerStage`] tokens that circulate between its reader thread and its exchange loop:
+//! the reader [`open`](LayerLanding::open)s a stage for layer *l* (which waits, bounded, until
+//! the work that last used it has finished) and writes the store's bytes to the stage's
+//! targets; the exchange loop then shares the layer's replicated rows with the other ranks
+//! and [`land`](LayerLanding::land)s it, and hands the stage back for layer *l+2*.
+//!
+//! Two ways of sharing, one per backend ([`ShareSide`]):
+//! - **host** ([`DirectLanding`] over a host pool): every row is read straight into a pool
+//!   slot; the collective moves [`HostRows`] (pool slots) between ranks.
+//! - **device** (the staged landing over a device pool): rows are read into pinned staging, one
+//!   half per stage laid out as `[share area | own area]`; this rank's part of the share area
+//!   is uploaded to device staging, the collective moves the [`DeviceStage`] (device staging)
+//!   between ranks on a comm stream, and the rows are scattered from there into this rank's
+//!   slots on the load stream, ordered by events.
+
+mod direct;
+mod handles;
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kv_geometry::ComponentId;
+use kv_loader::{LayerReady, TransferBytes};
+
+use crate::{DeviceError, SharedEvent};
+
+pub use direct::{DirectLanding, DirectLandingFactory};
+pub use handles::{DeviceStage, HostRows};
+pub(crate) use handles::{Fences, TransferLog};
+
+/// Which memory a landing's shared rows move through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SharePath {
+    /// Host memory: pool slots of a host pool.
+    Host,
+    /// Device memory: device staging of a device pool.
+    Device,
+}
+
+/// How one batch's components split on this rank: those it reads for itself, and the
+/// replicated ones the ranks share, with the size of each layer's share area.
+///
+/// ```
+/// use kv_device::BatchShape;
+/// use kv_geometry::ComponentId;
+/// let s = BatchShape::own_only(vec![ComponentId(0)]);
+/// assert_eq!(s.share_len(3), 0);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchShape {
+    /// Components this rank reads for itself (sharded ones; every one when nothing is shared).
+    pub own: Vec<ComponentId>,
+    /// Replicated components shared among the ranks in this batch.
+    pub shared: Vec<ComponentId>,
+    /// Per model layer, bytes of the share area: where the layer's shared rows sit while they
+    /// travel between ranks (the share layout's length; 0 where nothing is shared).
+    pub share_bytes: Vec<usize>,
+}
+
+impl BatchShape {
+    /// Nothing shared: `own` is every planned component.
+    pub fn own_only(own: Vec<ComponentId>) -> Self {
+        BatchShape {
+            own,
+            shared: Vec::new(),
+            share_bytes: Vec::new(),
+        }
+    }
+
+    /// Bytes of layer `layer`'s share area.
+    pub fn share_len(&self, layer: u32) -> usize {
+        self.share_bytes.get(layer as usize).copied().unwrap_or(0)
+    }
+
+    /// True when `c` is planned in this batch (own or shared).
+    pub fn plans(&self, c: ComponentId) -> bool {
+        self.own.contains(&c) || self.shared.contains(&c)
+    }
+}
+
+/// Rows of one component, staged contiguously, that go to consecutive plan pages:
+/// row `i` of the block (at `offset + i * page_layer_bytes` of the share area) is plan page
+/// `first_page + i`. One block is one scatter (one kernel launch on a GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowBlock {
+    /// The component.
+    pub component: ComponentId,
+    /// Its first plan page.
+    pub first_page: usize,
+    /// Rows (plan pages).
+    pub pages: usize,
+    /// Byte offset of its first row in the share area.
+    pub offset: usize,
+}
+
+/// One half of a batch's staging, held by whoever works on its layer now: the reader while
+/// it fills it, the exchange loop while it shares and lands it. Only landings make them
+/// ([`LayerLanding::take_stages`]); it cannot be copied, so holding `&mut` to it means no one
+/// else works on that half.
+#[derive(Debug)]
+pub struct LayerStage {
+    landing: u64,
+    half: usize,
+    layer: Option<u32>,
+}
+
+impl LayerStage {
+    /// The layer open in it, if any.
+    pub fn layer(&self) -> Option<u32> {
+        self.layer
+    }
+
+    pub(crate) fn pair(landing: u64) -> Vec<LayerStage> {
+        (0..2)
+            .map(|half| LayerStage {
+                landing,
+                half,
+                layer: None,
+            })
+            .collect()
+    }
+
+    /// The half it names, checked against the landing it is used with.
+    pub(crate) fn half(&self, landing: u64) -> Result<usize, DeviceError> {
+        if self.landing != landing {
+            return Err(DeviceError::InvalidStage(
+                "a stage of another batch's landing",
+            ));
+        }
+        Ok(self.half)
+    }
+
+    /// The open layer, checked against the landing.
+    pub(crate) fn open_layer(&self, landing: u64) -> Result<(usize, u32), DeviceError> {
+        let half = self.half(landing)?;
+        let layer = self
+            .layer
+            .ok_or(DeviceError::InvalidStage("no layer is open in this stage"))?;
+        Ok((half, layer))
+    }
+
+    pub(crate) fn set_layer(&mut self, layer: Option<u32>) {
+        self.layer = layer;
+    }
+}
+
+/// A fresh landing id (what ties stages to their landing).
+pub(crate) fn next_landing_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// One batch's landing on one rank (see the [module docs](self)).
+pub trait LayerLanding: Send + Sync {
+    /// The batch's two stages; empty after the first call.
+    fn take_stages(&mut self) -> Vec<LayerStage>;
+
+    /// Makes `stage` hold `layer`: waits until the device work that used the stage before
+    /// has finished, at most until `deadline` ([`DeviceError::Timeout`], and the stage is
+    /// poisoned: never reused).
+    fn open(
+        &self,
+        stage: &mut LayerStage,
+        layer: u32,
+        deadline: Instant,
+    ) -> Result<(), DeviceError>;
+
+    /// The host address the store writes plan page `plan_page`'s slice of `component` at the
+    /// stage's layer to: a pool slot (host pools; also for shared components, whose rows the
+    /// host collective then moves slot to slot), or the stage's own area (device pools; own
+    /// components only).
+    fn target(
+        &self,
+        stage: &LayerStage,
+        component: ComponentId,
+        plan_page: usize,
+    ) -> Result<usize, DeviceError>;
+
+    /// Every read of the stage's layer has returned and its shared rows are in: make the layer
+    /// resident (or enqueue that) and say how the engine waits for it.
+    fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError>;
+
+    /// Device work on the stage may never finish (a wait on it timed out): never reuse it, and
+    /// never free its memory while that work may still touch it.
+    fn poison(&self, stage: &mut LayerStage);
+
+    /// Bytes moved so far, per model layer, by direction.
+    fn transfers(&self) -> Vec<TransferBytes>;
+
+    /// How this landing shares rows with other ranks.
+    fn share(&self) -> ShareSide<'_>;
+}
+
+/// The share operations of a landing, by the memory they move.
+pub enum ShareSide<'a> {
+    /// Rows of pool slots in host memory.
+    Host(&'a dyn HostShare),
+    /// Staging in device memory.
+    Device(&'a dyn DeviceShare),
+}
+
+/// Sharing through host memory.
+pub trait HostShare: Send + Sync {
+    /// The pool slots of `blocks` (in order, every page of each) at the stage's layer, for a
+    /// host collective to move.
+    fn rows<'s>(
+        &'s self,
+        stage: &'s mut LayerStage,
+        blocks: &[RowBlock],
+    ) -> Result<HostRows<'s>, DeviceError>;
+}
+
+/// Sharing through device memory: the stage's share area, `[0, share_len)` of its half.
+pub trait DeviceShare: Send + Sync {
+    /// Host address (pinned staging) of byte `offset` of the share area, for `len` bytes: where
+    /// the store writes a shared row this rank reads.
+    fn share_target(
+        &self,
+        stage: &LayerStage,
+        offset: usize,
+        len: usize,
+    ) -> Result<usize, DeviceError>;
+
+    /// Enqueues on the load stream one host→device copy of `range` of the share area (this
+    /// rank's part; may be empty), and records the event the collective starts after.
+    fn upload(&self, stage: &mut LayerStage, range: Range<usize>) -> Result<(), DeviceError>;
+
+    /// The share area in device memory, for a collective.
+    fn device_stage<'s>(
+        &'s self,
+        stage: &'s mut LayerStage,
+    ) -> Result<DeviceStage<'s>, DeviceError>;
+
+    /// Enqueues on the load stream, after `after` (the collective's event), the scatter of
+    /// `blocks` from device staging into this rank's slots.
+    fn scatter(
+        &self,
+        stage: &mut LayerStage,
+        blocks: &[RowBlock],
+        after: &SharedEvent,
+    ) -> Result<(), DeviceError>;
+}
+
+/// Makes the landing of each batch: what a linker holds instead of knowing the backend.
+pub trait LandingFactory: Send + Sync {
+    /// A landing for one batch whose plan page `i` goes to slot `slots[i]`, split as `shape`.
+    fn begin(
+        &self,
+        slots: Arc<[u32]>,
+        shape: BatchShape,
+    ) -> Result<Box<dyn LayerLanding>, DeviceError>;
+
+    /// The host memory a store writes into for this backend (pool buffers, or pinned
+    /// staging), as (address, length): register it with the store once.
+    fn store_regions(&self) -> Vec<(usize, usize)>;
+
+    /// Which memory this backend's landings share rows through.
+    fn share_path(&self) -> SharePath;
+
+    /// For saving from a pool the store cannot read directly (device memory): a gatherer of
+    /// the slices of plan page `i` (slot `slots[i]`) into host memory. Host pools are read in
+    /// place and need none.
+    fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
+        let _ = slots;
+        Err(DeviceError::Unavailable(
+            "this backend's pool is read in place; it has no save gatherer".into(),
+        ))
+    }
+}
+
+/// Brings a batch's slices to host memory for a save.
+pub trait SaveGather: Send {
+    /// Gathers (`component`, `layer`) of every plan page and waits for it: the rows, in plan
+    /// order, `page_layer_bytes` each, start at the returned host address and stay valid
+    /// until the next call.
+    fn gather(&mut self, component: ComponentId, layer: u32) -> Result<usize, DeviceError>;
+}

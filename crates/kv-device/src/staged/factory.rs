@@ -1,0 +1,211 @@
+//! Staged landings per batch, and the save-direction gather.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_geometry::ComponentId;
+
+use super::copy::{self, ScatterStrategy};
+use super::landing::StagedLanding;
+use super::pool::DeviceKvPool;
+use super::staging::{StagingLease, StagingPool};
+use super::sync::{self, SYNC_LIMIT};
+use crate::{
+    BatchShape, DeviceError, DeviceMemory, KvPool, LandingFactory, LayerLanding, SaveGather,
+    SharePath, Stream,
+};
+
+/// Staged landings into a device pool, each batch leasing a staging buffer of `staging`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use kv_device::{CpuDevice, DeviceKvPool, LandingFactory, SharePath, StagedLandingFactory, StagingPool};
+/// use kv_geometry::{KvGeometry, ModelKvSpec};
+/// let dev = CpuDevice::new(0).unwrap();
+/// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+/// let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+/// let staging = StagingPool::new(dev, StagingPool::half_bytes_for(&g, 8, 1), 2).unwrap();
+/// let f = StagedLandingFactory::new(pool, staging.clone());
+/// assert_eq!(f.share_path(), SharePath::Device);
+/// assert_eq!(f.store_regions(), staging.host_regions());
+/// ```
+pub struct StagedLandingFactory {
+    pool: Arc<DeviceKvPool>,
+    staging: Arc<StagingPool>,
+    strategy: ScatterStrategy,
+    drain: Duration,
+}
+
+impl StagedLandingFactory {
+    /// Landings into `pool` through `staging` (the same device).
+    pub fn new(pool: Arc<DeviceKvPool>, staging: Arc<StagingPool>) -> Self {
+        StagedLandingFactory {
+            pool,
+            staging,
+            strategy: ScatterStrategy::Auto,
+            drain: Duration::from_secs(30),
+        }
+    }
+
+    /// How landings move rows into scattered slots.
+    pub fn with_strategy(mut self, strategy: ScatterStrategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// Longest a landing's release waits for device work still running before its lease is
+    /// quarantined.
+    pub fn with_drain_limit(mut self, limit: Duration) -> Self {
+        self.drain = limit;
+        self
+    }
+
+    /// The staging pool.
+    pub fn staging(&self) -> &Arc<StagingPool> {
+        &self.staging
+    }
+}
+
+impl LandingFactory for StagedLandingFactory {
+    fn begin(
+        &self,
+        slots: Arc<[u32]>,
+        shape: BatchShape,
+    ) -> Result<Box<dyn LayerLanding>, DeviceError> {
+        let lease = self.staging.lease()?;
+        Ok(Box::new(
+            StagedLanding::new(self.pool.clone(), lease, slots, shape)?
+                .with_strategy(self.strategy)
+                .with_drain_limit(self.drain),
+        ))
+    }
+
+    fn store_regions(&self) -> Vec<(usize, usize)> {
+        self.staging.host_regions()
+    }
+
+    fn share_path(&self) -> SharePath {
+        SharePath::Device
+    }
+
+    fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
+        Ok(Box::new(StagedGather::new(
+            self.pool.clone(),
+            self.staging.lease()?,
+            slots,
+            self.strategy,
+        )?))
+    }
+}
+
+/// The save direction: device slots → pinned staging, one (component, layer) at a time,
+/// synchronously (bounded).
+pub(crate) struct StagedGather {
+    pool: Arc<DeviceKvPool>,
+    stream: Arc<dyn Stream>,
+    lease: Option<StagingLease>,
+    slots: Arc<[u32]>,
+    slot_table: Option<DeviceMemory>,
+    strategy: ScatterStrategy,
+    /// A gather did not finish in time: the lease is quarantined on drop.
+    stuck: Option<crate::SharedEvent>,
+}
+
+impl StagedGather {
+    fn new(
+        pool: Arc<DeviceKvPool>,
+        lease: StagingLease,
+        slots: Arc<[u32]>,
+        strategy: ScatterStrategy,
+    ) -> Result<Self, DeviceError> {
+        if let Some(&s) = slots.iter().find(|&&s| s >= pool.pages()) {
+            return Err(DeviceError::OutOfPool {
+                component: u16::MAX,
+                layer: u32::MAX,
+                slot: s,
+                reason: "slot past the pool",
+            });
+        }
+        let device = pool.device().clone();
+        let slot_table = if slots.is_empty() {
+            None
+        } else {
+            let table = device.alloc(slots.len() * 4, "slot table")?;
+            let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+            // SAFETY: `table` is ours, exactly `slots.len()` u32.
+            unsafe { sync::write(&*device, table.addr(), &bytes) }?;
+            Some(table)
+        };
+        Ok(StagedGather {
+            stream: device.load_stream(),
+            pool,
+            lease: Some(lease),
+            slots,
+            slot_table,
+            strategy,
+            stuck: None,
+        })
+    }
+}
+
+impl SaveGather for StagedGather {
+    fn gather(&mut self, component: ComponentId, layer: u32) -> Result<usize, DeviceError> {
+        if self.stuck.is_some() {
+            return Err(DeviceError::Poisoned("an earlier gather did not finish"));
+        }
+        let lease = self
+            .lease
+            .as_ref()
+            .ok_or(DeviceError::InvalidStage("no lease"))?;
+        let c = self
+            .pool
+            .geometry()
+            .component(component)
+            .map_err(|_| DeviceError::InvalidStage("unknown component"))?;
+        let bytes = c.page_layer_bytes * self.slots.len() as u64;
+        if bytes > lease.half_bytes() as u64 {
+            return Err(DeviceError::Alloc {
+                bytes,
+                what: "staging half (smaller than one layer of the saved pages)",
+            });
+        }
+        let (pool_buf, _) = self.pool.buffer(component, layer)?;
+        let host = lease.host_half(0)?;
+        let span = copy::RowSpan {
+            first_page: 0,
+            pages: self.slots.len(),
+            row: c.page_layer_bytes,
+            pool: pool_buf,
+            slot_table: self.slot_table.as_ref().map_or(0, DeviceMemory::addr),
+        };
+        // SAFETY: source slots lie in the pool buffer, destinations in half 0 (size checked);
+        // the previous gather finished (waited below) and nothing else uses this lease.
+        unsafe {
+            copy::gather(
+                &self.stream,
+                self.strategy,
+                &self.slots,
+                span,
+                host,
+                lease.device_half(0)?,
+            )
+        }?;
+        let ev = self.stream.record()?;
+        if ev.wait_until(Instant::now() + SYNC_LIMIT)? {
+            return Ok(host);
+        }
+        self.stuck = Some(ev);
+        Err(DeviceError::Timeout {
+            what: "save gather",
+            waited: SYNC_LIMIT,
+        })
+    }
+}
+
+impl Drop for StagedGather {
+    fn drop(&mut self) {
+        if let (Some(ev), Some(lease)) = (self.stuck.take(), self.lease.take()) {
+            lease.quarantine(vec![ev], self.slot_table.take().into_iter().collect());
+        }
+    }
+}

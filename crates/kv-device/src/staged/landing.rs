@@ -1,0 +1,500 @@
+//! The staged landing: one batch's landing into a [`DeviceKvPool`] through a leased staging
+//! buffer.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_geometry::{ComponentId, ComponentLayout};
+use kv_loader::{LayerReady, TransferBytes};
+use parking_lot::Mutex;
+
+use super::copy::{self, Moved, RowSpan, ScatterStrategy, Staged};
+use super::pool::DeviceKvPool;
+use super::staging::StagingLease;
+use super::sync;
+use crate::landing::{next_landing_id, Fences, TransferLog};
+use crate::{
+    BatchShape, DeviceError, DeviceMemory, DeviceRegion, DeviceShare, DeviceStage, KvPool,
+    LayerLanding, LayerStage, RowBlock, ShareSide, SharedEvent, Stream, Transfer,
+};
+
+/// Counters of one landing (what it enqueued).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LandingStats {
+    /// Layers landed.
+    pub layers: u64,
+    /// Copy calls enqueued.
+    pub copies: u64,
+    /// Row-copy launches enqueued.
+    pub kernel_launches: u64,
+    /// Times `open` found a half's previous work still running and waited for it.
+    pub reuse_waits: u64,
+}
+
+/// One staging half's state.
+#[derive(Debug, Default)]
+struct Half {
+    fences: Fences,
+    /// The event after the share area's upload (what the collective starts after).
+    upload: Mutex<Option<SharedEvent>>,
+}
+
+/// One batch's landing into a [`DeviceKvPool`] through a leased staging buffer.
+///
+/// Each of the batch's two [`LayerStage`]s is one half of the lease, laid out for the layer
+/// open in it as `[share area | own area]`: the share area (`shape.share_len(layer)` bytes)
+/// holds the replicated rows as the share layout places them; the own area holds the
+/// components this rank reads for itself (`shape.own`), in geometry order, each as one row per
+/// plan page in plan order. The pinned half is what the store writes; the device half is
+/// where the share area travels between ranks and where the own rows wait for the scatter
+/// kernel.
+///
+/// Per layer: [`open`](LayerLanding::open) (waits for the half's fences), the reader writes
+/// the [`target`](LayerLanding::target)s and [`share_target`](DeviceShare::share_target)s,
+/// [`upload`](DeviceShare::upload) (this rank's part of the share area, one host→device copy),
+/// the collective on the [`DeviceStage`], [`scatter`](DeviceShare::scatter) of the shared rows
+/// after the collective's event (one launch per [`RowBlock`], or slot runs), and
+/// [`land`](LayerLanding::land) (own rows: contiguous slot runs as one copy each, or one copy
+/// into device staging and one scatter launch per component), which records the layer's event
+/// after everything and returns it. Every event that may still read or write the half is a
+/// fence: the half is reused (or the lease released) only once all completed. A fence that
+/// does not complete in time poisons the half; the lease is then quarantined, never freed
+/// while that work may run.
+pub struct StagedLanding {
+    id: u64,
+    pool: Arc<DeviceKvPool>,
+    stream: Arc<dyn Stream>,
+    lease: Option<StagingLease>,
+    slots: Arc<[u32]>,
+    slot_table: Option<DeviceMemory>,
+    strategy: ScatterStrategy,
+    shape: BatchShape,
+    halves: [Half; 2],
+    stages: Vec<LayerStage>,
+    log: TransferLog,
+    stats: Mutex<LandingStats>,
+    drain: Duration,
+}
+
+fn stage_err(reason: &'static str) -> DeviceError {
+    DeviceError::InvalidStage(reason)
+}
+
+impl StagedLanding {
+    /// A landing of a batch whose plan page `i` goes to slot `slots[i]` of `pool`, staged in
+    /// `lease`, split as `shape`. Checks that every slot is inside the pool and that a half
+    /// holds every layer's share and own areas; uploads the slots for the scatter kernel.
+    pub fn new(
+        pool: Arc<DeviceKvPool>,
+        lease: StagingLease,
+        slots: Arc<[u32]>,
+        shape: BatchShape,
+    ) -> Result<Self, DeviceError> {
+        let device = pool.device().clone();
+        if lease.device().ordinal() != device.ordinal() {
+            return Err(DeviceError::Driver(format!(
+                "staging of device {} used for a pool on device {}",
+                lease.device().ordinal(),
+                device.ordinal()
+            )));
+        }
+        if let Some(&s) = slots.iter().find(|&&s| s >= pool.pages()) {
+            return Err(DeviceError::OutOfPool {
+                component: u16::MAX,
+                layer: u32::MAX,
+                slot: s,
+                reason: "slot past the pool",
+            });
+        }
+        check_shape(&pool, &shape, slots.len(), lease.half_bytes())?;
+        let slot_table = if slots.is_empty() {
+            None
+        } else {
+            let table = device.alloc(slots.len() * 4, "slot table")?;
+            let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+            // SAFETY: `table` is ours, exactly `slots.len()` u32, touched by nothing else.
+            unsafe { sync::write(&*device, table.addr(), &bytes) }?;
+            Some(table)
+        };
+        let id = next_landing_id();
+        let layers = pool.geometry().num_layers();
+        Ok(StagedLanding {
+            id,
+            stream: device.load_stream(),
+            pool,
+            lease: Some(lease),
+            slots,
+            slot_table,
+            strategy: ScatterStrategy::Auto,
+            shape,
+            halves: [Half::default(), Half::default()],
+            stages: LayerStage::pair(id),
+            log: TransferLog::new(layers),
+            stats: Mutex::new(LandingStats::default()),
+            drain: Duration::from_secs(30),
+        })
+    }
+
+    /// Chooses how scattered slots are copied (benchmarks compare them).
+    pub fn with_strategy(mut self, strategy: ScatterStrategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// Longest the landing's release waits for device work still running (then the lease is
+    /// quarantined).
+    pub fn with_drain_limit(mut self, limit: Duration) -> Self {
+        self.drain = limit;
+        self
+    }
+
+    /// What was enqueued so far.
+    pub fn stats(&self) -> LandingStats {
+        *self.stats.lock()
+    }
+
+    /// The staging lease (host regions, halves).
+    pub fn lease(&self) -> Option<&StagingLease> {
+        self.lease.as_ref()
+    }
+
+    fn lease_ref(&self) -> Result<&StagingLease, DeviceError> {
+        self.lease
+            .as_ref()
+            .ok_or(stage_err("the lease was given up"))
+    }
+
+    fn layout(&self, c: ComponentId) -> Result<&ComponentLayout, DeviceError> {
+        self.pool
+            .geometry()
+            .component(c)
+            .map_err(|_| stage_err("unknown component"))
+    }
+
+    /// Byte offset of own component `component` inside the own area of `layer`.
+    fn own_offset(&self, component: ComponentId, layer: u32) -> Result<u64, DeviceError> {
+        let mut off = 0u64;
+        for c in self.pool.geometry().components() {
+            if !self.shape.own.contains(&c.id) || c.position(layer).is_none() {
+                continue;
+            }
+            if c.id == component {
+                return Ok(off);
+            }
+            off += c.page_layer_bytes * self.slots.len() as u64;
+        }
+        Err(DeviceError::OutOfPool {
+            component: component.0,
+            layer,
+            slot: u32::MAX,
+            reason: "not an own component carried on this layer",
+        })
+    }
+
+    fn span(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        first: usize,
+        pages: usize,
+    ) -> Result<RowSpan, DeviceError> {
+        let (pool, _) = self.pool.buffer(component, layer)?;
+        Ok(RowSpan {
+            first_page: first,
+            pages,
+            row: self.layout(component)?.page_layer_bytes,
+            pool,
+            slot_table: self.slot_table.as_ref().map_or(0, DeviceMemory::addr),
+        })
+    }
+
+    fn count(&self, layer: u32, m: Moved) {
+        let mut s = self.stats.lock();
+        s.copies += m.copies;
+        s.kernel_launches += m.launches;
+        self.log.add(layer, |t| {
+            t.host_to_device += m.host_to_device;
+            t.device_to_device += m.device_to_device;
+            t.device_to_host += m.device_to_host;
+        });
+    }
+
+    /// Records an event on the load stream as a fence of half `h`.
+    fn fence(&self, h: usize) -> Result<SharedEvent, DeviceError> {
+        let ev = self.stream.record()?;
+        self.halves[h].fences.push(ev.clone());
+        Ok(ev)
+    }
+}
+
+/// Checks a batch's shape against the pool and the half size.
+fn check_shape(
+    pool: &DeviceKvPool,
+    shape: &BatchShape,
+    pages: usize,
+    half_bytes: usize,
+) -> Result<(), DeviceError> {
+    let g = pool.geometry();
+    for &c in shape.own.iter().chain(&shape.shared) {
+        let layout = g
+            .component(c)
+            .map_err(|_| stage_err("unknown component in the shape"))?;
+        if shape.shared.contains(&c) && (shape.own.contains(&c) || !layout.replicated) {
+            return Err(stage_err(
+                "a shared component must be replicated and not own",
+            ));
+        }
+    }
+    if !shape.share_bytes.is_empty() && shape.share_bytes.len() != g.num_layers() as usize {
+        return Err(stage_err("share_bytes must name every layer"));
+    }
+    for l in 0..g.num_layers() {
+        let own: u64 = g
+            .components()
+            .iter()
+            .filter(|c| shape.own.contains(&c.id) && c.position(l).is_some())
+            .map(|c| c.page_layer_bytes * pages as u64)
+            .sum();
+        let need = own + shape.share_len(l) as u64;
+        if need > half_bytes as u64 {
+            return Err(DeviceError::Alloc {
+                bytes: need * 2,
+                what: "staging buffer (a half is smaller than one layer of this batch)",
+            });
+        }
+    }
+    Ok(())
+}
+
+impl LayerLanding for StagedLanding {
+    fn take_stages(&mut self) -> Vec<LayerStage> {
+        std::mem::take(&mut self.stages)
+    }
+
+    fn open(
+        &self,
+        stage: &mut LayerStage,
+        layer: u32,
+        deadline: Instant,
+    ) -> Result<(), DeviceError> {
+        let h = stage.half(self.id)?;
+        if layer >= self.pool.geometry().num_layers() {
+            return Err(stage_err("layer past the model"));
+        }
+        let half = &self.halves[h];
+        if half.fences.busy() {
+            self.stats.lock().reuse_waits += 1;
+        }
+        half.fences.drain(deadline, "staging half reuse")?;
+        *half.upload.lock() = None;
+        stage.set_layer(Some(layer));
+        Ok(())
+    }
+
+    fn target(
+        &self,
+        stage: &LayerStage,
+        component: ComponentId,
+        plan_page: usize,
+    ) -> Result<usize, DeviceError> {
+        let (h, layer) = stage.open_layer(self.id)?;
+        if plan_page >= self.slots.len() {
+            return Err(DeviceError::OutOfPool {
+                component: component.0,
+                layer,
+                slot: u32::MAX,
+                reason: "plan page without a slot",
+            });
+        }
+        let row = self.layout(component)?.page_layer_bytes;
+        let off = self.shape.share_len(layer) as u64 + self.own_offset(component, layer)?;
+        Ok(self.lease_ref()?.host_half(h)? + (off + plan_page as u64 * row) as usize)
+    }
+
+    fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
+        let (h, layer) = stage.open_layer(self.id)?;
+        stage.set_layer(None);
+        if self.slots.is_empty() {
+            return Ok(LayerReady::Resident);
+        }
+        let lease = self.lease_ref()?;
+        let base = self.shape.share_len(layer) as u64;
+        for c in self.pool.geometry().components() {
+            if !self.shape.own.contains(&c.id) || c.position(layer).is_none() {
+                continue;
+            }
+            let off = base + self.own_offset(c.id, layer)?;
+            let span = self.span(c.id, layer, 0, self.slots.len())?;
+            let from = Staged::Host {
+                host: lease.host_half(h)? + off as usize,
+                dev: lease.device_half(h)? + off,
+            };
+            // SAFETY: the rows lie in this half's own area (sizes checked in `new`), the slots
+            // in the pool (checked in `new`); the half is reused and the lease released only
+            // after the event recorded below (a fence), and the pool outlives the landing.
+            let m = unsafe { copy::scatter(&self.stream, self.strategy, &self.slots, span, from) }?;
+            self.count(layer, m);
+        }
+        let ev = self.fence(h)?;
+        self.stats.lock().layers += 1;
+        Ok(LayerReady::Event(ev))
+    }
+
+    fn poison(&self, stage: &mut LayerStage) {
+        if let Ok(h) = stage.half(self.id) {
+            self.halves[h].fences.poison();
+        }
+    }
+
+    fn transfers(&self) -> Vec<TransferBytes> {
+        self.log.all()
+    }
+
+    fn share(&self) -> ShareSide<'_> {
+        ShareSide::Device(self)
+    }
+}
+
+impl DeviceShare for StagedLanding {
+    fn share_target(
+        &self,
+        stage: &LayerStage,
+        offset: usize,
+        len: usize,
+    ) -> Result<usize, DeviceError> {
+        let (h, layer) = stage.open_layer(self.id)?;
+        if offset
+            .checked_add(len)
+            .is_none_or(|e| e > self.shape.share_len(layer))
+        {
+            return Err(stage_err("a row outside the share area"));
+        }
+        Ok(self.lease_ref()?.host_half(h)? + offset)
+    }
+
+    fn upload(&self, stage: &mut LayerStage, range: Range<usize>) -> Result<(), DeviceError> {
+        let (h, layer) = stage.open_layer(self.id)?;
+        if range.start > range.end || range.end > self.shape.share_len(layer) {
+            return Err(stage_err("an upload outside the share area"));
+        }
+        if !range.is_empty() {
+            let lease = self.lease_ref()?;
+            let t = Transfer::ToDevice {
+                dst: lease.device_half(h)? + range.start as u64,
+                src: lease.host_half(h)? + range.start,
+                len: range.len(),
+            };
+            // SAFETY: both ranges lie in this half (share area checked above, halves sized
+            // in `new`); the reader finished writing it; the half is reused only after the
+            // event recorded below (a fence).
+            unsafe { self.stream.transfer(t)? };
+            self.count(
+                layer,
+                Moved {
+                    copies: 1,
+                    host_to_device: range.len() as u64,
+                    ..Moved::default()
+                },
+            );
+        }
+        let ev = self.fence(h)?;
+        *self.halves[h].upload.lock() = Some(ev);
+        Ok(())
+    }
+
+    fn device_stage<'s>(
+        &'s self,
+        stage: &'s mut LayerStage,
+    ) -> Result<DeviceStage<'s>, DeviceError> {
+        let (h, layer) = stage.open_layer(self.id)?;
+        let region = DeviceRegion {
+            ordinal: self.pool.device().ordinal(),
+            addr: self.lease_ref()?.device_half(h)?,
+            len: self.shape.share_len(layer),
+        };
+        let after = self.halves[h].upload.lock().clone();
+        // SAFETY: the region is the share area of this half's device memory (sized in `new`),
+        // owned by the lease, which is released only after every fence of the half completed
+        // (Drop drains them, or quarantines the lease with them); `stage` is borrowed
+        // exclusively, so no other operation of this batch uses the half meanwhile.
+        Ok(unsafe {
+            DeviceStage::new(
+                region,
+                after,
+                layer,
+                &self.halves[h].fences,
+                &self.log,
+                stage,
+            )
+        })
+    }
+
+    fn scatter(
+        &self,
+        stage: &mut LayerStage,
+        blocks: &[RowBlock],
+        after: &SharedEvent,
+    ) -> Result<(), DeviceError> {
+        let (h, layer) = stage.open_layer(self.id)?;
+        self.stream.wait(after)?;
+        let dev = self.lease_ref()?.device_half(h)?;
+        let share = self.shape.share_len(layer) as u64;
+        for b in blocks {
+            let c = self.layout(b.component)?;
+            if !self.shape.shared.contains(&b.component) || c.position(layer).is_none() {
+                return Err(stage_err(
+                    "a row block of a component not shared on this layer",
+                ));
+            }
+            if b.first_page
+                .checked_add(b.pages)
+                .is_none_or(|e| e > self.slots.len())
+            {
+                return Err(stage_err("a row block past the plan"));
+            }
+            let end = b.offset as u64 + b.pages as u64 * c.page_layer_bytes;
+            if end > share {
+                return Err(stage_err("a row block outside the share area"));
+            }
+            let span = self.span(b.component, layer, b.first_page, b.pages)?;
+            // SAFETY: the block's rows lie in the device share area (checked), its slots in
+            // the pool; the load stream waits for the collective first; the half is reused
+            // only after the layer event that `land` records after this (a fence).
+            let m = unsafe {
+                copy::scatter(
+                    &self.stream,
+                    self.strategy,
+                    &self.slots,
+                    span,
+                    Staged::Device(dev + b.offset as u64),
+                )
+            }?;
+            self.count(layer, m);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for StagedLanding {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let deadline = Instant::now() + self.drain;
+        let poisoned = self.halves.iter().any(|h| h.fences.is_poisoned());
+        let drained = !poisoned
+            && self
+                .halves
+                .iter()
+                .all(|h| h.fences.drain(deadline, "staging release").is_ok());
+        if drained {
+            return;
+        }
+        // Work no fence tells the end of: the lease is never handed out again.
+        let unfenced = self.halves.iter().any(|h| h.fences.is_unfenced());
+        let fences: Vec<SharedEvent> = self.halves.iter().flat_map(|h| h.fences.take()).collect();
+        let fences = if unfenced { Vec::new() } else { fences };
+        lease.quarantine(fences, self.slot_table.take().into_iter().collect());
+    }
+}

@@ -1,0 +1,213 @@
+//! The KV pool in device memory.
+
+use std::fmt;
+use std::sync::Arc;
+
+use kv_geometry::{ComponentId, KvGeometry};
+
+use super::sync::{self, SYNC_LIMIT};
+use crate::pool::{locate, locate_slice};
+use crate::{Device, DeviceError, DeviceMemory, KvPool, Residence};
+
+/// A KV pool in the memory of one device: one zeroed buffer per (component, carried layer),
+/// laid out exactly as [`HostKvPool`](crate::HostKvPool) (slot `s` at `s * page_layer_bytes`).
+/// [`KvPool::slot_addr`] returns device addresses.
+///
+/// A store cannot write it directly; loads go through a [`StagedLanding`](super::StagedLanding)
+/// (pinned staging, then copies on the device's load stream). `read_slot` / `write_slot` copy
+/// synchronously through the load stream (after the landings' work enqueued there).
+///
+/// ```
+/// use std::sync::Arc;
+/// use kv_device::{CpuDevice, DeviceKvPool, KvPool};
+/// use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
+/// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+/// let pool = DeviceKvPool::new(CpuDevice::new(0).unwrap(), g, 4).unwrap();
+/// pool.write_slot(ComponentId(1), 0, 3, &[9u8; 8448]).unwrap();
+/// let mut out = vec![0u8; 8448];
+/// pool.read_slot(ComponentId(1), 0, 3, &mut out).unwrap();
+/// assert_eq!(out, vec![9u8; 8448]);
+/// ```
+pub struct DeviceKvPool {
+    device: Arc<dyn Device>,
+    geometry: KvGeometry,
+    pages: u32,
+    buffers: Vec<DeviceMemory>,
+}
+
+impl fmt::Debug for DeviceKvPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceKvPool")
+            .field("device", &self.device)
+            .field("pages", &self.pages)
+            .field("buffers", &self.buffers.len())
+            .finish()
+    }
+}
+
+impl DeviceKvPool {
+    /// A zeroed pool of `pages` page slots for `geometry` on `device`.
+    pub fn new(
+        device: Arc<dyn Device>,
+        geometry: KvGeometry,
+        pages: u32,
+    ) -> Result<Self, DeviceError> {
+        let mut buffers = Vec::new();
+        for c in geometry.components() {
+            let bytes = c.page_layer_bytes * u64::from(pages);
+            let len = usize::try_from(bytes).map_err(|_| DeviceError::Alloc {
+                bytes,
+                what: "device pool buffer",
+            })?;
+            for _ in &c.layers {
+                buffers.push(device.alloc(len, "device pool buffer")?);
+            }
+        }
+        Ok(DeviceKvPool {
+            device,
+            geometry,
+            pages,
+            buffers,
+        })
+    }
+
+    /// The device it lives on.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// The device buffer of (`component`, `layer`): (address, bytes).
+    pub fn buffer(&self, component: ComponentId, layer: u32) -> Result<(u64, usize), DeviceError> {
+        let (buf, _) = locate(&self.geometry, self.pages, component, layer, 0)?;
+        Ok((self.buffers[buf].addr(), self.buffers[buf].len()))
+    }
+
+    fn slice(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        len: usize,
+    ) -> Result<u64, DeviceError> {
+        let (buf, off) = locate_slice(&self.geometry, self.pages, component, layer, slot, len)?;
+        Ok(self.buffers[buf].addr() + off)
+    }
+
+    /// Copies one slot's slice out, after everything enqueued on the load stream so far (so a
+    /// landing's copies are in). `out` must be exactly the slice's length.
+    pub fn read_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        let src = self.slice(component, layer, slot, out.len())?;
+        // SAFETY: `src` lies in our buffer with `out.len()` bytes (checked by `slice`); the
+        // caller orders this after any writer other than the load stream.
+        unsafe { sync::read(&*self.device, src, out) }
+    }
+
+    /// Copies `data` into one slot's slice (as an engine's attention would write new KV). The
+    /// caller owns the slot (no load targets it).
+    pub fn write_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        let dst = self.slice(component, layer, slot, data.len())?;
+        // SAFETY: `dst` lies in our buffer with `data.len()` bytes; the caller owns the slot.
+        unsafe { sync::write(&*self.device, dst, data) }
+    }
+
+    /// Copies buffer `index` (in [`KvPool::regions`] order) out, after the load stream's work.
+    pub fn read_buffer(&self, index: usize, out: &mut [u8]) -> Result<(), DeviceError> {
+        let b = self.buffers.get(index).ok_or(DeviceError::OutOfPool {
+            component: u16::MAX,
+            layer: u32::MAX,
+            slot: u32::MAX,
+            reason: "no such buffer",
+        })?;
+        if out.len() != b.len() {
+            return Err(DeviceError::OutOfPool {
+                component: u16::MAX,
+                layer: u32::MAX,
+                slot: u32::MAX,
+                reason: "buffer length differs",
+            });
+        }
+        // SAFETY: the whole buffer, ours; the caller orders this after other writers.
+        unsafe { sync::read(&*self.device, b.addr(), out) }
+    }
+
+    /// Zeroes every buffer (after the load stream's work; no other device work may use the
+    /// pool meanwhile).
+    pub fn clear(&self) -> Result<(), DeviceError> {
+        let chunk = self
+            .buffers
+            .iter()
+            .map(DeviceMemory::len)
+            .max()
+            .unwrap_or(0)
+            .min(64 << 20);
+        let zeros = vec![0u8; chunk];
+        for b in &self.buffers {
+            let mut off = 0;
+            while off < b.len() {
+                let n = chunk.min(b.len() - off);
+                // SAFETY: `off..off + n` lies in our buffer; the caller keeps others away.
+                unsafe { sync::write(&*self.device, b.addr() + off as u64, &zeros[..n]) }?;
+                off += n;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl KvPool for DeviceKvPool {
+    fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    fn pages(&self) -> u32 {
+        self.pages
+    }
+
+    fn residence(&self) -> Residence {
+        Residence::Device {
+            ordinal: self.device.ordinal(),
+        }
+    }
+
+    fn slot_addr(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+    ) -> Result<usize, DeviceError> {
+        let (buf, off) = locate(&self.geometry, self.pages, component, layer, slot)?;
+        Ok((self.buffers[buf].addr() + off) as usize)
+    }
+
+    fn regions(&self) -> Vec<(usize, usize)> {
+        self.buffers
+            .iter()
+            .map(|b| (b.addr() as usize, b.len()))
+            .collect()
+    }
+}
+
+impl Drop for DeviceKvPool {
+    fn drop(&mut self) {
+        // Landings wait for their copies before they go; a stream that never finished (a
+        // stalled device) may still write the buffers: keep them rather than free them.
+        if let Err(e) = sync::drain(&self.device.load_stream(), SYNC_LIMIT) {
+            tracing::error!(error = %e, "device pool dropped with load-stream work pending; leaking its buffers");
+            for b in self.buffers.drain(..) {
+                std::mem::forget(b);
+            }
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! A reusable pool of staging buffers: pinned host memory (what the store writes into) paired
+//! with device memory of the same size (where rows wait for the collective and the scatter).
+//! Allocated once (pinned allocation is slow and synchronizing on CUDA), leased per batch.
+//!
+//! A lease whose device work may still be running when its batch ends (a wait for it timed
+//! out) is **quarantined**, not returned: it is handed out again only once every event that
+//! fences it has completed, and never freed before.
+
+use std::fmt;
+use std::sync::Arc;
+
+use kv_geometry::KvGeometry;
+use parking_lot::Mutex;
+
+use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, SharedEvent};
+
+/// One staging buffer pair, each split in two halves.
+pub(crate) struct StagingPair {
+    host: PinnedMemory,
+    dev: DeviceMemory,
+}
+
+/// A pair that device work may still use, with the events that say when it is done (none:
+/// unknown, it is never handed out again) and anything else that work may touch.
+struct Quarantined {
+    pair: StagingPair,
+    fences: Vec<SharedEvent>,
+    _extra: Vec<DeviceMemory>,
+}
+
+impl Quarantined {
+    /// True when every fence has completed (or failed: its stream runs nothing more).
+    fn settled(&self) -> bool {
+        !self.fences.is_empty()
+            && self
+                .fences
+                .iter()
+                .all(|f| !matches!(f.is_complete(), Ok(false)))
+    }
+}
+
+/// Staging buffers of one device, allocated once and reused.
+///
+/// Each buffer holds two halves of [`half_bytes`](StagingPool::half_bytes): a batch's two
+/// stages, so the read of layer *l+1* fills one half while the copies of *l* drain the other.
+///
+/// ```
+/// use kv_device::{CpuDevice, StagingPool};
+/// let pool = StagingPool::new(CpuDevice::new(0).unwrap(), 1 << 16, 2).unwrap();
+/// let lease = pool.lease().unwrap();
+/// assert_eq!(pool.available(), 1);
+/// drop(lease);
+/// assert_eq!(pool.available(), 2);
+/// ```
+pub struct StagingPool {
+    device: Arc<dyn Device>,
+    half_bytes: usize,
+    free: Mutex<Vec<StagingPair>>,
+    quarantine: Mutex<Vec<Quarantined>>,
+    host_regions: Vec<(usize, usize)>,
+    count: usize,
+}
+
+impl fmt::Debug for StagingPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StagingPool")
+            .field("half_bytes", &self.half_bytes)
+            .field("count", &self.count)
+            .finish()
+    }
+}
+
+impl StagingPool {
+    /// `count` staging buffers whose halves hold `half_bytes` each (at least one layer of the
+    /// largest batch, share area included: [`StagingPool::half_bytes_for`]).
+    pub fn new(
+        device: Arc<dyn Device>,
+        half_bytes: usize,
+        count: usize,
+    ) -> Result<Arc<Self>, DeviceError> {
+        let total = half_bytes.checked_mul(2).ok_or(DeviceError::Alloc {
+            bytes: u64::MAX,
+            what: "staging buffer",
+        })?;
+        let mut free = Vec::with_capacity(count);
+        let mut host_regions = Vec::with_capacity(count);
+        for _ in 0..count {
+            let host = device.alloc_pinned(total, "pinned staging")?;
+            let dev = device.alloc(total, "device staging")?;
+            host_regions.push((host.addr(), host.len()));
+            free.push(StagingPair { host, dev });
+        }
+        Ok(Arc::new(StagingPool {
+            device,
+            half_bytes,
+            free: Mutex::new(free),
+            quarantine: Mutex::new(Vec::new()),
+            host_regions,
+            count,
+        }))
+    }
+
+    /// Bytes a half needs for batches of up to `pages` pages at TP `tp_size`: the widest layer,
+    /// with the share area's padding (a `SplitAllGather` share area holds `tp_size` chunks of
+    /// the largest share).
+    pub fn half_bytes_for(geometry: &KvGeometry, pages: usize, tp_size: u32) -> usize {
+        let padded = pages.div_ceil(tp_size.max(1) as usize) * tp_size.max(1) as usize;
+        (geometry.max_layer_bytes_per_page() as usize).saturating_mul(padded.max(pages))
+    }
+
+    /// Bytes per half.
+    pub fn half_bytes(&self) -> usize {
+        self.half_bytes
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// Every pinned host region (address, length), leased or not: register them with the
+    /// store once, at start.
+    pub fn host_regions(&self) -> Vec<(usize, usize)> {
+        self.host_regions.clone()
+    }
+
+    /// Buffers in the pool.
+    pub fn capacity(&self) -> usize {
+        self.count
+    }
+
+    /// Buffers that can be leased now (quarantined ones whose work has finished count).
+    pub fn available(&self) -> usize {
+        self.reclaim();
+        self.free.lock().len()
+    }
+
+    /// Buffers held back because device work may still use them.
+    pub fn quarantined(&self) -> usize {
+        self.reclaim();
+        self.quarantine.lock().len()
+    }
+
+    /// Moves quarantined pairs whose work has finished back to the free list.
+    fn reclaim(&self) {
+        let mut q = self.quarantine.lock();
+        let mut free = self.free.lock();
+        let mut i = 0;
+        while i < q.len() {
+            if q[i].settled() {
+                let back = q.swap_remove(i);
+                tracing::info!("a quarantined staging buffer is free again");
+                free.push(back.pair);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Leases a buffer; [`DeviceError::Alloc`] when every buffer is leased or quarantined (the
+    /// caller limits batches in flight to the pool's capacity).
+    pub fn lease(self: &Arc<Self>) -> Result<StagingLease, DeviceError> {
+        self.reclaim();
+        let pair = self.free.lock().pop().ok_or(DeviceError::Alloc {
+            bytes: (self.half_bytes * 2) as u64,
+            what: "staging buffer (every buffer of the pool is leased or quarantined)",
+        })?;
+        Ok(StagingLease {
+            pool: self.clone(),
+            pair: Some(pair),
+        })
+    }
+}
+
+impl Drop for StagingPool {
+    fn drop(&mut self) {
+        for q in self.quarantine.get_mut().drain(..) {
+            if q.settled() {
+                continue;
+            }
+            tracing::error!("staging pool dropped while device work may still use a quarantined buffer; leaking it");
+            std::mem::forget(q);
+        }
+    }
+}
+
+/// A leased staging buffer; returns to its pool on drop. The holder waits for the device work
+/// that uses it before dropping it, or [quarantines](StagingLease::quarantine) it.
+pub struct StagingLease {
+    pool: Arc<StagingPool>,
+    pair: Option<StagingPair>,
+}
+
+impl fmt::Debug for StagingLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StagingLease")
+            .field("half_bytes", &self.pool.half_bytes)
+            .finish()
+    }
+}
+
+impl StagingLease {
+    fn pair(&self) -> Result<&StagingPair, DeviceError> {
+        self.pair
+            .as_ref()
+            .ok_or(DeviceError::InvalidStage("the lease was given up"))
+    }
+
+    /// Bytes per half.
+    pub fn half_bytes(&self) -> usize {
+        self.pool.half_bytes
+    }
+
+    /// Host address of half `half` (0 or 1).
+    pub fn host_half(&self, half: usize) -> Result<usize, DeviceError> {
+        Ok(self.pair()?.host.addr() + (half & 1) * self.pool.half_bytes)
+    }
+
+    /// Device address of half `half` (0 or 1).
+    pub fn device_half(&self, half: usize) -> Result<u64, DeviceError> {
+        Ok(self.pair()?.dev.addr() + ((half & 1) * self.pool.half_bytes) as u64)
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.pool.device
+    }
+
+    /// Gives the buffer back to the pool's quarantine instead of its free list: it is leased
+    /// again only once every event of `fences` has completed (never, when `fences` is empty),
+    /// and `extra` (memory the same work may touch) lives as long.
+    pub fn quarantine(mut self, fences: Vec<SharedEvent>, extra: Vec<DeviceMemory>) {
+        if let Some(pair) = self.pair.take() {
+            tracing::error!(
+                fences = fences.len(),
+                "staging buffer quarantined: device work on it may still be running"
+            );
+            self.pool.quarantine.lock().push(Quarantined {
+                pair,
+                fences,
+                _extra: extra,
+            });
+        }
+    }
+}
+
+impl Drop for StagingLease {
+    fn drop(&mut self) {
+        if let Some(pair) = self.pair.take() {
+            self.pool.free.lock().push(pair);
+        }
+    }
+}

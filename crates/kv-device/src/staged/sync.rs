@@ -1,0 +1,93 @@
+//! Synchronous copies over a stream, bounded: for pool reads and writes outside loads, and
+//! small uploads (the slot table).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::{Device, DeviceError, PinnedMemory, Stream, Transfer};
+
+/// Longest a synchronous copy waits for its stream.
+pub(crate) const SYNC_LIMIT: Duration = Duration::from_secs(60);
+
+/// Waits for everything enqueued on `stream` so far, at most `limit`.
+pub(crate) fn drain(stream: &Arc<dyn Stream>, limit: Duration) -> Result<(), DeviceError> {
+    let ev = stream.record()?;
+    match ev.wait_until(Instant::now() + limit)? {
+        true => Ok(()),
+        false => Err(DeviceError::Timeout {
+            what: "stream drain",
+            waited: limit,
+        }),
+    }
+}
+
+/// Runs `transfer` (whose host side is `host`) on `stream` and waits for it, at most
+/// [`SYNC_LIMIT`]. On a timeout `host` is leaked: the copy may still touch it.
+///
+/// # Safety
+/// The transfer's device side is valid and untouched by others until this returns (or, on a
+/// timeout, for ever); its host side lies inside `host`.
+pub(crate) unsafe fn run(
+    stream: &Arc<dyn Stream>,
+    transfer: Transfer,
+    host: PinnedMemory,
+) -> Result<PinnedMemory, DeviceError> {
+    // SAFETY: the caller's promise for the device side; the host side is inside `host`, which
+    // lives until the copy is known finished (or is leaked).
+    unsafe { stream.transfer(transfer)? };
+    match drain(stream, SYNC_LIMIT) {
+        Ok(()) => Ok(host),
+        Err(e) => {
+            tracing::error!(error = %e, "synchronous copy did not finish; leaking its host buffer");
+            std::mem::forget(host);
+            Err(e)
+        }
+    }
+}
+
+/// Copies `data` to device address `dst` and waits (bounded).
+///
+/// # Safety
+/// `dst` is device memory of `device` valid for `data.len()` bytes, untouched by others until
+/// this returns (for ever on a timeout).
+pub(crate) unsafe fn write(device: &dyn Device, dst: u64, data: &[u8]) -> Result<(), DeviceError> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    let host = device.alloc_pinned(data.len(), "synchronous copy")?;
+    // SAFETY: `host` is ours, `data.len()` bytes, not shared yet.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), host.addr() as *mut u8, data.len()) };
+    let t = Transfer::ToDevice {
+        dst,
+        src: host.addr(),
+        len: data.len(),
+    };
+    // SAFETY: the caller's promise for `dst`; the source is `host`.
+    unsafe { run(&device.load_stream(), t, host) }.map(drop)
+}
+
+/// Copies `out.len()` bytes from device address `src` into `out` and waits (bounded).
+///
+/// # Safety
+/// `src` is device memory of `device` valid for `out.len()` bytes, not written by others
+/// until this returns (for ever on a timeout).
+pub(crate) unsafe fn read(
+    device: &dyn Device,
+    src: u64,
+    out: &mut [u8],
+) -> Result<(), DeviceError> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    let host = device.alloc_pinned(out.len(), "synchronous copy")?;
+    let t = Transfer::ToHost {
+        dst: host.addr(),
+        src,
+        len: out.len(),
+    };
+    // SAFETY: the caller's promise for `src`; the destination is `host`.
+    let host = unsafe { run(&device.load_stream(), t, host) }?;
+    // SAFETY: the copy finished; `host` holds `out.len()` bytes and is ours.
+    unsafe { std::ptr::copy_nonoverlapping(host.addr() as *const u8, out.as_mut_ptr(), out.len()) };
+    Ok(())
+}

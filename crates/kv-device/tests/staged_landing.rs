@@ -1,0 +1,403 @@
+//! The staged landing over the CPU device: own rows and shared rows land byte for byte in
+//! every scatter strategy, bytes are counted by direction, a half is never reused before its
+//! fences complete, and a poisoned lease is quarantined until its work is done.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_device::{
+    BatchShape, CpuDevice, CpuDeviceConfig, Device, DeviceError, DeviceKvPool, DeviceShare,
+    LandingFactory, LayerLanding, RowBlock, ScatterStrategy, ShareSide, StagedLanding,
+    StagedLandingFactory, StagingPool,
+};
+use kv_geometry::{
+    ComponentId, ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, RowUnit,
+};
+use kv_loader::LayerReady;
+
+/// 4 layers: `k` (replicated, every layer), `ix` (replicated, layers 1 and 3), `v` (sharded).
+fn geometry() -> KvGeometry {
+    let spec = ModelKvSpec::new(
+        "staged-test",
+        4,
+        4,
+        vec![
+            ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 10),
+            ComponentSpec::new("ix", RowUnit::Page, ElementType::Bytes, 24)
+                .on_layers(LayerMap::Sparse(vec![1, 3])),
+            ComponentSpec::new("v", RowUnit::Token, ElementType::Bytes, 6).sharded(2),
+        ],
+    )
+    .unwrap();
+    KvGeometry::new(spec, 2, 1).unwrap()
+}
+
+fn byte(c: ComponentId, layer: u32, page: usize, i: usize) -> u8 {
+    (c.0 as usize * 71 + layer as usize * 13 + page * 7 + i) as u8
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+fn row(g: &KvGeometry, c: ComponentId, layer: u32, page: usize) -> Vec<u8> {
+    let len = g.component(c).unwrap().page_layer_bytes as usize;
+    (0..len).map(|i| byte(c, layer, page, i)).collect()
+}
+
+fn write(addr: usize, data: &[u8]) {
+    // SAFETY: callers pass a target a landing handed out for exactly these bytes, which
+    // nothing else touches while the stage is held.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
+}
+
+fn check_pool(pool: &DeviceKvPool, g: &KvGeometry, slots: &[u32], comps: &[ComponentId]) {
+    for &c in comps {
+        for &l in &g.component(c).unwrap().layers {
+            for (p, &s) in slots.iter().enumerate() {
+                let want = row(g, c, l, p);
+                let mut got = vec![0u8; want.len()];
+                pool.read_slot(c, l, s, &mut got).unwrap();
+                assert_eq!(got, want, "component {} layer {l} page {p} slot {s}", c.0);
+            }
+        }
+    }
+}
+
+struct Rig {
+    dev: Arc<CpuDevice>,
+    g: KvGeometry,
+    pool: Arc<DeviceKvPool>,
+    staging: Arc<StagingPool>,
+}
+
+fn rig(config: CpuDeviceConfig, pool_pages: u32, batch_pages: usize, leases: usize) -> Rig {
+    let dev = CpuDevice::with_config(0, config).unwrap();
+    let g = geometry();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), pool_pages).unwrap());
+    let half = StagingPool::half_bytes_for(&g, batch_pages, 2);
+    let staging = StagingPool::new(dev.clone(), half, leases).unwrap();
+    Rig {
+        dev,
+        g,
+        pool,
+        staging,
+    }
+}
+
+fn all(g: &KvGeometry) -> Vec<ComponentId> {
+    g.components().iter().map(|c| c.id).collect()
+}
+
+#[test]
+fn own_rows_land_byte_for_byte_in_every_strategy() {
+    let jitter = CpuDeviceConfig {
+        max_op_delay: Duration::from_micros(300),
+        ..CpuDeviceConfig::default()
+    };
+    let r = rig(jitter, 40, 12, 1);
+    let scattered: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 40).collect();
+    let contiguous: Vec<u32> = (20..32).collect();
+    for (slots, strategy) in [
+        (&scattered, ScatterStrategy::Auto),
+        (&scattered, ScatterStrategy::Runs),
+        (&contiguous, ScatterStrategy::Auto),
+        (&contiguous, ScatterStrategy::Kernel),
+    ] {
+        let comps = all(&r.g);
+        let mut landing = StagedLanding::new(
+            r.pool.clone(),
+            r.staging.lease().unwrap(),
+            slots.clone().into(),
+            BatchShape::own_only(comps.clone()),
+        )
+        .unwrap()
+        .with_strategy(strategy);
+        let mut stages = landing.take_stages();
+        let mut expect_h2d = 0;
+        for layer in 0..r.g.num_layers() {
+            let stage = &mut stages[layer as usize % 2];
+            landing.open(stage, layer, soon()).unwrap();
+            for c in
+                r.g.components()
+                    .iter()
+                    .filter(|c| c.position(layer).is_some())
+            {
+                for p in 0..slots.len() {
+                    write(
+                        landing.target(stage, c.id, p).unwrap(),
+                        &row(&r.g, c.id, layer, p),
+                    );
+                }
+                expect_h2d += c.page_layer_bytes * slots.len() as u64;
+            }
+            assert!(matches!(landing.land(stage).unwrap(), LayerReady::Event(_)));
+        }
+        let moved: u64 = landing.transfers().iter().map(|t| t.host_to_device).sum();
+        assert_eq!(
+            moved, expect_h2d,
+            "{strategy:?}: every own byte crosses once"
+        );
+        let stats = landing.stats();
+        drop(landing);
+        assert_eq!(r.staging.available(), 1, "the lease is back");
+        check_pool(&r.pool, &r.g, slots, &comps);
+        let runs = 1 + slots.windows(2).filter(|w| w[0] + 1 != w[1]).count();
+        let kernel = match strategy {
+            ScatterStrategy::Kernel => true,
+            ScatterStrategy::Runs => false,
+            ScatterStrategy::Auto => runs > kv_device::DIRECT_RUNS_MAX,
+        };
+        assert_eq!(
+            stats.kernel_launches > 0,
+            kernel,
+            "{strategy:?}, {runs} runs"
+        );
+    }
+}
+
+/// The share path on one rank: rows written into the share area, uploaded, then scattered
+/// from device staging after the upload's event.
+#[test]
+fn shared_rows_scatter_from_device_staging_and_are_counted() {
+    let r = rig(CpuDeviceConfig::default(), 30, 6, 1);
+    let slots: Vec<u32> = vec![29, 3, 17, 4, 5, 11];
+    let g = &r.g;
+    let k = g.component_by_name("k").unwrap().clone();
+    let ix = g.component_by_name("ix").unwrap().clone();
+    let v = g.component_by_name("v").unwrap().id;
+    // Share area: one block per shared component carried on the layer, pages in plan order.
+    let blocks = |layer: u32| -> Vec<RowBlock> {
+        let mut off = 0;
+        [&k, &ix]
+            .into_iter()
+            .filter(|c| c.position(layer).is_some())
+            .map(|c| {
+                let b = RowBlock {
+                    component: c.id,
+                    first_page: 0,
+                    pages: 6,
+                    offset: off,
+                };
+                off += 6 * c.page_layer_bytes as usize;
+                b
+            })
+            .collect()
+    };
+    let share_bytes: Vec<usize> = (0..4)
+        .map(|l| {
+            blocks(l)
+                .iter()
+                .map(|b| b.pages * g.component(b.component).unwrap().page_layer_bytes as usize)
+                .sum()
+        })
+        .collect();
+    let shape = BatchShape {
+        own: vec![v],
+        shared: vec![k.id, ix.id],
+        share_bytes: share_bytes.clone(),
+    };
+    let factory = StagedLandingFactory::new(r.pool.clone(), r.staging.clone());
+    let mut landing = factory.begin(slots.clone().into(), shape).unwrap();
+    let mut stages = landing.take_stages();
+    let ShareSide::Device(share) = landing.share() else {
+        panic!("a staged landing shares through device memory");
+    };
+    for layer in 0..4 {
+        let stage = &mut stages[layer as usize % 2];
+        landing.open(stage, layer, soon()).unwrap();
+        for b in blocks(layer) {
+            let len = g.component(b.component).unwrap().page_layer_bytes as usize;
+            for i in 0..b.pages {
+                let at = share.share_target(stage, b.offset + i * len, len).unwrap();
+                write(at, &row(g, b.component, layer, b.first_page + i));
+            }
+        }
+        for p in 0..6 {
+            write(landing.target(stage, v, p).unwrap(), &row(g, v, layer, p));
+        }
+        share.upload(stage, 0..share_bytes[layer as usize]).unwrap();
+        let after = share
+            .device_stage(stage)
+            .unwrap()
+            .after()
+            .expect("an upload event");
+        share.scatter(stage, &blocks(layer), &after).unwrap();
+        landing.land(stage).unwrap();
+    }
+    let t = landing.transfers();
+    drop(landing);
+    check_pool(&r.pool, g, &slots, &[k.id, ix.id, v]);
+    let v_bytes = g.component(v).unwrap().page_layer_bytes * 6;
+    for (l, t) in t.iter().enumerate() {
+        assert_eq!(
+            t.host_to_device,
+            share_bytes[l] as u64 + v_bytes,
+            "layer {l}"
+        );
+        assert!(
+            t.device_to_device >= share_bytes[l] as u64,
+            "layer {l}: the scatter"
+        );
+        assert_eq!(t.device_to_host, 0);
+    }
+    // Misuse: a block outside the share area, a stage of another landing.
+    let mut other = factory
+        .begin(slots.clone().into(), BatchShape::own_only(vec![v]))
+        .unwrap();
+    let mut foreign = other.take_stages();
+    let mut landing = factory.begin(slots.into(), BatchShape::own_only(vec![v]));
+    assert!(landing.is_err(), "one lease: the second batch is refused");
+    assert!(matches!(
+        other.open(&mut foreign[0], 9, soon()),
+        Err(DeviceError::InvalidStage(_))
+    ));
+    landing = Ok(other);
+    let l = landing.unwrap();
+    let mut mine = stages.pop().unwrap();
+    assert!(matches!(
+        l.open(&mut mine, 0, soon()),
+        Err(DeviceError::InvalidStage(_))
+    ));
+}
+
+#[test]
+fn a_half_is_never_reused_before_its_fences_complete() {
+    let r = rig(CpuDeviceConfig::default(), 10, 4, 1);
+    let slots: Vec<u32> = vec![0, 1, 2, 3];
+    let k = r.g.component_by_name("k").unwrap().id;
+    let share: Vec<usize> = (0..4).map(|_| 4 * 10 * 4).collect();
+    let shape = BatchShape {
+        own: vec![],
+        shared: vec![k],
+        share_bytes: share,
+    };
+    let slow = CpuDevice::new(7).unwrap();
+    slow.stall_for(Duration::from_millis(600));
+    let mut landing = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        slots.into(),
+        shape,
+    )
+    .unwrap()
+    .with_drain_limit(Duration::from_millis(50));
+    let mut stages = landing.take_stages();
+    let stage = &mut stages[0];
+    landing.open(stage, 0, soon()).unwrap();
+    landing.upload(stage, 0..160).unwrap();
+    {
+        // A collective whose completion is late: its event fences the half.
+        let mut ds = landing.device_stage(stage).unwrap();
+        ds.fence(slow.load_stream().record().unwrap());
+    }
+    landing.land(stage).unwrap();
+    let t0 = Instant::now();
+    let reopened = landing.open(stage, 2, Instant::now() + Duration::from_millis(100));
+    assert!(
+        matches!(reopened, Err(DeviceError::Timeout { .. })),
+        "{reopened:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_millis(400));
+    // Nothing can be written into it: no layer is open, and it stays poisoned.
+    assert!(landing.target(stage, k, 0).is_err());
+    assert!(landing.share_target(stage, 0, 10).is_err());
+    assert!(matches!(
+        landing.open(stage, 2, soon()),
+        Err(DeviceError::Poisoned(_))
+    ));
+    drop(landing);
+    assert_eq!(
+        r.staging.quarantined(),
+        1,
+        "poisoned: quarantined, not freed"
+    );
+    assert!(r.staging.lease().is_err());
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(
+        r.staging.available(),
+        1,
+        "back once the late work completed"
+    );
+    assert!(r
+        .dev
+        .load_stream()
+        .record()
+        .unwrap()
+        .wait_until(soon())
+        .unwrap());
+}
+
+#[test]
+fn saves_gather_what_loads_landed() {
+    let r = rig(CpuDeviceConfig::default(), 16, 5, 1);
+    let slots: Vec<u32> = vec![9, 2, 15, 3, 4];
+    let comps = all(&r.g);
+    for (c, l, p) in comps.iter().flat_map(|&c| {
+        let layers = r.g.component(c).unwrap().layers.clone();
+        layers
+            .into_iter()
+            .flat_map(move |l| (0..5).map(move |p| (c, l, p)))
+    }) {
+        r.pool
+            .write_slot(c, l, slots[p], &row(&r.g, c, l, p))
+            .unwrap();
+    }
+    for strategy in [ScatterStrategy::Runs, ScatterStrategy::Kernel] {
+        let f =
+            StagedLandingFactory::new(r.pool.clone(), r.staging.clone()).with_strategy(strategy);
+        let mut save = f.begin_save(slots.clone().into()).unwrap();
+        for &c in &comps {
+            let len = r.g.component(c).unwrap().page_layer_bytes as usize;
+            for &l in &r.g.component(c).unwrap().layers {
+                let at = save.gather(c, l).unwrap();
+                for p in 0..5 {
+                    // SAFETY: the gather finished; its rows stay valid until the next call.
+                    let got =
+                        unsafe { std::slice::from_raw_parts((at + p * len) as *const u8, len) };
+                    assert_eq!(got, &row(&r.g, c, l, p)[..], "{strategy:?}");
+                }
+            }
+        }
+    }
+    assert_eq!(r.staging.available(), 1);
+    assert_eq!(r.dev.ordinal(), 0);
+}
+
+#[test]
+fn shapes_that_do_not_fit_or_do_not_match_are_refused() {
+    let r = rig(CpuDeviceConfig::default(), 10, 2, 2);
+    let g = &r.g;
+    let k = g.component_by_name("k").unwrap().id;
+    let v = g.component_by_name("v").unwrap().id;
+    let lease = || r.staging.lease().unwrap();
+    let too_many: Vec<u32> = (0..8).collect();
+    assert!(matches!(
+        StagedLanding::new(
+            r.pool.clone(),
+            lease(),
+            too_many.into(),
+            BatchShape::own_only(all(g))
+        ),
+        Err(DeviceError::Alloc { .. })
+    ));
+    let sharded_shared = BatchShape {
+        own: vec![],
+        shared: vec![v],
+        share_bytes: vec![0; 4],
+    };
+    assert!(StagedLanding::new(r.pool.clone(), lease(), vec![0].into(), sharded_shared).is_err());
+    let short = BatchShape {
+        own: vec![],
+        shared: vec![k],
+        share_bytes: vec![0; 3],
+    };
+    assert!(StagedLanding::new(r.pool.clone(), lease(), vec![0].into(), short).is_err());
+    assert!(StagedLanding::new(
+        r.pool.clone(),
+        lease(),
+        vec![10].into(),
+        BatchShape::own_only(all(g))
+    )
+    .is_err());
+}
