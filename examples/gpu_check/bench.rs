@@ -5,11 +5,14 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use kvlink::dedup_broadcast::nccl::{NcclConfig, NcclGroup};
-use kvlink::dedup_broadcast::{Buffer, Collective};
+use kvlink::dedup_broadcast::Collective;
 use kvlink::kv_device::cuda::cudarc::driver::{sys, CudaEvent};
 use kvlink::kv_device::cuda::cudarc::nccl as cnccl;
+use kvlink::kv_device::cuda::CudaLayerEvent;
 use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, DeviceBuffer, PinnedBuffer};
-use kvlink::kv_device::{LayerLanding, ScatterStrategy, StagedLanding, StagingPool};
+use kvlink::kv_device::{
+    DeviceRegion, LayerLanding, ScatterStrategy, SharedEvent, StagedLanding, StagingPool,
+};
 use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::{LayerReady, RawStream};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
@@ -505,6 +508,49 @@ fn timeline_svg(times: &[LayerTimes], tag: &str, wall: f64) -> String {
     s
 }
 
+/// One `broadcast_device` of `d` from rank 0: (call to completion seen by the host, ms; device
+/// time between load-stream events recorded before its `after` and after its completion, ms).
+fn timed_broadcast(
+    coll: &kvlink::dedup_broadcast::nccl::NcclCollective,
+    dev: &CudaDevice,
+    d: &DeviceBuffer,
+) -> Result<(f64, f64), String> {
+    let stream = dev.cuda_load_stream();
+    let start = timing_event(stream)?;
+    let after: SharedEvent = CudaLayerEvent::record_on(stream, 0).map_err(de)?;
+    let region = DeviceRegion {
+        ordinal: coll.ordinal(),
+        addr: d.ptr(),
+        len: d.len(),
+    };
+    let t0 = Instant::now();
+    // SAFETY: `d` is this rank's device buffer, untouched by other work until the returned
+    // event completes (waited for below).
+    let ev = unsafe {
+        coll.broadcast_device(
+            region,
+            Some(after),
+            0,
+            Instant::now() + Duration::from_secs(30),
+        )
+    }
+    .map_err(|e| e.to_string())?;
+    if let Some(cuda) = ev.as_any().downcast_ref::<CudaLayerEvent>() {
+        cuda.wait_on(stream).map_err(de)?;
+    }
+    let end = timing_event(stream)?;
+    if !ev
+        .wait_until(Instant::now() + Duration::from_secs(30))
+        .map_err(de)?
+    {
+        return Err("broadcast_device did not complete in 30 s".into());
+    }
+    let wall = t0.elapsed().as_secs_f64() * 1e3;
+    end.synchronize().map_err(|e| e.to_string())?;
+    let dms = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
+    Ok((wall, f64::from(dms)))
+}
+
 /// NCCL broadcast of one GLM-5.2 layer of a 128K prefix (131072 × 656 B): kvlink's
 /// collective vs raw NCCL (cudarc) for the same bytes, two GPUs.
 fn nccl_bench(args: &Args, gpus: u32, report: &mut Report) {
@@ -522,19 +568,10 @@ fn nccl_bench(args: &Args, gpus: u32, report: &mut Report) {
             let mut dev_ms = Vec::new();
             let mut wall = Vec::new();
             for i in 0..warm + iters {
-                let t0 = Instant::now();
-                // SAFETY: our device buffer on GPU 0, idle during the call.
-                unsafe {
-                    ranks[0].broadcast(
-                        Buffer::device(0, d.ptr() as usize, bytes),
-                        0,
-                        Instant::now() + Duration::from_secs(30),
-                    )
-                }
-                .map_err(|e| e.to_string())?;
+                let (w, dms) = timed_broadcast(&ranks[0], &dev, &d)?;
                 if i >= warm {
-                    wall.push(t0.elapsed().as_secs_f64() * 1e3);
-                    dev_ms.push(ranks[0].last_device_ms());
+                    wall.push(w);
+                    dev_ms.push(dms);
                 }
             }
             Ok(format!(
@@ -572,19 +609,10 @@ fn nccl_bench(args: &Args, gpus: u32, report: &mut Report) {
                         let mut dms = Vec::new();
                         for i in 0..warm + iters {
                             barrier.wait();
-                            let t0 = Instant::now();
-                            // SAFETY: this rank's device buffer, idle during the call.
-                            unsafe {
-                                coll.broadcast(
-                                    Buffer::device(r, d.ptr() as usize, bytes),
-                                    0,
-                                    Instant::now() + Duration::from_secs(30),
-                                )
-                            }
-                            .map_err(|e| e.to_string())?;
+                            let (w, d_ms) = timed_broadcast(coll, &dev, &d)?;
                             if i >= warm {
-                                wall.push(t0.elapsed().as_secs_f64() * 1e3);
-                                dms.push(coll.last_device_ms());
+                                wall.push(w);
+                                dms.push(d_ms);
                             }
                         }
                         Ok((median(&mut wall), median(&mut dms)))

@@ -8,13 +8,13 @@ use kvlink::dedup_broadcast::nccl::{
     nccl_unique_id, nccl_version, NcclCollective, NcclConfig, NcclGroup,
 };
 use kvlink::dedup_broadcast::{
-    all_gather_slices, broadcast_slice, Buffer, Collective, CollectiveError,
+    all_gather_slices, broadcast_slice, share_stage, Collective, CollectiveError, StageShare,
 };
 use kvlink::kv_device::cuda::cudarc::driver::result;
 use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, DeviceBuffer};
 use kvlink::kv_device::{
-    BatchShape, DeviceShare, DirectLanding, HostKvPool, KvPool, LayerLanding, RowBlock,
-    SharedEvent, StagedLanding, StagingPool,
+    BatchShape, DeviceRegion, DeviceShare, DirectLanding, HostKvPool, KvPool, LayerLanding,
+    RowBlock, SharedEvent, StagedLanding, StagingPool,
 };
 use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::LayerReady;
@@ -74,7 +74,7 @@ pub fn run(args: &Args, gpus: u32, report: &mut Report) {
     );
     report.check(
         SEC,
-        "1 rank dedup path: stage → broadcast_async → land_from_device",
+        "1 rank dedup path: upload → broadcast_device → scatter (share_stage)",
         || dedup_path(coll, args),
     );
     drop(ranks);
@@ -118,58 +118,46 @@ pub fn run_aborts(gpus: u32, report: &mut Report) {
     }
 }
 
+fn region(ordinal: u32, b: &DeviceBuffer) -> DeviceRegion {
+    DeviceRegion {
+        ordinal,
+        addr: b.ptr(),
+        len: b.len(),
+    }
+}
+
 fn device_ops(coll: &NcclCollective) -> Result<String, String> {
     let dev = CudaDevice::new(0).map_err(de)?;
     let n = 1 << 20;
     let mut host = vec![0u8; n];
     fill_row(&mut host, 3, 0, 0);
     let d = DeviceBuffer::zeroed(dev.context(), n, "test").map_err(de)?;
-    let d2 = DeviceBuffer::zeroed(dev.context(), n, "test").map_err(de)?;
     dev.bind().map_err(de)?;
     // SAFETY: synchronous copy into our buffer of `n` bytes.
     unsafe { result::memcpy_htod_sync(d.ptr(), &host) }.map_err(|e| e.to_string())?;
-    // SAFETY: `d` is our device buffer on GPU 0, untouched by other work during the call.
-    unsafe { coll.broadcast(Buffer::device(0, d.ptr() as usize, n), 0, soon()) }.map_err(ce)?;
-    // SAFETY: `d` (send) and `d2` (recv, size × n = n bytes) are ours, disjoint, idle.
-    unsafe {
-        coll.all_gather(
-            Buffer::device(0, d.ptr() as usize, n),
-            Buffer::device(0, d2.ptr() as usize, n),
-            soon(),
-        )
+    // The device operations: ordered after an event of the load stream, completion as an event.
+    let before: SharedEvent =
+        kvlink::kv_device::cuda::CudaLayerEvent::record_on(dev.cuda_load_stream(), 0)
+            .map_err(de)?;
+    // SAFETY: `d` is our device buffer on GPU 0, untouched by other work until the event.
+    let ev =
+        unsafe { coll.broadcast_device(region(0, &d), Some(before), 0, soon()) }.map_err(ce)?;
+    if !ev.wait_until(soon()).map_err(de)? {
+        return Err("broadcast_device did not complete".into());
     }
-    .map_err(ce)?;
+    // SAFETY: as above; in place (one rank: the chunk is the whole buffer).
+    let ev = unsafe { coll.all_gather_device(region(0, &d), Some(ev), soon()) }.map_err(ce)?;
+    if !ev.wait_until(soon()).map_err(de)? {
+        return Err("all_gather_device did not complete".into());
+    }
     let mut out = vec![0u8; n];
     dev.bind().map_err(de)?;
-    // SAFETY: synchronous copy out of our buffer (the collective completed before returning).
-    unsafe { result::memcpy_dtoh_sync(&mut out, d2.ptr()) }.map_err(|e| e.to_string())?;
+    // SAFETY: synchronous copy out of our buffer after the events completed.
+    unsafe { result::memcpy_dtoh_sync(&mut out, d.ptr()) }.map_err(|e| e.to_string())?;
     if out != host {
-        return Err("all_gather result differs".into());
+        return Err("device operations changed the bytes".into());
     }
-    // The asynchronous form: ordered after an event of the load stream, completion as an event.
-    let d3 = DeviceBuffer::zeroed(dev.context(), n, "test").map_err(de)?;
-    let before = kvlink::kv_device::cuda::CudaLayerEvent::record_on(dev.cuda_load_stream(), 0)
-        .map_err(de)?;
-    // SAFETY: `d` and `d3` are ours, disjoint, untouched until the returned event completes.
-    let ev = unsafe {
-        coll.all_gather_async(
-            Buffer::device(0, d.ptr() as usize, n),
-            Buffer::device(0, d3.ptr() as usize, n),
-            Some(before),
-            soon(),
-        )
-    }
-    .map_err(ce)?;
-    if !ev.wait_until(soon()).map_err(de)? {
-        return Err("all_gather_async did not complete".into());
-    }
-    dev.bind().map_err(de)?;
-    // SAFETY: synchronous copy out of our buffer after the event completed.
-    unsafe { result::memcpy_dtoh_sync(&mut out, d3.ptr()) }.map_err(|e| e.to_string())?;
-    if out != host {
-        return Err("all_gather_async result differs".into());
-    }
-    Ok("1 MiB broadcast, all_gather, all_gather_async: bytes equal".into())
+    Ok("1 MiB broadcast_device, all_gather_device (event-ordered): bytes equal".into())
 }
 
 fn host_ops(coll: &NcclCollective) -> Result<String, String> {
@@ -208,8 +196,13 @@ fn misuse(coll: &NcclCollective) -> Result<String, String> {
         Err(e @ CollectiveError::InvalidArgument { .. }) => seen.push(e.to_string()),
         other => return Err(format!("bad recv length: {other:?}")),
     }
-    // SAFETY: refused before any memory is touched (another GPU's residence).
-    match unsafe { coll.broadcast(Buffer::device(7, 0x1000, 16), 0, soon()) } {
+    let other = DeviceRegion {
+        ordinal: 7,
+        addr: 0x1000,
+        len: 16,
+    };
+    // SAFETY: refused before any memory is touched (another GPU's region).
+    match unsafe { coll.broadcast_device(other, None, 0, soon()) } {
         Err(e @ CollectiveError::InvalidArgument { .. }) => seen.push(e.to_string()),
         other => return Err(format!("other GPU: {other:?}")),
     }
@@ -306,22 +299,9 @@ fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> {
         staged
             .upload(s, 0..share_bytes[layer as usize])
             .map_err(de)?;
-        let bcast: SharedEvent = {
+        let bcast = {
             let mut stage = staged.device_stage(s).map_err(de)?;
-            let r = stage.region();
-            // SAFETY: the device stage vouches for the region until its fences complete, and
-            // the broadcast's event is pushed as a fence before the stage is released.
-            let ev = unsafe {
-                coll.broadcast_async(
-                    Buffer::device(0, r.addr as usize, r.len),
-                    0,
-                    stage.after(),
-                    soon(),
-                )
-            }
-            .map_err(ce)?;
-            stage.fence(ev.clone());
-            ev
+            share_stage(coll, &mut stage, StageShare::Broadcast { root: 0 }, soon()).map_err(ce)?
         };
         staged.scatter(s, &bl, &bcast).map_err(de)?;
         match staged.land(s).map_err(de)? {
@@ -386,9 +366,12 @@ fn two_ranks() -> Result<String, String> {
                         unsafe { result::memcpy_htod_sync(d.ptr(), &want) }
                             .map_err(|e| e.to_string())?;
                     }
-                    // SAFETY: `d` is this rank's device buffer, idle during the call.
-                    unsafe { coll.broadcast(Buffer::device(r, d.ptr() as usize, n), 0, soon()) }
+                    // SAFETY: `d` is this rank's device buffer, idle until the event completes.
+                    let ev = unsafe { coll.broadcast_device(region(r, &d), None, 0, soon()) }
                         .map_err(ce)?;
+                    if !ev.wait_until(soon()).map_err(de)? {
+                        return Err(format!("rank {r}: broadcast_device did not complete"));
+                    }
                     let mut got = vec![0u8; n];
                     dev.bind().map_err(de)?;
                     // SAFETY: synchronous copy out of our buffer after the broadcast completed.

@@ -6,58 +6,7 @@
 
 use std::time::Instant;
 
-use kv_device::{DeviceRegion, HostRow, Residence, SharedEvent};
-
-/// A caller-owned memory region: `len` bytes at `addr`, living where `residence` says.
-///
-/// The collective never owns the memory; the `unsafe` methods of [`Collective`] state what
-/// the caller guarantees about it. A zero-length buffer may have any address (it is never
-/// dereferenced).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Buffer {
-    /// First byte.
-    pub addr: usize,
-    /// Bytes.
-    pub len: usize,
-    /// Host memory or memory of one GPU. An implementation refuses (with
-    /// [`CollectiveError::InvalidArgument`]) a residence it cannot move.
-    pub residence: Residence,
-}
-
-impl Buffer {
-    /// A region of host memory.
-    pub fn host(addr: usize, len: usize) -> Self {
-        Buffer {
-            addr,
-            len,
-            residence: Residence::Host,
-        }
-    }
-
-    /// A region of the memory of GPU `ordinal`.
-    pub fn device(ordinal: u32, addr: usize, len: usize) -> Self {
-        Buffer {
-            addr,
-            len,
-            residence: Residence::Device { ordinal },
-        }
-    }
-
-    /// The host slice `bytes` (its address and length).
-    pub fn of_slice(bytes: &[u8]) -> Self {
-        Buffer::host(bytes.as_ptr() as usize, bytes.len())
-    }
-
-    /// One past the last byte (saturating).
-    pub fn end(&self) -> usize {
-        self.addr.saturating_add(self.len)
-    }
-
-    /// True when the two regions share at least one byte.
-    pub fn overlaps(&self, other: &Buffer) -> bool {
-        self.len > 0 && other.len > 0 && self.addr < other.end() && other.addr < self.end()
-    }
-}
+use kv_device::{DeviceRegion, HostRow, SharedEvent};
 
 /// Why a collective operation did not complete.
 ///
@@ -191,53 +140,23 @@ impl From<CollectiveError> for kv_loader::KvLoadError {
 /// briefly, for peers that are in the middle of copying from or to its memory: that wait is
 /// bounded by the copy, not by another rank's progress.)
 ///
-/// **Memory (the `unsafe` methods).** The caller guarantees, for the whole call:
-/// - every [`Buffer`] is valid for reads (what is sent) or writes (what receives) of its
-///   `len` bytes, in the memory its `residence` names, and stays allocated until the call
-///   returns, `Ok` or `Err`;
-/// - nothing else touches a receiving region during the call, nor writes a sending region
-///   (no other thread, no device work in flight);
-/// - the regions of different ranks do not overlap one another (each rank has its own);
-/// - within one call, regions relate only as the method allows (see `all_gather`).
+/// **Memory (the `unsafe` methods).** The caller guarantees, for the whole call (and, for the
+/// device operations, until the returned event completes): every region or row is valid for
+/// reads (what is sent) or writes (what receives) of its length, in the memory it names, and
+/// stays allocated; nothing else touches a receiving region nor writes a sending one; the
+/// regions of different ranks do not overlap one another (each rank has its own). The safe
+/// wrappers ([`share_rows`](crate::share_rows), [`share_stage`](crate::share_stage),
+/// [`broadcast_slice`], ...) get these guarantees from the typed handles they take.
 ///
-/// On `Ok`, receiving regions hold the result and sending regions are no longer read, so
-/// the caller may reuse them at once. On `Err`, receiving regions hold unspecified bytes
+/// On `Ok`, host rows hold the result and may be reused at once; device regions are done
+/// once the returned event completes. On `Err`, receiving memory holds unspecified bytes
 /// (never used as data: the operation failed on every rank that got the error).
-/// An implementation over device memory (NCCL) documents how its completion relates to
-/// device streams.
 pub trait Collective: Send + Sync {
     /// This rank, `0..size()`.
     fn rank(&self) -> u32;
 
     /// Ranks in the group.
     fn size(&self) -> u32;
-
-    /// Copies root's `buf` into every other rank's `buf`. Same `len` on every rank.
-    ///
-    /// # Safety
-    /// See the trait's memory rules: on the root, `buf` is read; on every other rank it is
-    /// written.
-    unsafe fn broadcast(
-        &self,
-        buf: Buffer,
-        root: u32,
-        deadline: Instant,
-    ) -> Result<(), CollectiveError>;
-
-    /// Each rank contributes `send` (`n` bytes, the same `n` on every rank); `recv`
-    /// (`size() * n` bytes) receives every rank's contribution in rank order, rank `r`'s at
-    /// `recv[r*n .. (r+1)*n]`.
-    ///
-    /// # Safety
-    /// See the trait's memory rules. `send` is read and `recv` written; `send` is either
-    /// disjoint from `recv` or exactly `recv[rank*n .. (rank+1)*n]` (in place, as NCCL
-    /// allows); no other overlap.
-    unsafe fn all_gather(
-        &self,
-        send: Buffer,
-        recv: Buffer,
-        deadline: Instant,
-    ) -> Result<(), CollectiveError>;
 
     /// Every rank gets every rank's `value`, in rank order.
     fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError>;
@@ -380,11 +299,10 @@ pub struct MemorySupport {
     pub device: bool,
 }
 
-/// [`Collective::broadcast`] of a host slice: the root sends `buf`, every other rank receives
-/// into it.
+/// A broadcast of a host slice: the root sends `buf`, every other rank receives into it
+/// ([`Collective::broadcast_rows`] of one row).
 ///
-/// Safe: the exclusive borrow makes `buf` this call's alone, and the buffer is marked
-/// [`Residence::Host`], which an implementation that moves device memory only refuses.
+/// Safe: the exclusive borrow makes `buf` this call's alone.
 ///
 /// ```
 /// use std::time::{Duration, Instant};
@@ -401,51 +319,74 @@ pub fn broadcast_slice(
     root: u32,
     deadline: Instant,
 ) -> Result<(), CollectiveError> {
-    let b = Buffer::host(buf.as_mut_ptr() as usize, buf.len());
+    let row = HostRow {
+        addr: buf.as_mut_ptr() as usize,
+        len: buf.len(),
+    };
     // SAFETY: `buf` is exclusively borrowed for the whole call, so it is valid for reads and
     // writes of its length and nothing else touches it; another rank's `&mut` slice cannot
-    // alias it; and it is truthfully marked as host memory.
-    unsafe { coll.broadcast(b, root, deadline) }
+    // alias it.
+    unsafe { coll.broadcast_rows(&[row], root, deadline) }
 }
 
-/// [`Collective::all_gather`] of host slices: `recv` (`size() * send.len()` bytes) gets every
-/// rank's `send` in rank order.
-///
-/// Safe for the same reasons as [`broadcast_slice`]; `send` and `recv` are disjoint because
-/// one is shared-borrowed and the other exclusively borrowed.
+/// An all-gather of host slices: `recv` (`size() * send.len()` bytes) gets every rank's `send`
+/// in rank order. `send` is copied into this rank's chunk of `recv` first, then
+/// [`all_gather_in_place`] runs.
 pub fn all_gather_slices(
     coll: &dyn Collective,
     send: &[u8],
     recv: &mut [u8],
     deadline: Instant,
 ) -> Result<(), CollectiveError> {
-    let s = Buffer::of_slice(send);
-    let r = Buffer::host(recv.as_mut_ptr() as usize, recv.len());
-    // SAFETY: `send` is borrowed (no writer exists during the call) and `recv` exclusively
-    // borrowed, so they are valid, disjoint and untouched by anything else for the call; both
-    // are host memory, as marked.
-    unsafe { coll.all_gather(s, r, deadline) }
+    let size = coll.size() as usize;
+    if send.len().checked_mul(size) != Some(recv.len()) {
+        let whole = HostRow {
+            addr: recv.as_mut_ptr() as usize,
+            len: recv.len(),
+        };
+        // SAFETY: `recv` is exclusively borrowed; counts of 0 never sum to one row, so every
+        // implementation refuses the call before touching memory (on every rank alike).
+        return unsafe { coll.all_gather_rows(&[whole], &vec![0; size], deadline) };
+    }
+    let at = coll.rank() as usize * send.len();
+    if let Some(mine) = recv.get_mut(at..at + send.len()) {
+        mine.copy_from_slice(send);
+    }
+    all_gather_in_place(coll, recv, deadline)
 }
 
-/// In-place [`Collective::all_gather`] of a host slice: this rank's contribution is already at
-/// `buf[rank*n .. (rank+1)*n]` with `n = buf.len() / size()`; on return `buf` holds every
-/// rank's.
+/// In-place all-gather of a host slice: with `n = buf.len() / size()`, this rank's chunk
+/// `buf[rank*n..(rank+1)*n]` holds its part; on return `buf` holds every rank's
+/// ([`Collective::all_gather_rows`] of one row per rank). A `buf` that does not split into
+/// `size()` equal chunks is refused by the collective (on every rank alike).
 pub fn all_gather_in_place(
     coll: &dyn Collective,
     buf: &mut [u8],
     deadline: Instant,
 ) -> Result<(), CollectiveError> {
     let size = coll.size().max(1) as usize;
-    let n = buf.len() / size;
+    let chunk = buf.len() / size;
     let base = buf.as_mut_ptr() as usize;
-    let send = Buffer::host(base + coll.rank() as usize * n, n);
-    let recv = Buffer::host(base, buf.len());
-    // SAFETY: `buf` is exclusively borrowed for the call (valid, untouched by anything else,
-    // host memory). `send` is exactly recv[rank*n..(rank+1)*n] when `buf.len()` is a multiple
-    // of `size()` and rank < size; otherwise the implementation refuses the lengths or the
-    // overlap before touching memory, and `send` still lies inside `buf` because
-    // rank*n + n <= size*n <= buf.len() for any rank < size.
-    unsafe { coll.all_gather(send, recv, deadline) }
+    let whole = chunk * size == buf.len();
+    let rows: Vec<HostRow> = if whole {
+        (0..size)
+            .map(|r| HostRow {
+                addr: base + r * chunk,
+                len: chunk,
+            })
+            .collect()
+    } else {
+        vec![HostRow {
+            addr: base,
+            len: buf.len(),
+        }]
+    };
+    let counts = vec![1usize; size];
+    // SAFETY: every row lies inside `buf`, which is exclusively borrowed for the call (valid,
+    // untouched by anything else, host memory); rows of one chunk each do not overlap. A
+    // shape that does not split into `size` chunks is refused before any copy (the counts do
+    // not sum to the rows).
+    unsafe { coll.all_gather_rows(&rows, &counts, deadline) }
 }
 
 /// Little-endian `u64`s from gathered 8-byte values (a shorter value is zero-padded), in rank

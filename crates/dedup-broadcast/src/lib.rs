@@ -2,10 +2,13 @@
 //! is read from the store once and moved between ranks over the fabric.
 //!
 //! The building blocks, one idea per module:
-//! - [`Collective`]: a TP group's collective operations (broadcast, all-gather, small host
-//!   values), issued in the same order on every rank, each bounded by a deadline.
-//!   [`InProcessGroup`] implements it for ranks that are threads of one process; an NCCL
-//!   implementation over device buffers comes with the CUDA backend.
+//! - [`Collective`]: a TP group's collective operations (host rows, event-ordered device
+//!   regions, small host values), issued in the same order on every rank, each bounded by a
+//!   deadline. [`InProcessGroup`] implements it for ranks that are threads of one process (host
+//!   memory, or device memory with [`InProcessGroup::on_devices`]: N ranks may share one GPU);
+//!   [`nccl::NcclCollective`] (feature `nccl`) over NCCL. [`share_rows`] and [`share_stage`]
+//!   are the safe entry points over the typed handles a landing lends ([`kv_device::HostRows`],
+//!   [`kv_device::DeviceStage`]). After an abort, a [`GroupFormation`] re-forms the group.
 //! - The plan gate ([`plan_digest`], [`check_plan`]): every rank checks that all ranks hold the
 //!   same logical plan before a batch shares anything; any difference and that batch falls
 //!   back to every rank reading its own copy.
@@ -41,21 +44,25 @@
 //! ```
 
 mod collective;
+mod formation;
 mod gate;
 mod in_process;
 mod mode;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod ops;
 mod share;
 mod status;
 
 pub use collective::{
-    all_gather_in_place, all_gather_slices, broadcast_slice, Buffer, Collective, CollectiveError,
+    all_gather_in_place, all_gather_slices, broadcast_slice, Collective, CollectiveError,
     MemorySupport,
 };
+pub use formation::{GroupFormation, InProcessFormation};
 pub use gate::{check_digest, check_plan, plan_digest, GateVerdict, PLAN_DIGEST_SEED};
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};
+pub use ops::{share_rows, share_stage, RowsShare, StageShare};
 pub use share::{padded_share, page_shares, ShareError, StagedComponent, StagedRow, StagingLayout};
 pub use status::{
     code_name, exchange_status, fail_code, GroupStatus, LayerStatus, CODE_LAYER_MISMATCH,

@@ -15,6 +15,7 @@
 
 use std::ops::Range;
 
+use kv_device::RowBlock;
 use kv_geometry::{ComponentId, ComponentLayout};
 use kv_loader::ShareMode;
 
@@ -314,5 +315,50 @@ impl StagingLayout {
     /// Pages per chunk (the padded share in `SplitAllGather`, all pages in `Rank0Broadcast`).
     pub fn chunk_pages(&self) -> usize {
         self.chunk_pages
+    }
+
+    /// The staged rows as blocks, in staging order: one per component (`Rank0Broadcast`), or
+    /// one per rank's share and component, rank-major (`SplitAllGather`). Each block is one
+    /// scatter from device staging, and its pages are consecutive rows of the host collective.
+    ///
+    /// ```
+    /// use dedup_broadcast::StagingLayout;
+    /// use kv_geometry::{KvGeometry, ModelKvSpec};
+    /// use kv_loader::ShareMode;
+    /// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 4, 0).unwrap();
+    /// let k = g.component_by_name("k").unwrap();
+    /// let s = StagingLayout::new(ShareMode::SplitAllGather, 0, [k], 10, 4).unwrap();
+    /// let b = s.blocks();
+    /// assert_eq!(b.len(), 4);
+    /// assert_eq!((b[2].first_page, b[2].pages, b[2].offset), (6, 2, 2 * s.chunk_bytes()));
+    /// assert_eq!(s.rows_per_rank(), vec![3, 3, 2, 2]);
+    /// ```
+    pub fn blocks(&self) -> Vec<RowBlock> {
+        let shares = match self.mode {
+            ShareMode::SplitAllGather => page_shares(self.pages, self.size),
+            _ => std::iter::once(0..self.pages).collect(),
+        };
+        shares
+            .into_iter()
+            .enumerate()
+            .filter(|(_, share)| !share.is_empty())
+            .flat_map(|(chunk, share)| {
+                self.components.iter().map(move |c| RowBlock {
+                    component: c.id,
+                    first_page: share.start,
+                    pages: share.len(),
+                    offset: chunk * self.chunk_bytes + c.base,
+                })
+            })
+            .collect()
+    }
+
+    /// Rows (plan pages × components) each rank owns, in rank order, as [`blocks`](Self::blocks)
+    /// orders them: the counts of a host all-gather (`SplitAllGather`). `Rank0Broadcast`: every
+    /// row is rank 0's.
+    pub fn rows_per_rank(&self) -> Vec<usize> {
+        (0..self.size)
+            .map(|r| self.share(r).len() * self.components.len())
+            .collect()
     }
 }

@@ -5,9 +5,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use dedup_broadcast::{
-    all_gather_in_place, all_gather_slices, broadcast_slice, Buffer, Collective, CollectiveError,
+    all_gather_in_place, all_gather_slices, broadcast_slice, Collective, CollectiveError,
     InProcessCollective, InProcessGroup,
 };
+use kv_device::{DeviceRegion, HostRow};
 
 /// xorshift64*: deterministic per-rank randomness without a dependency.
 struct Rng(u64);
@@ -194,7 +195,7 @@ fn length_mismatch_fails_every_rank_and_the_next_op_works() {
         match first {
             Err(CollectiveError::SizeMismatch {
                 seq: 0,
-                op: "broadcast",
+                op: "broadcast_rows",
                 ..
             })
             | Err(CollectiveError::Aborted { seq: 0, .. }) => {}
@@ -240,9 +241,16 @@ fn bad_arguments_fail_every_rank() {
         // recv of the wrong length on rank 1 only.
         let mut recv = vec![0u8; if c.rank() == 1 { 11 } else { 12 }];
         let bad_recv = all_gather_slices(c, &[1u8; 4], &mut recv, far());
-        // Device memory is not for the in-process group (never dereferenced: refused first).
-        // SAFETY: the buffer is refused before any access; nothing is read or written.
-        let device = unsafe { c.broadcast(Buffer::device(0, 0x1000, 4), 0, far()) };
+        // Device memory is not for a host-only group (never dereferenced: refused first, on
+        // every rank, without using a sequence number).
+        let region = DeviceRegion {
+            ordinal: 0,
+            addr: 0x1000,
+            len: 4,
+        };
+        // SAFETY: the region is refused before any access; nothing is read or written.
+        let device = unsafe { c.broadcast_device(region, None, 0, far()) };
+        assert!(matches!(device, Err(CollectiveError::Unsupported { .. })));
         let ok = c.all_gather_u64(1, far());
         (bad_root, bad_recv, device, ok)
     });
@@ -253,16 +261,41 @@ fn bad_arguments_fail_every_rank() {
 }
 
 #[test]
-fn partial_overlap_of_send_and_recv_is_refused() {
+fn overlapping_rows_and_bad_counts_are_refused_on_every_rank() {
     let r = run_group(2, |c| {
         let mut buf = vec![0u8; 8];
         let base = buf.as_mut_ptr() as usize;
-        // Rank 0's send starts one byte into its chunk: neither in place nor disjoint.
-        let send = Buffer::host(base + if c.rank() == 0 { 1 } else { 4 }, 4);
-        // SAFETY: both regions lie inside `buf`, exclusively owned by this thread for the call.
-        unsafe { c.all_gather(send, Buffer::host(base, 8), far()) }
+        // Rank 0's second row starts one byte into its first.
+        let second = if c.rank() == 0 { base + 1 } else { base + 4 };
+        let rows = [
+            HostRow { addr: base, len: 4 },
+            HostRow {
+                addr: second,
+                len: 4,
+            },
+        ];
+        // SAFETY: both rows lie inside `buf`, exclusively owned by this thread for the call.
+        let overlap = unsafe { c.all_gather_rows(&rows, &[1, 1], far()) };
+        let proper = [
+            HostRow { addr: base, len: 4 },
+            HostRow {
+                addr: base + 4,
+                len: 4,
+            },
+        ];
+        // SAFETY: as above.
+        let counts = unsafe { c.all_gather_rows(&proper, &[2, 1], far()) };
+        // SAFETY: as above.
+        let ok = unsafe { c.all_gather_rows(&proper, &[1, 1], far()) };
+        (overlap, counts, ok)
     });
-    assert!(r.iter().all(|r| r.is_err()), "{r:?}");
+    for (overlap, counts, ok) in r {
+        assert!(
+            overlap.is_err() && counts.is_err(),
+            "{overlap:?} {counts:?}"
+        );
+        ok.unwrap();
+    }
 }
 
 #[test]
@@ -314,7 +347,7 @@ fn a_rank_that_stops_makes_the_others_time_out_and_can_catch_up_later() {
                 Err(CollectiveError::Timeout {
                     seq: 0,
                     missing,
-                    op: "broadcast",
+                    op: "broadcast_rows",
                 }) => {
                     assert_eq!(missing, &vec![3])
                 }

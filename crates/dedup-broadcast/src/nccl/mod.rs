@@ -7,15 +7,17 @@
 //! are serialised, as the trait requires).
 //!
 //! **Streams.** Collectives run on the comm thread's own non-blocking *comm stream*, never on
-//! the engine's compute stream or the load stream. The [`Collective`] methods complete before
-//! they return (the comm thread waits for the operation's event), so their buffers may be
-//! reused at once, as the trait says. [`NcclCollective::broadcast_async`] instead orders the
-//! broadcast after an event of another stream (e.g. the load stream's copy into device
-//! staging) and returns its completion event, which the load stream waits on before the
-//! scatter ([`StagedLanding::land_from_device`]): no CPU thread blocks on the device.
+//! the engine's compute stream or the load stream. The device operations
+//! ([`Collective::broadcast_device`], [`Collective::all_gather_device`]) order the collective
+//! after an event of another stream (the load stream's upload into device staging) and return
+//! its completion event at once; the load stream waits on it before the scatter, so no CPU
+//! thread blocks on the device. The host operations complete before they return (the comm
+//! thread waits for the operation's event), so their memory may be reused at once.
 //!
-//! **Host buffers.** NCCL moves device memory; host [`Buffer`]s (the small exchanges,
-//! `all_gather_u64`, status words) go through a device scratch buffer of the comm thread.
+//! **Host memory.** NCCL moves device memory; host rows ([`Collective::broadcast_rows`],
+//! [`Collective::all_gather_rows`]) and the small exchanges (`all_gather_u64`, status words)
+//! are gathered into one host buffer, moved through a device scratch buffer of the comm thread,
+//! and scattered back: host pools work over NCCL too, with two copies over PCIe per rank.
 //!
 //! **Deadlines and aborts.** The communicator is created *non-blocking*
 //! (`ncclConfig_t.blocking = 0`), so no NCCL call blocks the comm thread: it polls
@@ -37,7 +39,10 @@
 //! or root that differs between ranks (a mismatch shows as a timeout or garbage, not as
 //! `SizeMismatch`): the plan gate and the status exchange keep ranks in step.
 //!
-//! [`StagedLanding::land_from_device`]: kv_device::cuda::StagedLanding::land_from_device
+//! **Re-forming.** An aborted handle is [`broken`](Collective::broken); so are its peers of the
+//! same [`NcclGroup::new_in_process`] group once one of them is aborted (they share a flag).
+//! [`NcclGroup::formation`] makes fresh groups (a new unique id, new communicators) for the
+//! next batch.
 
 mod error;
 mod worker;
@@ -48,13 +53,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys;
-use kv_device::cuda::{cuda_device_count, CudaLayerEvent};
+use kv_device::cuda::cuda_device_count;
+use kv_device::{DeviceRegion, HostRow, SharedEvent};
 use parking_lot::Mutex;
 
 pub use error::nccl_result_name;
-use worker::{Op, Reply, Request, Setup, Worker};
+use worker::{Op, Reply, Request, Setup, Span, Worker};
 
-use crate::{Buffer, Collective, CollectiveError};
+use crate::{Collective, CollectiveError, InProcessFormation, MemorySupport};
 
 /// Settings of an NCCL group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,14 +144,36 @@ impl NcclGroup {
         let id = nccl_unique_id()?;
         let size = ordinals.len() as u32;
         let deadline = Instant::now() + config.init_timeout;
+        let group = Arc::new(Mutex::new(None));
         let pending: Vec<_> = ordinals
             .iter()
             .enumerate()
             .map(|(rank, &ordinal)| {
-                NcclCollective::spawn(id, rank as u32, size, ordinal, config, deadline)
+                NcclCollective::spawn(
+                    id,
+                    rank as u32,
+                    size,
+                    ordinal,
+                    config,
+                    deadline,
+                    group.clone(),
+                )
             })
             .collect::<Result<_, _>>()?;
         pending.into_iter().map(|p| p.ready()).collect()
+    }
+
+    /// The formation of in-process groups on `ordinals`: each epoch a fresh
+    /// [`new_in_process_with`](Self::new_in_process_with) group (new unique id, new
+    /// communicators), built by the first rank that asks for it.
+    pub fn formation(ordinals: Vec<u32>, config: NcclConfig) -> InProcessFormation {
+        let size = ordinals.len() as u32;
+        InProcessFormation::new(size, move || {
+            Ok(Self::new_in_process_with(&ordinals, config)?
+                .into_iter()
+                .map(|c| Arc::new(c) as Arc<dyn Collective>)
+                .collect())
+        })
     }
 }
 
@@ -185,6 +213,10 @@ pub struct NcclCollective {
     seq: AtomicU64,
     last_ms: AtomicU64,
     unusable: Arc<AtomicBool>,
+    /// Set by the comm thread when it aborts its communicator.
+    aborted: Arc<Mutex<Option<String>>>,
+    /// Shared by the handles of one in-process group: set when any of them is aborted.
+    group: Arc<Mutex<Option<String>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     done: Mutex<Option<mpsc::Receiver<()>>>,
 }
@@ -212,7 +244,8 @@ impl NcclCollective {
     ) -> Result<Self, CollectiveError> {
         nccl_version()?;
         let deadline = Instant::now() + config.init_timeout;
-        Self::spawn(unique_id, rank, size, ordinal, config, deadline)?.ready()
+        let group = Arc::new(Mutex::new(None));
+        Self::spawn(unique_id, rank, size, ordinal, config, deadline, group)?.ready()
     }
 
     fn spawn(
@@ -222,6 +255,7 @@ impl NcclCollective {
         ordinal: u32,
         config: NcclConfig,
         deadline: Instant,
+        group: Arc<Mutex<Option<String>>>,
     ) -> Result<Pending, CollectiveError> {
         if rank >= size {
             return Err(CollectiveError::Backend(format!(
@@ -234,6 +268,7 @@ impl NcclCollective {
         let (tx, rx) = mpsc::channel::<Request>();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (done_tx, done_rx) = mpsc::sync_channel::<()>(1);
+        let aborted = Arc::new(Mutex::new(None));
         let setup = Setup {
             rank,
             size,
@@ -241,6 +276,7 @@ impl NcclCollective {
             id,
             config,
             init_deadline: deadline,
+            broken: aborted.clone(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-nccl-r{rank}"))
@@ -267,6 +303,8 @@ impl NcclCollective {
                 seq: AtomicU64::new(0),
                 last_ms: AtomicU64::new(f64::NAN.to_bits()),
                 unusable: Arc::new(AtomicBool::new(false)),
+                aborted,
+                group,
                 thread: Mutex::new(Some(thread)),
                 done: Mutex::new(Some(done_rx)),
             },
@@ -341,67 +379,81 @@ impl NcclCollective {
         }
     }
 
-    /// Enqueues an in-place broadcast of the device buffer `buf` from `root` on the comm
-    /// stream, after `after` (an event of another stream, e.g. the copy into device staging),
-    /// and returns at once with the broadcast's completion event (the load stream waits on
-    /// it before scattering; a host waits with [`CudaLayerEvent::wait_until`]). Only the
-    /// enqueue is bounded by `deadline`: a caller whose wait on the event times out calls
-    /// [`abort`](Self::abort).
-    ///
-    /// # Safety
-    /// `buf` is device memory of this rank's GPU, valid for reads (root) or writes (others)
-    /// of `buf.len` bytes and untouched by other work from the moment `after` completes until
-    /// the returned event completes; it stays allocated until then.
-    pub unsafe fn broadcast_async(
+    /// A host operation over `buf` (which the comm thread reads and writes through the
+    /// scratch): `buf` back once the operation is done. When the comm thread did not answer in
+    /// time it may still use `buf`, which is then leaked rather than freed.
+    fn host_call(
         &self,
-        buf: Buffer,
-        root: u32,
-        after: Option<kv_device::SharedEvent>,
+        buf: Vec<u8>,
+        op: impl FnOnce(usize) -> Op,
         deadline: Instant,
-    ) -> Result<Arc<CudaLayerEvent>, CollectiveError> {
-        match self.call(Op::BroadcastAsync { buf, root, after }, deadline)? {
-            Reply::Event(ev) => Ok(ev),
-            Reply::Done { .. } => Err(CollectiveError::Backend(
-                "broadcast_async: the comm thread returned no event".into(),
-            )),
+    ) -> Result<Vec<u8>, CollectiveError> {
+        let addr = buf.as_ptr() as usize;
+        match self.call(op(addr), deadline) {
+            Ok(_) => Ok(buf),
+            Err(e) => {
+                if self.unusable.load(Ordering::Acquire) {
+                    tracing::error!(
+                        rank = self.rank,
+                        "NCCL comm thread silent; leaking a host buffer it may still use"
+                    );
+                    std::mem::forget(buf);
+                }
+                Err(e)
+            }
         }
     }
 
-    /// Enqueues an all-gather of device buffers on the comm stream after `after` and returns
-    /// at once with its completion event (the `SplitAllGather` share of a layer: every rank's
-    /// rows land in `recv` in rank order). Deadline and abort as for
-    /// [`broadcast_async`](Self::broadcast_async).
-    ///
-    /// # Safety
-    /// `send` (`n` bytes) and `recv` (`size() * n` bytes) are device memory of this rank's GPU,
-    /// valid and untouched by other work from `after` until the returned event completes;
-    /// `send` is disjoint from `recv` or exactly this rank's slot of it.
-    pub unsafe fn all_gather_async(
-        &self,
-        send: Buffer,
-        recv: Buffer,
-        after: Option<kv_device::SharedEvent>,
-        deadline: Instant,
-    ) -> Result<Arc<CudaLayerEvent>, CollectiveError> {
-        match self.call(Op::AllGatherAsync { send, recv, after }, deadline)? {
-            Reply::Event(ev) => Ok(ev),
-            Reply::Done { .. } => Err(CollectiveError::Backend(
-                "all_gather_async: the comm thread returned no event".into(),
-            )),
+    fn invalid(&self, op: &'static str, reason: String) -> CollectiveError {
+        CollectiveError::InvalidArgument {
+            op,
+            seq: self.seq.load(Ordering::Acquire),
+            rank: self.rank,
+            reason,
         }
     }
+}
 
-    /// Aborts the communicator (`ncclCommAbort` on the comm thread): every operation in flight
-    /// ends, every later one fails with [`CollectiveError::Aborted`].
-    pub fn abort(&self, cause: &str) -> Result<(), CollectiveError> {
-        let deadline = Instant::now();
-        self.call(
-            Op::Abort {
-                cause: cause.to_string(),
-            },
-            deadline,
-        )
-        .map(|_| ())
+/// The ranges of `counts` over the rows, and the bytes of each.
+fn owner_ranges(rows: &[HostRow], counts: &[usize]) -> Vec<(std::ops::Range<usize>, usize)> {
+    let mut start = 0;
+    counts
+        .iter()
+        .map(|&n| {
+            let r = start..start + n;
+            start += n;
+            let bytes = rows[r.clone()].iter().map(|x| x.len).sum();
+            (r, bytes)
+        })
+        .collect()
+}
+
+/// Copies `rows` one after another into `buf` from `at` on.
+///
+/// # Safety
+/// Every row is valid for reads of its length; `buf[at..]` holds them all.
+unsafe fn gather_into(rows: &[HostRow], buf: &mut [u8], at: usize) {
+    let mut off = at;
+    for r in rows {
+        // SAFETY: the caller's promise; `buf` is ours and large enough.
+        unsafe {
+            std::ptr::copy_nonoverlapping(r.addr as *const u8, buf[off..].as_mut_ptr(), r.len)
+        };
+        off += r.len;
+    }
+}
+
+/// Copies `buf` from `at` on into `rows`, one after another.
+///
+/// # Safety
+/// Every row is valid for writes of its length and touched by nothing else; `buf[at..]` holds
+/// them all.
+unsafe fn scatter_from(buf: &[u8], at: usize, rows: &[HostRow]) {
+    let mut off = at;
+    for r in rows {
+        // SAFETY: the caller's promise; `buf` is ours and large enough.
+        unsafe { std::ptr::copy_nonoverlapping(buf[off..].as_ptr(), r.addr as *mut u8, r.len) };
+        off += r.len;
     }
 }
 
@@ -414,25 +466,6 @@ impl Collective for NcclCollective {
         self.size
     }
 
-    unsafe fn broadcast(
-        &self,
-        buf: Buffer,
-        root: u32,
-        deadline: Instant,
-    ) -> Result<(), CollectiveError> {
-        self.call(Op::Broadcast { buf, root }, deadline).map(|_| ())
-    }
-
-    unsafe fn all_gather(
-        &self,
-        send: Buffer,
-        recv: Buffer,
-        deadline: Instant,
-    ) -> Result<(), CollectiveError> {
-        self.call(Op::AllGather { send, recv }, deadline)
-            .map(|_| ())
-    }
-
     fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
         let all = self.all_gather_bytes(&value.to_le_bytes(), deadline)?;
         Ok(crate::collective::u64_words(&all))
@@ -443,18 +476,163 @@ impl Collective for NcclCollective {
         value: &[u8],
         deadline: Instant,
     ) -> Result<Vec<Vec<u8>>, CollectiveError> {
-        let n = value.len();
-        let mut recv = vec![0u8; n * self.size as usize];
-        let send = Buffer::of_slice(value);
-        let r = Buffer::host(recv.as_mut_ptr() as usize, recv.len());
-        // SAFETY: `value` is borrowed and `recv` owned by this call, both host memory valid
-        // for the whole call (the comm thread finishes with them before replying, and the
-        // call waits for the reply or marks the handle unusable), and they are disjoint.
-        unsafe { self.all_gather(send, r, deadline)? };
+        let (n, size) = (value.len(), self.size as usize);
+        let mut buf = vec![0u8; n * size];
+        let at = self.rank as usize * n;
+        buf[at..at + n].copy_from_slice(value);
+        let buf = self.host_call(
+            buf,
+            |addr| Op::AllGather {
+                send: Span::host(addr + at, n),
+                recv: Span::host(addr, n * size),
+            },
+            deadline,
+        )?;
         if n == 0 {
-            return Ok(vec![Vec::new(); self.size as usize]);
+            return Ok(vec![Vec::new(); size]);
         }
-        Ok(recv.chunks(n).map(<[u8]>::to_vec).collect())
+        Ok(buf.chunks(n).map(<[u8]>::to_vec).collect())
+    }
+
+    fn memory(&self) -> MemorySupport {
+        MemorySupport {
+            host: true,
+            device: true,
+        }
+    }
+
+    unsafe fn broadcast_rows(
+        &self,
+        rows: &[HostRow],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let total: usize = rows.iter().map(|r| r.len).sum();
+        let mut buf = vec![0u8; total];
+        if self.rank == root {
+            // SAFETY: the root's rows are valid for reads (the caller's promise).
+            unsafe { gather_into(rows, &mut buf, 0) };
+        }
+        let buf = self.host_call(
+            buf,
+            |addr| Op::Broadcast {
+                buf: Span::host(addr, total),
+                root,
+            },
+            deadline,
+        )?;
+        if self.rank != root {
+            // SAFETY: a receiver's rows are valid for writes, touched by nothing else.
+            unsafe { scatter_from(&buf, 0, rows) };
+        }
+        Ok(())
+    }
+
+    unsafe fn all_gather_rows(
+        &self,
+        rows: &[HostRow],
+        counts: &[usize],
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let op = "all_gather_rows";
+        if counts.len() != self.size as usize || counts.iter().sum::<usize>() != rows.len() {
+            return Err(self.invalid(op, format!("counts {counts:?} for {} rows", rows.len())));
+        }
+        // NCCL gathers equal chunks: each rank's rows, padded to the largest rank's bytes.
+        let owners = owner_ranges(rows, counts);
+        let chunk = owners.iter().map(|(_, b)| *b).max().unwrap_or(0);
+        let size = self.size as usize;
+        let me = self.rank as usize;
+        let mut buf = vec![0u8; chunk * size];
+        // SAFETY: this rank's rows are valid for reads (the caller's promise).
+        unsafe { gather_into(&rows[owners[me].0.clone()], &mut buf, me * chunk) };
+        let buf = self.host_call(
+            buf,
+            |addr| Op::AllGather {
+                send: Span::host(addr + me * chunk, chunk),
+                recv: Span::host(addr, chunk * size),
+            },
+            deadline,
+        )?;
+        for (peer, (range, _)) in owners.iter().enumerate() {
+            if peer != me {
+                // SAFETY: other owners' rows of this rank are valid for writes, untouched by
+                // anything else (the caller's promise).
+                unsafe { scatter_from(&buf, peer * chunk, &rows[range.clone()]) };
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn broadcast_device(
+        &self,
+        region: DeviceRegion,
+        after: Option<SharedEvent>,
+        root: u32,
+        deadline: Instant,
+    ) -> Result<SharedEvent, CollectiveError> {
+        let buf = Span::device(region.ordinal, region.addr, region.len);
+        match self.call(Op::BroadcastAsync { buf, root, after }, deadline)? {
+            Reply::Event(ev) => Ok(ev),
+            Reply::Done { .. } => Err(CollectiveError::Backend(
+                "broadcast_device: the comm thread returned no event".into(),
+            )),
+        }
+    }
+
+    unsafe fn all_gather_device(
+        &self,
+        region: DeviceRegion,
+        after: Option<SharedEvent>,
+        deadline: Instant,
+    ) -> Result<SharedEvent, CollectiveError> {
+        let size = self.size as usize;
+        if !region.len.is_multiple_of(size) {
+            return Err(self.invalid(
+                "all_gather_device",
+                format!("{} bytes do not split into {size} chunks", region.len),
+            ));
+        }
+        let chunk = region.len / size;
+        let send = Span::device(
+            region.ordinal,
+            region.addr + (self.rank as usize * chunk) as u64,
+            chunk,
+        );
+        let recv = Span::device(region.ordinal, region.addr, region.len);
+        match self.call(Op::AllGatherAsync { send, recv, after }, deadline)? {
+            Reply::Event(ev) => Ok(ev),
+            Reply::Done { .. } => Err(CollectiveError::Backend(
+                "all_gather_device: the comm thread returned no event".into(),
+            )),
+        }
+    }
+
+    /// Aborts the communicator (`ncclCommAbort` on the comm thread): every operation in flight
+    /// ends, every later one fails with [`CollectiveError::Aborted`]; the handles of the same
+    /// in-process group become [`broken`](Collective::broken) too.
+    fn abort(&self, cause: &str) {
+        self.group
+            .lock()
+            .get_or_insert_with(|| format!("rank {}: {cause}", self.rank));
+        let _ = self.call(
+            Op::Abort {
+                cause: cause.to_string(),
+            },
+            Instant::now(),
+        );
+    }
+
+    fn broken(&self) -> Option<String> {
+        if let Some(why) = self.aborted.lock().clone() {
+            return Some(why);
+        }
+        if let Some(why) = self.group.lock().clone() {
+            return Some(why);
+        }
+        self.unusable
+            .load(Ordering::Acquire)
+            .then(|| "the comm thread stopped answering".to_string())
     }
 }
 

@@ -17,24 +17,59 @@ use kv_device::{Residence, SharedEvent};
 
 use super::error::nccl_error;
 use super::NcclConfig;
-use crate::{Buffer, CollectiveError};
+use crate::CollectiveError;
+
+/// A region an operation of the comm thread moves: host memory (through the device scratch)
+/// or device memory of one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+    pub(crate) residence: Residence,
+}
+
+impl Span {
+    pub(crate) fn host(addr: usize, len: usize) -> Self {
+        Span {
+            addr,
+            len,
+            residence: Residence::Host,
+        }
+    }
+
+    pub(crate) fn device(ordinal: u32, addr: u64, len: usize) -> Self {
+        Span {
+            addr: addr as usize,
+            len,
+            residence: Residence::Device { ordinal },
+        }
+    }
+
+    fn end(&self) -> usize {
+        self.addr.saturating_add(self.len)
+    }
+
+    fn overlaps(&self, other: &Span) -> bool {
+        self.len > 0 && other.len > 0 && self.addr < other.end() && other.addr < self.end()
+    }
+}
 
 /// What a rank asks its comm thread to do.
 pub(crate) enum Op {
-    /// [`Collective::broadcast`](crate::Collective::broadcast), completed before the reply.
-    Broadcast { buf: Buffer, root: u32 },
-    /// [`Collective::all_gather`](crate::Collective::all_gather), completed before the reply.
-    AllGather { send: Buffer, recv: Buffer },
+    /// A broadcast completed before the reply (host spans go through the scratch).
+    Broadcast { buf: Span, root: u32 },
+    /// An all-gather completed before the reply (host spans go through the scratch).
+    AllGather { send: Span, recv: Span },
     /// A device broadcast enqueued after `after`; the reply is its completion event.
     BroadcastAsync {
-        buf: Buffer,
+        buf: Span,
         root: u32,
         after: Option<SharedEvent>,
     },
     /// A device all-gather enqueued after `after`; the reply is its completion event.
     AllGatherAsync {
-        send: Buffer,
-        recv: Buffer,
+        send: Span,
+        recv: Span,
         after: Option<SharedEvent>,
     },
     /// Abort the communicator (every later operation fails).
@@ -46,8 +81,8 @@ impl Op {
         match self {
             Op::Broadcast { .. } => "broadcast",
             Op::AllGather { .. } => "all_gather",
-            Op::BroadcastAsync { .. } => "broadcast_async",
-            Op::AllGatherAsync { .. } => "all_gather_async",
+            Op::BroadcastAsync { .. } => "broadcast_device",
+            Op::AllGatherAsync { .. } => "all_gather_device",
             Op::Abort { .. } => "abort",
         }
     }
@@ -76,6 +111,8 @@ pub(crate) struct Setup {
     pub(crate) id: sys::ncclUniqueId,
     pub(crate) config: NcclConfig,
     pub(crate) init_deadline: Instant,
+    /// Where the worker says that its communicator was aborted (the handle's `broken`).
+    pub(crate) broken: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 /// `ncclConfig_t` as NCCL 2.17 laid it out. NCCL reads the leading `size` field and copies
@@ -136,6 +173,8 @@ pub(crate) struct Worker {
     last: Option<Arc<CudaLayerEvent>>,
     /// Set once the communicator was aborted; every later operation fails with it.
     aborted: Option<String>,
+    /// The handle's view of `aborted`.
+    broken: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 fn cerr(e: kv_device::DeviceError) -> CollectiveError {
@@ -165,6 +204,7 @@ impl Worker {
             scratch: None,
             last: None,
             aborted: None,
+            broken: s.broken.clone(),
         };
         w.init_comm(s)?;
         Ok(w)
@@ -309,6 +349,9 @@ impl Worker {
     /// Aborts the communicator (ncclCommAbort also stops NCCL kernels still waiting for a
     /// peer), then waits a bounded time for the comm stream to drain.
     fn abort_comm(&mut self, cause: &str) {
+        self.broken
+            .lock()
+            .get_or_insert_with(|| format!("rank {}: {cause}", self.rank));
         if self.comm.is_null() {
             self.aborted.get_or_insert_with(|| cause.to_string());
             return;
@@ -355,7 +398,7 @@ impl Worker {
     }
 
     /// `Some(is_host)` for a buffer this rank can move, or the error.
-    fn residence(&self, op: &'static str, seq: u64, b: &Buffer) -> Result<bool, CollectiveError> {
+    fn residence(&self, op: &'static str, seq: u64, b: &Span) -> Result<bool, CollectiveError> {
         match b.residence {
             Residence::Host => Ok(true),
             Residence::Device { ordinal } if ordinal == self.ordinal => Ok(false),
@@ -465,7 +508,7 @@ impl Worker {
         &mut self,
         op: &'static str,
         seq: u64,
-        buf: Buffer,
+        buf: Span,
         root: u32,
         deadline: Instant,
     ) -> Result<Reply, Fail> {
@@ -516,8 +559,8 @@ impl Worker {
         &mut self,
         op: &'static str,
         seq: u64,
-        send: Buffer,
-        recv: Buffer,
+        send: Span,
+        recv: Span,
         deadline: Instant,
     ) -> Result<Reply, Fail> {
         let n = send.len;
@@ -588,7 +631,7 @@ impl Worker {
         &mut self,
         op: &'static str,
         seq: u64,
-        buf: Buffer,
+        buf: Span,
         root: u32,
         after: Option<SharedEvent>,
         deadline: Instant,
@@ -626,8 +669,8 @@ impl Worker {
         &mut self,
         op: &'static str,
         seq: u64,
-        send: Buffer,
-        recv: Buffer,
+        send: Span,
+        recv: Span,
         after: Option<SharedEvent>,
         deadline: Instant,
     ) -> Result<Reply, Fail> {

@@ -6,7 +6,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use dedup_broadcast::{
-    check_plan, Buffer, Collective, GateVerdict, GroupStatus, LayerStatus, StagingLayout,
+    all_gather_in_place, broadcast_slice, check_plan, Collective, GateVerdict, GroupStatus,
+    LayerStatus, StagingLayout,
 };
 use kv_device::{BatchShape, LayerLanding, LayerStage};
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMode};
@@ -467,21 +468,13 @@ impl Shared {
         let mut landed = 0;
         if let (Some(layout), Some(c)) = (layout, coll) {
             if !layout.is_empty() {
-                // Derived from `&mut`: receivers' bytes are written through it.
-                let whole = Buffer::host(staging.as_mut_ptr() as usize, layout.len());
                 let t0 = Instant::now();
-                // SAFETY: `staging` is this rank's own buffer of at least `layout.len()`
-                // bytes, owned by this thread for the call (the reader has handed it over and
-                // gets it back only after); the chunk is inside it, as all_gather allows.
-                let r = unsafe {
-                    match layout.mode() {
-                        ShareMode::SplitAllGather => {
-                            let chunk = layout.chunk(c.rank());
-                            let send = Buffer::host(whole.addr + chunk.start, chunk.len());
-                            c.all_gather(send, whole, self.collective_deadline())
-                        }
-                        _ => c.broadcast(whole, 0, self.collective_deadline()),
+                let whole = &mut staging[..layout.len()];
+                let r = match layout.mode() {
+                    ShareMode::SplitAllGather => {
+                        all_gather_in_place(c, whole, self.collective_deadline())
                     }
+                    _ => broadcast_slice(c, whole, 0, self.collective_deadline()),
                 };
                 r.map_err(|e| collective_failure(batch, e))?;
                 self.observe_fabric(layout.mode(), layout.len() as u64, t0.elapsed());

@@ -1,0 +1,210 @@
+//! Host rows: broadcast and in-place all-gather, one CPU copy per row per receiver.
+
+use std::time::Instant;
+
+use kv_device::HostRow;
+use parking_lot::MutexGuard;
+use xxhash_rust::xxh3::Xxh3;
+
+use super::round::{round_mut, Arrival, Desc, Fate, OpKind};
+use super::InProcessCollective;
+use crate::CollectiveError;
+
+/// A digest of row lengths and counts: ranks whose rows differ in shape do not match.
+fn shape(rows: &[HostRow], counts: &[usize]) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(&(rows.len() as u64).to_le_bytes());
+    for r in rows {
+        h.update(&(r.len as u64).to_le_bytes());
+    }
+    for c in counts {
+        h.update(&(*c as u64).to_le_bytes());
+    }
+    h.digest()
+}
+
+/// Why this rank's rows cannot be used: two of them overlap.
+fn overlapping(rows: &[HostRow]) -> Option<String> {
+    let mut sorted: Vec<HostRow> = rows.iter().copied().filter(|r| r.len > 0).collect();
+    sorted.sort_by_key(|r| r.addr);
+    sorted
+        .windows(2)
+        .any(|w| w[0].overlaps(&w[1]))
+        .then(|| "two of this rank's rows overlap".to_string())
+}
+
+/// Copies `src` into `dst` row by row (same count and lengths: the round matched them).
+///
+/// # Safety
+/// Every `src` row is valid for reads and not written during the call, every `dst` row valid
+/// for writes and touched by nothing else; no `src` row overlaps a `dst` row.
+unsafe fn copy_rows(src: &[HostRow], dst: &[HostRow]) {
+    for (s, d) in src.iter().zip(dst) {
+        let len = s.len.min(d.len);
+        if len == 0 || s.addr == d.addr {
+            continue;
+        }
+        // SAFETY: the caller's promise, row by row.
+        unsafe { std::ptr::copy_nonoverlapping(s.addr as *const u8, d.addr as *mut u8, len) }
+    }
+}
+
+fn bytes(rows: &[HostRow]) -> usize {
+    rows.iter().map(|r| r.len).sum()
+}
+
+impl InProcessCollective {
+    /// [`Collective::broadcast_rows`](crate::Collective::broadcast_rows).
+    ///
+    /// # Safety
+    /// As the trait method.
+    pub(super) unsafe fn rows_broadcast(
+        &self,
+        rows: &[HostRow],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let (g, rank, size) = (&self.group, self.rank, self.group.size);
+        let kind = OpKind::BroadcastRows;
+        let invalid = (root >= size)
+            .then(|| format!("root {root} is not a rank of a group of {size}"))
+            .or_else(|| overlapping(rows));
+        let desc = Desc {
+            kind,
+            len: bytes(rows),
+            root,
+            shape: shape(rows, &[]),
+        };
+        let seq = self.next_seq();
+        let mut st = g.arrive(rank, seq, desc, invalid, Arrival::Rows(rows.to_vec()))?;
+        let is_root = rank == root;
+        let mut copied = false;
+        loop {
+            let round = round_mut(&mut st, seq)?;
+            match (&round.fate, is_root) {
+                // The root waits for copies out of its rows, whatever the fate.
+                (Fate::Failed { .. }, true) if round.copying > 0 => g.cv.wait(&mut st),
+                (Fate::Failed { error, .. }, _) => {
+                    let e = error.clone();
+                    st.leave(seq);
+                    return Err(e);
+                }
+                (Fate::Committed, true) if round.copied + 1 >= size => {
+                    st.leave(seq);
+                    return Ok(());
+                }
+                (Fate::Committed, true) => g.cv.wait(&mut st),
+                (_, false) if !copied && round.arrivals[root as usize].is_some() => {
+                    let src = match &round.arrivals[root as usize] {
+                        Some(Arrival::Rows(r)) => r.clone(),
+                        _ => return Err(super::round::internal(seq)),
+                    };
+                    round.copying += 1;
+                    MutexGuard::unlocked(&mut st, || {
+                        // SAFETY: the root's rows stay valid and unwritten until this copy is
+                        // counted finished (the root waits for `copying == 0` and `copied`);
+                        // this rank's rows are valid for writes and touched by nothing else
+                        // for the call; ranks' rows do not overlap (trait contract), and the
+                        // round matched every rank's row count and lengths.
+                        unsafe { copy_rows(&src, rows) }
+                    });
+                    let round = round_mut(&mut st, seq)?;
+                    round.copying -= 1;
+                    round.copied += 1;
+                    copied = true;
+                    g.cv.notify_all();
+                }
+                // Committed means the root has arrived, so the copy arm above has run.
+                (Fate::Committed, false) => {
+                    st.leave(seq);
+                    return Ok(());
+                }
+                (Fate::Open, _) => g.wait_open(rank, &mut st, seq, kind.name(), deadline),
+            }
+        }
+    }
+
+    /// [`Collective::all_gather_rows`](crate::Collective::all_gather_rows).
+    ///
+    /// # Safety
+    /// As the trait method.
+    pub(super) unsafe fn rows_all_gather(
+        &self,
+        rows: &[HostRow],
+        counts: &[usize],
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let (g, rank, size) = (&self.group, self.rank, self.group.size);
+        let kind = OpKind::AllGatherRows;
+        let invalid = if counts.len() != size as usize {
+            Some(format!("{} counts for {size} ranks", counts.len()))
+        } else if counts.iter().sum::<usize>() != rows.len() {
+            Some(format!(
+                "counts sum to {}, not the {} rows",
+                counts.iter().sum::<usize>(),
+                rows.len()
+            ))
+        } else {
+            overlapping(rows)
+        };
+        let desc = Desc {
+            kind,
+            len: bytes(rows),
+            root: 0,
+            shape: shape(rows, counts),
+        };
+        let seq = self.next_seq();
+        let mut st = g.arrive(rank, seq, desc, invalid, Arrival::Rows(rows.to_vec()))?;
+        let mut copied = false;
+        loop {
+            let round = round_mut(&mut st, seq)?;
+            match &round.fate {
+                // Nobody copies before a round commits, so a failed one has no copy in flight.
+                Fate::Failed { error, .. } => {
+                    let e = error.clone();
+                    st.leave(seq);
+                    return Err(e);
+                }
+                Fate::Committed if !copied => {
+                    let peers: Vec<Vec<HostRow>> = round
+                        .arrivals
+                        .iter()
+                        .map(|a| match a {
+                            Some(Arrival::Rows(r)) => r.clone(),
+                            _ => Vec::new(),
+                        })
+                        .collect();
+                    round.copying += 1;
+                    MutexGuard::unlocked(&mut st, || {
+                        let mut start = 0;
+                        for (peer, &n) in counts.iter().enumerate() {
+                            let range = start..start + n;
+                            start += n;
+                            if peer == rank as usize {
+                                continue;
+                            }
+                            // SAFETY: every rank arrived with rows of the same count and
+                            // lengths (the round matched them) that stay valid until every
+                            // rank has counted its copies finished (each waits for `copied ==
+                            // size`); the owner's rows in `range` are only read, this rank's
+                            // rows in `range` only written by this rank; ranks' rows do not
+                            // overlap (trait contract).
+                            unsafe { copy_rows(&peers[peer][range.clone()], &rows[range]) }
+                        }
+                    });
+                    let round = round_mut(&mut st, seq)?;
+                    round.copying -= 1;
+                    round.copied += 1;
+                    copied = true;
+                    g.cv.notify_all();
+                }
+                Fate::Committed if round.copied >= size => {
+                    st.leave(seq);
+                    return Ok(());
+                }
+                Fate::Committed => g.cv.wait(&mut st),
+                Fate::Open => g.wait_open(rank, &mut st, seq, kind.name(), deadline),
+            }
+        }
+    }
+}

@@ -1,0 +1,385 @@
+//! The in-process device group over the CPU device: device regions broadcast and all-gathered
+//! by copies on each rank's comm stream, ordered by events; deadlines, aborts and re-forming;
+//! the safe share entry points over real landings.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dedup_broadcast::{
+    share_rows, share_stage, Collective, CollectiveError, GroupFormation, InProcessCollective,
+    InProcessFormation, InProcessGroup, RowsShare, StageShare, StagingLayout,
+};
+use kv_device::{
+    BatchShape, CpuDevice, CpuDeviceConfig, Device, DeviceKvPool, DeviceMemory, DeviceShare,
+    DirectLanding, HostKvPool, HostShare, KvPool, LayerLanding, PinnedMemory, SharedEvent,
+    StagedLanding, StagingPool, Transfer,
+};
+use kv_geometry::{ComponentSpec, ElementType, KvGeometry, ModelKvSpec, RowUnit};
+use kv_loader::ShareMode;
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+fn jittery(ordinal: u32) -> Arc<dyn Device> {
+    CpuDevice::with_config(
+        ordinal,
+        CpuDeviceConfig {
+            max_op_delay: Duration::from_micros(500),
+            ..CpuDeviceConfig::default()
+        },
+    )
+    .unwrap()
+}
+
+fn run<T: Send>(
+    ranks: &[InProcessCollective],
+    f: impl Fn(&InProcessCollective) -> T + Sync,
+) -> Vec<T> {
+    let f = &f;
+    thread::scope(|s| {
+        let hs: Vec<_> = ranks.iter().map(|c| s.spawn(move || f(c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// One rank's device memory and a pinned mirror to fill and check it through its load stream.
+struct Mem {
+    dev: Arc<dyn Device>,
+    region: DeviceMemory,
+    host: PinnedMemory,
+}
+
+impl Mem {
+    fn new(dev: Arc<dyn Device>, len: usize) -> Self {
+        Mem {
+            region: dev.alloc(len, "t").unwrap(),
+            host: dev.alloc_pinned(len, "t").unwrap(),
+            dev,
+        }
+    }
+
+    /// Enqueues the upload of `bytes` at `at` (load stream) and returns its event.
+    fn upload(&self, at: usize, bytes: &[u8]) -> SharedEvent {
+        // SAFETY: `host` is ours; no copy reads it now (the previous round was waited for).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                (self.host.addr() + at) as *mut u8,
+                bytes.len(),
+            );
+            self.dev
+                .load_stream()
+                .transfer(Transfer::ToDevice {
+                    dst: self.region.addr() + at as u64,
+                    src: self.host.addr() + at,
+                    len: bytes.len(),
+                })
+                .unwrap();
+        }
+        self.dev.load_stream().record().unwrap()
+    }
+
+    /// The region's bytes once `after` completes (load stream waits for it, then copies out).
+    fn read(&self, after: &SharedEvent) -> Vec<u8> {
+        let s = self.dev.load_stream();
+        s.wait(after).unwrap();
+        // SAFETY: both ours; the copy runs after `after` (the collective) completes.
+        unsafe {
+            s.transfer(Transfer::ToHost {
+                dst: self.host.addr(),
+                src: self.region.addr(),
+                len: self.region.len(),
+            })
+            .unwrap();
+        }
+        assert!(s.record().unwrap().wait_until(soon()).unwrap());
+        // SAFETY: the copy finished.
+        unsafe { std::slice::from_raw_parts(self.host.addr() as *const u8, self.region.len()) }
+            .to_vec()
+    }
+}
+
+fn pattern(round: usize, rank: usize, i: usize) -> u8 {
+    (round * 37 + rank * 11 + i * 3) as u8
+}
+
+#[test]
+fn device_broadcasts_and_all_gathers_are_ordered_by_events() {
+    for (size, shared_device) in [(2usize, true), (3, false), (5, true)] {
+        let devs: Vec<Arc<dyn Device>> = if shared_device {
+            let d = jittery(0);
+            (0..size).map(|_| d.clone()).collect()
+        } else {
+            (0..size).map(|r| jittery(r as u32)).collect()
+        };
+        let ranks = InProcessGroup::on_devices(devs.clone()).unwrap();
+        let len = 4096 * size;
+        run(&ranks, |c| {
+            let r = c.rank() as usize;
+            let mem = Mem::new(devs[r].clone(), len);
+            for round in 0..12 {
+                let root = round % size;
+                let bytes: Vec<u8> = (0..len).map(|i| pattern(round, root, i)).collect();
+                let after = if r == root {
+                    Some(mem.upload(0, &bytes))
+                } else {
+                    None
+                };
+                let region = mem.region.region();
+                // SAFETY: `mem.region` is this rank's own, read by the load stream only after
+                // the returned event (below), and reused only in the next round, after it.
+                let done =
+                    unsafe { c.broadcast_device(region, after, root as u32, soon()) }.unwrap();
+                assert_eq!(mem.read(&done), bytes, "size {size} round {round} rank {r}");
+                // All-gather in place: each rank's chunk from its own upload.
+                let chunk = len / size;
+                let mine: Vec<u8> = (0..chunk).map(|i| pattern(round, r, i)).collect();
+                let after = mem.upload(r * chunk, &mine);
+                // SAFETY: as above.
+                let done = unsafe { c.all_gather_device(region, Some(after), soon()) }.unwrap();
+                let got = mem.read(&done);
+                for p in 0..size {
+                    let want: Vec<u8> = (0..chunk).map(|i| pattern(round, p, i)).collect();
+                    assert_eq!(got[p * chunk..(p + 1) * chunk], want[..], "chunk {p}");
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn a_rank_that_never_issues_fails_the_others_by_their_deadline() {
+    let dev: Arc<dyn Device> = CpuDevice::new(0).unwrap();
+    let ranks = InProcessGroup::on_devices(vec![dev.clone(), dev.clone(), dev.clone()]).unwrap();
+    let t0 = Instant::now();
+    let r = run(&ranks[..2], |c| {
+        let mem = Mem::new(dev.clone(), 64);
+        // SAFETY: refused or timed out before anything is enqueued: nothing touches `mem`.
+        unsafe {
+            c.broadcast_device(
+                mem.region.region(),
+                None,
+                0,
+                Instant::now() + Duration::from_millis(200),
+            )
+        }
+        .map(|_| ())
+    });
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    for r in r {
+        assert!(
+            matches!(&r, Err(CollectiveError::Timeout { missing, .. }) if missing == &vec![2]),
+            "{r:?}"
+        );
+    }
+}
+
+#[test]
+fn a_stalled_peer_holds_the_completion_and_abort_breaks_the_group() {
+    let quick = CpuDevice::new(0).unwrap();
+    let slow = CpuDevice::new(1).unwrap();
+    let devs: Vec<Arc<dyn Device>> = vec![quick.clone(), slow.clone()];
+    let ranks = InProcessGroup::on_devices(devs.clone()).unwrap();
+    slow.stall_for(Duration::from_millis(400));
+    let events = run(&ranks, |c| {
+        let mem = Mem::new(devs[c.rank() as usize].clone(), 256);
+        // SAFETY: `mem` lives until the completion is known (waited below).
+        let ev = unsafe { c.all_gather_device(mem.region.region(), None, soon()) }.unwrap();
+        let early = ev
+            .wait_until(Instant::now() + Duration::from_millis(50))
+            .unwrap();
+        let later = ev.wait_until(soon()).unwrap();
+        (early, later)
+    });
+    // The call itself returned (host-side matching), but the device work waited for the stall.
+    assert_eq!(events, vec![(false, true), (false, true)]);
+    assert!(ranks.iter().all(|c| c.broken().is_none()));
+    ranks[1].abort("a test gave up on an event");
+    for c in &ranks {
+        assert!(c.broken().unwrap().contains("a test gave up"));
+        assert!(matches!(
+            c.all_gather_u64(1, soon()),
+            Err(CollectiveError::Aborted { .. })
+        ));
+    }
+    // Host-only groups have nothing in flight: abort leaves them working.
+    let host = InProcessGroup::new(1);
+    host[0].abort("ignored");
+    assert!(host[0].broken().is_none());
+}
+
+#[test]
+fn a_formation_gives_every_rank_a_fresh_working_group() {
+    let dev: Arc<dyn Device> = CpuDevice::new(0).unwrap();
+    let f = InProcessFormation::on_devices(vec![dev.clone(), dev.clone()]);
+    for epoch in 1..=3u64 {
+        let handles: Vec<Arc<dyn Collective>> = (0..2)
+            .map(|r| f.reform(r, epoch, soon()).unwrap())
+            .collect();
+        assert!(f.reform(0, epoch, soon()).is_err(), "taken once");
+        let sums: Vec<u64> = thread::scope(|s| {
+            let hs: Vec<_> = handles
+                .iter()
+                .map(|h| {
+                    s.spawn(move || {
+                        h.all_reduce_min_u64(epoch + u64::from(h.rank()), soon())
+                            .unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(sums, vec![epoch, epoch]);
+        handles[0].abort("next epoch");
+        assert!(handles[1].broken().is_some());
+    }
+    assert!(f.reform(2, 9, soon()).is_err(), "no rank 2");
+}
+
+/// Three ranks, one layer, `k` shared by Rank0Broadcast and SplitAllGather through real
+/// landings: host rows (host pools) and device stages (CPU device pools).
+#[test]
+fn share_entry_points_move_a_layer_and_count_it() {
+    let spec = ModelKvSpec::new(
+        "share-test",
+        1,
+        2,
+        vec![ComponentSpec::new(
+            "k",
+            RowUnit::Token,
+            ElementType::Bytes,
+            20,
+        )],
+    )
+    .unwrap();
+    let pages = 7usize;
+    let row = 40usize;
+    let byte = |p: usize, i: usize| (p * 17 + i) as u8;
+    for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+        // Host path.
+        let groups = InProcessGroup::new(3);
+        let pools: Vec<Arc<HostKvPool>> = (0..3)
+            .map(|r| {
+                Arc::new(HostKvPool::new(KvGeometry::new(spec.clone(), 3, r).unwrap(), 16).unwrap())
+            })
+            .collect();
+        run(&groups, |c| {
+            let r = c.rank() as usize;
+            let g = pools[r].geometry().clone();
+            let k = g.components()[0].clone();
+            let layout = StagingLayout::new(mode, 0, [&k], pages, 3).unwrap();
+            let slots: Vec<u32> = (0..pages as u32).map(|p| (p * 2 + r as u32) % 16).collect();
+            let shape = BatchShape {
+                own: vec![],
+                shared: vec![k.id],
+                share_bytes: vec![],
+            };
+            let mut l = DirectLanding::new(pools[r].clone(), slots.clone().into(), shape).unwrap();
+            let mut st = l.take_stages();
+            l.open(&mut st[0], 0, soon()).unwrap();
+            for p in layout.share(c.rank()) {
+                let at = l.target(&st[0], k.id, p).unwrap();
+                let data: Vec<u8> = (0..row).map(|i| byte(p, i)).collect();
+                // SAFETY: the landing's target for this row, ours while the stage is held.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, row) };
+            }
+            let blocks = layout.blocks();
+            let counts = layout.rows_per_rank();
+            {
+                let mut rows = l.rows(&mut st[0], &blocks).unwrap();
+                let how = match mode {
+                    ShareMode::SplitAllGather => RowsShare::AllGather { counts: &counts },
+                    _ => RowsShare::Broadcast { root: 0 },
+                };
+                share_rows(c, &mut rows, how, soon()).unwrap();
+            }
+            for (p, &s) in slots.iter().enumerate() {
+                let mut got = vec![0u8; row];
+                pools[r].read_slot(k.id, 0, s, &mut got).unwrap();
+                assert_eq!(
+                    got,
+                    (0..row).map(|i| byte(p, i)).collect::<Vec<_>>(),
+                    "{mode:?} rank {r}"
+                );
+            }
+            let t = l.transfers()[0];
+            let mine = (layout.share(c.rank()).len() * row) as u64;
+            assert_eq!(
+                (t.collective_sent, t.collective_received),
+                (mine, (pages * row) as u64 - mine)
+            );
+            assert_eq!(t.pcie(), 0);
+        });
+        // Device path.
+        let dev: Arc<dyn Device> = jittery(0);
+        let groups =
+            InProcessGroup::on_devices(vec![dev.clone(), dev.clone(), dev.clone()]).unwrap();
+        run(&groups, |c| {
+            let r = c.rank() as usize;
+            let g = KvGeometry::new(spec.clone(), 3, r as u32).unwrap();
+            let k = g.components()[0].clone();
+            let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 16).unwrap());
+            let staging =
+                StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, pages, 3), 1)
+                    .unwrap();
+            let layout = StagingLayout::new(mode, 0, [&k], pages, 3).unwrap();
+            let slots: Vec<u32> = (0..pages as u32).map(|p| (p * 2 + r as u32) % 16).collect();
+            let shape = BatchShape {
+                own: vec![],
+                shared: vec![k.id],
+                share_bytes: vec![layout.len()],
+            };
+            let mut l = StagedLanding::new(
+                pool.clone(),
+                staging.lease().unwrap(),
+                slots.clone().into(),
+                shape,
+            )
+            .unwrap();
+            let mut st = l.take_stages();
+            let s = &mut st[0];
+            l.open(s, 0, soon()).unwrap();
+            for rw in layout.rows(layout.share(c.rank())) {
+                let at = l.share_target(s, rw.offset, rw.len).unwrap();
+                let data: Vec<u8> = (0..row).map(|i| byte(rw.plan_page, i)).collect();
+                // SAFETY: the landing's share target for this row, ours while the stage is held.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, row) };
+            }
+            l.upload(s, layout.chunk(c.rank())).unwrap();
+            let ev = {
+                let mut ds = l.device_stage(s).unwrap();
+                let how = match mode {
+                    ShareMode::SplitAllGather => StageShare::AllGather,
+                    _ => StageShare::Broadcast { root: 0 },
+                };
+                share_stage(c, &mut ds, how, soon()).unwrap()
+            };
+            l.scatter(s, &layout.blocks(), &ev).unwrap();
+            l.land(s).unwrap();
+            for (p, &sl) in slots.iter().enumerate() {
+                let mut got = vec![0u8; row];
+                pool.read_slot(k.id, 0, sl, &mut got).unwrap();
+                assert_eq!(
+                    got,
+                    (0..row).map(|i| byte(p, i)).collect::<Vec<_>>(),
+                    "{mode:?} device rank {r}"
+                );
+            }
+            let t = l.transfers()[0];
+            let chunk = layout.chunk(c.rank()).len() as u64;
+            assert_eq!(
+                t.host_to_device, chunk,
+                "{mode:?} rank {r}: only its part crosses PCIe"
+            );
+            if mode == ShareMode::Rank0Broadcast && r > 0 {
+                assert_eq!(t.pcie(), 0, "a broadcast receiver moves nothing over PCIe");
+            }
+            assert_eq!(
+                t.collective_sent + t.collective_received,
+                layout.len() as u64
+            );
+        });
+    }
+}
