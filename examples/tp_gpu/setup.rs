@@ -244,6 +244,7 @@ impl Groups {
             .map(|(d, c)| TpGroup {
                 data: Arc::new(d) as Arc<dyn Collective>,
                 control: Arc::new(c) as Arc<dyn Collective>,
+                formation: None,
             })
             .collect();
         self.made += 1;

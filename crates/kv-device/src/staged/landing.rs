@@ -226,6 +226,24 @@ impl StagedLanding {
         self.halves[h].fences.push(ev.clone());
         Ok(ev)
     }
+
+    /// Runs `enqueue` (work on the load stream that uses half `h`), then fences the half after
+    /// whatever of it was enqueued, failed or not; a half whose fence cannot be recorded is
+    /// poisoned for good. The fence is returned with `enqueue`'s result.
+    fn fenced<T>(
+        &self,
+        h: usize,
+        enqueue: impl FnOnce() -> Result<T, DeviceError>,
+    ) -> Result<(T, SharedEvent), DeviceError> {
+        let r = enqueue();
+        match self.fence(h) {
+            Ok(ev) => r.map(|t| (t, ev)),
+            Err(e) => {
+                self.halves[h].fences.poison_unfenced();
+                Err(r.err().unwrap_or(e))
+            }
+        }
+    }
 }
 
 /// Checks a batch's shape against the pool and the half size.
@@ -320,23 +338,27 @@ impl LayerLanding for StagedLanding {
         }
         let lease = self.lease_ref()?;
         let base = self.shape.share_len(layer) as u64;
-        for c in self.pool.geometry().components() {
-            if !self.shape.own.contains(&c.id) || c.position(layer).is_none() {
-                continue;
+        let ((), ev) = self.fenced(h, || {
+            for c in self.pool.geometry().components() {
+                if !self.shape.own.contains(&c.id) || c.position(layer).is_none() {
+                    continue;
+                }
+                let off = base + self.own_offset(c.id, layer)?;
+                let span = self.span(c.id, layer, 0, self.slots.len())?;
+                let from = Staged::Host {
+                    host: lease.host_half(h)? + off as usize,
+                    dev: lease.device_half(h)? + off,
+                };
+                // SAFETY: the rows lie in this half's own area (sizes checked in `new`), the
+                // slots in the pool (checked in `new`); the half is reused and the lease
+                // released only after the fence recorded after this (`fenced`), and the pool
+                // outlives the landing (its drop drains the load stream).
+                let m =
+                    unsafe { copy::scatter(&self.stream, self.strategy, &self.slots, span, from) }?;
+                self.count(layer, m);
             }
-            let off = base + self.own_offset(c.id, layer)?;
-            let span = self.span(c.id, layer, 0, self.slots.len())?;
-            let from = Staged::Host {
-                host: lease.host_half(h)? + off as usize,
-                dev: lease.device_half(h)? + off,
-            };
-            // SAFETY: the rows lie in this half's own area (sizes checked in `new`), the slots
-            // in the pool (checked in `new`); the half is reused and the lease released only
-            // after the event recorded below (a fence), and the pool outlives the landing.
-            let m = unsafe { copy::scatter(&self.stream, self.strategy, &self.slots, span, from) }?;
-            self.count(layer, m);
-        }
-        let ev = self.fence(h)?;
+            Ok(())
+        })?;
         self.stats.lock().layers += 1;
         Ok(LayerReady::Event(ev))
     }
@@ -378,16 +400,19 @@ impl DeviceShare for StagedLanding {
         if range.start > range.end || range.end > self.shape.share_len(layer) {
             return Err(stage_err("an upload outside the share area"));
         }
-        if !range.is_empty() {
-            let lease = self.lease_ref()?;
+        let lease = self.lease_ref()?;
+        let ((), ev) = self.fenced(h, || {
+            if range.is_empty() {
+                return Ok(());
+            }
             let t = Transfer::ToDevice {
                 dst: lease.device_half(h)? + range.start as u64,
                 src: lease.host_half(h)? + range.start,
                 len: range.len(),
             };
-            // SAFETY: both ranges lie in this half (share area checked above, halves sized
-            // in `new`); the reader finished writing it; the half is reused only after the
-            // event recorded below (a fence).
+            // SAFETY: both ranges lie in this half (share area checked above, halves sized in
+            // `new`); the reader finished writing it; the half is reused only after the fence
+            // recorded after this (`fenced`).
             unsafe { self.stream.transfer(t)? };
             self.count(
                 layer,
@@ -397,8 +422,8 @@ impl DeviceShare for StagedLanding {
                     ..Moved::default()
                 },
             );
-        }
-        let ev = self.fence(h)?;
+            Ok(())
+        })?;
         *self.halves[h].upload.lock() = Some(ev);
         Ok(())
     }
@@ -437,42 +462,39 @@ impl DeviceShare for StagedLanding {
         after: &SharedEvent,
     ) -> Result<(), DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
-        self.stream.wait(after)?;
         let dev = self.lease_ref()?.device_half(h)?;
         let share = self.shape.share_len(layer) as u64;
-        for b in blocks {
-            let c = self.layout(b.component)?;
-            if !self.shape.shared.contains(&b.component) || c.position(layer).is_none() {
-                return Err(stage_err(
-                    "a row block of a component not shared on this layer",
-                ));
+        self.fenced(h, || {
+            self.stream.wait(after)?;
+            for b in blocks {
+                let c = self.layout(b.component)?;
+                if !self.shape.shared.contains(&b.component) || c.position(layer).is_none() {
+                    return Err(stage_err(
+                        "a row block of a component not shared on this layer",
+                    ));
+                }
+                if b.first_page
+                    .checked_add(b.pages)
+                    .is_none_or(|e| e > self.slots.len())
+                {
+                    return Err(stage_err("a row block past the plan"));
+                }
+                let end = b.offset as u64 + b.pages as u64 * c.page_layer_bytes;
+                if end > share {
+                    return Err(stage_err("a row block outside the share area"));
+                }
+                let span = self.span(b.component, layer, b.first_page, b.pages)?;
+                let from = Staged::Device(dev + b.offset as u64);
+                // SAFETY: the block's rows lie in the device share area (checked), its slots
+                // in the pool; the load stream waits for the collective first; the half is
+                // reused only after the fence recorded after this (`fenced`).
+                let m =
+                    unsafe { copy::scatter(&self.stream, self.strategy, &self.slots, span, from) }?;
+                self.count(layer, m);
             }
-            if b.first_page
-                .checked_add(b.pages)
-                .is_none_or(|e| e > self.slots.len())
-            {
-                return Err(stage_err("a row block past the plan"));
-            }
-            let end = b.offset as u64 + b.pages as u64 * c.page_layer_bytes;
-            if end > share {
-                return Err(stage_err("a row block outside the share area"));
-            }
-            let span = self.span(b.component, layer, b.first_page, b.pages)?;
-            // SAFETY: the block's rows lie in the device share area (checked), its slots in
-            // the pool; the load stream waits for the collective first; the half is reused
-            // only after the layer event that `land` records after this (a fence).
-            let m = unsafe {
-                copy::scatter(
-                    &self.stream,
-                    self.strategy,
-                    &self.slots,
-                    span,
-                    Staged::Device(dev + b.offset as u64),
-                )
-            }?;
-            self.count(layer, m);
-        }
-        Ok(())
+            Ok(())
+        })
+        .map(|_| ())
     }
 }
 

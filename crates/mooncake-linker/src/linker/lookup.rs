@@ -4,9 +4,9 @@ use kv_geometry::page_hashes;
 use kv_loader::{KvLoadError, LookupHit, LookupRequest};
 use tracing::debug;
 
-use super::Shared;
+use super::Inner;
 
-impl Shared {
+impl Inner {
     /// One batched `exists` over every component's key of every candidate page; the hit
     /// ends at the first page with any component missing.
     pub(crate) fn lookup(&self, req: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
@@ -41,10 +41,9 @@ impl Shared {
             }
             hit = i + 1;
         }
-        if let Some(g) = self.group.as_ref().filter(|g| g.size() > 1) {
+        if let Some(control) = self.control.as_ref().filter(|c| c.size() > 1) {
             let deadline = std::time::Instant::now() + self.config.collective_timeout;
-            let min = g
-                .control
+            let min = control
                 .all_reduce_min_u64(hit as u64, deadline)
                 .map_err(|e| KvLoadError::Collective {
                     batch: None,

@@ -1,87 +1,69 @@
 //! The linker: the [`KvLoader`] implementation over a [`KvStore`] and a [`KvPool`].
+//!
+//! One job per file: `batch` prepares a batch (keys, the mode the ranks agree on, the landing),
+//! `pipeline` runs its layers (reader thread + exchange loop), `share/` holds one share step
+//! per mode (each mode's data path, host and device, in one file), `auto` is `Auto`'s state,
+//! `outcomes` the outcome bookkeeping, `group` the TP group and its re-forming.
 
+mod auto;
 mod batch;
 mod config;
 mod group;
 mod lookup;
-mod measure;
 mod metrics;
+mod outcomes;
+mod pipeline;
 mod reader;
 mod save;
 mod session;
-mod staging;
+mod share;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kv_device::{DirectLandingFactory, KvPool, LandingFactory, Residence};
+use dedup_broadcast::Collective;
+use kv_device::{DirectLandingFactory, KvPool, LandingFactory, Residence, SharePath};
 use kv_geometry::{KeyScheme, KvGeometry};
 use kv_loader::{
-    BatchId, BatchOutcome, BatchPlan, KvLoadError, KvLoader, LayerReady, LoadTicket, LookupHit,
+    BatchOutcome, BatchPlan, KvLoadError, KvLoader, LayerReady, LoadTicket, LookupHit,
     LookupRequest, SaveReport,
 };
-use layerwise_counter::{CounterError, LayerCounter, WaitOutcome};
-use parking_lot::{Condvar, Mutex};
+use layerwise_counter::CounterError;
+use parking_lot::Mutex;
 use tracing::{info, warn};
 
 use crate::store::KvStore;
+use auto::AutoMode;
 use batch::BatchJob;
 pub use config::LinkerConfig;
+use group::DataGroup;
 pub use group::TpGroup;
 pub use metrics::{LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
+use outcomes::{Outcomes, WaitFailure};
 
-/// State shared by the linker's API and its load thread.
-pub(crate) struct Shared {
+/// What a linker's API and its load thread both use.
+pub(crate) struct Inner {
     pub(crate) geometry: KvGeometry,
     pub(crate) keys: KeyScheme,
     pub(crate) store: Arc<dyn KvStore>,
     pub(crate) pool: Arc<dyn KvPool>,
-    /// Makes each batch's landing (host: straight into the pool; CUDA: pinned staging).
+    /// Makes each batch's landing (host: straight into the pool; device: pinned staging).
     pub(crate) landings: Arc<dyn LandingFactory>,
     pub(crate) config: LinkerConfig,
-    /// The TP group, when this rank shares replicated components with others.
-    pub(crate) group: Option<TpGroup>,
-    /// Bandwidths `Auto` decides from (configured, refined by measurement).
-    pub(crate) measured: Mutex<dedup_broadcast::Bandwidths>,
-    /// `Auto`'s measurements: seconds per landed byte of each mode (AllRanks, Rank0Broadcast,
-    /// SplitAllGather), a running average.
-    pub(crate) mode_seconds_per_byte: Mutex<[Option<f64>; 3]>,
-    /// The mode `Auto` settled on, once it has measured every mode.
-    pub(crate) auto_kept: Mutex<Option<kv_loader::ShareMode>>,
-    /// Staging buffers kept between batches.
-    pub(crate) staging_cache: Mutex<Vec<Vec<u8>>>,
-    pub(crate) counter: LayerCounter<KvLoadError>,
+    /// The group's handle for lookups (the load thread owns the data handle).
+    pub(crate) control: Option<Arc<dyn Collective>>,
+    pub(crate) auto: AutoMode,
+    pub(crate) outcomes: Outcomes,
     pub(crate) metrics: LinkerMetrics,
     /// Bumped by `reset`: a batch whose epoch differs is cancelled.
     pub(crate) epoch: AtomicU64,
     closed: AtomicBool,
-    /// Per batch, what each ready layer's wait hands back (device pools only).
-    readies: Mutex<HashMap<BatchId, Vec<Option<LayerReady>>>>,
-    /// Finished batches not yet taken, with their counter tickets (released when taken).
-    outcomes: Mutex<HashMap<BatchId, (layerwise_counter::Ticket, BatchOutcome)>>,
-    outcome_ready: Condvar,
-    /// Batches submitted and not yet finished by the load thread.
-    pending: Mutex<usize>,
-    idle: Condvar,
 }
 
-impl Shared {
-    /// Layer `layer` of the job has landed: keep its ready signal, mark it in the counter.
-    pub(crate) fn publish(&self, job: &BatchJob, layer: u32, ready: LayerReady) {
-        if let LayerReady::Event(_) = &ready {
-            let mut r = self.readies.lock();
-            let slots = r.entry(job.ticket.batch).or_default();
-            slots.resize(self.geometry.num_layers() as usize, None);
-            slots[layer as usize] = Some(ready);
-        }
-        // A stale ticket here means the batch was reset; the next layer sees the new epoch.
-        let _ = self.counter.complete(job.ticket.counter, layer);
-    }
-
+impl Inner {
     fn finish_job(&self, job: BatchJob, result: Result<kv_loader::LoadStats, KvLoadError>) {
         let batch = job.ticket.batch;
         match &result {
@@ -94,28 +76,22 @@ impl Shared {
                 self.metrics.batch(false);
                 self.metrics.failure(e.kind_name());
                 warn!(%batch, error = %e, "batch failed");
-                let _ = self.counter.fail(job.ticket.counter, e.clone());
             }
         }
         self.outcomes
-            .lock()
-            .insert(batch, (job.ticket.counter, BatchOutcome { batch, result }));
-        self.outcome_ready.notify_all();
+            .finish(job.ticket.counter, BatchOutcome { batch, result });
     }
 
-    fn load_loop(self: Arc<Self>, jobs: mpsc::Receiver<BatchJob>) {
+    fn load_loop(self: Arc<Self>, jobs: mpsc::Receiver<BatchJob>, mut group: Option<DataGroup>) {
         while let Ok(job) = jobs.recv() {
             let result = if self.epoch.load(Ordering::Acquire) != job.epoch {
                 Err(KvLoadError::Cancelled {
                     batch: job.ticket.batch,
                 })
             } else {
-                self.run_batch(&job)
+                self.run_batch(group.as_mut(), &job)
             };
             self.finish_job(job, result);
-            let mut p = self.pending.lock();
-            *p = p.saturating_sub(1);
-            self.idle.notify_all();
         }
     }
 
@@ -133,34 +109,6 @@ impl Shared {
             },
             other => KvLoadError::Config(format!("{}: {other}", ticket.batch)),
         }
-    }
-
-    /// Takes the outcome of `batch`, waiting until `deadline`.
-    fn take_outcome(&self, batch: BatchId, deadline: Instant) -> Option<BatchOutcome> {
-        let mut outcomes = self.outcomes.lock();
-        loop {
-            if let Some((_, o)) = outcomes.remove(&batch) {
-                return Some(o);
-            }
-            if self
-                .outcome_ready
-                .wait_until(&mut outcomes, deadline)
-                .timed_out()
-            {
-                return outcomes.remove(&batch).map(|(_, o)| o);
-            }
-        }
-    }
-
-    /// Waits until the load thread has nothing pending, up to `deadline`.
-    fn wait_idle(&self, deadline: Instant) -> bool {
-        let mut p = self.pending.lock();
-        while *p > 0 {
-            if self.idle.wait_until(&mut p, deadline).timed_out() {
-                return *p == 0;
-            }
-        }
-        true
     }
 }
 
@@ -201,7 +149,7 @@ impl Shared {
 /// linker.close().unwrap();
 /// ```
 pub struct Linker {
-    shared: Arc<Shared>,
+    inner: Arc<Inner>,
     jobs: Mutex<Option<mpsc::Sender<BatchJob>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -230,7 +178,7 @@ impl Linker {
         group: Option<TpGroup>,
     ) -> Result<Self, KvLoadError> {
         if let Some(g) = &group {
-            Self::check_group(&geometry, g)?;
+            Self::check_group(&geometry, g, landings.as_ref())?;
         }
         Self::build(geometry, store, pool, landings, config, group)
     }
@@ -245,7 +193,24 @@ impl Linker {
         Ok(Arc::new(DirectLandingFactory::new(pool.clone())))
     }
 
-    fn check_group(geometry: &KvGeometry, group: &TpGroup) -> Result<(), KvLoadError> {
+    /// The group must match the geometry, and move the memory the landings share through.
+    fn check_group(
+        geometry: &KvGeometry,
+        group: &TpGroup,
+        landings: &dyn LandingFactory,
+    ) -> Result<(), KvLoadError> {
+        let memory = group.data.memory();
+        let path = landings.share_path();
+        let moves = match path {
+            SharePath::Host => memory.host,
+            SharePath::Device => memory.device,
+        };
+        if !moves {
+            return Err(KvLoadError::Config(format!(
+                "the landings share rows through {path:?} memory, but the group's data \
+                 collective moves {memory:?}"
+            )));
+        }
         if group.rank() != geometry.tp_rank
             || group.size() != geometry.tp_size
             || group.control.rank() != group.rank()
@@ -301,36 +266,29 @@ impl Linker {
             config.cp_rank,
             config.pp_rank,
         );
-        let shared = Arc::new(Shared {
-            counter: LayerCounter::with_capacity(config.max_in_flight.max(1)),
+        let data = DataGroup::of(group.as_ref());
+        let inner = Arc::new(Inner {
+            outcomes: Outcomes::new(config.max_in_flight),
+            auto: AutoMode::new(config.mode, config.bandwidths),
             geometry,
             keys,
             store,
             pool,
             landings,
-            measured: Mutex::new(config.bandwidths),
+            control: group.map(|g| g.control),
             config,
-            group,
-            staging_cache: Mutex::new(Vec::new()),
-            mode_seconds_per_byte: Mutex::new([None; 3]),
-            auto_kept: Mutex::new(None),
             metrics: LinkerMetrics::default(),
             epoch: AtomicU64::new(0),
             closed: AtomicBool::new(false),
-            readies: Mutex::new(HashMap::new()),
-            outcomes: Mutex::new(HashMap::new()),
-            outcome_ready: Condvar::new(),
-            pending: Mutex::new(0),
-            idle: Condvar::new(),
         });
         let (tx, rx) = mpsc::channel();
-        let worker = shared.clone();
+        let worker = inner.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-load-r{}", worker.geometry.tp_rank))
-            .spawn(move || worker.load_loop(rx))
+            .spawn(move || worker.load_loop(rx, data))
             .map_err(|e| KvLoadError::Config(format!("spawning the load thread: {e}")))?;
         Ok(Linker {
-            shared,
+            inner,
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
         })
@@ -338,23 +296,23 @@ impl Linker {
 
     /// This rank's geometry.
     pub fn geometry(&self) -> &KvGeometry {
-        &self.shared.geometry
+        &self.inner.geometry
     }
 
     /// The store.
     pub fn store(&self) -> &Arc<dyn KvStore> {
-        &self.shared.store
+        &self.inner.store
     }
 
     /// Counters for export.
     pub fn metrics(&self) -> MetricsSnapshot {
-        self.shared.metrics.snapshot()
+        self.inner.metrics.snapshot()
     }
 
     /// The object keys of a plan's pages for component `index` of the plan, in plan order.
     pub fn object_keys(&self, plan: &BatchPlan) -> Result<Vec<Vec<String>>, KvLoadError> {
         Ok(self
-            .shared
+            .inner
             .component_keys(plan)?
             .into_iter()
             .map(|c| c.keys)
@@ -362,46 +320,39 @@ impl Linker {
     }
 
     fn cancel_all(&self) -> Result<(), KvLoadError> {
-        let s = &self.shared;
+        let s = &self.inner;
         s.epoch.fetch_add(1, Ordering::AcqRel);
-        s.counter.reset();
         let deadline = Instant::now() + s.config.wait_deadline;
-        if !s.wait_idle(deadline) {
+        if !s.outcomes.cancel_all(deadline) {
             return Err(KvLoadError::Config(format!(
                 "the load thread is still busy {:?} after reset (a store call hangs?)",
                 s.config.wait_deadline
             )));
         }
-        s.readies.lock().clear();
         Ok(())
     }
 }
 
 impl KvLoader for Linker {
     fn num_layers(&self) -> u32 {
-        self.shared.geometry.num_layers()
+        self.inner.geometry.num_layers()
     }
 
     fn lookup(&self, request: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
-        self.shared.check_open()?;
-        self.shared.lookup(request)
+        self.inner.check_open()?;
+        self.inner.lookup(request)
     }
 
     fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError> {
-        let s = &self.shared;
+        let s = &self.inner;
         s.check_open()?;
         plan.validate(&s.geometry, s.pool.pages())?;
         let batch = plan.logical.batch;
-        let counter = s
-            .counter
-            .begin(s.geometry.num_layers())
-            .map_err(|e| match e {
-                CounterError::Full { capacity } => KvLoadError::Busy { capacity },
-                other => KvLoadError::Config(format!("{batch}: {other}")),
-            })?;
+        let num_layers = s.geometry.num_layers();
+        let counter = s.outcomes.begin(batch, num_layers)?;
         let ticket = LoadTicket {
             batch,
-            num_layers: s.geometry.num_layers(),
+            num_layers,
             counter,
         };
         let job = BatchJob {
@@ -410,23 +361,20 @@ impl KvLoader for Linker {
             epoch: s.epoch.load(Ordering::Acquire),
             started: Instant::now(),
         };
-        *s.pending.lock() += 1;
         let sent = self
             .jobs
             .lock()
             .as_ref()
             .is_some_and(|tx| tx.send(job).is_ok());
         if !sent {
-            let mut p = s.pending.lock();
-            *p = p.saturating_sub(1);
-            let _ = s.counter.finish(counter);
+            s.outcomes.abandon(counter);
             return Err(KvLoadError::Closed);
         }
         Ok(ticket)
     }
 
     fn wait_layer(&self, ticket: &LoadTicket, layer: u32) -> Result<LayerReady, KvLoadError> {
-        let s = &self.shared;
+        let s = &self.inner;
         if layer >= ticket.num_layers {
             return Err(KvLoadError::InvalidPlan {
                 batch: ticket.batch,
@@ -437,78 +385,54 @@ impl KvLoader for Linker {
             });
         }
         let deadline = Instant::now() + s.config.wait_deadline;
-        match s
-            .counter
-            .wait(ticket.counter, layer, deadline)
-            .map_err(|e| Shared::counter_error(ticket, e))?
-        {
-            WaitOutcome::Ready => {
-                if s.pool.residence() == Residence::Host {
-                    return Ok(LayerReady::Resident);
-                }
-                let r = s.readies.lock();
-                Ok(r.get(&ticket.batch)
-                    .and_then(|v| v.get(layer as usize).cloned().flatten())
-                    .unwrap_or(LayerReady::Resident))
+        match s.outcomes.wait_layer(ticket, layer, deadline) {
+            Ok(ready) if s.pool.residence() == Residence::Host => {
+                let _ = ready;
+                Ok(LayerReady::Resident)
             }
-            WaitOutcome::Failed(e) => Err(e),
-            WaitOutcome::TimedOut => Err(KvLoadError::Timeout {
+            Ok(ready) => Ok(ready.unwrap_or(LayerReady::Resident)),
+            Err(WaitFailure::Counter(e)) => Err(Inner::counter_error(ticket, e)),
+            Err(WaitFailure::Load(e)) => Err(e),
+            Err(WaitFailure::TimedOut) => Err(KvLoadError::Timeout {
                 batch: ticket.batch,
                 layer,
                 waited: s.config.wait_deadline,
             }),
-            WaitOutcome::Cancelled => Err(KvLoadError::Cancelled {
+            Err(WaitFailure::Cancelled) => Err(KvLoadError::Cancelled {
                 batch: ticket.batch,
             }),
         }
     }
 
     fn wait_batch(&self, ticket: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
-        let s = &self.shared;
+        let s = &self.inner;
         let deadline = Instant::now() + s.config.wait_deadline;
-        let outcome = s
-            .take_outcome(ticket.batch, deadline)
+        s.outcomes
+            .take(ticket.batch, deadline)
             .ok_or(KvLoadError::Timeout {
                 batch: ticket.batch,
                 layer: ticket.num_layers.saturating_sub(1),
                 waited: s.config.wait_deadline,
-            })?;
-        let _ = s.counter.finish(ticket.counter);
-        s.readies.lock().remove(&ticket.batch);
-        Ok(outcome)
+            })
     }
 
     fn completed(&self) -> Vec<BatchOutcome> {
-        let s = &self.shared;
-        let taken: Vec<(layerwise_counter::Ticket, BatchOutcome)> =
-            s.outcomes.lock().drain().map(|(_, t)| t).collect();
-        let mut out = Vec::with_capacity(taken.len());
-        for (ticket, outcome) in taken {
-            // Already stale after a reset; otherwise this frees the batch's counter slot.
-            let _ = s.counter.finish(ticket);
-            out.push(outcome);
-        }
-        out.sort_by_key(|o| o.batch);
-        let mut readies = s.readies.lock();
-        for o in &out {
-            readies.remove(&o.batch);
-        }
-        out
+        self.inner.outcomes.drain()
     }
 
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
-        self.shared.check_open()?;
-        self.shared.save(plan)
+        self.inner.check_open()?;
+        self.inner.save(plan)
     }
 
     fn reset(&self) -> Result<(), KvLoadError> {
-        self.shared.check_open()?;
+        self.inner.check_open()?;
         info!("linker reset");
         self.cancel_all()
     }
 
     fn close(&self) -> Result<(), KvLoadError> {
-        if self.shared.closed.swap(true, Ordering::AcqRel) {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
         info!("linker close");
@@ -520,10 +444,9 @@ impl KvLoader for Linker {
                 let _ = t.join();
             }
         }
-        self.shared.drop_staging();
-        for (addr, len) in self.shared.landings.store_regions() {
+        for (addr, len) in self.inner.landings.store_regions() {
             let region = crate::store::MemoryRegion { addr, len };
-            if let Err(e) = self.shared.store.unregister(region) {
+            if let Err(e) = self.inner.store.unregister(region) {
                 warn!(error = %e, "unregistering landing memory failed");
             }
         }

@@ -4,12 +4,58 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use kv_geometry::ComponentLayout;
+use dedup_broadcast::StagingLayout;
+use kv_device::{DeviceError, DeviceShare, LayerLanding, LayerStage};
+use kv_geometry::{ComponentId, ComponentLayout};
 use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
 use smallvec::smallvec;
 
-use super::staging::RowTarget;
 use crate::store::{KvStore, RangedGet, ReadRange, StoreError};
+
+/// Where the store writes a row of the layer open in a stage.
+pub(crate) trait RowTarget {
+    /// The host address of plan page `plan_page`'s slice of `component`.
+    fn row(&self, component: &ComponentLayout, plan_page: usize) -> Result<usize, DeviceError>;
+}
+
+/// The landing's own targets: pool slots (host pools) or the stage's own area (device pools).
+pub(crate) struct OwnRows<'a> {
+    pub(crate) landing: &'a dyn LayerLanding,
+    pub(crate) stage: &'a LayerStage,
+}
+
+impl RowTarget for OwnRows<'_> {
+    fn row(&self, component: &ComponentLayout, plan_page: usize) -> Result<usize, DeviceError> {
+        self.landing.target(self.stage, component.id, plan_page)
+    }
+}
+
+/// The share area of a device stage, as the layer's share layout places rows in it.
+pub(crate) struct ShareArea<'a> {
+    pub(crate) share: &'a dyn DeviceShare,
+    pub(crate) stage: &'a LayerStage,
+    pub(crate) layout: &'a StagingLayout,
+}
+
+impl RowTarget for ShareArea<'_> {
+    fn row(&self, component: &ComponentLayout, plan_page: usize) -> Result<usize, DeviceError> {
+        let off = self
+            .layout
+            .offset(component.id, plan_page)
+            .ok_or(row_not_staged(component.id))?;
+        self.share
+            .share_target(self.stage, off, component.page_layer_bytes as usize)
+    }
+}
+
+fn row_not_staged(c: ComponentId) -> DeviceError {
+    DeviceError::OutOfPool {
+        component: c.0,
+        layer: u32::MAX,
+        slot: u32::MAX,
+        reason: "row not staged at this layer",
+    }
+}
 
 /// One planned component and its object keys, in plan page order (built once per batch).
 pub(crate) struct ComponentKeys {
@@ -59,9 +105,7 @@ impl LayerReader<'_> {
             let len = comp.layout.page_layer_bytes as usize;
             let mut gets = Vec::with_capacity(pages.len());
             for page in pages.clone() {
-                let dst = landing
-                    .row(comp.layout.id, layer, page)
-                    .map_err(KvLoadError::from)?;
+                let dst = landing.row(&comp.layout, page).map_err(KvLoadError::from)?;
                 gets.push(RangedGet {
                     key: &comp.keys[page],
                     ranges: smallvec![ReadRange {

@@ -6,10 +6,10 @@ use smallvec::SmallVec;
 use tracing::{debug, info_span};
 
 use super::reader::{store_failure, ComponentKeys};
-use super::Shared;
+use super::Inner;
 use crate::store::{ObjectPut, PutOutcome};
 
-impl Shared {
+impl Inner {
     /// Writes every object of the plan this rank owns and the store lacks. Replicated
     /// components are written by TP rank 0 only; sharded ones by every rank.
     pub(crate) fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {

@@ -1,11 +1,11 @@
-//! What `Auto` decides from: configured bandwidths, refined by what this rank measures.
+//! `Auto`'s state in one place: the bandwidths it decides from (configured, refined by what
+//! this rank measures), each mode's measured time per landed byte, and the mode it keeps.
 
 use std::time::Duration;
 
 use dedup_broadcast::{choose_mode, layer_times, Bandwidths, ModeChoice};
 use kv_loader::ShareMode;
-
-use super::Shared;
+use parking_lot::Mutex;
 
 /// Weight of a new observation in the running averages.
 const EWMA: f64 = 0.2;
@@ -25,25 +25,59 @@ fn gbps(bytes: u64, took: Duration) -> Option<f64> {
     (bytes >= MIN_BYTES && secs > 0.0).then(|| bytes as f64 / secs / 1e9)
 }
 
-impl Shared {
+/// What `Auto` has seen so far.
+#[derive(Debug)]
+struct Seen {
+    /// Bandwidths now: configured, refined by measurement.
+    measured: Bandwidths,
+    /// Seconds per landed byte of each mode (AllRanks, Rank0Broadcast, SplitAllGather), a
+    /// running average.
+    seconds_per_byte: [Option<f64>; 3],
+    /// The mode `Auto` settled on, once it has measured every mode.
+    kept: Option<ShareMode>,
+}
+
+/// How a linker picks each batch's share mode, and what it measured to do so.
+#[derive(Debug)]
+pub(crate) struct AutoMode {
+    choice: ModeChoice,
+    configured: Bandwidths,
+    seen: Mutex<Seen>,
+}
+
+impl AutoMode {
+    pub(crate) fn new(choice: ModeChoice, configured: Bandwidths) -> Self {
+        AutoMode {
+            choice,
+            configured,
+            seen: Mutex::new(Seen {
+                measured: configured,
+                seconds_per_byte: [None; 3],
+                kept: None,
+            }),
+        }
+    }
+
     /// The bandwidths now: configured, with the store's per-rank figure and the fabric's
     /// refined from this rank's own layer reads and exchanges.
     pub(crate) fn bandwidths(&self) -> Bandwidths {
-        *self.measured.lock()
+        self.seen.lock().measured
     }
 
     /// A layer read of `bytes` took `took` on this rank.
     pub(crate) fn observe_store_read(&self, bytes: u64, took: Duration) {
         if let Some(g) = gbps(bytes, took) {
-            let mut m = self.measured.lock();
+            let mut seen = self.seen.lock();
+            let m = &mut seen.measured;
             m.store_per_rank_gbps = blend(m.store_per_rank_gbps, g);
         }
     }
 
-    /// A collective moved a `bytes` buffer in `took`.
+    /// A collective moved a `bytes` region in `took`.
     pub(crate) fn observe_fabric(&self, mode: ShareMode, bytes: u64, took: Duration) {
         if let Some(g) = gbps(bytes, took) {
-            let mut m = self.measured.lock();
+            let mut seen = self.seen.lock();
+            let m = &mut seen.measured;
             match mode {
                 ShareMode::Rank0Broadcast => {
                     m.fabric_broadcast_gbps = blend(m.fabric_broadcast_gbps, g)
@@ -102,27 +136,28 @@ fn all_known(bw: &Bandwidths) -> bool {
     .all(|v| v.is_finite() && *v > 0.0)
 }
 
-impl Shared {
+impl AutoMode {
     /// This rank's proposal for the next batch, and why. Fixed modes are proposed as they
     /// are. `Auto`: from the time model when every bandwidth is configured; otherwise it
     /// measures: each mode runs once (explore), then the mode with the lowest measured
     /// time per landed byte wins (only rank 0's proposal is used, so rank 0's measurements
     /// decide for the group).
-    pub(crate) fn propose_mode(&self, tp_size: u32, bytes_per_layer: u64) -> (ShareMode, String) {
+    pub(crate) fn propose(&self, tp_size: u32, bytes_per_layer: u64) -> (ShareMode, String) {
         let bw = self.bandwidths();
-        if self.config.mode != ModeChoice::Auto || all_known(&self.config.bandwidths) {
-            return choose_mode(self.config.mode, &bw, tp_size, bytes_per_layer);
+        if self.choice != ModeChoice::Auto || all_known(&self.configured) {
+            return choose_mode(self.choice, &bw, tp_size, bytes_per_layer);
         }
-        let seen = *self.mode_seconds_per_byte.lock();
+        let mut s = self.seen.lock();
+        let seen = s.seconds_per_byte;
         if let Some(m) = AUTO_MODES.iter().find(|m| seen[slot(**m)].is_none()) {
             return (
                 *m,
                 format!("Auto: measuring {m:?} (no batch ran in it yet)"),
             );
         }
-        let mut kept = self.auto_kept.lock();
-        let best = pick_measured(&seen, *kept);
-        *kept = Some(best);
+        let best = pick_measured(&seen, s.kept);
+        s.kept = Some(best);
+        drop(s);
         let ns = |m: ShareMode| seen[slot(m)].map_or(f64::NAN, |v| v * 1e9);
         let model = layer_times(&bw, tp_size, bytes_per_layer);
         (
@@ -143,8 +178,8 @@ impl Shared {
             return;
         }
         let v = took.as_secs_f64() / bytes as f64;
-        let mut seen = self.mode_seconds_per_byte.lock();
-        let s = &mut seen[slot(mode)];
+        let mut seen = self.seen.lock();
+        let s = &mut seen.seconds_per_byte[slot(mode)];
         *s = Some(s.map_or(v, |old| blend(old, v)));
     }
 }

@@ -1,0 +1,365 @@
+//! The layer pipeline of one batch on one rank: a reader thread reads layer *l+1* from the
+//! store while the exchange loop (the load thread) agrees on layer *l* with the other ranks,
+//! shares its replicated rows ([`ShareStep`](super::share::ShareStep), one per mode), lands it
+//! and publishes it. The batch's two [`LayerStage`]s circulate between them.
+//!
+//! Every rank issues the same collectives whatever happens (design rule: failure symmetry):
+//! one status exchange per layer, then that layer's collective when every rank is ok; a
+//! failure of this rank's own share step is reported in the next status word, and after the
+//! last layer one more exchange (the verdict) carries the last layer's. A failed status stops
+//! every rank at the same layer; a failed collective fails the batch on every rank.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use dedup_broadcast::{Collective, GroupStatus, LayerStatus};
+use kv_device::{LayerLanding, LayerStage, ShareSide};
+use kv_loader::{KvLoadError, StoreFailure};
+use tracing::warn;
+
+use super::batch::{collective_failure, BatchJob, BatchLayers};
+use super::reader::{store_failure, LayerReader, OwnRows, ShareArea};
+use super::session::PinnedKeys;
+use super::share::{step_for, LayerCx, StepError};
+use super::Inner;
+
+/// What the reader hands over for one layer.
+struct ReadLayer {
+    layer: u32,
+    stage: Option<LayerStage>,
+    /// Why this rank's read of the layer (or an earlier one) failed.
+    error: Option<KvLoadError>,
+}
+
+/// What a finished pipeline did.
+pub(crate) struct PipelineRun {
+    pub(crate) bytes_read: u64,
+    /// Bytes of the layers landed in this rank's pool.
+    pub(crate) landed: u64,
+    /// From `start_load` to the first layer published.
+    pub(crate) first_layer: Duration,
+}
+
+/// One batch's layers on one rank (see the module docs).
+pub(crate) struct LayerPipeline<'a> {
+    pub(crate) inner: &'a Inner,
+    pub(crate) job: &'a BatchJob,
+    pub(crate) coll: Option<&'a dyn Collective>,
+    pub(crate) layers: &'a BatchLayers,
+    /// The batch's landing (absent when it could not be made: every layer then fails here).
+    pub(crate) landing: Option<&'a dyn LayerLanding>,
+}
+
+impl LayerPipeline<'_> {
+    /// Runs the batch: `prep` is the read session (or why this rank cannot read), `stages`
+    /// the landing's two stages.
+    pub(crate) fn run(
+        &self,
+        prep: Result<PinnedKeys<'_>, KvLoadError>,
+        stages: Vec<LayerStage>,
+    ) -> Result<PipelineRun, KvLoadError> {
+        std::thread::scope(|s| {
+            let (to_exchange, from_reader) = mpsc::sync_channel::<ReadLayer>(1);
+            let (to_reader, free) = mpsc::channel::<Option<LayerStage>>();
+            let mut stages = stages.into_iter();
+            for _ in 0..2 {
+                let _ = to_reader.send(stages.next());
+            }
+            let reader = std::thread::Builder::new()
+                .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank))
+                .spawn_scoped(s, move || self.read_loop(prep, free, to_exchange));
+            let reader = match reader {
+                Ok(r) => r,
+                Err(e) => {
+                    // Nothing was read: every exchange of the batch still happens, failed.
+                    let (tx, rx) = mpsc::sync_channel(1);
+                    drop(tx);
+                    let _ = self.exchange_loop(rx, to_reader);
+                    return Err(KvLoadError::Config(format!("spawning a reader: {e}")));
+                }
+            };
+            let exchanged = self.exchange_loop(from_reader, to_reader);
+            let bytes_read = reader.join().unwrap_or(0);
+            self.inner.metrics.read(bytes_read);
+            exchanged.map(|(landed, first_layer)| PipelineRun {
+                bytes_read,
+                landed,
+                first_layer,
+            })
+        })
+    }
+
+    fn cancelled(&self) -> bool {
+        self.inner.epoch.load(Ordering::Acquire) != self.job.epoch
+    }
+
+    /// The reader thread: opens each layer in a free stage, reads it, hands it over. Returns
+    /// the bytes read.
+    fn read_loop(
+        &self,
+        prep: Result<PinnedKeys<'_>, KvLoadError>,
+        free: mpsc::Receiver<Option<LayerStage>>,
+        to_exchange: mpsc::SyncSender<ReadLayer>,
+    ) -> u64 {
+        let batch = self.job.plan.logical.batch;
+        let mut failure = prep.as_ref().err().cloned();
+        let mut pins = prep.ok();
+        let mut bytes = 0;
+        for layer in 0..self.inner.geometry.num_layers() {
+            let Ok(mut stage) = free.recv() else {
+                break;
+            };
+            if failure.is_none() && self.cancelled() {
+                failure = Some(KvLoadError::Cancelled { batch });
+            }
+            if failure.is_none() {
+                let read = match (self.landing, stage.as_mut(), pins.as_mut()) {
+                    (Some(l), Some(st), Some(p)) => self.read_layer(p, l, st, layer),
+                    _ => Err(KvLoadError::Config(format!(
+                        "{batch}: no landing to read into"
+                    ))),
+                };
+                match read {
+                    Ok(n) => bytes += n,
+                    Err(e) => {
+                        warn!(%batch, layer, error = %e, "read failed");
+                        failure = Some(e);
+                    }
+                }
+            }
+            let msg = ReadLayer {
+                layer,
+                stage,
+                error: failure.clone(),
+            };
+            if to_exchange.send(msg).is_err() {
+                break;
+            }
+        }
+        bytes
+    }
+
+    /// Reads one layer on this rank into `stage`: its own components (every page), and its
+    /// share of the replicated ones (its slots on a host pool, the share area on a device).
+    fn read_layer(
+        &self,
+        pins: &mut PinnedKeys<'_>,
+        landing: &dyn LayerLanding,
+        stage: &mut LayerStage,
+        layer: u32,
+    ) -> Result<u64, KvLoadError> {
+        let (inner, layers) = (self.inner, self.layers);
+        let batch = self.job.plan.logical.batch;
+        let deadline = Instant::now() + inner.config.collective_timeout;
+        landing.open(stage, layer, deadline)?;
+        pins.renew_if_due()
+            .map_err(|e| store_failure(batch, Some(layer), Vec::new(), &e))?;
+        let reader = |components| LayerReader {
+            store: inner.store.as_ref(),
+            batch,
+            components,
+            parallelism: inner.config.read_parallelism,
+        };
+        let t0 = Instant::now();
+        let mut n =
+            reader(&layers.own).read_layer(&OwnRows { landing, stage }, layer, 0..layers.pages)?;
+        if let Some(layout) = layers.layouts[layer as usize].as_ref() {
+            let pages = layout.share(layers.rank);
+            let shared = reader(&layers.shared);
+            n += match landing.share() {
+                ShareSide::Host(_) => {
+                    shared.read_layer(&OwnRows { landing, stage }, layer, pages)?
+                }
+                ShareSide::Device(share) => shared.read_layer(
+                    &ShareArea {
+                        share,
+                        stage,
+                        layout,
+                    },
+                    layer,
+                    pages,
+                )?,
+            };
+        }
+        let took = t0.elapsed();
+        inner.metrics.layer_read(took);
+        inner.auto.observe_store_read(n, took);
+        if took > inner.config.layer_read_timeout {
+            return Err(KvLoadError::Store {
+                batch: Some(batch),
+                layer: Some(layer),
+                pages: (0..layers.pages as u32).collect::<Vec<_>>().into(),
+                kind: StoreFailure::RpcTimeout,
+                detail: format!(
+                    "layer read took {took:?}, over the limit of {:?}",
+                    inner.config.layer_read_timeout
+                ),
+            });
+        }
+        Ok(n)
+    }
+
+    /// One status word for `layer`: exchanged with the group, or recorded alone.
+    fn exchange(
+        &self,
+        status: &mut GroupStatus,
+        layer: u32,
+        mine: LayerStatus,
+    ) -> Result<(), KvLoadError> {
+        let batch = self.job.plan.logical.batch;
+        match self.coll {
+            Some(c) => {
+                let deadline = Instant::now() + self.inner.config.collective_timeout;
+                status
+                    .exchange(c, layer, mine, deadline)
+                    .map(drop)
+                    .map_err(|e| collective_failure(batch, e))
+            }
+            None => {
+                status.record(layer, &[mine]);
+                Ok(())
+            }
+        }
+    }
+
+    /// The layer `layer` message from the reader (bounded), as (stage, this rank's error).
+    fn receive(
+        &self,
+        from_reader: &mpsc::Receiver<ReadLayer>,
+        layer: u32,
+    ) -> (Option<LayerStage>, Option<KvLoadError>) {
+        let batch = self.job.plan.logical.batch;
+        let c = &self.inner.config;
+        let limit = c.layer_read_timeout.saturating_add(c.collective_timeout);
+        match from_reader.recv_timeout(limit) {
+            Ok(m) if m.layer == layer => (m.stage, m.error),
+            Ok(m) => (
+                None,
+                Some(KvLoadError::Config(format!(
+                    "{batch}: the reader sent layer {} for layer {layer}",
+                    m.layer
+                ))),
+            ),
+            Err(mpsc::RecvTimeoutError::Timeout) => (
+                None,
+                Some(KvLoadError::Store {
+                    batch: Some(batch),
+                    layer: Some(layer),
+                    pages: Vec::new().into(),
+                    kind: StoreFailure::RpcTimeout,
+                    detail: format!("the reader did not finish layer {layer} within {limit:?}"),
+                }),
+            ),
+            Err(mpsc::RecvTimeoutError::Disconnected) => (
+                None,
+                Some(KvLoadError::Config(format!(
+                    "{batch}: the reader stopped before layer {layer}"
+                ))),
+            ),
+        }
+    }
+
+    /// The load thread's part: per layer, the status exchange, then the share step, landing and
+    /// publishing; then the verdict. Returns (bytes landed, time to the first layer).
+    fn exchange_loop(
+        &self,
+        from_reader: mpsc::Receiver<ReadLayer>,
+        to_reader: mpsc::Sender<Option<LayerStage>>,
+    ) -> Result<(u64, Duration), KvLoadError> {
+        let (inner, job, layers) = (self.inner, self.job, self.layers);
+        let batch = job.plan.logical.batch;
+        let num_layers = inner.geometry.num_layers();
+        let step = step_for(layers.mode);
+        tracing::debug!(%batch, mode = ?step.mode(), "exchange loop");
+        let mut status = GroupStatus::default();
+        // This rank's failure of the previous layer's share step, to report next.
+        let mut carried: Option<KvLoadError> = None;
+        // This rank's first failure (what a rank alone reports).
+        let mut own: Option<KvLoadError> = None;
+        let mut fatal: Option<KvLoadError> = None;
+        let (mut landed, mut first_layer) = (0u64, Duration::ZERO);
+        let mut every_layer = true;
+        for layer in 0..num_layers {
+            let (stage, read_error) = self.receive(&from_reader, layer);
+            let mine = carried.take().or(read_error);
+            if let Some(e) = &mine {
+                own.get_or_insert_with(|| e.clone());
+            }
+            let word = mine
+                .as_ref()
+                .map_or(LayerStatus::Ok, LayerStatus::from_error);
+            if let Err(e) = self.exchange(&mut status, layer, word) {
+                fatal = Some(e);
+            }
+            if fatal.is_some() || !status.is_ok() {
+                every_layer = false;
+                break;
+            }
+            let (Some(landing), Some(mut stage)) = (self.landing, stage) else {
+                fatal = Some(KvLoadError::Config(format!(
+                    "{batch}: layer {layer} has no stage"
+                )));
+                every_layer = false;
+                break;
+            };
+            let cx = LayerCx {
+                coll: self.coll,
+                landing,
+                layout: layers.layouts[layer as usize].as_ref(),
+                rank: layers.rank,
+                batch,
+                collective_timeout: inner.config.collective_timeout,
+                auto: &inner.auto,
+            };
+            match cx.run(step, &mut stage) {
+                Ok(ready) => {
+                    inner
+                        .outcomes
+                        .publish(batch, job.ticket.counter, layer, ready, num_layers);
+                    landed += layers.layer_bytes(layer);
+                    if layer == 0 {
+                        first_layer = job.started.elapsed();
+                    }
+                }
+                Err(StepError::Local(e)) => {
+                    warn!(%batch, layer, error = %e, "share step failed on this rank");
+                    carried = Some(e);
+                }
+                Err(StepError::Fatal(e)) => {
+                    fatal = Some(e);
+                    every_layer = false;
+                    break;
+                }
+            }
+            let _ = to_reader.send(Some(stage));
+        }
+        drop(to_reader);
+        drop(from_reader);
+        if every_layer {
+            // The verdict: a failure in the last layer's share step reaches every rank too.
+            if let Some(e) = &carried {
+                own.get_or_insert_with(|| e.clone());
+            }
+            let word = carried
+                .as_ref()
+                .map_or(LayerStatus::Ok, LayerStatus::from_error);
+            if let Err(e) = self.exchange(&mut status, num_layers, word) {
+                fatal = Some(e);
+            }
+        }
+        if let Some(e) = fatal {
+            return Err(e);
+        }
+        if !status.is_ok() {
+            // One rank alone: its own error says most. A group: every rank reports the same.
+            return Err(match (self.coll, own) {
+                (None, Some(e)) => e,
+                _ => status
+                    .to_error(batch)
+                    .unwrap_or(KvLoadError::Cancelled { batch }),
+            });
+        }
+        Ok((landed, first_layer))
+    }
+}
