@@ -11,6 +11,8 @@ use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, RequestPages};
 use kvlink::mooncake_linker::store::KvStore;
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
+pub mod tp;
+
 /// A small DSA-like model: 6 layers, page size 4, a 40 B/token KV and a 24 B/page indexer on
 /// layers 0, 2, 5. Small enough for many test cases, shaped like GLM-5.2.
 pub fn small_spec() -> ModelKvSpec {

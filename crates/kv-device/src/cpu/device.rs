@@ -74,6 +74,8 @@ pub(crate) struct Control {
     stalled_until: Mutex<Option<Instant>>,
     /// Injected enqueue failures: (kind, enqueues of that kind still to let through).
     faults: Mutex<Vec<(CpuOp, u32)>>,
+    /// Injected stalls: (kind, operations of that kind still to start, stall length).
+    stalls: Mutex<Vec<(CpuOp, u32, Duration)>>,
     trace: Mutex<Vec<TraceOp>>,
 }
 
@@ -82,6 +84,20 @@ impl Control {
     pub(crate) fn stalled_for(&self) -> Option<Duration> {
         let until = (*self.stalled_until.lock())?;
         until.checked_duration_since(Instant::now())
+    }
+
+    /// An operation of kind `op` is about to run: starts an injected stall when one says so.
+    pub(crate) fn starting(&self, op: CpuOp) {
+        let mut stalls = self.stalls.lock();
+        let Some(i) = stalls.iter().position(|(k, _, _)| *k == op) else {
+            return;
+        };
+        if stalls[i].1 > 0 {
+            stalls[i].1 -= 1;
+            return;
+        }
+        let (_, _, d) = stalls.remove(i);
+        *self.stalled_until.lock() = Some(Instant::now() + d);
     }
 
     /// Fails this enqueue when an injected fault says so.
@@ -164,6 +180,7 @@ impl CpuDevice {
             config,
             stalled_until: Mutex::new(None),
             faults: Mutex::new(Vec::new()),
+            stalls: Mutex::new(Vec::new()),
             trace: Mutex::new(Vec::new()),
         });
         let load = CpuStream::spawn(0, control.clone())?;
@@ -183,6 +200,13 @@ impl CpuDevice {
     /// finish): a device that stops making progress for a while.
     pub fn stall_for(&self, d: Duration) {
         *self.control.stalled_until.lock() = Some(Instant::now() + d);
+    }
+
+    /// When the operation of kind `op` after `skip` more such operations is about to run (on
+    /// any stream of this device), the device stalls for `d`, that operation included: device
+    /// work that stops at a given point (a collective's copy that never completes in time).
+    pub fn stall_at(&self, op: CpuOp, skip: u32, d: Duration) {
+        self.control.stalls.lock().push((op, skip, d));
     }
 
     /// Ends a stall early.

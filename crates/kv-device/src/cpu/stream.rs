@@ -1,7 +1,6 @@
 //! A stream of the CPU device: a worker thread that runs its queue in order.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -37,7 +36,6 @@ pub(crate) struct CpuStream {
     id: u32,
     control: Arc<Control>,
     tx: Mutex<Option<mpsc::Sender<Work>>>,
-    cancelled: Arc<AtomicBool>,
     done: Mutex<Option<mpsc::Receiver<()>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -52,11 +50,9 @@ impl CpuStream {
     pub(crate) fn spawn(id: u32, control: Arc<Control>) -> Result<Arc<Self>, DeviceError> {
         let (tx, rx) = mpsc::channel::<Work>();
         let (done_tx, done_rx) = mpsc::sync_channel::<()>(1);
-        let cancelled = Arc::new(AtomicBool::new(false));
         let worker = Worker {
             id,
             control: control.clone(),
-            cancelled: cancelled.clone(),
             failed: None,
             rng: 0x9e37_79b9_7f4a_7c15 ^ (u64::from(id) << 32 | u64::from(control.ordinal)),
         };
@@ -71,7 +67,6 @@ impl CpuStream {
             id,
             control,
             tx: Mutex::new(Some(tx)),
-            cancelled,
             done: Mutex::new(Some(done_rx)),
             thread: Mutex::new(Some(thread)),
         }))
@@ -124,21 +119,23 @@ unsafe impl Stream for CpuStream {
 
 impl Drop for CpuStream {
     fn drop(&mut self) {
-        // Nothing can enqueue any more: skip what is queued (its events fail) and stop.
-        self.cancelled.store(true, Ordering::Release);
+        // As a CUDA stream destroyed with work pending: the work queued so far still runs (its
+        // events complete as usual), then the worker ends. Wait a moment for that, and leave
+        // the worker to finish on its own when the queue holds more (e.g. a wait on a stalled
+        // device, bounded by the wait limit).
         drop(self.tx.lock().take());
         let finished = self
             .done
             .lock()
             .take()
-            .is_some_and(|d| d.recv_timeout(Duration::from_secs(5)).is_ok());
+            .is_some_and(|d| d.recv_timeout(Duration::from_millis(200)).is_ok());
         if let Some(t) = self.thread.lock().take() {
             if finished {
                 let _ = t.join();
             } else {
-                tracing::error!(
+                tracing::debug!(
                     stream = self.id,
-                    "CPU stream worker did not stop; leaving it"
+                    "CPU stream dropped with work queued; it finishes on its own"
                 );
             }
         }
@@ -148,7 +145,6 @@ impl Drop for CpuStream {
 struct Worker {
     id: u32,
     control: Arc<Control>,
-    cancelled: Arc<AtomicBool>,
     /// Set when a wait failed: later work is skipped, later events fail with it.
     failed: Option<String>,
     rng: u64,
@@ -158,6 +154,7 @@ impl Worker {
     fn run(mut self, rx: mpsc::Receiver<Work>) {
         while let Ok(work) = rx.recv() {
             let (op, bytes) = work.op();
+            self.control.starting(op);
             self.hold();
             let started = Instant::now();
             self.step(work);
@@ -165,20 +162,13 @@ impl Worker {
         }
     }
 
-    fn cancelled(&self) -> bool {
-        self.cancelled.load(Ordering::Acquire)
-    }
-
     /// Waits out a stall of the device and this operation's random delay.
     fn hold(&mut self) {
-        while !self.cancelled() {
-            match self.control.stalled_for() {
-                Some(left) => std::thread::sleep(left.min(Duration::from_millis(5))),
-                None => break,
-            }
+        while let Some(left) = self.control.stalled_for() {
+            std::thread::sleep(left.min(Duration::from_millis(5)));
         }
         let max = self.control.config.max_op_delay;
-        if !max.is_zero() && !self.cancelled() {
+        if !max.is_zero() {
             self.rng ^= self.rng << 13;
             self.rng ^= self.rng >> 7;
             self.rng ^= self.rng << 17;
@@ -187,9 +177,6 @@ impl Worker {
     }
 
     fn step(&mut self, work: Work) {
-        if self.failed.is_none() && self.cancelled() {
-            self.failed = Some("the stream was dropped with work queued".into());
-        }
         match work {
             Work::Signal(ev) => match &self.failed {
                 None => ev.complete(),
@@ -213,7 +200,7 @@ impl Worker {
             let slice = (Instant::now() + Duration::from_millis(20)).min(deadline);
             match ev.wait_until(slice) {
                 Ok(true) => return,
-                Ok(false) if Instant::now() < deadline && !self.cancelled() => {}
+                Ok(false) if Instant::now() < deadline => {}
                 Ok(false) => {
                     self.failed = Some(format!(
                         "CPU stream {} gave up waiting for an event after {limit:?}",

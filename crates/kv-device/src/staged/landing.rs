@@ -108,14 +108,11 @@ impl StagedLanding {
             });
         }
         check_shape(&pool, &shape, slots.len(), lease.half_bytes())?;
+        let halves = [Half::default(), Half::default()];
         let slot_table = if slots.is_empty() {
             None
         } else {
-            let table = device.alloc(slots.len() * 4, "slot table")?;
-            let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
-            // SAFETY: `table` is ours, exactly `slots.len()` u32, touched by nothing else.
-            unsafe { sync::write(&*device, table.addr(), &bytes) }?;
-            Some(table)
+            Some(upload_slots(&*device, &lease, &slots, &halves[0])?)
         };
         let id = next_landing_id();
         let layers = pool.geometry().num_layers();
@@ -128,7 +125,7 @@ impl StagedLanding {
             slot_table,
             strategy: ScatterStrategy::Auto,
             shape,
-            halves: [Half::default(), Half::default()],
+            halves,
             stages: LayerStage::pair(id),
             log: TransferLog::new(layers),
             stats: Mutex::new(LandingStats::default()),
@@ -244,6 +241,41 @@ impl StagedLanding {
             }
         }
     }
+}
+
+/// The batch's slot table in device memory (one `u32` per plan page, for the row-copy
+/// kernel), uploaded without blocking: the bytes go through the pinned half 0 (free: a fresh
+/// lease has no work in flight), and the upload fences that half, so the reader's first use of
+/// it waits for the copy. A table larger than a half is written synchronously instead.
+fn upload_slots(
+    device: &dyn crate::Device,
+    lease: &StagingLease,
+    slots: &[u32],
+    half0: &Half,
+) -> Result<DeviceMemory, DeviceError> {
+    let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let table = device.alloc(bytes.len(), "slot table")?;
+    if bytes.len() > lease.half_bytes() {
+        // SAFETY: `table` is ours, exactly `bytes.len()` bytes, touched by nothing else.
+        unsafe { sync::write(device, table.addr(), &bytes) }?;
+        return Ok(table);
+    }
+    let host = lease.host_half(0)?;
+    // SAFETY: half 0 of a fresh lease is ours and idle (no fence pending), and holds at least
+    // `bytes.len()` bytes (checked above).
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host as *mut u8, bytes.len()) };
+    let stream = device.load_stream();
+    let t = Transfer::ToDevice {
+        dst: table.addr(),
+        src: host,
+        len: bytes.len(),
+    };
+    // SAFETY: source in the pinned half 0, destination our table; half 0 is fenced by the event
+    // recorded below (nothing writes it before that completes), and the table is freed only
+    // after the landing's fences drained (or it is quarantined with the lease).
+    unsafe { stream.transfer(t)? };
+    half0.fences.push(stream.record()?);
+    Ok(table)
 }
 
 /// Checks a batch's shape against the pool and the half size.

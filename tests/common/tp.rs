@@ -1,0 +1,269 @@
+//! TP ranks as threads over one embedded store, through either path: host pools (host rows
+//! moved by the in-process group) or device pools on CPU devices (staged landings, the
+//! in-process device group on comm streams).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvlink::kv_device::{
+    CpuDevice, CpuDeviceConfig, Device, DeviceKvPool, HostKvPool, ScatterStrategy,
+    StagedLandingFactory, StagingPool,
+};
+use kvlink::kv_geometry::{
+    ComponentLayout, ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash,
+    RowUnit,
+};
+use kvlink::kv_loader::{BatchOutcome, KvLoader};
+use kvlink::mooncake_linker::store::{FaultyStore, KvStore};
+use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
+
+use super::{load_plan, page_byte, prompt, wait_all};
+
+/// How the ranks' pools live and share.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Path {
+    /// Host pools, host rows.
+    Host,
+    /// Device pools on CPU devices: one device for every rank (as N ranks on one GPU) or one
+    /// each; every stream operation delayed by up to `jitter`.
+    Device {
+        one_device: bool,
+        jitter: Duration,
+        strategy: ScatterStrategy,
+    },
+}
+
+impl Path {
+    /// Device pools, one shared device, a little jitter, automatic scatter.
+    pub fn device() -> Self {
+        Path::Device {
+            one_device: true,
+            jitter: Duration::from_micros(200),
+            strategy: ScatterStrategy::Auto,
+        }
+    }
+}
+
+/// One rank's pool.
+pub enum RankPool {
+    Host(Arc<HostKvPool>),
+    Device(Arc<DeviceKvPool>),
+}
+
+impl RankPool {
+    fn read(&self, c: &ComponentLayout, layer: u32, slot: u32, out: &mut [u8]) {
+        match self {
+            RankPool::Host(p) => p.read_slot(c.id, layer, slot, out).unwrap(),
+            RankPool::Device(p) => p.read_slot(c.id, layer, slot, out).unwrap(),
+        }
+    }
+}
+
+/// One rank: its linker, pool, store decorator for faults, slots, and its CPU device.
+pub struct TpRank {
+    pub linker: Linker,
+    pub pool: RankPool,
+    pub faults: Arc<FaultyStore>,
+    pub slots: Vec<u32>,
+    pub device: Option<Arc<CpuDevice>>,
+}
+
+/// A DSA-like model plus a sharded component, so a batch mixes shared and per-rank reads:
+/// 5 layers, `k` (replicated), `indexer` (replicated, layers 1 and 4), `v` (12 heads, sharded:
+/// TP 2, 3 and 4 divide it).
+pub fn mixed_spec() -> ModelKvSpec {
+    ModelKvSpec::new(
+        "mixed",
+        5,
+        4,
+        vec![
+            ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 40),
+            ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, 24)
+                .on_layers(LayerMap::Sparse(vec![1, 4])),
+            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 48).sharded(12),
+        ],
+    )
+    .unwrap()
+}
+
+/// Each rank's own bytes of a page: replicated components are the same everywhere, a sharded
+/// one differs per rank (its part of the heads).
+pub fn rank_byte(page: &PageHash, c: &ComponentLayout, rank: u32, l: u32, i: usize) -> u8 {
+    let salt = if c.replicated { 0 } else { rank as u8 + 1 };
+    page_byte(page, c.id.0, l, i) ^ salt.wrapping_mul(101)
+}
+
+/// Saves a prefix of `pages` pages the way TP ranks do (rank 0 writes replicated objects,
+/// every rank its shard), then builds one linker per rank over `store` on `path`. Every rank
+/// gets its own scattered slots.
+pub fn tp_ranks(
+    spec: &ModelKvSpec,
+    tp: u32,
+    store: Arc<dyn KvStore>,
+    pages: usize,
+    config: &LinkerConfig,
+    path: Path,
+) -> (Vec<TpRank>, Vec<PageHash>) {
+    let hashes = save(spec, tp, store.clone(), pages, config);
+    let pool_pages = 3 * pages as u32 + 4;
+    let devices: Vec<Arc<CpuDevice>> = match path {
+        Path::Host => Vec::new(),
+        Path::Device {
+            one_device, jitter, ..
+        } => {
+            let cfg = CpuDeviceConfig {
+                max_op_delay: jitter,
+                trace: true,
+                ..CpuDeviceConfig::default()
+            };
+            let n = if one_device { 1 } else { tp };
+            (0..n)
+                .map(|d| CpuDevice::with_config(d, cfg).unwrap())
+                .collect()
+        }
+    };
+    let device_of = |r: u32| devices.get((r as usize) % devices.len().max(1)).cloned();
+    let groups = match path {
+        Path::Host => TpGroup::in_process(tp),
+        Path::Device { .. } => TpGroup::in_process_on_devices(
+            (0..tp)
+                .map(|r| device_of(r).unwrap() as Arc<dyn Device>)
+                .collect(),
+        )
+        .unwrap(),
+    };
+    let out = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let rank = rank as u32;
+            let g = KvGeometry::new(spec.clone(), tp, rank).unwrap();
+            let faults = Arc::new(FaultyStore::new(store.clone()));
+            let slots = (0..pages as u32)
+                .map(|i| (i * 3 + rank * 7) % pool_pages)
+                .collect();
+            let (linker, pool) = match path {
+                Path::Host => {
+                    let pool = Arc::new(HostKvPool::new(g.clone(), pool_pages).unwrap());
+                    let l =
+                        Linker::with_group(g, faults.clone(), pool.clone(), config.clone(), group)
+                            .unwrap();
+                    (l, RankPool::Host(pool))
+                }
+                Path::Device { strategy, .. } => {
+                    let dev = device_of(rank).unwrap();
+                    let pool =
+                        Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), pool_pages).unwrap());
+                    let half = StagingPool::half_bytes_for(&g, pages, tp);
+                    let staging = StagingPool::new(dev, half, 3).unwrap();
+                    let landings = Arc::new(
+                        StagedLandingFactory::new(pool.clone(), staging)
+                            .with_strategy(strategy)
+                            .with_drain_limit(Duration::from_secs(5)),
+                    );
+                    let l = Linker::with_landings(
+                        g,
+                        faults.clone(),
+                        pool.clone(),
+                        landings,
+                        config.clone(),
+                        Some(group),
+                    )
+                    .unwrap();
+                    (l, RankPool::Device(pool))
+                }
+            };
+            TpRank {
+                linker,
+                pool,
+                faults,
+                slots,
+                device: device_of(rank),
+            }
+        })
+        .collect();
+    (out, hashes)
+}
+
+fn save(
+    spec: &ModelKvSpec,
+    tp: u32,
+    store: Arc<dyn KvStore>,
+    pages: usize,
+    config: &LinkerConfig,
+) -> Vec<PageHash> {
+    let tokens = prompt(11, pages, spec.page_size);
+    let hashes = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    for rank in 0..tp {
+        let g = KvGeometry::new(spec.clone(), tp, rank).unwrap();
+        let pool = HostKvPool::new(g.clone(), pages as u32).unwrap();
+        let slots: Vec<u32> = (0..pages as u32).collect();
+        for (page, &slot) in hashes.iter().zip(&slots) {
+            for c in g.components() {
+                for &l in &c.layers {
+                    let data: Vec<u8> = (0..c.page_layer_bytes as usize)
+                        .map(|i| rank_byte(page, c, rank, l, i))
+                        .collect();
+                    pool.write_slot(c.id, l, slot, &data).unwrap();
+                }
+            }
+        }
+        let linker = Linker::new(g.clone(), store.clone(), Arc::new(pool), config.clone()).unwrap();
+        linker.save(&load_plan(&g, 0, &hashes, slots)).unwrap();
+        linker.close().unwrap();
+    }
+    hashes
+}
+
+/// Every layer of every page of rank `rank`'s pool holds its saved bytes.
+pub fn rank_matches(r: &TpRank, pages: &[PageHash], rank: u32) -> Result<(), String> {
+    let g = r.linker.geometry().clone();
+    for (pi, (page, &slot)) in pages.iter().zip(&r.slots).enumerate() {
+        for c in g.components() {
+            for &l in &c.layers {
+                let mut got = vec![0u8; c.page_layer_bytes as usize];
+                r.pool.read(c, l, slot, &mut got);
+                if let Some(i) = got
+                    .iter()
+                    .enumerate()
+                    .position(|(i, &b)| b != rank_byte(page, c, rank, l, i))
+                {
+                    return Err(format!(
+                        "rank {rank} page {pi} comp {} layer {l} byte {i}",
+                        c.name
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every rank starts batch `batch`, waits every layer like an engine, and takes the outcome.
+pub fn run(ranks: &[TpRank], batch: u64, pages: &[PageHash]) -> Vec<BatchOutcome> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|r| {
+                s.spawn(move || {
+                    let plan = load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
+                    let t = r.linker.start_load(plan).unwrap();
+                    let _ = wait_all(&r.linker, &t);
+                    r.linker.wait_batch(&t).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A linker configuration for `mode` with short deadlines.
+pub fn config(mode: kvlink::kv_loader::ShareMode) -> LinkerConfig {
+    LinkerConfig {
+        namespace: "tp".into(),
+        mode: kvlink::mooncake_linker::dedup_broadcast::ModeChoice::Fixed(mode),
+        wait_deadline: Duration::from_secs(10),
+        collective_timeout: Duration::from_secs(5),
+        ..LinkerConfig::default()
+    }
+}

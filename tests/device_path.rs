@@ -1,0 +1,304 @@
+//! The device path of the linker on CPU devices (the backend that runs it in CI): every mode
+//! lands every rank byte for byte, receivers move nothing over PCIe, no layer event reaches the
+//! engine before its collective completed, a collective whose event never completes is
+//! bounded and aborted and the next batch loads on a re-formed group.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::tp::{config, mixed_spec, rank_matches, run, tp_ranks, Path};
+use common::{load_plan, wait_all};
+use kvlink::kv_device::cpu::CpuOp;
+use kvlink::kv_device::{
+    CpuDevice, DeviceKvPool, ScatterStrategy, StagedLandingFactory, StagingPool,
+};
+use kvlink::kv_geometry::{ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, RowUnit};
+use kvlink::kv_loader::{KvLoadError, KvLoader, ShareMode};
+use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
+use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
+
+const MODES: [ShareMode; 3] = [
+    ShareMode::AllRanks,
+    ShareMode::Rank0Broadcast,
+    ShareMode::SplitAllGather,
+];
+
+fn store() -> Arc<dyn KvStore> {
+    Arc::new(EmbeddedStore::new(1 << 30))
+}
+
+#[test]
+fn every_mode_lands_every_rank_byte_for_byte_on_the_device_path() {
+    let spec = mixed_spec();
+    for (tp, one_device, strategy) in [
+        (2u32, false, ScatterStrategy::Auto),
+        (3, true, ScatterStrategy::Kernel),
+        (4, true, ScatterStrategy::Runs),
+    ] {
+        let path = Path::Device {
+            one_device,
+            jitter: Duration::from_micros(300),
+            strategy,
+        };
+        for mode in MODES {
+            let pages = 7;
+            let (rs, hashes) = tp_ranks(&spec, tp, store(), pages, &config(mode), path);
+            for batch in 1..=2 {
+                for (rank, (r, o)) in rs.iter().zip(run(&rs, batch, &hashes)).enumerate() {
+                    let stats = o
+                        .result
+                        .unwrap_or_else(|e| panic!("tp{tp} {mode:?} rank {rank}: {e}"));
+                    assert_eq!(stats.mode, mode);
+                    let one_copy = pages as u64 * r.linker.geometry().bytes_per_page();
+                    assert_eq!(stats.bytes_landed, one_copy, "tp{tp} {mode:?} rank {rank}");
+                    rank_matches(r, &hashes, rank as u32)
+                        .unwrap_or_else(|e| panic!("tp{tp} {mode:?} batch {batch}: {e}"));
+                }
+            }
+        }
+    }
+}
+
+/// Every component replicated, 8 layers: the layer bytes L of one rank are easy to count.
+fn replicated_spec() -> ModelKvSpec {
+    ModelKvSpec::new(
+        "replicated",
+        8,
+        4,
+        vec![
+            ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 64),
+            ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, 96)
+                .on_layers(LayerMap::Sparse(vec![0, 3, 6])),
+        ],
+    )
+    .unwrap()
+}
+
+#[test]
+fn receivers_move_nothing_over_pcie_and_split_ranks_about_one_nth() {
+    let spec = replicated_spec();
+    let (tp, pages) = (4u32, 10usize);
+    for mode in MODES {
+        let (rs, hashes) = tp_ranks(&spec, tp, store(), pages, &config(mode), Path::device());
+        let whole = pages as u64
+            * KvGeometry::new(spec.clone(), tp, 0)
+                .unwrap()
+                .bytes_per_page();
+        for (rank, o) in run(&rs, 1, &hashes).into_iter().enumerate() {
+            let s = o.result.unwrap();
+            let t = s.transfers;
+            assert_eq!(
+                s.layer_transfers
+                    .iter()
+                    .copied()
+                    .sum::<kvlink::kv_loader::TransferBytes>(),
+                t
+            );
+            assert_eq!(t.device_to_host, 0);
+            match mode {
+                ShareMode::AllRanks => {
+                    assert_eq!(t.host_to_device, whole, "rank {rank} reads and uploads all");
+                    assert_eq!(t.collective_received + t.collective_sent, 0);
+                }
+                ShareMode::Rank0Broadcast if rank == 0 => {
+                    assert_eq!(t.host_to_device, whole);
+                    assert_eq!(t.collective_sent, whole);
+                }
+                ShareMode::Rank0Broadcast => {
+                    assert_eq!(t.pcie(), 0, "receiver {rank}: 0 bytes over PCIe");
+                    assert_eq!(t.collective_received, whole);
+                    assert_eq!(s.bytes_read, 0);
+                }
+                ShareMode::SplitAllGather => {
+                    // The padded share: 10 pages over 4 ranks are chunks of 3 pages.
+                    let chunk = whole / pages as u64 * 3;
+                    assert_eq!(t.host_to_device, chunk, "rank {rank}: about L/N");
+                    assert!(t.host_to_device * u64::from(tp) < whole * 3 / 2);
+                    assert_eq!(t.collective_sent, chunk);
+                    assert_eq!(t.collective_received, 3 * chunk);
+                }
+            }
+            assert!(
+                t.device_to_device >= whole,
+                "every row is scattered on the device"
+            );
+        }
+    }
+}
+
+#[test]
+fn no_layer_event_reaches_the_engine_before_its_collective_completed() {
+    let spec = mixed_spec();
+    let path = Path::Device {
+        one_device: false,
+        jitter: Duration::from_millis(2),
+        strategy: ScatterStrategy::Kernel,
+    };
+    let cfg = config(ShareMode::Rank0Broadcast);
+    let (rs, hashes) = tp_ranks(&spec, 3, store(), 4, &cfg, path);
+    let returned: Vec<Vec<Instant>> = std::thread::scope(|s| {
+        let hs: Vec<_> = rs
+            .iter()
+            .map(|r| {
+                let hashes = &hashes;
+                s.spawn(move || {
+                    let t = r
+                        .linker
+                        .start_load(load_plan(r.linker.geometry(), 1, hashes, r.slots.clone()))
+                        .unwrap();
+                    let at = (0..r.linker.num_layers())
+                        .map(|l| {
+                            r.linker.wait_layer(&t, l).unwrap();
+                            Instant::now()
+                        })
+                        .collect();
+                    r.linker.wait_batch(&t).unwrap().result.unwrap();
+                    at
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, r) in rs.iter().enumerate().skip(1) {
+        rank_matches(r, &hashes, rank as u32).unwrap();
+        // The receiver's broadcast copies run on its comm stream (not the load stream, 0),
+        // one per layer, in order.
+        let copies: Vec<Instant> = r
+            .device
+            .as_ref()
+            .unwrap()
+            .trace()
+            .into_iter()
+            .filter(|o| o.stream != 0 && o.op == CpuOp::OnDevice)
+            .map(|o| o.finished)
+            .collect();
+        assert_eq!(copies.len(), 5, "rank {rank}: one broadcast per layer");
+        for (layer, (copied, waited)) in copies.iter().zip(&returned[rank]).enumerate() {
+            assert!(
+                copied <= waited,
+                "rank {rank} layer {layer}: the wait returned before the broadcast copy finished"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_collective_that_never_completes_is_aborted_and_the_next_batch_loads() {
+    let spec = mixed_spec();
+    let path = Path::Device {
+        one_device: false,
+        jitter: Duration::ZERO,
+        strategy: ScatterStrategy::Auto,
+    };
+    for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+        let cfg = LinkerConfig {
+            collective_timeout: Duration::from_millis(300),
+            ..config(mode)
+        };
+        let (rs, hashes) = tp_ranks(&spec, 3, store(), 6, &cfg, path);
+        // The middle rank's device stops at its first device-to-device copy: its part of the
+        // first layer's collective (every other copy comes after that collective's event).
+        let stall = Duration::from_millis(1500);
+        rs[1]
+            .device
+            .as_ref()
+            .unwrap()
+            .stall_at(CpuOp::OnDevice, 0, stall);
+        let t0 = Instant::now();
+        let failed: Vec<(Result<(), KvLoadError>, Result<_, _>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = rs
+                .iter()
+                .map(|r| {
+                    let hashes = &hashes;
+                    s.spawn(move || {
+                        let plan = load_plan(r.linker.geometry(), 1, hashes, r.slots.clone());
+                        let t = r.linker.start_load(plan).unwrap();
+                        let first = r.linker.wait_layer(&t, 0).map(drop);
+                        (first, r.linker.wait_batch(&t).unwrap().result)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(
+            t0.elapsed() < Duration::from_millis(1400),
+            "bounded: {:?}",
+            t0.elapsed()
+        );
+        for (rank, (first, outcome)) in failed.into_iter().enumerate() {
+            // A broadcast receiver other than the stalled one completes its own copy: its
+            // layer 0 may be published. Every rank whose collective depends on the stalled
+            // copy publishes nothing.
+            let depends = mode == ShareMode::SplitAllGather || rank != 2;
+            if depends {
+                assert!(
+                    first.is_err(),
+                    "{mode:?} rank {rank}: layer 0 was published"
+                );
+            }
+            assert!(
+                matches!(outcome, Err(KvLoadError::Collective { .. })),
+                "{mode:?} rank {rank}: {outcome:?}"
+            );
+        }
+        // Once the device runs again, the next batch loads on a re-formed group.
+        std::thread::sleep(stall.saturating_sub(t0.elapsed()) + Duration::from_millis(200));
+        for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &hashes)).enumerate() {
+            o.result
+                .unwrap_or_else(|e| panic!("{mode:?} after the abort, rank {rank}: {e}"));
+            rank_matches(r, &hashes, rank as u32).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_never_starts_fails_the_others_within_the_deadline() {
+    let cfg = LinkerConfig {
+        collective_timeout: Duration::from_millis(300),
+        ..config(ShareMode::SplitAllGather)
+    };
+    let (rs, hashes) = tp_ranks(&mixed_spec(), 3, store(), 4, &cfg, Path::device());
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for r in &rs[..2] {
+            let hashes = &hashes;
+            s.spawn(move || {
+                let plan = load_plan(r.linker.geometry(), 1, hashes, r.slots.clone());
+                let t = r.linker.start_load(plan).unwrap();
+                assert!(wait_all(&r.linker, &t).is_err());
+                let o = r.linker.wait_batch(&t).unwrap();
+                assert!(
+                    matches!(o.result, Err(KvLoadError::Collective { .. })),
+                    "{o:?}"
+                );
+            });
+        }
+    });
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn a_device_landing_needs_a_group_that_moves_device_memory() {
+    let spec = mixed_spec();
+    let g = KvGeometry::new(spec, 2, 0).unwrap();
+    let dev = CpuDevice::new(0).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging = StagingPool::new(dev, StagingPool::half_bytes_for(&g, 4, 2), 1).unwrap();
+    let landings = Arc::new(StagedLandingFactory::new(pool.clone(), staging));
+    let host_group = TpGroup::in_process(2).remove(0);
+    let r = Linker::with_landings(
+        g,
+        store(),
+        pool,
+        landings,
+        LinkerConfig::default(),
+        Some(host_group),
+    );
+    assert!(
+        matches!(r, Err(KvLoadError::Config(ref m)) if m.contains("Device")),
+        "{:?}",
+        r.err()
+    );
+}

@@ -1,0 +1,146 @@
+//! Failure symmetry at TP 3, on both paths (host pools with host rows; device pools on CPU
+//! devices): a failure on rank 0, the middle rank or the last rank, at the first, a middle or
+//! the last layer, gives every rank the same verdict without waiting for a deadline, and the
+//! next batch loads; a device error in a rank's share step is reported in the next status
+//! word (or the verdict after the last layer).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::tp::{config, mixed_spec, rank_matches, run, tp_ranks, Path};
+use kvlink::kv_device::cpu::CpuOp;
+use kvlink::kv_device::ScatterStrategy;
+use kvlink::kv_loader::{KvLoadError, ShareMode};
+use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore, StoreError};
+
+const MODES: [ShareMode; 3] = [
+    ShareMode::AllRanks,
+    ShareMode::Rank0Broadcast,
+    ShareMode::SplitAllGather,
+];
+
+fn paths() -> [Path; 2] {
+    [
+        Path::Host,
+        Path::Device {
+            one_device: true,
+            jitter: Duration::ZERO,
+            strategy: ScatterStrategy::Auto,
+        },
+    ]
+}
+
+/// Every rank failed with `PeerFailed { rank, layer }`, the same text everywhere.
+fn same_verdict(outcomes: &[kvlink::kv_loader::BatchOutcome], rank: u32, layer: u32, what: &str) {
+    let errs: Vec<String> = outcomes
+        .iter()
+        .map(|o| match &o.result {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{what}: a rank loaded"),
+        })
+        .collect();
+    assert!(errs.windows(2).all(|w| w[0] == w[1]), "{what}: {errs:?}");
+    match outcomes[0].result.as_ref().unwrap_err() {
+        KvLoadError::PeerFailed {
+            rank: r, layer: l, ..
+        } => {
+            assert_eq!((*r, *l), (rank, layer), "{what}")
+        }
+        other => panic!("{what}: {other:?}"),
+    }
+}
+
+#[test]
+fn a_read_failure_on_any_rank_at_any_layer_fails_every_rank_alike_on_both_paths() {
+    let spec = mixed_spec();
+    for path in paths() {
+        for mode in MODES {
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+            let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &config(mode), path);
+            let mut batch = 1;
+            for fail_rank in [0u32, 1, 2] {
+                for layer in [0u32, 2, 4] {
+                    let what = format!("{path:?} {mode:?} rank {fail_rank} layer {layer}");
+                    // The failing rank's read of its own shard at `layer`: in every mode.
+                    let r = &rs[fail_rank as usize];
+                    let v = r.linker.geometry().component_by_name("v").unwrap().clone();
+                    r.faults.inject(
+                        FaultRule {
+                            key_contains: Some(format!("tp{fail_rank}_cp0_pp0_v")),
+                            offset: Some(v.layer_range(layer).unwrap().start),
+                            times: Some(1),
+                        },
+                        Fault::Error(StoreError::TransferFailed {
+                            key: "injected".into(),
+                            code: -800,
+                        }),
+                    );
+                    let t0 = Instant::now();
+                    let outcomes = run(&rs, batch, &hashes);
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(4),
+                        "{what}: no deadline waited"
+                    );
+                    same_verdict(&outcomes, fail_rank, layer, &what);
+                    for (rank, (r, o)) in rs.iter().zip(run(&rs, batch + 1, &hashes)).enumerate() {
+                        o.result
+                            .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
+                        rank_matches(r, &hashes, rank as u32).unwrap();
+                    }
+                    batch += 2;
+                }
+            }
+        }
+    }
+}
+
+/// Row-copy launches one rank's device runs per layer with the kernel strategy (one per row
+/// block scattered from device staging, one for its own `v` rows), before layer `layer`.
+fn launches_before(mode: ShareMode, layer: u32) -> u32 {
+    (0..layer)
+        .map(|l| {
+            let shared = 1 + u32::from(l == 1 || l == 4);
+            let blocks = match mode {
+                ShareMode::SplitAllGather => 3 * shared,
+                _ => shared,
+            };
+            blocks + 1
+        })
+        .sum()
+}
+
+#[test]
+fn a_device_error_in_a_share_step_is_reported_next_and_the_next_batch_loads() {
+    let spec = mixed_spec();
+    let path = Path::Device {
+        one_device: false,
+        jitter: Duration::ZERO,
+        strategy: ScatterStrategy::Kernel,
+    };
+    for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+        let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &config(mode), path);
+        let mut batch = 1;
+        for (layer, reported) in [(2u32, 3u32), (4, 5)] {
+            let what = format!("{mode:?} scatter on rank 1 at layer {layer}");
+            // The middle rank's scatter of `layer` fails to enqueue, after it entered the
+            // layer's collective: every rank learns it at the next exchange (the verdict for
+            // the last layer).
+            rs[1]
+                .device
+                .as_ref()
+                .unwrap()
+                .fail_enqueue(CpuOp::Rows, launches_before(mode, layer));
+            let outcomes = run(&rs, batch, &hashes);
+            same_verdict(&outcomes, 1, reported, &what);
+            for (rank, (r, o)) in rs.iter().zip(run(&rs, batch + 1, &hashes)).enumerate() {
+                o.result
+                    .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
+                rank_matches(r, &hashes, rank as u32).unwrap();
+            }
+            batch += 2;
+        }
+    }
+}
