@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): gpu-bin/tp_gpu, built here by scripts/gpu-build.sh.
-# The NCCL dedup run of issues 8/9/10 in one command: correctness on every rank (all modes,
-# plan-mismatch fallback, failure symmetry), then the TP benchmark (128K/256K/512K tokens,
-# every mode, ceilings measured in the same run, embedded store). The table is printed last.
+# Issue 13 in one command: the device path of TP dedup through the Linker into device pools.
+#   One GPU: 2, 4 and 8 ranks on the GPU (in-process device group: device-to-device copies on
+#   each rank's comm stream, ordered by events): every mode, bytes compared on every rank,
+#   failures on rank 0, a middle rank and the last rank; NCCL with one rank through the same
+#   linker path and the device share step; then 128K tokens per mode at 8 ranks: time to the
+#   last layer on every rank, PCIe bytes per rank against the ideal.
+#   Two or more GPUs: the same command runs NCCL across them, one rank per GPU (correctness,
+#   then 128K/256K/512K per mode beside the seed's table).
+# The result table is printed last; it ends with the line "N passed, N failed".
 #
 # Usage: bash scripts/gpu-tp-run.sh [tp_gpu flags]
-#   --tp N           ranks (GPUs 0..N-1); default: every visible GPU (1 GPU = the dry run)
+#   --ranks A,B,..   ranks on one GPU for the correctness checks (default 2,4,8)
+#   --bench-ranks N  ranks on one GPU for the benchmark (default 8)
+#   --tp N           NCCL ranks, one per GPU (default: every visible GPU when 2 or more)
 #   --quick          correctness on 32 pages, benchmark at 8K tokens only, one repetition
-#   --max-tokens T   largest prefix benchmarked (e.g. 262144 skips 512K); below 128K, T alone
-#   --min-tokens T   smallest prefix benchmarked (--min-tokens 524288 --no-checks: 512K alone)
+#   --max-tokens T   largest prefix benchmarked; --min-tokens T the smallest
 #   --reps R         measured repetitions per mode after one warm-up (default 3)
 #   --budget-s S     start no size that would end past S seconds (default 540)
 #   --host-mem-gib G host memory to plan with (default here: the machine's size, see below)
 #   --no-bench / --no-checks / --threads T
 # Output in $OUT when set (else gpu-bin/out/), six files (the device tool brings back at most 8):
 #   env_tp.txt, tp_gpu.stdout.log (benchmark tables, then the result table), tp_gpu.stderr.log
-#   (every row as it was produced, warnings), tp_gpu_bench_tp<N>.md (the benchmark tables,
-#   rewritten after each size), tp_gpu_table_tp<N>.txt, timelines_tp<N>.tar (per size and mode:
-#   timeline_*.svg and .csv).
+#   (every row as it was produced, warnings), tp_gpu_bench_tp<N>.md (the benchmark tables),
+#   tp_gpu_<gpu>x<gpus>_ranks<N>.txt (tables + result table: commit it under docs/results/,
+#   e.g. tp_gpu_h200x1_ranks8.txt), timelines_tp<N>.tar (per size and mode: timeline_*.svg/.csv).
 # tp_gpu is stopped after KVLINK_TP_TIMEOUT seconds (default 580, inside the device tool's 600 s
 # limit) so that the logs are still packed and printed; tp_gpu itself starts no prefix size that
 # would end past --budget-s (540 s).
@@ -25,8 +32,8 @@
 # 124 stopped by KVLINK_TP_TIMEOUT).
 #
 # From the build machine: scripts/gpu-build.sh, then with the device tool
-#   run(command="bash scripts/gpu-tp-run.sh", carry=["gpu-bin"], kind="nvidia-h200-x2", timeout_s=600)
-# (kind -x4 / -x8 for TP4 / TP8; one GPU: the dry run, e.g. --quick).
+#   run(command="bash scripts/gpu-tp-run.sh", carry=["gpu-bin"], kind="nvidia-h200", timeout_s=600)
+# (kind -x2 / -x4 / -x8 for NCCL across 2 / 4 / 8 GPUs, one rank per GPU).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin_dir="${KVLINK_GPU_BIN:-gpu-bin}"

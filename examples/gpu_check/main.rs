@@ -4,11 +4,12 @@
 //! 1. Correctness: the copy kernel (NVRTC and the shipped PTX), the staged landing (device pool
 //!    bytes equal the host pool's after the same load; scattered, contiguous and mixed slots;
 //!    every scatter strategy), a batch that fails at a layer, misuse refused with typed
-//!    errors, the save-direction gather, and the dedup path on one rank (stage to device,
-//!    NCCL broadcast, land from device).
-//! 2. NCCL: one rank end to end (set-up, broadcast and all-gather of device and host buffers,
-//!    small host exchanges, asynchronous broadcast), an initialisation that times out, and two
-//!    ranks when two GPUs are visible (otherwise skipped).
+//!    errors, the save-direction gather, and the device share step on one rank (upload of
+//!    the share area, `broadcast_device` over NCCL through `share_stage`, scatter after its
+//!    event).
+//! 2. NCCL: one rank end to end (set-up, event-ordered `broadcast_device` / `all_gather_device`,
+//!    host rows, small host exchanges), an initialisation that times out, and two ranks when
+//!    two GPUs are visible (otherwise skipped).
 //! 3. Benchmarks, each with its ceiling measured in the same run: host→device through the
 //!    staged landing vs a plain pinned copy of the same bytes; the layer wait on a compute
 //!    stream; the layer-wise load of a GLM-5.2 prefix (32K and 128K tokens) from the embedded

@@ -126,12 +126,12 @@ impl Report {
             );
         }
         let count = |st: Status| self.rows.iter().filter(|r| r.status == st).count();
+        let _ = writeln!(s, "{} skipped", count(Status::Skip));
         let _ = writeln!(
             s,
-            "{} passed, {} failed, {} skipped",
+            "{} passed, {} failed",
             count(Status::Pass),
-            count(Status::Fail),
-            count(Status::Skip)
+            count(Status::Fail)
         );
         s
     }

@@ -1,8 +1,9 @@
-//! Correctness on N ranks (one thread and two NCCL communicators per GPU): every mode lands
-//! the saved bytes in every rank's device pool at that rank's own scattered slots; a plan that
-//! differs on one rank falls back to `AllRanks`; a read failure on rank 0 or rank N-1 at a
-//! middle layer fails the batch on every rank with the same error, within the deadline, and
-//! the next batch loads.
+//! Correctness on N ranks of a fabric (N ranks on one GPU with the in-process device group, or
+//! one rank per GPU over NCCL), through the Linker into device pools: every mode lands the
+//! saved bytes in every rank's device pool at that rank's own scattered slots; a plan that
+//! differs on one rank falls back to `AllRanks`; a read failure on rank 0, a middle rank or
+//! the last rank at a middle layer fails the batch on every rank with the same error, within
+//! the deadline, and the next batch loads.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use kvlink::mooncake_linker::Linker;
 
 use crate::setup::{
     clear_pools, close_all, compare_all, config, effective, linkers, plan, rank_devs, run_batch,
-    save_prefix, Groups, Prefix, RankDev, RankRun, MODES,
+    save_prefix, Fabric, Groups, Prefix, RankDev, RankRun, MODES,
 };
 use crate::util::{all_ok, fmt_bytes, fmt_tokens, Report, Rng, Status};
 use crate::Args;
@@ -126,17 +127,19 @@ fn check_reads(mode: ShareMode, reads: &[u64], one_copy: u64) -> Result<(), Stri
     }
 }
 
-pub fn run(args: &Args, groups: &mut Groups, report: &mut Report) {
-    let tp = args.tp;
-    let n = if args.quick { 32 } else { 256 };
+/// The correctness checks of one fabric.
+pub fn run(args: &Args, fabric: Fabric, report: &mut Report) {
+    let tp = fabric.tp();
+    let label = fabric.label();
+    let n = if args.quick { 32 } else { 64 };
     let pool_pages = 2 * n as u32 + 8;
     let prefix = match save_prefix(tp, n, 7, args.threads) {
         Ok(p) => p,
-        Err(e) => return report.push(SEC, "save the prefix", Status::Fail, e),
+        Err(e) => return report.push(SEC, format!("{label}: save the prefix"), Status::Fail, e),
     };
     report.info(
         SEC,
-        "prefix saved by rank 0 into ONE embedded store (in-process)",
+        format!("{label}: prefix saved by rank 0 into ONE embedded store (in-process)"),
         format!(
             "{n} pages = {} tokens, {} per copy, {:.1} s",
             fmt_tokens(n as u64 * 64),
@@ -144,17 +147,19 @@ pub fn run(args: &Args, groups: &mut Groups, report: &mut Report) {
             prefix.fill_s
         ),
     );
-    let devs = match rank_devs(tp, pool_pages, n) {
+    let devs = match rank_devs(args.cpu, fabric, pool_pages, n) {
         Ok(d) => d,
-        Err(e) => return report.push(SEC, "device pools", Status::Fail, e),
+        Err(e) => return report.push(SEC, format!("{label}: device pools"), Status::Fail, e),
     };
+    let mut groups = Groups::new(fabric, devs.iter().map(|d| d.dev.clone()).collect());
+    let groups = &mut groups;
     // Every rank its own scattered slots (different on every rank).
     let slots: Vec<Vec<u32>> = (0..tp)
         .map(|r| Rng(0x5eed + 7919 * u64::from(r)).scattered_slots(n, pool_pages))
         .collect();
     let layers = devs[0].g.num_layers();
     for mode in MODES {
-        let name = format!("{mode:?}");
+        let name = format!("{label}, {mode:?}");
         let faults: Vec<Arc<FaultyStore>> = (0..tp)
             .map(|_| Arc::new(FaultyStore::new(prefix.store.clone())))
             .collect();
@@ -197,10 +202,9 @@ pub fn run(args: &Args, groups: &mut Groups, report: &mut Report) {
                 || mismatch(&mut ctx, mode),
             );
         }
-        let mut fail_ranks = vec![0u32];
-        if tp > 1 {
-            fail_ranks.push(tp - 1);
-        }
+        // Rank 0, a middle rank, the last rank.
+        let mut fail_ranks = vec![0u32, tp / 2, tp - 1];
+        fail_ranks.dedup();
         for fr in fail_ranks {
             ok &= report.check(
                 SEC,
@@ -221,6 +225,7 @@ pub fn run(args: &Args, groups: &mut Groups, report: &mut Report) {
             groups.reset();
         }
     }
+    groups.reset();
 }
 
 fn load(ctx: &mut Ctx<'_>, mode: ShareMode) -> Result<String, String> {

@@ -1,63 +1,49 @@
-//! `tp_gpu`: the NCCL dedup run on N GPUs (issues 8, 9, 10: TP2, TP4, TP8) in one process,
-//! one thread per rank, rank `r` on GPU `r`, two NCCL communicators per rank (the linker's
-//! `data` and `control` handles). Built here with `--features cuda`, run on the GPU machine
-//! by `scripts/gpu-tp-run.sh`. TP = the number of visible GPUs unless `--tp N`; `--tp 1` (or
-//! one visible GPU) is the dry run.
+//! `tp_gpu`: the device path of TP dedup through the Linker into device pools, checked and
+//! measured in one run (issue 13). Built here with `--features cuda`, run on the GPU machine by
+//! `scripts/gpu-tp-run.sh`.
 //!
-//! 1. Correctness (GLM-5.2 FP8 geometry at TP N; a prefix saved by rank 0 into ONE shared
-//!    embedded store; every rank loads it into its own `CudaKvPool` at its own, different,
-//!    scattered slots): for every mode (`AllRanks`, `Rank0Broadcast`, `SplitAllGather`) every
-//!    rank's device pool equals the saved bytes, and each rank read from the store what the
-//!    mode says; a plan whose request id differs on rank N-1 falls back to `AllRanks` on every
-//!    rank with the bytes still right, and the next batch shares again; a read failure
-//!    injected (a `FaultyStore` per rank) on rank 0 and on rank N-1 at the middle layer gives
-//!    every rank the same failed outcome (same error string, `PeerFailed` naming that rank)
-//!    well within the deadline, the layers before it are right, and the next batch loads.
-//!    (In `Rank0Broadcast` rank N-1 reads nothing, so a read fault there is never reached:
-//!    that check asserts the batch loads. With one rank, every mode reads its own copy and
-//!    the checks hold trivially.)
-//! 2. Benchmark: GLM-5.2 FP8 prefixes of 128K, 256K and 512K tokens (each skipped with a
-//!    message when host or GPU memory is short, or when the time budget would run out; 8K
-//!    with `--quick`), every mode: time to the last layer resident on every rank (slowest
-//!    rank; each layer's event synchronized), store bytes read per rank and in total, the
-//!    reduction vs `AllRanks`, printed in the shape of design.md §1's table; with the raw
-//!    ceilings of one layer of `k` measured in the same run: pinned host→device on every GPU
-//!    at once, raw NCCL broadcast and all-gather of device buffers (not at TP1), and kvlink's
-//!    `NcclCollective` on host buffers. A per-layer timeline (SVG + CSV) per size and mode.
+//! **One GPU** (the one-H200 machine): NCCL refuses two ranks on one GPU, so the ranks are
+//! threads of this process on GPU 0 (each with its own load stream and comm stream), sharing
+//! through the in-process device group (device-to-device copies ordered by events):
+//! 1. Correctness with 2, 4 and 8 ranks (`--ranks`): GLM-5.2 FP8 at TP N; a prefix saved by rank
+//!    0 into ONE embedded store; every rank loads it into its own `CudaKvPool` at its own
+//!    scattered slots; for every mode every rank's device pool equals the saved bytes and each
+//!    rank read what the mode says; a plan whose request id differs on the last rank falls back
+//!    to `AllRanks`; a read failure on rank 0, a middle rank and the last rank at the middle
+//!    layer gives every rank the same failed outcome within the deadline, and the next batch
+//!    loads.
+//! 2. NCCL with one rank: the same checks through the Linker over a one-rank NCCL group, and the
+//!    device share step (upload → `share_stage` over NCCL → scatter → land) for every layer.
+//! 3. Benchmark, 8 ranks on the GPU (`--bench-ranks`), 128K tokens (8K with `--quick`), every
+//!    mode: time to the last layer on every rank, PCIe bytes per rank against the ideal, store
+//!    bytes per rank; the tables say plainly what one shared GPU does to the timings.
 //!
-//! **The store is the embedded one (in-process)**, not Mooncake: this program does not carry
-//! Mooncake to the GPU machine. Every table says so.
+//! **Two or more GPUs**: one rank per GPU over NCCL (TP = the GPUs, or `--tp N`): the same
+//! correctness checks, then 128K / 256K / 512K per mode beside the seed's table.
 //!
-//! **Caveat: what the TP numbers measure.** The linker currently shares replicated
-//! components through HOST staging: the reader reads into a host buffer, the collective gets
-//! host buffers (`NcclCollective` moves them through a device scratch buffer: host→device,
-//! NCCL, device→host on every rank), each rank scatters the rows into its pinned staging,
-//! and the staged landing copies them up to the pool. The device-native path
-//! (`StagedLanding::stage_to_device` → broadcast on device memory → `land_from_device`,
-//! proven on one GPU by `gpu_check`) is not driven by the linker yet, so the
-//! `Rank0Broadcast` and `SplitAllGather` numbers here are those of the host-staging path;
-//! the "kvlink host-buffer" ceilings show its cost per layer next to raw NCCL's.
+//! **The store is the embedded one (in-process)**, not Mooncake. Every table says so.
 //!
-//! Prints the benchmark tables, then a short result table last. Exit status: 0 all checks
-//! passed, 1 a check failed, 2 CUDA unavailable (or fewer GPUs than `--tp`, or bad flags).
-//! Flags:
-//! - `--tp N`: ranks (GPUs 0..N-1); default every visible GPU.
+//! Prints the benchmark tables, then the result table (it ends with the line `N passed, N
+//! failed`), also written to `$OUT/tp_gpu_<gpu>x<gpus>_ranks<N>.txt` (e.g.
+//! `tp_gpu_h200x1_ranks8.txt`). Exit status: 0 all passed, 1 a check failed, 2 CUDA unavailable
+//! (or fewer GPUs than `--tp`, or bad flags). Flags:
+//! - `--ranks A,B,..`: ranks on one GPU for the correctness checks (default 2,4,8).
+//! - `--bench-ranks N`: ranks on one GPU for the benchmark (default 8).
+//! - `--tp N`: NCCL ranks, one per GPU (default: every visible GPU when there are 2 or more).
 //! - `--quick`: correctness on 32 pages, benchmark at 8K tokens only, one repetition.
-//! - `--max-tokens T` / `--min-tokens T`: the largest / smallest prefix benchmarked (of 128K,
-//!   256K, 512K; a `--max-tokens` below 128K benchmarks that size alone; `--min-tokens 524288
-//!   --no-checks` runs 512K alone).
+//! - `--max-tokens T` / `--min-tokens T`: the largest / smallest prefix benchmarked.
 //! - `--reps R`: measured repetitions after one warm-up (default 3, 1 with `--quick`).
 //! - `--budget-s S`: start no size that would end past S seconds (default 540).
-//! - `--host-mem-gib G`: plan with G GiB of host memory instead of `MemAvailable` (which on
-//!   the lent machines starts small and grows as memory is used; scripts/gpu-tp-run.sh passes
-//!   the machine's size).
+//! - `--host-mem-gib G`: plan with G GiB of host memory instead of `MemAvailable`.
 //! - `--no-bench`, `--no-checks`, `--threads T` (store fill threads).
+//! - `--cpu`: the same flow on CPU devices (a dry run of the program's logic without a GPU).
 //! - `--out DIR`: tables, and SVG + CSV timelines in `DIR/timelines/` (default `$OUT`).
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
 mod checks;
+mod nccl_one;
 mod setup;
 #[path = "../gpu_common/util.rs"]
 mod util;
@@ -69,13 +55,18 @@ use kvlink::dedup_broadcast::nccl::nccl_version;
 use kvlink::kv_device::cuda::cuda_device_count;
 use tracing_subscriber::EnvFilter;
 
+use setup::Fabric;
 use util::{fmt_bytes, Report, Status};
 
 /// Run settings.
 #[derive(Debug, Clone)]
 pub struct Args {
-    /// Ranks (GPUs 0..tp).
+    /// NCCL ranks, one per GPU (0 on one GPU).
     pub tp: u32,
+    /// Ranks on one GPU for the correctness checks.
+    pub ranks: Vec<u32>,
+    /// Ranks on one GPU for the benchmark.
+    pub bench_ranks: u32,
     /// Small sizes (the 1-GPU dry run takes well under a minute).
     pub quick: bool,
     /// Largest prefix benchmarked, in tokens.
@@ -94,6 +85,9 @@ pub struct Args {
     pub no_checks: bool,
     /// Threads that fill the store.
     pub threads: usize,
+    /// Run on CPU devices instead of GPUs: a dry run of this program's logic (orchestration,
+    /// checks, tables) on a machine without a GPU; no GPU number comes out of it.
+    pub cpu: bool,
     /// Where logs, tables, SVG and CSV go.
     pub out: Option<std::path::PathBuf>,
     tp_given: Option<u32>,
@@ -101,13 +95,15 @@ pub struct Args {
 }
 
 const USAGE: &str =
-    "usage: tp_gpu [--tp N] [--quick] [--max-tokens T] [--min-tokens T] [--reps R] \
-                     [--budget-s S] [--host-mem-gib G] [--no-bench] [--no-checks] [--threads T] \
-                     [--out DIR]";
+    "usage: tp_gpu [--ranks A,B,..] [--bench-ranks N] [--tp N] [--quick] [--max-tokens T] \
+                     [--min-tokens T] [--reps R] [--budget-s S] [--host-mem-gib G] [--no-bench] \
+                     [--no-checks] [--threads T] [--cpu] [--out DIR]";
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         tp: 0,
+        ranks: vec![2, 4, 8],
+        bench_ranks: 8,
         quick: false,
         max_tokens: 524_288,
         min_tokens: 0,
@@ -116,6 +112,7 @@ fn parse_args() -> Result<Args, String> {
         budget_s: 540.0,
         no_bench: false,
         no_checks: false,
+        cpu: false,
         threads: std::thread::available_parallelism().map_or(4, |n| n.get().min(16)),
         out: std::env::var_os("OUT")
             .filter(|s| !s.is_empty())
@@ -132,6 +129,17 @@ fn parse_args() -> Result<Args, String> {
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--tp" => a.tp_given = Some(num("--tp", it.next())?),
+            "--ranks" => {
+                a.ranks = it
+                    .next()
+                    .unwrap_or_default()
+                    .split(',')
+                    .map(|x| x.trim().parse::<u32>().ok().filter(|&n| n >= 1))
+                    .collect::<Option<Vec<u32>>>()
+                    .filter(|v| !v.is_empty())
+                    .ok_or_else(|| format!("--ranks needs a list like 2,4,8\n{USAGE}"))?;
+            }
+            "--bench-ranks" => a.bench_ranks = num::<u32>("--bench-ranks", it.next())?.max(1),
             "--quick" => a.quick = true,
             "--max-tokens" => a.max_tokens = num("--max-tokens", it.next())?,
             "--min-tokens" => a.min_tokens = num("--min-tokens", it.next())?,
@@ -142,6 +150,7 @@ fn parse_args() -> Result<Args, String> {
             "--budget-s" => a.budget_s = num("--budget-s", it.next())?,
             "--no-bench" => a.no_bench = true,
             "--no-checks" => a.no_checks = true,
+            "--cpu" => a.cpu = true,
             "--threads" => a.threads = num::<usize>("--threads", it.next())?.max(1),
             "--out" => a.out = Some(it.next().ok_or("--out needs a directory")?.into()),
             "-h" | "--help" => return Err(USAGE.into()),
@@ -188,7 +197,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let gpus = match cuda_device_count() {
+    let gpus = match if args.cpu { Ok(1) } else { cuda_device_count() } {
         Ok(0) => {
             eprintln!("tp_gpu: CUDA unavailable: the driver sees no GPU");
             eprintln!("tp_gpu: nothing was run (exit 2)");
@@ -203,7 +212,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    args.tp = args.tp_given.unwrap_or(gpus);
+    // Two or more GPUs: one rank per GPU over NCCL. One GPU: ranks share it.
+    args.tp = match args.tp_given {
+        Some(t) => t,
+        None if gpus >= 2 => gpus,
+        None => 0,
+    };
     if args.tp > gpus {
         eprintln!(
             "tp_gpu: --tp {} needs {} GPUs, {gpus} visible: nothing was run (exit 2)",
@@ -216,28 +230,27 @@ fn main() -> ExitCode {
     }
     let started = Instant::now();
     let mut report = Report::default();
-    report.info(
-        "env",
-        "GPUs visible / TP",
-        format!(
-            "{gpus} / {}{}",
-            args.tp,
-            if args.tp == 1 {
-                " (dry run: one rank)"
-            } else {
-                ""
-            }
-        ),
-    );
-    for r in 0..args.tp {
-        let name = kvlink::kv_device::cuda::CudaDevice::new(r)
-            .map(|d| kvlink::kv_device::Device::name(&*d))
-            .unwrap_or_else(|e| e.to_string());
+    let gpu_name = setup::open_device(args.cpu, 0)
+        .map(|d| d.name())
+        .unwrap_or_else(|e| e);
+    report.info("env", "GPUs visible", gpus.to_string());
+    for r in 0..gpus {
+        let name = setup::open_device(args.cpu, r)
+            .map(|d| d.name())
+            .unwrap_or_else(|e| e);
         report.info("env", format!("GPU {r}"), name);
     }
-    match nccl_version() {
-        Ok(v) => report.info("env", "NCCL", v.to_string()),
-        Err(e) => report.push("env", "NCCL", Status::Fail, e.to_string()),
+    if args.cpu {
+        report.info(
+            "env",
+            "DRY RUN",
+            "--cpu: CPU devices, not GPUs; checks the program's logic only, no GPU number",
+        );
+    } else {
+        match nccl_version() {
+            Ok(v) => report.info("env", "NCCL", v.to_string()),
+            Err(e) => report.push("env", "NCCL", Status::Fail, e.to_string()),
+        }
     }
     if let Some(avail) = setup::host_available() {
         report.info(
@@ -255,34 +268,88 @@ fn main() -> ExitCode {
     }
     report.info(
         "env",
-        "store",
-        "embedded store (in-process); replicated KV shared through host staging (see the header)",
+        "store / share path",
+        "embedded store (in-process), not Mooncake; replicated KV shared on the device (upload, collective on device staging, scatter)",
     );
-    let mut groups = setup::Groups::new(args.tp);
+    let (checked, benched): (Vec<Fabric>, Fabric) = if args.tp >= 1 {
+        (
+            vec![Fabric::Nccl { tp: args.tp }],
+            Fabric::Nccl { tp: args.tp },
+        )
+    } else {
+        (
+            args.ranks
+                .iter()
+                .map(|&ranks| Fabric::OneGpu { ranks })
+                .collect(),
+            Fabric::OneGpu {
+                ranks: args.bench_ranks,
+            },
+        )
+    };
+    if gpus < 2 {
+        report.push(
+            "env",
+            "NCCL across GPUs (one rank per GPU), 128K/256K/512K beside the seed",
+            Status::Skip,
+            format!("{gpus} GPU visible: this machine runs N ranks on one GPU; give the same command 2, 4 or 8 GPUs"),
+        );
+    }
     if args.no_checks {
         report.push("correctness", "all", Status::Skip, "--no-checks");
     } else {
-        section(&mut report, "correctness", |r| {
-            checks::run(&args, &mut groups, r)
-        });
+        for fabric in &checked {
+            section(&mut report, "correctness", |r| {
+                checks::run(&args, *fabric, r)
+            });
+        }
+        if args.tp == 0 && !args.cpu {
+            section(&mut report, "nccl-1", |r| nccl_one::run(&args, r));
+        }
     }
     let mut bench_text = String::new();
     if args.no_bench {
         report.push("bench", "all", Status::Skip, "--no-bench");
     } else {
         section(&mut report, "bench", |r| {
-            bench_text = bench::run(&args, &mut groups, started, r)
+            bench_text = bench::run(&args, benched, started, r)
         });
     }
-    groups.reset();
     report.info(
         "env",
-        "NCCL group pairs made / total run time",
-        format!("{} / {:.1} s", groups.made, started.elapsed().as_secs_f64()),
+        "total run time",
+        format!("{:.1} s", started.elapsed().as_secs_f64()),
     );
     let text = report.table();
+    // "NVIDIA H200" → "h200": the first word of the GPU's name with a digit in it.
+    let machine = if args.cpu {
+        "cpu".to_string()
+    } else {
+        gpu_name
+            .split_whitespace()
+            .find(|w| w.chars().any(|c| c.is_ascii_digit()))
+            .unwrap_or("gpu")
+            .to_lowercase()
+    };
+    let ranks = match benched {
+        Fabric::OneGpu { .. } => args
+            .ranks
+            .iter()
+            .copied()
+            .chain([args.bench_ranks])
+            .max()
+            .unwrap_or(1),
+        Fabric::Nccl { tp } => tp,
+    };
     if let Some(dir) = &args.out {
-        let _ = std::fs::write(dir.join(format!("tp_gpu_table_tp{}.txt", args.tp)), &text);
+        let name = format!("tp_gpu_{machine}x{gpus}_ranks{ranks}.txt");
+        let mut file = String::new();
+        if !bench_text.is_empty() {
+            file.push_str(&bench_text);
+            file.push('\n');
+        }
+        file.push_str(&text);
+        let _ = std::fs::write(dir.join(name), file);
     }
     if !bench_text.is_empty() {
         println!("{bench_text}");

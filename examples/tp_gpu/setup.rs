@@ -1,18 +1,18 @@
 //! What every part shares: the GLM-5.2 geometry at TP N, a prefix saved into one shared
-//! embedded store, each rank's GPU (device pool and pinned staging), the NCCL groups, linkers
-//! over them, a batch run on every rank at once, and the comparison of a device pool with the
-//! saved bytes.
+//! embedded store, the fabric (N ranks on one GPU with the in-process device group, or one rank
+//! per GPU over NCCL), each rank's device pool and pinned staging, the groups, linkers over
+//! them, a batch run on every rank at once, and the comparison of a device pool with the saved
+//! bytes.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvlink::dedup_broadcast::nccl::NcclGroup;
-use kvlink::dedup_broadcast::Collective;
+use kvlink::dedup_broadcast::nccl::{NcclConfig, NcclGroup};
+use kvlink::dedup_broadcast::{Collective, GroupFormation};
 use kvlink::kv_device::cuda::cudarc::driver::result;
 use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool};
-use kvlink::kv_device::HostKvPool;
-use kvlink::kv_device::{StagedLandingFactory, StagingPool};
+use kvlink::kv_device::{CpuDevice, Device, HostKvPool, KvPool, StagedLandingFactory, StagingPool};
 use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec, PageHash};
 use kvlink::kv_loader::{
     BatchId, BatchOutcome, BatchPlan, KvLoader, LayerReady, RequestPages, ShareMode,
@@ -40,9 +40,56 @@ pub fn glm(tp: u32, rank: u32) -> Result<KvGeometry, String> {
     KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), tp, rank).map_err(|e| e.to_string())
 }
 
-/// Bytes of the widest layer of a batch of `pages` pages (one staging half).
+/// Bytes of one staging half for batches of `pages` pages (the widest layer, with the share
+/// area's padding at this TP).
 pub fn half_bytes(g: &KvGeometry, pages: usize) -> usize {
-    (g.max_layer_bytes_per_page() * pages as u64) as usize
+    StagingPool::half_bytes_for(g, pages, g.tp_size)
+}
+
+/// Where the ranks run and how they share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fabric {
+    /// `ranks` ranks on GPU 0 (threads of this process), sharing through the in-process device
+    /// group: device-to-device copies on each rank's comm stream, ordered by events.
+    OneGpu { ranks: u32 },
+    /// Rank `r` on GPU `r`, `tp` of them, sharing over NCCL (two communicators per rank).
+    Nccl { tp: u32 },
+}
+
+impl Fabric {
+    /// Ranks.
+    pub fn tp(self) -> u32 {
+        match self {
+            Fabric::OneGpu { ranks } => ranks,
+            Fabric::Nccl { tp } => tp,
+        }
+    }
+
+    /// The GPU of rank `r`.
+    pub fn ordinal(self, r: u32) -> u32 {
+        match self {
+            Fabric::OneGpu { .. } => 0,
+            Fabric::Nccl { .. } => r,
+        }
+    }
+
+    /// GPUs used.
+    pub fn gpus(self) -> u32 {
+        match self {
+            Fabric::OneGpu { .. } => 1,
+            Fabric::Nccl { tp } => tp,
+        }
+    }
+
+    /// A short label, e.g. "8 ranks on 1 GPU (in-process device group)".
+    pub fn label(self) -> String {
+        match self {
+            Fabric::OneGpu { ranks } => {
+                format!("{ranks} ranks on 1 GPU (in-process device group)")
+            }
+            Fabric::Nccl { tp } => format!("{tp} rank(s), one per GPU (NCCL)"),
+        }
+    }
 }
 
 /// The tag of a component in the byte pattern.
@@ -176,21 +223,39 @@ pub fn plan(
     )
 }
 
-/// One rank's GPU: its device pool and pinned staging, and the geometry of its rank.
+/// One rank's GPU (its own load stream, even when ranks share a GPU): its device pool and
+/// pinned staging, and the geometry of its rank.
 pub struct RankDev {
     pub rank: u32,
-    pub dev: Arc<CudaDevice>,
+    pub dev: Arc<dyn Device>,
     pub g: KvGeometry,
     pub pool: Arc<CudaKvPool>,
     pub staging: Arc<StagingPool>,
 }
 
-/// Rank `r` on GPU `r`, every rank at once: a device pool of `pool_pages` and two staging
-/// buffers for batches of up to `batch_pages` pages.
-pub fn rank_devs(tp: u32, pool_pages: u32, batch_pages: usize) -> Result<Vec<RankDev>, String> {
+/// A device of its own for one rank on GPU `ordinal` (its own load stream; ranks on one GPU
+/// share its context), or with `cpu` a CPU device (the dry run of this program's logic on a
+/// machine without a GPU).
+pub fn open_device(cpu: bool, ordinal: u32) -> Result<Arc<dyn Device>, String> {
+    if cpu {
+        Ok(CpuDevice::new(ordinal).map_err(de)?)
+    } else {
+        Ok(CudaDevice::new(ordinal).map_err(de)?)
+    }
+}
+
+/// Every rank of `fabric` at once: a device pool of `pool_pages` and two staging buffers for
+/// batches of up to `batch_pages` pages, on the rank's GPU.
+pub fn rank_devs(
+    cpu: bool,
+    fabric: Fabric,
+    pool_pages: u32,
+    batch_pages: usize,
+) -> Result<Vec<RankDev>, String> {
+    let tp = fabric.tp();
     all_ok(on_ranks(tp as usize, |r| {
         let r = r as u32;
-        let dev = CudaDevice::new(r).map_err(de)?;
+        let dev = open_device(cpu, fabric.ordinal(r))?;
         let g = glm(tp, r)?;
         let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pool_pages).map_err(de)?);
         let staging = StagingPool::new(dev.clone(), half_bytes(&g, batch_pages), 2).map_err(de)?;
@@ -211,20 +276,24 @@ pub fn gpu_mem(dev: &CudaDevice) -> Result<(u64, u64), String> {
     Ok((free as u64, total as u64))
 }
 
-/// The data and control NCCL groups (two communicators per rank, as the linker needs), made
-/// once and reused by every linker of the run, since linkers run one set at a time and every
-/// rank issues the same collectives. `reset` drops them (after a failure that may have left a
-/// communicator aborted); the next `get` makes new ones.
+/// The groups of the linkers (data and control handles per rank, and the formation that
+/// re-forms the data group after an abort), made once and reused by every linker of the run,
+/// since linkers run one set at a time and every rank issues the same collectives. `reset`
+/// drops them (after a failure that may have left a group aborted); the next `get` makes new
+/// ones.
 pub struct Groups {
-    ordinals: Vec<u32>,
+    fabric: Fabric,
+    devices: Vec<Arc<dyn Device>>,
     current: Option<Vec<TpGroup>>,
     pub made: u32,
 }
 
 impl Groups {
-    pub fn new(tp: u32) -> Self {
+    /// Groups of `fabric`; `devices[r]` is rank `r`'s device (the in-process device group's).
+    pub fn new(fabric: Fabric, devices: Vec<Arc<dyn Device>>) -> Self {
         Groups {
-            ordinals: (0..tp).collect(),
+            fabric,
+            devices,
             current: None,
             made: 0,
         }
@@ -234,26 +303,18 @@ impl Groups {
         if let Some(g) = &self.current {
             return Ok(g.clone());
         }
-        let data = NcclGroup::new_in_process(&self.ordinals)
-            .map_err(|e| format!("NCCL data group: {e}"))?;
-        let control = NcclGroup::new_in_process(&self.ordinals)
-            .map_err(|e| format!("NCCL control group: {e}"))?;
-        let groups: Vec<TpGroup> = data
-            .into_iter()
-            .zip(control)
-            .map(|(d, c)| TpGroup {
-                data: Arc::new(d) as Arc<dyn Collective>,
-                control: Arc::new(c) as Arc<dyn Collective>,
-                formation: None,
-            })
-            .collect();
+        let groups = match self.fabric {
+            Fabric::OneGpu { .. } => TpGroup::in_process_on_devices(self.devices.clone())
+                .map_err(|e| format!("in-process device group: {e}"))?,
+            Fabric::Nccl { tp } => nccl_groups(tp)?,
+        };
         self.made += 1;
         self.current = Some(groups.clone());
         Ok(groups)
     }
 
-    /// Drops the groups, every rank's at once (each communicator is finalized on its own comm
-    /// thread). The linkers that used them must be dropped first.
+    /// Drops the groups, every rank's at once (each NCCL communicator is finalized on its own
+    /// comm thread). The linkers that used them must be dropped first.
     pub fn reset(&mut self) {
         if let Some(groups) = self.current.take() {
             std::thread::scope(|s| {
@@ -263,6 +324,25 @@ impl Groups {
             });
         }
     }
+}
+
+/// NCCL data and control groups over GPUs `0..tp`, with the data group's formation.
+fn nccl_groups(tp: u32) -> Result<Vec<TpGroup>, String> {
+    let ordinals: Vec<u32> = (0..tp).collect();
+    let data = NcclGroup::new_in_process(&ordinals).map_err(|e| format!("NCCL data group: {e}"))?;
+    let control =
+        NcclGroup::new_in_process(&ordinals).map_err(|e| format!("NCCL control group: {e}"))?;
+    let formation: Arc<dyn GroupFormation> =
+        Arc::new(NcclGroup::formation(ordinals, NcclConfig::default()));
+    Ok(data
+        .into_iter()
+        .zip(control)
+        .map(|(d, c)| TpGroup {
+            data: Arc::new(d) as Arc<dyn Collective>,
+            control: Arc::new(c) as Arc<dyn Collective>,
+            formation: Some(formation.clone()),
+        })
+        .collect())
 }
 
 /// One linker per rank over `stores[r]`, landing into rank `r`'s device pool through its
@@ -382,19 +462,19 @@ pub fn compare_pool(
     let mut host = Vec::new();
     let mut want = Vec::new();
     let mut bytes = 0u64;
-    d.dev.synchronize_load_stream().map_err(de)?;
+    let regions = d.pool.regions();
     for c in d.g.components() {
         let len = c.page_layer_bytes as usize;
         want.resize(len, 0u8);
         for &l in c.layers.iter().filter(|&&l| l < upto && pick(l)) {
             let (ptr, buf_len) = d.pool.buffer(c.id, l).map_err(de)?;
+            let index = regions
+                .iter()
+                .position(|&(a, _)| a as u64 == ptr)
+                .ok_or("a pool buffer that is not among its regions")?;
             host.resize(buf_len, 0u8);
-            d.dev.bind().map_err(de)?;
-            // SAFETY: `ptr` is the pool's device buffer of `buf_len` bytes for (c, l), alive
-            // while `d.pool` is; the load stream was synchronized above and no batch is in
-            // flight on this pool while a comparison runs; the copy is synchronous.
-            unsafe { result::memcpy_dtoh_sync(&mut host[..], ptr) }
-                .map_err(|e| format!("cuMemcpyDtoH: {e}"))?;
+            // After the load stream's work (the landings' copies), bounded.
+            d.pool.read_buffer(index, &mut host).map_err(de)?;
             for (p, &s) in slots.iter().enumerate() {
                 fill_row(&mut want, tag(c), l, p as u64);
                 let got = &host[s as usize * len..(s as usize + 1) * len];

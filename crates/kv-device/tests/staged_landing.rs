@@ -362,6 +362,11 @@ fn saves_gather_what_loads_landed() {
     }
     assert_eq!(r.staging.available(), 1);
     assert_eq!(r.dev.ordinal(), 0);
+    r.pool.clear().unwrap();
+    let c = comps[0];
+    let mut got = vec![1u8; r.g.component(c).unwrap().page_layer_bytes as usize];
+    r.pool.read_slot(c, 0, slots[0], &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 0), "cleared");
 }
 
 #[test]

@@ -648,7 +648,7 @@ impl Worker {
             self.wait_after(op, seq, ev)?;
         }
         // SAFETY: `buf` is device memory of this rank's GPU valid for `buf.len` bytes until
-        // the returned event completes (the caller's contract for broadcast_async); in place;
+        // the returned event completes (the caller's contract for broadcast_device); in place;
         // comm and stream are ours.
         let r = unsafe {
             sys::ncclBroadcast(
@@ -704,7 +704,7 @@ impl Worker {
         }
         // SAFETY: `send` (n bytes) and `recv` (size × n bytes) are device memory of this
         // rank's GPU, valid and untouched by other work until the returned event completes
-        // (the caller's contract for all_gather_async); in place or disjoint (checked); comm
+        // (the caller's contract for all_gather_device); in place or disjoint (checked); comm
         // and stream are ours.
         let r = unsafe {
             sys::ncclAllGather(

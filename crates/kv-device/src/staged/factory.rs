@@ -133,7 +133,7 @@ impl StagedGather {
             let table = device.alloc(slots.len() * 4, "slot table")?;
             let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
             // SAFETY: `table` is ours, exactly `slots.len()` u32.
-            unsafe { sync::write(&*device, table.addr(), &bytes) }?;
+            unsafe { sync::write(&*device, &sync::Bounce::default(), table.addr(), &bytes) }?;
             Some(table)
         };
         Ok(StagedGather {

@@ -257,7 +257,7 @@ fn upload_slots(
     let table = device.alloc(bytes.len(), "slot table")?;
     if bytes.len() > lease.half_bytes() {
         // SAFETY: `table` is ours, exactly `bytes.len()` bytes, touched by nothing else.
-        unsafe { sync::write(device, table.addr(), &bytes) }?;
+        unsafe { sync::write(device, &sync::Bounce::default(), table.addr(), &bytes) }?;
         return Ok(table);
     }
     let host = lease.host_half(0)?;

@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use kv_geometry::{ComponentId, KvGeometry};
 
-use super::sync::{self, SYNC_LIMIT};
+use super::sync::{self, Bounce, SYNC_LIMIT};
 use crate::pool::{locate, locate_slice};
-use crate::{Device, DeviceError, DeviceMemory, KvPool, Residence};
+use crate::{Device, DeviceError, DeviceMemory, KvPool, Residence, Transfer};
 
 /// A KV pool in the memory of one device: one zeroed buffer per (component, carried layer),
 /// laid out exactly as [`HostKvPool`](crate::HostKvPool) (slot `s` at `s * page_layer_bytes`).
@@ -33,6 +33,8 @@ pub struct DeviceKvPool {
     geometry: KvGeometry,
     pages: u32,
     buffers: Vec<DeviceMemory>,
+    /// Pinned memory of the synchronous copies (reads, writes, clears).
+    bounce: Bounce,
 }
 
 impl fmt::Debug for DeviceKvPool {
@@ -68,6 +70,7 @@ impl DeviceKvPool {
             geometry,
             pages,
             buffers,
+            bounce: Bounce::default(),
         })
     }
 
@@ -105,7 +108,7 @@ impl DeviceKvPool {
         let src = self.slice(component, layer, slot, out.len())?;
         // SAFETY: `src` lies in our buffer with `out.len()` bytes (checked by `slice`); the
         // caller orders this after any writer other than the load stream.
-        unsafe { sync::read(&*self.device, src, out) }
+        unsafe { sync::read(&*self.device, &self.bounce, src, out) }
     }
 
     /// Copies `data` into one slot's slice (as an engine's attention would write new KV). The
@@ -119,7 +122,7 @@ impl DeviceKvPool {
     ) -> Result<(), DeviceError> {
         let dst = self.slice(component, layer, slot, data.len())?;
         // SAFETY: `dst` lies in our buffer with `data.len()` bytes; the caller owns the slot.
-        unsafe { sync::write(&*self.device, dst, data) }
+        unsafe { sync::write(&*self.device, &self.bounce, dst, data) }
     }
 
     /// Copies buffer `index` (in [`KvPool::regions`] order) out, after the load stream's work.
@@ -139,11 +142,11 @@ impl DeviceKvPool {
             });
         }
         // SAFETY: the whole buffer, ours; the caller orders this after other writers.
-        unsafe { sync::read(&*self.device, b.addr(), out) }
+        unsafe { sync::read(&*self.device, &self.bounce, b.addr(), out) }
     }
 
     /// Zeroes every buffer (after the load stream's work; no other device work may use the
-    /// pool meanwhile).
+    /// pool meanwhile): copies from one zeroed pinned chunk, then one bounded wait.
     pub fn clear(&self) -> Result<(), DeviceError> {
         let chunk = self
             .buffers
@@ -152,17 +155,40 @@ impl DeviceKvPool {
             .max()
             .unwrap_or(0)
             .min(64 << 20);
-        let zeros = vec![0u8; chunk];
-        for b in &self.buffers {
+        if chunk == 0 {
+            return Ok(());
+        }
+        let zeros = self.bounce.take(&*self.device, chunk)?;
+        // SAFETY: `zeros` is ours (taken from the bounce) and idle, at least `chunk` bytes.
+        unsafe { std::ptr::write_bytes(zeros.addr() as *mut u8, 0, chunk) };
+        let stream = self.device.load_stream();
+        let enqueued = self.buffers.iter().try_for_each(|b| {
             let mut off = 0;
             while off < b.len() {
                 let n = chunk.min(b.len() - off);
-                // SAFETY: `off..off + n` lies in our buffer; the caller keeps others away.
-                unsafe { sync::write(&*self.device, b.addr() + off as u64, &zeros[..n]) }?;
+                let t = Transfer::ToDevice {
+                    dst: b.addr() + off as u64,
+                    src: zeros.addr(),
+                    len: n,
+                };
+                // SAFETY: `off..off + n` lies in our buffer, the source in `zeros`, which
+                // lives until the drain below (or is leaked); the caller keeps others away.
+                unsafe { stream.transfer(t)? };
                 off += n;
             }
+            Ok(())
+        });
+        match sync::drain(&stream, SYNC_LIMIT) {
+            Ok(()) => {
+                self.bounce.give(zeros);
+                enqueued
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "clearing a device pool did not finish; leaking its zero chunk");
+                std::mem::forget(zeros);
+                Err(e)
+            }
         }
-        Ok(())
     }
 }
 

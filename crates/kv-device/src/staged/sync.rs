@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
+
 use crate::{Device, DeviceError, PinnedMemory, Stream, Transfer};
 
 /// Longest a synchronous copy waits for its stream.
@@ -45,17 +47,49 @@ pub(crate) unsafe fn run(
     }
 }
 
+/// A pinned buffer reused by synchronous copies (pinned allocation is slow, and synchronizing,
+/// on CUDA): lent to one copy at a time, grown when a copy needs more.
+#[derive(Debug, Default)]
+pub(crate) struct Bounce(Mutex<Option<PinnedMemory>>);
+
+impl Bounce {
+    /// A pinned buffer of at least `len` bytes: the kept one, or a new one.
+    pub(crate) fn take(
+        &self,
+        device: &dyn Device,
+        len: usize,
+    ) -> Result<PinnedMemory, DeviceError> {
+        match self.0.lock().take() {
+            Some(m) if m.len() >= len => Ok(m),
+            _ => device.alloc_pinned(len, "synchronous copy"),
+        }
+    }
+
+    /// Keeps `mem` for the next copy.
+    pub(crate) fn give(&self, mem: PinnedMemory) {
+        let mut kept = self.0.lock();
+        if kept.as_ref().is_none_or(|k| k.len() < mem.len()) {
+            *kept = Some(mem);
+        }
+    }
+}
+
 /// Copies `data` to device address `dst` and waits (bounded).
 ///
 /// # Safety
 /// `dst` is device memory of `device` valid for `data.len()` bytes, untouched by others until
 /// this returns (for ever on a timeout).
-pub(crate) unsafe fn write(device: &dyn Device, dst: u64, data: &[u8]) -> Result<(), DeviceError> {
+pub(crate) unsafe fn write(
+    device: &dyn Device,
+    bounce: &Bounce,
+    dst: u64,
+    data: &[u8],
+) -> Result<(), DeviceError> {
     if data.is_empty() {
         return Ok(());
     }
-    let host = device.alloc_pinned(data.len(), "synchronous copy")?;
-    // SAFETY: `host` is ours, `data.len()` bytes, not shared yet.
+    let host = bounce.take(device, data.len())?;
+    // SAFETY: `host` is ours (taken from the bounce), at least `data.len()` bytes, idle.
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), host.addr() as *mut u8, data.len()) };
     let t = Transfer::ToDevice {
         dst,
@@ -63,7 +97,9 @@ pub(crate) unsafe fn write(device: &dyn Device, dst: u64, data: &[u8]) -> Result
         len: data.len(),
     };
     // SAFETY: the caller's promise for `dst`; the source is `host`.
-    unsafe { run(&device.load_stream(), t, host) }.map(drop)
+    let host = unsafe { run(&device.load_stream(), t, host) }?;
+    bounce.give(host);
+    Ok(())
 }
 
 /// Copies `out.len()` bytes from device address `src` into `out` and waits (bounded).
@@ -73,13 +109,14 @@ pub(crate) unsafe fn write(device: &dyn Device, dst: u64, data: &[u8]) -> Result
 /// until this returns (for ever on a timeout).
 pub(crate) unsafe fn read(
     device: &dyn Device,
+    bounce: &Bounce,
     src: u64,
     out: &mut [u8],
 ) -> Result<(), DeviceError> {
     if out.is_empty() {
         return Ok(());
     }
-    let host = device.alloc_pinned(out.len(), "synchronous copy")?;
+    let host = bounce.take(device, out.len())?;
     let t = Transfer::ToHost {
         dst: host.addr(),
         src,
@@ -87,7 +124,8 @@ pub(crate) unsafe fn read(
     };
     // SAFETY: the caller's promise for `src`; the destination is `host`.
     let host = unsafe { run(&device.load_stream(), t, host) }?;
-    // SAFETY: the copy finished; `host` holds `out.len()` bytes and is ours.
+    // SAFETY: the copy finished; `host` holds at least `out.len()` bytes and is ours.
     unsafe { std::ptr::copy_nonoverlapping(host.addr() as *const u8, out.as_mut_ptr(), out.len()) };
+    bounce.give(host);
     Ok(())
 }
