@@ -156,7 +156,8 @@ pub(crate) fn next_landing_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// One batch's landing on one rank (see the [module docs](self)).
+/// One batch's landing on one rank: it lends the batch's two [`LayerStage`]s, hands out
+/// targets for the store, shares rows ([`ShareSide`]) and lands layers.
 pub trait LayerLanding: Send + Sync {
     /// The batch's two stages; empty after the first call.
     fn take_stages(&mut self) -> Vec<LayerStage>;

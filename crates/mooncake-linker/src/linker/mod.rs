@@ -114,7 +114,7 @@ impl Inner {
 
 /// The [`KvLoader`] of one TP rank: validates plans, loads them layer by layer from a
 /// [`KvStore`] into a [`KvPool`] on a dedicated load thread, marks layers ready in a
-/// [`LayerCounter`], saves new pages, and never hangs: every wait has a deadline.
+/// `LayerCounter`, saves new pages, and never hangs: every wait has a deadline.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -386,11 +386,12 @@ impl KvLoader for Linker {
         }
         let deadline = Instant::now() + s.config.wait_deadline;
         match s.outcomes.wait_layer(ticket, layer, deadline) {
-            Ok(ready) if s.pool.residence() == Residence::Host => {
-                let _ = ready;
-                Ok(LayerReady::Resident)
-            }
-            Ok(ready) => Ok(ready.unwrap_or(LayerReady::Resident)),
+            // Host pools are resident once the layer is marked; device pools hand back the
+            // layer's event.
+            Ok(ready) => Ok(match s.pool.residence() {
+                Residence::Host => LayerReady::Resident,
+                Residence::Device { .. } => ready.unwrap_or(LayerReady::Resident),
+            }),
             Err(WaitFailure::Counter(e)) => Err(Inner::counter_error(ticket, e)),
             Err(WaitFailure::Load(e)) => Err(e),
             Err(WaitFailure::TimedOut) => Err(KvLoadError::Timeout {
