@@ -36,5 +36,6 @@ pub use hash::{page_hashes, PageHash};
 pub use key::KeyScheme;
 pub use layout::{ComponentId, ComponentLayout, KvGeometry};
 pub use model::{
-    ModelKvSpec, DSA_FP8_ROW_BYTES, DSA_INDEX_HEAD_DIM, GLM52_INDEXER_LAYERS, MLA_LATENT_ELEMENTS,
+    ModelKvSpec, DSA_FP8_ROW_BYTES, DSA_INDEX_HEAD_DIM, GLM52_INDEXER_LAYERS, MAX_COMPONENTS,
+    MAX_LAYERS, MAX_PAGE_SIZE, MAX_ROW_BYTES, MLA_LATENT_ELEMENTS,
 };

@@ -32,7 +32,7 @@ impl CudaKvPool {
     ) -> Result<Self, DeviceError> {
         let mut buffers = Vec::new();
         for c in geometry.components() {
-            let bytes = c.page_layer_bytes * u64::from(pages);
+            let bytes = c.page_layer_bytes.saturating_mul(u64::from(pages));
             let len = usize::try_from(bytes).map_err(|_| DeviceError::Alloc {
                 bytes,
                 what: "device pool buffer",

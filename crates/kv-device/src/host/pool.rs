@@ -29,7 +29,7 @@ impl HostKvPool {
     pub fn new(geometry: KvGeometry, pages: u32) -> Result<Self, DeviceError> {
         let mut buffers = Vec::new();
         for c in geometry.components() {
-            let bytes = c.page_layer_bytes * u64::from(pages);
+            let bytes = c.page_layer_bytes.saturating_mul(u64::from(pages));
             let len = usize::try_from(bytes).map_err(|_| DeviceError::Alloc {
                 bytes,
                 what: "host pool buffer",
@@ -120,7 +120,19 @@ impl KvPool for HostKvPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kv_geometry::ModelKvSpec;
+    use kv_geometry::{ComponentSpec, ElementType, ModelKvSpec, RowUnit, MAX_PAGE_SIZE};
+
+    #[test]
+    fn a_pool_too_large_to_size_is_an_error_not_an_overflow() {
+        // 2^16 tokens x 2^24 B rows: 2^40 B per slot, times 2^32 slots overflows u64.
+        let row = ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 1 << 24);
+        let spec = ModelKvSpec::new("huge", 1, MAX_PAGE_SIZE, vec![row]).unwrap();
+        let g = KvGeometry::new(spec, 1, 0).unwrap();
+        assert!(matches!(
+            HostKvPool::new(g, u32::MAX),
+            Err(DeviceError::Alloc { .. })
+        ));
+    }
 
     #[test]
     fn slots_are_distinct_and_round_trip() {
