@@ -522,7 +522,7 @@ fn nccl_bench(args: &Args, gpus: u32, report: &mut Report) {
                     ranks[0].broadcast(
                         Buffer::device(0, d.ptr() as usize, bytes),
                         0,
-                        Instant::now() + Duration::from_secs(30),
+                        kvlink::kv_loader::deadline_after(Duration::from_secs(30)),
                     )
                 }
                 .map_err(|e| e.to_string())?;
@@ -572,7 +572,7 @@ fn nccl_bench(args: &Args, gpus: u32, report: &mut Report) {
                                 coll.broadcast(
                                     Buffer::device(r, d.ptr() as usize, bytes),
                                     0,
-                                    Instant::now() + Duration::from_secs(30),
+                                    kvlink::kv_loader::deadline_after(Duration::from_secs(30)),
                                 )
                             }
                             .map_err(|e| e.to_string())?;

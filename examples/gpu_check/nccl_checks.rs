@@ -27,7 +27,7 @@ fn ce(e: CollectiveError) -> String {
 }
 
 fn soon() -> Instant {
-    Instant::now() + Duration::from_secs(30)
+    kvlink::kv_loader::deadline_after(Duration::from_secs(30))
 }
 
 pub fn run(args: &Args, gpus: u32, report: &mut Report) {
@@ -388,7 +388,7 @@ fn two_ranks_timeout() -> Result<String, String> {
         }
     });
     let t0 = Instant::now();
-    let r = ranks[0].all_gather_u64(2, Instant::now() + Duration::from_secs(2));
+    let r = ranks[0].all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
     let took = t0.elapsed();
     let first = match r {
         Err(e @ CollectiveError::Timeout { .. }) => e.to_string(),
@@ -400,7 +400,8 @@ fn two_ranks_timeout() -> Result<String, String> {
     };
     // Rank 1 issues late: its peer aborted, so it must fail by its own deadline, not hang.
     let t1 = Instant::now();
-    let late = ranks[1].all_gather_u64(2, Instant::now() + Duration::from_secs(2));
+    let late =
+        ranks[1].all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
     if late.is_ok() {
         return Err("rank 1 completed against an aborted peer".into());
     }

@@ -577,8 +577,13 @@ fn host_collectives(
         for i in 0..warm + iters {
             barrier.wait(BARRIER_WAIT)?;
             let t0 = Instant::now();
-            broadcast_slice(coll, &mut buf, 0, Instant::now() + Duration::from_secs(60))
-                .map_err(|e| e.to_string())?;
+            broadcast_slice(
+                coll,
+                &mut buf,
+                0,
+                kvlink::kv_loader::deadline_after(Duration::from_secs(60)),
+            )
+            .map_err(|e| e.to_string())?;
             let tb = t0.elapsed().as_secs_f64() * 1e3;
             barrier.wait(BARRIER_WAIT)?;
             let t0 = Instant::now();
@@ -586,7 +591,7 @@ fn host_collectives(
                 coll,
                 &send,
                 &mut recv,
-                Instant::now() + Duration::from_secs(60),
+                kvlink::kv_loader::deadline_after(Duration::from_secs(60)),
             )
             .map_err(|e| e.to_string())?;
             let ta = t0.elapsed().as_secs_f64() * 1e3;

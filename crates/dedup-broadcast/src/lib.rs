@@ -19,11 +19,11 @@
 //! Two ranks as threads, rank 0 broadcasting a layer's bytes:
 //!
 //! ```
-//! use std::time::{Duration, Instant};
+//! use std::time::Duration;
 //! use dedup_broadcast::{broadcast_slice, Collective, InProcessGroup};
 //!
 //! let ranks = InProcessGroup::new(2);
-//! let deadline = Instant::now() + Duration::from_secs(10);
+//! let deadline = kv_loader::deadline_after(Duration::from_secs(10));
 //! let results: Vec<Vec<u8>> = std::thread::scope(|s| {
 //!     let handles: Vec<_> = ranks
 //!         .iter()

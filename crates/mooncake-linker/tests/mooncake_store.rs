@@ -86,7 +86,7 @@ impl PrivateMaster {
             .spawn()
             .expect("start mooncake_master");
         let addr = format!("127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = kv_loader::deadline_after(Duration::from_secs(20));
         while TcpStream::connect(&addr).is_err() {
             assert!(
                 Instant::now() < deadline,
@@ -650,7 +650,7 @@ impl StorageNode {
             .stderr(Stdio::null())
             .spawn()
             .expect("start mooncake_client");
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = kv_loader::deadline_after(Duration::from_secs(20));
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "storage node not listening");
             std::thread::sleep(Duration::from_millis(50));

@@ -137,7 +137,7 @@ impl NcclGroup {
         }
         let id = nccl_unique_id()?;
         let size = ordinals.len() as u32;
-        let deadline = Instant::now() + config.init_timeout;
+        let deadline = kv_loader::deadline_after(config.init_timeout);
         let pending: Vec<_> = ordinals
             .iter()
             .enumerate()
@@ -158,7 +158,10 @@ struct Pending {
 
 impl Pending {
     fn ready(self) -> Result<NcclCollective, CollectiveError> {
-        let wait = self.deadline.saturating_duration_since(Instant::now()) + self.handle.grace;
+        let wait = self
+            .deadline
+            .saturating_duration_since(Instant::now())
+            .saturating_add(self.handle.grace);
         match self.ready.recv_timeout(wait) {
             Ok(Ok(())) => Ok(self.handle),
             Ok(Err(e)) => Err(e),
@@ -211,7 +214,7 @@ impl NcclCollective {
         config: NcclConfig,
     ) -> Result<Self, CollectiveError> {
         nccl_version()?;
-        let deadline = Instant::now() + config.init_timeout;
+        let deadline = kv_loader::deadline_after(config.init_timeout);
         Self::spawn(unique_id, rank, size, ordinal, config, deadline)?.ready()
     }
 
@@ -316,7 +319,9 @@ impl NcclCollective {
             .map_err(|_| {
                 CollectiveError::Backend(format!("rank {}: the comm thread has ended", self.rank))
             })?;
-        let wait = deadline.saturating_duration_since(Instant::now()) + self.grace;
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .saturating_add(self.grace);
         match reply_rx.recv_timeout(wait) {
             Ok(Ok(reply)) => {
                 if let Reply::Done { device_ms } = &reply {

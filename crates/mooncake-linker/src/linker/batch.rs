@@ -74,7 +74,7 @@ impl Shared {
     }
 
     fn collective_deadline(&self) -> Instant {
-        Instant::now() + self.config.collective_timeout
+        kv_loader::deadline_after(self.config.collective_timeout)
     }
 
     /// The data collective, when this linker shares with other ranks.

@@ -42,7 +42,7 @@ impl Shared {
             hit = i + 1;
         }
         if let Some(g) = self.group.as_ref().filter(|g| g.size() > 1) {
-            let deadline = std::time::Instant::now() + self.config.collective_timeout;
+            let deadline = kv_loader::deadline_after(self.config.collective_timeout);
             let min = g
                 .control
                 .all_reduce_min_u64(hit as u64, deadline)

@@ -365,7 +365,7 @@ impl Linker {
         let s = &self.shared;
         s.epoch.fetch_add(1, Ordering::AcqRel);
         s.counter.reset();
-        let deadline = Instant::now() + s.config.wait_deadline;
+        let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         if !s.wait_idle(deadline) {
             return Err(KvLoadError::Config(format!(
                 "the load thread is still busy {:?} after reset (a store call hangs?)",
@@ -436,7 +436,7 @@ impl KvLoader for Linker {
                 },
             });
         }
-        let deadline = Instant::now() + s.config.wait_deadline;
+        let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         match s
             .counter
             .wait(ticket.counter, layer, deadline)
@@ -465,7 +465,7 @@ impl KvLoader for Linker {
 
     fn wait_batch(&self, ticket: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
         let s = &self.shared;
-        let deadline = Instant::now() + s.config.wait_deadline;
+        let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         let outcome = s
             .take_outcome(ticket.batch, deadline)
             .ok_or(KvLoadError::Timeout {
