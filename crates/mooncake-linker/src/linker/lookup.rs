@@ -5,6 +5,7 @@ use kv_loader::{KvLoadError, LookupHit, LookupRequest};
 use tracing::debug;
 
 use super::Shared;
+use crate::store::checked_results;
 
 impl Shared {
     /// One batched `exists` over every component's key of every candidate page; the hit
@@ -21,7 +22,7 @@ impl Shared {
             .map(|(p, c)| self.keys.object_key(p, c))
             .collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let present = self.store.exists(&refs);
+        let present = checked_results(&refs, self.store.exists(&refs));
         let mut hit = 0;
         'pages: for (i, _) in candidates.iter().enumerate() {
             for j in 0..comps.len() {

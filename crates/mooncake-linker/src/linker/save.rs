@@ -7,7 +7,7 @@ use tracing::{debug, info_span};
 
 use super::reader::{store_failure, ComponentKeys};
 use super::Shared;
-use crate::store::{ObjectPut, PutOutcome};
+use crate::store::{checked_results, ObjectPut, PutOutcome};
 
 impl Shared {
     /// Writes every object of the plan this rank owns and the store lacks. Replicated
@@ -23,7 +23,7 @@ impl Shared {
                 continue;
             }
             let refs: Vec<&str> = comp.keys.iter().map(String::as_str).collect();
-            let present = self.store.exists(&refs);
+            let present = checked_results(&refs, self.store.exists(&refs));
             let mut todo: Vec<usize> = Vec::new();
             for (i, p) in present.iter().enumerate() {
                 match p {
@@ -118,8 +118,9 @@ impl Shared {
         chunk: &[usize],
         report: &mut SaveReport,
     ) -> Result<(), KvLoadError> {
+        let keys: Vec<&str> = puts.iter().map(|p| p.key).collect();
         // SAFETY: the caller's promise covers `puts`.
-        let results = unsafe { self.store.put(puts) };
+        let results = checked_results(&keys, unsafe { self.store.put(puts) });
         for (put, (r, &page)) in puts.iter().zip(results.iter().zip(chunk)) {
             match r {
                 Ok(PutOutcome::Written) => {

@@ -44,6 +44,7 @@ macro_rules! forward_to_inner {
     };
 }
 
+mod checked;
 mod embedded;
 mod error;
 mod faulty;
@@ -51,6 +52,7 @@ mod kv_store;
 pub mod mooncake;
 mod simulated;
 
+pub use checked::checked_results;
 pub use embedded::EmbeddedStore;
 
 pub use error::StoreError;
