@@ -221,7 +221,9 @@ fn wait_cost(dev: &Arc<CudaDevice>, report: &mut Report) {
             return Err("no event".into());
         };
         let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
-        let raw = RawStream(compute.cu_stream() as usize);
+        // SAFETY: `compute` is a live stream of this process's context, kept until the end
+        // of this block, after the last wait on `raw`.
+        let raw = unsafe { RawStream::from_raw(compute.cu_stream() as usize) };
         let mut per_call = Vec::new();
         for _ in 0..20 {
             let n = 1000;

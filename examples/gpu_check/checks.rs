@@ -282,8 +282,9 @@ fn load_and_compare(
         stage_layer(&g, layer, n, &mut staged, Some(&mut direct))?;
         match staged.land(layer).map_err(de)? {
             LayerReady::Event(ev) => {
-                ev.wait_on_stream(RawStream(compute.cu_stream() as usize))
-                    .map_err(|e| e.to_string())?;
+                // SAFETY: `compute` is a live stream of this context, alive past this call.
+                let raw = unsafe { RawStream::from_raw(compute.cu_stream() as usize) };
+                ev.wait_on_stream(raw).map_err(|e| e.to_string())?;
                 events += 1;
             }
             LayerReady::Resident => return Err("a device landing returned Resident".into()),

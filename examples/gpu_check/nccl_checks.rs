@@ -274,9 +274,12 @@ fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> {
             .land_from_device(layer, &comps, Some(&bcast))
             .map_err(de)?
         {
-            LayerReady::Event(ev) => ev
-                .wait_on_stream(kvlink::kv_loader::RawStream(compute.cu_stream() as usize))
-                .map_err(|e| e.to_string())?,
+            LayerReady::Event(ev) => {
+                // SAFETY: `compute` is a live stream of this context, alive past this call.
+                let raw =
+                    unsafe { kvlink::kv_loader::RawStream::from_raw(compute.cu_stream() as usize) };
+                ev.wait_on_stream(raw).map_err(|e| e.to_string())?
+            }
             LayerReady::Resident => return Err("Resident from a device landing".into()),
         }
         let _ = direct.land(layer);
