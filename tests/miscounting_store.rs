@@ -85,8 +85,9 @@ impl KvStore for Miscounting {
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
         self.inner.remove(keys)
     }
-    fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        self.inner.register(region)
+    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.register(region) }
     }
     fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
         self.inner.unregister(region)

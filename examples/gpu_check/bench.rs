@@ -297,7 +297,10 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
     let pool = Arc::new(CudaKvPool::new(dev, g.clone(), pages).map_err(de)?);
     let staging = StagingPool::new(dev, half_bytes(&g, n), 1).map_err(de)?;
     for (a, l) in staging.host_regions() {
-        let _ = store.register(kvlink::mooncake_linker::store::MemoryRegion { addr: a, len: l });
+        let region = kvlink::mooncake_linker::store::MemoryRegion { addr: a, len: l };
+        // SAFETY: an EmbeddedStore keeps nothing of a registration (a no-op), and `staging`
+        // outlives every read of this function anyway.
+        let _ = unsafe { store.register(region) };
     }
     let slots: Arc<[u32]> = Rng(tokens).scattered_slots(n, pages).into();
     let readers = 8usize;

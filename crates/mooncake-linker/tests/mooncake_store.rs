@@ -313,7 +313,9 @@ fn ranged_reads_of_several_layers_of_several_pages() {
         addr: pool.as_mut_ptr() as usize,
         len: pool.len(),
     };
-    store.register(region).unwrap();
+    // SAFETY: `pool` stays allocated until the `unregister` at the end of this test (a failed
+    // assertion ends the test with no transfer after it).
+    unsafe { store.register(region) }.unwrap();
     let base = pool.as_mut_ptr();
     let slot = |layer: usize, page: usize| (layer * PAGES + page) * LAYER_BYTES;
 
@@ -718,7 +720,8 @@ fn bench_rust_ranged_reads_vs_python_batch_get_into() {
         addr: dst.as_mut_ptr() as usize,
         len: dst.len(),
     };
-    store.register(region).unwrap();
+    // SAFETY: `dst` stays allocated until the `unregister` at the end of this benchmark.
+    unsafe { store.register(region) }.unwrap();
     let base = dst.as_mut_ptr();
     let ranged = |layers: &[usize]| -> Vec<RangedGet<'_>> {
         keys.iter()

@@ -7,6 +7,7 @@ mod lookup;
 mod measure;
 mod metrics;
 mod reader;
+mod regions;
 mod save;
 mod session;
 mod staging;
@@ -290,11 +291,7 @@ impl Linker {
                 "the pool is laid out for another geometry".into(),
             ));
         }
-        for (addr, len) in landings.store_regions() {
-            store
-                .register(crate::store::MemoryRegion { addr, len })
-                .map_err(|e| KvLoadError::Config(format!("registering landing memory: {e}")))?;
-        }
+        regions::register_regions(&store, &landings)?;
         let keys = KeyScheme::new(
             &config.namespace,
             geometry.tp_rank,
@@ -328,7 +325,10 @@ impl Linker {
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-load-r{}", worker.geometry.tp_rank))
             .spawn(move || worker.load_loop(rx))
-            .map_err(|e| KvLoadError::Config(format!("spawning the load thread: {e}")))?;
+            .map_err(|e| {
+                regions::release_regions(&shared.store, &shared.landings);
+                KvLoadError::Config(format!("spawning the load thread: {e}"))
+            })?;
         Ok(Linker {
             shared,
             jobs: Mutex::new(Some(tx)),
@@ -521,12 +521,7 @@ impl KvLoader for Linker {
             }
         }
         self.shared.drop_staging();
-        for (addr, len) in self.shared.landings.store_regions() {
-            let region = crate::store::MemoryRegion { addr, len };
-            if let Err(e) = self.shared.store.unregister(region) {
-                warn!(error = %e, "unregistering landing memory failed");
-            }
-        }
+        regions::release_regions(&self.shared.store, &self.shared.landings);
         cancelled
     }
 }

@@ -96,18 +96,18 @@ impl Shared {
             .map(|_| {
                 let mut b = cache.pop().unwrap_or_default();
                 if b.len() < len {
-                    self.register_staging(&b, false);
+                    self.free_staging(std::mem::take(&mut b));
                     b = vec![0; len];
-                    self.register_staging(&b, true);
+                    self.register_staging(&b);
                 }
                 b
             })
             .collect()
     }
 
-    /// Registers (or unregisters) a staging buffer with the store; a store that refuses only
-    /// costs a warning here (a TCP store reads into any memory).
-    fn register_staging(&self, b: &[u8], register: bool) {
+    /// Registers a staging buffer with the store; a store that refuses only costs a warning
+    /// here (a TCP store reads into any memory).
+    fn register_staging(&self, b: &[u8]) {
         if b.is_empty() {
             return;
         }
@@ -115,20 +115,33 @@ impl Shared {
             addr: b.as_ptr() as usize,
             len: b.len(),
         };
-        let r = if register {
-            self.store.register(region)
-        } else {
-            self.store.unregister(region)
+        // SAFETY: every registered staging buffer is freed only by `free_staging`, after the
+        // store has let go of it (or never, when it does not).
+        if let Err(e) = unsafe { self.store.register(region) } {
+            tracing::warn!(error = %e, bytes = b.len(), "staging registration");
+        }
+    }
+
+    /// Unregisters a staging buffer and frees it; one the store will not let go is kept
+    /// (leaked) instead, as `KvStore::unregister` asks.
+    fn free_staging(&self, b: Vec<u8>) {
+        if b.is_empty() {
+            return;
+        }
+        let region = crate::store::MemoryRegion {
+            addr: b.as_ptr() as usize,
+            len: b.len(),
         };
-        if let Err(e) = r {
-            tracing::warn!(error = %e, register, bytes = b.len(), "staging registration");
+        if let Err(e) = self.store.unregister(region) {
+            tracing::error!(error = %e, bytes = b.len(), "staging stays registered: kept, never freed");
+            std::mem::forget(b);
         }
     }
 
     /// Unregisters and frees the kept staging buffers (on close).
     pub(crate) fn drop_staging(&self) {
         for b in self.staging_cache.lock().drain(..) {
-            self.register_staging(&b, false);
+            self.free_staging(b);
         }
     }
 
@@ -138,7 +151,7 @@ impl Shared {
         cache.extend(bufs.into_iter().filter(|b| !b.is_empty()));
         while cache.len() > 2 {
             if let Some(b) = cache.pop() {
-                self.register_staging(&b, false);
+                self.free_staging(b);
             }
         }
     }

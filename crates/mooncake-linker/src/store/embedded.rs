@@ -291,7 +291,7 @@ impl KvStore for EmbeddedStore {
             .collect()
     }
 
-    fn register(&self, _region: MemoryRegion) -> Result<(), StoreError> {
+    unsafe fn register(&self, _region: MemoryRegion) -> Result<(), StoreError> {
         Ok(())
     }
 

@@ -22,8 +22,9 @@ macro_rules! forward_to_inner {
             self.inner.remove(keys)
         }
 
-        fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-            self.inner.register(region)
+        unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+            // SAFETY: forwarded with the caller's own promise.
+            unsafe { self.inner.register(region) }
         }
 
         fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {

@@ -16,11 +16,13 @@
 //! namespace, with the `MOONCAKE_*` environment set.
 
 mod config;
+mod gate;
 mod store;
 
 pub use config::{
     parse_size, MooncakeConfig, MooncakeConfigError, DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LEASE,
     DEFAULT_LOCAL_BUFFER_SIZE,
 };
+pub use gate::UNREGISTER_WAIT;
 pub use mooncake_sys::ReplicateConfig;
 pub use store::{code_error, store_error, MooncakeStore};

@@ -8,6 +8,7 @@ use parking_lot::Mutex;
 use tracing::{debug, warn};
 
 use super::config::MooncakeConfig;
+use super::gate::{TransferGate, UNREGISTER_WAIT};
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
 };
@@ -43,6 +44,10 @@ pub struct MooncakeStore {
     client: Client,
     config: MooncakeConfig,
     sessions: Mutex<HashMap<String, KeySession>>,
+    /// Reads and puts hold it shared; `unregister` alone.
+    transfers: TransferGate,
+    /// Regions registered through this store (address to length).
+    registered: Mutex<HashMap<usize, usize>>,
 }
 
 impl std::fmt::Debug for MooncakeStore {
@@ -87,6 +92,8 @@ impl MooncakeStore {
             client,
             config,
             sessions: Mutex::new(HashMap::new()),
+            transfers: TransferGate::default(),
+            registered: Mutex::new(HashMap::new()),
         })
     }
 
@@ -278,6 +285,13 @@ fn per_key<T>(
     }
 }
 
+fn region_error(region: MemoryRegion, e: &MooncakeError) -> StoreError {
+    StoreError::InvalidArgument {
+        key: format!("<region {:#x}+{}>", region.addr, region.len),
+        detail: e.to_string(),
+    }
+}
+
 fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
     Err(StoreError::Other {
         key: key.to_owned(),
@@ -342,6 +356,7 @@ impl KvStore for MooncakeStore {
         };
         let ptrs: Vec<*mut u8> = valid.iter().map(|&i| gets[i].dst).collect();
         let sizes: Vec<usize> = valid.iter().map(|&i| gets[i].len).collect();
+        let _transfer = self.transfers.transfer();
         // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract) that each
         // `dst` is valid for writes of `len` bytes, not accessed by anyone else during the call,
         // and registered where the transport needs it; the call is synchronous.
@@ -407,12 +422,14 @@ impl KvStore for MooncakeStore {
                             offset: r.offset,
                         })
                         .collect();
+                    let transfer = self.transfers.transfer();
                     // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer
                     // contract) that every range's `dst` is valid for writes of `len` bytes, not
                     // accessed by anyone else during the call, and registered where the
                     // transport needs it; the call is synchronous.
                     let results =
                         unsafe { self.client.batch_get_ranges_raw(&ckeys, &counts, &ranges) };
+                    drop(transfer);
                     per_key(&keys, results, &readable, &mut out);
                     for &i in &readable {
                         let expected = gets[i].expected();
@@ -490,6 +507,7 @@ impl KvStore for MooncakeStore {
             }
         }
         let names: Vec<&str> = to_write.iter().map(|&i| keys[i]).collect();
+        let transfer = self.transfers.transfer();
         let results = match CKeys::new(&names) {
             // SAFETY: every pointer is either a caller's single source part (valid for reads of
             // its length for the whole call, by the trait's contract) or one of `staging`'s
@@ -504,6 +522,7 @@ impl KvStore for MooncakeStore {
             },
             Err(e) => Err(e),
         };
+        drop(transfer);
         let mut written: Vec<Result<(), StoreError>> = to_write
             .iter()
             .map(|&i| failed_placeholder(keys[i]))
@@ -523,32 +542,42 @@ impl KvStore for MooncakeStore {
             .collect()
     }
 
-    fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        // SAFETY: registering only tells the transfer engine about the region; Mooncake reads
-        // or writes it only inside this store's get/put calls, whose callers promise (KvStore's
-        // buffer contract) that the memory is valid for them. Between calls nothing touches it,
-        // so the region need not outlive the registration for memory safety (RDMA pins the
-        // pages in the kernel while registered).
+    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        let mut registered = self.registered.lock();
+        // SAFETY: mooncake-sys asks that the region stay allocated until it is unregistered or
+        // the client is dropped: exactly this function's own contract, which our caller took
+        // on. The client is dropped with this store.
         unsafe {
             self.client
                 .register_buffer(region.addr as *mut u8, region.len)
         }
-        .map_err(|e| StoreError::InvalidArgument {
-            key: format!("<region {:#x}+{}>", region.addr, region.len),
-            detail: e.to_string(),
-        })
+        .map_err(|e| region_error(region, &e))?;
+        registered.insert(region.addr, region.len);
+        Ok(())
     }
 
     fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        // SAFETY: as for `register`: no memory is accessed by unregistering. A transfer that
-        // another thread has in flight into the region would fail (a typed error of that call),
-        // not touch memory outside what its caller vouched for.
-        unsafe { self.client.unregister_buffer(region.addr as *mut u8) }.map_err(|e| {
-            StoreError::InvalidArgument {
-                key: format!("<region {:#x}+{}>", region.addr, region.len),
-                detail: e.to_string(),
-            }
-        })
+        let mut registered = self.registered.lock();
+        if !registered.contains_key(&region.addr) {
+            return Ok(());
+        }
+        // mooncake-sys asks that no call using the region be in flight: wait until no
+        // transfer of this store is (bounded; on time-out the region stays registered).
+        let Some(_quiet) = self.transfers.quiet(UNREGISTER_WAIT) else {
+            return Err(StoreError::Unavailable {
+                detail: format!(
+                    "<region {:#x}+{}>: transfers still in flight after {UNREGISTER_WAIT:?}; \
+                     the region stays registered",
+                    region.addr, region.len
+                ),
+            });
+        };
+        // SAFETY: no transfer of this store is in flight (the gate is held exclusively), and
+        // every transfer goes through this store's client.
+        unsafe { self.client.unregister_buffer(region.addr as *mut u8) }
+            .map_err(|e| region_error(region, &e))?;
+        registered.remove(&region.addr);
+        Ok(())
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
