@@ -9,12 +9,15 @@
 //! loopback port, so that no test's objects live in another test's segment (a segment goes
 //! away with its client) and the store-full and master-killed tests control the whole cluster.
 
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+mod common;
+
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+use common::{available, env, free_port, unique, PrivateMaster};
 
 use mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use mooncake_linker::store::{
@@ -22,126 +25,6 @@ use mooncake_linker::store::{
 };
 
 // ---------------------------------------------------------------------------------- helpers
-
-fn require() -> bool {
-    std::env::var("KVLINK_REQUIRE_MOONCAKE").is_ok_and(|v| v == "1")
-}
-
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
-}
-
-/// Whether Mooncake is there; says how to enable the test when it is not (or fails, in CI).
-#[allow(clippy::print_stderr)] // the skip message is the point
-fn available(test: &str, needs: &[&str]) -> bool {
-    let missing: Vec<&str> = std::iter::once("MOONCAKE_MASTER")
-        .chain(needs.iter().copied())
-        .filter(|v| env(v).is_none())
-        .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    assert!(
-        !require(),
-        "{test}: KVLINK_REQUIRE_MOONCAKE=1 but {missing:?} unset; run under scripts/with-mooncake.sh"
-    );
-    eprintln!(
-        "skipping {test}: {missing:?} not set. To run it: scripts/mooncake-build-shim.sh && \
-         scripts/with-mooncake.sh cargo test -p mooncake-linker --test mooncake_store"
-    );
-    false
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A `mooncake_master` of this test only, on 127.0.0.1; killed on drop.
-struct PrivateMaster {
-    child: Option<Child>,
-    addr: String,
-    log: PathBuf,
-}
-
-impl PrivateMaster {
-    fn start(extra: &[&str]) -> Self {
-        let bin = env("MOONCAKE_MASTER_BIN").expect("MOONCAKE_MASTER_BIN");
-        let port = free_port();
-        let metrics = free_port();
-        let log = std::env::temp_dir().join(format!("kvlink-master-{port}.log"));
-        let child = Command::new(bin)
-            .arg("--rpc_address=127.0.0.1")
-            .arg(format!("--rpc_port={port}"))
-            .arg("--metrics_host=127.0.0.1")
-            .arg(format!("--metrics_port={metrics}"))
-            .arg("--enable_http_metadata_server=false")
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
-            .spawn()
-            .expect("start mooncake_master");
-        let addr = format!("127.0.0.1:{port}");
-        let deadline = kv_loader::deadline_after(Duration::from_secs(20));
-        while TcpStream::connect(&addr).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "private master not listening on {addr}; log {}",
-                log.display()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self {
-            child: Some(child),
-            addr,
-            log,
-        }
-    }
-
-    fn config(&self, segment: u64) -> MooncakeConfig {
-        let mut cfg = MooncakeConfig::new(&self.addr)
-            .local_hostname("127.0.0.1")
-            .global_segment_size(segment)
-            .local_buffer_size(16 << 20);
-        if let Some(lib) = env("MOONCAKE_STORE_LIBRARY") {
-            cfg = cfg.library(lib);
-        }
-        if let Some(p) = env("MOONCAKE_PROTOCOL") {
-            cfg = cfg.protocol(p);
-        }
-        cfg
-    }
-
-    /// SIGKILL, now.
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for PrivateMaster {
-    fn drop(&mut self) {
-        self.kill();
-        // Keep the log of a failed test.
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_file(&self.log);
-        }
-    }
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{prefix}-{}-{nanos}", std::process::id())
-}
 
 /// The same bytes the Python side generates: `(i * 131 + seed) % 251`.
 fn pattern(seed: u64, len: usize) -> Vec<u8> {

@@ -13,14 +13,24 @@ use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
 };
 
-/// Read-session bookkeeping of one key: Mooncake's sessions are not reference counted (one
-/// `batch_get_session_end` ends it), so the store counts its users.
+/// Read-session bookkeeping of one key: Mooncake's sessions are not reference counted (the
+/// client keeps one session per key; a repeated `batch_get_session_start` refreshes it, one
+/// `batch_get_session_end` erases it), so the store counts its users and ends the client's
+/// session only when the last one leaves.
 #[derive(Debug, Default)]
 struct KeySession {
-    /// Pinned by [`KvStore::start_session`] until [`KvStore::end_session`].
-    explicit: bool,
+    /// [`KvStore::start_session`]s of the key not yet matched by an
+    /// [`KvStore::end_session`] (several linkers, or a renewal overlapping the session it
+    /// renews).
+    explicit: usize,
     /// Ranged reads in flight that opened (or joined) the session.
     implicit: usize,
+}
+
+impl KeySession {
+    fn unused(&self) -> bool {
+        self.explicit == 0 && self.implicit == 0
+    }
 }
 
 /// A [`KvStore`] on a Mooncake Store: one Mooncake client embedded in this process (it also
@@ -30,7 +40,10 @@ struct KeySession {
 ///   `batch_get_into_multi_buffer_ranges`); register the destination once with
 ///   [`KvStore::register`] (required for RDMA; TCP works either way).
 /// - Ranged reads need a Mooncake read session: keys that are not in one opened with
-///   [`KvStore::start_session`] get one for the duration of the call.
+///   [`KvStore::start_session`] get one for the duration of the call. Sessions are counted
+///   per key: a start renews the lease (the master is asked again), and the client's session
+///   ends only when every start has been ended, so a renewal (start, then end of the old
+///   session) and two linkers on one store keep each other's sessions.
 /// - Puts are first-write-wins, as in Mooncake: keys found present are reported
 ///   [`PutOutcome::AlreadyPresent`] and not written (a key that appears between the check and
 ///   the write is reported `Written`, while Mooncake keeps the other writer's bytes).
@@ -149,7 +162,7 @@ impl MooncakeStore {
         for k in keys {
             if let Some(s) = sessions.get_mut(k) {
                 s.implicit = s.implicit.saturating_sub(1);
-                if s.implicit == 0 && !s.explicit {
+                if s.unused() {
                     sessions.remove(k);
                     to_end.push(k);
                 }
@@ -600,7 +613,7 @@ impl KvStore for MooncakeStore {
             return Err(results[pos].clone().unwrap_err());
         }
         for k in keys {
-            sessions.entry((*k).to_owned()).or_default().explicit = true;
+            sessions.entry((*k).to_owned()).or_default().explicit += 1;
         }
         Ok(ReadSession {
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
@@ -613,8 +626,8 @@ impl KvStore for MooncakeStore {
         let mut to_end = Vec::new();
         for k in &session.keys {
             if let Some(s) = sessions.get_mut(k) {
-                s.explicit = false;
-                if s.implicit == 0 {
+                s.explicit = s.explicit.saturating_sub(1);
+                if s.unused() {
                     sessions.remove(k);
                     to_end.push(k.as_str());
                 }
