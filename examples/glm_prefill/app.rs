@@ -72,7 +72,7 @@ impl Ctx {
 
     fn config(&self, mode: ModeChoice) -> LinkerConfig {
         LinkerConfig {
-            namespace: self.namespace.clone(),
+            namespace: self.namespace.as_str().into(),
             mode,
             ..LinkerConfig::default()
         }

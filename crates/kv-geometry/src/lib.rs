@@ -23,6 +23,7 @@
 mod component;
 mod dtype;
 mod error;
+mod fingerprint;
 mod hash;
 mod hf_config;
 mod key;
@@ -32,8 +33,9 @@ mod model;
 pub use component::{ComponentSpec, LayerMap, Replication, RowUnit};
 pub use dtype::ElementType;
 pub use error::GeometryError;
+pub use fingerprint::{GeometryFingerprint, FINGERPRINT_VERSION};
 pub use hash::{page_hashes, PageHash};
-pub use key::KeyScheme;
+pub use key::{KeyScheme, Namespace};
 pub use layout::{ComponentId, ComponentLayout, KvGeometry};
 pub use model::{
     ModelKvSpec, DSA_FP8_ROW_BYTES, DSA_INDEX_HEAD_DIM, GLM52_INDEXER_LAYERS, MAX_COMPONENTS,

@@ -9,5 +9,8 @@ pub use linker::{
     Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, TpGroup, LAYER_LATENCY_BUCKETS_US,
 };
 
+/// Re-exported: how keys are prefixed ([`LinkerConfig::namespace`]).
+pub use kv_geometry::Namespace;
+
 /// Re-exported: how the linker shares replicated KV (modes, bandwidths, collectives).
 pub use dedup_broadcast;

@@ -293,7 +293,7 @@ impl Linker {
         }
         regions::register_regions(&store, &landings)?;
         let keys = KeyScheme::new(
-            &config.namespace,
+            &config.namespace.resolve(&geometry),
             geometry.tp_rank,
             config.cp_rank,
             config.pp_rank,
