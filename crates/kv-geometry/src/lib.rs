@@ -20,6 +20,7 @@
 //! assert!(key.starts_with("glm_") && key.ends_with("_cp0_pp0_indexer"));
 //! ```
 
+mod checksum;
 mod component;
 mod dtype;
 mod error;
@@ -30,6 +31,9 @@ mod key;
 mod layout;
 mod model;
 
+pub use checksum::{
+    checksum_key, layer_checksum, ChecksumError, ObjectChecksums, Verified, CHECKSUM_KEY_SUFFIX,
+};
 pub use component::{ComponentSpec, LayerMap, Replication, RowUnit};
 pub use dtype::ElementType;
 pub use error::GeometryError;

@@ -166,6 +166,38 @@ fn from_env_round_trip_exists_missing_remove() {
     );
 }
 
+/// The replace path's remove: an object found bad goes even while a read lease holds it
+/// (the load or lookup that found it took one), where a plain remove is refused.
+#[test]
+fn discard_removes_an_object_a_lease_holds() {
+    if !available(
+        "discard_removes_an_object_a_lease_holds",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let store = MooncakeStore::connect(master.config(64 << 20)).expect("connect");
+    let key = unique("bad");
+    put_one(&store, &key, &pattern(1, 4096)).unwrap();
+    assert_eq!(get_one(&store, &key, 4096).unwrap().len(), 4096); // a read: a lease
+    assert!(matches!(
+        &store.remove(&[&key])[0],
+        Err(StoreError::Lease { .. })
+    ));
+    assert_eq!(store.discard(&[&key]), vec![Ok(())]);
+    assert_eq!(store.exists(&[&key]), vec![Ok(false)]);
+    assert!(matches!(
+        &store.discard(&[&key])[0],
+        Err(StoreError::NotFound { .. })
+    ));
+    // And the next put writes it again (first-write-wins no longer keeps the bad one).
+    assert_eq!(
+        put_one(&store, &key, &pattern(2, 4096)),
+        Ok(PutOutcome::Written)
+    );
+}
+
 /// Pages are objects laid out layer after layer; a load reads a few layers of every page
 /// straight into a layer-major pool, as the linker does.
 #[test]

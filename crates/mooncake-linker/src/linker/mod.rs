@@ -8,6 +8,7 @@ mod measure;
 mod metrics;
 mod reader;
 mod regions;
+mod replace;
 mod save;
 mod session;
 mod staging;

@@ -169,6 +169,7 @@ impl LayerReader<'_> {
                 match r {
                     Ok(actual) if actual == expected => {}
                     Ok(actual) => {
+                        super::replace::discard_objects(self.store, &[keys[i]]);
                         return Err(KvLoadError::InvalidPlan {
                             batch: self.batch,
                             reason: PlanError::ObjectSize {
@@ -176,7 +177,7 @@ impl LayerReader<'_> {
                                 expected,
                                 actual,
                             },
-                        })
+                        });
                     }
                     Err(e) => {
                         let page = (pages.start + i) as u32;

@@ -158,6 +158,14 @@ pub trait KvStore: Send + Sync {
     /// Removes objects (a missing key is `NotFound`).
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>>;
 
+    /// Removes objects known to be bad (wrong size, failed checksum), so that the next save
+    /// writes them again despite first-write-wins: like [`remove`](KvStore::remove), but a
+    /// read lease or pin does not keep the object (Mooncake: a forced remove). A missing key
+    /// is `NotFound`. The default is `remove`.
+    fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        self.remove(keys)
+    }
+
     /// Registers memory the store will read into or write from (a no-op for stores that do
     /// not need it). Transports that pin memory (RDMA) keep using the region until it is
     /// unregistered.

@@ -22,6 +22,10 @@ macro_rules! forward_to_inner {
             self.inner.remove(keys)
         }
 
+        fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            self.inner.discard(keys)
+        }
+
         unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
             // SAFETY: forwarded with the caller's own promise.
             unsafe { self.inner.register(region) }

@@ -50,7 +50,8 @@ impl KeySession {
 ///   Single-part objects are put zero-copy; multi-part objects are gathered into one staging
 ///   buffer first.
 /// - `remove` does not force: an object with a live read lease (10 s after a read or an
-///   exists check) is refused with [`StoreError::Lease`].
+///   exists check) is refused with [`StoreError::Lease`]; `discard` (for objects found bad)
+///   forces.
 /// - Each error carries the key; Mooncake codes map to [`StoreError`] variants (see
 ///   [`store_error`]).
 pub struct MooncakeStore {
@@ -552,6 +553,13 @@ impl KvStore for MooncakeStore {
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
         keys.iter()
             .map(|k| self.client.remove(k, false).map_err(|e| store_error(k, &e)))
+            .collect()
+    }
+
+    /// A forced remove: a bad object goes even while a read lease (a load, a lookup) holds it.
+    fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        keys.iter()
+            .map(|k| self.client.remove(k, true).map_err(|e| store_error(k, &e)))
             .collect()
     }
 
