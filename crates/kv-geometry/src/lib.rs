@@ -23,6 +23,7 @@
 mod component;
 mod dtype;
 mod error;
+mod fingerprint;
 mod hash;
 mod hf_config;
 mod key;
@@ -32,6 +33,7 @@ mod model;
 pub use component::{ComponentSpec, LayerMap, Replication, RowUnit};
 pub use dtype::ElementType;
 pub use error::GeometryError;
+pub use fingerprint::Fingerprint;
 pub use hash::{page_hashes, PageHash};
 pub use key::KeyScheme;
 pub use layout::{ComponentId, ComponentLayout, KvGeometry};
