@@ -59,7 +59,11 @@ pub use gate::{check_digest, check_plan, plan_digest, GateVerdict, PLAN_DIGEST_S
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};
 #[cfg(target_os = "linux")]
-pub use process::{Algorithm, SocketCollective};
+pub use process::{
+    Algorithm, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, MeetingPoint,
+    MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError, SocketCollective,
+    Transport, TransportChoice, KVLINK_VERSION,
+};
 pub use share::{padded_share, page_shares, ShareError, StagedComponent, StagedRow, StagingLayout};
 pub use status::{
     code_name, exchange_status, fail_code, GroupStatus, LayerStatus, CODE_LAYER_MISMATCH,

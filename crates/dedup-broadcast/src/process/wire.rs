@@ -84,11 +84,6 @@ impl<'a> Decoder<'a> {
         let n = self.u32(what)? as usize;
         self.take(n, what)
     }
-    pub(crate) fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], Malformed> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N, what)?);
-        Ok(a)
-    }
     pub(crate) fn str(&mut self, what: &str) -> Result<String, Malformed> {
         let b = self.bytes(what)?;
         String::from_utf8(b.to_vec()).map_err(|_| Malformed(format!("{what}: not UTF-8")))
