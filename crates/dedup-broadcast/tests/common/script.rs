@@ -58,7 +58,7 @@ impl Rng {
 /// operation. Every kind appears, with zero lengths, zero-row ranks and odd row lengths.
 pub fn script(seed: u64, size: u32, count: usize, max_bytes: usize) -> Vec<Op> {
     let mut rng = Rng::new(seed);
-    let mut len = |rng: &mut Rng| match rng.below(6) {
+    let len = |rng: &mut Rng| match rng.below(6) {
         0 => 0,
         1 => 1 + rng.below(7) as usize,
         _ => rng.below(max_bytes as u64 + 1) as usize,
