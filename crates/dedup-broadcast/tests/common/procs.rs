@@ -3,6 +3,7 @@
 //! that start with [`MARK`]; the parent reads them with deadlines. Every child is killed
 //! and reaped when its handle drops (also when a test panics), and a child exits by itself
 //! after [`CHILD_LIFETIME`] in case its parent vanished without killing it.
+#![allow(dead_code)]
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};

@@ -51,6 +51,8 @@ mod decide;
 mod error;
 mod exchange;
 pub(crate) mod message;
+#[cfg(feature = "nccl")]
+mod nccl_join;
 mod tcp;
 
 use std::collections::BTreeMap;
