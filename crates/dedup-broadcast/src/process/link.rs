@@ -24,6 +24,9 @@ pub(crate) struct Span {
     pub(crate) len: usize,
 }
 
+/// Socket buffer size asked for (see [`Link::prepare`]).
+pub(crate) const SOCKET_BUFFER: usize = 4 << 20;
+
 /// The most iovecs one `readv`/`sendmsg` takes (Linux's `IOV_MAX`).
 pub(crate) const MAX_IOV: usize = 1024;
 
@@ -38,12 +41,33 @@ impl Link {
     /// Switches the socket to non-blocking mode (the engine polls) and, for TCP, turns off
     /// Nagle's delay (status words are small and latency-bound).
     pub(crate) fn prepare(&self) -> io::Result<()> {
+        self.grow_buffers();
         match self {
             Link::Tcp(s) => {
                 s.set_nodelay(true)?;
                 s.set_nonblocking(true)
             }
             Link::Unix(s) => s.set_nonblocking(true),
+        }
+    }
+
+    /// Asks for socket buffers of [`SOCKET_BUFFER`] bytes (the kernel caps them at its
+    /// `wmem_max`/`rmem_max`): fewer wake-ups per layer when a rank relays megabytes. Best
+    /// effort: the defaults work too.
+    fn grow_buffers(&self) {
+        let size = SOCKET_BUFFER as libc::c_int;
+        for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+            // SAFETY: `size` is a live c_int whose address and size are passed; the socket
+            // is open; setsockopt only reads the value.
+            let _ = unsafe {
+                libc::setsockopt(
+                    self.fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&size as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
         }
     }
 

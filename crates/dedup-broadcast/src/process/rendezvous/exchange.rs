@@ -15,7 +15,9 @@
 //!    deadline, decides exactly as over TCP, and writes the reply to `P/E/verdict`, then
 //!    `P/closed = E`. Every rank waits for the verdict; a joiner whose nonce is not the
 //!    accepted one for its rank was the duplicate. A joiner that sees `P/current` move past
-//!    `E` (rank 0 restarted) joins the newer epoch instead.
+//!    `E` (rank 0 restarted) joins the newer epoch instead. A joiner that gives up at its
+//!    deadline overwrites its claim with a withdrawal, so that its next attempt takes the
+//!    rank over instead of counting as a second process for it.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -236,6 +238,10 @@ fn read_u64(
 
 const POLL: Duration = Duration::from_millis(10);
 
+/// What a joiner that gave up leaves in its claim, so that its next attempt (or another
+/// process for the same rank) can take the rank over instead of counting as a duplicate.
+const WITHDRAWN: &[u8] = b"withdrawn";
+
 fn pause(deadline: Instant) {
     std::thread::sleep(POLL.min(deadline.saturating_duration_since(Instant::now())));
 }
@@ -262,7 +268,7 @@ pub(crate) fn lead(
         let mut foreign: Vec<(u32, RendezvousError)> = Vec::new();
         for r in 1..world {
             for key in [k.hello(epoch, r), k.dup(epoch, r)] {
-                if let Some(v) = x.get(&key, deadline)? {
+                if let Some(v) = x.get(&key, deadline)?.filter(|v| v != WITHDRAWN) {
                     match Hello::decode(&v, &leader.version) {
                         Ok(h) => hellos.push(h),
                         Err(e @ RendezvousError::VersionMismatch { .. }) => foreign.push((r, e)),
@@ -289,6 +295,11 @@ pub(crate) fn lead(
         }
         pause(deadline);
     };
+    // The epoch is the one opened (above every member's last: each was at most `closed`).
+    let decision = decision.map(|mut w| {
+        w.epoch = epoch;
+        w
+    });
     let reply = match &decision {
         Ok(w) => Reply::Welcome(w.clone()),
         Err(e) => Reply::Refused(e.clone()),
@@ -326,9 +337,17 @@ pub(crate) fn join(
             }
         };
         let bytes = hello.encode();
-        if !x.create(&k.hello(epoch, rank), &bytes, deadline)? {
-            x.set(&k.dup(epoch, rank), &bytes, deadline)?;
-        }
+        let claim = k.hello(epoch, rank);
+        let mine = if x.create(&claim, &bytes, deadline)? {
+            claim
+        } else if x.get(&claim, deadline)?.as_deref() == Some(WITHDRAWN) {
+            x.set(&claim, &bytes, deadline)?;
+            claim
+        } else {
+            let dup = k.dup(epoch, rank);
+            x.set(&dup, &bytes, deadline)?;
+            dup
+        };
         loop {
             if let Some(v) = x.get(&k.verdict(epoch), deadline)? {
                 return match Reply::decode(&v)? {
@@ -344,6 +363,8 @@ pub(crate) fn join(
                 continue 'epochs;
             }
             if Instant::now() >= deadline {
+                // Withdraw, so that a retry is not taken for a second process of this rank.
+                let _ = x.set(&mine, WITHDRAWN, Instant::now() + Duration::from_secs(1));
                 return Err(RendezvousError::Timeout {
                     missing: vec![0],
                     detail: format!("rank 0 did not decide epoch {epoch}"),
