@@ -188,15 +188,13 @@ impl SocketCollective {
         let n = size as usize;
         let mut links: Vec<Vec<Option<Link>>> =
             (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
-        for a in 0..n {
-            for b in a + 1..n {
-                let (x, y) = std::os::unix::net::UnixStream::pair()?;
-                let (x, y) = (Link::Unix(x), Link::Unix(y));
-                x.prepare()?;
-                y.prepare()?;
-                links[a][b] = Some(x);
-                links[b][a] = Some(y);
-            }
+        for (a, b) in (0..n).flat_map(|a| (a + 1..n).map(move |b| (a, b))) {
+            let (x, y) = std::os::unix::net::UnixStream::pair()?;
+            let (x, y) = (Link::Unix(x), Link::Unix(y));
+            x.prepare()?;
+            y.prepare()?;
+            links[a][b] = Some(x);
+            links[b][a] = Some(y);
         }
         Ok(links
             .into_iter()

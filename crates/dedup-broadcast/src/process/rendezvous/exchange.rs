@@ -301,7 +301,7 @@ pub(crate) fn lead(
         w
     });
     let reply = match &decision {
-        Ok(w) => Reply::Welcome(w.clone()),
+        Ok(w) => Reply::Welcome(Box::new(w.clone())),
         Err(e) => Reply::Refused(e.clone()),
     };
     // The verdict goes out even past the deadline, so that no joiner waits for nothing.
@@ -351,7 +351,9 @@ pub(crate) fn join(
         loop {
             if let Some(v) = x.get(&k.verdict(epoch), deadline)? {
                 return match Reply::decode(&v)? {
-                    Reply::Welcome(w) if w.nonces.get(rank as usize) == Some(&hello.nonce) => Ok(w),
+                    Reply::Welcome(w) if w.nonces.get(rank as usize) == Some(&hello.nonce) => {
+                        Ok(*w)
+                    }
                     Reply::Welcome(_) => Err(RendezvousError::DuplicateRank { rank }),
                     Reply::Refused(e) => Err(e),
                     Reply::Idle { .. } => Err(RendezvousError::Protocol(

@@ -124,7 +124,7 @@ pub(crate) struct Welcome {
 /// Rank 0's answer to a hello.
 #[derive(Debug, Clone)]
 pub(crate) enum Reply {
-    Welcome(Welcome),
+    Welcome(Box<Welcome>),
     Refused(RendezvousError),
     /// Rank 0 is not forming a group now.
     Idle {
@@ -338,7 +338,7 @@ impl Reply {
                         }),
                     };
                     let attributes = read_attributes(&mut d)?;
-                    Ok(Reply::Welcome(Welcome {
+                    Ok(Reply::Welcome(Box::new(Welcome {
                         epoch,
                         transport,
                         algorithm,
@@ -346,7 +346,7 @@ impl Reply {
                         nonces,
                         nccl,
                         attributes,
-                    }))
+                    })))
                 }
                 REPLY_REFUSED => Ok(Reply::Refused(decode_error(&mut d)?)),
                 REPLY_IDLE => {
@@ -498,8 +498,8 @@ mod tests {
             }),
             attributes: vec![("a".into(), "b".into())],
         };
-        match Reply::decode(&Reply::Welcome(w.clone()).encode()).unwrap() {
-            Reply::Welcome(got) => assert_eq!(got, w),
+        match Reply::decode(&Reply::Welcome(Box::new(w.clone())).encode()).unwrap() {
+            Reply::Welcome(got) => assert_eq!(*got, w),
             other => panic!("{other:?}"),
         }
         for err in [

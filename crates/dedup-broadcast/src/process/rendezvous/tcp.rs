@@ -166,7 +166,7 @@ impl TcpLeader {
         // Hellos that raced in as the formation closed.
         let late: Vec<Arrival> = rx.try_iter().collect();
         let answer = match &decision {
-            Ok(w) => Reply::Welcome(w.clone()),
+            Ok(w) => Reply::Welcome(Box::new(w.clone())),
             Err(e) => Reply::Refused(e.clone()),
         };
         for (mut s, _) in joined {
@@ -359,7 +359,7 @@ pub(crate) fn join(
                 if w.nonces.get(rank as usize) != Some(&h.nonce) {
                     return Err(RendezvousError::DuplicateRank { rank });
                 }
-                return Ok((w, l, server));
+                return Ok((*w, l, server));
             }
             Some((Reply::Refused(e), _)) => return Err(e),
             Some((

@@ -171,10 +171,10 @@ fn a_layer_of_many_objects_lands_in_scattered_destinations() {
     // SAFETY: every destination is a distinct slot of `pool`, untouched during the call.
     let got = unsafe { client.get_ranges(&gets) };
     assert!(got.iter().all(|r| *r == Ok(41_984)));
-    for i in 0..200 {
+    for (i, object) in objects.iter().enumerate() {
         let s = (199 - i) * slot;
         assert!(
-            pool[s..s + 41_984] == objects[i][41_984..2 * 41_984],
+            pool[s..s + 41_984] == object[41_984..2 * 41_984],
             "page {i}"
         );
     }
