@@ -420,7 +420,7 @@ fn refused_everywhere(ranks: &[(u32, u32, &str)], want: &str, stagger: Option<us
             for p in procs.iter_mut() {
                 p.expect("joining", WAIT);
             }
-            std::thread::sleep(Duration::from_millis(1_000));
+            std::thread::sleep(Duration::from_millis(2_000));
         }
         procs.push(RankProc::spawn(
             &format!("process {i} (rank {r})"),
