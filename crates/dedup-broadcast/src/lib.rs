@@ -46,6 +46,8 @@ mod in_process;
 mod mode;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(target_os = "linux")]
+mod process;
 mod share;
 mod status;
 
@@ -56,6 +58,12 @@ pub use collective::{
 pub use gate::{check_digest, check_plan, plan_digest, GateVerdict, PLAN_DIGEST_SEED};
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};
+#[cfg(target_os = "linux")]
+pub use process::{
+    Algorithm, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, MeetingPoint,
+    MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError, SocketCollective,
+    Transport, TransportChoice, KVLINK_VERSION,
+};
 pub use share::{padded_share, page_shares, ShareError, StagedComponent, StagedRow, StagingLayout};
 pub use status::{
     code_name, exchange_status, fail_code, GroupStatus, LayerStatus, CODE_LAYER_MISMATCH,

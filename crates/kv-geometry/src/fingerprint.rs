@@ -88,6 +88,31 @@ impl KvGeometry {
         GeometryFingerprint(h.finalize().into())
     }
 
+    /// What every rank of one TP group must share before it shares any bytes: this
+    /// geometry's [`fingerprint`](Self::fingerprint), the model's name and the TP size (not
+    /// the rank). The SHA-256 of `"kvlink.group"` (12 bytes), version u8 = 1, the 32
+    /// fingerprint bytes, tp_size u32, model name length u32, model name (UTF-8). Ranks
+    /// compare it when they form a group.
+    ///
+    /// ```
+    /// use kv_geometry::{KvGeometry, ModelKvSpec};
+    /// let r0 = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 8, 0).unwrap();
+    /// let r5 = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 8, 5).unwrap();
+    /// let tp4 = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 4, 0).unwrap();
+    /// assert_eq!(r0.group_fingerprint(), r5.group_fingerprint());
+    /// assert_ne!(r0.group_fingerprint(), tp4.group_fingerprint());
+    /// ```
+    pub fn group_fingerprint(&self) -> GeometryFingerprint {
+        let mut h = Sha256::new();
+        h.update(b"kvlink.group");
+        h.update([FINGERPRINT_VERSION]);
+        h.update(self.fingerprint().0);
+        h.update(self.tp_size.to_le_bytes());
+        h.update((self.spec.model.len() as u32).to_le_bytes());
+        h.update(self.spec.model.as_bytes());
+        GeometryFingerprint(h.finalize().into())
+    }
+
     fn write_fingerprint_encoding(&self, out: &mut dyn FnMut(&[u8])) {
         let spec = &self.spec;
         let u32le = |v: u32| v.to_le_bytes();

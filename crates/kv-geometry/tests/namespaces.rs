@@ -156,3 +156,20 @@ fn the_sglang_namespace_gives_sglangs_keys() {
     assert_eq!(Namespace::sglang("tag", "").resolve(&g), "tag");
     assert_eq!(Namespace::sglang("", "").resolve(&g), "");
 }
+
+/// `KvGeometry::group_fingerprint` (version 1), from Python's hashlib over its documented
+/// encoding: `sha256(b"kvlink.group" + bytes([1]) + fingerprint + pack("<I", tp) +
+/// pack("<I", len(model)) + model)`.
+const GLM52_TP8_GROUP: &str = "27fab14a05a19f62845e3d2a7850438cec3b2bee9c584142468db8997b436d5a";
+
+#[test]
+fn group_fingerprints_match_the_documented_encoding() {
+    let r7 = geometry(ModelKvSpec::glm52_dsa_fp8(), 8);
+    let r0 = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 8, 0).unwrap();
+    assert_eq!(r7.group_fingerprint().to_string(), GLM52_TP8_GROUP);
+    assert_eq!(r0.group_fingerprint(), r7.group_fingerprint());
+    // Replicated objects ignore the TP size; a group does not.
+    let tp4 = geometry(ModelKvSpec::glm52_dsa_fp8(), 4);
+    assert_eq!(tp4.fingerprint(), r7.fingerprint());
+    assert_ne!(tp4.group_fingerprint(), r7.group_fingerprint());
+}

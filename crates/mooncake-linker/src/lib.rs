@@ -5,6 +5,8 @@
 mod linker;
 pub mod store;
 
+#[cfg(target_os = "linux")]
+pub use linker::{serve_group_store, FormedTpGroup};
 pub use linker::{
     Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, TpGroup, LAYER_LATENCY_BUCKETS_US,
 };

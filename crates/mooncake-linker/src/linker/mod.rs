@@ -6,6 +6,8 @@ mod group;
 mod lookup;
 mod measure;
 mod metrics;
+#[cfg(target_os = "linux")]
+mod process_group;
 mod reader;
 mod regions;
 mod replace;
@@ -35,6 +37,8 @@ use batch::BatchJob;
 pub use config::LinkerConfig;
 pub use group::TpGroup;
 pub use metrics::{LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
+#[cfg(target_os = "linux")]
+pub use process_group::{serve_group_store, FormedTpGroup};
 
 /// State shared by the linker's API and its load thread.
 pub(crate) struct Shared {

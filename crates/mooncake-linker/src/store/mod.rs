@@ -55,6 +55,8 @@ mod error;
 mod faulty;
 mod kv_store;
 pub mod mooncake;
+#[cfg(target_os = "linux")]
+mod served;
 mod simulated;
 
 pub use checked::checked_results;
@@ -65,4 +67,6 @@ pub use faulty::{Fault, FaultRule, FaultyStore};
 pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
 };
+#[cfg(target_os = "linux")]
+pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE};
 pub use simulated::{SimulatedLink, SimulatedRemoteStore};
