@@ -16,11 +16,12 @@
 //! namespace, with the `MOONCAKE_*` environment set.
 
 mod config;
+mod ranges;
 mod store;
 
 pub use config::{
-    parse_size, MooncakeConfig, MooncakeConfigError, DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LEASE,
-    DEFAULT_LOCAL_BUFFER_SIZE,
+    auto_read_streams, parse_size, MooncakeConfig, MooncakeConfigError,
+    DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LEASE, DEFAULT_LOCAL_BUFFER_SIZE, MAX_READ_STREAMS,
 };
 pub use mooncake_sys::ReplicateConfig;
 pub use store::{code_error, store_error, MooncakeStore};
