@@ -42,6 +42,7 @@ pub enum MooncakeConfigError {
 /// | `MOONCAKE_LOCAL_HOSTNAME` (else `LOCAL_HOSTNAME`) | [`local_hostname`](Self::local_hostname) | `localhost` | address other clients reach this one at |
 /// | `MOONCAKE_STORE_LIBRARY` | [`library`](Self::library) | search (mooncake-sys) | the store library (kvlink shim) to load |
 /// | `KVLINK_MOONCAKE_READ_STREAMS` | [`read_streams`](Self::read_streams) | [`auto_read_streams`] | concurrent calls one ranged read is split into (kvlink's own) |
+/// | `KVLINK_MOONCAKE_STAGED_MERGE` | [`staged_merge`](Self::staged_merge) | on for `tcp` | read a key's ranges that continue in the object as one range through scratch (kvlink's own; `0`/`1`) |
 ///
 /// Differences from SGLang: the protocol defaults to `tcp` (SGLang's newest default is `rdma`),
 /// and `MOONCAKE_DEVICE` must be a device name (SGLang also accepts a JSON map by TP rank).
@@ -66,6 +67,7 @@ pub struct MooncakeConfig {
     replicate: ReplicateConfig,
     lease: Duration,
     read_streams: usize,
+    staged_merge: Option<bool>,
 }
 
 /// SGLang's default global segment: "4gb".
@@ -114,6 +116,7 @@ impl MooncakeConfig {
             replicate: ReplicateConfig::default(),
             lease: DEFAULT_LEASE,
             read_streams: default_read_streams(),
+            staged_merge: None,
         }
     }
 
@@ -173,6 +176,19 @@ impl MooncakeConfig {
                         var: "KVLINK_MOONCAKE_READ_STREAMS",
                         value: v,
                         reason: format!("expected 1 to {MAX_READ_STREAMS}"),
+                    })
+                }
+            };
+        }
+        if let Some(v) = var("KVLINK_MOONCAKE_STAGED_MERGE") {
+            cfg.staged_merge = match v.trim() {
+                "1" | "true" | "on" => Some(true),
+                "0" | "false" | "off" => Some(false),
+                _ => {
+                    return Err(MooncakeConfigError::Invalid {
+                        var: "KVLINK_MOONCAKE_STAGED_MERGE",
+                        value: v,
+                        reason: "expected 0 or 1".into(),
                     })
                 }
             };
@@ -243,6 +259,16 @@ impl MooncakeConfig {
         self
     }
 
+    /// Whether a key's ranges that continue each other in the object but not in memory (several
+    /// layers of a page into a layer-major pool) are read as one range into the store's scratch
+    /// and copied out: one round trip instead of one per range, for a memory copy (TCP only:
+    /// the scratch is not registered for RDMA, whose transport does not serialise ranges).
+    /// Default: on for `tcp`.
+    pub fn staged_merge(mut self, on: bool) -> Self {
+        self.staged_merge = Some(on);
+        self
+    }
+
     /// The master's address.
     pub fn master_addr(&self) -> &str {
         &self.master
@@ -296,6 +322,12 @@ impl MooncakeConfig {
     /// See [`read_streams`](Self::read_streams).
     pub fn read_streams_count(&self) -> usize {
         self.read_streams
+    }
+
+    /// See [`staged_merge`](Self::staged_merge): as set, else whether the protocol is `tcp`.
+    pub fn staged_merge_enabled(&self) -> bool {
+        self.staged_merge
+            .unwrap_or_else(|| self.protocol.eq_ignore_ascii_case("tcp"))
     }
 
     pub(super) fn setup_args(&self) -> mooncake_sys::SetupArgs {
@@ -402,6 +434,16 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(cfg.read_streams_count(), 3);
+        // rdma: no staged merge unless asked for.
+        assert!(!cfg.staged_merge_enabled());
+        assert!(cfg.clone().staged_merge(true).staged_merge_enabled());
+        assert!(MooncakeConfig::new("m:1").staged_merge_enabled());
+        let off = MooncakeConfig::from_lookup(lookup(&[
+            ("MOONCAKE_MASTER", "m:1"),
+            ("KVLINK_MOONCAKE_STAGED_MERGE", "0"),
+        ]))
+        .unwrap();
+        assert!(!off.staged_merge_enabled());
         assert_eq!(cfg.protocol_name(), "rdma");
         assert_eq!(cfg.device_name(), "mlx5_0");
         assert_eq!(cfg.metadata_server_addr(), "http://127.0.0.1:8080/metadata");

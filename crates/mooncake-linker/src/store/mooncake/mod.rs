@@ -17,6 +17,7 @@
 
 mod config;
 mod ranges;
+mod read;
 mod store;
 
 pub use config::{

@@ -3,12 +3,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError, Range};
+use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError};
 use parking_lot::Mutex;
 use tracing::{debug, warn};
 
 use super::config::MooncakeConfig;
-use super::ranges::{coalesce, partition};
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
 };
@@ -41,9 +40,11 @@ struct KeySession {
 /// - Each error carries the key; Mooncake codes map to [`StoreError`] variants (see
 ///   [`store_error`]).
 pub struct MooncakeStore {
-    client: Client,
-    config: MooncakeConfig,
+    pub(super) client: Client,
+    pub(super) config: MooncakeConfig,
     sessions: Mutex<HashMap<String, KeySession>>,
+    /// Scratch areas of staged merges, kept for reuse (see `read.rs`).
+    pub(super) scratch: Mutex<Vec<Vec<u8>>>,
 }
 
 impl std::fmt::Debug for MooncakeStore {
@@ -88,6 +89,7 @@ impl MooncakeStore {
             client,
             config,
             sessions: Mutex::new(HashMap::new()),
+            scratch: Mutex::new(Vec::new()),
         })
     }
 
@@ -154,97 +156,6 @@ impl MooncakeStore {
                 warn!(keys = to_end.len(), error = %e, "mooncake: ending read sessions failed");
             }
         }
-    }
-}
-
-/// Below this many bytes per stream a ranged read is not split (thread start-up and the
-/// wheel's per-call work would cost more than the overlap gains).
-const MIN_STREAM_BYTES: u64 = 4 << 20;
-
-impl MooncakeStore {
-    /// Reads `gets[i]` for every `i` in `readable` (keys in a session, valid arguments) into
-    /// `out[i]`: adjacent ranges merged, the keys split into up to `read_streams` concurrent
-    /// calls (see [`ranges`](super::ranges)).
-    fn read_streamed(
-        &self,
-        gets: &[RangedGet<'_>],
-        readable: &[usize],
-        out: &mut [Result<u64, StoreError>],
-    ) {
-        let bytes: Vec<u64> = readable.iter().map(|&i| gets[i].expected()).collect();
-        let parts = partition(&bytes, self.config.read_streams_count(), MIN_STREAM_BYTES);
-        let results: Vec<Vec<Result<u64, StoreError>>> = if parts.len() <= 1 {
-            vec![self.read_part(gets, readable)]
-        } else {
-            std::thread::scope(|s| {
-                let mut rest = parts.iter();
-                let first = rest.next().cloned().unwrap_or(0..0);
-                let handles: Vec<_> = rest
-                    .map(|p| {
-                        let part = &readable[p.clone()];
-                        s.spawn(move || self.read_part(gets, part))
-                    })
-                    .collect();
-                let mut all = vec![self.read_part(gets, &readable[first])];
-                for (h, p) in handles.into_iter().zip(parts.iter().skip(1)) {
-                    all.push(h.join().unwrap_or_else(|_| {
-                        readable[p.clone()]
-                            .iter()
-                            .map(|&i| {
-                                Err(StoreError::Other {
-                                    key: gets[i].key.to_owned(),
-                                    code: -1,
-                                })
-                            })
-                            .collect()
-                    }));
-                }
-                all
-            })
-        };
-        for (&i, r) in readable.iter().zip(results.into_iter().flatten()) {
-            out[i] = r;
-        }
-    }
-
-    /// One ranged call for `gets[i]`, `i` in `part`; per entry of `part`, the bytes read or the
-    /// error (a short read is an error).
-    fn read_part(&self, gets: &[RangedGet<'_>], part: &[usize]) -> Vec<Result<u64, StoreError>> {
-        let names: Vec<&str> = part.iter().map(|&i| gets[i].key).collect();
-        let ckeys = match CKeys::new(&names) {
-            Ok(k) => k,
-            Err(e) => return names.iter().map(|k| Err(store_error(k, &e))).collect(),
-        };
-        let mut counts = Vec::with_capacity(part.len());
-        let mut ranges: Vec<Range> = Vec::with_capacity(part.len());
-        for &i in part {
-            let merged = coalesce(&gets[i].ranges);
-            counts.push(merged.len());
-            ranges.extend_from_slice(&merged);
-        }
-        // SAFETY: the caller of `get_ranges` (an `unsafe fn`) promised, by KvStore's buffer
-        // contract, that every range's `dst` is valid for writes of `len` bytes, not accessed by
-        // anyone else during the call and registered where the transport needs it; merging only
-        // joins ranges that are adjacent in memory, and `part`s of concurrent calls are disjoint
-        // sets of gets, so no two calls write the same bytes. The call is synchronous.
-        let results = unsafe { self.client.batch_get_ranges_raw(&ckeys, &counts, &ranges) };
-        let positions: Vec<usize> = (0..part.len()).collect();
-        let mut out: Vec<Result<u64, StoreError>> =
-            names.iter().map(|k| failed_placeholder(k)).collect();
-        per_key(&names, results, &positions, &mut out);
-        for (r, &i) in out.iter_mut().zip(part) {
-            let expected = gets[i].expected();
-            if let Ok(got) = *r {
-                if got != expected {
-                    *r = Err(StoreError::ShortRead {
-                        key: gets[i].key.to_owned(),
-                        expected,
-                        got,
-                    });
-                }
-            }
-        }
-        out
     }
 }
 
@@ -350,7 +261,7 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
     }
 }
 
-fn per_key<T>(
+pub(super) fn per_key<T>(
     keys: &[&str],
     results: Result<Vec<mooncake_sys::KeyResult<T>>, MooncakeError>,
     valid: &[usize],
@@ -370,7 +281,7 @@ fn per_key<T>(
     }
 }
 
-fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
+pub(super) fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
     Err(StoreError::Other {
         key: key.to_owned(),
         code: 0,
