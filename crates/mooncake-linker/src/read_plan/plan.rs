@@ -142,17 +142,16 @@ pub fn plan_reads(req: &ReadPlanRequest<'_>) -> Result<ReadPlan, ReadPlanError> 
             compute,
         });
     }
-    let first = (compute > 0.0).then_some(1);
-    let best = model.min_forward_done(first);
-    let limit = best * (1.0 + EPS) + EPS;
-    let plan = match first {
-        Some(f) => model.cheapest(limit, Some(f)),
-        // The smallest first group among the best plans.
-        None => (1..=model.max.min(n)).find_map(|f| model.cheapest(limit, Some(f))),
-    };
-    let groups = plan
-        .or_else(|| model.cheapest(f64::INFINITY, first))
-        .unwrap_or_else(|| std::iter::once(0..n as u32).collect());
+    let groups = if compute > 0.0 {
+        let best = model.min_forward_done(Some(1));
+        let limit = best * (1.0 + EPS) + EPS;
+        model
+            .cheapest(limit, Some(1))
+            .or_else(|| model.cheapest(f64::INFINITY, Some(1)))
+    } else {
+        Some(model.fastest_reads())
+    }
+    .unwrap_or_else(|| std::iter::once(0..n as u32).collect());
     let mut ready = vec![0.0; n];
     let mut t = 0.0;
     for g in &groups {
@@ -260,6 +259,44 @@ impl Model {
         Some(groups)
     }
 
+    /// No compute: the groups with the least total read time (fewest calls on ties), and among
+    /// those the smallest first group. `rest[s]` is the least time (and calls) to read layers
+    /// `s..n`, computed backwards.
+    fn fastest_reads(&self) -> Vec<Range<u32>> {
+        let n = self.layers();
+        let mut rest: Vec<(f64, usize, usize)> = vec![(f64::INFINITY, usize::MAX, n); n + 1];
+        rest[n] = (0.0, 0, n);
+        for s in (0..n).rev() {
+            for e in s + 1..=(s + self.max).min(n) {
+                let (t, c, _) = rest[e];
+                let cand = (t + self.call(s, e), c + 1, e);
+                let (bt, bc, _) = rest[s];
+                if cand.0 < bt * (1.0 - EPS) - EPS
+                    || (cand.0 <= bt * (1.0 + EPS) + EPS && cand.1 < bc)
+                {
+                    rest[s] = cand;
+                }
+            }
+        }
+        let best = rest[0].0 * (1.0 + EPS) + EPS;
+        let calls = rest[0].1;
+        // The smallest first group that keeps both the best time and the fewest calls.
+        let first = (1..=self.max.min(n))
+            .find(|&f| {
+                let (t, c, _) = rest[f];
+                self.call(0, f) + t <= best && c < calls
+            })
+            .unwrap_or(rest[0].2);
+        let mut groups: Vec<Range<u32>> = std::iter::once(0..first as u32).collect();
+        let mut s = first;
+        while s < n {
+            let e = rest[s].2;
+            groups.push(s as u32..e as u32);
+            s = e;
+        }
+        groups
+    }
+
     /// The earliest the forward pass can end with a first group of `first` layers (any:
     /// `None`), by bisection over finishing times.
     fn min_forward_done(&self, first: Option<usize>) -> f64 {
@@ -284,7 +321,7 @@ impl Model {
             } else {
                 lo = mid;
             }
-            if hi - lo <= hi * 1e-12 {
+            if hi - lo <= hi * 1e-10 {
                 break;
             }
         }
