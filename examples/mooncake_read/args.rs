@@ -21,6 +21,8 @@ pub struct Args {
     pub lanes: Vec<usize>,
     /// Per-layer compute times (µs, modelled) to plan layer groups for.
     pub compute_us: Vec<u64>,
+    /// Most layers per call the plans may use.
+    pub max_layers_per_call: u32,
     /// Skip the wheel's Python client.
     pub no_python: bool,
     /// Only the variants whose label contains one of these.
@@ -103,6 +105,13 @@ fn command() -> Command {
                 .help("per-layer compute (µs, MODELLED) to plan read_plan groups for"),
         )
         .arg(
+            Arg::new("max-layers-per-call")
+                .long("max-layers-per-call")
+                .value_parser(value_parser!(u32).range(1..))
+                .default_value("78")
+                .help("most layers per call the read_plan groups may use"),
+        )
+        .arg(
             Arg::new("no-python")
                 .long("no-python")
                 .action(ArgAction::SetTrue)
@@ -128,6 +137,7 @@ pub fn parse() -> Args {
         store_groups: list(&m, "store-groups"),
         lanes: list(&m, "lanes"),
         compute_us: list(&m, "compute-us"),
+        max_layers_per_call: *m.get_one("max-layers-per-call").expect("defaulted"),
         no_python: m.get_flag("no-python"),
         only: list(&m, "only"),
     }

@@ -325,7 +325,7 @@ fn policy(
             layer_bytes: &layer_bytes,
             cost,
             compute_per_layer: compute,
-            max_layers_per_call: objects.layers,
+            max_layers_per_call: a.max_layers_per_call.min(objects.layers),
         })?;
         let read = Read::Ranged {
             groups: plan.groups().to_vec(),
