@@ -3,6 +3,7 @@
 //! drives the layer counter.
 
 mod linker;
+pub mod read_plan;
 pub mod store;
 
 #[cfg(target_os = "linux")]

@@ -340,6 +340,111 @@ fn ranged_reads_of_several_layers_of_several_pages() {
     store.unregister(region).unwrap();
 }
 
+/// A store with several read streams splits a large ranged read into concurrent calls and
+/// merges ranges adjacent in object and memory: the bytes and the per-key results (a missing
+/// key, a range past the end) come out the same as one call's.
+#[test]
+fn ranged_reads_in_streams_land_every_byte_and_keep_per_key_results() {
+    if !available(
+        "ranged_reads_in_streams_land_every_byte_and_keep_per_key_results",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let store = MooncakeStore::connect(master.config(192 << 20).read_streams(4)).expect("connect");
+    assert_eq!(store.config().read_streams_count(), 4);
+    const PAGES: usize = 12;
+    const LAYERS: usize = 6;
+    const LAYER_BYTES: usize = 1 << 20;
+    const OBJ: usize = LAYERS * LAYER_BYTES;
+    let keys: Vec<String> = (0..PAGES).map(|p| unique(&format!("stream{p}"))).collect();
+    let objects: Vec<Vec<u8>> = (0..PAGES).map(|p| pattern(p as u64 + 40, OBJ)).collect();
+    for (k, o) in keys.iter().zip(&objects) {
+        assert_eq!(put_one(&store, k, o), Ok(PutOutcome::Written));
+    }
+    let missing = unique("stream-missing");
+    let mut names: Vec<&str> = keys.iter().map(String::as_str).collect();
+    names.insert(5, &missing);
+    let mut buf = vec![0u8; (PAGES + 1) * OBJ];
+    let region = MemoryRegion {
+        addr: buf.as_mut_ptr() as usize,
+        len: buf.len(),
+    };
+    // SAFETY: `buf` stays allocated until the `unregister` at the end of this test (a failed
+    // assertion ends the test with no transfer after it).
+    unsafe { store.register(region) }.unwrap();
+    let base = buf.as_mut_ptr();
+    // Page-major: a page's layers are adjacent in memory as in the object (merged into one
+    // range per key). Layer-major: they are not (a range each).
+    for page_major in [true, false] {
+        let slot = |i: usize, l: usize| {
+            if page_major {
+                i * OBJ + l * LAYER_BYTES
+            } else {
+                (l * (PAGES + 1) + i) * LAYER_BYTES
+            }
+        };
+        let gets: Vec<RangedGet<'_>> = names
+            .iter()
+            .enumerate()
+            .map(|(i, key)| RangedGet {
+                key,
+                ranges: (0..LAYERS)
+                    .map(|l| {
+                        // The last key's last range runs past the end of its object.
+                        let past_end = i == PAGES && l == LAYERS - 1;
+                        ReadRange {
+                            // SAFETY: slot(i, l) + LAYER_BYTES <= buf.len(): inside `buf`.
+                            dst: unsafe { base.add(slot(i, l)) },
+                            len: if past_end { 1024 } else { LAYER_BYTES },
+                            offset: if past_end {
+                                (OBJ - 512) as u64
+                            } else {
+                                (l * LAYER_BYTES) as u64
+                            },
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        // SAFETY: distinct slots of `buf`, registered, untouched meanwhile.
+        let got = unsafe { store.get_ranges(&gets) };
+        assert_eq!(got.len(), PAGES + 1);
+        for (i, r) in got.iter().enumerate() {
+            if i == 5 {
+                assert_eq!(
+                    *r,
+                    Err(StoreError::NotFound {
+                        key: missing.clone()
+                    })
+                );
+            } else if i == PAGES {
+                assert!(
+                    matches!(r, Err(StoreError::InvalidArgument { key, .. }) if key == names[i]),
+                    "{r:?}"
+                );
+            } else {
+                assert_eq!(*r, Ok(OBJ as u64), "key {i} (page-major {page_major})");
+            }
+        }
+        for (i, key) in names.iter().enumerate().take(PAGES) {
+            let Some(p) = keys.iter().position(|k| k == key) else {
+                continue;
+            };
+            for l in 0..LAYERS {
+                assert!(
+                    buf[slot(i, l)..slot(i, l) + LAYER_BYTES]
+                        == objects[p][l * LAYER_BYTES..(l + 1) * LAYER_BYTES],
+                    "page {p} layer {l} (page-major {page_major})"
+                );
+            }
+        }
+        buf.fill(0);
+    }
+    store.unregister(region).unwrap();
+}
+
 #[test]
 fn store_full_is_no_space_with_the_key() {
     if !available(

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError, Range};
+use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError};
 use parking_lot::Mutex;
 use tracing::{debug, warn};
 
@@ -55,13 +55,15 @@ impl KeySession {
 /// - Each error carries the key; Mooncake codes map to [`StoreError`] variants (see
 ///   [`store_error`]).
 pub struct MooncakeStore {
-    client: Client,
-    config: MooncakeConfig,
+    pub(super) client: Client,
+    pub(super) config: MooncakeConfig,
     sessions: Mutex<HashMap<String, KeySession>>,
     /// Reads and puts hold it shared; `unregister` alone.
-    transfers: TransferGate,
+    pub(super) transfers: TransferGate,
     /// Regions registered through this store (address to length).
     registered: Mutex<HashMap<usize, usize>>,
+    /// Scratch areas of staged merges, kept for reuse (see `read.rs`).
+    pub(super) scratch: Mutex<Vec<Vec<u8>>>,
 }
 
 impl std::fmt::Debug for MooncakeStore {
@@ -108,6 +110,7 @@ impl MooncakeStore {
             sessions: Mutex::new(HashMap::new()),
             transfers: TransferGate::default(),
             registered: Mutex::new(HashMap::new()),
+            scratch: Mutex::new(Vec::new()),
         })
     }
 
@@ -279,7 +282,7 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
     }
 }
 
-fn per_key<T>(
+pub(super) fn per_key<T>(
     keys: &[&str],
     results: Result<Vec<mooncake_sys::KeyResult<T>>, MooncakeError>,
     valid: &[usize],
@@ -306,7 +309,7 @@ fn region_error(region: MemoryRegion, e: &MooncakeError) -> StoreError {
     }
 }
 
-fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
+pub(super) fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
     Err(StoreError::Other {
         key: key.to_owned(),
         code: 0,
@@ -417,48 +420,7 @@ impl KvStore for MooncakeStore {
             })
             .collect();
         if !readable.is_empty() {
-            let read_names: Vec<&str> = readable.iter().map(|&i| keys[i]).collect();
-            match CKeys::new(&read_names) {
-                Err(e) => {
-                    for &i in &readable {
-                        out[i] = Err(store_error(keys[i], &e));
-                    }
-                }
-                Ok(ckeys) => {
-                    let counts: Vec<usize> =
-                        readable.iter().map(|&i| gets[i].ranges.len()).collect();
-                    let ranges: Vec<Range> = readable
-                        .iter()
-                        .flat_map(|&i| gets[i].ranges.iter())
-                        .map(|r| Range {
-                            dst: r.dst.cast(),
-                            size: r.len as u64,
-                            offset: r.offset,
-                        })
-                        .collect();
-                    let transfer = self.transfers.transfer();
-                    // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer
-                    // contract) that every range's `dst` is valid for writes of `len` bytes, not
-                    // accessed by anyone else during the call, and registered where the
-                    // transport needs it; the call is synchronous.
-                    let results =
-                        unsafe { self.client.batch_get_ranges_raw(&ckeys, &counts, &ranges) };
-                    drop(transfer);
-                    per_key(&keys, results, &readable, &mut out);
-                    for &i in &readable {
-                        let expected = gets[i].expected();
-                        if let Ok(got) = out[i] {
-                            if got != expected {
-                                out[i] = Err(StoreError::ShortRead {
-                                    key: keys[i].to_owned(),
-                                    expected,
-                                    got,
-                                });
-                            }
-                        }
-                    }
-                }
-            }
+            self.read_streamed(gets, &readable, &mut out);
         }
         let joined_ok = joined
             .iter()
