@@ -16,7 +16,7 @@ fn main() {
 }
 
 fn far() -> Instant {
-    Instant::now() + Duration::from_secs(3600)
+    kvlink::kv_loader::deadline_after(Duration::from_secs(3600))
 }
 
 /// `wait` on a layer that is already ready: the lock-free fast path.

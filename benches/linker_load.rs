@@ -39,7 +39,8 @@ fn fixture() -> Fixture {
         let data: Vec<u8> = (0..c.page_layer_bytes as usize).map(|i| i as u8).collect();
         for &l in &c.layers {
             for &s in &slots {
-                src.write_slot(c.id, l, s, &data).unwrap();
+                // SAFETY: the source pool is filled before any linker uses it.
+                unsafe { src.write_slot(c.id, l, s, &data) }.unwrap();
             }
         }
     }

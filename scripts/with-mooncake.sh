@@ -3,9 +3,11 @@
 # a private network namespace, then stops exactly the processes it started and returns CMD's exit
 # status.
 #
-# Usage: scripts/with-mooncake.sh [--storage-node] [--print-env] [--] CMD [ARG...]
-#   --storage-node  also start one `mooncake_client` storage node (MOONCAKE_STORAGE_NODE_SEGMENT,
-#                   default "1 GB")
+# Usage: scripts/with-mooncake.sh [--storage-node | --storage-nodes N] [--print-env] [--] CMD [ARG...]
+#   --storage-node     also start one `mooncake_client` storage node (MOONCAKE_STORAGE_NODE_SEGMENT,
+#                      default "1 GB", each)
+#   --storage-nodes N  start N of them (ports MOONCAKE_STORAGE_NODE_PORT, default 50052, and up);
+#                      the master spreads objects over their segments
 #   --print-env     print the environment CMD would get and exit (starts nothing)
 #
 # Why a network namespace (brief §8): some Mooncake listeners bind the wildcard address whatever
@@ -20,7 +22,9 @@
 #   MOONCAKE_GLOBAL_SEGMENT_SIZE (default 512 MiB)   MOONCAKE_LOCAL_BUFFER_SIZE (default 64 MiB)
 #   MOONCAKE_STORE_LIBRARY=<shim>   MC_TCP_BIND_ADDRESS=127.0.0.1   MC_LOG_LEVEL (default ERROR)
 #   MOONCAKE_MASTER_BIN / MOONCAKE_CLIENT_BIN (for tests that run their own master)
-#   MOONCAKE_PYTHON / MOONCAKE_PYTHONPATH (the wheel's Python client, for interop tests)
+#   MOONCAKE_PYTHON / MOONCAKE_PYTHONPATH (the wheel's Python client, for interop tests; both
+#   kept when set, e.g. to a cp312 build of the same wheel version)
+#   MOONCAKE_STORAGE_NODES (how many storage nodes were started)
 #   MOONCAKE_MASTER_METRICS=127.0.0.1:<port>   MOONCAKE_MASTER_PID
 #
 # Tunables: MOONCAKE_MASTER_PORT (50051), MOONCAKE_MASTER_METRICS_PORT (9003),
@@ -30,13 +34,16 @@ set -euo pipefail
 # shellcheck source=scripts/mooncake-common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/mooncake-common.sh"
 
-storage_node=0
+storage_nodes=0
 print_env=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --storage-node) storage_node=1; shift ;;
+    --storage-node) storage_nodes=1; shift ;;
+    --storage-nodes)
+      [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || mc_die "--storage-nodes needs a count >= 1"
+      storage_nodes="$2"; shift 2 ;;
     --print-env) print_env=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     --) shift; break ;;
     -*) mc_die "unknown option: $1" ;;
     *) break ;;
@@ -60,7 +67,8 @@ MOONCAKE_STORE_LIBRARY=${MOONCAKE_STORE_LIBRARY:-$MC_SHIM}
 MOONCAKE_MASTER_BIN=$MC_BIN_DIR/mooncake_master
 MOONCAKE_CLIENT_BIN=$MC_BIN_DIR/mooncake_client
 MOONCAKE_PYTHON=${MOONCAKE_PYTHON:-python3}
-MOONCAKE_PYTHONPATH=$MC_WHEEL_DIR
+MOONCAKE_PYTHONPATH=${MOONCAKE_PYTHONPATH:-$MC_WHEEL_DIR}
+MOONCAKE_STORAGE_NODES=$storage_nodes
 MC_TCP_BIND_ADDRESS=127.0.0.1
 MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
 ENV
@@ -79,7 +87,7 @@ if [[ "${KVLINK_MC_IN_NETNS:-}" != 1 ]]; then
   flags=(--net)
   [[ $(id -u) -eq 0 ]] || flags=(--map-root-user --net)
   args=()
-  [[ $storage_node -eq 1 ]] && args+=(--storage-node)
+  [[ $storage_nodes -gt 0 ]] && args+=(--storage-nodes "$storage_nodes")
   # exec: unshare replaces this shell, so the caller's signals reach the script directly.
   exec env KVLINK_MC_IN_NETNS=1 unshare "${flags[@]}" -- bash "$0" "${args[@]}" -- "$@"
 fi
@@ -140,18 +148,20 @@ wait_port "$master_port" "$master_pid" mooncake_master "$run_dir/master.log"
 wait_port "$metrics_port" "$master_pid" "mooncake_master metrics" "$run_dir/master.log"
 mc_log "mooncake_master pid $master_pid on 127.0.0.1:$master_port (log $run_dir/master.log)"
 
-# 4. Optional storage node.
-if [[ $storage_node -eq 1 ]]; then
-  node_port="${MOONCAKE_STORAGE_NODE_PORT:-50052}"
+# 4. Optional storage nodes.
+node_pids=()
+for ((n = 0; n < storage_nodes; n++)); do
+  node_port=$(( ${MOONCAKE_STORAGE_NODE_PORT:-50052} + n ))
+  node_log="$run_dir/storage-node-$n.log"
   "$MC_BIN_DIR/mooncake_client" --host=127.0.0.1 --port="$node_port" \
     --global_segment_size="${MOONCAKE_STORAGE_NODE_SEGMENT:-1 GB}" \
     --metadata_server=P2PHANDSHAKE --master_server_address="127.0.0.1:$master_port" \
-    --protocol=tcp >"$run_dir/storage-node.log" 2>&1 &
-  node_pid=$!
-  pids+=("$node_pid")
-  wait_port "$node_port" "$node_pid" mooncake_client "$run_dir/storage-node.log"
-  mc_log "mooncake_client storage node pid $node_pid on 127.0.0.1:$node_port"
-fi
+    --protocol=tcp >"$node_log" 2>&1 &
+  node_pids+=($!)
+  pids+=($!)
+  wait_port "$node_port" "${node_pids[-1]}" mooncake_client "$node_log"
+  mc_log "mooncake_client storage node pid ${node_pids[-1]} on 127.0.0.1:$node_port"
+done
 
 # 5. The command, with the environment.
 while IFS= read -r line; do export "${line?}"; done < <(mc_env)
@@ -163,7 +173,7 @@ status=$?
 set -e
 stop_started
 trap - EXIT
-mc_log "command exited with $status; stopped ${master_pid}${node_pid:+ $node_pid}"
+mc_log "command exited with $status; stopped $master_pid${node_pids[*]:+ ${node_pids[*]}}"
 # Logs are kept when something failed (or MOONCAKE_KEEP_LOGS=1).
 if [[ $status -eq 0 && "${MOONCAKE_KEEP_LOGS:-0}" != 1 ]]; then rm -rf "$run_dir"; fi
 exit "$status"

@@ -133,7 +133,8 @@ fn fill_rank_pool(pool: &HostKvPool, pages: &[PageHash], slots: &[u32], rank: u3
                 let data: Vec<u8> = (0..c.page_layer_bytes as usize)
                     .map(|i| rank_byte(page, c, rank, l, i))
                     .collect();
-                pool.write_slot(c.id, l, slot, &data).unwrap();
+                // SAFETY: the pool is filled before any linker uses it.
+                unsafe { pool.write_slot(c.id, l, slot, &data) }.unwrap();
             }
         }
     }
@@ -146,7 +147,8 @@ fn rank_pool_matches(r: &Rank, pages: &[PageHash], rank: u32) -> Result<(), Stri
         for c in g.components() {
             for &l in &c.layers {
                 let mut got = vec![0u8; c.page_layer_bytes as usize];
-                r.pool.read_slot(c.id, l, slot, &mut got).unwrap();
+                // SAFETY: checked after the batch's outcome: no load writes the pool.
+                unsafe { r.pool.read_slot(c.id, l, slot, &mut got) }.unwrap();
                 if let Some(i) = got
                     .iter()
                     .enumerate()

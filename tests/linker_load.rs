@@ -540,7 +540,7 @@ fn outcomes_taken_by_completed_free_their_slots() {
     );
     wait_all(&linker, &t1).unwrap();
     for batch in 3..8 {
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = kvlink::kv_loader::deadline_after(Duration::from_secs(5));
         let mut taken = Vec::new();
         while taken.is_empty() && Instant::now() < deadline {
             taken = linker.completed();

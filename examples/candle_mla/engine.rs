@@ -195,8 +195,9 @@ pub fn save_request1(
             Ok((kv, linker, table))
         })();
         let (kv, linker, table) = agreed(&comm, rank, setup)?;
-        let cache = PagedLatentCache::new(kv.latents.clone(), table.clone(), 0);
-        prefill(&models[rank], &comm, &cache, tokens, 0, sc.chunk)?;
+        // SAFETY: the slots of `table` are this sequence's alone and nothing loads into them.
+        let mut cache = unsafe { PagedLatentCache::new(kv.latents.clone(), table.clone(), 0) };
+        prefill(&models[rank], &comm, &mut cache, tokens, 0, sc.chunk)?;
         // Save the whole pages (a partial last page is not keyed). Every rank calls it;
         // rank 0 writes the replicated latent, the others own nothing to write.
         let pages = page_hashes(tokens, sc.page_size, None);
@@ -231,8 +232,16 @@ pub fn recompute_request2(sc: &Scenario, models: &[Arc<RankModel>]) -> anyhow::R
                 Ok((kv, table))
             })(),
         )?;
-        let cache = PagedLatentCache::new(kv.latents.clone(), table, 0);
-        Ok(prefill(&models[rank], &comm, &cache, &tokens, 0, sc.chunk)?)
+        // SAFETY: fresh ranks: the slots of `table` are this sequence's alone, no loader.
+        let mut cache = unsafe { PagedLatentCache::new(kv.latents.clone(), table, 0) };
+        Ok(prefill(
+            &models[rank],
+            &comm,
+            &mut cache,
+            &tokens,
+            0,
+            sc.chunk,
+        )?)
     })
 }
 
@@ -242,8 +251,8 @@ pub fn dense_request2(sc: &Scenario, models: &[Arc<RankModel>]) -> anyhow::Resul
     let comm = Comm::new(sc.tp);
     let tokens = sc.request2();
     on_ranks(sc.tp, |rank| {
-        let cache = MemLatents::new(sc.cfg.layers);
-        Ok(models[rank].forward_chunk(&comm, &cache, &tokens, 0)?)
+        let mut cache = MemLatents::new(sc.cfg.layers);
+        Ok(models[rank].forward_chunk(&comm, &mut cache, &tokens, 0)?)
     })
 }
 
@@ -255,8 +264,8 @@ struct WaitTimed {
 }
 
 impl LatentCache for WaitTimed {
-    fn write(&self, layer: u32, start: usize, rows: &Tensor) -> Result<(), ModelError> {
-        LatentCache::write(&self.cache, layer, start, rows)
+    fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), ModelError> {
+        LatentCache::write(&mut self.cache, layer, start, rows)
     }
     fn read(&self, layer: u32, tokens: usize) -> Result<Tensor, ModelError> {
         let t = Instant::now();
@@ -351,7 +360,9 @@ pub fn serve_request2(
         let hit_pages = loaded / ps;
 
         // 2-3. The hit pages land in the sequence's first slots: start the layer-wise load.
-        let cache = PagedLatentCache::new(kv.latents.clone(), table.clone(), loaded);
+        // SAFETY: the slots of `table` are this sequence's alone; the only load into them is
+        // the one attached below (its first `loaded` tokens).
+        let cache = unsafe { PagedLatentCache::new(kv.latents.clone(), table.clone(), loaded) };
         let cache = if hit_pages > 0 {
             let plan = BatchPlan::all_components(
                 &kv.geometry,
@@ -370,11 +381,11 @@ pub fn serve_request2(
 
         // 4. Prefill the new tokens while the prefix arrives: each attention layer's
         //    `cache.layer(l, ..)` waits for layer l of the load.
-        let timed = WaitTimed {
+        let mut timed = WaitTimed {
             cache,
             blocked: std::cell::Cell::new(Duration::ZERO),
         };
-        let forward = prefill(&models[rank], &comm, &timed, &tokens, loaded, sc.chunk);
+        let forward = prefill(&models[rank], &comm, &mut timed, &tokens, loaded, sc.chunk);
         let blocked = timed.blocked.get();
         let mut cache = timed.cache;
 
@@ -395,14 +406,19 @@ pub fn serve_request2(
                 let why = match outcome {
                     Err(e) => {
                         if e.needs_reset() {
-                            // The load may still write the slots: cancel it first.
+                            // The load may still write the slots: cancel it first, then
+                            // take the slots back in a cache of their own.
                             loader.reset()?;
+                            // SAFETY: after the reset nothing loads into `table`'s slots.
+                            cache = unsafe {
+                                PagedLatentCache::new(kv.latents.clone(), table.clone(), 0)
+                            };
                         }
                         e.to_string()
                     }
                     Ok(_) => "another rank's load failed".into(),
                 };
-                let all = prefill(&models[rank], &comm, &cache, &tokens, 0, sc.chunk)?;
+                let all = prefill(&models[rank], &comm, &mut cache, &tokens, 0, sc.chunk)?;
                 (
                     all.narrow(0, loaded, tokens.len() - loaded)?,
                     PrefixPath::Recomputed(why),

@@ -109,13 +109,13 @@ impl From<CandleKvError> for ModelError {
 /// Where a layer's latent rows live while a sequence is computed.
 pub trait LatentCache {
     /// Stores layer `layer`'s rows `[n, width]` of tokens `start..start + n`.
-    fn write(&self, layer: u32, start: usize, rows: &Tensor) -> Result<(), ModelError>;
+    fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), ModelError>;
     /// Layer `layer`'s rows of tokens `0..tokens`, `[tokens, width]` (waits for a load).
     fn read(&self, layer: u32, tokens: usize) -> Result<Tensor, ModelError>;
 }
 
 impl LatentCache for PagedLatentCache {
-    fn write(&self, layer: u32, start: usize, rows: &Tensor) -> Result<(), ModelError> {
+    fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), ModelError> {
         Ok(PagedLatentCache::write(self, layer, start, rows)?)
     }
     fn read(&self, layer: u32, tokens: usize) -> Result<Tensor, ModelError> {
@@ -139,7 +139,7 @@ impl MemLatents {
 }
 
 impl LatentCache for MemLatents {
-    fn write(&self, layer: u32, start: usize, rows: &Tensor) -> Result<(), ModelError> {
+    fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), ModelError> {
         let mut g = self
             .layers
             .lock()
@@ -403,7 +403,7 @@ impl RankModel {
     pub fn forward_chunk(
         &self,
         comm: &Comm,
-        cache: &dyn LatentCache,
+        cache: &mut dyn LatentCache,
         tokens: &[u32],
         start: usize,
     ) -> Result<Tensor, ModelError> {
@@ -505,7 +505,7 @@ impl RankModel {
         w: &Layer,
         x: &Tensor,
         rope: &(Tensor, Tensor),
-        cache: &dyn LatentCache,
+        cache: &mut dyn LatentCache,
         start: usize,
     ) -> Result<Tensor, ModelError> {
         let c = &self.cfg;
@@ -578,7 +578,7 @@ impl RankModel {
 pub fn prefill(
     model: &RankModel,
     comm: &Comm,
-    cache: &dyn LatentCache,
+    cache: &mut dyn LatentCache,
     tokens: &[u32],
     from: usize,
     chunk: usize,

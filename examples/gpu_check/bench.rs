@@ -223,7 +223,9 @@ fn wait_cost(dev: &Arc<CudaDevice>, report: &mut Report) {
             return Err("no event".into());
         };
         let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
-        let raw = RawStream(compute.cu_stream() as usize);
+        // SAFETY: `compute` is a live stream of this process's context, kept until the end
+        // of this block, after the last wait on `raw`.
+        let raw = unsafe { RawStream::from_raw(compute.cu_stream() as usize) };
         let mut per_call = Vec::new();
         for _ in 0..20 {
             let n = 1000;
@@ -297,7 +299,10 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
     let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
     let staging = StagingPool::new(dev.clone(), half_bytes(&g, n), 1).map_err(de)?;
     for (a, l) in staging.host_regions() {
-        let _ = store.register(kvlink::mooncake_linker::store::MemoryRegion { addr: a, len: l });
+        let region = kvlink::mooncake_linker::store::MemoryRegion { addr: a, len: l };
+        // SAFETY: an EmbeddedStore keeps nothing of a registration (a no-op), and `staging`
+        // outlives every read of this function anyway.
+        let _ = unsafe { store.register(region) };
     }
     let slots: Arc<[u32]> = Rng(tokens).scattered_slots(n, pages).into();
     let readers = 8usize;

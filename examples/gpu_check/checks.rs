@@ -340,8 +340,9 @@ fn load_and_compare(
     for layer in 0..g.num_layers() {
         match p.layer(&g, layer, n)? {
             LayerReady::Event(ev) => {
-                ev.wait_on_stream(RawStream(compute.cu_stream() as usize))
-                    .map_err(|e| e.to_string())?;
+                // SAFETY: `compute` is a live stream of this context, alive past this call.
+                let raw = unsafe { RawStream::from_raw(compute.cu_stream() as usize) };
+                ev.wait_on_stream(raw).map_err(|e| e.to_string())?;
                 events += 1;
             }
             LayerReady::Resident => return Err("a device landing returned Resident".into()),

@@ -30,7 +30,7 @@ fn ce(e: CollectiveError) -> String {
 }
 
 fn soon() -> Instant {
-    Instant::now() + Duration::from_secs(30)
+    kvlink::kv_loader::deadline_after(Duration::from_secs(30))
 }
 
 pub fn run(args: &Args, gpus: u32, report: &mut Report) {
@@ -305,9 +305,12 @@ fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> {
         };
         staged.scatter(s, &bl, &bcast).map_err(de)?;
         match staged.land(s).map_err(de)? {
-            LayerReady::Event(ev) => ev
-                .wait_on_stream(kvlink::kv_loader::RawStream(compute.cu_stream() as usize))
-                .map_err(|e| e.to_string())?,
+            LayerReady::Event(ev) => {
+                // SAFETY: `compute` is a live stream of this context, alive past this call.
+                let raw =
+                    unsafe { kvlink::kv_loader::RawStream::from_raw(compute.cu_stream() as usize) };
+                ev.wait_on_stream(raw).map_err(|e| e.to_string())?
+            }
             LayerReady::Resident => return Err("Resident from a device landing".into()),
         }
         let _ = direct.land(d);
@@ -427,7 +430,7 @@ fn two_ranks_timeout() -> Result<String, String> {
         }
     });
     let t0 = Instant::now();
-    let r = ranks[0].all_gather_u64(2, Instant::now() + Duration::from_secs(2));
+    let r = ranks[0].all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
     let took = t0.elapsed();
     let first = match r {
         Err(e @ CollectiveError::Timeout { .. }) => e.to_string(),
@@ -439,7 +442,8 @@ fn two_ranks_timeout() -> Result<String, String> {
     };
     // Rank 1 issues late: its peer aborted, so it must fail by its own deadline, not hang.
     let t1 = Instant::now();
-    let late = ranks[1].all_gather_u64(2, Instant::now() + Duration::from_secs(2));
+    let late =
+        ranks[1].all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
     if late.is_ok() {
         return Err("rank 1 completed against an aborted peer".into());
     }

@@ -171,7 +171,8 @@ pub fn save_prefix(tp: u32, n: usize, seed: u32, threads: usize) -> Result<Prefi
                 for &l in &c.layers {
                     for s in 0..len {
                         fill_row(&mut row, tag(c), l, (first + s) as u64);
-                        pool.write_slot(c.id, l, s as u32, &row).map_err(de)?;
+                        // SAFETY: this thread's own pool, filled before any linker uses it.
+                        unsafe { pool.write_slot(c.id, l, s as u32, &row) }.map_err(de)?;
                     }
                 }
             }

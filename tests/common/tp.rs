@@ -53,7 +53,9 @@ pub enum RankPool {
 impl RankPool {
     fn read(&self, c: &ComponentLayout, layer: u32, slot: u32, out: &mut [u8]) {
         match self {
-            RankPool::Host(p) => p.read_slot(c.id, layer, slot, out).unwrap(),
+            // SAFETY: callers compare after the batch they loaded has finished (its outcome
+            // was taken), and nothing else writes these slots meanwhile.
+            RankPool::Host(p) => unsafe { p.read_slot(c.id, layer, slot, out) }.unwrap(),
             RankPool::Device(p) => p.read_slot(c.id, layer, slot, out).unwrap(),
         }
     }
@@ -204,7 +206,9 @@ fn save(
                     let data: Vec<u8> = (0..c.page_layer_bytes as usize)
                         .map(|i| rank_byte(page, c, rank, l, i))
                         .collect();
-                    pool.write_slot(c.id, l, slot, &data).unwrap();
+                    // SAFETY: the engine's prefill: the pool is new, no batch of it is in
+                    // flight.
+                    unsafe { pool.write_slot(c.id, l, slot, &data) }.unwrap();
                 }
             }
         }

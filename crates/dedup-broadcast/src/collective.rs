@@ -305,11 +305,11 @@ pub struct MemorySupport {
 /// Safe: the exclusive borrow makes `buf` this call's alone.
 ///
 /// ```
-/// use std::time::{Duration, Instant};
+/// use std::time::Duration;
 /// use dedup_broadcast::{broadcast_slice, InProcessGroup};
 /// let ranks = InProcessGroup::new(1);
 /// let mut buf = *b"hello";
-/// let deadline = Instant::now() + Duration::from_secs(5);
+/// let deadline = kv_loader::deadline_after(Duration::from_secs(5));
 /// broadcast_slice(&ranks[0], &mut buf, 0, deadline).unwrap();
 /// assert_eq!(&buf, b"hello");
 /// ```

@@ -22,11 +22,11 @@
 //! Two ranks as threads, rank 0 broadcasting a layer's bytes:
 //!
 //! ```
-//! use std::time::{Duration, Instant};
+//! use std::time::Duration;
 //! use dedup_broadcast::{broadcast_slice, Collective, InProcessGroup};
 //!
 //! let ranks = InProcessGroup::new(2);
-//! let deadline = Instant::now() + Duration::from_secs(10);
+//! let deadline = kv_loader::deadline_after(Duration::from_secs(10));
 //! let results: Vec<Vec<u8>> = std::thread::scope(|s| {
 //!     let handles: Vec<_> = ranks
 //!         .iter()
@@ -51,6 +51,8 @@ mod mode;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod ops;
+#[cfg(target_os = "linux")]
+mod process;
 mod share;
 mod status;
 
@@ -63,6 +65,12 @@ pub use gate::{check_digest, check_plan, plan_digest, GateVerdict, PLAN_DIGEST_S
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};
 pub use ops::{share_rows, share_stage, RowsShare, StageShare};
+#[cfg(target_os = "linux")]
+pub use process::{
+    Algorithm, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, MeetingPoint,
+    MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError, SocketCollective,
+    Transport, TransportChoice, KVLINK_VERSION,
+};
 pub use share::{padded_share, page_shares, ShareError, StagedComponent, StagedRow, StagingLayout};
 pub use status::{
     code_name, exchange_status, fail_code, GroupStatus, LayerStatus, CODE_LAYER_MISMATCH,

@@ -297,7 +297,9 @@ fn share_entry_points_move_a_layer_and_count_it() {
             }
             for (p, &s) in slots.iter().enumerate() {
                 let mut got = vec![0u8; row];
-                pools[r].read_slot(k.id, 0, s, &mut got).unwrap();
+                // SAFETY: this rank's share finished (share_rows returned) and no landing of
+                // the pool writes it meanwhile.
+                unsafe { pools[r].read_slot(k.id, 0, s, &mut got) }.unwrap();
                 assert_eq!(
                     got,
                     (0..row).map(|i| byte(p, i)).collect::<Vec<_>>(),

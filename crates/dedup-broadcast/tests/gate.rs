@@ -1,7 +1,7 @@
 //! The plan gate: digest of the canonical encoding; the same verdict on every rank.
 
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dedup_broadcast::{check_plan, plan_digest, GateVerdict, InProcessGroup};
 use kv_geometry::{ComponentId, PageHash};
@@ -71,7 +71,7 @@ fn digest_of_a_512k_token_plan_in_several_requests() {
 
 fn gate_on_group(plans: Vec<LogicalPlan>) -> Vec<GateVerdict> {
     let ranks = InProcessGroup::new(plans.len() as u32);
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = kv_loader::deadline_after(Duration::from_secs(30));
     thread::scope(|s| {
         let hs: Vec<_> = ranks
             .iter()

@@ -38,7 +38,7 @@ impl Rng {
 }
 
 fn far() -> Instant {
-    Instant::now() + Duration::from_secs(60)
+    kv_loader::deadline_after(Duration::from_secs(60))
 }
 
 /// Runs `f` on every rank of a fresh group of `size`, one thread each; results in rank order.
@@ -480,7 +480,7 @@ fn random_timeouts_give_every_rank_the_same_answer() {
                 if rng.below(6) == 0 {
                     thread::sleep(Duration::from_millis(rng.below(15)));
                 }
-                let deadline = Instant::now() + Duration::from_millis(5);
+                let deadline = kv_loader::deadline_after(Duration::from_millis(5));
                 let mut b = [c.rank() as u8; 32];
                 let r = broadcast_slice(c, &mut b, (op % u64::from(c.size())) as u32, deadline);
                 if r.is_ok() {

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dedup_broadcast::{
     all_gather_in_place, broadcast_slice, Collective, InProcessGroup, StagingLayout,
@@ -28,7 +28,7 @@ fn stored(c: ComponentId, layer: u32, page: usize, len: usize) -> Vec<u8> {
 fn load(g: &KvGeometry, mode: ShareMode, pages: usize, slots: &[Vec<u32>]) -> Vec<Pool> {
     let tp = g.tp_size;
     let ranks = InProcessGroup::new(tp);
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = kv_loader::deadline_after(Duration::from_secs(60));
     thread::scope(|s| {
         let hs: Vec<_> = ranks
             .iter()

@@ -1,7 +1,7 @@
 //! Status words round-trip; every rank folds the exchange into the same verdict.
 
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dedup_broadcast::{
     code_name, fail_code, Collective, GroupStatus, InProcessGroup, LayerStatus,
@@ -96,7 +96,7 @@ fn first_failure_is_lowest_layer_then_lowest_rank_whatever_the_order() {
 fn every_rank_reaches_the_same_verdict() {
     // 4 ranks, 6 layers; rank 2 fails from layer 3 on, rank 1 fails at layer 4 only.
     let ranks = InProcessGroup::new(4);
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = kv_loader::deadline_after(Duration::from_secs(30));
     let verdicts: Vec<GroupStatus> = thread::scope(|s| {
         let hs: Vec<_> = ranks
             .iter()

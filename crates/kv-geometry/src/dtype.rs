@@ -22,6 +22,16 @@ impl ElementType {
         }
     }
 
+    /// A short lower-case name (`bf16`, `f16`, `fp8e4m3`, `bytes`), as namespaces carry it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ElementType::Bf16 => "bf16",
+            ElementType::F16 => "f16",
+            ElementType::Fp8E4m3 => "fp8e4m3",
+            ElementType::Bytes => "bytes",
+        }
+    }
+
     /// Parses the names engines use for a KV cache dtype (`bf16`, `bfloat16`, `fp16`, `f16`,
     /// `float16`, `fp8`, `fp8_e4m3`).
     pub fn parse(name: &str) -> Option<Self> {

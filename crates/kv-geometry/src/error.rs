@@ -53,6 +53,18 @@ pub enum GeometryError {
         /// Why it is refused.
         reason: String,
     },
+    /// A number past kvlink's documented bound ([`MAX_LAYERS`](crate::MAX_LAYERS),
+    /// [`MAX_PAGE_SIZE`](crate::MAX_PAGE_SIZE), [`MAX_ROW_BYTES`](crate::MAX_ROW_BYTES),
+    /// [`MAX_COMPONENTS`](crate::MAX_COMPONENTS)): refused before anything is sized by it.
+    #[error("{what}: {value} is more than the most kvlink takes ({max})")]
+    TooLarge {
+        /// What was counted.
+        what: &'static str,
+        /// The value given (saturated at `u64::MAX`).
+        value: u64,
+        /// The bound.
+        max: u64,
+    },
     /// No component of that name in the model.
     #[error("no component `{0}` in this model")]
     UnknownComponent(String),

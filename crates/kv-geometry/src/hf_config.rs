@@ -12,10 +12,23 @@ fn field_u32(cfg: &Value, name: &str) -> Result<u32, GeometryError> {
         .ok_or_else(|| GeometryError::BadConfig(format!("missing or bad integer field `{name}`")))
 }
 
-fn opt_u32(cfg: &Value, name: &str) -> Option<u32> {
-    cfg.get(name)
-        .and_then(Value::as_u64)
-        .and_then(|v| u32::try_from(v).ok())
+/// The product of `factors` (a `None` factor already overflowed), or a typed error naming
+/// `what` when it does not fit a row's `u32`. Bounds past that are
+/// [`ModelKvSpec::validate`]'s.
+fn product(what: &str, factors: &[Option<u32>]) -> Result<u32, GeometryError> {
+    factors
+        .iter()
+        .try_fold(1u32, |acc, f| f.and_then(|f| acc.checked_mul(f)))
+        .ok_or_else(|| GeometryError::BadConfig(format!("{what}: the row size overflows")))
+}
+
+/// An optional field: absent (or `null`) is `None`; present but not a `u32` is an error,
+/// not a silent fallback to the default.
+fn opt_u32(cfg: &Value, name: &str) -> Result<Option<u32>, GeometryError> {
+    match cfg.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(_) => field_u32(cfg, name).map(Some),
+    }
 }
 
 impl ModelKvSpec {
@@ -26,6 +39,11 @@ impl ModelKvSpec {
     /// otherwise, plus the indexer on every layer — override with
     /// [`ModelKvSpec::with_component_layers`]), `llama` (K and V sharded by KV head). Any other
     /// type is refused with an error naming it.
+    ///
+    /// Hostile or broken configs are typed errors, never a panic: a field that is not a `u32`,
+    /// a row size that overflows, or a number past the bounds of [`ModelKvSpec::validate`]
+    /// ([`MAX_LAYERS`](crate::MAX_LAYERS), [`MAX_PAGE_SIZE`](crate::MAX_PAGE_SIZE),
+    /// [`MAX_ROW_BYTES`](crate::MAX_ROW_BYTES)).
     ///
     /// ```
     /// use kv_geometry::{ElementType, ModelKvSpec};
@@ -53,13 +71,13 @@ impl ModelKvSpec {
             });
         }
         let latent = |cfg: &Value| -> Result<ComponentSpec, GeometryError> {
-            let elems = field_u32(cfg, "kv_lora_rank")? + field_u32(cfg, "qk_rope_head_dim")?;
-            Ok(ComponentSpec::new(
-                "k",
-                RowUnit::Token,
-                kv_dtype,
-                elems * kv_dtype.size(),
-            ))
+            let rank = field_u32(cfg, "kv_lora_rank")?;
+            let rope = field_u32(cfg, "qk_rope_head_dim")?;
+            let row = product(
+                "kv_lora_rank + qk_rope_head_dim",
+                &[rank.checked_add(rope), Some(kv_dtype.size())],
+            )?;
+            Ok(ComponentSpec::new("k", RowUnit::Token, kv_dtype, row))
         };
         let components = match model_type {
             "deepseek_v3" => vec![latent(&cfg)?],
@@ -72,16 +90,16 @@ impl ModelKvSpec {
                 if kv_dtype == ElementType::Fp8E4m3 && kv.row_bytes != DSA_FP8_ROW_BYTES {
                     return Err(GeometryError::BadConfig("unexpected DSA row".into()));
                 }
-                let head_dim = opt_u32(&cfg, "index_head_dim").unwrap_or(DSA_INDEX_HEAD_DIM);
+                let head_dim = opt_u32(&cfg, "index_head_dim")?.unwrap_or(DSA_INDEX_HEAD_DIM);
                 vec![
                     kv,
                     ModelKvSpec::dsa_indexer(page_size, head_dim, LayerMap::Dense),
                 ]
             }
             "llama" => {
-                let kv_heads = opt_u32(&cfg, "num_key_value_heads")
+                let kv_heads = opt_u32(&cfg, "num_key_value_heads")?
                     .map_or_else(|| field_u32(&cfg, "num_attention_heads"), Ok)?;
-                let head_dim = match opt_u32(&cfg, "head_dim") {
+                let head_dim = match opt_u32(&cfg, "head_dim")? {
                     Some(d) => d,
                     None => {
                         let hidden = field_u32(&cfg, "hidden_size")?;
@@ -94,7 +112,10 @@ impl ModelKvSpec {
                         hidden / heads
                     }
                 };
-                let row = kv_heads * head_dim * kv_dtype.size();
+                let row = product(
+                    "num_key_value_heads * head_dim",
+                    &[Some(kv_heads), Some(head_dim), Some(kv_dtype.size())],
+                )?;
                 let part = |n: &str| {
                     ComponentSpec::new(n, RowUnit::Token, kv_dtype, row).sharded(kv_heads)
                 };

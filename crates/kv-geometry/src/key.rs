@@ -1,6 +1,105 @@
-//! Object keys: `{namespace}_{page hash}_{suffix}_{component}`.
+//! Object keys: `{namespace}_{page hash}_{suffix}_{component}`, and the namespaces that keep
+//! one model's keys apart from another's.
 
-use crate::{ComponentLayout, PageHash};
+use crate::{ComponentLayout, KvGeometry, PageHash};
+
+/// The prefix of every key of a deployment: what keeps two models (or two KV formats of one
+/// model) from reading each other's objects.
+///
+/// - [`Namespace::Model`] (the default): derived from the geometry, see
+///   [`Namespace::of_model`]. Two models with the same shapes (DeepSeek-V3 and R1) differ by
+///   name; one model in another KV dtype or page size differs by those.
+/// - [`Namespace::sglang`]: SGLang's scheme, `{tag}_{model path with / → -}`, for sharing a
+///   cache with SGLang (its keys then match kvlink's byte for byte).
+/// - [`Namespace::Exact`]: any prefix, given as is (`""`: none). `"text".into()` makes one.
+///
+/// ```
+/// use kv_geometry::{KvGeometry, ModelKvSpec, Namespace};
+/// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 8, 0).unwrap();
+/// let ns = Namespace::default().resolve(&g);
+/// assert!(ns.starts_with("GLM-5.2-bytes-p64-g"));
+/// assert_eq!(Namespace::sglang("prod", "zai-org/GLM-5").resolve(&g), "prod_zai-org-GLM-5");
+/// assert_eq!(Namespace::from("mine").resolve(&g), "mine");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub enum Namespace {
+    /// Derived from the model and its KV format ([`Namespace::of_model`]).
+    #[default]
+    Model,
+    /// Exactly this prefix (may be empty: no prefix).
+    Exact(String),
+}
+
+impl Namespace {
+    /// SGLang's key prefix (`MooncakeStore._tag_keys`): `{tag}_{model_path}` with every `/` of
+    /// the model path turned into `-`; an empty part is left out (with its `_`).
+    pub fn sglang(tag: &str, model_path: &str) -> Namespace {
+        let path = model_path.replace('/', "-");
+        let parts: Vec<&str> = [tag, path.as_str()]
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .collect();
+        Namespace::Exact(parts.join("_"))
+    }
+
+    /// The namespace of a model and its KV format:
+    /// `{model}-{element types}-p{page size}-g{fingerprint}`, where the model's name keeps
+    /// ASCII letters, digits, `.` and `-` (anything else becomes `-`), the element types are
+    /// the components' (`+`-joined, in spec order, each once), and the fingerprint is the
+    /// first 16 hex characters of [`KvGeometry::fingerprint`].
+    pub fn of_model(geometry: &KvGeometry) -> String {
+        let spec = &geometry.spec;
+        let model: String = spec
+            .model
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect();
+        let mut elements: Vec<&str> = Vec::new();
+        for c in &spec.components {
+            if !elements.contains(&c.element.name()) {
+                elements.push(c.element.name());
+            }
+        }
+        format!(
+            "{model}-{}-p{}-g{}",
+            elements.join("+"),
+            spec.page_size,
+            geometry.fingerprint().short()
+        )
+    }
+
+    /// The prefix this namespace gives keys of `geometry`.
+    pub fn resolve(&self, geometry: &KvGeometry) -> String {
+        match self {
+            Namespace::Model => Self::of_model(geometry),
+            Namespace::Exact(s) => s.clone(),
+        }
+    }
+}
+
+impl From<&str> for Namespace {
+    fn from(s: &str) -> Self {
+        Namespace::Exact(s.to_string())
+    }
+}
+
+impl From<String> for Namespace {
+    fn from(s: String) -> Self {
+        Namespace::Exact(s)
+    }
+}
+
+impl From<&String> for Namespace {
+    fn from(s: &String) -> Self {
+        Namespace::Exact(s.clone())
+    }
+}
 
 /// How object keys are named for one rank: the namespace and the parallel ranks that go in
 /// the suffix. Replicated components carry `cp{c}_pp{p}`; sharded ones `tp{t}_cp{c}_pp{p}`, so

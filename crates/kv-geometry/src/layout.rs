@@ -77,9 +77,11 @@ pub struct KvGeometry {
 }
 
 impl KvGeometry {
-    /// The layout of `spec` on rank `tp_rank` of `tp_size`. Fails if the rank is out of range
-    /// or a sharded component's heads do not divide by `tp_size`.
+    /// The layout of `spec` on rank `tp_rank` of `tp_size`. Fails if the spec does not pass
+    /// [`ModelKvSpec::validate`] (its fields are public), the rank is out of range or a
+    /// sharded component's heads do not divide by `tp_size`.
     pub fn new(spec: ModelKvSpec, tp_size: u32, tp_rank: u32) -> Result<Self, GeometryError> {
+        spec.validate()?;
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(GeometryError::BadTpRank { tp_rank, tp_size });
         }

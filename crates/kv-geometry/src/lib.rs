@@ -20,21 +20,28 @@
 //! assert!(key.starts_with("glm_") && key.ends_with("_cp0_pp0_indexer"));
 //! ```
 
+mod checksum;
 mod component;
 mod dtype;
 mod error;
+mod fingerprint;
 mod hash;
 mod hf_config;
 mod key;
 mod layout;
 mod model;
 
+pub use checksum::{
+    checksum_key, layer_checksum, ChecksumError, ObjectChecksums, Verified, CHECKSUM_KEY_SUFFIX,
+};
 pub use component::{ComponentSpec, LayerMap, Replication, RowUnit};
 pub use dtype::ElementType;
 pub use error::GeometryError;
+pub use fingerprint::{GeometryFingerprint, FINGERPRINT_VERSION};
 pub use hash::{page_hashes, PageHash};
-pub use key::KeyScheme;
+pub use key::{KeyScheme, Namespace};
 pub use layout::{ComponentId, ComponentLayout, KvGeometry};
 pub use model::{
-    ModelKvSpec, DSA_FP8_ROW_BYTES, DSA_INDEX_HEAD_DIM, GLM52_INDEXER_LAYERS, MLA_LATENT_ELEMENTS,
+    ModelKvSpec, DSA_FP8_ROW_BYTES, DSA_INDEX_HEAD_DIM, GLM52_INDEXER_LAYERS, MAX_COMPONENTS,
+    MAX_LAYERS, MAX_PAGE_SIZE, MAX_ROW_BYTES, MLA_LATENT_ELEMENTS,
 };

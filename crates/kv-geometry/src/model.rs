@@ -11,6 +11,29 @@ pub const DSA_INDEX_HEAD_DIM: u32 = 128;
 /// Indexer layers of GLM-5.2 (SGLang's host pool: "21 physical indexer layers out of 78").
 pub const GLM52_INDEXER_LAYERS: u32 = 21;
 
+/// Most layers a model may have. Generous (today's largest models have under 200), and small
+/// enough that a per-layer table costs nothing: a config that names more is refused with
+/// [`GeometryError::TooLarge`] before any per-layer list is built.
+pub const MAX_LAYERS: u32 = 1 << 16;
+/// Most tokens per page (engines use 1 to 256).
+pub const MAX_PAGE_SIZE: u32 = 1 << 16;
+/// Most bytes of one row of one layer, for the whole model (a 128-head MHA row of 256 f32
+/// elements is 128 KiB; a DSA indexer page row at page size 64 is 8448 B).
+///
+/// With [`MAX_LAYERS`] and [`MAX_PAGE_SIZE`] this bounds one object at 2^56 bytes, so every
+/// size kvlink computes in `u64` fits.
+pub const MAX_ROW_BYTES: u32 = 1 << 24;
+/// Most components a model may have (component ids are `u16`).
+pub const MAX_COMPONENTS: usize = 256;
+
+/// `value` against `max`: a [`GeometryError::TooLarge`] past it.
+fn at_most(what: &'static str, value: u64, max: u64) -> Result<(), GeometryError> {
+    if value > max {
+        return Err(GeometryError::TooLarge { what, value, max });
+    }
+    Ok(())
+}
+
 /// A model's KV cache: its layers, page size and components.
 ///
 /// ```
@@ -33,29 +56,52 @@ pub struct ModelKvSpec {
 }
 
 impl ModelKvSpec {
-    /// A validated spec: non-zero layers and page size, unique non-empty component names,
-    /// non-zero rows, layer maps inside the model.
+    /// A validated spec (see [`validate`](Self::validate)).
     pub fn new(
         model: &str,
         num_layers: u32,
         page_size: u32,
         components: Vec<ComponentSpec>,
     ) -> Result<Self, GeometryError> {
-        if num_layers == 0 {
+        let spec = ModelKvSpec {
+            model: model.to_string(),
+            num_layers,
+            page_size,
+            components,
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Checks what everything above relies on: 1 to [`MAX_LAYERS`] layers, a page size of 1
+    /// to [`MAX_PAGE_SIZE`] tokens, 1 to [`MAX_COMPONENTS`] components with unique,
+    /// non-empty names free of `_`, rows of 1 to [`MAX_ROW_BYTES`] bytes, and layer maps
+    /// inside the model. The fields are public, so [`KvGeometry::new`](crate::KvGeometry::new)
+    /// checks again.
+    pub fn validate(&self) -> Result<(), GeometryError> {
+        let model = &self.model;
+        if self.num_layers == 0 {
             return Err(GeometryError::BadConfig(format!("{model}: zero layers")));
         }
-        if page_size == 0 {
+        at_most("layers", self.num_layers.into(), MAX_LAYERS.into())?;
+        if self.page_size == 0 {
             return Err(GeometryError::BadPageSize {
-                page_size,
+                page_size: self.page_size,
                 reason: "must be at least one token".into(),
             });
         }
-        if components.is_empty() {
+        at_most("page size", self.page_size.into(), MAX_PAGE_SIZE.into())?;
+        if self.components.is_empty() {
             return Err(GeometryError::BadConfig(format!(
                 "{model}: no KV components"
             )));
         }
-        for (i, c) in components.iter().enumerate() {
+        at_most(
+            "components",
+            self.components.len() as u64,
+            MAX_COMPONENTS as u64,
+        )?;
+        for (i, c) in self.components.iter().enumerate() {
             let bad = |reason: &str| GeometryError::BadComponent {
                 component: c.name.clone(),
                 reason: reason.to_string(),
@@ -66,17 +112,13 @@ impl ModelKvSpec {
             if c.row_bytes == 0 {
                 return Err(bad("zero-byte rows"));
             }
-            if components[..i].iter().any(|o| o.name == c.name) {
+            at_most("row bytes", c.row_bytes.into(), MAX_ROW_BYTES.into())?;
+            if self.components[..i].iter().any(|o| o.name == c.name) {
                 return Err(bad("two components share this name"));
             }
-            c.layers.validate(&c.name, num_layers)?;
+            c.layers.validate(&c.name, self.num_layers)?;
         }
-        Ok(ModelKvSpec {
-            model: model.to_string(),
-            num_layers,
-            page_size,
-            components,
-        })
+        Ok(())
     }
 
     /// Bytes per token over all layers and components, for the whole model (one TP copy of
@@ -89,7 +131,7 @@ impl ModelKvSpec {
     }
 
     /// Bytes of a prefix of `tokens` tokens (whole pages only: a partial last page is not
-    /// stored).
+    /// stored), saturating at `u64::MAX`.
     pub fn bytes_for_tokens(&self, tokens: u64) -> u64 {
         let pages = tokens / u64::from(self.page_size);
         self.components
@@ -99,9 +141,12 @@ impl ModelKvSpec {
                     RowUnit::Token => u64::from(self.page_size),
                     RowUnit::Page => 1,
                 };
-                pages * rows * u64::from(c.row_bytes) * u64::from(c.layers.count(self.num_layers))
+                pages
+                    .saturating_mul(rows)
+                    .saturating_mul(u64::from(c.row_bytes))
+                    .saturating_mul(u64::from(c.layers.count(self.num_layers)))
             })
-            .sum()
+            .fold(0u64, u64::saturating_add)
     }
 
     /// The component named `name`.
@@ -144,9 +189,12 @@ impl ModelKvSpec {
     }
 
     /// The DSA indexer component: one row per page of `page_size * (head_dim + head_dim/128*4)`
-    /// bytes (fp8 keys with fp32 scales), 8448 B at page size 64.
+    /// bytes (fp8 keys with fp32 scales), 8448 B at page size 64. A row past `u32` saturates
+    /// (and [`validate`](Self::validate) then refuses it as past [`MAX_ROW_BYTES`]).
     pub fn dsa_indexer(page_size: u32, index_head_dim: u32, layers: LayerMap) -> ComponentSpec {
-        let row = page_size * (index_head_dim + index_head_dim.div_ceil(128) * 4);
+        let per_token =
+            index_head_dim.saturating_add(index_head_dim.div_ceil(128).saturating_mul(4));
+        let row = page_size.saturating_mul(per_token);
         ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, row).on_layers(layers)
     }
 

@@ -16,6 +16,7 @@
 //! assert_eq!(plan.logical.num_pages(), 4);
 //! ```
 
+mod deadline;
 mod error;
 mod ids;
 mod loader;
@@ -27,6 +28,7 @@ mod plan;
 mod ticket;
 mod transfer;
 
+pub use deadline::{deadline_after, deadline_from, MAX_WAIT};
 pub use error::{KvLoadError, PlanError, StoreFailure};
 pub use ids::{BatchId, RequestId};
 pub use loader::KvLoader;

@@ -2,7 +2,7 @@
 //! that fills its leading pages.
 
 use candle_core::Tensor;
-use kv_loader::LoadStats;
+use kv_loader::{KvLoadError, LoadStats};
 
 use crate::{CandleKvError, LatentPool, LayerGate};
 
@@ -41,7 +41,8 @@ use crate::{CandleKvError, LatentPool, LayerGate};
 /// let plan = BatchPlan::all_components(&geometry, BatchId(1),
 ///     vec![RequestPages { request: "r".into(), pages: hit.pages.clone() }], table[..2].to_vec());
 /// let ticket = loader.start_load(plan).unwrap();
-/// let mut cache = PagedLatentCache::new(latents, table, hit.tokens)
+/// // SAFETY: slots 3, 0, 6 are this sequence's alone; the only load into them is `ticket`'s.
+/// let mut cache = unsafe { PagedLatentCache::new(latents, table, hit.tokens) }
 ///     .with_load(LayerGate::new(loader.clone(), ticket));
 ///
 /// // Attention on layer 1 over tokens 8 and 9: write their rows, then read all 10.
@@ -51,24 +52,52 @@ use crate::{CandleKvError, LatentPool, LayerGate};
 /// assert_eq!(all.dims(), &[10, 6]);
 /// assert!(cache.finish_load().unwrap().is_some());
 /// ```
+///
+/// Building one is `unsafe`: the cache reads and writes its slots through raw copies, so
+/// the engine promises once, here, that the slots are the sequence's alone.
+///
+/// ```compile_fail,E0133
+/// # use std::sync::Arc;
+/// # use kv_device::HostKvPool;
+/// # use kv_geometry::{ComponentSpec, ElementType, KvGeometry, ModelKvSpec, RowUnit};
+/// # use kvlink_candle::candle_core::{DType, Device};
+/// # use kvlink_candle::{LatentFormat, LatentPool, PagedLatentCache};
+/// # let format = LatentFormat::new(4, 2, DType::F32).unwrap();
+/// # let spec = ModelKvSpec::new("tiny", 2, 4, vec![ComponentSpec::new(
+/// #     "k", RowUnit::Token, ElementType::Bytes, format.row_bytes() as u32)]).unwrap();
+/// # let pool = Arc::new(HostKvPool::new(KvGeometry::new(spec, 1, 0).unwrap(), 8).unwrap());
+/// # let latents = LatentPool::new(pool, "k", format, Device::Cpu).unwrap();
+/// let cache = PagedLatentCache::new(latents, vec![3], 0); // needs `unsafe`
+/// ```
 #[derive(Debug)]
 pub struct PagedLatentCache {
     pool: LatentPool,
     page_table: Vec<u32>,
     loaded_tokens: usize,
     gate: LayerGate,
+    /// Set when the load's outcome could not be taken: it may still be writing the loaded
+    /// tokens' slots, so they stay fenced for the life of the cache.
+    unsettled: Option<KvLoadError>,
 }
 
 impl PagedLatentCache {
     /// A sequence whose page `i` lives in slot `page_table[i]`, whose first `loaded_tokens`
     /// tokens come from a load (attach it with [`with_load`](Self::with_load); without one
     /// they are taken as already in the pool).
-    pub fn new(pool: LatentPool, page_table: Vec<u32>, loaded_tokens: usize) -> Self {
+    ///
+    /// # Safety
+    /// While the cache lives, the slots of `page_table` are this sequence's alone: nothing
+    /// but this cache reads or writes them (no other cache or [`LatentPool`] call over them,
+    /// no save of them), and the only load into them is the one attached with `with_load`,
+    /// covering the first `loaded_tokens` tokens. The cache itself waits for that load's
+    /// layer before it touches those tokens.
+    pub unsafe fn new(pool: LatentPool, page_table: Vec<u32>, loaded_tokens: usize) -> Self {
         PagedLatentCache {
             pool,
             page_table,
             loaded_tokens,
             gate: LayerGate::open(),
+            unsettled: None,
         }
     }
 
@@ -102,13 +131,17 @@ impl PagedLatentCache {
     /// `tokens` tokens as `[tokens, kv_lora_rank + rope_dim]` (a copy on the CPU).
     /// A failed load gives [`CandleKvError::Load`].
     pub fn layer(&self, layer: u32, tokens: usize) -> Result<Tensor, CandleKvError> {
+        self.fence(tokens > 0)?;
         self.gate.wait(layer)?;
-        self.pool.read_tokens(layer, &self.page_table, tokens)
+        // SAFETY: the slots are this cache's alone (`new`'s contract); the load into them has
+        // landed this layer (the wait above), and writes need `&mut self`.
+        unsafe { self.pool.read_tokens(layer, &self.page_table, tokens) }
     }
 
     /// Like [`layer`](Self::layer), in the paged form `[pages, page_size, width]` for the
     /// first `pages` pages.
     pub fn layer_pages(&self, layer: u32, pages: usize) -> Result<Tensor, CandleKvError> {
+        self.fence(pages > 0)?;
         self.gate.wait(layer)?;
         let have = self.page_table.len();
         let slots = self
@@ -120,26 +153,44 @@ impl PagedLatentCache {
                 needed: pages,
                 have,
             })?;
-        self.pool.read_pages(layer, slots)
+        // SAFETY: as in `layer`.
+        unsafe { self.pool.read_pages(layer, slots) }
     }
 
     /// Writes layer `layer`'s rows `[n, width]` of tokens `start..start + n`. Rows inside
     /// the loaded prefix wait for the layer's load first (they would race it otherwise).
-    pub fn write(&self, layer: u32, start: usize, rows: &Tensor) -> Result<(), CandleKvError> {
+    pub fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), CandleKvError> {
         if start < self.loaded_tokens {
+            self.fence(true)?;
             self.gate.wait(layer)?;
         }
-        self.pool.write_tokens(layer, &self.page_table, start, rows)
+        // SAFETY: the slots are this cache's alone (`new`'s contract), `&mut self` excludes
+        // its own readers, and the load's layer has landed wherever the rows overlap it.
+        unsafe { self.pool.write_tokens(layer, &self.page_table, start, rows) }
     }
 
     /// Takes the load's outcome and detaches it (see [`LayerGate::finish`]). After a
     /// failure the loaded tokens drop to zero: the engine recomputes them into the same
-    /// slots.
+    /// slots. When no outcome could be taken ([`CandleKvError::Unsettled`]) the load may
+    /// still be writing them: every later access to the loaded tokens fails with that error
+    /// (reset the loader and build a new cache).
     pub fn finish_load(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
         let out = self.gate.finish();
-        if out.is_err() {
-            self.loaded_tokens = 0;
+        match &out {
+            Err(CandleKvError::Unsettled { source }) => self.unsettled = Some(source.clone()),
+            Err(_) => self.loaded_tokens = 0,
+            Ok(_) => {}
         }
         out
+    }
+
+    /// Refuses an access that reaches the loaded tokens of a load that did not settle.
+    fn fence(&self, touches_loaded: bool) -> Result<(), CandleKvError> {
+        match &self.unsettled {
+            Some(e) if touches_loaded && self.loaded_tokens > 0 => {
+                Err(CandleKvError::Unsettled { source: e.clone() })
+            }
+            _ => Ok(()),
+        }
     }
 }

@@ -30,7 +30,8 @@
 //! let latents = LatentPool::new(pool, "k", format, Device::Cpu).unwrap();
 //!
 //! // A 12-token sequence in slots 9 and 4; prefill writes layer 0's latent, attention reads it.
-//! let cache = PagedLatentCache::new(latents, vec![9, 4], 0);
+//! // SAFETY: slots 9 and 4 are this sequence's alone, and no load targets them.
+//! let mut cache = unsafe { PagedLatentCache::new(latents, vec![9, 4], 0) };
 //! let rows = Tensor::randn(0f32, 1., (12, 48), &Device::Cpu).unwrap();
 //! cache.write(0, 0, &rows).unwrap();
 //! let (c_kv, k_pe) = format.split(&cache.layer(0, 12).unwrap()).unwrap();

@@ -12,10 +12,17 @@ use crate::{CandleKvError, LatentFormat};
 /// A pool whose page slots can be copied out and in by the CPU: what the adapter needs
 /// beyond [`KvPool`]'s addresses. [`HostKvPool`] has it; a device pool would implement it
 /// with device copies (or be wrapped zero-copy, see docs/integration.md).
+///
+/// The copies are `unsafe`, as [`HostKvPool::read_slot`]'s: a pool is shared with the
+/// loader that writes it, so only the caller knows a slot is not being written.
 pub trait SlotIo: KvPool {
     /// Copies one page slot's slice of (`component`, `layer`) into `out` (exactly the
     /// slice's length).
-    fn read_slot(
+    ///
+    /// # Safety
+    /// Nothing writes the slice during the call (no other `write_slot` of it, no load into
+    /// `slot` in flight).
+    unsafe fn read_slot(
         &self,
         component: ComponentId,
         layer: u32,
@@ -25,7 +32,11 @@ pub trait SlotIo: KvPool {
 
     /// Copies `data` (exactly the slice's length) into one page slot's slice of
     /// (`component`, `layer`).
-    fn write_slot(
+    ///
+    /// # Safety
+    /// Nothing else reads or writes the slice during the call (no other `read_slot` or
+    /// `write_slot` of it, no load into `slot` in flight, no save of it).
+    unsafe fn write_slot(
         &self,
         component: ComponentId,
         layer: u32,
@@ -35,24 +46,26 @@ pub trait SlotIo: KvPool {
 }
 
 impl SlotIo for HostKvPool {
-    fn read_slot(
+    unsafe fn read_slot(
         &self,
         component: ComponentId,
         layer: u32,
         slot: u32,
         out: &mut [u8],
     ) -> Result<(), DeviceError> {
-        HostKvPool::read_slot(self, component, layer, slot, out)
+        // SAFETY: the same contract, forwarded from our caller.
+        unsafe { HostKvPool::read_slot(self, component, layer, slot, out) }
     }
 
-    fn write_slot(
+    unsafe fn write_slot(
         &self,
         component: ComponentId,
         layer: u32,
         slot: u32,
         data: &[u8],
     ) -> Result<(), DeviceError> {
-        HostKvPool::write_slot(self, component, layer, slot, data)
+        // SAFETY: the same contract, forwarded from our caller.
+        unsafe { HostKvPool::write_slot(self, component, layer, slot, data) }
     }
 }
 
@@ -80,11 +93,18 @@ impl SlotIo for HostKvPool {
 ///
 /// // Six tokens of a sequence whose pages sit in slots 5 and 2.
 /// let rows = Tensor::arange(0f32, 36., &Device::Cpu).unwrap().reshape((6, 6)).unwrap();
-/// latents.write_tokens(1, &[5, 2], 0, &rows).unwrap();
-/// let back = latents.read_tokens(1, &[5, 2], 6).unwrap();
+/// // SAFETY: one thread, no loader: nothing else touches slots 5 and 2.
+/// unsafe { latents.write_tokens(1, &[5, 2], 0, &rows) }.unwrap();
+/// // SAFETY: as above.
+/// let back = unsafe { latents.read_tokens(1, &[5, 2], 6) }.unwrap();
 /// assert_eq!(back.to_vec2::<f32>().unwrap(), rows.to_vec2::<f32>().unwrap());
-/// assert_eq!(latents.read_pages(1, &[5, 2]).unwrap().dims(), &[2, 4, 6]);
+/// // SAFETY: as above.
+/// assert_eq!(unsafe { latents.read_pages(1, &[5, 2]) }.unwrap().dims(), &[2, 4, 6]);
 /// ```
+///
+/// The reads and writes are `unsafe` (the caller vouches that no one writes the slots
+/// meanwhile); [`PagedLatentCache`](crate::PagedLatentCache) takes that promise once per
+/// sequence and then waits for the load itself.
 #[derive(Clone)]
 pub struct LatentPool {
     pool: Arc<dyn SlotIo>,
@@ -175,7 +195,11 @@ impl LatentPool {
 
     /// Layer `layer`'s rows of the first `tokens` tokens of a sequence whose page `i` sits
     /// in slot `page_table[i]`, as a `[tokens, width]` tensor (a copy).
-    pub fn read_tokens(
+    ///
+    /// # Safety
+    /// Nothing writes layer `layer` of those slots during the call: no load into them in
+    /// flight (wait for the layer first) and no concurrent write.
+    pub unsafe fn read_tokens(
         &self,
         layer: u32,
         page_table: &[u32],
@@ -187,11 +211,15 @@ impl LatentPool {
         let mut partial: Vec<u8> = Vec::new();
         for (chunk, &slot) in buf.chunks_mut(self.page_bytes).zip(page_table) {
             if chunk.len() == self.page_bytes {
-                self.pool.read_slot(self.component, layer, slot, chunk)?;
+                // SAFETY: nothing writes the slot meanwhile (this function's contract).
+                unsafe { self.pool.read_slot(self.component, layer, slot, chunk) }?;
             } else {
                 partial.resize(self.page_bytes, 0);
-                self.pool
-                    .read_slot(self.component, layer, slot, &mut partial)?;
+                // SAFETY: as above.
+                unsafe {
+                    self.pool
+                        .read_slot(self.component, layer, slot, &mut partial)
+                }?;
                 chunk.copy_from_slice(&partial[..chunk.len()]);
             }
         }
@@ -205,16 +233,23 @@ impl LatentPool {
 
     /// Layer `layer` of whole pages in `slots`, as `[pages, page_size, width]` (the paged
     /// form an attention kernel indexes with a block table; a copy).
-    pub fn read_pages(&self, layer: u32, slots: &[u32]) -> Result<Tensor, CandleKvError> {
-        let t = self.read_tokens(layer, slots, slots.len() * self.page_size)?;
+    ///
+    /// # Safety
+    /// As [`read_tokens`](Self::read_tokens).
+    pub unsafe fn read_pages(&self, layer: u32, slots: &[u32]) -> Result<Tensor, CandleKvError> {
+        // SAFETY: the same contract, forwarded from our caller.
+        let t = unsafe { self.read_tokens(layer, slots, slots.len() * self.page_size) }?;
         Ok(t.reshape((slots.len(), self.page_size, self.format.width()))?)
     }
 
     /// Writes `rows` (`[n, width]`, converted to the pool's dtype) as layer `layer`'s rows
     /// of tokens `start..start + n` of the sequence whose page table is `page_table`. Pages
-    /// only partly covered keep their other rows. The caller owns these slots: no load may
-    /// target them meanwhile.
-    pub fn write_tokens(
+    /// only partly covered keep their other rows.
+    ///
+    /// # Safety
+    /// The caller owns the slots written: during the call nobody else reads or writes layer
+    /// `layer` of them (no load into them in flight, no concurrent read or write, no save).
+    pub unsafe fn write_tokens(
         &self,
         layer: u32,
         page_table: &[u32],
@@ -247,12 +282,14 @@ impl LatentPool {
             let take = (self.page_size - row).min(end - token);
             let src = &bytes[(token - start) * rb..(token - start + take) * rb];
             if take == self.page_size {
-                self.pool.write_slot(self.component, layer, slot, src)?;
+                // SAFETY: the caller owns this slot for the call (this function's contract).
+                unsafe { self.pool.write_slot(self.component, layer, slot, src) }?;
             } else {
-                self.pool
-                    .read_slot(self.component, layer, slot, &mut page)?;
+                // SAFETY: as above.
+                unsafe { self.pool.read_slot(self.component, layer, slot, &mut page) }?;
                 page[row * rb..(row + take) * rb].copy_from_slice(src);
-                self.pool.write_slot(self.component, layer, slot, &page)?;
+                // SAFETY: as above.
+                unsafe { self.pool.write_slot(self.component, layer, slot, &page) }?;
             }
             token += take;
         }

@@ -45,6 +45,34 @@ fn f32_latents(pages: u32) -> LatentPool {
     .unwrap()
 }
 
+// The adapter's raw slot copies, for tests whose pool is theirs alone: one thread, no
+// loader writing it.
+fn read(
+    lp: &LatentPool,
+    layer: u32,
+    table: &[u32],
+    tokens: usize,
+) -> Result<Tensor, CandleKvError> {
+    // SAFETY: each test's pool is its own, used from one thread, and nothing loads into it.
+    unsafe { lp.read_tokens(layer, table, tokens) }
+}
+
+fn pages(lp: &LatentPool, layer: u32, slots: &[u32]) -> Result<Tensor, CandleKvError> {
+    // SAFETY: as in `read`.
+    unsafe { lp.read_pages(layer, slots) }
+}
+
+fn write(
+    lp: &LatentPool,
+    layer: u32,
+    table: &[u32],
+    start: usize,
+    rows: &Tensor,
+) -> Result<(), CandleKvError> {
+    // SAFETY: as in `read`.
+    unsafe { lp.write_tokens(layer, table, start, rows) }
+}
+
 fn rows(n: usize, base: f32) -> Tensor {
     Tensor::arange(base, base + (n * 6) as f32, &Device::Cpu)
         .unwrap()
@@ -57,29 +85,26 @@ fn rows_round_trip_across_partial_pages_and_keep_their_neighbours() {
     let lp = f32_latents(8);
     let table = [6u32, 1, 3];
     // Tokens 0..3, then 3..9 (finishes page 0, fills page 1, starts page 2), then 9..11.
-    lp.write_tokens(2, &table, 0, &rows(3, 0.0)).unwrap();
-    lp.write_tokens(2, &table, 3, &rows(6, 18.0)).unwrap();
-    lp.write_tokens(2, &table, 9, &rows(2, 54.0)).unwrap();
-    let all = lp.read_tokens(2, &table, 11).unwrap();
+    write(&lp, 2, &table, 0, &rows(3, 0.0)).unwrap();
+    write(&lp, 2, &table, 3, &rows(6, 18.0)).unwrap();
+    write(&lp, 2, &table, 9, &rows(2, 54.0)).unwrap();
+    let all = read(&lp, 2, &table, 11).unwrap();
     assert_eq!(
         all.to_vec2::<f32>().unwrap(),
         rows(11, 0.0).to_vec2::<f32>().unwrap()
     );
     // Prefix reads, the paged form, and other layers untouched.
     assert_eq!(
-        lp.read_tokens(2, &table, 5)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap(),
+        read(&lp, 2, &table, 5).unwrap().to_vec2::<f32>().unwrap(),
         rows(5, 0.0).to_vec2::<f32>().unwrap()
     );
-    let paged = lp.read_pages(2, &table[..2]).unwrap();
+    let paged = pages(&lp, 2, &table[..2]).unwrap();
     assert_eq!(paged.dims(), &[2, 4, 6]);
     assert_eq!(
         paged.reshape((8, 6)).unwrap().to_vec2::<f32>().unwrap(),
         rows(8, 0.0).to_vec2::<f32>().unwrap()
     );
-    let other = lp.read_tokens(1, &table, 11).unwrap();
+    let other = read(&lp, 1, &table, 11).unwrap();
     assert!(other
         .flatten_all()
         .unwrap()
@@ -88,7 +113,7 @@ fn rows_round_trip_across_partial_pages_and_keep_their_neighbours() {
         .iter()
         .all(|&v| v == 0.0));
     // Zero tokens is an empty tensor, not an error.
-    assert_eq!(lp.read_tokens(0, &table, 0).unwrap().dims(), &[0, 6]);
+    assert_eq!(read(&lp, 0, &table, 0).unwrap().dims(), &[0, 6]);
 }
 
 #[test]
@@ -101,8 +126,8 @@ fn bf16_and_f16_pools_take_f32_rows_converted() {
         assert_eq!(f.row_bytes(), 12);
         let lp = LatentPool::new(pool_for(element, 12, 4), "k", f, Device::Cpu).unwrap();
         let r = rows(5, 0.0); // small integers: exact in both
-        lp.write_tokens(0, &[2, 0], 0, &r).unwrap();
-        let back = lp.read_tokens(0, &[2, 0], 5).unwrap();
+        write(&lp, 0, &[2, 0], 0, &r).unwrap();
+        let back = read(&lp, 0, &[2, 0], 5).unwrap();
         assert_eq!(back.dtype(), dtype);
         assert_eq!(
             back.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap(),
@@ -152,7 +177,7 @@ fn formats_that_do_not_fit_the_component_are_refused() {
 fn bad_reads_and_writes_are_typed_errors() {
     let lp = f32_latents(4);
     assert!(matches!(
-        lp.read_tokens(0, &[0, 1], 9),
+        read(&lp, 0, &[0, 1], 9),
         Err(CandleKvError::PageTable {
             needed: 3,
             have: 2,
@@ -160,7 +185,7 @@ fn bad_reads_and_writes_are_typed_errors() {
         })
     ));
     assert!(matches!(
-        lp.write_tokens(0, &[0], 2, &rows(3, 0.0)),
+        write(&lp, 0, &[0], 2, &rows(3, 0.0)),
         Err(CandleKvError::PageTable {
             start: 2,
             end: 5,
@@ -169,20 +194,14 @@ fn bad_reads_and_writes_are_typed_errors() {
     ));
     let wrong = Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap();
     assert!(matches!(
-        lp.write_tokens(0, &[0], 0, &wrong),
+        write(&lp, 0, &[0], 0, &wrong),
         Err(CandleKvError::Shape { .. })
     ));
     // A slot past the pool, a layer past the model.
+    assert!(matches!(read(&lp, 0, &[4], 1), Err(CandleKvError::Pool(_))));
+    assert!(matches!(read(&lp, 3, &[0], 1), Err(CandleKvError::Pool(_))));
     assert!(matches!(
-        lp.read_tokens(0, &[4], 1),
-        Err(CandleKvError::Pool(_))
-    ));
-    assert!(matches!(
-        lp.read_tokens(3, &[0], 1),
-        Err(CandleKvError::Pool(_))
-    ));
-    assert!(matches!(
-        lp.write_tokens(0, &[9], 0, &rows(1, 0.0)),
+        write(&lp, 0, &[9], 0, &rows(1, 0.0)),
         Err(CandleKvError::Pool(_))
     ));
     let f = *lp.format();
@@ -216,7 +235,8 @@ fn waits(mock: &MockKvLoader) -> Vec<u32> {
 fn each_layer_is_waited_once_before_it_is_read() {
     let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
     let ticket = mock.start_load(plan(1)).unwrap();
-    let mut cache = PagedLatentCache::new(f32_latents(4), vec![0, 1], 4)
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 4) }
         .with_load(LayerGate::new(mock.clone(), ticket));
     assert!(cache.gate().is_loading());
     for _ in 0..3 {
@@ -250,7 +270,8 @@ fn a_failed_wait_is_kept_typed_and_ends_in_a_failed_outcome() {
     script.fail_at_layer.insert(7, 1);
     let mock = Arc::new(MockKvLoader::new(3, script));
     let ticket = mock.start_load(plan(7)).unwrap();
-    let mut cache = PagedLatentCache::new(f32_latents(4), vec![0, 1], 8)
+    // SAFETY: as above.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
         .with_load(LayerGate::new(mock.clone(), ticket));
     cache.layer(0, 8).unwrap();
     let e = cache.layer(1, 8).unwrap_err();
@@ -275,8 +296,38 @@ fn a_failed_wait_is_kept_typed_and_ends_in_a_failed_outcome() {
 }
 
 #[test]
+fn a_load_that_did_not_settle_fences_the_loaded_tokens() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let ticket = mock.start_load(plan(9)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 4) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    // The outcome is taken elsewhere: the cache cannot learn that the load has stopped.
+    mock.wait_batch(&ticket).unwrap();
+    let e = cache.finish_load().unwrap_err();
+    assert!(e.needs_reset(), "{e}");
+    // The loaded tokens stay fenced: the load might still be writing them.
+    assert!(matches!(
+        cache.write(0, 0, &rows(1, 0.0)),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+    assert!(matches!(
+        cache.layer(0, 4),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+    assert!(matches!(
+        cache.layer_pages(0, 1),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+    // Past the loaded prefix the slots are the cache's own, as before.
+    cache.write(0, 4, &rows(1, 0.0)).unwrap();
+    assert_eq!(cache.loaded_tokens(), 4);
+}
+
+#[test]
 fn an_open_gate_never_calls_a_loader() {
-    let cache = PagedLatentCache::new(f32_latents(2), vec![1], 0);
+    // SAFETY: the test's own pool, no load.
+    let cache = unsafe { PagedLatentCache::new(f32_latents(2), vec![1], 0) };
     assert!(cache.layer(2, 3).is_ok());
     assert!(format!("{:?}", cache.gate()).contains("open"));
 }
@@ -295,7 +346,7 @@ struct CountingEvent {
 
 impl StreamWaitable for CountingEvent {
     fn wait_on_stream(&self, stream: RawStream) -> Result<(), KvLoadError> {
-        assert_eq!(stream, RawStream(0xabc));
+        assert_eq!(stream.as_raw(), 0xabc);
         self.streamed.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
@@ -348,7 +399,9 @@ fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
     host.wait(0).unwrap();
     host.wait(0).unwrap();
     let t2 = loader.start_load(plan(2)).unwrap();
-    let mut stream = LayerGate::new(loader.clone(), t2).on_stream(RawStream(0xabc));
+    // SAFETY: the fake event only compares the handle; no driver ever sees it.
+    let raw = unsafe { RawStream::from_raw(0xabc) };
+    let mut stream = LayerGate::new(loader.clone(), t2).on_stream(raw);
     stream.wait(1).unwrap();
     assert_eq!(event.synchronized.load(Ordering::SeqCst), 1);
     assert_eq!(event.streamed.load(Ordering::SeqCst), 1);

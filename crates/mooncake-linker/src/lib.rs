@@ -3,11 +3,17 @@
 //! drives the layer counter.
 
 mod linker;
+pub mod read_plan;
 pub mod store;
 
+#[cfg(target_os = "linux")]
+pub use linker::{serve_group_store, FormedTpGroup};
 pub use linker::{
     Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, TpGroup, LAYER_LATENCY_BUCKETS_US,
 };
+
+/// Re-exported: how keys are prefixed ([`LinkerConfig::namespace`]).
+pub use kv_geometry::Namespace;
 
 /// Re-exported: how the linker shares replicated KV (modes, bandwidths, collectives).
 pub use dedup_broadcast;

@@ -9,12 +9,15 @@
 //! loopback port, so that no test's objects live in another test's segment (a segment goes
 //! away with its client) and the store-full and master-killed tests control the whole cluster.
 
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+mod common;
+
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+use common::{available, env, free_port, unique, PrivateMaster};
 
 use mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use mooncake_linker::store::{
@@ -22,126 +25,6 @@ use mooncake_linker::store::{
 };
 
 // ---------------------------------------------------------------------------------- helpers
-
-fn require() -> bool {
-    std::env::var("KVLINK_REQUIRE_MOONCAKE").is_ok_and(|v| v == "1")
-}
-
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
-}
-
-/// Whether Mooncake is there; says how to enable the test when it is not (or fails, in CI).
-#[allow(clippy::print_stderr)] // the skip message is the point
-fn available(test: &str, needs: &[&str]) -> bool {
-    let missing: Vec<&str> = std::iter::once("MOONCAKE_MASTER")
-        .chain(needs.iter().copied())
-        .filter(|v| env(v).is_none())
-        .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    assert!(
-        !require(),
-        "{test}: KVLINK_REQUIRE_MOONCAKE=1 but {missing:?} unset; run under scripts/with-mooncake.sh"
-    );
-    eprintln!(
-        "skipping {test}: {missing:?} not set. To run it: scripts/mooncake-build-shim.sh && \
-         scripts/with-mooncake.sh cargo test -p mooncake-linker --test mooncake_store"
-    );
-    false
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A `mooncake_master` of this test only, on 127.0.0.1; killed on drop.
-struct PrivateMaster {
-    child: Option<Child>,
-    addr: String,
-    log: PathBuf,
-}
-
-impl PrivateMaster {
-    fn start(extra: &[&str]) -> Self {
-        let bin = env("MOONCAKE_MASTER_BIN").expect("MOONCAKE_MASTER_BIN");
-        let port = free_port();
-        let metrics = free_port();
-        let log = std::env::temp_dir().join(format!("kvlink-master-{port}.log"));
-        let child = Command::new(bin)
-            .arg("--rpc_address=127.0.0.1")
-            .arg(format!("--rpc_port={port}"))
-            .arg("--metrics_host=127.0.0.1")
-            .arg(format!("--metrics_port={metrics}"))
-            .arg("--enable_http_metadata_server=false")
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
-            .spawn()
-            .expect("start mooncake_master");
-        let addr = format!("127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(&addr).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "private master not listening on {addr}; log {}",
-                log.display()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self {
-            child: Some(child),
-            addr,
-            log,
-        }
-    }
-
-    fn config(&self, segment: u64) -> MooncakeConfig {
-        let mut cfg = MooncakeConfig::new(&self.addr)
-            .local_hostname("127.0.0.1")
-            .global_segment_size(segment)
-            .local_buffer_size(16 << 20);
-        if let Some(lib) = env("MOONCAKE_STORE_LIBRARY") {
-            cfg = cfg.library(lib);
-        }
-        if let Some(p) = env("MOONCAKE_PROTOCOL") {
-            cfg = cfg.protocol(p);
-        }
-        cfg
-    }
-
-    /// SIGKILL, now.
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for PrivateMaster {
-    fn drop(&mut self) {
-        self.kill();
-        // Keep the log of a failed test.
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_file(&self.log);
-        }
-    }
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{prefix}-{}-{nanos}", std::process::id())
-}
 
 /// The same bytes the Python side generates: `(i * 131 + seed) % 251`.
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -283,6 +166,38 @@ fn from_env_round_trip_exists_missing_remove() {
     );
 }
 
+/// The replace path's remove: an object found bad goes even while a read lease holds it
+/// (the load or lookup that found it took one), where a plain remove is refused.
+#[test]
+fn discard_removes_an_object_a_lease_holds() {
+    if !available(
+        "discard_removes_an_object_a_lease_holds",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let store = MooncakeStore::connect(master.config(64 << 20)).expect("connect");
+    let key = unique("bad");
+    put_one(&store, &key, &pattern(1, 4096)).unwrap();
+    assert_eq!(get_one(&store, &key, 4096).unwrap().len(), 4096); // a read: a lease
+    assert!(matches!(
+        &store.remove(&[&key])[0],
+        Err(StoreError::Lease { .. })
+    ));
+    assert_eq!(store.discard(&[&key]), vec![Ok(())]);
+    assert_eq!(store.exists(&[&key]), vec![Ok(false)]);
+    assert!(matches!(
+        &store.discard(&[&key])[0],
+        Err(StoreError::NotFound { .. })
+    ));
+    // And the next put writes it again (first-write-wins no longer keeps the bad one).
+    assert_eq!(
+        put_one(&store, &key, &pattern(2, 4096)),
+        Ok(PutOutcome::Written)
+    );
+}
+
 /// Pages are objects laid out layer after layer; a load reads a few layers of every page
 /// straight into a layer-major pool, as the linker does.
 #[test]
@@ -313,7 +228,9 @@ fn ranged_reads_of_several_layers_of_several_pages() {
         addr: pool.as_mut_ptr() as usize,
         len: pool.len(),
     };
-    store.register(region).unwrap();
+    // SAFETY: `pool` stays allocated until the `unregister` at the end of this test (a failed
+    // assertion ends the test with no transfer after it).
+    unsafe { store.register(region) }.unwrap();
     let base = pool.as_mut_ptr();
     let slot = |layer: usize, page: usize| (layer * PAGES + page) * LAYER_BYTES;
 
@@ -420,6 +337,111 @@ fn ranged_reads_of_several_layers_of_several_pages() {
         got[2]
     );
     assert_eq!(&small[..LAYER_BYTES], &objects[0][..LAYER_BYTES]);
+    store.unregister(region).unwrap();
+}
+
+/// A store with several read streams splits a large ranged read into concurrent calls and
+/// merges ranges adjacent in object and memory: the bytes and the per-key results (a missing
+/// key, a range past the end) come out the same as one call's.
+#[test]
+fn ranged_reads_in_streams_land_every_byte_and_keep_per_key_results() {
+    if !available(
+        "ranged_reads_in_streams_land_every_byte_and_keep_per_key_results",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let store = MooncakeStore::connect(master.config(192 << 20).read_streams(4)).expect("connect");
+    assert_eq!(store.config().read_streams_count(), 4);
+    const PAGES: usize = 12;
+    const LAYERS: usize = 6;
+    const LAYER_BYTES: usize = 1 << 20;
+    const OBJ: usize = LAYERS * LAYER_BYTES;
+    let keys: Vec<String> = (0..PAGES).map(|p| unique(&format!("stream{p}"))).collect();
+    let objects: Vec<Vec<u8>> = (0..PAGES).map(|p| pattern(p as u64 + 40, OBJ)).collect();
+    for (k, o) in keys.iter().zip(&objects) {
+        assert_eq!(put_one(&store, k, o), Ok(PutOutcome::Written));
+    }
+    let missing = unique("stream-missing");
+    let mut names: Vec<&str> = keys.iter().map(String::as_str).collect();
+    names.insert(5, &missing);
+    let mut buf = vec![0u8; (PAGES + 1) * OBJ];
+    let region = MemoryRegion {
+        addr: buf.as_mut_ptr() as usize,
+        len: buf.len(),
+    };
+    // SAFETY: `buf` stays allocated until the `unregister` at the end of this test (a failed
+    // assertion ends the test with no transfer after it).
+    unsafe { store.register(region) }.unwrap();
+    let base = buf.as_mut_ptr();
+    // Page-major: a page's layers are adjacent in memory as in the object (merged into one
+    // range per key). Layer-major: they are not (a range each).
+    for page_major in [true, false] {
+        let slot = |i: usize, l: usize| {
+            if page_major {
+                i * OBJ + l * LAYER_BYTES
+            } else {
+                (l * (PAGES + 1) + i) * LAYER_BYTES
+            }
+        };
+        let gets: Vec<RangedGet<'_>> = names
+            .iter()
+            .enumerate()
+            .map(|(i, key)| RangedGet {
+                key,
+                ranges: (0..LAYERS)
+                    .map(|l| {
+                        // The last key's last range runs past the end of its object.
+                        let past_end = i == PAGES && l == LAYERS - 1;
+                        ReadRange {
+                            // SAFETY: slot(i, l) + LAYER_BYTES <= buf.len(): inside `buf`.
+                            dst: unsafe { base.add(slot(i, l)) },
+                            len: if past_end { 1024 } else { LAYER_BYTES },
+                            offset: if past_end {
+                                (OBJ - 512) as u64
+                            } else {
+                                (l * LAYER_BYTES) as u64
+                            },
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        // SAFETY: distinct slots of `buf`, registered, untouched meanwhile.
+        let got = unsafe { store.get_ranges(&gets) };
+        assert_eq!(got.len(), PAGES + 1);
+        for (i, r) in got.iter().enumerate() {
+            if i == 5 {
+                assert_eq!(
+                    *r,
+                    Err(StoreError::NotFound {
+                        key: missing.clone()
+                    })
+                );
+            } else if i == PAGES {
+                assert!(
+                    matches!(r, Err(StoreError::InvalidArgument { key, .. }) if key == names[i]),
+                    "{r:?}"
+                );
+            } else {
+                assert_eq!(*r, Ok(OBJ as u64), "key {i} (page-major {page_major})");
+            }
+        }
+        for (i, key) in names.iter().enumerate().take(PAGES) {
+            let Some(p) = keys.iter().position(|k| k == key) else {
+                continue;
+            };
+            for l in 0..LAYERS {
+                assert!(
+                    buf[slot(i, l)..slot(i, l) + LAYER_BYTES]
+                        == objects[p][l * LAYER_BYTES..(l + 1) * LAYER_BYTES],
+                    "page {p} layer {l} (page-major {page_major})"
+                );
+            }
+        }
+        buf.fill(0);
+    }
     store.unregister(region).unwrap();
 }
 
@@ -650,7 +672,7 @@ impl StorageNode {
             .stderr(Stdio::null())
             .spawn()
             .expect("start mooncake_client");
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = kv_loader::deadline_after(Duration::from_secs(20));
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "storage node not listening");
             std::thread::sleep(Duration::from_millis(50));
@@ -718,7 +740,8 @@ fn bench_rust_ranged_reads_vs_python_batch_get_into() {
         addr: dst.as_mut_ptr() as usize,
         len: dst.len(),
     };
-    store.register(region).unwrap();
+    // SAFETY: `dst` stays allocated until the `unregister` at the end of this benchmark.
+    unsafe { store.register(region) }.unwrap();
     let base = dst.as_mut_ptr();
     let ranged = |layers: &[usize]| -> Vec<RangedGet<'_>> {
         keys.iter()

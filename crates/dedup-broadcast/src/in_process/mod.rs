@@ -54,10 +54,10 @@ use round::{Arrival, Desc, Group, OpKind, State};
 /// Builds the ranks of an in-process TP group.
 ///
 /// ```
-/// use std::time::{Duration, Instant};
+/// use std::time::Duration;
 /// use dedup_broadcast::{Collective, InProcessGroup};
 /// let ranks = InProcessGroup::new(3);
-/// let deadline = Instant::now() + Duration::from_secs(10);
+/// let deadline = kv_loader::deadline_after(Duration::from_secs(10));
 /// let mins: Vec<u64> = std::thread::scope(|s| {
 ///     let hs: Vec<_> = ranks
 ///         .iter()

@@ -143,7 +143,7 @@ impl NcclGroup {
         }
         let id = nccl_unique_id()?;
         let size = ordinals.len() as u32;
-        let deadline = Instant::now() + config.init_timeout;
+        let deadline = kv_loader::deadline_after(config.init_timeout);
         let group = Arc::new(Mutex::new(None));
         let pending: Vec<_> = ordinals
             .iter()
@@ -186,7 +186,10 @@ struct Pending {
 
 impl Pending {
     fn ready(self) -> Result<NcclCollective, CollectiveError> {
-        let wait = self.deadline.saturating_duration_since(Instant::now()) + self.handle.grace;
+        let wait = self
+            .deadline
+            .saturating_duration_since(Instant::now())
+            .saturating_add(self.handle.grace);
         match self.ready.recv_timeout(wait) {
             Ok(Ok(())) => Ok(self.handle),
             Ok(Err(e)) => Err(e),
@@ -243,7 +246,7 @@ impl NcclCollective {
         config: NcclConfig,
     ) -> Result<Self, CollectiveError> {
         nccl_version()?;
-        let deadline = Instant::now() + config.init_timeout;
+        let deadline = kv_loader::deadline_after(config.init_timeout);
         let group = Arc::new(Mutex::new(None));
         Self::spawn(unique_id, rank, size, ordinal, config, deadline, group)?.ready()
     }
@@ -354,7 +357,9 @@ impl NcclCollective {
             .map_err(|_| {
                 CollectiveError::Backend(format!("rank {}: the comm thread has ended", self.rank))
             })?;
-        let wait = deadline.saturating_duration_since(Instant::now()) + self.grace;
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .saturating_add(self.grace);
         match reply_rx.recv_timeout(wait) {
             Ok(Ok(reply)) => {
                 if let Reply::Done { device_ms } = &reply {

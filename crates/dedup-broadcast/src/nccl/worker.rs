@@ -365,7 +365,10 @@ impl Worker {
         self.comm = std::ptr::null_mut();
         self.aborted.get_or_insert_with(|| cause.to_string());
         if let Ok(ev) = CudaLayerEvent::record_on(&self.stream, u32::MAX) {
-            if !matches!(ev.wait_until(Instant::now() + self.grace), Ok(true)) {
+            if !matches!(
+                ev.wait_until(kv_loader::deadline_after(self.grace)),
+                Ok(true)
+            ) {
                 tracing::error!(
                     rank = self.rank,
                     "comm stream still busy after ncclCommAbort; its buffers may still be in use"
@@ -763,7 +766,7 @@ impl Worker {
             return;
         }
         let _ = self.device.bind();
-        let deadline = Instant::now() + self.grace;
+        let deadline = kv_loader::deadline_after(self.grace);
         if self.drain_last(deadline).is_err() {
             self.abort_comm("closing with an operation still in flight");
             return;

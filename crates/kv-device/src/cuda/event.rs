@@ -102,8 +102,9 @@ impl CudaLayerEvent {
         if cudarc::driver::result::ctx::get_current()?.is_none() {
             self.ctx.bind_to_thread()?;
         }
-        // SAFETY: the event is live (we own it); the caller vouches that `stream` is a live
-        // stream handle (any context may wait on an event of another context).
+        // SAFETY: the event is live (we own it); `stream` is a live stream handle: a cudarc
+        // stream's own, or a `RawStream` whose `unsafe` constructor's caller vouched for it
+        // (any context may wait on an event of another context).
         unsafe { sys::cuStreamWaitEvent(stream, self.event, 0) }.result()
     }
 
@@ -143,15 +144,17 @@ impl CudaLayerEvent {
 }
 
 impl StreamWaitable for CudaLayerEvent {
-    /// `stream.0` is a `CUstream` (the engine's compute stream) cast to `usize`.
+    /// `stream` is a `CUstream` (the engine's compute stream) cast to `usize`; its maker
+    /// vouched that it is live ([`RawStream::from_raw`]).
     fn wait_on_stream(&self, stream: RawStream) -> Result<(), KvLoadError> {
-        self.wait_raw(stream.0 as sys::CUstream).map_err(|e| {
-            KvLoadError::Device(format!(
-                "cuStreamWaitEvent (layer {}): {}",
-                self.layer,
-                driver_error_text(e)
-            ))
-        })
+        self.wait_raw(stream.as_raw() as sys::CUstream)
+            .map_err(|e| {
+                KvLoadError::Device(format!(
+                    "cuStreamWaitEvent (layer {}): {}",
+                    self.layer,
+                    driver_error_text(e)
+                ))
+            })
     }
 
     /// Polls until the event completes, at most a minute (never an unbounded

@@ -13,11 +13,12 @@ pub(crate) struct HostBuffer {
     layout: Layout,
 }
 
-// SAFETY: HostBuffer owns its allocation outright; it hands out addresses only, and the
-// kvlink protocol (one writer per slot per batch, readers after the layer is ready) orders
-// every access to the bytes behind them.
+// SAFETY: HostBuffer owns its allocation outright and hands out addresses only; nothing in
+// it is tied to a thread.
 unsafe impl Send for HostBuffer {}
-// SAFETY: see Send; shared references expose only the address and length.
+// SAFETY: a shared reference exposes only the address and the length, never the bytes. Every
+// access to the bytes goes through an `unsafe` call (`HostKvPool::read_slot`/`write_slot`, a
+// store's read or write) whose caller promises that no one else writes them meanwhile.
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {

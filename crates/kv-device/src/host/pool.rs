@@ -15,8 +15,20 @@ use crate::{DeviceError, KvPool, Residence};
 /// let pool = HostKvPool::new(g, 4).unwrap();
 /// assert_eq!(pool.regions().len(), 78 + 21);
 /// let mut page = vec![0xff; 41_984];
-/// pool.read_slot(ComponentId(0), 5, 3, &mut page).unwrap();
+/// // SAFETY: no load and no other thread touches this fresh pool.
+/// unsafe { pool.read_slot(ComponentId(0), 5, 3, &mut page) }.unwrap();
 /// assert!(page.iter().all(|&b| b == 0));
+/// ```
+///
+/// The slot copies are `unsafe`: the pool is shared (`Sync`, and a linker writes it through
+/// the store), so only the caller can know that no one writes a slot while it copies it.
+///
+/// ```compile_fail,E0133
+/// # use kv_device::HostKvPool;
+/// # use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
+/// # let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+/// let pool = HostKvPool::new(g, 4).unwrap();
+/// pool.write_slot(ComponentId(0), 5, 3, &[0u8; 41_984]).unwrap(); // needs `unsafe`
 /// ```
 pub struct HostKvPool {
     geometry: KvGeometry,
@@ -29,7 +41,7 @@ impl HostKvPool {
     pub fn new(geometry: KvGeometry, pages: u32) -> Result<Self, DeviceError> {
         let mut buffers = Vec::new();
         for c in geometry.components() {
-            let bytes = c.page_layer_bytes * u64::from(pages);
+            let bytes = c.page_layer_bytes.saturating_mul(u64::from(pages));
             let len = usize::try_from(bytes).map_err(|_| DeviceError::Alloc {
                 bytes,
                 what: "host pool buffer",
@@ -57,8 +69,14 @@ impl HostKvPool {
     }
 
     /// Copies one page slot's slice of (component, layer) out. `out` must be exactly the
-    /// slice's length. The caller orders this after the layer is ready (or after the load).
-    pub fn read_slot(
+    /// slice's length (else an error).
+    ///
+    /// # Safety
+    /// Nothing writes this slot's slice during the call: no
+    /// [`write_slot`](Self::write_slot) of it on another thread, and no load whose plan lands
+    /// in `slot` still in flight (wait for the layer, or the batch, first). Concurrent reads
+    /// are fine.
+    pub unsafe fn read_slot(
         &self,
         component: ComponentId,
         layer: u32,
@@ -67,14 +85,21 @@ impl HostKvPool {
     ) -> Result<(), DeviceError> {
         let src = self.slice_ptr(component, layer, slot, out.len())?;
         // SAFETY: `src` points inside our own buffer with `out.len()` bytes available
-        // (checked by `slice_ptr`); `out` is a distinct, exclusive slice.
+        // (checked by `slice_ptr`); `out` is a distinct, exclusive slice; nobody writes the
+        // source during the copy (the caller's promise).
         unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
         Ok(())
     }
 
     /// Copies `data` into one page slot's slice of (component, layer), as an engine's
-    /// attention would write new KV. `data` must be exactly the slice's length.
-    pub fn write_slot(
+    /// attention would write new KV. `data` must be exactly the slice's length (else an
+    /// error).
+    ///
+    /// # Safety
+    /// Nothing else reads or writes this slot's slice during the call: no
+    /// [`read_slot`](Self::read_slot) or `write_slot` of it on another thread, no load whose
+    /// plan lands in `slot` in flight, and no save of it in progress.
+    pub unsafe fn write_slot(
         &self,
         component: ComponentId,
         layer: u32,
@@ -82,8 +107,9 @@ impl HostKvPool {
         data: &[u8],
     ) -> Result<(), DeviceError> {
         let dst = self.slice_ptr(component, layer, slot, data.len())?;
-        // SAFETY: `dst` points inside our own buffer with `data.len()` bytes available; the
-        // caller owns this slot (no load targets it concurrently); `data` is a distinct slice.
+        // SAFETY: `dst` points inside our own buffer with `data.len()` bytes available; no
+        // one else touches the slice during the copy (the caller's promise); `data` is a
+        // distinct slice.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
         Ok(())
     }
@@ -120,7 +146,19 @@ impl KvPool for HostKvPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kv_geometry::ModelKvSpec;
+    use kv_geometry::{ComponentSpec, ElementType, ModelKvSpec, RowUnit, MAX_PAGE_SIZE};
+
+    #[test]
+    fn a_pool_too_large_to_size_is_an_error_not_an_overflow() {
+        // 2^16 tokens x 2^24 B rows: 2^40 B per slot, times 2^32 slots overflows u64.
+        let row = ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 1 << 24);
+        let spec = ModelKvSpec::new("huge", 1, MAX_PAGE_SIZE, vec![row]).unwrap();
+        let g = KvGeometry::new(spec, 1, 0).unwrap();
+        assert!(matches!(
+            HostKvPool::new(g, u32::MAX),
+            Err(DeviceError::Alloc { .. })
+        ));
+    }
 
     #[test]
     fn slots_are_distinct_and_round_trip() {
@@ -128,11 +166,14 @@ mod tests {
         let pool = HostKvPool::new(g, 3).unwrap();
         let ix = ComponentId(1);
         let a = vec![7u8; 8448];
-        pool.write_slot(ix, 3, 2, &a).unwrap();
+        // SAFETY: the pool is this test's alone, used from one thread.
+        unsafe { pool.write_slot(ix, 3, 2, &a) }.unwrap();
         let mut out = vec![0u8; 8448];
-        pool.read_slot(ix, 3, 2, &mut out).unwrap();
+        // SAFETY: as above.
+        unsafe { pool.read_slot(ix, 3, 2, &mut out) }.unwrap();
         assert_eq!(out, a);
-        pool.read_slot(ix, 3, 1, &mut out).unwrap();
+        // SAFETY: as above.
+        unsafe { pool.read_slot(ix, 3, 1, &mut out) }.unwrap();
         assert!(out.iter().all(|&b| b == 0), "neighbouring slot untouched");
         assert_eq!(
             pool.slot_addr(ix, 3, 2).unwrap() - pool.slot_addr(ix, 3, 1).unwrap(),
@@ -147,6 +188,7 @@ mod tests {
             pool.slot_addr(ix, 0, 3),
             Err(DeviceError::OutOfPool { .. })
         ));
-        assert!(pool.write_slot(ix, 0, 0, &a[..10]).is_err());
+        // SAFETY: as above.
+        assert!(unsafe { pool.write_slot(ix, 0, 0, &a[..10]) }.is_err());
     }
 }

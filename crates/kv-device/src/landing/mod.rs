@@ -258,7 +258,10 @@ pub trait LandingFactory: Send + Sync {
     ) -> Result<Box<dyn LayerLanding>, DeviceError>;
 
     /// The host memory a store writes into for this backend (pool buffers, or pinned
-    /// staging), as (address, length): register it with the store once.
+    /// staging), as (address, length): register it with the store once. It must be memory
+    /// the factory owns (or keeps alive) for as long as the factory lives: a linker
+    /// registers it with its store on that promise and keeps the factory until the store
+    /// has let go.
     fn store_regions(&self) -> Vec<(usize, usize)>;
 
     /// Which memory this backend's landings share rows through.

@@ -56,7 +56,7 @@ impl DeviceKvPool {
     ) -> Result<Self, DeviceError> {
         let mut buffers = Vec::new();
         for c in geometry.components() {
-            let bytes = c.page_layer_bytes * u64::from(pages);
+            let bytes = c.page_layer_bytes.saturating_mul(u64::from(pages));
             let len = usize::try_from(bytes).map_err(|_| DeviceError::Alloc {
                 bytes,
                 what: "device pool buffer",

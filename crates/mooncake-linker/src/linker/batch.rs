@@ -102,7 +102,7 @@ impl Inner {
     }
 
     fn collective_deadline(&self) -> Instant {
-        Instant::now() + self.config.collective_timeout
+        kv_loader::deadline_after(self.config.collective_timeout)
     }
 
     /// Every rank: the plan gate (even for an empty batch), then rank 0's mode proposal.

@@ -3,20 +3,34 @@
 use std::time::Duration;
 
 use dedup_broadcast::{Bandwidths, ModeChoice};
+use kv_geometry::Namespace;
 use kv_loader::ShareMode;
 
 /// How a linker names keys, bounds its waits and shares replicated components.
 ///
 /// ```
 /// use std::time::Duration;
-/// use mooncake_linker::LinkerConfig;
-/// let cfg = LinkerConfig { namespace: "glm52".into(), ..LinkerConfig::default() };
+/// use mooncake_linker::{LinkerConfig, Namespace};
+/// // Keys prefixed by the model and its KV format (the default)...
+/// let cfg = LinkerConfig::default();
+/// assert_eq!(cfg.namespace, Namespace::Model);
 /// assert_eq!(cfg.wait_deadline, Duration::from_secs(30));
+/// // ...by a prefix of your own...
+/// let mine = LinkerConfig { namespace: "glm52".into(), ..LinkerConfig::default() };
+/// // ...or by SGLang's scheme, to share a cache with SGLang.
+/// let shared = LinkerConfig {
+///     namespace: Namespace::sglang("prod", "zai-org/GLM-5.2"),
+///     ..LinkerConfig::default()
+/// };
+/// # let _ = (mine, shared);
 /// ```
 #[derive(Debug, Clone)]
 pub struct LinkerConfig {
-    /// Key prefix shared by every rank of a deployment (model and tag).
-    pub namespace: String,
+    /// Key prefix shared by every rank of a deployment. The default,
+    /// [`Namespace::Model`], names the model and its KV format (model name, element types,
+    /// page size, geometry fingerprint), so two models never read each other's objects;
+    /// [`Namespace::sglang`] gives SGLang's keys; `"text".into()` any fixed prefix.
+    pub namespace: Namespace,
     /// Context-parallel rank (in the key suffix).
     pub cp_rank: u32,
     /// Pipeline-parallel rank (in the key suffix).
@@ -51,7 +65,7 @@ pub struct LinkerConfig {
 impl Default for LinkerConfig {
     fn default() -> Self {
         LinkerConfig {
-            namespace: String::new(),
+            namespace: Namespace::Model,
             cp_rank: 0,
             pp_rank: 0,
             wait_deadline: Duration::from_secs(30),

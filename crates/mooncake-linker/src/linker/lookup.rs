@@ -5,6 +5,7 @@ use kv_loader::{KvLoadError, LookupHit, LookupRequest};
 use tracing::debug;
 
 use super::Inner;
+use crate::store::checked_results;
 
 impl Inner {
     /// One batched `exists` over every component's key of every candidate page; the hit
@@ -21,7 +22,7 @@ impl Inner {
             .map(|(p, c)| self.keys.object_key(p, c))
             .collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let present = self.store.exists(&refs);
+        let present = checked_results(&refs, self.store.exists(&refs));
         let mut hit = 0;
         'pages: for (i, _) in candidates.iter().enumerate() {
             for j in 0..comps.len() {
@@ -42,7 +43,7 @@ impl Inner {
             hit = i + 1;
         }
         if let Some(control) = self.control.as_ref().filter(|c| c.size() > 1) {
-            let deadline = std::time::Instant::now() + self.config.collective_timeout;
+            let deadline = kv_loader::deadline_after(self.config.collective_timeout);
             let min = control
                 .all_reduce_min_u64(hit as u64, deadline)
                 .map_err(|e| KvLoadError::Collective {

@@ -13,7 +13,11 @@ mod lookup;
 mod metrics;
 mod outcomes;
 mod pipeline;
+#[cfg(target_os = "linux")]
+mod process_group;
 mod reader;
+mod regions;
+mod replace;
 mod save;
 mod session;
 mod share;
@@ -43,6 +47,8 @@ use group::DataGroup;
 pub use group::TpGroup;
 pub use metrics::{LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
 use outcomes::{Outcomes, WaitFailure};
+#[cfg(target_os = "linux")]
+pub use process_group::{serve_group_store, FormedTpGroup};
 
 /// What a linker's API and its load thread both use.
 pub(crate) struct Inner {
@@ -255,13 +261,9 @@ impl Linker {
                 "the pool is laid out for another geometry".into(),
             ));
         }
-        for (addr, len) in landings.store_regions() {
-            store
-                .register(crate::store::MemoryRegion { addr, len })
-                .map_err(|e| KvLoadError::Config(format!("registering landing memory: {e}")))?;
-        }
+        regions::register_regions(&store, &landings)?;
         let keys = KeyScheme::new(
-            &config.namespace,
+            &config.namespace.resolve(&geometry),
             geometry.tp_rank,
             config.cp_rank,
             config.pp_rank,
@@ -286,7 +288,10 @@ impl Linker {
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-load-r{}", worker.geometry.tp_rank))
             .spawn(move || worker.load_loop(rx, data))
-            .map_err(|e| KvLoadError::Config(format!("spawning the load thread: {e}")))?;
+            .map_err(|e| {
+                regions::release_regions(&inner.store, &inner.landings);
+                KvLoadError::Config(format!("spawning the load thread: {e}"))
+            })?;
         Ok(Linker {
             inner,
             jobs: Mutex::new(Some(tx)),
@@ -322,7 +327,7 @@ impl Linker {
     fn cancel_all(&self) -> Result<(), KvLoadError> {
         let s = &self.inner;
         s.epoch.fetch_add(1, Ordering::AcqRel);
-        let deadline = Instant::now() + s.config.wait_deadline;
+        let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         if !s.outcomes.cancel_all(deadline) {
             return Err(KvLoadError::Config(format!(
                 "the load thread is still busy {:?} after reset (a store call hangs?)",
@@ -384,7 +389,7 @@ impl KvLoader for Linker {
                 },
             });
         }
-        let deadline = Instant::now() + s.config.wait_deadline;
+        let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         match s.outcomes.wait_layer(ticket, layer, deadline) {
             // Host pools are resident once the layer is marked; device pools hand back the
             // layer's event.
@@ -407,7 +412,7 @@ impl KvLoader for Linker {
 
     fn wait_batch(&self, ticket: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
         let s = &self.inner;
-        let deadline = Instant::now() + s.config.wait_deadline;
+        let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         s.outcomes
             .take(ticket.batch, deadline)
             .ok_or(KvLoadError::Timeout {
@@ -445,12 +450,7 @@ impl KvLoader for Linker {
                 let _ = t.join();
             }
         }
-        for (addr, len) in self.inner.landings.store_regions() {
-            let region = crate::store::MemoryRegion { addr, len };
-            if let Err(e) = self.inner.store.unregister(region) {
-                warn!(error = %e, "unregistering landing memory failed");
-            }
-        }
+        regions::release_regions(&self.inner.store, &self.inner.landings);
         cancelled
     }
 }

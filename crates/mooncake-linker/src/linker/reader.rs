@@ -10,7 +10,7 @@ use kv_geometry::{ComponentId, ComponentLayout};
 use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
 use smallvec::smallvec;
 
-use crate::store::{KvStore, RangedGet, ReadRange, StoreError};
+use crate::store::{checked_results, KvStore, RangedGet, ReadRange, StoreError};
 
 /// Where the store writes a row of the layer open in a stage.
 pub(crate) trait RowTarget {
@@ -119,6 +119,8 @@ impl LayerReader<'_> {
             // landing for this batch (distinct slots: the plan was validated for duplicates),
             // which nothing else reads or writes until the layer is marked ready.
             let results = unsafe { self.get_ranges(&gets) };
+            let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
+            let results = checked_results(&keys, results);
             let mut failed: Vec<u32> = Vec::new();
             let mut first: Option<KvLoadError> = None;
             for (i, r) in results.iter().enumerate() {
@@ -145,15 +147,6 @@ impl LayerReader<'_> {
                         });
                     }
                 }
-            }
-            if results.len() != gets.len() {
-                return Err(KvLoadError::Store {
-                    batch: Some(self.batch),
-                    layer: Some(layer),
-                    pages: Arc::from(Vec::new()),
-                    kind: StoreFailure::Other,
-                    detail: format!("{} results for {} reads", results.len(), gets.len()),
-                });
             }
             if let Some(mut e) = first {
                 if let KvLoadError::Store { pages, .. } = &mut e {
@@ -215,10 +208,12 @@ impl LayerReader<'_> {
             };
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
             let expected = comp.layout.object_bytes();
-            for (i, r) in self.store.object_size(&keys).into_iter().enumerate() {
+            let sizes = checked_results(&keys, self.store.object_size(&keys));
+            for (i, r) in sizes.into_iter().enumerate() {
                 match r {
                     Ok(actual) if actual == expected => {}
                     Ok(actual) => {
+                        super::replace::discard_objects(self.store, &[keys[i]]);
                         return Err(KvLoadError::InvalidPlan {
                             batch: self.batch,
                             reason: PlanError::ObjectSize {
@@ -226,7 +221,7 @@ impl LayerReader<'_> {
                                 expected,
                                 actual,
                             },
-                        })
+                        });
                     }
                     Err(e) => {
                         let page = (pages.start + i) as u32;

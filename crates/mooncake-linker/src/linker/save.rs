@@ -1,17 +1,30 @@
-//! Save: write a batch's pages from the pool to the store after prefill.
+//! Save: write a batch's pages from the pool to the store after prefill, each object with its
+//! checksum companion (`kv_geometry::checksum_key`).
 
 use kv_device::Residence;
+use kv_geometry::{checksum_key, layer_checksum, ObjectChecksums};
 use kv_loader::{BatchPlan, KvLoadError, SaveReport};
 use smallvec::SmallVec;
-use tracing::{debug, info_span};
+use tracing::{debug, info_span, warn};
 
 use super::reader::{store_failure, ComponentKeys};
 use super::Inner;
-use crate::store::{ObjectPut, PutOutcome};
+use crate::store::{checked_results, ObjectPut, PutOutcome};
+
+/// The checksum of `len` bytes at `addr`.
+///
+/// # Safety
+/// `[addr, addr + len)` is valid for reads and not written during the call.
+unsafe fn checksum_at(addr: usize, len: usize) -> u64 {
+    // SAFETY: the caller's promise.
+    layer_checksum(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+}
 
 impl Inner {
-    /// Writes every object of the plan this rank owns and the store lacks. Replicated
-    /// components are written by TP rank 0 only; sharded ones by every rank.
+    /// Writes every object of the plan this rank owns and the store lacks, each with its
+    /// checksum companion in the same store call. Replicated components are written by TP
+    /// rank 0 only; sharded ones by every rank. Objects already present are left as they
+    /// are (and get no companion: an object SGLang wrote stays checked by length only).
     pub(crate) fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
         plan.validate(&self.geometry, self.pool.pages())?;
         let batch = plan.logical.batch;
@@ -22,32 +35,34 @@ impl Inner {
                 report.objects_not_owned += comp.keys.len() as u32;
                 continue;
             }
-            let refs: Vec<&str> = comp.keys.iter().map(String::as_str).collect();
-            let present = self.store.exists(&refs);
-            let mut todo: Vec<usize> = Vec::new();
-            for (i, p) in present.iter().enumerate() {
-                match p {
-                    Ok(true) => report.objects_present += 1,
-                    Ok(false) => todo.push(i),
-                    Err(e) => return Err(store_failure(batch, None, vec![i as u32], e)),
-                }
-            }
+            let todo = self.missing_objects(plan, &comp, &mut report)?;
             for chunk in todo.chunks(self.config.save_chunk.max(1)) {
                 if self.pool.residence() != Residence::Host {
                     self.save_gathered(plan, &comp, chunk, &mut report)?;
                     continue;
                 }
                 let mut puts = Vec::with_capacity(chunk.len());
+                let mut sums = Vec::with_capacity(chunk.len());
+                let len = comp.layout.page_layer_bytes as usize;
                 for &page in chunk {
                     let slot = plan.slots[page];
                     let mut parts: SmallVec<[(*const u8, usize); 4]> = SmallVec::new();
+                    let mut layer_sums = Vec::with_capacity(comp.layout.layers.len());
                     for &layer in &comp.layout.layers {
                         let addr = self
                             .pool
                             .slot_addr(comp.layout.id, layer, slot)
                             .map_err(KvLoadError::from)?;
-                        parts.push((addr as *const u8, comp.layout.page_layer_bytes as usize));
+                        // SAFETY: a slice of a host pool buffer (`slot_addr` checked the slot),
+                        // valid for its length; the engine does not write the slots it saves
+                        // (the promise the put below relies on too).
+                        layer_sums.push(unsafe { checksum_at(addr, len) });
+                        parts.push((addr as *const u8, len));
                     }
+                    sums.push(ObjectChecksums {
+                        layer_bytes: comp.layout.page_layer_bytes,
+                        sums: layer_sums,
+                    });
                     puts.push(ObjectPut {
                         key: &comp.keys[page],
                         parts,
@@ -55,12 +70,55 @@ impl Inner {
                 }
                 // SAFETY: every part is a slice of a host pool buffer, valid for its length;
                 // the engine owns these slots and does not write them while it saves.
-                unsafe { self.put_chunk(batch, &puts, chunk, &mut report) }?;
+                unsafe { self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report) }?;
             }
         }
         self.metrics.written(report.bytes_written);
         debug!(?report, "saved");
         Ok(report)
+    }
+
+    /// The plan pages whose object of `comp` the store lacks (counting the others present).
+    /// A lacking object's leftover companion (its object was evicted or discarded alone) is
+    /// discarded first, so the new object gets a companion of its own bytes.
+    fn missing_objects(
+        &self,
+        plan: &BatchPlan,
+        comp: &ComponentKeys,
+        report: &mut SaveReport,
+    ) -> Result<Vec<usize>, KvLoadError> {
+        let companions: Vec<String> = comp.keys.iter().map(|k| checksum_key(k)).collect();
+        let keys: Vec<&str> = comp
+            .keys
+            .iter()
+            .chain(&companions)
+            .map(String::as_str)
+            .collect();
+        let present = checked_results(&keys, self.store.exists(&keys));
+        let (objects, sums) = present.split_at(comp.keys.len());
+        let mut todo = Vec::new();
+        let mut stale: Vec<&str> = Vec::new();
+        for (i, p) in objects.iter().enumerate() {
+            match p {
+                Ok(true) => report.objects_present += 1,
+                Ok(false) => {
+                    todo.push(i);
+                    if matches!(sums[i], Ok(true)) {
+                        stale.push(&companions[i]);
+                    }
+                }
+                Err(e) => return Err(store_failure(plan.logical.batch, None, vec![i as u32], e)),
+            }
+        }
+        if !stale.is_empty() {
+            let gone = checked_results(&stale, self.store.discard(&stale));
+            for (k, r) in stale.iter().zip(gone) {
+                if let Err(e) = r {
+                    warn!(key = k, error = %e, "a leftover checksum companion stays");
+                }
+            }
+        }
+        Ok(todo)
     }
 
     /// Saves plan pages `chunk` of one component from a pool the store cannot read in place:
@@ -94,6 +152,12 @@ impl Inner {
                 dst.copy_from_slice(src);
             }
         }
+        let sums = objects
+            .chunks(object.max(1))
+            .take(chunk.len())
+            .map(|o| ObjectChecksums::of_object(o, comp.layout.page_layer_bytes))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| KvLoadError::Config(format!("{batch}: checksums: {e}")))?;
         let puts: Vec<ObjectPut<'_>> = chunk
             .iter()
             .enumerate()
@@ -103,10 +167,12 @@ impl Inner {
             })
             .collect();
         // SAFETY: every part is a slice of `objects`, alive and unchanged during the call.
-        unsafe { self.put_chunk(batch, &puts, chunk, report) }
+        unsafe { self.put_chunk(batch, comp, &puts, &sums, chunk, report) }
     }
 
-    /// Puts one chunk's objects (plan pages `chunk`) and counts the outcome.
+    /// Puts one chunk's objects (plan pages `chunk`) with their checksum companions in one
+    /// store call, and counts the objects' outcome. A companion that fails to land leaves its
+    /// object checked by length only (logged, not an error of the save).
     ///
     /// # Safety
     /// Every part of every put is valid for reads of its length and not written during the
@@ -114,13 +180,28 @@ impl Inner {
     unsafe fn put_chunk(
         &self,
         batch: kv_loader::BatchId,
+        comp: &ComponentKeys,
         puts: &[ObjectPut<'_>],
+        sums: &[ObjectChecksums],
         chunk: &[usize],
         report: &mut SaveReport,
     ) -> Result<(), KvLoadError> {
-        // SAFETY: the caller's promise covers `puts`.
-        let results = unsafe { self.store.put(puts) };
-        for (put, (r, &page)) in puts.iter().zip(results.iter().zip(chunk)) {
+        let companions: Vec<(String, Vec<u8>)> = chunk
+            .iter()
+            .zip(sums)
+            .map(|(&page, s)| (checksum_key(&comp.keys[page]), s.encode()))
+            .collect();
+        let mut all: Vec<ObjectPut<'_>> = puts.to_vec();
+        all.extend(companions.iter().map(|(key, bytes)| ObjectPut {
+            key,
+            parts: smallvec::smallvec![(bytes.as_ptr(), bytes.len())],
+        }));
+        let keys: Vec<&str> = all.iter().map(|p| p.key).collect();
+        // SAFETY: the caller's promise covers `puts`; the companions' bytes are ours, alive
+        // and unchanged until the call returns.
+        let results = checked_results(&keys, unsafe { self.store.put(&all) });
+        let (objects, companion_results) = results.split_at(puts.len());
+        for (put, (r, &page)) in puts.iter().zip(objects.iter().zip(chunk)) {
             match r {
                 Ok(PutOutcome::Written) => {
                     report.objects_written += 1;
@@ -128,6 +209,11 @@ impl Inner {
                 }
                 Ok(PutOutcome::AlreadyPresent) => report.objects_present += 1,
                 Err(e) => return Err(store_failure(batch, None, vec![page as u32], e)),
+            }
+        }
+        for ((key, _), r) in companions.iter().zip(companion_results) {
+            if let Err(e) = r {
+                warn!(key, error = %e, "checksum companion not written: its object is checked by length only");
             }
         }
         Ok(())

@@ -29,20 +29,24 @@ impl<'a> PinnedKeys<'a> {
         })
     }
 
-    /// Renews the pins if the renewal period has passed.
+    /// Renews the pins if the renewal period has passed. Renewal extends: the fresh session
+    /// starts before the old one ends, so every key stays pinned throughout (stores count
+    /// sessions per key; ending the old one leaves the fresh one). If the fresh start fails,
+    /// the old session is kept (and ended on drop).
     pub(crate) fn renew_if_due(&mut self) -> Result<(), StoreError> {
         if self.renewed.elapsed() < self.every {
             return Ok(());
         }
-        let Some(old) = self.session.take() else {
+        let Some(current) = &self.session else {
             return Ok(());
         };
-        let keys: Vec<&str> = old.keys.iter().map(String::as_str).collect();
-        let fresh = self.store.start_session(&keys);
-        if let Err(e) = self.store.end_session(&old) {
-            warn!(error = %e, "ending a renewed read session failed");
+        let keys: Vec<&str> = current.keys.iter().map(String::as_str).collect();
+        let fresh = self.store.start_session(&keys)?;
+        if let Some(old) = self.session.replace(fresh) {
+            if let Err(e) = self.store.end_session(&old) {
+                warn!(error = %e, "ending a renewed read session failed");
+            }
         }
-        self.session = Some(fresh?);
         self.renewed = Instant::now();
         Ok(())
     }

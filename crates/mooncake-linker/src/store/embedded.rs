@@ -125,17 +125,8 @@ impl EmbeddedStore {
 
     fn put_one(&self, put: &ObjectPut<'_>) -> Result<PutOutcome, StoreError> {
         let len = put.len();
-        if self.shards[shard_of(put.key)].read().contains_key(put.key) {
-            return Ok(PutOutcome::AlreadyPresent);
-        }
-        if len > self.capacity {
-            return Err(StoreError::NoSpace {
-                key: put.key.to_string(),
-                detail: format!(
-                    "object of {len} bytes exceeds the store's capacity of {} bytes",
-                    self.capacity
-                ),
-            });
+        if let Some(done) = self.admit(put.key, len) {
+            return done;
         }
         let mut data = Vec::with_capacity(len as usize);
         for &(ptr, n) in &put.parts {
@@ -152,23 +143,48 @@ impl EmbeddedStore {
             // and not written during the call (trait contract).
             data.extend_from_slice(unsafe { std::slice::from_raw_parts(ptr, n) });
         }
+        self.insert(put.key, data)
+    }
+
+    /// The answer to a put of `len` bytes at `key` that needs no bytes: already present, or
+    /// too large for the store; `None` when the bytes should be stored.
+    pub(crate) fn admit(&self, key: &str, len: u64) -> Option<Result<PutOutcome, StoreError>> {
+        if self.shards[shard_of(key)].read().contains_key(key) {
+            return Some(Ok(PutOutcome::AlreadyPresent));
+        }
+        if len > self.capacity {
+            return Some(Err(StoreError::NoSpace {
+                key: key.to_string(),
+                detail: format!(
+                    "object of {len} bytes exceeds the store's capacity of {} bytes",
+                    self.capacity
+                ),
+            }));
+        }
+        None
+    }
+
+    /// Stores `data` at `key` (first write wins), evicting as needed: the store keeps the
+    /// caller's buffer, no copy.
+    pub(crate) fn insert(&self, key: &str, data: Vec<u8>) -> Result<PutOutcome, StoreError> {
+        let len = data.len() as u64;
         let mut used = self.used.lock();
         if !self.evict_for(&mut used, len) {
             return Err(StoreError::NoSpace {
-                key: put.key.to_string(),
+                key: key.to_string(),
                 detail: format!(
                     "{len} bytes do not fit: {} of {} bytes held, all pinned",
                     *used, self.capacity
                 ),
             });
         }
-        let mut shard = self.shards[shard_of(put.key)].write();
-        if shard.contains_key(put.key) {
+        let mut shard = self.shards[shard_of(key)].write();
+        if shard.contains_key(key) {
             return Ok(PutOutcome::AlreadyPresent);
         }
         *used += len;
         shard.insert(
-            put.key.to_string(),
+            key.to_string(),
             Entry {
                 data: data.into(),
                 last_used: AtomicU64::new(self.tick()),
@@ -176,6 +192,11 @@ impl EmbeddedStore {
             },
         );
         Ok(PutOutcome::Written)
+    }
+
+    /// An object's bytes, shared (not copied), marked as used.
+    pub(crate) fn object(&self, key: &str) -> Option<Arc<[u8]>> {
+        self.lookup(key)
     }
 
     fn not_found(key: &str) -> StoreError {
@@ -291,7 +312,7 @@ impl KvStore for EmbeddedStore {
             .collect()
     }
 
-    fn register(&self, _region: MemoryRegion) -> Result<(), StoreError> {
+    unsafe fn register(&self, _region: MemoryRegion) -> Result<(), StoreError> {
         Ok(())
     }
 

@@ -65,6 +65,17 @@ pub enum StoreError {
         /// Bytes that came.
         got: u64,
     },
+    /// The store answered a batched call with a different number of results than keys, so
+    /// no result can be matched to its key (see [`checked_results`](super::checked_results)).
+    #[error("`{key}`: the store gave {got} results for {expected} keys")]
+    ResultCount {
+        /// The key.
+        key: String,
+        /// Keys asked about.
+        expected: usize,
+        /// Results that came back.
+        got: usize,
+    },
     /// Any other code of the store.
     #[error("`{key}`: store error code {code}")]
     Other {
@@ -87,7 +98,7 @@ impl StoreError {
             StoreError::InvalidArgument { .. } => StoreFailure::InvalidArgument,
             StoreError::Unavailable { .. } => StoreFailure::Unavailable,
             StoreError::ShortRead { .. } => StoreFailure::ShortRead,
-            StoreError::Other { .. } => StoreFailure::Other,
+            StoreError::ResultCount { .. } | StoreError::Other { .. } => StoreFailure::Other,
         }
     }
 }

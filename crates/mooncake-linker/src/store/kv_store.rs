@@ -158,11 +158,34 @@ pub trait KvStore: Send + Sync {
     /// Removes objects (a missing key is `NotFound`).
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>>;
 
-    /// Registers memory the store will read into or write from (a no-op for stores that do
-    /// not need it).
-    fn register(&self, region: MemoryRegion) -> Result<(), StoreError>;
+    /// Removes objects known to be bad (wrong size, failed checksum), so that the next save
+    /// writes them again despite first-write-wins: like [`remove`](KvStore::remove), but a
+    /// read lease or pin does not keep the object (Mooncake: a forced remove). A missing key
+    /// is `NotFound`. The default is `remove`.
+    fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        self.remove(keys)
+    }
 
-    /// Undoes [`register`](KvStore::register).
+    /// Registers memory the store will read into or write from (a no-op for stores that do
+    /// not need it). Transports that pin memory (RDMA) keep using the region until it is
+    /// unregistered.
+    ///
+    /// # Safety
+    /// The region stays allocated (not freed, not unmapped) until
+    /// [`unregister`](KvStore::unregister) of it has returned `Ok`, or the store is dropped.
+    ///
+    /// ```compile_fail,E0133
+    /// use mooncake_linker::store::{EmbeddedStore, KvStore, MemoryRegion};
+    /// let buf = vec![0u8; 64];
+    /// let store = EmbeddedStore::new(1 << 20);
+    /// store.register(MemoryRegion { addr: buf.as_ptr() as usize, len: 64 }); // needs `unsafe`
+    /// ```
+    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError>;
+
+    /// Undoes [`register`](KvStore::register). Safe: a store whose transport uses the
+    /// region waits (bounded) until none of its calls is in flight before it lets go. A
+    /// region that is not registered is `Ok` (nothing to undo). On `Err` the region stays
+    /// registered: keep its memory allocated (leak it rather than free it).
     fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError>;
 
     /// Pins objects for a multi-step read (renew by calling again before the lease ends).

@@ -22,8 +22,13 @@ macro_rules! forward_to_inner {
             self.inner.remove(keys)
         }
 
-        fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-            self.inner.register(region)
+        fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            self.inner.discard(keys)
+        }
+
+        unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+            // SAFETY: forwarded with the caller's own promise.
+            unsafe { self.inner.register(region) }
         }
 
         fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
@@ -44,13 +49,17 @@ macro_rules! forward_to_inner {
     };
 }
 
+mod checked;
 mod embedded;
 mod error;
 mod faulty;
 mod kv_store;
 pub mod mooncake;
+#[cfg(target_os = "linux")]
+mod served;
 mod simulated;
 
+pub use checked::checked_results;
 pub use embedded::EmbeddedStore;
 
 pub use error::StoreError;
@@ -58,4 +67,6 @@ pub use faulty::{Fault, FaultRule, FaultyStore};
 pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
 };
+#[cfg(target_os = "linux")]
+pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE};
 pub use simulated::{SimulatedLink, SimulatedRemoteStore};

@@ -35,7 +35,10 @@ impl SimulatedLink {
         }
         let mut free = self.free_at.lock();
         let start = (*free).max(now);
-        let end = start + Duration::from_secs_f64(bytes as f64 / (self.gbps * 1e9));
+        // A link too slow to say in a Duration takes "forever" (saturating, never a panic).
+        let took =
+            Duration::try_from_secs_f64(bytes as f64 / (self.gbps * 1e9)).unwrap_or(Duration::MAX);
+        let end = kv_loader::deadline_from(start, took);
         *free = end;
         end
     }
@@ -85,11 +88,12 @@ impl SimulatedRemoteStore {
     }
 
     fn pace(&self, started: Instant, bytes: u64) {
-        let done = self
-            .own
-            .reserve(started, bytes)
-            .max(self.shared.reserve(started, bytes))
-            + self.latency;
+        let done = kv_loader::deadline_from(
+            self.own
+                .reserve(started, bytes)
+                .max(self.shared.reserve(started, bytes)),
+            self.latency,
+        );
         let now = Instant::now();
         if done > now {
             std::thread::sleep(done - now);
@@ -125,6 +129,17 @@ impl KvStore for SimulatedRemoteStore {
 mod tests {
     use super::*;
     use crate::store::{EmbeddedStore, ReadRange};
+
+    #[test]
+    fn a_link_too_slow_to_time_saturates_instead_of_panicking() {
+        let now = Instant::now();
+        let end = SimulatedLink::new(1e-300).reserve(now, u64::MAX);
+        assert!(end >= now + Duration::from_secs(3600));
+        // Queued behind it: still no overflow.
+        let link = SimulatedLink::new(f64::MIN_POSITIVE);
+        let first = link.reserve(now, 1 << 40);
+        assert!(link.reserve(now, 1 << 40) >= first);
+    }
 
     #[test]
     fn concurrent_readers_share_the_node_link() {

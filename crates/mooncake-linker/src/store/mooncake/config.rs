@@ -41,11 +41,15 @@ pub enum MooncakeConfigError {
 /// | `MOONCAKE_LOCAL_BUFFER_SIZE` (else `SGLANG_MOONCAKE_LOCAL_BUFFER_SIZE`) | [`local_buffer_size`](Self::local_buffer_size) | 16 MiB | the client's staging buffer for copying puts/gets |
 /// | `MOONCAKE_LOCAL_HOSTNAME` (else `LOCAL_HOSTNAME`) | [`local_hostname`](Self::local_hostname) | `localhost` | address other clients reach this one at |
 /// | `MOONCAKE_STORE_LIBRARY` | [`library`](Self::library) | search (mooncake-sys) | the store library (kvlink shim) to load |
+/// | `KVLINK_MOONCAKE_READ_STREAMS` | [`read_streams`](Self::read_streams) | [`auto_read_streams`] | concurrent calls one ranged read is split into (kvlink's own) |
+/// | `KVLINK_MOONCAKE_STAGED_MERGE` | [`staged_merge`](Self::staged_merge) | on for `tcp` | read a key's ranges that continue in the object as one range through scratch (kvlink's own; `0`/`1`) |
 ///
 /// Differences from SGLang: the protocol defaults to `tcp` (SGLang's newest default is `rdma`),
 /// and `MOONCAKE_DEVICE` must be a device name (SGLang also accepts a JSON map by TP rank).
 ///
-/// Variables read by the Mooncake client itself (not through this type): `MC_TCP_BIND_ADDRESS`
+/// Variables read by the Mooncake client itself (not through this type): `MC_TCP_LANES_PER_PEER`
+/// (TCP connections per storage node, default 4: more read streams than this queue behind
+/// each other), `MC_TCP_BIND_ADDRESS`
 /// (the address advertised to peers; needed where no non-loopback NIC exists), `MC_LOG_LEVEL`,
 /// and `MC_STORE_CLIENT_SETUP_RETRIES` (default 20): with the master unreachable,
 /// [`MooncakeStore::connect`](super::MooncakeStore::connect) fails only after all retries,
@@ -62,6 +66,8 @@ pub struct MooncakeConfig {
     library: Option<PathBuf>,
     replicate: ReplicateConfig,
     lease: Duration,
+    read_streams: usize,
+    staged_merge: Option<bool>,
 }
 
 /// SGLang's default global segment: "4gb".
@@ -70,6 +76,30 @@ pub const DEFAULT_GLOBAL_SEGMENT_SIZE: u64 = 4 << 30;
 pub const DEFAULT_LOCAL_BUFFER_SIZE: u64 = 16 << 20;
 /// The master's default read lease (`--default_kv_lease_ttl`, 10 s).
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+/// The most read streams [`MooncakeConfig::read_streams`] takes (the wheel's ceiling on TCP
+/// connections per storage node, `MC_TCP_LANES_PER_PEER`, is 16).
+pub const MAX_READ_STREAMS: usize = 16;
+
+/// The default number of read streams on a machine with `cores` CPUs: one per four cores, from
+/// 1 to 4 (the wheel's default TCP connections per storage node).
+///
+/// Each stream is a thread waiting inside the wheel's call, which polls for completion every
+/// 10 µs: on a 2-core machine extra streams took CPU from the transfer threads and made reads
+/// slower (docs/benchmarks.md), while where cores are free they overlap the per-range round
+/// trips that serialise one call.
+///
+/// ```
+/// use mooncake_linker::store::mooncake::auto_read_streams;
+/// assert_eq!(auto_read_streams(2), 1);
+/// assert_eq!(auto_read_streams(16), 4);
+/// ```
+pub fn auto_read_streams(cores: usize) -> usize {
+    (cores / 4).clamp(1, 4)
+}
+
+fn default_read_streams() -> usize {
+    auto_read_streams(std::thread::available_parallelism().map_or(1, usize::from))
+}
 
 impl MooncakeConfig {
     /// Defaults (see the table) for a master at `master` (`host:port`).
@@ -85,6 +115,8 @@ impl MooncakeConfig {
             library: None,
             replicate: ReplicateConfig::default(),
             lease: DEFAULT_LEASE,
+            read_streams: default_read_streams(),
+            staged_merge: None,
         }
     }
 
@@ -135,6 +167,31 @@ impl MooncakeConfig {
         }
         if let Some(l) = var("MOONCAKE_STORE_LIBRARY") {
             cfg.library = Some(PathBuf::from(l));
+        }
+        if let Some(v) = var("KVLINK_MOONCAKE_READ_STREAMS") {
+            cfg.read_streams = match v.trim().parse::<usize>() {
+                Ok(n) if (1..=MAX_READ_STREAMS).contains(&n) => n,
+                _ => {
+                    return Err(MooncakeConfigError::Invalid {
+                        var: "KVLINK_MOONCAKE_READ_STREAMS",
+                        value: v,
+                        reason: format!("expected 1 to {MAX_READ_STREAMS}"),
+                    })
+                }
+            };
+        }
+        if let Some(v) = var("KVLINK_MOONCAKE_STAGED_MERGE") {
+            cfg.staged_merge = match v.trim() {
+                "1" | "true" | "on" => Some(true),
+                "0" | "false" | "off" => Some(false),
+                _ => {
+                    return Err(MooncakeConfigError::Invalid {
+                        var: "KVLINK_MOONCAKE_STAGED_MERGE",
+                        value: v,
+                        reason: "expected 0 or 1".into(),
+                    })
+                }
+            };
         }
         Ok(cfg)
     }
@@ -194,6 +251,24 @@ impl MooncakeConfig {
         self
     }
 
+    /// Concurrent calls one ranged read is split into, by bytes (clamped to
+    /// 1..=[`MAX_READ_STREAMS`]; reads under 4 MiB per stream are not split). Default:
+    /// [`auto_read_streams`] of this machine's cores.
+    pub fn read_streams(mut self, streams: usize) -> Self {
+        self.read_streams = streams.clamp(1, MAX_READ_STREAMS);
+        self
+    }
+
+    /// Whether a key's ranges that continue each other in the object but not in memory (several
+    /// layers of a page into a layer-major pool) are read as one range into the store's scratch
+    /// and copied out: one round trip instead of one per range, for a memory copy (TCP only:
+    /// the scratch is not registered for RDMA, whose transport does not serialise ranges).
+    /// Default: on for `tcp`.
+    pub fn staged_merge(mut self, on: bool) -> Self {
+        self.staged_merge = Some(on);
+        self
+    }
+
     /// The master's address.
     pub fn master_addr(&self) -> &str {
         &self.master
@@ -242,6 +317,17 @@ impl MooncakeConfig {
     /// See [`lease`](Self::lease).
     pub fn lease_duration(&self) -> Duration {
         self.lease
+    }
+
+    /// See [`read_streams`](Self::read_streams).
+    pub fn read_streams_count(&self) -> usize {
+        self.read_streams
+    }
+
+    /// See [`staged_merge`](Self::staged_merge): as set, else whether the protocol is `tcp`.
+    pub fn staged_merge_enabled(&self) -> bool {
+        self.staged_merge
+            .unwrap_or_else(|| self.protocol.eq_ignore_ascii_case("tcp"))
     }
 
     pub(super) fn setup_args(&self) -> mooncake_sys::SetupArgs {
@@ -344,8 +430,20 @@ mod tests {
             ("SGLANG_MOONCAKE_LOCAL_BUFFER_SIZE", "32mb"),
             ("LOCAL_HOSTNAME", "node7"),
             ("MOONCAKE_STORE_LIBRARY", "/opt/lib.so"),
+            ("KVLINK_MOONCAKE_READ_STREAMS", "3"),
         ]))
         .unwrap();
+        assert_eq!(cfg.read_streams_count(), 3);
+        // rdma: no staged merge unless asked for.
+        assert!(!cfg.staged_merge_enabled());
+        assert!(cfg.clone().staged_merge(true).staged_merge_enabled());
+        assert!(MooncakeConfig::new("m:1").staged_merge_enabled());
+        let off = MooncakeConfig::from_lookup(lookup(&[
+            ("MOONCAKE_MASTER", "m:1"),
+            ("KVLINK_MOONCAKE_STAGED_MERGE", "0"),
+        ]))
+        .unwrap();
+        assert!(!off.staged_merge_enabled());
         assert_eq!(cfg.protocol_name(), "rdma");
         assert_eq!(cfg.device_name(), "mlx5_0");
         assert_eq!(cfg.metadata_server_addr(), "http://127.0.0.1:8080/metadata");
@@ -369,6 +467,32 @@ mod tests {
                 ..
             }
         ));
+        for bad in ["0", "17", "many"] {
+            let err = MooncakeConfig::from_lookup(lookup(&[
+                ("MOONCAKE_MASTER", "m:1"),
+                ("KVLINK_MOONCAKE_READ_STREAMS", bad),
+            ]))
+            .unwrap_err();
+            assert!(matches!(
+                err,
+                MooncakeConfigError::Invalid {
+                    var: "KVLINK_MOONCAKE_READ_STREAMS",
+                    ..
+                }
+            ));
+        }
+        assert_eq!(
+            MooncakeConfig::new("m:1")
+                .read_streams(0)
+                .read_streams_count(),
+            1
+        );
+        assert_eq!(
+            MooncakeConfig::new("m:1")
+                .read_streams(99)
+                .read_streams_count(),
+            MAX_READ_STREAMS
+        );
         let err = MooncakeConfig::from_lookup(lookup(&[
             ("MOONCAKE_MASTER", "m:1"),
             ("MOONCAKE_DEVICE", "{\"0\": \"mlx5_0\"}"),

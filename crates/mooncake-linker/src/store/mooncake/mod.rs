@@ -16,11 +16,15 @@
 //! namespace, with the `MOONCAKE_*` environment set.
 
 mod config;
+mod gate;
+mod ranges;
+mod read;
 mod store;
 
 pub use config::{
-    parse_size, MooncakeConfig, MooncakeConfigError, DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LEASE,
-    DEFAULT_LOCAL_BUFFER_SIZE,
+    auto_read_streams, parse_size, MooncakeConfig, MooncakeConfigError,
+    DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LEASE, DEFAULT_LOCAL_BUFFER_SIZE, MAX_READ_STREAMS,
 };
+pub use gate::UNREGISTER_WAIT;
 pub use mooncake_sys::ReplicateConfig;
 pub use store::{code_error, store_error, MooncakeStore};

@@ -3,23 +3,34 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError, Range};
+use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError};
 use parking_lot::Mutex;
 use tracing::{debug, warn};
 
 use super::config::MooncakeConfig;
+use super::gate::{TransferGate, UNREGISTER_WAIT};
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
 };
 
-/// Read-session bookkeeping of one key: Mooncake's sessions are not reference counted (one
-/// `batch_get_session_end` ends it), so the store counts its users.
+/// Read-session bookkeeping of one key: Mooncake's sessions are not reference counted (the
+/// client keeps one session per key; a repeated `batch_get_session_start` refreshes it, one
+/// `batch_get_session_end` erases it), so the store counts its users and ends the client's
+/// session only when the last one leaves.
 #[derive(Debug, Default)]
 struct KeySession {
-    /// Pinned by [`KvStore::start_session`] until [`KvStore::end_session`].
-    explicit: bool,
+    /// [`KvStore::start_session`]s of the key not yet matched by an
+    /// [`KvStore::end_session`] (several linkers, or a renewal overlapping the session it
+    /// renews).
+    explicit: usize,
     /// Ranged reads in flight that opened (or joined) the session.
     implicit: usize,
+}
+
+impl KeySession {
+    fn unused(&self) -> bool {
+        self.explicit == 0 && self.implicit == 0
+    }
 }
 
 /// A [`KvStore`] on a Mooncake Store: one Mooncake client embedded in this process (it also
@@ -29,20 +40,30 @@ struct KeySession {
 ///   `batch_get_into_multi_buffer_ranges`); register the destination once with
 ///   [`KvStore::register`] (required for RDMA; TCP works either way).
 /// - Ranged reads need a Mooncake read session: keys that are not in one opened with
-///   [`KvStore::start_session`] get one for the duration of the call.
+///   [`KvStore::start_session`] get one for the duration of the call. Sessions are counted
+///   per key: a start renews the lease (the master is asked again), and the client's session
+///   ends only when every start has been ended, so a renewal (start, then end of the old
+///   session) and two linkers on one store keep each other's sessions.
 /// - Puts are first-write-wins, as in Mooncake: keys found present are reported
 ///   [`PutOutcome::AlreadyPresent`] and not written (a key that appears between the check and
 ///   the write is reported `Written`, while Mooncake keeps the other writer's bytes).
 ///   Single-part objects are put zero-copy; multi-part objects are gathered into one staging
 ///   buffer first.
 /// - `remove` does not force: an object with a live read lease (10 s after a read or an
-///   exists check) is refused with [`StoreError::Lease`].
+///   exists check) is refused with [`StoreError::Lease`]; `discard` (for objects found bad)
+///   forces.
 /// - Each error carries the key; Mooncake codes map to [`StoreError`] variants (see
 ///   [`store_error`]).
 pub struct MooncakeStore {
-    client: Client,
-    config: MooncakeConfig,
+    pub(super) client: Client,
+    pub(super) config: MooncakeConfig,
     sessions: Mutex<HashMap<String, KeySession>>,
+    /// Reads and puts hold it shared; `unregister` alone.
+    pub(super) transfers: TransferGate,
+    /// Regions registered through this store (address to length).
+    registered: Mutex<HashMap<usize, usize>>,
+    /// Scratch areas of staged merges, kept for reuse (see `read.rs`).
+    pub(super) scratch: Mutex<Vec<Vec<u8>>>,
 }
 
 impl std::fmt::Debug for MooncakeStore {
@@ -87,6 +108,9 @@ impl MooncakeStore {
             client,
             config,
             sessions: Mutex::new(HashMap::new()),
+            transfers: TransferGate::default(),
+            registered: Mutex::new(HashMap::new()),
+            scratch: Mutex::new(Vec::new()),
         })
     }
 
@@ -142,7 +166,7 @@ impl MooncakeStore {
         for k in keys {
             if let Some(s) = sessions.get_mut(k) {
                 s.implicit = s.implicit.saturating_sub(1);
-                if s.implicit == 0 && !s.explicit {
+                if s.unused() {
                     sessions.remove(k);
                     to_end.push(k);
                 }
@@ -258,7 +282,7 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
     }
 }
 
-fn per_key<T>(
+pub(super) fn per_key<T>(
     keys: &[&str],
     results: Result<Vec<mooncake_sys::KeyResult<T>>, MooncakeError>,
     valid: &[usize],
@@ -278,7 +302,14 @@ fn per_key<T>(
     }
 }
 
-fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
+fn region_error(region: MemoryRegion, e: &MooncakeError) -> StoreError {
+    StoreError::InvalidArgument {
+        key: format!("<region {:#x}+{}>", region.addr, region.len),
+        detail: e.to_string(),
+    }
+}
+
+pub(super) fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
     Err(StoreError::Other {
         key: key.to_owned(),
         code: 0,
@@ -342,6 +373,7 @@ impl KvStore for MooncakeStore {
         };
         let ptrs: Vec<*mut u8> = valid.iter().map(|&i| gets[i].dst).collect();
         let sizes: Vec<usize> = valid.iter().map(|&i| gets[i].len).collect();
+        let _transfer = self.transfers.transfer();
         // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract) that each
         // `dst` is valid for writes of `len` bytes, not accessed by anyone else during the call,
         // and registered where the transport needs it; the call is synchronous.
@@ -388,46 +420,7 @@ impl KvStore for MooncakeStore {
             })
             .collect();
         if !readable.is_empty() {
-            let read_names: Vec<&str> = readable.iter().map(|&i| keys[i]).collect();
-            match CKeys::new(&read_names) {
-                Err(e) => {
-                    for &i in &readable {
-                        out[i] = Err(store_error(keys[i], &e));
-                    }
-                }
-                Ok(ckeys) => {
-                    let counts: Vec<usize> =
-                        readable.iter().map(|&i| gets[i].ranges.len()).collect();
-                    let ranges: Vec<Range> = readable
-                        .iter()
-                        .flat_map(|&i| gets[i].ranges.iter())
-                        .map(|r| Range {
-                            dst: r.dst.cast(),
-                            size: r.len as u64,
-                            offset: r.offset,
-                        })
-                        .collect();
-                    // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer
-                    // contract) that every range's `dst` is valid for writes of `len` bytes, not
-                    // accessed by anyone else during the call, and registered where the
-                    // transport needs it; the call is synchronous.
-                    let results =
-                        unsafe { self.client.batch_get_ranges_raw(&ckeys, &counts, &ranges) };
-                    per_key(&keys, results, &readable, &mut out);
-                    for &i in &readable {
-                        let expected = gets[i].expected();
-                        if let Ok(got) = out[i] {
-                            if got != expected {
-                                out[i] = Err(StoreError::ShortRead {
-                                    key: keys[i].to_owned(),
-                                    expected,
-                                    got,
-                                });
-                            }
-                        }
-                    }
-                }
-            }
+            self.read_streamed(gets, &readable, &mut out);
         }
         let joined_ok = joined
             .iter()
@@ -490,6 +483,7 @@ impl KvStore for MooncakeStore {
             }
         }
         let names: Vec<&str> = to_write.iter().map(|&i| keys[i]).collect();
+        let transfer = self.transfers.transfer();
         let results = match CKeys::new(&names) {
             // SAFETY: every pointer is either a caller's single source part (valid for reads of
             // its length for the whole call, by the trait's contract) or one of `staging`'s
@@ -504,6 +498,7 @@ impl KvStore for MooncakeStore {
             },
             Err(e) => Err(e),
         };
+        drop(transfer);
         let mut written: Vec<Result<(), StoreError>> = to_write
             .iter()
             .map(|&i| failed_placeholder(keys[i]))
@@ -523,32 +518,49 @@ impl KvStore for MooncakeStore {
             .collect()
     }
 
-    fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        // SAFETY: registering only tells the transfer engine about the region; Mooncake reads
-        // or writes it only inside this store's get/put calls, whose callers promise (KvStore's
-        // buffer contract) that the memory is valid for them. Between calls nothing touches it,
-        // so the region need not outlive the registration for memory safety (RDMA pins the
-        // pages in the kernel while registered).
+    /// A forced remove: a bad object goes even while a read lease (a load, a lookup) holds it.
+    fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        keys.iter()
+            .map(|k| self.client.remove(k, true).map_err(|e| store_error(k, &e)))
+            .collect()
+    }
+
+    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        let mut registered = self.registered.lock();
+        // SAFETY: mooncake-sys asks that the region stay allocated until it is unregistered or
+        // the client is dropped: exactly this function's own contract, which our caller took
+        // on. The client is dropped with this store.
         unsafe {
             self.client
                 .register_buffer(region.addr as *mut u8, region.len)
         }
-        .map_err(|e| StoreError::InvalidArgument {
-            key: format!("<region {:#x}+{}>", region.addr, region.len),
-            detail: e.to_string(),
-        })
+        .map_err(|e| region_error(region, &e))?;
+        registered.insert(region.addr, region.len);
+        Ok(())
     }
 
     fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        // SAFETY: as for `register`: no memory is accessed by unregistering. A transfer that
-        // another thread has in flight into the region would fail (a typed error of that call),
-        // not touch memory outside what its caller vouched for.
-        unsafe { self.client.unregister_buffer(region.addr as *mut u8) }.map_err(|e| {
-            StoreError::InvalidArgument {
-                key: format!("<region {:#x}+{}>", region.addr, region.len),
-                detail: e.to_string(),
-            }
-        })
+        let mut registered = self.registered.lock();
+        if !registered.contains_key(&region.addr) {
+            return Ok(());
+        }
+        // mooncake-sys asks that no call using the region be in flight: wait until no
+        // transfer of this store is (bounded; on time-out the region stays registered).
+        let Some(_quiet) = self.transfers.quiet(UNREGISTER_WAIT) else {
+            return Err(StoreError::Unavailable {
+                detail: format!(
+                    "<region {:#x}+{}>: transfers still in flight after {UNREGISTER_WAIT:?}; \
+                     the region stays registered",
+                    region.addr, region.len
+                ),
+            });
+        };
+        // SAFETY: no transfer of this store is in flight (the gate is held exclusively), and
+        // every transfer goes through this store's client.
+        unsafe { self.client.unregister_buffer(region.addr as *mut u8) }
+            .map_err(|e| region_error(region, &e))?;
+        registered.remove(&region.addr);
+        Ok(())
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
@@ -571,7 +583,7 @@ impl KvStore for MooncakeStore {
             return Err(results[pos].clone().unwrap_err());
         }
         for k in keys {
-            sessions.entry((*k).to_owned()).or_default().explicit = true;
+            sessions.entry((*k).to_owned()).or_default().explicit += 1;
         }
         Ok(ReadSession {
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
@@ -584,8 +596,8 @@ impl KvStore for MooncakeStore {
         let mut to_end = Vec::new();
         for k in &session.keys {
             if let Some(s) = sessions.get_mut(k) {
-                s.explicit = false;
-                if s.implicit == 0 {
+                s.explicit = s.explicit.saturating_sub(1);
+                if s.unused() {
                     sessions.remove(k);
                     to_end.push(k.as_str());
                 }

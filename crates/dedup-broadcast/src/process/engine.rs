@@ -1,0 +1,582 @@
+//! The transfer engine of the socket collective: runs one operation's byte streams to their
+//! ends, all at once, from one thread, with `poll(2)` and non-blocking vectored I/O.
+//!
+//! An operation is a set of **inbound** streams (bytes a peer sends this rank) and
+//! **outbound** streams (bytes this rank sends a peer), at most one of each per peer. Every
+//! stream starts with a fixed-size header (the operation's description, checked on arrival)
+//! followed by its body: a list of spans of the caller's rows. Bytes go from the socket
+//! straight into the rows (`readv`) and from the rows straight into the socket (`sendmsg`):
+//! no staging copy.
+//!
+//! An outbound stream may be **gated** on an inbound one: it may send its first `head` body
+//! bytes at once and each further byte only once the inbound stream has received the
+//! matching body byte. That is how a rank relays what it receives (the chain broadcast and
+//! the ring all-gather) while it is still arriving, pipelined at the socket's own pace.
+//!
+//! Failure rules: the run ends with an error when the deadline passes, when a peer whose
+//! stream is unfinished hangs up (end-of-stream, reset), or when a header does not match.
+//! A hang-up of a peer that this operation does not need (not a participant, or whose
+//! streams are complete) is only remembered in `hung`: it is not an error by itself, since a
+//! peer that finished the group's last operation may exit before this rank has read what it
+//! sent. Whatever that peer's absence breaks shows up as an unfinished stream.
+
+use std::io;
+use std::time::Instant;
+
+use super::link::{Link, Span, MAX_IOV};
+use crate::CollectiveError;
+
+/// Bytes of the header that starts every stream.
+pub(crate) const HEADER: usize = 40;
+
+/// Position in a list of spans.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cursor {
+    span: usize,
+    offset: usize,
+}
+
+/// Bytes a peer sends this rank: the header, then `body`.
+pub(crate) struct Inbound {
+    pub(crate) peer: u32,
+    pub(crate) header: [u8; HEADER],
+    pub(crate) body: Vec<Span>,
+    done: usize,
+    cursor: Cursor,
+    checked: bool,
+}
+
+/// Bytes this rank sends a peer: `header`, then `body`, optionally gated.
+pub(crate) struct Outbound {
+    pub(crate) peer: u32,
+    pub(crate) header: [u8; HEADER],
+    pub(crate) body: Vec<Span>,
+    pub(crate) gate: Option<Gate>,
+    done: usize,
+    cursor: Cursor,
+    blocked: bool,
+}
+
+/// Body bytes of an outbound stream past `head` may be sent only once inbound stream
+/// `inbound` (an index into the run's inbound list) has received the matching body bytes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Gate {
+    pub(crate) inbound: usize,
+    pub(crate) head: usize,
+}
+
+impl Inbound {
+    pub(crate) fn new(peer: u32, body: Vec<Span>) -> Self {
+        Inbound {
+            peer,
+            header: [0; HEADER],
+            body,
+            done: 0,
+            cursor: Cursor::default(),
+            checked: false,
+        }
+    }
+    fn total(&self) -> usize {
+        HEADER + body_len(&self.body)
+    }
+    fn finished(&self) -> bool {
+        self.done >= self.total()
+    }
+    fn body_done(&self) -> usize {
+        self.done.saturating_sub(HEADER)
+    }
+}
+
+impl Outbound {
+    pub(crate) fn new(
+        peer: u32,
+        header: [u8; HEADER],
+        body: Vec<Span>,
+        gate: Option<Gate>,
+    ) -> Self {
+        Outbound {
+            peer,
+            header,
+            body,
+            gate,
+            done: 0,
+            cursor: Cursor::default(),
+            blocked: false,
+        }
+    }
+    fn total(&self) -> usize {
+        HEADER + body_len(&self.body)
+    }
+    fn finished(&self) -> bool {
+        self.done >= self.total()
+    }
+}
+
+fn body_len(spans: &[Span]) -> usize {
+    spans.iter().map(|s| s.len).sum()
+}
+
+/// Why a run ended early.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// These peers hung up while this rank still had bytes to move with them.
+    Gone(Vec<u32>),
+    /// The deadline passed; these peers' headers had not arrived (empty: every peer had
+    /// started, some stream stalled further along).
+    Timeout(Vec<u32>),
+    /// A peer's header does not match this rank's operation.
+    Refused(CollectiveError),
+    /// A socket error other than a hang-up.
+    Io { peer: u32, error: io::Error },
+}
+
+/// The header span followed by the body spans, from `cursor`, at most `limit` bytes and
+/// [`MAX_IOV`] spans.
+fn pending(header: &[u8; HEADER], body: &[Span], cursor: Cursor, limit: usize) -> Vec<Span> {
+    let head = Span {
+        addr: header.as_ptr() as usize,
+        len: HEADER,
+    };
+    let all = std::iter::once(&head).chain(body.iter());
+    let mut out = Vec::new();
+    let mut left = limit;
+    for (i, s) in all.enumerate().skip(cursor.span) {
+        if left == 0 || out.len() == MAX_IOV {
+            break;
+        }
+        let skip = if i == cursor.span { cursor.offset } else { 0 };
+        let len = (s.len - skip).min(left);
+        if len > 0 {
+            out.push(Span {
+                addr: s.addr + skip,
+                len,
+            });
+            left -= len;
+        }
+    }
+    out
+}
+
+/// Moves `cursor` forward by `n` bytes over the header span then `body`.
+fn advance(cursor: &mut Cursor, body: &[Span], mut n: usize) {
+    while n > 0 {
+        let len = if cursor.span == 0 {
+            HEADER
+        } else {
+            body[cursor.span - 1].len
+        };
+        let step = (len - cursor.offset).min(n);
+        cursor.offset += step;
+        n -= step;
+        if cursor.offset == len {
+            cursor.span += 1;
+            cursor.offset = 0;
+        }
+    }
+    // Skip empty spans so the cursor always points at a byte still to move.
+    while cursor.span > 0 && cursor.span <= body.len() && body[cursor.span - 1].len == 0 {
+        cursor.span += 1;
+    }
+}
+
+fn is_hangup(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::UnexpectedEof
+    )
+}
+
+/// Header check: called once per inbound stream with the peer and its header.
+pub(crate) type HeaderCheck<'c> = dyn FnMut(u32, &[u8; HEADER]) -> Result<(), CollectiveError> + 'c;
+
+/// One operation in flight.
+pub(crate) struct Run<'a> {
+    pub(crate) links: &'a [Option<Link>],
+    /// Peers known to have hung up (kept by the handle across operations).
+    pub(crate) hung: &'a mut [bool],
+    pub(crate) inbound: Vec<Inbound>,
+    pub(crate) outbound: Vec<Outbound>,
+}
+
+impl Run<'_> {
+    /// Runs every stream to its end, or fails (see the module docs).
+    ///
+    /// # Safety
+    /// Every inbound body span is valid for writes and every outbound body span valid for
+    /// reads for the whole call, and nothing else touches them; inbound spans do not overlap
+    /// one another nor any outbound span, except that a gated outbound stream may send
+    /// bytes of its gate's inbound spans (it sends them only after they have arrived).
+    pub(crate) unsafe fn run(
+        &mut self,
+        deadline: Instant,
+        check: &mut HeaderCheck<'_>,
+    ) -> Result<(), Failure> {
+        let n = self.links.len();
+        let mut in_of = vec![None; n];
+        let mut out_of = vec![None; n];
+        for (i, s) in self.inbound.iter().enumerate() {
+            in_of[s.peer as usize] = Some(i);
+        }
+        for (i, s) in self.outbound.iter().enumerate() {
+            out_of[s.peer as usize] = Some(i);
+        }
+        loop {
+            // SAFETY: forwarded from this function's contract.
+            unsafe { self.send_what_is_ready()? };
+            if self.inbound.iter().all(Inbound::finished)
+                && self.outbound.iter().all(Outbound::finished)
+            {
+                return Ok(());
+            }
+            let gone: Vec<u32> = self
+                .outbound
+                .iter()
+                .filter(|o| !o.finished() && self.hung[o.peer as usize])
+                .map(|o| o.peer)
+                .collect();
+            if !gone.is_empty() {
+                return Err(Failure::Gone(gone));
+            }
+            let mut fds = Vec::with_capacity(n);
+            let mut peers = Vec::with_capacity(n);
+            for (peer, link) in self.links.iter().enumerate() {
+                let Some(link) = link else { continue };
+                let mut events: libc::c_short = 0;
+                if in_of[peer].is_some_and(|i| !self.inbound[i].finished()) {
+                    events |= libc::POLLIN;
+                }
+                if out_of[peer].is_some_and(|i| self.outbound[i].blocked) {
+                    events |= libc::POLLOUT;
+                }
+                if !self.hung[peer] {
+                    events |= libc::POLLRDHUP;
+                } else if events == 0 {
+                    continue;
+                }
+                fds.push(libc::pollfd {
+                    fd: link.fd(),
+                    events,
+                    revents: 0,
+                });
+                peers.push(peer);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Failure::Timeout(self.not_arrived()));
+            }
+            let ms = left.as_millis().saturating_add(1).min(i32::MAX as u128) as libc::c_int;
+            // SAFETY: `fds` is a live, correctly sized array of pollfd for the call.
+            let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Failure::Io {
+                    peer: u32::MAX,
+                    error: e,
+                });
+            }
+            for (pfd, &peer) in fds.iter().zip(&peers) {
+                let ev = pfd.revents;
+                if ev == 0 {
+                    continue;
+                }
+                let hangup = ev & (libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP) != 0;
+                if let Some(i) = in_of[peer] {
+                    if ev & (libc::POLLIN | libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP) != 0
+                        && !self.inbound[i].finished()
+                    {
+                        // SAFETY: forwarded from this function's contract.
+                        unsafe { self.read(i, check)? };
+                    }
+                }
+                if hangup {
+                    self.hung[peer] = true;
+                }
+                if ev & libc::POLLOUT != 0 {
+                    if let Some(i) = out_of[peer] {
+                        self.outbound[i].blocked = false;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Peers whose header has not arrived, for a timeout's report.
+    fn not_arrived(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self
+            .inbound
+            .iter()
+            .filter(|s| s.done < HEADER)
+            .map(|s| s.peer)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Reads what inbound stream `i`'s socket holds, up to the stream's end.
+    ///
+    /// # Safety
+    /// As for [`run`](Self::run).
+    unsafe fn read(&mut self, i: usize, check: &mut HeaderCheck<'_>) -> Result<(), Failure> {
+        let s = &mut self.inbound[i];
+        let Some(link) = self.links[s.peer as usize].as_ref() else {
+            return Err(Failure::Gone(vec![s.peer]));
+        };
+        while !s.finished() {
+            let spans = pending(&s.header, &s.body, s.cursor, s.total() - s.done);
+            // SAFETY: the header is this stream's own array; body spans are valid for writes
+            // and untouched by others (this function's contract); `pending` never goes past
+            // the stream's end, so no byte of the next operation is consumed.
+            match unsafe { link.read_into(&spans) } {
+                Ok(0) => {
+                    self.hung[s.peer as usize] = true;
+                    return Err(Failure::Gone(vec![s.peer]));
+                }
+                Ok(got) => {
+                    s.done += got;
+                    advance(&mut s.cursor, &s.body, got);
+                    if !s.checked && s.done >= HEADER {
+                        s.checked = true;
+                        check(s.peer, &s.header).map_err(Failure::Refused)?;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if is_hangup(&e) => {
+                    self.hung[s.peer as usize] = true;
+                    return Err(Failure::Gone(vec![s.peer]));
+                }
+                Err(error) => {
+                    return Err(Failure::Io {
+                        peer: s.peer,
+                        error,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// How many more bytes outbound stream `i` may send now.
+    fn sendable(&self, i: usize) -> usize {
+        let o = &self.outbound[i];
+        let body = body_len(&o.body);
+        let body_limit = match o.gate {
+            None => body,
+            Some(g) => body.min(g.head + self.inbound[g.inbound].body_done()),
+        };
+        (HEADER + body_limit).saturating_sub(o.done)
+    }
+
+    /// Sends on every outbound stream that has bytes it may send and a socket that is not
+    /// known to be full.
+    ///
+    /// # Safety
+    /// As for [`run`](Self::run).
+    unsafe fn send_what_is_ready(&mut self) -> Result<(), Failure> {
+        for i in 0..self.outbound.len() {
+            loop {
+                let can = self.sendable(i);
+                let o = &mut self.outbound[i];
+                if can == 0 || o.blocked || o.finished() {
+                    break;
+                }
+                let Some(link) = self.links[o.peer as usize].as_ref() else {
+                    return Err(Failure::Gone(vec![o.peer]));
+                };
+                let spans = pending(&o.header, &o.body, o.cursor, can);
+                // SAFETY: the header is this stream's own array; body spans are valid for
+                // reads and not written (contract); a gated stream's spans past its head are
+                // bytes its inbound stream has already received.
+                match unsafe { link.send_from(&spans) } {
+                    Ok(sent) => {
+                        o.done += sent;
+                        advance(&mut o.cursor, &o.body, sent);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => o.blocked = true,
+                    Err(e) if is_hangup(&e) => {
+                        self.hung[o.peer as usize] = true;
+                        return Err(Failure::Gone(vec![o.peer]));
+                    }
+                    Err(error) => {
+                        return Err(Failure::Io {
+                            peer: o.peer,
+                            error,
+                        })
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
+
+    fn span(v: &[u8]) -> Span {
+        Span {
+            addr: v.as_ptr() as usize,
+            len: v.len(),
+        }
+    }
+
+    #[test]
+    fn cursor_walks_header_then_body_skipping_empty_spans() {
+        let a = vec![0u8; 3];
+        let b: Vec<u8> = Vec::new();
+        let c = vec![0u8; 2];
+        let body = vec![span(&a), span(&b), span(&c)];
+        let header = [0u8; HEADER];
+        let mut cur = Cursor::default();
+        let p = pending(&header, &body, cur, usize::MAX);
+        assert_eq!(
+            p.iter().map(|s| s.len).collect::<Vec<_>>(),
+            vec![HEADER, 3, 2]
+        );
+        advance(&mut cur, &body, HEADER + 2);
+        let p = pending(&header, &body, cur, 2);
+        assert_eq!(p.len(), 2);
+        assert_eq!((p[0].addr, p[0].len), (a.as_ptr() as usize + 2, 1));
+        assert_eq!(p[1].len, 1);
+        advance(&mut cur, &body, 1);
+        assert_eq!(cur.span, 3, "the empty span is skipped");
+    }
+
+    /// A three-rank chain over socket pairs, in threads: rank 0 sends, rank 1 relays while
+    /// receiving, rank 2 receives. Large enough to need many socket-buffer rounds.
+    #[test]
+    fn a_gated_relay_pipelines_bytes_through_a_middle_rank() {
+        let len = 3 << 20;
+        let (a01, a10) = UnixStream::pair().unwrap();
+        let (a12, a21) = UnixStream::pair().unwrap();
+        let link = |s: UnixStream| {
+            let l = Link::Unix(s);
+            l.prepare().unwrap();
+            Some(l)
+        };
+        let links0 = vec![None, link(a01), None];
+        let links1 = vec![link(a10), None, link(a12)];
+        let links2 = vec![None, link(a21), None];
+        let src: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let hdr = [9u8; HEADER];
+        let out = std::thread::scope(|s| {
+            let src = &src;
+            s.spawn(move || {
+                let mut hung = vec![false; 3];
+                let mut run = Run {
+                    links: &links0,
+                    hung: &mut hung,
+                    inbound: vec![],
+                    outbound: vec![Outbound::new(1, hdr, vec![span(src)], None)],
+                };
+                // SAFETY: `src` is live and read-only for the run.
+                unsafe { run.run(deadline, &mut |_, _| Ok(())) }.unwrap();
+            });
+            let mid = s.spawn(move || {
+                let mut rows = vec![0u8; len];
+                let body = vec![Span {
+                    addr: rows.as_mut_ptr() as usize,
+                    len,
+                }];
+                let mut hung = vec![false; 3];
+                let mut run = Run {
+                    links: &links1,
+                    hung: &mut hung,
+                    inbound: vec![Inbound::new(0, body.clone())],
+                    outbound: vec![Outbound::new(
+                        2,
+                        hdr,
+                        body,
+                        Some(Gate {
+                            inbound: 0,
+                            head: 0,
+                        }),
+                    )],
+                };
+                let mut seen = 0;
+                // SAFETY: `rows` is this thread's own; the gated stream only sends bytes that
+                // have arrived.
+                unsafe {
+                    run.run(deadline, &mut |peer, h| {
+                        seen += 1;
+                        assert_eq!((peer, h), (0, &hdr));
+                        Ok(())
+                    })
+                }
+                .unwrap();
+                assert_eq!(seen, 1);
+                rows
+            });
+            let last = s.spawn(move || {
+                let mut rows = vec![0u8; len];
+                let body = vec![Span {
+                    addr: rows.as_mut_ptr() as usize,
+                    len,
+                }];
+                let mut hung = vec![false; 3];
+                let mut run = Run {
+                    links: &links2,
+                    hung: &mut hung,
+                    inbound: vec![Inbound::new(1, body)],
+                    outbound: vec![],
+                };
+                // SAFETY: `rows` is this thread's own.
+                unsafe { run.run(deadline, &mut |_, _| Ok(())) }.unwrap();
+                rows
+            });
+            (mid.join().unwrap(), last.join().unwrap())
+        });
+        assert!(out.0 == src && out.1 == src);
+    }
+
+    #[test]
+    fn a_peer_that_hangs_up_mid_stream_is_gone_and_a_silent_one_times_out() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let links = vec![None, Some(Link::Unix(a))];
+        links[1].as_ref().unwrap().prepare().unwrap();
+        let mut rows = vec![0u8; 100];
+        let body = vec![Span {
+            addr: rows.as_mut_ptr() as usize,
+            len: 100,
+        }];
+        let mut hung = vec![false; 2];
+        let t = Instant::now();
+        let mut run = Run {
+            links: &links,
+            hung: &mut hung,
+            inbound: vec![Inbound::new(1, body.clone())],
+            outbound: vec![],
+        };
+        // SAFETY: `rows` is ours.
+        let r = unsafe { run.run(t + Duration::from_millis(50), &mut |_, _| Ok(())) };
+        assert!(
+            matches!(r, Err(Failure::Timeout(ref m)) if m == &[1]),
+            "{r:?}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // The peer sends half a header, then dies.
+        use std::io::Write;
+        (&b).write_all(&[0u8; 10]).unwrap();
+        drop(b);
+        let mut run = Run {
+            links: &links,
+            hung: &mut hung,
+            inbound: vec![Inbound::new(1, body)],
+            outbound: vec![],
+        };
+        // SAFETY: `rows` is ours.
+        let r = unsafe { run.run(Instant::now() + Duration::from_secs(30), &mut |_, _| Ok(())) };
+        assert!(matches!(r, Err(Failure::Gone(ref g)) if g == &[1]), "{r:?}");
+        assert!(hung[1]);
+    }
+}

@@ -1,0 +1,310 @@
+//! The group's connections: every rank listens (TCP, and an abstract Unix socket when
+//! allowed), tells the others where in its hello, and once the group is formed every pair of
+//! ranks connects once per handle: the higher rank connects, the lower accepts. A handshake
+//! names the epoch, the handle and both ranks, so a connection left over from an earlier
+//! epoch, or meant for another handle, is never taken for this one.
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::{Duration, Instant};
+
+use super::link::Link;
+use super::rendezvous::message::{Endpoint, Transport};
+use super::rendezvous::RendezvousError;
+use super::wire::{read_exact_by, remaining};
+
+const MAGIC: u32 = u32::from_le_bytes(*b"KVMH");
+const ACK: [u8; 4] = *b"KVOK";
+const HANDSHAKE: usize = 24;
+
+/// A rank's listening sockets for one formation.
+pub(crate) struct MeshListener {
+    tcp: TcpListener,
+    unix: Option<UnixListener>,
+    pub(crate) endpoint: Endpoint,
+}
+
+/// The host and network namespace this process runs in: ranks with the same key can reach
+/// each other's abstract Unix sockets.
+pub(crate) fn host_key() -> Option<String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let net = std::fs::read_link("/proc/self/ns/net").ok()?;
+    Some(format!("{}/{}", boot.trim(), net.display()))
+}
+
+impl MeshListener {
+    /// Listens on TCP at `ip` (any port) and, with `unix`, on a fresh abstract Unix socket.
+    pub(crate) fn bind(ip: IpAddr, unix: bool, nonce: u64) -> std::io::Result<Self> {
+        let tcp = TcpListener::bind(SocketAddr::new(ip, 0))?;
+        let host = host_key();
+        let (unix, name) = match (&host, unix) {
+            (Some(_), true) => {
+                let name = format!("kvlink-{}-{nonce:016x}", std::process::id());
+                let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+                (Some(UnixListener::bind_addr(&addr)?), Some(name))
+            }
+            _ => (None, None),
+        };
+        let endpoint = Endpoint {
+            tcp: Some(tcp.local_addr()?),
+            unix: name,
+            host: host.unwrap_or_else(|| format!("unknown-{nonce:x}")),
+        };
+        Ok(MeshListener {
+            tcp,
+            unix,
+            endpoint,
+        })
+    }
+
+    /// Accepts one connection before `deadline` (`None` at the deadline).
+    fn accept(&self, transport: Transport, deadline: Instant) -> std::io::Result<Option<Link>> {
+        let fd = match (transport, &self.unix) {
+            (Transport::Unix, Some(u)) => u.as_raw_fd(),
+            _ => self.tcp.as_raw_fd(),
+        };
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let ms = left.as_millis().saturating_add(1).min(i32::MAX as u128) as libc::c_int;
+            // SAFETY: one live pollfd for the call.
+            let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if r == 0 {
+                continue;
+            }
+            return Ok(Some(match (transport, &self.unix) {
+                (Transport::Unix, Some(u)) => Link::Unix(u.accept()?.0),
+                _ => Link::Tcp(self.tcp.accept()?.0),
+            }));
+        }
+    }
+}
+
+fn handshake(epoch: u64, handle: u32, from: u32, to: u32) -> [u8; HANDSHAKE] {
+    let mut b = [0u8; HANDSHAKE];
+    b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    b[4..12].copy_from_slice(&epoch.to_le_bytes());
+    b[12..16].copy_from_slice(&handle.to_le_bytes());
+    b[16..20].copy_from_slice(&from.to_le_bytes());
+    b[20..24].copy_from_slice(&to.to_le_bytes());
+    b
+}
+
+fn parse_handshake(b: &[u8; HANDSHAKE]) -> (u32, u64, u32, u32, u32) {
+    let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let mut e = [0u8; 8];
+    e.copy_from_slice(&b[4..12]);
+    (
+        u32_at(0),
+        u64::from_le_bytes(e),
+        u32_at(12),
+        u32_at(16),
+        u32_at(20),
+    )
+}
+
+/// A blocking stream with timeouts, for the handshake.
+enum Blocking<'a> {
+    Tcp(&'a TcpStream),
+    Unix(&'a UnixStream),
+}
+
+impl Read for Blocking<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Blocking::Tcp(s) => (*s).read(buf),
+            Blocking::Unix(s) => (*s).read(buf),
+        }
+    }
+}
+
+impl Write for Blocking<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Blocking::Tcp(s) => (*s).write(buf),
+            Blocking::Unix(s) => (*s).write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl super::wire::TimedStream for Blocking<'_> {
+    fn set_timeouts(&self, left: Duration) -> std::io::Result<()> {
+        match self {
+            Blocking::Tcp(s) => s.set_timeouts(left),
+            Blocking::Unix(s) => s.set_timeouts(left),
+        }
+    }
+}
+
+fn blocking(link: &Link) -> Blocking<'_> {
+    match link {
+        Link::Tcp(s) => Blocking::Tcp(s),
+        Link::Unix(s) => Blocking::Unix(s),
+    }
+}
+
+fn write_all_by(link: &Link, bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
+    let mut s = blocking(link);
+    super::wire::TimedStream::set_timeouts(&s, remaining(deadline)?)?;
+    s.write_all(bytes)
+}
+
+/// Connects to `peer` at its endpoint, retrying refusals until `deadline`.
+fn connect(
+    transport: Transport,
+    peer: &Endpoint,
+    rendezvous_ip: Option<IpAddr>,
+    deadline: Instant,
+) -> std::io::Result<Link> {
+    loop {
+        let attempt = match transport {
+            Transport::Unix => {
+                let name = peer.unix.as_deref().unwrap_or_default();
+                std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+                    .and_then(|a| UnixStream::connect_addr(&a))
+                    .map(Link::Unix)
+            }
+            Transport::Tcp => {
+                let mut addr = peer.tcp.ok_or_else(|| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, "no TCP address")
+                })?;
+                if addr.ip().is_unspecified() {
+                    if let Some(ip) = rendezvous_ip {
+                        addr.set_ip(ip);
+                    }
+                }
+                TcpStream::connect_timeout(&addr, remaining(deadline)?.min(Duration::from_secs(2)))
+                    .map(Link::Tcp)
+            }
+        };
+        match attempt {
+            Ok(l) => return Ok(l),
+            Err(e) if Instant::now() + Duration::from_millis(20) < deadline => {
+                tracing::debug!(error = %e, "connecting to a peer, retrying");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// What a rank needs to connect its share of the mesh.
+pub(crate) struct MeshPlan<'a> {
+    pub(crate) rank: u32,
+    pub(crate) epoch: u64,
+    pub(crate) transport: Transport,
+    pub(crate) members: &'a [Endpoint],
+    /// The IP rank 0 was reached at (for a rank 0 listening on an unspecified address).
+    pub(crate) rendezvous_ip: Option<IpAddr>,
+}
+
+/// Connects `handles` full meshes: for each handle, one link per peer (index = peer rank,
+/// `None` at this rank), ready for the engine (non-blocking).
+pub(crate) fn connect_meshes(
+    plan: &MeshPlan<'_>,
+    listener: &MeshListener,
+    handles: u32,
+    deadline: Instant,
+) -> Result<Vec<Vec<Option<Link>>>, RendezvousError> {
+    let world = plan.members.len() as u32;
+    let me = plan.rank;
+    let mut meshes: Vec<Vec<Option<Link>>> = (0..handles)
+        .map(|_| (0..world).map(|_| None).collect())
+        .collect();
+    // Outbound first (never waits on a peer's progress: its listener queues us), then
+    // inbound, then the acks of the outbound ones.
+    let mut outbound = Vec::new();
+    for h in 0..handles {
+        for peer in 0..me {
+            let link = connect(
+                plan.transport,
+                &plan.members[peer as usize],
+                (peer == 0).then_some(plan.rendezvous_ip).flatten(),
+                deadline,
+            )
+            .map_err(|e| RendezvousError::io(format!("connecting to rank {peer}"), e))?;
+            write_all_by(&link, &handshake(plan.epoch, h, me, peer), deadline)
+                .map_err(|e| RendezvousError::io(format!("greeting rank {peer}"), e))?;
+            outbound.push((h, peer, link));
+        }
+    }
+    let mut expected = (world - 1 - me) * handles;
+    while expected > 0 {
+        let Some(link) = listener
+            .accept(plan.transport, deadline)
+            .map_err(|e| RendezvousError::io("accepting a peer", e))?
+        else {
+            let missing: Vec<u32> = (me + 1..world)
+                .filter(|&p| meshes.iter().any(|m| m[p as usize].is_none()))
+                .collect();
+            return Err(RendezvousError::Timeout {
+                missing,
+                detail: format!("rank {me} waiting for its peers' connections"),
+            });
+        };
+        let mut b = [0u8; HANDSHAKE];
+        let short = (Instant::now() + Duration::from_secs(2)).min(deadline);
+        if read_exact_by(&mut blocking(&link), &mut b, short).is_err() {
+            continue;
+        }
+        let (magic, epoch, h, from, to) = parse_handshake(&b);
+        let fits = magic == MAGIC
+            && epoch == plan.epoch
+            && to == me
+            && h < handles
+            && from > me
+            && from < world
+            && meshes[h as usize][from as usize].is_none();
+        if !fits {
+            tracing::debug!(
+                epoch,
+                h,
+                from,
+                to,
+                "dropping a connection meant for another group"
+            );
+            continue;
+        }
+        if write_all_by(&link, &ACK, short).is_err() {
+            continue;
+        }
+        meshes[h as usize][from as usize] = Some(link);
+        expected -= 1;
+    }
+    for (h, peer, link) in outbound {
+        let mut ack = [0u8; 4];
+        read_exact_by(&mut blocking(&link), &mut ack, deadline)
+            .map_err(|e| RendezvousError::io(format!("waiting for rank {peer} to accept"), e))?;
+        if ack != ACK {
+            return Err(RendezvousError::Protocol(format!(
+                "rank {peer} answered the handshake with {ack:?}"
+            )));
+        }
+        meshes[h as usize][peer as usize] = Some(link);
+    }
+    for link in meshes.iter().flatten().flatten() {
+        link.prepare()
+            .map_err(|e| RendezvousError::io("preparing a connection", e))?;
+    }
+    Ok(meshes)
+}

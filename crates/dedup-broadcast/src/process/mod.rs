@@ -1,0 +1,19 @@
+//! TP groups whose ranks are processes: the [`Rendezvous`] where they meet (and meet again
+//! after one of them died and restarted), and the [`SocketCollective`] they share bytes over
+//! when no NCCL is at hand (CPU-only engines, hosts without NCCL, the CI tests). Linux only
+//! (abstract Unix sockets, `poll` with `POLLRDHUP`).
+
+mod engine;
+mod link;
+mod mesh;
+mod op_header;
+pub(crate) mod rendezvous;
+mod socket_collective;
+mod wire;
+
+pub use rendezvous::{
+    ExchangeError, FileExchange, FormedGroup, KeyValueExchange, MeetingPoint, MemoryExchange,
+    NcclIds, Rendezvous, RendezvousConfig, RendezvousError, Transport, TransportChoice,
+    KVLINK_VERSION,
+};
+pub use socket_collective::{Algorithm, SocketCollective};

@@ -1,0 +1,252 @@
+//! Rank 0's decision once every rank has said hello: the group (epoch, transport, members,
+//! NCCL ids, attributes) or the refusal every rank gets. Pure: no I/O.
+
+use kv_geometry::GeometryFingerprint;
+
+use super::message::{Hello, Transport, TransportChoice, Welcome};
+use super::{NcclIds, RendezvousError};
+
+/// Makes one NCCL unique id (rank 0 only).
+pub(crate) type IdSource = dyn Fn() -> Result<[u8; 128], String> + Send + Sync;
+
+/// Ranks `1..world` that no hello claims.
+pub(crate) fn missing(world: u32, joiners: &[Hello]) -> Vec<u32> {
+    (1..world)
+        .filter(|r| !joiners.iter().any(|h| h.rank == *r))
+        .collect()
+}
+
+/// The first refusal the hellos call for, checking every hello for one kind of problem
+/// before the next kind: version, world size, duplicates, geometry, settings.
+fn refusal(leader: &Hello, joiners: &[Hello]) -> Option<RendezvousError> {
+    let mut by_rank: Vec<&Hello> = joiners.iter().collect();
+    by_rank.sort_by_key(|h| h.rank);
+    if let Some(h) = by_rank.iter().find(|h| h.version != leader.version) {
+        return Some(RendezvousError::VersionMismatch {
+            rank: h.rank,
+            expected: leader.version.clone(),
+            got: h.version.clone(),
+        });
+    }
+    if let Some(h) = by_rank.iter().find(|h| h.world != leader.world) {
+        return Some(RendezvousError::WorldSizeMismatch {
+            rank: h.rank,
+            expected: leader.world,
+            got: h.world,
+        });
+    }
+    if let Some(w) = by_rank
+        .windows(2)
+        .find(|w| w[0].rank == w[1].rank)
+        .map(|w| w[0].rank)
+        .or_else(|| by_rank.iter().find(|h| h.rank == 0).map(|h| h.rank))
+    {
+        return Some(RendezvousError::DuplicateRank { rank: w });
+    }
+    if let Some(h) = by_rank.iter().find(|h| h.fingerprint != leader.fingerprint) {
+        return Some(RendezvousError::GeometryMismatch {
+            rank: h.rank,
+            expected: GeometryFingerprint(leader.fingerprint).to_string(),
+            got: GeometryFingerprint(h.fingerprint).to_string(),
+        });
+    }
+    if let Some(h) = by_rank.iter().find(|h| h.nccl != leader.nccl) {
+        let says = |b: bool| if b { "on" } else { "off" }.to_string();
+        return Some(RendezvousError::SettingsMismatch {
+            rank: h.rank,
+            what: "NCCL".into(),
+            expected: says(leader.nccl),
+            got: says(h.nccl),
+        });
+    }
+    None
+}
+
+/// The transport rank 0's choice gives these members, or the refusal of a rank that cannot
+/// use it.
+fn transport(leader: &Hello, joiners: &[Hello]) -> Result<Transport, RendezvousError> {
+    let one_host =
+        |h: &&Hello| h.endpoint.unix.is_some() && h.endpoint.host == leader.endpoint.host;
+    let all_local = leader.endpoint.unix.is_some() && joiners.iter().all(|h| one_host(&h));
+    match leader.transport {
+        TransportChoice::Tcp => Ok(Transport::Tcp),
+        TransportChoice::Auto if all_local => Ok(Transport::Unix),
+        TransportChoice::Auto => Ok(Transport::Tcp),
+        TransportChoice::Unix => match joiners.iter().find(|h| !one_host(h)) {
+            None if leader.endpoint.unix.is_some() => Ok(Transport::Unix),
+            None => Err(RendezvousError::Config(
+                "rank 0 asks for Unix sockets but cannot open one".into(),
+            )),
+            Some(h) => Err(RendezvousError::SettingsMismatch {
+                rank: h.rank,
+                what: "host (Unix sockets need every rank on rank 0's host)".into(),
+                expected: leader.endpoint.host.clone(),
+                got: h.endpoint.host.clone(),
+            }),
+        },
+    }
+}
+
+/// Rank 0's decision over its own hello and every joiner's (every rank `1..world` present,
+/// possibly more: duplicates, ranks of another world size).
+pub(crate) fn decide(
+    leader: &Hello,
+    joiners: &[Hello],
+    ids: Option<&IdSource>,
+) -> Result<Welcome, RendezvousError> {
+    if let Some(err) = refusal(leader, joiners) {
+        return Err(err);
+    }
+    let missing = missing(leader.world, joiners);
+    if !missing.is_empty() {
+        return Err(RendezvousError::Timeout {
+            missing,
+            detail: "rank 0 decided before every rank had joined".into(),
+        });
+    }
+    let transport = transport(leader, joiners)?;
+    let nccl = if leader.nccl {
+        let ids = ids.ok_or_else(|| {
+            RendezvousError::Nccl("this build of kvlink has no NCCL (feature `nccl`)".into())
+        })?;
+        Some(NcclIds {
+            data: ids().map_err(RendezvousError::Nccl)?,
+            control: ids().map_err(RendezvousError::Nccl)?,
+        })
+    } else {
+        None
+    };
+    let mut members = vec![leader];
+    let mut sorted: Vec<&Hello> = joiners.iter().collect();
+    sorted.sort_by_key(|h| h.rank);
+    members.extend(sorted);
+    let epoch = members.iter().map(|h| h.last_epoch).max().unwrap_or(0) + 1;
+    Ok(Welcome {
+        epoch,
+        transport,
+        algorithm: leader.algorithm,
+        members: members.iter().map(|h| h.endpoint.clone()).collect(),
+        nonces: members.iter().map(|h| h.nonce).collect(),
+        nccl,
+        attributes: leader.attributes.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::process::rendezvous::message::{Endpoint, PROTOCOL};
+    use crate::process::socket_collective::Algorithm;
+
+    fn hello(rank: u32) -> Hello {
+        Hello {
+            protocol: PROTOCOL,
+            version: "0.1.0".into(),
+            rank,
+            world: 3,
+            fingerprint: [7; 32],
+            nccl: false,
+            last_epoch: 0,
+            nonce: 100 + u64::from(rank),
+            transport: TransportChoice::Auto,
+            algorithm: Algorithm::Ring,
+            endpoint: Endpoint {
+                tcp: None,
+                unix: Some(format!("u{rank}")),
+                host: "h".into(),
+            },
+            attributes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_full_group_forms_with_the_next_epoch_and_unix_sockets_on_one_host() {
+        let mut l = hello(0);
+        l.attributes = vec![("store".into(), "x".into())];
+        let mut j = vec![hello(2), hello(1)];
+        j[0].last_epoch = 6;
+        let w = decide(&l, &j, None).unwrap();
+        assert_eq!(w.epoch, 7);
+        assert_eq!(w.transport, Transport::Unix);
+        assert_eq!(w.nonces, vec![100, 101, 102]);
+        assert_eq!(w.members[2].unix.as_deref(), Some("u2"));
+        assert_eq!(w.attributes, l.attributes);
+        // Another host: TCP under Auto, a refusal under Unix.
+        j[1].endpoint.host = "other".into();
+        assert_eq!(decide(&l, &j, None).unwrap().transport, Transport::Tcp);
+        l.transport = TransportChoice::Unix;
+        assert!(matches!(
+            decide(&l, &j, None),
+            Err(RendezvousError::SettingsMismatch { rank: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn every_refusal_names_the_rank() {
+        let l = hello(0);
+        let check = |f: &dyn Fn(&mut Vec<Hello>)| {
+            let mut j = vec![hello(1), hello(2)];
+            f(&mut j);
+            decide(&l, &j, None).unwrap_err()
+        };
+        assert!(matches!(
+            check(&|j| j[1].world = 4),
+            RendezvousError::WorldSizeMismatch {
+                rank: 2,
+                expected: 3,
+                got: 4
+            }
+        ));
+        assert!(matches!(
+            check(&|j| j.push(hello(1))),
+            RendezvousError::DuplicateRank { rank: 1 }
+        ));
+        assert!(matches!(
+            check(&|j| j[0].rank = 0),
+            RendezvousError::DuplicateRank { rank: 0 }
+        ));
+        assert!(matches!(
+            check(&|j| j[0].fingerprint = [8; 32]),
+            RendezvousError::GeometryMismatch { rank: 1, .. }
+        ));
+        assert!(matches!(
+            check(&|j| j[1].version = "0.2.0".into()),
+            RendezvousError::VersionMismatch { rank: 2, .. }
+        ));
+        assert!(matches!(
+            check(&|j| j[1].nccl = true),
+            RendezvousError::SettingsMismatch { rank: 2, .. }
+        ));
+        // A version mismatch is reported before a world-size one (the world may be a
+        // symptom of the other build).
+        assert!(matches!(
+            check(&|j| {
+                j[0].world = 9;
+                j[1].version = "x".into();
+            }),
+            RendezvousError::VersionMismatch { rank: 2, .. }
+        ));
+        assert!(matches!(
+            check(&|j| {
+                j.pop();
+            }),
+            RendezvousError::Timeout { ref missing, .. } if missing == &[2]
+        ));
+    }
+
+    #[test]
+    fn nccl_ids_come_from_rank_0s_source_or_the_group_is_refused() {
+        let mut l = hello(0);
+        l.nccl = true;
+        let mut j = vec![hello(1), hello(2)];
+        j.iter_mut().for_each(|h| h.nccl = true);
+        assert!(matches!(
+            decide(&l, &j, None),
+            Err(RendezvousError::Nccl(_))
+        ));
+        let n = std::sync::atomic::AtomicU8::new(1);
+        let src = move || Ok([n.fetch_add(1, std::sync::atomic::Ordering::Relaxed); 128]);
+        let ids = decide(&l, &j, Some(&src)).unwrap().nccl.unwrap();
+        assert_ne!(ids.data, ids.control, "two communicators, two ids");
+    }
+}

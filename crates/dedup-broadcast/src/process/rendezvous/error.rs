@@ -1,0 +1,123 @@
+//! Why a rank could not form or join a group.
+
+use std::sync::Arc;
+
+/// Why a rendezvous did not produce a group.
+///
+/// The refusals (`WorldSizeMismatch`, `DuplicateRank`, `GeometryMismatch`,
+/// `VersionMismatch`, `SettingsMismatch`) are decided by rank 0 and sent to every rank that
+/// joined the formation, so each of them gets the same error; nothing of a batch has been
+/// read or moved by then.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RendezvousError {
+    /// The configuration cannot work (rank out of range, an unparsable address or variable).
+    #[error("rendezvous configuration: {0}")]
+    Config(String),
+    /// A rank gave another world size than rank 0.
+    #[error("rank {rank} says the group has {got} ranks, rank 0 says {expected}")]
+    WorldSizeMismatch {
+        /// The rank that differs.
+        rank: u32,
+        /// Rank 0's world size.
+        expected: u32,
+        /// The rank's.
+        got: u32,
+    },
+    /// Two processes joined as the same rank (or a process other than rank 0 joined as 0).
+    #[error("rank {rank} joined the group twice")]
+    DuplicateRank {
+        /// The rank claimed twice.
+        rank: u32,
+    },
+    /// A rank runs another KV geometry (model, page size, components or TP size).
+    #[error("rank {rank} runs geometry {got}, rank 0 runs {expected}")]
+    GeometryMismatch {
+        /// The rank that differs.
+        rank: u32,
+        /// Rank 0's geometry fingerprint (hex).
+        expected: String,
+        /// The rank's.
+        got: String,
+    },
+    /// A rank runs another kvlink version (or rendezvous protocol).
+    #[error("rank {rank} runs kvlink {got}, rank 0 runs {expected}")]
+    VersionMismatch {
+        /// The rank that differs.
+        rank: u32,
+        /// Rank 0's version.
+        expected: String,
+        /// The rank's.
+        got: String,
+    },
+    /// A rank asks for other group settings than rank 0 (NCCL or not, a transport).
+    #[error("rank {rank}: {what} is {got}, rank 0 has {expected}")]
+    SettingsMismatch {
+        /// The rank that differs.
+        rank: u32,
+        /// Which setting.
+        what: String,
+        /// Rank 0's value.
+        expected: String,
+        /// The rank's.
+        got: String,
+    },
+    /// The deadline passed before every rank had joined (`missing`: the ranks not heard
+    /// from; for a rank other than 0, `[0]` when rank 0 never answered).
+    #[error("rendezvous timed out waiting for ranks {missing:?}: {detail}")]
+    Timeout {
+        /// Ranks that had not joined.
+        missing: Vec<u32>,
+        /// What was going on.
+        detail: String,
+    },
+    /// Rank 0 holds a live group in which this rank is a member: another process joined as
+    /// this rank, or the group has not re-formed since this rank's process restarted (the
+    /// others re-form when their next operation finds the old group broken).
+    #[error("rank {rank} is a member of the live group of epoch {epoch}; it re-forms only once the others find that group broken")]
+    Occupied {
+        /// This rank.
+        rank: u32,
+        /// The live group's epoch.
+        epoch: u64,
+    },
+    /// A socket operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// A message from another rank did not decode.
+    #[error("rendezvous message: {0}")]
+    Protocol(String),
+    /// Rank 0 could not create the NCCL unique ids the group asked for.
+    #[error("NCCL unique id: {0}")]
+    Nccl(String),
+    /// The engine's key-value exchange failed.
+    #[error("key-value exchange: {0}")]
+    Exchange(#[from] super::ExchangeError),
+}
+
+impl RendezvousError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        RendezvousError::Io {
+            context: context.into(),
+            source: Arc::new(source),
+        }
+    }
+
+    /// True for the refusals rank 0 sends every rank: the group cannot form as configured,
+    /// and trying again without changing a rank's settings fails the same way.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            RendezvousError::WorldSizeMismatch { .. }
+                | RendezvousError::DuplicateRank { .. }
+                | RendezvousError::GeometryMismatch { .. }
+                | RendezvousError::VersionMismatch { .. }
+                | RendezvousError::SettingsMismatch { .. }
+        )
+    }
+}

@@ -1,0 +1,427 @@
+//! Meeting through the engine's own key-value exchange (a store it already runs, like
+//! torch's `TCPStore`), through the small [`KeyValueExchange`] trait; and two exchanges that
+//! ship with kvlink: [`MemoryExchange`] (threads of one process) and [`FileExchange`] (a
+//! directory every rank of one host, or a shared file system, can write).
+//!
+//! The protocol, under the group's prefix `P`:
+//! 1. Rank 0 opens epoch `E`: the first `E` above the last closed epoch (`P/closed`) and its
+//!    own last epoch whose key `P/E/open` it can **create** (so two rank-0 processes never
+//!    open the same epoch), then sets `P/current = E`.
+//! 2. Every other rank reads `P/current`; an epoch it already belonged to, or one already
+//!    decided (`P/E/verdict` present), is not for it: it waits for a newer one. Otherwise it
+//!    claims its rank by creating `P/E/hello/{rank}` with its hello; if that key exists,
+//!    another process claimed the rank: it writes its hello to `P/E/dup/{rank}` instead.
+//! 3. Rank 0 polls for every rank's hello (and duplicates) until all are there or the
+//!    deadline, decides exactly as over TCP, and writes the reply to `P/E/verdict`, then
+//!    `P/closed = E`. Every rank waits for the verdict; a joiner whose nonce is not the
+//!    accepted one for its rank was the duplicate. A joiner that sees `P/current` move past
+//!    `E` (rank 0 restarted) joins the newer epoch instead. A joiner that gives up at its
+//!    deadline overwrites its claim with a withdrawal, so that its next attempt takes the
+//!    rank over instead of counting as a second process for it.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::decide::{decide, missing, IdSource};
+use super::message::{Hello, Reply, Welcome};
+use super::RendezvousError;
+
+/// A key-value exchange failed (the engine's store is unreachable, a file cannot be written).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{detail}")]
+pub struct ExchangeError {
+    /// What happened.
+    pub detail: String,
+}
+
+impl ExchangeError {
+    /// An error with this text.
+    pub fn new(detail: impl Into<String>) -> Self {
+        ExchangeError {
+            detail: detail.into(),
+        }
+    }
+}
+
+/// A key-value exchange every rank of a group can reach: what an engine that already runs a
+/// store (torch's `TCPStore`, etcd, Redis) gives kvlink to meet through. Every call is
+/// bounded by its `deadline`.
+///
+/// Mapping `TCPStore`: `set` → `set`, `get` → `check` then `get`, `create` →
+/// `compare_set(key, "", value)` (true when the returned value is `value`), `wait` → `wait`.
+pub trait KeyValueExchange: Send + Sync {
+    /// Sets `key` to `value`, replacing any value.
+    fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError>;
+
+    /// The value of `key`, `None` when absent. Does not wait for it.
+    fn get(&self, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError>;
+
+    /// Sets `key` to `value` only if `key` is absent, atomically; true when this call set it.
+    fn create(&self, key: &str, value: &[u8], deadline: Instant) -> Result<bool, ExchangeError>;
+
+    /// Waits until every key of `keys` is present (`Ok(true)`) or `deadline` (`Ok(false)`).
+    /// The default polls [`get`](KeyValueExchange::get) every 10 ms.
+    fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
+        loop {
+            let mut all = true;
+            for k in keys {
+                if self.get(k, deadline)?.is_none() {
+                    all = false;
+                    break;
+                }
+            }
+            if all {
+                return Ok(true);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            std::thread::sleep(left.min(Duration::from_millis(10)));
+        }
+    }
+}
+
+/// A [`KeyValueExchange`] in this process's memory: ranks that are threads of one process
+/// (tests), or an engine that relays keys itself.
+#[derive(Debug, Default)]
+pub struct MemoryExchange {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+impl MemoryExchange {
+    /// An empty exchange.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl KeyValueExchange for MemoryExchange {
+    fn set(&self, key: &str, value: &[u8], _deadline: Instant) -> Result<(), ExchangeError> {
+        self.map.lock().insert(key.to_string(), value.to_vec());
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn get(&self, key: &str, _deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
+        Ok(self.map.lock().get(key).cloned())
+    }
+
+    fn create(&self, key: &str, value: &[u8], _deadline: Instant) -> Result<bool, ExchangeError> {
+        let mut m = self.map.lock();
+        if m.contains_key(key) {
+            return Ok(false);
+        }
+        m.insert(key.to_string(), value.to_vec());
+        self.changed.notify_all();
+        Ok(true)
+    }
+
+    fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
+        let mut m = self.map.lock();
+        loop {
+            if keys.iter().all(|k| m.contains_key(*k)) {
+                return Ok(true);
+            }
+            if self.changed.wait_until(&mut m, deadline).timed_out() {
+                return Ok(keys.iter().all(|k| m.contains_key(*k)));
+            }
+        }
+    }
+}
+
+/// A [`KeyValueExchange`] in a directory (like torch's `FileStore`): one file per key, set
+/// by writing a temporary file and renaming it over the key (atomic), created by hard-linking
+/// a temporary file to the key's name (fails when the key exists: atomic too). Every rank of
+/// one host, or of hosts sharing a POSIX file system, can meet through it.
+#[derive(Debug, Clone)]
+pub struct FileExchange {
+    dir: PathBuf,
+}
+
+impl FileExchange {
+    /// Keys live in `dir` (created if missing).
+    pub fn new(dir: impl AsRef<Path>) -> Result<Self, ExchangeError> {
+        let dir = dir.as_ref().to_path_buf();
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ExchangeError::new(format!("creating {}: {e}", dir.display())))?;
+        Ok(FileExchange { dir })
+    }
+
+    fn path(&self, key: &str) -> PathBuf {
+        let name: String = key.bytes().map(|b| format!("{b:02x}")).collect();
+        self.dir.join(name)
+    }
+
+    /// Writes `value` to a fresh temporary file in the directory.
+    fn temp(&self, value: &[u8]) -> Result<PathBuf, ExchangeError> {
+        let p = self.dir.join(format!(
+            ".tmp-{}-{:016x}",
+            std::process::id(),
+            super::fresh_nonce()
+        ));
+        let mut f = std::fs::File::create(&p)
+            .map_err(|e| ExchangeError::new(format!("writing {}: {e}", p.display())))?;
+        f.write_all(value)
+            .map_err(|e| ExchangeError::new(format!("writing {}: {e}", p.display())))?;
+        Ok(p)
+    }
+}
+
+impl KeyValueExchange for FileExchange {
+    fn set(&self, key: &str, value: &[u8], _deadline: Instant) -> Result<(), ExchangeError> {
+        let tmp = self.temp(value)?;
+        std::fs::rename(&tmp, self.path(key)).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            ExchangeError::new(format!("setting {key}: {e}"))
+        })
+    }
+
+    fn get(&self, key: &str, _deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
+        match std::fs::read(self.path(key)) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(ExchangeError::new(format!("reading {key}: {e}"))),
+        }
+    }
+
+    fn create(&self, key: &str, value: &[u8], _deadline: Instant) -> Result<bool, ExchangeError> {
+        let tmp = self.temp(value)?;
+        let r = std::fs::hard_link(&tmp, self.path(key));
+        let _ = std::fs::remove_file(&tmp);
+        match r {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(ExchangeError::new(format!("creating {key}: {e}"))),
+        }
+    }
+}
+
+/// Keys of one group's rendezvous.
+struct Keys<'a>(&'a str);
+
+impl Keys<'_> {
+    fn current(&self) -> String {
+        format!("{}/current", self.0)
+    }
+    fn closed(&self) -> String {
+        format!("{}/closed", self.0)
+    }
+    fn open(&self, e: u64) -> String {
+        format!("{}/{e}/open", self.0)
+    }
+    fn hello(&self, e: u64, rank: u32) -> String {
+        format!("{}/{e}/hello/{rank}", self.0)
+    }
+    fn dup(&self, e: u64, rank: u32) -> String {
+        format!("{}/{e}/dup/{rank}", self.0)
+    }
+    fn verdict(&self, e: u64) -> String {
+        format!("{}/{e}/verdict", self.0)
+    }
+}
+
+fn read_u64(
+    x: &dyn KeyValueExchange,
+    key: &str,
+    deadline: Instant,
+) -> Result<Option<u64>, RendezvousError> {
+    Ok(x.get(key, deadline)?
+        .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+        .map(u64::from_le_bytes))
+}
+
+const POLL: Duration = Duration::from_millis(10);
+
+/// What a joiner that gave up leaves in its claim, so that its next attempt (or another
+/// process for the same rank) can take the rank over instead of counting as a duplicate.
+const WITHDRAWN: &[u8] = b"withdrawn";
+
+fn pause(deadline: Instant) {
+    std::thread::sleep(POLL.min(deadline.saturating_duration_since(Instant::now())));
+}
+
+/// Rank 0's formation over the exchange.
+pub(crate) fn lead(
+    x: &dyn KeyValueExchange,
+    prefix: &str,
+    leader: &Hello,
+    ids: Option<&IdSource>,
+    deadline: Instant,
+) -> Result<Welcome, RendezvousError> {
+    let k = Keys(prefix);
+    let closed = read_u64(x, &k.closed(), deadline)?.unwrap_or(0);
+    let mut epoch = closed.max(leader.last_epoch) + 1;
+    while !x.create(&k.open(epoch), &leader.encode(), deadline)? {
+        epoch += 1;
+    }
+    x.set(&k.current(), &epoch.to_le_bytes(), deadline)?;
+    let world = leader.world;
+    let decision = loop {
+        let mut hellos = Vec::new();
+        // Hellos of another protocol: the rank is there, and the group is refused.
+        let mut foreign: Vec<(u32, RendezvousError)> = Vec::new();
+        for r in 1..world {
+            for key in [k.hello(epoch, r), k.dup(epoch, r)] {
+                if let Some(v) = x.get(&key, deadline)?.filter(|v| v != WITHDRAWN) {
+                    match Hello::decode(&v, &leader.version) {
+                        Ok(h) => hellos.push(h),
+                        Err(e @ RendezvousError::VersionMismatch { .. }) => foreign.push((r, e)),
+                        Err(e) => {
+                            tracing::warn!(key, error = %e, "ignoring a value that is no hello")
+                        }
+                    }
+                }
+            }
+        }
+        let mut absent = missing(world, &hellos);
+        absent.retain(|r| !foreign.iter().any(|(f, _)| f == r));
+        if absent.is_empty() {
+            break match foreign.into_iter().next() {
+                Some((_, e)) => Err(e),
+                None => decide(leader, &hellos, ids),
+            };
+        }
+        if Instant::now() >= deadline {
+            break Err(RendezvousError::Timeout {
+                missing: absent,
+                detail: format!("rank 0 waited for every rank of {world} to join"),
+            });
+        }
+        pause(deadline);
+    };
+    // The epoch is the one opened (above every member's last: each was at most `closed`).
+    let decision = decision.map(|mut w| {
+        w.epoch = epoch;
+        w
+    });
+    let reply = match &decision {
+        Ok(w) => Reply::Welcome(Box::new(w.clone())),
+        Err(e) => Reply::Refused(e.clone()),
+    };
+    // The verdict goes out even past the deadline, so that no joiner waits for nothing.
+    let late = Instant::now() + Duration::from_secs(5);
+    x.set(&k.verdict(epoch), &reply.encode(), late)?;
+    x.set(&k.closed(), &epoch.to_le_bytes(), late)?;
+    decision
+}
+
+/// A joiner's formation over the exchange: returns the welcome (its hello accepted).
+pub(crate) fn join(
+    x: &dyn KeyValueExchange,
+    prefix: &str,
+    hello: &Hello,
+    deadline: Instant,
+) -> Result<Welcome, RendezvousError> {
+    let k = Keys(prefix);
+    let rank = hello.rank;
+    'epochs: loop {
+        // An open epoch that is newer than this process's last group.
+        let epoch = loop {
+            if Instant::now() >= deadline {
+                return Err(RendezvousError::Timeout {
+                    missing: vec![0],
+                    detail: format!("rank 0 opened no new epoch under {prefix:?}"),
+                });
+            }
+            match read_u64(x, &k.current(), deadline)? {
+                Some(e) if e > hello.last_epoch && x.get(&k.verdict(e), deadline)?.is_none() => {
+                    break e
+                }
+                _ => pause(deadline),
+            }
+        };
+        let bytes = hello.encode();
+        let claim = k.hello(epoch, rank);
+        let mine = if x.create(&claim, &bytes, deadline)? {
+            claim
+        } else if x.get(&claim, deadline)?.as_deref() == Some(WITHDRAWN) {
+            x.set(&claim, &bytes, deadline)?;
+            claim
+        } else {
+            let dup = k.dup(epoch, rank);
+            x.set(&dup, &bytes, deadline)?;
+            dup
+        };
+        loop {
+            if let Some(v) = x.get(&k.verdict(epoch), deadline)? {
+                return match Reply::decode(&v)? {
+                    Reply::Welcome(w) if w.nonces.get(rank as usize) == Some(&hello.nonce) => {
+                        Ok(*w)
+                    }
+                    Reply::Welcome(_) => Err(RendezvousError::DuplicateRank { rank }),
+                    Reply::Refused(e) => Err(e),
+                    Reply::Idle { .. } => Err(RendezvousError::Protocol(
+                        "an idle reply as a verdict".into(),
+                    )),
+                };
+            }
+            if read_u64(x, &k.current(), deadline)?.is_some_and(|c| c > epoch) {
+                continue 'epochs;
+            }
+            if Instant::now() >= deadline {
+                // Withdraw, so that a retry is not taken for a second process of this rank.
+                let _ = x.set(&mine, WITHDRAWN, Instant::now() + Duration::from_secs(1));
+                return Err(RendezvousError::Timeout {
+                    missing: vec![0],
+                    detail: format!("rank 0 did not decide epoch {epoch}"),
+                });
+            }
+            pause(deadline);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exercise(x: &dyn KeyValueExchange) {
+        let d = Instant::now() + Duration::from_secs(5);
+        assert_eq!(x.get("a/b", d).unwrap(), None);
+        x.set("a/b", b"1", d).unwrap();
+        x.set("a/b", b"2", d).unwrap();
+        assert_eq!(x.get("a/b", d).unwrap().as_deref(), Some(&b"2"[..]));
+        assert!(x.create("c", b"x", d).unwrap());
+        assert!(!x.create("c", b"y", d).unwrap());
+        assert_eq!(x.get("c", d).unwrap().as_deref(), Some(&b"x"[..]));
+        assert!(x.wait(&["a/b", "c"], d).unwrap());
+        let soon = Instant::now() + Duration::from_millis(30);
+        assert!(!x.wait(&["a/b", "never"], soon).unwrap());
+    }
+
+    #[test]
+    fn memory_and_file_exchanges_set_get_create_and_wait() {
+        exercise(&MemoryExchange::new());
+        let dir = std::env::temp_dir().join(format!("kvlink-fx-{}", super::super::fresh_nonce()));
+        exercise(&FileExchange::new(&dir).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn create_is_atomic_under_contention() {
+        let x = MemoryExchange::new();
+        let dir = std::env::temp_dir().join(format!("kvlink-fx-{}", super::super::fresh_nonce()));
+        let f = FileExchange::new(&dir).unwrap();
+        for ex in [&x as &dyn KeyValueExchange, &f] {
+            let wins: usize = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..8)
+                    .map(|i| {
+                        s.spawn(move || {
+                            let d = Instant::now() + Duration::from_secs(5);
+                            usize::from(ex.create("k", &[i], d).unwrap())
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).sum()
+            });
+            assert_eq!(wins, 1);
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,559 @@
+//! What ranks say when they meet: each rank's hello to rank 0, and rank 0's reply (the
+//! group, a refusal, or "not forming now").
+//!
+//! Every message starts with a magic word and the protocol number, then (hellos) the kvlink
+//! version and the rank: whatever else changes between versions, rank 0 can still tell who
+//! sent a hello and refuse it as a version mismatch.
+
+use std::net::SocketAddr;
+
+use super::RendezvousError;
+use crate::process::socket_collective::Algorithm;
+use crate::process::wire::{Decoder, Encoder, Malformed};
+
+const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
+/// Version of these messages; ranks with another refuse each other.
+pub(crate) const PROTOCOL: u32 = 1;
+
+/// Where a rank's collective listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Endpoint {
+    /// TCP address (its IP may be unspecified for rank 0: peers then use the address they
+    /// reached rank 0 at).
+    pub(crate) tcp: Option<SocketAddr>,
+    /// Abstract Unix socket name, when Unix sockets are allowed.
+    pub(crate) unix: Option<String>,
+    /// Which host and network namespace the rank runs in (Unix sockets need all the same).
+    pub(crate) host: String,
+}
+
+/// How the group's sockets connect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// TCP.
+    Tcp,
+    /// Unix sockets (every rank on one host, in one network namespace).
+    Unix,
+}
+
+/// Which transport a rank wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Unix sockets when every rank is on one host, TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP always.
+    Tcp,
+    /// Unix sockets; a rank on another host is refused.
+    Unix,
+}
+
+impl TransportChoice {
+    /// Parses `auto`, `tcp` or `unix` (any case).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "auto" => Some(TransportChoice::Auto),
+            "tcp" => Some(TransportChoice::Tcp),
+            "unix" => Some(TransportChoice::Unix),
+            _ => None,
+        }
+    }
+    fn code(self) -> u8 {
+        self as u8
+    }
+    fn from_code(c: u8) -> Option<Self> {
+        [
+            TransportChoice::Auto,
+            TransportChoice::Tcp,
+            TransportChoice::Unix,
+        ]
+        .into_iter()
+        .find(|t| t.code() == c)
+    }
+}
+
+/// The two NCCL unique ids of a group: one per communicator (data, control).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclIds {
+    /// For the data handle (the load thread's collectives).
+    pub data: [u8; 128],
+    /// For the control handle (lookups).
+    pub control: [u8; 128],
+}
+
+impl std::fmt::Debug for NcclIds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NcclIds { .. }")
+    }
+}
+
+/// A rank's hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub(crate) protocol: u32,
+    pub(crate) version: String,
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    pub(crate) fingerprint: [u8; 32],
+    pub(crate) nccl: bool,
+    /// The epoch of the last group this process belonged to (0: none).
+    pub(crate) last_epoch: u64,
+    /// Random per join attempt: tells this hello from another process's for the same rank.
+    pub(crate) nonce: u64,
+    pub(crate) transport: TransportChoice,
+    pub(crate) algorithm: Algorithm,
+    pub(crate) endpoint: Endpoint,
+    /// Rank 0's attributes travel to every rank; a joiner's are ignored.
+    pub(crate) attributes: Vec<(String, String)>,
+}
+
+/// A formed group, as rank 0 announces it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Welcome {
+    pub(crate) epoch: u64,
+    pub(crate) transport: Transport,
+    pub(crate) algorithm: Algorithm,
+    /// Index = rank.
+    pub(crate) members: Vec<Endpoint>,
+    /// Index = rank: the accepted hello's nonce.
+    pub(crate) nonces: Vec<u64>,
+    pub(crate) nccl: Option<NcclIds>,
+    pub(crate) attributes: Vec<(String, String)>,
+}
+
+/// Rank 0's answer to a hello.
+#[derive(Debug, Clone)]
+pub(crate) enum Reply {
+    Welcome(Box<Welcome>),
+    Refused(RendezvousError),
+    /// Rank 0 is not forming a group now.
+    Idle {
+        live_epoch: Option<u64>,
+        last_failure: Option<String>,
+    },
+}
+
+fn malformed(m: Malformed) -> RendezvousError {
+    RendezvousError::Protocol(m.0)
+}
+
+fn endpoint(e: &mut Encoder, ep: &Endpoint) {
+    e.opt_str(ep.tcp.map(|a| a.to_string()).as_deref())
+        .opt_str(ep.unix.as_deref())
+        .str(&ep.host);
+}
+
+fn read_endpoint(d: &mut Decoder<'_>) -> Result<Endpoint, Malformed> {
+    let tcp = match d.opt_str("tcp address")? {
+        Some(s) => Some(
+            s.parse()
+                .map_err(|_| Malformed(format!("tcp address {s:?}")))?,
+        ),
+        None => None,
+    };
+    Ok(Endpoint {
+        tcp,
+        unix: d.opt_str("unix name")?,
+        host: d.str("host")?,
+    })
+}
+
+fn algorithm_code(a: Algorithm) -> u8 {
+    match a {
+        Algorithm::Ring => 0,
+        Algorithm::Direct => 1,
+    }
+}
+
+fn read_algorithm(d: &mut Decoder<'_>) -> Result<Algorithm, Malformed> {
+    match d.u8("algorithm")? {
+        0 => Ok(Algorithm::Ring),
+        1 => Ok(Algorithm::Direct),
+        c => Err(Malformed(format!("algorithm {c}"))),
+    }
+}
+
+fn attributes(e: &mut Encoder, attrs: &[(String, String)]) {
+    e.u32(attrs.len() as u32);
+    for (k, v) in attrs {
+        e.str(k).str(v);
+    }
+}
+
+fn read_attributes(d: &mut Decoder<'_>) -> Result<Vec<(String, String)>, Malformed> {
+    let n = d.u32("attributes")?;
+    (0..n)
+        .map(|_| Ok((d.str("attribute key")?, d.str("attribute value")?)))
+        .collect()
+}
+
+impl Hello {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut e = Encoder::default();
+        e.u32(MAGIC)
+            .u32(self.protocol)
+            .str(&self.version)
+            .u32(self.rank)
+            .u32(self.world)
+            .bytes(&self.fingerprint)
+            .u8(u8::from(self.nccl))
+            .u64(self.last_epoch)
+            .u64(self.nonce)
+            .u8(self.transport.code())
+            .u8(algorithm_code(self.algorithm));
+        endpoint(&mut e, &self.endpoint);
+        attributes(&mut e, &self.attributes);
+        e.0
+    }
+
+    /// Decodes a hello. One of another protocol decodes only as far as its version and
+    /// rank: the error is then the version mismatch, naming that rank.
+    pub(crate) fn decode(buf: &[u8], own_version: &str) -> Result<Hello, RendezvousError> {
+        let mut d = Decoder::new(buf);
+        let head = (|| {
+            if d.u32("magic")? != MAGIC {
+                return Err(Malformed("not a kvlink hello".into()));
+            }
+            Ok((d.u32("protocol")?, d.str("version")?, d.u32("rank")?))
+        })();
+        let (protocol, version, rank) = head.map_err(malformed)?;
+        if protocol != PROTOCOL {
+            return Err(RendezvousError::VersionMismatch {
+                rank,
+                expected: format!("{own_version} (rendezvous protocol {PROTOCOL})"),
+                got: format!("{version} (rendezvous protocol {protocol})"),
+            });
+        }
+        let rest = (|| {
+            let world = d.u32("world")?;
+            let fp = d.bytes("fingerprint")?;
+            let fingerprint: [u8; 32] = fp
+                .try_into()
+                .map_err(|_| Malformed("fingerprint of the wrong length".into()))?;
+            let nccl = d.u8("nccl")? != 0;
+            let last_epoch = d.u64("last epoch")?;
+            let nonce = d.u64("nonce")?;
+            let t = d.u8("transport")?;
+            let transport =
+                TransportChoice::from_code(t).ok_or_else(|| Malformed(format!("transport {t}")))?;
+            let algorithm = read_algorithm(&mut d)?;
+            let endpoint = read_endpoint(&mut d)?;
+            let attributes = read_attributes(&mut d)?;
+            Ok(Hello {
+                protocol,
+                version,
+                rank,
+                world,
+                fingerprint,
+                nccl,
+                last_epoch,
+                nonce,
+                transport,
+                algorithm,
+                endpoint,
+                attributes,
+            })
+        })();
+        rest.map_err(malformed)
+    }
+}
+
+const REPLY_WELCOME: u8 = 1;
+const REPLY_REFUSED: u8 = 2;
+const REPLY_IDLE: u8 = 3;
+
+impl Reply {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut e = Encoder::default();
+        e.u32(MAGIC).u32(PROTOCOL);
+        match self {
+            Reply::Welcome(w) => {
+                e.u8(REPLY_WELCOME)
+                    .u64(w.epoch)
+                    .u8(match w.transport {
+                        Transport::Tcp => 0,
+                        Transport::Unix => 1,
+                    })
+                    .u8(algorithm_code(w.algorithm))
+                    .u32(w.members.len() as u32);
+                for (m, nonce) in w.members.iter().zip(&w.nonces) {
+                    endpoint(&mut e, m);
+                    e.u64(*nonce);
+                }
+                match &w.nccl {
+                    Some(ids) => e.u8(1).bytes(&ids.data).bytes(&ids.control),
+                    None => e.u8(0),
+                };
+                attributes(&mut e, &w.attributes);
+            }
+            Reply::Refused(err) => {
+                e.u8(REPLY_REFUSED);
+                encode_error(&mut e, err);
+            }
+            Reply::Idle {
+                live_epoch,
+                last_failure,
+            } => {
+                e.u8(REPLY_IDLE)
+                    .u64(live_epoch.unwrap_or(0))
+                    .opt_str(last_failure.as_deref());
+            }
+        }
+        e.0
+    }
+
+    pub(crate) fn decode(buf: &[u8]) -> Result<Reply, RendezvousError> {
+        let mut d = Decoder::new(buf);
+        let r = (|| {
+            if d.u32("magic")? != MAGIC {
+                return Err(Malformed("not a kvlink reply".into()));
+            }
+            let protocol = d.u32("protocol")?;
+            if protocol != PROTOCOL {
+                return Err(Malformed(format!(
+                    "rank 0 speaks rendezvous protocol {protocol}, this rank {PROTOCOL}"
+                )));
+            }
+            match d.u8("reply kind")? {
+                REPLY_WELCOME => {
+                    let epoch = d.u64("epoch")?;
+                    let transport = match d.u8("transport")? {
+                        0 => Transport::Tcp,
+                        1 => Transport::Unix,
+                        t => return Err(Malformed(format!("transport {t}"))),
+                    };
+                    let algorithm = read_algorithm(&mut d)?;
+                    let n = d.u32("members")?;
+                    let mut members = Vec::new();
+                    let mut nonces = Vec::new();
+                    for _ in 0..n {
+                        members.push(read_endpoint(&mut d)?);
+                        nonces.push(d.u64("nonce")?);
+                    }
+                    let nccl = match d.u8("nccl")? {
+                        0 => None,
+                        _ => Some(NcclIds {
+                            data: id(d.bytes("nccl data id")?)?,
+                            control: id(d.bytes("nccl control id")?)?,
+                        }),
+                    };
+                    let attributes = read_attributes(&mut d)?;
+                    Ok(Reply::Welcome(Box::new(Welcome {
+                        epoch,
+                        transport,
+                        algorithm,
+                        members,
+                        nonces,
+                        nccl,
+                        attributes,
+                    })))
+                }
+                REPLY_REFUSED => Ok(Reply::Refused(decode_error(&mut d)?)),
+                REPLY_IDLE => {
+                    let e = d.u64("live epoch")?;
+                    Ok(Reply::Idle {
+                        live_epoch: (e != 0).then_some(e),
+                        last_failure: d.opt_str("last failure")?,
+                    })
+                }
+                k => Err(Malformed(format!("reply kind {k}"))),
+            }
+        })();
+        r.map_err(malformed)
+    }
+}
+
+fn id(b: &[u8]) -> Result<[u8; 128], Malformed> {
+    b.try_into()
+        .map_err(|_| Malformed("an NCCL unique id is 128 bytes".into()))
+}
+
+fn encode_error(e: &mut Encoder, err: &RendezvousError) {
+    match err {
+        RendezvousError::WorldSizeMismatch {
+            rank,
+            expected,
+            got,
+        } => {
+            e.u8(1).u32(*rank).u32(*expected).u32(*got);
+        }
+        RendezvousError::DuplicateRank { rank } => {
+            e.u8(2).u32(*rank);
+        }
+        RendezvousError::GeometryMismatch {
+            rank,
+            expected,
+            got,
+        } => {
+            e.u8(3).u32(*rank).str(expected).str(got);
+        }
+        RendezvousError::VersionMismatch {
+            rank,
+            expected,
+            got,
+        } => {
+            e.u8(4).u32(*rank).str(expected).str(got);
+        }
+        RendezvousError::SettingsMismatch {
+            rank,
+            what,
+            expected,
+            got,
+        } => {
+            e.u8(5).u32(*rank).str(what).str(expected).str(got);
+        }
+        RendezvousError::Timeout { missing, detail } => {
+            e.u8(6).u32(missing.len() as u32);
+            missing.iter().for_each(|m| {
+                e.u32(*m);
+            });
+            e.str(detail);
+        }
+        RendezvousError::Nccl(detail) => {
+            e.u8(7).str(detail);
+        }
+        other => {
+            e.u8(0).str(&other.to_string());
+        }
+    }
+}
+
+fn decode_error(d: &mut Decoder<'_>) -> Result<RendezvousError, Malformed> {
+    Ok(match d.u8("error kind")? {
+        1 => RendezvousError::WorldSizeMismatch {
+            rank: d.u32("rank")?,
+            expected: d.u32("expected")?,
+            got: d.u32("got")?,
+        },
+        2 => RendezvousError::DuplicateRank {
+            rank: d.u32("rank")?,
+        },
+        3 => RendezvousError::GeometryMismatch {
+            rank: d.u32("rank")?,
+            expected: d.str("expected")?,
+            got: d.str("got")?,
+        },
+        4 => RendezvousError::VersionMismatch {
+            rank: d.u32("rank")?,
+            expected: d.str("expected")?,
+            got: d.str("got")?,
+        },
+        5 => RendezvousError::SettingsMismatch {
+            rank: d.u32("rank")?,
+            what: d.str("what")?,
+            expected: d.str("expected")?,
+            got: d.str("got")?,
+        },
+        6 => {
+            let n = d.u32("missing")?;
+            let missing = (0..n).map(|_| d.u32("rank")).collect::<Result<_, _>>()?;
+            RendezvousError::Timeout {
+                missing,
+                detail: d.str("detail")?,
+            }
+        }
+        7 => RendezvousError::Nccl(d.str("detail")?),
+        _ => RendezvousError::Protocol(format!("rank 0 refused: {}", d.str("detail")?)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn hello(rank: u32) -> Hello {
+        Hello {
+            protocol: PROTOCOL,
+            version: "0.1.0".into(),
+            rank,
+            world: 3,
+            fingerprint: [7; 32],
+            nccl: false,
+            last_epoch: 4,
+            nonce: 99 + u64::from(rank),
+            transport: TransportChoice::Auto,
+            algorithm: Algorithm::Ring,
+            endpoint: Endpoint {
+                tcp: Some("127.0.0.1:4000".parse().unwrap()),
+                unix: Some("kvlink-1".into()),
+                host: "h".into(),
+            },
+            attributes: vec![("store".into(), "unix:@x".into())],
+        }
+    }
+
+    #[test]
+    fn hello_and_replies_round_trip() {
+        let h = hello(2);
+        assert_eq!(Hello::decode(&h.encode(), "0.1.0").unwrap(), h);
+        let w = Welcome {
+            epoch: 5,
+            transport: Transport::Unix,
+            algorithm: Algorithm::Direct,
+            members: vec![h.endpoint.clone(), h.endpoint.clone()],
+            nonces: vec![1, 2],
+            nccl: Some(NcclIds {
+                data: [1; 128],
+                control: [2; 128],
+            }),
+            attributes: vec![("a".into(), "b".into())],
+        };
+        match Reply::decode(&Reply::Welcome(Box::new(w.clone())).encode()).unwrap() {
+            Reply::Welcome(got) => assert_eq!(*got, w),
+            other => panic!("{other:?}"),
+        }
+        for err in [
+            RendezvousError::WorldSizeMismatch {
+                rank: 2,
+                expected: 3,
+                got: 4,
+            },
+            RendezvousError::DuplicateRank { rank: 1 },
+            RendezvousError::GeometryMismatch {
+                rank: 1,
+                expected: "aa".into(),
+                got: "bb".into(),
+            },
+            RendezvousError::Timeout {
+                missing: vec![1, 2],
+                detail: "x".into(),
+            },
+        ] {
+            let back = Reply::decode(&Reply::Refused(err.clone()).encode()).unwrap();
+            match back {
+                Reply::Refused(e) => assert_eq!(e.to_string(), err.to_string()),
+                other => panic!("{other:?}"),
+            }
+        }
+        let idle = Reply::Idle {
+            live_epoch: Some(3),
+            last_failure: None,
+        };
+        assert!(matches!(
+            Reply::decode(&idle.encode()).unwrap(),
+            Reply::Idle {
+                live_epoch: Some(3),
+                last_failure: None
+            }
+        ));
+    }
+
+    #[test]
+    fn a_hello_of_another_protocol_is_a_version_mismatch_naming_its_rank() {
+        let mut h = hello(2);
+        h.protocol = PROTOCOL + 1;
+        h.version = "9.9.9".into();
+        let err = Hello::decode(&h.encode(), "0.1.0").unwrap_err();
+        assert!(
+            matches!(&err, RendezvousError::VersionMismatch { rank: 2, got, .. } if got.contains("9.9.9")),
+            "{err:?}"
+        );
+        // Garbage is a protocol error, truncation too.
+        assert!(matches!(
+            Hello::decode(b"nonsense", "0.1.0"),
+            Err(RendezvousError::Protocol(_))
+        ));
+        let bytes = hello(1).encode();
+        assert!(Hello::decode(&bytes[..bytes.len() - 3], "0.1.0").is_err());
+    }
+}

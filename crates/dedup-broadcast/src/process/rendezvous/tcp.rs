@@ -1,0 +1,381 @@
+//! The default meeting point: rank 0 listens on a TCP address, every other rank connects and
+//! says hello; rank 0 answers each with the group, a refusal, or "not forming now".
+//!
+//! Rank 0's listener lives as long as its [`Rendezvous`](super::Rendezvous), so a rank
+//! that restarts can connect at any time: a thread accepts, reads the hello, and hands it to
+//! the formation in progress, or answers at once that none is (naming the live group's
+//! epoch, or why the last formation failed); the joiner then tries again until its deadline.
+
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::decide::{decide, missing, IdSource};
+use super::message::{Hello, Reply, Welcome};
+use super::RendezvousError;
+use crate::process::mesh::MeshListener;
+use crate::process::wire::{read_frame, write_frame};
+
+/// How long rank 0 waits for a connected rank's hello, and gives a reply to go out.
+const MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Pause between a joiner's attempts.
+const RETRY: Duration = Duration::from_millis(50);
+
+/// A hello that reached rank 0's listener.
+struct Arrival {
+    stream: TcpStream,
+    hello: Result<Hello, RendezvousError>,
+}
+
+#[derive(Default)]
+struct LeaderState {
+    forming: Option<mpsc::Sender<Arrival>>,
+    live_epoch: Option<u64>,
+    last_failure: Option<String>,
+}
+
+/// Rank 0's side: the listener and its accepting thread.
+pub(crate) struct TcpLeader {
+    addr: SocketAddr,
+    state: Arc<Mutex<LeaderState>>,
+    wake: UnixStream,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn resolve(addr: &str) -> Result<Vec<SocketAddr>, RendezvousError> {
+    let v: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| RendezvousError::Config(format!("rendezvous address {addr:?}: {e}")))?
+        .collect();
+    if v.is_empty() {
+        return Err(RendezvousError::Config(format!(
+            "rendezvous address {addr:?} resolves to nothing"
+        )));
+    }
+    Ok(v)
+}
+
+fn reply(stream: &mut TcpStream, r: &Reply) {
+    let _ = write_frame(stream, &r.encode(), Instant::now() + MESSAGE_TIMEOUT);
+}
+
+/// True when the peer of `stream` has hung up (it gave up waiting).
+fn hung_up(stream: &TcpStream) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd; a zero timeout never blocks.
+    let r = unsafe { libc::poll(&mut pfd, 1, 0) };
+    r > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+impl TcpLeader {
+    /// Listens at `addr` (rank 0's rendezvous address) for the life of the rendezvous.
+    pub(crate) fn bind(addr: &str, version: String) -> Result<Self, RendezvousError> {
+        let addrs = resolve(addr)?;
+        let listener = TcpListener::bind(&addrs[..])
+            .map_err(|e| RendezvousError::io(format!("rank 0 listening at {addr}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| RendezvousError::io("rank 0's listening address", e))?;
+        let (wake, wake_rx) =
+            UnixStream::pair().map_err(|e| RendezvousError::io("rank 0's wake-up pipe", e))?;
+        let state = Arc::new(Mutex::new(LeaderState::default()));
+        let shared = state.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvlink-rendezvous".into())
+            .spawn(move || accept_loop(listener, wake_rx, shared, version))
+            .map_err(|e| RendezvousError::io("starting rank 0's rendezvous thread", e))?;
+        Ok(TcpLeader {
+            addr: local,
+            state,
+            wake,
+            thread: Some(thread),
+        })
+    }
+
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// One formation: collects hellos until every rank of `leader.world` is there (or the
+    /// deadline), decides, and answers every rank that joined.
+    pub(crate) fn form(
+        &self,
+        leader: &Hello,
+        ids: Option<&IdSource>,
+        deadline: Instant,
+    ) -> Result<Welcome, RendezvousError> {
+        let (tx, rx) = mpsc::channel();
+        self.state.lock().forming = Some(tx);
+        let mut joined: Vec<(TcpStream, Hello)> = Vec::new();
+        let mut foreign: Vec<(TcpStream, u32, RendezvousError)> = Vec::new();
+        let world = leader.world;
+        let decision = loop {
+            joined.retain(|(s, h)| {
+                let gone = hung_up(s);
+                if gone {
+                    tracing::info!(rank = h.rank, "a joining rank gave up; waiting for another");
+                }
+                !gone
+            });
+            let hellos: Vec<Hello> = joined.iter().map(|(_, h)| h.clone()).collect();
+            let mut absent = missing(world, &hellos);
+            absent.retain(|r| !foreign.iter().any(|(_, fr, _)| fr == r));
+            if absent.is_empty() {
+                break match foreign.first() {
+                    Some((_, _, e)) => Err(e.clone()),
+                    None => decide(leader, &hellos, ids),
+                };
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left.min(Duration::from_millis(200))) {
+                Ok(Arrival {
+                    stream,
+                    hello: Ok(h),
+                }) => joined.push((stream, h)),
+                Ok(Arrival {
+                    stream,
+                    hello: Err(e),
+                }) => match &e {
+                    RendezvousError::VersionMismatch { rank, .. } => {
+                        foreign.push((stream, *rank, e.clone()))
+                    }
+                    _ => {
+                        let mut s = stream;
+                        reply(&mut s, &Reply::Refused(e));
+                    }
+                },
+                Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => {
+                    break Err(RendezvousError::Timeout {
+                        missing: absent,
+                        detail: format!("rank 0 waited for every rank of {world} to join"),
+                    });
+                }
+                Err(_) => {}
+            }
+        };
+        self.state.lock().forming = None;
+        // Hellos that raced in as the formation closed.
+        let late: Vec<Arrival> = rx.try_iter().collect();
+        let answer = match &decision {
+            Ok(w) => Reply::Welcome(Box::new(w.clone())),
+            Err(e) => Reply::Refused(e.clone()),
+        };
+        for (mut s, _) in joined {
+            reply(&mut s, &answer);
+        }
+        for (mut s, _, e) in foreign {
+            let r = match &decision {
+                Err(d) => Reply::Refused(d.clone()),
+                Ok(_) => Reply::Refused(e),
+            };
+            reply(&mut s, &r);
+        }
+        let mut st = self.state.lock();
+        match &decision {
+            Ok(w) => {
+                st.live_epoch = Some(w.epoch);
+                st.last_failure = None;
+            }
+            Err(e) => {
+                st.live_epoch = None;
+                st.last_failure = Some(e.to_string());
+            }
+        }
+        let idle = Reply::Idle {
+            live_epoch: st.live_epoch,
+            last_failure: st.last_failure.clone(),
+        };
+        drop(st);
+        for mut a in late {
+            reply(&mut a.stream, &idle);
+        }
+        decision
+    }
+}
+
+impl Drop for TcpLeader {
+    fn drop(&mut self) {
+        use std::io::Write;
+        let _ = (&self.wake).write_all(&[1]);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Accepts connections until woken; hands each hello to the formation in progress, or
+/// answers that none is.
+fn accept_loop(
+    listener: TcpListener,
+    wake: UnixStream,
+    state: Arc<Mutex<LeaderState>>,
+    version: String,
+) {
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two live pollfds for the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if r < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            tracing::error!("rank 0's rendezvous poll failed; it stops accepting");
+            return;
+        }
+        if fds[1].revents != 0 {
+            return;
+        }
+        let Ok((mut stream, peer)) = listener.accept() else {
+            continue;
+        };
+        let hello = match read_frame(&mut stream, Instant::now() + MESSAGE_TIMEOUT) {
+            Ok(body) => Hello::decode(&body, &version),
+            Err(e) => {
+                tracing::debug!(%peer, error = %e, "a connection sent no hello");
+                continue;
+            }
+        };
+        let st = state.lock();
+        if let Some(tx) = &st.forming {
+            if tx.send(Arrival { stream, hello }).is_ok() {
+                continue;
+            }
+            return;
+        }
+        let idle = Reply::Idle {
+            live_epoch: st.live_epoch,
+            last_failure: st.last_failure.clone(),
+        };
+        drop(st);
+        reply(&mut stream, &idle);
+    }
+}
+
+/// What a joiner last heard, for the error at its deadline.
+enum Heard {
+    Nothing(String),
+    Idle {
+        live_epoch: Option<u64>,
+        last_failure: Option<String>,
+    },
+}
+
+/// A joiner's side: connects to rank 0 at `addr` until it answers with the group or a
+/// refusal, or `deadline`. `hello` builds this rank's hello for the local IP that reaches
+/// rank 0 (binding the mesh listener there). Returns the welcome, the listener, and the IP
+/// rank 0 was reached at.
+pub(crate) fn join(
+    addr: &str,
+    rank: u32,
+    mut hello: impl FnMut(IpAddr) -> Result<(Hello, MeshListener), RendezvousError>,
+    deadline: Instant,
+) -> Result<(Welcome, MeshListener, IpAddr), RendezvousError> {
+    let mut heard = Heard::Nothing(format!("rank 0 did not answer at {addr}"));
+    let mut listener: Option<(IpAddr, Hello, MeshListener)> = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(match heard {
+                Heard::Idle {
+                    live_epoch: Some(epoch),
+                    ..
+                } => RendezvousError::Occupied { rank, epoch },
+                Heard::Idle { last_failure, .. } => RendezvousError::Timeout {
+                    missing: vec![0],
+                    detail: format!(
+                        "rank 0 is not forming a group{}",
+                        last_failure
+                            .map(|f| format!("; its last formation failed: {f}"))
+                            .unwrap_or_default()
+                    ),
+                },
+                Heard::Nothing(detail) => RendezvousError::Timeout {
+                    missing: vec![0],
+                    detail,
+                },
+            });
+        }
+        let attempt = (|| -> Result<Option<(Reply, IpAddr)>, RendezvousError> {
+            let addrs = resolve(addr)?;
+            let mut stream = None;
+            for a in &addrs {
+                match TcpStream::connect_timeout(a, left.min(MESSAGE_TIMEOUT)) {
+                    Ok(s) => {
+                        stream = Some(s);
+                        break;
+                    }
+                    Err(e) => heard = Heard::Nothing(format!("connecting to rank 0 at {a}: {e}")),
+                }
+            }
+            let Some(mut stream) = stream else {
+                return Ok(None);
+            };
+            let io = |e| RendezvousError::io("talking to rank 0", e);
+            let local = stream.local_addr().map_err(io)?.ip();
+            let server = stream.peer_addr().map_err(io)?.ip();
+            if listener.as_ref().is_none_or(|(ip, _, _)| *ip != local) {
+                let (h, l) = hello(local)?;
+                listener = Some((local, h, l));
+            }
+            let Some((_, h, _)) = &listener else {
+                return Ok(None);
+            };
+            if write_frame(&mut stream, &h.encode(), deadline).is_err() {
+                return Ok(None);
+            }
+            match read_frame(&mut stream, deadline) {
+                Ok(body) => Ok(Some((Reply::decode(&body)?, server))),
+                Err(e) => {
+                    heard = Heard::Nothing(format!("rank 0 hung up or went silent: {e}"));
+                    Ok(None)
+                }
+            }
+        })()?;
+        match attempt {
+            Some((Reply::Welcome(w), server)) => {
+                let Some((_, h, l)) = listener else {
+                    return Err(RendezvousError::Protocol("a welcome before a hello".into()));
+                };
+                if w.nonces.get(rank as usize) != Some(&h.nonce) {
+                    return Err(RendezvousError::DuplicateRank { rank });
+                }
+                return Ok((*w, l, server));
+            }
+            Some((Reply::Refused(e), _)) => return Err(e),
+            Some((
+                Reply::Idle {
+                    live_epoch,
+                    last_failure,
+                },
+                _,
+            )) => {
+                heard = Heard::Idle {
+                    live_epoch,
+                    last_failure,
+                }
+            }
+            None => {}
+        }
+        std::thread::sleep(RETRY.min(deadline.saturating_duration_since(Instant::now())));
+    }
+}

@@ -1,0 +1,574 @@
+//! [`SocketCollective`]: the [`Collective`] of a TP group whose ranks are processes, over
+//! stream sockets (Unix sockets when every rank is on one host, TCP otherwise).
+//!
+//! # Topology
+//! Every pair of ranks holds one connection (a full mesh, made when the group forms). Bulk
+//! rows move along a **ring** over that mesh by default ([`Algorithm::Ring`]): a broadcast is
+//! a chain from the root (each rank relays to the next what it receives, while it arrives),
+//! an all-gather passes every rank's block once around the ring. Every rank then sends and
+//! receives each byte at most once, so the copies through the kernel are spread over all
+//! ranks' cores instead of piling up on the root. [`Algorithm::Direct`] sends from the root
+//! (or from each owner) to every peer at once instead: fewer hops, all the work on the
+//! sender. Small values (`all_gather_bytes`, the status words) always go direct.
+//!
+//! # Ordering, deadlines, failures
+//! The trait's rules, as the in-process group has them, with one difference that follows
+//! from bytes in flight between processes: **an operation that fails breaks the handle**.
+//! - Every stream starts with a header naming the operation (sequence number, kind, root,
+//!   bytes, a digest of the row layout); a rank whose header differs fails the operation
+//!   with [`CollectiveError::Mismatch`] or [`CollectiveError::SizeMismatch`] on the ranks
+//!   that receive it.
+//! - A peer that hangs up (its process died: the kernel closes its sockets) while this rank
+//!   still has bytes to move with it: [`CollectiveError::RankGone`], at once, naming it (and
+//!   any other peer seen hanging up). A peer that never arrives:
+//!   [`CollectiveError::Timeout`] at the deadline.
+//! - Whatever the error, this rank then shuts every connection of the handle, so every peer
+//!   still waiting fails at once too (its stream from this rank ends), instead of at its own
+//!   deadline; [`broken`](Collective::broken) reports why; every later operation returns
+//!   [`CollectiveError::Aborted`] at once. The group is re-formed (a new epoch, new
+//!   connections) before the next batch shares. Bytes half-sent cannot be resynchronised,
+//!   which is why the in-process group's "a late rank rejoins at the next operation" does
+//!   not carry over.
+//! - Arguments the operation cannot take ([`CollectiveError::InvalidArgument`]) fail it the
+//!   same way. [`CollectiveError::Unsupported`] (device operations) does no I/O and does not
+//!   advance the sequence number.
+//!
+//! On `Ok`, the bytes are in every receiving row and the sending rows are no longer read.
+//!
+//! **Shared fate of rows operations.** A rank that only sends (a broadcast root) would be
+//! done as soon as its bytes sit in socket buffers, and a ring rank once it has what it
+//! needs, while a peer may still fail. So every rows operation ends with a **completion
+//! round**: each rank tells every peer it has all its bytes (a header, no body) and waits to
+//! hear the same from every peer. `Ok` from `broadcast_rows`/`all_gather_rows` on one rank
+//! thus means every rank received every byte; a rank that failed shuts its sockets instead
+//! of confirming, and every other rank fails too. The round costs one small message each
+//! way per pair, nothing next to a layer of rows. `all_gather_bytes` (status words, digests:
+//! latency-bound) has no such round: its `Ok` means this rank's result is right, and a peer
+//! that failed it has broken the group, which the next operation reports on every rank.
+
+use std::time::Instant;
+
+use kv_device::HostRow;
+use parking_lot::{Mutex, MutexGuard};
+
+use super::engine::{Failure, Gate, Inbound, Outbound, Run};
+use super::link::{Link, Span};
+use super::op_header::{layout_digest, OpHeader, OpKind};
+use crate::{Collective, CollectiveError};
+
+/// How a socket group moves bulk rows (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Algorithm {
+    /// Chain broadcast from the root, ring all-gather: each rank moves each byte once.
+    #[default]
+    Ring,
+    /// Root (or each owner) sends to every peer directly.
+    Direct,
+}
+
+impl Algorithm {
+    /// Parses `ring` or `direct` (any case).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "ring" => Some(Algorithm::Ring),
+            "direct" => Some(Algorithm::Direct),
+            _ => None,
+        }
+    }
+}
+
+/// One rank's handle of a group of processes over sockets (see the module docs).
+///
+/// Built by a formed rendezvous ([`FormedGroup::connect`](super::FormedGroup::connect)) or,
+/// for ranks that are threads of one process (tests, benchmarks of the socket path), by
+/// [`SocketCollective::over_socket_pairs`]:
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use dedup_broadcast::{broadcast_slice, Collective, SocketCollective, Algorithm};
+/// let ranks = SocketCollective::over_socket_pairs(3, Algorithm::Ring).unwrap();
+/// let deadline = Instant::now() + Duration::from_secs(10);
+/// let layers: Vec<Vec<u8>> = std::thread::scope(|s| {
+///     let hs: Vec<_> = ranks
+///         .iter()
+///         .map(|c| s.spawn(move || {
+///             let mut layer = vec![c.rank() as u8; 1 << 16];
+///             broadcast_slice(c, &mut layer, 1, deadline).unwrap();
+///             layer
+///         }))
+///         .collect();
+///     hs.into_iter().map(|h| h.join().unwrap()).collect()
+/// });
+/// assert!(layers.iter().all(|l| l.iter().all(|&b| b == 1)));
+/// ```
+pub struct SocketCollective {
+    rank: u32,
+    size: u32,
+    epoch: u64,
+    algorithm: Algorithm,
+    /// Index = peer rank; `None` at this rank's own index.
+    links: Vec<Option<Link>>,
+    op: Mutex<OpState>,
+    broken: Mutex<Option<String>>,
+}
+
+struct OpState {
+    seq: u64,
+    /// Peers seen hanging up, kept across operations.
+    hung: Vec<bool>,
+}
+
+impl std::fmt::Debug for SocketCollective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SocketCollective")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("epoch", &self.epoch)
+            .field("algorithm", &self.algorithm)
+            .finish()
+    }
+}
+
+fn spans(rows: &[HostRow]) -> Vec<Span> {
+    rows.iter()
+        .map(|r| Span {
+            addr: r.addr,
+            len: r.len,
+        })
+        .collect()
+}
+
+/// The first pair of rows that overlap, if any.
+fn overlapping(rows: &[HostRow]) -> Option<(HostRow, HostRow)> {
+    let sorted = rows.windows(2).all(|w| w[0].addr <= w[1].addr);
+    let owned;
+    let by_addr: &[HostRow] = if sorted {
+        rows
+    } else {
+        let mut v = rows.to_vec();
+        v.sort_unstable_by_key(|r| r.addr);
+        owned = v;
+        &owned
+    };
+    let nonempty: Vec<&HostRow> = by_addr.iter().filter(|r| r.len > 0).collect();
+    nonempty
+        .windows(2)
+        .find(|w| w[0].overlaps(w[1]))
+        .map(|w| (*w[0], *w[1]))
+}
+
+impl SocketCollective {
+    pub(crate) fn new(
+        rank: u32,
+        size: u32,
+        epoch: u64,
+        algorithm: Algorithm,
+        links: Vec<Option<Link>>,
+    ) -> Self {
+        SocketCollective {
+            rank,
+            size,
+            epoch,
+            algorithm,
+            links,
+            op: Mutex::new(OpState {
+                seq: 0,
+                hung: vec![false; size as usize],
+            }),
+            broken: Mutex::new(None),
+        }
+    }
+
+    /// A group of `size` ranks for threads of this process, over Unix socket pairs: the same
+    /// code path as ranks in separate processes (tests, benchmarks).
+    pub fn over_socket_pairs(
+        size: u32,
+        algorithm: Algorithm,
+    ) -> std::io::Result<Vec<SocketCollective>> {
+        let n = size as usize;
+        let mut links: Vec<Vec<Option<Link>>> =
+            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        for (a, b) in (0..n).flat_map(|a| (a + 1..n).map(move |b| (a, b))) {
+            let (x, y) = std::os::unix::net::UnixStream::pair()?;
+            let (x, y) = (Link::Unix(x), Link::Unix(y));
+            x.prepare()?;
+            y.prepare()?;
+            links[a][b] = Some(x);
+            links[b][a] = Some(y);
+        }
+        Ok(links
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| SocketCollective::new(r as u32, size, 0, algorithm, l))
+            .collect())
+    }
+
+    /// The group's epoch (which formation made it).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// How this handle moves bulk rows.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Takes the handle for one operation and numbers it; a broken handle answers `Aborted`.
+    fn begin(
+        &self,
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<(MutexGuard<'_, OpState>, u64), CollectiveError> {
+        let Some(mut st) = self.op.try_lock_until(deadline) else {
+            return Err(CollectiveError::Timeout {
+                op,
+                seq: u64::MAX,
+                missing: Vec::new(),
+            });
+        };
+        let seq = st.seq;
+        st.seq += 1;
+        if let Some(cause) = self.broken() {
+            return Err(CollectiveError::Aborted {
+                op,
+                seq,
+                missing: Vec::new(),
+                cause,
+            });
+        }
+        Ok((st, seq))
+    }
+
+    /// Marks the handle broken (first cause wins) and shuts every connection, so that peers
+    /// waiting on this rank fail now rather than at their deadline.
+    fn break_with(&self, cause: &str) {
+        {
+            let mut b = self.broken.lock();
+            if b.is_none() {
+                tracing::warn!(
+                    rank = self.rank,
+                    epoch = self.epoch,
+                    cause,
+                    "socket group broken"
+                );
+                *b = Some(cause.to_string());
+            }
+        }
+        for l in self.links.iter().flatten() {
+            l.shut();
+        }
+    }
+
+    fn fail(&self, err: CollectiveError) -> CollectiveError {
+        self.break_with(&err.to_string());
+        err
+    }
+
+    fn invalid(&self, op: &'static str, seq: u64, reason: String) -> CollectiveError {
+        self.fail(CollectiveError::InvalidArgument {
+            op,
+            seq,
+            rank: self.rank,
+            reason,
+        })
+    }
+
+    /// Runs one operation's streams; on failure breaks the handle.
+    ///
+    /// # Safety
+    /// As for [`Run::run`].
+    unsafe fn run(
+        &self,
+        st: &mut OpState,
+        op: &'static str,
+        header: OpHeader,
+        inbound: Vec<Inbound>,
+        outbound: Vec<Outbound>,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let mut run = Run {
+            links: &self.links,
+            hung: &mut st.hung,
+            inbound,
+            outbound,
+        };
+        let me = self.rank;
+        // SAFETY: forwarded from this function's contract.
+        let result = unsafe { run.run(deadline, &mut |peer, h| header.check(op, me, peer, h)) };
+        let Err(failure) = result else {
+            return Ok(());
+        };
+        if let Some(cause) = self.broken() {
+            // `abort` from another thread shut the sockets under this operation.
+            return Err(CollectiveError::Aborted {
+                op,
+                seq: header.seq,
+                missing: Vec::new(),
+                cause,
+            });
+        }
+        let seq = header.seq;
+        let err = match failure {
+            Failure::Gone(peers) => {
+                let mut gone: Vec<u32> = (0..self.size)
+                    .filter(|&r| st.hung[r as usize])
+                    .chain(peers)
+                    .collect();
+                gone.sort_unstable();
+                gone.dedup();
+                CollectiveError::RankGone { op, seq, gone }
+            }
+            Failure::Timeout(missing) => CollectiveError::Timeout { op, seq, missing },
+            Failure::Refused(e) => e,
+            Failure::Io { peer, error } => CollectiveError::Backend(format!(
+                "{op} #{seq}: rank {me}: socket to rank {peer}: {error}"
+            )),
+        };
+        Err(self.fail(err))
+    }
+
+    /// The completion round of rows operation `seq`: a bare header to and from every peer.
+    fn confirm(
+        &self,
+        st: &mut OpState,
+        op: &'static str,
+        seq: u64,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let header = OpHeader {
+            seq,
+            kind: OpKind::Confirm,
+            root: 0,
+            len: 0,
+            layout: 0,
+        };
+        let hdr = header.encode();
+        let peers = (0..self.size).filter(|&p| p != self.rank);
+        let inbound = peers.clone().map(|p| Inbound::new(p, Vec::new())).collect();
+        let outbound = peers
+            .map(|p| Outbound::new(p, hdr, Vec::new(), None))
+            .collect();
+        // SAFETY: no body spans: only the streams' own header arrays are read and written.
+        unsafe { self.run(st, op, header, inbound, outbound, deadline) }
+    }
+
+    /// Broadcast of `rows` from `root` (reported as `op`).
+    ///
+    /// # Safety
+    /// As for [`Collective::broadcast_rows`].
+    unsafe fn broadcast_rows_as(
+        &self,
+        op: &'static str,
+        rows: &[HostRow],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let (mut st, seq) = self.begin(op, deadline)?;
+        let size = self.size;
+        let problem = (root >= size)
+            .then(|| format!("root {root} is not a rank of a group of {size}"))
+            .or_else(|| overlapping(rows).map(|(a, b)| format!("rows {a:?} and {b:?} overlap")));
+        if let Some(reason) = problem {
+            return Err(self.invalid(op, seq, reason));
+        }
+        let header = OpHeader {
+            seq,
+            kind: OpKind::BroadcastRows,
+            root,
+            len: rows.iter().map(|r| r.len as u64).sum(),
+            layout: layout_digest(rows.iter().map(|r| r.len), &[]),
+        };
+        if size == 1 {
+            return Ok(());
+        }
+        let body = spans(rows);
+        let hdr = header.encode();
+        let (me, n) = (self.rank, size);
+        let (mut inbound, mut outbound) = (Vec::new(), Vec::new());
+        match self.algorithm {
+            Algorithm::Ring => {
+                let pos = (me + n - root) % n;
+                if pos > 0 {
+                    inbound.push(Inbound::new((me + n - 1) % n, body.clone()));
+                }
+                if pos < n - 1 {
+                    let gate = (pos > 0).then_some(Gate {
+                        inbound: 0,
+                        head: 0,
+                    });
+                    outbound.push(Outbound::new((me + 1) % n, hdr, body, gate));
+                }
+            }
+            Algorithm::Direct if me == root => {
+                for p in (0..n).filter(|&p| p != me) {
+                    outbound.push(Outbound::new(p, hdr, body.clone(), None));
+                }
+            }
+            Algorithm::Direct => inbound.push(Inbound::new(root, body)),
+        }
+        // SAFETY: the caller's contract (broadcast_rows): on the root every row is valid for
+        // reads, elsewhere for writes, untouched by others, and rows do not overlap (checked
+        // above). A relaying rank's outbound rows are its gated inbound rows.
+        unsafe { self.run(&mut st, op, header, inbound, outbound, deadline)? };
+        self.confirm(&mut st, op, seq, deadline)
+    }
+
+    /// In-place all-gather of `rows` split by `counts` (reported as `op`).
+    ///
+    /// # Safety
+    /// As for [`Collective::all_gather_rows`].
+    unsafe fn all_gather_rows_as(
+        &self,
+        op: &'static str,
+        rows: &[HostRow],
+        counts: &[usize],
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let (mut st, seq) = self.begin(op, deadline)?;
+        let (me, n) = (self.rank, self.size);
+        let problem = (counts.len() != n as usize)
+            .then(|| format!("{} per-rank counts for a group of {n}", counts.len()))
+            .or_else(|| {
+                let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+                (total != Some(rows.len()))
+                    .then(|| format!("counts {counts:?} do not add up to the {} rows", rows.len()))
+            })
+            .or_else(|| overlapping(rows).map(|(a, b)| format!("rows {a:?} and {b:?} overlap")));
+        if let Some(reason) = problem {
+            return Err(self.invalid(op, seq, reason));
+        }
+        let header = OpHeader {
+            seq,
+            kind: OpKind::AllGatherRows,
+            root: 0,
+            len: rows.iter().map(|r| r.len as u64).sum(),
+            layout: layout_digest(rows.iter().map(|r| r.len), counts),
+        };
+        if n == 1 {
+            return Ok(());
+        }
+        let mut start = vec![0usize; n as usize + 1];
+        for (q, &c) in counts.iter().enumerate() {
+            start[q + 1] = start[q] + c;
+        }
+        let block = |q: u32| spans(&rows[start[q as usize]..start[q as usize + 1]]);
+        let hdr = header.encode();
+        let (mut inbound, mut outbound) = (Vec::new(), Vec::new());
+        match self.algorithm {
+            Algorithm::Ring => {
+                let (prev, next) = ((me + n - 1) % n, (me + 1) % n);
+                // From prev: blocks me-1, me-2, ..., me-(n-1). To next: my block, then the
+                // first n-2 of those, each relayed once it has arrived.
+                let recv: Vec<Span> = (1..n).flat_map(|k| block((me + n - k) % n)).collect();
+                let own = block(me);
+                let head = own.iter().map(|s| s.len).sum();
+                let send: Vec<Span> = own
+                    .into_iter()
+                    .chain((1..n - 1).flat_map(|k| block((me + n - k) % n)))
+                    .collect();
+                inbound.push(Inbound::new(prev, recv));
+                outbound.push(Outbound::new(
+                    next,
+                    hdr,
+                    send,
+                    Some(Gate { inbound: 0, head }),
+                ));
+            }
+            Algorithm::Direct => {
+                for p in (0..n).filter(|&p| p != me) {
+                    outbound.push(Outbound::new(p, hdr, block(me), None));
+                    inbound.push(Inbound::new(p, block(p)));
+                }
+            }
+        }
+        // SAFETY: the caller's contract (all_gather_rows): this rank's rows are valid for
+        // reads, every other row for writes, untouched by others, no two rows overlap
+        // (checked above); relayed rows are sent only once they have arrived (the gate).
+        unsafe { self.run(&mut st, op, header, inbound, outbound, deadline)? };
+        self.confirm(&mut st, op, seq, deadline)
+    }
+}
+
+impl Collective for SocketCollective {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
+        let all = self.all_gather_bytes(&value.to_le_bytes(), deadline)?;
+        Ok(crate::collective::u64_words(&all))
+    }
+
+    fn all_gather_bytes(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let op = OpKind::GatherBytes.name();
+        let (mut st, seq) = self.begin(op, deadline)?;
+        let (me, n) = (self.rank, self.size);
+        let header = OpHeader {
+            seq,
+            kind: OpKind::GatherBytes,
+            root: 0,
+            len: value.len() as u64,
+            layout: 0,
+        };
+        let mut all: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value.len()]).collect();
+        all[me as usize].copy_from_slice(value);
+        let hdr = header.encode();
+        let mine = vec![Span {
+            addr: value.as_ptr() as usize,
+            len: value.len(),
+        }];
+        let mut inbound = Vec::new();
+        let mut outbound = Vec::new();
+        for p in (0..n).filter(|&p| p != me) {
+            outbound.push(Outbound::new(p, hdr, mine.clone(), None));
+            let buf = &mut all[p as usize];
+            inbound.push(Inbound::new(
+                p,
+                vec![Span {
+                    addr: buf.as_mut_ptr() as usize,
+                    len: buf.len(),
+                }],
+            ));
+        }
+        // SAFETY: `value` is borrowed (read-only) and each peer's buffer is a distinct Vec
+        // owned by this call, alive and untouched by anything else until `run` returns.
+        unsafe { self.run(&mut st, op, header, inbound, outbound, deadline)? };
+        Ok(all)
+    }
+
+    unsafe fn broadcast_rows(
+        &self,
+        rows: &[HostRow],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { self.broadcast_rows_as("broadcast_rows", rows, root, deadline) }
+    }
+
+    unsafe fn all_gather_rows(
+        &self,
+        rows: &[HostRow],
+        counts: &[usize],
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { self.all_gather_rows_as("all_gather_rows", rows, counts, deadline) }
+    }
+
+    fn abort(&self, cause: &str) {
+        self.break_with(cause);
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.broken.lock().clone()
+    }
+}

@@ -1,0 +1,5 @@
+//! Helpers shared by this crate's integration tests.
+#![allow(dead_code)]
+
+pub mod procs;
+pub mod script;

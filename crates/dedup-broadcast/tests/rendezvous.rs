@@ -1,0 +1,227 @@
+//! The rendezvous with ranks as threads (the process tests cover separate processes):
+//! formation and re-formation over TCP and over a key-value exchange, epochs that grow
+//! whoever restarts, refusals on every rank, a rank held by a live group, a joiner that
+//! gives up and retries.
+#![cfg(target_os = "linux")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dedup_broadcast::{
+    Collective, FormedGroup, KeyValueExchange, MeetingPoint, MemoryExchange, Rendezvous,
+    RendezvousConfig, RendezvousError,
+};
+
+fn tcp(rank: u32, world: u32, at: &str) -> RendezvousConfig {
+    RendezvousConfig::new(rank, world, MeetingPoint::Tcp(at.into()))
+        .timeout(Duration::from_secs(20))
+}
+
+fn exchange(rank: u32, world: u32, x: &Arc<MemoryExchange>) -> RendezvousConfig {
+    let exchange: Arc<dyn KeyValueExchange> = x.clone();
+    RendezvousConfig::new(
+        rank,
+        world,
+        MeetingPoint::Exchange {
+            exchange,
+            prefix: "g".into(),
+        },
+    )
+    .timeout(Duration::from_secs(20))
+}
+
+/// Forms every rendezvous of `ranks` at once (one thread each).
+fn form_all(ranks: &mut [Rendezvous]) -> Vec<Result<FormedGroup, RendezvousError>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter_mut()
+            .map(|r| s.spawn(move || r.form()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn sum_over(groups: Vec<FormedGroup>) -> Vec<u64> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                s.spawn(move || {
+                    let c = g.connect(2).unwrap();
+                    let d = std::time::Instant::now() + Duration::from_secs(10);
+                    let a: u64 = c[0]
+                        .all_gather_u64(u64::from(c[0].rank()), d)
+                        .unwrap()
+                        .iter()
+                        .sum();
+                    let b: u64 = c[1].all_gather_u64(10, d).unwrap().iter().sum();
+                    a + b
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn tcp_groups_form_re_form_and_grow_their_epoch_when_rank_0_restarts() {
+    let r0 = Rendezvous::new(tcp(0, 3, "127.0.0.1:0").attribute("store", "unix:@s")).unwrap();
+    let at = r0.listen_addr().unwrap().to_string();
+    let mut ranks = vec![
+        r0,
+        Rendezvous::new(tcp(1, 3, &at)).unwrap(),
+        Rendezvous::new(tcp(2, 3, &at)).unwrap(),
+    ];
+    let groups: Vec<FormedGroup> = form_all(&mut ranks)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(groups
+        .iter()
+        .all(|g| g.epoch() == 1 && g.attribute("store") == Some("unix:@s")));
+    assert_eq!(sum_over(groups), vec![33, 33, 33]);
+    // Re-forming on the same objects: epoch 2.
+    let groups: Vec<FormedGroup> = form_all(&mut ranks)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(groups.iter().all(|g| g.epoch() == 2));
+    drop(groups);
+    // Rank 0's process "restarts": a fresh rendezvous on the same address, last epoch 0.
+    ranks.remove(0);
+    ranks.insert(0, Rendezvous::new(tcp(0, 3, &at)).unwrap());
+    let groups: Vec<FormedGroup> = form_all(&mut ranks)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        groups.iter().all(|g| g.epoch() == 3),
+        "above every member's last epoch"
+    );
+    assert_eq!(sum_over(groups), vec![33, 33, 33]);
+}
+
+#[test]
+fn a_rank_held_by_a_live_group_is_told_so() {
+    let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0")).unwrap();
+    let at = r0.listen_addr().unwrap().to_string();
+    let mut ranks = vec![r0, Rendezvous::new(tcp(1, 2, &at)).unwrap()];
+    let _live: Vec<FormedGroup> = form_all(&mut ranks)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let mut second = Rendezvous::new(tcp(1, 2, &at).timeout(Duration::from_millis(400))).unwrap();
+    let e = second.form().unwrap_err();
+    assert!(
+        matches!(e, RendezvousError::Occupied { rank: 1, epoch: 1 }),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn a_rank_0_that_never_forms_times_joiners_out_naming_it() {
+    let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0")).unwrap();
+    let at = r0.listen_addr().unwrap().to_string();
+    let mut r1 = Rendezvous::new(tcp(1, 2, &at).timeout(Duration::from_millis(300))).unwrap();
+    let e = r1.form().unwrap_err();
+    assert!(
+        matches!(e, RendezvousError::Timeout { ref missing, .. } if missing == &[0]),
+        "{e:?}"
+    );
+    drop((r0, r1));
+    // And rank 0 alone times out naming the missing ranks.
+    let mut lonely =
+        Rendezvous::new(tcp(0, 3, "127.0.0.1:0").timeout(Duration::from_millis(300))).unwrap();
+    let e = lonely.form().unwrap_err();
+    assert!(
+        matches!(e, RendezvousError::Timeout { ref missing, .. } if missing == &[1, 2]),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn bad_settings_are_refused_before_any_io() {
+    let e = Rendezvous::new(tcp(3, 3, "127.0.0.1:0")).unwrap_err();
+    assert!(matches!(e, RendezvousError::Config(_)));
+    let e = Rendezvous::new(tcp(0, 2, "no-such-host.invalid:1")).unwrap_err();
+    assert!(matches!(e, RendezvousError::Config(_)), "{e:?}");
+}
+
+#[test]
+fn a_key_value_exchange_forms_re_forms_and_refuses_like_tcp() {
+    let x = Arc::new(MemoryExchange::new());
+    let mut ranks: Vec<Rendezvous> = (0..3)
+        .map(|r| Rendezvous::new(exchange(r, 3, &x)).unwrap())
+        .collect();
+    let groups: Vec<FormedGroup> = form_all(&mut ranks)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(groups.iter().all(|g| g.epoch() == 1));
+    assert_eq!(sum_over(groups), vec![33, 33, 33]);
+    // Rank 2 restarts; rank 0 too: the epoch still grows.
+    ranks[2] = Rendezvous::new(exchange(2, 3, &x)).unwrap();
+    ranks[0] = Rendezvous::new(exchange(0, 3, &x)).unwrap();
+    let groups: Vec<FormedGroup> = form_all(&mut ranks)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(groups.iter().all(|g| g.epoch() == 2));
+    assert_eq!(sum_over(groups), vec![33, 33, 33]);
+    // A rank of another geometry: refused everywhere.
+    let other =
+        kv_geometry::KvGeometry::new(kv_geometry::ModelKvSpec::glm5_dsa_fp8(), 3, 1).unwrap();
+    ranks[1] = Rendezvous::new(exchange(1, 3, &x).geometry(&other)).unwrap();
+    for r in form_all(&mut ranks) {
+        assert!(
+            matches!(r, Err(RendezvousError::GeometryMismatch { rank: 1, .. })),
+            "{r:?}"
+        );
+    }
+}
+
+#[test]
+fn an_exchange_joiner_that_gives_up_can_retry_without_being_a_duplicate() {
+    let x = Arc::new(MemoryExchange::new());
+    let mut r0 = Rendezvous::new(exchange(0, 3, &x)).unwrap();
+    std::thread::scope(|s| {
+        let leader = s.spawn(|| r0.form());
+        // Rank 1 joins with a short deadline and gives up (rank 2 is late).
+        let mut r1 =
+            Rendezvous::new(exchange(1, 3, &x).timeout(Duration::from_millis(300))).unwrap();
+        assert!(matches!(r1.form(), Err(RendezvousError::Timeout { .. })));
+        // It retries with a longer one; rank 2 arrives.
+        let mut r1 = Rendezvous::new(exchange(1, 3, &x)).unwrap();
+        let mut r2 = Rendezvous::new(exchange(2, 3, &x)).unwrap();
+        let h1 = s.spawn(move || r1.form().map(|g| g.epoch()));
+        let h2 = s.spawn(move || r2.form().map(|g| g.epoch()));
+        assert_eq!(h1.join().unwrap().unwrap(), 1);
+        assert_eq!(h2.join().unwrap().unwrap(), 1);
+        assert_eq!(leader.join().unwrap().unwrap().epoch(), 1);
+    });
+}
+
+#[test]
+fn nccl_ids_travel_from_rank_0_to_every_rank() {
+    let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0").nccl(true))
+        .unwrap()
+        .with_nccl_ids(|| Ok([42; 128]));
+    let at = r0.listen_addr().unwrap().to_string();
+    let mut ranks = vec![r0, Rendezvous::new(tcp(1, 2, &at).nccl(true)).unwrap()];
+    for g in form_all(&mut ranks) {
+        let ids = *g.unwrap().nccl_ids().unwrap();
+        assert_eq!((ids.data, ids.control), ([42; 128], [42; 128]));
+    }
+    // NCCL on one rank only: refused on both.
+    let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0").nccl(true))
+        .unwrap()
+        .with_nccl_ids(|| Ok([1; 128]));
+    let at = r0.listen_addr().unwrap().to_string();
+    let mut ranks = vec![r0, Rendezvous::new(tcp(1, 2, &at)).unwrap()];
+    for r in form_all(&mut ranks) {
+        assert!(
+            matches!(r, Err(RendezvousError::SettingsMismatch { rank: 1, .. })),
+            "{r:?}"
+        );
+    }
+}

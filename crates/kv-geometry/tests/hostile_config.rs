@@ -1,0 +1,171 @@
+//! config.json values that do not fit: every one is a typed error, never a panic or an abort,
+//! plus a property test of the parser over arbitrary (JSON-shaped) input.
+
+use kv_geometry::{
+    ComponentSpec, ElementType, GeometryError, KvGeometry, LayerMap, ModelKvSpec, RowUnit,
+    MAX_LAYERS, MAX_PAGE_SIZE, MAX_ROW_BYTES,
+};
+use proptest::prelude::*;
+
+fn parse(json: &str) -> Result<ModelKvSpec, GeometryError> {
+    ModelKvSpec::from_hf_config(json, ElementType::Bf16, 64)
+}
+
+#[test]
+fn latent_width_overflowing_u32_is_an_error() {
+    // kv_lora_rank + qk_rope_head_dim overflows u32 (hf_config.rs: the latent sum).
+    let cfg = r#"{"model_type":"deepseek_v3","num_hidden_layers":61,
+                  "kv_lora_rank":4294967295,"qk_rope_head_dim":64}"#;
+    assert!(matches!(parse(cfg), Err(GeometryError::BadConfig(_))));
+    // The sum fits but times the element size does not.
+    let cfg = r#"{"model_type":"deepseek_v3","num_hidden_layers":61,
+                  "kv_lora_rank":3000000000,"qk_rope_head_dim":64}"#;
+    assert!(parse(cfg).is_err());
+}
+
+#[test]
+fn llama_row_overflowing_u32_is_an_error() {
+    let cfg = r#"{"model_type":"llama","num_hidden_layers":80,"num_attention_heads":64,
+                  "num_key_value_heads":65536,"head_dim":65536}"#;
+    assert!(parse(cfg).is_err());
+}
+
+#[test]
+fn dsa_indexer_row_overflowing_u32_is_an_error() {
+    let cfg = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78,"kv_lora_rank":512,
+                  "qk_rope_head_dim":64,"index_head_dim":4294967295}"#;
+    assert!(parse(cfg).is_err());
+    let cfg = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78,"kv_lora_rank":512,
+                  "qk_rope_head_dim":64,"index_head_dim":128}"#;
+    assert!(ModelKvSpec::from_hf_config(cfg, ElementType::Fp8E4m3, u32::MAX).is_err());
+}
+
+#[test]
+fn layer_count_past_the_bound_is_refused_before_any_layer_list_is_built() {
+    let cfg = r#"{"model_type":"deepseek_v3","num_hidden_layers":4294967295,
+                  "kv_lora_rank":512,"qk_rope_head_dim":64}"#;
+    assert!(matches!(
+        parse(cfg),
+        Err(GeometryError::TooLarge { what: "layers", .. })
+    ));
+    // A spec built by hand (public fields) past the bound: KvGeometry refuses it too, rather
+    // than allocate a position per layer.
+    let spec = ModelKvSpec {
+        num_layers: u32::MAX,
+        ..ModelKvSpec::deepseek_v3(ElementType::Bf16)
+    };
+    assert!(matches!(
+        KvGeometry::new(spec, 1, 0),
+        Err(GeometryError::TooLarge { .. })
+    ));
+}
+
+#[test]
+fn bounds_are_inclusive_and_documented_values() {
+    let row = |bytes| {
+        vec![ComponentSpec::new(
+            "k",
+            RowUnit::Token,
+            ElementType::Bytes,
+            bytes,
+        )]
+    };
+    assert!(ModelKvSpec::new("m", MAX_LAYERS, 1, row(1)).is_ok());
+    assert!(ModelKvSpec::new("m", MAX_LAYERS + 1, 1, row(1)).is_err());
+    assert!(ModelKvSpec::new("m", 1, MAX_PAGE_SIZE, row(1)).is_ok());
+    assert!(ModelKvSpec::new("m", 1, MAX_PAGE_SIZE + 1, row(1)).is_err());
+    assert!(ModelKvSpec::new("m", 1, 1, row(MAX_ROW_BYTES)).is_ok());
+    assert!(ModelKvSpec::new("m", 1, 1, row(MAX_ROW_BYTES + 1)).is_err());
+    // The largest spec still has objects whose sizes fit a u64 with room to spare.
+    let big = ModelKvSpec::new("m", MAX_LAYERS, MAX_PAGE_SIZE, row(MAX_ROW_BYTES)).unwrap();
+    let g = KvGeometry::new(big, 1, 0).unwrap();
+    assert_eq!(
+        g.bytes_per_page(),
+        u64::from(MAX_LAYERS) * u64::from(MAX_PAGE_SIZE) * u64::from(MAX_ROW_BYTES)
+    );
+    assert_eq!(
+        ModelKvSpec::glm52_dsa_fp8().bytes_for_tokens(u64::MAX),
+        u64::MAX,
+        "saturates"
+    );
+    let sparse = LayerMap::Sparse(vec![0, MAX_LAYERS]);
+    assert!(ModelKvSpec::new("m", MAX_LAYERS, 1, row(1))
+        .unwrap()
+        .with_component_layers("k", sparse)
+        .is_err());
+}
+
+fn json_number() -> impl Strategy<Value = String> {
+    prop_oneof![
+        any::<u64>().prop_map(|v| v.to_string()),
+        (0u64..5000).prop_map(|v| v.to_string()),
+        Just("4294967295".to_string()),
+        Just("4294967296".to_string()),
+        Just("18446744073709551615".to_string()),
+        Just("-1".to_string()),
+        Just("1e300".to_string()),
+        Just("0".to_string()),
+        Just("\"64\"".to_string()),
+        Just("null".to_string()),
+    ]
+}
+
+fn config() -> impl Strategy<Value = String> {
+    let fields = [
+        "num_hidden_layers",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "index_head_dim",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_size",
+    ];
+    (
+        prop_oneof![
+            Just("deepseek_v3"),
+            Just("deepseek_v32"),
+            Just("glm_moe_dsa"),
+            Just("llama"),
+            Just("qwen3"),
+        ],
+        proptest::collection::vec(proptest::option::of(json_number()), fields.len()),
+    )
+        .prop_map(move |(ty, values)| {
+            let mut parts = vec![format!("\"model_type\":\"{ty}\"")];
+            for (f, v) in fields.iter().zip(values) {
+                if let Some(v) = v {
+                    parts.push(format!("\"{f}\":{v}"));
+                }
+            }
+            format!("{{{}}}", parts.join(","))
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Any config, dtype and page size: an error or a spec within the bounds whose geometry
+    /// builds at TP 1 — never a panic.
+    #[test]
+    fn the_parser_never_panics(cfg in config(), dtype in 0usize..4, page in prop_oneof![
+        Just(0u32), Just(1), Just(64), Just(MAX_PAGE_SIZE), Just(MAX_PAGE_SIZE + 1), Just(u32::MAX),
+        any::<u32>()]) {
+        let dtype = [ElementType::Bf16, ElementType::F16, ElementType::Fp8E4m3, ElementType::Bytes][dtype];
+        if let Ok(spec) = ModelKvSpec::from_hf_config(&cfg, dtype, page) {
+            prop_assert!(spec.num_layers >= 1 && spec.num_layers <= MAX_LAYERS);
+            prop_assert!(spec.page_size >= 1 && spec.page_size <= MAX_PAGE_SIZE);
+            prop_assert!(spec.components.iter().all(|c| c.row_bytes >= 1 && c.row_bytes <= MAX_ROW_BYTES));
+            let g = KvGeometry::new(spec.clone(), 1, 0);
+            prop_assert!(g.is_ok(), "{:?}", g);
+            let _ = spec.bytes_for_tokens(u64::MAX);
+            let _ = spec.bytes_per_token();
+        }
+    }
+
+    /// Arbitrary text never panics the parser.
+    #[test]
+    fn arbitrary_text_never_panics(text in ".{0,200}") {
+        let _ = parse(&text);
+    }
+}

@@ -1,0 +1,64 @@
+//! The replace path: an object a load found bad (wrong size, failed checksum) is discarded
+//! with its checksum companion, so that the next save writes both again despite
+//! first-write-wins, instead of every later hit failing and every save skipping it.
+
+use kv_geometry::checksum_key;
+use tracing::warn;
+
+use crate::store::{checked_results, KvStore, StoreError};
+
+/// Discards `objects` and their checksum companions from `store`. A key already gone is
+/// fine; any other failure is logged (the next load finds the object bad again and retries).
+/// Returns how many objects (not companions) were discarded.
+pub(crate) fn discard_objects(store: &dyn KvStore, objects: &[&str]) -> usize {
+    if objects.is_empty() {
+        return 0;
+    }
+    let companions: Vec<String> = objects.iter().map(|k| checksum_key(k)).collect();
+    let keys: Vec<&str> = objects
+        .iter()
+        .copied()
+        .chain(companions.iter().map(String::as_str))
+        .collect();
+    let results = checked_results(&keys, store.discard(&keys));
+    let mut discarded = 0;
+    for (i, (key, r)) in keys.iter().zip(results).enumerate() {
+        match r {
+            Ok(()) => discarded += usize::from(i < objects.len()),
+            Err(StoreError::NotFound { .. }) => {}
+            Err(e) => warn!(key, error = %e, "discarding a bad object failed"),
+        }
+    }
+    warn!(
+        objects = objects.len(),
+        discarded, "bad objects discarded for the next save to rewrite"
+    );
+    discarded
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{EmbeddedStore, ObjectPut};
+
+    fn put(store: &EmbeddedStore, key: &str, bytes: &[u8]) {
+        let p = ObjectPut {
+            key,
+            parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
+        };
+        // SAFETY: `bytes` is live and unchanged during the call.
+        assert!(unsafe { store.put(&[p]) }[0].is_ok());
+    }
+
+    #[test]
+    fn objects_and_companions_go_and_missing_ones_are_fine() {
+        let store = EmbeddedStore::new(1 << 20);
+        put(&store, "a_k", &[1; 8]);
+        put(&store, &checksum_key("a_k"), &[2; 8]);
+        put(&store, "b_k", &[3; 8]); // no companion: an object SGLang wrote
+        assert_eq!(discard_objects(&store, &["a_k", "b_k", "gone_k"]), 2);
+        let left = store.exists(&["a_k", "a_k_kvsum", "b_k"]);
+        assert_eq!(left, vec![Ok(false), Ok(false), Ok(false)]);
+        assert_eq!(discard_objects(&store, &[]), 0);
+    }
+}

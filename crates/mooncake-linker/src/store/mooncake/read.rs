@@ -1,0 +1,214 @@
+//! The ranged read path of [`MooncakeStore`]: keys split into concurrent streams, each key's
+//! ranges shaped (merged, and staged through scratch where they continue in the object only),
+//! then the wheel's ranged call, then the copies out of scratch.
+
+use mooncake_sys::{CKeys, Range};
+
+use super::ranges::{partition, shape, Shaped, Target};
+use super::store::{failed_placeholder, per_key, store_error, MooncakeStore};
+use crate::store::{RangedGet, StoreError};
+
+/// Below this many bytes per stream a ranged read is not split (thread start-up and the
+/// wheel's per-call work would cost more than the overlap gains).
+const MIN_STREAM_BYTES: u64 = 4 << 20;
+
+/// Most scratch one wheel call stages through; a part needing more is read in several
+/// sequential calls, and a single key needing more is read without staging.
+const SCRATCH_BYTES: u64 = 32 << 20;
+
+/// Scratch areas kept for reuse (one per concurrent stream is what a store needs at most).
+const KEPT_SCRATCH: usize = super::MAX_READ_STREAMS;
+
+type KeyResult = Result<u64, StoreError>;
+
+impl MooncakeStore {
+    /// Reads `gets[i]` for every `i` in `readable` (keys in a session, valid arguments) into
+    /// `out[i]`, split into up to `read_streams` concurrent calls by bytes.
+    pub(super) fn read_streamed(
+        &self,
+        gets: &[RangedGet<'_>],
+        readable: &[usize],
+        out: &mut [KeyResult],
+    ) {
+        let bytes: Vec<u64> = readable.iter().map(|&i| gets[i].expected()).collect();
+        let parts = partition(&bytes, self.config.read_streams_count(), MIN_STREAM_BYTES);
+        let results: Vec<Vec<KeyResult>> = if parts.len() <= 1 {
+            vec![self.read_part(gets, readable)]
+        } else {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = parts[1..]
+                    .iter()
+                    .map(|p| {
+                        let part = &readable[p.clone()];
+                        s.spawn(move || self.read_part(gets, part))
+                    })
+                    .collect();
+                let mut all = vec![self.read_part(gets, &readable[parts[0].clone()])];
+                for (h, p) in handles.into_iter().zip(&parts[1..]) {
+                    all.push(h.join().unwrap_or_else(|_| {
+                        readable[p.clone()]
+                            .iter()
+                            .map(|&i| {
+                                Err(StoreError::Other {
+                                    key: gets[i].key.to_owned(),
+                                    code: -1,
+                                })
+                            })
+                            .collect()
+                    }));
+                }
+                all
+            })
+        };
+        for (&i, r) in readable.iter().zip(results.into_iter().flatten()) {
+            out[i] = r;
+        }
+    }
+
+    /// The gets of one stream, in calls of at most [`SCRATCH_BYTES`] of staging each.
+    fn read_part(&self, gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyResult> {
+        let stage = self.config.staged_merge_enabled();
+        let shaped: Vec<Shaped> = part
+            .iter()
+            .map(|&i| {
+                let s = shape(&gets[i].ranges, stage);
+                if s.scratch > SCRATCH_BYTES {
+                    shape(&gets[i].ranges, false)
+                } else {
+                    s
+                }
+            })
+            .collect();
+        let mut out = Vec::with_capacity(part.len());
+        let mut start = 0;
+        while start < part.len() {
+            let mut end = start + 1;
+            let mut need = shaped[start].scratch;
+            while end < part.len() && need + shaped[end].scratch <= SCRATCH_BYTES {
+                need += shaped[end].scratch;
+                end += 1;
+            }
+            out.extend(self.read_call(gets, &part[start..end], &shaped[start..end], need));
+            start = end;
+        }
+        out
+    }
+
+    /// One ranged call of the wheel for `gets[i]`, `i` in `part`, shaped as `shaped`, with
+    /// `need` bytes of scratch; per entry of `part`, the bytes read or the error (a short read
+    /// is an error; a key's copies out of scratch are made only when it was read whole).
+    fn read_call(
+        &self,
+        gets: &[RangedGet<'_>],
+        part: &[usize],
+        shaped: &[Shaped],
+        need: u64,
+    ) -> Vec<KeyResult> {
+        let names: Vec<&str> = part.iter().map(|&i| gets[i].key).collect();
+        let ckeys = match CKeys::new(&names) {
+            Ok(k) => k,
+            Err(e) => return names.iter().map(|k| Err(store_error(k, &e))).collect(),
+        };
+        let mut scratch = self.take_scratch(need as usize);
+        let base = scratch.as_mut_ptr();
+        let mut key_scratch = Vec::with_capacity(part.len());
+        let mut counts = Vec::with_capacity(part.len());
+        let mut ranges: Vec<Range> = Vec::with_capacity(part.len());
+        let mut at = 0u64;
+        for s in shaped {
+            key_scratch.push(at);
+            counts.push(s.spans.len());
+            for span in &s.spans {
+                let dst = match span.target {
+                    Target::Caller(p) => p,
+                    // SAFETY: `at + off + size <= need <= scratch.len()`: the key's scratch
+                    // spans lie inside its share of the area (`shape` sizes them).
+                    Target::Scratch(off) => unsafe { base.add((at + off) as usize) },
+                };
+                ranges.push(Range {
+                    dst: dst.cast(),
+                    size: span.size,
+                    offset: span.offset,
+                });
+            }
+            at += s.scratch;
+        }
+        // Held shared for the call: `unregister` waits for it.
+        let transfer = self.transfers.transfer();
+        // SAFETY: every caller destination comes from a range whose `dst` the caller of
+        // `get_ranges` (an `unsafe fn`) promised, by KvStore's buffer contract, valid for writes
+        // of its length, untouched by anyone else during the call and registered where the
+        // transport needs it (merging joins only ranges adjacent in memory); every scratch
+        // destination lies in `scratch`, owned here for the whole call. Concurrent calls get
+        // disjoint gets and their own scratch. The call is synchronous. Staging is used over
+        // TCP only, whose reader side needs no registration.
+        let results = unsafe { self.client.batch_get_ranges_raw(&ckeys, &counts, &ranges) };
+        drop(transfer);
+        let positions: Vec<usize> = (0..part.len()).collect();
+        let mut out: Vec<KeyResult> = names.iter().map(|k| failed_placeholder(k)).collect();
+        per_key(&names, results, &positions, &mut out);
+        for ((r, &i), (s, &start)) in out
+            .iter_mut()
+            .zip(part)
+            .zip(shaped.iter().zip(&key_scratch))
+        {
+            let expected = gets[i].expected();
+            match *r {
+                Ok(got) if got == expected => {
+                    for c in &s.copies {
+                        // SAFETY: the source lies in this key's scratch share, which the call
+                        // above filled (`from + len <= s.scratch`); the destination is part of a
+                        // caller range (valid for writes, untouched by others, per the contract
+                        // quoted above), and the two cannot overlap (scratch is the store's).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                base.add((start + c.from) as usize),
+                                c.to,
+                                c.len,
+                            );
+                        }
+                    }
+                }
+                Ok(got) => {
+                    *r = Err(StoreError::ShortRead {
+                        key: gets[i].key.to_owned(),
+                        expected,
+                        got,
+                    })
+                }
+                Err(_) => {}
+            }
+        }
+        self.return_scratch(scratch);
+        out
+    }
+
+    /// A scratch area of at least `len` bytes (empty for 0), reused when one is kept.
+    fn take_scratch(&self, len: usize) -> Vec<u8> {
+        if len == 0 {
+            return Vec::new();
+        }
+        let kept = {
+            let mut pool = self.scratch.lock();
+            match pool.iter().position(|b| b.len() >= len) {
+                Some(i) => Some(pool.swap_remove(i)),
+                None => pool.pop(),
+            }
+        };
+        let mut buf = kept.unwrap_or_default();
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        buf
+    }
+
+    fn return_scratch(&self, buf: Vec<u8>) {
+        if buf.is_empty() {
+            return;
+        }
+        let mut pool = self.scratch.lock();
+        if pool.len() < KEPT_SCRATCH {
+            pool.push(buf);
+        }
+    }
+}

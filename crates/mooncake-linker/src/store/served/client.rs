@@ -1,0 +1,402 @@
+//! [`SocketStore`]: a [`KvStore`] whose objects live in another process's embedded store,
+//! served by a [`StoreServer`](super::StoreServer).
+//!
+//! Reads land straight in the caller's memory (`readv` into the destinations), puts leave
+//! straight from it (`writev` from the parts): the socket's own copies are the only ones.
+//! Connections are pooled (one per concurrent caller); a connection that fails is dropped,
+//! and every key of that call gets the error ([`StoreError::Unavailable`], or
+//! [`StoreError::RpcTimeout`] past the request timeout).
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::TcpStream;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::protocol::{
+    frame_len, op, read_all_vectored, read_exact_by, read_frame, write_all_vectored, Conn, Dec,
+    Enc, Malformed, MAGIC, PROTOCOL,
+};
+use crate::store::{
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
+};
+
+/// How long one request may take by default.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A client of a served embedded store (see the module docs).
+pub struct SocketStore {
+    address: String,
+    client: u64,
+    timeout: Duration,
+    pool: Mutex<Vec<Conn>>,
+}
+
+impl std::fmt::Debug for SocketStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SocketStore")
+            .field("address", &self.address)
+            .finish()
+    }
+}
+
+/// What went wrong with one request: the whole call fails with it, per key.
+enum CallError {
+    Timeout,
+    Down(String),
+}
+
+impl From<io::Error> for CallError {
+    fn from(e: io::Error) -> Self {
+        if e.kind() == io::ErrorKind::TimedOut {
+            CallError::Timeout
+        } else {
+            CallError::Down(e.to_string())
+        }
+    }
+}
+
+impl From<Malformed> for CallError {
+    fn from(m: Malformed) -> Self {
+        CallError::Down(format!("a reply that does not decode: {}", m.0))
+    }
+}
+
+impl CallError {
+    fn for_key(&self, address: &str, key: &str) -> StoreError {
+        match self {
+            CallError::Timeout => StoreError::RpcTimeout {
+                key: key.to_string(),
+            },
+            CallError::Down(d) => StoreError::Unavailable {
+                detail: format!("served store at {address}: {d}"),
+            },
+        }
+    }
+}
+
+fn fresh_client_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+impl SocketStore {
+    /// Connects to the store served at `address` (`unix:@name`, `unix:/path` or
+    /// `tcp:host:port`), checking it answers.
+    pub fn connect(address: &str) -> Result<SocketStore, StoreError> {
+        Self::connect_with(address, DEFAULT_REQUEST_TIMEOUT)
+    }
+
+    /// [`connect`](Self::connect) with another request timeout.
+    pub fn connect_with(address: &str, timeout: Duration) -> Result<SocketStore, StoreError> {
+        let s = SocketStore {
+            address: address.to_string(),
+            client: fresh_client_id(),
+            timeout,
+            pool: Mutex::new(Vec::new()),
+        };
+        s.health()?;
+        Ok(s)
+    }
+
+    /// The server's address.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    fn open(&self, deadline: Instant) -> Result<Conn, CallError> {
+        let unavailable = |e: io::Error| CallError::Down(format!("connecting: {e}"));
+        let mut conn = if let Some(name) = self.address.strip_prefix("unix:@") {
+            let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+                .map_err(unavailable)?;
+            Conn::Unix(UnixStream::connect_addr(&a).map_err(unavailable)?)
+        } else if let Some(path) = self.address.strip_prefix("unix:") {
+            Conn::Unix(UnixStream::connect(path).map_err(unavailable)?)
+        } else if let Some(hp) = self.address.strip_prefix("tcp:") {
+            let addr = std::net::ToSocketAddrs::to_socket_addrs(hp)
+                .map_err(unavailable)?
+                .next()
+                .ok_or_else(|| CallError::Down(format!("{hp} resolves to nothing")))?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let s = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+                .map_err(unavailable)?;
+            s.set_nodelay(true).map_err(unavailable)?;
+            Conn::Tcp(s)
+        } else {
+            return Err(CallError::Down(format!(
+                "address {:?} is neither unix: nor tcp:",
+                self.address
+            )));
+        };
+        let mut hello = Enc::default();
+        hello.u32(MAGIC).u32(PROTOCOL).u64(self.client);
+        write_all_vectored(&mut conn, &mut [IoSlice::new(&hello.0)], deadline)?;
+        let mut ok = [0u8; 4];
+        read_exact_by(&mut conn, &mut ok, deadline)?;
+        if ok != [0; 4] {
+            return Err(CallError::Down("the server speaks another protocol".into()));
+        }
+        Ok(conn)
+    }
+
+    /// Runs `f` on a pooled connection (or a new one); a connection that fails is dropped.
+    fn call<T>(
+        &self,
+        f: impl FnOnce(&mut Conn, Instant) -> Result<T, CallError>,
+    ) -> Result<T, CallError> {
+        let deadline = Instant::now() + self.timeout;
+        let pooled = self.pool.lock().pop();
+        let mut conn = match pooled {
+            Some(c) => c,
+            None => self.open(deadline)?,
+        };
+        let out = f(&mut conn, deadline)?;
+        self.pool.lock().push(conn);
+        Ok(out)
+    }
+
+    /// Sends `body` (framed) and reads the reply's frame.
+    fn request(conn: &mut Conn, body: &[u8], deadline: Instant) -> Result<Vec<u8>, CallError> {
+        let len = frame_len(body);
+        write_all_vectored(
+            conn,
+            &mut [IoSlice::new(&len), IoSlice::new(body)],
+            deadline,
+        )?;
+        Ok(read_frame(conn, deadline)?)
+    }
+
+    /// A request about `keys` whose reply is one result per key.
+    fn per_key<T>(
+        &self,
+        opcode: u8,
+        keys: &[&str],
+        value: impl Fn(&mut Dec<'_>) -> Result<T, Malformed>,
+    ) -> Vec<Result<T, StoreError>> {
+        let mut body = Enc::default();
+        body.u8(opcode).u32(keys.len() as u32);
+        keys.iter().for_each(|k| {
+            body.str(k);
+        });
+        let r = self.call(|c, deadline| {
+            let reply = Self::request(c, &body.0, deadline)?;
+            let mut d = Dec::new(&reply);
+            Ok(keys
+                .iter()
+                .map(|_| d.result(&value))
+                .collect::<Result<Vec<_>, _>>()?)
+        });
+        self.spread(r, keys.iter().copied())
+    }
+
+    /// One result per key, or the call's error for every key.
+    fn spread<'k, T>(
+        &self,
+        r: Result<Vec<Result<T, StoreError>>, CallError>,
+        keys: impl Iterator<Item = &'k str>,
+    ) -> Vec<Result<T, StoreError>> {
+        match r {
+            Ok(v) => v,
+            Err(e) => keys.map(|k| Err(e.for_key(&self.address, k))).collect(),
+        }
+    }
+
+    fn single(&self, opcode: u8, keys: &[&str]) -> Result<(), StoreError> {
+        let mut body = Enc::default();
+        body.u8(opcode).u32(keys.len() as u32);
+        keys.iter().for_each(|k| {
+            body.str(k);
+        });
+        let r = self.call(|c, deadline| {
+            let reply = Self::request(c, &body.0, deadline)?;
+            Ok(Dec::new(&reply).result(|_| Ok(()))?)
+        });
+        match r {
+            Ok(v) => v,
+            Err(e) => Err(e.for_key(&self.address, keys.first().copied().unwrap_or(""))),
+        }
+    }
+}
+
+impl KvStore for SocketStore {
+    fn name(&self) -> &str {
+        "embedded (served)"
+    }
+
+    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
+        self.per_key(op::EXISTS, keys, |d| Ok(d.u8()? != 0))
+    }
+
+    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
+        self.per_key(op::OBJECT_SIZE, keys, |d| d.u64())
+    }
+
+    unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        if let Some(bad) = gets.iter().find(|g| g.dst.is_null() && g.len > 0) {
+            let e = StoreError::InvalidArgument {
+                key: bad.key.to_string(),
+                detail: "null destination".into(),
+            };
+            return gets.iter().map(|_| Err(e.clone())).collect();
+        }
+        let mut body = Enc::default();
+        body.u8(op::GET_INTO).u32(gets.len() as u32);
+        for g in gets {
+            body.str(g.key).u64(g.len as u64);
+        }
+        let r = self.call(|c, deadline| {
+            let reply = Self::request(c, &body.0, deadline)?;
+            let mut d = Dec::new(&reply);
+            let results: Vec<Result<u64, StoreError>> = gets
+                .iter()
+                .map(|_| d.result(|d| d.u64()))
+                .collect::<Result<_, _>>()?;
+            let mut dsts = Vec::new();
+            for (g, r) in gets.iter().zip(&results) {
+                if let Ok(len) = r {
+                    if *len as usize > g.len {
+                        return Err(CallError::Down(format!(
+                            "{}: {len} bytes for a buffer of {}",
+                            g.key, g.len
+                        )));
+                    }
+                    if *len > 0 {
+                        // SAFETY: the caller promised `dst` is valid for writes of `g.len`
+                        // bytes (>= len, checked) and touched by nothing else for the call
+                        // (trait contract); destinations of one call do not overlap.
+                        dsts.push(IoSliceMut::new(unsafe {
+                            std::slice::from_raw_parts_mut(g.dst, *len as usize)
+                        }));
+                    }
+                }
+            }
+            read_all_vectored(c, &mut dsts, deadline)?;
+            Ok(results)
+        });
+        self.spread(r, gets.iter().map(|g| g.key))
+    }
+
+    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        if let Some(bad) = gets
+            .iter()
+            .find(|g| g.ranges.iter().any(|r| r.dst.is_null() && r.len > 0))
+        {
+            let e = StoreError::InvalidArgument {
+                key: bad.key.to_string(),
+                detail: "null destination".into(),
+            };
+            return gets.iter().map(|_| Err(e.clone())).collect();
+        }
+        let mut body = Enc::default();
+        body.u8(op::GET_RANGES).u32(gets.len() as u32);
+        for g in gets {
+            body.str(g.key).u32(g.ranges.len() as u32);
+            for r in &g.ranges {
+                body.u64(r.offset).u64(r.len as u64);
+            }
+        }
+        let r = self.call(|c, deadline| {
+            let reply = Self::request(c, &body.0, deadline)?;
+            let mut d = Dec::new(&reply);
+            let results: Vec<Result<u64, StoreError>> = gets
+                .iter()
+                .map(|_| d.result(|d| d.u64()))
+                .collect::<Result<_, _>>()?;
+            let mut dsts = Vec::new();
+            for (g, r) in gets.iter().zip(&results) {
+                if r.is_ok() {
+                    for range in g.ranges.iter().filter(|r| r.len > 0) {
+                        // SAFETY: the caller promised every destination range is valid for
+                        // writes of its length and touched by nothing else for the call;
+                        // destinations of one call do not overlap (trait contract).
+                        dsts.push(IoSliceMut::new(unsafe {
+                            std::slice::from_raw_parts_mut(range.dst, range.len)
+                        }));
+                    }
+                }
+            }
+            read_all_vectored(c, &mut dsts, deadline)?;
+            Ok(results)
+        });
+        self.spread(r, gets.iter().map(|g| g.key))
+    }
+
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        if let Some(bad) = puts
+            .iter()
+            .find(|p| p.parts.iter().any(|(ptr, n)| ptr.is_null() && *n > 0))
+        {
+            let e = StoreError::InvalidArgument {
+                key: bad.key.to_string(),
+                detail: "null source".into(),
+            };
+            return puts.iter().map(|_| Err(e.clone())).collect();
+        }
+        let mut body = Enc::default();
+        body.u8(op::PUT).u32(puts.len() as u32);
+        for p in puts {
+            body.str(p.key).u64(p.len());
+        }
+        let r = self.call(|c, deadline| {
+            let len = frame_len(&body.0);
+            let mut slices = vec![IoSlice::new(&len), IoSlice::new(&body.0)];
+            for p in puts {
+                for &(ptr, n) in p.parts.iter().filter(|(_, n)| *n > 0) {
+                    // SAFETY: the caller promised each part is valid for reads of `n` bytes
+                    // and not written during the call (trait contract).
+                    slices.push(IoSlice::new(unsafe { std::slice::from_raw_parts(ptr, n) }));
+                }
+            }
+            write_all_vectored(c, &mut slices, deadline)?;
+            let reply = read_frame(c, deadline)?;
+            let mut d = Dec::new(&reply);
+            Ok(puts
+                .iter()
+                .map(|_| d.result(|d| d.outcome()))
+                .collect::<Result<Vec<_>, _>>()?)
+        });
+        self.spread(r, puts.iter().map(|p| p.key))
+    }
+
+    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        self.per_key(op::REMOVE, keys, |_| Ok(()))
+    }
+
+    unsafe fn register(&self, _region: MemoryRegion) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn unregister(&self, _region: MemoryRegion) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
+        self.single(op::START_SESSION, keys)?;
+        Ok(ReadSession {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            lease: None,
+        })
+    }
+
+    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
+        let keys: Vec<&str> = session.keys.iter().map(String::as_str).collect();
+        self.single(op::END_SESSION, &keys)
+    }
+
+    fn health(&self) -> Result<(), StoreError> {
+        let mut body = Enc::default();
+        body.u8(op::HEALTH);
+        let r = self.call(|c, deadline| {
+            let reply = Self::request(c, &body.0, deadline)?;
+            Ok(Dec::new(&reply).result(|_| Ok(()))?)
+        });
+        match r {
+            Ok(v) => v,
+            Err(e) => Err(e.for_key(&self.address, "")),
+        }
+    }
+}

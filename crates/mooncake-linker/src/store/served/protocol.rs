@@ -1,0 +1,417 @@
+//! The served store's wire format: framed requests and replies (a `u32` length, then the
+//! body), bulk bytes right after the frame that announces them, so both sides move them
+//! straight between the socket and the store's or the caller's memory.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use crate::store::{PutOutcome, StoreError};
+
+pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
+pub(crate) const PROTOCOL: u32 = 1;
+/// Largest request or reply frame (keys and ranges, not bulk bytes).
+pub(crate) const MAX_FRAME: usize = 64 << 20;
+
+/// Operations.
+pub(crate) mod op {
+    pub(crate) const EXISTS: u8 = 1;
+    pub(crate) const OBJECT_SIZE: u8 = 2;
+    pub(crate) const GET_INTO: u8 = 3;
+    pub(crate) const GET_RANGES: u8 = 4;
+    pub(crate) const PUT: u8 = 5;
+    pub(crate) const REMOVE: u8 = 6;
+    pub(crate) const START_SESSION: u8 = 7;
+    pub(crate) const END_SESSION: u8 = 8;
+    pub(crate) const HEALTH: u8 = 9;
+}
+
+/// A connected stream socket (Unix on one host, TCP otherwise).
+#[derive(Debug)]
+pub(crate) enum Conn {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Conn {
+    pub(crate) fn set_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Conn::Tcp(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+            Conn::Unix(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+        }
+    }
+
+    pub(crate) fn shutdown(&self) {
+        let _ = match self {
+            Conn::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Conn::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+
+    pub(crate) fn try_clone(&self) -> io::Result<Conn> {
+        Ok(match self {
+            Conn::Tcp(s) => Conn::Tcp(s.try_clone()?),
+            Conn::Unix(s) => Conn::Unix(s.try_clone()?),
+        })
+    }
+}
+
+impl Read for Conn {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Conn::Tcp(s) => s.read(buf),
+            Conn::Unix(s) => s.read(buf),
+        }
+    }
+    fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        match self {
+            Conn::Tcp(s) => s.read_vectored(bufs),
+            Conn::Unix(s) => s.read_vectored(bufs),
+        }
+    }
+}
+
+impl Write for Conn {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Conn::Tcp(s) => s.write(buf),
+            Conn::Unix(s) => s.write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Conn::Tcp(s) => s.write_vectored(bufs),
+            Conn::Unix(s) => s.write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Re-arms the socket timeout with what is left of `deadline`.
+pub(crate) fn arm(c: &Conn, deadline: Instant) -> io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+    }
+    c.set_timeout(Some(left.max(Duration::from_millis(1))))
+}
+
+/// Reads exactly `buf` before `deadline`.
+pub(crate) fn read_exact_by(c: &mut Conn, mut buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    while !buf.is_empty() {
+        arm(c, deadline)?;
+        match c.read(buf) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(timeout_kind(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Fills every slice of `bufs`, in order, before `deadline`: bulk bytes straight into their
+/// destinations.
+pub(crate) fn read_all_vectored(
+    c: &mut Conn,
+    mut bufs: &mut [IoSliceMut<'_>],
+    deadline: Instant,
+) -> io::Result<()> {
+    IoSliceMut::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        arm(c, deadline)?;
+        match c.read_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(timeout_kind(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Sends every slice of `bufs`, in order, before `deadline`.
+pub(crate) fn write_all_vectored(
+    c: &mut Conn,
+    mut bufs: &mut [IoSlice<'_>],
+    deadline: Instant,
+) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        arm(c, deadline)?;
+        match c.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(timeout_kind(e)),
+        }
+    }
+    Ok(())
+}
+
+fn timeout_kind(e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::WouldBlock {
+        io::Error::new(io::ErrorKind::TimedOut, "deadline passed")
+    } else {
+        e
+    }
+}
+
+/// Reads one frame body before `deadline`.
+pub(crate) fn read_frame(c: &mut Conn, deadline: Instant) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    read_exact_by(c, &mut len, deadline)?;
+    read_body(c, u32::from_le_bytes(len) as usize, deadline)
+}
+
+/// Reads a frame body of `n` bytes (its length already read).
+pub(crate) fn read_body(c: &mut Conn, n: usize, deadline: Instant) -> io::Result<Vec<u8>> {
+    if n > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {n} bytes (at most {MAX_FRAME})"),
+        ));
+    }
+    let mut body = vec![0u8; n];
+    read_exact_by(c, &mut body, deadline)?;
+    Ok(body)
+}
+
+/// The frame header (length) of `body`, to send before it.
+pub(crate) fn frame_len(body: &[u8]) -> [u8; 4] {
+    (body.len() as u32).to_le_bytes()
+}
+
+/// Appends fields.
+#[derive(Default)]
+pub(crate) struct Enc(pub(crate) Vec<u8>);
+
+impl Enc {
+    pub(crate) fn u8(&mut self, v: u8) -> &mut Self {
+        self.0.push(v);
+        self
+    }
+    pub(crate) fn u32(&mut self, v: u32) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub(crate) fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub(crate) fn str(&mut self, v: &str) -> &mut Self {
+        self.u32(v.len() as u32);
+        self.0.extend_from_slice(v.as_bytes());
+        self
+    }
+    pub(crate) fn error(&mut self, e: &StoreError) -> &mut Self {
+        match e {
+            StoreError::NotFound { key } => self.u8(1).str(key),
+            StoreError::NoSpace { key, detail } => self.u8(2).str(key).str(detail),
+            StoreError::TransferFailed { key, code } => self.u8(3).str(key).u64(*code as u64),
+            StoreError::Lease { key, detail } => self.u8(4).str(key).str(detail),
+            StoreError::RpcTimeout { key } => self.u8(5).str(key),
+            StoreError::InvalidArgument { key, detail } => self.u8(6).str(key).str(detail),
+            StoreError::Unavailable { detail } => self.u8(7).str(detail),
+            StoreError::ShortRead { key, expected, got } => {
+                self.u8(8).str(key).u64(*expected).u64(*got)
+            }
+            StoreError::Other { key, code } => self.u8(9).str(key).u64(*code as u64),
+            StoreError::ResultCount { key, expected, got } => {
+                self.u8(10).str(key).u64(*expected as u64).u64(*got as u64)
+            }
+        }
+    }
+    /// A per-key result: `0` then the value, or `1` then the error.
+    pub(crate) fn result<T>(&mut self, r: &Result<T, StoreError>, ok: impl FnOnce(&mut Self, &T)) {
+        match r {
+            Ok(v) => {
+                self.u8(0);
+                ok(self, v);
+            }
+            Err(e) => {
+                self.u8(1).error(e);
+            }
+        }
+    }
+}
+
+/// A message that does not decode.
+#[derive(Debug)]
+pub(crate) struct Malformed(pub(crate) String);
+
+impl From<Malformed> for io::Error {
+    fn from(m: Malformed) -> Self {
+        io::Error::new(io::ErrorKind::InvalidData, m.0)
+    }
+}
+
+/// Reads fields, bounds-checked.
+pub(crate) struct Dec<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Dec<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        Dec { buf, pos: 0 }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| {
+                Malformed(format!(
+                    "message ends at {} of {}",
+                    self.buf.len(),
+                    self.pos + n
+                ))
+            })?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    pub(crate) fn u8(&mut self) -> Result<u8, Malformed> {
+        Ok(self.take(1)?[0])
+    }
+    pub(crate) fn u32(&mut self) -> Result<u32, Malformed> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64, Malformed> {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(w))
+    }
+    pub(crate) fn str(&mut self) -> Result<String, Malformed> {
+        let n = self.u32()? as usize;
+        String::from_utf8(self.take(n)?.to_vec())
+            .map_err(|_| Malformed("a key that is not UTF-8".into()))
+    }
+    pub(crate) fn error(&mut self) -> Result<StoreError, Malformed> {
+        Ok(match self.u8()? {
+            1 => StoreError::NotFound { key: self.str()? },
+            2 => StoreError::NoSpace {
+                key: self.str()?,
+                detail: self.str()?,
+            },
+            3 => StoreError::TransferFailed {
+                key: self.str()?,
+                code: self.u64()? as i64,
+            },
+            4 => StoreError::Lease {
+                key: self.str()?,
+                detail: self.str()?,
+            },
+            5 => StoreError::RpcTimeout { key: self.str()? },
+            6 => StoreError::InvalidArgument {
+                key: self.str()?,
+                detail: self.str()?,
+            },
+            7 => StoreError::Unavailable {
+                detail: self.str()?,
+            },
+            8 => StoreError::ShortRead {
+                key: self.str()?,
+                expected: self.u64()?,
+                got: self.u64()?,
+            },
+            9 => StoreError::Other {
+                key: self.str()?,
+                code: self.u64()? as i64,
+            },
+            10 => StoreError::ResultCount {
+                key: self.str()?,
+                expected: self.u64()? as usize,
+                got: self.u64()? as usize,
+            },
+            t => return Err(Malformed(format!("error kind {t}"))),
+        })
+    }
+    /// A per-key result written by [`Enc::result`].
+    pub(crate) fn result<T>(
+        &mut self,
+        ok: impl FnOnce(&mut Self) -> Result<T, Malformed>,
+    ) -> Result<Result<T, StoreError>, Malformed> {
+        match self.u8()? {
+            0 => Ok(Ok(ok(self)?)),
+            1 => Ok(Err(self.error()?)),
+            t => Err(Malformed(format!("result tag {t}"))),
+        }
+    }
+    pub(crate) fn outcome(&mut self) -> Result<PutOutcome, Malformed> {
+        match self.u8()? {
+            0 => Ok(PutOutcome::Written),
+            1 => Ok(PutOutcome::AlreadyPresent),
+            t => Err(Malformed(format!("put outcome {t}"))),
+        }
+    }
+}
+
+pub(crate) fn outcome_code(o: PutOutcome) -> u8 {
+    match o {
+        PutOutcome::Written => 0,
+        PutOutcome::AlreadyPresent => 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_store_error_round_trips() {
+        let errors = [
+            StoreError::NotFound { key: "k".into() },
+            StoreError::NoSpace {
+                key: "k".into(),
+                detail: "d".into(),
+            },
+            StoreError::TransferFailed {
+                key: "k".into(),
+                code: -7,
+            },
+            StoreError::Lease {
+                key: "k".into(),
+                detail: "d".into(),
+            },
+            StoreError::RpcTimeout { key: "k".into() },
+            StoreError::InvalidArgument {
+                key: "k".into(),
+                detail: "d".into(),
+            },
+            StoreError::Unavailable { detail: "d".into() },
+            StoreError::ShortRead {
+                key: "k".into(),
+                expected: 9,
+                got: 3,
+            },
+            StoreError::Other {
+                key: "k".into(),
+                code: 5,
+            },
+        ];
+        for e in errors {
+            let mut enc = Enc::default();
+            enc.result::<u64>(&Err(e.clone()), |_, _| {});
+            let back = Dec::new(&enc.0).result(|d| d.u64()).unwrap();
+            assert_eq!(back, Err(e));
+        }
+        let mut enc = Enc::default();
+        enc.result(&Ok(42u64), |e, v| {
+            e.u64(*v);
+        });
+        assert_eq!(Dec::new(&enc.0).result(|d| d.u64()).unwrap(), Ok(42));
+        assert!(Dec::new(&enc.0[..3]).result(|d| d.u64()).is_err());
+    }
+}

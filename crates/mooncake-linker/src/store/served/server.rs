@@ -1,0 +1,523 @@
+//! [`StoreServer`]: serves one [`EmbeddedStore`] to the rank processes of a host (or of a
+//! group, over TCP): a thread accepts, one thread per connection answers requests.
+//!
+//! Reads go from the store's own memory straight into the socket (`writev` over the
+//! objects' bytes, no copy); a put's bytes go from the socket straight into the buffer the
+//! store then keeps. Pins (read sessions) are kept per client process and released when its
+//! last connection closes, so a rank that dies never pins objects forever.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice, Read};
+use std::net::{SocketAddr, TcpListener};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::protocol::{
+    frame_len, op, outcome_code, read_body, read_exact_by, write_all_vectored, Conn, Dec, Enc,
+    Malformed, MAGIC, PROTOCOL,
+};
+use crate::store::{EmbeddedStore, KvStore, StoreError};
+
+/// How long one request may take to arrive whole, and its reply to leave.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often an idle connection thread looks at the stop flag.
+const IDLE_CHECK: Duration = Duration::from_millis(500);
+
+/// Where a [`StoreServer`] listens.
+#[derive(Debug, Clone)]
+pub enum ServeAt {
+    /// A fresh abstract Unix socket: every process of this host (and network namespace).
+    Unix,
+    /// A TCP address (port 0: any free port).
+    Tcp(SocketAddr),
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+impl Listener {
+    fn accept(&self) -> io::Result<Conn> {
+        Ok(match self {
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept()?;
+                s.set_nodelay(true)?;
+                Conn::Tcp(s)
+            }
+            Listener::Unix(l) => Conn::Unix(l.accept()?.0),
+        })
+    }
+}
+
+/// Pins of one client process: its open connections, and how often it pinned each key.
+#[derive(Default)]
+struct ClientPins {
+    conns: usize,
+    keys: HashMap<String, u32>,
+}
+
+struct Served {
+    store: Arc<EmbeddedStore>,
+    stop: AtomicBool,
+    clients: Mutex<HashMap<u64, ClientPins>>,
+    /// Clones of open connections, to shut them when the server stops.
+    open: Mutex<Vec<Conn>>,
+}
+
+/// Serves an [`EmbeddedStore`] over a socket; stops (and closes every connection) when
+/// dropped. Clients: [`SocketStore`](super::SocketStore).
+///
+/// ```
+/// use std::sync::Arc;
+/// use mooncake_linker::store::{EmbeddedStore, KvStore, ServeAt, SocketStore, StoreServer};
+/// let server = StoreServer::start(Arc::new(EmbeddedStore::new(1 << 20)), ServeAt::Unix).unwrap();
+/// assert!(server.address().starts_with("unix:@"));
+/// let client = SocketStore::connect(server.address()).unwrap();
+/// assert_eq!(client.exists(&["nothing"]), vec![Ok(false)]);
+/// ```
+pub struct StoreServer {
+    address: String,
+    served: Arc<Served>,
+    /// How the accepting thread is woken to stop: a connection to the listener itself.
+    wake: Wake,
+    thread: Option<JoinHandle<()>>,
+}
+
+enum Wake {
+    Tcp(SocketAddr),
+    Unix(String),
+}
+
+impl Wake {
+    fn poke(&self) {
+        let _ = match self {
+            Wake::Tcp(a) => {
+                std::net::TcpStream::connect_timeout(a, Duration::from_secs(1)).map(drop)
+            }
+            Wake::Unix(name) => std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+                .and_then(|a| UnixStream::connect_addr(&a))
+                .map(drop),
+        };
+    }
+}
+
+/// A name no other server of this host uses.
+fn fresh_name() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::AtomicU64;
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    format!("kvlink-store-{}-{:016x}", std::process::id(), h.finish())
+}
+
+impl std::fmt::Debug for StoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreServer")
+            .field("address", &self.address)
+            .finish()
+    }
+}
+
+impl StoreServer {
+    /// Starts serving `store` at `at`.
+    pub fn start(store: Arc<EmbeddedStore>, at: ServeAt) -> io::Result<StoreServer> {
+        let (listener, address, wake) = match at {
+            ServeAt::Unix => {
+                let name = fresh_name();
+                let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+                let l = Listener::Unix(UnixListener::bind_addr(&addr)?);
+                (l, format!("unix:@{name}"), Wake::Unix(name))
+            }
+            ServeAt::Tcp(a) => {
+                let l = TcpListener::bind(a)?;
+                let mut local = l.local_addr()?;
+                let address = format!("tcp:{local}");
+                if local.ip().is_unspecified() {
+                    local.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+                }
+                (Listener::Tcp(l), address, Wake::Tcp(local))
+            }
+        };
+        let served = Arc::new(Served {
+            store,
+            stop: AtomicBool::new(false),
+            clients: Mutex::new(HashMap::new()),
+            open: Mutex::new(Vec::new()),
+        });
+        let s = served.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvlink-store-accept".into())
+            .spawn(move || accept_loop(listener, s))?;
+        tracing::info!(%address, "serving the embedded store");
+        Ok(StoreServer {
+            address,
+            served,
+            wake,
+            thread: Some(thread),
+        })
+    }
+
+    /// Where clients connect (`unix:@name` or `tcp:host:port`).
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// The store served.
+    pub fn store(&self) -> &Arc<EmbeddedStore> {
+        &self.served.store
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.served.stop.store(true, Ordering::Release);
+        self.wake.poke();
+        for c in self.served.open.lock().drain(..) {
+            c.shutdown();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(listener: Listener, served: Arc<Served>) {
+    let mut conns: Vec<JoinHandle<()>> = Vec::new();
+    loop {
+        let accepted = listener.accept();
+        if served.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let Ok(conn) = accepted else { continue };
+        if let Ok(clone) = conn.try_clone() {
+            served.open.lock().push(clone);
+        }
+        let s = served.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvlink-store-conn".into())
+            .spawn(move || serve_connection(conn, &s));
+        match spawned {
+            Ok(h) => conns.push(h),
+            Err(e) => tracing::error!(error = %e, "cannot start a store connection thread"),
+        }
+        conns.retain(|h| !h.is_finished());
+    }
+    for c in served.open.lock().drain(..) {
+        c.shutdown();
+    }
+    for h in conns {
+        let _ = h.join();
+    }
+}
+
+/// Reads the next frame's length, waiting as long as the client stays idle (checking the
+/// stop flag), then the body within [`REQUEST_TIMEOUT`]. `None` when the client is gone.
+fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    let _ = conn.set_timeout(Some(IDLE_CHECK));
+    while got < 4 {
+        if served.stop.load(Ordering::Acquire) {
+            return None;
+        }
+        match conn.read(&mut len[got..]) {
+            Ok(0) => return None,
+            Ok(n) => got += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => return None,
+        }
+    }
+    read_body(
+        conn,
+        u32::from_le_bytes(len) as usize,
+        Instant::now() + REQUEST_TIMEOUT,
+    )
+    .ok()
+}
+
+fn serve_connection(mut conn: Conn, served: &Served) {
+    let deadline = Instant::now() + REQUEST_TIMEOUT;
+    let mut hello = [0u8; 16];
+    if read_exact_by(&mut conn, &mut hello, deadline).is_err() {
+        return;
+    }
+    let mut d = Dec::new(&hello);
+    let (magic, protocol, client) = match (d.u32(), d.u32(), d.u64()) {
+        (Ok(m), Ok(p), Ok(c)) => (m, p, c),
+        _ => return,
+    };
+    let ok: u32 = if magic == MAGIC && protocol == PROTOCOL {
+        0
+    } else {
+        1
+    };
+    let ok_bytes = ok.to_le_bytes();
+    let mut answer = [IoSlice::new(&ok_bytes)];
+    if write_all_vectored(&mut conn, &mut answer, deadline).is_err() || ok != 0 {
+        return;
+    }
+    served.clients.lock().entry(client).or_default().conns += 1;
+    while let Some(body) = next_request(&mut conn, served) {
+        if let Err(e) = handle(&mut conn, served, client, &body) {
+            tracing::debug!(error = %e, "store connection closed");
+            break;
+        }
+    }
+    release(served, client);
+}
+
+/// The client's connection closed: when it was its last, its pins go.
+fn release(served: &Served, client: u64) {
+    let mut clients = served.clients.lock();
+    let Some(c) = clients.get_mut(&client) else {
+        return;
+    };
+    c.conns -= 1;
+    if c.conns > 0 {
+        return;
+    }
+    let Some(c) = clients.remove(&client) else {
+        return;
+    };
+    drop(clients);
+    let keys: Vec<String> = c
+        .keys
+        .into_iter()
+        .flat_map(|(k, n)| std::iter::repeat_n(k, n as usize))
+        .collect();
+    if !keys.is_empty() {
+        tracing::info!(
+            client,
+            pins = keys.len(),
+            "a client left: releasing its pins"
+        );
+        let _ = served
+            .store
+            .end_session(&crate::store::ReadSession { keys, lease: None });
+    }
+}
+
+fn keys(d: &mut Dec<'_>) -> Result<Vec<String>, Malformed> {
+    let n = d.u32()?;
+    (0..n).map(|_| d.str()).collect()
+}
+
+/// Answers one request.
+fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Result<()> {
+    let store = &served.store;
+    let mut d = Dec::new(body);
+    let mut out = Enc::default();
+    let deadline = Instant::now() + REQUEST_TIMEOUT;
+    match d.u8()? {
+        op::EXISTS => {
+            let ks = keys(&mut d)?;
+            let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
+            for r in store.exists(&refs) {
+                out.result(&r, |e, v| {
+                    e.u8(u8::from(*v));
+                });
+            }
+        }
+        op::OBJECT_SIZE => {
+            let ks = keys(&mut d)?;
+            let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
+            for r in store.object_size(&refs) {
+                out.result(&r, |e, v| {
+                    e.u64(*v);
+                });
+            }
+        }
+        op::GET_INTO => return get_into(conn, store, &mut d, deadline),
+        op::GET_RANGES => return get_ranges(conn, store, &mut d, deadline),
+        op::PUT => return put(conn, store, &mut d, deadline),
+        op::REMOVE => {
+            let ks = keys(&mut d)?;
+            let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
+            for r in store.remove(&refs) {
+                out.result(&r, |_, _| {});
+            }
+        }
+        op::START_SESSION | op::END_SESSION => {
+            let start = body[0] == op::START_SESSION;
+            let ks = keys(&mut d)?;
+            let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
+            let r = if start {
+                store.start_session(&refs).map(|_| ())
+            } else {
+                store.end_session(&crate::store::ReadSession {
+                    keys: ks.clone(),
+                    lease: None,
+                })
+            };
+            let mut clients = served.clients.lock();
+            let pins = &mut clients.entry(client).or_default().keys;
+            for k in ks {
+                let n = pins.entry(k.clone()).or_default();
+                if start {
+                    *n += 1;
+                } else {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        pins.remove(&k);
+                    }
+                }
+            }
+            out.result(&r, |_, _| {});
+        }
+        op::HEALTH => out.result(&store.health(), |_, _| {}),
+        other => return Err(Malformed(format!("operation {other}")).into()),
+    }
+    let len = frame_len(&out.0);
+    write_all_vectored(
+        conn,
+        &mut [IoSlice::new(&len), IoSlice::new(&out.0)],
+        deadline,
+    )
+}
+
+fn get_into(
+    conn: &mut Conn,
+    store: &EmbeddedStore,
+    d: &mut Dec<'_>,
+    deadline: Instant,
+) -> io::Result<()> {
+    let n = d.u32()?;
+    let mut out = Enc::default();
+    let mut objects: Vec<Arc<[u8]>> = Vec::new();
+    for _ in 0..n {
+        let key = d.str()?;
+        let cap = d.u64()?;
+        let r = match store.object(&key) {
+            None => Err(StoreError::NotFound { key }),
+            Some(o) if o.len() as u64 > cap => Err(StoreError::InvalidArgument {
+                detail: format!("object of {} bytes, buffer of {cap}", o.len()),
+                key,
+            }),
+            Some(o) => {
+                let len = o.len() as u64;
+                objects.push(o);
+                Ok(len)
+            }
+        };
+        out.result(&r, |e, v| {
+            e.u64(*v);
+        });
+    }
+    let len = frame_len(&out.0);
+    let mut slices = vec![IoSlice::new(&len), IoSlice::new(&out.0)];
+    slices.extend(objects.iter().map(|o| IoSlice::new(o)));
+    write_all_vectored(conn, &mut slices, deadline)
+}
+
+fn get_ranges(
+    conn: &mut Conn,
+    store: &EmbeddedStore,
+    d: &mut Dec<'_>,
+    deadline: Instant,
+) -> io::Result<()> {
+    let n = d.u32()?;
+    let mut out = Enc::default();
+    // (object, offset, len) of every range sent, in order.
+    let mut pieces: Vec<(Arc<[u8]>, usize, usize)> = Vec::new();
+    for _ in 0..n {
+        let key = d.str()?;
+        let m = d.u32()?;
+        let mut ranges = Vec::with_capacity(m as usize);
+        for _ in 0..m {
+            ranges.push((d.u64()?, d.u64()?));
+        }
+        let r = match store.object(&key) {
+            None => Err(StoreError::NotFound { key }),
+            Some(o) => {
+                let bad = ranges
+                    .iter()
+                    .find(|(off, len)| off.checked_add(*len).is_none_or(|e| e > o.len() as u64));
+                match bad {
+                    Some((off, len)) => Err(StoreError::InvalidArgument {
+                        detail: format!("range {off}+{len} outside an object of {} bytes", o.len()),
+                        key,
+                    }),
+                    None => {
+                        let total = ranges.iter().map(|r| r.1).sum::<u64>();
+                        for (off, len) in ranges {
+                            pieces.push((o.clone(), off as usize, len as usize));
+                        }
+                        Ok(total)
+                    }
+                }
+            }
+        };
+        out.result(&r, |e, v| {
+            e.u64(*v);
+        });
+    }
+    let len = frame_len(&out.0);
+    let mut slices = vec![IoSlice::new(&len), IoSlice::new(&out.0)];
+    slices.extend(
+        pieces
+            .iter()
+            .map(|(o, off, len)| IoSlice::new(&o[*off..*off + *len])),
+    );
+    write_all_vectored(conn, &mut slices, deadline)
+}
+
+fn put(
+    conn: &mut Conn,
+    store: &EmbeddedStore,
+    d: &mut Dec<'_>,
+    deadline: Instant,
+) -> io::Result<()> {
+    let n = d.u32()?;
+    let mut items = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        items.push((d.str()?, d.u64()?));
+    }
+    let mut out = Enc::default();
+    for (key, len) in items {
+        let r = match store.admit(&key, len) {
+            Some(answer) => {
+                drain(conn, len, deadline)?;
+                answer
+            }
+            None => {
+                let mut data = vec![0u8; len as usize];
+                read_exact_by(conn, &mut data, deadline)?;
+                store.insert(&key, data)
+            }
+        };
+        out.result(&r, |e, v| {
+            e.u8(outcome_code(*v));
+        });
+    }
+    let len = frame_len(&out.0);
+    write_all_vectored(
+        conn,
+        &mut [IoSlice::new(&len), IoSlice::new(&out.0)],
+        deadline,
+    )
+}
+
+/// Reads and drops `n` bytes (a put the store does not take).
+fn drain(conn: &mut Conn, mut n: u64, deadline: Instant) -> io::Result<()> {
+    let mut scratch = vec![0u8; 1 << 16];
+    while n > 0 {
+        let k = n.min(scratch.len() as u64) as usize;
+        read_exact_by(conn, &mut scratch[..k], deadline)?;
+        n -= k as u64;
+    }
+    Ok(())
+}

@@ -1,0 +1,260 @@
+//! The served store against the embedded store it serves: the same answers for every
+//! operation, bytes straight into scattered destinations, pins released when a client
+//! leaves, and bounded failures when the server goes away.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::store::{
+    EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, StoreError,
+};
+
+fn serve(capacity: u64) -> (StoreServer, SocketStore) {
+    let server = StoreServer::start(Arc::new(EmbeddedStore::new(capacity)), ServeAt::Unix).unwrap();
+    let client = SocketStore::connect(server.address()).unwrap();
+    (server, client)
+}
+
+fn put(s: &dyn KvStore, key: &str, parts: &[&[u8]]) -> Result<PutOutcome, StoreError> {
+    let p = ObjectPut {
+        key,
+        parts: parts.iter().map(|b| (b.as_ptr(), b.len())).collect(),
+    };
+    // SAFETY: every part is a live slice, read-only for the call.
+    unsafe { s.put(&[p]) }.remove(0)
+}
+
+fn pattern(seed: usize, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| (seed * 31 + i * 7 + (i >> 9)) as u8)
+        .collect()
+}
+
+#[test]
+fn every_operation_answers_like_the_embedded_store() {
+    let (server, client) = serve(1 << 20);
+    let local = EmbeddedStore::new(1 << 20);
+    let a = pattern(1, 1000);
+    let b = pattern(2, 300);
+    for s in [&client as &dyn KvStore, &local] {
+        assert_eq!(
+            put(s, "a", &[&a[..400], &a[400..]]),
+            Ok(PutOutcome::Written)
+        );
+        assert_eq!(put(s, "a", &[&b]), Ok(PutOutcome::AlreadyPresent));
+        assert_eq!(put(s, "b", &[&b]), Ok(PutOutcome::Written));
+        assert!(matches!(
+            put(s, "huge", &[&vec![0u8; 2 << 20]]),
+            Err(StoreError::NoSpace { .. })
+        ));
+    }
+    // The put that did not fit was drained: the connection still works.
+    for s in [&client as &dyn KvStore, &local] {
+        assert_eq!(
+            s.exists(&["a", "b", "c"]),
+            vec![Ok(true), Ok(true), Ok(false)]
+        );
+        assert_eq!(
+            s.object_size(&["a", "c"]),
+            vec![Ok(1000), Err(StoreError::NotFound { key: "c".into() })]
+        );
+        let mut whole = vec![0u8; 1200];
+        let mut small = vec![0u8; 10];
+        let mut small2 = vec![0u8; 10];
+        let gets = [
+            ObjectGet {
+                key: "a",
+                dst: whole.as_mut_ptr(),
+                len: 1200,
+            },
+            ObjectGet {
+                key: "c",
+                dst: small.as_mut_ptr(),
+                len: 10,
+            },
+            ObjectGet {
+                key: "b",
+                dst: small2.as_mut_ptr(),
+                len: 10,
+            },
+        ];
+        // SAFETY: destinations are live and distinct (the failing gets write nothing).
+        let got = unsafe { s.get_into(&gets) };
+        assert_eq!(got[0], Ok(1000));
+        assert!(matches!(got[1], Err(StoreError::NotFound { .. })));
+        assert!(matches!(got[2], Err(StoreError::InvalidArgument { .. })));
+        assert_eq!(&whole[..1000], &a[..]);
+        let mut r1 = [0u8; 5];
+        let mut r2 = [0u8; 3];
+        let ranged = [
+            RangedGet {
+                key: "a",
+                ranges: [
+                    ReadRange {
+                        dst: r1.as_mut_ptr(),
+                        len: 5,
+                        offset: 995,
+                    },
+                    ReadRange {
+                        dst: r2.as_mut_ptr(),
+                        len: 3,
+                        offset: 0,
+                    },
+                ]
+                .into_iter()
+                .collect(),
+            },
+            RangedGet {
+                key: "b",
+                ranges: [ReadRange {
+                    dst: small.as_mut_ptr(),
+                    len: 5,
+                    offset: 299,
+                }]
+                .into_iter()
+                .collect(),
+            },
+        ];
+        // SAFETY: as above.
+        let got = unsafe { s.get_ranges(&ranged) };
+        assert_eq!(got[0], Ok(8));
+        assert!(matches!(got[1], Err(StoreError::InvalidArgument { .. })));
+        assert_eq!((&r1[..], &r2[..]), (&a[995..], &a[..3]));
+        let sess = s.start_session(&["a"]).unwrap();
+        s.end_session(&sess).unwrap();
+        assert_eq!(
+            s.remove(&["b", "b"])[1],
+            Err(StoreError::NotFound { key: "b".into() })
+        );
+        assert_eq!(s.health(), Ok(()));
+    }
+    assert_eq!(server.store().len(), 1);
+}
+
+#[test]
+fn a_layer_of_many_objects_lands_in_scattered_destinations() {
+    let (_server, client) = serve(256 << 20);
+    let objects: Vec<Vec<u8>> = (0..200).map(|i| pattern(i, 41_984 * 3)).collect();
+    let keys: Vec<String> = (0..200).map(|i| format!("page{i}")).collect();
+    let puts: Vec<ObjectPut<'_>> = keys
+        .iter()
+        .zip(&objects)
+        .map(|(k, o)| ObjectPut {
+            key: k,
+            parts: [(o.as_ptr(), o.len())].into_iter().collect(),
+        })
+        .collect();
+    // SAFETY: sources are live and read-only.
+    assert!(unsafe { client.put(&puts) }
+        .iter()
+        .all(|r| *r == Ok(PutOutcome::Written)));
+    // Layer 1 of every object, into slots in reverse order with gaps.
+    let slot = 41_984 + 64;
+    let mut pool = vec![0u8; slot * 200];
+    let base = pool.as_mut_ptr();
+    let gets: Vec<RangedGet<'_>> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| RangedGet {
+            key: k,
+            ranges: [ReadRange {
+                // SAFETY: slot (199 - i) lies inside `pool`.
+                dst: unsafe { base.add((199 - i) * slot) },
+                len: 41_984,
+                offset: 41_984,
+            }]
+            .into_iter()
+            .collect(),
+        })
+        .collect();
+    // SAFETY: every destination is a distinct slot of `pool`, untouched during the call.
+    let got = unsafe { client.get_ranges(&gets) };
+    assert!(got.iter().all(|r| *r == Ok(41_984)));
+    for (i, object) in objects.iter().enumerate() {
+        let s = (199 - i) * slot;
+        assert!(
+            pool[s..s + 41_984] == object[41_984..2 * 41_984],
+            "page {i}"
+        );
+    }
+}
+
+#[test]
+fn a_client_that_leaves_releases_its_pins() {
+    let (server, client) = serve(30);
+    put(&client, "a", &[&[0u8; 10]]).unwrap();
+    put(&client, "b", &[&[0u8; 10]]).unwrap();
+    put(&client, "c", &[&[0u8; 10]]).unwrap();
+    client.start_session(&["a", "b", "c"]).unwrap();
+    let other = SocketStore::connect(server.address()).unwrap();
+    assert!(matches!(
+        put(&other, "d", &[&[0u8; 10]]),
+        Err(StoreError::NoSpace { .. })
+    ));
+    drop(client);
+    // The server notices the closed connection shortly.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match put(&other, "d", &[&[0u8; 10]]) {
+            Ok(PutOutcome::Written) => break,
+            r => {
+                assert!(Instant::now() < deadline, "pins never released: {r:?}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+#[test]
+fn calls_fail_fast_once_the_server_is_gone() {
+    let (server, client) = serve(1 << 20);
+    put(&client, "a", &[&[1u8; 10]]).unwrap();
+    drop(server);
+    let t = Instant::now();
+    let r = client.exists(&["a", "b"]);
+    assert!(
+        r.iter()
+            .all(|x| matches!(x, Err(StoreError::Unavailable { .. }))),
+        "{r:?}"
+    );
+    assert!(matches!(
+        client.health(),
+        Err(StoreError::Unavailable { .. })
+    ));
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(SocketStore::connect("unix:@kvlink-no-such-store").is_err());
+    assert!(SocketStore::connect("pigeon:coop").is_err());
+}
+
+#[test]
+fn concurrent_clients_and_threads_see_whole_objects() {
+    let (server, client) = serve(1 << 24);
+    let client = Arc::new(client);
+    std::thread::scope(|s| {
+        for t in 0..4u8 {
+            let c = if t % 2 == 0 {
+                client.clone()
+            } else {
+                Arc::new(SocketStore::connect(server.address()).unwrap())
+            };
+            s.spawn(move || {
+                for i in 0..100u32 {
+                    let key = format!("k{}", i % 20);
+                    let _ = put(c.as_ref(), &key, &[&[t; 512]]);
+                    let mut out = [0u8; 512];
+                    let g = ObjectGet {
+                        key: &key,
+                        dst: out.as_mut_ptr(),
+                        len: 512,
+                    };
+                    // SAFETY: `out` is this thread's own.
+                    if unsafe { c.get_into(&[g]) }[0] == Ok(512) {
+                        assert!(out.iter().all(|&x| x == out[0]));
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(server.store().len(), 20);
+}

@@ -1,0 +1,144 @@
+//! Command-line flags (clap).
+
+use clap::{value_parser, Arg, ArgAction, Command};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Args {
+    /// Cached tokens (a multiple of the 64-token page).
+    pub tokens: u32,
+    /// Interleaved rounds: every variant runs once per round; the table gives the median.
+    pub rounds: usize,
+    /// Layers per call for the grouped variants.
+    pub groups: Vec<u32>,
+    /// Concurrent calls per layer for the `read_parallelism`-style variants.
+    pub parallel: Vec<usize>,
+    /// `read_streams` of the clients with kvlink's store-level reads (staged merge on).
+    pub streams: Vec<usize>,
+    /// Layers per call of the store-level variants.
+    pub store_groups: Vec<u32>,
+    /// `MC_TCP_LANES_PER_PEER` values of extra clients (each its own transfer engine).
+    pub lanes: Vec<usize>,
+    /// Per-layer compute times (µs, modelled) to plan layer groups for.
+    pub compute_us: Vec<u64>,
+    /// Most layers per call the plans may use.
+    pub max_layers_per_call: u32,
+    /// Skip the wheel's Python client.
+    pub no_python: bool,
+    /// Only the variants whose label contains one of these.
+    pub only: Vec<String>,
+}
+
+fn list<T: Clone + Send + Sync + 'static>(m: &clap::ArgMatches, id: &str) -> Vec<T> {
+    m.get_many::<T>(id)
+        .map(|v| v.cloned().collect())
+        .unwrap_or_default()
+}
+
+fn command() -> Command {
+    Command::new("mooncake_read")
+        .about(
+            "One Mooncake client reading GLM-5.2 FP8 objects from a storage node: the wheel's \
+             Python client against kvlink's read variants, same objects, same run. Run under \
+             scripts/with-mooncake.sh --storage-node.",
+        )
+        .arg(
+            Arg::new("tokens")
+                .long("tokens")
+                .value_parser(value_parser!(u32).range(64..))
+                .default_value("16384")
+                .help("cached tokens (64-token pages): 8192, 16384, 32768"),
+        )
+        .arg(
+            Arg::new("rounds")
+                .long("rounds")
+                .value_parser(value_parser!(usize))
+                .default_value("5")
+                .help("interleaved rounds (each variant once per round)"),
+        )
+        .arg(
+            Arg::new("groups")
+                .long("groups")
+                .value_parser(value_parser!(u32).range(1..))
+                .value_delimiter(',')
+                .default_value("2,4,8,26,78")
+                .help("layers per call of the grouped variants"),
+        )
+        .arg(
+            Arg::new("parallel")
+                .long("parallel")
+                .value_parser(value_parser!(usize))
+                .value_delimiter(',')
+                .default_value("2,4,8")
+                .help("concurrent calls per layer (what LinkerConfig::read_parallelism does)"),
+        )
+        .arg(
+            Arg::new("streams")
+                .long("streams")
+                .value_parser(value_parser!(usize))
+                .value_delimiter(',')
+                .default_value("1,2,4")
+                .help("MooncakeConfig::read_streams of the store-level variants (staged merge on)"),
+        )
+        .arg(
+            Arg::new("store-groups")
+                .long("store-groups")
+                .value_parser(value_parser!(u32).range(1..))
+                .value_delimiter(',')
+                .default_value("8,26,78")
+                .help("layers per call of the store-level variants (pool slots)"),
+        )
+        .arg(
+            Arg::new("lanes")
+                .long("lanes")
+                .value_parser(value_parser!(usize))
+                .value_delimiter(',')
+                .default_value("8")
+                .help("MC_TCP_LANES_PER_PEER of extra clients (the wheel's default is 4)"),
+        )
+        .arg(
+            Arg::new("compute-us")
+                .long("compute-us")
+                .value_parser(value_parser!(u64))
+                .value_delimiter(',')
+                .default_value("0,5000,20000")
+                .help("per-layer compute (µs, MODELLED) to plan read_plan groups for"),
+        )
+        .arg(
+            Arg::new("max-layers-per-call")
+                .long("max-layers-per-call")
+                .value_parser(value_parser!(u32).range(1..))
+                .default_value("78")
+                .help("most layers per call the read_plan groups may use"),
+        )
+        .arg(
+            Arg::new("no-python")
+                .long("no-python")
+                .action(ArgAction::SetTrue)
+                .help("skip the wheel's Python client"),
+        )
+        .arg(
+            Arg::new("only")
+                .long("only")
+                .value_delimiter(',')
+                .help("run only variants whose label contains one of these words"),
+        )
+}
+
+/// Parses the process arguments (clap prints help and usage errors itself).
+pub fn parse() -> Args {
+    let m = command().get_matches();
+    Args {
+        tokens: *m.get_one("tokens").expect("defaulted"),
+        rounds: *m.get_one::<usize>("rounds").expect("defaulted"),
+        groups: list(&m, "groups"),
+        parallel: list(&m, "parallel"),
+        streams: list(&m, "streams"),
+        store_groups: list(&m, "store-groups"),
+        lanes: list(&m, "lanes"),
+        compute_us: list(&m, "compute-us"),
+        max_layers_per_call: *m.get_one("max-layers-per-call").expect("defaulted"),
+        no_python: m.get_flag("no-python"),
+        only: list(&m, "only"),
+    }
+}

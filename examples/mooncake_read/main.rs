@@ -1,0 +1,443 @@
+//! `mooncake_read`: where one Mooncake client's layer-wise read time goes, measured.
+//!
+//! Run it next to a real master and a separate storage node, for example
+//! `MOONCAKE_STORAGE_NODE_SEGMENT="4 GB" scripts/with-mooncake.sh --storage-node
+//! target/release/examples/mooncake_read --tokens 16384`. It writes GLM-5.2 FP8 objects (per
+//! page: `k`, 78 layers × 41,984 B, and `indexer`, 21 layers × 8,448 B) to the storage node,
+//! then clients with no segment of their own (so every byte crosses TCP) read every layer of
+//! every object in each variant: the wheel's Python client (whole objects, and SGLang's
+//! layer-wise path) and kvlink's `MooncakeStore` (whole objects; layer groups as separate ranges
+//! or one range per object; concurrent calls; the wheel's TCP knobs; the store's read streams).
+//! Variants interleave round by round on the same objects; the table gives medians. Every
+//! kvlink variant's bytes are checked once; the Python reader checks its results and the
+//! first word of every layer.
+//!
+//! A second table plans layer groups with `read_plan` from the costs just measured, for each
+//! `--compute-us` (a per-layer compute time that is MODELLED, not run), and reads with them.
+
+mod args;
+mod objects;
+mod python;
+mod readers;
+mod report;
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use kvlink::mooncake_linker::read_plan::{
+    plan_reads, ReadCost, ReadCostEstimator, ReadPlanRequest,
+};
+use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
+use kvlink::mooncake_linker::store::KvStore;
+
+use objects::{Dest, Objects};
+use python::PythonReader;
+use readers::{every, Read, Timing};
+use report::Row;
+
+/// Who runs a variant.
+enum Runner {
+    /// A command of the Python reader.
+    Python(String),
+    /// kvlink, on client `store` (index into the connected clients).
+    Kvlink { store: usize, read: Read },
+}
+
+struct Variant {
+    runner: Runner,
+    row: Row,
+}
+
+const BASELINE: &str = "Python `batch_get_into`, whole objects (baseline)";
+
+/// The connected clients and what distinguishes each.
+struct Clients {
+    stores: Vec<MooncakeStore>,
+    /// `(client, MC_TCP_LANES_PER_PEER)`.
+    lanes: Vec<(usize, usize)>,
+    /// `(client, read_streams)`.
+    streams: Vec<(usize, usize)>,
+    /// The client with `MC_TCP_ENABLE_CONNECTION_POOL=1`.
+    pooled: usize,
+}
+
+fn connect(config: &MooncakeConfig, env: Option<(&str, String)>) -> Result<MooncakeStore> {
+    // The wheel reads its MC_TCP_* variables when a client's transport is created. The bench
+    // sets one around that connect only, while no client has a transfer in flight.
+    if let Some((k, v)) = &env {
+        std::env::set_var(k, v);
+    }
+    let store = MooncakeStore::connect(config.clone());
+    if let Some((k, _)) = &env {
+        std::env::remove_var(k);
+    }
+    store.with_context(|| format!("connecting to {}", config.master_addr()))
+}
+
+fn connect_all(a: &args::Args, config: &MooncakeConfig) -> Result<Clients> {
+    let mut stores = vec![connect(config, None)?];
+    let mut lanes = Vec::new();
+    for &n in &a.lanes {
+        lanes.push((stores.len(), n));
+        stores.push(connect(
+            config,
+            Some(("MC_TCP_LANES_PER_PEER", n.to_string())),
+        )?);
+    }
+    let mut streams = Vec::new();
+    for &n in &a.streams {
+        streams.push((stores.len(), n));
+        let store_level = config.clone().read_streams(n).staged_merge(true);
+        stores.push(connect(&store_level, None)?);
+    }
+    let pooled = stores.len();
+    stores.push(connect(
+        config,
+        Some(("MC_TCP_ENABLE_CONNECTION_POOL", "1".into())),
+    )?);
+    Ok(Clients {
+        stores,
+        lanes,
+        streams,
+        pooled,
+    })
+}
+
+fn variants(a: &args::Args, objects: &Objects, clients: &Clients) -> Vec<Variant> {
+    let bytes = objects.total_bytes();
+    let l = objects.layers;
+    let mut v = Vec::new();
+    let mut add = |label: String, calls: usize, runner: Runner| {
+        v.push(Variant {
+            runner,
+            row: Row {
+                label,
+                bytes,
+                calls: calls as u64,
+                times: Vec::new(),
+            },
+        })
+    };
+    let calls = |k: u32| every(k, l).len();
+    if !a.no_python {
+        add(BASELINE.into(), 1, Runner::Python("whole".into()));
+        add(
+            "Python session + `batch_get_into_multi_buffer_ranges`, 1 layer/call".into(),
+            calls(1),
+            Runner::Python("ranges 1".into()),
+        );
+        for &k in &a.groups {
+            add(
+                format!("Python, {k} layers/call, 1 range/object"),
+                calls(k),
+                Runner::Python(format!("ranges {k}")),
+            );
+        }
+    }
+    let ranged = |k: u32, dest, parallel| Read::Ranged {
+        groups: every(k, l),
+        dest,
+        parallel,
+    };
+    let on = |store: usize, read| Runner::Kvlink { store, read };
+    add(
+        "kvlink `get_into`, whole objects".into(),
+        1,
+        on(0, Read::Whole),
+    );
+    add(
+        "kvlink `get_into`, whole objects, `MC_TCP_ENABLE_CONNECTION_POOL=1`".into(),
+        1,
+        on(clients.pooled, Read::Whole),
+    );
+    add(
+        "kvlink `get_ranges`, 1 layer/call".into(),
+        calls(1),
+        on(0, ranged(1, Dest::Pool, 1)),
+    );
+    for &k in &a.groups {
+        add(
+            format!("kvlink, {k} layers/call, {k} ranges/object (pool slots)"),
+            calls(k),
+            on(0, ranged(k, Dest::Pool, 1)),
+        );
+        add(
+            format!("kvlink, {k} layers/call, 1 range/object (contiguous dst)"),
+            calls(k),
+            on(0, ranged(k, Dest::PageMajor, 1)),
+        );
+    }
+    for &p in &a.parallel {
+        add(
+            format!("kvlink, 1 layer/call, {p} concurrent calls (`read_parallelism` {p})"),
+            calls(1) * p,
+            on(0, ranged(1, Dest::Pool, p)),
+        );
+    }
+    for &(store, lanes) in &clients.lanes {
+        add(
+            format!(
+                "kvlink, `MC_TCP_LANES_PER_PEER={lanes}`, 1 layer/call, {lanes} concurrent calls"
+            ),
+            calls(1) * lanes,
+            on(store, ranged(1, Dest::Pool, lanes)),
+        );
+    }
+    for &(store, streams) in &clients.streams {
+        add(
+            format!("{}, 1 layer/call", store_label(streams)),
+            calls(1),
+            on(store, ranged(1, Dest::Pool, 1)),
+        );
+        for &k in &a.store_groups {
+            add(
+                format!("{}, {k} layers/call, pool slots", store_label(streams)),
+                calls(k),
+                on(store, ranged(k, Dest::Pool, 1)),
+            );
+        }
+    }
+    if !a.only.is_empty() {
+        v.retain(|x| a.only.iter().any(|w| x.row.label.contains(w.as_str())));
+    }
+    v
+}
+
+/// Runs `read` on `store` once; on the first round, with the buffers zeroed before and checked
+/// after.
+fn kvlink_once(
+    store: &MooncakeStore,
+    objects: &mut Objects,
+    read: &Read,
+    checked: bool,
+) -> Result<Timing> {
+    if checked {
+        objects.clear();
+    }
+    let timing = readers::run(store, objects, read)?;
+    if checked {
+        let dest = match read {
+            Read::Whole => Dest::PageMajor,
+            Read::Ranged { dest, .. } => *dest,
+        };
+        objects.verify(dest)?;
+    }
+    Ok(timing)
+}
+
+fn rounds(
+    a: &args::Args,
+    vs: &mut [Variant],
+    clients: &Clients,
+    objects: &mut Objects,
+    python: &mut Option<PythonReader>,
+    out: &mut impl Write,
+) -> Result<()> {
+    for round in 0..a.rounds {
+        for v in vs.iter_mut() {
+            let secs = match &v.runner {
+                Runner::Python(cmd) => python
+                    .as_mut()
+                    .context("no Python reader")?
+                    .run(cmd)
+                    .with_context(|| v.row.label.clone())?,
+                Runner::Kvlink { store, read } => {
+                    kvlink_once(&clients.stores[*store], objects, read, round == 0)
+                        .with_context(|| v.row.label.clone())?
+                        .total
+                }
+            };
+            v.row.times.push(secs);
+        }
+        writeln!(out, "round {}/{} done", round + 1, a.rounds)?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// The label prefix of the store-level rows of the client with `streams` read streams.
+fn store_label(streams: usize) -> String {
+    format!("kvlink store (`read_streams` {streams}, staged merge)")
+}
+
+/// The cost model of one call, from the rows whose label starts with `prefix` (the average
+/// call of each row: its bytes and time, median over rounds).
+fn measured_cost(rows: &[Row], layers: u32, prefix: &str) -> ReadCost {
+    let prior = ReadCost::from_gbps(Duration::from_millis(1), Duration::ZERO, 1.0);
+    let mut est = ReadCostEstimator::new(prior);
+    for r in rows.iter().filter(|r| r.label.starts_with(prefix)) {
+        let calls = r.calls.max(1);
+        let per_call_layers = (u64::from(layers) / calls) as u32;
+        est.observe(
+            per_call_layers,
+            r.bytes / calls,
+            Duration::from_secs_f64(r.median() / calls as f64),
+        );
+    }
+    est.estimate()
+}
+
+/// Forward done under a MODELLED compute of `compute` per layer: layer 0 starts when ready,
+/// each next one when ready and the previous one is done.
+fn modelled_forward(ready: &[f64], compute: f64) -> f64 {
+    let mut start: f64 = 0.0;
+    for (l, r) in ready.iter().enumerate() {
+        start = if l == 0 { *r } else { r.max(start + compute) };
+    }
+    start + compute
+}
+
+fn policy(
+    a: &args::Args,
+    cost: ReadCost,
+    (client, streams): (&MooncakeStore, usize),
+    objects: &mut Objects,
+    python: &mut Option<PythonReader>,
+    baseline: Option<f64>,
+    out: &mut impl Write,
+) -> Result<()> {
+    let layer_bytes: Vec<u64> = (0..objects.layers)
+        .map(|l| {
+            objects
+                .components
+                .iter()
+                .filter(|c| c.position[l as usize].is_some())
+                .map(|c| c.layer_bytes * c.keys.len() as u64)
+                .sum()
+        })
+        .collect();
+    writeln!(
+        out,
+        "\nread_plan from the measured cost ({:.2} ms per call + {:.2} GB/s), compute per layer MODELLED (not run); {} rounds, medians; \
+         client: {}, into pool slots",
+        cost.per_call.as_secs_f64() * 1e3,
+        1e-9 / cost.seconds_per_byte,
+        a.rounds,
+        store_label(streams),
+    )?;
+    writeln!(out, "\n| compute/layer (modelled) | layers per call | first layer ready ms | last layer ready ms | forward done ms (modelled) | Python whole-object read ms (+ 78 × compute) |")?;
+    writeln!(out, "|---:|---|---:|---:|---:|---:|")?;
+    for &us in &a.compute_us {
+        let compute = Duration::from_micros(us);
+        let plan = plan_reads(&ReadPlanRequest {
+            layer_bytes: &layer_bytes,
+            cost,
+            compute_per_layer: compute,
+            max_layers_per_call: a.max_layers_per_call.min(objects.layers),
+        })?;
+        let read = Read::Ranged {
+            groups: plan.groups().to_vec(),
+            dest: Dest::Pool,
+            parallel: 1,
+        };
+        let (mut first, mut last, mut done, mut py) = (vec![], vec![], vec![], vec![]);
+        for round in 0..a.rounds {
+            let t = kvlink_once(client, objects, &read, round == 0)?;
+            first.push(t.ready[0]);
+            last.push(*t.ready.last().unwrap_or(&t.total));
+            done.push(modelled_forward(&t.ready, compute.as_secs_f64()));
+            if let Some(p) = python.as_mut() {
+                py.push(p.run("whole")?);
+            }
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+        };
+        let sizes: Vec<String> = plan
+            .groups()
+            .iter()
+            .map(|g| (g.end - g.start).to_string())
+            .collect();
+        let py_ms = if py.is_empty() {
+            baseline.unwrap_or(f64::NAN)
+        } else {
+            med(&mut py)
+        };
+        writeln!(
+            out,
+            "| {} ms | {} | {:.0} | {:.0} | {:.0} | {:.0} ({:.0}) |",
+            compute.as_secs_f64() * 1e3,
+            sizes.join(" "),
+            med(&mut first) * 1e3,
+            med(&mut last) * 1e3,
+            med(&mut done) * 1e3,
+            py_ms * 1e3,
+            (py_ms + f64::from(objects.layers) * compute.as_secs_f64()) * 1e3,
+        )?;
+    }
+    Ok(())
+}
+
+fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
+    // Pure clients (every byte crosses TCP from the storage node). Unless a variant says
+    // otherwise, the store reads as it did before its store-level changes: one call at a
+    // time, no staged merge.
+    let config = MooncakeConfig::from_env()
+        .context("run under scripts/with-mooncake.sh --storage-node")?
+        .global_segment_size(0)
+        .read_streams(1)
+        .staged_merge(false);
+    // Declared before the clients, so dropped after them: the buffers outlive their
+    // registrations.
+    let mut objects = Objects::glm52(a.tokens)?;
+    let clients = connect_all(a, &config)?;
+    for s in &clients.stores {
+        // SAFETY: `objects` is declared before `clients`, so its buffers are dropped only
+        // after every store (and its registrations) is gone.
+        unsafe { objects.register(s)? };
+    }
+    let t = std::time::Instant::now();
+    objects.put_all(&clients.stores[0])?;
+    writeln!(
+        out,
+        "{} pages × {{{}}}: {:.2} GB written to the storage node in {:.1} s; this machine: {} CPUs; MC_TCP_SLICE_SIZE={}",
+        objects.pages,
+        objects
+            .components
+            .iter()
+            .map(|c| format!("`{}` {} B", c.name, c.object_bytes()))
+            .collect::<Vec<_>>()
+            .join(", "),
+        objects.total_bytes() as f64 / 1e9,
+        t.elapsed().as_secs_f64(),
+        std::thread::available_parallelism().map_or(0, usize::from),
+        std::env::var("MC_TCP_SLICE_SIZE").unwrap_or_else(|_| "unset (64 KiB)".into()),
+    )?;
+    let mut python = if a.no_python {
+        None
+    } else {
+        Some(PythonReader::start(config.master_addr(), &objects)?)
+    };
+    let mut vs = variants(a, &objects, &clients);
+    rounds(a, &mut vs, &clients, &mut objects, &mut python, out)?;
+    let rows: Vec<Row> = vs.into_iter().map(|v| v.row).collect();
+    writeln!(out)?;
+    report::table(out, &rows, (!a.no_python).then_some(BASELINE))?;
+    if let (false, Some(&(idx, streams))) = (a.compute_us.is_empty(), clients.streams.first()) {
+        let cost = measured_cost(&rows, objects.layers, &store_label(streams));
+        let baseline = rows.iter().find(|r| r.label == BASELINE).map(Row::median);
+        let client = (&clients.stores[idx], streams);
+        policy(a, cost, client, &mut objects, &mut python, baseline, out)?;
+    }
+    drop(python);
+    for s in &clients.stores {
+        s.health()?;
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let a = args::parse();
+    let mut out = std::io::stdout().lock();
+    match run(&a, &mut out) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let _ = out.flush();
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! The labelled table.
+
+use std::io::Write;
+
+/// One variant's timings (seconds, one per round).
+pub struct Row {
+    /// What ran.
+    pub label: String,
+    /// Bytes one run of it reads.
+    pub bytes: u64,
+    /// Store calls one run of it makes (per client; 0 when not meaningful).
+    pub calls: u64,
+    /// Seconds per round.
+    pub times: Vec<f64>,
+}
+
+impl Row {
+    /// Median seconds.
+    pub fn median(&self) -> f64 {
+        let mut t = self.times.clone();
+        t.sort_by(f64::total_cmp);
+        t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+    }
+
+    fn min_max(&self) -> (f64, f64) {
+        let min = self.times.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = self.times.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (min, max)
+    }
+}
+
+/// Prints the table; ratios are against the row labelled `baseline` (if present).
+pub fn table(out: &mut impl Write, rows: &[Row], baseline: Option<&str>) -> std::io::Result<()> {
+    let base = baseline
+        .and_then(|b| rows.iter().find(|r| r.label == b))
+        .map(Row::median);
+    writeln!(
+        out,
+        "| one client reads every layer of every object | calls | median ms | min–max ms | GB/s (median) | GB/s (best) | median / baseline median |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|")?;
+    for r in rows {
+        let m = r.median();
+        let (lo, hi) = r.min_max();
+        let ratio = base.map_or("—".into(), |b| format!("{:.2}", m / b));
+        let calls = if r.calls == 0 {
+            "—".into()
+        } else {
+            r.calls.to_string()
+        };
+        writeln!(
+            out,
+            "| {} | {calls} | {:.0} | {:.0}–{:.0} | {:.2} | {:.2} | {ratio} |",
+            r.label,
+            m * 1e3,
+            lo * 1e3,
+            hi * 1e3,
+            r.bytes as f64 / m / 1e9,
+            r.bytes as f64 / lo / 1e9,
+        )?;
+    }
+    Ok(())
+}

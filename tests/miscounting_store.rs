@@ -1,0 +1,225 @@
+//! A store that answers a batched call with more or fewer results than keys (a broken store
+//! or decorator): lookup, save and load turn it into a typed error for the keys asked about,
+//! never a panic, and the linker stays usable (the next batch loads).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use kvlink::kv_device::HostKvPool;
+use kvlink::kv_geometry::KvGeometry;
+use kvlink::kv_loader::{KvLoadError, KvLoader, LookupRequest, StoreFailure};
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession,
+    StoreError,
+};
+use kvlink::mooncake_linker::{Linker, LinkerConfig};
+use std::sync::Mutex;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    Exists,
+    Size,
+    Read,
+    Put,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Skew {
+    /// One result more than keys, a plausible-looking one.
+    Extra,
+    /// The last result left out.
+    Missing,
+}
+
+/// Passes every call through, and skews the result count of one kind of call when armed.
+struct Miscounting {
+    inner: Arc<dyn KvStore>,
+    armed: Mutex<Option<(Op, Skew)>>,
+}
+
+impl Miscounting {
+    fn skew<T>(
+        &self,
+        op: Op,
+        mut v: Vec<Result<T, StoreError>>,
+        extra: T,
+    ) -> Vec<Result<T, StoreError>> {
+        match *self.armed.lock().unwrap() {
+            Some((o, Skew::Extra)) if o == op => v.push(Ok(extra)),
+            Some((o, Skew::Missing)) if o == op => {
+                v.pop();
+            }
+            _ => {}
+        }
+        v
+    }
+}
+
+impl KvStore for Miscounting {
+    fn name(&self) -> &str {
+        "miscounting"
+    }
+    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
+        self.skew(Op::Exists, self.inner.exists(keys), false)
+    }
+    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
+        self.skew(Op::Size, self.inner.object_size(keys), 0)
+    }
+    unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.get_into(gets) }
+    }
+    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        // SAFETY: forwarded with the caller's promise.
+        let r = unsafe { self.inner.get_ranges(gets) };
+        self.skew(Op::Read, r, 0)
+    }
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        // SAFETY: forwarded with the caller's promise.
+        let r = unsafe { self.inner.put(puts) };
+        self.skew(Op::Put, r, PutOutcome::Written)
+    }
+    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        self.inner.remove(keys)
+    }
+    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.register(region) }
+    }
+    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        self.inner.unregister(region)
+    }
+    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
+        self.inner.start_session(keys)
+    }
+    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
+        self.inner.end_session(session)
+    }
+    fn health(&self) -> Result<(), StoreError> {
+        self.inner.health()
+    }
+}
+
+fn config() -> LinkerConfig {
+    LinkerConfig {
+        namespace: "miscount".into(),
+        wait_deadline: Duration::from_secs(5),
+        ..LinkerConfig::default()
+    }
+}
+
+fn is_result_count(e: &KvLoadError) -> bool {
+    matches!(e, KvLoadError::Store { kind: StoreFailure::Other, detail, .. }
+        if detail.contains("results for"))
+}
+
+struct Fixture {
+    store: Arc<Miscounting>,
+    linker: Linker,
+    tokens: Vec<u32>,
+    g: KvGeometry,
+}
+
+fn fixture(saved: bool) -> Fixture {
+    let spec = small_spec();
+    let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(9, 3, spec.page_size);
+    if saved {
+        save_prefix(&spec, inner.clone(), &tokens, &config());
+    }
+    let store = Arc::new(Miscounting {
+        inner,
+        armed: Mutex::new(None),
+    });
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    Fixture {
+        store,
+        linker,
+        tokens,
+        g,
+    }
+}
+
+#[test]
+fn lookup_with_a_wrong_result_count_is_a_typed_error() {
+    for skew in [Skew::Extra, Skew::Missing] {
+        let f = fixture(true);
+        *f.store.armed.lock().unwrap() = Some((Op::Exists, skew));
+        let r = f.linker.lookup(&LookupRequest {
+            tokens: &f.tokens,
+            skip_pages: 0,
+        });
+        assert!(
+            matches!(&r, Err(e) if is_result_count(e)),
+            "{skew:?}: {r:?}"
+        );
+        *f.store.armed.lock().unwrap() = None;
+        let hit = f
+            .linker
+            .lookup(&LookupRequest {
+                tokens: &f.tokens,
+                skip_pages: 0,
+            })
+            .unwrap();
+        assert_eq!(hit.pages.len(), 3);
+    }
+}
+
+#[test]
+fn save_with_a_wrong_result_count_is_a_typed_error() {
+    for op in [Op::Exists, Op::Put] {
+        for skew in [Skew::Extra, Skew::Missing] {
+            let f = fixture(false);
+            let pages = kvlink::kv_geometry::page_hashes(&f.tokens, f.g.page_size(), None);
+            let plan = load_plan(&f.g, 1, &pages, vec![0, 1, 2]);
+            *f.store.armed.lock().unwrap() = Some((op, skew));
+            let r = f.linker.save(&plan);
+            assert!(
+                matches!(&r, Err(e) if is_result_count(e)),
+                "{op:?} {skew:?}: {r:?}"
+            );
+            *f.store.armed.lock().unwrap() = None;
+            let report = f.linker.save(&plan).unwrap();
+            assert_eq!(
+                report.objects_written + report.objects_present,
+                3 * f.g.components().len() as u32
+            );
+        }
+    }
+}
+
+#[test]
+fn load_with_a_wrong_result_count_fails_the_batch_and_the_next_loads() {
+    for op in [Op::Size, Op::Read] {
+        for skew in [Skew::Extra, Skew::Missing] {
+            let f = fixture(true);
+            let pages = kvlink::kv_geometry::page_hashes(&f.tokens, f.g.page_size(), None);
+            *f.store.armed.lock().unwrap() = Some((op, skew));
+            let t = f
+                .linker
+                .start_load(load_plan(&f.g, 1, &pages, vec![5, 3, 1]))
+                .unwrap();
+            let outcome = f
+                .linker
+                .wait_batch(&t)
+                .expect("an outcome, not a dead load thread");
+            assert!(
+                matches!(&outcome.result, Err(e) if is_result_count(e)),
+                "{op:?} {skew:?}: {:?}",
+                outcome.result
+            );
+            *f.store.armed.lock().unwrap() = None;
+            let t = f
+                .linker
+                .start_load(load_plan(&f.g, 2, &pages, vec![5, 3, 1]))
+                .expect("the linker is still open");
+            wait_all(&f.linker, &t).unwrap();
+            assert!(f.linker.wait_batch(&t).unwrap().result.is_ok());
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! Save writes a checksum companion beside every object it writes (host pools and pools the
+//! store cannot read in place), and the replace path: an object a load finds bad is discarded
+//! so the next save writes it again, despite first-write-wins.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use kvlink::kv_device::{
+    BatchShape, DeviceError, DirectLanding, HostKvPool, KvPool, LandingFactory, LayerLanding,
+    Residence, SaveGather, SharePath,
+};
+use kvlink::kv_geometry::{
+    checksum_key, ComponentId, KvGeometry, ObjectChecksums, PageHash, Verified,
+};
+use kvlink::kv_loader::{KvLoadError, KvLoader, PlanError};
+use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome};
+use kvlink::mooncake_linker::{Linker, LinkerConfig};
+
+fn config() -> LinkerConfig {
+    LinkerConfig {
+        namespace: "sums".into(),
+        ..LinkerConfig::default()
+    }
+}
+
+fn get(store: &dyn KvStore, key: &str) -> Option<Vec<u8>> {
+    let size = store.object_size(&[key]).remove(0).ok()?;
+    let mut buf = vec![0u8; size as usize];
+    let g = ObjectGet {
+        key,
+        dst: buf.as_mut_ptr(),
+        len: buf.len(),
+    };
+    // SAFETY: `buf` is ours, valid for writes of its length, untouched during the call.
+    let n = unsafe { store.get_into(&[g]) }.remove(0).ok()?;
+    assert_eq!(n, size);
+    Some(buf)
+}
+
+fn put(store: &dyn KvStore, key: &str, bytes: &[u8]) -> PutOutcome {
+    let p = ObjectPut {
+        key,
+        parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
+    };
+    // SAFETY: `bytes` is live and unchanged during the call.
+    unsafe { store.put(&[p]) }.remove(0).unwrap()
+}
+
+/// Every saved object of `pages` has a companion whose checksums pass every layer of it.
+fn assert_checksummed(store: &dyn KvStore, linker: &Linker, pages: &[PageHash]) {
+    let g = linker.geometry().clone();
+    let plan = load_plan(&g, 0, pages, (0..pages.len() as u32).collect());
+    for (c, keys) in g
+        .components()
+        .iter()
+        .zip(linker.object_keys(&plan).unwrap())
+    {
+        for key in keys {
+            let object = get(store, &key).expect("object");
+            let companion = get(store, &checksum_key(&key)).expect("companion");
+            let sums = ObjectChecksums::decode(&companion).unwrap();
+            for &l in &c.layers {
+                let r = c.layer_range(l).unwrap();
+                let layer = &object[r.start as usize..r.end as usize];
+                assert_eq!(
+                    ObjectChecksums::verify_layer(Some(&sums), c, l, layer),
+                    Ok(Verified::Checksum),
+                    "{key} layer {l}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn host_pool_saves_write_a_companion_per_object() {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(21, 3, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 4).unwrap());
+    let linker = Linker::new(g, store.clone(), pool, config()).unwrap();
+    assert_checksummed(store.as_ref(), &linker, &pages);
+}
+
+/// A pool the store cannot read in place (as a device pool): host memory behind, marked
+/// device-resident, saved through a gatherer, the way the CUDA backend's pool is.
+struct DeviceLike(Arc<HostKvPool>);
+
+impl KvPool for DeviceLike {
+    fn geometry(&self) -> &KvGeometry {
+        self.0.geometry()
+    }
+    fn pages(&self) -> u32 {
+        self.0.pages()
+    }
+    fn residence(&self) -> Residence {
+        Residence::Device { ordinal: 0 }
+    }
+    fn slot_addr(&self, c: ComponentId, layer: u32, slot: u32) -> Result<usize, DeviceError> {
+        self.0.slot_addr(c, layer, slot)
+    }
+    fn regions(&self) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
+}
+
+struct DeviceLikeLandings(Arc<HostKvPool>);
+
+struct Gather {
+    pool: Arc<HostKvPool>,
+    slots: Arc<[u32]>,
+    rows: Vec<u8>,
+}
+
+impl SaveGather for Gather {
+    fn gather(&mut self, c: ComponentId, layer: u32) -> Result<usize, DeviceError> {
+        let len = self.pool.geometry().component(c).unwrap().page_layer_bytes as usize;
+        self.rows.resize(len * self.slots.len(), 0);
+        for (i, &s) in self.slots.iter().enumerate() {
+            // SAFETY: the test's pool, filled before the save; nothing loads into it.
+            unsafe {
+                self.pool
+                    .read_slot(c, layer, s, &mut self.rows[i * len..][..len])
+            }?;
+        }
+        Ok(self.rows.as_ptr() as usize)
+    }
+}
+
+impl LandingFactory for DeviceLikeLandings {
+    fn begin(
+        &self,
+        slots: Arc<[u32]>,
+        shape: BatchShape,
+    ) -> Result<Box<dyn LayerLanding>, DeviceError> {
+        Ok(Box::new(DirectLanding::new(self.0.clone(), slots, shape)?))
+    }
+    fn store_regions(&self) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
+    fn share_path(&self) -> SharePath {
+        // The landings write the (host) pool behind the device-like front directly.
+        SharePath::Host
+    }
+    fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
+        Ok(Box::new(Gather {
+            pool: self.0.clone(),
+            slots,
+            rows: Vec::new(),
+        }))
+    }
+}
+
+#[test]
+fn gathered_saves_write_a_companion_per_object() {
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let tokens = prompt(22, 3, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let host = Arc::new(HostKvPool::new(g.clone(), 3).unwrap());
+    fill_pool(&host, &pages, &[0, 1, 2]);
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let linker = Linker::with_landings(
+        g.clone(),
+        store.clone(),
+        Arc::new(DeviceLike(host.clone())),
+        Arc::new(DeviceLikeLandings(host)),
+        config(),
+        None,
+    )
+    .unwrap();
+    let report = linker
+        .save(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
+        .unwrap();
+    assert_eq!(report.objects_written, 6);
+    assert_checksummed(store.as_ref(), &linker, &pages);
+    // The same bytes as a host pool's save: the companions agree.
+    let host_store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    save_prefix(&spec, host_store.clone(), &tokens, &config());
+    for keys in linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
+        .unwrap()
+    {
+        for k in keys {
+            let c = checksum_key(&k);
+            assert_eq!(get(store.as_ref(), &c), get(host_store.as_ref(), &c));
+        }
+    }
+}
+
+#[test]
+fn a_wrong_size_object_is_replaced_by_the_next_save() {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(23, 3, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    // Page 1's KV object is truncated (a broken writer).
+    let key = &Linker::new(
+        g.clone(),
+        store.clone(),
+        Arc::new(HostKvPool::new(g.clone(), 1).unwrap()),
+        config(),
+    )
+    .unwrap()
+    .object_keys(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
+    .unwrap()[0][1];
+    let good = get(store.as_ref(), key).unwrap();
+    assert_eq!(store.remove(&[key]), vec![Ok(())]);
+    assert_eq!(
+        put(store.as_ref(), key, &good[..good.len() / 2]),
+        PutOutcome::Written
+    );
+
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), store.clone(), pool.clone(), config()).unwrap();
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![4, 5, 6]))
+        .unwrap();
+    let failed = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    assert!(
+        matches!(
+            &failed,
+            KvLoadError::InvalidPlan {
+                reason: PlanError::ObjectSize { .. },
+                ..
+            }
+        ),
+        "{failed}"
+    );
+    // The engine recomputes and saves: the bad object is written again...
+    fill_pool(&pool, &pages, &[4, 5, 6]);
+    let report = linker
+        .save(&load_plan(&g, 2, &pages, vec![4, 5, 6]))
+        .unwrap();
+    assert_eq!(report.objects_written, 1, "{report:?}");
+    assert_eq!(get(store.as_ref(), key).unwrap(), good);
+    // ...with a companion, and the next load gets every byte.
+    assert_checksummed(store.as_ref(), &linker, &pages);
+    let t = linker
+        .start_load(load_plan(&g, 3, &pages, vec![0, 1, 2]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    assert!(linker.wait_batch(&t).unwrap().result.is_ok());
+    pool_matches(&pool, &pages, &[0, 1, 2], g.num_layers()).unwrap();
+}
+
+#[test]
+fn a_leftover_companion_is_replaced_and_sglang_objects_get_none() {
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(24, 2, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+    fill_pool(&pool, &pages, &[0, 1]);
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
+    let keys = linker.object_keys(&plan).unwrap();
+    // Page 0's KV object was evicted and left its companion behind, of other bytes.
+    let leftover = ObjectChecksums {
+        layer_bytes: g.components()[0].page_layer_bytes,
+        sums: vec![7; g.components()[0].layers.len()],
+    };
+    put(
+        store.as_ref(),
+        &checksum_key(&keys[0][0]),
+        &leftover.encode(),
+    );
+    // Page 1's KV object was written by SGLang: present, no companion.
+    let sglang_object = vec![0u8; g.components()[0].object_bytes() as usize];
+    put(store.as_ref(), &keys[0][1], &sglang_object);
+
+    let report = linker.save(&plan).unwrap();
+    assert_eq!((report.objects_written, report.objects_present), (3, 1));
+    assert_eq!(store.exists(&[&checksum_key(&keys[0][1])]), vec![Ok(false)]);
+    let fresh = ObjectChecksums::decode(&get(store.as_ref(), &checksum_key(&keys[0][0])).unwrap());
+    assert_ne!(
+        fresh.as_ref().ok(),
+        Some(&leftover),
+        "the leftover was replaced"
+    );
+    let object = get(store.as_ref(), &keys[0][0]).unwrap();
+    let c = &g.components()[0];
+    assert_eq!(
+        Ok(fresh.unwrap()),
+        ObjectChecksums::of_object(&object, c.page_layer_bytes)
+    );
+}
