@@ -186,7 +186,7 @@ fn time_socket_pair(layer: usize, reps: usize) -> Duration {
 
 fn time_in_process(n: u32, layer: usize, reps: usize) -> (Duration, Duration) {
     let ranks = InProcessGroup::new(n);
-    let far = || Instant::now() + Duration::from_secs(120);
+    let far = || kvlink::kv_loader::deadline_after(Duration::from_secs(120));
     let times: Vec<(Duration, Duration)> = std::thread::scope(|s| {
         let hs: Vec<_> = ranks
             .iter()
@@ -240,7 +240,7 @@ impl RankProc {
     }
 
     fn expect(&self, prefix: &str, timeout: Duration) -> Result<String, String> {
-        let deadline = Instant::now() + timeout;
+        let deadline = kvlink::kv_loader::deadline_after(timeout);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let line = self
@@ -321,7 +321,7 @@ fn rank_process(role: &str) {
     let counts: Vec<usize> = (0..world as usize)
         .map(|r| rows_n / world as usize + usize::from(r < rows_n % world as usize))
         .collect();
-    let far = || Instant::now() + Duration::from_secs(120);
+    let far = || kvlink::kv_loader::deadline_after(Duration::from_secs(120));
     let reps = num("reps");
     let (mut b, mut g) = (Vec::new(), Vec::new());
     for _ in 0..=reps {

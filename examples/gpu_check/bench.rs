@@ -24,7 +24,7 @@ use crate::Args;
 const SEC: &str = "bench";
 
 fn soon() -> Instant {
-    Instant::now() + Duration::from_secs(30)
+    kvlink::kv_loader::deadline_after(Duration::from_secs(30))
 }
 
 pub fn run(args: &Args, gpus: u32, report: &mut Report) {
@@ -536,7 +536,7 @@ fn timed_broadcast(
             region,
             Some(after),
             0,
-            Instant::now() + Duration::from_secs(30),
+            kvlink::kv_loader::deadline_after(Duration::from_secs(30)),
         )
     }
     .map_err(|e| e.to_string())?;
@@ -545,7 +545,7 @@ fn timed_broadcast(
     }
     let end = timing_event(stream)?;
     if !ev
-        .wait_until(Instant::now() + Duration::from_secs(30))
+        .wait_until(kvlink::kv_loader::deadline_after(Duration::from_secs(30)))
         .map_err(de)?
     {
         return Err("broadcast_device did not complete in 30 s".into());

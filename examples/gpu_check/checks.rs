@@ -34,7 +34,7 @@ pub fn own_all(g: &KvGeometry) -> BatchShape {
 }
 
 fn soon() -> Instant {
-    Instant::now() + Duration::from_secs(30)
+    kvlink::kv_loader::deadline_after(Duration::from_secs(30))
 }
 
 pub fn run(args: &Args, report: &mut Report) {

@@ -32,7 +32,7 @@ pub fn run(args: &Args, report: &mut Report) {
 }
 
 fn soon() -> Instant {
-    Instant::now() + Duration::from_secs(30)
+    kvlink::kv_loader::deadline_after(Duration::from_secs(30))
 }
 
 fn share_step(args: &Args, mode: ShareMode) -> Result<String, String> {

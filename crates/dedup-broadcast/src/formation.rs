@@ -37,7 +37,7 @@ type Epochs = HashMap<u64, Vec<Option<Arc<dyn Collective>>>>;
 /// use std::time::{Duration, Instant};
 /// use dedup_broadcast::{Collective, GroupFormation, InProcessFormation};
 /// let f = InProcessFormation::host(2);
-/// let soon = Instant::now() + Duration::from_secs(1);
+/// let soon = kv_loader::deadline_after(Duration::from_secs(1));
 /// let (a, b) = (f.reform(0, 1, soon).unwrap(), f.reform(1, 1, soon).unwrap());
 /// assert_eq!((a.rank(), b.rank(), a.size()), (0, 1, 2));
 /// ```

@@ -51,7 +51,7 @@ pub enum StageShare {
 /// let shape = BatchShape { own: vec![], shared: vec![ComponentId(0)], share_bytes: vec![] };
 /// let mut landing = DirectLanding::new(pool, vec![2, 3].into(), shape).unwrap();
 /// let mut stages = landing.take_stages();
-/// let soon = Instant::now() + Duration::from_secs(5);
+/// let soon = kv_loader::deadline_after(Duration::from_secs(5));
 /// landing.open(&mut stages[0], 0, soon).unwrap();
 /// let block = RowBlock { component: ComponentId(0), first_page: 0, pages: 2, offset: 0 };
 /// let mut rows = landing.rows(&mut stages[0], &[block]).unwrap();

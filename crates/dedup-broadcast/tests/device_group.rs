@@ -19,7 +19,7 @@ use kv_geometry::{ComponentSpec, ElementType, KvGeometry, ModelKvSpec, RowUnit};
 use kv_loader::ShareMode;
 
 fn soon() -> Instant {
-    Instant::now() + Duration::from_secs(10)
+    kv_loader::deadline_after(Duration::from_secs(10))
 }
 
 fn jittery(ordinal: u32) -> Arc<dyn Device> {
@@ -162,7 +162,7 @@ fn a_rank_that_never_issues_fails_the_others_by_their_deadline() {
                 mem.region.region(),
                 None,
                 0,
-                Instant::now() + Duration::from_millis(200),
+                kv_loader::deadline_after(Duration::from_millis(200)),
             )
         }
         .map(|_| ())
@@ -188,7 +188,7 @@ fn a_stalled_peer_holds_the_completion_and_abort_breaks_the_group() {
         // SAFETY: `mem` lives until the completion is known (waited below).
         let ev = unsafe { c.all_gather_device(mem.region.region(), None, soon()) }.unwrap();
         let early = ev
-            .wait_until(Instant::now() + Duration::from_millis(50))
+            .wait_until(kv_loader::deadline_after(Duration::from_millis(50)))
             .unwrap();
         let later = ev.wait_until(soon()).unwrap();
         (early, later)

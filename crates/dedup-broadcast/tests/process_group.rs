@@ -37,7 +37,7 @@ fn rank_process() {
 const MAX_BYTES: usize = 200_000;
 
 fn far() -> Instant {
-    Instant::now() + Duration::from_secs(30)
+    kv_loader::deadline_after(Duration::from_secs(30))
 }
 
 fn digest(log: &[u8]) -> String {

@@ -123,7 +123,7 @@ pub unsafe trait Stream: Send + Sync + fmt::Debug {
 /// let mem = dev.alloc(4096, "example").unwrap();
 /// assert_eq!(mem.len(), 4096);
 /// let ev = dev.load_stream().record().unwrap();
-/// assert!(ev.wait_until(std::time::Instant::now() + std::time::Duration::from_secs(5)).unwrap());
+/// assert!(ev.wait_until(kv_loader::deadline_after(std::time::Duration::from_secs(5))).unwrap());
 /// ```
 pub trait Device: Send + Sync + fmt::Debug {
     /// The device's ordinal ([`DeviceRegion::ordinal`], `Residence::Device`).

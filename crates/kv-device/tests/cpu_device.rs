@@ -12,7 +12,7 @@ use kv_device::{
 use kv_loader::{KvLoadError, RawStream, StreamWaitable};
 
 fn soon() -> Instant {
-    Instant::now() + Duration::from_secs(10)
+    kv_loader::deadline_after(Duration::from_secs(10))
 }
 
 fn jittery(trace: bool) -> Arc<CpuDevice> {
@@ -124,7 +124,7 @@ fn a_stalled_device_holds_its_events_until_it_resumes() {
     let t0 = Instant::now();
     let ev = dev.load_stream().record().unwrap();
     assert!(!ev
-        .wait_until(Instant::now() + Duration::from_millis(50))
+        .wait_until(kv_loader::deadline_after(Duration::from_millis(50)))
         .unwrap());
     assert!(ev.wait_until(soon()).unwrap());
     assert!(t0.elapsed() >= Duration::from_millis(250));

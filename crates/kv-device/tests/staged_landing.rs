@@ -37,7 +37,7 @@ fn byte(c: ComponentId, layer: u32, page: usize, i: usize) -> u8 {
 }
 
 fn soon() -> Instant {
-    Instant::now() + Duration::from_secs(10)
+    kv_loader::deadline_after(Duration::from_secs(10))
 }
 
 fn row(g: &KvGeometry, c: ComponentId, layer: u32, page: usize) -> Vec<u8> {
@@ -293,7 +293,11 @@ fn a_half_is_never_reused_before_its_fences_complete() {
     }
     landing.land(stage).unwrap();
     let t0 = Instant::now();
-    let reopened = landing.open(stage, 2, Instant::now() + Duration::from_millis(100));
+    let reopened = landing.open(
+        stage,
+        2,
+        kv_loader::deadline_after(Duration::from_millis(100)),
+    );
     assert!(
         matches!(reopened, Err(DeviceError::Timeout { .. })),
         "{reopened:?}"

@@ -467,7 +467,7 @@ mod tests {
         let links1 = vec![link(a10), None, link(a12)];
         let links2 = vec![None, link(a21), None];
         let src: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = kv_loader::deadline_after(Duration::from_secs(30));
         let hdr = [9u8; HEADER];
         let out = std::thread::scope(|s| {
             let src = &src;
@@ -575,7 +575,12 @@ mod tests {
             outbound: vec![],
         };
         // SAFETY: `rows` is ours.
-        let r = unsafe { run.run(Instant::now() + Duration::from_secs(30), &mut |_, _| Ok(())) };
+        let r = unsafe {
+            run.run(
+                kv_loader::deadline_after(Duration::from_secs(30)),
+                &mut |_, _| Ok(()),
+            )
+        };
         assert!(matches!(r, Err(Failure::Gone(ref g)) if g == &[1]), "{r:?}");
         assert!(hung[1]);
     }

@@ -199,7 +199,7 @@ fn connect(
         };
         match attempt {
             Ok(l) => return Ok(l),
-            Err(e) if Instant::now() + Duration::from_millis(20) < deadline => {
+            Err(e) if kv_loader::deadline_after(Duration::from_millis(20)) < deadline => {
                 tracing::debug!(error = %e, "connecting to a peer, retrying");
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -263,7 +263,7 @@ pub(crate) fn connect_meshes(
             });
         };
         let mut b = [0u8; HANDSHAKE];
-        let short = (Instant::now() + Duration::from_secs(2)).min(deadline);
+        let short = kv_loader::deadline_after(Duration::from_secs(2)).min(deadline);
         if read_exact_by(&mut blocking(&link), &mut b, short).is_err() {
             continue;
         }

@@ -87,7 +87,7 @@ impl Algorithm {
 /// use std::time::{Duration, Instant};
 /// use dedup_broadcast::{broadcast_slice, Collective, SocketCollective, Algorithm};
 /// let ranks = SocketCollective::over_socket_pairs(3, Algorithm::Ring).unwrap();
-/// let deadline = Instant::now() + Duration::from_secs(10);
+/// let deadline = kv_loader::deadline_after(Duration::from_secs(10));
 /// let layers: Vec<Vec<u8>> = std::thread::scope(|s| {
 ///     let hs: Vec<_> = ranks
 ///         .iter()

@@ -227,10 +227,10 @@ mod tests {
     #[test]
     fn frames_round_trip_and_respect_the_deadline() {
         let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let far = Instant::now() + std::time::Duration::from_secs(5);
+        let far = kv_loader::deadline_after(std::time::Duration::from_secs(5));
         write_frame(&mut a, b"hello", far).unwrap();
         assert_eq!(read_frame(&mut b, far).unwrap(), b"hello");
-        let soon = Instant::now() + std::time::Duration::from_millis(30);
+        let soon = kv_loader::deadline_after(std::time::Duration::from_millis(30));
         let t = Instant::now();
         let err = read_frame(&mut b, soon).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);

@@ -91,7 +91,7 @@ impl RankProc {
     /// The next report that starts with `prefix` (earlier ones are kept in `seen`); panics
     /// after `timeout`.
     pub fn expect(&mut self, prefix: &str, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
+        let deadline = kv_loader::deadline_after(timeout);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
@@ -118,7 +118,7 @@ impl RankProc {
     /// Waits for the process to exit by itself; panics after `timeout` (it is then killed on
     /// drop).
     pub fn exit_status(&mut self, timeout: Duration) -> ExitStatus {
-        let deadline = Instant::now() + timeout;
+        let deadline = kv_loader::deadline_after(timeout);
         loop {
             if let Some(s) = self.child.try_wait().expect("waiting for a child") {
                 return s;

@@ -97,7 +97,7 @@ impl Control {
             return;
         }
         let (_, _, d) = stalls.remove(i);
-        *self.stalled_until.lock() = Some(Instant::now() + d);
+        *self.stalled_until.lock() = Some(kv_loader::deadline_after(d));
     }
 
     /// Fails this enqueue when an injected fault says so.
@@ -148,7 +148,7 @@ impl Control {
 ///         .unwrap();
 /// }
 /// let ev = dev.load_stream().record().unwrap();
-/// assert!(ev.wait_until(Instant::now() + Duration::from_secs(5)).unwrap());
+/// assert!(ev.wait_until(kv_loader::deadline_after(Duration::from_secs(5))).unwrap());
 /// // SAFETY: the copy has finished (its event completed).
 /// assert_eq!(unsafe { *(dst.addr() as *const u8) }, 7);
 /// ```
@@ -199,7 +199,7 @@ impl CpuDevice {
     /// No stream of this device starts an operation for `d` from now (operations in progress
     /// finish): a device that stops making progress for a while.
     pub fn stall_for(&self, d: Duration) {
-        *self.control.stalled_until.lock() = Some(Instant::now() + d);
+        *self.control.stalled_until.lock() = Some(kv_loader::deadline_after(d));
     }
 
     /// When the operation of kind `op` after `skip` more such operations is about to run (on

@@ -96,7 +96,7 @@ impl StreamWaitable for CpuEvent {
     }
 
     fn synchronize(&self) -> Result<(), KvLoadError> {
-        match self.wait_until(Instant::now() + self.limit) {
+        match self.wait_until(kv_loader::deadline_after(self.limit)) {
             Ok(true) => Ok(()),
             Ok(false) => Err(DeviceError::Timeout {
                 what: "layer event (CPU device)",

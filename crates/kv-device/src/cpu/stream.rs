@@ -195,9 +195,9 @@ impl Worker {
 
     fn wait(&mut self, ev: &dyn DeviceEvent) {
         let limit = self.control.config.wait_limit;
-        let deadline = Instant::now() + limit;
+        let deadline = kv_loader::deadline_after(limit);
         loop {
-            let slice = (Instant::now() + Duration::from_millis(20)).min(deadline);
+            let slice = kv_loader::deadline_after(Duration::from_millis(20)).min(deadline);
             match ev.wait_until(slice) {
                 Ok(true) => return,
                 Ok(false) if Instant::now() < deadline => {}

@@ -3,7 +3,6 @@
 //! [`Device`] trait.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use parking_lot::Mutex;
@@ -140,7 +139,7 @@ impl CudaDevice {
     /// never an unbounded `cuStreamSynchronize`).
     pub fn synchronize_load_stream(&self) -> Result<(), DeviceError> {
         let ev = self.load_stream.record()?;
-        if ev.wait_until(Instant::now() + SYNC_LIMIT)? {
+        if ev.wait_until(kv_loader::deadline_after(SYNC_LIMIT))? {
             Ok(())
         } else {
             Err(DeviceError::Timeout {

@@ -160,7 +160,7 @@ impl StreamWaitable for CudaLayerEvent {
     /// Polls until the event completes, at most a minute (never an unbounded
     /// `cuEventSynchronize`).
     fn synchronize(&self) -> Result<(), KvLoadError> {
-        match self.wait_until(Instant::now() + SYNC_LIMIT) {
+        match self.wait_until(kv_loader::deadline_after(SYNC_LIMIT)) {
             Ok(true) => Ok(()),
             Ok(false) => Err(DeviceError::Timeout {
                 what: "layer event",

@@ -26,7 +26,7 @@ use crate::{DeviceError, HostRow, KvPool, Residence};
 /// let shape = BatchShape::own_only(vec![ComponentId(0)]);
 /// let mut landing = DirectLanding::new(pool.clone(), vec![5, 2].into(), shape).unwrap();
 /// let mut stages = landing.take_stages();
-/// let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+/// let deadline = kv_loader::deadline_after(std::time::Duration::from_secs(1));
 /// landing.open(&mut stages[0], 0, deadline).unwrap();
 /// let addr = landing.target(&stages[0], ComponentId(0), 1).unwrap();
 /// assert_eq!(addr, pool.slot_addr(ComponentId(0), 0, 2).unwrap());

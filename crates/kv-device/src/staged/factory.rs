@@ -1,7 +1,7 @@
 //! Staged landings per batch, and the save-direction gather.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kv_geometry::ComponentId;
 
@@ -191,7 +191,7 @@ impl SaveGather for StagedGather {
             )
         }?;
         let ev = self.stream.record()?;
-        if ev.wait_until(Instant::now() + SYNC_LIMIT)? {
+        if ev.wait_until(kv_loader::deadline_after(SYNC_LIMIT))? {
             return Ok(host);
         }
         self.stuck = Some(ev);

@@ -535,7 +535,7 @@ impl Drop for StagedLanding {
         let Some(lease) = self.lease.take() else {
             return;
         };
-        let deadline = Instant::now() + self.drain;
+        let deadline = kv_loader::deadline_after(self.drain);
         let poisoned = self.halves.iter().any(|h| h.fences.is_poisoned());
         let drained = !poisoned
             && self

@@ -2,7 +2,7 @@
 //! small uploads (the slot table).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -14,7 +14,7 @@ pub(crate) const SYNC_LIMIT: Duration = Duration::from_secs(60);
 /// Waits for everything enqueued on `stream` so far, at most `limit`.
 pub(crate) fn drain(stream: &Arc<dyn Stream>, limit: Duration) -> Result<(), DeviceError> {
     let ev = stream.record()?;
-    match ev.wait_until(Instant::now() + limit)? {
+    match ev.wait_until(kv_loader::deadline_after(limit))? {
         true => Ok(()),
         false => Err(DeviceError::Timeout {
             what: "stream drain",

@@ -151,7 +151,7 @@ impl LayerPipeline<'_> {
     ) -> Result<u64, KvLoadError> {
         let (inner, layers) = (self.inner, self.layers);
         let batch = self.job.plan.logical.batch;
-        let deadline = Instant::now() + inner.config.collective_timeout;
+        let deadline = kv_loader::deadline_after(inner.config.collective_timeout);
         landing.open(stage, layer, deadline)?;
         pins.renew_if_due()
             .map_err(|e| store_failure(batch, Some(layer), Vec::new(), &e))?;
@@ -210,7 +210,7 @@ impl LayerPipeline<'_> {
         let batch = self.job.plan.logical.batch;
         match self.coll {
             Some(c) => {
-                let deadline = Instant::now() + self.inner.config.collective_timeout;
+                let deadline = kv_loader::deadline_after(self.inner.config.collective_timeout);
                 status
                     .exchange(c, layer, mine, deadline)
                     .map(drop)

@@ -305,7 +305,7 @@ pub(crate) fn lead(
         Err(e) => Reply::Refused(e.clone()),
     };
     // The verdict goes out even past the deadline, so that no joiner waits for nothing.
-    let late = Instant::now() + Duration::from_secs(5);
+    let late = kv_loader::deadline_after(Duration::from_secs(5));
     x.set(&k.verdict(epoch), &reply.encode(), late)?;
     x.set(&k.closed(), &epoch.to_le_bytes(), late)?;
     decision
@@ -366,7 +366,11 @@ pub(crate) fn join(
             }
             if Instant::now() >= deadline {
                 // Withdraw, so that a retry is not taken for a second process of this rank.
-                let _ = x.set(&mine, WITHDRAWN, Instant::now() + Duration::from_secs(1));
+                let _ = x.set(
+                    &mine,
+                    WITHDRAWN,
+                    kv_loader::deadline_after(Duration::from_secs(1)),
+                );
                 return Err(RendezvousError::Timeout {
                     missing: vec![0],
                     detail: format!("rank 0 did not decide epoch {epoch}"),
@@ -382,7 +386,7 @@ mod tests {
     use super::*;
 
     fn exercise(x: &dyn KeyValueExchange) {
-        let d = Instant::now() + Duration::from_secs(5);
+        let d = kv_loader::deadline_after(Duration::from_secs(5));
         assert_eq!(x.get("a/b", d).unwrap(), None);
         x.set("a/b", b"1", d).unwrap();
         x.set("a/b", b"2", d).unwrap();
@@ -391,7 +395,7 @@ mod tests {
         assert!(!x.create("c", b"y", d).unwrap());
         assert_eq!(x.get("c", d).unwrap().as_deref(), Some(&b"x"[..]));
         assert!(x.wait(&["a/b", "c"], d).unwrap());
-        let soon = Instant::now() + Duration::from_millis(30);
+        let soon = kv_loader::deadline_after(Duration::from_millis(30));
         assert!(!x.wait(&["a/b", "never"], soon).unwrap());
     }
 
@@ -413,7 +417,7 @@ mod tests {
                 let hs: Vec<_> = (0..8)
                     .map(|i| {
                         s.spawn(move || {
-                            let d = Instant::now() + Duration::from_secs(5);
+                            let d = kv_loader::deadline_after(Duration::from_secs(5));
                             usize::from(ex.create("k", &[i], d).unwrap())
                         })
                     })

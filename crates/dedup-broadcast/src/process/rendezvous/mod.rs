@@ -38,7 +38,7 @@
 //!         let group = rv.form().unwrap();
 //!         assert_eq!(group.epoch(), 1);
 //!         let handles = group.connect(1).unwrap();
-//!         let deadline = Instant::now() + Duration::from_secs(10);
+//!         let deadline = kv_loader::deadline_after(Duration::from_secs(10));
 //!         handles[0].all_gather_u64(u64::from(handles[0].rank()), deadline).unwrap().iter().sum()
 //!     })).collect();
 //!     hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -58,7 +58,7 @@ mod tcp;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use config::{MeetingPoint, RendezvousConfig, KVLINK_VERSION};
 pub use error::RendezvousError;
@@ -185,7 +185,7 @@ impl Rendezvous {
     /// at the meeting point, within [`RendezvousConfig::timeout`]. On success the group's
     /// epoch is above every epoch any member belonged to.
     pub fn form(&mut self) -> Result<FormedGroup, RendezvousError> {
-        let deadline = Instant::now() + self.config.timeout;
+        let deadline = kv_loader::deadline_after(self.config.timeout);
         let nonce = fresh_nonce();
         let rank = self.config.rank;
         let (welcome, listener, rendezvous_ip) = match &self.config.meet {
@@ -331,7 +331,7 @@ impl FormedGroup {
     /// each a full mesh of the group; every rank calls it with the same count. Bounded by the
     /// rendezvous timeout.
     pub fn connect(self, handles: u32) -> Result<Vec<SocketCollective>, RendezvousError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = kv_loader::deadline_after(self.timeout);
         let plan = MeshPlan {
             rank: self.rank,
             epoch: self.welcome.epoch,

@@ -61,7 +61,11 @@ fn resolve(addr: &str) -> Result<Vec<SocketAddr>, RendezvousError> {
 }
 
 fn reply(stream: &mut TcpStream, r: &Reply) {
-    let _ = write_frame(stream, &r.encode(), Instant::now() + MESSAGE_TIMEOUT);
+    let _ = write_frame(
+        stream,
+        &r.encode(),
+        kv_loader::deadline_after(MESSAGE_TIMEOUT),
+    );
 }
 
 /// True when the peer of `stream` has hung up (it gave up waiting).
@@ -248,7 +252,7 @@ fn accept_loop(
         let Ok((mut stream, peer)) = listener.accept() else {
             continue;
         };
-        let hello = match read_frame(&mut stream, Instant::now() + MESSAGE_TIMEOUT) {
+        let hello = match read_frame(&mut stream, kv_loader::deadline_after(MESSAGE_TIMEOUT)) {
             Ok(body) => Hello::decode(&body, &version),
             Err(e) => {
                 tracing::debug!(%peer, error = %e, "a connection sent no hello");

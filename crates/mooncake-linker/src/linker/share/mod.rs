@@ -95,7 +95,7 @@ impl LayerCx<'_> {
     }
 
     fn deadline(&self) -> Instant {
-        Instant::now() + self.collective_timeout
+        kv_loader::deadline_after(self.collective_timeout)
     }
 
     fn coll(&self) -> Result<&dyn Collective, StepError> {

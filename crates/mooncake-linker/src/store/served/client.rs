@@ -148,7 +148,7 @@ impl SocketStore {
         &self,
         f: impl FnOnce(&mut Conn, Instant) -> Result<T, CallError>,
     ) -> Result<T, CallError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = kv_loader::deadline_after(self.timeout);
         let pooled = self.pool.lock().pop();
         let mut conn = match pooled {
             Some(c) => c,

@@ -244,13 +244,13 @@ fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
     read_body(
         conn,
         u32::from_le_bytes(len) as usize,
-        Instant::now() + REQUEST_TIMEOUT,
+        kv_loader::deadline_after(REQUEST_TIMEOUT),
     )
     .ok()
 }
 
 fn serve_connection(mut conn: Conn, served: &Served) {
-    let deadline = Instant::now() + REQUEST_TIMEOUT;
+    let deadline = kv_loader::deadline_after(REQUEST_TIMEOUT);
     let mut hello = [0u8; 16];
     if read_exact_by(&mut conn, &mut hello, deadline).is_err() {
         return;
@@ -321,7 +321,7 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
     let store = &served.store;
     let mut d = Dec::new(body);
     let mut out = Enc::default();
-    let deadline = Instant::now() + REQUEST_TIMEOUT;
+    let deadline = kv_loader::deadline_after(REQUEST_TIMEOUT);
     match d.u8()? {
         op::EXISTS => {
             let ks = keys(&mut d)?;

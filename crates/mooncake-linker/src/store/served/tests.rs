@@ -194,7 +194,7 @@ fn a_client_that_leaves_releases_its_pins() {
     ));
     drop(client);
     // The server notices the closed connection shortly.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = kv_loader::deadline_after(Duration::from_secs(10));
     loop {
         match put(&other, "d", &[&[0u8; 10]]) {
             Ok(PutOutcome::Written) => break,
