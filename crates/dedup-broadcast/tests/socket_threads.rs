@@ -85,7 +85,7 @@ fn a_length_mismatch_is_typed_and_breaks_the_group_on_every_rank() {
         matches!(
             errs[1],
             CollectiveError::SizeMismatch {
-                op: "broadcast",
+                op: "broadcast_rows",
                 rank: 0,
                 expected: 9,
                 got: 8,
