@@ -32,12 +32,17 @@ enum Skew {
     Extra,
     /// The last result left out.
     Missing,
+    /// Extra and Missing by turns, call after call: calls made at once (a layer's reads
+    /// split over threads) that together answer as many results as keys.
+    Offsetting,
 }
 
 /// Passes every call through, and skews the result count of one kind of call when armed.
 struct Miscounting {
     inner: Arc<dyn KvStore>,
     armed: Mutex<Option<(Op, Skew)>>,
+    /// Calls skewed so far (Offsetting alternates on it).
+    calls: std::sync::atomic::AtomicUsize,
 }
 
 impl Miscounting {
@@ -47,12 +52,17 @@ impl Miscounting {
         mut v: Vec<Result<T, StoreError>>,
         extra: T,
     ) -> Vec<Result<T, StoreError>> {
-        match *self.armed.lock().unwrap() {
-            Some((o, Skew::Extra)) if o == op => v.push(Ok(extra)),
-            Some((o, Skew::Missing)) if o == op => {
+        let skew = match *self.armed.lock().unwrap() {
+            Some((o, skew)) if o == op => skew,
+            _ => return v,
+        };
+        let turn = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        match skew {
+            Skew::Extra => v.push(Ok(extra)),
+            Skew::Offsetting if turn.is_multiple_of(2) => v.push(Ok(extra)),
+            Skew::Missing | Skew::Offsetting => {
                 v.pop();
             }
-            _ => {}
         }
         v
     }
@@ -124,19 +134,24 @@ struct Fixture {
 }
 
 fn fixture(saved: bool) -> Fixture {
+    fixture_with(saved, config())
+}
+
+fn fixture_with(saved: bool, config: LinkerConfig) -> Fixture {
     let spec = small_spec();
     let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
     let tokens = prompt(9, 3, spec.page_size);
     if saved {
-        save_prefix(&spec, inner.clone(), &tokens, &config());
+        save_prefix(&spec, inner.clone(), &tokens, &config);
     }
     let store = Arc::new(Miscounting {
         inner,
         armed: Mutex::new(None),
+        calls: Default::default(),
     });
     let g = KvGeometry::new(spec, 1, 0).unwrap();
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let linker = Linker::new(g.clone(), store.clone(), pool, config).unwrap();
     Fixture {
         store,
         linker,
@@ -222,4 +237,37 @@ fn load_with_a_wrong_result_count_fails_the_batch_and_the_next_loads() {
             assert!(f.linker.wait_batch(&t).unwrap().result.is_ok());
         }
     }
+}
+
+#[test]
+fn split_reads_are_checked_call_by_call() {
+    // A layer's reads split over two store calls at once; the calls miscount in opposite
+    // directions, so together they answer as many results as keys. Each call is checked on
+    // its own: a typed result-count error, not results matched to the wrong keys.
+    let f = fixture_with(
+        true,
+        LinkerConfig {
+            read_parallelism: 2,
+            ..config()
+        },
+    );
+    let pages = kvlink::kv_geometry::page_hashes(&f.tokens, f.g.page_size(), None);
+    *f.store.armed.lock().unwrap() = Some((Op::Read, Skew::Offsetting));
+    let t = f
+        .linker
+        .start_load(load_plan(&f.g, 1, &pages, vec![5, 3, 1]))
+        .unwrap();
+    let outcome = f.linker.wait_batch(&t).expect("an outcome");
+    assert!(
+        matches!(&outcome.result, Err(e) if is_result_count(e)),
+        "{:?}",
+        outcome.result
+    );
+    *f.store.armed.lock().unwrap() = None;
+    let t = f
+        .linker
+        .start_load(load_plan(&f.g, 2, &pages, vec![5, 3, 1]))
+        .unwrap();
+    wait_all(&f.linker, &t).unwrap();
+    assert!(f.linker.wait_batch(&t).unwrap().result.is_ok());
 }

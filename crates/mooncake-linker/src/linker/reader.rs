@@ -184,7 +184,7 @@ impl LayerReader<'_> {
                 .into_iter()
                 .zip(gets.chunks(chunk))
                 .flat_map(|(h, part)| {
-                    h.join().unwrap_or_else(|_| {
+                    let results = h.join().unwrap_or_else(|_| {
                         part.iter()
                             .map(|g| {
                                 Err(StoreError::Other {
@@ -193,7 +193,11 @@ impl LayerReader<'_> {
                                 })
                             })
                             .collect()
-                    })
+                    });
+                    // Each part on its own: one part's extra result must not shift the
+                    // next part's results onto the wrong keys.
+                    let keys: Vec<&str> = part.iter().map(|g| g.key).collect();
+                    checked_results(&keys, results)
                 })
                 .collect()
         })
