@@ -1,6 +1,7 @@
 //! `Duration::MAX` (and any huge wait) in every `LinkerConfig` duration: lookups, loads, layer
 //! and batch waits, reset and close work as usual on a real linker (host pool, embedded
-//! store), alone and in a TP group of in-process ranks, and nothing panics on
+//! store), alone and in a TP group of in-process ranks, and on the device path (CPU devices
+//! whose stream waits and landing drains are `Duration::MAX` too), and nothing panics on
 //! `Instant + Duration` overflow.
 
 mod common;
@@ -10,8 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use kvlink::kv_device::HostKvPool;
-use kvlink::kv_geometry::KvGeometry;
+use kvlink::kv_device::{
+    CpuDevice, CpuDeviceConfig, Device, DeviceKvPool, HostKvPool, KvPool, StagedLandingFactory,
+    StagingPool,
+};
+use kvlink::kv_geometry::{KvGeometry, PageHash};
 use kvlink::kv_loader::{KvLoader, LookupRequest, ShareMode};
 use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
@@ -115,6 +119,91 @@ fn tp3_group_with_duration_max_everywhere() {
                             Linker::with_group(g, store, pool.clone(), cfg, group).unwrap();
                         let slots = (0..5).map(|i| (i * 3 + rank as u32) % 16).collect();
                         one_rank_life(&linker, &pool, &tokens, slots);
+                    });
+                }
+            });
+        });
+    }
+}
+
+/// Every layer of every page in a device pool holds its saved bytes.
+fn device_pool_matches(pool: &DeviceKvPool, pages: &[PageHash], slots: &[u32]) {
+    for (pi, (page, &slot)) in pages.iter().zip(slots).enumerate() {
+        for c in pool.geometry().components() {
+            for &l in &c.layers {
+                let mut got = vec![0u8; c.page_layer_bytes as usize];
+                pool.read_slot(c.id, l, slot, &mut got).unwrap();
+                let want: Vec<u8> = (0..got.len())
+                    .map(|i| page_byte(page, c.id.0, l, i))
+                    .collect();
+                assert!(got == want, "page {pi} comp {} layer {l}", c.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn tp3_device_path_with_duration_max_everywhere() {
+    for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+        bounded("kvlink-test-huge-dev", move || {
+            let spec = small_spec();
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+            let cfg = huge(mode, Duration::MAX);
+            let tokens = prompt(6, 5, spec.page_size);
+            save_prefix(&spec, store.clone(), &tokens, &cfg);
+            let dev = CpuDevice::with_config(
+                0,
+                CpuDeviceConfig {
+                    wait_limit: Duration::MAX,
+                    ..CpuDeviceConfig::default()
+                },
+            )
+            .unwrap();
+            let devices: Vec<Arc<dyn Device>> = vec![dev.clone(); 3];
+            let groups = TpGroup::in_process_on_devices(devices).unwrap();
+            std::thread::scope(|s| {
+                for (rank, group) in groups.into_iter().enumerate() {
+                    let (spec, store, cfg, tokens, dev) = (
+                        spec.clone(),
+                        store.clone(),
+                        cfg.clone(),
+                        tokens.clone(),
+                        dev.clone(),
+                    );
+                    s.spawn(move || {
+                        let g = KvGeometry::new(spec, 3, rank as u32).unwrap();
+                        let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 16).unwrap());
+                        let half = StagingPool::half_bytes_for(&g, 5, 3);
+                        let staging = StagingPool::new(dev, half, 2).unwrap();
+                        let landings = Arc::new(
+                            StagedLandingFactory::new(pool.clone(), staging)
+                                .with_drain_limit(Duration::MAX),
+                        );
+                        let linker = Linker::with_landings(
+                            g.clone(),
+                            store,
+                            pool.clone(),
+                            landings,
+                            cfg,
+                            Some(group),
+                        )
+                        .unwrap();
+                        let hit = linker
+                            .lookup(&LookupRequest {
+                                tokens: &tokens,
+                                skip_pages: 0,
+                            })
+                            .expect("lookup");
+                        let slots: Vec<u32> = (0..5).map(|i| (i * 3 + rank as u32) % 16).collect();
+                        let ticket = linker
+                            .start_load(load_plan(&g, 1, &hit.pages, slots.clone()))
+                            .expect("start_load");
+                        wait_all(&linker, &ticket).expect("every layer");
+                        let outcome = linker.wait_batch(&ticket).expect("wait_batch");
+                        assert!(outcome.result.is_ok(), "{:?}", outcome.result);
+                        device_pool_matches(&pool, &hit.pages, &slots);
+                        linker.reset().expect("reset");
+                        linker.close().expect("close");
                     });
                 }
             });
