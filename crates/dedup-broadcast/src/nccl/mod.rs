@@ -647,7 +647,7 @@ impl Drop for NcclCollective {
         // communicator. Wait for that, bounded: a thread stuck in the driver is left behind.
         drop(self.tx.lock().take());
         let done = self.done.lock().take();
-        let finished = done.is_some_and(|d| d.recv_timeout(self.grace * 2).is_ok());
+        let finished = done.is_some_and(|d| d.recv_timeout(self.grace.saturating_mul(2)).is_ok());
         if let Some(t) = self.thread.lock().take() {
             if finished {
                 let _ = t.join();
