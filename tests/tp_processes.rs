@@ -67,7 +67,7 @@ fn rank_main(role: &HashMap<String, String>) {
     } else {
         (None, None)
     };
-    let formed = TpGroup::from_rendezvous(&mut rv).expect("forming the group");
+    let formed = TpGroup::from_rendezvous(rv).expect("forming the group");
     report(&format!("formed epoch={}", formed.epoch));
     let store = formed
         .store(local)

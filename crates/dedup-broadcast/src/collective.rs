@@ -103,6 +103,17 @@ pub enum CollectiveError {
         /// Why, or what the implementation moves instead.
         detail: String,
     },
+    /// The group could not be re-formed ([`GroupFormation`](crate::GroupFormation)): ranks
+    /// that did not come by the deadline (`missing`), or a refusal or failure (`detail`).
+    #[error("re-forming the group (epoch {epoch}){}: {detail}", if missing.is_empty() { String::new() } else { format!(", ranks {missing:?} missing") })]
+    Formation {
+        /// The epoch asked for.
+        epoch: u64,
+        /// Ranks that did not come (empty when the formation failed otherwise).
+        missing: Vec<u32>,
+        /// What happened.
+        detail: String,
+    },
 }
 
 impl CollectiveError {
@@ -115,7 +126,9 @@ impl CollectiveError {
             | CollectiveError::SizeMismatch { seq, .. }
             | CollectiveError::Mismatch { seq, .. }
             | CollectiveError::InvalidArgument { seq, .. } => Some(*seq),
-            CollectiveError::Backend(_) | CollectiveError::Unsupported { .. } => None,
+            CollectiveError::Backend(_)
+            | CollectiveError::Unsupported { .. }
+            | CollectiveError::Formation { .. } => None,
         }
     }
 }

@@ -1,5 +1,5 @@
-//! Re-forming a group after an abort: at a batch boundary, a rank whose handle is
-//! [broken](crate::Collective::broken) asks the group's formation for a fresh handle.
+//! Re-forming a group after an abort: at a batch boundary, a rank whose handles are
+//! [broken](crate::Collective::broken) asks the group's formation for fresh ones.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,29 +9,82 @@ use parking_lot::Mutex;
 
 use crate::{Collective, CollectiveError, InProcessGroup};
 
+/// One rank's handles of one formation of a TP group: `data` for the load thread's
+/// per-layer exchanges, `control` for lookups (two handles, because the two threads issue
+/// collectives independently and each handle's operations must keep one order on every
+/// rank; over NCCL, two communicators).
+#[derive(Clone)]
+pub struct GroupHandles {
+    /// The load thread's handle.
+    pub data: Arc<dyn Collective>,
+    /// The lookups' handle.
+    pub control: Arc<dyn Collective>,
+    /// Which formation made them (grows each time the group re-forms).
+    pub epoch: u64,
+}
+
+impl std::fmt::Debug for GroupHandles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupHandles")
+            .field("rank", &self.data.rank())
+            .field("size", &self.data.size())
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+impl GroupHandles {
+    /// Why either handle is broken (the data handle's reason first), `None` when both work.
+    pub fn broken(&self) -> Option<String> {
+        self.data
+            .broken()
+            .map(|w| format!("data handle: {w}"))
+            .or_else(|| {
+                self.control
+                    .broken()
+                    .map(|w| format!("control handle: {w}"))
+            })
+    }
+
+    /// Aborts both handles (a no-op on a handle already broken), so that peers still
+    /// waiting on either fail now rather than at their deadline.
+    pub fn abort(&self, cause: &str) {
+        self.data.abort(cause);
+        self.control.abort(cause);
+    }
+}
+
 /// Makes new handles of one TP group (new communicators, a new epoch) after the old ones were
-/// aborted. Every rank asks for the same epochs in the same order (`1, 2, ...`; the group first
-/// built is epoch 0), each for its own rank. An implementation across processes meets the other
-/// ranks (a rendezvous) and may fail by `deadline`; the caller then fails its batch and asks
-/// again at the next one.
+/// aborted: both the data and the control handle, from one formation.
+///
+/// Every rank asks once per broken epoch, for the epoch after the one of the handles it
+/// replaces (the group first built is epoch 0 for in-process groups; a rendezvous numbers its
+/// own). A formation across processes meets the other ranks (a rendezvous) and may fail by
+/// `deadline` (a rank is not back, or was refused): the caller then fails its batch or
+/// lookup and asks again at the next one.
 pub trait GroupFormation: Send + Sync {
-    /// Rank `rank`'s handle of the group's formation number `epoch`.
+    /// Rank `rank`'s handles of the formation after the one of epoch `epoch - 1`. The
+    /// returned [`GroupHandles::epoch`] is at least `epoch`.
     fn reform(
         &self,
         rank: u32,
         epoch: u64,
         deadline: Instant,
-    ) -> Result<Arc<dyn Collective>, CollectiveError>;
+    ) -> Result<GroupHandles, CollectiveError>;
 }
 
-type Build = dyn Fn() -> Result<Vec<Arc<dyn Collective>>, CollectiveError> + Send + Sync;
+/// Builds every rank's `(data, control)` handles of one in-process group, rank `r` at index
+/// `r`.
+type Build = dyn Fn() -> Result<Vec<(Arc<dyn Collective>, Arc<dyn Collective>)>, CollectiveError>
+    + Send
+    + Sync;
 
 /// Per epoch, the handles no rank has taken yet.
-type Epochs = HashMap<u64, Vec<Option<Arc<dyn Collective>>>>;
+type Epochs = HashMap<u64, Vec<Option<GroupHandles>>>;
 
 /// The formation of a group whose ranks are threads of this process: the first rank to ask for
-/// an epoch builds every rank's handle at once (with `build`), each rank takes its own. No rank
-/// waits for another.
+/// an epoch builds every rank's handles at once (with `build`), each rank takes its own. No
+/// rank waits for another.
 ///
 /// ```
 /// use std::time::{Duration, Instant};
@@ -39,7 +92,7 @@ type Epochs = HashMap<u64, Vec<Option<Arc<dyn Collective>>>>;
 /// let f = InProcessFormation::host(2);
 /// let soon = kv_loader::deadline_after(Duration::from_secs(1));
 /// let (a, b) = (f.reform(0, 1, soon).unwrap(), f.reform(1, 1, soon).unwrap());
-/// assert_eq!((a.rank(), b.rank(), a.size()), (0, 1, 2));
+/// assert_eq!((a.data.rank(), b.control.rank(), a.data.size(), b.epoch), (0, 1, 2, 1));
 /// ```
 pub struct InProcessFormation {
     size: u32,
@@ -48,10 +101,14 @@ pub struct InProcessFormation {
 }
 
 impl InProcessFormation {
-    /// Handles built by `build`, which returns one handle per rank, rank `r` at index `r`.
+    /// Handles built by `build`, which returns one `(data, control)` pair per rank, rank `r`
+    /// at index `r`.
     pub fn new(
         size: u32,
-        build: impl Fn() -> Result<Vec<Arc<dyn Collective>>, CollectiveError> + Send + Sync + 'static,
+        build: impl Fn() -> Result<Vec<(Arc<dyn Collective>, Arc<dyn Collective>)>, CollectiveError>
+            + Send
+            + Sync
+            + 'static,
     ) -> Self {
         InProcessFormation {
             size,
@@ -60,23 +117,37 @@ impl InProcessFormation {
         }
     }
 
-    /// Fresh [`InProcessGroup::new`] groups of `size` ranks (host memory).
+    /// Fresh [`InProcessGroup::new`] groups of `size` ranks (host memory), one for data and
+    /// one for control.
     pub fn host(size: u32) -> Self {
         Self::new(size, move || {
             Ok(InProcessGroup::new(size)
                 .into_iter()
-                .map(|c| Arc::new(c) as Arc<dyn Collective>)
+                .zip(InProcessGroup::new(size))
+                .map(|(d, c)| {
+                    (
+                        Arc::new(d) as Arc<dyn Collective>,
+                        Arc::new(c) as Arc<dyn Collective>,
+                    )
+                })
                 .collect())
         })
     }
 
-    /// Fresh [`InProcessGroup::on_devices`] groups over `devices`.
+    /// Fresh [`InProcessGroup::on_devices`] groups over `devices` for data, host groups for
+    /// control.
     pub fn on_devices(devices: Vec<Arc<dyn kv_device::Device>>) -> Self {
         let size = devices.len() as u32;
         Self::new(size, move || {
             Ok(InProcessGroup::on_devices(devices.clone())?
                 .into_iter()
-                .map(|c| Arc::new(c) as Arc<dyn Collective>)
+                .zip(InProcessGroup::new(size))
+                .map(|(d, c)| {
+                    (
+                        Arc::new(d) as Arc<dyn Collective>,
+                        Arc::new(c) as Arc<dyn Collective>,
+                    )
+                })
                 .collect())
         })
     }
@@ -88,7 +159,7 @@ impl GroupFormation for InProcessFormation {
         rank: u32,
         epoch: u64,
         _deadline: Instant,
-    ) -> Result<Arc<dyn Collective>, CollectiveError> {
+    ) -> Result<GroupHandles, CollectiveError> {
         if rank >= self.size {
             return Err(CollectiveError::Backend(format!(
                 "rank {rank} of a group of {}",
@@ -109,15 +180,27 @@ impl GroupFormation for InProcessFormation {
             // epoch whose handles were all taken stays until then, so that asking twice for it
             // is an error rather than a new group.)
             epochs.retain(|&e, _| e > epoch);
-            epochs.insert(epoch, handles.into_iter().map(Some).collect());
+            epochs.insert(
+                epoch,
+                handles
+                    .into_iter()
+                    .map(|(data, control)| {
+                        Some(GroupHandles {
+                            data,
+                            control,
+                            epoch,
+                        })
+                    })
+                    .collect(),
+            );
         }
         let slots = epochs
             .get_mut(&epoch)
             .ok_or_else(|| CollectiveError::Backend(format!("epoch {epoch} vanished")))?;
-        let handle = slots[rank as usize].take().ok_or_else(|| {
+        let handles = slots[rank as usize].take().ok_or_else(|| {
             CollectiveError::Backend(format!("rank {rank} already took epoch {epoch}"))
         })?;
         tracing::info!(rank, epoch, "group re-formed");
-        Ok(handle)
+        Ok(handles)
     }
 }

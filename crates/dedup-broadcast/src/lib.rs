@@ -62,16 +62,16 @@ pub use collective::{
     all_gather_in_place, all_gather_slices, broadcast_slice, Collective, CollectiveError,
     MemorySupport,
 };
-pub use formation::{GroupFormation, InProcessFormation};
+pub use formation::{GroupFormation, GroupHandles, InProcessFormation};
 pub use gate::{check_digest, check_plan, plan_digest, GateVerdict, PLAN_DIGEST_SEED};
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};
 pub use ops::{share_rows, share_stage, RowsShare, StageShare};
 #[cfg(target_os = "linux")]
 pub use process::{
-    Algorithm, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, MeetingPoint,
-    MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError, SocketCollective,
-    Transport, TransportChoice, KVLINK_VERSION,
+    Algorithm, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, Meeting, MeetingPoint,
+    MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError, RendezvousFormation,
+    SocketCollective, Transport, TransportChoice, DEFAULT_REFORM_TIMEOUT, KVLINK_VERSION,
 };
 pub use share::{padded_share, page_shares, ShareError, StagedComponent, StagedRow, StagingLayout};
 pub use status::{

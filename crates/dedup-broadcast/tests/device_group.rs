@@ -215,10 +215,16 @@ fn a_formation_gives_every_rank_a_fresh_working_group() {
     let dev: Arc<dyn Device> = CpuDevice::new(0).unwrap();
     let f = InProcessFormation::on_devices(vec![dev.clone(), dev.clone()]);
     for epoch in 1..=3u64 {
-        let handles: Vec<Arc<dyn Collective>> = (0..2)
+        let pairs: Vec<_> = (0..2)
             .map(|r| f.reform(r, epoch, soon()).unwrap())
             .collect();
         assert!(f.reform(0, epoch, soon()).is_err(), "taken once");
+        assert!(pairs.iter().all(|p| p.epoch == epoch));
+        // Device data handles, host control handles.
+        assert!(pairs
+            .iter()
+            .all(|p| p.data.memory().device && p.control.memory().host));
+        let handles: Vec<Arc<dyn Collective>> = pairs.iter().map(|p| p.data.clone()).collect();
         let sums: Vec<u64> = thread::scope(|s| {
             let hs: Vec<_> = handles
                 .iter()

@@ -183,6 +183,19 @@ pub enum KvLoadError {
         /// What happened.
         detail: String,
     },
+    /// The TP group is down: it broke (a rank died, a collective was aborted) and could not
+    /// be re-formed in time (`missing`: the ranks that are not back; empty when the group has
+    /// no formation or a rank was refused, as `detail` says). Nothing was read or moved; the
+    /// engine recomputes, and a later batch or lookup tries to re-form the group again.
+    #[error("{}TP group unavailable{}: {detail}", batch.map(|b| format!("{b}: ")).unwrap_or_default(), if missing.is_empty() { String::new() } else { format!(" (ranks {missing:?} not back)") })]
+    GroupDown {
+        /// The batch, if the failure belongs to one (`None`: a lookup).
+        batch: Option<BatchId>,
+        /// Ranks that did not come back in time.
+        missing: Vec<u32>,
+        /// Why the group is down and why it could not re-form.
+        detail: String,
+    },
     /// A device (copy, event, allocation) failure.
     #[error("device failure: {0}")]
     Device(String),
@@ -225,6 +238,7 @@ impl KvLoadError {
             KvLoadError::Timeout { .. }
             | KvLoadError::PeerFailed { .. }
             | KvLoadError::Collective { .. }
+            | KvLoadError::GroupDown { .. }
             | KvLoadError::Busy { .. }
             | KvLoadError::Cancelled { .. } => true,
             _ => false,
@@ -239,7 +253,9 @@ impl KvLoadError {
             | KvLoadError::Cancelled { batch }
             | KvLoadError::PeerFailed { batch, .. }
             | KvLoadError::StaleTicket { batch } => Some(*batch),
-            KvLoadError::Store { batch, .. } | KvLoadError::Collective { batch, .. } => *batch,
+            KvLoadError::Store { batch, .. }
+            | KvLoadError::Collective { batch, .. }
+            | KvLoadError::GroupDown { batch, .. } => *batch,
             _ => None,
         }
     }
@@ -282,6 +298,7 @@ impl KvLoadError {
             KvLoadError::Cancelled { .. } => "cancelled",
             KvLoadError::PeerFailed { .. } => "peer_failed",
             KvLoadError::Collective { .. } => "collective",
+            KvLoadError::GroupDown { .. } => "group_down",
             KvLoadError::Device(_) => "device",
             KvLoadError::StaleTicket { .. } => "stale_ticket",
             KvLoadError::Busy { .. } => "busy",

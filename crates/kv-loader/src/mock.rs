@@ -170,6 +170,7 @@ impl MockKvLoader {
                 last_layer: Duration::ZERO,
                 transfers: Default::default(),
                 layer_transfers: Vec::new(),
+                alone: None,
             })
         };
         BatchOutcome { batch: b, result }

@@ -37,6 +37,11 @@ pub struct LoadStats {
     /// The same, layer by layer (index = model layer; empty when the loader does not count
     /// per layer).
     pub layer_transfers: Vec<TransferBytes>,
+    /// `Some(why)` when this rank loaded the batch alone, reading its own copy with no
+    /// collective, because its TP group was down and the engine allowed that fallback (the
+    /// linker's `group_fallback`); `None` for a batch loaded with the group (or by a loader
+    /// without one).
+    pub alone: Option<String>,
 }
 
 /// A finished batch: loaded, or failed with the same error on every rank.

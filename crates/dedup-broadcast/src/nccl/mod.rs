@@ -41,8 +41,9 @@
 //!
 //! **Re-forming.** An aborted handle is [`broken`](Collective::broken); so are its peers of the
 //! same [`NcclGroup::new_in_process`] group once one of them is aborted (they share a flag).
-//! [`NcclGroup::formation`] makes fresh groups (a new unique id, new communicators) for the
-//! next batch.
+//! [`NcclGroup::formation`] makes fresh groups (new unique ids, new communicators for data
+//! and control) for the next batch; ranks that are processes re-form at their rendezvous
+//! (`RendezvousFormation::nccl`: rank 0 makes the new ids and ships them).
 
 mod error;
 mod worker;
@@ -163,15 +164,23 @@ impl NcclGroup {
         pending.into_iter().map(|p| p.ready()).collect()
     }
 
-    /// The formation of in-process groups on `ordinals`: each epoch a fresh
-    /// [`new_in_process_with`](Self::new_in_process_with) group (new unique id, new
-    /// communicators), built by the first rank that asks for it.
+    /// The formation of in-process groups on `ordinals`: each epoch two fresh
+    /// [`new_in_process_with`](Self::new_in_process_with) groups (new unique ids, new
+    /// communicators), one for data and one for control, built by the first rank that asks.
     pub fn formation(ordinals: Vec<u32>, config: NcclConfig) -> InProcessFormation {
         let size = ordinals.len() as u32;
         InProcessFormation::new(size, move || {
-            Ok(Self::new_in_process_with(&ordinals, config)?
+            let data = Self::new_in_process_with(&ordinals, config)?;
+            let control = Self::new_in_process_with(&ordinals, config)?;
+            Ok(data
                 .into_iter()
-                .map(|c| Arc::new(c) as Arc<dyn Collective>)
+                .zip(control)
+                .map(|(d, c)| {
+                    (
+                        Arc::new(d) as Arc<dyn Collective>,
+                        Arc::new(c) as Arc<dyn Collective>,
+                    )
+                })
                 .collect())
         })
     }

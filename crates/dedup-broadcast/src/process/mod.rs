@@ -4,6 +4,7 @@
 //! (abstract Unix sockets, `poll` with `POLLRDHUP`).
 
 mod engine;
+mod formation;
 mod link;
 mod mesh;
 mod op_header;
@@ -11,6 +12,7 @@ pub(crate) mod rendezvous;
 mod socket_collective;
 mod wire;
 
+pub use formation::{Meeting, RendezvousFormation, DEFAULT_REFORM_TIMEOUT};
 pub use rendezvous::{
     ExchangeError, FileExchange, FormedGroup, KeyValueExchange, MeetingPoint, MemoryExchange,
     NcclIds, Rendezvous, RendezvousConfig, RendezvousError, Transport, TransportChoice,

@@ -11,11 +11,10 @@ use kv_device::BatchShape;
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMode};
 use tracing::{info, info_span, warn};
 
-use super::group::DataGroup;
 use super::pipeline::LayerPipeline;
 use super::reader::{store_failure, ComponentKeys, LayerReader};
 use super::session::PinnedKeys;
-use super::Inner;
+use super::{GroupFallback, Inner};
 
 /// A batch handed to the load thread.
 pub(crate) struct BatchJob {
@@ -179,23 +178,26 @@ impl Inner {
     }
 
     /// Loads every layer of `job` into the pool, marking each ready as it lands.
-    pub(crate) fn run_batch(
-        &self,
-        group: Option<&mut DataGroup>,
-        job: &BatchJob,
-    ) -> Result<LoadStats, KvLoadError> {
+    pub(crate) fn run_batch(&self, job: &BatchJob) -> Result<LoadStats, KvLoadError> {
         let batch = job.plan.logical.batch;
         let pages = job.plan.logical.num_pages();
         let span = info_span!("load_batch", %batch, pages);
         let _enter = span.enter();
         let components = self.component_keys(&job.plan)?;
-        let coll = match group {
-            Some(g) => Some(
-                g.ready(self.collective_deadline())
-                    .map_err(|e| collective_failure(batch, e))?,
-            ),
-            None => None,
+        let (data, alone) = match &self.group {
+            Some(g) => match g.handles(self.collective_deadline()) {
+                Ok(h) => (Some(h.data), None),
+                Err(down) => match self.config.group_fallback {
+                    GroupFallback::Fail => return Err(down.error(Some(batch))),
+                    GroupFallback::ReadAlone => {
+                        warn!(%batch, reason = %down, "loading alone: the TP group is down");
+                        (None, Some(down.to_string()))
+                    }
+                },
+            },
+            None => (None, None),
         };
+        let coll = data.as_deref();
         let (rank, size) = coll.map_or((0, 1), |c| (c.rank(), c.size()));
         let replicated_per_layer: u64 = components
             .iter()
@@ -241,6 +243,7 @@ impl Inner {
             last_layer,
             transfers: layer_transfers.iter().copied().sum(),
             layer_transfers,
+            alone,
         })
     }
 

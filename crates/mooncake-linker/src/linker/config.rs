@@ -60,6 +60,34 @@ pub struct LinkerConfig {
     /// Longest a rank waits in one collective for its peers (must exceed
     /// `layer_read_timeout`: in `Rank0Broadcast` the others wait for rank 0's read).
     pub collective_timeout: Duration,
+    /// What a batch or lookup does while the TP group is down (broken and not re-formed in
+    /// time, e.g. a rank process died and is not back yet).
+    pub group_fallback: GroupFallback,
+}
+
+/// What a linker does while its TP group is down.
+///
+/// ```
+/// use mooncake_linker::{GroupFallback, LinkerConfig};
+/// let engine_can_run_alone = LinkerConfig {
+///     group_fallback: GroupFallback::ReadAlone,
+///     ..LinkerConfig::default()
+/// };
+/// assert_eq!(LinkerConfig::default().group_fallback, GroupFallback::Fail);
+/// # let _ = engine_can_run_alone;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GroupFallback {
+    /// Batches and lookups fail at once with `KvLoadError::GroupDown` (the engine
+    /// recomputes); the default.
+    #[default]
+    Fail,
+    /// Each rank loads alone: it reads its own copy of every component, with no collective
+    /// (`AllRanks` without the group), and its outcome says so (`LoadStats::alone`); a
+    /// lookup returns this rank's own hit, not the group's minimum (the engine must agree on
+    /// the prefix itself). Only for engines whose ranks can still run while kvlink's group is
+    /// down.
+    ReadAlone,
 }
 
 impl Default for LinkerConfig {
@@ -83,6 +111,7 @@ impl Default for LinkerConfig {
                 fabric_all_gather_gbps: f64::NAN,
             },
             collective_timeout: Duration::from_secs(25),
+            group_fallback: GroupFallback::Fail,
         }
     }
 }

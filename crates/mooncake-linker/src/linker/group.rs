@@ -1,25 +1,32 @@
-//! The TP group a linker shares replicated KV with, and the load thread's handle on it, which
-//! is re-formed at a batch boundary after an abort.
+//! The TP group a linker shares replicated KV with, and the linker's live handles on it
+//! ([`GroupLink`]), re-formed (data and control together) when either broke.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use dedup_broadcast::{Collective, GroupFormation, InProcessFormation, InProcessGroup};
+use dedup_broadcast::{
+    Collective, CollectiveError, GroupFormation, GroupHandles, InProcessFormation, InProcessGroup,
+};
 use kv_device::Device;
+use kv_loader::{BatchId, KvLoadError};
+use parking_lot::Mutex;
 
 /// One rank's handles on its TP group: `data` carries the per-layer exchanges of the load
 /// thread, `control` the lookups of the engine's thread. Two handles, because the two
 /// threads issue collectives independently and one handle's operations must stay in one
 /// order on every rank (NCCL's rule: over NCCL these are two communicators). `formation`,
-/// when given, makes a fresh `data` handle after it was aborted.
+/// when given, makes fresh handles (both) after either broke (a rank died, a collective was
+/// aborted): groups of threads ([`TpGroup::in_process`]), of processes
+/// ([`TpGroup::from_rendezvous`]) and in-process NCCL groups (`NcclGroup::formation`) have
+/// one.
 #[derive(Clone)]
 pub struct TpGroup {
     /// Used by the load thread only: gate, status words, the share of each layer.
     pub data: Arc<dyn Collective>,
     /// Used by `lookup` only: the minimum loadable prefix over the group.
     pub control: Arc<dyn Collective>,
-    /// Re-forms `data` after an abort (a collective whose event never completed); without
-    /// one, a broken group fails every later batch.
+    /// Re-forms both handles after either broke; without one, a broken group fails every
+    /// later batch and lookup (`KvLoadError::GroupDown`).
     pub formation: Option<Arc<dyn GroupFormation>>,
 }
 
@@ -84,40 +91,109 @@ impl TpGroup {
     }
 }
 
-/// The load thread's data handle: re-formed through the group's formation at a batch boundary
-/// when it is broken.
-pub(crate) struct DataGroup {
-    handle: Arc<dyn Collective>,
-    formation: Option<Arc<dyn GroupFormation>>,
-    epoch: u64,
+/// Why the group cannot be used now: broken, and not re-formed by the deadline.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupDown {
+    /// Ranks that did not come back (empty: refused, or no formation).
+    pub(crate) missing: Vec<u32>,
+    pub(crate) detail: String,
 }
 
-impl DataGroup {
-    /// The data handle of `group`, when this linker shares with other ranks.
-    pub(crate) fn of(group: Option<&TpGroup>) -> Option<DataGroup> {
-        group.filter(|g| g.size() > 1).map(|g| DataGroup {
-            handle: g.data.clone(),
-            formation: g.formation.clone(),
-            epoch: 0,
+impl GroupDown {
+    /// The typed error a batch (or, with `None`, a lookup) fails with.
+    pub(crate) fn error(&self, batch: Option<BatchId>) -> KvLoadError {
+        KvLoadError::GroupDown {
+            batch,
+            missing: self.missing.clone(),
+            detail: self.detail.clone(),
+        }
+    }
+}
+
+impl std::fmt::Display for GroupDown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.detail)
+    }
+}
+
+/// A linker's live handles on its group, shared by the load thread (data) and lookups
+/// (control). When either handle is broken, the first of them to need the group re-forms it
+/// through the formation: both handles at once (one formation makes both), the old ones
+/// aborted first so that peers still waiting on them fail at once. One re-formation at a
+/// time in this process; a caller that waited for another's sees its result.
+pub(crate) struct GroupLink {
+    rank: u32,
+    current: Mutex<GroupHandles>,
+    formation: Option<Arc<dyn GroupFormation>>,
+    reforming: Mutex<()>,
+}
+
+impl GroupLink {
+    /// The link of `group`, when this linker shares with other ranks.
+    pub(crate) fn of(group: Option<&TpGroup>) -> Option<Arc<GroupLink>> {
+        group.filter(|g| g.size() > 1).map(|g| {
+            Arc::new(GroupLink {
+                rank: g.rank(),
+                current: Mutex::new(GroupHandles {
+                    data: g.data.clone(),
+                    control: g.control.clone(),
+                    epoch: 0,
+                }),
+                formation: g.formation.clone(),
+                reforming: Mutex::new(()),
+            })
         })
     }
 
-    /// The handle for the next batch: a fresh one first when this one is broken. A re-form
-    /// that does not complete by `deadline` fails (this batch fails; the next one tries again).
-    pub(crate) fn ready(&mut self, deadline: Instant) -> Result<&dyn Collective, String> {
-        if let Some(why) = self.handle.broken() {
-            let formation = self
-                .formation
-                .as_ref()
-                .ok_or_else(|| format!("the group is broken ({why}) and has no formation"))?;
-            let rank = self.handle.rank();
-            let fresh = formation
-                .reform(rank, self.epoch + 1, deadline)
-                .map_err(|e| format!("re-forming the group after `{why}`: {e}"))?;
-            tracing::info!(rank, epoch = self.epoch + 1, why, "data group re-formed");
-            self.handle = fresh;
-            self.epoch += 1;
+    /// The handles to use now: re-formed first when either is broken. A re-formation that
+    /// does not complete by `deadline` (the formation may bound it sooner) fails: the caller
+    /// fails its batch or lookup, and the next one tries again.
+    pub(crate) fn handles(&self, deadline: Instant) -> Result<GroupHandles, GroupDown> {
+        let seen = self.current.lock().clone();
+        let Some(why) = seen.broken() else {
+            return Ok(seen);
+        };
+        let Some(formation) = &self.formation else {
+            return Err(GroupDown {
+                missing: Vec::new(),
+                detail: format!("the group is broken ({why}) and has no formation"),
+            });
+        };
+        let Some(_one) = self.reforming.try_lock_until(deadline) else {
+            return Err(GroupDown {
+                missing: Vec::new(),
+                detail: format!(
+                    "the group is broken ({why}); another re-formation of rank {} is still \
+                     running",
+                    self.rank
+                ),
+            });
+        };
+        let now = self.current.lock().clone();
+        let why = match now.broken() {
+            None => return Ok(now),
+            Some(w) => w,
+        };
+        now.abort(&format!("re-forming the group: {why}"));
+        let epoch = now.epoch + 1;
+        match formation.reform(self.rank, epoch, deadline) {
+            Ok(fresh) => {
+                tracing::info!(
+                    rank = self.rank,
+                    epoch = fresh.epoch,
+                    why,
+                    "group re-formed"
+                );
+                *self.current.lock() = fresh.clone();
+                Ok(fresh)
+            }
+            Err(e) => Err(GroupDown {
+                missing: match &e {
+                    CollectiveError::Formation { missing, .. } => missing.clone(),
+                    _ => Vec::new(),
+                },
+                detail: format!("the group broke ({why}) and did not re-form: {e}"),
+            }),
         }
-        Ok(self.handle.as_ref())
     }
 }

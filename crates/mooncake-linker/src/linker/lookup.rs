@@ -2,9 +2,9 @@
 
 use kv_geometry::page_hashes;
 use kv_loader::{KvLoadError, LookupHit, LookupRequest};
-use tracing::debug;
+use tracing::{debug, warn};
 
-use super::Inner;
+use super::{GroupFallback, Inner};
 use crate::store::checked_results;
 
 impl Inner {
@@ -42,15 +42,26 @@ impl Inner {
             }
             hit = i + 1;
         }
-        if let Some(control) = self.control.as_ref().filter(|c| c.size() > 1) {
+        if let Some(group) = &self.group {
             let deadline = kv_loader::deadline_after(self.config.collective_timeout);
-            let min = control
-                .all_reduce_min_u64(hit as u64, deadline)
-                .map_err(|e| KvLoadError::Collective {
-                    batch: None,
-                    detail: format!("lookup: {e}"),
-                })?;
-            hit = hit.min(min as usize);
+            match group.handles(deadline) {
+                Ok(handles) => {
+                    let min = handles
+                        .control
+                        .all_reduce_min_u64(hit as u64, deadline)
+                        .map_err(|e| KvLoadError::Collective {
+                            batch: None,
+                            detail: format!("lookup: {e}"),
+                        })?;
+                    hit = hit.min(min as usize);
+                }
+                Err(down) => match self.config.group_fallback {
+                    GroupFallback::Fail => return Err(down.error(None)),
+                    GroupFallback::ReadAlone => {
+                        warn!(hit, reason = %down, "lookup alone: the TP group is down");
+                    }
+                },
+            }
         }
         self.metrics.lookup(candidates.len() as u64, hit as u64);
         debug!(candidates = candidates.len(), hit, "lookup");

@@ -28,7 +28,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use dedup_broadcast::Collective;
 use kv_device::{DirectLandingFactory, KvPool, LandingFactory, Residence, SharePath};
 use kv_geometry::{KeyScheme, KvGeometry};
 use kv_loader::{
@@ -42,8 +41,8 @@ use tracing::{info, warn};
 use crate::store::KvStore;
 use auto::AutoMode;
 use batch::BatchJob;
-pub use config::LinkerConfig;
-use group::DataGroup;
+pub use config::{GroupFallback, LinkerConfig};
+use group::GroupLink;
 pub use group::TpGroup;
 pub use metrics::{LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
 use outcomes::{Outcomes, WaitFailure};
@@ -59,8 +58,9 @@ pub(crate) struct Inner {
     /// Makes each batch's landing (host: straight into the pool; device: pinned staging).
     pub(crate) landings: Arc<dyn LandingFactory>,
     pub(crate) config: LinkerConfig,
-    /// The group's handle for lookups (the load thread owns the data handle).
-    pub(crate) control: Option<Arc<dyn Collective>>,
+    /// The live handles on the TP group (data for the load thread, control for lookups),
+    /// re-formed when either broke; `None` for a rank alone.
+    pub(crate) group: Option<Arc<GroupLink>>,
     pub(crate) auto: AutoMode,
     pub(crate) outcomes: Outcomes,
     pub(crate) metrics: LinkerMetrics,
@@ -88,14 +88,14 @@ impl Inner {
             .finish(job.ticket.counter, BatchOutcome { batch, result });
     }
 
-    fn load_loop(self: Arc<Self>, jobs: mpsc::Receiver<BatchJob>, mut group: Option<DataGroup>) {
+    fn load_loop(self: Arc<Self>, jobs: mpsc::Receiver<BatchJob>) {
         while let Ok(job) = jobs.recv() {
             let result = if self.epoch.load(Ordering::Acquire) != job.epoch {
                 Err(KvLoadError::Cancelled {
                     batch: job.ticket.batch,
                 })
             } else {
-                self.run_batch(group.as_mut(), &job)
+                self.run_batch(&job)
             };
             self.finish_job(job, result);
         }
@@ -268,7 +268,7 @@ impl Linker {
             config.cp_rank,
             config.pp_rank,
         );
-        let data = DataGroup::of(group.as_ref());
+        let link = GroupLink::of(group.as_ref());
         let inner = Arc::new(Inner {
             outcomes: Outcomes::new(config.max_in_flight),
             auto: AutoMode::new(config.mode, config.bandwidths),
@@ -277,7 +277,7 @@ impl Linker {
             store,
             pool,
             landings,
-            control: group.map(|g| g.control),
+            group: link,
             config,
             metrics: LinkerMetrics::default(),
             epoch: AtomicU64::new(0),
@@ -287,7 +287,7 @@ impl Linker {
         let worker = inner.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-load-r{}", worker.geometry.tp_rank))
-            .spawn(move || worker.load_loop(rx, data))
+            .spawn(move || worker.load_loop(rx))
             .map_err(|e| {
                 regions::release_regions(&inner.store, &inner.landings);
                 KvLoadError::Config(format!("spawning the load thread: {e}"))

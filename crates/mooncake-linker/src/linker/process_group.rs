@@ -1,10 +1,11 @@
-//! A rank's [`TpGroup`] when TP ranks are processes: formed at a [`Rendezvous`], with two
-//! socket-collective handles (data, control), and the store the group's processes share.
+//! A rank's [`TpGroup`] when TP ranks are processes: formed at a [`Rendezvous`] through a
+//! [`RendezvousFormation`] (which the linker keeps, to re-form the group after a rank died),
+//! and the store the group's processes share.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use dedup_broadcast::{NcclIds, Rendezvous, RendezvousError};
+use dedup_broadcast::{NcclIds, Rendezvous, RendezvousError, RendezvousFormation};
 
 use super::TpGroup;
 use crate::store::{
@@ -14,15 +15,18 @@ use crate::store::{
 /// What forming a group of processes gives one rank.
 #[derive(Clone)]
 pub struct FormedTpGroup {
-    /// The two handles, over sockets: ready for [`Linker::with_group`](crate::Linker::with_group).
+    /// The two handles, and the formation that re-forms them: ready for
+    /// [`Linker::with_group`](crate::Linker::with_group) (or `with_landings`).
     pub group: TpGroup,
     /// The group's epoch: it grows every time the group re-forms.
     pub epoch: u64,
-    /// The NCCL unique ids (data, control), when the rendezvous asked for NCCL; an engine
-    /// that shares over NCCL joins them (`FormedGroup::join_nccl` in `dedup-broadcast`).
+    /// The NCCL unique ids (data, control), when the rendezvous asked for NCCL.
     pub nccl: Option<NcclIds>,
     /// Rank 0's attributes, e.g. [`STORE_ATTRIBUTE`].
     pub attributes: BTreeMap<String, String>,
+    /// The formation (also `group.formation`), e.g. to read what a later formation
+    /// announced.
+    pub formation: Arc<RendezvousFormation>,
 }
 
 impl std::fmt::Debug for FormedTpGroup {
@@ -36,40 +40,45 @@ impl std::fmt::Debug for FormedTpGroup {
 }
 
 impl TpGroup {
-    /// Forms this rank's group of processes at `rendezvous` (or re-forms it after a failure:
-    /// call again on the same `Rendezvous`; the epoch grows) and connects its two handles as
-    /// [`SocketCollective`](dedup_broadcast::SocketCollective)s: `data` for the load thread,
-    /// `control` for lookups. Bounded by the rendezvous timeout.
+    /// Forms this rank's group of processes at `rendezvous` with two socket-collective
+    /// handles (`data` for the load thread, `control` for lookups), bounded by the rendezvous
+    /// timeout. The group keeps the rendezvous in its formation: when a rank dies (or a
+    /// collective is aborted), the linker re-forms the group there by itself, at the next
+    /// batch or lookup (see [`RendezvousFormation`]).
     ///
     /// ```
     /// use dedup_broadcast::{MeetingPoint, Rendezvous, RendezvousConfig};
     /// use mooncake_linker::TpGroup;
     /// // A group of one process (rank 0 of 1): the same calls a rank of 8 makes.
-    /// let mut rv = Rendezvous::new(RendezvousConfig::new(0, 1, MeetingPoint::Tcp("127.0.0.1:0".into()))).unwrap();
-    /// let formed = TpGroup::from_rendezvous(&mut rv).unwrap();
+    /// let rv = Rendezvous::new(RendezvousConfig::new(0, 1, MeetingPoint::Tcp("127.0.0.1:0".into()))).unwrap();
+    /// let formed = TpGroup::from_rendezvous(rv).unwrap();
     /// assert_eq!((formed.group.rank(), formed.group.size(), formed.epoch), (0, 1, 1));
-    /// assert_eq!(TpGroup::from_rendezvous(&mut rv).unwrap().epoch, 2);
+    /// assert!(formed.group.formation.is_some());
     /// ```
-    pub fn from_rendezvous(rendezvous: &mut Rendezvous) -> Result<FormedTpGroup, RendezvousError> {
-        let formed = rendezvous.form()?;
-        let epoch = formed.epoch();
-        let nccl = formed.nccl_ids().copied();
-        let attributes = formed.attributes();
-        let mut handles = formed.connect(2)?.into_iter();
-        let (Some(data), Some(control)) = (handles.next(), handles.next()) else {
-            return Err(RendezvousError::Protocol(
-                "fewer handles than asked for".into(),
-            ));
-        };
+    pub fn from_rendezvous(rendezvous: Rendezvous) -> Result<FormedTpGroup, RendezvousError> {
+        Self::from_formation(Arc::new(RendezvousFormation::sockets(rendezvous)))
+    }
+
+    /// Forms this rank's group through `formation` (sockets, or NCCL with
+    /// `RendezvousFormation::nccl`), bounded by the rendezvous timeout; the group re-forms
+    /// through it.
+    pub fn from_formation(
+        formation: Arc<RendezvousFormation>,
+    ) -> Result<FormedTpGroup, RendezvousError> {
+        let handles = formation.form()?;
+        let meeting = formation
+            .last()
+            .ok_or_else(|| RendezvousError::Protocol("a formation without a meeting".into()))?;
         Ok(FormedTpGroup {
             group: TpGroup {
-                data: Arc::new(data),
-                control: Arc::new(control),
-                formation: None,
+                data: handles.data,
+                control: handles.control,
+                formation: Some(formation.clone()),
             },
-            epoch,
-            nccl,
-            attributes,
+            epoch: handles.epoch,
+            nccl: meeting.nccl,
+            attributes: meeting.attributes,
+            formation,
         })
     }
 }

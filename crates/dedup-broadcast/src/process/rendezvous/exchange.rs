@@ -320,14 +320,17 @@ pub(crate) fn join(
 ) -> Result<Welcome, RendezvousError> {
     let k = Keys(prefix);
     let rank = hello.rank;
+    // Rank 0's last formation that timed out (a rank missing): not a refusal of this rank,
+    // which waits for the next epoch until its own deadline.
+    let mut timed_out: Option<RendezvousError> = None;
     'epochs: loop {
         // An open epoch that is newer than this process's last group.
         let epoch = loop {
             if Instant::now() >= deadline {
-                return Err(RendezvousError::Timeout {
+                return Err(timed_out.take().unwrap_or(RendezvousError::Timeout {
                     missing: vec![0],
                     detail: format!("rank 0 opened no new epoch under {prefix:?}"),
-                });
+                }));
             }
             match read_u64(x, &k.current(), deadline)? {
                 Some(e) if e > hello.last_epoch && x.get(&k.verdict(e), deadline)?.is_none() => {
@@ -355,6 +358,10 @@ pub(crate) fn join(
                         Ok(*w)
                     }
                     Reply::Welcome(_) => Err(RendezvousError::DuplicateRank { rank }),
+                    Reply::Refused(e @ RendezvousError::Timeout { .. }) => {
+                        timed_out = Some(e);
+                        continue 'epochs;
+                    }
                     Reply::Refused(e) => Err(e),
                     Reply::Idle { .. } => Err(RendezvousError::Protocol(
                         "an idle reply as a verdict".into(),

@@ -58,7 +58,7 @@ mod tcp;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use config::{MeetingPoint, RendezvousConfig, KVLINK_VERSION};
 pub use error::RendezvousError;
@@ -185,7 +185,14 @@ impl Rendezvous {
     /// at the meeting point, within [`RendezvousConfig::timeout`]. On success the group's
     /// epoch is above every epoch any member belonged to.
     pub fn form(&mut self) -> Result<FormedGroup, RendezvousError> {
-        let deadline = kv_loader::deadline_after(self.config.timeout);
+        self.form_by(kv_loader::deadline_after(self.config.timeout))
+    }
+
+    /// [`form`](Self::form) with its own deadline instead of the configured timeout: what a
+    /// re-formation at a batch boundary uses, so that a batch fails fast while a rank is not
+    /// back (and meets it once it is). A joiner that rank 0 gave up on (its formation timed
+    /// out) keeps trying until its own deadline: rank 0 may open the next formation before.
+    pub fn form_by(&mut self, deadline: Instant) -> Result<FormedGroup, RendezvousError> {
         let nonce = fresh_nonce();
         let rank = self.config.rank;
         let (welcome, listener, rendezvous_ip) = match &self.config.meet {
@@ -332,6 +339,15 @@ impl FormedGroup {
     /// rendezvous timeout.
     pub fn connect(self, handles: u32) -> Result<Vec<SocketCollective>, RendezvousError> {
         let deadline = kv_loader::deadline_after(self.timeout);
+        self.connect_by(handles, deadline)
+    }
+
+    /// [`connect`](Self::connect) by `deadline` instead of the rendezvous timeout.
+    pub fn connect_by(
+        self,
+        handles: u32,
+        deadline: Instant,
+    ) -> Result<Vec<SocketCollective>, RendezvousError> {
         let plan = MeshPlan {
             rank: self.rank,
             epoch: self.welcome.epoch,

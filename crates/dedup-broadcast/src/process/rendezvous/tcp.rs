@@ -282,6 +282,9 @@ enum Heard {
         live_epoch: Option<u64>,
         last_failure: Option<String>,
     },
+    /// Rank 0's formation timed out (a rank missing): not a refusal of this rank, which
+    /// keeps trying until its own deadline (rank 0 may open the next formation before).
+    TimedOut(RendezvousError),
 }
 
 /// A joiner's side: connects to rank 0 at `addr` until it answers with the group or a
@@ -317,6 +320,7 @@ pub(crate) fn join(
                     missing: vec![0],
                     detail,
                 },
+                Heard::TimedOut(e) => e,
             });
         }
         let attempt = (|| -> Result<Option<(Reply, IpAddr)>, RendezvousError> {
@@ -364,6 +368,9 @@ pub(crate) fn join(
                     return Err(RendezvousError::DuplicateRank { rank });
                 }
                 return Ok((*w, l, server));
+            }
+            Some((Reply::Refused(e @ RendezvousError::Timeout { .. }), _)) => {
+                heard = Heard::TimedOut(e)
             }
             Some((Reply::Refused(e), _)) => return Err(e),
             Some((

@@ -1,0 +1,254 @@
+//! [`RendezvousFormation`]: the [`GroupFormation`] of a group whose ranks are processes. It
+//! keeps the rank's [`Rendezvous`] and forms the group there, the first time and after every
+//! failure: same meeting point, a new epoch, a new socket mesh (data and control), and, for a
+//! group that shares over NCCL, two new communicators from the unique ids rank 0 ships.
+//!
+//! A re-formation is bounded by [`reform_timeout`](RendezvousFormation::reform_timeout)
+//! (and the caller's deadline): while a rank is not back, every batch and lookup that needs
+//! the group fails within that time with [`CollectiveError::Formation`] naming the missing
+//! ranks, and the first one after the rank is back meets it. A rank process that restarts
+//! makes a new `Rendezvous` with the same settings and forms with
+//! [`form`](RendezvousFormation::form) (bounded by the rendezvous timeout): it waits there
+//! until the others re-form.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::rendezvous::{FormedGroup, NcclIds, Rendezvous, RendezvousError, Transport};
+use crate::{Collective, CollectiveError, GroupFormation, GroupHandles};
+
+/// How a formed group's handles move bytes.
+#[derive(Debug, Clone, Copy)]
+enum Sharing {
+    /// Two socket meshes ([`SocketCollective`](super::SocketCollective)): host memory.
+    Sockets,
+    /// Two NCCL communicators on GPU `ordinal` (device and host memory).
+    #[cfg(feature = "nccl")]
+    Nccl {
+        ordinal: u32,
+        config: crate::nccl::NcclConfig,
+    },
+}
+
+/// What the last formation at the rendezvous announced.
+#[derive(Debug, Clone)]
+pub struct Meeting {
+    /// The group's epoch.
+    pub epoch: u64,
+    /// Unix sockets or TCP (for the socket meshes).
+    pub transport: Transport,
+    /// The NCCL unique ids (data, control), when the group shares over NCCL.
+    pub nccl: Option<NcclIds>,
+    /// Rank 0's attributes (e.g. the address of a store it serves).
+    pub attributes: BTreeMap<String, String>,
+}
+
+/// Default bound of one re-formation.
+pub const DEFAULT_REFORM_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The formation of a group of processes at a rendezvous (see the module docs).
+///
+/// ```
+/// use std::time::Duration;
+/// use dedup_broadcast::{GroupFormation, MeetingPoint, Rendezvous, RendezvousConfig, RendezvousFormation};
+/// // A group of one process: the same calls a rank of 8 makes.
+/// let rv = Rendezvous::new(RendezvousConfig::new(0, 1, MeetingPoint::Tcp("127.0.0.1:0".into()))).unwrap();
+/// let formation = RendezvousFormation::sockets(rv).reform_timeout(Duration::from_secs(2));
+/// let first = formation.form().unwrap();
+/// assert_eq!((first.data.rank(), first.epoch), (0, 1));
+/// // After a failure (here: an abort), the next formation at the same rendezvous.
+/// first.abort("a peer died");
+/// let soon = kv_loader::deadline_after(Duration::from_secs(10));
+/// let next = formation.reform(0, first.epoch + 1, soon).unwrap();
+/// assert!(next.broken().is_none());
+/// assert_eq!(next.epoch, 2);
+/// ```
+pub struct RendezvousFormation {
+    rank: u32,
+    world: u32,
+    rendezvous: Mutex<Rendezvous>,
+    sharing: Sharing,
+    reform_timeout: Duration,
+    last: Mutex<Option<Meeting>>,
+}
+
+impl std::fmt::Debug for RendezvousFormation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RendezvousFormation")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("sharing", &self.sharing)
+            .field("reform_timeout", &self.reform_timeout)
+            .finish()
+    }
+}
+
+impl RendezvousFormation {
+    fn with(rendezvous: Rendezvous, sharing: Sharing) -> Self {
+        let c = rendezvous.config();
+        RendezvousFormation {
+            rank: c.rank,
+            world: c.world,
+            reform_timeout: DEFAULT_REFORM_TIMEOUT.min(c.timeout),
+            rendezvous: Mutex::new(rendezvous),
+            sharing,
+            last: Mutex::new(None),
+        }
+    }
+
+    /// Groups whose handles are socket meshes (host memory: CPU engines, host pools).
+    pub fn sockets(rendezvous: Rendezvous) -> Self {
+        Self::with(rendezvous, Sharing::Sockets)
+    }
+
+    /// Groups whose handles are NCCL communicators on GPU `ordinal` (feature `nccl`): the
+    /// rendezvous must ask for NCCL ([`RendezvousConfig::nccl`](super::RendezvousConfig::nccl)),
+    /// so that rank 0 makes two unique ids per formation.
+    #[cfg(feature = "nccl")]
+    pub fn nccl(
+        rendezvous: Rendezvous,
+        ordinal: u32,
+        config: crate::nccl::NcclConfig,
+    ) -> Result<Self, RendezvousError> {
+        if !rendezvous.config().nccl {
+            return Err(RendezvousError::Config(
+                "an NCCL group needs a rendezvous that asks for NCCL (RendezvousConfig::nccl)"
+                    .into(),
+            ));
+        }
+        Ok(Self::with(rendezvous, Sharing::Nccl { ordinal, config }))
+    }
+
+    /// Bounds each re-formation (default [`DEFAULT_REFORM_TIMEOUT`], at most the rendezvous
+    /// timeout): how long a batch or lookup waits for a rank that is not back before it
+    /// fails.
+    pub fn reform_timeout(mut self, timeout: Duration) -> Self {
+        self.reform_timeout = timeout;
+        self
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Ranks in the group.
+    pub fn world(&self) -> u32 {
+        self.world
+    }
+
+    /// What the last successful formation announced (`None` before the first).
+    pub fn last(&self) -> Option<Meeting> {
+        self.last.lock().clone()
+    }
+
+    /// Forms the group (the first time, or in a restarted process), bounded by the
+    /// rendezvous timeout.
+    pub fn form(&self) -> Result<GroupHandles, RendezvousError> {
+        let timeout = self.rendezvous.lock().config().timeout;
+        self.form_by(kv_loader::deadline_after(timeout))
+    }
+
+    /// Forms the group by `deadline`: meets every rank, then connects both handles (a
+    /// connection that does not come within the rendezvous timeout fails it too).
+    pub fn form_by(&self, deadline: Instant) -> Result<GroupHandles, RendezvousError> {
+        let Some(mut rv) = self.rendezvous.try_lock_until(deadline) else {
+            return Err(RendezvousError::Timeout {
+                missing: Vec::new(),
+                detail: format!(
+                    "rank {}: another formation of this process was still running",
+                    self.rank
+                ),
+            });
+        };
+        let formed = rv.form_by(deadline)?;
+        let timeout = rv.config().timeout;
+        drop(rv);
+        let meeting = Meeting {
+            epoch: formed.epoch(),
+            transport: formed.transport(),
+            nccl: formed.nccl_ids().copied(),
+            attributes: formed.attributes(),
+        };
+        // The meeting is over on every rank at about the same time: connecting gets its own
+        // bound (a rank that gave up just before rank 0's answer never connects).
+        let connect_by =
+            kv_loader::deadline_after(timeout.min(self.reform_timeout.max(Duration::from_secs(2))))
+                .max(deadline);
+        let (data, control) = self.connect(formed, connect_by)?;
+        tracing::info!(
+            rank = self.rank,
+            epoch = meeting.epoch,
+            "group formed at the rendezvous"
+        );
+        let epoch = meeting.epoch;
+        *self.last.lock() = Some(meeting);
+        Ok(GroupHandles {
+            data,
+            control,
+            epoch,
+        })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn connect(
+        &self,
+        formed: FormedGroup,
+        deadline: Instant,
+    ) -> Result<
+        (
+            std::sync::Arc<dyn Collective>,
+            std::sync::Arc<dyn Collective>,
+        ),
+        RendezvousError,
+    > {
+        use std::sync::Arc;
+        match self.sharing {
+            Sharing::Sockets => {
+                let mut handles = formed.connect_by(2, deadline)?.into_iter();
+                match (handles.next(), handles.next()) {
+                    (Some(d), Some(c)) => Ok((Arc::new(d), Arc::new(c))),
+                    _ => Err(RendezvousError::Protocol(
+                        "fewer handles than asked for".into(),
+                    )),
+                }
+            }
+            #[cfg(feature = "nccl")]
+            Sharing::Nccl { ordinal, config } => {
+                let (d, c) = formed.join_nccl(ordinal, config)?;
+                Ok((Arc::new(d), Arc::new(c)))
+            }
+        }
+    }
+}
+
+impl GroupFormation for RendezvousFormation {
+    fn reform(
+        &self,
+        rank: u32,
+        epoch: u64,
+        deadline: Instant,
+    ) -> Result<GroupHandles, CollectiveError> {
+        if rank != self.rank {
+            return Err(CollectiveError::Backend(format!(
+                "rank {rank} asked the formation of rank {}",
+                self.rank
+            )));
+        }
+        let by = deadline.min(kv_loader::deadline_after(self.reform_timeout));
+        self.form_by(by).map_err(|e| {
+            tracing::warn!(rank, epoch, error = %e, "re-forming the group failed");
+            let missing = match &e {
+                RendezvousError::Timeout { missing, .. } => missing.clone(),
+                _ => Vec::new(),
+            };
+            CollectiveError::Formation {
+                epoch,
+                missing,
+                detail: e.to_string(),
+            }
+        })
+    }
+}
