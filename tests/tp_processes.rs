@@ -2,7 +2,8 @@
 //! `TpGroup` at a rendezvous (`TpGroup::from_rendezvous`, two socket handles), rank 0
 //! serves the embedded store it saved a prefix into, the other ranks reach it through the
 //! served store; every sharing mode loads the same bytes into every rank's pool, and the
-//! lookup agrees on the hit. Every child process is killed when its handle drops.
+//! lookup agrees on the hit; `Auto` runs the same mode on every rank. Every child process is
+//! killed when its handle drops.
 #![cfg(target_os = "linux")]
 
 mod common;
@@ -30,10 +31,10 @@ const MODES: [ShareMode; 3] = [
     ShareMode::SplitAllGather,
 ];
 
-fn cfg(mode: ShareMode) -> LinkerConfig {
+fn cfg(mode: ModeChoice) -> LinkerConfig {
     LinkerConfig {
         namespace: "procs".into(),
-        mode: ModeChoice::Fixed(mode),
+        mode,
         wait_deadline: Duration::from_secs(20),
         collective_timeout: Duration::from_secs(20),
         ..LinkerConfig::default()
@@ -62,7 +63,12 @@ fn rank_main(role: &HashMap<String, String>) {
     let (local, _server) = if rank == 0 {
         let store = Arc::new(EmbeddedStore::new(64 << 20));
         let server = serve_group_store(&mut rv, store.clone(), ServeAt::Unix).unwrap();
-        save_prefix(&spec, store.clone(), &tokens, &cfg(ShareMode::AllRanks));
+        save_prefix(
+            &spec,
+            store.clone(),
+            &tokens,
+            &cfg(ModeChoice::Fixed(ShareMode::AllRanks)),
+        );
         (Some(store as Arc<dyn KvStore>), Some(server))
     } else {
         (None, None)
@@ -74,7 +80,11 @@ fn rank_main(role: &HashMap<String, String>) {
         .unwrap()
         .expect("rank 0 announced its store");
     let pages = page_hashes(&tokens, spec.page_size, None);
-    for (i, mode) in MODES.into_iter().enumerate() {
+    let choices = MODES
+        .into_iter()
+        .map(ModeChoice::Fixed)
+        .chain([ModeChoice::Auto]);
+    for (i, mode) in choices.enumerate() {
         let pool_pages = 3 * PAGES as u32 + 2;
         let pool = Arc::new(HostKvPool::new(geometry.clone(), pool_pages).unwrap());
         let linker = Linker::with_group(
@@ -101,8 +111,12 @@ fn rank_main(role: &HashMap<String, String>) {
         wait_all(&linker, &ticket).unwrap();
         let stats = linker.wait_batch(&ticket).unwrap().result.unwrap();
         pool_matches(&pool, &pages, &slots, spec.num_layers).unwrap();
+        let asked = match mode {
+            ModeChoice::Fixed(m) => format!("{m:?}"),
+            _ => "Auto".to_string(),
+        };
         report(&format!(
-            "loaded mode={mode:?} ran={:?} hit={} read={}",
+            "loaded mode={asked} ran={:?} hit={} read={}",
             stats.mode,
             hit.pages.len(),
             stats.bytes_read
@@ -125,6 +139,7 @@ fn ranks_as_processes_load_every_mode_through_the_linker() {
     }
     let wait = Duration::from_secs(90);
     let mut read = vec![HashMap::new(); world as usize];
+    let mut auto_ran = Vec::new();
     for (r, p) in procs.iter_mut().enumerate() {
         assert_eq!(field(&p.expect("formed ", wait), "epoch"), "1");
         for mode in MODES {
@@ -135,8 +150,17 @@ fn ranks_as_processes_load_every_mode_through_the_linker() {
             let bytes: u64 = field(&got, "read").parse().unwrap();
             read[r].insert(format!("{mode:?}"), bytes);
         }
+        // Auto: whichever mode rank 0 proposed, every rank ran it and verified its pool.
+        let got = p.expect("loaded ", wait);
+        assert_eq!(field(&got, "mode"), "Auto", "rank {r}");
+        assert!(
+            MODES.iter().any(|m| field(&got, "ran") == format!("{m:?}")),
+            "rank {r}: {got}"
+        );
+        auto_ran.push(field(&got, "ran").to_string());
         p.succeeds(wait);
     }
+    assert!(auto_ran.iter().all(|m| m == &auto_ran[0]), "{auto_ran:?}");
     // Each byte leaves the store once when ranks share: rank 0 reads everything in
     // Rank0Broadcast, the others nothing; in SplitAllGather the reads add up to one copy.
     let all = read[0]["AllRanks"];

@@ -23,6 +23,8 @@ use crate::process::wire::{read_frame, write_frame};
 
 /// How long rank 0 waits for a connected rank's hello, and gives a reply to go out.
 const MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long past its deadline a joiner waits for the answer of a formation it is in.
+const REPLY_GRACE: Duration = Duration::from_millis(500);
 /// Pause between a joiner's attempts.
 const RETRY: Duration = Duration::from_millis(50);
 
@@ -282,9 +284,6 @@ enum Heard {
         live_epoch: Option<u64>,
         last_failure: Option<String>,
     },
-    /// Rank 0's formation timed out (a rank missing): not a refusal of this rank, which
-    /// keeps trying until its own deadline (rank 0 may open the next formation before).
-    TimedOut(RendezvousError),
 }
 
 /// A joiner's side: connects to rank 0 at `addr` until it answers with the group or a
@@ -298,11 +297,14 @@ pub(crate) fn join(
     deadline: Instant,
 ) -> Result<(Welcome, MeshListener, IpAddr), RendezvousError> {
     let mut heard = Heard::Nothing(format!("rank 0 did not answer at {addr}"));
+    let mut timed_out: Option<RendezvousError> = None;
     let mut listener: Option<(IpAddr, Hello, MeshListener)> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(match heard {
+            // Rank 0's formation that timed out names the ranks that were missing: it says
+            // more than what rank 0 answered since.
+            return Err(timed_out.unwrap_or(match heard {
                 Heard::Idle {
                     live_epoch: Some(epoch),
                     ..
@@ -320,8 +322,7 @@ pub(crate) fn join(
                     missing: vec![0],
                     detail,
                 },
-                Heard::TimedOut(e) => e,
-            });
+            }));
         }
         let attempt = (|| -> Result<Option<(Reply, IpAddr)>, RendezvousError> {
             let addrs = resolve(addr)?;
@@ -351,7 +352,14 @@ pub(crate) fn join(
             if write_frame(&mut stream, &h.encode(), deadline).is_err() {
                 return Ok(None);
             }
-            match read_frame(&mut stream, deadline) {
+            // Rank 0 answers a formation it holds this hello in when it decides, at the
+            // latest at its own deadline: wait a little past this rank's deadline for that
+            // answer, so that both end the same way (a welcome is taken even then).
+            let answer_by = deadline
+                .max(Instant::now())
+                .checked_add(REPLY_GRACE)
+                .unwrap_or(deadline);
+            match read_frame(&mut stream, answer_by) {
                 Ok(body) => Ok(Some((Reply::decode(&body)?, server))),
                 Err(e) => {
                     heard = Heard::Nothing(format!("rank 0 hung up or went silent: {e}"));
@@ -369,9 +377,9 @@ pub(crate) fn join(
                 }
                 return Ok((*w, l, server));
             }
-            Some((Reply::Refused(e @ RendezvousError::Timeout { .. }), _)) => {
-                heard = Heard::TimedOut(e)
-            }
+            // Rank 0's formation timed out (a rank missing): not a refusal of this rank,
+            // which keeps trying until its own deadline (rank 0 may open the next one).
+            Some((Reply::Refused(e @ RendezvousError::Timeout { .. }), _)) => timed_out = Some(e),
             Some((Reply::Refused(e), _)) => return Err(e),
             Some((
                 Reply::Idle {
