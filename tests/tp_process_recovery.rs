@@ -44,6 +44,11 @@ const COLLECTIVE: Duration = Duration::from_secs(10);
 /// Each re-formation's bound: how fast loads and lookups fail while a rank is not back.
 const REFORM: Duration = Duration::from_secs(2);
 const WAIT: Duration = Duration::from_secs(60);
+/// The slow-rank case: its read of one layer takes `SLOW_READ`, over the read limit and
+/// the collective deadline, so every rank times out or fails that batch, and none dies.
+const SLOW_READ: Duration = Duration::from_secs(4);
+const SLOW_READ_LIMIT: Duration = Duration::from_secs(2);
+const SLOW_COLLECTIVE: Duration = Duration::from_secs(3);
 /// The batch every rank loads once the group is back.
 const RECOVERY_BATCH: u64 = 3;
 
@@ -65,12 +70,17 @@ fn spec_of(role: &HashMap<String, String>) -> ModelKvSpec {
 }
 
 fn config(role: &HashMap<String, String>) -> LinkerConfig {
+    let short = role.contains_key("slow_at");
     LinkerConfig {
         namespace: "recovery".into(),
         mode: ModeChoice::Fixed(ShareMode::SplitAllGather),
         wait_deadline: Duration::from_secs(30),
-        layer_read_timeout: Duration::from_secs(8),
-        collective_timeout: COLLECTIVE,
+        layer_read_timeout: if short {
+            SLOW_READ_LIMIT
+        } else {
+            Duration::from_secs(8)
+        },
+        collective_timeout: if short { SLOW_COLLECTIVE } else { COLLECTIVE },
         group_fallback: match role.get("fallback").map(String::as_str) {
             Some("alone") => GroupFallback::ReadAlone,
             _ => GroupFallback::Fail,
@@ -181,7 +191,24 @@ fn rank_main(role: &HashMap<String, String>) {
             );
             Arc::new(faulty)
         }
-        None => served,
+        None => match role.get("slow_at") {
+            // The slow rank: its read of that layer (once) outlasts the deadlines.
+            Some(layer) if role.get("slow").is_some() => {
+                let layer: u32 = layer.parse().expect("layer");
+                let k = geometry.components()[0].clone();
+                let faulty = FaultyStore::new(served);
+                faulty.inject(
+                    FaultRule {
+                        key_contains: Some(format!("_{}", k.name)),
+                        offset: k.layer_range(layer).map(|r| r.start),
+                        times: Some(1),
+                    },
+                    Fault::Delay(SLOW_READ),
+                );
+                Arc::new(faulty)
+            }
+            _ => served,
+        },
     };
     let tokens = prompt(5, PAGES, spec.page_size);
     let pool_pages = 2 * PAGES as u32 + 3;
@@ -225,7 +252,7 @@ fn rank_main(role: &HashMap<String, String>) {
         std::thread::sleep(Duration::from_secs(100));
         return;
     }
-    // A survivor: batch 1 fails when the victim dies.
+    // A survivor: batch 1 fails when the victim dies (or every rank, when one is slow).
     let (result, ok_layers, took) = rig.load(1);
     let e = result.expect_err("batch 1 must fail: a rank died");
     rig.verify(ok_layers);
@@ -235,6 +262,11 @@ fn rank_main(role: &HashMap<String, String>) {
         took.as_millis(),
         e.to_string().replace(' ', "_")
     ));
+    if role.contains_key("slow_at") {
+        // Nobody died: the next lookup re-forms the group at once.
+        recover(&rig, &formed, false);
+        return;
+    }
     // The victim is not back: lookups and loads fail fast (or load alone).
     let t = Instant::now();
     match rig.lookup() {
@@ -475,6 +507,49 @@ fn a_middle_rank_killed_at_a_middle_layer_the_others_load_alone_until_it_is_back
 fn the_last_rank_killed_at_the_last_layer_the_others_fail_fast_and_the_group_reforms() {
     // A restarted last rank that says the group has 4 ranks is refused first.
     kill_and_recover(2, 5, "fail", &[(",world=4", "WorldSizeMismatch")]);
+}
+
+/// A rank whose read of a middle layer outlasts the read limit and the collective deadline:
+/// every rank fails that batch within the deadline (this rank by its read limit, the others
+/// by their collective deadline, or at once when a peer broke the group first); the group's
+/// handles are broken on every rank, and the next lookup re-forms the group (nobody died)
+/// and the next batch loads. Over NCCL the same deadline aborts the communicators
+/// (`ncclCommAbort`), which the same re-formation replaces.
+#[test]
+fn a_slow_rank_times_the_batch_out_on_every_rank_then_the_group_reforms_by_itself() {
+    let server = launcher_store();
+    let store = server.address().to_string();
+    let extra = |r: u32| format!(",slow_at=3{}", if r == 1 { ",slow=1" } else { "" });
+    let mut r0 = RankProc::spawn("rank 0", &rank_role(0, "127.0.0.1:0", &store, &extra(0)));
+    let meet = r0.expect("addr ", WAIT);
+    let mut procs = vec![r0];
+    for r in 1..WORLD {
+        procs.push(RankProc::spawn(
+            &format!("rank {r}"),
+            &rank_role(r, &meet, &store, &extra(r)),
+        ));
+    }
+    for (r, p) in procs.iter_mut().enumerate() {
+        let got = p.expect("failed ", WAIT);
+        let ms: u64 = field(&got, "ms").parse().unwrap();
+        assert!(
+            ms < (SLOW_READ + SLOW_COLLECTIVE).as_millis() as u64,
+            "rank {r} took {ms} ms: {got}"
+        );
+        assert!(
+            field(&got, "ok_layers").parse::<u32>().unwrap() <= 3,
+            "{got}"
+        );
+    }
+    let mut epochs = Vec::new();
+    for (r, p) in procs.iter_mut().enumerate() {
+        let got = p.expect("recovered ", WAIT);
+        assert_eq!(field(&got, "mode"), "SplitAllGather", "rank {r}: {got}");
+        epochs.push(field(&got, "epoch").to_string());
+        p.succeeds(WAIT);
+    }
+    assert!(epochs.iter().all(|e| e == "2"), "{epochs:?}");
+    drop(server);
 }
 
 /// A first formation through the linker's API: forms, or reports the refusal.
