@@ -18,7 +18,7 @@ use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
 
-use crate::args::{Args, ModeArg, ModeSel, StoreKind};
+use crate::args::{Args, ModeArg, ModeSel, RanksAs, StoreKind};
 use crate::pattern::Pattern;
 use crate::progress::Progress;
 use crate::report::{bytes, ms, thousands, Table};
@@ -41,6 +41,10 @@ macro_rules! say {
     ($out:expr) => { writeln!($out)? };
     ($out:expr, $($t:tt)*) => { writeln!($out, $($t)*)? };
 }
+
+// TP ranks as processes: the launcher and the rank processes (after `say!`, which they use).
+#[path = "processes/mod.rs"]
+pub(crate) mod processes;
 
 /// Pages saved per `save` call, so the progress bar moves on large prefixes.
 const SAVE_CHUNK_PAGES: usize = 8;
@@ -187,6 +191,9 @@ fn open_stores(args: &Args, prefix_bytes: u64) -> Result<Stores> {
 
 /// Runs the example with `args`, writing the report to `out`.
 pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
+    if args.procs.ranks_as == RanksAs::Processes {
+        return processes::run(args, out);
+    }
     let spec = ModelKvSpec::glm52_dsa_fp8();
     let page = u64::from(spec.page_size);
     let n_pages = (args.tokens / page) as usize;

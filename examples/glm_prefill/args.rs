@@ -6,6 +6,10 @@ use std::path::PathBuf;
 use kvlink::dedup_broadcast::ModeChoice;
 use kvlink::kv_loader::ShareMode;
 
+#[path = "process_args.rs"]
+mod process_args;
+pub use process_args::{ProcessArgs, RanksAs};
+
 /// A problem with the command line: the example prints it with the usage and exits 2.
 #[derive(Debug)]
 pub struct UsageError(pub String);
@@ -108,6 +112,8 @@ pub struct Args {
     pub seed: u64,
     /// Print every layer in the timeline table, not the first and last five.
     pub full_timeline: bool,
+    /// TP ranks as threads or processes, and what a rank process is.
+    pub procs: ProcessArgs,
 }
 
 /// Default prefix: 8,192 tokens = 128 pages = 441.9 MB per rank.
@@ -130,6 +136,7 @@ impl Default for Args {
             svg: PathBuf::from(DEFAULT_SVG),
             seed: 1,
             full_timeline: false,
+            procs: ProcessArgs::default(),
         }
     }
 }
@@ -141,7 +148,8 @@ pub fn help() -> String {
 glm_prefill: load a long prompt's cached KV layer by layer into every TP rank's KV pool.
 
 It plays one prefill of GLM-5.2 with FP8 KV (DSA: 656 B/token KV on 78 layers + an 8,448 B/page
-indexer on 21 layers = 53,940 B/token) on TP ranks that are threads of this process:
+indexer on 21 layers = 53,940 B/token) on TP ranks that are threads of this process (or
+processes: --ranks-as processes, or one process per rank started with --rank):
   1. save: rank 0's pool is filled with deterministic pseudo-random KV bytes and saved to the
      store (as the request that first computed the prefix would have; only rank 0 writes
      replicated components);
@@ -181,12 +189,13 @@ FLAGS:
     --seed N            Seed of the prompt tokens, the KV bytes and the slot assignments
                         [default: 1].
     --full-timeline     Print every layer in the timeline table (default: first and last 5).
-    -h, --help          This text.
+{}    -h, --help          This text.
 
 EXIT STATUS:
     0 loaded and verified; 1 a load failed or a pool differs from the saved bytes;
     2 bad flags, or the requested store is not available (e.g. no Mooncake environment).
-"
+",
+        process_args::HELP
     )
 }
 
@@ -204,7 +213,9 @@ where
     S: Into<String>,
 {
     let mut a = Args::default();
-    let mut it = argv.into_iter().map(Into::into);
+    let argv: Vec<String> = argv.into_iter().map(Into::into).collect();
+    a.procs.argv = process_args::passthrough(&argv);
+    let mut it = argv.into_iter();
     while let Some(arg) = it.next() {
         if arg == "-h" || arg == "--help" {
             return Ok(None);
@@ -226,7 +237,7 @@ where
             "--svg",
             "--seed",
         ];
-        if !known.contains(&flag.as_str()) {
+        if !known.contains(&flag.as_str()) && !process_args::FLAGS.contains(&flag.as_str()) {
             return Err(UsageError(format!("unknown argument `{arg}`")));
         }
         let value = match inline {
@@ -267,9 +278,11 @@ where
                     }
                 }
             }
+            f if process_args::FLAGS.contains(&f) => a.procs.set(f, &value)?,
             _ => unreachable!("checked against the known flags"),
         }
     }
+    a.procs.check(&mut a.tp)?;
     if a.tp == 0 || a.tp > 64 {
         return Err(UsageError(format!("--tp: {} is not in 1..=64", a.tp)));
     }
