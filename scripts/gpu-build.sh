@@ -3,11 +3,12 @@
 # and libnvrtc at run time) into gpu-bin/ at the repo root, ready to be carried to the GPU
 # machine, where scripts/gpu-run.sh runs them.
 #
-# Usage: scripts/gpu-build.sh               release build of examples/gpu_check and examples/tp_gpu
-#                                           (--features cuda)
+# Usage: scripts/gpu-build.sh               release build of examples/gpu_check, tp_gpu, tp_procs and
+#                                           glm_prefill (--features cuda)
 #        scripts/gpu-build.sh --regen-ptx   regenerate crates/kv-device/src/cuda/copy_rows.ptx
 #                                           from copy_rows.cu with NVRTC 13.0 from PyPI
-# Output: gpu-bin/gpu_check and gpu-bin/tp_gpu (stripped; tp_gpu is run by scripts/gpu-tp-run.sh),
+# Output: gpu-bin/gpu_check, gpu-bin/tp_gpu (run by scripts/gpu-tp-run.sh), gpu-bin/tp_procs and
+# gpu-bin/glm_prefill (run by scripts/gpu-procs-run.sh), stripped,
 # gpu-bin/BUILD_INFO. Fails if gpu-bin/ exceeds 60 MiB or a binary needs glibc newer than 2.34
 # (what the GPU machine was checked to run).
 set -euo pipefail
@@ -24,7 +25,7 @@ if [[ "${1:-}" == "--regen-ptx" ]]; then
   exit 0
 fi
 
-bins=(gpu_check tp_gpu)
+bins=(gpu_check tp_gpu tp_procs glm_prefill)
 cargo build --release --features cuda "${bins[@]/#/--example=}"
 rm -rf gpu-bin
 mkdir -p gpu-bin
@@ -51,4 +52,4 @@ fi
   echo "max glibc symbol: $max_glibc"
 } > gpu-bin/BUILD_INFO
 ls -l gpu-bin
-echo "gpu-build: gpu-bin/ ready ($(( size / 1024 )) KiB); on the GPU machine: bash scripts/gpu-run.sh or bash scripts/gpu-tp-run.sh (carry gpu-bin)"
+echo "gpu-build: gpu-bin/ ready ($(( size / 1024 )) KiB); on the GPU machine: bash scripts/gpu-run.sh, scripts/gpu-tp-run.sh or scripts/gpu-procs-run.sh (carry gpu-bin)"

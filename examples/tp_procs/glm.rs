@@ -1,0 +1,100 @@
+//! Part 3: `glm_prefill --mode compare` with TP ranks as threads and as processes on this
+//! host (host pools, embedded store), one after the other; both must verify every pool.
+//! The whole outputs go to `$OUT`; the table gets each mode's time to the last layer.
+
+use std::process::Command;
+use std::time::Instant;
+
+use crate::util::{Report, Status};
+use crate::Args;
+
+const SEC: &str = "glm_prefill";
+
+/// `| 32,768 | AllRanks | store | 123.4 ms | ...` → ("AllRanks", "123.4 ms", store bytes).
+fn compare_rows(out: &str) -> Vec<(String, String, String)> {
+    out.lines()
+        .filter(|l| l.starts_with('|'))
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+            let first = cells.first()?;
+            (cells.len() >= 7 && first.chars().next()?.is_ascii_digit()).then(|| {
+                (
+                    cells[1].to_string(),
+                    cells[3].to_string(),
+                    cells[6].to_string(),
+                )
+            })
+        })
+        .collect()
+}
+
+/// Part 3.
+pub fn run(args: &Args, report: &mut Report) {
+    let tokens = args.glm_tokens.to_string();
+    let tp = args.glm_tp.to_string();
+    for shape in ["threads", "processes"] {
+        let name = format!(
+            "TP {tp}, {tokens} tokens, ranks as {shape}: --mode compare, every pool verified"
+        );
+        let t = Instant::now();
+        let run = Command::new(&args.glm_bin)
+            .args([
+                "--mode",
+                "compare",
+                "--tp",
+                &tp,
+                "--tokens",
+                &tokens,
+                "--ranks-as",
+                shape,
+                "--svg",
+            ])
+            .arg(
+                args.out
+                    .as_ref()
+                    .map(|d| d.join(format!("glm_prefill_{shape}.svg")))
+                    .unwrap_or_else(|| format!("/tmp/glm_prefill_{shape}.svg").into()),
+            )
+            .output();
+        let out = match run {
+            Ok(o) => o,
+            Err(e) => {
+                report.push(SEC, name, Status::Fail, format!("{}: {e}", args.glm_bin));
+                continue;
+            }
+        };
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        if let Some(dir) = &args.out {
+            let _ = std::fs::write(dir.join(format!("glm_prefill_{shape}.txt")), &text);
+        }
+        let verified = text.matches(" ranks × ").count();
+        let ok = out.status.success() && verified >= 4;
+        let rows = compare_rows(&text);
+        let summary: Vec<String> = rows
+            .iter()
+            .map(|(m, last, _)| format!("{m} {last}"))
+            .collect();
+        report.push(
+            SEC,
+            name,
+            if ok { Status::Pass } else { Status::Fail },
+            if ok {
+                format!(
+                    "{} modes verified in {:.1} s; last layer ready: {}",
+                    verified,
+                    t.elapsed().as_secs_f64(),
+                    summary.join(", ")
+                )
+            } else {
+                format!(
+                    "{}; {verified} verified; stderr: {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                )
+            },
+        );
+    }
+}

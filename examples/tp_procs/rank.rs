@@ -1,0 +1,449 @@
+//! A rank process: forms its group at the rendezvous (NCCL on its GPU, or sockets in the dry
+//! run), loads from the launcher's served store through its own Linker into its own pool,
+//! compares the pool with the saved bytes, and reports each step on stdout.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvlink::dedup_broadcast::{
+    share_stage, GroupHandles, MeetingPoint, Rendezvous, RendezvousConfig, RendezvousFormation,
+    StageShare, StagingLayout,
+};
+use kvlink::kv_device::{
+    BatchShape, DeviceKvPool, DeviceShare, HostKvPool, KvPool, LayerLanding, StagedLanding,
+    StagedLandingFactory, StagingPool,
+};
+use kvlink::kv_geometry::{page_hashes, KvGeometry, PageHash};
+use kvlink::kv_loader::{KvLoader, LayerReady, LoadStats, ShareMode};
+use kvlink::mooncake_linker::store::{Fault, FaultRule, FaultyStore, KvStore, SocketStore};
+use kvlink::mooncake_linker::{FormedTpGroup, Linker, TpGroup};
+
+use crate::launch::MARK;
+use crate::setup::{compare_pool, config, glm, half_bytes, plan, tag, RankDev, MODES};
+use crate::util::{de, fill_row, Rng};
+use crate::Args;
+
+/// A rank process's settings.
+#[derive(Debug, Clone, Default)]
+pub struct RankArgs {
+    pub rank: u32,
+    pub world: u32,
+    pub rendezvous: String,
+    pub store_at: String,
+    pub gpu: u32,
+    /// `one` (one rank: the linker, the share step, a re-formation) or `group`.
+    pub case: String,
+    /// In `group`: the rank whose read of a middle layer outlasts the collective deadline.
+    pub slow_rank: Option<u32>,
+}
+
+/// A report line for the launcher.
+pub fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{MARK}{line}");
+    let _ = out.flush();
+}
+
+/// The collective deadline of the timeout case (the slow read outlasts it).
+const SHORT_COLLECTIVE: Duration = Duration::from_secs(6);
+/// The slow rank's read of one layer.
+const SLOW_READ: Duration = Duration::from_secs(9);
+
+/// This rank's pool: device memory (CUDA) or, in the dry run, host memory.
+enum Pool {
+    Device(RankDev),
+    Host(Arc<HostKvPool>, KvGeometry, u32),
+}
+
+impl Pool {
+    fn open(args: &Args, r: &RankArgs, pages: u32, batch_pages: usize) -> Result<Pool, String> {
+        let g = glm(r.world, r.rank)?;
+        if args.cpu {
+            let pool = HostKvPool::new(g.clone(), pages).map_err(de)?;
+            return Ok(Pool::Host(Arc::new(pool), g, r.rank));
+        }
+        let dev = crate::setup::open_device(false, r.gpu)?;
+        let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
+        // A spare pair: a batch whose collective was aborted may keep its pair quarantined.
+        let staging = StagingPool::new(dev.clone(), half_bytes(&g, batch_pages), 3).map_err(de)?;
+        Ok(Pool::Device(RankDev {
+            rank: r.rank,
+            dev,
+            g,
+            pool,
+            staging,
+        }))
+    }
+
+    fn geometry(&self) -> &KvGeometry {
+        match self {
+            Pool::Device(d) => &d.g,
+            Pool::Host(_, g, _) => g,
+        }
+    }
+
+    fn linker(
+        &self,
+        store: Arc<dyn KvStore>,
+        mode: ShareMode,
+        collective: Duration,
+        group: TpGroup,
+    ) -> Result<Linker, String> {
+        let cfg = config(mode, collective, Duration::from_secs(60));
+        match self {
+            Pool::Device(d) => Linker::with_landings(
+                d.g.clone(),
+                store,
+                d.pool.clone(),
+                Arc::new(StagedLandingFactory::new(d.pool.clone(), d.staging.clone())),
+                cfg,
+                Some(group),
+            ),
+            Pool::Host(p, g, _) => Linker::with_group(g.clone(), store, p.clone(), cfg, group),
+        }
+        .map_err(|e| format!("linker: {e}"))
+    }
+
+    fn clear(&self) -> Result<(), String> {
+        match self {
+            Pool::Device(d) => d.pool.clear().map_err(de),
+            Pool::Host(p, g, _) => {
+                let zeros = vec![
+                    0u8;
+                    g.components()
+                        .iter()
+                        .map(|c| c.page_layer_bytes as usize)
+                        .max()
+                        .unwrap_or(0)
+                ];
+                for slot in 0..p.pages() {
+                    for c in g.components() {
+                        for &l in &c.layers {
+                            let len = c.page_layer_bytes as usize;
+                            // SAFETY: cleared between batches, when none of this pool is in
+                            // flight.
+                            unsafe { p.write_slot(c.id, l, slot, &zeros[..len]) }.map_err(de)?;
+                        }
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The pool against the saved bytes (plan page `p` at `slots[p]`); bytes compared.
+    fn compare(&self, slots: &[u32]) -> Result<u64, String> {
+        match self {
+            Pool::Device(d) => compare_pool(d, slots, d.g.num_layers(), &|_| true),
+            Pool::Host(p, g, rank) => {
+                let (mut want, mut got, mut bytes) = (Vec::new(), Vec::new(), 0u64);
+                for c in g.components() {
+                    let len = c.page_layer_bytes as usize;
+                    want.resize(len, 0);
+                    got.resize(len, 0);
+                    for &l in &c.layers {
+                        for (pi, &s) in slots.iter().enumerate() {
+                            fill_row(&mut want, tag(c), l, pi as u64);
+                            // SAFETY: compared after the batch's outcome was taken.
+                            unsafe { p.read_slot(c.id, l, s, &mut got) }.map_err(de)?;
+                            if got != want {
+                                return Err(format!(
+                                    "rank {rank}: component {} layer {l} page {pi} (slot {s}) differs",
+                                    c.name
+                                ));
+                            }
+                            bytes += len as u64;
+                        }
+                    }
+                }
+                Ok(bytes)
+            }
+        }
+    }
+}
+
+fn pages_of(args: &Args) -> Vec<PageHash> {
+    let page = 64u32;
+    let tokens: Vec<u32> = (0..args.pages as u32 * page)
+        .map(|i| i.wrapping_mul(2_654_435_761) ^ args.seed)
+        .collect();
+    page_hashes(&tokens, page, None)
+}
+
+/// Forms this rank's group at the rendezvous: NCCL communicators on its GPU, or sockets in
+/// the dry run.
+fn form(args: &Args, r: &RankArgs, g: &KvGeometry) -> Result<FormedTpGroup, String> {
+    let config = RendezvousConfig::new(r.rank, r.world, MeetingPoint::Tcp(r.rendezvous.clone()))
+        .geometry(g)
+        .nccl(!args.cpu)
+        .timeout(Duration::from_secs(120));
+    let rv = Rendezvous::new(config).map_err(|e| format!("rendezvous: {e}"))?;
+    if let Some(a) = rv.listen_addr() {
+        say(&format!("addr {a}"));
+    }
+    let formation = if args.cpu {
+        RendezvousFormation::sockets(rv)
+    } else {
+        RendezvousFormation::nccl(rv, r.gpu, Default::default())
+            .map_err(|e| format!("NCCL formation: {e}"))?
+    }
+    .reform_timeout(Duration::from_secs(10));
+    TpGroup::from_formation(Arc::new(formation)).map_err(|e| format!("forming: {e}"))
+}
+
+/// One batch of the whole prefix into `slots`: every layer waited as an engine would (its
+/// event synchronized); the outcome, and the layers that became ready.
+fn load(
+    linker: &Linker,
+    batch: u64,
+    pages: &[PageHash],
+    slots: &[u32],
+) -> (Result<LoadStats, String>, u32, Duration) {
+    let t = Instant::now();
+    let p = plan(linker.geometry(), batch, "tp-procs", pages, slots.to_vec());
+    let ticket = match linker.start_load(p) {
+        Ok(t) => t,
+        Err(e) => return (Err(e.to_string()), 0, t.elapsed()),
+    };
+    let mut ready = 0;
+    for l in 0..linker.num_layers() {
+        let ok = linker.wait_layer(&ticket, l).and_then(|r| match r {
+            LayerReady::Event(ev) => ev.synchronize(),
+            LayerReady::Resident => Ok(()),
+        });
+        if ok.is_err() {
+            break;
+        }
+        ready = l + 1;
+    }
+    let result = match linker.wait_batch(&ticket) {
+        Ok(o) => o.result.map_err(|e| format!("{}: {e}", e.kind_name())),
+        Err(e) => Err(e.to_string()),
+    };
+    (result, ready, t.elapsed())
+}
+
+/// A rank process (see the module docs).
+pub fn run(args: &Args, r: &RankArgs) -> Result<(), String> {
+    let g = glm(r.world, r.rank)?;
+    let formed = form(args, r, &g)?;
+    say(&format!("formed epoch={}", formed.epoch));
+    let n = args.pages;
+    let pool_pages = 2 * n as u32 + 8;
+    let pool = Pool::open(args, r, pool_pages, n)?;
+    let served: Arc<dyn KvStore> =
+        Arc::new(SocketStore::connect(&r.store_at).map_err(|e| format!("store: {e}"))?);
+    let pages = pages_of(args);
+    for (i, mode) in MODES.into_iter().enumerate() {
+        let slots =
+            Rng(0x5eed ^ (u64::from(r.rank) << 20) ^ i as u64).scattered_slots(n, pool_pages);
+        pool.clear()?;
+        let linker = pool.linker(
+            served.clone(),
+            mode,
+            Duration::from_secs(20),
+            formed.group.clone(),
+        )?;
+        let (result, _, took) = load(&linker, 1 + i as u64, &pages, &slots);
+        let line = match result {
+            Ok(stats) => format!(
+                "mode name={mode:?} ran={:?} read={} landed={} h2d={} ms={:.1} verified={}",
+                stats.mode,
+                stats.bytes_read,
+                stats.bytes_landed,
+                stats.transfers.host_to_device,
+                took.as_secs_f64() * 1e3,
+                pool.compare(&slots)?
+            ),
+            Err(e) => format!("mode name={mode:?} failed={}", e.replace(' ', "_")),
+        };
+        let _ = linker.close();
+        say(&line);
+    }
+    match r.case.as_str() {
+        "one" if !args.cpu => one_rank_share_steps(&pool, &formed)?,
+        "group" => {
+            if let Some(slow) = r.slow_rank {
+                timeout_then_reform(args, r, &pool, &formed, &served, &pages, slow)?;
+            }
+        }
+        _ => {}
+    }
+    say("done");
+    Ok(())
+}
+
+/// The timeout case: rank `slow`'s read of a middle layer outlasts the collective deadline;
+/// every rank fails that batch (NCCL aborts its communicators on the deadline), then each
+/// keeps loading until the group re-formed at the rendezvous and a batch loads.
+fn timeout_then_reform(
+    args: &Args,
+    r: &RankArgs,
+    pool: &Pool,
+    formed: &FormedTpGroup,
+    served: &Arc<dyn KvStore>,
+    pages: &[PageHash],
+    slow: u32,
+) -> Result<(), String> {
+    let n = args.pages;
+    let slots = Rng(0x51_0e ^ u64::from(r.rank)).scattered_slots(n, 2 * n as u32 + 8);
+    let faulty = Arc::new(FaultyStore::new(served.clone()));
+    let layer = pool.geometry().num_layers() / 2;
+    if r.rank == slow {
+        let k = pool.geometry().components()[0].clone();
+        faulty.inject(
+            FaultRule {
+                key_contains: Some(format!("_{}", k.name)),
+                offset: k.layer_range(layer).map(|x| x.start),
+                times: Some(1),
+            },
+            Fault::Delay(SLOW_READ),
+        );
+    }
+    pool.clear()?;
+    let linker = pool.linker(
+        faulty as Arc<dyn KvStore>,
+        ShareMode::SplitAllGather,
+        SHORT_COLLECTIVE,
+        formed.group.clone(),
+    )?;
+    let (result, ready, took) = load(&linker, 10, pages, &slots);
+    match result {
+        Ok(_) => return Err("the batch with a slow rank loaded".into()),
+        Err(e) => say(&format!(
+            "slow failed_ms={:.0} ready={ready} layer={layer} err={}",
+            took.as_secs_f64() * 1e3,
+            e.replace(' ', "_")
+        )),
+    }
+    let until = kvlink::kv_loader::deadline_after(Duration::from_secs(90));
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        pool.clear()?;
+        let (result, _, took) = load(&linker, 11, pages, &slots);
+        match result {
+            Ok(stats) => {
+                say(&format!(
+                    "reformed epoch={} tries={tries} ran={:?} ms={:.1} verified={}",
+                    formed.formation.last().map_or(0, |m| m.epoch),
+                    stats.mode,
+                    took.as_secs_f64() * 1e3,
+                    pool.compare(&slots)?
+                ));
+                break;
+            }
+            Err(e) if Instant::now() < until => {
+                eprintln!(
+                    "tp_procs rank {}: a batch after the timeout failed ({e}); trying again",
+                    r.rank
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => return Err(format!("never re-formed: {e}")),
+        }
+    }
+    let _ = linker.close();
+    Ok(())
+}
+
+/// One rank: the device share step of the linker's shared modes on this process's NCCL
+/// data communicator (formed at the rendezvous), then an abort, a re-formation at the
+/// rendezvous (new ids, new communicators), and the share step again.
+fn one_rank_share_steps(pool: &Pool, formed: &FormedTpGroup) -> Result<(), String> {
+    let Pool::Device(d) = pool else {
+        return Ok(());
+    };
+    let mut handles = GroupHandles {
+        data: formed.group.data.clone(),
+        control: formed.group.control.clone(),
+        epoch: formed.epoch,
+    };
+    for round in 0..2 {
+        for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+            let (layers, bytes) = share_step(d, &handles, mode)?;
+            say(&format!(
+                "share mode={mode:?} epoch={} layers={layers} compared={bytes}",
+                handles.epoch
+            ));
+        }
+        if round == 0 {
+            handles.abort("tp_procs: an abort, as after a collective timeout");
+            let broken = handles.broken().is_some();
+            let formation = formed.group.formation.as_ref().ok_or("no formation")?;
+            let soon = kvlink::kv_loader::deadline_after(Duration::from_secs(60));
+            handles = formation
+                .reform(0, handles.epoch + 1, soon)
+                .map_err(|e| format!("re-forming: {e}"))?;
+            say(&format!(
+                "reform broken_before={broken} epoch={} device={}",
+                handles.epoch,
+                handles.data.memory().device
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every layer of a GLM-5.2 batch through a staged landing: this rank's share written into
+/// pinned staging, uploaded, shared with `share_stage` on `handles.data`, scattered into
+/// the pool, landed; then the pool compared. (layers, bytes compared)
+fn share_step(d: &RankDev, handles: &GroupHandles, mode: ShareMode) -> Result<(u32, u64), String> {
+    let coll = handles.data.as_ref();
+    let g = &d.g;
+    let n = 32usize;
+    let slots = Rng(0xabc ^ mode as u64).scattered_slots(n, d.pool.pages());
+    let layouts: Vec<StagingLayout> = (0..g.num_layers())
+        .map(|l| StagingLayout::new(mode, l, g.components(), n, 1))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    let shape = BatchShape {
+        own: Vec::new(),
+        shared: g.components().iter().map(|c| c.id).collect(),
+        share_bytes: layouts.iter().map(StagingLayout::len).collect(),
+    };
+    d.pool.clear().map_err(de)?;
+    let mut landing = StagedLanding::new(
+        d.pool.clone(),
+        d.staging.lease().map_err(de)?,
+        slots.clone().into(),
+        shape,
+    )
+    .map_err(de)?;
+    let mut stages = landing.take_stages();
+    let how = match mode {
+        ShareMode::SplitAllGather => StageShare::AllGather,
+        _ => StageShare::Broadcast { root: 0 },
+    };
+    let soon = || kvlink::kv_loader::deadline_after(Duration::from_secs(30));
+    let mut row = Vec::new();
+    for (layer, layout) in (0..).zip(&layouts) {
+        let s = &mut stages[layer as usize % 2];
+        landing.open(s, layer, soon()).map_err(de)?;
+        for rr in layout.rows(layout.share(0)) {
+            let c = g.component(rr.component).map_err(|e| e.to_string())?;
+            row.resize(rr.len, 0);
+            fill_row(&mut row, tag(c), layer, rr.plan_page as u64);
+            let at = landing.share_target(s, rr.offset, rr.len).map_err(de)?;
+            // SAFETY: the landing's pinned share target for this row, `rr.len` bytes, which
+            // nothing else touches while the stage is held.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), at as *mut u8, rr.len) };
+        }
+        landing.upload(s, layout.chunk(0)).map_err(de)?;
+        let ev = {
+            let mut stage = landing.device_stage(s).map_err(de)?;
+            share_stage(coll, &mut stage, how, soon()).map_err(|e| e.to_string())?
+        };
+        landing.scatter(s, &layout.blocks(), &ev).map_err(de)?;
+        landing.land(s).map_err(de)?;
+        if !ev.wait_until(soon()).map_err(de)? {
+            return Err(format!(
+                "layer {layer}: the NCCL collective did not complete"
+            ));
+        }
+    }
+    drop(landing);
+    let bytes = compare_pool(d, &slots, g.num_layers(), &|_| true)?;
+    Ok((g.num_layers(), bytes))
+}
