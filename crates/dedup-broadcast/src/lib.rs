@@ -7,10 +7,11 @@
 //!   deadline. [`InProcessGroup`] implements it for ranks that are threads of one process (host
 //!   memory, or device memory with [`InProcessGroup::on_devices`]: N ranks may share one GPU);
 //!   [`nccl::NcclCollective`] (feature `nccl`) over NCCL; `SocketCollective` (Linux) for
-//!   ranks that are processes, host rows over a socket mesh, formed at a `Rendezvous`.
+//!   ranks that are processes, host rows over a socket mesh, formed at a `Rendezvous`
+//!   (`RendezvousFormation` forms and re-forms such groups, over sockets or NCCL).
 //!   [`share_rows`] and [`share_stage`] are the safe entry points over the typed handles a
 //!   landing lends ([`kv_device::HostRows`], [`kv_device::DeviceStage`]). After an abort, a
-//!   [`GroupFormation`] re-forms the group.
+//!   [`GroupFormation`] re-forms the group: both its handles ([`GroupHandles`]).
 //! - The plan gate ([`plan_digest`], [`check_plan`]): every rank checks that all ranks hold the
 //!   same logical plan before a batch shares anything; any difference and that batch falls
 //!   back to every rank reading its own copy.
