@@ -124,13 +124,13 @@ fn ranks_as_processes_run_every_mode_and_every_pool_verifies() {
         4,
         "every mode, every pool: {out}"
     );
-    // Sharing modes read one copy in total, AllRanks three.
-    assert!(out.contains("= 3.00 × one copy of the prefix"), "{out}");
-    assert_eq!(
-        out.matches("= 1.00 × one copy of the prefix").count(),
-        2,
-        "{out}"
-    );
+    // Sharing modes read one copy in total, AllRanks three (Auto: whichever it picked).
+    let copies = |n: &str| {
+        out.matches(&format!("= {n} × one copy of the prefix"))
+            .count()
+    };
+    assert_eq!(copies("3.00") + copies("1.00"), 4, "{out}");
+    assert!(copies("3.00") >= 1 && copies("1.00") >= 2, "{out}");
     for mode in [
         "| AllRanks ",
         "| Rank0Broadcast ",

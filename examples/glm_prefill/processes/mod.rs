@@ -17,6 +17,7 @@ mod gather;
 mod launcher;
 mod rank;
 mod stores;
+mod tables;
 
 use std::io::Write;
 

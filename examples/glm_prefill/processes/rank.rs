@@ -11,21 +11,18 @@ use kvlink::dedup_broadcast::{MeetingPoint, ModeChoice, Rendezvous, RendezvousCo
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec};
 use kvlink::kv_loader::{
-    BatchId, BatchPlan, KvLoader, LoadStats, LookupRequest, RequestPages, SaveReport, ShareMode,
+    BatchId, BatchPlan, KvLoader, LookupRequest, RequestPages, SaveReport, ShareMode,
 };
 use kvlink::mooncake_linker::{FormedTpGroup, Linker, TpGroup};
 
-use super::super::{
-    compare_table, mode_label, prompt, report_run, scattered_slots, splitmix, verify_pool,
-    write_svg, Ctx, LoadRun, ModeOutcome, RankDone, Stores, SAVE_CHUNK_PAGES,
-};
+use super::super::{prompt, scattered_slots, splitmix, verify_pool, Ctx, Stores, SAVE_CHUNK_PAGES};
 use super::gather::{self, RankReport};
 use super::stores::{self, NAMESPACE_ATTRIBUTE};
+use super::tables::{assemble, finish, header, own_summary};
 use crate::args::{Args, ModeArg, ModeSel, StoreKind};
 use crate::pattern::Pattern;
 use crate::progress::Progress;
-use crate::report::{bytes, ms, thousands, Table};
-use crate::timeline_svg::{RankTimeline, RunTimeline};
+use crate::report::{bytes, ms, thousands};
 
 /// The line rank 0 prints first when it listens on a port the system chose (`:0`): the
 /// launcher reads the address from it.
@@ -177,54 +174,6 @@ fn namespace(store: StoreKind) -> String {
             )
         }
     }
-}
-
-fn header(ctx: &Ctx, formed: &FormedTpGroup, meet: &str, out: &mut dyn Write) -> Result<()> {
-    let g = ctx.geometry(0)?;
-    let n = ctx.pages.len() as u64;
-    let transport = formed
-        .formation
-        .last()
-        .map_or("?".to_string(), |m| format!("{:?}", m.transport));
-    writeln!(
-        out,
-        "kvlink glm_prefill — {} with FP8 KV (DSA): {} layers, {}-token pages, {} B/token",
-        ctx.spec.model,
-        ctx.spec.num_layers,
-        ctx.spec.page_size,
-        thousands(ctx.spec.bytes_per_token() as u64)
-    )?;
-    writeln!(
-        out,
-        "  cached prefix: {} tokens = {} pages = {} per rank ({} B per page); every component is \
-         replicated: each TP rank needs the same bytes",
-        thousands(n * u64::from(ctx.spec.page_size)),
-        n,
-        bytes(ctx.bytes_per_rank()?),
-        thousands(g.bytes_per_page())
-    )?;
-    writeln!(
-        out,
-        "  TP ranks: {} PROCESSES (this one is rank 0); each has its own HostKvPool of {} page \
-         slots and its own Linker; the group formed at the rendezvous {meet} (epoch {}, socket \
-         collectives over {transport})",
-        ctx.tp(),
-        ctx.pool_pages,
-        formed.epoch
-    )?;
-    writeln!(
-        out,
-        "  store: {}; {}",
-        ctx.store_label(),
-        stores::whereabouts(&ctx.args, formed)
-    )?;
-    writeln!(
-        out,
-        "  attention compute: SIMULATED, {} µs per layer (the engine thread sleeps: stands for \
-         GPU work, uses no CPU)",
-        thousands(ctx.args.compute_us)
-    )?;
-    Ok(())
 }
 
 /// Rank 0 fills its pool with the prefix and saves it (only rank 0 writes replicated
@@ -493,214 +442,4 @@ fn load(ctx: &Ctx, rank: u32, linker: &Linker, slots: &[u32], rep: &mut RankRepo
             rep.store_bytes_read = linker.metrics().bytes_read;
         }
     }
-}
-
-/// Rank 0: every rank's report of one mode, checked and printed as the threads shape does.
-fn assemble(
-    ctx: &Ctx,
-    mode: ModeArg,
-    reports: &[RankReport],
-    out: &mut dyn Write,
-) -> Result<ModeOutcome> {
-    let tp = ctx.tp();
-    let n = ctx.pages.len();
-    let hits: Vec<u64> = reports.iter().map(|r| r.hit).collect();
-    let agreed = hits.iter().copied().min().unwrap_or(0);
-    writeln!(
-        out,
-        "  lookup: pages found per rank {hits:?}; agreed prefix {agreed} pages ({} tokens)",
-        thousands(agreed * u64::from(ctx.spec.page_size))
-    )?;
-    for rank in 0..tp {
-        let shown: Vec<String> = scattered_slots(ctx.args.seed, rank, n, ctx.pool_pages)
-            .iter()
-            .take(6)
-            .map(|s| s.to_string())
-            .collect();
-        writeln!(
-            out,
-            "  rank {rank} slots (page i → slot): [{}, ...] (scattered, differs per rank; its own \
-             process and pool)",
-            shown.join(", ")
-        )?;
-    }
-    for (rank, r) in reports.iter().enumerate() {
-        let failed = r
-            .start_err
-            .as_ref()
-            .or(r.batch_err.as_ref())
-            .or(r.layer_err.as_ref());
-        if let Some(e) = failed {
-            let why = format!("rank {rank}: {e}");
-            writeln!(out, "  FAILED: {why}")?;
-            return Ok(ModeOutcome::Failed(why));
-        }
-        if let Some(Err(e)) = &r.verified {
-            writeln!(out, "  FAILED: {e}")?;
-            return Ok(ModeOutcome::Failed(e.clone()));
-        }
-    }
-    let compared: u64 = reports
-        .iter()
-        .map(|r| r.verified.clone().and_then(Result::ok).unwrap_or(0))
-        .sum();
-    let verify_time = reports
-        .iter()
-        .map(|r| r.verify_time)
-        .max()
-        .unwrap_or_default();
-    let stats: Vec<LoadStats> = reports.iter().map(|r| stats_of(ctx, r)).collect();
-    let effective = stats[0].mode;
-    if let ModeChoice::Fixed(share) = mode.choice() {
-        if stats.iter().any(|s| s.mode != share) {
-            let modes: Vec<String> = stats.iter().map(|s| format!("{:?}", s.mode)).collect();
-            let why = format!(
-                "the linker was configured with {share:?} but loaded the batch as [{}] \
-                 (LoadStats.mode per rank); its numbers are not shown as {}",
-                modes.join(", "),
-                mode.name()
-            );
-            writeln!(out, "  not run as {}: {why}", mode.name())?;
-            return Ok(ModeOutcome::RanAs(effective, why));
-        }
-    }
-    let ms_of = |d: &Duration| d.as_secs_f64() * 1e3;
-    let mut ranks = Vec::new();
-    let mut timeline = RunTimeline {
-        label: mode_label(mode, effective),
-        ..RunTimeline::default()
-    };
-    for (rank, (r, st)) in reports.iter().zip(&stats).enumerate() {
-        let ready: Vec<f64> = r
-            .ready
-            .iter()
-            .zip(&r.seen)
-            .map(|(a, b)| ms_of(a.min(b)))
-            .collect();
-        let stalled: Duration = (1..r.seen.len())
-            .map(|l| r.seen[l].saturating_sub(r.done[l - 1]))
-            .sum();
-        let compute: Duration = r.seen.iter().zip(&r.done).map(|(a, b)| *b - *a).sum();
-        timeline.ranks.push(RankTimeline {
-            rank: rank as u32,
-            start: 0.0,
-            ready,
-            seen: r.seen.iter().map(ms_of).collect(),
-            done: r.done.iter().map(ms_of).collect(),
-        });
-        ranks.push(RankDone {
-            stats: st.clone(),
-            store_bytes_read: r.store_bytes_read,
-            forward_done: r.done.last().copied().unwrap_or_default(),
-            stalled,
-            compute,
-        });
-    }
-    let mut run = LoadRun {
-        effective,
-        ranks,
-        timeline,
-    };
-    report_run(ctx, mode, &run, out)?;
-    writeln!(
-        out,
-        "  verified: {tp} ranks × {n} pages byte-identical to the saved bytes (each rank process \
-         checked its own pool; {} compared, slowest rank {})",
-        bytes(compared),
-        ms(verify_time)
-    )?;
-    run.timeline.note = format!(
-        "last layer ready {} · forward done {} · store bytes read {} total",
-        ms(run.last_ready()),
-        ms(run.forward_done()),
-        bytes(run.store_bytes_total())
-    );
-    Ok(ModeOutcome::Loaded(Box::new(run)))
-}
-
-fn stats_of(ctx: &Ctx, r: &RankReport) -> LoadStats {
-    LoadStats {
-        pages: r.pages,
-        layers: ctx.layers(),
-        bytes_read: r.bytes_read,
-        bytes_landed: r.bytes_landed,
-        mode: r.mode.unwrap_or(ShareMode::AllRanks),
-        first_layer: r.first_layer,
-        last_layer: r.last_layer,
-        transfers: Default::default(),
-        layer_transfers: Vec::new(),
-        alone: None,
-    }
-}
-
-/// Rank 0's end: the picture, the comparison, the verdict.
-fn finish(ctx: &Ctx, results: &[(ModeArg, ModeOutcome)], out: &mut dyn Write) -> Result<()> {
-    let runs: Vec<RunTimeline> = results
-        .iter()
-        .filter_map(|(_, o)| match o {
-            ModeOutcome::Loaded(r) => Some(r.timeline.clone()),
-            _ => None,
-        })
-        .collect();
-    if !runs.is_empty() {
-        write_svg(ctx, &runs, out)?;
-    }
-    if ctx.args.mode == ModeSel::Compare {
-        compare_table(ctx, results, out)?;
-        writeln!(
-            out,
-            "(TP ranks as PROCESSES: each rank's store reads and the group's collectives cross \
-             process boundaries over Unix sockets; times are the slowest rank's, from its own \
-             start_load, every rank starting after a barrier)"
-        )?;
-    }
-    let failed: Vec<String> = results
-        .iter()
-        .filter_map(|(m, o)| match o {
-            ModeOutcome::Failed(e) => Some(format!("{}: {e}", m.name())),
-            _ => None,
-        })
-        .collect();
-    if !failed.is_empty() {
-        bail!("{}", failed.join("; "));
-    }
-    Ok(())
-}
-
-/// A rank other than 0: one line per mode about its own pool (rank 0 prints the tables).
-fn own_summary(
-    ctx: &Ctx,
-    rank: u32,
-    mine: &[(ModeArg, Result<u64, String>)],
-    out: &mut dyn Write,
-) -> Result<()> {
-    let mut t = Table::new(&["rank", "mode", "own pool"]);
-    for (mode, v) in mine {
-        t.row(vec![
-            rank.to_string(),
-            mode.name().to_string(),
-            match v {
-                Ok(b) => format!(
-                    "verified: {} pages byte-identical to the saved bytes ({} compared)",
-                    ctx.pages.len(),
-                    bytes(*b)
-                ),
-                Err(e) => format!("FAILED: {e}"),
-            },
-        ]);
-    }
-    writeln!(
-        out,
-        "glm_prefill rank {rank} of {}: rank 0 prints the report; this process's own pool:",
-        ctx.tp()
-    )?;
-    t.write(out, "  ")?;
-    let failed: Vec<String> = mine
-        .iter()
-        .filter_map(|(m, v)| v.as_ref().err().map(|e| format!("{}: {e}", m.name())))
-        .collect();
-    if !failed.is_empty() {
-        bail!("rank {rank}: {}", failed.join("; "));
-    }
-    Ok(())
 }
