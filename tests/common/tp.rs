@@ -13,7 +13,7 @@ use kvlink::kv_geometry::{
     ComponentLayout, ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash,
     RowUnit,
 };
-use kvlink::kv_loader::{BatchOutcome, KvLoader};
+use kvlink::kv_loader::{BatchOutcome, KvLoader, ShareMode};
 use kvlink::mooncake_linker::store::{FaultyStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
 
@@ -106,6 +106,20 @@ pub fn tp_ranks(
     config: &LinkerConfig,
     path: Path,
 ) -> (Vec<TpRank>, Vec<PageHash>) {
+    tp_ranks_wrapped(spec, tp, store, pages, config, path, &|_, g| g)
+}
+
+/// [`tp_ranks`], with each rank's group passed through `wrap` (a test collective decorator
+/// on some rank's handles).
+pub fn tp_ranks_wrapped(
+    spec: &ModelKvSpec,
+    tp: u32,
+    store: Arc<dyn KvStore>,
+    pages: usize,
+    config: &LinkerConfig,
+    path: Path,
+    wrap: &dyn Fn(u32, TpGroup) -> TpGroup,
+) -> (Vec<TpRank>, Vec<PageHash>) {
     let hashes = save(spec, tp, store.clone(), pages, config);
     let pool_pages = 3 * pages as u32 + 4;
     let devices: Vec<Arc<CpuDevice>> = match path {
@@ -139,6 +153,7 @@ pub fn tp_ranks(
         .enumerate()
         .map(|(rank, group)| {
             let rank = rank as u32;
+            let group = wrap(rank, group);
             let g = KvGeometry::new(spec.clone(), tp, rank).unwrap();
             let faults = Arc::new(FaultyStore::new(store.clone()));
             let slots = (0..pages as u32)
@@ -259,6 +274,40 @@ pub fn run(ranks: &[TpRank], batch: u64, pages: &[PageHash]) -> Vec<BatchOutcome
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// Every rank loaded `batch` whole, in one mode, every byte in place; the mode.
+pub fn run_ok(ranks: &[TpRank], batch: u64, pages: &[PageHash], what: &str) -> ShareMode {
+    let outcomes = run(ranks, batch, pages);
+    let mut modes = Vec::new();
+    for (rank, (r, o)) in ranks.iter().zip(outcomes).enumerate() {
+        let stats = o
+            .result
+            .unwrap_or_else(|e| panic!("{what}: batch {batch}, rank {rank}: {e}"));
+        modes.push(stats.mode);
+        rank_matches(r, pages, rank as u32)
+            .unwrap_or_else(|e| panic!("{what}: batch {batch}: {e}"));
+    }
+    assert!(
+        modes.windows(2).all(|w| w[0] == w[1]),
+        "{what}: batch {batch}: modes differ across ranks: {modes:?}"
+    );
+    modes[0]
+}
+
+/// A linker configuration for `Auto` with short deadlines and every bandwidth known, so that
+/// the model picks a sharing mode (a store slower than the fabric).
+pub fn auto_config() -> LinkerConfig {
+    LinkerConfig {
+        mode: kvlink::mooncake_linker::dedup_broadcast::ModeChoice::Auto,
+        bandwidths: kvlink::mooncake_linker::dedup_broadcast::Bandwidths {
+            store_per_rank_gbps: 1.0,
+            store_aggregate_gbps: 1.0,
+            fabric_broadcast_gbps: 50.0,
+            fabric_all_gather_gbps: 50.0,
+        },
+        ..config(kvlink::kv_loader::ShareMode::AllRanks)
+    }
 }
 
 /// A linker configuration for `mode` with short deadlines.

@@ -22,6 +22,24 @@ pub trait GroupFormation: Send + Sync {
         epoch: u64,
         deadline: Instant,
     ) -> Result<Arc<dyn Collective>, CollectiveError>;
+
+    /// Rank `rank`'s handle of the group's *control* channel (the lookups' handle, which runs
+    /// beside the data handle on another thread) for its formation number `epoch`. Control
+    /// epochs count on their own (`1, 2, ...`), independently of [`reform`](Self::reform)'s.
+    /// The default says the formation cannot: a broken control handle then fails every later
+    /// lookup until the engine builds a new group.
+    fn reform_control(
+        &self,
+        rank: u32,
+        epoch: u64,
+        deadline: Instant,
+    ) -> Result<Arc<dyn Collective>, CollectiveError> {
+        let _ = (rank, epoch, deadline);
+        Err(CollectiveError::Unsupported {
+            op: "reform_control",
+            detail: "this formation re-forms the data handle only".into(),
+        })
+    }
 }
 
 type Build = dyn Fn() -> Result<Vec<Arc<dyn Collective>>, CollectiveError> + Send + Sync;
@@ -45,6 +63,9 @@ pub struct InProcessFormation {
     size: u32,
     build: Box<Build>,
     epochs: Mutex<Epochs>,
+    /// Builds the control channel's handles (by default as `build` does).
+    build_control: Option<Box<Build>>,
+    control_epochs: Mutex<Epochs>,
 }
 
 impl InProcessFormation {
@@ -57,37 +78,29 @@ impl InProcessFormation {
             size,
             build: Box::new(build),
             epochs: Mutex::new(HashMap::new()),
+            build_control: None,
+            control_epochs: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Fresh [`InProcessGroup::new`] groups of `size` ranks (host memory).
-    pub fn host(size: u32) -> Self {
-        Self::new(size, move || {
-            Ok(InProcessGroup::new(size)
-                .into_iter()
-                .map(|c| Arc::new(c) as Arc<dyn Collective>)
-                .collect())
-        })
+    /// Builds the control channel's handles with `build` (instead of the data handles'
+    /// builder): e.g. host groups for the lookups of a group that shares on devices.
+    pub fn with_control(
+        mut self,
+        build: impl Fn() -> Result<Vec<Arc<dyn Collective>>, CollectiveError> + Send + Sync + 'static,
+    ) -> Self {
+        self.build_control = Some(Box::new(build));
+        self
     }
 
-    /// Fresh [`InProcessGroup::on_devices`] groups over `devices`.
-    pub fn on_devices(devices: Vec<Arc<dyn kv_device::Device>>) -> Self {
-        let size = devices.len() as u32;
-        Self::new(size, move || {
-            Ok(InProcessGroup::on_devices(devices.clone())?
-                .into_iter()
-                .map(|c| Arc::new(c) as Arc<dyn Collective>)
-                .collect())
-        })
-    }
-}
-
-impl GroupFormation for InProcessFormation {
-    fn reform(
+    /// Rank `rank`'s handle of `epoch` from `epochs`, building every rank's with `build` when
+    /// `rank` is the first to ask.
+    fn take(
         &self,
+        epochs: &Mutex<Epochs>,
+        build: &Build,
         rank: u32,
         epoch: u64,
-        _deadline: Instant,
     ) -> Result<Arc<dyn Collective>, CollectiveError> {
         if rank >= self.size {
             return Err(CollectiveError::Backend(format!(
@@ -95,9 +108,9 @@ impl GroupFormation for InProcessFormation {
                 self.size
             )));
         }
-        let mut epochs = self.epochs.lock();
+        let mut epochs = epochs.lock();
         if !epochs.contains_key(&epoch) {
-            let handles = (self.build)()?;
+            let handles = build()?;
             if handles.len() != self.size as usize {
                 return Err(CollectiveError::Backend(format!(
                     "built {} handles for {} ranks",
@@ -114,10 +127,61 @@ impl GroupFormation for InProcessFormation {
         let slots = epochs
             .get_mut(&epoch)
             .ok_or_else(|| CollectiveError::Backend(format!("epoch {epoch} vanished")))?;
-        let handle = slots[rank as usize].take().ok_or_else(|| {
+        slots[rank as usize].take().ok_or_else(|| {
             CollectiveError::Backend(format!("rank {rank} already took epoch {epoch}"))
-        })?;
+        })
+    }
+
+    /// Fresh [`InProcessGroup::new`] groups of `size` ranks (host memory).
+    pub fn host(size: u32) -> Self {
+        Self::new(size, move || {
+            Ok(InProcessGroup::new(size)
+                .into_iter()
+                .map(|c| Arc::new(c) as Arc<dyn Collective>)
+                .collect())
+        })
+    }
+
+    /// Fresh [`InProcessGroup::on_devices`] groups over `devices` (control channels: host
+    /// groups).
+    pub fn on_devices(devices: Vec<Arc<dyn kv_device::Device>>) -> Self {
+        let size = devices.len() as u32;
+        Self::new(size, move || {
+            Ok(InProcessGroup::on_devices(devices.clone())?
+                .into_iter()
+                .map(|c| Arc::new(c) as Arc<dyn Collective>)
+                .collect())
+        })
+        .with_control(move || {
+            Ok(InProcessGroup::new(size)
+                .into_iter()
+                .map(|c| Arc::new(c) as Arc<dyn Collective>)
+                .collect())
+        })
+    }
+}
+
+impl GroupFormation for InProcessFormation {
+    fn reform(
+        &self,
+        rank: u32,
+        epoch: u64,
+        _deadline: Instant,
+    ) -> Result<Arc<dyn Collective>, CollectiveError> {
+        let handle = self.take(&self.epochs, &self.build, rank, epoch)?;
         tracing::info!(rank, epoch, "group re-formed");
+        Ok(handle)
+    }
+
+    fn reform_control(
+        &self,
+        rank: u32,
+        epoch: u64,
+        _deadline: Instant,
+    ) -> Result<Arc<dyn Collective>, CollectiveError> {
+        let build = self.build_control.as_deref().unwrap_or(&*self.build);
+        let handle = self.take(&self.control_epochs, build, rank, epoch)?;
+        tracing::info!(rank, epoch, "control channel re-formed");
         Ok(handle)
     }
 }

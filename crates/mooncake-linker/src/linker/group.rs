@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use dedup_broadcast::{Collective, GroupFormation, InProcessFormation, InProcessGroup};
 use kv_device::Device;
+use parking_lot::Mutex;
 
 /// One rank's handles on its TP group: `data` carries the per-layer exchanges of the load
 /// thread, `control` the lookups of the engine's thread. Two handles, because the two
@@ -85,11 +86,13 @@ impl TpGroup {
 }
 
 /// The load thread's data handle: re-formed through the group's formation at a batch boundary
-/// when it is broken.
+/// when it is broken; counts the gates held on it (the gate's sequence number: equal on every
+/// rank while the ranks are in step, 0 again after a re-form).
 pub(crate) struct DataGroup {
     handle: Arc<dyn Collective>,
     formation: Option<Arc<dyn GroupFormation>>,
     epoch: u64,
+    gates: u64,
 }
 
 impl DataGroup {
@@ -99,12 +102,13 @@ impl DataGroup {
             handle: g.data.clone(),
             formation: g.formation.clone(),
             epoch: 0,
+            gates: 0,
         })
     }
 
     /// The handle for the next batch: a fresh one first when this one is broken. A re-form
     /// that does not complete by `deadline` fails (this batch fails; the next one tries again).
-    pub(crate) fn ready(&mut self, deadline: Instant) -> Result<&dyn Collective, String> {
+    pub(crate) fn ready(&mut self, deadline: Instant) -> Result<Arc<dyn Collective>, String> {
         if let Some(why) = self.handle.broken() {
             let formation = self
                 .formation
@@ -117,7 +121,51 @@ impl DataGroup {
             tracing::info!(rank, epoch = self.epoch + 1, why, "data group re-formed");
             self.handle = fresh;
             self.epoch += 1;
+            self.gates = 0;
         }
-        Ok(self.handle.as_ref())
+        Ok(self.handle.clone())
+    }
+
+    /// The number of the next gate on this handle (then counted).
+    pub(crate) fn next_gate(&mut self) -> u64 {
+        let n = self.gates;
+        self.gates += 1;
+        n
+    }
+}
+
+/// The lookups' control handle: re-formed through the group's formation
+/// ([`GroupFormation::reform_control`]) at the next lookup after it broke.
+pub(crate) struct ControlGroup {
+    state: Mutex<(Arc<dyn Collective>, u64)>,
+    formation: Option<Arc<dyn GroupFormation>>,
+}
+
+impl ControlGroup {
+    /// The control handle of `group`, when this linker shares with other ranks.
+    pub(crate) fn of(group: Option<&TpGroup>) -> Option<ControlGroup> {
+        group.filter(|g| g.size() > 1).map(|g| ControlGroup {
+            state: Mutex::new((g.control.clone(), 0)),
+            formation: g.formation.clone(),
+        })
+    }
+
+    /// The handle for the next lookup: a fresh one first when this one is broken.
+    pub(crate) fn ready(&self, deadline: Instant) -> Result<Arc<dyn Collective>, String> {
+        let mut state = self.state.lock();
+        let (handle, epoch) = &mut *state;
+        if let Some(why) = handle.broken() {
+            let formation = self.formation.as_ref().ok_or_else(|| {
+                format!("the control channel is broken ({why}) and has no formation")
+            })?;
+            let rank = handle.rank();
+            let fresh = formation
+                .reform_control(rank, *epoch + 1, deadline)
+                .map_err(|e| format!("re-forming the control channel after `{why}`: {e}"))?;
+            tracing::info!(rank, epoch = *epoch + 1, why, "control channel re-formed");
+            *handle = fresh;
+            *epoch += 1;
+        }
+        Ok(handle.clone())
     }
 }

@@ -7,7 +7,19 @@
 //! one status exchange per layer, then that layer's collective when every rank is ok; a
 //! failure of this rank's own share step is reported in the next status word, and after the
 //! last layer one more exchange (the verdict) carries the last layer's. A failed status stops
-//! every rank at the same layer; a failed collective fails the batch on every rank.
+//! every rank at the same layer; a failed collective fails the batch on every rank and aborts
+//! the group (every rank re-forms it at its next batch), and so do status words that are out
+//! of step (another layer, another batch's tag).
+//!
+//! Before its status word, the exchange loop verifies what this rank read for the layer
+//! (`verify`: checksums, or lengths), while the reader reads the next layer.
+//!
+//! **Every wait is bounded.** Each store call waits at most `layer_read_timeout` (a call still
+//! running then fails the layer; the batch's memory hold keeps what it writes until it
+//! returns), a stage is reopened after a bounded wait for its device work, the reader waits
+//! for a free stage at most `layer_read_timeout + 2 × collective_timeout`, and the exchange
+//! loop waits for the reader at most `layer_read_timeout + collective_timeout` per layer. So
+//! the reader thread always ends, and the scope's join of it is bounded by those waits.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -16,13 +28,16 @@ use std::time::{Duration, Instant};
 use dedup_broadcast::{Collective, GroupStatus, LayerStatus};
 use kv_device::{LayerLanding, LayerStage, ShareSide};
 use kv_loader::{KvLoadError, StoreFailure};
+use layerwise_counter::Ticket;
 use tracing::warn;
 
 use super::batch::{collective_failure, BatchJob, BatchLayers};
 use super::reader::{store_failure, LayerReader, OwnRows, ShareArea};
 use super::session::PinnedKeys;
 use super::share::{step_for, LayerCx, StepError};
+use super::verify::{BatchChecksums, LayerCheck};
 use super::Inner;
+use crate::store::Hold;
 
 /// What the reader hands over for one layer.
 struct ReadLayer {
@@ -45,10 +60,18 @@ pub(crate) struct PipelineRun {
 pub(crate) struct LayerPipeline<'a> {
     pub(crate) inner: &'a Inner,
     pub(crate) job: &'a BatchJob,
+    /// The batch's counter ticket (what publishing a layer marks).
+    pub(crate) counter: Ticket,
     pub(crate) coll: Option<&'a dyn Collective>,
     pub(crate) layers: &'a BatchLayers,
     /// The batch's landing (absent when it could not be made: every layer then fails here).
     pub(crate) landing: Option<&'a dyn LayerLanding>,
+    /// What a store call past its deadline keeps alive until it returns.
+    pub(crate) memory: &'a Hold,
+    /// The checksums of what this rank reads.
+    pub(crate) sums: &'a BatchChecksums,
+    /// The batch's status-word tag.
+    pub(crate) tag: u8,
 }
 
 impl LayerPipeline<'_> {
@@ -106,8 +129,13 @@ impl LayerPipeline<'_> {
         let mut failure = prep.as_ref().err().cloned();
         let mut pins = prep.ok();
         let mut bytes = 0;
+        let c = &self.inner.config;
+        let wait = c
+            .layer_read_timeout
+            .saturating_add(c.collective_timeout.saturating_mul(2));
         for layer in 0..self.inner.geometry.num_layers() {
-            let Ok(mut stage) = free.recv() else {
+            // The exchange loop hands a stage back after each layer (bounded), or drops its end.
+            let Ok(mut stage) = free.recv_timeout(wait) else {
                 break;
             };
             if failure.is_none() && self.cancelled() {
@@ -155,13 +183,16 @@ impl LayerPipeline<'_> {
         landing.open(stage, layer, deadline)?;
         pins.renew_if_due()
             .map_err(|e| store_failure(batch, Some(layer), Vec::new(), &e))?;
+        let t0 = Instant::now();
+        let calls_deadline = kv_loader::deadline_after(inner.config.layer_read_timeout);
         let reader = |components| LayerReader {
-            store: inner.store.as_ref(),
+            calls: &inner.calls,
             batch,
             components,
             parallelism: inner.config.read_parallelism,
+            hold: self.memory,
+            deadline: calls_deadline,
         };
-        let t0 = Instant::now();
         let mut n =
             reader(&layers.own).read_layer(&OwnRows { landing, stage }, layer, 0..layers.pages)?;
         if let Some(layout) = layers.layouts[layer as usize].as_ref() {
@@ -212,7 +243,7 @@ impl LayerPipeline<'_> {
             Some(c) => {
                 let deadline = kv_loader::deadline_after(self.inner.config.collective_timeout);
                 status
-                    .exchange(c, layer, mine, deadline)
+                    .exchange_tagged(c, layer, mine, self.tag, deadline)
                     .map(drop)
                     .map_err(|e| collective_failure(batch, e))
             }
@@ -280,9 +311,20 @@ impl LayerPipeline<'_> {
         let mut fatal: Option<KvLoadError> = None;
         let (mut landed, mut first_layer) = (0u64, Duration::ZERO);
         let mut every_layer = true;
+        let check = LayerCheck {
+            inner,
+            batch,
+            layers,
+            sums: self.sums,
+        };
         for layer in 0..num_layers {
             let (stage, read_error) = self.receive(&from_reader, layer);
-            let mine = carried.take().or(read_error);
+            // What this rank read for the layer is verified before it says "ok" for it.
+            let verified = match (&read_error, &stage, self.landing) {
+                (None, Some(st), Some(l)) => check.run(l, st, layer).err(),
+                _ => None,
+            };
+            let mine = carried.take().or(read_error).or(verified);
             if let Some(e) = &mine {
                 own.get_or_insert_with(|| e.clone());
             }
@@ -316,7 +358,7 @@ impl LayerPipeline<'_> {
                 Ok(ready) => {
                     inner
                         .outcomes
-                        .publish(batch, job.ticket.counter, layer, ready, num_layers);
+                        .publish(batch, self.counter, layer, ready, num_layers);
                     landed += layers.layer_bytes(layer);
                     if layer == 0 {
                         first_layer = job.started.elapsed();
@@ -349,7 +391,18 @@ impl LayerPipeline<'_> {
             }
         }
         if let Some(e) = fatal {
+            // A collective failed (or a share step's wait ran out): the ranks may no longer be
+            // in step on this handle; every rank re-forms the group at its next batch.
+            if let Some(c) = self.coll {
+                c.abort(&e.to_string());
+                warn!(%batch, error = %e, "data group aborted: every rank re-forms it at its next batch");
+            }
             return Err(e);
+        }
+        if status.out_of_step {
+            if let Some(c) = self.coll {
+                inner.group_failed(c, batch, "status words out of step".into());
+            }
         }
         if !status.is_ok() {
             // One rank alone: its own error says most. A group: every rank reports the same.
