@@ -68,6 +68,8 @@ pub struct TpRank {
     pub faults: Arc<FaultyStore>,
     pub slots: Vec<u32>,
     pub device: Option<Arc<CpuDevice>>,
+    /// The device path's staging pool.
+    pub staging: Option<Arc<StagingPool>>,
 }
 
 /// A DSA-like model plus a sharded component, so a batch mixes shared and per-rank reads:
@@ -159,13 +161,13 @@ pub fn tp_ranks_wrapped(
             let slots = (0..pages as u32)
                 .map(|i| (i * 3 + rank * 7) % pool_pages)
                 .collect();
-            let (linker, pool) = match path {
+            let (linker, pool, staging) = match path {
                 Path::Host => {
                     let pool = Arc::new(HostKvPool::new(g.clone(), pool_pages).unwrap());
                     let l =
                         Linker::with_group(g, faults.clone(), pool.clone(), config.clone(), group)
                             .unwrap();
-                    (l, RankPool::Host(pool))
+                    (l, RankPool::Host(pool), None)
                 }
                 Path::Device { strategy, .. } => {
                     let dev = device_of(rank).unwrap();
@@ -174,7 +176,7 @@ pub fn tp_ranks_wrapped(
                     let half = StagingPool::half_bytes_for(&g, pages, tp);
                     let staging = StagingPool::new(dev, half, 3).unwrap();
                     let landings = Arc::new(
-                        StagedLandingFactory::new(pool.clone(), staging)
+                        StagedLandingFactory::new(pool.clone(), staging.clone())
                             .with_strategy(strategy)
                             .with_drain_limit(Duration::from_secs(5)),
                     );
@@ -187,7 +189,7 @@ pub fn tp_ranks_wrapped(
                         Some(group),
                     )
                     .unwrap();
-                    (l, RankPool::Device(pool))
+                    (l, RankPool::Device(pool), Some(staging))
                 }
             };
             TpRank {
@@ -196,13 +198,16 @@ pub fn tp_ranks_wrapped(
                 faults,
                 slots,
                 device: device_of(rank),
+                staging,
             }
         })
         .collect();
     (out, hashes)
 }
 
-fn save(
+/// Saves the prefix of `pages` pages as TP ranks do (objects present are skipped): what
+/// [`tp_ranks`] does first, and what an engine's save after a recompute does.
+pub fn save(
     spec: &ModelKvSpec,
     tp: u32,
     store: Arc<dyn KvStore>,
@@ -236,8 +241,18 @@ fn save(
 
 /// Every layer of every page of rank `rank`'s pool holds its saved bytes.
 pub fn rank_matches(r: &TpRank, pages: &[PageHash], rank: u32) -> Result<(), String> {
+    rank_matches_at(r, pages, rank, &r.slots)
+}
+
+/// [`rank_matches`] for pages loaded into `slots`.
+pub fn rank_matches_at(
+    r: &TpRank,
+    pages: &[PageHash],
+    rank: u32,
+    slots: &[u32],
+) -> Result<(), String> {
     let g = r.linker.geometry().clone();
-    for (pi, (page, &slot)) in pages.iter().zip(&r.slots).enumerate() {
+    for (pi, (page, &slot)) in pages.iter().zip(slots).enumerate() {
         for c in g.components() {
             for &l in &c.layers {
                 let mut got = vec![0u8; c.page_layer_bytes as usize];
@@ -260,12 +275,22 @@ pub fn rank_matches(r: &TpRank, pages: &[PageHash], rank: u32) -> Result<(), Str
 
 /// Every rank starts batch `batch`, waits every layer like an engine, and takes the outcome.
 pub fn run(ranks: &[TpRank], batch: u64, pages: &[PageHash]) -> Vec<BatchOutcome> {
+    run_at(ranks, batch, pages, &|r| r.slots.clone())
+}
+
+/// [`run`] into the slots `slots(rank)` gives.
+pub fn run_at(
+    ranks: &[TpRank],
+    batch: u64,
+    pages: &[PageHash],
+    slots: &(dyn Fn(&TpRank) -> Vec<u32> + Sync),
+) -> Vec<BatchOutcome> {
     std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .iter()
             .map(|r| {
                 s.spawn(move || {
-                    let plan = load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
+                    let plan = load_plan(r.linker.geometry(), batch, pages, slots(r));
                     let t = r.linker.start_load(plan).unwrap();
                     let _ = wait_all(&r.linker, &t);
                     r.linker.wait_batch(&t).unwrap()
