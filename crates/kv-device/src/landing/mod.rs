@@ -298,6 +298,25 @@ pub trait LandingFactory: Send + Sync {
             "this backend's pool is read in place; it has no save gatherer".into(),
         ))
     }
+
+    /// [`begin_save`](Self::begin_save), ordered after `after` (an event recorded after the
+    /// engine's compute that wrote the pages): no gather reads the slots before it completed.
+    /// Backends with device streams wait on it device-side; the default waits for it on the
+    /// calling thread (at most a minute), then gathers.
+    fn begin_save_after(
+        &self,
+        slots: Arc<[u32]>,
+        after: &SharedEvent,
+    ) -> Result<Box<dyn SaveGather>, DeviceError> {
+        let limit = crate::staged::sync::SYNC_LIMIT;
+        if !after.wait_until(kv_loader::deadline_after(limit))? {
+            return Err(DeviceError::Timeout {
+                what: "the engine's event before a save",
+                waited: limit,
+            });
+        }
+        self.begin_save(slots)
+    }
 }
 
 /// Brings a batch's slices to host memory for a save.

@@ -353,6 +353,45 @@ impl Linker {
         m
     }
 
+    /// [`save`](KvLoader::save), ordered after `after`: an event the engine recorded on its
+    /// compute stream after the work that wrote the plan's pages (CUDA:
+    /// `CudaDevice::record_on(compute_stream)`; any backend: an event of its `Stream`). On a
+    /// device pool the gather waits for it device-side, so the save sees those bytes and no
+    /// thread blocks on the compute; on a host pool (read in place) this thread waits for it,
+    /// at most `store_call_timeout`. Plain `save` on a device pool reads the slots as the
+    /// device has them when its gather runs: use it only once the compute is known complete.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use kv_device::{CpuDevice, Device, DeviceKvPool, StagedLandingFactory, StagingPool};
+    /// use kv_geometry::{KvGeometry, ModelKvSpec, ElementType};
+    /// use kv_loader::{BatchId, BatchPlan, RequestPages};
+    /// use mooncake_linker::{store::EmbeddedStore, Linker, LinkerConfig};
+    /// let g = KvGeometry::new(ModelKvSpec::deepseek_v3(ElementType::Fp8E4m3), 1, 0).unwrap();
+    /// let dev = CpuDevice::new(0).unwrap();
+    /// let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 4).unwrap());
+    /// let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 2, 1), 2).unwrap();
+    /// let landings = Arc::new(StagedLandingFactory::new(pool.clone(), staging));
+    /// let store = Arc::new(EmbeddedStore::new(1 << 30));
+    /// let linker = Linker::with_landings(g.clone(), store, pool, landings, LinkerConfig::default(), None).unwrap();
+    /// // The engine's compute stream wrote slots 0 and 1; the save waits for it.
+    /// let compute = dev.new_stream().unwrap();
+    /// let done = compute.record().unwrap();
+    /// let tokens: Vec<u32> = (0..128).collect();
+    /// let pages = kv_geometry::page_hashes(&tokens, 64, None);
+    /// let plan = BatchPlan::all_components(&g, BatchId(1),
+    ///     vec![RequestPages { request: "r".into(), pages }], vec![0, 1]);
+    /// assert_eq!(linker.save_after(&plan, &done).unwrap().objects_written, 2);
+    /// ```
+    pub fn save_after(
+        &self,
+        plan: &BatchPlan,
+        after: &kv_device::SharedEvent,
+    ) -> Result<SaveReport, KvLoadError> {
+        self.inner.check_open()?;
+        self.inner.save(plan, Some(after))
+    }
+
     /// The object keys of a plan's pages for component `index` of the plan, in plan order.
     pub fn object_keys(&self, plan: &BatchPlan) -> Result<Vec<Vec<String>>, KvLoadError> {
         Ok(self
@@ -527,7 +566,7 @@ impl KvLoader for Linker {
 
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
         self.inner.check_open()?;
-        self.inner.save(plan)
+        self.inner.save(plan, None)
     }
 
     fn reset(&self) -> Result<(), KvLoadError> {

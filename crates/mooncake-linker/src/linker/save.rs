@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use kv_device::Residence;
+use kv_device::{Residence, SharedEvent};
 use kv_geometry::{checksum_key, layer_checksum, ObjectChecksums};
 use kv_loader::{BatchPlan, KvLoadError, SaveReport};
 use smallvec::SmallVec;
@@ -31,11 +31,19 @@ impl Inner {
     /// checksum companion in the same store call. Replicated components are written by TP
     /// rank 0 only; sharded ones by every rank. Objects already present are left as they
     /// are (and get no companion: an object SGLang wrote stays checked by length only).
-    pub(crate) fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
+    pub(crate) fn save(
+        &self,
+        plan: &BatchPlan,
+        after: Option<&SharedEvent>,
+    ) -> Result<SaveReport, KvLoadError> {
         plan.validate(&self.geometry, self.pool.pages())?;
         let batch = plan.logical.batch;
         let _span = info_span!("save_batch", %batch, pages = plan.logical.num_pages()).entered();
         let mut report = SaveReport::default();
+        if let (Some(ev), Residence::Host) = (after, self.pool.residence()) {
+            // A host pool is read in place: wait (bounded) for the compute that wrote it.
+            self.host_wait(ev)?;
+        }
         for comp in self.component_keys(plan)? {
             if comp.layout.replicated && self.geometry.tp_rank != 0 {
                 report.objects_not_owned += comp.keys.len() as u32;
@@ -44,7 +52,7 @@ impl Inner {
             let todo = self.missing_objects(plan, &comp, &mut report)?;
             for chunk in todo.chunks(self.config.save_chunk.max(1)) {
                 if self.pool.residence() != Residence::Host {
-                    self.save_gathered(plan, &comp, chunk, &mut report)?;
+                    self.save_gathered(plan, &comp, chunk, &mut report, after)?;
                     continue;
                 }
                 let mut puts = Vec::with_capacity(chunk.len());
@@ -85,6 +93,18 @@ impl Inner {
         self.metrics.written(report.bytes_written);
         debug!(?report, "saved");
         Ok(report)
+    }
+
+    /// Waits on this thread, at most `store_call_timeout`, for `ev`.
+    fn host_wait(&self, ev: &SharedEvent) -> Result<(), KvLoadError> {
+        match ev.wait_until(self.store_deadline()) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(KvLoadError::Device(format!(
+                "the engine's event before a save did not complete within {:?}",
+                self.config.store_call_timeout
+            ))),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The plan pages whose object of `comp` the store lacks (counting the others present).
@@ -139,13 +159,16 @@ impl Inner {
         comp: &ComponentKeys,
         chunk: &[usize],
         report: &mut SaveReport,
+        after: Option<&SharedEvent>,
     ) -> Result<(), KvLoadError> {
         let batch = plan.logical.batch;
         let slots: Vec<u32> = chunk.iter().map(|&p| plan.slots[p]).collect();
-        let mut gather = self
-            .landings
-            .begin_save(slots.into())
-            .map_err(KvLoadError::from)?;
+        let mut gather = match after {
+            // The gather starts, device-side, after the engine's compute that wrote the pages.
+            Some(ev) => self.landings.begin_save_after(slots.into(), ev),
+            None => self.landings.begin_save(slots.into()),
+        }
+        .map_err(KvLoadError::from)?;
         let row = comp.layout.page_layer_bytes as usize;
         let object = comp.layout.object_bytes() as usize;
         let mut objects = vec![0u8; object * chunk.len()];
