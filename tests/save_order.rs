@@ -44,9 +44,15 @@ fn a_device_pool_save_waits_for_the_engines_compute_that_wrote_the_pages() {
         namespace: "order".into(),
         ..LinkerConfig::default()
     };
-    let linker =
-        Linker::with_landings(g.clone(), store.clone(), pool.clone(), landings, config, None)
-            .unwrap();
+    let linker = Linker::with_landings(
+        g.clone(),
+        store.clone(),
+        pool.clone(),
+        landings,
+        config,
+        None,
+    )
+    .unwrap();
     let pages = page_hashes(&prompt(41, 3, spec.page_size), spec.page_size, None);
     let slots = vec![5u32, 1, 3];
     // What the slots held before the compute: zeros.
@@ -90,8 +96,14 @@ fn a_device_pool_save_waits_for_the_engines_compute_that_wrote_the_pages() {
     let t0 = Instant::now();
     let plan = load_plan(&g, 1, &pages, slots.clone());
     let report = linker.save_after(&plan, &done).unwrap();
-    assert_eq!(report.objects_written as usize, pages.len() * g.components().len());
-    assert!(t0.elapsed() >= Duration::from_millis(200), "the save waited for the compute");
+    assert_eq!(
+        report.objects_written as usize,
+        pages.len() * g.components().len()
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(200),
+        "the save waited for the compute"
+    );
     // Every saved object holds the compute's bytes.
     for (c, keys) in g
         .components()

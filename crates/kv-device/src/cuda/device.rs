@@ -135,7 +135,10 @@ impl CudaDevice {
     /// `Linker::save_after` orders the gather after, device-side. Safe: `RawStream`'s
     /// constructor carries the promise that it is a live stream of this process (a stream of
     /// another context is refused by the driver: an error, not undefined behaviour).
-    pub fn record_on(&self, stream: kv_loader::RawStream) -> Result<crate::SharedEvent, DeviceError> {
+    pub fn record_on(
+        &self,
+        stream: kv_loader::RawStream,
+    ) -> Result<crate::SharedEvent, DeviceError> {
         let ev = super::event::CudaLayerEvent::record_raw(
             &self.ctx,
             stream.as_raw() as cudarc::driver::sys::CUstream,

@@ -9,6 +9,7 @@ mod auto;
 mod batch;
 mod config;
 mod group;
+mod handoff;
 mod lookup;
 mod metrics;
 mod outcomes;

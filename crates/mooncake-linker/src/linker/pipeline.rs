@@ -1,7 +1,8 @@
 //! The layer pipeline of one batch on one rank: a reader thread reads layer *l+1* from the
 //! store while the exchange loop (the load thread) agrees on layer *l* with the other ranks,
 //! shares its replicated rows ([`ShareStep`](super::share::ShareStep), one per mode), lands it
-//! and publishes it. The batch's two [`LayerStage`]s circulate between them.
+//! and publishes it. The batch's two [`LayerStage`]s circulate between them through a
+//! [`Handoff`] (free stages to the reader, read layers to the exchange loop; loom-checked).
 //!
 //! Every rank issues the same collectives whatever happens (design rule: failure symmetry):
 //! one status exchange per layer, then that layer's collective when every rank is ok; a
@@ -22,7 +23,6 @@
 //! the reader thread always ends, and the scope's join of it is bounded by those waits.
 
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use dedup_broadcast::{Collective, GroupStatus, LayerStatus};
@@ -32,6 +32,7 @@ use layerwise_counter::Ticket;
 use tracing::warn;
 
 use super::batch::{collective_failure, BatchJob, BatchLayers};
+use super::handoff::{Handoff, Wait};
 use super::reader::{store_failure, LayerReader, OwnRows, ShareArea};
 use super::session::PinnedKeys;
 use super::share::{step_for, LayerCx, StepError};
@@ -82,27 +83,30 @@ impl LayerPipeline<'_> {
         prep: Result<PinnedKeys<'_>, KvLoadError>,
         stages: Vec<LayerStage>,
     ) -> Result<PipelineRun, KvLoadError> {
+        let mut stages = stages.into_iter();
+        let handoff: Handoff<Option<LayerStage>, ReadLayer> =
+            Handoff::new((0..2).map(|_| stages.next()), 1);
+        let h = &handoff;
         std::thread::scope(|s| {
-            let (to_exchange, from_reader) = mpsc::sync_channel::<ReadLayer>(1);
-            let (to_reader, free) = mpsc::channel::<Option<LayerStage>>();
-            let mut stages = stages.into_iter();
-            for _ in 0..2 {
-                let _ = to_reader.send(stages.next());
-            }
             let reader = std::thread::Builder::new()
                 .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank))
-                .spawn_scoped(s, move || self.read_loop(prep, free, to_exchange));
+                .spawn_scoped(s, move || {
+                    let bytes = self.read_loop(prep, h);
+                    h.reader_done();
+                    bytes
+                });
             let reader = match reader {
                 Ok(r) => r,
                 Err(e) => {
                     // Nothing was read: every exchange of the batch still happens, failed.
-                    let (tx, rx) = mpsc::sync_channel(1);
-                    drop(tx);
-                    let _ = self.exchange_loop(rx, to_reader);
+                    h.reader_done();
+                    let _ = self.exchange_loop(h);
                     return Err(KvLoadError::Config(format!("spawning a reader: {e}")));
                 }
             };
-            let exchanged = self.exchange_loop(from_reader, to_reader);
+            let exchanged = self.exchange_loop(h);
+            // Bounded: every wait of the reader is (see the module docs), and the exchange loop
+            // has left, which ends the reader's waits on the hand-off at once.
             let bytes_read = reader.join().unwrap_or(0);
             self.inner.metrics.read(bytes_read);
             exchanged.map(|(landed, first_layer)| PipelineRun {
@@ -122,8 +126,7 @@ impl LayerPipeline<'_> {
     fn read_loop(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
-        free: mpsc::Receiver<Option<LayerStage>>,
-        to_exchange: mpsc::SyncSender<ReadLayer>,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
     ) -> u64 {
         let batch = self.job.plan.logical.batch;
         let mut failure = prep.as_ref().err().cloned();
@@ -134,8 +137,8 @@ impl LayerPipeline<'_> {
             .layer_read_timeout
             .saturating_add(c.collective_timeout.saturating_mul(2));
         for layer in 0..self.inner.geometry.num_layers() {
-            // The exchange loop hands a stage back after each layer (bounded), or drops its end.
-            let Ok(mut stage) = free.recv_timeout(wait) else {
+            // The exchange loop hands a stage back after each layer (bounded), or leaves.
+            let Wait::Got(mut stage) = h.free_stage(kv_loader::deadline_after(wait)) else {
                 break;
             };
             if failure.is_none() && self.cancelled() {
@@ -161,7 +164,7 @@ impl LayerPipeline<'_> {
                 stage,
                 error: failure.clone(),
             };
-            if to_exchange.send(msg).is_err() {
+            if h.hand_over(msg, kv_loader::deadline_after(wait)).is_err() {
                 break;
             }
         }
@@ -257,22 +260,22 @@ impl LayerPipeline<'_> {
     /// The layer `layer` message from the reader (bounded), as (stage, this rank's error).
     fn receive(
         &self,
-        from_reader: &mpsc::Receiver<ReadLayer>,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
         layer: u32,
     ) -> (Option<LayerStage>, Option<KvLoadError>) {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
         let limit = c.layer_read_timeout.saturating_add(c.collective_timeout);
-        match from_reader.recv_timeout(limit) {
-            Ok(m) if m.layer == layer => (m.stage, m.error),
-            Ok(m) => (
+        match h.next_layer(kv_loader::deadline_after(limit)) {
+            Wait::Got(m) if m.layer == layer => (m.stage, m.error),
+            Wait::Got(m) => (
                 None,
                 Some(KvLoadError::Config(format!(
                     "{batch}: the reader sent layer {} for layer {layer}",
                     m.layer
                 ))),
             ),
-            Err(mpsc::RecvTimeoutError::Timeout) => (
+            Wait::TimedOut => (
                 None,
                 Some(KvLoadError::Store {
                     batch: Some(batch),
@@ -282,7 +285,7 @@ impl LayerPipeline<'_> {
                     detail: format!("the reader did not finish layer {layer} within {limit:?}"),
                 }),
             ),
-            Err(mpsc::RecvTimeoutError::Disconnected) => (
+            Wait::Closed => (
                 None,
                 Some(KvLoadError::Config(format!(
                     "{batch}: the reader stopped before layer {layer}"
@@ -295,8 +298,7 @@ impl LayerPipeline<'_> {
     /// publishing; then the verdict. Returns (bytes landed, time to the first layer).
     fn exchange_loop(
         &self,
-        from_reader: mpsc::Receiver<ReadLayer>,
-        to_reader: mpsc::Sender<Option<LayerStage>>,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
     ) -> Result<(u64, Duration), KvLoadError> {
         let (inner, job, layers) = (self.inner, self.job, self.layers);
         let batch = job.plan.logical.batch;
@@ -318,7 +320,7 @@ impl LayerPipeline<'_> {
             sums: self.sums,
         };
         for layer in 0..num_layers {
-            let (stage, read_error) = self.receive(&from_reader, layer);
+            let (stage, read_error) = self.receive(h, layer);
             // What this rank read for the layer is verified before it says "ok" for it.
             let verified = match (&read_error, &stage, self.landing) {
                 (None, Some(st), Some(l)) => check.run(l, st, layer).err(),
@@ -374,10 +376,10 @@ impl LayerPipeline<'_> {
                     break;
                 }
             }
-            let _ = to_reader.send(Some(stage));
+            h.give_back(Some(stage));
         }
-        drop(to_reader);
-        drop(from_reader);
+        // The reader's waits end at once; what is left in the hand-off goes with it.
+        drop(h.exchange_done());
         if every_layer {
             // The verdict: a failure in the last layer's share step reaches every rank too.
             if let Some(e) = &carried {
