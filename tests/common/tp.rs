@@ -251,10 +251,21 @@ pub fn rank_matches_at(
     rank: u32,
     slots: &[u32],
 ) -> Result<(), String> {
+    rank_matches_below(r, pages, rank, slots, u32::MAX)
+}
+
+/// [`rank_matches_at`] for the layers below `upto` only (those a failed batch published).
+pub fn rank_matches_below(
+    r: &TpRank,
+    pages: &[PageHash],
+    rank: u32,
+    slots: &[u32],
+    upto: u32,
+) -> Result<(), String> {
     let g = r.linker.geometry().clone();
     for (pi, (page, &slot)) in pages.iter().zip(slots).enumerate() {
         for c in g.components() {
-            for &l in &c.layers {
+            for &l in c.layers.iter().filter(|&&l| l < upto) {
                 let mut got = vec![0u8; c.page_layer_bytes as usize];
                 r.pool.read(c, l, slot, &mut got);
                 if let Some(i) = got
