@@ -1,7 +1,9 @@
 //! The linker's overhead over the store: the layer-wise load of a GLM-5.2 prefix (8K tokens,
 //! 128 pages, all 78 layers, KV + indexer ≈ 442 MB) through `Linker` (validation, keys,
-//! pins, size check, load thread, counter, waits) against the raw ranged reads of the same
-//! bytes into the same slots, same run, embedded store.
+//! pins, size check, load thread, counter, waits, every store call bounded on a worker, and
+//! each (object, layer) range checked against its checksum before the layer is published)
+//! against the raw ranged reads of the same bytes into the same slots, same run, embedded
+//! store; and the same load with checksum verification off, to price it.
 //!
 //! `cargo bench --bench linker_load`
 
@@ -69,13 +71,26 @@ fn plan(g: &KvGeometry, b: u64, pages: &[PageHash], slots: &[u32]) -> BatchPlan 
     )
 }
 
-/// The full KvLoader path with `read_parallelism` store calls per layer at once.
+/// The full KvLoader path with `read_parallelism` store calls per layer at once (checksums
+/// verified).
 #[divan::bench(sample_count = 10, args = [1, 2])]
 fn linker_layerwise_load(bencher: Bencher, read_parallelism: usize) {
+    load(bencher, read_parallelism, true);
+}
+
+/// The same load with checksum verification off (length checks only): the price of
+/// verification is the difference.
+#[divan::bench(sample_count = 10, args = [1, 2])]
+fn linker_layerwise_load_unverified(bencher: Bencher, read_parallelism: usize) {
+    load(bencher, read_parallelism, false);
+}
+
+fn load(bencher: Bencher, read_parallelism: usize, verify_checksums: bool) {
     let f = fixture();
     let pool = Arc::new(HostKvPool::new(f.g.clone(), PAGES).unwrap());
     let config = LinkerConfig {
         read_parallelism,
+        verify_checksums,
         ..LinkerConfig::default()
     };
     let linker = Linker::new(f.g.clone(), f.store.clone(), pool, config).unwrap();
@@ -92,6 +107,9 @@ fn linker_layerwise_load(bencher: Bencher, read_parallelism: usize) {
             }
             black_box(linker.wait_batch(&t).unwrap().result.unwrap());
         });
+    let m = linker.metrics();
+    assert_eq!(m.ranges_length_only, 0);
+    assert_eq!(m.ranges_checksummed > 0, verify_checksums);
 }
 
 #[divan::bench(sample_count = 10)]
