@@ -14,7 +14,9 @@ use divan::{black_box, Bencher};
 use kvlink::kv_device::{HostKvPool, KvPool};
 use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec, PageHash};
 use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, RequestPages};
-use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, RangedGet, ReadRange};
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, KvStore, RangedGet, ReadRange, SimulatedLink, SimulatedRemoteStore,
+};
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
 const PAGES: u32 = 128;
@@ -85,15 +87,51 @@ fn linker_layerwise_load_unverified(bencher: Bencher, read_parallelism: usize) {
     load(bencher, read_parallelism, false);
 }
 
+/// SIMULATED remote store: the embedded store paced to 3.6 GB/s per rank (what SGLang's runs
+/// imply for Mooncake), 50 µs per call; checksums verified.
+#[divan::bench(sample_count = 10)]
+fn simulated_remote_3_6_gbps_load(bencher: Bencher) {
+    simulated(bencher, true);
+}
+
+/// The same SIMULATED remote load with checksum verification off.
+#[divan::bench(sample_count = 10)]
+fn simulated_remote_3_6_gbps_load_unverified(bencher: Bencher) {
+    simulated(bencher, false);
+}
+
+fn simulated(bencher: Bencher, verify_checksums: bool) {
+    let f = fixture();
+    let link = Arc::new(SimulatedLink::new(0.0));
+    let store: Arc<dyn KvStore> = Arc::new(SimulatedRemoteStore::new(
+        f.store.clone(),
+        link,
+        3.6,
+        std::time::Duration::from_micros(50),
+    ));
+    run_loads(bencher, &f, store, 1, verify_checksums);
+}
+
 fn load(bencher: Bencher, read_parallelism: usize, verify_checksums: bool) {
     let f = fixture();
+    let store: Arc<dyn KvStore> = f.store.clone();
+    run_loads(bencher, &f, store, read_parallelism, verify_checksums);
+}
+
+fn run_loads(
+    bencher: Bencher,
+    f: &Fixture,
+    store: Arc<dyn KvStore>,
+    read_parallelism: usize,
+    verify_checksums: bool,
+) {
     let pool = Arc::new(HostKvPool::new(f.g.clone(), PAGES).unwrap());
     let config = LinkerConfig {
         read_parallelism,
         verify_checksums,
         ..LinkerConfig::default()
     };
-    let linker = Linker::new(f.g.clone(), f.store.clone(), pool, config).unwrap();
+    let linker = Linker::new(f.g.clone(), store, pool, config).unwrap();
     let mut batch = 1;
     bencher
         .counter(BytesCount::new(f.g.bytes_per_page() * u64::from(PAGES)))

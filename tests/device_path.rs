@@ -331,11 +331,16 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
     let outcomes = run(&rs, 1, &hashes);
     assert!(outcomes.iter().all(|o| o.result.is_err()), "{outcomes:?}");
     let staging = rs[2].staging.as_ref().unwrap();
-    assert_eq!(staging.quarantined(), 1, "the lease the broken group may write is kept");
+    assert_eq!(
+        staging.quarantined(),
+        1,
+        "the lease the broken group may write is kept"
+    );
     // The next batches load on a re-formed group, with the other leases; the kept one stays.
     for batch in 2..=4 {
         for (rank, (r, o)) in rs.iter().zip(run(&rs, batch, &hashes)).enumerate() {
-            o.result.unwrap_or_else(|e| panic!("batch {batch} rank {rank}: {e}"));
+            o.result
+                .unwrap_or_else(|e| panic!("batch {batch} rank {rank}: {e}"));
             rank_matches(r, &hashes, rank as u32).unwrap();
         }
         assert_eq!(staging.quarantined(), 1);
@@ -354,12 +359,21 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
     assert!(outcomes.iter().all(|o| o.result.is_err()), "{outcomes:?}");
     let quarantined = rs[1].staging.as_ref().unwrap();
     if t0.elapsed() < stall {
-        assert_eq!(quarantined.quarantined(), 1, "kept while the stalled copy may run");
+        assert_eq!(
+            quarantined.quarantined(),
+            1,
+            "kept while the stalled copy may run"
+        );
     }
     std::thread::sleep(stall.saturating_sub(t0.elapsed()) + Duration::from_millis(300));
-    assert_eq!(quarantined.quarantined(), 0, "back once its fences completed");
+    assert_eq!(
+        quarantined.quarantined(),
+        0,
+        "back once its fences completed"
+    );
     for (rank, (r, o)) in rs.iter().zip(run(&rs, 6, &hashes)).enumerate() {
-        o.result.unwrap_or_else(|e| panic!("after the stall, rank {rank}: {e}"));
+        o.result
+            .unwrap_or_else(|e| panic!("after the stall, rank {rank}: {e}"));
         rank_matches(r, &hashes, rank as u32).unwrap();
     }
 }

@@ -22,10 +22,10 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::coll::{Misbehave, Misbehaving};
+use common::load_plan;
 use common::tp::{
     auto_config, config, mixed_spec, rank_matches_below, run_ok, tp_ranks_wrapped, Path, TpRank,
 };
-use common::load_plan;
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
 use kvlink::kv_loader::{BatchPlan, KvLoader, LoadTicket, RequestPages, ShareMode};
@@ -290,7 +290,11 @@ fn one_set(path: Path, tp: u32, mode: &'static str, cfg: LinkerConfig) -> BTreeM
     let mut shared: Option<Arc<Ranks>> = None;
     for kind in KINDS {
         for fail in [0, tp / 2, tp - 1] {
-            let layers: &[u32] = if kind == Kind::PlanMismatch { &[0] } else { &LAYERS };
+            let layers: &[u32] = if kind == Kind::PlanMismatch {
+                &[0]
+            } else {
+                &LAYERS
+            };
             for &layer in layers {
                 let set = match kind {
                     Kind::RankGone => Arc::new(ranks(tp, &cfg, path, Some((fail, layer)))),
@@ -378,7 +382,16 @@ fn every_cell_runs_no_hang_no_panic_no_wrong_byte_and_the_next_batch_loads() {
     println!("fault matrix: in-process groups, TP 3 and 4, ranks 0 / middle / last, layers first / middle / last");
     println!(
         "{:<14} {:<7} {:>3} {:>6} {:>6} {:>7} {:>12} {:>6} {:>14} {:>12}",
-        "fault", "path", "tp", "cells", "hangs", "panics", "wrong bytes", "split", "as expected", "next loaded"
+        "fault",
+        "path",
+        "tp",
+        "cells",
+        "hangs",
+        "panics",
+        "wrong bytes",
+        "split",
+        "as expected",
+        "next loaded"
     );
     let mut total = Seen::default();
     for ((kind, path, tp), v) in &results {
@@ -421,7 +434,13 @@ fn every_cell_runs_no_hang_no_panic_no_wrong_byte_and_the_next_batch_loads() {
         (total.hangs, total.panics, total.wrong_bytes, total.split),
         (0, 0, 0, 0)
     );
-    assert_eq!(total.as_expected, total.cells, "every faulty batch ended as its fault says");
-    assert_eq!(total.next_loaded, total.cells, "the next batch loaded every time");
+    assert_eq!(
+        total.as_expected, total.cells,
+        "every faulty batch ended as its fault says"
+    );
+    assert_eq!(
+        total.next_loaded, total.cells,
+        "the next batch loaded every time"
+    );
     assert!(t0.elapsed() < MATRIX_LIMIT, "{:?}", t0.elapsed());
 }
