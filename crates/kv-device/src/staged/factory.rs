@@ -133,7 +133,8 @@ impl LandingFactory for StagedLandingFactory {
 }
 
 /// The save direction: device slots → pinned staging, one (component, layer) at a time,
-/// synchronously (bounded), on the factory's save stream, after the engine's event when given.
+/// synchronously (bounded), on the factory's save stream: after the load stream's work so far,
+/// and after the engine's event when given.
 pub(crate) struct StagedGather {
     pool: Arc<DeviceKvPool>,
     stream: Arc<dyn Stream>,
@@ -172,7 +173,9 @@ impl StagedGather {
             unsafe { sync::write(&*device, &sync::Bounce::default(), table.addr(), &bytes) }?;
             Some(table)
         };
-        // Every gather of this save runs after the engine's compute that wrote the pages.
+        // Every gather of this save runs after what the load stream did so far (loads into
+        // these slots) and after the engine's compute that wrote the pages.
+        stream.wait(&device.load_stream().record()?)?;
         if let Some(ev) = after {
             stream.wait(ev)?;
         }
