@@ -1,13 +1,18 @@
 //! The linker: the [`KvLoader`] implementation over a [`KvStore`] and a [`KvPool`].
 //!
-//! One job per file: `batch` prepares a batch (keys, the mode the ranks agree on, the landing),
-//! `pipeline` runs its layers (reader thread + exchange loop), `share/` holds one share step
-//! per mode (each mode's data path, host and device, in one file), `auto` is `Auto`'s state,
-//! `outcomes` the outcome bookkeeping, `group` the TP group and its re-forming.
+//! One job per file: `gate` meets the group before a batch (in step, the plans compared, the
+//! mode agreed; a refused batch meets it too), `batch` prepares a batch (keys, the landing,
+//! the read session), `pipeline` runs its layers (reader thread + exchange loop, through the
+//! loom-checked `handoff`), `verify` checks what a rank read (checksums) before it says ok,
+//! `share/` holds one share step per mode (each mode's data path, host and device, in one
+//! file), `auto` is `Auto`'s state, `outcomes` the outcome bookkeeping (held outcomes of
+//! batches a late store call may still write), `group` the TP group and its re-forming,
+//! `lookup` the group's agreed hit, `save` the save path.
 
 mod auto;
 mod batch;
 mod config;
+mod gate;
 mod group;
 mod handoff;
 mod lookup;
