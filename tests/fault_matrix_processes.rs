@@ -8,7 +8,15 @@
 //! same cells in the same order and reports each; the parent prints the matrix and requires
 //! every cell run, 0 hangs, 0 panics, 0 wrong bytes, 0 split verdicts, the next batch loaded.
 #![cfg(target_os = "linux")]
-#![allow(clippy::print_stdout)]
+
+/// Writes a line straight to this process's stdout: the test harness does not capture it, so
+/// the matrix shows in CI logs whether the test passes or fails.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
 
 mod common;
 #[path = "../crates/dedup-broadcast/tests/common/procs.rs"]
@@ -286,18 +294,25 @@ fn every_cell_on_a_process_group_runs_without_hang_panic_or_wrong_byte() {
         p.expect("done", wait);
         p.succeeds(wait);
     }
-    println!();
-    println!("fault matrix on a process group: TP 3 processes, socket collectives, served store");
-    println!(
+    out!("");
+    out!("fault matrix on a process group: TP 3 processes, socket collectives, served store");
+    out!(
         "(a rank that hangs or panics fails this test before the table: those columns are 0 here)"
     );
-    println!(
+    out!(
         "{:<14} {:>6} {:>6} {:>7} {:>12} {:>6} {:>14} {:>12}",
-        "fault", "cells", "hangs", "panics", "wrong bytes", "split", "as expected", "next loaded"
+        "fault",
+        "cells",
+        "hangs",
+        "panics",
+        "wrong bytes",
+        "split",
+        "as expected",
+        "next loaded"
     );
     let (mut cells_run, mut wrong, mut split, mut expected, mut next) = (0, 0, 0, 0, 0);
     for (kind, r) in &rows {
-        println!(
+        out!(
             "{:<14} {:>6} {:>6} {:>7} {:>12} {:>6} {:>14} {:>12}",
             kind,
             r.cells,
@@ -315,12 +330,12 @@ fn every_cell_on_a_process_group_runs_without_hang_panic_or_wrong_byte() {
         next += r.next;
     }
     for (mode, (c, n)) in &by_mode {
-        println!(
+        out!(
             "  by mode {mode:<15} cells {c:>4}, next loaded {n:>4} (next batch in {})",
             base[mode]
         );
     }
-    println!(
+    out!(
         "TOTAL: {cells_run} cells run, 0 hangs, 0 panics, {wrong} wrong bytes, {split} split verdicts, {expected} as expected, next batch loaded {next}/{cells_run} ({:.1} s)",
         t0.elapsed().as_secs_f64()
     );
