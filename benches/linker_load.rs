@@ -1,7 +1,9 @@
 //! The linker's overhead over the store: the layer-wise load of a GLM-5.2 prefix (8K tokens,
 //! 128 pages, all 78 layers, KV + indexer ≈ 442 MB) through `Linker` (validation, keys,
-//! pins, size check, load thread, counter, waits) against the raw ranged reads of the same
-//! bytes into the same slots, same run, embedded store.
+//! pins, size check, load thread, counter, waits, every store call bounded on a worker, and
+//! each (object, layer) range checked against its checksum before the layer is published)
+//! against the raw ranged reads of the same bytes into the same slots, same run, embedded
+//! store; and the same load with checksum verification off, to price it.
 //!
 //! `cargo bench --bench linker_load`
 
@@ -12,7 +14,9 @@ use divan::{black_box, Bencher};
 use kvlink::kv_device::{HostKvPool, KvPool};
 use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec, PageHash};
 use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, RequestPages};
-use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, RangedGet, ReadRange};
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, KvStore, RangedGet, ReadRange, SimulatedLink, SimulatedRemoteStore,
+};
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
 const PAGES: u32 = 128;
@@ -69,16 +73,65 @@ fn plan(g: &KvGeometry, b: u64, pages: &[PageHash], slots: &[u32]) -> BatchPlan 
     )
 }
 
-/// The full KvLoader path with `read_parallelism` store calls per layer at once.
+/// The full KvLoader path with `read_parallelism` store calls per layer at once (checksums
+/// verified).
 #[divan::bench(sample_count = 10, args = [1, 2])]
 fn linker_layerwise_load(bencher: Bencher, read_parallelism: usize) {
+    load(bencher, read_parallelism, true);
+}
+
+/// The same load with checksum verification off (length checks only): the price of
+/// verification is the difference.
+#[divan::bench(sample_count = 10, args = [1, 2])]
+fn linker_layerwise_load_unverified(bencher: Bencher, read_parallelism: usize) {
+    load(bencher, read_parallelism, false);
+}
+
+/// SIMULATED remote store: the embedded store paced to 3.6 GB/s per rank (what SGLang's runs
+/// imply for Mooncake), 50 µs per call; checksums verified.
+#[divan::bench(sample_count = 10)]
+fn simulated_remote_3_6_gbps_load(bencher: Bencher) {
+    simulated(bencher, true);
+}
+
+/// The same SIMULATED remote load with checksum verification off.
+#[divan::bench(sample_count = 10)]
+fn simulated_remote_3_6_gbps_load_unverified(bencher: Bencher) {
+    simulated(bencher, false);
+}
+
+fn simulated(bencher: Bencher, verify_checksums: bool) {
     let f = fixture();
+    let link = Arc::new(SimulatedLink::new(0.0));
+    let store: Arc<dyn KvStore> = Arc::new(SimulatedRemoteStore::new(
+        f.store.clone(),
+        link,
+        3.6,
+        std::time::Duration::from_micros(50),
+    ));
+    run_loads(bencher, &f, store, 1, verify_checksums);
+}
+
+fn load(bencher: Bencher, read_parallelism: usize, verify_checksums: bool) {
+    let f = fixture();
+    let store: Arc<dyn KvStore> = f.store.clone();
+    run_loads(bencher, &f, store, read_parallelism, verify_checksums);
+}
+
+fn run_loads(
+    bencher: Bencher,
+    f: &Fixture,
+    store: Arc<dyn KvStore>,
+    read_parallelism: usize,
+    verify_checksums: bool,
+) {
     let pool = Arc::new(HostKvPool::new(f.g.clone(), PAGES).unwrap());
     let config = LinkerConfig {
         read_parallelism,
+        verify_checksums,
         ..LinkerConfig::default()
     };
-    let linker = Linker::new(f.g.clone(), f.store.clone(), pool, config).unwrap();
+    let linker = Linker::new(f.g.clone(), store, pool, config).unwrap();
     let mut batch = 1;
     bencher
         .counter(BytesCount::new(f.g.bytes_per_page() * u64::from(PAGES)))
@@ -92,6 +145,9 @@ fn linker_layerwise_load(bencher: Bencher, read_parallelism: usize) {
             }
             black_box(linker.wait_batch(&t).unwrap().result.unwrap());
         });
+    let m = linker.metrics();
+    assert_eq!(m.ranges_length_only, 0);
+    assert_eq!(m.ranges_checksummed > 0, verify_checksums);
 }
 
 #[divan::bench(sample_count = 10)]

@@ -302,3 +302,78 @@ fn a_device_landing_needs_a_group_that_moves_device_memory() {
         r.err()
     );
 }
+
+/// The rule behind "after an NCCL handle timeout a buffer can be freed while the comm thread
+/// may still write it", on the in-process device group: a collective that fails after it may
+/// have enqueued copies (a peer's copy could not be enqueued: the group breaks, no event tells
+/// when the rest ends) poisons the stage with no fence, and its staging lease is quarantined
+/// for good: never handed to another batch, never freed. A collective whose event only
+/// completes late (a stalled device) quarantines the lease until that event completes.
+#[test]
+fn staging_a_failed_collective_may_still_write_is_never_reused() {
+    let spec = mixed_spec();
+    let path = Path::Device {
+        one_device: false,
+        jitter: Duration::ZERO,
+        strategy: ScatterStrategy::Auto,
+    };
+    let cfg = LinkerConfig {
+        collective_timeout: Duration::from_millis(300),
+        ..config(ShareMode::Rank0Broadcast)
+    };
+    let (rs, hashes) = tp_ranks(&spec, 3, store(), 6, &cfg, path);
+    // Rank 2 cannot enqueue its first device-to-device copy (its part of layer 0's broadcast).
+    rs[2]
+        .device
+        .as_ref()
+        .unwrap()
+        .fail_enqueue(CpuOp::OnDevice, 0);
+    let outcomes = run(&rs, 1, &hashes);
+    assert!(outcomes.iter().all(|o| o.result.is_err()), "{outcomes:?}");
+    let staging = rs[2].staging.as_ref().unwrap();
+    assert_eq!(
+        staging.quarantined(),
+        1,
+        "the lease the broken group may write is kept"
+    );
+    // The next batches load on a re-formed group, with the other leases; the kept one stays.
+    for batch in 2..=4 {
+        for (rank, (r, o)) in rs.iter().zip(run(&rs, batch, &hashes)).enumerate() {
+            o.result
+                .unwrap_or_else(|e| panic!("batch {batch} rank {rank}: {e}"));
+            rank_matches(r, &hashes, rank as u32).unwrap();
+        }
+        assert_eq!(staging.quarantined(), 1);
+        assert_eq!(staging.available(), staging.capacity() - 1);
+    }
+
+    // A stalled copy: the lease waits in quarantine until its fences complete, then returns.
+    let stall = Duration::from_millis(1000);
+    rs[1]
+        .device
+        .as_ref()
+        .unwrap()
+        .stall_at(CpuOp::OnDevice, 0, stall);
+    let t0 = Instant::now();
+    let outcomes = run(&rs, 5, &hashes);
+    assert!(outcomes.iter().all(|o| o.result.is_err()), "{outcomes:?}");
+    let quarantined = rs[1].staging.as_ref().unwrap();
+    if t0.elapsed() < stall {
+        assert_eq!(
+            quarantined.quarantined(),
+            1,
+            "kept while the stalled copy may run"
+        );
+    }
+    std::thread::sleep(stall.saturating_sub(t0.elapsed()) + Duration::from_millis(300));
+    assert_eq!(
+        quarantined.quarantined(),
+        0,
+        "back once its fences completed"
+    );
+    for (rank, (r, o)) in rs.iter().zip(run(&rs, 6, &hashes)).enumerate() {
+        o.result
+            .unwrap_or_else(|e| panic!("after the stall, rank {rank}: {e}"));
+        rank_matches(r, &hashes, rank as u32).unwrap();
+    }
+}

@@ -601,3 +601,44 @@ fn parallel_layer_reads_land_the_same_bytes_and_fail_the_same_way() {
         "{err}"
     );
 }
+
+/// A batch id already in flight is refused with a typed error before anything is counted: the
+/// batch in flight keeps its outcome, and no counter slot leaks (with room for two batches,
+/// refusals leave the second slot free).
+#[test]
+fn a_duplicate_batch_id_in_flight_is_refused_and_nothing_is_lost() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let config = LinkerConfig {
+        max_in_flight: 2,
+        ..cfg()
+    };
+    let (linker, pool) = rank_linker(&r, 1, 0, 16, config);
+    let slots = scattered(r.pages.len());
+    let t = linker
+        .start_load(load_plan(&g, 7, &r.pages, slots.clone()))
+        .unwrap();
+    for _ in 0..3 {
+        let again = linker.start_load(load_plan(&g, 7, &r.pages, vec![0, 1, 2]));
+        assert!(
+            matches!(again, Err(KvLoadError::DuplicateBatch { batch }) if batch.0 == 7),
+            "{again:?}"
+        );
+    }
+    // The refusals took no counter slot: another batch fits beside the first.
+    let t8 = linker
+        .start_load(load_plan(&g, 8, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    let outcome = linker.wait_batch(&t).unwrap();
+    assert!(outcome.result.is_ok(), "{:?}", outcome.result);
+    pool_matches(&pool, &r.pages, &slots, g.num_layers()).unwrap();
+    wait_all(&linker, &t8).unwrap();
+    assert!(linker.wait_batch(&t8).unwrap().result.is_ok());
+    // Taken: the id is free again.
+    let t = linker
+        .start_load(load_plan(&g, 7, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    assert!(linker.wait_batch(&t).unwrap().result.is_ok());
+}

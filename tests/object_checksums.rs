@@ -291,3 +291,165 @@ fn a_leftover_companion_is_replaced_and_sglang_objects_get_none() {
         ObjectChecksums::of_object(&object, c.page_layer_bytes)
     );
 }
+
+/// Replaces object `key` with a copy whose byte `at` is flipped (a corrupt object, its
+/// companion kept).
+fn corrupt(store: &dyn KvStore, key: &str, at: usize) {
+    let mut bytes = get(store, key).unwrap();
+    bytes[at] ^= 0x5a;
+    assert_eq!(store.remove(&[key]), vec![Ok(())]);
+    assert_eq!(put(store, key, &bytes), PutOutcome::Written);
+}
+
+/// One rank over a host pool or a device pool (CPU device).
+fn one_rank(
+    g: &KvGeometry,
+    store: Arc<dyn KvStore>,
+    device: bool,
+) -> (Linker, Option<Arc<HostKvPool>>) {
+    if !device {
+        let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+        let l = Linker::new(g.clone(), store, pool.clone(), config()).unwrap();
+        return (l, Some(pool));
+    }
+    let dev = kvlink::kv_device::CpuDevice::new(0).unwrap();
+    let pool = Arc::new(kvlink::kv_device::DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging = kvlink::kv_device::StagingPool::new(
+        dev,
+        kvlink::kv_device::StagingPool::half_bytes_for(g, 4, 1),
+        2,
+    )
+    .unwrap();
+    let landings = Arc::new(kvlink::kv_device::StagedLandingFactory::new(
+        pool.clone(),
+        staging,
+    ));
+    let l = Linker::with_landings(g.clone(), store, pool, landings, config(), None).unwrap();
+    (l, None)
+}
+
+#[test]
+fn a_corrupt_layer_fails_the_batch_naming_key_and_layer_and_the_next_save_replaces_it() {
+    for device in [false, true] {
+        let spec = small_spec();
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+        let tokens = prompt(31, 3, spec.page_size);
+        let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+        let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+        let (linker, host_pool) = one_rank(&g, store.clone(), device);
+        let keys = linker
+            .object_keys(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
+            .unwrap();
+        // Page 2's KV object: one byte of layer 4 flipped.
+        let (key, k) = (&keys[0][2], &g.components()[0]);
+        let layer4 = k.layer_range(4).unwrap().start as usize;
+        corrupt(store.as_ref(), key, layer4 + 17);
+        let t = linker
+            .start_load(load_plan(&g, 1, &pages, vec![4, 5, 6]))
+            .unwrap();
+        // The layers before it are loaded (and right); layer 4 is not reported loaded.
+        for l in 0..4 {
+            linker.wait_layer(&t, l).unwrap();
+        }
+        let err = linker.wait_layer(&t, 4).unwrap_err();
+        match &err {
+            KvLoadError::BadObject {
+                key: bad, layer, ..
+            } => {
+                assert_eq!((bad, *layer), (key, Some(4)), "device {device}");
+            }
+            other => panic!("device {device}: {other:?}"),
+        }
+        assert!(linker.wait_batch(&t).unwrap().result.is_err());
+        // Discarded, with its companion, so the next save writes it again.
+        assert_eq!(
+            store.exists(&[key.as_str(), &checksum_key(key)]),
+            vec![Ok(false), Ok(false)]
+        );
+        assert_eq!(linker.metrics().bad_objects, 1);
+        if let Some(pool) = host_pool {
+            fill_pool(&pool, &pages, &[4, 5, 6]);
+            let report = linker
+                .save(&load_plan(&g, 2, &pages, vec![4, 5, 6]))
+                .unwrap();
+            assert_eq!(report.objects_written, 1);
+            let t = linker
+                .start_load(load_plan(&g, 3, &pages, vec![0, 1, 2]))
+                .unwrap();
+            wait_all(&linker, &t).unwrap();
+            assert!(linker.wait_batch(&t).unwrap().result.is_ok());
+            pool_matches(&pool, &pages, &[0, 1, 2], g.num_layers()).unwrap();
+            let m = linker.metrics();
+            assert!(
+                m.ranges_checksummed > 0 && m.ranges_length_only == 0,
+                "{m:?}"
+            );
+        }
+        linker.close().unwrap();
+    }
+}
+
+#[test]
+fn objects_without_companions_load_with_length_only_verification_and_say_so() {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(32, 2, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), store.clone(), pool.clone(), config()).unwrap();
+    // Objects SGLang wrote have no companion: drop every companion.
+    for keys in linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
+        .unwrap()
+    {
+        for k in keys {
+            assert_eq!(store.remove(&[&checksum_key(&k)]), vec![Ok(())]);
+        }
+    }
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![2, 3]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    assert!(linker.wait_batch(&t).unwrap().result.is_ok());
+    pool_matches(&pool, &pages, &[2, 3], g.num_layers()).unwrap();
+    let m = linker.metrics();
+    let ranges: u64 = g
+        .components()
+        .iter()
+        .map(|c| c.layers.len() as u64 * 2)
+        .sum();
+    assert_eq!((m.ranges_checksummed, m.ranges_length_only), (0, ranges));
+}
+
+#[test]
+fn a_malformed_companion_makes_its_object_bad() {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(33, 2, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let key = linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
+        .unwrap()[1][0]
+        .clone();
+    let companion = checksum_key(&key);
+    let mut bytes = get(store.as_ref(), &companion).unwrap();
+    bytes[9] ^= 1;
+    assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
+    put(store.as_ref(), &companion, &bytes);
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![2, 3]))
+        .unwrap();
+    let err = linker.wait_layer(&t, 0).unwrap_err();
+    assert!(
+        matches!(&err, KvLoadError::BadObject { key: k, layer: None, .. } if *k == key),
+        "{err:?}"
+    );
+    assert_eq!(
+        store.exists(&[key.as_str(), &companion]),
+        vec![Ok(false), Ok(false)]
+    );
+}

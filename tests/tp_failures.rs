@@ -144,3 +144,66 @@ fn a_device_error_in_a_share_step_is_reported_next_and_the_next_batch_loads() {
         }
     }
 }
+
+/// A store object whose bytes no longer match the checksums written with it: the rank that
+/// reads it finds it before it shares or lands the layer, reports it in that layer's status
+/// word, and every rank fails alike; the object is discarded, so the next save writes it again
+/// and the batch after loads.
+#[test]
+fn a_corrupt_object_fails_every_rank_alike_at_its_layer_and_is_replaced() {
+    let spec = mixed_spec();
+    for path in paths() {
+        for mode in MODES {
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+            let cfg = config(mode);
+            let (rs, hashes) = tp_ranks(&spec, 3, store.clone(), 6, &cfg, path);
+            let mut batch = 1;
+            for (fail_rank, layer) in [(0u32, 0u32), (1, 2), (2, 4)] {
+                let what = format!("{path:?} {mode:?} rank {fail_rank} layer {layer}");
+                // The failing rank's own shard of `v`, page 3: read by that rank alone.
+                let r = &rs[fail_rank as usize];
+                let g = r.linker.geometry().clone();
+                let plan = common::load_plan(&g, 0, &hashes, r.slots.clone());
+                let v = g.component_by_name("v").unwrap();
+                let key = r.linker.object_keys(&plan).unwrap()[v.id.0 as usize][3].clone();
+                let mut bytes = vec![0u8; v.object_bytes() as usize];
+                let get = kvlink::mooncake_linker::store::ObjectGet {
+                    key: &key,
+                    dst: bytes.as_mut_ptr(),
+                    len: bytes.len(),
+                };
+                // SAFETY: `bytes` is ours and untouched during the call.
+                assert!(unsafe { store.get_into(&[get]) }[0].is_ok());
+                bytes[v.layer_range(layer).unwrap().start as usize + 5] ^= 0xff;
+                assert_eq!(store.remove(&[&key]), vec![Ok(())]);
+                let put = kvlink::mooncake_linker::store::ObjectPut {
+                    key: &key,
+                    parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
+                };
+                // SAFETY: `bytes` is live and unchanged during the call.
+                assert!(unsafe { store.put(&[put]) }[0].is_ok());
+                let outcomes = run(&rs, batch, &hashes);
+                same_verdict(&outcomes, fail_rank, layer, &what);
+                assert!(
+                    outcomes[0]
+                        .result
+                        .as_ref()
+                        .unwrap_err()
+                        .to_string()
+                        .contains("bad_object"),
+                    "{what}: {:?}",
+                    outcomes[0].result
+                );
+                assert_eq!(store.exists(&[&key]), vec![Ok(false)], "{what}: discarded");
+                // The engine recomputes and saves: the object is written again.
+                common::tp::save(&spec, 3, store.clone(), 6, &cfg);
+                for (rank, (r, o)) in rs.iter().zip(run(&rs, batch + 1, &hashes)).enumerate() {
+                    o.result
+                        .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
+                    rank_matches(r, &hashes, rank as u32).unwrap();
+                }
+                batch += 2;
+            }
+        }
+    }
+}

@@ -13,7 +13,7 @@ use kvlink::kv_geometry::{
     ComponentLayout, ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash,
     RowUnit,
 };
-use kvlink::kv_loader::{BatchOutcome, KvLoader};
+use kvlink::kv_loader::{BatchOutcome, KvLoader, ShareMode};
 use kvlink::mooncake_linker::store::{FaultyStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
 
@@ -68,6 +68,8 @@ pub struct TpRank {
     pub faults: Arc<FaultyStore>,
     pub slots: Vec<u32>,
     pub device: Option<Arc<CpuDevice>>,
+    /// The device path's staging pool.
+    pub staging: Option<Arc<StagingPool>>,
 }
 
 /// A DSA-like model plus a sharded component, so a batch mixes shared and per-rank reads:
@@ -106,6 +108,20 @@ pub fn tp_ranks(
     config: &LinkerConfig,
     path: Path,
 ) -> (Vec<TpRank>, Vec<PageHash>) {
+    tp_ranks_wrapped(spec, tp, store, pages, config, path, &|_, g| g)
+}
+
+/// [`tp_ranks`], with each rank's group passed through `wrap` (a test collective decorator
+/// on some rank's handles).
+pub fn tp_ranks_wrapped(
+    spec: &ModelKvSpec,
+    tp: u32,
+    store: Arc<dyn KvStore>,
+    pages: usize,
+    config: &LinkerConfig,
+    path: Path,
+    wrap: &dyn Fn(u32, TpGroup) -> TpGroup,
+) -> (Vec<TpRank>, Vec<PageHash>) {
     let hashes = save(spec, tp, store.clone(), pages, config);
     let pool_pages = 3 * pages as u32 + 4;
     let devices: Vec<Arc<CpuDevice>> = match path {
@@ -139,18 +155,19 @@ pub fn tp_ranks(
         .enumerate()
         .map(|(rank, group)| {
             let rank = rank as u32;
+            let group = wrap(rank, group);
             let g = KvGeometry::new(spec.clone(), tp, rank).unwrap();
             let faults = Arc::new(FaultyStore::new(store.clone()));
             let slots = (0..pages as u32)
                 .map(|i| (i * 3 + rank * 7) % pool_pages)
                 .collect();
-            let (linker, pool) = match path {
+            let (linker, pool, staging) = match path {
                 Path::Host => {
                     let pool = Arc::new(HostKvPool::new(g.clone(), pool_pages).unwrap());
                     let l =
                         Linker::with_group(g, faults.clone(), pool.clone(), config.clone(), group)
                             .unwrap();
-                    (l, RankPool::Host(pool))
+                    (l, RankPool::Host(pool), None)
                 }
                 Path::Device { strategy, .. } => {
                     let dev = device_of(rank).unwrap();
@@ -159,7 +176,7 @@ pub fn tp_ranks(
                     let half = StagingPool::half_bytes_for(&g, pages, tp);
                     let staging = StagingPool::new(dev, half, 3).unwrap();
                     let landings = Arc::new(
-                        StagedLandingFactory::new(pool.clone(), staging)
+                        StagedLandingFactory::new(pool.clone(), staging.clone())
                             .with_strategy(strategy)
                             .with_drain_limit(Duration::from_secs(5)),
                     );
@@ -172,7 +189,7 @@ pub fn tp_ranks(
                         Some(group),
                     )
                     .unwrap();
-                    (l, RankPool::Device(pool))
+                    (l, RankPool::Device(pool), Some(staging))
                 }
             };
             TpRank {
@@ -181,13 +198,16 @@ pub fn tp_ranks(
                 faults,
                 slots,
                 device: device_of(rank),
+                staging,
             }
         })
         .collect();
     (out, hashes)
 }
 
-fn save(
+/// Saves the prefix of `pages` pages as TP ranks do (objects present are skipped): what
+/// [`tp_ranks`] does first, and what an engine's save after a recompute does.
+pub fn save(
     spec: &ModelKvSpec,
     tp: u32,
     store: Arc<dyn KvStore>,
@@ -221,10 +241,31 @@ fn save(
 
 /// Every layer of every page of rank `rank`'s pool holds its saved bytes.
 pub fn rank_matches(r: &TpRank, pages: &[PageHash], rank: u32) -> Result<(), String> {
+    rank_matches_at(r, pages, rank, &r.slots)
+}
+
+/// [`rank_matches`] for pages loaded into `slots`.
+pub fn rank_matches_at(
+    r: &TpRank,
+    pages: &[PageHash],
+    rank: u32,
+    slots: &[u32],
+) -> Result<(), String> {
+    rank_matches_below(r, pages, rank, slots, u32::MAX)
+}
+
+/// [`rank_matches_at`] for the layers below `upto` only (those a failed batch published).
+pub fn rank_matches_below(
+    r: &TpRank,
+    pages: &[PageHash],
+    rank: u32,
+    slots: &[u32],
+    upto: u32,
+) -> Result<(), String> {
     let g = r.linker.geometry().clone();
-    for (pi, (page, &slot)) in pages.iter().zip(&r.slots).enumerate() {
+    for (pi, (page, &slot)) in pages.iter().zip(slots).enumerate() {
         for c in g.components() {
-            for &l in &c.layers {
+            for &l in c.layers.iter().filter(|&&l| l < upto) {
                 let mut got = vec![0u8; c.page_layer_bytes as usize];
                 r.pool.read(c, l, slot, &mut got);
                 if let Some(i) = got
@@ -245,12 +286,22 @@ pub fn rank_matches(r: &TpRank, pages: &[PageHash], rank: u32) -> Result<(), Str
 
 /// Every rank starts batch `batch`, waits every layer like an engine, and takes the outcome.
 pub fn run(ranks: &[TpRank], batch: u64, pages: &[PageHash]) -> Vec<BatchOutcome> {
+    run_at(ranks, batch, pages, &|r| r.slots.clone())
+}
+
+/// [`run`] into the slots `slots(rank)` gives.
+pub fn run_at(
+    ranks: &[TpRank],
+    batch: u64,
+    pages: &[PageHash],
+    slots: &(dyn Fn(&TpRank) -> Vec<u32> + Sync),
+) -> Vec<BatchOutcome> {
     std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .iter()
             .map(|r| {
                 s.spawn(move || {
-                    let plan = load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
+                    let plan = load_plan(r.linker.geometry(), batch, pages, slots(r));
                     let t = r.linker.start_load(plan).unwrap();
                     let _ = wait_all(&r.linker, &t);
                     r.linker.wait_batch(&t).unwrap()
@@ -259,6 +310,40 @@ pub fn run(ranks: &[TpRank], batch: u64, pages: &[PageHash]) -> Vec<BatchOutcome
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// Every rank loaded `batch` whole, in one mode, every byte in place; the mode.
+pub fn run_ok(ranks: &[TpRank], batch: u64, pages: &[PageHash], what: &str) -> ShareMode {
+    let outcomes = run(ranks, batch, pages);
+    let mut modes = Vec::new();
+    for (rank, (r, o)) in ranks.iter().zip(outcomes).enumerate() {
+        let stats = o
+            .result
+            .unwrap_or_else(|e| panic!("{what}: batch {batch}, rank {rank}: {e}"));
+        modes.push(stats.mode);
+        rank_matches(r, pages, rank as u32)
+            .unwrap_or_else(|e| panic!("{what}: batch {batch}: {e}"));
+    }
+    assert!(
+        modes.windows(2).all(|w| w[0] == w[1]),
+        "{what}: batch {batch}: modes differ across ranks: {modes:?}"
+    );
+    modes[0]
+}
+
+/// A linker configuration for `Auto` with short deadlines and every bandwidth known, so that
+/// the model picks a sharing mode (a store slower than the fabric).
+pub fn auto_config() -> LinkerConfig {
+    LinkerConfig {
+        mode: kvlink::mooncake_linker::dedup_broadcast::ModeChoice::Auto,
+        bandwidths: kvlink::mooncake_linker::dedup_broadcast::Bandwidths {
+            store_per_rank_gbps: 1.0,
+            store_aggregate_gbps: 1.0,
+            fabric_broadcast_gbps: 50.0,
+            fabric_all_gather_gbps: 50.0,
+        },
+        ..config(kvlink::kv_loader::ShareMode::AllRanks)
+    }
 }
 
 /// A linker configuration for `mode` with short deadlines.

@@ -139,3 +139,244 @@ pub fn check_digest(
         GateVerdict::Mismatch { differing }
     })
 }
+
+/// What a batch gate word says: the plan digest, the batch, how many gates this rank has held
+/// on its handle before this one, and the rank's share-mode proposal. 48 bytes on the wire:
+/// `"KVG1"`, 4 reserved bytes, the digest, then batch, count and proposal as little-endian
+/// `u64`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GateWord {
+    /// [`plan_digest`] of the batch's plan.
+    pub digest: [u8; 16],
+    /// The batch id.
+    pub batch: u64,
+    /// Gates this rank held on this handle before (every rank's count is the same while the
+    /// ranks are in step).
+    pub count: u64,
+    /// This rank's share-mode proposal (rank 0's wins).
+    pub proposal: u64,
+}
+
+const GATE_MAGIC: &[u8; 4] = b"KVG1";
+const GATE_WORD: usize = 48;
+
+impl GateWord {
+    /// The wire bytes.
+    pub fn encode(&self) -> [u8; GATE_WORD] {
+        let mut w = [0u8; GATE_WORD];
+        w[..4].copy_from_slice(GATE_MAGIC);
+        w[8..24].copy_from_slice(&self.digest);
+        w[24..32].copy_from_slice(&self.batch.to_le_bytes());
+        w[32..40].copy_from_slice(&self.count.to_le_bytes());
+        w[40..48].copy_from_slice(&self.proposal.to_le_bytes());
+        w
+    }
+
+    /// The word of `bytes`, or `None` when they are not one.
+    pub fn decode(bytes: &[u8]) -> Option<GateWord> {
+        if bytes.len() != GATE_WORD || &bytes[..4] != GATE_MAGIC {
+            return None;
+        }
+        let u = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&bytes[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        let mut digest = [0u8; 16];
+        digest.copy_from_slice(&bytes[8..24]);
+        Some(GateWord {
+            digest,
+            batch: u(24),
+            count: u(32),
+            proposal: u(40),
+        })
+    }
+}
+
+/// Whether the ranks met at the same batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GateStep {
+    /// Every rank gated the same batch, after the same number of gates: in step.
+    InStep,
+    /// Another rank gated a later batch (batch ids increase): this rank is behind, so it fails
+    /// this batch with no further collective, and gates its next batch next.
+    Behind {
+        /// The latest batch another rank gated.
+        latest: u64,
+    },
+    /// Another rank gated an earlier batch: it is behind and moves on to its next batch; this
+    /// rank gates the same batch again.
+    Ahead {
+        /// The earliest batch another rank gated.
+        earliest: u64,
+    },
+    /// The ranks' collectives no longer line up (a word that is not a gate word, or equal
+    /// batches after different numbers of gates): every rank fails the batch, and the group
+    /// must be re-formed.
+    Lost {
+        /// What did not match.
+        detail: String,
+    },
+}
+
+/// What a batch gate found: whether the ranks are in step, and when they are, whether their
+/// plans agree and every rank's proposal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchGate {
+    /// In step, behind, ahead or lost.
+    pub step: GateStep,
+    /// The plans' verdict (meaningful when in step).
+    pub verdict: GateVerdict,
+    /// Every rank's proposal, in rank order (meaningful when in step).
+    pub proposals: Vec<u64>,
+}
+
+/// The batch gate: one [`Collective::all_gather_bytes`] of every rank's [`GateWord`], which
+/// checks that the ranks are at the same batch after the same number of gates (a rank whose
+/// collectives shifted is caught here and the group resynchronises, see [`GateStep`]), that
+/// their plans agree ([`GateVerdict`]), and carries the share-mode proposals. Every rank gets
+/// the same words, so every rank reaches the same decision.
+///
+/// ```
+/// use std::time::Duration;
+/// use dedup_broadcast::{check_batch, GateStep, GateWord, InProcessGroup};
+/// let ranks = InProcessGroup::new(1);
+/// let word = GateWord { digest: [7; 16], batch: 3, count: 0, proposal: 1 };
+/// let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+/// let gate = check_batch(&ranks[0], &word, deadline).unwrap();
+/// assert_eq!(gate.step, GateStep::InStep);
+/// assert_eq!(gate.proposals, vec![1]);
+/// ```
+pub fn check_batch(
+    coll: &dyn Collective,
+    word: &GateWord,
+    deadline: Instant,
+) -> Result<BatchGate, CollectiveError> {
+    let all = coll.all_gather_bytes(&word.encode(), deadline)?;
+    Ok(judge_gate(word, &all))
+}
+
+/// The decision of a gate from every rank's words (pure: what [`check_batch`] decides).
+pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
+    let lost = |detail: String| BatchGate {
+        step: GateStep::Lost { detail },
+        verdict: GateVerdict::Agreed,
+        proposals: Vec::new(),
+    };
+    let words: Option<Vec<GateWord>> = all.iter().map(|b| GateWord::decode(b)).collect();
+    let Some(words) = words.filter(|w| !w.is_empty()) else {
+        return lost("a rank's gate word is not one (its collectives are shifted)".into());
+    };
+    let earliest = words.iter().map(|w| w.batch).min().unwrap_or(mine.batch);
+    let latest = words.iter().map(|w| w.batch).max().unwrap_or(mine.batch);
+    if words.iter().any(|w| w.count != words[0].count) {
+        let counts: Vec<u64> = words.iter().map(|w| w.count).collect();
+        return lost(format!(
+            "ranks have held different numbers of gates: {counts:?}"
+        ));
+    }
+    if earliest != latest {
+        let step = if mine.batch < latest {
+            GateStep::Behind { latest }
+        } else {
+            GateStep::Ahead { earliest }
+        };
+        return BatchGate {
+            step,
+            verdict: GateVerdict::Agreed,
+            proposals: Vec::new(),
+        };
+    }
+    let differing: Vec<u32> = words
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.digest != words[0].digest)
+        .map(|(r, _)| r as u32)
+        .collect();
+    BatchGate {
+        step: GateStep::InStep,
+        verdict: if differing.is_empty() {
+            GateVerdict::Agreed
+        } else {
+            GateVerdict::Mismatch { differing }
+        },
+        proposals: words.iter().map(|w| w.proposal).collect(),
+    }
+}
+
+/// What the ranks agreed on a lookup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LookupAgreement {
+    /// Every rank looked up the same pages: the hit the group can load (the minimum; a rank
+    /// whose own lookup failed counts 0).
+    Hit(u64),
+    /// Some ranks looked up other pages than rank 0 (an engine that called `lookup` in another
+    /// order on some rank, or a control channel whose collectives shifted): no rank may load
+    /// anything, and the channel must be re-formed.
+    Mismatch {
+        /// Ranks whose candidates (or word) differ from rank 0's.
+        differing: Vec<u32>,
+    },
+}
+
+const LOOKUP_WORD: usize = 24;
+
+/// The digest of a lookup's candidate pages (after the engine's own `first_page`).
+pub fn lookup_digest(first_page: u64, candidates: &[kv_geometry::PageHash]) -> [u8; 16] {
+    let mut h = Xxh3::with_seed(PLAN_DIGEST_SEED ^ 0x6c6f_6f6b); // "look"
+    h.update(&first_page.to_le_bytes());
+    h.update(&(candidates.len() as u64).to_le_bytes());
+    for p in candidates {
+        h.update(&p.0);
+    }
+    h.digest128().to_le_bytes()
+}
+
+/// Every rank's lookup over the group in one [`Collective::all_gather_bytes`]: a digest of
+/// the candidate pages and this rank's hit (`None`: its own lookup failed). Every rank gets
+/// the same words, so every rank reaches the same [`LookupAgreement`], and every rank issues
+/// exactly one collective per lookup whatever its own lookup did.
+///
+/// ```
+/// use std::time::Duration;
+/// use dedup_broadcast::{agree_lookup, InProcessGroup, LookupAgreement};
+/// let ranks = InProcessGroup::new(1);
+/// let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+/// let a = agree_lookup(&ranks[0], &[1; 16], Some(3), deadline).unwrap();
+/// assert_eq!(a, LookupAgreement::Hit(3));
+/// ```
+pub fn agree_lookup(
+    coll: &dyn Collective,
+    digest: &[u8; 16],
+    hit: Option<u64>,
+    deadline: Instant,
+) -> Result<LookupAgreement, CollectiveError> {
+    let mut word = [0u8; LOOKUP_WORD];
+    word[..16].copy_from_slice(digest);
+    word[16..].copy_from_slice(&hit.unwrap_or(u64::MAX).to_le_bytes());
+    let all = coll.all_gather_bytes(&word, deadline)?;
+    let digest_of = |w: &Vec<u8>| w.get(..16).map(<[u8]>::to_vec);
+    let reference = all.first().and_then(digest_of);
+    let differing: Vec<u32> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.len() != LOOKUP_WORD || digest_of(w) != reference)
+        .map(|(r, _)| r as u32)
+        .collect();
+    if !differing.is_empty() {
+        return Ok(LookupAgreement::Mismatch { differing });
+    }
+    let min = all
+        .iter()
+        .map(|w| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&w[16..24]);
+            match u64::from_le_bytes(b) {
+                u64::MAX => 0,
+                h => h,
+            }
+        })
+        .min()
+        .unwrap_or(0);
+    Ok(LookupAgreement::Hit(min))
+}

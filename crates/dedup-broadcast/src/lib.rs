@@ -64,7 +64,10 @@ pub use collective::{
     MemorySupport,
 };
 pub use formation::{GroupFormation, GroupHandles, InProcessFormation};
-pub use gate::{check_digest, check_plan, plan_digest, GateVerdict, PLAN_DIGEST_SEED};
+pub use gate::{
+    agree_lookup, check_batch, check_digest, check_plan, judge_gate, lookup_digest, plan_digest,
+    BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, PLAN_DIGEST_SEED,
+};
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};
 pub use ops::{share_rows, share_stage, RowsShare, StageShare};
@@ -76,6 +79,6 @@ pub use process::{
 };
 pub use share::{padded_share, page_shares, ShareError, StagedComponent, StagedRow, StagingLayout};
 pub use status::{
-    code_name, exchange_status, fail_code, GroupStatus, LayerStatus, CODE_LAYER_MISMATCH,
-    CODE_MALFORMED, CODE_OTHER,
+    code_name, exchange_status, fail_code, is_out_of_step, GroupStatus, LayerStatus,
+    CODE_LAYER_MISMATCH, CODE_MALFORMED, CODE_OTHER, CODE_OUT_OF_STEP,
 };

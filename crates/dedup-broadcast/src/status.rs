@@ -3,9 +3,13 @@
 //! Every rank folds the same words in the same order, so every rank reaches the same verdict:
 //! the batch failed at the first failing (layer, rank), or it loaded.
 //!
-//! A word is `magic (8 bits) | code (16 bits) | layer (32 bits)` (high to low; code 0 = ok).
-//! A word that does not decode, or names another layer, counts as a failure
-//! ([`CODE_MALFORMED`], [`CODE_LAYER_MISMATCH`]), so a garbled exchange never passes as ok.
+//! A word is `magic (8 bits) | tag (8 bits) | code (16 bits) | layer (32 bits)` (high to low;
+//! code 0 = ok). The tag names the batch the word belongs to (the linker uses the low bits of
+//! its gate count, so two consecutive batches never share a tag); untagged words carry 0.
+//! A word that does not decode, names another layer or carries another batch's tag counts as
+//! a failure ([`CODE_MALFORMED`], [`CODE_LAYER_MISMATCH`], [`CODE_OUT_OF_STEP`]), so a garbled
+//! or shifted exchange never passes as ok, and [`GroupStatus::out_of_step`] tells the caller
+//! that the ranks' collectives no longer line up (the group must be re-formed).
 
 use std::time::Instant;
 
@@ -15,8 +19,9 @@ use crate::{Collective, CollectiveError};
 
 const MAGIC: u64 = 0x5a;
 
-/// Codes 1..=20 are the kinds of [`KvLoadError`], in this order (`KvLoadError::kind_name`).
-const KIND_NAMES: [&str; 20] = [
+/// Codes 1..=23 are the kinds of [`KvLoadError`], in this order (`KvLoadError::kind_name`);
+/// new kinds are appended, so a code never changes meaning.
+const KIND_NAMES: [&str; 23] = [
     "invalid_plan",
     "store_not_found",
     "store_no_space",
@@ -37,6 +42,9 @@ const KIND_NAMES: [&str; 20] = [
     "closed",
     "geometry",
     "config",
+    "duplicate_batch",
+    "bad_object",
+    "slots_held",
 ];
 
 /// A failure with no more specific code.
@@ -45,6 +53,17 @@ pub const CODE_OTHER: u16 = 0x100;
 pub const CODE_MALFORMED: u16 = 0x101;
 /// A gathered word that names a different layer than the one exchanged.
 pub const CODE_LAYER_MISMATCH: u16 = 0x102;
+/// A gathered word that carries another batch's tag (the ranks are out of step).
+pub const CODE_OUT_OF_STEP: u16 = 0x103;
+
+/// True for the codes that mean the ranks' exchanges no longer line up (not a failure of a
+/// rank, but of the group's order): malformed words, another layer, another batch.
+pub fn is_out_of_step(code: u16) -> bool {
+    matches!(
+        code,
+        CODE_MALFORMED | CODE_LAYER_MISMATCH | CODE_OUT_OF_STEP
+    )
+}
 
 /// The code of a [`KvLoadError`]: its kind (never 0).
 pub fn fail_code(err: &KvLoadError) -> u16 {
@@ -69,6 +88,7 @@ pub fn code_name(code: u16) -> &'static str {
         CODE_OTHER => "other",
         CODE_MALFORMED => "malformed_status",
         CODE_LAYER_MISMATCH => "layer_mismatch",
+        CODE_OUT_OF_STEP => "out_of_step",
         c => KIND_NAMES
             .get(usize::from(c) - 1)
             .copied()
@@ -123,12 +143,24 @@ impl LayerStatus {
     /// assert_eq!(LayerStatus::decode(0), None);
     /// ```
     pub fn encode(self, layer: u32) -> u64 {
-        (MAGIC << 56) | (u64::from(self.code()) << 32) | u64::from(layer)
+        self.encode_tagged(layer, 0)
     }
 
-    /// The layer and status of a word, or `None` when it is not a status word.
-    pub fn decode(word: u64) -> Option<(u32, LayerStatus)> {
-        if word >> 56 != MAGIC || (word >> 48) & 0xff != 0 {
+    /// The status word for layer `layer` of the batch tagged `tag`.
+    ///
+    /// ```
+    /// use dedup_broadcast::{LayerStatus, CODE_OUT_OF_STEP};
+    /// let w = LayerStatus::Ok.encode_tagged(3, 9);
+    /// assert_eq!(LayerStatus::decode_for_tagged(w, 3, 9), LayerStatus::Ok);
+    /// assert_eq!(LayerStatus::decode_for_tagged(w, 3, 8).code(), CODE_OUT_OF_STEP);
+    /// ```
+    pub fn encode_tagged(self, layer: u32, tag: u8) -> u64 {
+        (MAGIC << 56) | (u64::from(tag) << 48) | (u64::from(self.code()) << 32) | u64::from(layer)
+    }
+
+    /// The tag, layer and status of a word, or `None` when it is not a status word.
+    pub fn decode_tagged(word: u64) -> Option<(u8, u32, LayerStatus)> {
+        if word >> 56 != MAGIC {
             return None;
         }
         let code = ((word >> 32) & 0xffff) as u16;
@@ -137,16 +169,35 @@ impl LayerStatus {
         } else {
             LayerStatus::Failed { code }
         };
-        Some((word as u32, status))
+        Some((((word >> 48) & 0xff) as u8, word as u32, status))
     }
 
-    /// The status a word gives layer `layer`: a word that does not decode, or names another
-    /// layer, is a failure.
+    /// The layer and status of an untagged word, or `None` when it is not one.
+    pub fn decode(word: u64) -> Option<(u32, LayerStatus)> {
+        match LayerStatus::decode_tagged(word)? {
+            (0, layer, status) => Some((layer, status)),
+            _ => None,
+        }
+    }
+
+    /// The status an untagged word gives layer `layer`: a word that does not decode, or
+    /// names another layer, is a failure.
     pub fn decode_for(word: u64, layer: u32) -> LayerStatus {
         match LayerStatus::decode(word) {
             None => LayerStatus::failed(CODE_MALFORMED),
             Some((l, _)) if l != layer => LayerStatus::failed(CODE_LAYER_MISMATCH),
             Some((_, s)) => s,
+        }
+    }
+
+    /// The status a word gives layer `layer` of the batch tagged `tag`: a word that does not
+    /// decode, names another layer or carries another tag is a failure.
+    pub fn decode_for_tagged(word: u64, layer: u32, tag: u8) -> LayerStatus {
+        match LayerStatus::decode_tagged(word) {
+            None => LayerStatus::failed(CODE_MALFORMED),
+            Some((t, _, _)) if t != tag => LayerStatus::failed(CODE_OUT_OF_STEP),
+            Some((_, l, _)) if l != layer => LayerStatus::failed(CODE_LAYER_MISMATCH),
+            Some((_, _, s)) => s,
         }
     }
 }
@@ -184,6 +235,9 @@ pub struct GroupStatus {
     pub first_failed: Option<(u32, u32)>,
     /// That failure's code (0 while none).
     pub code: u16,
+    /// Some gathered word was malformed, named another layer or carried another batch's tag
+    /// ([`is_out_of_step`]): the ranks' exchanges no longer line up.
+    pub out_of_step: bool,
 }
 
 impl GroupStatus {
@@ -193,6 +247,7 @@ impl GroupStatus {
         for (rank, s) in statuses.iter().enumerate() {
             if let LayerStatus::Failed { code } = *s {
                 all_ok = false;
+                self.out_of_step |= is_out_of_step(code);
                 let here = (rank as u32, layer);
                 let earlier = self
                     .first_failed
@@ -225,6 +280,25 @@ impl GroupStatus {
         deadline: Instant,
     ) -> Result<bool, CollectiveError> {
         let statuses = exchange_status(coll, layer, status, deadline)?;
+        Ok(self.record(layer, &statuses))
+    }
+
+    /// Exchanges this rank's `status` for layer `layer` of the batch tagged `tag` (every rank
+    /// gives the same tag; a word with another one is [`CODE_OUT_OF_STEP`]) and folds the
+    /// result in. Returns true when the layer is ok on every rank.
+    pub fn exchange_tagged(
+        &mut self,
+        coll: &dyn Collective,
+        layer: u32,
+        status: LayerStatus,
+        tag: u8,
+        deadline: Instant,
+    ) -> Result<bool, CollectiveError> {
+        let words = coll.all_gather_u64(status.encode_tagged(layer, tag), deadline)?;
+        let statuses: Vec<LayerStatus> = words
+            .into_iter()
+            .map(|w| LayerStatus::decode_for_tagged(w, layer, tag))
+            .collect();
         Ok(self.record(layer, &statuses))
     }
 

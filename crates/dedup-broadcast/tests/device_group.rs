@@ -204,10 +204,17 @@ fn a_stalled_peer_holds_the_completion_and_abort_breaks_the_group() {
             Err(CollectiveError::Aborted { .. })
         ));
     }
-    // Host-only groups have nothing in flight: abort leaves them working.
-    let host = InProcessGroup::new(1);
-    host[0].abort("ignored");
-    assert!(host[0].broken().is_none());
+    // Host-only groups have nothing in flight, but abort breaks them too: it is how ranks
+    // whose collectives shifted resynchronise (every rank re-forms at its next batch).
+    let host = InProcessGroup::new(2);
+    host[0].abort("out of step");
+    for c in &host {
+        assert!(c.broken().unwrap().contains("out of step"));
+        assert!(matches!(
+            c.all_gather_u64(1, soon()),
+            Err(CollectiveError::Aborted { .. })
+        ));
+    }
 }
 
 #[test]

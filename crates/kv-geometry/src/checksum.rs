@@ -159,6 +159,18 @@ impl ObjectChecksums {
         Self::of_layers(layer_bytes, object.chunks(n))
     }
 
+    /// Bytes of the companion object of an object of `layers` layer ranges: what a load reads
+    /// without asking the store for the size.
+    ///
+    /// ```
+    /// use kv_geometry::ObjectChecksums;
+    /// let sums = ObjectChecksums { layer_bytes: 8, sums: vec![1, 2, 3] };
+    /// assert_eq!(sums.encode().len(), ObjectChecksums::encoded_len(3));
+    /// ```
+    pub fn encoded_len(layers: usize) -> usize {
+        HEADER + 8 * layers + 8
+    }
+
     /// The companion object's bytes (see the module's format).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER + 8 * self.sums.len() + 8);

@@ -220,6 +220,36 @@ pub enum KvLoadError {
     /// Bad configuration of the loader.
     #[error("configuration: {0}")]
     Config(String),
+    /// `start_load` of a batch id that is already in flight on this rank (started, its
+    /// outcome not yet taken): refused before anything was counted; the batch in flight is
+    /// untouched.
+    #[error("{batch} is already in flight: take its outcome before starting it again")]
+    DuplicateBatch {
+        /// The batch.
+        batch: BatchId,
+    },
+    /// An object failed verification before its bytes were reported loaded (its checksum
+    /// companion does not match a layer's bytes, or the companion is malformed). The object
+    /// and its companion were discarded, so the next save writes them again.
+    #[error("{batch}: object `{key}`{} failed verification: {detail}", layer.map(|l| format!(" layer {l}")).unwrap_or_default())]
+    BadObject {
+        /// The batch.
+        batch: BatchId,
+        /// The object's key.
+        key: String,
+        /// The layer whose bytes failed, when one did.
+        layer: Option<u32>,
+        /// What did not match.
+        detail: String,
+    },
+    /// `reset` or `close` returned while store calls that outlived their deadline may still
+    /// write these batches' slots: keep those slots out of use until each batch's outcome is
+    /// handed out (`wait_batch`/`completed`), which happens when its last such call returns.
+    #[error("store calls past their deadline may still write the slots of {batches:?}; their outcomes come when the calls return")]
+    SlotsHeld {
+        /// The batches whose slots are held.
+        batches: Arc<[BatchId]>,
+    },
 }
 
 fn pages_suffix(pages: &[u32]) -> String {
@@ -252,7 +282,9 @@ impl KvLoadError {
             | KvLoadError::Timeout { batch, .. }
             | KvLoadError::Cancelled { batch }
             | KvLoadError::PeerFailed { batch, .. }
-            | KvLoadError::StaleTicket { batch } => Some(*batch),
+            | KvLoadError::StaleTicket { batch }
+            | KvLoadError::DuplicateBatch { batch }
+            | KvLoadError::BadObject { batch, .. } => Some(*batch),
             KvLoadError::Store { batch, .. }
             | KvLoadError::Collective { batch, .. }
             | KvLoadError::GroupDown { batch, .. } => *batch,
@@ -267,6 +299,7 @@ impl KvLoadError {
             KvLoadError::Timeout { layer, .. } | KvLoadError::PeerFailed { layer, .. } => {
                 Some(*layer)
             }
+            KvLoadError::BadObject { layer, .. } => *layer,
             _ => None,
         }
     }
@@ -305,6 +338,9 @@ impl KvLoadError {
             KvLoadError::Closed => "closed",
             KvLoadError::Geometry(_) => "geometry",
             KvLoadError::Config(_) => "config",
+            KvLoadError::DuplicateBatch { .. } => "duplicate_batch",
+            KvLoadError::BadObject { .. } => "bad_object",
+            KvLoadError::SlotsHeld { .. } => "slots_held",
         }
     }
 }

@@ -69,7 +69,7 @@ impl InProcessCollective {
         ranks: &[u32],
         deadline: Instant,
     ) -> Result<Vec<SharedEvent>, String> {
-        let limit = deadline.max(Instant::now()) + POST_GRACE;
+        let limit = kv_loader::deadline_from(deadline.max(Instant::now()), POST_GRACE);
         loop {
             if let Some(cause) = st.broken.clone() {
                 return Err(format!("the group was aborted: {cause}"));

@@ -32,9 +32,13 @@
 //! events of the regions it reads and of its own) the device-to-device copies into its own
 //! region, and records a copy event; its completion event then also waits (device-side) for
 //! the copy events of every rank that reads its region, so a region is never reused while a
-//! peer may still read it. A device group can be [aborted](Collective::abort): every handle's
-//! later operations fail at once, and the group is [`broken`](Collective::broken) until
-//! re-formed ([`GroupFormation`](crate::GroupFormation)).
+//! peer may still read it. A group can be [aborted](Collective::abort): every handle's later
+//! operations fail at once, and the group is [`broken`](Collective::broken) until re-formed
+//! ([`GroupFormation`](crate::GroupFormation)).
+//!
+//! Every wait is bounded: a rank waits for others to arrive until its deadline, and an owner
+//! waits for peers of a committed round to copy out of its rows until its deadline plus a
+//! grace (then the round is given up; only copies already running are waited for).
 
 mod device;
 mod round;
@@ -273,14 +277,14 @@ impl Collective for InProcessCollective {
         unsafe { self.device_all_gather(region, after, deadline) }
     }
 
-    /// Device groups: breaks the group for every handle (device copies of a round may still be
-    /// enqueued; callers must not reuse memory they cannot fence). Host-only groups finish
-    /// every operation before it returns, so there is nothing to abort.
+    /// Breaks the group for every handle: every later operation fails at once
+    /// ([`CollectiveError::Aborted`]) and [`broken`](Collective::broken) says why, until the
+    /// group is re-formed. Device groups: copies of a round may still be enqueued (callers must
+    /// not reuse memory they cannot fence). Host-only groups finish every operation before it
+    /// returns; breaking one is how the ranks resynchronise after their collectives shifted
+    /// (every rank re-forms at its next batch, with sequence numbers from 0).
     fn abort(&self, cause: &str) {
-        if self.device.is_none() {
-            return;
-        }
-        tracing::warn!(rank = self.rank, cause, "in-process device group aborted");
+        tracing::warn!(rank = self.rank, cause, "in-process group aborted");
         self.group.state.lock().break_group(cause);
         self.group.cv.notify_all();
     }

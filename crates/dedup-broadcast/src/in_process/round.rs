@@ -141,6 +141,20 @@ impl State {
         }
     }
 
+    /// Gives up a round whose copies outlived their grace (committed or not): every rank that
+    /// has not returned from it gets `error`; a rank that has not started its copies never
+    /// will. Copies already running finish (owners wait for them, not for anyone's progress).
+    pub(super) fn abandon(&mut self, seq: u64, error: CollectiveError) {
+        if let Some(round) = self.rounds.get_mut(&seq) {
+            if !matches!(round.fate, Fate::Failed { .. }) {
+                round.fate = Fate::Failed {
+                    error,
+                    missing: Vec::new(),
+                };
+            }
+        }
+    }
+
     /// Marks the group broken and fails every open round with `cause`.
     pub(super) fn break_group(&mut self, cause: &str) {
         self.broken.get_or_insert_with(|| cause.to_string());

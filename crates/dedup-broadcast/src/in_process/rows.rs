@@ -1,6 +1,6 @@
 //! Host rows: broadcast and in-place all-gather, one CPU copy per row per receiver.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kv_device::HostRow;
 use parking_lot::MutexGuard;
@@ -9,6 +9,23 @@ use xxhash_rust::xxh3::Xxh3;
 use super::round::{round_mut, Arrival, Desc, Fate, OpKind};
 use super::InProcessCollective;
 use crate::CollectiveError;
+
+/// How long past its deadline an owner waits for peers of a committed round to copy out of
+/// its rows (they start at once; this only bounds a peer thread that never runs again). Then
+/// the round is given up: peers that have not started never will, and the owner waits only
+/// for copies already running (a bounded memory copy, not anyone's progress).
+const COPY_GRACE: Duration = Duration::from_secs(10);
+
+/// The wait between checks of copies already running.
+const COPY_POLL: Duration = Duration::from_millis(5);
+
+fn copies_gave_up(op: &'static str, seq: u64) -> CollectiveError {
+    CollectiveError::Timeout {
+        op,
+        seq,
+        missing: Vec::new(),
+    }
+}
 
 /// A digest of row lengths and counts: ranks whose rows differ in shape do not match.
 fn shape(rows: &[HostRow], counts: &[usize]) -> u64 {
@@ -79,11 +96,15 @@ impl InProcessCollective {
         let mut st = g.arrive(rank, seq, desc, invalid, Arrival::Rows(rows.to_vec()))?;
         let is_root = rank == root;
         let mut copied = false;
+        let limit = kv_loader::deadline_from(deadline, COPY_GRACE);
         loop {
             let round = round_mut(&mut st, seq)?;
             match (&round.fate, is_root) {
-                // The root waits for copies out of its rows, whatever the fate.
-                (Fate::Failed { .. }, true) if round.copying > 0 => g.cv.wait(&mut st),
+                // The root waits for copies out of its rows already running, whatever the fate
+                // (a bounded memory copy each).
+                (Fate::Failed { .. }, true) if round.copying > 0 => {
+                    g.cv.wait_for(&mut st, COPY_POLL);
+                }
                 (Fate::Failed { error, .. }, _) => {
                     let e = error.clone();
                     st.leave(seq);
@@ -93,7 +114,13 @@ impl InProcessCollective {
                     st.leave(seq);
                     return Ok(());
                 }
-                (Fate::Committed, true) => g.cv.wait(&mut st),
+                (Fate::Committed, true) => {
+                    if g.cv.wait_until(&mut st, limit).timed_out() && Instant::now() >= limit {
+                        tracing::error!(rank, seq, "peers never copied a broadcast: given up");
+                        st.abandon(seq, copies_gave_up(kind.name(), seq));
+                        g.cv.notify_all();
+                    }
+                }
                 (_, false) if !copied && round.arrivals[root as usize].is_some() => {
                     let src = match &round.arrivals[root as usize] {
                         Some(Arrival::Rows(r)) => r.clone(),
@@ -156,10 +183,15 @@ impl InProcessCollective {
         let seq = self.next_seq();
         let mut st = g.arrive(rank, seq, desc, invalid, Arrival::Rows(rows.to_vec()))?;
         let mut copied = false;
+        let limit = kv_loader::deadline_from(deadline, COPY_GRACE);
         loop {
             let round = round_mut(&mut st, seq)?;
             match &round.fate {
-                // Nobody copies before a round commits, so a failed one has no copy in flight.
+                // A round given up after it committed may have copies out of this rank's rows
+                // still running (a bounded memory copy each): wait for those only.
+                Fate::Failed { .. } if round.copying > 0 => {
+                    g.cv.wait_for(&mut st, COPY_POLL);
+                }
                 Fate::Failed { error, .. } => {
                     let e = error.clone();
                     st.leave(seq);
@@ -202,7 +234,13 @@ impl InProcessCollective {
                     st.leave(seq);
                     return Ok(());
                 }
-                Fate::Committed => g.cv.wait(&mut st),
+                Fate::Committed => {
+                    if g.cv.wait_until(&mut st, limit).timed_out() && Instant::now() >= limit {
+                        tracing::error!(rank, seq, "peers never copied an all-gather: given up");
+                        st.abandon(seq, copies_gave_up(kind.name(), seq));
+                        g.cv.notify_all();
+                    }
+                }
                 Fate::Open => g.wait_open(rank, &mut st, seq, kind.name(), deadline),
             }
         }

@@ -130,6 +130,23 @@ impl CudaDevice {
         self.load_stream.cuda()
     }
 
+    /// An event recorded on the engine's stream `stream` after the work enqueued on it so far
+    /// (the compute that wrote the pages a save gathers): what
+    /// `Linker::save_after` orders the gather after, device-side. Safe: `RawStream`'s
+    /// constructor carries the promise that it is a live stream of this process (a stream of
+    /// another context is refused by the driver: an error, not undefined behaviour).
+    pub fn record_on(
+        &self,
+        stream: kv_loader::RawStream,
+    ) -> Result<crate::SharedEvent, DeviceError> {
+        let ev = super::event::CudaLayerEvent::record_raw(
+            &self.ctx,
+            stream.as_raw() as cudarc::driver::sys::CUstream,
+            u32::MAX,
+        )?;
+        Ok(ev)
+    }
+
     /// Makes the context current on the calling thread (raw driver calls need it).
     pub fn bind(&self) -> Result<(), DeviceError> {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))

@@ -67,8 +67,10 @@ impl CudaLayerEvent {
             event,
             layer,
         };
-        // SAFETY: `event` was just created in this context; `stream` is a live stream of the
-        // same context (callers pass their own streams).
+        // SAFETY: `event` was just created in this context; `stream` is a live stream handle:
+        // a stream of this backend's own, or a `RawStream` whose `unsafe` constructor's caller
+        // vouched that it is live (`CudaDevice::record_on`); a stream of another context makes
+        // the driver return an error.
         unsafe { sys::cuEventRecord(ev.event, stream) }
             .result()
             .map_err(drv("cuEventRecord"))?;

@@ -117,6 +117,28 @@ impl LayerLanding for DirectLanding {
         self.slot_addr(component, layer, plan_page)
     }
 
+    fn target_bytes<'s>(
+        &'s self,
+        stage: &'s LayerStage,
+        component: ComponentId,
+        plan_page: usize,
+    ) -> Result<&'s [u8], DeviceError> {
+        let (_, layer) = stage.open_layer(self.id)?;
+        let addr = self.slot_addr(component, layer, plan_page)?;
+        let len = self
+            .pool
+            .geometry()
+            .component(component)
+            .map_err(|_| DeviceError::InvalidStage("an unknown component"))?
+            .page_layer_bytes as usize;
+        // SAFETY: `addr` is a whole slot slice (`page_layer_bytes`) of the host pool, which
+        // `self` keeps alive for 's; the stage holding this layer is borrowed for 's, so no
+        // collective of this batch writes the layer's slots meanwhile (it needs the stage
+        // exclusively), the reader works on the other stage, and the engine leaves slots of a
+        // batch in flight alone.
+        Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+    }
+
     fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
         stage.open_layer(self.id)?;
         stage.set_layer(None);

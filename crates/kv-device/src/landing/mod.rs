@@ -183,6 +183,18 @@ pub trait LayerLanding: Send + Sync {
         plan_page: usize,
     ) -> Result<usize, DeviceError>;
 
+    /// The bytes at [`target`](Self::target)`(stage, component, plan_page)`, as the store left
+    /// them: what a load verifies before it shares or lands them. The stage stays borrowed
+    /// while they are, so nothing of this batch writes them meanwhile (the reader works on
+    /// another stage, a collective needs the stage exclusively, and the engine leaves the
+    /// slots of a batch in flight alone).
+    fn target_bytes<'s>(
+        &'s self,
+        stage: &'s LayerStage,
+        component: ComponentId,
+        plan_page: usize,
+    ) -> Result<&'s [u8], DeviceError>;
+
     /// Every read of the stage's layer has returned and its shared rows are in: make the layer
     /// resident (or enqueue that) and say how the engine waits for it.
     fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError>;
@@ -227,6 +239,16 @@ pub trait DeviceShare: Send + Sync {
         offset: usize,
         len: usize,
     ) -> Result<usize, DeviceError>;
+
+    /// The bytes at [`share_target`](Self::share_target)`(stage, offset, len)` (pinned
+    /// staging), as the store left them, for a load to verify before it uploads or shares them
+    /// (borrowed with the stage, as [`LayerLanding::target_bytes`]).
+    fn share_bytes<'s>(
+        &'s self,
+        stage: &'s LayerStage,
+        offset: usize,
+        len: usize,
+    ) -> Result<&'s [u8], DeviceError>;
 
     /// Enqueues on the load stream one host→device copy of `range` of the share area (this
     /// rank's part; may be empty), and records the event the collective starts after.
@@ -275,6 +297,25 @@ pub trait LandingFactory: Send + Sync {
         Err(DeviceError::Unavailable(
             "this backend's pool is read in place; it has no save gatherer".into(),
         ))
+    }
+
+    /// [`begin_save`](Self::begin_save), ordered after `after` (an event recorded after the
+    /// engine's compute that wrote the pages): no gather reads the slots before it completed.
+    /// Backends with device streams wait on it device-side; the default waits for it on the
+    /// calling thread (at most a minute), then gathers.
+    fn begin_save_after(
+        &self,
+        slots: Arc<[u32]>,
+        after: &SharedEvent,
+    ) -> Result<Box<dyn SaveGather>, DeviceError> {
+        let limit = crate::staged::sync::SYNC_LIMIT;
+        if !after.wait_until(kv_loader::deadline_after(limit))? {
+            return Err(DeviceError::Timeout {
+                what: "the engine's event before a save",
+                waited: limit,
+            });
+        }
+        self.begin_save(slots)
     }
 }
 

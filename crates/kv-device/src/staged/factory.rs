@@ -12,8 +12,9 @@ use super::staging::{StagingLease, StagingPool};
 use super::sync::{self, SYNC_LIMIT};
 use crate::{
     BatchShape, DeviceError, DeviceMemory, KvPool, LandingFactory, LayerLanding, SaveGather,
-    SharePath, Stream,
+    SharePath, SharedEvent, Stream,
 };
+use parking_lot::Mutex;
 
 /// Staged landings into a device pool, each batch leasing a staging buffer of `staging`.
 ///
@@ -34,6 +35,9 @@ pub struct StagedLandingFactory {
     staging: Arc<StagingPool>,
     strategy: ScatterStrategy,
     drain: Duration,
+    /// The stream saves gather on (made at the first save): apart from the load stream, so a
+    /// save that waits for the engine's compute never holds a load's copies back.
+    save_stream: Mutex<Option<Arc<dyn Stream>>>,
 }
 
 impl StagedLandingFactory {
@@ -44,6 +48,7 @@ impl StagedLandingFactory {
             staging,
             strategy: ScatterStrategy::Auto,
             drain: Duration::from_secs(30),
+            save_stream: Mutex::new(None),
         }
     }
 
@@ -63,6 +68,31 @@ impl StagedLandingFactory {
     /// The staging pool.
     pub fn staging(&self) -> &Arc<StagingPool> {
         &self.staging
+    }
+
+    fn save_stream(&self) -> Result<Arc<dyn Stream>, DeviceError> {
+        let mut s = self.save_stream.lock();
+        if let Some(stream) = s.as_ref() {
+            return Ok(stream.clone());
+        }
+        let stream = self.pool.device().new_stream()?;
+        *s = Some(stream.clone());
+        Ok(stream)
+    }
+
+    fn gather(
+        &self,
+        slots: Arc<[u32]>,
+        after: Option<&SharedEvent>,
+    ) -> Result<Box<dyn SaveGather>, DeviceError> {
+        Ok(Box::new(StagedGather::new(
+            self.pool.clone(),
+            self.save_stream()?,
+            self.staging.lease()?,
+            slots,
+            self.strategy,
+            after,
+        )?))
     }
 }
 
@@ -89,17 +119,22 @@ impl LandingFactory for StagedLandingFactory {
     }
 
     fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
-        Ok(Box::new(StagedGather::new(
-            self.pool.clone(),
-            self.staging.lease()?,
-            slots,
-            self.strategy,
-        )?))
+        self.gather(slots, None)
+    }
+
+    /// The gather's stream waits on `after` device-side before its first copy.
+    fn begin_save_after(
+        &self,
+        slots: Arc<[u32]>,
+        after: &SharedEvent,
+    ) -> Result<Box<dyn SaveGather>, DeviceError> {
+        self.gather(slots, Some(after))
     }
 }
 
 /// The save direction: device slots → pinned staging, one (component, layer) at a time,
-/// synchronously (bounded).
+/// synchronously (bounded), on the factory's save stream: after the load stream's work so far,
+/// and after the engine's event when given.
 pub(crate) struct StagedGather {
     pool: Arc<DeviceKvPool>,
     stream: Arc<dyn Stream>,
@@ -114,9 +149,11 @@ pub(crate) struct StagedGather {
 impl StagedGather {
     fn new(
         pool: Arc<DeviceKvPool>,
+        stream: Arc<dyn Stream>,
         lease: StagingLease,
         slots: Arc<[u32]>,
         strategy: ScatterStrategy,
+        after: Option<&SharedEvent>,
     ) -> Result<Self, DeviceError> {
         if let Some(&s) = slots.iter().find(|&&s| s >= pool.pages()) {
             return Err(DeviceError::OutOfPool {
@@ -136,8 +173,14 @@ impl StagedGather {
             unsafe { sync::write(&*device, &sync::Bounce::default(), table.addr(), &bytes) }?;
             Some(table)
         };
+        // Every gather of this save runs after what the load stream did so far (loads into
+        // these slots) and after the engine's compute that wrote the pages.
+        stream.wait(&device.load_stream().record()?)?;
+        if let Some(ev) = after {
+            stream.wait(ev)?;
+        }
         Ok(StagedGather {
-            stream: device.load_stream(),
+            stream,
             pool,
             lease: Some(lease),
             slots,

@@ -362,6 +362,22 @@ impl LayerLanding for StagedLanding {
         Ok(self.lease_ref()?.host_half(h)? + (off + plan_page as u64 * row) as usize)
     }
 
+    fn target_bytes<'s>(
+        &'s self,
+        stage: &'s LayerStage,
+        component: ComponentId,
+        plan_page: usize,
+    ) -> Result<&'s [u8], DeviceError> {
+        let addr = self.target(stage, component, plan_page)?;
+        let len = self.layout(component)?.page_layer_bytes as usize;
+        // SAFETY: `target` checked that the row lies in this stage's own area of the pinned
+        // half (sizes checked in `new`), which the lease `self` holds keeps allocated for 's;
+        // the stage is borrowed for 's, so nothing of this batch writes the half meanwhile
+        // (only the store writes pinned staging, for the layer open in the stage, before it is
+        // handed over; the reader fills the other stage).
+        Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+    }
+
     fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
         stage.set_layer(None);
@@ -425,6 +441,20 @@ impl DeviceShare for StagedLanding {
             return Err(stage_err("a row outside the share area"));
         }
         Ok(self.lease_ref()?.host_half(h)? + offset)
+    }
+
+    fn share_bytes<'s>(
+        &'s self,
+        stage: &'s LayerStage,
+        offset: usize,
+        len: usize,
+    ) -> Result<&'s [u8], DeviceError> {
+        let addr = self.share_target(stage, offset, len)?;
+        // SAFETY: `share_target` checked that the range lies in this stage's share area of the
+        // pinned half, kept allocated by the lease for 's; the stage is borrowed for 's, so
+        // nothing of this batch writes it meanwhile (the store wrote it before the hand-over;
+        // the collectives move device staging, not the pinned half).
+        Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
     }
 
     fn upload(&self, stage: &mut LayerStage, range: Range<usize>) -> Result<(), DeviceError> {

@@ -1,27 +1,54 @@
-//! One batch on one rank, before its layers move: the keys, the mode every rank agrees on,
-//! how each layer splits into own and shared rows, the landing, and the read session. Then
-//! the [`LayerPipeline`](super::pipeline::LayerPipeline) runs it.
+//! One batch on one rank, before its layers move: the gate every rank meets (in step, the
+//! plans compared, the mode agreed), the keys, how each layer splits into own and shared rows,
+//! the landing, the read session and the checksums. Then the
+//! [`LayerPipeline`](super::pipeline::LayerPipeline) runs it.
+//!
+//! **Ranks never drift.** Every batch this rank's engine started, loaded or refused, meets the
+//! group at the gate: a batch refused at `start_load` (`Busy`, a duplicate id, an invalid plan)
+//! or cancelled by `reset` before it ran still gates and exchanges a failed status word for
+//! layer 0, so every rank issues the same collectives for it and every rank fails it. The gate
+//! word carries the batch id and the number of gates held on the handle; ranks that meet at
+//! different batches catch up (the rank behind skips its batch, the rank ahead gates its batch
+//! again), and ranks whose collectives no longer line up at all abort the group, which every
+//! rank re-forms at its next batch (sequence numbers from 0 again).
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use dedup_broadcast::{check_plan, Collective, GateVerdict, StagingLayout};
-use kv_device::BatchShape;
+use dedup_broadcast::{Collective, StagingLayout};
+use kv_device::{BatchShape, LayerLanding};
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMode};
-use tracing::{info, info_span, warn};
+use tracing::{info_span, warn};
 
+use super::gate::GateCount;
+use super::outcomes::HeldOutcome;
 use super::pipeline::LayerPipeline;
 use super::reader::{store_failure, ComponentKeys, LayerReader};
+use super::regions::Registered;
 use super::session::PinnedKeys;
+use super::verify::BatchChecksums;
 use super::{GroupFallback, Inner};
+use crate::store::Hold;
 
 /// A batch handed to the load thread.
 pub(crate) struct BatchJob {
     pub(crate) plan: BatchPlan,
-    pub(crate) ticket: LoadTicket,
+    /// `None` for a batch this rank refused at `start_load`: it still meets the group.
+    pub(crate) ticket: Option<LoadTicket>,
+    /// Why this rank refused the batch.
+    pub(crate) refusal: Option<KvLoadError>,
     pub(crate) epoch: u64,
     pub(crate) started: Instant,
+}
+
+/// What a hung store call of a batch keeps alive until it returns: the landing (its staging
+/// lease, its pool), the registered regions, and, when the store writes pool slots, the
+/// batch's outcome (so the engine cannot reuse the slots before).
+struct BatchMemory {
+    _landing: Option<Arc<dyn LayerLanding>>,
+    _registered: Option<Arc<Registered>>,
+    _outcome: Option<Arc<HeldOutcome>>,
 }
 
 /// How a batch's components split on this rank once the ranks agreed on its mode.
@@ -100,41 +127,59 @@ impl Inner {
         Ok(out)
     }
 
-    fn collective_deadline(&self) -> Instant {
+    pub(crate) fn collective_deadline(&self) -> Instant {
         kv_loader::deadline_after(self.config.collective_timeout)
     }
 
-    /// Every rank: the plan gate (even for an empty batch), then rank 0's mode proposal.
-    /// A plan that differs across ranks runs `AllRanks`.
-    fn agree_mode(
+    /// Runs one batch on this rank: the gate (every rank, even for a batch refused or
+    /// cancelled here), then its layers. `held` keeps the outcome back while a store call
+    /// that may still write the slots runs.
+    pub(crate) fn run_batch(
         &self,
-        coll: &dyn Collective,
+        gates: &mut GateCount,
         job: &BatchJob,
-        replicated_bytes_per_layer: u64,
-    ) -> Result<ShareMode, KvLoadError> {
+        held: Option<&Arc<HeldOutcome>>,
+    ) -> Result<LoadStats, KvLoadError> {
         let batch = job.plan.logical.batch;
-        let verdict = check_plan(coll, &job.plan.logical, self.collective_deadline())
-            .map_err(|e| collective_failure(batch, e))?;
-        let (proposal, why) = self.auto.propose(coll.size(), replicated_bytes_per_layer);
-        let proposals = coll
-            .all_gather_u64(mode_code(proposal), self.collective_deadline())
-            .map_err(|e| collective_failure(batch, e))?;
-        let mode = proposals
-            .first()
-            .and_then(|&c| mode_of(c))
-            .unwrap_or(ShareMode::AllRanks);
-        match verdict {
-            GateVerdict::Agreed => {
-                if coll.rank() == 0 {
-                    info!(%batch, ?mode, why, "share mode");
+        let span = info_span!("load_batch", %batch, pages = job.plan.logical.num_pages());
+        let _enter = span.enter();
+        let cancelled = self.epoch.load(std::sync::atomic::Ordering::Acquire) != job.epoch;
+        let refusal = job
+            .refusal
+            .clone()
+            .or_else(|| cancelled.then_some(KvLoadError::Cancelled { batch }));
+        let handles = match &self.group {
+            Some(link) => match link.handles(self.collective_deadline()) {
+                Ok(h) => Ok(h),
+                Err(down) => match self.config.group_fallback {
+                    GroupFallback::Fail => return Err(down.error(Some(batch))),
+                    GroupFallback::ReadAlone => Err(down.to_string()),
+                },
+            },
+            // A rank alone has nobody to keep in step with.
+            None => Err(String::new()),
+        };
+        let handles = match handles {
+            Ok(h) => h,
+            Err(alone) => {
+                if let Some(e) = refusal {
+                    return Err(e);
                 }
-                Ok(mode)
+                if alone.is_empty() {
+                    return self.load_batch(None, job, ShareMode::AllRanks, 0, held);
+                }
+                warn!(%batch, reason = %alone, "loading alone: the TP group is down");
+                let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
+                stats.alone = Some(alone);
+                return Ok(stats);
             }
-            GateVerdict::Mismatch { differing } => {
-                warn!(%batch, ?differing, "plans differ across ranks: this batch reads AllRanks");
-                Ok(ShareMode::AllRanks)
-            }
+        };
+        let coll = handles.data.as_ref();
+        let gated = self.gate(gates, handles.epoch, coll, job)?;
+        if let Some(e) = refusal {
+            return self.refuse(coll, batch, gated.tag, e);
         }
+        self.load_batch(Some(coll), job, gated.mode, gated.tag, held)
     }
 
     /// How the batch's layers split, in `mode`. A layout that cannot be built becomes this
@@ -178,54 +223,60 @@ impl Inner {
     }
 
     /// Loads every layer of `job` into the pool, marking each ready as it lands.
-    pub(crate) fn run_batch(&self, job: &BatchJob) -> Result<LoadStats, KvLoadError> {
+    fn load_batch(
+        &self,
+        coll: Option<&dyn Collective>,
+        job: &BatchJob,
+        mode: ShareMode,
+        tag: u8,
+        held: Option<&Arc<HeldOutcome>>,
+    ) -> Result<LoadStats, KvLoadError> {
         let batch = job.plan.logical.batch;
         let pages = job.plan.logical.num_pages();
-        let span = info_span!("load_batch", %batch, pages);
-        let _enter = span.enter();
-        let components = self.component_keys(&job.plan)?;
-        let (data, alone) = match &self.group {
-            Some(g) => match g.handles(self.collective_deadline()) {
-                Ok(h) => (Some(h.data), None),
-                Err(down) => match self.config.group_fallback {
-                    GroupFallback::Fail => return Err(down.error(Some(batch))),
-                    GroupFallback::ReadAlone => {
-                        warn!(%batch, reason = %down, "loading alone: the TP group is down");
-                        (None, Some(down.to_string()))
-                    }
-                },
-            },
-            None => (None, None),
-        };
-        let coll = data.as_deref();
         let (rank, size) = coll.map_or((0, 1), |c| (c.rank(), c.size()));
-        let replicated_per_layer: u64 = components
-            .iter()
-            .filter(|c| c.layout.replicated)
-            .map(|c| c.layout.object_bytes() * pages as u64)
-            .sum::<u64>()
-            / u64::from(self.geometry.num_layers().max(1));
-        let mode = match coll {
-            Some(c) => self.agree_mode(c, job, replicated_per_layer)?,
-            None => ShareMode::AllRanks,
-        };
         // After the gate every rank must issue the batch's per-layer exchanges: from here on a
         // local failure is this rank's status, never an early return.
+        let (components, keys_error) = match self.component_keys(&job.plan) {
+            Ok(c) => (c, None),
+            Err(e) => (Vec::new(), Some(e)),
+        };
         let (layers, layout_error) = self.layers(components, mode, rank, size, pages);
         let slots: Arc<[u32]> = job.plan.slots.clone().into();
-        let landing = self.landings.begin(slots, layers.shape());
-        let prep = self.prepare(&layers, batch, layout_error, landing.as_ref().err());
-        let mut landing = landing.ok();
-        let stages = landing
-            .as_mut()
-            .map(|l| l.take_stages())
-            .unwrap_or_default();
+        let (landing, stages, landing_error) = match self.landings.begin(slots, layers.shape()) {
+            Ok(mut l) => {
+                let stages = l.take_stages();
+                (Some(Arc::<dyn LayerLanding>::from(l)), stages, None)
+            }
+            Err(e) => (None, Vec::new(), Some(e)),
+        };
+        let memory: Hold = Arc::new(BatchMemory {
+            _landing: landing.clone(),
+            _registered: self.registered.lock().clone(),
+            _outcome: held.cloned(),
+        });
+        let prep = match keys_error.or(layout_error) {
+            Some(e) => Err(e),
+            None => self.prepare(&layers, batch, landing_error.as_ref(), &memory),
+        };
+        let (prep, sums) = match prep {
+            Ok((pins, sums)) => (Ok(pins), sums),
+            Err(e) => (Err(e), BatchChecksums::default()),
+        };
+        let Some(counter) = job.ticket.map(|t| t.counter) else {
+            return Err(KvLoadError::Config(format!(
+                "{batch}: a refused batch has no ticket"
+            )));
+        };
         let pipeline = LayerPipeline {
             inner: self,
             job,
+            counter,
             coll,
             layers: &layers,
             landing: landing.as_deref(),
+            memory: &memory,
+            sums: &sums,
+            tag,
         };
         let run = pipeline.run(prep, stages)?;
         let last_layer = job.started.elapsed();
@@ -243,26 +294,25 @@ impl Inner {
             last_layer,
             transfers: layer_transfers.iter().copied().sum(),
             layer_transfers,
-            alone,
+            alone: None,
         })
     }
 
-    /// Local preparation: pins the keys this rank reads and checks their sizes. Any failure
-    /// (here, or in building the layouts or the landing) is this rank's status from layer 0.
+    /// Local preparation: pins the keys this rank reads (and their checksum companions),
+    /// checks their sizes and reads the companions. Any failure (here, or in building the
+    /// layouts or the landing) is this rank's status from layer 0.
     fn prepare<'s>(
         &'s self,
         layers: &BatchLayers,
         batch: BatchId,
-        layout_error: Option<KvLoadError>,
         landing_error: Option<&kv_device::DeviceError>,
-    ) -> Result<PinnedKeys<'s>, KvLoadError> {
-        if let Some(e) = layout_error {
-            return Err(e);
-        }
+        memory: &Hold,
+    ) -> Result<(PinnedKeys<'s>, BatchChecksums), KvLoadError> {
         if let Some(e) = landing_error {
             return Err(KvLoadError::Device(format!("{batch}: landing: {e}")));
         }
         let my_pages = layers.my_pages();
+        let (companions, plan) = self.present_companions(layers, batch)?;
         let read_keys: Vec<&str> = layers
             .own
             .iter()
@@ -273,37 +323,28 @@ impl Inner {
                     .iter()
                     .flat_map(|c| c.keys[my_pages.clone()].iter().map(String::as_str)),
             )
+            .chain(companions.iter().map(String::as_str))
             .collect();
-        let pins = PinnedKeys::start(self.store.as_ref(), &read_keys, self.config.lease_renewal)
-            .map_err(|e| store_failure(batch, None, Vec::new(), &e))?;
+        let pins = PinnedKeys::start(
+            &self.calls,
+            &read_keys,
+            self.config.lease_renewal,
+            self.config.store_call_timeout,
+        )
+        .map_err(|e| store_failure(batch, None, Vec::new(), &e))?;
         if self.config.verify_object_sizes {
             let reader = |components| LayerReader {
-                store: self.store.as_ref(),
+                calls: &self.calls,
                 batch,
                 components,
                 parallelism: self.config.read_parallelism,
+                hold: memory,
+                deadline: kv_loader::deadline_after(self.config.store_call_timeout),
             };
             reader(&layers.own).verify_sizes(0..layers.pages)?;
             reader(&layers.shared).verify_sizes(my_pages)?;
         }
-        Ok(pins)
-    }
-}
-
-/// Wire code of a share mode in the proposal exchange.
-fn mode_code(mode: ShareMode) -> u64 {
-    match mode {
-        ShareMode::AllRanks => 0,
-        ShareMode::Rank0Broadcast => 1,
-        ShareMode::SplitAllGather => 2,
-    }
-}
-
-fn mode_of(code: u64) -> Option<ShareMode> {
-    match code {
-        0 => Some(ShareMode::AllRanks),
-        1 => Some(ShareMode::Rank0Broadcast),
-        2 => Some(ShareMode::SplitAllGather),
-        _ => None,
+        let sums = self.read_companions(layers, batch, plan)?;
+        Ok((pins, sums))
     }
 }

@@ -37,12 +37,25 @@ pub struct LinkerConfig {
     pub pp_rank: u32,
     /// Longest a `wait_layer` or `wait_batch` blocks.
     pub wait_deadline: Duration,
-    /// Longest one layer's store reads may take before the batch fails as timed out.
+    /// Longest one store call of a layer's reads may take: a call still running then fails
+    /// the batch at once (it is not waited for; the memory it writes is kept until it
+    /// returns), and a layer whose reads took longer in all fails it too.
     pub layer_read_timeout: Duration,
     /// Renew read sessions (lease pins) this often during a load.
     pub lease_renewal: Duration,
     /// Check before the first read that each object's size matches the geometry.
     pub verify_object_sizes: bool,
+    /// Check each (object, layer) range against the checksums kvlink wrote beside the object
+    /// before the layer is reported loaded (objects without them, e.g. written by SGLang, are
+    /// checked by length only; `LinkerMetrics` counts both). A range that fails fails the
+    /// batch ([`KvLoadError::BadObject`](kv_loader::KvLoadError::BadObject)) and its object is
+    /// discarded, so the next save writes it again.
+    pub verify_checksums: bool,
+    /// Longest any store call other than a layer's reads may take (lookups, read sessions,
+    /// sizes, checksums, saves, discards): past it the call fails with
+    /// [`StoreError::Overdue`](crate::store::StoreError::Overdue) while it runs on (its memory
+    /// is kept until it returns).
+    pub store_call_timeout: Duration,
     /// Store calls each layer's reads are split into, issued at once from scoped threads
     /// (1: one batched call per layer per component). Stores whose batched call is served by
     /// one thread (the embedded store) read faster with more.
@@ -100,6 +113,8 @@ impl Default for LinkerConfig {
             layer_read_timeout: Duration::from_secs(20),
             lease_renewal: Duration::from_secs(5),
             verify_object_sizes: true,
+            verify_checksums: true,
+            store_call_timeout: Duration::from_secs(20),
             read_parallelism: 1,
             save_chunk: 64,
             max_in_flight: 64,

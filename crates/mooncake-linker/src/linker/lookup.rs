@@ -1,20 +1,44 @@
-//! Lookup: the longest run of pages the store holds after the engine's own hit.
+//! Lookup: the longest run of pages the store holds after the engine's own hit, agreed over
+//! the TP group.
+//!
+//! Every rank issues exactly one collective per lookup on the control handle, whatever its own
+//! lookup did (a store error included): a rank that failed counts a hit of 0 (and returns its
+//! error), so the ranks' collectives never shift. The collective carries a digest of the
+//! candidate pages: ranks that looked up different pages (or a control channel that shifted)
+//! get no hit on any rank, and the group (both handles) is re-formed at its next use.
 
-use kv_geometry::page_hashes;
+use dedup_broadcast::{agree_lookup, lookup_digest, LookupAgreement};
+use kv_geometry::{page_hashes, PageHash};
 use kv_loader::{KvLoadError, LookupHit, LookupRequest};
 use tracing::{debug, warn};
 
+use super::group::GroupLink;
 use super::{GroupFallback, Inner};
-use crate::store::checked_results;
 
 impl Inner {
     /// One batched `exists` over every component's key of every candidate page; the hit
-    /// ends at the first page with any component missing.
+    /// ends at the first page with any component missing; then the group's minimum.
     pub(crate) fn lookup(&self, req: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
         let page_size = self.geometry.page_size();
         let all = page_hashes(req.tokens, page_size, None);
         let first = req.skip_pages.min(all.len());
         let candidates = &all[first..];
+        let local = self.local_hit(candidates, first);
+        let hit = match &self.group {
+            None => local?,
+            Some(link) => self.group_hit(link, candidates, first, local)?,
+        };
+        self.metrics.lookup(candidates.len() as u64, hit as u64);
+        debug!(candidates = candidates.len(), hit, "lookup");
+        Ok(LookupHit {
+            pages: candidates[..hit].to_vec(),
+            first_page: first,
+            tokens: hit * page_size as usize,
+        })
+    }
+
+    /// This rank's own hit: pages in a row whose every component the store holds.
+    fn local_hit(&self, candidates: &[PageHash], first: usize) -> Result<usize, KvLoadError> {
         let comps = self.geometry.components();
         let keys: Vec<String> = candidates
             .iter()
@@ -22,13 +46,13 @@ impl Inner {
             .map(|(p, c)| self.keys.object_key(p, c))
             .collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let present = checked_results(&refs, self.store.exists(&refs));
+        let present = self.calls.exists(&refs, self.store_deadline());
         let mut hit = 0;
-        'pages: for (i, _) in candidates.iter().enumerate() {
+        for i in 0..candidates.len() {
             for j in 0..comps.len() {
                 match present.get(i * comps.len() + j) {
                     Some(Ok(true)) => {}
-                    Some(Ok(false)) | None => break 'pages,
+                    Some(Ok(false)) | None => return Ok(hit),
                     Some(Err(e)) => {
                         return Err(KvLoadError::Store {
                             batch: None,
@@ -42,33 +66,53 @@ impl Inner {
             }
             hit = i + 1;
         }
-        if let Some(group) = &self.group {
-            let deadline = kv_loader::deadline_after(self.config.collective_timeout);
-            match group.handles(deadline) {
-                Ok(handles) => {
-                    let min = handles
-                        .control
-                        .all_reduce_min_u64(hit as u64, deadline)
-                        .map_err(|e| KvLoadError::Collective {
-                            batch: None,
-                            detail: format!("lookup: {e}"),
-                        })?;
-                    hit = hit.min(min as usize);
-                }
-                Err(down) => match self.config.group_fallback {
-                    GroupFallback::Fail => return Err(down.error(None)),
+        Ok(hit)
+    }
+
+    /// The group's hit: one collective on the control handle whatever `local` is (this
+    /// rank's own hit when the group is down and the engine configured reading alone).
+    fn group_hit(
+        &self,
+        link: &GroupLink,
+        candidates: &[PageHash],
+        first: usize,
+        local: Result<usize, KvLoadError>,
+    ) -> Result<usize, KvLoadError> {
+        let failed = |detail: String| KvLoadError::Collective {
+            batch: None,
+            detail: format!("lookup: {detail}"),
+        };
+        let deadline = kv_loader::deadline_after(self.config.collective_timeout);
+        let coll = match link.handles(deadline) {
+            Ok(handles) => handles.control,
+            Err(down) => {
+                return match self.config.group_fallback {
+                    GroupFallback::Fail => Err(down.error(None)),
                     GroupFallback::ReadAlone => {
-                        warn!(hit, reason = %down, "lookup alone: the TP group is down");
+                        warn!(reason = %down, "lookup alone: the TP group is down");
+                        local
                     }
-                },
+                };
+            }
+        };
+        let digest = lookup_digest(first as u64, candidates);
+        let mine = local.as_ref().ok().map(|&h| h as u64);
+        let agreed = agree_lookup(coll.as_ref(), &digest, mine, deadline).map_err(|e| {
+            // The ranks may no longer be in step on this channel: re-form it.
+            coll.abort(&format!("lookup collective failed: {e}"));
+            failed(e.to_string())
+        });
+        match agreed? {
+            LookupAgreement::Hit(min) => {
+                let hit = local?;
+                Ok(hit.min(min as usize))
+            }
+            LookupAgreement::Mismatch { differing } => {
+                warn!(?differing, "ranks looked up different pages: no hit on any rank; the group re-forms at its next use");
+                coll.abort("lookups differ across ranks");
+                local?;
+                Ok(0)
             }
         }
-        self.metrics.lookup(candidates.len() as u64, hit as u64);
-        debug!(candidates = candidates.len(), hit, "lookup");
-        Ok(LookupHit {
-            pages: candidates[..hit].to_vec(),
-            first_page: first,
-            tokens: hit * page_size as usize,
-        })
     }
 }

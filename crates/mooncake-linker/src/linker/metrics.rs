@@ -34,6 +34,9 @@ pub struct LinkerMetrics {
     layer_reads: AtomicU64,
     layer_read_us: AtomicU64,
     layer_hist: [AtomicU64; 12],
+    ranges_checksummed: AtomicU64,
+    ranges_length_only: AtomicU64,
+    bad_objects: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
 }
 
@@ -58,6 +61,16 @@ pub struct MetricsSnapshot {
     pub layer_read_time: Duration,
     /// Layer reads per latency bucket (see [`LAYER_LATENCY_BUCKETS_US`]).
     pub layer_read_histogram: [u64; 12],
+    /// (object, layer) ranges loaded and verified against the checksums written with the
+    /// object.
+    pub ranges_checksummed: u64,
+    /// (object, layer) ranges loaded and verified by their length only (objects without
+    /// checksums, e.g. written by SGLang): a weaker check.
+    pub ranges_length_only: u64,
+    /// Objects that failed verification (and were discarded for the next save to rewrite).
+    pub bad_objects: u64,
+    /// Store calls that did not return by their deadline (filled by `Linker::metrics`).
+    pub overdue_calls: u64,
     /// Failures by kind (`KvLoadError::kind_name`).
     pub failures: BTreeMap<&'static str, u64>,
 }
@@ -96,6 +109,17 @@ impl LinkerMetrics {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(crate) fn verified(&self, checksummed: u64, length_only: u64) {
+        self.ranges_checksummed
+            .fetch_add(checksummed, Ordering::Relaxed);
+        self.ranges_length_only
+            .fetch_add(length_only, Ordering::Relaxed);
+    }
+
+    pub(crate) fn bad_object(&self) {
+        self.bad_objects.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn failure(&self, kind: &'static str) {
         *self.failures.lock().entry(kind).or_default() += 1;
     }
@@ -116,6 +140,10 @@ impl LinkerMetrics {
             layer_reads: self.layer_reads.load(Ordering::Relaxed),
             layer_read_time: Duration::from_micros(self.layer_read_us.load(Ordering::Relaxed)),
             layer_read_histogram: hist,
+            ranges_checksummed: self.ranges_checksummed.load(Ordering::Relaxed),
+            ranges_length_only: self.ranges_length_only.load(Ordering::Relaxed),
+            bad_objects: self.bad_objects.load(Ordering::Relaxed),
+            overdue_calls: 0,
             failures: self.failures.lock().clone(),
         }
     }

@@ -1,14 +1,20 @@
 //! The linker: the [`KvLoader`] implementation over a [`KvStore`] and a [`KvPool`].
 //!
-//! One job per file: `batch` prepares a batch (keys, the mode the ranks agree on, the landing),
-//! `pipeline` runs its layers (reader thread + exchange loop), `share/` holds one share step
-//! per mode (each mode's data path, host and device, in one file), `auto` is `Auto`'s state,
-//! `outcomes` the outcome bookkeeping, `group` the TP group and its re-forming.
+//! One job per file: `gate` meets the group before a batch (in step, the plans compared, the
+//! mode agreed; a refused batch meets it too), `batch` prepares a batch (keys, the landing,
+//! the read session), `pipeline` runs its layers (reader thread + exchange loop, through the
+//! loom-checked `handoff`), `verify` checks what a rank read (checksums) before it says ok,
+//! `share/` holds one share step per mode (each mode's data path, host and device, in one
+//! file), `auto` is `Auto`'s state, `outcomes` the outcome bookkeeping (held outcomes of
+//! batches a late store call may still write), `group` the TP group and its re-forming,
+//! `lookup` the group's agreed hit, `save` the save path.
 
 mod auto;
 mod batch;
 mod config;
+mod gate;
 mod group;
+mod handoff;
 mod lookup;
 mod metrics;
 mod outcomes;
@@ -21,12 +27,13 @@ mod replace;
 mod save;
 mod session;
 mod share;
+mod verify;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kv_device::{DirectLandingFactory, KvPool, LandingFactory, Residence, SharePath};
 use kv_geometry::{KeyScheme, KvGeometry};
@@ -38,22 +45,26 @@ use layerwise_counter::CounterError;
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
-use crate::store::KvStore;
+use crate::store::{KvStore, StoreCalls};
 use auto::AutoMode;
 use batch::BatchJob;
 pub use config::{GroupFallback, LinkerConfig};
+use gate::GateCount;
 use group::GroupLink;
 pub use group::TpGroup;
 pub use metrics::{LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
-use outcomes::{Outcomes, WaitFailure};
+use outcomes::{HeldOutcome, Outcomes, WaitFailure};
 #[cfg(target_os = "linux")]
 pub use process_group::{serve_group_store, FormedTpGroup};
+use regions::Registered;
 
 /// What a linker's API and its load thread both use.
 pub(crate) struct Inner {
     pub(crate) geometry: KvGeometry,
     pub(crate) keys: KeyScheme,
     pub(crate) store: Arc<dyn KvStore>,
+    /// The store's calls, each bounded by a deadline.
+    pub(crate) calls: StoreCalls,
     pub(crate) pool: Arc<dyn KvPool>,
     /// Makes each batch's landing (host: straight into the pool; device: pinned staging).
     pub(crate) landings: Arc<dyn LandingFactory>,
@@ -62,16 +73,30 @@ pub(crate) struct Inner {
     /// re-formed when either broke; `None` for a rank alone.
     pub(crate) group: Option<Arc<GroupLink>>,
     pub(crate) auto: AutoMode,
-    pub(crate) outcomes: Outcomes,
+    pub(crate) outcomes: Arc<Outcomes>,
     pub(crate) metrics: LinkerMetrics,
     /// Bumped by `reset`: a batch whose epoch differs is cancelled.
     pub(crate) epoch: AtomicU64,
+    /// The landing memory registered with the store (let go by `close`, or by the last store
+    /// call past its deadline that may still write it).
+    pub(crate) registered: parking_lot::Mutex<Option<Arc<Registered>>>,
     closed: AtomicBool,
 }
 
 impl Inner {
-    fn finish_job(&self, job: BatchJob, result: Result<kv_loader::LoadStats, KvLoadError>) {
-        let batch = job.ticket.batch;
+    fn finish_job(
+        &self,
+        job: BatchJob,
+        result: Result<kv_loader::LoadStats, KvLoadError>,
+        held: Option<Arc<HeldOutcome>>,
+    ) {
+        let batch = job.plan.logical.batch;
+        let Some(ticket) = job.ticket else {
+            // Refused on this rank at `start_load` (the engine has its error): it only met the
+            // group.
+            tracing::debug!(%batch, "a refused batch met the group");
+            return;
+        };
         match &result {
             Ok(stats) => {
                 self.metrics.batch(true);
@@ -84,21 +109,35 @@ impl Inner {
                 warn!(%batch, error = %e, "batch failed");
             }
         }
-        self.outcomes
-            .finish(job.ticket.counter, BatchOutcome { batch, result });
+        let outcome = BatchOutcome { batch, result };
+        match held {
+            Some(h) => self.outcomes.finish_held(h, ticket.counter, outcome),
+            None => self.outcomes.finish(ticket.counter, outcome),
+        }
     }
 
     fn load_loop(self: Arc<Self>, jobs: mpsc::Receiver<BatchJob>) {
+        // The store writes host pools' slots itself: a read past its deadline keeps the
+        // batch's outcome (and so the slots) until it returns. Device pools' slots are written
+        // by the device from staging, which the landing keeps instead.
+        let slots_written_by_store = self.pool.residence() == Residence::Host;
+        let mut gates = GateCount::default();
         while let Ok(job) = jobs.recv() {
-            let result = if self.epoch.load(Ordering::Acquire) != job.epoch {
-                Err(KvLoadError::Cancelled {
-                    batch: job.ticket.batch,
-                })
-            } else {
-                self.run_batch(&job)
-            };
-            self.finish_job(job, result);
+            let held = (slots_written_by_store && job.ticket.is_some())
+                .then(|| HeldOutcome::new(self.outcomes.clone()));
+            let result = self.run_batch(&mut gates, &job, held.as_ref());
+            self.finish_job(job, result, held);
         }
+    }
+
+    /// When a store call other than a layer's reads must have returned.
+    pub(crate) fn store_deadline(&self) -> Instant {
+        kv_loader::deadline_after(self.config.store_call_timeout)
+    }
+
+    /// True when this rank shares with other ranks (a batch it refuses still meets them).
+    fn grouped(&self) -> bool {
+        self.group.is_some()
     }
 
     fn check_open(&self) -> Result<(), KvLoadError> {
@@ -158,6 +197,8 @@ pub struct Linker {
     inner: Arc<Inner>,
     jobs: Mutex<Option<mpsc::Sender<BatchJob>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Closed when the load thread ends.
+    ended: Mutex<Option<mpsc::Receiver<()>>>,
 }
 
 impl Linker {
@@ -261,7 +302,7 @@ impl Linker {
                 "the pool is laid out for another geometry".into(),
             ));
         }
-        regions::register_regions(&store, &landings)?;
+        let registered = Registered::new(store.clone(), landings.clone())?;
         let keys = KeyScheme::new(
             &config.namespace.resolve(&geometry),
             geometry.tp_rank,
@@ -270,10 +311,11 @@ impl Linker {
         );
         let link = GroupLink::of(group.as_ref());
         let inner = Arc::new(Inner {
-            outcomes: Outcomes::new(config.max_in_flight),
+            outcomes: Arc::new(Outcomes::new(config.max_in_flight)),
             auto: AutoMode::new(config.mode, config.bandwidths),
             geometry,
             keys,
+            calls: StoreCalls::new(store.clone()),
             store,
             pool,
             landings,
@@ -281,21 +323,24 @@ impl Linker {
             config,
             metrics: LinkerMetrics::default(),
             epoch: AtomicU64::new(0),
+            registered: parking_lot::Mutex::new(Some(registered)),
             closed: AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::channel();
+        let (ended_tx, ended_rx) = mpsc::sync_channel::<()>(1);
         let worker = inner.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-load-r{}", worker.geometry.tp_rank))
-            .spawn(move || worker.load_loop(rx))
-            .map_err(|e| {
-                regions::release_regions(&inner.store, &inner.landings);
-                KvLoadError::Config(format!("spawning the load thread: {e}"))
-            })?;
+            .spawn(move || {
+                worker.load_loop(rx);
+                drop(ended_tx);
+            })
+            .map_err(|e| KvLoadError::Config(format!("spawning the load thread: {e}")))?;
         Ok(Linker {
             inner,
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
+            ended: Mutex::new(Some(ended_rx)),
         })
     }
 
@@ -311,7 +356,48 @@ impl Linker {
 
     /// Counters for export.
     pub fn metrics(&self) -> MetricsSnapshot {
-        self.inner.metrics.snapshot()
+        let mut m = self.inner.metrics.snapshot();
+        m.overdue_calls = self.inner.calls.overdue_calls();
+        m
+    }
+
+    /// [`save`](KvLoader::save), ordered after `after`: an event the engine recorded on its
+    /// compute stream after the work that wrote the plan's pages (CUDA:
+    /// `CudaDevice::record_on(compute_stream)`; any backend: an event of its `Stream`). On a
+    /// device pool the gather waits for it device-side, so the save sees those bytes and no
+    /// thread blocks on the compute; on a host pool (read in place) this thread waits for it,
+    /// at most `store_call_timeout`. Plain `save` on a device pool reads the slots as the
+    /// device has them when its gather runs: use it only once the compute is known complete.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use kv_device::{CpuDevice, Device, DeviceKvPool, StagedLandingFactory, StagingPool};
+    /// use kv_geometry::{KvGeometry, ModelKvSpec, ElementType};
+    /// use kv_loader::{BatchId, BatchPlan, RequestPages};
+    /// use mooncake_linker::{store::EmbeddedStore, Linker, LinkerConfig};
+    /// let g = KvGeometry::new(ModelKvSpec::deepseek_v3(ElementType::Fp8E4m3), 1, 0).unwrap();
+    /// let dev = CpuDevice::new(0).unwrap();
+    /// let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 4).unwrap());
+    /// let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 2, 1), 2).unwrap();
+    /// let landings = Arc::new(StagedLandingFactory::new(pool.clone(), staging));
+    /// let store = Arc::new(EmbeddedStore::new(1 << 30));
+    /// let linker = Linker::with_landings(g.clone(), store, pool, landings, LinkerConfig::default(), None).unwrap();
+    /// // The engine's compute stream wrote slots 0 and 1; the save waits for it.
+    /// let compute = dev.new_stream().unwrap();
+    /// let done = compute.record().unwrap();
+    /// let tokens: Vec<u32> = (0..128).collect();
+    /// let pages = kv_geometry::page_hashes(&tokens, 64, None);
+    /// let plan = BatchPlan::all_components(&g, BatchId(1),
+    ///     vec![RequestPages { request: "r".into(), pages }], vec![0, 1]);
+    /// assert_eq!(linker.save_after(&plan, &done).unwrap().objects_written, 2);
+    /// ```
+    pub fn save_after(
+        &self,
+        plan: &BatchPlan,
+        after: &kv_device::SharedEvent,
+    ) -> Result<SaveReport, KvLoadError> {
+        self.inner.check_open()?;
+        self.inner.save(plan, Some(after))
     }
 
     /// The object keys of a plan's pages for component `index` of the plan, in plan order.
@@ -324,17 +410,73 @@ impl Linker {
             .collect())
     }
 
+    /// Cancels every batch in flight and waits (bounded by `wait_deadline`) until the load
+    /// thread is idle. `Err(SlotsHeld)` names the batches whose slots a store call past its
+    /// deadline may still write (their outcomes come when it returns).
     fn cancel_all(&self) -> Result<(), KvLoadError> {
         let s = &self.inner;
         s.epoch.fetch_add(1, Ordering::AcqRel);
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         if !s.outcomes.cancel_all(deadline) {
             return Err(KvLoadError::Config(format!(
-                "the load thread is still busy {:?} after reset (a store call hangs?)",
+                "the load thread is still busy {:?} after reset",
                 s.config.wait_deadline
             )));
         }
+        let held = s.outcomes.held();
+        if !held.is_empty() {
+            return Err(KvLoadError::SlotsHeld {
+                batches: held.into(),
+            });
+        }
         Ok(())
+    }
+
+    /// Sends a job to the load thread; false once it is gone.
+    fn send(&self, job: BatchJob) -> bool {
+        self.jobs
+            .lock()
+            .as_ref()
+            .is_some_and(|tx| tx.send(job).is_ok())
+    }
+
+    /// A batch refused on this rank still meets the group (the gate and one failed status
+    /// word), so that no rank's collectives shift.
+    fn refuse(&self, plan: BatchPlan, why: &KvLoadError) {
+        if !self.inner.grouped() {
+            return;
+        }
+        let job = BatchJob {
+            plan,
+            ticket: None,
+            refusal: Some(why.clone()),
+            epoch: self.inner.epoch.load(Ordering::Acquire),
+            started: Instant::now(),
+        };
+        if !self.send(job) {
+            warn!(error = %why, "a refused batch could not reach the load thread");
+        }
+    }
+
+    /// Waits, at most `wait`, for the load thread to end; joins it when it did.
+    fn join_load_thread(&self, wait: Duration) -> bool {
+        let ended = self.ended.lock().take().is_some_and(|rx| {
+            matches!(
+                rx.recv_timeout(wait),
+                Err(mpsc::RecvTimeoutError::Disconnected)
+            )
+        });
+        if let Some(t) = self.thread.lock().take() {
+            if ended {
+                let _ = t.join();
+            } else {
+                warn!(
+                    ?wait,
+                    "the load thread did not end in time; it is left to finish on its own"
+                );
+            }
+        }
+        ended
     }
 }
 
@@ -351,10 +493,18 @@ impl KvLoader for Linker {
     fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError> {
         let s = &self.inner;
         s.check_open()?;
-        plan.validate(&s.geometry, s.pool.pages())?;
         let batch = plan.logical.batch;
         let num_layers = s.geometry.num_layers();
-        let counter = s.outcomes.begin(batch, num_layers)?;
+        let begun = plan
+            .validate(&s.geometry, s.pool.pages())
+            .and_then(|()| s.outcomes.begin(batch, num_layers));
+        let counter = match begun {
+            Ok(c) => c,
+            Err(e) => {
+                self.refuse(plan, &e);
+                return Err(e);
+            }
+        };
         let ticket = LoadTicket {
             batch,
             num_layers,
@@ -362,17 +512,13 @@ impl KvLoader for Linker {
         };
         let job = BatchJob {
             plan,
-            ticket,
+            ticket: Some(ticket),
+            refusal: None,
             epoch: s.epoch.load(Ordering::Acquire),
             started: Instant::now(),
         };
-        let sent = self
-            .jobs
-            .lock()
-            .as_ref()
-            .is_some_and(|tx| tx.send(job).is_ok());
-        if !sent {
-            s.outcomes.abandon(counter);
+        if !self.send(job) {
+            s.outcomes.abandon(batch, counter);
             return Err(KvLoadError::Closed);
         }
         Ok(ticket)
@@ -428,7 +574,7 @@ impl KvLoader for Linker {
 
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
         self.inner.check_open()?;
-        self.inner.save(plan)
+        self.inner.save(plan, None)
     }
 
     fn reset(&self) -> Result<(), KvLoadError> {
@@ -443,14 +589,19 @@ impl KvLoader for Linker {
         }
         info!("linker close");
         let cancelled = self.cancel_all();
-        // Dropping the sender ends the load loop once it is idle.
+        // Dropping the sender ends the load loop once it has nothing queued.
         self.jobs.lock().take();
-        if let Some(t) = self.thread.lock().take() {
-            if cancelled.is_ok() {
-                let _ = t.join();
-            }
+        let wait = if matches!(cancelled, Err(KvLoadError::Config(_))) {
+            Duration::ZERO
+        } else {
+            // Idle: what is queued is refused batches, each bounded by the group's deadline.
+            self.inner.config.wait_deadline
+        };
+        if self.join_load_thread(wait) {
+            // The linker lets go of the landing memory; a store call past its deadline still
+            // holds it (registered, allocated) until it returns.
+            self.inner.registered.lock().take();
         }
-        regions::release_regions(&self.inner.store, &self.inner.landings);
         cancelled
     }
 }

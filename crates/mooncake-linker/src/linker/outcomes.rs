@@ -1,8 +1,11 @@
 //! Outcome bookkeeping of one linker, in one place: the readiness counter and its tickets,
-//! what each ready layer's wait hands back, finished batches not yet taken, and the count of
-//! batches the load thread still has to finish.
+//! what each ready layer's wait hands back, finished batches not yet taken, the batch ids in
+//! flight (a second `start_load` of one is refused), the batches whose outcome waits for a
+//! store call that outlived its deadline ([`HeldOutcome`]), and the count of batches the load
+//! thread still has to finish.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Instant;
 
 use kv_loader::{BatchId, BatchOutcome, KvLoadError, LayerReady, LoadTicket};
@@ -20,6 +23,11 @@ pub(crate) struct Outcomes {
     /// Batches submitted and not yet finished by the load thread.
     pending: Mutex<usize>,
     idle: Condvar,
+    /// Batch ids started and not yet taken (nor forgotten by a reset).
+    in_flight: Mutex<HashSet<BatchId>>,
+    /// Batches the load thread finished whose outcome waits for a store call that may still
+    /// write their slots.
+    held: Mutex<HashSet<BatchId>>,
 }
 
 impl Outcomes {
@@ -31,22 +39,32 @@ impl Outcomes {
             done_cv: Condvar::new(),
             pending: Mutex::new(0),
             idle: Condvar::new(),
+            in_flight: Mutex::new(HashSet::new()),
+            held: Mutex::new(HashSet::new()),
         }
     }
 
-    /// A counter ticket for a new batch of `num_layers` layers, counted as pending.
+    /// A counter ticket for a new batch of `num_layers` layers, counted as pending. A batch id
+    /// already in flight is refused ([`KvLoadError::DuplicateBatch`]) before anything is
+    /// counted.
     pub(crate) fn begin(&self, batch: BatchId, num_layers: u32) -> Result<Ticket, KvLoadError> {
+        let mut in_flight = self.in_flight.lock();
+        if in_flight.contains(&batch) {
+            return Err(KvLoadError::DuplicateBatch { batch });
+        }
         let t = self.counter.begin(num_layers).map_err(|e| match e {
             CounterError::Full { capacity } => KvLoadError::Busy { capacity },
             other => KvLoadError::Config(format!("{batch}: {other}")),
         })?;
+        in_flight.insert(batch);
         *self.pending.lock() += 1;
         Ok(t)
     }
 
     /// A batch that `begin` counted never reached the load thread.
-    pub(crate) fn abandon(&self, ticket: Ticket) {
+    pub(crate) fn abandon(&self, batch: BatchId, ticket: Ticket) {
         let _ = self.counter.finish(ticket);
+        self.in_flight.lock().remove(&batch);
         self.finished();
     }
 
@@ -81,9 +99,45 @@ impl Outcomes {
         if let Err(e) = &outcome.result {
             let _ = self.counter.fail(ticket, e.clone());
         }
+        self.deliver(ticket, outcome);
+        self.finished();
+    }
+
+    /// The load thread finished a batch whose outcome `hold` keeps until every store call
+    /// that may still write its slots has returned: its waiters fail now (on error), the
+    /// outcome is handed out when the last holder lets go.
+    pub(crate) fn finish_held(
+        &self,
+        hold: Arc<HeldOutcome>,
+        ticket: Ticket,
+        outcome: BatchOutcome,
+    ) {
+        if let Err(e) = &outcome.result {
+            let _ = self.counter.fail(ticket, e.clone());
+        }
+        let batch = outcome.batch;
+        // Counted as held before this reference goes, so that a holder letting go at the same
+        // time cannot leave it marked.
+        self.held.lock().insert(batch);
+        *hold.outcome.lock() = Some((ticket, outcome));
+        if let Some(last) = Arc::into_inner(hold) {
+            drop(last);
+        } else {
+            tracing::warn!(%batch, "the batch's outcome waits for a store call past its deadline");
+        }
+        self.finished();
+    }
+
+    fn deliver(&self, ticket: Ticket, outcome: BatchOutcome) {
         self.done.lock().insert(outcome.batch, (ticket, outcome));
         self.done_cv.notify_all();
-        self.finished();
+    }
+
+    /// Batches whose outcome waits for a store call past its deadline.
+    pub(crate) fn held(&self) -> Vec<BatchId> {
+        let mut v: Vec<BatchId> = self.held.lock().iter().copied().collect();
+        v.sort();
+        v
     }
 
     /// Waits (until `deadline`) for layer `layer` of the batch; what the engine waits on.
@@ -144,6 +198,7 @@ impl Outcomes {
         // Already stale after a reset; otherwise this frees the batch's counter slot.
         let _ = self.counter.finish(ticket);
         self.readies.lock().remove(&batch);
+        self.in_flight.lock().remove(&batch);
     }
 
     /// Cancels every batch in flight (waiters get `Cancelled`) and waits, until `deadline`,
@@ -160,6 +215,10 @@ impl Outcomes {
         drop(p);
         if idle {
             self.readies.lock().clear();
+            // Every batch from before the reset is over (their tickets are stale): their ids
+            // may be used again, except those whose slots a late store call may still write.
+            let held = self.held.lock();
+            self.in_flight.lock().retain(|b| held.contains(b));
         }
         idle
     }
@@ -175,4 +234,89 @@ pub(crate) enum WaitFailure {
     TimedOut,
     /// The batch was reset.
     Cancelled,
+}
+
+/// A batch's outcome, kept back while a store call that may still write the batch's slots
+/// runs: every such call holds a reference (through its memory hold), and the last one to let
+/// go hands the outcome out. Until then the engine cannot take the outcome, so it does not
+/// reuse the slots (its rule: never before the outcome is taken).
+pub(crate) struct HeldOutcome {
+    outcomes: Arc<Outcomes>,
+    outcome: Mutex<Option<(Ticket, BatchOutcome)>>,
+}
+
+impl HeldOutcome {
+    pub(crate) fn new(outcomes: Arc<Outcomes>) -> Arc<Self> {
+        Arc::new(HeldOutcome {
+            outcomes,
+            outcome: Mutex::new(None),
+        })
+    }
+}
+
+impl Drop for HeldOutcome {
+    fn drop(&mut self) {
+        if let Some((ticket, outcome)) = self.outcome.lock().take() {
+            let batch = outcome.batch;
+            self.outcomes.deliver(ticket, outcome);
+            if self.outcomes.held.lock().remove(&batch) {
+                tracing::info!(%batch, "the store calls past their deadline returned: outcome handed out");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_loader::LoadStats;
+
+    fn ok(batch: u64) -> BatchOutcome {
+        BatchOutcome {
+            batch: BatchId(batch),
+            result: Err(KvLoadError::Cancelled {
+                batch: BatchId(batch),
+            }),
+        }
+    }
+
+    #[test]
+    fn a_duplicate_batch_is_refused_without_a_slot_and_the_first_keeps_its_outcome() {
+        let o = Outcomes::new(2);
+        let t = o.begin(BatchId(1), 4).unwrap();
+        assert!(matches!(
+            o.begin(BatchId(1), 4),
+            Err(KvLoadError::DuplicateBatch { batch: BatchId(1) })
+        ));
+        // The refusal took no counter slot: another batch still fits.
+        let t2 = o.begin(BatchId(2), 4).unwrap();
+        o.finish(t, ok(1));
+        o.finish(t2, ok(2));
+        let deadline = kv_loader::deadline_after(std::time::Duration::from_secs(1));
+        assert_eq!(o.take(BatchId(1), deadline).unwrap().batch, BatchId(1));
+        // Taken: the id is free again, and so is the slot.
+        assert!(o.begin(BatchId(1), 4).is_ok());
+        let _ = std::mem::size_of::<LoadStats>();
+    }
+
+    #[test]
+    fn a_held_outcome_comes_when_the_last_holder_lets_go() {
+        let o = Arc::new(Outcomes::new(2));
+        let t = o.begin(BatchId(7), 4).unwrap();
+        let hold = HeldOutcome::new(o.clone());
+        let late_call = hold.clone();
+        o.finish_held(hold, t, ok(7));
+        assert_eq!(o.held(), vec![BatchId(7)]);
+        let soon = kv_loader::deadline_after(std::time::Duration::from_millis(10));
+        assert!(o.take(BatchId(7), soon).is_none(), "held back");
+        // A reset keeps the held id in flight.
+        assert!(o.cancel_all(soon));
+        assert!(matches!(
+            o.begin(BatchId(7), 4),
+            Err(KvLoadError::DuplicateBatch { .. })
+        ));
+        drop(late_call);
+        assert!(o.held().is_empty());
+        assert!(o.take(BatchId(7), soon).is_some());
+    }
 }

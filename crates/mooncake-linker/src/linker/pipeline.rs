@@ -1,28 +1,44 @@
 //! The layer pipeline of one batch on one rank: a reader thread reads layer *l+1* from the
 //! store while the exchange loop (the load thread) agrees on layer *l* with the other ranks,
 //! shares its replicated rows ([`ShareStep`](super::share::ShareStep), one per mode), lands it
-//! and publishes it. The batch's two [`LayerStage`]s circulate between them.
+//! and publishes it. The batch's two [`LayerStage`]s circulate between them through a
+//! [`Handoff`] (free stages to the reader, read layers to the exchange loop; loom-checked).
 //!
 //! Every rank issues the same collectives whatever happens (design rule: failure symmetry):
 //! one status exchange per layer, then that layer's collective when every rank is ok; a
 //! failure of this rank's own share step is reported in the next status word, and after the
 //! last layer one more exchange (the verdict) carries the last layer's. A failed status stops
-//! every rank at the same layer; a failed collective fails the batch on every rank.
+//! every rank at the same layer; a failed collective fails the batch on every rank and aborts
+//! the group (every rank re-forms it at its next batch), and so do status words that are out
+//! of step (another layer, another batch's tag).
+//!
+//! Before its status word, the exchange loop verifies what this rank read for the layer
+//! (`verify`: checksums, or lengths), while the reader reads the next layer.
+//!
+//! **Every wait is bounded.** Each store call waits at most `layer_read_timeout` (a call still
+//! running then fails the layer; the batch's memory hold keeps what it writes until it
+//! returns), a stage is reopened after a bounded wait for its device work, the reader waits
+//! for a free stage at most `layer_read_timeout + 2 × collective_timeout`, and the exchange
+//! loop waits for the reader at most `layer_read_timeout + collective_timeout` per layer. So
+//! the reader thread always ends, and the scope's join of it is bounded by those waits.
 
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use dedup_broadcast::{Collective, GroupStatus, LayerStatus};
 use kv_device::{LayerLanding, LayerStage, ShareSide};
 use kv_loader::{KvLoadError, StoreFailure};
+use layerwise_counter::Ticket;
 use tracing::warn;
 
 use super::batch::{collective_failure, BatchJob, BatchLayers};
+use super::handoff::{Handoff, Wait};
 use super::reader::{store_failure, LayerReader, OwnRows, ShareArea};
 use super::session::PinnedKeys;
 use super::share::{step_for, LayerCx, StepError};
+use super::verify::{BatchChecksums, LayerCheck};
 use super::Inner;
+use crate::store::Hold;
 
 /// What the reader hands over for one layer.
 struct ReadLayer {
@@ -45,10 +61,18 @@ pub(crate) struct PipelineRun {
 pub(crate) struct LayerPipeline<'a> {
     pub(crate) inner: &'a Inner,
     pub(crate) job: &'a BatchJob,
+    /// The batch's counter ticket (what publishing a layer marks).
+    pub(crate) counter: Ticket,
     pub(crate) coll: Option<&'a dyn Collective>,
     pub(crate) layers: &'a BatchLayers,
     /// The batch's landing (absent when it could not be made: every layer then fails here).
     pub(crate) landing: Option<&'a dyn LayerLanding>,
+    /// What a store call past its deadline keeps alive until it returns.
+    pub(crate) memory: &'a Hold,
+    /// The checksums of what this rank reads.
+    pub(crate) sums: &'a BatchChecksums,
+    /// The batch's status-word tag.
+    pub(crate) tag: u8,
 }
 
 impl LayerPipeline<'_> {
@@ -59,27 +83,30 @@ impl LayerPipeline<'_> {
         prep: Result<PinnedKeys<'_>, KvLoadError>,
         stages: Vec<LayerStage>,
     ) -> Result<PipelineRun, KvLoadError> {
+        let mut stages = stages.into_iter();
+        let handoff: Handoff<Option<LayerStage>, ReadLayer> =
+            Handoff::new((0..2).map(|_| stages.next()), 1);
+        let h = &handoff;
         std::thread::scope(|s| {
-            let (to_exchange, from_reader) = mpsc::sync_channel::<ReadLayer>(1);
-            let (to_reader, free) = mpsc::channel::<Option<LayerStage>>();
-            let mut stages = stages.into_iter();
-            for _ in 0..2 {
-                let _ = to_reader.send(stages.next());
-            }
             let reader = std::thread::Builder::new()
                 .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank))
-                .spawn_scoped(s, move || self.read_loop(prep, free, to_exchange));
+                .spawn_scoped(s, move || {
+                    let bytes = self.read_loop(prep, h);
+                    h.reader_done();
+                    bytes
+                });
             let reader = match reader {
                 Ok(r) => r,
                 Err(e) => {
                     // Nothing was read: every exchange of the batch still happens, failed.
-                    let (tx, rx) = mpsc::sync_channel(1);
-                    drop(tx);
-                    let _ = self.exchange_loop(rx, to_reader);
+                    h.reader_done();
+                    let _ = self.exchange_loop(h);
                     return Err(KvLoadError::Config(format!("spawning a reader: {e}")));
                 }
             };
-            let exchanged = self.exchange_loop(from_reader, to_reader);
+            let exchanged = self.exchange_loop(h);
+            // Bounded: every wait of the reader is (see the module docs), and the exchange loop
+            // has left, which ends the reader's waits on the hand-off at once.
             let bytes_read = reader.join().unwrap_or(0);
             self.inner.metrics.read(bytes_read);
             exchanged.map(|(landed, first_layer)| PipelineRun {
@@ -99,15 +126,19 @@ impl LayerPipeline<'_> {
     fn read_loop(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
-        free: mpsc::Receiver<Option<LayerStage>>,
-        to_exchange: mpsc::SyncSender<ReadLayer>,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
     ) -> u64 {
         let batch = self.job.plan.logical.batch;
         let mut failure = prep.as_ref().err().cloned();
         let mut pins = prep.ok();
         let mut bytes = 0;
+        let c = &self.inner.config;
+        let wait = c
+            .layer_read_timeout
+            .saturating_add(c.collective_timeout.saturating_mul(2));
         for layer in 0..self.inner.geometry.num_layers() {
-            let Ok(mut stage) = free.recv() else {
+            // The exchange loop hands a stage back after each layer (bounded), or leaves.
+            let Wait::Got(mut stage) = h.free_stage(kv_loader::deadline_after(wait)) else {
                 break;
             };
             if failure.is_none() && self.cancelled() {
@@ -133,7 +164,7 @@ impl LayerPipeline<'_> {
                 stage,
                 error: failure.clone(),
             };
-            if to_exchange.send(msg).is_err() {
+            if h.hand_over(msg, kv_loader::deadline_after(wait)).is_err() {
                 break;
             }
         }
@@ -155,13 +186,16 @@ impl LayerPipeline<'_> {
         landing.open(stage, layer, deadline)?;
         pins.renew_if_due()
             .map_err(|e| store_failure(batch, Some(layer), Vec::new(), &e))?;
+        let t0 = Instant::now();
+        let calls_deadline = kv_loader::deadline_after(inner.config.layer_read_timeout);
         let reader = |components| LayerReader {
-            store: inner.store.as_ref(),
+            calls: &inner.calls,
             batch,
             components,
             parallelism: inner.config.read_parallelism,
+            hold: self.memory,
+            deadline: calls_deadline,
         };
-        let t0 = Instant::now();
         let mut n =
             reader(&layers.own).read_layer(&OwnRows { landing, stage }, layer, 0..layers.pages)?;
         if let Some(layout) = layers.layouts[layer as usize].as_ref() {
@@ -212,7 +246,7 @@ impl LayerPipeline<'_> {
             Some(c) => {
                 let deadline = kv_loader::deadline_after(self.inner.config.collective_timeout);
                 status
-                    .exchange(c, layer, mine, deadline)
+                    .exchange_tagged(c, layer, mine, self.tag, deadline)
                     .map(drop)
                     .map_err(|e| collective_failure(batch, e))
             }
@@ -226,22 +260,22 @@ impl LayerPipeline<'_> {
     /// The layer `layer` message from the reader (bounded), as (stage, this rank's error).
     fn receive(
         &self,
-        from_reader: &mpsc::Receiver<ReadLayer>,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
         layer: u32,
     ) -> (Option<LayerStage>, Option<KvLoadError>) {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
         let limit = c.layer_read_timeout.saturating_add(c.collective_timeout);
-        match from_reader.recv_timeout(limit) {
-            Ok(m) if m.layer == layer => (m.stage, m.error),
-            Ok(m) => (
+        match h.next_layer(kv_loader::deadline_after(limit)) {
+            Wait::Got(m) if m.layer == layer => (m.stage, m.error),
+            Wait::Got(m) => (
                 None,
                 Some(KvLoadError::Config(format!(
                     "{batch}: the reader sent layer {} for layer {layer}",
                     m.layer
                 ))),
             ),
-            Err(mpsc::RecvTimeoutError::Timeout) => (
+            Wait::TimedOut => (
                 None,
                 Some(KvLoadError::Store {
                     batch: Some(batch),
@@ -251,7 +285,7 @@ impl LayerPipeline<'_> {
                     detail: format!("the reader did not finish layer {layer} within {limit:?}"),
                 }),
             ),
-            Err(mpsc::RecvTimeoutError::Disconnected) => (
+            Wait::Closed => (
                 None,
                 Some(KvLoadError::Config(format!(
                     "{batch}: the reader stopped before layer {layer}"
@@ -264,8 +298,7 @@ impl LayerPipeline<'_> {
     /// publishing; then the verdict. Returns (bytes landed, time to the first layer).
     fn exchange_loop(
         &self,
-        from_reader: mpsc::Receiver<ReadLayer>,
-        to_reader: mpsc::Sender<Option<LayerStage>>,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
     ) -> Result<(u64, Duration), KvLoadError> {
         let (inner, job, layers) = (self.inner, self.job, self.layers);
         let batch = job.plan.logical.batch;
@@ -280,9 +313,20 @@ impl LayerPipeline<'_> {
         let mut fatal: Option<KvLoadError> = None;
         let (mut landed, mut first_layer) = (0u64, Duration::ZERO);
         let mut every_layer = true;
+        let check = LayerCheck {
+            inner,
+            batch,
+            layers,
+            sums: self.sums,
+        };
         for layer in 0..num_layers {
-            let (stage, read_error) = self.receive(&from_reader, layer);
-            let mine = carried.take().or(read_error);
+            let (stage, read_error) = self.receive(h, layer);
+            // What this rank read for the layer is verified before it says "ok" for it.
+            let verified = match (&read_error, &stage, self.landing) {
+                (None, Some(st), Some(l)) => check.run(l, st, layer).err(),
+                _ => None,
+            };
+            let mine = carried.take().or(read_error).or(verified);
             if let Some(e) = &mine {
                 own.get_or_insert_with(|| e.clone());
             }
@@ -316,7 +360,7 @@ impl LayerPipeline<'_> {
                 Ok(ready) => {
                     inner
                         .outcomes
-                        .publish(batch, job.ticket.counter, layer, ready, num_layers);
+                        .publish(batch, self.counter, layer, ready, num_layers);
                     landed += layers.layer_bytes(layer);
                     if layer == 0 {
                         first_layer = job.started.elapsed();
@@ -332,10 +376,10 @@ impl LayerPipeline<'_> {
                     break;
                 }
             }
-            let _ = to_reader.send(Some(stage));
+            h.give_back(Some(stage));
         }
-        drop(to_reader);
-        drop(from_reader);
+        // The reader's waits end at once; what is left in the hand-off goes with it.
+        drop(h.exchange_done());
         if every_layer {
             // The verdict: a failure in the last layer's share step reaches every rank too.
             if let Some(e) = &carried {
@@ -349,7 +393,18 @@ impl LayerPipeline<'_> {
             }
         }
         if let Some(e) = fatal {
+            // A collective failed (or a share step's wait ran out): the ranks may no longer be
+            // in step on this handle; every rank re-forms the group at its next batch.
+            if let Some(c) = self.coll {
+                c.abort(&e.to_string());
+                warn!(%batch, error = %e, "data group aborted: every rank re-forms it at its next batch");
+            }
             return Err(e);
+        }
+        if status.out_of_step {
+            if let Some(c) = self.coll {
+                inner.group_failed(c, batch, "status words out of step".into());
+            }
         }
         if !status.is_ok() {
             // One rank alone: its own error says most. A group: every rank reports the same.

@@ -1,8 +1,11 @@
 //! Reading one layer of a batch: one batched ranged read per component, straight into the
-//! landing's targets.
+//! landing's targets. Every store call is bounded ([`StoreCalls`]): one that does not return
+//! within `LinkerConfig::layer_read_timeout` fails the layer at once, and the batch's memory
+//! hold keeps what it writes alive and away from others until it returns.
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Instant;
 
 use dedup_broadcast::StagingLayout;
 use kv_device::{DeviceError, DeviceShare, LayerLanding, LayerStage};
@@ -10,7 +13,7 @@ use kv_geometry::{ComponentId, ComponentLayout};
 use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
 use smallvec::smallvec;
 
-use crate::store::{checked_results, KvStore, RangedGet, ReadRange, StoreError};
+use crate::store::{checked_results, Hold, RangedGet, ReadRange, StoreCalls, StoreError};
 
 /// Where the store writes a row of the layer open in a stage.
 pub(crate) trait RowTarget {
@@ -81,11 +84,16 @@ pub(crate) fn store_failure(
 
 /// Reads layers of one batch on one rank.
 pub(crate) struct LayerReader<'a> {
-    pub(crate) store: &'a dyn KvStore,
+    pub(crate) calls: &'a StoreCalls,
     pub(crate) batch: BatchId,
     pub(crate) components: &'a [ComponentKeys],
     /// Store calls one layer's reads are split into, run at once (1: one call).
     pub(crate) parallelism: usize,
+    /// What keeps the batch's memory alive (and away from others) while a read that
+    /// outlived its deadline may still write it.
+    pub(crate) hold: &'a Hold,
+    /// When every store call of this read must have returned.
+    pub(crate) deadline: Instant,
 }
 
 impl LayerReader<'_> {
@@ -158,53 +166,36 @@ impl LayerReader<'_> {
         Ok(total)
     }
 
-    /// One batched read, or `parallelism` of them on scoped threads over contiguous parts
-    /// of `gets`; results in `gets` order.
+    /// One batched read, or `parallelism` of them at once over contiguous parts of `gets`,
+    /// each a bounded store call; results in `gets` order.
     ///
     /// # Safety
-    /// As [`KvStore::get_ranges`]: every destination valid for writes of its length, distinct,
-    /// and untouched by anyone else during the call.
+    /// As [`StoreCalls::get_ranges`]: every destination valid for writes of its length,
+    /// distinct, and untouched by anyone else until `self.hold` lets go (after the call
+    /// returns, which may be after its deadline).
     unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
         let parts = self.parallelism.clamp(1, gets.len().max(1));
-        if parts == 1 {
-            // SAFETY: the caller's promise covers `gets`.
-            return unsafe { self.store.get_ranges(gets) };
-        }
-        let chunk = gets.len().div_ceil(parts);
-        std::thread::scope(|s| {
-            let handles: Vec<_> = gets
-                .chunks(chunk)
-                .map(|part| {
-                    // SAFETY: `part` is a sub-slice of `gets`, covered by the caller's
-                    // promise; parts are disjoint, so no two calls write the same memory.
-                    s.spawn(move || unsafe { self.store.get_ranges(part) })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .zip(gets.chunks(chunk))
-                .flat_map(|(h, part)| {
-                    let results = h.join().unwrap_or_else(|_| {
-                        part.iter()
-                            .map(|g| {
-                                Err(StoreError::Other {
-                                    key: g.key.to_string(),
-                                    code: -1,
-                                })
-                            })
-                            .collect()
-                    });
-                    // Each part on its own: one part's extra result must not shift the
-                    // next part's results onto the wrong keys.
-                    let keys: Vec<&str> = part.iter().map(|g| g.key).collect();
-                    checked_results(&keys, results)
-                })
-                .collect()
-        })
+        let chunk = gets.len().div_ceil(parts).max(1);
+        let parts: Vec<&[RangedGet<'_>]> = gets.chunks(chunk).collect();
+        // SAFETY: the caller's promise covers every part (disjoint sub-slices of `gets`).
+        let results = unsafe {
+            self.calls
+                .get_ranges_parts(&parts, self.hold, self.deadline)
+        };
+        // Each part on its own: one part's extra result must not shift the next part's
+        // results onto the wrong keys.
+        parts
+            .iter()
+            .zip(results)
+            .flat_map(|(part, r)| {
+                let keys: Vec<&str> = part.iter().map(|g| g.key).collect();
+                checked_results(&keys, r)
+            })
+            .collect()
     }
 
     /// Checks that the objects of plan pages `pages` hold exactly the bytes the geometry
-    /// expects.
+    /// expects; a wrong one is discarded (the next save writes it again).
     pub(crate) fn verify_sizes(&self, pages: Range<usize>) -> Result<(), KvLoadError> {
         for comp in self.components {
             let Some(keys) = comp.keys.get(pages.clone()) else {
@@ -212,12 +203,12 @@ impl LayerReader<'_> {
             };
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
             let expected = comp.layout.object_bytes();
-            let sizes = checked_results(&keys, self.store.object_size(&keys));
+            let sizes = self.calls.object_size(&keys, self.deadline);
             for (i, r) in sizes.into_iter().enumerate() {
                 match r {
                     Ok(actual) if actual == expected => {}
                     Ok(actual) => {
-                        super::replace::discard_objects(self.store, &[keys[i]]);
+                        super::replace::discard_objects(self.calls, &[keys[i]], self.deadline);
                         return Err(KvLoadError::InvalidPlan {
                             batch: self.batch,
                             reason: PlanError::ObjectSize {

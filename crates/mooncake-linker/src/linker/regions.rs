@@ -1,5 +1,6 @@
 //! The landing memory a store writes into: registered when a linker is built, let go at
-//! close, and never freed while the store may still use it.
+//! close (or, when store calls past their deadline still run, once the last of them returned),
+//! and never freed while the store may still use it.
 
 use std::sync::Arc;
 
@@ -55,5 +56,31 @@ fn release(store: &Arc<dyn KvStore>, landings: &Arc<dyn LandingFactory>, regions
     }
     if kept > 0 {
         std::mem::forget(Arc::clone(landings));
+    }
+}
+
+/// The landing memory registered with the store, let go (unregistered) when the last holder
+/// drops it: the linker, and every store call past its deadline that may still write that
+/// memory (through its memory hold). So a region is never unregistered while a call that
+/// uses it runs.
+pub(crate) struct Registered {
+    store: Arc<dyn KvStore>,
+    landings: Arc<dyn LandingFactory>,
+}
+
+impl Registered {
+    /// Registers every store region of `landings` with `store`.
+    pub(crate) fn new(
+        store: Arc<dyn KvStore>,
+        landings: Arc<dyn LandingFactory>,
+    ) -> Result<Arc<Self>, KvLoadError> {
+        register_regions(&store, &landings)?;
+        Ok(Arc::new(Registered { store, landings }))
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        release_regions(&self.store, &self.landings);
     }
 }

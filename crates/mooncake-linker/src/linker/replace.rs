@@ -2,15 +2,18 @@
 //! with its checksum companion, so that the next save writes both again despite
 //! first-write-wins, instead of every later hit failing and every save skipping it.
 
+use std::time::Instant;
+
 use kv_geometry::checksum_key;
 use tracing::warn;
 
-use crate::store::{checked_results, KvStore, StoreError};
+use crate::store::{StoreCalls, StoreError};
 
-/// Discards `objects` and their checksum companions from `store`. A key already gone is
-/// fine; any other failure is logged (the next load finds the object bad again and retries).
-/// Returns how many objects (not companions) were discarded.
-pub(crate) fn discard_objects(store: &dyn KvStore, objects: &[&str]) -> usize {
+/// Discards `objects` and their checksum companions from the store (one call, bounded by
+/// `deadline`). A key already gone is fine; any other failure is logged (the next load finds
+/// the object bad again and retries). Returns how many objects (not companions) were
+/// discarded.
+pub(crate) fn discard_objects(calls: &StoreCalls, objects: &[&str], deadline: Instant) -> usize {
     if objects.is_empty() {
         return 0;
     }
@@ -20,7 +23,7 @@ pub(crate) fn discard_objects(store: &dyn KvStore, objects: &[&str]) -> usize {
         .copied()
         .chain(companions.iter().map(String::as_str))
         .collect();
-    let results = checked_results(&keys, store.discard(&keys));
+    let results = calls.discard(&keys, deadline);
     let mut discarded = 0;
     for (i, (key, r)) in keys.iter().zip(results).enumerate() {
         match r {
@@ -39,7 +42,9 @@ pub(crate) fn discard_objects(store: &dyn KvStore, objects: &[&str]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{EmbeddedStore, ObjectPut};
+    use crate::store::{EmbeddedStore, KvStore, ObjectPut};
+    use std::sync::Arc;
+    use std::time::Duration;
 
     fn put(store: &EmbeddedStore, key: &str, bytes: &[u8]) {
         let p = ObjectPut {
@@ -52,13 +57,18 @@ mod tests {
 
     #[test]
     fn objects_and_companions_go_and_missing_ones_are_fine() {
-        let store = EmbeddedStore::new(1 << 20);
+        let store = Arc::new(EmbeddedStore::new(1 << 20));
         put(&store, "a_k", &[1; 8]);
         put(&store, &checksum_key("a_k"), &[2; 8]);
         put(&store, "b_k", &[3; 8]); // no companion: an object SGLang wrote
-        assert_eq!(discard_objects(&store, &["a_k", "b_k", "gone_k"]), 2);
+        let calls = StoreCalls::new(store.clone());
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        assert_eq!(
+            discard_objects(&calls, &["a_k", "b_k", "gone_k"], soon()),
+            2
+        );
         let left = store.exists(&["a_k", "a_k_kvsum", "b_k"]);
         assert_eq!(left, vec![Ok(false), Ok(false), Ok(false)]);
-        assert_eq!(discard_objects(&store, &[]), 0);
+        assert_eq!(discard_objects(&calls, &[], soon()), 0);
     }
 }

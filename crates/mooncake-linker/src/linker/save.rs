@@ -1,7 +1,13 @@
 //! Save: write a batch's pages from the pool to the store after prefill, each object with its
-//! checksum companion (`kv_geometry::checksum_key`).
+//! checksum companion (`kv_geometry::checksum_key`). Every store call is bounded
+//! (`LinkerConfig::store_call_timeout`); a put past its deadline keeps the memory it reads
+//! allocated until it returns (a host pool's slots may be rewritten by the engine meanwhile:
+//! such an object cannot match the checksums computed before the put, so the next load finds
+//! it bad and replaces it).
 
-use kv_device::Residence;
+use std::sync::Arc;
+
+use kv_device::{Residence, SharedEvent};
 use kv_geometry::{checksum_key, layer_checksum, ObjectChecksums};
 use kv_loader::{BatchPlan, KvLoadError, SaveReport};
 use smallvec::SmallVec;
@@ -9,7 +15,7 @@ use tracing::{debug, info_span, warn};
 
 use super::reader::{store_failure, ComponentKeys};
 use super::Inner;
-use crate::store::{checked_results, ObjectPut, PutOutcome};
+use crate::store::{Hold, ObjectPut, PutOutcome};
 
 /// The checksum of `len` bytes at `addr`.
 ///
@@ -25,11 +31,19 @@ impl Inner {
     /// checksum companion in the same store call. Replicated components are written by TP
     /// rank 0 only; sharded ones by every rank. Objects already present are left as they
     /// are (and get no companion: an object SGLang wrote stays checked by length only).
-    pub(crate) fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
+    pub(crate) fn save(
+        &self,
+        plan: &BatchPlan,
+        after: Option<&SharedEvent>,
+    ) -> Result<SaveReport, KvLoadError> {
         plan.validate(&self.geometry, self.pool.pages())?;
         let batch = plan.logical.batch;
         let _span = info_span!("save_batch", %batch, pages = plan.logical.num_pages()).entered();
         let mut report = SaveReport::default();
+        if let (Some(ev), Residence::Host) = (after, self.pool.residence()) {
+            // A host pool is read in place: wait (bounded) for the compute that wrote it.
+            self.host_wait(ev)?;
+        }
         for comp in self.component_keys(plan)? {
             if comp.layout.replicated && self.geometry.tp_rank != 0 {
                 report.objects_not_owned += comp.keys.len() as u32;
@@ -38,7 +52,7 @@ impl Inner {
             let todo = self.missing_objects(plan, &comp, &mut report)?;
             for chunk in todo.chunks(self.config.save_chunk.max(1)) {
                 if self.pool.residence() != Residence::Host {
-                    self.save_gathered(plan, &comp, chunk, &mut report)?;
+                    self.save_gathered(plan, &comp, chunk, &mut report, after)?;
                     continue;
                 }
                 let mut puts = Vec::with_capacity(chunk.len());
@@ -68,14 +82,29 @@ impl Inner {
                         parts,
                     });
                 }
-                // SAFETY: every part is a slice of a host pool buffer, valid for its length;
-                // the engine owns these slots and does not write them while it saves.
-                unsafe { self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report) }?;
+                // A put past its deadline keeps the pool (and its registration) alive.
+                let hold: Hold = Arc::new((self.pool.clone(), self.registered.lock().clone()));
+                // SAFETY: every part is a slice of a host pool buffer, valid for its length and
+                // kept allocated by `hold`; the engine owns these slots and does not write them
+                // while it saves.
+                unsafe { self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report, hold) }?;
             }
         }
         self.metrics.written(report.bytes_written);
         debug!(?report, "saved");
         Ok(report)
+    }
+
+    /// Waits on this thread, at most `store_call_timeout`, for `ev`.
+    fn host_wait(&self, ev: &SharedEvent) -> Result<(), KvLoadError> {
+        match ev.wait_until(self.store_deadline()) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(KvLoadError::Device(format!(
+                "the engine's event before a save did not complete within {:?}",
+                self.config.store_call_timeout
+            ))),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The plan pages whose object of `comp` the store lacks (counting the others present).
@@ -94,7 +123,7 @@ impl Inner {
             .chain(&companions)
             .map(String::as_str)
             .collect();
-        let present = checked_results(&keys, self.store.exists(&keys));
+        let present = self.calls.exists(&keys, self.store_deadline());
         let (objects, sums) = present.split_at(comp.keys.len());
         let mut todo = Vec::new();
         let mut stale: Vec<&str> = Vec::new();
@@ -111,7 +140,7 @@ impl Inner {
             }
         }
         if !stale.is_empty() {
-            let gone = checked_results(&stale, self.store.discard(&stale));
+            let gone = self.calls.discard(&stale, self.store_deadline());
             for (k, r) in stale.iter().zip(gone) {
                 if let Err(e) = r {
                     warn!(key = k, error = %e, "a leftover checksum companion stays");
@@ -130,13 +159,16 @@ impl Inner {
         comp: &ComponentKeys,
         chunk: &[usize],
         report: &mut SaveReport,
+        after: Option<&SharedEvent>,
     ) -> Result<(), KvLoadError> {
         let batch = plan.logical.batch;
         let slots: Vec<u32> = chunk.iter().map(|&p| plan.slots[p]).collect();
-        let mut gather = self
-            .landings
-            .begin_save(slots.into())
-            .map_err(KvLoadError::from)?;
+        let mut gather = match after {
+            // The gather starts, device-side, after the engine's compute that wrote the pages.
+            Some(ev) => self.landings.begin_save_after(slots.into(), ev),
+            None => self.landings.begin_save(slots.into()),
+        }
+        .map_err(KvLoadError::from)?;
         let row = comp.layout.page_layer_bytes as usize;
         let object = comp.layout.object_bytes() as usize;
         let mut objects = vec![0u8; object * chunk.len()];
@@ -158,6 +190,8 @@ impl Inner {
             .map(|o| ObjectChecksums::of_object(o, comp.layout.page_layer_bytes))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| KvLoadError::Config(format!("{batch}: checksums: {e}")))?;
+        // Shared with a put past its deadline, which keeps it until it returns.
+        let objects: Arc<Vec<u8>> = Arc::new(objects);
         let puts: Vec<ObjectPut<'_>> = chunk
             .iter()
             .enumerate()
@@ -166,8 +200,10 @@ impl Inner {
                 parts: smallvec::smallvec![(objects[i * object..].as_ptr(), object)],
             })
             .collect();
-        // SAFETY: every part is a slice of `objects`, alive and unchanged during the call.
-        unsafe { self.put_chunk(batch, comp, &puts, &sums, chunk, report) }
+        let hold: Hold = objects.clone();
+        // SAFETY: every part is a slice of `objects`, kept alive by `hold` and never written
+        // again.
+        unsafe { self.put_chunk(batch, comp, &puts, &sums, chunk, report, hold) }
     }
 
     /// Puts one chunk's objects (plan pages `chunk`) with their checksum companions in one
@@ -175,8 +211,9 @@ impl Inner {
     /// object checked by length only (logged, not an error of the save).
     ///
     /// # Safety
-    /// Every part of every put is valid for reads of its length and not written during the
-    /// call (the [`KvStore`](crate::store::KvStore) buffer contract).
+    /// Every part of every put is valid for reads of its length, kept allocated by `hold`, and
+    /// not written during the call (the [`KvStore`](crate::store::KvStore) buffer contract).
+    #[allow(clippy::too_many_arguments)]
     unsafe fn put_chunk(
         &self,
         batch: kv_loader::BatchId,
@@ -185,21 +222,24 @@ impl Inner {
         sums: &[ObjectChecksums],
         chunk: &[usize],
         report: &mut SaveReport,
+        hold: Hold,
     ) -> Result<(), KvLoadError> {
-        let companions: Vec<(String, Vec<u8>)> = chunk
-            .iter()
-            .zip(sums)
-            .map(|(&page, s)| (checksum_key(&comp.keys[page]), s.encode()))
-            .collect();
+        let companions: Arc<Vec<(String, Vec<u8>)>> = Arc::new(
+            chunk
+                .iter()
+                .zip(sums)
+                .map(|(&page, s)| (checksum_key(&comp.keys[page]), s.encode()))
+                .collect(),
+        );
         let mut all: Vec<ObjectPut<'_>> = puts.to_vec();
         all.extend(companions.iter().map(|(key, bytes)| ObjectPut {
             key,
             parts: smallvec::smallvec![(bytes.as_ptr(), bytes.len())],
         }));
-        let keys: Vec<&str> = all.iter().map(|p| p.key).collect();
-        // SAFETY: the caller's promise covers `puts`; the companions' bytes are ours, alive
-        // and unchanged until the call returns.
-        let results = checked_results(&keys, unsafe { self.store.put(&all) });
+        let hold: Hold = Arc::new((hold, companions.clone()));
+        // SAFETY: the caller's promise covers `puts` (kept by `hold`); the companions' bytes
+        // are ours, kept by `hold` and never written again.
+        let results = unsafe { self.calls.put(&all, hold, self.store_deadline()) };
         let (objects, companion_results) = results.split_at(puts.len());
         for (put, (r, &page)) in puts.iter().zip(objects.iter().zip(chunk)) {
             match r {

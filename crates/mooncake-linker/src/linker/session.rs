@@ -1,32 +1,42 @@
 //! Lease pins held for the length of a load, renewed before they run out, always released.
+//! Every session call is bounded (`LinkerConfig::store_call_timeout`).
 
 use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use crate::store::{KvStore, ReadSession, StoreError};
+use crate::store::{ReadSession, StoreCalls, StoreError};
 
 /// A read session over a batch's keys; ended on drop.
 pub(crate) struct PinnedKeys<'a> {
-    store: &'a dyn KvStore,
+    calls: &'a StoreCalls,
+    timeout: Duration,
     session: Option<ReadSession>,
     renewed: Instant,
     every: Duration,
 }
 
 impl<'a> PinnedKeys<'a> {
+    /// A session over `keys`, renewed every `every`; each session call waits at most
+    /// `timeout`.
     pub(crate) fn start(
-        store: &'a dyn KvStore,
+        calls: &'a StoreCalls,
         keys: &[&str],
         every: Duration,
+        timeout: Duration,
     ) -> Result<Self, StoreError> {
-        let session = store.start_session(keys)?;
+        let session = calls.start_session(keys, kv_loader::deadline_after(timeout))?;
         Ok(PinnedKeys {
-            store,
+            calls,
+            timeout,
             session: Some(session),
             renewed: Instant::now(),
             every,
         })
+    }
+
+    fn deadline(&self) -> Instant {
+        kv_loader::deadline_after(self.timeout)
     }
 
     /// Renews the pins if the renewal period has passed. Renewal extends: the fresh session
@@ -41,9 +51,9 @@ impl<'a> PinnedKeys<'a> {
             return Ok(());
         };
         let keys: Vec<&str> = current.keys.iter().map(String::as_str).collect();
-        let fresh = self.store.start_session(&keys)?;
+        let fresh = self.calls.start_session(&keys, self.deadline())?;
         if let Some(old) = self.session.replace(fresh) {
-            if let Err(e) = self.store.end_session(&old) {
+            if let Err(e) = self.calls.end_session(&old, self.deadline()) {
                 warn!(error = %e, "ending a renewed read session failed");
             }
         }
@@ -55,7 +65,7 @@ impl<'a> PinnedKeys<'a> {
 impl Drop for PinnedKeys<'_> {
     fn drop(&mut self) {
         if let Some(s) = self.session.take() {
-            if let Err(e) = self.store.end_session(&s) {
+            if let Err(e) = self.calls.end_session(&s, self.deadline()) {
                 warn!(error = %e, keys = s.keys.len(), "ending a read session failed");
             }
         }

@@ -76,6 +76,17 @@ pub enum StoreError {
         /// Results that came back.
         got: usize,
     },
+    /// The call did not return by its deadline. It may still be running: the memory it reads
+    /// or writes is kept (not freed, not reused) until it returns.
+    #[error("`{key}`: {call} did not return within {waited:?}")]
+    Overdue {
+        /// The key.
+        key: String,
+        /// The store call.
+        call: &'static str,
+        /// How long it was waited for.
+        waited: std::time::Duration,
+    },
     /// Any other code of the store.
     #[error("`{key}`: store error code {code}")]
     Other {
@@ -94,7 +105,7 @@ impl StoreError {
             StoreError::NoSpace { .. } => StoreFailure::NoSpace,
             StoreError::TransferFailed { .. } => StoreFailure::TransferFailed,
             StoreError::Lease { .. } => StoreFailure::Lease,
-            StoreError::RpcTimeout { .. } => StoreFailure::RpcTimeout,
+            StoreError::RpcTimeout { .. } | StoreError::Overdue { .. } => StoreFailure::RpcTimeout,
             StoreError::InvalidArgument { .. } => StoreFailure::InvalidArgument,
             StoreError::Unavailable { .. } => StoreFailure::Unavailable,
             StoreError::ShortRead { .. } => StoreFailure::ShortRead,

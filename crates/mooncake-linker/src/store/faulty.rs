@@ -1,53 +1,139 @@
-//! A [`KvStore`] wrapper that injects failures into chosen reads: fault injection for tests
+//! A [`KvStore`] wrapper that injects failures into chosen calls: fault injection for tests
 //! of every failure rule (and for engines' own tests).
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::{
-    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
+    StoreError,
 };
 
-/// What an injected fault does to a matching ranged read.
-#[derive(Debug, Clone)]
-pub enum Fault {
-    /// The key's read fails with this error.
-    Error(StoreError),
-    /// The key's read returns one byte less than asked (a short read).
-    Short,
-    /// The whole call sleeps this long first (a slow or hung store), then reads normally.
-    Delay(Duration),
+/// Longest a [`Fault::Stall`] holds a call when it is never released (so a forgotten stall
+/// cannot keep a test's threads for ever).
+pub const STALL_LIMIT: Duration = Duration::from_secs(600);
+
+/// A switch that holds every call a [`Fault::Stall`] hits until [`release`](Stall::release):
+/// a store call that hangs.
+///
+/// ```
+/// use mooncake_linker::store::Stall;
+/// let s = Stall::new();
+/// assert!(!s.released());
+/// s.release();
+/// assert!(s.released());
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Stall(Arc<(Mutex<bool>, Condvar)>);
+
+impl Stall {
+    /// A stall that holds calls until released.
+    pub fn new() -> Self {
+        Stall::default()
+    }
+
+    /// Lets every held call (and every later one) go on.
+    pub fn release(&self) {
+        *self.0 .0.lock() = true;
+        self.0 .1.notify_all();
+    }
+
+    /// True once released.
+    pub fn released(&self) -> bool {
+        *self.0 .0.lock()
+    }
+
+    /// Holds the calling thread until released (at most [`STALL_LIMIT`]).
+    fn hold(&self) {
+        let deadline = kv_loader::deadline_after(STALL_LIMIT);
+        let mut released = self.0 .0.lock();
+        while !*released {
+            if self.0 .1.wait_until(&mut released, deadline).timed_out() {
+                break;
+            }
+        }
+    }
 }
 
-/// Which reads a fault hits: all conditions given must match.
+/// What an injected fault does to a matching call.
+#[derive(Debug, Clone)]
+pub enum Fault {
+    /// The key fails with this error.
+    Error(StoreError),
+    /// The key's read returns one byte less than asked (a short read; reads only).
+    Short,
+    /// The call sleeps this long (per matching key) first (a slow store), then runs normally.
+    Delay(Duration),
+    /// The call waits until the stall is released (a hung store call), then runs normally.
+    Stall(Stall),
+    /// The store goes down: this call and every later one of any kind fail with
+    /// [`StoreError::Unavailable`] until [`FaultyStore::clear`] (ending sessions still
+    /// reaches the store, so that its pins are let go).
+    Down,
+}
+
+/// Which calls a rule hits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultCall {
+    /// Ranged reads (`get_ranges`) of objects: what [`FaultyStore::inject`] hits.
+    Read,
+    /// Ranged reads of checksum companions (keys ending in
+    /// [`CHECKSUM_KEY_SUFFIX`](kv_geometry::CHECKSUM_KEY_SUFFIX)).
+    Checksums,
+    /// Whole-object reads (`get_into`).
+    ReadWhole,
+    /// `exists` (lookups, saves).
+    Exists,
+    /// `object_size`.
+    Size,
+    /// `start_session`.
+    Session,
+    /// `put`.
+    Put,
+    /// Every call above.
+    Any,
+}
+
+/// Which keys a fault hits: all conditions given must match.
 #[derive(Debug, Clone, Default)]
 pub struct FaultRule {
     /// Only keys containing this text.
     pub key_contains: Option<String>,
-    /// Only ranges starting at this byte offset of the object (picks a layer).
+    /// Only ranges starting at this byte offset of the object (picks a layer; ranged reads
+    /// only).
     pub offset: Option<u64>,
-    /// How many matching reads to hit before the rule is spent (`None`: forever).
+    /// How many matching keys to hit before the rule is spent (`None`: forever).
     pub times: Option<u32>,
 }
 
 struct Armed {
+    call: FaultCall,
     rule: FaultRule,
     fault: Fault,
     hits: AtomicU32,
 }
 
 impl Armed {
-    fn matches(&self, get: &RangedGet<'_>) -> bool {
+    fn matches(&self, call: FaultCall, key: &str, ranges: &[ReadRange]) -> bool {
+        let call = match call {
+            FaultCall::Read if key.ends_with(kv_geometry::CHECKSUM_KEY_SUFFIX) => {
+                FaultCall::Checksums
+            }
+            c => c,
+        };
+        if self.call != FaultCall::Any && self.call != call {
+            return false;
+        }
         if let Some(k) = &self.rule.key_contains {
-            if !get.key.contains(k.as_str()) {
+            if !key.contains(k.as_str()) {
                 return false;
             }
         }
         if let Some(off) = self.rule.offset {
-            if !get.ranges.iter().any(|r| r.offset == off) {
+            if !ranges.iter().any(|r| r.offset == off) {
                 return false;
             }
         }
@@ -63,24 +149,32 @@ impl Armed {
     }
 }
 
-/// Wraps a store and fails, shortens or delays the ranged reads that match its rules; every
-/// other operation passes through untouched.
+/// Wraps a store and fails, shortens, delays or holds the calls that match its rules, or
+/// takes the store down; every other call passes through untouched.
 ///
 /// ```
 /// use std::sync::Arc;
-/// use mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, StoreError};
+/// use mooncake_linker::store::{EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, StoreError};
 /// let faulty = FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 20)));
 /// faulty.inject(
 ///     FaultRule { key_contains: Some("_k".into()), ..FaultRule::default() },
 ///     Fault::Error(StoreError::RpcTimeout { key: "injected".into() }),
 /// );
+/// faulty.inject_on(FaultCall::Exists, FaultRule::default(), Fault::Down);
 /// assert_eq!(faulty.name(), "embedded+faults");
+/// assert!(faulty.exists(&["a"])[0].is_err());
+/// assert!(faulty.health().is_err());
 /// faulty.clear();
+/// assert!(faulty.health().is_ok());
 /// ```
 pub struct FaultyStore {
     inner: Arc<dyn KvStore>,
     rules: Mutex<Vec<Arc<Armed>>>,
+    down: AtomicBool,
 }
+
+/// A fault hit by a call, key by key.
+type Hits = Vec<Option<Fault>>;
 
 impl FaultyStore {
     /// A pass-through wrapper until rules are injected.
@@ -88,27 +182,130 @@ impl FaultyStore {
         FaultyStore {
             inner,
             rules: Mutex::new(Vec::new()),
+            down: AtomicBool::new(false),
         }
     }
 
-    /// Adds a rule.
+    /// Adds a rule for ranged reads.
     pub fn inject(&self, rule: FaultRule, fault: Fault) {
+        self.inject_on(FaultCall::Read, rule, fault);
+    }
+
+    /// Adds a rule for the calls `call` names.
+    pub fn inject_on(&self, call: FaultCall, rule: FaultRule, fault: Fault) {
         self.rules.lock().push(Arc::new(Armed {
+            call,
             rule,
             fault,
             hits: AtomicU32::new(0),
         }));
     }
 
-    /// Removes every rule.
+    /// Removes every rule, and brings the store back up.
     pub fn clear(&self) {
         self.rules.lock().clear();
+        self.down.store(false, Ordering::Release);
+    }
+
+    /// True while a [`Fault::Down`] holds.
+    pub fn is_down(&self) -> bool {
+        self.down.load(Ordering::Acquire)
+    }
+
+    fn unavailable() -> StoreError {
+        StoreError::Unavailable {
+            detail: "injected: the store is down".into(),
+        }
+    }
+
+    /// The faults of a call over `keys` (with their read ranges, where it reads ranges): a
+    /// delay or stall is served here (once per call), a `Down` takes the store down.
+    fn hits<'a>(
+        &self,
+        call: FaultCall,
+        keys: impl Iterator<Item = (&'a str, &'a [ReadRange])>,
+    ) -> Hits {
+        let rules: Vec<Arc<Armed>> = self.rules.lock().clone();
+        keys.map(|(key, ranges)| {
+            let mut hit = None;
+            for r in &rules {
+                if !r.matches(call, key, ranges) {
+                    continue;
+                }
+                match &r.fault {
+                    Fault::Delay(d) => std::thread::sleep(*d),
+                    Fault::Stall(s) => s.hold(),
+                    Fault::Down => {
+                        self.down.store(true, Ordering::Release);
+                        hit = Some(Fault::Down);
+                    }
+                    f => hit = Some(f.clone()),
+                }
+            }
+            hit
+        })
+        .collect()
+    }
+
+    /// `results` with the faults of `hits` applied; every key fails while the store is down.
+    fn apply<T>(
+        &self,
+        mut results: Vec<Result<T, StoreError>>,
+        hits: Hits,
+    ) -> Vec<Result<T, StoreError>>
+    where
+        T: ShortenBy,
+    {
+        let down = self.is_down();
+        for (r, f) in results.iter_mut().zip(hits) {
+            match f {
+                _ if down => *r = Err(Self::unavailable()),
+                Some(Fault::Error(e)) => *r = Err(e),
+                Some(Fault::Short) => {
+                    if let Ok(n) = r {
+                        n.shorten();
+                    }
+                }
+                _ => {}
+            }
+        }
+        results
+    }
+
+    fn plain<'a>(keys: &'a [&'a str]) -> impl Iterator<Item = (&'a str, &'a [ReadRange])> {
+        keys.iter().map(|k| (*k, &[][..]))
+    }
+
+    /// Every key fails: the store is down.
+    fn all_down<T>(n: usize) -> Vec<Result<T, StoreError>> {
+        (0..n).map(|_| Err(Self::unavailable())).collect()
     }
 }
 
-impl KvStore for FaultyStore {
-    forward_to_inner!();
+/// What a short read does to a result.
+trait ShortenBy {
+    fn shorten(&mut self);
+}
 
+impl ShortenBy for u64 {
+    fn shorten(&mut self) {
+        *self = self.saturating_sub(1);
+    }
+}
+
+impl ShortenBy for bool {
+    fn shorten(&mut self) {}
+}
+
+impl ShortenBy for PutOutcome {
+    fn shorten(&mut self) {}
+}
+
+impl ShortenBy for () {
+    fn shorten(&mut self) {}
+}
+
+impl KvStore for FaultyStore {
     fn name(&self) -> &str {
         match self.inner.name() {
             "embedded" => "embedded+faults",
@@ -117,37 +314,101 @@ impl KvStore for FaultyStore {
         }
     }
 
+    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
+        let hits = self.hits(FaultCall::Exists, Self::plain(keys));
+        if self.is_down() {
+            return Self::all_down(keys.len());
+        }
+        self.apply(self.inner.exists(keys), hits)
+    }
+
+    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
+        let hits = self.hits(FaultCall::Size, Self::plain(keys));
+        if self.is_down() {
+            return Self::all_down(keys.len());
+        }
+        let mut r = self.inner.object_size(keys);
+        // A short read does not apply to sizes.
+        let hits = hits
+            .into_iter()
+            .map(|h| h.filter(|f| !matches!(f, Fault::Short)))
+            .collect();
+        r = self.apply(r, hits);
+        r
+    }
+
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        let hits = self.hits(FaultCall::ReadWhole, gets.iter().map(|g| (g.key, &[][..])));
+        if self.is_down() {
+            return Self::all_down(gets.len());
+        }
         // SAFETY: forwarded with the caller's own promise.
-        unsafe { self.inner.get_into(gets) }
+        let r = unsafe { self.inner.get_into(gets) };
+        self.apply(r, hits)
     }
 
     unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
-        let rules: Vec<Arc<Armed>> = self.rules.lock().clone();
-        let mut faults: Vec<Option<Fault>> = vec![None; gets.len()];
-        for (i, g) in gets.iter().enumerate() {
-            for r in &rules {
-                if r.matches(g) {
-                    match &r.fault {
-                        Fault::Delay(d) => std::thread::sleep(*d),
-                        f => faults[i] = Some(f.clone()),
-                    }
-                }
-            }
+        let hits = self.hits(FaultCall::Read, gets.iter().map(|g| (g.key, &g.ranges[..])));
+        if self.is_down() {
+            return Self::all_down(gets.len());
         }
         // SAFETY: forwarded with the caller's own promise.
-        let mut results = unsafe { self.inner.get_ranges(gets) };
-        for (r, f) in results.iter_mut().zip(faults) {
-            match f {
-                Some(Fault::Error(e)) => *r = Err(e),
-                Some(Fault::Short) => {
-                    if let Ok(n) = r {
-                        *n = n.saturating_sub(1);
-                    }
-                }
-                _ => {}
-            }
+        let r = unsafe { self.inner.get_ranges(gets) };
+        self.apply(r, hits)
+    }
+
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        let hits = self.hits(FaultCall::Put, puts.iter().map(|p| (p.key, &[][..])));
+        if self.is_down() {
+            return Self::all_down(puts.len());
         }
-        results
+        // SAFETY: forwarded with the caller's own promise.
+        let r = unsafe { self.inner.put(puts) };
+        self.apply(r, hits)
+    }
+
+    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        if self.is_down() {
+            return Self::all_down(keys.len());
+        }
+        self.inner.remove(keys)
+    }
+
+    fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        if self.is_down() {
+            return Self::all_down(keys.len());
+        }
+        self.inner.discard(keys)
+    }
+
+    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe { self.inner.register(region) }
+    }
+
+    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        self.inner.unregister(region)
+    }
+
+    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
+        let hits = self.hits(FaultCall::Session, Self::plain(keys));
+        if self.is_down() {
+            return Err(Self::unavailable());
+        }
+        if let Some(Some(Fault::Error(e))) = hits.into_iter().find(Option::is_some) {
+            return Err(e);
+        }
+        self.inner.start_session(keys)
+    }
+
+    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
+        self.inner.end_session(session)
+    }
+
+    fn health(&self) -> Result<(), StoreError> {
+        if self.is_down() {
+            return Err(Self::unavailable());
+        }
+        self.inner.health()
     }
 }

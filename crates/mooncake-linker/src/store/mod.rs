@@ -49,6 +49,7 @@ macro_rules! forward_to_inner {
     };
 }
 
+mod bounded;
 mod checked;
 mod embedded;
 mod error;
@@ -62,8 +63,9 @@ mod simulated;
 pub use checked::checked_results;
 pub use embedded::EmbeddedStore;
 
+pub use bounded::{no_hold, Hold, StoreCalls, MAX_WORKERS};
 pub use error::StoreError;
-pub use faulty::{Fault, FaultRule, FaultyStore};
+pub use faulty::{Fault, FaultCall, FaultRule, FaultyStore, Stall, STALL_LIMIT};
 pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
 };

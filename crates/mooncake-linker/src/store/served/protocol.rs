@@ -219,7 +219,7 @@ impl Enc {
             StoreError::NoSpace { key, detail } => self.u8(2).str(key).str(detail),
             StoreError::TransferFailed { key, code } => self.u8(3).str(key).u64(*code as u64),
             StoreError::Lease { key, detail } => self.u8(4).str(key).str(detail),
-            StoreError::RpcTimeout { key } => self.u8(5).str(key),
+            StoreError::RpcTimeout { key } | StoreError::Overdue { key, .. } => self.u8(5).str(key),
             StoreError::InvalidArgument { key, detail } => self.u8(6).str(key).str(detail),
             StoreError::Unavailable { detail } => self.u8(7).str(detail),
             StoreError::ShortRead { key, expected, got } => {

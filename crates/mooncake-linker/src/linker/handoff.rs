@@ -1,0 +1,197 @@
+//! The hand-off between a batch's reader thread and its exchange loop: free stages go to the
+//! reader, read layers go to the exchange loop (at most `depth` of them waiting), and either
+//! side can leave, which ends the other side's waits at once. Every wait has a deadline.
+//!
+//! It is one small state machine behind one mutex and one condition variable, so that loom
+//! can check it (`tests/loom_handoff.rs` builds this very file with loom's primitives under
+//! `--cfg loom`: no lost wake-up, no stage lost, layers in order, a side that leaves never
+//! strands the other). Loom has no clock: there, waits end only on a notification.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+#[cfg(loom)]
+use loom::sync::{Condvar, Mutex, MutexGuard};
+#[cfg(not(loom))]
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+/// What a wait got.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Wait<T> {
+    /// The item.
+    Got(T),
+    /// The other side left (and nothing is left to take).
+    Closed,
+    /// The deadline passed.
+    TimedOut,
+}
+
+struct State<S, L> {
+    free: VecDeque<S>,
+    read: VecDeque<L>,
+    depth: usize,
+    reader_open: bool,
+    exchange_open: bool,
+}
+
+/// The hand-off of one batch (see the module docs).
+pub(crate) struct Handoff<S, L> {
+    state: Mutex<State<S, L>>,
+    cv: Condvar,
+}
+
+impl<S, L> Handoff<S, L> {
+    /// A hand-off lending `stages` to the reader, with at most `depth` read layers waiting
+    /// for the exchange loop (at least one).
+    pub(crate) fn new(stages: impl IntoIterator<Item = S>, depth: usize) -> Self {
+        Handoff {
+            state: Mutex::new(State {
+                free: stages.into_iter().collect(),
+                read: VecDeque::new(),
+                depth: depth.max(1),
+                reader_open: true,
+                exchange_open: true,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<S, L>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits on the condition variable until notified or `deadline`; false once it passed.
+    fn wait<'a>(
+        &self,
+        guard: MutexGuard<'a, State<S, L>>,
+        deadline: Instant,
+    ) -> (MutexGuard<'a, State<S, L>>, bool) {
+        let now = Instant::now();
+        if now >= deadline {
+            return (guard, false);
+        }
+        let g = match self.cv.wait_timeout(guard, deadline - now) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+        (g, true)
+    }
+
+    /// Reader: the next free stage, waiting (until `deadline`) for the exchange loop to give
+    /// one back. `Closed` once the exchange loop left.
+    pub(crate) fn free_stage(&self, deadline: Instant) -> Wait<S> {
+        let mut st = self.lock();
+        loop {
+            if !st.exchange_open {
+                return Wait::Closed;
+            }
+            if let Some(s) = st.free.pop_front() {
+                return Wait::Got(s);
+            }
+            let (g, in_time) = self.wait(st, deadline);
+            st = g;
+            if !in_time {
+                return Wait::TimedOut;
+            }
+        }
+    }
+
+    /// Reader: hands a read layer to the exchange loop, waiting (until `deadline`) while
+    /// `depth` layers are already waiting. The layer comes back when the exchange loop left
+    /// or the deadline passed.
+    pub(crate) fn hand_over(&self, layer: L, deadline: Instant) -> Result<(), L> {
+        let mut st = self.lock();
+        loop {
+            if !st.exchange_open {
+                return Err(layer);
+            }
+            if st.read.len() < st.depth {
+                st.read.push_back(layer);
+                drop(st);
+                self.cv.notify_all();
+                return Ok(());
+            }
+            let (g, in_time) = self.wait(st, deadline);
+            st = g;
+            if !in_time {
+                return Err(layer);
+            }
+        }
+    }
+
+    /// Reader: it hands over nothing more.
+    pub(crate) fn reader_done(&self) {
+        self.lock().reader_open = false;
+        self.cv.notify_all();
+    }
+
+    /// Exchange loop: the next read layer, waiting (until `deadline`) for the reader. Layers
+    /// handed over before the reader left are still given; then `Closed`.
+    pub(crate) fn next_layer(&self, deadline: Instant) -> Wait<L> {
+        let mut st = self.lock();
+        loop {
+            if let Some(l) = st.read.pop_front() {
+                drop(st);
+                self.cv.notify_all();
+                return Wait::Got(l);
+            }
+            if !st.reader_open {
+                return Wait::Closed;
+            }
+            let (g, in_time) = self.wait(st, deadline);
+            st = g;
+            if !in_time {
+                return Wait::TimedOut;
+            }
+        }
+    }
+
+    /// Exchange loop: a stage back to the reader.
+    pub(crate) fn give_back(&self, stage: S) {
+        self.lock().free.push_back(stage);
+        self.cv.notify_all();
+    }
+
+    /// Exchange loop: it takes nothing more (the reader's waits end at once). Returns the
+    /// stages and layers still in the hand-off, so that the caller decides when they go.
+    pub(crate) fn exchange_done(&self) -> (Vec<S>, Vec<L>) {
+        let mut st = self.lock();
+        st.exchange_open = false;
+        let left = (st.free.drain(..).collect(), st.read.drain(..).collect());
+        drop(st);
+        self.cv.notify_all();
+        left
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_millis(50)
+    }
+
+    #[test]
+    fn stages_and_layers_flow_and_waits_are_bounded() {
+        let h: Handoff<u8, u32> = Handoff::new([1, 2], 1);
+        assert_eq!(h.free_stage(soon()), Wait::Got(1));
+        assert_eq!(h.hand_over(10, soon()), Ok(()));
+        // The queue is full (depth 1): the next hand-over times out and gives the layer back.
+        let t0 = Instant::now();
+        assert_eq!(h.hand_over(11, soon()), Err(11));
+        assert!(t0.elapsed() >= Duration::from_millis(40));
+        assert_eq!(h.next_layer(soon()), Wait::Got(10));
+        assert_eq!(h.next_layer(soon()), Wait::TimedOut);
+        h.give_back(1);
+        assert_eq!(h.free_stage(soon()), Wait::Got(2));
+        assert_eq!(h.free_stage(soon()), Wait::Got(1));
+        assert_eq!(h.free_stage(soon()), Wait::TimedOut);
+        h.reader_done();
+        assert_eq!(h.next_layer(soon()), Wait::Closed);
+        assert_eq!(h.exchange_done(), (vec![], vec![]));
+        assert_eq!(h.free_stage(soon()), Wait::Closed);
+        assert_eq!(h.hand_over(12, soon()), Err(12));
+    }
+}

@@ -1,0 +1,290 @@
+//! Verifying what a load read, before it is reported loaded.
+//!
+//! Once per batch (with the read session): which of the objects this rank reads have a
+//! checksum companion (`{key}_kvsum`, written by kvlink's save), then their companions, read
+//! inside the session. Per layer, on the exchange loop (beside the reader, which reads the next
+//! layer meanwhile: off its critical path), before the layer's status word: every
+//! (object, layer) range this rank read is checked (`ObjectChecksums::verify_layer`: the
+//! checksum where a companion exists, the length only where none does, e.g. objects SGLang
+//! wrote). A range that fails is this rank's failure in that layer's status word, so every
+//! rank fails the batch alike; its object and companion are discarded, so the next save writes
+//! them again.
+
+use kv_device::{LayerLanding, LayerStage, ShareSide};
+use kv_geometry::{checksum_key, ObjectChecksums, Verified};
+use kv_loader::{BatchId, KvLoadError};
+
+use super::batch::BatchLayers;
+use super::reader::{store_failure, ComponentKeys};
+use super::Inner;
+use crate::store::StoreError;
+
+/// The companions of one batch's objects this rank reads: per component (own, then shared, in
+/// [`BatchLayers`] order), per plan page; `None` where the object has none (checked by length
+/// only) or this rank does not read it.
+#[derive(Debug, Default)]
+pub(crate) struct BatchChecksums {
+    /// Verification is on.
+    pub(crate) enabled: bool,
+    own: Vec<Vec<Option<ObjectChecksums>>>,
+    shared: Vec<Vec<Option<ObjectChecksums>>>,
+}
+
+/// One companion this rank wants: which component list, which component, which page.
+struct Wanted {
+    shared: bool,
+    comp: usize,
+    page: usize,
+    key: String,
+    len: usize,
+}
+
+impl BatchChecksums {
+    fn slot(
+        &mut self,
+        shared: bool,
+        comp: usize,
+        page: usize,
+    ) -> Option<&mut Option<ObjectChecksums>> {
+        let list = if shared {
+            &mut self.shared
+        } else {
+            &mut self.own
+        };
+        list.get_mut(comp)?.get_mut(page)
+    }
+
+    fn get(&self, shared: bool, comp: usize, page: usize) -> Option<&ObjectChecksums> {
+        let list = if shared { &self.shared } else { &self.own };
+        list.get(comp)?.get(page)?.as_ref()
+    }
+}
+
+impl Inner {
+    fn store_call_deadline(&self) -> std::time::Instant {
+        kv_loader::deadline_after(self.config.store_call_timeout)
+    }
+
+    /// The companions this rank reads for `layers` (own components: every page; shared ones:
+    /// this rank's share), and which of them the store holds (one `exists` call). Returns the
+    /// present ones' keys (to pin with the objects) and the bookkeeping to read them into.
+    pub(crate) fn present_companions(
+        &self,
+        layers: &BatchLayers,
+        batch: BatchId,
+    ) -> Result<(Vec<String>, CompanionPlan), KvLoadError> {
+        let mut plan = CompanionPlan {
+            sums: BatchChecksums {
+                enabled: self.config.verify_checksums,
+                own: vec![vec![None; layers.pages]; layers.own.len()],
+                shared: vec![vec![None; layers.pages]; layers.shared.len()],
+            },
+            wanted: Vec::new(),
+        };
+        if !self.config.verify_checksums {
+            return Ok((Vec::new(), plan));
+        }
+        let mine = layers.my_pages();
+        let lists = [
+            (false, &layers.own, 0..layers.pages),
+            (true, &layers.shared, mine),
+        ];
+        let mut wanted = Vec::new();
+        for (shared, comps, pages) in lists {
+            for (ci, c) in comps.iter().enumerate() {
+                for page in pages.clone() {
+                    wanted.push(Wanted {
+                        shared,
+                        comp: ci,
+                        page,
+                        key: checksum_key(&c.keys[page]),
+                        len: ObjectChecksums::encoded_len(c.layout.layers.len()),
+                    });
+                }
+            }
+        }
+        if wanted.is_empty() {
+            return Ok((Vec::new(), plan));
+        }
+        let keys: Vec<&str> = wanted.iter().map(|w| w.key.as_str()).collect();
+        let present = self.calls.exists(&keys, self.store_call_deadline());
+        for (w, p) in wanted.into_iter().zip(present) {
+            match p {
+                Ok(true) => plan.wanted.push(w),
+                Ok(false) => {}
+                Err(e) => {
+                    return Err(store_failure(batch, None, vec![w.page as u32], &e));
+                }
+            }
+        }
+        let keys = plan.wanted.iter().map(|w| w.key.clone()).collect();
+        Ok((keys, plan))
+    }
+
+    /// Reads the present companions (inside the session already started over them) and
+    /// decodes them. A companion that is not one (malformed, another layout, cut short) makes
+    /// its object bad: both are discarded and the batch fails on this rank.
+    pub(crate) fn read_companions(
+        &self,
+        layers: &BatchLayers,
+        batch: BatchId,
+        mut plan: CompanionPlan,
+    ) -> Result<BatchChecksums, KvLoadError> {
+        if plan.wanted.is_empty() {
+            return Ok(plan.sums);
+        }
+        let keys: Vec<&str> = plan.wanted.iter().map(|w| w.key.as_str()).collect();
+        let lens: Vec<usize> = plan.wanted.iter().map(|w| w.len).collect();
+        let got = self
+            .calls
+            .read_owned(&keys, &lens, self.store_call_deadline());
+        for (w, r) in plan.wanted.iter().zip(got) {
+            let comp = if w.shared {
+                &layers.shared[w.comp]
+            } else {
+                &layers.own[w.comp]
+            };
+            let decoded = match r {
+                Ok(bytes) => ObjectChecksums::decode(&bytes)
+                    .and_then(|s| s.check_layout(&comp.layout).map(|()| s))
+                    .map_err(|e| e.to_string()),
+                Err(StoreError::ShortRead { got, expected, .. }) => Err(format!(
+                    "checksum object of {got} bytes, {expected} expected"
+                )),
+                Err(e) => return Err(store_failure(batch, None, vec![w.page as u32], &e)),
+            };
+            match decoded {
+                Ok(sums) => {
+                    if let Some(slot) = plan.sums.slot(w.shared, w.comp, w.page) {
+                        *slot = Some(sums);
+                    }
+                }
+                Err(detail) => return Err(self.bad_object(batch, comp, w.page, None, detail)),
+            }
+        }
+        Ok(plan.sums)
+    }
+
+    /// An object found bad: discarded with its companion (bounded), counted, and the batch's
+    /// error.
+    pub(crate) fn bad_object(
+        &self,
+        batch: BatchId,
+        comp: &ComponentKeys,
+        page: usize,
+        layer: Option<u32>,
+        detail: String,
+    ) -> KvLoadError {
+        let key = comp.keys[page].clone();
+        tracing::error!(%batch, key, ?layer, detail, "object failed verification: discarding it");
+        self.metrics.bad_object();
+        super::replace::discard_objects(&self.calls, &[key.as_str()], self.store_call_deadline());
+        KvLoadError::BadObject {
+            batch,
+            key,
+            layer,
+            detail,
+        }
+    }
+}
+
+/// Companions to read for one batch (see [`Inner::present_companions`]).
+pub(crate) struct CompanionPlan {
+    sums: BatchChecksums,
+    wanted: Vec<Wanted>,
+}
+
+/// Checks layer `layer` of what this rank read for a batch, in the stage the reader handed
+/// over (see the module docs).
+pub(crate) struct LayerCheck<'a> {
+    pub(crate) inner: &'a Inner,
+    pub(crate) batch: BatchId,
+    pub(crate) layers: &'a BatchLayers,
+    pub(crate) sums: &'a BatchChecksums,
+}
+
+impl LayerCheck<'_> {
+    /// Every range this rank read at `layer`, checked; the first that fails is the error.
+    pub(crate) fn run(
+        &self,
+        landing: &dyn LayerLanding,
+        stage: &LayerStage,
+        layer: u32,
+    ) -> Result<(), KvLoadError> {
+        if !self.sums.enabled {
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
+        let mut counts = (0u64, 0u64);
+        let layers = self.layers;
+        for (ci, c) in layers.own.iter().enumerate() {
+            if c.layout.position(layer).is_none() {
+                continue;
+            }
+            for page in 0..layers.pages {
+                let bytes = landing
+                    .target_bytes(stage, c.layout.id, page)
+                    .map_err(KvLoadError::from)?;
+                self.check(
+                    c,
+                    self.sums.get(false, ci, page),
+                    page,
+                    layer,
+                    bytes,
+                    &mut counts,
+                )?;
+            }
+        }
+        if let Some(layout) = layers.layouts[layer as usize].as_ref() {
+            for (ci, c) in layers.shared.iter().enumerate() {
+                if c.layout.position(layer).is_none() {
+                    continue;
+                }
+                for page in layout.share(layers.rank) {
+                    let bytes = match landing.share() {
+                        ShareSide::Host(_) => landing.target_bytes(stage, c.layout.id, page),
+                        ShareSide::Device(d) => {
+                            let off = layout.offset(c.layout.id, page).ok_or(
+                                kv_device::DeviceError::InvalidStage("a shared row not staged"),
+                            )?;
+                            d.share_bytes(stage, off, c.layout.page_layer_bytes as usize)
+                        }
+                    }
+                    .map_err(KvLoadError::from)?;
+                    self.check(
+                        c,
+                        self.sums.get(true, ci, page),
+                        page,
+                        layer,
+                        bytes,
+                        &mut counts,
+                    )?;
+                }
+            }
+        }
+        self.inner.metrics.verified(counts.0, counts.1);
+        tracing::trace!(layer, checksummed = counts.0, length_only = counts.1, took = ?t0.elapsed(), "layer verified");
+        Ok(())
+    }
+
+    fn check(
+        &self,
+        c: &ComponentKeys,
+        sums: Option<&ObjectChecksums>,
+        page: usize,
+        layer: u32,
+        bytes: &[u8],
+        counts: &mut (u64, u64),
+    ) -> Result<(), KvLoadError> {
+        match ObjectChecksums::verify_layer(sums, &c.layout, layer, bytes) {
+            Ok(Verified::Checksum) => counts.0 += 1,
+            Ok(Verified::LengthOnly) => counts.1 += 1,
+            Err(e) => {
+                return Err(self
+                    .inner
+                    .bad_object(self.batch, c, page, Some(layer), e.to_string()))
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,672 @@
+//! Store calls with a deadline: [`StoreCalls`] runs every call of a [`KvStore`] on a worker
+//! thread and waits for it at most until the call's deadline. A call that hangs fails its
+//! keys with [`StoreError::Overdue`] at the deadline, whatever the store does; the worker
+//! keeps the call's **hold** (whatever keeps its memory allocated and away from everyone else:
+//! the landing, the pool, the batch's outcome) until the call really returns, so memory a
+//! late call may still write is neither freed, nor unregistered, nor handed to another batch
+//! before then.
+//!
+//! Workers are kept and reused (a call costs a hand-off, not a thread start); a call that
+//! hangs keeps its worker, and a new one is started for the next call. At most
+//! [`MAX_WORKERS`] calls run at once: past that (a store that hangs every call) a call fails
+//! at once with [`StoreError::Unavailable`].
+
+use std::any::Any;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use tracing::{error, warn};
+
+use super::{KvStore, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession};
+use super::{ReadSession as Session, StoreError};
+
+/// Most store calls running at once, hung ones included.
+pub const MAX_WORKERS: usize = 256;
+
+/// What a call keeps alive (and away from others) until it returns.
+pub type Hold = Arc<dyn Any + Send + Sync>;
+
+/// A hold for calls whose memory is their own (owned buffers, nothing borrowed).
+pub fn no_hold() -> Hold {
+    Arc::new(())
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The worker threads of one [`StoreCalls`].
+struct Workers {
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    rx: Arc<Mutex<mpsc::Receiver<Job>>>,
+    /// Workers waiting for a job that no submitted job has claimed.
+    idle: Arc<AtomicUsize>,
+    /// Workers alive (idle, busy or hung).
+    alive: Arc<AtomicUsize>,
+}
+
+impl Workers {
+    fn new() -> Self {
+        let (tx, rx) = mpsc::channel();
+        Workers {
+            tx: Mutex::new(Some(tx)),
+            rx: Arc::new(Mutex::new(rx)),
+            idle: Arc::new(AtomicUsize::new(0)),
+            alive: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Hands `job` to an idle worker, or to a new one.
+    fn submit(&self, job: Job) -> Result<(), StoreError> {
+        let claimed = self
+            .idle
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |i| i.checked_sub(1))
+            .is_ok();
+        if !claimed {
+            self.spawn()?;
+        }
+        let sent = self
+            .tx
+            .lock()
+            .as_ref()
+            .is_some_and(|tx| tx.send(job).is_ok());
+        if sent {
+            Ok(())
+        } else {
+            Err(StoreError::Unavailable {
+                detail: "the store's call workers have stopped".into(),
+            })
+        }
+    }
+
+    /// Starts a worker, already claimed for the job about to be sent.
+    fn spawn(&self) -> Result<(), StoreError> {
+        if self.alive.fetch_add(1, Ordering::AcqRel) >= MAX_WORKERS {
+            self.alive.fetch_sub(1, Ordering::AcqRel);
+            error!(
+                max = MAX_WORKERS,
+                "every store-call worker is busy or hung: failing the call"
+            );
+            return Err(StoreError::Unavailable {
+                detail: format!("{MAX_WORKERS} store calls are running or hung"),
+            });
+        }
+        let (rx, idle, alive) = (self.rx.clone(), self.idle.clone(), self.alive.clone());
+        let spawned = std::thread::Builder::new()
+            .name("kvlink-store-call".into())
+            .spawn(move || {
+                loop {
+                    let job = rx.lock().recv();
+                    let Ok(job) = job else { break };
+                    // A store call that panics is its caller's overdue call, not a dead worker.
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                        error!("a store call panicked");
+                    }
+                    idle.fetch_add(1, Ordering::AcqRel);
+                }
+                alive.fetch_sub(1, Ordering::AcqRel);
+            });
+        spawned.map(drop).map_err(|e| {
+            self.alive.fetch_sub(1, Ordering::AcqRel);
+            StoreError::Unavailable {
+                detail: format!("starting a store-call worker: {e}"),
+            }
+        })
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        // Closing the queue ends the idle workers; busy ones end when their call returns.
+        self.tx.lock().take();
+    }
+}
+
+/// A store whose every call is bounded by a deadline (see the module docs).
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use mooncake_linker::store::{EmbeddedStore, StoreCalls};
+/// let calls = StoreCalls::new(Arc::new(EmbeddedStore::new(1 << 20)));
+/// let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+/// assert_eq!(calls.exists(&["nothing"], deadline), vec![Ok(false)]);
+/// ```
+pub struct StoreCalls {
+    store: Arc<dyn KvStore>,
+    workers: Workers,
+    overdue: Arc<AtomicU64>,
+}
+
+/// The call did not return by its deadline.
+struct Overdue(Duration);
+
+/// Where a call's result meets its caller.
+struct Slot<T> {
+    state: Mutex<Answer<T>>,
+    cv: Condvar,
+}
+
+enum Answer<T> {
+    Waiting,
+    Done(T),
+    /// The caller gave up at its deadline.
+    Abandoned,
+}
+
+/// A call started on a worker.
+struct Pending<T> {
+    slot: Arc<Slot<T>>,
+    what: &'static str,
+    started: Instant,
+    overdue: Arc<AtomicU64>,
+}
+
+impl<T> Pending<T> {
+    /// The call's result, or [`Overdue`] at `deadline` (the call is then abandoned: its
+    /// result, when it comes, goes to its `late`).
+    fn wait(self, deadline: Instant) -> Result<T, Overdue> {
+        let mut state = self.slot.state.lock();
+        loop {
+            match std::mem::replace(&mut *state, Answer::Waiting) {
+                Answer::Done(out) => return Ok(out),
+                _ if Instant::now() >= deadline => {
+                    *state = Answer::Abandoned;
+                    self.overdue.fetch_add(1, Ordering::Relaxed);
+                    let waited = self.started.elapsed();
+                    error!(call = self.what, ?waited, "a store call is overdue: it fails now; its memory is kept until it returns");
+                    return Err(Overdue(waited));
+                }
+                _ => {
+                    self.slot.cv.wait_until(&mut state, deadline);
+                }
+            }
+        }
+    }
+}
+
+fn overdue_all<T>(
+    keys: &[String],
+    call: &'static str,
+    waited: Duration,
+) -> Vec<Result<T, StoreError>> {
+    keys.iter()
+        .map(|k| {
+            Err(StoreError::Overdue {
+                key: k.clone(),
+                call,
+                waited,
+            })
+        })
+        .collect()
+}
+
+fn failed_all<T>(keys: &[String], e: &StoreError) -> Vec<Result<T, StoreError>> {
+    keys.iter().map(|_| Err(e.clone())).collect()
+}
+
+fn owned(keys: &[&str]) -> Vec<String> {
+    keys.iter().map(|k| (*k).to_owned()).collect()
+}
+
+impl StoreCalls {
+    /// Bounded calls of `store`.
+    pub fn new(store: Arc<dyn KvStore>) -> Self {
+        StoreCalls {
+            store,
+            workers: Workers::new(),
+            overdue: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn KvStore> {
+        &self.store
+    }
+
+    /// Calls that did not return by their deadline so far.
+    pub fn overdue_calls(&self) -> u64 {
+        self.overdue.load(Ordering::Relaxed)
+    }
+
+    /// Store-call workers alive now (idle, running or hung).
+    pub fn workers(&self) -> usize {
+        self.workers.alive.load(Ordering::Acquire)
+    }
+
+    /// Starts `call` on a worker. `call` owns everything it uses (it may outlive its
+    /// caller's wait); a result that comes after the caller gave up goes to `late` instead
+    /// (on the worker).
+    fn submit<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        call: impl FnOnce(&dyn KvStore) -> T + Send + 'static,
+        late: impl FnOnce(&dyn KvStore, T) + Send + 'static,
+    ) -> Result<Pending<T>, StoreError> {
+        let slot = Arc::new(Slot {
+            state: Mutex::new(Answer::Waiting),
+            cv: Condvar::new(),
+        });
+        let theirs = slot.clone();
+        let store = self.store.clone();
+        let started = Instant::now();
+        self.workers.submit(Box::new(move || {
+            let out = call(store.as_ref());
+            let mut state = theirs.state.lock();
+            if matches!(*state, Answer::Abandoned) {
+                drop(state);
+                warn!(
+                    call = what,
+                    took = ?started.elapsed(),
+                    "a store call returned after its deadline; its memory is released now"
+                );
+                late(store.as_ref(), out);
+                return;
+            }
+            *state = Answer::Done(out);
+            theirs.cv.notify_all();
+        }))?;
+        Ok(Pending {
+            slot,
+            what,
+            started,
+            overdue: self.overdue.clone(),
+        })
+    }
+
+    /// Runs `call` on a worker and waits for it until `deadline` (see [`submit`](Self::submit)).
+    fn run<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        deadline: Instant,
+        call: impl FnOnce(&dyn KvStore) -> T + Send + 'static,
+        late: impl FnOnce(&dyn KvStore, T) + Send + 'static,
+    ) -> Result<Result<T, Overdue>, StoreError> {
+        Ok(self.submit(what, call, late)?.wait(deadline))
+    }
+
+    /// Per-key results of a call over `keys`: its own, or an error for every key.
+    fn per_key<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        keys: Vec<String>,
+        deadline: Instant,
+        call: impl FnOnce(&dyn KvStore, &[&str]) -> Vec<Result<T, StoreError>> + Send + 'static,
+    ) -> Vec<Result<T, StoreError>> {
+        let shared: Arc<[String]> = keys.into();
+        let mine = shared.clone();
+        let out = self.run(
+            what,
+            deadline,
+            move |s| {
+                let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
+                super::checked_results(&refs, call(s, &refs))
+            },
+            |_, _| {},
+        );
+        match out {
+            Ok(Ok(r)) => r,
+            Ok(Err(Overdue(waited))) => overdue_all(&shared, what, waited),
+            Err(e) => failed_all(&shared, &e),
+        }
+    }
+
+    /// [`KvStore::exists`], bounded.
+    pub fn exists(&self, keys: &[&str], deadline: Instant) -> Vec<Result<bool, StoreError>> {
+        self.per_key("exists", owned(keys), deadline, |s, k| s.exists(k))
+    }
+
+    /// [`KvStore::object_size`], bounded.
+    pub fn object_size(&self, keys: &[&str], deadline: Instant) -> Vec<Result<u64, StoreError>> {
+        self.per_key("object_size", owned(keys), deadline, |s, k| {
+            s.object_size(k)
+        })
+    }
+
+    /// [`KvStore::discard`], bounded.
+    pub fn discard(&self, keys: &[&str], deadline: Instant) -> Vec<Result<(), StoreError>> {
+        self.per_key("discard", owned(keys), deadline, |s, k| s.discard(k))
+    }
+
+    /// [`KvStore::start_session`], bounded. A session that starts after its deadline is
+    /// ended by the worker.
+    pub fn start_session(&self, keys: &[&str], deadline: Instant) -> Result<Session, StoreError> {
+        let key = keys.first().map_or_else(String::new, |k| (*k).to_owned());
+        let keys = owned(keys);
+        let out = self.run(
+            "start_session",
+            deadline,
+            move |s| {
+                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                s.start_session(&refs)
+            },
+            // A session that started after its caller gave up is ended at once.
+            |s, r| {
+                if let Ok(session) = r {
+                    let _ = s.end_session(&session);
+                }
+            },
+        )?;
+        match out {
+            Ok(r) => r,
+            Err(Overdue(waited)) => Err(StoreError::Overdue {
+                key,
+                call: "start_session",
+                waited,
+            }),
+        }
+    }
+
+    /// [`KvStore::end_session`], bounded.
+    pub fn end_session(&self, session: &ReadSession, deadline: Instant) -> Result<(), StoreError> {
+        let key = session.keys.first().cloned().unwrap_or_default();
+        let session = session.clone();
+        let out = self.run(
+            "end_session",
+            deadline,
+            move |s| s.end_session(&session),
+            |_, _| {},
+        )?;
+        match out {
+            Ok(r) => r,
+            Err(Overdue(waited)) => Err(StoreError::Overdue {
+                key,
+                call: "end_session",
+                waited,
+            }),
+        }
+    }
+
+    /// [`KvStore::get_ranges`], bounded: the results, or [`StoreError::Overdue`] for every key
+    /// at `deadline` while the call goes on.
+    ///
+    /// # Safety
+    /// As [`KvStore::get_ranges`], for as long as the call runs, which may be past `deadline`
+    /// and this function's return: every destination is valid for writes of its length, the
+    /// destinations do not overlap, and nothing else reads or writes them until `hold` (kept
+    /// by the call until it returns) has been dropped — `hold` is what keeps them allocated
+    /// and away from everyone else.
+    pub unsafe fn get_ranges(
+        &self,
+        gets: &[RangedGet<'_>],
+        hold: Hold,
+        deadline: Instant,
+    ) -> Vec<Result<u64, StoreError>> {
+        let keys: Vec<String> = gets.iter().map(|g| g.key.to_owned()).collect();
+        let ranges: Vec<smallvec::SmallVec<[ReadRange; 2]>> =
+            gets.iter().map(|g| g.ranges.clone()).collect();
+        self.per_key("get_ranges", keys, deadline, move |s, k| {
+            let gets: Vec<RangedGet<'_>> = k
+                .iter()
+                .zip(ranges)
+                .map(|(key, ranges)| RangedGet { key, ranges })
+                .collect();
+            // SAFETY: the caller's promise covers these destinations until `hold`, which this
+            // closure owns, is dropped after the call returns.
+            let r = unsafe { s.get_ranges(&gets) };
+            drop(hold);
+            r
+        })
+    }
+
+    /// [`get_ranges`](Self::get_ranges) of several parts at once, each on its own worker; the
+    /// results of each part, in order. Every part waits until the same `deadline`.
+    ///
+    /// # Safety
+    /// As [`get_ranges`](Self::get_ranges), for every part; parts do not overlap.
+    pub unsafe fn get_ranges_parts(
+        &self,
+        parts: &[&[RangedGet<'_>]],
+        hold: &Hold,
+        deadline: Instant,
+    ) -> Vec<Vec<Result<u64, StoreError>>> {
+        type Part = (Arc<[String]>, Vec<smallvec::SmallVec<[ReadRange; 2]>>);
+        let owned_parts: Vec<Part> = parts
+            .iter()
+            .map(|p| {
+                let keys: Arc<[String]> = p.iter().map(|g| g.key.to_owned()).collect();
+                (keys, p.iter().map(|g| g.ranges.clone()).collect())
+            })
+            .collect();
+        type Started = Result<Pending<Vec<Result<u64, StoreError>>>, StoreError>;
+        let pending: Vec<(Arc<[String]>, Started)> = owned_parts
+            .into_iter()
+            .map(|(keys, ranges)| {
+                let mine = keys.clone();
+                let hold = hold.clone();
+                let started = self.submit(
+                    "get_ranges",
+                    move |s| {
+                        let gets: Vec<RangedGet<'_>> = mine
+                            .iter()
+                            .zip(ranges)
+                            .map(|(key, ranges)| RangedGet { key, ranges })
+                            .collect();
+                        // SAFETY: the caller's promise covers these destinations until
+                        // `hold`, which this closure owns, is dropped after the call.
+                        let r = unsafe { s.get_ranges(&gets) };
+                        drop(hold);
+                        let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
+                        super::checked_results(&refs, r)
+                    },
+                    |_, _| {},
+                );
+                (keys, started)
+            })
+            .collect();
+        pending
+            .into_iter()
+            .map(|(keys, p)| match p.map(|p| p.wait(deadline)) {
+                Ok(Ok(r)) => r,
+                Ok(Err(Overdue(waited))) => overdue_all(&keys, "get_ranges", waited),
+                Err(e) => failed_all(&keys, &e),
+            })
+            .collect()
+    }
+
+    /// Reads the first `lens[i]` bytes of object `keys[i]` into buffers of the call's own
+    /// (ranged reads: inside a read session the store already holds, no other request to it),
+    /// bounded. A key that returns fewer bytes is a [`StoreError::ShortRead`].
+    pub fn read_owned(
+        &self,
+        keys: &[&str],
+        lens: &[usize],
+        deadline: Instant,
+    ) -> Vec<Result<Vec<u8>, StoreError>> {
+        let lens = lens.to_vec();
+        self.per_key("read_owned", owned(keys), deadline, move |s, k| {
+            let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+            let gets: Vec<RangedGet<'_>> = k
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(key, buf)| RangedGet {
+                    key,
+                    ranges: [ReadRange {
+                        dst: buf.as_mut_ptr(),
+                        len: buf.len(),
+                        offset: 0,
+                    }]
+                    .into_iter()
+                    .collect(),
+                })
+                .collect();
+            // SAFETY: every destination is a buffer this closure owns, of exactly its length,
+            // distinct from the others, alive and untouched until the call returns.
+            let got = unsafe { s.get_ranges(&gets) };
+            let got = super::checked_results(k, got);
+            got.into_iter()
+                .zip(bufs)
+                .zip(k)
+                .map(|((r, buf), key)| match r {
+                    Ok(n) if n == buf.len() as u64 => Ok(buf),
+                    Ok(n) => Err(StoreError::ShortRead {
+                        key: (*key).to_owned(),
+                        expected: buf.len() as u64,
+                        got: n,
+                    }),
+                    Err(e) => Err(e),
+                })
+                .collect()
+        })
+    }
+
+    /// [`KvStore::get_into`], bounded (see [`get_ranges`](Self::get_ranges)).
+    ///
+    /// # Safety
+    /// As [`get_ranges`](Self::get_ranges): every destination valid for writes and untouched
+    /// by others until `hold` is dropped (after the call returns).
+    pub unsafe fn get_into(
+        &self,
+        gets: &[ObjectGet<'_>],
+        hold: Hold,
+        deadline: Instant,
+    ) -> Vec<Result<u64, StoreError>> {
+        let keys: Vec<String> = gets.iter().map(|g| g.key.to_owned()).collect();
+        let dsts: Vec<(SendPtr, usize)> = gets.iter().map(|g| (SendPtr(g.dst), g.len)).collect();
+        self.per_key("get_into", keys, deadline, move |s, k| {
+            let gets: Vec<ObjectGet<'_>> = k
+                .iter()
+                .zip(&dsts)
+                .map(|(key, (dst, len))| ObjectGet {
+                    key,
+                    dst: dst.0,
+                    len: *len,
+                })
+                .collect();
+            // SAFETY: the caller's promise covers these destinations until `hold`, which this
+            // closure owns, is dropped after the call returns.
+            let r = unsafe { s.get_into(&gets) };
+            drop(hold);
+            r
+        })
+    }
+
+    /// [`KvStore::put`], bounded.
+    ///
+    /// # Safety
+    /// Every source is valid for reads of its length and not written by anyone until `hold`
+    /// is dropped (after the call returns, which may be past `deadline`).
+    pub unsafe fn put(
+        &self,
+        puts: &[ObjectPut<'_>],
+        hold: Hold,
+        deadline: Instant,
+    ) -> Vec<Result<PutOutcome, StoreError>> {
+        let keys: Vec<String> = puts.iter().map(|p| p.key.to_owned()).collect();
+        let parts: Vec<Vec<(SendPtr, usize)>> = puts
+            .iter()
+            .map(|p| {
+                p.parts
+                    .iter()
+                    .map(|&(a, l)| (SendPtr(a as *mut u8), l))
+                    .collect()
+            })
+            .collect();
+        self.per_key("put", keys, deadline, move |s, k| {
+            let puts: Vec<ObjectPut<'_>> = k
+                .iter()
+                .zip(&parts)
+                .map(|(key, parts)| ObjectPut {
+                    key,
+                    parts: parts.iter().map(|(a, l)| (a.0 as *const u8, *l)).collect(),
+                })
+                .collect();
+            // SAFETY: the caller's promise covers these sources until `hold`, which this
+            // closure owns, is dropped after the call returns.
+            let r = unsafe { s.put(&puts) };
+            drop(hold);
+            r
+        })
+    }
+}
+
+/// An address a call carries to its worker.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+
+// SAFETY: an address only; it is dereferenced by the store inside an `unsafe` call whose
+// caller vouched for the memory (see the `unsafe` methods above), on whichever thread runs it.
+unsafe impl Send for SendPtr {}
+// SAFETY: shared references only read the address.
+unsafe impl Sync for SendPtr {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{EmbeddedStore, Fault, FaultRule, FaultyStore, Stall};
+
+    fn put(store: &dyn KvStore, key: &str, bytes: &[u8]) {
+        let p = ObjectPut {
+            key,
+            parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
+        };
+        // SAFETY: `bytes` is live and unchanged during the call.
+        assert!(unsafe { store.put(&[p]) }[0].is_ok());
+    }
+
+    #[test]
+    fn a_hung_read_fails_at_its_deadline_and_keeps_its_memory_until_it_returns() {
+        let inner = Arc::new(EmbeddedStore::new(1 << 20));
+        put(inner.as_ref(), "k", &[9u8; 64]);
+        let faulty = Arc::new(FaultyStore::new(inner));
+        let stall = Stall::new();
+        faulty.inject(FaultRule::default(), Fault::Stall(stall.clone()));
+        let calls = StoreCalls::new(faulty.clone());
+        let dst: Arc<Mutex<Vec<u8>>> = Arc::new(Mutex::new(vec![0u8; 64]));
+        let addr = dst.lock().as_mut_ptr();
+        let get = RangedGet {
+            key: "k",
+            ranges: [ReadRange {
+                dst: addr,
+                len: 64,
+                offset: 0,
+            }]
+            .into_iter()
+            .collect(),
+        };
+        let t0 = Instant::now();
+        let deadline = kv_loader::deadline_after(Duration::from_millis(50));
+        // SAFETY: `dst` is kept by the hold until the call returns, and nothing else touches
+        // its bytes meanwhile (this test only reads them after the hold is gone).
+        let r = unsafe { calls.get_ranges(&[get], dst.clone(), deadline) };
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        assert!(
+            matches!(
+                &r[..],
+                [Err(StoreError::Overdue {
+                    call: "get_ranges",
+                    ..
+                })]
+            ),
+            "{r:?}"
+        );
+        // The call still holds the buffer.
+        assert_eq!(Arc::strong_count(&dst), 2);
+        // Other calls go on meanwhile, on another worker.
+        faulty.clear();
+        let ok = calls.exists(&["k"], kv_loader::deadline_after(Duration::from_secs(5)));
+        assert_eq!(ok, vec![Ok(true)]);
+        assert_eq!(calls.workers(), 2);
+        stall.release();
+        let t0 = Instant::now();
+        while Arc::strong_count(&dst) > 1 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the hold was not released"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(dst.lock()[0], 9, "the late call wrote its bytes");
+    }
+
+    #[test]
+    fn too_many_hung_calls_fail_new_ones_at_once() {
+        let workers = Workers::new();
+        workers.alive.store(MAX_WORKERS, Ordering::Release);
+        assert!(matches!(
+            workers.submit(Box::new(|| {})),
+            Err(StoreError::Unavailable { .. })
+        ));
+        workers.alive.store(0, Ordering::Release);
+    }
+}

@@ -1,0 +1,204 @@
+//! A test decorator of a rank's data collective that misbehaves once: it skips one status
+//! exchange (the rank's collectives shift by one), or it leaves the group at a layer's status
+//! exchange (a rank gone: its handle is dropped, every peer waiting on it fails at once).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvlink::dedup_broadcast::{Collective, CollectiveError, LayerStatus, MemorySupport};
+use kvlink::kv_device::{DeviceRegion, HostRow, SharedEvent};
+use std::sync::Mutex;
+
+/// How the decorated rank misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Misbehave {
+    /// Its `nth` status exchange (0-based, any layer) is never issued: the call fails at once.
+    SkipStatus { nth: u64 },
+    /// At the first status exchange of `layer` (armed by [`Misbehaving::arm`]), it leaves the
+    /// group: the handle is dropped.
+    GoneAtLayer { layer: u32 },
+}
+
+/// The decorator.
+pub struct Misbehaving {
+    inner: Mutex<Option<Arc<dyn Collective>>>,
+    rank: u32,
+    size: u32,
+    how: Misbehave,
+    statuses: AtomicU64,
+    armed: AtomicBool,
+    done: AtomicBool,
+}
+
+impl Misbehaving {
+    pub fn new(inner: Arc<dyn Collective>, how: Misbehave) -> Arc<Self> {
+        Arc::new(Misbehaving {
+            rank: inner.rank(),
+            size: inner.size(),
+            inner: Mutex::new(Some(inner)),
+            how,
+            statuses: AtomicU64::new(0),
+            armed: AtomicBool::new(matches!(how, Misbehave::SkipStatus { .. })),
+            done: AtomicBool::new(false),
+        })
+    }
+
+    /// Misbehaves from now on (once).
+    pub fn arm(&self) {
+        self.armed.store(true, Ordering::Release);
+    }
+
+    /// True once it misbehaved.
+    pub fn done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    fn handle(&self, op: &'static str) -> Result<Arc<dyn Collective>, CollectiveError> {
+        self.inner
+            .lock()
+            .unwrap()
+            .clone()
+            .ok_or(CollectiveError::RankGone {
+                op,
+                seq: 0,
+                gone: vec![self.rank],
+            })
+    }
+
+    /// Whether this status word is the one to misbehave at.
+    fn strikes(&self, word: u64) -> bool {
+        let Some((_, layer, _)) = LayerStatus::decode_tagged(word) else {
+            return false;
+        };
+        if !self.armed.load(Ordering::Acquire) || self.done() {
+            if matches!(self.how, Misbehave::SkipStatus { .. }) {
+                self.statuses.fetch_add(1, Ordering::AcqRel);
+            }
+            return false;
+        }
+        let hit = match self.how {
+            Misbehave::SkipStatus { nth } => self.statuses.fetch_add(1, Ordering::AcqRel) == nth,
+            Misbehave::GoneAtLayer { layer: l } => layer == l,
+        };
+        if hit {
+            self.done.store(true, Ordering::Release);
+        }
+        hit
+    }
+}
+
+impl Collective for Misbehaving {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
+        if self.strikes(value) {
+            return match self.how {
+                Misbehave::SkipStatus { .. } => Err(CollectiveError::Backend(
+                    "injected: this status exchange was never issued".into(),
+                )),
+                Misbehave::GoneAtLayer { .. } => {
+                    // The rank leaves: its handle goes, and peers waiting on it fail at once.
+                    drop(self.inner.lock().unwrap().take());
+                    Err(CollectiveError::RankGone {
+                        op: "all_gather_u64",
+                        seq: 0,
+                        gone: vec![self.rank],
+                    })
+                }
+            };
+        }
+        self.handle("all_gather_u64")?
+            .all_gather_u64(value, deadline)
+    }
+
+    fn all_gather_bytes(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.handle("all_gather_bytes")?
+            .all_gather_bytes(value, deadline)
+    }
+
+    fn memory(&self) -> MemorySupport {
+        self.handle("memory")
+            .map(|h| h.memory())
+            .unwrap_or(MemorySupport {
+                host: true,
+                device: true,
+            })
+    }
+
+    unsafe fn broadcast_rows(
+        &self,
+        rows: &[HostRow],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe {
+            self.handle("broadcast_rows")?
+                .broadcast_rows(rows, root, deadline)
+        }
+    }
+
+    unsafe fn all_gather_rows(
+        &self,
+        rows: &[HostRow],
+        counts: &[usize],
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe {
+            self.handle("all_gather_rows")?
+                .all_gather_rows(rows, counts, deadline)
+        }
+    }
+
+    unsafe fn broadcast_device(
+        &self,
+        region: DeviceRegion,
+        after: Option<SharedEvent>,
+        root: u32,
+        deadline: Instant,
+    ) -> Result<SharedEvent, CollectiveError> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe {
+            self.handle("broadcast_device")?
+                .broadcast_device(region, after, root, deadline)
+        }
+    }
+
+    unsafe fn all_gather_device(
+        &self,
+        region: DeviceRegion,
+        after: Option<SharedEvent>,
+        deadline: Instant,
+    ) -> Result<SharedEvent, CollectiveError> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe {
+            self.handle("all_gather_device")?
+                .all_gather_device(region, after, deadline)
+        }
+    }
+
+    fn abort(&self, cause: &str) {
+        if let Some(h) = self.inner.lock().unwrap().clone() {
+            h.abort(cause);
+        }
+    }
+
+    fn broken(&self) -> Option<String> {
+        match self.inner.lock().unwrap().clone() {
+            Some(h) => h.broken(),
+            None => Some("this rank left the group".into()),
+        }
+    }
+}

@@ -1,0 +1,339 @@
+//! A store call that hangs (a `Fault::Stall`, released by the test): its batch fails within
+//! `layer_read_timeout` whatever the store does, `reset` and `close` return within their
+//! bounds, and the memory the hung call may still write is kept: a host pool's slots (the
+//! batch's outcome is handed out only when the call returns, so the engine cannot reuse them),
+//! the device path's staging lease (not handed to another batch), the registered regions (not
+//! unregistered). The next batches load meanwhile. TP 1 and TP 3 (a middle rank hangs), host
+//! pools and device pools on CPU devices.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::tp::{config, mixed_spec, rank_matches_at, tp_ranks, Path, TpRank};
+use common::{load_plan, pool_matches, prompt, save_prefix, small_spec, wait_all};
+use kvlink::kv_device::{
+    CpuDevice, DeviceKvPool, HostKvPool, ScatterStrategy, StagedLandingFactory, StagingPool,
+};
+use kvlink::kv_geometry::{KvGeometry, PageHash};
+use kvlink::kv_loader::{BatchId, KvLoadError, KvLoader, LoadTicket, ShareMode};
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, MemoryRegion, ObjectGet, ObjectPut,
+    PutOutcome, RangedGet, ReadSession, Stall, StoreError,
+};
+use kvlink::mooncake_linker::{Linker, LinkerConfig};
+
+const READ_TIMEOUT: Duration = Duration::from_millis(300);
+
+fn cfg() -> LinkerConfig {
+    LinkerConfig {
+        namespace: "hung".into(),
+        layer_read_timeout: READ_TIMEOUT,
+        store_call_timeout: Duration::from_secs(2),
+        collective_timeout: Duration::from_secs(3),
+        wait_deadline: Duration::from_secs(3),
+        ..LinkerConfig::default()
+    }
+}
+
+/// A store that counts the regions registered and let go (over the faulty store).
+struct Regions {
+    inner: Arc<FaultyStore>,
+    registered: AtomicUsize,
+    released: AtomicUsize,
+}
+
+impl KvStore for Regions {
+    fn name(&self) -> &str {
+        "regions"
+    }
+    fn exists(&self, k: &[&str]) -> Vec<Result<bool, StoreError>> {
+        self.inner.exists(k)
+    }
+    fn object_size(&self, k: &[&str]) -> Vec<Result<u64, StoreError>> {
+        self.inner.object_size(k)
+    }
+    unsafe fn get_into(&self, g: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.get_into(g) }
+    }
+    unsafe fn get_ranges(&self, g: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.get_ranges(g) }
+    }
+    unsafe fn put(&self, p: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.put(p) }
+    }
+    fn remove(&self, k: &[&str]) -> Vec<Result<(), StoreError>> {
+        self.inner.remove(k)
+    }
+    unsafe fn register(&self, r: MemoryRegion) -> Result<(), StoreError> {
+        self.registered.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.register(r) }
+    }
+    fn unregister(&self, r: MemoryRegion) -> Result<(), StoreError> {
+        self.released.fetch_add(1, Ordering::SeqCst);
+        self.inner.unregister(r)
+    }
+    fn start_session(&self, k: &[&str]) -> Result<ReadSession, StoreError> {
+        self.inner.start_session(k)
+    }
+    fn end_session(&self, s: &ReadSession) -> Result<(), StoreError> {
+        self.inner.end_session(s)
+    }
+    fn health(&self) -> Result<(), StoreError> {
+        self.inner.health()
+    }
+}
+
+/// Rank 0 alone over a faulty store whose reads of layer 3 of `k` hang.
+struct One {
+    store: Arc<Regions>,
+    g: KvGeometry,
+    pages: Vec<PageHash>,
+    stall: Stall,
+}
+
+fn one() -> One {
+    let spec = small_spec();
+    let base: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let tokens = prompt(5, 4, spec.page_size);
+    let pages = save_prefix(&spec, base.clone(), &tokens, &cfg());
+    let faulty = Arc::new(FaultyStore::new(base));
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let stall = Stall::new();
+    faulty.inject(
+        FaultRule {
+            offset: Some(
+                g.component_by_name("k")
+                    .unwrap()
+                    .layer_range(3)
+                    .unwrap()
+                    .start,
+            ),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Stall(stall.clone()),
+    );
+    One {
+        store: Arc::new(Regions {
+            inner: faulty,
+            registered: AtomicUsize::new(0),
+            released: AtomicUsize::new(0),
+        }),
+        g,
+        pages,
+        stall,
+    }
+}
+
+/// Waits (bounded) until `f` holds.
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "{what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The hung batch fails within the read timeout; its ticket.
+fn hung_batch_fails_in_time(linker: &Linker, o: &One, slots: Vec<u32>) -> LoadTicket {
+    let t0 = Instant::now();
+    let t = linker
+        .start_load(load_plan(&o.g, 1, &o.pages, slots))
+        .unwrap();
+    for l in 0..3 {
+        linker.wait_layer(&t, l).unwrap();
+    }
+    let err = linker.wait_layer(&t, 3).unwrap_err();
+    let took = t0.elapsed();
+    assert!(
+        took >= READ_TIMEOUT && took < Duration::from_secs(2),
+        "{took:?}: {err}"
+    );
+    assert!(
+        matches!(&err, KvLoadError::Store { layer: Some(3), .. }),
+        "{err:?}"
+    );
+    t
+}
+
+#[test]
+fn a_hung_read_on_a_host_pool_keeps_its_slots_and_registrations_until_it_returns() {
+    let o = one();
+    let pool = Arc::new(HostKvPool::new(o.g.clone(), 16).unwrap());
+    let linker = Linker::new(o.g.clone(), o.store.clone(), pool.clone(), cfg()).unwrap();
+    let registered = o.store.registered.load(Ordering::SeqCst);
+    assert!(registered > 0);
+    let hung_slots = vec![1, 2, 3, 4];
+    let _ = hung_batch_fails_in_time(&linker, &o, hung_slots.clone());
+    // The outcome (and so the slots) waits for the call: not handed out yet.
+    assert!(linker.completed().is_empty());
+    // The load thread goes on: a batch into other slots loads.
+    let other = vec![8, 9, 10, 11];
+    let t2 = linker
+        .start_load(load_plan(&o.g, 2, &o.pages, other.clone()))
+        .unwrap();
+    wait_all(&linker, &t2).unwrap();
+    linker.wait_batch(&t2).unwrap().result.unwrap();
+    pool_matches(&pool, &o.pages, &other, o.g.num_layers()).unwrap();
+    // reset returns within its bound, naming the batch whose slots are held.
+    let t0 = Instant::now();
+    let r = linker.reset();
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    assert!(
+        matches!(&r, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(1)]),
+        "{r:?}"
+    );
+    // So does close; the regions stay registered while the call may still write them.
+    let t0 = Instant::now();
+    assert!(matches!(linker.close(), Err(KvLoadError::SlotsHeld { .. })));
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    assert_eq!(o.store.released.load(Ordering::SeqCst), 0);
+    // The call returns: its outcome comes, the regions are let go.
+    o.stall.release();
+    eventually("the held outcome comes", || {
+        linker
+            .completed()
+            .iter()
+            .any(|c| c.batch == BatchId(1) && c.result.is_err())
+    });
+    eventually("the regions are let go", || {
+        o.store.released.load(Ordering::SeqCst) == registered
+    });
+    drop(linker);
+    // The late call wrote the same bytes the batch would have.
+    pool_matches(&pool, &o.pages, &hung_slots, 3).unwrap();
+}
+
+#[test]
+fn a_hung_read_on_a_device_pool_keeps_its_staging_out_of_other_batches_until_it_returns() {
+    let o = one();
+    let dev = CpuDevice::new(0).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), o.g.clone(), 16).unwrap());
+    let staging = StagingPool::new(dev, StagingPool::half_bytes_for(&o.g, 4, 1), 2).unwrap();
+    let landings = Arc::new(
+        StagedLandingFactory::new(pool.clone(), staging.clone())
+            .with_drain_limit(Duration::from_secs(2)),
+    );
+    let linker = Linker::with_landings(
+        o.g.clone(),
+        o.store.clone(),
+        pool.clone(),
+        landings,
+        cfg(),
+        None,
+    )
+    .unwrap();
+    let t = hung_batch_fails_in_time(&linker, &o, vec![1, 2, 3, 4]);
+    // The device's slots are written from staging only, so the outcome is handed out now;
+    // the staging the call writes is kept from other batches.
+    assert!(linker.wait_batch(&t).unwrap().result.is_err());
+    assert_eq!(
+        staging.available(),
+        1,
+        "the hung call keeps its staging lease"
+    );
+    let t2 = linker
+        .start_load(load_plan(&o.g, 2, &o.pages, vec![5, 6, 7, 8]))
+        .unwrap();
+    wait_all(&linker, &t2).unwrap();
+    linker.wait_batch(&t2).unwrap().result.unwrap();
+    assert_eq!(staging.available(), 1);
+    let t0 = Instant::now();
+    linker.reset().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(4));
+    o.stall.release();
+    eventually("the lease comes back", || staging.available() == 2);
+    linker.close().unwrap();
+}
+
+#[test]
+fn a_hung_read_on_a_middle_rank_fails_every_rank_in_time_and_the_group_goes_on() {
+    for path in [
+        Path::Host,
+        Path::Device {
+            one_device: false,
+            jitter: Duration::ZERO,
+            strategy: ScatterStrategy::Auto,
+        },
+    ] {
+        for mode in [
+            ShareMode::AllRanks,
+            ShareMode::Rank0Broadcast,
+            ShareMode::SplitAllGather,
+        ] {
+            let what = format!("{path:?} {mode:?}");
+            let c = LinkerConfig {
+                layer_read_timeout: READ_TIMEOUT,
+                ..config(mode)
+            };
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+            let (rs, hashes) = tp_ranks(&mixed_spec(), 3, store, 6, &c, path);
+            let stall = Stall::new();
+            // Rank 1's read of its shard `v` at layer 2 hangs (every mode reads it).
+            let v = rs[1]
+                .linker
+                .geometry()
+                .component_by_name("v")
+                .unwrap()
+                .clone();
+            rs[1].faults.inject(
+                FaultRule {
+                    key_contains: Some("tp1_cp0_pp0_v".into()),
+                    offset: Some(v.layer_range(2).unwrap().start),
+                    times: Some(1),
+                },
+                Fault::Stall(stall.clone()),
+            );
+            let t0 = Instant::now();
+            let failed = each_rank(&rs, |r| {
+                let t = r
+                    .linker
+                    .start_load(load_plan(r.linker.geometry(), 1, &hashes, r.slots.clone()))
+                    .unwrap();
+                wait_all(&r.linker, &t).is_err()
+            });
+            assert!(failed.iter().all(|f| *f), "{what}: {failed:?}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(3),
+                "{what}: {:?}",
+                t0.elapsed()
+            );
+            // Batch 2 into other slots loads on every rank while the call still hangs.
+            let shifted = |r: &TpRank| r.slots.iter().map(|s| s + 1).collect::<Vec<u32>>();
+            for (rank, (r, o)) in rs
+                .iter()
+                .zip(common::tp::run_at(&rs, 2, &hashes, &shifted))
+                .enumerate()
+            {
+                o.result
+                    .unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
+                rank_matches_at(r, &hashes, rank as u32, &shifted(r)).unwrap();
+            }
+            stall.release();
+            // Every rank's outcome of batch 1 comes, failed (the hung rank's once its call
+            // returned, on a host pool).
+            for (rank, r) in rs.iter().enumerate() {
+                eventually(&format!("{what}: rank {rank}'s outcome"), || {
+                    r.linker
+                        .completed()
+                        .iter()
+                        .any(|c| c.batch == BatchId(1) && c.result.is_err())
+                });
+            }
+        }
+    }
+}
+
+fn each_rank<T: Send>(rs: &[TpRank], f: impl Fn(&TpRank) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = rs.iter().map(|r| s.spawn(|| f(r))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}

@@ -1,0 +1,157 @@
+//! Saving from a device pool is ordered after the engine's compute that wrote the pages: the
+//! engine passes the event it recorded after that compute (`Linker::save_after`), and the
+//! gather waits for it device-side. On CPU devices: the engine's compute stream writes the
+//! pages late (held behind a stalled device); the saved objects hold the new bytes, not what
+//! the slots held before.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{load_plan, page_byte, prompt, small_spec};
+use kvlink::kv_device::{
+    CpuDevice, Device, DeviceKvPool, HostKvPool, StagedLandingFactory, StagingPool, Transfer,
+};
+use kvlink::kv_geometry::{page_hashes, KvGeometry};
+use kvlink::kv_loader::KvLoader;
+use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectGet};
+use kvlink::mooncake_linker::{Linker, LinkerConfig};
+
+fn get(store: &dyn KvStore, key: &str, len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    let g = ObjectGet {
+        key,
+        dst: buf.as_mut_ptr(),
+        len,
+    };
+    // SAFETY: `buf` is ours and untouched during the call.
+    assert_eq!(unsafe { store.get_into(&[g]) }[0], Ok(len as u64));
+    buf
+}
+
+#[test]
+fn a_device_pool_save_waits_for_the_engines_compute_that_wrote_the_pages() {
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let dev = CpuDevice::new(0).unwrap();
+    let blocker = CpuDevice::new(1).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 3, 1), 2).unwrap();
+    let landings = Arc::new(StagedLandingFactory::new(pool.clone(), staging));
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 26));
+    let config = LinkerConfig {
+        namespace: "order".into(),
+        ..LinkerConfig::default()
+    };
+    let linker = Linker::with_landings(
+        g.clone(),
+        store.clone(),
+        pool.clone(),
+        landings,
+        config,
+        None,
+    )
+    .unwrap();
+    let pages = page_hashes(&prompt(41, 3, spec.page_size), spec.page_size, None);
+    let slots = vec![5u32, 1, 3];
+    // What the slots held before the compute: zeros.
+    for c in g.components() {
+        for &l in &c.layers {
+            for &s in &slots {
+                pool.write_slot(c.id, l, s, &vec![0u8; c.page_layer_bytes as usize])
+                    .unwrap();
+            }
+        }
+    }
+    // The engine's compute stream writes the pages' new bytes, held behind a device that is
+    // stalled for a while (a long kernel).
+    blocker.stall_for(Duration::from_millis(300));
+    let gate = blocker.load_stream().record().unwrap();
+    let compute = dev.new_stream().unwrap();
+    compute.wait(&gate).unwrap();
+    let mut sources: Vec<Vec<u8>> = Vec::new();
+    for (page, &slot) in pages.iter().zip(&slots) {
+        for c in g.components() {
+            for &l in &c.layers {
+                let row = c.page_layer_bytes as usize;
+                let bytes: Vec<u8> = (0..row).map(|i| page_byte(page, c.id.0, l, i)).collect();
+                let (buf, len) = pool.buffer(c.id, l).unwrap();
+                assert!((slot as usize + 1) * row <= len);
+                let t = Transfer::ToDevice {
+                    dst: buf + (slot as usize * row) as u64,
+                    src: bytes.as_ptr() as usize,
+                    len: row,
+                };
+                // SAFETY: the destination is slot `slot`'s slice of the pool buffer (inside
+                // it, checked above), written by nothing else meanwhile (this test is the
+                // engine); the source is kept in `sources` until the copy is known complete
+                // (the save waits for `done`, and the end of the test waits for it again).
+                unsafe { compute.transfer(t) }.unwrap();
+                sources.push(bytes);
+            }
+        }
+    }
+    let done = compute.record().unwrap();
+    let t0 = Instant::now();
+    let plan = load_plan(&g, 1, &pages, slots.clone());
+    let report = linker.save_after(&plan, &done).unwrap();
+    assert_eq!(
+        report.objects_written as usize,
+        pages.len() * g.components().len()
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(200),
+        "the save waited for the compute"
+    );
+    // Every saved object holds the compute's bytes.
+    for (c, keys) in g
+        .components()
+        .iter()
+        .zip(linker.object_keys(&plan).unwrap())
+    {
+        for (page, key) in pages.iter().zip(&keys) {
+            let object = get(store.as_ref(), key, c.object_bytes() as usize);
+            for &l in &c.layers {
+                let r = c.layer_range(l).unwrap();
+                let want: Vec<u8> = (0..c.page_layer_bytes as usize)
+                    .map(|i| page_byte(page, c.id.0, l, i))
+                    .collect();
+                assert_eq!(
+                    &object[r.start as usize..r.end as usize],
+                    &want[..],
+                    "{key} layer {l}: the save read the slots before the compute wrote them"
+                );
+            }
+        }
+    }
+    assert!(done
+        .wait_until(kv_loader_deadline(Duration::from_secs(5)))
+        .unwrap());
+    drop(sources);
+    linker.close().unwrap();
+}
+
+#[test]
+fn a_host_pool_save_after_an_event_waits_for_it_on_the_host() {
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 4).unwrap());
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 26));
+    let linker = Linker::new(g.clone(), store, pool.clone(), LinkerConfig::default()).unwrap();
+    let pages = page_hashes(&prompt(42, 2, spec.page_size), spec.page_size, None);
+    common::fill_pool(&pool, &pages, &[0, 1]);
+    let dev = CpuDevice::new(0).unwrap();
+    dev.stall_for(Duration::from_millis(200));
+    let done = dev.load_stream().record().unwrap();
+    let t0 = Instant::now();
+    let report = linker
+        .save_after(&load_plan(&g, 1, &pages, vec![0, 1]), &done)
+        .unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(150));
+    assert_eq!(report.objects_written, 4);
+}
+
+fn kv_loader_deadline(d: Duration) -> Instant {
+    kvlink::kv_loader::deadline_after(d)
+}

@@ -1,0 +1,352 @@
+//! Ranks never drift apart (TP 3, host pools and device pools on CPU devices, every mode,
+//! Auto included): batch N misbehaves on one rank — rank 0, the middle rank, the last — and
+//! batches N+1 and N+2 then load correctly, byte for byte, in the mode the group used before,
+//! on every rank. The ways a rank used to consume a group operation alone: a queued batch
+//! cancelled by `reset`, a `Busy` refusal, a duplicate batch id, a store error in a lookup, a
+//! device error while landing; and, for anything else, a rank whose collectives shift (one
+//! status exchange never issued), which the group must detect and recover from.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::coll::{Misbehave, Misbehaving};
+use common::tp::{
+    auto_config, config, mixed_spec, run_ok, tp_ranks, tp_ranks_wrapped, Path, TpRank,
+};
+use common::{load_plan, prompt, wait_all};
+use kvlink::kv_device::cpu::CpuOp;
+use kvlink::kv_device::ScatterStrategy;
+use kvlink::kv_geometry::PageHash;
+use kvlink::kv_loader::{KvLoadError, KvLoader, LookupRequest, ShareMode};
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, StoreError,
+};
+use kvlink::mooncake_linker::{LinkerConfig, TpGroup};
+
+const TP: u32 = 3;
+const PAGES: usize = 6;
+
+fn configs() -> Vec<(&'static str, LinkerConfig)> {
+    let short = |c: LinkerConfig| LinkerConfig {
+        collective_timeout: Duration::from_secs(2),
+        ..c
+    };
+    vec![
+        ("AllRanks", short(config(ShareMode::AllRanks))),
+        ("Rank0Broadcast", short(config(ShareMode::Rank0Broadcast))),
+        ("SplitAllGather", short(config(ShareMode::SplitAllGather))),
+        ("Auto", short(auto_config())),
+    ]
+}
+
+fn paths() -> [Path; 2] {
+    [
+        Path::Host,
+        Path::Device {
+            one_device: false,
+            jitter: Duration::ZERO,
+            strategy: ScatterStrategy::Auto,
+        },
+    ]
+}
+
+fn store() -> Arc<dyn KvStore> {
+    Arc::new(EmbeddedStore::new(1 << 30))
+}
+
+/// Runs `scenario` for every path, mode and failing rank, each on fresh ranks: batch 1 sets
+/// the mode, the scenario makes batch 2 (and a few around it) misbehave on `fail`, then
+/// batches `next` and `next + 1` must load in batch 1's mode.
+fn every_case(
+    name: &str,
+    device_only: bool,
+    scenario: impl Fn(&[TpRank], &[PageHash], u32, &str) -> u64,
+) {
+    let t0 = Instant::now();
+    for path in paths() {
+        if device_only && path == Path::Host {
+            continue;
+        }
+        for (mode, cfg) in configs() {
+            for fail in 0..TP {
+                let what = format!("{name}: {path:?} {mode} rank {fail}");
+                let (rs, hashes) = tp_ranks(&mixed_spec(), TP, store(), PAGES, &cfg, path);
+                let base = run_ok(&rs, 1, &hashes, &what);
+                let next = scenario(&rs, &hashes, fail, &what);
+                for b in [next, next + 1] {
+                    let mode = run_ok(&rs, b, &hashes, &what);
+                    assert_eq!(mode, base, "{what}: batch {b} loaded in another mode");
+                }
+            }
+        }
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{name}: {:?}",
+        t0.elapsed()
+    );
+}
+
+/// Every rank runs `f(rank, linker)` at once.
+fn each<T: Send>(rs: &[TpRank], f: impl Fn(u32, &TpRank) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = rs
+            .iter()
+            .enumerate()
+            .map(|(rank, r)| {
+                let f = &f;
+                s.spawn(move || f(rank as u32, r))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Starts `batch`, waits every layer, takes the outcome: whether it loaded.
+fn load(r: &TpRank, batch: u64, hashes: &[PageHash]) -> bool {
+    let t = r
+        .linker
+        .start_load(load_plan(
+            r.linker.geometry(),
+            batch,
+            hashes,
+            r.slots.clone(),
+        ))
+        .unwrap();
+    let _ = wait_all(&r.linker, &t);
+    r.linker.wait_batch(&t).unwrap().result.is_ok()
+}
+
+#[test]
+fn a_queued_batch_cancelled_by_reset_still_meets_the_group() {
+    every_case("reset", false, |rs, hashes, fail, what| {
+        // The failing rank's batch 2 reads slowly, so its batch 3 is queued when it resets.
+        rs[fail as usize].faults.inject(
+            FaultRule {
+                times: Some(1),
+                ..FaultRule::default()
+            },
+            Fault::Delay(Duration::from_millis(250)),
+        );
+        let loaded = each(rs, |rank, r| {
+            let g = r.linker.geometry().clone();
+            if rank != fail {
+                return (load(r, 2, hashes), load(r, 3, hashes));
+            }
+            let t2 = r
+                .linker
+                .start_load(load_plan(&g, 2, hashes, r.slots.clone()))
+                .unwrap();
+            let t3 = r
+                .linker
+                .start_load(load_plan(&g, 3, hashes, r.slots.clone()))
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(80));
+            r.linker.reset().unwrap();
+            let _ = (t2, t3);
+            (false, false)
+        });
+        for (rank, (two, three)) in loaded.into_iter().enumerate() {
+            assert!(
+                !two && !three,
+                "{what}: rank {rank} loaded a cancelled batch"
+            );
+        }
+        rs[fail as usize].faults.clear();
+        4
+    });
+}
+
+#[test]
+fn a_batch_refused_as_busy_on_one_rank_still_meets_the_group() {
+    let t0 = Instant::now();
+    for path in paths() {
+        for (mode, cfg) in configs() {
+            let cfg = LinkerConfig {
+                max_in_flight: 2,
+                ..cfg
+            };
+            for fail in 0..TP {
+                let what = format!("busy: {path:?} {mode} rank {fail}");
+                let (rs, hashes) = tp_ranks(&mixed_spec(), TP, store(), PAGES, &cfg, path);
+                let base = run_ok(&rs, 1, &hashes, &what);
+                // Batches 2 and 3: the failing rank leaves their outcomes untaken.
+                let mut kept = vec![];
+                for b in [2, 3] {
+                    let t = each(&rs, |rank, r| {
+                        let t = r
+                            .linker
+                            .start_load(load_plan(r.linker.geometry(), b, &hashes, r.slots.clone()))
+                            .unwrap();
+                        wait_all(&r.linker, &t).unwrap();
+                        if rank != fail {
+                            assert!(r.linker.wait_batch(&t).unwrap().result.is_ok());
+                        }
+                        t
+                    });
+                    kept.push(t[fail as usize]);
+                }
+                // Batch 4: the failing rank is full.
+                let four = each(&rs, |rank, r| {
+                    let plan = load_plan(r.linker.geometry(), 4, &hashes, r.slots.clone());
+                    match r.linker.start_load(plan) {
+                        Err(KvLoadError::Busy { .. }) => {
+                            assert_eq!(rank, fail);
+                            false
+                        }
+                        Err(e) => panic!("{what}: rank {rank}: {e}"),
+                        Ok(t) => {
+                            let _ = wait_all(&r.linker, &t);
+                            r.linker.wait_batch(&t).unwrap().result.is_ok()
+                        }
+                    }
+                });
+                assert!(four.iter().all(|l| !l), "{what}: {four:?}");
+                for t in kept {
+                    assert!(rs[fail as usize]
+                        .linker
+                        .wait_batch(&t)
+                        .unwrap()
+                        .result
+                        .is_ok());
+                }
+                for b in [5, 6] {
+                    assert_eq!(run_ok(&rs, b, &hashes, &what), base, "{what}: batch {b}");
+                }
+            }
+        }
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn a_duplicate_batch_id_on_one_rank_is_refused_and_nothing_shifts() {
+    every_case("duplicate", false, |rs, hashes, fail, what| {
+        let loaded = each(rs, |rank, r| {
+            let g = r.linker.geometry().clone();
+            let t = r
+                .linker
+                .start_load(load_plan(&g, 2, hashes, r.slots.clone()))
+                .unwrap();
+            if rank == fail {
+                let again = r
+                    .linker
+                    .start_load(load_plan(&g, 2, hashes, r.slots.clone()));
+                assert!(
+                    matches!(again, Err(KvLoadError::DuplicateBatch { .. })),
+                    "{what}: {again:?}"
+                );
+            }
+            wait_all(&r.linker, &t).map_err(|e| format!("rank {rank}: {e}"))?;
+            r.linker
+                .wait_batch(&t)
+                .unwrap()
+                .result
+                .map_err(|e| e.to_string())
+        });
+        // Nothing lost: the batch in flight loaded on every rank.
+        for l in loaded {
+            l.unwrap_or_else(|e| panic!("{what}: {e}"));
+        }
+        3
+    });
+}
+
+#[test]
+fn a_store_error_in_a_lookup_on_one_rank_leaves_the_control_channel_in_step() {
+    every_case("lookup", false, |rs, hashes, fail, what| {
+        let tokens = prompt(11, PAGES, 4);
+        rs[fail as usize].faults.inject_on(
+            FaultCall::Exists,
+            FaultRule {
+                times: Some(1),
+                ..FaultRule::default()
+            },
+            Fault::Error(StoreError::Unavailable {
+                detail: "injected".into(),
+            }),
+        );
+        let req = LookupRequest {
+            tokens: &tokens,
+            skip_pages: 0,
+        };
+        let first = each(rs, |_, r| r.linker.lookup(&req).map(|h| h.pages.len()));
+        for (rank, got) in first.iter().enumerate() {
+            match got {
+                Err(_) => assert_eq!(rank as u32, fail, "{what}"),
+                Ok(n) => assert_eq!(*n, 0, "{what}: rank {rank} may load nothing"),
+            }
+        }
+        for round in 0..2 {
+            let hits = each(rs, |_, r| r.linker.lookup(&req).map(|h| h.pages));
+            for (rank, h) in hits.into_iter().enumerate() {
+                let h = h.unwrap_or_else(|e| panic!("{what}: round {round} rank {rank}: {e}"));
+                assert_eq!(h, hashes, "{what}: round {round} rank {rank}");
+            }
+        }
+        2
+    });
+}
+
+#[test]
+fn a_device_error_while_landing_on_one_rank_leaves_the_group_in_step() {
+    every_case("landing", true, |rs, hashes, fail, what| {
+        // The failing rank's fourth host-to-device copy of batch 2 fails to enqueue (a layer's
+        // own rows, or its share's upload, wherever the mode puts it).
+        rs[fail as usize]
+            .device
+            .as_ref()
+            .unwrap()
+            .fail_enqueue(CpuOp::ToDevice, 3);
+        let outcomes = common::tp::run(rs, 2, hashes);
+        assert!(
+            outcomes.iter().all(|o| o.result.is_err()),
+            "{what}: every rank fails the batch: {outcomes:?}"
+        );
+        3
+    });
+}
+
+#[test]
+fn a_rank_whose_collectives_shift_is_caught_and_the_group_resynchronises() {
+    let t0 = Instant::now();
+    for path in paths() {
+        for (mode, cfg) in configs() {
+            for fail in 0..TP {
+                let what = format!("shift: {path:?} {mode} rank {fail}");
+                // Batch 1 exchanges 6 status words (5 layers and the verdict); the failing
+                // rank never issues batch 2's third.
+                let wrap = |rank: u32, g: TpGroup| {
+                    if rank != fail {
+                        return g;
+                    }
+                    let data: Arc<dyn kvlink::dedup_broadcast::Collective> =
+                        Misbehaving::new(g.data.clone(), Misbehave::SkipStatus { nth: 8 });
+                    TpGroup { data, ..g }
+                };
+                let (rs, hashes) =
+                    tp_ranks_wrapped(&mixed_spec(), TP, store(), PAGES, &cfg, path, &wrap);
+                let base = run_ok(&rs, 1, &hashes, &what);
+                let outcomes = common::tp::run(&rs, 2, &hashes);
+                assert!(
+                    outcomes.iter().all(|o| o.result.is_err()),
+                    "{what}: {outcomes:?}"
+                );
+                for b in [3, 4] {
+                    assert_eq!(run_ok(&rs, b, &hashes, &what), base, "{what}: batch {b}");
+                }
+            }
+        }
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{:?}",
+        t0.elapsed()
+    );
+}
