@@ -261,13 +261,15 @@ pub fn run(ranks: &[TpRank], batch: u64, pages: &[PageHash]) -> Vec<BatchOutcome
     })
 }
 
-/// A linker configuration for `mode` with short deadlines.
+/// A linker configuration for `mode` with short deadlines, one layer per store call (the
+/// failure tests name the layer a fault hits; layer groups are tested in layer_groups.rs).
 pub fn config(mode: kvlink::kv_loader::ShareMode) -> LinkerConfig {
     LinkerConfig {
         namespace: "tp".into(),
         mode: kvlink::mooncake_linker::dedup_broadcast::ModeChoice::Fixed(mode),
         wait_deadline: Duration::from_secs(10),
         collective_timeout: Duration::from_secs(5),
+        read_granularity: kvlink::mooncake_linker::ReadGranularity::Fixed { layers_per_call: 1 },
         ..LinkerConfig::default()
     }
 }

@@ -170,6 +170,7 @@ impl MockKvLoader {
                 last_layer: Duration::ZERO,
                 transfers: Default::default(),
                 layer_transfers: Vec::new(),
+                read_groups: Vec::new(),
             })
         };
         BatchOutcome { batch: b, result }

@@ -37,6 +37,9 @@ pub struct LoadStats {
     /// The same, layer by layer (index = model layer; empty when the loader does not count
     /// per layer).
     pub layer_transfers: Vec<TransferBytes>,
+    /// Layers per store call of this rank's reads, in layer order (empty when the rank read
+    /// nothing, or the loader does not group its reads).
+    pub read_groups: Vec<u32>,
 }
 
 /// A finished batch: loaded, or failed with the same error on every rank.

@@ -9,7 +9,8 @@ pub mod store;
 #[cfg(target_os = "linux")]
 pub use linker::{serve_group_store, FormedTpGroup};
 pub use linker::{
-    Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, TpGroup, LAYER_LATENCY_BUCKETS_US,
+    Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, ReadGranularity, TpGroup,
+    LAYER_LATENCY_BUCKETS_US,
 };
 
 /// Re-exported: how keys are prefixed ([`LinkerConfig::namespace`]).

@@ -64,6 +64,26 @@ impl BatchLayers {
         }
     }
 
+    /// Bytes this rank reads from the store for layer `layer`: its own components on every
+    /// page, and its share of the replicated ones.
+    pub(crate) fn read_bytes(&self, layer: u32) -> u64 {
+        let on = |c: &&ComponentKeys| c.layout.position(layer).is_some();
+        let own: u64 = self
+            .own
+            .iter()
+            .filter(on)
+            .map(|c| c.layout.page_layer_bytes * self.pages as u64)
+            .sum();
+        let mine = self.my_pages().len() as u64;
+        let shared: u64 = self
+            .shared
+            .iter()
+            .filter(on)
+            .map(|c| c.layout.page_layer_bytes * mine)
+            .sum();
+        own + shared
+    }
+
     /// Bytes of layer `layer` in this rank's pool once it lands (every planned component).
     pub(crate) fn layer_bytes(&self, layer: u32) -> u64 {
         self.own
@@ -239,6 +259,7 @@ impl Inner {
             mode,
             first_layer: run.first_layer,
             last_layer,
+            read_groups: run.read_groups,
             transfers: layer_transfers.iter().copied().sum(),
             layer_transfers,
         })
@@ -274,14 +295,13 @@ impl Inner {
         let pins = PinnedKeys::start(self.store.as_ref(), &read_keys, self.config.lease_renewal)
             .map_err(|e| store_failure(batch, None, Vec::new(), &e))?;
         if self.config.verify_object_sizes {
-            let reader = |components| LayerReader {
+            let reader = LayerReader {
                 store: self.store.as_ref(),
                 batch,
-                components,
                 parallelism: self.config.read_parallelism,
             };
-            reader(&layers.own).verify_sizes(0..layers.pages)?;
-            reader(&layers.shared).verify_sizes(my_pages)?;
+            reader.verify_sizes(&layers.own, 0..layers.pages)?;
+            reader.verify_sizes(&layers.shared, my_pages)?;
         }
         Ok(pins)
     }

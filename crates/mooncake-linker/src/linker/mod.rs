@@ -1,13 +1,17 @@
 //! The linker: the [`KvLoader`] implementation over a [`KvStore`] and a [`KvPool`].
 //!
 //! One job per file: `batch` prepares a batch (keys, the mode the ranks agree on, the landing),
-//! `pipeline` runs its layers (reader thread + exchange loop), `share/` holds one share step
-//! per mode (each mode's data path, host and device, in one file), `auto` is `Auto`'s state,
-//! `outcomes` the outcome bookkeeping, `group` the TP group and its re-forming.
+//! `pipeline` runs its layers (reader thread + exchange loop), `reader` builds a group's store
+//! call, `granularity` plans the groups (with `compute`, the engine's measured compute),
+//! `share/` holds one share step per mode (each mode's data path, host and device, in one
+//! file), `auto` is `Auto`'s state, `outcomes` the outcome bookkeeping, `group` the TP group
+//! and its re-forming.
 
 mod auto;
 mod batch;
+mod compute;
 mod config;
+mod granularity;
 mod group;
 mod lookup;
 mod metrics;
@@ -39,10 +43,13 @@ use layerwise_counter::CounterError;
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
+use crate::read_plan::ReadCost;
 use crate::store::KvStore;
 use auto::AutoMode;
 use batch::BatchJob;
 pub use config::LinkerConfig;
+pub use granularity::ReadGranularity;
+use granularity::ReadGroups;
 use group::DataGroup;
 pub use group::TpGroup;
 pub use metrics::{LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
@@ -62,6 +69,8 @@ pub(crate) struct Inner {
     /// The group's handle for lookups (the load thread owns the data handle).
     pub(crate) control: Option<Arc<dyn Collective>>,
     pub(crate) auto: AutoMode,
+    /// How many layers each store call reads: the cost estimate and the engine's compute.
+    pub(crate) reads: ReadGroups,
     pub(crate) outcomes: Outcomes,
     pub(crate) metrics: LinkerMetrics,
     /// Bumped by `reset`: a batch whose epoch differs is cancelled.
@@ -271,7 +280,8 @@ impl Linker {
         let data = DataGroup::of(group.as_ref());
         let inner = Arc::new(Inner {
             outcomes: Outcomes::new(config.max_in_flight),
-            auto: AutoMode::new(config.mode, config.bandwidths),
+            auto: AutoMode::new(config.mode, config.bandwidths, config.auto_batches_per_mode),
+            reads: ReadGroups::new(config.read_granularity),
             geometry,
             keys,
             store,
@@ -312,6 +322,25 @@ impl Linker {
     /// Counters for export.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.inner.metrics.snapshot()
+    }
+
+    /// What one store call of this linker's reads costs, as fitted from every group call it
+    /// made (the prior before any): what the adaptive read plan decides from. A new linker
+    /// over the same store can start from it (`ReadGranularity::Adaptive::prior`).
+    pub fn read_cost(&self) -> ReadCost {
+        self.inner.reads.cost()
+    }
+
+    /// The mode `Auto` keeps, once it has measured enough (`None` while it measures, and for
+    /// a fixed mode or one decided from configured bandwidths).
+    pub fn auto_decision(&self) -> Option<kv_loader::ShareMode> {
+        self.inner.auto.kept()
+    }
+
+    /// The engine's compute per layer the read plan uses: configured, or measured from the
+    /// gaps between `wait_layer` calls (`None` before any was measured).
+    pub fn compute_per_layer(&self) -> Option<std::time::Duration> {
+        self.inner.reads.compute_per_layer()
     }
 
     /// The object keys of a plan's pages for component `index` of the plan, in plan order.
@@ -390,12 +419,16 @@ impl KvLoader for Linker {
             });
         }
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
+        s.reads.compute.entering(ticket.batch, layer);
         match s.outcomes.wait_layer(ticket, layer, deadline) {
             // Host pools are resident once the layer is marked; device pools hand back the
             // layer's event.
-            Ok(ready) => Ok(match s.pool.residence() {
-                Residence::Host => LayerReady::Resident,
-                Residence::Device { .. } => ready.unwrap_or(LayerReady::Resident),
+            Ok(ready) => Ok({
+                s.reads.compute.returned(ticket.batch, layer);
+                match s.pool.residence() {
+                    Residence::Host => LayerReady::Resident,
+                    Residence::Device { .. } => ready.unwrap_or(LayerReady::Resident),
+                }
             }),
             Err(WaitFailure::Counter(e)) => Err(Inner::counter_error(ticket, e)),
             Err(WaitFailure::Load(e)) => Err(e),

@@ -1,7 +1,10 @@
-//! The layer pipeline of one batch on one rank: a reader thread reads layer *l+1* from the
-//! store while the exchange loop (the load thread) agrees on layer *l* with the other ranks,
-//! shares its replicated rows ([`ShareStep`](super::share::ShareStep), one per mode), lands it
-//! and publishes it. The batch's two [`LayerStage`]s circulate between them.
+//! The layer pipeline of one batch on one rank: a reader thread reads the next group of layers
+//! from the store (one store call; the groups are planned per batch, see
+//! [`ReadGranularity`](super::ReadGranularity)) and hands its layers over in order as the call
+//! returns, while the exchange loop (the load thread) agrees on each layer with the other
+//! ranks, shares its replicated rows ([`ShareStep`](super::share::ShareStep), one per mode),
+//! lands it and publishes it. The batch's ring of [`LayerStage`]s (one per layer in flight)
+//! circulates between them: the reader takes one per layer of its next group.
 //!
 //! Every rank issues the same collectives whatever happens (design rule: failure symmetry):
 //! one status exchange per layer, then that layer's collective when every rank is ok; a
@@ -19,7 +22,7 @@ use kv_loader::{KvLoadError, StoreFailure};
 use tracing::warn;
 
 use super::batch::{collective_failure, BatchJob, BatchLayers};
-use super::reader::{store_failure, LayerReader, OwnRows, ShareArea};
+use super::reader::{store_failure, LayerReader, OwnRows, ReadPart, RowTarget, ShareArea};
 use super::session::PinnedKeys;
 use super::share::{step_for, LayerCx, StepError};
 use super::Inner;
@@ -32,9 +35,19 @@ struct ReadLayer {
     error: Option<KvLoadError>,
 }
 
+/// What the reader thread did.
+#[derive(Default)]
+struct ReadRun {
+    bytes: u64,
+    /// Layers per store call, in order.
+    groups: Vec<u32>,
+}
+
 /// What a finished pipeline did.
 pub(crate) struct PipelineRun {
     pub(crate) bytes_read: u64,
+    /// Layers per store call of this rank's reads, in order.
+    pub(crate) read_groups: Vec<u32>,
     /// Bytes of the layers landed in this rank's pool.
     pub(crate) landed: u64,
     /// From `start_load` to the first layer published.
@@ -53,7 +66,7 @@ pub(crate) struct LayerPipeline<'a> {
 
 impl LayerPipeline<'_> {
     /// Runs the batch: `prep` is the read session (or why this rank cannot read), `stages`
-    /// the landing's two stages.
+    /// the landing's ring of stages (empty when there is no landing).
     pub(crate) fn run(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
@@ -62,13 +75,15 @@ impl LayerPipeline<'_> {
         std::thread::scope(|s| {
             let (to_exchange, from_reader) = mpsc::sync_channel::<ReadLayer>(1);
             let (to_reader, free) = mpsc::channel::<Option<LayerStage>>();
+            // Without a landing every layer fails; two empty stages keep the messages moving.
+            let ring = stages.len().max(2);
             let mut stages = stages.into_iter();
-            for _ in 0..2 {
+            for _ in 0..ring {
                 let _ = to_reader.send(stages.next());
             }
             let reader = std::thread::Builder::new()
                 .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank))
-                .spawn_scoped(s, move || self.read_loop(prep, free, to_exchange));
+                .spawn_scoped(s, move || self.read_loop(prep, ring, free, to_exchange));
             let reader = match reader {
                 Ok(r) => r,
                 Err(e) => {
@@ -80,10 +95,11 @@ impl LayerPipeline<'_> {
                 }
             };
             let exchanged = self.exchange_loop(from_reader, to_reader);
-            let bytes_read = reader.join().unwrap_or(0);
-            self.inner.metrics.read(bytes_read);
+            let read = reader.join().unwrap_or_default();
+            self.inner.metrics.read(read.bytes);
             exchanged.map(|(landed, first_layer)| PipelineRun {
-                bytes_read,
+                bytes_read: read.bytes,
+                read_groups: read.groups,
                 landed,
                 first_layer,
             })
@@ -94,105 +110,158 @@ impl LayerPipeline<'_> {
         self.inner.epoch.load(Ordering::Acquire) != self.job.epoch
     }
 
-    /// The reader thread: opens each layer in a free stage, reads it, hands it over. Returns
-    /// the bytes read.
+    /// The layer groups this rank reads, one store call each (see [`ReadGranularity`]):
+    /// planned from the bytes it reads per layer in this batch's mode, at most `ring - 1`
+    /// layers per group (the rest of the ring is the layer the exchange loop holds).
+    ///
+    /// [`ReadGranularity`]: super::ReadGranularity
+    fn plan_groups(&self, ring: usize) -> Vec<std::ops::Range<u32>> {
+        let layers = self.layers;
+        let bytes: Vec<u64> = (0..self.inner.geometry.num_layers())
+            .map(|l| layers.read_bytes(l))
+            .collect();
+        let call_limit = self.inner.config.layer_read_timeout / 4;
+        self.inner.reads.plan(&bytes, ring, call_limit)
+    }
+
+    /// The reader thread: takes a free stage for each layer of its next group, reads the group
+    /// in one store call, hands its layers over in order. Returns the bytes read and the
+    /// groups.
     fn read_loop(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
+        ring: usize,
         free: mpsc::Receiver<Option<LayerStage>>,
         to_exchange: mpsc::SyncSender<ReadLayer>,
-    ) -> u64 {
+    ) -> ReadRun {
         let batch = self.job.plan.logical.batch;
         let mut failure = prep.as_ref().err().cloned();
         let mut pins = prep.ok();
-        let mut bytes = 0;
-        for layer in 0..self.inner.geometry.num_layers() {
-            let Ok(mut stage) = free.recv() else {
-                break;
-            };
+        let mut run = ReadRun::default();
+        for group in self.plan_groups(ring) {
+            let mut stages = Vec::with_capacity(group.len());
+            for _ in group.clone() {
+                let Ok(stage) = free.recv() else {
+                    return run;
+                };
+                stages.push(stage);
+            }
             if failure.is_none() && self.cancelled() {
                 failure = Some(KvLoadError::Cancelled { batch });
             }
             if failure.is_none() {
-                let read = match (self.landing, stage.as_mut(), pins.as_mut()) {
-                    (Some(l), Some(st), Some(p)) => self.read_layer(p, l, st, layer),
+                let open: Option<Vec<&mut LayerStage>> =
+                    stages.iter_mut().map(Option::as_mut).collect();
+                let read = match (self.landing, open, pins.as_mut()) {
+                    (Some(l), Some(mut st), Some(p)) => {
+                        self.read_group(p, l, &mut st, group.clone())
+                    }
                     _ => Err(KvLoadError::Config(format!(
                         "{batch}: no landing to read into"
                     ))),
                 };
                 match read {
-                    Ok(n) => bytes += n,
+                    Ok(n) => {
+                        run.bytes += n;
+                        run.groups.push(group.len() as u32);
+                    }
                     Err(e) => {
-                        warn!(%batch, layer, error = %e, "read failed");
+                        warn!(%batch, layers = ?group, error = %e, "read failed");
                         failure = Some(e);
                     }
                 }
             }
-            let msg = ReadLayer {
-                layer,
-                stage,
-                error: failure.clone(),
-            };
-            if to_exchange.send(msg).is_err() {
-                break;
+            for (layer, stage) in group.zip(stages) {
+                let msg = ReadLayer {
+                    layer,
+                    stage,
+                    error: failure.clone(),
+                };
+                if to_exchange.send(msg).is_err() {
+                    return run;
+                }
             }
         }
-        bytes
+        run
     }
 
-    /// Reads one layer on this rank into `stage`: its own components (every page), and its
-    /// share of the replicated ones (its slots on a host pool, the share area on a device).
-    fn read_layer(
+    /// Reads layers `group` on this rank in one store call, layer `group.start + i` into
+    /// `stages[i]`: its own components (every page), and its share of the replicated ones (its
+    /// slots on a host pool, the share area on a device).
+    fn read_group(
         &self,
         pins: &mut PinnedKeys<'_>,
         landing: &dyn LayerLanding,
-        stage: &mut LayerStage,
-        layer: u32,
+        stages: &mut [&mut LayerStage],
+        group: std::ops::Range<u32>,
     ) -> Result<u64, KvLoadError> {
         let (inner, layers) = (self.inner, self.layers);
         let batch = self.job.plan.logical.batch;
         let deadline = kv_loader::deadline_after(inner.config.collective_timeout);
-        landing.open(stage, layer, deadline)?;
+        for (stage, layer) in stages.iter_mut().zip(group.clone()) {
+            landing.open(stage, layer, deadline)?;
+        }
         pins.renew_if_due()
-            .map_err(|e| store_failure(batch, Some(layer), Vec::new(), &e))?;
-        let reader = |components| LayerReader {
-            store: inner.store.as_ref(),
-            batch,
-            components,
-            parallelism: inner.config.read_parallelism,
-        };
-        let t0 = Instant::now();
-        let mut n =
-            reader(&layers.own).read_layer(&OwnRows { landing, stage }, layer, 0..layers.pages)?;
-        if let Some(layout) = layers.layouts[layer as usize].as_ref() {
-            let pages = layout.share(layers.rank);
-            let shared = reader(&layers.shared);
-            n += match landing.share() {
-                ShareSide::Host(_) => {
-                    shared.read_layer(&OwnRows { landing, stage }, layer, pages)?
-                }
-                ShareSide::Device(share) => shared.read_layer(
-                    &ShareArea {
+            .map_err(|e| store_failure(batch, Some(group.start), Vec::new(), &e))?;
+        let own: Vec<OwnRows<'_>> = stages
+            .iter()
+            .map(|stage| OwnRows {
+                landing,
+                stage,
+            })
+            .collect();
+        // A layer without a share layout (none was built) leaves the part short of targets:
+        // `read_group` then fails the group.
+        let share: Vec<ShareArea<'_>> = match landing.share() {
+            ShareSide::Device(share) if !layers.shared.is_empty() => stages
+                .iter()
+                .zip(group.clone())
+                .map(|(stage, l)| {
+                    layers.layouts[l as usize].as_ref().map(|layout| ShareArea {
                         share,
                         stage,
                         layout,
-                    },
-                    layer,
-                    pages,
-                )?,
+                    })
+                })
+                .collect::<Option<Vec<_>>>()
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        let mut parts = vec![ReadPart {
+            components: &layers.own,
+            pages: 0..layers.pages,
+            targets: own.iter().map(|t| t as &dyn RowTarget).collect(),
+        }];
+        if !layers.shared.is_empty() {
+            let targets: Vec<&dyn RowTarget> = match landing.share() {
+                ShareSide::Host(_) => own.iter().map(|t| t as &dyn RowTarget).collect(),
+                ShareSide::Device(_) => share.iter().map(|t| t as &dyn RowTarget).collect(),
             };
+            parts.push(ReadPart {
+                components: &layers.shared,
+                pages: layers.my_pages(),
+                targets,
+            });
         }
+        let reader = LayerReader {
+            store: inner.store.as_ref(),
+            batch,
+            parallelism: inner.config.read_parallelism,
+        };
+        let t0 = Instant::now();
+        let n = reader.read_group(&parts, group.clone())?;
         let took = t0.elapsed();
         inner.metrics.layer_read(took);
+        inner.reads.observe(group.len() as u32, n, took);
         inner.auto.observe_store_read(n, took);
         if took > inner.config.layer_read_timeout {
             return Err(KvLoadError::Store {
                 batch: Some(batch),
-                layer: Some(layer),
+                layer: Some(group.start),
                 pages: (0..layers.pages as u32).collect::<Vec<_>>().into(),
                 kind: StoreFailure::RpcTimeout,
                 detail: format!(
-                    "layer read took {took:?}, over the limit of {:?}",
+                    "reading layers {group:?} took {took:?}, over the limit of {:?}",
                     inner.config.layer_read_timeout
                 ),
             });
