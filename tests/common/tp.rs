@@ -106,6 +106,20 @@ pub fn tp_ranks(
     config: &LinkerConfig,
     path: Path,
 ) -> (Vec<TpRank>, Vec<PageHash>) {
+    tp_ranks_with_stages(spec, tp, store, pages, config, path, 2)
+}
+
+/// As [`tp_ranks`], with device pools staging through a ring of `stages` stages (groups of up
+/// to `stages - 1` layers per store call).
+pub fn tp_ranks_with_stages(
+    spec: &ModelKvSpec,
+    tp: u32,
+    store: Arc<dyn KvStore>,
+    pages: usize,
+    config: &LinkerConfig,
+    path: Path,
+    stages: usize,
+) -> (Vec<TpRank>, Vec<PageHash>) {
     let hashes = save(spec, tp, store.clone(), pages, config);
     let pool_pages = 3 * pages as u32 + 4;
     let devices: Vec<Arc<CpuDevice>> = match path {
@@ -156,8 +170,8 @@ pub fn tp_ranks(
                     let dev = device_of(rank).unwrap();
                     let pool =
                         Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), pool_pages).unwrap());
-                    let half = StagingPool::half_bytes_for(&g, pages, tp);
-                    let staging = StagingPool::new(dev, half, 3).unwrap();
+                    let stage = StagingPool::half_bytes_for(&g, pages, tp);
+                    let staging = StagingPool::with_stages(dev, stage, stages, 3).unwrap();
                     let landings = Arc::new(
                         StagedLandingFactory::new(pool.clone(), staging)
                             .with_strategy(strategy)

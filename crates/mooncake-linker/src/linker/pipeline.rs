@@ -205,10 +205,7 @@ impl LayerPipeline<'_> {
             .map_err(|e| store_failure(batch, Some(group.start), Vec::new(), &e))?;
         let own: Vec<OwnRows<'_>> = stages
             .iter()
-            .map(|stage| OwnRows {
-                landing,
-                stage,
-            })
+            .map(|stage| OwnRows { landing, stage })
             .collect();
         // A layer without a share layout (none was built) leaves the part short of targets:
         // `read_group` then fails the group.
