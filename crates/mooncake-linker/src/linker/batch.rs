@@ -292,18 +292,19 @@ impl Inner {
                     .flat_map(|c| c.keys[my_pages.clone()].iter().map(String::as_str)),
             )
             .collect();
-        let pins = PinnedKeys::start(self.store.as_ref(), &read_keys, self.config.lease_renewal)
-            .map_err(|e| store_failure(batch, None, Vec::new(), &e))?;
-        if self.config.verify_object_sizes {
-            let reader = LayerReader {
-                store: self.store.as_ref(),
-                batch,
-                parallelism: self.config.read_parallelism,
-            };
-            reader.verify_sizes(&layers.own, 0..layers.pages)?;
-            reader.verify_sizes(&layers.shared, my_pages)?;
-        }
-        Ok(pins)
+        // The object sizes are checked by the reader, beside its first group's read
+        // (`BatchLayers::verify_sizes`).
+        PinnedKeys::start(self.store.as_ref(), &read_keys, self.config.lease_renewal)
+            .map_err(|e| store_failure(batch, None, Vec::new(), &e))
+    }
+}
+
+impl BatchLayers {
+    /// Checks that every object this rank reads holds exactly the bytes the geometry expects
+    /// (a wrong one is discarded so the next save writes it again).
+    pub(crate) fn verify_sizes(&self, reader: &LayerReader<'_>) -> Result<(), KvLoadError> {
+        reader.verify_sizes(&self.own, 0..self.pages)?;
+        reader.verify_sizes(&self.shared, self.my_pages())
     }
 }
 

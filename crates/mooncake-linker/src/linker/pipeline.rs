@@ -127,6 +127,11 @@ impl LayerPipeline<'_> {
     /// The reader thread: takes a free stage for each layer of its next group, reads the group
     /// in one store call, hands its layers over in order. Returns the bytes read and the
     /// groups.
+    ///
+    /// The object sizes (when `verify_object_sizes`) are checked on a helper thread while the
+    /// first group is read, and the first group is handed over only once the check passed: no
+    /// layer of a batch with a wrong-sized object is ever published, and the first layer waits
+    /// for the slower of the two rather than their sum.
     fn read_loop(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
@@ -138,50 +143,79 @@ impl LayerPipeline<'_> {
         let mut failure = prep.as_ref().err().cloned();
         let mut pins = prep.ok();
         let mut run = ReadRun::default();
-        for group in self.plan_groups(ring) {
-            let mut stages = Vec::with_capacity(group.len());
-            for _ in group.clone() {
-                let Ok(stage) = free.recv() else {
-                    return run;
-                };
-                stages.push(stage);
-            }
-            if failure.is_none() && self.cancelled() {
-                failure = Some(KvLoadError::Cancelled { batch });
-            }
-            if failure.is_none() {
-                let open: Option<Vec<&mut LayerStage>> =
-                    stages.iter_mut().map(Option::as_mut).collect();
-                let read = match (self.landing, open, pins.as_mut()) {
-                    (Some(l), Some(mut st), Some(p)) => {
-                        self.read_group(p, l, &mut st, group.clone())
+        let reader = LayerReader {
+            store: self.inner.store.as_ref(),
+            batch,
+            parallelism: self.inner.config.read_parallelism,
+        };
+        let check_sizes = failure.is_none() && self.inner.config.verify_object_sizes;
+        std::thread::scope(|s| {
+            let mut sizes = check_sizes.then(|| {
+                std::thread::Builder::new()
+                    .name(format!("kvlink-size-r{}", self.inner.geometry.tp_rank))
+                    .spawn_scoped(s, || self.layers.verify_sizes(&reader))
+                    .map_err(|_| self.layers.verify_sizes(&reader))
+            });
+            for group in self.plan_groups(ring) {
+                let mut stages = Vec::with_capacity(group.len());
+                for _ in group.clone() {
+                    let Ok(stage) = free.recv() else {
+                        return;
+                    };
+                    stages.push(stage);
+                }
+                if failure.is_none() && self.cancelled() {
+                    failure = Some(KvLoadError::Cancelled { batch });
+                }
+                if failure.is_none() {
+                    let open: Option<Vec<&mut LayerStage>> =
+                        stages.iter_mut().map(Option::as_mut).collect();
+                    let read = match (self.landing, open, pins.as_mut()) {
+                        (Some(l), Some(mut st), Some(p)) => {
+                            self.read_group(p, l, &mut st, group.clone())
+                        }
+                        _ => Err(KvLoadError::Config(format!(
+                            "{batch}: no landing to read into"
+                        ))),
+                    };
+                    match read {
+                        Ok(n) => {
+                            run.bytes += n;
+                            run.groups.push(group.len() as u32);
+                        }
+                        Err(e) => {
+                            warn!(%batch, layers = ?group, error = %e, "read failed");
+                            failure = Some(e);
+                        }
                     }
-                    _ => Err(KvLoadError::Config(format!(
-                        "{batch}: no landing to read into"
-                    ))),
+                }
+                // The size check's verdict comes before any layer is handed over (and, when it
+                // failed, says more than a read of a wrong-sized object).
+                let checked = match sizes.take() {
+                    Some(Ok(handle)) => handle.join().unwrap_or_else(|_| {
+                        Err(KvLoadError::Config(format!(
+                            "{batch}: the size check panicked"
+                        )))
+                    }),
+                    Some(Err(inline)) => inline,
+                    None => Ok(()),
                 };
-                match read {
-                    Ok(n) => {
-                        run.bytes += n;
-                        run.groups.push(group.len() as u32);
-                    }
-                    Err(e) => {
-                        warn!(%batch, layers = ?group, error = %e, "read failed");
-                        failure = Some(e);
+                if let Err(e) = checked {
+                    warn!(%batch, error = %e, "object sizes");
+                    failure = Some(e);
+                }
+                for (layer, stage) in group.zip(stages) {
+                    let msg = ReadLayer {
+                        layer,
+                        stage,
+                        error: failure.clone(),
+                    };
+                    if to_exchange.send(msg).is_err() {
+                        return;
                     }
                 }
             }
-            for (layer, stage) in group.zip(stages) {
-                let msg = ReadLayer {
-                    layer,
-                    stage,
-                    error: failure.clone(),
-                };
-                if to_exchange.send(msg).is_err() {
-                    return run;
-                }
-            }
-        }
+        });
         run
     }
 
