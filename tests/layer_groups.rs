@@ -108,12 +108,21 @@ fn groups_land_every_rank_byte_for_byte_on_both_paths() {
                             (ReadGranularity::Fixed { .. }, _) => {
                                 assert!(s.read_groups.iter().all(|&g| g == 3), "{what}")
                             }
+                            // Batch 1: the engine's compute is not known yet, layer 0 is read
+                            // alone. Batch 2: these waits are back to back (no compute): any
+                            // grouping within the caps.
                             (_, Path::Device { .. }) => {
-                                assert_eq!(s.read_groups[0], 1, "{what}: layer 0 alone");
+                                assert!(
+                                    batch > 1 || s.read_groups[0] == 1,
+                                    "{what}: layer 0 alone"
+                                );
                                 assert!(biggest <= 3, "{what}: 4 stages, groups of at most 3");
                             }
                             (_, Path::Host) => {
-                                assert_eq!(s.read_groups[0], 1, "{what}: layer 0 alone");
+                                assert!(
+                                    batch > 1 || s.read_groups[0] == 1,
+                                    "{what}: layer 0 alone"
+                                );
                                 assert!(s.read_groups.len() < 12, "{what}: {:?}", s.read_groups);
                             }
                         }

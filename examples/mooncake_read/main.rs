@@ -541,6 +541,13 @@ fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
     let a = args::parse();
     let mut out = std::io::stdout().lock();
     match run(&a, &mut out) {

@@ -49,7 +49,8 @@ pub enum ReadGranularity {
         max_layers_per_call: u32,
         /// The engine's compute per layer; `None`: measured from the gaps between the
         /// engine's `wait_layer` calls (before any was measured, almost none is assumed:
-        /// layer 0 alone, then the fastest reads).
+        /// layer 0 alone, then the fastest reads). A whole forward pass of compute shorter
+        /// than one call's fixed cost counts as none: the fewest calls, no layer read alone.
         compute_per_layer: Option<Duration>,
         /// What a call costs before this linker has timed any (e.g. what an earlier linker
         /// over the same store measured: [`Linker::read_cost`](crate::Linker::read_cost)).
@@ -157,7 +158,14 @@ impl ReadGroups {
                 let cost = self.cost();
                 let by_time = max_by_time(layer_bytes, &cost, call_limit);
                 let max = max_layers_per_call.min(by_stages).min(by_time).max(1);
-                let compute = self.compute_per_layer().unwrap_or(UNMEASURED_COMPUTE);
+                let compute = match self.compute_per_layer() {
+                    None => UNMEASURED_COMPUTE,
+                    // A forward pass shorter than one call's fixed cost has nothing worth
+                    // overlapping (an engine that waits for the layers back to back): the
+                    // reads alone count, in the fewest calls.
+                    Some(c) if c.saturating_mul(n) < cost.per_call => Duration::ZERO,
+                    Some(c) => c,
+                };
                 let req = ReadPlanRequest {
                     layer_bytes,
                     cost,
@@ -252,6 +260,23 @@ mod tests {
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
         assert_eq!(r.plan(&glm(512), 79, Duration::MAX).len(), 3);
+    }
+
+    #[test]
+    fn negligible_compute_counts_as_none() {
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: u32::MAX,
+            compute_per_layer: Some(Duration::from_micros(1)),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        // 78 µs of compute in all, against 2 ms per call: one call for everything.
+        assert_eq!(r.plan(&glm(512), 79, Duration::MAX), vec![0..78]);
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: u32::MAX,
+            compute_per_layer: Some(Duration::from_millis(1)),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        assert_eq!(r.plan(&glm(512), 79, Duration::MAX)[0], 0..1);
     }
 
     #[test]

@@ -282,6 +282,7 @@ impl LayerPipeline<'_> {
         let t0 = Instant::now();
         let n = reader.read_group(&parts, group.clone())?;
         let took = t0.elapsed();
+        tracing::debug!(%batch, layers = ?group, bytes = n, ?took, "group read");
         inner.metrics.layer_read(took);
         inner.reads.observe(group.len() as u32, n, took);
         inner.auto.observe_store_read(n, took);
