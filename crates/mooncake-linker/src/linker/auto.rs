@@ -104,53 +104,56 @@ impl Measured {
         median(&self.samples[slot(m)])
     }
 
-    /// Records a batch; drops clearly slower modes once every mode has run once.
-    pub(crate) fn record(&mut self, mode: ShareMode, seconds_per_byte: f64) {
+    /// Records a batch: drops clearly slower modes once every mode has run once, and keeps a
+    /// mode for good once every remaining one has `per_mode` batches.
+    pub(crate) fn record(&mut self, mode: ShareMode, seconds_per_byte: f64, per_mode: u32) {
+        if self.kept.is_some() {
+            return;
+        }
         self.samples[slot(mode)].push(seconds_per_byte);
         if AUTO_MODES
             .iter()
             .all(|m| !self.samples[slot(*m)].is_empty())
         {
-            let best = self
-                .live()
-                .filter_map(|m| self.median(m))
-                .fold(f64::INFINITY, f64::min);
+            let best = self.best();
             for m in AUTO_MODES {
                 if self.median(m).is_some_and(|t| t > best * AUTO_DROP) {
                     self.dropped[slot(m)] = true;
                 }
             }
         }
+        let enough = per_mode.max(1) as usize;
+        if self.live().all(|m| self.samples[slot(m)].len() >= enough) {
+            let best = self.best();
+            let kept = PREFERENCE
+                .iter()
+                .copied()
+                .filter(|m| !self.dropped[slot(*m)])
+                .find(|m| {
+                    self.median(*m)
+                        .is_some_and(|t| t <= best * (1.0 + AUTO_TIE))
+                })
+                .unwrap_or(ShareMode::AllRanks);
+            self.kept = Some(kept);
+        }
+    }
+
+    /// The lowest median of the modes still measured.
+    fn best(&self) -> f64 {
+        self.live()
+            .filter_map(|m| self.median(m))
+            .fold(f64::INFINITY, f64::min)
     }
 
     /// The next mode to propose: the kept one, else the live mode with the fewest batches
-    /// (round order), else (every live mode measured `per_mode` times) the decision, kept.
-    pub(crate) fn next(&mut self, per_mode: u32) -> ShareMode {
+    /// (round order).
+    pub(crate) fn next(&self) -> ShareMode {
         if let Some(k) = self.kept {
             return k;
         }
-        let fewest = self
-            .live()
+        self.live()
             .min_by_key(|m| self.samples[slot(*m)].len())
-            .unwrap_or(ShareMode::AllRanks);
-        if self.samples[slot(fewest)].len() < per_mode.max(1) as usize {
-            return fewest;
-        }
-        let best = self
-            .live()
-            .filter_map(|m| self.median(m))
-            .fold(f64::INFINITY, f64::min);
-        let kept = PREFERENCE
-            .iter()
-            .copied()
-            .filter(|m| !self.dropped[slot(*m)])
-            .find(|m| {
-                self.median(*m)
-                    .is_some_and(|t| t <= best * (1.0 + AUTO_TIE))
-            })
-            .unwrap_or(ShareMode::AllRanks);
-        self.kept = Some(kept);
-        kept
+            .unwrap_or(ShareMode::AllRanks)
     }
 
     /// Medians in ns per landed byte, for logs.
@@ -248,20 +251,15 @@ impl AutoMode {
         if tp_size <= 1 {
             return (ShareMode::AllRanks, "one rank: nothing to share".into());
         }
-        let mut s = self.seen.lock();
-        let was_kept = s.kept.is_some();
-        let mode = s.next(self.per_mode);
-        let why = match (was_kept, s.kept) {
-            (true, _) => format!("Auto: keeps {mode:?} ({})", s.describe()),
-            (false, Some(_)) => {
-                let bw = self.bandwidths();
-                format!(
-                    "Auto: decided {mode:?} ({}; this rank's reads ≈ {:.2} GB/s per call)",
-                    s.describe(),
-                    bw.store_per_rank_gbps
-                )
-            }
-            (false, None) => format!("Auto: measuring {mode:?} ({})", s.describe()),
+        let s = self.seen.lock();
+        let mode = s.next();
+        let why = match s.kept {
+            Some(_) => format!(
+                "Auto: keeps {mode:?} ({}; this rank's reads ≈ {:.2} GB/s per call)",
+                s.describe(),
+                self.bandwidths().store_per_rank_gbps
+            ),
+            None => format!("Auto: measuring {mode:?} ({})", s.describe()),
         };
         (mode, why)
     }
@@ -271,10 +269,9 @@ impl AutoMode {
         if bytes < MIN_BYTES || took.is_zero() {
             return;
         }
-        let mut s = self.seen.lock();
-        if s.kept.is_none() {
-            s.record(mode, took.as_secs_f64() / bytes as f64);
-        }
+        self.seen
+            .lock()
+            .record(mode, took.as_secs_f64() / bytes as f64, self.per_mode);
     }
 
     /// The mode kept, once decided.
@@ -292,13 +289,13 @@ mod tests {
     /// and the mode kept.
     fn decide(per_mode: u32, time: impl Fn(ShareMode, usize) -> f64) -> (usize, ShareMode) {
         let mut m = Measured::default();
-        for batch in 0..100 {
-            let mode = m.next(per_mode);
+        for batch in 1..100 {
+            let mode = m.next();
+            let i = m.samples[slot(mode)].len();
+            m.record(mode, time(mode, i), per_mode);
             if let Some(k) = m.kept {
                 return (batch, k);
             }
-            let i = m.samples[slot(mode)].len();
-            m.record(mode, time(mode, i));
         }
         panic!("Auto never decided");
     }
