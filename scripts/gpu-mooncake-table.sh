@@ -16,8 +16,9 @@
 #            group), and with 2+ GPUs one rank per GPU over NCCL; 32K and 128K, one storage
 #            node                                                           (about 6-8 min)
 #   reads    one client: the wheel's Python whole-object read against kvlink's reads and the
-#            Linker itself (adaptive layer groups, store defaults) with the engine computing
-#            0 / 6.7 ms per layer (SIMULATED), 32K tokens, one storage node (about 3 min)
+#            Linker itself (adaptive layer groups, store defaults; the wheel's 4 TCP lanes and
+#            8) with the engine computing 0 / 5.76 ms per layer (SIMULATED: the modelled
+#            compute at 32K), 32K tokens, one storage node                 (about 3 min)
 #   procs    ranks as processes (glm_prefill's processes mode), if this build has it; else the
 #            part says so and exits 0
 # --quick   small sizes (2K tokens, TP 2 and 4, one rep, one Auto run; device pools on CPU
@@ -124,10 +125,10 @@ case "$part" in
     export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
     if [[ $quick -eq 1 ]]; then
       flags=(--tokens 2048 --rounds 1 --groups 78 --parallel 2 --lanes 8 --streams 1,8 --store-groups 78
-             --compute-us 0 --linker-compute-us 0,6660)
+             --compute-us 0 --linker-compute-us 0,5480 --linker-lanes 0,8)
     else
       flags=(--tokens 32768 --rounds 5 --groups 8,26,78 --parallel 8 --lanes 8 --streams 4,8
-             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760,6660)
+             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-lanes 0,8)
     fi
     tag=$([[ $quick -eq 1 ]] && echo 2k || echo 32k)
     run_bundle 1 mooncake_read "${flags[@]}" "${extra[@]}" \

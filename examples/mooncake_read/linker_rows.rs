@@ -30,6 +30,8 @@ pub struct LinkerTiming {
 /// readers (they run one at a time).
 pub struct LinkerReader {
     pub compute: Duration,
+    /// `MC_TCP_LANES_PER_PEER` of its client (0: the wheel's default).
+    pub lanes: usize,
     linker: Linker,
     pool: Arc<HostKvPool>,
     hashes: Vec<PageHash>,
@@ -51,10 +53,18 @@ impl LinkerReader {
         namespace: &str,
         tokens: u32,
         pool: Arc<HostKvPool>,
-        compute: Duration,
+        (compute, lanes): (Duration, usize),
     ) -> Result<Self> {
-        let store = MooncakeStore::connect(config.clone())
-            .with_context(|| format!("connecting to {}", config.master_addr()))?;
+        // The wheel reads MC_TCP_LANES_PER_PEER when a client's transport is created; it is
+        // set around this connect only, while no client has a transfer in flight.
+        if lanes > 0 {
+            std::env::set_var("MC_TCP_LANES_PER_PEER", lanes.to_string());
+        }
+        let store = MooncakeStore::connect(config.clone());
+        if lanes > 0 {
+            std::env::remove_var("MC_TCP_LANES_PER_PEER");
+        }
+        let store = store.with_context(|| format!("connecting to {}", config.master_addr()))?;
         let g = pool.geometry().clone();
         let token_ids: Vec<u32> = (0..tokens).collect();
         let hashes = page_hashes(&token_ids, g.page_size(), None);
@@ -76,6 +86,7 @@ impl LinkerReader {
         )?;
         Ok(Self {
             compute,
+            lanes,
             linker,
             pool,
             hashes,

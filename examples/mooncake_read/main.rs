@@ -392,16 +392,21 @@ fn linker_table(
     }
     let defaults = MooncakeConfig::from_env()?.global_segment_size(0);
     let pool = linker_rows::pool(objects)?;
-    let mut readers = a
-        .linker_compute_us
+    let lanes = if a.linker_lanes.is_empty() {
+        vec![0]
+    } else {
+        a.linker_lanes.clone()
+    };
+    let mut readers = lanes
         .iter()
-        .map(|&us| {
+        .flat_map(|&l| a.linker_compute_us.iter().map(move |&us| (l, us)))
+        .map(|(l, us)| {
             LinkerReader::new(
                 &defaults,
                 &objects.namespace,
                 a.tokens,
                 pool.clone(),
-                Duration::from_micros(us),
+                (Duration::from_micros(us), l),
             )
         })
         .collect::<Result<Vec<_>>>()?;
@@ -435,8 +440,8 @@ fn linker_table(
         a.rounds,
         one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
     )?;
-    writeln!(out, "\n| engine compute/layer (SIMULATED) | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
-    writeln!(out, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(out, "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")?;
     for (r, t) in readers.iter().zip(&times) {
         let c = r.compute.as_secs_f64() * 1e3;
         let first = median(&mut t.iter().map(|x| x.first).collect::<Vec<_>>()) * 1e3;
@@ -452,7 +457,12 @@ fn linker_table(
         let serial = py_ms + f64::from(objects.layers) * c;
         writeln!(
             out,
-            "| {c:.1} ms | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {:.2} | {:.2} | {} |",
+            "| {c:.1} ms | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {:.2} | {:.2} | {} |",
+            if r.lanes == 0 {
+                "4 (default)".to_string()
+            } else {
+                r.lanes.to_string()
+            },
             last / py_ms,
             done / serial,
             r.measured(),
