@@ -19,8 +19,9 @@
 #            Linker itself (adaptive layer groups, store defaults; the wheel's 4 TCP lanes and
 #            8) with the engine computing 0 / 5.76 ms per layer (SIMULATED: the modelled
 #            compute at 32K), 32K tokens, one storage node                 (about 3 min)
-#   procs    ranks as processes (glm_prefill's processes mode), if this build has it; else the
-#            part says so and exits 0
+#   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8, 32K,
+#            every mode, one storage node, if this build's glm_prefill has the mode (a build
+#            after issue 14 part 2 is merged); else the part says so and exits 0 (about 2-4 min)
 # --quick   small sizes (2K tokens, TP 2 and 4, one rep, one Auto run; device pools on CPU
 #           devices when no GPU is visible): a dry run of the whole part in well under a minute
 #
@@ -142,16 +143,38 @@ case "$part" in
     } > "$out/mooncake_read_${machine}_${tag}.md"
     ;;
   procs)
-    if run_bundle 1 glm_prefill --help 2>/dev/null | grep -q -- '--ranks-as processes'; then
+    # glm_prefill's processes mode (issue 14: one process per rank, a rendezvous, socket
+    # collectives, each rank its own Mooncake client): run when this build has it.
+    if run_bundle 1 glm_prefill --help 2>/dev/null | grep -q -- '--ranks-as'; then
       export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
-      tokens=$([[ $quick -eq 1 ]] && echo 2048 || echo 32768)
-      for tp in 2 4 8; do
+      if [[ $quick -eq 1 ]]; then tokens=2048; tps="2 4"; compute=5480; else tokens=32768; tps="2 4 8"; compute=5760; fi
+      tag=$((tokens / 1024))k
+      : > "$out/procs.stdout.log"
+      for tp in $tps; do
+        file="$out/glm_prefill_procs_${machine}_tp${tp}_${tag}_n1.md"
+        {
+          echo "# glm_prefill, TP $tp ranks as processes, Mooncake (one storage node), $tag tokens"
+          echo
+          echo "Command: bash scripts/gpu-mooncake-table.sh --part procs$([[ $quick -eq 1 ]] && echo ' --quick') ($(date -u +%Y-%m-%d), $machine); compute per layer SIMULATED ${compute} µs (the modelled compute at $tag)."
+          echo
+          echo '```'
+        } > "$file"
+        one=0
         run_bundle 1 glm_prefill --store mooncake --ranks-as processes --mode compare --tp "$tp" \
-          --tokens "$tokens" --compute-us 0 "${extra[@]}" \
-          >> "$out/procs.stdout.log" 2>> "$out/procs.stderr.log" || rc=$?
+          --tokens "$tokens" --compute-us "$compute" --svg "/tmp/glm_prefill_procs_tp$tp.svg" "${extra[@]}" \
+          >> "$file" 2>> "$out/procs.stderr.log" || one=$?
+        [[ $one -eq 0 ]] || rc=$one
+        {
+          echo '```'
+          echo
+          echo "glm_prefill exit status $one (0: every mode loaded and every rank's pool verified)"
+          echo
+          if [[ $one -eq 0 ]]; then echo "1 passed, 0 failed"; else echo "0 passed, 1 failed"; fi
+        } >> "$file"
+        cat "$file" >> "$out/procs.stdout.log"
       done
     else
-      echo "procs: this build's glm_prefill has no processes mode (--ranks-as processes); nothing to run" | tee "$out/procs.stdout.log"
+      echo "procs: this build's glm_prefill has no processes mode (--ranks-as); nothing to run" | tee "$out/procs.stdout.log"
     fi
     ;;
 esac
