@@ -441,7 +441,10 @@ fn linker_table(
         one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
     )?;
     writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
-    writeln!(out, "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")?;
+    writeln!(
+        out,
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
+    )?;
     for (r, t) in readers.iter().zip(&times) {
         let c = r.compute.as_secs_f64() * 1e3;
         let first = median(&mut t.iter().map(|x| x.first).collect::<Vec<_>>()) * 1e3;
