@@ -29,7 +29,7 @@ const MIN_BYTES: u64 = 1 << 20;
 /// After the first round, modes slower than this many times the best are not measured again.
 pub(crate) const AUTO_DROP: f64 = 1.5;
 /// Modes whose median is within this fraction of the best median count as equally fast.
-pub(crate) const AUTO_TIE: f64 = 0.05;
+pub(crate) const AUTO_TIE: f64 = 0.10;
 
 fn blend(old: f64, new: f64) -> f64 {
     if old.is_finite() && old > 0.0 {

@@ -6,6 +6,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
+use kv_loader::ShareMode;
 use parking_lot::Mutex;
 use tracing::debug;
 
@@ -90,12 +91,27 @@ impl Default for ReadGranularity {
 /// small, so the rest is read as fast as the store allows.
 const UNMEASURED_COMPUTE: Duration = Duration::from_micros(1);
 
-/// The per-linker state of read granularity: the cost estimate and the compute meter.
+/// Weight of a new batch in the running mean of a mode's share step per layer.
+const SHARE_EWMA: f64 = 0.5;
+
+/// The per-linker state of read granularity: the cost estimate, the compute meter, and each
+/// mode's share step per layer.
 #[derive(Debug)]
 pub(crate) struct ReadGroups {
     granularity: ReadGranularity,
     estimator: Mutex<ReadCostEstimator>,
     pub(crate) compute: ComputeMeter,
+    /// Seconds per layer the exchange loop spent in each mode's share step (collective,
+    /// scatter, land): a running mean over batches (AllRanks, Rank0Broadcast, SplitAllGather).
+    share: Mutex<[Option<f64>; 3]>,
+}
+
+fn mode_slot(mode: ShareMode) -> usize {
+    match mode {
+        ShareMode::AllRanks => 0,
+        ShareMode::Rank0Broadcast => 1,
+        ShareMode::SplitAllGather => 2,
+    }
 }
 
 impl ReadGroups {
@@ -108,7 +124,21 @@ impl ReadGroups {
             granularity,
             estimator: Mutex::new(ReadCostEstimator::new(prior)),
             compute: ComputeMeter::default(),
+            share: Mutex::new([None; 3]),
         }
+    }
+
+    /// A batch in `mode` spent `per_layer` in each layer's share step.
+    pub(crate) fn observe_share(&self, mode: ShareMode, per_layer: Duration) {
+        let mut share = self.share.lock();
+        let s = &mut share[mode_slot(mode)];
+        let v = per_layer.as_secs_f64();
+        *s = Some(s.map_or(v, |old| old * (1.0 - SHARE_EWMA) + v * SHARE_EWMA));
+    }
+
+    /// The share step per layer last measured in `mode`.
+    fn share_per_layer(&self, mode: ShareMode) -> Option<Duration> {
+        self.share.lock()[mode_slot(mode)].and_then(|s| Duration::try_from_secs_f64(s).ok())
     }
 
     /// A group call read `layers` layers, `bytes` bytes, in `took`.
@@ -134,14 +164,20 @@ impl ReadGroups {
         }
     }
 
-    /// The groups of one batch on this rank: `layer_bytes[l]` bytes read for layer `l`, at
-    /// most `stages - 1` layers per group (the stages the landing lends), and calls predicted
-    /// to take at most `call_limit`. The groups tile `0..layer_bytes.len()` in order.
+    /// The groups of one batch on this rank in `mode`: `layer_bytes[l]` bytes read for layer
+    /// `l`, at most `stages - 1` layers per group (the stages the landing lends), and calls
+    /// predicted to take at most `call_limit`. The groups tile `0..layer_bytes.len()` in order.
+    ///
+    /// What the reads overlap with is the slower of the engine's compute and the exchange
+    /// loop's share step per layer (measured in this mode's last batches): a layer is ready
+    /// for the engine only after its share step, so with no compute but a broadcast to
+    /// make, one big group would leave every broadcast until after the whole read.
     pub(crate) fn plan(
         &self,
         layer_bytes: &[u64],
         stages: usize,
         call_limit: Duration,
+        mode: ShareMode,
     ) -> Vec<Range<u32>> {
         let n = layer_bytes.len() as u32;
         let by_stages = u32::try_from(stages.saturating_sub(1))
@@ -158,11 +194,13 @@ impl ReadGroups {
                 let cost = self.cost();
                 let by_time = max_by_time(layer_bytes, &cost, call_limit);
                 let max = max_layers_per_call.min(by_stages).min(by_time).max(1);
-                let compute = match self.compute_per_layer() {
-                    None => UNMEASURED_COMPUTE,
+                let share = self.share_per_layer(mode).unwrap_or(Duration::ZERO);
+                let compute = match self.compute_per_layer().map(|c| c.max(share)) {
+                    None if share.is_zero() => UNMEASURED_COMPUTE,
+                    None => share,
                     // A forward pass shorter than one call's fixed cost has nothing worth
-                    // overlapping (an engine that waits for the layers back to back): the
-                    // reads alone count, in the fewest calls.
+                    // overlapping (an engine that waits for the layers back to back, no share
+                    // step to speak of): the reads alone count, in the fewest calls.
                     Some(c) if c.saturating_mul(n) < cost.per_call => Duration::ZERO,
                     Some(c) => c,
                 };
@@ -229,26 +267,40 @@ mod tests {
     #[test]
     fn fixed_groups_respect_the_stages() {
         let r = ReadGroups::new(ReadGranularity::Fixed { layers_per_call: 8 });
-        assert_eq!(sizes(&r.plan(&glm(4), 79, Duration::MAX))[..3], [8, 8, 8]);
+        assert_eq!(
+            sizes(&r.plan(&glm(4), 79, Duration::MAX, ShareMode::AllRanks))[..3],
+            [8, 8, 8]
+        );
         // Two stages: one layer per call, whatever was asked.
-        assert!(sizes(&r.plan(&glm(4), 2, Duration::MAX))
-            .iter()
-            .all(|&s| s == 1));
+        assert!(
+            sizes(&r.plan(&glm(4), 2, Duration::MAX, ShareMode::AllRanks))
+                .iter()
+                .all(|&s| s == 1)
+        );
         let one = ReadGroups::new(ReadGranularity::Fixed { layers_per_call: 1 });
-        assert_eq!(one.plan(&glm(4), 79, Duration::MAX).len(), 78);
+        assert_eq!(
+            one.plan(&glm(4), 79, Duration::MAX, ShareMode::AllRanks)
+                .len(),
+            78
+        );
     }
 
     #[test]
     fn adaptive_reads_layer_0_alone_and_respects_every_cap() {
         let r = ReadGroups::new(ReadGranularity::ADAPTIVE);
-        let g = r.plan(&glm(512), 79, Duration::from_secs(5));
+        let g = r.plan(&glm(512), 79, Duration::from_secs(5), ShareMode::AllRanks);
         assert_eq!(g[0], 0..1);
         assert!(g.len() < 10, "{:?}", sizes(&g));
         // Stages cap the groups.
-        let g = r.plan(&glm(512), 9, Duration::from_secs(5));
+        let g = r.plan(&glm(512), 9, Duration::from_secs(5), ShareMode::AllRanks);
         assert!(sizes(&g).iter().all(|&s| s <= 8));
         // So does a call's predicted time: 21.5 MB layers at the prior's 2 GB/s are ~13 ms.
-        let g = r.plan(&glm(512), 79, Duration::from_millis(60));
+        let g = r.plan(
+            &glm(512),
+            79,
+            Duration::from_millis(60),
+            ShareMode::AllRanks,
+        );
         assert!(sizes(&g).iter().all(|&s| s <= 5), "{:?}", sizes(&g));
     }
 
@@ -259,7 +311,11 @@ mod tests {
             compute_per_layer: Some(Duration::ZERO),
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
-        assert_eq!(r.plan(&glm(512), 79, Duration::MAX).len(), 3);
+        assert_eq!(
+            r.plan(&glm(512), 79, Duration::MAX, ShareMode::AllRanks)
+                .len(),
+            3
+        );
     }
 
     #[test]
@@ -270,19 +326,43 @@ mod tests {
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
         // 78 µs of compute in all, against 2 ms per call: one call for everything.
-        assert_eq!(r.plan(&glm(512), 79, Duration::MAX), vec![0..78]);
+        assert_eq!(
+            r.plan(&glm(512), 79, Duration::MAX, ShareMode::AllRanks),
+            vec![0..78]
+        );
         let r = ReadGroups::new(ReadGranularity::Adaptive {
             max_layers_per_call: u32::MAX,
             compute_per_layer: Some(Duration::from_millis(1)),
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
-        assert_eq!(r.plan(&glm(512), 79, Duration::MAX)[0], 0..1);
+        assert_eq!(
+            r.plan(&glm(512), 79, Duration::MAX, ShareMode::AllRanks)[0],
+            0..1
+        );
+    }
+
+    #[test]
+    fn a_measured_share_step_is_overlapped_like_compute() {
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: u32::MAX,
+            compute_per_layer: Some(Duration::ZERO),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        let plan = |r: &ReadGroups, m| r.plan(&glm(512), 79, Duration::MAX, m);
+        assert_eq!(plan(&r, ShareMode::Rank0Broadcast), vec![0..78]);
+        // A broadcast of 5 ms per layer: layer 0 alone, then groups that keep ahead of it.
+        r.observe_share(ShareMode::Rank0Broadcast, Duration::from_millis(5));
+        let g = plan(&r, ShareMode::Rank0Broadcast);
+        assert_eq!(g[0], 0..1);
+        assert!(g.len() > 2, "{g:?}");
+        // Another mode's share step says nothing about this one.
+        assert_eq!(plan(&r, ShareMode::AllRanks), vec![0..78]);
     }
 
     #[test]
     fn a_rank_that_reads_nothing_still_gets_groups_within_its_stages() {
         let r = ReadGroups::new(ReadGranularity::ADAPTIVE);
-        let g = r.plan(&[0; 78], 4, Duration::MAX);
+        let g = r.plan(&[0; 78], 4, Duration::MAX, ShareMode::AllRanks);
         assert!(sizes(&g).iter().all(|&s| (1..=3).contains(&s)));
         assert_eq!(g.last().map(|r| r.end), Some(78));
     }

@@ -121,7 +121,7 @@ impl LayerPipeline<'_> {
             .map(|l| layers.read_bytes(l))
             .collect();
         let call_limit = self.inner.config.layer_read_timeout / 4;
-        self.inner.reads.plan(&bytes, ring, call_limit)
+        self.inner.reads.plan(&bytes, ring, call_limit, layers.mode)
     }
 
     /// The reader thread: takes a free stage for each layer of its next group, reads the group
@@ -380,6 +380,8 @@ impl LayerPipeline<'_> {
         let mut own: Option<KvLoadError> = None;
         let mut fatal: Option<KvLoadError> = None;
         let (mut landed, mut first_layer) = (0u64, Duration::ZERO);
+        // Time in the share steps (collective, scatter, land), for the read plan.
+        let mut share_time = Duration::ZERO;
         let mut every_layer = true;
         for layer in 0..num_layers {
             let (stage, read_error) = self.receive(&from_reader, layer);
@@ -413,7 +415,10 @@ impl LayerPipeline<'_> {
                 collective_timeout: inner.config.collective_timeout,
                 auto: &inner.auto,
             };
-            match cx.run(step, &mut stage) {
+            let shared_at = Instant::now();
+            let ran = cx.run(step, &mut stage);
+            share_time += shared_at.elapsed();
+            match ran {
                 Ok(ready) => {
                     inner
                         .outcomes
@@ -437,6 +442,12 @@ impl LayerPipeline<'_> {
         }
         drop(to_reader);
         drop(from_reader);
+        if every_layer && num_layers > 0 {
+            // What the next batch's read plan overlaps its reads with, beside the compute.
+            inner
+                .reads
+                .observe_share(layers.mode, share_time / num_layers);
+        }
         if every_layer {
             // The verdict: a failure in the last layer's share step reaches every rank too.
             if let Some(e) = &carried {
