@@ -6,7 +6,7 @@
 # Usage: scripts/gpu-mooncake-bundle.sh [--no-py312] [--no-bins]
 #   --no-py312  leave out the wheel's Python client for CPython 3.12 (the GPU machine's python3),
 #               which the Python baselines of the benches need
-#   --no-bins   leave out the release mooncake_read and glm_prefill examples (bin/)
+#   --no-bins   leave out the release mooncake_read, glm_prefill and mooncake_modes examples (bin/)
 #
 # Why: the GPU machine (Ubuntu 24.04, glibc 2.39) has no network, no `ip` (iproute2) and no
 # libpython3.11, which the cp311 wheel's store.so (and so kvlink's shim) links; it has
@@ -22,7 +22,8 @@
 #                            bin/ip is a wrapper that gives only `ip` that library path
 #   py312/mooncake/          the cp312 build of the same wheel version's Python client: store.so,
 #                            __init__.py, buffer_pool.py; the rest links to mc/ (identical files)
-#   bin/                     mooncake_read, glm_prefill (release, stripped)
+#   bin/                     mooncake_read, glm_prefill, and mooncake_modes built with --features
+#                            cuda (device pools; cudarc loads CUDA at run time) (release, stripped)
 #   BUNDLE_INFO              versions, sha256 of the wheels, the commit
 # Output: gpu-mooncake/mooncake-bundle.tar.xz and gpu-mooncake/BUNDLE_INFO (a copy).
 set -euo pipefail
@@ -120,11 +121,13 @@ if [[ $py312 -eq 1 ]]; then
   rm -rf "$unz"
 fi
 
-# 6. bin/: the benches, built here.
+# 6. bin/: the benches, built here (the reference table's binary with the CUDA backend, which
+#    builds without a toolkit: cudarc loads libcuda and NCCL at run time).
 if [[ $bins -eq 1 ]]; then
-  (cd "$MC_REPO" && cargo build --release --example mooncake_read --example glm_prefill)
+  (cd "$MC_REPO" && cargo build --release --example mooncake_read --example glm_prefill \
+    && cargo build --release --features cuda --example mooncake_modes)
   mkdir -p "$stage/bin"
-  for b in mooncake_read glm_prefill; do
+  for b in mooncake_read glm_prefill mooncake_modes; do
     cp "$MC_REPO/target/release/examples/$b" "$stage/bin/"
     strip "$stage/bin/$b"
   done

@@ -11,7 +11,7 @@
 #                       command's clients lend none (MOONCAKE_GLOBAL_SEGMENT_SIZE default here 0:
 #                       every byte they read crosses TCP from a storage node)
 # CMD sees (besides what scripts/with-mooncake.sh exports):
-#   PATH                 the bundle's bin/ (mooncake_read, glm_prefill) and iproute/bin/ first
+#   PATH                 the bundle's bin/ (mooncake_read, glm_prefill, mooncake_modes) and iproute/bin/ first
 #   LD_LIBRARY_PATH      the bundle's pylib/ (libpython3.11 for kvlink's shim) first
 #   KVLINK_MOONCAKE_DIR  the bundle's mc/ (wheel binaries, libraries, shim)
 #   MOONCAKE_PYTHONPATH  the bundle's py312/ (the wheel's Python client for python3.12), if packed

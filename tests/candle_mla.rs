@@ -19,7 +19,7 @@ use kvlink::kv_loader::{KvLoadError, ShareMode};
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, StoreError,
 };
-use kvlink::mooncake_linker::LinkerConfig;
+use kvlink::mooncake_linker::{LinkerConfig, ReadGranularity};
 use kvlink_candle::candle_core::Tensor;
 use model::{bit_identical, random_tokens, MlaConfig, RankModel};
 
@@ -45,6 +45,8 @@ fn scenario(tp: usize, chunk: usize) -> Scenario {
             wait_deadline: Duration::from_secs(10),
             layer_read_timeout: Duration::from_secs(3),
             collective_timeout: Duration::from_secs(6),
+            // One layer per store call: the failure tests name the layer a fault hits.
+            read_granularity: ReadGranularity::Fixed { layers_per_call: 1 },
             ..LinkerConfig::default()
         },
     }

@@ -23,7 +23,7 @@ use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, MemoryRegion, ObjectGet, ObjectPut,
     PutOutcome, RangedGet, ReadSession, Stall, StoreError,
 };
-use kvlink::mooncake_linker::{Linker, LinkerConfig};
+use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity};
 
 const READ_TIMEOUT: Duration = Duration::from_millis(300);
 
@@ -34,6 +34,8 @@ fn cfg() -> LinkerConfig {
         store_call_timeout: Duration::from_secs(2),
         collective_timeout: Duration::from_secs(3),
         wait_deadline: Duration::from_secs(3),
+        // The faults name a layer: one layer per store call.
+        read_granularity: ReadGranularity::Fixed { layers_per_call: 1 },
         ..LinkerConfig::default()
     }
 }

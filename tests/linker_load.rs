@@ -13,12 +13,15 @@ use kvlink::kv_loader::{KvLoadError, KvLoader, LookupRequest, PlanError, StoreFa
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, StoreError,
 };
-use kvlink::mooncake_linker::{Linker, LinkerConfig};
+use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity};
 
+/// One layer per store call: these tests pin failures and timeouts to single layers (groups
+/// of layers are tested in layer_groups.rs).
 fn cfg() -> LinkerConfig {
     LinkerConfig {
         namespace: "test".into(),
         wait_deadline: Duration::from_secs(10),
+        read_granularity: ReadGranularity::Fixed { layers_per_call: 1 },
         ..LinkerConfig::default()
     }
 }

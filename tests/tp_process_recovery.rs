@@ -34,7 +34,9 @@ use kvlink::kv_loader::{KvLoadError, KvLoader, LoadStats, LookupRequest, ShareMo
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, ServeAt, SocketStore, StoreServer,
 };
-use kvlink::mooncake_linker::{FormedTpGroup, GroupFallback, Linker, LinkerConfig, TpGroup};
+use kvlink::mooncake_linker::{
+    FormedTpGroup, GroupFallback, Linker, LinkerConfig, ReadGranularity, TpGroup,
+};
 use procs::{arg, field, report, role, RankProc};
 
 const PAGES: usize = 9;
@@ -88,6 +90,8 @@ fn config(role: &HashMap<String, String>) -> LinkerConfig {
             Some("alone") => GroupFallback::ReadAlone,
             _ => GroupFallback::Fail,
         },
+        // The faults name a layer: one layer per store call.
+        read_granularity: ReadGranularity::Fixed { layers_per_call: 1 },
         ..LinkerConfig::default()
     }
 }

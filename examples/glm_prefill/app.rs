@@ -918,11 +918,15 @@ fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result<ModeOutcom
     Ok(ModeOutcome::Loaded(Box::new(run)))
 }
 
-/// Auto measures before it chooses: one batch in each mode on the same linkers (no simulated
-/// compute, not timed here), so the measured load that follows runs the mode Auto kept.
+/// Auto measures before it chooses: batches in each mode on the same linkers (no simulated
+/// compute, not timed here) until rank 0's linker keeps a mode (at most 3 per mode), so the
+/// measured load that follows runs the mode Auto kept.
 fn calibrate_auto(rigs: &[RankRig], pages: &[PageHash], out: &mut dyn Write) -> Result<()> {
     let mut ran = Vec::new();
-    for batch in 100..103u64 {
+    for batch in 100..112u64 {
+        if rigs[0].linker.auto_decision().is_some() {
+            break;
+        }
         let modes: Vec<Result<ShareMode>> = std::thread::scope(|s| {
             let hs: Vec<_> = rigs
                 .iter()
@@ -957,8 +961,10 @@ fn calibrate_auto(rigs: &[RankRig], pages: &[PageHash], out: &mut dyn Write) -> 
     }
     say!(
         out,
-        "  Auto: calibration batches (one per mode, measured by rank 0's linker) ran {}",
-        ran.join(", ")
+        "  Auto: {} calibration batches (measured by rank 0's linker) ran {}; it keeps {:?}",
+        ran.len(),
+        ran.join(", "),
+        rigs[0].linker.auto_decision()
     );
     Ok(())
 }

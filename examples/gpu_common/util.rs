@@ -1,12 +1,15 @@
 //! The result table, byte patterns, per-rank threads, timing helpers, markdown tables.
 //!
-//! Shared by the `gpu_check` and `tp_gpu` examples (each `#[path]`-includes it and uses a
-//! subset, hence the `dead_code` allowance).
+//! Shared by the `gpu_check`, `tp_gpu` and `mooncake_modes` examples (each `#[path]`-includes
+//! it and uses a subset, hence the `dead_code` allowance). Everything but the CUDA timing
+//! event builds without the `cuda` feature.
 #![allow(dead_code)]
 
 use std::fmt::Write as _;
+#[cfg(feature = "cuda")]
 use std::sync::Arc;
 
+#[cfg(feature = "cuda")]
 use kvlink::kv_device::cuda::cudarc::driver::{sys, CudaEvent, CudaStream};
 use kvlink::kv_device::DeviceError;
 
@@ -203,6 +206,7 @@ pub fn fill_row(out: &mut [u8], tag: u64, layer: u32, page: u64) {
 }
 
 /// Records a timing event on `stream`.
+#[cfg(feature = "cuda")]
 pub fn timing_event(stream: &Arc<CudaStream>) -> Result<CudaEvent, String> {
     stream
         .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))

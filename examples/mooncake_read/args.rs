@@ -23,6 +23,10 @@ pub struct Args {
     pub compute_us: Vec<u64>,
     /// Most layers per call the plans may use.
     pub max_layers_per_call: u32,
+    /// Per-layer compute (µs, SIMULATED by the engine thread's sleep) of the `Linker` rows.
+    pub linker_compute_us: Vec<u64>,
+    /// `MC_TCP_LANES_PER_PEER` of the `Linker` rows' clients (0: the wheel's default, 4).
+    pub linker_lanes: Vec<usize>,
     /// Skip the wheel's Python client.
     pub no_python: bool,
     /// Only the variants whose label contains one of these.
@@ -112,6 +116,26 @@ fn command() -> Command {
                 .help("most layers per call the read_plan groups may use"),
         )
         .arg(
+            Arg::new("linker-compute-us")
+                .long("linker-compute-us")
+                .value_parser(value_parser!(u64))
+                .value_delimiter(',')
+                .default_value("0,5000")
+                .help(
+                    "the Linker itself (adaptive layer groups, store defaults) loading everything \
+                     with an engine computing this long per layer (µs, SIMULATED by a sleep); \
+                     empty: no Linker rows",
+                ),
+        )
+        .arg(
+            Arg::new("linker-lanes")
+                .long("linker-lanes")
+                .value_parser(value_parser!(usize))
+                .value_delimiter(',')
+                .default_value("0")
+                .help("MC_TCP_LANES_PER_PEER of the Linker rows' clients (0: the wheel's default, 4); one row per value and compute"),
+        )
+        .arg(
             Arg::new("no-python")
                 .long("no-python")
                 .action(ArgAction::SetTrue)
@@ -138,6 +162,8 @@ pub fn parse() -> Args {
         lanes: list(&m, "lanes"),
         compute_us: list(&m, "compute-us"),
         max_layers_per_call: *m.get_one("max-layers-per-call").expect("defaulted"),
+        linker_compute_us: list(&m, "linker-compute-us"),
+        linker_lanes: list(&m, "linker-lanes"),
         no_python: m.get_flag("no-python"),
         only: list(&m, "only"),
     }

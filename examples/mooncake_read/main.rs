@@ -16,6 +16,7 @@
 //! `--compute-us` (a per-layer compute time that is MODELLED, not run), and reads with them.
 
 mod args;
+mod linker_rows;
 mod objects;
 mod python;
 mod readers;
@@ -32,6 +33,7 @@ use kvlink::mooncake_linker::read_plan::{
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::store::KvStore;
 
+use linker_rows::{LinkerReader, LinkerTiming};
 use objects::{Dest, Objects};
 use python::PythonReader;
 use readers::{every, Read, Timing};
@@ -371,6 +373,107 @@ fn policy(
     Ok(())
 }
 
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The `Linker` rows: one linker per `--linker-compute-us` value (each its own client, with
+/// the library's defaults), interleaved round by round with the Python whole-object read.
+fn linker_table(
+    a: &args::Args,
+    objects: &Objects,
+    python: &mut Option<PythonReader>,
+    rows: &[Row],
+    out: &mut impl Write,
+) -> Result<()> {
+    if a.linker_compute_us.is_empty() {
+        return Ok(());
+    }
+    let defaults = MooncakeConfig::from_env()?.global_segment_size(0);
+    let pool = linker_rows::pool(objects)?;
+    let lanes = if a.linker_lanes.is_empty() {
+        vec![0]
+    } else {
+        a.linker_lanes.clone()
+    };
+    let mut readers = lanes
+        .iter()
+        .flat_map(|&l| a.linker_compute_us.iter().map(move |&us| (l, us)))
+        .map(|(l, us)| {
+            LinkerReader::new(
+                &defaults,
+                &objects.namespace,
+                a.tokens,
+                pool.clone(),
+                (Duration::from_micros(us), l),
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut times: Vec<Vec<LinkerTiming>> = readers.iter().map(|_| Vec::new()).collect();
+    let mut py = Vec::new();
+    for round in 0..a.rounds {
+        if let Some(p) = python.as_mut() {
+            py.push(p.run("whole")?);
+        }
+        for (r, t) in readers.iter_mut().zip(&mut times) {
+            t.push(r.run(objects, round == 0)?);
+        }
+    }
+    let py_ms = median(&mut py) * 1e3;
+    let one_layer = rows
+        .iter()
+        .find(|r| r.label == "kvlink `get_ranges`, 1 layer/call")
+        .map(|r| r.median() / r.calls.max(1) as f64 * 1e3);
+    writeln!(
+        out,
+        "\nThe Linker (TP 1, host pool, scattered slots): adaptive layer groups, store defaults \
+         (read_streams {}, staged merge {}); an engine thread waits for each layer, then \
+         computes it (SIMULATED: sleeps); {} rounds interleaved with the Python whole-object \
+         read, medians; one layer read alone (kvlink `get_ranges`, 1 layer/call, above): {}",
+        defaults.read_streams_count(),
+        if defaults.staged_merge_enabled() {
+            "on"
+        } else {
+            "off"
+        },
+        a.rounds,
+        one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
+    )?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(
+        out,
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
+    )?;
+    for (r, t) in readers.iter().zip(&times) {
+        let c = r.compute.as_secs_f64() * 1e3;
+        let first = median(&mut t.iter().map(|x| x.first).collect::<Vec<_>>()) * 1e3;
+        let last = median(&mut t.iter().map(|x| x.last).collect::<Vec<_>>()) * 1e3;
+        let done = median(&mut t.iter().map(|x| x.forward_done).collect::<Vec<_>>()) * 1e3;
+        let groups = t.last().map_or(String::new(), |x| {
+            x.groups
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(" ")
+        });
+        let serial = py_ms + f64::from(objects.layers) * c;
+        writeln!(
+            out,
+            "| {c:.1} ms | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {:.2} | {:.2} | {} |",
+            if r.lanes == 0 {
+                "4 (default)".to_string()
+            } else {
+                r.lanes.to_string()
+            },
+            last / py_ms,
+            done / serial,
+            r.measured(),
+        )?;
+    }
+    Ok(())
+}
+
 fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
     // Pure clients (every byte crosses TCP from the storage node). Unless a variant says
     // otherwise, the store reads as it did before its store-level changes: one call at a
@@ -406,6 +509,26 @@ fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
         std::thread::available_parallelism().map_or(0, usize::from),
         std::env::var("MC_TCP_SLICE_SIZE").unwrap_or_else(|_| "unset (64 KiB)".into()),
     )?;
+    {
+        // What a batch pays before its first read: the read session (one master call for
+        // every key) and the size check (one master call per key in the pinned wheel).
+        let keys = objects.all_keys();
+        let t = std::time::Instant::now();
+        let session = clients.stores[0].start_session(&keys)?;
+        let session_ms = t.elapsed().as_secs_f64() * 1e3;
+        let t = std::time::Instant::now();
+        let sizes = clients.stores[0].object_size(&keys);
+        let sizes_ms = t.elapsed().as_secs_f64() * 1e3;
+        clients.stores[0].end_session(&session)?;
+        if let Some(e) = sizes.into_iter().find_map(Result::err) {
+            anyhow::bail!("object_size: {e}");
+        }
+        writeln!(
+            out,
+            "before the first read, for {} keys: read session start {session_ms:.1} ms; object sizes {sizes_ms:.1} ms",
+            keys.len()
+        )?;
+    }
     let mut python = if a.no_python {
         None
     } else {
@@ -422,6 +545,7 @@ fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
         let client = (&clients.stores[idx], streams);
         policy(a, cost, client, &mut objects, &mut python, baseline, out)?;
     }
+    linker_table(a, &objects, &mut python, &rows, out)?;
     drop(python);
     for s in &clients.stores {
         s.health()?;
@@ -430,6 +554,13 @@ fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
     let a = args::parse();
     let mut out = std::io::stdout().lock();
     match run(&a, &mut out) {

@@ -56,6 +56,8 @@ impl Component {
 
 /// Every object of the bench.
 pub struct Objects {
+    /// The key prefix (a fresh one per run).
+    pub namespace: String,
     /// Model layers (78).
     pub layers: u32,
     /// Pages (tokens / 64).
@@ -86,7 +88,8 @@ impl Objects {
         let nonce = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos();
         let token_ids: Vec<u32> = (0..tokens).collect();
         let hashes = page_hashes(&token_ids, geometry.page_size(), None);
-        let scheme = KeyScheme::new(&format!("bench{nonce}"), 0, 0, 0);
+        let namespace = format!("bench{nonce}");
+        let scheme = KeyScheme::new(&namespace, 0, 0, 0);
         let layers = geometry.num_layers();
         let components = geometry
             .components()
@@ -108,6 +111,7 @@ impl Objects {
             })
             .collect();
         Ok(Self {
+            namespace,
             layers,
             pages: hashes.len(),
             components,
@@ -179,6 +183,11 @@ impl Objects {
             c.buf.fill(0);
         }
         Ok(())
+    }
+
+    /// The bytes of object (component `c`, page `p`), into `out` (one object long).
+    pub fn expected_object(&self, c: usize, p: usize, out: &mut [u8]) {
+        fill_object(out, c, p);
     }
 
     /// Zeroes the reader's buffers (before a checked read).

@@ -108,11 +108,29 @@ pub fn tp_ranks(
     config: &LinkerConfig,
     path: Path,
 ) -> (Vec<TpRank>, Vec<PageHash>) {
-    tp_ranks_wrapped(spec, tp, store, pages, config, path, &|_, g| g)
+    tp_ranks_built(spec, tp, store, pages, config, path, &RankBuild::default())
 }
 
-/// [`tp_ranks`], with each rank's group passed through `wrap` (a test collective decorator
-/// on some rank's handles).
+/// How [`tp_ranks_built`] builds each rank beyond the defaults.
+pub struct RankBuild<'a> {
+    /// Each rank's group passes through this (a test collective decorator on some rank's
+    /// handles).
+    pub wrap: &'a dyn Fn(u32, TpGroup) -> TpGroup,
+    /// Device pools stage through a ring of this many stages (groups of up to `stages - 1`
+    /// layers per store call).
+    pub stages: usize,
+}
+
+impl Default for RankBuild<'_> {
+    fn default() -> Self {
+        RankBuild {
+            wrap: &|_, g| g,
+            stages: 2,
+        }
+    }
+}
+
+/// [`tp_ranks`], with each rank's group wrapped by `build.wrap`.
 pub fn tp_ranks_wrapped(
     spec: &ModelKvSpec,
     tp: u32,
@@ -121,6 +139,40 @@ pub fn tp_ranks_wrapped(
     config: &LinkerConfig,
     path: Path,
     wrap: &dyn Fn(u32, TpGroup) -> TpGroup,
+) -> (Vec<TpRank>, Vec<PageHash>) {
+    let build = RankBuild {
+        wrap,
+        ..RankBuild::default()
+    };
+    tp_ranks_built(spec, tp, store, pages, config, path, &build)
+}
+
+/// As [`tp_ranks`], with device pools staging through a ring of `stages` stages.
+pub fn tp_ranks_with_stages(
+    spec: &ModelKvSpec,
+    tp: u32,
+    store: Arc<dyn KvStore>,
+    pages: usize,
+    config: &LinkerConfig,
+    path: Path,
+    stages: usize,
+) -> (Vec<TpRank>, Vec<PageHash>) {
+    let build = RankBuild {
+        stages,
+        ..RankBuild::default()
+    };
+    tp_ranks_built(spec, tp, store, pages, config, path, &build)
+}
+
+/// [`tp_ranks`], built as `build` says.
+pub fn tp_ranks_built(
+    spec: &ModelKvSpec,
+    tp: u32,
+    store: Arc<dyn KvStore>,
+    pages: usize,
+    config: &LinkerConfig,
+    path: Path,
+    build: &RankBuild<'_>,
 ) -> (Vec<TpRank>, Vec<PageHash>) {
     let hashes = save(spec, tp, store.clone(), pages, config);
     let pool_pages = 3 * pages as u32 + 4;
@@ -155,7 +207,7 @@ pub fn tp_ranks_wrapped(
         .enumerate()
         .map(|(rank, group)| {
             let rank = rank as u32;
-            let group = wrap(rank, group);
+            let group = (build.wrap)(rank, group);
             let g = KvGeometry::new(spec.clone(), tp, rank).unwrap();
             let faults = Arc::new(FaultyStore::new(store.clone()));
             let slots = (0..pages as u32)
@@ -173,8 +225,8 @@ pub fn tp_ranks_wrapped(
                     let dev = device_of(rank).unwrap();
                     let pool =
                         Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), pool_pages).unwrap());
-                    let half = StagingPool::half_bytes_for(&g, pages, tp);
-                    let staging = StagingPool::new(dev, half, 3).unwrap();
+                    let stage = StagingPool::half_bytes_for(&g, pages, tp);
+                    let staging = StagingPool::with_stages(dev, stage, build.stages, 3).unwrap();
                     let landings = Arc::new(
                         StagedLandingFactory::new(pool.clone(), staging.clone())
                             .with_strategy(strategy)
@@ -347,12 +399,15 @@ pub fn auto_config() -> LinkerConfig {
 }
 
 /// A linker configuration for `mode` with short deadlines.
+/// A linker configuration for `mode` with short deadlines, one layer per store call (the
+/// failure tests name the layer a fault hits; layer groups are tested in layer_groups.rs).
 pub fn config(mode: kvlink::kv_loader::ShareMode) -> LinkerConfig {
     LinkerConfig {
         namespace: "tp".into(),
         mode: kvlink::mooncake_linker::dedup_broadcast::ModeChoice::Fixed(mode),
         wait_deadline: Duration::from_secs(10),
         collective_timeout: Duration::from_secs(5),
+        read_granularity: kvlink::mooncake_linker::ReadGranularity::Fixed { layers_per_call: 1 },
         ..LinkerConfig::default()
     }
 }

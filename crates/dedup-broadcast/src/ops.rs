@@ -99,7 +99,7 @@ pub fn share_rows(
 
 /// Enqueues the share of `stage` (one layer's device share area) among the group, after the
 /// stage's upload, and returns the collective's completion event. The event is pushed onto the
-/// stage's fences before this returns, so the staging half is not reused while the collective
+/// stage's fences before this returns, so the stage is not reused while the collective
 /// may still write it. On an error from a group that is now [broken](Collective::broken), the
 /// stage is poisoned (work may be in flight that no event tells the end of).
 pub fn share_stage(

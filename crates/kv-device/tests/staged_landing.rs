@@ -1,6 +1,7 @@
 //! The staged landing over the CPU device: own rows and shared rows land byte for byte in
-//! every scatter strategy, bytes are counted by direction, a half is never reused before its
-//! fences complete, and a poisoned lease is quarantined until its work is done.
+//! every scatter strategy, bytes are counted by direction, a stage is never reused before its
+//! fences complete (two stages, or a ring of more holding a group of layers at once), and a
+//! poisoned lease is quarantined until its work is done.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -156,6 +157,71 @@ fn own_rows_land_byte_for_byte_in_every_strategy() {
     }
 }
 
+#[test]
+fn a_ring_of_stages_holds_a_group_of_layers_and_reuses_each_stage_after_its_fences() {
+    // Slow copies (up to 2 ms each): a stage reopened before its copies finished would be
+    // overwritten under them, and the pool would differ.
+    let jitter = CpuDeviceConfig {
+        max_op_delay: Duration::from_millis(2),
+        ..CpuDeviceConfig::default()
+    };
+    let dev = CpuDevice::with_config(0, jitter).unwrap();
+    let g = geometry();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 40).unwrap());
+    let stage_bytes = StagingPool::half_bytes_for(&g, 12, 2);
+    let staging = StagingPool::with_stages(dev.clone(), stage_bytes, 3, 1).unwrap();
+    assert_eq!((staging.stages(), staging.stage_bytes()), (3, stage_bytes));
+    let slots: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 40).collect();
+    let comps = all(&g);
+    let mut landing = StagedLanding::new(
+        pool.clone(),
+        staging.lease().unwrap(),
+        slots.clone().into(),
+        BatchShape::own_only(comps.clone()),
+    )
+    .unwrap();
+    let mut ring: std::collections::VecDeque<_> = landing.take_stages().into();
+    assert_eq!(ring.len(), 3);
+    // Groups of two layers (the ring's 3 stages minus the one landing): 0-1, then 2-3.
+    for group in [0u32..2, 2..4] {
+        let mut held: Vec<_> = group.clone().map(|_| ring.pop_front().unwrap()).collect();
+        let mut regions = Vec::new();
+        for (stage, layer) in held.iter_mut().zip(group.clone()) {
+            landing.open(stage, layer, soon()).unwrap();
+            for c in g
+                .components()
+                .iter()
+                .filter(|c| c.position(layer).is_some())
+            {
+                for p in 0..slots.len() {
+                    let at = landing.target(stage, c.id, p).unwrap();
+                    regions.push((at, c.page_layer_bytes as usize));
+                    write(at, &row(&g, c.id, layer, p));
+                }
+            }
+        }
+        regions.sort_unstable();
+        assert!(
+            regions.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0),
+            "the open stages' targets overlap"
+        );
+        for stage in held.iter_mut() {
+            assert!(matches!(landing.land(stage).unwrap(), LayerReady::Event(_)));
+        }
+        ring.extend(held);
+    }
+    drop(landing);
+    assert_eq!(staging.available(), 1, "the lease is back");
+    check_pool(&pool, &g, &slots, &comps);
+    // A stage index past the ring is refused by the lease.
+    let lease = staging.lease().unwrap();
+    assert!(lease.host_stage(2).is_ok());
+    assert!(matches!(
+        lease.host_stage(3),
+        Err(DeviceError::InvalidStage(_))
+    ));
+}
+
 /// The share path on one rank: rows written into the share area, uploaded, then scattered
 /// from device staging after the upload's event.
 #[test]
@@ -262,7 +328,7 @@ fn shared_rows_scatter_from_device_staging_and_are_counted() {
 }
 
 #[test]
-fn a_half_is_never_reused_before_its_fences_complete() {
+fn a_stage_is_never_reused_before_its_fences_complete() {
     let r = rig(CpuDeviceConfig::default(), 10, 4, 1);
     let slots: Vec<u32> = vec![0, 1, 2, 3];
     let k = r.g.component_by_name("k").unwrap().id;
@@ -287,7 +353,7 @@ fn a_half_is_never_reused_before_its_fences_complete() {
     landing.open(stage, 0, soon()).unwrap();
     landing.upload(stage, 0..160).unwrap();
     {
-        // A collective whose completion is late: its event fences the half.
+        // A collective whose completion is late: its event fences the stage.
         let mut ds = landing.device_stage(stage).unwrap();
         ds.fence(slow.load_stream().record().unwrap());
     }

@@ -171,6 +171,7 @@ impl MockKvLoader {
                 transfers: Default::default(),
                 layer_transfers: Vec::new(),
                 alone: None,
+                read_groups: Vec::new(),
             })
         };
         BatchOutcome { batch: b, result }

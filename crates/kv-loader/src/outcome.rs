@@ -42,6 +42,9 @@ pub struct LoadStats {
     /// linker's `group_fallback`); `None` for a batch loaded with the group (or by a loader
     /// without one).
     pub alone: Option<String>,
+    /// Layers per store call of this rank's reads, in layer order (empty when the rank read
+    /// nothing, or the loader does not group its reads).
+    pub read_groups: Vec<u32>,
 }
 
 /// A finished batch: loaded, or failed with the same error on every rank.

@@ -9,7 +9,7 @@ pub mod store;
 #[cfg(target_os = "linux")]
 pub use linker::{serve_group_store, FormedTpGroup};
 pub use linker::{
-    GroupFallback, Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, TpGroup,
+    GroupFallback, Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, ReadGranularity, TpGroup,
     LAYER_LATENCY_BUCKETS_US,
 };
 

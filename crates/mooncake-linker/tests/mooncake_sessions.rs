@@ -111,6 +111,9 @@ fn config(namespace: &str, renewal: Duration) -> LinkerConfig {
         lease_renewal: renewal,
         // `object_size` asks the master for replicas too; these tests count session reads.
         verify_object_sizes: false,
+        // One store call per layer: the slow store delays each call, so the load outlasts
+        // several renewals.
+        read_granularity: mooncake_linker::ReadGranularity::Fixed { layers_per_call: 1 },
         wait_deadline: Duration::from_secs(30),
         ..LinkerConfig::default()
     }

@@ -354,6 +354,10 @@ fn ranged_reads_in_streams_land_every_byte_and_keep_per_key_results() {
     let master = PrivateMaster::start(&[]);
     let store = MooncakeStore::connect(master.config(192 << 20).read_streams(4)).expect("connect");
     assert_eq!(store.config().read_streams_count(), 4);
+    // One stream, staged: 72 MiB in calls of at most 32 MiB of scratch, each call's copies
+    // out of scratch overlapping the next call.
+    let single = MooncakeStore::connect(master.config(0).read_streams(1).staged_merge(true))
+        .expect("connect");
     const PAGES: usize = 12;
     const LAYERS: usize = 6;
     const LAYER_BYTES: usize = 1 << 20;
@@ -371,13 +375,15 @@ fn ranged_reads_in_streams_land_every_byte_and_keep_per_key_results() {
         addr: buf.as_mut_ptr() as usize,
         len: buf.len(),
     };
-    // SAFETY: `buf` stays allocated until the `unregister` at the end of this test (a failed
+    // SAFETY: `buf` stays allocated until the `unregister`s at the end of this test (a failed
     // assertion ends the test with no transfer after it).
     unsafe { store.register(region) }.unwrap();
+    // SAFETY: as above.
+    unsafe { single.register(region) }.unwrap();
     let base = buf.as_mut_ptr();
     // Page-major: a page's layers are adjacent in memory as in the object (merged into one
     // range per key). Layer-major: they are not (a range each).
-    for page_major in [true, false] {
+    for (reader, page_major) in [(&store, true), (&store, false), (&single, false)] {
         let slot = |i: usize, l: usize| {
             if page_major {
                 i * OBJ + l * LAYER_BYTES
@@ -409,7 +415,7 @@ fn ranged_reads_in_streams_land_every_byte_and_keep_per_key_results() {
             })
             .collect();
         // SAFETY: distinct slots of `buf`, registered, untouched meanwhile.
-        let got = unsafe { store.get_ranges(&gets) };
+        let got = unsafe { reader.get_ranges(&gets) };
         assert_eq!(got.len(), PAGES + 1);
         for (i, r) in got.iter().enumerate() {
             if i == 5 {
@@ -443,6 +449,7 @@ fn ranged_reads_in_streams_land_every_byte_and_keep_per_key_results() {
         buf.fill(0);
     }
     store.unregister(region).unwrap();
+    single.unregister(region).unwrap();
 }
 
 #[test]

@@ -208,6 +208,7 @@ fn stats_of(ctx: &Ctx, r: &RankReport) -> LoadStats {
         transfers: Default::default(),
         layer_transfers: Vec::new(),
         alone: None,
+        read_groups: Vec::new(),
     }
 }
 

@@ -60,7 +60,9 @@ impl DirectLanding {
             pool,
             slots,
             shape,
-            stages: LayerStage::pair(id),
+            // A stage is a token here (no staging memory): one per layer and one more, so a
+            // group of every layer can be read in one call.
+            stages: LayerStage::ring(id, layers as usize + 1),
             log: TransferLog::new(layers),
         })
     }
@@ -99,7 +101,7 @@ impl LayerLanding for DirectLanding {
         layer: u32,
         _deadline: Instant,
     ) -> Result<(), DeviceError> {
-        stage.half(self.id)?;
+        stage.index(self.id)?;
         if layer >= self.pool.geometry().num_layers() {
             return Err(DeviceError::InvalidStage("layer past the model"));
         }
@@ -188,7 +190,7 @@ impl HostShare for DirectLanding {
         // SAFETY: every row is a whole slot slice (`page_layer_bytes`) of the host pool, which
         // `self` keeps alive for 's; no two rows overlap (checked above). The stage
         // is borrowed exclusively for 's, and nothing else of this batch touches this layer's
-        // slots meanwhile (the reader works on the other stage; the engine leaves slots of a
+        // slots meanwhile (the reader works on other layers' stages; the engine leaves slots of a
         // batch in flight alone).
         Ok(unsafe { HostRows::new(rows, layer, &self.log, stage) })
     }

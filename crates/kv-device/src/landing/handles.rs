@@ -31,7 +31,7 @@ impl TransferLog {
     }
 }
 
-/// The events that must complete before a staging half is reused or released, and whether it
+/// The events that must complete before a stage of staging is reused or released, and whether it
 /// is poisoned (some of them may never complete).
 #[derive(Debug, Default)]
 pub(crate) struct Fences {
@@ -73,7 +73,7 @@ impl Fences {
     }
 
     /// Waits for every fence until `deadline`; clears them when all completed. A fence that
-    /// does not complete in time, or fails, poisons the half.
+    /// does not complete in time, or fails, poisons the stage.
     pub(crate) fn drain(&self, deadline: Instant, what: &'static str) -> Result<(), DeviceError> {
         if self.is_poisoned() {
             return Err(DeviceError::Poisoned(what));
@@ -163,12 +163,12 @@ impl<'a> HostRows<'a> {
 
 /// The share area of one layer's staging in device memory, lent for one collective: its
 /// region, the event after which it holds this rank's part ([`after`](Self::after)), and the
-/// half's fences: every event pushed with [`fence`](Self::fence) must complete before the
-/// half is reused or its memory released. Only kv-device makes them.
+/// stage's fences: every event pushed with [`fence`](Self::fence) must complete before the
+/// stage is reused or its memory released. Only kv-device makes them.
 ///
 /// It vouches that the region is device memory of the landing's device, valid for reads and
 /// writes until every fence completes, and that nothing else touches it from `after` until
-/// the fences pushed complete (the stage is borrowed exclusively; the landing reuses a half
+/// the fences pushed complete (the stage is borrowed exclusively; the landing reuses a stage
 /// only after its fences).
 #[derive(Debug)]
 pub struct DeviceStage<'a> {
@@ -218,14 +218,14 @@ impl<'a> DeviceStage<'a> {
         self.layer
     }
 
-    /// `event` must complete before the half is reused or released (a collective's
+    /// `event` must complete before the stage is reused or released (a collective's
     /// completion event, which may still write the region).
     pub fn fence(&mut self, event: SharedEvent) {
         self.fences.push(event);
     }
 
     /// Work on the region may never finish, and no fence tells when it does (a collective that
-    /// failed after it may have started, on a group now aborted): the half is never reused nor
+    /// failed after it may have started, on a group now aborted): the stage is never reused nor
     /// freed.
     pub fn poison(&mut self) {
         self.fences.poison_unfenced();

@@ -2,17 +2,19 @@
 //! how a layer becomes resident.
 //!
 //! A [`LandingFactory`] makes one [`LayerLanding`] per batch. The linker drives it through
-//! two [`LayerStage`] tokens that circulate between its reader thread and its exchange loop:
-//! the reader [`open`](LayerLanding::open)s a stage for layer *l* (which waits, bounded, until
-//! the work that last used it has finished) and writes the store's bytes to the stage's
-//! targets; the exchange loop then shares the layer's replicated rows with the other ranks
-//! and [`land`](LayerLanding::land)s it, and hands the stage back for layer *l+2*.
+//! a ring of [`LayerStage`] tokens (two or more, one layer each) that circulate between its
+//! reader thread and its exchange loop: the reader [`open`](LayerLanding::open)s a stage for
+//! each layer of the group it reads next (which waits, bounded, until the work that last used
+//! the stage has finished) and writes the store's bytes to the stages' targets, a group of
+//! layers in one store call; the exchange loop then shares each layer's replicated rows with
+//! the other ranks, [`land`](LayerLanding::land)s it, and hands the stage back for a later
+//! layer.
 //!
 //! Two ways of sharing, one per backend ([`ShareSide`]):
 //! - **host** ([`DirectLanding`] over a host pool): every row is read straight into a pool
 //!   slot; the collective moves [`HostRows`] (pool slots) between ranks.
 //! - **device** (the staged landing over a device pool): rows are read into pinned staging, one
-//!   half per stage laid out as `[share area | own area]`; this rank's part of the share area
+//!   stage of the ring per layer, laid out as `[share area | own area]`; this rank's part of the share area
 //!   is uploaded to device staging, the collective moves the [`DeviceStage`] (device staging)
 //!   between ranks on a comm stream, and the rows are scattered from there into this rank's
 //!   slots on the load stream, ordered by events.
@@ -99,14 +101,14 @@ pub struct RowBlock {
     pub offset: usize,
 }
 
-/// One half of a batch's staging, held by whoever works on its layer now: the reader while
-/// it fills it, the exchange loop while it shares and lands it. Only landings make them
-/// ([`LayerLanding::take_stages`]); it cannot be copied, so holding `&mut` to it means no one
-/// else works on that half.
+/// One stage of a batch's staging ring (one layer at a time), held by whoever works on its
+/// layer now: the reader while it fills it, the exchange loop while it shares and lands it.
+/// Only landings make them ([`LayerLanding::take_stages`]); it cannot be copied, so holding
+/// `&mut` to it means no one else works on that stage.
 #[derive(Debug)]
 pub struct LayerStage {
     landing: u64,
-    half: usize,
+    index: usize,
     layer: Option<u32>,
 }
 
@@ -116,33 +118,34 @@ impl LayerStage {
         self.layer
     }
 
-    pub(crate) fn pair(landing: u64) -> Vec<LayerStage> {
-        (0..2)
-            .map(|half| LayerStage {
+    /// A ring of `n` stages of one landing.
+    pub(crate) fn ring(landing: u64, n: usize) -> Vec<LayerStage> {
+        (0..n)
+            .map(|index| LayerStage {
                 landing,
-                half,
+                index,
                 layer: None,
             })
             .collect()
     }
 
-    /// The half it names, checked against the landing it is used with.
-    pub(crate) fn half(&self, landing: u64) -> Result<usize, DeviceError> {
+    /// The stage of the ring it names, checked against the landing it is used with.
+    pub(crate) fn index(&self, landing: u64) -> Result<usize, DeviceError> {
         if self.landing != landing {
             return Err(DeviceError::InvalidStage(
                 "a stage of another batch's landing",
             ));
         }
-        Ok(self.half)
+        Ok(self.index)
     }
 
     /// The open layer, checked against the landing.
     pub(crate) fn open_layer(&self, landing: u64) -> Result<(usize, u32), DeviceError> {
-        let half = self.half(landing)?;
+        let index = self.index(landing)?;
         let layer = self
             .layer
             .ok_or(DeviceError::InvalidStage("no layer is open in this stage"))?;
-        Ok((half, layer))
+        Ok((index, layer))
     }
 
     pub(crate) fn set_layer(&mut self, layer: Option<u32>) {
@@ -156,10 +159,12 @@ pub(crate) fn next_landing_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// One batch's landing on one rank: it lends the batch's two [`LayerStage`]s, hands out
+/// One batch's landing on one rank: it lends the batch's ring of [`LayerStage`]s, hands out
 /// targets for the store, shares rows ([`ShareSide`]) and lands layers.
 pub trait LayerLanding: Send + Sync {
-    /// The batch's two stages; empty after the first call.
+    /// The batch's stages (two or more: a reader holding `k` of them at once reads a group of
+    /// `k` layers in one store call while the exchange loop lands the layer before); empty
+    /// after the first call.
     fn take_stages(&mut self) -> Vec<LayerStage>;
 
     /// Makes `stage` hold `layer`: waits until the device work that used the stage before
@@ -229,7 +234,7 @@ pub trait HostShare: Send + Sync {
     ) -> Result<HostRows<'s>, DeviceError>;
 }
 
-/// Sharing through device memory: the stage's share area, `[0, share_len)` of its half.
+/// Sharing through device memory: the stage's share area, `[0, share_len)` of its stage.
 pub trait DeviceShare: Send + Sync {
     /// Host address (pinned staging) of byte `offset` of the share area, for `len` bytes: where
     /// the store writes a shared row this rank reads.

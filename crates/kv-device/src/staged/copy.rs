@@ -82,7 +82,7 @@ pub(crate) struct Moved {
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Staged {
     /// Rows in pinned host memory at this address; the device staging at `dev` (the same
-    /// offset in the device half) is free for the kernel path.
+    /// offset in the device stage) is free for the kernel path.
     Host { host: usize, dev: u64 },
     /// Rows already in device staging.
     Device(u64),
@@ -138,7 +138,7 @@ pub(crate) unsafe fn scatter(
                 src: host,
                 len: bytes as usize,
             };
-            // SAFETY: the rows lie in the pinned half and the same range of the device half
+            // SAFETY: the rows lie in the pinned stage and the same range of the device stage
             // is this span's (caller).
             unsafe { stream.transfer(t)? };
             m.copies += 1;
@@ -188,7 +188,7 @@ pub(crate) unsafe fn gather(
                 src: span.pool + u64::from(r.slot) * span.row,
                 len: (u64::from(r.len) * span.row) as usize,
             };
-            // SAFETY: slots in the pool, destination in the pinned half (caller).
+            // SAFETY: slots in the pool, destination in the pinned stage (caller).
             unsafe { stream.transfer(t)? };
             m.copies += 1;
         }
@@ -210,7 +210,7 @@ pub(crate) unsafe fn gather(
         src: dev,
         len: bytes as usize,
     };
-    // SAFETY: device staging → pinned half, `bytes` inside both.
+    // SAFETY: device staging → pinned stage, `bytes` inside both.
     unsafe { stream.transfer(t)? };
     m.launches += 1;
     m.copies += 1;

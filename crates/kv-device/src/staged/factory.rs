@@ -206,14 +206,14 @@ impl SaveGather for StagedGather {
             .component(component)
             .map_err(|_| DeviceError::InvalidStage("unknown component"))?;
         let bytes = c.page_layer_bytes * self.slots.len() as u64;
-        if bytes > lease.half_bytes() as u64 {
+        if bytes > lease.stage_bytes() as u64 {
             return Err(DeviceError::Alloc {
                 bytes,
-                what: "staging half (smaller than one layer of the saved pages)",
+                what: "staging stage (smaller than one layer of the saved pages)",
             });
         }
         let (pool_buf, _) = self.pool.buffer(component, layer)?;
-        let host = lease.host_half(0)?;
+        let host = lease.host_stage(0)?;
         let span = copy::RowSpan {
             first_page: 0,
             pages: self.slots.len(),
@@ -221,7 +221,7 @@ impl SaveGather for StagedGather {
             pool: pool_buf,
             slot_table: self.slot_table.as_ref().map_or(0, DeviceMemory::addr),
         };
-        // SAFETY: source slots lie in the pool buffer, destinations in half 0 (size checked);
+        // SAFETY: source slots lie in the pool buffer, destinations in stage 0 (size checked);
         // the previous gather finished (waited below) and nothing else uses this lease.
         unsafe {
             copy::gather(
@@ -230,7 +230,7 @@ impl SaveGather for StagedGather {
                 &self.slots,
                 span,
                 host,
-                lease.device_half(0)?,
+                lease.device_stage(0)?,
             )
         }?;
         let ev = self.stream.record()?;

@@ -28,13 +28,13 @@ pub struct LandingStats {
     pub copies: u64,
     /// Row-copy launches enqueued.
     pub kernel_launches: u64,
-    /// Times `open` found a half's previous work still running and waited for it.
+    /// Times `open` found a stage's previous work still running and waited for it.
     pub reuse_waits: u64,
 }
 
-/// One staging half's state.
+/// One stage's state.
 #[derive(Debug, Default)]
-struct Half {
+struct StageState {
     fences: Fences,
     /// The event after the share area's upload (what the collective starts after).
     upload: Mutex<Option<SharedEvent>>,
@@ -42,24 +42,25 @@ struct Half {
 
 /// One batch's landing into a [`DeviceKvPool`] through a leased staging buffer.
 ///
-/// Each of the batch's two [`LayerStage`]s is one half of the lease, laid out for the layer
-/// open in it as `[share area | own area]`: the share area (`shape.share_len(layer)` bytes)
-/// holds the replicated rows as the share layout places them; the own area holds the
-/// components this rank reads for itself (`shape.own`), in geometry order, each as one row per
-/// plan page in plan order. The pinned half is what the store writes; the device half is
-/// where the share area travels between ranks and where the own rows wait for the scatter
-/// kernel.
+/// Each of the batch's [`LayerStage`]s is one stage of the lease (a ring of two or more, one
+/// layer each: the reader can hold several for a group of layers read in one store call),
+/// laid out for the layer open in it as `[share area | own area]`: the share area
+/// (`shape.share_len(layer)` bytes) holds the replicated rows as the share layout places them;
+/// the own area holds the components this rank reads for itself (`shape.own`), in geometry
+/// order, each as one row per plan page in plan order. The pinned stage is what the store
+/// writes; the device stage is where the share area travels between ranks and where the own
+/// rows wait for the scatter kernel.
 ///
-/// Per layer: [`open`](LayerLanding::open) (waits for the half's fences), the reader writes
+/// Per layer: [`open`](LayerLanding::open) (waits for the stage's fences), the reader writes
 /// the [`target`](LayerLanding::target)s and [`share_target`](DeviceShare::share_target)s,
 /// [`upload`](DeviceShare::upload) (this rank's part of the share area, one host→device copy),
 /// the collective on the [`DeviceStage`], [`scatter`](DeviceShare::scatter) of the shared rows
 /// after the collective's event (one launch per [`RowBlock`], or slot runs), and
 /// [`land`](LayerLanding::land) (own rows: contiguous slot runs as one copy each, or one copy
 /// into device staging and one scatter launch per component), which records the layer's event
-/// after everything and returns it. Every event that may still read or write the half is a
-/// fence: the half is reused (or the lease released) only once all completed. A fence that
-/// does not complete in time poisons the half; the lease is then quarantined, never freed
+/// after everything and returns it. Every event that may still read or write the stage is a
+/// fence: the stage is reused (or the lease released) only once all completed. A fence that
+/// does not complete in time poisons the stage; the lease is then quarantined, never freed
 /// while that work may run.
 pub struct StagedLanding {
     id: u64,
@@ -70,7 +71,7 @@ pub struct StagedLanding {
     slot_table: Option<DeviceMemory>,
     strategy: ScatterStrategy,
     shape: BatchShape,
-    halves: [Half; 2],
+    stages_state: Vec<StageState>,
     stages: Vec<LayerStage>,
     log: TransferLog,
     stats: Mutex<LandingStats>,
@@ -83,8 +84,8 @@ fn stage_err(reason: &'static str) -> DeviceError {
 
 impl StagedLanding {
     /// A landing of a batch whose plan page `i` goes to slot `slots[i]` of `pool`, staged in
-    /// `lease`, split as `shape`. Checks that every slot is inside the pool and that a half
-    /// holds every layer's share and own areas; uploads the slots for the scatter kernel.
+    /// `lease`, split as `shape`. Checks that every slot is inside the pool and that a
+    /// stage holds every layer's share and own areas; uploads the slots for the scatter kernel.
     pub fn new(
         pool: Arc<DeviceKvPool>,
         lease: StagingLease,
@@ -107,13 +108,15 @@ impl StagedLanding {
                 reason: "slot past the pool",
             });
         }
-        check_shape(&pool, &shape, slots.len(), lease.half_bytes())?;
-        let halves = [Half::default(), Half::default()];
+        check_shape(&pool, &shape, slots.len(), lease.stage_bytes())?;
+        let stages_state: Vec<StageState> =
+            (0..lease.stages()).map(|_| StageState::default()).collect();
         let slot_table = if slots.is_empty() {
             None
         } else {
-            Some(upload_slots(&*device, &lease, &slots, &halves[0])?)
+            Some(upload_slots(&*device, &lease, &slots, &stages_state[0])?)
         };
+        let ring = lease.stages();
         let id = next_landing_id();
         let layers = pool.geometry().num_layers();
         Ok(StagedLanding {
@@ -125,8 +128,8 @@ impl StagedLanding {
             slot_table,
             strategy: ScatterStrategy::Auto,
             shape,
-            halves,
-            stages: LayerStage::pair(id),
+            stages_state,
+            stages: LayerStage::ring(id, ring),
             log: TransferLog::new(layers),
             stats: Mutex::new(LandingStats::default()),
             drain: Duration::from_secs(30),
@@ -151,7 +154,7 @@ impl StagedLanding {
         *self.stats.lock()
     }
 
-    /// The staging lease (host regions, halves).
+    /// The staging lease (host regions, stages).
     pub fn lease(&self) -> Option<&StagingLease> {
         self.lease.as_ref()
     }
@@ -217,16 +220,24 @@ impl StagedLanding {
         });
     }
 
-    /// Records an event on the load stream as a fence of half `h`.
+    /// The state of stage `h` (checked by `LayerStage::index` against this landing).
+    fn state(&self, h: usize) -> Result<&StageState, DeviceError> {
+        self.stages_state
+            .get(h)
+            .ok_or(stage_err("a stage past the staging ring"))
+    }
+
+    /// Records an event on the load stream as a fence of stage `h`.
     fn fence(&self, h: usize) -> Result<SharedEvent, DeviceError> {
+        let state = self.state(h)?;
         let ev = self.stream.record()?;
-        self.halves[h].fences.push(ev.clone());
+        state.fences.push(ev.clone());
         Ok(ev)
     }
 
-    /// Runs `enqueue` (work on the load stream that uses half `h`), then fences the half after
-    /// whatever of it was enqueued, failed or not; a half whose fence cannot be recorded is
-    /// poisoned for good. The fence is returned with `enqueue`'s result.
+    /// Runs `enqueue` (work on the load stream that uses stage `h`), then fences the stage
+    /// after whatever of it was enqueued, failed or not; a stage whose fence cannot be recorded
+    /// is poisoned for good. The fence is returned with `enqueue`'s result.
     fn fenced<T>(
         &self,
         h: usize,
@@ -236,7 +247,9 @@ impl StagedLanding {
         match self.fence(h) {
             Ok(ev) => r.map(|t| (t, ev)),
             Err(e) => {
-                self.halves[h].fences.poison_unfenced();
+                if let Ok(state) = self.state(h) {
+                    state.fences.poison_unfenced();
+                }
                 Err(r.err().unwrap_or(e))
             }
         }
@@ -244,24 +257,24 @@ impl StagedLanding {
 }
 
 /// The batch's slot table in device memory (one `u32` per plan page, for the row-copy
-/// kernel), uploaded without blocking: the bytes go through the pinned half 0 (free: a fresh
-/// lease has no work in flight), and the upload fences that half, so the reader's first use of
-/// it waits for the copy. A table larger than a half is written synchronously instead.
+/// kernel), uploaded without blocking: the bytes go through the pinned stage 0 (free: a fresh
+/// lease has no work in flight), and the upload fences that stage, so the reader's first use
+/// of it waits for the copy. A table larger than a stage is written synchronously instead.
 fn upload_slots(
     device: &dyn crate::Device,
     lease: &StagingLease,
     slots: &[u32],
-    half0: &Half,
+    stage0: &StageState,
 ) -> Result<DeviceMemory, DeviceError> {
     let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
     let table = device.alloc(bytes.len(), "slot table")?;
-    if bytes.len() > lease.half_bytes() {
+    if bytes.len() > lease.stage_bytes() {
         // SAFETY: `table` is ours, exactly `bytes.len()` bytes, touched by nothing else.
         unsafe { sync::write(device, &sync::Bounce::default(), table.addr(), &bytes) }?;
         return Ok(table);
     }
-    let host = lease.host_half(0)?;
-    // SAFETY: half 0 of a fresh lease is ours and idle (no fence pending), and holds at least
+    let host = lease.host_stage(0)?;
+    // SAFETY: stage 0 of a fresh lease is ours and idle (no fence pending), and holds at least
     // `bytes.len()` bytes (checked above).
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host as *mut u8, bytes.len()) };
     let stream = device.load_stream();
@@ -270,20 +283,20 @@ fn upload_slots(
         src: host,
         len: bytes.len(),
     };
-    // SAFETY: source in the pinned half 0, destination our table; half 0 is fenced by the event
-    // recorded below (nothing writes it before that completes), and the table is freed only
-    // after the landing's fences drained (or it is quarantined with the lease).
+    // SAFETY: source in the pinned stage 0, destination our table; stage 0 is fenced by the
+    // event recorded below (nothing writes it before that completes), and the table is freed
+    // only after the landing's fences drained (or it is quarantined with the lease).
     unsafe { stream.transfer(t)? };
-    half0.fences.push(stream.record()?);
+    stage0.fences.push(stream.record()?);
     Ok(table)
 }
 
-/// Checks a batch's shape against the pool and the half size.
+/// Checks a batch's shape against the pool and the stage size.
 fn check_shape(
     pool: &DeviceKvPool,
     shape: &BatchShape,
     pages: usize,
-    half_bytes: usize,
+    stage_bytes: usize,
 ) -> Result<(), DeviceError> {
     let g = pool.geometry();
     for &c in shape.own.iter().chain(&shape.shared) {
@@ -307,10 +320,10 @@ fn check_shape(
             .map(|c| c.page_layer_bytes * pages as u64)
             .sum();
         let need = own + shape.share_len(l) as u64;
-        if need > half_bytes as u64 {
+        if need > stage_bytes as u64 {
             return Err(DeviceError::Alloc {
                 bytes: need * 2,
-                what: "staging buffer (a half is smaller than one layer of this batch)",
+                what: "staging buffer (a stage is smaller than one layer of this batch)",
             });
         }
     }
@@ -328,16 +341,16 @@ impl LayerLanding for StagedLanding {
         layer: u32,
         deadline: Instant,
     ) -> Result<(), DeviceError> {
-        let h = stage.half(self.id)?;
+        let h = stage.index(self.id)?;
         if layer >= self.pool.geometry().num_layers() {
             return Err(stage_err("layer past the model"));
         }
-        let half = &self.halves[h];
-        if half.fences.busy() {
+        let state = self.state(h)?;
+        if state.fences.busy() {
             self.stats.lock().reuse_waits += 1;
         }
-        half.fences.drain(deadline, "staging half reuse")?;
-        *half.upload.lock() = None;
+        state.fences.drain(deadline, "staging stage reuse")?;
+        *state.upload.lock() = None;
         stage.set_layer(Some(layer));
         Ok(())
     }
@@ -359,7 +372,7 @@ impl LayerLanding for StagedLanding {
         }
         let row = self.layout(component)?.page_layer_bytes;
         let off = self.shape.share_len(layer) as u64 + self.own_offset(component, layer)?;
-        Ok(self.lease_ref()?.host_half(h)? + (off + plan_page as u64 * row) as usize)
+        Ok(self.lease_ref()?.host_stage(h)? + (off + plan_page as u64 * row) as usize)
     }
 
     fn target_bytes<'s>(
@@ -394,11 +407,11 @@ impl LayerLanding for StagedLanding {
                 let off = base + self.own_offset(c.id, layer)?;
                 let span = self.span(c.id, layer, 0, self.slots.len())?;
                 let from = Staged::Host {
-                    host: lease.host_half(h)? + off as usize,
-                    dev: lease.device_half(h)? + off,
+                    host: lease.host_stage(h)? + off as usize,
+                    dev: lease.device_stage(h)? + off,
                 };
-                // SAFETY: the rows lie in this half's own area (sizes checked in `new`), the
-                // slots in the pool (checked in `new`); the half is reused and the lease
+                // SAFETY: the rows lie in this stage's own area (sizes checked in `new`), the
+                // slots in the pool (checked in `new`); the stage is reused and the lease
                 // released only after the fence recorded after this (`fenced`), and the pool
                 // outlives the landing (its drop drains the load stream).
                 let m =
@@ -412,8 +425,8 @@ impl LayerLanding for StagedLanding {
     }
 
     fn poison(&self, stage: &mut LayerStage) {
-        if let Ok(h) = stage.half(self.id) {
-            self.halves[h].fences.poison();
+        if let Some(state) = stage.index(self.id).ok().and_then(|h| self.state(h).ok()) {
+            state.fences.poison();
         }
     }
 
@@ -440,7 +453,7 @@ impl DeviceShare for StagedLanding {
         {
             return Err(stage_err("a row outside the share area"));
         }
-        Ok(self.lease_ref()?.host_half(h)? + offset)
+        Ok(self.lease_ref()?.host_stage(h)? + offset)
     }
 
     fn share_bytes<'s>(
@@ -468,12 +481,12 @@ impl DeviceShare for StagedLanding {
                 return Ok(());
             }
             let t = Transfer::ToDevice {
-                dst: lease.device_half(h)? + range.start as u64,
-                src: lease.host_half(h)? + range.start,
+                dst: lease.device_stage(h)? + range.start as u64,
+                src: lease.host_stage(h)? + range.start,
                 len: range.len(),
             };
-            // SAFETY: both ranges lie in this half (share area checked above, halves sized in
-            // `new`); the reader finished writing it; the half is reused only after the fence
+            // SAFETY: both ranges lie in this stage (share area checked above, stages sized in
+            // `new`); the reader finished writing it; the stage is reused only after the fence
             // recorded after this (`fenced`).
             unsafe { self.stream.transfer(t)? };
             self.count(
@@ -486,7 +499,7 @@ impl DeviceShare for StagedLanding {
             );
             Ok(())
         })?;
-        *self.halves[h].upload.lock() = Some(ev);
+        *self.state(h)?.upload.lock() = Some(ev);
         Ok(())
     }
 
@@ -497,24 +510,16 @@ impl DeviceShare for StagedLanding {
         let (h, layer) = stage.open_layer(self.id)?;
         let region = DeviceRegion {
             ordinal: self.pool.device().ordinal(),
-            addr: self.lease_ref()?.device_half(h)?,
+            addr: self.lease_ref()?.device_stage(h)?,
             len: self.shape.share_len(layer),
         };
-        let after = self.halves[h].upload.lock().clone();
-        // SAFETY: the region is the share area of this half's device memory (sized in `new`),
-        // owned by the lease, which is released only after every fence of the half completed
+        let state = self.state(h)?;
+        let after = state.upload.lock().clone();
+        // SAFETY: the region is the share area of this stage's device memory (sized in `new`),
+        // owned by the lease, which is released only after every fence of the stage completed
         // (Drop drains them, or quarantines the lease with them); `stage` is borrowed
-        // exclusively, so no other operation of this batch uses the half meanwhile.
-        Ok(unsafe {
-            DeviceStage::new(
-                region,
-                after,
-                layer,
-                &self.halves[h].fences,
-                &self.log,
-                stage,
-            )
-        })
+        // exclusively, so no other operation of this batch uses the stage meanwhile.
+        Ok(unsafe { DeviceStage::new(region, after, layer, &state.fences, &self.log, stage) })
     }
 
     fn scatter(
@@ -524,7 +529,7 @@ impl DeviceShare for StagedLanding {
         after: &SharedEvent,
     ) -> Result<(), DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
-        let dev = self.lease_ref()?.device_half(h)?;
+        let dev = self.lease_ref()?.device_stage(h)?;
         let share = self.shape.share_len(layer) as u64;
         self.fenced(h, || {
             self.stream.wait(after)?;
@@ -548,7 +553,7 @@ impl DeviceShare for StagedLanding {
                 let span = self.span(b.component, layer, b.first_page, b.pages)?;
                 let from = Staged::Device(dev + b.offset as u64);
                 // SAFETY: the block's rows lie in the device share area (checked), its slots
-                // in the pool; the load stream waits for the collective first; the half is
+                // in the pool; the load stream waits for the collective first; the stage is
                 // reused only after the fence recorded after this (`fenced`).
                 let m =
                     unsafe { copy::scatter(&self.stream, self.strategy, &self.slots, span, from) }?;
@@ -566,18 +571,22 @@ impl Drop for StagedLanding {
             return;
         };
         let deadline = kv_loader::deadline_after(self.drain);
-        let poisoned = self.halves.iter().any(|h| h.fences.is_poisoned());
+        let poisoned = self.stages_state.iter().any(|h| h.fences.is_poisoned());
         let drained = !poisoned
             && self
-                .halves
+                .stages_state
                 .iter()
                 .all(|h| h.fences.drain(deadline, "staging release").is_ok());
         if drained {
             return;
         }
         // Work no fence tells the end of: the lease is never handed out again.
-        let unfenced = self.halves.iter().any(|h| h.fences.is_unfenced());
-        let fences: Vec<SharedEvent> = self.halves.iter().flat_map(|h| h.fences.take()).collect();
+        let unfenced = self.stages_state.iter().any(|h| h.fences.is_unfenced());
+        let fences: Vec<SharedEvent> = self
+            .stages_state
+            .iter()
+            .flat_map(|h| h.fences.take())
+            .collect();
         let fences = if unfenced { Vec::new() } else { fences };
         lease.quarantine(fences, self.slot_table.take().into_iter().collect());
     }

@@ -1,6 +1,8 @@
 //! A reusable pool of staging buffers: pinned host memory (what the store writes into) paired
 //! with device memory of the same size (where rows wait for the collective and the scatter).
 //! Allocated once (pinned allocation is slow and synchronizing on CUDA), leased per batch.
+//! Each buffer is a ring of equal **stages**, one layer each: two let the read of layer *l+1*
+//! overlap the copies of *l*; more let the store read a group of layers in one call.
 //!
 //! A lease whose device work may still be running when its batch ends (a wait for it timed
 //! out) is **quarantined**, not returned: it is handed out again only once every event that
@@ -14,7 +16,7 @@ use parking_lot::Mutex;
 
 use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, SharedEvent};
 
-/// One staging buffer pair, each split in two halves.
+/// One staging buffer pair (pinned and device), each split into the pool's stages.
 pub(crate) struct StagingPair {
     host: PinnedMemory,
     dev: DeviceMemory,
@@ -41,20 +43,27 @@ impl Quarantined {
 
 /// Staging buffers of one device, allocated once and reused.
 ///
-/// Each buffer holds two halves of [`half_bytes`](StagingPool::half_bytes): a batch's two
-/// stages, so the read of layer *l+1* fills one half while the copies of *l* drain the other.
+/// Each buffer holds [`stages`](StagingPool::stages) stages of
+/// [`stage_bytes`](StagingPool::stage_bytes) each, a batch's ring of layer stages: with two,
+/// the read of layer *l+1* fills one while the copies of *l* drain the other; with `k + 1`,
+/// the store can read a group of `k` layers in one call while the previous layer lands.
 ///
 /// ```
 /// use kv_device::{CpuDevice, StagingPool};
 /// let pool = StagingPool::new(CpuDevice::new(0).unwrap(), 1 << 16, 2).unwrap();
+/// assert_eq!(pool.stages(), 2);
 /// let lease = pool.lease().unwrap();
 /// assert_eq!(pool.available(), 1);
 /// drop(lease);
 /// assert_eq!(pool.available(), 2);
+/// // A ring of 9 stages: groups of up to 8 layers per store call.
+/// let ring = StagingPool::with_stages(CpuDevice::new(0).unwrap(), 1 << 16, 9, 1).unwrap();
+/// assert_eq!(ring.lease().unwrap().stages(), 9);
 /// ```
 pub struct StagingPool {
     device: Arc<dyn Device>,
-    half_bytes: usize,
+    stage_bytes: usize,
+    stages: usize,
     free: Mutex<Vec<StagingPair>>,
     quarantine: Mutex<Vec<Quarantined>>,
     host_regions: Vec<(usize, usize)>,
@@ -64,21 +73,34 @@ pub struct StagingPool {
 impl fmt::Debug for StagingPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StagingPool")
-            .field("half_bytes", &self.half_bytes)
+            .field("stage_bytes", &self.stage_bytes)
+            .field("stages", &self.stages)
             .field("count", &self.count)
             .finish()
     }
 }
 
 impl StagingPool {
-    /// `count` staging buffers whose halves hold `half_bytes` each (at least one layer of the
-    /// largest batch, share area included: [`StagingPool::half_bytes_for`]).
+    /// `count` staging buffers of two stages ("halves") of `half_bytes` each (at least one
+    /// layer of the largest batch, share area included: [`StagingPool::half_bytes_for`]).
     pub fn new(
         device: Arc<dyn Device>,
         half_bytes: usize,
         count: usize,
     ) -> Result<Arc<Self>, DeviceError> {
-        let total = half_bytes.checked_mul(2).ok_or(DeviceError::Alloc {
+        Self::with_stages(device, half_bytes, 2, count)
+    }
+
+    /// `count` staging buffers of `stages` stages (at least 2) of `stage_bytes` each: a batch
+    /// can then read up to `stages - 1` layers per store call.
+    pub fn with_stages(
+        device: Arc<dyn Device>,
+        stage_bytes: usize,
+        stages: usize,
+        count: usize,
+    ) -> Result<Arc<Self>, DeviceError> {
+        let stages = stages.max(2);
+        let total = stage_bytes.checked_mul(stages).ok_or(DeviceError::Alloc {
             bytes: u64::MAX,
             what: "staging buffer",
         })?;
@@ -92,7 +114,8 @@ impl StagingPool {
         }
         Ok(Arc::new(StagingPool {
             device,
-            half_bytes,
+            stage_bytes,
+            stages,
             free: Mutex::new(free),
             quarantine: Mutex::new(Vec::new()),
             host_regions,
@@ -100,17 +123,22 @@ impl StagingPool {
         }))
     }
 
-    /// Bytes a half needs for batches of up to `pages` pages at TP `tp_size`: the widest layer,
-    /// with the share area's padding (a `SplitAllGather` share area holds `tp_size` chunks of
-    /// the largest share).
+    /// Bytes a stage needs for batches of up to `pages` pages at TP `tp_size`: the widest
+    /// layer, with the share area's padding (a `SplitAllGather` share area holds `tp_size`
+    /// chunks of the largest share).
     pub fn half_bytes_for(geometry: &KvGeometry, pages: usize, tp_size: u32) -> usize {
         let padded = pages.div_ceil(tp_size.max(1) as usize) * tp_size.max(1) as usize;
         (geometry.max_layer_bytes_per_page() as usize).saturating_mul(padded.max(pages))
     }
 
-    /// Bytes per half.
-    pub fn half_bytes(&self) -> usize {
-        self.half_bytes
+    /// Bytes per stage.
+    pub fn stage_bytes(&self) -> usize {
+        self.stage_bytes
+    }
+
+    /// Stages per buffer (a batch's ring).
+    pub fn stages(&self) -> usize {
+        self.stages
     }
 
     /// The device.
@@ -162,7 +190,7 @@ impl StagingPool {
     pub fn lease(self: &Arc<Self>) -> Result<StagingLease, DeviceError> {
         self.reclaim();
         let pair = self.free.lock().pop().ok_or(DeviceError::Alloc {
-            bytes: (self.half_bytes * 2) as u64,
+            bytes: (self.stage_bytes * self.stages) as u64,
             what: "staging buffer (every buffer of the pool is leased or quarantined)",
         })?;
         Ok(StagingLease {
@@ -194,7 +222,8 @@ pub struct StagingLease {
 impl fmt::Debug for StagingLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StagingLease")
-            .field("half_bytes", &self.pool.half_bytes)
+            .field("stage_bytes", &self.pool.stage_bytes)
+            .field("stages", &self.pool.stages)
             .finish()
     }
 }
@@ -206,19 +235,31 @@ impl StagingLease {
             .ok_or(DeviceError::InvalidStage("the lease was given up"))
     }
 
-    /// Bytes per half.
-    pub fn half_bytes(&self) -> usize {
-        self.pool.half_bytes
+    /// Bytes per stage.
+    pub fn stage_bytes(&self) -> usize {
+        self.pool.stage_bytes
     }
 
-    /// Host address of half `half` (0 or 1).
-    pub fn host_half(&self, half: usize) -> Result<usize, DeviceError> {
-        Ok(self.pair()?.host.addr() + (half & 1) * self.pool.half_bytes)
+    /// Stages of the buffer.
+    pub fn stages(&self) -> usize {
+        self.pool.stages
     }
 
-    /// Device address of half `half` (0 or 1).
-    pub fn device_half(&self, half: usize) -> Result<u64, DeviceError> {
-        Ok(self.pair()?.dev.addr() + ((half & 1) * self.pool.half_bytes) as u64)
+    fn stage_offset(&self, stage: usize) -> Result<usize, DeviceError> {
+        if stage >= self.pool.stages {
+            return Err(DeviceError::InvalidStage("a stage past the staging buffer"));
+        }
+        Ok(stage * self.pool.stage_bytes)
+    }
+
+    /// Host address of stage `stage` (`0..stages`).
+    pub fn host_stage(&self, stage: usize) -> Result<usize, DeviceError> {
+        Ok(self.pair()?.host.addr() + self.stage_offset(stage)?)
+    }
+
+    /// Device address of stage `stage` (`0..stages`).
+    pub fn device_stage(&self, stage: usize) -> Result<u64, DeviceError> {
+        Ok(self.pair()?.dev.addr() + self.stage_offset(stage)? as u64)
     }
 
     /// The device.

@@ -90,6 +90,26 @@ impl BatchLayers {
         }
     }
 
+    /// Bytes this rank reads from the store for layer `layer`: its own components on every
+    /// page, and its share of the replicated ones.
+    pub(crate) fn read_bytes(&self, layer: u32) -> u64 {
+        let on = |c: &&ComponentKeys| c.layout.position(layer).is_some();
+        let own: u64 = self
+            .own
+            .iter()
+            .filter(on)
+            .map(|c| c.layout.page_layer_bytes * self.pages as u64)
+            .sum();
+        let mine = self.my_pages().len() as u64;
+        let shared: u64 = self
+            .shared
+            .iter()
+            .filter(on)
+            .map(|c| c.layout.page_layer_bytes * mine)
+            .sum();
+        own + shared
+    }
+
     /// Bytes of layer `layer` in this rank's pool once it lands (every planned component).
     pub(crate) fn layer_bytes(&self, layer: u32) -> u64 {
         self.own
@@ -256,7 +276,7 @@ impl Inner {
         });
         let prep = match keys_error.or(layout_error) {
             Some(e) => Err(e),
-            None => self.prepare(&layers, batch, landing_error.as_ref(), &memory),
+            None => self.prepare(&layers, batch, landing_error.as_ref()),
         };
         let (prep, sums) = match prep {
             Ok((pins, sums)) => (Ok(pins), sums),
@@ -292,6 +312,7 @@ impl Inner {
             mode,
             first_layer: run.first_layer,
             last_layer,
+            read_groups: run.read_groups,
             transfers: layer_transfers.iter().copied().sum(),
             layer_transfers,
             alone: None,
@@ -306,7 +327,6 @@ impl Inner {
         layers: &BatchLayers,
         batch: BatchId,
         landing_error: Option<&kv_device::DeviceError>,
-        memory: &Hold,
     ) -> Result<(PinnedKeys<'s>, BatchChecksums), KvLoadError> {
         if let Some(e) = landing_error {
             return Err(KvLoadError::Device(format!("{batch}: landing: {e}")));
@@ -332,19 +352,18 @@ impl Inner {
             self.config.store_call_timeout,
         )
         .map_err(|e| store_failure(batch, None, Vec::new(), &e))?;
-        if self.config.verify_object_sizes {
-            let reader = |components| LayerReader {
-                calls: &self.calls,
-                batch,
-                components,
-                parallelism: self.config.read_parallelism,
-                hold: memory,
-                deadline: kv_loader::deadline_after(self.config.store_call_timeout),
-            };
-            reader(&layers.own).verify_sizes(0..layers.pages)?;
-            reader(&layers.shared).verify_sizes(my_pages)?;
-        }
+        // The object sizes are checked by the reader, beside its first group's read
+        // (`BatchLayers::verify_sizes`).
         let sums = self.read_companions(layers, batch, plan)?;
         Ok((pins, sums))
+    }
+}
+
+impl BatchLayers {
+    /// Checks that every object this rank reads holds exactly the bytes the geometry expects
+    /// (a wrong one is discarded so the next save writes it again).
+    pub(crate) fn verify_sizes(&self, reader: &LayerReader<'_>) -> Result<(), KvLoadError> {
+        reader.verify_sizes(&self.own, 0..self.pages)?;
+        reader.verify_sizes(&self.shared, self.my_pages())
     }
 }

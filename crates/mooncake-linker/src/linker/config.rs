@@ -6,6 +6,8 @@ use dedup_broadcast::{Bandwidths, ModeChoice};
 use kv_geometry::Namespace;
 use kv_loader::ShareMode;
 
+use super::granularity::ReadGranularity;
+
 /// How a linker names keys, bounds its waits and shares replicated components.
 ///
 /// ```
@@ -56,10 +58,13 @@ pub struct LinkerConfig {
     /// [`StoreError::Overdue`](crate::store::StoreError::Overdue) while it runs on (its memory
     /// is kept until it returns).
     pub store_call_timeout: Duration,
-    /// Store calls each layer's reads are split into, issued at once from scoped threads
-    /// (1: one batched call per layer per component). Stores whose batched call is served by
-    /// one thread (the embedded store) read faster with more.
+    /// Store calls each group's reads are split into, issued at once from scoped threads
+    /// (1: one batched call per group of layers). Stores whose batched call is served by one
+    /// thread (the embedded store) read faster with more.
     pub read_parallelism: usize,
+    /// How many layers each store call reads: adaptive by default (groups planned per batch
+    /// from measured costs and compute, layer 0 alone), or a fixed count.
+    pub read_granularity: ReadGranularity,
     /// Objects per store call when saving.
     pub save_chunk: usize,
     /// Batches tracked at once (started and not yet taken).
@@ -67,9 +72,12 @@ pub struct LinkerConfig {
     /// How replicated components are shared among TP ranks (with a [`TpGroup`](crate::TpGroup);
     /// a linker without one always reads its own copy).
     pub mode: ModeChoice,
-    /// Store and fabric bandwidths `Auto` decides from (GB/s; unknown values rule a mode
-    /// out). The linker refines the store's per-rank figure from its own layer reads.
+    /// Store and fabric bandwidths `Auto` decides from when all four are given (GB/s); with
+    /// any unknown, `Auto` measures each mode instead (`auto_batches_per_mode`).
     pub bandwidths: Bandwidths,
+    /// Batches `Auto` measures each mode for before it keeps one (at least 1; modes that come
+    /// out clearly slower after one round are not measured further).
+    pub auto_batches_per_mode: u32,
     /// Longest a rank waits in one collective for its peers (must exceed
     /// `layer_read_timeout`: in `Rank0Broadcast` the others wait for rank 0's read).
     pub collective_timeout: Duration,
@@ -116,6 +124,7 @@ impl Default for LinkerConfig {
             verify_checksums: true,
             store_call_timeout: Duration::from_secs(20),
             read_parallelism: 1,
+            read_granularity: ReadGranularity::ADAPTIVE,
             save_chunk: 64,
             max_in_flight: 64,
             mode: ModeChoice::Fixed(ShareMode::AllRanks),
@@ -125,6 +134,7 @@ impl Default for LinkerConfig {
                 fabric_broadcast_gbps: f64::NAN,
                 fabric_all_gather_gbps: f64::NAN,
             },
+            auto_batches_per_mode: 3,
             collective_timeout: Duration::from_secs(25),
             group_fallback: GroupFallback::Fail,
         }

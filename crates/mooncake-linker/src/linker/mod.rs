@@ -3,16 +3,19 @@
 //! One job per file: `gate` meets the group before a batch (in step, the plans compared, the
 //! mode agreed; a refused batch meets it too), `batch` prepares a batch (keys, the landing,
 //! the read session), `pipeline` runs its layers (reader thread + exchange loop, through the
-//! loom-checked `handoff`), `verify` checks what a rank read (checksums) before it says ok,
-//! `share/` holds one share step per mode (each mode's data path, host and device, in one
-//! file), `auto` is `Auto`'s state, `outcomes` the outcome bookkeeping (held outcomes of
-//! batches a late store call may still write), `group` the TP group and its re-forming,
-//! `lookup` the group's agreed hit, `save` the save path.
+//! loom-checked `handoff`), `reader` builds a group's store call, `granularity` plans the
+//! groups (with `compute`, the engine's measured compute), `verify` checks what a rank read
+//! (checksums) before it says ok, `share/` holds one share step per mode (each mode's data
+//! path, host and device, in one file), `auto` is `Auto`'s state, `outcomes` the outcome
+//! bookkeeping (held outcomes of batches a late store call may still write), `group` the TP
+//! group and its re-forming, `lookup` the group's agreed hit, `save` the save path.
 
 mod auto;
 mod batch;
+mod compute;
 mod config;
 mod gate;
+mod granularity;
 mod group;
 mod handoff;
 mod lookup;
@@ -45,11 +48,14 @@ use layerwise_counter::CounterError;
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
+use crate::read_plan::ReadCost;
 use crate::store::{KvStore, StoreCalls};
 use auto::AutoMode;
 use batch::BatchJob;
 pub use config::{GroupFallback, LinkerConfig};
 use gate::GateCount;
+pub use granularity::ReadGranularity;
+use granularity::ReadGroups;
 use group::GroupLink;
 pub use group::TpGroup;
 pub use metrics::{LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
@@ -73,6 +79,8 @@ pub(crate) struct Inner {
     /// re-formed when either broke; `None` for a rank alone.
     pub(crate) group: Option<Arc<GroupLink>>,
     pub(crate) auto: AutoMode,
+    /// How many layers each store call reads: the cost estimate and the engine's compute.
+    pub(crate) reads: ReadGroups,
     pub(crate) outcomes: Arc<Outcomes>,
     pub(crate) metrics: LinkerMetrics,
     /// Bumped by `reset`: a batch whose epoch differs is cancelled.
@@ -312,7 +320,8 @@ impl Linker {
         let link = GroupLink::of(group.as_ref());
         let inner = Arc::new(Inner {
             outcomes: Arc::new(Outcomes::new(config.max_in_flight)),
-            auto: AutoMode::new(config.mode, config.bandwidths),
+            auto: AutoMode::new(config.mode, config.bandwidths, config.auto_batches_per_mode),
+            reads: ReadGroups::new(config.read_granularity),
             geometry,
             keys,
             calls: StoreCalls::new(store.clone()),
@@ -398,6 +407,25 @@ impl Linker {
     ) -> Result<SaveReport, KvLoadError> {
         self.inner.check_open()?;
         self.inner.save(plan, Some(after))
+    }
+
+    /// What one store call of this linker's reads costs, as fitted from every group call it
+    /// made (the prior before any): what the adaptive read plan decides from. A new linker
+    /// over the same store can start from it (`ReadGranularity::Adaptive::prior`).
+    pub fn read_cost(&self) -> ReadCost {
+        self.inner.reads.cost()
+    }
+
+    /// The mode `Auto` keeps, once it has measured enough (`None` while it measures, and for
+    /// a fixed mode or one decided from configured bandwidths).
+    pub fn auto_decision(&self) -> Option<kv_loader::ShareMode> {
+        self.inner.auto.kept()
+    }
+
+    /// The engine's compute per layer the read plan uses: configured, or measured from the
+    /// gaps between `wait_layer` calls (`None` before any was measured).
+    pub fn compute_per_layer(&self) -> Option<std::time::Duration> {
+        self.inner.reads.compute_per_layer()
     }
 
     /// The object keys of a plan's pages for component `index` of the plan, in plan order.
@@ -536,12 +564,16 @@ impl KvLoader for Linker {
             });
         }
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
+        s.reads.compute.entering(ticket.batch, layer);
         match s.outcomes.wait_layer(ticket, layer, deadline) {
             // Host pools are resident once the layer is marked; device pools hand back the
             // layer's event.
-            Ok(ready) => Ok(match s.pool.residence() {
-                Residence::Host => LayerReady::Resident,
-                Residence::Device { .. } => ready.unwrap_or(LayerReady::Resident),
+            Ok(ready) => Ok({
+                s.reads.compute.returned(ticket.batch, layer);
+                match s.pool.residence() {
+                    Residence::Host => LayerReady::Resident,
+                    Residence::Device { .. } => ready.unwrap_or(LayerReady::Resident),
+                }
             }),
             Err(WaitFailure::Counter(e)) => Err(Inner::counter_error(ticket, e)),
             Err(WaitFailure::Load(e)) => Err(e),

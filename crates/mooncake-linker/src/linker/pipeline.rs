@@ -1,8 +1,11 @@
-//! The layer pipeline of one batch on one rank: a reader thread reads layer *l+1* from the
-//! store while the exchange loop (the load thread) agrees on layer *l* with the other ranks,
-//! shares its replicated rows ([`ShareStep`](super::share::ShareStep), one per mode), lands it
-//! and publishes it. The batch's two [`LayerStage`]s circulate between them through a
-//! [`Handoff`] (free stages to the reader, read layers to the exchange loop; loom-checked).
+//! The layer pipeline of one batch on one rank: a reader thread reads the next group of layers
+//! from the store (one store call; the groups are planned per batch, see
+//! [`ReadGranularity`](super::ReadGranularity)) and hands its layers over in order as the call
+//! returns, while the exchange loop (the load thread) agrees on each layer with the other
+//! ranks, shares its replicated rows ([`ShareStep`](super::share::ShareStep), one per mode),
+//! lands it and publishes it. The batch's ring of [`LayerStage`]s (one per layer in flight)
+//! circulates between them through a [`Handoff`] (free stages to the reader, read layers to
+//! the exchange loop; loom-checked): the reader takes one per layer of its next group.
 //!
 //! Every rank issues the same collectives whatever happens (design rule: failure symmetry):
 //! one status exchange per layer, then that layer's collective when every rank is ok; a
@@ -16,9 +19,9 @@
 //! (`verify`: checksums, or lengths), while the reader reads the next layer.
 //!
 //! **Every wait is bounded.** Each store call waits at most `layer_read_timeout` (a call still
-//! running then fails the layer; the batch's memory hold keeps what it writes until it
+//! running then fails its group of layers; the batch's memory hold keeps what it writes until it
 //! returns), a stage is reopened after a bounded wait for its device work, the reader waits
-//! for a free stage at most `layer_read_timeout + 2 × collective_timeout`, and the exchange
+//! for each free stage at most `layer_read_timeout + 2 × collective_timeout`, and the exchange
 //! loop waits for the reader at most `layer_read_timeout + collective_timeout` per layer. So
 //! the reader thread always ends, and the scope's join of it is bounded by those waits.
 
@@ -33,7 +36,7 @@ use tracing::warn;
 
 use super::batch::{collective_failure, BatchJob, BatchLayers};
 use super::handoff::{Handoff, Wait};
-use super::reader::{store_failure, LayerReader, OwnRows, ShareArea};
+use super::reader::{store_failure, LayerReader, OwnRows, ReadPart, RowTarget, ShareArea};
 use super::session::PinnedKeys;
 use super::share::{step_for, LayerCx, StepError};
 use super::verify::{BatchChecksums, LayerCheck};
@@ -48,9 +51,19 @@ struct ReadLayer {
     error: Option<KvLoadError>,
 }
 
+/// What the reader thread did.
+#[derive(Default)]
+struct ReadRun {
+    bytes: u64,
+    /// Layers per store call, in order.
+    groups: Vec<u32>,
+}
+
 /// What a finished pipeline did.
 pub(crate) struct PipelineRun {
     pub(crate) bytes_read: u64,
+    /// Layers per store call of this rank's reads, in order.
+    pub(crate) read_groups: Vec<u32>,
     /// Bytes of the layers landed in this rank's pool.
     pub(crate) landed: u64,
     /// From `start_load` to the first layer published.
@@ -77,23 +90,25 @@ pub(crate) struct LayerPipeline<'a> {
 
 impl LayerPipeline<'_> {
     /// Runs the batch: `prep` is the read session (or why this rank cannot read), `stages`
-    /// the landing's two stages.
+    /// the landing's ring of stages (empty when there is no landing).
     pub(crate) fn run(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
         stages: Vec<LayerStage>,
     ) -> Result<PipelineRun, KvLoadError> {
+        // Without a landing every layer fails; two empty stages keep the layers moving.
+        let ring = stages.len().max(2);
         let mut stages = stages.into_iter();
         let handoff: Handoff<Option<LayerStage>, ReadLayer> =
-            Handoff::new((0..2).map(|_| stages.next()), 1);
+            Handoff::new((0..ring).map(|_| stages.next()), 1);
         let h = &handoff;
         std::thread::scope(|s| {
             let reader = std::thread::Builder::new()
                 .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank))
                 .spawn_scoped(s, move || {
-                    let bytes = self.read_loop(prep, h);
+                    let run = self.read_loop(prep, ring, h);
                     h.reader_done();
-                    bytes
+                    run
                 });
             let reader = match reader {
                 Ok(r) => r,
@@ -107,10 +122,11 @@ impl LayerPipeline<'_> {
             let exchanged = self.exchange_loop(h);
             // Bounded: every wait of the reader is (see the module docs), and the exchange loop
             // has left, which ends the reader's waits on the hand-off at once.
-            let bytes_read = reader.join().unwrap_or(0);
-            self.inner.metrics.read(bytes_read);
+            let read = reader.join().unwrap_or_default();
+            self.inner.metrics.read(read.bytes);
             exchanged.map(|(landed, first_layer)| PipelineRun {
-                bytes_read,
+                bytes_read: read.bytes,
+                read_groups: read.groups,
                 landed,
                 first_layer,
             })
@@ -121,112 +137,199 @@ impl LayerPipeline<'_> {
         self.inner.epoch.load(Ordering::Acquire) != self.job.epoch
     }
 
-    /// The reader thread: opens each layer in a free stage, reads it, hands it over. Returns
-    /// the bytes read.
+    /// The layer groups this rank reads, one store call each (see [`ReadGranularity`]):
+    /// planned from the bytes it reads per layer in this batch's mode, at most `ring - 1`
+    /// layers per group (the rest of the ring is the layer the exchange loop holds).
+    ///
+    /// [`ReadGranularity`]: super::ReadGranularity
+    fn plan_groups(&self, ring: usize) -> Vec<std::ops::Range<u32>> {
+        let layers = self.layers;
+        let bytes: Vec<u64> = (0..self.inner.geometry.num_layers())
+            .map(|l| layers.read_bytes(l))
+            .collect();
+        let call_limit = self.inner.config.layer_read_timeout / 4;
+        self.inner.reads.plan(&bytes, ring, call_limit, layers.mode)
+    }
+
+    /// The reader thread: takes a free stage for each layer of its next group, reads the group
+    /// in one store call, hands its layers over in order. Returns the bytes read and the
+    /// groups.
+    ///
+    /// The object sizes (when `verify_object_sizes`) are checked on a helper thread while the
+    /// first group is read, and the first group is handed over only once the check passed: no
+    /// layer of a batch with a wrong-sized object is ever published, and the first layer waits
+    /// for the slower of the two rather than their sum.
     fn read_loop(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
+        ring: usize,
         h: &Handoff<Option<LayerStage>, ReadLayer>,
-    ) -> u64 {
+    ) -> ReadRun {
         let batch = self.job.plan.logical.batch;
         let mut failure = prep.as_ref().err().cloned();
         let mut pins = prep.ok();
-        let mut bytes = 0;
+        let mut run = ReadRun::default();
         let c = &self.inner.config;
         let wait = c
             .layer_read_timeout
             .saturating_add(c.collective_timeout.saturating_mul(2));
-        for layer in 0..self.inner.geometry.num_layers() {
-            // The exchange loop hands a stage back after each layer (bounded), or leaves.
-            let Wait::Got(mut stage) = h.free_stage(kv_loader::deadline_after(wait)) else {
-                break;
-            };
-            if failure.is_none() && self.cancelled() {
-                failure = Some(KvLoadError::Cancelled { batch });
-            }
-            if failure.is_none() {
-                let read = match (self.landing, stage.as_mut(), pins.as_mut()) {
-                    (Some(l), Some(st), Some(p)) => self.read_layer(p, l, st, layer),
-                    _ => Err(KvLoadError::Config(format!(
-                        "{batch}: no landing to read into"
-                    ))),
+        let reader = LayerReader {
+            calls: &self.inner.calls,
+            batch,
+            parallelism: c.read_parallelism,
+            hold: self.memory,
+            deadline: kv_loader::deadline_after(c.store_call_timeout),
+        };
+        let check_sizes = failure.is_none() && self.inner.config.verify_object_sizes;
+        std::thread::scope(|s| {
+            let mut sizes = check_sizes.then(|| {
+                std::thread::Builder::new()
+                    .name(format!("kvlink-size-r{}", self.inner.geometry.tp_rank))
+                    .spawn_scoped(s, || self.layers.verify_sizes(&reader))
+                    .map_err(|_| self.layers.verify_sizes(&reader))
+            });
+            for group in self.plan_groups(ring) {
+                let mut stages = Vec::with_capacity(group.len());
+                for _ in group.clone() {
+                    // The exchange loop hands a stage back after each layer (bounded), or
+                    // leaves.
+                    let Wait::Got(stage) = h.free_stage(kv_loader::deadline_after(wait)) else {
+                        return;
+                    };
+                    stages.push(stage);
+                }
+                if failure.is_none() && self.cancelled() {
+                    failure = Some(KvLoadError::Cancelled { batch });
+                }
+                if failure.is_none() {
+                    let open: Option<Vec<&mut LayerStage>> =
+                        stages.iter_mut().map(Option::as_mut).collect();
+                    let read = match (self.landing, open, pins.as_mut()) {
+                        (Some(l), Some(mut st), Some(p)) => {
+                            self.read_group(p, l, &mut st, group.clone())
+                        }
+                        _ => Err(KvLoadError::Config(format!(
+                            "{batch}: no landing to read into"
+                        ))),
+                    };
+                    match read {
+                        Ok(n) => {
+                            run.bytes += n;
+                            run.groups.push(group.len() as u32);
+                        }
+                        Err(e) => {
+                            warn!(%batch, layers = ?group, error = %e, "read failed");
+                            failure = Some(e);
+                        }
+                    }
+                }
+                // The size check's verdict comes before any layer is handed over (and, when it
+                // failed, says more than a read of a wrong-sized object).
+                let checked = match sizes.take() {
+                    Some(Ok(handle)) => handle.join().unwrap_or_else(|_| {
+                        Err(KvLoadError::Config(format!(
+                            "{batch}: the size check panicked"
+                        )))
+                    }),
+                    Some(Err(inline)) => inline,
+                    None => Ok(()),
                 };
-                match read {
-                    Ok(n) => bytes += n,
-                    Err(e) => {
-                        warn!(%batch, layer, error = %e, "read failed");
-                        failure = Some(e);
+                if let Err(e) = checked {
+                    warn!(%batch, error = %e, "object sizes");
+                    failure = Some(e);
+                }
+                for (layer, stage) in group.zip(stages) {
+                    let msg = ReadLayer {
+                        layer,
+                        stage,
+                        error: failure.clone(),
+                    };
+                    if h.hand_over(msg, kv_loader::deadline_after(wait)).is_err() {
+                        return;
                     }
                 }
             }
-            let msg = ReadLayer {
-                layer,
-                stage,
-                error: failure.clone(),
-            };
-            if h.hand_over(msg, kv_loader::deadline_after(wait)).is_err() {
-                break;
-            }
-        }
-        bytes
+        });
+        run
     }
 
-    /// Reads one layer on this rank into `stage`: its own components (every page), and its
-    /// share of the replicated ones (its slots on a host pool, the share area on a device).
-    fn read_layer(
+    /// Reads layers `group` on this rank in one store call, layer `group.start + i` into
+    /// `stages[i]`: its own components (every page), and its share of the replicated ones (its
+    /// slots on a host pool, the share area on a device).
+    fn read_group(
         &self,
         pins: &mut PinnedKeys<'_>,
         landing: &dyn LayerLanding,
-        stage: &mut LayerStage,
-        layer: u32,
+        stages: &mut [&mut LayerStage],
+        group: std::ops::Range<u32>,
     ) -> Result<u64, KvLoadError> {
         let (inner, layers) = (self.inner, self.layers);
         let batch = self.job.plan.logical.batch;
         let deadline = kv_loader::deadline_after(inner.config.collective_timeout);
-        landing.open(stage, layer, deadline)?;
+        for (stage, layer) in stages.iter_mut().zip(group.clone()) {
+            landing.open(stage, layer, deadline)?;
+        }
         pins.renew_if_due()
-            .map_err(|e| store_failure(batch, Some(layer), Vec::new(), &e))?;
-        let t0 = Instant::now();
-        let calls_deadline = kv_loader::deadline_after(inner.config.layer_read_timeout);
-        let reader = |components| LayerReader {
-            calls: &inner.calls,
-            batch,
-            components,
-            parallelism: inner.config.read_parallelism,
-            hold: self.memory,
-            deadline: calls_deadline,
-        };
-        let mut n =
-            reader(&layers.own).read_layer(&OwnRows { landing, stage }, layer, 0..layers.pages)?;
-        if let Some(layout) = layers.layouts[layer as usize].as_ref() {
-            let pages = layout.share(layers.rank);
-            let shared = reader(&layers.shared);
-            n += match landing.share() {
-                ShareSide::Host(_) => {
-                    shared.read_layer(&OwnRows { landing, stage }, layer, pages)?
-                }
-                ShareSide::Device(share) => shared.read_layer(
-                    &ShareArea {
+            .map_err(|e| store_failure(batch, Some(group.start), Vec::new(), &e))?;
+        let own: Vec<OwnRows<'_>> = stages
+            .iter()
+            .map(|stage| OwnRows { landing, stage })
+            .collect();
+        // A layer without a share layout (none was built) leaves the part short of targets:
+        // `read_group` then fails the group.
+        let share: Vec<ShareArea<'_>> = match landing.share() {
+            ShareSide::Device(share) if !layers.shared.is_empty() => stages
+                .iter()
+                .zip(group.clone())
+                .map(|(stage, l)| {
+                    layers.layouts[l as usize].as_ref().map(|layout| ShareArea {
                         share,
                         stage,
                         layout,
-                    },
-                    layer,
-                    pages,
-                )?,
+                    })
+                })
+                .collect::<Option<Vec<_>>>()
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        let mut parts = vec![ReadPart {
+            components: &layers.own,
+            pages: 0..layers.pages,
+            targets: own.iter().map(|t| t as &dyn RowTarget).collect(),
+        }];
+        if !layers.shared.is_empty() {
+            let targets: Vec<&dyn RowTarget> = match landing.share() {
+                ShareSide::Host(_) => own.iter().map(|t| t as &dyn RowTarget).collect(),
+                ShareSide::Device(_) => share.iter().map(|t| t as &dyn RowTarget).collect(),
             };
+            parts.push(ReadPart {
+                components: &layers.shared,
+                pages: layers.my_pages(),
+                targets,
+            });
         }
+        let t0 = Instant::now();
+        let reader = LayerReader {
+            calls: &inner.calls,
+            batch,
+            parallelism: inner.config.read_parallelism,
+            hold: self.memory,
+            deadline: kv_loader::deadline_after(inner.config.layer_read_timeout),
+        };
+        let n = reader.read_group(&parts, group.clone())?;
         let took = t0.elapsed();
+        tracing::debug!(%batch, layers = ?group, bytes = n, ?took, "group read");
         inner.metrics.layer_read(took);
+        inner.reads.observe(group.len() as u32, n, took);
         inner.auto.observe_store_read(n, took);
         if took > inner.config.layer_read_timeout {
             return Err(KvLoadError::Store {
                 batch: Some(batch),
-                layer: Some(layer),
+                layer: Some(group.start),
                 pages: (0..layers.pages as u32).collect::<Vec<_>>().into(),
                 kind: StoreFailure::RpcTimeout,
                 detail: format!(
-                    "layer read took {took:?}, over the limit of {:?}",
+                    "reading layers {group:?} took {took:?}, over the limit of {:?}",
                     inner.config.layer_read_timeout
                 ),
             });
@@ -312,6 +415,8 @@ impl LayerPipeline<'_> {
         let mut own: Option<KvLoadError> = None;
         let mut fatal: Option<KvLoadError> = None;
         let (mut landed, mut first_layer) = (0u64, Duration::ZERO);
+        // Time in the share steps (collective, scatter, land), for the read plan.
+        let mut share_time = Duration::ZERO;
         let mut every_layer = true;
         let check = LayerCheck {
             inner,
@@ -356,7 +461,10 @@ impl LayerPipeline<'_> {
                 collective_timeout: inner.config.collective_timeout,
                 auto: &inner.auto,
             };
-            match cx.run(step, &mut stage) {
+            let shared_at = Instant::now();
+            let ran = cx.run(step, &mut stage);
+            share_time += shared_at.elapsed();
+            match ran {
                 Ok(ready) => {
                     inner
                         .outcomes
@@ -380,6 +488,12 @@ impl LayerPipeline<'_> {
         }
         // The reader's waits end at once; what is left in the hand-off goes with it.
         drop(h.exchange_done());
+        if every_layer && num_layers > 0 {
+            // What the next batch's read plan overlaps its reads with, beside the compute.
+            inner
+                .reads
+                .observe_share(layers.mode, share_time / num_layers);
+        }
         if every_layer {
             // The verdict: a failure in the last layer's share step reaches every rank too.
             if let Some(e) = &carried {

@@ -15,7 +15,7 @@ use kv_geometry::{checksum_key, ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError};
 
 use super::batch::BatchLayers;
-use super::reader::{store_failure, ComponentKeys};
+use super::reader::{check_object_sizes, store_failure, ComponentKeys};
 use super::Inner;
 use crate::store::StoreError;
 
@@ -159,7 +159,20 @@ impl Inner {
                         *slot = Some(sums);
                     }
                 }
-                Err(detail) => return Err(self.bad_object(batch, comp, w.page, None, detail)),
+                Err(detail) => {
+                    // A companion that does not fit the geometry most often means the object
+                    // itself was written for another one: say so, as the size check would.
+                    if self.config.verify_object_sizes {
+                        check_object_sizes(
+                            &self.calls,
+                            batch,
+                            std::slice::from_ref(comp),
+                            w.page..w.page + 1,
+                            self.store_call_deadline(),
+                        )?;
+                    }
+                    return Err(self.bad_object(batch, comp, w.page, None, detail));
+                }
             }
         }
         Ok(plan.sums)

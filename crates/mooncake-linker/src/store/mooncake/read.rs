@@ -2,7 +2,11 @@
 //! ranges shaped (merged, and staged through scratch where they continue in the object only),
 //! then the wheel's ranged call, then the copies out of scratch.
 
+use std::sync::Arc;
+use std::thread::ScopedJoinHandle;
+
 use mooncake_sys::{CKeys, Range};
+use parking_lot::Mutex;
 
 use super::ranges::{partition, shape, Shaped, Target};
 use super::store::{failed_placeholder, per_key, store_error, MooncakeStore};
@@ -20,6 +24,39 @@ const SCRATCH_BYTES: u64 = 32 << 20;
 const KEPT_SCRATCH: usize = super::MAX_READ_STREAMS;
 
 type KeyResult = Result<u64, StoreError>;
+
+/// A wheel call that returned: its results, and the scratch its keys' copies come out of.
+struct ReadCall<'g> {
+    results: Vec<KeyResult>,
+    scratch: Vec<u8>,
+    /// Each key's offset in `scratch`.
+    key_scratch: Vec<u64>,
+    shaped: &'g [Shaped],
+}
+
+// SAFETY: the copy targets inside `shaped` are caller memory that `get_ranges`'s contract
+// makes ours to write, from any thread, until it returns; the copy-out thread is scoped
+// inside that call and joined before it returns.
+unsafe impl Send for ReadCall<'_> {}
+
+impl ReadCall<'_> {
+    /// True when no key of the call has anything to copy out of scratch.
+    fn copies_nothing(&self) -> bool {
+        self.shaped.iter().all(|s| s.copies.is_empty())
+    }
+}
+
+/// Every key of `part` failed because a helper thread panicked.
+fn panicked(gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyResult> {
+    part.iter()
+        .map(|&i| {
+            Err(StoreError::Other {
+                key: gets[i].key.to_owned(),
+                code: -1,
+            })
+        })
+        .collect()
+}
 
 impl MooncakeStore {
     /// Reads `gets[i]` for every `i` in `readable` (keys in a session, valid arguments) into
@@ -65,7 +102,9 @@ impl MooncakeStore {
         }
     }
 
-    /// The gets of one stream, in calls of at most [`SCRATCH_BYTES`] of staging each.
+    /// The gets of one stream, in calls of at most [`SCRATCH_BYTES`] of staging each. The
+    /// copies out of one call's scratch run on a helper thread while the next call is on the
+    /// wire, so a large staged read pays its copies only once, at the end.
     fn read_part(&self, gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyResult> {
         let stage = self.config.staged_merge_enabled();
         let shaped: Vec<Shaped> = part
@@ -79,7 +118,7 @@ impl MooncakeStore {
                 }
             })
             .collect();
-        let mut out = Vec::with_capacity(part.len());
+        let mut calls = Vec::new();
         let mut start = 0;
         while start < part.len() {
             let mut end = start + 1;
@@ -88,26 +127,71 @@ impl MooncakeStore {
                 need += shaped[end].scratch;
                 end += 1;
             }
-            out.extend(self.read_call(gets, &part[start..end], &shaped[start..end], need));
+            calls.push((start..end, need));
             start = end;
         }
+        let mut out = Vec::with_capacity(part.len());
+        std::thread::scope(|s| {
+            // The copy-out of the previous call, on its helper thread, with its keys.
+            let mut copying: Option<(ScopedJoinHandle<'_, Vec<KeyResult>>, &[usize])> = None;
+            for (range, need) in calls {
+                let keys = &part[range.clone()];
+                let call = self.read_call(gets, keys, &shaped[range], need);
+                if let Some((h, prev)) = copying.take() {
+                    out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev)));
+                }
+                if call.copies_nothing() {
+                    out.extend(self.copy_out(call));
+                    continue;
+                }
+                let slot = Arc::new(Mutex::new(Some(call)));
+                let spawned = std::thread::Builder::new().spawn_scoped(s, {
+                    let slot = slot.clone();
+                    move || {
+                        slot.lock()
+                            .take()
+                            .map(|c| self.copy_out(c))
+                            .unwrap_or_default()
+                    }
+                });
+                match spawned {
+                    Ok(h) => copying = Some((h, keys)),
+                    // No thread to be had: the copies run here.
+                    Err(_) => {
+                        if let Some(c) = slot.lock().take() {
+                            out.extend(self.copy_out(c));
+                        }
+                    }
+                }
+            }
+            if let Some((h, prev)) = copying.take() {
+                out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev)));
+            }
+        });
         out
     }
 
     /// One ranged call of the wheel for `gets[i]`, `i` in `part`, shaped as `shaped`, with
     /// `need` bytes of scratch; per entry of `part`, the bytes read or the error (a short read
-    /// is an error; a key's copies out of scratch are made only when it was read whole).
-    fn read_call(
+    /// is an error). The copies out of scratch are left to [`copy_out`](Self::copy_out).
+    fn read_call<'g>(
         &self,
-        gets: &[RangedGet<'_>],
-        part: &[usize],
-        shaped: &[Shaped],
+        gets: &'g [RangedGet<'g>],
+        part: &'g [usize],
+        shaped: &'g [Shaped],
         need: u64,
-    ) -> Vec<KeyResult> {
+    ) -> ReadCall<'g> {
         let names: Vec<&str> = part.iter().map(|&i| gets[i].key).collect();
         let ckeys = match CKeys::new(&names) {
             Ok(k) => k,
-            Err(e) => return names.iter().map(|k| Err(store_error(k, &e))).collect(),
+            Err(e) => {
+                return ReadCall {
+                    results: names.iter().map(|k| Err(store_error(k, &e))).collect(),
+                    scratch: Vec::new(),
+                    key_scratch: Vec::new(),
+                    shaped,
+                }
+            }
         };
         let mut scratch = self.take_scratch(need as usize);
         let base = scratch.as_mut_ptr();
@@ -147,40 +231,46 @@ impl MooncakeStore {
         let positions: Vec<usize> = (0..part.len()).collect();
         let mut out: Vec<KeyResult> = names.iter().map(|k| failed_placeholder(k)).collect();
         per_key(&names, results, &positions, &mut out);
-        for ((r, &i), (s, &start)) in out
-            .iter_mut()
-            .zip(part)
-            .zip(shaped.iter().zip(&key_scratch))
-        {
+        for (r, &i) in out.iter_mut().zip(part) {
             let expected = gets[i].expected();
-            match *r {
-                Ok(got) if got == expected => {
-                    for c in &s.copies {
-                        // SAFETY: the source lies in this key's scratch share, which the call
-                        // above filled (`from + len <= s.scratch`); the destination is part of a
-                        // caller range (valid for writes, untouched by others, per the contract
-                        // quoted above), and the two cannot overlap (scratch is the store's).
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                base.add((start + c.from) as usize),
-                                c.to,
-                                c.len,
-                            );
-                        }
-                    }
-                }
-                Ok(got) => {
+            if let Ok(got) = *r {
+                if got != expected {
                     *r = Err(StoreError::ShortRead {
                         key: gets[i].key.to_owned(),
                         expected,
                         got,
-                    })
+                    });
                 }
-                Err(_) => {}
             }
         }
-        self.return_scratch(scratch);
-        out
+        ReadCall {
+            results: out,
+            scratch,
+            key_scratch,
+            shaped,
+        }
+    }
+
+    /// The copies out of a returned call's scratch, for every key it read whole; the results.
+    fn copy_out(&self, call: ReadCall<'_>) -> Vec<KeyResult> {
+        let base = call.scratch.as_ptr();
+        for ((r, s), &start) in call.results.iter().zip(call.shaped).zip(&call.key_scratch) {
+            if r.is_err() {
+                continue;
+            }
+            for c in &s.copies {
+                // SAFETY: the source lies in this key's scratch share, which the call filled
+                // (`from + len <= s.scratch`); the destination is part of a caller range (valid
+                // for writes, untouched by others until `get_ranges` returns, per the contract
+                // quoted in `read_call`; this copy runs before it returns), and the two cannot
+                // overlap (scratch is the store's).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(base.add((start + c.from) as usize), c.to, c.len);
+                }
+            }
+        }
+        self.return_scratch(call.scratch);
+        call.results
     }
 
     /// A scratch area of at least `len` bytes (empty for 0), reused when one is kept.

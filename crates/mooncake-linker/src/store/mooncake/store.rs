@@ -13,6 +13,11 @@ use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
 };
 
+/// Most threads one `object_size` call asks the master on.
+const SIZE_QUERY_THREADS: usize = 8;
+/// Keys per thread below which `object_size` asks on fewer threads.
+const SIZE_QUERY_KEYS_PER_THREAD: usize = 32;
+
 /// Read-session bookkeeping of one key: Mooncake's sessions are not reference counted (the
 /// client keeps one session per key; a repeated `batch_get_session_start` refreshes it, one
 /// `batch_get_session_end` erases it), so the store counts its users and ends the client's
@@ -333,10 +338,38 @@ impl KvStore for MooncakeStore {
         out
     }
 
+    /// The pinned wheel asks the master once per key (no batched size query), so a large
+    /// batch's keys are asked on up to [`SIZE_QUERY_THREADS`] threads at once: the calls are
+    /// round trips, not CPU work.
     fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
-        keys.iter()
-            .map(|k| self.client.get_size(k).map_err(|e| store_error(k, &e)))
-            .collect()
+        let one = |k: &&str| self.client.get_size(k).map_err(|e| store_error(k, &e));
+        let threads = (keys.len() / SIZE_QUERY_KEYS_PER_THREAD).clamp(1, SIZE_QUERY_THREADS);
+        if threads == 1 {
+            return keys.iter().map(one).collect();
+        }
+        let chunk = keys.len().div_ceil(threads);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = keys
+                .chunks(chunk)
+                .map(|part| s.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
+                .collect();
+            handles
+                .into_iter()
+                .zip(keys.chunks(chunk))
+                .flat_map(|(h, part)| {
+                    h.join().unwrap_or_else(|_| {
+                        part.iter()
+                            .map(|k| {
+                                Err(StoreError::Other {
+                                    key: (*k).to_owned(),
+                                    code: -1,
+                                })
+                            })
+                            .collect()
+                    })
+                })
+                .collect()
+        })
     }
 
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {

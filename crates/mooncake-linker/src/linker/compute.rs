@@ -1,0 +1,145 @@
+//! The engine's compute time per layer, measured from the gaps between its `wait_layer` calls:
+//! a thread that returns from `wait_layer(b, l)` and calls `wait_layer(b, l + 1)` later spent
+//! that time on layer *l* (or on launching its kernels: a device engine whose compute runs
+//! asynchronously on its stream shows only the launch time here, and should configure its
+//! compute instead). Several threads may wait on one linker (an engine thread and a
+//! watcher); the slowest thread's running mean is the estimate, since only a thread that
+//! computes between waits has gaps longer than a wake-up.
+
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use kv_loader::BatchId;
+use parking_lot::Mutex;
+
+/// Threads followed at once (the least recently active one is forgotten first).
+const MAX_THREADS: usize = 16;
+/// Weight of a new gap in a thread's running mean.
+const EWMA: f64 = 0.1;
+/// Gaps a thread must have shown before it counts.
+const MIN_GAPS: u32 = 4;
+/// A thread that has not returned from a wait for this long no longer counts.
+const STALE: Duration = Duration::from_secs(60);
+
+#[derive(Debug)]
+struct Track {
+    thread: ThreadId,
+    batch: BatchId,
+    layer: u32,
+    returned: Instant,
+    mean: f64,
+    gaps: u32,
+}
+
+/// Running estimate of the engine's compute per layer (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct ComputeMeter {
+    tracks: Mutex<Vec<Track>>,
+}
+
+impl ComputeMeter {
+    /// The calling thread enters `wait_layer(batch, layer)`.
+    pub(crate) fn entering(&self, batch: BatchId, layer: u32) {
+        let me = std::thread::current().id();
+        let now = Instant::now();
+        let mut tracks = self.tracks.lock();
+        if let Some(t) = tracks.iter_mut().find(|t| t.thread == me) {
+            if t.batch == batch && t.layer.checked_add(1) == Some(layer) {
+                let gap = now.saturating_duration_since(t.returned).as_secs_f64();
+                t.mean = if t.gaps == 0 {
+                    gap
+                } else {
+                    t.mean * (1.0 - EWMA) + gap * EWMA
+                };
+                t.gaps = t.gaps.saturating_add(1);
+            }
+        }
+    }
+
+    /// The calling thread's `wait_layer(batch, layer)` returned the layer.
+    pub(crate) fn returned(&self, batch: BatchId, layer: u32) {
+        let me = std::thread::current().id();
+        let now = Instant::now();
+        let mut tracks = self.tracks.lock();
+        if let Some(t) = tracks.iter_mut().find(|t| t.thread == me) {
+            t.batch = batch;
+            t.layer = layer;
+            t.returned = now;
+            return;
+        }
+        if tracks.len() >= MAX_THREADS {
+            if let Some(oldest) = tracks
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, t)| t.returned)
+                .map(|(i, _)| i)
+            {
+                tracks.swap_remove(oldest);
+            }
+        }
+        tracks.push(Track {
+            thread: me,
+            batch,
+            layer,
+            returned: now,
+            mean: 0.0,
+            gaps: 0,
+        });
+    }
+
+    /// The compute per layer measured so far: the largest running mean of the threads active
+    /// in the last minute that showed enough gaps; `None` before any did.
+    pub(crate) fn estimate(&self) -> Option<Duration> {
+        let now = Instant::now();
+        self.tracks
+            .lock()
+            .iter()
+            .filter(|t| t.gaps >= MIN_GAPS && now.saturating_duration_since(t.returned) < STALE)
+            .map(|t| t.mean)
+            .fold(None, |acc: Option<f64>, m| {
+                Some(acc.map_or(m, |a| a.max(m)))
+            })
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layers(meter: &ComputeMeter, batch: u64, n: u32, compute: Duration) {
+        for l in 0..n {
+            meter.entering(BatchId(batch), l);
+            meter.returned(BatchId(batch), l);
+            std::thread::sleep(compute);
+        }
+    }
+
+    #[test]
+    fn the_computing_thread_sets_the_estimate() {
+        let meter = ComputeMeter::default();
+        assert_eq!(meter.estimate(), None);
+        std::thread::scope(|s| {
+            // A watcher that waits back to back, and an engine that computes 3 ms per layer.
+            s.spawn(|| layers(&meter, 1, 12, Duration::ZERO));
+            s.spawn(|| layers(&meter, 1, 12, Duration::from_millis(3)));
+        });
+        let est = meter.estimate().expect("measured");
+        assert!(est >= Duration::from_millis(3), "{est:?}");
+        assert!(est < Duration::from_millis(50), "{est:?}");
+    }
+
+    #[test]
+    fn gaps_across_batches_or_skipped_layers_do_not_count() {
+        let meter = ComputeMeter::default();
+        for l in [0u32, 2, 4, 6, 8, 10] {
+            meter.entering(BatchId(1), l);
+            meter.returned(BatchId(1), l);
+        }
+        for b in 2..10 {
+            meter.entering(BatchId(b), 1);
+            meter.returned(BatchId(b), 0);
+        }
+        assert_eq!(meter.estimate(), None);
+    }
+}

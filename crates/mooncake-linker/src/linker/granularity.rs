@@ -1,0 +1,369 @@
+//! How many layers each store call of a load reads ([`ReadGranularity`], configured), and the
+//! per-linker state the adaptive plan decides from: a [`ReadCostEstimator`] fed by every
+//! group call, and the engine's compute per layer (configured, or measured by
+//! [`ComputeMeter`]).
+
+use std::ops::Range;
+use std::time::Duration;
+
+use kv_loader::ShareMode;
+use parking_lot::Mutex;
+use tracing::debug;
+
+use super::compute::ComputeMeter;
+use crate::read_plan::{plan_reads, ReadCost, ReadCostEstimator, ReadPlanRequest};
+
+/// How many layers each store call of a load reads (`LinkerConfig::read_granularity`).
+///
+/// Whatever it says, a call never covers more layers than the landing lends stages at once
+/// minus one (the layer the exchange loop is landing): host pools lend one per layer, device
+/// pools as many as their staging buffer has stages
+/// ([`StagingPool::with_stages`](kv_device::StagingPool::with_stages)).
+///
+/// ```
+/// use std::time::Duration;
+/// use mooncake_linker::{LinkerConfig, ReadGranularity};
+/// // The default: groups planned per batch from measured costs and compute.
+/// assert!(matches!(LinkerConfig::default().read_granularity, ReadGranularity::Adaptive { .. }));
+/// // One layer per call (how every load read before layer groups).
+/// let one = LinkerConfig { read_granularity: ReadGranularity::Fixed { layers_per_call: 1 }, ..LinkerConfig::default() };
+/// // Adaptive, with the engine's compute known (a device engine's compute runs on its stream,
+/// // where the linker cannot time it) and calls of at most 16 layers.
+/// let known = ReadGranularity::Adaptive {
+///     max_layers_per_call: 16,
+///     compute_per_layer: Some(Duration::from_millis(6)),
+///     prior: ReadGranularity::DEFAULT_PRIOR,
+/// };
+/// # let _ = (one, known);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ReadGranularity {
+    /// Each batch's groups are planned by [`read_plan::plan_reads`](crate::read_plan::plan_reads)
+    /// on each rank: from the bytes this rank reads per layer in the batch's mode, the
+    /// linker's estimate of a call's cost (fitted from every group call it made), and the
+    /// engine's compute per layer. Layer 0 is read alone (attention starts after one layer's
+    /// read) unless the compute is configured as zero; the groups then grow while the reads
+    /// stay ahead of compute.
+    Adaptive {
+        /// Most layers one call may read. Also capped by the stages (above) and so that a
+        /// call's predicted time stays under a quarter of `layer_read_timeout`.
+        max_layers_per_call: u32,
+        /// The engine's compute per layer; `None`: measured from the gaps between the
+        /// engine's `wait_layer` calls (before any was measured, almost none is assumed:
+        /// layer 0 alone, then the fastest reads). A whole forward pass of compute shorter
+        /// than one call's fixed cost counts as none: the fewest calls, no layer read alone.
+        compute_per_layer: Option<Duration>,
+        /// What a call costs before this linker has timed any (e.g. what an earlier linker
+        /// over the same store measured: [`Linker::read_cost`](crate::Linker::read_cost)).
+        prior: ReadCost,
+    },
+    /// Every call reads `layers_per_call` consecutive layers (1: one call per layer).
+    Fixed {
+        /// Layers per call (at least 1).
+        layers_per_call: u32,
+    },
+}
+
+impl ReadGranularity {
+    /// The prior of the default: 2 ms per call and 2 GB/s (a Mooncake client over TCP on a
+    /// busy host reads between 0.7 and 3.5 GB/s; the first batch's calls correct it).
+    pub const DEFAULT_PRIOR: ReadCost = ReadCost {
+        per_call: Duration::from_millis(2),
+        per_layer: Duration::ZERO,
+        seconds_per_byte: 0.5e-9,
+    };
+
+    /// The default: adaptive, no cap of its own, compute measured.
+    pub const ADAPTIVE: ReadGranularity = ReadGranularity::Adaptive {
+        max_layers_per_call: u32::MAX,
+        compute_per_layer: None,
+        prior: Self::DEFAULT_PRIOR,
+    };
+}
+
+impl Default for ReadGranularity {
+    fn default() -> Self {
+        Self::ADAPTIVE
+    }
+}
+
+/// The compute assumed before any was measured: positive, so layer 0 is read alone, and
+/// small, so the rest is read as fast as the store allows.
+const UNMEASURED_COMPUTE: Duration = Duration::from_micros(1);
+
+/// Weight of a new batch in the running mean of a mode's share step per layer.
+const SHARE_EWMA: f64 = 0.5;
+
+/// The per-linker state of read granularity: the cost estimate, the compute meter, and each
+/// mode's share step per layer.
+#[derive(Debug)]
+pub(crate) struct ReadGroups {
+    granularity: ReadGranularity,
+    estimator: Mutex<ReadCostEstimator>,
+    pub(crate) compute: ComputeMeter,
+    /// Seconds per layer the exchange loop spent in each mode's share step (collective,
+    /// scatter, land): a running mean over batches (AllRanks, Rank0Broadcast, SplitAllGather).
+    share: Mutex<[Option<f64>; 3]>,
+}
+
+fn mode_slot(mode: ShareMode) -> usize {
+    match mode {
+        ShareMode::AllRanks => 0,
+        ShareMode::Rank0Broadcast => 1,
+        ShareMode::SplitAllGather => 2,
+    }
+}
+
+impl ReadGroups {
+    pub(crate) fn new(granularity: ReadGranularity) -> Self {
+        let prior = match granularity {
+            ReadGranularity::Adaptive { prior, .. } if prior.is_valid() => prior,
+            _ => ReadGranularity::DEFAULT_PRIOR,
+        };
+        ReadGroups {
+            granularity,
+            estimator: Mutex::new(ReadCostEstimator::new(prior)),
+            compute: ComputeMeter::default(),
+            share: Mutex::new([None; 3]),
+        }
+    }
+
+    /// A batch in `mode` spent `per_layer` in each layer's share step.
+    pub(crate) fn observe_share(&self, mode: ShareMode, per_layer: Duration) {
+        let mut share = self.share.lock();
+        let s = &mut share[mode_slot(mode)];
+        let v = per_layer.as_secs_f64();
+        *s = Some(s.map_or(v, |old| old * (1.0 - SHARE_EWMA) + v * SHARE_EWMA));
+    }
+
+    /// The share step per layer last measured in `mode`.
+    fn share_per_layer(&self, mode: ShareMode) -> Option<Duration> {
+        self.share.lock()[mode_slot(mode)].and_then(|s| Duration::try_from_secs_f64(s).ok())
+    }
+
+    /// A group call read `layers` layers, `bytes` bytes, in `took`.
+    pub(crate) fn observe(&self, layers: u32, bytes: u64, took: Duration) {
+        if bytes > 0 {
+            self.estimator.lock().observe(layers, bytes, took);
+        }
+    }
+
+    /// The cost of a call now.
+    pub(crate) fn cost(&self) -> ReadCost {
+        self.estimator.lock().estimate()
+    }
+
+    /// The compute per layer the plan uses: configured, else measured.
+    pub(crate) fn compute_per_layer(&self) -> Option<Duration> {
+        match self.granularity {
+            ReadGranularity::Adaptive {
+                compute_per_layer: Some(c),
+                ..
+            } => Some(c),
+            _ => self.compute.estimate(),
+        }
+    }
+
+    /// The groups of one batch on this rank in `mode`: `layer_bytes[l]` bytes read for layer
+    /// `l`, at most `stages - 1` layers per group (the stages the landing lends), and calls
+    /// predicted to take at most `call_limit`. The groups tile `0..layer_bytes.len()` in order.
+    ///
+    /// What the reads overlap with is the slower of the engine's compute and the exchange
+    /// loop's share step per layer (measured in this mode's last batches): a layer is ready
+    /// for the engine only after its share step, so with no compute but a broadcast to
+    /// make, one big group would leave every broadcast until after the whole read.
+    pub(crate) fn plan(
+        &self,
+        layer_bytes: &[u64],
+        stages: usize,
+        call_limit: Duration,
+        mode: ShareMode,
+    ) -> Vec<Range<u32>> {
+        let n = layer_bytes.len() as u32;
+        let by_stages = u32::try_from(stages.saturating_sub(1))
+            .unwrap_or(u32::MAX)
+            .max(1);
+        match self.granularity {
+            ReadGranularity::Fixed { layers_per_call } => {
+                fixed(n, layers_per_call.clamp(1, by_stages))
+            }
+            ReadGranularity::Adaptive {
+                max_layers_per_call,
+                ..
+            } => {
+                let cost = self.cost();
+                let by_time = max_by_time(layer_bytes, &cost, call_limit);
+                let max = max_layers_per_call.min(by_stages).min(by_time).max(1);
+                let share = self.share_per_layer(mode).unwrap_or(Duration::ZERO);
+                let compute = match self.compute_per_layer().map(|c| c.max(share)) {
+                    None if share.is_zero() => UNMEASURED_COMPUTE,
+                    None => share,
+                    // A forward pass shorter than one call's fixed cost has nothing worth
+                    // overlapping (an engine that waits for the layers back to back, no share
+                    // step to speak of): the reads alone count, in the fewest calls.
+                    Some(c) if c.saturating_mul(n) < cost.per_call => Duration::ZERO,
+                    Some(c) => c,
+                };
+                let req = ReadPlanRequest {
+                    layer_bytes,
+                    cost,
+                    compute_per_layer: compute,
+                    max_layers_per_call: max,
+                };
+                match plan_reads(&req) {
+                    Ok(plan) => {
+                        debug!(
+                            ?compute,
+                            max,
+                            groups = plan.groups().len(),
+                            predicted_last = ?plan.ready(n.saturating_sub(1)),
+                            "read plan"
+                        );
+                        plan.groups().to_vec()
+                    }
+                    // Unreachable with a valid cost and max >= 1; one layer per call is safe.
+                    Err(_) => fixed(n, 1),
+                }
+            }
+        }
+    }
+}
+
+/// Groups of `k` layers from layer 0 (the last one shorter).
+fn fixed(n: u32, k: u32) -> Vec<Range<u32>> {
+    (0..n)
+        .step_by(k.max(1) as usize)
+        .map(|s| s..(s + k).min(n))
+        .collect()
+}
+
+/// The most layers a call may read for its predicted time (the widest layers, at `cost`) to
+/// stay within `limit`; at least 1.
+fn max_by_time(layer_bytes: &[u64], cost: &ReadCost, limit: Duration) -> u32 {
+    let widest = layer_bytes.iter().copied().max().unwrap_or(0);
+    let mut k = 1u32;
+    while (k as usize) < layer_bytes.len()
+        && cost.call_time(k + 1, widest.saturating_mul(u64::from(k + 1))) <= limit
+    {
+        k += 1;
+    }
+    k
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn glm(pages: u64) -> Vec<u64> {
+        (0..78u64)
+            .map(|l| pages * (41_984 + if l % 4 == 0 { 8_448 } else { 0 }))
+            .collect()
+    }
+
+    fn sizes(g: &[Range<u32>]) -> Vec<u32> {
+        g.iter().map(|r| r.end - r.start).collect()
+    }
+
+    #[test]
+    fn fixed_groups_respect_the_stages() {
+        let r = ReadGroups::new(ReadGranularity::Fixed { layers_per_call: 8 });
+        assert_eq!(
+            sizes(&r.plan(&glm(4), 79, Duration::MAX, ShareMode::AllRanks))[..3],
+            [8, 8, 8]
+        );
+        // Two stages: one layer per call, whatever was asked.
+        assert!(
+            sizes(&r.plan(&glm(4), 2, Duration::MAX, ShareMode::AllRanks))
+                .iter()
+                .all(|&s| s == 1)
+        );
+        let one = ReadGroups::new(ReadGranularity::Fixed { layers_per_call: 1 });
+        assert_eq!(
+            one.plan(&glm(4), 79, Duration::MAX, ShareMode::AllRanks)
+                .len(),
+            78
+        );
+    }
+
+    #[test]
+    fn adaptive_reads_layer_0_alone_and_respects_every_cap() {
+        let r = ReadGroups::new(ReadGranularity::ADAPTIVE);
+        let g = r.plan(&glm(512), 79, Duration::from_secs(5), ShareMode::AllRanks);
+        assert_eq!(g[0], 0..1);
+        assert!(g.len() < 10, "{:?}", sizes(&g));
+        // Stages cap the groups.
+        let g = r.plan(&glm(512), 9, Duration::from_secs(5), ShareMode::AllRanks);
+        assert!(sizes(&g).iter().all(|&s| s <= 8));
+        // So does a call's predicted time: 21.5 MB layers at the prior's 2 GB/s are ~13 ms.
+        let g = r.plan(
+            &glm(512),
+            79,
+            Duration::from_millis(60),
+            ShareMode::AllRanks,
+        );
+        assert!(sizes(&g).iter().all(|&s| s <= 5), "{:?}", sizes(&g));
+    }
+
+    #[test]
+    fn configured_zero_compute_reads_the_fewest_calls() {
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: 26,
+            compute_per_layer: Some(Duration::ZERO),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        assert_eq!(
+            r.plan(&glm(512), 79, Duration::MAX, ShareMode::AllRanks)
+                .len(),
+            3
+        );
+    }
+
+    #[test]
+    fn negligible_compute_counts_as_none() {
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: u32::MAX,
+            compute_per_layer: Some(Duration::from_micros(1)),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        // 78 µs of compute in all, against 2 ms per call: one call for everything.
+        assert_eq!(
+            r.plan(&glm(512), 79, Duration::MAX, ShareMode::AllRanks),
+            vec![0..78]
+        );
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: u32::MAX,
+            compute_per_layer: Some(Duration::from_millis(1)),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        assert_eq!(
+            r.plan(&glm(512), 79, Duration::MAX, ShareMode::AllRanks)[0],
+            0..1
+        );
+    }
+
+    #[test]
+    fn a_measured_share_step_is_overlapped_like_compute() {
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: u32::MAX,
+            compute_per_layer: Some(Duration::ZERO),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        let plan = |r: &ReadGroups, m| r.plan(&glm(512), 79, Duration::MAX, m);
+        assert_eq!(plan(&r, ShareMode::Rank0Broadcast), vec![0..78]);
+        // A broadcast of 5 ms per layer: layer 0 alone, then groups that keep ahead of it.
+        r.observe_share(ShareMode::Rank0Broadcast, Duration::from_millis(5));
+        let g = plan(&r, ShareMode::Rank0Broadcast);
+        assert_eq!(g[0], 0..1);
+        assert!(g.len() > 2, "{g:?}");
+        // Another mode's share step says nothing about this one.
+        assert_eq!(plan(&r, ShareMode::AllRanks), vec![0..78]);
+    }
+
+    #[test]
+    fn a_rank_that_reads_nothing_still_gets_groups_within_its_stages() {
+        let r = ReadGroups::new(ReadGranularity::ADAPTIVE);
+        let g = r.plan(&[0; 78], 4, Duration::MAX, ShareMode::AllRanks);
+        assert!(sizes(&g).iter().all(|&s| (1..=3).contains(&s)));
+        assert_eq!(g.last().map(|r| r.end), Some(78));
+    }
+}

@@ -1,0 +1,166 @@
+//! The `Linker` itself as a reader: one rank (TP 1) loading every layer of the bench's objects
+//! into a host pool with its default read granularity (adaptive layer groups) and its
+//! `MooncakeStore` defaults (staged merge, read streams), while an engine thread waits for
+//! each layer and then computes it (SIMULATED: the thread sleeps). The objects are the
+//! bench's, read under their own namespace, so the Python baseline reads the same bytes.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use kvlink::kv_device::{HostKvPool, KvPool};
+use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec, PageHash};
+use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, RequestPages};
+use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
+use kvlink::mooncake_linker::{Linker, LinkerConfig};
+
+use crate::objects::Objects;
+
+/// What one load took (seconds from `start_load`).
+pub struct LinkerTiming {
+    pub first: f64,
+    pub last: f64,
+    /// The engine's last layer computed.
+    pub forward_done: f64,
+    /// Layers per store call.
+    pub groups: Vec<u32>,
+}
+
+/// A linker over its own Mooncake client, loading into a pool shared with the other linker
+/// readers (they run one at a time).
+pub struct LinkerReader {
+    pub compute: Duration,
+    /// `MC_TCP_LANES_PER_PEER` of its client (0: the wheel's default).
+    pub lanes: usize,
+    linker: Linker,
+    pool: Arc<HostKvPool>,
+    hashes: Vec<PageHash>,
+    slots: Vec<u32>,
+    batch: u64,
+}
+
+/// The pool every linker reader lands in: one slot per page.
+pub fn pool(objects: &Objects) -> Result<Arc<HostKvPool>> {
+    let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0)?;
+    Ok(Arc::new(HostKvPool::new(g, objects.pages as u32)?))
+}
+
+impl LinkerReader {
+    /// A linker with the library's defaults, reading the bench's objects (`namespace`), over a
+    /// new client of `config` (no segment of its own).
+    pub fn new(
+        config: &MooncakeConfig,
+        namespace: &str,
+        tokens: u32,
+        pool: Arc<HostKvPool>,
+        (compute, lanes): (Duration, usize),
+    ) -> Result<Self> {
+        // The wheel reads MC_TCP_LANES_PER_PEER when a client's transport is created; it is
+        // set around this connect only, while no client has a transfer in flight.
+        if lanes > 0 {
+            std::env::set_var("MC_TCP_LANES_PER_PEER", lanes.to_string());
+        }
+        let store = MooncakeStore::connect(config.clone());
+        if lanes > 0 {
+            std::env::remove_var("MC_TCP_LANES_PER_PEER");
+        }
+        let store = store.with_context(|| format!("connecting to {}", config.master_addr()))?;
+        let g = pool.geometry().clone();
+        let token_ids: Vec<u32> = (0..tokens).collect();
+        let hashes = page_hashes(&token_ids, g.page_size(), None);
+        let n = hashes.len() as u32;
+        // Scattered slots, as an engine's allocator hands them out.
+        let slots: Vec<u32> = (0..n).map(|i| (i * 389 + 17) % n.max(1)).collect();
+        if n % 389 == 0 {
+            bail!("slot permutation degenerate for {n} pages");
+        }
+        let linker = Linker::new(
+            g,
+            Arc::new(store),
+            pool.clone(),
+            LinkerConfig {
+                namespace: namespace.into(),
+                wait_deadline: Duration::from_secs(120),
+                ..LinkerConfig::default()
+            },
+        )?;
+        Ok(Self {
+            compute,
+            lanes,
+            linker,
+            pool,
+            hashes,
+            slots,
+            batch: 0,
+        })
+    }
+
+    /// One load of every page; on `check`, the pool is compared with the objects afterwards.
+    pub fn run(&mut self, objects: &Objects, check: bool) -> Result<LinkerTiming> {
+        self.batch += 1;
+        let plan = BatchPlan::all_components(
+            self.linker.geometry(),
+            BatchId(self.batch),
+            vec![RequestPages {
+                request: "bench".into(),
+                pages: self.hashes.clone(),
+            }],
+            self.slots.clone(),
+        );
+        let start = Instant::now();
+        let ticket = self.linker.start_load(plan)?;
+        let mut ready = Vec::new();
+        for l in 0..self.linker.num_layers() {
+            self.linker.wait_layer(&ticket, l)?;
+            ready.push(start.elapsed().as_secs_f64());
+            if !self.compute.is_zero() {
+                std::thread::sleep(self.compute);
+            }
+        }
+        let forward_done = start.elapsed().as_secs_f64();
+        let stats = self.linker.wait_batch(&ticket)?.result?;
+        if check {
+            self.verify(objects)?;
+        }
+        Ok(LinkerTiming {
+            first: ready.first().copied().unwrap_or(f64::NAN),
+            last: ready.last().copied().unwrap_or(f64::NAN),
+            forward_done,
+            groups: stats.read_groups,
+        })
+    }
+
+    /// Every slot holds its object's bytes.
+    fn verify(&self, objects: &Objects) -> Result<()> {
+        let g = self.pool.geometry().clone();
+        for (ci, c) in g.components().iter().enumerate() {
+            let lb = c.page_layer_bytes as usize;
+            let mut got = vec![0u8; lb];
+            let mut want = vec![0u8; c.object_bytes() as usize];
+            for (p, &slot) in self.slots.iter().enumerate() {
+                objects.expected_object(ci, p, &mut want);
+                for (pos, &l) in c.layers.iter().enumerate() {
+                    // SAFETY: the batch's outcome was taken: nothing writes the pool now.
+                    unsafe { self.pool.read_slot(c.id, l, slot, &mut got) }?;
+                    if got[..] != want[pos * lb..(pos + 1) * lb] {
+                        bail!("linker: {} page {p} layer {l}: bytes differ", c.name);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The linker's measured compute per layer and call cost, for the table.
+    pub fn measured(&self) -> String {
+        let cost = self.linker.read_cost();
+        format!(
+            "compute measured {}, call cost {:.1} ms + {:.2} GB/s",
+            self.linker
+                .compute_per_layer()
+                .map_or("—".into(), |c| format!("{:.1} ms", c.as_secs_f64() * 1e3)),
+            cost.per_call.as_secs_f64() * 1e3,
+            1e-9 / cost.seconds_per_byte
+        )
+    }
+}

@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# Runs ON THE GPU MACHINE: the reference table of the dedup modes against a real Mooncake Store
+# (issue 17), one part per command (each part stays inside the device tool's 10 minutes).
+# Built and packed where the repo is by scripts/gpu-mooncake-bundle.sh (gpu-mooncake/: the
+# wheel's binaries and libraries, mooncake_modes built with CUDA, mooncake_read, glm_prefill);
+# every part runs under scripts/gpu-mooncake-run.sh (a master and storage nodes on loopback,
+# in a private network namespace, stopped at the end).
+#
+# Usage: bash scripts/gpu-mooncake-table.sh --part PART [--quick] [-- extra flags for the binary]
+# Parts (run them back to back on one warm machine; times measured/estimated for one H200 host):
+#   host     host pools, TP 2, 4, 8 as threads, 32K and 128K tokens, every mode and Auto (two
+#            Auto runs per TP), one storage node                            (about 6-8 min)
+#   nodes    the same with 4 storage nodes (SplitAllGather against their aggregate)
+#                                                                           (about 6-8 min)
+#   device   device pools with the ranks on the GPU(s): every rank on GPU 0 (in-process device
+#            group), and with 2+ GPUs one rank per GPU over NCCL; 32K and 128K, one storage
+#            node                                                           (about 6-8 min)
+#   reads    one client: the wheel's Python whole-object read against kvlink's reads and the
+#            Linker itself (adaptive layer groups, store defaults; the wheel's 4 TCP lanes and
+#            8) with the engine computing 0 / 5.76 ms per layer (SIMULATED: the modelled
+#            compute at 32K), 32K tokens, one storage node                 (about 3 min)
+#   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8, 32K,
+#            every mode, one storage node, if this build's glm_prefill has the mode (a build
+#            after issue 14 part 2 is merged); else the part says so and exits 0 (about 2-4 min)
+# --quick   small sizes (2K tokens, TP 2 and 4, one rep, one Auto run; device pools on CPU
+#           devices when no GPU is visible): a dry run of the whole part in well under a minute
+#
+# Output ($OUT when set, else gpu-mooncake/out/): the part's tables, named after the machine and
+# shape for docs/results/ (e.g. mooncake_modes_h200x1_host_128k_n1.md, mooncake_read_h200x1_32k.md),
+# each ending with `N passed, N failed` where it checks; <part>.stdout.log, <part>.stderr.log and
+# env_<part>.txt. The binary is stopped after KVLINK_TABLE_TIMEOUT seconds (default 570), and
+# starts no prefix size it expects to end past --budget-s (default 520 s), so the tables of the
+# sizes it finished are always written.
+#
+# From the build machine:
+#   bash scripts/gpu-mooncake-bundle.sh        # gpu-mooncake/ (carry it; < 34 MiB)
+#   run(command="bash scripts/gpu-mooncake-table.sh --part host", carry=["gpu-mooncake"],
+#       kind="nvidia-h200", timeout_s=600)     # then --part reads, --part device, --part nodes
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+part=""
+quick=0
+extra=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --part) part="${2:-}"; shift 2 ;;
+    --quick) quick=1; shift ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "gpu-mooncake-table: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$part" in
+  host|nodes|device|reads|procs) ;;
+  *) echo "gpu-mooncake-table: --part host|nodes|device|reads|procs (see --help)" >&2; exit 2 ;;
+esac
+
+out="${OUT:-$repo/gpu-mooncake/out}"
+mkdir -p "$out"
+export OUT="$out"
+
+# The machine: "h200x1" from the first GPU's name and the GPU count; "cpu" without a GPU.
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+if [[ $gpus -gt 0 ]]; then
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  model=$(echo "$name" | tr ' ' '\n' | grep -m1 '[0-9]' | tr '[:upper:]' '[:lower:]')
+  machine="${model:-gpu}x$gpus"
+  # shellcheck source=scripts/gpu-common.sh
+  source "$repo/scripts/gpu-common.sh"
+else
+  machine="${KVLINK_MACHINE:-cpu$(nproc)}"
+fi
+# Host memory on the lent machines grows as it is used (MemTotal reads low at the start): plan
+# with the machine's size by its GPU count.
+case "$gpus" in
+  1) export KVLINK_HOST_MEM_GIB="${KVLINK_HOST_MEM_GIB:-120}" ;;
+  2) export KVLINK_HOST_MEM_GIB="${KVLINK_HOST_MEM_GIB:-240}" ;;
+esac
+
+{
+  echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), part $part$([[ $quick -eq 1 ]] && echo ' (quick)')"
+  echo "command: bash scripts/gpu-mooncake-table.sh --part $part $([[ $quick -eq 1 ]] && echo --quick) ${extra[*]}"
+  echo "machine: $machine; CPUs: $(nproc)"
+  grep -E 'MemTotal|MemAvailable' /proc/meminfo
+  [[ $gpus -gt 0 ]] && nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv 2>&1
+  cat "$repo/gpu-mooncake/BUNDLE_INFO" 2>/dev/null
+} > "$out/env_$part.txt"
+
+limit="${KVLINK_TABLE_TIMEOUT:-570}"
+run_bundle() { # $1: storage nodes; the rest: the command
+  local nodes="$1"; shift
+  timeout -k 15 "$limit" bash "$repo/scripts/gpu-mooncake-run.sh" --storage-nodes "$nodes" -- "$@"
+}
+
+modes_flags=(--machine "$machine" --out "$out" --budget-s "${KVLINK_TABLE_BUDGET:-520}")
+if [[ $quick -eq 1 ]]; then
+  modes_flags+=(--tokens 2048 --tp 2,4 --reps 1 --auto-runs 1)
+else
+  modes_flags+=(--tokens 32768,131072 --tp 2,4,8 --reps 2 --auto-runs 2)
+fi
+
+rc=0
+case "$part" in
+  host)
+    export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-8 GB}"
+    run_bundle 1 mooncake_modes --pools host "${modes_flags[@]}" "${extra[@]}" \
+      > "$out/host.stdout.log" 2> "$out/host.stderr.log" || rc=$?
+    ;;
+  nodes)
+    export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-3 GB}"
+    run_bundle "${KVLINK_TABLE_NODES:-4}" mooncake_modes --pools host "${modes_flags[@]}" "${extra[@]}" \
+      > "$out/nodes.stdout.log" 2> "$out/nodes.stderr.log" || rc=$?
+    ;;
+  device)
+    export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-8 GB}"
+    if [[ $gpus -ge 2 ]]; then pools="gpu,nccl"; elif [[ $gpus -eq 1 ]]; then pools="gpu"; else pools="cpu"; fi
+    run_bundle 1 mooncake_modes --pools "$pools" "${modes_flags[@]}" "${extra[@]}" \
+      > "$out/device.stdout.log" 2> "$out/device.stderr.log" || rc=$?
+    ;;
+  reads)
+    export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
+    if [[ $quick -eq 1 ]]; then
+      flags=(--tokens 2048 --rounds 1 --groups 78 --parallel 2 --lanes 8 --streams 1,8 --store-groups 78
+             --compute-us 0 --linker-compute-us 0,5480 --linker-lanes 0,8)
+    else
+      flags=(--tokens 32768 --rounds 5 --groups 8,26,78 --parallel 8 --lanes 8 --streams 4,8
+             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-lanes 0,8)
+    fi
+    tag=$([[ $quick -eq 1 ]] && echo 2k || echo 32k)
+    run_bundle 1 mooncake_read "${flags[@]}" "${extra[@]}" \
+      > "$out/reads.stdout.log" 2> "$out/reads.stderr.log" || rc=$?
+    {
+      echo "# One Mooncake client reads GLM-5.2 FP8 objects ($tag tokens): the wheel's Python client against kvlink, same run"
+      echo
+      echo "Command: bash scripts/gpu-mooncake-table.sh --part reads$([[ $quick -eq 1 ]] && echo ' --quick') ($(date -u +%Y-%m-%d), $machine, $(nproc) CPUs, one storage node over TCP loopback)."
+      echo
+      cat "$out/reads.stdout.log"
+    } > "$out/mooncake_read_${machine}_${tag}.md"
+    ;;
+  procs)
+    # glm_prefill's processes mode (issue 14: one process per rank, a rendezvous, socket
+    # collectives, each rank its own Mooncake client): run when this build has it.
+    if run_bundle 1 glm_prefill --help 2>/dev/null | grep -q -- '--ranks-as'; then
+      export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
+      if [[ $quick -eq 1 ]]; then tokens=2048; tps="2 4"; compute=5480; else tokens=32768; tps="2 4 8"; compute=5760; fi
+      tag=$((tokens / 1024))k
+      : > "$out/procs.stdout.log"
+      for tp in $tps; do
+        file="$out/glm_prefill_procs_${machine}_tp${tp}_${tag}_n1.md"
+        {
+          echo "# glm_prefill, TP $tp ranks as processes, Mooncake (one storage node), $tag tokens"
+          echo
+          echo "Command: bash scripts/gpu-mooncake-table.sh --part procs$([[ $quick -eq 1 ]] && echo ' --quick') ($(date -u +%Y-%m-%d), $machine); compute per layer SIMULATED ${compute} µs (the modelled compute at $tag)."
+          echo
+          echo '```'
+        } > "$file"
+        one=0
+        run_bundle 1 glm_prefill --store mooncake --ranks-as processes --mode compare --tp "$tp" \
+          --tokens "$tokens" --compute-us "$compute" --svg "/tmp/glm_prefill_procs_tp$tp.svg" "${extra[@]}" \
+          >> "$file" 2>> "$out/procs.stderr.log" || one=$?
+        [[ $one -eq 0 ]] || rc=$one
+        {
+          echo '```'
+          echo
+          echo "glm_prefill exit status $one (0: every mode loaded and every rank's pool verified)"
+          echo
+          if [[ $one -eq 0 ]]; then echo "1 passed, 0 failed"; else echo "0 passed, 1 failed"; fi
+        } >> "$file"
+        cat "$file" >> "$out/procs.stdout.log"
+      done
+    else
+      echo "procs: this build's glm_prefill has no processes mode (--ranks-as); nothing to run" | tee "$out/procs.stdout.log"
+    fi
+    ;;
+esac
+
+cat "$out/env_$part.txt"
+echo "== stderr (last 40 lines; full log: $out/$part.stderr.log)"
+tail -n 40 "$out/$part.stderr.log" 2>/dev/null
+[[ $rc -eq 124 || $rc -eq 137 ]] && echo "== stopped after $limit s: the tables of the sizes that finished are in $out"
+echo "== exit status $rc; output:"
+cat "$out/$part.stdout.log" 2>/dev/null
+echo "== files in $out:"
+ls -l "$out"
+exit "$rc"

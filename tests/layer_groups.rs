@@ -1,0 +1,259 @@
+//! Layer groups: a reader reads several layers per store call and hands them to the exchange
+//! loop in order. Every mode lands every rank byte for byte on both paths (host pools; device
+//! pools on CPU devices, whose staging ring of 4 stages is reused every 3 layers under
+//! jittered copies); the groups respect the stages and the configuration, layer 0 is read
+//! alone; a failure inside a group fails every rank at the group's first layer (TP 3, the
+//! middle rank) and the next batch loads; the engine's compute is measured from its waits and
+//! the cost estimate from the calls.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::tp::{rank_byte, rank_matches, run, tp_ranks_with_stages, Path, TpRank};
+use common::{load_plan, wait_all};
+use kvlink::kv_device::ScatterStrategy;
+use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, PageHash, RowUnit};
+use kvlink::kv_loader::{KvLoadError, KvLoader, LoadStats, ShareMode};
+use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
+use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore, StoreError};
+use kvlink::mooncake_linker::{LinkerConfig, ReadGranularity};
+
+const MODES: [ShareMode; 3] = [
+    ShareMode::AllRanks,
+    ShareMode::Rank0Broadcast,
+    ShareMode::SplitAllGather,
+];
+
+/// 12 layers (enough for several groups): `k` replicated, `indexer` replicated on 5 layers,
+/// `v` sharded (12 heads: TP 2, 3, 4).
+fn spec() -> ModelKvSpec {
+    ModelKvSpec::new(
+        "grouped",
+        12,
+        4,
+        vec![
+            ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 40),
+            ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, 24)
+                .on_layers(LayerMap::Sparse(vec![0, 3, 4, 8, 11])),
+            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 48).sharded(12),
+        ],
+    )
+    .unwrap()
+}
+
+fn config(mode: ShareMode, granularity: ReadGranularity) -> LinkerConfig {
+    LinkerConfig {
+        namespace: "groups".into(),
+        mode: ModeChoice::Fixed(mode),
+        wait_deadline: Duration::from_secs(10),
+        collective_timeout: Duration::from_secs(5),
+        read_granularity: granularity,
+        ..LinkerConfig::default()
+    }
+}
+
+fn device() -> Path {
+    Path::Device {
+        one_device: true,
+        jitter: Duration::from_micros(300),
+        strategy: ScatterStrategy::Auto,
+    }
+}
+
+fn store() -> Arc<dyn KvStore> {
+    Arc::new(EmbeddedStore::new(1 << 30))
+}
+
+fn stats(o: &kvlink::kv_loader::BatchOutcome, what: &str) -> LoadStats {
+    o.result.clone().unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+#[test]
+fn groups_land_every_rank_byte_for_byte_on_both_paths() {
+    let fixed3 = ReadGranularity::Fixed { layers_per_call: 3 };
+    for path in [Path::Host, device()] {
+        for granularity in [ReadGranularity::ADAPTIVE, fixed3] {
+            for mode in MODES {
+                let what = format!("{path:?} {granularity:?} {mode:?}");
+                let (rs, pages) = tp_ranks_with_stages(
+                    &spec(),
+                    3,
+                    store(),
+                    7,
+                    &config(mode, granularity),
+                    path,
+                    4,
+                );
+                let mut calls_before = vec![0u64; rs.len()];
+                for batch in 1..=2 {
+                    for (rank, (r, o)) in rs.iter().zip(run(&rs, batch, &pages)).enumerate() {
+                        let s = stats(&o, &what);
+                        assert_eq!(s.mode, mode, "{what}");
+                        rank_matches(r, &pages, rank as u32)
+                            .unwrap_or_else(|e| panic!("{what} batch {batch}: {e}"));
+                        // Every rank reads its shard of `v` on every layer: its groups tile
+                        // the 12 layers.
+                        assert_eq!(s.read_groups.iter().sum::<u32>(), 12, "{what}");
+                        let calls = r.linker.metrics().layer_reads;
+                        assert_eq!(
+                            calls - calls_before[rank],
+                            s.read_groups.len() as u64,
+                            "{what}: one store call per group"
+                        );
+                        calls_before[rank] = calls;
+                        let biggest = s.read_groups.iter().copied().max().unwrap_or(0);
+                        match (granularity, path) {
+                            (ReadGranularity::Fixed { .. }, _) => {
+                                assert!(s.read_groups.iter().all(|&g| g == 3), "{what}")
+                            }
+                            // Batch 1: the engine's compute is not known yet, layer 0 is read
+                            // alone. Batch 2: these waits are back to back (no compute): any
+                            // grouping within the caps.
+                            (_, Path::Device { .. }) => {
+                                assert!(
+                                    batch > 1 || s.read_groups[0] == 1,
+                                    "{what}: layer 0 alone"
+                                );
+                                assert!(biggest <= 3, "{what}: 4 stages, groups of at most 3");
+                            }
+                            (_, Path::Host) => {
+                                assert!(
+                                    batch > 1 || s.read_groups[0] == 1,
+                                    "{what}: layer 0 alone"
+                                );
+                                assert!(s.read_groups.len() < 12, "{what}: {:?}", s.read_groups);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_failure_inside_a_group_fails_every_rank_at_the_groups_first_layer() {
+    let fixed3 = ReadGranularity::Fixed { layers_per_call: 3 };
+    for path in [Path::Host, device()] {
+        for mode in MODES {
+            let what = format!("{path:?} {mode:?}");
+            let (rs, pages) =
+                tp_ranks_with_stages(&spec(), 3, store(), 6, &config(mode, fixed3), path, 4);
+            // The middle rank's read of layer 4 (group 3..6) fails: its sharded `v` is read in
+            // every mode.
+            let g = rs[1].linker.geometry().clone();
+            let v = g.component_by_name("v").unwrap();
+            rs[1].faults.inject(
+                FaultRule {
+                    key_contains: Some("_v".into()),
+                    offset: Some(v.layer_range(4).unwrap().start),
+                    times: Some(1),
+                },
+                Fault::Error(StoreError::TransferFailed {
+                    key: "injected".into(),
+                    code: -800,
+                }),
+            );
+            let outcomes = run(&rs, 1, &pages);
+            let errs: Vec<String> = outcomes
+                .iter()
+                .map(|o| match &o.result {
+                    Err(e) => e.to_string(),
+                    Ok(_) => panic!("{what}: a rank loaded despite the failure"),
+                })
+                .collect();
+            assert!(errs.windows(2).all(|w| w[0] == w[1]), "{what}: {errs:?}");
+            match outcomes[0].result.as_ref().unwrap_err() {
+                KvLoadError::PeerFailed { rank, layer, .. } => {
+                    assert_eq!((*rank, *layer), (1, 3), "{what}")
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+            for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &pages)).enumerate() {
+                stats(&o, &format!("{what}: the next batch"));
+                rank_matches(r, &pages, rank as u32).unwrap();
+            }
+        }
+    }
+}
+
+/// Loads `pages` on one rank with an engine that computes `compute` per layer between waits.
+fn engine_batch(r: &TpRank, batch: u64, pages: &[PageHash], compute: Duration) -> LoadStats {
+    let plan = load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
+    let t = r.linker.start_load(plan).unwrap();
+    for l in 0..r.linker.num_layers() {
+        r.linker.wait_layer(&t, l).unwrap();
+        std::thread::sleep(compute);
+    }
+    r.linker.wait_batch(&t).unwrap().result.unwrap()
+}
+
+#[test]
+fn compute_is_measured_from_the_waits_and_cost_from_the_calls() {
+    let cfg = config(ShareMode::AllRanks, ReadGranularity::ADAPTIVE);
+    let (rs, pages) = tp_ranks_with_stages(&spec(), 1, store(), 8, &cfg, Path::Host, 2);
+    let r = &rs[0];
+    assert_eq!(r.linker.compute_per_layer(), None);
+    let prior = r.linker.read_cost();
+    assert_eq!(prior, ReadGranularity::DEFAULT_PRIOR);
+    let first = engine_batch(r, 1, &pages, Duration::from_millis(3));
+    assert_eq!(
+        first.read_groups[0], 1,
+        "layer 0 alone before compute is known"
+    );
+    let measured = r
+        .linker
+        .compute_per_layer()
+        .expect("measured from the waits");
+    assert!(
+        measured >= Duration::from_millis(3) && measured < Duration::from_millis(100),
+        "{measured:?}"
+    );
+    // Calls of different sizes were made (layer 0 alone, then more): the estimate moved.
+    assert_ne!(r.linker.read_cost(), prior);
+    let second = engine_batch(r, 2, &pages, Duration::from_millis(3));
+    assert_eq!(second.read_groups[0], 1);
+    assert_eq!(second.read_groups.iter().sum::<u32>(), 12);
+    rank_matches(r, &pages, 0).unwrap();
+}
+
+#[test]
+fn configured_zero_compute_reads_in_the_fewest_calls() {
+    let granularity = ReadGranularity::Adaptive {
+        max_layers_per_call: 5,
+        compute_per_layer: Some(Duration::ZERO),
+        prior: ReadGranularity::DEFAULT_PRIOR,
+    };
+    let cfg = config(ShareMode::AllRanks, granularity);
+    let (rs, pages) = tp_ranks_with_stages(&spec(), 1, store(), 8, &cfg, Path::Host, 2);
+    let t = rs[0]
+        .linker
+        .start_load(load_plan(
+            rs[0].linker.geometry(),
+            1,
+            &pages,
+            rs[0].slots.clone(),
+        ))
+        .unwrap();
+    wait_all(&rs[0].linker, &t).unwrap();
+    let s = rs[0].linker.wait_batch(&t).unwrap().result.unwrap();
+    // 12 layers, at most 5 per call: 3 calls, the smallest first.
+    assert_eq!(s.read_groups, vec![2, 5, 5]);
+    let c = rs[0]
+        .linker
+        .geometry()
+        .component_by_name("k")
+        .unwrap()
+        .clone();
+    let mut got = vec![0u8; c.page_layer_bytes as usize];
+    if let common::tp::RankPool::Host(p) = &rs[0].pool {
+        // SAFETY: the batch's outcome was taken; nothing writes the pool now.
+        unsafe { p.read_slot(c.id, 11, rs[0].slots[7], &mut got) }.unwrap();
+    }
+    let want: Vec<u8> = (0..got.len())
+        .map(|i| rank_byte(&pages[7], &c, 0, 11, i))
+        .collect();
+    assert_eq!(got, want);
+}
