@@ -67,18 +67,29 @@ fn storage_nodes() -> u32 {
         .unwrap_or(1)
 }
 
-/// One fixed mode on one rig: `reps` batches (the pools zeroed before the last, and verified
-/// after it).
+/// How each mode of one rig runs: `reps` batches with `compute` per layer, rows labelled
+/// `label`.
+struct ModeRuns<'a> {
+    reps: usize,
+    compute: Duration,
+    label: &'a str,
+}
+
+/// One fixed mode on one rig: `runs.reps` batches (the pools zeroed before the last, and
+/// verified after it).
 fn fixed_mode(
     rig: &Rig,
     prefix: &Prefix,
     mode: ShareMode,
-    reps: usize,
-    compute: Duration,
+    runs: &ModeRuns<'_>,
     prior: &mut Option<ReadCost>,
     report: &mut Report,
-    label: &str,
 ) -> Result<ModeResult> {
+    let ModeRuns {
+        reps,
+        compute,
+        label,
+    } = *runs;
     let linkers = rig.linkers(prefix, ModeChoice::Fixed(mode), compute, *prior)?;
     let mut result = ModeResult::new(format!("{mode:?}"), mode);
     let mut failure = None;
@@ -250,9 +261,12 @@ fn one_rig(
         .copied()
         .filter(|m| a.modes.iter().any(|x| x == mode_name(*m)))
     {
-        match fixed_mode(
-            &rig, prefix, mode, a.reps, compute, &mut prior, report, &label,
-        ) {
+        let runs = ModeRuns {
+            reps: a.reps,
+            compute,
+            label: &label,
+        };
+        match fixed_mode(&rig, prefix, mode, &runs, &mut prior, report) {
             Ok(r) => results.push(r),
             Err(e) => report.push(
                 "modes",

@@ -71,7 +71,7 @@ impl LinkerReader {
         let n = hashes.len() as u32;
         // Scattered slots, as an engine's allocator hands them out.
         let slots: Vec<u32> = (0..n).map(|i| (i * 389 + 17) % n.max(1)).collect();
-        if n % 389 == 0 {
+        if n.is_multiple_of(389) {
             bail!("slot permutation degenerate for {n} pages");
         }
         let linker = Linker::new(
