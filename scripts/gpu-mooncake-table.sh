@@ -22,6 +22,9 @@
 #   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8, 32K,
 #            every mode, one storage node, if this build's glm_prefill has the mode (a build
 #            after issue 14 part 2 is merged); else the part says so and exits 0 (about 2-4 min)
+# KVLINK_TABLE_TOKENS / KVLINK_TABLE_TP (host, nodes, device): the prefix sizes and TP sizes
+#           (default 32768,131072 and 2,4,8), to split a part that would not fit one command
+#           (e.g. KVLINK_TABLE_TOKENS=131072 KVLINK_TABLE_TP=8 ... --part host).
 # --quick   small sizes (2K tokens, TP 2 and 4, one rep, one Auto run; device pools on CPU
 #           devices when no GPU is visible): a dry run of the whole part in well under a minute
 #
@@ -101,7 +104,8 @@ modes_flags=(--machine "$machine" --out "$out" --budget-s "${KVLINK_TABLE_BUDGET
 if [[ $quick -eq 1 ]]; then
   modes_flags+=(--tokens 2048 --tp 2,4 --reps 1 --auto-runs 1)
 else
-  modes_flags+=(--tokens 32768,131072 --tp 2,4,8 --reps 2 --auto-runs 2)
+  modes_flags+=(--tokens "${KVLINK_TABLE_TOKENS:-32768,131072}" --tp "${KVLINK_TABLE_TP:-2,4,8}"
+                --reps 2 --auto-runs 2)
 fi
 
 rc=0
