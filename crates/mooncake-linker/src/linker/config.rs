@@ -43,7 +43,10 @@ pub struct LinkerConfig {
     /// the batch at once (it is not waited for; the memory it writes is kept until it
     /// returns), and a layer whose reads took longer in all fails it too.
     pub layer_read_timeout: Duration,
-    /// Renew read sessions (lease pins) this often during a load.
+    /// Renew read sessions (lease pins) this often during a load, between store calls. Keep
+    /// it well under the store's lease (Mooncake's `kv_lease_ttl`: 5 s by default): a call
+    /// that ends after the lease its session took fails with `LEASE_EXPIRED`, so the renewal
+    /// period plus one call's time (see `read_bytes_in_flight`) must stay under the lease.
     pub lease_renewal: Duration,
     /// Check before the first read that each object's size matches the geometry.
     pub verify_object_sizes: bool,
@@ -65,6 +68,13 @@ pub struct LinkerConfig {
     /// How many layers each store call reads: adaptive by default (groups planned per batch
     /// from measured costs and compute, layer 0 alone), or a fixed count.
     pub read_granularity: ReadGranularity,
+    /// Bytes the ranks of a group may have in one store call each at once, with adaptive
+    /// granularity: each call of a rank reads at most this divided by the ranks that read at
+    /// the same time in the batch's mode (every rank in `AllRanks` and `SplitAllGather`, rank
+    /// 0 alone in `Rank0Broadcast`). A store's read leases (Mooncake's: 5 s by default) must
+    /// outlast a call even when every rank reads at once: 2 GiB in flight over one storage
+    /// node is about half a second on a 16-core host over TCP loopback.
+    pub read_bytes_in_flight: u64,
     /// Objects per store call when saving.
     pub save_chunk: usize,
     /// Batches tracked at once (started and not yet taken).
@@ -119,12 +129,13 @@ impl Default for LinkerConfig {
             pp_rank: 0,
             wait_deadline: Duration::from_secs(30),
             layer_read_timeout: Duration::from_secs(20),
-            lease_renewal: Duration::from_secs(5),
+            lease_renewal: Duration::from_secs(2),
             verify_object_sizes: true,
             verify_checksums: true,
             store_call_timeout: Duration::from_secs(20),
             read_parallelism: 1,
             read_granularity: ReadGranularity::ADAPTIVE,
+            read_bytes_in_flight: 2 << 30,
             save_chunk: 64,
             max_in_flight: 64,
             mode: ModeChoice::Fixed(ShareMode::AllRanks),

@@ -165,8 +165,9 @@ impl ReadGroups {
     }
 
     /// The groups of one batch on this rank in `mode`: `layer_bytes[l]` bytes read for layer
-    /// `l`, at most `stages - 1` layers per group (the stages the landing lends), and calls
-    /// predicted to take at most `call_limit`. The groups tile `0..layer_bytes.len()` in order.
+    /// `l`, at most `stages - 1` layers per group (the stages the landing lends), calls
+    /// predicted to take at most `limits.time` and reading at most `limits.bytes` (adaptive
+    /// granularity). The groups tile `0..layer_bytes.len()` in order.
     ///
     /// What the reads overlap with is the slower of the engine's compute and the exchange
     /// loop's share step per layer (measured in this mode's last batches): a layer is ready
@@ -176,7 +177,7 @@ impl ReadGroups {
         &self,
         layer_bytes: &[u64],
         stages: usize,
-        call_limit: Duration,
+        limits: CallLimits,
         mode: ShareMode,
     ) -> Vec<Range<u32>> {
         let n = layer_bytes.len() as u32;
@@ -192,8 +193,13 @@ impl ReadGroups {
                 ..
             } => {
                 let cost = self.cost();
-                let by_time = max_by_time(layer_bytes, &cost, call_limit);
-                let max = max_layers_per_call.min(by_stages).min(by_time).max(1);
+                let by_time = max_by_time(layer_bytes, &cost, limits.time);
+                let by_bytes = max_by_bytes(layer_bytes, limits.bytes);
+                let max = max_layers_per_call
+                    .min(by_stages)
+                    .min(by_time)
+                    .min(by_bytes)
+                    .max(1);
                 let share = self.share_per_layer(mode).unwrap_or(Duration::ZERO);
                 let compute = match self.compute_per_layer().map(|c| c.max(share)) {
                     None if share.is_zero() => UNMEASURED_COMPUTE,
@@ -229,6 +235,22 @@ impl ReadGroups {
     }
 }
 
+/// What one store call of a batch may take: its predicted time and its bytes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CallLimits {
+    pub(crate) time: Duration,
+    pub(crate) bytes: u64,
+}
+
+/// The most layers a call may read within `max_bytes` (the widest layers; at least one).
+fn max_by_bytes(layer_bytes: &[u64], max_bytes: u64) -> u32 {
+    let widest = layer_bytes.iter().copied().max().unwrap_or(0).max(1);
+    u32::try_from(max_bytes / widest).unwrap_or(u32::MAX).clamp(
+        1,
+        u32::try_from(layer_bytes.len()).unwrap_or(u32::MAX).max(1),
+    )
+}
+
 /// Groups of `k` layers from layer 0 (the last one shorter).
 fn fixed(n: u32, k: u32) -> Vec<Range<u32>> {
     (0..n)
@@ -260,6 +282,42 @@ mod tests {
             .collect()
     }
 
+    fn unlimited() -> CallLimits {
+        timed(Duration::MAX)
+    }
+
+    fn timed(time: Duration) -> CallLimits {
+        CallLimits {
+            time,
+            bytes: u64::MAX,
+        }
+    }
+
+    #[test]
+    fn adaptive_calls_respect_the_byte_cap() {
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: u32::MAX,
+            compute_per_layer: Some(Duration::ZERO),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        let bytes = glm(2048);
+        let widest = *bytes.iter().max().unwrap();
+        let cap = 10 * widest + 1;
+        let g = r.plan(
+            &bytes,
+            79,
+            CallLimits {
+                time: Duration::MAX,
+                bytes: cap,
+            },
+            ShareMode::AllRanks,
+        );
+        assert!(sizes(&g).iter().all(|&s| (1..=10).contains(&s)), "{g:?}");
+        assert_eq!(g.last().map(|r| r.end), Some(78));
+        // A cap under one layer still reads one layer per call.
+        assert_eq!(max_by_bytes(&bytes, 1), 1);
+    }
+
     fn sizes(g: &[Range<u32>]) -> Vec<u32> {
         g.iter().map(|r| r.end - r.start).collect()
     }
@@ -268,18 +326,16 @@ mod tests {
     fn fixed_groups_respect_the_stages() {
         let r = ReadGroups::new(ReadGranularity::Fixed { layers_per_call: 8 });
         assert_eq!(
-            sizes(&r.plan(&glm(4), 79, Duration::MAX, ShareMode::AllRanks))[..3],
+            sizes(&r.plan(&glm(4), 79, unlimited(), ShareMode::AllRanks))[..3],
             [8, 8, 8]
         );
         // Two stages: one layer per call, whatever was asked.
-        assert!(
-            sizes(&r.plan(&glm(4), 2, Duration::MAX, ShareMode::AllRanks))
-                .iter()
-                .all(|&s| s == 1)
-        );
+        assert!(sizes(&r.plan(&glm(4), 2, unlimited(), ShareMode::AllRanks))
+            .iter()
+            .all(|&s| s == 1));
         let one = ReadGroups::new(ReadGranularity::Fixed { layers_per_call: 1 });
         assert_eq!(
-            one.plan(&glm(4), 79, Duration::MAX, ShareMode::AllRanks)
+            one.plan(&glm(4), 79, unlimited(), ShareMode::AllRanks)
                 .len(),
             78
         );
@@ -288,17 +344,27 @@ mod tests {
     #[test]
     fn adaptive_reads_layer_0_alone_and_respects_every_cap() {
         let r = ReadGroups::new(ReadGranularity::ADAPTIVE);
-        let g = r.plan(&glm(512), 79, Duration::from_secs(5), ShareMode::AllRanks);
+        let g = r.plan(
+            &glm(512),
+            79,
+            timed(Duration::from_secs(5)),
+            ShareMode::AllRanks,
+        );
         assert_eq!(g[0], 0..1);
         assert!(g.len() < 10, "{:?}", sizes(&g));
         // Stages cap the groups.
-        let g = r.plan(&glm(512), 9, Duration::from_secs(5), ShareMode::AllRanks);
+        let g = r.plan(
+            &glm(512),
+            9,
+            timed(Duration::from_secs(5)),
+            ShareMode::AllRanks,
+        );
         assert!(sizes(&g).iter().all(|&s| s <= 8));
         // So does a call's predicted time: 21.5 MB layers at the prior's 2 GB/s are ~13 ms.
         let g = r.plan(
             &glm(512),
             79,
-            Duration::from_millis(60),
+            timed(Duration::from_millis(60)),
             ShareMode::AllRanks,
         );
         assert!(sizes(&g).iter().all(|&s| s <= 5), "{:?}", sizes(&g));
@@ -312,7 +378,7 @@ mod tests {
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
         assert_eq!(
-            r.plan(&glm(512), 79, Duration::MAX, ShareMode::AllRanks)
+            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks)
                 .len(),
             3
         );
@@ -327,7 +393,7 @@ mod tests {
         });
         // 78 µs of compute in all, against 2 ms per call: one call for everything.
         assert_eq!(
-            r.plan(&glm(512), 79, Duration::MAX, ShareMode::AllRanks),
+            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks),
             vec![0..78]
         );
         let r = ReadGroups::new(ReadGranularity::Adaptive {
@@ -336,7 +402,7 @@ mod tests {
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
         assert_eq!(
-            r.plan(&glm(512), 79, Duration::MAX, ShareMode::AllRanks)[0],
+            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks)[0],
             0..1
         );
     }
@@ -348,7 +414,7 @@ mod tests {
             compute_per_layer: Some(Duration::ZERO),
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
-        let plan = |r: &ReadGroups, m| r.plan(&glm(512), 79, Duration::MAX, m);
+        let plan = |r: &ReadGroups, m| r.plan(&glm(512), 79, unlimited(), m);
         assert_eq!(plan(&r, ShareMode::Rank0Broadcast), vec![0..78]);
         // A broadcast of 5 ms per layer: layer 0 alone, then groups that keep ahead of it.
         r.observe_share(ShareMode::Rank0Broadcast, Duration::from_millis(5));
@@ -362,7 +428,7 @@ mod tests {
     #[test]
     fn a_rank_that_reads_nothing_still_gets_groups_within_its_stages() {
         let r = ReadGroups::new(ReadGranularity::ADAPTIVE);
-        let g = r.plan(&[0; 78], 4, Duration::MAX, ShareMode::AllRanks);
+        let g = r.plan(&[0; 78], 4, unlimited(), ShareMode::AllRanks);
         assert!(sizes(&g).iter().all(|&s| (1..=3).contains(&s)));
         assert_eq!(g.last().map(|r| r.end), Some(78));
     }

@@ -30,11 +30,12 @@ use std::time::{Duration, Instant};
 
 use dedup_broadcast::{Collective, GroupStatus, LayerStatus};
 use kv_device::{LayerLanding, LayerStage, ShareSide};
-use kv_loader::{KvLoadError, StoreFailure};
+use kv_loader::{KvLoadError, ShareMode, StoreFailure};
 use layerwise_counter::Ticket;
 use tracing::warn;
 
 use super::batch::{collective_failure, BatchJob, BatchLayers};
+use super::granularity::CallLimits;
 use super::handoff::{Handoff, Wait};
 use super::reader::{store_failure, LayerReader, OwnRows, ReadPart, RowTarget, ShareArea};
 use super::session::PinnedKeys;
@@ -147,8 +148,18 @@ impl LayerPipeline<'_> {
         let bytes: Vec<u64> = (0..self.inner.geometry.num_layers())
             .map(|l| layers.read_bytes(l))
             .collect();
-        let call_limit = self.inner.config.layer_read_timeout / 4;
-        self.inner.reads.plan(&bytes, ring, call_limit, layers.mode)
+        let c = &self.inner.config;
+        // The ranks of the group that read at the same time in this mode share the store's
+        // bytes in flight (rank 0 alone in Rank0Broadcast).
+        let readers = match (self.coll, layers.mode) {
+            (None, _) | (_, ShareMode::Rank0Broadcast) => 1,
+            (Some(coll), _) => u64::from(coll.size().max(1)),
+        };
+        let limits = CallLimits {
+            time: c.layer_read_timeout / 4,
+            bytes: c.read_bytes_in_flight / readers,
+        };
+        self.inner.reads.plan(&bytes, ring, limits, layers.mode)
     }
 
     /// The reader thread: takes a free stage for each layer of its next group, reads the group
