@@ -267,7 +267,7 @@ fn each_layer_is_waited_once_before_it_is_read() {
 #[test]
 fn a_failed_wait_is_kept_typed_and_ends_in_a_failed_outcome() {
     let mut script = MockScript::default();
-    script.fail_at_layer.insert(7, 1);
+    script.fail_at_layer.insert(kv_loader::BatchId(7), 1);
     let mock = Arc::new(MockKvLoader::new(3, script));
     let ticket = mock.start_load(plan(7)).unwrap();
     // SAFETY: as above.
