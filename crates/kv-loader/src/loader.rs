@@ -8,14 +8,15 @@ use crate::{
 /// What an LLM server calls, on every TP rank, between its prefix cache and its attention
 /// layers. Object-safe: engines hold an `Arc<dyn KvLoader>`.
 ///
-/// The calls of one batch, in order (design.md §4):
+/// The calls of one batch, in order ([`LoadHandle`](crate::LoadHandle) wraps steps 2-4 in
+/// one value):
 /// 1. [`lookup`](KvLoader::lookup) after the engine's own prefix match: the pages the store
 ///    can give (the same answer on every rank of a TP group).
 /// 2. The engine allocates slots, then [`start_load`](KvLoader::start_load) on every rank in
 ///    the same batch order.
 /// 3. Before attention on layer *l*: [`wait_layer`](KvLoader::wait_layer).
 /// 4. [`wait_batch`](KvLoader::wait_batch) or [`completed`](KvLoader::completed): the
-///    outcome (on failure, recompute the batch's pages).
+///    outcome (on failure, [`KvLoadError::action`] says what to do).
 /// 5. After prefill: [`save`](KvLoader::save) of the new pages.
 ///
 /// ```

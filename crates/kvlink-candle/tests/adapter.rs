@@ -232,7 +232,7 @@ fn waits(mock: &MockKvLoader) -> Vec<u32> {
 }
 
 #[test]
-fn each_layer_is_waited_once_before_it_is_read() {
+fn every_read_of_a_loaded_layer_asks_the_loader_first() {
     let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
     let ticket = mock.start_load(plan(1)).unwrap();
     // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
@@ -244,10 +244,11 @@ fn each_layer_is_waited_once_before_it_is_read() {
     }
     cache.layer_pages(0, 2).unwrap();
     // Writing a new token after the loaded prefix needs no wait; into the prefix it does.
+    // Readiness is the loader's (its counter): the gate keeps no copy, so each read asks.
     cache.write(2, 4, &rows(1, 0.0)).unwrap();
-    assert_eq!(waits(&mock), vec![1, 0]);
+    assert_eq!(waits(&mock), vec![1, 1, 1, 0]);
     cache.write(2, 0, &rows(1, 0.0)).unwrap();
-    assert_eq!(waits(&mock), vec![1, 0, 2]);
+    assert_eq!(waits(&mock), vec![1, 1, 1, 0, 2]);
     assert!(matches!(
         cache.layer(3, 1),
         Err(CandleKvError::LayerOutOfRange {
@@ -403,7 +404,11 @@ fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
     let raw = unsafe { RawStream::from_raw(0xabc) };
     let mut stream = LayerGate::new(loader.clone(), t2).on_stream(raw);
     stream.wait(1).unwrap();
-    assert_eq!(event.synchronized.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        event.synchronized.load(Ordering::SeqCst),
+        2,
+        "one host wait per call"
+    );
     assert_eq!(event.streamed.load(Ordering::SeqCst), 1);
     assert!(stream.finish().unwrap().is_some());
 }
