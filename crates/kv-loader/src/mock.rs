@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use kv_geometry::{page_hashes, KvGeometry};
+use kv_geometry::{page_hashes, KvGeometry, PageHash};
 use layerwise_counter::LayerCounter;
 use parking_lot::Mutex;
 
@@ -19,6 +19,13 @@ pub enum MockCall {
     Lookup {
         /// Tokens of the request.
         tokens: usize,
+        /// Pages the engine already had.
+        skip_pages: usize,
+    },
+    /// `lookup_pages` with this many page hashes and skipped pages.
+    LookupPages {
+        /// Page hashes of the request.
+        pages: usize,
         /// Pages the engine already had.
         skip_pages: usize,
     },
@@ -185,6 +192,26 @@ impl MockKvLoader {
         }
     }
 
+    fn page_size(&self) -> Result<u32, KvLoadError> {
+        match self.script.page_size {
+            0 => Err(KvLoadError::Config(
+                "mock: MockScript::page_size is 0 (use MockScript::default or for_geometry)".into(),
+            )),
+            ps => Ok(ps),
+        }
+    }
+
+    fn hit(&self, all: &[PageHash], skip_pages: usize) -> LookupHit {
+        let first = skip_pages.min(all.len());
+        let avail = all.len() - first;
+        let n = self.script.lookup_pages.map_or(avail, |p| p.min(avail));
+        LookupHit {
+            pages: all[first..first + n].to_vec(),
+            first_page: first,
+            tokens: n * self.script.page_size as usize,
+        }
+    }
+
     fn outcome(&self, ticket: &LoadTicket, pages: u32) -> BatchOutcome {
         let b = ticket.batch;
         let result = if let Some(&l) = self.script.fail_at_layer.get(&b) {
@@ -224,21 +251,22 @@ impl KvLoader for MockKvLoader {
             tokens: request.tokens.len(),
             skip_pages: request.skip_pages,
         })?;
-        let ps = self.script.page_size;
-        if ps == 0 {
-            return Err(KvLoadError::Config(
-                "mock: MockScript::page_size is 0 (use MockScript::default or for_geometry)".into(),
-            ));
-        }
+        let ps = self.page_size()?;
         let all = page_hashes(request.tokens, ps, None);
-        let first = request.skip_pages.min(all.len());
-        let avail = all.len() - first;
-        let n = self.script.lookup_pages.map_or(avail, |p| p.min(avail));
-        Ok(LookupHit {
-            pages: all[first..first + n].to_vec(),
-            first_page: first,
-            tokens: n * ps as usize,
-        })
+        Ok(self.hit(&all, request.skip_pages))
+    }
+
+    fn lookup_pages(
+        &self,
+        pages: &[PageHash],
+        skip_pages: usize,
+    ) -> Result<LookupHit, KvLoadError> {
+        self.record(MockCall::LookupPages {
+            pages: pages.len(),
+            skip_pages,
+        })?;
+        self.page_size()?;
+        Ok(self.hit(pages, skip_pages))
     }
 
     fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError> {
@@ -369,5 +397,19 @@ mod tests {
             })
             .unwrap_err();
         assert!(matches!(err, KvLoadError::Config(_)), "{err}");
+    }
+
+    #[test]
+    fn lookup_by_pages_answers_as_lookup_by_tokens() {
+        let mock = MockKvLoader::new(2, MockScript::default());
+        let tokens: Vec<u32> = (0..(MOCK_PAGE_SIZE * 4)).collect();
+        let by_tokens = mock
+            .lookup(&LookupRequest {
+                tokens: &tokens,
+                skip_pages: 1,
+            })
+            .unwrap();
+        let pages = page_hashes(&tokens, MOCK_PAGE_SIZE, None);
+        assert_eq!(mock.lookup_pages(&pages, 1).unwrap(), by_tokens);
     }
 }

@@ -364,6 +364,13 @@ impl KvLoader for EventLoader {
     fn lookup(&self, r: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
         self.inner.lookup(r)
     }
+    fn lookup_pages(
+        &self,
+        pages: &[kv_geometry::PageHash],
+        skip: usize,
+    ) -> Result<LookupHit, KvLoadError> {
+        self.inner.lookup_pages(pages, skip)
+    }
     fn start_load(&self, p: BatchPlan) -> Result<LoadTicket, KvLoadError> {
         self.inner.start_load(p)
     }
