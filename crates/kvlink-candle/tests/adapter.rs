@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use kv_device::HostKvPool;
+use kv_device::{HostKvPool, KvPool};
 use kv_geometry::{ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, RowUnit};
 use kv_loader::mock::{MockCall, MockKvLoader, MockScript};
 use kv_loader::{
@@ -434,5 +434,37 @@ fn an_outcome_that_cannot_be_taken_asks_for_a_reset() {
         CandleKvError::Unsettled {
             source: KvLoadError::StaleTicket { .. }
         }
+    ));
+}
+
+#[test]
+fn latents_read_and_write_a_device_pool_through_the_pool_trait() {
+    // A device pool (on the CPU backend): slot copies now come from `KvPool` itself.
+    let f = LatentFormat::new(4, 2, DType::F32).unwrap();
+    let host = pool_for(ElementType::Bytes, f.row_bytes() as u32, 4);
+    let device = kv_device::CpuDevice::new(0).unwrap();
+    let pool = Arc::new(kv_device::DeviceKvPool::new(device, host.geometry().clone(), 4).unwrap());
+    let lp = LatentPool::new(pool.clone(), "k", f, Device::Cpu).unwrap();
+    let r = rows(6, 1.0);
+    write(&lp, 2, &[3, 1], 0, &r).unwrap();
+    let back = read(&lp, 2, &[3, 1], 6).unwrap();
+    assert_eq!(back.to_vec2::<f32>().unwrap(), r.to_vec2::<f32>().unwrap());
+    // Inputs are checked through the trait object too: a slot past the pool, a wrong length.
+    let dyn_pool: &dyn KvPool = pool.as_ref();
+    let mut page = vec![0u8; PAGE as usize * f.row_bytes()];
+    // SAFETY: the pool is this test's alone, used from one thread.
+    unsafe { dyn_pool.read_slot(kv_geometry::ComponentId(0), 2, 3, &mut page) }.unwrap();
+    assert!(page.iter().any(|&b| b != 0), "slot 3 holds the first page");
+    // SAFETY: as above.
+    let past = unsafe { dyn_pool.read_slot(kv_geometry::ComponentId(0), 2, 4, &mut page) };
+    assert!(matches!(
+        past,
+        Err(kv_device::DeviceError::OutOfPool { .. })
+    ));
+    // SAFETY: as above.
+    let short = unsafe { dyn_pool.write_slot(kv_geometry::ComponentId(0), 2, 0, &page[1..]) };
+    assert!(matches!(
+        short,
+        Err(kv_device::DeviceError::OutOfPool { .. })
     ));
 }
