@@ -235,6 +235,7 @@ impl MockKvLoader {
                 layer_transfers: Vec::new(),
                 alone: None,
                 read_groups: Vec::new(),
+                plans_differ: Vec::new(),
             })
         };
         BatchOutcome { batch: b, result }

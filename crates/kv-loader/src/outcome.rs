@@ -45,6 +45,11 @@ pub struct LoadStats {
     /// Layers per store call of this rank's reads, in layer order (empty when the rank read
     /// nothing, or the loader does not group its reads).
     pub read_groups: Vec<u32>,
+    /// Ranks whose logical plan for this batch differed from rank 0's: the batch then fell
+    /// back to [`ShareMode::AllRanks`] (every rank read its own copy, so it still loaded).
+    /// Empty when the ranks' plans agreed, or with no TP group. A non-empty list is an
+    /// engine bug worth a metric: the ranks scheduled the batch differently.
+    pub plans_differ: Vec<u32>,
 }
 
 /// A finished batch: loaded, or failed with the same error on every rank.

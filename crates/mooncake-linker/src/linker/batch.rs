@@ -199,7 +199,9 @@ impl Inner {
         if let Some(e) = refusal {
             return self.refuse(coll, batch, gated.tag, e);
         }
-        self.load_batch(Some(coll), job, gated.mode, gated.tag, held)
+        let mut stats = self.load_batch(Some(coll), job, gated.mode, gated.tag, held)?;
+        stats.plans_differ = gated.plans_differ;
+        Ok(stats)
     }
 
     /// How the batch's layers split, in `mode`. A layout that cannot be built becomes this
@@ -316,6 +318,7 @@ impl Inner {
             transfers: layer_transfers.iter().copied().sum(),
             layer_transfers,
             alone: None,
+            plans_differ: Vec::new(),
         })
     }
 
