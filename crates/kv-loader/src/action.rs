@@ -25,8 +25,10 @@ pub enum EngineAction {
     /// The batch is settled and its pages are not (all) in the pool: compute them as if
     /// there had been no hit, into the same slots. Layers before
     /// [`KvLoadError::layer`] may have landed, but a forward pass needs every layer of a
-    /// token, so the engine recomputes the pages' every layer. Nothing else is needed: the
-    /// loader stays usable.
+    /// token, so the engine recomputes the pages' every layer. No page of a failed load is
+    /// whole: a batch lands layer by layer across all its pages, so a failure at any layer
+    /// leaves every page without its later layers. Nothing else is needed: the loader stays
+    /// usable.
     Recompute,
     /// The load may still be writing the batch's slots: call `reset()` (collective in a TP
     /// group: every rank calls it) before reusing them, then recompute.

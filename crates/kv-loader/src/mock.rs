@@ -342,10 +342,16 @@ impl KvLoader for MockKvLoader {
             batch: plan.logical.batch,
             pages: plan.logical.num_pages(),
         })?;
-        Ok(SaveReport {
-            objects_written: (plan.logical.num_pages() * plan.logical.components.len()) as u32,
+        let pages = plan.logical.num_pages();
+        let mut report = SaveReport {
+            objects_written: (pages * plan.logical.components.len()) as u32,
             ..SaveReport::default()
-        })
+        };
+        if !plan.logical.components.is_empty() {
+            report.pages_written = (0..pages as u32).collect();
+        }
+        report.settle_pages(pages);
+        Ok(report)
     }
 
     fn reset(&self) -> Result<(), KvLoadError> {

@@ -72,4 +72,31 @@ pub struct SaveReport {
     pub objects_not_owned: u32,
     /// Bytes written.
     pub bytes_written: u64,
+    /// Plan page indices (in plan order) of which this rank wrote at least one object.
+    pub pages_written: Vec<u32>,
+    /// Plan page indices of which this rank wrote nothing: every object of the page it owns
+    /// was already in the store, or it owns none (replicated components off rank 0).
+    /// `pages_written` and `pages_skipped` are disjoint and together cover the plan.
+    pub pages_skipped: Vec<u32>,
+}
+
+impl SaveReport {
+    /// Fills `pages_skipped` as the plan pages `0..num_pages` not in `pages_written`, after
+    /// sorting and de-duplicating `pages_written` (a loader counts pages written as it goes,
+    /// one object at a time, then calls this once).
+    ///
+    /// ```
+    /// use kv_loader::SaveReport;
+    /// let mut r = SaveReport { pages_written: vec![3, 1, 3], ..SaveReport::default() };
+    /// r.settle_pages(5);
+    /// assert_eq!((r.pages_written, r.pages_skipped), (vec![1, 3], vec![0, 2, 4]));
+    /// ```
+    pub fn settle_pages(&mut self, num_pages: usize) {
+        self.pages_written.sort_unstable();
+        self.pages_written.dedup();
+        let written = &self.pages_written;
+        self.pages_skipped = (0..num_pages as u32)
+            .filter(|p| written.binary_search(p).is_err())
+            .collect();
+    }
 }

@@ -90,6 +90,7 @@ impl Inner {
                 unsafe { self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report, hold) }?;
             }
         }
+        report.settle_pages(plan.logical.num_pages());
         self.metrics.written(report.bytes_written);
         debug!(?report, "saved");
         Ok(report)
@@ -246,6 +247,7 @@ impl Inner {
                 Ok(PutOutcome::Written) => {
                     report.objects_written += 1;
                     report.bytes_written += put.len();
+                    report.pages_written.push(page as u32);
                 }
                 Ok(PutOutcome::AlreadyPresent) => report.objects_present += 1,
                 Err(e) => return Err(store_failure(batch, None, vec![page as u32], e)),
