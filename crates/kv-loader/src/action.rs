@@ -30,8 +30,9 @@ pub enum EngineAction {
     /// leaves every page without its later layers. Nothing else is needed: the loader stays
     /// usable.
     Recompute,
-    /// The load may still be writing the batch's slots: call `reset()` (collective in a TP
-    /// group: every rank calls it) before reusing them, then recompute.
+    /// The load may still be writing the batch's slots: call `reset()` on this rank (not a
+    /// collective: a batch it cancels fails on every rank alike) before reusing them, then
+    /// recompute.
     ResetThenRecompute,
     /// Nothing was started or changed: the same call may succeed later (take outcomes
     /// first for `Busy`; a lookup whose group is down tries to re-form it next time). For a

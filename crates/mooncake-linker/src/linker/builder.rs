@@ -86,7 +86,7 @@ impl LinkerBuilder {
     }
 
     /// Share replicated components with a TP group (default: none, a single rank). Every
-    /// rank of the group must then call `lookup`, `start_load` and `reset` in the same order.
+    /// rank of the group must then call `lookup` and `start_load` in the same order.
     pub fn group(mut self, group: TpGroup) -> Self {
         self.group = Some(group);
         self

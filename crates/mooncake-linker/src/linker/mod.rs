@@ -288,7 +288,7 @@ impl Linker {
     /// `Linker::builder(geometry, store, pool).config(config).group(group).build()`.
     /// Replicated components are shared as `config.mode` says, lookups agree on the group's
     /// minimum, and every rank reaches the same outcome for every batch. Every rank must call
-    /// `lookup`, `start_load` and `reset` in the same order.
+    /// `lookup` and `start_load` in the same order.
     pub fn with_group(
         geometry: KvGeometry,
         store: Arc<dyn KvStore>,
