@@ -17,6 +17,7 @@
 //! ```
 
 mod action;
+mod cause;
 mod deadline;
 mod error;
 mod handle;
@@ -31,6 +32,7 @@ mod ticket;
 mod transfer;
 
 pub use action::EngineAction;
+pub use cause::Cause;
 pub use deadline::{deadline_after, deadline_from, MAX_WAIT};
 pub use error::{KvLoadError, PlanError, StoreFailure};
 pub use handle::LoadHandle;

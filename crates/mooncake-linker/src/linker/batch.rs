@@ -332,7 +332,10 @@ impl Inner {
         landing_error: Option<&kv_device::DeviceError>,
     ) -> Result<(PinnedKeys<'s>, BatchChecksums), KvLoadError> {
         if let Some(e) = landing_error {
-            return Err(KvLoadError::Device(format!("{batch}: landing: {e}")));
+            return Err(KvLoadError::Device(kv_loader::Cause::with_source(
+                format!("{batch}: landing: {e}"),
+                e.clone(),
+            )));
         }
         let my_pages = layers.my_pages();
         let (companions, plan) = self.present_companions(layers, batch)?;

@@ -100,10 +100,13 @@ impl Inner {
     fn host_wait(&self, ev: &SharedEvent) -> Result<(), KvLoadError> {
         match ev.wait_until(self.store_deadline()) {
             Ok(true) => Ok(()),
-            Ok(false) => Err(KvLoadError::Device(format!(
-                "the engine's event before a save did not complete within {:?}",
-                self.config.store_call_timeout
-            ))),
+            Ok(false) => Err(KvLoadError::Device(
+                format!(
+                    "the engine's event before a save did not complete within {:?}",
+                    self.config.store_call_timeout
+                )
+                .into(),
+            )),
             Err(e) => Err(e.into()),
         }
     }
