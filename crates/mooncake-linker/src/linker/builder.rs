@@ -48,7 +48,7 @@ pub struct LinkerBuilder {
 impl Linker {
     /// A builder for the linker of rank `geometry.tp_rank` over `store`, landing into
     /// `pool`. A host pool needs nothing more; a device pool lands through its backend
-    /// ([`LinkerBuilder::staged`], or [`LinkerBuilder::landings`]).
+    /// ([`Linker::builder_staged`], or [`LinkerBuilder::landings`]).
     pub fn builder(
         geometry: KvGeometry,
         store: Arc<dyn KvStore>,
