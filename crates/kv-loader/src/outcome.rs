@@ -100,3 +100,26 @@ impl SaveReport {
             .collect();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn settled_pages_split_the_plan(
+            n in 0usize..200,
+            written in proptest::collection::vec(0u32..200, 0..300),
+        ) {
+            let written: Vec<u32> = written.into_iter().filter(|&p| (p as usize) < n).collect();
+            let mut r = SaveReport { pages_written: written.clone(), ..SaveReport::default() };
+            r.settle_pages(n);
+            let mut all: Vec<u32> = r.pages_written.iter().chain(&r.pages_skipped).copied().collect();
+            all.sort_unstable();
+            prop_assert_eq!(all, (0..n as u32).collect::<Vec<_>>());
+            prop_assert!(r.pages_written.windows(2).all(|w| w[0] < w[1]));
+            prop_assert!(written.iter().all(|p| r.pages_written.contains(p)));
+        }
+    }
+}
