@@ -3,6 +3,14 @@
 //! share it among the tensor-parallel ranks.
 //!
 //! This facade re-exports the workspace crates; see `docs/architecture.md` for the shape.
+//!
+//! Features:
+//! - `mock`: [`mock::MockKvLoader`], a scriptable, recording `KvLoader` for an engine's own
+//!   tests. One dependency line: `kvlink = { version = "0.1", features = ["mock"] }` (under
+//!   `[dev-dependencies]`).
+//! - `testing`: the store's test doubles, `mooncake_linker::store::FaultyStore` (scripted
+//!   faults and stalls) and `SimulatedRemoteStore` (a simulation of a remote link).
+//! - `cuda`: the CUDA backend of kv-device and the NCCL collective.
 
 pub use dedup_broadcast;
 pub use kv_device;
@@ -10,3 +18,19 @@ pub use kv_geometry;
 pub use kv_loader;
 pub use layerwise_counter;
 pub use mooncake_linker;
+
+/// A scriptable, recording [`KvLoader`](kv_loader::KvLoader) for an engine's own tests
+/// (feature `mock`).
+///
+/// ```
+/// use kvlink::kv_loader::{BatchId, KvLoader, LookupRequest};
+/// use kvlink::mock::{MockKvLoader, MockScript};
+/// let mock = MockKvLoader::new(4, MockScript::default());
+/// let tokens: Vec<u32> = (0..200).collect();
+/// let hit = mock.lookup(&LookupRequest { tokens: &tokens, skip_pages: 0 }).unwrap();
+/// assert_eq!(hit.tokens % MockScript::default().page_size as usize, 0);
+/// ```
+#[cfg(feature = "mock")]
+pub mod mock {
+    pub use kv_loader::mock::*;
+}

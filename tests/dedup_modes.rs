@@ -270,12 +270,16 @@ fn plans_that_differ_fall_back_to_all_ranks() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for (rank, (r, o)) in rs.iter().zip(outcomes).enumerate() {
-        assert_eq!(o.result.unwrap().mode, ShareMode::AllRanks);
+        let stats = o.result.unwrap();
+        assert_eq!(stats.mode, ShareMode::AllRanks);
+        assert_eq!(stats.plans_differ, vec![1], "the fallback is in the stats");
         rank_pool_matches(r, &pages, rank as u32).unwrap();
     }
     // The next batch, with agreeing plans, shares again.
     for o in run(&rs, 2, &pages) {
-        assert_eq!(o.result.unwrap().mode, ShareMode::SplitAllGather);
+        let stats = o.result.unwrap();
+        assert_eq!(stats.mode, ShareMode::SplitAllGather);
+        assert!(stats.plans_differ.is_empty());
     }
 }
 

@@ -71,7 +71,7 @@ fn engine_loop_loads_or_falls_back_to_recompute() {
         lookup_pages: Some(3),
         ..MockScript::default()
     };
-    script.fail_at_layer.insert(2, 4);
+    script.fail_at_layer.insert(BatchId(2), 4);
     let mock = Arc::new(MockKvLoader::new(6, script));
     let tokens: Vec<u32> = (0..20).collect();
 

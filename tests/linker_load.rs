@@ -504,6 +504,8 @@ fn save_skips_present_pages_and_only_rank0_writes_replicated() {
         report.objects_not_owned, 8,
         "rank 1 does not write replicated objects"
     );
+    assert!(report.pages_written.is_empty());
+    assert_eq!(report.pages_skipped, vec![0, 1, 2, 3]);
     // A sharded model: every rank writes its own part.
     let llama = ModelKvSpec::llama3_70b();
     let mut small = llama.clone();
@@ -518,6 +520,18 @@ fn save_skips_present_pages_and_only_rank0_writes_replicated() {
         assert_eq!((report.objects_written, report.objects_not_owned), (4, 0));
         // 4 objects of 2 layers x 2 tokens x 1024 B (4 of 8 heads x 128 x bf16).
         assert_eq!(report.bytes_written, 4 * 2 * 2 * 1024);
+        assert_eq!(report.pages_written, vec![0, 1]);
+        // A longer prompt: its first two pages are in the store, the third is new.
+        let longer = kvlink::kv_geometry::page_hashes(&[1, 2, 3, 4, 5, 6], 2, None);
+        let pool = Arc::new(HostKvPool::new(g.clone(), 3).unwrap());
+        let linker = Linker::new(g.clone(), store.clone(), pool, cfg()).unwrap();
+        let report = linker
+            .save(&load_plan(&g, 2, &longer, vec![0, 1, 2]))
+            .unwrap();
+        assert_eq!(
+            (report.pages_written, report.pages_skipped),
+            (vec![2], vec![0, 1])
+        );
     }
 }
 

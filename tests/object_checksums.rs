@@ -106,6 +106,26 @@ impl KvPool for DeviceLike {
     fn regions(&self) -> Vec<(usize, usize)> {
         Vec::new()
     }
+    unsafe fn read_slot(
+        &self,
+        c: ComponentId,
+        layer: u32,
+        slot: u32,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's promise, forwarded.
+        unsafe { self.0.read_slot(c, layer, slot, out) }
+    }
+    unsafe fn write_slot(
+        &self,
+        c: ComponentId,
+        layer: u32,
+        slot: u32,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's promise, forwarded.
+        unsafe { self.0.write_slot(c, layer, slot, data) }
+    }
 }
 
 struct DeviceLikeLandings(Arc<HostKvPool>);

@@ -54,6 +54,6 @@ pub enum DeviceError {
 
 impl From<DeviceError> for kv_loader::KvLoadError {
     fn from(e: DeviceError) -> Self {
-        kv_loader::KvLoadError::Device(e.to_string())
+        kv_loader::KvLoadError::Device(kv_loader::Cause::from_error(e))
     }
 }

@@ -41,6 +41,40 @@ pub trait KvPool: Send + Sync {
 
     /// Every buffer as (address, length), e.g. to register them with a store once.
     fn regions(&self) -> Vec<(usize, usize)>;
+
+    /// Copies one page slot's slice of (`component`, model layer `layer`) into `out`, which
+    /// must be exactly the slice's length (`page_layer_bytes` of the component). Every input
+    /// is checked: an unknown component, a layer the component does not carry, a slot past
+    /// the pool or a wrong length is a [`DeviceError::OutOfPool`]. Device pools copy after
+    /// the work already enqueued on their load stream.
+    ///
+    /// # Safety
+    /// Nothing writes this slice during the call: no `write_slot` of it on another thread,
+    /// and no load whose plan lands in `slot` still in flight (wait for the layer, or the
+    /// batch, first). Concurrent reads are fine.
+    unsafe fn read_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError>;
+
+    /// Copies `data` (exactly the slice's length, checked as in
+    /// [`read_slot`](Self::read_slot)) into one page slot's slice of (`component`, `layer`),
+    /// as an engine's attention writes new KV.
+    ///
+    /// # Safety
+    /// Nothing else reads or writes this slice during the call: no `read_slot` or
+    /// `write_slot` of it on another thread, no load whose plan lands in `slot` in flight,
+    /// and no save of it in progress.
+    unsafe fn write_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        data: &[u8],
+    ) -> Result<(), DeviceError>;
 }
 
 /// Checks (component, layer, slot) against a geometry and a pool size; returns the buffer

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use kv_geometry::GeometryError;
 
-use crate::BatchId;
+use crate::{BatchId, Cause};
 
 /// Why a plan was refused before any I/O.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -196,9 +196,10 @@ pub enum KvLoadError {
         /// Why the group is down and why it could not re-form.
         detail: String,
     },
-    /// A device (copy, event, allocation) failure.
+    /// A device (copy, event, allocation) failure; the device backend's typed error is its
+    /// source where there is one (`Cause::downcast_ref`).
     #[error("device failure: {0}")]
-    Device(String),
+    Device(#[source] Cause),
     /// The ticket belongs to a batch that is finished, or from before a reset.
     #[error("stale ticket for {batch}")]
     StaleTicket {

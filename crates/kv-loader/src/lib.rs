@@ -16,8 +16,11 @@
 //! assert_eq!(plan.logical.num_pages(), 4);
 //! ```
 
+mod action;
+mod cause;
 mod deadline;
 mod error;
+mod handle;
 mod ids;
 mod loader;
 mod lookup;
@@ -28,8 +31,11 @@ mod plan;
 mod ticket;
 mod transfer;
 
+pub use action::EngineAction;
+pub use cause::Cause;
 pub use deadline::{deadline_after, deadline_from, MAX_WAIT};
 pub use error::{KvLoadError, PlanError, StoreFailure};
+pub use handle::LoadHandle;
 pub use ids::{BatchId, RequestId};
 pub use loader::KvLoader;
 pub use lookup::{LookupHit, LookupRequest};

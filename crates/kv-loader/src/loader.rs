@@ -1,5 +1,7 @@
 //! The engine-facing trait.
 
+use kv_geometry::PageHash;
+
 use crate::{
     BatchOutcome, BatchPlan, KvLoadError, LayerReady, LoadTicket, LookupHit, LookupRequest,
     SaveReport,
@@ -8,14 +10,16 @@ use crate::{
 /// What an LLM server calls, on every TP rank, between its prefix cache and its attention
 /// layers. Object-safe: engines hold an `Arc<dyn KvLoader>`.
 ///
-/// The calls of one batch, in order (design.md §4):
-/// 1. [`lookup`](KvLoader::lookup) after the engine's own prefix match: the pages the store
+/// The calls of one batch, in order ([`LoadHandle`](crate::LoadHandle) wraps steps 2-4 in
+/// one value):
+/// 1. [`lookup`](KvLoader::lookup) (tokens) or [`lookup_pages`](KvLoader::lookup_pages) (page
+///    hashes, what `save` takes) after the engine's own prefix match: the pages the store
 ///    can give (the same answer on every rank of a TP group).
 /// 2. The engine allocates slots, then [`start_load`](KvLoader::start_load) on every rank in
 ///    the same batch order.
 /// 3. Before attention on layer *l*: [`wait_layer`](KvLoader::wait_layer).
 /// 4. [`wait_batch`](KvLoader::wait_batch) or [`completed`](KvLoader::completed): the
-///    outcome (on failure, recompute the batch's pages).
+///    outcome (on failure, [`KvLoadError::action`] says what to do).
 /// 5. After prefill: [`save`](KvLoader::save) of the new pages.
 ///
 /// ```
@@ -28,6 +32,14 @@ pub trait KvLoader: Send + Sync {
 
     /// The longest run of pages after the engine's own hit that the store holds.
     fn lookup(&self, request: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError>;
+
+    /// [`lookup`](KvLoader::lookup) in the language of [`save`](KvLoader::save) and of a
+    /// prefix cache keyed by block hash: `pages` are the prompt's page hashes from its first
+    /// page (`kv_geometry::page_hashes(tokens, page_size, None)` gives them from tokens),
+    /// `skip_pages` the leading pages the engine already holds. The same answer as `lookup`
+    /// of those tokens; in a TP group it is collective the same way.
+    fn lookup_pages(&self, pages: &[PageHash], skip_pages: usize)
+        -> Result<LookupHit, KvLoadError>;
 
     /// Validates `plan` (typed errors, before any I/O) and starts loading it layer by layer.
     fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError>;

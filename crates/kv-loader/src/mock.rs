@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use kv_geometry::page_hashes;
+use kv_geometry::{page_hashes, KvGeometry, PageHash};
 use layerwise_counter::LayerCounter;
 use parking_lot::Mutex;
 
@@ -19,6 +19,13 @@ pub enum MockCall {
     Lookup {
         /// Tokens of the request.
         tokens: usize,
+        /// Pages the engine already had.
+        skip_pages: usize,
+    },
+    /// `lookup_pages` with this many page hashes and skipped pages.
+    LookupPages {
+        /// Page hashes of the request.
+        pages: usize,
         /// Pages the engine already had.
         skip_pages: usize,
     },
@@ -56,23 +63,59 @@ pub enum MockCall {
     Close,
 }
 
+/// The page size of [`MockScript::default`]: 64 tokens, the page size of the model specs
+/// kvlink ships (`ModelKvSpec::deepseek_v3`, `glm52_dsa_fp8`). Use
+/// [`MockScript::for_geometry`] to take your model's.
+pub const MOCK_PAGE_SIZE: u32 = 64;
+
 /// What the mock should do.
-#[derive(Debug, Clone, Default)]
+///
+/// ```
+/// use kv_loader::mock::{MockScript, MOCK_PAGE_SIZE};
+/// use kv_loader::BatchId;
+/// let mut script = MockScript::default();
+/// assert_eq!(script.page_size, MOCK_PAGE_SIZE);
+/// script.fail_at_layer.insert(BatchId(2), 5);
+/// script.time_out.push(BatchId(3));
+/// ```
+#[derive(Debug, Clone)]
 pub struct MockScript {
     /// Pages every lookup finds (capped by the request's whole pages); `None`: all of them.
     pub lookup_pages: Option<usize>,
     /// Batch → layer at which its load fails with a store transfer error.
-    pub fail_at_layer: HashMap<u64, u32>,
+    pub fail_at_layer: HashMap<BatchId, u32>,
     /// Batches whose layer waits time out.
-    pub time_out: Vec<u64>,
-    /// Page size used to hash lookups.
+    pub time_out: Vec<BatchId>,
+    /// Tokens per page, used to hash lookups (0 makes every lookup a `Config` error).
     pub page_size: u32,
+}
+
+impl Default for MockScript {
+    /// Every lookup finds every whole page, no failures, pages of [`MOCK_PAGE_SIZE`] tokens.
+    fn default() -> Self {
+        MockScript {
+            lookup_pages: None,
+            fail_at_layer: HashMap::new(),
+            time_out: Vec::new(),
+            page_size: MOCK_PAGE_SIZE,
+        }
+    }
+}
+
+impl MockScript {
+    /// The default script with `geometry`'s page size.
+    pub fn for_geometry(geometry: &KvGeometry) -> Self {
+        MockScript {
+            page_size: geometry.page_size(),
+            ..MockScript::default()
+        }
+    }
 }
 
 #[derive(Default)]
 struct MockState {
     calls: Vec<MockCall>,
-    live: HashMap<u64, LoadTicket>,
+    live: HashMap<BatchId, (LoadTicket, u32)>,
     closed: bool,
 }
 
@@ -84,7 +127,7 @@ struct MockState {
 /// use kv_loader::mock::{MockKvLoader, MockScript};
 /// use kv_loader::{BatchId, BatchPlan, KvLoader, LogicalPlan};
 /// let mut script = MockScript { page_size: 4, ..Default::default() };
-/// script.fail_at_layer.insert(2, 1);
+/// script.fail_at_layer.insert(BatchId(2), 1);
 /// let mock = MockKvLoader::new(3, script);
 /// let plan = |b| BatchPlan {
 ///     logical: LogicalPlan { batch: BatchId(b), requests: vec![], components: vec![] },
@@ -131,8 +174,8 @@ impl MockKvLoader {
 
     fn live_ticket(&self, ticket: &LoadTicket) -> Result<(), KvLoadError> {
         let s = self.state.lock();
-        match s.live.get(&ticket.batch.0) {
-            Some(t) if t == ticket => Ok(()),
+        match s.live.get(&ticket.batch) {
+            Some((t, _)) if t == ticket => Ok(()),
             _ => Err(KvLoadError::StaleTicket {
                 batch: ticket.batch,
             }),
@@ -149,11 +192,31 @@ impl MockKvLoader {
         }
     }
 
-    fn outcome(&self, ticket: &LoadTicket) -> BatchOutcome {
+    fn page_size(&self) -> Result<u32, KvLoadError> {
+        match self.script.page_size {
+            0 => Err(KvLoadError::Config(
+                "mock: MockScript::page_size is 0 (use MockScript::default or for_geometry)".into(),
+            )),
+            ps => Ok(ps),
+        }
+    }
+
+    fn hit(&self, all: &[PageHash], skip_pages: usize) -> LookupHit {
+        let first = skip_pages.min(all.len());
+        let avail = all.len() - first;
+        let n = self.script.lookup_pages.map_or(avail, |p| p.min(avail));
+        LookupHit {
+            pages: all[first..first + n].to_vec(),
+            first_page: first,
+            tokens: n * self.script.page_size as usize,
+        }
+    }
+
+    fn outcome(&self, ticket: &LoadTicket, pages: u32) -> BatchOutcome {
         let b = ticket.batch;
-        let result = if let Some(&l) = self.script.fail_at_layer.get(&b.0) {
+        let result = if let Some(&l) = self.script.fail_at_layer.get(&b) {
             Err(self.failure(b, l))
-        } else if self.script.time_out.contains(&b.0) {
+        } else if self.script.time_out.contains(&b) {
             Err(KvLoadError::Timeout {
                 batch: b,
                 layer: 0,
@@ -161,7 +224,7 @@ impl MockKvLoader {
             })
         } else {
             Ok(LoadStats {
-                pages: 0,
+                pages,
                 layers: ticket.num_layers,
                 bytes_read: 0,
                 bytes_landed: 0,
@@ -172,6 +235,7 @@ impl MockKvLoader {
                 layer_transfers: Vec::new(),
                 alone: None,
                 read_groups: Vec::new(),
+                plans_differ: Vec::new(),
             })
         };
         BatchOutcome { batch: b, result }
@@ -188,16 +252,22 @@ impl KvLoader for MockKvLoader {
             tokens: request.tokens.len(),
             skip_pages: request.skip_pages,
         })?;
-        let ps = self.script.page_size.max(1);
+        let ps = self.page_size()?;
         let all = page_hashes(request.tokens, ps, None);
-        let first = request.skip_pages.min(all.len());
-        let avail = all.len() - first;
-        let n = self.script.lookup_pages.map_or(avail, |p| p.min(avail));
-        Ok(LookupHit {
-            pages: all[first..first + n].to_vec(),
-            first_page: first,
-            tokens: n * ps as usize,
-        })
+        Ok(self.hit(&all, request.skip_pages))
+    }
+
+    fn lookup_pages(
+        &self,
+        pages: &[PageHash],
+        skip_pages: usize,
+    ) -> Result<LookupHit, KvLoadError> {
+        self.record(MockCall::LookupPages {
+            pages: pages.len(),
+            skip_pages,
+        })?;
+        self.page_size()?;
+        Ok(self.hit(pages, skip_pages))
     }
 
     fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError> {
@@ -215,7 +285,8 @@ impl KvLoader for MockKvLoader {
             num_layers: self.num_layers,
             counter,
         };
-        self.state.lock().live.insert(batch.0, ticket);
+        let pages = u32::try_from(plan.logical.num_pages()).unwrap_or(u32::MAX);
+        self.state.lock().live.insert(batch, (ticket, pages));
         Ok(ticket)
     }
 
@@ -225,14 +296,14 @@ impl KvLoader for MockKvLoader {
             layer,
         })?;
         self.live_ticket(ticket)?;
-        if self.script.time_out.contains(&ticket.batch.0) {
+        if self.script.time_out.contains(&ticket.batch) {
             return Err(KvLoadError::Timeout {
                 batch: ticket.batch,
                 layer,
                 waited: Duration::ZERO,
             });
         }
-        match self.script.fail_at_layer.get(&ticket.batch.0) {
+        match self.script.fail_at_layer.get(&ticket.batch) {
             Some(&l) if layer >= l => Err(self.failure(ticket.batch, l)),
             _ => Ok(LayerReady::Resident),
         }
@@ -243,20 +314,25 @@ impl KvLoader for MockKvLoader {
             batch: ticket.batch,
         })?;
         self.live_ticket(ticket)?;
-        self.state.lock().live.remove(&ticket.batch.0);
+        let pages = self
+            .state
+            .lock()
+            .live
+            .remove(&ticket.batch)
+            .map_or(0, |(_, p)| p);
         let _ = self.counter.finish(ticket.counter);
-        Ok(self.outcome(ticket))
+        Ok(self.outcome(ticket, pages))
     }
 
     fn completed(&self) -> Vec<BatchOutcome> {
         if self.record(MockCall::Completed).is_err() {
             return Vec::new();
         }
-        let live: Vec<LoadTicket> = self.state.lock().live.drain().map(|(_, t)| t).collect();
-        for t in &live {
+        let live: Vec<(LoadTicket, u32)> = self.state.lock().live.drain().map(|(_, t)| t).collect();
+        for (t, _) in &live {
             let _ = self.counter.finish(t.counter);
         }
-        let mut out: Vec<BatchOutcome> = live.iter().map(|t| self.outcome(t)).collect();
+        let mut out: Vec<BatchOutcome> = live.iter().map(|(t, p)| self.outcome(t, *p)).collect();
         out.sort_by_key(|o| o.batch);
         out
     }
@@ -266,10 +342,16 @@ impl KvLoader for MockKvLoader {
             batch: plan.logical.batch,
             pages: plan.logical.num_pages(),
         })?;
-        Ok(SaveReport {
-            objects_written: (plan.logical.num_pages() * plan.logical.components.len()) as u32,
+        let pages = plan.logical.num_pages();
+        let mut report = SaveReport {
+            objects_written: (pages * plan.logical.components.len()) as u32,
             ..SaveReport::default()
-        })
+        };
+        if !plan.logical.components.is_empty() {
+            report.pages_written = (0..pages as u32).collect();
+        }
+        report.settle_pages(pages);
+        Ok(report)
     }
 
     fn reset(&self) -> Result<(), KvLoadError> {
@@ -285,5 +367,56 @@ impl KvLoader for MockKvLoader {
         s.live.clear();
         s.closed = true;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_script_hashes_whole_pages_of_the_documented_size() {
+        let mock = MockKvLoader::new(2, MockScript::default());
+        let tokens: Vec<u32> = (0..(MOCK_PAGE_SIZE * 3 + 5)).collect();
+        let hit = mock
+            .lookup(&LookupRequest {
+                tokens: &tokens,
+                skip_pages: 1,
+            })
+            .unwrap();
+        assert_eq!(hit.pages.len(), 2);
+        assert_eq!(hit.first_page, 1);
+        assert_eq!(hit.tokens, 2 * MOCK_PAGE_SIZE as usize);
+        assert_eq!(hit.pages, page_hashes(&tokens, MOCK_PAGE_SIZE, None)[1..]);
+    }
+
+    #[test]
+    fn page_size_zero_is_a_config_error_not_one_page_per_token() {
+        let script = MockScript {
+            page_size: 0,
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        let err = mock
+            .lookup(&LookupRequest {
+                tokens: &[1, 2, 3],
+                skip_pages: 0,
+            })
+            .unwrap_err();
+        assert!(matches!(err, KvLoadError::Config(_)), "{err}");
+    }
+
+    #[test]
+    fn lookup_by_pages_answers_as_lookup_by_tokens() {
+        let mock = MockKvLoader::new(2, MockScript::default());
+        let tokens: Vec<u32> = (0..(MOCK_PAGE_SIZE * 4)).collect();
+        let by_tokens = mock
+            .lookup(&LookupRequest {
+                tokens: &tokens,
+                skip_pages: 1,
+            })
+            .unwrap();
+        let pages = page_hashes(&tokens, MOCK_PAGE_SIZE, None);
+        assert_eq!(mock.lookup_pages(&pages, 1).unwrap(), by_tokens);
     }
 }

@@ -45,6 +45,11 @@ pub struct LoadStats {
     /// Layers per store call of this rank's reads, in layer order (empty when the rank read
     /// nothing, or the loader does not group its reads).
     pub read_groups: Vec<u32>,
+    /// Ranks whose logical plan for this batch differed from rank 0's: the batch then fell
+    /// back to [`ShareMode::AllRanks`] (every rank read its own copy, so it still loaded).
+    /// Empty when the ranks' plans agreed, or with no TP group. A non-empty list is an
+    /// engine bug worth a metric: the ranks scheduled the batch differently.
+    pub plans_differ: Vec<u32>,
 }
 
 /// A finished batch: loaded, or failed with the same error on every rank.
@@ -67,4 +72,54 @@ pub struct SaveReport {
     pub objects_not_owned: u32,
     /// Bytes written.
     pub bytes_written: u64,
+    /// Plan page indices (in plan order) of which this rank wrote at least one object.
+    pub pages_written: Vec<u32>,
+    /// Plan page indices of which this rank wrote nothing: every object of the page it owns
+    /// was already in the store, or it owns none (replicated components off rank 0).
+    /// `pages_written` and `pages_skipped` are disjoint and together cover the plan.
+    pub pages_skipped: Vec<u32>,
+}
+
+impl SaveReport {
+    /// Fills `pages_skipped` as the plan pages `0..num_pages` not in `pages_written`, after
+    /// sorting and de-duplicating `pages_written` (a loader counts pages written as it goes,
+    /// one object at a time, then calls this once).
+    ///
+    /// ```
+    /// use kv_loader::SaveReport;
+    /// let mut r = SaveReport { pages_written: vec![3, 1, 3], ..SaveReport::default() };
+    /// r.settle_pages(5);
+    /// assert_eq!((r.pages_written, r.pages_skipped), (vec![1, 3], vec![0, 2, 4]));
+    /// ```
+    pub fn settle_pages(&mut self, num_pages: usize) {
+        self.pages_written.sort_unstable();
+        self.pages_written.dedup();
+        let written = &self.pages_written;
+        self.pages_skipped = (0..num_pages as u32)
+            .filter(|p| written.binary_search(p).is_err())
+            .collect();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn settled_pages_split_the_plan(
+            n in 0usize..200,
+            written in proptest::collection::vec(0u32..200, 0..300),
+        ) {
+            let written: Vec<u32> = written.into_iter().filter(|&p| (p as usize) < n).collect();
+            let mut r = SaveReport { pages_written: written.clone(), ..SaveReport::default() };
+            r.settle_pages(n);
+            let mut all: Vec<u32> = r.pages_written.iter().chain(&r.pages_skipped).copied().collect();
+            all.sort_unstable();
+            prop_assert_eq!(all, (0..n as u32).collect::<Vec<_>>());
+            prop_assert!(r.pages_written.windows(2).all(|w| w[0] < w[1]));
+            prop_assert!(written.iter().all(|p| r.pages_written.contains(p)));
+        }
+    }
 }

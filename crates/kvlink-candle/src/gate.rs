@@ -1,31 +1,30 @@
 //! The per-layer wait in front of a loaded prefix.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use kv_loader::{KvLoadError, KvLoader, LayerReady, LoadStats, LoadTicket, RawStream};
+use kv_loader::{KvLoadError, KvLoader, LoadHandle, LoadStats, LoadTicket, RawStream};
 
 use crate::CandleKvError;
 
-/// Waits, through the [`KvLoader`] trait object, for each layer of one batch in flight
-/// before an attention layer reads it; remembers what it saw so a layer is waited on once
-/// and a failure is reported the same way to every later reader.
+/// Waits, through a [`LoadHandle`] (the batch's waits and outcome over the
+/// [`KvLoader`] trait object), for each layer of one batch in flight before an attention
+/// layer reads it.
 ///
-/// A layer that is ready costs one atomic load. A failed wait is kept: every later
-/// [`wait`](Self::wait) returns [`CandleKvError::Load`] without calling the loader again.
-/// [`finish`](Self::finish) takes the batch outcome (call it once per started batch, even
-/// after a failure, so the loader can forget the batch).
+/// Readiness is the loader's: a layer waited on again asks its counter again (one atomic
+/// load once ready); the gate keeps no copy. A failed wait is kept: every later
+/// [`wait`](Self::wait) returns the same [`CandleKvError::Load`] without calling the loader
+/// again. [`finish`](Self::finish) takes the batch outcome (call it once per started batch,
+/// even after a failure, so the loader can forget the batch).
 ///
-/// With [`LayerReady::Event`] (device pools), the gate blocks on the event on the host, or,
-/// if built [`on_stream`](Self::on_stream), makes that compute stream wait instead.
+/// With [`LayerReady::Event`](kv_loader::LayerReady::Event) (device pools), the gate blocks
+/// on the event on the host, or, if built [`on_stream`](Self::on_stream), makes that compute
+/// stream wait instead.
 pub struct LayerGate {
     inner: Option<Inner>,
 }
 
 struct Inner {
-    loader: Arc<dyn KvLoader>,
-    ticket: LoadTicket,
-    ready: Box<[AtomicBool]>,
+    load: LoadHandle,
     failure: OnceLock<(u32, KvLoadError)>,
     stream: Option<RawStream>,
 }
@@ -36,11 +35,7 @@ impl std::fmt::Debug for LayerGate {
             None => f.write_str("LayerGate(open)"),
             Some(i) => f
                 .debug_struct("LayerGate")
-                .field("batch", &i.ticket.batch)
-                .field(
-                    "ready",
-                    &i.ready.iter().filter(|r| r.load(Ordering::Acquire)).count(),
-                )
+                .field("batch", &i.load.batch())
                 .field("failed_at", &i.failure.get().map(|f| f.0))
                 .finish(),
         }
@@ -55,14 +50,14 @@ impl LayerGate {
 
     /// A gate on the batch `ticket` that `loader.start_load` returned.
     pub fn new(loader: Arc<dyn KvLoader>, ticket: LoadTicket) -> Self {
-        let ready = (0..ticket.num_layers)
-            .map(|_| AtomicBool::new(false))
-            .collect();
+        Self::from_handle(LoadHandle::from_ticket(loader, ticket))
+    }
+
+    /// A gate on the batch `load` owns (e.g. from [`LoadHandle::start`]).
+    pub fn from_handle(load: LoadHandle) -> Self {
         LayerGate {
             inner: Some(Inner {
-                loader,
-                ticket,
-                ready,
+                load,
                 failure: OnceLock::new(),
                 stream: None,
             }),
@@ -84,7 +79,7 @@ impl LayerGate {
 
     /// The batch's ticket, if one is attached.
     pub fn ticket(&self) -> Option<&LoadTicket> {
-        self.inner.as_ref().map(|i| &i.ticket)
+        self.inner.as_ref().map(|i| i.load.ticket())
     }
 
     /// Returns once layer `layer` of the batch is readable (or at once for an open gate).
@@ -93,14 +88,11 @@ impl LayerGate {
         let Some(i) = &self.inner else {
             return Ok(());
         };
-        let Some(flag) = i.ready.get(layer as usize) else {
+        if layer >= i.load.num_layers() {
             return Err(CandleKvError::LayerOutOfRange {
                 layer,
-                num_layers: i.ticket.num_layers,
+                num_layers: i.load.num_layers(),
             });
-        };
-        if flag.load(Ordering::Acquire) {
-            return Ok(());
         }
         if let Some((l, e)) = i.failure.get() {
             return Err(CandleKvError::Load {
@@ -108,27 +100,14 @@ impl LayerGate {
                 source: e.clone(),
             });
         }
-        let waited = i.loader.wait_layer(&i.ticket, layer).and_then(|r| match r {
-            LayerReady::Resident => Ok(()),
-            LayerReady::Event(ev) => match i.stream {
-                Some(s) => ev.wait_on_stream(s),
-                None => ev.synchronize(),
-            },
-        });
-        match waited {
-            Ok(()) => {
-                flag.store(true, Ordering::Release);
-                Ok(())
+        i.load.wait_layer_on(layer, i.stream).map_err(|e| {
+            tracing::debug!(batch = %i.load.batch(), layer, error = %e, "layer wait failed");
+            let (l, e) = i.failure.get_or_init(|| (layer, e));
+            CandleKvError::Load {
+                layer: Some(*l),
+                source: e.clone(),
             }
-            Err(e) => {
-                tracing::debug!(batch = %i.ticket.batch, layer, error = %e, "layer wait failed");
-                let (l, e) = i.failure.get_or_init(|| (layer, e));
-                Err(CandleKvError::Load {
-                    layer: Some(*l),
-                    source: e.clone(),
-                })
-            }
-        }
+        })
     }
 
     /// Takes the batch's outcome (waiting, bounded by the loader, for it to finish) and
@@ -142,8 +121,8 @@ impl LayerGate {
         };
         let failed_layer = i.failure.get().map(|f| f.0);
         let outcome = i
-            .loader
-            .wait_batch(&i.ticket)
+            .load
+            .finish()
             .map_err(|source| CandleKvError::Unsettled { source })?;
         match outcome.result {
             Ok(stats) => {

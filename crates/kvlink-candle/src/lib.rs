@@ -48,7 +48,7 @@ pub use cache::PagedLatentCache;
 pub use error::CandleKvError;
 pub use format::LatentFormat;
 pub use gate::LayerGate;
-pub use pool::{LatentPool, SlotIo};
+pub use pool::LatentPool;
 
 /// Re-exported so engines and examples name the same candle.
 pub use candle_core;

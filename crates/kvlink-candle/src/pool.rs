@@ -3,71 +3,11 @@
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use kv_device::{DeviceError, HostKvPool, KvPool};
+use kv_device::KvPool;
 use kv_geometry::ComponentId;
 
 use crate::format::tensor_bytes;
 use crate::{CandleKvError, LatentFormat};
-
-/// A pool whose page slots can be copied out and in by the CPU: what the adapter needs
-/// beyond [`KvPool`]'s addresses. [`HostKvPool`] has it; a device pool would implement it
-/// with device copies (or be wrapped zero-copy, see docs/integration.md).
-///
-/// The copies are `unsafe`, as [`HostKvPool::read_slot`]'s: a pool is shared with the
-/// loader that writes it, so only the caller knows a slot is not being written.
-pub trait SlotIo: KvPool {
-    /// Copies one page slot's slice of (`component`, `layer`) into `out` (exactly the
-    /// slice's length).
-    ///
-    /// # Safety
-    /// Nothing writes the slice during the call (no other `write_slot` of it, no load into
-    /// `slot` in flight).
-    unsafe fn read_slot(
-        &self,
-        component: ComponentId,
-        layer: u32,
-        slot: u32,
-        out: &mut [u8],
-    ) -> Result<(), DeviceError>;
-
-    /// Copies `data` (exactly the slice's length) into one page slot's slice of
-    /// (`component`, `layer`).
-    ///
-    /// # Safety
-    /// Nothing else reads or writes the slice during the call (no other `read_slot` or
-    /// `write_slot` of it, no load into `slot` in flight, no save of it).
-    unsafe fn write_slot(
-        &self,
-        component: ComponentId,
-        layer: u32,
-        slot: u32,
-        data: &[u8],
-    ) -> Result<(), DeviceError>;
-}
-
-impl SlotIo for HostKvPool {
-    unsafe fn read_slot(
-        &self,
-        component: ComponentId,
-        layer: u32,
-        slot: u32,
-        out: &mut [u8],
-    ) -> Result<(), DeviceError> {
-        // SAFETY: the same contract, forwarded from our caller.
-        unsafe { HostKvPool::read_slot(self, component, layer, slot, out) }
-    }
-
-    unsafe fn write_slot(
-        &self,
-        component: ComponentId,
-        layer: u32,
-        slot: u32,
-        data: &[u8],
-    ) -> Result<(), DeviceError> {
-        // SAFETY: the same contract, forwarded from our caller.
-        unsafe { HostKvPool::write_slot(self, component, layer, slot, data) }
-    }
-}
 
 /// One component of a rank's KV pool (the MLA latent), seen as candle tensors: a layer's
 /// rows for a sequence's page table come out as `[tokens, kv_lora_rank + rope_dim]` (or
@@ -107,7 +47,7 @@ impl SlotIo for HostKvPool {
 /// sequence and then waits for the load itself.
 #[derive(Clone)]
 pub struct LatentPool {
-    pool: Arc<dyn SlotIo>,
+    pool: Arc<dyn KvPool>,
     component: ComponentId,
     format: LatentFormat,
     page_size: usize,
@@ -130,7 +70,7 @@ impl LatentPool {
     /// The component named `component` of `pool`, in `format`, with tensors made on
     /// `device`. Fails if the component is missing or its rows do not match the format.
     pub fn new(
-        pool: Arc<dyn SlotIo>,
+        pool: Arc<dyn KvPool>,
         component: &str,
         format: LatentFormat,
         device: Device,
@@ -171,7 +111,7 @@ impl LatentPool {
     }
 
     /// The pool underneath.
-    pub fn pool(&self) -> &Arc<dyn SlotIo> {
+    pub fn pool(&self) -> &Arc<dyn KvPool> {
         &self.pool
     }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use kv_device::HostKvPool;
+use kv_device::{HostKvPool, KvPool};
 use kv_geometry::{ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, RowUnit};
 use kv_loader::mock::{MockCall, MockKvLoader, MockScript};
 use kv_loader::{
@@ -232,7 +232,7 @@ fn waits(mock: &MockKvLoader) -> Vec<u32> {
 }
 
 #[test]
-fn each_layer_is_waited_once_before_it_is_read() {
+fn every_read_of_a_loaded_layer_asks_the_loader_first() {
     let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
     let ticket = mock.start_load(plan(1)).unwrap();
     // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
@@ -244,10 +244,11 @@ fn each_layer_is_waited_once_before_it_is_read() {
     }
     cache.layer_pages(0, 2).unwrap();
     // Writing a new token after the loaded prefix needs no wait; into the prefix it does.
+    // Readiness is the loader's (its counter): the gate keeps no copy, so each read asks.
     cache.write(2, 4, &rows(1, 0.0)).unwrap();
-    assert_eq!(waits(&mock), vec![1, 0]);
+    assert_eq!(waits(&mock), vec![1, 1, 1, 0]);
     cache.write(2, 0, &rows(1, 0.0)).unwrap();
-    assert_eq!(waits(&mock), vec![1, 0, 2]);
+    assert_eq!(waits(&mock), vec![1, 1, 1, 0, 2]);
     assert!(matches!(
         cache.layer(3, 1),
         Err(CandleKvError::LayerOutOfRange {
@@ -267,7 +268,7 @@ fn each_layer_is_waited_once_before_it_is_read() {
 #[test]
 fn a_failed_wait_is_kept_typed_and_ends_in_a_failed_outcome() {
     let mut script = MockScript::default();
-    script.fail_at_layer.insert(7, 1);
+    script.fail_at_layer.insert(kv_loader::BatchId(7), 1);
     let mock = Arc::new(MockKvLoader::new(3, script));
     let ticket = mock.start_load(plan(7)).unwrap();
     // SAFETY: as above.
@@ -363,6 +364,13 @@ impl KvLoader for EventLoader {
     fn lookup(&self, r: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
         self.inner.lookup(r)
     }
+    fn lookup_pages(
+        &self,
+        pages: &[kv_geometry::PageHash],
+        skip: usize,
+    ) -> Result<LookupHit, KvLoadError> {
+        self.inner.lookup_pages(pages, skip)
+    }
     fn start_load(&self, p: BatchPlan) -> Result<LoadTicket, KvLoadError> {
         self.inner.start_load(p)
     }
@@ -403,7 +411,11 @@ fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
     let raw = unsafe { RawStream::from_raw(0xabc) };
     let mut stream = LayerGate::new(loader.clone(), t2).on_stream(raw);
     stream.wait(1).unwrap();
-    assert_eq!(event.synchronized.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        event.synchronized.load(Ordering::SeqCst),
+        2,
+        "one host wait per call"
+    );
     assert_eq!(event.streamed.load(Ordering::SeqCst), 1);
     assert!(stream.finish().unwrap().is_some());
 }
@@ -422,5 +434,37 @@ fn an_outcome_that_cannot_be_taken_asks_for_a_reset() {
         CandleKvError::Unsettled {
             source: KvLoadError::StaleTicket { .. }
         }
+    ));
+}
+
+#[test]
+fn latents_read_and_write_a_device_pool_through_the_pool_trait() {
+    // A device pool (on the CPU backend): slot copies now come from `KvPool` itself.
+    let f = LatentFormat::new(4, 2, DType::F32).unwrap();
+    let host = pool_for(ElementType::Bytes, f.row_bytes() as u32, 4);
+    let device = kv_device::CpuDevice::new(0).unwrap();
+    let pool = Arc::new(kv_device::DeviceKvPool::new(device, host.geometry().clone(), 4).unwrap());
+    let lp = LatentPool::new(pool.clone(), "k", f, Device::Cpu).unwrap();
+    let r = rows(6, 1.0);
+    write(&lp, 2, &[3, 1], 0, &r).unwrap();
+    let back = read(&lp, 2, &[3, 1], 6).unwrap();
+    assert_eq!(back.to_vec2::<f32>().unwrap(), r.to_vec2::<f32>().unwrap());
+    // Inputs are checked through the trait object too: a slot past the pool, a wrong length.
+    let dyn_pool: &dyn KvPool = pool.as_ref();
+    let mut page = vec![0u8; PAGE as usize * f.row_bytes()];
+    // SAFETY: the pool is this test's alone, used from one thread.
+    unsafe { dyn_pool.read_slot(kv_geometry::ComponentId(0), 2, 3, &mut page) }.unwrap();
+    assert!(page.iter().any(|&b| b != 0), "slot 3 holds the first page");
+    // SAFETY: as above.
+    let past = unsafe { dyn_pool.read_slot(kv_geometry::ComponentId(0), 2, 4, &mut page) };
+    assert!(matches!(
+        past,
+        Err(kv_device::DeviceError::OutOfPool { .. })
+    ));
+    // SAFETY: as above.
+    let short = unsafe { dyn_pool.write_slot(kv_geometry::ComponentId(0), 2, 0, &page[1..]) };
+    assert!(matches!(
+        short,
+        Err(kv_device::DeviceError::OutOfPool { .. })
     ));
 }

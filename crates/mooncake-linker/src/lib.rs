@@ -9,8 +9,8 @@ pub mod store;
 #[cfg(target_os = "linux")]
 pub use linker::{serve_group_store, FormedTpGroup};
 pub use linker::{
-    GroupFallback, Linker, LinkerConfig, LinkerMetrics, MetricsSnapshot, ReadGranularity, TpGroup,
-    LAYER_LATENCY_BUCKETS_US,
+    GroupFallback, Linker, LinkerBuilder, LinkerConfig, LinkerMetrics, MetricsSnapshot,
+    ReadGranularity, TpGroup, LAYER_LATENCY_BUCKETS_US,
 };
 
 /// Re-exported: how keys are prefixed ([`LinkerConfig::namespace`]).

@@ -209,6 +209,7 @@ fn stats_of(ctx: &Ctx, r: &RankReport) -> LoadStats {
         layer_transfers: Vec::new(),
         alone: None,
         read_groups: Vec::new(),
+        plans_differ: Vec::new(),
     }
 }
 

@@ -151,11 +151,14 @@ impl StreamWaitable for CudaLayerEvent {
     fn wait_on_stream(&self, stream: RawStream) -> Result<(), KvLoadError> {
         self.wait_raw(stream.as_raw() as sys::CUstream)
             .map_err(|e| {
-                KvLoadError::Device(format!(
-                    "cuStreamWaitEvent (layer {}): {}",
-                    self.layer,
-                    driver_error_text(e)
-                ))
+                KvLoadError::Device(
+                    format!(
+                        "cuStreamWaitEvent (layer {}): {}",
+                        self.layer,
+                        driver_error_text(e)
+                    )
+                    .into(),
+                )
             })
     }
 

@@ -141,6 +141,28 @@ impl KvPool for HostKvPool {
     fn regions(&self) -> Vec<(usize, usize)> {
         self.buffers.iter().map(|b| (b.addr(), b.len())).collect()
     }
+
+    unsafe fn read_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the same contract as the inherent method, forwarded from our caller.
+        unsafe { HostKvPool::read_slot(self, component, layer, slot, out) }
+    }
+
+    unsafe fn write_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the same contract as the inherent method, forwarded from our caller.
+        unsafe { HostKvPool::write_slot(self, component, layer, slot, data) }
+    }
 }
 
 #[cfg(test)]

@@ -223,6 +223,26 @@ impl KvPool for DeviceKvPool {
             .map(|b| (b.addr() as usize, b.len()))
             .collect()
     }
+
+    unsafe fn read_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        DeviceKvPool::read_slot(self, component, layer, slot, out)
+    }
+
+    unsafe fn write_slot(
+        &self,
+        component: ComponentId,
+        layer: u32,
+        slot: u32,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        DeviceKvPool::write_slot(self, component, layer, slot, data)
+    }
 }
 
 impl Drop for DeviceKvPool {

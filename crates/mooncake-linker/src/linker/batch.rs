@@ -199,7 +199,9 @@ impl Inner {
         if let Some(e) = refusal {
             return self.refuse(coll, batch, gated.tag, e);
         }
-        self.load_batch(Some(coll), job, gated.mode, gated.tag, held)
+        let mut stats = self.load_batch(Some(coll), job, gated.mode, gated.tag, held)?;
+        stats.plans_differ = gated.plans_differ;
+        Ok(stats)
     }
 
     /// How the batch's layers split, in `mode`. A layout that cannot be built becomes this
@@ -316,6 +318,7 @@ impl Inner {
             transfers: layer_transfers.iter().copied().sum(),
             layer_transfers,
             alone: None,
+            plans_differ: Vec::new(),
         })
     }
 
@@ -329,7 +332,10 @@ impl Inner {
         landing_error: Option<&kv_device::DeviceError>,
     ) -> Result<(PinnedKeys<'s>, BatchChecksums), KvLoadError> {
         if let Some(e) = landing_error {
-            return Err(KvLoadError::Device(format!("{batch}: landing: {e}")));
+            return Err(KvLoadError::Device(kv_loader::Cause::with_source(
+                format!("{batch}: landing: {e}"),
+                e.clone(),
+            )));
         }
         let my_pages = layers.my_pages();
         let (companions, plan) = self.present_companions(layers, batch)?;

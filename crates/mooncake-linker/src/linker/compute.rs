@@ -62,9 +62,13 @@ impl ComputeMeter {
         let now = Instant::now();
         let mut tracks = self.tracks.lock();
         if let Some(t) = tracks.iter_mut().find(|t| t.thread == me) {
-            t.batch = batch;
-            t.layer = layer;
-            t.returned = now;
+            // A layer waited on again (an engine reads it twice) keeps its first return, so
+            // the next gap is still the layer's whole compute.
+            if t.batch != batch || t.layer != layer {
+                t.batch = batch;
+                t.layer = layer;
+                t.returned = now;
+            }
             return;
         }
         if tracks.len() >= MAX_THREADS {
@@ -141,5 +145,20 @@ mod tests {
             meter.returned(BatchId(b), 0);
         }
         assert_eq!(meter.estimate(), None);
+    }
+
+    #[test]
+    fn a_layer_waited_on_twice_keeps_its_whole_compute() {
+        let meter = ComputeMeter::default();
+        for l in 0..8u32 {
+            meter.entering(BatchId(1), l);
+            meter.returned(BatchId(1), l);
+            std::thread::sleep(Duration::from_millis(3));
+            // The engine reads the layer again late in its compute: a second wait.
+            meter.entering(BatchId(1), l);
+            meter.returned(BatchId(1), l);
+        }
+        let est = meter.estimate().expect("measured");
+        assert!(est >= Duration::from_millis(3), "{est:?}");
     }
 }

@@ -41,6 +41,8 @@ pub(crate) struct Gated {
     pub(crate) mode: ShareMode,
     /// The batch's status-word tag (the gate's number).
     pub(crate) tag: u8,
+    /// Ranks whose plan differs from rank 0's (the batch then reads `AllRanks`).
+    pub(crate) plans_differ: Vec<u32>,
 }
 
 impl Inner {
@@ -101,21 +103,22 @@ impl Inner {
                         .first()
                         .and_then(|&c| mode_of(c))
                         .unwrap_or(ShareMode::AllRanks);
-                    let mode = match gate.verdict {
+                    let (mode, plans_differ) = match gate.verdict {
                         GateVerdict::Agreed => {
                             if coll.rank() == 0 {
                                 info!(%batch, ?mode, why, "share mode");
                             }
-                            mode
+                            (mode, Vec::new())
                         }
                         GateVerdict::Mismatch { differing } => {
                             warn!(%batch, ?differing, "plans differ across ranks: this batch reads AllRanks");
-                            ShareMode::AllRanks
+                            (ShareMode::AllRanks, differing)
                         }
                     };
                     return Ok(Gated {
                         mode,
                         tag: count as u8,
+                        plans_differ,
                     });
                 }
                 GateStep::Ahead { earliest } => {

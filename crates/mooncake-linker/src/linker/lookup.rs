@@ -19,9 +19,18 @@ impl Inner {
     /// One batched `exists` over every component's key of every candidate page; the hit
     /// ends at the first page with any component missing; then the group's minimum.
     pub(crate) fn lookup(&self, req: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
+        let all = page_hashes(req.tokens, self.geometry.page_size(), None);
+        self.lookup_pages(&all, req.skip_pages)
+    }
+
+    /// [`lookup`](Self::lookup) of the prompt's page hashes (from its first page).
+    pub(crate) fn lookup_pages(
+        &self,
+        all: &[PageHash],
+        skip_pages: usize,
+    ) -> Result<LookupHit, KvLoadError> {
         let page_size = self.geometry.page_size();
-        let all = page_hashes(req.tokens, page_size, None);
-        let first = req.skip_pages.min(all.len());
+        let first = skip_pages.min(all.len());
         let candidates = &all[first..];
         let local = self.local_hit(candidates, first);
         let hit = match &self.group {

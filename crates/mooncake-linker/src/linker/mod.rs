@@ -12,6 +12,7 @@
 
 mod auto;
 mod batch;
+mod builder;
 mod compute;
 mod config;
 mod gate;
@@ -52,6 +53,7 @@ use crate::read_plan::ReadCost;
 use crate::store::{KvStore, StoreCalls};
 use auto::AutoMode;
 use batch::BatchJob;
+pub use builder::LinkerBuilder;
 pub use config::{GroupFallback, LinkerConfig};
 use gate::GateCount;
 pub use granularity::ReadGranularity;
@@ -210,20 +212,19 @@ pub struct Linker {
 }
 
 impl Linker {
-    /// A linker for one rank (`geometry.tp_rank`) over `store`, landing into `pool`. Starts
-    /// the load thread.
+    /// A linker for one rank (`geometry.tp_rank`) over `store`, landing into the host
+    /// `pool`: `Linker::builder(geometry, store, pool).config(config).build()`.
     pub fn new(
         geometry: KvGeometry,
         store: Arc<dyn KvStore>,
         pool: Arc<dyn KvPool>,
         config: LinkerConfig,
     ) -> Result<Self, KvLoadError> {
-        let landings = Self::host_landings(&pool)?;
-        Self::with_landings(geometry, store, pool, landings, config, None)
+        Self::builder(geometry, store, pool).config(config).build()
     }
 
-    /// A linker whose batches land through `landings` (the CUDA backend's
-    /// `StagedLandingFactory` for a device pool), optionally sharing with a TP group.
+    /// Kept for existing callers; prefer [`Linker::builder`] (`.landings(..)`,
+    /// `.maybe_group(..)`) or [`Linker::builder_staged`], which takes the pool once.
     pub fn with_landings(
         geometry: KvGeometry,
         store: Arc<dyn KvStore>,
@@ -232,16 +233,17 @@ impl Linker {
         config: LinkerConfig,
         group: Option<TpGroup>,
     ) -> Result<Self, KvLoadError> {
-        if let Some(g) = &group {
-            Self::check_group(&geometry, g, landings.as_ref())?;
-        }
-        Self::build(geometry, store, pool, landings, config, group)
+        Self::builder(geometry, store, pool)
+            .landings(landings)
+            .config(config)
+            .maybe_group(group)
+            .build()
     }
 
     fn host_landings(pool: &Arc<dyn KvPool>) -> Result<Arc<dyn LandingFactory>, KvLoadError> {
         if pool.residence() != Residence::Host {
             return Err(KvLoadError::Config(
-                "a device pool lands through its backend's staging: use Linker::with_landings"
+                "a device pool lands through its backend's staging: use Linker::builder_staged or LinkerBuilder::landings"
                     .into(),
             ));
         }
@@ -282,10 +284,11 @@ impl Linker {
         Ok(())
     }
 
-    /// A linker for rank `group.rank()` of a TP group: replicated components are shared as
-    /// `config.mode` says, lookups agree on the group's minimum, and every rank reaches the
-    /// same outcome for every batch. Every rank must call `lookup` and `start_load` in the
-    /// same order.
+    /// A linker for rank `group.rank()` of a TP group over a host pool:
+    /// `Linker::builder(geometry, store, pool).config(config).group(group).build()`.
+    /// Replicated components are shared as `config.mode` says, lookups agree on the group's
+    /// minimum, and every rank reaches the same outcome for every batch. Every rank must call
+    /// `lookup` and `start_load` in the same order.
     pub fn with_group(
         geometry: KvGeometry,
         store: Arc<dyn KvStore>,
@@ -293,8 +296,10 @@ impl Linker {
         config: LinkerConfig,
         group: TpGroup,
     ) -> Result<Self, KvLoadError> {
-        let landings = Self::host_landings(&pool)?;
-        Self::with_landings(geometry, store, pool, landings, config, Some(group))
+        Self::builder(geometry, store, pool)
+            .config(config)
+            .group(group)
+            .build()
     }
 
     fn build(
@@ -516,6 +521,15 @@ impl KvLoader for Linker {
     fn lookup(&self, request: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
         self.inner.check_open()?;
         self.inner.lookup(request)
+    }
+
+    fn lookup_pages(
+        &self,
+        pages: &[kv_geometry::PageHash],
+        skip_pages: usize,
+    ) -> Result<LookupHit, KvLoadError> {
+        self.inner.check_open()?;
+        self.inner.lookup_pages(pages, skip_pages)
     }
 
     fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError> {

@@ -90,6 +90,7 @@ impl Inner {
                 unsafe { self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report, hold) }?;
             }
         }
+        report.settle_pages(plan.logical.num_pages());
         self.metrics.written(report.bytes_written);
         debug!(?report, "saved");
         Ok(report)
@@ -99,10 +100,13 @@ impl Inner {
     fn host_wait(&self, ev: &SharedEvent) -> Result<(), KvLoadError> {
         match ev.wait_until(self.store_deadline()) {
             Ok(true) => Ok(()),
-            Ok(false) => Err(KvLoadError::Device(format!(
-                "the engine's event before a save did not complete within {:?}",
-                self.config.store_call_timeout
-            ))),
+            Ok(false) => Err(KvLoadError::Device(
+                format!(
+                    "the engine's event before a save did not complete within {:?}",
+                    self.config.store_call_timeout
+                )
+                .into(),
+            )),
             Err(e) => Err(e.into()),
         }
     }
@@ -246,6 +250,7 @@ impl Inner {
                 Ok(PutOutcome::Written) => {
                     report.objects_written += 1;
                     report.bytes_written += put.len();
+                    report.pages_written.push(page as u32);
                 }
                 Ok(PutOutcome::AlreadyPresent) => report.objects_present += 1,
                 Err(e) => return Err(store_failure(batch, None, vec![page as u32], e)),

@@ -2,7 +2,8 @@
 //! [`EmbeddedStore`], and Mooncake.
 
 /// The [`KvStore`] methods a decorator hands to its `inner` store unchanged: everything but
-/// `name` and the two reads, which decorators exist to change.
+/// `name` and the two reads, which decorators exist to change. Only the test doubles use it.
+#[cfg_attr(not(any(test, feature = "testing")), allow(unused_macros))]
 macro_rules! forward_to_inner {
     () => {
         fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
@@ -53,11 +54,13 @@ mod bounded;
 mod checked;
 mod embedded;
 mod error;
+#[cfg(any(test, feature = "testing"))]
 mod faulty;
 mod kv_store;
 pub mod mooncake;
 #[cfg(target_os = "linux")]
 mod served;
+#[cfg(any(test, feature = "testing"))]
 mod simulated;
 
 pub use checked::checked_results;
@@ -65,10 +68,14 @@ pub use embedded::EmbeddedStore;
 
 pub use bounded::{no_hold, Hold, StoreCalls, MAX_WORKERS};
 pub use error::StoreError;
+/// Test doubles (feature `testing`): a store that injects faults, and one throttled like a
+/// remote link.
+#[cfg(any(test, feature = "testing"))]
 pub use faulty::{Fault, FaultCall, FaultRule, FaultyStore, Stall, STALL_LIMIT};
 pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
 };
 #[cfg(target_os = "linux")]
 pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE};
+#[cfg(any(test, feature = "testing"))]
 pub use simulated::{SimulatedLink, SimulatedRemoteStore};

@@ -119,7 +119,10 @@ impl LayerCx<'_> {
     }
 
     fn misuse(&self, e: kv_device::DeviceError) -> StepError {
-        StepError::Fatal(KvLoadError::Device(format!("{}: {e}", self.batch)))
+        let detail = format!("{}: {e}", self.batch);
+        StepError::Fatal(KvLoadError::Device(kv_loader::Cause::with_source(
+            detail, e,
+        )))
     }
 
     /// Host path: shares this layer's rows (pool slots of `blocks`) with `how`.

@@ -1,0 +1,159 @@
+//! What an engine does about a [`KvLoadError`]: one answer per error, so the engine does
+//! not infer it from prose.
+
+use crate::KvLoadError;
+
+/// What the engine must do after a load or save call failed. [`KvLoadError::action`] gives
+/// it for an error found in a batch's outcome (`BatchOutcome::result`), a layer wait, or a
+/// call refused up front.
+///
+/// One rule sits outside the error itself: when `wait_batch` / [`LoadHandle::finish`]
+/// returns `Err` (no outcome could be taken), the answer is always
+/// [`ResetThenRecompute`](Self::ResetThenRecompute), whatever the error.
+///
+/// [`LoadHandle::finish`]: crate::LoadHandle::finish
+///
+/// ```
+/// use kv_loader::{BatchId, EngineAction, KvLoadError};
+/// let e = KvLoadError::Cancelled { batch: BatchId(4) };
+/// assert_eq!(e.action(), EngineAction::Recompute);
+/// let e = KvLoadError::Busy { capacity: 8 };
+/// assert_eq!(e.action(), EngineAction::RetryLater);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EngineAction {
+    /// The batch is settled and its pages are not (all) in the pool: compute them as if
+    /// there had been no hit, into the same slots. Layers before
+    /// [`KvLoadError::layer`] may have landed, but a forward pass needs every layer of a
+    /// token, so the engine recomputes the pages' every layer. No page of a failed load is
+    /// whole: a batch lands layer by layer across all its pages, so a failure at any layer
+    /// leaves every page without its later layers. Nothing else is needed: the loader stays
+    /// usable.
+    Recompute,
+    /// The load may still be writing the batch's slots: call `reset()` on this rank (not a
+    /// collective: a batch it cancels fails on every rank alike) before reusing them, then
+    /// recompute.
+    ResetThenRecompute,
+    /// Nothing was started or changed: the same call may succeed later (take outcomes
+    /// first for `Busy`; a lookup whose group is down tries to re-form it next time). For a
+    /// load, recomputing now is always allowed instead.
+    RetryLater,
+    /// The call was wrong (plan, ticket, configuration, a closed loader): the same call
+    /// fails again. Fix the input; the batch's pages, if any, are recomputed.
+    FixInput,
+    /// `reset`/`close` returned while store calls past their deadline may still write the
+    /// slots of these batches ([`KvLoadError::SlotsHeld`]): keep those slots out of use
+    /// (recompute into other slots) until each batch's outcome is handed out.
+    HoldSlots,
+}
+
+impl KvLoadError {
+    /// What the engine must do about this error (see [`EngineAction`] for the one rule
+    /// about `wait_batch` itself failing).
+    ///
+    /// | variant | action |
+    /// |---|---|
+    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's), `BadObject`, `Cancelled` | `Recompute` |
+    /// | `Timeout`, `Device` | `ResetThenRecompute` |
+    /// | `Busy`, `GroupDown` (a lookup's, `batch: None`) | `RetryLater` |
+    /// | `InvalidPlan`, `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry` | `FixInput` |
+    /// | `SlotsHeld` | `HoldSlots` |
+    ///
+    /// `Timeout` is a layer wait's deadline: the batch is still in flight. `Device` may
+    /// leave copies in flight. `DuplicateBatch` leaves the batch in flight untouched: use a
+    /// new id.
+    pub fn action(&self) -> EngineAction {
+        match self {
+            KvLoadError::Store { .. }
+            | KvLoadError::PeerFailed { .. }
+            | KvLoadError::Collective { .. }
+            | KvLoadError::BadObject { .. }
+            | KvLoadError::Cancelled { .. } => EngineAction::Recompute,
+            KvLoadError::GroupDown { batch: Some(_), .. } => EngineAction::Recompute,
+            KvLoadError::GroupDown { batch: None, .. } | KvLoadError::Busy { .. } => {
+                EngineAction::RetryLater
+            }
+            KvLoadError::Timeout { .. } | KvLoadError::Device(_) => {
+                EngineAction::ResetThenRecompute
+            }
+            KvLoadError::InvalidPlan { .. }
+            | KvLoadError::StaleTicket { .. }
+            | KvLoadError::DuplicateBatch { .. }
+            | KvLoadError::Closed
+            | KvLoadError::Config(_)
+            | KvLoadError::Geometry(_) => EngineAction::FixInput,
+            KvLoadError::SlotsHeld { .. } => EngineAction::HoldSlots,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BatchId, PlanError, StoreFailure};
+    use std::time::Duration;
+
+    #[test]
+    fn every_variant_has_the_documented_action() {
+        let b = BatchId(1);
+        let cases = [
+            (
+                KvLoadError::Store {
+                    batch: Some(b),
+                    layer: Some(2),
+                    pages: vec![0].into(),
+                    kind: StoreFailure::NotFound,
+                    detail: String::new(),
+                },
+                EngineAction::Recompute,
+            ),
+            (
+                KvLoadError::Timeout {
+                    batch: b,
+                    layer: 0,
+                    waited: Duration::ZERO,
+                },
+                EngineAction::ResetThenRecompute,
+            ),
+            (KvLoadError::Cancelled { batch: b }, EngineAction::Recompute),
+            (
+                KvLoadError::GroupDown {
+                    batch: None,
+                    missing: vec![2],
+                    detail: String::new(),
+                },
+                EngineAction::RetryLater,
+            ),
+            (
+                KvLoadError::GroupDown {
+                    batch: Some(b),
+                    missing: vec![2],
+                    detail: String::new(),
+                },
+                EngineAction::Recompute,
+            ),
+            (
+                KvLoadError::InvalidPlan {
+                    batch: b,
+                    reason: PlanError::BadComponent(9),
+                },
+                EngineAction::FixInput,
+            ),
+            (KvLoadError::Busy { capacity: 1 }, EngineAction::RetryLater),
+            (KvLoadError::Closed, EngineAction::FixInput),
+            (
+                KvLoadError::Device("x".into()),
+                EngineAction::ResetThenRecompute,
+            ),
+            (
+                KvLoadError::SlotsHeld {
+                    batches: vec![b].into(),
+                },
+                EngineAction::HoldSlots,
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(e.action(), want, "{e}");
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! A failure's words with the typed error behind it, cheap to clone (a `KvLoadError` is
+//! copied to every rank and waiter of a failed batch).
+
+use std::error::Error;
+use std::fmt;
+use std::sync::Arc;
+
+/// A failure's words and, where one exists, the typed error they came from, kept as the
+/// [`source`](Error::source) so an engine can walk the chain or downcast it.
+///
+/// ```
+/// use kv_loader::Cause;
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("pool full")]
+/// struct PoolFull;
+/// let c = Cause::with_source("batch 3: landing: pool full", PoolFull);
+/// assert_eq!(c.to_string(), "batch 3: landing: pool full");
+/// assert!(c.downcast_ref::<PoolFull>().is_some());
+/// assert!(std::error::Error::source(&c).is_some());
+/// let words = Cause::from("no typed error behind these words");
+/// assert!(std::error::Error::source(&words).is_none());
+/// ```
+#[derive(Clone)]
+pub struct Cause {
+    detail: String,
+    source: Option<Arc<dyn Error + Send + Sync + 'static>>,
+}
+
+impl Cause {
+    /// Words with no typed error behind them.
+    pub fn new(detail: impl Into<String>) -> Self {
+        Cause {
+            detail: detail.into(),
+            source: None,
+        }
+    }
+
+    /// `detail` (which says what failed, including `source`'s words) and the typed error.
+    pub fn with_source(
+        detail: impl Into<String>,
+        source: impl Error + Send + Sync + 'static,
+    ) -> Self {
+        Cause {
+            detail: detail.into(),
+            source: Some(Arc::new(source)),
+        }
+    }
+
+    /// The typed error, its words as the detail.
+    pub fn from_error(source: impl Error + Send + Sync + 'static) -> Self {
+        Cause::with_source(source.to_string(), source)
+    }
+
+    /// The words.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The typed error behind the words, if it is a `T`.
+    pub fn downcast_ref<T: Error + 'static>(&self) -> Option<&T> {
+        self.source.as_deref()?.downcast_ref::<T>()
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.detail)
+    }
+}
+
+impl fmt::Debug for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.source {
+            None => fmt::Debug::fmt(&self.detail, f),
+            Some(s) => f
+                .debug_struct("Cause")
+                .field("detail", &self.detail)
+                .field("source", s)
+                .finish(),
+        }
+    }
+}
+
+impl Error for Cause {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn Error + 'static))
+    }
+}
+
+impl From<String> for Cause {
+    fn from(detail: String) -> Self {
+        Cause::new(detail)
+    }
+}
+
+impl From<&str> for Cause {
+    fn from(detail: &str) -> Self {
+        Cause::new(detail)
+    }
+}

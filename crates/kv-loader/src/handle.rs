@@ -1,0 +1,187 @@
+//! A batch in flight as one value: its layer waits and its outcome, like a `JoinHandle`.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::{
+    BatchId, BatchOutcome, BatchPlan, KvLoadError, KvLoader, LayerReady, LoadTicket, RawStream,
+};
+
+/// One batch in flight on one rank: owns the batch's layer waits ([`wait_layer`]) and its
+/// outcome ([`finish`]), the way a `JoinHandle` owns a thread's result. It pairs the loader
+/// (an `Arc<dyn KvLoader>`, so [`KvLoader`] stays object-safe) with the batch's ticket.
+///
+/// Readiness lives in the loader's layer counter; the handle keeps no copy of it, so a
+/// layer waited on twice asks the counter twice (one atomic load once it is ready).
+///
+/// Take the outcome with [`finish`] (or the loader's `completed`); a handle dropped
+/// unfinished leaves its outcome to [`KvLoader::completed`] and logs that it did.
+///
+/// [`wait_layer`]: LoadHandle::wait_layer
+/// [`finish`]: LoadHandle::finish
+///
+/// ```
+/// # #[cfg(feature = "mock")] {
+/// use std::sync::Arc;
+/// use kv_loader::mock::{MockKvLoader, MockScript};
+/// use kv_loader::{BatchId, BatchPlan, KvLoader, LoadHandle, LogicalPlan};
+/// let loader: Arc<dyn KvLoader> = Arc::new(MockKvLoader::new(3, MockScript::default()));
+/// let plan = BatchPlan {
+///     logical: LogicalPlan { batch: BatchId(1), requests: vec![], components: vec![] },
+///     slots: vec![],
+/// };
+/// let load = LoadHandle::start(loader, plan).unwrap();
+/// for layer in 0..load.num_layers() {
+///     load.wait_layer(layer).unwrap(); // before attention on `layer`
+/// }
+/// let outcome = load.finish().unwrap();
+/// assert!(outcome.result.is_ok());
+/// # }
+/// ```
+pub struct LoadHandle {
+    loader: Arc<dyn KvLoader>,
+    ticket: LoadTicket,
+    finished: bool,
+}
+
+impl fmt::Debug for LoadHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoadHandle")
+            .field("ticket", &self.ticket)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadHandle {
+    /// Starts loading `plan` ([`KvLoader::start_load`]) and returns its handle. In a TP
+    /// group this is collective: every rank starts the same batches in the same order.
+    pub fn start(loader: Arc<dyn KvLoader>, plan: BatchPlan) -> Result<Self, KvLoadError> {
+        let ticket = loader.start_load(plan)?;
+        Ok(Self::from_ticket(loader, ticket))
+    }
+
+    /// The handle of a batch already started on `loader` with `ticket`.
+    pub fn from_ticket(loader: Arc<dyn KvLoader>, ticket: LoadTicket) -> Self {
+        LoadHandle {
+            loader,
+            ticket,
+            finished: false,
+        }
+    }
+
+    /// The batch.
+    pub fn batch(&self) -> BatchId {
+        self.ticket.batch
+    }
+
+    /// The batch's ticket (for calls on the loader itself).
+    pub fn ticket(&self) -> &LoadTicket {
+        &self.ticket
+    }
+
+    /// Layers the batch loads.
+    pub fn num_layers(&self) -> u32 {
+        self.ticket.num_layers
+    }
+
+    /// The loader the batch runs on.
+    pub fn loader(&self) -> &Arc<dyn KvLoader> {
+        &self.loader
+    }
+
+    /// Waits (bounded) for layer `layer`: [`LayerReady::Resident`] once its bytes are in the
+    /// pool, or the layer's event for a compute stream (device pools).
+    pub fn wait_layer(&self, layer: u32) -> Result<LayerReady, KvLoadError> {
+        self.loader.wait_layer(&self.ticket, layer)
+    }
+
+    /// Like [`wait_layer`](Self::wait_layer), then settles the answer: a device layer's
+    /// event is made a wait of `stream` (no host block); with no stream the calling thread
+    /// blocks until the layer is resident.
+    pub fn wait_layer_on(&self, layer: u32, stream: Option<RawStream>) -> Result<(), KvLoadError> {
+        match self.wait_layer(layer)? {
+            LayerReady::Resident => Ok(()),
+            LayerReady::Event(ev) => match stream {
+                Some(s) => ev.wait_on_stream(s),
+                None => ev.synchronize(),
+            },
+        }
+    }
+
+    /// Waits (bounded) for the batch to finish and takes its outcome, consuming the handle.
+    ///
+    /// `Ok(outcome)`: the batch is settled; `outcome.result` is its stats or why it failed
+    /// (then recompute its pages: [`KvLoadError::action`]). `Err(e)`: no outcome could be
+    /// taken (deadline, closed loader, stale ticket) and the load may still write its
+    /// slots: [`EngineAction::ResetThenRecompute`](crate::EngineAction::ResetThenRecompute)
+    /// whatever `e` is.
+    pub fn finish(mut self) -> Result<BatchOutcome, KvLoadError> {
+        self.finished = true;
+        self.loader.wait_batch(&self.ticket)
+    }
+}
+
+impl Drop for LoadHandle {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::debug!(
+                batch = %self.ticket.batch,
+                "load handle dropped unfinished: its outcome is left to completed()"
+            );
+        }
+    }
+}
+
+#[cfg(all(test, feature = "mock"))]
+mod tests {
+    use super::*;
+    use crate::mock::{MockCall, MockKvLoader, MockScript};
+    use crate::LogicalPlan;
+
+    fn plan(b: u64) -> BatchPlan {
+        BatchPlan {
+            logical: LogicalPlan {
+                batch: BatchId(b),
+                requests: vec![],
+                components: vec![],
+            },
+            slots: vec![],
+        }
+    }
+
+    #[test]
+    fn the_handle_waits_and_finishes_through_the_loader() {
+        let mut script = MockScript::default();
+        script.fail_at_layer.insert(BatchId(2), 1);
+        let mock = Arc::new(MockKvLoader::new(3, script));
+        let loader: Arc<dyn KvLoader> = mock.clone();
+
+        let ok = LoadHandle::start(loader.clone(), plan(1)).unwrap();
+        assert_eq!((ok.batch(), ok.num_layers()), (BatchId(1), 3));
+        ok.wait_layer_on(2, None).unwrap();
+        assert!(ok.finish().unwrap().result.is_ok());
+
+        let bad = LoadHandle::start(loader, plan(2)).unwrap();
+        assert!(bad.wait_layer(0).is_ok());
+        let e = bad.wait_layer(1).unwrap_err();
+        assert_eq!(e.layer(), Some(1));
+        assert!(bad.finish().unwrap().result.is_err());
+
+        let waits = mock
+            .calls()
+            .into_iter()
+            .filter(|c| matches!(c, MockCall::WaitBatch { .. }))
+            .count();
+        assert_eq!(waits, 2, "each finish takes its batch's outcome once");
+    }
+
+    #[test]
+    fn a_dropped_handle_leaves_its_outcome_to_completed() {
+        let mock = Arc::new(MockKvLoader::new(2, MockScript::default()));
+        let h = LoadHandle::start(mock.clone(), plan(5)).unwrap();
+        drop(h);
+        let done = mock.completed();
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].batch, BatchId(5));
+    }
+}
