@@ -10,3 +10,7 @@ pub use kv_geometry;
 pub use kv_loader;
 pub use layerwise_counter;
 pub use mooncake_linker;
+
+/// The engine's share-mode choice, in one crate: `ModeChoice::Fixed(ShareMode::…)` or
+/// `ModeChoice::Auto`, set in the linker's configuration.
+pub use kv_loader::{Bandwidths, ModeChoice, ShareMode};
