@@ -56,6 +56,7 @@ mod error;
 mod faulty;
 mod kv_store;
 pub mod mooncake;
+mod registration;
 #[cfg(target_os = "linux")]
 mod served;
 mod simulated;
@@ -69,6 +70,7 @@ pub use faulty::{Fault, FaultCall, FaultRule, FaultyStore, Stall, STALL_LIMIT};
 pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
 };
+pub use registration::Registration;
 #[cfg(target_os = "linux")]
 pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE};
 pub use simulated::{SimulatedLink, SimulatedRemoteStore};
