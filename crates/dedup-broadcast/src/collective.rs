@@ -94,6 +94,16 @@ pub enum CollectiveError {
     /// The transport failed (e.g. an NCCL error).
     #[error("collective backend: {0}")]
     Backend(String),
+    /// A device call the collective depends on failed (its stream, an event, a copy); the
+    /// device's error is the source.
+    #[error("collective backend: {what}: {source}")]
+    Device {
+        /// What the collective was doing.
+        what: &'static str,
+        /// The device's error.
+        #[source]
+        source: kv_device::DeviceError,
+    },
     /// This implementation does not offer the operation (e.g. device operations on a group
     /// that moves host memory only). Nothing was issued: the sequence number did not advance.
     #[error("{op}: not supported by this collective ({detail})")]
@@ -127,6 +137,7 @@ impl CollectiveError {
             | CollectiveError::Mismatch { seq, .. }
             | CollectiveError::InvalidArgument { seq, .. } => Some(*seq),
             CollectiveError::Backend(_)
+            | CollectiveError::Device { .. }
             | CollectiveError::Unsupported { .. }
             | CollectiveError::Formation { .. } => None,
         }
@@ -413,4 +424,25 @@ pub(crate) fn u64_words(all: &[Vec<u8>]) -> Vec<u64> {
             u64::from_le_bytes(w)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::*;
+
+    #[test]
+    fn a_device_failure_keeps_the_device_error_as_its_source() {
+        let device = kv_device::DeviceError::Poisoned("share area");
+        let e = CollectiveError::Device {
+            what: "comm stream",
+            source: device.clone(),
+        };
+        let source = std::error::Error::source(&e).expect("a source");
+        assert_eq!(
+            source.downcast_ref::<kv_device::DeviceError>(),
+            Some(&device)
+        );
+        assert!(e.to_string().contains("comm stream"), "{e}");
+        assert_eq!(e.seq(), None);
+    }
 }

@@ -53,6 +53,7 @@ fn collective_kind(e: &CollectiveError) -> &'static str {
         CollectiveError::Mismatch { .. } => "Mismatch",
         CollectiveError::InvalidArgument { .. } => "InvalidArgument",
         CollectiveError::Backend(_) => "Backend",
+        CollectiveError::Device { .. } => "Device",
         CollectiveError::Unsupported { .. } => "Unsupported",
         CollectiveError::Formation { .. } => "Formation",
     }

@@ -177,8 +177,11 @@ pub(crate) struct Worker {
     broken: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
-fn cerr(e: kv_device::DeviceError) -> CollectiveError {
-    CollectiveError::Backend(e.to_string())
+fn cerr(source: kv_device::DeviceError) -> CollectiveError {
+    CollectiveError::Device {
+        what: "NCCL worker",
+        source,
+    }
 }
 
 impl Worker {
@@ -742,7 +745,10 @@ impl Worker {
             let result = match self.run(req.op, req.seq, req.deadline) {
                 Ok(r) => Ok(r),
                 Err(Fail::Error(e)) => {
-                    if matches!(e, CollectiveError::Backend(_)) {
+                    if matches!(
+                        e,
+                        CollectiveError::Backend(_) | CollectiveError::Device { .. }
+                    ) {
                         self.abort_comm(&format!("{name} #{} failed: {e}", req.seq));
                     }
                     Err(e)
