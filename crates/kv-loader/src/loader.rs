@@ -8,7 +8,7 @@ use crate::{
 /// What an LLM server calls, on every TP rank, between its prefix cache and its attention
 /// layers. Object-safe: engines hold an `Arc<dyn KvLoader>`.
 ///
-/// The calls of one batch, in order (design.md §4):
+/// The calls of one batch, in order (docs/architecture.md, "One batch, step by step"):
 /// 1. [`lookup`](KvLoader::lookup) after the engine's own prefix match: the pages the store
 ///    can give (the same answer on every rank of a TP group).
 /// 2. The engine allocates slots, then [`start_load`](KvLoader::start_load) on every rank in
