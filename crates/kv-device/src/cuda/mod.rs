@@ -17,7 +17,7 @@
 //! [`DeviceError::Unavailable`]: crate::DeviceError::Unavailable
 
 mod device;
-mod error;
+pub(crate) mod error;
 mod event;
 mod kernels;
 mod memory;
