@@ -54,6 +54,7 @@ fn collective_kind(e: &CollectiveError) -> &'static str {
         CollectiveError::InvalidArgument { .. } => "InvalidArgument",
         CollectiveError::Backend(_) => "Backend",
         CollectiveError::Device { .. } => "Device",
+        CollectiveError::Socket { .. } => "Socket",
         CollectiveError::Unsupported { .. } => "Unsupported",
         CollectiveError::Formation { .. } => "Formation",
     }
