@@ -10,7 +10,7 @@
 #                      the master spreads objects over their segments
 #   --print-env     print the environment CMD would get and exit (starts nothing)
 #
-# Why a network namespace (brief §8): some Mooncake listeners bind the wildcard address whatever
+# Why a network namespace: some Mooncake listeners bind the wildcard address whatever
 # their flags say (the Transfer Engine data port [::]:15000-17000, its handshake port 0.0.0.0).
 # `unshare -n` gives this script and everything it starts a namespace whose only interface is
 # `lo`, so nothing is reachable from outside the machine. The caller's own network is untouched.

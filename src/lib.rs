@@ -34,3 +34,20 @@ pub use mooncake_linker;
 pub mod mock {
     pub use kv_loader::mock::*;
 }
+
+/// The engine's share-mode choice, in one crate: `ModeChoice::Fixed(ShareMode::…)` or
+/// `ModeChoice::Auto`, set in the linker's configuration.
+///
+/// ```
+/// use kvlink::mooncake_linker::LinkerConfig;
+/// use kvlink::{ModeChoice, ShareMode};
+/// let cfg = LinkerConfig {
+///     mode: ModeChoice::Fixed(ShareMode::SplitAllGather), // or ModeChoice::Auto
+///     ..LinkerConfig::default()
+/// };
+/// assert_eq!(cfg.mode, ModeChoice::Fixed(ShareMode::SplitAllGather));
+/// ```
+pub use kv_loader::ModeChoice;
+
+/// The share modes, and the bandwidths `ModeChoice::Auto` decides from.
+pub use kv_loader::{Bandwidths, ShareMode};

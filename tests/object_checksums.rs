@@ -159,7 +159,7 @@ impl LandingFactory for DeviceLikeLandings {
     ) -> Result<Box<dyn LayerLanding>, DeviceError> {
         Ok(Box::new(DirectLanding::new(self.0.clone(), slots, shape)?))
     }
-    fn store_regions(&self) -> Vec<(usize, usize)> {
+    fn store_regions(&self) -> Vec<kvlink::kv_device::StoreRegion> {
         Vec::new()
     }
     fn share_path(&self) -> SharePath {

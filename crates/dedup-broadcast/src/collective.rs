@@ -94,6 +94,32 @@ pub enum CollectiveError {
     /// The transport failed (e.g. an NCCL error).
     #[error("collective backend: {0}")]
     Backend(String),
+    /// A socket to a peer failed with an error other than a hang-up (a group of processes);
+    /// the socket's error is the source.
+    #[error("{op} #{seq}: rank {rank}: socket to rank {peer}: {source}")]
+    Socket {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// This rank.
+        rank: u32,
+        /// The peer at the other end.
+        peer: u32,
+        /// The socket's error.
+        #[source]
+        source: SocketError,
+    },
+    /// A device call the collective depends on failed (its stream, an event, a copy); the
+    /// device's error is the source.
+    #[error("collective backend: {what}: {source}")]
+    Device {
+        /// What the collective was doing.
+        what: &'static str,
+        /// The device's error.
+        #[source]
+        source: kv_device::DeviceError,
+    },
     /// This implementation does not offer the operation (e.g. device operations on a group
     /// that moves host memory only). Nothing was issued: the sequence number did not advance.
     #[error("{op}: not supported by this collective ({detail})")]
@@ -125,13 +151,61 @@ impl CollectiveError {
             | CollectiveError::RankGone { seq, .. }
             | CollectiveError::SizeMismatch { seq, .. }
             | CollectiveError::Mismatch { seq, .. }
-            | CollectiveError::InvalidArgument { seq, .. } => Some(*seq),
+            | CollectiveError::InvalidArgument { seq, .. }
+            | CollectiveError::Socket { seq, .. } => Some(*seq),
             CollectiveError::Backend(_)
+            | CollectiveError::Device { .. }
             | CollectiveError::Unsupported { .. }
             | CollectiveError::Formation { .. } => None,
         }
     }
 }
+
+/// A socket's `io::Error`, shared so that a [`CollectiveError`] stays `Clone`; two are equal
+/// when their kind and text are.
+///
+/// ```
+/// use std::io;
+/// use dedup_broadcast::SocketError;
+/// let e = SocketError::from(io::Error::new(io::ErrorKind::BrokenPipe, "peer reset"));
+/// assert_eq!(e.io().kind(), io::ErrorKind::BrokenPipe);
+/// assert_eq!(e.clone(), e);
+/// ```
+#[derive(Debug, Clone)]
+pub struct SocketError(std::sync::Arc<std::io::Error>);
+
+impl SocketError {
+    /// The socket's error.
+    pub fn io(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+impl From<std::io::Error> for SocketError {
+    fn from(e: std::io::Error) -> Self {
+        SocketError(std::sync::Arc::new(e))
+    }
+}
+
+impl std::fmt::Display for SocketError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for SocketError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+impl PartialEq for SocketError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.kind() == other.0.kind() && self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for SocketError {}
 
 impl From<CollectiveError> for kv_loader::KvLoadError {
     fn from(e: CollectiveError) -> Self {
@@ -413,4 +487,46 @@ pub(crate) fn u64_words(all: &[Vec<u8>]) -> Vec<u64> {
             u64::from_le_bytes(w)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::*;
+
+    #[test]
+    fn a_device_failure_keeps_the_device_error_as_its_source() {
+        let device = kv_device::DeviceError::Poisoned("share area");
+        let e = CollectiveError::Device {
+            what: "comm stream",
+            source: device.clone(),
+        };
+        let source = std::error::Error::source(&e).expect("a source");
+        assert_eq!(
+            source.downcast_ref::<kv_device::DeviceError>(),
+            Some(&device)
+        );
+        assert!(e.to_string().contains("comm stream"), "{e}");
+        assert_eq!(e.seq(), None);
+    }
+
+    #[test]
+    fn a_socket_failure_keeps_the_io_error_as_its_source() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let e = CollectiveError::Socket {
+            op: "broadcast_rows",
+            seq: 7,
+            rank: 1,
+            peer: 2,
+            source: io.into(),
+        };
+        let source = std::error::Error::source(&e).expect("a source");
+        let socket = source.downcast_ref::<SocketError>().expect("a SocketError");
+        assert_eq!(socket.io().kind(), std::io::ErrorKind::ConnectionReset);
+        assert_eq!(e.seq(), Some(7));
+        assert_eq!(e.clone(), e);
+        assert_eq!(
+            e.to_string(),
+            "broadcast_rows #7: rank 1: socket to rank 2: reset by peer"
+        );
+    }
 }

@@ -1,6 +1,6 @@
 //! The plan gate: before a batch shares any byte, every rank checks that all ranks hold the
-//! same logical plan (design.md §4.3). Any difference and the batch falls back to every rank
-//! reading its own copy.
+//! same logical plan (docs/architecture.md, "Sharing among TP ranks"). Any difference and
+//! the batch falls back to every rank reading its own copy.
 //!
 //! # The digest
 //! [`plan_digest`] is XXH3-128 (seeded with [`PLAN_DIGEST_SEED`]) over

@@ -61,7 +61,7 @@ mod status;
 
 pub use collective::{
     all_gather_in_place, all_gather_slices, broadcast_slice, Collective, CollectiveError,
-    MemorySupport,
+    MemorySupport, SocketError,
 };
 pub use formation::{GroupFormation, GroupHandles, InProcessFormation};
 pub use gate::{

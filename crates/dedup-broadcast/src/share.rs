@@ -17,7 +17,7 @@ use std::ops::Range;
 
 use kv_device::RowBlock;
 use kv_geometry::{ComponentId, ComponentLayout};
-use kv_loader::ShareMode;
+use kv_loader::{ShareMode, StoreReads};
 
 /// Rank `r`'s pages are `page_shares(pages, size)[r]`: contiguous, in rank order, covering
 /// `0..pages` exactly, sizes differing by at most one (the first `pages % size` ranks get one
@@ -161,10 +161,10 @@ impl StagingLayout {
         if tp_size == 0 {
             return Err(ShareError::NoRanks);
         }
-        let chunk_pages = match mode {
-            ShareMode::AllRanks => return Err(ShareError::Unstaged(mode)),
-            ShareMode::Rank0Broadcast => pages,
-            ShareMode::SplitAllGather => padded_share(pages, tp_size),
+        let chunk_pages = match mode.spec().reads {
+            StoreReads::EveryRank => return Err(ShareError::Unstaged(mode)),
+            StoreReads::RankZero => pages,
+            StoreReads::SplitByRank => padded_share(pages, tp_size),
         };
         let too_large = || ShareError::TooLarge { pages };
         let mut staged: Vec<StagedComponent> = Vec::new();
@@ -188,8 +188,8 @@ impl StagingLayout {
             let block = page_bytes.checked_mul(chunk_pages).ok_or_else(too_large)?;
             chunk_bytes = chunk_bytes.checked_add(block).ok_or_else(too_large)?;
         }
-        let chunks = match mode {
-            ShareMode::SplitAllGather => tp_size as usize,
+        let chunks = match mode.spec().reads {
+            StoreReads::SplitByRank => tp_size as usize,
             _ => 1,
         };
         let len = chunk_bytes.checked_mul(chunks).ok_or_else(too_large)?;
@@ -249,8 +249,8 @@ impl StagingLayout {
     /// The plan pages rank `rank` reads from the store: its share (`SplitAllGather`), all of
     /// them on rank 0 and none elsewhere (`Rank0Broadcast`).
     pub fn share(&self, rank: u32) -> Range<usize> {
-        match self.mode {
-            ShareMode::SplitAllGather => page_shares(self.pages, self.size)
+        match self.mode.spec().reads {
+            StoreReads::SplitByRank => page_shares(self.pages, self.size)
                 .get(rank as usize)
                 .cloned()
                 .unwrap_or(self.pages..self.pages),
@@ -263,12 +263,12 @@ impl StagingLayout {
     /// all-gather's send region), the whole buffer on rank 0 and nothing elsewhere
     /// (`Rank0Broadcast`).
     pub fn chunk(&self, rank: u32) -> Range<usize> {
-        match self.mode {
-            ShareMode::SplitAllGather if rank < self.size => {
+        match self.mode.spec().reads {
+            StoreReads::SplitByRank if rank < self.size => {
                 let start = rank as usize * self.chunk_bytes;
                 start..start + self.chunk_bytes
             }
-            ShareMode::Rank0Broadcast if rank == 0 => 0..self.len,
+            StoreReads::RankZero if rank == 0 => 0..self.len,
             _ => 0..0,
         }
     }
@@ -284,8 +284,8 @@ impl StagingLayout {
         if plan_page >= self.pages {
             return None;
         }
-        let (chunk, row) = match self.mode {
-            ShareMode::SplitAllGather => {
+        let (chunk, row) = match self.mode.spec().reads {
+            StoreReads::SplitByRank => {
                 let size = self.size as usize;
                 let r = owner(plan_page, self.pages, size);
                 (r, plan_page - share_start(r, self.pages, size))
@@ -334,8 +334,8 @@ impl StagingLayout {
     /// assert_eq!(s.rows_per_rank(), vec![3, 3, 2, 2]);
     /// ```
     pub fn blocks(&self) -> Vec<RowBlock> {
-        let shares = match self.mode {
-            ShareMode::SplitAllGather => page_shares(self.pages, self.size),
+        let shares = match self.mode.spec().reads {
+            StoreReads::SplitByRank => page_shares(self.pages, self.size),
             _ => std::iter::once(0..self.pages).collect(),
         };
         shares

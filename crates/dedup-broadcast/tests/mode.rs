@@ -23,9 +23,9 @@ fn model_times() {
     // 100 MB, TP 4: per-rank 5 GB/s, aggregate 10 GB/s, broadcast 100, all-gather 50.
     let t = layer_times(&bw(5.0, 10.0, 100.0, 50.0), 4, MB100);
     let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
-    assert!(close(t.all_ranks, 0.04)); // 400 MB through 10 GB/s
-    assert!(close(t.rank0_broadcast, 0.02)); // 100 MB at 5 GB/s; broadcast 1 ms
-    assert!(close(t.split_all_gather, 0.01)); // 25 MB at 5 = 5 ms, 100 MB at 10 = 10 ms
+    assert!(close(t.of(ShareMode::AllRanks), 0.04)); // 400 MB through 10 GB/s
+    assert!(close(t.of(ShareMode::Rank0Broadcast), 0.02)); // 100 MB at 5 GB/s; broadcast 1 ms
+    assert!(close(t.of(ShareMode::SplitAllGather), 0.01)); // 25 MB at 5 = 5 ms, 100 MB at 10 = 10 ms
 }
 
 #[test]

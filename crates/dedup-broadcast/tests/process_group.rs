@@ -53,6 +53,8 @@ fn collective_kind(e: &CollectiveError) -> &'static str {
         CollectiveError::Mismatch { .. } => "Mismatch",
         CollectiveError::InvalidArgument { .. } => "InvalidArgument",
         CollectiveError::Backend(_) => "Backend",
+        CollectiveError::Device { .. } => "Device",
+        CollectiveError::Socket { .. } => "Socket",
         CollectiveError::Unsupported { .. } => "Unsupported",
         CollectiveError::Formation { .. } => "Formation",
     }

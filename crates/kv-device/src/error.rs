@@ -28,9 +28,20 @@ pub enum DeviceError {
     /// The backend is not available on this machine (e.g. no CUDA driver).
     #[error("backend unavailable: {0}")]
     Unavailable(String),
-    /// A driver call failed.
+    /// A driver call failed (the CPU device's injected failures; the CUDA backend's calls
+    /// that report no driver code, such as an NVRTC compile).
     #[error("driver: {0}")]
     Driver(String),
+    /// A CUDA driver call failed (feature `cuda`); the driver's error is the source.
+    #[cfg(feature = "cuda")]
+    #[error("driver: {call}: {}", crate::cuda::error::describe(.source))]
+    Cuda {
+        /// The driver call.
+        call: &'static str,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
     /// A stream was asked to wait on an event of another backend.
     #[error("event of another backend: {0}")]
     ForeignEvent(String),

@@ -37,7 +37,7 @@ pub use landing::{
     LandingFactory, LayerLanding, LayerStage, RowBlock, SaveGather, SharePath, ShareSide,
 };
 pub use pool::{KvPool, Residence};
-pub use region::{DeviceEvent, DeviceRegion, HostRow, SharedEvent};
+pub use region::{DeviceEvent, DeviceRegion, HostRow, SharedEvent, StoreRegion};
 pub use staged::{
     DeviceKvPool, LandingStats, ScatterStrategy, StagedLanding, StagedLandingFactory, StagingLease,
     StagingPool, DIRECT_RUNS_MAX,

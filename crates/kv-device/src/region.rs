@@ -48,6 +48,75 @@ pub struct DeviceRegion {
     pub len: usize,
 }
 
+/// Host memory a store may keep using between calls (registered with it: pinned for RDMA),
+/// bound to the owner that keeps it allocated, the way cudarc's `CudaSlice` keeps its
+/// context: while any clone of the region lives, its bytes stay allocated. So a store that
+/// keeps the region it was given for as long as it uses the memory (until it let go of it)
+/// never sees it freed underneath, whatever the caller does.
+///
+/// It vouches for allocation only: a region says nothing about who reads or writes the
+/// bytes (each read or write call has its own contract for that).
+///
+/// ```
+/// use std::sync::Arc;
+/// use kv_device::StoreRegion;
+/// let buf: Arc<Vec<u8>> = Arc::new(vec![0; 64]);
+/// // SAFETY: the 64 bytes of `buf` stay allocated while `buf` (the owner) lives.
+/// let r = unsafe { StoreRegion::new(buf.as_ptr() as usize, buf.len(), buf.clone()) };
+/// assert_eq!((r.len(), r.addr()), (64, buf.as_ptr() as usize));
+/// ```
+#[derive(Clone)]
+pub struct StoreRegion {
+    addr: usize,
+    len: usize,
+    owner: Arc<dyn Any + Send + Sync>,
+}
+
+impl StoreRegion {
+    /// The `len` bytes at `addr`, kept allocated by `owner`.
+    ///
+    /// # Safety
+    /// The `len` bytes at `addr` stay allocated (not freed, not unmapped, not reused for
+    /// anything but what the owner lends them for) for as long as `owner` lives.
+    pub unsafe fn new(addr: usize, len: usize, owner: Arc<dyn Any + Send + Sync>) -> Self {
+        StoreRegion { addr, len, owner }
+    }
+
+    /// First byte.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a region of no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether `other` is the same range (whoever owns it).
+    pub fn same_range(&self, other: &StoreRegion) -> bool {
+        (self.addr, self.len) == (other.addr, other.len)
+    }
+
+    /// The owner, for a holder that must keep the memory past the region (e.g. leak it).
+    pub fn owner(&self) -> &Arc<dyn Any + Send + Sync> {
+        &self.owner
+    }
+}
+
+impl std::fmt::Debug for StoreRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreRegion")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A completion marker recorded on a device stream after some work (a copy, a scatter, a
 /// collective): it completes once that work has finished.
 ///

@@ -476,3 +476,23 @@ fn shapes_that_do_not_fit_or_do_not_match_are_refused() {
     )
     .is_err());
 }
+
+#[test]
+fn store_regions_keep_their_memory_owner_alive() {
+    let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+    let dev = CpuDevice::new(0).unwrap();
+    let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 8, 1), 2).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(dev, g, 8).unwrap());
+    let factory = StagedLandingFactory::new(pool, staging.clone());
+    let regions = factory.store_regions();
+    let ranges: Vec<(usize, usize)> = regions.iter().map(|r| (r.addr(), r.len())).collect();
+    assert_eq!(ranges, staging.host_regions());
+    let weak = Arc::downgrade(&staging);
+    drop((factory, staging));
+    assert!(
+        weak.upgrade().is_some(),
+        "the regions alone keep the staging buffers allocated"
+    );
+    drop(regions);
+    assert!(weak.upgrade().is_none(), "the last region let the pool go");
+}

@@ -1,4 +1,4 @@
-//! The model numbers of briefs/sglang-mla-dedup.md §1, pinned.
+//! The model numbers of docs/architecture.md ("Model numbers"), pinned.
 
 use kv_geometry::{ElementType, GeometryError, KvGeometry, LayerMap, ModelKvSpec};
 

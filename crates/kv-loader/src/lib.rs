@@ -28,6 +28,7 @@ mod lookup;
 pub mod mock;
 mod outcome;
 mod plan;
+mod share_mode;
 mod ticket;
 mod transfer;
 
@@ -39,10 +40,11 @@ pub use handle::LoadHandle;
 pub use ids::{BatchId, RequestId};
 pub use loader::KvLoader;
 pub use lookup::{LookupHit, LookupRequest};
-pub use outcome::{BatchOutcome, LoadStats, SaveReport, ShareMode};
+pub use outcome::{BatchOutcome, LoadStats, SaveReport};
 pub use plan::{
     slots_from_token_rows, BatchPlan, LogicalPlan, RequestPages, CANONICAL_PLAN_VERSION,
 };
+pub use share_mode::{Bandwidths, FabricOp, ModeChoice, ShareMode, ShareModeSpec, StoreReads};
 pub use ticket::{LayerReady, LoadTicket, RawStream, StreamWaitable};
 pub use transfer::TransferBytes;
 

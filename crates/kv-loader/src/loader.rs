@@ -11,7 +11,7 @@ use crate::{
 /// layers. Object-safe: engines hold an `Arc<dyn KvLoader>`.
 ///
 /// The calls of one batch, in order ([`LoadHandle`](crate::LoadHandle) wraps steps 2-4 in
-/// one value):
+/// one value; docs/architecture.md, "One batch, step by step"):
 /// 1. [`lookup`](KvLoader::lookup) (tokens) or [`lookup_pages`](KvLoader::lookup_pages) (page
 ///    hashes, what `save` takes) after the engine's own prefix match: the pages the store
 ///    can give (the same answer on every rank of a TP group).

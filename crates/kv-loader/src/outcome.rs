@@ -2,18 +2,7 @@
 
 use std::time::Duration;
 
-use crate::{BatchId, KvLoadError, TransferBytes};
-
-/// How the ranks shared replicated components for a batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ShareMode {
-    /// Every rank read its own copy.
-    AllRanks,
-    /// Rank 0 read each layer and broadcast it.
-    Rank0Broadcast,
-    /// Each rank read a share of the pages; an all-gather completed every pool.
-    SplitAllGather,
-}
+use crate::{BatchId, KvLoadError, ShareMode, TransferBytes};
 
 /// What a loaded batch did.
 #[derive(Debug, Clone, PartialEq, Eq)]

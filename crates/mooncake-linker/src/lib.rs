@@ -16,5 +16,8 @@ pub use linker::{
 /// Re-exported: how keys are prefixed ([`LinkerConfig::namespace`]).
 pub use kv_geometry::Namespace;
 
-/// Re-exported: how the linker shares replicated KV (modes, bandwidths, collectives).
+/// Re-exported: the share-mode choice of [`LinkerConfig::mode`] and what `Auto` decides from.
+pub use kv_loader::{Bandwidths, ModeChoice, ShareMode};
+
+/// Re-exported: how the linker shares replicated KV (collectives, staging, mode choice).
 pub use dedup_broadcast;

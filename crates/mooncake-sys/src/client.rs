@@ -42,7 +42,7 @@ pub struct Client {
 // SAFETY: the handle is a heap-allocated `shared_ptr<RealClient>` that is not tied to the
 // thread that created it. `RealClient` is used concurrently from many threads by its Python
 // users (SGLang's HiCache backend) and by upstream's own Rust crate (which declares its store
-// `Send + Sync`); kvlink's own test with 4 threads sharing one client saw no error (brief §7).
+// `Send + Sync`); kvlink's own test with 4 threads sharing one client saw no error.
 // The only operation needing exclusivity, `destroy`, happens in `Drop` (which has `&mut self`).
 unsafe impl Send for Client {}
 // SAFETY: see `Send` above: every `&self` method is a thread-safe call into `RealClient`.

@@ -104,7 +104,10 @@ impl InProcessGroup {
             .map(|device| {
                 let comm = device
                     .new_stream()
-                    .map_err(|e| CollectiveError::Backend(format!("comm stream: {e}")))?;
+                    .map_err(|source| CollectiveError::Device {
+                        what: "comm stream",
+                        source,
+                    })?;
                 Ok(Some(RankDevice { device, comm }))
             })
             .collect::<Result<Vec<_>, CollectiveError>>()?;

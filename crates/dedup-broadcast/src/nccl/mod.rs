@@ -92,7 +92,10 @@ impl Default for NcclConfig {
 /// Checks that the NCCL library can be loaded (without a call that could panic) and returns
 /// its version code (e.g. 22803 for 2.28.3).
 pub fn nccl_version() -> Result<i32, CollectiveError> {
-    cuda_device_count().map_err(|e| CollectiveError::Backend(e.to_string()))?;
+    cuda_device_count().map_err(|source| CollectiveError::Device {
+        what: "CUDA availability",
+        source,
+    })?;
     // SAFETY: only tries to dlopen the candidate names of libnccl.
     if !unsafe { sys::is_culib_present() } {
         return Err(CollectiveError::Backend(

@@ -177,8 +177,16 @@ pub(crate) struct Worker {
     broken: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
-fn cerr(e: kv_device::DeviceError) -> CollectiveError {
-    CollectiveError::Backend(e.to_string())
+/// A failed driver call of the worker, keeping the driver's error as the source.
+fn driver(call: &'static str, source: cudarc::driver::DriverError) -> CollectiveError {
+    cerr(kv_device::DeviceError::Cuda { call, source })
+}
+
+fn cerr(source: kv_device::DeviceError) -> CollectiveError {
+    CollectiveError::Device {
+        what: "NCCL worker",
+        source,
+    }
 }
 
 impl Worker {
@@ -190,7 +198,7 @@ impl Worker {
         let stream = device
             .context()
             .new_stream()
-            .map_err(|e| CollectiveError::Backend(format!("cuStreamCreate (comm stream): {e}")))?;
+            .map_err(|e| driver("cuStreamCreate (comm stream)", e))?;
         let mut w = Worker {
             rank: s.rank,
             size: s.size,
@@ -454,7 +462,7 @@ impl Worker {
         // contract), `dst` our scratch of at least `len` bytes; synchronous copy.
         unsafe { cu::cuMemcpyHtoD_v2(dst, src as *const c_void, len) }
             .result()
-            .map_err(|e| Fail::Error(CollectiveError::Backend(format!("cuMemcpyHtoD: {e}"))))
+            .map_err(|e| Fail::Error(driver("cuMemcpyHtoD", e)))
     }
 
     fn d2h(&self, dst: usize, src: u64, len: usize) -> Result<(), Fail> {
@@ -465,7 +473,7 @@ impl Worker {
         // scratch holding the result (the NCCL op completed); synchronous copy.
         unsafe { cu::cuMemcpyDtoH_v2(dst as *mut c_void, src, len) }
             .result()
-            .map_err(|e| Fail::Error(CollectiveError::Backend(format!("cuMemcpyDtoH: {e}"))))
+            .map_err(|e| Fail::Error(driver("cuMemcpyDtoH", e)))
     }
 
     fn run(&mut self, op: Op, seq: u64, deadline: Instant) -> Result<Reply, Fail> {
@@ -742,7 +750,10 @@ impl Worker {
             let result = match self.run(req.op, req.seq, req.deadline) {
                 Ok(r) => Ok(r),
                 Err(Fail::Error(e)) => {
-                    if matches!(e, CollectiveError::Backend(_)) {
+                    if matches!(
+                        e,
+                        CollectiveError::Backend(_) | CollectiveError::Device { .. }
+                    ) {
                         self.abort_comm(&format!("{name} #{} failed: {e}", req.seq));
                     }
                     Err(e)

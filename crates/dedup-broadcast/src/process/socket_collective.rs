@@ -320,9 +320,13 @@ impl SocketCollective {
             }
             Failure::Timeout(missing) => CollectiveError::Timeout { op, seq, missing },
             Failure::Refused(e) => e,
-            Failure::Io { peer, error } => CollectiveError::Backend(format!(
-                "{op} #{seq}: rank {me}: socket to rank {peer}: {error}"
-            )),
+            Failure::Io { peer, error } => CollectiveError::Socket {
+                op,
+                seq,
+                rank: me,
+                peer,
+                source: error.into(),
+            },
         };
         Err(self.fail(err))
     }

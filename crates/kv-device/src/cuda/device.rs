@@ -4,27 +4,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
-use parking_lot::Mutex;
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
-use super::kernels::{KernelSource, Kernels};
+use super::error::{driver_error_text, drv};
+use super::kernels::{KernelCache, KernelSource, Kernels};
 use super::memory::{DeviceBuffer, PinnedBuffer};
 use super::stream::CuStream;
 use crate::staged::sync::SYNC_LIMIT;
 use crate::{Device, DeviceError, DeviceMemory, DeviceRegion, PinnedMemory, Stream};
-
-/// A driver error as a [`DeviceError::Driver`] naming the call that failed.
-pub(crate) fn drv(what: &'static str) -> impl FnOnce(DriverError) -> DeviceError {
-    move |e| DeviceError::Driver(format!("{what}: {}", driver_error_text(e)))
-}
-
-/// `CUDA_ERROR_NAME (description)` for a driver error.
-pub(crate) fn driver_error_text(e: DriverError) -> String {
-    match e.error_string() {
-        Ok(s) => format!("{:?} ({})", e.0, s.to_string_lossy()),
-        Err(_) => format!("{:?}", e.0),
-    }
-}
 
 /// Checks, without any call that could panic, that this machine can run CUDA: the driver
 /// library loads, `cuInit` succeeds and at least one device is visible. Returns the number of
@@ -61,26 +48,6 @@ pub fn cuda_device_count() -> Result<u32, DeviceError> {
     Ok(n as u32)
 }
 
-/// The copy kernels of one context, loaded on first use and shared by its streams.
-#[derive(Debug)]
-pub(crate) struct KernelCache {
-    ctx: Arc<CudaContext>,
-    loaded: Mutex<Option<Arc<Kernels>>>,
-}
-
-impl KernelCache {
-    pub(crate) fn get(&self) -> Result<Arc<Kernels>, DeviceError> {
-        let mut k = self.loaded.lock();
-        if let Some(k) = k.as_ref() {
-            return Ok(k.clone());
-        }
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        let loaded = Arc::new(Kernels::load(&self.ctx, None)?);
-        *k = Some(loaded.clone());
-        Ok(loaded)
-    }
-}
-
 /// One GPU as the loader uses it: the device's primary context (the one engines such as
 /// candle use, so pointers and events are shared), a dedicated non-blocking **load stream**
 /// for host→device copies and scatters, and the copy kernels (loaded on first use).
@@ -105,10 +72,7 @@ impl CudaDevice {
             )));
         }
         let ctx = CudaContext::new(ordinal as usize).map_err(drv("cuDevicePrimaryCtxRetain"))?;
-        let kernels = Arc::new(KernelCache {
-            ctx: ctx.clone(),
-            loaded: Mutex::new(None),
-        });
+        let kernels = Arc::new(KernelCache::new(ctx.clone()));
         let stream = ctx
             .new_stream()
             .map_err(drv("cuStreamCreate (load stream)"))?;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 use kv_loader::{KvLoadError, RawStream, StreamWaitable};
 
-use super::device::{driver_error_text, drv};
+use super::error::{driver_error_text, drv};
 use crate::staged::sync::SYNC_LIMIT;
 use crate::{DeviceError, DeviceEvent};
 

@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx};
+use parking_lot::Mutex;
 
-use super::device::drv;
+use super::error::drv;
 use crate::{DeviceError, RowCopy};
 
 /// The CUDA C source of the kernels.
@@ -175,6 +176,34 @@ fn grid(n_rows: u32, row_bytes: u64) -> (u32, u32) {
     let x = words.div_ceil(u64::from(BLOCK)).clamp(1, 64) as u32;
     let y = n_rows.clamp(1, 65_535);
     (x, y)
+}
+
+/// The copy kernels of one context, loaded on first use and shared by its streams.
+#[derive(Debug)]
+pub(crate) struct KernelCache {
+    ctx: Arc<CudaContext>,
+    loaded: Mutex<Option<Arc<Kernels>>>,
+}
+
+impl KernelCache {
+    /// Nothing loaded yet: the first [`get`](Self::get) loads the kernels into `ctx`.
+    pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
+        KernelCache {
+            ctx,
+            loaded: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn get(&self) -> Result<Arc<Kernels>, DeviceError> {
+        let mut k = self.loaded.lock();
+        if let Some(k) = k.as_ref() {
+            return Ok(k.clone());
+        }
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let loaded = Arc::new(Kernels::load(&self.ctx, None)?);
+        *k = Some(loaded.clone());
+        Ok(loaded)
+    }
 }
 
 #[cfg(test)]

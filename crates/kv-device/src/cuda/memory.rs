@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
-use super::device::drv;
+use super::error::drv;
 use crate::DeviceError;
 
 /// Device memory of one GPU: `len` bytes at a raw device address.
@@ -29,7 +29,7 @@ impl DeviceBuffer {
         // SAFETY: the context is current; cuMemAlloc returns fresh memory we own and free once
         // in Drop. Its contents are never read as a Rust value.
         let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| {
-            tracing::warn!(bytes = len, what, error = %super::device::driver_error_text(e), "cuMemAlloc failed");
+            tracing::warn!(bytes = len, what, error = %super::error::driver_error_text(e), "cuMemAlloc failed");
             DeviceError::Alloc {
                 bytes: len as u64,
                 what,
@@ -84,7 +84,7 @@ impl Drop for DeviceBuffer {
         let _ = self.ctx.bind_to_thread();
         // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once.
         if let Err(e) = unsafe { result::free_sync(self.ptr) } {
-            tracing::warn!(error = %super::device::driver_error_text(e), "cuMemFree failed");
+            tracing::warn!(error = %super::error::driver_error_text(e), "cuMemFree failed");
         }
     }
 }
@@ -118,7 +118,7 @@ impl PinnedBuffer {
         // SAFETY: the context is current; cuMemHostAlloc returns fresh page-locked memory of
         // at least `len.max(1)` bytes that we own and free once in Drop.
         let raw = unsafe { result::malloc_host(len.max(1), flags) }.map_err(|e| {
-            tracing::warn!(bytes = len, what, error = %super::device::driver_error_text(e), "cuMemHostAlloc failed");
+            tracing::warn!(bytes = len, what, error = %super::error::driver_error_text(e), "cuMemHostAlloc failed");
             DeviceError::Alloc {
                 bytes: len as u64,
                 what,
@@ -191,7 +191,7 @@ impl Drop for PinnedBuffer {
         // SAFETY: `ptr` came from cuMemHostAlloc and is freed exactly once; owners drop it only
         // after the copies that read or write it completed (they synchronize first).
         if let Err(e) = unsafe { result::free_host(self.ptr as *mut c_void) } {
-            tracing::warn!(error = %super::device::driver_error_text(e), "cuMemFreeHost failed");
+            tracing::warn!(error = %super::error::driver_error_text(e), "cuMemFreeHost failed");
         }
     }
 }

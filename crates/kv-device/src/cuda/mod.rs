@@ -9,9 +9,15 @@
 //! ([`cuda_device_count`]); a machine without it gets [`DeviceError::Unavailable`]
 //! (cudarc itself would panic).
 //!
+//! Files, each depending only on those before it: `error` (driver errors as
+//! [`DeviceError`]s), `memory`, `kernels` (and the per-context kernel cache), `event`,
+//! `stream`, `device`.
+//!
+//! [`DeviceError`]: crate::DeviceError
 //! [`DeviceError::Unavailable`]: crate::DeviceError::Unavailable
 
 mod device;
+pub(crate) mod error;
 mod event;
 mod kernels;
 mod memory;

@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaStream};
 
-use super::device::{drv, KernelCache};
+use super::error::drv;
 use super::event::CudaLayerEvent;
+use super::kernels::KernelCache;
 use crate::{DeviceError, RowCopy, SharedEvent, Stream, Transfer};
 
 /// One cudarc stream and the kernels of its context.

@@ -1,6 +1,7 @@
 //! The host landing: reads go straight into a host pool's slots; a layer is resident when its
 //! reads (and its collective) return.
 
+use std::any::Any;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -11,7 +12,7 @@ use super::{
     next_landing_id, BatchShape, HostRows, HostShare, LandingFactory, LayerLanding, LayerStage,
     RowBlock, SharePath, ShareSide, TransferLog,
 };
-use crate::{DeviceError, HostRow, KvPool, Residence};
+use crate::{DeviceError, HostRow, KvPool, Residence, StoreRegion};
 
 /// Reads straight into a host pool's slots; a layer is resident when its reads return. Shared
 /// rows are read into this rank's own slots too, and a host collective moves them slot to
@@ -212,7 +213,9 @@ fn overlapping(rows: &[HostRow]) -> bool {
 /// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
 /// let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 2).unwrap());
 /// let f = DirectLandingFactory::new(pool.clone());
-/// assert_eq!(f.store_regions(), pool.regions());
+/// let regions: Vec<(usize, usize)> =
+///     f.store_regions().iter().map(|r| (r.addr(), r.len())).collect();
+/// assert_eq!(regions, pool.regions());
 /// ```
 pub struct DirectLandingFactory {
     pool: Arc<dyn KvPool>,
@@ -238,8 +241,15 @@ impl LandingFactory for DirectLandingFactory {
         )?))
     }
 
-    fn store_regions(&self) -> Vec<(usize, usize)> {
-        self.pool.regions()
+    fn store_regions(&self) -> Vec<StoreRegion> {
+        let owner: Arc<dyn Any + Send + Sync> = Arc::new(self.pool.clone());
+        self.pool
+            .regions()
+            .into_iter()
+            // SAFETY: a pool's buffers are its own for as long as it lives (`KvPool::regions`),
+            // and `owner` keeps the pool alive.
+            .map(|(addr, len)| unsafe { StoreRegion::new(addr, len, owner.clone()) })
+            .collect()
     }
 
     fn share_path(&self) -> SharePath {

@@ -285,11 +285,10 @@ pub trait LandingFactory: Send + Sync {
     ) -> Result<Box<dyn LayerLanding>, DeviceError>;
 
     /// The host memory a store writes into for this backend (pool buffers, or pinned
-    /// staging), as (address, length): register it with the store once. It must be memory
-    /// the factory owns (or keeps alive) for as long as the factory lives: a linker
-    /// registers it with its store on that promise and keeps the factory until the store
-    /// has let go.
-    fn store_regions(&self) -> Vec<(usize, usize)>;
+    /// staging): register it with the store once. Each region keeps its memory allocated
+    /// while it lives ([`StoreRegion`](crate::StoreRegion)), so whoever registers it keeps
+    /// the region (not the factory) until the store has let go.
+    fn store_regions(&self) -> Vec<crate::StoreRegion>;
 
     /// Which memory this backend's landings share rows through.
     fn share_path(&self) -> SharePath;

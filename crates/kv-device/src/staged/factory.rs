@@ -12,7 +12,7 @@ use super::staging::{StagingLease, StagingPool};
 use super::sync::{self, SYNC_LIMIT};
 use crate::{
     BatchShape, DeviceError, DeviceMemory, KvPool, LandingFactory, LayerLanding, SaveGather,
-    SharePath, SharedEvent, Stream,
+    SharePath, SharedEvent, StoreRegion, Stream,
 };
 use parking_lot::Mutex;
 
@@ -28,7 +28,9 @@ use parking_lot::Mutex;
 /// let staging = StagingPool::new(dev, StagingPool::half_bytes_for(&g, 8, 1), 2).unwrap();
 /// let f = StagedLandingFactory::new(pool, staging.clone());
 /// assert_eq!(f.share_path(), SharePath::Device);
-/// assert_eq!(f.store_regions(), staging.host_regions());
+/// let regions: Vec<(usize, usize)> =
+///     f.store_regions().iter().map(|r| (r.addr(), r.len())).collect();
+/// assert_eq!(regions, staging.host_regions());
 /// ```
 pub struct StagedLandingFactory {
     pool: Arc<DeviceKvPool>,
@@ -110,8 +112,8 @@ impl LandingFactory for StagedLandingFactory {
         ))
     }
 
-    fn store_regions(&self) -> Vec<(usize, usize)> {
-        self.staging.host_regions()
+    fn store_regions(&self) -> Vec<StoreRegion> {
+        self.staging.store_regions()
     }
 
     fn share_path(&self) -> SharePath {

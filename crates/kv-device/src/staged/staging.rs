@@ -8,13 +8,14 @@
 //! out) is **quarantined**, not returned: it is handed out again only once every event that
 //! fences it has completed, and never freed before.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
 use kv_geometry::KvGeometry;
 use parking_lot::Mutex;
 
-use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, SharedEvent};
+use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, SharedEvent, StoreRegion};
 
 /// One staging buffer pair (pinned and device), each split into the pool's stages.
 pub(crate) struct StagingPair {
@@ -150,6 +151,19 @@ impl StagingPool {
     /// store once, at start.
     pub fn host_regions(&self) -> Vec<(usize, usize)> {
         self.host_regions.clone()
+    }
+
+    /// Every pinned host region, leased or not, each keeping this pool (and so its buffers)
+    /// alive: what a store registers.
+    pub fn store_regions(self: &Arc<Self>) -> Vec<StoreRegion> {
+        let owner: Arc<dyn Any + Send + Sync> = self.clone();
+        self.host_regions
+            .iter()
+            // SAFETY: the pinned buffers belong to this pool from `new` until it drops (a
+            // lease returns its buffer here; a buffer device work may still use is leaked,
+            // never freed), and `owner` keeps the pool alive.
+            .map(|&(addr, len)| unsafe { StoreRegion::new(addr, len, owner.clone()) })
+            .collect()
     }
 
     /// Buffers in the pool.

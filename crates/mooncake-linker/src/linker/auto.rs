@@ -2,13 +2,14 @@
 //! each mode's measured time per landed byte, and the mode it keeps.
 //!
 //! **How `Auto` measures** (when any bandwidth is unknown, the usual case): it runs batches in
-//! each mode in rounds (`AllRanks`, `Rank0Broadcast`, `SplitAllGather`, then again), timing
+//! each mode in rounds (`ShareMode::ALL` order, then again), timing
 //! each batch from `start_load` to its last layer and dividing by the bytes landed. After the
 //! first round, a mode whose time is more than [`AUTO_DROP`] times the best is not measured
 //! again (noise of a shared host is ±20 %, not 50 %). When every remaining mode has
 //! `auto_batches_per_mode` batches, it keeps for good the mode with the lowest **median**; a
 //! mode within [`AUTO_TIE`] of that median is taken as equally fast, and then the one reading
-//! fewer store bytes per rank wins (`SplitAllGather`, then `Rank0Broadcast`, then `AllRanks`),
+//! fewer store bytes per rank wins (each mode's `tie_rank`: `SplitAllGather`, then
+//! `Rank0Broadcast`, then `AllRanks`),
 //! so two runs whose medians differ by noise still keep the same mode. Cost: with the default
 //! of 3 batches per mode, at most 9 batches, 7 when one mode drops out, 5 when two do.
 //!
@@ -17,8 +18,8 @@
 
 use std::time::Duration;
 
-use dedup_broadcast::{choose_mode, Bandwidths, ModeChoice};
-use kv_loader::ShareMode;
+use dedup_broadcast::choose_mode;
+use kv_loader::{Bandwidths, ModeChoice, ShareMode};
 use parking_lot::Mutex;
 
 /// Weight of a new observation in the running bandwidth averages.
@@ -45,25 +46,18 @@ fn gbps(bytes: u64, took: Duration) -> Option<f64> {
 }
 
 /// Modes `Auto` measures, in the order of each round.
-const AUTO_MODES: [ShareMode; 3] = [
-    ShareMode::AllRanks,
-    ShareMode::Rank0Broadcast,
-    ShareMode::SplitAllGather,
-];
+const AUTO_MODES: [ShareMode; ShareMode::COUNT] = ShareMode::ALL;
 
-/// Among equally fast modes, the first of these wins: fewest store bytes on any one rank.
-const PREFERENCE: [ShareMode; 3] = [
-    ShareMode::SplitAllGather,
-    ShareMode::Rank0Broadcast,
-    ShareMode::AllRanks,
-];
+/// Among equally fast modes, the first of these wins: fewest store bytes on any one rank
+/// (each mode's `tie_rank`).
+fn preference() -> [ShareMode; ShareMode::COUNT] {
+    let mut p = ShareMode::ALL;
+    p.sort_by_key(|m| m.spec().tie_rank);
+    p
+}
 
 fn slot(mode: ShareMode) -> usize {
-    match mode {
-        ShareMode::AllRanks => 0,
-        ShareMode::Rank0Broadcast => 1,
-        ShareMode::SplitAllGather => 2,
-    }
+    mode.index()
 }
 
 fn median(v: &[f64]) -> Option<f64> {
@@ -83,11 +77,10 @@ fn median(v: &[f64]) -> Option<f64> {
 /// What `Auto` has measured, and what it decided.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Measured {
-    /// Seconds per landed byte of each batch, per mode (AllRanks, Rank0Broadcast,
-    /// SplitAllGather).
-    samples: [Vec<f64>; 3],
+    /// Seconds per landed byte of each batch, per mode (by [`ShareMode::index`]).
+    samples: [Vec<f64>; ShareMode::COUNT],
     /// Modes no longer measured (clearly slower after the first round).
-    dropped: [bool; 3],
+    dropped: [bool; ShareMode::COUNT],
     /// The mode kept for good.
     kept: Option<ShareMode>,
 }
@@ -125,9 +118,8 @@ impl Measured {
         let enough = per_mode.max(1) as usize;
         if self.live().all(|m| self.samples[slot(m)].len() >= enough) {
             let best = self.best();
-            let kept = PREFERENCE
-                .iter()
-                .copied()
+            let kept = preference()
+                .into_iter()
                 .filter(|m| !self.dropped[slot(*m)])
                 .find(|m| {
                     self.median(*m)
@@ -215,29 +207,13 @@ impl AutoMode {
     /// A collective moved a `bytes` region in `took`.
     pub(crate) fn observe_fabric(&self, mode: ShareMode, bytes: u64, took: Duration) {
         if let Some(g) = gbps(bytes, took) {
-            let mut m = self.measured_bw.lock();
-            match mode {
-                ShareMode::Rank0Broadcast => {
-                    m.fabric_broadcast_gbps = blend(m.fabric_broadcast_gbps, g)
-                }
-                ShareMode::SplitAllGather => {
-                    m.fabric_all_gather_gbps = blend(m.fabric_all_gather_gbps, g)
-                }
-                ShareMode::AllRanks => {}
+            if let Some(op) = mode.spec().fabric {
+                let mut m = self.measured_bw.lock();
+                let v = m.fabric_mut(op);
+                *v = blend(*v, g);
             }
         }
     }
-}
-
-fn all_known(bw: &Bandwidths) -> bool {
-    [
-        bw.store_per_rank_gbps,
-        bw.store_aggregate_gbps,
-        bw.fabric_broadcast_gbps,
-        bw.fabric_all_gather_gbps,
-    ]
-    .iter()
-    .all(|v| v.is_finite() && *v > 0.0)
 }
 
 impl AutoMode {
@@ -245,7 +221,7 @@ impl AutoMode {
     /// are. `Auto`: from the time model when every bandwidth is configured; otherwise as the
     /// module docs say.
     pub(crate) fn propose(&self, tp_size: u32, bytes_per_layer: u64) -> (ShareMode, String) {
-        if self.choice != ModeChoice::Auto || all_known(&self.configured) {
+        if self.choice != ModeChoice::Auto || self.configured.all_known() {
             return choose_mode(self.choice, &self.configured, tp_size, bytes_per_layer);
         }
         if tp_size <= 1 {

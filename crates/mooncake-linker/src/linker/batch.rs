@@ -216,7 +216,7 @@ impl Inner {
     ) -> (BatchLayers, Option<KvLoadError>) {
         let (shared, own): (Vec<ComponentKeys>, Vec<ComponentKeys>) = components
             .into_iter()
-            .partition(|c| c.layout.replicated && mode != ShareMode::AllRanks);
+            .partition(|c| c.layout.replicated && mode.shares());
         let num_layers = self.geometry.num_layers();
         let layouts: Result<Vec<Option<StagingLayout>>, _> = (0..num_layers)
             .map(|l| {

@@ -2,9 +2,8 @@
 
 use std::time::Duration;
 
-use dedup_broadcast::{Bandwidths, ModeChoice};
 use kv_geometry::Namespace;
-use kv_loader::ShareMode;
+use kv_loader::{Bandwidths, ModeChoice, ShareMode};
 
 use super::granularity::ReadGranularity;
 
@@ -80,7 +79,18 @@ pub struct LinkerConfig {
     /// Batches tracked at once (started and not yet taken).
     pub max_in_flight: u32,
     /// How replicated components are shared among TP ranks (with a [`TpGroup`](crate::TpGroup);
-    /// a linker without one always reads its own copy).
+    /// a linker without one always reads its own copy): `ModeChoice::Fixed(ShareMode::…)` or
+    /// `ModeChoice::Auto` (both re-exported by this crate and the `kvlink` facade).
+    ///
+    /// ```
+    /// use mooncake_linker::{LinkerConfig, ModeChoice, ShareMode};
+    /// let split = LinkerConfig {
+    ///     mode: ModeChoice::Fixed(ShareMode::SplitAllGather),
+    ///     ..LinkerConfig::default()
+    /// };
+    /// let auto = LinkerConfig { mode: ModeChoice::Auto, ..LinkerConfig::default() };
+    /// assert_ne!(split.mode, auto.mode);
+    /// ```
     pub mode: ModeChoice,
     /// Store and fabric bandwidths `Auto` decides from when all four are given (GB/s); with
     /// any unknown, `Auto` measures each mode instead (`auto_batches_per_mode`).

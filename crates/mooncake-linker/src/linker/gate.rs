@@ -92,7 +92,7 @@ impl Inner {
                 digest,
                 batch: batch.0,
                 count,
-                proposal: mode_code(proposal),
+                proposal: proposal.wire_code(),
             };
             let gate = check_batch(coll, &word, self.collective_deadline())
                 .map_err(|e| self.group_failed(coll, batch, format!("gate: {e}")))?;
@@ -101,7 +101,7 @@ impl Inner {
                     let mode = gate
                         .proposals
                         .first()
-                        .and_then(|&c| mode_of(c))
+                        .and_then(|&c| ShareMode::from_wire_code(c))
                         .unwrap_or(ShareMode::AllRanks);
                     let (mode, plans_differ) = match gate.verdict {
                         GateVerdict::Agreed => {
@@ -172,23 +172,5 @@ impl Inner {
             return Err(self.group_failed(coll, batch, "status words out of step".into()));
         }
         Err(status.to_error(batch).unwrap_or(why))
-    }
-}
-
-/// Wire code of a share mode in the proposal exchange.
-fn mode_code(mode: ShareMode) -> u64 {
-    match mode {
-        ShareMode::AllRanks => 0,
-        ShareMode::Rank0Broadcast => 1,
-        ShareMode::SplitAllGather => 2,
-    }
-}
-
-fn mode_of(code: u64) -> Option<ShareMode> {
-    match code {
-        0 => Some(ShareMode::AllRanks),
-        1 => Some(ShareMode::Rank0Broadcast),
-        2 => Some(ShareMode::SplitAllGather),
-        _ => None,
     }
 }

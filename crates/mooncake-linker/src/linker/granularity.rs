@@ -102,16 +102,8 @@ pub(crate) struct ReadGroups {
     estimator: Mutex<ReadCostEstimator>,
     pub(crate) compute: ComputeMeter,
     /// Seconds per layer the exchange loop spent in each mode's share step (collective,
-    /// scatter, land): a running mean over batches (AllRanks, Rank0Broadcast, SplitAllGather).
-    share: Mutex<[Option<f64>; 3]>,
-}
-
-fn mode_slot(mode: ShareMode) -> usize {
-    match mode {
-        ShareMode::AllRanks => 0,
-        ShareMode::Rank0Broadcast => 1,
-        ShareMode::SplitAllGather => 2,
-    }
+    /// scatter, land): a running mean over batches, by [`ShareMode::index`].
+    share: Mutex<[Option<f64>; ShareMode::COUNT]>,
 }
 
 impl ReadGroups {
@@ -124,21 +116,21 @@ impl ReadGroups {
             granularity,
             estimator: Mutex::new(ReadCostEstimator::new(prior)),
             compute: ComputeMeter::default(),
-            share: Mutex::new([None; 3]),
+            share: Mutex::new([None; ShareMode::COUNT]),
         }
     }
 
     /// A batch in `mode` spent `per_layer` in each layer's share step.
     pub(crate) fn observe_share(&self, mode: ShareMode, per_layer: Duration) {
         let mut share = self.share.lock();
-        let s = &mut share[mode_slot(mode)];
+        let s = &mut share[mode.index()];
         let v = per_layer.as_secs_f64();
         *s = Some(s.map_or(v, |old| old * (1.0 - SHARE_EWMA) + v * SHARE_EWMA));
     }
 
     /// The share step per layer last measured in `mode`.
     fn share_per_layer(&self, mode: ShareMode) -> Option<Duration> {
-        self.share.lock()[mode_slot(mode)].and_then(|s| Duration::try_from_secs_f64(s).ok())
+        self.share.lock()[mode.index()].and_then(|s| Duration::try_from_secs_f64(s).ok())
     }
 
     /// A group call read `layers` layers, `bytes` bytes, in `took`.

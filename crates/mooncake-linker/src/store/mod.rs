@@ -58,6 +58,7 @@ mod error;
 mod faulty;
 mod kv_store;
 pub mod mooncake;
+mod registration;
 #[cfg(target_os = "linux")]
 mod served;
 #[cfg(any(test, feature = "testing"))]
@@ -75,6 +76,7 @@ pub use faulty::{Fault, FaultCall, FaultRule, FaultyStore, Stall, STALL_LIMIT};
 pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
 };
+pub use registration::Registration;
 #[cfg(target_os = "linux")]
 pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE};
 #[cfg(any(test, feature = "testing"))]

@@ -55,7 +55,8 @@ pub(crate) trait ShareStep: Send + Sync {
     ) -> Result<LayerReady, StepError>;
 }
 
-/// The step for `mode`.
+/// The step for `mode`. A new mode adds its row to `kv_loader`'s share-mode table, its step
+/// file here, and its arm below; nothing else matches on the mode.
 pub(crate) fn step_for(mode: ShareMode) -> &'static dyn ShareStep {
     match mode {
         ShareMode::AllRanks => &all_ranks::AllRanks,
@@ -197,5 +198,17 @@ impl LayerCx<'_> {
         self.auto
             .observe_fabric(layout.mode(), layout.len() as u64, started.elapsed());
         landed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_mode_has_its_own_step() {
+        for mode in ShareMode::ALL {
+            assert_eq!(step_for(mode).mode(), mode);
+        }
     }
 }
