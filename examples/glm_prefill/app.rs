@@ -19,9 +19,11 @@ use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
 
 use crate::args::{Args, ModeArg, ModeSel, RanksAs, StoreKind};
+use crate::auto_reason::Calibration;
 use crate::pattern::Pattern;
 use crate::progress::Progress;
 use crate::report::{bytes, ms, thousands, Table};
+use crate::shows::{ModeRow, Shows};
 use crate::timeline_svg::{self, RankTimeline, RunTimeline};
 
 /// The requested store cannot be used here (missing build, library or environment): the
@@ -510,6 +512,8 @@ struct LoadRun {
     effective: ShareMode,
     ranks: Vec<RankDone>,
     timeline: RunTimeline,
+    /// Auto's pick and why (Auto only).
+    auto_reason: Option<String>,
 }
 
 impl LoadRun {
@@ -666,9 +670,11 @@ fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result<ModeOutcom
         );
     }
 
-    if mode == ModeArg::Auto {
-        calibrate_auto(&rigs, &ctx.pages[..agreed], out)?;
-    }
+    let calibration = if mode == ModeArg::Auto {
+        Some(calibrate_auto(&rigs, &ctx.pages[..agreed], out)?)
+    } else {
+        None
+    };
 
     // Load on every rank at once: a load thread per rank (the linker's), an engine thread per
     // rank waiting for each layer and "computing" it, and a watcher thread per rank that
@@ -893,8 +899,9 @@ fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result<ModeOutcom
         effective,
         ranks,
         timeline,
+        auto_reason: calibration.map(|c| c.reason(effective)),
     };
-    report_run(ctx, mode, &run, out)?;
+    report_run(ctx, &run, out)?;
     let slices_per_page: usize = ctx
         .geometry(0)?
         .components()
@@ -920,18 +927,22 @@ fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result<ModeOutcom
 
 /// Auto measures before it chooses: batches in each mode on the same linkers (no simulated
 /// compute, not timed here) until rank 0's linker keeps a mode (at most 3 per mode), so the
-/// measured load that follows runs the mode Auto kept.
-fn calibrate_auto(rigs: &[RankRig], pages: &[PageHash], out: &mut dyn Write) -> Result<()> {
-    let mut ran = Vec::new();
+/// measured load that follows runs the mode Auto kept. Returns rank 0's batches, for the reason.
+fn calibrate_auto(
+    rigs: &[RankRig],
+    pages: &[PageHash],
+    out: &mut dyn Write,
+) -> Result<Calibration> {
+    let mut seen = Calibration::default();
     for batch in 100..112u64 {
         if rigs[0].linker.auto_decision().is_some() {
             break;
         }
-        let modes: Vec<Result<ShareMode>> = std::thread::scope(|s| {
+        let stats: Vec<Result<LoadStats>> = std::thread::scope(|s| {
             let hs: Vec<_> = rigs
                 .iter()
                 .map(|rig| {
-                    s.spawn(move || -> Result<ShareMode> {
+                    s.spawn(move || -> Result<LoadStats> {
                         let plan = BatchPlan::all_components(
                             rig.linker.geometry(),
                             BatchId(batch),
@@ -945,7 +956,7 @@ fn calibrate_auto(rigs: &[RankRig], pages: &[PageHash], out: &mut dyn Write) -> 
                         for l in 0..rig.linker.num_layers() {
                             rig.linker.wait_layer(&t, l)?;
                         }
-                        Ok(rig.linker.wait_batch(&t)?.result?.mode)
+                        Ok(rig.linker.wait_batch(&t)?.result?)
                     })
                 })
                 .collect();
@@ -956,17 +967,17 @@ fn calibrate_auto(rigs: &[RankRig], pages: &[PageHash], out: &mut dyn Write) -> 
                 })
                 .collect()
         });
-        let modes: Vec<ShareMode> = modes.into_iter().collect::<Result<_>>()?;
-        ran.push(format!("{:?}", modes[0]));
+        let stats: Vec<LoadStats> = stats.into_iter().collect::<Result<_>>()?;
+        seen.record(stats[0].mode, stats[0].bytes_landed, stats[0].last_layer);
     }
     say!(
         out,
         "  Auto: {} calibration batches (measured by rank 0's linker) ran {}; it keeps {:?}",
-        ran.len(),
-        ran.join(", "),
+        seen.batches(),
+        seen.order().join(", "),
         rigs[0].linker.auto_decision()
     );
-    Ok(())
+    Ok(seen)
 }
 
 fn close_all(rigs: &[RankRig]) {
@@ -1014,11 +1025,11 @@ fn verify_pool(
     Ok(compared)
 }
 
-fn report_run(ctx: &Ctx, mode: ModeArg, run: &LoadRun, out: &mut dyn Write) -> Result<()> {
-    if mode == ModeArg::Auto {
+fn report_run(ctx: &Ctx, run: &LoadRun, out: &mut dyn Write) -> Result<()> {
+    if let Some(reason) = &run.auto_reason {
         say!(
             out,
-            "  Auto chose {:?} (LoadStats.mode; RUST_LOG=info shows the linker's reason)",
+            "  Auto chose {:?} (LoadStats.mode). {reason}",
             run.effective
         );
     }
@@ -1073,7 +1084,14 @@ fn report_run(ctx: &Ctx, mode: ModeArg, run: &LoadRun, out: &mut dyn Write) -> R
             read + comp
         );
     }
-    timeline_table(ctx, &run.timeline, out)?;
+    if ctx.args.mode == ModeSel::Compare && !ctx.args.full_timeline {
+        say!(
+            out,
+            "  per-layer timeline: in the picture (--full-timeline prints it here too)"
+        );
+    } else {
+        timeline_table(ctx, &run.timeline, out)?;
+    }
     Ok(())
 }
 
@@ -1175,8 +1193,7 @@ fn compare_table(ctx: &Ctx, results: &[(ModeArg, ModeOutcome)], out: &mut dyn Wr
         thousands(ctx.args.compute_us),
         ctx.store_label(),
         if ctx.store.embedded.is_some() {
-            " (no network: a store read here is a memory copy, so reading once and sharing \
-             saves store reads but not time)"
+            " (no network: a store read here is a memory copy)"
         } else {
             ""
         }
@@ -1244,6 +1261,28 @@ fn compare_table(ctx: &Ctx, results: &[(ModeArg, ModeOutcome)], out: &mut dyn Wr
     for (i, n) in notes.iter().enumerate() {
         say!(out, "[{}] {n}", i + 1);
     }
+    let rows: Vec<ModeRow> = results
+        .iter()
+        .filter_map(|(m, o)| match o {
+            ModeOutcome::Loaded(r) => Some(ModeRow {
+                mode: r.effective,
+                auto: *m == ModeArg::Auto,
+                last_ready: r.last_ready(),
+                per_rank: r.ranks.iter().map(|x| x.store_bytes_read).collect(),
+            }),
+            _ => None,
+        })
+        .collect();
+    let auto_reason = results.iter().find_map(|(_, o)| match o {
+        ModeOutcome::Loaded(r) => r.auto_reason.as_deref(),
+        _ => None,
+    });
+    Shows {
+        rows: &rows,
+        auto_reason,
+        embedded: ctx.store.embedded.is_some(),
+    }
+    .write(out)?;
     Ok(())
 }
 

@@ -116,8 +116,10 @@ pub struct Args {
     pub procs: ProcessArgs,
 }
 
-/// Default prefix: 8,192 tokens = 128 pages = 441.9 MB per rank.
-pub const DEFAULT_TOKENS: u64 = 8192;
+/// Default prefix: 8,192 tokens = 128 pages = 441.9 MB per rank in a release build; 1,024
+/// tokens (16 pages) in a debug build, whose unoptimized copies and checksums are about 100×
+/// slower, so that the first `cargo run --example glm_prefill` takes seconds.
+pub const DEFAULT_TOKENS: u64 = if cfg!(debug_assertions) { 1024 } else { 8192 };
 /// Default TP size.
 pub const DEFAULT_TP: u32 = 2;
 /// Default simulated compute per layer.
@@ -132,7 +134,7 @@ impl Default for Args {
             tp: DEFAULT_TP,
             compute_us: DEFAULT_COMPUTE_US,
             store: StoreKind::Embedded,
-            mode: ModeSel::One(ModeArg::AllRanks),
+            mode: ModeSel::Compare,
             svg: PathBuf::from(DEFAULT_SVG),
             seed: 1,
             full_timeline: false,
@@ -176,19 +178,21 @@ FLAGS:
                         mooncake: a real Mooncake Store, one client per rank, configured from
                         MOONCAKE_MASTER and the other MOONCAKE_* variables (run it under
                         scripts/with-mooncake.sh after scripts/mooncake-build-shim.sh).
-    --mode MODE         How ranks share replicated KV (LinkerConfig.mode) [default: all-ranks]:
+    --mode MODE         How ranks share replicated KV (LinkerConfig.mode) [default: compare]:
                           all-ranks         every rank reads every page itself (baseline)
                           rank0-broadcast   rank 0 reads each layer and broadcasts it
                           split-all-gather  each rank reads 1/TP of the pages, then all-gather
                           auto              the linker picks from measured bandwidths
-                          compare           runs each mode on the same saved prefix and prints
-                                            a table: time to last layer, store bytes read per
-                                            rank and in total, reduction vs all-ranks. Modes
-                                            the linker does not support yet say so.
+                          compare           runs each mode and Auto on the same saved prefix and
+                                            prints a table: time to last layer, store bytes
+                                            read per rank and in total, reduction vs all-ranks,
+                                            Auto's pick with its reason. Modes the linker does
+                                            not support yet say so.
     --svg PATH          Where to write the timeline picture [default: {DEFAULT_SVG}].
     --seed N            Seed of the prompt tokens, the KV bytes and the slot assignments
                         [default: 1].
-    --full-timeline     Print every layer in the timeline table (default: first and last 5).
+    --full-timeline     Print every layer in the timeline table (default: first and last 5;
+                        with --mode compare, the tables are only in the picture).
 {}    -h, --help          This text.
 
 EXIT STATUS:

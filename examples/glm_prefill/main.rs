@@ -12,9 +12,11 @@
 
 mod app;
 mod args;
+mod auto_reason;
 mod pattern;
 mod progress;
 mod report;
+mod shows;
 mod timeline_svg;
 
 use std::io::Write;

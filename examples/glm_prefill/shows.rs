@@ -1,0 +1,111 @@
+//! The few lines after the compare table that say what it shows: store bytes per rank, Auto's
+//! pick with its reason, and, honestly, what sharing did to time on this store.
+
+use std::io::{self, Write};
+use std::time::Duration;
+
+use kvlink::kv_loader::ShareMode;
+
+use crate::report::{bytes, ms};
+
+/// The README's command for the run where a store read crosses the network.
+pub const MOONCAKE_RUN: &str = "scripts/with-mooncake.sh --storage-node -- \
+     target/release/examples/glm_prefill --store mooncake --mode compare";
+
+/// One mode that loaded and verified.
+pub struct ModeRow {
+    /// What ran (`Auto` runs in the mode it picked).
+    pub mode: ShareMode,
+    /// Whether this row is `Auto`'s.
+    pub auto: bool,
+    /// The slowest rank's last layer ready, from its `start_load`.
+    pub last_ready: Duration,
+    /// Store bytes each rank read.
+    pub per_rank: Vec<u64>,
+}
+
+/// What the table shows, in words computed from it.
+pub struct Shows<'a> {
+    /// The modes that loaded.
+    pub rows: &'a [ModeRow],
+    /// Auto's reason, when Auto ran.
+    pub auto_reason: Option<&'a str>,
+    /// The store is in this process (a read is a memory copy).
+    pub embedded: bool,
+}
+
+impl Shows<'_> {
+    /// Writes the lines.
+    pub fn write(&self, out: &mut dyn Write) -> io::Result<()> {
+        writeln!(out)?;
+        writeln!(out, "what this shows:")?;
+        for r in self.rows.iter().filter(|r| !r.auto) {
+            let per: Vec<String> = r.per_rank.iter().map(|b| bytes(*b)).collect();
+            let what = match r.mode {
+                ShareMode::AllRanks => "every rank reads the whole prefix itself",
+                ShareMode::Rank0Broadcast => "rank 0 reads, the others receive it",
+                ShareMode::SplitAllGather => "each rank reads 1/TP, then an all-gather",
+            };
+            writeln!(
+                out,
+                "  {:<15} store bytes read per rank: {} ({what})",
+                format!("{:?}", r.mode),
+                per.join(" / ")
+            )?;
+        }
+        if let Some(reason) = self.auto_reason {
+            writeln!(out, "  {reason}")?;
+        }
+        if let Some(line) = self.time_line() {
+            writeln!(out, "  {line}")?;
+        }
+        Ok(())
+    }
+
+    /// What sharing did to time here, said from the measurements (embedded store only: a real
+    /// store's table speaks for itself).
+    fn time_line(&self) -> Option<String> {
+        if !self.embedded {
+            return None;
+        }
+        let base = self
+            .rows
+            .iter()
+            .find(|r| !r.auto && r.mode == ShareMode::AllRanks)?;
+        let best = self
+            .rows
+            .iter()
+            .filter(|r| !r.auto && r.mode != ShareMode::AllRanks)
+            .min_by_key(|r| r.last_ready)?;
+        let cmp = format!(
+            "{:?} {} against AllRanks {}",
+            best.mode,
+            ms(best.last_ready),
+            ms(base.last_ready)
+        );
+        let head = if best.last_ready >= base.last_ready {
+            format!(
+                "time: on this embedded store sharing costs more than reading ({cmp}): a store \
+                 read is a memory copy in this process, and sharing adds a copy between ranks."
+            )
+        } else if cfg!(debug_assertions) {
+            format!(
+                "time: sharing was faster here ({cmp}) only because this is a debug build: each \
+                 read's copy and per-layer checksum run unoptimized, and sharing does them once \
+                 instead of on every rank. No network is saved on this store; in a release build \
+                 a read is a plain memory copy and sharing measured slower than reading \
+                 (docs/benchmarks.md, \"Embedded store\")."
+            )
+        } else {
+            format!(
+                "time: sharing was faster here ({cmp}) although a store read is only a memory \
+                 copy in this process: the copies and checksums it skips outweighed its copy \
+                 between ranks on this machine. No network is saved on this store."
+            )
+        };
+        Some(format!(
+            "{head} Sharing pays where a read crosses the network: against a real Mooncake \
+             Store (README, \"Real Mooncake\"): {MOONCAKE_RUN}"
+        ))
+    }
+}
