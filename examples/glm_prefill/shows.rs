@@ -9,7 +9,8 @@ use kvlink::kv_loader::ShareMode;
 use crate::report::{bytes, ms};
 
 /// The README's command for the run where a store read crosses the network.
-pub const MOONCAKE_RUN: &str = "scripts/with-mooncake.sh --storage-node -- \
+pub const MOONCAKE_RUN: &str = "MOONCAKE_GLOBAL_SEGMENT_SIZE=0 \
+     MOONCAKE_STORAGE_NODE_SEGMENT=\"4 GB\" scripts/with-mooncake.sh --storage-node -- \
      target/release/examples/glm_prefill --store mooncake --mode compare";
 
 /// One mode that loaded and verified.
