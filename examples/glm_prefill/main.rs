@@ -40,7 +40,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            let _ = writeln!(stderr, "error: {e}");
+            let _ = writeln!(stderr, "{e}");
             return ExitCode::from(2);
         }
     };
