@@ -48,8 +48,12 @@ macro_rules! say {
 // run: it sees this module's items and imports (`use super::*`).
 #[path = "calibrate.rs"]
 mod calibrate;
+#[path = "engine.rs"]
+mod engine;
 #[path = "load.rs"]
 mod load;
+#[path = "outcome.rs"]
+mod outcome;
 #[path = "picture.rs"]
 mod picture;
 #[path = "save.rs"]
@@ -62,7 +66,9 @@ mod tables;
 mod verify;
 
 use calibrate::calibrate_auto;
-use load::{load_mode, pretouch, LoadRun, ModeOutcome, RankDone, RankRig};
+use engine::run_ranks;
+use load::{close_all, load_mode, pretouch, LoadRun, ModeOutcome, RankDone, RankRaw, RankRig};
+use outcome::mode_outcome;
 use picture::write_svg;
 use save::{header, save_step};
 use stores::{open_stores, Stores};
