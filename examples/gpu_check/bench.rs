@@ -17,9 +17,9 @@ use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::{LayerReady, RawStream};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
 
-use crate::checks::{glm, half_bytes, own_all};
-use crate::util::{de, fill_row, gbps, median, timing_event, Report, Rng, Status};
-use crate::Args;
+use super::checks::{glm, half_bytes, own_all};
+use super::util::{de, fill_row, gbps, median, timing_event, Report, Rng, Status};
+use super::Args;
 
 #[allow(dead_code)] // the examples share it; this one draws without `chained`
 #[path = "../common/timeline_svg.rs"]

@@ -18,7 +18,8 @@
 //!
 //! Prints a table last. Exit status: 0 all passed, 1 a check failed, 2 CUDA is unavailable.
 //! Flags: `--quick` (smaller sizes), `--out DIR` (CSV and SVG; default `$OUT` when set),
-//! `--no-128k`.
+//! `--no-128k`, `--no-checks` (benchmarks only: the same checks are the `gpu` test target,
+//! `cargo test --release --features cuda --test gpu`, which `scripts/gpu-run.sh` runs first).
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -46,6 +47,8 @@ pub struct Args {
     pub no_128k: bool,
     /// Where CSV and SVG files go.
     pub out: Option<std::path::PathBuf>,
+    /// Benchmarks only: the checks run as the `gpu` test (`tests/gpu/main.rs`).
+    pub no_checks: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -53,15 +56,19 @@ fn parse_args() -> Result<Args, String> {
         quick: false,
         no_128k: false,
         out: std::env::var_os("OUT").map(Into::into),
+        no_checks: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--quick" => a.quick = true,
             "--no-128k" => a.no_128k = true,
+            "--no-checks" => a.no_checks = true,
             "--out" => a.out = Some(it.next().ok_or("--out needs a directory")?.into()),
             "-h" | "--help" => {
-                return Err("usage: gpu_check [--quick] [--no-128k] [--out DIR]".into());
+                return Err(
+                    "usage: gpu_check [--quick] [--no-128k] [--no-checks] [--out DIR]".into(),
+                );
             }
             other => return Err(format!("unknown flag {other}")),
         }
@@ -115,11 +122,18 @@ fn main() -> ExitCode {
     let started = Instant::now();
     let mut report = Report::default();
     report.info("env", "GPUs visible", gpus.to_string());
-    section(&mut report, "correctness", |r| checks::run(&args, r));
-    section(&mut report, "nccl", |r| nccl_checks::run(&args, gpus, r));
-    section(&mut report, "linker", |r| linker::run(&args, r));
+    if args.no_checks {
+        report.push("correctness", "all", Status::Skip, "--no-checks");
+    } else {
+        section(&mut report, "correctness", |r| checks::run(&args, r));
+        section(&mut report, "nccl", |r| nccl_checks::run(&args, gpus, r));
+        section(&mut report, "linker", |r| linker::run(&args, r));
+    }
+    section(&mut report, "bench", |r| linker::run_bench(&args, r));
     section(&mut report, "bench", |r| bench::run(&args, gpus, r));
-    section(&mut report, "nccl", |r| nccl_checks::run_aborts(gpus, r));
+    if !args.no_checks {
+        section(&mut report, "nccl", |r| nccl_checks::run_aborts(gpus, r));
+    }
     report.info(
         "env",
         "total run time",
