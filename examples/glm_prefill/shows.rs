@@ -89,19 +89,16 @@ impl Shows<'_> {
                 "time: on this embedded store sharing costs more than reading ({cmp}): a store \
                  read is a memory copy in this process, and sharing adds a copy between ranks."
             )
-        } else if cfg!(debug_assertions) {
-            format!(
-                "time: sharing was faster here ({cmp}) only because this is a debug build: each \
-                 read's copy and per-layer checksum run unoptimized, and sharing does them once \
-                 instead of on every rank. No network is saved on this store; in a release build \
-                 a read is a plain memory copy and sharing measured slower than reading \
-                 (docs/benchmarks.md, \"Embedded store\")."
-            )
         } else {
             format!(
-                "time: sharing was faster here ({cmp}) although a store read is only a memory \
-                 copy in this process: the copies and checksums it skips outweighed its copy \
-                 between ranks on this machine. No network is saved on this store."
+                "time: sharing was faster here ({cmp}) although no network is saved on this \
+                 store: a store read here is a memory copy plus its per-layer checksum in this \
+                 process{}, and sharing does that work once instead of on every rank.",
+                if cfg!(debug_assertions) {
+                    " (unoptimized in this debug build)"
+                } else {
+                    ""
+                }
             )
         };
         Some(format!(
