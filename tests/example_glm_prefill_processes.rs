@@ -214,28 +214,14 @@ fn two_rank_processes_started_by_hand_with_one_rendezvous_load_and_verify() {
     // goes to a temporary file instead of target/.
     let svg = svg_path("by_hand");
     let svg = svg.to_str().unwrap();
-    let mut r0 = Started::new(&[
-        "--rank",
-        "0",
-        "--world",
-        "2",
-        "--rendezvous",
-        &at,
-        "--mode",
-        "all-ranks",
-        "--svg",
-        svg,
-    ]);
-    let mut r1 = Started::new(&[
-        "--rank",
-        "1",
-        "--world",
-        "2",
-        "--rendezvous",
-        &at,
-        "--mode",
-        "all-ranks",
-    ]);
+    let rank = |r: &'static str, extra: &[&str]| {
+        let mut flags = vec!["--rank", r, "--world", "2", "--rendezvous", &at];
+        flags.extend(["--mode", "all-ranks"]);
+        flags.extend(extra);
+        Started::new(&flags)
+    };
+    let mut r0 = rank("0", &["--svg", svg]);
+    let mut r1 = rank("1", &[]);
     let pages = args::DEFAULT_TOKENS / 64;
     let limit = Duration::from_secs(240);
     let (out0, ok0) = r0.finish(limit);
