@@ -18,7 +18,6 @@ use std::sync::Mutex;
 
 use kvlink::kv_device::cuda::cuda_device_count;
 
-#[allow(dead_code)]
 #[path = "../../examples/gpu_common/util.rs"]
 mod util;
 
@@ -114,7 +113,7 @@ fn nccl_one_rank_and_two_gpus() {
 
 #[test]
 fn nccl_timeouts_abort() {
-    run("nccl aborts", |n, r| device::nccl_checks::run_aborts(n, r));
+    run("nccl aborts", device::nccl_checks::run_aborts);
 }
 
 #[test]
