@@ -115,3 +115,45 @@ impl Shows<'_> {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(mode: ShareMode, ms: u64) -> ModeRow {
+        ModeRow {
+            mode,
+            auto: false,
+            last_ready: Duration::from_millis(ms),
+            per_rank: vec![1, 1],
+        }
+    }
+
+    fn line(embedded: bool, sharing_ms: u64) -> String {
+        let rows = [
+            row(ShareMode::AllRanks, 100),
+            row(ShareMode::SplitAllGather, sharing_ms),
+        ];
+        let shows = Shows {
+            rows: &rows,
+            auto_reason: None,
+            embedded,
+        };
+        shows.time_line().unwrap_or_default()
+    }
+
+    #[test]
+    fn the_time_line_says_what_was_measured() {
+        let slower = line(true, 150);
+        assert!(
+            slower.contains("sharing costs more than reading"),
+            "{slower}"
+        );
+        assert!(slower.contains("--store mooncake"), "{slower}");
+        let faster = line(true, 60);
+        assert!(faster.contains("sharing was faster here"), "{faster}");
+        assert!(faster.contains("no network is saved"), "{faster}");
+        assert!(line(false, 60).contains("(40.0 % less time to the last layer)"));
+        assert!(line(false, 150).contains("(50.0 % more time to the last layer)"));
+    }
+}
