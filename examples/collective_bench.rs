@@ -28,37 +28,32 @@ const ROW: usize = 41_984;
 const ROLE: &str = "KVLINK_BENCH_ROLE";
 const MARK: &str = "KVLINK|";
 
+/// The flags (clap).
+#[derive(clap::Parser)]
+#[command(
+    name = "collective_bench",
+    about = "TP ranks as processes: the socket collective against the in-process group."
+)]
 struct Args {
+    /// TP ranks (processes).
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(2..))]
     ranks: u32,
+    /// Size of the shared layer, MB.
+    #[arg(long, value_name = "MB", default_value_t = 100)]
     mb: usize,
+    /// Repetitions (the median is reported).
+    #[arg(long, value_name = "R", default_value_t = 5)]
     reps: usize,
+    /// Accepted and ignored (`cargo bench` passes it).
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        ranks: 8,
-        mb: 100,
-        reps: 5,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut val = |name: &str| -> Result<usize, String> {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .ok_or_else(|| format!("{name} needs a number"))
-        };
-        match flag.as_str() {
-            "--ranks" => a.ranks = val("--ranks")? as u32,
-            "--mb" => a.mb = val("--mb")?,
-            "--reps" => a.reps = val("--reps")?.max(1),
-            "--bench" => {}
-            "--help" | "-h" => return Err(String::new()),
-            other => return Err(format!("unknown flag {other}")),
-        }
-    }
-    if a.ranks < 2 {
-        return Err("--ranks must be at least 2".into());
-    }
+    use clap::Parser;
+    let mut a = Args::try_parse().map_err(|e| e.render().to_string())?;
+    a.reps = a.reps.max(1);
     Ok(a)
 }
 
@@ -81,10 +76,7 @@ fn main() {
     let args = match parse() {
         Ok(a) => a,
         Err(e) => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "{e}\nusage: collective_bench [--ranks N] [--mb MB] [--reps R]"
-            );
+            let _ = writeln!(std::io::stderr(), "{e}");
             std::process::exit(2);
         }
     };

@@ -3,12 +3,15 @@
 # and libnvrtc at run time) into gpu-bin/ at the repo root, ready to be carried to the GPU
 # machine, where scripts/gpu-run.sh runs them.
 #
-# Usage: scripts/gpu-build.sh               release build of examples/gpu_check, tp_gpu, tp_procs and
-#                                           glm_prefill (--features cuda)
+# Usage: scripts/gpu-build.sh               release build of the `gpu` test binary and of
+#                                           examples/gpu_check, tp_gpu, tp_procs and glm_prefill
+#                                           (--features cuda)
 #        scripts/gpu-build.sh --regen-ptx   regenerate crates/kv-device/src/cuda/copy_rows.ptx
 #                                           from copy_rows.cu with NVRTC 13.0 from PyPI
-# Output: gpu-bin/gpu_check, gpu-bin/tp_gpu (run by scripts/gpu-tp-run.sh), gpu-bin/tp_procs and
-# gpu-bin/glm_prefill (run by scripts/gpu-procs-run.sh), stripped,
+# Output: gpu-bin/gpu_tests (the `gpu` test target, tests/gpu/: the GPU checks as tests) and
+# gpu-bin/gpu_check (benchmarks), run by scripts/gpu-run.sh; gpu-bin/tp_gpu (run by
+# scripts/gpu-tp-run.sh), gpu-bin/tp_procs and gpu-bin/glm_prefill (run by
+# scripts/gpu-procs-run.sh), stripped,
 # gpu-bin/BUILD_INFO. Fails if gpu-bin/ exceeds 60 MiB or a binary needs glibc newer than 2.34
 # (what the GPU machine was checked to run).
 set -euo pipefail
@@ -27,11 +30,19 @@ fi
 
 bins=(gpu_check tp_gpu tp_procs glm_prefill)
 cargo build --release --features cuda "${bins[@]/#/--example=}"
+# The GPU checks as tests: the test binary itself (its path has a hash; cargo names it).
+tests_bin=$(cargo test --release --features cuda --test gpu --no-run --message-format=json \
+  | grep -o '"executable":"[^"]*"' | tail -1 | sed 's/"executable":"//; s/"$//')
+if [[ ! -x "$tests_bin" ]]; then
+  echo "gpu-build: the gpu test binary was not found (got '$tests_bin')" >&2
+  exit 1
+fi
 rm -rf gpu-bin
 mkdir -p gpu-bin
+cp "$tests_bin" gpu-bin/gpu_tests
 max_glibc=0
-for b in "${bins[@]}"; do
-  cp "target/release/examples/$b" gpu-bin/
+for b in gpu_tests "${bins[@]}"; do
+  [[ "$b" == gpu_tests ]] || cp "target/release/examples/$b" gpu-bin/
   strip "gpu-bin/$b"
   need=$(objdump -T "gpu-bin/$b" | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -Vu | tail -1)
   if [[ "$(printf '%s\n2.34\n' "$need" | sort -V | tail -1)" != "2.34" ]]; then

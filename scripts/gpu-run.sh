@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the binaries that scripts/gpu-build.sh put in
-# gpu-bin/. Correctness checks, NCCL checks and benchmarks in one run; the result table is
-# printed last.
+# gpu-bin/. First the GPU checks as tests (gpu-bin/gpu_tests: the `gpu` test target,
+# tests/gpu/, one test at a time, KVLINK_REQUIRE_GPU=1 so a missing GPU fails), then the
+# benchmarks (gpu_check --no-checks). The result table is printed last; it ends with the line
+# "N passed, N failed" (every check row of the tests and the benchmarks together).
 #
-# Usage: bash scripts/gpu-run.sh [gpu_check flags: --quick, --no-128k]
+# Usage: bash scripts/gpu-run.sh [gpu_check flags: --quick, --no-128k]   (--quick also runs the
+#        tests' smaller sizes: KVLINK_GPU_QUICK=1)
 # Logs, CSV and SVG timelines go to $OUT when set (else gpu-bin/out/).
-# Exit status: gpu_check's (0 all passed, 1 a check failed, 2 CUDA unavailable).
+# Exit status: 0 all passed; 1 a check or a test failed; 2 CUDA unavailable (gpu_check's).
+#
+# From the build machine: scripts/gpu-build.sh, then with the device tool
+#   run(command="bash scripts/gpu-run.sh", carry=["gpu-bin"], kind="nvidia-h200", timeout_s=600)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin_dir="${KVLINK_GPU_BIN:-gpu-bin}"
 out="${OUT:-$bin_dir/out}"
 mkdir -p "$out"
-if [[ ! -x "$bin_dir/gpu_check" ]]; then
-  echo "gpu-run: $bin_dir/gpu_check missing: run scripts/gpu-build.sh on the build machine and carry gpu-bin" >&2
-  exit 2
-fi
+for b in gpu_tests gpu_check; do
+  if [[ ! -x "$bin_dir/$b" ]]; then
+    echo "gpu-run: $bin_dir/$b missing: run scripts/gpu-build.sh on the build machine and carry gpu-bin" >&2
+    exit 2
+  fi
+done
 
 # shellcheck source=scripts/gpu-common.sh
 source scripts/gpu-common.sh
@@ -28,11 +36,28 @@ source scripts/gpu-common.sh
   ls -l /usr/lib/x86_64-linux-gnu/libnccl.so* 2>&1
 } > "$out/env.txt"
 
-"$bin_dir/gpu_check" --out "$out" "$@" > "$out/gpu_check.stdout.log" 2> "$out/gpu_check.stderr.log"
+quick=0
+[[ " $* " == *" --quick "* ]] && quick=1
+KVLINK_REQUIRE_GPU=1 KVLINK_GPU_QUICK=$quick "$bin_dir/gpu_tests" --test-threads=1 --nocapture \
+  > "$out/gpu_tests.stdout.log" 2> "$out/gpu_tests.stderr.log"
+trc=$?
+"$bin_dir/gpu_check" --no-checks --out "$out" "$@" > "$out/gpu_check.stdout.log" 2> "$out/gpu_check.stderr.log"
 rc=$?
 cat "$out/env.txt"
-echo "== gpu_check stderr (last 60 lines; full log: $out/gpu_check.stderr.log)"
-tail -n 60 "$out/gpu_check.stderr.log"
-echo "== gpu_check exit status $rc; result table:"
+echo "== gpu_tests stderr (last 40 lines; full log: $out/gpu_tests.stderr.log)"
+tail -n 40 "$out/gpu_tests.stderr.log"
+echo "== gpu_check stderr (last 40 lines; full log: $out/gpu_check.stderr.log)"
+tail -n 40 "$out/gpu_check.stderr.log"
+echo "== gpu_tests (the GPU checks as tests) exit status $trc; each test's rows:"
+cat "$out/gpu_tests.stdout.log"
+echo "== gpu_check --no-checks (benchmarks) exit status $rc; result table:"
 cat "$out/gpu_check.stdout.log"
+# One closing line over both: every "N passed, N failed" line of the tests' tables and the
+# benchmarks' table, added up (libtest's own "test result:" line is not one of them).
+cat "$out/gpu_tests.stdout.log" "$out/gpu_check.stdout.log" \
+  | awk '/^[0-9]+ passed, [0-9]+ failed$/ { p += $1; f += $3 } END { printf "%d passed, %d failed\n", p, f }' \
+  | tee "$out/gpu_result.txt"
+if (( trc != 0 && rc == 0 )); then
+  exit 1
+fi
 exit "$rc"

@@ -12,6 +12,9 @@ mod app;
 #[path = "../examples/glm_prefill/args.rs"]
 mod args;
 #[allow(dead_code)]
+#[path = "../examples/glm_prefill/auto_reason.rs"]
+mod auto_reason;
+#[allow(dead_code)]
 #[path = "../examples/glm_prefill/pattern.rs"]
 mod pattern;
 #[allow(dead_code)]
@@ -20,6 +23,9 @@ mod progress;
 #[allow(dead_code)]
 #[path = "../examples/glm_prefill/report.rs"]
 mod report;
+#[allow(dead_code)]
+#[path = "../examples/glm_prefill/shows.rs"]
+mod shows;
 #[allow(dead_code)]
 #[path = "../examples/glm_prefill/timeline_svg.rs"]
 mod timeline_svg;
@@ -55,6 +61,8 @@ fn small_prefix_loads_and_verifies_on_every_rank() {
         "3",
         "--compute-us",
         "50",
+        "--mode",
+        "all-ranks",
         "--svg",
         svg.to_str().unwrap(),
     ])
@@ -135,6 +143,39 @@ fn compare_has_a_row_per_mode_and_never_fakes_one() {
         ran + ran_as,
         "{out}"
     );
+    // After the table: store bytes per rank of each mode, Auto's pick with its reason, and what
+    // sharing did to time on this store, with the command of the run where it pays.
+    let shows: Vec<&str> = out
+        .lines()
+        .skip_while(|l| *l != "what this shows:")
+        .collect();
+    assert!(!shows.is_empty(), "{out}");
+    if ran == 4 {
+        assert!(
+            shows.iter().any(|l| l.contains("AllRanks")
+                && l.contains("store bytes read per rank: 6.9 MB / 6.9 MB")),
+            "{out}"
+        );
+        assert!(
+            shows
+                .iter()
+                .any(|l| l.contains("Auto keeps ") && l.contains(" ms/GB (")),
+            "{out}"
+        );
+        assert!(
+            shows
+                .iter()
+                .any(|l| l.starts_with("  time: ") && l.contains("--store mooncake")),
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn the_default_run_compares_every_mode() {
+    let a = args::parse(std::iter::empty::<&str>()).unwrap().unwrap();
+    assert_eq!(a.mode, args::ModeSel::Compare);
+    assert_eq!(a.tokens, args::DEFAULT_TOKENS);
 }
 
 #[test]

@@ -19,6 +19,9 @@ mod app;
 #[path = "../examples/glm_prefill/args.rs"]
 mod args;
 #[allow(dead_code)]
+#[path = "../examples/glm_prefill/auto_reason.rs"]
+mod auto_reason;
+#[allow(dead_code)]
 #[path = "../examples/glm_prefill/pattern.rs"]
 mod pattern;
 #[allow(dead_code)]
@@ -27,6 +30,9 @@ mod progress;
 #[allow(dead_code)]
 #[path = "../examples/glm_prefill/report.rs"]
 mod report;
+#[allow(dead_code)]
+#[path = "../examples/glm_prefill/shows.rs"]
+mod shows;
 #[allow(dead_code)]
 #[path = "../examples/glm_prefill/timeline_svg.rs"]
 mod timeline_svg;
@@ -204,28 +210,26 @@ fn free_port() -> u16 {
 #[test]
 fn two_rank_processes_started_by_hand_with_one_rendezvous_load_and_verify() {
     let at = format!("127.0.0.1:{}", free_port());
-    // The example's defaults otherwise (8,192 tokens, all-ranks); only the picture goes to a
-    // temporary file instead of target/.
+    // The example's defaults otherwise (its default prefix length), one mode; only the picture
+    // goes to a temporary file instead of target/.
     let svg = svg_path("by_hand");
     let svg = svg.to_str().unwrap();
-    let mut r0 = Started::new(&[
-        "--rank",
-        "0",
-        "--world",
-        "2",
-        "--rendezvous",
-        &at,
-        "--svg",
-        svg,
-    ]);
-    let mut r1 = Started::new(&["--rank", "1", "--world", "2", "--rendezvous", &at]);
+    let rank = |r: &'static str, extra: &[&str]| {
+        let mut flags = vec!["--rank", r, "--world", "2", "--rendezvous", &at];
+        flags.extend(["--mode", "all-ranks"]);
+        flags.extend(extra);
+        Started::new(&flags)
+    };
+    let mut r0 = rank("0", &["--svg", svg]);
+    let mut r1 = rank("1", &[]);
+    let pages = args::DEFAULT_TOKENS / 64;
     let limit = Duration::from_secs(240);
     let (out0, ok0) = r0.finish(limit);
     let (out1, ok1) = r1.finish(limit);
     let _ = std::fs::remove_file(svg);
     assert!(ok0 && ok1, "rank 0:\n{out0}\nrank 1:\n{out1}");
     assert!(
-        out0.contains("verified: 2 ranks × 128 pages byte-identical"),
+        out0.contains(&format!("verified: 2 ranks × {pages} pages byte-identical")),
         "{out0}"
     );
     assert!(
@@ -233,7 +237,9 @@ fn two_rank_processes_started_by_hand_with_one_rendezvous_load_and_verify() {
         "{out0}"
     );
     assert!(
-        out1.contains("verified: 128 pages byte-identical to the saved bytes"),
+        out1.contains(&format!(
+            "verified: {pages} pages byte-identical to the saved bytes"
+        )),
         "{out1}"
     );
 }

@@ -1,7 +1,9 @@
-//! Command-line flags of the example, hand-parsed (no dependency), with `--help`.
+//! Command-line flags of the example (clap, derive), with `--help`.
 
 use std::fmt;
 use std::path::PathBuf;
+
+use clap::{CommandFactory, Parser, ValueEnum};
 
 use kvlink::dedup_broadcast::ModeChoice;
 use kvlink::kv_loader::ShareMode;
@@ -10,20 +12,21 @@ use kvlink::kv_loader::ShareMode;
 mod process_args;
 pub use process_args::{ProcessArgs, RanksAs};
 
-/// A problem with the command line: the example prints it with the usage and exits 2.
+/// A problem with the command line (the whole message, with its hint): the example prints it
+/// and exits 2.
 #[derive(Debug)]
 pub struct UsageError(pub String);
 
 impl fmt::Display for UsageError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}\n\nRun with --help for the flags.", self.0)
+        f.write_str(self.0.trim_end())
     }
 }
 
 impl std::error::Error for UsageError {}
 
 /// Where the KV objects live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum StoreKind {
     /// `EmbeddedStore`: a map in this process's memory. No network, no setup.
     Embedded,
@@ -93,31 +96,38 @@ pub enum ModeSel {
     Compare,
 }
 
-/// The parsed flags.
-#[derive(Debug, Clone)]
-pub struct Args {
-    /// Cached prefix length in tokens (whole pages of 64).
-    pub tokens: u64,
-    /// Tensor-parallel ranks (threads).
-    pub tp: u32,
-    /// Simulated attention compute per layer, microseconds.
-    pub compute_us: u64,
-    /// The store.
-    pub store: StoreKind,
-    /// Mode(s).
-    pub mode: ModeSel,
-    /// Where the timeline picture goes.
-    pub svg: PathBuf,
-    /// Seed of the prompt tokens, the KV bytes and the slot assignments.
-    pub seed: u64,
-    /// Print every layer in the timeline table, not the first and last five.
-    pub full_timeline: bool,
-    /// TP ranks as threads or processes, and what a rank process is.
-    pub procs: ProcessArgs,
+impl ModeSel {
+    /// `--mode`'s values, as the help lists them.
+    const VALUES: [&'static str; 5] = [
+        "all-ranks",
+        "rank0-broadcast",
+        "split-all-gather",
+        "auto",
+        "compare",
+    ];
+
+    /// Parses a `--mode` value.
+    fn parse(v: &str) -> Result<ModeSel, String> {
+        Ok(match v {
+            "all-ranks" => ModeSel::One(ModeArg::AllRanks),
+            "rank0-broadcast" => ModeSel::One(ModeArg::Rank0Broadcast),
+            "split-all-gather" => ModeSel::One(ModeArg::SplitAllGather),
+            "auto" => ModeSel::One(ModeArg::Auto),
+            "compare" => ModeSel::Compare,
+            other => {
+                return Err(format!(
+                    "`{other}` is not one of {}",
+                    ModeSel::VALUES.join(", ")
+                ))
+            }
+        })
+    }
 }
 
-/// Default prefix: 8,192 tokens = 128 pages = 441.9 MB per rank.
-pub const DEFAULT_TOKENS: u64 = 8192;
+/// Default prefix: 8,192 tokens = 128 pages = 441.9 MB per rank in a release build; 1,024
+/// tokens (16 pages) in a debug build, whose unoptimized copies and checksums are about 100×
+/// slower, so that the first `cargo run --example glm_prefill` takes seconds.
+pub const DEFAULT_TOKENS: u64 = if cfg!(debug_assertions) { 1024 } else { 8192 };
 /// Default TP size.
 pub const DEFAULT_TP: u32 = 2;
 /// Default simulated compute per layer.
@@ -125,27 +135,9 @@ pub const DEFAULT_COMPUTE_US: u64 = 1000;
 /// Default picture path.
 pub const DEFAULT_SVG: &str = "target/glm_prefill_timeline.svg";
 
-impl Default for Args {
-    fn default() -> Self {
-        Args {
-            tokens: DEFAULT_TOKENS,
-            tp: DEFAULT_TP,
-            compute_us: DEFAULT_COMPUTE_US,
-            store: StoreKind::Embedded,
-            mode: ModeSel::One(ModeArg::AllRanks),
-            svg: PathBuf::from(DEFAULT_SVG),
-            seed: 1,
-            full_timeline: false,
-            procs: ProcessArgs::default(),
-        }
-    }
-}
-
-/// The `--help` text.
-pub fn help() -> String {
-    format!(
-        "\
-glm_prefill: load a long prompt's cached KV layer by layer into every TP rank's KV pool.
+const ABOUT: &str = "\
+glm_prefill: load a long prompt's cached KV layer by layer into every TP rank's KV pool, in
+every share mode and Auto, side by side.
 
 It plays one prefill of GLM-5.2 with FP8 KV (DSA: 656 B/token KV on 78 layers + an 8,448 B/page
 indexer on 21 layers = 53,940 B/token) on TP ranks that are threads of this process (or
@@ -157,53 +149,84 @@ processes: --ranks-as processes, or one process per rank started with --rank):
      into different scattered pool slots per rank, while a simulated attention pass waits for
      each layer and then \"computes\" it (a sleep: the GPU's work, not the CPU's);
   3. check: every rank's pool is compared, slot by slot, with the bytes that were saved.
-It prints bytes per rank, store bytes read, time to first and last layer, a per-layer timeline,
-and writes the timeline as an SVG picture.
+It prints bytes per rank, store bytes read per rank, time to first and last layer, Auto's pick
+with its reason, a per-layer timeline, and writes the timeline as an SVG picture.";
 
-USAGE:
-    cargo run --release --example glm_prefill -- [FLAGS]
-
-FLAGS:
-    --tokens N          Cached prefix length in tokens, rounded down to whole 64-token pages
-                        [default: {DEFAULT_TOKENS} = 128 pages, 441.9 MB per rank]. Memory: about
-                        (1 + 1.25 x TP) x 53,940 B x N (store copy + one pool per rank).
-    --tp N              Tensor-parallel ranks, each a thread with its own KV pool and its own
-                        linker over one shared store [default: {DEFAULT_TP}].
-    --compute-us N      Simulated attention compute per layer, in microseconds; the engine
-                        thread of each rank waits for layer l, then sleeps this long
-                        [default: {DEFAULT_COMPUTE_US}]. 0 = no compute (pure load time).
-    --store KIND        embedded: an in-process map (memory copies, no network) [default].
-                        mooncake: a real Mooncake Store, one client per rank, configured from
-                        MOONCAKE_MASTER and the other MOONCAKE_* variables (run it under
-                        scripts/with-mooncake.sh after scripts/mooncake-build-shim.sh).
-    --mode MODE         How ranks share replicated KV (LinkerConfig.mode) [default: all-ranks]:
-                          all-ranks         every rank reads every page itself (baseline)
-                          rank0-broadcast   rank 0 reads each layer and broadcasts it
-                          split-all-gather  each rank reads 1/TP of the pages, then all-gather
-                          auto              the linker picks from measured bandwidths
-                          compare           runs each mode on the same saved prefix and prints
-                                            a table: time to last layer, store bytes read per
-                                            rank and in total, reduction vs all-ranks. Modes
-                                            the linker does not support yet say so.
-    --svg PATH          Where to write the timeline picture [default: {DEFAULT_SVG}].
-    --seed N            Seed of the prompt tokens, the KV bytes and the slot assignments
-                        [default: 1].
-    --full-timeline     Print every layer in the timeline table (default: first and last 5).
-{}    -h, --help          This text.
-
+const AFTER: &str = "\
 EXIT STATUS:
     0 loaded and verified; 1 a load failed or a pool differs from the saved bytes;
-    2 bad flags, or the requested store is not available (e.g. no Mooncake environment).
-",
-        process_args::HELP
-    )
+    2 bad flags, or the requested store is not available (e.g. no Mooncake environment).";
+
+/// The parsed flags.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "glm_prefill",
+    about = "Load a GLM-5.2 prefix's cached KV layer by layer on every TP rank, every share mode side by side.",
+    long_about = ABOUT,
+    after_long_help = AFTER,
+    override_usage = "cargo run --release --example glm_prefill -- [FLAGS]"
+)]
+pub struct Args {
+    /// Cached prefix length in tokens, rounded down to whole 64-token pages [8192 = 128 pages,
+    /// 441.9 MB per rank, in a release build; 1024 in a debug build]. Memory: about
+    /// (1 + 1.25 x TP) x 53,940 B x N (store copy + one pool per rank).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_TOKENS,
+          value_parser = clap::value_parser!(u64).range(64..))]
+    pub tokens: u64,
+    /// Tensor-parallel ranks, each a thread with its own KV pool and its own linker over one
+    /// shared store.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_TP,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tp: u32,
+    /// Simulated attention compute per layer, in microseconds; the engine thread of each rank
+    /// waits for layer l, then sleeps this long. 0 = no compute (pure load time).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_COMPUTE_US,
+          value_parser = clap::value_parser!(u64).range(..=1_000_000))]
+    pub compute_us: u64,
+    /// Where the KV objects live. embedded: an in-process map (memory copies, no network).
+    /// mooncake: a real Mooncake Store, one client per rank, configured from MOONCAKE_MASTER
+    /// and the other MOONCAKE_* variables (run it under scripts/with-mooncake.sh after
+    /// scripts/mooncake-build-shim.sh).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "KIND",
+        default_value = "embedded",
+        hide_possible_values = true
+    )]
+    pub store: StoreKind,
+    /// How ranks share replicated KV (LinkerConfig.mode): all-ranks (every rank reads every
+    /// page itself, the baseline), rank0-broadcast (rank 0 reads each layer and broadcasts
+    /// it), split-all-gather (each rank reads 1/TP of the pages, then all-gather), auto (the
+    /// linker picks from measured bandwidths), compare (each mode and Auto on the same saved
+    /// prefix: time to last layer, store bytes read per rank and in total, reduction vs
+    /// all-ranks, Auto's pick with its reason; modes the linker does not support yet say so).
+    #[arg(long, value_name = "MODE", default_value = "compare", value_parser = ModeSel::parse)]
+    pub mode: ModeSel,
+    /// Where to write the timeline picture.
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_SVG)]
+    pub svg: PathBuf,
+    /// Seed of the prompt tokens, the KV bytes and the slot assignments.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+    /// Print every layer in the timeline table (default: first and last 5; with --mode
+    /// compare, the tables are only in the picture).
+    #[arg(long)]
+    pub full_timeline: bool,
+    /// TP ranks as threads or processes, and what a rank process is.
+    #[command(flatten)]
+    pub procs: ProcessArgs,
 }
 
-fn parse_num<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T, UsageError> {
-    let cleaned: String = v.chars().filter(|&c| c != '_' && c != ',').collect();
-    cleaned
-        .parse()
-        .map_err(|_| UsageError(format!("{flag}: `{v}` is not a non-negative integer")))
+impl Default for Args {
+    fn default() -> Self {
+        Args::parse_from(["glm_prefill"])
+    }
+}
+
+/// The `--help` text.
+pub fn help() -> String {
+    Args::command().render_long_help().to_string()
 }
 
 /// Parses the flags (without the program name). `Ok(None)`: `--help` was asked for.
@@ -212,91 +235,17 @@ where
     I: IntoIterator<Item = S>,
     S: Into<String>,
 {
-    let mut a = Args::default();
     let argv: Vec<String> = argv.into_iter().map(Into::into).collect();
+    let mut a = match Args::try_parse_from(
+        std::iter::once("glm_prefill".to_string()).chain(argv.iter().cloned()),
+    ) {
+        Ok(a) => a,
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => return Ok(None),
+        Err(e) => return Err(UsageError(e.render().to_string())),
+    };
     a.procs.argv = process_args::passthrough(&argv);
-    let mut it = argv.into_iter();
-    while let Some(arg) = it.next() {
-        if arg == "-h" || arg == "--help" {
-            return Ok(None);
-        }
-        if arg == "--full-timeline" {
-            a.full_timeline = true;
-            continue;
-        }
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let known = [
-            "--tokens",
-            "--tp",
-            "--compute-us",
-            "--store",
-            "--mode",
-            "--svg",
-            "--seed",
-        ];
-        if !known.contains(&flag.as_str()) && !process_args::FLAGS.contains(&flag.as_str()) {
-            return Err(UsageError(format!("unknown argument `{arg}`")));
-        }
-        let value = match inline {
-            Some(v) => v,
-            None => it
-                .next()
-                .ok_or_else(|| UsageError(format!("{flag} needs a value")))?,
-        };
-        match flag.as_str() {
-            "--tokens" => a.tokens = parse_num(&flag, &value)?,
-            "--tp" => a.tp = parse_num(&flag, &value)?,
-            "--compute-us" => a.compute_us = parse_num(&flag, &value)?,
-            "--seed" => a.seed = parse_num(&flag, &value)?,
-            "--svg" => a.svg = PathBuf::from(value),
-            "--store" => {
-                a.store = match value.as_str() {
-                    "embedded" => StoreKind::Embedded,
-                    "mooncake" => StoreKind::Mooncake,
-                    other => {
-                        return Err(UsageError(format!(
-                            "--store: `{other}` is not one of embedded, mooncake"
-                        )))
-                    }
-                }
-            }
-            "--mode" => {
-                a.mode = match value.as_str() {
-                    "all-ranks" => ModeSel::One(ModeArg::AllRanks),
-                    "rank0-broadcast" => ModeSel::One(ModeArg::Rank0Broadcast),
-                    "split-all-gather" => ModeSel::One(ModeArg::SplitAllGather),
-                    "auto" => ModeSel::One(ModeArg::Auto),
-                    "compare" => ModeSel::Compare,
-                    other => {
-                        return Err(UsageError(format!(
-                            "--mode: `{other}` is not one of all-ranks, rank0-broadcast, \
-                             split-all-gather, auto, compare"
-                        )))
-                    }
-                }
-            }
-            f if process_args::FLAGS.contains(&f) => a.procs.set(f, &value)?,
-            _ => unreachable!("checked against the known flags"),
-        }
-    }
-    a.procs.check(&mut a.tp)?;
-    if a.tp == 0 || a.tp > 64 {
-        return Err(UsageError(format!("--tp: {} is not in 1..=64", a.tp)));
-    }
-    if a.tokens < 64 {
-        return Err(UsageError(format!(
-            "--tokens: {} is less than one 64-token page",
-            a.tokens
-        )));
-    }
-    if a.compute_us > 1_000_000 {
-        return Err(UsageError(format!(
-            "--compute-us: {} is over one second per layer",
-            a.compute_us
-        )));
-    }
+    a.procs
+        .check(&mut a.tp)
+        .map_err(|e| UsageError(format!("error: {}\n\nRun with --help for the flags.", e.0)))?;
     Ok(Some(a))
 }

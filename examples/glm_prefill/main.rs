@@ -1,20 +1,23 @@
-//! `cargo run --release --example glm_prefill`: the main job of kvlink, runnable with no setup.
+//! `cargo run --example glm_prefill`: the main job of kvlink, runnable with no setup.
 //!
 //! GLM-5.2 with FP8 KV, TP ranks as threads, the embedded (in-process) store: save a cached
 //! prefix as the request that computed it would have, then load it layer by layer on every
 //! rank into different scattered slots while a simulated attention pass consumes each layer;
-//! check every rank's pool byte for byte; print the numbers and a per-layer timeline, and draw
-//! the timeline as an SVG. `--help` lists the flags; `--mode compare` runs every share mode on
-//! the same saved prefix.
+//! check every rank's pool byte for byte; print the numbers, and draw the per-layer timeline
+//! as an SVG. By default every share mode and `Auto` run on the same saved prefix, side by
+//! side: store bytes read per rank, time to the last layer, `Auto`'s pick with its reason.
+//! `--help` lists the flags; `--mode all-ranks` (or another mode) runs one mode.
 //!
 //! Exit status: 0 verified, 1 a load or the check failed, 2 bad flags or the store is not
 //! available.
 
 mod app;
 mod args;
+mod auto_reason;
 mod pattern;
 mod progress;
 mod report;
+mod shows;
 mod timeline_svg;
 
 use std::io::Write;
@@ -38,7 +41,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            let _ = writeln!(stderr, "error: {e}");
+            let _ = writeln!(stderr, "{e}");
             return ExitCode::from(2);
         }
     };

@@ -1,87 +1,49 @@
-//! A small progress bar on stderr, redrawn in place with `\r` at most 20 times a second, only
-//! when stderr is a terminal (nothing at all otherwise, so logs and pipes stay clean).
+//! Progress bars on stderr (indicatif), drawn only when stderr is a terminal (nothing at all
+//! otherwise, so logs and pipes stay clean).
 
-use std::io::{IsTerminal, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
-
-const WIDTH: usize = 30;
-const EVERY: Duration = Duration::from_millis(50);
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// One bar; `inc` may be called from any thread.
 pub struct Progress {
-    label: String,
-    unit: &'static str,
-    total: u64,
-    done: AtomicU64,
-    enabled: bool,
-    started: Instant,
-    last: Mutex<Option<Instant>>,
+    bar: ProgressBar,
 }
 
 impl Progress {
     /// A bar of `total` `unit`s, shown only when stderr is a terminal.
     pub fn new(label: &str, total: u64, unit: &'static str) -> Self {
-        Self::with_enabled(label, total, unit, std::io::stderr().is_terminal())
+        Self::with_target(label, total, unit, ProgressDrawTarget::stderr())
     }
 
-    /// A bar that draws when `enabled`.
+    /// A bar that draws when `enabled` (and stderr is a terminal).
     pub fn with_enabled(label: &str, total: u64, unit: &'static str, enabled: bool) -> Self {
-        let p = Progress {
-            label: label.to_string(),
-            unit,
-            total: total.max(1),
-            done: AtomicU64::new(0),
-            enabled,
-            started: Instant::now(),
-            last: Mutex::new(None),
+        let target = if enabled {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
         };
-        p.draw(0);
-        p
+        Self::with_target(label, total, unit, target)
+    }
+
+    fn with_target(label: &str, total: u64, unit: &str, target: ProgressDrawTarget) -> Self {
+        let template = format!(
+            "{{prefix:<24}} [{{bar:30}}] {{percent:>3}}%  {{pos}}/{{len}} {unit}  {{elapsed_precise}}"
+        );
+        let style = ProgressStyle::with_template(&template)
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("#>-");
+        let bar = ProgressBar::with_draw_target(Some(total.max(1)), target)
+            .with_style(style)
+            .with_prefix(label.to_string());
+        Progress { bar }
     }
 
     /// `n` more units done.
     pub fn inc(&self, n: u64) {
-        let done = self.done.fetch_add(n, Ordering::Relaxed) + n;
-        if !self.enabled {
-            return;
-        }
-        // Whoever holds the lock draws; others skip (the next call catches up).
-        if let Ok(mut last) = self.last.try_lock() {
-            let now = Instant::now();
-            if done >= self.total || last.is_none_or(|t| now - t >= EVERY) {
-                *last = Some(now);
-                self.draw(done);
-            }
-        }
-    }
-
-    fn draw(&self, done: u64) {
-        if !self.enabled {
-            return;
-        }
-        let done = done.min(self.total);
-        let filled = (done as usize * WIDTH) / self.total as usize;
-        let bar: String = "#".repeat(filled) + &"-".repeat(WIDTH - filled);
-        let line = format!(
-            "\r{:<24} [{bar}] {:>3}%  {done}/{} {}  {:.1} s ",
-            self.label,
-            done * 100 / self.total,
-            self.total,
-            self.unit,
-            self.started.elapsed().as_secs_f64()
-        );
-        let mut err = std::io::stderr().lock();
-        let _ = err.write_all(line.as_bytes());
-        let _ = err.flush();
+        self.bar.inc(n);
     }
 
     /// Draws the final state and ends the line.
     pub fn finish(&self) {
-        if self.enabled {
-            self.draw(self.done.load(Ordering::Relaxed));
-            let _ = std::io::stderr().write_all(b"\n");
-        }
+        self.bar.finish();
     }
 }

@@ -16,7 +16,7 @@ pub fn thousands(n: u64) -> String {
     out
 }
 
-/// Bytes in decimal units (7.07 GB, as docs/architecture.md writes them).
+/// Bytes in decimal units (7.07 GB, as the docs write sizes).
 pub fn bytes(n: u64) -> String {
     let n = n as f64;
     if n >= 1e9 {

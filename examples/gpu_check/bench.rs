@@ -17,9 +17,13 @@ use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::{LayerReady, RawStream};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
 
-use crate::checks::{glm, half_bytes, own_all};
-use crate::util::{de, fill_row, gbps, median, timing_event, Report, Rng, Status};
-use crate::Args;
+use super::checks::{glm, half_bytes, own_all};
+use super::util::{de, fill_row, gbps, median, timing_event, Report, Rng, Status};
+use super::Args;
+
+#[allow(dead_code)] // the examples share it; this one draws without `chained`
+#[path = "../common/timeline_svg.rs"]
+mod chart;
 
 const SEC: &str = "bench";
 
@@ -470,51 +474,57 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
     ))
 }
 
+/// The load's layers on two rows, store read (host) and H2D landing (device), drawn by the
+/// examples' timeline module.
 fn timeline_svg(times: &[LayerTimes], tag: &str, wall: f64) -> String {
-    let w = 1000.0;
-    let row_h = 6.0;
-    let h = 40.0 + times.len() as f64 * row_h * 2.0 + 20.0;
-    let end = times
-        .iter()
-        .map(|t| t.read.1.max(t.copy.1))
-        .fold(wall, f64::max)
-        .max(1e-3);
-    let x = |ms: f64| 60.0 + ms / end * (w - 80.0);
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"monospace\" font-size=\"10\">\n\
-         <text x=\"10\" y=\"15\">GLM-5.2 {tag} layer-wise load: store read (blue, host) and H2D landing (orange, device); {wall:.0} ms total</text>\n"
-    );
-    for (l, t) in times.iter().enumerate() {
-        let y = 30.0 + l as f64 * row_h * 2.0;
-        let _ = writeln!(
-            s,
-            "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.2}\" height=\"{row_h}\" fill=\"#3b78c2\"/>",
-            x(t.read.0),
-            (x(t.read.1) - x(t.read.0)).max(0.5)
-        );
-        let _ = writeln!(
-            s,
-            "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.2}\" height=\"{row_h}\" fill=\"#e8862a\"/>",
-            x(t.copy.0),
-            y + row_h,
-            (x(t.copy.1) - x(t.copy.0)).max(0.5)
-        );
-        if l % 10 == 0 {
-            let _ = writeln!(s, "<text x=\"5\" y=\"{:.1}\">L{l}</text>", y + row_h * 1.5);
-        }
-    }
-    let _ = writeln!(
-        s,
-        "<text x=\"60\" y=\"{:.1}\">0 ms</text><text x=\"{:.1}\" y=\"{:.1}\">{end:.0} ms</text></svg>",
-        h - 5.0,
-        w - 80.0,
-        h - 5.0
-    );
-    s
+    const READ: [&str; 2] = ["#2f6ea8", "#8fbce6"];
+    const COPY: [&str; 2] = ["#e0701b", "#f7b77a"];
+    let row =
+        |label: &str, shades: [&'static str; 2], of: fn(&LayerTimes) -> (f64, f64)| chart::Row {
+            label: label.to_string(),
+            spans: times
+                .iter()
+                .enumerate()
+                .map(|(l, t)| {
+                    let (a, b) = of(t);
+                    chart::Span {
+                        start: a,
+                        end: b,
+                        fill: shades[l % 2],
+                        thin: false,
+                        title: format!("layer {l} {label}: {a:.2} to {b:.2} ms"),
+                    }
+                })
+                .collect(),
+            mark: None,
+            tags: Vec::new(),
+        };
+    let mut landing = row("H2D landing (device)", COPY, |t| t.copy);
+    landing.mark = Some(chart::Mark {
+        at: wall,
+        color: "#7a3300",
+        text: format!("all landed {wall:.0} ms"),
+    });
+    let rows = vec![row("store read (host)", READ, |t| t.read), landing];
+    chart::render(&chart::Chart {
+        title: format!("GLM-5.2 {tag} layer-wise load: {wall:.0} ms total"),
+        subtitle: "store read on the host, then the H2D landing on the device, layer by layer"
+            .into(),
+        axis_label: "time since the load started (ms)".into(),
+        blocks: vec![chart::Block {
+            lanes: vec![chart::Lane {
+                label: tag.to_string(),
+                rows,
+            }],
+            ..chart::Block::default()
+        }],
+        legend: vec![
+            (READ[0], READ[1], "store read of a layer (host)".into()),
+            (COPY[0], COPY[1], "H2D landing of a layer (device)".into()),
+        ],
+    })
 }
 
-/// One `broadcast_device` of `d` from rank 0: (call to completion seen by the host, ms; device
-/// time between load-stream events recorded before its `after` and after its completion, ms).
 fn timed_broadcast(
     coll: &kvlink::dedup_broadcast::nccl::NcclCollective,
     dev: &CudaDevice,

@@ -14,8 +14,8 @@ use kvlink::kv_device::{
 use kvlink::kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
 use kvlink::kv_loader::{LayerReady, RawStream};
 
-use crate::util::{de, fill_row, Report, Rng, Status};
-use crate::Args;
+use super::util::{de, fill_row, Report, Rng, Status};
+use super::Args;
 
 const SEC: &str = "correctness";
 

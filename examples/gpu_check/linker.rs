@@ -15,9 +15,9 @@ use kvlink::mooncake_linker::store::{
 };
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
-use crate::checks::{glm, half_bytes};
-use crate::util::{de, fill_row, Report, Rng, Status};
-use crate::Args;
+use super::checks::{glm, half_bytes};
+use super::util::{de, fill_row, Report, Rng, Status};
+use super::Args;
 
 const SEC: &str = "linker";
 
@@ -129,6 +129,8 @@ fn compare(pool: &CudaKvPool, g: &KvGeometry, slots: &[u32], upto: u32) -> Resul
     Ok(bytes)
 }
 
+/// The Linker into a device pool: loaded bytes, a save from the device, a failure (the check
+/// rows).
 pub fn run(args: &Args, report: &mut Report) {
     let dev = match CudaDevice::new(0) {
         Ok(d) => d,
@@ -156,6 +158,14 @@ pub fn run(args: &Args, report: &mut Report) {
         status(&r),
         r.unwrap_or_else(|e| e),
     );
+}
+
+/// The Linker's layer-wise load into a device pool, timed (the benchmark rows).
+pub fn run_bench(args: &Args, report: &mut Report) {
+    let dev = match CudaDevice::new(0) {
+        Ok(d) => d,
+        Err(e) => return report.push("bench", "CUDA device", Status::Fail, de(e)),
+    };
     let sizes: &[u64] = if args.quick {
         &[8192]
     } else if args.no_128k {

@@ -18,7 +18,8 @@
 //!
 //! Prints a table last. Exit status: 0 all passed, 1 a check failed, 2 CUDA is unavailable.
 //! Flags: `--quick` (smaller sizes), `--out DIR` (CSV and SVG; default `$OUT` when set),
-//! `--no-128k`.
+//! `--no-128k`, `--no-checks` (benchmarks only: the same checks are the `gpu` test target,
+//! `cargo test --release --features cuda --test gpu`, which `scripts/gpu-run.sh` runs first).
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -37,34 +38,33 @@ use tracing_subscriber::EnvFilter;
 
 use util::{Report, Status};
 
-/// Run settings.
-#[derive(Debug, Clone)]
+/// Run settings (clap).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "gpu_check",
+    about = "The CUDA backend and the NCCL collective on a GPU: checks and benchmarks."
+)]
 pub struct Args {
     /// Smaller sizes, fewer iterations.
+    #[arg(long)]
     pub quick: bool,
     /// Skip the 128K-token load.
+    #[arg(long = "no-128k")]
     pub no_128k: bool,
-    /// Where CSV and SVG files go.
+    /// Where CSV and SVG files go [default: $OUT when set].
+    #[arg(long, value_name = "DIR")]
     pub out: Option<std::path::PathBuf>,
+    /// Benchmarks only: the same checks are the `gpu` test target (`tests/gpu/`), which
+    /// `scripts/gpu-run.sh` runs first.
+    #[arg(long)]
+    pub no_checks: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        quick: false,
-        no_128k: false,
-        out: std::env::var_os("OUT").map(Into::into),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        match arg.as_str() {
-            "--quick" => a.quick = true,
-            "--no-128k" => a.no_128k = true,
-            "--out" => a.out = Some(it.next().ok_or("--out needs a directory")?.into()),
-            "-h" | "--help" => {
-                return Err("usage: gpu_check [--quick] [--no-128k] [--out DIR]".into());
-            }
-            other => return Err(format!("unknown flag {other}")),
-        }
+    use clap::Parser;
+    let mut a = Args::try_parse().map_err(|e| e.render().to_string())?;
+    if a.out.is_none() {
+        a.out = std::env::var_os("OUT").map(Into::into);
     }
     Ok(a)
 }
@@ -115,11 +115,18 @@ fn main() -> ExitCode {
     let started = Instant::now();
     let mut report = Report::default();
     report.info("env", "GPUs visible", gpus.to_string());
-    section(&mut report, "correctness", |r| checks::run(&args, r));
-    section(&mut report, "nccl", |r| nccl_checks::run(&args, gpus, r));
-    section(&mut report, "linker", |r| linker::run(&args, r));
+    if args.no_checks {
+        report.push("correctness", "all", Status::Skip, "--no-checks");
+    } else {
+        section(&mut report, "correctness", |r| checks::run(&args, r));
+        section(&mut report, "nccl", |r| nccl_checks::run(&args, gpus, r));
+        section(&mut report, "linker", |r| linker::run(&args, r));
+    }
+    section(&mut report, "bench", |r| linker::run_bench(&args, r));
     section(&mut report, "bench", |r| bench::run(&args, gpus, r));
-    section(&mut report, "nccl", |r| nccl_checks::run_aborts(gpus, r));
+    if !args.no_checks {
+        section(&mut report, "nccl", |r| nccl_checks::run_aborts(gpus, r));
+    }
     report.info(
         "env",
         "total run time",

@@ -19,9 +19,9 @@ use kvlink::kv_device::{
 use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::LayerReady;
 
-use crate::checks::{compare_pools, glm, half_bytes, own_all};
-use crate::util::{de, fill_row, Report, Rng, Status};
-use crate::Args;
+use super::checks::{compare_pools, glm, half_bytes, own_all};
+use super::util::{de, fill_row, Report, Rng, Status};
+use super::Args;
 
 const SEC: &str = "nccl";
 

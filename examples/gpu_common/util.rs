@@ -227,7 +227,7 @@ pub fn gbps(bytes: u64, ms: f64) -> f64 {
     bytes as f64 / (ms * 1e-3) / 1e9
 }
 
-/// Bytes in decimal units (7.07 GB, as docs/architecture.md writes them).
+/// Bytes in decimal units (7.07 GB, as the docs write sizes).
 pub fn fmt_bytes(n: u64) -> String {
     let x = n as f64;
     if x >= 1e9 {

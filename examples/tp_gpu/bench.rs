@@ -16,16 +16,19 @@ use kvlink::kv_device::cuda::{CudaDevice, DeviceBuffer, PinnedBuffer};
 use kvlink::kv_loader::ShareMode;
 use kvlink::mooncake_linker::store::KvStore;
 
-use crate::setup::{
+use super::setup::{
     clear_pools, close_all, compare_all, config, effective, glm, gpu_mem, half_bytes,
     host_available, linkers, plan, rank_devs, run_batch, save_prefix, Fabric, Groups, Prefix,
     RankDev, MODES,
 };
-use crate::util::{
+use super::util::{
     all_ok, de, fmt_bytes, fmt_tokens, gbps, median, on_ranks, timing_event, Markdown, Report, Rng,
     Status, TimedBarrier,
 };
-use crate::Args;
+use super::Args;
+
+#[path = "../common/timeline_svg.rs"]
+mod chart;
 
 const SEC: &str = "bench";
 const STORE: &str = "embedded store (in-process)";
@@ -110,7 +113,7 @@ fn sizes(args: &Args, fabric: Fabric) -> Vec<u64> {
 /// Runs the benchmark on `fabric`; returns the markdown tables (also written to `$OUT`).
 pub fn run(args: &Args, fabric: Fabric, started: Instant, report: &mut Report) -> String {
     let tp = fabric.tp();
-    let gpu = crate::setup::open_device(args.cpu, 0)
+    let gpu = super::setup::open_device(args.cpu, 0)
         .map(|d| d.name())
         .unwrap_or_else(|e| e);
     let mut results: Vec<SizeResult> = Vec::new();
@@ -596,69 +599,43 @@ fn raw_nccl(tp: u32, bytes: usize, warm: usize, iters: usize) -> Result<(f64, f6
     ))
 }
 
-/// Each rank's layer-ready times as a polyline (x: ms since the common start, y: layer).
+/// Each rank's layer-ready times: per rank a row of layers, layer l from layer l-1 resident
+/// to layer l resident (ms since the common start), drawn by the examples' timeline module.
 fn timeline_svg(title: &str, ranks: &[Vec<f64>]) -> String {
-    const COLORS: [&str; 8] = [
-        "#3b78c2", "#e8862a", "#3a9d4a", "#c23b3b", "#8a5cc2", "#8c6d31", "#d66fb3", "#6b6b6b",
-    ];
-    let (w, h) = (1000.0, 640.0);
-    let (left, top, right, bottom) = (60.0, 40.0, 140.0, 40.0);
-    let end = ranks
+    const SHADES: [&str; 2] = ["#2f6ea8", "#8fbce6"];
+    let lanes = ranks
         .iter()
-        .flat_map(|r| r.iter().copied())
-        .fold(1e-3, f64::max);
-    let layers = ranks.iter().map(Vec::len).max().unwrap_or(1).max(1);
-    let x = |ms: f64| left + ms / end * (w - left - right);
-    let y = |l: usize| top + l as f64 / (layers.max(2) - 1) as f64 * (h - top - bottom);
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"monospace\" font-size=\"11\">\n\
-         <rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>\n\
-         <text x=\"10\" y=\"18\">{title}</text>\n"
-    );
-    // Axes and gridlines every 10 layers.
-    for l in (0..layers).step_by(10) {
-        let _ = writeln!(
-            s,
-            "<line x1=\"{left}\" y1=\"{0:.1}\" x2=\"{1:.1}\" y2=\"{0:.1}\" stroke=\"#eee\"/><text x=\"8\" y=\"{2:.1}\">L{l}</text>",
-            y(l),
-            w - right,
-            y(l) + 4.0
-        );
-    }
-    for i in 0..=4 {
-        let ms = end * f64::from(i) / 4.0;
-        let _ = writeln!(
-            s,
-            "<line x1=\"{0:.1}\" y1=\"{top}\" x2=\"{0:.1}\" y2=\"{1:.1}\" stroke=\"#eee\"/><text x=\"{2:.1}\" y=\"{3:.1}\">{ms:.0} ms</text>",
-            x(ms),
-            h - bottom,
-            x(ms) - 15.0,
-            h - bottom + 16.0
-        );
-    }
-    for (r, times) in ranks.iter().enumerate() {
-        let color = COLORS[r % COLORS.len()];
-        let mut pts = String::new();
-        let mut prev = 0.0;
-        for (l, &t) in times.iter().enumerate() {
-            // A step: the rank waits at layer l-1 until layer l is resident.
-            let _ = write!(pts, "{:.1},{:.1} {:.1},{:.1} ", x(prev), y(l), x(t), y(l));
-            prev = t;
-        }
-        let _ = writeln!(
-            s,
-            "<polyline points=\"{pts}\" fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" opacity=\"0.8\"/>"
-        );
-        let last = times.last().copied().unwrap_or(0.0);
-        let _ = writeln!(
-            s,
-            "<text x=\"{:.1}\" y=\"{:.1}\" fill=\"{color}\">rank {r}: {last:.0} ms</text>",
-            w - right + 8.0,
-            top + 14.0 * r as f64
-        );
-    }
-    s.push_str("</svg>\n");
-    s
+        .enumerate()
+        .map(|(r, times)| chart::Lane {
+            label: format!("rank {r}"),
+            rows: vec![chart::Row {
+                label: "layer resident".into(),
+                spans: chart::chained(0.0, times, SHADES, |l, a, b| {
+                    format!("rank {r} layer {l}: {a:.2} to {b:.2} ms")
+                }),
+                mark: times.last().map(|&t| chart::Mark {
+                    at: t,
+                    color: "#1b3d5c",
+                    text: format!("rank {r}: {t:.0} ms"),
+                }),
+                tags: Vec::new(),
+            }],
+        })
+        .collect();
+    chart::render(&chart::Chart {
+        title: title.to_string(),
+        subtitle: "each bar: one layer, from the previous layer resident to this one".into(),
+        axis_label: "time since the common start (ms)".into(),
+        blocks: vec![chart::Block {
+            lanes,
+            ..chart::Block::default()
+        }],
+        legend: vec![(
+            SHADES[0],
+            SHADES[1],
+            "layer resident on the rank (alternating shades = consecutive layers)".into(),
+        )],
+    })
 }
 
 fn timeline_csv(ranks: &[Vec<f64>]) -> String {

@@ -12,12 +12,12 @@ use kvlink::kv_loader::{KvLoadError, LoadStats, ShareMode};
 use kvlink::mooncake_linker::store::{Fault, FaultRule, FaultyStore, KvStore, StoreError};
 use kvlink::mooncake_linker::Linker;
 
-use crate::setup::{
+use super::setup::{
     clear_pools, close_all, compare_all, config, effective, linkers, plan, rank_devs, run_batch,
     save_prefix, Fabric, Groups, Prefix, RankDev, RankRun, MODES,
 };
-use crate::util::{all_ok, fmt_bytes, fmt_tokens, Report, Rng, Status};
-use crate::Args;
+use super::util::{all_ok, fmt_bytes, fmt_tokens, Report, Rng, Status};
+use super::Args;
 
 const SEC: &str = "correctness";
 

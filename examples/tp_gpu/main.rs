@@ -58,114 +58,88 @@ use tracing_subscriber::EnvFilter;
 use setup::Fabric;
 use util::{fmt_bytes, Report, Status};
 
-/// Run settings.
-#[derive(Debug, Clone)]
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get().min(16))
+}
+
+fn gib(v: &str) -> Result<u64, String> {
+    v.parse::<u64>()
+        .map(|g| g << 30)
+        .map_err(|_| format!("`{v}` is not a whole number of GiB"))
+}
+
+/// Run settings (clap).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "tp_gpu",
+    about = "TP dedup on the device through the Linker into device pools: checks and benchmarks."
+)]
 pub struct Args {
-    /// NCCL ranks, one per GPU (0 on one GPU).
+    /// NCCL ranks, one per GPU (0 on one GPU; from --tp or the GPUs visible).
+    #[arg(skip)]
     pub tp: u32,
     /// Ranks on one GPU for the correctness checks.
+    #[arg(long, value_name = "A,B,..", value_delimiter = ',', default_value = "2,4,8",
+          value_parser = clap::value_parser!(u32).range(1..))]
     pub ranks: Vec<u32>,
     /// Ranks on one GPU for the benchmark.
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(1..))]
     pub bench_ranks: u32,
-    /// Small sizes (the 1-GPU dry run takes well under a minute).
+    /// Small sizes: correctness on 32 pages, benchmark at 8K tokens only, one repetition.
+    #[arg(long)]
     pub quick: bool,
     /// Largest prefix benchmarked, in tokens.
+    #[arg(long, value_name = "T", default_value_t = 524_288,
+          value_parser = clap::value_parser!(u64).range(64..))]
     pub max_tokens: u64,
     /// Smallest prefix benchmarked, in tokens.
+    #[arg(long, value_name = "T", default_value_t = 0)]
     pub min_tokens: u64,
-    /// Host memory to plan with, in bytes (`--host-mem-gib`), instead of `MemAvailable`.
+    /// Host memory to plan with, in GiB on the command line (bytes here), instead of
+    /// `MemAvailable`.
+    #[arg(long = "host-mem-gib", value_name = "G", value_parser = gib)]
     pub host_mem: Option<u64>,
-    /// Measured repetitions per mode (after one warm-up).
+    /// Measured repetitions per mode after one warm-up (from --reps: 3, 1 with --quick).
+    #[arg(skip)]
     pub reps: usize,
-    /// Seconds after which no further size is started.
+    /// Start no size that would end past this many seconds.
+    #[arg(long, value_name = "S", default_value_t = 540.0)]
     pub budget_s: f64,
     /// Skip the benchmark.
+    #[arg(long)]
     pub no_bench: bool,
-    /// Skip the correctness checks.
+    /// Skip the correctness checks (they are also the `gpu` test target, `tests/gpu/`).
+    #[arg(long)]
     pub no_checks: bool,
     /// Threads that fill the store.
+    #[arg(long, value_name = "T", default_value_t = default_threads())]
     pub threads: usize,
     /// Run on CPU devices instead of GPUs: a dry run of this program's logic (orchestration,
     /// checks, tables) on a machine without a GPU; no GPU number comes out of it.
+    #[arg(long)]
     pub cpu: bool,
-    /// Where logs, tables, SVG and CSV go.
+    /// Where logs, tables, SVG and CSV go [default: $OUT when set].
+    #[arg(long, value_name = "DIR")]
     pub out: Option<std::path::PathBuf>,
+    /// NCCL ranks, one per GPU [default: every visible GPU when there are 2 or more].
+    #[arg(long = "tp", value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     tp_given: Option<u32>,
+    /// Measured repetitions per mode after one warm-up [default: 3, 1 with --quick].
+    #[arg(long = "reps", value_name = "R")]
     reps_given: Option<usize>,
 }
 
-const USAGE: &str =
-    "usage: tp_gpu [--ranks A,B,..] [--bench-ranks N] [--tp N] [--quick] [--max-tokens T] \
-                     [--min-tokens T] [--reps R] [--budget-s S] [--host-mem-gib G] [--no-bench] \
-                     [--no-checks] [--threads T] [--cpu] [--out DIR]";
-
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        tp: 0,
-        ranks: vec![2, 4, 8],
-        bench_ranks: 8,
-        quick: false,
-        max_tokens: 524_288,
-        min_tokens: 0,
-        host_mem: None,
-        reps: 3,
-        budget_s: 540.0,
-        no_bench: false,
-        no_checks: false,
-        cpu: false,
-        threads: std::thread::available_parallelism().map_or(4, |n| n.get().min(16)),
-        out: std::env::var_os("OUT")
+    use clap::Parser;
+    let mut a = Args::try_parse().map_err(|e| e.render().to_string())?;
+    if a.out.is_none() {
+        a.out = std::env::var_os("OUT")
             .filter(|s| !s.is_empty())
-            .map(Into::into),
-        tp_given: None,
-        reps_given: None,
-    };
-    let mut it = std::env::args().skip(1);
-    fn num<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String> {
-        v.as_deref()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| format!("{flag} needs a number\n{USAGE}"))
-    }
-    while let Some(arg) = it.next() {
-        match arg.as_str() {
-            "--tp" => a.tp_given = Some(num("--tp", it.next())?),
-            "--ranks" => {
-                a.ranks = it
-                    .next()
-                    .unwrap_or_default()
-                    .split(',')
-                    .map(|x| x.trim().parse::<u32>().ok().filter(|&n| n >= 1))
-                    .collect::<Option<Vec<u32>>>()
-                    .filter(|v| !v.is_empty())
-                    .ok_or_else(|| format!("--ranks needs a list like 2,4,8\n{USAGE}"))?;
-            }
-            "--bench-ranks" => a.bench_ranks = num::<u32>("--bench-ranks", it.next())?.max(1),
-            "--quick" => a.quick = true,
-            "--max-tokens" => a.max_tokens = num("--max-tokens", it.next())?,
-            "--min-tokens" => a.min_tokens = num("--min-tokens", it.next())?,
-            "--host-mem-gib" => {
-                a.host_mem = Some(num::<u64>("--host-mem-gib", it.next())? << 30);
-            }
-            "--reps" => a.reps_given = Some(num("--reps", it.next())?),
-            "--budget-s" => a.budget_s = num("--budget-s", it.next())?,
-            "--no-bench" => a.no_bench = true,
-            "--no-checks" => a.no_checks = true,
-            "--cpu" => a.cpu = true,
-            "--threads" => a.threads = num::<usize>("--threads", it.next())?.max(1),
-            "--out" => a.out = Some(it.next().ok_or("--out needs a directory")?.into()),
-            "-h" | "--help" => return Err(USAGE.into()),
-            other => return Err(format!("unknown flag {other}\n{USAGE}")),
-        }
-    }
-    if a.tp_given == Some(0) {
-        return Err(format!("--tp must be at least 1\n{USAGE}"));
-    }
-    if a.max_tokens < 64 {
-        return Err(format!(
-            "--max-tokens must be at least 64 (one page)\n{USAGE}"
-        ));
+            .map(Into::into);
     }
     a.reps = a.reps_given.unwrap_or(if a.quick { 1 } else { 3 }).max(1);
+    a.threads = a.threads.max(1);
     Ok(a)
 }
 

@@ -14,14 +14,14 @@ use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool};
 use kvlink::kv_device::{BatchShape, DeviceShare, LayerLanding, StagedLanding, StagingPool};
 use kvlink::kv_loader::ShareMode;
 
-use crate::setup::{compare_pool, glm, half_bytes, tag, Fabric, RankDev};
-use crate::util::{de, fill_row, fmt_bytes, Report, Rng};
-use crate::Args;
+use super::setup::{compare_pool, glm, half_bytes, tag, Fabric, RankDev};
+use super::util::{de, fill_row, fmt_bytes, Report, Rng};
+use super::Args;
 
 const SEC: &str = "nccl-1";
 
 pub fn run(args: &Args, report: &mut Report) {
-    crate::checks::run(args, Fabric::Nccl { tp: 1 }, report);
+    super::checks::run(args, Fabric::Nccl { tp: 1 }, report);
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
         report.check(
             SEC,

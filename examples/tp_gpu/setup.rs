@@ -21,7 +21,7 @@ use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
 
-use crate::util::{all_ok, de, fill_row, on_ranks, TimedBarrier};
+use super::util::{all_ok, de, fill_row, on_ranks, TimedBarrier};
 
 /// Key namespace of every object this program writes.
 pub const NAMESPACE: &str = "tp_gpu";

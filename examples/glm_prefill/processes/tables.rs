@@ -178,8 +178,13 @@ pub(super) fn assemble(
         effective,
         ranks,
         timeline,
+        auto_reason: (mode == ModeArg::Auto).then(|| {
+            "Its reason is in rank 0's log (RUST_LOG=info): the rank processes do not report \
+             their calibration batches to the launcher."
+                .to_string()
+        }),
     };
-    report_run(ctx, mode, &run, out)?;
+    report_run(ctx, &run, out)?;
     writeln!(
         out,
         "  verified: {tp} ranks × {n} pages byte-identical to the saved bytes (each rank process \

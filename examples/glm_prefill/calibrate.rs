@@ -1,0 +1,58 @@
+//! Auto measures before it chooses: the calibration batches before Auto's measured load.
+
+use super::*;
+
+/// Auto measures before it chooses: batches in each mode on the same linkers (no simulated
+/// compute, not timed here) until rank 0's linker keeps a mode (at most 3 per mode), so the
+/// measured load that follows runs the mode Auto kept. Returns rank 0's batches, for the reason.
+pub(super) fn calibrate_auto(
+    rigs: &[RankRig],
+    pages: &[PageHash],
+    out: &mut dyn Write,
+) -> Result<Calibration> {
+    let mut seen = Calibration::default();
+    for batch in 100..112u64 {
+        if rigs[0].linker.auto_decision().is_some() {
+            break;
+        }
+        let stats: Vec<Result<LoadStats>> = std::thread::scope(|s| {
+            let hs: Vec<_> = rigs
+                .iter()
+                .map(|rig| {
+                    s.spawn(move || -> Result<LoadStats> {
+                        let plan = BatchPlan::all_components(
+                            rig.linker.geometry(),
+                            BatchId(batch),
+                            vec![RequestPages {
+                                request: "auto-calibration".into(),
+                                pages: pages.to_vec(),
+                            }],
+                            rig.slots.clone(),
+                        );
+                        let t = rig.linker.start_load(plan)?;
+                        for l in 0..rig.linker.num_layers() {
+                            rig.linker.wait_layer(&t, l)?;
+                        }
+                        Ok(rig.linker.wait_batch(&t)?.result?)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("calibration panicked")))
+                })
+                .collect()
+        });
+        let stats: Vec<LoadStats> = stats.into_iter().collect::<Result<_>>()?;
+        seen.record(stats[0].mode, stats[0].bytes_landed, stats[0].last_layer);
+    }
+    say!(
+        out,
+        "  Auto: {} calibration batches (measured by rank 0's linker) ran {}; it keeps {:?}",
+        seen.batches(),
+        seen.order().join(", "),
+        rigs[0].linker.auto_decision()
+    );
+    Ok(seen)
+}
