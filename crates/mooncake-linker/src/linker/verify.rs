@@ -11,7 +11,7 @@
 //! them again.
 
 use kv_device::{LayerLanding, LayerStage, ShareSide};
-use kv_geometry::{checksum_key, ObjectChecksums, Verified};
+use kv_geometry::{checksum_key, ChecksumError, ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError};
 
 use super::batch::BatchLayers;
@@ -217,7 +217,11 @@ pub(crate) struct LayerCheck<'a> {
 }
 
 impl LayerCheck<'_> {
-    /// Every range this rank read at `layer`, checked; the first that fails is the error.
+    /// Every range this rank read at `layer`, checked; the first that fails (in component,
+    /// then page order) is the error. The hashing runs on up to `read_parallelism` threads
+    /// when the layer is large enough to gain from them: it sits on the load thread between
+    /// the reader and the landing, so one core hashing a fast store's layer would bound the
+    /// load.
     pub(crate) fn run(
         &self,
         landing: &dyn LayerLanding,
@@ -228,8 +232,39 @@ impl LayerCheck<'_> {
             return Ok(());
         }
         let t0 = std::time::Instant::now();
+        let rows = self.rows(landing, stage, layer)?;
+        let verdicts = verify_rows(&rows, layer, self.inner.config.read_parallelism);
         let mut counts = (0u64, 0u64);
+        for (row, verdict) in rows.iter().zip(verdicts) {
+            match verdict {
+                Ok(Verified::Checksum) => counts.0 += 1,
+                Ok(Verified::LengthOnly) => counts.1 += 1,
+                Err(e) => {
+                    return Err(self.inner.bad_object(
+                        self.batch,
+                        row.component,
+                        row.page,
+                        Some(layer),
+                        e.to_string(),
+                    ))
+                }
+            }
+        }
+        self.inner.metrics.verified(counts.0, counts.1);
+        tracing::trace!(layer, checksummed = counts.0, length_only = counts.1, took = ?t0.elapsed(), "layer verified");
+        Ok(())
+    }
+
+    /// The rows this rank read at `layer`: its own components on every page, and its share
+    /// of the replicated ones, each with its checksums (when the object has them).
+    fn rows<'s>(
+        &'s self,
+        landing: &'s dyn LayerLanding,
+        stage: &'s LayerStage,
+        layer: u32,
+    ) -> Result<Vec<Row<'s>>, KvLoadError> {
         let layers = self.layers;
+        let mut rows = Vec::new();
         for (ci, c) in layers.own.iter().enumerate() {
             if c.layout.position(layer).is_none() {
                 continue;
@@ -238,14 +273,12 @@ impl LayerCheck<'_> {
                 let bytes = landing
                     .target_bytes(stage, c.layout.id, page)
                     .map_err(KvLoadError::from)?;
-                self.check(
-                    c,
-                    self.sums.get(false, ci, page),
+                rows.push(Row {
+                    component: c,
+                    sums: self.sums.get(false, ci, page),
                     page,
-                    layer,
                     bytes,
-                    &mut counts,
-                )?;
+                });
             }
         }
         if let Some(layout) = layers.layouts[layer as usize].as_ref() {
@@ -264,40 +297,107 @@ impl LayerCheck<'_> {
                         }
                     }
                     .map_err(KvLoadError::from)?;
-                    self.check(
-                        c,
-                        self.sums.get(true, ci, page),
+                    rows.push(Row {
+                        component: c,
+                        sums: self.sums.get(true, ci, page),
                         page,
-                        layer,
                         bytes,
-                        &mut counts,
-                    )?;
+                    });
                 }
             }
         }
-        self.inner.metrics.verified(counts.0, counts.1);
-        tracing::trace!(layer, checksummed = counts.0, length_only = counts.1, took = ?t0.elapsed(), "layer verified");
-        Ok(())
+        Ok(rows)
     }
+}
 
-    fn check(
-        &self,
-        c: &ComponentKeys,
-        sums: Option<&ObjectChecksums>,
-        page: usize,
-        layer: u32,
-        bytes: &[u8],
-        counts: &mut (u64, u64),
-    ) -> Result<(), KvLoadError> {
-        match ObjectChecksums::verify_layer(sums, &c.layout, layer, bytes) {
-            Ok(Verified::Checksum) => counts.0 += 1,
-            Ok(Verified::LengthOnly) => counts.1 += 1,
-            Err(e) => {
-                return Err(self
-                    .inner
-                    .bad_object(self.batch, c, page, Some(layer), e.to_string()))
+/// One row of a layer to verify.
+struct Row<'a> {
+    component: &'a ComponentKeys,
+    sums: Option<&'a ObjectChecksums>,
+    page: usize,
+    bytes: &'a [u8],
+}
+
+/// Bytes of a layer below which its rows are hashed on the calling thread alone.
+const PARALLEL_VERIFY_BYTES: usize = 8 << 20;
+
+/// Each row's verdict, in row order: on the calling thread, or split in contiguous parts over
+/// up to `threads` scoped threads (a part whose thread cannot start is verified inline).
+fn verify_rows(
+    rows: &[Row<'_>],
+    layer: u32,
+    threads: usize,
+) -> Vec<Result<Verified, ChecksumError>> {
+    let verify =
+        |r: &Row<'_>| ObjectChecksums::verify_layer(r.sums, &r.component.layout, layer, r.bytes);
+    let total: usize = rows.iter().map(|r| r.bytes.len()).sum();
+    let threads = threads.clamp(1, rows.len().max(1));
+    if threads == 1 || total < PARALLEL_VERIFY_BYTES {
+        return rows.iter().map(verify).collect();
+    }
+    let chunk = rows.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = rows
+            .chunks(chunk)
+            .map(|part| {
+                let handle = std::thread::Builder::new()
+                    .name("kvlink-verify".into())
+                    .spawn_scoped(s, move || part.iter().map(verify).collect::<Vec<_>>());
+                (part, handle)
+            })
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|(part, handle)| match handle {
+                Ok(h) => h
+                    .join()
+                    .unwrap_or_else(|_| part.iter().map(verify).collect()),
+                Err(_) => part.iter().map(verify).collect(),
+            })
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_geometry::{KvGeometry, ModelKvSpec};
+
+    #[test]
+    fn rows_verified_on_threads_keep_their_order_and_their_verdicts() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let k = g.component_by_name("k").unwrap().clone();
+        let object: Vec<u8> = (0..k.object_bytes()).map(|i| (i * 7 + 3) as u8).collect();
+        let sums = ObjectChecksums::of_object(&object, k.page_layer_bytes).unwrap();
+        let range = k.layer_range(3).unwrap();
+        let good = &object[range.start as usize..range.end as usize];
+        let mut bad = good.to_vec();
+        bad[17] ^= 1;
+        let component = ComponentKeys {
+            layout: k.clone(),
+            keys: Vec::new(),
+        };
+        // 300 rows of 41,984 B (12.6 MB: over the parallel threshold); row 211 corrupt, row
+        // 40 without checksums.
+        let rows: Vec<Row<'_>> = (0..300)
+            .map(|page| Row {
+                component: &component,
+                sums: (page != 40).then_some(&sums),
+                page,
+                bytes: if page == 211 { &bad } else { good },
+            })
+            .collect();
+        assert!(rows.iter().map(|r| r.bytes.len()).sum::<usize>() >= PARALLEL_VERIFY_BYTES);
+        let inline = verify_rows(&rows, 3, 1);
+        let threaded = verify_rows(&rows, 3, 4);
+        assert_eq!(threaded, inline);
+        assert_eq!(threaded.len(), 300);
+        for (page, v) in threaded.iter().enumerate() {
+            match page {
+                211 => assert!(matches!(v, Err(ChecksumError::Mismatch { layer: 3, .. }))),
+                40 => assert_eq!(v, &Ok(Verified::LengthOnly)),
+                _ => assert_eq!(v, &Ok(Verified::Checksum)),
             }
         }
-        Ok(())
     }
 }
