@@ -32,7 +32,8 @@ use std::time::{Duration, Instant};
 use common::coll::{Misbehave, Misbehaving};
 use common::load_plan;
 use common::tp::{
-    auto_config, config, mixed_spec, rank_matches_below, run_ok, tp_ranks_wrapped, Path, TpRank,
+    auto_config, config, mixed_spec, rank_matches_below, run_ok, tp_ranks_built, Path, RankBuild,
+    TpRank,
 };
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
@@ -161,7 +162,15 @@ fn ranks(tp: u32, cfg: &LinkerConfig, path: Path, gone_at: Option<(u32, u32)>) -
         _ => g,
     };
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 28));
-    let (rs, hashes) = tp_ranks_wrapped(&mixed_spec(), tp, store, PAGES, cfg, path, &wrap);
+    let (rs, hashes) = tp_ranks_built(
+        &mixed_spec(),
+        tp,
+        store,
+        PAGES,
+        cfg,
+        path,
+        &RankBuild::wrapped(&wrap),
+    );
     let base = run_ok(&rs, 1, &hashes, "fresh ranks");
     Ranks {
         rs,

@@ -11,7 +11,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::tp::{rank_byte, rank_matches, run, tp_ranks_with_stages, Path, TpRank};
+use common::tp::{rank_byte, rank_matches, run, tp_ranks_built, Path, RankBuild, TpRank};
 use common::{load_plan, wait_all};
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, PageHash, RowUnit};
@@ -77,14 +77,14 @@ fn groups_land_every_rank_byte_for_byte_on_both_paths() {
         for granularity in [ReadGranularity::ADAPTIVE, fixed3] {
             for mode in MODES {
                 let what = format!("{path:?} {granularity:?} {mode:?}");
-                let (rs, pages) = tp_ranks_with_stages(
+                let (rs, pages) = tp_ranks_built(
                     &spec(),
                     3,
                     store(),
                     7,
                     &config(mode, granularity),
                     path,
-                    4,
+                    &RankBuild::stages(4),
                 );
                 let mut calls_before = vec![0u64; rs.len()];
                 for batch in 1..=2 {
@@ -139,8 +139,15 @@ fn a_failure_inside_a_group_fails_every_rank_at_the_groups_first_layer() {
     for path in [Path::Host, device()] {
         for mode in MODES {
             let what = format!("{path:?} {mode:?}");
-            let (rs, pages) =
-                tp_ranks_with_stages(&spec(), 3, store(), 6, &config(mode, fixed3), path, 4);
+            let (rs, pages) = tp_ranks_built(
+                &spec(),
+                3,
+                store(),
+                6,
+                &config(mode, fixed3),
+                path,
+                &RankBuild::stages(4),
+            );
             // The middle rank's read of layer 4 (group 3..6) fails: its sharded `v` is read in
             // every mode.
             let g = rs[1].linker.geometry().clone();
@@ -193,7 +200,15 @@ fn engine_batch(r: &TpRank, batch: u64, pages: &[PageHash], compute: Duration) -
 #[test]
 fn compute_is_measured_from_the_waits_and_cost_from_the_calls() {
     let cfg = config(ShareMode::AllRanks, ReadGranularity::ADAPTIVE);
-    let (rs, pages) = tp_ranks_with_stages(&spec(), 1, store(), 8, &cfg, Path::Host, 2);
+    let (rs, pages) = tp_ranks_built(
+        &spec(),
+        1,
+        store(),
+        8,
+        &cfg,
+        Path::Host,
+        &RankBuild::stages(2),
+    );
     let r = &rs[0];
     assert_eq!(r.linker.compute_per_layer(), None);
     let prior = r.linker.read_cost();
@@ -227,7 +242,15 @@ fn configured_zero_compute_reads_in_the_fewest_calls() {
         prior: ReadGranularity::DEFAULT_PRIOR,
     };
     let cfg = config(ShareMode::AllRanks, granularity);
-    let (rs, pages) = tp_ranks_with_stages(&spec(), 1, store(), 8, &cfg, Path::Host, 2);
+    let (rs, pages) = tp_ranks_built(
+        &spec(),
+        1,
+        store(),
+        8,
+        &cfg,
+        Path::Host,
+        &RankBuild::stages(2),
+    );
     let t = rs[0]
         .linker
         .start_load(load_plan(

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::coll::{Misbehave, Misbehaving};
 use common::tp::{
-    auto_config, config, mixed_spec, run_ok, tp_ranks, tp_ranks_wrapped, Path, TpRank,
+    auto_config, config, mixed_spec, run_ok, tp_ranks, tp_ranks_built, Path, RankBuild, TpRank,
 };
 use common::{load_plan, prompt, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
@@ -330,8 +330,15 @@ fn a_rank_whose_collectives_shift_is_caught_and_the_group_resynchronises() {
                         Misbehaving::new(g.data.clone(), Misbehave::SkipStatus { nth: 8 });
                     TpGroup { data, ..g }
                 };
-                let (rs, hashes) =
-                    tp_ranks_wrapped(&mixed_spec(), TP, store(), PAGES, &cfg, path, &wrap);
+                let (rs, hashes) = tp_ranks_built(
+                    &mixed_spec(),
+                    TP,
+                    store(),
+                    PAGES,
+                    &cfg,
+                    path,
+                    &RankBuild::wrapped(&wrap),
+                );
                 let base = run_ok(&rs, 1, &hashes, &what);
                 let outcomes = common::tp::run(&rs, 2, &hashes);
                 assert!(

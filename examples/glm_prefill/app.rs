@@ -70,7 +70,7 @@ use engine::run_ranks;
 use load::{close_all, load_mode, pretouch, LoadRun, ModeOutcome, RankDone, RankRaw, RankRig};
 use outcome::mode_outcome;
 use picture::write_svg;
-use save::{header, save_step};
+use save::{header, save_plans, save_step};
 use stores::{open_stores, Stores};
 use tables::{compare_table, mode_label, report_run};
 use verify::verify_pool;

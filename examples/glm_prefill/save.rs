@@ -118,17 +118,8 @@ pub(super) fn save_step(ctx: &Ctx, out: &mut dyn Write) -> Result<()> {
     let mut reports = Vec::new();
     for (rank, (_, linker)) in rigs.iter().enumerate() {
         let mut total = SaveReport::default();
-        for (ci, chunk) in ctx.pages.chunks(SAVE_CHUNK_PAGES).enumerate() {
-            let first = ci * SAVE_CHUNK_PAGES;
-            let plan = BatchPlan::all_components(
-                linker.geometry(),
-                BatchId(0),
-                vec![RequestPages {
-                    request: "previous-request".into(),
-                    pages: chunk.to_vec(),
-                }],
-                (first as u32..(first + chunk.len()) as u32).collect(),
-            );
+        for plan in save_plans(linker.geometry(), &ctx.pages) {
+            let pages = plan.logical.num_pages() as u64;
             let r = linker
                 .save(&plan)
                 .with_context(|| format!("rank {rank}: save"))?;
@@ -137,7 +128,7 @@ pub(super) fn save_step(ctx: &Ctx, out: &mut dyn Write) -> Result<()> {
             total.objects_not_owned += r.objects_not_owned;
             total.bytes_written += r.bytes_written;
             if rank == 0 {
-                save.inc(chunk.len() as u64);
+                save.inc(pages);
             }
         }
         reports.push(total);
@@ -195,4 +186,27 @@ pub(super) fn save_step(ctx: &Ctx, out: &mut dyn Write) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The save plans of the whole prefix `pages`, in chunks of `SAVE_CHUNK_PAGES` pages, each
+/// page `i` in slot `i` (the request the prefix came from).
+pub(super) fn save_plans<'a>(
+    geometry: &'a KvGeometry,
+    pages: &'a [PageHash],
+) -> impl Iterator<Item = BatchPlan> + 'a {
+    pages
+        .chunks(SAVE_CHUNK_PAGES)
+        .enumerate()
+        .map(move |(ci, chunk)| {
+            let first = ci * SAVE_CHUNK_PAGES;
+            BatchPlan::all_components(
+                geometry,
+                BatchId(0),
+                vec![RequestPages {
+                    request: "previous-request".into(),
+                    pages: chunk.to_vec(),
+                }],
+                (first as u32..(first + chunk.len()) as u32).collect(),
+            )
+        })
 }

@@ -130,38 +130,22 @@ impl Default for RankBuild<'_> {
     }
 }
 
-/// [`tp_ranks`], with each rank's group wrapped by `build.wrap`.
-pub fn tp_ranks_wrapped(
-    spec: &ModelKvSpec,
-    tp: u32,
-    store: Arc<dyn KvStore>,
-    pages: usize,
-    config: &LinkerConfig,
-    path: Path,
-    wrap: &dyn Fn(u32, TpGroup) -> TpGroup,
-) -> (Vec<TpRank>, Vec<PageHash>) {
-    let build = RankBuild {
-        wrap,
-        ..RankBuild::default()
-    };
-    tp_ranks_built(spec, tp, store, pages, config, path, &build)
-}
+impl<'a> RankBuild<'a> {
+    /// Each rank's group passed through `wrap`.
+    pub fn wrapped(wrap: &'a dyn Fn(u32, TpGroup) -> TpGroup) -> Self {
+        RankBuild {
+            wrap,
+            ..RankBuild::default()
+        }
+    }
 
-/// As [`tp_ranks`], with device pools staging through a ring of `stages` stages.
-pub fn tp_ranks_with_stages(
-    spec: &ModelKvSpec,
-    tp: u32,
-    store: Arc<dyn KvStore>,
-    pages: usize,
-    config: &LinkerConfig,
-    path: Path,
-    stages: usize,
-) -> (Vec<TpRank>, Vec<PageHash>) {
-    let build = RankBuild {
-        stages,
-        ..RankBuild::default()
-    };
-    tp_ranks_built(spec, tp, store, pages, config, path, &build)
+    /// Device pools staging through a ring of `stages` stages.
+    pub fn stages(stages: usize) -> Self {
+        RankBuild {
+            stages,
+            ..RankBuild::default()
+        }
+    }
 }
 
 /// [`tp_ranks`], built as `build` says.

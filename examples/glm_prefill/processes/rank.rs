@@ -15,7 +15,7 @@ use kvlink::kv_loader::{
 };
 use kvlink::mooncake_linker::{FormedTpGroup, Linker, TpGroup};
 
-use super::super::{prompt, scattered_slots, splitmix, verify_pool, Ctx, Stores, SAVE_CHUNK_PAGES};
+use super::super::{prompt, save_plans, scattered_slots, splitmix, verify_pool, Ctx, Stores};
 use super::gather::{self, RankReport};
 use super::stores::{self, NAMESPACE_ATTRIBUTE};
 use super::tables::{assemble, finish, header, own_summary};
@@ -219,17 +219,7 @@ fn save(
     let fill_time = t.elapsed();
     let t = Instant::now();
     let mut total = SaveReport::default();
-    for (ci, chunk) in ctx.pages.chunks(SAVE_CHUNK_PAGES).enumerate() {
-        let first = ci * SAVE_CHUNK_PAGES;
-        let plan = BatchPlan::all_components(
-            linker.geometry(),
-            BatchId(0),
-            vec![RequestPages {
-                request: "previous-request".into(),
-                pages: chunk.to_vec(),
-            }],
-            (first as u32..(first + chunk.len()) as u32).collect(),
-        );
+    for plan in save_plans(linker.geometry(), &ctx.pages) {
         let r = linker.save(&plan).context("rank 0: save")?;
         total.objects_written += r.objects_written;
         total.objects_present += r.objects_present;

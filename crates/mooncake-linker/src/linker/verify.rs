@@ -233,7 +233,13 @@ impl LayerCheck<'_> {
         }
         let t0 = std::time::Instant::now();
         let rows = self.rows(landing, stage, layer)?;
-        let verdicts = verify_rows(&rows, layer, self.inner.config.read_parallelism);
+        let verdicts =
+            verify_rows(&rows, layer, self.inner.config.read_parallelism).ok_or_else(|| {
+                KvLoadError::Config(format!(
+                    "{}: a layer {layer} verification thread panicked",
+                    self.batch
+                ))
+            })?;
         let mut counts = (0u64, 0u64);
         for (row, verdict) in rows.iter().zip(verdicts) {
             match verdict {
@@ -322,18 +328,19 @@ struct Row<'a> {
 const PARALLEL_VERIFY_BYTES: usize = 8 << 20;
 
 /// Each row's verdict, in row order: on the calling thread, or split in contiguous parts over
-/// up to `threads` scoped threads (a part whose thread cannot start is verified inline).
+/// up to `threads` scoped threads (a part whose thread cannot start is verified inline);
+/// `None` when a verification thread panicked (the batch then fails; nothing is re-run).
 fn verify_rows(
     rows: &[Row<'_>],
     layer: u32,
     threads: usize,
-) -> Vec<Result<Verified, ChecksumError>> {
+) -> Option<Vec<Result<Verified, ChecksumError>>> {
     let verify =
         |r: &Row<'_>| ObjectChecksums::verify_layer(r.sums, &r.component.layout, layer, r.bytes);
     let total: usize = rows.iter().map(|r| r.bytes.len()).sum();
     let threads = threads.clamp(1, rows.len().max(1));
     if threads == 1 || total < PARALLEL_VERIFY_BYTES {
-        return rows.iter().map(verify).collect();
+        return Some(rows.iter().map(verify).collect());
     }
     let chunk = rows.len().div_ceil(threads);
     std::thread::scope(|s| {
@@ -346,15 +353,14 @@ fn verify_rows(
                 (part, handle)
             })
             .collect();
-        parts
-            .into_iter()
-            .flat_map(|(part, handle)| match handle {
-                Ok(h) => h
-                    .join()
-                    .unwrap_or_else(|_| part.iter().map(verify).collect()),
-                Err(_) => part.iter().map(verify).collect(),
-            })
-            .collect()
+        let mut all = Vec::with_capacity(rows.len());
+        for (part, handle) in parts {
+            match handle {
+                Ok(h) => all.extend(h.join().ok()?),
+                Err(_) => all.extend(part.iter().map(verify)),
+            }
+        }
+        Some(all)
     })
 }
 
@@ -388,8 +394,8 @@ mod tests {
             })
             .collect();
         assert!(rows.iter().map(|r| r.bytes.len()).sum::<usize>() >= PARALLEL_VERIFY_BYTES);
-        let inline = verify_rows(&rows, 3, 1);
-        let threaded = verify_rows(&rows, 3, 4);
+        let inline = verify_rows(&rows, 3, 1).unwrap();
+        let threaded = verify_rows(&rows, 3, 4).unwrap();
         assert_eq!(threaded, inline);
         assert_eq!(threaded.len(), 300);
         for (page, v) in threaded.iter().enumerate() {
