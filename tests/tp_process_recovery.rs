@@ -555,7 +555,14 @@ fn a_slow_rank_times_the_batch_out_on_every_rank_then_the_group_reforms_by_itsel
         epochs.push(field(&got, "epoch").to_string());
         p.succeeds(WAIT);
     }
-    assert!(epochs.iter().all(|e| e == "2"), "{epochs:?}");
+    // Every rank on the same re-formed group. Usually epoch 2; on a loaded machine the
+    // first re-formation can time out waiting for the slow rank (still in its bounded read),
+    // and the next attempt meets at a later epoch: what matters is that all agree and that
+    // the group was re-formed.
+    assert!(
+        epochs.iter().all(|e| e == &epochs[0] && e != "1"),
+        "{epochs:?}"
+    );
     drop(server);
 }
 
