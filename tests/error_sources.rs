@@ -29,3 +29,20 @@ fn a_device_error_stays_typed_inside_kv_load_error() {
     assert!(chain.iter().any(|s| *s == device.to_string()), "{chain:?}");
     assert!(e.to_string().contains(&device.to_string()), "{e}");
 }
+
+#[test]
+fn a_collective_error_stays_typed_inside_kv_load_error() {
+    use kvlink::dedup_broadcast::CollectiveError;
+    let coll = CollectiveError::Timeout {
+        op: "all_gather",
+        seq: 7,
+        missing: vec![2],
+    };
+    let e = KvLoadError::from(coll.clone());
+    let KvLoadError::Collective { detail, .. } = &e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(detail.downcast_ref::<CollectiveError>(), Some(&coll));
+    assert!(e.to_string().contains(&coll.to_string()), "{e}");
+    assert!(std::error::Error::source(&e).is_some());
+}

@@ -257,11 +257,20 @@ fn failed_read_at_first_middle_and_last_layer_fails_the_batch() {
                 layer: Some(l),
                 pages,
                 kind: StoreFailure::TransferFailed,
-                ..
+                detail,
             } => {
                 assert_eq!(*batch, Some(kvlink::kv_loader::BatchId(1)));
                 assert_eq!(*l, layer);
                 assert_eq!(&pages[..], &[1]);
+                // The store's typed error travels as the source, not only as words.
+                assert!(
+                    matches!(
+                        detail.downcast_ref::<StoreError>(),
+                        Some(StoreError::TransferFailed { code: -800, .. })
+                    ),
+                    "{detail:?}"
+                );
+                assert!(std::error::Error::source(&err).is_some());
             }
             other => panic!("unexpected {other:?}"),
         }

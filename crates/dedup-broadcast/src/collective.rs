@@ -211,7 +211,7 @@ impl From<CollectiveError> for kv_loader::KvLoadError {
     fn from(e: CollectiveError) -> Self {
         kv_loader::KvLoadError::Collective {
             batch: None,
-            detail: e.to_string(),
+            detail: kv_loader::Cause::from_error(e),
         }
     }
 }

@@ -44,7 +44,7 @@ fn codes_name_the_error_kind() {
         layer: Some(2),
         pages: vec![].into(),
         kind: StoreFailure::ShortRead,
-        detail: String::new(),
+        detail: String::new().into(),
     };
     assert_eq!(code_name(fail_code(&e)), "store_short_read");
     assert_eq!(LayerStatus::from_error(&e).code(), fail_code(&e));

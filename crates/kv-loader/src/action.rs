@@ -103,7 +103,7 @@ mod tests {
                     layer: Some(2),
                     pages: vec![0].into(),
                     kind: StoreFailure::NotFound,
-                    detail: String::new(),
+                    detail: String::new().into(),
                 },
                 EngineAction::Recompute,
             ),

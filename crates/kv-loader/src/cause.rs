@@ -98,3 +98,12 @@ impl From<&str> for Cause {
         Cause::new(detail)
     }
 }
+
+impl std::ops::Deref for Cause {
+    type Target = str;
+
+    /// The words, so that a `Cause` reads like the string it replaces.
+    fn deref(&self) -> &str {
+        &self.detail
+    }
+}

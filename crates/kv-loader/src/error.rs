@@ -144,8 +144,10 @@ pub enum KvLoadError {
         pages: Arc<[u32]>,
         /// What kind of failure.
         kind: StoreFailure,
-        /// The store's words, with the key.
-        detail: String,
+        /// The store's words, with the key; the store's typed error is its source where
+        /// there is one (`Cause::downcast_ref`).
+        #[source]
+        detail: Cause,
     },
     /// A wait reached its deadline.
     #[error("{batch}: layer {layer} not ready after {waited:?}")]
@@ -180,8 +182,10 @@ pub enum KvLoadError {
     Collective {
         /// The batch, if any.
         batch: Option<BatchId>,
-        /// What happened.
-        detail: String,
+        /// What happened; the collective's typed error is its source where there is one
+        /// (`Cause::downcast_ref`).
+        #[source]
+        detail: Cause,
     },
     /// The TP group is down: it broke (a rank died, a collective was aborted) and could not
     /// be re-formed in time (`missing`: the ranks that are not back; empty when the group has

@@ -121,10 +121,10 @@ impl BatchLayers {
     }
 }
 
-pub(crate) fn collective_failure(batch: BatchId, e: impl std::fmt::Display) -> KvLoadError {
+pub(crate) fn collective_failure(batch: BatchId, e: impl Into<kv_loader::Cause>) -> KvLoadError {
     KvLoadError::Collective {
         batch: Some(batch),
-        detail: e.to_string(),
+        detail: e.into(),
     }
 }
 

@@ -68,7 +68,7 @@ impl Inner {
                             layer: None,
                             pages: vec![(first + i) as u32].into(),
                             kind: e.failure(),
-                            detail: format!("lookup: {e}"),
+                            detail: format!("lookup: {e}").into(),
                         })
                     }
                 }
@@ -89,7 +89,7 @@ impl Inner {
     ) -> Result<usize, KvLoadError> {
         let failed = |detail: String| KvLoadError::Collective {
             batch: None,
-            detail: format!("lookup: {detail}"),
+            detail: format!("lookup: {detail}").into(),
         };
         let deadline = kv_loader::deadline_after(self.config.collective_timeout);
         let coll = match link.handles(deadline) {

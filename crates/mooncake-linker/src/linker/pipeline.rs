@@ -342,7 +342,8 @@ impl LayerPipeline<'_> {
                 detail: format!(
                     "reading layers {group:?} took {took:?}, over the limit of {:?}",
                     inner.config.layer_read_timeout
-                ),
+                )
+                .into(),
             });
         }
         Ok(n)
@@ -362,7 +363,7 @@ impl LayerPipeline<'_> {
                 status
                     .exchange_tagged(c, layer, mine, self.tag, deadline)
                     .map(drop)
-                    .map_err(|e| collective_failure(batch, e))
+                    .map_err(|e| collective_failure(batch, kv_loader::Cause::from_error(e)))
             }
             None => {
                 status.record(layer, &[mine]);
@@ -396,7 +397,8 @@ impl LayerPipeline<'_> {
                     layer: Some(layer),
                     pages: Vec::new().into(),
                     kind: StoreFailure::RpcTimeout,
-                    detail: format!("the reader did not finish layer {layer} within {limit:?}"),
+                    detail: format!("the reader did not finish layer {layer} within {limit:?}")
+                        .into(),
                 }),
             ),
             Wait::Closed => (

@@ -80,7 +80,7 @@ pub(crate) fn store_failure(
         layer,
         pages: pages.into(),
         kind: e.failure(),
-        detail: e.to_string(),
+        detail: kv_loader::Cause::from_error(e.clone()),
     }
 }
 
@@ -197,7 +197,8 @@ impl LayerReader<'_> {
                         detail: format!(
                             "`{}`: short read: {n} of {want} bytes (layers {group:?})",
                             parts[o.part].components[o.component].keys[o.page]
-                        ),
+                        )
+                        .into(),
                     });
                 }
                 Err(e) => {

@@ -115,7 +115,7 @@ impl LayerCx<'_> {
     fn collective_failed(&self, e: CollectiveError) -> StepError {
         StepError::Fatal(KvLoadError::Collective {
             batch: Some(self.batch),
-            detail: e.to_string(),
+            detail: kv_loader::Cause::from_error(e),
         })
     }
 
@@ -192,7 +192,7 @@ impl LayerCx<'_> {
             tracing::warn!(batch = %self.batch, rank = self.rank, why, "aborting the data group");
             return Err(StepError::Fatal(KvLoadError::Collective {
                 batch: Some(self.batch),
-                detail: why,
+                detail: why.into(),
             }));
         }
         self.auto
