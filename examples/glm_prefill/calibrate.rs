@@ -49,10 +49,13 @@ pub(super) fn calibrate_auto(
     }
     say!(
         out,
-        "  Auto: {} calibration batches (measured by rank 0's linker) ran {}; it keeps {:?}",
+        "  Auto: {} calibration batches (measured by rank 0's linker) ran {}; {}",
         seen.batches(),
         seen.order().join(", "),
-        rigs[0].linker.auto_decision()
+        match rigs[0].linker.auto_decision() {
+            Some(mode) => format!("it keeps {mode:?}"),
+            None => "it has not decided yet".to_string(),
+        }
     );
     Ok(seen)
 }
