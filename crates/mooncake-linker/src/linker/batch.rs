@@ -27,7 +27,7 @@ use super::pipeline::LayerPipeline;
 use super::reader::{store_failure, ComponentKeys, LayerReader};
 use super::regions::Registered;
 use super::session::PinnedKeys;
-use super::verify::BatchChecksums;
+use super::verify::CompanionPlan;
 use super::{GroupFallback, Inner};
 use crate::store::Hold;
 
@@ -280,10 +280,11 @@ impl Inner {
             Some(e) => Err(e),
             None => self.prepare(&layers, batch, landing_error.as_ref()),
         };
-        let (prep, sums) = match prep {
-            Ok((pins, sums)) => (Ok(pins), sums),
-            Err(e) => (Err(e), BatchChecksums::default()),
+        let (prep, companions) = match prep {
+            Ok((pins, plan)) => (Ok(pins), Some(plan)),
+            Err(e) => (Err(e), None),
         };
+        let sums = std::sync::OnceLock::new();
         let Some(counter) = job.ticket.map(|t| t.counter) else {
             return Err(KvLoadError::Config(format!(
                 "{batch}: a refused batch has no ticket"
@@ -300,7 +301,7 @@ impl Inner {
             sums: &sums,
             tag,
         };
-        let run = pipeline.run(prep, stages)?;
+        let run = pipeline.run(prep, companions, stages)?;
         let last_layer = job.started.elapsed();
         if coll.is_some() {
             self.auto.observe_batch(mode, run.landed, last_layer);
@@ -322,15 +323,16 @@ impl Inner {
         })
     }
 
-    /// Local preparation: pins the keys this rank reads (and their checksum companions),
-    /// checks their sizes and reads the companions. Any failure (here, or in building the
-    /// layouts or the landing) is this rank's status from layer 0.
+    /// Local preparation: finds the checksum companions present and pins the keys this rank
+    /// reads with them; the reader checks the sizes and reads the companions beside its first
+    /// group (its preflight). Any failure (here, in the preflight, or in building the layouts
+    /// or the landing) is this rank's status from layer 0.
     fn prepare<'s>(
         &'s self,
         layers: &BatchLayers,
         batch: BatchId,
         landing_error: Option<&kv_device::DeviceError>,
-    ) -> Result<(PinnedKeys<'s>, BatchChecksums), KvLoadError> {
+    ) -> Result<(PinnedKeys<'s>, CompanionPlan), KvLoadError> {
         if let Some(e) = landing_error {
             return Err(KvLoadError::Device(kv_loader::Cause::with_source(
                 format!("{batch}: landing: {e}"),
@@ -358,10 +360,9 @@ impl Inner {
             self.config.store_call_timeout,
         )
         .map_err(|e| store_failure(batch, None, Vec::new(), &e))?;
-        // The object sizes are checked by the reader, beside its first group's read
-        // (`BatchLayers::verify_sizes`).
-        let sums = self.read_companions(layers, batch, plan)?;
-        Ok((pins, sums))
+        // The object sizes and the companions are read by the reader's preflight, beside its
+        // first group's read.
+        Ok((pins, plan))
     }
 }
 

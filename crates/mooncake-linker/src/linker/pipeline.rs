@@ -26,12 +26,14 @@
 //! the reader thread always ends, and the scope's join of it is bounded by those waits.
 
 use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use dedup_broadcast::{Collective, GroupStatus, LayerStatus};
 use kv_device::{LayerLanding, LayerStage, ShareSide};
 use kv_loader::{KvLoadError, ShareMode, StoreFailure};
 use layerwise_counter::Ticket;
+use parking_lot::Mutex;
 use tracing::warn;
 
 use super::batch::{collective_failure, BatchJob, BatchLayers};
@@ -40,7 +42,7 @@ use super::handoff::{Handoff, Wait};
 use super::reader::{store_failure, LayerReader, OwnRows, ReadPart, RowTarget, ShareArea};
 use super::session::PinnedKeys;
 use super::share::{step_for, LayerCx, StepError};
-use super::verify::{BatchChecksums, LayerCheck};
+use super::verify::{BatchChecksums, CompanionPlan, LayerCheck};
 use super::Inner;
 use crate::store::Hold;
 
@@ -83,8 +85,9 @@ pub(crate) struct LayerPipeline<'a> {
     pub(crate) landing: Option<&'a dyn LayerLanding>,
     /// What a store call past its deadline keeps alive until it returns.
     pub(crate) memory: &'a Hold,
-    /// The checksums of what this rank reads.
-    pub(crate) sums: &'a BatchChecksums,
+    /// The checksums of what this rank reads: set by the reader's helper beside the first
+    /// group's read, before any layer is handed over.
+    pub(crate) sums: &'a OnceLock<BatchChecksums>,
     /// The batch's status-word tag.
     pub(crate) tag: u8,
 }
@@ -95,6 +98,7 @@ impl LayerPipeline<'_> {
     pub(crate) fn run(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
+        companions: Option<CompanionPlan>,
         stages: Vec<LayerStage>,
     ) -> Result<PipelineRun, KvLoadError> {
         // Without a landing every layer fails; two empty stages keep the layers moving.
@@ -107,7 +111,7 @@ impl LayerPipeline<'_> {
             let reader = std::thread::Builder::new()
                 .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank))
                 .spawn_scoped(s, move || {
-                    let run = self.read_loop(prep, ring, h);
+                    let run = self.read_loop(prep, companions, ring, h);
                     h.reader_done();
                     run
                 });
@@ -166,13 +170,15 @@ impl LayerPipeline<'_> {
     /// in one store call, hands its layers over in order. Returns the bytes read and the
     /// groups.
     ///
-    /// The object sizes (when `verify_object_sizes`) are checked on a helper thread while the
-    /// first group is read, and the first group is handed over only once the check passed: no
-    /// layer of a batch with a wrong-sized object is ever published, and the first layer waits
-    /// for the slower of the two rather than their sum.
+    /// The batch's preflight runs on a helper thread while the first group is read: the
+    /// object sizes (when `verify_object_sizes`), then the checksum companions (`companions`).
+    /// The first group is handed over only once it passed: no layer of a batch with a
+    /// wrong-sized object is ever published, no layer arrives before its checksums, and the
+    /// first layer waits for the slower of the read and the preflight rather than their sum.
     fn read_loop(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
+        companions: Option<CompanionPlan>,
         ring: usize,
         h: &Handoff<Option<LayerStage>, ReadLayer>,
     ) -> ReadRun {
@@ -191,13 +197,15 @@ impl LayerPipeline<'_> {
             hold: self.memory,
             deadline: kv_loader::deadline_after(c.store_call_timeout),
         };
-        let check_sizes = failure.is_none() && self.inner.config.verify_object_sizes;
+        let companions = Mutex::new(companions.filter(|_| failure.is_none()));
+        let preflight = || self.preflight(&reader, &companions);
+        let run_preflight = failure.is_none();
         std::thread::scope(|s| {
-            let mut sizes = check_sizes.then(|| {
+            let mut sizes = run_preflight.then(|| {
                 std::thread::Builder::new()
                     .name(format!("kvlink-size-r{}", self.inner.geometry.tp_rank))
-                    .spawn_scoped(s, || self.layers.verify_sizes(&reader))
-                    .map_err(|_| self.layers.verify_sizes(&reader))
+                    .spawn_scoped(s, preflight)
+                    .map_err(|_| preflight())
             });
             for group in self.plan_groups(ring) {
                 let mut stages = Vec::with_capacity(group.len());
@@ -234,19 +242,19 @@ impl LayerPipeline<'_> {
                         }
                     }
                 }
-                // The size check's verdict comes before any layer is handed over (and, when it
-                // failed, says more than a read of a wrong-sized object).
+                // The preflight's verdict comes before any layer is handed over (and, when the
+                // size check failed, says more than a read of a wrong-sized object).
                 let checked = match sizes.take() {
                     Some(Ok(handle)) => handle.join().unwrap_or_else(|_| {
                         Err(KvLoadError::Config(format!(
-                            "{batch}: the size check panicked"
+                            "{batch}: the preflight (sizes, checksums) panicked"
                         )))
                     }),
                     Some(Err(inline)) => inline,
                     None => Ok(()),
                 };
                 if let Err(e) = checked {
-                    warn!(%batch, error = %e, "object sizes");
+                    warn!(%batch, error = %e, "preflight (object sizes, checksums)");
                     failure = Some(e);
                 }
                 for (layer, stage) in group.zip(stages) {
@@ -262,6 +270,24 @@ impl LayerPipeline<'_> {
             }
         });
         run
+    }
+
+    /// The object sizes (when `verify_object_sizes`), then the checksum companions, which it
+    /// sets in `self.sums` (the plan is taken: this runs once).
+    fn preflight(
+        &self,
+        reader: &LayerReader<'_>,
+        companions: &Mutex<Option<CompanionPlan>>,
+    ) -> Result<(), KvLoadError> {
+        if self.inner.config.verify_object_sizes {
+            self.layers.verify_sizes(reader)?;
+        }
+        if let Some(plan) = companions.lock().take() {
+            let batch = self.job.plan.logical.batch;
+            let sums = self.inner.read_companions(self.layers, batch, plan)?;
+            let _ = self.sums.set(sums);
+        }
+        Ok(())
     }
 
     /// Reads layers `group` on this rank in one store call, layer `group.start + i` into
@@ -431,17 +457,23 @@ impl LayerPipeline<'_> {
         // Time in the share steps (collective, scatter, land), for the read plan.
         let mut share_time = Duration::ZERO;
         let mut every_layer = true;
-        let check = LayerCheck {
-            inner,
-            batch,
-            layers,
-            sums: self.sums,
-        };
         for layer in 0..num_layers {
             let (stage, read_error) = self.receive(h, layer);
             // What this rank read for the layer is verified before it says "ok" for it.
             let verified = match (&read_error, &stage, self.landing) {
-                (None, Some(st), Some(l)) => check.run(l, st, layer).err(),
+                (None, Some(st), Some(l)) => match self.sums.get() {
+                    Some(sums) => LayerCheck {
+                        inner,
+                        batch,
+                        layers,
+                        sums,
+                    }
+                    .run(l, st, layer)
+                    .err(),
+                    None => Some(KvLoadError::Config(format!(
+                        "{batch}: layer {layer} arrived before its checksums were read"
+                    ))),
+                },
                 _ => None,
             };
             let mine = carried.take().or(read_error).or(verified);
