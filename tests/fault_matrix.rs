@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 use common::coll::{Misbehave, Misbehaving};
 use common::load_plan;
 use common::tp::{
-    auto_config, config, mixed_spec, rank_matches_below, run_ok, tp_ranks_built, Path, RankBuild,
-    TpRank,
+    every_mode, fault_deadlines, mixed_spec, rank_matches_below, run_ok, tp_ranks_built, Path,
+    RankBuild, TpRank,
 };
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
@@ -90,19 +90,7 @@ impl Kind {
 }
 
 fn modes() -> Vec<(&'static str, LinkerConfig)> {
-    let short = |c: LinkerConfig| LinkerConfig {
-        layer_read_timeout: READ_TIMEOUT,
-        collective_timeout: Duration::from_secs(3),
-        store_call_timeout: Duration::from_secs(3),
-        wait_deadline: Duration::from_secs(8),
-        ..c
-    };
-    vec![
-        ("AllRanks", short(config(ShareMode::AllRanks))),
-        ("Rank0Broadcast", short(config(ShareMode::Rank0Broadcast))),
-        ("SplitAllGather", short(config(ShareMode::SplitAllGather))),
-        ("Auto", short(auto_config())),
-    ]
+    every_mode(|c| fault_deadlines(READ_TIMEOUT, c))
 }
 
 fn paths() -> [Path; 2] {

@@ -26,12 +26,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tp::{auto_config, config, mixed_spec, rank_byte};
+use common::tp::{every_mode, fault_deadlines, mixed_spec, rank_byte};
 use common::{load_plan, prompt};
 use kvlink::dedup_broadcast::{MeetingPoint, Rendezvous, RendezvousConfig};
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{page_hashes, KvGeometry, PageHash};
-use kvlink::kv_loader::{KvLoader, RequestPages, ShareMode};
+use kvlink::kv_loader::{KvLoader, RequestPages};
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, ServeAt, Stall, StoreError,
 };
@@ -45,19 +45,7 @@ const READ_TIMEOUT: Duration = Duration::from_millis(200);
 const KINDS: [&str; 6] = ["error", "short", "slow", "hung", "down", "plan"];
 
 fn modes() -> Vec<(&'static str, LinkerConfig)> {
-    let short = |c: LinkerConfig| LinkerConfig {
-        layer_read_timeout: READ_TIMEOUT,
-        collective_timeout: Duration::from_secs(3),
-        store_call_timeout: Duration::from_secs(3),
-        wait_deadline: Duration::from_secs(8),
-        ..c
-    };
-    vec![
-        ("AllRanks", short(config(ShareMode::AllRanks))),
-        ("Rank0Broadcast", short(config(ShareMode::Rank0Broadcast))),
-        ("SplitAllGather", short(config(ShareMode::SplitAllGather))),
-        ("Auto", short(auto_config())),
-    ]
+    every_mode(|c| fault_deadlines(READ_TIMEOUT, c))
 }
 
 /// Every cell, in the order every rank runs them.

@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use common::coll::{Misbehave, Misbehaving};
 use common::tp::{
-    auto_config, config, mixed_spec, run_ok, tp_ranks, tp_ranks_built, Path, RankBuild, TpRank,
+    every_mode, mixed_spec, run_ok, tp_ranks, tp_ranks_built, Path, RankBuild, TpRank,
 };
 use common::{load_plan, prompt, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
-use kvlink::kv_loader::{KvLoadError, KvLoader, LookupRequest, ShareMode};
+use kvlink::kv_loader::{KvLoadError, KvLoader, LookupRequest};
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, StoreError,
 };
@@ -29,16 +29,10 @@ const TP: u32 = 3;
 const PAGES: usize = 6;
 
 fn configs() -> Vec<(&'static str, LinkerConfig)> {
-    let short = |c: LinkerConfig| LinkerConfig {
+    every_mode(|c| LinkerConfig {
         collective_timeout: Duration::from_secs(2),
         ..c
-    };
-    vec![
-        ("AllRanks", short(config(ShareMode::AllRanks))),
-        ("Rank0Broadcast", short(config(ShareMode::Rank0Broadcast))),
-        ("SplitAllGather", short(config(ShareMode::SplitAllGather))),
-        ("Auto", short(auto_config())),
-    ]
+    })
 }
 
 fn paths() -> [Path; 2] {

@@ -383,6 +383,32 @@ pub fn auto_config() -> LinkerConfig {
 }
 
 /// A linker configuration for `mode` with short deadlines.
+/// Every share mode by name (`Auto` from [`auto_config`], the others from [`config`]), each
+/// configuration passed through `adjust`.
+pub fn every_mode(
+    adjust: impl Fn(LinkerConfig) -> LinkerConfig,
+) -> Vec<(&'static str, LinkerConfig)> {
+    use kvlink::kv_loader::ShareMode;
+    vec![
+        ("AllRanks", adjust(config(ShareMode::AllRanks))),
+        ("Rank0Broadcast", adjust(config(ShareMode::Rank0Broadcast))),
+        ("SplitAllGather", adjust(config(ShareMode::SplitAllGather))),
+        ("Auto", adjust(auto_config())),
+    ]
+}
+
+/// The fault matrices' deadlines: reads `read_timeout`, collectives and other store calls
+/// 3 s, waits 8 s.
+pub fn fault_deadlines(read_timeout: Duration, c: LinkerConfig) -> LinkerConfig {
+    LinkerConfig {
+        layer_read_timeout: read_timeout,
+        collective_timeout: Duration::from_secs(3),
+        store_call_timeout: Duration::from_secs(3),
+        wait_deadline: Duration::from_secs(8),
+        ..c
+    }
+}
+
 /// A linker configuration for `mode` with short deadlines, one layer per store call (the
 /// failure tests name the layer a fault hits; layer groups are tested in layer_groups.rs).
 pub fn config(mode: kvlink::kv_loader::ShareMode) -> LinkerConfig {

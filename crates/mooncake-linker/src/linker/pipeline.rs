@@ -62,6 +62,15 @@ struct ReadRun {
     groups: Vec<u32>,
 }
 
+/// Tells the hand-off the reader left when dropped (also while unwinding).
+struct ReaderDone<'h>(&'h Handoff<Option<LayerStage>, ReadLayer>);
+
+impl Drop for ReaderDone<'_> {
+    fn drop(&mut self) {
+        self.0.reader_done();
+    }
+}
+
 /// What a finished pipeline did.
 pub(crate) struct PipelineRun {
     pub(crate) bytes_read: u64,
@@ -111,9 +120,10 @@ impl LayerPipeline<'_> {
             let reader = std::thread::Builder::new()
                 .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank))
                 .spawn_scoped(s, move || {
-                    let run = self.read_loop(prep, companions, ring, h);
-                    h.reader_done();
-                    run
+                    // The exchange loop learns at once that the reader left, even if it
+                    // panicked.
+                    let _done = ReaderDone(h);
+                    self.read_loop(prep, companions, ring, h)
                 });
             let reader = match reader {
                 Ok(r) => r,
@@ -406,7 +416,12 @@ impl LayerPipeline<'_> {
     ) -> (Option<LayerStage>, Option<KvLoadError>) {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
-        let limit = c.layer_read_timeout.saturating_add(c.collective_timeout);
+        let mut limit = c.layer_read_timeout.saturating_add(c.collective_timeout);
+        if layer == 0 {
+            // Layer 0 also waits for the reader's preflight: two store calls (sizes, then the
+            // checksum companions), each bounded by `store_call_timeout`.
+            limit = limit.saturating_add(c.store_call_timeout.saturating_mul(2));
+        }
         match h.next_layer(kv_loader::deadline_after(limit)) {
             Wait::Got(m) if m.layer == layer => (m.stage, m.error),
             Wait::Got(m) => (
@@ -474,6 +489,11 @@ impl LayerPipeline<'_> {
                         "{batch}: layer {layer} arrived before its checksums were read"
                     ))),
                 },
+                // Said in this layer's status word, so that every rank stops here together
+                // (never after an ok word, which would skip this layer's collective).
+                (None, None, _) | (None, _, None) => Some(KvLoadError::Config(format!(
+                    "{batch}: layer {layer} has no stage or no landing"
+                ))),
                 _ => None,
             };
             let mine = carried.take().or(read_error).or(verified);

@@ -353,12 +353,18 @@ fn verify_rows(
                 (part, handle)
             })
             .collect();
+        // Every thread is joined before deciding, so a second panicked part cannot re-panic
+        // when the scope ends.
+        let joined: Vec<Option<Vec<_>>> = parts
+            .into_iter()
+            .map(|(part, handle)| match handle {
+                Ok(h) => h.join().ok(),
+                Err(_) => Some(part.iter().map(verify).collect()),
+            })
+            .collect();
         let mut all = Vec::with_capacity(rows.len());
-        for (part, handle) in parts {
-            match handle {
-                Ok(h) => all.extend(h.join().ok()?),
-                Err(_) => all.extend(part.iter().map(verify)),
-            }
+        for part in joined {
+            all.extend(part?);
         }
         Some(all)
     })

@@ -392,21 +392,10 @@ impl StoreCalls {
         hold: Hold,
         deadline: Instant,
     ) -> Vec<Result<u64, StoreError>> {
-        let keys: Vec<String> = gets.iter().map(|g| g.key.to_owned()).collect();
-        let ranges: Vec<smallvec::SmallVec<[ReadRange; 2]>> =
-            gets.iter().map(|g| g.ranges.clone()).collect();
-        self.per_key("get_ranges", keys, deadline, move |s, k| {
-            let gets: Vec<RangedGet<'_>> = k
-                .iter()
-                .zip(ranges)
-                .map(|(key, ranges)| RangedGet { key, ranges })
-                .collect();
-            // SAFETY: the caller's promise covers these destinations until `hold`, which this
-            // closure owns, is dropped after the call returns.
-            let r = unsafe { s.get_ranges(&gets) };
-            drop(hold);
-            r
-        })
+        // SAFETY: one part, covered by the caller's promise.
+        unsafe { self.get_ranges_parts(&[gets], &hold, deadline) }
+            .pop()
+            .unwrap_or_default()
     }
 
     /// [`get_ranges`](Self::get_ranges) of several parts at once, each on its own worker; the
