@@ -32,6 +32,11 @@ pub struct Misbehaving {
 }
 
 impl Misbehaving {
+    /// Leaves the group now: the handle is dropped (`broken()` says so from here on).
+    pub fn leave(&self) {
+        self.inner.lock().unwrap().take();
+    }
+
     pub fn new(inner: Arc<dyn Collective>, how: Misbehave) -> Arc<Self> {
         Arc::new(Misbehaving {
             rank: inner.rank(),

@@ -195,13 +195,35 @@ impl Inner {
             }
         };
         let coll = handles.data.as_ref();
-        let gated = self.gate(gates, handles.epoch, coll, job)?;
+        let gated = match self.gate(gates, handles.epoch, coll, job) {
+            Ok(g) => g,
+            // "Down" is each rank's own finding: a peer that found the group down loads
+            // alone and never gates, so this rank's gate fails and breaks the handle. With
+            // `ReadAlone` this rank then loads alone too, so every rank ends the batch loaded
+            // (alone) rather than some loaded and some failed.
+            Err(e) if self.reads_alone_after(coll, refusal.as_ref()) => {
+                warn!(%batch, error = %e, "the gate failed and the group broke: loading alone");
+                let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
+                stats.alone = Some(format!("the group broke at the gate: {e}"));
+                return Ok(stats);
+            }
+            Err(e) => return Err(e),
+        };
         if let Some(e) = refusal {
             return self.refuse(coll, batch, gated.tag, e);
         }
         let mut stats = self.load_batch(Some(coll), job, gated.mode, gated.tag, held)?;
         stats.plans_differ = gated.plans_differ;
         Ok(stats)
+    }
+
+    /// After a failed gate: the engine configured reading alone, this rank did not refuse
+    /// the batch, and the group's handle is now broken (a gate that only found this rank
+    /// behind leaves it whole: the catch-up protocol goes on).
+    fn reads_alone_after(&self, coll: &dyn Collective, refusal: Option<&KvLoadError>) -> bool {
+        matches!(self.config.group_fallback, GroupFallback::ReadAlone)
+            && refusal.is_none()
+            && coll.broken().is_some()
     }
 
     /// How the batch's layers split, in `mode`. A layout that cannot be built becomes this

@@ -127,7 +127,9 @@ pub enum GroupFallback {
     /// (`AllRanks` without the group), and its outcome says so (`LoadStats::alone`); a
     /// lookup returns this rank's own hit, not the group's minimum (the engine must agree on
     /// the prefix itself). Only for engines whose ranks can still run while kvlink's group is
-    /// down.
+    /// down. "Down" is each rank's own finding, so a rank whose gate (or lookup collective)
+    /// then fails because a peer went alone goes alone too: every rank ends such a batch
+    /// loaded, none failed while another loaded it.
     ReadAlone,
 }
 

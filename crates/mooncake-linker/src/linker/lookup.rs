@@ -111,6 +111,12 @@ impl Inner {
             coll.abort(&format!("lookup collective failed: {e}"));
             failed(e.to_string())
         });
+        if let (Err(e), GroupFallback::ReadAlone) = (&agreed, self.config.group_fallback) {
+            // As a batch whose gate failed: a peer that found the group down looks up alone,
+            // and so does this rank.
+            warn!(error = %e, "the lookup's collective failed: looking up alone");
+            return local;
+        }
         match agreed? {
             LookupAgreement::Hit(min) => {
                 let hit = local?;
