@@ -104,26 +104,25 @@ fn groups_land_every_rank_byte_for_byte_on_both_paths() {
                         );
                         calls_before[rank] = calls;
                         let biggest = s.read_groups.iter().copied().max().unwrap_or(0);
-                        match (granularity, path) {
-                            (ReadGranularity::Fixed { .. }, _) => {
+                        match granularity {
+                            ReadGranularity::Fixed { .. } => {
                                 assert!(s.read_groups.iter().all(|&g| g == 3), "{what}")
                             }
                             // Batch 1: the engine's compute is not known yet, layer 0 is read
-                            // alone. Batch 2: these waits are back to back (no compute): any
-                            // grouping within the caps.
-                            (_, Path::Device { .. }) => {
+                            // alone. Batch 2: the plan weighs the share step measured in batch
+                            // 1 against a call's measured cost; on a loaded host the share
+                            // step can outweigh an embedded read, and one layer per call is
+                            // then the right plan: any grouping within the caps (which plan
+                            // comes of which costs is pinned by read_plan's and granularity's
+                            // unit tests, on fixed inputs).
+                            ReadGranularity::Adaptive { .. } => {
                                 assert!(
                                     batch > 1 || s.read_groups[0] == 1,
                                     "{what}: layer 0 alone"
                                 );
-                                assert!(biggest <= 3, "{what}: 4 stages, groups of at most 3");
-                            }
-                            (_, Path::Host) => {
-                                assert!(
-                                    batch > 1 || s.read_groups[0] == 1,
-                                    "{what}: layer 0 alone"
-                                );
-                                assert!(s.read_groups.len() < 12, "{what}: {:?}", s.read_groups);
+                                if let Path::Device { .. } = path {
+                                    assert!(biggest <= 3, "{what}: 4 stages, at most 3 a group");
+                                }
                             }
                         }
                     }
