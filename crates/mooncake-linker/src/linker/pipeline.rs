@@ -473,7 +473,9 @@ impl LayerPipeline<'_> {
         let mut share_time = Duration::ZERO;
         let mut every_layer = true;
         for layer in 0..num_layers {
+            let waited_at = Instant::now();
             let (stage, read_error) = self.receive(h, layer);
+            let verify_at = Instant::now();
             // What this rank read for the layer is verified before it says "ok" for it.
             let verified = match (&read_error, &stage, self.landing) {
                 (None, Some(st), Some(l)) => match self.sums.get() {
@@ -503,6 +505,7 @@ impl LayerPipeline<'_> {
             let word = mine
                 .as_ref()
                 .map_or(LayerStatus::Ok, LayerStatus::from_error);
+            let exchange_at = Instant::now();
             if let Err(e) = self.exchange(&mut status, layer, word) {
                 fatal = Some(e);
             }
@@ -528,7 +531,17 @@ impl LayerPipeline<'_> {
             };
             let shared_at = Instant::now();
             let ran = cx.run(step, &mut stage);
-            share_time += shared_at.elapsed();
+            let shared = shared_at.elapsed();
+            share_time += shared;
+            tracing::trace!(
+                %batch,
+                layer,
+                read_wait = ?(verify_at - waited_at),
+                verify = ?(exchange_at - verify_at),
+                status = ?(shared_at - exchange_at),
+                share = ?shared,
+                "layer steps"
+            );
             match ran {
                 Ok(ready) => {
                     inner
