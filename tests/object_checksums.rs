@@ -473,3 +473,81 @@ fn a_malformed_companion_makes_its_object_bad() {
         vec![Ok(false), Ok(false)]
     );
 }
+
+/// Page 1's object of component 0 gets `extra` bytes appended: every layer range still holds
+/// the saved bytes (and passes its checksum), only the size is wrong. Returns the key.
+fn lengthen_page_1(store: &dyn KvStore, g: &KvGeometry, pages: &[PageHash]) -> String {
+    let linker = Linker::new(
+        g.clone(),
+        Arc::new(EmbeddedStore::new(1)),
+        Arc::new(HostKvPool::new(g.clone(), 1).unwrap()),
+        config(),
+    )
+    .unwrap();
+    let key = linker
+        .object_keys(&load_plan(g, 0, pages, vec![0, 1, 2]))
+        .unwrap()[0][1]
+        .clone();
+    let mut bytes = get(store, &key).unwrap();
+    bytes.extend_from_slice(&[7u8; 64]);
+    assert_eq!(store.remove(&[key.as_str()]), vec![Ok(())]);
+    assert_eq!(put(store, &key, &bytes), PutOutcome::Written);
+    key
+}
+
+fn is_object_size(e: &KvLoadError) -> bool {
+    matches!(
+        e,
+        KvLoadError::InvalidPlan {
+            reason: PlanError::ObjectSize { .. },
+            ..
+        }
+    )
+}
+
+/// With a companion for every object, the size check runs beside the reads (every layer's
+/// bytes are checked against their checksums anyway): a wrong-sized object still fails the
+/// batch, before it completes, and is discarded.
+#[test]
+fn a_wrong_size_object_with_companions_fails_the_batch_before_it_completes() {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(29, 3, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let key = lengthen_page_1(store.as_ref(), &g, &pages);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![4, 5, 6]))
+        .unwrap();
+    // The last layer is never handed over as loaded: its wait says why.
+    let last = linker.wait_layer(&t, g.num_layers() - 1).unwrap_err();
+    assert!(is_object_size(&last), "{last}");
+    let failed = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    assert!(is_object_size(&failed), "{failed}");
+    assert!(get(store.as_ref(), &key).is_none(), "discarded");
+}
+
+/// Without a companion (objects another writer saved), the sizes guard the bytes: no layer of
+/// a batch with a wrong-sized object is handed over.
+#[test]
+fn a_wrong_size_object_without_companions_hands_over_no_layer() {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(31, 3, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let key = lengthen_page_1(store.as_ref(), &g, &pages);
+    let companion = checksum_key(&key);
+    assert_eq!(store.remove(&[companion.as_str()]), vec![Ok(())]);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![4, 5, 6]))
+        .unwrap();
+    let first = linker.wait_layer(&t, 0).unwrap_err();
+    assert!(is_object_size(&first), "{first}");
+    let failed = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    assert!(is_object_size(&failed), "{failed}");
+}

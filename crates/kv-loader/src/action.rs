@@ -53,7 +53,7 @@ impl KvLoadError {
     ///
     /// | variant | action |
     /// |---|---|
-    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's), `BadObject`, `Cancelled` | `Recompute` |
+    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's), `BadObject`, `Internal`, `Cancelled` | `Recompute` |
     /// | `Timeout`, `Device` | `ResetThenRecompute` |
     /// | `Busy`, `GroupDown` (a lookup's, `batch: None`) | `RetryLater` |
     /// | `InvalidPlan`, `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry` | `FixInput` |
@@ -68,6 +68,7 @@ impl KvLoadError {
             | KvLoadError::PeerFailed { .. }
             | KvLoadError::Collective { .. }
             | KvLoadError::BadObject { .. }
+            | KvLoadError::Internal { .. }
             | KvLoadError::Cancelled { .. } => EngineAction::Recompute,
             KvLoadError::GroupDown { batch: Some(_), .. } => EngineAction::Recompute,
             KvLoadError::GroupDown { batch: None, .. } | KvLoadError::Busy { .. } => {
@@ -141,6 +142,14 @@ mod tests {
             ),
             (KvLoadError::Busy { capacity: 1 }, EngineAction::RetryLater),
             (KvLoadError::Closed, EngineAction::FixInput),
+            (
+                KvLoadError::internal(b, "a step out of order"),
+                EngineAction::Recompute,
+            ),
+            (
+                KvLoadError::config("a setting out of range"),
+                EngineAction::FixInput,
+            ),
             (
                 KvLoadError::Device("x".into()),
                 EngineAction::ResetThenRecompute,

@@ -222,9 +222,22 @@ pub enum KvLoadError {
     /// Bad geometry or configuration.
     #[error("geometry: {0}")]
     Geometry(#[from] GeometryError),
-    /// Bad configuration of the loader.
+    /// Bad configuration or set-up of the loader (what it was given, or what it could not set
+    /// up with it: registering memory with the store, starting its threads); the typed error
+    /// behind it is the source where there is one (`Cause::downcast_ref`).
     #[error("configuration: {0}")]
-    Config(String),
+    Config(#[source] Cause),
+    /// A batch failed inside the loader: one of its own steps out of order, a helper thread
+    /// that could not start or panicked. Nothing the engine gave was wrong; the batch's pages
+    /// are recomputed. The typed error behind it is the source where there is one.
+    #[error("{}internal failure: {cause}", batch.map(|b| format!("{b}: ")).unwrap_or_default())]
+    Internal {
+        /// The batch, when one failed.
+        batch: Option<BatchId>,
+        /// What failed.
+        #[source]
+        cause: Cause,
+    },
     /// `start_load` of a batch id that is already in flight on this rank (started, its
     /// outcome not yet taken): refused before anything was counted; the batch in flight is
     /// untouched.
@@ -280,6 +293,20 @@ impl KvLoadError {
         }
     }
 
+    /// A [`Config`](KvLoadError::Config) error: `cause`'s words, and its typed error where it
+    /// has one.
+    pub fn config(cause: impl Into<Cause>) -> Self {
+        KvLoadError::Config(cause.into())
+    }
+
+    /// An [`Internal`](KvLoadError::Internal) failure of `batch`.
+    pub fn internal(batch: impl Into<Option<BatchId>>, cause: impl Into<Cause>) -> Self {
+        KvLoadError::Internal {
+            batch: batch.into(),
+            cause: cause.into(),
+        }
+    }
+
     /// The batch the error belongs to, if any.
     pub fn batch(&self) -> Option<BatchId> {
         match self {
@@ -292,7 +319,8 @@ impl KvLoadError {
             | KvLoadError::BadObject { batch, .. } => Some(*batch),
             KvLoadError::Store { batch, .. }
             | KvLoadError::Collective { batch, .. }
-            | KvLoadError::GroupDown { batch, .. } => *batch,
+            | KvLoadError::GroupDown { batch, .. }
+            | KvLoadError::Internal { batch, .. } => *batch,
             _ => None,
         }
     }
@@ -346,6 +374,34 @@ impl KvLoadError {
             KvLoadError::DuplicateBatch { .. } => "duplicate_batch",
             KvLoadError::BadObject { .. } => "bad_object",
             KvLoadError::SlotsHeld { .. } => "slots_held",
+            KvLoadError::Internal { .. } => "internal",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn config_and_internal_keep_their_typed_source() {
+        let io = std::io::Error::new(std::io::ErrorKind::WouldBlock, "no threads left");
+        let e = KvLoadError::config(Cause::with_source("spawning the load thread", io));
+        let source = e.source().and_then(|s| s.source()).expect("the io error");
+        assert!(source.downcast_ref::<std::io::Error>().is_some(), "{e}");
+        assert_eq!(e.kind_name(), "config");
+
+        let i = KvLoadError::internal(BatchId(7), "the reader stopped before layer 3");
+        assert_eq!(i.batch(), Some(BatchId(7)));
+        assert_eq!(i.kind_name(), "internal");
+        assert_eq!(
+            i.to_string(),
+            "batch 7: internal failure: the reader stopped before layer 3"
+        );
+        assert_eq!(
+            KvLoadError::internal(None, "x").to_string(),
+            "internal failure: x"
+        );
     }
 }

@@ -276,10 +276,9 @@ impl KvLoader for MockKvLoader {
             batch,
             pages: plan.logical.num_pages(),
         })?;
-        let counter = self
-            .counter
-            .begin(self.num_layers.max(1))
-            .map_err(|e| KvLoadError::Config(format!("mock: {e}")))?;
+        let counter = self.counter.begin(self.num_layers.max(1)).map_err(|e| {
+            KvLoadError::internal(batch, crate::Cause::with_source(format!("mock: {e}"), e))
+        })?;
         let ticket = LoadTicket {
             batch,
             num_layers: self.num_layers,

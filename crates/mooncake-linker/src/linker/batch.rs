@@ -19,7 +19,7 @@ use std::time::Instant;
 use dedup_broadcast::{Collective, StagingLayout};
 use kv_device::{BatchShape, LayerLanding};
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMode};
-use tracing::{info_span, warn};
+use tracing::{debug, info_span, warn};
 
 use super::gate::GateCount;
 use super::outcomes::HeldOutcome;
@@ -27,7 +27,6 @@ use super::pipeline::LayerPipeline;
 use super::reader::{store_failure, ComponentKeys, LayerReader};
 use super::regions::Registered;
 use super::session::PinnedKeys;
-use super::verify::CompanionPlan;
 use super::{GroupFallback, Inner};
 use crate::store::Hold;
 
@@ -163,6 +162,7 @@ impl Inner {
         let batch = job.plan.logical.batch;
         let span = info_span!("load_batch", %batch, pages = job.plan.logical.num_pages());
         let _enter = span.enter();
+        debug!(%batch, queued = ?job.started.elapsed(), "batch starts");
         let cancelled = self.epoch.load(std::sync::atomic::Ordering::Acquire) != job.epoch;
         let refusal = job
             .refusal
@@ -252,7 +252,10 @@ impl Inner {
             Ok(l) => (l, None),
             Err(e) => (
                 vec![None; num_layers as usize],
-                Some(KvLoadError::Config(format!("staging: {e}"))),
+                Some(KvLoadError::config(kv_loader::Cause::with_source(
+                    format!("staging: {e}"),
+                    e,
+                ))),
             ),
         };
         let layers = BatchLayers {
@@ -293,6 +296,7 @@ impl Inner {
             }
             Err(e) => (None, Vec::new(), Some(e)),
         };
+        debug!(%batch, rank, since_start = ?job.started.elapsed(), "landing ready");
         let memory: Hold = Arc::new(BatchMemory {
             _landing: landing.clone(),
             _registered: self.registered.lock().clone(),
@@ -302,15 +306,12 @@ impl Inner {
             Some(e) => Err(e),
             None => self.prepare(&layers, batch, landing_error.as_ref()),
         };
-        let (prep, companions) = match prep {
-            Ok((pins, plan)) => (Ok(pins), Some(plan)),
-            Err(e) => (Err(e), None),
-        };
         let sums = std::sync::OnceLock::new();
         let Some(counter) = job.ticket.map(|t| t.counter) else {
-            return Err(KvLoadError::Config(format!(
-                "{batch}: a refused batch has no ticket"
-            )));
+            return Err(KvLoadError::internal(
+                batch,
+                "a refused batch has no ticket",
+            ));
         };
         let pipeline = LayerPipeline {
             inner: self,
@@ -323,7 +324,7 @@ impl Inner {
             sums: &sums,
             tag,
         };
-        let run = pipeline.run(prep, companions, stages)?;
+        let run = pipeline.run(prep, stages)?;
         let last_layer = job.started.elapsed();
         if coll.is_some() {
             self.auto.observe_batch(mode, run.landed, last_layer);
@@ -345,16 +346,16 @@ impl Inner {
         })
     }
 
-    /// Local preparation: finds the checksum companions present and pins the keys this rank
-    /// reads with them; the reader checks the sizes and reads the companions beside its first
-    /// group (its preflight). Any failure (here, in the preflight, or in building the layouts
-    /// or the landing) is this rank's status from layer 0.
+    /// Local preparation: pins the objects this rank reads (a read session, renewed while the
+    /// load runs); the reader's preflight finds and reads their checksum companions and checks
+    /// their sizes beside its first reads. Any failure (here, in the preflight, or in building
+    /// the layouts or the landing) is this rank's status from layer 0.
     fn prepare<'s>(
         &'s self,
         layers: &BatchLayers,
         batch: BatchId,
         landing_error: Option<&kv_device::DeviceError>,
-    ) -> Result<(PinnedKeys<'s>, CompanionPlan), KvLoadError> {
+    ) -> Result<PinnedKeys<'s>, KvLoadError> {
         if let Some(e) = landing_error {
             return Err(KvLoadError::Device(kv_loader::Cause::with_source(
                 format!("{batch}: landing: {e}"),
@@ -362,7 +363,7 @@ impl Inner {
             )));
         }
         let my_pages = layers.my_pages();
-        let (companions, plan) = self.present_companions(layers, batch)?;
+        let t0 = std::time::Instant::now();
         let read_keys: Vec<&str> = layers
             .own
             .iter()
@@ -373,7 +374,6 @@ impl Inner {
                     .iter()
                     .flat_map(|c| c.keys[my_pages.clone()].iter().map(String::as_str)),
             )
-            .chain(companions.iter().map(String::as_str))
             .collect();
         let pins = PinnedKeys::start(
             &self.calls,
@@ -382,9 +382,14 @@ impl Inner {
             self.config.store_call_timeout,
         )
         .map_err(|e| store_failure(batch, None, Vec::new(), &e))?;
-        // The object sizes and the companions are read by the reader's preflight, beside its
-        // first group's read.
-        Ok((pins, plan))
+        tracing::debug!(
+            %batch,
+            rank = layers.rank,
+            pin = ?t0.elapsed(),
+            keys = read_keys.len(),
+            "prepared"
+        );
+        Ok(pins)
     }
 }
 

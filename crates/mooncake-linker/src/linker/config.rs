@@ -47,7 +47,13 @@ pub struct LinkerConfig {
     /// that ends after the lease its session took fails with `LEASE_EXPIRED`, so the renewal
     /// period plus one call's time (see `read_bytes_in_flight`) must stay under the lease.
     pub lease_renewal: Duration,
-    /// Check before the first read that each object's size matches the geometry.
+    /// Check that each object's size matches the geometry (one store query per object,
+    /// beside the first reads). Where every object has a checksum companion (and
+    /// `verify_checksums` is on) the verdict is needed only before the last layer is handed
+    /// over, since each layer's bytes are checked against their checksums anyway; otherwise it
+    /// is needed before the first. Either way a batch with a wrong-sized object fails
+    /// ([`PlanError::ObjectSize`](kv_loader::PlanError::ObjectSize)) and the object is
+    /// discarded.
     pub verify_object_sizes: bool,
     /// Check each (object, layer) range against the checksums kvlink wrote beside the object
     /// before the layer is reported loaded (objects without them, e.g. written by SGLang, are

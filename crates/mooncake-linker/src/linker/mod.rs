@@ -23,6 +23,7 @@ mod lookup;
 mod metrics;
 mod outcomes;
 mod pipeline;
+mod preflight;
 #[cfg(target_os = "linux")]
 mod process_group;
 mod reader;
@@ -162,7 +163,7 @@ impl Inner {
             CounterError::StaleTicket { .. } => KvLoadError::StaleTicket {
                 batch: ticket.batch,
             },
-            other => KvLoadError::Config(format!("{}: {other}", ticket.batch)),
+            other => KvLoadError::internal(ticket.batch, kv_loader::Cause::from_error(other)),
         }
     }
 }
@@ -242,9 +243,8 @@ impl Linker {
 
     fn host_landings(pool: &Arc<dyn KvPool>) -> Result<Arc<dyn LandingFactory>, KvLoadError> {
         if pool.residence() != Residence::Host {
-            return Err(KvLoadError::Config(
-                "a device pool lands through its backend's staging: use Linker::builder_staged or LinkerBuilder::landings"
-                    .into(),
+            return Err(KvLoadError::config(
+                "a device pool lands through its backend's staging: use Linker::builder_staged or LinkerBuilder::landings",
             ));
         }
         Ok(Arc::new(DirectLandingFactory::new(pool.clone())))
@@ -263,7 +263,7 @@ impl Linker {
             SharePath::Device => memory.device,
         };
         if !moves {
-            return Err(KvLoadError::Config(format!(
+            return Err(KvLoadError::config(format!(
                 "the landings share rows through {path:?} memory, but the group's data \
                  collective moves {memory:?}"
             )));
@@ -273,7 +273,7 @@ impl Linker {
             || group.control.rank() != group.rank()
             || group.control.size() != group.size()
         {
-            return Err(KvLoadError::Config(format!(
+            return Err(KvLoadError::config(format!(
                 "group rank {}/{} does not match geometry rank {}/{}",
                 group.rank(),
                 group.size(),
@@ -311,8 +311,8 @@ impl Linker {
         group: Option<TpGroup>,
     ) -> Result<Self, KvLoadError> {
         if pool.geometry() != &geometry {
-            return Err(KvLoadError::Config(
-                "the pool is laid out for another geometry".into(),
+            return Err(KvLoadError::config(
+                "the pool is laid out for another geometry",
             ));
         }
         let registered = Registered::new(store.clone(), landings.clone())?;
@@ -349,7 +349,12 @@ impl Linker {
                 worker.load_loop(rx);
                 drop(ended_tx);
             })
-            .map_err(|e| KvLoadError::Config(format!("spawning the load thread: {e}")))?;
+            .map_err(|e| {
+                KvLoadError::config(kv_loader::Cause::with_source(
+                    format!("spawning the load thread: {e}"),
+                    e,
+                ))
+            })?;
         Ok(Linker {
             inner,
             jobs: Mutex::new(Some(tx)),
@@ -451,10 +456,13 @@ impl Linker {
         s.epoch.fetch_add(1, Ordering::AcqRel);
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         if !s.outcomes.cancel_all(deadline) {
-            return Err(KvLoadError::Config(format!(
-                "the load thread is still busy {:?} after reset",
-                s.config.wait_deadline
-            )));
+            return Err(KvLoadError::internal(
+                None,
+                format!(
+                    "the load thread is still busy {:?} after reset",
+                    s.config.wait_deadline
+                ),
+            ));
         }
         let held = s.outcomes.held();
         if !held.is_empty() {
@@ -637,7 +645,7 @@ impl KvLoader for Linker {
         let cancelled = self.cancel_all();
         // Dropping the sender ends the load loop once it has nothing queued.
         self.jobs.lock().take();
-        let wait = if matches!(cancelled, Err(KvLoadError::Config(_))) {
+        let wait = if matches!(cancelled, Err(KvLoadError::Internal { .. })) {
             Duration::ZERO
         } else {
             // Idle: what is queued is refused batches, each bounded by the group's deadline.

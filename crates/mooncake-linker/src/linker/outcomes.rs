@@ -54,7 +54,7 @@ impl Outcomes {
         }
         let t = self.counter.begin(num_layers).map_err(|e| match e {
             CounterError::Full { capacity } => KvLoadError::Busy { capacity },
-            other => KvLoadError::Config(format!("{batch}: {other}")),
+            other => KvLoadError::internal(batch, kv_loader::Cause::from_error(other)),
         })?;
         in_flight.insert(batch);
         *self.pending.lock() += 1;

@@ -25,7 +25,7 @@
 //! loop waits for the reader at most `layer_read_timeout + collective_timeout` per layer. So
 //! the reader thread always ends, and the scope's join of it is bounded by those waits.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -33,16 +33,16 @@ use dedup_broadcast::{Collective, GroupStatus, LayerStatus};
 use kv_device::{LayerLanding, LayerStage, ShareSide};
 use kv_loader::{KvLoadError, ShareMode, StoreFailure};
 use layerwise_counter::Ticket;
-use parking_lot::Mutex;
 use tracing::warn;
 
 use super::batch::{collective_failure, BatchJob, BatchLayers};
 use super::granularity::CallLimits;
 use super::handoff::{Handoff, Wait};
+use super::preflight::{Check, PreflightChecks};
 use super::reader::{store_failure, LayerReader, OwnRows, ReadPart, RowTarget, ShareArea};
 use super::session::PinnedKeys;
 use super::share::{step_for, LayerCx, StepError};
-use super::verify::{BatchChecksums, CompanionPlan, LayerCheck};
+use super::verify::{BatchChecksums, LayerCheck};
 use super::Inner;
 use crate::store::Hold;
 
@@ -107,7 +107,6 @@ impl LayerPipeline<'_> {
     pub(crate) fn run(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
-        companions: Option<CompanionPlan>,
         stages: Vec<LayerStage>,
     ) -> Result<PipelineRun, KvLoadError> {
         // Without a landing every layer fails; two empty stages keep the layers moving.
@@ -123,7 +122,7 @@ impl LayerPipeline<'_> {
                     // The exchange loop learns at once that the reader left, even if it
                     // panicked.
                     let _done = ReaderDone(h);
-                    self.read_loop(prep, companions, ring, h)
+                    self.read_loop(prep, ring, h)
                 });
             let reader = match reader {
                 Ok(r) => r,
@@ -131,7 +130,10 @@ impl LayerPipeline<'_> {
                     // Nothing was read: every exchange of the batch still happens, failed.
                     h.reader_done();
                     let _ = self.exchange_loop(h);
-                    return Err(KvLoadError::Config(format!("spawning a reader: {e}")));
+                    return Err(KvLoadError::internal(
+                        self.job.plan.logical.batch,
+                        kv_loader::Cause::with_source(format!("spawning a reader: {e}"), e),
+                    ));
                 }
             };
             let exchanged = self.exchange_loop(h);
@@ -180,15 +182,17 @@ impl LayerPipeline<'_> {
     /// in one store call, hands its layers over in order. Returns the bytes read and the
     /// groups.
     ///
-    /// The batch's preflight runs on a helper thread while the first group is read: the
-    /// object sizes (when `verify_object_sizes`), then the checksum companions (`companions`).
-    /// The first group is handed over only once it passed: no layer of a batch with a
-    /// wrong-sized object is ever published, no layer arrives before its checksums, and the
-    /// first layer waits for the slower of the read and the preflight rather than their sum.
+    /// The batch's preflight runs on helper threads while the first groups are read (see
+    /// [`preflight`](super::preflight)): the checksum companions (found, then read), whose
+    /// verdict the first group waits for (no layer arrives before its checksums), and the
+    /// object sizes, whose verdict the first group also waits for unless every object has a
+    /// companion (then the sizes are taken as soon as they are in, at the latest before the
+    /// last group). So no batch with a wrong-sized object completes, no unchecked byte of one
+    /// is published, and the first layer waits for the slower of its read and the companions
+    /// rather than their sum.
     fn read_loop(
         &self,
         prep: Result<PinnedKeys<'_>, KvLoadError>,
-        companions: Option<CompanionPlan>,
         ring: usize,
         h: &Handoff<Option<LayerStage>, ReadLayer>,
     ) -> ReadRun {
@@ -207,17 +211,11 @@ impl LayerPipeline<'_> {
             hold: self.memory,
             deadline: kv_loader::deadline_after(c.store_call_timeout),
         };
-        let companions = Mutex::new(companions.filter(|_| failure.is_none()));
-        let preflight = || self.preflight(&reader, &companions);
-        let run_preflight = failure.is_none();
+        let covered = AtomicBool::new(false);
+        let groups = self.plan_groups(ring);
         std::thread::scope(|s| {
-            let mut sizes = run_preflight.then(|| {
-                std::thread::Builder::new()
-                    .name(format!("kvlink-size-r{}", self.inner.geometry.tp_rank))
-                    .spawn_scoped(s, preflight)
-                    .map_err(|_| preflight())
-            });
-            for group in self.plan_groups(ring) {
+            let mut checks = self.preflight(s, &reader, &covered, failure.is_none());
+            for (index, group) in groups.iter().cloned().enumerate() {
                 let mut stages = Vec::with_capacity(group.len());
                 for _ in group.clone() {
                     // The exchange loop hands a stage back after each layer (bounded), or
@@ -230,6 +228,7 @@ impl LayerPipeline<'_> {
                 if failure.is_none() && self.cancelled() {
                     failure = Some(KvLoadError::Cancelled { batch });
                 }
+                let mut read_failed = false;
                 if failure.is_none() {
                     let open: Option<Vec<&mut LayerStage>> =
                         stages.iter_mut().map(Option::as_mut).collect();
@@ -237,9 +236,7 @@ impl LayerPipeline<'_> {
                         (Some(l), Some(mut st), Some(p)) => {
                             self.read_group(p, l, &mut st, group.clone())
                         }
-                        _ => Err(KvLoadError::Config(format!(
-                            "{batch}: no landing to read into"
-                        ))),
+                        _ => Err(KvLoadError::internal(batch, "no landing to read into")),
                     };
                     match read {
                         Ok(n) => {
@@ -249,23 +246,18 @@ impl LayerPipeline<'_> {
                         Err(e) => {
                             warn!(%batch, layers = ?group, error = %e, "read failed");
                             failure = Some(e);
+                            read_failed = true;
                         }
                     }
                 }
-                // The preflight's verdict comes before any layer is handed over (and, when the
-                // size check failed, says more than a read of a wrong-sized object).
-                let checked = match sizes.take() {
-                    Some(Ok(handle)) => handle.join().unwrap_or_else(|_| {
-                        Err(KvLoadError::Config(format!(
-                            "{batch}: the preflight (sizes, checksums) panicked"
-                        )))
-                    }),
-                    Some(Err(inline)) => inline,
-                    None => Ok(()),
-                };
-                if let Err(e) = checked {
+                // The preflight's verdicts due before this group is handed over. Their failure
+                // replaces this group's read failure (a wrong-sized object says more than a
+                // short read of it), never an earlier group's.
+                if let Err(e) = checks.due(index, groups.len(), read_failed) {
                     warn!(%batch, error = %e, "preflight (object sizes, checksums)");
-                    failure = Some(e);
+                    if index == 0 || read_failed || failure.is_none() {
+                        failure = Some(e);
+                    }
                 }
                 for (layer, stage) in group.zip(stages) {
                     let msg = ReadLayer {
@@ -282,22 +274,56 @@ impl LayerPipeline<'_> {
         run
     }
 
-    /// The object sizes (when `verify_object_sizes`), then the checksum companions, which it
-    /// sets in `self.sums` (the plan is taken: this runs once).
-    fn preflight(
-        &self,
-        reader: &LayerReader<'_>,
-        companions: &Mutex<Option<CompanionPlan>>,
-    ) -> Result<(), KvLoadError> {
-        if self.inner.config.verify_object_sizes {
-            self.layers.verify_sizes(reader)?;
-        }
-        if let Some(plan) = companions.lock().take() {
-            let batch = self.job.plan.logical.batch;
+    /// Starts the preflight's checks (none when `run` is false): the checksum companions (which
+    /// of the objects have one, then those, set in `self.sums`; `covered` says whether every
+    /// object has one) and the object sizes (when `verify_object_sizes`).
+    fn preflight<'scope>(
+        &'scope self,
+        s: &'scope std::thread::Scope<'scope, '_>,
+        reader: &'scope LayerReader<'_>,
+        covered: &'scope AtomicBool,
+        run: bool,
+    ) -> PreflightChecks<'scope> {
+        let batch = self.job.plan.logical.batch;
+        let rank = self.layers.rank;
+        // The sizes start once the companions are read: a companion that does not fit checks
+        // (and discards) its object itself, and two checks discarding the same object at once
+        // would each see the other's discard as a missing object.
+        let (companions_read, read) = std::sync::mpsc::channel::<()>();
+        let companions_limit = self.inner.config.store_call_timeout.saturating_mul(3);
+        let sizes = move || {
+            let _ = read.recv_timeout(companions_limit);
+            let t0 = Instant::now();
+            let r = self.layers.verify_sizes(reader);
+            tracing::debug!(%batch, rank, took = ?t0.elapsed(), "preflight sizes");
+            r
+        };
+        let sums = move || {
+            // Dropped when this returns or unwinds: the sizes start then.
+            let _read = companions_read;
+            let t0 = Instant::now();
+            let plan = self.inner.present_companions(self.layers, batch)?;
+            let found = t0.elapsed();
+            covered.store(plan.covers_every_object(), Ordering::Release);
             let sums = self.inner.read_companions(self.layers, batch, plan)?;
             let _ = self.sums.set(sums);
+            tracing::debug!(%batch, rank, find = ?found, took = ?t0.elapsed(), "preflight companions");
+            Ok(())
+        };
+        let name = |what: &str| format!("kvlink-{what}-r{}", self.inner.geometry.tp_rank);
+        PreflightChecks {
+            sizes: if run && self.inner.config.verify_object_sizes {
+                Check::spawn(s, name("size"), batch, "object size", sizes)
+            } else {
+                Check::passed(batch, "object size")
+            },
+            companions: if run {
+                Check::spawn(s, name("sums"), batch, "checksum companion", sums)
+            } else {
+                Check::passed(batch, "checksum companion")
+            },
+            covered,
         }
-        Ok(())
     }
 
     /// Reads layers `group` on this rank in one store call, layer `group.start + i` into
@@ -365,7 +391,7 @@ impl LayerPipeline<'_> {
         };
         let n = reader.read_group(&parts, group.clone())?;
         let took = t0.elapsed();
-        tracing::debug!(%batch, layers = ?group, bytes = n, ?took, "group read");
+        tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
         inner.metrics.layer_read(took);
         inner.reads.observe(group.len() as u32, n, took);
         inner.auto.observe_store_read(n, took);
@@ -417,19 +443,20 @@ impl LayerPipeline<'_> {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
         let mut limit = c.layer_read_timeout.saturating_add(c.collective_timeout);
-        if layer == 0 {
-            // Layer 0 also waits for the reader's preflight: two store calls (sizes, then the
-            // checksum companions), each bounded by `store_call_timeout`.
-            limit = limit.saturating_add(c.store_call_timeout.saturating_mul(2));
+        if layer == 0 || layer + 1 == self.inner.geometry.num_layers() {
+            // The first and the last layer also wait for the reader's preflight (finding the
+            // checksum companions, reading them, then the sizes: three store calls at most in a
+            // row, each bounded by `store_call_timeout`).
+            limit = limit.saturating_add(c.store_call_timeout.saturating_mul(3));
         }
         match h.next_layer(kv_loader::deadline_after(limit)) {
             Wait::Got(m) if m.layer == layer => (m.stage, m.error),
             Wait::Got(m) => (
                 None,
-                Some(KvLoadError::Config(format!(
-                    "{batch}: the reader sent layer {} for layer {layer}",
-                    m.layer
-                ))),
+                Some(KvLoadError::internal(
+                    batch,
+                    format!("the reader sent layer {} for layer {layer}", m.layer),
+                )),
             ),
             Wait::TimedOut => (
                 None,
@@ -444,9 +471,10 @@ impl LayerPipeline<'_> {
             ),
             Wait::Closed => (
                 None,
-                Some(KvLoadError::Config(format!(
-                    "{batch}: the reader stopped before layer {layer}"
-                ))),
+                Some(KvLoadError::internal(
+                    batch,
+                    format!("the reader stopped before layer {layer}"),
+                )),
             ),
         }
     }
@@ -461,7 +489,7 @@ impl LayerPipeline<'_> {
         let batch = job.plan.logical.batch;
         let num_layers = inner.geometry.num_layers();
         let step = step_for(layers.mode);
-        tracing::debug!(%batch, mode = ?step.mode(), "exchange loop");
+        tracing::debug!(%batch, rank = layers.rank, mode = ?step.mode(), "exchange loop");
         let mut status = GroupStatus::default();
         // This rank's failure of the previous layer's share step, to report next.
         let mut carried: Option<KvLoadError> = None;
@@ -487,15 +515,17 @@ impl LayerPipeline<'_> {
                     }
                     .run(l, st, layer)
                     .err(),
-                    None => Some(KvLoadError::Config(format!(
-                        "{batch}: layer {layer} arrived before its checksums were read"
-                    ))),
+                    None => Some(KvLoadError::internal(
+                        batch,
+                        format!("layer {layer} arrived before its checksums were read"),
+                    )),
                 },
                 // Said in this layer's status word, so that every rank stops here together
                 // (never after an ok word, which would skip this layer's collective).
-                (None, None, _) | (None, _, None) => Some(KvLoadError::Config(format!(
-                    "{batch}: layer {layer} has no stage or no landing"
-                ))),
+                (None, None, _) | (None, _, None) => Some(KvLoadError::internal(
+                    batch,
+                    format!("layer {layer} has no stage or no landing"),
+                )),
                 _ => None,
             };
             let mine = carried.take().or(read_error).or(verified);
@@ -514,9 +544,10 @@ impl LayerPipeline<'_> {
                 break;
             }
             let (Some(landing), Some(mut stage)) = (self.landing, stage) else {
-                fatal = Some(KvLoadError::Config(format!(
-                    "{batch}: layer {layer} has no stage"
-                )));
+                fatal = Some(KvLoadError::internal(
+                    batch,
+                    format!("layer {layer} has no stage"),
+                ));
                 every_layer = false;
                 break;
             };
@@ -535,6 +566,7 @@ impl LayerPipeline<'_> {
             share_time += shared;
             tracing::trace!(
                 %batch,
+                rank = layers.rank,
                 layer,
                 read_wait = ?(verify_at - waited_at),
                 verify = ?(exchange_at - verify_at),

@@ -128,12 +128,14 @@ impl LayerReader<'_> {
         let mut expected: Vec<u64> = Vec::new();
         for (pi, part) in parts.iter().enumerate() {
             if part.targets.len() < group.len() {
-                return Err(KvLoadError::Config(format!(
-                    "{}: {} targets for a group of {} layers",
+                return Err(KvLoadError::internal(
                     self.batch,
-                    part.targets.len(),
-                    group.len()
-                )));
+                    format!(
+                        "{} targets for a group of {} layers",
+                        part.targets.len(),
+                        group.len()
+                    ),
+                ));
             }
             for (ci, comp) in part.components.iter().enumerate() {
                 let len = comp.layout.page_layer_bytes as usize;

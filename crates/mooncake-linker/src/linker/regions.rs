@@ -33,7 +33,12 @@ impl Registered {
             .into_iter()
             .map(|region| Registration::new(&store, region))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| KvLoadError::Config(format!("registering landing memory: {e}")))?;
+            .map_err(|e| {
+                KvLoadError::config(kv_loader::Cause::with_source(
+                    format!("registering landing memory: {e}"),
+                    e,
+                ))
+            })?;
         Ok(Arc::new(Registered {
             _regions: regions,
             _landings: landings,

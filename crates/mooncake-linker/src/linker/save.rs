@@ -193,7 +193,12 @@ impl Inner {
             .take(chunk.len())
             .map(|o| ObjectChecksums::of_object(o, comp.layout.page_layer_bytes))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| KvLoadError::Config(format!("{batch}: checksums: {e}")))?;
+            .map_err(|e| {
+                KvLoadError::internal(
+                    batch,
+                    kv_loader::Cause::with_source(format!("checksums: {e}"), e),
+                )
+            })?;
         // Shared with a put past its deadline, which keeps it until it returns.
         let objects: Arc<Vec<u8>> = Arc::new(objects);
         let puts: Vec<ObjectPut<'_>> = chunk

@@ -66,13 +66,13 @@ impl Inner {
     }
 
     /// The companions this rank reads for `layers` (own components: every page; shared ones:
-    /// this rank's share), and which of them the store holds (one `exists` call). Returns the
-    /// present ones' keys (to pin with the objects) and the bookkeeping to read them into.
+    /// this rank's share), and which of them the store holds (one `exists` call): the
+    /// bookkeeping to read the present ones into.
     pub(crate) fn present_companions(
         &self,
         layers: &BatchLayers,
         batch: BatchId,
-    ) -> Result<(Vec<String>, CompanionPlan), KvLoadError> {
+    ) -> Result<CompanionPlan, KvLoadError> {
         let mut plan = CompanionPlan {
             sums: BatchChecksums {
                 enabled: self.config.verify_checksums,
@@ -80,9 +80,10 @@ impl Inner {
                 shared: vec![vec![None; layers.pages]; layers.shared.len()],
             },
             wanted: Vec::new(),
+            absent: 0,
         };
         if !self.config.verify_checksums {
-            return Ok((Vec::new(), plan));
+            return Ok(plan);
         }
         let mine = layers.my_pages();
         let lists = [
@@ -104,24 +105,23 @@ impl Inner {
             }
         }
         if wanted.is_empty() {
-            return Ok((Vec::new(), plan));
+            return Ok(plan);
         }
         let keys: Vec<&str> = wanted.iter().map(|w| w.key.as_str()).collect();
         let present = self.calls.exists(&keys, self.store_call_deadline());
         for (w, p) in wanted.into_iter().zip(present) {
             match p {
                 Ok(true) => plan.wanted.push(w),
-                Ok(false) => {}
+                Ok(false) => plan.absent += 1,
                 Err(e) => {
                     return Err(store_failure(batch, None, vec![w.page as u32], &e));
                 }
             }
         }
-        let keys = plan.wanted.iter().map(|w| w.key.clone()).collect();
-        Ok((keys, plan))
+        Ok(plan)
     }
 
-    /// Reads the present companions (inside the session already started over them) and
+    /// Reads the present companions (each read once, whole: no session outlives the call) and
     /// decodes them. A companion that is not one (malformed, another layout, cut short) makes
     /// its object bad: both are discarded and the batch fails on this rank.
     pub(crate) fn read_companions(
@@ -205,6 +205,16 @@ impl Inner {
 pub(crate) struct CompanionPlan {
     sums: BatchChecksums,
     wanted: Vec<Wanted>,
+    /// Objects this rank reads that have no companion (checked by length only).
+    absent: usize,
+}
+
+impl CompanionPlan {
+    /// Verification is on and every object this rank reads has a companion: each layer's
+    /// bytes are checked against their checksums.
+    pub(crate) fn covers_every_object(&self) -> bool {
+        self.sums.enabled && self.absent == 0
+    }
 }
 
 /// Checks layer `layer` of what this rank read for a batch, in the stage the reader handed
@@ -235,10 +245,10 @@ impl LayerCheck<'_> {
         let rows = self.rows(landing, stage, layer)?;
         let verdicts =
             verify_rows(&rows, layer, self.inner.config.read_parallelism).ok_or_else(|| {
-                KvLoadError::Config(format!(
-                    "{}: a layer {layer} verification thread panicked",
-                    self.batch
-                ))
+                KvLoadError::internal(
+                    self.batch,
+                    format!("a layer {layer} verification thread panicked"),
+                )
             })?;
         let mut counts = (0u64, 0u64);
         for (row, verdict) in rows.iter().zip(verdicts) {

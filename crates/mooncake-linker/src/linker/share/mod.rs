@@ -101,7 +101,7 @@ impl LayerCx<'_> {
 
     fn coll(&self) -> Result<&dyn Collective, StepError> {
         self.coll.ok_or_else(|| {
-            StepError::Fatal(KvLoadError::Config("a share step without a group".into()))
+            StepError::Fatal(KvLoadError::internal(None, "a share step without a group"))
         })
     }
 

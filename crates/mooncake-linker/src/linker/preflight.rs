@@ -1,0 +1,245 @@
+//! A batch's preflight: the checks that run on helper threads beside the reader's first
+//! reads, and the point of the batch each one must have passed by.
+//!
+//! - **The checksum companions** are read before the first group is handed over: no layer
+//!   arrives before its checksums.
+//! - **The object sizes** (when `verify_object_sizes`) are one master query per key (Mooncake
+//!   has no batched size query), the slowest store work before layer 0. Where every object
+//!   this rank reads has a companion, each layer's bytes are checked against their checksums
+//!   anyway, so the sizes need not hold layer 0 back: their verdict is taken as soon as it is
+//!   in (checked between groups) and at the latest before the last group is handed over, so a
+//!   batch with a wrong-sized object still never completes. Where some object has no
+//!   companion (checksums off, or objects another writer saved), the sizes are what guards
+//!   its bytes, and they are checked before the first group, as the companions are.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::{Scope, ScopedJoinHandle};
+
+use kv_loader::{BatchId, KvLoadError};
+use parking_lot::Mutex;
+
+/// One preflight check running on a helper thread (or already done inline, when no thread
+/// could be started), joined once.
+pub(crate) struct Check<'scope> {
+    state: CheckState<'scope>,
+    batch: BatchId,
+    what: &'static str,
+}
+
+enum CheckState<'scope> {
+    Running(ScopedJoinHandle<'scope, Result<(), KvLoadError>>),
+    Done(Result<(), KvLoadError>),
+    Taken,
+}
+
+impl<'scope> Check<'scope> {
+    /// Runs `check` on a thread named `name` in `scope`; inline if no thread can be started.
+    pub(crate) fn spawn<'env, F>(
+        scope: &'scope Scope<'scope, 'env>,
+        name: String,
+        batch: BatchId,
+        what: &'static str,
+        check: F,
+    ) -> Self
+    where
+        F: FnOnce() -> Result<(), KvLoadError> + Send + 'scope,
+    {
+        // The closure goes to the thread, or stays here when none starts.
+        let cell = Arc::new(Mutex::new(Some(check)));
+        let theirs = cell.clone();
+        let run = move || match theirs.lock().take() {
+            Some(check) => check(),
+            None => Ok(()),
+        };
+        let state = match std::thread::Builder::new()
+            .name(name)
+            .spawn_scoped(scope, run)
+        {
+            Ok(handle) => CheckState::Running(handle),
+            Err(_) => CheckState::Done(cell.lock().take().map_or(Ok(()), |check| check())),
+        };
+        Check { state, batch, what }
+    }
+
+    /// A check with nothing to do.
+    pub(crate) fn passed(batch: BatchId, what: &'static str) -> Self {
+        Check {
+            state: CheckState::Taken,
+            batch,
+            what,
+        }
+    }
+
+    /// Whether the verdict is in (waiting for it would not block).
+    pub(crate) fn is_done(&self) -> bool {
+        match &self.state {
+            CheckState::Running(h) => h.is_finished(),
+            CheckState::Done(_) | CheckState::Taken => true,
+        }
+    }
+
+    /// The verdict, waiting for it if need be; `Ok` once it was taken. A check that panicked
+    /// fails the batch.
+    pub(crate) fn verdict(&mut self) -> Result<(), KvLoadError> {
+        match std::mem::replace(&mut self.state, CheckState::Taken) {
+            CheckState::Running(h) => h.join().unwrap_or_else(|_| {
+                Err(KvLoadError::internal(
+                    self.batch,
+                    format!("the preflight's {} check panicked", self.what),
+                ))
+            }),
+            CheckState::Done(r) => r,
+            CheckState::Taken => Ok(()),
+        }
+    }
+}
+
+/// When the reader takes the preflight's verdicts: the companions before the first group;
+/// the sizes before the first group too unless every object has a companion, else as soon
+/// as they are in and at the latest before the last group.
+pub(crate) struct PreflightChecks<'scope> {
+    /// The checksum companions.
+    pub(crate) companions: Check<'scope>,
+    /// The object sizes.
+    pub(crate) sizes: Check<'scope>,
+    /// Every object this rank reads has a companion (its bytes are checked per layer): set by
+    /// the companions' check before it ends, read once its verdict is taken.
+    pub(crate) covered: &'scope AtomicBool,
+}
+
+impl PreflightChecks<'_> {
+    /// The verdicts due before handing over group `index` of `groups`, whose read failed when
+    /// `read_failed` (the sizes are then waited for: a wrong-sized object explains a failed
+    /// read better than the read does). The companions' error comes first: a companion that
+    /// does not fit checks its object's size itself, and says
+    /// [`PlanError::ObjectSize`](kv_loader::PlanError::ObjectSize) when that is why.
+    pub(crate) fn due(
+        &mut self,
+        index: usize,
+        groups: usize,
+        read_failed: bool,
+    ) -> Result<(), KvLoadError> {
+        let first = index == 0;
+        let last = index + 1 >= groups;
+        let companions = if first {
+            self.companions.verdict()
+        } else {
+            Ok(())
+        };
+        // Known once the companions' verdict is in (always, from the first group on).
+        let covered = self.covered.load(Ordering::Acquire);
+        let sizes = if (first && !covered) || last || read_failed || self.sizes.is_done() {
+            self.sizes.verdict()
+        } else {
+            Ok(())
+        };
+        companions.and(sizes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    static COVERED: AtomicBool = AtomicBool::new(true);
+
+    fn failed(what: &str) -> Result<(), KvLoadError> {
+        Err(KvLoadError::config(what))
+    }
+
+    #[test]
+    fn covered_sizes_hold_back_only_the_last_group() {
+        let release = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let slow_sizes = || {
+                let limit = Instant::now() + Duration::from_secs(10);
+                while !release.load(Ordering::Acquire) && Instant::now() < limit {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                failed("wrong size")
+            };
+            let mut checks = PreflightChecks {
+                companions: Check::spawn(s, "c".into(), BatchId(1), "companions", || Ok(())),
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", slow_sizes),
+                covered: &COVERED,
+            };
+            // The first and a middle group pass while the sizes are still being checked.
+            assert!(checks.due(0, 3, false).is_ok());
+            assert!(checks.due(1, 3, false).is_ok());
+            release.store(true, Ordering::Release);
+            // The last group waits for them and fails.
+            assert!(
+                matches!(checks.due(2, 3, false), Err(KvLoadError::Config(m)) if m.detail() == "wrong size")
+            );
+        });
+    }
+
+    #[test]
+    fn uncovered_sizes_hold_back_the_first_group() {
+        std::thread::scope(|s| {
+            let mut checks = PreflightChecks {
+                companions: Check::spawn(s, "c".into(), BatchId(1), "companions", || {
+                    failed("bad companion")
+                }),
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", || failed("wrong size")),
+                covered: &AtomicBool::new(false),
+            };
+            assert!(
+                matches!(checks.due(0, 2, false), Err(KvLoadError::Config(m)) if m.detail() == "bad companion")
+            );
+            // Both were taken (each once).
+            assert!(checks.sizes.is_done() && checks.due(1, 2, false).is_ok());
+        });
+    }
+
+    #[test]
+    fn a_finished_size_check_is_taken_at_once() {
+        std::thread::scope(|s| {
+            let mut checks = PreflightChecks {
+                companions: Check::passed(BatchId(1), "companions"),
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", || failed("wrong size")),
+                covered: &COVERED,
+            };
+            let limit = Instant::now() + Duration::from_secs(10);
+            while !checks.sizes.is_done() && Instant::now() < limit {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(
+                checks.due(0, 5, false).is_err(),
+                "taken as soon as it is in"
+            );
+            assert!(checks.due(1, 5, false).is_ok(), "taken once");
+        });
+    }
+
+    #[test]
+    fn a_failed_read_waits_for_the_sizes() {
+        std::thread::scope(|s| {
+            let mut checks = PreflightChecks {
+                companions: Check::passed(BatchId(1), "companions"),
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", || {
+                    std::thread::sleep(Duration::from_millis(50));
+                    failed("wrong size")
+                }),
+                covered: &COVERED,
+            };
+            assert!(
+                matches!(checks.due(1, 5, true), Err(KvLoadError::Config(m)) if m.detail() == "wrong size")
+            );
+        });
+    }
+
+    #[test]
+    fn a_panicking_check_fails_the_batch() {
+        std::thread::scope(|s| {
+            let mut c = Check::spawn(s, "p".into(), BatchId(4), "sizes", || -> Result<(), _> {
+                panic!("boom")
+            });
+            let e = c.verdict().unwrap_err();
+            assert!(matches!(e, KvLoadError::Internal { .. }), "{e}");
+            assert!(e.to_string().contains("sizes check panicked"), "{e}");
+        });
+    }
+}

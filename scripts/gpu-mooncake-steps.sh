@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs ON THE GPU MACHINE: where a load's time goes, step by step, against a real Mooncake Store.
+# One mooncake_modes run (host pools, ranks as threads, one storage node) with the linker's
+# debug/trace events on, then a summary of them per mode and rank: each layer's wait for its
+# read, its verification, its status exchange and its share step (sums and medians), every
+# group read (layers, bytes, time, GB/s), and what precedes layer 0 (companions, pins,
+# preflight). Built and packed here by scripts/gpu-mooncake-bundle.sh (carry gpu-mooncake/).
+#
+# Usage: bash scripts/gpu-mooncake-steps.sh [--tokens N] [--tp N] [--modes m1,m2] [--no-compute]
+# Output ($OUT, else gpu-mooncake/out/): steps_<machine>_tp<N>_<tokens>.md (the summary and the
+# run's tables), steps_tp<N>_<tokens>.stderr.log.xz (the raw events).
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+tokens=32768; tp=2; modes="rank0-broadcast,split-all-gather"; extra=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --tokens) tokens="$2"; shift 2 ;;
+    --tp) tp="$2"; shift 2 ;;
+    --modes) modes="$2"; shift 2 ;;
+    --no-compute) extra+=(--no-compute); shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "gpu-mooncake-steps: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+out="${OUT:-$repo/gpu-mooncake/out}"; mkdir -p "$out"
+machine="cpu$(nproc)"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  n=$(nvidia-smi -L | grep -c '^GPU'); machine="h200x$n"
+  source "$repo/scripts/gpu-common.sh"
+fi
+export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-8 GB}"
+export RUST_LOG="warn,mooncake_linker=trace" NO_COLOR=1
+tag="$((tokens / 1024))k"
+work=$(mktemp -d)
+timeout -k 15 "${KVLINK_TABLE_TIMEOUT:-400}" bash scripts/gpu-mooncake-run.sh --storage-nodes 1 -- \
+  mooncake_modes --pools host --tokens "$tokens" --tp "$tp" --modes "$modes" --reps 2 --auto-runs 1 \
+  --machine "$machine" --out "$work" --budget-s 360 "${extra[@]}" \
+  > "$work/stdout.log" 2> "$work/stderr.log"
+rc=$?
+file="$out/steps_${machine}_tp${tp}_${tag}.md"
+{
+  echo "# Where a load's time goes: mooncake_modes, TP $tp, $tag tokens, host pools, one storage node"
+  echo
+  echo "Command: bash scripts/gpu-mooncake-steps.sh --tokens $tokens --tp $tp --modes $modes ${extra[*]} ($(date -u +%Y-%m-%d), $machine, $(nproc) CPUs); exit status $rc"
+  echo
+  python3 "$repo/scripts/steps_summary.py" "$work/stderr.log" 2>&1 || echo "(no python3 summary: see the raw log)"
+  echo
+  echo "## The run's tables"
+  echo
+  cat "$work"/*.md 2>/dev/null || cat "$work/stdout.log"
+} > "$file"
+xz -T0 -c "$work/stderr.log" > "$out/steps_tp${tp}_${tag}.stderr.log.xz" 2>/dev/null || cp "$work/stderr.log" "$out/steps_tp${tp}_${tag}.stderr.log"
+echo "wrote $file"
+exit $rc
