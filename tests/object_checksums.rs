@@ -137,7 +137,7 @@ struct Gather {
 }
 
 impl SaveGather for Gather {
-    fn gather(&mut self, c: ComponentId, layer: u32) -> Result<usize, DeviceError> {
+    fn gather(&mut self, c: ComponentId, layer: u32) -> Result<&[u8], DeviceError> {
         let len = self.pool.geometry().component(c).unwrap().page_layer_bytes as usize;
         self.rows.resize(len * self.slots.len(), 0);
         for (i, &s) in self.slots.iter().enumerate() {
@@ -147,7 +147,7 @@ impl SaveGather for Gather {
                     .read_slot(c, layer, s, &mut self.rows[i * len..][..len])
             }?;
         }
-        Ok(self.rows.as_ptr() as usize)
+        Ok(&self.rows)
     }
 }
 

@@ -329,13 +329,17 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
             let r0 = t0.elapsed().as_secs_f64() * 1e3;
             let stage = &mut stages[layer as usize % 2];
             landing.open(stage, layer, soon()).map_err(de)?;
+            // The stage is lent while the readers below write it (this bench calls the raw
+            // store, as the linker's typed read does underneath).
+            let loan = landing.lend(stage).map_err(de)?;
             let mut dsts: Vec<(usize, usize, usize)> = Vec::new();
             for (ci, c) in g.components().iter().enumerate() {
                 if c.position(layer).is_none() {
                     continue;
                 }
                 for p in 0..n {
-                    dsts.push((ci, p, landing.target(stage, c.id, p).map_err(de)?));
+                    let t = landing.target(&loan, c.id, p).map_err(de)?;
+                    dsts.push((ci, p, t.addr()));
                 }
             }
             let chunk = dsts.len().div_ceil(readers).max(1);
@@ -364,7 +368,8 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
                                 })
                                 .collect();
                             // SAFETY: every destination is a distinct staging row of this
-                            // layer handed out by the landing, untouched until it lands.
+                            // layer, a target of the stage's loan (which lives until every
+                            // reader joined), untouched by the landing while it is lent.
                             let res = unsafe { store.get_ranges(&gets) };
                             res.iter().filter(|r| r.is_err()).count()
                         })
@@ -372,6 +377,7 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
                     .collect();
                 hs.into_iter().map(|h| h.join().unwrap_or(1)).sum::<usize>()
             });
+            drop(loan);
             if failed > 0 {
                 return Err(format!("{failed} reads failed at layer {layer}"));
             }

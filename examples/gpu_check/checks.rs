@@ -217,10 +217,15 @@ fn stage_layer(
 ) -> Result<(), String> {
     let (sl, ss) = staged;
     sl.open(ss, layer, soon()).map_err(de)?;
-    let mut direct = direct;
-    if let Some((dl, ds)) = direct.as_mut() {
-        dl.open(ds, layer, soon()).map_err(de)?;
-    }
+    // This check stands in for the store: it fills the stages through their loans.
+    let mut staged_loan = sl.lend(ss).map_err(de)?;
+    let mut direct_loan = match direct {
+        Some((dl, ds)) => {
+            dl.open(ds, layer, soon()).map_err(de)?;
+            Some((dl, dl.lend(ds).map_err(de)?))
+        }
+        None => None,
+    };
     for c in g.components() {
         if c.position(layer).is_none() {
             continue;
@@ -229,14 +234,11 @@ fn stage_layer(
         let mut row = vec![0u8; len];
         for page in 0..n {
             fill_row(&mut row, u64::from(c.id.0) + 1, layer, page as u64);
-            let t = sl.target(ss, c.id, page).map_err(de)?;
-            // SAFETY: `t` is this landing's staging address for the row, `len` bytes, which
-            // nothing else touches until the layer is landed.
-            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), t as *mut u8, len) };
-            if let Some((dl, ds)) = direct.as_ref() {
-                let h = dl.target(ds, c.id, page).map_err(de)?;
-                // SAFETY: `h` is the host pool's slot for the row, `len` bytes, ours alone.
-                unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), h as *mut u8, len) };
+            let t = sl.target(&staged_loan, c.id, page).map_err(de)?;
+            staged_loan.write(t, &row).map_err(de)?;
+            if let Some((dl, loan)) = direct_loan.as_mut() {
+                let h = dl.target(loan, c.id, page).map_err(de)?;
+                loan.write(h, &row).map_err(de)?;
             }
         }
     }
@@ -445,14 +447,18 @@ fn misuse(dev: &Arc<CudaDevice>, pages: u32) -> Result<String, String> {
     )?;
     let mut stages = l.take_stages();
     expect(
-        "a target before the layer is open",
-        l.target(&stages[0], ComponentId(0), 0).map(|_| ()),
+        "a loan before the layer is open",
+        l.lend(&mut stages[0]).map(|_| ()),
     )?;
     l.open(&mut stages[0], 0, soon()).map_err(de)?;
+    let loan = l.lend(&mut stages[0]).map_err(de)?;
     expect(
         "plan page without a slot",
-        l.target(&stages[0], ComponentId(0), 4).map(|_| ()),
+        l.target(&loan, ComponentId(0), 4).map(|_| ()),
     )?;
+    expect("a stage lent twice", l.lend(&mut stages[0]).map(|_| ()))?;
+    expect("landing a lent stage", l.land(&mut stages[0]).map(|_| ()))?;
+    drop(loan);
     let off_layer = (0..g.num_layers())
         .find(|&x| g.components().iter().any(|c| c.position(x).is_none()))
         .unwrap_or(0);
@@ -463,10 +469,12 @@ fn misuse(dev: &Arc<CudaDevice>, pages: u32) -> Result<String, String> {
         .map(|c| c.id)
         .unwrap_or(ComponentId(99));
     l.open(&mut stages[1], off_layer, soon()).map_err(de)?;
+    let loan = l.lend(&mut stages[1]).map_err(de)?;
     expect(
         "component not on the layer",
-        l.target(&stages[1], missing, 0).map(|_| ()),
+        l.target(&loan, missing, 0).map(|_| ()),
     )?;
+    drop(loan);
     l.land(&mut stages[0]).map_err(de)?;
     expect("land a stage twice", l.land(&mut stages[0]).map(|_| ()))?;
     let other = DirectLanding::new(
@@ -504,16 +512,12 @@ fn gather(dev: &Arc<CudaDevice>, pages: u32, slots: &[u32]) -> Result<String, St
                 if c.position(layer).is_none() {
                     continue;
                 }
-                let addr = save.gather(c.id, layer).map_err(de)?;
+                let rows = save.gather(c.id, layer).map_err(de)?;
                 let len = c.page_layer_bytes as usize;
                 let mut want = vec![0u8; len];
                 for page in 0..n {
                     fill_row(&mut want, u64::from(c.id.0) + 1, layer, page as u64);
-                    // SAFETY: the gather finished; its rows stay in our pinned half until the
-                    // next gather.
-                    let got = unsafe {
-                        std::slice::from_raw_parts((addr + page * len) as *const u8, len)
-                    };
+                    let got = rows.get(page * len..(page + 1) * len).unwrap_or_default();
                     if got != &want[..] {
                         return Err(format!(
                             "{strategy:?}: layer {layer} component {} page {page} differs",

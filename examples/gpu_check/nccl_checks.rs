@@ -277,6 +277,8 @@ fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> {
         staged.open(s, layer, soon()).map_err(de)?;
         direct.open(d, layer, soon()).map_err(de)?;
         let bl = blocks(&g, layer, n);
+        // This check stands in for the store: it fills both stages through their loans.
+        let (mut sloan, mut dloan) = (staged.lend(s).map_err(de)?, direct.lend(d).map_err(de)?);
         for b in &bl {
             let len = g
                 .component(b.component)
@@ -286,16 +288,14 @@ fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> {
             for page in 0..n {
                 fill_row(&mut row, u64::from(b.component.0) + 1, layer, page as u64);
                 let t = staged
-                    .share_target(s, b.offset + page * len, len)
+                    .share_target(&sloan, b.offset + page * len, len)
                     .map_err(de)?;
-                let h = direct.target(d, b.component, page).map_err(de)?;
-                // SAFETY: `t` and `h` are this batch's targets for the row, `len` bytes each.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(row.as_ptr(), t as *mut u8, len);
-                    std::ptr::copy_nonoverlapping(row.as_ptr(), h as *mut u8, len);
-                }
+                let h = direct.target(&dloan, b.component, page).map_err(de)?;
+                sloan.write(t, &row).map_err(de)?;
+                dloan.write(h, &row).map_err(de)?;
             }
         }
+        drop((sloan, dloan));
         staged
             .upload(s, 0..share_bytes[layer as usize])
             .map_err(de)?;

@@ -75,15 +75,16 @@ fn share_step(args: &Args, mode: ShareMode) -> Result<String, String> {
     for (layer, layout) in (0..).zip(&layouts) {
         let s = &mut stages[layer as usize % 2];
         landing.open(s, layer, soon()).map_err(de)?;
+        // This example stands in for the store: it fills the stage through its loan.
+        let mut loan = landing.lend(s).map_err(de)?;
         for r in layout.rows(layout.share(0)) {
             let c = g.component(r.component).map_err(|e| e.to_string())?;
             row.resize(r.len, 0);
             fill_row(&mut row, tag(c), layer, r.plan_page as u64);
-            let at = landing.share_target(s, r.offset, r.len).map_err(de)?;
-            // SAFETY: the landing's pinned share target for this row, `r.len` bytes, which
-            // nothing else touches while the stage is held.
-            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), at as *mut u8, r.len) };
+            let at = landing.share_target(&loan, r.offset, r.len).map_err(de)?;
+            loan.write(at, &row).map_err(de)?;
         }
+        drop(loan);
         landing.upload(s, layout.chunk(0)).map_err(de)?;
         let ev = {
             let mut stage = landing.device_stage(s).map_err(de)?;

@@ -292,12 +292,13 @@ fn share_entry_points_move_a_layer_and_count_it() {
             let mut l = DirectLanding::new(pools[r].clone(), slots.clone().into(), shape).unwrap();
             let mut st = l.take_stages();
             l.open(&mut st[0], 0, soon()).unwrap();
+            let mut loan = l.lend(&mut st[0]).unwrap();
             for p in layout.share(c.rank()) {
-                let at = l.target(&st[0], k.id, p).unwrap();
+                let at = l.target(&loan, k.id, p).unwrap();
                 let data: Vec<u8> = (0..row).map(|i| byte(p, i)).collect();
-                // SAFETY: the landing's target for this row, ours while the stage is held.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, row) };
+                loan.write(at, &data).unwrap();
             }
+            drop(loan);
             let blocks = layout.blocks();
             let counts = layout.rows_per_rank();
             {
@@ -356,12 +357,13 @@ fn share_entry_points_move_a_layer_and_count_it() {
             let mut st = l.take_stages();
             let s = &mut st[0];
             l.open(s, 0, soon()).unwrap();
+            let mut loan = l.lend(s).unwrap();
             for rw in layout.rows(layout.share(c.rank())) {
-                let at = l.share_target(s, rw.offset, rw.len).unwrap();
+                let at = l.share_target(&loan, rw.offset, rw.len).unwrap();
                 let data: Vec<u8> = (0..row).map(|i| byte(rw.plan_page, i)).collect();
-                // SAFETY: the landing's share target for this row, ours while the stage is held.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, row) };
+                loan.write(at, &data).unwrap();
             }
+            drop(loan);
             l.upload(s, layout.chunk(c.rank())).unwrap();
             let ev = {
                 let mut ds = l.device_stage(s).unwrap();

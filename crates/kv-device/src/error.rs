@@ -61,6 +61,10 @@ pub enum DeviceError {
     /// a block outside the share area).
     #[error("invalid stage use: {0}")]
     InvalidStage(&'static str),
+    /// The stage is lent to a store read that has not returned (its
+    /// [`StageLoan`](crate::StageLoan) is still out): nothing else may touch its memory yet.
+    #[error("{0}: the stage is lent to a store read that has not returned")]
+    Lent(&'static str),
 }
 
 impl From<DeviceError> for kv_loader::KvLoadError {

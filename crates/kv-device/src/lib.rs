@@ -26,6 +26,7 @@ mod host;
 mod landing;
 mod pool;
 mod region;
+mod source;
 mod staged;
 
 pub use backend::{Device, DeviceMemory, PinnedMemory, RowCopy, Stream, Transfer};
@@ -33,11 +34,13 @@ pub use cpu::{CpuDevice, CpuDeviceConfig};
 pub use error::DeviceError;
 pub use host::HostKvPool;
 pub use landing::{
-    BatchShape, DeviceShare, DeviceStage, DirectLanding, DirectLandingFactory, HostRows, HostShare,
-    LandingFactory, LayerLanding, LayerStage, RowBlock, SaveGather, SharePath, ShareSide,
+    first_overlap, BatchShape, DeviceShare, DeviceStage, DirectLanding, DirectLandingFactory,
+    HostRows, HostShare, LandingFactory, LayerLanding, LayerStage, ReadTarget, RowBlock,
+    SaveGather, SharePath, ShareSide, StageLoan,
 };
 pub use pool::{KvPool, Residence};
 pub use region::{DeviceEvent, DeviceRegion, HostRow, SharedEvent, StoreRegion};
+pub use source::SaveSource;
 pub use staged::{
     DeviceKvPool, LandingStats, ScatterStrategy, StagedLanding, StagedLandingFactory, StagingLease,
     StagingPool, DIRECT_RUNS_MAX,

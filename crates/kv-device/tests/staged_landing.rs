@@ -46,12 +46,6 @@ fn row(g: &KvGeometry, c: ComponentId, layer: u32, page: usize) -> Vec<u8> {
     (0..len).map(|i| byte(c, layer, page, i)).collect()
 }
 
-fn write(addr: usize, data: &[u8]) {
-    // SAFETY: callers pass a target a landing handed out for exactly these bytes, which
-    // nothing else touches while the stage is held.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
-}
-
 fn check_pool(pool: &DeviceKvPool, g: &KvGeometry, slots: &[u32], comps: &[ComponentId]) {
     for &c in comps {
         for &l in &g.component(c).unwrap().layers {
@@ -119,19 +113,19 @@ fn own_rows_land_byte_for_byte_in_every_strategy() {
         for layer in 0..r.g.num_layers() {
             let stage = &mut stages[layer as usize % 2];
             landing.open(stage, layer, soon()).unwrap();
+            let mut loan = landing.lend(stage).unwrap();
             for c in
                 r.g.components()
                     .iter()
                     .filter(|c| c.position(layer).is_some())
             {
                 for p in 0..slots.len() {
-                    write(
-                        landing.target(stage, c.id, p).unwrap(),
-                        &row(&r.g, c.id, layer, p),
-                    );
+                    let t = landing.target(&loan, c.id, p).unwrap();
+                    loan.write(t, &row(&r.g, c.id, layer, p)).unwrap();
                 }
                 expect_h2d += c.page_layer_bytes * slots.len() as u64;
             }
+            drop(loan);
             assert!(matches!(landing.land(stage).unwrap(), LayerReady::Event(_)));
         }
         let moved: u64 = landing.transfers().iter().map(|t| t.host_to_device).sum();
@@ -188,21 +182,22 @@ fn a_ring_of_stages_holds_a_group_of_layers_and_reuses_each_stage_after_its_fenc
         let mut regions = Vec::new();
         for (stage, layer) in held.iter_mut().zip(group.clone()) {
             landing.open(stage, layer, soon()).unwrap();
+            let mut loan = landing.lend(stage).unwrap();
             for c in g
                 .components()
                 .iter()
                 .filter(|c| c.position(layer).is_some())
             {
                 for p in 0..slots.len() {
-                    let at = landing.target(stage, c.id, p).unwrap();
-                    regions.push((at, c.page_layer_bytes as usize));
-                    write(at, &row(&g, c.id, layer, p));
+                    let t = landing.target(&loan, c.id, p).unwrap();
+                    regions.push(t);
+                    loan.write(t, &row(&g, c.id, layer, p)).unwrap();
                 }
             }
         }
-        regions.sort_unstable();
-        assert!(
-            regions.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0),
+        assert_eq!(
+            kv_device::first_overlap(&regions),
+            None,
             "the open stages' targets overlap"
         );
         for stage in held.iter_mut() {
@@ -272,16 +267,20 @@ fn shared_rows_scatter_from_device_staging_and_are_counted() {
     for layer in 0..4 {
         let stage = &mut stages[layer as usize % 2];
         landing.open(stage, layer, soon()).unwrap();
+        let mut loan = landing.lend(stage).unwrap();
         for b in blocks(layer) {
             let len = g.component(b.component).unwrap().page_layer_bytes as usize;
             for i in 0..b.pages {
-                let at = share.share_target(stage, b.offset + i * len, len).unwrap();
-                write(at, &row(g, b.component, layer, b.first_page + i));
+                let t = share.share_target(&loan, b.offset + i * len, len).unwrap();
+                loan.write(t, &row(g, b.component, layer, b.first_page + i))
+                    .unwrap();
             }
         }
         for p in 0..6 {
-            write(landing.target(stage, v, p).unwrap(), &row(g, v, layer, p));
+            let t = landing.target(&loan, v, p).unwrap();
+            loan.write(t, &row(g, v, layer, p)).unwrap();
         }
+        drop(loan);
         share.upload(stage, 0..share_bytes[layer as usize]).unwrap();
         let after = share
             .device_stage(stage)
@@ -375,8 +374,7 @@ fn a_stage_is_never_reused_before_its_fences_complete() {
         t0.elapsed()
     );
     // Nothing can be written into it: no layer is open, and it stays poisoned.
-    assert!(landing.target(stage, k, 0).is_err());
-    assert!(landing.share_target(stage, 0, 10).is_err());
+    assert!(landing.lend(stage).is_err());
     assert!(matches!(
         landing.open(stage, 2, soon()),
         Err(DeviceError::Poisoned(_))
@@ -425,11 +423,9 @@ fn saves_gather_what_loads_landed() {
         for &c in &comps {
             let len = r.g.component(c).unwrap().page_layer_bytes as usize;
             for &l in &r.g.component(c).unwrap().layers {
-                let at = save.gather(c, l).unwrap();
-                for p in 0..5 {
-                    // SAFETY: the gather finished; its rows stay valid until the next call.
-                    let got =
-                        unsafe { std::slice::from_raw_parts((at + p * len) as *const u8, len) };
+                let rows = save.gather(c, l).unwrap();
+                assert_eq!(rows.len(), 5 * len);
+                for (p, got) in rows.chunks(len).enumerate() {
                     assert_eq!(got, &row(&r.g, c, l, p)[..], "{strategy:?}");
                 }
             }
@@ -500,4 +496,48 @@ fn store_regions_keep_their_memory_owner_alive() {
     );
     drop(regions);
     assert!(weak.upgrade().is_none(), "the last region let the pool go");
+}
+
+#[test]
+fn a_lent_stage_is_the_loans_alone_and_its_staging_never_goes_to_another_batch() {
+    let r = rig(CpuDeviceConfig::default(), 10, 4, 1);
+    let comps = all(&r.g);
+    let slots: Vec<u32> = vec![3, 1, 2, 0];
+    let landing = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        slots.into(),
+        BatchShape::own_only(comps.clone()),
+    )
+    .unwrap();
+    let mut landing = landing;
+    let mut stages = landing.take_stages();
+    let stage = &mut stages[0];
+    landing.open(stage, 0, soon()).unwrap();
+    let mut loan = landing.lend(stage).unwrap();
+    let t = landing.target(&loan, comps[0], 1).unwrap();
+    loan.write(t, &row(&r.g, comps[0], 0, 1)).unwrap();
+    // While the loan is out (a store call that may still write the stage), nothing else
+    // touches the stage: typed refusals, no data race.
+    assert!(matches!(landing.lend(stage), Err(DeviceError::Lent(_))));
+    assert!(matches!(
+        landing.target_bytes(stage, comps[0], 1),
+        Err(DeviceError::Lent(_))
+    ));
+    assert!(matches!(landing.land(stage), Err(DeviceError::Lent(_))));
+    assert!(matches!(
+        landing.open(stage, 1, soon()),
+        Err(DeviceError::Lent(_))
+    ));
+    // The batch ends while the loan is out: its staging is quarantined, never leased again,
+    // and stays allocated (the loan keeps the staging pool) for whoever still writes it.
+    drop(landing);
+    assert_eq!(r.staging.available(), 0);
+    assert_eq!(r.staging.quarantined(), 1);
+    let staging = Arc::downgrade(&r.staging);
+    drop(r);
+    assert!(staging.upgrade().is_some(), "the loan keeps the staging");
+    loan.write(t, &row(&geometry(), comps[0], 0, 2)).unwrap();
+    drop(loan);
+    assert!(staging.upgrade().is_none());
 }

@@ -10,7 +10,7 @@ use kv_loader::{LayerReady, TransferBytes};
 
 use super::{
     next_landing_id, BatchShape, HostRows, HostShare, LandingFactory, LayerLanding, LayerStage,
-    RowBlock, SharePath, ShareSide, TransferLog,
+    ReadTarget, RowBlock, SharePath, ShareSide, StageLent, StageLoan, TransferLog,
 };
 use crate::{DeviceError, HostRow, KvPool, Residence, StoreRegion};
 
@@ -29,8 +29,9 @@ use crate::{DeviceError, HostRow, KvPool, Residence, StoreRegion};
 /// let mut stages = landing.take_stages();
 /// let deadline = kv_loader::deadline_after(std::time::Duration::from_secs(1));
 /// landing.open(&mut stages[0], 0, deadline).unwrap();
-/// let addr = landing.target(&stages[0], ComponentId(0), 1).unwrap();
-/// assert_eq!(addr, pool.slot_addr(ComponentId(0), 0, 2).unwrap());
+/// let loan = landing.lend(&mut stages[0]).unwrap();
+/// let target = landing.target(&loan, ComponentId(0), 1).unwrap();
+/// assert_eq!(target.addr(), pool.slot_addr(ComponentId(0), 0, 2).unwrap());
 /// ```
 pub struct DirectLanding {
     id: u64,
@@ -38,6 +39,10 @@ pub struct DirectLanding {
     slots: Arc<[u32]>,
     shape: BatchShape,
     stages: Vec<LayerStage>,
+    /// Per stage of the ring, whether it is lent to a store read.
+    lent: Vec<StageLent>,
+    /// What a loan keeps: the pool.
+    owner: Arc<dyn Any + Send + Sync>,
     log: TransferLog,
 }
 
@@ -58,12 +63,14 @@ impl DirectLanding {
         let layers = pool.geometry().num_layers();
         Ok(DirectLanding {
             id,
+            owner: Arc::new(pool.clone()),
             pool,
             slots,
             shape,
             // A stage is a token here (no staging memory): one per layer and one more, so a
             // group of every layer can be read in one call.
             stages: LayerStage::ring(id, layers as usize + 1),
+            lent: (0..=layers).map(|_| StageLent::default()).collect(),
             log: TransferLog::new(layers),
         })
     }
@@ -89,6 +96,23 @@ impl DirectLanding {
             .ok_or(err("plan page without a slot"))?;
         self.pool.slot_addr(component, layer, slot)
     }
+
+    /// Bytes of one row of `component`.
+    fn row_len(&self, component: ComponentId) -> Result<usize, DeviceError> {
+        Ok(self
+            .pool
+            .geometry()
+            .component(component)
+            .map_err(|_| DeviceError::InvalidStage("an unknown component"))?
+            .page_layer_bytes as usize)
+    }
+
+    /// Stage `h`'s lent flag.
+    fn lent(&self, h: usize) -> Result<&StageLent, DeviceError> {
+        self.lent
+            .get(h)
+            .ok_or(DeviceError::InvalidStage("a stage past the ring"))
+    }
 }
 
 impl LayerLanding for DirectLanding {
@@ -102,7 +126,8 @@ impl LayerLanding for DirectLanding {
         layer: u32,
         _deadline: Instant,
     ) -> Result<(), DeviceError> {
-        stage.index(self.id)?;
+        let h = stage.index(self.id)?;
+        self.lent(h)?.check("reopening a stage")?;
         if layer >= self.pool.geometry().num_layers() {
             return Err(DeviceError::InvalidStage("layer past the model"));
         }
@@ -110,14 +135,27 @@ impl LayerLanding for DirectLanding {
         Ok(())
     }
 
+    fn lend(&self, stage: &mut LayerStage) -> Result<StageLoan, DeviceError> {
+        let (h, layer) = stage.open_layer(self.id)?;
+        let lent = self.lent(h)?.lend()?;
+        // SAFETY: the loan's targets are whole slot slices of this batch's slots at `layer`
+        // (`target` checks them), in pool buffers the owner (the pool) keeps allocated; while
+        // `lent` is set this landing touches none of them (`target_bytes`, `rows` and `land`
+        // check it) and lends the stage to no one else.
+        Ok(unsafe { StageLoan::new(self.id, h, layer, lent, self.owner.clone()) })
+    }
+
     fn target(
         &self,
-        stage: &LayerStage,
+        loan: &StageLoan,
         component: ComponentId,
         plan_page: usize,
-    ) -> Result<usize, DeviceError> {
-        let (_, layer) = stage.open_layer(self.id)?;
-        self.slot_addr(component, layer, plan_page)
+    ) -> Result<ReadTarget, DeviceError> {
+        let (_, layer) = loan.stage_of(self.id)?;
+        let addr = self.slot_addr(component, layer, plan_page)?;
+        let len = self.row_len(component)?;
+        // SAFETY: a whole slot slice of this batch at the loan's layer (checked above).
+        Ok(unsafe { loan.target(addr, len) })
     }
 
     fn target_bytes<'s>(
@@ -126,24 +164,21 @@ impl LayerLanding for DirectLanding {
         component: ComponentId,
         plan_page: usize,
     ) -> Result<&'s [u8], DeviceError> {
-        let (_, layer) = stage.open_layer(self.id)?;
+        let (h, layer) = stage.open_layer(self.id)?;
+        self.lent(h)?.check("reading a stage's bytes")?;
         let addr = self.slot_addr(component, layer, plan_page)?;
-        let len = self
-            .pool
-            .geometry()
-            .component(component)
-            .map_err(|_| DeviceError::InvalidStage("an unknown component"))?
-            .page_layer_bytes as usize;
+        let len = self.row_len(component)?;
         // SAFETY: `addr` is a whole slot slice (`page_layer_bytes`) of the host pool, which
-        // `self` keeps alive for 's; the stage holding this layer is borrowed for 's, so no
-        // collective of this batch writes the layer's slots meanwhile (it needs the stage
-        // exclusively), the reader works on the other stage, and the engine leaves slots of a
-        // batch in flight alone.
+        // `self` keeps alive for 's; the stage is not lent (checked above: no store call may
+        // still write it, and whatever the last one wrote is visible), and it is borrowed for
+        // 's, so it cannot be lent nor shared meanwhile (both need it exclusively); the reader
+        // works on other stages, and the engine leaves slots of a batch in flight alone.
         Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
     }
 
     fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
-        stage.open_layer(self.id)?;
+        let (h, _) = stage.open_layer(self.id)?;
+        self.lent(h)?.check("landing a stage")?;
         stage.set_layer(None);
         Ok(LayerReady::Resident)
     }
@@ -167,7 +202,8 @@ impl HostShare for DirectLanding {
         stage: &'s mut LayerStage,
         blocks: &[RowBlock],
     ) -> Result<HostRows<'s>, DeviceError> {
-        let (_, layer) = stage.open_layer(self.id)?;
+        let (h, layer) = stage.open_layer(self.id)?;
+        self.lent(h)?.check("sharing a stage's rows")?;
         let mut rows = Vec::new();
         for b in blocks {
             let len = self
@@ -189,8 +225,8 @@ impl HostShare for DirectLanding {
             return Err(DeviceError::InvalidStage("row blocks name a slot twice"));
         }
         // SAFETY: every row is a whole slot slice (`page_layer_bytes`) of the host pool, which
-        // `self` keeps alive for 's; no two rows overlap (checked above). The stage
-        // is borrowed exclusively for 's, and nothing else of this batch touches this layer's
+        // `self` keeps alive for 's; no two rows overlap (checked above). The stage is not lent
+        // to a store read (checked above) and is borrowed exclusively for 's, and nothing else of this batch touches this layer's
         // slots meanwhile (the reader works on other layers' stages; the engine leaves slots of a
         // batch in flight alone).
         Ok(unsafe { HostRows::new(rows, layer, &self.log, stage) })

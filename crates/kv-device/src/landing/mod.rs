@@ -5,10 +5,11 @@
 //! a ring of [`LayerStage`] tokens (two or more, one layer each) that circulate between its
 //! reader thread and its exchange loop: the reader [`open`](LayerLanding::open)s a stage for
 //! each layer of the group it reads next (which waits, bounded, until the work that last used
-//! the stage has finished) and writes the store's bytes to the stages' targets, a group of
-//! layers in one store call; the exchange loop then shares each layer's replicated rows with
-//! the other ranks, [`land`](LayerLanding::land)s it, and hands the stage back for a later
-//! layer.
+//! the stage has finished), [`lend`](LayerLanding::lend)s each stage to the store call as a
+//! typed [`StageLoan`] whose [`ReadTarget`]s the store writes, a group of layers in one store
+//! call (the stage is the landing's again once the call has returned and dropped the loan);
+//! the exchange loop then shares each layer's replicated rows with the other ranks,
+//! [`land`](LayerLanding::land)s it, and hands the stage back for a later layer.
 //!
 //! Two ways of sharing, one per backend ([`ShareSide`]):
 //! - **host** ([`DirectLanding`] over a host pool): every row is read straight into a pool
@@ -21,6 +22,7 @@
 
 mod direct;
 mod handles;
+mod loan;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +37,8 @@ use crate::{DeviceError, SharedEvent};
 pub use direct::{DirectLanding, DirectLandingFactory};
 pub use handles::{DeviceStage, HostRows};
 pub(crate) use handles::{Fences, TransferLog};
+pub(crate) use loan::StageLent;
+pub use loan::{first_overlap, ReadTarget, StageLoan};
 
 /// Which memory a landing's shared rows move through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -177,22 +181,28 @@ pub trait LayerLanding: Send + Sync {
         deadline: Instant,
     ) -> Result<(), DeviceError>;
 
-    /// The host address the store writes plan page `plan_page`'s slice of `component` at the
-    /// stage's layer to: a pool slot (host pools; also for shared components, whose rows the
-    /// host collective then moves slot to slot), or the stage's own area (device pools; own
-    /// components only).
+    /// Lends the stage's memory (the layer open in it) to one store read: a typed loan that
+    /// keeps the memory allocated and the stage the call's alone until it drops (see
+    /// [`StageLoan`]). A stage already lent, or with no layer open, is refused.
+    fn lend(&self, stage: &mut LayerStage) -> Result<StageLoan, DeviceError>;
+
+    /// Where the store writes plan page `plan_page`'s slice of `component` at the loan's
+    /// layer: a pool slot (host pools; also for shared components, whose rows the host
+    /// collective then moves slot to slot), or the stage's own area (device pools; own
+    /// components only). A typed target of `loan`, `page_layer_bytes` long.
     fn target(
         &self,
-        stage: &LayerStage,
+        loan: &StageLoan,
         component: ComponentId,
         plan_page: usize,
-    ) -> Result<usize, DeviceError>;
+    ) -> Result<ReadTarget, DeviceError>;
 
-    /// The bytes at [`target`](Self::target)`(stage, component, plan_page)`, as the store left
-    /// them: what a load verifies before it shares or lands them. The stage stays borrowed
-    /// while they are, so nothing of this batch writes them meanwhile (the reader works on
-    /// another stage, a collective needs the stage exclusively, and the engine leaves the
-    /// slots of a batch in flight alone).
+    /// The bytes of [`target`](Self::target)`(loan, component, plan_page)` for the layer open
+    /// in `stage`, as the store left them: what a load verifies before it shares or lands
+    /// them. Refused while the stage is lent ([`DeviceError::Lent`]: a store call may still
+    /// write them). The stage stays borrowed while they are, so nothing of this batch writes
+    /// them meanwhile (lending needs the stage exclusively, a collective too, and the engine
+    /// leaves the slots of a batch in flight alone).
     fn target_bytes<'s>(
         &'s self,
         stage: &'s LayerStage,
@@ -236,18 +246,19 @@ pub trait HostShare: Send + Sync {
 
 /// Sharing through device memory: the stage's share area, `[0, share_len)` of its stage.
 pub trait DeviceShare: Send + Sync {
-    /// Host address (pinned staging) of byte `offset` of the share area, for `len` bytes: where
-    /// the store writes a shared row this rank reads.
+    /// Byte `offset` of the share area (pinned staging) of the loan's stage, for `len` bytes:
+    /// where the store writes a shared row this rank reads. A typed target of `loan`.
     fn share_target(
         &self,
-        stage: &LayerStage,
+        loan: &StageLoan,
         offset: usize,
         len: usize,
-    ) -> Result<usize, DeviceError>;
+    ) -> Result<ReadTarget, DeviceError>;
 
-    /// The bytes at [`share_target`](Self::share_target)`(stage, offset, len)` (pinned
-    /// staging), as the store left them, for a load to verify before it uploads or shares them
-    /// (borrowed with the stage, as [`LayerLanding::target_bytes`]).
+    /// The bytes of [`share_target`](Self::share_target)`(loan, offset, len)` for the layer
+    /// open in `stage` (pinned staging), as the store left them, for a load to verify before
+    /// it uploads or shares them (refused while the stage is lent; borrowed with the stage, as
+    /// [`LayerLanding::target_bytes`]).
     fn share_bytes<'s>(
         &'s self,
         stage: &'s LayerStage,
@@ -326,7 +337,6 @@ pub trait LandingFactory: Send + Sync {
 /// Brings a batch's slices to host memory for a save.
 pub trait SaveGather: Send {
     /// Gathers (`component`, `layer`) of every plan page and waits for it: the rows, in plan
-    /// order, `page_layer_bytes` each, start at the returned host address and stay valid
-    /// until the next call.
-    fn gather(&mut self, component: ComponentId, layer: u32) -> Result<usize, DeviceError>;
+    /// order, `page_layer_bytes` each, borrowed until the next call.
+    fn gather(&mut self, component: ComponentId, layer: u32) -> Result<&[u8], DeviceError>;
 }

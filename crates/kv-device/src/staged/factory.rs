@@ -194,7 +194,7 @@ impl StagedGather {
 }
 
 impl SaveGather for StagedGather {
-    fn gather(&mut self, component: ComponentId, layer: u32) -> Result<usize, DeviceError> {
+    fn gather(&mut self, component: ComponentId, layer: u32) -> Result<&[u8], DeviceError> {
         if self.stuck.is_some() {
             return Err(DeviceError::Poisoned("an earlier gather did not finish"));
         }
@@ -237,7 +237,10 @@ impl SaveGather for StagedGather {
         }?;
         let ev = self.stream.record()?;
         if ev.wait_until(kv_loader::deadline_after(SYNC_LIMIT))? {
-            return Ok(host);
+            // SAFETY: the gather into these `bytes` of pinned stage 0 (checked to fit) has
+            // finished (waited above); the lease `self` holds keeps them allocated, and nothing
+            // writes them until the next gather, which needs `&mut self`.
+            return Ok(unsafe { std::slice::from_raw_parts(host as *const u8, bytes as usize) });
         }
         self.stuck = Some(ev);
         Err(DeviceError::Timeout {

@@ -13,10 +13,11 @@ use super::copy::{self, Moved, RowSpan, ScatterStrategy, Staged};
 use super::pool::DeviceKvPool;
 use super::staging::StagingLease;
 use super::sync;
-use crate::landing::{next_landing_id, Fences, TransferLog};
+use crate::landing::{next_landing_id, Fences, StageLent, TransferLog};
 use crate::{
     BatchShape, DeviceError, DeviceMemory, DeviceRegion, DeviceShare, DeviceStage, KvPool,
-    LayerLanding, LayerStage, RowBlock, ShareSide, SharedEvent, Stream, Transfer,
+    LayerLanding, LayerStage, ReadTarget, RowBlock, ShareSide, SharedEvent, StageLoan, Stream,
+    Transfer,
 };
 
 /// Counters of one landing (what it enqueued).
@@ -38,6 +39,8 @@ struct StageState {
     fences: Fences,
     /// The event after the share area's upload (what the collective starts after).
     upload: Mutex<Option<SharedEvent>>,
+    /// Whether the pinned stage is lent to a store read.
+    lent: StageLent,
 }
 
 /// One batch's landing into a [`DeviceKvPool`] through a leased staging buffer.
@@ -51,8 +54,9 @@ struct StageState {
 /// writes; the device stage is where the share area travels between ranks and where the own
 /// rows wait for the scatter kernel.
 ///
-/// Per layer: [`open`](LayerLanding::open) (waits for the stage's fences), the reader writes
-/// the [`target`](LayerLanding::target)s and [`share_target`](DeviceShare::share_target)s,
+/// Per layer: [`open`](LayerLanding::open) (waits for the stage's fences), the store writes
+/// the [`target`](LayerLanding::target)s and [`share_target`](DeviceShare::share_target)s of
+/// the stage's [`lend`](LayerLanding::lend) (nothing below touches a lent stage),
 /// [`upload`](DeviceShare::upload) (this rank's part of the share area, one host→device copy),
 /// the collective on the [`DeviceStage`], [`scatter`](DeviceShare::scatter) of the shared rows
 /// after the collective's event (one launch per [`RowBlock`], or slot runs), and
@@ -61,7 +65,7 @@ struct StageState {
 /// after everything and returns it. Every event that may still read or write the stage is a
 /// fence: the stage is reused (or the lease released) only once all completed. A fence that
 /// does not complete in time poisons the stage; the lease is then quarantined, never freed
-/// while that work may run.
+/// while that work may run; so is the lease of a landing dropped while a stage is lent.
 pub struct StagedLanding {
     id: u64,
     pool: Arc<DeviceKvPool>,
@@ -220,6 +224,46 @@ impl StagedLanding {
         });
     }
 
+    /// Host address of plan page `plan_page`'s row of own component `component` in stage
+    /// `h` (laid out for `layer`), checked to lie in the stage's own area.
+    fn own_row(
+        &self,
+        h: usize,
+        layer: u32,
+        component: ComponentId,
+        plan_page: usize,
+    ) -> Result<usize, DeviceError> {
+        if plan_page >= self.slots.len() {
+            return Err(DeviceError::OutOfPool {
+                component: component.0,
+                layer,
+                slot: u32::MAX,
+                reason: "plan page without a slot",
+            });
+        }
+        let row = self.layout(component)?.page_layer_bytes;
+        let off = self.shape.share_len(layer) as u64 + self.own_offset(component, layer)?;
+        Ok(self.lease_ref()?.host_stage(h)? + (off + plan_page as u64 * row) as usize)
+    }
+
+    /// Host address of byte `offset` of stage `h`'s share area (laid out for `layer`), checked
+    /// to hold `len` bytes there.
+    fn share_row(
+        &self,
+        h: usize,
+        layer: u32,
+        offset: usize,
+        len: usize,
+    ) -> Result<usize, DeviceError> {
+        if offset
+            .checked_add(len)
+            .is_none_or(|e| e > self.shape.share_len(layer))
+        {
+            return Err(stage_err("a row outside the share area"));
+        }
+        Ok(self.lease_ref()?.host_stage(h)? + offset)
+    }
+
     /// The state of stage `h` (checked by `LayerStage::index` against this landing).
     fn state(&self, h: usize) -> Result<&StageState, DeviceError> {
         self.stages_state
@@ -346,6 +390,7 @@ impl LayerLanding for StagedLanding {
             return Err(stage_err("layer past the model"));
         }
         let state = self.state(h)?;
+        state.lent.check("reopening a stage")?;
         if state.fences.busy() {
             self.stats.lock().reuse_waits += 1;
         }
@@ -355,24 +400,29 @@ impl LayerLanding for StagedLanding {
         Ok(())
     }
 
+    fn lend(&self, stage: &mut LayerStage) -> Result<StageLoan, DeviceError> {
+        let (h, layer) = stage.open_layer(self.id)?;
+        let owner = self.lease_ref()?.owner();
+        let lent = self.state(h)?.lent.lend()?;
+        // SAFETY: the loan's targets lie in stage `h` of the pinned buffer (`target` and
+        // `share_target` check them), which the staging pool (`owner`) keeps allocated; while
+        // `lent` is set this landing touches none of it (`open`, `target_bytes`,
+        // `share_bytes`, `upload` and `land` check it), lends it to no one else, and its drop
+        // quarantines the lease for good rather than hand it to another batch.
+        Ok(unsafe { StageLoan::new(self.id, h, layer, lent, owner) })
+    }
+
     fn target(
         &self,
-        stage: &LayerStage,
+        loan: &StageLoan,
         component: ComponentId,
         plan_page: usize,
-    ) -> Result<usize, DeviceError> {
-        let (h, layer) = stage.open_layer(self.id)?;
-        if plan_page >= self.slots.len() {
-            return Err(DeviceError::OutOfPool {
-                component: component.0,
-                layer,
-                slot: u32::MAX,
-                reason: "plan page without a slot",
-            });
-        }
-        let row = self.layout(component)?.page_layer_bytes;
-        let off = self.shape.share_len(layer) as u64 + self.own_offset(component, layer)?;
-        Ok(self.lease_ref()?.host_stage(h)? + (off + plan_page as u64 * row) as usize)
+    ) -> Result<ReadTarget, DeviceError> {
+        let (h, layer) = loan.stage_of(self.id)?;
+        let addr = self.own_row(h, layer, component, plan_page)?;
+        let len = self.layout(component)?.page_layer_bytes as usize;
+        // SAFETY: a row of the lent stage's own area (checked by `own_row`).
+        Ok(unsafe { loan.target(addr, len) })
     }
 
     fn target_bytes<'s>(
@@ -381,18 +431,21 @@ impl LayerLanding for StagedLanding {
         component: ComponentId,
         plan_page: usize,
     ) -> Result<&'s [u8], DeviceError> {
-        let addr = self.target(stage, component, plan_page)?;
+        let (h, layer) = stage.open_layer(self.id)?;
+        self.state(h)?.lent.check("reading a stage's bytes")?;
+        let addr = self.own_row(h, layer, component, plan_page)?;
         let len = self.layout(component)?.page_layer_bytes as usize;
-        // SAFETY: `target` checked that the row lies in this stage's own area of the pinned
+        // SAFETY: `own_row` checked that the row lies in this stage's own area of the pinned
         // half (sizes checked in `new`), which the lease `self` holds keeps allocated for 's;
-        // the stage is borrowed for 's, so nothing of this batch writes the half meanwhile
-        // (only the store writes pinned staging, for the layer open in the stage, before it is
-        // handed over; the reader fills the other stage).
+        // the stage is not lent (checked above: no store call may still write it, and what the
+        // last one wrote is visible) and is borrowed for 's, so it cannot be lent meanwhile
+        // (lending needs it exclusively); only the store writes pinned staging.
         Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
     }
 
     fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
+        self.state(h)?.lent.check("landing a stage")?;
         stage.set_layer(None);
         if self.slots.is_empty() {
             return Ok(LayerReady::Resident);
@@ -442,18 +495,14 @@ impl LayerLanding for StagedLanding {
 impl DeviceShare for StagedLanding {
     fn share_target(
         &self,
-        stage: &LayerStage,
+        loan: &StageLoan,
         offset: usize,
         len: usize,
-    ) -> Result<usize, DeviceError> {
-        let (h, layer) = stage.open_layer(self.id)?;
-        if offset
-            .checked_add(len)
-            .is_none_or(|e| e > self.shape.share_len(layer))
-        {
-            return Err(stage_err("a row outside the share area"));
-        }
-        Ok(self.lease_ref()?.host_stage(h)? + offset)
+    ) -> Result<ReadTarget, DeviceError> {
+        let (h, layer) = loan.stage_of(self.id)?;
+        let addr = self.share_row(h, layer, offset, len)?;
+        // SAFETY: a range of the lent stage's share area (checked by `share_row`).
+        Ok(unsafe { loan.target(addr, len) })
     }
 
     fn share_bytes<'s>(
@@ -462,16 +511,19 @@ impl DeviceShare for StagedLanding {
         offset: usize,
         len: usize,
     ) -> Result<&'s [u8], DeviceError> {
-        let addr = self.share_target(stage, offset, len)?;
-        // SAFETY: `share_target` checked that the range lies in this stage's share area of the
-        // pinned half, kept allocated by the lease for 's; the stage is borrowed for 's, so
-        // nothing of this batch writes it meanwhile (the store wrote it before the hand-over;
-        // the collectives move device staging, not the pinned half).
+        let (h, layer) = stage.open_layer(self.id)?;
+        self.state(h)?.lent.check("reading a stage's bytes")?;
+        let addr = self.share_row(h, layer, offset, len)?;
+        // SAFETY: `share_row` checked that the range lies in this stage's share area of the
+        // pinned half, kept allocated by the lease for 's; the stage is not lent (checked
+        // above) and is borrowed for 's, so it cannot be lent meanwhile; the collectives move
+        // device staging, not the pinned half.
         Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
     }
 
     fn upload(&self, stage: &mut LayerStage, range: Range<usize>) -> Result<(), DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
+        self.state(h)?.lent.check("uploading a stage")?;
         if range.start > range.end || range.end > self.shape.share_len(layer) {
             return Err(stage_err("an upload outside the share area"));
         }
@@ -571,6 +623,12 @@ impl Drop for StagedLanding {
             return;
         };
         let deadline = kv_loader::deadline_after(self.drain);
+        if self.stages_state.iter().any(|h| h.lent.is_lent()) {
+            // A store read may still write the pinned buffer (its loan keeps the staging pool
+            // alive): the buffer is never handed to another batch.
+            lease.quarantine(Vec::new(), self.slot_table.take().into_iter().collect());
+            return;
+        }
         let poisoned = self.stages_state.iter().any(|h| h.fences.is_poisoned());
         let drained = !poisoned
             && self

@@ -281,6 +281,13 @@ impl StagingLease {
         &self.pool.device
     }
 
+    /// What keeps the leased buffer allocated whoever drops the lease: its pool (which frees
+    /// a buffer only once it is back on the free list or settled in quarantine, and leaks an
+    /// unsettled quarantined one).
+    pub(crate) fn owner(&self) -> Arc<dyn Any + Send + Sync> {
+        self.pool.clone()
+    }
+
     /// Gives the buffer back to the pool's quarantine instead of its free list: it is leased
     /// again only once every event of `fences` has completed (never, when `fences` is empty),
     /// and `extra` (memory the same work may touch) lives as long.

@@ -344,43 +344,12 @@ impl LayerPipeline<'_> {
         }
         pins.renew_if_due()
             .map_err(|e| store_failure(batch, Some(group.start), Vec::new(), &e))?;
-        let own: Vec<OwnRows<'_>> = stages
-            .iter()
-            .map(|stage| OwnRows { landing, stage })
-            .collect();
-        // A layer without a share layout (none was built) leaves the part short of targets:
-        // `read_group` then fails the group.
-        let share: Vec<ShareArea<'_>> = match landing.share() {
-            ShareSide::Device(share) if !layers.shared.is_empty() => stages
-                .iter()
-                .zip(group.clone())
-                .map(|(stage, l)| {
-                    layers.layouts[l as usize].as_ref().map(|layout| ShareArea {
-                        share,
-                        stage,
-                        layout,
-                    })
-                })
-                .collect::<Option<Vec<_>>>()
-                .unwrap_or_default(),
-            _ => Vec::new(),
-        };
-        let mut parts = vec![ReadPart {
-            components: &layers.own,
-            pages: 0..layers.pages,
-            targets: own.iter().map(|t| t as &dyn RowTarget).collect(),
-        }];
-        if !layers.shared.is_empty() {
-            let targets: Vec<&dyn RowTarget> = match landing.share() {
-                ShareSide::Host(_) => own.iter().map(|t| t as &dyn RowTarget).collect(),
-                ShareSide::Device(_) => share.iter().map(|t| t as &dyn RowTarget).collect(),
-            };
-            parts.push(ReadPart {
-                components: &layers.shared,
-                pages: layers.my_pages(),
-                targets,
-            });
-        }
+        // Each layer's stage is lent to the read: the targets are minted in the loans, and
+        // the loans go into the store call (which owns them until it returns).
+        let loans = stages
+            .iter_mut()
+            .map(|stage| landing.lend(stage))
+            .collect::<Result<Vec<_>, _>>()?;
         let t0 = Instant::now();
         let reader = LayerReader {
             calls: &inner.calls,
@@ -389,7 +358,45 @@ impl LayerPipeline<'_> {
             hold: self.memory,
             deadline: kv_loader::deadline_after(inner.config.layer_read_timeout),
         };
-        let n = reader.read_group(&parts, group.clone())?;
+        let planned = {
+            let own: Vec<OwnRows<'_>> =
+                loans.iter().map(|loan| OwnRows { landing, loan }).collect();
+            // A layer without a share layout (none was built) leaves the part short of
+            // targets: `plan` then fails the group.
+            let share: Vec<ShareArea<'_>> = match landing.share() {
+                ShareSide::Device(share) if !layers.shared.is_empty() => loans
+                    .iter()
+                    .zip(group.clone())
+                    .map(|(loan, l)| {
+                        layers.layouts[l as usize].as_ref().map(|layout| ShareArea {
+                            share,
+                            loan,
+                            layout,
+                        })
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .unwrap_or_default(),
+                _ => Vec::new(),
+            };
+            let mut parts = vec![ReadPart {
+                components: &layers.own,
+                pages: 0..layers.pages,
+                targets: own.iter().map(|t| t as &dyn RowTarget).collect(),
+            }];
+            if !layers.shared.is_empty() {
+                let targets: Vec<&dyn RowTarget> = match landing.share() {
+                    ShareSide::Host(_) => own.iter().map(|t| t as &dyn RowTarget).collect(),
+                    ShareSide::Device(_) => share.iter().map(|t| t as &dyn RowTarget).collect(),
+                };
+                parts.push(ReadPart {
+                    components: &layers.shared,
+                    pages: layers.my_pages(),
+                    targets,
+                });
+            }
+            reader.plan(&parts, group.clone())?
+        };
+        let n = reader.read(planned, loans, group.clone())?;
         let took = t0.elapsed();
         tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
         inner.metrics.layer_read(took);

@@ -1,55 +1,67 @@
 //! Reading a group of layers of a batch: one batched ranged read for every component the rank
 //! reads, straight into the landing's targets (one range per layer per object: consecutive in
-//! the object, so a store can read them as one). Every store call is bounded
-//! ([`StoreCalls`]): one that does not return within `LinkerConfig::layer_read_timeout` fails
-//! the group at once, and the batch's memory hold keeps what it writes alive and away from
-//! others until it returns.
+//! the object, so a store can read them as one). The targets are typed: each layer's stage is
+//! lent to the read as a [`StageLoan`], the targets are minted in the loans, and the loans
+//! move into the store call ([`StoreCalls::read_targets`], which checks them), so this module
+//! never handles an address. Every store call is bounded: one that does not return within
+//! `LinkerConfig::layer_read_timeout` fails the group at once, and the loans (with the
+//! batch's memory hold they keep) keep what it writes allocated and away from others until it
+//! returns.
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
 use dedup_broadcast::StagingLayout;
-use kv_device::{DeviceError, DeviceShare, LayerLanding, LayerStage};
+use kv_device::{DeviceError, DeviceShare, LayerLanding, ReadTarget, StageLoan};
 use kv_geometry::{ComponentId, ComponentLayout};
 use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
 use smallvec::SmallVec;
 
-use crate::store::{checked_results, Hold, RangedGet, ReadRange, StoreCalls, StoreError};
+use crate::store::{checked_results, Hold, StoreCalls, StoreError, TargetRange, TargetRead};
 
-/// Where the store writes a row of the layer open in a stage.
+/// Where the store writes a row of the layer lent in a stage's loan.
 pub(crate) trait RowTarget {
-    /// The host address of plan page `plan_page`'s slice of `component`.
-    fn row(&self, component: &ComponentLayout, plan_page: usize) -> Result<usize, DeviceError>;
+    /// Plan page `plan_page`'s slice of `component`, as a target of the loan.
+    fn row(&self, component: &ComponentLayout, plan_page: usize)
+        -> Result<ReadTarget, DeviceError>;
 }
 
 /// The landing's own targets: pool slots (host pools) or the stage's own area (device pools).
 pub(crate) struct OwnRows<'a> {
     pub(crate) landing: &'a dyn LayerLanding,
-    pub(crate) stage: &'a LayerStage,
+    pub(crate) loan: &'a StageLoan,
 }
 
 impl RowTarget for OwnRows<'_> {
-    fn row(&self, component: &ComponentLayout, plan_page: usize) -> Result<usize, DeviceError> {
-        self.landing.target(self.stage, component.id, plan_page)
+    fn row(
+        &self,
+        component: &ComponentLayout,
+        plan_page: usize,
+    ) -> Result<ReadTarget, DeviceError> {
+        self.landing.target(self.loan, component.id, plan_page)
     }
 }
 
 /// The share area of a device stage, as the layer's share layout places rows in it.
 pub(crate) struct ShareArea<'a> {
     pub(crate) share: &'a dyn DeviceShare,
-    pub(crate) stage: &'a LayerStage,
+    pub(crate) loan: &'a StageLoan,
     pub(crate) layout: &'a StagingLayout,
 }
 
 impl RowTarget for ShareArea<'_> {
-    fn row(&self, component: &ComponentLayout, plan_page: usize) -> Result<usize, DeviceError> {
+    fn row(
+        &self,
+        component: &ComponentLayout,
+        plan_page: usize,
+    ) -> Result<ReadTarget, DeviceError> {
         let off = self
             .layout
             .offset(component.id, plan_page)
             .ok_or(row_not_staged(component.id))?;
         self.share
-            .share_target(self.stage, off, component.page_layer_bytes as usize)
+            .share_target(self.loan, off, component.page_layer_bytes as usize)
     }
 }
 
@@ -85,19 +97,18 @@ pub(crate) fn store_failure(
 }
 
 /// One part of a group read: `components` at plan pages `pages`, the row of layer
-/// `group.start + i` landing where `targets[i]` (that layer's stage) says.
-pub(crate) struct ReadPart<'a> {
-    pub(crate) components: &'a [ComponentKeys],
+/// `group.start + i` landing where `targets[i]` (that layer's loan) says.
+pub(crate) struct ReadPart<'k, 't> {
+    pub(crate) components: &'k [ComponentKeys],
     pub(crate) pages: Range<usize>,
-    pub(crate) targets: Vec<&'a dyn RowTarget>,
+    pub(crate) targets: Vec<&'t dyn RowTarget>,
 }
 
-/// Which component and plan page a ranged get of a group read is.
-#[derive(Clone, Copy)]
-struct GetOf {
-    part: usize,
-    component: usize,
-    page: usize,
+/// A group read, planned: per object, its ranges, the bytes it must return and its plan page.
+pub(crate) struct GroupReads<'k> {
+    reads: Vec<TargetRead<'k>>,
+    expected: Vec<u64>,
+    pages: Vec<u32>,
 }
 
 /// Reads groups of layers of one batch on one rank.
@@ -114,19 +125,20 @@ pub(crate) struct LayerReader<'a> {
 }
 
 impl LayerReader<'_> {
-    /// Reads layers `group` of every part in one batched ranged read: per object, one range
+    /// Plans layers `group` of every part as one batched ranged read: per object, one range
     /// per layer of the group it carries (consecutive in the object, so a store merges them),
-    /// each into that layer's target. Returns the bytes read. Any failed or short key fails
-    /// the whole group, at its first layer, naming the pages.
-    pub(crate) fn read_group(
+    /// each into that layer's target.
+    pub(crate) fn plan<'k>(
         &self,
-        parts: &[ReadPart<'_>],
+        parts: &[ReadPart<'k, '_>],
         group: Range<u32>,
-    ) -> Result<u64, KvLoadError> {
-        let mut gets: Vec<RangedGet<'_>> = Vec::new();
-        let mut of: Vec<GetOf> = Vec::new();
-        let mut expected: Vec<u64> = Vec::new();
-        for (pi, part) in parts.iter().enumerate() {
+    ) -> Result<GroupReads<'k>, KvLoadError> {
+        let mut planned = GroupReads {
+            reads: Vec::new(),
+            expected: Vec::new(),
+            pages: Vec::new(),
+        };
+        for part in parts {
             if part.targets.len() < group.len() {
                 return Err(KvLoadError::internal(
                     self.batch,
@@ -137,8 +149,7 @@ impl LayerReader<'_> {
                     ),
                 ));
             }
-            for (ci, comp) in part.components.iter().enumerate() {
-                let len = comp.layout.page_layer_bytes as usize;
+            for comp in part.components {
                 let layers: Vec<(usize, u64)> = group
                     .clone()
                     .enumerate()
@@ -149,44 +160,52 @@ impl LayerReader<'_> {
                 }
                 for page in part.pages.clone() {
                     let mut ranges = SmallVec::with_capacity(layers.len());
+                    let mut want = 0u64;
                     for &(i, offset) in &layers {
-                        let dst = part.targets[i]
+                        let target = part.targets[i]
                             .row(&comp.layout, page)
                             .map_err(KvLoadError::from)?;
-                        ranges.push(ReadRange {
-                            dst: dst as *mut u8,
-                            len,
-                            offset,
-                        });
+                        want += target.len() as u64;
+                        ranges.push(TargetRange { target, offset });
                     }
-                    expected.push((len * layers.len()) as u64);
-                    gets.push(RangedGet {
+                    planned.expected.push(want);
+                    planned.pages.push(page as u32);
+                    planned.reads.push(TargetRead {
                         key: &comp.keys[page],
                         ranges,
-                    });
-                    of.push(GetOf {
-                        part: pi,
-                        component: ci,
-                        page,
                     });
                 }
             }
         }
-        if gets.is_empty() {
+        Ok(planned)
+    }
+
+    /// Reads a planned group into the targets of `loans` (which the store call owns until it
+    /// returns, each keeping the batch's memory hold), `parallelism` calls at once. Returns
+    /// the bytes read. Any failed or short key fails the whole group, at its first layer,
+    /// naming the pages.
+    pub(crate) fn read(
+        &self,
+        planned: GroupReads<'_>,
+        mut loans: Vec<StageLoan>,
+        group: Range<u32>,
+    ) -> Result<u64, KvLoadError> {
+        if planned.reads.is_empty() {
             return Ok(0);
         }
-        // SAFETY: every destination is a distinct slice of `len` bytes handed out by the
-        // landing for this batch (distinct slots or stage rows: the plan was validated for
-        // duplicates, and each layer of the group has its own stage), which nothing else reads
-        // or writes until the layer is marked ready.
-        let results = unsafe { self.get_ranges(&gets) };
-        let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
+        for loan in &mut loans {
+            loan.keep(self.hold.clone());
+        }
+        let results =
+            self.calls
+                .read_targets(&planned.reads, loans, self.parallelism, self.deadline);
+        let keys: Vec<&str> = planned.reads.iter().map(|r| r.key).collect();
         let results = checked_results(&keys, results);
         let mut total = 0;
         let mut failed: Vec<u32> = Vec::new();
         let mut first: Option<KvLoadError> = None;
-        for ((r, want), o) in results.iter().zip(&expected).zip(&of) {
-            let page = o.page as u32;
+        let outcomes = results.iter().zip(&planned.expected).zip(&planned.pages);
+        for (((r, want), &page), key) in outcomes.zip(&keys) {
             match r {
                 Ok(n) if n == want => total += n,
                 Ok(n) => {
@@ -197,8 +216,7 @@ impl LayerReader<'_> {
                         pages: Arc::from(Vec::new()),
                         kind: StoreFailure::ShortRead,
                         detail: format!(
-                            "`{}`: short read: {n} of {want} bytes (layers {group:?})",
-                            parts[o.part].components[o.component].keys[o.page]
+                            "`{key}`: short read: {n} of {want} bytes (layers {group:?})"
                         )
                         .into(),
                     });
@@ -220,34 +238,6 @@ impl LayerReader<'_> {
             return Err(e);
         }
         Ok(total)
-    }
-
-    /// One batched read, or `parallelism` of them at once over contiguous parts of `gets`,
-    /// each a bounded store call; results in `gets` order.
-    ///
-    /// # Safety
-    /// As [`StoreCalls::get_ranges`]: every destination valid for writes of its length,
-    /// distinct, and untouched by anyone else until `self.hold` lets go (after the call
-    /// returns, which may be after its deadline).
-    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
-        let parts = self.parallelism.clamp(1, gets.len().max(1));
-        let chunk = gets.len().div_ceil(parts).max(1);
-        let parts: Vec<&[RangedGet<'_>]> = gets.chunks(chunk).collect();
-        // SAFETY: the caller's promise covers every part (disjoint sub-slices of `gets`).
-        let results = unsafe {
-            self.calls
-                .get_ranges_parts(&parts, self.hold, self.deadline)
-        };
-        // Each part on its own: one part's extra result must not shift the next part's
-        // results onto the wrong keys.
-        parts
-            .iter()
-            .zip(results)
-            .flat_map(|(part, r)| {
-                let keys: Vec<&str> = part.iter().map(|g| g.key).collect();
-                checked_results(&keys, r)
-            })
-            .collect()
     }
 
     /// Checks that the objects of `components` at plan pages `pages` hold exactly the bytes

@@ -42,26 +42,29 @@ pub(crate) fn discard_objects(calls: &StoreCalls, objects: &[&str], deadline: In
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{EmbeddedStore, KvStore, ObjectPut};
+    use crate::store::{no_hold, EmbeddedStore, KvStore, SourcePut};
+    use kv_device::SaveSource;
     use std::sync::Arc;
     use std::time::Duration;
 
-    fn put(store: &EmbeddedStore, key: &str, bytes: &[u8]) {
-        let p = ObjectPut {
+    fn put(calls: &StoreCalls, key: &str, bytes: &[u8]) {
+        let p = SourcePut {
             key,
-            parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
+            parts: [SaveSource::from_bytes(Arc::new(bytes.to_vec()), 0..bytes.len()).unwrap()]
+                .into_iter()
+                .collect(),
         };
-        // SAFETY: `bytes` is live and unchanged during the call.
-        assert!(unsafe { store.put(&[p]) }[0].is_ok());
+        let soon = kv_loader::deadline_after(Duration::from_secs(5));
+        assert!(calls.put(&[p], no_hold(), soon)[0].is_ok());
     }
 
     #[test]
     fn objects_and_companions_go_and_missing_ones_are_fine() {
         let store = Arc::new(EmbeddedStore::new(1 << 20));
-        put(&store, "a_k", &[1; 8]);
-        put(&store, &checksum_key("a_k"), &[2; 8]);
-        put(&store, "b_k", &[3; 8]); // no companion: an object SGLang wrote
         let calls = StoreCalls::new(store.clone());
+        put(&calls, "a_k", &[1; 8]);
+        put(&calls, &checksum_key("a_k"), &[2; 8]);
+        put(&calls, "b_k", &[3; 8]); // no companion: an object SGLang wrote
         let soon = || kv_loader::deadline_after(Duration::from_secs(5));
         assert_eq!(
             discard_objects(&calls, &["a_k", "b_k", "gone_k"], soon()),

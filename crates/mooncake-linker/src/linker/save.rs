@@ -1,13 +1,13 @@
 //! Save: write a batch's pages from the pool to the store after prefill, each object with its
-//! checksum companion (`kv_geometry::checksum_key`). Every store call is bounded
-//! (`LinkerConfig::store_call_timeout`); a put past its deadline keeps the memory it reads
-//! allocated until it returns (a host pool's slots may be rewritten by the engine meanwhile:
-//! such an object cannot match the checksums computed before the put, so the next load finds
-//! it bad and replaces it).
+//! checksum companion (`kv_geometry::checksum_key`). What a put reads is typed
+//! ([`SaveSource`], minted by kv-device: a host pool's slot rows read in place, or bytes the
+//! put shares), so this module never handles an address. Every store call is bounded
+//! (`LinkerConfig::store_call_timeout`); a put past its deadline holds its sources, and so
+//! keeps the memory it reads allocated, until it returns.
 
 use std::sync::Arc;
 
-use kv_device::{Residence, SharedEvent};
+use kv_device::{Residence, SaveSource, SharedEvent};
 use kv_geometry::{checksum_key, layer_checksum, ObjectChecksums};
 use kv_loader::{BatchPlan, KvLoadError, SaveReport};
 use smallvec::SmallVec;
@@ -15,16 +15,7 @@ use tracing::{debug, info_span, warn};
 
 use super::reader::{store_failure, ComponentKeys};
 use super::Inner;
-use crate::store::{Hold, ObjectPut, PutOutcome};
-
-/// The checksum of `len` bytes at `addr`.
-///
-/// # Safety
-/// `[addr, addr + len)` is valid for reads and not written during the call.
-unsafe fn checksum_at(addr: usize, len: usize) -> u64 {
-    // SAFETY: the caller's promise.
-    layer_checksum(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
-}
+use crate::store::{Hold, PutOutcome, SourcePut};
 
 impl Inner {
     /// Writes every object of the plan this rank owns and the store lacks, each with its
@@ -57,37 +48,28 @@ impl Inner {
                 }
                 let mut puts = Vec::with_capacity(chunk.len());
                 let mut sums = Vec::with_capacity(chunk.len());
-                let len = comp.layout.page_layer_bytes as usize;
                 for &page in chunk {
                     let slot = plan.slots[page];
-                    let mut parts: SmallVec<[(*const u8, usize); 4]> = SmallVec::new();
+                    let mut parts: SmallVec<[SaveSource; 4]> = SmallVec::new();
                     let mut layer_sums = Vec::with_capacity(comp.layout.layers.len());
                     for &layer in &comp.layout.layers {
-                        let addr = self
-                            .pool
-                            .slot_addr(comp.layout.id, layer, slot)
+                        let row = SaveSource::slot(&self.pool, comp.layout.id, layer, slot)
                             .map_err(KvLoadError::from)?;
-                        // SAFETY: a slice of a host pool buffer (`slot_addr` checked the slot),
-                        // valid for its length; the engine does not write the slots it saves
-                        // (the promise the put below relies on too).
-                        layer_sums.push(unsafe { checksum_at(addr, len) });
-                        parts.push((addr as *const u8, len));
+                        layer_sums.push(layer_checksum(row.bytes()));
+                        parts.push(row);
                     }
                     sums.push(ObjectChecksums {
                         layer_bytes: comp.layout.page_layer_bytes,
                         sums: layer_sums,
                     });
-                    puts.push(ObjectPut {
+                    puts.push(SourcePut {
                         key: &comp.keys[page],
                         parts,
                     });
                 }
-                // A put past its deadline keeps the pool (and its registration) alive.
-                let hold: Hold = Arc::new((self.pool.clone(), self.registered.lock().clone()));
-                // SAFETY: every part is a slice of a host pool buffer, valid for its length and
-                // kept allocated by `hold`; the engine owns these slots and does not write them
-                // while it saves.
-                unsafe { self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report, hold) }?;
+                // The sources keep the pool; a put past its deadline keeps its registration too.
+                let hold: Hold = Arc::new(self.registered.lock().clone());
+                self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report, hold)?;
             }
         }
         report.settle_pages(plan.logical.num_pages());
@@ -180,12 +162,18 @@ impl Inner {
             let rows = gather
                 .gather(comp.layout.id, layer)
                 .map_err(KvLoadError::from)?;
-            for i in 0..chunk.len() {
-                let dst = &mut objects[i * object + pos * row..][..row];
-                // SAFETY: the gatherer's rows for this layer are `chunk.len()` rows of `row`
-                // bytes at `rows`, host memory valid until its next call; `dst` is ours.
-                let src = unsafe { std::slice::from_raw_parts((rows + i * row) as *const u8, row) };
-                dst.copy_from_slice(src);
+            if rows.len() < chunk.len() * row {
+                return Err(KvLoadError::Device(
+                    format!(
+                        "{batch}: a gather brought {} bytes for {} rows of {row}",
+                        rows.len(),
+                        chunk.len()
+                    )
+                    .into(),
+                ));
+            }
+            for (i, src) in rows.chunks(row.max(1)).take(chunk.len()).enumerate() {
+                objects[i * object + pos * row..][..row].copy_from_slice(src);
             }
         }
         let sums = objects
@@ -201,54 +189,61 @@ impl Inner {
             })?;
         // Shared with a put past its deadline, which keeps it until it returns.
         let objects: Arc<Vec<u8>> = Arc::new(objects);
-        let puts: Vec<ObjectPut<'_>> = chunk
+        let puts: Vec<SourcePut<'_>> = chunk
             .iter()
             .enumerate()
-            .map(|(i, &page)| ObjectPut {
-                key: &comp.keys[page],
-                parts: smallvec::smallvec![(objects[i * object..].as_ptr(), object)],
+            .map(|(i, &page)| {
+                let part = SaveSource::from_bytes(objects.clone(), i * object..(i + 1) * object)?;
+                Ok(SourcePut {
+                    key: &comp.keys[page],
+                    parts: smallvec::smallvec![part],
+                })
             })
-            .collect();
-        let hold: Hold = objects.clone();
-        // SAFETY: every part is a slice of `objects`, kept alive by `hold` and never written
-        // again.
-        unsafe { self.put_chunk(batch, comp, &puts, &sums, chunk, report, hold) }
+            .collect::<Result<_, kv_device::DeviceError>>()?;
+        self.put_chunk(
+            batch,
+            comp,
+            &puts,
+            &sums,
+            chunk,
+            report,
+            crate::store::no_hold(),
+        )
     }
 
     /// Puts one chunk's objects (plan pages `chunk`) with their checksum companions in one
-    /// store call, and counts the objects' outcome. A companion that fails to land leaves its
-    /// object checked by length only (logged, not an error of the save).
-    ///
-    /// # Safety
-    /// Every part of every put is valid for reads of its length, kept allocated by `hold`, and
-    /// not written during the call (the [`KvStore`](crate::store::KvStore) buffer contract).
+    /// store call (which holds the sources, and `hold`, until it returns), and counts the
+    /// objects' outcome. A companion that fails to land leaves its object checked by length
+    /// only (logged, not an error of the save).
     #[allow(clippy::too_many_arguments)]
-    unsafe fn put_chunk(
+    fn put_chunk(
         &self,
         batch: kv_loader::BatchId,
         comp: &ComponentKeys,
-        puts: &[ObjectPut<'_>],
+        puts: &[SourcePut<'_>],
         sums: &[ObjectChecksums],
         chunk: &[usize],
         report: &mut SaveReport,
         hold: Hold,
     ) -> Result<(), KvLoadError> {
-        let companions: Arc<Vec<(String, Vec<u8>)>> = Arc::new(
-            chunk
-                .iter()
-                .zip(sums)
-                .map(|(&page, s)| (checksum_key(&comp.keys[page]), s.encode()))
-                .collect(),
-        );
-        let mut all: Vec<ObjectPut<'_>> = puts.to_vec();
-        all.extend(companions.iter().map(|(key, bytes)| ObjectPut {
+        let companions: Vec<(String, SaveSource)> = chunk
+            .iter()
+            .zip(sums)
+            .map(|(&page, s)| {
+                let bytes = Arc::new(s.encode());
+                let len = bytes.len();
+                Ok((
+                    checksum_key(&comp.keys[page]),
+                    SaveSource::from_bytes(bytes, 0..len)?,
+                ))
+            })
+            .collect::<Result<_, kv_device::DeviceError>>()?;
+        let mut all: Vec<SourcePut<'_>> = puts.to_vec();
+        all.extend(companions.iter().map(|(key, bytes)| SourcePut {
             key,
-            parts: smallvec::smallvec![(bytes.as_ptr(), bytes.len())],
+            parts: smallvec::smallvec![bytes.clone()],
         }));
-        let hold: Hold = Arc::new((hold, companions.clone()));
-        // SAFETY: the caller's promise covers `puts` (kept by `hold`); the companions' bytes
-        // are ours, kept by `hold` and never written again.
-        let results = unsafe { self.calls.put(&all, hold, self.store_deadline()) };
+        let results = self.calls.put(&all, hold, self.store_deadline());
         let (objects, companion_results) = results.split_at(puts.len());
         for (put, (r, &page)) in puts.iter().zip(objects.iter().zip(chunk)) {
             match r {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use tracing::{error, warn};
 
-use super::{KvStore, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession};
+use super::{KvStore, RangedGet, ReadRange, ReadSession};
 use super::{ReadSession as Session, StoreError};
 
 /// Most store calls running at once, hung ones included.
@@ -139,7 +139,7 @@ pub struct StoreCalls {
 }
 
 /// The call did not return by its deadline.
-struct Overdue(Duration);
+pub(super) struct Overdue(pub(super) Duration);
 
 /// Where a call's result meets its caller.
 struct Slot<T> {
@@ -155,7 +155,7 @@ enum Answer<T> {
 }
 
 /// A call started on a worker.
-struct Pending<T> {
+pub(super) struct Pending<T> {
     slot: Arc<Slot<T>>,
     what: &'static str,
     started: Instant,
@@ -165,7 +165,7 @@ struct Pending<T> {
 impl<T> Pending<T> {
     /// The call's result, or [`Overdue`] at `deadline` (the call is then abandoned: its
     /// result, when it comes, goes to its `late`).
-    fn wait(self, deadline: Instant) -> Result<T, Overdue> {
+    pub(super) fn wait(self, deadline: Instant) -> Result<T, Overdue> {
         let mut state = self.slot.state.lock();
         loop {
             match std::mem::replace(&mut *state, Answer::Waiting) {
@@ -185,7 +185,7 @@ impl<T> Pending<T> {
     }
 }
 
-fn overdue_all<T>(
+pub(super) fn overdue_all<T>(
     keys: &[String],
     call: &'static str,
     waited: Duration,
@@ -201,7 +201,7 @@ fn overdue_all<T>(
         .collect()
 }
 
-fn failed_all<T>(keys: &[String], e: &StoreError) -> Vec<Result<T, StoreError>> {
+pub(super) fn failed_all<T>(keys: &[String], e: &StoreError) -> Vec<Result<T, StoreError>> {
     keys.iter().map(|_| Err(e.clone())).collect()
 }
 
@@ -237,7 +237,7 @@ impl StoreCalls {
     /// Starts `call` on a worker. `call` owns everything it uses (it may outlive its
     /// caller's wait); a result that comes after the caller gave up goes to `late` instead
     /// (on the worker).
-    fn submit<T: Send + 'static>(
+    pub(super) fn submit<T: Send + 'static>(
         &self,
         what: &'static str,
         call: impl FnOnce(&dyn KvStore) -> T + Send + 'static,
@@ -286,7 +286,7 @@ impl StoreCalls {
     }
 
     /// Per-key results of a call over `keys`: its own, or an error for every key.
-    fn per_key<T: Send + 'static>(
+    pub(super) fn per_key<T: Send + 'static>(
         &self,
         what: &'static str,
         keys: Vec<String>,
@@ -377,82 +377,6 @@ impl StoreCalls {
         }
     }
 
-    /// [`KvStore::get_ranges`], bounded: the results, or [`StoreError::Overdue`] for every key
-    /// at `deadline` while the call goes on.
-    ///
-    /// # Safety
-    /// As [`KvStore::get_ranges`], for as long as the call runs, which may be past `deadline`
-    /// and this function's return: every destination is valid for writes of its length, the
-    /// destinations do not overlap, and nothing else reads or writes them until `hold` (kept
-    /// by the call until it returns) has been dropped — `hold` is what keeps them allocated
-    /// and away from everyone else.
-    pub unsafe fn get_ranges(
-        &self,
-        gets: &[RangedGet<'_>],
-        hold: Hold,
-        deadline: Instant,
-    ) -> Vec<Result<u64, StoreError>> {
-        // SAFETY: one part, covered by the caller's promise.
-        unsafe { self.get_ranges_parts(&[gets], &hold, deadline) }
-            .pop()
-            .unwrap_or_default()
-    }
-
-    /// [`get_ranges`](Self::get_ranges) of several parts at once, each on its own worker; the
-    /// results of each part, in order. Every part waits until the same `deadline`.
-    ///
-    /// # Safety
-    /// As [`get_ranges`](Self::get_ranges), for every part; parts do not overlap.
-    pub unsafe fn get_ranges_parts(
-        &self,
-        parts: &[&[RangedGet<'_>]],
-        hold: &Hold,
-        deadline: Instant,
-    ) -> Vec<Vec<Result<u64, StoreError>>> {
-        type Part = (Arc<[String]>, Vec<smallvec::SmallVec<[ReadRange; 2]>>);
-        let owned_parts: Vec<Part> = parts
-            .iter()
-            .map(|p| {
-                let keys: Arc<[String]> = p.iter().map(|g| g.key.to_owned()).collect();
-                (keys, p.iter().map(|g| g.ranges.clone()).collect())
-            })
-            .collect();
-        type Started = Result<Pending<Vec<Result<u64, StoreError>>>, StoreError>;
-        let pending: Vec<(Arc<[String]>, Started)> = owned_parts
-            .into_iter()
-            .map(|(keys, ranges)| {
-                let mine = keys.clone();
-                let hold = hold.clone();
-                let started = self.submit(
-                    "get_ranges",
-                    move |s| {
-                        let gets: Vec<RangedGet<'_>> = mine
-                            .iter()
-                            .zip(ranges)
-                            .map(|(key, ranges)| RangedGet { key, ranges })
-                            .collect();
-                        // SAFETY: the caller's promise covers these destinations until
-                        // `hold`, which this closure owns, is dropped after the call.
-                        let r = unsafe { s.get_ranges(&gets) };
-                        drop(hold);
-                        let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
-                        super::checked_results(&refs, r)
-                    },
-                    |_, _| {},
-                );
-                (keys, started)
-            })
-            .collect();
-        pending
-            .into_iter()
-            .map(|(keys, p)| match p.map(|p| p.wait(deadline)) {
-                Ok(Ok(r)) => r,
-                Ok(Err(Overdue(waited))) => overdue_all(&keys, "get_ranges", waited),
-                Err(e) => failed_all(&keys, &e),
-            })
-            .collect()
-    }
-
     /// Reads the first `lens[i]` bytes of object `keys[i]` into buffers of the call's own
     /// (ranged reads: inside a read session the store already holds, no other request to it),
     /// bounded. A key that returns fewer bytes is a [`StoreError::ShortRead`].
@@ -498,91 +422,15 @@ impl StoreCalls {
                 .collect()
         })
     }
-
-    /// [`KvStore::get_into`], bounded (see [`get_ranges`](Self::get_ranges)).
-    ///
-    /// # Safety
-    /// As [`get_ranges`](Self::get_ranges): every destination valid for writes and untouched
-    /// by others until `hold` is dropped (after the call returns).
-    pub unsafe fn get_into(
-        &self,
-        gets: &[ObjectGet<'_>],
-        hold: Hold,
-        deadline: Instant,
-    ) -> Vec<Result<u64, StoreError>> {
-        let keys: Vec<String> = gets.iter().map(|g| g.key.to_owned()).collect();
-        let dsts: Vec<(SendPtr, usize)> = gets.iter().map(|g| (SendPtr(g.dst), g.len)).collect();
-        self.per_key("get_into", keys, deadline, move |s, k| {
-            let gets: Vec<ObjectGet<'_>> = k
-                .iter()
-                .zip(&dsts)
-                .map(|(key, (dst, len))| ObjectGet {
-                    key,
-                    dst: dst.0,
-                    len: *len,
-                })
-                .collect();
-            // SAFETY: the caller's promise covers these destinations until `hold`, which this
-            // closure owns, is dropped after the call returns.
-            let r = unsafe { s.get_into(&gets) };
-            drop(hold);
-            r
-        })
-    }
-
-    /// [`KvStore::put`], bounded.
-    ///
-    /// # Safety
-    /// Every source is valid for reads of its length and not written by anyone until `hold`
-    /// is dropped (after the call returns, which may be past `deadline`).
-    pub unsafe fn put(
-        &self,
-        puts: &[ObjectPut<'_>],
-        hold: Hold,
-        deadline: Instant,
-    ) -> Vec<Result<PutOutcome, StoreError>> {
-        let keys: Vec<String> = puts.iter().map(|p| p.key.to_owned()).collect();
-        let parts: Vec<Vec<(SendPtr, usize)>> = puts
-            .iter()
-            .map(|p| {
-                p.parts
-                    .iter()
-                    .map(|&(a, l)| (SendPtr(a as *mut u8), l))
-                    .collect()
-            })
-            .collect();
-        self.per_key("put", keys, deadline, move |s, k| {
-            let puts: Vec<ObjectPut<'_>> = k
-                .iter()
-                .zip(&parts)
-                .map(|(key, parts)| ObjectPut {
-                    key,
-                    parts: parts.iter().map(|(a, l)| (a.0 as *const u8, *l)).collect(),
-                })
-                .collect();
-            // SAFETY: the caller's promise covers these sources until `hold`, which this
-            // closure owns, is dropped after the call returns.
-            let r = unsafe { s.put(&puts) };
-            drop(hold);
-            r
-        })
-    }
 }
-
-/// An address a call carries to its worker.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut u8);
-
-// SAFETY: an address only; it is dereferenced by the store inside an `unsafe` call whose
-// caller vouched for the memory (see the `unsafe` methods above), on whichever thread runs it.
-unsafe impl Send for SendPtr {}
-// SAFETY: shared references only read the address.
-unsafe impl Sync for SendPtr {}
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::store::{EmbeddedStore, Fault, FaultRule, FaultyStore, Stall};
+    use crate::store::{ObjectPut, TargetRange, TargetRead};
+    use kv_device::{BatchShape, DirectLanding, HostKvPool, LayerLanding, LayerStage};
+    use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
 
     fn put(store: &dyn KvStore, key: &str, bytes: &[u8]) {
         let p = ObjectPut {
@@ -593,31 +441,44 @@ mod tests {
         assert!(unsafe { store.put(&[p]) }[0].is_ok());
     }
 
+    /// A landing of one batch (plan pages → slots 0, 1) over a fresh host pool, its first
+    /// stage open at layer 0.
+    fn landing() -> (
+        Arc<dyn kv_device::KvPool>,
+        kv_device::DirectLanding,
+        Vec<LayerStage>,
+    ) {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let pool: Arc<dyn kv_device::KvPool> = Arc::new(HostKvPool::new(g, 2).unwrap());
+        let shape = BatchShape::own_only(vec![ComponentId(0)]);
+        let mut landing = DirectLanding::new(pool.clone(), vec![0, 1].into(), shape).unwrap();
+        let mut stages = landing.take_stages();
+        let soon = kv_loader::deadline_after(Duration::from_secs(5));
+        landing.open(&mut stages[0], 0, soon).unwrap();
+        (pool, landing, stages)
+    }
+
     #[test]
     fn a_hung_read_fails_at_its_deadline_and_keeps_its_memory_until_it_returns() {
-        let inner = Arc::new(EmbeddedStore::new(1 << 20));
-        put(inner.as_ref(), "k", &[9u8; 64]);
+        let (pool, landing, mut stages) = landing();
+        let mut loan = landing.lend(&mut stages[0]).unwrap();
+        let target = landing.target(&loan, ComponentId(0), 1).unwrap();
+        let inner = Arc::new(EmbeddedStore::new(1 << 22));
+        put(inner.as_ref(), "k", &vec![9u8; target.len()]);
         let faulty = Arc::new(FaultyStore::new(inner));
         let stall = Stall::new();
         faulty.inject(FaultRule::default(), Fault::Stall(stall.clone()));
         let calls = StoreCalls::new(faulty.clone());
-        let dst: Arc<Mutex<Vec<u8>>> = Arc::new(Mutex::new(vec![0u8; 64]));
-        let addr = dst.lock().as_mut_ptr();
-        let get = RangedGet {
+        // What the batch keeps while a call may write its slots (its outcome, in the linker).
+        let batch: Arc<()> = Arc::new(());
+        loan.keep(batch.clone());
+        let read = TargetRead {
             key: "k",
-            ranges: [ReadRange {
-                dst: addr,
-                len: 64,
-                offset: 0,
-            }]
-            .into_iter()
-            .collect(),
+            ranges: [TargetRange { target, offset: 0 }].into_iter().collect(),
         };
         let t0 = Instant::now();
         let deadline = kv_loader::deadline_after(Duration::from_millis(50));
-        // SAFETY: `dst` is kept by the hold until the call returns, and nothing else touches
-        // its bytes meanwhile (this test only reads them after the hold is gone).
-        let r = unsafe { calls.get_ranges(&[get], dst.clone(), deadline) };
+        let r = calls.read_targets(&[read], vec![loan], 1, deadline);
         assert!(t0.elapsed() < Duration::from_secs(2));
         assert!(
             matches!(
@@ -629,23 +490,34 @@ mod tests {
             ),
             "{r:?}"
         );
-        // The call still holds the buffer.
-        assert_eq!(Arc::strong_count(&dst), 2);
+        // The hung call still holds the loan: the stage is not the landing's, and the pool
+        // stays allocated after the landing is gone.
+        assert!(matches!(
+            landing.target_bytes(&stages[0], ComponentId(0), 1),
+            Err(kv_device::DeviceError::Lent(_))
+        ));
+        assert_eq!(Arc::strong_count(&batch), 2);
         // Other calls go on meanwhile, on another worker.
         faulty.clear();
         let ok = calls.exists(&["k"], kv_loader::deadline_after(Duration::from_secs(5)));
         assert_eq!(ok, vec![Ok(true)]);
         assert_eq!(calls.workers(), 2);
+        drop(landing);
+        assert_eq!(Arc::strong_count(&pool), 2, "the loan keeps the pool");
         stall.release();
         let t0 = Instant::now();
-        while Arc::strong_count(&dst) > 1 {
+        while Arc::strong_count(&batch) > 1 {
             assert!(
                 t0.elapsed() < Duration::from_secs(5),
-                "the hold was not released"
+                "the loan was not let go"
             );
             std::thread::sleep(Duration::from_millis(2));
         }
-        assert_eq!(dst.lock()[0], 9, "the late call wrote its bytes");
+        assert_eq!(Arc::strong_count(&pool), 1, "the loan let go of the pool");
+        let mut out = vec![0u8; target.len()];
+        // SAFETY: the call has returned and let go of its loan; nothing else writes the slot.
+        unsafe { pool.read_slot(ComponentId(0), 0, 1, &mut out) }.unwrap();
+        assert!(out.iter().all(|&b| b == 9), "the late call wrote its bytes");
     }
 
     #[test]

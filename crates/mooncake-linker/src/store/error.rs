@@ -87,6 +87,15 @@ pub enum StoreError {
         /// How long it was waited for.
         waited: std::time::Duration,
     },
+    /// The read was refused before it reached the store: its typed targets cannot be written
+    /// (two share bytes, or one's loan is not the call's). Nothing was written.
+    #[error("`{key}`: refused targets: {reason}")]
+    InvalidTarget {
+        /// The key.
+        key: String,
+        /// What was wrong.
+        reason: &'static str,
+    },
     /// Any other code of the store.
     #[error("`{key}`: store error code {code}")]
     Other {
@@ -106,7 +115,9 @@ impl StoreError {
             StoreError::TransferFailed { .. } => StoreFailure::TransferFailed,
             StoreError::Lease { .. } => StoreFailure::Lease,
             StoreError::RpcTimeout { .. } | StoreError::Overdue { .. } => StoreFailure::RpcTimeout,
-            StoreError::InvalidArgument { .. } => StoreFailure::InvalidArgument,
+            StoreError::InvalidArgument { .. } | StoreError::InvalidTarget { .. } => {
+                StoreFailure::InvalidArgument
+            }
             StoreError::Unavailable { .. } => StoreFailure::Unavailable,
             StoreError::ShortRead { .. } => StoreFailure::ShortRead,
             StoreError::ResultCount { .. } | StoreError::Other { .. } => StoreFailure::Other,

@@ -126,6 +126,12 @@ pub struct ReadSession {
 /// source range is valid for reads of its length and not written by anyone else, and the
 /// memory is of a kind the store can access (registered with [`KvStore::register`] where the
 /// store needs that). Destinations of one call must not overlap.
+///
+/// Callers above the store layer never make these calls themselves: they go through
+/// [`StoreCalls`](super::StoreCalls), whose [`read_targets`](super::StoreCalls::read_targets)
+/// and [`put`](super::StoreCalls::put) take typed regions minted by kv-device
+/// ([`StageLoan`](kv_device::StageLoan)/[`ReadTarget`](kv_device::ReadTarget),
+/// [`SaveSource`](kv_device::SaveSource)), check them, and uphold this contract for them.
 pub trait KvStore: Send + Sync {
     /// A short name for logs ("embedded", "mooncake").
     fn name(&self) -> &str;

@@ -63,6 +63,8 @@ mod registration;
 mod served;
 #[cfg(any(test, feature = "testing"))]
 mod simulated;
+mod source_puts;
+mod target_reads;
 
 pub use checked::checked_results;
 pub use embedded::EmbeddedStore;
@@ -81,3 +83,5 @@ pub use registration::Registration;
 pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE};
 #[cfg(any(test, feature = "testing"))]
 pub use simulated::{SimulatedLink, SimulatedRemoteStore};
+pub use source_puts::SourcePut;
+pub use target_reads::{TargetRange, TargetRead};

@@ -221,6 +221,8 @@ impl Enc {
             StoreError::Lease { key, detail } => self.u8(4).str(key).str(detail),
             StoreError::RpcTimeout { key } | StoreError::Overdue { key, .. } => self.u8(5).str(key),
             StoreError::InvalidArgument { key, detail } => self.u8(6).str(key).str(detail),
+            // Refused before any store saw it; a server passes it on as an invalid argument.
+            StoreError::InvalidTarget { key, reason } => self.u8(6).str(key).str(reason),
             StoreError::Unavailable { detail } => self.u8(7).str(detail),
             StoreError::ShortRead { key, expected, got } => {
                 self.u8(8).str(key).u64(*expected).u64(*got)

@@ -1,0 +1,258 @@
+//! Store reads into typed targets: the safe, checked way to read into a landing's memory.
+//! [`StoreCalls::read_targets`] takes the [`StageLoan`]s the targets were minted in (by
+//! value: the call, and a worker that outlives its deadline, owns them until the store
+//! returns), refuses targets it cannot vouch for, and only then makes the `unsafe`
+//! [`KvStore::get_ranges`](super::KvStore::get_ranges) call.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kv_device::{first_overlap, ReadTarget, StageLoan};
+use smallvec::SmallVec;
+
+use super::bounded::{failed_all, overdue_all, Overdue, Pending};
+use super::{checked_results, RangedGet, ReadRange, StoreCalls, StoreError};
+
+/// One range of a read into a typed target: `target.len()` bytes at byte `offset` of the
+/// object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TargetRange {
+    /// Where the bytes go.
+    pub target: ReadTarget,
+    /// Byte offset inside the object.
+    pub offset: u64,
+}
+
+/// A ranged read of one object into typed targets (one range per layer read; usually one).
+#[derive(Debug, Clone)]
+pub struct TargetRead<'k> {
+    /// The object's key.
+    pub key: &'k str,
+    /// Ranges of it to read.
+    pub ranges: SmallVec<[TargetRange; 2]>,
+}
+
+impl TargetRead<'_> {
+    /// Bytes this read asks for.
+    pub fn expected(&self) -> u64 {
+        self.ranges.iter().map(|r| r.target.len() as u64).sum()
+    }
+}
+
+/// Why the call cannot write `reads`' targets, if it cannot: a target whose loan is not among
+/// `loans` (stale, or another call's), or two targets that share a byte. Sorting the targets
+/// by address is the whole cost (nothing per byte).
+pub(crate) fn refusal(reads: &[TargetRead<'_>], loans: &[StageLoan]) -> Option<&'static str> {
+    let mut ids: SmallVec<[u64; 16]> = loans.iter().map(StageLoan::id).collect();
+    ids.sort_unstable();
+    let targets: Vec<ReadTarget> = reads
+        .iter()
+        .flat_map(|r| r.ranges.iter().map(|x| x.target))
+        .collect();
+    if targets
+        .iter()
+        .any(|t| ids.binary_search(&t.loan()).is_err())
+    {
+        return Some("a target whose loan is not the call's");
+    }
+    first_overlap(&targets).map(|_| "two targets share bytes")
+}
+
+/// One part of a read as its worker owns it: the keys and the raw ranges.
+type Part = (Arc<[String]>, Vec<SmallVec<[ReadRange; 2]>>);
+
+fn part(reads: &[TargetRead<'_>]) -> Part {
+    let keys: Arc<[String]> = reads.iter().map(|r| r.key.to_owned()).collect();
+    let ranges = reads
+        .iter()
+        .map(|r| {
+            r.ranges
+                .iter()
+                .map(|x| ReadRange {
+                    dst: x.target.addr() as *mut u8,
+                    len: x.target.len(),
+                    offset: x.offset,
+                })
+                .collect()
+        })
+        .collect();
+    (keys, ranges)
+}
+
+impl StoreCalls {
+    /// Reads byte ranges of objects into typed targets, as `parallelism` store calls at once
+    /// over contiguous parts of `reads` (1: one call), each bounded by `deadline`; per key,
+    /// in `reads` order, the bytes read (less than [`TargetRead::expected`] is a short read),
+    /// or [`StoreError::Overdue`] for a part still running at `deadline`.
+    ///
+    /// The call owns `loans` until the store returns, past `deadline` if it hangs: while a
+    /// loan lives its landing lends the memory to no one else and keeps it allocated (and so
+    /// does whatever the loan [`keep`](StageLoan::keep)s). Every target must be of one of
+    /// `loans`, and no two may share a byte; otherwise nothing is read and every key fails
+    /// with [`StoreError::InvalidTarget`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use kv_device::{BatchShape, DirectLanding, HostKvPool, KvPool, LayerLanding};
+    /// use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
+    /// use mooncake_linker::store::{EmbeddedStore, StoreCalls, StoreError, TargetRange, TargetRead};
+    /// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+    /// let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 4).unwrap());
+    /// let shape = BatchShape::own_only(vec![ComponentId(0)]);
+    /// let mut landing = DirectLanding::new(pool, vec![0, 1].into(), shape).unwrap();
+    /// let mut stages = landing.take_stages();
+    /// let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+    /// landing.open(&mut stages[0], 0, soon()).unwrap();
+    /// let loan = landing.lend(&mut stages[0]).unwrap();
+    /// let row = landing.target(&loan, ComponentId(0), 0).unwrap();
+    /// // The same row twice in one read: refused before any store sees it.
+    /// let twice = TargetRead {
+    ///     key: "k",
+    ///     ranges: [row, row].map(|target| TargetRange { target, offset: 0 }).into_iter().collect(),
+    /// };
+    /// let calls = StoreCalls::new(Arc::new(EmbeddedStore::new(1 << 20)));
+    /// let r = calls.read_targets(&[twice], vec![loan], 1, soon());
+    /// assert!(matches!(&r[..], [Err(StoreError::InvalidTarget { .. })]));
+    /// ```
+    pub fn read_targets(
+        &self,
+        reads: &[TargetRead<'_>],
+        loans: Vec<StageLoan>,
+        parallelism: usize,
+        deadline: Instant,
+    ) -> Vec<Result<u64, StoreError>> {
+        if let Some(reason) = refusal(reads, &loans) {
+            tracing::error!(reason, "a read's targets were refused");
+            return reads
+                .iter()
+                .map(|r| {
+                    Err(StoreError::InvalidTarget {
+                        key: r.key.to_owned(),
+                        reason,
+                    })
+                })
+                .collect();
+        }
+        let parts = parallelism.clamp(1, reads.len().max(1));
+        let chunk = reads.len().div_ceil(parts).max(1);
+        // Every part's worker holds the loans until its store call returned; the last one to
+        // let go gives the stages back.
+        let loans = Arc::new(loans);
+        type Started = Result<Pending<Vec<Result<u64, StoreError>>>, StoreError>;
+        let pending: Vec<(Arc<[String]>, Started)> = reads
+            .chunks(chunk)
+            .map(|p| {
+                let (keys, ranges) = part(p);
+                let mine = keys.clone();
+                let loans = loans.clone();
+                let started = self.submit(
+                    "get_ranges",
+                    move |s| {
+                        let gets: Vec<RangedGet<'_>> = mine
+                            .iter()
+                            .zip(ranges)
+                            .map(|(key, ranges)| RangedGet { key, ranges })
+                            .collect();
+                        // SAFETY: every destination is a `ReadTarget` of one of `loans` (checked
+                        // by `refusal`), so its bytes lie in memory the loan keeps allocated and
+                        // that its landing touches and lends to no one else while the loan
+                        // lives; this closure holds the loans until the call has returned. No
+                        // two destinations of the whole read share a byte (checked), so the
+                        // parts, run at once, write disjoint memory too.
+                        let r = unsafe { s.get_ranges(&gets) };
+                        drop(loans);
+                        let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
+                        checked_results(&refs, r)
+                    },
+                    |_, _| {},
+                );
+                (keys, started)
+            })
+            .collect();
+        drop(loans);
+        pending
+            .into_iter()
+            .flat_map(|(keys, p)| match p.map(|p| p.wait(deadline)) {
+                Ok(Ok(r)) => r,
+                Ok(Err(Overdue(waited))) => overdue_all(&keys, "get_ranges", waited),
+                Err(e) => failed_all(&keys, &e),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use kv_device::{BatchShape, DirectLanding, HostKvPool, KvPool, LayerLanding};
+    use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
+
+    use super::*;
+    use crate::store::{EmbeddedStore, KvStore};
+
+    fn read<'k>(key: &'k str, targets: &[ReadTarget]) -> TargetRead<'k> {
+        TargetRead {
+            key,
+            ranges: targets
+                .iter()
+                .map(|&target| TargetRange { target, offset: 0 })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn overlapping_or_foreign_targets_are_refused_and_nothing_is_written() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 4).unwrap());
+        let shape = BatchShape::own_only(vec![ComponentId(0)]);
+        let mut landing = DirectLanding::new(pool, vec![0, 1].into(), shape).unwrap();
+        let mut stages = landing.take_stages();
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        landing.open(&mut stages[0], 0, soon()).unwrap();
+        landing.open(&mut stages[1], 1, soon()).unwrap();
+        let store = Arc::new(EmbeddedStore::new(1 << 22));
+        let calls = StoreCalls::new(store.clone() as Arc<dyn KvStore>);
+        // Two reads of one row, in two objects: refused, whatever the order.
+        let loan = landing.lend(&mut stages[0]).unwrap();
+        let a = landing.target(&loan, ComponentId(0), 0).unwrap();
+        let b = landing.target(&loan, ComponentId(0), 1).unwrap();
+        let r = calls.read_targets(
+            &[read("x", &[b]), read("y", &[a, b])],
+            vec![loan],
+            2,
+            soon(),
+        );
+        assert!(
+            r.iter().all(|r| matches!(
+                r,
+                Err(StoreError::InvalidTarget {
+                    reason: "two targets share bytes",
+                    ..
+                })
+            )),
+            "{r:?}"
+        );
+        // A target of a loan the call does not own (a stale one: that loan has gone).
+        let other = landing.lend(&mut stages[1]).unwrap();
+        let r = calls.read_targets(&[read("x", &[a])], vec![other], 1, soon());
+        assert!(matches!(
+            &r[..],
+            [Err(StoreError::InvalidTarget {
+                reason: "a target whose loan is not the call's",
+                ..
+            })]
+        ));
+        // Distinct targets of the call's own loans reach the store (which lacks the keys).
+        let loan = landing.lend(&mut stages[0]).unwrap();
+        let a = landing.target(&loan, ComponentId(0), 0).unwrap();
+        let r = calls.read_targets(&[read("x", &[a])], vec![loan], 1, soon());
+        assert!(
+            matches!(&r[..], [Err(StoreError::NotFound { .. })]),
+            "{r:?}"
+        );
+        // And the stage is the landing's again once the call returned.
+        assert!(landing.target_bytes(&stages[0], ComponentId(0), 0).is_ok());
+    }
+}
