@@ -10,7 +10,7 @@ pub mod store;
 pub use linker::{serve_group_store, FormedTpGroup};
 pub use linker::{
     GroupFallback, Linker, LinkerBuilder, LinkerConfig, LinkerMetrics, MetricsSnapshot,
-    ReadGranularity, TpGroup, LAYER_LATENCY_BUCKETS_US,
+    PrefixProbe, ReadGranularity, TpGroup, LAYER_LATENCY_BUCKETS_US,
 };
 
 /// Re-exported: how keys are prefixed ([`LinkerConfig::namespace`]).

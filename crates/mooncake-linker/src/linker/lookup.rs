@@ -14,6 +14,7 @@ use tracing::{debug, warn};
 
 use super::group::GroupLink;
 use super::{GroupFallback, Inner};
+use crate::store::StoreCalls;
 
 impl Inner {
     /// One batched `exists` over every component's key of every candidate page; the hit
@@ -54,28 +55,13 @@ impl Inner {
             .flat_map(|p| comps.iter().map(move |c| (p, c)))
             .map(|(p, c)| self.keys.object_key(p, c))
             .collect();
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let present = self.calls.exists(&refs, self.store_deadline());
-        let mut hit = 0;
-        for i in 0..candidates.len() {
-            for j in 0..comps.len() {
-                match present.get(i * comps.len() + j) {
-                    Some(Ok(true)) => {}
-                    Some(Ok(false)) | None => return Ok(hit),
-                    Some(Err(e)) => {
-                        return Err(KvLoadError::Store {
-                            batch: None,
-                            layer: None,
-                            pages: vec![(first + i) as u32].into(),
-                            kind: e.failure(),
-                            detail: format!("lookup: {e}").into(),
-                        })
-                    }
-                }
-            }
-            hit = i + 1;
-        }
-        Ok(hit)
+        present_run(
+            &self.calls,
+            &keys,
+            comps.len(),
+            first,
+            self.store_deadline(),
+        )
     }
 
     /// The group's hit: one collective on the control handle whatever `local` is (this
@@ -130,4 +116,39 @@ impl Inner {
             }
         }
     }
+}
+
+/// How many pages in a row, from the first, have every one of their `per_page` keys in the
+/// store: `keys` holds `per_page` keys per page, page after page (one batched `exists`). A
+/// store error is the lookup's, naming plan page `first + i`.
+pub(crate) fn present_run(
+    calls: &StoreCalls,
+    keys: &[String],
+    per_page: usize,
+    first: usize,
+    deadline: std::time::Instant,
+) -> Result<usize, KvLoadError> {
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let present = calls.exists(&refs, deadline);
+    let pages = keys.len() / per_page.max(1);
+    let mut hit = 0;
+    for i in 0..pages {
+        for j in 0..per_page {
+            match present.get(i * per_page + j) {
+                Some(Ok(true)) => {}
+                Some(Ok(false)) | None => return Ok(hit),
+                Some(Err(e)) => {
+                    return Err(KvLoadError::Store {
+                        batch: None,
+                        layer: None,
+                        pages: vec![(first + i) as u32].into(),
+                        kind: e.failure(),
+                        detail: format!("lookup: {e}").into(),
+                    })
+                }
+            }
+        }
+        hit = i + 1;
+    }
+    Ok(hit)
 }

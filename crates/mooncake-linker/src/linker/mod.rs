@@ -24,6 +24,7 @@ mod metrics;
 mod outcomes;
 mod pipeline;
 mod preflight;
+mod probe;
 #[cfg(target_os = "linux")]
 mod process_group;
 mod reader;
@@ -63,6 +64,7 @@ use group::GroupLink;
 pub use group::TpGroup;
 pub use metrics::{LinkerMetrics, MetricsSnapshot, LAYER_LATENCY_BUCKETS_US};
 use outcomes::{HeldOutcome, Outcomes, WaitFailure};
+pub use probe::PrefixProbe;
 #[cfg(target_os = "linux")]
 pub use process_group::{serve_group_store, FormedTpGroup};
 use regions::Registered;
