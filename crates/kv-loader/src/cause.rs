@@ -51,6 +51,15 @@ impl Cause {
         Cause::with_source(source.to_string(), source)
     }
 
+    /// The same cause, its words prefixed with `context` ("context: words"); the typed error
+    /// is kept.
+    pub fn context(self, context: impl std::fmt::Display) -> Self {
+        Cause {
+            detail: format!("{context}: {}", self.detail),
+            source: self.source,
+        }
+    }
+
     /// The words.
     pub fn detail(&self) -> &str {
         &self.detail
@@ -80,6 +89,16 @@ impl fmt::Debug for Cause {
         }
     }
 }
+
+/// Two causes are equal when their words are (whatever typed errors stand behind them):
+/// what an error's equality in a test or a retry decision can compare.
+impl PartialEq for Cause {
+    fn eq(&self, other: &Self) -> bool {
+        self.detail == other.detail
+    }
+}
+
+impl Eq for Cause {}
 
 impl Error for Cause {
     fn source(&self) -> Option<&(dyn Error + 'static)> {

@@ -88,7 +88,7 @@ impl Workers {
                 "every store-call worker is busy or hung: failing the call"
             );
             return Err(StoreError::Unavailable {
-                detail: format!("{MAX_WORKERS} store calls are running or hung"),
+                detail: format!("{MAX_WORKERS} store calls are running or hung").into(),
             });
         }
         let (rx, idle, alive) = (self.rx.clone(), self.idle.clone(), self.alive.clone());
@@ -109,7 +109,10 @@ impl Workers {
         spawned.map(drop).map_err(|e| {
             self.alive.fetch_sub(1, Ordering::AcqRel);
             StoreError::Unavailable {
-                detail: format!("starting a store-call worker: {e}"),
+                detail: kv_loader::Cause::with_source(
+                    format!("starting a store-call worker: {e}"),
+                    e,
+                ),
             }
         })
     }

@@ -52,8 +52,10 @@ pub enum StoreError {
     /// The store cannot be reached.
     #[error("store unavailable: {detail}")]
     Unavailable {
-        /// What happened.
-        detail: String,
+        /// What happened, with the typed error behind it where there is one (a connection's
+        /// `std::io::Error`, the Mooncake client's error): `detail.downcast_ref::<T>()`.
+        #[source]
+        detail: kv_loader::Cause,
     },
     /// Fewer bytes than asked for came back.
     #[error("`{key}`: short read: {got} of {expected} bytes")]

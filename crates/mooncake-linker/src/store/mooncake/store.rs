@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use kv_loader::Cause;
 use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError};
 use parking_lot::Mutex;
 use tracing::{debug, warn};
@@ -88,7 +89,7 @@ impl MooncakeStore {
             None => Library::load_default(),
         }
         .map_err(|e| StoreError::Unavailable {
-            detail: e.to_string(),
+            detail: Cause::from_error(e),
         })?;
         Self::connect_with(library, config)
     }
@@ -97,9 +98,12 @@ impl MooncakeStore {
     pub fn connect_with(library: Arc<Library>, config: MooncakeConfig) -> Result<Self, StoreError> {
         let client = Client::connect(library, &config.setup_args()).map_err(|e| {
             StoreError::Unavailable {
-                detail: format!(
-                    "joining the Mooncake master at {} failed: {e}",
-                    config.master_addr()
+                detail: Cause::with_source(
+                    format!(
+                        "joining the Mooncake master at {} failed: {e}",
+                        config.master_addr()
+                    ),
+                    e,
                 ),
             }
         })?;
@@ -258,7 +262,7 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
         },
         ErrorKind::Timeout => StoreError::RpcTimeout { key },
         ErrorKind::Unavailable => StoreError::Unavailable {
-            detail: format!("`{key}`: {code}"),
+            detail: format!("`{key}`: {code}").into(),
         },
         ErrorKind::InvalidArgument => StoreError::InvalidArgument {
             key,
@@ -282,7 +286,7 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
             }
         }
         _ => StoreError::Unavailable {
-            detail: format!("`{key}`: {e}"),
+            detail: format!("`{key}`: {e}").into(),
         },
     }
 }
@@ -585,7 +589,8 @@ impl KvStore for MooncakeStore {
                     "<region {:#x}+{}>: transfers still in flight after {UNREGISTER_WAIT:?}; \
                      the region stays registered",
                     region.addr, region.len
-                ),
+                )
+                .into(),
             });
         };
         // SAFETY: no transfer of this store is in flight (the gate is held exclusively), and
@@ -648,10 +653,10 @@ impl KvStore for MooncakeStore {
         match self.client.health() {
             Ok(Health::Healthy) => Ok(()),
             Ok(other) => Err(StoreError::Unavailable {
-                detail: format!("Mooncake health check: {other:?}"),
+                detail: format!("Mooncake health check: {other:?}").into(),
             }),
             Err(e) => Err(StoreError::Unavailable {
-                detail: e.to_string(),
+                detail: Cause::from_error(e),
             }),
         }
     }

@@ -13,6 +13,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use kv_loader::Cause;
 use parking_lot::Mutex;
 
 use super::protocol::{
@@ -45,7 +46,8 @@ impl std::fmt::Debug for SocketStore {
 /// What went wrong with one request: the whole call fails with it, per key.
 enum CallError {
     Timeout,
-    Down(String),
+    /// The server is unreachable or broke the protocol (the I/O error behind it, if any).
+    Down(Cause),
 }
 
 impl From<io::Error> for CallError {
@@ -53,14 +55,14 @@ impl From<io::Error> for CallError {
         if e.kind() == io::ErrorKind::TimedOut {
             CallError::Timeout
         } else {
-            CallError::Down(e.to_string())
+            CallError::Down(Cause::from_error(e))
         }
     }
 }
 
 impl From<Malformed> for CallError {
     fn from(m: Malformed) -> Self {
-        CallError::Down(format!("a reply that does not decode: {}", m.0))
+        CallError::Down(format!("a reply that does not decode: {}", m.0).into())
     }
 }
 
@@ -71,7 +73,7 @@ impl CallError {
                 key: key.to_string(),
             },
             CallError::Down(d) => StoreError::Unavailable {
-                detail: format!("served store at {address}: {d}"),
+                detail: d.clone().context(format!("served store at {address}")),
             },
         }
     }
@@ -109,7 +111,8 @@ impl SocketStore {
     }
 
     fn open(&self, deadline: Instant) -> Result<Conn, CallError> {
-        let unavailable = |e: io::Error| CallError::Down(format!("connecting: {e}"));
+        let unavailable =
+            |e: io::Error| CallError::Down(Cause::with_source(format!("connecting: {e}"), e));
         let mut conn = if let Some(name) = self.address.strip_prefix("unix:@") {
             let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
                 .map_err(unavailable)?;
@@ -120,17 +123,16 @@ impl SocketStore {
             let addr = std::net::ToSocketAddrs::to_socket_addrs(hp)
                 .map_err(unavailable)?
                 .next()
-                .ok_or_else(|| CallError::Down(format!("{hp} resolves to nothing")))?;
+                .ok_or_else(|| CallError::Down(format!("{hp} resolves to nothing").into()))?;
             let left = deadline.saturating_duration_since(Instant::now());
             let s = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
                 .map_err(unavailable)?;
             s.set_nodelay(true).map_err(unavailable)?;
             Conn::Tcp(s)
         } else {
-            return Err(CallError::Down(format!(
-                "address {:?} is neither unix: nor tcp:",
-                self.address
-            )));
+            return Err(CallError::Down(
+                format!("address {:?} is neither unix: nor tcp:", self.address).into(),
+            ));
         };
         let mut hello = Enc::default();
         hello.u32(MAGIC).u32(PROTOCOL).u64(self.client);
@@ -259,10 +261,9 @@ impl KvStore for SocketStore {
             for (g, r) in gets.iter().zip(&results) {
                 if let Ok(len) = r {
                     if *len as usize > g.len {
-                        return Err(CallError::Down(format!(
-                            "{}: {len} bytes for a buffer of {}",
-                            g.key, g.len
-                        )));
+                        return Err(CallError::Down(
+                            format!("{}: {len} bytes for a buffer of {}", g.key, g.len).into(),
+                        ));
                     }
                     if *len > 0 {
                         // SAFETY: the caller promised `dst` is valid for writes of `g.len`

@@ -321,7 +321,7 @@ impl<'a> Dec<'a> {
                 detail: self.str()?,
             },
             7 => StoreError::Unavailable {
-                detail: self.str()?,
+                detail: self.str()?.into(),
             },
             8 => StoreError::ShortRead {
                 key: self.str()?,

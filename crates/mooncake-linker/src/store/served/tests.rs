@@ -223,7 +223,16 @@ fn calls_fail_fast_once_the_server_is_gone() {
         Err(StoreError::Unavailable { .. })
     ));
     assert!(t.elapsed() < Duration::from_secs(5));
-    assert!(SocketStore::connect("unix:@kvlink-no-such-store").is_err());
+    // The connection's I/O error is kept behind the words.
+    match SocketStore::connect("unix:@kvlink-no-such-store") {
+        Err(StoreError::Unavailable { detail }) => {
+            assert!(
+                detail.downcast_ref::<std::io::Error>().is_some(),
+                "{detail:?}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
     assert!(SocketStore::connect("pigeon:coop").is_err());
 }
 
