@@ -311,17 +311,20 @@ impl LayerPipeline<'_> {
             Ok(())
         };
         let name = |what: &str| format!("kvlink-{what}-r{}", self.inner.geometry.tp_rank);
+        // The companions first: a size check run inline (no thread to be had) waits for them.
+        let companions = if run {
+            Check::spawn(s, name("sums"), batch, "checksum companion", sums)
+        } else {
+            Check::passed(batch, "checksum companion")
+        };
+        let sizes = if run && self.inner.config.verify_object_sizes {
+            Check::spawn(s, name("size"), batch, "object size", sizes)
+        } else {
+            Check::passed(batch, "object size")
+        };
         PreflightChecks {
-            sizes: if run && self.inner.config.verify_object_sizes {
-                Check::spawn(s, name("size"), batch, "object size", sizes)
-            } else {
-                Check::passed(batch, "object size")
-            },
-            companions: if run {
-                Check::spawn(s, name("sums"), batch, "checksum companion", sums)
-            } else {
-                Check::passed(batch, "checksum companion")
-            },
+            companions,
+            sizes,
             covered,
         }
     }
