@@ -90,7 +90,10 @@ fn host_pool_saves_write_a_companion_per_object() {
 /// device-resident, saved through a gatherer, the way the CUDA backend's pool is.
 struct DeviceLike(Arc<HostKvPool>);
 
-impl KvPool for DeviceLike {
+// SAFETY: every address and region is the wrapped host pool's (which keeps the promises);
+// marked device-resident, it is only reached through a landing's staging and a gatherer,
+// which on the CPU device backend treat device memory as host memory, as it is here.
+unsafe impl KvPool for DeviceLike {
     fn geometry(&self) -> &KvGeometry {
         self.0.geometry()
     }

@@ -20,7 +20,18 @@ pub enum Residence {
 /// One rank's KV pool: for every component and every layer it carries, a buffer of
 /// `pages()` page slots of `page_layer_bytes` each. Slot `s` of a buffer is the page whose
 /// rows start at token `s * page_size` (token-row components) or row `s` (page-row ones).
-pub trait KvPool: Send + Sync {
+///
+/// # Safety
+/// Landings, save sources and stores write and read the memory [`slot_addr`](Self::slot_addr)
+/// and [`regions`](Self::regions) name, trusting it. An implementation promises that:
+/// - `slot_addr(c, l, s)`, when `Ok`, is the first byte of `page_layer_bytes` of component
+///   `c` that lie inside one of `regions()`, and distinct (component, layer, slot) triples
+///   never share a byte;
+/// - every region stays allocated, at the same address, for as long as the pool lives, and
+///   is memory of the pool's [`residence`](Self::residence) (host memory the CPU may read
+///   and write for `Residence::Host`);
+/// - the geometry and page count never change.
+pub unsafe trait KvPool: Send + Sync {
     /// The geometry this pool is laid out for.
     fn geometry(&self) -> &KvGeometry;
 

@@ -115,7 +115,10 @@ impl HostKvPool {
     }
 }
 
-impl KvPool for HostKvPool {
+// SAFETY: see the pool's docs: every slot lies inside one buffer the pool owns for its
+// whole life (`locate` checks the triple, slots of distinct triples are disjoint by the
+// geometry's layout), and the geometry and page count are fixed at construction.
+unsafe impl KvPool for HostKvPool {
     fn geometry(&self) -> &KvGeometry {
         &self.geometry
     }

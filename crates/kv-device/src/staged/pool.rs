@@ -192,7 +192,10 @@ impl DeviceKvPool {
     }
 }
 
-impl KvPool for DeviceKvPool {
+// SAFETY: see the pool's docs: every slot lies inside one buffer the pool owns for its
+// whole life (`locate` checks the triple, slots of distinct triples are disjoint by the
+// geometry's layout), and the geometry and page count are fixed at construction.
+unsafe impl KvPool for DeviceKvPool {
     fn geometry(&self) -> &KvGeometry {
         &self.geometry
     }
