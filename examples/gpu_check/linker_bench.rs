@@ -28,24 +28,11 @@ pub fn run(args: &Args, report: &mut Report) {
         &[32768, 131072]
     };
     for &tokens in sizes {
-        let r = bench(&dev, tokens);
-        report.push(
-            "bench",
-            format!(
-                "Linker layer-wise load {}K tokens → device pool (embedded store)",
-                tokens / 1024
-            ),
-            status(&r),
-            r.unwrap_or_else(|e| e),
+        let name = format!(
+            "Linker layer-wise load {}K tokens → device pool (embedded store)",
+            tokens / 1024
         );
-    }
-}
-
-fn status(r: &Result<String, String>) -> Status {
-    if r.is_ok() {
-        Status::Pass
-    } else {
-        Status::Fail
+        report.check("bench", &name, || bench(&dev, tokens));
     }
 }
 

@@ -28,7 +28,7 @@ use std::time::Instant;
 use kvlink::kv_device::cuda::cuda_device_count;
 use tracing_subscriber::EnvFilter;
 
-use kvlink_rig::report::{panic_msg, Report, Status};
+use kvlink_rig::report::{Report, Status};
 
 /// Run settings (clap).
 #[derive(Debug, Clone, clap::Parser)]
@@ -55,19 +55,6 @@ fn parse_args() -> Result<Args, String> {
         a.out = std::env::var_os("OUT").map(Into::into);
     }
     Ok(a)
-}
-
-/// Runs one part; a panic that escapes its own checks becomes a FAIL row, and the run goes on.
-fn section(report: &mut Report, name: &'static str, f: impl FnOnce(&mut Report)) {
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(report)));
-    if let Err(p) = r {
-        report.push(
-            name,
-            "(section aborted)",
-            Status::Fail,
-            format!("PANIC: {}", panic_msg(&*p)),
-        );
-    }
 }
 
 fn main() -> ExitCode {
@@ -98,8 +85,8 @@ fn main() -> ExitCode {
     let started = Instant::now();
     let mut report = Report::default();
     report.info("env", "GPUs visible", gpus.to_string());
-    section(&mut report, "bench", |r| linker_bench::run(&args, r));
-    section(&mut report, "bench", |r| bench::run(&args, gpus, r));
+    report.section("bench", |r| linker_bench::run(&args, r));
+    report.section("bench", |r| bench::run(&args, gpus, r));
     report.info(
         "env",
         "total run time",

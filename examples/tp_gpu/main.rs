@@ -45,7 +45,7 @@ use kvlink::kv_device::cuda::cuda_device_count;
 use tracing_subscriber::EnvFilter;
 
 use kvlink_rig::measure::fmt_bytes;
-use kvlink_rig::report::{panic_msg, Report, Status};
+use kvlink_rig::report::{Report, Status};
 use kvlink_rig::tp::{host_available, open_device, Fabric};
 
 fn default_threads() -> usize {
@@ -121,19 +121,6 @@ fn parse_args() -> Result<Args, String> {
     a.reps = a.reps_given.unwrap_or(if a.quick { 1 } else { 3 }).max(1);
     a.threads = a.threads.max(1);
     Ok(a)
-}
-
-/// Runs one part; a panic that escapes its own checks becomes a FAIL row, and the run goes on.
-fn section(report: &mut Report, name: &'static str, f: impl FnOnce(&mut Report)) {
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(report)));
-    if let Err(p) = r {
-        report.push(
-            name,
-            "(section aborted)",
-            Status::Fail,
-            format!("PANIC: {}", panic_msg(&*p)),
-        );
-    }
 }
 
 fn main() -> ExitCode {
@@ -241,7 +228,7 @@ fn main() -> ExitCode {
         );
     }
     let mut bench_text = String::new();
-    section(&mut report, "bench", |r| {
+    report.section("bench", |r| {
         bench_text = bench::run(&args, benched, started, r)
     });
     report.info(

@@ -99,6 +99,20 @@ impl Report {
         }
     }
 
+    /// Runs one part of a program; a panic that escapes its own checks becomes a FAIL row
+    /// `(section aborted)`, and the program goes on.
+    pub fn section(&mut self, name: &'static str, f: impl FnOnce(&mut Report)) {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(self)));
+        if let Err(p) = r {
+            self.push(
+                name,
+                "(section aborted)",
+                Status::Fail,
+                format!("PANIC: {}", panic_msg(&*p)),
+            );
+        }
+    }
+
     /// Whether any row failed.
     pub fn failed(&self) -> bool {
         self.rows.iter().any(|r| r.status == Status::Fail)
