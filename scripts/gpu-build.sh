@@ -9,7 +9,7 @@
 #        scripts/gpu-build.sh --regen-ptx   regenerate crates/kv-device/src/cuda/copy_rows.ptx
 #                                           from copy_rows.cu with NVRTC 13.0 from PyPI
 # Output: gpu-bin/gpu_tests (the `gpu` test target, tests/gpu/: the GPU checks as tests) and
-# gpu-bin/gpu_check (benchmarks), run by scripts/gpu-run.sh; gpu-bin/tp_gpu (run by
+# gpu-bin/gpu_check (benchmarks), run by scripts/gpu-run.sh; gpu-bin/tp_gpu (run with the TP tests by
 # scripts/gpu-tp-run.sh), gpu-bin/tp_procs and gpu-bin/glm_prefill (run by
 # scripts/gpu-procs-run.sh), stripped,
 # gpu-bin/BUILD_INFO. Fails if gpu-bin/ exceeds 60 MiB or a binary needs glibc newer than 2.34

@@ -2,8 +2,9 @@
 # Runs on the GPU machine (no Rust there): the binaries that scripts/gpu-build.sh put in
 # gpu-bin/. First the GPU checks as tests (gpu-bin/gpu_tests: the `gpu` test target,
 # tests/gpu/, one test at a time, KVLINK_REQUIRE_GPU=1 so a missing GPU fails), then the
-# benchmarks (gpu_check --no-checks). The result table is printed last; it ends with the line
-# "N passed, N failed" (every check row of the tests and the benchmarks together).
+# benchmarks (gpu_check: it only measures). Each test prints its table, and gpu_check its
+# result table; a last line "N passed, N failed" adds up every row of the tests and the
+# benchmarks together.
 #
 # Usage: bash scripts/gpu-run.sh [gpu_check flags: --quick, --no-128k]   (--quick also runs the
 #        tests' smaller sizes: KVLINK_GPU_QUICK=1)
@@ -41,7 +42,7 @@ quick=0
 KVLINK_REQUIRE_GPU=1 KVLINK_GPU_QUICK=$quick "$bin_dir/gpu_tests" --test-threads=1 --nocapture \
   > "$out/gpu_tests.stdout.log" 2> "$out/gpu_tests.stderr.log"
 trc=$?
-"$bin_dir/gpu_check" --no-checks --out "$out" "$@" > "$out/gpu_check.stdout.log" 2> "$out/gpu_check.stderr.log"
+"$bin_dir/gpu_check" --out "$out" "$@" > "$out/gpu_check.stdout.log" 2> "$out/gpu_check.stderr.log"
 rc=$?
 cat "$out/env.txt"
 echo "== gpu_tests stderr (last 40 lines; full log: $out/gpu_tests.stderr.log)"
@@ -50,7 +51,7 @@ echo "== gpu_check stderr (last 40 lines; full log: $out/gpu_check.stderr.log)"
 tail -n 40 "$out/gpu_check.stderr.log"
 echo "== gpu_tests (the GPU checks as tests) exit status $trc; each test's rows:"
 cat "$out/gpu_tests.stdout.log"
-echo "== gpu_check --no-checks (benchmarks) exit status $rc; result table:"
+echo "== gpu_check (benchmarks) exit status $rc; result table:"
 cat "$out/gpu_check.stdout.log"
 # One closing line over both: every "N passed, N failed" line of the tests' tables and the
 # benchmarks' table, added up (libtest's own "test result:" line is not one of them).

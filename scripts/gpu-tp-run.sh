@@ -1,35 +1,43 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (no Rust there): gpu-bin/tp_gpu, built here by scripts/gpu-build.sh.
+# Runs on the GPU machine (no Rust there): the TP tests of gpu-bin/gpu_tests, then
+# gpu-bin/tp_gpu, both built here by scripts/gpu-build.sh.
 # Issue 13 in one command: the device path of TP dedup through the Linker into device pools.
-#   One GPU: 2, 4 and 8 ranks on the GPU (in-process device group: device-to-device copies on
-#   each rank's comm stream, ordered by events): every mode, bytes compared on every rank,
-#   failures on rank 0, a middle rank and the last rank; NCCL with one rank through the same
-#   linker path and the device share step; then 128K tokens per mode at 8 ranks: time to the
-#   last layer on every rank, PCIe bytes per rank against the ideal.
-#   Two or more GPUs: the same command runs NCCL across them, one rank per GPU (correctness,
-#   then 128K/256K/512K per mode beside the seed's table).
-# The result table is printed last; it ends with the line "N passed, N failed".
+#   1. Correctness: the `gpu` test target's TP tests (tests/gpu/tp_dedup.rs, tp_nccl_one.rs;
+#      `gpu_tests tp_`, KVLINK_REQUIRE_GPU=1). One GPU: 2, 4 and 8 ranks on the GPU (in-process
+#      device group: device-to-device copies on each rank's comm stream, ordered by events):
+#      every mode, bytes compared on every rank, failures on rank 0, a middle rank and the last
+#      rank; NCCL with one rank through the same linker path and the device share step. Two or
+#      more GPUs: the same checks over NCCL, one rank per GPU.
+#   2. Benchmarks (tp_gpu): one GPU: 128K tokens per mode at 8 ranks: time to the last layer on
+#      every rank, PCIe bytes per rank against the ideal. Two or more GPUs: NCCL across them,
+#      one rank per GPU, 128K/256K/512K per mode beside the seed's table.
+# The tests print their tables, then tp_gpu its benchmark tables and result table; each table
+# ends with the line "N passed, N failed".
 #
 # Usage: bash scripts/gpu-tp-run.sh [tp_gpu flags]
-#   --ranks A,B,..   ranks on one GPU for the correctness checks (default 2,4,8)
 #   --bench-ranks N  ranks on one GPU for the benchmark (default 8)
 #   --tp N           NCCL ranks, one per GPU (default: every visible GPU when 2 or more)
-#   --quick          correctness on 32 pages, benchmark at 8K tokens only, one repetition
+#   --quick          the tests' smaller sizes (KVLINK_GPU_QUICK=1: 32 pages); benchmark at 8K
+#                    tokens only, one repetition
 #   --max-tokens T   largest prefix benchmarked; --min-tokens T the smallest
 #   --reps R         measured repetitions per mode after one warm-up (default 3)
-#   --budget-s S     start no size that would end past S seconds (default 540)
+#   --budget-s S     start no size that would end past S seconds (default: 540 less the time
+#                    the tests took)
 #   --host-mem-gib G host memory to plan with (default here: the machine's size, see below)
-#   --no-bench / --no-checks / --threads T
-# Output in $OUT when set (else gpu-bin/out/), six files (the device tool brings back at most 8):
-#   env_tp.txt, tp_gpu.stdout.log (benchmark tables, then the result table), tp_gpu.stderr.log
-#   (every row as it was produced, warnings), tp_gpu_bench_tp<N>.md (the benchmark tables),
-#   tp_gpu_<gpu>x<gpus>_ranks<N>.txt (tables + result table: commit it under docs/results/,
-#   e.g. tp_gpu_h200x1_ranks8.txt), timelines_tp<N>.tar (per size and mode: timeline_*.svg/.csv).
-# tp_gpu is stopped after KVLINK_TP_TIMEOUT seconds (default 580, inside the device tool's 600 s
-# limit) so that the logs are still packed and printed; tp_gpu itself starts no prefix size that
-# would end past --budget-s (540 s).
-# Exit status: tp_gpu's (0 all passed, 1 a check failed, 2 CUDA unavailable or too few GPUs;
-# 124 stopped by KVLINK_TP_TIMEOUT).
+#   --threads T      store fill threads
+#   --no-tests       benchmarks only (skip the TP tests)
+# Output in $OUT when set (else gpu-bin/out/), eight files (the device tool brings back at most
+# 8): env_tp.txt, gpu_tests_tp.stdout.log (the tests' tables), gpu_tests_tp.stderr.log (every
+# row as it was produced), tp_gpu.stdout.log (benchmark tables, then the result table),
+# tp_gpu.stderr.log (every row as it was produced, warnings), tp_gpu_bench_tp<N>.md (the
+# benchmark tables), tp_gpu_<gpu>x<gpus>_ranks<N>.txt (tables + result table: commit it under
+# docs/results/, e.g. tp_gpu_h200x1_ranks8.txt), timelines_tp<N>.tar (per size and mode:
+# timeline_*.svg/.csv).
+# The tests and tp_gpu together are stopped after KVLINK_TP_TIMEOUT seconds (default 580, inside
+# the device tool's 600 s limit) so that the logs are still packed and printed; tp_gpu itself
+# starts no prefix size that would end past --budget-s.
+# Exit status: 1 a TP test failed (tp_gpu's status otherwise: 0 all passed, 1 a benchmark
+# failed, 2 CUDA unavailable or too few GPUs; 124 stopped by KVLINK_TP_TIMEOUT).
 #
 # From the build machine: scripts/gpu-build.sh, then with the device tool
 #   run(command="bash scripts/gpu-tp-run.sh", carry=["gpu-bin"], kind="nvidia-h200", timeout_s=600)
@@ -39,10 +47,20 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin_dir="${KVLINK_GPU_BIN:-gpu-bin}"
 out="${OUT:-$bin_dir/out}"
 mkdir -p "$out"
-if [[ ! -x "$bin_dir/tp_gpu" ]]; then
-  echo "gpu-tp-run: $bin_dir/tp_gpu missing: run scripts/gpu-build.sh on the build machine and carry gpu-bin" >&2
-  exit 2
-fi
+for b in gpu_tests tp_gpu; do
+  if [[ ! -x "$bin_dir/$b" ]]; then
+    echo "gpu-tp-run: $bin_dir/$b missing: run scripts/gpu-build.sh on the build machine and carry gpu-bin" >&2
+    exit 2
+  fi
+done
+
+# --no-tests is this script's own flag; every other flag goes to tp_gpu.
+run_tests=1
+tp_args=()
+for a in "$@"; do
+  if [[ "$a" == --no-tests ]]; then run_tests=0; else tp_args+=("$a"); fi
+done
+set -- "${tp_args[@]}"
 
 # shellcheck source=scripts/gpu-common.sh
 source scripts/gpu-common.sh
@@ -75,8 +93,24 @@ fi
   ls -l /usr/lib/x86_64-linux-gnu/libnccl.so* 2>&1
 } > "$out/env_tp.txt"
 
+limit="${KVLINK_TP_TIMEOUT:-580}"
+started=$SECONDS
+trc=0
+if (( run_tests )); then
+  quick=0
+  [[ " $* " == *" --quick "* ]] && quick=1
+  KVLINK_REQUIRE_GPU=1 KVLINK_GPU_QUICK=$quick timeout -k 15 "$limit" "$bin_dir/gpu_tests" tp_ \
+    --test-threads=1 --nocapture > "$out/gpu_tests_tp.stdout.log" 2> "$out/gpu_tests_tp.stderr.log"
+  trc=$?
+fi
+spent=$(( SECONDS - started ))
+# The benchmark gets what the tests left of the budget (unless --budget-s is given).
+if [[ " $* " != *" --budget-s "* ]]; then
+  extra_args+=(--budget-s $(( 540 - spent > 60 ? 540 - spent : 60 )))
+fi
+left=$(( limit - spent > 30 ? limit - spent : 30 ))
 rm -rf "$out/timelines"
-timeout -k 15 "${KVLINK_TP_TIMEOUT:-580}" "$bin_dir/tp_gpu" --out "$out" "${extra_args[@]}" "$@" \
+timeout -k 15 "$left" "$bin_dir/tp_gpu" --out "$out" "${extra_args[@]}" "$@" \
   > "$out/tp_gpu.stdout.log" 2> "$out/tp_gpu.stderr.log"
 rc=$?
 if [[ -d "$out/timelines" ]]; then
@@ -84,9 +118,18 @@ if [[ -d "$out/timelines" ]]; then
   tar -C "$out" -cf "$out/timelines_tp${tp:-N}.tar" timelines && rm -rf "$out/timelines"
 fi
 cat "$out/env_tp.txt"
+if (( run_tests )); then
+  echo "== gpu_tests tp_ stderr (last 40 lines; full log: $out/gpu_tests_tp.stderr.log)"
+  tail -n 40 "$out/gpu_tests_tp.stderr.log"
+  echo "== gpu_tests tp_ (the TP checks as tests, $spent s) exit status $trc; each test's rows:"
+  cat "$out/gpu_tests_tp.stdout.log"
+fi
 echo "== tp_gpu stderr (last 80 lines; full log: $out/tp_gpu.stderr.log)"
 tail -n 80 "$out/tp_gpu.stderr.log"
-[[ $rc -eq 124 || $rc -eq 137 ]] && echo "== tp_gpu stopped after ${KVLINK_TP_TIMEOUT:-580} s: rows so far are in the stderr log above; tables of finished sizes in $out/tp_gpu_bench_tp*.md"
+[[ $rc -eq 124 || $rc -eq 137 ]] && echo "== tp_gpu stopped after $left s: rows so far are in the stderr log above; tables of finished sizes in $out/tp_gpu_bench_tp*.md"
 echo "== tp_gpu exit status $rc; benchmark tables and result table:"
 cat "$out/tp_gpu.stdout.log"
+if (( trc != 0 && rc == 0 )); then
+  exit 1
+fi
 exit "$rc"

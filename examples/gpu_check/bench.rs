@@ -17,9 +17,11 @@ use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::{LayerReady, RawStream};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
 
-use super::checks::{glm, half_bytes, own_all};
-use super::util::{de, fill_row, gbps, median, timing_event, Report, Rng, Status};
 use super::Args;
+use kvlink_rig::glm::{glm, half_bytes, own_all};
+use kvlink_rig::measure::{gbps, median, timing_event};
+use kvlink_rig::pattern::{fill_row, Rng};
+use kvlink_rig::report::{de, Report, Status};
 
 #[allow(dead_code)] // the examples share it; this one draws without `chained`
 #[path = "../common/timeline_svg.rs"]
@@ -93,7 +95,7 @@ fn time_on<F: FnMut() -> Result<(), String>>(
 /// Staged landing of one GLM-5.2 layer (scattered slots) vs a plain pinned copy of its bytes.
 fn h2d(dev: &Arc<CudaDevice>, args: &Args, report: &mut Report) {
     let r = (|| -> Result<(), String> {
-        let g = glm();
+        let g = glm(1, 0)?;
         let n = if args.quick { 512 } else { 2048 };
         let pages = n as u32 + 128;
         let layer = widest_layer(&g);
@@ -211,7 +213,7 @@ fn h2d(dev: &Arc<CudaDevice>, args: &Args, report: &mut Report) {
 /// The layer wait's cost on the compute stream: `cuStreamWaitEvent` enqueue time.
 fn wait_cost(dev: &Arc<CudaDevice>, report: &mut Report) {
     report.check(SEC, "layer wait on the compute stream (cuStreamWaitEvent)", || {
-        let g = glm();
+        let g = glm(1, 0)?;
         let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), 8).map_err(de)?);
         let staging = StagingPool::new(dev.clone(), half_bytes(&g, 4), 1).map_err(de)?;
         let mut l = StagedLanding::new(
@@ -264,7 +266,7 @@ struct LayerTimes {
 /// Layer-wise load of `tokens` tokens of GLM-5.2 from the embedded store through the staged
 /// landing; pipelined time vs the sum of its parts; timeline CSV + SVG; sampled check.
 fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String, String> {
-    let g = glm();
+    let g = glm(1, 0)?;
     let n = (tokens / u64::from(g.page_size())) as usize;
     let pages = n as u32 + 64;
     let total: u64 = g.components().iter().map(|c| c.object_bytes()).sum::<u64>() * n as u64;

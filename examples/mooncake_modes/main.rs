@@ -24,8 +24,6 @@ mod compute;
 mod prefix;
 mod report;
 mod rig;
-#[path = "../gpu_common/util.rs"]
-mod util;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -40,10 +38,11 @@ use kvlink::mooncake_linker::store::KvStore;
 use tracing_subscriber::EnvFilter;
 
 use args::{Args, Pools};
+use kvlink_rig::measure::{fmt_bytes, fmt_tokens};
+use kvlink_rig::report::{Report, Status};
 use prefix::Prefix;
 use report::{AutoRun, ModeResult, SizeTables};
 use rig::{close_all, Rig};
-use util::{fmt_bytes, fmt_tokens, Report, Status};
 
 const FIXED: [ShareMode; 3] = [
     ShareMode::AllRanks,

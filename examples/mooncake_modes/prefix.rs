@@ -15,7 +15,7 @@ use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::store::KvStore;
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
-use crate::util::fill_row;
+use kvlink_rig::pattern::fill_row;
 
 /// Pages per save call of a saver thread.
 const CHUNK: usize = 32;

@@ -9,7 +9,8 @@ use crate::args::{Args, Pools};
 use crate::compute;
 use crate::prefix::Prefix;
 use crate::rig::RankRun;
-use crate::util::{fmt_bytes, fmt_tokens, median, Markdown, Report, Status};
+use kvlink_rig::measure::{fmt_bytes, fmt_tokens, median, Markdown};
+use kvlink_rig::report::{Report, Status};
 
 /// The seed's table (SGLang, GLM-5.2 W4AFP8, 8×H20, TP8, Mooncake over RDMA, TTFT).
 const SEED: [(u64, f64, f64); 3] = [

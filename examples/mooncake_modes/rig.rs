@@ -19,7 +19,9 @@ use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity, TpGroup};
 
 use crate::args::Pools;
 use crate::prefix::{geometry, Prefix};
-use crate::util::{all_ok, de, on_ranks, Rng, TimedBarrier};
+use kvlink_rig::pattern::Rng;
+use kvlink_rig::ranks::{all_ok, on_ranks, TimedBarrier};
+use kvlink_rig::report::de;
 
 /// Longest a rank waits at the batch's start barrier for the others.
 const BARRIER_WAIT: Duration = Duration::from_secs(300);

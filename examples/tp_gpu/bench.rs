@@ -16,16 +16,16 @@ use kvlink::kv_device::cuda::{CudaDevice, DeviceBuffer, PinnedBuffer};
 use kvlink::kv_loader::ShareMode;
 use kvlink::mooncake_linker::store::KvStore;
 
-use super::setup::{
-    clear_pools, close_all, compare_all, config, effective, glm, gpu_mem, half_bytes,
-    host_available, linkers, plan, rank_devs, run_batch, save_prefix, Fabric, Groups, Prefix,
-    RankDev, MODES,
-};
-use super::util::{
-    all_ok, de, fmt_bytes, fmt_tokens, gbps, median, on_ranks, timing_event, Markdown, Report, Rng,
-    Status, TimedBarrier,
-};
 use super::Args;
+use kvlink_rig::glm::{glm, half_bytes};
+use kvlink_rig::measure::{fmt_bytes, fmt_tokens, gbps, median, timing_event, Markdown};
+use kvlink_rig::pattern::Rng;
+use kvlink_rig::ranks::{all_ok, on_ranks, TimedBarrier};
+use kvlink_rig::report::{de, Report, Status};
+use kvlink_rig::tp::{
+    clear_pools, close_all, compare_all, config, effective, gpu_mem, host_available, linkers,
+    open_device, plan, rank_devs, run_batch, save_prefix, Fabric, Groups, Prefix, RankDev, MODES,
+};
 
 #[path = "../common/timeline_svg.rs"]
 mod chart;
@@ -113,7 +113,7 @@ fn sizes(args: &Args, fabric: Fabric) -> Vec<u64> {
 /// Runs the benchmark on `fabric`; returns the markdown tables (also written to `$OUT`).
 pub fn run(args: &Args, fabric: Fabric, started: Instant, report: &mut Report) -> String {
     let tp = fabric.tp();
-    let gpu = super::setup::open_device(args.cpu, 0)
+    let gpu = open_device(args.cpu, 0)
         .map(|d| d.name())
         .unwrap_or_else(|e| e);
     let mut results: Vec<SizeResult> = Vec::new();

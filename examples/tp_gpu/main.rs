@@ -1,52 +1,41 @@
-//! `tp_gpu`: the device path of TP dedup through the Linker into device pools, checked and
-//! measured in one run (issue 13). Built here with `--features cuda`, run on the GPU machine by
-//! `scripts/gpu-tp-run.sh`.
+//! `tp_gpu`: benchmarks of the device path of TP dedup through the Linker into device pools.
+//! Built here with `--features cuda`, run on the GPU machine by `scripts/gpu-tp-run.sh`.
 //!
 //! **One GPU** (the one-H200 machine): NCCL refuses two ranks on one GPU, so the ranks are
 //! threads of this process on GPU 0 (each with its own load stream and comm stream), sharing
-//! through the in-process device group (device-to-device copies ordered by events):
-//! 1. Correctness with 2, 4 and 8 ranks (`--ranks`): GLM-5.2 FP8 at TP N; a prefix saved by rank
-//!    0 into ONE embedded store; every rank loads it into its own `CudaKvPool` at its own
-//!    scattered slots; for every mode every rank's device pool equals the saved bytes and each
-//!    rank read what the mode says; a plan whose request id differs on the last rank falls back
-//!    to `AllRanks`; a read failure on rank 0, a middle rank and the last rank at the middle
-//!    layer gives every rank the same failed outcome within the deadline, and the next batch
-//!    loads.
-//! 2. NCCL with one rank: the same checks through the Linker over a one-rank NCCL group, and the
-//!    device share step (upload → `share_stage` over NCCL → scatter → land) for every layer.
-//! 3. Benchmark, 8 ranks on the GPU (`--bench-ranks`), 128K tokens (8K with `--quick`), every
-//!    mode: time to the last layer on every rank, PCIe bytes per rank against the ideal, store
-//!    bytes per rank; the tables say plainly what one shared GPU does to the timings.
+//! through the in-process device group (device-to-device copies ordered by events): 8 ranks
+//! (`--bench-ranks`), 128K tokens (8K with `--quick`), every mode: time to the last layer on
+//! every rank, PCIe bytes per rank against the ideal, store bytes per rank; the tables say
+//! plainly what one shared GPU does to the timings.
 //!
-//! **Two or more GPUs**: one rank per GPU over NCCL (TP = the GPUs, or `--tp N`): the same
-//! correctness checks, then 128K / 256K / 512K per mode beside the seed's table.
+//! **Two or more GPUs**: one rank per GPU over NCCL (TP = the GPUs, or `--tp N`): 128K / 256K /
+//! 512K per mode beside the seed's table.
 //!
 //! **The store is the embedded one (in-process)**, not Mooncake. Every table says so.
 //!
+//! Correctness lives in the `gpu` test target (`tests/gpu/`): `cargo test --release --features
+//! cuda --test gpu tp_` (every mode landing the saved bytes on every rank, plan mismatch, read
+//! failures on rank 0, a middle rank and the last rank, one NCCL rank through the Linker), which
+//! `scripts/gpu-tp-run.sh` runs before this program.
+//!
 //! Prints the benchmark tables, then the result table (it ends with the line `N passed, N
 //! failed`), also written to `$OUT/tp_gpu_<gpu>x<gpus>_ranks<N>.txt` (e.g.
-//! `tp_gpu_h200x1_ranks8.txt`). Exit status: 0 all passed, 1 a check failed, 2 CUDA unavailable
-//! (or fewer GPUs than `--tp`, or bad flags). Flags:
-//! - `--ranks A,B,..`: ranks on one GPU for the correctness checks (default 2,4,8).
-//! - `--bench-ranks N`: ranks on one GPU for the benchmark (default 8).
+//! `tp_gpu_h200x1_ranks8.txt`). Exit status: 0 all passed, 1 a benchmark failed, 2 CUDA
+//! unavailable (or fewer GPUs than `--tp`, or bad flags). Flags:
+//! - `--bench-ranks N`: ranks on one GPU (default 8).
 //! - `--tp N`: NCCL ranks, one per GPU (default: every visible GPU when there are 2 or more).
-//! - `--quick`: correctness on 32 pages, benchmark at 8K tokens only, one repetition.
+//! - `--quick`: 8K tokens only, one repetition.
 //! - `--max-tokens T` / `--min-tokens T`: the largest / smallest prefix benchmarked.
 //! - `--reps R`: measured repetitions after one warm-up (default 3, 1 with `--quick`).
 //! - `--budget-s S`: start no size that would end past S seconds (default 540).
 //! - `--host-mem-gib G`: plan with G GiB of host memory instead of `MemAvailable`.
-//! - `--no-bench`, `--no-checks`, `--threads T` (store fill threads).
+//! - `--threads T`: store fill threads.
 //! - `--cpu`: the same flow on CPU devices (a dry run of the program's logic without a GPU).
 //! - `--out DIR`: tables, and SVG + CSV timelines in `DIR/timelines/` (default `$OUT`).
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
-mod checks;
-mod nccl_one;
-mod setup;
-#[path = "../gpu_common/util.rs"]
-mod util;
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -55,8 +44,9 @@ use kvlink::dedup_broadcast::nccl::nccl_version;
 use kvlink::kv_device::cuda::cuda_device_count;
 use tracing_subscriber::EnvFilter;
 
-use setup::Fabric;
-use util::{fmt_bytes, Report, Status};
+use kvlink_rig::measure::fmt_bytes;
+use kvlink_rig::report::{Report, Status};
+use kvlink_rig::tp::{host_available, open_device, Fabric};
 
 fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| n.get().min(16))
@@ -72,21 +62,17 @@ fn gib(v: &str) -> Result<u64, String> {
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
     name = "tp_gpu",
-    about = "TP dedup on the device through the Linker into device pools: checks and benchmarks."
+    about = "TP dedup on the device through the Linker into device pools: benchmarks (checks: cargo test --features cuda --test gpu tp_)."
 )]
 pub struct Args {
     /// NCCL ranks, one per GPU (0 on one GPU; from --tp or the GPUs visible).
     #[arg(skip)]
     pub tp: u32,
-    /// Ranks on one GPU for the correctness checks.
-    #[arg(long, value_name = "A,B,..", value_delimiter = ',', default_value = "2,4,8",
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub ranks: Vec<u32>,
     /// Ranks on one GPU for the benchmark.
     #[arg(long, value_name = "N", default_value_t = 8,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub bench_ranks: u32,
-    /// Small sizes: correctness on 32 pages, benchmark at 8K tokens only, one repetition.
+    /// Small sizes: 8K tokens only, one repetition.
     #[arg(long)]
     pub quick: bool,
     /// Largest prefix benchmarked, in tokens.
@@ -106,17 +92,11 @@ pub struct Args {
     /// Start no size that would end past this many seconds.
     #[arg(long, value_name = "S", default_value_t = 540.0)]
     pub budget_s: f64,
-    /// Skip the benchmark.
-    #[arg(long)]
-    pub no_bench: bool,
-    /// Skip the correctness checks (they are also the `gpu` test target, `tests/gpu/`).
-    #[arg(long)]
-    pub no_checks: bool,
     /// Threads that fill the store.
     #[arg(long, value_name = "T", default_value_t = default_threads())]
     pub threads: usize,
     /// Run on CPU devices instead of GPUs: a dry run of this program's logic (orchestration,
-    /// checks, tables) on a machine without a GPU; no GPU number comes out of it.
+    /// tables) on a machine without a GPU; no GPU number comes out of it.
     #[arg(long)]
     pub cpu: bool,
     /// Where logs, tables, SVG and CSV go [default: $OUT when set].
@@ -141,19 +121,6 @@ fn parse_args() -> Result<Args, String> {
     a.reps = a.reps_given.unwrap_or(if a.quick { 1 } else { 3 }).max(1);
     a.threads = a.threads.max(1);
     Ok(a)
-}
-
-/// Runs one part; a panic that escapes its own checks becomes a FAIL row, and the run goes on.
-fn section(report: &mut Report, name: &'static str, f: impl FnOnce(&mut Report)) {
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(report)));
-    if let Err(p) = r {
-        report.push(
-            name,
-            "(section aborted)",
-            Status::Fail,
-            format!("PANIC: {}", util::panic_msg(&*p)),
-        );
-    }
 }
 
 fn main() -> ExitCode {
@@ -204,12 +171,12 @@ fn main() -> ExitCode {
     }
     let started = Instant::now();
     let mut report = Report::default();
-    let gpu_name = setup::open_device(args.cpu, 0)
+    let gpu_name = open_device(args.cpu, 0)
         .map(|d| d.name())
         .unwrap_or_else(|e| e);
     report.info("env", "GPUs visible", gpus.to_string());
     for r in 0..gpus {
-        let name = setup::open_device(args.cpu, r)
+        let name = open_device(args.cpu, r)
             .map(|d| d.name())
             .unwrap_or_else(|e| e);
         report.info("env", format!("GPU {r}"), name);
@@ -218,7 +185,7 @@ fn main() -> ExitCode {
         report.info(
             "env",
             "DRY RUN",
-            "--cpu: CPU devices, not GPUs; checks the program's logic only, no GPU number",
+            "--cpu: CPU devices, not GPUs; exercises the program's logic only, no GPU number",
         );
     } else {
         match nccl_version() {
@@ -226,7 +193,7 @@ fn main() -> ExitCode {
             Err(e) => report.push("env", "NCCL", Status::Fail, e.to_string()),
         }
     }
-    if let Some(avail) = setup::host_available() {
+    if let Some(avail) = host_available() {
         report.info(
             "env",
             "host memory",
@@ -245,21 +212,12 @@ fn main() -> ExitCode {
         "store / share path",
         "embedded store (in-process), not Mooncake; replicated KV shared on the device (upload, collective on device staging, scatter)",
     );
-    let (checked, benched): (Vec<Fabric>, Fabric) = if args.tp >= 1 {
-        (
-            vec![Fabric::Nccl { tp: args.tp }],
-            Fabric::Nccl { tp: args.tp },
-        )
+    let benched = if args.tp >= 1 {
+        Fabric::Nccl { tp: args.tp }
     } else {
-        (
-            args.ranks
-                .iter()
-                .map(|&ranks| Fabric::OneGpu { ranks })
-                .collect(),
-            Fabric::OneGpu {
-                ranks: args.bench_ranks,
-            },
-        )
+        Fabric::OneGpu {
+            ranks: args.bench_ranks,
+        }
     };
     if gpus < 2 {
         report.push(
@@ -269,26 +227,10 @@ fn main() -> ExitCode {
             format!("{gpus} GPU visible: this machine runs N ranks on one GPU; give the same command 2, 4 or 8 GPUs"),
         );
     }
-    if args.no_checks {
-        report.push("correctness", "all", Status::Skip, "--no-checks");
-    } else {
-        for fabric in &checked {
-            section(&mut report, "correctness", |r| {
-                checks::run(&args, *fabric, r)
-            });
-        }
-        if args.tp == 0 && !args.cpu {
-            section(&mut report, "nccl-1", |r| nccl_one::run(&args, r));
-        }
-    }
     let mut bench_text = String::new();
-    if args.no_bench {
-        report.push("bench", "all", Status::Skip, "--no-bench");
-    } else {
-        section(&mut report, "bench", |r| {
-            bench_text = bench::run(&args, benched, started, r)
-        });
-    }
+    report.section("bench", |r| {
+        bench_text = bench::run(&args, benched, started, r)
+    });
     report.info(
         "env",
         "total run time",
@@ -305,16 +247,7 @@ fn main() -> ExitCode {
             .unwrap_or("gpu")
             .to_lowercase()
     };
-    let ranks = match benched {
-        Fabric::OneGpu { .. } => args
-            .ranks
-            .iter()
-            .copied()
-            .chain([args.bench_ranks])
-            .max()
-            .unwrap_or(1),
-        Fabric::Nccl { tp } => tp,
-    };
+    let ranks = benched.tp();
     if let Some(dir) = &args.out {
         let name = format!("tp_gpu_{machine}x{gpus}_ranks{ranks}.txt");
         let mut file = String::new();

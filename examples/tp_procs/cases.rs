@@ -7,9 +7,10 @@ use kvlink::kv_loader::ShareMode;
 use kvlink::mooncake_linker::store::{ServeAt, StoreServer};
 
 use crate::launch::{field, num, start, RankProc};
-use crate::setup::{save_prefix, MODES};
-use crate::util::{fmt_bytes, Report, Status};
 use crate::Args;
+use kvlink_rig::measure::fmt_bytes;
+use kvlink_rig::report::{Report, Status};
+use kvlink_rig::tp::{save_prefix, MODES};
 
 const SEC_ONE: &str = "1 process";
 const SEC_GROUP: &str = "processes";

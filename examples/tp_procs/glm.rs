@@ -5,8 +5,8 @@
 use std::process::Command;
 use std::time::Instant;
 
-use crate::util::{Report, Status};
 use crate::Args;
+use kvlink_rig::report::{Report, Status};
 
 const SEC: &str = "glm_prefill";
 

@@ -33,11 +33,6 @@ mod cases;
 mod glm;
 mod launch;
 mod rank;
-#[allow(dead_code)]
-#[path = "../tp_gpu/setup.rs"]
-mod setup;
-#[path = "../gpu_common/util.rs"]
-mod util;
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -45,7 +40,7 @@ use std::time::Instant;
 use kvlink::kv_device::cuda::cuda_device_count;
 use tracing_subscriber::EnvFilter;
 
-use util::{Report, Status};
+use kvlink_rig::report::{Report, Status};
 
 /// Run settings (the launcher's and a rank process's).
 #[derive(Debug, Clone)]

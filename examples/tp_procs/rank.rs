@@ -20,9 +20,11 @@ use kvlink::mooncake_linker::store::{Fault, FaultRule, FaultyStore, KvStore, Soc
 use kvlink::mooncake_linker::{FormedTpGroup, Linker, TpGroup};
 
 use crate::launch::MARK;
-use crate::setup::{compare_pool, config, glm, half_bytes, plan, tag, RankDev, MODES};
-use crate::util::{de, fill_row, Rng};
 use crate::Args;
+use kvlink_rig::glm::{glm, half_bytes, tag};
+use kvlink_rig::pattern::{fill_row, Rng};
+use kvlink_rig::report::de;
+use kvlink_rig::tp::{compare_pool, config, open_device, plan, RankDev, MODES};
 
 /// A rank process's settings.
 #[derive(Debug, Clone, Default)]
@@ -63,7 +65,7 @@ impl Pool {
             let pool = HostKvPool::new(g.clone(), pages).map_err(de)?;
             return Ok(Pool::Host(Arc::new(pool), g, r.rank));
         }
-        let dev = crate::setup::open_device(false, r.gpu)?;
+        let dev = open_device(false, r.gpu)?;
         let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
         // A spare pair: a batch whose collective was aborted may keep its pair quarantined.
         let staging = StagingPool::new(dev.clone(), half_bytes(&g, batch_pages), 3).map_err(de)?;

@@ -1,41 +1,62 @@
-//! The GPU checks as tests (feature `cuda`): the CUDA backend (copy kernels, staged landing,
-//! failures, misuse, gather), the NCCL collective (one rank, two GPUs, aborts), the Linker into
-//! device pools, and TP dedup on the device (ranks on one GPU, or one per GPU over NCCL).
+//! The GPU checks as tests (feature `cuda`), one file per idea:
+//! - the CUDA backend: the copy kernel (`kernels`), the staged landing into a device pool with
+//!   a failure at a layer and the save-direction gather (`staged_landing`), misuse refused
+//!   with typed errors (`landing_misuse`);
+//! - NCCL: one rank end to end and two GPUs (`nccl`), the device share step on one rank
+//!   (`nccl_share_step`), initialisations and ranks that time out and abort (`nccl_aborts`);
+//! - the Linker into device pools: loaded bytes, a save from a device pool, a failure at a
+//!   layer (`linker`);
+//! - TP dedup on device pools: every mode, plan mismatch, read failures on rank 0, a middle
+//!   rank and the last rank, with 2, 4 and 8 ranks on one GPU or one rank per GPU over NCCL
+//!   (`tp_dedup`), and one NCCL rank through the Linker and the share step (`tp_nccl_one`).
 //!
-//! The checks' code is shared with the examples that show the same paths with benchmarks
-//! (`examples/gpu_check`, `examples/tp_gpu`); here each test runs one group of them, prints its
-//! rows (`--nocapture` shows them) and fails when any row failed. The tests run one at a time
-//! (one lock): they share the GPU, and some measure deadlines.
+//! Each test runs one group of checks, prints its rows as a table that ends with `N passed, N
+//! failed` (`--nocapture` shows it) and fails when any row failed. The tests run one at a time
+//! (one lock): they share the GPU, and some measure deadlines. What the checks and the
+//! examples share (the table, the byte pattern, TP ranks on device pools) is the dev-only
+//! crate `kvlink-rig`; the examples `gpu_check` and `tp_gpu` only measure.
 //!
 //! Without a GPU (no driver, or the driver sees none) every test prints why and passes: `cargo
 //! test --workspace --all-features` on a machine without a GPU builds and skips them. On the GPU
-//! machine `scripts/gpu-run.sh` runs the binary that `scripts/gpu-build.sh` builds
-//! (`cargo test --release --features cuda --test gpu --no-run`). `KVLINK_GPU_QUICK=1` runs the
-//! smaller sizes; `KVLINK_REQUIRE_GPU=1` fails a test that finds no GPU.
-#![allow(clippy::print_stdout, clippy::print_stderr, missing_docs)]
+//! machine `scripts/gpu-run.sh` and `scripts/gpu-tp-run.sh` run the binary that
+//! `scripts/gpu-build.sh` builds (`cargo test --release --features cuda --test gpu --no-run`).
+//! `KVLINK_GPU_QUICK=1` runs the smaller sizes; `KVLINK_REQUIRE_GPU=1` fails a test that finds
+//! no GPU.
+#![allow(clippy::print_stdout, missing_docs)]
 
 use std::sync::Mutex;
 
 use kvlink::kv_device::cuda::cuda_device_count;
+use kvlink_rig::report::{panic_msg, Report, Status};
+use kvlink_rig::tp::Fabric;
 
-#[path = "../../examples/gpu_common/util.rs"]
-mod util;
+mod kernels;
+mod landing_misuse;
+mod linker;
+mod nccl;
+mod nccl_aborts;
+mod nccl_share_step;
+mod staged_landing;
+mod tp_dedup;
+mod tp_nccl_one;
 
-use util::Report;
+/// The settings the checks read.
+pub struct Args {
+    /// Smaller sizes (`KVLINK_GPU_QUICK=1`).
+    pub quick: bool,
+    /// Threads that fill the store of the TP checks.
+    pub threads: usize,
+}
 
-/// The checks of `examples/gpu_check`: one GPU's backend, NCCL, the Linker.
-#[allow(dead_code)]
-mod device;
-/// The checks of `examples/tp_gpu`: TP dedup on device pools.
-#[allow(dead_code)]
-mod tp;
+fn args() -> Args {
+    Args {
+        quick: std::env::var("KVLINK_GPU_QUICK").as_deref() == Ok("1"),
+        threads: std::thread::available_parallelism().map_or(4, |n| n.get().min(16)),
+    }
+}
 
 /// One test on the GPU at a time.
 static GPU: Mutex<()> = Mutex::new(());
-
-fn quick() -> bool {
-    std::env::var("KVLINK_GPU_QUICK").as_deref() == Ok("1")
-}
 
 /// The GPUs visible, or why there are none.
 fn gpus() -> Result<u32, String> {
@@ -60,8 +81,8 @@ fn run(test: &str, f: impl FnOnce(u32, &mut Report)) {
                 report.push(
                     "tests",
                     format!("{test} (aborted)"),
-                    util::Status::Fail,
-                    format!("PANIC: {}", util::panic_msg(&*p)),
+                    Status::Fail,
+                    format!("PANIC: {}", panic_msg(&*p)),
                 );
             }
         }
@@ -69,7 +90,7 @@ fn run(test: &str, f: impl FnOnce(u32, &mut Report)) {
             report.push(
                 "tests",
                 test.to_string(),
-                util::Status::Fail,
+                Status::Fail,
                 format!("KVLINK_REQUIRE_GPU=1 but {why}"),
             );
         }
@@ -83,62 +104,47 @@ fn run(test: &str, f: impl FnOnce(u32, &mut Report)) {
     assert!(!report.failed(), "{test}: a check failed:\n{table}");
 }
 
-fn device_args() -> device::Args {
-    device::Args {
-        quick: quick(),
-        no_128k: true,
-        out: None,
-    }
-}
-
-fn tp_args() -> tp::Args {
-    tp::Args {
-        quick: quick(),
-        threads: std::thread::available_parallelism().map_or(4, |n| n.get().min(16)),
-        cpu: false,
-    }
+#[test]
+fn copy_kernels() {
+    run("kernels", |_, r| kernels::run(r));
 }
 
 #[test]
-fn kernels_staged_landing_failures_misuse_gather() {
-    run("device", |_, r| device::checks::run(&device_args(), r));
+fn staged_landing_failure_gather_misuse() {
+    run("staged landing", |_, r| staged_landing::run(&args(), r));
 }
 
 #[test]
 fn nccl_one_rank_and_two_gpus() {
-    run("nccl", |n, r| {
-        device::nccl_checks::run(&device_args(), n, r)
-    });
+    run("nccl", |n, r| nccl::run(&args(), n, r));
 }
 
 #[test]
 fn nccl_timeouts_abort() {
-    run("nccl aborts", device::nccl_checks::run_aborts);
+    run("nccl aborts", nccl_aborts::run_aborts);
 }
 
 #[test]
 fn linker_into_device_pools() {
-    run("linker", |_, r| device::linker::run(&device_args(), r));
+    run("linker", |_, r| linker::run(&args(), r));
 }
 
 /// Every mode on device pools: ranks on one GPU (2, 4, 8), or one rank per GPU over NCCL.
 #[test]
 fn tp_dedup_on_device_pools() {
     run("tp", |n, r| {
-        let fabrics: Vec<tp::setup::Fabric> = if n >= 2 {
-            vec![tp::setup::Fabric::Nccl { tp: n }]
+        let fabrics: Vec<Fabric> = if n >= 2 {
+            vec![Fabric::Nccl { tp: n }]
         } else {
-            [2, 4, 8]
-                .map(|ranks| tp::setup::Fabric::OneGpu { ranks })
-                .to_vec()
+            [2, 4, 8].map(|ranks| Fabric::OneGpu { ranks }).to_vec()
         };
         for fabric in fabrics {
-            tp::checks::run(&tp_args(), fabric, r);
+            tp_dedup::run(&args(), fabric, r);
         }
     });
 }
 
 #[test]
 fn tp_one_nccl_rank_through_the_linker() {
-    run("tp nccl-1", |_, r| tp::nccl_one::run(&tp_args(), r));
+    run("tp nccl-1", |_, r| tp_nccl_one::run(&args(), r));
 }

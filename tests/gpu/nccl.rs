@@ -1,26 +1,18 @@
 //! NCCL: one rank end to end, an initialisation that times out, two ranks when possible, and
 //! the dedup path (stage → broadcast → land from device) on one rank.
 
-use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use kvlink::dedup_broadcast::nccl::{
-    nccl_unique_id, nccl_version, NcclCollective, NcclConfig, NcclGroup,
-};
-use kvlink::dedup_broadcast::{
-    all_gather_slices, broadcast_slice, share_stage, Collective, CollectiveError, StageShare,
-};
+use kvlink::dedup_broadcast::nccl::{nccl_version, NcclCollective, NcclGroup};
+use kvlink::dedup_broadcast::{all_gather_slices, broadcast_slice, Collective, CollectiveError};
 use kvlink::kv_device::cuda::cudarc::driver::result;
-use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, DeviceBuffer};
-use kvlink::kv_device::{
-    BatchShape, DeviceRegion, DeviceShare, DirectLanding, HostKvPool, KvPool, LayerLanding,
-    RowBlock, SharedEvent, StagedLanding, StagingPool,
-};
-use kvlink::kv_geometry::KvGeometry;
-use kvlink::kv_loader::LayerReady;
+use kvlink::kv_device::cuda::{CudaDevice, DeviceBuffer};
+use kvlink::kv_device::{DeviceRegion, SharedEvent};
 
-use super::checks::{compare_pools, glm, half_bytes, own_all};
-use super::util::{de, fill_row, Report, Rng, Status};
+use kvlink_rig::pattern::fill_row;
+use kvlink_rig::report::{de, Report, Status};
+
+use super::nccl_share_step::dedup_path;
 use super::Args;
 
 const SEC: &str = "nccl";
@@ -88,30 +80,6 @@ pub fn run(args: &Args, gpus: u32, report: &mut Report) {
         report.push(
             SEC,
             "2 ranks",
-            Status::Skip,
-            format!("{gpus} GPU visible; needs 2"),
-        );
-    }
-}
-
-/// The checks that abort communicators: run last, after the benchmarks, so an abort cannot
-/// disturb them.
-pub fn run_aborts(gpus: u32, report: &mut Report) {
-    report.check(
-        SEC,
-        "init with a rank that never joins: Timeout, no hang",
-        init_timeout,
-    );
-    if gpus >= 2 {
-        report.check(
-            SEC,
-            "2 ranks: rank 1 never issues: Timeout then Aborted",
-            two_ranks_timeout,
-        );
-    } else {
-        report.push(
-            SEC,
-            "2 ranks: a rank that never issues",
             Status::Skip,
             format!("{gpus} GPU visible; needs 2"),
         );
@@ -211,145 +179,6 @@ fn misuse(coll: &NcclCollective) -> Result<String, String> {
     Ok(seen.join(" | "))
 }
 
-/// Rank0Broadcast's share area of `layer`: one block per component carried, pages in plan
-/// order.
-fn blocks(g: &KvGeometry, layer: u32, n: usize) -> Vec<RowBlock> {
-    let mut off = 0;
-    g.components()
-        .iter()
-        .filter(|c| c.position(layer).is_some())
-        .map(|c| {
-            let b = RowBlock {
-                component: c.id,
-                first_page: 0,
-                pages: n,
-                offset: off,
-            };
-            off += n * c.page_layer_bytes as usize;
-            b
-        })
-        .collect()
-}
-
-/// The dedup path on one rank: the reader's rows go to the share area of pinned staging, one
-/// upload to device staging, NCCL broadcasts it on the comm stream (ordered after the upload
-/// by an event), the load stream waits for the broadcast and scatters into the slots; the pool
-/// must equal the host reference.
-fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> {
-    let dev = CudaDevice::new(0).map_err(de)?;
-    let g = glm();
-    let pages = if args.quick { 48 } else { 128 };
-    let n = if args.quick { 16 } else { 48 };
-    let slots: Arc<[u32]> = Rng(77).scattered_slots(n, pages).into();
-    let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
-    let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
-    let staging = StagingPool::new(dev.clone(), half_bytes(&g, n), 1).map_err(de)?;
-    let share_bytes: Vec<usize> = (0..g.num_layers())
-        .map(|l| {
-            blocks(&g, l, n)
-                .iter()
-                .map(|b| {
-                    b.pages
-                        * g.component(b.component)
-                            .map_or(0, |c| c.page_layer_bytes as usize)
-                })
-                .sum()
-        })
-        .collect();
-    let shape = BatchShape {
-        own: Vec::new(),
-        shared: g.components().iter().map(|c| c.id).collect(),
-        share_bytes: share_bytes.clone(),
-    };
-    let mut staged = StagedLanding::new(
-        pool.clone(),
-        staging.lease().map_err(de)?,
-        slots.clone(),
-        shape,
-    )
-    .map_err(de)?;
-    let host_dyn: Arc<dyn KvPool> = host.clone();
-    let mut direct = DirectLanding::new(host_dyn, slots.clone(), own_all(&g)).map_err(de)?;
-    let (mut ss, mut ds) = (staged.take_stages(), direct.take_stages());
-    let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
-    for layer in 0..g.num_layers() {
-        let (s, d) = (&mut ss[layer as usize % 2], &mut ds[layer as usize % 2]);
-        staged.open(s, layer, soon()).map_err(de)?;
-        direct.open(d, layer, soon()).map_err(de)?;
-        let bl = blocks(&g, layer, n);
-        // This check stands in for the store: it fills both stages through their loans.
-        let (mut sloan, mut dloan) = (staged.lend(s).map_err(de)?, direct.lend(d).map_err(de)?);
-        for b in &bl {
-            let len = g
-                .component(b.component)
-                .map_err(|e| e.to_string())?
-                .page_layer_bytes as usize;
-            let mut row = vec![0u8; len];
-            for page in 0..n {
-                fill_row(&mut row, u64::from(b.component.0) + 1, layer, page as u64);
-                let t = staged
-                    .share_target(&sloan, b.offset + page * len, len)
-                    .map_err(de)?;
-                let h = direct.target(&dloan, b.component, page).map_err(de)?;
-                sloan.write(t, &row).map_err(de)?;
-                dloan.write(h, &row).map_err(de)?;
-            }
-        }
-        drop((sloan, dloan));
-        staged
-            .upload(s, 0..share_bytes[layer as usize])
-            .map_err(de)?;
-        let bcast = {
-            let mut stage = staged.device_stage(s).map_err(de)?;
-            share_stage(coll, &mut stage, StageShare::Broadcast { root: 0 }, soon()).map_err(ce)?
-        };
-        staged.scatter(s, &bl, &bcast).map_err(de)?;
-        match staged.land(s).map_err(de)? {
-            LayerReady::Event(ev) => {
-                // SAFETY: `compute` is a live stream of this context, alive past this call.
-                let raw =
-                    unsafe { kvlink::kv_loader::RawStream::from_raw(compute.cu_stream() as usize) };
-                ev.wait_on_stream(raw).map_err(|e| e.to_string())?
-            }
-            LayerReady::Resident => return Err("Resident from a device landing".into()),
-        }
-        let _ = direct.land(d);
-    }
-    compute.synchronize().map_err(|e| e.to_string())?;
-    let t = staged.transfers();
-    drop(staged);
-    let bytes = compare_pools(&pool, &host)?;
-    let h2d: u64 = t.iter().map(|t| t.host_to_device).sum();
-    let d2d: u64 = t.iter().map(|t| t.device_to_device).sum();
-    Ok(format!(
-        "{} layers, {:.0} MB compared; {:.0} MB host→device (one upload per layer), {:.0} MB device→device (scatter)",
-        g.num_layers(),
-        bytes as f64 / 1e6,
-        h2d as f64 / 1e6,
-        d2d as f64 / 1e6
-    ))
-}
-
-fn init_timeout() -> Result<String, String> {
-    let id = nccl_unique_id().map_err(ce)?;
-    let cfg = NcclConfig {
-        init_timeout: Duration::from_secs(3),
-        abort_grace: Duration::from_secs(10),
-        ..NcclConfig::default()
-    };
-    let t0 = Instant::now();
-    let r = NcclCollective::join(id, 0, 2, 0, cfg);
-    let took = t0.elapsed();
-    match r {
-        Err(CollectiveError::Timeout { .. }) if took < Duration::from_secs(20) => Ok(format!(
-            "Timeout after {:.1} s (limit 3 s + abort)",
-            took.as_secs_f64()
-        )),
-        Err(e) => Err(format!("expected Timeout, got {e} after {took:?}")),
-        Ok(_) => Err("a group of 2 with one rank formed".into()),
-    }
-}
-
 fn two_ranks() -> Result<String, String> {
     let ranks = NcclGroup::new_in_process(&[0, 1]).map_err(ce)?;
     let n = 8 << 20;
@@ -410,46 +239,4 @@ fn two_ranks() -> Result<String, String> {
         r?;
     }
     Ok("8 MiB broadcast, all_gather, u64 exchange on GPUs 0 and 1".into())
-}
-
-fn two_ranks_timeout() -> Result<String, String> {
-    let cfg = NcclConfig {
-        abort_grace: Duration::from_secs(10),
-        ..NcclConfig::default()
-    };
-    let ranks = NcclGroup::new_in_process_with(&[0, 1], cfg).map_err(ce)?;
-    // Both ranks once (so connections exist), then rank 0 alone.
-    let barrier = Barrier::new(2);
-    std::thread::scope(|s| {
-        for coll in &ranks {
-            let b = &barrier;
-            s.spawn(move || {
-                let _ = coll.all_gather_u64(1, soon());
-                b.wait();
-            });
-        }
-    });
-    let t0 = Instant::now();
-    let r = ranks[0].all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
-    let took = t0.elapsed();
-    let first = match r {
-        Err(e @ CollectiveError::Timeout { .. }) => e.to_string(),
-        other => return Err(format!("expected Timeout, got {other:?}")),
-    };
-    let next = match ranks[0].all_gather_u64(3, soon()) {
-        Err(e @ CollectiveError::Aborted { .. }) => e.to_string(),
-        other => return Err(format!("expected Aborted after the abort, got {other:?}")),
-    };
-    // Rank 1 issues late: its peer aborted, so it must fail by its own deadline, not hang.
-    let t1 = Instant::now();
-    let late =
-        ranks[1].all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
-    if late.is_ok() {
-        return Err("rank 1 completed against an aborted peer".into());
-    }
-    Ok(format!(
-        "rank 0: {first} after {:.1} s; then {next}; rank 1 late: failed after {:.1} s",
-        took.as_secs_f64(),
-        t1.elapsed().as_secs_f64()
-    ))
 }

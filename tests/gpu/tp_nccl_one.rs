@@ -14,14 +14,17 @@ use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool};
 use kvlink::kv_device::{BatchShape, DeviceShare, LayerLanding, StagedLanding, StagingPool};
 use kvlink::kv_loader::ShareMode;
 
-use super::setup::{compare_pool, glm, half_bytes, tag, Fabric, RankDev};
-use super::util::{de, fill_row, fmt_bytes, Report, Rng};
 use super::Args;
+use kvlink_rig::glm::{glm, half_bytes, tag};
+use kvlink_rig::measure::fmt_bytes;
+use kvlink_rig::pattern::{fill_row, Rng};
+use kvlink_rig::report::{de, Report};
+use kvlink_rig::tp::{compare_pool, Fabric, RankDev};
 
 const SEC: &str = "nccl-1";
 
 pub fn run(args: &Args, report: &mut Report) {
-    super::checks::run(args, Fabric::Nccl { tp: 1 }, report);
+    super::tp_dedup::run(args, Fabric::Nccl { tp: 1 }, report);
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
         report.check(
             SEC,
@@ -75,7 +78,7 @@ fn share_step(args: &Args, mode: ShareMode) -> Result<String, String> {
     for (layer, layout) in (0..).zip(&layouts) {
         let s = &mut stages[layer as usize % 2];
         landing.open(s, layer, soon()).map_err(de)?;
-        // This example stands in for the store: it fills the stage through its loan.
+        // This check stands in for the store: it fills the stage through its loan.
         let mut loan = landing.lend(s).map_err(de)?;
         for r in layout.rows(layout.share(0)) {
             let c = g.component(r.component).map_err(|e| e.to_string())?;

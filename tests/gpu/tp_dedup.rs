@@ -12,12 +12,15 @@ use kvlink::kv_loader::{KvLoadError, LoadStats, ShareMode};
 use kvlink::mooncake_linker::store::{Fault, FaultRule, FaultyStore, KvStore, StoreError};
 use kvlink::mooncake_linker::Linker;
 
-use super::setup::{
+use super::Args;
+use kvlink_rig::measure::{fmt_bytes, fmt_tokens};
+use kvlink_rig::pattern::Rng;
+use kvlink_rig::ranks::all_ok;
+use kvlink_rig::report::{Report, Status};
+use kvlink_rig::tp::{
     clear_pools, close_all, compare_all, config, effective, linkers, plan, rank_devs, run_batch,
     save_prefix, Fabric, Groups, Prefix, RankDev, RankRun, MODES,
 };
-use super::util::{all_ok, fmt_bytes, fmt_tokens, Report, Rng, Status};
-use super::Args;
 
 const SEC: &str = "correctness";
 
@@ -147,7 +150,7 @@ pub fn run(args: &Args, fabric: Fabric, report: &mut Report) {
             prefix.fill_s
         ),
     );
-    let devs = match rank_devs(args.cpu, fabric, pool_pages, n) {
+    let devs = match rank_devs(false, fabric, pool_pages, n) {
         Ok(d) => d,
         Err(e) => return report.push(SEC, format!("{label}: device pools"), Status::Fail, e),
     };

@@ -1,37 +1,27 @@
-//! Correctness of the CUDA backend: kernels, staged landing, failures, gather.
+//! The staged landing into a device pool: the pool equals a host pool that loaded the same
+//! rows (scattered, contiguous and mixed slots; every scatter strategy), a batch that fails at
+//! a layer, and the save-direction gather.
 
 use std::sync::Arc;
 
 use std::time::{Duration, Instant};
 
-use kvlink::kv_device::cuda::cudarc::driver::result;
-use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, DeviceBuffer, KernelSource};
+use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool};
 use kvlink::kv_device::{
-    BatchShape, Device, DeviceError, DirectLanding, HostKvPool, KvPool, LandingFactory,
-    LayerLanding, LayerStage, RowCopy, ScatterStrategy, StagedLanding, StagedLandingFactory,
-    StagingPool,
+    Device, DirectLanding, HostKvPool, KvPool, LandingFactory, LayerLanding, LayerStage,
+    ScatterStrategy, StagedLanding, StagedLandingFactory, StagingPool,
 };
-use kvlink::kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
+use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::{LayerReady, RawStream};
 
-use super::util::{de, fill_row, Report, Rng, Status};
+use kvlink_rig::glm::{glm, half_bytes, own_all};
+use kvlink_rig::pattern::{fill_row, Rng};
+use kvlink_rig::report::{de, Report, Status};
+
+use super::landing_misuse::misuse;
 use super::Args;
 
 const SEC: &str = "correctness";
-
-pub fn glm() -> KvGeometry {
-    KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).expect("GLM-5.2 geometry")
-}
-
-/// Bytes of the widest layer of a batch of `pages` pages (one staging half).
-pub fn half_bytes(g: &KvGeometry, pages: usize) -> usize {
-    StagingPool::half_bytes_for(g, pages, 1)
-}
-
-/// Every component of the geometry, read by this rank itself (nothing shared).
-pub fn own_all(g: &KvGeometry) -> BatchShape {
-    BatchShape::own_only(g.components().iter().map(|c| c.id).collect())
-}
 
 fn soon() -> Instant {
     kvlink::kv_loader::deadline_after(Duration::from_secs(30))
@@ -46,7 +36,6 @@ pub fn run(args: &Args, report: &mut Report) {
         }
     };
     report.info("env", "GPU 0", dev.name());
-    kernels(&dev, report);
     let pages: u32 = if args.quick { 48 } else { 160 };
     let n = if args.quick { 20 } else { 64 };
     let mut rng = Rng(0x5eed);
@@ -91,119 +80,6 @@ pub fn run(args: &Args, report: &mut Report) {
     report.check(SEC, "gather (save direction) = loaded rows", || {
         gather(&dev, pages, &scattered)
     });
-}
-
-fn kernels(dev: &Arc<CudaDevice>, report: &mut Report) {
-    for source in [KernelSource::Nvrtc, KernelSource::EmbeddedPtx] {
-        let name = format!("copy kernel from {source:?}");
-        let k = match dev.load_kernels(source) {
-            Ok(k) => k,
-            Err(e @ DeviceError::Unavailable(_)) if source == KernelSource::Nvrtc => {
-                report.push(
-                    SEC,
-                    name,
-                    Status::Skip,
-                    format!("{e} (the shipped PTX is used instead)"),
-                );
-                continue;
-            }
-            Err(e) => {
-                report.push(SEC, name, Status::Fail, de(e));
-                continue;
-            }
-        };
-        report.check(SEC, &name, || {
-            let mut detail = Vec::new();
-            for row in [41_984u64, 8_448, 1_000, 3] {
-                detail.push(kernel_case(dev, &k, row)?);
-            }
-            Ok(detail.join("; "))
-        });
-    }
-    match dev.kernels() {
-        Ok(k) => report.info(SEC, "kernels used by landings", format!("{:?}", k.source())),
-        Err(e) => report.push(SEC, "kernels used by landings", Status::Fail, de(e)),
-    }
-}
-
-/// Scatter 37 rows into 53 slots and gather them back, with `row` bytes per row.
-fn kernel_case(
-    dev: &Arc<CudaDevice>,
-    k: &kvlink::kv_device::cuda::Kernels,
-    row: u64,
-) -> Result<String, String> {
-    let rows = 37usize;
-    let slots_n = 53u32;
-    let mut rng = Rng(row ^ 0xabc);
-    let slots = rng.scattered_slots(rows, slots_n);
-    let r = row as usize;
-    let mut src = vec![0u8; rows * r];
-    for (i, chunk) in src.chunks_mut(r).enumerate() {
-        fill_row(chunk, 9, 1, i as u64);
-    }
-    let ctx = dev.context();
-    let d_src = DeviceBuffer::zeroed(ctx, src.len(), "test").map_err(de)?;
-    let d_dst = DeviceBuffer::zeroed(ctx, slots_n as usize * r, "test").map_err(de)?;
-    let d_back = DeviceBuffer::zeroed(ctx, src.len(), "test").map_err(de)?;
-    let d_slots = DeviceBuffer::zeroed(ctx, rows * 4, "test").map_err(de)?;
-    dev.bind().map_err(de)?;
-    let stream = dev.cuda_load_stream().cu_stream();
-    // SAFETY: every buffer is ours with the sizes used; copies are synchronous; the kernels
-    // write rows inside d_dst (slots < slots_n) and d_back (rows < rows); the stream is
-    // synchronized before the buffers are read or dropped.
-    unsafe {
-        result::memcpy_htod_sync(d_src.ptr(), &src).map_err(|e| e.to_string())?;
-        result::memcpy_htod_sync(d_slots.ptr(), &slots).map_err(|e| e.to_string())?;
-        k.copy_rows(
-            stream,
-            RowCopy {
-                src: d_src.ptr(),
-                dst: d_dst.ptr(),
-                src_rows: 0,
-                dst_rows: d_slots.ptr(),
-                n_rows: rows as u32,
-                row_bytes: row,
-            },
-        )
-        .map_err(de)?;
-        k.copy_rows(
-            stream,
-            RowCopy {
-                src: d_dst.ptr(),
-                dst: d_back.ptr(),
-                src_rows: d_slots.ptr(),
-                dst_rows: 0,
-                n_rows: rows as u32,
-                row_bytes: row,
-            },
-        )
-        .map_err(de)?;
-    }
-    dev.synchronize_load_stream().map_err(de)?;
-    let mut dst = vec![0u8; slots_n as usize * r];
-    let mut back = vec![0u8; src.len()];
-    // SAFETY: synchronous copies out of our buffers into Vecs of the same sizes.
-    unsafe {
-        result::memcpy_dtoh_sync(&mut dst, d_dst.ptr()).map_err(|e| e.to_string())?;
-        result::memcpy_dtoh_sync(&mut back, d_back.ptr()).map_err(|e| e.to_string())?;
-    }
-    for (i, &s) in slots.iter().enumerate() {
-        if dst[s as usize * r..(s as usize + 1) * r] != src[i * r..(i + 1) * r] {
-            return Err(format!("row {i} → slot {s} wrong (row {row} B)"));
-        }
-    }
-    let untouched = (0..slots_n).filter(|s| !slots.contains(s)).all(|s| {
-        dst[s as usize * r..(s as usize + 1) * r]
-            .iter()
-            .all(|&b| b == 0)
-    });
-    if !untouched {
-        return Err(format!("a slot outside the list was written (row {row} B)"));
-    }
-    if back != src {
-        return Err(format!("gather back differs (row {row} B)"));
-    }
-    Ok(format!("{row} B rows ok"))
 }
 
 /// Opens `layer` in `stage` of both landings and writes row data for (component, layer, page)
@@ -330,7 +206,7 @@ fn load_and_compare(
     strategy: ScatterStrategy,
     fail_at: Option<u32>,
 ) -> Result<String, String> {
-    let g = glm();
+    let g = glm(1, 0)?;
     let n = slots.len();
     let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
     let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
@@ -385,7 +261,7 @@ fn failure_at_layer(
     slots: &[u32],
     fail: u32,
 ) -> Result<String, String> {
-    let g = glm();
+    let g = glm(1, 0)?;
     let n = slots.len();
     let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
     let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
@@ -421,77 +297,8 @@ fn failure_at_layer(
     ))
 }
 
-fn misuse(dev: &Arc<CudaDevice>, pages: u32) -> Result<String, String> {
-    let g = glm();
-    let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
-    let staging = StagingPool::new(dev.clone(), half_bytes(&g, 4), 1).map_err(de)?;
-    let mut seen = Vec::new();
-    let mut expect = |what: &str, r: Result<(), DeviceError>| -> Result<(), String> {
-        match r {
-            Err(e) => {
-                seen.push(format!("{what}: {e}"));
-                Ok(())
-            }
-            Ok(()) => Err(format!("{what}: accepted")),
-        }
-    };
-    let new = |slots: Vec<u32>| {
-        StagedLanding::new(pool.clone(), staging.lease()?, slots.into(), own_all(&g))
-    };
-    expect("slot past the pool", new(vec![0, pages]).map(|_| ()))?;
-    expect("staging half too small", new((0..64).collect()).map(|_| ()))?;
-    let mut l = new(vec![3, 1, 2, 0]).map_err(de)?;
-    expect(
-        "second lease of a 1-buffer pool",
-        staging.lease().map(|_| ()),
-    )?;
-    let mut stages = l.take_stages();
-    expect(
-        "a loan before the layer is open",
-        l.lend(&mut stages[0]).map(|_| ()),
-    )?;
-    l.open(&mut stages[0], 0, soon()).map_err(de)?;
-    let loan = l.lend(&mut stages[0]).map_err(de)?;
-    expect(
-        "plan page without a slot",
-        l.target(&loan, ComponentId(0), 4).map(|_| ()),
-    )?;
-    expect("a stage lent twice", l.lend(&mut stages[0]).map(|_| ()))?;
-    expect("landing a lent stage", l.land(&mut stages[0]).map(|_| ()))?;
-    drop(loan);
-    let off_layer = (0..g.num_layers())
-        .find(|&x| g.components().iter().any(|c| c.position(x).is_none()))
-        .unwrap_or(0);
-    let missing = g
-        .components()
-        .iter()
-        .find(|c| c.position(off_layer).is_none())
-        .map(|c| c.id)
-        .unwrap_or(ComponentId(99));
-    l.open(&mut stages[1], off_layer, soon()).map_err(de)?;
-    let loan = l.lend(&mut stages[1]).map_err(de)?;
-    expect(
-        "component not on the layer",
-        l.target(&loan, missing, 0).map(|_| ()),
-    )?;
-    drop(loan);
-    l.land(&mut stages[0]).map_err(de)?;
-    expect("land a stage twice", l.land(&mut stages[0]).map(|_| ()))?;
-    let other = DirectLanding::new(
-        Arc::new(HostKvPool::new(g.clone(), 4).map_err(de)?),
-        vec![0].into(),
-        own_all(&g),
-    )
-    .map_err(de)?;
-    expect(
-        "a stage of another landing",
-        other.open(&mut stages[1], 0, soon()),
-    )?;
-    Ok(format!("{} refusals: {}", seen.len(), seen.join(" | ")))
-}
-
 fn gather(dev: &Arc<CudaDevice>, pages: u32, slots: &[u32]) -> Result<String, String> {
-    let g = glm();
+    let g = glm(1, 0)?;
     let n = slots.len();
     let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
     let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);

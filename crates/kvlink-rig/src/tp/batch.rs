@@ -1,0 +1,130 @@
+//! A batch run on every rank at once, as an engine waits for it, and the comparison of every
+//! rank's device pool with the saved bytes.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kv_device::KvPool;
+use kv_loader::{BatchOutcome, BatchPlan, KvLoader, LayerReady};
+use mooncake_linker::Linker;
+
+use super::rank_dev::RankDev;
+use crate::glm::tag;
+use crate::pattern::fill_row;
+use crate::ranks::{all_ok, on_ranks, TimedBarrier};
+use crate::report::de;
+
+/// What one rank saw of a batch.
+pub struct RankRun {
+    /// The batch's outcome on this rank.
+    pub outcome: BatchOutcome,
+    /// Milliseconds from the common start to each layer resident on this rank (its event
+    /// synchronized), for the layers that became ready.
+    pub ready_ms: Vec<f64>,
+    /// The first layer wait that failed, if one did.
+    pub wait_error: Option<(u32, String)>,
+    /// Milliseconds from the common start to the outcome.
+    pub outcome_ms: f64,
+}
+
+/// Every rank starts `plans[r]` at the same moment (a barrier), waits every layer as an
+/// engine would (the event each wait hands back, synchronized), then takes the outcome.
+pub fn run_batch(linkers: &[Linker], plans: Vec<BatchPlan>) -> Vec<Result<RankRun, String>> {
+    let barrier = TimedBarrier::new(linkers.len());
+    let plans: Vec<Mutex<Option<BatchPlan>>> =
+        plans.into_iter().map(|p| Mutex::new(Some(p))).collect();
+    on_ranks(linkers.len(), |r| {
+        let linker = &linkers[r];
+        let plan = plans[r]
+            .lock()
+            .map_err(|_| "plan lock poisoned")?
+            .take()
+            .ok_or("no plan")?;
+        barrier.wait(Duration::from_secs(120))?;
+        let t0 = Instant::now();
+        let ticket = linker.start_load(plan).map_err(|e| e.to_string())?;
+        let mut ready_ms = Vec::new();
+        let mut wait_error = None;
+        for l in 0..linker.num_layers() {
+            let ready = linker.wait_layer(&ticket, l).and_then(|r| match r {
+                LayerReady::Event(ev) => ev.synchronize(),
+                LayerReady::Resident => Ok(()),
+            });
+            match ready {
+                Ok(()) => ready_ms.push(t0.elapsed().as_secs_f64() * 1e3),
+                Err(e) => {
+                    wait_error = Some((l, e.to_string()));
+                    break;
+                }
+            }
+        }
+        let outcome = linker.wait_batch(&ticket).map_err(|e| e.to_string())?;
+        Ok(RankRun {
+            outcome,
+            ready_ms,
+            wait_error,
+            outcome_ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
+    })
+}
+
+/// Zeroes every rank's device pool, all at once (so a later comparison sees only what the
+/// next batch landed).
+pub fn clear_pools(devs: &[RankDev]) -> Result<(), String> {
+    all_ok(on_ranks(devs.len(), |r| devs[r].pool.clear().map_err(de))).map(|_| ())
+}
+
+/// Compares rank `d`'s device pool with the saved bytes: for every layer below `upto` that
+/// `pick` selects, each component's whole layer buffer is copied out once and every plan
+/// page's slot in it checked. Returns the bytes compared.
+pub fn compare_pool(
+    d: &RankDev,
+    slots: &[u32],
+    upto: u32,
+    pick: &dyn Fn(u32) -> bool,
+) -> Result<u64, String> {
+    let mut host = Vec::new();
+    let mut want = Vec::new();
+    let mut bytes = 0u64;
+    let regions = d.pool.regions();
+    for c in d.g.components() {
+        let len = c.page_layer_bytes as usize;
+        want.resize(len, 0u8);
+        for &l in c.layers.iter().filter(|&&l| l < upto && pick(l)) {
+            let (ptr, buf_len) = d.pool.buffer(c.id, l).map_err(de)?;
+            let index = regions
+                .iter()
+                .position(|&(a, _)| a as u64 == ptr)
+                .ok_or("a pool buffer that is not among its regions")?;
+            host.resize(buf_len, 0u8);
+            // After the load stream's work (the landings' copies), bounded.
+            d.pool.read_buffer(index, &mut host).map_err(de)?;
+            for (p, &s) in slots.iter().enumerate() {
+                fill_row(&mut want, tag(c), l, p as u64);
+                let got = &host[s as usize * len..(s as usize + 1) * len];
+                if got != &want[..] {
+                    let byte = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
+                    return Err(format!(
+                        "rank {}: component {} layer {l} plan page {p} (slot {s}) differs at byte {byte}",
+                        d.rank, c.name
+                    ));
+                }
+                bytes += len as u64;
+            }
+        }
+    }
+    Ok(bytes)
+}
+
+/// Every rank's pool compared (all at once); total bytes compared.
+pub fn compare_all(
+    devs: &[RankDev],
+    slots: &[Vec<u32>],
+    upto: u32,
+    pick: &(dyn Fn(u32) -> bool + Sync),
+) -> Result<u64, String> {
+    let per = all_ok(on_ranks(devs.len(), |r| {
+        compare_pool(&devs[r], &slots[r], upto, pick)
+    }))?;
+    Ok(per.iter().sum())
+}

@@ -1,0 +1,227 @@
+//! The Linker on a device pool: layer-wise loads through `KvLoader` into a `CudaKvPool`
+//! (StagedLandingFactory), checked against the saved bytes, a failure at a layer, and the
+//! time to the last layer against its parts.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool};
+use kvlink::kv_device::{StagedLandingFactory, StagingPool};
+use kvlink::kv_geometry::KvGeometry;
+use kvlink::kv_loader::{KvLoader, LayerReady};
+use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, FaultyStore, StoreError};
+use kvlink::mooncake_linker::{Linker, LinkerConfig};
+
+use super::Args;
+use kvlink_rig::device_linker::{device_linker, plan, saved_prefix, wait_layers};
+use kvlink_rig::glm::half_bytes;
+use kvlink_rig::pattern::{fill_row, Rng};
+use kvlink_rig::report::{de, Report, Status};
+
+const SEC: &str = "linker";
+
+/// Every layer of every page equals the saved bytes.
+fn compare(pool: &CudaKvPool, g: &KvGeometry, slots: &[u32], upto: u32) -> Result<u64, String> {
+    let (mut want, mut got, mut bytes) = (Vec::new(), Vec::new(), 0);
+    for c in g.components() {
+        want.resize(c.page_layer_bytes as usize, 0);
+        got.resize(c.page_layer_bytes as usize, 0);
+        for &l in c.layers.iter().filter(|&&l| l < upto) {
+            for (p, &s) in slots.iter().enumerate() {
+                fill_row(&mut want, u64::from(c.id.0) + 1, l, p as u64);
+                pool.read_slot(c.id, l, s, &mut got).map_err(de)?;
+                if got != want {
+                    return Err(format!(
+                        "component {} layer {l} page {p} (slot {s}) differs",
+                        c.name
+                    ));
+                }
+                bytes += got.len() as u64;
+            }
+        }
+    }
+    Ok(bytes)
+}
+
+/// The Linker into a device pool: loaded bytes, a save from the device, a failure (the check
+/// rows).
+pub fn run(args: &Args, report: &mut Report) {
+    let dev = match CudaDevice::new(0) {
+        Ok(d) => d,
+        Err(e) => return report.push(SEC, "CUDA device", Status::Fail, de(e)),
+    };
+    let n = if args.quick { 32 } else { 128 };
+    let r = correctness(&dev, n);
+    report.push(
+        SEC,
+        "Linker → CudaKvPool = saved bytes (scattered slots, events)",
+        status(&r),
+        r.unwrap_or_else(|e| e),
+    );
+    let r = save_from_device(&dev, n);
+    report.push(
+        SEC,
+        "Linker: save from a device pool, reload into another = saved bytes",
+        status(&r),
+        r.unwrap_or_else(|e| e),
+    );
+    let r = failure(&dev, n);
+    report.push(
+        SEC,
+        "Linker: failure at layer 40 on a device pool, next batch loads",
+        status(&r),
+        r.unwrap_or_else(|e| e),
+    );
+}
+
+fn status(r: &Result<String, String>) -> Status {
+    if r.is_ok() {
+        Status::Pass
+    } else {
+        Status::Fail
+    }
+}
+
+fn correctness(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
+    let p = saved_prefix(n, 7)?;
+    let pool_pages = 2 * n as u32 + 8;
+    let (linker, pool) = device_linker(1, dev, &p.g, p.store.clone(), pool_pages, n)?;
+    let slots = Rng(99).scattered_slots(n, pool_pages);
+    let t = linker
+        .start_load(plan(&p.g, 1, &p.pages, slots.clone()))
+        .map_err(|e| e.to_string())?;
+    wait_layers(&linker, &t)?;
+    let stats = linker
+        .wait_batch(&t)
+        .map_err(|e| e.to_string())?
+        .result
+        .map_err(|e| e.to_string())?;
+    let bytes = compare(&pool, &p.g, &slots, p.g.num_layers())?;
+    linker.close().map_err(|e| e.to_string())?;
+    Ok(format!(
+        "{n} pages, 78 layer events, {:.0} MB compared, {} B read",
+        bytes as f64 / 1e6,
+        stats.bytes_read
+    ))
+}
+
+/// A prefix loaded into one device pool is saved from it into a fresh store (the save
+/// direction: device slots → pinned staging → objects), then loaded into a second device pool
+/// with other slots and compared with the original bytes.
+fn save_from_device(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
+    let p = saved_prefix(n, 13)?;
+    let pool_pages = 2 * n as u32 + 8;
+    let (first, pool_a) = device_linker(1, dev, &p.g, p.store.clone(), pool_pages, n)?;
+    let slots_a = Rng(3).scattered_slots(n, pool_pages);
+    let t = first
+        .start_load(plan(&p.g, 1, &p.pages, slots_a.clone()))
+        .map_err(|e| e.to_string())?;
+    wait_layers(&first, &t)?;
+    first
+        .wait_batch(&t)
+        .map_err(|e| e.to_string())?
+        .result
+        .map_err(|e| e.to_string())?;
+    // The same pool, saved through a linker over a fresh store.
+    let fresh = Arc::new(EmbeddedStore::new(
+        p.g.bytes_per_page() * n as u64 + (1 << 30),
+    ));
+    let staging = StagingPool::new(dev.clone(), half_bytes(&p.g, n), 1).map_err(de)?;
+    let saver = Linker::with_landings(
+        p.g.clone(),
+        fresh.clone(),
+        pool_a.clone(),
+        Arc::new(StagedLandingFactory::new(pool_a.clone(), staging)),
+        LinkerConfig::default(),
+        None,
+    )
+    .map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let report = saver
+        .save(&plan(&p.g, 2, &p.pages, slots_a))
+        .map_err(|e| e.to_string())?;
+    let save_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let expected = n * p.g.components().len();
+    if report.objects_written as usize != expected {
+        return Err(format!(
+            "{} objects written, {expected} expected",
+            report.objects_written
+        ));
+    }
+    let (second, pool_b) = device_linker(1, dev, &p.g, fresh.clone(), pool_pages, n)?;
+    let slots_b: Vec<u32> = (0..n as u32).map(|i| pool_pages - 1 - 2 * i).collect();
+    let t = second
+        .start_load(plan(&p.g, 3, &p.pages, slots_b.clone()))
+        .map_err(|e| e.to_string())?;
+    wait_layers(&second, &t)?;
+    second
+        .wait_batch(&t)
+        .map_err(|e| e.to_string())?
+        .result
+        .map_err(|e| e.to_string())?;
+    let bytes = compare(&pool_b, &p.g, &slots_b, p.g.num_layers())?;
+    Ok(format!(
+        "{} objects ({:.0} MB) saved from device slots in {save_ms:.0} ms; reloaded elsewhere, {:.0} MB compared",
+        report.objects_written,
+        report.bytes_written as f64 / 1e6,
+        bytes as f64 / 1e6
+    ))
+}
+
+fn failure(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
+    let p = saved_prefix(n, 11)?;
+    let faulty = Arc::new(FaultyStore::new(p.store.clone()));
+    let k =
+        p.g.component_by_name("k")
+            .map_err(|e| e.to_string())?
+            .clone();
+    faulty.inject(
+        FaultRule {
+            key_contains: Some("_k".into()),
+            offset: k.layer_range(40).map(|r| r.start),
+            times: Some(1),
+        },
+        Fault::Error(StoreError::TransferFailed {
+            key: "injected".into(),
+            code: -800,
+        }),
+    );
+    let pool_pages = n as u32 + 4;
+    let (linker, pool) = device_linker(1, dev, &p.g, faulty.clone(), pool_pages, n)?;
+    let slots: Vec<u32> = (0..n as u32).rev().collect();
+    let t = linker
+        .start_load(plan(&p.g, 1, &p.pages, slots.clone()))
+        .map_err(|e| e.to_string())?;
+    for l in 0..40 {
+        if let LayerReady::Event(ev) = linker.wait_layer(&t, l).map_err(|e| e.to_string())? {
+            ev.synchronize().map_err(|e| e.to_string())?;
+        }
+    }
+    let err = match linker.wait_layer(&t, 40) {
+        Err(e) => e,
+        Ok(_) => return Err("layer 40 was reported ready".into()),
+    };
+    if linker
+        .wait_batch(&t)
+        .map_err(|e| e.to_string())?
+        .result
+        .is_ok()
+    {
+        return Err("the batch was reported loaded".into());
+    }
+    compare(&pool, &p.g, &slots, 40)?;
+    faulty.clear();
+    let t = linker
+        .start_load(plan(&p.g, 2, &p.pages, slots.clone()))
+        .map_err(|e| e.to_string())?;
+    wait_layers(&linker, &t)?;
+    linker
+        .wait_batch(&t)
+        .map_err(|e| e.to_string())?
+        .result
+        .map_err(|e| e.to_string())?;
+    compare(&pool, &p.g, &slots, 78)?;
+    Ok(format!(
+        "layer 40: {err}; layers 0..40 were right; the next batch loaded all 78"
+    ))
+}
