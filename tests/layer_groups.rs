@@ -11,13 +11,16 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::tp::{rank_byte, rank_matches, run, tp_ranks_built, Path, RankBuild, TpRank};
+use common::tp::{
+    fail_v_read, rank_byte, rank_matches, run, same_verdict, tp_ranks_built, Path, RankBuild,
+    TpRank,
+};
 use common::{load_plan, wait_all};
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, PageHash, RowUnit};
-use kvlink::kv_loader::{KvLoadError, KvLoader, LoadStats, ShareMode};
+use kvlink::kv_loader::{KvLoader, LoadStats, ShareMode};
 use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
-use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore, StoreError};
+use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 use kvlink::mooncake_linker::{LinkerConfig, ReadGranularity};
 
 const MODES: [ShareMode; 3] = [
@@ -149,34 +152,9 @@ fn a_failure_inside_a_group_fails_every_rank_at_the_groups_first_layer() {
             );
             // The middle rank's read of layer 4 (group 3..6) fails: its sharded `v` is read in
             // every mode.
-            let g = rs[1].linker.geometry().clone();
-            let v = g.component_by_name("v").unwrap();
-            rs[1].faults.inject(
-                FaultRule {
-                    key_contains: Some("_v".into()),
-                    offset: Some(v.layer_range(4).unwrap().start),
-                    times: Some(1),
-                },
-                Fault::Error(StoreError::TransferFailed {
-                    key: "injected".into(),
-                    code: -800,
-                }),
-            );
+            fail_v_read(&rs[1].faults, rs[1].linker.geometry(), "_v".into(), 4);
             let outcomes = run(&rs, 1, &pages);
-            let errs: Vec<String> = outcomes
-                .iter()
-                .map(|o| match &o.result {
-                    Err(e) => e.to_string(),
-                    Ok(_) => panic!("{what}: a rank loaded despite the failure"),
-                })
-                .collect();
-            assert!(errs.windows(2).all(|w| w[0] == w[1]), "{what}: {errs:?}");
-            match outcomes[0].result.as_ref().unwrap_err() {
-                KvLoadError::PeerFailed { rank, layer, .. } => {
-                    assert_eq!((*rank, *layer), (1, 3), "{what}")
-                }
-                other => panic!("{what}: {other:?}"),
-            }
+            same_verdict(&outcomes, 1, 3, &what);
             for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &pages)).enumerate() {
                 stats(&o, &format!("{what}: the next batch"));
                 rank_matches(r, &pages, rank as u32).unwrap();

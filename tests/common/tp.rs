@@ -13,8 +13,8 @@ use kvlink::kv_geometry::{
     ComponentLayout, ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash,
     RowUnit,
 };
-use kvlink::kv_loader::{BatchOutcome, KvLoader, ShareMode};
-use kvlink::mooncake_linker::store::{FaultyStore, KvStore};
+use kvlink::kv_loader::{BatchOutcome, KvLoadError, KvLoader, ShareMode};
+use kvlink::mooncake_linker::store::{Fault, FaultRule, FaultyStore, KvStore, StoreError};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
 
 use super::{load_plan, page_byte, prompt, wait_all};
@@ -298,12 +298,27 @@ pub fn rank_matches_below(
     slots: &[u32],
     upto: u32,
 ) -> Result<(), String> {
-    let g = r.linker.geometry().clone();
+    let g = r.linker.geometry();
+    bytes_match(g, pages, rank, slots, upto, |c, l, slot, got| {
+        r.pool.read(c, l, slot, got)
+    })
+}
+
+/// Whether `rank`'s slots hold each page's [`rank_byte`]s on every layer below `upto`,
+/// reading a slot's layer through `read`; the first wrong byte otherwise.
+pub fn bytes_match(
+    g: &KvGeometry,
+    pages: &[PageHash],
+    rank: u32,
+    slots: &[u32],
+    upto: u32,
+    read: impl Fn(&ComponentLayout, u32, u32, &mut [u8]),
+) -> Result<(), String> {
     for (pi, (page, &slot)) in pages.iter().zip(slots).enumerate() {
         for c in g.components() {
             for &l in c.layers.iter().filter(|&&l| l < upto) {
                 let mut got = vec![0u8; c.page_layer_bytes as usize];
-                r.pool.read(c, l, slot, &mut got);
+                read(c, l, slot, &mut got);
                 if let Some(i) = got
                     .iter()
                     .enumerate()
@@ -419,5 +434,55 @@ pub fn config(mode: kvlink::kv_loader::ShareMode) -> LinkerConfig {
         collective_timeout: Duration::from_secs(5),
         read_granularity: kvlink::mooncake_linker::ReadGranularity::Fixed { layers_per_call: 1 },
         ..LinkerConfig::default()
+    }
+}
+
+/// Both paths at their plainest: host pools, and device pools on one CPU device with no
+/// jitter and automatic scatter.
+pub fn paths() -> [Path; 2] {
+    [
+        Path::Host,
+        Path::Device {
+            one_device: true,
+            jitter: Duration::ZERO,
+            strategy: ScatterStrategy::Auto,
+        },
+    ]
+}
+
+/// Fails, once, the read of layer `layer` of the sharded component `v` in the objects whose
+/// key contains `key`: a read every rank does itself, in every share mode.
+pub fn fail_v_read(faults: &FaultyStore, g: &KvGeometry, key: String, layer: u32) {
+    let v = g.component_by_name("v").unwrap();
+    faults.inject(
+        FaultRule {
+            key_contains: Some(key),
+            offset: Some(v.layer_range(layer).unwrap().start),
+            times: Some(1),
+        },
+        Fault::Error(StoreError::TransferFailed {
+            key: "injected".into(),
+            code: -800,
+        }),
+    );
+}
+
+/// Every rank failed with `PeerFailed { rank, layer }`, the same text everywhere.
+pub fn same_verdict(outcomes: &[BatchOutcome], rank: u32, layer: u32, what: &str) {
+    let errs: Vec<String> = outcomes
+        .iter()
+        .map(|o| match &o.result {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{what}: a rank loaded despite the failure"),
+        })
+        .collect();
+    assert!(errs.windows(2).all(|w| w[0] == w[1]), "{what}: {errs:?}");
+    match outcomes[0].result.as_ref().unwrap_err() {
+        KvLoadError::PeerFailed {
+            rank: r, layer: l, ..
+        } => {
+            assert_eq!((*r, *l), (rank, layer), "{what}")
+        }
+        other => panic!("{what}: {other:?}"),
     }
 }
