@@ -3,3 +3,4 @@
 
 pub mod procs;
 pub mod script;
+pub mod threads;
