@@ -187,11 +187,7 @@ fn no_layer_event_reaches_the_engine_before_its_collective_completed() {
 #[test]
 fn a_collective_that_never_completes_is_aborted_and_the_next_batch_loads() {
     let spec = mixed_spec();
-    let path = Path::Device {
-        one_device: false,
-        jitter: Duration::ZERO,
-        strategy: ScatterStrategy::Auto,
-    };
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
         let cfg = LinkerConfig {
             collective_timeout: Duration::from_millis(300),
@@ -312,11 +308,7 @@ fn a_device_landing_needs_a_group_that_moves_device_memory() {
 #[test]
 fn staging_a_failed_collective_may_still_write_is_never_reused() {
     let spec = mixed_spec();
-    let path = Path::Device {
-        one_device: false,
-        jitter: Duration::ZERO,
-        strategy: ScatterStrategy::Auto,
-    };
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
     let cfg = LinkerConfig {
         collective_timeout: Duration::from_millis(300),
         ..config(ShareMode::Rank0Broadcast)

@@ -229,14 +229,7 @@ fn a_hung_read_on_a_device_pool_keeps_its_staging_out_of_other_batches_until_it_
 
 #[test]
 fn a_hung_read_on_a_middle_rank_fails_every_rank_in_time_and_the_group_goes_on() {
-    for path in [
-        Path::Host,
-        Path::Device {
-            one_device: false,
-            jitter: Duration::ZERO,
-            strategy: ScatterStrategy::Auto,
-        },
-    ] {
+    for path in [Path::Host, Path::device_per_rank(ScatterStrategy::Auto)] {
         for mode in [
             ShareMode::AllRanks,
             ShareMode::Rank0Broadcast,

@@ -75,11 +75,7 @@ fn launches_before(mode: ShareMode, layer: u32) -> u32 {
 #[test]
 fn a_device_error_in_a_share_step_is_reported_next_and_the_next_batch_loads() {
     let spec = mixed_spec();
-    let path = Path::Device {
-        one_device: false,
-        jitter: Duration::ZERO,
-        strategy: ScatterStrategy::Kernel,
-    };
+    let path = Path::device_per_rank(ScatterStrategy::Kernel);
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
         let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
         let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &config(mode), path);

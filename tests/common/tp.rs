@@ -34,6 +34,15 @@ pub enum Path {
 }
 
 impl Path {
+    /// Device pools, one CPU device per rank, no jitter, scattering with `strategy`.
+    pub fn device_per_rank(strategy: ScatterStrategy) -> Self {
+        Path::Device {
+            one_device: false,
+            jitter: Duration::ZERO,
+            strategy,
+        }
+    }
+
     /// Device pools, one shared device, a little jitter, automatic scatter.
     pub fn device() -> Self {
         Path::Device {
