@@ -399,17 +399,7 @@ fn missing_object_fails_with_not_found() {
     let t = linker
         .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
         .unwrap();
-    let err = wait_all(&linker, &t).unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            KvLoadError::Store {
-                kind: StoreFailure::NotFound,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let err = wait_fails_not_found(&linker, &t);
     assert!(!err.is_retryable());
 }
 
