@@ -25,20 +25,10 @@ const MODES: [ShareMode; 3] = [
     ShareMode::SplitAllGather,
 ];
 
-/// A DSA-like model plus a sharded component, so a batch mixes shared and per-rank reads.
+/// A DSA-like model plus a sharded component (a `v` of 32 B per token, 4 heads), so a batch
+/// mixes shared and per-rank reads.
 fn mixed_spec() -> ModelKvSpec {
-    ModelKvSpec::new(
-        "mixed",
-        5,
-        4,
-        vec![
-            ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 40),
-            ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, 24)
-                .on_layers(LayerMap::Sparse(vec![1, 4])),
-            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 32).sharded(4),
-        ],
-    )
-    .unwrap()
+    common::tp::mixed_spec_with_v(32, 4)
 }
 
 fn cfg(mode: ShareMode) -> LinkerConfig {

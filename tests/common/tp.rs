@@ -85,6 +85,11 @@ pub struct TpRank {
 /// 5 layers, `k` (replicated), `indexer` (replicated, layers 1 and 4), `v` (12 heads, sharded:
 /// TP 2, 3 and 4 divide it).
 pub fn mixed_spec() -> ModelKvSpec {
+    mixed_spec_with_v(48, 12)
+}
+
+/// [`mixed_spec`] with a `v` of `row_bytes` per token split into `heads` heads.
+pub fn mixed_spec_with_v(row_bytes: u32, heads: u32) -> ModelKvSpec {
     ModelKvSpec::new(
         "mixed",
         5,
@@ -93,7 +98,7 @@ pub fn mixed_spec() -> ModelKvSpec {
             ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 40),
             ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, 24)
                 .on_layers(LayerMap::Sparse(vec![1, 4])),
-            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 48).sharded(12),
+            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, row_bytes).sharded(heads),
         ],
     )
     .unwrap()
