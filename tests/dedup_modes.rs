@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tp::{bytes_match, fail_v_read, rank_byte};
+use common::tp::{bytes_match, fail_v_read, fill_rank_pool};
 use common::*;
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{
@@ -100,22 +100,6 @@ fn ranks(
         })
         .collect();
     (out, hashes)
-}
-
-fn fill_rank_pool(pool: &HostKvPool, pages: &[PageHash], slots: &[u32], rank: u32) {
-    use kvlink::kv_device::KvPool;
-    let g = pool.geometry().clone();
-    for (page, &slot) in pages.iter().zip(slots) {
-        for c in g.components() {
-            for &l in &c.layers {
-                let data: Vec<u8> = (0..c.page_layer_bytes as usize)
-                    .map(|i| rank_byte(page, c, rank, l, i))
-                    .collect();
-                // SAFETY: the pool is filled before any linker uses it.
-                unsafe { pool.write_slot(c.id, l, slot, &data) }.unwrap();
-            }
-        }
-    }
 }
 
 fn rank_pool_matches(r: &Rank, pages: &[PageHash], rank: u32) -> Result<(), String> {

@@ -270,18 +270,7 @@ pub fn save(
         let g = KvGeometry::new(spec.clone(), tp, rank).unwrap();
         let pool = HostKvPool::new(g.clone(), pages as u32).unwrap();
         let slots: Vec<u32> = (0..pages as u32).collect();
-        for (page, &slot) in hashes.iter().zip(&slots) {
-            for c in g.components() {
-                for &l in &c.layers {
-                    let data: Vec<u8> = (0..c.page_layer_bytes as usize)
-                        .map(|i| rank_byte(page, c, rank, l, i))
-                        .collect();
-                    // SAFETY: the engine's prefill: the pool is new, no batch of it is in
-                    // flight.
-                    unsafe { pool.write_slot(c.id, l, slot, &data) }.unwrap();
-                }
-            }
-        }
+        fill_rank_pool(&pool, &hashes, &slots, rank);
         let linker = Linker::new(g.clone(), store.clone(), Arc::new(pool), config.clone()).unwrap();
         linker.save(&load_plan(&g, 0, &hashes, slots)).unwrap();
         linker.close().unwrap();
@@ -347,6 +336,24 @@ pub fn bytes_match(
         }
     }
     Ok(())
+}
+
+/// Writes `rank`'s bytes of each page ([`rank_byte`]) into `slots` of a new `pool`, as the
+/// engine's prefill would (no batch of the pool is in flight).
+pub fn fill_rank_pool(pool: &HostKvPool, pages: &[PageHash], slots: &[u32], rank: u32) {
+    use kvlink::kv_device::KvPool;
+    for (page, &slot) in pages.iter().zip(slots) {
+        for c in pool.geometry().components() {
+            for &l in &c.layers {
+                let data: Vec<u8> = (0..c.page_layer_bytes as usize)
+                    .map(|i| rank_byte(page, c, rank, l, i))
+                    .collect();
+                // SAFETY: the engine's prefill: no batch of the pool is in flight (the
+                // caller's pool is new).
+                unsafe { pool.write_slot(c.id, l, slot, &data) }.unwrap();
+            }
+        }
+    }
 }
 
 /// Every rank starts batch `batch`, waits every layer like an engine, and takes the outcome.
