@@ -197,11 +197,7 @@ fn a_collective_that_never_completes_is_aborted_and_the_next_batch_loads() {
         // The middle rank's device stops at its first device-to-device copy: its part of the
         // first layer's collective (every other copy comes after that collective's event).
         let stall = Duration::from_millis(1500);
-        rs[1]
-            .device
-            .as_ref()
-            .unwrap()
-            .stall_at(CpuOp::OnDevice, 0, stall);
+        rs[1].stall_first_device_copy(stall);
         let t0 = Instant::now();
         let failed: Vec<(Result<(), KvLoadError>, Result<_, _>)> = std::thread::scope(|s| {
             let hs: Vec<_> = rs
@@ -341,11 +337,7 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
 
     // A stalled copy: the lease waits in quarantine until its fences complete, then returns.
     let stall = Duration::from_millis(1000);
-    rs[1]
-        .device
-        .as_ref()
-        .unwrap()
-        .stall_at(CpuOp::OnDevice, 0, stall);
+    rs[1].stall_first_device_copy(stall);
     let t0 = Instant::now();
     let outcomes = run(&rs, 5, &hashes);
     assert!(outcomes.iter().all(|o| o.result.is_err()), "{outcomes:?}");

@@ -81,6 +81,15 @@ pub struct TpRank {
     pub staging: Option<Arc<StagingPool>>,
 }
 
+impl TpRank {
+    /// The rank's CPU device (device path only) stalls for `stall` at its first
+    /// device-to-device copy, that copy included.
+    pub fn stall_first_device_copy(&self, stall: Duration) {
+        let device = self.device.as_ref().expect("a device-path rank");
+        device.stall_at(kvlink::kv_device::cpu::CpuOp::OnDevice, 0, stall);
+    }
+}
+
 /// A DSA-like model plus a sharded component, so a batch mixes shared and per-rank reads:
 /// 5 layers, `k` (replicated), `indexer` (replicated, layers 1 and 4), `v` (12 heads, sharded:
 /// TP 2, 3 and 4 divide it).
