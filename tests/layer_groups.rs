@@ -69,6 +69,19 @@ fn store() -> Arc<dyn KvStore> {
     Arc::new(EmbeddedStore::new(1 << 30))
 }
 
+/// `tp` ranks of [`spec`] over a fresh store with a prefix of `pages` pages saved, each rank
+/// landing through `stages` stages.
+fn ranks(
+    tp: u32,
+    pages: usize,
+    config: &LinkerConfig,
+    path: Path,
+    stages: usize,
+) -> (Vec<TpRank>, Vec<PageHash>) {
+    let build = RankBuild::stages(stages);
+    tp_ranks_built(&spec(), tp, store(), pages, config, path, &build)
+}
+
 fn stats(o: &kvlink::kv_loader::BatchOutcome, what: &str) -> LoadStats {
     o.result.clone().unwrap_or_else(|e| panic!("{what}: {e}"))
 }
@@ -80,15 +93,7 @@ fn groups_land_every_rank_byte_for_byte_on_both_paths() {
         for granularity in [ReadGranularity::ADAPTIVE, fixed3] {
             for mode in MODES {
                 let what = format!("{path:?} {granularity:?} {mode:?}");
-                let (rs, pages) = tp_ranks_built(
-                    &spec(),
-                    3,
-                    store(),
-                    7,
-                    &config(mode, granularity),
-                    path,
-                    &RankBuild::stages(4),
-                );
+                let (rs, pages) = ranks(3, 7, &config(mode, granularity), path, 4);
                 let mut calls_before = vec![0u64; rs.len()];
                 for batch in 1..=2 {
                     for (rank, (r, o)) in rs.iter().zip(run(&rs, batch, &pages)).enumerate() {
@@ -141,15 +146,7 @@ fn a_failure_inside_a_group_fails_every_rank_at_the_groups_first_layer() {
     for path in [Path::Host, device()] {
         for mode in MODES {
             let what = format!("{path:?} {mode:?}");
-            let (rs, pages) = tp_ranks_built(
-                &spec(),
-                3,
-                store(),
-                6,
-                &config(mode, fixed3),
-                path,
-                &RankBuild::stages(4),
-            );
+            let (rs, pages) = ranks(3, 6, &config(mode, fixed3), path, 4);
             // The middle rank's read of layer 4 (group 3..6) fails: its sharded `v` is read in
             // every mode.
             fail_v_read(&rs[1].faults, rs[1].linker.geometry(), "_v".into(), 4);
@@ -177,15 +174,7 @@ fn engine_batch(r: &TpRank, batch: u64, pages: &[PageHash], compute: Duration) -
 #[test]
 fn compute_is_measured_from_the_waits_and_cost_from_the_calls() {
     let cfg = config(ShareMode::AllRanks, ReadGranularity::ADAPTIVE);
-    let (rs, pages) = tp_ranks_built(
-        &spec(),
-        1,
-        store(),
-        8,
-        &cfg,
-        Path::Host,
-        &RankBuild::stages(2),
-    );
+    let (rs, pages) = ranks(1, 8, &cfg, Path::Host, 2);
     let r = &rs[0];
     assert_eq!(r.linker.compute_per_layer(), None);
     let prior = r.linker.read_cost();
@@ -219,15 +208,7 @@ fn configured_zero_compute_reads_in_the_fewest_calls() {
         prior: ReadGranularity::DEFAULT_PRIOR,
     };
     let cfg = config(ShareMode::AllRanks, granularity);
-    let (rs, pages) = tp_ranks_built(
-        &spec(),
-        1,
-        store(),
-        8,
-        &cfg,
-        Path::Host,
-        &RankBuild::stages(2),
-    );
+    let (rs, pages) = ranks(1, 8, &cfg, Path::Host, 2);
     let t = rs[0]
         .linker
         .start_load(load_plan(
