@@ -127,13 +127,13 @@ impl Ctx {
 
     /// The header's first line: the model and its KV.
     fn title_line(&self) -> String {
-        let ctx = self;
+        let spec = &self.spec;
         format!(
             "kvlink glm_prefill — {} with FP8 KV (DSA): {} layers, {}-token pages, {} B/token",
-            ctx.spec.model,
-            ctx.spec.num_layers,
-            ctx.spec.page_size,
-            thousands(ctx.spec.bytes_per_token() as u64)
+            spec.model,
+            spec.num_layers,
+            spec.page_size,
+            thousands(spec.bytes_per_token() as u64)
         )
     }
 
