@@ -7,6 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::tp::{bytes_match, fail_v_read, fill_rank_pool};
 use common::*;
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{
@@ -14,9 +15,7 @@ use kvlink::kv_geometry::{
 };
 use kvlink::kv_loader::{BatchOutcome, KvLoadError, KvLoader, LookupRequest, ShareMode};
 use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
-use kvlink::mooncake_linker::store::{
-    EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, StoreError,
-};
+use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity, TpGroup};
 use proptest::prelude::*;
 
@@ -26,20 +25,10 @@ const MODES: [ShareMode; 3] = [
     ShareMode::SplitAllGather,
 ];
 
-/// A DSA-like model plus a sharded component, so a batch mixes shared and per-rank reads.
+/// A DSA-like model plus a sharded component (a `v` of 32 B per token, 4 heads), so a batch
+/// mixes shared and per-rank reads.
 fn mixed_spec() -> ModelKvSpec {
-    ModelKvSpec::new(
-        "mixed",
-        5,
-        4,
-        vec![
-            ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 40),
-            ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, 24)
-                .on_layers(LayerMap::Sparse(vec![1, 4])),
-            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 32).sharded(4),
-        ],
-    )
-    .unwrap()
+    common::tp::mixed_spec_with_v(32, 4)
 }
 
 fn cfg(mode: ShareMode) -> LinkerConfig {
@@ -113,58 +102,13 @@ fn ranks(
     (out, hashes)
 }
 
-/// Each rank's own bytes of a page: replicated components are the same everywhere, a
-/// sharded one differs per rank (its part of the heads).
-fn rank_byte(
-    page: &PageHash,
-    c: &kvlink::kv_geometry::ComponentLayout,
-    rank: u32,
-    l: u32,
-    i: usize,
-) -> u8 {
-    let salt = if c.replicated { 0 } else { rank as u8 + 1 };
-    page_byte(page, c.id.0, l, i) ^ salt.wrapping_mul(101)
-}
-
-fn fill_rank_pool(pool: &HostKvPool, pages: &[PageHash], slots: &[u32], rank: u32) {
-    use kvlink::kv_device::KvPool;
-    let g = pool.geometry().clone();
-    for (page, &slot) in pages.iter().zip(slots) {
-        for c in g.components() {
-            for &l in &c.layers {
-                let data: Vec<u8> = (0..c.page_layer_bytes as usize)
-                    .map(|i| rank_byte(page, c, rank, l, i))
-                    .collect();
-                // SAFETY: the pool is filled before any linker uses it.
-                unsafe { pool.write_slot(c.id, l, slot, &data) }.unwrap();
-            }
-        }
-    }
-}
-
 fn rank_pool_matches(r: &Rank, pages: &[PageHash], rank: u32) -> Result<(), String> {
     use kvlink::kv_device::KvPool;
-    let g = r.pool.geometry().clone();
-    for (pi, (page, &slot)) in pages.iter().zip(&r.slots).enumerate() {
-        for c in g.components() {
-            for &l in &c.layers {
-                let mut got = vec![0u8; c.page_layer_bytes as usize];
-                // SAFETY: checked after the batch's outcome: no load writes the pool.
-                unsafe { r.pool.read_slot(c.id, l, slot, &mut got) }.unwrap();
-                if let Some(i) = got
-                    .iter()
-                    .enumerate()
-                    .position(|(i, &b)| b != rank_byte(page, c, rank, l, i))
-                {
-                    return Err(format!(
-                        "rank {rank} page {pi} comp {} layer {l} byte {i}",
-                        c.name
-                    ));
-                }
-            }
-        }
-    }
-    Ok(())
+    let g = r.pool.geometry();
+    bytes_match(g, pages, rank, &r.slots, u32::MAX, |c, l, slot, got| {
+        // SAFETY: checked after the batch's outcome: no load writes the pool.
+        unsafe { r.pool.read_slot(c.id, l, slot, got) }.unwrap()
+    })
 }
 
 /// Every rank starts the batch, waits every layer like an engine, and takes the outcome.
@@ -292,19 +236,9 @@ fn a_failure_on_any_rank_at_any_layer_fails_every_rank_the_same_way() {
                 let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
                 let (rs, pages) = ranks(&spec, 2, store, 4, &cfg(mode));
                 // The failing rank's read of its own shard at `layer`: present in every mode.
-                let g = rs[fail_rank as usize].linker.geometry().clone();
-                let v = g.component_by_name("v").unwrap();
-                rs[fail_rank as usize].faults.inject(
-                    FaultRule {
-                        key_contains: Some(format!("tp{fail_rank}_cp0_pp0_v")),
-                        offset: Some(v.layer_range(layer).unwrap().start),
-                        times: Some(1),
-                    },
-                    Fault::Error(StoreError::TransferFailed {
-                        key: "injected".into(),
-                        code: -800,
-                    }),
-                );
+                let r = &rs[fail_rank as usize];
+                let key = format!("tp{fail_rank}_cp0_pp0_v");
+                fail_v_read(&r.faults, r.linker.geometry(), key, layer);
                 let t0 = Instant::now();
                 let outcomes = run(&rs, 1, &pages);
                 assert!(

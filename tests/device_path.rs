@@ -187,11 +187,7 @@ fn no_layer_event_reaches_the_engine_before_its_collective_completed() {
 #[test]
 fn a_collective_that_never_completes_is_aborted_and_the_next_batch_loads() {
     let spec = mixed_spec();
-    let path = Path::Device {
-        one_device: false,
-        jitter: Duration::ZERO,
-        strategy: ScatterStrategy::Auto,
-    };
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
         let cfg = LinkerConfig {
             collective_timeout: Duration::from_millis(300),
@@ -201,11 +197,7 @@ fn a_collective_that_never_completes_is_aborted_and_the_next_batch_loads() {
         // The middle rank's device stops at its first device-to-device copy: its part of the
         // first layer's collective (every other copy comes after that collective's event).
         let stall = Duration::from_millis(1500);
-        rs[1]
-            .device
-            .as_ref()
-            .unwrap()
-            .stall_at(CpuOp::OnDevice, 0, stall);
+        rs[1].stall_first_device_copy(stall);
         let t0 = Instant::now();
         let failed: Vec<(Result<(), KvLoadError>, Result<_, _>)> = std::thread::scope(|s| {
             let hs: Vec<_> = rs
@@ -312,11 +304,7 @@ fn a_device_landing_needs_a_group_that_moves_device_memory() {
 #[test]
 fn staging_a_failed_collective_may_still_write_is_never_reused() {
     let spec = mixed_spec();
-    let path = Path::Device {
-        one_device: false,
-        jitter: Duration::ZERO,
-        strategy: ScatterStrategy::Auto,
-    };
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
     let cfg = LinkerConfig {
         collective_timeout: Duration::from_millis(300),
         ..config(ShareMode::Rank0Broadcast)
@@ -349,11 +337,7 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
 
     // A stalled copy: the lease waits in quarantine until its fences complete, then returns.
     let stall = Duration::from_millis(1000);
-    rs[1]
-        .device
-        .as_ref()
-        .unwrap()
-        .stall_at(CpuOp::OnDevice, 0, stall);
+    rs[1].stall_first_device_copy(stall);
     let t0 = Instant::now();
     let outcomes = run(&rs, 5, &hashes);
     assert!(outcomes.iter().all(|o| o.result.is_err()), "{outcomes:?}");

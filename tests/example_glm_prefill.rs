@@ -5,30 +5,8 @@
 //! and reports; these tests assert it says it verified and that its tables carry what they
 //! claim.
 
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/app.rs"]
-mod app;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/args.rs"]
-mod args;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/auto_reason.rs"]
-mod auto_reason;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/pattern.rs"]
-mod pattern;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/progress.rs"]
-mod progress;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/report.rs"]
-mod report;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/shows.rs"]
-mod shows;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/timeline_svg.rs"]
-mod timeline_svg;
+// The example's own modules, and `report`.
+include!("glm_prefill_example/harness.rs");
 
 use std::path::PathBuf;
 
@@ -41,14 +19,7 @@ fn svg_path(name: &str) -> PathBuf {
 
 /// Runs the example's core with these flags; its report.
 fn run(flags: &[&str]) -> Result<String, String> {
-    let args = args::parse(flags.iter().copied())
-        .map_err(|e| e.to_string())?
-        .expect("not --help");
-    let mut out = Vec::new();
-    let res = app::run(&args, &mut out);
-    let text = String::from_utf8(out).expect("utf-8 report");
-    res.map(|()| text.clone())
-        .map_err(|e| format!("{e:#}\n--- report so far ---\n{text}"))
+    report(flags, |args, out| app::run(args, out))
 }
 
 #[test]

@@ -12,30 +12,8 @@
 //! Every process started here is killed when its handle drops (also when a test fails).
 #![cfg(target_os = "linux")]
 
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/app.rs"]
-mod app;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/args.rs"]
-mod args;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/auto_reason.rs"]
-mod auto_reason;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/pattern.rs"]
-mod pattern;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/progress.rs"]
-mod progress;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/report.rs"]
-mod report;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/shows.rs"]
-mod shows;
-#[allow(dead_code)]
-#[path = "../examples/glm_prefill/timeline_svg.rs"]
-mod timeline_svg;
+// The example's own modules, and `report`.
+include!("glm_prefill_example/harness.rs");
 
 use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -89,15 +67,8 @@ fn svg_path(name: &str) -> std::path::PathBuf {
 
 /// Runs the launcher with `flags` (its rank processes are this test binary); its report.
 fn launch(flags: &[&str]) -> Result<String, String> {
-    let args = args::parse(flags.iter().copied())
-        .map_err(|e| e.to_string())?
-        .expect("not --help");
-    let mut out = Vec::new();
     let spawn = |f: &[String]| command(f).spawn();
-    let res = app::processes::launch(&args, &mut out, &spawn);
-    let text = String::from_utf8(out).expect("utf-8 report");
-    res.map(|()| text.clone())
-        .map_err(|e| format!("{e:#}\n--- report so far ---\n{text}"))
+    report(flags, |args, out| app::processes::launch(args, out, &spawn))
 }
 
 #[test]

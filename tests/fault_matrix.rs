@@ -32,10 +32,9 @@ use std::time::{Duration, Instant};
 use common::coll::{Misbehave, Misbehaving};
 use common::load_plan;
 use common::tp::{
-    every_mode, fault_deadlines, mixed_spec, rank_matches_below, run_ok, tp_ranks_built, Path,
-    RankBuild, TpRank,
+    every_mode, fault_deadlines, mixed_spec, paths, rank_matches_below, run_ok, tp_ranks_built,
+    Path, RankBuild, TpRank,
 };
-use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
 use kvlink::kv_loader::{BatchPlan, KvLoader, LoadTicket, RequestPages, ShareMode};
 use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore, Stall, StoreError};
@@ -91,17 +90,6 @@ impl Kind {
 
 fn modes() -> Vec<(&'static str, LinkerConfig)> {
     every_mode(|c| fault_deadlines(READ_TIMEOUT, c))
-}
-
-fn paths() -> [Path; 2] {
-    [
-        Path::Host,
-        Path::Device {
-            one_device: true,
-            jitter: Duration::ZERO,
-            strategy: ScatterStrategy::Auto,
-        },
-    ]
 }
 
 /// What one cell saw.

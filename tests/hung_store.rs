@@ -20,8 +20,7 @@ use kvlink::kv_device::{
 use kvlink::kv_geometry::{KvGeometry, PageHash};
 use kvlink::kv_loader::{BatchId, KvLoadError, KvLoader, LoadTicket, ShareMode};
 use kvlink::mooncake_linker::store::{
-    EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, MemoryRegion, ObjectGet, ObjectPut,
-    PutOutcome, RangedGet, ReadSession, Stall, StoreError,
+    EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, MemoryRegion, Stall, StoreError,
 };
 use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity};
 
@@ -48,29 +47,11 @@ struct Regions {
 }
 
 impl KvStore for Regions {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
+        get_ranges, put, remove, start_session, end_session, health);
+
     fn name(&self) -> &str {
         "regions"
-    }
-    fn exists(&self, k: &[&str]) -> Vec<Result<bool, StoreError>> {
-        self.inner.exists(k)
-    }
-    fn object_size(&self, k: &[&str]) -> Vec<Result<u64, StoreError>> {
-        self.inner.object_size(k)
-    }
-    unsafe fn get_into(&self, g: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
-        // SAFETY: forwarded with the caller's promise.
-        unsafe { self.inner.get_into(g) }
-    }
-    unsafe fn get_ranges(&self, g: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
-        // SAFETY: forwarded with the caller's promise.
-        unsafe { self.inner.get_ranges(g) }
-    }
-    unsafe fn put(&self, p: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
-        // SAFETY: forwarded with the caller's promise.
-        unsafe { self.inner.put(p) }
-    }
-    fn remove(&self, k: &[&str]) -> Vec<Result<(), StoreError>> {
-        self.inner.remove(k)
     }
     unsafe fn register(&self, r: MemoryRegion) -> Result<(), StoreError> {
         self.registered.fetch_add(1, Ordering::SeqCst);
@@ -80,15 +61,6 @@ impl KvStore for Regions {
     fn unregister(&self, r: MemoryRegion) -> Result<(), StoreError> {
         self.released.fetch_add(1, Ordering::SeqCst);
         self.inner.unregister(r)
-    }
-    fn start_session(&self, k: &[&str]) -> Result<ReadSession, StoreError> {
-        self.inner.start_session(k)
-    }
-    fn end_session(&self, s: &ReadSession) -> Result<(), StoreError> {
-        self.inner.end_session(s)
-    }
-    fn health(&self) -> Result<(), StoreError> {
-        self.inner.health()
     }
 }
 
@@ -257,14 +229,7 @@ fn a_hung_read_on_a_device_pool_keeps_its_staging_out_of_other_batches_until_it_
 
 #[test]
 fn a_hung_read_on_a_middle_rank_fails_every_rank_in_time_and_the_group_goes_on() {
-    for path in [
-        Path::Host,
-        Path::Device {
-            one_device: false,
-            jitter: Duration::ZERO,
-            strategy: ScatterStrategy::Auto,
-        },
-    ] {
+    for path in [Path::Host, Path::device_per_rank(ScatterStrategy::Auto)] {
         for mode in [
             ShareMode::AllRanks,
             ShareMode::Rank0Broadcast,

@@ -11,13 +11,16 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::tp::{rank_byte, rank_matches, run, tp_ranks_built, Path, RankBuild, TpRank};
+use common::tp::{
+    fail_v_read, rank_byte, rank_matches, run, same_verdict, tp_ranks_built, Path, RankBuild,
+    TpRank,
+};
 use common::{load_plan, wait_all};
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, PageHash, RowUnit};
-use kvlink::kv_loader::{KvLoadError, KvLoader, LoadStats, ShareMode};
+use kvlink::kv_loader::{KvLoader, LoadStats, ShareMode};
 use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
-use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore, StoreError};
+use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 use kvlink::mooncake_linker::{LinkerConfig, ReadGranularity};
 
 const MODES: [ShareMode; 3] = [
@@ -66,6 +69,19 @@ fn store() -> Arc<dyn KvStore> {
     Arc::new(EmbeddedStore::new(1 << 30))
 }
 
+/// `tp` ranks of [`spec`] over a fresh store with a prefix of `pages` pages saved, each rank
+/// landing through `stages` stages.
+fn ranks(
+    tp: u32,
+    pages: usize,
+    config: &LinkerConfig,
+    path: Path,
+    stages: usize,
+) -> (Vec<TpRank>, Vec<PageHash>) {
+    let build = RankBuild::stages(stages);
+    tp_ranks_built(&spec(), tp, store(), pages, config, path, &build)
+}
+
 fn stats(o: &kvlink::kv_loader::BatchOutcome, what: &str) -> LoadStats {
     o.result.clone().unwrap_or_else(|e| panic!("{what}: {e}"))
 }
@@ -77,15 +93,7 @@ fn groups_land_every_rank_byte_for_byte_on_both_paths() {
         for granularity in [ReadGranularity::ADAPTIVE, fixed3] {
             for mode in MODES {
                 let what = format!("{path:?} {granularity:?} {mode:?}");
-                let (rs, pages) = tp_ranks_built(
-                    &spec(),
-                    3,
-                    store(),
-                    7,
-                    &config(mode, granularity),
-                    path,
-                    &RankBuild::stages(4),
-                );
+                let (rs, pages) = ranks(3, 7, &config(mode, granularity), path, 4);
                 let mut calls_before = vec![0u64; rs.len()];
                 for batch in 1..=2 {
                     for (rank, (r, o)) in rs.iter().zip(run(&rs, batch, &pages)).enumerate() {
@@ -138,45 +146,12 @@ fn a_failure_inside_a_group_fails_every_rank_at_the_groups_first_layer() {
     for path in [Path::Host, device()] {
         for mode in MODES {
             let what = format!("{path:?} {mode:?}");
-            let (rs, pages) = tp_ranks_built(
-                &spec(),
-                3,
-                store(),
-                6,
-                &config(mode, fixed3),
-                path,
-                &RankBuild::stages(4),
-            );
+            let (rs, pages) = ranks(3, 6, &config(mode, fixed3), path, 4);
             // The middle rank's read of layer 4 (group 3..6) fails: its sharded `v` is read in
             // every mode.
-            let g = rs[1].linker.geometry().clone();
-            let v = g.component_by_name("v").unwrap();
-            rs[1].faults.inject(
-                FaultRule {
-                    key_contains: Some("_v".into()),
-                    offset: Some(v.layer_range(4).unwrap().start),
-                    times: Some(1),
-                },
-                Fault::Error(StoreError::TransferFailed {
-                    key: "injected".into(),
-                    code: -800,
-                }),
-            );
+            fail_v_read(&rs[1].faults, rs[1].linker.geometry(), "_v".into(), 4);
             let outcomes = run(&rs, 1, &pages);
-            let errs: Vec<String> = outcomes
-                .iter()
-                .map(|o| match &o.result {
-                    Err(e) => e.to_string(),
-                    Ok(_) => panic!("{what}: a rank loaded despite the failure"),
-                })
-                .collect();
-            assert!(errs.windows(2).all(|w| w[0] == w[1]), "{what}: {errs:?}");
-            match outcomes[0].result.as_ref().unwrap_err() {
-                KvLoadError::PeerFailed { rank, layer, .. } => {
-                    assert_eq!((*rank, *layer), (1, 3), "{what}")
-                }
-                other => panic!("{what}: {other:?}"),
-            }
+            same_verdict(&outcomes, 1, 3, &what);
             for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &pages)).enumerate() {
                 stats(&o, &format!("{what}: the next batch"));
                 rank_matches(r, &pages, rank as u32).unwrap();
@@ -199,15 +174,7 @@ fn engine_batch(r: &TpRank, batch: u64, pages: &[PageHash], compute: Duration) -
 #[test]
 fn compute_is_measured_from_the_waits_and_cost_from_the_calls() {
     let cfg = config(ShareMode::AllRanks, ReadGranularity::ADAPTIVE);
-    let (rs, pages) = tp_ranks_built(
-        &spec(),
-        1,
-        store(),
-        8,
-        &cfg,
-        Path::Host,
-        &RankBuild::stages(2),
-    );
+    let (rs, pages) = ranks(1, 8, &cfg, Path::Host, 2);
     let r = &rs[0];
     assert_eq!(r.linker.compute_per_layer(), None);
     let prior = r.linker.read_cost();
@@ -241,15 +208,7 @@ fn configured_zero_compute_reads_in_the_fewest_calls() {
         prior: ReadGranularity::DEFAULT_PRIOR,
     };
     let cfg = config(ShareMode::AllRanks, granularity);
-    let (rs, pages) = tp_ranks_built(
-        &spec(),
-        1,
-        store(),
-        8,
-        &cfg,
-        Path::Host,
-        &RankBuild::stages(2),
-    );
+    let (rs, pages) = ranks(1, 8, &cfg, Path::Host, 2);
     let t = rs[0]
         .linker
         .start_load(load_plan(

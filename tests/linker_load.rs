@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use common::*;
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{KvGeometry, ModelKvSpec};
-use kvlink::kv_loader::{KvLoadError, KvLoader, LookupRequest, PlanError, StoreFailure};
+use kvlink::kv_loader::{
+    KvLoadError, KvLoader, LoadTicket, LookupRequest, PlanError, StoreFailure,
+};
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, StoreError,
 };
@@ -44,6 +46,15 @@ fn rig(pages: usize) -> Rig {
         pages: saved,
         tokens,
     }
+}
+
+/// Rank 0 of TP 1 (a 16-slot pool) over `r`'s store, batch 1 started: `r`'s pages into slots
+/// 0, 1 and 2.
+fn start_batch_1(r: &Rig, config: LinkerConfig) -> (Linker, Arc<HostKvPool>, LoadTicket) {
+    let (linker, pool) = rank_linker(r, 1, 0, 16, config);
+    let plan = load_plan(linker.geometry(), 1, &r.pages, vec![0, 1, 2]);
+    let t = linker.start_load(plan).unwrap();
+    (linker, pool, t)
 }
 
 fn rank_linker(
@@ -321,10 +332,7 @@ fn slow_read_times_out_the_batch() {
         },
         Fault::Delay(Duration::from_millis(200)),
     );
-    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
-    let t = linker
-        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
-        .unwrap();
+    let (linker, _pool, t) = start_batch_1(&r, config);
     let err = wait_all(&linker, &t).unwrap_err();
     assert!(
         matches!(
@@ -346,7 +354,6 @@ fn a_wait_never_outlives_its_deadline() {
         wait_deadline: Duration::from_millis(100),
         ..cfg()
     };
-    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
     r.faulty.inject(
         FaultRule {
             times: Some(1),
@@ -354,10 +361,7 @@ fn a_wait_never_outlives_its_deadline() {
         },
         Fault::Delay(Duration::from_millis(3000)),
     );
-    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
-    let t = linker
-        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
-        .unwrap();
+    let (linker, _pool, t) = start_batch_1(&r, config);
     let t0 = Instant::now();
     let err = linker.wait_layer(&t, 0).unwrap_err();
     assert!(
@@ -395,17 +399,7 @@ fn missing_object_fails_with_not_found() {
     let t = linker
         .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
         .unwrap();
-    let err = wait_all(&linker, &t).unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            KvLoadError::Store {
-                kind: StoreFailure::NotFound,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let err = wait_fails_not_found(&linker, &t);
     assert!(!err.is_retryable());
 }
 
@@ -417,10 +411,7 @@ fn reset_during_a_load_cancels_it_and_the_linker_goes_on() {
         FaultRule::default(),
         Fault::Delay(Duration::from_millis(30)),
     );
-    let (linker, pool) = rank_linker(&r, 1, 0, 16, cfg());
-    let t = linker
-        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
-        .unwrap();
+    let (linker, pool, t) = start_batch_1(&r, cfg());
     let queued = linker
         .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))
         .unwrap();

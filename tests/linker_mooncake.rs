@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::*;
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{KvGeometry, PageHash};
-use kvlink::kv_loader::{BatchOutcome, KvLoadError, KvLoader, ShareMode, StoreFailure};
+use kvlink::kv_loader::{BatchOutcome, KvLoader, ShareMode};
 use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::store::KvStore;
@@ -143,17 +143,7 @@ fn a_missing_object_fails_the_batch_with_not_found() {
     let t = linker
         .start_load(load_plan(&g, 1, &with_missing, vec![0, 1, 2, 3]))
         .unwrap();
-    let err = wait_all(&linker, &t).unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            KvLoadError::Store {
-                kind: StoreFailure::NotFound,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    wait_fails_not_found(&linker, &t);
     assert!(linker.wait_batch(&t).unwrap().result.is_err());
     let t = linker
         .start_load(load_plan(&g, 2, &pages, vec![5, 6, 7]))

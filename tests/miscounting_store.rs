@@ -12,8 +12,7 @@ use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::{KvLoadError, KvLoader, LookupRequest, StoreFailure};
 use kvlink::mooncake_linker::store::{
-    EmbeddedStore, KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession,
-    StoreError,
+    EmbeddedStore, KvStore, ObjectPut, PutOutcome, RangedGet, StoreError,
 };
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 use std::sync::Mutex;
@@ -69,6 +68,9 @@ impl Miscounting {
 }
 
 impl KvStore for Miscounting {
+    kvlink::mooncake_linker::forward_store_calls!(inner => get_into, remove, register, unregister,
+        start_session, end_session, health);
+
     fn name(&self) -> &str {
         "miscounting"
     }
@@ -77,10 +79,6 @@ impl KvStore for Miscounting {
     }
     fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
         self.skew(Op::Size, self.inner.object_size(keys), 0)
-    }
-    unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
-        // SAFETY: forwarded with the caller's promise.
-        unsafe { self.inner.get_into(gets) }
     }
     unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
         // SAFETY: forwarded with the caller's promise.
@@ -91,25 +89,6 @@ impl KvStore for Miscounting {
         // SAFETY: forwarded with the caller's promise.
         let r = unsafe { self.inner.put(puts) };
         self.skew(Op::Put, r, PutOutcome::Written)
-    }
-    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-        self.inner.remove(keys)
-    }
-    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        // SAFETY: forwarded with the caller's promise.
-        unsafe { self.inner.register(region) }
-    }
-    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        self.inner.unregister(region)
-    }
-    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
-        self.inner.start_session(keys)
-    }
-    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        self.inner.end_session(session)
-    }
-    fn health(&self) -> Result<(), StoreError> {
-        self.inner.health()
     }
 }
 

@@ -25,6 +25,41 @@ fn config() -> LinkerConfig {
     }
 }
 
+/// A prefix saved to a fresh embedded store for rank 0 of TP 1 of [`small_spec`].
+struct Saved {
+    store: Arc<dyn KvStore>,
+    pages: Vec<PageHash>,
+    g: KvGeometry,
+}
+
+/// Saves `n` pages of prompt `seed` (with the checksum companions this file's config writes).
+fn saved(seed: u32, n: usize) -> Saved {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(seed, n, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    Saved { store, pages, g }
+}
+
+/// Loads `pages` as batch `batch` into `slots` of rank 0's host `pool`: the batch succeeds
+/// and every byte is the saved one.
+fn load_verified(
+    linker: &Linker,
+    pool: &HostKvPool,
+    pages: &[PageHash],
+    batch: u64,
+    slots: &[u32],
+) {
+    let g = linker.geometry();
+    let t = linker
+        .start_load(load_plan(g, batch, pages, slots.to_vec()))
+        .unwrap();
+    wait_all(linker, &t).unwrap();
+    assert!(linker.wait_batch(&t).unwrap().result.is_ok());
+    pool_matches(pool, pages, slots, g.num_layers()).unwrap();
+}
+
 fn get(store: &dyn KvStore, key: &str) -> Option<Vec<u8>> {
     let size = store.object_size(&[key]).remove(0).ok()?;
     let mut buf = vec![0u8; size as usize];
@@ -76,11 +111,7 @@ fn assert_checksummed(store: &dyn KvStore, linker: &Linker, pages: &[PageHash]) 
 
 #[test]
 fn host_pool_saves_write_a_companion_per_object() {
-    let spec = small_spec();
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let tokens = prompt(21, 3, spec.page_size);
-    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
-    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let Saved { store, pages, g } = saved(21, 3);
     let pool = Arc::new(HostKvPool::new(g.clone(), 4).unwrap());
     let linker = Linker::new(g, store.clone(), pool, config()).unwrap();
     assert_checksummed(store.as_ref(), &linker, &pages);
@@ -217,11 +248,7 @@ fn gathered_saves_write_a_companion_per_object() {
 
 #[test]
 fn a_wrong_size_object_is_replaced_by_the_next_save() {
-    let spec = small_spec();
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let tokens = prompt(23, 3, spec.page_size);
-    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let Saved { store, pages, g } = saved(23, 3);
     // Page 1's KV object is truncated (a broken writer).
     let key = &Linker::new(
         g.clone(),
@@ -264,12 +291,7 @@ fn a_wrong_size_object_is_replaced_by_the_next_save() {
     assert_eq!(get(store.as_ref(), key).unwrap(), good);
     // ...with a companion, and the next load gets every byte.
     assert_checksummed(store.as_ref(), &linker, &pages);
-    let t = linker
-        .start_load(load_plan(&g, 3, &pages, vec![0, 1, 2]))
-        .unwrap();
-    wait_all(&linker, &t).unwrap();
-    assert!(linker.wait_batch(&t).unwrap().result.is_ok());
-    pool_matches(&pool, &pages, &[0, 1, 2], g.num_layers()).unwrap();
+    load_verified(&linker, &pool, &pages, 3, &[0, 1, 2]);
 }
 
 #[test]
@@ -354,11 +376,7 @@ fn one_rank(
 #[test]
 fn a_corrupt_layer_fails_the_batch_naming_key_and_layer_and_the_next_save_replaces_it() {
     for device in [false, true] {
-        let spec = small_spec();
-        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-        let tokens = prompt(31, 3, spec.page_size);
-        let pages = save_prefix(&spec, store.clone(), &tokens, &config());
-        let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+        let Saved { store, pages, g } = saved(31, 3);
         let (linker, host_pool) = one_rank(&g, store.clone(), device);
         let keys = linker
             .object_keys(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
@@ -396,12 +414,7 @@ fn a_corrupt_layer_fails_the_batch_naming_key_and_layer_and_the_next_save_replac
                 .save(&load_plan(&g, 2, &pages, vec![4, 5, 6]))
                 .unwrap();
             assert_eq!(report.objects_written, 1);
-            let t = linker
-                .start_load(load_plan(&g, 3, &pages, vec![0, 1, 2]))
-                .unwrap();
-            wait_all(&linker, &t).unwrap();
-            assert!(linker.wait_batch(&t).unwrap().result.is_ok());
-            pool_matches(&pool, &pages, &[0, 1, 2], g.num_layers()).unwrap();
+            load_verified(&linker, &pool, &pages, 3, &[0, 1, 2]);
             let m = linker.metrics();
             assert!(
                 m.ranges_checksummed > 0 && m.ranges_length_only == 0,
@@ -414,11 +427,7 @@ fn a_corrupt_layer_fails_the_batch_naming_key_and_layer_and_the_next_save_replac
 
 #[test]
 fn objects_without_companions_load_with_length_only_verification_and_say_so() {
-    let spec = small_spec();
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let tokens = prompt(32, 2, spec.page_size);
-    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let Saved { store, pages, g } = saved(32, 2);
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
     let linker = Linker::new(g.clone(), store.clone(), pool.clone(), config()).unwrap();
     // Objects SGLang wrote have no companion: drop every companion.
@@ -430,12 +439,7 @@ fn objects_without_companions_load_with_length_only_verification_and_say_so() {
             assert_eq!(store.remove(&[&checksum_key(&k)]), vec![Ok(())]);
         }
     }
-    let t = linker
-        .start_load(load_plan(&g, 1, &pages, vec![2, 3]))
-        .unwrap();
-    wait_all(&linker, &t).unwrap();
-    assert!(linker.wait_batch(&t).unwrap().result.is_ok());
-    pool_matches(&pool, &pages, &[2, 3], g.num_layers()).unwrap();
+    load_verified(&linker, &pool, &pages, 1, &[2, 3]);
     let m = linker.metrics();
     let ranges: u64 = g
         .components()
@@ -447,11 +451,7 @@ fn objects_without_companions_load_with_length_only_verification_and_say_so() {
 
 #[test]
 fn a_malformed_companion_makes_its_object_bad() {
-    let spec = small_spec();
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let tokens = prompt(33, 2, spec.page_size);
-    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let Saved { store, pages, g } = saved(33, 2);
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
     let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
     let key = linker
@@ -513,11 +513,7 @@ fn is_object_size(e: &KvLoadError) -> bool {
 /// batch, before it completes, and is discarded.
 #[test]
 fn a_wrong_size_object_with_companions_fails_the_batch_before_it_completes() {
-    let spec = small_spec();
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let tokens = prompt(29, 3, spec.page_size);
-    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let Saved { store, pages, g } = saved(29, 3);
     let key = lengthen_page_1(store.as_ref(), &g, &pages);
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
     let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
@@ -536,11 +532,7 @@ fn a_wrong_size_object_with_companions_fails_the_batch_before_it_completes() {
 /// a batch with a wrong-sized object is handed over.
 #[test]
 fn a_wrong_size_object_without_companions_hands_over_no_layer() {
-    let spec = small_spec();
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let tokens = prompt(31, 3, spec.page_size);
-    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let Saved { store, pages, g } = saved(31, 3);
     let key = lengthen_page_1(store.as_ref(), &g, &pages);
     let companion = checksum_key(&key);
     assert_eq!(store.remove(&[companion.as_str()]), vec![Ok(())]);

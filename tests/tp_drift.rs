@@ -36,14 +36,7 @@ fn configs() -> Vec<(&'static str, LinkerConfig)> {
 }
 
 fn paths() -> [Path; 2] {
-    [
-        Path::Host,
-        Path::Device {
-            one_device: false,
-            jitter: Duration::ZERO,
-            strategy: ScatterStrategy::Auto,
-        },
-    ]
+    [Path::Host, Path::device_per_rank(ScatterStrategy::Auto)]
 }
 
 fn store() -> Arc<dyn KvStore> {

@@ -9,48 +9,19 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tp::{config, mixed_spec, rank_matches, run, tp_ranks, Path};
+use common::tp::{
+    config, fail_v_read, mixed_spec, paths, rank_matches, run, same_verdict, tp_ranks, Path,
+};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
-use kvlink::kv_loader::{KvLoadError, ShareMode};
-use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore, StoreError};
+use kvlink::kv_loader::ShareMode;
+use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 
 const MODES: [ShareMode; 3] = [
     ShareMode::AllRanks,
     ShareMode::Rank0Broadcast,
     ShareMode::SplitAllGather,
 ];
-
-fn paths() -> [Path; 2] {
-    [
-        Path::Host,
-        Path::Device {
-            one_device: true,
-            jitter: Duration::ZERO,
-            strategy: ScatterStrategy::Auto,
-        },
-    ]
-}
-
-/// Every rank failed with `PeerFailed { rank, layer }`, the same text everywhere.
-fn same_verdict(outcomes: &[kvlink::kv_loader::BatchOutcome], rank: u32, layer: u32, what: &str) {
-    let errs: Vec<String> = outcomes
-        .iter()
-        .map(|o| match &o.result {
-            Err(e) => e.to_string(),
-            Ok(_) => panic!("{what}: a rank loaded"),
-        })
-        .collect();
-    assert!(errs.windows(2).all(|w| w[0] == w[1]), "{what}: {errs:?}");
-    match outcomes[0].result.as_ref().unwrap_err() {
-        KvLoadError::PeerFailed {
-            rank: r, layer: l, ..
-        } => {
-            assert_eq!((*r, *l), (rank, layer), "{what}")
-        }
-        other => panic!("{what}: {other:?}"),
-    }
-}
 
 #[test]
 fn a_read_failure_on_any_rank_at_any_layer_fails_every_rank_alike_on_both_paths() {
@@ -65,18 +36,8 @@ fn a_read_failure_on_any_rank_at_any_layer_fails_every_rank_alike_on_both_paths(
                     let what = format!("{path:?} {mode:?} rank {fail_rank} layer {layer}");
                     // The failing rank's read of its own shard at `layer`: in every mode.
                     let r = &rs[fail_rank as usize];
-                    let v = r.linker.geometry().component_by_name("v").unwrap().clone();
-                    r.faults.inject(
-                        FaultRule {
-                            key_contains: Some(format!("tp{fail_rank}_cp0_pp0_v")),
-                            offset: Some(v.layer_range(layer).unwrap().start),
-                            times: Some(1),
-                        },
-                        Fault::Error(StoreError::TransferFailed {
-                            key: "injected".into(),
-                            code: -800,
-                        }),
-                    );
+                    let key = format!("tp{fail_rank}_cp0_pp0_v");
+                    fail_v_read(&r.faults, r.linker.geometry(), key, layer);
                     let t0 = Instant::now();
                     let outcomes = run(&rs, batch, &hashes);
                     assert!(
@@ -114,11 +75,7 @@ fn launches_before(mode: ShareMode, layer: u32) -> u32 {
 #[test]
 fn a_device_error_in_a_share_step_is_reported_next_and_the_next_batch_loads() {
     let spec = mixed_spec();
-    let path = Path::Device {
-        one_device: false,
-        jitter: Duration::ZERO,
-        strategy: ScatterStrategy::Kernel,
-    };
+    let path = Path::device_per_rank(ScatterStrategy::Kernel);
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
         let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
         let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &config(mode), path);

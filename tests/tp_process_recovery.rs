@@ -166,6 +166,29 @@ fn epoch(formed: &FormedTpGroup) -> u64 {
     formed.formation.last().map_or(0, |m| m.epoch)
 }
 
+/// `served` with the reads of layer `layer` (a decimal from the role) of the first component
+/// delayed by `delay`, `times` times (`None`: every time).
+fn delayed_read(
+    served: Arc<dyn KvStore>,
+    geometry: &KvGeometry,
+    layer: &str,
+    times: Option<u32>,
+    delay: Duration,
+) -> Arc<dyn KvStore> {
+    let layer: u32 = layer.parse().expect("layer");
+    let k = geometry.components()[0].clone();
+    let faulty = FaultyStore::new(served);
+    faulty.inject(
+        FaultRule {
+            key_contains: Some(format!("_{}", k.name)),
+            offset: k.layer_range(layer).map(|r| r.start),
+            times,
+        },
+        Fault::Delay(delay),
+    );
+    Arc::new(faulty)
+}
+
 fn rank_main(role: &HashMap<String, String>) {
     let rank: u32 = arg(role, "rank");
     let spec = spec_of(role);
@@ -184,35 +207,11 @@ fn rank_main(role: &HashMap<String, String>) {
         Arc::new(SocketStore::connect(&role["store"]).expect("the launcher's store"));
     let store: Arc<dyn KvStore> = match role.get("stuck_at") {
         // The victim: its read of that layer hangs until the test kills it.
-        Some(layer) => {
-            let layer: u32 = layer.parse().expect("layer");
-            let k = geometry.components()[0].clone();
-            let faulty = FaultyStore::new(served);
-            faulty.inject(
-                FaultRule {
-                    key_contains: Some(format!("_{}", k.name)),
-                    offset: k.layer_range(layer).map(|r| r.start),
-                    times: None,
-                },
-                Fault::Delay(Duration::from_secs(100)),
-            );
-            Arc::new(faulty)
-        }
+        Some(layer) => delayed_read(served, &geometry, layer, None, Duration::from_secs(100)),
         None => match role.get("slow_at") {
             // The slow rank: its read of that layer (once) outlasts the deadlines.
             Some(layer) if role.get("slow").is_some() => {
-                let layer: u32 = layer.parse().expect("layer");
-                let k = geometry.components()[0].clone();
-                let faulty = FaultyStore::new(served);
-                faulty.inject(
-                    FaultRule {
-                        key_contains: Some(format!("_{}", k.name)),
-                        offset: k.layer_range(layer).map(|r| r.start),
-                        times: Some(1),
-                    },
-                    Fault::Delay(SLOW_READ),
-                );
-                Arc::new(faulty)
+                delayed_read(served, &geometry, layer, Some(1), SLOW_READ)
             }
             _ => served,
         },

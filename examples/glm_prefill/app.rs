@@ -68,7 +68,7 @@ mod verify;
 use calibrate::calibrate_auto;
 use engine::run_ranks;
 use load::{close_all, load_mode, pretouch, LoadRun, ModeOutcome, RankDone, RankRaw, RankRig};
-use outcome::mode_outcome;
+use outcome::{loaded, mode_outcome};
 use picture::write_svg;
 use save::{header, save_plans, save_step};
 use stores::{open_stores, Stores};
@@ -124,6 +124,124 @@ impl Ctx {
     fn bytes_per_rank(&self) -> Result<u64> {
         Ok(self.geometry(0)?.bytes_per_page() * self.pages.len() as u64)
     }
+
+    /// The header's first line: the model and its KV.
+    fn title_line(&self) -> String {
+        let spec = &self.spec;
+        format!(
+            "kvlink glm_prefill — {} with FP8 KV (DSA): {} layers, {}-token pages, {} B/token",
+            spec.model,
+            spec.num_layers,
+            spec.page_size,
+            thousands(spec.bytes_per_token() as u64)
+        )
+    }
+
+    /// The heading of the load of `mode`, the `i`th of `count` modes run.
+    fn step2_line(&self, i: usize, count: usize, mode: ModeArg) -> String {
+        format!(
+            "step 2{} — load it as a new request, mode {} (LinkerConfig.mode), store: {}",
+            if count > 1 {
+                format!(".{}", i + 1)
+            } else {
+                String::new()
+            },
+            mode.name(),
+            self.store_label()
+        )
+    }
+
+    /// The header's line about the cached prefix (`g`: rank 0's geometry).
+    fn prefix_line(&self, g: &KvGeometry) -> Result<String> {
+        let n = self.pages.len() as u64;
+        Ok(format!(
+            "  cached prefix: {} tokens = {} pages = {} per rank ({} B per page); every \
+             component is replicated: each TP rank needs the same bytes",
+            thousands(n * u64::from(self.spec.page_size)),
+            n,
+            bytes(self.bytes_per_rank()?),
+            thousands(g.bytes_per_page())
+        ))
+    }
+
+    /// Writes the prefix's pages (their pattern bytes, every component and layer of `g`) into
+    /// `pool`'s slots `0..`, calling `on_page` after each page.
+    ///
+    /// # Safety
+    /// Nothing else uses `pool` during the call (no load or save in flight).
+    unsafe fn fill_prefix(
+        &self,
+        g: &KvGeometry,
+        pool: &HostKvPool,
+        on_page: impl Fn(),
+    ) -> Result<()> {
+        let mut buf = Vec::new();
+        for (slot, page) in self.pages.iter().enumerate() {
+            for c in g.components() {
+                buf.resize(c.page_layer_bytes as usize, 0);
+                for &l in &c.layers {
+                    self.pattern.fill(page, c.id.0, l, &mut buf);
+                    // SAFETY: nothing else uses the pool (the caller's promise).
+                    unsafe { pool.write_slot(c.id, l, slot as u32, &buf) }?;
+                }
+            }
+            on_page();
+        }
+        Ok(())
+    }
+}
+
+/// The picture of every mode that loaded, when any did.
+fn picture_loaded(
+    ctx: &Ctx,
+    results: &[(ModeArg, ModeOutcome)],
+    out: &mut dyn Write,
+) -> Result<()> {
+    let runs: Vec<RunTimeline> = results
+        .iter()
+        .filter_map(|(_, o)| match o {
+            ModeOutcome::Loaded(r) => Some(r.timeline.clone()),
+            _ => None,
+        })
+        .collect();
+    if !runs.is_empty() {
+        write_svg(ctx, &runs, out)?;
+    }
+    Ok(())
+}
+
+/// This run's namespace.
+fn run_namespace(store: StoreKind) -> String {
+    match store {
+        StoreKind::Embedded => "glm52".to_string(),
+        // A real store outlives this process: a fresh namespace per run keeps objects of an
+        // earlier run (first write wins) out of this one.
+        StoreKind::Mooncake => {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
+            format!(
+                "glm52-{:x}",
+                splitmix(nanos ^ u64::from(std::process::id())) >> 16
+            )
+        }
+    }
+}
+
+/// Fails naming every mode whose load failed (after the tables were written).
+fn fail_on_failed_modes(results: &[(ModeArg, ModeOutcome)]) -> Result<()> {
+    let failed: Vec<String> = results
+        .iter()
+        .filter_map(|(m, o)| match o {
+            ModeOutcome::Failed(e) => Some(format!("{}: {e}", m.name())),
+            _ => None,
+        })
+        .collect();
+    if !failed.is_empty() {
+        bail!("{}", failed.join("; "));
+    }
+    Ok(())
 }
 
 fn splitmix(mut x: u64) -> u64 {
@@ -173,21 +291,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
         .unwrap_or(0);
     let prefix_bytes = g0.bytes_per_page() * n_pages as u64;
     let store = open_stores(args, prefix_bytes)?;
-    let namespace = match args.store {
-        StoreKind::Embedded => "glm52".to_string(),
-        // A real store outlives this process: a fresh namespace per run keeps objects of an
-        // earlier run (first write wins) out of this one.
-        StoreKind::Mooncake => {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0);
-            format!(
-                "glm52-{:x}",
-                splitmix(nanos ^ u64::from(std::process::id())) >> 16
-            )
-        }
-    };
+    let namespace = run_namespace(args.store);
     let ctx = Ctx {
         args: args.clone(),
         pool_pages: (n_pages + n_pages / 4 + 1) as u32,
@@ -201,51 +305,20 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     header(&ctx, out)?;
     save_step(&ctx, out)?;
 
-    let modes: Vec<ModeArg> = match args.mode {
-        ModeSel::One(m) => vec![m],
-        ModeSel::Compare => ModeArg::ALL.to_vec(),
-    };
+    let modes = args.mode.modes();
     let mut results = Vec::new();
     for (i, &mode) in modes.iter().enumerate() {
         say!(out);
-        say!(
-            out,
-            "step 2{} — load it as a new request, mode {} (LinkerConfig.mode), store: {}",
-            if modes.len() > 1 {
-                format!(".{}", i + 1)
-            } else {
-                String::new()
-            },
-            mode.name(),
-            ctx.store_label()
-        );
+        say!(out, "{}", ctx.step2_line(i, modes.len(), mode));
         let outcome = load_mode(&ctx, mode, out)?;
         results.push((mode, outcome));
     }
 
-    let runs: Vec<RunTimeline> = results
-        .iter()
-        .filter_map(|(_, o)| match o {
-            ModeOutcome::Loaded(r) => Some(r.timeline.clone()),
-            _ => None,
-        })
-        .collect();
-    if !runs.is_empty() {
-        write_svg(&ctx, &runs, out)?;
-    }
+    picture_loaded(&ctx, &results, out)?;
     if args.mode == ModeSel::Compare {
         compare_table(&ctx, &results, out)?;
     }
-    let failed: Vec<String> = results
-        .iter()
-        .filter_map(|(m, o)| match o {
-            ModeOutcome::Failed(e) => Some(format!("{}: {e}", m.name())),
-            _ => None,
-        })
-        .collect();
-    if !failed.is_empty() {
-        bail!("{}", failed.join("; "));
-    }
+    fail_on_failed_modes(&results)?;
     if let ModeSel::One(m) = args.mode {
         if let Some((_, ModeOutcome::Unsupported(why))) = results.first() {
             bail!("mode {} is not supported yet: {why}", m.name());

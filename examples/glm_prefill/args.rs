@@ -97,6 +97,14 @@ pub enum ModeSel {
 }
 
 impl ModeSel {
+    /// The modes to run, in order.
+    pub fn modes(self) -> Vec<ModeArg> {
+        match self {
+            ModeSel::One(m) => vec![m],
+            ModeSel::Compare => ModeArg::ALL.to_vec(),
+        }
+    }
+
     /// `--mode`'s values, as the help lists them.
     const VALUES: [&'static str; 5] = [
         "all-ranks",

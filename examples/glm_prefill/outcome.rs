@@ -93,14 +93,19 @@ pub(super) fn mode_outcome(
         bytes(compared),
         ms(verify_time)
     );
-    let mut run = run;
+    Ok(loaded(run))
+}
+
+/// A loaded run, its timeline noting when the last layer was ready, when the forward was done
+/// and the store bytes read.
+pub(super) fn loaded(mut run: LoadRun) -> ModeOutcome {
     run.timeline.note = format!(
         "last layer ready {} · forward done {} · store bytes read {} total",
         ms(run.last_ready()),
         ms(run.forward_done()),
         bytes(run.store_bytes_total())
     );
-    Ok(ModeOutcome::Loaded(Box::new(run)))
+    ModeOutcome::Loaded(Box::new(run))
 }
 
 /// Every rank's pool against the generator (then the rigs are closed): bytes compared and the

@@ -4,7 +4,6 @@ use super::*;
 
 pub(super) fn header(ctx: &Ctx, out: &mut dyn Write) -> Result<()> {
     let g = ctx.geometry(0)?;
-    let n = ctx.pages.len() as u64;
     let comps: Vec<String> = g
         .components()
         .iter()
@@ -26,24 +25,9 @@ pub(super) fn header(ctx: &Ctx, out: &mut dyn Write) -> Result<()> {
             )
         })
         .collect();
-    say!(
-        out,
-        "kvlink glm_prefill — {} with FP8 KV (DSA): {} layers, {}-token pages, {} B/token",
-        ctx.spec.model,
-        ctx.spec.num_layers,
-        ctx.spec.page_size,
-        thousands(ctx.spec.bytes_per_token() as u64)
-    );
+    say!(out, "{}", ctx.title_line());
     say!(out, "  components: {}", comps.join(", "));
-    say!(
-        out,
-        "  cached prefix: {} tokens = {} pages = {} per rank ({} B per page); every component is \
-         replicated: each TP rank needs the same bytes",
-        thousands(n * u64::from(ctx.spec.page_size)),
-        n,
-        bytes(ctx.bytes_per_rank()?),
-        thousands(g.bytes_per_page())
-    );
+    say!(out, "{}", ctx.prefix_line(&g)?);
     if !ctx
         .args
         .tokens
@@ -98,18 +82,8 @@ pub(super) fn save_step(ctx: &Ctx, out: &mut dyn Write) -> Result<()> {
     let t = Instant::now();
     let g = ctx.geometry(0)?;
     let fill = Progress::new("fill rank-0 pool", n as u64, "pages");
-    let mut buf = Vec::new();
-    for (slot, page) in ctx.pages.iter().enumerate() {
-        for c in g.components() {
-            buf.resize(c.page_layer_bytes as usize, 0);
-            for &l in &c.layers {
-                ctx.pattern.fill(page, c.id.0, l, &mut buf);
-                // SAFETY: rank 0's pool is filled here, before any load or save uses it.
-                unsafe { rigs[0].0.write_slot(c.id, l, slot as u32, &buf) }?;
-            }
-        }
-        fill.inc(1);
-    }
+    // SAFETY: rank 0's pool is filled here, before any load or save uses it.
+    unsafe { ctx.fill_prefix(&g, &rigs[0].0, || fill.inc(1)) }?;
     fill.finish();
     let fill_time = t.elapsed();
 

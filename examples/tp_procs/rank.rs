@@ -110,25 +110,9 @@ impl Pool {
     fn clear(&self) -> Result<(), String> {
         match self {
             Pool::Device(d) => d.pool.clear().map_err(de),
-            Pool::Host(p, g, _) => {
-                let zeros = vec![
-                    0u8;
-                    g.components()
-                        .iter()
-                        .map(|c| c.page_layer_bytes as usize)
-                        .max()
-                        .unwrap_or(0)
-                ];
-                for slot in 0..p.pages() {
-                    for c in g.components() {
-                        for &l in &c.layers {
-                            let len = c.page_layer_bytes as usize;
-                            // SAFETY: cleared between batches, when none of this pool is in
-                            // flight.
-                            unsafe { p.write_slot(c.id, l, slot, &zeros[..len]) }.map_err(de)?;
-                        }
-                    }
-                }
+            Pool::Host(p, _, _) => {
+                // SAFETY: cleared between batches, when none of this pool is in flight.
+                unsafe { p.clear() };
                 Ok(())
             }
         }

@@ -155,3 +155,23 @@ pub fn wait_all(
     }
     Ok(())
 }
+
+/// Waits every layer of `ticket` like an engine: the wait must fail with a store's
+/// `NotFound` (an object of the plan is missing); that error.
+pub fn wait_fails_not_found(
+    linker: &dyn KvLoader,
+    ticket: &kvlink::kv_loader::LoadTicket,
+) -> kvlink::kv_loader::KvLoadError {
+    let err = wait_all(linker, ticket).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            kvlink::kv_loader::KvLoadError::Store {
+                kind: kvlink::kv_loader::StoreFailure::NotFound,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    err
+}

@@ -13,8 +13,8 @@ use kvlink::kv_geometry::{
     ComponentLayout, ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash,
     RowUnit,
 };
-use kvlink::kv_loader::{BatchOutcome, KvLoader, ShareMode};
-use kvlink::mooncake_linker::store::{FaultyStore, KvStore};
+use kvlink::kv_loader::{BatchOutcome, KvLoadError, KvLoader, ShareMode};
+use kvlink::mooncake_linker::store::{Fault, FaultRule, FaultyStore, KvStore, StoreError};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
 
 use super::{load_plan, page_byte, prompt, wait_all};
@@ -34,6 +34,15 @@ pub enum Path {
 }
 
 impl Path {
+    /// Device pools, one CPU device per rank, no jitter, scattering with `strategy`.
+    pub fn device_per_rank(strategy: ScatterStrategy) -> Self {
+        Path::Device {
+            one_device: false,
+            jitter: Duration::ZERO,
+            strategy,
+        }
+    }
+
     /// Device pools, one shared device, a little jitter, automatic scatter.
     pub fn device() -> Self {
         Path::Device {
@@ -72,10 +81,24 @@ pub struct TpRank {
     pub staging: Option<Arc<StagingPool>>,
 }
 
+impl TpRank {
+    /// The rank's CPU device (device path only) stalls for `stall` at its first
+    /// device-to-device copy, that copy included.
+    pub fn stall_first_device_copy(&self, stall: Duration) {
+        let device = self.device.as_ref().expect("a device-path rank");
+        device.stall_at(kvlink::kv_device::cpu::CpuOp::OnDevice, 0, stall);
+    }
+}
+
 /// A DSA-like model plus a sharded component, so a batch mixes shared and per-rank reads:
 /// 5 layers, `k` (replicated), `indexer` (replicated, layers 1 and 4), `v` (12 heads, sharded:
 /// TP 2, 3 and 4 divide it).
 pub fn mixed_spec() -> ModelKvSpec {
+    mixed_spec_with_v(48, 12)
+}
+
+/// [`mixed_spec`] with a `v` of `row_bytes` per token split into `heads` heads.
+pub fn mixed_spec_with_v(row_bytes: u32, heads: u32) -> ModelKvSpec {
     ModelKvSpec::new(
         "mixed",
         5,
@@ -84,7 +107,7 @@ pub fn mixed_spec() -> ModelKvSpec {
             ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 40),
             ComponentSpec::new("indexer", RowUnit::Page, ElementType::Bytes, 24)
                 .on_layers(LayerMap::Sparse(vec![1, 4])),
-            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 48).sharded(12),
+            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, row_bytes).sharded(heads),
         ],
     )
     .unwrap()
@@ -256,18 +279,7 @@ pub fn save(
         let g = KvGeometry::new(spec.clone(), tp, rank).unwrap();
         let pool = HostKvPool::new(g.clone(), pages as u32).unwrap();
         let slots: Vec<u32> = (0..pages as u32).collect();
-        for (page, &slot) in hashes.iter().zip(&slots) {
-            for c in g.components() {
-                for &l in &c.layers {
-                    let data: Vec<u8> = (0..c.page_layer_bytes as usize)
-                        .map(|i| rank_byte(page, c, rank, l, i))
-                        .collect();
-                    // SAFETY: the engine's prefill: the pool is new, no batch of it is in
-                    // flight.
-                    unsafe { pool.write_slot(c.id, l, slot, &data) }.unwrap();
-                }
-            }
-        }
+        fill_rank_pool(&pool, &hashes, &slots, rank);
         let linker = Linker::new(g.clone(), store.clone(), Arc::new(pool), config.clone()).unwrap();
         linker.save(&load_plan(&g, 0, &hashes, slots)).unwrap();
         linker.close().unwrap();
@@ -298,12 +310,27 @@ pub fn rank_matches_below(
     slots: &[u32],
     upto: u32,
 ) -> Result<(), String> {
-    let g = r.linker.geometry().clone();
+    let g = r.linker.geometry();
+    bytes_match(g, pages, rank, slots, upto, |c, l, slot, got| {
+        r.pool.read(c, l, slot, got)
+    })
+}
+
+/// Whether `rank`'s slots hold each page's [`rank_byte`]s on every layer below `upto`,
+/// reading a slot's layer through `read`; the first wrong byte otherwise.
+pub fn bytes_match(
+    g: &KvGeometry,
+    pages: &[PageHash],
+    rank: u32,
+    slots: &[u32],
+    upto: u32,
+    read: impl Fn(&ComponentLayout, u32, u32, &mut [u8]),
+) -> Result<(), String> {
     for (pi, (page, &slot)) in pages.iter().zip(slots).enumerate() {
         for c in g.components() {
             for &l in c.layers.iter().filter(|&&l| l < upto) {
                 let mut got = vec![0u8; c.page_layer_bytes as usize];
-                r.pool.read(c, l, slot, &mut got);
+                read(c, l, slot, &mut got);
                 if let Some(i) = got
                     .iter()
                     .enumerate()
@@ -318,6 +345,24 @@ pub fn rank_matches_below(
         }
     }
     Ok(())
+}
+
+/// Writes `rank`'s bytes of each page ([`rank_byte`]) into `slots` of a new `pool`, as the
+/// engine's prefill would (no batch of the pool is in flight).
+pub fn fill_rank_pool(pool: &HostKvPool, pages: &[PageHash], slots: &[u32], rank: u32) {
+    use kvlink::kv_device::KvPool;
+    for (page, &slot) in pages.iter().zip(slots) {
+        for c in pool.geometry().components() {
+            for &l in &c.layers {
+                let data: Vec<u8> = (0..c.page_layer_bytes as usize)
+                    .map(|i| rank_byte(page, c, rank, l, i))
+                    .collect();
+                // SAFETY: the engine's prefill: no batch of the pool is in flight (the
+                // caller's pool is new).
+                unsafe { pool.write_slot(c.id, l, slot, &data) }.unwrap();
+            }
+        }
+    }
 }
 
 /// Every rank starts batch `batch`, waits every layer like an engine, and takes the outcome.
@@ -419,5 +464,55 @@ pub fn config(mode: kvlink::kv_loader::ShareMode) -> LinkerConfig {
         collective_timeout: Duration::from_secs(5),
         read_granularity: kvlink::mooncake_linker::ReadGranularity::Fixed { layers_per_call: 1 },
         ..LinkerConfig::default()
+    }
+}
+
+/// Both paths at their plainest: host pools, and device pools on one CPU device with no
+/// jitter and automatic scatter.
+pub fn paths() -> [Path; 2] {
+    [
+        Path::Host,
+        Path::Device {
+            one_device: true,
+            jitter: Duration::ZERO,
+            strategy: ScatterStrategy::Auto,
+        },
+    ]
+}
+
+/// Fails, once, the read of layer `layer` of the sharded component `v` in the objects whose
+/// key contains `key`: a read every rank does itself, in every share mode.
+pub fn fail_v_read(faults: &FaultyStore, g: &KvGeometry, key: String, layer: u32) {
+    let v = g.component_by_name("v").unwrap();
+    faults.inject(
+        FaultRule {
+            key_contains: Some(key),
+            offset: Some(v.layer_range(layer).unwrap().start),
+            times: Some(1),
+        },
+        Fault::Error(StoreError::TransferFailed {
+            key: "injected".into(),
+            code: -800,
+        }),
+    );
+}
+
+/// Every rank failed with `PeerFailed { rank, layer }`, the same text everywhere.
+pub fn same_verdict(outcomes: &[BatchOutcome], rank: u32, layer: u32, what: &str) {
+    let errs: Vec<String> = outcomes
+        .iter()
+        .map(|o| match &o.result {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{what}: a rank loaded despite the failure"),
+        })
+        .collect();
+    assert!(errs.windows(2).all(|w| w[0] == w[1]), "{what}: {errs:?}");
+    match outcomes[0].result.as_ref().unwrap_err() {
+        KvLoadError::PeerFailed {
+            rank: r, layer: l, ..
+        } => {
+            assert_eq!((*r, *l), (rank, layer), "{what}")
+        }
+        other => panic!("{what}: {other:?}"),
     }
 }

@@ -245,8 +245,13 @@ pub trait Collective: Send + Sync {
     /// Ranks in the group.
     fn size(&self) -> u32;
 
-    /// Every rank gets every rank's `value`, in rank order.
-    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError>;
+    /// Every rank gets every rank's `value`, in rank order. By default an
+    /// [`all_gather_bytes`](Collective::all_gather_bytes) of its 8 little-endian bytes; a
+    /// collective that tells this operation apart from a byte gather overrides it.
+    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
+        let all = self.all_gather_bytes(&value.to_le_bytes(), deadline)?;
+        Ok(u64_words(&all))
+    }
 
     /// Every rank gets every rank's `value` (the same length on every rank), in rank order.
     fn all_gather_bytes(

@@ -2,13 +2,16 @@
 //! by copies on each rank's comm stream, ordered by events; deadlines, aborts and re-forming;
 //! the safe share entry points over real landings.
 
+mod common;
+
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use common::threads::on_threads;
 use dedup_broadcast::{
-    share_rows, share_stage, Collective, CollectiveError, GroupFormation, InProcessCollective,
-    InProcessFormation, InProcessGroup, RowsShare, StageShare, StagingLayout,
+    share_rows, share_stage, Collective, CollectiveError, GroupFormation, InProcessFormation,
+    InProcessGroup, RowsShare, StageShare, StagingLayout,
 };
 use kv_device::{
     BatchShape, CpuDevice, CpuDeviceConfig, Device, DeviceKvPool, DeviceMemory, DeviceShare,
@@ -31,17 +34,6 @@ fn jittery(ordinal: u32) -> Arc<dyn Device> {
         },
     )
     .unwrap()
-}
-
-fn run<T: Send>(
-    ranks: &[InProcessCollective],
-    f: impl Fn(&InProcessCollective) -> T + Sync,
-) -> Vec<T> {
-    let f = &f;
-    thread::scope(|s| {
-        let hs: Vec<_> = ranks.iter().map(|c| s.spawn(move || f(c))).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 /// One rank's device memory and a pinned mirror to fill and check it through its load stream.
@@ -116,7 +108,7 @@ fn device_broadcasts_and_all_gathers_are_ordered_by_events() {
         };
         let ranks = InProcessGroup::on_devices(devs.clone()).unwrap();
         let len = 4096 * size;
-        run(&ranks, |c| {
+        on_threads(&ranks, |c| {
             let r = c.rank() as usize;
             let mem = Mem::new(devs[r].clone(), len);
             for round in 0..12 {
@@ -154,7 +146,7 @@ fn a_rank_that_never_issues_fails_the_others_by_their_deadline() {
     let dev: Arc<dyn Device> = CpuDevice::new(0).unwrap();
     let ranks = InProcessGroup::on_devices(vec![dev.clone(), dev.clone(), dev.clone()]).unwrap();
     let t0 = Instant::now();
-    let r = run(&ranks[..2], |c| {
+    let r = on_threads(&ranks[..2], |c| {
         let mem = Mem::new(dev.clone(), 64);
         // SAFETY: refused or timed out before anything is enqueued: nothing touches `mem`.
         unsafe {
@@ -183,7 +175,7 @@ fn a_stalled_peer_holds_the_completion_and_abort_breaks_the_group() {
     let devs: Vec<Arc<dyn Device>> = vec![quick.clone(), slow.clone()];
     let ranks = InProcessGroup::on_devices(devs.clone()).unwrap();
     slow.stall_for(Duration::from_millis(400));
-    let events = run(&ranks, |c| {
+    let events = on_threads(&ranks, |c| {
         let mem = Mem::new(devs[c.rank() as usize].clone(), 256);
         // SAFETY: `mem` lives until the completion is known (waited below).
         let ev = unsafe { c.all_gather_device(mem.region.region(), None, soon()) }.unwrap();
@@ -278,7 +270,7 @@ fn share_entry_points_move_a_layer_and_count_it() {
                 Arc::new(HostKvPool::new(KvGeometry::new(spec.clone(), 3, r).unwrap(), 16).unwrap())
             })
             .collect();
-        run(&groups, |c| {
+        on_threads(&groups, |c| {
             let r = c.rank() as usize;
             let g = pools[r].geometry().clone();
             let k = g.components()[0].clone();
@@ -332,7 +324,7 @@ fn share_entry_points_move_a_layer_and_count_it() {
         let dev: Arc<dyn Device> = jittery(0);
         let groups =
             InProcessGroup::on_devices(vec![dev.clone(), dev.clone(), dev.clone()]).unwrap();
-        run(&groups, |c| {
+        on_threads(&groups, |c| {
             let r = c.rank() as usize;
             let g = KvGeometry::new(spec.clone(), 3, r as u32).unwrap();
             let k = g.components()[0].clone();

@@ -1,9 +1,12 @@
 //! InProcessGroup: correctness under random interleavings, matching errors on every rank,
 //! deadlines, late arrivers, departed ranks.
 
+mod common;
+
 use std::thread;
 use std::time::{Duration, Instant};
 
+use common::threads::{far, on_threads};
 use dedup_broadcast::{
     all_gather_in_place, all_gather_slices, broadcast_slice, Collective, CollectiveError,
     InProcessCollective, InProcessGroup,
@@ -37,20 +40,9 @@ impl Rng {
     }
 }
 
-fn far() -> Instant {
-    kv_loader::deadline_after(Duration::from_secs(60))
-}
-
 /// Runs `f` on every rank of a fresh group of `size`, one thread each; results in rank order.
 fn run_group<T: Send>(size: u32, f: impl Fn(&InProcessCollective) -> T + Sync) -> Vec<T> {
-    let ranks = InProcessGroup::new(size);
-    let f = &f;
-    thread::scope(|s| {
-        let hs: Vec<_> = ranks.iter().map(|c| s.spawn(move || f(c))).collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("rank panicked"))
-            .collect()
-    })
+    on_threads(&InProcessGroup::new(size), f)
 }
 
 /// The byte rank `rank` contributes at position `i` of op `op`.
@@ -445,7 +437,7 @@ fn a_dropped_rank_fails_the_others_at_once() {
     // Later ops fail at once too, without waiting for their deadline (the first survivor to
     // arrive fails the round; one arriving after that finds it given up).
     let t0 = Instant::now();
-    let r = run_on(&ranks, |c| c.all_gather_u64(0, far()));
+    let r = on_threads(&ranks, |c| c.all_gather_u64(0, far()));
     assert!(
         r.iter().all(|r| matches!(
             r,
@@ -454,17 +446,6 @@ fn a_dropped_rank_fails_the_others_at_once() {
         "{r:?}"
     );
     assert!(t0.elapsed() < Duration::from_secs(10));
-}
-
-fn run_on<T: Send>(
-    ranks: &[InProcessCollective],
-    f: impl Fn(&InProcessCollective) -> T + Sync,
-) -> Vec<T> {
-    let f = &f;
-    thread::scope(|s| {
-        let hs: Vec<_> = ranks.iter().map(|c| s.spawn(move || f(c))).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 #[test]

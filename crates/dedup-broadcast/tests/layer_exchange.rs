@@ -2,16 +2,17 @@
 //! through a staging buffer (rank 0 reads + broadcast, or split reads + in-place all-gather)
 //! leaves every rank's pool identical to every rank reading everything itself.
 
+mod common;
+
 use std::collections::HashMap;
 use std::thread;
 use std::time::Duration;
 
+use common::components::byte_component;
 use dedup_broadcast::{
     all_gather_in_place, broadcast_slice, Collective, InProcessGroup, StagingLayout,
 };
-use kv_geometry::{
-    ComponentId, ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, RowUnit,
-};
+use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
 use kv_loader::ShareMode;
 use proptest::prelude::*;
 
@@ -96,18 +97,8 @@ fn arb_case() -> impl Strategy<Value = (KvGeometry, usize, Vec<Vec<u32>>)> {
                 .into_iter()
                 .enumerate()
                 .map(|(i, (page_rows, row_bytes, only, dense))| {
-                    let unit = if page_rows {
-                        RowUnit::Page
-                    } else {
-                        RowUnit::Token
-                    };
-                    let c =
-                        ComponentSpec::new(&format!("c{i}"), unit, ElementType::Bytes, row_bytes);
-                    if dense {
-                        c
-                    } else {
-                        c.on_layers(LayerMap::Sparse(vec![only % layers]))
-                    }
+                    let sparse = (!dense).then(|| vec![only % layers]);
+                    byte_component(i, page_rows, row_bytes, sparse)
                 })
                 .collect();
             let spec = ModelKvSpec::new("t", layers, 2, components).unwrap();

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dedup_broadcast::{
-    CollectiveError, GroupFormation, GroupHandles, KeyValueExchange, MeetingPoint, MemoryExchange,
-    Rendezvous, RendezvousConfig, RendezvousError, RendezvousFormation,
+    CollectiveError, FormedGroup, GroupFormation, GroupHandles, KeyValueExchange, MeetingPoint,
+    MemoryExchange, Rendezvous, RendezvousConfig, RendezvousError, RendezvousFormation,
 };
 
 const REFORM: Duration = Duration::from_millis(800);
@@ -50,6 +50,32 @@ fn sums(handles: &[GroupHandles]) -> Vec<(u64, u64)> {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// Rank 1 forms; rank 0's first formation gives up after 500 ms (`first` checks its result)
+/// and its second, started at once, meets rank 1 and rank 2, which starts 900 ms in. The
+/// epoch of each rank's group (rank order).
+fn rank_0_tries_twice(
+    r0: &mut Rendezvous,
+    r1: &mut Rendezvous,
+    r2: &mut Rendezvous,
+    first: impl FnOnce(Result<FormedGroup, RendezvousError>) + Send,
+) -> Vec<u64> {
+    let (a, b, c) = std::thread::scope(|s| {
+        let one = s.spawn(|| r1.form());
+        let lead = s.spawn(|| {
+            first(r0.form_by(kv_loader::deadline_after(Duration::from_millis(500))));
+            r0.form()
+        });
+        std::thread::sleep(Duration::from_millis(900));
+        let two = s.spawn(|| r2.form());
+        (
+            lead.join().unwrap(),
+            one.join().unwrap(),
+            two.join().unwrap(),
+        )
+    });
+    [a, b, c].into_iter().map(|g| g.unwrap().epoch()).collect()
 }
 
 #[test]
@@ -152,27 +178,13 @@ fn a_tcp_joiner_that_rank_0_gave_up_on_meets_rank_0s_next_formation() {
     let mut r0 = r0;
     let mut r1 = Rendezvous::new(tcp(1, 3, &at)).unwrap();
     let mut r2 = Rendezvous::new(tcp(2, 3, &at)).unwrap();
-    let (a, b, c) = std::thread::scope(|s| {
-        // Rank 1 joins for 20 s; rank 0's first formation gives up after 500 ms (rank 2 is
-        // not there), its second one meets both.
-        let one = s.spawn(|| r1.form());
-        let lead = s.spawn(|| {
-            let first = r0.form_by(kv_loader::deadline_after(Duration::from_millis(500)));
-            assert!(matches!(
-                first,
-                Err(RendezvousError::Timeout { ref missing, .. }) if missing == &[2]
-            ));
-            r0.form()
-        });
-        std::thread::sleep(Duration::from_millis(900));
-        let two = s.spawn(|| r2.form());
-        (
-            lead.join().unwrap(),
-            one.join().unwrap(),
-            two.join().unwrap(),
-        )
+    // Rank 1 joins for 20 s; rank 0's first formation gives up (rank 2 is not there).
+    let epochs = rank_0_tries_twice(&mut r0, &mut r1, &mut r2, |first| {
+        assert!(matches!(
+            first,
+            Err(RendezvousError::Timeout { ref missing, .. }) if missing == &[2]
+        ));
     });
-    let epochs: Vec<u64> = [a, b, c].into_iter().map(|g| g.unwrap().epoch()).collect();
     assert_eq!(epochs, vec![1, 1, 1]);
 }
 
@@ -197,22 +209,9 @@ fn an_exchange_joiner_that_rank_0_gave_up_on_meets_rank_0s_next_formation() {
     let [r0, r1, r2] = &mut rvs[..] else {
         unreachable!()
     };
-    let (a, b, c) = std::thread::scope(|s| {
-        let one = s.spawn(|| r1.form());
-        let lead = s.spawn(|| {
-            let first = r0.form_by(kv_loader::deadline_after(Duration::from_millis(500)));
-            assert!(matches!(first, Err(RendezvousError::Timeout { .. })));
-            r0.form()
-        });
-        std::thread::sleep(Duration::from_millis(900));
-        let two = s.spawn(|| r2.form());
-        (
-            lead.join().unwrap(),
-            one.join().unwrap(),
-            two.join().unwrap(),
-        )
+    let epochs = rank_0_tries_twice(r0, r1, r2, |first| {
+        assert!(matches!(first, Err(RendezvousError::Timeout { .. })));
     });
-    let epochs: Vec<u64> = [a, b, c].into_iter().map(|g| g.unwrap().epoch()).collect();
     assert_eq!(epochs[0], epochs[1]);
     assert_eq!(epochs[1], epochs[2]);
     assert!(epochs[0] >= 2, "the first epoch timed out: {epochs:?}");

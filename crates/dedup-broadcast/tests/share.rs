@@ -1,7 +1,10 @@
 //! Shares tile the pages; staging rows never overlap and fit the buffer, in both modes.
 
+mod common;
+
+use common::components::byte_component;
 use dedup_broadcast::{padded_share, page_shares, ShareError, StagingLayout};
-use kv_geometry::{ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, RowUnit};
+use kv_geometry::{KvGeometry, ModelKvSpec};
 use kv_loader::ShareMode;
 use proptest::prelude::*;
 
@@ -53,19 +56,9 @@ fn arb_geometry() -> impl Strategy<Value = (KvGeometry, u32)> {
                 .into_iter()
                 .enumerate()
                 .map(|(i, (page_rows, row_bytes, sparse, dense))| {
-                    let unit = if page_rows {
-                        RowUnit::Page
-                    } else {
-                        RowUnit::Token
-                    };
-                    let c =
-                        ComponentSpec::new(&format!("c{i}"), unit, ElementType::Bytes, row_bytes);
                     let sparse: Vec<u32> = sparse.into_iter().filter(|&l| l < layers).collect();
-                    if dense || sparse.is_empty() {
-                        c
-                    } else {
-                        c.on_layers(LayerMap::Sparse(sparse))
-                    }
+                    let sparse = (!dense && !sparse.is_empty()).then_some(sparse);
+                    byte_component(i, page_rows, row_bytes, sparse)
                 })
                 .collect();
             let spec = ModelKvSpec::new("test", layers, 4, components).unwrap();

@@ -10,25 +10,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::script::{run, script};
+use common::threads::{far, on_threads};
 use dedup_broadcast::{
     all_gather_in_place, broadcast_slice, Algorithm, Collective, CollectiveError, InProcessGroup,
     SocketCollective,
 };
-
-fn far() -> Instant {
-    kv_loader::deadline_after(Duration::from_secs(60))
-}
-
-/// Runs `f` on every rank of `ranks`, one thread each; results in rank order.
-fn on_threads<C: Collective, T: Send>(ranks: &[C], f: impl Fn(&C) -> T + Sync) -> Vec<T> {
-    let f = &f;
-    thread::scope(|s| {
-        let hs: Vec<_> = ranks.iter().map(|c| s.spawn(move || f(c))).collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("rank panicked"))
-            .collect()
-    })
-}
 
 #[test]
 fn every_op_matches_the_in_process_group_for_every_size_and_algorithm() {

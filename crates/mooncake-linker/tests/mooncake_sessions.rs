@@ -17,10 +17,7 @@ use kv_device::HostKvPool;
 use kv_geometry::{page_hashes, ComponentSpec, ElementType, KvGeometry, ModelKvSpec, RowUnit};
 use kv_loader::{BatchId, BatchPlan, KvLoader, RequestPages};
 use mooncake_linker::store::mooncake::MooncakeStore;
-use mooncake_linker::store::{
-    Fault, FaultRule, FaultyStore, KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome,
-    RangedGet, ReadSession, StoreError,
-};
+use mooncake_linker::store::{Fault, FaultRule, FaultyStore, KvStore, ReadSession, StoreError};
 use mooncake_linker::{Linker, LinkerConfig};
 
 const LAYERS: u32 = 8;
@@ -46,46 +43,15 @@ impl SessionCount {
 }
 
 impl KvStore for SessionCount {
+    mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, get_ranges,
+        put, remove, register, unregister, end_session, health);
+
     fn name(&self) -> &str {
         self.inner.name()
-    }
-    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
-        self.inner.exists(keys)
-    }
-    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
-        self.inner.object_size(keys)
-    }
-    unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
-        // SAFETY: forwarded with the caller's promise.
-        unsafe { self.inner.get_into(gets) }
-    }
-    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
-        // SAFETY: forwarded with the caller's promise.
-        unsafe { self.inner.get_ranges(gets) }
-    }
-    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
-        // SAFETY: forwarded with the caller's promise.
-        unsafe { self.inner.put(puts) }
-    }
-    fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-        self.inner.remove(keys)
-    }
-    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        // SAFETY: forwarded with the caller's promise.
-        unsafe { self.inner.register(region) }
-    }
-    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        self.inner.unregister(region)
     }
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
         self.starts.fetch_add(1, Ordering::AcqRel);
         self.inner.start_session(keys)
-    }
-    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        self.inner.end_session(session)
-    }
-    fn health(&self) -> Result<(), StoreError> {
-        self.inner.health()
     }
 }
 

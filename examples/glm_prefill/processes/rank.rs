@@ -15,11 +15,11 @@ use kvlink::kv_loader::{
 };
 use kvlink::mooncake_linker::{FormedTpGroup, Linker, TpGroup};
 
-use super::super::{prompt, save_plans, scattered_slots, splitmix, verify_pool, Ctx, Stores};
+use super::super::{prompt, run_namespace, save_plans, scattered_slots, verify_pool, Ctx, Stores};
 use super::gather::{self, RankReport};
 use super::stores::{self, NAMESPACE_ATTRIBUTE};
 use super::tables::{assemble, finish, header, own_summary};
-use crate::args::{Args, ModeArg, ModeSel, StoreKind};
+use crate::args::{Args, ModeArg};
 use crate::pattern::Pattern;
 use crate::progress::Progress;
 use crate::report::{bytes, ms, thousands};
@@ -84,7 +84,7 @@ pub(super) fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
         &mut rv,
     )?;
     if rank == 0 {
-        rv.set_attribute(NAMESPACE_ATTRIBUTE, namespace(args.store));
+        rv.set_attribute(NAMESPACE_ATTRIBUTE, run_namespace(args.store));
     }
     let formed = TpGroup::from_rendezvous(rv)
         .with_context(|| format!("rank {rank}: forming the group at {meet}"))?;
@@ -118,26 +118,13 @@ pub(super) fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     }
     gather::barrier(control.as_ref()).context("waiting for rank 0's save")?;
 
-    let modes: Vec<ModeArg> = match args.mode {
-        ModeSel::One(m) => vec![m],
-        ModeSel::Compare => ModeArg::ALL.to_vec(),
-    };
+    let modes = args.mode.modes();
     let mut results = Vec::new();
     let mut mine = Vec::new();
     for (i, &mode) in modes.iter().enumerate() {
         if rank == 0 {
             writeln!(out)?;
-            writeln!(
-                out,
-                "step 2{} — load it as a new request, mode {} (LinkerConfig.mode), store: {}",
-                if modes.len() > 1 {
-                    format!(".{}", i + 1)
-                } else {
-                    String::new()
-                },
-                mode.name(),
-                ctx.store_label()
-            )?;
+            writeln!(out, "{}", ctx.step2_line(i, modes.len(), mode))?;
         }
         let report = load_mode(&ctx, rank, &formed, &store, mode);
         mine.push((mode, own_verdict(&report)));
@@ -156,23 +143,6 @@ pub(super) fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
         finish(&ctx, &results, out)
     } else {
         own_summary(&ctx, rank, &mine, out)
-    }
-}
-
-/// Rank 0's namespace for this run (the others take it from the rendezvous).
-fn namespace(store: StoreKind) -> String {
-    match store {
-        StoreKind::Embedded => "glm52".to_string(),
-        StoreKind::Mooncake => {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0);
-            format!(
-                "glm52-{:x}",
-                splitmix(nanos ^ u64::from(std::process::id())) >> 16
-            )
-        }
     }
 }
 
@@ -203,18 +173,8 @@ fn save(
     .context("rank 0: Linker::new")?;
     let t = Instant::now();
     let fill = progress(0, "fill rank-0 pool", n as u64, "pages");
-    let mut buf = Vec::new();
-    for (slot, page) in ctx.pages.iter().enumerate() {
-        for c in g.components() {
-            buf.resize(c.page_layer_bytes as usize, 0);
-            for &l in &c.layers {
-                ctx.pattern.fill(page, c.id.0, l, &mut buf);
-                // SAFETY: this pool is filled here, before its linker saves it.
-                unsafe { pool.write_slot(c.id, l, slot as u32, &buf) }?;
-            }
-        }
-        fill.inc(1);
-    }
+    // SAFETY: this pool is filled here, before its linker saves it.
+    unsafe { ctx.fill_prefix(&g, &pool, || fill.inc(1)) }?;
     fill.finish();
     let fill_time = t.elapsed();
     let t = Instant::now();

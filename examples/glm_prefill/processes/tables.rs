@@ -10,8 +10,8 @@ use kvlink::kv_loader::{LoadStats, ShareMode};
 use kvlink::mooncake_linker::FormedTpGroup;
 
 use super::super::{
-    compare_table, mode_label, report_run, scattered_slots, write_svg, Ctx, LoadRun, ModeOutcome,
-    RankDone,
+    compare_table, fail_on_failed_modes, loaded, mode_label, picture_loaded, report_run,
+    scattered_slots, Ctx, LoadRun, ModeOutcome, RankDone,
 };
 use super::gather::RankReport;
 use super::stores;
@@ -27,28 +27,12 @@ pub(super) fn header(
     out: &mut dyn Write,
 ) -> Result<()> {
     let g = ctx.geometry(0)?;
-    let n = ctx.pages.len() as u64;
     let transport = formed
         .formation
         .last()
         .map_or("?".to_string(), |m| format!("{:?}", m.transport));
-    writeln!(
-        out,
-        "kvlink glm_prefill — {} with FP8 KV (DSA): {} layers, {}-token pages, {} B/token",
-        ctx.spec.model,
-        ctx.spec.num_layers,
-        ctx.spec.page_size,
-        thousands(ctx.spec.bytes_per_token() as u64)
-    )?;
-    writeln!(
-        out,
-        "  cached prefix: {} tokens = {} pages = {} per rank ({} B per page); every component is \
-         replicated: each TP rank needs the same bytes",
-        thousands(n * u64::from(ctx.spec.page_size)),
-        n,
-        bytes(ctx.bytes_per_rank()?),
-        thousands(g.bytes_per_page())
-    )?;
+    writeln!(out, "{}", ctx.title_line())?;
+    writeln!(out, "{}", ctx.prefix_line(&g)?)?;
     writeln!(
         out,
         "  TP ranks: {} PROCESSES (this one is rank 0); each has its own HostKvPool of {} page \
@@ -174,7 +158,7 @@ pub(super) fn assemble(
             compute,
         });
     }
-    let mut run = LoadRun {
+    let run = LoadRun {
         effective,
         ranks,
         timeline,
@@ -192,13 +176,7 @@ pub(super) fn assemble(
         bytes(compared),
         ms(verify_time)
     )?;
-    run.timeline.note = format!(
-        "last layer ready {} · forward done {} · store bytes read {} total",
-        ms(run.last_ready()),
-        ms(run.forward_done()),
-        bytes(run.store_bytes_total())
-    );
-    Ok(ModeOutcome::Loaded(Box::new(run)))
+    Ok(loaded(run))
 }
 
 fn stats_of(ctx: &Ctx, r: &RankReport) -> LoadStats {
@@ -224,16 +202,7 @@ pub(super) fn finish(
     results: &[(ModeArg, ModeOutcome)],
     out: &mut dyn Write,
 ) -> Result<()> {
-    let runs: Vec<RunTimeline> = results
-        .iter()
-        .filter_map(|(_, o)| match o {
-            ModeOutcome::Loaded(r) => Some(r.timeline.clone()),
-            _ => None,
-        })
-        .collect();
-    if !runs.is_empty() {
-        write_svg(ctx, &runs, out)?;
-    }
+    picture_loaded(ctx, results, out)?;
     if ctx.args.mode == ModeSel::Compare {
         compare_table(ctx, results, out)?;
         writeln!(
@@ -243,17 +212,7 @@ pub(super) fn finish(
              start_load, every rank starting after a barrier)"
         )?;
     }
-    let failed: Vec<String> = results
-        .iter()
-        .filter_map(|(m, o)| match o {
-            ModeOutcome::Failed(e) => Some(format!("{}: {e}", m.name())),
-            _ => None,
-        })
-        .collect();
-    if !failed.is_empty() {
-        bail!("{}", failed.join("; "));
-    }
-    Ok(())
+    fail_on_failed_modes(results)
 }
 
 /// A rank other than 0: one line per mode about its own pool (rank 0 prints the tables).

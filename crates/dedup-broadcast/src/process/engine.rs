@@ -347,16 +347,7 @@ impl Run<'_> {
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if is_hangup(&e) => {
-                    self.hung[s.peer as usize] = true;
-                    return Err(Failure::Gone(vec![s.peer]));
-                }
-                Err(error) => {
-                    return Err(Failure::Io {
-                        peer: s.peer,
-                        error,
-                    })
-                }
+                Err(e) => return Err(link_failure(self.hung, s.peer, e)),
             }
         }
         Ok(())
@@ -399,20 +390,22 @@ impl Run<'_> {
                         advance(&mut o.cursor, &o.body, sent);
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => o.blocked = true,
-                    Err(e) if is_hangup(&e) => {
-                        self.hung[o.peer as usize] = true;
-                        return Err(Failure::Gone(vec![o.peer]));
-                    }
-                    Err(error) => {
-                        return Err(Failure::Io {
-                            peer: o.peer,
-                            error,
-                        })
-                    }
+                    Err(e) => return Err(link_failure(self.hung, o.peer, e)),
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// What an I/O error (not `WouldBlock`) on `peer`'s link means: a hang-up is the peer gone
+/// (marked in `hung`, its link not used again), anything else an I/O failure.
+fn link_failure(hung: &mut [bool], peer: u32, error: io::Error) -> Failure {
+    if is_hangup(&error) {
+        hung[peer as usize] = true;
+        Failure::Gone(vec![peer])
+    } else {
+        Failure::Io { peer, error }
     }
 }
 

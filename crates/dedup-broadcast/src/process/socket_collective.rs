@@ -502,11 +502,6 @@ impl Collective for SocketCollective {
         self.size
     }
 
-    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
-        let all = self.all_gather_bytes(&value.to_le_bytes(), deadline)?;
-        Ok(crate::collective::u64_words(&all))
-    }
-
     fn all_gather_bytes(
         &self,
         value: &[u8],

@@ -115,6 +115,25 @@ impl HostKvPool {
     }
 }
 
+impl HostKvPool {
+    /// Writes zeros over every slot of every buffer, as [`DeviceKvPool::clear`] does on a
+    /// device: between runs that must not see each other's bytes, or once at startup so that
+    /// no load pays the buffers' first-touch page faults.
+    ///
+    /// # Safety
+    /// Nothing else reads or writes the pool during the call: no slot copy on another
+    /// thread, and no load or save of it in flight.
+    ///
+    /// [`DeviceKvPool::clear`]: crate::DeviceKvPool::clear
+    pub unsafe fn clear(&self) {
+        for b in &self.buffers {
+            // SAFETY: the buffer is ours, `len` bytes at `addr`; nothing else touches it
+            // during the call (the caller's promise).
+            unsafe { std::ptr::write_bytes(b.addr() as *mut u8, 0, b.len()) };
+        }
+    }
+}
+
 // SAFETY: see the pool's docs: every slot lies inside one buffer the pool owns for its
 // whole life (`locate` checks the triple, slots of distinct triples are disjoint by the
 // geometry's layout), and the geometry and page count are fixed at construction.
@@ -183,6 +202,21 @@ mod tests {
             HostKvPool::new(g, u32::MAX),
             Err(DeviceError::Alloc { .. })
         ));
+    }
+
+    #[test]
+    fn clear_zeroes_every_slot() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 2, 1).unwrap();
+        let pool = HostKvPool::new(g, 3).unwrap();
+        let (ix, row) = (ComponentId(1), 8448);
+        // SAFETY: the pool is this test's alone, used from one thread.
+        unsafe { pool.write_slot(ix, 3, 2, &vec![7u8; row]) }.unwrap();
+        // SAFETY: as above.
+        unsafe { pool.clear() };
+        let mut out = vec![1u8; row];
+        // SAFETY: as above.
+        unsafe { pool.read_slot(ix, 3, 2, &mut out) }.unwrap();
+        assert!(out.iter().all(|&b| b == 0));
     }
 
     #[test]

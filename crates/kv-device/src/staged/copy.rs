@@ -68,6 +68,34 @@ pub(crate) struct RowSpan {
     pub(crate) slot_table: u64,
 }
 
+impl RowSpan {
+    /// The slot runs of the span's pages (`slots`: the batch's, one per plan page).
+    fn runs(&self, slots: &[u32]) -> Vec<Run> {
+        slot_runs(
+            &slots[self.first_page..self.first_page + self.pages],
+            self.first_page,
+        )
+    }
+
+    /// Bytes of all its rows.
+    fn bytes(&self) -> u64 {
+        self.pages as u64 * self.row
+    }
+
+    /// Where run `r` lies: the address of its first slot in the pool, its offset from the
+    /// staging base, and its bytes.
+    fn place(&self, r: &Run) -> (u64, u64, usize) {
+        let slot = self.pool + u64::from(r.slot) * self.row;
+        let at = (r.page as usize - self.first_page) as u64 * self.row;
+        (slot, at, (u64::from(r.len) * self.row) as usize)
+    }
+
+    /// The span's entries of the device slot table.
+    fn slot_rows(&self) -> u64 {
+        self.slot_table + 4 * self.first_page as u64
+    }
+}
+
 /// What one move enqueued.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Moved {
@@ -101,14 +129,11 @@ pub(crate) unsafe fn scatter(
     from: Staged,
 ) -> Result<Moved, DeviceError> {
     let mut m = Moved::default();
-    let my_slots = &slots[span.first_page..span.first_page + span.pages];
-    let runs = slot_runs(my_slots, span.first_page);
-    let bytes = span.pages as u64 * span.row;
+    let runs = span.runs(slots);
+    let bytes = span.bytes();
     if strategy.uses_runs(runs.len()) {
         for r in &runs {
-            let dst = span.pool + u64::from(r.slot) * span.row;
-            let at = (r.page as usize - span.first_page) as u64 * span.row;
-            let len = (u64::from(r.len) * span.row) as usize;
+            let (dst, at, len) = span.place(r);
             let t = match from {
                 Staged::Host { host, .. } => Transfer::ToDevice {
                     dst,
@@ -151,7 +176,7 @@ pub(crate) unsafe fn scatter(
         src: dev,
         dst: span.pool,
         src_rows: 0,
-        dst_rows: span.slot_table + 4 * span.first_page as u64,
+        dst_rows: span.slot_rows(),
         n_rows: span.pages as u32,
         row_bytes: span.row,
     };
@@ -177,16 +202,15 @@ pub(crate) unsafe fn gather(
     dev: u64,
 ) -> Result<Moved, DeviceError> {
     let mut m = Moved::default();
-    let my_slots = &slots[span.first_page..span.first_page + span.pages];
-    let runs = slot_runs(my_slots, span.first_page);
-    let bytes = span.pages as u64 * span.row;
+    let runs = span.runs(slots);
+    let bytes = span.bytes();
     if strategy.uses_runs(runs.len()) {
         for r in &runs {
-            let at = (r.page as usize - span.first_page) as u64 * span.row;
+            let (src, at, len) = span.place(r);
             let t = Transfer::ToHost {
                 dst: host + at as usize,
-                src: span.pool + u64::from(r.slot) * span.row,
-                len: (u64::from(r.len) * span.row) as usize,
+                src,
+                len,
             };
             // SAFETY: slots in the pool, destination in the pinned stage (caller).
             unsafe { stream.transfer(t)? };
@@ -198,7 +222,7 @@ pub(crate) unsafe fn gather(
     let c = RowCopy {
         src: span.pool,
         dst: dev,
-        src_rows: span.slot_table + 4 * span.first_page as u64,
+        src_rows: span.slot_rows(),
         dst_rows: 0,
         n_rows: span.pages as u32,
         row_bytes: span.row,

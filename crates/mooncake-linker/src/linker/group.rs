@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use dedup_broadcast::{
-    Collective, CollectiveError, GroupFormation, GroupHandles, InProcessFormation, InProcessGroup,
+    Collective, CollectiveError, GroupFormation, GroupHandles, InProcessCollective,
+    InProcessFormation, InProcessGroup,
 };
 use kv_device::Device;
 use kv_loader::{BatchId, KvLoadError};
@@ -40,16 +41,8 @@ impl TpGroup {
     /// assert_eq!(groups[2].data.rank(), 2);
     /// ```
     pub fn in_process(size: u32) -> Vec<TpGroup> {
-        let formation: Arc<dyn GroupFormation> = Arc::new(InProcessFormation::host(size));
-        InProcessGroup::new(size)
-            .into_iter()
-            .zip(InProcessGroup::new(size))
-            .map(|(data, control)| TpGroup {
-                data: Arc::new(data),
-                control: Arc::new(control),
-                formation: Some(formation.clone()),
-            })
-            .collect()
+        let formation = InProcessFormation::host(size);
+        Self::with_host_control(InProcessGroup::new(size), Arc::new(formation))
     }
 
     /// Handles for ranks that are threads of this process, rank `r` on `devices[r]` (ranks
@@ -66,18 +59,26 @@ impl TpGroup {
     pub fn in_process_on_devices(
         devices: Vec<Arc<dyn Device>>,
     ) -> Result<Vec<TpGroup>, dedup_broadcast::CollectiveError> {
-        let size = devices.len() as u32;
-        let formation: Arc<dyn GroupFormation> =
-            Arc::new(InProcessFormation::on_devices(devices.clone()));
-        Ok(InProcessGroup::on_devices(devices)?
-            .into_iter()
-            .zip(InProcessGroup::new(size))
+        let formation = InProcessFormation::on_devices(devices.clone());
+        let data = InProcessGroup::on_devices(devices)?;
+        Ok(Self::with_host_control(data, Arc::new(formation)))
+    }
+
+    /// Each of `data` (rank `r`'s data handle at `r`) with a control handle of a new
+    /// in-process host group of the same size, both re-formed by `formation`.
+    fn with_host_control(
+        data: Vec<InProcessCollective>,
+        formation: Arc<dyn GroupFormation>,
+    ) -> Vec<TpGroup> {
+        let control = InProcessGroup::new(data.len() as u32);
+        data.into_iter()
+            .zip(control)
             .map(|(data, control)| TpGroup {
                 data: Arc::new(data),
                 control: Arc::new(control),
                 formation: Some(formation.clone()),
             })
-            .collect())
+            .collect()
     }
 
     /// Ranks in the group.

@@ -8,8 +8,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::{
-    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
-    StoreError,
+    KvStore, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession, StoreError,
 };
 
 /// Longest a [`Fault::Stall`] holds a call when it is never released (so a forgotten stall
@@ -306,6 +305,8 @@ impl ShortenBy for () {
 }
 
 impl KvStore for FaultyStore {
+    crate::forward_store_calls!(inner => register, unregister, end_session);
+
     fn name(&self) -> &str {
         match self.inner.name() {
             "embedded" => "embedded+faults",
@@ -381,15 +382,6 @@ impl KvStore for FaultyStore {
         self.inner.discard(keys)
     }
 
-    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        // SAFETY: forwarded with the caller's own promise.
-        unsafe { self.inner.register(region) }
-    }
-
-    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        self.inner.unregister(region)
-    }
-
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
         let hits = self.hits(FaultCall::Session, Self::plain(keys));
         if self.is_down() {
@@ -399,10 +391,6 @@ impl KvStore for FaultyStore {
             return Err(e);
         }
         self.inner.start_session(keys)
-    }
-
-    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        self.inner.end_session(session)
     }
 
     fn health(&self) -> Result<(), StoreError> {

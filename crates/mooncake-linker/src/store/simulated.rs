@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{
-    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
-};
+use super::{KvStore, ObjectGet, RangedGet, StoreError};
 
 /// A modelled link: transfers queue on it first come, first served at `gbps`.
 #[derive(Debug)]
@@ -102,7 +100,8 @@ impl SimulatedRemoteStore {
 }
 
 impl KvStore for SimulatedRemoteStore {
-    forward_to_inner!();
+    crate::forward_store_calls!(inner => exists, object_size, put, remove, discard, register,
+        unregister, start_session, end_session, health);
 
     fn name(&self) -> &str {
         &self.name
@@ -128,7 +127,7 @@ impl KvStore for SimulatedRemoteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{EmbeddedStore, ReadRange};
+    use crate::store::{EmbeddedStore, ObjectPut, ReadRange};
 
     #[test]
     fn a_link_too_slow_to_time_saturates_instead_of_panicking() {

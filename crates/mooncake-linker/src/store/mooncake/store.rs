@@ -232,6 +232,34 @@ fn split_valid(keys: &[&str]) -> (Vec<usize>, Vec<Result<(), StoreError>>) {
     (valid, out)
 }
 
+/// The reads of `keys` to issue, and every key's result so far: a key with a NUL byte, or
+/// whose read has a null destination (`null_dst(i)`), is refused; one with nothing to read
+/// (`!reads_bytes(i)`) succeeds with 0 bytes and no I/O; the rest are issued (`Ok(0)` until
+/// they are).
+fn vet_reads(
+    keys: &[&str],
+    null_dst: impl Fn(usize) -> bool,
+    reads_bytes: impl Fn(usize) -> bool,
+) -> (Vec<usize>, Vec<Result<u64, StoreError>>) {
+    let (valid, checked) = split_valid(keys);
+    let mut out: Vec<Result<u64, StoreError>> =
+        checked.into_iter().map(|r| r.map(|()| 0)).collect();
+    let valid = valid
+        .into_iter()
+        .filter(|&i| {
+            if null_dst(i) {
+                out[i] = Err(StoreError::InvalidArgument {
+                    key: keys[i].to_owned(),
+                    detail: "null destination".into(),
+                });
+                return false;
+            }
+            reads_bytes(i)
+        })
+        .collect();
+    (valid, out)
+}
+
 /// Maps a Mooncake status code for `key` to a [`StoreError`].
 ///
 /// | Mooncake codes | StoreError |
@@ -378,23 +406,7 @@ impl KvStore for MooncakeStore {
 
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
-        let (valid, checked) = split_valid(&keys);
-        let mut out: Vec<Result<u64, StoreError>> =
-            checked.into_iter().map(|r| r.map(|()| 0)).collect();
-        let valid: Vec<usize> = valid
-            .into_iter()
-            .filter(|&i| {
-                if gets[i].dst.is_null() {
-                    out[i] = Err(StoreError::InvalidArgument {
-                        key: keys[i].to_owned(),
-                        detail: "null destination".into(),
-                    });
-                    false
-                } else {
-                    true
-                }
-            })
-            .collect();
+        let (valid, mut out) = vet_reads(&keys, |i| gets[i].dst.is_null(), |_| true);
         if valid.is_empty() {
             return out;
         }
@@ -421,24 +433,12 @@ impl KvStore for MooncakeStore {
 
     unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
-        let (valid, checked) = split_valid(&keys);
-        let mut out: Vec<Result<u64, StoreError>> =
-            checked.into_iter().map(|r| r.map(|()| 0)).collect();
-        // Gets with nothing to read succeed without I/O; null destinations are refused.
-        let valid: Vec<usize> = valid
-            .into_iter()
-            .filter(|&i| {
-                let g = &gets[i];
-                if g.ranges.iter().any(|r| r.dst.is_null()) {
-                    out[i] = Err(StoreError::InvalidArgument {
-                        key: g.key.to_owned(),
-                        detail: "null destination".into(),
-                    });
-                    return false;
-                }
-                !g.ranges.is_empty()
-            })
-            .collect();
+        // Gets with nothing to read succeed without I/O.
+        let (valid, mut out) = vet_reads(
+            &keys,
+            |i| gets[i].ranges.iter().any(|r| r.dst.is_null()),
+            |i| !gets[i].ranges.is_empty(),
+        );
         if valid.is_empty() {
             return out;
         }

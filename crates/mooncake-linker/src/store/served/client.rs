@@ -179,11 +179,7 @@ impl SocketStore {
         keys: &[&str],
         value: impl Fn(&mut Dec<'_>) -> Result<T, Malformed>,
     ) -> Vec<Result<T, StoreError>> {
-        let mut body = Enc::default();
-        body.u8(opcode).u32(keys.len() as u32);
-        keys.iter().for_each(|k| {
-            body.str(k);
-        });
+        let body = keys_body(opcode, keys);
         let r = self.call(|c, deadline| {
             let reply = Self::request(c, &body.0, deadline)?;
             let mut d = Dec::new(&reply);
@@ -193,6 +189,29 @@ impl SocketStore {
                 .collect::<Result<Vec<_>, _>>()?)
         });
         self.spread(r, keys.iter().copied())
+    }
+
+    /// A read request (`body`): one result per get (the bytes it read, or its error), then
+    /// the bytes of the gets that succeeded, received into the slices `dsts` makes for those
+    /// results (in get order). One result per key of `keys`, or the call's error for each.
+    fn read<'k, 'd>(
+        &self,
+        body: &Enc,
+        keys: impl Iterator<Item = &'k str> + Clone,
+        dsts: impl FnOnce(&[Result<u64, StoreError>]) -> Result<Vec<IoSliceMut<'d>>, CallError>,
+    ) -> Vec<Result<u64, StoreError>> {
+        let r = self.call(|c, deadline| {
+            let reply = Self::request(c, &body.0, deadline)?;
+            let mut d = Dec::new(&reply);
+            let results: Vec<Result<u64, StoreError>> = keys
+                .clone()
+                .map(|_| d.result(|d| d.u64()))
+                .collect::<Result<_, _>>()?;
+            let mut dsts = dsts(&results)?;
+            read_all_vectored(c, &mut dsts, deadline)?;
+            Ok(results)
+        });
+        self.spread(r, keys)
     }
 
     /// One result per key, or the call's error for every key.
@@ -208,11 +227,7 @@ impl SocketStore {
     }
 
     fn single(&self, opcode: u8, keys: &[&str]) -> Result<(), StoreError> {
-        let mut body = Enc::default();
-        body.u8(opcode).u32(keys.len() as u32);
-        keys.iter().for_each(|k| {
-            body.str(k);
-        });
+        let body = keys_body(opcode, keys);
         let r = self.call(|c, deadline| {
             let reply = Self::request(c, &body.0, deadline)?;
             Ok(Dec::new(&reply).result(|_| Ok(()))?)
@@ -222,6 +237,26 @@ impl SocketStore {
             Err(e) => Err(e.for_key(&self.address, keys.first().copied().unwrap_or(""))),
         }
     }
+}
+
+/// The body of a request about `keys`: the opcode, the count, each key.
+fn keys_body(opcode: u8, keys: &[&str]) -> Enc {
+    let mut body = Enc::default();
+    body.u8(opcode).u32(keys.len() as u32);
+    keys.iter().for_each(|k| {
+        body.str(k);
+    });
+    body
+}
+
+/// `n` results, each refusing the call for `key`'s `detail` (a call with an invalid
+/// argument sends nothing).
+fn refuse_all<T>(n: usize, key: &str, detail: &str) -> Vec<Result<T, StoreError>> {
+    let e = StoreError::InvalidArgument {
+        key: key.to_string(),
+        detail: detail.into(),
+    };
+    (0..n).map(|_| Err(e.clone())).collect()
 }
 
 impl KvStore for SocketStore {
@@ -239,26 +274,16 @@ impl KvStore for SocketStore {
 
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
         if let Some(bad) = gets.iter().find(|g| g.dst.is_null() && g.len > 0) {
-            let e = StoreError::InvalidArgument {
-                key: bad.key.to_string(),
-                detail: "null destination".into(),
-            };
-            return gets.iter().map(|_| Err(e.clone())).collect();
+            return refuse_all(gets.len(), bad.key, "null destination");
         }
         let mut body = Enc::default();
         body.u8(op::GET_INTO).u32(gets.len() as u32);
         for g in gets {
             body.str(g.key).u64(g.len as u64);
         }
-        let r = self.call(|c, deadline| {
-            let reply = Self::request(c, &body.0, deadline)?;
-            let mut d = Dec::new(&reply);
-            let results: Vec<Result<u64, StoreError>> = gets
-                .iter()
-                .map(|_| d.result(|d| d.u64()))
-                .collect::<Result<_, _>>()?;
+        self.read(&body, gets.iter().map(|g| g.key), |results| {
             let mut dsts = Vec::new();
-            for (g, r) in gets.iter().zip(&results) {
+            for (g, r) in gets.iter().zip(results) {
                 if let Ok(len) = r {
                     if *len as usize > g.len {
                         return Err(CallError::Down(
@@ -275,10 +300,8 @@ impl KvStore for SocketStore {
                     }
                 }
             }
-            read_all_vectored(c, &mut dsts, deadline)?;
-            Ok(results)
-        });
-        self.spread(r, gets.iter().map(|g| g.key))
+            Ok(dsts)
+        })
     }
 
     unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
@@ -286,11 +309,7 @@ impl KvStore for SocketStore {
             .iter()
             .find(|g| g.ranges.iter().any(|r| r.dst.is_null() && r.len > 0))
         {
-            let e = StoreError::InvalidArgument {
-                key: bad.key.to_string(),
-                detail: "null destination".into(),
-            };
-            return gets.iter().map(|_| Err(e.clone())).collect();
+            return refuse_all(gets.len(), bad.key, "null destination");
         }
         let mut body = Enc::default();
         body.u8(op::GET_RANGES).u32(gets.len() as u32);
@@ -300,15 +319,9 @@ impl KvStore for SocketStore {
                 body.u64(r.offset).u64(r.len as u64);
             }
         }
-        let r = self.call(|c, deadline| {
-            let reply = Self::request(c, &body.0, deadline)?;
-            let mut d = Dec::new(&reply);
-            let results: Vec<Result<u64, StoreError>> = gets
-                .iter()
-                .map(|_| d.result(|d| d.u64()))
-                .collect::<Result<_, _>>()?;
+        self.read(&body, gets.iter().map(|g| g.key), |results| {
             let mut dsts = Vec::new();
-            for (g, r) in gets.iter().zip(&results) {
+            for (g, r) in gets.iter().zip(results) {
                 if r.is_ok() {
                     for range in g.ranges.iter().filter(|r| r.len > 0) {
                         // SAFETY: the caller promised every destination range is valid for
@@ -320,10 +333,8 @@ impl KvStore for SocketStore {
                     }
                 }
             }
-            read_all_vectored(c, &mut dsts, deadline)?;
-            Ok(results)
-        });
-        self.spread(r, gets.iter().map(|g| g.key))
+            Ok(dsts)
+        })
     }
 
     unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
@@ -331,11 +342,7 @@ impl KvStore for SocketStore {
             .iter()
             .find(|p| p.parts.iter().any(|(ptr, n)| ptr.is_null() && *n > 0))
         {
-            let e = StoreError::InvalidArgument {
-                key: bad.key.to_string(),
-                detail: "null source".into(),
-            };
-            return puts.iter().map(|_| Err(e.clone())).collect();
+            return refuse_all(puts.len(), bad.key, "null source");
         }
         let mut body = Enc::default();
         body.u8(op::PUT).u32(puts.len() as u32);

@@ -341,9 +341,9 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
                 });
             }
         }
-        op::GET_INTO => return get_into(conn, store, &mut d, deadline),
-        op::GET_RANGES => return get_ranges(conn, store, &mut d, deadline),
-        op::PUT => return put(conn, store, &mut d, deadline),
+        op::GET_INTO => return get_into(store, &mut d)?.send(conn, deadline),
+        op::GET_RANGES => return get_ranges(store, &mut d)?.send(conn, deadline),
+        op::PUT => return put(conn, store, &mut d, deadline)?.send(conn, deadline),
         op::REMOVE => {
             let ks = keys(&mut d)?;
             let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
@@ -381,24 +381,55 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
         op::HEALTH => out.result(&store.health(), |_, _| {}),
         other => return Err(Malformed(format!("operation {other}")).into()),
     }
-    let len = frame_len(&out.0);
-    write_all_vectored(
-        conn,
-        &mut [IoSlice::new(&len), IoSlice::new(&out.0)],
-        deadline,
-    )
+    Reply::new(out).send(conn, deadline)
 }
 
-fn get_into(
-    conn: &mut Conn,
-    store: &EmbeddedStore,
+/// A reply: its framed results, then the object bytes a read sends after them.
+struct Reply {
+    results: Enc,
+    /// (object, offset, len) of every piece of bytes, in order.
+    pieces: Vec<(Arc<[u8]>, usize, usize)>,
+}
+
+impl Reply {
+    fn new(results: Enc) -> Self {
+        Reply {
+            results,
+            pieces: Vec::new(),
+        }
+    }
+
+    fn send(self, conn: &mut Conn, deadline: Instant) -> io::Result<()> {
+        let len = frame_len(&self.results.0);
+        let mut slices = vec![IoSlice::new(&len), IoSlice::new(&self.results.0)];
+        slices.extend(
+            self.pieces
+                .iter()
+                .map(|(o, off, len)| IoSlice::new(&o[*off..*off + *len])),
+        );
+        write_all_vectored(conn, &mut slices, deadline)
+    }
+}
+
+/// A read request of gets read from `d` one by one by `get`, which queues the pieces of bytes
+/// its get sends and returns the get's result (the bytes it sends, or its error).
+fn reads(
     d: &mut Dec<'_>,
-    deadline: Instant,
-) -> io::Result<()> {
+    mut get: impl FnMut(&mut Dec<'_>, &mut Reply) -> io::Result<Result<u64, StoreError>>,
+) -> io::Result<Reply> {
     let n = d.u32()?;
-    let mut out = Enc::default();
-    let mut objects: Vec<Arc<[u8]>> = Vec::new();
+    let mut reply = Reply::new(Enc::default());
     for _ in 0..n {
+        let r = get(d, &mut reply)?;
+        reply.results.result(&r, |e, v| {
+            e.u64(*v);
+        });
+    }
+    Ok(reply)
+}
+
+fn get_into(store: &EmbeddedStore, d: &mut Dec<'_>) -> io::Result<Reply> {
+    reads(d, |d, reply| {
         let key = d.str()?;
         let cap = d.u64()?;
         let r = match store.object(&key) {
@@ -408,32 +439,17 @@ fn get_into(
                 key,
             }),
             Some(o) => {
-                let len = o.len() as u64;
-                objects.push(o);
-                Ok(len)
+                let len = o.len();
+                reply.pieces.push((o, 0, len));
+                Ok(len as u64)
             }
         };
-        out.result(&r, |e, v| {
-            e.u64(*v);
-        });
-    }
-    let len = frame_len(&out.0);
-    let mut slices = vec![IoSlice::new(&len), IoSlice::new(&out.0)];
-    slices.extend(objects.iter().map(|o| IoSlice::new(o)));
-    write_all_vectored(conn, &mut slices, deadline)
+        Ok(r)
+    })
 }
 
-fn get_ranges(
-    conn: &mut Conn,
-    store: &EmbeddedStore,
-    d: &mut Dec<'_>,
-    deadline: Instant,
-) -> io::Result<()> {
-    let n = d.u32()?;
-    let mut out = Enc::default();
-    // (object, offset, len) of every range sent, in order.
-    let mut pieces: Vec<(Arc<[u8]>, usize, usize)> = Vec::new();
-    for _ in 0..n {
+fn get_ranges(store: &EmbeddedStore, d: &mut Dec<'_>) -> io::Result<Reply> {
+    reads(d, |d, reply| {
         let key = d.str()?;
         let m = d.u32()?;
         let mut ranges = Vec::with_capacity(m as usize);
@@ -454,25 +470,15 @@ fn get_ranges(
                     None => {
                         let total = ranges.iter().map(|r| r.1).sum::<u64>();
                         for (off, len) in ranges {
-                            pieces.push((o.clone(), off as usize, len as usize));
+                            reply.pieces.push((o.clone(), off as usize, len as usize));
                         }
                         Ok(total)
                     }
                 }
             }
         };
-        out.result(&r, |e, v| {
-            e.u64(*v);
-        });
-    }
-    let len = frame_len(&out.0);
-    let mut slices = vec![IoSlice::new(&len), IoSlice::new(&out.0)];
-    slices.extend(
-        pieces
-            .iter()
-            .map(|(o, off, len)| IoSlice::new(&o[*off..*off + *len])),
-    );
-    write_all_vectored(conn, &mut slices, deadline)
+        Ok(r)
+    })
 }
 
 fn put(
@@ -480,7 +486,7 @@ fn put(
     store: &EmbeddedStore,
     d: &mut Dec<'_>,
     deadline: Instant,
-) -> io::Result<()> {
+) -> io::Result<Reply> {
     let n = d.u32()?;
     let mut items = Vec::with_capacity(n as usize);
     for _ in 0..n {
@@ -503,12 +509,7 @@ fn put(
             e.u8(outcome_code(*v));
         });
     }
-    let len = frame_len(&out.0);
-    write_all_vectored(
-        conn,
-        &mut [IoSlice::new(&len), IoSlice::new(&out.0)],
-        deadline,
-    )
+    Ok(Reply::new(out))
 }
 
 /// Reads and drops `n` bytes (a put the store does not take).
