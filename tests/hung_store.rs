@@ -304,3 +304,44 @@ fn each_rank<T: Send>(rs: &[TpRank], f: impl Fn(&TpRank) -> T + Sync) -> Vec<T> 
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
+
+/// A load thread still busy when `reset`'s wait ends (its pin hangs; the store call's own
+/// bound is longer than the wait): `reset` says the batch's slots are held (`HoldSlots`), not
+/// that they may be recomputed into at once.
+#[test]
+fn a_reset_that_finds_the_load_thread_busy_holds_the_batchs_slots() {
+    let o = one();
+    o.store.inner.clear();
+    let session = Stall::new();
+    o.store.inner.inject_on(
+        kvlink::mooncake_linker::store::FaultCall::Session,
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Stall(session.clone()),
+    );
+    let pool = Arc::new(HostKvPool::new(o.g.clone(), 16).unwrap());
+    let config = LinkerConfig {
+        wait_deadline: Duration::from_millis(300),
+        ..cfg()
+    };
+    let linker = Linker::new(o.g.clone(), o.store.clone(), pool, config).unwrap();
+    let _t = linker
+        .start_load(load_plan(&o.g, 7, &o.pages, vec![1, 2, 3, 4]))
+        .unwrap();
+    // The load thread is in the hung pin (bounded by store_call_timeout, 2 s).
+    eventually("the pin hangs", || session.hits() == 1);
+    let t0 = Instant::now();
+    let r = linker.reset();
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert!(
+        matches!(&r, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(7)]),
+        "{r:?}"
+    );
+    assert_eq!(
+        r.unwrap_err().action(),
+        kvlink::kv_loader::EngineAction::HoldSlots
+    );
+    session.release();
+}

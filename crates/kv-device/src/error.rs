@@ -61,6 +61,16 @@ pub enum DeviceError {
     /// a block outside the share area).
     #[error("invalid stage use: {0}")]
     InvalidStage(&'static str),
+    /// A page slot kvlink's own paths cannot take now: a landing writes it while a save would
+    /// read it or another landing write it (two batches in flight on one slot), or a save
+    /// reads it while a landing would write it.
+    #[error("page slot {slot} is busy: {reason}")]
+    SlotBusy {
+        /// The slot.
+        slot: u32,
+        /// Who holds it.
+        reason: &'static str,
+    },
     /// The stage is lent to a store read that has not returned (its
     /// [`StageLoan`](crate::StageLoan) is still out): nothing else may touch its memory yet.
     #[error("{0}: the stage is lent to a store read that has not returned")]

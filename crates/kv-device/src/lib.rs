@@ -18,6 +18,7 @@
 //! ```
 
 mod backend;
+mod claims;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -30,6 +31,7 @@ mod source;
 mod staged;
 
 pub use backend::{Device, DeviceMemory, PinnedMemory, RowCopy, Stream, Transfer};
+pub use claims::{ReadClaim, SlotClaims, WriteClaim};
 pub use cpu::{CpuDevice, CpuDeviceConfig};
 pub use error::DeviceError;
 pub use host::HostKvPool;

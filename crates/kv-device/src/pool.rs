@@ -53,6 +53,15 @@ pub unsafe trait KvPool: Send + Sync {
     /// Every buffer as (address, length), e.g. to register them with a store once.
     fn regions(&self) -> Vec<(usize, usize)>;
 
+    /// The pool's slot claims ([`SlotClaims`](crate::SlotClaims)): which slots a landing
+    /// writes and which a save reads. A host pool kvlink lands into directly
+    /// ([`DirectLanding`](crate::DirectLanding)) or saves from in place
+    /// ([`SaveSource::slot`](crate::SaveSource::slot)) must keep them; `None` (the default)
+    /// refuses both.
+    fn slot_claims(&self) -> Option<&crate::SlotClaims> {
+        None
+    }
+
     /// Copies one page slot's slice of (`component`, model layer `layer`) into `out`, which
     /// must be exactly the slice's length (`page_layer_bytes` of the component). Every input
     /// is checked: an unknown component, a layer the component does not carry, a slot past

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kv_geometry::ComponentId;
 
-use crate::{DeviceError, KvPool, Residence};
+use crate::{DeviceError, KvPool, Residence, SlotClaims};
 
 /// `len` bytes a store put reads, bound to the owner that keeps them allocated (the way
 /// cudarc's `CudaSlice` keeps its context): a put that outlives its deadline holds the source,
@@ -50,8 +50,10 @@ impl SaveSource {
         })
     }
 
-    /// Slot `slot`'s row of (`component`, model layer `layer`) of `pool`, a host pool (a
-    /// device pool is gathered to host memory first: [`LandingFactory::begin_save`]).
+    /// Slot `slot`'s row of (`component`, model layer `layer`) of `pool`, a host pool that
+    /// keeps [`SlotClaims`] (a device pool is gathered to host memory first:
+    /// [`LandingFactory::begin_save`]). The source claims the slot for reading while it (or a
+    /// clone) lives: refused ([`DeviceError::SlotBusy`]) while a landing writes the slot.
     ///
     /// [`LandingFactory::begin_save`]: crate::LandingFactory::begin_save
     pub fn slot(
@@ -71,10 +73,12 @@ impl SaveSource {
             .component(component)
             .map_err(|_| DeviceError::InvalidStage("an unknown component"))?
             .page_layer_bytes as usize;
+        let claim = SlotClaims::read(pool, slot)?;
         Ok(SaveSource {
             addr,
             len,
-            _owner: Arc::new(pool.clone()),
+            // The claim holds the pool: it keeps the memory and the slot.
+            _owner: Arc::new(claim),
         })
     }
 
@@ -98,8 +102,9 @@ impl SaveSource {
         // SAFETY: the `len` bytes at `addr` lie in memory `owner` keeps allocated while `self`
         // lives (a buffer this source shares, checked in `from_bytes`; or a whole slot row of
         // a host pool, checked by `slot_addr`, which the pool keeps for its life). Nothing
-        // writes them meanwhile: owned bytes are never written again, and the engine does not
-        // write a slot while a save of it is in progress (`KvPool::write_slot`).
+        // writes them meanwhile: owned bytes are never written again; a slot row is claimed
+        // for reading (no landing of kvlink writes it: `SlotClaims`), and the engine does not
+        // write a slot while a save of it is in progress (`KvPool::write_slot`, `unsafe`).
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
     }
 }

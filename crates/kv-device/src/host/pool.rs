@@ -4,7 +4,7 @@ use kv_geometry::{ComponentId, KvGeometry};
 
 use super::buffer::HostBuffer;
 use crate::pool::{locate, locate_slice};
-use crate::{DeviceError, KvPool, Residence};
+use crate::{DeviceError, KvPool, Residence, SlotClaims};
 
 /// A KV pool in host memory: one zeroed, page-aligned buffer per (component, carried layer).
 ///
@@ -34,6 +34,7 @@ pub struct HostKvPool {
     geometry: KvGeometry,
     pages: u32,
     buffers: Vec<HostBuffer>,
+    claims: SlotClaims,
 }
 
 impl HostKvPool {
@@ -54,6 +55,7 @@ impl HostKvPool {
             geometry,
             pages,
             buffers,
+            claims: SlotClaims::new(pages),
         })
     }
 
@@ -162,6 +164,10 @@ unsafe impl KvPool for HostKvPool {
 
     fn regions(&self) -> Vec<(usize, usize)> {
         self.buffers.iter().map(|b| (b.addr(), b.len())).collect()
+    }
+
+    fn slot_claims(&self) -> Option<&SlotClaims> {
+        Some(&self.claims)
     }
 
     unsafe fn read_slot(

@@ -3,6 +3,8 @@
 
 use std::any::Any;
 use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Instant;
 
 use kv_geometry::ComponentId;
@@ -12,7 +14,7 @@ use super::{
     next_landing_id, BatchShape, HostRows, HostShare, LandingFactory, LayerLanding, LayerStage,
     ReadTarget, RowBlock, SharePath, ShareSide, StageLent, StageLoan, TransferLog,
 };
-use crate::{DeviceError, HostRow, KvPool, Residence, StoreRegion};
+use crate::{DeviceError, HostRow, KvPool, Residence, SlotClaims, StoreRegion};
 
 /// Reads straight into a host pool's slots; a layer is resident when its reads return. Shared
 /// rows are read into this rank's own slots too, and a host collective moves them slot to
@@ -41,14 +43,19 @@ pub struct DirectLanding {
     stages: Vec<LayerStage>,
     /// Per stage of the ring, whether it is lent to a store read.
     lent: Vec<StageLent>,
-    /// What a loan keeps: the pool.
+    /// Per stage of the ring, the layer open in it: no two stages hold one layer.
+    open: Mutex<Vec<Option<u32>>>,
+    /// What a loan keeps: the claim on this batch's slots (which holds the pool).
     owner: Arc<dyn Any + Send + Sync>,
     log: TransferLog,
 }
 
 impl DirectLanding {
     /// Landing of a batch whose plan page `i` goes to page slot `slots[i]` of `pool` (a host
-    /// pool), for the components of `shape`.
+    /// pool that keeps [`SlotClaims`](crate::SlotClaims)), for the components of `shape`.
+    /// It claims the slots for writing until it and every loan of it are dropped: refused
+    /// ([`DeviceError::SlotBusy`]) while a save reads one of them, another landing writes
+    /// one, or a slot is named twice.
     pub fn new(
         pool: Arc<dyn KvPool>,
         slots: Arc<[u32]>,
@@ -59,11 +66,14 @@ impl DirectLanding {
                 "a direct landing writes host pools only".into(),
             ));
         }
+        let claim = SlotClaims::write(&pool, &slots)?;
         let id = next_landing_id();
         let layers = pool.geometry().num_layers();
         Ok(DirectLanding {
             id,
-            owner: Arc::new(pool.clone()),
+            // The claim holds the pool too: it keeps the memory and the slots.
+            owner: Arc::new(claim),
+            open: Mutex::new(vec![None; layers as usize + 1]),
             pool,
             slots,
             shape,
@@ -131,6 +141,21 @@ impl LayerLanding for DirectLanding {
         if layer >= self.pool.geometry().num_layers() {
             return Err(DeviceError::InvalidStage("layer past the model"));
         }
+        // The slots of a layer are one stage's at a time: its rows are lent, read and shared
+        // through that stage only.
+        let mut open = self.open.lock();
+        if open
+            .iter()
+            .enumerate()
+            .any(|(other, l)| other != h && *l == Some(layer))
+        {
+            return Err(DeviceError::InvalidStage(
+                "the layer is open in another stage",
+            ));
+        }
+        if let Some(entry) = open.get_mut(h) {
+            *entry = Some(layer);
+        }
         stage.set_layer(Some(layer));
         Ok(())
     }
@@ -141,7 +166,9 @@ impl LayerLanding for DirectLanding {
         // SAFETY: the loan's targets are whole slot slices of this batch's slots at `layer`
         // (`target` checks them), in pool buffers the owner (the pool) keeps allocated; while
         // `lent` is set this landing touches none of them (`target_bytes`, `rows` and `land`
-        // check it) and lends the stage to no one else.
+        // check it) and lends the stage to no one else; no other stage holds `layer` (`open`
+        // refuses it), and the owner holds this landing's write claim on the slots, so no
+        // save source reads them and no other landing writes them while the loan lives.
         Ok(unsafe { StageLoan::new(self.id, h, layer, lent, self.owner.clone()) })
     }
 
@@ -179,6 +206,9 @@ impl LayerLanding for DirectLanding {
     fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
         let (h, _) = stage.open_layer(self.id)?;
         self.lent(h)?.check("landing a stage")?;
+        if let Some(entry) = self.open.lock().get_mut(h) {
+            *entry = None;
+        }
         stage.set_layer(None);
         Ok(LayerReady::Resident)
     }

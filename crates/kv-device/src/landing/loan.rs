@@ -136,7 +136,9 @@ impl StageLoan {
 
     /// Writes `bytes` (exactly the target's length) into `target`, the way a store read
     /// would: for a test or a backend that fills a stage itself. Safe: the loan is the only
-    /// way to the stage's memory while it lives, and `&mut self` makes this the only writer.
+    /// way to the stage's memory while it lives (its landing holds the layer in this stage
+    /// alone, and a direct landing's slots are claimed for writing: no save reads them, no
+    /// other landing writes them), and `&mut self` makes this the only writer.
     pub fn write(&mut self, target: ReadTarget, bytes: &[u8]) -> Result<(), DeviceError> {
         if !target.belongs_to(self) {
             return Err(DeviceError::InvalidStage("a target of another loan"));

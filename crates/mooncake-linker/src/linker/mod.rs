@@ -451,28 +451,34 @@ impl Linker {
     }
 
     /// Cancels every batch in flight and waits (bounded by `wait_deadline`) until the load
-    /// thread is idle. `Err(SlotsHeld)` names the batches whose slots a store call past its
-    /// deadline may still write (their outcomes come when it returns).
-    fn cancel_all(&self) -> Result<(), KvLoadError> {
+    /// thread is idle. `Err(SlotsHeld)` names the batches whose slots may still be written: a
+    /// store call past its deadline (their outcomes come when it returns), or, when the load
+    /// thread is still busy at the deadline, every batch still in flight. The flag says the
+    /// load thread was still busy.
+    fn cancel_all(&self) -> (Result<(), KvLoadError>, bool) {
         let s = &self.inner;
         s.epoch.fetch_add(1, Ordering::AcqRel);
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
-        if !s.outcomes.cancel_all(deadline) {
-            return Err(KvLoadError::internal(
-                None,
-                format!(
-                    "the load thread is still busy {:?} after reset",
-                    s.config.wait_deadline
-                ),
-            ));
+        let busy = !s.outcomes.cancel_all(deadline);
+        let mut held = s.outcomes.held();
+        if busy {
+            warn!(
+                waited = ?s.config.wait_deadline,
+                "the load thread is still busy after reset: its batches' slots stay held"
+            );
+            held.extend(s.outcomes.in_flight());
+            held.sort();
+            held.dedup();
         }
-        let held = s.outcomes.held();
         if !held.is_empty() {
-            return Err(KvLoadError::SlotsHeld {
-                batches: held.into(),
-            });
+            return (
+                Err(KvLoadError::SlotsHeld {
+                    batches: held.into(),
+                }),
+                busy,
+            );
         }
-        Ok(())
+        (Ok(()), busy)
     }
 
     /// Sends a job to the load thread; false once it is gone.
@@ -636,7 +642,7 @@ impl KvLoader for Linker {
     fn reset(&self) -> Result<(), KvLoadError> {
         self.inner.check_open()?;
         info!("linker reset");
-        self.cancel_all()
+        self.cancel_all().0
     }
 
     fn close(&self) -> Result<(), KvLoadError> {
@@ -644,10 +650,10 @@ impl KvLoader for Linker {
             return Ok(());
         }
         info!("linker close");
-        let cancelled = self.cancel_all();
+        let (cancelled, busy) = self.cancel_all();
         // Dropping the sender ends the load loop once it has nothing queued.
         self.jobs.lock().take();
-        let wait = if matches!(cancelled, Err(KvLoadError::Internal { .. })) {
+        let wait = if busy {
             Duration::ZERO
         } else {
             // Idle: what is queued is refused batches, each bounded by the group's deadline.

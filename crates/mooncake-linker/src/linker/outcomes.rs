@@ -133,6 +133,13 @@ impl Outcomes {
         self.done_cv.notify_all();
     }
 
+    /// The batches started and not yet finished (their outcome not published), sorted.
+    pub(crate) fn in_flight(&self) -> Vec<BatchId> {
+        let mut v: Vec<BatchId> = self.in_flight.lock().iter().copied().collect();
+        v.sort();
+        v
+    }
+
     /// Batches whose outcome waits for a store call past its deadline.
     pub(crate) fn held(&self) -> Vec<BatchId> {
         let mut v: Vec<BatchId> = self.held.lock().iter().copied().collect();

@@ -22,8 +22,10 @@
 //! running then fails its group of layers; the batch's memory hold keeps what it writes until it
 //! returns), a stage is reopened after a bounded wait for its device work, the reader waits
 //! for each free stage at most `layer_read_timeout + 2 × collective_timeout`, and the exchange
-//! loop waits for the reader at most `layer_read_timeout + collective_timeout` per layer. So
-//! the reader thread always ends, and the scope's join of it is bounded by those waits.
+//! loop waits for the reader at most `layer_read_timeout + collective_timeout + 5 ×
+//! store_call_timeout` per layer (a group may wait for the preflight's store calls before it
+//! is handed over). So the reader thread always ends, and the scope's join of it is bounded by
+//! those waits.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -290,11 +292,19 @@ impl LayerPipeline<'_> {
         // (and discards) its object itself, and two checks discarding the same object at once
         // would each see the other's discard as a missing object.
         let (companions_read, read) = std::sync::mpsc::channel::<()>();
-        let companions_limit = self.inner.config.store_call_timeout.saturating_mul(3);
+        // Finding, reading, and for a companion that does not fit, its object's size and the
+        // discard of both: four store calls at most.
+        let companions_limit = self.inner.config.store_call_timeout.saturating_mul(4);
+        let store_call_timeout = self.inner.config.store_call_timeout;
         let sizes = move || {
             let _ = read.recv_timeout(companions_limit);
             let t0 = Instant::now();
-            let r = self.layers.verify_sizes(reader);
+            // Its own deadline: the companions' calls may have used up the reader's.
+            let fresh = LayerReader {
+                deadline: kv_loader::deadline_after(store_call_timeout),
+                ..*reader
+            };
+            let r = self.layers.verify_sizes(&fresh);
             tracing::debug!(%batch, rank, took = ?t0.elapsed(), "preflight sizes");
             r
         };
@@ -452,13 +462,14 @@ impl LayerPipeline<'_> {
     ) -> (Option<LayerStage>, Option<KvLoadError>) {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
-        let mut limit = c.layer_read_timeout.saturating_add(c.collective_timeout);
-        if layer == 0 || layer + 1 == self.inner.geometry.num_layers() {
-            // The first and the last layer also wait for the reader's preflight (finding the
-            // checksum companions, reading them, then the sizes: three store calls at most in a
-            // row, each bounded by `store_call_timeout`).
-            limit = limit.saturating_add(c.store_call_timeout.saturating_mul(3));
-        }
+        // Besides its read, a group may wait for the reader's preflight before it is handed
+        // over (the first group, the last, and one whose read failed): the companions (four
+        // store calls at most in a row) and then the sizes (one), each bounded by
+        // `store_call_timeout`.
+        let limit = c
+            .layer_read_timeout
+            .saturating_add(c.collective_timeout)
+            .saturating_add(c.store_call_timeout.saturating_mul(5));
         match h.next_layer(kv_loader::deadline_after(limit)) {
             Wait::Got(m) if m.layer == layer => (m.stage, m.error),
             Wait::Got(m) => (

@@ -20,9 +20,9 @@ use crate::store::{KvStore, StoreCalls};
 ///
 /// It is the scheduler half of a split like vLLM's connector: a scheduler process (or thread)
 /// that owns no KV pool asks the probe; the ranks then load with `start_load` on the hit's
-/// pages, which are re-checked on the ranks (an object evicted in between fails that batch
-/// with `Store { NotFound }`, and the engine recomputes). It issues no collective, so any
-/// process may call it at any time.
+/// pages, which are re-checked on the ranks (an object evicted in between fails that batch on
+/// every rank, as `PeerFailed` with `store_not_found` in a group, and the engine recomputes).
+/// It issues no collective, so any process may call it at any time.
 ///
 /// ```
 /// use std::sync::Arc;

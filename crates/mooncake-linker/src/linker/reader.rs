@@ -112,6 +112,7 @@ pub(crate) struct GroupReads<'k> {
 }
 
 /// Reads groups of layers of one batch on one rank.
+#[derive(Clone, Copy)]
 pub(crate) struct LayerReader<'a> {
     pub(crate) calls: &'a StoreCalls,
     pub(crate) batch: BatchId,

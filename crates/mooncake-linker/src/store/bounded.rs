@@ -381,8 +381,9 @@ impl StoreCalls {
     }
 
     /// Reads the first `lens[i]` bytes of object `keys[i]` into buffers of the call's own
-    /// (ranged reads: inside a read session the store already holds, no other request to it),
-    /// bounded. A key that returns fewer bytes is a [`StoreError::ShortRead`].
+    /// (ranged reads; a store that needs a read session for them, as Mooncake, opens one for
+    /// keys not in one and ends it after the call: two more requests to its master), bounded.
+    /// A key that returns fewer bytes is a [`StoreError::ShortRead`].
     pub fn read_owned(
         &self,
         keys: &[&str],

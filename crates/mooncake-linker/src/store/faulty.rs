@@ -26,7 +26,7 @@ pub const STALL_LIMIT: Duration = Duration::from_secs(600);
 /// assert!(s.released());
 /// ```
 #[derive(Debug, Clone, Default)]
-pub struct Stall(Arc<(Mutex<bool>, Condvar)>);
+pub struct Stall(Arc<(Mutex<bool>, Condvar)>, Arc<AtomicU32>);
 
 impl Stall {
     /// A stall that holds calls until released.
@@ -45,8 +45,14 @@ impl Stall {
         *self.0 .0.lock()
     }
 
+    /// Calls it has held so far (a test waits for this to know a call is stuck).
+    pub fn hits(&self) -> u32 {
+        self.1.load(Ordering::Acquire)
+    }
+
     /// Holds the calling thread until released (at most [`STALL_LIMIT`]).
     fn hold(&self) {
+        self.1.fetch_add(1, Ordering::AcqRel);
         let deadline = kv_loader::deadline_after(STALL_LIMIT);
         let mut released = self.0 .0.lock();
         while !*released {

@@ -157,7 +157,9 @@ impl StoreCalls {
                         // SAFETY: every destination is a `ReadTarget` of one of `loans` (checked
                         // by `refusal`), so its bytes lie in memory the loan keeps allocated and
                         // that its landing touches and lends to no one else while the loan
-                        // lives; this closure holds the loans until the call has returned. No
+                        // lives (one stage per layer; a direct landing's slots claimed for
+                        // writing: no save source reads them, no other landing writes them);
+                        // this closure holds the loans until the call has returned. No
                         // two destinations of the whole read share a byte (checked), so the
                         // parts, run at once, write disjoint memory too.
                         let r = unsafe { s.get_ranges(&gets) };

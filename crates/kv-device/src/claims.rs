@@ -1,0 +1,201 @@
+//! Slot claims of a host pool: which page slots a landing is writing (through the store) and
+//! which a save is reading, so that kvlink's own safe paths never write a slot row while
+//! another of them reads or writes it. The engine's own slot copies
+//! ([`KvPool::read_slot`](crate::KvPool::read_slot) / `write_slot`) are `unsafe` and keep
+//! their own contract; these claims cover what kvlink does.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use crate::{DeviceError, KvPool};
+
+/// A slot claimed for writing (no reader, no other writer).
+const WRITER: u32 = u32::MAX;
+
+/// Per page slot of a pool: free, read by `n` saves, or written by one landing.
+///
+/// ```
+/// use std::sync::Arc;
+/// use kv_device::{HostKvPool, KvPool, SlotClaims};
+/// use kv_geometry::{KvGeometry, ModelKvSpec};
+/// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+/// let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 4).unwrap());
+/// let writing = SlotClaims::write(&pool, &[1, 2]).unwrap();
+/// assert!(SlotClaims::read(&pool, 2).is_err(), "a landing writes slot 2");
+/// assert!(SlotClaims::read(&pool, 3).is_ok());
+/// drop(writing);
+/// assert!(SlotClaims::read(&pool, 2).is_ok());
+/// ```
+#[derive(Debug)]
+pub struct SlotClaims {
+    states: Box<[AtomicU32]>,
+}
+
+impl SlotClaims {
+    /// Claims for `pages` page slots, all free.
+    pub fn new(pages: u32) -> Self {
+        SlotClaims {
+            states: (0..pages).map(|_| AtomicU32::new(0)).collect(),
+        }
+    }
+
+    fn of(pool: &Arc<dyn KvPool>) -> Result<&SlotClaims, DeviceError> {
+        pool.slot_claims().ok_or_else(|| {
+            DeviceError::Unavailable("this pool keeps no slot claims (HostKvPool does)".into())
+        })
+    }
+
+    fn state(&self, slot: u32) -> Result<&AtomicU32, DeviceError> {
+        self.states.get(slot as usize).ok_or(DeviceError::SlotBusy {
+            slot,
+            reason: "a slot past the pool",
+        })
+    }
+
+    /// Claims every slot of `slots` of `pool` for writing, all or none: refused
+    /// ([`DeviceError::SlotBusy`]) when a save reads one, another landing writes one, or one
+    /// is named twice. Released when the claim drops.
+    pub fn write(pool: &Arc<dyn KvPool>, slots: &[u32]) -> Result<WriteClaim, DeviceError> {
+        let claims = Self::of(pool)?;
+        for (i, &slot) in slots.iter().enumerate() {
+            let taken = claims.state(slot).and_then(|s| {
+                s.compare_exchange(0, WRITER, Ordering::Acquire, Ordering::Relaxed)
+                    .map_err(|held| DeviceError::SlotBusy {
+                        slot,
+                        reason: if held == WRITER {
+                            "a landing (or this one, named twice) writes it"
+                        } else {
+                            "a save reads it"
+                        },
+                    })
+            });
+            if let Err(e) = taken {
+                for &done in &slots[..i] {
+                    claims.states[done as usize].store(0, Ordering::Release);
+                }
+                return Err(e);
+            }
+        }
+        Ok(WriteClaim {
+            pool: pool.clone(),
+            slots: slots.into(),
+        })
+    }
+
+    /// Claims `slot` of `pool` for reading (beside other readers): refused
+    /// ([`DeviceError::SlotBusy`]) while a landing writes it. Released when the claim drops.
+    pub fn read(pool: &Arc<dyn KvPool>, slot: u32) -> Result<ReadClaim, DeviceError> {
+        let state = Self::of(pool)?.state(slot)?;
+        let mut seen = state.load(Ordering::Relaxed);
+        loop {
+            if seen >= WRITER - 1 {
+                return Err(DeviceError::SlotBusy {
+                    slot,
+                    reason: "a landing writes it",
+                });
+            }
+            match state.compare_exchange_weak(seen, seen + 1, Ordering::Acquire, Ordering::Relaxed)
+            {
+                Ok(_) => {
+                    return Ok(ReadClaim {
+                        pool: pool.clone(),
+                        slot,
+                    })
+                }
+                Err(now) => seen = now,
+            }
+        }
+    }
+}
+
+/// Slots a landing writes: no save reads them and no other landing writes them until this
+/// drops (see [`SlotClaims::write`]).
+pub struct WriteClaim {
+    pool: Arc<dyn KvPool>,
+    slots: Box<[u32]>,
+}
+
+impl Drop for WriteClaim {
+    fn drop(&mut self) {
+        if let Some(claims) = self.pool.slot_claims() {
+            for &slot in self.slots.iter() {
+                if let Some(s) = claims.states.get(slot as usize) {
+                    s.store(0, Ordering::Release);
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for WriteClaim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteClaim")
+            .field("slots", &self.slots.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A slot a save reads: no landing writes it until this drops (see [`SlotClaims::read`]).
+pub struct ReadClaim {
+    pool: Arc<dyn KvPool>,
+    slot: u32,
+}
+
+impl Drop for ReadClaim {
+    fn drop(&mut self) {
+        if let Some(s) = self
+            .pool
+            .slot_claims()
+            .and_then(|c| c.states.get(self.slot as usize))
+        {
+            s.fetch_sub(1, Ordering::Release);
+        }
+    }
+}
+
+impl std::fmt::Debug for ReadClaim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadClaim")
+            .field("slot", &self.slot)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HostKvPool;
+    use kv_geometry::{KvGeometry, ModelKvSpec};
+
+    fn pool() -> Arc<dyn KvPool> {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        Arc::new(HostKvPool::new(g, 4).unwrap())
+    }
+
+    #[test]
+    fn writers_exclude_everyone_and_readers_exclude_writers() {
+        let p = pool();
+        let w = SlotClaims::write(&p, &[0, 1]).unwrap();
+        assert!(matches!(
+            SlotClaims::write(&p, &[1, 2]),
+            Err(DeviceError::SlotBusy { slot: 1, .. })
+        ));
+        // All or none: slot 2 was given back when slot 1 was refused.
+        let r2 = SlotClaims::read(&p, 2).unwrap();
+        let r2b = SlotClaims::read(&p, 2).unwrap();
+        assert!(SlotClaims::write(&p, &[2]).is_err(), "read twice");
+        drop((r2, r2b));
+        assert!(SlotClaims::write(&p, &[2]).is_ok());
+        drop(w);
+        assert!(SlotClaims::write(&p, &[0, 1]).is_ok());
+    }
+
+    #[test]
+    fn a_slot_named_twice_or_past_the_pool_is_refused() {
+        let p = pool();
+        assert!(SlotClaims::write(&p, &[3, 3]).is_err());
+        assert!(SlotClaims::write(&p, &[3]).is_ok(), "nothing kept");
+        assert!(SlotClaims::write(&p, &[9]).is_err());
+        assert!(SlotClaims::read(&p, 9).is_err());
+    }
+}
