@@ -477,6 +477,36 @@ fn a_malformed_companion_makes_its_object_bad() {
     );
 }
 
+/// A companion longer than its format (a valid one with bytes after it) is as bad as a
+/// malformed one: the object and the companion are discarded.
+#[test]
+fn a_companion_longer_than_its_format_makes_its_object_bad() {
+    let Saved { store, pages, g } = saved(35, 2);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let key = linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
+        .unwrap()[0][1]
+        .clone();
+    let companion = checksum_key(&key);
+    let mut bytes = get(store.as_ref(), &companion).unwrap();
+    bytes.extend_from_slice(&[0u8; 16]);
+    assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
+    put(store.as_ref(), &companion, &bytes);
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![2, 3]))
+        .unwrap();
+    let err = linker.wait_layer(&t, 0).unwrap_err();
+    assert!(
+        matches!(&err, KvLoadError::BadObject { key: k, layer: None, .. } if *k == key),
+        "{err:?}"
+    );
+    assert_eq!(
+        store.exists(&[key.as_str(), &companion]),
+        vec![Ok(false), Ok(false)]
+    );
+}
+
 /// Page 1's object of component 0 gets `extra` bytes appended: every layer range still holds
 /// the saved bytes (and passes its checksum), only the size is wrong. Returns the key.
 fn lengthen_page_1(store: &dyn KvStore, g: &KvGeometry, pages: &[PageHash]) -> String {

@@ -296,8 +296,16 @@ impl LayerPipeline<'_> {
         // discard of both: four store calls at most.
         let companions_limit = self.inner.config.store_call_timeout.saturating_mul(4);
         let store_call_timeout = self.inner.config.store_call_timeout;
+        // Where every object has a companion the sizes need not hold layer 0 back: they start
+        // once the first group is read too, so that their queries (one per object) do not slow
+        // that read.
+        let (first_read, group_read) = std::sync::mpsc::channel::<()>();
+        let first_read_limit = self.inner.config.layer_read_timeout;
         let sizes = move || {
             let _ = read.recv_timeout(companions_limit);
+            if covered.load(Ordering::Acquire) {
+                let _ = group_read.recv_timeout(first_read_limit);
+            }
             let t0 = Instant::now();
             // Its own deadline: the companions' calls may have used up the reader's.
             let fresh = LayerReader {
@@ -336,6 +344,7 @@ impl LayerPipeline<'_> {
             companions,
             sizes,
             covered,
+            first_read: Some(first_read),
         }
     }
 

@@ -6,9 +6,10 @@
 //! - **The object sizes** (when `verify_object_sizes`) are one master query per key (Mooncake
 //!   has no batched size query), the slowest store work before layer 0. Where every object
 //!   this rank reads has a companion, each layer's bytes are checked against their checksums
-//!   anyway, so the sizes need not hold layer 0 back: their verdict is taken as soon as it is
-//!   in (checked between groups) and at the latest before the last group is handed over, so a
-//!   batch with a wrong-sized object still never completes. Where some object has no
+//!   anyway, so the sizes need not hold layer 0 back: they start once the first group is read
+//!   (their queries do not slow it), and their verdict is taken as soon as it is in (checked
+//!   between groups) and at the latest before the last group is handed over, so a batch with a
+//!   wrong-sized object still never completes. Where some object has no
 //!   companion (checksums off, or objects another writer saved), the sizes are what guards
 //!   its bytes, and they are checked before the first group, as the companions are.
 
@@ -106,6 +107,9 @@ pub(crate) struct PreflightChecks<'scope> {
     /// Every object this rank reads has a companion (its bytes are checked per layer): set by
     /// the companions' check before it ends, read once its verdict is taken.
     pub(crate) covered: &'scope AtomicBool,
+    /// Dropped once the first group is read: a size check that need not hold layer 0 back
+    /// waits for it, so that its queries do not slow layer 0's read.
+    pub(crate) first_read: Option<std::sync::mpsc::Sender<()>>,
 }
 
 impl PreflightChecks<'_> {
@@ -122,6 +126,8 @@ impl PreflightChecks<'_> {
     ) -> Result<(), KvLoadError> {
         let first = index == 0;
         let last = index + 1 >= groups;
+        // The first group is read (the reader asks for its verdicts right after the read).
+        self.first_read.take();
         let companions = if first {
             self.companions.verdict()
         } else {
@@ -164,6 +170,7 @@ mod tests {
                 companions: Check::spawn(s, "c".into(), BatchId(1), "companions", || Ok(())),
                 sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", slow_sizes),
                 covered: &COVERED,
+                first_read: None,
             };
             // The first and a middle group pass while the sizes are still being checked.
             assert!(checks.due(0, 3, false).is_ok());
@@ -185,6 +192,7 @@ mod tests {
                 }),
                 sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", || failed("wrong size")),
                 covered: &AtomicBool::new(false),
+                first_read: None,
             };
             assert!(
                 matches!(checks.due(0, 2, false), Err(KvLoadError::Config(m)) if m.detail() == "bad companion")
@@ -201,6 +209,7 @@ mod tests {
                 companions: Check::passed(BatchId(1), "companions"),
                 sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", || failed("wrong size")),
                 covered: &COVERED,
+                first_read: None,
             };
             let limit = Instant::now() + Duration::from_secs(10);
             while !checks.sizes.is_done() && Instant::now() < limit {
@@ -224,11 +233,30 @@ mod tests {
                     failed("wrong size")
                 }),
                 covered: &COVERED,
+                first_read: None,
             };
             assert!(
                 matches!(checks.due(1, 5, true), Err(KvLoadError::Config(m)) if m.detail() == "wrong size")
             );
         });
+    }
+
+    #[test]
+    fn the_first_groups_verdicts_say_it_was_read() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let mut checks = PreflightChecks {
+            companions: Check::passed(BatchId(1), "companions"),
+            sizes: Check::passed(BatchId(1), "sizes"),
+            covered: &COVERED,
+            first_read: Some(tx),
+        };
+        assert!(rx.try_recv().is_err() && checks.first_read.is_some());
+        checks.due(0, 3, false).unwrap();
+        // The sender is gone: a size check waiting for the first read goes on.
+        assert!(matches!(
+            rx.recv_timeout(Duration::from_secs(5)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected)
+        ));
     }
 
     #[test]

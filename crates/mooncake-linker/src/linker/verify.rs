@@ -121,7 +121,8 @@ impl Inner {
         Ok(plan)
     }
 
-    /// Reads the present companions (each read once, whole: no session outlives the call) and
+    /// Reads the present companions (each read once, whole: no read session, so no request
+    /// to a master beyond the read, and no wait on the sessions the load's data reads use) and
     /// decodes them. A companion that is not one (malformed, another layout, cut short) makes
     /// its object bad: both are discarded and the batch fails on this rank.
     pub(crate) fn read_companions(
@@ -137,7 +138,7 @@ impl Inner {
         let lens: Vec<usize> = plan.wanted.iter().map(|w| w.len).collect();
         let got = self
             .calls
-            .read_owned(&keys, &lens, self.store_call_deadline());
+            .read_whole_owned(&keys, &lens, self.store_call_deadline());
         for (w, r) in plan.wanted.iter().zip(got) {
             let comp = if w.shared {
                 &layers.shared[w.comp]
@@ -151,6 +152,10 @@ impl Inner {
                 Err(StoreError::ShortRead { got, expected, .. }) => Err(format!(
                     "checksum object of {got} bytes, {expected} expected"
                 )),
+                // Read whole: a companion longer than its format is refused by the store.
+                Err(StoreError::InvalidArgument { detail, .. }) => {
+                    Err(format!("checksum object that does not fit: {detail}"))
+                }
                 Err(e) => return Err(store_failure(batch, None, vec![w.page as u32], &e)),
             };
             match decoded {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use tracing::{error, warn};
 
-use super::{KvStore, RangedGet, ReadRange, ReadSession};
+use super::{KvStore, ObjectGet, RangedGet, ReadRange, ReadSession};
 use super::{ReadSession as Session, StoreError};
 
 /// Most store calls running at once, hung ones included.
@@ -380,6 +380,35 @@ impl StoreCalls {
         }
     }
 
+    /// Reads objects `keys[i]` whole, each into a buffer of the call's own of `lens[i]` bytes
+    /// (whole-object reads: no read session, so no request to a master beyond the read),
+    /// bounded. An object of fewer bytes is a [`StoreError::ShortRead`]; one of more fails as
+    /// the store says (a buffer too small).
+    pub fn read_whole_owned(
+        &self,
+        keys: &[&str],
+        lens: &[usize],
+        deadline: Instant,
+    ) -> Vec<Result<Vec<u8>, StoreError>> {
+        let lens = lens.to_vec();
+        self.per_key("read_whole_owned", owned(keys), deadline, move |s, k| {
+            let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+            let gets: Vec<ObjectGet<'_>> = k
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(key, buf)| ObjectGet {
+                    key,
+                    dst: buf.as_mut_ptr(),
+                    len: buf.len(),
+                })
+                .collect();
+            // SAFETY: every destination is a buffer this closure owns, of exactly its length,
+            // distinct from the others, alive and untouched until the call returns.
+            let got = unsafe { s.get_into(&gets) };
+            owned_results(k, bufs, super::checked_results(k, got))
+        })
+    }
+
     /// Reads the first `lens[i]` bytes of object `keys[i]` into buffers of the call's own
     /// (ranged reads; a store that needs a read session for them, as Mooncake, opens one for
     /// keys not in one and ends it after the call: two more requests to its master), bounded.
@@ -410,22 +439,30 @@ impl StoreCalls {
             // SAFETY: every destination is a buffer this closure owns, of exactly its length,
             // distinct from the others, alive and untouched until the call returns.
             let got = unsafe { s.get_ranges(&gets) };
-            let got = super::checked_results(k, got);
-            got.into_iter()
-                .zip(bufs)
-                .zip(k)
-                .map(|((r, buf), key)| match r {
-                    Ok(n) if n == buf.len() as u64 => Ok(buf),
-                    Ok(n) => Err(StoreError::ShortRead {
-                        key: (*key).to_owned(),
-                        expected: buf.len() as u64,
-                        got: n,
-                    }),
-                    Err(e) => Err(e),
-                })
-                .collect()
+            owned_results(k, bufs, super::checked_results(k, got))
         })
     }
+}
+
+/// Each key's buffer when the store filled it whole, else a short read (or the store's error).
+fn owned_results(
+    keys: &[&str],
+    bufs: Vec<Vec<u8>>,
+    got: Vec<Result<u64, StoreError>>,
+) -> Vec<Result<Vec<u8>, StoreError>> {
+    got.into_iter()
+        .zip(bufs)
+        .zip(keys)
+        .map(|((r, buf), key)| match r {
+            Ok(n) if n == buf.len() as u64 => Ok(buf),
+            Ok(n) => Err(StoreError::ShortRead {
+                key: (*key).to_owned(),
+                expected: buf.len() as u64,
+                got: n,
+            }),
+            Err(e) => Err(e),
+        })
+        .collect()
 }
 
 #[cfg(test)]
