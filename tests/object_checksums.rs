@@ -449,18 +449,24 @@ fn objects_without_companions_load_with_length_only_verification_and_say_so() {
     assert_eq!((m.ranges_checksummed, m.ranges_length_only), (0, ranges));
 }
 
-#[test]
-fn a_malformed_companion_makes_its_object_bad() {
-    let Saved { store, pages, g } = saved(33, 2);
+/// The companion of component `comp`'s object of page `page` is rewritten by `rewrite`: the
+/// load fails at layer 0 naming the object, and the object and its companion are discarded.
+fn a_rewritten_companion_makes_its_object_bad(
+    seed: u32,
+    comp: usize,
+    page: usize,
+    rewrite: impl FnOnce(&mut Vec<u8>),
+) {
+    let Saved { store, pages, g } = saved(seed, 2);
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
     let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
     let key = linker
         .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
-        .unwrap()[1][0]
+        .unwrap()[comp][page]
         .clone();
     let companion = checksum_key(&key);
     let mut bytes = get(store.as_ref(), &companion).unwrap();
-    bytes[9] ^= 1;
+    rewrite(&mut bytes);
     assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
     put(store.as_ref(), &companion, &bytes);
     let t = linker
@@ -477,34 +483,18 @@ fn a_malformed_companion_makes_its_object_bad() {
     );
 }
 
+#[test]
+fn a_malformed_companion_makes_its_object_bad() {
+    a_rewritten_companion_makes_its_object_bad(33, 1, 0, |bytes| bytes[9] ^= 1);
+}
+
 /// A companion longer than its format (a valid one with bytes after it) is as bad as a
-/// malformed one: the object and the companion are discarded.
+/// malformed one.
 #[test]
 fn a_companion_longer_than_its_format_makes_its_object_bad() {
-    let Saved { store, pages, g } = saved(35, 2);
-    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
-    let key = linker
-        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
-        .unwrap()[0][1]
-        .clone();
-    let companion = checksum_key(&key);
-    let mut bytes = get(store.as_ref(), &companion).unwrap();
-    bytes.extend_from_slice(&[0u8; 16]);
-    assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
-    put(store.as_ref(), &companion, &bytes);
-    let t = linker
-        .start_load(load_plan(&g, 1, &pages, vec![2, 3]))
-        .unwrap();
-    let err = linker.wait_layer(&t, 0).unwrap_err();
-    assert!(
-        matches!(&err, KvLoadError::BadObject { key: k, layer: None, .. } if *k == key),
-        "{err:?}"
-    );
-    assert_eq!(
-        store.exists(&[key.as_str(), &companion]),
-        vec![Ok(false), Ok(false)]
-    );
+    a_rewritten_companion_makes_its_object_bad(35, 0, 1, |bytes| {
+        bytes.extend_from_slice(&[0u8; 16])
+    });
 }
 
 /// Page 1's object of component 0 gets `extra` bytes appended: every layer range still holds

@@ -372,23 +372,7 @@ fn verify_rank(rank: &RankRig, prefix: &Prefix) -> Result<u64> {
 
 #[cfg(feature = "cuda")]
 fn nccl_groups(tp: u32) -> Result<Vec<TpGroup>> {
-    use kvlink::dedup_broadcast::nccl::{NcclConfig, NcclGroup};
-    use kvlink::dedup_broadcast::{Collective, GroupFormation};
-    let ordinals: Vec<u32> = (0..tp).collect();
-    let data = NcclGroup::new_in_process(&ordinals).map_err(|e| anyhow!("NCCL data group: {e}"))?;
-    let control =
-        NcclGroup::new_in_process(&ordinals).map_err(|e| anyhow!("NCCL control group: {e}"))?;
-    let formation: Arc<dyn GroupFormation> =
-        Arc::new(NcclGroup::formation(ordinals, NcclConfig::default()));
-    Ok(data
-        .into_iter()
-        .zip(control)
-        .map(|(d, c)| TpGroup {
-            data: Arc::new(d) as Arc<dyn Collective>,
-            control: Arc::new(c) as Arc<dyn Collective>,
-            formation: Some(formation.clone()),
-        })
-        .collect())
+    kvlink_rig::tp::nccl_groups(tp).map_err(|e| anyhow!(e))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -16,7 +16,7 @@ use mooncake_linker::dedup_broadcast::ModeChoice;
 use mooncake_linker::LinkerConfig;
 
 pub use batch::{clear_pools, compare_all, compare_pool, run_batch, RankRun};
-pub use groups::{close_all, linkers, Groups};
+pub use groups::{close_all, linkers, nccl_groups, Groups};
 pub use prefix::{plan, save_prefix, Prefix};
 pub use rank_dev::{gpu_mem, host_available, open_device, rank_devs, RankDev};
 

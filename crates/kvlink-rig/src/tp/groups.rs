@@ -67,7 +67,7 @@ impl Groups {
 }
 
 /// NCCL data and control groups over GPUs `0..tp`, with the data group's formation.
-fn nccl_groups(tp: u32) -> Result<Vec<TpGroup>, String> {
+pub fn nccl_groups(tp: u32) -> Result<Vec<TpGroup>, String> {
     let ordinals: Vec<u32> = (0..tp).collect();
     let data = NcclGroup::new_in_process(&ordinals).map_err(|e| format!("NCCL data group: {e}"))?;
     let control =
