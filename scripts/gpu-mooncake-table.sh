@@ -19,10 +19,11 @@
 #            Linker itself (adaptive layer groups, store defaults; the wheel's 4 TCP lanes and
 #            8) with the engine computing 0 / 5.76 ms per layer (SIMULATED: the modelled
 #            compute at 32K), 32K tokens, one storage node                 (about 3 min)
-#   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8, 32K,
-#            every mode, one storage node, if this build's glm_prefill has the mode (a build
-#            after issue 14 part 2 is merged); else the part says so and exits 0 (about 2-4 min)
-# KVLINK_TABLE_TOKENS / KVLINK_TABLE_TP (host, nodes, device): the prefix sizes and TP sizes
+#   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8
+#            (KVLINK_TABLE_TP), 32K, every mode and Auto, then Auto alone a second time (two
+#            runs must agree), one storage node, if this build's glm_prefill has the mode;
+#            else the part says so and exits 0                              (about 3-5 min)
+# KVLINK_TABLE_TOKENS / KVLINK_TABLE_TP (host, nodes, device; TP also procs): the prefix sizes and TP sizes
 #           (default 32768,131072 and 2,4,8), to split a part that would not fit one command
 #           (e.g. KVLINK_TABLE_TOKENS=131072 KVLINK_TABLE_TP=8 ... --part host).
 # --quick   small sizes (2K tokens, TP 2 and 4, one rep, one Auto run; device pools on CPU
@@ -152,6 +153,7 @@ case "$part" in
     if run_bundle 1 glm_prefill --help 2>/dev/null | grep -q -- '--ranks-as'; then
       export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
       if [[ $quick -eq 1 ]]; then tokens=2048; tps="2 4"; compute=5480; else tokens=32768; tps="2 4 8"; compute=5760; fi
+      tps="${KVLINK_TABLE_TP:-$tps}"; tps="${tps//,/ }"
       tag=$((tokens / 1024))k
       : > "$out/procs.stdout.log"
       for tp in $tps; do
@@ -168,12 +170,28 @@ case "$part" in
           --tokens "$tokens" --compute-us "$compute" --svg "/tmp/glm_prefill_procs_tp$tp.svg" "${extra[@]}" \
           >> "$file" 2>> "$out/procs.stderr.log" || one=$?
         [[ $one -eq 0 ]] || rc=$one
+        # Auto again, alone (a second run of its calibration on the same saved prefix: two
+        # runs must agree on its pick).
         {
           echo '```'
           echo
-          echo "glm_prefill exit status $one (0: every mode loaded and every rank's pool verified)"
+          echo "## Auto, second run (\`glm_prefill --mode auto\`, same flags)"
           echo
-          if [[ $one -eq 0 ]]; then echo "1 passed, 0 failed"; else echo "0 passed, 1 failed"; fi
+          echo '```'
+        } >> "$file"
+        two=0
+        run_bundle 1 glm_prefill --store mooncake --ranks-as processes --mode auto --tp "$tp" \
+          --tokens "$tokens" --compute-us "$compute" "${extra[@]}" \
+          >> "$file" 2>> "$out/procs.stderr.log" || two=$?
+        [[ $two -eq 0 ]] || rc=$two
+        {
+          echo '```'
+          echo
+          echo "glm_prefill exit status: compare $one, Auto again $two (0: every mode loaded and every rank's pool verified)"
+          echo
+          passed=0; failed=0
+          for x in $one $two; do if [[ $x -eq 0 ]]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi; done
+          echo "$passed passed, $failed failed"
         } >> "$file"
         cat "$file" >> "$out/procs.stdout.log"
       done

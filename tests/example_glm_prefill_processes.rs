@@ -116,6 +116,19 @@ fn ranks_as_processes_run_every_mode_and_every_pool_verifies() {
     ] {
         assert!(out.contains(mode), "no row {mode}: {out}");
     }
+    // Auto measured until it decided (rank 0's word ends the calibration on every rank), and
+    // the measured load ran the mode it keeps.
+    let auto = out
+        .lines()
+        .find(|l| l.contains("Auto chose "))
+        .unwrap_or_else(|| panic!("no Auto line: {out}"));
+    let chose = auto
+        .split("Auto chose ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .unwrap_or_default();
+    assert!(auto.contains(&format!("Auto keeps {chose}:")), "{auto}");
+    assert!(auto.contains(" ms/GB ("), "{auto}");
     assert!(!out.contains("FAILED"), "{out}");
     for r in 0..3 {
         assert!(

@@ -29,6 +29,8 @@ pub(super) struct RankReport {
     /// Bytes compared in this rank's pool, or where it differs.
     pub(super) verified: Option<Result<u64, String>>,
     pub(super) verify_time: Duration,
+    /// Auto's pick with its reason, from this rank's calibration batches (rank 0's decide).
+    pub(super) auto_reason: Option<String>,
 }
 
 fn one_line(s: &str) -> String {
@@ -75,6 +77,7 @@ impl RankReport {
         opt("start_err", &self.start_err);
         opt("layer_err", &self.layer_err);
         opt("batch_err", &self.batch_err);
+        opt("auto_reason", &self.auto_reason);
         if let Some(m) = self.mode {
             lines.push(format!("mode\t{}", mode_name(m)));
         }
@@ -112,6 +115,7 @@ impl RankReport {
                 "start_err" => r.start_err = Some(v.to_string()),
                 "layer_err" => r.layer_err = Some(v.to_string()),
                 "batch_err" => r.batch_err = Some(v.to_string()),
+                "auto_reason" => r.auto_reason = Some(v.to_string()),
                 "mode" => {
                     r.mode = Some(match v {
                         "AllRanks" => ShareMode::AllRanks,
@@ -148,6 +152,15 @@ pub(super) fn all_gather(coll: &dyn Collective, bytes: &[u8]) -> Result<Vec<Vec<
             b
         })
         .collect())
+}
+
+/// Rank 0's `word`, on every rank (each rank calls it at the same point with its own word).
+pub(super) fn rank0_word(coll: &dyn Collective, word: u64) -> Result<u64> {
+    let words = coll.all_gather_u64(word, deadline())?;
+    words
+        .first()
+        .copied()
+        .ok_or_else(|| anyhow!("an all-gather over the control handle returned no word"))
 }
 
 /// Waits until every rank is here.

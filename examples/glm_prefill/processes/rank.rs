@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use kvlink::dedup_broadcast::{MeetingPoint, ModeChoice, Rendezvous, RendezvousConfig};
+use kvlink::dedup_broadcast::{Collective, MeetingPoint, ModeChoice, Rendezvous, RendezvousConfig};
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec};
 use kvlink::kv_loader::{
@@ -20,6 +20,7 @@ use super::gather::{self, RankReport};
 use super::stores::{self, NAMESPACE_ATTRIBUTE};
 use super::tables::{assemble, finish, header, own_summary};
 use crate::args::{Args, ModeArg};
+use crate::auto_reason::Calibration;
 use crate::pattern::Pattern;
 use crate::progress::Progress;
 use crate::report::{bytes, ms, thousands};
@@ -279,12 +280,29 @@ fn load_mode(
                 hit.pages.len()
             );
         }
-        if mode == ModeArg::Auto {
-            calibrate_auto(ctx, &linker, &slots)?;
-        }
+        let calibration = if mode == ModeArg::Auto {
+            Some(calibrate_auto(
+                ctx,
+                &linker,
+                &slots,
+                formed.group.control.as_ref(),
+            )?)
+        } else {
+            None
+        };
         // Every rank starts its load together (as the threads shape's barrier does).
         gather::barrier(formed.group.control.as_ref())?;
         load(ctx, rank, &linker, &slots, &mut rep);
+        if let Some(seen) = calibration {
+            rep.auto_reason = Some(match linker.auto_decision() {
+                Some(kept) => seen.reason(kept),
+                None => format!(
+                    "Auto had not decided after {} calibration batches ({})",
+                    seen.batches(),
+                    seen.order().join(", ")
+                ),
+            });
+        }
         Ok(())
     })();
     if let Err(e) = loaded {
@@ -302,10 +320,23 @@ fn load_mode(
     rep
 }
 
-/// Auto measures before it chooses: one batch per mode on this rank's linker (every rank
-/// does the same), not timed.
-fn calibrate_auto(ctx: &Ctx, linker: &Linker, slots: &[u32]) -> Result<()> {
-    for batch in 100..103u64 {
+/// Auto measures before it chooses: batches in each mode on this rank's linker (every rank
+/// does the same, not timed) until rank 0's linker keeps a mode, at most [`CALIBRATION_CAP`].
+/// Before each batch the ranks agree on rank 0's word (its linker decided or not) over the
+/// control handle, so every rank runs the same number of batches. Returns this rank's batches
+/// (rank 0's give Auto's reason).
+fn calibrate_auto(
+    ctx: &Ctx,
+    linker: &Linker,
+    slots: &[u32],
+    control: &dyn Collective,
+) -> Result<Calibration> {
+    let mut seen = Calibration::default();
+    for batch in 100..100 + CALIBRATION_CAP {
+        let decided = u64::from(linker.auto_decision().is_some());
+        if gather::rank0_word(control, decided)? != 0 {
+            break;
+        }
         let plan = BatchPlan::all_components(
             linker.geometry(),
             BatchId(batch),
@@ -319,10 +350,14 @@ fn calibrate_auto(ctx: &Ctx, linker: &Linker, slots: &[u32]) -> Result<()> {
         for l in 0..linker.num_layers() {
             linker.wait_layer(&t, l)?;
         }
-        linker.wait_batch(&t)?.result?;
+        let stats = linker.wait_batch(&t)?.result?;
+        seen.record(stats.mode, stats.bytes_landed, stats.last_layer);
     }
-    Ok(())
+    Ok(seen)
 }
+
+/// Most calibration batches Auto gets: 3 per mode is 9 at most; the rest is slack.
+const CALIBRATION_CAP: u64 = 12;
 
 /// The load of batch 1 with the simulated compute: an engine thread waits for each layer and
 /// "computes" it, a watcher notes when each layer is ready.

@@ -163,9 +163,10 @@ pub(super) fn assemble(
         ranks,
         timeline,
         auto_reason: (mode == ModeArg::Auto).then(|| {
-            "Its reason is in rank 0's log (RUST_LOG=info): the rank processes do not report \
-             their calibration batches to the launcher."
-                .to_string()
+            reports
+                .first()
+                .and_then(|r| r.auto_reason.clone())
+                .unwrap_or_else(|| "rank 0 reported no calibration batches".to_string())
         }),
     };
     report_run(ctx, &run, out)?;
