@@ -954,3 +954,74 @@ s.close()
         medians[1] / medians[2]
     ));
 }
+
+/// Thousands of small objects read whole in one call (a 128K-token prefix's checksum
+/// companions: 4,096 per rank) all arrive, in bounded time. The wheel's `batch_get_into` with
+/// that many keys over TCP stalled until its 60 s transfer timeout on the GPU host; the store
+/// splits such reads into calls of at most `mooncake::MAX_WHOLE_READS_PER_CALL` keys.
+#[test]
+fn thousands_of_small_objects_read_whole_in_one_call() {
+    if !available(
+        "thousands_of_small_objects_read_whole_in_one_call",
+        &["MOONCAKE_MASTER_BIN", "MOONCAKE_CLIENT_BIN"],
+    ) {
+        return;
+    }
+    const OBJECTS: usize = 4096;
+    const LEN: usize = 640;
+    let master = PrivateMaster::start(&[]);
+    let _node = StorageNode::start(&master, "256 MB");
+    let store = Arc::new(MooncakeStore::connect(master.config(0)).expect("connect"));
+    let keys: Vec<String> = (0..OBJECTS).map(|i| unique(&format!("small{i}"))).collect();
+    let data: Vec<Vec<u8>> = (0..OBJECTS).map(|i| pattern(i as u64, LEN)).collect();
+    for (k, d) in keys.chunks(256).zip(data.chunks(256)) {
+        let puts: Vec<ObjectPut<'_>> = k
+            .iter()
+            .zip(d)
+            .map(|(k, d)| ObjectPut {
+                key: k,
+                parts: [(d.as_ptr(), d.len())].into_iter().collect(),
+            })
+            .collect();
+        // SAFETY: `data` outlives the call.
+        let put = unsafe { store.put(&puts) };
+        assert!(put.iter().all(|r| r == &Ok(PutOutcome::Written)), "{put:?}");
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = {
+        let (store, keys) = (store.clone(), keys.clone());
+        std::thread::spawn(move || {
+            let mut bufs = vec![vec![0u8; LEN]; OBJECTS];
+            let gets: Vec<ObjectGet<'_>> = keys
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(key, b)| ObjectGet {
+                    key,
+                    dst: b.as_mut_ptr(),
+                    len: b.len(),
+                })
+                .collect();
+            let t = Instant::now();
+            // SAFETY: each destination is a buffer of this thread, of its length, distinct,
+            // untouched until the call returns.
+            let got = unsafe { store.get_into(&gets) };
+            let took = t.elapsed();
+            let _ = tx.send((got, bufs, took));
+        })
+    };
+    let (got, bufs, took) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("4,096 whole reads in one call did not return within 30 s");
+    let _ = reader.join();
+    report(&format!(
+        "{OBJECTS} objects of {LEN} B read whole in one call: {took:?}"
+    ));
+    assert!(
+        got.iter().all(|r| r == &Ok(LEN as u64)),
+        "{:?}",
+        got.iter().find(|r| r != &&Ok(LEN as u64))
+    );
+    for (i, b) in bufs.iter().enumerate() {
+        assert_eq!(b, &data[i], "object {i}");
+    }
+}

@@ -27,4 +27,4 @@ pub use config::{
 };
 pub use gate::UNREGISTER_WAIT;
 pub use mooncake_sys::ReplicateConfig;
-pub use store::{code_error, store_error, MooncakeStore};
+pub use store::{code_error, store_error, MooncakeStore, MAX_WHOLE_READS_PER_CALL};

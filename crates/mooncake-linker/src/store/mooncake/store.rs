@@ -16,6 +16,12 @@ use crate::store::{
 
 /// Most threads one `object_size` call asks the master on.
 const SIZE_QUERY_THREADS: usize = 8;
+/// Most keys one whole-object read call (`batch_get_into`) carries; longer reads are split
+/// into calls made one after the other. The wheel's TCP transfer stalled until its 60 s
+/// timeout with 4,096 small objects in one call (a 128K-token prefix's checksum companions),
+/// and eight calls of 512 at once on one client failed transfers; 1,024 per call (a 32K
+/// prefix's companions) ran on every GPU-host run.
+pub const MAX_WHOLE_READS_PER_CALL: usize = 1024;
 /// Keys per thread below which `object_size` asks on fewer threads.
 const SIZE_QUERY_KEYS_PER_THREAD: usize = 32;
 
@@ -407,27 +413,28 @@ impl KvStore for MooncakeStore {
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
         let (valid, mut out) = vet_reads(&keys, |i| gets[i].dst.is_null(), |_| true);
-        if valid.is_empty() {
-            return out;
-        }
-        let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
-        let ckeys = match CKeys::new(&names) {
-            Ok(k) => k,
-            Err(e) => {
-                for &i in &valid {
-                    out[i] = Err(store_error(keys[i], &e));
-                }
-                return out;
-            }
-        };
-        let ptrs: Vec<*mut u8> = valid.iter().map(|&i| gets[i].dst).collect();
-        let sizes: Vec<usize> = valid.iter().map(|&i| gets[i].len).collect();
         let _transfer = self.transfers.transfer();
-        // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract) that each
-        // `dst` is valid for writes of `len` bytes, not accessed by anyone else during the call,
-        // and registered where the transport needs it; the call is synchronous.
-        let results = unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
-        per_key(&keys, results, &valid, &mut out);
+        // The wheel's `batch_get_into` stalls (until its 60 s transfer timeout) when one call
+        // carries thousands of keys over TCP: at most MAX_WHOLE_READS_PER_CALL keys per call.
+        for part in valid.chunks(MAX_WHOLE_READS_PER_CALL) {
+            let names: Vec<&str> = part.iter().map(|&i| keys[i]).collect();
+            let ckeys = match CKeys::new(&names) {
+                Ok(k) => k,
+                Err(e) => {
+                    for &i in part {
+                        out[i] = Err(store_error(keys[i], &e));
+                    }
+                    continue;
+                }
+            };
+            let ptrs: Vec<*mut u8> = part.iter().map(|&i| gets[i].dst).collect();
+            let sizes: Vec<usize> = part.iter().map(|&i| gets[i].len).collect();
+            // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract) that
+            // each `dst` is valid for writes of `len` bytes, not accessed by anyone else during
+            // the call, and registered where the transport needs it; the call is synchronous.
+            let results = unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
+            per_key(&keys, results, part, &mut out);
+        }
         out
     }
 
