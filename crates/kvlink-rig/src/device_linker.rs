@@ -84,6 +84,9 @@ pub fn device_linker(
     let config = LinkerConfig {
         wait_deadline: Duration::from_secs(60),
         read_parallelism,
+        // As many hashing threads as readers (what this rig measured before the two were
+        // separate settings).
+        verify_threads: read_parallelism,
         ..LinkerConfig::default()
     };
     let linker = Linker::with_landings(g.clone(), store, pool.clone(), landings, config, None)

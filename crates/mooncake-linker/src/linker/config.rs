@@ -70,6 +70,12 @@ pub struct LinkerConfig {
     /// (1: one batched call per group of layers). Stores whose batched call is served by one
     /// thread (the embedded store) read faster with more.
     pub read_parallelism: usize,
+    /// Threads one layer's checksum verification may use at most (a layer under 8 MB is
+    /// checked on the load thread alone; 0 counts as 1). The check sits on the load thread
+    /// between a layer's read and its share step, so one core hashing a fast store's layer
+    /// bounds the load: in `Rank0Broadcast` rank 0 checks every byte of every layer (GLM-5.2
+    /// at 32K tokens: 22.7 MB per layer, about 4.7 ms on one core of the H200 host).
+    pub verify_threads: usize,
     /// How many layers each store call reads: adaptive by default (groups planned per batch
     /// from measured costs and compute, layer 0 alone), or a fixed count.
     pub read_granularity: ReadGranularity,
@@ -152,6 +158,7 @@ impl Default for LinkerConfig {
             verify_checksums: true,
             store_call_timeout: Duration::from_secs(20),
             read_parallelism: 1,
+            verify_threads: 4,
             read_granularity: ReadGranularity::ADAPTIVE,
             read_bytes_in_flight: 2 << 30,
             save_chunk: 64,

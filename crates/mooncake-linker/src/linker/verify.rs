@@ -233,7 +233,7 @@ pub(crate) struct LayerCheck<'a> {
 
 impl LayerCheck<'_> {
     /// Every range this rank read at `layer`, checked; the first that fails (in component,
-    /// then page order) is the error. The hashing runs on up to `read_parallelism` threads
+    /// then page order) is the error. The hashing runs on up to `verify_threads` threads
     /// when the layer is large enough to gain from them: it sits on the load thread between
     /// the reader and the landing, so one core hashing a fast store's layer would bound the
     /// load.
@@ -249,7 +249,7 @@ impl LayerCheck<'_> {
         let t0 = std::time::Instant::now();
         let rows = self.rows(landing, stage, layer)?;
         let verdicts =
-            verify_rows(&rows, layer, self.inner.config.read_parallelism).ok_or_else(|| {
+            verify_rows(&rows, layer, self.inner.config.verify_threads).ok_or_else(|| {
                 KvLoadError::internal(
                     self.batch,
                     format!("a layer {layer} verification thread panicked"),
@@ -339,6 +339,9 @@ struct Row<'a> {
     bytes: &'a [u8],
 }
 
+/// Most threads one layer's check starts, whatever `verify_threads` says.
+const MAX_VERIFY_THREADS: usize = 64;
+
 /// Bytes of a layer below which its rows are hashed on the calling thread alone.
 const PARALLEL_VERIFY_BYTES: usize = 8 << 20;
 
@@ -353,7 +356,7 @@ fn verify_rows(
     let verify =
         |r: &Row<'_>| ObjectChecksums::verify_layer(r.sums, &r.component.layout, layer, r.bytes);
     let total: usize = rows.iter().map(|r| r.bytes.len()).sum();
-    let threads = threads.clamp(1, rows.len().max(1));
+    let threads = threads.clamp(1, rows.len().clamp(1, MAX_VERIFY_THREADS));
     if threads == 1 || total < PARALLEL_VERIFY_BYTES {
         return Some(rows.iter().map(verify).collect());
     }
@@ -418,6 +421,9 @@ mod tests {
         let inline = verify_rows(&rows, 3, 1).unwrap();
         let threaded = verify_rows(&rows, 3, 4).unwrap();
         assert_eq!(threaded, inline);
+        // A hostile thread count is capped (MAX_VERIFY_THREADS), not 300 threads or a panic.
+        assert_eq!(verify_rows(&rows, 3, usize::MAX).unwrap(), inline);
+        assert_eq!(verify_rows(&rows, 3, 0).unwrap(), inline);
         assert_eq!(threaded.len(), 300);
         for (page, v) in threaded.iter().enumerate() {
             match page {
