@@ -114,8 +114,13 @@ impl LayerPipeline<'_> {
         // Without a landing every layer fails; two empty stages keep the layers moving.
         let ring = stages.len().max(2);
         let mut stages = stages.into_iter();
+        // A whole group may wait for the exchange loop: the reader hands a group's layers over
+        // as its call returns and starts the next group's read at once (only free stages hold
+        // it back). With room for one layer it sat in the hand-off until the loop had taken all
+        // but one layer of the group, so reads and share steps took turns instead of
+        // overlapping (Rank0Broadcast, TP 8: rank 0 waited for reads half its time).
         let handoff: Handoff<Option<LayerStage>, ReadLayer> =
-            Handoff::new((0..ring).map(|_| stages.next()), 1);
+            Handoff::new((0..ring).map(|_| stages.next()), ring);
         let h = &handoff;
         std::thread::scope(|s| {
             let reader = std::thread::Builder::new()
