@@ -1,7 +1,7 @@
 //! How many layers each store call of a load reads ([`ReadGranularity`], configured), and the
-//! per-linker state the adaptive plan decides from: a [`ReadCostEstimator`] fed by every
-//! group call, and the engine's compute per layer (configured, or measured by
-//! [`ComputeMeter`]).
+//! per-linker state the adaptive plan decides from: a [`ReadCostEstimator`] per share mode fed
+//! by every group call in that mode, and the engine's compute per layer (configured, or
+//! measured by [`ComputeMeter`]).
 
 use std::ops::Range;
 use std::time::Duration;
@@ -94,12 +94,21 @@ const UNMEASURED_COMPUTE: Duration = Duration::from_micros(1);
 /// Weight of a new batch in the running mean of a mode's share step per layer.
 const SHARE_EWMA: f64 = 0.5;
 
-/// The per-linker state of read granularity: the cost estimate, the compute meter, and each
-/// mode's share step per layer.
+/// The per-linker state of read granularity: each mode's cost estimate, the compute meter, and
+/// each mode's share step per layer.
+///
+/// A call's cost is estimated per share mode because it depends on how many ranks read at
+/// once: in `AllRanks` at TP 8 every rank's call shares one storage node with seven others,
+/// and a fit over those calls (hundreds of ms of fixed cost each) made a later
+/// `SplitAllGather` batch of the same linker read all 78 layers in one call, its first layer
+/// ready only with the last (`Auto` measures every mode on one linker).
 #[derive(Debug)]
 pub(crate) struct ReadGroups {
     granularity: ReadGranularity,
-    estimator: Mutex<ReadCostEstimator>,
+    /// By [`ShareMode::index`].
+    estimators: Mutex<[ReadCostEstimator; ShareMode::COUNT]>,
+    /// The mode of the last group call observed (what [`ReadGroups::last_cost`] reports).
+    last_mode: Mutex<ShareMode>,
     pub(crate) compute: ComputeMeter,
     /// Seconds per layer the exchange loop spent in each mode's share step (collective,
     /// scatter, land): a running mean over batches, by [`ShareMode::index`].
@@ -114,7 +123,8 @@ impl ReadGroups {
         };
         ReadGroups {
             granularity,
-            estimator: Mutex::new(ReadCostEstimator::new(prior)),
+            estimators: Mutex::new(std::array::from_fn(|_| ReadCostEstimator::new(prior))),
+            last_mode: Mutex::new(ShareMode::AllRanks),
             compute: ComputeMeter::default(),
             share: Mutex::new([None; ShareMode::COUNT]),
         }
@@ -133,16 +143,23 @@ impl ReadGroups {
         self.share.lock()[mode.index()].and_then(|s| Duration::try_from_secs_f64(s).ok())
     }
 
-    /// A group call read `layers` layers, `bytes` bytes, in `took`.
-    pub(crate) fn observe(&self, layers: u32, bytes: u64, took: Duration) {
+    /// A group call of a batch in `mode` read `layers` layers, `bytes` bytes, in `took`.
+    pub(crate) fn observe(&self, mode: ShareMode, layers: u32, bytes: u64, took: Duration) {
         if bytes > 0 {
-            self.estimator.lock().observe(layers, bytes, took);
+            self.estimators.lock()[mode.index()].observe(layers, bytes, took);
+            *self.last_mode.lock() = mode;
         }
     }
 
-    /// The cost of a call now.
-    pub(crate) fn cost(&self) -> ReadCost {
-        self.estimator.lock().estimate()
+    /// The cost of a call in `mode` now.
+    pub(crate) fn cost(&self, mode: ShareMode) -> ReadCost {
+        self.estimators.lock()[mode.index()].estimate()
+    }
+
+    /// The cost of a call in the mode of the last call observed (the prior before any).
+    pub(crate) fn last_cost(&self) -> ReadCost {
+        let mode = *self.last_mode.lock();
+        self.cost(mode)
     }
 
     /// The compute per layer the plan uses: configured, else measured.
@@ -184,7 +201,7 @@ impl ReadGroups {
                 max_layers_per_call,
                 ..
             } => {
-                let cost = self.cost();
+                let cost = self.cost(mode);
                 let by_time = max_by_time(layer_bytes, &cost, limits.time);
                 let by_bytes = max_by_bytes(layer_bytes, limits.bytes);
                 let max = max_layers_per_call
@@ -415,6 +432,43 @@ mod tests {
         assert!(g.len() > 2, "{g:?}");
         // Another mode's share step says nothing about this one.
         assert_eq!(plan(&r, ShareMode::AllRanks), vec![0..78]);
+    }
+
+    #[test]
+    fn one_modes_slow_calls_do_not_plan_anothers_reads() {
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: u32::MAX,
+            compute_per_layer: Some(Duration::from_micros(5760)),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        // AllRanks at TP 8 on one storage node: every call (10 layers, 226 MB) took 700 ms,
+        // a one-layer call 500 ms; a fit over those has a fixed cost above the whole
+        // forward pass's compute.
+        for _ in 0..20 {
+            r.observe(
+                ShareMode::AllRanks,
+                10,
+                226_000_000,
+                Duration::from_millis(700),
+            );
+            r.observe(
+                ShareMode::AllRanks,
+                1,
+                22_600_000,
+                Duration::from_millis(500),
+            );
+        }
+        assert!(r.cost(ShareMode::AllRanks).per_call > Duration::from_millis(449));
+        assert_eq!(r.last_cost(), r.cost(ShareMode::AllRanks));
+        // SplitAllGather of the same linker still plans from its own calls (the prior here):
+        // layer 0 alone, so the engine starts after one layer's read.
+        let g = r.plan(&glm(512), 79, unlimited(), ShareMode::SplitAllGather);
+        assert_eq!(g[0], 0..1, "{:?}", sizes(&g));
+        // AllRanks itself reads in the fewest calls: its fixed cost outweighs the compute.
+        assert_eq!(
+            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks),
+            vec![0..78]
+        );
     }
 
     #[test]

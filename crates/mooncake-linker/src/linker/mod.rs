@@ -421,11 +421,13 @@ impl Linker {
         self.inner.save(plan, Some(after))
     }
 
-    /// What one store call of this linker's reads costs, as fitted from every group call it
-    /// made (the prior before any): what the adaptive read plan decides from. A new linker
-    /// over the same store can start from it (`ReadGranularity::Adaptive::prior`).
+    /// What one store call of this linker's reads costs, as fitted from its group calls in
+    /// the share mode of its last batch (the prior before any): what the adaptive read plan
+    /// decides from. The fit is kept per mode, since a call costs more when every rank reads
+    /// at once. A new linker over the same store can start from it
+    /// (`ReadGranularity::Adaptive::prior`).
     pub fn read_cost(&self) -> ReadCost {
-        self.inner.reads.cost()
+        self.inner.reads.last_cost()
     }
 
     /// The mode `Auto` keeps, once it has measured enough (`None` while it measures, and for

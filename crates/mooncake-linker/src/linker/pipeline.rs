@@ -427,7 +427,9 @@ impl LayerPipeline<'_> {
         let took = t0.elapsed();
         tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
         inner.metrics.layer_read(took);
-        inner.reads.observe(group.len() as u32, n, took);
+        inner
+            .reads
+            .observe(layers.mode, group.len() as u32, n, took);
         inner.auto.observe_store_read(n, took);
         if took > inner.config.layer_read_timeout {
             return Err(KvLoadError::Store {
