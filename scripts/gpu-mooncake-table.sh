@@ -161,7 +161,7 @@ case "$part" in
         {
           echo "# glm_prefill, TP $tp ranks as processes, Mooncake (one storage node), $tag tokens"
           echo
-          echo "Command: bash scripts/gpu-mooncake-table.sh --part procs$([[ $quick -eq 1 ]] && echo ' --quick') ($(date -u +%Y-%m-%d), $machine); compute per layer SIMULATED ${compute} µs (the modelled compute at $tag)."
+          echo "Command: ${KVLINK_TABLE_TP:+KVLINK_TABLE_TP=$KVLINK_TABLE_TP }bash scripts/gpu-mooncake-table.sh --part procs$([[ $quick -eq 1 ]] && echo ' --quick') ($(date -u +%Y-%m-%d), $machine); compute per layer SIMULATED ${compute} µs (the modelled compute at $tag)."
           echo
           echo '```'
         } > "$file"
