@@ -11,6 +11,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::paced::{PacedShares, Step, TimedReads, Timeline};
 use common::tp::{
     fail_v_read, rank_byte, rank_matches, run, same_verdict, tp_ranks_built, Path, RankBuild,
     TpRank,
@@ -21,7 +22,7 @@ use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, Pag
 use kvlink::kv_loader::{KvLoader, LoadStats, ShareMode};
 use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
-use kvlink::mooncake_linker::{LinkerConfig, ReadGranularity};
+use kvlink::mooncake_linker::{LinkerConfig, ReadGranularity, TpGroup};
 
 const MODES: [ShareMode; 3] = [
     ShareMode::AllRanks,
@@ -237,4 +238,80 @@ fn configured_zero_compute_reads_in_the_fewest_calls() {
         .map(|i| rank_byte(&pages[7], &c, 0, 11, i))
         .collect();
     assert_eq!(got, want);
+}
+
+/// Rank 0 of `Rank0Broadcast` reads its next group while its exchange loop still shares the
+/// last one: between the end of one group's read and the start of the next, none of rank 0's
+/// share steps (40 ms each here) ends (one at most, for a reader thread the host delayed).
+/// With room for one read layer in the hand-off, the reader waited there until the loop had
+/// taken all but one layer of its group: two or more share steps between every two reads of
+/// four layers.
+#[test]
+fn the_next_group_is_read_while_the_last_is_shared() {
+    // Replicated only: in Rank0Broadcast rank 0 alone reads, so every read noted is its own.
+    let spec = ModelKvSpec::new(
+        "paced",
+        12,
+        4,
+        vec![ComponentSpec::new(
+            "k",
+            RowUnit::Token,
+            ElementType::Bytes,
+            40,
+        )],
+    )
+    .unwrap();
+    let timeline = Timeline::default();
+    let store: Arc<dyn KvStore> = Arc::new(TimedReads {
+        inner: store(),
+        timeline: timeline.clone(),
+    });
+    let paced = timeline.clone();
+    let wrap = move |_: u32, g: TpGroup| TpGroup {
+        data: Arc::new(PacedShares {
+            inner: g.data,
+            delay: Duration::from_millis(40),
+            timeline: paced.clone(),
+        }),
+        ..g
+    };
+    let build = RankBuild::wrapped(&wrap);
+    let cfg = config(
+        ShareMode::Rank0Broadcast,
+        ReadGranularity::Fixed { layers_per_call: 4 },
+    );
+    let (ranks, pages) = tp_ranks_built(&spec, 2, store, 8, &cfg, Path::Host, &build);
+    timeline.clear();
+    let outs = run(&ranks, 1, &pages);
+    for (rank, (r, o)) in ranks.iter().zip(&outs).enumerate() {
+        assert_eq!(stats(o, "batch 1").read_groups, vec![4, 4, 4]);
+        rank_matches(r, &pages, rank as u32).unwrap();
+    }
+    let steps = timeline.steps();
+    assert_eq!(
+        steps.iter().filter(|s| **s == Step::ReadStart).count(),
+        3,
+        "{steps:?}"
+    );
+    assert_eq!(
+        steps.iter().filter(|s| **s == Step::Shared).count(),
+        12,
+        "{steps:?}"
+    );
+    // Share steps of rank 0 that ended between a read's end and the next read's start.
+    let mut between = Vec::new();
+    let mut open: Option<usize> = None;
+    for s in &steps {
+        match (s, open.as_mut()) {
+            (Step::ReadEnd, _) => open = Some(0),
+            (Step::Shared, Some(n)) => *n += 1,
+            (Step::ReadStart, Some(n)) => {
+                between.push(*n);
+                open = None;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(between.len(), 2, "{steps:?}");
+    assert!(between.iter().all(|&n| n <= 1), "{between:?}: {steps:?}");
 }

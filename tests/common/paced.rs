@@ -1,0 +1,163 @@
+//! A timeline of one batch's reads and share steps: a store decorator that notes when each
+//! ranged read call starts and ends, and a data-collective decorator that makes every host-row
+//! share step take at least a set time and notes when rank 0's returns. Used to check that a
+//! rank reads its next group while its exchange loop is still sharing the last one.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvlink::dedup_broadcast::{Collective, CollectiveError, MemorySupport};
+use kvlink::kv_device::{DeviceRegion, HostRow, SharedEvent};
+use kvlink::mooncake_linker::store::{KvStore, RangedGet, StoreError};
+
+/// What happened, in the order it happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// A ranged read call started.
+    ReadStart,
+    /// A ranged read call returned.
+    ReadEnd,
+    /// Rank 0's share step of one layer returned.
+    Shared,
+}
+
+/// The shared timeline.
+#[derive(Debug, Default, Clone)]
+pub struct Timeline(Arc<Mutex<Vec<(Instant, Step)>>>);
+
+impl Timeline {
+    fn note(&self, step: Step) {
+        self.0.lock().unwrap().push((Instant::now(), step));
+    }
+
+    /// The steps so far, in time order.
+    pub fn steps(&self) -> Vec<Step> {
+        let mut v = self.0.lock().unwrap().clone();
+        v.sort_by_key(|(t, _)| *t);
+        v.into_iter().map(|(_, s)| s).collect()
+    }
+
+    pub fn clear(&self) {
+        self.0.lock().unwrap().clear();
+    }
+}
+
+/// Notes the start and end of every ranged read call; forwards everything.
+pub struct TimedReads {
+    pub inner: Arc<dyn KvStore>,
+    pub timeline: Timeline,
+}
+
+impl KvStore for TimedReads {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, put,
+        remove, register, unregister, start_session, end_session, health);
+
+    fn name(&self) -> &str {
+        "timed-reads"
+    }
+
+    unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        self.timeline.note(Step::ReadStart);
+        // SAFETY: forwarded with the caller's own promise.
+        let r = unsafe { self.inner.get_ranges(gets) };
+        self.timeline.note(Step::ReadEnd);
+        r
+    }
+}
+
+/// Every host-row share step takes at least `delay` on every rank (it sleeps, then shares);
+/// rank 0 notes when its step returns. Everything else is forwarded.
+pub struct PacedShares {
+    pub inner: Arc<dyn Collective>,
+    pub delay: Duration,
+    pub timeline: Timeline,
+}
+
+impl PacedShares {
+    fn shared(&self) {
+        if self.inner.rank() == 0 {
+            self.timeline.note(Step::Shared);
+        }
+    }
+}
+
+impl Collective for PacedShares {
+    fn rank(&self) -> u32 {
+        self.inner.rank()
+    }
+
+    fn size(&self) -> u32 {
+        self.inner.size()
+    }
+
+    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
+        self.inner.all_gather_u64(value, deadline)
+    }
+
+    fn all_gather_bytes(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.inner.all_gather_bytes(value, deadline)
+    }
+
+    fn memory(&self) -> MemorySupport {
+        self.inner.memory()
+    }
+
+    unsafe fn broadcast_rows(
+        &self,
+        rows: &[HostRow],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        std::thread::sleep(self.delay);
+        // SAFETY: forwarded with the caller's own promise.
+        let r = unsafe { self.inner.broadcast_rows(rows, root, deadline) };
+        self.shared();
+        r
+    }
+
+    unsafe fn all_gather_rows(
+        &self,
+        rows: &[HostRow],
+        counts: &[usize],
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        std::thread::sleep(self.delay);
+        // SAFETY: forwarded with the caller's own promise.
+        let r = unsafe { self.inner.all_gather_rows(rows, counts, deadline) };
+        self.shared();
+        r
+    }
+
+    unsafe fn broadcast_device(
+        &self,
+        region: DeviceRegion,
+        after: Option<SharedEvent>,
+        root: u32,
+        deadline: Instant,
+    ) -> Result<SharedEvent, CollectiveError> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe { self.inner.broadcast_device(region, after, root, deadline) }
+    }
+
+    unsafe fn all_gather_device(
+        &self,
+        region: DeviceRegion,
+        after: Option<SharedEvent>,
+        deadline: Instant,
+    ) -> Result<SharedEvent, CollectiveError> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe { self.inner.all_gather_device(region, after, deadline) }
+    }
+
+    fn abort(&self, cause: &str) {
+        self.inner.abort(cause)
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.inner.broken()
+    }
+}
