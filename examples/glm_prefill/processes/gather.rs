@@ -154,13 +154,9 @@ pub(super) fn all_gather(coll: &dyn Collective, bytes: &[u8]) -> Result<Vec<Vec<
         .collect())
 }
 
-/// Rank 0's `word`, on every rank (each rank calls it at the same point with its own word).
-pub(super) fn rank0_word(coll: &dyn Collective, word: u64) -> Result<u64> {
-    let words = coll.all_gather_u64(word, deadline())?;
-    words
-        .first()
-        .copied()
-        .ok_or_else(|| anyhow!("an all-gather over the control handle returned no word"))
+/// Every rank's `word`, index = rank (each rank calls it at the same point with its own).
+pub(super) fn words(coll: &dyn Collective, word: u64) -> Result<Vec<u64>> {
+    Ok(coll.all_gather_u64(word, deadline())?)
 }
 
 /// Waits until every rank is here.
@@ -181,10 +177,15 @@ mod tests {
             mode: Some(ShareMode::SplitAllGather),
             ready: vec![Duration::from_micros(5), Duration::from_millis(2)],
             verified: Some(Ok(99)),
+            auto_reason: Some("Auto keeps SplitAllGather:\tthe fastest median".into()),
             ..RankReport::default()
         };
         let back = RankReport::decode(&r.encode()).unwrap();
         assert_eq!(back.hit, 4);
+        assert_eq!(
+            back.auto_reason.as_deref(),
+            Some("Auto keeps SplitAllGather: the fastest median")
+        );
         assert_eq!(back.layer_err.as_deref(), Some("layer 3: bad"));
         assert_eq!(back.mode, Some(ShareMode::SplitAllGather));
         assert_eq!(back.ready, r.ready);

@@ -6,12 +6,12 @@ use std::io::{IsTerminal, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use kvlink::dedup_broadcast::{Collective, MeetingPoint, ModeChoice, Rendezvous, RendezvousConfig};
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec};
 use kvlink::kv_loader::{
-    BatchId, BatchPlan, KvLoader, LookupRequest, RequestPages, SaveReport, ShareMode,
+    BatchId, BatchPlan, KvLoader, LoadStats, LookupRequest, RequestPages, SaveReport, ShareMode,
 };
 use kvlink::mooncake_linker::{FormedTpGroup, Linker, TpGroup};
 
@@ -322,9 +322,11 @@ fn load_mode(
 
 /// Auto measures before it chooses: batches in each mode on this rank's linker (every rank
 /// does the same, not timed) until rank 0's linker keeps a mode, at most [`CALIBRATION_CAP`].
-/// Before each batch the ranks agree on rank 0's word (its linker decided or not) over the
-/// control handle, so every rank runs the same number of batches. Returns this rank's batches
-/// (rank 0's give Auto's reason).
+/// Before each batch (and once after the last) the ranks exchange a word over the control
+/// handle (rank 0's linker decided; this rank's last batch failed), and every rank acts on
+/// the same words: all go on, all stop, or all fail (a rank whose own batch went well fails
+/// naming the rank that did not), so no rank's next control collective meets another's
+/// calibration word. Returns this rank's batches (rank 0's give Auto's reason).
 fn calibrate_auto(
     ctx: &Ctx,
     linker: &Linker,
@@ -332,32 +334,51 @@ fn calibrate_auto(
     control: &dyn Collective,
 ) -> Result<Calibration> {
     let mut seen = Calibration::default();
-    for batch in 100..100 + CALIBRATION_CAP {
-        let decided = u64::from(linker.auto_decision().is_some());
-        if gather::rank0_word(control, decided)? != 0 {
+    let mut failed: Option<anyhow::Error> = None;
+    for round in 0..=CALIBRATION_CAP {
+        let decided = linker.auto_decision().is_some();
+        let mine = u64::from(decided) * DECIDED + u64::from(failed.is_some()) * FAILED;
+        let words = gather::words(control, mine)?;
+        if let Some(r) = words.iter().position(|w| w & FAILED != 0) {
+            return Err(failed.unwrap_or_else(|| {
+                anyhow!("rank {r}'s Auto calibration batch failed: every rank stops calibrating")
+            }));
+        }
+        if words.first().is_some_and(|w| w & DECIDED != 0) || round == CALIBRATION_CAP {
             break;
         }
-        let plan = BatchPlan::all_components(
-            linker.geometry(),
-            BatchId(batch),
-            vec![RequestPages {
-                request: "auto-calibration".into(),
-                pages: ctx.pages.clone(),
-            }],
-            slots.to_vec(),
-        );
-        let t = linker.start_load(plan)?;
-        for l in 0..linker.num_layers() {
-            linker.wait_layer(&t, l)?;
+        match calibration_batch(ctx, linker, slots, 100 + round) {
+            Ok(stats) => seen.record(stats.mode, stats.bytes_landed, stats.last_layer),
+            Err(e) => failed = Some(e),
         }
-        let stats = linker.wait_batch(&t)?.result?;
-        seen.record(stats.mode, stats.bytes_landed, stats.last_layer);
     }
     Ok(seen)
 }
 
+/// Calibration words: rank 0's linker has decided; this rank's last batch failed.
+const DECIDED: u64 = 1;
+const FAILED: u64 = 2;
+
 /// Most calibration batches Auto gets: 3 per mode is 9 at most; the rest is slack.
 const CALIBRATION_CAP: u64 = 12;
+
+/// One calibration batch of every page, waited for layer by layer.
+fn calibration_batch(ctx: &Ctx, linker: &Linker, slots: &[u32], batch: u64) -> Result<LoadStats> {
+    let plan = BatchPlan::all_components(
+        linker.geometry(),
+        BatchId(batch),
+        vec![RequestPages {
+            request: "auto-calibration".into(),
+            pages: ctx.pages.clone(),
+        }],
+        slots.to_vec(),
+    );
+    let t = linker.start_load(plan)?;
+    for l in 0..linker.num_layers() {
+        linker.wait_layer(&t, l)?;
+    }
+    Ok(linker.wait_batch(&t)?.result?)
+}
 
 /// The load of batch 1 with the simulated compute: an engine thread waits for each layer and
 /// "computes" it, a watcher notes when each layer is ready.

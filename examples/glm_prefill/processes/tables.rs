@@ -166,7 +166,11 @@ pub(super) fn assemble(
             reports
                 .first()
                 .and_then(|r| r.auto_reason.clone())
-                .unwrap_or_else(|| "rank 0 reported no calibration batches".to_string())
+                .unwrap_or_else(|| {
+                    "rank 0 reported no Auto reason: its calibration or its load did not finish \
+                     (its error is above)"
+                        .to_string()
+                })
         }),
     };
     report_run(ctx, &run, out)?;
