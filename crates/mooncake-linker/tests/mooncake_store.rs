@@ -956,9 +956,11 @@ s.close()
 }
 
 /// Thousands of small objects read whole in one call (a 128K-token prefix's checksum
-/// companions: 4,096 per rank) all arrive, in bounded time. The wheel's `batch_get_into` with
-/// that many keys over TCP stalled until its 60 s transfer timeout on the GPU host; the store
-/// splits such reads into calls of at most `mooncake::MAX_WHOLE_READS_PER_CALL` keys.
+/// companions: 4,096 per rank) all arrive, in bounded time, each key's result in its place (a
+/// key missing from the store, in the second of the calls the read is split into, fails alone).
+/// The wheel's `batch_get_into` with that many keys over TCP stalled until its 60 s transfer
+/// timeout on the GPU host; the store splits such reads into calls of at most
+/// `mooncake::MAX_WHOLE_READS_PER_CALL` keys.
 #[test]
 fn thousands_of_small_objects_read_whole_in_one_call() {
     if !available(
@@ -987,11 +989,15 @@ fn thousands_of_small_objects_read_whole_in_one_call() {
         let put = unsafe { store.put(&puts) };
         assert!(put.iter().all(|r| r == &Ok(PutOutcome::Written)), "{put:?}");
     }
+    // Read list: every object, with a key the store does not hold at index MISSING.
+    const MISSING: usize = 1500;
+    let mut wanted = keys.clone();
+    wanted.insert(MISSING, unique("never-written"));
     let (tx, rx) = std::sync::mpsc::channel();
     let reader = {
-        let (store, keys) = (store.clone(), keys.clone());
+        let (store, keys) = (store.clone(), wanted);
         std::thread::spawn(move || {
-            let mut bufs = vec![vec![0u8; LEN]; OBJECTS];
+            let mut bufs = vec![vec![0u8; LEN]; OBJECTS + 1];
             let gets: Vec<ObjectGet<'_>> = keys
                 .iter()
                 .zip(bufs.iter_mut())
@@ -1009,13 +1015,16 @@ fn thousands_of_small_objects_read_whole_in_one_call() {
             let _ = tx.send((got, bufs, took));
         })
     };
-    let (got, bufs, took) = rx
+    let (mut got, mut bufs, took) = rx
         .recv_timeout(Duration::from_secs(30))
         .expect("4,096 whole reads in one call did not return within 30 s");
     let _ = reader.join();
     report(&format!(
         "{OBJECTS} objects of {LEN} B read whole in one call: {took:?}"
     ));
+    assert!(got[MISSING].is_err(), "{:?}", got[MISSING]);
+    got.remove(MISSING);
+    bufs.remove(MISSING);
     assert!(
         got.iter().all(|r| r == &Ok(LEN as u64)),
         "{:?}",

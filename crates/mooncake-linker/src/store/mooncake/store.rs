@@ -416,7 +416,18 @@ impl KvStore for MooncakeStore {
         let _transfer = self.transfers.transfer();
         // The wheel's `batch_get_into` stalls (until its 60 s transfer timeout) when one call
         // carries thousands of keys over TCP: at most MAX_WHOLE_READS_PER_CALL keys per call.
+        // Once a call fails whole (or every key of it fails its transfer), the later parts are
+        // not tried: each would wait out the same timeout while the caller has given up.
+        let mut given_up: Option<String> = None;
         for part in valid.chunks(MAX_WHOLE_READS_PER_CALL) {
+            if let Some(why) = &given_up {
+                for &i in part {
+                    out[i] = Err(StoreError::Unavailable {
+                        detail: format!("`{}` not read: {why}", keys[i]).into(),
+                    });
+                }
+                continue;
+            }
             let names: Vec<&str> = part.iter().map(|&i| keys[i]).collect();
             let ckeys = match CKeys::new(&names) {
                 Ok(k) => k,
@@ -433,6 +444,16 @@ impl KvStore for MooncakeStore {
             // each `dst` is valid for writes of `len` bytes, not accessed by anyone else during
             // the call, and registered where the transport needs it; the call is synchronous.
             let results = unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
+            given_up = match &results {
+                Err(e) => Some(format!("an earlier whole-object read call failed ({e})")),
+                Ok(r) if r.iter().all(|k| k == &Err(ErrorCode::TRANSFER_FAIL)) => {
+                    Some("every transfer of an earlier whole-object read call failed".into())
+                }
+                Ok(_) => None,
+            };
+            if let Some(why) = &given_up {
+                tracing::warn!(keys = part.len(), why, "whole-object reads given up");
+            }
             per_key(&keys, results, part, &mut out);
         }
         out
