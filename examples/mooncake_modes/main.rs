@@ -44,6 +44,9 @@ use prefix::Prefix;
 use report::{AutoRun, ModeResult, SizeTables};
 use rig::{close_all, Rig};
 
+/// Each fixed mode's fitted read cost, to start a later linker of that mode from.
+type Priors = std::collections::HashMap<ShareMode, ReadCost>;
+
 const FIXED: [ShareMode; 3] = [
     ShareMode::AllRanks,
     ShareMode::Rank0Broadcast,
@@ -81,7 +84,7 @@ fn fixed_mode(
     prefix: &Prefix,
     mode: ShareMode,
     runs: &ModeRuns<'_>,
-    prior: &mut Option<ReadCost>,
+    priors: &mut Priors,
     report: &mut Report,
 ) -> Result<ModeResult> {
     let ModeRuns {
@@ -89,7 +92,12 @@ fn fixed_mode(
         compute,
         label,
     } = *runs;
-    let linkers = rig.linkers(prefix, ModeChoice::Fixed(mode), compute, *prior)?;
+    let linkers = rig.linkers(
+        prefix,
+        ModeChoice::Fixed(mode),
+        compute,
+        priors.get(&mode).copied(),
+    )?;
     let mut result = ModeResult::new(format!("{mode:?}"), mode);
     let mut failure = None;
     for rep in 0..reps {
@@ -107,7 +115,9 @@ fn fixed_mode(
             }
         }
     }
-    *prior = Some(linkers[0].read_cost());
+    // This mode's fit (its last batch ran in it), for a later linker of the same mode only:
+    // a call costs more when every rank reads at once, so another mode's fit misleads.
+    priors.insert(mode, linkers[0].read_cost());
     let closed = close_all(linkers);
     if let Some(e) = failure {
         return Err(e);
@@ -165,11 +175,11 @@ fn auto_run(
     prefix: &Prefix,
     reps: usize,
     compute: Duration,
-    prior: Option<ReadCost>,
     report: &mut Report,
     label: &str,
 ) -> Result<AutoRun> {
-    let linkers = rig.linkers(prefix, ModeChoice::Auto, compute, prior)?;
+    // Auto runs every mode on one linker, and a linker has one prior for all: the default.
+    let linkers = rig.linkers(prefix, ModeChoice::Auto, compute, None)?;
     let mut measured = Vec::new();
     let mut batch = 100u64;
     let mut outcome = Ok(());
@@ -253,7 +263,7 @@ fn one_rig(
             ),
         );
     }
-    let mut prior = None;
+    let mut priors = Priors::new();
     let mut results = Vec::new();
     for mode in FIXED
         .iter()
@@ -265,7 +275,7 @@ fn one_rig(
             compute,
             label: &label,
         };
-        match fixed_mode(&rig, prefix, mode, &runs, &mut prior, report) {
+        match fixed_mode(&rig, prefix, mode, &runs, &mut priors, report) {
             Ok(r) => results.push(r),
             Err(e) => report.push(
                 "modes",
@@ -278,7 +288,7 @@ fn one_rig(
     let mut autos = Vec::new();
     if a.modes.iter().any(|m| m == "auto") {
         for run in 0..a.auto_runs.max(1) {
-            match auto_run(&rig, prefix, a.reps, compute, prior, report, &label) {
+            match auto_run(&rig, prefix, a.reps, compute, report, &label) {
                 Ok(r) => autos.push(r),
                 Err(e) => report.push(
                     "auto",

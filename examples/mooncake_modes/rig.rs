@@ -158,8 +158,9 @@ impl Rig {
         }
     }
 
-    /// One linker per rank for `mode`, starting from `prior` (what the previous linkers of
-    /// this rig measured), with the engine's compute configured.
+    /// One linker per rank for `mode`, starting from `prior` (what earlier linkers of this
+    /// rig measured in the same share mode; the default prior without one), with the engine's
+    /// compute configured.
     pub fn linkers(
         &self,
         prefix: &Prefix,

@@ -62,8 +62,9 @@ impl ReadCost {
 /// call time over bytes (after the known `per_layer` part), weighted towards recent calls.
 ///
 /// Until calls of at least two clearly different sizes were seen (the adaptive plan makes
-/// them: a small first group, larger ones after), the prior is returned; a fit that comes out
-/// negative or non-finite is clamped to stay usable.
+/// them: a small first group, larger ones after), the prior's split is returned, scaled so
+/// that a call of the calls' mean size takes what they took (the prior itself before any
+/// call); a fit that comes out negative or non-finite is clamped to stay usable.
 ///
 /// ```
 /// use std::time::Duration;
@@ -121,7 +122,27 @@ impl ReadCostEstimator {
         self.xy = self.xy * self.keep + x * y;
     }
 
-    /// The cost now: fitted when the calls seen allow it, else the prior.
+    /// Calls too alike to separate the terms: the prior's split, scaled so that a call of the
+    /// calls' mean size takes what they took on average. Without it a prior far off (e.g. a
+    /// fixed cost that makes the plan read everything in one call, so that every call is
+    /// alike) would never be corrected.
+    fn scaled_prior(&self, mean_bytes: f64, mean_secs: f64) -> ReadCost {
+        let p = self.prior;
+        let predicted = p.per_call.as_secs_f64() + p.seconds_per_byte * mean_bytes;
+        let k = mean_secs / predicted;
+        if !(k.is_finite() && k > 0.0) {
+            return p;
+        }
+        ReadCost {
+            per_call: Duration::try_from_secs_f64(p.per_call.as_secs_f64() * k)
+                .unwrap_or(p.per_call),
+            per_layer: p.per_layer,
+            seconds_per_byte: p.seconds_per_byte * k,
+        }
+    }
+
+    /// The cost now: fitted when the calls seen allow it; when they are too alike, the
+    /// prior scaled to them; before any, the prior.
     pub fn estimate(&self) -> ReadCost {
         if self.w <= 0.0 {
             return self.prior;
@@ -129,7 +150,7 @@ impl ReadCostEstimator {
         let (mx, my) = (self.x / self.w, self.y / self.w);
         let var = self.xx / self.w - mx * mx;
         if !(var.is_finite() && mx > 0.0 && var.sqrt() >= MIN_SPREAD * mx) {
-            return self.prior;
+            return self.scaled_prior(mx, my);
         }
         let slope = (self.xy / self.w - mx * my) / var;
         // A negative or non-finite slope says the calls were noise: keep the prior's rate.
@@ -194,12 +215,31 @@ mod tests {
     }
 
     #[test]
-    fn same_sized_calls_keep_the_prior() {
+    fn same_sized_calls_scale_the_prior_to_what_they_took() {
+        // Prior: 1 ms + 1 GB/s, so a 1 MiB call "takes" 2.05 ms; the calls took 5 ms.
         let prior = ReadCost::from_gbps(Duration::from_millis(1), Duration::ZERO, 1.0);
         let mut est = ReadCostEstimator::new(prior);
         for _ in 0..10 {
             est.observe(1, 1 << 20, Duration::from_millis(5));
         }
-        assert_eq!(est.estimate(), prior);
+        let c = est.estimate();
+        // The prior's split (fixed cost : per byte) is kept, scaled by 5 / 2.05.
+        let k = 0.005 / (0.001 + 1e-9 * f64::from(1u32 << 20));
+        assert!((c.per_call.as_secs_f64() - 0.001 * k).abs() < 1e-9, "{c:?}");
+        assert!((c.seconds_per_byte - 1e-9 * k).abs() < 1e-15, "{c:?}");
+        assert!((c.call_time(1, 1 << 20).as_secs_f64() - 0.005).abs() < 1e-6);
+        // A prior whose fixed cost outweighs everything, and one big call per batch that is
+        // much faster: the estimate follows the calls (so a plan built on it changes, and the
+        // calls that follow differ in size and separate the terms).
+        let slow = ReadCost::from_gbps(Duration::from_millis(600), Duration::ZERO, 2.0);
+        let mut est = ReadCostEstimator::new(slow);
+        for _ in 0..4 {
+            est.observe(78, 1_770_000_000, Duration::from_millis(500));
+        }
+        assert!(
+            est.estimate().per_call < Duration::from_millis(300),
+            "{:?}",
+            est.estimate()
+        );
     }
 }
