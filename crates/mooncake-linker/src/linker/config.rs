@@ -70,7 +70,7 @@ pub struct LinkerConfig {
     /// (1: one batched call per group of layers). Stores whose batched call is served by one
     /// thread (the embedded store) read faster with more.
     pub read_parallelism: usize,
-    /// Threads one layer's checksum verification may use at most (a layer under 8 MB is
+    /// Threads one layer's checksum verification may use at most (a layer under 8 MiB is
     /// checked on the load thread alone; 0 counts as 1). The check sits on the load thread
     /// between a layer's read and its share step, so one core hashing a fast store's layer
     /// bounds the load: in `Rank0Broadcast` rank 0 checks every byte of every layer (GLM-5.2

@@ -345,6 +345,16 @@ const MAX_VERIFY_THREADS: usize = 64;
 /// Bytes of a layer below which its rows are hashed on the calling thread alone.
 const PARALLEL_VERIFY_BYTES: usize = 8 << 20;
 
+/// Threads a layer of `rows` rows and `bytes` bytes is checked on, when `verify_threads` says
+/// `threads`: one under [`PARALLEL_VERIFY_BYTES`], else at most one per row and
+/// [`MAX_VERIFY_THREADS`].
+fn verify_threads_for(threads: usize, rows: usize, bytes: usize) -> usize {
+    if bytes < PARALLEL_VERIFY_BYTES {
+        return 1;
+    }
+    threads.clamp(1, rows.clamp(1, MAX_VERIFY_THREADS))
+}
+
 /// Each row's verdict, in row order: on the calling thread, or split in contiguous parts over
 /// up to `threads` scoped threads (a part whose thread cannot start is verified inline);
 /// `None` when a verification thread panicked (the batch then fails; nothing is re-run).
@@ -356,8 +366,8 @@ fn verify_rows(
     let verify =
         |r: &Row<'_>| ObjectChecksums::verify_layer(r.sums, &r.component.layout, layer, r.bytes);
     let total: usize = rows.iter().map(|r| r.bytes.len()).sum();
-    let threads = threads.clamp(1, rows.len().clamp(1, MAX_VERIFY_THREADS));
-    if threads == 1 || total < PARALLEL_VERIFY_BYTES {
+    let threads = verify_threads_for(threads, rows.len(), total);
+    if threads == 1 {
         return Some(rows.iter().map(verify).collect());
     }
     let chunk = rows.len().div_ceil(threads);
@@ -424,6 +434,13 @@ mod tests {
         // A hostile thread count is capped (MAX_VERIFY_THREADS), not 300 threads or a panic.
         assert_eq!(verify_rows(&rows, 3, usize::MAX).unwrap(), inline);
         assert_eq!(verify_rows(&rows, 3, 0).unwrap(), inline);
+        let big = PARALLEL_VERIFY_BYTES;
+        assert_eq!(verify_threads_for(usize::MAX, 300, big), MAX_VERIFY_THREADS);
+        assert_eq!(verify_threads_for(usize::MAX, 5, big), 5);
+        assert_eq!(verify_threads_for(0, 300, big), 1);
+        assert_eq!(verify_threads_for(4, 300, big), 4);
+        assert_eq!(verify_threads_for(4, 300, big - 1), 1);
+        assert_eq!(verify_threads_for(4, 0, big), 1);
         assert_eq!(threaded.len(), 300);
         for (page, v) in threaded.iter().enumerate() {
             match page {
