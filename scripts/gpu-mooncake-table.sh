@@ -170,8 +170,8 @@ case "$part" in
           --tokens "$tokens" --compute-us "$compute" --svg "/tmp/glm_prefill_procs_tp$tp.svg" "${extra[@]}" \
           >> "$file" 2>> "$out/procs.stderr.log" || one=$?
         [[ $one -eq 0 ]] || rc=$one
-        # Auto again, alone (a second run of its calibration on the same saved prefix: two
-        # runs must agree on its pick).
+        # Auto again, alone: a second glm_prefill run (it saves the prefix again, the objects
+        # already present are skipped, and Auto calibrates afresh): two runs must agree.
         {
           echo '```'
           echo
