@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvlink::dedup_broadcast::{Collective, CollectiveError, LayerStatus, MemorySupport};
-use kvlink::kv_device::{DeviceRegion, HostRow, SharedEvent};
+use kvlink::kv_device::HostRow;
 use std::sync::Mutex;
 
 /// How the decorated rank misbehaves.
@@ -93,6 +93,40 @@ impl Misbehaving {
     }
 }
 
+/// The device operations of a test decorator of a collective, forwarded to the handle that
+/// `self.$handle(op)?` gives (`op`: the operation's name).
+macro_rules! forward_device_ops {
+    ($handle:ident) => {
+        unsafe fn broadcast_device(
+            &self,
+            region: kvlink::kv_device::DeviceRegion,
+            after: Option<kvlink::kv_device::SharedEvent>,
+            root: u32,
+            deadline: std::time::Instant,
+        ) -> Result<kvlink::kv_device::SharedEvent, kvlink::dedup_broadcast::CollectiveError> {
+            // SAFETY: forwarded with the caller's own promise.
+            unsafe {
+                self.$handle("broadcast_device")?
+                    .broadcast_device(region, after, root, deadline)
+            }
+        }
+
+        unsafe fn all_gather_device(
+            &self,
+            region: kvlink::kv_device::DeviceRegion,
+            after: Option<kvlink::kv_device::SharedEvent>,
+            deadline: std::time::Instant,
+        ) -> Result<kvlink::kv_device::SharedEvent, kvlink::dedup_broadcast::CollectiveError> {
+            // SAFETY: forwarded with the caller's own promise.
+            unsafe {
+                self.$handle("all_gather_device")?
+                    .all_gather_device(region, after, deadline)
+            }
+        }
+    };
+}
+pub(crate) use forward_device_ops;
+
 impl Collective for Misbehaving {
     fn rank(&self) -> u32 {
         self.rank
@@ -167,32 +201,7 @@ impl Collective for Misbehaving {
         }
     }
 
-    unsafe fn broadcast_device(
-        &self,
-        region: DeviceRegion,
-        after: Option<SharedEvent>,
-        root: u32,
-        deadline: Instant,
-    ) -> Result<SharedEvent, CollectiveError> {
-        // SAFETY: forwarded with the caller's own promise.
-        unsafe {
-            self.handle("broadcast_device")?
-                .broadcast_device(region, after, root, deadline)
-        }
-    }
-
-    unsafe fn all_gather_device(
-        &self,
-        region: DeviceRegion,
-        after: Option<SharedEvent>,
-        deadline: Instant,
-    ) -> Result<SharedEvent, CollectiveError> {
-        // SAFETY: forwarded with the caller's own promise.
-        unsafe {
-            self.handle("all_gather_device")?
-                .all_gather_device(region, after, deadline)
-        }
-    }
+    forward_device_ops!(handle);
 
     fn abort(&self, cause: &str) {
         if let Some(h) = self.inner.lock().unwrap().clone() {

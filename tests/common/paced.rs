@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvlink::dedup_broadcast::{Collective, CollectiveError, MemorySupport};
-use kvlink::kv_device::{DeviceRegion, HostRow, SharedEvent};
+use kvlink::kv_device::HostRow;
 use kvlink::mooncake_linker::store::{KvStore, RangedGet, StoreError};
 
 /// What happened, in the order it happened.
@@ -74,6 +74,11 @@ pub struct PacedShares {
 }
 
 impl PacedShares {
+    /// The decorated handle (always there).
+    fn handle(&self, _op: &'static str) -> Result<Arc<dyn Collective>, CollectiveError> {
+        Ok(self.inner.clone())
+    }
+
     fn shared(&self) {
         if self.inner.rank() == 0 {
             self.timeline.note(Step::Shared);
@@ -132,26 +137,7 @@ impl Collective for PacedShares {
         r
     }
 
-    unsafe fn broadcast_device(
-        &self,
-        region: DeviceRegion,
-        after: Option<SharedEvent>,
-        root: u32,
-        deadline: Instant,
-    ) -> Result<SharedEvent, CollectiveError> {
-        // SAFETY: forwarded with the caller's own promise.
-        unsafe { self.inner.broadcast_device(region, after, root, deadline) }
-    }
-
-    unsafe fn all_gather_device(
-        &self,
-        region: DeviceRegion,
-        after: Option<SharedEvent>,
-        deadline: Instant,
-    ) -> Result<SharedEvent, CollectiveError> {
-        // SAFETY: forwarded with the caller's own promise.
-        unsafe { self.inner.all_gather_device(region, after, deadline) }
-    }
+    super::coll::forward_device_ops!(handle);
 
     fn abort(&self, cause: &str) {
         self.inner.abort(cause)

@@ -30,35 +30,46 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     builder.check(f);
 }
 
-/// The reader of `layers` layers as the pipeline runs it: a free stage, "read", hand over
-/// (stage, layer); it stops when the other side leaves. Returns the layers handed over.
-fn reader(h: &Handoff<u8, (u8, u32)>, layers: u32) -> Vec<u32> {
+/// The reader as the pipeline runs it: for each group, a free stage for each of its layers,
+/// "read", then every layer of the group handed over (the hand-off holds a whole group since
+/// it is as deep as the ring; groups of one layer are how every load read before groups); it
+/// stops when the other side leaves. Returns the layers handed over.
+fn reader(h: &Handoff<u8, (u8, u32)>, groups: &[u32]) -> Vec<u32> {
     let mut sent = Vec::new();
-    for layer in 0..layers {
-        let Wait::Got(stage) = h.free_stage(far()) else {
-            break;
-        };
-        if h.hand_over((stage, layer), far()).is_err() {
-            break;
+    let mut next = 0u32;
+    'groups: for &len in groups {
+        let mut stages = Vec::new();
+        for _ in 0..len {
+            let Wait::Got(stage) = h.free_stage(far()) else {
+                break 'groups;
+            };
+            stages.push(stage);
         }
-        sent.push(layer);
+        for stage in stages {
+            if h.hand_over((stage, next), far()).is_err() {
+                break 'groups;
+            }
+            sent.push(next);
+            next += 1;
+        }
     }
     h.reader_done();
     sent
 }
 
-/// Three layers through two stages: every layer arrives once, in order, and both stages are
-/// back in the hand-off at the end.
-#[test]
-fn every_layer_arrives_in_order_and_no_stage_is_lost() {
-    model(|| {
-        let h = Arc::new(Handoff::<u8, (u8, u32)>::new([0u8, 1], 1));
+/// `groups` through the (sorted) `stages` and a hand-off `depth` deep, the exchange loop
+/// taking every layer and giving its stage back: every layer arrives once and in order, and
+/// every stage is back in the hand-off at the end.
+fn every_layer_arrives(stages: &'static [u8], depth: usize, groups: &'static [u32]) {
+    model(move || {
+        let h = Arc::new(Handoff::<u8, (u8, u32)>::new(stages.iter().copied(), depth));
         let r = {
             let h = h.clone();
-            thread::spawn(move || reader(&h, 3))
+            thread::spawn(move || reader(&h, groups))
         };
+        let all: Vec<u32> = (0..groups.iter().sum()).collect();
         let mut got = Vec::new();
-        for _ in 0..3 {
+        for _ in &all {
             match h.next_layer(far()) {
                 Wait::Got((stage, layer)) => {
                     got.push(layer);
@@ -68,24 +79,30 @@ fn every_layer_arrives_in_order_and_no_stage_is_lost() {
             }
         }
         assert_eq!(h.next_layer(far()), Wait::Closed);
-        let (mut stages, layers) = h.exchange_done();
-        stages.sort();
-        assert_eq!((stages, layers), (vec![0, 1], vec![]));
-        assert_eq!(r.join().unwrap(), vec![0, 1, 2]);
-        assert_eq!(got, vec![0, 1, 2]);
+        let (mut back, layers) = h.exchange_done();
+        back.sort();
+        assert_eq!((back, layers), (stages.to_vec(), vec![]));
+        assert_eq!(r.join().unwrap(), all);
+        assert_eq!(got, all);
     });
 }
 
-/// The exchange loop stops after the first layer (a failed status) while the reader reads on:
-/// the reader's waits end, it leaves, and every stage is accounted for (with the exchange
-/// loop, back in the hand-off, or in a layer it handed over).
-#[test]
-fn an_exchange_loop_that_leaves_early_never_strands_the_reader() {
-    model(|| {
-        let h = Arc::new(Handoff::<u8, (u8, u32)>::new([0u8, 1], 1));
+/// The same, and the exchange loop stops after the first layer (a failed status) while the
+/// reader reads on: the reader's waits end, it leaves having handed over at most `max_sent`
+/// layers, and every stage is accounted for at most once (with the exchange loop, back in the
+/// hand-off, or in a layer it handed over; one the reader took and could not hand over went
+/// with the reader).
+fn a_loop_that_leaves_strands_no_one(
+    stages: &'static [u8],
+    depth: usize,
+    groups: &'static [u32],
+    max_sent: usize,
+) {
+    model(move || {
+        let h = Arc::new(Handoff::<u8, (u8, u32)>::new(stages.iter().copied(), depth));
         let r = {
             let h = h.clone();
-            thread::spawn(move || reader(&h, 4))
+            thread::spawn(move || reader(&h, groups))
         };
         let first = match h.next_layer(far()) {
             Wait::Got(m) => m,
@@ -94,17 +111,41 @@ fn an_exchange_loop_that_leaves_early_never_strands_the_reader() {
         assert_eq!(first.1, 0);
         let (free, queued) = h.exchange_done();
         let sent = r.join().unwrap();
-        assert!(sent.len() <= 3, "{sent:?}");
-        let mut stages: Vec<u8> = free
+        assert!(sent.len() <= max_sent, "{sent:?}");
+        let mut seen: Vec<u8> = free
             .into_iter()
             .chain(queued.iter().map(|m| m.0))
             .chain([first.0])
             .collect();
-        stages.sort();
-        // A stage the reader took and could not hand over went with the reader.
-        assert!(stages.len() <= 2 && stages.windows(2).all(|w| w[0] != w[1]));
+        seen.sort();
+        assert!(seen.len() <= stages.len() && seen.windows(2).all(|w| w[0] != w[1]));
         assert!(queued.iter().all(|m| m.1 > 0));
     });
+}
+
+/// Three layers of one each through two stages, a hand-off one layer deep.
+#[test]
+fn every_layer_arrives_in_order_and_no_stage_is_lost() {
+    every_layer_arrives(&[0, 1], 1, &[1, 1, 1]);
+}
+
+/// Three stages, a hand-off as deep as the ring, groups of two layers (the pipeline now).
+#[test]
+fn whole_groups_arrive_in_order_through_a_ring_deep_hand_off() {
+    every_layer_arrives(&[0, 1, 2], 3, &[2, 2]);
+}
+
+/// Four layers of one each through two stages: the exchange loop leaves after the first.
+#[test]
+fn an_exchange_loop_that_leaves_early_never_strands_the_reader() {
+    a_loop_that_leaves_strands_no_one(&[0, 1], 1, &[1, 1, 1, 1], 3);
+}
+
+/// Groups of two through three stages and a ring-deep hand-off: the exchange loop leaves
+/// after the first layer, in the middle of the reader's first group.
+#[test]
+fn an_exchange_loop_that_leaves_mid_group_never_strands_the_group_reader() {
+    a_loop_that_leaves_strands_no_one(&[0, 1, 2], 3, &[2, 2], 4);
 }
 
 /// The reader fails and leaves while the exchange loop waits for a layer: the wait ends.
@@ -136,7 +177,7 @@ fn a_stage_given_back_wakes_the_reader_waiting_for_it() {
         let h = Arc::new(Handoff::<u8, (u8, u32)>::new([7u8], 1));
         let r = {
             let h = h.clone();
-            thread::spawn(move || reader(&h, 2))
+            thread::spawn(move || reader(&h, &[1, 1]))
         };
         for want in 0..2 {
             match h.next_layer(far()) {
@@ -149,89 +190,5 @@ fn a_stage_given_back_wakes_the_reader_waiting_for_it() {
         }
         assert_eq!(r.join().unwrap(), vec![0, 1]);
         assert_eq!(h.exchange_done(), (vec![7], vec![]));
-    });
-}
-
-/// The reader of groups as the pipeline runs it since the hand-off holds a whole group: a
-/// free stage for each layer of the group, "read", then every layer of the group handed over;
-/// it stops when the other side leaves. Returns the layers handed over.
-fn group_reader(h: &Handoff<u8, (u8, u32)>, groups: &[u32]) -> Vec<u32> {
-    let mut sent = Vec::new();
-    let mut next = 0u32;
-    'groups: for &len in groups {
-        let mut stages = Vec::new();
-        for _ in 0..len {
-            let Wait::Got(stage) = h.free_stage(far()) else {
-                break 'groups;
-            };
-            stages.push(stage);
-        }
-        for stage in stages {
-            if h.hand_over((stage, next), far()).is_err() {
-                break 'groups;
-            }
-            sent.push(next);
-            next += 1;
-        }
-    }
-    h.reader_done();
-    sent
-}
-
-/// Three stages, a hand-off that holds three layers (the ring), groups of two layers: every
-/// layer arrives once and in order, no stage is lost, and no wait is stranded.
-#[test]
-fn whole_groups_arrive_in_order_through_a_ring_deep_hand_off() {
-    model(|| {
-        let h = Arc::new(Handoff::<u8, (u8, u32)>::new([0u8, 1, 2], 3));
-        let r = {
-            let h = h.clone();
-            thread::spawn(move || group_reader(&h, &[2, 2]))
-        };
-        let mut got = Vec::new();
-        for _ in 0..4 {
-            match h.next_layer(far()) {
-                Wait::Got((stage, layer)) => {
-                    got.push(layer);
-                    h.give_back(stage);
-                }
-                other => panic!("{other:?}"),
-            }
-        }
-        assert_eq!(h.next_layer(far()), Wait::Closed);
-        let (mut stages, layers) = h.exchange_done();
-        stages.sort();
-        assert_eq!((stages, layers), (vec![0, 1, 2], vec![]));
-        assert_eq!(r.join().unwrap(), vec![0, 1, 2, 3]);
-        assert_eq!(got, vec![0, 1, 2, 3]);
-    });
-}
-
-/// The same, and the exchange loop leaves after the first layer, in the middle of the reader's
-/// group: the reader's waits end, it leaves, and no stage is counted twice.
-#[test]
-fn an_exchange_loop_that_leaves_mid_group_never_strands_the_group_reader() {
-    model(|| {
-        let h = Arc::new(Handoff::<u8, (u8, u32)>::new([0u8, 1, 2], 3));
-        let r = {
-            let h = h.clone();
-            thread::spawn(move || group_reader(&h, &[2, 2]))
-        };
-        let first = match h.next_layer(far()) {
-            Wait::Got(m) => m,
-            other => panic!("{other:?}"),
-        };
-        assert_eq!(first.1, 0);
-        let (free, queued) = h.exchange_done();
-        let sent = r.join().unwrap();
-        assert!(sent.len() <= 4, "{sent:?}");
-        let mut stages: Vec<u8> = free
-            .into_iter()
-            .chain(queued.iter().map(|m| m.0))
-            .chain([first.0])
-            .collect();
-        stages.sort();
-        assert!(stages.len() <= 3 && stages.windows(2).all(|w| w[0] != w[1]));
-        assert!(queued.iter().all(|m| m.1 > 0));
     });
 }
