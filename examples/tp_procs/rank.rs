@@ -7,13 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvlink::dedup_broadcast::{
-    share_stage, GroupHandles, MeetingPoint, Rendezvous, RendezvousConfig, RendezvousFormation,
-    StageShare, StagingLayout,
+    GroupHandles, MeetingPoint, Rendezvous, RendezvousConfig, RendezvousFormation,
 };
-use kvlink::kv_device::{
-    BatchShape, DeviceKvPool, DeviceShare, HostKvPool, KvPool, LayerLanding, StagedLanding,
-    StagedLandingFactory, StagingPool,
-};
+use kvlink::kv_device::{DeviceKvPool, HostKvPool, KvPool, StagedLandingFactory, StagingPool};
 use kvlink::kv_geometry::{page_hashes, KvGeometry, PageHash};
 use kvlink::kv_loader::{KvLoader, LayerReady, LoadStats, ShareMode};
 use kvlink::mooncake_linker::store::{Fault, FaultRule, FaultyStore, KvStore, SocketStore};
@@ -24,7 +20,7 @@ use crate::Args;
 use kvlink_rig::glm::{glm, half_bytes, tag};
 use kvlink_rig::pattern::{fill_row, Rng};
 use kvlink_rig::report::de;
-use kvlink_rig::tp::{compare_pool, config, open_device, plan, RankDev, MODES};
+use kvlink_rig::tp::{compare_pool, config, open_device, plan, share_every_layer, RankDev, MODES};
 
 /// A rank process's settings.
 #[derive(Debug, Clone, Default)]
@@ -380,57 +376,9 @@ fn share_step(d: &RankDev, handles: &GroupHandles, mode: ShareMode) -> Result<(u
     let g = &d.g;
     let n = 32usize;
     let slots = Rng(0xabc ^ mode as u64).scattered_slots(n, d.pool.pages());
-    let layouts: Vec<StagingLayout> = (0..g.num_layers())
-        .map(|l| StagingLayout::new(mode, l, g.components(), n, 1))
-        .collect::<Result<_, _>>()
-        .map_err(|e| e.to_string())?;
-    let shape = BatchShape {
-        own: Vec::new(),
-        shared: g.components().iter().map(|c| c.id).collect(),
-        share_bytes: layouts.iter().map(StagingLayout::len).collect(),
-    };
     d.pool.clear().map_err(de)?;
-    let mut landing = StagedLanding::new(
-        d.pool.clone(),
-        d.staging.lease().map_err(de)?,
-        slots.clone().into(),
-        shape,
-    )
-    .map_err(de)?;
-    let mut stages = landing.take_stages();
-    let how = match mode {
-        ShareMode::SplitAllGather => StageShare::AllGather,
-        _ => StageShare::Broadcast { root: 0 },
-    };
-    let soon = || kvlink::kv_loader::deadline_after(Duration::from_secs(30));
-    let mut row = Vec::new();
-    for (layer, layout) in (0..).zip(&layouts) {
-        let s = &mut stages[layer as usize % 2];
-        landing.open(s, layer, soon()).map_err(de)?;
-        // This example stands in for the store: it fills the stage through its loan.
-        let mut loan = landing.lend(s).map_err(de)?;
-        for rr in layout.rows(layout.share(0)) {
-            let c = g.component(rr.component).map_err(|e| e.to_string())?;
-            row.resize(rr.len, 0);
-            fill_row(&mut row, tag(c), layer, rr.plan_page as u64);
-            let at = landing.share_target(&loan, rr.offset, rr.len).map_err(de)?;
-            loan.write(at, &row).map_err(de)?;
-        }
-        drop(loan);
-        landing.upload(s, layout.chunk(0)).map_err(de)?;
-        let ev = {
-            let mut stage = landing.device_stage(s).map_err(de)?;
-            share_stage(coll, &mut stage, how, soon()).map_err(|e| e.to_string())?
-        };
-        landing.scatter(s, &layout.blocks(), &ev).map_err(de)?;
-        landing.land(s).map_err(de)?;
-        if !ev.wait_until(soon()).map_err(de)? {
-            return Err(format!(
-                "layer {layer}: the NCCL collective did not complete"
-            ));
-        }
-    }
-    drop(landing);
+    // This example stands in for the store: the rig fills each stage through its loan.
+    share_every_layer(d, coll, mode, &slots)?;
     let bytes = compare_pool(d, &slots, g.num_layers(), &|_| true)?;
     Ok((g.num_layers(), bytes))
 }

@@ -6,20 +6,18 @@
 //! batch, bytes compared.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use kvlink::dedup_broadcast::nccl::NcclGroup;
-use kvlink::dedup_broadcast::{share_stage, StageShare, StagingLayout};
 use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool};
-use kvlink::kv_device::{BatchShape, DeviceShare, LayerLanding, StagedLanding, StagingPool};
+use kvlink::kv_device::StagingPool;
 use kvlink::kv_loader::ShareMode;
 
 use super::Args;
-use kvlink_rig::glm::{glm, half_bytes, tag};
+use kvlink_rig::glm::{glm, half_bytes};
 use kvlink_rig::measure::fmt_bytes;
-use kvlink_rig::pattern::{fill_row, Rng};
+use kvlink_rig::pattern::Rng;
 use kvlink_rig::report::{de, Report};
-use kvlink_rig::tp::{compare_pool, Fabric, RankDev};
+use kvlink_rig::tp::{compare_pool, share_every_layer, Fabric, RankDev};
 
 const SEC: &str = "nccl-1";
 
@@ -32,10 +30,6 @@ pub fn run(args: &Args, report: &mut Report) {
             || share_step(args, mode),
         );
     }
-}
-
-fn soon() -> Instant {
-    kvlink::kv_loader::deadline_after(Duration::from_secs(30))
 }
 
 fn share_step(args: &Args, mode: ShareMode) -> Result<String, String> {
@@ -53,56 +47,8 @@ fn share_step(args: &Args, mode: ShareMode) -> Result<String, String> {
         g: g.clone(),
     };
     let slots = Rng(0xabc).scattered_slots(n, pool_pages);
-    let layouts: Vec<StagingLayout> = (0..g.num_layers())
-        .map(|l| StagingLayout::new(mode, l, g.components(), n, 1))
-        .collect::<Result<_, _>>()
-        .map_err(|e| e.to_string())?;
-    let shape = BatchShape {
-        own: Vec::new(),
-        shared: g.components().iter().map(|c| c.id).collect(),
-        share_bytes: layouts.iter().map(StagingLayout::len).collect(),
-    };
-    let mut landing = StagedLanding::new(
-        d.pool.clone(),
-        d.staging.lease().map_err(de)?,
-        slots.clone().into(),
-        shape,
-    )
-    .map_err(de)?;
-    let mut stages = landing.take_stages();
-    let how = match mode {
-        ShareMode::SplitAllGather => StageShare::AllGather,
-        _ => StageShare::Broadcast { root: 0 },
-    };
-    let mut row = Vec::new();
-    for (layer, layout) in (0..).zip(&layouts) {
-        let s = &mut stages[layer as usize % 2];
-        landing.open(s, layer, soon()).map_err(de)?;
-        // This check stands in for the store: it fills the stage through its loan.
-        let mut loan = landing.lend(s).map_err(de)?;
-        for r in layout.rows(layout.share(0)) {
-            let c = g.component(r.component).map_err(|e| e.to_string())?;
-            row.resize(r.len, 0);
-            fill_row(&mut row, tag(c), layer, r.plan_page as u64);
-            let at = landing.share_target(&loan, r.offset, r.len).map_err(de)?;
-            loan.write(at, &row).map_err(de)?;
-        }
-        drop(loan);
-        landing.upload(s, layout.chunk(0)).map_err(de)?;
-        let ev = {
-            let mut stage = landing.device_stage(s).map_err(de)?;
-            share_stage(coll, &mut stage, how, soon()).map_err(|e| e.to_string())?
-        };
-        landing.scatter(s, &layout.blocks(), &ev).map_err(de)?;
-        landing.land(s).map_err(de)?;
-        if !ev.wait_until(soon()).map_err(de)? {
-            return Err(format!(
-                "layer {layer}: the NCCL collective did not complete"
-            ));
-        }
-    }
-    let t = landing.transfers();
-    drop(landing);
+    // This check stands in for the store: the rig fills each stage through its loan.
+    let t = share_every_layer(&d, coll, mode, &slots)?;
     let compared = compare_pool(&d, &slots, g.num_layers(), &|_| true)?;
     let h2d: u64 = t.iter().map(|t| t.host_to_device).sum();
     let sent: u64 = t.iter().map(|t| t.collective_sent).sum();

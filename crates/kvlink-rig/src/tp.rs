@@ -8,6 +8,7 @@ mod batch;
 mod groups;
 mod prefix;
 mod rank_dev;
+mod share_step;
 
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ pub use batch::{clear_pools, compare_all, compare_pool, run_batch, RankRun};
 pub use groups::{close_all, linkers, nccl_groups, Groups};
 pub use prefix::{plan, save_prefix, Prefix};
 pub use rank_dev::{gpu_mem, host_available, open_device, rank_devs, RankDev};
+pub use share_step::share_every_layer;
 
 /// Key namespace of every object the TP rig writes.
 pub const NAMESPACE: &str = "tp_gpu";
