@@ -30,7 +30,11 @@ pub enum Residence {
 /// - every region stays allocated, at the same address, for as long as the pool lives, and
 ///   is memory of the pool's [`residence`](Self::residence) (host memory the CPU may read
 ///   and write for `Residence::Host`);
-/// - the geometry and page count never change.
+/// - the geometry and page count never change;
+/// - [`slot_claims`](Self::slot_claims) answers the same on every call for as long as the
+///   pool lives: always `None`, or always the same [`SlotClaims`](crate::SlotClaims) of
+///   `pages()` slots (the exclusion between a landing's writes and a save's reads, and a
+///   claim's release on drop, rest on it).
 pub unsafe trait KvPool: Send + Sync {
     /// The geometry this pool is laid out for.
     fn geometry(&self) -> &KvGeometry;

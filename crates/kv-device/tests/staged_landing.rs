@@ -499,7 +499,7 @@ fn store_regions_keep_their_memory_owner_alive() {
 }
 
 #[test]
-fn a_lent_stage_is_the_loans_alone_and_its_staging_never_goes_to_another_batch() {
+fn a_lent_stage_is_the_loans_alone_and_its_staging_waits_for_the_loan() {
     let r = rig(CpuDeviceConfig::default(), 10, 4, 1);
     let comps = all(&r.g);
     let slots: Vec<u32> = vec![3, 1, 2, 0];
@@ -529,8 +529,9 @@ fn a_lent_stage_is_the_loans_alone_and_its_staging_never_goes_to_another_batch()
         landing.open(stage, 1, soon()),
         Err(DeviceError::Lent(_))
     ));
-    // The batch ends while the loan is out: its staging is quarantined, never leased again,
-    // and stays allocated (the loan keeps the staging pool) for whoever still writes it.
+    // The batch ends while the loan is out: its staging is quarantined, not leased again
+    // while the loan is out, and stays allocated (the loan keeps the staging pool) for
+    // whoever still writes it.
     drop(landing);
     assert_eq!(r.staging.available(), 0);
     assert_eq!(r.staging.quarantined(), 1);
@@ -538,6 +539,11 @@ fn a_lent_stage_is_the_loans_alone_and_its_staging_never_goes_to_another_batch()
     drop(r);
     assert!(staging.upgrade().is_some(), "the loan keeps the staging");
     loan.write(t, &row(&geometry(), comps[0], 0, 2)).unwrap();
+    let pool = staging.upgrade().unwrap();
+    assert_eq!(pool.available(), 0, "lent: still quarantined");
+    // The late read returns (its loan drops): the buffer can be leased again, not lost.
     drop(loan);
+    assert_eq!((pool.available(), pool.quarantined()), (1, 0));
+    drop(pool);
     assert!(staging.upgrade().is_none());
 }

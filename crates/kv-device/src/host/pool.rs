@@ -138,7 +138,8 @@ impl HostKvPool {
 
 // SAFETY: see the pool's docs: every slot lies inside one buffer the pool owns for its
 // whole life (`locate` checks the triple, slots of distinct triples are disjoint by the
-// geometry's layout), and the geometry and page count are fixed at construction.
+// geometry's layout), the geometry and page count are fixed at construction, and
+// `slot_claims` is always the pool's own field, sized to its pages.
 unsafe impl KvPool for HostKvPool {
     fn geometry(&self) -> &KvGeometry {
         &self.geometry

@@ -49,6 +49,11 @@ impl StageLent {
     pub(crate) fn is_lent(&self) -> bool {
         self.0.load(Ordering::Acquire)
     }
+
+    /// The flag itself (cleared when the stage's loan drops), for whoever must wait for it.
+    pub(crate) fn flag(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
 }
 
 /// A fresh loan id (what ties targets to their loan).

@@ -408,7 +408,8 @@ impl LayerLanding for StagedLanding {
         // `share_target` check them), which the staging pool (`owner`) keeps allocated; while
         // `lent` is set this landing touches none of it (`open`, `target_bytes`,
         // `share_bytes`, `upload` and `land` check it), lends it to no one else, and its drop
-        // quarantines the lease for good rather than hand it to another batch.
+        // quarantines the lease until the loan has dropped rather than hand it to another
+        // batch.
         Ok(unsafe { StageLoan::new(self.id, h, layer, lent, owner) })
     }
 
@@ -625,8 +626,23 @@ impl Drop for StagedLanding {
         let deadline = kv_loader::deadline_after(self.drain);
         if self.stages_state.iter().any(|h| h.lent.is_lent()) {
             // A store read may still write the pinned buffer (its loan keeps the staging pool
-            // alive): the buffer is never handed to another batch.
-            lease.quarantine(Vec::new(), self.slot_table.take().into_iter().collect());
+            // alive): the buffer goes to another batch only once every loan has dropped (the
+            // read returned) and the device work its fences tell the end of has finished.
+            let known = !self
+                .stages_state
+                .iter()
+                .any(|h| h.fences.is_poisoned() || h.fences.is_unfenced());
+            let fences: Vec<SharedEvent> = self
+                .stages_state
+                .iter()
+                .flat_map(|h| h.fences.take())
+                .collect();
+            let lent = self.stages_state.iter().map(|h| h.lent.flag()).collect();
+            lease.quarantine_lent(
+                known.then_some(fences),
+                lent,
+                self.slot_table.take().into_iter().collect(),
+            );
             return;
         }
         let poisoned = self.stages_state.iter().any(|h| h.fences.is_poisoned());

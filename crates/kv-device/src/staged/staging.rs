@@ -10,6 +10,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kv_geometry::KvGeometry;
@@ -23,22 +24,26 @@ pub(crate) struct StagingPair {
     dev: DeviceMemory,
 }
 
-/// A pair that device work may still use, with the events that say when it is done (none:
-/// unknown, it is never handed out again) and anything else that work may touch.
+/// A pair that device work or a store read may still use: the events that say when the
+/// device work is done (`None`: unknown, it is never handed out again), the flags of stages
+/// still lent to a store read (each clears when its loan drops, i.e. when the read returned),
+/// and anything else that work may touch.
 struct Quarantined {
     pair: StagingPair,
-    fences: Vec<SharedEvent>,
+    fences: Option<Vec<SharedEvent>>,
+    lent: Vec<Arc<AtomicBool>>,
     _extra: Vec<DeviceMemory>,
 }
 
 impl Quarantined {
-    /// True when every fence has completed (or failed: its stream runs nothing more).
+    /// True when no stage is lent any more and every fence has completed (or failed: its
+    /// stream runs nothing more).
     fn settled(&self) -> bool {
-        !self.fences.is_empty()
+        self.lent.iter().all(|l| !l.load(Ordering::Acquire))
             && self
                 .fences
-                .iter()
-                .all(|f| !matches!(f.is_complete(), Ok(false)))
+                .as_ref()
+                .is_some_and(|f| f.iter().all(|f| !matches!(f.is_complete(), Ok(false))))
     }
 }
 
@@ -291,15 +296,30 @@ impl StagingLease {
     /// Gives the buffer back to the pool's quarantine instead of its free list: it is leased
     /// again only once every event of `fences` has completed (never, when `fences` is empty),
     /// and `extra` (memory the same work may touch) lives as long.
-    pub fn quarantine(mut self, fences: Vec<SharedEvent>, extra: Vec<DeviceMemory>) {
+    pub fn quarantine(self, fences: Vec<SharedEvent>, extra: Vec<DeviceMemory>) {
+        let fences = (!fences.is_empty()).then_some(fences);
+        self.quarantine_lent(fences, Vec::new(), extra);
+    }
+
+    /// [`quarantine`](Self::quarantine) of a buffer whose stages may also still be lent to
+    /// store reads: leased again once every `lent` flag has cleared (each loan dropped) and
+    /// every event of `fences` has completed (never, when `fences` is `None`).
+    pub(crate) fn quarantine_lent(
+        mut self,
+        fences: Option<Vec<SharedEvent>>,
+        lent: Vec<Arc<AtomicBool>>,
+        extra: Vec<DeviceMemory>,
+    ) {
         if let Some(pair) = self.pair.take() {
             tracing::error!(
-                fences = fences.len(),
-                "staging buffer quarantined: device work on it may still be running"
+                fences = fences.as_ref().map(Vec::len),
+                lent = lent.len(),
+                "staging buffer quarantined: device work or a store read may still use it"
             );
             self.pool.quarantine.lock().push(Quarantined {
                 pair,
                 fences,
+                lent,
                 _extra: extra,
             });
         }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use tracing::{error, warn};
 
-use super::{KvStore, ObjectGet, RangedGet, ReadRange, ReadSession};
+use super::{KvStore, ObjectGet, ReadSession};
 use super::{ReadSession as Session, StoreError};
 
 /// Most store calls running at once, hung ones included.
@@ -405,40 +405,6 @@ impl StoreCalls {
             // SAFETY: every destination is a buffer this closure owns, of exactly its length,
             // distinct from the others, alive and untouched until the call returns.
             let got = unsafe { s.get_into(&gets) };
-            owned_results(k, bufs, super::checked_results(k, got))
-        })
-    }
-
-    /// Reads the first `lens[i]` bytes of object `keys[i]` into buffers of the call's own
-    /// (ranged reads; a store that needs a read session for them, as Mooncake, opens one for
-    /// keys not in one and ends it after the call: two more requests to its master), bounded.
-    /// A key that returns fewer bytes is a [`StoreError::ShortRead`].
-    pub fn read_owned(
-        &self,
-        keys: &[&str],
-        lens: &[usize],
-        deadline: Instant,
-    ) -> Vec<Result<Vec<u8>, StoreError>> {
-        let lens = lens.to_vec();
-        self.per_key("read_owned", owned(keys), deadline, move |s, k| {
-            let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
-            let gets: Vec<RangedGet<'_>> = k
-                .iter()
-                .zip(bufs.iter_mut())
-                .map(|(key, buf)| RangedGet {
-                    key,
-                    ranges: [ReadRange {
-                        dst: buf.as_mut_ptr(),
-                        len: buf.len(),
-                        offset: 0,
-                    }]
-                    .into_iter()
-                    .collect(),
-                })
-                .collect();
-            // SAFETY: every destination is a buffer this closure owns, of exactly its length,
-            // distinct from the others, alive and untouched until the call returns.
-            let got = unsafe { s.get_ranges(&gets) };
             owned_results(k, bufs, super::checked_results(k, got))
         })
     }
