@@ -171,7 +171,8 @@ case "$part" in
           >> "$file" 2>> "$out/procs.stderr.log" || one=$?
         [[ $one -eq 0 ]] || rc=$one
         # Auto again, alone: a second glm_prefill run (it saves the prefix again, the objects
-        # already present are skipped, and Auto calibrates afresh): two runs must agree.
+        # already present are skipped, and Auto calibrates afresh); the two picks are compared
+        # below (a disagreement counts as a failed check).
         {
           echo '```'
           echo
@@ -191,6 +192,14 @@ case "$part" in
           echo
           passed=0; failed=0
           for x in $one $two; do if [[ $x -eq 0 ]]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi; done
+          # The two runs' picks (rank 0's "Auto keeps X" in each run's Auto line).
+          picks=$(grep '^  Auto chose ' "$file" | grep -o 'Auto keeps [A-Za-z0-9]*' | awk '{print $3}' | paste -sd' ' -)
+          if [[ $(wc -w <<< "$picks") -eq 2 && $(tr ' ' '\n' <<< "$picks" | sort -u | wc -l) -eq 1 ]]; then
+            echo "Auto's picks agree: $picks"; passed=$((passed + 1))
+          else
+            echo "Auto's picks do not agree (or a run kept none): ${picks:-none}"; failed=$((failed + 1))
+          fi
+          echo
           echo "$passed passed, $failed failed"
         } >> "$file"
         cat "$file" >> "$out/procs.stdout.log"
