@@ -41,7 +41,7 @@ pub use landing::{
     SaveGather, SharePath, ShareSide, StageLoan,
 };
 pub use pool::{KvPool, Residence};
-pub use region::{DeviceEvent, DeviceRegion, HostRow, SharedEvent, StoreRegion};
+pub use region::{first_overlap_by, DeviceEvent, DeviceRegion, HostRow, SharedEvent, StoreRegion};
 pub use source::SaveSource;
 pub use staged::{
     DeviceKvPool, LandingStats, ScatterStrategy, StagedLanding, StagedLandingFactory, StagingLease,

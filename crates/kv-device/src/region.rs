@@ -36,6 +36,28 @@ impl HostRow {
     }
 }
 
+/// Of `items`, the first two (in address order) whose rows (`row` of each) share a byte, if
+/// any; rows of no bytes share nothing. Sorts by address: `n log n` over the items, nothing
+/// per byte.
+///
+/// ```
+/// use kv_device::{first_overlap_by, HostRow};
+/// let rows = [HostRow { addr: 200, len: 8 }, HostRow { addr: 100, len: 10 }, HostRow { addr: 109, len: 4 }];
+/// assert_eq!(first_overlap_by(&rows, |r| *r), Some((rows[1], rows[2])));
+/// assert_eq!(first_overlap_by(&rows[..2], |r| *r), None);
+/// ```
+pub fn first_overlap_by<T: Copy>(items: &[T], row: impl Fn(&T) -> HostRow) -> Option<(T, T)> {
+    let mut sorted: Vec<T> = items.iter().copied().filter(|t| row(t).len > 0).collect();
+    sorted.sort_unstable_by_key(|t| {
+        let r = row(t);
+        (r.addr, r.len)
+    });
+    sorted
+        .windows(2)
+        .find(|w| row(&w[0]).overlaps(&row(&w[1])))
+        .map(|w| (w[0], w[1]))
+}
+
 /// A byte range of the memory of one device: `len` bytes at device address `addr` of GPU
 /// `ordinal` (for the CPU device backend, `addr` is a host address). Plain data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -42,12 +42,7 @@ fn shape(rows: &[HostRow], counts: &[usize]) -> u64 {
 
 /// Why this rank's rows cannot be used: two of them overlap.
 fn overlapping(rows: &[HostRow]) -> Option<String> {
-    let mut sorted: Vec<HostRow> = rows.iter().copied().filter(|r| r.len > 0).collect();
-    sorted.sort_by_key(|r| r.addr);
-    sorted
-        .windows(2)
-        .any(|w| w[0].overlaps(&w[1]))
-        .then(|| "two of this rank's rows overlap".to_string())
+    kv_device::first_overlap_by(rows, |r| *r).map(|_| "two of this rank's rows overlap".to_string())
 }
 
 /// Copies `src` into `dst` row by row (same count and lengths: the round matched them).

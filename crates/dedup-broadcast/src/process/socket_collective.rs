@@ -140,21 +140,7 @@ fn spans(rows: &[HostRow]) -> Vec<Span> {
 
 /// The first pair of rows that overlap, if any.
 fn overlapping(rows: &[HostRow]) -> Option<(HostRow, HostRow)> {
-    let sorted = rows.windows(2).all(|w| w[0].addr <= w[1].addr);
-    let owned;
-    let by_addr: &[HostRow] = if sorted {
-        rows
-    } else {
-        let mut v = rows.to_vec();
-        v.sort_unstable_by_key(|r| r.addr);
-        owned = v;
-        &owned
-    };
-    let nonempty: Vec<&HostRow> = by_addr.iter().filter(|r| r.len > 0).collect();
-    nonempty
-        .windows(2)
-        .find(|w| w[0].overlaps(w[1]))
-        .map(|w| (*w[0], *w[1]))
+    kv_device::first_overlap_by(rows, |r| *r)
 }
 
 impl SocketCollective {

@@ -265,9 +265,7 @@ impl HostShare for DirectLanding {
 
 /// True when two rows share a byte.
 fn overlapping(rows: &[HostRow]) -> bool {
-    let mut sorted: Vec<HostRow> = rows.iter().copied().filter(|r| r.len > 0).collect();
-    sorted.sort_by_key(|r| r.addr);
-    sorted.windows(2).any(|w| w[0].overlaps(&w[1]))
+    crate::first_overlap_by(rows, |r| *r).is_some()
 }
 
 /// Landings straight into a host pool ([`DirectLanding`]).

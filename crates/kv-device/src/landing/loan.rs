@@ -22,7 +22,7 @@ use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::DeviceError;
+use crate::{DeviceError, HostRow};
 
 /// Whether one stage is lent (shared between the landing and the stage's loan).
 #[derive(Debug, Default)]
@@ -231,7 +231,15 @@ impl ReadTarget {
 
     /// One past the last byte (saturating).
     pub fn end(&self) -> usize {
-        self.addr.saturating_add(self.len)
+        self.row().end()
+    }
+
+    /// Its bytes as a plain row.
+    pub fn row(&self) -> HostRow {
+        HostRow {
+            addr: self.addr,
+            len: self.len,
+        }
     }
 
     /// The id of the loan it was minted in.
@@ -246,7 +254,7 @@ impl ReadTarget {
 
     /// True when the two targets share at least one byte.
     pub fn overlaps(&self, other: &ReadTarget) -> bool {
-        self.len > 0 && other.len > 0 && self.addr < other.end() && other.addr < self.end()
+        self.row().overlaps(&other.row())
     }
 }
 
@@ -259,12 +267,7 @@ impl ReadTarget {
 /// assert_eq!(first_overlap(&none), None);
 /// ```
 pub fn first_overlap(targets: &[ReadTarget]) -> Option<(ReadTarget, ReadTarget)> {
-    let mut sorted: Vec<ReadTarget> = targets.iter().copied().filter(|t| t.len > 0).collect();
-    sorted.sort_unstable_by_key(|t| (t.addr, t.len));
-    sorted
-        .windows(2)
-        .find(|w| w[0].overlaps(&w[1]))
-        .map(|w| (w[0], w[1]))
+    crate::first_overlap_by(targets, ReadTarget::row)
 }
 
 #[cfg(test)]
