@@ -33,6 +33,7 @@ export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-8 GB}"
 export RUST_LOG="warn,mooncake_linker=trace" NO_COLOR=1
 tag="$((tokens / 1024))k"
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 timeout -k 15 "${KVLINK_TABLE_TIMEOUT:-400}" bash scripts/gpu-mooncake-run.sh --storage-nodes 1 -- \
   mooncake_modes --pools host --tokens "$tokens" --tp "$tp" --modes "$modes" --reps 2 --auto-runs 1 \
   --machine "$machine" --out "$work" --budget-s 360 "${extra[@]}" \

@@ -17,18 +17,7 @@ pub fn thousands(n: u64) -> String {
 }
 
 /// Bytes in decimal units (7.07 GB, as the docs write sizes).
-pub fn bytes(n: u64) -> String {
-    let n = n as f64;
-    if n >= 1e9 {
-        format!("{:.2} GB", n / 1e9)
-    } else if n >= 1e6 {
-        format!("{:.1} MB", n / 1e6)
-    } else if n >= 1e3 {
-        format!("{:.1} kB", n / 1e3)
-    } else {
-        format!("{n:.0} B")
-    }
-}
+pub use kvlink_rig::measure::fmt_bytes as bytes;
 
 /// A duration in milliseconds, 1 decimal.
 pub fn ms(d: Duration) -> String {

@@ -18,7 +18,7 @@ use kvlink::kv_loader::{LayerReady, RawStream};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
 
 use super::Args;
-use kvlink_rig::glm::{glm, half_bytes, own_all};
+use kvlink_rig::glm::{glm, half_bytes, own_all, tag};
 use kvlink_rig::measure::{gbps, median, timing_event};
 use kvlink_rig::pattern::{fill_row, Rng};
 use kvlink_rig::report::{de, Report, Status};
@@ -283,12 +283,7 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
         for (p, key) in keys[ci].iter().enumerate() {
             for &l in &c.layers {
                 let pos = c.position(l).unwrap_or(0) as usize;
-                fill_row(
-                    &mut obj[pos * row..(pos + 1) * row],
-                    u64::from(c.id.0) + 1,
-                    l,
-                    p as u64,
-                );
+                fill_row(&mut obj[pos * row..(pos + 1) * row], tag(c), l, p as u64);
             }
             let put = ObjectPut {
                 key,
@@ -430,7 +425,7 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
             for p in (0..n).step_by(7) {
                 pool.read_slot(c.id, layer, slots[p], &mut row)
                     .map_err(de)?;
-                fill_row(&mut want, u64::from(c.id.0) + 1, layer, p as u64);
+                fill_row(&mut want, tag(c), layer, p as u64);
                 if row != want {
                     return Err(format!(
                         "layer {layer} component {} page {p}: wrong bytes",

@@ -427,7 +427,6 @@ pub fn auto_config() -> LinkerConfig {
     }
 }
 
-/// A linker configuration for `mode` with short deadlines.
 /// Every share mode by name (`Auto` from [`auto_config`], the others from [`config`]), each
 /// configuration passed through `adjust`.
 pub fn every_mode(

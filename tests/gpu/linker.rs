@@ -14,7 +14,7 @@ use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
 use super::Args;
 use kvlink_rig::device_linker::{device_linker, plan, saved_prefix, wait_layers};
-use kvlink_rig::glm::half_bytes;
+use kvlink_rig::glm::{half_bytes, tag};
 use kvlink_rig::pattern::{fill_row, Rng};
 use kvlink_rig::report::{de, Report, Status};
 
@@ -28,7 +28,7 @@ fn compare(pool: &CudaKvPool, g: &KvGeometry, slots: &[u32], upto: u32) -> Resul
         got.resize(c.page_layer_bytes as usize, 0);
         for &l in c.layers.iter().filter(|&&l| l < upto) {
             for (p, &s) in slots.iter().enumerate() {
-                fill_row(&mut want, u64::from(c.id.0) + 1, l, p as u64);
+                fill_row(&mut want, tag(c), l, p as u64);
                 pool.read_slot(c.id, l, s, &mut got).map_err(de)?;
                 if got != want {
                     return Err(format!(

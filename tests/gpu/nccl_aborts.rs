@@ -19,8 +19,9 @@ fn soon() -> Instant {
     kvlink::kv_loader::deadline_after(Duration::from_secs(30))
 }
 
-/// The checks that abort communicators: run last, after the benchmarks, so an abort cannot
-/// disturb them.
+/// The checks that abort communicators: a test of their own (the gpu target runs its tests
+/// one at a time, `--test-threads=1`), so an abort cannot disturb another test's
+/// communicators.
 pub fn run_aborts(gpus: u32, report: &mut Report) {
     report.check(
         SEC,

@@ -129,7 +129,7 @@ pub fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> 
             }
             LayerReady::Resident => return Err("Resident from a device landing".into()),
         }
-        let _ = direct.land(d);
+        direct.land(d).map_err(de)?;
     }
     compute.synchronize().map_err(|e| e.to_string())?;
     let t = staged.transfers();

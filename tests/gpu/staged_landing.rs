@@ -14,7 +14,7 @@ use kvlink::kv_device::{
 use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::{LayerReady, RawStream};
 
-use kvlink_rig::glm::{glm, half_bytes, own_all};
+use kvlink_rig::glm::{glm, half_bytes, own_all, tag};
 use kvlink_rig::pattern::{fill_row, Rng};
 use kvlink_rig::report::{de, Report, Status};
 
@@ -109,7 +109,7 @@ fn stage_layer(
         let len = c.page_layer_bytes as usize;
         let mut row = vec![0u8; len];
         for page in 0..n {
-            fill_row(&mut row, u64::from(c.id.0) + 1, layer, page as u64);
+            fill_row(&mut row, tag(c), layer, page as u64);
             let t = sl.target(&staged_loan, c.id, page).map_err(de)?;
             staged_loan.write(t, &row).map_err(de)?;
             if let Some((dl, loan)) = direct_loan.as_mut() {
@@ -323,7 +323,7 @@ fn gather(dev: &Arc<CudaDevice>, pages: u32, slots: &[u32]) -> Result<String, St
                 let len = c.page_layer_bytes as usize;
                 let mut want = vec![0u8; len];
                 for page in 0..n {
-                    fill_row(&mut want, u64::from(c.id.0) + 1, layer, page as u64);
+                    fill_row(&mut want, tag(c), layer, page as u64);
                     let got = rows.get(page * len..(page + 1) * len).unwrap_or_default();
                     if got != &want[..] {
                         return Err(format!(

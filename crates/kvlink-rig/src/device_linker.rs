@@ -12,7 +12,7 @@ use kv_loader::{BatchId, BatchPlan, KvLoader, LayerReady, LoadTicket, RequestPag
 use mooncake_linker::store::{EmbeddedStore, KvStore};
 use mooncake_linker::{Linker, LinkerConfig};
 
-use crate::glm::{glm, half_bytes};
+use crate::glm::{glm, half_bytes, tag};
 use crate::pattern::fill_row;
 use crate::report::de;
 
@@ -41,7 +41,7 @@ pub fn saved_prefix(n: usize, seed: u32) -> Result<SavedPrefix, String> {
         row.resize(c.page_layer_bytes as usize, 0);
         for &l in &c.layers {
             for p in 0..n {
-                fill_row(&mut row, u64::from(c.id.0) + 1, l, p as u64);
+                fill_row(&mut row, tag(c), l, p as u64);
                 // SAFETY: `src` is filled here, on one thread, before the saver shares it.
                 unsafe { src.write_slot(c.id, l, p as u32, &row) }.map_err(de)?;
             }
