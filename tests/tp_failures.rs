@@ -12,10 +12,12 @@ use std::time::{Duration, Instant};
 use common::tp::{
     config, fail_v_read, mixed_spec, paths, rank_matches, run, same_verdict, tp_ranks, Path,
 };
+use common::{load_plan, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
-use kvlink::kv_loader::ShareMode;
-use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
+use kvlink::kv_loader::{BatchOutcome, KvLoader, ShareMode};
+use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, Stall};
+use kvlink::mooncake_linker::LinkerConfig;
 
 const MODES: [ShareMode; 3] = [
     ShareMode::AllRanks,
@@ -163,4 +165,119 @@ fn a_corrupt_object_fails_every_rank_alike_at_its_layer_and_is_replaced() {
             }
         }
     }
+}
+
+/// A rank whose read fails while its size check hangs on the store hands the failed layer
+/// over before its peers stop waiting for it: every rank gets the same verdict from the status
+/// word (no collective timeout, no re-formed group) and the peers' batches end at once; the
+/// failing rank's own batch ends once its hung size query is given up
+/// (`store_call_timeout`); once the store answers again the next batch loads. A middle rank
+/// of three, at a middle layer, in both sharing modes.
+#[test]
+fn a_failed_read_does_not_wait_past_the_peers_for_a_hung_size_check() {
+    let spec = mixed_spec();
+    let collective = Duration::from_secs(2);
+    for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+        let cfg = LinkerConfig {
+            collective_timeout: collective,
+            layer_read_timeout: Duration::from_secs(1),
+            // How long the hung size query is waited for (before the mend, by the failed
+            // read's hand-over too, so the peers timed out).
+            store_call_timeout: Duration::from_secs(4),
+            verify_object_sizes: true,
+            ..config(mode)
+        };
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+        let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &cfg, Path::Host);
+        let what = format!("{mode:?}");
+        let stall = Stall::new();
+        let r = &rs[1];
+        fail_v_read(&r.faults, r.linker.geometry(), "tp1_cp0_pp0_v".into(), 2);
+        r.faults.inject_on(
+            FaultCall::Size,
+            FaultRule::default(),
+            Fault::Stall(stall.clone()),
+        );
+        let t0 = Instant::now();
+        let (outcomes, ended) = run_timed(&rs, 1, &hashes);
+        stall.release();
+        assert!(stall.hits() > 0, "{what}: the size check was held");
+        same_verdict(&outcomes, 1, 2, &what);
+        for peer in [0, 2] {
+            let took = ended[peer] - t0;
+            assert!(
+                took < collective,
+                "{what}: rank {peer} ended after {took:?}"
+            );
+        }
+        r.faults.clear();
+        for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &hashes)).enumerate() {
+            o.result
+                .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
+            rank_matches(r, &hashes, rank as u32).unwrap();
+        }
+    }
+}
+
+/// A rank whose checksum companions hang on the store (their whole-object read) fails its
+/// first layer before its peers stop waiting for it: every rank gets that rank's failure at
+/// layer 0 from the status word, the peers' batches end in time, and the next batch loads once
+/// the store answers. A middle rank of three.
+#[test]
+fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
+    let spec = mixed_spec();
+    let collective = Duration::from_secs(2);
+    let cfg = LinkerConfig {
+        collective_timeout: collective,
+        layer_read_timeout: Duration::from_secs(1),
+        store_call_timeout: Duration::from_secs(4),
+        ..config(ShareMode::SplitAllGather)
+    };
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &cfg, Path::Host);
+    let stall = Stall::new();
+    let r = &rs[1];
+    r.faults.inject_on(
+        FaultCall::ReadWhole,
+        FaultRule::default(),
+        Fault::Stall(stall.clone()),
+    );
+    let t0 = Instant::now();
+    let (outcomes, ended) = run_timed(&rs, 1, &hashes);
+    stall.release();
+    assert!(stall.hits() > 0, "the companions' read was held");
+    same_verdict(&outcomes, 1, 0, "companions");
+    for peer in [0, 2] {
+        let took = ended[peer] - t0;
+        assert!(took < collective, "rank {peer} ended after {took:?}");
+    }
+    r.faults.clear();
+    for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &hashes)).enumerate() {
+        o.result
+            .unwrap_or_else(|e| panic!("next batch, rank {rank}: {e}"));
+        rank_matches(r, &hashes, rank as u32).unwrap();
+    }
+}
+
+/// [`run`], with when each rank's batch outcome was in.
+fn run_timed(
+    ranks: &[common::tp::TpRank],
+    batch: u64,
+    pages: &[kvlink::kv_geometry::PageHash],
+) -> (Vec<BatchOutcome>, Vec<Instant>) {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|r| {
+                s.spawn(move || {
+                    let plan = load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
+                    let t = r.linker.start_load(plan).unwrap();
+                    let _ = wait_all(&r.linker, &t);
+                    let o = r.linker.wait_batch(&t).unwrap();
+                    (o, Instant::now())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).unzip()
+    })
 }

@@ -220,6 +220,7 @@ impl LayerPipeline<'_> {
         };
         let covered = AtomicBool::new(false);
         let groups = self.plan_groups(ring);
+        let started = Instant::now();
         std::thread::scope(|s| {
             let mut checks = self.preflight(s, &reader, &covered, failure.is_none());
             for (index, group) in groups.iter().cloned().enumerate() {
@@ -235,6 +236,12 @@ impl LayerPipeline<'_> {
                 if failure.is_none() && self.cancelled() {
                     failure = Some(KvLoadError::Cancelled { batch });
                 }
+                // Until when this group's preflight verdicts may be waited for: none once the
+                // batch has failed (nothing more is read or published).
+                let by = match failure {
+                    Some(_) => Instant::now(),
+                    None => self.verdict_bound(if index == 0 { started } else { Instant::now() }),
+                };
                 let mut read_failed = false;
                 if failure.is_none() {
                     let open: Option<Vec<&mut LayerStage>> =
@@ -260,7 +267,7 @@ impl LayerPipeline<'_> {
                 // The preflight's verdicts due before this group is handed over. Their failure
                 // replaces this group's read failure (a wrong-sized object says more than a
                 // short read of it), never an earlier group's.
-                if let Err(e) = checks.due(index, groups.len(), read_failed) {
+                if let Err(e) = checks.due(index, groups.len(), read_failed, by) {
                     warn!(%batch, error = %e, "preflight (object sizes, checksums)");
                     if index == 0 || read_failed || failure.is_none() {
                         failure = Some(e);
@@ -279,6 +286,18 @@ impl LayerPipeline<'_> {
             }
         });
         run
+    }
+
+    /// The latest a group whose read starts at `from` may wait for the preflight's verdicts:
+    /// the TP peers wait for its first layer's status word for `collective_timeout` from about
+    /// then at the earliest (for the first group, from the batch's start), so the reader
+    /// hands the group over with four fifths of that spent at most, leaving the rest for the
+    /// status exchange itself; the peers then read this rank's verdict instead of timing out
+    /// and re-forming the group.
+    fn verdict_bound(&self, from: Instant) -> Instant {
+        let wait = self.inner.config.collective_timeout.mul_f64(0.8);
+        from.checked_add(wait)
+            .unwrap_or_else(|| kv_loader::deadline_after(wait))
     }
 
     /// Starts the preflight's checks (none when `run` is false): the checksum companions (which
@@ -478,14 +497,14 @@ impl LayerPipeline<'_> {
     ) -> (Option<LayerStage>, Option<KvLoadError>) {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
-        // Besides its read, a group may wait for the reader's preflight before it is handed
-        // over (the first group, the last, and one whose read failed): the companions (four
-        // store calls at most in a row) and then the sizes (one), each bounded by
-        // `store_call_timeout`.
+        // Before a group's read the reader may renew the read session (one store call);
+        // then the read itself; the preflight's verdicts are waited for until four fifths of
+        // `collective_timeout` after the read's start (the batch's, for the first group).
         let limit = c
             .layer_read_timeout
+            .max(c.collective_timeout)
             .saturating_add(c.collective_timeout)
-            .saturating_add(c.store_call_timeout.saturating_mul(5));
+            .saturating_add(c.store_call_timeout);
         match h.next_layer(kv_loader::deadline_after(limit)) {
             Wait::Got(m) if m.layer == layer => (m.stage, m.error),
             Wait::Got(m) => (

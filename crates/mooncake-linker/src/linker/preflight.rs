@@ -12,12 +12,20 @@
 //!   wrong-sized object still never completes. Where some object has no
 //!   companion (checksums off, or objects another writer saved), the sizes are what guards
 //!   its bytes, and they are checked before the first group, as the companions are.
+//!
+//! Every verdict is waited for only until a bound the reader gives (see
+//! [`PreflightChecks::due`]): the TP peers wait for this rank's next status word no longer
+//! than their collective timeout, so a check still running on a hung store fails the batch
+//! here in time (or, after a failed read, leaves the read's own error standing) and every
+//! rank reads the failure from the status word instead of timing out and re-forming the group.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::thread::{Scope, ScopedJoinHandle};
+use std::time::Instant;
 
-use kv_loader::{BatchId, KvLoadError};
+use kv_loader::{BatchId, KvLoadError, StoreFailure};
 use parking_lot::Mutex;
 
 /// One preflight check running on a helper thread (or already done inline, when no thread
@@ -29,7 +37,11 @@ pub(crate) struct Check<'scope> {
 }
 
 enum CheckState<'scope> {
-    Running(ScopedJoinHandle<'scope, Result<(), KvLoadError>>),
+    /// On its thread; `finished` hangs up when the check returns (or unwinds).
+    Running {
+        handle: ScopedJoinHandle<'scope, Result<(), KvLoadError>>,
+        finished: Receiver<()>,
+    },
     Done(Result<(), KvLoadError>),
     Taken,
 }
@@ -49,15 +61,20 @@ impl<'scope> Check<'scope> {
         // The closure goes to the thread, or stays here when none starts.
         let cell = Arc::new(Mutex::new(Some(check)));
         let theirs = cell.clone();
-        let run = move || match theirs.lock().take() {
-            Some(check) => check(),
-            None => Ok(()),
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let run = move || {
+            // Dropped when the check returns or unwinds: a bounded wait wakes then.
+            let _done = done;
+            match theirs.lock().take() {
+                Some(check) => check(),
+                None => Ok(()),
+            }
         };
         let state = match std::thread::Builder::new()
             .name(name)
             .spawn_scoped(scope, run)
         {
-            Ok(handle) => CheckState::Running(handle),
+            Ok(handle) => CheckState::Running { handle, finished },
             Err(_) => CheckState::Done(cell.lock().take().map_or(Ok(()), |check| check())),
         };
         Check { state, batch, what }
@@ -75,7 +92,7 @@ impl<'scope> Check<'scope> {
     /// Whether the verdict is in (waiting for it would not block).
     pub(crate) fn is_done(&self) -> bool {
         match &self.state {
-            CheckState::Running(h) => h.is_finished(),
+            CheckState::Running { handle, .. } => handle.is_finished(),
             CheckState::Done(_) | CheckState::Taken => true,
         }
     }
@@ -84,7 +101,7 @@ impl<'scope> Check<'scope> {
     /// fails the batch.
     pub(crate) fn verdict(&mut self) -> Result<(), KvLoadError> {
         match std::mem::replace(&mut self.state, CheckState::Taken) {
-            CheckState::Running(h) => h.join().unwrap_or_else(|_| {
+            CheckState::Running { handle, .. } => handle.join().unwrap_or_else(|_| {
                 Err(KvLoadError::internal(
                     self.batch,
                     format!("the preflight's {} check panicked", self.what),
@@ -93,6 +110,38 @@ impl<'scope> Check<'scope> {
             CheckState::Done(r) => r,
             CheckState::Taken => Ok(()),
         }
+    }
+
+    /// The verdict if it is in by `by` (waiting until then at most; `Ok` once it was taken),
+    /// or `None`: the check runs on, its verdict is left for a later call.
+    pub(crate) fn verdict_by(&mut self, by: Instant) -> Option<Result<(), KvLoadError>> {
+        if let CheckState::Running { finished, .. } = &self.state {
+            let left = by.saturating_duration_since(Instant::now());
+            if let Err(RecvTimeoutError::Timeout) = finished.recv_timeout(left) {
+                return None;
+            }
+        }
+        // Finished (or never on a thread): joining does not block.
+        Some(self.verdict())
+    }
+
+    /// [`verdict_by`](Self::verdict_by), a verdict not in by `by` failing the batch (the
+    /// check runs on; its verdict is never taken).
+    fn required_by(&mut self, by: Instant) -> Result<(), KvLoadError> {
+        self.verdict_by(by).unwrap_or_else(|| {
+            Err(KvLoadError::Store {
+                batch: Some(self.batch),
+                layer: None,
+                pages: Vec::new().into(),
+                kind: StoreFailure::RpcTimeout,
+                detail: format!(
+                    "the preflight's {} check did not end in time: the TP peers wait no \
+                     longer for this rank's next layer",
+                    self.what
+                )
+                .into(),
+            })
+        })
     }
 }
 
@@ -113,29 +162,38 @@ pub(crate) struct PreflightChecks<'scope> {
 }
 
 impl PreflightChecks<'_> {
-    /// The verdicts due before handing over group `index` of `groups`, whose read failed when
-    /// `read_failed` (the sizes are then waited for: a wrong-sized object explains a failed
-    /// read better than the read does). The companions' error comes first: a companion that
-    /// does not fit checks its object's size itself, and says
+    /// The verdicts due before handing over group `index` of `groups`, waited for until `by`
+    /// at most (when the peers stop waiting for this group's first status word, less a
+    /// margin). A verdict the group needs that is not in by then fails the batch
+    /// ([`StoreFailure::RpcTimeout`]). When the group's read failed (`read_failed`) the sizes
+    /// are taken if they come in by `by` (a wrong-sized object explains a failed read better
+    /// than the read does), else the read's error stands. The companions' error comes first:
+    /// a companion that does not fit checks its object's size itself, and says
     /// [`PlanError::ObjectSize`](kv_loader::PlanError::ObjectSize) when that is why.
     pub(crate) fn due(
         &mut self,
         index: usize,
         groups: usize,
         read_failed: bool,
+        by: Instant,
     ) -> Result<(), KvLoadError> {
         let first = index == 0;
         let last = index + 1 >= groups;
         // The first group is read (the reader asks for its verdicts right after the read).
         self.first_read.take();
         let companions = if first {
-            self.companions.verdict()
+            self.companions.required_by(by)
         } else {
             Ok(())
         };
-        // Known once the companions' verdict is in (always, from the first group on).
+        // Known once the companions' verdict is in (from the first group on, unless it
+        // was not in time, and then the batch has failed).
         let covered = self.covered.load(Ordering::Acquire);
-        let sizes = if (first && !covered) || last || read_failed || self.sizes.is_done() {
+        let sizes = if (first && !covered) || last {
+            self.sizes.required_by(by)
+        } else if read_failed {
+            self.sizes.verdict_by(by).unwrap_or(Ok(()))
+        } else if self.sizes.is_done() {
             self.sizes.verdict()
         } else {
             Ok(())
@@ -153,6 +211,30 @@ mod tests {
 
     fn failed(what: &str) -> Result<(), KvLoadError> {
         Err(KvLoadError::config(what))
+    }
+
+    /// A bound no check here comes near.
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(30)
+    }
+
+    /// A check that runs until `gate` is set (10 s at most), then fails with `what`.
+    fn held<'a>(
+        gate: &'a AtomicBool,
+        what: &'static str,
+    ) -> impl FnOnce() -> Result<(), KvLoadError> + 'a {
+        move || {
+            let limit = Instant::now() + Duration::from_secs(10);
+            while !gate.load(Ordering::Acquire) && Instant::now() < limit {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            failed(what)
+        }
+    }
+
+    fn timed_out(r: Result<(), KvLoadError>, what: &str) -> bool {
+        matches!(r, Err(KvLoadError::Store { kind: StoreFailure::RpcTimeout, ref detail, .. })
+            if detail.to_string().contains(what))
     }
 
     #[test]
@@ -173,12 +255,12 @@ mod tests {
                 first_read: None,
             };
             // The first and a middle group pass while the sizes are still being checked.
-            assert!(checks.due(0, 3, false).is_ok());
-            assert!(checks.due(1, 3, false).is_ok());
+            assert!(checks.due(0, 3, false, far()).is_ok());
+            assert!(checks.due(1, 3, false, far()).is_ok());
             release.store(true, Ordering::Release);
             // The last group waits for them and fails.
             assert!(
-                matches!(checks.due(2, 3, false), Err(KvLoadError::Config(m)) if m.detail() == "wrong size")
+                matches!(checks.due(2, 3, false, far()), Err(KvLoadError::Config(m)) if m.detail() == "wrong size")
             );
         });
     }
@@ -195,10 +277,10 @@ mod tests {
                 first_read: None,
             };
             assert!(
-                matches!(checks.due(0, 2, false), Err(KvLoadError::Config(m)) if m.detail() == "bad companion")
+                matches!(checks.due(0, 2, false, far()), Err(KvLoadError::Config(m)) if m.detail() == "bad companion")
             );
             // Both were taken (each once).
-            assert!(checks.sizes.is_done() && checks.due(1, 2, false).is_ok());
+            assert!(checks.sizes.is_done() && checks.due(1, 2, false, far()).is_ok());
         });
     }
 
@@ -216,15 +298,95 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(1));
             }
             assert!(
-                checks.due(0, 5, false).is_err(),
+                checks.due(0, 5, false, far()).is_err(),
                 "taken as soon as it is in"
             );
-            assert!(checks.due(1, 5, false).is_ok(), "taken once");
+            assert!(checks.due(1, 5, false, far()).is_ok(), "taken once");
         });
     }
 
     #[test]
-    fn a_failed_read_waits_for_the_sizes() {
+    fn a_failed_read_leaves_sizes_still_running_at_the_bound_behind() {
+        let gate = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let mut checks = PreflightChecks {
+                companions: Check::passed(BatchId(1), "companions"),
+                sizes: Check::spawn(
+                    s,
+                    "s".into(),
+                    BatchId(1),
+                    "sizes",
+                    held(&gate, "wrong size"),
+                ),
+                covered: &COVERED,
+                first_read: None,
+            };
+            let t0 = Instant::now();
+            let by = t0 + Duration::from_millis(100);
+            // The read's own error stands: the group is handed over at the bound.
+            assert!(checks.due(1, 5, true, by).is_ok());
+            let took = t0.elapsed();
+            assert!(
+                took >= Duration::from_millis(100),
+                "waited until the bound: {took:?}"
+            );
+            assert!(took < Duration::from_secs(5), "not for the check: {took:?}");
+            gate.store(true, Ordering::Release);
+            // Not taken: the last group still needs it, and gets it.
+            let last = checks.due(4, 5, false, far());
+            assert!(matches!(last, Err(KvLoadError::Config(m)) if m.detail() == "wrong size"));
+        });
+    }
+
+    #[test]
+    fn companions_not_read_by_the_bound_fail_the_first_group() {
+        let gate = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let mut checks = PreflightChecks {
+                companions: Check::spawn(
+                    s,
+                    "c".into(),
+                    BatchId(1),
+                    "checksum companion",
+                    held(&gate, "late"),
+                ),
+                sizes: Check::passed(BatchId(1), "sizes"),
+                covered: &AtomicBool::new(false),
+                first_read: None,
+            };
+            let t0 = Instant::now();
+            let r = checks.due(0, 3, false, t0 + Duration::from_millis(100));
+            assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+            assert!(
+                timed_out(r, "checksum companion"),
+                "a timeout naming the check"
+            );
+            gate.store(true, Ordering::Release);
+        });
+    }
+
+    #[test]
+    fn sizes_not_in_by_the_last_groups_bound_fail_it() {
+        let gate = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let mut checks = PreflightChecks {
+                companions: Check::passed(BatchId(1), "companions"),
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "object size", held(&gate, "x")),
+                covered: &COVERED,
+                first_read: None,
+            };
+            assert!(
+                checks.due(0, 2, false, far()).is_ok(),
+                "covered: not needed yet"
+            );
+            let r = checks.due(1, 2, false, Instant::now() + Duration::from_millis(50));
+            assert!(timed_out(r, "object size"));
+            gate.store(true, Ordering::Release);
+        });
+    }
+
+    #[test]
+    fn a_failed_read_takes_sizes_that_come_in_by_the_bound() {
         std::thread::scope(|s| {
             let mut checks = PreflightChecks {
                 companions: Check::passed(BatchId(1), "companions"),
@@ -236,7 +398,7 @@ mod tests {
                 first_read: None,
             };
             assert!(
-                matches!(checks.due(1, 5, true), Err(KvLoadError::Config(m)) if m.detail() == "wrong size")
+                matches!(checks.due(1, 5, true, far()), Err(KvLoadError::Config(m)) if m.detail() == "wrong size")
             );
         });
     }
@@ -251,7 +413,7 @@ mod tests {
             first_read: Some(tx),
         };
         assert!(rx.try_recv().is_err() && checks.first_read.is_some());
-        checks.due(0, 3, false).unwrap();
+        checks.due(0, 3, false, far()).unwrap();
         // The sender is gone: a size check waiting for the first read goes on.
         assert!(matches!(
             rx.recv_timeout(Duration::from_secs(5)),
