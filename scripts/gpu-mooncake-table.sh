@@ -23,8 +23,9 @@
 #            (KVLINK_TABLE_TP), 32K, every mode and Auto, then Auto alone a second time (two
 #            runs must agree), one storage node, if this build's glm_prefill has the mode;
 #            else the part says so and exits 0                              (about 3-5 min)
-# KVLINK_TABLE_TOKENS / KVLINK_TABLE_TP (host, nodes, device; TP also procs): the prefix sizes and TP sizes
-#           (default 32768,131072 and 2,4,8), to split a part that would not fit one command
+# KVLINK_TABLE_TOKENS / KVLINK_TABLE_TP (host, nodes, device; procs too, one size: the first)
+#           the prefix sizes and TP sizes
+#           (default 32768,131072 and 2,4,8; procs 32768), to split a part that would not fit one command
 #           (e.g. KVLINK_TABLE_TOKENS=131072 KVLINK_TABLE_TP=8 ... --part host).
 # --quick   small sizes (2K tokens, TP 2 and 4, one rep, one Auto run; device pools on CPU
 #           devices when no GPU is visible): a dry run of the whole part in well under a minute
@@ -153,6 +154,14 @@ case "$part" in
     if run_bundle 1 glm_prefill --help 2>/dev/null | grep -q -- '--ranks-as'; then
       export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
       if [[ $quick -eq 1 ]]; then tokens=2048; tps="2 4"; compute=5480; else tokens=32768; tps="2 4 8"; compute=5760; fi
+      # One prefix size from KVLINK_TABLE_TOKENS (its first); the modelled compute of that size
+      # (mooncake_modes' model: 5.48 ms at 2K, 5.76 ms at 32K, 6.66 ms at 128K per layer).
+      if [[ -n "${KVLINK_TABLE_TOKENS:-}" ]]; then
+        tokens="${KVLINK_TABLE_TOKENS%%,*}"
+        case "$tokens" in 2048) compute=5480 ;; 32768) compute=5760 ;; 131072) compute=6660 ;;
+          *) echo "procs: no modelled compute for $tokens tokens (2048, 32768, 131072)" >&2; exit 2 ;; esac
+        [[ $tokens -ge 131072 ]] && export MOONCAKE_STORAGE_NODE_SEGMENT="${KVLINK_PROCS_SEGMENT:-9 GB}"
+      fi
       tps="${KVLINK_TABLE_TP:-$tps}"; tps="${tps//,/ }"
       tag=$((tokens / 1024))k
       : > "$out/procs.stdout.log"
@@ -161,7 +170,7 @@ case "$part" in
         {
           echo "# glm_prefill, TP $tp ranks as processes, Mooncake (one storage node), $tag tokens"
           echo
-          echo "Command: ${KVLINK_TABLE_TP:+KVLINK_TABLE_TP=$KVLINK_TABLE_TP }bash scripts/gpu-mooncake-table.sh --part procs$([[ $quick -eq 1 ]] && echo ' --quick') ($(date -u +%Y-%m-%d), $machine); compute per layer SIMULATED ${compute} µs (the modelled compute at $tag)."
+          echo "Command: ${KVLINK_TABLE_TOKENS:+KVLINK_TABLE_TOKENS=$KVLINK_TABLE_TOKENS }${KVLINK_TABLE_TP:+KVLINK_TABLE_TP=$KVLINK_TABLE_TP }bash scripts/gpu-mooncake-table.sh --part procs$([[ $quick -eq 1 ]] && echo ' --quick') ($(date -u +%Y-%m-%d), $machine); compute per layer SIMULATED ${compute} µs (the modelled compute at $tag)."
           echo
           echo '```'
         } > "$file"
