@@ -29,6 +29,12 @@ use crate::CollectiveError;
 /// Bytes of the header that starts every stream.
 pub(crate) const HEADER: usize = 40;
 
+/// Most bytes one inbound stream reads per turn of the loop before the loop sends again.
+/// A rank that relays (the chain broadcast, the ring all-gather) forwards what it received
+/// only between reads: reading on while the sender keeps the socket full (4 MiB buffers)
+/// would make each hop wait for megabytes, and a chain of seven hops seven times that.
+pub(crate) const READ_TURN: usize = 256 << 10;
+
 /// Position in a list of spans.
 #[derive(Debug, Clone, Copy, Default)]
 struct Cursor {
@@ -319,7 +325,8 @@ impl Run<'_> {
         v
     }
 
-    /// Reads what inbound stream `i`'s socket holds, up to the stream's end.
+    /// Reads what inbound stream `i`'s socket holds, up to the stream's end and
+    /// [`READ_TURN`] bytes (the socket stays readable: the next turn reads on).
     ///
     /// # Safety
     /// As for [`run`](Self::run).
@@ -328,8 +335,9 @@ impl Run<'_> {
         let Some(link) = self.links[s.peer as usize].as_ref() else {
             return Err(Failure::Gone(vec![s.peer]));
         };
-        while !s.finished() {
-            let spans = pending(&s.header, &s.body, s.cursor, s.total() - s.done);
+        let mut turn = READ_TURN;
+        while !s.finished() && turn > 0 {
+            let spans = pending(&s.header, &s.body, s.cursor, (s.total() - s.done).min(turn));
             // SAFETY: the header is this stream's own array; body spans are valid for writes
             // and untouched by others (this function's contract); `pending` never goes past
             // the stream's end, so no byte of the next operation is consumed.
@@ -340,6 +348,7 @@ impl Run<'_> {
                 }
                 Ok(got) => {
                     s.done += got;
+                    turn = turn.saturating_sub(got);
                     advance(&mut s.cursor, &s.body, got);
                     if !s.checked && s.done >= HEADER {
                         s.checked = true;
@@ -442,6 +451,75 @@ mod tests {
         assert_eq!(p[1].len, 1);
         advance(&mut cur, &body, 1);
         assert_eq!(cur.span, 3, "the empty span is skipped");
+    }
+
+    /// One turn reads at most READ_TURN bytes even when the socket holds more, so that a
+    /// relaying rank gets back to sending; the next turns read the rest.
+    #[test]
+    fn a_read_turn_stops_at_its_share_and_the_next_turns_read_on() {
+        let len = READ_TURN * 2;
+        let (tx, rx) = UnixStream::pair().unwrap();
+        let sender = Link::Unix(tx);
+        sender.prepare().unwrap();
+        let receiver = Link::Unix(rx);
+        receiver.prepare().unwrap();
+        let src: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        let hdr = [3u8; HEADER];
+        // Fill the socket with more than one turn's bytes before reading.
+        let mut sent = 0;
+        let want = HEADER + READ_TURN + 1;
+        let limit = std::time::Instant::now() + Duration::from_secs(10);
+        while sent < want && std::time::Instant::now() < limit {
+            let spans = pending(
+                &hdr,
+                &[span(&src)],
+                advanced(&[span(&src)], sent),
+                want - sent,
+            );
+            // SAFETY: `hdr` and `src` are live and only read.
+            match unsafe { sender.send_from(&spans) } {
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(sent, want, "the socket took more than one turn's bytes");
+        let links = vec![None, Some(receiver)];
+        let mut rows = vec![0u8; len];
+        let body = vec![Span {
+            addr: rows.as_mut_ptr() as usize,
+            len,
+        }];
+        let mut hung = vec![false; 2];
+        let mut run = Run {
+            links: &links,
+            hung: &mut hung,
+            inbound: vec![Inbound::new(1, body)],
+            outbound: vec![],
+        };
+        let mut check = |_: u32, _: &[u8; HEADER]| Ok(());
+        // SAFETY: `rows` is this thread's own and outlives the run.
+        unsafe { run.read(0, &mut check) }.unwrap();
+        assert_eq!(
+            run.inbound[0].done, READ_TURN,
+            "one turn's share, header included"
+        );
+        // SAFETY: as above.
+        unsafe { run.read(0, &mut check) }.unwrap();
+        assert_eq!(
+            run.inbound[0].done, want,
+            "the next turn reads what is left"
+        );
+        assert_eq!(&rows[..want - HEADER], &src[..want - HEADER]);
+    }
+
+    /// A cursor `n` bytes into the header and then `body`.
+    fn advanced(body: &[Span], n: usize) -> Cursor {
+        let mut c = Cursor::default();
+        advance(&mut c, body, n);
+        c
     }
 
     /// A three-rank chain over socket pairs, in threads: rank 0 sends, rank 1 relays while
