@@ -64,7 +64,7 @@ cp -rp "$MC_WHEEL_DIR/mooncake_transfer_engine_non_cuda.libs" "$stage/mc/wheel/"
 cp -p "$MC_SHIM" "$stage/mc/lib/"
 
 # 3. pylib/: Debian's libpython3.11 (it needs only glibc, zlib and expat, which Ubuntu has).
-libpython="$(/sbin/ldconfig -p | awk -v so="$MC_PYTHON_SONAME" '$1 == so && /x86-64/ {print $NF; exit}')"
+libpython="$(/sbin/ldconfig -p | awk -v so="$MC_PYTHON_SONAME" '$1 == so && /x86-64/ && !found {print $NF; found = 1}')"
 [[ -n "$libpython" ]] || mc_die "$MC_PYTHON_SONAME not found by ldconfig"
 mkdir -p "$stage/pylib"
 cp -L "$libpython" "$stage/pylib/$MC_PYTHON_SONAME"

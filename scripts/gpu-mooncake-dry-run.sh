@@ -24,9 +24,9 @@ fi
 out="${OUT:-$repo/gpu-mooncake/dry-run}"
 mkdir -p "$out"
 hide=()
-for f in "$(/sbin/ldconfig -p | awk '$1 == "libpython3.11.so.1.0" && /x86-64/ {print $NF; exit}')" \
-         "$(/sbin/ldconfig -p | awk '$1 == "libbpf.so.1" && /x86-64/ {print $NF; exit}')" \
-         "$(/sbin/ldconfig -p | awk '$1 == "libmnl.so.0" && /x86-64/ {print $NF; exit}')" \
+for f in "$(/sbin/ldconfig -p | awk '$1 == "libpython3.11.so.1.0" && /x86-64/ && !found {print $NF; found = 1}')" \
+         "$(/sbin/ldconfig -p | awk '$1 == "libbpf.so.1" && /x86-64/ && !found {print $NF; found = 1}')" \
+         "$(/sbin/ldconfig -p | awk '$1 == "libmnl.so.0" && /x86-64/ && !found {print $NF; found = 1}')" \
          /usr/sbin/ip; do
   [[ -n "$f" && -e "$f" ]] && hide+=("$(readlink -f "$f")")
 done

@@ -49,7 +49,7 @@ fi
 [[ -f "$MC_BIN_DIR/store.so" ]] || mc_die "$MC_BIN_DIR/store.so missing after unpacking"
 
 # 3. The shim.
-libpython="$(/sbin/ldconfig -p | awk -v so="$MC_PYTHON_SONAME" '$1 == so && /x86-64/ {print $NF; exit}')"
+libpython="$(/sbin/ldconfig -p | awk -v so="$MC_PYTHON_SONAME" '$1 == so && /x86-64/ && !found {print $NF; found = 1}')"
 [[ -n "$libpython" ]] || mc_die "$MC_PYTHON_SONAME not found by ldconfig (apt-get install libpython3.11)"
 
 check_shim() { # $1: the library to check

@@ -43,6 +43,13 @@ fn small_prefix_loads_and_verifies_on_every_rank() {
         "{out}"
     );
     assert!(out.contains("rounded down to whole pages"), "{out}");
+    // One warm-up batch by default, before the measured one.
+    assert_eq!(
+        out.matches("warm-up batch 1 of 1 (not reported below)")
+            .count(),
+        1,
+        "{out}"
+    );
     // Only rank 0 writes the replicated objects: 4 pages × 2 components.
     assert!(
         out.contains(

@@ -91,6 +91,13 @@ fn ranks_as_processes_run_every_mode_and_every_pool_verifies() {
     .unwrap();
     let _ = std::fs::remove_file(&svg);
     assert!(out.contains("TP ranks: 3 PROCESSES"), "{out}");
+    // A warm-up batch for each fixed mode (three), none for Auto (it calibrates).
+    assert_eq!(
+        out.matches("warm-up batch 1 of 1 (not reported below)")
+            .count(),
+        3,
+        "{out}"
+    );
     assert!(
         out.contains("the launcher keeps the embedded store and serves it"),
         "{out}"

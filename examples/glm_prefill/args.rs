@@ -211,6 +211,14 @@ pub struct Args {
     /// all-ranks, Auto's pick with its reason; modes the linker does not support yet say so).
     #[arg(long, value_name = "MODE", default_value = "compare", value_parser = ModeSel::parse)]
     pub mode: ModeSel,
+    /// Batches each fixed mode loads before the measured one (with the same simulated
+    /// compute, not reported beyond their last layer): the linker plans each batch's reads from
+    /// what its earlier batches measured (a call's cost, the share step, the compute), as an
+    /// engine's linker has from its earlier requests. 0: the measured batch is the linker's
+    /// first. Auto calibrates instead.
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(..=8))]
+    pub warmup: u32,
     /// Where to write the timeline picture.
     #[arg(long, value_name = "PATH", default_value = DEFAULT_SVG)]
     pub svg: PathBuf,

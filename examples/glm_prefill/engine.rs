@@ -4,8 +4,14 @@
 
 use super::*;
 
-/// Every rank's load of the agreed prefix, as batch 1; what each rank's threads saw.
-pub(super) fn run_ranks(ctx: &Ctx, rigs: &[RankRig], agreed: usize, mode: ModeArg) -> Vec<RankRaw> {
+/// Every rank's load of the agreed prefix, as batch `batch`; what each rank's threads saw.
+pub(super) fn run_ranks(
+    ctx: &Ctx,
+    rigs: &[RankRig],
+    agreed: usize,
+    mode: ModeArg,
+    batch: u64,
+) -> Vec<RankRaw> {
     let tp = ctx.tp();
     let layers = ctx.layers();
     let compute = Duration::from_micros(ctx.args.compute_us);
@@ -24,7 +30,7 @@ pub(super) fn run_ranks(ctx: &Ctx, rigs: &[RankRig], agreed: usize, mode: ModeAr
                     let linker = &rig.linker;
                     let plan = BatchPlan::all_components(
                         linker.geometry(),
-                        BatchId(1),
+                        BatchId(batch),
                         vec![RequestPages {
                             request: "new-request".into(),
                             pages: ctx.pages[..agreed].to_vec(),

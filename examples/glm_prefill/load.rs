@@ -89,10 +89,40 @@ pub(super) fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result
     let calibration = if mode == ModeArg::Auto {
         Some(calibrate_auto(&rigs, &ctx.pages[..agreed], out)?)
     } else {
+        warm_up(ctx, &rigs, agreed, mode, out)?;
         None
     };
-    let raws = run_ranks(ctx, &rigs, agreed, mode);
+    let raws = run_ranks(ctx, &rigs, agreed, mode, 1);
     mode_outcome(ctx, mode, &rigs, &raws, calibration, out)
+}
+
+/// A fixed mode's warm-up batches (`--warmup`), each as the measured load is run: the slowest
+/// rank's last layer of each is printed, nothing else is kept.
+fn warm_up(
+    ctx: &Ctx,
+    rigs: &[RankRig],
+    agreed: usize,
+    mode: ModeArg,
+    out: &mut dyn Write,
+) -> Result<()> {
+    for w in 0..u64::from(ctx.args.warmup) {
+        let raws = run_ranks(ctx, rigs, agreed, mode, 50 + w);
+        let slowest = raws
+            .iter()
+            .map(|r| r.stats.as_ref().map(|s| s.last_layer))
+            .try_fold(Duration::ZERO, |m, l| l.map(|l| m.max(l)));
+        match slowest {
+            Ok(l) => say!(
+                out,
+                "  warm-up batch {} of {} (not reported below): last layer ready {:.1} ms on the slowest rank",
+                w + 1,
+                ctx.args.warmup,
+                l.as_secs_f64() * 1e3
+            ),
+            Err(e) => say!(out, "  warm-up batch {} failed: {e}", w + 1),
+        }
+    }
+    Ok(())
 }
 
 /// Each rank: a fresh pool (touched), a linker in one in-process TP group, its own scattered

@@ -31,6 +31,9 @@ pub(super) struct RankReport {
     pub(super) verify_time: Duration,
     /// Auto's pick with its reason, from this rank's calibration batches (rank 0's decide).
     pub(super) auto_reason: Option<String>,
+    /// This rank's warm-up batches' last layers (or errors): kept on the rank, not gathered
+    /// (rank 0 prints its own).
+    pub(super) warmups: Vec<Result<Duration, String>>,
 }
 
 fn one_line(s: &str) -> String {

@@ -128,6 +128,20 @@ pub(super) fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
             writeln!(out, "{}", ctx.step2_line(i, modes.len(), mode))?;
         }
         let report = load_mode(&ctx, rank, &formed, &store, mode);
+        if rank == 0 {
+            for (w, r) in report.warmups.iter().enumerate() {
+                match r {
+                    Ok(l) => writeln!(
+                        out,
+                        "  warm-up batch {} of {} (not reported below): rank 0's last layer ready {:.1} ms",
+                        w + 1,
+                        report.warmups.len(),
+                        l.as_secs_f64() * 1e3
+                    )?,
+                    Err(e) => writeln!(out, "  warm-up batch {} failed on rank 0: {e}", w + 1)?,
+                }
+            }
+        }
         mine.push((mode, own_verdict(&report)));
         let all = gather::all_gather(control.as_ref(), &report.encode())
             .context("gathering every rank's numbers")?;
@@ -290,9 +304,19 @@ fn load_mode(
         } else {
             None
         };
+        if calibration.is_none() {
+            // A fixed mode's warm-up batches (`--warmup`), run as the measured one is; a
+            // failed one is noted and the next goes on (every rank meets every barrier).
+            for w in 0..u64::from(ctx.args.warmup) {
+                gather::barrier(formed.group.control.as_ref())?;
+                let mut scratch = RankReport::default();
+                load(ctx, rank, &linker, &slots, &mut scratch, 50 + w);
+                rep.warmups.push(warmup_outcome(&scratch));
+            }
+        }
         // Every rank starts its load together (as the threads shape's barrier does).
         gather::barrier(formed.group.control.as_ref())?;
-        load(ctx, rank, &linker, &slots, &mut rep);
+        load(ctx, rank, &linker, &slots, &mut rep, 1);
         if let Some(seen) = calibration {
             rep.auto_reason = Some(match linker.auto_decision() {
                 Some(kept) => seen.reason(kept),
@@ -380,14 +404,22 @@ fn calibration_batch(ctx: &Ctx, linker: &Linker, slots: &[u32], batch: u64) -> R
     Ok(linker.wait_batch(&t)?.result?)
 }
 
-/// The load of batch 1 with the simulated compute: an engine thread waits for each layer and
-/// "computes" it, a watcher notes when each layer is ready.
-fn load(ctx: &Ctx, rank: u32, linker: &Linker, slots: &[u32], rep: &mut RankReport) {
+/// A warm-up batch's last layer, or what failed.
+fn warmup_outcome(r: &RankReport) -> Result<Duration, String> {
+    match (&r.start_err, &r.layer_err, &r.batch_err) {
+        (Some(e), _, _) | (_, Some(e), _) | (_, _, Some(e)) => Err(e.clone()),
+        _ => Ok(r.last_layer),
+    }
+}
+
+/// The load of batch `batch` with the simulated compute: an engine thread waits for each
+/// layer and "computes" it, a watcher notes when each layer is ready.
+fn load(ctx: &Ctx, rank: u32, linker: &Linker, slots: &[u32], rep: &mut RankReport, batch: u64) {
     let layers = ctx.layers();
     let compute = Duration::from_micros(ctx.args.compute_us);
     let plan = BatchPlan::all_components(
         linker.geometry(),
-        BatchId(1),
+        BatchId(batch),
         vec![RequestPages {
             request: "new-request".into(),
             pages: ctx.pages.clone(),
