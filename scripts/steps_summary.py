@@ -2,7 +2,7 @@
 """Summarises the linker's step events (RUST_LOG=mooncake_linker=trace) from a log file (or
 stdin): per mode and rank, each layer's read wait / verify / status / share (sum and median),
 the group reads (count, layers, bytes, time, GB/s), and what precedes layer 0 (pinning, then
-the preflight beside the first reads: the checksum companions, the object sizes). Used by scripts/gpu-mooncake-steps.sh.
+the preflight beside the pin and the first reads: the checksum companions, the object sizes). Used by scripts/gpu-mooncake-steps.sh.
 
 Events are attributed to a batch run by (batch, rank): a batch's `prepared` event opens a run,
 its `exchange loop` event names the run's mode."""
@@ -43,8 +43,9 @@ def events(line):
     if "prepared" in line:
         return "before", [("pin (session start)", ms(field(line, "pin")))]
     if "preflight companions" in line:
-        return "before", [("preflight: find companions", ms(field(line, "find"))),
-                          ("preflight: companions found and read", ms(field(line, "took")))]
+        found = field(line, "find")  # builds before the companions were read without `exists`
+        rows = [("preflight: find companions", ms(found))] if found else []
+        return "before", rows + [("preflight: companions read", ms(field(line, "took")))]
     if "preflight sizes" in line:
         return "before", [("preflight: sizes", ms(field(line, "took")))]
     return None

@@ -304,7 +304,7 @@ impl Inner {
         });
         let prep = match keys_error.or(layout_error) {
             Some(e) => Err(e),
-            None => self.prepare(&layers, batch, landing_error.as_ref()),
+            None => self.prepare(batch, landing_error.as_ref()),
         };
         let sums = std::sync::OnceLock::new();
         let Some(counter) = job.ticket.map(|t| t.counter) else {
@@ -346,22 +346,31 @@ impl Inner {
         })
     }
 
-    /// Local preparation: pins the objects this rank reads (a read session, renewed while the
-    /// load runs); the reader's preflight finds and reads their checksum companions and checks
-    /// their sizes beside its first reads. Any failure (here, in the preflight, or in building
-    /// the layouts or the landing) is this rank's status from layer 0.
-    fn prepare<'s>(
+    /// Whether this rank can read the batch at all: the landing was made (any failure here,
+    /// in building the layouts, in the pins or in the preflight is this rank's status from
+    /// layer 0). The reader pins the objects ([`pin`](Self::pin)) once it has started the
+    /// preflight, so the checksum companions' read does not wait for the pin.
+    fn prepare(
+        &self,
+        batch: BatchId,
+        landing_error: Option<&kv_device::DeviceError>,
+    ) -> Result<(), KvLoadError> {
+        match landing_error {
+            Some(e) => Err(KvLoadError::Device(kv_loader::Cause::with_source(
+                format!("{batch}: landing: {e}"),
+                e.clone(),
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Pins the objects this rank reads for `layers` (one read session, renewed while the load
+    /// runs).
+    pub(crate) fn pin<'s>(
         &'s self,
         layers: &BatchLayers,
         batch: BatchId,
-        landing_error: Option<&kv_device::DeviceError>,
     ) -> Result<PinnedKeys<'s>, KvLoadError> {
-        if let Some(e) = landing_error {
-            return Err(KvLoadError::Device(kv_loader::Cause::with_source(
-                format!("{batch}: landing: {e}"),
-                e.clone(),
-            )));
-        }
         let my_pages = layers.my_pages();
         let t0 = std::time::Instant::now();
         let read_keys: Vec<&str> = layers

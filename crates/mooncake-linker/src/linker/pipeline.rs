@@ -35,7 +35,7 @@ use dedup_broadcast::{Collective, GroupStatus, LayerStatus};
 use kv_device::{LayerLanding, LayerStage, ShareSide};
 use kv_loader::{KvLoadError, ShareMode, StoreFailure};
 use layerwise_counter::Ticket;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::batch::{collective_failure, BatchJob, BatchLayers};
 use super::granularity::CallLimits;
@@ -104,11 +104,11 @@ pub(crate) struct LayerPipeline<'a> {
 }
 
 impl LayerPipeline<'_> {
-    /// Runs the batch: `prep` is the read session (or why this rank cannot read), `stages`
-    /// the landing's ring of stages (empty when there is no landing).
+    /// Runs the batch: `prep` says why this rank cannot read, if it cannot; `stages` the
+    /// landing's ring of stages (empty when there is no landing).
     pub(crate) fn run(
         &self,
-        prep: Result<PinnedKeys<'_>, KvLoadError>,
+        prep: Result<(), KvLoadError>,
         stages: Vec<LayerStage>,
     ) -> Result<PipelineRun, KvLoadError> {
         // Without a landing every layer fails; two empty stages keep the layers moving.
@@ -199,13 +199,13 @@ impl LayerPipeline<'_> {
     /// rather than their sum.
     fn read_loop(
         &self,
-        prep: Result<PinnedKeys<'_>, KvLoadError>,
+        prep: Result<(), KvLoadError>,
         ring: usize,
         h: &Handoff<Option<LayerStage>, ReadLayer>,
     ) -> ReadRun {
         let batch = self.job.plan.logical.batch;
-        let mut failure = prep.as_ref().err().cloned();
-        let mut pins = prep.ok();
+        let mut failure = prep.err();
+        let mut pins: Option<PinnedKeys<'_>> = None;
         let mut run = ReadRun::default();
         let c = &self.inner.config;
         let wait = c
@@ -222,7 +222,15 @@ impl LayerPipeline<'_> {
         let groups = self.plan_groups(ring);
         let started = Instant::now();
         std::thread::scope(|s| {
+            // The preflight first, then the pins: the companions' read needs no session, so
+            // it runs beside the pin as well as beside the first group's read.
             let mut checks = self.preflight(s, &reader, &covered, failure.is_none());
+            if failure.is_none() {
+                match self.inner.pin(self.layers, batch) {
+                    Ok(p) => pins = Some(p),
+                    Err(e) => failure = Some(e),
+                }
+            }
             for (index, group) in groups.iter().cloned().enumerate() {
                 let mut stages = Vec::with_capacity(group.len());
                 for _ in group.clone() {
@@ -238,6 +246,7 @@ impl LayerPipeline<'_> {
                 }
                 // Until when this group's preflight verdicts may be waited for: none once the
                 // batch has failed (nothing more is read or published).
+                let earlier = failure.is_some();
                 let by = match failure {
                     Some(_) => Instant::now(),
                     None => self.verdict_bound(if index == 0 { started } else { Instant::now() }),
@@ -266,12 +275,17 @@ impl LayerPipeline<'_> {
                 }
                 // The preflight's verdicts due before this group is handed over. Their failure
                 // replaces this group's read failure (a wrong-sized object says more than a
-                // short read of it), never an earlier group's.
-                if let Err(e) = checks.due(index, groups.len(), read_failed, by) {
-                    warn!(%batch, error = %e, "preflight (object sizes, checksums)");
-                    if index == 0 || read_failed || failure.is_none() {
+                // short read of it), never an earlier one (an earlier group's, the pins', a
+                // cancellation): the batch has failed then, and nothing is waited for.
+                match checks.due(index, groups.len(), read_failed, by) {
+                    Err(e) if !earlier => {
+                        warn!(%batch, error = %e, "preflight (object sizes, checksums)");
                         failure = Some(e);
                     }
+                    Err(e) => {
+                        debug!(%batch, error = %e, "preflight verdict after the batch failed")
+                    }
+                    Ok(()) => {}
                 }
                 for (layer, stage) in group.zip(stages) {
                     let msg = ReadLayer {
@@ -344,12 +358,11 @@ impl LayerPipeline<'_> {
             // Dropped when this returns or unwinds: the sizes start then.
             let _read = companions_read;
             let t0 = Instant::now();
-            let plan = self.inner.present_companions(self.layers, batch)?;
-            let found = t0.elapsed();
+            let mut plan = self.inner.wanted_companions(self.layers);
+            self.inner.read_companions(self.layers, batch, &mut plan)?;
             covered.store(plan.covers_every_object(), Ordering::Release);
-            let sums = self.inner.read_companions(self.layers, batch, plan)?;
-            let _ = self.sums.set(sums);
-            tracing::debug!(%batch, rank, find = ?found, took = ?t0.elapsed(), "preflight companions");
+            let _ = self.sums.set(plan.into_sums());
+            tracing::debug!(%batch, rank, took = ?t0.elapsed(), "preflight companions");
             Ok(())
         };
         let name = |what: &str| format!("kvlink-{what}-r{}", self.inner.geometry.tp_rank);

@@ -1,8 +1,8 @@
 //! Verifying what a load read, before it is reported loaded.
 //!
-//! Once per batch (with the read session): which of the objects this rank reads have a
-//! checksum companion (`{key}_kvsum`, written by kvlink's save), then their companions, read
-//! inside the session. Per layer, on the exchange loop (beside the reader, which reads the next
+//! Once per batch, beside the first reads: the checksum companions (`{key}_kvsum`, written by
+//! kvlink's save) of the objects this rank reads, read whole in one call (absent ones come
+//! back `NotFound`). Per layer, on the exchange loop (beside the reader, which reads the next
 //! layer meanwhile: off its critical path), before the layer's status word: every
 //! (object, layer) range this rank read is checked (`ObjectChecksums::verify_layer`: the
 //! checksum where a companion exists, the length only where none does, e.g. objects SGLang
@@ -65,14 +65,9 @@ impl Inner {
         kv_loader::deadline_after(self.config.store_call_timeout)
     }
 
-    /// The companions this rank reads for `layers` (own components: every page; shared ones:
-    /// this rank's share), and which of them the store holds (one `exists` call): the
-    /// bookkeeping to read the present ones into.
-    pub(crate) fn present_companions(
-        &self,
-        layers: &BatchLayers,
-        batch: BatchId,
-    ) -> Result<CompanionPlan, KvLoadError> {
+    /// The companions this rank wants for `layers` (own components: every page; shared ones:
+    /// this rank's share): the bookkeeping to read them into. No store call.
+    pub(crate) fn wanted_companions(&self, layers: &BatchLayers) -> CompanionPlan {
         let mut plan = CompanionPlan {
             sums: BatchChecksums {
                 enabled: self.config.verify_checksums,
@@ -83,18 +78,17 @@ impl Inner {
             absent: 0,
         };
         if !self.config.verify_checksums {
-            return Ok(plan);
+            return plan;
         }
         let mine = layers.my_pages();
         let lists = [
             (false, &layers.own, 0..layers.pages),
             (true, &layers.shared, mine),
         ];
-        let mut wanted = Vec::new();
         for (shared, comps, pages) in lists {
             for (ci, c) in comps.iter().enumerate() {
                 for page in pages.clone() {
-                    wanted.push(Wanted {
+                    plan.wanted.push(Wanted {
                         shared,
                         comp: ci,
                         page,
@@ -104,35 +98,23 @@ impl Inner {
                 }
             }
         }
-        if wanted.is_empty() {
-            return Ok(plan);
-        }
-        let keys: Vec<&str> = wanted.iter().map(|w| w.key.as_str()).collect();
-        let present = self.calls.exists(&keys, self.store_call_deadline());
-        for (w, p) in wanted.into_iter().zip(present) {
-            match p {
-                Ok(true) => plan.wanted.push(w),
-                Ok(false) => plan.absent += 1,
-                Err(e) => {
-                    return Err(store_failure(batch, None, vec![w.page as u32], &e));
-                }
-            }
-        }
-        Ok(plan)
+        plan
     }
 
-    /// Reads the present companions (each read once, whole: no read session, so no request
-    /// to a master beyond the read, and no wait on the sessions the load's data reads use) and
-    /// decodes them. A companion that is not one (malformed, another layout, cut short) makes
-    /// its object bad: both are discarded and the batch fails on this rank.
+    /// Reads the wanted companions (each once, whole, in one call: no read session, so no
+    /// request to a master beyond the read, and no wait on the sessions the load's data reads
+    /// use; no `exists` first either, since a companion the store does not hold comes back
+    /// `NotFound` and its object is then checked by length only) and decodes them. A companion
+    /// that is not one (malformed, another layout, cut short) makes its object bad: both are
+    /// discarded and the batch fails on this rank. Sets `plan`'s count of absent companions.
     pub(crate) fn read_companions(
         &self,
         layers: &BatchLayers,
         batch: BatchId,
-        mut plan: CompanionPlan,
-    ) -> Result<BatchChecksums, KvLoadError> {
+        plan: &mut CompanionPlan,
+    ) -> Result<(), KvLoadError> {
         if plan.wanted.is_empty() {
-            return Ok(plan.sums);
+            return Ok(());
         }
         let keys: Vec<&str> = plan.wanted.iter().map(|w| w.key.as_str()).collect();
         let lens: Vec<usize> = plan.wanted.iter().map(|w| w.len).collect();
@@ -149,6 +131,11 @@ impl Inner {
                 Ok(bytes) => ObjectChecksums::decode(&bytes)
                     .and_then(|s| s.check_layout(&comp.layout).map(|()| s))
                     .map_err(|e| e.to_string()),
+                // No companion (objects another writer saved): checked by length only.
+                Err(StoreError::NotFound { .. }) => {
+                    plan.absent += 1;
+                    continue;
+                }
                 Err(StoreError::ShortRead { got, expected, .. }) => Err(format!(
                     "checksum object of {got} bytes, {expected} expected"
                 )),
@@ -180,7 +167,7 @@ impl Inner {
                 }
             }
         }
-        Ok(plan.sums)
+        Ok(())
     }
 
     /// An object found bad: discarded with its companion (bounded), counted, and the batch's
@@ -215,10 +202,15 @@ pub(crate) struct CompanionPlan {
 }
 
 impl CompanionPlan {
-    /// Verification is on and every object this rank reads has a companion: each layer's
-    /// bytes are checked against their checksums.
+    /// Verification is on and every object this rank reads has a companion (known once they
+    /// were read): each layer's bytes are checked against their checksums.
     pub(crate) fn covers_every_object(&self) -> bool {
         self.sums.enabled && self.absent == 0
+    }
+
+    /// The companions read, for the layers' checks.
+    pub(crate) fn into_sums(self) -> BatchChecksums {
+        self.sums
     }
 }
 
