@@ -339,9 +339,11 @@ impl LayerPipeline<'_> {
         // that read.
         let (first_read, group_read) = std::sync::mpsc::channel::<()>();
         let first_read_limit = self.inner.config.layer_read_timeout;
-        let sizes = move || {
+        let sizes = move |on_thread: bool| {
             let _ = read.recv_timeout(companions_limit);
-            if covered.load(Ordering::Acquire) {
+            // Inline (no thread could be started), the first group is read only after this
+            // returns: waiting for it would stall layer 0 for `layer_read_timeout`.
+            if on_thread && covered.load(Ordering::Acquire) {
                 let _ = group_read.recv_timeout(first_read_limit);
             }
             let t0 = Instant::now();
@@ -354,7 +356,7 @@ impl LayerPipeline<'_> {
             tracing::debug!(%batch, rank, took = ?t0.elapsed(), "preflight sizes");
             r
         };
-        let sums = move || {
+        let sums = move |_on_thread: bool| {
             // Dropped when this returns or unwinds: the sizes start then.
             let _read = companions_read;
             let t0 = Instant::now();

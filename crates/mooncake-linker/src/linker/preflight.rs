@@ -48,6 +48,8 @@ enum CheckState<'scope> {
 
 impl<'scope> Check<'scope> {
     /// Runs `check` on a thread named `name` in `scope`; inline if no thread can be started.
+    /// `check` is told which (`true`: on its own thread), so that inline it waits for nothing
+    /// that only the rest of the batch, which it now holds back, would bring.
     pub(crate) fn spawn<'env, F>(
         scope: &'scope Scope<'scope, 'env>,
         name: String,
@@ -56,7 +58,7 @@ impl<'scope> Check<'scope> {
         check: F,
     ) -> Self
     where
-        F: FnOnce() -> Result<(), KvLoadError> + Send + 'scope,
+        F: FnOnce(bool) -> Result<(), KvLoadError> + Send + 'scope,
     {
         // The closure goes to the thread, or stays here when none starts.
         let cell = Arc::new(Mutex::new(Some(check)));
@@ -66,7 +68,7 @@ impl<'scope> Check<'scope> {
             // Dropped when the check returns or unwinds: a bounded wait wakes then.
             let _done = done;
             match theirs.lock().take() {
-                Some(check) => check(),
+                Some(check) => check(true),
                 None => Ok(()),
             }
         };
@@ -75,9 +77,24 @@ impl<'scope> Check<'scope> {
             .spawn_scoped(scope, run)
         {
             Ok(handle) => CheckState::Running { handle, finished },
-            Err(_) => CheckState::Done(cell.lock().take().map_or(Ok(()), |check| check())),
+            Err(_) => match cell.lock().take() {
+                Some(check) => return Self::inline(batch, what, check),
+                None => CheckState::Taken,
+            },
         };
         Check { state, batch, what }
+    }
+
+    /// Runs `check` here, now (told it is not on a thread of its own).
+    fn inline<F>(batch: BatchId, what: &'static str, check: F) -> Self
+    where
+        F: FnOnce(bool) -> Result<(), KvLoadError>,
+    {
+        Check {
+            state: CheckState::Done(check(false)),
+            batch,
+            what,
+        }
     }
 
     /// A check with nothing to do.
@@ -222,8 +239,8 @@ mod tests {
     fn held<'a>(
         gate: &'a AtomicBool,
         what: &'static str,
-    ) -> impl FnOnce() -> Result<(), KvLoadError> + 'a {
-        move || {
+    ) -> impl FnOnce(bool) -> Result<(), KvLoadError> + 'a {
+        move |_| {
             let limit = Instant::now() + Duration::from_secs(10);
             while !gate.load(Ordering::Acquire) && Instant::now() < limit {
                 std::thread::sleep(Duration::from_millis(1));
@@ -241,7 +258,7 @@ mod tests {
     fn covered_sizes_hold_back_only_the_last_group() {
         let release = AtomicBool::new(false);
         std::thread::scope(|s| {
-            let slow_sizes = || {
+            let slow_sizes = |_| {
                 let limit = Instant::now() + Duration::from_secs(10);
                 while !release.load(Ordering::Acquire) && Instant::now() < limit {
                     std::thread::sleep(Duration::from_millis(1));
@@ -249,7 +266,7 @@ mod tests {
                 failed("wrong size")
             };
             let mut checks = PreflightChecks {
-                companions: Check::spawn(s, "c".into(), BatchId(1), "companions", || Ok(())),
+                companions: Check::spawn(s, "c".into(), BatchId(1), "companions", |_| Ok(())),
                 sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", slow_sizes),
                 covered: &COVERED,
                 first_read: None,
@@ -269,10 +286,10 @@ mod tests {
     fn uncovered_sizes_hold_back_the_first_group() {
         std::thread::scope(|s| {
             let mut checks = PreflightChecks {
-                companions: Check::spawn(s, "c".into(), BatchId(1), "companions", || {
+                companions: Check::spawn(s, "c".into(), BatchId(1), "companions", |_| {
                     failed("bad companion")
                 }),
-                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", || failed("wrong size")),
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", |_| failed("wrong size")),
                 covered: &AtomicBool::new(false),
                 first_read: None,
             };
@@ -289,7 +306,7 @@ mod tests {
         std::thread::scope(|s| {
             let mut checks = PreflightChecks {
                 companions: Check::passed(BatchId(1), "companions"),
-                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", || failed("wrong size")),
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", |_| failed("wrong size")),
                 covered: &COVERED,
                 first_read: None,
             };
@@ -390,7 +407,7 @@ mod tests {
         std::thread::scope(|s| {
             let mut checks = PreflightChecks {
                 companions: Check::passed(BatchId(1), "companions"),
-                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", || {
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", |_| {
                     std::thread::sleep(Duration::from_millis(50));
                     failed("wrong size")
                 }),
@@ -422,9 +439,34 @@ mod tests {
     }
 
     #[test]
+    fn a_check_is_told_whether_it_runs_on_its_own_thread() {
+        std::thread::scope(|s| {
+            let mut on = Check::spawn(s, "t".into(), BatchId(1), "sizes", |on_thread| {
+                if on_thread {
+                    Ok(())
+                } else {
+                    failed("inline")
+                }
+            });
+            assert!(on.verdict().is_ok(), "spawned: on its own thread");
+        });
+        let mut here = Check::inline(BatchId(1), "sizes", |on_thread| {
+            if on_thread {
+                failed("on a thread")
+            } else {
+                Ok(())
+            }
+        });
+        assert!(
+            here.is_done() && here.verdict().is_ok(),
+            "inline: told so, done at once"
+        );
+    }
+
+    #[test]
     fn a_panicking_check_fails_the_batch() {
         std::thread::scope(|s| {
-            let mut c = Check::spawn(s, "p".into(), BatchId(4), "sizes", || -> Result<(), _> {
+            let mut c = Check::spawn(s, "p".into(), BatchId(4), "sizes", |_| -> Result<(), _> {
                 panic!("boom")
             });
             let e = c.verdict().unwrap_err();
