@@ -6,7 +6,7 @@
 # group read (layers, bytes, time, GB/s), and what precedes layer 0 (companions, pins,
 # preflight). With --procs the ranks are processes instead (glm_prefill --ranks-as processes, one
 # run per mode, socket collectives, each rank its own Mooncake client; compute SIMULATED at the
-# table's modelled 5760 µs per layer unless --no-compute). Built and packed here by
+# table's modelled compute for the prefix size unless --no-compute). Built and packed here by
 # scripts/gpu-mooncake-bundle.sh (carry gpu-mooncake/).
 #
 # Usage: bash scripts/gpu-mooncake-steps.sh [--tokens N] [--tp N] [--modes m1,m2] [--no-compute] [--procs]
@@ -41,7 +41,9 @@ trap 'rm -rf "$work"' EXIT
 shape="threads"
 if [[ $procs -eq 1 ]]; then
   shape="processes"
-  compute=5760; [[ ${#extra[@]} -gt 0 ]] && compute=0
+  # The modelled compute per layer of the prefix size (as the table's procs part).
+  case "$tokens" in 2048) compute=5480 ;; 131072) compute=6660 ;; *) compute=5760 ;; esac
+  [[ ${#extra[@]} -gt 0 ]] && compute=0
   # One glm_prefill run per mode, each inside one shared time limit.
   timeout -k 15 "${KVLINK_TABLE_TIMEOUT:-400}" bash -c '
     rc=0

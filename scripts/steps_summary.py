@@ -4,8 +4,8 @@ stdin): per mode and rank, each layer's read wait / verify / status / share (sum
 the group reads (count, layers, bytes, time, GB/s), and what precedes layer 0 (pinning, then
 the preflight beside the pin and the first reads: the checksum companions, the object sizes). Used by scripts/gpu-mooncake-steps.sh.
 
-Events are attributed to a batch run by (batch, rank): a batch's `prepared` event opens a run,
-its `exchange loop` event names the run's mode."""
+Events are attributed to a batch run by (batch, rank): a batch's `landing ready` event opens a
+run, its `exchange loop` event names the run's mode."""
 import re
 import statistics
 import sys
@@ -80,8 +80,12 @@ def collect(lines):
         ev = events(line)
         if ev is None:
             continue
-        if ev[0] == "before" and "prepared" in line:
-            mode[run] = None  # a new run of this batch id on this rank
+        if "landing ready" in line:
+            # A new run of this batch id on this rank: logged on the load thread before its
+            # reader and exchange loop start (the pin's `prepared` event comes later, from the
+            # reader, often after the exchange loop's first event).
+            mode[run] = None
+            continue
         if mode.get(run) is None:
             pending[run].append(ev)
         else:

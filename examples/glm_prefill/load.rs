@@ -97,7 +97,8 @@ pub(super) fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result
 }
 
 /// A fixed mode's warm-up batches (`--warmup`), each as the measured load is run: the slowest
-/// rank's last layer of each is printed, nothing else is kept.
+/// rank's last layer of each is printed, nothing else is kept. When every one loaded, the pools
+/// are zeroed after them, so the measured batch's check sees only what it landed.
 fn warm_up(
     ctx: &Ctx,
     rigs: &[RankRig],
@@ -105,8 +106,10 @@ fn warm_up(
     mode: ModeArg,
     out: &mut dyn Write,
 ) -> Result<()> {
+    let mut all_loaded = true;
     for w in 0..u64::from(ctx.args.warmup) {
         let raws = run_ranks(ctx, rigs, agreed, mode, 50 + w);
+        all_loaded &= raws.iter().all(|r| r.stats.is_ok());
         let slowest = raws
             .iter()
             .map(|r| r.stats.as_ref().map(|s| s.last_layer))
@@ -120,6 +123,18 @@ fn warm_up(
                 l.as_secs_f64() * 1e3
             ),
             Err(e) => say!(out, "  warm-up batch {} failed: {e}", w + 1),
+        }
+    }
+    if ctx.args.warmup > 0 {
+        if all_loaded {
+            for rig in rigs {
+                // SAFETY: every warm-up batch of this pool was waited for to its outcome
+                // (`run_ranks` takes `wait_batch` on every rank), so no load or save of it is
+                // in flight, and nothing else touches it between batches.
+                unsafe { rig.pool.clear() };
+            }
+        } else {
+            say!(out, "  (a warm-up batch failed: the pools keep its bytes)");
         }
     }
     Ok(())

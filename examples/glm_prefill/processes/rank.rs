@@ -313,6 +313,12 @@ fn load_mode(
                 load(ctx, rank, &linker, &slots, &mut scratch, 50 + w);
                 rep.warmups.push(warmup_outcome(&scratch));
             }
+            if rep.warmups.iter().all(Result::is_ok) {
+                // SAFETY: every warm-up batch loaded and was waited for to its outcome
+                // (`load` takes `wait_batch`), so no load of this pool is in flight; zeroed,
+                // the measured batch's check sees only what it landed.
+                unsafe { pool.clear() };
+            }
         }
         // Every rank starts its load together (as the threads shape's barrier does).
         gather::barrier(formed.group.control.as_ref())?;

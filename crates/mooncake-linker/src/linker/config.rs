@@ -111,7 +111,13 @@ pub struct LinkerConfig {
     /// out clearly slower after one round are not measured further).
     pub auto_batches_per_mode: u32,
     /// Longest a rank waits in one collective for its peers (must exceed
-    /// `layer_read_timeout`: in `Rank0Broadcast` the others wait for rank 0's read).
+    /// `layer_read_timeout`: in `Rank0Broadcast` the others wait for rank 0's read). It also
+    /// bounds a rank's own preflight in a TP group: the checksum companions (and, where some
+    /// object has none, the object sizes) must be in within four fifths of it after the
+    /// batch's gate, else the batch fails on that rank with
+    /// [`StoreFailure::RpcTimeout`](kv_loader::StoreFailure::RpcTimeout) and every rank reads
+    /// that failure in the status word (rather than timing out). Keep `store_call_timeout`
+    /// under it for the same reason.
     pub collective_timeout: Duration,
     /// What a batch or lookup does while the TP group is down (broken and not re-formed in
     /// time, e.g. a rank process died and is not back yet).

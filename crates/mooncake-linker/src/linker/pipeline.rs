@@ -21,11 +21,15 @@
 //! **Every wait is bounded.** Each store call waits at most `layer_read_timeout` (a call still
 //! running then fails its group of layers; the batch's memory hold keeps what it writes until it
 //! returns), a stage is reopened after a bounded wait for its device work, the reader waits
-//! for each free stage at most `layer_read_timeout + 2 × collective_timeout`, and the exchange
-//! loop waits for the reader at most `layer_read_timeout + collective_timeout + 5 ×
-//! store_call_timeout` per layer (a group may wait for the preflight's store calls before it
-//! is handed over). So the reader thread always ends, and the scope's join of it is bounded by
-//! those waits.
+//! for each free stage at most `layer_read_timeout + 2 × collective_timeout`, it waits for the
+//! preflight's verdicts until four fifths of `collective_timeout` after the group's read
+//! started (the batch's gate, for the first group; a rank alone: five store calls), and the
+//! exchange loop waits for the reader at most `max(layer_read_timeout, collective_timeout) +
+//! collective_timeout + 2 × store_call_timeout` per layer. A preflight check still running
+//! when its verdict is no longer waited for is joined when the reader ends (its store calls
+//! are bounded: the companions' read and, for one that does not fit, a size query and a
+//! discard; the sizes). So the reader thread always ends, and the scope's join of it is
+//! bounded by those waits.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -88,6 +92,8 @@ pub(crate) struct PipelineRun {
 pub(crate) struct LayerPipeline<'a> {
     pub(crate) inner: &'a Inner,
     pub(crate) job: &'a BatchJob,
+    /// When the batch passed its gate (the peers' wait for layer 0 starts about then).
+    pub(crate) opened: Instant,
     /// The batch's counter ticket (what publishing a layer marks).
     pub(crate) counter: Ticket,
     pub(crate) coll: Option<&'a dyn Collective>,
@@ -190,7 +196,7 @@ impl LayerPipeline<'_> {
     /// groups.
     ///
     /// The batch's preflight runs on helper threads while the first groups are read (see
-    /// [`preflight`](super::preflight)): the checksum companions (found, then read), whose
+    /// [`preflight`](super::preflight)): the checksum companions (read whole, beside the pin), whose
     /// verdict the first group waits for (no layer arrives before its checksums), and the
     /// object sizes, whose verdict the first group also waits for unless every object has a
     /// companion (then the sizes are taken as soon as they are in, at the latest before the
@@ -220,7 +226,6 @@ impl LayerPipeline<'_> {
         };
         let covered = AtomicBool::new(false);
         let groups = self.plan_groups(ring);
-        let started = Instant::now();
         std::thread::scope(|s| {
             // The preflight first, then the pins: the companions' read needs no session, so
             // it runs beside the pin as well as beside the first group's read.
@@ -249,7 +254,11 @@ impl LayerPipeline<'_> {
                 let earlier = failure.is_some();
                 let by = match failure {
                     Some(_) => Instant::now(),
-                    None => self.verdict_bound(if index == 0 { started } else { Instant::now() }),
+                    None => self.verdict_bound(if index == 0 {
+                        self.opened
+                    } else {
+                        Instant::now()
+                    }),
                 };
                 let mut read_failed = false;
                 if failure.is_none() {
@@ -304,19 +313,24 @@ impl LayerPipeline<'_> {
 
     /// The latest a group whose read starts at `from` may wait for the preflight's verdicts:
     /// the TP peers wait for its first layer's status word for `collective_timeout` from about
-    /// then at the earliest (for the first group, from the batch's start), so the reader
-    /// hands the group over with four fifths of that spent at most, leaving the rest for the
-    /// status exchange itself; the peers then read this rank's verdict instead of timing out
-    /// and re-forming the group.
+    /// then at the earliest (for the first group, from the batch's gate), so the reader hands
+    /// the group over with four fifths of that spent at most, leaving the rest for the status
+    /// exchange itself; the peers then read this rank's verdict instead of timing out and
+    /// re-forming the group. A rank alone has no peers waiting: its checks are bounded by
+    /// their own store calls only (the companions' read and discards, then the sizes).
     fn verdict_bound(&self, from: Instant) -> Instant {
-        let wait = self.inner.config.collective_timeout.mul_f64(0.8);
+        let c = &self.inner.config;
+        if self.coll.is_none() {
+            return kv_loader::deadline_after(c.store_call_timeout.saturating_mul(5));
+        }
+        let wait = c.collective_timeout.mul_f64(0.8);
         from.checked_add(wait)
             .unwrap_or_else(|| kv_loader::deadline_after(wait))
     }
 
-    /// Starts the preflight's checks (none when `run` is false): the checksum companions (which
-    /// of the objects have one, then those, set in `self.sums`; `covered` says whether every
-    /// object has one) and the object sizes (when `verify_object_sizes`).
+    /// Starts the preflight's checks (none when `run` is false): the checksum companions (read
+    /// whole in one call, set in `self.sums`; `covered` says whether every object has one)
+    /// and the object sizes (when `verify_object_sizes`).
     fn preflight<'scope>(
         &'scope self,
         s: &'scope std::thread::Scope<'scope, '_>,
@@ -330,9 +344,9 @@ impl LayerPipeline<'_> {
         // (and discards) its object itself, and two checks discarding the same object at once
         // would each see the other's discard as a missing object.
         let (companions_read, read) = std::sync::mpsc::channel::<()>();
-        // Finding, reading, and for a companion that does not fit, its object's size and the
-        // discard of both: four store calls at most.
-        let companions_limit = self.inner.config.store_call_timeout.saturating_mul(4);
+        // Reading, and for a companion that does not fit, its object's size and the discard of
+        // both: three store calls at most.
+        let companions_limit = self.inner.config.store_call_timeout.saturating_mul(3);
         let store_call_timeout = self.inner.config.store_call_timeout;
         // Where every object has a companion the sizes need not hold layer 0 back: they start
         // once the first group is read too, so that their queries (one per object) do not slow
@@ -512,14 +526,16 @@ impl LayerPipeline<'_> {
     ) -> (Option<LayerStage>, Option<KvLoadError>) {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
-        // Before a group's read the reader may renew the read session (one store call);
-        // then the read itself; the preflight's verdicts are waited for until four fifths of
-        // `collective_timeout` after the read's start (the batch's, for the first group).
+        // Before the first group the reader pins the objects (one store call) and opens the
+        // landing's stages; before a group's read it may renew the read session (one store
+        // call); then the read itself (`layer_read_timeout`); the preflight's verdicts are
+        // waited for until four fifths of `collective_timeout` after the read's start (the
+        // gate, for the first group). One store call more as slack.
         let limit = c
             .layer_read_timeout
             .max(c.collective_timeout)
             .saturating_add(c.collective_timeout)
-            .saturating_add(c.store_call_timeout);
+            .saturating_add(c.store_call_timeout.saturating_mul(2));
         match h.next_layer(kv_loader::deadline_after(limit)) {
             Wait::Got(m) if m.layer == layer => (m.stage, m.error),
             Wait::Got(m) => (

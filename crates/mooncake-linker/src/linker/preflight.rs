@@ -46,6 +46,19 @@ enum CheckState<'scope> {
     Taken,
 }
 
+impl Drop for Check<'_> {
+    /// A check whose verdict was not taken (the batch failed, or a bound passed) is joined
+    /// here, its verdict dropped: every check ends before the reader's scope does, and a
+    /// panic in one stays in it.
+    fn drop(&mut self) {
+        if let CheckState::Running { handle, .. } =
+            std::mem::replace(&mut self.state, CheckState::Taken)
+        {
+            let _ = handle.join();
+        }
+    }
+}
+
 impl<'scope> Check<'scope> {
     /// Runs `check` on a thread named `name` in `scope`; inline if no thread can be started.
     /// `check` is told which (`true`: on its own thread), so that inline it waits for nothing
@@ -198,18 +211,20 @@ impl PreflightChecks<'_> {
         let last = index + 1 >= groups;
         // The first group is read (the reader asks for its verdicts right after the read).
         self.first_read.take();
-        let companions = if first {
-            self.companions.required_by(by)
-        } else {
-            Ok(())
+        // After a failed read a verdict is taken only if it comes in by the bound (then it
+        // says more than the read); else the read's own error stands.
+        let companions = match (first, read_failed) {
+            (false, _) => Ok(()),
+            (true, true) => self.companions.verdict_by(by).unwrap_or(Ok(())),
+            (true, false) => self.companions.required_by(by),
         };
         // Known once the companions' verdict is in (from the first group on, unless it
         // was not in time, and then the batch has failed).
         let covered = self.covered.load(Ordering::Acquire);
-        let sizes = if (first && !covered) || last {
-            self.sizes.required_by(by)
-        } else if read_failed {
+        let sizes = if read_failed {
             self.sizes.verdict_by(by).unwrap_or(Ok(()))
+        } else if (first && !covered) || last {
+            self.sizes.required_by(by)
         } else if self.sizes.is_done() {
             self.sizes.verdict()
         } else {
@@ -352,6 +367,26 @@ mod tests {
             // Not taken: the last group still needs it, and gets it.
             let last = checks.due(4, 5, false, far());
             assert!(matches!(last, Err(KvLoadError::Config(m)) if m.detail() == "wrong size"));
+        });
+    }
+
+    #[test]
+    fn a_failed_last_or_first_read_keeps_its_error_over_checks_still_running() {
+        let gate = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let mut checks = PreflightChecks {
+                companions: Check::spawn(s, "c".into(), BatchId(1), "companions", held(&gate, "c")),
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", held(&gate, "s")),
+                covered: &AtomicBool::new(false),
+                first_read: None,
+            };
+            // The only group is both first and last; its read failed; neither check is in.
+            let by = Instant::now() + Duration::from_millis(50);
+            assert!(
+                checks.due(0, 1, true, by).is_ok(),
+                "the read's error stands"
+            );
+            gate.store(true, Ordering::Release);
         });
     }
 

@@ -193,7 +193,7 @@ impl Inner {
     }
 }
 
-/// Companions to read for one batch (see [`Inner::present_companions`]).
+/// Companions to read for one batch (see [`Inner::wanted_companions`]).
 pub(crate) struct CompanionPlan {
     sums: BatchChecksums,
     wanted: Vec<Wanted>,
