@@ -1,8 +1,11 @@
 //! A timeline of one batch's reads and share steps: a store decorator that notes when each
-//! ranged read call starts and ends, and a data-collective decorator that makes every host-row
-//! share step take at least a set time and notes when rank 0's returns. Used to check that a
-//! rank reads its next group while its exchange loop is still sharing the last one.
+//! ranged read call starts and ends, and a data-collective decorator that holds every host-row
+//! share step until enough read calls have started (a gate, no sleeps) and notes when rank 0's
+//! returns. Used to check that a rank reads its next group while its exchange loop is still
+//! sharing the last one: where the reader waited for the exchange loop instead, the gate would
+//! hold the share step until it gives up, and says so in the timeline.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,6 +22,8 @@ pub enum Step {
     ReadEnd,
     /// Rank 0's share step of one layer returned.
     Shared,
+    /// A share step's gate gave up waiting for the reads it needed.
+    GateGaveUp,
 }
 
 /// The shared timeline.
@@ -39,6 +44,15 @@ impl Timeline {
 
     pub fn clear(&self) {
         self.0.lock().unwrap().clear();
+    }
+
+    fn count(&self, step: Step) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, s)| *s == step)
+            .count()
     }
 }
 
@@ -65,18 +79,51 @@ impl KvStore for TimedReads {
     }
 }
 
-/// Every host-row share step takes at least `delay` on every rank (it sleeps, then shares);
-/// rank 0 notes when its step returns. Everything else is forwarded.
+/// Every host-row share step waits, before it shares, until `reads_needed(n)` read calls
+/// have started (n: this rank's share steps so far), at most [`GATE_LIMIT`]; a wait that runs
+/// out is noted as [`Step::GateGaveUp`]. Rank 0 notes when each of its steps returns.
+/// Everything else is forwarded.
 pub struct PacedShares {
-    pub inner: Arc<dyn Collective>,
-    pub delay: Duration,
-    pub timeline: Timeline,
+    inner: Arc<dyn Collective>,
+    reads_needed: fn(usize) -> usize,
+    timeline: Timeline,
+    calls: AtomicUsize,
 }
 
+/// Longest a share step's gate waits for its reads.
+pub const GATE_LIMIT: Duration = Duration::from_secs(5);
+
 impl PacedShares {
+    pub fn new(
+        inner: Arc<dyn Collective>,
+        reads_needed: fn(usize) -> usize,
+        timeline: Timeline,
+    ) -> Self {
+        PacedShares {
+            inner,
+            reads_needed,
+            timeline,
+            calls: AtomicUsize::new(0),
+        }
+    }
+
     /// The decorated handle (always there).
     fn handle(&self, _op: &'static str) -> Result<Arc<dyn Collective>, CollectiveError> {
         Ok(self.inner.clone())
+    }
+
+    /// Waits until this step's reads have started (bounded).
+    fn gate(&self) {
+        let n = self.calls.fetch_add(1, Ordering::AcqRel);
+        let needed = (self.reads_needed)(n);
+        let limit = Instant::now() + GATE_LIMIT;
+        while self.timeline.count(Step::ReadStart) < needed {
+            if Instant::now() >= limit {
+                self.timeline.note(Step::GateGaveUp);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     fn shared(&self) {
@@ -117,7 +164,7 @@ impl Collective for PacedShares {
         root: u32,
         deadline: Instant,
     ) -> Result<(), CollectiveError> {
-        std::thread::sleep(self.delay);
+        self.gate();
         // SAFETY: forwarded with the caller's own promise.
         let r = unsafe { self.inner.broadcast_rows(rows, root, deadline) };
         self.shared();
@@ -130,7 +177,7 @@ impl Collective for PacedShares {
         counts: &[usize],
         deadline: Instant,
     ) -> Result<(), CollectiveError> {
-        std::thread::sleep(self.delay);
+        self.gate();
         // SAFETY: forwarded with the caller's own promise.
         let r = unsafe { self.inner.all_gather_rows(rows, counts, deadline) };
         self.shared();
