@@ -152,3 +152,44 @@ fn a_missing_object_fails_the_batch_with_not_found() {
     linker.wait_batch(&t).unwrap().result.unwrap();
     pool_matches(&pool, &pages, &[5, 6, 7], 6).unwrap();
 }
+
+/// Objects without checksum companions (as SGLang writes them) load from a real Mooncake with
+/// verification on: the companions' whole-object read comes back `NotFound` per key (no
+/// `exists` is asked first), and each layer is checked by length only; with one companion
+/// left, that object's layers are checked against it and the others by length.
+#[test]
+fn objects_without_companions_load_checked_by_length() {
+    let Some(clients) = mooncake_clients(1) else {
+        return;
+    };
+    let spec = small_spec();
+    let ns = unique_ns("nosums");
+    let config = cfg(&ns, ShareMode::AllRanks);
+    let tokens = prompt(13, 3, spec.page_size);
+    let pages = save_prefix(&spec, clients[0].clone(), &tokens, &config);
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), clients[0].clone(), pool.clone(), config).unwrap();
+    let keys: Vec<String> = linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
+        .unwrap()
+        .into_iter()
+        .flatten()
+        .collect();
+    // Every companion but the first object's goes (the objects stay as they are).
+    let companions: Vec<String> = keys[1..]
+        .iter()
+        .map(|k| kvlink::kv_geometry::checksum_key(k))
+        .collect();
+    let refs: Vec<&str> = companions.iter().map(String::as_str).collect();
+    assert!(clients[0].remove(&refs).iter().all(Result::is_ok));
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![4, 2, 6]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    pool_matches(&pool, &pages, &[4, 2, 6], g.num_layers()).unwrap();
+    let m = linker.metrics();
+    assert!(m.ranges_length_only > 0, "{m:?}");
+    assert!(m.ranges_checksummed > 0, "{m:?}");
+}
