@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::tp::{
-    config, fail_v_read, mixed_spec, paths, rank_matches, run, same_verdict, tp_ranks, Path,
+    config, fail_v_read, mixed_spec, paths, rank_matches, run, run_ok, run_timed, same_verdict,
+    tp_ranks, Path,
 };
-use common::{load_plan, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
-use kvlink::kv_loader::{BatchOutcome, KvLoader, ShareMode};
+use kvlink::kv_loader::ShareMode;
 use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, Stall};
 use kvlink::mooncake_linker::LinkerConfig;
 
@@ -222,11 +222,7 @@ fn a_failed_read_does_not_wait_past_the_peers_for_a_hung_size_check() {
             );
         }
         r.faults.clear();
-        for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &hashes)).enumerate() {
-            o.result
-                .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
-            rank_matches(r, &hashes, rank as u32).unwrap();
-        }
+        run_ok(&rs, 2, &hashes, &what);
     }
 }
 
@@ -263,32 +259,5 @@ fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
         assert!(took < collective * 2, "rank {peer} ended after {took:?}");
     }
     r.faults.clear();
-    for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &hashes)).enumerate() {
-        o.result
-            .unwrap_or_else(|e| panic!("next batch, rank {rank}: {e}"));
-        rank_matches(r, &hashes, rank as u32).unwrap();
-    }
-}
-
-/// [`run`], with when each rank's batch outcome was in.
-fn run_timed(
-    ranks: &[common::tp::TpRank],
-    batch: u64,
-    pages: &[kvlink::kv_geometry::PageHash],
-) -> (Vec<BatchOutcome>, Vec<Instant>) {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .iter()
-            .map(|r| {
-                s.spawn(move || {
-                    let plan = load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
-                    let t = r.linker.start_load(plan).unwrap();
-                    let _ = wait_all(&r.linker, &t);
-                    let o = r.linker.wait_batch(&t).unwrap();
-                    (o, Instant::now())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).unzip()
-    })
+    run_ok(&rs, 2, &hashes, "after the companions hung");
 }

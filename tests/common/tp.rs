@@ -393,6 +393,29 @@ pub fn run_at(
     })
 }
 
+/// [`run`], with when each rank's batch outcome was in.
+pub fn run_timed(
+    ranks: &[TpRank],
+    batch: u64,
+    pages: &[PageHash],
+) -> (Vec<BatchOutcome>, Vec<std::time::Instant>) {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|r| {
+                s.spawn(move || {
+                    let plan = load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
+                    let t = r.linker.start_load(plan).unwrap();
+                    let _ = wait_all(&r.linker, &t);
+                    let o = r.linker.wait_batch(&t).unwrap();
+                    (o, std::time::Instant::now())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).unzip()
+    })
+}
+
 /// Every rank loaded `batch` whole, in one mode, every byte in place; the mode.
 pub fn run_ok(ranks: &[TpRank], batch: u64, pages: &[PageHash], what: &str) -> ShareMode {
     let outcomes = run(ranks, batch, pages);
