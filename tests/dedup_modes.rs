@@ -7,16 +7,13 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tp::{bytes_match, fail_v_read, fill_rank_pool};
+use common::tp::{fail_v_read, rank_matches, run, tp_ranks, Path, TpRank};
 use common::*;
-use kvlink::kv_device::HostKvPool;
-use kvlink::kv_geometry::{
-    ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash, RowUnit,
-};
+use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, PageHash, RowUnit};
 use kvlink::kv_loader::{BatchOutcome, KvLoadError, KvLoader, LookupRequest, ShareMode};
 use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
-use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore};
-use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity, TpGroup};
+use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore};
+use kvlink::mooncake_linker::{LinkerConfig, ReadGranularity};
 use proptest::prelude::*;
 
 const MODES: [ShareMode; 3] = [
@@ -43,90 +40,16 @@ fn cfg(mode: ShareMode) -> LinkerConfig {
     }
 }
 
-struct Rank {
-    linker: Linker,
-    pool: Arc<HostKvPool>,
-    faults: Arc<FaultyStore>,
-    slots: Vec<u32>,
-}
-
-/// Saves a prefix the way TP ranks do (rank 0 writes replicated objects, every rank its
-/// shard), then builds one linker per rank over `store`.
+/// Every rank of a TP group over `store` (host pools, scattered slots), after the prefix was
+/// saved the way TP ranks save it (rank 0 writes replicated objects, every rank its shard).
 fn ranks(
     spec: &ModelKvSpec,
     tp: u32,
     store: Arc<dyn KvStore>,
     pages: usize,
     config: &LinkerConfig,
-) -> (Vec<Rank>, Vec<PageHash>) {
-    let tokens = prompt(11, pages, spec.page_size);
-    let hashes = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
-    for (rank, group) in TpGroup::in_process(tp).into_iter().enumerate() {
-        let g = KvGeometry::new(spec.clone(), tp, rank as u32).unwrap();
-        let pool = HostKvPool::new(g.clone(), pages as u32).unwrap();
-        let slots: Vec<u32> = (0..pages as u32).collect();
-        fill_rank_pool(&pool, &hashes, &slots, rank as u32);
-        let linker = Linker::with_group(
-            g.clone(),
-            store.clone(),
-            Arc::new(pool),
-            config.clone(),
-            group,
-        )
-        .unwrap();
-        linker.save(&load_plan(&g, 0, &hashes, slots)).unwrap();
-    }
-    let groups = TpGroup::in_process(tp);
-    let out = groups
-        .into_iter()
-        .enumerate()
-        .map(|(rank, group)| {
-            let g = KvGeometry::new(spec.clone(), tp, rank as u32).unwrap();
-            let pool_pages = 3 * pages as u32 + 4;
-            let pool = Arc::new(HostKvPool::new(g.clone(), pool_pages).unwrap());
-            let faults = Arc::new(FaultyStore::new(store.clone()));
-            let linker =
-                Linker::with_group(g, faults.clone(), pool.clone(), config.clone(), group).unwrap();
-            // Every rank allocates its own, different, scattered slots.
-            let slots = (0..pages as u32)
-                .map(|i| (i * 3 + rank as u32 * 7) % pool_pages)
-                .collect();
-            Rank {
-                linker,
-                pool,
-                faults,
-                slots,
-            }
-        })
-        .collect();
-    (out, hashes)
-}
-
-fn rank_pool_matches(r: &Rank, pages: &[PageHash], rank: u32) -> Result<(), String> {
-    use kvlink::kv_device::KvPool;
-    let g = r.pool.geometry();
-    bytes_match(g, pages, rank, &r.slots, u32::MAX, |c, l, slot, got| {
-        // SAFETY: checked after the batch's outcome: no load writes the pool.
-        unsafe { r.pool.read_slot(c.id, l, slot, got) }.unwrap()
-    })
-}
-
-/// Every rank starts the batch, waits every layer like an engine, and takes the outcome.
-fn run(ranks: &[Rank], batch: u64, pages: &[PageHash]) -> Vec<BatchOutcome> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .iter()
-            .map(|r| {
-                s.spawn(move || {
-                    let plan = load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
-                    let t = r.linker.start_load(plan).unwrap();
-                    let _ = wait_all(&r.linker, &t);
-                    r.linker.wait_batch(&t).unwrap()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+) -> (Vec<TpRank>, Vec<PageHash>) {
+    tp_ranks(spec, tp, store, pages, config, Path::Host)
 }
 
 #[test]
@@ -153,7 +76,7 @@ fn every_mode_lands_every_rank_byte_identical_and_reads_once() {
                     stats.bytes_landed, one_copy,
                     "every rank's pool got every byte"
                 );
-                rank_pool_matches(r, &pages, rank as u32).unwrap();
+                rank_matches(r, &pages, rank as u32).unwrap();
                 total += stats.bytes_read;
                 if mode == ShareMode::Rank0Broadcast {
                     assert_eq!(stats.bytes_read, if rank == 0 { one_copy } else { 0 });
@@ -185,7 +108,7 @@ fn sharded_components_are_read_per_rank_in_every_mode() {
         let (rs, pages) = ranks(&mixed_spec(), 2, store, 6, &cfg(mode));
         for (rank, (r, o)) in rs.iter().zip(run(&rs, 1, &pages)).enumerate() {
             o.result.unwrap();
-            rank_pool_matches(r, &pages, rank as u32).unwrap();
+            rank_matches(r, &pages, rank as u32).unwrap();
         }
     }
 }
@@ -217,7 +140,7 @@ fn plans_that_differ_fall_back_to_all_ranks() {
         let stats = o.result.unwrap();
         assert_eq!(stats.mode, ShareMode::AllRanks);
         assert_eq!(stats.plans_differ, vec![1], "the fallback is in the stats");
-        rank_pool_matches(r, &pages, rank as u32).unwrap();
+        rank_matches(r, &pages, rank as u32).unwrap();
     }
     // The next batch, with agreeing plans, shares again.
     for o in run(&rs, 2, &pages) {
@@ -266,7 +189,7 @@ fn a_failure_on_any_rank_at_any_layer_fails_every_rank_the_same_way() {
                 for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &pages)).enumerate() {
                     o.result
                         .unwrap_or_else(|e| panic!("{mode:?} after failure, rank {rank}: {e}"));
-                    rank_pool_matches(r, &pages, rank as u32).unwrap();
+                    rank_matches(r, &pages, rank as u32).unwrap();
                 }
             }
         }
@@ -388,7 +311,7 @@ proptest! {
             let (rs, hashes) = ranks(&spec, tp, store, pages, &cfg(mode));
             for (rank, (r, o)) in rs.iter().zip(run(&rs, 1, &hashes)).enumerate() {
                 prop_assert!(o.result.is_ok(), "{:?}", o.result);
-                prop_assert_eq!(rank_pool_matches(r, &hashes, rank as u32), Ok(()));
+                prop_assert_eq!(rank_matches(r, &hashes, rank as u32), Ok(()));
             }
         }
     }
