@@ -181,11 +181,15 @@ fn auto_run(
     // Auto runs every mode on one linker, and a linker has one prior for all: the default.
     let linkers = rig.linkers(prefix, ModeChoice::Auto, compute, None)?;
     let mut measured = Vec::new();
+    let mut timed = Vec::new();
     let mut batch = 100u64;
     let mut outcome = Ok(());
     while linkers[0].auto_decision().is_none() && measured.len() < 12 {
         match rig.run_batch(&linkers, prefix, batch, compute) {
-            Ok(runs) => measured.push(runs[0].stats.mode),
+            Ok(runs) => {
+                measured.push(runs[0].stats.mode);
+                timed.push(runs.iter().map(|r| r.last).fold(0.0, f64::max));
+            }
             Err(e) => {
                 outcome = Err(e);
                 break;
@@ -232,6 +236,7 @@ fn auto_run(
     );
     Ok(AutoRun {
         measuring: measured,
+        measured_last: timed,
         kept,
         result,
     })

@@ -135,6 +135,8 @@ fn ms(s: f64) -> String {
 pub struct AutoRun {
     /// The mode of each batch while it measured.
     pub measuring: Vec<ShareMode>,
+    /// Each of those batches' time to the last layer (slowest rank, seconds).
+    pub measured_last: Vec<f64>,
     /// The mode it kept (`None`: not decided within the batches allowed).
     pub kept: Option<ShareMode>,
     /// Its measured batches after the decision.
@@ -203,7 +205,9 @@ impl SizeTables {
                     (
                         if ok { Status::Pass } else { Status::Fail },
                         format!(
-                            "kept {k:?} ({}) after {} batches [{}]; best fixed mode {b:?} ({})",
+                            "kept {k:?} ({}) after {} batches [{}]; best fixed mode {b:?} ({}); \
+                             Auto's own batches after it kept a mode {}; while it measured, \
+                             median by mode: {}",
                             ms(kt),
                             run.measuring.len(),
                             run.measuring
@@ -211,7 +215,9 @@ impl SizeTables {
                                 .map(|m| format!("{m:?}"))
                                 .collect::<Vec<_>>()
                                 .join(", "),
-                            ms(bt)
+                            ms(bt),
+                            ms(run.result.last()),
+                            calibration_medians(run)
                         ),
                     )
                 }
@@ -405,4 +411,22 @@ impl SizeTables {
         );
         out
     }
+}
+
+/// The median time to the last layer of each mode's batches while Auto measured.
+fn calibration_medians(run: &AutoRun) -> String {
+    let mut by: Vec<(ShareMode, Vec<f64>)> = Vec::new();
+    for (m, t) in run.measuring.iter().zip(&run.measured_last) {
+        match by.iter_mut().find(|(mode, _)| mode == m) {
+            Some((_, v)) => v.push(*t),
+            None => by.push((*m, vec![*t])),
+        }
+    }
+    by.into_iter()
+        .map(|(m, mut v)| {
+            v.sort_by(f64::total_cmp);
+            format!("{m:?} {} ({} batches)", ms(v[v.len() / 2]), v.len())
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
