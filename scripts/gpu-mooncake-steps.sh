@@ -42,8 +42,12 @@ shape="threads"
 if [[ $procs -eq 1 ]]; then
   shape="processes"
   # The modelled compute per layer of the prefix size (as the table's procs part).
-  case "$tokens" in 2048) compute=5480 ;; 131072) compute=6660 ;; *) compute=5760 ;; esac
-  [[ ${#extra[@]} -gt 0 ]] && compute=0
+  if [[ ${#extra[@]} -gt 0 ]]; then
+    compute=0
+  else
+    case "$tokens" in 2048) compute=5480 ;; 32768) compute=5760 ;; 131072) compute=6660 ;;
+      *) echo "gpu-mooncake-steps: no modelled compute for $tokens tokens (2048, 32768, 131072; or --no-compute)" >&2; exit 2 ;; esac
+  fi
   # One glm_prefill run per mode, each inside one shared time limit.
   timeout -k 15 "${KVLINK_TABLE_TIMEOUT:-400}" bash -c '
     rc=0

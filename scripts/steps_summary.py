@@ -77,14 +77,14 @@ def collect(lines):
             for kind, values in pending.pop(run, []):
                 record((mode[run], rank), kind, values)
             continue
-        ev = events(line)
-        if ev is None:
-            continue
         if "landing ready" in line:
             # A new run of this batch id on this rank: logged on the load thread before its
             # reader and exchange loop start (the pin's `prepared` event comes later, from the
             # reader, often after the exchange loop's first event).
             mode[run] = None
+            continue
+        ev = events(line)
+        if ev is None:
             continue
         if mode.get(run) is None:
             pending[run].append(ev)

@@ -243,16 +243,30 @@ fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
     let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &cfg, Path::Host);
     let stall = Stall::new();
+    let sizes = Stall::new();
     let r = &rs[1];
     r.faults.inject_on(
         FaultCall::ReadWhole,
         FaultRule::default(),
         Fault::Stall(stall.clone()),
     );
+    // Its size queries would hang too: once the companions failed the batch they are not
+    // asked at all.
+    r.faults.inject_on(
+        FaultCall::Size,
+        FaultRule::default(),
+        Fault::Stall(sizes.clone()),
+    );
     let t0 = Instant::now();
     let (outcomes, ended) = run_timed(&rs, 1, &hashes);
     stall.release();
+    sizes.release();
     assert!(stall.hits() > 0, "the companions' read was held");
+    assert_eq!(
+        sizes.hits(),
+        0,
+        "no size query after the companions failed the batch"
+    );
     same_verdict(&outcomes, 1, 0, "companions");
     for peer in [0, 2] {
         let took = ended[peer] - t0;

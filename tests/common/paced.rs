@@ -90,8 +90,9 @@ pub struct PacedShares {
     calls: AtomicUsize,
 }
 
-/// Longest a share step's gate waits for its reads.
-pub const GATE_LIMIT: Duration = Duration::from_secs(5);
+/// Longest a share step's gate waits for its reads (under the tests' collective timeout, so
+/// a gate that gives up says so before the batch times out).
+pub const GATE_LIMIT: Duration = Duration::from_secs(3);
 
 impl PacedShares {
     pub fn new(

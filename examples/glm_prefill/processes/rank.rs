@@ -138,7 +138,11 @@ pub(super) fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
                         report.warmups.len(),
                         l.as_secs_f64() * 1e3
                     )?,
-                    Err(e) => writeln!(out, "  warm-up batch {} failed on rank 0: {e}", w + 1)?,
+                    Err(e) => writeln!(
+                        out,
+                        "  warm-up batch {} failed on rank 0: {e} (rank 0's pool is not zeroed after the warm-ups)",
+                        w + 1
+                    )?,
                 }
             }
         }

@@ -280,7 +280,8 @@ impl Inner {
     ) -> Result<LoadStats, KvLoadError> {
         let batch = job.plan.logical.batch;
         let pages = job.plan.logical.num_pages();
-        // Past the gate: the peers start waiting for layer 0 from about now.
+        // Past the gate (or loading alone): the peers, if any, start waiting for layer 0 from
+        // about now.
         let opened = std::time::Instant::now();
         let (rank, size) = coll.map_or((0, 1), |c| (c.rank(), c.size()));
         // After the gate every rank must issue the batch's per-layer exchanges: from here on a

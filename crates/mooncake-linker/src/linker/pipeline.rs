@@ -23,9 +23,11 @@
 //! returns), a stage is reopened after a bounded wait for its device work, the reader waits
 //! for each free stage at most `layer_read_timeout + 2 × collective_timeout`, it waits for the
 //! preflight's verdicts until four fifths of `collective_timeout` after the group's read
-//! started (the batch's gate, for the first group; a rank alone: five store calls), and the
-//! exchange loop waits for the reader at most `max(layer_read_timeout, collective_timeout) +
-//! collective_timeout + 2 × store_call_timeout` per layer. A preflight check still running
+//! started (the batch's gate, for the first group; a rank alone: four store calls after the
+//! batch's start), and the exchange loop waits for the reader at most
+//! `max(layer_read_timeout, collective_timeout) + collective_timeout + 2 × store_call_timeout`
+//! (and at least `5 × store_call_timeout`) per layer. Once the batch has failed, a size check
+//! that has not started its queries skips them. A preflight check still running
 //! when its verdict is no longer waited for is joined when the reader ends (its store calls
 //! are bounded: the companions' read and, for one that does not fit, a size query and a
 //! discard; the sizes). So the reader thread always ends, and the scope's join of it is
@@ -92,7 +94,8 @@ pub(crate) struct PipelineRun {
 pub(crate) struct LayerPipeline<'a> {
     pub(crate) inner: &'a Inner,
     pub(crate) job: &'a BatchJob,
-    /// When the batch passed its gate (the peers' wait for layer 0 starts about then).
+    /// When the batch passed its gate, or started alone (the peers' wait for layer 0, if
+    /// there are peers, starts about then).
     pub(crate) opened: Instant,
     /// The batch's counter ticket (what publishing a layer marks).
     pub(crate) counter: Ticket,
@@ -225,11 +228,15 @@ impl LayerPipeline<'_> {
             deadline: kv_loader::deadline_after(c.store_call_timeout),
         };
         let covered = AtomicBool::new(false);
+        let abandoned = AtomicBool::new(false);
         let groups = self.plan_groups(ring);
         std::thread::scope(|s| {
             // The preflight first, then the pins: the companions' read needs no session, so
             // it runs beside the pin as well as beside the first group's read.
-            let mut checks = self.preflight(s, &reader, &covered, failure.is_none());
+            let mut checks = self.preflight(s, &reader, &covered, &abandoned, failure.is_none());
+            // Declared after the checks, so dropped (and the flag set) before they are joined:
+            // a size check that has not started its queries then skips them.
+            let _abandon = Abandon(&abandoned);
             if failure.is_none() {
                 match self.inner.pin(self.layers, batch) {
                     Ok(p) => pins = Some(p),
@@ -296,6 +303,10 @@ impl LayerPipeline<'_> {
                     }
                     Ok(()) => {}
                 }
+                if failure.is_some() {
+                    // No verdict is waited for any more: checks not yet under way need not run.
+                    abandoned.store(true, Ordering::Release);
+                }
                 for (layer, stage) in group.zip(stages) {
                     let msg = ReadLayer {
                         layer,
@@ -321,7 +332,13 @@ impl LayerPipeline<'_> {
     fn verdict_bound(&self, from: Instant) -> Instant {
         let c = &self.inner.config;
         if self.coll.is_none() {
-            return kv_loader::deadline_after(c.store_call_timeout.saturating_mul(5));
+            // The companions' read, a size query and a discard, then the sizes: four store
+            // calls from the batch's start at most.
+            let own = c.store_call_timeout.saturating_mul(4);
+            return self
+                .opened
+                .checked_add(own)
+                .unwrap_or_else(|| kv_loader::deadline_after(own));
         }
         let wait = c.collective_timeout.mul_f64(0.8);
         from.checked_add(wait)
@@ -336,6 +353,7 @@ impl LayerPipeline<'_> {
         s: &'scope std::thread::Scope<'scope, '_>,
         reader: &'scope LayerReader<'_>,
         covered: &'scope AtomicBool,
+        abandoned: &'scope AtomicBool,
         run: bool,
     ) -> PreflightChecks<'scope> {
         let batch = self.job.plan.logical.batch;
@@ -360,6 +378,10 @@ impl LayerPipeline<'_> {
             if on_thread && covered.load(Ordering::Acquire) {
                 let _ = group_read.recv_timeout(first_read_limit);
             }
+            // The batch failed meanwhile (its verdict will not be taken): no queries.
+            if abandoned.load(Ordering::Acquire) {
+                return Ok(());
+            }
             let t0 = Instant::now();
             // Its own deadline: the companions' calls may have used up the reader's.
             let fresh = LayerReader {
@@ -375,7 +397,12 @@ impl LayerPipeline<'_> {
             let _read = companions_read;
             let t0 = Instant::now();
             let mut plan = self.inner.wanted_companions(self.layers);
-            self.inner.read_companions(self.layers, batch, &mut plan)?;
+            if let Err(e) = self.inner.read_companions(self.layers, batch, &mut plan) {
+                // The batch fails with this: the sizes (started once this returns) need not
+                // query anything.
+                abandoned.store(true, Ordering::Release);
+                return Err(e);
+            }
             covered.store(plan.covers_every_object(), Ordering::Release);
             let _ = self.sums.set(plan.into_sums());
             tracing::debug!(%batch, rank, took = ?t0.elapsed(), "preflight companions");
@@ -530,12 +557,14 @@ impl LayerPipeline<'_> {
         // landing's stages; before a group's read it may renew the read session (one store
         // call); then the read itself (`layer_read_timeout`); the preflight's verdicts are
         // waited for until four fifths of `collective_timeout` after the read's start (the
-        // gate, for the first group). One store call more as slack.
+        // gate, for the first group), or, alone, four store calls after the batch's start.
+        // One store call more as slack.
         let limit = c
             .layer_read_timeout
             .max(c.collective_timeout)
             .saturating_add(c.collective_timeout)
-            .saturating_add(c.store_call_timeout.saturating_mul(2));
+            .saturating_add(c.store_call_timeout.saturating_mul(2))
+            .max(c.store_call_timeout.saturating_mul(5));
         match h.next_layer(kv_loader::deadline_after(limit)) {
             Wait::Got(m) if m.layer == layer => (m.stage, m.error),
             Wait::Got(m) => (
@@ -727,5 +756,14 @@ impl LayerPipeline<'_> {
             });
         }
         Ok((landed, first_layer))
+    }
+}
+
+/// Sets its flag when dropped: the reader's preflight checks are no longer waited for.
+struct Abandon<'a>(&'a AtomicBool);
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
     }
 }

@@ -191,13 +191,23 @@ pub(crate) struct PreflightChecks<'scope> {
     pub(crate) first_read: Option<std::sync::mpsc::Sender<()>>,
 }
 
+impl Drop for PreflightChecks<'_> {
+    /// The first read's sender goes before the checks are joined (fields drop in order, the
+    /// sizes before `first_read`): a size check still waiting for the first read, when the
+    /// reader left before it, starts at once instead of waiting out `layer_read_timeout`.
+    fn drop(&mut self) {
+        self.first_read.take();
+    }
+}
+
 impl PreflightChecks<'_> {
     /// The verdicts due before handing over group `index` of `groups`, waited for until `by`
-    /// at most (when the peers stop waiting for this group's first status word, less a
-    /// margin). A verdict the group needs that is not in by then fails the batch
-    /// ([`StoreFailure::RpcTimeout`]). When the group's read failed (`read_failed`) the sizes
-    /// are taken if they come in by `by` (a wrong-sized object explains a failed read better
-    /// than the read does), else the read's error stands. The companions' error comes first:
+    /// at most (in a TP group: when the peers stop waiting for this group's first status
+    /// word, less a margin; alone: when the checks' own store calls are over). A verdict the
+    /// group needs that is not in by then fails the batch ([`StoreFailure::RpcTimeout`]).
+    /// When the group's read failed (`read_failed`) the sizes, and on the first group the
+    /// companions, are taken if they come in by `by` (a wrong-sized object explains a failed
+    /// read better than the read does), else the read's error stands. The companions' error comes first:
     /// a companion that does not fit checks its object's size itself, and says
     /// [`PlanError::ObjectSize`](kv_loader::PlanError::ObjectSize) when that is why.
     pub(crate) fn due(
