@@ -45,8 +45,9 @@ if [[ $procs -eq 1 ]]; then
   if [[ ${#extra[@]} -gt 0 ]]; then
     compute=0
   else
-    case "$tokens" in 2048) compute=5480 ;; 32768) compute=5760 ;; 131072) compute=6660 ;;
-      *) echo "gpu-mooncake-steps: no modelled compute for $tokens tokens (2048, 32768, 131072; or --no-compute)" >&2; exit 2 ;; esac
+    # shellcheck source=scripts/modelled-compute.sh
+    source "$repo/scripts/modelled-compute.sh"
+    compute=$(modelled_compute_us "$tokens") || { echo "gpu-mooncake-steps: or --no-compute" >&2; exit 2; }
   fi
   # One glm_prefill run per mode, each inside one shared time limit.
   timeout -k 15 "${KVLINK_TABLE_TIMEOUT:-400}" bash -c '

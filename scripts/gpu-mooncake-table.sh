@@ -153,15 +153,16 @@ case "$part" in
     # collectives, each rank its own Mooncake client): run when this build has it.
     if run_bundle 1 glm_prefill --help 2>/dev/null | grep -q -- '--ranks-as'; then
       export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
-      if [[ $quick -eq 1 ]]; then tokens=2048; tps="2 4"; compute=5480; else tokens=32768; tps="2 4 8"; compute=5760; fi
-      # One prefix size from KVLINK_TABLE_TOKENS (its first); the modelled compute of that size
-      # (mooncake_modes' model: 5.48 ms at 2K, 5.76 ms at 32K, 6.66 ms at 128K per layer).
+      if [[ $quick -eq 1 ]]; then tokens=2048; tps="2 4"; else tokens=32768; tps="2 4 8"; fi
+      # One prefix size from KVLINK_TABLE_TOKENS (its first), with the modelled compute of that
+      # size.
       if [[ -n "${KVLINK_TABLE_TOKENS:-}" ]]; then
         tokens="${KVLINK_TABLE_TOKENS%%,*}"
-        case "$tokens" in 2048) compute=5480 ;; 32768) compute=5760 ;; 131072) compute=6660 ;;
-          *) echo "procs: no modelled compute for $tokens tokens (2048, 32768, 131072)" >&2; exit 2 ;; esac
         [[ $tokens -ge 131072 ]] && export MOONCAKE_STORAGE_NODE_SEGMENT="${KVLINK_PROCS_SEGMENT:-9 GB}"
       fi
+      # shellcheck source=scripts/modelled-compute.sh
+      source "$repo/scripts/modelled-compute.sh"
+      compute=$(modelled_compute_us "$tokens") || exit 2
       tps="${KVLINK_TABLE_TP:-$tps}"; tps="${tps//,/ }"
       tag=$((tokens / 1024))k
       : > "$out/procs.stdout.log"
