@@ -619,3 +619,45 @@ fn companions_are_read_beside_the_pin_without_an_exists() {
     assert_eq!(m.ranges_length_only, 0, "{m:?}");
     assert!(m.ranges_checksummed > 0, "{m:?}");
 }
+
+/// A store that refuses a companion's read with `InvalidArgument` for another cause than its
+/// length (its size is right) fails the batch as a store failure: the object and its
+/// companion stay, and the next load checks them as before.
+#[test]
+fn a_companion_refused_for_another_cause_is_not_discarded() {
+    use kvlink::kv_loader::StoreFailure;
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    let s = saved(37, 3);
+    let faults = Arc::new(FaultyStore::new(s.store.clone()));
+    faults.inject_on(
+        FaultCall::ReadWhole,
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::InvalidArgument {
+            key: "refused".into(),
+            detail: "not registered".into(),
+        }),
+    );
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let linker = Linker::new(s.g.clone(), faults.clone(), pool.clone(), config()).unwrap();
+    let t = linker
+        .start_load(load_plan(&s.g, 1, &s.pages, vec![0, 1, 2]))
+        .unwrap();
+    let _ = wait_all(&linker, &t);
+    let e = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KvLoadError::Store {
+                kind: StoreFailure::InvalidArgument,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(linker.metrics().bad_objects, 0);
+    assert_checksummed(s.store.as_ref(), &linker, &s.pages);
+    load_verified(&linker, &pool, &s.pages, 2, &[3, 4, 5]);
+}

@@ -139,9 +139,18 @@ impl Inner {
                 Err(StoreError::ShortRead { got, expected, .. }) => Err(format!(
                     "checksum object of {got} bytes, {expected} expected"
                 )),
-                // Read whole: a companion longer than its format is refused by the store.
-                Err(StoreError::InvalidArgument { detail, .. }) => {
-                    Err(format!("checksum object that does not fit: {detail}"))
+                // Read whole: a companion longer than its format is refused by the store. A
+                // store says `InvalidArgument` for other causes too (a bad key, the whole
+                // call's arguments): only a companion its size shows too long is bad; anything
+                // else fails the batch as the store failure it is, and nothing is discarded.
+                Err(e @ StoreError::InvalidArgument { .. }) => {
+                    match self.longer_than(&w.key, w.len) {
+                        Some(size) => Err(format!(
+                            "checksum object of {size} bytes, {} expected ({e})",
+                            w.len
+                        )),
+                        None => return Err(store_failure(batch, None, vec![w.page as u32], &e)),
+                    }
                 }
                 Err(e) => return Err(store_failure(batch, None, vec![w.page as u32], &e)),
             };
@@ -168,6 +177,19 @@ impl Inner {
             }
         }
         Ok(())
+    }
+
+    /// The size of object `key` when the store holds it with more than `len` bytes (one
+    /// bounded query; `None` otherwise, or when the query fails).
+    fn longer_than(&self, key: &str, len: usize) -> Option<u64> {
+        match self
+            .calls
+            .object_size(&[key], self.store_call_deadline())
+            .pop()
+        {
+            Some(Ok(size)) if size > len as u64 => Some(size),
+            _ => None,
+        }
     }
 
     /// An object found bad: discarded with its companion (bounded), counted, and the batch's

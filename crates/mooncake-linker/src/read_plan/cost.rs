@@ -128,7 +128,7 @@ impl ReadCostEstimator {
     /// alike) would never be corrected.
     fn scaled_prior(&self, mean_bytes: f64, mean_secs: f64) -> ReadCost {
         let p = self.prior;
-        let predicted = p.per_call.as_secs_f64() + p.seconds_per_byte * mean_bytes;
+        let predicted = p.seconds(0, mean_bytes as u64);
         let k = mean_secs / predicted;
         if !(k.is_finite() && k > 0.0) {
             return p;
