@@ -624,44 +624,43 @@ impl Drop for StagedLanding {
             return;
         };
         let deadline = kv_loader::deadline_after(self.drain);
-        if self.stages_state.iter().any(|h| h.lent.is_lent()) {
-            // A store read may still write the pinned buffer (its loan keeps the staging pool
-            // alive): the buffer goes to another batch only once every loan has dropped (the
-            // read returned) and the device work its fences tell the end of has finished.
-            let known = !self
-                .stages_state
-                .iter()
-                .any(|h| h.fences.is_poisoned() || h.fences.is_unfenced());
-            let fences: Vec<SharedEvent> = self
-                .stages_state
-                .iter()
-                .flat_map(|h| h.fences.take())
-                .collect();
-            let lent = self.stages_state.iter().map(|h| h.lent.flag()).collect();
-            lease.quarantine_lent(
-                known.then_some(fences),
-                lent,
-                self.slot_table.take().into_iter().collect(),
-            );
-            return;
+        let lent = self.stages_state.iter().any(|h| h.lent.is_lent());
+        if !lent {
+            let poisoned = self.stages_state.iter().any(|h| h.fences.is_poisoned());
+            let drained = !poisoned
+                && self
+                    .stages_state
+                    .iter()
+                    .all(|h| h.fences.drain(deadline, "staging release").is_ok());
+            if drained {
+                return;
+            }
         }
-        let poisoned = self.stages_state.iter().any(|h| h.fences.is_poisoned());
-        let drained = !poisoned
-            && self
-                .stages_state
-                .iter()
-                .all(|h| h.fences.drain(deadline, "staging release").is_ok());
-        if drained {
-            return;
+        // A store read may still write the pinned buffer (its loan keeps the staging pool
+        // alive), or device work has not finished: the buffer goes to another batch only once
+        // every loan has dropped (the read returned) and the work its fences tell the end of
+        // has finished; never, where some work has no fence here (`None`).
+        let flags = self.stages_state.iter().map(|h| h.lent.flag()).collect();
+        let mut fences = self.released_fences();
+        if !lent {
+            // A drain failed with no fence left to wait for: nothing will say it is done.
+            fences = fences.filter(|f| !f.is_empty());
         }
-        // Work no fence tells the end of: the lease is never handed out again.
+        lease.quarantine_lent(fences, flags, self.slot_table.take().into_iter().collect());
+    }
+}
+
+impl StagedLanding {
+    /// Every stage's fences, taken; `None` when some stage's work has no fence here (its end
+    /// is unknown). A stage poisoned by a fence that did not complete in time keeps that
+    /// fence: the buffer waits for it, lent or not.
+    fn released_fences(&self) -> Option<Vec<SharedEvent>> {
         let unfenced = self.stages_state.iter().any(|h| h.fences.is_unfenced());
         let fences: Vec<SharedEvent> = self
             .stages_state
             .iter()
             .flat_map(|h| h.fences.take())
             .collect();
-        let fences = if unfenced { Vec::new() } else { fences };
-        lease.quarantine(fences, self.slot_table.take().into_iter().collect());
+        (!unfenced).then_some(fences)
     }
 }
