@@ -233,7 +233,14 @@ impl LayerPipeline<'_> {
         std::thread::scope(|s| {
             // The preflight first, then the pins: the companions' read needs no session, so
             // it runs beside the pin as well as beside the first group's read.
-            let mut checks = self.preflight(s, &reader, &covered, &abandoned, failure.is_none());
+            let mut checks = self.preflight(
+                s,
+                &reader,
+                &covered,
+                &abandoned,
+                failure.is_none(),
+                groups.len() > 1,
+            );
             // Declared after the checks, so dropped (and the flag set) before they are joined:
             // a size check that has not started its queries then skips them.
             let _abandon = Abandon(&abandoned);
@@ -347,7 +354,8 @@ impl LayerPipeline<'_> {
 
     /// Starts the preflight's checks (none when `run` is false): the checksum companions (read
     /// whole in one call, set in `self.sums`; `covered` says whether every object has one)
-    /// and the object sizes (when `verify_object_sizes`).
+    /// and the object sizes (when `verify_object_sizes`; after the first group's read where
+    /// every object has a companion and a later group can take their verdict, `after_first`).
     fn preflight<'scope>(
         &'scope self,
         s: &'scope std::thread::Scope<'scope, '_>,
@@ -355,6 +363,7 @@ impl LayerPipeline<'_> {
         covered: &'scope AtomicBool,
         abandoned: &'scope AtomicBool,
         run: bool,
+        after_first: bool,
     ) -> PreflightChecks<'scope> {
         let batch = self.job.plan.logical.batch;
         let rank = self.layers.rank;
@@ -368,14 +377,15 @@ impl LayerPipeline<'_> {
         let store_call_timeout = self.inner.config.store_call_timeout;
         // Where every object has a companion the sizes need not hold layer 0 back: they start
         // once the first group is read too, so that their queries (one per object) do not slow
-        // that read.
+        // that read. Not when the first group is the last: its hand-over needs their verdict,
+        // so they run beside its read.
         let (first_read, group_read) = std::sync::mpsc::channel::<()>();
         let first_read_limit = self.inner.config.layer_read_timeout;
         let sizes = move |on_thread: bool| {
             let _ = read.recv_timeout(companions_limit);
             // Inline (no thread could be started), the first group is read only after this
             // returns: waiting for it would stall layer 0 for `layer_read_timeout`.
-            if on_thread && covered.load(Ordering::Acquire) {
+            if on_thread && after_first && covered.load(Ordering::Acquire) {
                 let _ = group_read.recv_timeout(first_read_limit);
             }
             // The batch failed meanwhile (its verdict will not be taken): no queries.

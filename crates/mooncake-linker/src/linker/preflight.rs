@@ -7,7 +7,7 @@
 //!   has no batched size query), the slowest store work before layer 0. Where every object
 //!   this rank reads has a companion, each layer's bytes are checked against their checksums
 //!   anyway, so the sizes need not hold layer 0 back: they start once the first group is read
-//!   (their queries do not slow it), and their verdict is taken as soon as it is in (checked
+//!   (their queries do not slow it; beside it when it is the only group), and their verdict is taken as soon as it is in (checked
 //!   between groups) and at the latest before the last group is handed over, so a batch with a
 //!   wrong-sized object still never completes. Where some object has no
 //!   companion (checksums off, or objects another writer saved), the sizes are what guards
