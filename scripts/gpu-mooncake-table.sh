@@ -151,7 +151,8 @@ case "$part" in
   procs)
     # glm_prefill's processes mode (issue 14: one process per rank, a rendezvous, socket
     # collectives, each rank its own Mooncake client): run when this build has it.
-    if run_bundle 1 glm_prefill --help 2>/dev/null | grep -q -- '--ranks-as'; then
+    # (grep without -q: an early exit would break the help's pipe under pipefail)
+    if run_bundle 1 glm_prefill --help 2>/dev/null | grep -- '--ranks-as' >/dev/null; then
       export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
       if [[ $quick -eq 1 ]]; then tokens=2048; tps="2 4"; else tokens=32768; tps="2 4 8"; fi
       # One prefix size from KVLINK_TABLE_TOKENS (its first), with the modelled compute of that

@@ -11,7 +11,7 @@ pub(super) fn calibrate_auto(
     out: &mut dyn Write,
 ) -> Result<Calibration> {
     let mut seen = Calibration::default();
-    for batch in 100..112u64 {
+    for batch in 100..100 + CALIBRATION_CAP {
         if rigs[0].linker.auto_decision().is_some() {
             break;
         }
@@ -19,22 +19,7 @@ pub(super) fn calibrate_auto(
             let hs: Vec<_> = rigs
                 .iter()
                 .map(|rig| {
-                    s.spawn(move || -> Result<LoadStats> {
-                        let plan = BatchPlan::all_components(
-                            rig.linker.geometry(),
-                            BatchId(batch),
-                            vec![RequestPages {
-                                request: "auto-calibration".into(),
-                                pages: pages.to_vec(),
-                            }],
-                            rig.slots.clone(),
-                        );
-                        let t = rig.linker.start_load(plan)?;
-                        for l in 0..rig.linker.num_layers() {
-                            rig.linker.wait_layer(&t, l)?;
-                        }
-                        Ok(rig.linker.wait_batch(&t)?.result?)
-                    })
+                    s.spawn(move || calibration_batch(&rig.linker, pages, &rig.slots, batch))
                 })
                 .collect();
             hs.into_iter()
@@ -58,4 +43,31 @@ pub(super) fn calibrate_auto(
         }
     );
     Ok(seen)
+}
+
+/// Most calibration batches Auto gets: 3 per mode is 9 at most; the rest is slack.
+pub(super) const CALIBRATION_CAP: u64 = 12;
+
+/// One calibration batch of `pages` into `slots` on `linker`, waited for layer by layer (no
+/// simulated compute): what every rank runs while Auto measures, in both shapes.
+pub(super) fn calibration_batch(
+    linker: &Linker,
+    pages: &[PageHash],
+    slots: &[u32],
+    batch: u64,
+) -> Result<LoadStats> {
+    let plan = BatchPlan::all_components(
+        linker.geometry(),
+        BatchId(batch),
+        vec![RequestPages {
+            request: "auto-calibration".into(),
+            pages: pages.to_vec(),
+        }],
+        slots.to_vec(),
+    );
+    let t = linker.start_load(plan)?;
+    for l in 0..linker.num_layers() {
+        linker.wait_layer(&t, l)?;
+    }
+    Ok(linker.wait_batch(&t)?.result?)
 }

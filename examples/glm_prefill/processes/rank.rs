@@ -11,10 +11,11 @@ use kvlink::dedup_broadcast::{Collective, MeetingPoint, ModeChoice, Rendezvous, 
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec};
 use kvlink::kv_loader::{
-    BatchId, BatchPlan, KvLoader, LoadStats, LookupRequest, RequestPages, SaveReport, ShareMode,
+    BatchId, BatchPlan, KvLoader, LookupRequest, RequestPages, SaveReport, ShareMode,
 };
 use kvlink::mooncake_linker::{FormedTpGroup, Linker, TpGroup};
 
+use super::super::calibrate::{calibration_batch, CALIBRATION_CAP};
 use super::super::{prompt, run_namespace, save_plans, scattered_slots, verify_pool, Ctx, Stores};
 use super::gather::{self, RankReport};
 use super::stores::{self, NAMESPACE_ATTRIBUTE};
@@ -381,7 +382,7 @@ fn calibrate_auto(
         if words.first().is_some_and(|w| w & DECIDED != 0) || round == CALIBRATION_CAP {
             break;
         }
-        match calibration_batch(ctx, linker, slots, 100 + round) {
+        match calibration_batch(linker, &ctx.pages, slots, 100 + round) {
             Ok(stats) => seen.record(stats.mode, stats.bytes_landed, stats.last_layer),
             Err(e) => failed = Some(e),
         }
@@ -392,27 +393,6 @@ fn calibrate_auto(
 /// Calibration words: rank 0's linker has decided; this rank's last batch failed.
 const DECIDED: u64 = 1;
 const FAILED: u64 = 2;
-
-/// Most calibration batches Auto gets: 3 per mode is 9 at most; the rest is slack.
-const CALIBRATION_CAP: u64 = 12;
-
-/// One calibration batch of every page, waited for layer by layer.
-fn calibration_batch(ctx: &Ctx, linker: &Linker, slots: &[u32], batch: u64) -> Result<LoadStats> {
-    let plan = BatchPlan::all_components(
-        linker.geometry(),
-        BatchId(batch),
-        vec![RequestPages {
-            request: "auto-calibration".into(),
-            pages: ctx.pages.clone(),
-        }],
-        slots.to_vec(),
-    );
-    let t = linker.start_load(plan)?;
-    for l in 0..linker.num_layers() {
-        linker.wait_layer(&t, l)?;
-    }
-    Ok(linker.wait_batch(&t)?.result?)
-}
 
 /// A warm-up batch's last layer, or what failed.
 fn warmup_outcome(r: &RankReport) -> Result<Duration, String> {
