@@ -373,7 +373,18 @@ fn calibrate_auto(
     for round in 0..=CALIBRATION_CAP {
         let decided = linker.auto_decision().is_some();
         let mine = u64::from(decided) * DECIDED + u64::from(failed.is_some()) * FAILED;
-        let words = gather::words(control, mine)?;
+        let words = match gather::words(control, mine) {
+            Ok(w) => w,
+            // This rank's own failed batch says more; the word's failure goes beside it.
+            Err(e) => {
+                return Err(match failed {
+                    Some(own) => {
+                        own.context(format!("the calibration word was not exchanged: {e:#}"))
+                    }
+                    None => e,
+                })
+            }
+        };
         if let Some(r) = words.iter().position(|w| w & FAILED != 0) {
             return Err(failed.unwrap_or_else(|| {
                 anyhow!("rank {r}'s Auto calibration batch failed: every rank stops calibrating")
