@@ -27,9 +27,6 @@ pub struct Args {
     pub linker_compute_us: Vec<u64>,
     /// `MC_TCP_LANES_PER_PEER` of the `Linker` rows' clients (0: the wheel's default, 4).
     pub linker_lanes: Vec<usize>,
-    /// `MooncakeConfig::whole_read_streams` of the `Linker` rows' clients (0: the store's
-    /// default).
-    pub linker_whole_streams: Vec<usize>,
     /// Skip the wheel's Python client.
     pub no_python: bool,
     /// Only the variants whose label contains one of these.
@@ -131,18 +128,6 @@ fn command() -> Command {
                 ),
         )
         .arg(
-            Arg::new("linker-whole-streams")
-                .long("linker-whole-streams")
-                .value_parser(value_parser!(usize))
-                .value_delimiter(',')
-                .default_value("0")
-                .help(
-                    "MooncakeConfig::whole_read_streams of the Linker rows' clients (the \
-                     checksum companions' read; 0: the store's default); one row per value, \
-                     lanes value and compute",
-                ),
-        )
-        .arg(
             Arg::new("linker-lanes")
                 .long("linker-lanes")
                 .value_parser(value_parser!(usize))
@@ -179,7 +164,6 @@ pub fn parse() -> Args {
         max_layers_per_call: *m.get_one("max-layers-per-call").expect("defaulted"),
         linker_compute_us: list(&m, "linker-compute-us"),
         linker_lanes: list(&m, "linker-lanes"),
-        linker_whole_streams: list(&m, "linker-whole-streams"),
         no_python: m.get_flag("no-python"),
         only: list(&m, "only"),
     }

@@ -32,8 +32,6 @@ pub struct LinkerReader {
     pub compute: Duration,
     /// `MC_TCP_LANES_PER_PEER` of its client (0: the wheel's default).
     pub lanes: usize,
-    /// `MooncakeConfig::whole_read_streams` of its client.
-    pub whole_streams: usize,
     linker: Linker,
     pool: Arc<HostKvPool>,
     hashes: Vec<PageHash>,
@@ -89,7 +87,6 @@ impl LinkerReader {
         Ok(Self {
             compute,
             lanes,
-            whole_streams: config.whole_read_streams_count(),
             linker,
             pool,
             hashes,

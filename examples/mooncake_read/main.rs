@@ -16,7 +16,6 @@
 //! `--compute-us` (a per-layer compute time that is MODELLED, not run), and reads with them.
 
 mod args;
-mod companions;
 mod linker_rows;
 mod objects;
 mod python;
@@ -92,11 +91,7 @@ fn connect_all(a: &args::Args, config: &MooncakeConfig) -> Result<Clients> {
     let mut streams = Vec::new();
     for &n in &a.streams {
         streams.push((stores.len(), n));
-        let store_level = config
-            .clone()
-            .read_streams(n)
-            .whole_read_streams(n)
-            .staged_merge(true);
+        let store_level = config.clone().read_streams(n).staged_merge(true);
         stores.push(connect(&store_level, None)?);
     }
     let pooled = stores.len();
@@ -402,29 +397,19 @@ fn linker_table(
     } else {
         a.linker_lanes.clone()
     };
-    let whole = if a.linker_whole_streams.is_empty() {
-        vec![0]
-    } else {
-        a.linker_whole_streams.clone()
-    };
-    let mut readers = Vec::new();
-    for &w in &whole {
-        let config = match w {
-            0 => defaults.clone(),
-            n => defaults.clone().whole_read_streams(n),
-        };
-        for &l in &lanes {
-            for &us in &a.linker_compute_us {
-                readers.push(LinkerReader::new(
-                    &config,
-                    &objects.namespace,
-                    a.tokens,
-                    pool.clone(),
-                    (Duration::from_micros(us), l),
-                )?);
-            }
-        }
-    }
+    let mut readers = lanes
+        .iter()
+        .flat_map(|&l| a.linker_compute_us.iter().map(move |&us| (l, us)))
+        .map(|(l, us)| {
+            LinkerReader::new(
+                &defaults,
+                &objects.namespace,
+                a.tokens,
+                pool.clone(),
+                (Duration::from_micros(us), l),
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut times: Vec<Vec<LinkerTiming>> = readers.iter().map(|_| Vec::new()).collect();
     let mut py = Vec::new();
     for round in 0..a.rounds {
@@ -443,11 +428,10 @@ fn linker_table(
     writeln!(
         out,
         "\nThe Linker (TP 1, host pool, scattered slots): adaptive layer groups, store defaults \
-         (read_streams {}, whole_read_streams {}, staged merge {}); an engine thread waits for each layer, then \
+         (read_streams {}, staged merge {}); an engine thread waits for each layer, then \
          computes it (SIMULATED: sleeps); {} rounds interleaved with the Python whole-object \
          read, medians; one layer read alone (kvlink `get_ranges`, 1 layer/call, above): {}",
         defaults.read_streams_count(),
-        defaults.whole_read_streams_count(),
         if defaults.staged_merge_enabled() {
             "on"
         } else {
@@ -456,10 +440,10 @@ fn linker_table(
         a.rounds,
         one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
     )?;
-    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | `whole_read_streams` | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
     writeln!(
         out,
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
     )?;
     for (r, t) in readers.iter().zip(&times) {
         let c = r.compute.as_secs_f64() * 1e3;
@@ -476,13 +460,12 @@ fn linker_table(
         let serial = py_ms + f64::from(objects.layers) * c;
         writeln!(
             out,
-            "| {c:.1} ms | {} | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {:.2} | {:.2} | {} |",
+            "| {c:.1} ms | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {:.2} | {:.2} | {} |",
             if r.lanes == 0 {
                 "4 (default)".to_string()
             } else {
                 r.lanes.to_string()
             },
-            r.whole_streams,
             last / py_ms,
             done / serial,
             r.measured(),
@@ -499,7 +482,6 @@ fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
         .context("run under scripts/with-mooncake.sh --storage-node")?
         .global_segment_size(0)
         .read_streams(1)
-        .whole_read_streams(1)
         .staged_merge(false);
     // Declared before the clients, so dropped after them: the buffers outlive their
     // registrations.
@@ -546,18 +528,6 @@ fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
             "before the first read, for {} keys: read session start {session_ms:.1} ms; object sizes {sizes_ms:.1} ms",
             keys.len()
         )?;
-    }
-    {
-        // The batch's checksum companions in one call against the same split over the store
-        // clients' read streams (each of those clients has its own `read_streams`).
-        let mut probes = vec![(1, &clients.stores[0])];
-        probes.extend(
-            clients
-                .streams
-                .iter()
-                .map(|&(i, n)| (n, &clients.stores[i])),
-        );
-        companions::probe(&probes, &objects, a.rounds, out)?;
     }
     let mut python = if a.no_python {
         None

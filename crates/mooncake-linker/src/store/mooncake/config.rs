@@ -42,7 +42,6 @@ pub enum MooncakeConfigError {
 /// | `MOONCAKE_LOCAL_HOSTNAME` (else `LOCAL_HOSTNAME`) | [`local_hostname`](Self::local_hostname) | `localhost` | address other clients reach this one at |
 /// | `MOONCAKE_STORE_LIBRARY` | [`library`](Self::library) | search (mooncake-sys) | the store library (kvlink shim) to load |
 /// | `KVLINK_MOONCAKE_READ_STREAMS` | [`read_streams`](Self::read_streams) | [`auto_read_streams`] | concurrent calls one ranged read is split into (kvlink's own) |
-/// | `KVLINK_MOONCAKE_WHOLE_READ_STREAMS` | [`whole_read_streams`](Self::whole_read_streams) | [`auto_read_streams`] | concurrent calls one whole-object read of many keys is split into (kvlink's own) |
 /// | `KVLINK_MOONCAKE_STAGED_MERGE` | [`staged_merge`](Self::staged_merge) | on for `tcp` | read a key's ranges that continue in the object as one range through scratch (kvlink's own; `0`/`1`) |
 ///
 /// Differences from SGLang: the protocol defaults to `tcp` (SGLang's newest default is `rdma`),
@@ -68,7 +67,6 @@ pub struct MooncakeConfig {
     replicate: ReplicateConfig,
     lease: Duration,
     read_streams: usize,
-    whole_read_streams: usize,
     staged_merge: Option<bool>,
 }
 
@@ -102,18 +100,6 @@ pub fn auto_read_streams(cores: usize) -> usize {
     (cores / 2).clamp(1, 8)
 }
 
-/// A read-streams variable's value: 1 to [`MAX_READ_STREAMS`].
-fn streams_var(var: &'static str, v: String) -> Result<usize, MooncakeConfigError> {
-    match v.trim().parse::<usize>() {
-        Ok(n) if (1..=MAX_READ_STREAMS).contains(&n) => Ok(n),
-        _ => Err(MooncakeConfigError::Invalid {
-            var,
-            value: v,
-            reason: format!("expected 1 to {MAX_READ_STREAMS}"),
-        }),
-    }
-}
-
 fn default_read_streams() -> usize {
     auto_read_streams(std::thread::available_parallelism().map_or(1, usize::from))
 }
@@ -133,7 +119,6 @@ impl MooncakeConfig {
             replicate: ReplicateConfig::default(),
             lease: DEFAULT_LEASE,
             read_streams: default_read_streams(),
-            whole_read_streams: default_read_streams(),
             staged_merge: None,
         }
     }
@@ -187,10 +172,16 @@ impl MooncakeConfig {
             cfg.library = Some(PathBuf::from(l));
         }
         if let Some(v) = var("KVLINK_MOONCAKE_READ_STREAMS") {
-            cfg.read_streams = streams_var("KVLINK_MOONCAKE_READ_STREAMS", v)?;
-        }
-        if let Some(v) = var("KVLINK_MOONCAKE_WHOLE_READ_STREAMS") {
-            cfg.whole_read_streams = streams_var("KVLINK_MOONCAKE_WHOLE_READ_STREAMS", v)?;
+            cfg.read_streams = match v.trim().parse::<usize>() {
+                Ok(n) if (1..=MAX_READ_STREAMS).contains(&n) => n,
+                _ => {
+                    return Err(MooncakeConfigError::Invalid {
+                        var: "KVLINK_MOONCAKE_READ_STREAMS",
+                        value: v,
+                        reason: format!("expected 1 to {MAX_READ_STREAMS}"),
+                    })
+                }
+            };
         }
         if let Some(v) = var("KVLINK_MOONCAKE_STAGED_MERGE") {
             cfg.staged_merge = match v.trim() {
@@ -271,18 +262,6 @@ impl MooncakeConfig {
         self
     }
 
-    /// Concurrent calls one whole-object read is split into, by keys (clamped to
-    /// 1..=[`MAX_READ_STREAMS`]; each call carries at least
-    /// [`MIN_WHOLE_KEYS_PER_STREAM`](super::MIN_WHOLE_KEYS_PER_STREAM) keys, so a read of
-    /// fewer than twice that stays one call). Over TCP the pinned wheel reads the objects of
-    /// one call one after the other, a round trip each: a batch's checksum companions (one
-    /// small object per object read) cost per key, and concurrent calls overlap the round
-    /// trips. Default: [`auto_read_streams`] of this machine's cores.
-    pub fn whole_read_streams(mut self, streams: usize) -> Self {
-        self.whole_read_streams = streams.clamp(1, MAX_READ_STREAMS);
-        self
-    }
-
     /// Whether a key's ranges that continue each other in the object but not in memory (several
     /// layers of a page into a layer-major pool) are read as one range into the store's scratch
     /// and copied out: one round trip instead of one per range, for a memory copy (TCP only:
@@ -346,11 +325,6 @@ impl MooncakeConfig {
     /// See [`read_streams`](Self::read_streams).
     pub fn read_streams_count(&self) -> usize {
         self.read_streams
-    }
-
-    /// See [`whole_read_streams`](Self::whole_read_streams).
-    pub fn whole_read_streams_count(&self) -> usize {
-        self.whole_read_streams
     }
 
     /// See [`staged_merge`](Self::staged_merge): as set, else whether the protocol is `tcp`.
@@ -460,11 +434,9 @@ mod tests {
             ("LOCAL_HOSTNAME", "node7"),
             ("MOONCAKE_STORE_LIBRARY", "/opt/lib.so"),
             ("KVLINK_MOONCAKE_READ_STREAMS", "3"),
-            ("KVLINK_MOONCAKE_WHOLE_READ_STREAMS", "5"),
         ]))
         .unwrap();
         assert_eq!(cfg.read_streams_count(), 3);
-        assert_eq!(cfg.whole_read_streams_count(), 5);
         // rdma: no staged merge unless asked for.
         assert!(!cfg.staged_merge_enabled());
         assert!(cfg.clone().staged_merge(true).staged_merge_enabled());
@@ -498,26 +470,20 @@ mod tests {
                 ..
             }
         ));
-        for var in [
-            "KVLINK_MOONCAKE_READ_STREAMS",
-            "KVLINK_MOONCAKE_WHOLE_READ_STREAMS",
-        ] {
-            for bad in ["0", "17", "many"] {
-                let err =
-                    MooncakeConfig::from_lookup(lookup(&[("MOONCAKE_MASTER", "m:1"), (var, bad)]))
-                        .unwrap_err();
-                assert!(
-                    matches!(err, MooncakeConfigError::Invalid { var: v, .. } if v == var),
-                    "{var}={bad}: {err:?}"
-                );
-            }
+        for bad in ["0", "17", "many"] {
+            let err = MooncakeConfig::from_lookup(lookup(&[
+                ("MOONCAKE_MASTER", "m:1"),
+                ("KVLINK_MOONCAKE_READ_STREAMS", bad),
+            ]))
+            .unwrap_err();
+            assert!(matches!(
+                err,
+                MooncakeConfigError::Invalid {
+                    var: "KVLINK_MOONCAKE_READ_STREAMS",
+                    ..
+                }
+            ));
         }
-        assert_eq!(
-            MooncakeConfig::new("m:1")
-                .whole_read_streams(99)
-                .whole_read_streams_count(),
-            MAX_READ_STREAMS
-        );
         assert_eq!(
             MooncakeConfig::new("m:1")
                 .read_streams(0)

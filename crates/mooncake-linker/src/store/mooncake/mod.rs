@@ -20,7 +20,6 @@ mod gate;
 mod ranges;
 mod read;
 mod store;
-mod whole;
 
 pub use config::{
     auto_read_streams, parse_size, MooncakeConfig, MooncakeConfigError,
@@ -28,5 +27,4 @@ pub use config::{
 };
 pub use gate::UNREGISTER_WAIT;
 pub use mooncake_sys::ReplicateConfig;
-pub use store::{code_error, store_error, MooncakeStore};
-pub use whole::{MAX_WHOLE_READS_PER_CALL, MIN_WHOLE_KEYS_PER_STREAM};
+pub use store::{code_error, store_error, MooncakeStore, MAX_WHOLE_READS_PER_CALL};

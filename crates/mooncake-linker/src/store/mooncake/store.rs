@@ -16,6 +16,12 @@ use crate::store::{
 
 /// Most threads one `object_size` call asks the master on.
 const SIZE_QUERY_THREADS: usize = 8;
+/// Most keys one whole-object read call (`batch_get_into`) carries; longer reads are split
+/// into calls made one after the other. The wheel's TCP transfer stalled until its 60 s
+/// timeout with 4,096 small objects in one call (a 128K-token prefix's checksum companions),
+/// and eight calls of 512 at once on one client failed transfers; 1,024 per call (a 32K
+/// prefix's companions) ran on every GPU-host run.
+pub const MAX_WHOLE_READS_PER_CALL: usize = 1024;
 /// Keys per thread below which `object_size` asks on fewer threads.
 const SIZE_QUERY_KEYS_PER_THREAD: usize = 32;
 
@@ -236,7 +242,7 @@ fn split_valid(keys: &[&str]) -> (Vec<usize>, Vec<Result<(), StoreError>>) {
 /// whose read has a null destination (`null_dst(i)`), is refused; one with nothing to read
 /// (`!reads_bytes(i)`) succeeds with 0 bytes and no I/O; the rest are issued (`Ok(0)` until
 /// they are).
-pub(super) fn vet_reads(
+fn vet_reads(
     keys: &[&str],
     null_dst: impl Fn(usize) -> bool,
     reads_bytes: impl Fn(usize) -> bool,
@@ -408,9 +414,48 @@ impl KvStore for MooncakeStore {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
         let (valid, mut out) = vet_reads(&keys, |i| gets[i].dst.is_null(), |_| true);
         let _transfer = self.transfers.transfer();
-        // SAFETY: forwarded from this `unsafe fn`'s own contract (KvStore's buffer contract):
-        // each `dst` is valid for writes of `len` bytes and untouched by others until it returns.
-        unsafe { self.read_whole_streamed(gets, &keys, &valid, &mut out) };
+        // The wheel's `batch_get_into` stalls (until its 60 s transfer timeout) when one call
+        // carries thousands of keys over TCP: at most MAX_WHOLE_READS_PER_CALL keys per call.
+        // Once a call fails whole (or every key of it fails its transfer), the later parts are
+        // not tried: each would wait out the same timeout while the caller has given up.
+        let mut given_up: Option<String> = None;
+        for part in valid.chunks(MAX_WHOLE_READS_PER_CALL) {
+            if let Some(why) = &given_up {
+                for &i in part {
+                    out[i] = Err(StoreError::Unavailable {
+                        detail: format!("`{}` not read: {why}", keys[i]).into(),
+                    });
+                }
+                continue;
+            }
+            let names: Vec<&str> = part.iter().map(|&i| keys[i]).collect();
+            let ckeys = match CKeys::new(&names) {
+                Ok(k) => k,
+                Err(e) => {
+                    for &i in part {
+                        out[i] = Err(store_error(keys[i], &e));
+                    }
+                    continue;
+                }
+            };
+            let ptrs: Vec<*mut u8> = part.iter().map(|&i| gets[i].dst).collect();
+            let sizes: Vec<usize> = part.iter().map(|&i| gets[i].len).collect();
+            // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract) that
+            // each `dst` is valid for writes of `len` bytes, not accessed by anyone else during
+            // the call, and registered where the transport needs it; the call is synchronous.
+            let results = unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
+            given_up = match &results {
+                Err(e) => Some(format!("an earlier whole-object read call failed ({e})")),
+                Ok(r) if r.iter().all(|k| k == &Err(ErrorCode::TRANSFER_FAIL)) => {
+                    Some("every transfer of an earlier whole-object read call failed".into())
+                }
+                Ok(_) => None,
+            };
+            if let Some(why) = &given_up {
+                tracing::warn!(keys = part.len(), why, "whole-object reads given up");
+            }
+            per_key(&keys, results, part, &mut out);
+        }
         out
     }
 
