@@ -141,9 +141,16 @@ pub fn check_digest(
 }
 
 /// What a batch gate word says: the plan digest, the batch, how many gates this rank has held
-/// on its handle before this one, and the rank's share-mode proposal. 48 bytes on the wire:
-/// `"KVG1"`, 4 reserved bytes, the digest, then batch, count and proposal as little-endian
-/// `u64`.
+/// on its handle before this one, the rank's share-mode proposal, and how long its previous
+/// batch took. 48 bytes on the wire: `"KVG1"`, `last_batch_us` as a little-endian `u32` (bytes
+/// 4..8, reserved and always 0 before it existed, so an older rank's word reads as "no
+/// sample"), the digest, then batch, count and proposal as little-endian `u64`.
+///
+/// ```
+/// use dedup_broadcast::GateWord;
+/// let word = GateWord { digest: [7; 16], batch: 3, count: 2, proposal: 1, last_batch_us: 812_345 };
+/// assert_eq!(GateWord::decode(&word.encode()), Some(word));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GateWord {
     /// [`plan_digest`] of the batch's plan.
@@ -155,6 +162,13 @@ pub struct GateWord {
     pub count: u64,
     /// This rank's share-mode proposal (rank 0's wins).
     pub proposal: u64,
+    /// How long this rank's previous batch on this handle took, from its `start_load` to its
+    /// last layer, in microseconds (saturated at `u32::MAX`, about 71 minutes). 0 says there
+    /// is no sample: no batch before this gate on the handle, or that batch failed, was
+    /// refused or was cancelled (or was not the one gated just before). The group's time of
+    /// a batch is the slowest rank's: what an engine's forward, which waits for every rank,
+    /// sees.
+    pub last_batch_us: u32,
 }
 
 const GATE_MAGIC: &[u8; 4] = b"KVG1";
@@ -165,6 +179,7 @@ impl GateWord {
     pub fn encode(&self) -> [u8; GATE_WORD] {
         let mut w = [0u8; GATE_WORD];
         w[..4].copy_from_slice(GATE_MAGIC);
+        w[4..8].copy_from_slice(&self.last_batch_us.to_le_bytes());
         w[8..24].copy_from_slice(&self.digest);
         w[24..32].copy_from_slice(&self.batch.to_le_bytes());
         w[32..40].copy_from_slice(&self.count.to_le_bytes());
@@ -184,11 +199,14 @@ impl GateWord {
         };
         let mut digest = [0u8; 16];
         digest.copy_from_slice(&bytes[8..24]);
+        let mut us = [0u8; 4];
+        us.copy_from_slice(&bytes[4..8]);
         Some(GateWord {
             digest,
             batch: u(24),
             count: u(32),
             proposal: u(40),
+            last_batch_us: u32::from_le_bytes(us),
         })
     }
 }
@@ -220,15 +238,18 @@ pub enum GateStep {
 }
 
 /// What a batch gate found: whether the ranks are in step, and when they are, whether their
-/// plans agree and every rank's proposal.
+/// plans agree, every rank's proposal and every rank's previous batch time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchGate {
     /// In step, behind, ahead or lost.
     pub step: GateStep,
     /// The plans' verdict (meaningful when in step).
     pub verdict: GateVerdict,
-    /// Every rank's proposal, in rank order (meaningful when in step).
+    /// Every rank's proposal, in rank order (meaningful when in step; empty otherwise).
     pub proposals: Vec<u64>,
+    /// Every rank's [`GateWord::last_batch_us`], in rank order (meaningful when in step;
+    /// empty otherwise).
+    pub last_batch_us: Vec<u32>,
 }
 
 /// The batch gate: one [`Collective::all_gather_bytes`] of every rank's [`GateWord`], which
@@ -241,11 +262,12 @@ pub struct BatchGate {
 /// use std::time::Duration;
 /// use dedup_broadcast::{check_batch, GateStep, GateWord, InProcessGroup};
 /// let ranks = InProcessGroup::new(1);
-/// let word = GateWord { digest: [7; 16], batch: 3, count: 0, proposal: 1 };
+/// let word = GateWord { digest: [7; 16], batch: 3, count: 0, proposal: 1, last_batch_us: 0 };
 /// let deadline = kv_loader::deadline_after(Duration::from_secs(5));
 /// let gate = check_batch(&ranks[0], &word, deadline).unwrap();
 /// assert_eq!(gate.step, GateStep::InStep);
 /// assert_eq!(gate.proposals, vec![1]);
+/// assert_eq!(gate.last_batch_us, vec![0]);
 /// ```
 pub fn check_batch(
     coll: &dyn Collective,
@@ -262,6 +284,7 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
         step: GateStep::Lost { detail },
         verdict: GateVerdict::Agreed,
         proposals: Vec::new(),
+        last_batch_us: Vec::new(),
     };
     let words: Option<Vec<GateWord>> = all.iter().map(|b| GateWord::decode(b)).collect();
     let Some(words) = words.filter(|w| !w.is_empty()) else {
@@ -285,6 +308,7 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
             step,
             verdict: GateVerdict::Agreed,
             proposals: Vec::new(),
+            last_batch_us: Vec::new(),
         };
     }
     let differing: Vec<u32> = words
@@ -301,6 +325,7 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
             GateVerdict::Mismatch { differing }
         },
         proposals: words.iter().map(|w| w.proposal).collect(),
+        last_batch_us: words.iter().map(|w| w.last_batch_us).collect(),
     }
 }
 

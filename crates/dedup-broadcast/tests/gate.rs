@@ -1,9 +1,13 @@
-//! The plan gate: digest of the canonical encoding; the same verdict on every rank.
+//! The plan gate: digest of the canonical encoding; the same verdict on every rank. The batch
+//! gate's word: its encoding, and every rank's previous batch time from an in-step gate.
 
 use std::thread;
 use std::time::Duration;
 
-use dedup_broadcast::{check_plan, plan_digest, GateVerdict, InProcessGroup};
+use dedup_broadcast::{
+    check_batch, check_plan, judge_gate, plan_digest, GateStep, GateVerdict, GateWord,
+    InProcessGroup,
+};
 use kv_geometry::{ComponentId, PageHash};
 use kv_loader::{BatchId, LogicalPlan, RequestPages};
 use proptest::prelude::*;
@@ -159,5 +163,91 @@ fn digest_is_xxh3_128_of_the_canonical_bytes_whatever_the_piece_sizes() {
             expected.to_le_bytes(),
             "id of {id_len} bytes"
         );
+    }
+}
+
+fn gate_word(batch: u64, count: u64, last_batch_us: u32) -> GateWord {
+    GateWord {
+        digest: [9; 16],
+        batch,
+        count,
+        proposal: 2,
+        last_batch_us,
+    }
+}
+
+proptest! {
+    #[test]
+    fn gate_words_round_trip(
+        digest in prop::array::uniform16(any::<u8>()),
+        batch in any::<u64>(),
+        count in any::<u64>(),
+        proposal in any::<u64>(),
+        last_batch_us in any::<u32>(),
+    ) {
+        let w = GateWord { digest, batch, count, proposal, last_batch_us };
+        prop_assert_eq!(GateWord::decode(&w.encode()), Some(w));
+    }
+}
+
+#[test]
+fn the_previous_batch_time_sits_in_bytes_4_to_8() {
+    let w = gate_word(5, 1, 0x0102_0304).encode();
+    assert_eq!(&w[..4], b"KVG1");
+    assert_eq!(&w[4..8], &[4, 3, 2, 1], "little-endian µs");
+    // No sample: those bytes are zero, as the reserved bytes of a word without the field were.
+    let none = gate_word(5, 1, 0).encode();
+    assert_eq!(&none[4..8], &[0; 4]);
+    assert_eq!(GateWord::decode(&none).unwrap().last_batch_us, 0);
+    // Everything else is where it was: only bytes 4..8 differ between the two.
+    let differ: Vec<usize> = (0..w.len()).filter(|&i| w[i] != none[i]).collect();
+    assert_eq!(differ, vec![4, 5, 6, 7]);
+}
+
+#[test]
+fn an_in_step_gate_gives_every_ranks_previous_batch_time() {
+    let words = [
+        gate_word(7, 3, 1_000),
+        gate_word(7, 3, 0),
+        gate_word(7, 3, 2_500),
+    ];
+    let all: Vec<Vec<u8>> = words.iter().map(|w| w.encode().to_vec()).collect();
+    for mine in &words {
+        let gate = judge_gate(mine, &all);
+        assert_eq!(gate.step, GateStep::InStep);
+        assert_eq!(gate.last_batch_us, vec![1_000, 0, 2_500]);
+        assert_eq!(gate.proposals, vec![2, 2, 2]);
+    }
+    // Out of step (rank 1 at a later batch): no rank's time is given.
+    let behind = [
+        gate_word(7, 3, 1_000),
+        gate_word(8, 3, 900),
+        gate_word(7, 3, 2_500),
+    ];
+    let all: Vec<Vec<u8>> = behind.iter().map(|w| w.encode().to_vec()).collect();
+    let gate = judge_gate(&behind[0], &all);
+    assert_eq!(gate.step, GateStep::Behind { latest: 8 });
+    assert!(gate.last_batch_us.is_empty());
+}
+
+#[test]
+fn check_batch_carries_the_times_over_a_group() {
+    let ranks = InProcessGroup::new(3);
+    let deadline = kv_loader::deadline_after(Duration::from_secs(30));
+    let gates: Vec<_> = thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                s.spawn(move || {
+                    check_batch(c, &gate_word(4, 0, 10 * r as u32 + 1), deadline).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for g in gates {
+        assert_eq!(g.step, GateStep::InStep);
+        assert_eq!(g.last_batch_us, vec![1, 11, 21]);
     }
 }

@@ -93,6 +93,7 @@ impl Inner {
                 batch: batch.0,
                 count,
                 proposal: proposal.wire_code(),
+                last_batch_us: 0,
             };
             let gate = check_batch(coll, &word, self.collective_deadline())
                 .map_err(|e| self.group_failed(coll, batch, format!("gate: {e}")))?;
