@@ -21,7 +21,8 @@ use kv_device::{BatchShape, LayerLanding};
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMode};
 use tracing::{debug, info_span, warn};
 
-use super::gate::GateCount;
+use super::gate::Gates;
+use super::group_time::BatchSample;
 use super::outcomes::HeldOutcome;
 use super::pipeline::LayerPipeline;
 use super::reader::{store_failure, ComponentKeys, LayerReader};
@@ -152,10 +153,11 @@ impl Inner {
 
     /// Runs one batch on this rank: the gate (every rank, even for a batch refused or
     /// cancelled here), then its layers. `held` keeps the outcome back while a store call
-    /// that may still write the slots runs.
+    /// that may still write the slots runs. A batch loaded with the group leaves its time for
+    /// the next gate (`Auto` records the group's time there); any other leaves none.
     pub(crate) fn run_batch(
         &self,
-        gates: &mut GateCount,
+        gates: &mut Gates,
         job: &BatchJob,
         held: Option<&Arc<HeldOutcome>>,
     ) -> Result<LoadStats, KvLoadError> {
@@ -182,6 +184,8 @@ impl Inner {
         let handles = match handles {
             Ok(h) => h,
             Err(alone) => {
+                // No gate: whatever this batch does, it leaves no time for the group.
+                gates.pending.clear();
                 if let Some(e) = refusal {
                     return Err(e);
                 }
@@ -200,7 +204,8 @@ impl Inner {
             // "Down" is each rank's own finding: a peer that found the group down loads
             // alone and never gates, so this rank's gate fails and breaks the handle. With
             // `ReadAlone` this rank then loads alone too, so every rank ends the batch loaded
-            // (alone) rather than some loaded and some failed.
+            // (alone) rather than some loaded and some failed. The gate took the previous
+            // batch's time; this batch leaves none.
             Err(e) if self.reads_alone_after(coll, refusal.as_ref()) => {
                 warn!(%batch, error = %e, "the gate failed and the group broke: loading alone");
                 let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
@@ -212,7 +217,21 @@ impl Inner {
         if let Some(e) = refusal {
             return self.refuse(coll, batch, gated.tag, e);
         }
-        let mut stats = self.load_batch(Some(coll), job, gated.mode, gated.tag, held)?;
+        let loaded = self.load_batch(Some(coll), job, gated.mode, gated.tag, held);
+        match &loaded {
+            Ok(stats) => gates.pending.record(
+                handles.epoch,
+                gated.count,
+                BatchSample {
+                    mode: stats.mode,
+                    landed: stats.bytes_landed,
+                    took: stats.last_layer,
+                },
+            ),
+            // A failed batch's time says nothing (and must not travel later).
+            Err(_) => gates.pending.clear(),
+        }
+        let mut stats = loaded?;
         stats.plans_differ = gated.plans_differ;
         Ok(stats)
     }
@@ -329,10 +348,8 @@ impl Inner {
             tag,
         };
         let run = pipeline.run(prep, stages)?;
+        // With a group, `Auto` records the group's time of this batch at the next gate.
         let last_layer = job.started.elapsed();
-        if coll.is_some() {
-            self.auto.observe_batch(mode, run.landed, last_layer);
-        }
         let layer_transfers = landing.as_ref().map(|l| l.transfers()).unwrap_or_default();
         Ok(LoadStats {
             pages: pages as u32,

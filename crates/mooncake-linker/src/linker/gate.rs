@@ -1,15 +1,18 @@
 //! The gate every rank meets before a batch's layers move (see `batch`'s module docs, "Ranks
 //! never drift"): the ranks in step at the same batch (or catching up, or lost and aborted),
 //! the plans compared, the mode agreed; and a batch this rank refused meeting the group all
-//! the same.
+//! the same. The gate word also carries this rank's previous batch time, so that `Auto`
+//! records the group's time (see `group_time`).
 
 use dedup_broadcast::{
-    check_batch, plan_digest, Collective, GateStep, GateVerdict, GateWord, GroupStatus, LayerStatus,
+    check_batch, plan_digest, BatchGate, Collective, GateStep, GateVerdict, GateWord, GroupStatus,
+    LayerStatus,
 };
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, ShareMode};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::batch::{collective_failure, BatchJob};
+use super::group_time::{BatchSample, PendingSample};
 use super::Inner;
 
 /// Gates a rank ahead of others holds again for the same batch before it gives up.
@@ -26,20 +29,36 @@ pub(crate) struct GateCount {
 impl GateCount {
     /// The number of the next gate on the data handle of formation `epoch` (then counted).
     pub(crate) fn next(&mut self, epoch: u64) -> u64 {
-        if epoch != self.epoch {
-            self.epoch = epoch;
-            self.gates = 0;
-        }
-        let n = self.gates;
-        self.gates += 1;
+        let n = self.peek(epoch);
+        self.epoch = epoch;
+        self.gates = n + 1;
         n
     }
+
+    /// The number [`next`](Self::next) would give for `epoch`, without counting it.
+    pub(crate) fn peek(&self, epoch: u64) -> u64 {
+        if epoch == self.epoch {
+            self.gates
+        } else {
+            0
+        }
+    }
+}
+
+/// What the load thread keeps from one gate to the next: the gates held on the data handle,
+/// and its last batch's time waiting to travel in the next gate word.
+#[derive(Debug, Default)]
+pub(crate) struct Gates {
+    pub(crate) count: GateCount,
+    pub(crate) pending: PendingSample,
 }
 
 /// What the gate decided for a batch in step.
 pub(crate) struct Gated {
     pub(crate) mode: ShareMode,
-    /// The batch's status-word tag (the gate's number).
+    /// The gate's number on the data handle.
+    pub(crate) count: u64,
+    /// The batch's status-word tag (the gate's number, truncated).
     pub(crate) tag: u8,
     /// Ranks whose plan differs from rank 0's (the batch then reads `AllRanks`).
     pub(crate) plans_differ: Vec<u32>,
@@ -73,30 +92,42 @@ impl Inner {
     }
 
     /// Every rank: the batch gate (see the module docs), until the ranks are in step at this
-    /// batch; then rank 0's mode (`AllRanks` when the plans differ).
+    /// batch; then rank 0's mode (`AllRanks` when the plans differ). The first gate word
+    /// carries the previous batch's time, when it is due here; once in step, `Auto` records
+    /// the group's time of that batch.
     pub(crate) fn gate(
         &self,
-        gates: &mut GateCount,
+        gates: &mut Gates,
         epoch: u64,
         coll: &dyn Collective,
         job: &BatchJob,
     ) -> Result<Gated, KvLoadError> {
         let batch = job.plan.logical.batch;
         let digest = plan_digest(&job.plan.logical);
-        let (proposal, why) = self
-            .auto
-            .propose(coll.size(), self.replicated_per_layer(&job.plan));
+        let mut sample = gates.pending.take_for(epoch, gates.count.peek(epoch));
+        // The proposal goes in the same word as the previous batch's time, so that batch is
+        // still in flight for `Auto` (it counts it, without its time).
+        let (proposal, why) = self.auto.propose(
+            coll.size(),
+            self.replicated_per_layer(&job.plan),
+            sample.map(|s| s.mode),
+        );
         for _ in 0..=MAX_CATCH_UP {
-            let count = gates.next(epoch);
+            let count = gates.count.next(epoch);
+            // Only the first word carries it: a gate held again (catching up) sends none.
+            let mine = sample.take();
             let word = GateWord {
                 digest,
                 batch: batch.0,
                 count,
                 proposal: proposal.wire_code(),
-                last_batch_us: 0,
+                last_batch_us: mine.map_or(0, |s| s.word_us()),
             };
             let gate = check_batch(coll, &word, self.collective_deadline())
                 .map_err(|e| self.group_failed(coll, batch, format!("gate: {e}")))?;
+            if let Some(mine) = mine {
+                self.observe_group_time(batch, mine, &gate);
+            }
             match gate.step {
                 GateStep::InStep => {
                     let mode = gate
@@ -118,6 +149,7 @@ impl Inner {
                     };
                     return Ok(Gated {
                         mode,
+                        count,
                         tag: count as u8,
                         plans_differ,
                     });
@@ -148,6 +180,28 @@ impl Inner {
         ))
     }
 
+    /// After a gate whose word carried this rank's previous batch (`mine`): `Auto` records
+    /// the group's time of it (the slowest rank's) when the ranks are in step and every rank
+    /// sent a time; otherwise the sample is dropped (every rank sees the same words, so every
+    /// rank records alike).
+    fn observe_group_time(&self, batch: BatchId, mine: BatchSample, gate: &BatchGate) {
+        let group = match gate.step {
+            GateStep::InStep => mine.group_time(&gate.last_batch_us),
+            _ => None,
+        };
+        let mode = mine.mode;
+        match group {
+            Some(took) => {
+                debug!(%batch, ?mode, own = ?mine.took, group = ?took,
+                    "Auto: the previous batch's time on the slowest rank");
+                self.auto.observe_batch(mode, mine.landed, took);
+            }
+            None => debug!(%batch, ?mode, times = ?gate.last_batch_us, step = ?gate.step,
+                "Auto: the previous batch's time is dropped (a rank sent none, or the ranks \
+                 are out of step)"),
+        }
+    }
+
     /// A batch this rank refused (or that was cancelled before it ran): after the gate, one
     /// failed status word for layer 0, as every other rank exchanges it, so every rank fails
     /// the batch alike.
@@ -173,5 +227,24 @@ impl Inner {
             return Err(self.group_failed(coll, batch, "status words out of step".into()));
         }
         Err(status.to_error(batch).unwrap_or(why))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GateCount;
+
+    #[test]
+    fn gates_count_per_handle_and_peek_does_not_count() {
+        let mut g = GateCount::default();
+        assert_eq!(g.peek(1), 0);
+        assert_eq!(g.next(1), 0);
+        assert_eq!(g.peek(1), 1);
+        assert_eq!(g.peek(1), 1, "peeking counts nothing");
+        assert_eq!(g.next(1), 1);
+        // A freshly formed handle counts from 0 again.
+        assert_eq!(g.peek(2), 0);
+        assert_eq!(g.next(2), 0);
+        assert_eq!(g.next(2), 1);
     }
 }

@@ -18,6 +18,7 @@ mod config;
 mod gate;
 mod granularity;
 mod group;
+mod group_time;
 mod handoff;
 mod lookup;
 mod metrics;
@@ -57,7 +58,7 @@ use auto::AutoMode;
 use batch::BatchJob;
 pub use builder::LinkerBuilder;
 pub use config::{GroupFallback, LinkerConfig};
-use gate::GateCount;
+use gate::Gates;
 pub use granularity::ReadGranularity;
 use granularity::ReadGroups;
 use group::GroupLink;
@@ -134,7 +135,7 @@ impl Inner {
         // batch's outcome (and so the slots) until it returns. Device pools' slots are written
         // by the device from staging, which the landing keeps instead.
         let slots_written_by_store = self.pool.residence() == Residence::Host;
-        let mut gates = GateCount::default();
+        let mut gates = Gates::default();
         while let Ok(job) = jobs.recv() {
             let held = (slots_written_by_store && job.ticket.is_some())
                 .then(|| HeldOutcome::new(self.outcomes.clone()));
