@@ -7,12 +7,16 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tp::{fail_v_read, rank_matches, run, tp_ranks, Path, TpRank};
+use common::tp::{
+    fail_v_read, rank_matches, run, tp_ranks, tp_ranks_built, Path, RankBuild, TpRank,
+};
 use common::*;
 use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, PageHash, RowUnit};
 use kvlink::kv_loader::{BatchOutcome, KvLoadError, KvLoader, LookupRequest, ShareMode};
 use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
-use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore};
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, Fault, FaultRule, KvStore, ReadSession, StoreError,
+};
 use kvlink::mooncake_linker::{LinkerConfig, ReadGranularity};
 use proptest::prelude::*;
 
@@ -340,15 +344,201 @@ fn auto_measures_each_mode_then_keeps_one() {
         modes.push(m[0]);
     }
     assert_eq!(&modes[..3], &MODES, "one round of every mode first");
-    // It measures at most 3 batches per mode (which it keeps depends on this machine's
-    // timing; the decision rule is unit-tested in mooncake-linker's auto.rs), then keeps one.
+    // It measures at most 3 batches per mode, and runs one more while the last one's group
+    // time travels to the next gate (which it keeps depends on this machine's timing; the
+    // decision rule is unit-tested in mooncake-linker's auto.rs), then keeps one.
     let kept = rs[0]
         .linker
         .auto_decision()
         .expect("decided within 12 batches");
     let first_kept = modes.iter().rposition(|&m| m != kept).map_or(0, |i| i + 1);
-    assert!(first_kept <= 9, "measured {first_kept} batches: {modes:?}");
-    assert!(modes[9..].iter().all(|&m| m == kept), "{modes:?}");
+    assert!(first_kept <= 10, "measured {first_kept} batches: {modes:?}");
+    assert!(modes[10..].iter().all(|&m| m == kept), "{modes:?}");
+}
+
+/// 4 layers of a replicated `k` (1 KiB per token) and a sharded `v`: nine pages land 2.3 MB
+/// per rank, enough for `Auto` to measure (it ignores batches under 1 MiB).
+fn auto_spec() -> ModelKvSpec {
+    ModelKvSpec::new(
+        "auto-group-time",
+        4,
+        64,
+        vec![
+            ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 1024),
+            ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 48).sharded(12),
+        ],
+    )
+    .unwrap()
+}
+
+/// `Auto` with no bandwidth configured: it measures.
+fn auto_cfg() -> LinkerConfig {
+    LinkerConfig {
+        mode: ModeChoice::Auto,
+        ..cfg(ShareMode::AllRanks)
+    }
+}
+
+/// Each rank's outcome of `batch`: its mode, or its error.
+fn modes_of(rs: &[TpRank], batch: u64, pages: &[PageHash]) -> Vec<Result<ShareMode, String>> {
+    run(rs, batch, pages)
+        .into_iter()
+        .map(|o| o.result.map(|s| s.mode).map_err(|e| e.to_string()))
+        .collect()
+}
+
+/// A batch that failed (here on the middle rank of three) leaves no time: the next gate
+/// carries none, `Auto` records nothing for it and measures that mode again; it still
+/// decides.
+#[test]
+fn auto_measures_again_a_mode_whose_batch_failed_on_a_middle_rank() {
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, pages) = ranks(&auto_spec(), 3, store, 9, &auto_cfg());
+    let all = |m: ShareMode| vec![Ok(m); 3];
+    assert_eq!(modes_of(&rs, 1, &pages), all(ShareMode::AllRanks));
+    // Rank 1's read of its `v` shard of page 4, layer 2, fails once: in batch 2.
+    let g = rs[1].linker.geometry().clone();
+    let v_keys = rs[1]
+        .linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0; 9]))
+        .unwrap()
+        .swap_remove(1);
+    fail_v_read(&rs[1].faults, &g, v_keys[4].clone(), 2);
+    let failed = modes_of(&rs, 2, &pages);
+    assert!(failed.iter().all(Result::is_err), "{failed:?}");
+    // Batch 2 ran Rank0Broadcast (the round's second mode) and left no time: measured again.
+    assert_eq!(modes_of(&rs, 3, &pages), all(ShareMode::Rank0Broadcast));
+    assert_eq!(modes_of(&rs, 4, &pages), all(ShareMode::SplitAllGather));
+    let mut batch = 5;
+    while rs[0].linker.auto_decision().is_none() && batch <= 16 {
+        assert!(modes_of(&rs, batch, &pages).iter().all(Result::is_ok));
+        batch += 1;
+    }
+    assert!(
+        rs[0].linker.auto_decision().is_some(),
+        "decided after {batch} batches"
+    );
+}
+
+/// A store whose `end_session` of a read session over any of `keys` first sleeps `delay` (a
+/// SIMULATED slow tail: the rank's batch ends after the group's last collective, so the other
+/// ranks never wait for it); counts the sessions it delayed. Everything else is forwarded.
+struct SlowSessionEnd {
+    inner: Arc<dyn KvStore>,
+    keys: std::collections::HashSet<String>,
+    delay: Duration,
+    delayed: std::sync::atomic::AtomicUsize,
+}
+
+impl KvStore for SlowSessionEnd {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
+        get_ranges, put, remove, register, unregister, start_session, health);
+
+    fn name(&self) -> &str {
+        "slow-session-end"
+    }
+
+    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
+        if session.keys.iter().any(|k| self.keys.contains(k)) {
+            self.delayed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            std::thread::sleep(self.delay);
+        }
+        self.inner.end_session(session)
+    }
+}
+
+/// `Auto` decides from the group's time (the slowest rank's), not rank 0's own. TP 3, nine
+/// pages of a replicated `k` (and a sharded `v`), three pages per rank in `SplitAllGather`:
+/// - rank 0 reads page 8's `k` slowly (80 ms per store call, one call per layer): it reads it
+///   in `AllRanks` and `Rank0Broadcast` only, and every rank waits for it (the status words);
+/// - rank 1 ends its read session 1.2 s late whenever it read any `k` page (`AllRanks`,
+///   `SplitAllGather`): after the group's last collective, so no other rank waits for it.
+///
+/// Rank 0's own times put `SplitAllGather` far ahead (no delay at all there), so deciding
+/// from them keeps it (the code before this test did); the group's times put
+/// `Rank0Broadcast` (0.32 s of delays) far ahead of `SplitAllGather` (1.2 s) and `AllRanks`
+/// (both). The margins are several times any noise of a busy host.
+#[test]
+fn auto_decides_from_the_slowest_rank_not_rank_0() {
+    let spec = auto_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let config = auto_cfg();
+    // Page hashes and keys first (the rig saves the prefix itself, from the same prompt).
+    let tokens = prompt(11, 9, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let probe = kvlink::kv_geometry::KvGeometry::new(spec.clone(), 3, 0).unwrap();
+    let probe_linker = kvlink::mooncake_linker::Linker::new(
+        probe.clone(),
+        store.clone(),
+        Arc::new(kvlink::kv_device::HostKvPool::new(probe.clone(), 1).unwrap()),
+        config.clone(),
+    )
+    .unwrap();
+    let k_keys = probe_linker
+        .object_keys(&load_plan(&probe, 0, &pages, vec![0; 9]))
+        .unwrap()
+        .swap_remove(0);
+    probe_linker.close().unwrap();
+    let slow = Arc::new(SlowSessionEnd {
+        inner: store.clone(),
+        keys: k_keys.iter().cloned().collect(),
+        delay: Duration::from_millis(1200),
+        delayed: Default::default(),
+    });
+    let per_rank = |rank: u32, s: Arc<dyn KvStore>| -> Arc<dyn KvStore> {
+        if rank == 1 {
+            slow.clone()
+        } else {
+            s
+        }
+    };
+    let build = RankBuild {
+        store: &per_rank,
+        ..RankBuild::default()
+    };
+    let (rs, saved) = tp_ranks_built(&spec, 3, store, 9, &config, Path::Host, &build);
+    assert_eq!(saved, pages);
+    rs[0].faults.inject(
+        FaultRule {
+            key_contains: Some(k_keys[8].clone()),
+            ..FaultRule::default()
+        },
+        Fault::Delay(Duration::from_millis(80)),
+    );
+    // (mode, each rank's time from start_load to its last layer), per batch.
+    let mut seen: Vec<(ShareMode, Vec<Duration>)> = Vec::new();
+    let mut batch = 1;
+    // Bounded: Auto keeps a mode within 10 batches.
+    while rs[0].linker.auto_decision().is_none() && batch <= 12 {
+        let outcomes = run(&rs, batch, &pages);
+        let stats: Vec<_> = outcomes
+            .iter()
+            .map(|o| {
+                o.result
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("batch {batch}: {e}"))
+            })
+            .collect();
+        assert!(stats.iter().all(|s| s.mode == stats[0].mode), "one mode");
+        seen.push((stats[0].mode, stats.iter().map(|s| s.last_layer).collect()));
+        batch += 1;
+    }
+    assert!(
+        slow.delayed.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "rank 1's slow tail never ran: {seen:?}"
+    );
+    assert_eq!(
+        rs[0].linker.auto_decision(),
+        Some(ShareMode::Rank0Broadcast),
+        "Auto must keep the mode fastest on the slowest rank; batches (mode, each rank's \
+         time): {seen:?}"
+    );
+    // Every rank runs it from now on, and every pool holds its bytes.
+    for (rank, (r, o)) in rs.iter().zip(run(&rs, batch, &pages)).enumerate() {
+        assert_eq!(o.result.unwrap().mode, ShareMode::Rank0Broadcast);
+        rank_matches(r, &pages, rank as u32).unwrap();
+    }
 }
 
 #[test]

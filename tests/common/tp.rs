@@ -142,6 +142,9 @@ pub struct RankBuild<'a> {
     /// Device pools stage through a ring of this many stages (groups of up to `stages - 1`
     /// layers per store call).
     pub stages: usize,
+    /// Each rank's store passes through this (a test store decorator on some rank), under
+    /// the rank's `FaultyStore`.
+    pub store: &'a dyn Fn(u32, Arc<dyn KvStore>) -> Arc<dyn KvStore>,
 }
 
 impl Default for RankBuild<'_> {
@@ -149,6 +152,7 @@ impl Default for RankBuild<'_> {
         RankBuild {
             wrap: &|_, g| g,
             stages: 2,
+            store: &|_, s| s,
         }
     }
 }
@@ -216,7 +220,7 @@ pub fn tp_ranks_built(
             let rank = rank as u32;
             let group = (build.wrap)(rank, group);
             let g = KvGeometry::new(spec.clone(), tp, rank).unwrap();
-            let faults = Arc::new(FaultyStore::new(store.clone()));
+            let faults = Arc::new(FaultyStore::new((build.store)(rank, store.clone())));
             let slots = (0..pages as u32)
                 .map(|i| (i * 3 + rank * 7) % pool_pages)
                 .collect();
