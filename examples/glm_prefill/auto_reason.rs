@@ -1,6 +1,6 @@
 //! Auto's pick with its reason, from the calibration batches the example watched: each batch's
-//! time from `start_load` to its last layer per landed byte (what `Auto` measures), median per
-//! mode, on rank 0 (whose measurements decide for the group).
+//! time from `start_load` to its last layer on the slowest rank, per landed byte (what `Auto`
+//! measures: an engine's forward waits for every rank), median per mode.
 
 use std::time::Duration;
 
@@ -9,7 +9,7 @@ use kvlink::kv_loader::ShareMode;
 /// Modes within this fraction of the fastest median count as equally fast (the linker's rule).
 const TIE: f64 = 0.10;
 
-/// Rank 0's calibration batches, in the order they ran.
+/// The calibration batches, in the order they ran, each timed on its slowest rank.
 #[derive(Debug, Default, Clone)]
 pub struct Calibration {
     /// (mode the batch ran in, milliseconds per GB landed).
@@ -17,7 +17,8 @@ pub struct Calibration {
 }
 
 impl Calibration {
-    /// Notes one batch of rank 0 (its `LoadStats`' mode, bytes landed and last layer).
+    /// Notes one batch: its `LoadStats`' mode and bytes landed, and the slowest rank's last
+    /// layer.
     pub fn record(&mut self, mode: ShareMode, bytes_landed: u64, last_layer: Duration) {
         let gb = bytes_landed as f64 / 1e9;
         if gb > 0.0 {
@@ -91,14 +92,14 @@ impl Calibration {
                 TIE * 100.0,
                 (t / best - 1.0) * 100.0
             ),
-            Some(_) => "not the fastest median here: rank 0 decided on batches measured \
+            Some(_) => "not the fastest median here: Auto decided on batches measured \
                         with noise (see the linker's log, RUST_LOG=info)"
                 .to_string(),
             None => "no calibration batch of it was seen here".to_string(),
         };
         format!(
-            "Auto keeps {kept:?}: {why}. Rank 0's calibration batches, median time from \
-             start_load to last layer per GB landed: {}",
+            "Auto keeps {kept:?}: {why}. Calibration batches, median time from start_load \
+             to last layer on the slowest rank per GB landed: {}",
             listed.join(", ")
         )
     }

@@ -3,8 +3,9 @@
 use super::*;
 
 /// Auto measures before it chooses: batches in each mode on the same linkers (no simulated
-/// compute, not timed here) until rank 0's linker keeps a mode (at most 3 per mode), so the
-/// measured load that follows runs the mode Auto kept. Returns rank 0's batches, for the reason.
+/// compute, not timed here) until rank 0's linker keeps a mode (at most [`CALIBRATION_CAP`]),
+/// so the measured load that follows runs the mode Auto kept. Returns the batches with the
+/// slowest rank's time (what Auto decides from), for the reason.
 pub(super) fn calibrate_auto(
     rigs: &[RankRig],
     pages: &[PageHash],
@@ -30,11 +31,12 @@ pub(super) fn calibrate_auto(
                 .collect()
         });
         let stats: Vec<LoadStats> = stats.into_iter().collect::<Result<_>>()?;
-        seen.record(stats[0].mode, stats[0].bytes_landed, stats[0].last_layer);
+        let slowest = stats.iter().map(|s| s.last_layer).max().unwrap_or_default();
+        seen.record(stats[0].mode, stats[0].bytes_landed, slowest);
     }
     say!(
         out,
-        "  Auto: {} calibration batches (measured by rank 0's linker) ran {}; {}",
+        "  Auto: {} calibration batches (timed on the slowest rank, as Auto does) ran {}; {}",
         seen.batches(),
         seen.order().join(", "),
         match rigs[0].linker.auto_decision() {
@@ -45,7 +47,9 @@ pub(super) fn calibrate_auto(
     Ok(seen)
 }
 
-/// Most calibration batches Auto gets: 3 per mode is 9 at most; the rest is slack.
+/// Most calibration batches Auto gets: 3 per mode is 9 at most, and Auto decides one batch
+/// later (a batch's time on the slowest rank reaches the linkers at the next gate), so 10; the
+/// rest is slack.
 pub(super) const CALIBRATION_CAP: u64 = 12;
 
 /// One calibration batch of `pages` into `slots` on `linker`, waited for layer by layer (no

@@ -358,10 +358,11 @@ fn load_mode(
 /// Auto measures before it chooses: batches in each mode on this rank's linker (every rank
 /// does the same, not timed) until rank 0's linker keeps a mode, at most [`CALIBRATION_CAP`].
 /// Before each batch (and once after the last) the ranks exchange a word over the control
-/// handle (rank 0's linker decided; this rank's last batch failed), and every rank acts on
-/// the same words: all go on, all stop, or all fail (a rank whose own batch went well fails
-/// naming the rank that did not), so no rank's next control collective meets another's
-/// calibration word. Returns this rank's batches (rank 0's give Auto's reason).
+/// handle (rank 0's linker decided; this rank's last batch failed; its last batch's time), and
+/// every rank acts on the same words: all go on, all stop, or all fail (a rank whose own batch
+/// went well fails naming the rank that did not), so no rank's next control collective meets
+/// another's calibration word. Returns the batches with the slowest rank's time (what Auto
+/// decides from; rank 0's give Auto's reason).
 fn calibrate_auto(
     ctx: &Ctx,
     linker: &Linker,
@@ -370,9 +371,14 @@ fn calibrate_auto(
 ) -> Result<Calibration> {
     let mut seen = Calibration::default();
     let mut failed: Option<anyhow::Error> = None;
+    // This rank's last batch, waiting for every rank's time: (mode, bytes landed, µs).
+    let mut last: Option<(ShareMode, u64, u32)> = None;
     for round in 0..=CALIBRATION_CAP {
         let decided = linker.auto_decision().is_some();
-        let mine = u64::from(decided) * DECIDED + u64::from(failed.is_some()) * FAILED;
+        let us = last.map_or(0, |(_, _, us)| us);
+        let mine = u64::from(decided) * DECIDED
+            + u64::from(failed.is_some()) * FAILED
+            + (u64::from(us) << TIME_SHIFT);
         let words = match gather::words(control, mine) {
             Ok(w) => w,
             // This rank's own failed batch says more; the word's failure goes beside it.
@@ -390,20 +396,30 @@ fn calibrate_auto(
                 anyhow!("rank {r}'s Auto calibration batch failed: every rank stops calibrating")
             }));
         }
+        if let Some((mode, landed, _)) = last.take() {
+            // Every rank sent its time (a batch that failed anywhere stopped us above).
+            let slowest = words.iter().map(|w| w >> TIME_SHIFT).max().unwrap_or(0);
+            seen.record(mode, landed, Duration::from_micros(slowest));
+        }
         if words.first().is_some_and(|w| w & DECIDED != 0) || round == CALIBRATION_CAP {
             break;
         }
         match calibration_batch(linker, &ctx.pages, slots, 100 + round) {
-            Ok(stats) => seen.record(stats.mode, stats.bytes_landed, stats.last_layer),
+            Ok(stats) => {
+                let us = u32::try_from(stats.last_layer.as_micros()).unwrap_or(u32::MAX);
+                last = Some((stats.mode, stats.bytes_landed, us.max(1)));
+            }
             Err(e) => failed = Some(e),
         }
     }
     Ok(seen)
 }
 
-/// Calibration words: rank 0's linker has decided; this rank's last batch failed.
+/// Calibration words: rank 0's linker has decided; this rank's last batch failed; and in the
+/// upper 32 bits, this rank's last batch's time in µs (0: none).
 const DECIDED: u64 = 1;
 const FAILED: u64 = 2;
+const TIME_SHIFT: u32 = 32;
 
 /// A warm-up batch's last layer, or what failed.
 fn warmup_outcome(r: &RankReport) -> Result<Duration, String> {
