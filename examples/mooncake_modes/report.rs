@@ -19,8 +19,8 @@ const SEED: [(u64, f64, f64); 3] = [
     (524_288, 7.950, 4.891),
 ];
 
-/// Auto's pick counts as the best when its mode's median is within this of the best fixed
-/// mode's: Auto's own tie margin (10 %) and 5 % for the fixed modes being other batches.
+/// Auto's pick counts as the best when its mode's median is within this of the best mode's:
+/// Auto's own tie margin (10 %) and 5 % for the medians being of other batches.
 const PICK_TOLERANCE: f64 = 1.15;
 
 /// One mode's batches on one rig.
@@ -180,9 +180,11 @@ impl SizeTables {
         }
     }
 
-    /// One TP size's results, and the checks on them: Auto's pick is the best fixed mode (or
-    /// within the tolerance of it), Auto's runs agree, and at TP 8 on one storage node
-    /// `Rank0Broadcast` takes at most 0.25× `AllRanks`.
+    /// One TP size's results, and the checks on them: Auto's pick is the best mode (or within
+    /// the tolerance of it) by the median of every batch each mode ran at this size (its fixed
+    /// row's, and every Auto run's while it measured and after it kept the mode: a fixed row
+    /// alone is one or two batches, as noisy as the margin between close modes), Auto's runs
+    /// agree, and at TP 8 on one storage node `Rank0Broadcast` takes at most 0.25× `AllRanks`.
     pub fn add(
         &mut self,
         tp: u32,
@@ -192,36 +194,54 @@ impl SizeTables {
         label: &str,
     ) {
         let time = |m: ShareMode| fixed.iter().find(|r| r.mode == m).map(ModeResult::last);
-        let best = fixed
+        let best_fixed = fixed
             .iter()
             .min_by(|a, b| a.last().total_cmp(&b.last()))
             .map(|r| (r.mode, r.last()));
+        let every = every_batch(&fixed, &autos);
+        let pooled = |m: ShareMode| {
+            every
+                .iter()
+                .find(|(mode, _)| *mode == m)
+                .map_or((f64::INFINITY, 0), |(_, v)| (median(&mut v.clone()), v.len()))
+        };
+        let best = every
+            .iter()
+            .map(|(m, _)| (*m, pooled(*m).0))
+            .min_by(|a, b| a.1.total_cmp(&b.1));
         for (i, run) in autos.iter().enumerate() {
-            let (status, what) = match (run.kept, best) {
-                (None, _) => (Status::Fail, "Auto kept no mode".to_string()),
-                (Some(k), Some((b, bt))) => {
-                    let kt = time(k).unwrap_or(f64::INFINITY);
+            let (status, what) = match (run.kept, best, best_fixed) {
+                (None, ..) => (Status::Fail, "Auto kept no mode".to_string()),
+                (Some(k), Some((b, bt)), Some((bf, bft))) => {
+                    let (kt, kn) = pooled(k);
                     let ok = kt <= bt * PICK_TOLERANCE;
                     (
                         if ok { Status::Pass } else { Status::Fail },
                         format!(
-                            "kept {k:?} ({}) after {} batches [{}]; best fixed mode {b:?} ({}); \
+                            "kept {k:?} (median {} over its {kn} batches here, {:.2}× the best); \
+                             best by every batch {b:?} ({} over {}); by the fixed rows alone \
+                             {k:?} {} against {bf:?} {} ({:.2}×); after {} batches [{}]; \
                              Auto's own batches after it kept a mode {}; while it measured, \
                              median by mode: {}",
                             ms(kt),
+                            kt / bt,
+                            ms(bt),
+                            pooled(b).1,
+                            ms(time(k).unwrap_or(f64::INFINITY)),
+                            ms(bft),
+                            time(k).unwrap_or(f64::INFINITY) / bft,
                             run.measuring.len(),
                             run.measuring
                                 .iter()
                                 .map(|m| format!("{m:?}"))
                                 .collect::<Vec<_>>()
                                 .join(", "),
-                            ms(bt),
                             ms(run.result.last()),
                             calibration_medians(run)
                         ),
                     )
                 }
-                (Some(k), None) => (Status::Info, format!("kept {k:?} (no fixed mode ran)")),
+                (Some(k), ..) => (Status::Info, format!("kept {k:?} (no fixed mode ran)")),
             };
             report.push(
                 "auto",
@@ -414,6 +434,28 @@ impl SizeTables {
 }
 
 /// The median time to the last layer of each mode's batches while Auto measured.
+/// Every batch time (slowest rank, to the last layer) of each mode at one TP size: its fixed
+/// row's, and each Auto run's while it measured and after it kept that mode.
+fn every_batch(fixed: &[ModeResult], autos: &[AutoRun]) -> Vec<(ShareMode, Vec<f64>)> {
+    let mut by: Vec<(ShareMode, Vec<f64>)> = Vec::new();
+    let mut add = |m: ShareMode, t: &[f64]| match by.iter_mut().find(|(mode, _)| *mode == m) {
+        Some((_, v)) => v.extend_from_slice(t),
+        None => by.push((m, t.to_vec())),
+    };
+    for r in fixed {
+        add(r.mode, &r.last);
+    }
+    for run in autos {
+        for (m, t) in run.measuring.iter().zip(&run.measured_last) {
+            add(*m, std::slice::from_ref(t));
+        }
+        if let Some(k) = run.kept {
+            add(k, &run.result.last);
+        }
+    }
+    by
+}
+
 fn calibration_medians(run: &AutoRun) -> String {
     let mut by: Vec<(ShareMode, Vec<f64>)> = Vec::new();
     for (m, t) in run.measuring.iter().zip(&run.measured_last) {
