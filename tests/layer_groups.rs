@@ -178,7 +178,7 @@ fn compute_is_measured_from_the_waits_and_cost_from_the_calls() {
     let (rs, pages) = ranks(1, 8, &cfg, Path::Host, 2);
     let r = &rs[0];
     assert_eq!(r.linker.compute_per_layer(), None);
-    let prior = r.linker.read_cost();
+    let prior = r.linker.read_cost(ShareMode::AllRanks);
     assert_eq!(prior, ReadGranularity::DEFAULT_PRIOR);
     let first = engine_batch(r, 1, &pages, Duration::from_millis(3));
     assert_eq!(
@@ -194,7 +194,7 @@ fn compute_is_measured_from_the_waits_and_cost_from_the_calls() {
         "{measured:?}"
     );
     // Calls of different sizes were made (layer 0 alone, then more): the estimate moved.
-    assert_ne!(r.linker.read_cost(), prior);
+    assert_ne!(r.linker.read_cost(ShareMode::AllRanks), prior);
     let second = engine_batch(r, 2, &pages, Duration::from_millis(3));
     assert_eq!(second.read_groups[0], 1);
     assert_eq!(second.read_groups.iter().sum::<u32>(), 12);

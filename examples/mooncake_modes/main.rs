@@ -117,7 +117,7 @@ fn fixed_mode(
     }
     // This mode's fit (its last batch ran in it), for a later linker of the same mode only:
     // a call costs more when every rank reads at once, so another mode's fit misleads.
-    priors.insert(mode, linkers[0].read_cost());
+    priors.insert(mode, linkers[0].read_cost(mode));
     let closed = close_all(linkers);
     if let Some(e) = failure {
         return Err(e);

@@ -203,7 +203,9 @@ impl SizeTables {
             every
                 .iter()
                 .find(|(mode, _)| *mode == m)
-                .map_or((f64::INFINITY, 0), |(_, v)| (median(&mut v.clone()), v.len()))
+                .map_or((f64::INFINITY, 0), |(_, v)| {
+                    (median(&mut v.clone()), v.len())
+                })
         };
         let best = every
             .iter()

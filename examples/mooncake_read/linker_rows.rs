@@ -12,7 +12,7 @@ use kvlink::kv_device::{HostKvPool, KvPool};
 use kvlink::kv_geometry::{page_hashes, KvGeometry, ModelKvSpec, PageHash};
 use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, RequestPages};
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
-use kvlink::mooncake_linker::{Linker, LinkerConfig};
+use kvlink::mooncake_linker::{Linker, LinkerConfig, ShareMode};
 
 use crate::objects::Objects;
 
@@ -153,7 +153,8 @@ impl LinkerReader {
 
     /// The linker's measured compute per layer and call cost, for the table.
     pub fn measured(&self) -> String {
-        let cost = self.linker.read_cost();
+        // One rank: every batch reads as `AllRanks`.
+        let cost = self.linker.read_cost(ShareMode::AllRanks);
         format!(
             "compute measured {}, call cost {:.1} ms + {:.2} GB/s",
             self.linker

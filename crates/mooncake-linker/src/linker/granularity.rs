@@ -107,8 +107,6 @@ pub(crate) struct ReadGroups {
     granularity: ReadGranularity,
     /// By [`ShareMode::index`].
     estimators: Mutex<[ReadCostEstimator; ShareMode::COUNT]>,
-    /// The mode of the last group call observed (what [`ReadGroups::last_cost`] reports).
-    last_mode: Mutex<ShareMode>,
     pub(crate) compute: ComputeMeter,
     /// Seconds per layer the exchange loop spent in each mode's share step (collective,
     /// scatter, land): a running mean over batches, by [`ShareMode::index`].
@@ -124,7 +122,6 @@ impl ReadGroups {
         ReadGroups {
             granularity,
             estimators: Mutex::new(std::array::from_fn(|_| ReadCostEstimator::new(prior))),
-            last_mode: Mutex::new(ShareMode::AllRanks),
             compute: ComputeMeter::default(),
             share: Mutex::new([None; ShareMode::COUNT]),
         }
@@ -147,19 +144,12 @@ impl ReadGroups {
     pub(crate) fn observe(&self, mode: ShareMode, layers: u32, bytes: u64, took: Duration) {
         if bytes > 0 {
             self.estimators.lock()[mode.index()].observe(layers, bytes, took);
-            *self.last_mode.lock() = mode;
         }
     }
 
     /// The cost of a call in `mode` now.
     pub(crate) fn cost(&self, mode: ShareMode) -> ReadCost {
         self.estimators.lock()[mode.index()].estimate()
-    }
-
-    /// The cost of a call in the mode of the last call observed (the prior before any).
-    pub(crate) fn last_cost(&self) -> ReadCost {
-        let mode = *self.last_mode.lock();
-        self.cost(mode)
     }
 
     /// The compute per layer the plan uses: configured, else measured.
@@ -459,7 +449,11 @@ mod tests {
             );
         }
         assert!(r.cost(ShareMode::AllRanks).per_call > Duration::from_millis(449));
-        assert_eq!(r.last_cost(), r.cost(ShareMode::AllRanks));
+        assert_eq!(
+            r.cost(ShareMode::SplitAllGather),
+            ReadGranularity::DEFAULT_PRIOR,
+            "another mode's calls leave this mode's fit alone"
+        );
         // SplitAllGather of the same linker still plans from its own calls (the prior here):
         // layer 0 alone, so the engine starts after one layer's read.
         let g = r.plan(&glm(512), 79, unlimited(), ShareMode::SplitAllGather);

@@ -422,13 +422,14 @@ impl Linker {
         self.inner.save(plan, Some(after))
     }
 
-    /// What one store call of this linker's reads costs, as fitted from its group calls in
-    /// the share mode of its last batch (the prior before any): what the adaptive read plan
-    /// decides from. The fit is kept per mode, since a call costs more when every rank reads
-    /// at once. A new linker over the same store can start from it
+    /// What one store call of this linker's reads costs in share mode `mode`, as fitted from
+    /// its group calls in that mode (the prior before any): what the adaptive read plan
+    /// decides from for a batch in `mode`. The fit is kept per mode, since a call costs more
+    /// when every rank reads at once (a rank alone reads as in `AllRanks`). A new linker over
+    /// the same store, loading in the same mode, can start from it
     /// (`ReadGranularity::Adaptive::prior`).
-    pub fn read_cost(&self) -> ReadCost {
-        self.inner.reads.last_cost()
+    pub fn read_cost(&self, mode: kv_loader::ShareMode) -> ReadCost {
+        self.inner.reads.cost(mode)
     }
 
     /// The mode `Auto` keeps, once it has measured enough (`None` while it measures, and for
