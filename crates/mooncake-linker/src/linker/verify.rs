@@ -370,8 +370,9 @@ fn verify_threads_for(threads: usize, rows: usize, bytes: usize) -> usize {
 }
 
 /// Each row's verdict, in row order: on the calling thread, or split in contiguous parts over
-/// up to `threads` scoped threads (a part whose thread cannot start is verified inline);
-/// `None` when a verification thread panicked (the batch then fails; nothing is re-run).
+/// up to `threads` threads, the calling one and scoped ones for the others (a part whose
+/// thread cannot start is verified inline); `None` when a verification thread panicked (the
+/// batch then fails; nothing is re-run).
 fn verify_rows(
     rows: &[Row<'_>],
     layer: u32,
@@ -385,8 +386,9 @@ fn verify_rows(
         return Some(rows.iter().map(verify).collect());
     }
     let chunk = rows.len().div_ceil(threads);
+    let (first, rest) = rows.split_at(chunk.min(rows.len()));
     std::thread::scope(|s| {
-        let parts: Vec<_> = rows
+        let parts: Vec<_> = rest
             .chunks(chunk)
             .map(|part| {
                 let handle = std::thread::Builder::new()
@@ -395,6 +397,12 @@ fn verify_rows(
                 (part, handle)
             })
             .collect();
+        // The first part on this thread while the others run; a panic in it fails the batch
+        // as one on a thread does.
+        let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            first.iter().map(verify).collect::<Vec<_>>()
+        }))
+        .ok();
         // Every thread is joined before deciding, so a second panicked part cannot re-panic
         // when the scope ends.
         let joined: Vec<Option<Vec<_>>> = parts
@@ -405,6 +413,7 @@ fn verify_rows(
             })
             .collect();
         let mut all = Vec::with_capacity(rows.len());
+        all.extend(mine?);
         for part in joined {
             all.extend(part?);
         }
