@@ -181,10 +181,10 @@ impl SizeTables {
     }
 
     /// One TP size's results, and the checks on them: Auto's pick is the best mode (or within
-    /// the tolerance of it) by the median of every batch each mode ran at this size (its fixed
-    /// row's, and every Auto run's while it measured and after it kept the mode: a fixed row
-    /// alone is one or two batches, as noisy as the margin between close modes), Auto's runs
-    /// agree, and at TP 8 on one storage node `Rank0Broadcast` takes at most 0.25× `AllRanks`.
+    /// the tolerance of it) by each mode's median over batches that run did not decide from
+    /// (the fixed row's, and the other Auto runs' while they measured: a fixed row alone is
+    /// one or two batches, as noisy as the margin between close modes), Auto's runs agree, and
+    /// at TP 8 on one storage node `Rank0Broadcast` takes at most 0.25× `AllRanks`.
     pub fn add(
         &mut self,
         tp: u32,
@@ -198,20 +198,20 @@ impl SizeTables {
             .iter()
             .min_by(|a, b| a.last().total_cmp(&b.last()))
             .map(|r| (r.mode, r.last()));
-        let every = every_batch(&fixed, &autos);
-        let pooled = |m: ShareMode| {
-            every
-                .iter()
-                .find(|(mode, _)| *mode == m)
-                .map_or((f64::INFINITY, 0), |(_, v)| {
-                    (median(&mut v.clone()), v.len())
-                })
-        };
-        let best = every
-            .iter()
-            .map(|(m, _)| (*m, pooled(*m).0))
-            .min_by(|a, b| a.1.total_cmp(&b.1));
         for (i, run) in autos.iter().enumerate() {
+            let every = batches_beside(&fixed, &autos, i);
+            let pooled = |m: ShareMode| {
+                every
+                    .iter()
+                    .find(|(mode, _)| *mode == m)
+                    .map_or((f64::INFINITY, 0), |(_, v)| {
+                        (median(&mut v.clone()), v.len())
+                    })
+            };
+            let best = every
+                .iter()
+                .map(|(m, _)| (*m, pooled(*m).0))
+                .min_by(|a, b| a.1.total_cmp(&b.1));
             let (status, what) = match (run.kept, best, best_fixed) {
                 (None, ..) => (Status::Fail, "Auto kept no mode".to_string()),
                 (Some(k), Some((b, bt)), Some((bf, bft))) => {
@@ -220,8 +220,9 @@ impl SizeTables {
                     (
                         if ok { Status::Pass } else { Status::Fail },
                         format!(
-                            "kept {k:?} (median {} over its {kn} batches here, {:.2}× the best); \
-                             best by every batch {b:?} ({} over {}); by the fixed rows alone \
+                            "kept {k:?} (median {} over {kn} batches it did not decide from, \
+                             {:.2}× the best); best by those {b:?} ({} over {}); by the fixed \
+                             rows alone \
                              {k:?} {} against {bf:?} {} ({:.2}×); after {} batches [{}]; \
                              Auto's own batches after it kept a mode {}; while it measured, \
                              median by mode: {}",
@@ -435,10 +436,14 @@ impl SizeTables {
     }
 }
 
-/// The median time to the last layer of each mode's batches while Auto measured.
-/// Every batch time (slowest rank, to the last layer) of each mode at one TP size: its fixed
-/// row's, and each Auto run's while it measured and after it kept that mode.
-fn every_batch(fixed: &[ModeResult], autos: &[AutoRun]) -> Vec<(ShareMode, Vec<f64>)> {
+/// Each mode's batch times (slowest rank, to the last layer) at one TP size that Auto run
+/// `judged` did not decide from: the fixed rows', and the other Auto runs' while they measured
+/// (not the batches after a decision: only the kept mode has those, run later and warmer).
+fn batches_beside(
+    fixed: &[ModeResult],
+    autos: &[AutoRun],
+    judged: usize,
+) -> Vec<(ShareMode, Vec<f64>)> {
     let mut by: Vec<(ShareMode, Vec<f64>)> = Vec::new();
     let mut add = |m: ShareMode, t: &[f64]| match by.iter_mut().find(|(mode, _)| *mode == m) {
         Some((_, v)) => v.extend_from_slice(t),
@@ -447,17 +452,15 @@ fn every_batch(fixed: &[ModeResult], autos: &[AutoRun]) -> Vec<(ShareMode, Vec<f
     for r in fixed {
         add(r.mode, &r.last);
     }
-    for run in autos {
+    for (_, run) in autos.iter().enumerate().filter(|(i, _)| *i != judged) {
         for (m, t) in run.measuring.iter().zip(&run.measured_last) {
             add(*m, std::slice::from_ref(t));
-        }
-        if let Some(k) = run.kept {
-            add(k, &run.result.last);
         }
     }
     by
 }
 
+/// The median time to the last layer of each mode's batches while Auto measured.
 fn calibration_medians(run: &AutoRun) -> String {
     let mut by: Vec<(ShareMode, Vec<f64>)> = Vec::new();
     for (m, t) in run.measuring.iter().zip(&run.measured_last) {

@@ -19,7 +19,9 @@ pub struct LoadStats {
     pub mode: ShareMode,
     /// From `start_load` to the first layer ready.
     pub first_layer: Duration,
-    /// From `start_load` to the last layer ready.
+    /// From `start_load` until this rank was done with the batch: its last layer ready and,
+    /// where it has them, the batch's closing status exchange and the end of its read session
+    /// (a few ms past the last layer ready, unless one of those is slow).
     pub last_layer: Duration,
     /// Bytes this rank moved to land the batch, by direction (see [`TransferBytes`]).
     pub transfers: TransferBytes,

@@ -2,9 +2,12 @@
 //! each mode's measured time per landed byte, and the mode it keeps.
 //!
 //! **How `Auto` measures** (when any bandwidth is unknown, the usual case): it runs batches in
-//! each mode in rounds (`ShareMode::ALL` order first), timing
-//! each batch from `start_load` to its last layer on the **slowest rank** (an engine's forward
-//! waits for every rank, so that is the time that matters) and dividing by the bytes landed.
+//! each mode in rounds (`ShareMode::ALL` order first), timing each batch on the **slowest
+//! rank** and dividing by the bytes landed. A rank's time runs from its `start_load` until its
+//! load thread is done with the batch: the last layer published, the batch's last status
+//! exchange, its read session ended (what the group's next batch waits for at its gate, so a
+//! rank slow to finish a batch slows the group); the slowest rank's is what the group's batches
+//! take. Batches landing under 1 MiB are not measured (their time is latency, not the mode).
 //! After the first round, a mode whose time is more than [`AUTO_DROP`] times the best is not
 //! measured again (noise of a shared host is ±20 %, not 50 %). When every remaining mode has
 //! `auto_batches_per_mode` batches, it keeps for good the mode with the lowest **median**; a
@@ -30,8 +33,14 @@
 //! the way went to a mode that then dropped out. That is one or two batches more than
 //! deciding from a rank's own time (9, 7, 5), the price of deciding from the group's.
 //!
+//! If no group time comes in (a rank never sends one: every batch fails there, or a peer
+//! built before the gate word carried times), `Auto` does not measure for ever: after
+//! [`AUTO_GIVE_UP`] proposals without a decision it keeps the mode leading so far
+//! (`AllRanks` when nothing was measured) and says so in a warning.
+//!
 //! Only rank 0's proposal is used (the ranks exchange proposals at the gate), so rank 0's
-//! state decides for the group; every rank keeps its own, fed the same group times.
+//! state decides for the group; every rank keeps its own, fed the same group times (each
+//! divided by the bytes that rank landed).
 
 use std::time::Duration;
 
@@ -46,6 +55,10 @@ const MIN_BYTES: u64 = 1 << 20;
 
 /// After the first round, modes slower than this many times the best are not measured again.
 pub(crate) const AUTO_DROP: f64 = 1.5;
+/// `Auto` stops measuring after this many times (modes × batches per mode) proposals without a
+/// decision, and keeps the mode leading so far: with the default 3 batches per mode, after 36.
+pub(crate) const AUTO_GIVE_UP: u32 = 4;
+
 /// Modes whose median is within this fraction of the best median count as equally fast.
 pub(crate) const AUTO_TIE: f64 = 0.10;
 
@@ -100,6 +113,8 @@ pub(crate) struct Measured {
     dropped: [bool; ShareMode::COUNT],
     /// The mode kept for good.
     kept: Option<ShareMode>,
+    /// Proposals made while measuring (see [`AUTO_GIVE_UP`]).
+    proposals: u32,
 }
 
 impl Measured {
@@ -274,7 +289,22 @@ impl AutoMode {
         if tp_size <= 1 {
             return (ShareMode::AllRanks, "one rank: nothing to share".into());
         }
-        let s = self.seen.lock();
+        let mut s = self.seen.lock();
+        if s.kept.is_none() {
+            s.proposals += 1;
+            let limit = AUTO_GIVE_UP * ShareMode::COUNT as u32 * self.per_mode;
+            if s.proposals > limit {
+                let leader = s.leader();
+                tracing::warn!(
+                    ?leader,
+                    proposals = s.proposals,
+                    measured = %s.describe(),
+                    "Auto: no decision after {limit} proposals (the group's batch times did not \
+                     come in); keeping the mode leading so far"
+                );
+                s.kept = Some(leader);
+            }
+        }
         let mode = s.next(in_flight, self.per_mode);
         let why = match s.kept {
             Some(_) => format!(
@@ -287,10 +317,16 @@ impl AutoMode {
         (mode, why)
     }
 
-    /// A batch of `mode` landed `bytes` in `took` (start to last layer, on the slowest rank of
-    /// the group).
+    /// Whether a batch that landed `bytes` is measured: a smaller one says more about latency
+    /// than about its mode, and must not count as a batch in flight either.
+    pub(crate) fn measures(bytes: u64) -> bool {
+        bytes >= MIN_BYTES
+    }
+
+    /// A batch of `mode` landed `bytes` in `took` (on the slowest rank of the group: see the
+    /// module docs).
     pub(crate) fn observe_batch(&self, mode: ShareMode, bytes: u64, took: Duration) {
-        if bytes < MIN_BYTES || took.is_zero() {
+        if !Self::measures(bytes) || took.is_zero() {
             return;
         }
         self.seen
@@ -438,6 +474,40 @@ mod tests {
             (ShareMode::SplitAllGather, _) => 1.0,
         });
         assert_eq!(kept, ShareMode::SplitAllGather);
+    }
+
+    #[test]
+    fn auto_stops_measuring_when_no_group_time_comes_in() {
+        let auto = AutoMode::new(ModeChoice::Auto, Bandwidths::UNKNOWN, 3);
+        // One time in (SplitAllGather fastest), then none: a rank never sends its time.
+        auto.observe_batch(
+            ShareMode::SplitAllGather,
+            64 << 20,
+            Duration::from_millis(100),
+        );
+        let limit = AUTO_GIVE_UP * ShareMode::COUNT as u32 * 3;
+        for _ in 0..limit {
+            auto.propose(3, 1 << 20, None);
+            assert_eq!(auto.kept(), None, "still measuring within the limit");
+        }
+        let (mode, _) = auto.propose(3, 1 << 20, None);
+        assert_eq!(auto.kept(), Some(ShareMode::SplitAllGather));
+        assert_eq!(mode, ShareMode::SplitAllGather);
+        // Nothing measured at all: AllRanks.
+        let none = AutoMode::new(ModeChoice::Auto, Bandwidths::UNKNOWN, 1);
+        for _ in 0..=AUTO_GIVE_UP * ShareMode::COUNT as u32 {
+            none.propose(2, 1 << 20, None);
+        }
+        assert_eq!(none.kept(), Some(ShareMode::AllRanks));
+    }
+
+    #[test]
+    fn batches_under_a_mebibyte_are_not_measured() {
+        assert!(!AutoMode::measures((1 << 20) - 1));
+        assert!(AutoMode::measures(1 << 20));
+        let auto = AutoMode::new(ModeChoice::Auto, Bandwidths::UNKNOWN, 1);
+        auto.observe_batch(ShareMode::AllRanks, 1000, Duration::from_millis(5));
+        assert_eq!(auto.seen.lock().samples[slot(ShareMode::AllRanks)].len(), 0);
     }
 
     #[test]

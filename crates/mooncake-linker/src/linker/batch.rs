@@ -219,17 +219,21 @@ impl Inner {
         }
         let loaded = self.load_batch(Some(coll), job, gated.mode, gated.tag, held);
         match &loaded {
-            Ok(stats) => gates.pending.record(
-                handles.epoch,
-                gated.count,
-                BatchSample {
-                    mode: stats.mode,
-                    landed: stats.bytes_landed,
-                    took: stats.last_layer,
-                },
-            ),
+            // A batch too small to measure must not count as one in flight either: Auto
+            // would then wait for a time that never comes.
+            Ok(stats) if super::auto::AutoMode::measures(stats.bytes_landed) => {
+                gates.pending.record(
+                    handles.epoch,
+                    gated.count,
+                    BatchSample {
+                        mode: stats.mode,
+                        landed: stats.bytes_landed,
+                        took: stats.last_layer,
+                    },
+                )
+            }
             // A failed batch's time says nothing (and must not travel later).
-            Err(_) => gates.pending.clear(),
+            _ => gates.pending.clear(),
         }
         let mut stats = loaded?;
         stats.plans_differ = gated.plans_differ;
