@@ -162,9 +162,9 @@ pub struct GateWord {
     pub count: u64,
     /// This rank's share-mode proposal (rank 0's wins).
     pub proposal: u64,
-    /// How long this rank's previous batch on this handle took, from its `start_load` until
-    /// the rank was done with it (its last layer ready, the closing status exchange, its read
-    /// session ended: `LoadStats::last_layer`), in microseconds (saturated at `u32::MAX`, about
+    /// How long this rank's previous batch on this handle took, from its gate until the rank
+    /// was done with it (its last layer ready, the closing status exchange, its read session
+    /// ended), in microseconds (saturated at `u32::MAX`, about
     /// 71 minutes). 0 says there is no sample: no batch before this gate on the handle, or
     /// that batch failed, was refused, was cancelled or landed too little to measure (or was
     /// not the one gated just before). The group's time of a batch is the slowest rank's: the

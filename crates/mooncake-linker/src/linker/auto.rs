@@ -3,11 +3,12 @@
 //!
 //! **How `Auto` measures** (when any bandwidth is unknown, the usual case): it runs batches in
 //! each mode in rounds (`ShareMode::ALL` order first), timing each batch on the **slowest
-//! rank** and dividing by the bytes landed. A rank's time runs from its `start_load` until its
-//! load thread is done with the batch: the last layer published, the batch's last status
-//! exchange, its read session ended (what the group's next batch waits for at its gate, so a
-//! rank slow to finish a batch slows the group); the slowest rank's is what the group's batches
-//! take. Batches landing under 1 MiB are not measured (their time is latency, not the mode).
+//! rank** and dividing by the bytes landed. A rank's time runs from the batch's gate (the
+//! ranks in step: the time a batch waited in the queue or at the gate for a peer's later
+//! `start_load` depends on the engine, not on the mode) until its load thread is done with the
+//! batch: the last layer published, the batch's last status exchange, its read session ended
+//! (what the group's next batch waits for at its gate, so a rank slow to finish a batch slows
+//! the group); the slowest rank's is what the group's batches take. Batches landing under 1 MiB are not measured (their time is latency, not the mode).
 //! After the first round, a mode whose time is more than [`AUTO_DROP`] times the best is not
 //! measured again (noise of a shared host is ±20 %, not 50 %). When every remaining mode has
 //! `auto_batches_per_mode` batches, it keeps for good the mode with the lowest **median**; a
