@@ -661,3 +661,163 @@ fn a_companion_refused_for_another_cause_is_not_discarded() {
     assert_checksummed(s.store.as_ref(), &linker, &s.pages);
     load_verified(&linker, &pool, &s.pages, 2, &[3, 4, 5]);
 }
+
+/// A linker over `s`'s store (with `cfg`) through a fault wrapper whose released stall counts
+/// every whole-object read of a checksum companion.
+fn counting_companions(
+    s: &Saved,
+    cfg: LinkerConfig,
+) -> (
+    Linker,
+    Arc<HostKvPool>,
+    kvlink::mooncake_linker::store::Stall,
+) {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, Stall};
+    let faults = Arc::new(FaultyStore::new(s.store.clone()));
+    let reads = Stall::new();
+    reads.release();
+    faults.inject_on(
+        FaultCall::ReadWhole,
+        FaultRule {
+            key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
+            ..FaultRule::default()
+        },
+        Fault::Stall(reads.clone()),
+    );
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let linker = Linker::new(s.g.clone(), faults, pool.clone(), cfg).unwrap();
+    (linker, pool, reads)
+}
+
+/// A second load of the same objects checks every layer against the checksums the first read,
+/// without reading a companion again (`checksum_cache_entries`); with the cache off it reads
+/// them again.
+#[test]
+fn a_second_load_of_the_same_objects_reads_no_companions() {
+    let s = saved(41, 4);
+    let objects = 4 * s.g.components().len() as u32;
+    let (linker, pool, reads) = counting_companions(&s, config());
+    load_verified(&linker, &pool, &s.pages, 1, &[3, 1, 6, 0]);
+    assert_eq!(reads.hits(), objects, "one companion read per object");
+    load_verified(&linker, &pool, &s.pages, 2, &[0, 2, 4, 6]);
+    assert_eq!(reads.hits(), objects, "no companion read again");
+    let m = linker.metrics();
+    assert_eq!(m.ranges_length_only, 0, "{m:?}");
+    assert!(m.ranges_checksummed > 0, "{m:?}");
+    linker.close().unwrap();
+
+    let off = LinkerConfig {
+        checksum_cache_entries: 0,
+        ..config()
+    };
+    let (linker, pool, reads) = counting_companions(&s, off);
+    load_verified(&linker, &pool, &s.pages, 1, &[3, 1, 6, 0]);
+    load_verified(&linker, &pool, &s.pages, 2, &[0, 2, 4, 6]);
+    assert_eq!(reads.hits(), 2 * objects, "read again with the cache off");
+    linker.close().unwrap();
+}
+
+/// Page 1's object of component 0 written again with other bytes and a companion of its own
+/// (evicted and saved again by a prefill that was not bitwise the same).
+fn rewrite_page_1(s: &Saved, linker: &Linker) -> (String, Vec<u8>) {
+    let key = linker
+        .object_keys(&load_plan(&s.g, 0, &s.pages, vec![0, 1, 2, 3]))
+        .unwrap()[0][1]
+        .clone();
+    let mut bytes = get(s.store.as_ref(), &key).unwrap();
+    for b in bytes.iter_mut().step_by(97) {
+        *b ^= 0x3c;
+    }
+    let c = &s.g.components()[0];
+    let sums = ObjectChecksums::of_object(&bytes, c.page_layer_bytes).unwrap();
+    let companion = checksum_key(&key);
+    assert_eq!(
+        s.store.discard(&[key.as_str(), companion.as_str()]),
+        vec![Ok(()), Ok(())]
+    );
+    assert_eq!(put(s.store.as_ref(), &key, &bytes), PutOutcome::Written);
+    assert_eq!(
+        put(s.store.as_ref(), &companion, &sums.encode()),
+        PutOutcome::Written
+    );
+    (key, bytes)
+}
+
+/// Checksums kept from an earlier load that went stale (the object written again with other
+/// bytes and its own companion) do not make a good object bad: the layer is checked again
+/// against the companion read afresh, the batch loads, nothing is discarded, and the fresh
+/// checksums are kept.
+#[test]
+fn stale_kept_checksums_are_checked_again_against_a_fresh_companion() {
+    let s = saved(42, 4);
+    let (linker, pool, reads) = counting_companions(&s, config());
+    load_verified(&linker, &pool, &s.pages, 1, &[3, 1, 6, 0]);
+    let before = reads.hits();
+    let (key, bytes) = rewrite_page_1(&s, &linker);
+    let t = linker
+        .start_load(load_plan(&s.g, 2, &s.pages, vec![0, 2, 4, 6]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    let m = linker.metrics();
+    assert_eq!(m.bad_objects, 0, "{m:?}");
+    assert_eq!(m.ranges_length_only, 0, "{m:?}");
+    assert_eq!(
+        s.store.exists(&[key.as_str(), &checksum_key(&key)]),
+        vec![Ok(true), Ok(true)]
+    );
+    assert!(reads.hits() > before, "the companion was read afresh");
+    // Page 1 (slot 2) holds the object's new bytes: its layer 0 range.
+    let c = &s.g.components()[0];
+    let r = c.layer_range(0).unwrap();
+    let mut row = vec![0u8; c.page_layer_bytes as usize];
+    // SAFETY: the batch finished (every layer landed) and nothing else writes slot 2.
+    unsafe { pool.read_slot(c.id, 0, 2, &mut row) }.unwrap();
+    assert_eq!(row, &bytes[r.start as usize..r.end as usize]);
+    // The fresh checksums are kept: a third load reads no companion.
+    let after = reads.hits();
+    load_plan_ok(&linker, &s, 3);
+    assert_eq!(reads.hits(), after);
+    linker.close().unwrap();
+}
+
+fn load_plan_ok(linker: &Linker, s: &Saved, batch: u64) {
+    let t = linker
+        .start_load(load_plan(&s.g, batch, &s.pages, vec![1, 3, 5, 7]))
+        .unwrap();
+    wait_all(linker, &t).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+}
+
+/// An object corrupted after its checksums were kept is still found bad: its companion read
+/// afresh fails it too, and the object and companion are discarded as without the cache.
+#[test]
+fn a_corrupt_object_with_kept_checksums_is_still_bad() {
+    let s = saved(43, 3);
+    let (linker, pool, _) = counting_companions(&s, config());
+    load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
+    let keys = linker
+        .object_keys(&load_plan(&s.g, 0, &s.pages, vec![0, 1, 2]))
+        .unwrap();
+    let (key, k) = (&keys[0][2], &s.g.components()[0]);
+    let layer4 = k.layer_range(4).unwrap().start as usize;
+    corrupt(s.store.as_ref(), key, layer4 + 17);
+    let t = linker
+        .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
+        .unwrap();
+    for l in 0..4 {
+        linker.wait_layer(&t, l).unwrap();
+    }
+    let err = linker.wait_layer(&t, 4).unwrap_err();
+    assert!(
+        matches!(&err, KvLoadError::BadObject { key: bad, layer: Some(4), .. } if bad == key),
+        "{err:?}"
+    );
+    assert!(linker.wait_batch(&t).unwrap().result.is_err());
+    assert_eq!(
+        s.store.exists(&[key.as_str(), &checksum_key(key)]),
+        vec![Ok(false), Ok(false)]
+    );
+    assert_eq!(linker.metrics().bad_objects, 1);
+    linker.close().unwrap();
+}

@@ -111,6 +111,10 @@ impl Ctx {
         LinkerConfig {
             namespace: self.namespace.as_str().into(),
             mode,
+            // Every batch reads its checksum companions, as a load of a prefix not loaded
+            // before: this example loads one prefix again and again, which kept checksums
+            // would flatter.
+            checksum_cache_entries: 0,
             ..LinkerConfig::default()
         }
     }

@@ -174,6 +174,10 @@ impl Rig {
             wait_deadline: Duration::from_secs(600),
             layer_read_timeout: Duration::from_secs(120),
             collective_timeout: Duration::from_secs(150),
+            // Every batch reads its checksum companions, as a load of a prefix not loaded
+            // before: the table loads one prefix again and again, which kept checksums would
+            // flatter.
+            checksum_cache_entries: 0,
             read_granularity: ReadGranularity::Adaptive {
                 max_layers_per_call: u32::MAX,
                 // The modelled compute, as an engine that knows its compute configures it (a

@@ -27,6 +27,8 @@ pub struct Args {
     pub linker_compute_us: Vec<u64>,
     /// `MC_TCP_LANES_PER_PEER` of the `Linker` rows' clients (0: the wheel's default, 4).
     pub linker_lanes: Vec<usize>,
+    /// Whether the `Linker` rows keep checksum companions between loads (one row set each).
+    pub linker_kept_checksums: Vec<bool>,
     /// Skip the wheel's Python client.
     pub no_python: bool,
     /// Only the variants whose label contains one of these.
@@ -128,6 +130,18 @@ fn command() -> Command {
                 ),
         )
         .arg(
+            Arg::new("linker-kept-checksums")
+                .long("linker-kept-checksums")
+                .value_parser(value_parser!(bool))
+                .value_delimiter(',')
+                .default_value("false")
+                .help(
+                    "whether the Linker rows keep checksum companions between loads \
+                     (LinkerConfig::checksum_cache_entries; true: every round after the first \
+                     reads none); one row set per value",
+                ),
+        )
+        .arg(
             Arg::new("linker-lanes")
                 .long("linker-lanes")
                 .value_parser(value_parser!(usize))
@@ -164,6 +178,7 @@ pub fn parse() -> Args {
         max_layers_per_call: *m.get_one("max-layers-per-call").expect("defaulted"),
         linker_compute_us: list(&m, "linker-compute-us"),
         linker_lanes: list(&m, "linker-lanes"),
+        linker_kept_checksums: list(&m, "linker-kept-checksums"),
         no_python: m.get_flag("no-python"),
         only: list(&m, "only"),
     }

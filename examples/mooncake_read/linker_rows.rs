@@ -32,6 +32,9 @@ pub struct LinkerReader {
     pub compute: Duration,
     /// `MC_TCP_LANES_PER_PEER` of its client (0: the wheel's default).
     pub lanes: usize,
+    /// Whether the linker keeps checksum companions between loads (then every round after
+    /// the first checks against those the first read).
+    pub kept_checksums: bool,
     linker: Linker,
     pool: Arc<HostKvPool>,
     hashes: Vec<PageHash>,
@@ -54,6 +57,7 @@ impl LinkerReader {
         tokens: u32,
         pool: Arc<HostKvPool>,
         (compute, lanes): (Duration, usize),
+        kept_checksums: bool,
     ) -> Result<Self> {
         // The wheel reads MC_TCP_LANES_PER_PEER when a client's transport is created; it is
         // set around this connect only, while no client has a transfer in flight.
@@ -81,12 +85,18 @@ impl LinkerReader {
             LinkerConfig {
                 namespace: namespace.into(),
                 wait_deadline: Duration::from_secs(120),
+                checksum_cache_entries: if kept_checksums {
+                    LinkerConfig::default().checksum_cache_entries
+                } else {
+                    0
+                },
                 ..LinkerConfig::default()
             },
         )?;
         Ok(Self {
             compute,
             lanes,
+            kept_checksums,
             linker,
             pool,
             hashes,

@@ -397,19 +397,21 @@ fn linker_table(
     } else {
         a.linker_lanes.clone()
     };
-    let mut readers = lanes
-        .iter()
-        .flat_map(|&l| a.linker_compute_us.iter().map(move |&us| (l, us)))
-        .map(|(l, us)| {
-            LinkerReader::new(
-                &defaults,
-                &objects.namespace,
-                a.tokens,
-                pool.clone(),
-                (Duration::from_micros(us), l),
-            )
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let mut readers = Vec::new();
+    for &kept in &a.linker_kept_checksums {
+        for &l in &lanes {
+            for &us in &a.linker_compute_us {
+                readers.push(LinkerReader::new(
+                    &defaults,
+                    &objects.namespace,
+                    a.tokens,
+                    pool.clone(),
+                    (Duration::from_micros(us), l),
+                    kept,
+                )?);
+            }
+        }
+    }
     let mut times: Vec<Vec<LinkerTiming>> = readers.iter().map(|_| Vec::new()).collect();
     let mut py = Vec::new();
     for round in 0..a.rounds {
@@ -440,10 +442,10 @@ fn linker_table(
         a.rounds,
         one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
     )?;
-    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | checksums | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
     writeln!(
         out,
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
     )?;
     for (r, t) in readers.iter().zip(&times) {
         let c = r.compute.as_secs_f64() * 1e3;
@@ -460,11 +462,16 @@ fn linker_table(
         let serial = py_ms + f64::from(objects.layers) * c;
         writeln!(
             out,
-            "| {c:.1} ms | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {:.2} | {:.2} | {} |",
+            "| {c:.1} ms | {} | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {:.2} | {:.2} | {} |",
             if r.lanes == 0 {
                 "4 (default)".to_string()
             } else {
                 r.lanes.to_string()
+            },
+            if r.kept_checksums {
+                "kept from round 1 (rounds 2+ read none)"
+            } else {
+                "companions read every load"
             },
             last / py_ms,
             done / serial,

@@ -61,6 +61,13 @@ pub struct LinkerConfig {
     /// batch ([`KvLoadError::BadObject`](kv_loader::KvLoadError::BadObject)) and its object is
     /// discarded, so the next save writes it again.
     pub verify_checksums: bool,
+    /// Checksum companions kept after a load (by object key, the oldest out first; 0: none),
+    /// so that a later load of the same objects checks its layers without reading them again:
+    /// a load's first layer waits for its companions (one small read per object, about 20 ms
+    /// for a 32K-token GLM-5.2 prefix over TCP). A layer that fails against a kept checksum is
+    /// checked again against its companion read afresh before its object is called bad. About
+    /// 0.7 KB each for GLM-5.2 (32,768: about 25 MB, eight 32K-token prefixes).
+    pub checksum_cache_entries: usize,
     /// Longest any store call other than a layer's reads may take (lookups, read sessions,
     /// sizes, checksums, saves, discards): past it the call fails with
     /// [`StoreError::Overdue`](crate::store::StoreError::Overdue) while it runs on (its memory
@@ -162,6 +169,7 @@ impl Default for LinkerConfig {
             lease_renewal: Duration::from_secs(2),
             verify_object_sizes: true,
             verify_checksums: true,
+            checksum_cache_entries: 32_768,
             store_call_timeout: Duration::from_secs(20),
             read_parallelism: 1,
             verify_threads: 4,

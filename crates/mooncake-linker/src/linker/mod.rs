@@ -13,8 +13,10 @@
 mod auto;
 mod batch;
 mod builder;
+mod checksum_cache;
 mod compute;
 mod config;
+mod fresh_companion;
 mod gate;
 mod granularity;
 mod group;
@@ -89,6 +91,8 @@ pub(crate) struct Inner {
     pub(crate) reads: ReadGroups,
     pub(crate) outcomes: Arc<Outcomes>,
     pub(crate) metrics: LinkerMetrics,
+    /// Checksum companions read by earlier loads.
+    pub(crate) checksums: checksum_cache::ChecksumCache,
     /// Bumped by `reset`: a batch whose epoch differs is cancelled.
     pub(crate) epoch: AtomicU64,
     /// The landing memory registered with the store (let go by `close`, or by the last store
@@ -326,6 +330,7 @@ impl Linker {
             config.pp_rank,
         );
         let link = GroupLink::of(group.as_ref());
+        let checksums = checksum_cache::ChecksumCache::new(config.checksum_cache_entries);
         let inner = Arc::new(Inner {
             outcomes: Arc::new(Outcomes::new(config.max_in_flight)),
             auto: AutoMode::new(config.mode, config.bandwidths, config.auto_batches_per_mode),
@@ -339,6 +344,7 @@ impl Linker {
             group: link,
             config,
             metrics: LinkerMetrics::default(),
+            checksums,
             epoch: AtomicU64::new(0),
             registered: parking_lot::Mutex::new(Some(registered)),
             closed: AtomicBool::new(false),

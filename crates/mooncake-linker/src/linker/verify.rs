@@ -2,7 +2,7 @@
 //!
 //! Once per batch, beside the first reads: the checksum companions (`{key}_kvsum`, written by
 //! kvlink's save) of the objects this rank reads, read whole in one call (absent ones come
-//! back `NotFound`). Per layer, on the exchange loop (beside the reader, which reads the next
+//! back `NotFound`), except those an earlier load kept (`checksum_cache`). Per layer, on the exchange loop (beside the reader, which reads the next
 //! layer meanwhile: off its critical path), before the layer's status word: every
 //! (object, layer) range this rank read is checked (`ObjectChecksums::verify_layer`: the
 //! checksum where a companion exists, the length only where none does, e.g. objects SGLang
@@ -15,6 +15,7 @@ use kv_geometry::{checksum_key, ChecksumError, ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError};
 
 use super::batch::BatchLayers;
+use super::fresh_companion::StaleRow;
 use super::reader::{check_object_sizes, store_failure, ComponentKeys};
 use super::Inner;
 use crate::store::StoreError;
@@ -26,8 +27,16 @@ use crate::store::StoreError;
 pub(crate) struct BatchChecksums {
     /// Verification is on.
     pub(crate) enabled: bool,
-    own: Vec<Vec<Option<ObjectChecksums>>>,
-    shared: Vec<Vec<Option<ObjectChecksums>>>,
+    own: Vec<Vec<Option<Companion>>>,
+    shared: Vec<Vec<Option<Companion>>>,
+}
+
+/// One object's checksums for a batch, and whether an earlier load kept them (then a layer
+/// that fails against them is checked again against the companion read afresh).
+#[derive(Debug, Clone)]
+struct Companion {
+    sums: ObjectChecksums,
+    kept: bool,
 }
 
 /// One companion this rank wants: which component list, which component, which page.
@@ -40,12 +49,7 @@ struct Wanted {
 }
 
 impl BatchChecksums {
-    fn slot(
-        &mut self,
-        shared: bool,
-        comp: usize,
-        page: usize,
-    ) -> Option<&mut Option<ObjectChecksums>> {
+    fn slot(&mut self, shared: bool, comp: usize, page: usize) -> Option<&mut Option<Companion>> {
         let list = if shared {
             &mut self.shared
         } else {
@@ -54,7 +58,7 @@ impl BatchChecksums {
         list.get_mut(comp)?.get_mut(page)
     }
 
-    fn get(&self, shared: bool, comp: usize, page: usize) -> Option<&ObjectChecksums> {
+    fn get(&self, shared: bool, comp: usize, page: usize) -> Option<&Companion> {
         let list = if shared { &self.shared } else { &self.own };
         list.get(comp)?.get(page)?.as_ref()
     }
@@ -113,6 +117,7 @@ impl Inner {
         batch: BatchId,
         plan: &mut CompanionPlan,
     ) -> Result<(), KvLoadError> {
+        self.take_kept_companions(layers, plan);
         if plan.wanted.is_empty() {
             return Ok(());
         }
@@ -156,8 +161,9 @@ impl Inner {
             };
             match decoded {
                 Ok(sums) => {
+                    self.checksums.insert(&comp.keys[w.page], sums.clone());
                     if let Some(slot) = plan.sums.slot(w.shared, w.comp, w.page) {
-                        *slot = Some(sums);
+                        *slot = Some(Companion { sums, kept: false });
                     }
                 }
                 Err(detail) => {
@@ -177,6 +183,28 @@ impl Inner {
             }
         }
         Ok(())
+    }
+
+    /// Takes the companions an earlier load kept out of `plan`'s reads, into its checksums.
+    fn take_kept_companions(&self, layers: &BatchLayers, plan: &mut CompanionPlan) {
+        let sums = &mut plan.sums;
+        plan.wanted.retain(|w| {
+            let comp = if w.shared {
+                &layers.shared[w.comp]
+            } else {
+                &layers.own[w.comp]
+            };
+            let Some(kept) = self.checksums.get(&comp.keys[w.page]) else {
+                return true;
+            };
+            if let Some(slot) = sums.slot(w.shared, w.comp, w.page) {
+                *slot = Some(Companion {
+                    sums: (*kept).clone(),
+                    kept: true,
+                });
+            }
+            false
+        });
     }
 
     /// The size of object `key` when the store holds it with more than `len` bytes (one
@@ -204,6 +232,7 @@ impl Inner {
     ) -> KvLoadError {
         let key = comp.keys[page].clone();
         tracing::error!(%batch, key, ?layer, detail, "object failed verification: discarding it");
+        self.checksums.remove(&key);
         self.metrics.bad_object();
         super::replace::discard_objects(&self.calls, &[key.as_str()], self.store_call_deadline());
         KvLoadError::BadObject {
@@ -270,10 +299,21 @@ impl LayerCheck<'_> {
                 )
             })?;
         let mut counts = (0u64, 0u64);
+        let mut count = |v: Verified| match v {
+            Verified::Checksum => counts.0 += 1,
+            Verified::LengthOnly => counts.1 += 1,
+        };
+        // Rows that failed against checksums an earlier load kept may only be stale (their
+        // object written again with other bytes since): their companions read afresh decide.
+        let mut stale = Vec::new();
         for (row, verdict) in rows.iter().zip(verdicts) {
             match verdict {
-                Ok(Verified::Checksum) => counts.0 += 1,
-                Ok(Verified::LengthOnly) => counts.1 += 1,
+                Ok(v) => count(v),
+                Err(_) if row.kept => stale.push(StaleRow {
+                    component: row.component,
+                    page: row.page,
+                    bytes: row.bytes,
+                }),
                 Err(e) => {
                     return Err(self.inner.bad_object(
                         self.batch,
@@ -283,6 +323,11 @@ impl LayerCheck<'_> {
                         e.to_string(),
                     ))
                 }
+            }
+        }
+        if !stale.is_empty() {
+            for v in self.inner.recheck_fresh(self.batch, layer, &stale)? {
+                count(v);
             }
         }
         self.inner.metrics.verified(counts.0, counts.1);
@@ -308,9 +353,11 @@ impl LayerCheck<'_> {
                 let bytes = landing
                     .target_bytes(stage, c.layout.id, page)
                     .map_err(KvLoadError::from)?;
+                let sums = self.sums.get(false, ci, page);
                 rows.push(Row {
                     component: c,
-                    sums: self.sums.get(false, ci, page),
+                    sums: sums.map(|s| &s.sums),
+                    kept: sums.is_some_and(|s| s.kept),
                     page,
                     bytes,
                 });
@@ -332,9 +379,11 @@ impl LayerCheck<'_> {
                         }
                     }
                     .map_err(KvLoadError::from)?;
+                    let sums = self.sums.get(true, ci, page);
                     rows.push(Row {
                         component: c,
-                        sums: self.sums.get(true, ci, page),
+                        sums: sums.map(|s| &s.sums),
+                        kept: sums.is_some_and(|s| s.kept),
                         page,
                         bytes,
                     });
@@ -349,6 +398,8 @@ impl LayerCheck<'_> {
 struct Row<'a> {
     component: &'a ComponentKeys,
     sums: Option<&'a ObjectChecksums>,
+    /// `sums` are kept from an earlier load.
+    kept: bool,
     page: usize,
     bytes: &'a [u8],
 }
@@ -446,6 +497,7 @@ mod tests {
             .map(|page| Row {
                 component: &component,
                 sums: (page != 40).then_some(&sums),
+                kept: false,
                 page,
                 bytes: if page == 211 { &bad } else { good },
             })

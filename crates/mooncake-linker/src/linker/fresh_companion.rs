@@ -1,0 +1,81 @@
+//! Rows of a layer that failed against checksums an earlier load kept (`checksum_cache`),
+//! checked again against their companions read afresh: kept checksums go stale when their
+//! object is evicted and written again with other bytes (prefill kernels need not be bitwise
+//! deterministic), and a good object must not be discarded for that.
+
+use kv_geometry::{checksum_key, ObjectChecksums, Verified};
+use kv_loader::{BatchId, KvLoadError};
+
+use super::reader::{store_failure, ComponentKeys};
+use super::Inner;
+use crate::store::StoreError;
+
+/// A row of a layer to check again: its component, plan page and bytes as read.
+pub(crate) struct StaleRow<'a> {
+    pub(crate) component: &'a ComponentKeys,
+    pub(crate) page: usize,
+    pub(crate) bytes: &'a [u8],
+}
+
+impl Inner {
+    /// Layer `layer` of each row's object failed against kept checksums: forgets them, reads
+    /// the rows' companions afresh (one bounded call for all) and checks each row against its
+    /// own (by length only where the object has none now). Every row passes: their verdicts,
+    /// the fresh checksums kept. A row fails, or its fresh companion is not one: its object
+    /// is bad (discarded, as any). The read fails: the batch fails as that store failure, and
+    /// nothing is discarded.
+    pub(crate) fn recheck_fresh(
+        &self,
+        batch: BatchId,
+        layer: u32,
+        rows: &[StaleRow<'_>],
+    ) -> Result<Vec<Verified>, KvLoadError> {
+        let keys: Vec<String> = rows
+            .iter()
+            .map(|r| checksum_key(&r.component.keys[r.page]))
+            .collect();
+        let lens: Vec<usize> = rows
+            .iter()
+            .map(|r| ObjectChecksums::encoded_len(r.component.layout.layers.len()))
+            .collect();
+        for r in rows {
+            self.checksums.remove(&r.component.keys[r.page]);
+        }
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
+        let read = self.calls.read_whole_owned(&refs, &lens, deadline);
+        let mut verdicts = Vec::with_capacity(rows.len());
+        for (r, got) in rows.iter().zip(read) {
+            let (comp, page) = (r.component, r.page);
+            let fresh = match got {
+                Ok(b) => match ObjectChecksums::decode(&b)
+                    .and_then(|s| s.check_layout(&comp.layout).map(|()| s))
+                {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        let detail = format!("checksum object read afresh: {e}");
+                        return Err(self.bad_object(batch, comp, page, Some(layer), detail));
+                    }
+                },
+                Err(StoreError::NotFound { .. }) => None,
+                Err(e) => {
+                    return Err(store_failure(batch, Some(layer), vec![page as u32], &e));
+                }
+            };
+            match ObjectChecksums::verify_layer(fresh.as_ref(), &comp.layout, layer, r.bytes) {
+                Ok(v) => {
+                    let key = &comp.keys[page];
+                    tracing::info!(%batch, key, layer, "kept checksums were stale: the companion read afresh passes");
+                    if let Some(s) = fresh {
+                        self.checksums.insert(key, s);
+                    }
+                    verdicts.push(v);
+                }
+                Err(e) => {
+                    return Err(self.bad_object(batch, comp, page, Some(layer), e.to_string()))
+                }
+            }
+        }
+        Ok(verdicts)
+    }
+}
