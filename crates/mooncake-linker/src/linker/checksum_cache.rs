@@ -11,7 +11,7 @@
 //! called bad (see `verify`), and a bad object's entry is dropped.
 //!
 //! Bounded by entries (`LinkerConfig::checksum_cache_entries`; a GLM-5.2 companion decodes to
-//! about 0.7 KB), the oldest entry out first.
+//! about 0.7 KB, its key about 0.1 KB), the oldest entry (by its last insertion) out first.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -28,9 +28,12 @@ pub(crate) struct ChecksumCache {
 
 #[derive(Debug, Default)]
 struct Entries {
-    by_key: HashMap<String, Arc<ObjectChecksums>>,
-    /// Keys in insertion order (a key removed early stays here until it reaches the front).
-    order: VecDeque<String>,
+    /// Each key's checksums and the generation they were inserted at.
+    by_key: HashMap<String, (Arc<ObjectChecksums>, u64)>,
+    /// (key, generation) in insertion order; a pair whose generation is no longer its key's
+    /// (removed, or inserted again since) is skipped.
+    order: VecDeque<(String, u64)>,
+    next: u64,
 }
 
 impl ChecksumCache {
@@ -44,7 +47,7 @@ impl ChecksumCache {
 
     /// The checksums kept for the object `key`.
     pub(crate) fn get(&self, key: &str) -> Option<Arc<ObjectChecksums>> {
-        self.entries.lock().by_key.get(key).cloned()
+        self.entries.lock().by_key.get(key).map(|(s, _)| s.clone())
     }
 
     /// Keeps `sums` for the object `key` (replacing what was kept), dropping the oldest entries
@@ -54,20 +57,24 @@ impl ChecksumCache {
             return;
         }
         let mut e = self.entries.lock();
-        if e.by_key.insert(key.to_owned(), Arc::new(sums)).is_none() {
-            e.order.push_back(key.to_owned());
-        }
+        let generation = e.next;
+        e.next += 1;
+        e.by_key
+            .insert(key.to_owned(), (Arc::new(sums), generation));
+        e.order.push_back((key.to_owned(), generation));
         while e.by_key.len() > self.capacity {
-            let Some(oldest) = e.order.pop_front() else {
+            let Some((oldest, g)) = e.order.pop_front() else {
                 break;
             };
-            e.by_key.remove(&oldest);
+            if e.by_key.get(&oldest).is_some_and(|(_, now)| *now == g) {
+                e.by_key.remove(&oldest);
+            }
         }
-        // Keys removed early leave their place in `order`: trim it when it grows past twice
-        // the entries, so it stays bounded too.
-        if e.order.len() > 2 * self.capacity.max(1) {
-            let Entries { by_key, order } = &mut *e;
-            order.retain(|k| by_key.contains_key(k));
+        // Pairs of keys removed or inserted again since stay in `order`: trim them when it
+        // grows past twice the capacity, so it stays bounded too.
+        if e.order.len() > 2 * self.capacity {
+            let Entries { by_key, order, .. } = &mut *e;
+            order.retain(|(k, g)| by_key.get(k).is_some_and(|(_, now)| now == g));
         }
     }
 
@@ -121,6 +128,23 @@ mod tests {
         assert!(c.entries.lock().order.len() <= 7);
         c.insert("x", sums(9));
         assert_eq!(c.get("x").unwrap().sums, vec![9]);
+    }
+
+    #[test]
+    fn a_key_inserted_again_is_the_newest_and_the_order_stays_bounded() {
+        let c = ChecksumCache::new(2);
+        c.insert("a", sums(1));
+        c.insert("b", sums(2));
+        for i in 0..1000 {
+            c.remove("a");
+            c.insert("a", sums(i));
+        }
+        assert!(c.entries.lock().order.len() <= 5);
+        // "a" is now newer than "b": "b" goes first.
+        c.insert("c", sums(3));
+        assert!(c.get("b").is_none());
+        assert_eq!(c.get("a").unwrap().sums, vec![999]);
+        assert!(c.get("c").is_some());
     }
 
     #[test]

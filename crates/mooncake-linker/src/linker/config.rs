@@ -66,7 +66,8 @@ pub struct LinkerConfig {
     /// a load's first layer waits for its companions (one small read per object, about 20 ms
     /// for a 32K-token GLM-5.2 prefix over TCP). A layer that fails against a kept checksum is
     /// checked again against its companion read afresh before its object is called bad. About
-    /// 0.7 KB each for GLM-5.2 (32,768: about 25 MB, eight 32K-token prefixes).
+    /// 0.8 KB each for GLM-5.2 with its key (32,768: 25-35 MB, eight 128K-token prefixes per
+    /// rank).
     pub checksum_cache_entries: usize,
     /// Longest any store call other than a layer's reads may take (lookups, read sessions,
     /// sizes, checksums, saves, discards): past it the call fails with

@@ -6,7 +6,7 @@
 use kv_geometry::{checksum_key, ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError};
 
-use super::reader::{store_failure, ComponentKeys};
+use super::reader::{check_object_sizes, store_failure, ComponentKeys};
 use super::Inner;
 use crate::store::StoreError;
 
@@ -19,11 +19,17 @@ pub(crate) struct StaleRow<'a> {
 
 impl Inner {
     /// Layer `layer` of each row's object failed against kept checksums: forgets them, reads
-    /// the rows' companions afresh (one bounded call for all) and checks each row against its
-    /// own (by length only where the object has none now). Every row passes: their verdicts,
-    /// the fresh checksums kept. A row fails, or its fresh companion is not one: its object
-    /// is bad (discarded, as any). The read fails: the batch fails as that store failure, and
-    /// nothing is discarded.
+    /// the rows' companions afresh (one call for all) and checks each row against its own.
+    /// Where the object has no companion now, or a bad one, its size is checked first (when
+    /// `verify_object_sizes`): kept checksums let layer 0 go before the sizes were in, and a
+    /// row's length alone cannot tell a wrong-sized object. Every row passes: their verdicts,
+    /// the fresh checksums kept. A row fails, or its fresh companion is not one: its object is
+    /// bad (discarded, as any; `PlanError::ObjectSize` when its size is wrong). The read fails:
+    /// the batch fails as that store failure, and nothing is discarded.
+    ///
+    /// It runs on the exchange loop before this rank's status word, which the peers wait for
+    /// at most `collective_timeout`: its store calls are bounded by half of that (and by
+    /// `store_call_timeout`).
     pub(crate) fn recheck_fresh(
         &self,
         batch: BatchId,
@@ -42,7 +48,24 @@ impl Inner {
             self.checksums.remove(&r.component.keys[r.page]);
         }
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
+        let bound = self
+            .config
+            .store_call_timeout
+            .min(self.config.collective_timeout / 2);
+        let deadline = kv_loader::deadline_after(bound);
+        let sizes = |comp: &ComponentKeys, page: usize| {
+            if self.config.verify_object_sizes {
+                check_object_sizes(
+                    &self.calls,
+                    batch,
+                    std::slice::from_ref(comp),
+                    page..page + 1,
+                    deadline,
+                )
+            } else {
+                Ok(())
+            }
+        };
         let read = self.calls.read_whole_owned(&refs, &lens, deadline);
         let mut verdicts = Vec::with_capacity(rows.len());
         for (r, got) in rows.iter().zip(read) {
@@ -53,11 +76,15 @@ impl Inner {
                 {
                     Ok(s) => Some(s),
                     Err(e) => {
+                        sizes(comp, page)?;
                         let detail = format!("checksum object read afresh: {e}");
                         return Err(self.bad_object(batch, comp, page, Some(layer), detail));
                     }
                 },
-                Err(StoreError::NotFound { .. }) => None,
+                Err(StoreError::NotFound { .. }) => {
+                    sizes(comp, page)?;
+                    None
+                }
                 Err(e) => {
                     return Err(store_failure(batch, Some(layer), vec![page as u32], &e));
                 }
@@ -72,7 +99,8 @@ impl Inner {
                     verdicts.push(v);
                 }
                 Err(e) => {
-                    return Err(self.bad_object(batch, comp, page, Some(layer), e.to_string()))
+                    sizes(comp, page)?;
+                    return Err(self.bad_object(batch, comp, page, Some(layer), e.to_string()));
                 }
             }
         }

@@ -2,8 +2,10 @@
 //!
 //! Once per batch, beside the first reads: the checksum companions (`{key}_kvsum`, written by
 //! kvlink's save) of the objects this rank reads, read whole in one call (absent ones come
-//! back `NotFound`), except those an earlier load kept (`checksum_cache`). Per layer, on the exchange loop (beside the reader, which reads the next
-//! layer meanwhile: off its critical path), before the layer's status word: every
+//! back `NotFound`), except those an earlier load kept (`checksum_cache`; rows failing
+//! against those are checked again against fresh ones: `fresh_companion`). Per layer, on the
+//! exchange loop (beside the reader, which reads the next layer meanwhile: off its critical
+//! path), before the layer's status word: every
 //! (object, layer) range this rank read is checked (`ObjectChecksums::verify_layer`: the
 //! checksum where a companion exists, the length only where none does, e.g. objects SGLang
 //! wrote). A range that fails is this rank's failure in that layer's status word, so every
@@ -35,7 +37,7 @@ pub(crate) struct BatchChecksums {
 /// that fails against them is checked again against the companion read afresh).
 #[derive(Debug, Clone)]
 struct Companion {
-    sums: ObjectChecksums,
+    sums: std::sync::Arc<ObjectChecksums>,
     kept: bool,
 }
 
@@ -163,7 +165,10 @@ impl Inner {
                 Ok(sums) => {
                     self.checksums.insert(&comp.keys[w.page], sums.clone());
                     if let Some(slot) = plan.sums.slot(w.shared, w.comp, w.page) {
-                        *slot = Some(Companion { sums, kept: false });
+                        *slot = Some(Companion {
+                            sums: std::sync::Arc::new(sums),
+                            kept: false,
+                        });
                     }
                 }
                 Err(detail) => {
@@ -199,7 +204,7 @@ impl Inner {
             };
             if let Some(slot) = sums.slot(w.shared, w.comp, w.page) {
                 *slot = Some(Companion {
-                    sums: (*kept).clone(),
+                    sums: kept,
                     kept: true,
                 });
             }
@@ -276,7 +281,8 @@ pub(crate) struct LayerCheck<'a> {
 
 impl LayerCheck<'_> {
     /// Every range this rank read at `layer`, checked; the first that fails (in component,
-    /// then page order) is the error. The hashing runs on up to `verify_threads` threads
+    /// then page order; rows that failed against kept checksums only after the others, once
+    /// their companions read afresh fail them too) is the error. The hashing runs on up to `verify_threads` threads
     /// when the layer is large enough to gain from them: it sits on the load thread between
     /// the reader and the landing, so one core hashing a fast store's layer would bound the
     /// load.
@@ -309,11 +315,15 @@ impl LayerCheck<'_> {
         for (row, verdict) in rows.iter().zip(verdicts) {
             match verdict {
                 Ok(v) => count(v),
-                Err(_) if row.kept => stale.push(StaleRow {
-                    component: row.component,
-                    page: row.page,
-                    bytes: row.bytes,
-                }),
+                Err(_) if row.kept.is_some() => match self.renewed(row, layer) {
+                    // An earlier layer's recheck already kept fresh checksums that pass.
+                    Some(v) => count(v),
+                    None => stale.push(StaleRow {
+                        component: row.component,
+                        page: row.page,
+                        bytes: row.bytes,
+                    }),
+                },
                 Err(e) => {
                     return Err(self.inner.bad_object(
                         self.batch,
@@ -333,6 +343,18 @@ impl LayerCheck<'_> {
         self.inner.metrics.verified(counts.0, counts.1);
         tracing::trace!(layer, checksummed = counts.0, length_only = counts.1, took = ?t0.elapsed(), "layer verified");
         Ok(())
+    }
+
+    /// A row that failed against the checksums this batch took from the cache, checked against
+    /// those the cache holds now when an earlier layer's recheck replaced them (so a rewritten
+    /// object is read afresh once per batch, not once per layer); `None`: to be rechecked.
+    fn renewed(&self, row: &Row<'_>, layer: u32) -> Option<Verified> {
+        let taken = row.kept?;
+        let now = self.inner.checksums.get(&row.component.keys[row.page])?;
+        if std::sync::Arc::ptr_eq(&now, taken) {
+            return None;
+        }
+        ObjectChecksums::verify_layer(Some(&now), &row.component.layout, layer, row.bytes).ok()
     }
 
     /// The rows this rank read at `layer`: its own components on every page, and its share
@@ -356,8 +378,8 @@ impl LayerCheck<'_> {
                 let sums = self.sums.get(false, ci, page);
                 rows.push(Row {
                     component: c,
-                    sums: sums.map(|s| &s.sums),
-                    kept: sums.is_some_and(|s| s.kept),
+                    sums: sums.map(|s| &*s.sums),
+                    kept: sums.filter(|s| s.kept).map(|s| &s.sums),
                     page,
                     bytes,
                 });
@@ -382,8 +404,8 @@ impl LayerCheck<'_> {
                     let sums = self.sums.get(true, ci, page);
                     rows.push(Row {
                         component: c,
-                        sums: sums.map(|s| &s.sums),
-                        kept: sums.is_some_and(|s| s.kept),
+                        sums: sums.map(|s| &*s.sums),
+                        kept: sums.filter(|s| s.kept).map(|s| &s.sums),
                         page,
                         bytes,
                     });
@@ -398,8 +420,8 @@ impl LayerCheck<'_> {
 struct Row<'a> {
     component: &'a ComponentKeys,
     sums: Option<&'a ObjectChecksums>,
-    /// `sums` are kept from an earlier load.
-    kept: bool,
+    /// `sums`, when an earlier load kept them.
+    kept: Option<&'a std::sync::Arc<ObjectChecksums>>,
     page: usize,
     bytes: &'a [u8],
 }
@@ -497,7 +519,7 @@ mod tests {
             .map(|page| Row {
                 component: &component,
                 sums: (page != 40).then_some(&sums),
-                kept: false,
+                kept: None,
                 page,
                 bytes: if page == 211 { &bad } else { good },
             })
