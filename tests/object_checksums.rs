@@ -702,6 +702,7 @@ fn a_second_load_of_the_same_objects_reads_no_companions() {
     load_verified(&linker, &pool, &s.pages, 2, &[0, 2, 4, 6]);
     assert_eq!(reads.hits(), objects, "no companion read again");
     let m = linker.metrics();
+    assert_eq!(m.companions_kept, u64::from(objects), "{m:?}");
     assert_eq!(m.ranges_length_only, 0, "{m:?}");
     assert!(m.ranges_checksummed > 0, "{m:?}");
     linker.close().unwrap();
@@ -762,6 +763,10 @@ fn stale_kept_checksums_are_checked_again_against_a_fresh_companion() {
     let m = linker.metrics();
     assert_eq!(m.bad_objects, 0, "{m:?}");
     assert_eq!(m.ranges_length_only, 0, "{m:?}");
+    assert_eq!(
+        m.kept_checksums_stale, 1,
+        "one range, then the fresh ones: {m:?}"
+    );
     assert_eq!(
         s.store.exists(&[key.as_str(), &checksum_key(&key)]),
         vec![Ok(true), Ok(true)]
@@ -890,5 +895,30 @@ fn a_failed_fresh_companion_read_discards_nothing() {
         vec![Ok(true), Ok(true)]
     );
     assert_eq!(linker.metrics().bad_objects, 0);
+    linker.close().unwrap();
+}
+
+/// A load of objects this linker saved reads no companion: the save kept the checksums it
+/// wrote.
+#[test]
+fn a_load_after_this_linkers_save_reads_no_companions() {
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let tokens = prompt(46, 3, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let s = Saved { store, pages, g };
+    let (linker, pool, reads) = counting_companions(&s, config());
+    fill_pool(&pool, &s.pages, &[0, 1, 2]);
+    let objects = 3 * s.g.components().len() as u64;
+    let report = linker
+        .save(&load_plan(&s.g, 1, &s.pages, vec![0, 1, 2]))
+        .unwrap();
+    assert_eq!(report.objects_written as u64, objects);
+    load_verified(&linker, &pool, &s.pages, 2, &[3, 4, 5]);
+    assert_eq!(reads.hits(), 0, "no companion read");
+    let m = linker.metrics();
+    assert_eq!(m.companions_kept, objects, "{m:?}");
+    assert_eq!(m.ranges_length_only, 0, "{m:?}");
     linker.close().unwrap();
 }

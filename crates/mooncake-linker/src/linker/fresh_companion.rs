@@ -47,6 +47,7 @@ impl Inner {
         for r in rows {
             self.checksums.remove(&r.component.keys[r.page]);
         }
+        self.metrics.stale_kept(rows.len() as u64);
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let bound = self
             .config

@@ -37,6 +37,8 @@ pub struct LinkerMetrics {
     ranges_checksummed: AtomicU64,
     ranges_length_only: AtomicU64,
     bad_objects: AtomicU64,
+    companions_kept: AtomicU64,
+    stale_kept: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
 }
 
@@ -69,6 +71,12 @@ pub struct MetricsSnapshot {
     pub ranges_length_only: u64,
     /// Objects that failed verification (and were discarded for the next save to rewrite).
     pub bad_objects: u64,
+    /// Checksum companions a load took from those the linker kept
+    /// (`LinkerConfig::checksum_cache_entries`) instead of reading them.
+    pub companions_kept: u64,
+    /// (object, layer) ranges that failed against kept checksums and were checked again
+    /// against their companion read afresh (their object written again since).
+    pub kept_checksums_stale: u64,
     /// Store calls that did not return by their deadline (filled by `Linker::metrics`).
     pub overdue_calls: u64,
     /// Failures by kind (`KvLoadError::kind_name`).
@@ -116,6 +124,14 @@ impl LinkerMetrics {
             .fetch_add(length_only, Ordering::Relaxed);
     }
 
+    pub(crate) fn companions_kept(&self, n: u64) {
+        self.companions_kept.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn stale_kept(&self, n: u64) {
+        self.stale_kept.fetch_add(n, Ordering::Relaxed);
+    }
+
     pub(crate) fn bad_object(&self) {
         self.bad_objects.fetch_add(1, Ordering::Relaxed);
     }
@@ -143,6 +159,8 @@ impl LinkerMetrics {
             ranges_checksummed: self.ranges_checksummed.load(Ordering::Relaxed),
             ranges_length_only: self.ranges_length_only.load(Ordering::Relaxed),
             bad_objects: self.bad_objects.load(Ordering::Relaxed),
+            companions_kept: self.companions_kept.load(Ordering::Relaxed),
+            kept_checksums_stale: self.stale_kept.load(Ordering::Relaxed),
             overdue_calls: 0,
             failures: self.failures.lock().clone(),
         }

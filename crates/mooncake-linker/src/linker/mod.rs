@@ -125,6 +125,14 @@ impl Inner {
                 self.metrics.batch(false);
                 self.metrics.failure(e.kind_name());
                 warn!(%batch, error = %e, "batch failed");
+                // A wrong-sized object was discarded: what was kept of it says nothing now.
+                if let KvLoadError::InvalidPlan {
+                    reason: kv_loader::PlanError::ObjectSize { key, .. },
+                    ..
+                } = e
+                {
+                    self.checksums.remove(key);
+                }
             }
         }
         let outcome = BatchOutcome { batch, result };

@@ -117,6 +117,8 @@ impl Inner {
             match p {
                 Ok(true) => report.objects_present += 1,
                 Ok(false) => {
+                    // Evicted: checksums kept from an earlier load of it say nothing now.
+                    self.checksums.remove(&comp.keys[i]);
                     todo.push(i);
                     if matches!(sums[i], Ok(true)) {
                         stale.push(&companions[i]);
@@ -259,6 +261,13 @@ impl Inner {
         for ((key, _), r) in companions.iter().zip(companion_results) {
             if let Err(e) = r {
                 warn!(key, error = %e, "checksum companion not written: its object is checked by length only");
+            }
+        }
+        // Both written: a later load of these objects knows their checksums already.
+        for (i, &page) in chunk.iter().enumerate() {
+            let pair = (objects.get(i), companion_results.get(i));
+            if let (Some(Ok(PutOutcome::Written)), Some(Ok(PutOutcome::Written))) = pair {
+                self.checksums.insert(&comp.keys[page], sums[i].clone());
             }
         }
         Ok(())

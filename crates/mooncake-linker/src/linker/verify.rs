@@ -192,6 +192,7 @@ impl Inner {
 
     /// Takes the companions an earlier load kept out of `plan`'s reads, into its checksums.
     fn take_kept_companions(&self, layers: &BatchLayers, plan: &mut CompanionPlan) {
+        let wanted = plan.wanted.len();
         let sums = &mut plan.sums;
         plan.wanted.retain(|w| {
             let comp = if w.shared {
@@ -210,6 +211,8 @@ impl Inner {
             }
             false
         });
+        self.metrics
+            .companions_kept((wanted - plan.wanted.len()) as u64);
     }
 
     /// The size of object `key` when the store holds it with more than `len` bytes (one
