@@ -132,10 +132,10 @@ case "$part" in
     export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
     if [[ $quick -eq 1 ]]; then
       flags=(--tokens 2048 --rounds 1 --groups 78 --parallel 2 --lanes 8 --streams 1,8 --store-groups 78
-             --compute-us 0 --linker-compute-us 0,5480 --linker-lanes 0,8 --linker-kept-checksums false,true)
+             --compute-us 0 --linker-compute-us 0,5480 --linker-lanes 0,8 --linker-companions every-load,kept,at-lookup)
     else
       flags=(--tokens 32768 --rounds 5 --groups 8,26,78 --parallel 8 --lanes 8 --streams 4,8
-             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-lanes 0,8 --linker-kept-checksums false,true)
+             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-lanes 0,8 --linker-companions every-load,kept,at-lookup)
     fi
     tag=$([[ $quick -eq 1 ]] && echo 2k || echo 32k)
     run_bundle 1 mooncake_read "${flags[@]}" "${extra[@]}" \

@@ -922,3 +922,91 @@ fn a_load_after_this_linkers_save_reads_no_companions() {
     assert_eq!(m.ranges_length_only, 0, "{m:?}");
     linker.close().unwrap();
 }
+
+/// A linker over `s`'s store whose companion reads are counted and held by `held` until it is
+/// released.
+fn held_companions(
+    s: &Saved,
+    cfg: LinkerConfig,
+    held: &kvlink::mooncake_linker::store::Stall,
+) -> (Linker, Arc<HostKvPool>) {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
+    let faults = Arc::new(FaultyStore::new(s.store.clone()));
+    faults.inject_on(
+        FaultCall::ReadWhole,
+        FaultRule {
+            key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
+            ..FaultRule::default()
+        },
+        Fault::Stall(held.clone()),
+    );
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let linker = Linker::new(s.g.clone(), faults, pool.clone(), cfg).unwrap();
+    (linker, pool)
+}
+
+/// A lookup that finds pages starts reading their companions ahead of the load (a rank
+/// alone reads every page); the load then reads none.
+#[test]
+fn a_lookup_reads_the_companions_ahead_of_the_load() {
+    let s = saved(47, 4);
+    let objects = 4 * s.g.components().len() as u64;
+    let (linker, pool, reads) = counting_companions(&s, config());
+    let hit = linker.lookup_pages(&s.pages, 0).unwrap();
+    assert_eq!(hit.pages.len(), 4);
+    let limit = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while linker.metrics().companions_prefetched < objects && std::time::Instant::now() < limit {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    assert_eq!(linker.metrics().companions_prefetched, objects);
+    load_verified(&linker, &pool, &s.pages, 1, &[3, 1, 6, 0]);
+    assert_eq!(u64::from(reads.hits()), objects, "read once, at the lookup");
+    let m = linker.metrics();
+    assert_eq!(m.companions_kept, objects, "{m:?}");
+    assert_eq!(m.ranges_length_only, 0, "{m:?}");
+    linker.close().unwrap();
+}
+
+/// A load started while its lookup's companions are still being read waits for that read
+/// instead of reading them again: every companion is read once.
+#[test]
+fn a_load_right_after_its_lookup_reads_each_companion_once() {
+    let s = saved(48, 4);
+    let objects = 4 * s.g.components().len() as u32;
+    let held = kvlink::mooncake_linker::store::Stall::new();
+    let (linker, pool) = held_companions(&s, config(), &held);
+    linker.lookup_pages(&s.pages, 0).unwrap();
+    let t = linker
+        .start_load(load_plan(&s.g, 1, &s.pages, vec![3, 1, 6, 0]))
+        .unwrap();
+    // Time for the load to reach its companions (a second read of them would be held too).
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    held.release();
+    wait_all(&linker, &t).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    pool_matches(&pool, &s.pages, &[3, 1, 6, 0], s.g.num_layers()).unwrap();
+    assert_eq!(held.hits(), objects, "each companion read once");
+    linker.close().unwrap();
+}
+
+/// `close` while companions are being read ahead returns once that read's own bound passes.
+#[test]
+fn close_waits_for_a_read_ahead_no_longer_than_its_bound() {
+    let s = saved(49, 2);
+    let held = kvlink::mooncake_linker::store::Stall::new();
+    let cfg = LinkerConfig {
+        store_call_timeout: std::time::Duration::from_millis(500),
+        ..config()
+    };
+    let (linker, _pool) = held_companions(&s, cfg, &held);
+    linker.lookup_pages(&s.pages, 0).unwrap();
+    let t0 = std::time::Instant::now();
+    linker.close().unwrap();
+    let took = t0.elapsed();
+    held.release();
+    assert!(held.hits() > 0, "the read ahead had started");
+    assert!(
+        took < std::time::Duration::from_secs(10),
+        "close took {took:?}"
+    );
+}

@@ -27,8 +27,10 @@ pub struct Args {
     pub linker_compute_us: Vec<u64>,
     /// `MC_TCP_LANES_PER_PEER` of the `Linker` rows' clients (0: the wheel's default, 4).
     pub linker_lanes: Vec<usize>,
-    /// Whether the `Linker` rows keep checksum companions between loads (one row set each).
-    pub linker_kept_checksums: Vec<bool>,
+    /// How the `Linker` rows get their checksum companions (one row set each).
+    pub linker_companions: Vec<Companions>,
+    /// With `at-lookup`: the engine's time between its lookup and `start_load` (SIMULATED).
+    pub linker_lookup_gap_us: u64,
     /// Skip the wheel's Python client.
     pub no_python: bool,
     /// Only the variants whose label contains one of these.
@@ -130,16 +132,25 @@ fn command() -> Command {
                 ),
         )
         .arg(
-            Arg::new("linker-kept-checksums")
-                .long("linker-kept-checksums")
-                .value_parser(value_parser!(bool))
+            Arg::new("linker-companions")
+                .long("linker-companions")
+                .value_parser(value_parser!(Companions))
                 .value_delimiter(',')
-                .default_value("false")
+                .default_value("every-load")
                 .help(
-                    "whether the Linker rows keep checksum companions between loads \
-                     (LinkerConfig::checksum_cache_entries; true: every round after the first \
-                     reads none); one row set per value",
+                    "how the Linker rows get their checksum companions: every-load (read by \
+                     each load, none kept), kept (kept between loads: every round after the \
+                     first reads none), at-lookup (each round forgets what was kept, looks the \
+                     prefix up, waits --linker-lookup-gap-us, then loads: the lookup reads them \
+                     ahead); one row set per value",
                 ),
+        )
+        .arg(
+            Arg::new("linker-lookup-gap-us")
+                .long("linker-lookup-gap-us")
+                .value_parser(value_parser!(u64))
+                .default_value("20000")
+                .help("with at-lookup: the engine's time between lookup and start_load (µs, SIMULATED by a sleep)"),
         )
         .arg(
             Arg::new("linker-lanes")
@@ -178,8 +189,21 @@ pub fn parse() -> Args {
         max_layers_per_call: *m.get_one("max-layers-per-call").expect("defaulted"),
         linker_compute_us: list(&m, "linker-compute-us"),
         linker_lanes: list(&m, "linker-lanes"),
-        linker_kept_checksums: list(&m, "linker-kept-checksums"),
+        linker_companions: list(&m, "linker-companions"),
+        linker_lookup_gap_us: *m.get_one("linker-lookup-gap-us").expect("defaulted"),
         no_python: m.get_flag("no-python"),
         only: list(&m, "only"),
     }
+}
+
+/// How the `Linker` rows get their checksum companions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Companions {
+    /// Read by every load (`checksum_cache_entries` 0).
+    EveryLoad,
+    /// Kept between loads: every round after the first reads none.
+    Kept,
+    /// Each round forgets what was kept, looks the prefix up (which reads them ahead), waits
+    /// the engine's gap, then loads.
+    AtLookup,
 }

@@ -14,6 +14,7 @@ use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, RequestPages};
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, ShareMode};
 
+use crate::args::Companions;
 use crate::objects::Objects;
 
 /// What one load took (seconds from `start_load`).
@@ -32,9 +33,10 @@ pub struct LinkerReader {
     pub compute: Duration,
     /// `MC_TCP_LANES_PER_PEER` of its client (0: the wheel's default).
     pub lanes: usize,
-    /// Whether the linker keeps checksum companions between loads (then every round after
-    /// the first checks against those the first read).
-    pub kept_checksums: bool,
+    /// How it gets its checksum companions.
+    pub companions: Companions,
+    /// With `Companions::AtLookup`: the engine's time between lookup and load (SIMULATED).
+    pub lookup_gap: Duration,
     linker: Linker,
     pool: Arc<HostKvPool>,
     hashes: Vec<PageHash>,
@@ -57,7 +59,7 @@ impl LinkerReader {
         tokens: u32,
         pool: Arc<HostKvPool>,
         (compute, lanes): (Duration, usize),
-        kept_checksums: bool,
+        (companions, lookup_gap): (Companions, Duration),
     ) -> Result<Self> {
         // The wheel reads MC_TCP_LANES_PER_PEER when a client's transport is created; it is
         // set around this connect only, while no client has a transfer in flight.
@@ -85,10 +87,11 @@ impl LinkerReader {
             LinkerConfig {
                 namespace: namespace.into(),
                 wait_deadline: Duration::from_secs(120),
-                checksum_cache_entries: if kept_checksums {
-                    LinkerConfig::default().checksum_cache_entries
-                } else {
-                    0
+                checksum_cache_entries: match companions {
+                    Companions::EveryLoad => 0,
+                    Companions::Kept | Companions::AtLookup => {
+                        LinkerConfig::default().checksum_cache_entries
+                    }
                 },
                 ..LinkerConfig::default()
             },
@@ -96,7 +99,8 @@ impl LinkerReader {
         Ok(Self {
             compute,
             lanes,
-            kept_checksums,
+            companions,
+            lookup_gap,
             linker,
             pool,
             hashes,
@@ -117,6 +121,20 @@ impl LinkerReader {
             }],
             self.slots.clone(),
         );
+        if self.companions == Companions::AtLookup {
+            // A first load of the prefix, as an engine makes it: lookup, its scheduling and
+            // allocation (SIMULATED: a sleep), then the load.
+            self.linker.forget_kept_checksums();
+            let hit = self.linker.lookup_pages(&self.hashes, 0)?;
+            if hit.pages.len() != self.hashes.len() {
+                bail!(
+                    "lookup found {} of {} pages",
+                    hit.pages.len(),
+                    self.hashes.len()
+                );
+            }
+            std::thread::sleep(self.lookup_gap);
+        }
         let start = Instant::now();
         let ticket = self.linker.start_load(plan)?;
         let mut ready = Vec::new();

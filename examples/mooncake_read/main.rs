@@ -398,7 +398,8 @@ fn linker_table(
         a.linker_lanes.clone()
     };
     let mut readers = Vec::new();
-    for &kept in &a.linker_kept_checksums {
+    let gap = Duration::from_micros(a.linker_lookup_gap_us);
+    for &kept in &a.linker_companions {
         for &l in &lanes {
             for &us in &a.linker_compute_us {
                 readers.push(LinkerReader::new(
@@ -407,7 +408,7 @@ fn linker_table(
                     a.tokens,
                     pool.clone(),
                     (Duration::from_micros(us), l),
-                    kept,
+                    (kept, gap),
                 )?);
             }
         }
@@ -442,7 +443,7 @@ fn linker_table(
         a.rounds,
         one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
     )?;
-    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | checksums | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
     writeln!(
         out,
         "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
@@ -468,10 +469,13 @@ fn linker_table(
             } else {
                 r.lanes.to_string()
             },
-            if r.kept_checksums {
-                "kept from round 1 (rounds 2+ read none)"
-            } else {
-                "companions read every load"
+            match r.companions {
+                args::Companions::EveryLoad => "read by every load".to_string(),
+                args::Companions::Kept => "kept from round 1 (rounds 2+ read none)".to_string(),
+                args::Companions::AtLookup => format!(
+                    "read at lookup, {:.0} ms (SIMULATED) before start_load",
+                    r.lookup_gap.as_secs_f64() * 1e3
+                ),
             },
             last / py_ms,
             done / serial,

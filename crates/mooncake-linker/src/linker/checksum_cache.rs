@@ -78,6 +78,13 @@ impl ChecksumCache {
         }
     }
 
+    /// Forgets every entry.
+    pub(crate) fn clear(&self) {
+        let mut e = self.entries.lock();
+        e.by_key.clear();
+        e.order.clear();
+    }
+
     /// Forgets the object `key` (found bad, or its checksums stale).
     pub(crate) fn remove(&self, key: &str) {
         self.entries.lock().by_key.remove(key);

@@ -38,6 +38,7 @@ pub struct LinkerMetrics {
     ranges_length_only: AtomicU64,
     bad_objects: AtomicU64,
     companions_kept: AtomicU64,
+    companions_prefetched: AtomicU64,
     stale_kept: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
 }
@@ -74,6 +75,8 @@ pub struct MetricsSnapshot {
     /// Checksum companions a load took from those the linker kept
     /// (`LinkerConfig::checksum_cache_entries`) instead of reading them.
     pub companions_kept: u64,
+    /// Checksum companions read ahead, when a lookup found their objects, and kept.
+    pub companions_prefetched: u64,
     /// (object, layer) ranges that failed against kept checksums and were checked again
     /// against their companion read afresh (their object written again since).
     pub kept_checksums_stale: u64,
@@ -128,6 +131,10 @@ impl LinkerMetrics {
         self.companions_kept.fetch_add(n, Ordering::Relaxed);
     }
 
+    pub(crate) fn companions_prefetched(&self, n: u64) {
+        self.companions_prefetched.fetch_add(n, Ordering::Relaxed);
+    }
+
     pub(crate) fn stale_kept(&self, n: u64) {
         self.stale_kept.fetch_add(n, Ordering::Relaxed);
     }
@@ -160,6 +167,7 @@ impl LinkerMetrics {
             ranges_length_only: self.ranges_length_only.load(Ordering::Relaxed),
             bad_objects: self.bad_objects.load(Ordering::Relaxed),
             companions_kept: self.companions_kept.load(Ordering::Relaxed),
+            companions_prefetched: self.companions_prefetched.load(Ordering::Relaxed),
             kept_checksums_stale: self.stale_kept.load(Ordering::Relaxed),
             overdue_calls: 0,
             failures: self.failures.lock().clone(),

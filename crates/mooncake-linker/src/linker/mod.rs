@@ -26,6 +26,7 @@ mod lookup;
 mod metrics;
 mod outcomes;
 mod pipeline;
+mod prefetch;
 mod preflight;
 mod probe;
 #[cfg(target_os = "linux")]
@@ -91,8 +92,10 @@ pub(crate) struct Inner {
     pub(crate) reads: ReadGroups,
     pub(crate) outcomes: Arc<Outcomes>,
     pub(crate) metrics: LinkerMetrics,
-    /// Checksum companions read by earlier loads.
+    /// Checksum companions read by earlier loads (and ahead of loads, at lookup).
     pub(crate) checksums: checksum_cache::ChecksumCache,
+    /// The companions of a looked-up prefix being read ahead of its load.
+    pub(crate) prefetch: prefetch::CompanionPrefetch,
     /// Bumped by `reset`: a batch whose epoch differs is cancelled.
     pub(crate) epoch: AtomicU64,
     /// The landing memory registered with the store (let go by `close`, or by the last store
@@ -353,6 +356,7 @@ impl Linker {
             config,
             metrics: LinkerMetrics::default(),
             checksums,
+            prefetch: prefetch::CompanionPrefetch::default(),
             epoch: AtomicU64::new(0),
             registered: parking_lot::Mutex::new(Some(registered)),
             closed: AtomicBool::new(false),
@@ -444,6 +448,13 @@ impl Linker {
     /// (`ReadGranularity::Adaptive::prior`).
     pub fn read_cost(&self, mode: kv_loader::ShareMode) -> ReadCost {
         self.inner.reads.cost(mode)
+    }
+
+    /// Forgets every checksum companion this linker kept (`LinkerConfig::checksum_cache_entries`),
+    /// e.g. after the store was emptied; the next load of any prefix reads its companions again
+    /// (benchmarks use it to measure a prefix's first load more than once).
+    pub fn forget_kept_checksums(&self) {
+        self.inner.checksums.clear();
     }
 
     /// The mode `Auto` keeps, once it has measured enough (`None` while it measures, and for
@@ -554,7 +565,9 @@ impl KvLoader for Linker {
 
     fn lookup(&self, request: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
         self.inner.check_open()?;
-        self.inner.lookup(request)
+        let hit = self.inner.lookup(request)?;
+        self.inner.prefetch_companions(&hit.pages);
+        Ok(hit)
     }
 
     fn lookup_pages(
@@ -563,7 +576,9 @@ impl KvLoader for Linker {
         skip_pages: usize,
     ) -> Result<LookupHit, KvLoadError> {
         self.inner.check_open()?;
-        self.inner.lookup_pages(pages, skip_pages)
+        let hit = self.inner.lookup_pages(pages, skip_pages)?;
+        self.inner.prefetch_companions(&hit.pages);
+        Ok(hit)
     }
 
     fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError> {
@@ -677,6 +692,8 @@ impl KvLoader for Linker {
             // Idle: what is queued is refused batches, each bounded by the group's deadline.
             self.inner.config.wait_deadline
         };
+        // A read of companions ahead of a load ends within its own deadline.
+        self.inner.prefetch.join();
         if self.join_load_thread(wait) {
             // The linker lets go of the landing memory; a store call past its deadline still
             // holds it (registered, allocated) until it returns.

@@ -193,6 +193,19 @@ impl Inner {
     /// Takes the companions an earlier load kept out of `plan`'s reads, into its checksums.
     fn take_kept_companions(&self, layers: &BatchLayers, plan: &mut CompanionPlan) {
         let wanted = plan.wanted.len();
+        self.take_kept(layers, plan);
+        // Companions a lookup is still reading ahead: waited for (within that read's own
+        // deadline), not read twice.
+        let pending: Vec<&str> = plan.wanted.iter().map(|w| object_key(layers, w)).collect();
+        if !pending.is_empty() && self.prefetch.wait_for(&pending) {
+            self.take_kept(layers, plan);
+        }
+        self.metrics
+            .companions_kept((wanted - plan.wanted.len()) as u64);
+    }
+
+    /// One pass of [`take_kept_companions`](Self::take_kept_companions).
+    fn take_kept(&self, layers: &BatchLayers, plan: &mut CompanionPlan) {
         let sums = &mut plan.sums;
         plan.wanted.retain(|w| {
             let comp = if w.shared {
@@ -211,8 +224,6 @@ impl Inner {
             }
             false
         });
-        self.metrics
-            .companions_kept((wanted - plan.wanted.len()) as u64);
     }
 
     /// The size of object `key` when the store holds it with more than `len` bytes (one
@@ -250,6 +261,16 @@ impl Inner {
             detail,
         }
     }
+}
+
+/// The object key of the companion `w` wants.
+fn object_key<'a>(layers: &'a BatchLayers, w: &Wanted) -> &'a str {
+    let comp = if w.shared {
+        &layers.shared[w.comp]
+    } else {
+        &layers.own[w.comp]
+    };
+    &comp.keys[w.page]
 }
 
 /// Companions to read for one batch (see [`Inner::wanted_companions`]).
