@@ -979,8 +979,12 @@ fn a_load_right_after_its_lookup_reads_each_companion_once() {
     let t = linker
         .start_load(load_plan(&s.g, 1, &s.pages, vec![3, 1, 6, 0]))
         .unwrap();
-    // Time for the load to reach its companions (a second read of them would be held too).
-    std::thread::sleep(std::time::Duration::from_millis(100));
+    // The load waits for the read ahead (a second read of them would be held too).
+    let limit = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while linker.metrics().read_ahead_waits == 0 && std::time::Instant::now() < limit {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(linker.metrics().read_ahead_waits, 1);
     held.release();
     wait_all(&linker, &t).unwrap();
     linker.wait_batch(&t).unwrap().result.unwrap();
@@ -999,14 +1003,52 @@ fn close_waits_for_a_read_ahead_no_longer_than_its_bound() {
         ..config()
     };
     let (linker, _pool) = held_companions(&s, cfg, &held);
-    linker.lookup_pages(&s.pages, 0).unwrap();
     let t0 = std::time::Instant::now();
+    linker.lookup_pages(&s.pages, 0).unwrap();
     linker.close().unwrap();
     let took = t0.elapsed();
-    held.release();
     assert!(held.hits() > 0, "the read ahead had started");
+    held.release();
+    // It waited for the read ahead (its store call bounded at 500 ms), and no longer.
     assert!(
-        took < std::time::Duration::from_secs(10),
+        took >= std::time::Duration::from_millis(400) && took < std::time::Duration::from_secs(10),
         "close took {took:?}"
     );
+}
+
+/// A read ahead that hangs holds a load back a quarter of `store_call_timeout` at most: the
+/// load then reads its companions itself and loads.
+#[test]
+fn a_hung_read_ahead_holds_a_load_back_briefly() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, Stall};
+    let s = saved(50, 3);
+    let faults = Arc::new(FaultyStore::new(s.store.clone()));
+    // The read ahead's one call (every companion) is held; the load's own read is not.
+    let held = Stall::new();
+    faults.inject_on(
+        FaultCall::ReadWhole,
+        FaultRule {
+            key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Stall(held.clone()),
+    );
+    let cfg = LinkerConfig {
+        store_call_timeout: std::time::Duration::from_secs(4),
+        ..config()
+    };
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let linker = Linker::new(s.g.clone(), faults, pool.clone(), cfg).unwrap();
+    linker.lookup_pages(&s.pages, 0).unwrap();
+    let t0 = std::time::Instant::now();
+    load_verified(&linker, &pool, &s.pages, 1, &[3, 1, 6]);
+    let took = t0.elapsed();
+    held.release();
+    assert_eq!(linker.metrics().read_ahead_waits, 1);
+    assert!(
+        took < std::time::Duration::from_millis(3500),
+        "the load waited {took:?} (a quarter of 4 s at most, then its own read)"
+    );
+    linker.close().unwrap();
 }

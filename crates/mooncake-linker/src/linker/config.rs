@@ -65,12 +65,15 @@ pub struct LinkerConfig {
     /// so that a later load of the same objects checks its layers without reading them again:
     /// a load's first layer waits for its companions (one small read per object, about 20 ms
     /// for a 32K-token GLM-5.2 prefix over TCP). A layer that fails against a kept checksum is
-    /// checked again against its companion read afresh before its object is called bad. About
+    /// checked again against its companion read afresh before its object is called bad. A
+    /// lookup that finds pages reads their companions ahead into it (where this rank's reads
+    /// are known then; see `Linker`'s `lookup`); 0 (or `verify_checksums` off) turns that off
+    /// too. About
     /// 0.8 KB each for GLM-5.2 with its key (32,768: 25-35 MB, eight 128K-token prefixes per
     /// rank).
     pub checksum_cache_entries: usize,
     /// Longest any store call other than a layer's reads may take (lookups, read sessions,
-    /// sizes, checksums, saves, discards): past it the call fails with
+    /// sizes, checksums and their reads ahead of a load, saves, discards): past it the call fails with
     /// [`StoreError::Overdue`](crate::store::StoreError::Overdue) while it runs on (its memory
     /// is kept until it returns).
     pub store_call_timeout: Duration,

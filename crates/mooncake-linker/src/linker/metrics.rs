@@ -39,6 +39,7 @@ pub struct LinkerMetrics {
     bad_objects: AtomicU64,
     companions_kept: AtomicU64,
     companions_prefetched: AtomicU64,
+    read_ahead_waits: AtomicU64,
     stale_kept: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
 }
@@ -73,10 +74,14 @@ pub struct MetricsSnapshot {
     /// Objects that failed verification (and were discarded for the next save to rewrite).
     pub bad_objects: u64,
     /// Checksum companions a load took from those the linker kept
-    /// (`LinkerConfig::checksum_cache_entries`) instead of reading them.
+    /// (`LinkerConfig::checksum_cache_entries`: from an earlier load, a save, or read ahead
+    /// at a lookup) instead of reading them itself.
     pub companions_kept: u64,
     /// Checksum companions read ahead, when a lookup found their objects, and kept.
     pub companions_prefetched: u64,
+    /// Loads that waited for companions still being read ahead (instead of reading them),
+    /// counted when the wait starts.
+    pub read_ahead_waits: u64,
     /// (object, layer) ranges that failed against kept checksums and were checked again
     /// against their companion read afresh (their object written again since).
     pub kept_checksums_stale: u64,
@@ -135,6 +140,10 @@ impl LinkerMetrics {
         self.companions_prefetched.fetch_add(n, Ordering::Relaxed);
     }
 
+    pub(crate) fn read_ahead_wait(&self) {
+        self.read_ahead_waits.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn stale_kept(&self, n: u64) {
         self.stale_kept.fetch_add(n, Ordering::Relaxed);
     }
@@ -168,6 +177,7 @@ impl LinkerMetrics {
             bad_objects: self.bad_objects.load(Ordering::Relaxed),
             companions_kept: self.companions_kept.load(Ordering::Relaxed),
             companions_prefetched: self.companions_prefetched.load(Ordering::Relaxed),
+            read_ahead_waits: self.read_ahead_waits.load(Ordering::Relaxed),
             kept_checksums_stale: self.stale_kept.load(Ordering::Relaxed),
             overdue_calls: 0,
             failures: self.failures.lock().clone(),

@@ -692,8 +692,10 @@ impl KvLoader for Linker {
             // Idle: what is queued is refused batches, each bounded by the group's deadline.
             self.inner.config.wait_deadline
         };
-        // A read of companions ahead of a load ends within its own deadline.
-        self.inner.prefetch.join();
+        // No read of companions ahead from now on; one under way is waited for (bounded).
+        self.inner
+            .prefetch
+            .shut(kv_loader::deadline_after(self.inner.config.wait_deadline));
         if self.join_load_thread(wait) {
             // The linker lets go of the landing memory; a store call past its deadline still
             // holds it (registered, allocated) until it returns.

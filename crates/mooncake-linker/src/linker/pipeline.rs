@@ -23,8 +23,8 @@
 //! returns), a stage is reopened after a bounded wait for its device work, the reader waits
 //! for each free stage at most `layer_read_timeout + 2 × collective_timeout`, it waits for the
 //! preflight's verdicts until four fifths of `collective_timeout` after the group's read
-//! started (the batch's gate, for the first group; a rank alone: four store calls after the
-//! batch's start), and the exchange loop waits for the reader at most
+//! started (the batch's gate, for the first group; a rank alone: four store calls and a
+//! quarter after the batch's start), and the exchange loop waits for the reader at most
 //! `max(layer_read_timeout, collective_timeout) + collective_timeout + 2 × store_call_timeout`
 //! (and at least `5 × store_call_timeout`) per layer. Once the batch has failed, a size check
 //! that has not started its queries skips them. A preflight check still running
@@ -339,9 +339,13 @@ impl LayerPipeline<'_> {
     fn verdict_bound(&self, from: Instant) -> Instant {
         let c = &self.inner.config;
         if self.coll.is_none() {
-            // The companions' read, a size query and a discard, then the sizes: four store
-            // calls from the batch's start at most.
-            let own = c.store_call_timeout.saturating_mul(4);
+            // A wait for companions read ahead at lookup (a quarter of a store call at most),
+            // the companions' read, a size query and a discard, then the sizes: four store
+            // calls and a quarter from the batch's start at most.
+            let own = c
+                .store_call_timeout
+                .saturating_mul(4)
+                .saturating_add(c.store_call_timeout / 4);
             return self
                 .opened
                 .checked_add(own)
@@ -373,7 +377,13 @@ impl LayerPipeline<'_> {
         let (companions_read, read) = std::sync::mpsc::channel::<()>();
         // Reading, and for a companion that does not fit, its object's size and the discard of
         // both: three store calls at most.
-        let companions_limit = self.inner.config.store_call_timeout.saturating_mul(3);
+        // (And before them, a wait of a quarter of one for companions read ahead at lookup.)
+        let companions_limit = self
+            .inner
+            .config
+            .store_call_timeout
+            .saturating_mul(3)
+            .saturating_add(self.inner.config.store_call_timeout / 4);
         let store_call_timeout = self.inner.config.store_call_timeout;
         // Where every object has a companion the sizes need not hold layer 0 back: they start
         // once the first group is read too, so that their queries (one per object) do not slow

@@ -10,12 +10,17 @@
 //! load takes them from there, and waits for a read still under way rather than reading the
 //! same companions again (never longer than that read's own deadline).
 //!
-//! Only where the companions this rank will read can be told at lookup: a rank alone, or a
-//! group whose mode is known (fixed, or kept by `Auto`) and in which this rank reads every
-//! page (`AllRanks`; rank 0 of `Rank0Broadcast`). `SplitAllGather` reads a share of the
-//! pages per rank (a fraction of the companions), and ranks other than 0 read no replicated
-//! component in `Rank0Broadcast`: none is read ahead there. One prefetch at a time per linker
-//! (a lookup while one runs starts none); none without checksums or kept checksums.
+//! Only the companions this rank will read for certain: its sharded components' (read whole by
+//! every rank in every mode) and, where the mode is known (a rank alone; fixed, or kept by
+//! `Auto`) and this rank reads every page of them, its replicated components' (`AllRanks`;
+//! rank 0 of `Rank0Broadcast`). In `SplitAllGather` a rank reads a share of a replicated
+//! component's pages (known only with the batch's share layout) and the other ranks of
+//! `Rank0Broadcast` read none: those are not read ahead. One read ahead at a time per linker
+//! (a lookup while one runs starts none); none without checksums or kept checksums
+//! (`verify_checksums`, `checksum_cache_entries`). A load waits for a read ahead of its
+//! companions for a quarter of `store_call_timeout` at most, then reads what is missing itself
+//! (the preflight's bounds allow for that wait); `close` waits for one under way until its
+//! `wait_deadline` at most.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -31,13 +36,23 @@ use super::Inner;
 /// The companions being read ahead, and the thread reading them.
 #[derive(Debug, Default)]
 pub(crate) struct CompanionPrefetch {
-    state: Mutex<Option<Running>>,
+    state: Mutex<State>,
     done: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    running: Option<Running>,
+    generations: u64,
+    /// The linker is closing: no read ahead starts.
+    shut: bool,
 }
 
 #[derive(Debug)]
 struct Running {
-    /// Object keys whose companions are being read.
+    /// Which read ahead this is (a waiter waits for its own, not a later one).
+    generation: u64,
+    /// Object keys whose companions are being read (emptied when the read ends).
     keys: HashSet<String>,
     /// When the read gives up.
     deadline: Instant,
@@ -45,18 +60,31 @@ struct Running {
 }
 
 impl CompanionPrefetch {
-    /// Waits (until the read's own deadline at most) while a prefetch reads the companion of
-    /// any of `objects`; true if it waited.
-    pub(crate) fn wait_for(&self, objects: &[&str]) -> bool {
+    /// Waits while the read ahead under way reads the companion of any of `objects`, until it
+    /// ends, its own deadline or `limit`, whichever is first (`waiting` is called once, before
+    /// the wait); true if it waited.
+    pub(crate) fn wait_for(
+        &self,
+        objects: &[&str],
+        limit: Instant,
+        waiting: impl FnOnce(),
+    ) -> bool {
         let mut st = self.state.lock();
-        let Some(deadline) = st
+        let Some((generation, deadline)) = st
+            .running
             .as_ref()
             .filter(|r| objects.iter().any(|k| r.keys.contains(*k)))
-            .map(|r| r.deadline)
+            .map(|r| (r.generation, r.deadline.min(limit)))
         else {
             return false;
         };
-        while st.as_ref().is_some_and(|r| !r.keys.is_empty()) {
+        waiting();
+        let running = |st: &State| {
+            st.running
+                .as_ref()
+                .is_some_and(|r| r.generation == generation && !r.keys.is_empty())
+        };
+        while running(&st) {
             if self.done.wait_until(&mut st, deadline).timed_out() {
                 break;
             }
@@ -64,12 +92,43 @@ impl CompanionPrefetch {
         true
     }
 
-    /// Waits for a prefetch's thread to end (its read is bounded by its deadline).
-    pub(crate) fn join(&self) {
-        let thread = self.state.lock().as_mut().and_then(|r| r.thread.take());
-        if let Some(t) = thread {
+    /// No read ahead starts from now on; waits for one under way until it ends or `deadline`,
+    /// and joins its thread if it ended (one past the deadline ends by its own).
+    pub(crate) fn shut(&self, deadline: Instant) {
+        let mut st = self.state.lock();
+        st.shut = true;
+        while st.running.as_ref().is_some_and(|r| !r.keys.is_empty()) {
+            if self.done.wait_until(&mut st, deadline).timed_out() {
+                break;
+            }
+        }
+        let ended = st.running.as_ref().is_some_and(|r| r.keys.is_empty());
+        let thread = st.running.as_mut().and_then(|r| r.thread.take());
+        drop(st);
+        if let (true, Some(t)) = (ended, thread) {
             let _ = t.join();
         }
+    }
+}
+
+/// Ends a read ahead when its thread returns or unwinds: its keys are cleared and waiters
+/// woken, so a panic cannot leave loads waiting or read-ahead off for good.
+struct Ended<'a> {
+    prefetch: &'a CompanionPrefetch,
+    generation: u64,
+}
+
+impl Drop for Ended<'_> {
+    fn drop(&mut self) {
+        let mut st = self.prefetch.state.lock();
+        if let Some(r) = st
+            .running
+            .as_mut()
+            .filter(|r| r.generation == self.generation)
+        {
+            r.keys.clear();
+        }
+        self.prefetch.done.notify_all();
     }
 }
 
@@ -92,11 +151,15 @@ impl Inner {
             return Vec::new();
         }
         let rank = self.geometry.tp_rank;
-        let reads = |c: &ComponentLayout| match self.mode_ahead() {
-            Some(ShareMode::AllRanks) => true,
-            Some(ShareMode::Rank0Broadcast) => rank == 0 || !c.replicated,
-            // A share of the pages per rank (or nothing known): none ahead.
-            _ => false,
+        let mode = self.mode_ahead();
+        let reads = |c: &ComponentLayout| {
+            !c.replicated
+                || match mode {
+                    Some(ShareMode::AllRanks) => true,
+                    Some(ShareMode::Rank0Broadcast) => rank == 0,
+                    // A share of the pages per rank (or nothing known): none ahead.
+                    _ => false,
+                }
         };
         let mut out = Vec::new();
         for c in self.geometry.components().iter().filter(|c| reads(c)) {
@@ -118,35 +181,51 @@ impl Inner {
             return;
         }
         let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
-        {
+        let generation = {
             let mut st = self.prefetch.state.lock();
-            if st.as_ref().is_some_and(|r| !r.keys.is_empty()) {
+            if st.shut || st.running.as_ref().is_some_and(|r| !r.keys.is_empty()) {
                 return;
             }
-            // The last prefetch's thread has ended its read; reap it before the next.
-            if let Some(t) = st.as_mut().and_then(|r| r.thread.take()) {
+            // The last read ahead has ended (its keys are cleared); reap its thread.
+            if let Some(t) = st.running.as_mut().and_then(|r| r.thread.take()) {
                 let _ = t.join();
             }
-            *st = Some(Running {
+            st.generations += 1;
+            st.running = Some(Running {
+                generation: st.generations,
                 keys: objects.iter().map(|(k, _)| k.clone()).collect(),
                 deadline,
                 thread: None,
             });
-        }
+            st.generations
+        };
         let inner = self.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("kvlink-prefetch-r{}", self.geometry.tp_rank))
-            .spawn(move || inner.read_ahead(&objects, deadline));
+            .spawn(move || {
+                let _ended = Ended {
+                    prefetch: &inner.prefetch,
+                    generation,
+                };
+                inner.read_ahead(&objects);
+            });
         let mut st = self.prefetch.state.lock();
-        match spawned {
-            Ok(t) => {
-                if let Some(r) = st.as_mut() {
-                    r.thread = Some(t);
-                }
+        match (spawned, st.running.as_mut()) {
+            (Ok(t), Some(r)) if r.generation == generation => r.thread = Some(t),
+            // A later read ahead took its place (this one ended meanwhile): reap it here.
+            (Ok(t), _) => {
+                drop(st);
+                let _ = t.join();
             }
-            Err(e) => {
+            (Err(e), _) => {
                 tracing::debug!(error = %e, "no thread to read companions ahead");
-                *st = None;
+                if st
+                    .running
+                    .as_ref()
+                    .is_some_and(|r| r.generation == generation)
+                {
+                    st.running = None;
+                }
                 self.prefetch.done.notify_all();
             }
         }
@@ -154,8 +233,9 @@ impl Inner {
 
     /// The prefetch thread: reads the companions of `objects`, keeps those that decode and fit
     /// their layout (anything else is left to the load's own read), then says it is done.
-    fn read_ahead(&self, objects: &[(String, ComponentLayout)], deadline: Instant) {
+    fn read_ahead(&self, objects: &[(String, ComponentLayout)]) {
         let t0 = Instant::now();
+        let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
         let companions: Vec<String> = objects.iter().map(|(k, _)| checksum_key(k)).collect();
         let keys: Vec<&str> = companions.iter().map(String::as_str).collect();
         let lens: Vec<usize> = objects
@@ -175,10 +255,5 @@ impl Inner {
         }
         self.metrics.companions_prefetched(kept);
         tracing::debug!(objects = objects.len(), kept, took = ?t0.elapsed(), "companions read ahead");
-        let mut st = self.prefetch.state.lock();
-        if let Some(r) = st.as_mut() {
-            r.keys.clear();
-        }
-        self.prefetch.done.notify_all();
     }
 }

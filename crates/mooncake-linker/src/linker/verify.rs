@@ -197,7 +197,11 @@ impl Inner {
         // Companions a lookup is still reading ahead: waited for (within that read's own
         // deadline), not read twice.
         let pending: Vec<&str> = plan.wanted.iter().map(|w| object_key(layers, w)).collect();
-        if !pending.is_empty() && self.prefetch.wait_for(&pending) {
+        if !pending.is_empty() {
+            let limit = kv_loader::deadline_after(self.config.store_call_timeout / 4);
+            self.prefetch
+                .wait_for(&pending, limit, || self.metrics.read_ahead_wait());
+            // Also when it did not wait: a read ahead may have ended since the first pass.
             self.take_kept(layers, plan);
         }
         self.metrics
