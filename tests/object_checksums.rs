@@ -1052,3 +1052,26 @@ fn a_hung_read_ahead_holds_a_load_back_briefly() {
     );
     linker.close().unwrap();
 }
+
+/// Stress: lookups and loads back to back, what was kept forgotten each time, so reads ahead
+/// start, end, are waited for and are overtaken in every order: every load is checked and
+/// right, none hangs, and `close` ends it all.
+#[test]
+fn lookups_and_loads_back_to_back_stay_right() {
+    let s = saved(51, 3);
+    let (linker, pool, _reads) = counting_companions(&s, config());
+    for i in 0..40u64 {
+        linker.forget_kept_checksums();
+        linker.lookup_pages(&s.pages, 0).unwrap();
+        if i % 3 == 0 {
+            // A second lookup while the first may still be reading ahead.
+            linker.lookup_pages(&s.pages[1..], 0).unwrap();
+        }
+        let slots = if i % 2 == 0 { [0, 1, 2] } else { [5, 3, 7] };
+        load_verified(&linker, &pool, &s.pages, 1 + i, &slots);
+    }
+    let m = linker.metrics();
+    assert_eq!(m.batches_loaded, 40, "{m:?}");
+    assert_eq!(m.ranges_length_only, 0, "{m:?}");
+    linker.close().unwrap();
+}
