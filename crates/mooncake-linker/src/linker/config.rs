@@ -67,7 +67,7 @@ pub struct LinkerConfig {
     /// for a 32K-token GLM-5.2 prefix over TCP). A layer that fails against a kept checksum is
     /// checked again against its companion read afresh before its object is called bad. A
     /// lookup that finds pages reads their companions ahead into it (where this rank's reads
-    /// are known then; see `Linker`'s `lookup`); 0 (or `verify_checksums` off) turns that off
+    /// are known then: docs/architecture.md, "Companions read at lookup"); 0 (or `verify_checksums` off) turns that off
     /// too. About
     /// 0.8 KB each for GLM-5.2 with its key (32,768: 25-35 MB, eight 128K-token prefixes per
     /// rank).
