@@ -672,20 +672,9 @@ fn counting_companions(
     Arc<HostKvPool>,
     kvlink::mooncake_linker::store::Stall,
 ) {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, Stall};
-    let faults = Arc::new(FaultyStore::new(s.store.clone()));
-    let reads = Stall::new();
+    let reads = kvlink::mooncake_linker::store::Stall::new();
     reads.release();
-    faults.inject_on(
-        FaultCall::ReadWhole,
-        FaultRule {
-            key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
-            ..FaultRule::default()
-        },
-        Fault::Stall(reads.clone()),
-    );
-    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
-    let linker = Linker::new(s.g.clone(), faults, pool.clone(), cfg).unwrap();
+    let (linker, pool) = held_companions(s, cfg, &reads);
     (linker, pool, reads)
 }
 
