@@ -110,6 +110,9 @@ pub enum Verified {
 /// let sums = ObjectChecksums::of_object(&object, ix.page_layer_bytes).unwrap();
 /// let stored = sums.encode();                       // the companion object's bytes
 /// let back = ObjectChecksums::decode(&stored).unwrap();
+/// assert_eq!(ObjectChecksums::decode_for(&stored, ix), Ok(back.clone()));
+/// let k = g.component_by_name("k").unwrap();
+/// assert!(ObjectChecksums::decode_for(&stored, k).is_err(), "another component's layout");
 /// let layer3 = &object[ix.layer_range(3).unwrap().start as usize..][..8448];
 /// assert_eq!(ObjectChecksums::verify_layer(Some(&back), ix, 3, layer3), Ok(Verified::Checksum));
 /// let mut bad = layer3.to_vec();
@@ -224,6 +227,14 @@ impl ObjectChecksums {
             layer_bytes,
             sums: (0..count).map(|i| u64_at(sums, i * 8)).collect(),
         })
+    }
+
+    /// [`decode`](Self::decode), then [`check_layout`](Self::check_layout) against `layout`:
+    /// the companion of an object of `layout`, or why it is not one.
+    pub fn decode_for(bytes: &[u8], layout: &ComponentLayout) -> Result<Self, ChecksumError> {
+        let sums = Self::decode(bytes)?;
+        sums.check_layout(layout)?;
+        Ok(sums)
     }
 
     /// Whether these checksums describe objects of `layout` (same number of layer ranges of

@@ -52,15 +52,14 @@ impl ChecksumCache {
 
     /// Keeps `sums` for the object `key` (replacing what was kept), dropping the oldest entries
     /// beyond the capacity.
-    pub(crate) fn insert(&self, key: &str, sums: ObjectChecksums) {
+    pub(crate) fn insert(&self, key: &str, sums: Arc<ObjectChecksums>) {
         if self.capacity == 0 {
             return;
         }
         let mut e = self.entries.lock();
         let generation = e.next;
         e.next += 1;
-        e.by_key
-            .insert(key.to_owned(), (Arc::new(sums), generation));
+        e.by_key.insert(key.to_owned(), (sums, generation));
         e.order.push_back((key.to_owned(), generation));
         while e.by_key.len() > self.capacity {
             let Some((oldest, g)) = e.order.pop_front() else {
@@ -101,11 +100,11 @@ impl ChecksumCache {
 mod tests {
     use super::*;
 
-    fn sums(v: u64) -> ObjectChecksums {
-        ObjectChecksums {
+    fn sums(v: u64) -> Arc<ObjectChecksums> {
+        Arc::new(ObjectChecksums {
             layer_bytes: 8,
             sums: vec![v],
-        }
+        })
     }
 
     #[test]

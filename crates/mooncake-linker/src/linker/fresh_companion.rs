@@ -72,9 +72,7 @@ impl Inner {
         for (r, got) in rows.iter().zip(read) {
             let (comp, page) = (r.component, r.page);
             let fresh = match got {
-                Ok(b) => match ObjectChecksums::decode(&b)
-                    .and_then(|s| s.check_layout(&comp.layout).map(|()| s))
-                {
+                Ok(b) => match ObjectChecksums::decode_for(&b, &comp.layout) {
                     Ok(s) => Some(s),
                     Err(e) => {
                         sizes(comp, page)?;
@@ -95,7 +93,7 @@ impl Inner {
                     let key = &comp.keys[page];
                     tracing::info!(%batch, key, layer, "kept checksums were stale: the companion read afresh passes");
                     if let Some(s) = fresh {
-                        self.checksums.insert(key, s);
+                        self.checksums.insert(key, std::sync::Arc::new(s));
                     }
                     verdicts.push(v);
                 }

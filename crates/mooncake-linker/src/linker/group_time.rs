@@ -11,7 +11,7 @@ use std::time::Duration;
 use kv_loader::ShareMode;
 
 /// One batch this rank loaded with the group: its mode, the bytes it landed and its time from
-/// `start_load` to the last layer.
+/// the batch's gate until the rank was done with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct BatchSample {
     pub(crate) mode: ShareMode,

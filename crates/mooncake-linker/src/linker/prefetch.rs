@@ -246,10 +246,8 @@ impl Inner {
         let mut kept = 0u64;
         for ((key, layout), r) in objects.iter().zip(got) {
             let Ok(bytes) = r else { continue };
-            if let Ok(sums) =
-                ObjectChecksums::decode(&bytes).and_then(|s| s.check_layout(layout).map(|()| s))
-            {
-                self.checksums.insert(key, sums);
+            if let Ok(sums) = ObjectChecksums::decode_for(&bytes, layout) {
+                self.checksums.insert(key, Arc::new(sums));
                 kept += 1;
             }
         }

@@ -267,7 +267,8 @@ impl Inner {
         for (i, &page) in chunk.iter().enumerate() {
             let pair = (objects.get(i), companion_results.get(i));
             if let (Some(Ok(PutOutcome::Written)), Some(Ok(PutOutcome::Written))) = pair {
-                self.checksums.insert(&comp.keys[page], sums[i].clone());
+                self.checksums
+                    .insert(&comp.keys[page], std::sync::Arc::new(sums[i].clone()));
             }
         }
         Ok(())

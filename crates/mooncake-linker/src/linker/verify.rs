@@ -129,15 +129,11 @@ impl Inner {
             .calls
             .read_whole_owned(&keys, &lens, self.store_call_deadline());
         for (w, r) in plan.wanted.iter().zip(got) {
-            let comp = if w.shared {
-                &layers.shared[w.comp]
-            } else {
-                &layers.own[w.comp]
-            };
+            let comp = wanted_component(layers, w);
             let decoded = match r {
-                Ok(bytes) => ObjectChecksums::decode(&bytes)
-                    .and_then(|s| s.check_layout(&comp.layout).map(|()| s))
-                    .map_err(|e| e.to_string()),
+                Ok(bytes) => {
+                    ObjectChecksums::decode_for(&bytes, &comp.layout).map_err(|e| e.to_string())
+                }
                 // No companion (objects another writer saved): checked by length only.
                 Err(StoreError::NotFound { .. }) => {
                     plan.absent += 1;
@@ -163,12 +159,10 @@ impl Inner {
             };
             match decoded {
                 Ok(sums) => {
+                    let sums = std::sync::Arc::new(sums);
                     self.checksums.insert(&comp.keys[w.page], sums.clone());
                     if let Some(slot) = plan.sums.slot(w.shared, w.comp, w.page) {
-                        *slot = Some(Companion {
-                            sums: std::sync::Arc::new(sums),
-                            kept: false,
-                        });
+                        *slot = Some(Companion { sums, kept: false });
                     }
                 }
                 Err(detail) => {
@@ -212,12 +206,7 @@ impl Inner {
     fn take_kept(&self, layers: &BatchLayers, plan: &mut CompanionPlan) {
         let sums = &mut plan.sums;
         plan.wanted.retain(|w| {
-            let comp = if w.shared {
-                &layers.shared[w.comp]
-            } else {
-                &layers.own[w.comp]
-            };
-            let Some(kept) = self.checksums.get(&comp.keys[w.page]) else {
+            let Some(kept) = self.checksums.get(object_key(layers, w)) else {
                 return true;
             };
             if let Some(slot) = sums.slot(w.shared, w.comp, w.page) {
@@ -267,14 +256,18 @@ impl Inner {
     }
 }
 
-/// The object key of the companion `w` wants.
-fn object_key<'a>(layers: &'a BatchLayers, w: &Wanted) -> &'a str {
-    let comp = if w.shared {
+/// The component whose object's companion `w` wants.
+fn wanted_component<'a>(layers: &'a BatchLayers, w: &Wanted) -> &'a ComponentKeys {
+    if w.shared {
         &layers.shared[w.comp]
     } else {
         &layers.own[w.comp]
-    };
-    &comp.keys[w.page]
+    }
+}
+
+/// The object key of the companion `w` wants.
+fn object_key<'a>(layers: &'a BatchLayers, w: &Wanted) -> &'a str {
+    &wanted_component(layers, w).keys[w.page]
 }
 
 /// Companions to read for one batch (see [`Inner::wanted_companions`]).
@@ -310,10 +303,10 @@ pub(crate) struct LayerCheck<'a> {
 impl LayerCheck<'_> {
     /// Every range this rank read at `layer`, checked; the first that fails (in component,
     /// then page order; rows that failed against kept checksums only after the others, once
-    /// their companions read afresh fail them too) is the error. The hashing runs on up to `verify_threads` threads
-    /// when the layer is large enough to gain from them: it sits on the load thread between
-    /// the reader and the landing, so one core hashing a fast store's layer would bound the
-    /// load.
+    /// their companions read afresh fail them too) is the error. The hashing runs on up to
+    /// `verify_threads` threads when the layer is large enough to gain from them: it sits on
+    /// the load thread between the reader and the landing, so one core hashing a fast store's
+    /// layer would bound the load.
     pub(crate) fn run(
         &self,
         landing: &dyn LayerLanding,
