@@ -410,7 +410,7 @@ fn auto_measures_again_a_mode_whose_batch_failed_on_a_middle_rank() {
     assert_eq!(modes_of(&rs, 3, &pages), all(ShareMode::Rank0Broadcast));
     assert_eq!(modes_of(&rs, 4, &pages), all(ShareMode::SplitAllGather));
     let mut batch = 5;
-    while rs[0].linker.auto_decision().is_none() && batch <= 16 {
+    while rs[0].linker.auto_decision().is_none() && batch <= 24 {
         assert!(modes_of(&rs, batch, &pages).iter().all(Result::is_ok));
         batch += 1;
     }
@@ -509,8 +509,8 @@ fn auto_decides_from_the_slowest_rank_not_rank_0() {
     // (mode, each rank's time from start_load to its last layer), per batch.
     let mut seen: Vec<(ShareMode, Vec<Duration>)> = Vec::new();
     let mut batch = 1;
-    // Bounded: Auto keeps a mode within 10 batches.
-    while rs[0].linker.auto_decision().is_none() && batch <= 12 {
+    // Bounded: Auto keeps a mode within 10 batches (19 in a close call).
+    while rs[0].linker.auto_decision().is_none() && batch <= 21 {
         let outcomes = run(&rs, batch, &pages);
         let stats: Vec<_> = outcomes
             .iter()

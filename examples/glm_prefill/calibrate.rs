@@ -47,10 +47,10 @@ pub(super) fn calibrate_auto(
     Ok(seen)
 }
 
-/// Most calibration batches Auto gets: 3 per mode is 9 at most, and Auto decides one batch
-/// later (a batch's time on the slowest rank reaches the linkers at the next gate), so 10; the
-/// rest is slack.
-pub(super) const CALIBRATION_CAP: u64 = 12;
+/// Most calibration batches Auto gets: 3 per mode is 9 at most, 6 per mode (18) when the pick
+/// is a close call, and Auto decides one batch later (a batch's time on the slowest rank
+/// reaches the linkers at the next gate), so 19; the rest is slack.
+pub(super) const CALIBRATION_CAP: u64 = 22;
 
 /// One calibration batch of `pages` into `slots` on `linker`, waited for layer by layer (no
 /// simulated compute): what every rank runs while Auto measures, in both shapes.

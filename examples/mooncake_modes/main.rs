@@ -184,7 +184,8 @@ fn auto_run(
     let mut timed = Vec::new();
     let mut batch = 100u64;
     let mut outcome = Ok(());
-    while linkers[0].auto_decision().is_none() && measured.len() < 12 {
+    // At most 19 batches (6 per mode in a close call, one more while the last time travels).
+    while linkers[0].auto_decision().is_none() && measured.len() < 22 {
         match rig.run_batch(&linkers, prefix, batch, compute) {
             Ok(runs) => {
                 measured.push(runs[0].stats.mode);

@@ -383,8 +383,9 @@ impl SizeTables {
         let _ = writeln!(
             out,
             "\nAuto measures every mode in rounds (3 batches per mode by default; a mode 1.5× \
-             slower than the best after the first round is dropped), keeps the lowest median, \
-             and breaks ties within 10 % towards fewer store bytes per rank. Batches each Auto \
+             slower than the best after the first round is dropped; up to 6 per mode while a \
+             mode is within 5 % of the tie margin), keeps the lowest median, and breaks ties \
+             within 10 % towards fewer store bytes per rank. Batches each Auto \
              run spent measuring: {}.",
             self.rows
                 .iter()
