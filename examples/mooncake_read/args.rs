@@ -27,6 +27,8 @@ pub struct Args {
     pub linker_compute_us: Vec<u64>,
     /// `MC_TCP_LANES_PER_PEER` of the `Linker` rows' clients (0: the wheel's default, 4).
     pub linker_lanes: Vec<usize>,
+    /// `read_streams` of the `Linker` rows' stores (0: the store's default for this machine).
+    pub linker_streams: Vec<usize>,
     /// How the `Linker` rows get their checksum companions (one row set each).
     pub linker_companions: Vec<Companions>,
     /// With `at-lookup`: the engine's time between its lookup and `start_load` (SIMULATED).
@@ -161,6 +163,14 @@ fn command() -> Command {
                 .help("MC_TCP_LANES_PER_PEER of the Linker rows' clients (0: the wheel's default, 4); one row per value and compute"),
         )
         .arg(
+            Arg::new("linker-streams")
+                .long("linker-streams")
+                .value_parser(value_parser!(usize))
+                .value_delimiter(',')
+                .default_value("0")
+                .help("read_streams of the Linker rows' stores (0: the store's default for this machine); one row per value, lanes and compute"),
+        )
+        .arg(
             Arg::new("no-python")
                 .long("no-python")
                 .action(ArgAction::SetTrue)
@@ -189,6 +199,7 @@ pub fn parse() -> Args {
         max_layers_per_call: *m.get_one("max-layers-per-call").expect("defaulted"),
         linker_compute_us: list(&m, "linker-compute-us"),
         linker_lanes: list(&m, "linker-lanes"),
+        linker_streams: list(&m, "linker-streams"),
         linker_companions: list(&m, "linker-companions"),
         linker_lookup_gap_us: *m.get_one("linker-lookup-gap-us").expect("defaulted"),
         no_python: m.get_flag("no-python"),

@@ -33,6 +33,8 @@ pub struct LinkerReader {
     pub compute: Duration,
     /// `MC_TCP_LANES_PER_PEER` of its client (0: the wheel's default).
     pub lanes: usize,
+    /// `read_streams` of its store (0: the store's default).
+    pub streams: usize,
     /// How it gets its checksum companions.
     pub companions: Companions,
     /// With `Companions::AtLookup`: the engine's time between lookup and load (SIMULATED).
@@ -52,15 +54,20 @@ pub fn pool(objects: &Objects) -> Result<Arc<HostKvPool>> {
 
 impl LinkerReader {
     /// A linker with the library's defaults, reading the bench's objects (`namespace`), over a
-    /// new client of `config` (no segment of its own).
+    /// new client of `config` (no segment of its own; `streams` read streams when not 0).
     pub fn new(
         config: &MooncakeConfig,
         namespace: &str,
         tokens: u32,
         pool: Arc<HostKvPool>,
-        (compute, lanes): (Duration, usize),
+        (compute, lanes, streams): (Duration, usize, usize),
         (companions, lookup_gap): (Companions, Duration),
     ) -> Result<Self> {
+        let config = if streams > 0 {
+            config.clone().read_streams(streams)
+        } else {
+            config.clone()
+        };
         // The wheel reads MC_TCP_LANES_PER_PEER when a client's transport is created; it is
         // set around this connect only, while no client has a transfer in flight.
         if lanes > 0 {
@@ -99,6 +106,7 @@ impl LinkerReader {
         Ok(Self {
             compute,
             lanes,
+            streams,
             companions,
             lookup_gap,
             linker,

@@ -397,19 +397,26 @@ fn linker_table(
     } else {
         a.linker_lanes.clone()
     };
+    let streams = if a.linker_streams.is_empty() {
+        vec![0]
+    } else {
+        a.linker_streams.clone()
+    };
     let mut readers = Vec::new();
     let gap = Duration::from_micros(a.linker_lookup_gap_us);
     for &kept in &a.linker_companions {
-        for &l in &lanes {
-            for &us in &a.linker_compute_us {
-                readers.push(LinkerReader::new(
-                    &defaults,
-                    &objects.namespace,
-                    a.tokens,
-                    pool.clone(),
-                    (Duration::from_micros(us), l),
-                    (kept, gap),
-                )?);
+        for &st in &streams {
+            for &l in &lanes {
+                for &us in &a.linker_compute_us {
+                    readers.push(LinkerReader::new(
+                        &defaults,
+                        &objects.namespace,
+                        a.tokens,
+                        pool.clone(),
+                        (Duration::from_micros(us), l, st),
+                        (kept, gap),
+                    )?);
+                }
             }
         }
     }
@@ -423,7 +430,7 @@ fn linker_table(
             t.push(r.run(objects, round == 0)?);
         }
     }
-    let py_ms = median(&mut py) * 1e3;
+    let py_ms = median(&mut py.clone()) * 1e3;
     let one_layer = rows
         .iter()
         .find(|r| r.label == "kvlink `get_ranges`, 1 layer/call")
@@ -433,7 +440,8 @@ fn linker_table(
         "\nThe Linker (TP 1, host pool, scattered slots): adaptive layer groups, store defaults \
          (read_streams {}, staged merge {}); an engine thread waits for each layer, then \
          computes it (SIMULATED: sleeps); {} rounds interleaved with the Python whole-object \
-         read, medians; one layer read alone (kvlink `get_ranges`, 1 layer/call, above): {}",
+         read, medians; the two ratios are medians of each round's ratio to that round's Python \
+         read (paired); one layer read alone (kvlink `get_ranges`, 1 layer/call, above): {}",
         defaults.read_streams_count(),
         if defaults.staged_merge_enabled() {
             "on"
@@ -443,10 +451,10 @@ fn linker_table(
         a.rounds,
         one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
     )?;
-    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
     writeln!(
         out,
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
     )?;
     for (r, t) in readers.iter().zip(&times) {
         let c = r.compute.as_secs_f64() * 1e3;
@@ -461,13 +469,30 @@ fn linker_table(
                 .join(" ")
         });
         let serial = py_ms + f64::from(objects.layers) * c;
+        let compute_s = f64::from(objects.layers) * r.compute.as_secs_f64();
+        // Each round against the Python read of the same round (NaN without Python).
+        let paired = |f: &dyn Fn(&LinkerTiming, f64) -> f64| {
+            let mut v: Vec<f64> = t
+                .iter()
+                .enumerate()
+                .map(|(i, x)| py.get(i).map_or(f64::NAN, |&p| f(x, p)))
+                .collect();
+            median(&mut v)
+        };
+        let last_vs = paired(&|x, p| x.last / p);
+        let done_vs = paired(&|x, p| x.forward_done / (p + compute_s));
         writeln!(
             out,
-            "| {c:.1} ms | {} | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {:.2} | {:.2} | {} |",
+            "| {c:.1} ms | {} | {} | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {last_vs:.2} | {done_vs:.2} | {} |",
             if r.lanes == 0 {
                 "4 (default)".to_string()
             } else {
                 r.lanes.to_string()
+            },
+            if r.streams == 0 {
+                format!("{} (default)", defaults.read_streams_count())
+            } else {
+                r.streams.to_string()
             },
             match r.companions {
                 args::Companions::EveryLoad => "read by every load".to_string(),
@@ -477,8 +502,6 @@ fn linker_table(
                     r.lookup_gap.as_secs_f64() * 1e3
                 ),
             },
-            last / py_ms,
-            done / serial,
             r.measured(),
         )?;
     }
