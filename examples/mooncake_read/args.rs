@@ -33,6 +33,9 @@ pub struct Args {
     pub linker_companions: Vec<Companions>,
     /// With `at-lookup`: the engine's time between its lookup and `start_load` (SIMULATED).
     pub linker_lookup_gap_us: u64,
+    /// Write no checksum companions (the objects as SGLang writes them: the `Linker` rows
+    /// check them by length only, after a size query).
+    pub no_companions: bool,
     /// Skip the wheel's Python client.
     pub no_python: bool,
     /// Only the variants whose label contains one of these.
@@ -171,6 +174,16 @@ fn command() -> Command {
                 .help("read_streams of the Linker rows' stores (0: the store's default for this machine); one row per value, lanes and compute"),
         )
         .arg(
+            Arg::new("no-companions")
+                .long("no-companions")
+                .action(ArgAction::SetTrue)
+                .help(
+                    "write no checksum companions beside the objects (as SGLang writes them: \
+                     the Linker rows check them by length only); by default each object has \
+                     its companion, as kvlink's save writes it",
+                ),
+        )
+        .arg(
             Arg::new("no-python")
                 .long("no-python")
                 .action(ArgAction::SetTrue)
@@ -202,6 +215,7 @@ pub fn parse() -> Args {
         linker_streams: list(&m, "linker-streams"),
         linker_companions: list(&m, "linker-companions"),
         linker_lookup_gap_us: *m.get_one("linker-lookup-gap-us").expect("defaulted"),
+        no_companions: m.get_flag("no-companions"),
         no_python: m.get_flag("no-python"),
         only: list(&m, "only"),
     }

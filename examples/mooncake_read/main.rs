@@ -495,6 +495,7 @@ fn linker_table(
                 r.streams.to_string()
             },
             match r.companions {
+                _ if a.no_companions => "none written (length checks after a size query)".to_string(),
                 args::Companions::EveryLoad => "read by every load".to_string(),
                 args::Companions::Kept => "kept from round 1 (rounds 2+ read none)".to_string(),
                 args::Companions::AtLookup => format!(
@@ -519,7 +520,7 @@ fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
         .staged_merge(false);
     // Declared before the clients, so dropped after them: the buffers outlive their
     // registrations.
-    let mut objects = Objects::glm52(a.tokens)?;
+    let mut objects = Objects::glm52(a.tokens, !a.no_companions)?;
     let clients = connect_all(a, &config)?;
     for s in &clients.stores {
         // SAFETY: `objects` is declared before `clients`, so its buffers are dropped only
@@ -530,7 +531,7 @@ fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
     objects.put_all(&clients.stores[0])?;
     writeln!(
         out,
-        "{} pages × {{{}}}: {:.2} GB written to the storage node in {:.1} s; this machine: {} CPUs; MC_TCP_SLICE_SIZE={}",
+        "{} pages × {{{}}}: {:.2} GB written to the storage node in {:.1} s ({}); this machine: {} CPUs; MC_TCP_SLICE_SIZE={}",
         objects.pages,
         objects
             .components
@@ -540,6 +541,11 @@ fn run(a: &args::Args, out: &mut impl Write) -> Result<()> {
             .join(", "),
         objects.total_bytes() as f64 / 1e9,
         t.elapsed().as_secs_f64(),
+        if a.no_companions {
+            "no checksum companions: objects as SGLang writes them"
+        } else {
+            "each with its checksum companion, as kvlink's save writes it"
+        },
         std::thread::available_parallelism().map_or(0, usize::from),
         std::env::var("MC_TCP_SLICE_SIZE").unwrap_or_else(|_| "unset (64 KiB)".into()),
     )?;

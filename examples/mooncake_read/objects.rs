@@ -5,7 +5,9 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use kvlink::kv_geometry::{page_hashes, KeyScheme, KvGeometry, ModelKvSpec};
+use kvlink::kv_geometry::{
+    checksum_key, page_hashes, KeyScheme, KvGeometry, ModelKvSpec, ObjectChecksums,
+};
 use kvlink::mooncake_linker::store::{KvStore, MemoryRegion, ObjectPut, PutOutcome};
 
 /// Where a reader puts layer `pos` (position inside the object) of page `page`.
@@ -33,6 +35,11 @@ pub struct Component {
     pub keys: Vec<String>,
     /// The reader's destination: `pages * object_bytes`, in the layout of the variant.
     pub buf: Vec<u8>,
+    /// The checksum companions (`{key}_kvsum`, as kvlink's save writes them), one
+    /// `companion_bytes` long per page, back to back; empty when none are written.
+    pub companions: Vec<u8>,
+    /// Bytes of one companion.
+    pub companion_bytes: usize,
 }
 
 impl Component {
@@ -79,8 +86,10 @@ fn fill_object(dst: &mut [u8], c: usize, p: usize) {
 
 impl Objects {
     /// GLM-5.2 FP8 KV objects for `tokens` cached tokens, keyed under a fresh namespace (so a
-    /// master reused across runs never serves an old object).
-    pub fn glm52(tokens: u32) -> Result<Self> {
+    /// master reused across runs never serves an old object); with `companions`, each object's
+    /// checksum companion too, as kvlink's save writes it (else the objects are as SGLang
+    /// writes them: a load checks them by length only).
+    pub fn glm52(tokens: u32, companions: bool) -> Result<Self> {
         let geometry = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0)?;
         if !tokens.is_multiple_of(geometry.page_size()) {
             bail!("--tokens must be a multiple of {}", geometry.page_size());
@@ -94,22 +103,35 @@ impl Objects {
         let components = geometry
             .components()
             .iter()
-            .map(|layout| {
+            .enumerate()
+            .map(|(c, layout)| {
                 let keys: Vec<String> = hashes
                     .iter()
                     .map(|h| scheme.object_key(h, layout))
                     .collect();
                 let bytes = keys.len() as u64 * layout.object_bytes();
-                Component {
+                let companion_bytes = ObjectChecksums::encoded_len(layout.layers.len());
+                let mut sums = Vec::new();
+                if companions {
+                    let mut object = vec![0u8; layout.object_bytes() as usize];
+                    for p in 0..keys.len() {
+                        fill_object(&mut object, c, p);
+                        let s = ObjectChecksums::of_object(&object, layout.page_layer_bytes)?;
+                        sums.extend_from_slice(&s.encode());
+                    }
+                }
+                Ok(Component {
                     name: layout.name.clone(),
                     layer_bytes: layout.page_layer_bytes,
                     position: (0..layers).map(|l| layout.position(l)).collect(),
                     layers_in_object: layout.layers.len() as u32,
                     keys,
                     buf: vec![0u8; bytes as usize],
-                }
+                    companions: sums,
+                    companion_bytes,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             namespace,
             layers,
@@ -146,6 +168,15 @@ impl Objects {
             // buffers are never reallocated while `self` lives.
             unsafe { store.register(region) }
                 .with_context(|| format!("registering the {} buffer", c.name))?;
+            if !c.companions.is_empty() {
+                let region = MemoryRegion {
+                    addr: c.companions.as_mut_ptr() as usize,
+                    len: c.companions.len(),
+                };
+                // SAFETY: as above: never reallocated while `self` lives.
+                unsafe { store.register(region) }
+                    .with_context(|| format!("registering the {} companions", c.name))?;
+            }
         }
         Ok(())
     }
@@ -177,6 +208,31 @@ impl Objects {
                     match r {
                         Ok(PutOutcome::Written) => {}
                         other => bail!("put {k}: {other:?}"),
+                    }
+                }
+            }
+            if !c.companions.is_empty() {
+                let n = c.companion_bytes;
+                let keys: Vec<String> = c.keys.iter().map(|k| checksum_key(k)).collect();
+                for (chunk, names) in keys.chunks(CHUNK * 8).enumerate() {
+                    let puts: Vec<ObjectPut<'_>> = names
+                        .iter()
+                        .enumerate()
+                        .map(|(i, k)| {
+                            let p = chunk * CHUNK * 8 + i;
+                            ObjectPut {
+                                key: k,
+                                parts: [(c.companions[p * n..].as_ptr(), n)].into_iter().collect(),
+                            }
+                        })
+                        .collect();
+                    // SAFETY: every part is a distinct companion-sized slice of
+                    // `c.companions`, which is never written after construction.
+                    for (r, k) in unsafe { store.put(&puts) }.into_iter().zip(names) {
+                        match r {
+                            Ok(PutOutcome::Written) => {}
+                            other => bail!("put {k}: {other:?}"),
+                        }
                     }
                 }
             }
