@@ -16,10 +16,10 @@
 #            group), and with 2+ GPUs one rank per GPU over NCCL; 32K and 128K, one storage
 #            node                                                           (about 6-8 min)
 #   reads    one client: the wheel's Python whole-object read against kvlink's reads and the
-#            Linker itself (adaptive layer groups, store defaults and 4 read streams; the
-#            wheel's 4 TCP lanes and 8; checksum companions read by every load and read at
-#            lookup) with the engine computing 0 / 5.76 ms per layer (SIMULATED: the modelled
-#            compute at 32K), 32K tokens, one storage node                 (about 3 min)
+#            Linker itself (adaptive layer groups, store defaults; each layer's checksum check
+#            on the default 4 threads and on 1, 8 and 16; checksum companions read by every
+#            load and read at lookup) with the engine computing 0 / 5.76 ms per layer
+#            (SIMULATED: the modelled compute at 32K), 32K tokens, one storage node (about 3 min)
 #   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8
 #            (KVLINK_TABLE_TP), 32K, every mode and Auto, then Auto alone a second time (two
 #            runs must agree), one storage node, if this build's glm_prefill has the mode;
@@ -53,7 +53,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --part) part="${2:-}"; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "gpu-mooncake-table: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -133,10 +133,10 @@ case "$part" in
     export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
     if [[ $quick -eq 1 ]]; then
       flags=(--tokens 2048 --rounds 1 --groups 78 --parallel 2 --lanes 8 --streams 1,8 --store-groups 78
-             --compute-us 0 --linker-compute-us 0,5480 --linker-lanes 0,8 --linker-streams 0,4 --linker-companions every-load,at-lookup)
+             --compute-us 0 --linker-compute-us 0,5480 --linker-verify-threads 0,8 --linker-companions every-load,at-lookup)
     else
       flags=(--tokens 32768 --rounds 5 --groups 8,26,78 --parallel 8 --lanes 8 --streams 4,8
-             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-lanes 0,8 --linker-streams 0,4 --linker-companions every-load,at-lookup)
+             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-verify-threads 0,1,8,16 --linker-companions every-load,at-lookup)
     fi
     tag=$([[ $quick -eq 1 ]] && echo 2k || echo 32k)
     run_bundle 1 mooncake_read "${flags[@]}" "${extra[@]}" \

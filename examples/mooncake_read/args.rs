@@ -29,6 +29,8 @@ pub struct Args {
     pub linker_lanes: Vec<usize>,
     /// `read_streams` of the `Linker` rows' stores (0: the store's default for this machine).
     pub linker_streams: Vec<usize>,
+    /// `verify_threads` of the `Linker` rows (0: the library's default).
+    pub linker_verify_threads: Vec<usize>,
     /// How the `Linker` rows get their checksum companions (one row set each).
     pub linker_companions: Vec<Companions>,
     /// With `at-lookup`: the engine's time between its lookup and `start_load` (SIMULATED).
@@ -174,6 +176,14 @@ fn command() -> Command {
                 .help("read_streams of the Linker rows' stores (0: the store's default for this machine); one row per value, lanes and compute"),
         )
         .arg(
+            Arg::new("linker-verify-threads")
+                .long("linker-verify-threads")
+                .value_parser(value_parser!(usize))
+                .value_delimiter(',')
+                .default_value("0")
+                .help("LinkerConfig::verify_threads of the Linker rows (threads one layer's checksum check may use; 0: the library's default); one row set per value"),
+        )
+        .arg(
             Arg::new("no-companions")
                 .long("no-companions")
                 .action(ArgAction::SetTrue)
@@ -213,6 +223,7 @@ pub fn parse() -> Args {
         linker_compute_us: list(&m, "linker-compute-us"),
         linker_lanes: list(&m, "linker-lanes"),
         linker_streams: list(&m, "linker-streams"),
+        linker_verify_threads: list(&m, "linker-verify-threads"),
         linker_companions: list(&m, "linker-companions"),
         linker_lookup_gap_us: *m.get_one("linker-lookup-gap-us").expect("defaulted"),
         no_companions: m.get_flag("no-companions"),

@@ -27,18 +27,27 @@ pub struct LinkerTiming {
     pub groups: Vec<u32>,
 }
 
-/// A linker over its own Mooncake client, loading into a pool shared with the other linker
-/// readers (they run one at a time).
-pub struct LinkerReader {
+/// What one Linker row varies.
+#[derive(Debug, Clone, Copy)]
+pub struct RowSpec {
+    /// The engine's compute per layer (SIMULATED by a sleep).
     pub compute: Duration,
     /// `MC_TCP_LANES_PER_PEER` of its client (0: the wheel's default).
     pub lanes: usize,
     /// `read_streams` of its store (0: the store's default).
     pub streams: usize,
+    /// `LinkerConfig::verify_threads` (0: the library's default).
+    pub verify_threads: usize,
     /// How it gets its checksum companions.
     pub companions: Companions,
     /// With `Companions::AtLookup`: the engine's time between lookup and load (SIMULATED).
     pub lookup_gap: Duration,
+}
+
+/// A linker over its own Mooncake client, loading into a pool shared with the other linker
+/// readers (they run one at a time).
+pub struct LinkerReader {
+    pub spec: RowSpec,
     linker: Linker,
     pool: Arc<HostKvPool>,
     hashes: Vec<PageHash>,
@@ -53,16 +62,22 @@ pub fn pool(objects: &Objects) -> Result<Arc<HostKvPool>> {
 }
 
 impl LinkerReader {
-    /// A linker with the library's defaults, reading the bench's objects (`namespace`), over a
-    /// new client of `config` (no segment of its own; `streams` read streams when not 0).
+    /// A linker with the library's defaults but for what `spec` sets, reading the bench's
+    /// objects (`namespace`), over a new client of `config` (no segment of its own).
     pub fn new(
         config: &MooncakeConfig,
         namespace: &str,
         tokens: u32,
         pool: Arc<HostKvPool>,
-        (compute, lanes, streams): (Duration, usize, usize),
-        (companions, lookup_gap): (Companions, Duration),
+        spec: RowSpec,
     ) -> Result<Self> {
+        let RowSpec {
+            lanes,
+            streams,
+            verify_threads,
+            companions,
+            ..
+        } = spec;
         let config = if streams > 0 {
             config.clone().read_streams(streams)
         } else {
@@ -100,15 +115,16 @@ impl LinkerReader {
                         LinkerConfig::default().checksum_cache_entries
                     }
                 },
+                verify_threads: if verify_threads > 0 {
+                    verify_threads
+                } else {
+                    LinkerConfig::default().verify_threads
+                },
                 ..LinkerConfig::default()
             },
         )?;
         Ok(Self {
-            compute,
-            lanes,
-            streams,
-            companions,
-            lookup_gap,
+            spec,
             linker,
             pool,
             hashes,
@@ -129,7 +145,7 @@ impl LinkerReader {
             }],
             self.slots.clone(),
         );
-        if self.companions == Companions::AtLookup {
+        if self.spec.companions == Companions::AtLookup {
             // A first load of the prefix, as an engine makes it: lookup, its scheduling and
             // allocation (SIMULATED: a sleep), then the load.
             self.linker.forget_kept_checksums();
@@ -141,7 +157,7 @@ impl LinkerReader {
                     self.hashes.len()
                 );
             }
-            std::thread::sleep(self.lookup_gap);
+            std::thread::sleep(self.spec.lookup_gap);
         }
         let start = Instant::now();
         let ticket = self.linker.start_load(plan)?;
@@ -149,8 +165,8 @@ impl LinkerReader {
         for l in 0..self.linker.num_layers() {
             self.linker.wait_layer(&ticket, l)?;
             ready.push(start.elapsed().as_secs_f64());
-            if !self.compute.is_zero() {
-                std::thread::sleep(self.compute);
+            if !self.spec.compute.is_zero() {
+                std::thread::sleep(self.spec.compute);
             }
         }
         let forward_done = start.elapsed().as_secs_f64();

@@ -32,8 +32,9 @@ use kvlink::mooncake_linker::read_plan::{
 };
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::store::KvStore;
+use kvlink::mooncake_linker::LinkerConfig;
 
-use linker_rows::{LinkerReader, LinkerTiming};
+use linker_rows::{LinkerReader, LinkerTiming, RowSpec};
 use objects::{Dest, Objects};
 use python::PythonReader;
 use readers::{every, Read, Timing};
@@ -402,24 +403,34 @@ fn linker_table(
     } else {
         a.linker_streams.clone()
     };
-    let mut readers = Vec::new();
-    let gap = Duration::from_micros(a.linker_lookup_gap_us);
-    for &kept in &a.linker_companions {
-        for &st in &streams {
-            for &l in &lanes {
-                for &us in &a.linker_compute_us {
-                    readers.push(LinkerReader::new(
-                        &defaults,
-                        &objects.namespace,
-                        a.tokens,
-                        pool.clone(),
-                        (Duration::from_micros(us), l, st),
-                        (kept, gap),
-                    )?);
+    let verify = if a.linker_verify_threads.is_empty() {
+        vec![0]
+    } else {
+        a.linker_verify_threads.clone()
+    };
+    let mut specs = Vec::new();
+    for &companions in &a.linker_companions {
+        for &verify_threads in &verify {
+            for &streams in &streams {
+                for &lanes in &lanes {
+                    for &us in &a.linker_compute_us {
+                        specs.push(RowSpec {
+                            compute: Duration::from_micros(us),
+                            lanes,
+                            streams,
+                            verify_threads,
+                            companions,
+                            lookup_gap: Duration::from_micros(a.linker_lookup_gap_us),
+                        });
+                    }
                 }
             }
         }
     }
+    let mut readers = specs
+        .into_iter()
+        .map(|spec| LinkerReader::new(&defaults, &objects.namespace, a.tokens, pool.clone(), spec))
+        .collect::<Result<Vec<_>>>()?;
     let mut times: Vec<Vec<LinkerTiming>> = readers.iter().map(|_| Vec::new()).collect();
     let mut py = Vec::new();
     for round in 0..a.rounds {
@@ -451,13 +462,13 @@ fn linker_table(
         a.rounds,
         one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
     )?;
-    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | verify threads | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
     writeln!(
         out,
-        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
     )?;
     for (r, t) in readers.iter().zip(&times) {
-        let c = r.compute.as_secs_f64() * 1e3;
+        let c = r.spec.compute.as_secs_f64() * 1e3;
         let first = median(&mut t.iter().map(|x| x.first).collect::<Vec<_>>()) * 1e3;
         let last = median(&mut t.iter().map(|x| x.last).collect::<Vec<_>>()) * 1e3;
         let done = median(&mut t.iter().map(|x| x.forward_done).collect::<Vec<_>>()) * 1e3;
@@ -469,7 +480,7 @@ fn linker_table(
                 .join(" ")
         });
         let serial = py_ms + f64::from(objects.layers) * c;
-        let compute_s = f64::from(objects.layers) * r.compute.as_secs_f64();
+        let compute_s = f64::from(objects.layers) * r.spec.compute.as_secs_f64();
         // Each round against the Python read of the same round (NaN without Python).
         let paired = |f: &dyn Fn(&LinkerTiming, f64) -> f64| {
             let mut v: Vec<f64> = t
@@ -483,24 +494,29 @@ fn linker_table(
         let done_vs = paired(&|x, p| x.forward_done / (p + compute_s));
         writeln!(
             out,
-            "| {c:.1} ms | {} | {} | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {last_vs:.2} | {done_vs:.2} | {} |",
-            if r.lanes == 0 {
+            "| {c:.1} ms | {} | {} | {} | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {last_vs:.2} | {done_vs:.2} | {} |",
+            if r.spec.lanes == 0 {
                 "4 (default)".to_string()
             } else {
-                r.lanes.to_string()
+                r.spec.lanes.to_string()
             },
-            if r.streams == 0 {
+            if r.spec.streams == 0 {
                 format!("{} (default)", defaults.read_streams_count())
             } else {
-                r.streams.to_string()
+                r.spec.streams.to_string()
             },
-            match r.companions {
+            if r.spec.verify_threads == 0 {
+                format!("{} (default)", LinkerConfig::default().verify_threads)
+            } else {
+                r.spec.verify_threads.to_string()
+            },
+            match r.spec.companions {
                 _ if a.no_companions => "none written (length checks after a size query)".to_string(),
                 args::Companions::EveryLoad => "read by every load".to_string(),
                 args::Companions::Kept => "kept from round 1 (rounds 2+ read none)".to_string(),
                 args::Companions::AtLookup => format!(
                     "read at lookup, {:.0} ms (SIMULATED) before start_load",
-                    r.lookup_gap.as_secs_f64() * 1e3
+                    r.spec.lookup_gap.as_secs_f64() * 1e3
                 ),
             },
             r.measured(),
