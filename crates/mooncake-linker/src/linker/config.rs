@@ -119,7 +119,8 @@ pub struct LinkerConfig {
     /// any unknown, `Auto` measures each mode instead (`auto_batches_per_mode`).
     pub bandwidths: Bandwidths,
     /// Batches `Auto` measures each mode for before it keeps one (at least 1; modes that come
-    /// out clearly slower after one round are not measured further).
+    /// out clearly slower after one round are not measured further; up to twice as many in a
+    /// close call, where noise around the tie margin would decide the pick).
     pub auto_batches_per_mode: u32,
     /// Longest a rank waits in one collective for its peers (must exceed
     /// `layer_read_timeout`: in `Rank0Broadcast` the others wait for rank 0's read). It also
