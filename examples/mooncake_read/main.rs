@@ -449,7 +449,7 @@ fn linker_table(
     writeln!(
         out,
         "\nThe Linker (TP 1, host pool, scattered slots): adaptive layer groups, store defaults \
-         (read_streams {}, staged merge {}); an engine thread waits for each layer, then \
+         (read_streams {}, staged merge {}) unless a row's columns say otherwise; an engine thread waits for each layer, then \
          computes it (SIMULATED: sleeps); {} rounds interleaved with the Python whole-object \
          read, medians; the two ratios are medians of each round's ratio to that round's Python \
          read (paired); one layer read alone (kvlink `get_ranges`, 1 layer/call, above): {}",
@@ -462,7 +462,7 @@ fn linker_table(
         a.rounds,
         one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
     )?;
-    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | verify threads | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | verify threads | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms (median of the rounds) | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
     writeln!(
         out,
         "|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
