@@ -207,13 +207,16 @@ impl LinkerReader {
     pub fn measured(&self) -> String {
         // One rank: every batch reads as `AllRanks`.
         let cost = self.linker.read_cost(ShareMode::AllRanks);
+        let m = self.linker.metrics();
         format!(
-            "compute measured {}, call cost {:.1} ms + {:.2} GB/s",
+            "compute measured {}, call cost {:.1} ms + {:.2} GB/s; ranges checked by checksum {}, by length only {}",
             self.linker
                 .compute_per_layer()
                 .map_or("—".into(), |c| format!("{:.1} ms", c.as_secs_f64() * 1e3)),
             cost.per_call.as_secs_f64() * 1e3,
-            1e-9 / cost.seconds_per_byte
+            1e-9 / cost.seconds_per_byte,
+            m.ranges_checksummed,
+            m.ranges_length_only,
         )
     }
 }

@@ -73,6 +73,41 @@ pub struct Objects {
     pub components: Vec<Component>,
 }
 
+/// Writes `keys[i]` from `bytes[i * len..][..len]`, `chunk` keys per call; every one must be
+/// written (a key already there means a namespace reused).
+fn put_each(
+    store: &dyn KvStore,
+    keys: &[String],
+    bytes: &[u8],
+    len: usize,
+    chunk: usize,
+) -> Result<()> {
+    if bytes.len() < keys.len() * len {
+        bail!("{} keys of {len} B from {} B", keys.len(), bytes.len());
+    }
+    for (c, names) in keys.chunks(chunk).enumerate() {
+        let puts: Vec<ObjectPut<'_>> = names
+            .iter()
+            .enumerate()
+            .map(|(i, key)| ObjectPut {
+                key,
+                parts: [(bytes[(c * chunk + i) * len..].as_ptr(), len)]
+                    .into_iter()
+                    .collect(),
+            })
+            .collect();
+        // SAFETY: every part is a distinct `len`-long slice of `bytes` (checked above to hold
+        // them all), which the shared borrow keeps unwritten during the call.
+        for (r, k) in unsafe { store.put(&puts) }.into_iter().zip(names) {
+            match r {
+                Ok(PutOutcome::Written) => {}
+                other => bail!("put {k}: {other:?}"),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The pattern's 8-byte word `w` of object (component `c`, page `p`).
 fn word(c: usize, p: usize, w: usize) -> u64 {
     ((p as u64) << 40 ^ (c as u64) << 36 ^ w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
@@ -184,57 +219,15 @@ impl Objects {
     /// Writes every object through `store` (the buffers hold the pattern in page-major order
     /// meanwhile, and are zeroed afterwards).
     pub fn put_all(&mut self, store: &dyn KvStore) -> Result<()> {
-        const CHUNK: usize = 32;
         for (ci, c) in self.components.iter_mut().enumerate() {
             let obj = c.object_bytes() as usize;
             for (p, dst) in c.buf.chunks_exact_mut(obj).enumerate() {
                 fill_object(dst, ci, p);
             }
-            for (chunk, keys) in c.keys.chunks(CHUNK).enumerate() {
-                let puts: Vec<ObjectPut<'_>> = keys
-                    .iter()
-                    .enumerate()
-                    .map(|(i, k)| {
-                        let p = chunk * CHUNK + i;
-                        ObjectPut {
-                            key: k,
-                            parts: [(c.buf[p * obj..].as_ptr(), obj)].into_iter().collect(),
-                        }
-                    })
-                    .collect();
-                // SAFETY: every part is a distinct object-sized slice of `c.buf`, which is not
-                // written during the call.
-                for (r, k) in unsafe { store.put(&puts) }.into_iter().zip(keys) {
-                    match r {
-                        Ok(PutOutcome::Written) => {}
-                        other => bail!("put {k}: {other:?}"),
-                    }
-                }
-            }
+            put_each(store, &c.keys, &c.buf, obj, 32)?;
             if !c.companions.is_empty() {
-                let n = c.companion_bytes;
                 let keys: Vec<String> = c.keys.iter().map(|k| checksum_key(k)).collect();
-                for (chunk, names) in keys.chunks(CHUNK * 8).enumerate() {
-                    let puts: Vec<ObjectPut<'_>> = names
-                        .iter()
-                        .enumerate()
-                        .map(|(i, k)| {
-                            let p = chunk * CHUNK * 8 + i;
-                            ObjectPut {
-                                key: k,
-                                parts: [(c.companions[p * n..].as_ptr(), n)].into_iter().collect(),
-                            }
-                        })
-                        .collect();
-                    // SAFETY: every part is a distinct companion-sized slice of
-                    // `c.companions`, which is never written after construction.
-                    for (r, k) in unsafe { store.put(&puts) }.into_iter().zip(names) {
-                        match r {
-                            Ok(PutOutcome::Written) => {}
-                            other => bail!("put {k}: {other:?}"),
-                        }
-                    }
-                }
+                put_each(store, &keys, &c.companions, c.companion_bytes, 256)?;
             }
             c.buf.fill(0);
         }
