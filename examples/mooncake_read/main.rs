@@ -120,6 +120,7 @@ fn variants(a: &args::Args, objects: &Objects, clients: &Clients) -> Vec<Variant
                 bytes,
                 calls: calls as u64,
                 times: Vec::new(),
+                firsts: Vec::new(),
             },
         })
     };
@@ -247,9 +248,12 @@ fn rounds(
                     .run(cmd)
                     .with_context(|| v.row.label.clone())?,
                 Runner::Kvlink { store, read } => {
-                    kvlink_once(&clients.stores[*store], objects, read, round == 0)
-                        .with_context(|| v.row.label.clone())?
-                        .total
+                    let t = kvlink_once(&clients.stores[*store], objects, read, round == 0)
+                        .with_context(|| v.row.label.clone())?;
+                    if let Some(&first) = t.ready.first() {
+                        v.row.firsts.push(first);
+                    }
+                    t.total
                 }
             };
             v.row.times.push(secs);
@@ -446,13 +450,22 @@ fn linker_table(
         .iter()
         .find(|r| r.label == "kvlink `get_ranges`, 1 layer/call")
         .map(|r| r.median() / r.calls.max(1) as f64 * 1e3);
+    // Layer 0 read alone from a cold start, as a load's first layer is: the read session's
+    // start and that layer's one call (layer 0 has every component: more bytes than most).
+    let layer0: Vec<String> = rows
+        .iter()
+        .filter(|r| r.label.ends_with("1 layer/call") && !r.firsts.is_empty())
+        .map(|r| format!("{} {:.1} ms", r.label, r.first_median() * 1e3))
+        .collect();
     writeln!(
         out,
         "\nThe Linker (TP 1, host pool, scattered slots): adaptive layer groups, store defaults \
          (read_streams {}, staged merge {}) unless a row's columns say otherwise; an engine thread waits for each layer, then \
          computes it (SIMULATED: sleeps); {} rounds interleaved with the Python whole-object \
          read, medians; the two ratios are medians of each round's ratio to that round's Python \
-         read (paired); one layer read alone (kvlink `get_ranges`, 1 layer/call, above): {}",
+         read (paired); one layer read alone (kvlink `get_ranges`, 1 layer/call, above, its \
+         average call): {}; layer 0 read alone from a cold start (the read session's start and \
+         its call, median): {}",
         defaults.read_streams_count(),
         if defaults.staged_merge_enabled() {
             "on"
@@ -461,6 +474,11 @@ fn linker_table(
         },
         a.rounds,
         one_layer.map_or("—".into(), |ms| format!("{ms:.1} ms")),
+        if layer0.is_empty() {
+            "—".to_string()
+        } else {
+            layer0.join("; ")
+        },
     )?;
     writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | verify threads | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms (median of the rounds) | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
     writeln!(

@@ -12,14 +12,27 @@ pub struct Row {
     pub calls: u64,
     /// Seconds per round.
     pub times: Vec<f64>,
+    /// Seconds per round until layer 0 was ready (its group's call returned; the read
+    /// session's start included): ranged reads only.
+    pub firsts: Vec<f64>,
+}
+
+/// The middle value (the upper one of an even count); NaN when empty.
+fn middle(v: &[f64]) -> f64 {
+    let mut t = v.to_vec();
+    t.sort_by(f64::total_cmp);
+    t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 impl Row {
     /// Median seconds.
     pub fn median(&self) -> f64 {
-        let mut t = self.times.clone();
-        t.sort_by(f64::total_cmp);
-        t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+        middle(&self.times)
+    }
+
+    /// Median seconds until layer 0 was ready (NaN when not a ranged read).
+    pub fn first_median(&self) -> f64 {
+        middle(&self.firsts)
     }
 
     fn min_max(&self) -> (f64, f64) {
