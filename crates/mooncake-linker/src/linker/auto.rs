@@ -628,6 +628,32 @@ mod tests {
     }
 
     #[test]
+    fn a_close_call_that_shows_with_the_last_time_keeps_measuring() {
+        use ShareMode::*;
+        let mut m = Measured::default();
+        // A first round (AllRanks drops out), then Rank0Broadcast twice more and
+        // SplitAllGather once more: SplitAllGather's median 1.22× is a clear call.
+        for (mode, t) in [
+            (AllRanks, 6.0),
+            (Rank0Broadcast, 1.0),
+            (SplitAllGather, 1.3),
+            (Rank0Broadcast, 1.0),
+            (SplitAllGather, 1.14),
+            (Rank0Broadcast, 1.0),
+        ] {
+            m.record(mode, t, 3);
+        }
+        // SplitAllGather's third batch is in flight: every count is complete, so the leader
+        // is proposed.
+        assert_eq!(m.next(Some(SplitAllGather), 3), Rank0Broadcast);
+        // Its time makes the median 1.14×: a close call now, so nothing is kept, and the
+        // batch after the leader's measures SplitAllGather again.
+        m.record(SplitAllGather, 1.0, 3);
+        assert_eq!(m.kept, None);
+        assert_eq!(m.next(Some(Rank0Broadcast), 3), SplitAllGather);
+    }
+
+    #[test]
     fn a_close_call_stops_at_its_cap() {
         use ShareMode::*;
         // Exactly on the tie margin for ever: every mode measured twice as long, then the tie
