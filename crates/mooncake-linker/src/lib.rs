@@ -6,12 +6,12 @@ mod linker;
 pub mod read_plan;
 pub mod store;
 
+pub use linker::{
+    auto_verify_threads, GroupFallback, Linker, LinkerBuilder, LinkerConfig, LinkerMetrics,
+    MetricsSnapshot, PrefixProbe, ReadGranularity, TpGroup, LAYER_LATENCY_BUCKETS_US,
+};
 #[cfg(target_os = "linux")]
 pub use linker::{serve_group_store, FormedTpGroup};
-pub use linker::{
-    GroupFallback, Linker, LinkerBuilder, LinkerConfig, LinkerMetrics, MetricsSnapshot,
-    PrefixProbe, ReadGranularity, TpGroup, LAYER_LATENCY_BUCKETS_US,
-};
 
 /// Re-exported: how keys are prefixed ([`LinkerConfig::namespace`]).
 pub use kv_geometry::Namespace;

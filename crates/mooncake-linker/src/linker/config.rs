@@ -85,7 +85,8 @@ pub struct LinkerConfig {
     /// checked on the load thread alone; 0 counts as 1). The check sits on the load thread
     /// between a layer's read and its share step, so one core hashing a fast store's layer
     /// bounds the load: in `Rank0Broadcast` rank 0 checks every byte of every layer (GLM-5.2
-    /// at 32K tokens: 22.7 MB per layer, about 4.7 ms on one core of the H200 host).
+    /// at 32K tokens: 22.7 MB per layer, about 4.7 ms on one core of the H200 host). Default:
+    /// [`auto_verify_threads`] of this machine's cores (4 from 4 cores up).
     pub verify_threads: usize,
     /// How many layers each store call reads: adaptive by default (groups planned per batch
     /// from measured costs and compute, layer 0 alone), or a fixed count.
@@ -163,6 +164,26 @@ pub enum GroupFallback {
     ReadAlone,
 }
 
+/// The default [`LinkerConfig::verify_threads`] on a machine with `cores` CPUs: one per core,
+/// at most 4.
+///
+/// Hashing is CPU work: threads beyond the cores only take turns. On the 2-core development
+/// machine, loading a 32K-token GLM-5.2 prefix with its checksums, 4 threads per layer were
+/// the slowest of 1, 2 and 4 in two runs (no compute: last layer 1953 ms against 1833 / 1757;
+/// with 10 ms of compute per layer, forward done 2007 against 2008 / 1851); 4 on the 16-core
+/// GPU host, where it was measured to speed up rank 0 of `Rank0Broadcast` (docs/benchmarks.md).
+///
+/// ```
+/// use mooncake_linker::auto_verify_threads;
+/// assert_eq!(auto_verify_threads(1), 1);
+/// assert_eq!(auto_verify_threads(2), 2);
+/// assert_eq!(auto_verify_threads(16), 4);
+/// assert_eq!(auto_verify_threads(0), 1);
+/// ```
+pub fn auto_verify_threads(cores: usize) -> usize {
+    cores.clamp(1, 4)
+}
+
 impl Default for LinkerConfig {
     fn default() -> Self {
         LinkerConfig {
@@ -177,7 +198,9 @@ impl Default for LinkerConfig {
             checksum_cache_entries: 32_768,
             store_call_timeout: Duration::from_secs(20),
             read_parallelism: 1,
-            verify_threads: 4,
+            verify_threads: auto_verify_threads(
+                std::thread::available_parallelism().map_or(1, usize::from),
+            ),
             read_granularity: ReadGranularity::ADAPTIVE,
             read_bytes_in_flight: 2 << 30,
             save_chunk: 64,

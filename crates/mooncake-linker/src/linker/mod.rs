@@ -60,7 +60,7 @@ use crate::store::{KvStore, StoreCalls};
 use auto::AutoMode;
 use batch::BatchJob;
 pub use builder::LinkerBuilder;
-pub use config::{GroupFallback, LinkerConfig};
+pub use config::{auto_verify_threads, GroupFallback, LinkerConfig};
 use gate::Gates;
 pub use granularity::ReadGranularity;
 use granularity::ReadGroups;
