@@ -200,52 +200,7 @@ impl SizeTables {
             .map(|r| (r.mode, r.last()));
         for (i, run) in autos.iter().enumerate() {
             let every = batches_beside(&fixed, &autos, i);
-            let pooled = |m: ShareMode| {
-                every
-                    .iter()
-                    .find(|(mode, _)| *mode == m)
-                    .map_or((f64::INFINITY, 0), |(_, v)| {
-                        (median(&mut v.clone()), v.len())
-                    })
-            };
-            let best = every
-                .iter()
-                .map(|(m, _)| (*m, pooled(*m).0))
-                .min_by(|a, b| a.1.total_cmp(&b.1));
-            let (status, what) = match (run.kept, best, best_fixed) {
-                (None, ..) => (Status::Fail, "Auto kept no mode".to_string()),
-                (Some(k), Some((b, bt)), Some((bf, bft))) => {
-                    let (kt, kn) = pooled(k);
-                    let ok = kt <= bt * PICK_TOLERANCE;
-                    (
-                        if ok { Status::Pass } else { Status::Fail },
-                        format!(
-                            "kept {k:?} (median {} over {kn} batches it did not decide from, \
-                             {:.2}× the best); best by those {b:?} ({} over {}); by the fixed \
-                             rows alone \
-                             {k:?} {} against {bf:?} {} ({:.2}×); after {} batches [{}]; \
-                             Auto's own batches after it kept a mode {}; while it measured, \
-                             median by mode: {}",
-                            ms(kt),
-                            kt / bt,
-                            ms(bt),
-                            pooled(b).1,
-                            ms(time(k).unwrap_or(f64::INFINITY)),
-                            ms(bft),
-                            time(k).unwrap_or(f64::INFINITY) / bft,
-                            run.measuring.len(),
-                            run.measuring
-                                .iter()
-                                .map(|m| format!("{m:?}"))
-                                .collect::<Vec<_>>()
-                                .join(", "),
-                            ms(run.result.last()),
-                            calibration_medians(run)
-                        ),
-                    )
-                }
-                (Some(k), ..) => (Status::Info, format!("kept {k:?} (no fixed mode ran)")),
-            };
+            let (status, what) = judge_pick(run, &every, &time, best_fixed);
             report.push(
                 "auto",
                 format!("{label} Auto run {}: picks the best mode", i + 1),
@@ -437,6 +392,62 @@ impl SizeTables {
     }
 }
 
+/// Whether Auto run `run` kept the best mode: by each mode's median over `every` (the batches
+/// it did not decide from), within [`PICK_TOLERANCE`]; with the fixed rows (`time`,
+/// `best_fixed`) beside, for the reader.
+fn judge_pick(
+    run: &AutoRun,
+    every: &[(ShareMode, Vec<f64>)],
+    time: &dyn Fn(ShareMode) -> Option<f64>,
+    best_fixed: Option<(ShareMode, f64)>,
+) -> (Status, String) {
+    let pooled = |m: ShareMode| {
+        every
+            .iter()
+            .find(|(mode, _)| *mode == m)
+            .map_or((f64::INFINITY, 0), |(_, v)| {
+                (median(&mut v.clone()), v.len())
+            })
+    };
+    let best = every
+        .iter()
+        .map(|(m, _)| (*m, pooled(*m).0))
+        .min_by(|a, b| a.1.total_cmp(&b.1));
+    match (run.kept, best, best_fixed) {
+        (None, ..) => (Status::Fail, "Auto kept no mode".to_string()),
+        (Some(k), Some((b, bt)), Some((bf, bft))) => {
+            let (kt, kn) = pooled(k);
+            let ok = kt <= bt * PICK_TOLERANCE;
+            (
+                if ok { Status::Pass } else { Status::Fail },
+                format!(
+                    "kept {k:?} (median {} over {kn} batches it did not decide from, \
+                     {:.2}× the best); best by those {b:?} ({} over {}); by the fixed rows \
+                     alone {k:?} {} against {bf:?} {} ({:.2}×); after {} batches [{}]; \
+                     Auto's own batches after it kept a mode {}; while it measured, median by \
+                     mode: {}",
+                    ms(kt),
+                    kt / bt,
+                    ms(bt),
+                    pooled(b).1,
+                    ms(time(k).unwrap_or(f64::INFINITY)),
+                    ms(bft),
+                    time(k).unwrap_or(f64::INFINITY) / bft,
+                    run.measuring.len(),
+                    run.measuring
+                        .iter()
+                        .map(|m| format!("{m:?}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    ms(run.result.last()),
+                    calibration_medians(run)
+                ),
+            )
+        }
+        (Some(k), ..) => (Status::Info, format!("kept {k:?} (no fixed mode ran)")),
+    }
+}
+
 /// Each mode's batch times (slowest rank, to the last layer) at one TP size that Auto run
 /// `judged` did not decide from: the fixed rows', and the other Auto runs' while they measured
 /// (not the batches after a decision: only the kept mode has those, run later and warmer).
@@ -445,17 +456,32 @@ fn batches_beside(
     autos: &[AutoRun],
     judged: usize,
 ) -> Vec<(ShareMode, Vec<f64>)> {
+    let fixed = fixed
+        .iter()
+        .flat_map(|r| r.last.iter().map(move |&t| (r.mode, t)));
+    let measuring = autos
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != judged)
+        .flat_map(|(_, run)| measured(run));
+    by_mode(fixed.chain(measuring))
+}
+
+/// The batches Auto run `run` measured, as (mode, time to the last layer).
+fn measured(run: &AutoRun) -> impl Iterator<Item = (ShareMode, f64)> + '_ {
+    run.measuring
+        .iter()
+        .copied()
+        .zip(run.measured_last.iter().copied())
+}
+
+/// Times grouped by mode, modes in first-seen order.
+fn by_mode(times: impl Iterator<Item = (ShareMode, f64)>) -> Vec<(ShareMode, Vec<f64>)> {
     let mut by: Vec<(ShareMode, Vec<f64>)> = Vec::new();
-    let mut add = |m: ShareMode, t: &[f64]| match by.iter_mut().find(|(mode, _)| *mode == m) {
-        Some((_, v)) => v.extend_from_slice(t),
-        None => by.push((m, t.to_vec())),
-    };
-    for r in fixed {
-        add(r.mode, &r.last);
-    }
-    for (_, run) in autos.iter().enumerate().filter(|(i, _)| *i != judged) {
-        for (m, t) in run.measuring.iter().zip(&run.measured_last) {
-            add(*m, std::slice::from_ref(t));
+    for (m, t) in times {
+        match by.iter_mut().find(|(mode, _)| *mode == m) {
+            Some((_, v)) => v.push(t),
+            None => by.push((m, vec![t])),
         }
     }
     by
@@ -463,14 +489,8 @@ fn batches_beside(
 
 /// The median time to the last layer of each mode's batches while Auto measured.
 fn calibration_medians(run: &AutoRun) -> String {
-    let mut by: Vec<(ShareMode, Vec<f64>)> = Vec::new();
-    for (m, t) in run.measuring.iter().zip(&run.measured_last) {
-        match by.iter_mut().find(|(mode, _)| mode == m) {
-            Some((_, v)) => v.push(*t),
-            None => by.push((*m, vec![*t])),
-        }
-    }
-    by.into_iter()
+    by_mode(measured(run))
+        .into_iter()
         .map(|(m, mut v)| {
             v.sort_by(f64::total_cmp);
             format!("{m:?} {} ({} batches)", ms(v[v.len() / 2]), v.len())

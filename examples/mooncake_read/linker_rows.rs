@@ -14,7 +14,7 @@ use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, RequestPages};
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, ShareMode};
 
-use crate::args::Companions;
+use crate::args::{Args, Companions};
 use crate::objects::Objects;
 
 /// What one load took (seconds from `start_load`).
@@ -42,6 +42,66 @@ pub struct RowSpec {
     pub companions: Companions,
     /// With `Companions::AtLookup`: the engine's time between lookup and load (SIMULATED).
     pub lookup_gap: Duration,
+}
+
+impl RowSpec {
+    /// Every row the flags ask for: each companions setting × verify threads × read streams ×
+    /// TCP lanes × compute.
+    pub fn every(a: &Args) -> Vec<RowSpec> {
+        let or_default = |v: &[usize]| if v.is_empty() { vec![0] } else { v.to_vec() };
+        let (verify, streams, lanes) = (
+            or_default(&a.linker_verify_threads),
+            or_default(&a.linker_streams),
+            or_default(&a.linker_lanes),
+        );
+        let mut specs = Vec::new();
+        for &companions in &a.linker_companions {
+            for &verify_threads in &verify {
+                for &streams in &streams {
+                    for &lanes in &lanes {
+                        specs.extend(a.linker_compute_us.iter().map(|&us| RowSpec {
+                            compute: Duration::from_micros(us),
+                            lanes,
+                            streams,
+                            verify_threads,
+                            companions,
+                            lookup_gap: Duration::from_micros(a.linker_lookup_gap_us),
+                        }));
+                    }
+                }
+            }
+        }
+        specs
+    }
+
+    /// The table's columns for what this row varies: TCP lanes, read streams (`default_streams`
+    /// where 0), verify threads, checksum companions (`none_written`: the bench wrote none).
+    pub fn columns(&self, default_streams: usize, none_written: bool) -> [String; 4] {
+        let or_default = |v: usize, default: String| {
+            if v == 0 {
+                format!("{default} (default)")
+            } else {
+                v.to_string()
+            }
+        };
+        [
+            or_default(self.lanes, "4".into()),
+            or_default(self.streams, default_streams.to_string()),
+            or_default(
+                self.verify_threads,
+                LinkerConfig::default().verify_threads.to_string(),
+            ),
+            match self.companions {
+                _ if none_written => "none written (length checks after a size query)".into(),
+                Companions::EveryLoad => "read by every load".into(),
+                Companions::Kept => "kept from round 1 (rounds 2+ read none)".into(),
+                Companions::AtLookup => format!(
+                    "read at lookup, {:.0} ms (SIMULATED) before start_load",
+                    self.lookup_gap.as_secs_f64() * 1e3
+                ),
+            },
+        ]
+    }
 }
 
 /// A linker over its own Mooncake client, loading into a pool shared with the other linker

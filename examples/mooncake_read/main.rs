@@ -32,7 +32,6 @@ use kvlink::mooncake_linker::read_plan::{
 };
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::store::KvStore;
-use kvlink::mooncake_linker::LinkerConfig;
 
 use linker_rows::{LinkerReader, LinkerTiming, RowSpec};
 use objects::{Dest, Objects};
@@ -397,41 +396,7 @@ fn linker_table(
     }
     let defaults = MooncakeConfig::from_env()?.global_segment_size(0);
     let pool = linker_rows::pool(objects)?;
-    let lanes = if a.linker_lanes.is_empty() {
-        vec![0]
-    } else {
-        a.linker_lanes.clone()
-    };
-    let streams = if a.linker_streams.is_empty() {
-        vec![0]
-    } else {
-        a.linker_streams.clone()
-    };
-    let verify = if a.linker_verify_threads.is_empty() {
-        vec![0]
-    } else {
-        a.linker_verify_threads.clone()
-    };
-    let mut specs = Vec::new();
-    for &companions in &a.linker_companions {
-        for &verify_threads in &verify {
-            for &streams in &streams {
-                for &lanes in &lanes {
-                    for &us in &a.linker_compute_us {
-                        specs.push(RowSpec {
-                            compute: Duration::from_micros(us),
-                            lanes,
-                            streams,
-                            verify_threads,
-                            companions,
-                            lookup_gap: Duration::from_micros(a.linker_lookup_gap_us),
-                        });
-                    }
-                }
-            }
-        }
-    }
-    let mut readers = specs
+    let mut readers = RowSpec::every(a)
         .into_iter()
         .map(|spec| LinkerReader::new(&defaults, &objects.namespace, a.tokens, pool.clone(), spec))
         .collect::<Result<Vec<_>>>()?;
@@ -512,31 +477,10 @@ fn linker_table(
         let done_vs = paired(&|x, p| x.forward_done / (p + compute_s));
         writeln!(
             out,
-            "| {c:.1} ms | {} | {} | {} | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {last_vs:.2} | {done_vs:.2} | {} |",
-            if r.spec.lanes == 0 {
-                "4 (default)".to_string()
-            } else {
-                r.spec.lanes.to_string()
-            },
-            if r.spec.streams == 0 {
-                format!("{} (default)", defaults.read_streams_count())
-            } else {
-                r.spec.streams.to_string()
-            },
-            if r.spec.verify_threads == 0 {
-                format!("{} (default)", LinkerConfig::default().verify_threads)
-            } else {
-                r.spec.verify_threads.to_string()
-            },
-            match r.spec.companions {
-                _ if a.no_companions => "none written (length checks after a size query)".to_string(),
-                args::Companions::EveryLoad => "read by every load".to_string(),
-                args::Companions::Kept => "kept from round 1 (rounds 2+ read none)".to_string(),
-                args::Companions::AtLookup => format!(
-                    "read at lookup, {:.0} ms (SIMULATED) before start_load",
-                    r.spec.lookup_gap.as_secs_f64() * 1e3
-                ),
-            },
+            "| {c:.1} ms | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {last_vs:.2} | {done_vs:.2} | {} |",
+            r.spec
+                .columns(defaults.read_streams_count(), a.no_companions)
+                .join(" | "),
             r.measured(),
         )?;
     }
