@@ -1005,6 +1005,30 @@ fn close_waits_for_a_read_ahead_no_longer_than_its_bound() {
     );
 }
 
+/// `reset` leaves no read ahead in flight either: it waits for one under way, no longer than
+/// that read's own bound.
+#[test]
+fn reset_waits_for_a_read_ahead_no_longer_than_its_bound() {
+    let s = saved(51, 2);
+    let held = kvlink::mooncake_linker::store::Stall::new();
+    let cfg = LinkerConfig {
+        store_call_timeout: std::time::Duration::from_millis(500),
+        ..config()
+    };
+    let (linker, _pool) = held_companions(&s, cfg, &held);
+    let t0 = std::time::Instant::now();
+    linker.lookup_pages(&s.pages, 0).unwrap();
+    linker.reset().unwrap();
+    let took = t0.elapsed();
+    assert!(held.hits() > 0, "the read ahead had started");
+    held.release();
+    assert!(
+        took >= std::time::Duration::from_millis(400) && took < std::time::Duration::from_secs(10),
+        "reset took {took:?}"
+    );
+    linker.close().unwrap();
+}
+
 /// A read ahead that hangs holds a load back a quarter of `store_call_timeout` at most: the
 /// load then reads its companions itself and loads.
 #[test]

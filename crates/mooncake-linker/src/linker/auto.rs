@@ -49,10 +49,11 @@
 //! call adds up to `auto_batches_per_mode` batches per remaining mode (at most 19 batches with
 //! the default, when no mode drops out).
 //!
-//! If no group time comes in (a rank never sends one: every batch fails there, or a peer
-//! built before the gate word carried times), `Auto` does not measure for ever: after
-//! [`AUTO_GIVE_UP`] proposals without a decision it keeps the mode leading so far
-//! (`AllRanks` when nothing was measured) and says so in a warning.
+//! If no group time comes in (a peer never sends one, e.g. one built before the gate word
+//! carried times), `Auto` does not measure for ever: after [`AUTO_GIVE_UP`] proposals made
+//! while this rank's measured batch awaited the group's time, without a decision, it keeps the
+//! mode leading so far (`AllRanks` when nothing was measured) and says so in a warning.
+//! Batches too small to measure (and failed ones) send no time and do not count.
 //!
 //! Only rank 0's proposal is used (the ranks exchange proposals at the gate), so rank 0's
 //! state decides for the group; every rank keeps its own, fed the same group times (each
@@ -337,7 +338,9 @@ impl AutoMode {
             return (ShareMode::AllRanks, "one rank: nothing to share".into());
         }
         let mut s = self.seen.lock();
-        if s.kept.is_none() {
+        // Counted only while a measured batch's time is due: batches too small to measure
+        // send none, and must not use up the patience meant for times that never come.
+        if s.kept.is_none() && in_flight.is_some() {
             s.proposals += 1;
             let limit = AUTO_GIVE_UP * ShareMode::COUNT as u32 * self.per_mode;
             if s.proposals > limit {
@@ -532,20 +535,34 @@ mod tests {
             64 << 20,
             Duration::from_millis(100),
         );
+        // Each proposal is made with this rank's last batch in flight (its own time sent, the
+        // group's never back).
+        let due = Some(ShareMode::AllRanks);
         let limit = AUTO_GIVE_UP * ShareMode::COUNT as u32 * 3;
         for _ in 0..limit {
-            auto.propose(3, 1 << 20, None);
+            auto.propose(3, 1 << 20, due);
             assert_eq!(auto.kept(), None, "still measuring within the limit");
         }
-        let (mode, _) = auto.propose(3, 1 << 20, None);
+        let (mode, _) = auto.propose(3, 1 << 20, due);
         assert_eq!(auto.kept(), Some(ShareMode::SplitAllGather));
         assert_eq!(mode, ShareMode::SplitAllGather);
         // Nothing measured at all: AllRanks.
         let none = AutoMode::new(ModeChoice::Auto, Bandwidths::UNKNOWN, 1);
         for _ in 0..=AUTO_GIVE_UP * ShareMode::COUNT as u32 {
-            none.propose(2, 1 << 20, None);
+            none.propose(2, 1 << 20, due);
         }
         assert_eq!(none.kept(), Some(ShareMode::AllRanks));
+    }
+
+    #[test]
+    fn batches_too_small_to_measure_do_not_use_up_the_patience() {
+        // No batch in flight at any gate (each landed under 1 MiB, so none sent a time):
+        // however many, Auto keeps measuring instead of settling on AllRanks unmeasured.
+        let auto = AutoMode::new(ModeChoice::Auto, Bandwidths::UNKNOWN, 3);
+        for _ in 0..10 * AUTO_GIVE_UP * ShareMode::COUNT as u32 * 3 {
+            auto.propose(3, 1 << 20, None);
+        }
+        assert_eq!(auto.kept(), None);
     }
 
     #[test]

@@ -21,6 +21,7 @@ use kv_device::{BatchShape, LayerLanding};
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMode};
 use tracing::{debug, info_span, warn};
 
+use super::checksum_cache::ChecksumCache;
 use super::gate::Gates;
 use super::group_time::BatchSample;
 use super::outcomes::HeldOutcome;
@@ -433,8 +434,12 @@ impl Inner {
 impl BatchLayers {
     /// Checks that every object this rank reads holds exactly the bytes the geometry expects
     /// (a wrong one is discarded so the next save writes it again).
-    pub(crate) fn verify_sizes(&self, reader: &LayerReader<'_>) -> Result<(), KvLoadError> {
-        reader.verify_sizes(&self.own, 0..self.pages)?;
-        reader.verify_sizes(&self.shared, self.my_pages())
+    pub(crate) fn verify_sizes(
+        &self,
+        reader: &LayerReader<'_>,
+        kept: &ChecksumCache,
+    ) -> Result<(), KvLoadError> {
+        reader.verify_sizes(&self.own, 0..self.pages, kept)?;
+        reader.verify_sizes(&self.shared, self.my_pages(), kept)
     }
 }

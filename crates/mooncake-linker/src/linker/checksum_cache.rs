@@ -88,17 +88,18 @@ impl ChecksumCache {
     pub(crate) fn remove(&self, key: &str) {
         self.entries.lock().by_key.remove(key);
     }
-
-    /// Entries kept.
-    #[cfg(test)]
-    pub(crate) fn len(&self) -> usize {
-        self.entries.lock().by_key.len()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl ChecksumCache {
+        /// Entries kept.
+        fn len(&self) -> usize {
+            self.entries.lock().by_key.len()
+        }
+    }
 
     fn sums(v: u64) -> Arc<ObjectChecksums> {
         Arc::new(ObjectChecksums {

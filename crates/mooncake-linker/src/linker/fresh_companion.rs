@@ -47,7 +47,7 @@ impl Inner {
         for r in rows {
             self.checksums.remove(&r.component.keys[r.page]);
         }
-        self.metrics.stale_kept(rows.len() as u64);
+        self.metrics.kept_checksums_stale(rows.len() as u64);
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let bound = self
             .config
@@ -58,6 +58,7 @@ impl Inner {
             if self.config.verify_object_sizes {
                 check_object_sizes(
                     &self.calls,
+                    &self.checksums,
                     batch,
                     std::slice::from_ref(comp),
                     page..page + 1,
@@ -77,7 +78,8 @@ impl Inner {
                     Err(e) => {
                         sizes(comp, page)?;
                         let detail = format!("checksum object read afresh: {e}");
-                        return Err(self.bad_object(batch, comp, page, Some(layer), detail));
+                        let why = (Some(layer), detail);
+                        return Err(self.bad_object(batch, comp, page, why, deadline));
                     }
                 },
                 Err(StoreError::NotFound { .. }) => {
@@ -99,7 +101,8 @@ impl Inner {
                 }
                 Err(e) => {
                     sizes(comp, page)?;
-                    return Err(self.bad_object(batch, comp, page, Some(layer), e.to_string()));
+                    let why = (Some(layer), e.to_string());
+                    return Err(self.bad_object(batch, comp, page, why, deadline));
                 }
             }
         }

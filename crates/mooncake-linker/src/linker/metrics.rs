@@ -40,7 +40,7 @@ pub struct LinkerMetrics {
     companions_kept: AtomicU64,
     companions_prefetched: AtomicU64,
     read_ahead_waits: AtomicU64,
-    stale_kept: AtomicU64,
+    kept_checksums_stale: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
 }
 
@@ -144,8 +144,8 @@ impl LinkerMetrics {
         self.read_ahead_waits.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(crate) fn stale_kept(&self, n: u64) {
-        self.stale_kept.fetch_add(n, Ordering::Relaxed);
+    pub(crate) fn kept_checksums_stale(&self, n: u64) {
+        self.kept_checksums_stale.fetch_add(n, Ordering::Relaxed);
     }
 
     pub(crate) fn bad_object(&self) {
@@ -178,7 +178,7 @@ impl LinkerMetrics {
             companions_kept: self.companions_kept.load(Ordering::Relaxed),
             companions_prefetched: self.companions_prefetched.load(Ordering::Relaxed),
             read_ahead_waits: self.read_ahead_waits.load(Ordering::Relaxed),
-            kept_checksums_stale: self.stale_kept.load(Ordering::Relaxed),
+            kept_checksums_stale: self.kept_checksums_stale.load(Ordering::Relaxed),
             overdue_calls: 0,
             failures: self.failures.lock().clone(),
         }

@@ -128,14 +128,6 @@ impl Inner {
                 self.metrics.batch(false);
                 self.metrics.failure(e.kind_name());
                 warn!(%batch, error = %e, "batch failed");
-                // A wrong-sized object was discarded: what was kept of it says nothing now.
-                if let KvLoadError::InvalidPlan {
-                    reason: kv_loader::PlanError::ObjectSize { key, .. },
-                    ..
-                } = e
-                {
-                    self.checksums.remove(key);
-                }
             }
         }
         let outcome = BatchOutcome { batch, result };
@@ -489,6 +481,8 @@ impl Linker {
         s.epoch.fetch_add(1, Ordering::AcqRel);
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         let busy = !s.outcomes.cancel_all(deadline);
+        // Nothing left in flight: a read of companions ahead is waited for (same bound).
+        s.prefetch.wait_idle(deadline);
         let mut held = s.outcomes.held();
         if busy {
             warn!(
@@ -684,18 +678,19 @@ impl KvLoader for Linker {
         }
         info!("linker close");
         let (cancelled, busy) = self.cancel_all();
+        // One bound for what close waits for after the cancel: a read of companions ahead
+        // begun meanwhile, then the load thread.
+        let deadline = kv_loader::deadline_after(self.inner.config.wait_deadline);
         // Dropping the sender ends the load loop once it has nothing queued.
         self.jobs.lock().take();
+        // No read of companions ahead from now on; one under way is waited for (bounded).
+        self.inner.prefetch.shut(deadline);
         let wait = if busy {
             Duration::ZERO
         } else {
             // Idle: what is queued is refused batches, each bounded by the group's deadline.
-            self.inner.config.wait_deadline
+            deadline.saturating_duration_since(std::time::Instant::now())
         };
-        // No read of companions ahead from now on; one under way is waited for (bounded).
-        self.inner
-            .prefetch
-            .shut(kv_loader::deadline_after(self.inner.config.wait_deadline));
         if self.join_load_thread(wait) {
             // The linker lets go of the landing memory; a store call past its deadline still
             // holds it (registered, allocated) until it returns.

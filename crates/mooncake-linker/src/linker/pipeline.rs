@@ -408,7 +408,7 @@ impl LayerPipeline<'_> {
                 deadline: kv_loader::deadline_after(store_call_timeout),
                 ..*reader
             };
-            let r = self.layers.verify_sizes(&fresh);
+            let r = self.layers.verify_sizes(&fresh, &self.inner.checksums);
             tracing::debug!(%batch, rank, took = ?t0.elapsed(), "preflight sizes");
             r
         };

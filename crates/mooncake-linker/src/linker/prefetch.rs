@@ -92,11 +92,18 @@ impl CompanionPrefetch {
         true
     }
 
-    /// No read ahead starts from now on; waits for one under way until it ends or `deadline`,
-    /// and joins its thread if it ended (one past the deadline ends by its own).
+    /// No read ahead starts from now on; waits for one under way as [`wait_idle`] does.
+    ///
+    /// [`wait_idle`]: Self::wait_idle
     pub(crate) fn shut(&self, deadline: Instant) {
+        self.state.lock().shut = true;
+        self.wait_idle(deadline);
+    }
+
+    /// Waits for a read ahead under way until it ends or `deadline`, and joins its thread if
+    /// it ended (one past the deadline ends by its own, bounded by its store call).
+    pub(crate) fn wait_idle(&self, deadline: Instant) {
         let mut st = self.state.lock();
-        st.shut = true;
         while st.running.as_ref().is_some_and(|r| !r.keys.is_empty()) {
             if self.done.wait_until(&mut st, deadline).timed_out() {
                 break;

@@ -18,6 +18,8 @@ use kv_geometry::{ComponentId, ComponentLayout};
 use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
 use smallvec::SmallVec;
 
+use super::checksum_cache::ChecksumCache;
+
 use crate::store::{checked_results, Hold, StoreCalls, StoreError, TargetRange, TargetRead};
 
 /// Where the store writes a row of the layer lent in a stage's loan.
@@ -242,21 +244,30 @@ impl LayerReader<'_> {
     }
 
     /// Checks that the objects of `components` at plan pages `pages` hold exactly the bytes
-    /// the geometry expects.
+    /// the geometry expects (see [`check_object_sizes`]).
     pub(crate) fn verify_sizes(
         &self,
         components: &[ComponentKeys],
         pages: Range<usize>,
+        kept: &ChecksumCache,
     ) -> Result<(), KvLoadError> {
-        check_object_sizes(self.calls, self.batch, components, pages, self.deadline)
+        check_object_sizes(
+            self.calls,
+            kept,
+            self.batch,
+            components,
+            pages,
+            self.deadline,
+        )
     }
 }
 
 /// Checks that the objects of `components` at plan pages `pages` hold exactly the bytes the
-/// geometry expects; a wrong one is discarded (the next save writes it again) and fails the
-/// batch with [`PlanError::ObjectSize`].
+/// geometry expects; a wrong one is discarded (the next save writes it again), its kept
+/// checksums with it, and fails the batch with [`PlanError::ObjectSize`].
 pub(crate) fn check_object_sizes(
     calls: &StoreCalls,
+    kept: &ChecksumCache,
     batch: BatchId,
     components: &[ComponentKeys],
     pages: Range<usize>,
@@ -273,6 +284,7 @@ pub(crate) fn check_object_sizes(
             match r {
                 Ok(actual) if actual == expected => {}
                 Ok(actual) => {
+                    kept.remove(keys[i]);
                     super::replace::discard_objects(calls, &[keys[i]], deadline);
                     return Err(KvLoadError::InvalidPlan {
                         batch,
@@ -291,4 +303,51 @@ pub(crate) fn check_object_sizes(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{no_hold, EmbeddedStore, SourcePut};
+    use kv_device::SaveSource;
+    use kv_geometry::{KvGeometry, ModelKvSpec, ObjectChecksums};
+    use std::time::Duration;
+
+    #[test]
+    fn a_wrong_sized_object_goes_with_its_kept_checksums() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let layout = g.component_by_name("indexer").unwrap().clone();
+        let calls = StoreCalls::new(Arc::new(EmbeddedStore::new(4 << 20)));
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        let keys = vec!["good".to_string(), "short".to_string()];
+        let right = vec![7u8; layout.object_bytes() as usize];
+        let kept = ChecksumCache::new(8);
+        for (key, len) in [("good", right.len()), ("short", right.len() - 1)] {
+            let put = SourcePut {
+                key,
+                parts: [SaveSource::from_bytes(Arc::new(right.clone()), 0..len).unwrap()]
+                    .into_iter()
+                    .collect(),
+            };
+            assert!(calls.put(&[put], no_hold(), soon())[0].is_ok());
+            let sums = ObjectChecksums::of_object(&right, layout.page_layer_bytes).unwrap();
+            kept.insert(key, Arc::new(sums));
+        }
+        let comp = ComponentKeys { layout, keys };
+        let r = check_object_sizes(&calls, &kept, BatchId(1), &[comp], 0..2, soon());
+        assert!(
+            matches!(
+                r,
+                Err(KvLoadError::InvalidPlan {
+                    reason: PlanError::ObjectSize { ref key, .. },
+                    ..
+                }) if key == "short"
+            ),
+            "{r:?}"
+        );
+        // Whichever rank found it, the object and what it kept of it are gone; the good one
+        // stays.
+        assert!(kept.get("short").is_none());
+        assert!(kept.get("good").is_some());
+    }
 }

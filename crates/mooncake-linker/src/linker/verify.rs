@@ -171,13 +171,15 @@ impl Inner {
                     if self.config.verify_object_sizes {
                         check_object_sizes(
                             &self.calls,
+                            &self.checksums,
                             batch,
                             std::slice::from_ref(comp),
                             w.page..w.page + 1,
                             self.store_call_deadline(),
                         )?;
                     }
-                    return Err(self.bad_object(batch, comp, w.page, None, detail));
+                    let deadline = self.store_call_deadline();
+                    return Err(self.bad_object(batch, comp, w.page, (None, detail), deadline));
                 }
             }
         }
@@ -232,21 +234,21 @@ impl Inner {
         }
     }
 
-    /// An object found bad: discarded with its companion (bounded), counted, and the batch's
-    /// error.
+    /// An object found bad: discarded with its companion (the discard bounded by `deadline`),
+    /// counted, and the batch's error.
     pub(crate) fn bad_object(
         &self,
         batch: BatchId,
         comp: &ComponentKeys,
         page: usize,
-        layer: Option<u32>,
-        detail: String,
+        (layer, detail): (Option<u32>, String),
+        deadline: std::time::Instant,
     ) -> KvLoadError {
         let key = comp.keys[page].clone();
         tracing::error!(%batch, key, ?layer, detail, "object failed verification: discarding it");
         self.checksums.remove(&key);
         self.metrics.bad_object();
-        super::replace::discard_objects(&self.calls, &[key.as_str()], self.store_call_deadline());
+        super::replace::discard_objects(&self.calls, &[key.as_str()], deadline);
         KvLoadError::BadObject {
             batch,
             key,
@@ -350,8 +352,8 @@ impl LayerCheck<'_> {
                         self.batch,
                         row.component,
                         row.page,
-                        Some(layer),
-                        e.to_string(),
+                        (Some(layer), e.to_string()),
+                        self.inner.store_call_deadline(),
                     ))
                 }
             }
