@@ -169,8 +169,9 @@ pub enum GroupFallback {
 ///
 /// Hashing is CPU work: threads beyond the cores only take turns. On the 2-core development
 /// machine, loading a 32K-token GLM-5.2 prefix with its checksums, 4 threads per layer were
-/// the slowest of 1, 2 and 4 in two runs (no compute: last layer 1953 ms against 1833 / 1757;
-/// with 10 ms of compute per layer, forward done 2007 against 2008 / 1851); 4 on the 16-core
+/// the slowest or tied in two runs (in the second, of 1, 2 and 4: no compute, last layer 1953
+/// ms against 1833 / 1757; with 10 ms of compute per layer, forward done 2007 against 2008 /
+/// 1851); 4 on the 16-core
 /// GPU host, where it was measured to speed up rank 0 of `Rank0Broadcast` (docs/benchmarks.md).
 ///
 /// ```
