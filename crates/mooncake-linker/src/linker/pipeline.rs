@@ -345,7 +345,7 @@ impl LayerPipeline<'_> {
             let own = c
                 .store_call_timeout
                 .saturating_mul(4)
-                .saturating_add(c.store_call_timeout / 4);
+                .saturating_add(super::prefetch::read_ahead_wait(c.store_call_timeout));
             return self
                 .opened
                 .checked_add(own)
@@ -383,7 +383,9 @@ impl LayerPipeline<'_> {
             .config
             .store_call_timeout
             .saturating_mul(3)
-            .saturating_add(self.inner.config.store_call_timeout / 4);
+            .saturating_add(super::prefetch::read_ahead_wait(
+                self.inner.config.store_call_timeout,
+            ));
         let store_call_timeout = self.inner.config.store_call_timeout;
         // Where every object has a companion the sizes need not hold layer 0 back: they start
         // once the first group is read too, so that their queries (one per object) do not slow

@@ -59,6 +59,12 @@ struct Running {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Longest a load waits for a read ahead of its companions: a quarter of one store call (the
+/// preflight's bounds include it).
+pub(crate) fn read_ahead_wait(store_call_timeout: std::time::Duration) -> std::time::Duration {
+    store_call_timeout / 4
+}
+
 impl CompanionPrefetch {
     /// Waits while the read ahead under way reads the companion of any of `objects`, until it
     /// ends, its own deadline or `limit`, whichever is first (`waiting` is called once, before

@@ -194,7 +194,9 @@ impl Inner {
         // deadline), not read twice.
         let pending: Vec<&str> = plan.wanted.iter().map(|w| object_key(layers, w)).collect();
         if !pending.is_empty() {
-            let limit = kv_loader::deadline_after(self.config.store_call_timeout / 4);
+            let limit = kv_loader::deadline_after(super::prefetch::read_ahead_wait(
+                self.config.store_call_timeout,
+            ));
             self.prefetch
                 .wait_for(&pending, limit, || self.metrics.read_ahead_wait());
             // Also when it did not wait: a read ahead may have ended since the first pass.
