@@ -982,10 +982,10 @@ fn a_load_right_after_its_lookup_reads_each_companion_once() {
     linker.close().unwrap();
 }
 
-/// `close` while companions are being read ahead returns once that read's own bound passes.
-#[test]
-fn close_waits_for_a_read_ahead_no_longer_than_its_bound() {
-    let s = saved(49, 2);
+/// How long `end` (`close` or `reset`) took, called right after a lookup whose read ahead of
+/// the companions hangs (its store call bounded at 500 ms).
+fn ending_beside_a_hung_read_ahead(seed: u32, end: impl FnOnce(&Linker)) -> std::time::Duration {
+    let s = saved(seed, 2);
     let held = kvlink::mooncake_linker::store::Stall::new();
     let cfg = LinkerConfig {
         store_call_timeout: std::time::Duration::from_millis(500),
@@ -994,10 +994,18 @@ fn close_waits_for_a_read_ahead_no_longer_than_its_bound() {
     let (linker, _pool) = held_companions(&s, cfg, &held);
     let t0 = std::time::Instant::now();
     linker.lookup_pages(&s.pages, 0).unwrap();
-    linker.close().unwrap();
+    end(&linker);
     let took = t0.elapsed();
     assert!(held.hits() > 0, "the read ahead had started");
     held.release();
+    linker.close().unwrap();
+    took
+}
+
+/// `close` while companions are being read ahead returns once that read's own bound passes.
+#[test]
+fn close_waits_for_a_read_ahead_no_longer_than_its_bound() {
+    let took = ending_beside_a_hung_read_ahead(49, |l| l.close().unwrap());
     // It waited for the read ahead (its store call bounded at 500 ms), and no longer.
     assert!(
         took >= std::time::Duration::from_millis(400) && took < std::time::Duration::from_secs(10),
@@ -1009,24 +1017,11 @@ fn close_waits_for_a_read_ahead_no_longer_than_its_bound() {
 /// that read's own bound.
 #[test]
 fn reset_waits_for_a_read_ahead_no_longer_than_its_bound() {
-    let s = saved(51, 2);
-    let held = kvlink::mooncake_linker::store::Stall::new();
-    let cfg = LinkerConfig {
-        store_call_timeout: std::time::Duration::from_millis(500),
-        ..config()
-    };
-    let (linker, _pool) = held_companions(&s, cfg, &held);
-    let t0 = std::time::Instant::now();
-    linker.lookup_pages(&s.pages, 0).unwrap();
-    linker.reset().unwrap();
-    let took = t0.elapsed();
-    assert!(held.hits() > 0, "the read ahead had started");
-    held.release();
+    let took = ending_beside_a_hung_read_ahead(51, |l| l.reset().unwrap());
     assert!(
         took >= std::time::Duration::from_millis(400) && took < std::time::Duration::from_secs(10),
         "reset took {took:?}"
     );
-    linker.close().unwrap();
 }
 
 /// A read ahead that hangs holds a load back a quarter of `store_call_timeout` at most: the
