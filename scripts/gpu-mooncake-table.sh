@@ -16,9 +16,10 @@
 #            group), and with 2+ GPUs one rank per GPU over NCCL; 32K and 128K, one storage
 #            node                                                           (about 6-8 min)
 #   reads    one client: the wheel's Python whole-object read against kvlink's reads and the
-#            Linker itself (adaptive layer groups, store defaults; each layer's checksum check
-#            on the default 4 threads and on 1, 8 and 16; checksum companions read by every
-#            load and read at lookup) with the engine computing 0 / 5.76 ms per layer
+#            Linker itself (adaptive layer groups, store defaults; checksums taken by the store
+#            as the rows land (the default) and hashed by each layer's check instead, the latter
+#            on the default 4 threads and on 16; checksum companions read by every load and
+#            read at lookup) with the engine computing 0 / 5.76 ms per layer
 #            (SIMULATED: the modelled compute at 32K), 32K tokens, one storage node (about 3 min)
 #   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8
 #            (KVLINK_TABLE_TP), 32K, every mode and Auto, then Auto alone a second time (two
@@ -133,10 +134,10 @@ case "$part" in
     export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
     if [[ $quick -eq 1 ]]; then
       flags=(--tokens 2048 --rounds 1 --groups 78 --parallel 2 --lanes 8 --streams 1,8 --store-groups 78
-             --compute-us 0 --linker-compute-us 0,5480 --linker-verify-threads 0,8 --linker-companions every-load,at-lookup)
+             --compute-us 0 --linker-compute-us 0,5480 --linker-verify-threads 0 --linker-as-landed on,off --linker-companions every-load,at-lookup)
     else
       flags=(--tokens 32768 --rounds 5 --groups 8,26,78 --parallel 8 --lanes 8 --streams 4,8
-             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-verify-threads 0,1,8,16 --linker-companions every-load,at-lookup)
+             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-verify-threads 0,16 --linker-as-landed on,off --linker-companions every-load,at-lookup)
     fi
     tag=$([[ $quick -eq 1 ]] && echo 2k || echo 32k)
     run_bundle 1 mooncake_read "${flags[@]}" "${extra[@]}" \

@@ -15,7 +15,9 @@ use kvlink::kv_geometry::{
     checksum_key, ComponentId, KvGeometry, ObjectChecksums, PageHash, Verified,
 };
 use kvlink::kv_loader::{KvLoadError, KvLoader, PlanError};
-use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome};
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, FaultyStore, KvStore, ObjectGet, ObjectPut, PutOutcome,
+};
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
 fn config() -> LinkerConfig {
@@ -375,9 +377,17 @@ fn one_rank(
 
 #[test]
 fn a_corrupt_layer_fails_the_batch_naming_key_and_layer_and_the_next_save_replaces_it() {
-    for device in [false, true] {
+    // The embedded store takes each range's checksum as it copies it (the check compares
+    // that); behind a store that takes none (a FaultyStore with no rules keeps the default),
+    // the check hashes the rows in the pool itself. Either way the corrupt layer is found.
+    for (device, landed) in [(false, true), (true, true), (false, false), (true, false)] {
         let Saved { store, pages, g } = saved(31, 3);
-        let (linker, host_pool) = one_rank(&g, store.clone(), device);
+        let reads: Arc<dyn KvStore> = if landed {
+            store.clone()
+        } else {
+            Arc::new(FaultyStore::new(store.clone()))
+        };
+        let (linker, host_pool) = one_rank(&g, reads, device);
         let keys = linker
             .object_keys(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
             .unwrap();
@@ -420,6 +430,16 @@ fn a_corrupt_layer_fails_the_batch_naming_key_and_layer_and_the_next_save_replac
                 m.ranges_checksummed > 0 && m.ranges_length_only == 0,
                 "{m:?}"
             );
+        }
+        let m = linker.metrics();
+        if landed {
+            assert!(m.ranges_checksummed_as_landed > 0, "{m:?}");
+            assert!(
+                m.ranges_checksummed_as_landed <= m.ranges_checksummed,
+                "{m:?}"
+            );
+        } else {
+            assert_eq!(m.ranges_checksummed_as_landed, 0, "{m:?}");
         }
         linker.close().unwrap();
     }

@@ -31,6 +31,8 @@ pub struct Args {
     pub linker_streams: Vec<usize>,
     /// `verify_threads` of the `Linker` rows (0: the library's default).
     pub linker_verify_threads: Vec<usize>,
+    /// `checksums_as_landed` of the `Linker` rows.
+    pub linker_as_landed: Vec<OnOff>,
     /// How the `Linker` rows get their checksum companions (one row set each).
     pub linker_companions: Vec<Companions>,
     /// With `at-lookup`: the engine's time between its lookup and `start_load` (SIMULATED).
@@ -184,6 +186,14 @@ fn command() -> Command {
                 .help("LinkerConfig::verify_threads of the Linker rows (threads one layer's checksum check may use; 0: the library's default); one row set per value"),
         )
         .arg(
+            Arg::new("linker-as-landed")
+                .long("linker-as-landed")
+                .value_parser(value_parser!(OnOff))
+                .value_delimiter(',')
+                .default_value("on")
+                .help("LinkerConfig::checksums_as_landed of the Linker rows (on: the store takes each staged range's checksum as it copies it; off: each layer's check hashes its rows in the pool); one row set per value"),
+        )
+        .arg(
             Arg::new("no-companions")
                 .long("no-companions")
                 .action(ArgAction::SetTrue)
@@ -224,12 +234,22 @@ pub fn parse() -> Args {
         linker_lanes: list(&m, "linker-lanes"),
         linker_streams: list(&m, "linker-streams"),
         linker_verify_threads: list(&m, "linker-verify-threads"),
+        linker_as_landed: list(&m, "linker-as-landed"),
         linker_companions: list(&m, "linker-companions"),
         linker_lookup_gap_us: *m.get_one("linker-lookup-gap-us").expect("defaulted"),
         no_companions: m.get_flag("no-companions"),
         no_python: m.get_flag("no-python"),
         only: list(&m, "only"),
     }
+}
+
+/// A setting switched on or off for a row set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOff {
+    /// On.
+    On,
+    /// Off.
+    Off,
 }
 
 /// How the `Linker` rows get their checksum companions.

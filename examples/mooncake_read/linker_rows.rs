@@ -14,7 +14,7 @@ use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, RequestPages};
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, ShareMode};
 
-use crate::args::{Args, Companions};
+use crate::args::{Args, Companions, OnOff};
 use crate::objects::Objects;
 
 /// What one load took (seconds from `start_load`).
@@ -38,6 +38,8 @@ pub struct RowSpec {
     pub streams: usize,
     /// `LinkerConfig::verify_threads` (0: the library's default).
     pub verify_threads: usize,
+    /// `LinkerConfig::checksums_as_landed`.
+    pub as_landed: bool,
     /// How it gets its checksum companions.
     pub companions: Companions,
     /// With `Companions::AtLookup`: the engine's time between lookup and load (SIMULATED).
@@ -45,8 +47,8 @@ pub struct RowSpec {
 }
 
 impl RowSpec {
-    /// Every row the flags ask for: each companions setting × verify threads × read streams ×
-    /// TCP lanes × compute.
+    /// Every row the flags ask for: each companions setting × checksums as landed × verify
+    /// threads × read streams × TCP lanes × compute.
     pub fn every(a: &Args) -> Vec<RowSpec> {
         let or_default = |v: &[usize]| if v.is_empty() { vec![0] } else { v.to_vec() };
         let (verify, streams, lanes) = (
@@ -56,17 +58,20 @@ impl RowSpec {
         );
         let mut specs = Vec::new();
         for &companions in &a.linker_companions {
-            for &verify_threads in &verify {
-                for &streams in &streams {
-                    for &lanes in &lanes {
-                        specs.extend(a.linker_compute_us.iter().map(|&us| RowSpec {
-                            compute: Duration::from_micros(us),
-                            lanes,
-                            streams,
-                            verify_threads,
-                            companions,
-                            lookup_gap: Duration::from_micros(a.linker_lookup_gap_us),
-                        }));
+            for &landed in &a.linker_as_landed {
+                for &verify_threads in &verify {
+                    for &streams in &streams {
+                        for &lanes in &lanes {
+                            specs.extend(a.linker_compute_us.iter().map(|&us| RowSpec {
+                                compute: Duration::from_micros(us),
+                                lanes,
+                                streams,
+                                verify_threads,
+                                as_landed: landed == OnOff::On,
+                                companions,
+                                lookup_gap: Duration::from_micros(a.linker_lookup_gap_us),
+                            }));
+                        }
                     }
                 }
             }
@@ -75,8 +80,9 @@ impl RowSpec {
     }
 
     /// The table's columns for what this row varies: TCP lanes, read streams (`default_streams`
-    /// where 0), verify threads, checksum companions (`none_written`: the bench wrote none).
-    pub fn columns(&self, default_streams: usize, none_written: bool) -> [String; 4] {
+    /// where 0), verify threads, checksums as landed, checksum companions (`none_written`: the
+    /// bench wrote none).
+    pub fn columns(&self, default_streams: usize, none_written: bool) -> [String; 5] {
         let or_default = |v: usize, default: String| {
             if v == 0 {
                 format!("{default} (default)")
@@ -91,6 +97,11 @@ impl RowSpec {
                 self.verify_threads,
                 LinkerConfig::default().verify_threads.to_string(),
             ),
+            if self.as_landed {
+                "as landed (default)".into()
+            } else {
+                "hashed by the check".into()
+            },
             match self.companions {
                 _ if none_written => "none written (length checks after a size query)".into(),
                 Companions::EveryLoad => "read by every load".into(),
@@ -135,6 +146,7 @@ impl LinkerReader {
             lanes,
             streams,
             verify_threads,
+            as_landed,
             companions,
             ..
         } = spec;
@@ -175,6 +187,7 @@ impl LinkerReader {
                         LinkerConfig::default().checksum_cache_entries
                     }
                 },
+                checksums_as_landed: as_landed,
                 verify_threads: if verify_threads > 0 {
                     verify_threads
                 } else {
@@ -269,13 +282,14 @@ impl LinkerReader {
         let cost = self.linker.read_cost(ShareMode::AllRanks);
         let m = self.linker.metrics();
         format!(
-            "compute measured {}, call cost {:.1} ms + {:.2} GB/s; ranges checked by checksum {}, by length only {}",
+            "compute measured {}, call cost {:.1} ms + {:.2} GB/s; ranges checked by checksum {} ({} of them hashed by the store as they landed), by length only {}",
             self.linker
                 .compute_per_layer()
                 .map_or("—".into(), |c| format!("{:.1} ms", c.as_secs_f64() * 1e3)),
             cost.per_call.as_secs_f64() * 1e3,
             1e-9 / cost.seconds_per_byte,
             m.ranges_checksummed,
+            m.ranges_checksummed_as_landed,
             m.ranges_length_only,
         )
     }

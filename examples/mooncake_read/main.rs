@@ -445,10 +445,10 @@ fn linker_table(
             layer0.join("; ")
         },
     )?;
-    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | verify threads | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms (median of the rounds) | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | verify threads | checksums | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms (median of the rounds) | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
     writeln!(
         out,
-        "|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
     )?;
     for (r, t) in readers.iter().zip(&times) {
         let c = r.spec.compute.as_secs_f64() * 1e3;

@@ -260,6 +260,36 @@ impl ObjectChecksums {
         layer: u32,
         bytes: &[u8],
     ) -> Result<Verified, ChecksumError> {
+        Self::verify_layer_landed(sums, layout, layer, bytes, None)
+    }
+
+    /// [`verify_layer`](Self::verify_layer), given `landed`: the [`layer_checksum`] of `bytes`
+    /// taken while they were written there (a store that copies a range out of its own
+    /// staging hashes it in the same pass), so that they need not be read again. `None`:
+    /// `bytes` are hashed here.
+    ///
+    /// ```
+    /// use kv_geometry::{layer_checksum, ObjectChecksums, Verified, KvGeometry, ModelKvSpec};
+    /// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+    /// let ix = g.component_by_name("indexer").unwrap();
+    /// let object: Vec<u8> = (0..ix.object_bytes()).map(|i| (i * 3) as u8).collect();
+    /// let sums = ObjectChecksums::of_object(&object, ix.page_layer_bytes).unwrap();
+    /// let layer3 = &object[ix.layer_range(3).unwrap().start as usize..][..8448];
+    /// let landed = Some(layer_checksum(layer3));
+    /// assert_eq!(
+    ///     ObjectChecksums::verify_layer_landed(Some(&sums), ix, 3, layer3, landed),
+    ///     Ok(Verified::Checksum)
+    /// );
+    /// // A checksum taken of other bytes than the layer's is a mismatch.
+    /// assert!(ObjectChecksums::verify_layer_landed(Some(&sums), ix, 3, layer3, Some(0)).is_err());
+    /// ```
+    pub fn verify_layer_landed(
+        sums: Option<&ObjectChecksums>,
+        layout: &ComponentLayout,
+        layer: u32,
+        bytes: &[u8],
+        landed: Option<u64>,
+    ) -> Result<Verified, ChecksumError> {
         let pos = layout
             .position(layer)
             .ok_or(ChecksumError::NoLayer(layer))?;
@@ -275,7 +305,7 @@ impl ObjectChecksums {
         };
         sums.check_layout(layout)?;
         let expected = sums.sums[pos as usize];
-        let actual = layer_checksum(bytes);
+        let actual = landed.unwrap_or_else(|| layer_checksum(bytes));
         if actual != expected {
             return Err(ChecksumError::Mismatch {
                 layer,

@@ -99,6 +99,23 @@ proptest! {
         );
         // Without a companion only the length is checked (an object SGLang wrote).
         prop_assert_eq!(ObjectChecksums::verify_layer(None, c, l, &bad), Ok(Verified::LengthOnly));
+        // A checksum taken as the bytes landed gives the verdict hashing them gives.
+        for bytes in [&obj[range(l)], &bad[..]] {
+            prop_assert_eq!(
+                ObjectChecksums::verify_layer_landed(Some(&sums), c, l, bytes, Some(layer_checksum(bytes))),
+                ObjectChecksums::verify_layer(Some(&sums), c, l, bytes)
+            );
+        }
+        // The length is checked whatever the landed checksum says.
+        let long = [&obj[range(l)], &[0u8][..]].concat();
+        let landed = Some(layer_checksum(&obj[range(l)]));
+        prop_assert!(
+            matches!(
+                ObjectChecksums::verify_layer_landed(Some(&sums), c, l, &long, landed),
+                Err(ChecksumError::Length { .. })
+            ),
+            "a range one byte too long passed on its checksum"
+        );
     }
 }
 

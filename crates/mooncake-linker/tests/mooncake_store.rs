@@ -19,9 +19,11 @@ use std::time::{Duration, Instant};
 
 use common::{available, env, free_port, unique, PrivateMaster};
 
+use kv_geometry::layer_checksum;
 use mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use mooncake_linker::store::{
-    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, StoreError,
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
+    StoreError,
 };
 
 // ---------------------------------------------------------------------------------- helpers
@@ -414,8 +416,13 @@ fn ranged_reads_in_streams_land_every_byte_and_keep_per_key_results() {
                     .collect(),
             })
             .collect();
+        // Checksums asked for: taken of the ranges the store copies out of its scratch.
+        let mut sums: Vec<RangeChecksums> = gets
+            .iter()
+            .map(|g| smallvec::smallvec![None; g.ranges.len()])
+            .collect();
         // SAFETY: distinct slots of `buf`, registered, untouched meanwhile.
-        let got = unsafe { reader.get_ranges(&gets) };
+        let got = unsafe { reader.get_ranges_checksummed(&gets, &mut sums) };
         assert_eq!(got.len(), PAGES + 1);
         for (i, r) in got.iter().enumerate() {
             if i == 5 {
@@ -439,9 +446,18 @@ fn ranged_reads_in_streams_land_every_byte_and_keep_per_key_results() {
                 continue;
             };
             for l in 0..LAYERS {
+                let landed = &buf[slot(i, l)..slot(i, l) + LAYER_BYTES];
                 assert!(
-                    buf[slot(i, l)..slot(i, l) + LAYER_BYTES]
-                        == objects[p][l * LAYER_BYTES..(l + 1) * LAYER_BYTES],
+                    landed == &objects[p][l * LAYER_BYTES..(l + 1) * LAYER_BYTES],
+                    "page {p} layer {l} (page-major {page_major})"
+                );
+                // Page-major: one range straight into `buf`, nothing copied, no checksum.
+                // Layer-major, staged: every range copied out of scratch, each checksum that
+                // of the bytes that landed.
+                let want = (!page_major && reader.config().staged_merge_enabled())
+                    .then(|| layer_checksum(landed));
+                assert_eq!(
+                    sums[i][l], want,
                     "page {p} layer {l} (page-major {page_major})"
                 );
             }

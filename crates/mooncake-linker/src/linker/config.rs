@@ -88,6 +88,15 @@ pub struct LinkerConfig {
     /// at 32K tokens: 22.7 MB per layer, about 4.7 ms on one core of the H200 host). Default:
     /// [`auto_verify_threads`] of this machine's cores (4 from 4 cores up).
     pub verify_threads: usize,
+    /// Ask the store for each range's checksum as its bytes land
+    /// ([`KvStore::get_ranges_checksummed`](crate::store::KvStore::get_ranges_checksummed)),
+    /// so that a layer's check compares it instead of reading the rows again: a store that
+    /// stages a read through its own memory (Mooncake's staged merge: several layers of a page
+    /// in one range) takes it in the copy out of its staging, on its copy thread, while its
+    /// next call is on the wire. Rows the store took none of are hashed by the check as
+    /// before. Default: on; off, every row is hashed by the layer's check (the baseline the
+    /// one-client bench measures it against).
+    pub checksums_as_landed: bool,
     /// How many layers each store call reads: adaptive by default (groups planned per batch
     /// from measured costs and compute, layer 0 alone), or a fixed count.
     pub read_granularity: ReadGranularity,
@@ -199,6 +208,7 @@ impl Default for LinkerConfig {
             checksum_cache_entries: 32_768,
             store_call_timeout: Duration::from_secs(20),
             read_parallelism: 1,
+            checksums_as_landed: true,
             verify_threads: auto_verify_threads(
                 std::thread::available_parallelism().map_or(1, usize::from),
             ),

@@ -35,6 +35,7 @@ pub struct LinkerMetrics {
     layer_read_us: AtomicU64,
     layer_hist: [AtomicU64; 12],
     ranges_checksummed: AtomicU64,
+    ranges_checksummed_as_landed: AtomicU64,
     ranges_length_only: AtomicU64,
     bad_objects: AtomicU64,
     companions_kept: AtomicU64,
@@ -68,6 +69,9 @@ pub struct MetricsSnapshot {
     /// (object, layer) ranges loaded and verified against the checksums written with the
     /// object.
     pub ranges_checksummed: u64,
+    /// Of `ranges_checksummed`, those checked against the checksum the store took as their
+    /// bytes landed (a read staged through the store's own memory), not read again.
+    pub ranges_checksummed_as_landed: u64,
     /// (object, layer) ranges loaded and verified by their length only (objects without
     /// checksums, e.g. written by SGLang): a weaker check.
     pub ranges_length_only: u64,
@@ -132,6 +136,11 @@ impl LinkerMetrics {
             .fetch_add(length_only, Ordering::Relaxed);
     }
 
+    pub(crate) fn checksummed_as_landed(&self, n: u64) {
+        self.ranges_checksummed_as_landed
+            .fetch_add(n, Ordering::Relaxed);
+    }
+
     pub(crate) fn companions_kept(&self, n: u64) {
         self.companions_kept.fetch_add(n, Ordering::Relaxed);
     }
@@ -173,6 +182,7 @@ impl LinkerMetrics {
             layer_read_time: Duration::from_micros(self.layer_read_us.load(Ordering::Relaxed)),
             layer_read_histogram: hist,
             ranges_checksummed: self.ranges_checksummed.load(Ordering::Relaxed),
+            ranges_checksummed_as_landed: self.ranges_checksummed_as_landed.load(Ordering::Relaxed),
             ranges_length_only: self.ranges_length_only.load(Ordering::Relaxed),
             bad_objects: self.bad_objects.load(Ordering::Relaxed),
             companions_kept: self.companions_kept.load(Ordering::Relaxed),

@@ -22,6 +22,7 @@ mod granularity;
 mod group;
 mod group_time;
 mod handoff;
+mod landed;
 mod lookup;
 mod metrics;
 mod outcomes;

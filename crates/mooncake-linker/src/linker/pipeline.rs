@@ -46,8 +46,11 @@ use tracing::{debug, warn};
 use super::batch::{collective_failure, BatchJob, BatchLayers};
 use super::granularity::CallLimits;
 use super::handoff::{Handoff, Wait};
+use super::landed::LandedSums;
 use super::preflight::{Check, PreflightChecks};
-use super::reader::{store_failure, LayerReader, OwnRows, ReadPart, RowTarget, ShareArea};
+use super::reader::{
+    store_failure, GroupRead, LayerReader, OwnRows, ReadPart, RowTarget, ShareArea,
+};
 use super::session::PinnedKeys;
 use super::share::{step_for, LayerCx, StepError};
 use super::verify::{BatchChecksums, LayerCheck};
@@ -60,6 +63,8 @@ struct ReadLayer {
     stage: Option<LayerStage>,
     /// Why this rank's read of the layer (or an earlier one) failed.
     error: Option<KvLoadError>,
+    /// The checksums the store took of the layer's rows as they landed, if it took any.
+    landed: Option<LandedSums>,
 }
 
 /// What the reader thread did.
@@ -275,6 +280,7 @@ impl LayerPipeline<'_> {
                     }),
                 };
                 let mut read_failed = false;
+                let mut landed = Vec::new();
                 if failure.is_none() {
                     let open: Option<Vec<&mut LayerStage>> =
                         stages.iter_mut().map(Option::as_mut).collect();
@@ -285,9 +291,10 @@ impl LayerPipeline<'_> {
                         _ => Err(KvLoadError::internal(batch, "no landing to read into")),
                     };
                     match read {
-                        Ok(n) => {
-                            run.bytes += n;
+                        Ok(read) => {
+                            run.bytes += read.bytes;
                             run.groups.push(group.len() as u32);
+                            landed = read.landed;
                         }
                         Err(e) => {
                             warn!(%batch, layers = ?group, error = %e, "read failed");
@@ -314,11 +321,13 @@ impl LayerPipeline<'_> {
                     // No verdict is waited for any more: checks not yet under way need not run.
                     abandoned.store(true, Ordering::Release);
                 }
+                let mut landed = landed.into_iter();
                 for (layer, stage) in group.zip(stages) {
                     let msg = ReadLayer {
                         layer,
                         stage,
                         error: failure.clone(),
+                        landed: landed.next(),
                     };
                     if h.hand_over(msg, kv_loader::deadline_after(wait)).is_err() {
                         return;
@@ -459,7 +468,7 @@ impl LayerPipeline<'_> {
         landing: &dyn LayerLanding,
         stages: &mut [&mut LayerStage],
         group: std::ops::Range<u32>,
-    ) -> Result<u64, KvLoadError> {
+    ) -> Result<GroupRead, KvLoadError> {
         let (inner, layers) = (self.inner, self.layers);
         let batch = self.job.plan.logical.batch;
         let deadline = kv_loader::deadline_after(inner.config.collective_timeout);
@@ -503,6 +512,7 @@ impl LayerPipeline<'_> {
                 _ => Vec::new(),
             };
             let mut parts = vec![ReadPart {
+                shared: false,
                 components: &layers.own,
                 pages: 0..layers.pages,
                 targets: own.iter().map(|t| t as &dyn RowTarget).collect(),
@@ -513,6 +523,7 @@ impl LayerPipeline<'_> {
                     ShareSide::Device(_) => share.iter().map(|t| t as &dyn RowTarget).collect(),
                 };
                 parts.push(ReadPart {
+                    shared: true,
                     components: &layers.shared,
                     pages: layers.my_pages(),
                     targets,
@@ -520,8 +531,13 @@ impl LayerPipeline<'_> {
             }
             reader.plan(&parts, group.clone())?
         };
-        let n = reader.read(planned, loans, group.clone())?;
-        let took = t0.elapsed();
+        // The store's checksums of the rows as they land, wherever a layer's check will want
+        // them: checks on, and the companions not known yet or some object has one.
+        let hash = inner.config.verify_checksums
+            && inner.config.checksums_as_landed
+            && self.sums.get().is_none_or(BatchChecksums::has_companions);
+        let read = reader.read(planned, loans, group.clone(), hash)?;
+        let (n, took) = (read.bytes, t0.elapsed());
         tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
         inner.metrics.layer_read(took);
         inner
@@ -541,7 +557,7 @@ impl LayerPipeline<'_> {
                 .into(),
             });
         }
-        Ok(n)
+        Ok(read)
     }
 
     /// One status word for `layer`: exchanged with the group, or recorded alone.
@@ -567,12 +583,9 @@ impl LayerPipeline<'_> {
         }
     }
 
-    /// The layer `layer` message from the reader (bounded), as (stage, this rank's error).
-    fn receive(
-        &self,
-        h: &Handoff<Option<LayerStage>, ReadLayer>,
-        layer: u32,
-    ) -> (Option<LayerStage>, Option<KvLoadError>) {
+    /// The layer `layer` message from the reader (bounded); one without a stage, carrying this
+    /// rank's error, where none came in time or the reader sent another layer or left.
+    fn receive(&self, h: &Handoff<Option<LayerStage>, ReadLayer>, layer: u32) -> ReadLayer {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
         // Before the first group the reader pins the objects (one store call) and opens the
@@ -587,33 +600,28 @@ impl LayerPipeline<'_> {
             .saturating_add(c.collective_timeout)
             .saturating_add(c.store_call_timeout.saturating_mul(2))
             .max(c.store_call_timeout.saturating_mul(5));
-        match h.next_layer(kv_loader::deadline_after(limit)) {
-            Wait::Got(m) if m.layer == layer => (m.stage, m.error),
-            Wait::Got(m) => (
-                None,
-                Some(KvLoadError::internal(
-                    batch,
-                    format!("the reader sent layer {} for layer {layer}", m.layer),
-                )),
+        let error = match h.next_layer(kv_loader::deadline_after(limit)) {
+            Wait::Got(m) if m.layer == layer => return m,
+            Wait::Got(m) => KvLoadError::internal(
+                batch,
+                format!("the reader sent layer {} for layer {layer}", m.layer),
             ),
-            Wait::TimedOut => (
-                None,
-                Some(KvLoadError::Store {
-                    batch: Some(batch),
-                    layer: Some(layer),
-                    pages: Vec::new().into(),
-                    kind: StoreFailure::RpcTimeout,
-                    detail: format!("the reader did not finish layer {layer} within {limit:?}")
-                        .into(),
-                }),
-            ),
-            Wait::Closed => (
-                None,
-                Some(KvLoadError::internal(
-                    batch,
-                    format!("the reader stopped before layer {layer}"),
-                )),
-            ),
+            Wait::TimedOut => KvLoadError::Store {
+                batch: Some(batch),
+                layer: Some(layer),
+                pages: Vec::new().into(),
+                kind: StoreFailure::RpcTimeout,
+                detail: format!("the reader did not finish layer {layer} within {limit:?}").into(),
+            },
+            Wait::Closed => {
+                KvLoadError::internal(batch, format!("the reader stopped before layer {layer}"))
+            }
+        };
+        ReadLayer {
+            layer,
+            stage: None,
+            error: Some(error),
+            landed: None,
         }
     }
 
@@ -640,7 +648,12 @@ impl LayerPipeline<'_> {
         let mut every_layer = true;
         for layer in 0..num_layers {
             let waited_at = Instant::now();
-            let (stage, read_error) = self.receive(h, layer);
+            let ReadLayer {
+                stage,
+                error: read_error,
+                landed: landed_sums,
+                ..
+            } = self.receive(h, layer);
             let verify_at = Instant::now();
             // What this rank read for the layer is verified before it says "ok" for it.
             let verified = match (&read_error, &stage, self.landing) {
@@ -651,7 +664,7 @@ impl LayerPipeline<'_> {
                         layers,
                         sums,
                     }
-                    .run(l, st, layer)
+                    .run(l, st, layer, landed_sums.as_ref())
                     .err(),
                     None => Some(KvLoadError::internal(
                         batch,

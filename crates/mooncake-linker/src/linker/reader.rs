@@ -19,6 +19,7 @@ use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
 use smallvec::SmallVec;
 
 use super::checksum_cache::ChecksumCache;
+use super::landed::LandedSums;
 
 use crate::store::{checked_results, Hold, StoreCalls, StoreError, TargetRange, TargetRead};
 
@@ -101,6 +102,8 @@ pub(crate) fn store_failure(
 /// One part of a group read: `components` at plan pages `pages`, the row of layer
 /// `group.start + i` landing where `targets[i]` (that layer's loan) says.
 pub(crate) struct ReadPart<'k, 't> {
+    /// The components are the batch's shared ones (else its own), for the landed checksums.
+    pub(crate) shared: bool,
     pub(crate) components: &'k [ComponentKeys],
     pub(crate) pages: Range<usize>,
     pub(crate) targets: Vec<&'t dyn RowTarget>,
@@ -111,6 +114,42 @@ pub(crate) struct GroupReads<'k> {
     reads: Vec<TargetRead<'k>>,
     expected: Vec<u64>,
     pages: Vec<u32>,
+    /// Per object, where its ranges' landed checksums go.
+    rows: Vec<RowsOf>,
+    /// The landed checksums' shape: plan pages, own components, shared components.
+    shape: (usize, usize, usize),
+}
+
+/// Which rows one planned object's ranges are: its component (shared or own, its index) and,
+/// per range, the layer's place in the group.
+struct RowsOf {
+    shared: bool,
+    comp: usize,
+    layers: SmallVec<[u32; 2]>,
+}
+
+/// A group read done: the bytes read, and per layer of the group the checksums the store
+/// took of its rows as they landed (empty when not asked for).
+pub(crate) struct GroupRead {
+    pub(crate) bytes: u64,
+    pub(crate) landed: Vec<LandedSums>,
+}
+
+impl GroupReads<'_> {
+    /// Per layer of a group of `layers`, the landed checksums in `sums` (per planned object,
+    /// per range, as the store gave them) placed at their rows.
+    fn landed(&self, layers: usize, sums: &[crate::store::RangeChecksums]) -> Vec<LandedSums> {
+        let (pages, own, shared) = self.shape;
+        let mut out = vec![LandedSums::new(pages, own, shared); layers];
+        for ((rows, &page), sums) in self.rows.iter().zip(&self.pages).zip(sums) {
+            for (&i, sum) in rows.layers.iter().zip(sums) {
+                if let (Some(l), Some(sum)) = (out.get_mut(i as usize), sum) {
+                    l.set(rows.shared, rows.comp, page as usize, *sum);
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Reads groups of layers of one batch on one rank.
@@ -140,6 +179,8 @@ impl LayerReader<'_> {
             reads: Vec::new(),
             expected: Vec::new(),
             pages: Vec::new(),
+            rows: Vec::new(),
+            shape: (0, 0, 0),
         };
         for part in parts {
             if part.targets.len() < group.len() {
@@ -152,7 +193,14 @@ impl LayerReader<'_> {
                     ),
                 ));
             }
-            for comp in part.components {
+            let shape = &mut planned.shape;
+            shape.0 = shape.0.max(part.pages.end);
+            if part.shared {
+                shape.2 = shape.2.max(part.components.len());
+            } else {
+                shape.1 = shape.1.max(part.components.len());
+            }
+            for (ci, comp) in part.components.iter().enumerate() {
                 let layers: Vec<(usize, u64)> = group
                     .clone()
                     .enumerate()
@@ -173,6 +221,11 @@ impl LayerReader<'_> {
                     }
                     planned.expected.push(want);
                     planned.pages.push(page as u32);
+                    planned.rows.push(RowsOf {
+                        shared: part.shared,
+                        comp: ci,
+                        layers: layers.iter().map(|&(i, _)| i as u32).collect(),
+                    });
                     planned.reads.push(TargetRead {
                         key: &comp.keys[page],
                         ranges,
@@ -185,23 +238,39 @@ impl LayerReader<'_> {
 
     /// Reads a planned group into the targets of `loans` (which the store call owns until it
     /// returns, each keeping the batch's memory hold), `parallelism` calls at once. Returns
-    /// the bytes read. Any failed or short key fails the whole group, at its first layer,
-    /// naming the pages.
+    /// the bytes read, and with `hash` the checksums the store took of the rows as they
+    /// landed. Any failed or short key fails the whole group, at its first layer, naming the
+    /// pages.
     pub(crate) fn read(
         &self,
         planned: GroupReads<'_>,
         mut loans: Vec<StageLoan>,
         group: Range<u32>,
-    ) -> Result<u64, KvLoadError> {
+        hash: bool,
+    ) -> Result<GroupRead, KvLoadError> {
         if planned.reads.is_empty() {
-            return Ok(0);
+            return Ok(GroupRead {
+                bytes: 0,
+                landed: Vec::new(),
+            });
         }
         for loan in &mut loans {
             loan.keep(self.hold.clone());
         }
-        let results =
-            self.calls
+        let (results, sums) = if hash {
+            let r = self.calls.read_targets_checksummed(
+                &planned.reads,
+                loans,
+                self.parallelism,
+                self.deadline,
+            );
+            (r.results, r.sums)
+        } else {
+            let r = self
+                .calls
                 .read_targets(&planned.reads, loans, self.parallelism, self.deadline);
+            (r, Vec::new())
+        };
         let keys: Vec<&str> = planned.reads.iter().map(|r| r.key).collect();
         let results = checked_results(&keys, results);
         let mut total = 0;
@@ -240,7 +309,15 @@ impl LayerReader<'_> {
             }
             return Err(e);
         }
-        Ok(total)
+        let landed = if hash {
+            planned.landed(group.len(), &sums)
+        } else {
+            Vec::new()
+        };
+        Ok(GroupRead {
+            bytes: total,
+            landed,
+        })
     }
 
     /// Checks that the objects of `components` at plan pages `pages` hold exactly the bytes

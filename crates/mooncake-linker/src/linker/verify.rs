@@ -18,6 +18,7 @@ use kv_loader::{BatchId, KvLoadError};
 
 use super::batch::BatchLayers;
 use super::fresh_companion::StaleRow;
+use super::landed::LandedSums;
 use super::reader::{check_object_sizes, store_failure, ComponentKeys};
 use super::Inner;
 use crate::store::StoreError;
@@ -63,6 +64,18 @@ impl BatchChecksums {
     fn get(&self, shared: bool, comp: usize, page: usize) -> Option<&Companion> {
         let list = if shared { &self.shared } else { &self.own };
         list.get(comp)?.get(page)?.as_ref()
+    }
+
+    /// Verification is on and some object this rank reads has a companion: some range will
+    /// be checked by its checksum.
+    pub(crate) fn has_companions(&self) -> bool {
+        self.enabled
+            && self
+                .own
+                .iter()
+                .chain(&self.shared)
+                .flatten()
+                .any(Option::is_some)
     }
 }
 
@@ -307,21 +320,23 @@ pub(crate) struct LayerCheck<'a> {
 impl LayerCheck<'_> {
     /// Every range this rank read at `layer`, checked; the first that fails (in component,
     /// then page order; rows that failed against kept checksums only after the others, once
-    /// their companions read afresh fail them too) is the error. The hashing runs on up to
-    /// `verify_threads` threads when the layer is large enough to gain from them: it sits on
-    /// the load thread between the reader and the landing, so one core hashing a fast store's
-    /// layer would bound the load.
+    /// their companions read afresh fail them too) is the error. A row whose checksum the
+    /// store took as it landed (`landed`) is checked against that, without reading its bytes
+    /// again; the others are hashed, on up to `verify_threads` threads when the layer is large
+    /// enough to gain from them: it sits on the load thread between the reader and the
+    /// landing, so one core hashing a fast store's layer would bound the load.
     pub(crate) fn run(
         &self,
         landing: &dyn LayerLanding,
         stage: &LayerStage,
         layer: u32,
+        landed: Option<&LandedSums>,
     ) -> Result<(), KvLoadError> {
         if !self.sums.enabled {
             return Ok(());
         }
         let t0 = std::time::Instant::now();
-        let rows = self.rows(landing, stage, layer)?;
+        let rows = self.rows(landing, stage, layer, landed)?;
         let verdicts =
             verify_rows(&rows, layer, self.inner.config.verify_threads).ok_or_else(|| {
                 KvLoadError::internal(
@@ -334,6 +349,10 @@ impl LayerCheck<'_> {
             Verified::Checksum => counts.0 += 1,
             Verified::LengthOnly => counts.1 += 1,
         };
+        let as_landed = rows
+            .iter()
+            .filter(|r| r.sums.is_some() && r.landed.is_some())
+            .count() as u64;
         // Rows that failed against checksums an earlier load kept may only be stale (their
         // object written again with other bytes since): their companions read afresh decide.
         let mut stale = Vec::new();
@@ -366,7 +385,8 @@ impl LayerCheck<'_> {
             }
         }
         self.inner.metrics.verified(counts.0, counts.1);
-        tracing::trace!(layer, checksummed = counts.0, length_only = counts.1, took = ?t0.elapsed(), "layer verified");
+        self.inner.metrics.checksummed_as_landed(as_landed);
+        tracing::trace!(layer, checksummed = counts.0, as_landed, length_only = counts.1, took = ?t0.elapsed(), "layer verified");
         Ok(())
     }
 
@@ -389,6 +409,7 @@ impl LayerCheck<'_> {
         landing: &'s dyn LayerLanding,
         stage: &'s LayerStage,
         layer: u32,
+        landed: Option<&LandedSums>,
     ) -> Result<Vec<Row<'s>>, KvLoadError> {
         let layers = self.layers;
         let mut rows = Vec::new();
@@ -407,6 +428,7 @@ impl LayerCheck<'_> {
                     kept: sums.filter(|s| s.kept).map(|s| &s.sums),
                     page,
                     bytes,
+                    landed: landed.and_then(|l| l.get(false, ci, page)),
                 });
             }
         }
@@ -433,6 +455,7 @@ impl LayerCheck<'_> {
                         kept: sums.filter(|s| s.kept).map(|s| &s.sums),
                         page,
                         bytes,
+                        landed: landed.and_then(|l| l.get(true, ci, page)),
                     });
                 }
             }
@@ -449,6 +472,8 @@ struct Row<'a> {
     kept: Option<&'a std::sync::Arc<ObjectChecksums>>,
     page: usize,
     bytes: &'a [u8],
+    /// The checksum the store took of `bytes` as they landed, if it took one.
+    landed: Option<u64>,
 }
 
 /// Most threads one layer's check starts, whatever `verify_threads` says.
@@ -476,9 +501,15 @@ fn verify_rows(
     layer: u32,
     threads: usize,
 ) -> Option<Vec<Result<Verified, ChecksumError>>> {
-    let verify =
-        |r: &Row<'_>| ObjectChecksums::verify_layer(r.sums, &r.component.layout, layer, r.bytes);
-    let total: usize = rows.iter().map(|r| r.bytes.len()).sum();
+    let verify = |r: &Row<'_>| {
+        ObjectChecksums::verify_layer_landed(r.sums, &r.component.layout, layer, r.bytes, r.landed)
+    };
+    // Only the rows to hash count towards splitting the work over threads.
+    let total: usize = rows
+        .iter()
+        .filter(|r| r.sums.is_some() && r.landed.is_none())
+        .map(|r| r.bytes.len())
+        .sum();
     let threads = verify_threads_for(threads, rows.len(), total);
     if threads == 1 {
         return Some(rows.iter().map(verify).collect());
@@ -547,6 +578,7 @@ mod tests {
                 kept: None,
                 page,
                 bytes: if page == 211 { &bad } else { good },
+                landed: None,
             })
             .collect();
         assert!(rows.iter().map(|r| r.bytes.len()).sum::<usize>() >= PARALLEL_VERIFY_BYTES);
@@ -571,5 +603,53 @@ mod tests {
                 _ => assert_eq!(v, &Ok(Verified::Checksum)),
             }
         }
+    }
+
+    #[test]
+    fn a_checksum_taken_as_the_bytes_landed_is_checked_without_hashing_them_again() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let k = g.component_by_name("k").unwrap().clone();
+        let object: Vec<u8> = (0..k.object_bytes()).map(|i| (i * 5 + 1) as u8).collect();
+        let sums = ObjectChecksums::of_object(&object, k.page_layer_bytes).unwrap();
+        let range = k.layer_range(2).unwrap();
+        let good = &object[range.start as usize..range.end as usize];
+        let right = kv_geometry::layer_checksum(good);
+        let component = ComponentKeys {
+            layout: k.clone(),
+            keys: Vec::new(),
+        };
+        // Row 0: hashed here; row 1: its landed checksum, right; row 2: a landed checksum
+        // that is not the companion's (the store saw other bytes land), though the bytes in
+        // the pool now hash right: the landed one decides; row 3: no companion, a landed
+        // checksum ignored (length only).
+        let landed = [None, Some(right), Some(right ^ 1), Some(0)];
+        let rows: Vec<Row<'_>> = (0..4)
+            .map(|page| Row {
+                component: &component,
+                sums: (page != 3).then_some(&sums),
+                kept: None,
+                page,
+                bytes: good,
+                landed: landed[page],
+            })
+            .collect();
+        let got = verify_rows(&rows, 2, 1).unwrap();
+        assert_eq!(got[0], Ok(Verified::Checksum));
+        assert_eq!(got[1], Ok(Verified::Checksum));
+        assert!(
+            matches!(got[2], Err(ChecksumError::Mismatch { layer: 2, actual, .. }) if actual == right ^ 1),
+            "{:?}",
+            got[2]
+        );
+        assert_eq!(got[3], Ok(Verified::LengthOnly));
+        // A landed checksum does not excuse a wrong length.
+        let short = Row {
+            bytes: &good[1..],
+            ..rows[1]
+        };
+        assert!(matches!(
+            verify_rows(std::slice::from_ref(&short), 2, 1).unwrap()[0],
+            Err(ChecksumError::Length { .. })
+        ));
     }
 }

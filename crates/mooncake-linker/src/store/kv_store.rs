@@ -54,6 +54,12 @@ impl RangedGet<'_> {
     }
 }
 
+/// The checksums a store took of one ranged read's ranges as it wrote them: one entry per
+/// range, in request order, each the [`layer_checksum`](kv_geometry::layer_checksum) of the
+/// bytes written to that range's destination, or `None` where the store took none (the
+/// caller hashes those itself). See [`KvStore::get_ranges_checksummed`].
+pub type RangeChecksums = SmallVec<[Option<u64>; 2]>;
+
 /// A whole-object read into `dst` (capacity `len`).
 #[derive(Debug, Clone, Copy)]
 pub struct ObjectGet<'k> {
@@ -154,6 +160,30 @@ pub trait KvStore: Send + Sync {
     /// # Safety
     /// See the trait's buffer contract.
     unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>>;
+
+    /// [`get_ranges`](KvStore::get_ranges), and the checksums of the ranges whose bytes the
+    /// store copies itself on their way to the destination (a read staged through its own
+    /// memory): `sums[i][j]`, range `j` of `gets[i]`, is set to the
+    /// [`layer_checksum`](kv_geometry::layer_checksum) of exactly the bytes written to that
+    /// range's destination, taken in the same pass as the copy, so that a caller checking
+    /// them need not read them again. Entries of ranges the store does not copy itself are
+    /// left as they are; those of a key that fails mean nothing. With `sums` not shaped as
+    /// `gets` (one entry per get, one per range), none is set.
+    ///
+    /// The default sets none. A store that changes the bytes after its inner store wrote them
+    /// (a fault injector) must keep the default, so that the caller hashes what landed.
+    ///
+    /// # Safety
+    /// See the trait's buffer contract.
+    unsafe fn get_ranges_checksummed(
+        &self,
+        gets: &[RangedGet<'_>],
+        sums: &mut [RangeChecksums],
+    ) -> Vec<Result<u64, StoreError>> {
+        let _ = sums;
+        // SAFETY: the caller's own promise, for the same call.
+        unsafe { self.get_ranges(gets) }
+    }
 
     /// Writes objects, first write wins: an existing key is left as it is.
     ///

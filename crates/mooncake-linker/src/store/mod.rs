@@ -28,7 +28,8 @@ pub use error::StoreError;
 #[cfg(any(test, feature = "testing"))]
 pub use faulty::{Fault, FaultCall, FaultRule, FaultyStore, Stall, STALL_LIMIT};
 pub use kv_store::{
-    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession,
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
+    ReadSession,
 };
 pub use registration::Registration;
 #[cfg(target_os = "linux")]
@@ -36,4 +37,4 @@ pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STO
 #[cfg(any(test, feature = "testing"))]
 pub use simulated::{SimulatedLink, SimulatedRemoteStore};
 pub use source_puts::SourcePut;
-pub use target_reads::{TargetRange, TargetRead};
+pub use target_reads::{TargetRange, TargetRead, TargetReadResults};

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{KvStore, ObjectGet, RangedGet, StoreError};
+use super::{KvStore, ObjectGet, RangeChecksums, RangedGet, StoreError};
 
 /// A modelled link: transfers queue on it first come, first served at `gbps`.
 #[derive(Debug)]
@@ -119,6 +119,19 @@ impl KvStore for SimulatedRemoteStore {
         let t0 = Instant::now();
         // SAFETY: forwarded with the caller's own promise.
         let r = unsafe { self.inner.get_ranges(gets) };
+        self.pace(t0, r.iter().flatten().sum());
+        r
+    }
+
+    // Paced like `get_ranges`; the bytes are the inner store's, so are its checksums.
+    unsafe fn get_ranges_checksummed(
+        &self,
+        gets: &[RangedGet<'_>],
+        sums: &mut [RangeChecksums],
+    ) -> Vec<Result<u64, StoreError>> {
+        let t0 = Instant::now();
+        // SAFETY: forwarded with the caller's own promise.
+        let r = unsafe { self.inner.get_ranges_checksummed(gets, sums) };
         self.pace(t0, r.iter().flatten().sum());
         r
     }

@@ -11,7 +11,7 @@ use kv_device::{first_overlap, ReadTarget, StageLoan};
 use smallvec::SmallVec;
 
 use super::bounded::{failed_all, overdue_all, Overdue, Pending};
-use super::{checked_results, RangedGet, ReadRange, StoreCalls, StoreError};
+use super::{checked_results, RangeChecksums, RangedGet, ReadRange, StoreCalls, StoreError};
 
 /// One range of a read into a typed target: `target.len()` bytes at byte `offset` of the
 /// object.
@@ -122,15 +122,45 @@ impl StoreCalls {
         parallelism: usize,
         deadline: Instant,
     ) -> Vec<Result<u64, StoreError>> {
+        self.read_targets_with(reads, loans, parallelism, deadline, false)
+            .results
+    }
+
+    /// [`read_targets`](Self::read_targets), and the checksums the store took of the ranges it
+    /// copied itself as they landed ([`KvStore::get_ranges_checksummed`]): per read, per
+    /// range, `None` where it took none (hash those targets' bytes to check them), and for
+    /// every range of a key that failed or a part past its deadline.
+    ///
+    /// [`KvStore::get_ranges_checksummed`]: super::KvStore::get_ranges_checksummed
+    pub fn read_targets_checksummed(
+        &self,
+        reads: &[TargetRead<'_>],
+        loans: Vec<StageLoan>,
+        parallelism: usize,
+        deadline: Instant,
+    ) -> TargetReadResults {
+        self.read_targets_with(reads, loans, parallelism, deadline, true)
+    }
+
+    fn read_targets_with(
+        &self,
+        reads: &[TargetRead<'_>],
+        loans: Vec<StageLoan>,
+        parallelism: usize,
+        deadline: Instant,
+        hash: bool,
+    ) -> TargetReadResults {
+        let none = |r: &TargetRead<'_>| smallvec::smallvec![None; r.ranges.len()];
         if let Some(reason) = refusal(reads, &loans) {
             tracing::error!(reason, "a read's targets were refused");
             return reads
                 .iter()
                 .map(|r| {
-                    Err(StoreError::InvalidTarget {
+                    let e = StoreError::InvalidTarget {
                         key: r.key.to_owned(),
                         reason,
-                    })
+                    };
+                    (Err(e), none(r))
                 })
                 .collect();
         }
@@ -139,8 +169,10 @@ impl StoreCalls {
         // Every part's worker holds the loans until its store call returned; the last one to
         // let go gives the stages back.
         let loans = Arc::new(loans);
-        type Started = Result<Pending<Vec<Result<u64, StoreError>>>, StoreError>;
-        let pending: Vec<(Arc<[String]>, Started)> = reads
+        type Started = Result<Pending<TargetReadResults>, StoreError>;
+        /// One part's reads, its keys, and its call.
+        type PartCall<'p, 'k> = (&'p [TargetRead<'k>], Arc<[String]>, Started);
+        let pending: Vec<PartCall<'_, '_>> = reads
             .chunks(chunk)
             .map(|p| {
                 let (keys, ranges) = part(p);
@@ -154,6 +186,10 @@ impl StoreCalls {
                             .zip(ranges)
                             .map(|(key, ranges)| RangedGet { key, ranges })
                             .collect();
+                        let mut sums: Vec<RangeChecksums> = gets
+                            .iter()
+                            .map(|g| smallvec::smallvec![None; g.ranges.len()])
+                            .collect();
                         // SAFETY: every destination is a `ReadTarget` of one of `loans` (checked
                         // by `refusal`), so its bytes lie in memory the loan keeps allocated and
                         // that its landing touches and lends to no one else while the loan
@@ -162,25 +198,69 @@ impl StoreCalls {
                         // this closure holds the loans until the call has returned. No
                         // two destinations of the whole read share a byte (checked), so the
                         // parts, run at once, write disjoint memory too.
-                        let r = unsafe { s.get_ranges(&gets) };
+                        let r = unsafe {
+                            if hash {
+                                s.get_ranges_checksummed(&gets, &mut sums)
+                            } else {
+                                s.get_ranges(&gets)
+                            }
+                        };
                         drop(loans);
                         let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
-                        checked_results(&refs, r)
+                        let results = checked_results(&refs, r);
+                        TargetReadResults { results, sums }
                     },
                     |_, _| {},
                 );
-                (keys, started)
+                (p, keys, started)
             })
             .collect();
         drop(loans);
         pending
             .into_iter()
-            .flat_map(|(keys, p)| match p.map(|p| p.wait(deadline)) {
-                Ok(Ok(r)) => r,
-                Ok(Err(Overdue(waited))) => overdue_all(&keys, "get_ranges", waited),
-                Err(e) => failed_all(&keys, &e),
+            .flat_map(|(p, keys, started)| {
+                let results = match started.map(|s| s.wait(deadline)) {
+                    Ok(Ok(r)) => return r,
+                    Ok(Err(Overdue(waited))) => overdue_all(&keys, "get_ranges", waited),
+                    Err(e) => failed_all(&keys, &e),
+                };
+                TargetReadResults {
+                    sums: p.iter().map(none).collect(),
+                    results,
+                }
             })
             .collect()
+    }
+}
+
+/// What [`StoreCalls::read_targets_checksummed`] returns: per read, in order, the bytes read
+/// (or the error) and the checksums the store took of its ranges as they landed.
+#[derive(Debug, Default)]
+pub struct TargetReadResults {
+    /// Per read, the bytes read (less than [`TargetRead::expected`] is a short read).
+    pub results: Vec<Result<u64, StoreError>>,
+    /// Per read, per range: the checksum the store took of its bytes as they landed, if any.
+    pub sums: Vec<RangeChecksums>,
+}
+
+impl IntoIterator for TargetReadResults {
+    type Item = (Result<u64, StoreError>, RangeChecksums);
+    type IntoIter = std::iter::Zip<
+        std::vec::IntoIter<Result<u64, StoreError>>,
+        std::vec::IntoIter<RangeChecksums>,
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.results.into_iter().zip(self.sums)
+    }
+}
+
+impl FromIterator<(Result<u64, StoreError>, RangeChecksums)> for TargetReadResults {
+    fn from_iter<I: IntoIterator<Item = (Result<u64, StoreError>, RangeChecksums)>>(
+        iter: I,
+    ) -> Self {
+        let (results, sums) = iter.into_iter().unzip();
+        TargetReadResults { results, sums }
     }
 }
 

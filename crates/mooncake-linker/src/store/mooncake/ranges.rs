@@ -20,24 +20,40 @@ use smallvec::SmallVec;
 
 use crate::store::ReadRange;
 
+/// One range after [`coalesce`]: the range, and which of the input ranges it joins.
+#[derive(Debug, Clone)]
+pub(crate) struct Merged {
+    pub(crate) range: ShimRange,
+    /// Indices of the input ranges it covers, in order.
+    pub(crate) inputs: Range<usize>,
+}
+
 /// `ranges` with each run of consecutive ranges that continue each other both in the object
 /// (offset) and in memory (destination) merged into one. Order is kept; nothing is reordered.
-pub(crate) fn coalesce(ranges: &[ReadRange]) -> SmallVec<[ShimRange; 2]> {
-    let mut out: SmallVec<[ShimRange; 2]> = SmallVec::new();
-    for r in ranges {
-        if let Some(last) = out.last_mut() {
+pub(crate) fn coalesce(ranges: &[ReadRange]) -> SmallVec<[Merged; 2]> {
+    let mut out: SmallVec<[Merged; 2]> = SmallVec::new();
+    for (i, r) in ranges.iter().enumerate() {
+        if let Some(Merged {
+            range: last,
+            inputs,
+        }) = out.last_mut()
+        {
             let continues_object = last.offset.checked_add(last.size) == Some(r.offset);
             let continues_memory =
                 (last.dst as usize).checked_add(last.size as usize) == Some(r.dst as usize);
             if continues_object && continues_memory && r.len > 0 {
                 last.size += r.len as u64;
+                inputs.end = i + 1;
                 continue;
             }
         }
-        out.push(ShimRange {
-            dst: r.dst.cast(),
-            size: r.len as u64,
-            offset: r.offset,
+        out.push(Merged {
+            range: ShimRange {
+                dst: r.dst.cast(),
+                size: r.len as u64,
+                offset: r.offset,
+            },
+            inputs: i..i + 1,
         });
     }
     out
@@ -68,18 +84,31 @@ pub(crate) struct CopyOut {
     pub(crate) len: usize,
 }
 
+/// An input range read through scratch: range `index` of the key's ranges lies at `from`
+/// (`len` bytes) in the key's scratch share, inside one [`CopyOut`]: what its checksum is
+/// taken of, in the copy's pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StagedRange {
+    pub(crate) index: usize,
+    pub(crate) from: u64,
+    pub(crate) len: usize,
+}
+
 /// How one key's ranges are read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Shaped {
     pub(crate) spans: SmallVec<[Span; 2]>,
     pub(crate) copies: SmallVec<[CopyOut; 4]>,
+    /// The input ranges that go through scratch, in scratch order.
+    pub(crate) staged: SmallVec<[StagedRange; 4]>,
     /// Scratch bytes the spans use (0 when everything lands in caller memory).
     pub(crate) scratch: u64,
 }
 
 /// The spans for `ranges` of one key: ranges adjacent in object and memory merged (as
 /// [`coalesce`]); then, with `stage`, each run of merged ranges that continue each other in
-/// the object (but not in memory) read as one span into scratch, with a copy out per range.
+/// the object (but not in memory) read as one span into scratch, with a copy out per range
+/// (and the input ranges it carries listed in [`Shaped::staged`]).
 pub(crate) fn shape(ranges: &[ReadRange], stage: bool) -> Shaped {
     let merged = coalesce(ranges);
     let mut out = Shaped::default();
@@ -87,29 +116,38 @@ pub(crate) fn shape(ranges: &[ReadRange], stage: bool) -> Shaped {
     while i < merged.len() {
         // The run of merged ranges starting at i that continue each other in the object.
         let mut j = i + 1;
-        while stage
-            && j < merged.len()
-            && merged[j - 1].offset.checked_add(merged[j - 1].size) == Some(merged[j].offset)
-        {
+        while stage && j < merged.len() && {
+            let prev = &merged[j - 1].range;
+            prev.offset.checked_add(prev.size) == Some(merged[j].range.offset)
+        } {
             j += 1;
         }
         if j - i == 1 {
+            let m = &merged[i].range;
             out.spans.push(Span {
-                target: Target::Caller(merged[i].dst.cast()),
-                size: merged[i].size,
-                offset: merged[i].offset,
+                target: Target::Caller(m.dst.cast()),
+                size: m.size,
+                offset: m.offset,
             });
         } else {
             let start = out.scratch;
-            let first = merged[i].offset;
-            for m in &merged[i..j] {
+            let first = merged[i].range.offset;
+            for Merged { range: m, inputs } in &merged[i..j] {
                 out.copies.push(CopyOut {
                     from: start + (m.offset - first),
                     to: m.dst.cast(),
                     len: m.size as usize,
                 });
+                for k in inputs.clone() {
+                    out.staged.push(StagedRange {
+                        index: k,
+                        from: start + (ranges[k].offset - first),
+                        len: ranges[k].len,
+                    });
+                }
             }
-            let size = merged[j - 1].offset + merged[j - 1].size - first;
+            let last = &merged[j - 1].range;
+            let size = last.offset + last.size - first;
             out.spans.push(Span {
                 target: Target::Scratch(start),
                 size,
@@ -178,9 +216,11 @@ mod tests {
         ]);
         let got: Vec<(usize, u64, u64)> = merged
             .iter()
-            .map(|r| (r.dst as usize, r.size, r.offset))
+            .map(|m| (m.range.dst as usize, m.range.size, m.range.offset))
             .collect();
         assert_eq!(got, vec![(1000, 20, 0), (1020, 10, 30), (2000, 15, 40)]);
+        let inputs: Vec<_> = merged.iter().map(|m| m.inputs.clone()).collect();
+        assert_eq!(inputs, vec![0..2, 2..3, 3..5]);
     }
 
     #[test]
@@ -266,6 +306,13 @@ mod tests {
         );
         assert_eq!(staged.scratch, 300);
         assert_eq!(staged.copies.len(), 3);
+        let listed: Vec<(usize, u64, usize)> = staged
+            .staged
+            .iter()
+            .map(|s| (s.index, s.from, s.len))
+            .collect();
+        assert_eq!(listed, vec![(0, 0, 100), (1, 100, 100), (2, 200, 100)]);
+        assert!(direct.staged.is_empty());
     }
 
     proptest! {
@@ -296,6 +343,22 @@ mod tests {
             if !stage {
                 prop_assert_eq!(shaped.scratch, 0);
             }
+            // Each input range read through scratch is listed once, where a copy moves its
+            // bytes to its destination; the others land in caller memory directly.
+            let mut listed = vec![0; ranges.len()];
+            for st in &shaped.staged {
+                listed[st.index] += 1;
+                let r = &ranges[st.index];
+                prop_assert_eq!(st.len, r.len);
+                let copy = shaped.copies.iter().find(|c| c.from <= st.from && st.from + st.len as u64 <= c.from + c.len as u64);
+                prop_assert!(copy.is_some(), "staged range {} in no copy", st.index);
+                let c = copy.unwrap();
+                prop_assert_eq!(c.to as usize + (st.from - c.from) as usize, r.dst as usize);
+            }
+            prop_assert!(shaped.staged.windows(2).all(|w| w[0].from + w[0].len as u64 <= w[1].from));
+            let staged_bytes: u64 = shaped.staged.iter().map(|s| s.len as u64).sum();
+            prop_assert_eq!(staged_bytes, shaped.scratch);
+            prop_assert!(listed.iter().all(|&n| n <= 1));
         }
 
         #[test]
@@ -323,14 +386,25 @@ mod tests {
                 v
             };
             let want = pairs(&mut ranges.iter().map(|r| (r.dst as usize, r.len, r.offset)));
-            let got = pairs(&mut merged.iter().map(|r| (r.dst as usize, r.size as usize, r.offset)));
+            let got = pairs(&mut merged.iter().map(|m| (m.range.dst as usize, m.range.size as usize, m.range.offset)));
             prop_assert_eq!(want, got);
             // Neighbours that remain separate really do not continue each other.
             for w in merged.windows(2) {
-                let joins = w[0].offset + w[0].size == w[1].offset
-                    && w[0].dst as usize + w[0].size as usize == w[1].dst as usize;
+                let (a, b) = (&w[0].range, &w[1].range);
+                let joins = a.offset + a.size == b.offset
+                    && a.dst as usize + a.size as usize == b.dst as usize;
                 prop_assert!(!joins);
             }
+            // The inputs tile the ranges in order, and each merged range is exactly its inputs.
+            let mut next = 0;
+            for m in &merged {
+                prop_assert_eq!(m.inputs.start, next);
+                next = m.inputs.end;
+                let first = &ranges[m.inputs.start];
+                let len: usize = ranges[m.inputs.clone()].iter().map(|r| r.len).sum();
+                prop_assert_eq!((m.range.dst as usize, m.range.offset, m.range.size as usize), (first.dst as usize, first.offset, len));
+            }
+            prop_assert_eq!(next, ranges.len());
         }
 
         #[test]

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 
 use super::ranges::{partition, shape, Shaped, Target};
 use super::store::{failed_placeholder, per_key, store_error, MooncakeStore};
-use crate::store::{RangedGet, StoreError};
+use crate::store::{RangeChecksums, RangedGet, StoreError};
 
 /// Below this many bytes per stream a ranged read is not split (thread start-up and the
 /// wheel's per-call work would cost more than the overlap gains).
@@ -25,6 +25,10 @@ const KEPT_SCRATCH: usize = super::MAX_READ_STREAMS;
 
 type KeyResult = Result<u64, StoreError>;
 
+/// One key's read: its result, and the checksums of its ranges taken as they were copied out
+/// of scratch (one entry per range when asked for and the key was read; else empty).
+type KeyRead = (KeyResult, RangeChecksums);
+
 /// A wheel call that returned: its results, and the scratch its keys' copies come out of.
 struct ReadCall<'g> {
     results: Vec<KeyResult>,
@@ -32,6 +36,8 @@ struct ReadCall<'g> {
     /// Each key's offset in `scratch`.
     key_scratch: Vec<u64>,
     shaped: &'g [Shaped],
+    /// Each key's number of ranges, when their checksums are to be taken in the copies out.
+    hash: Option<Vec<usize>>,
 }
 
 // SAFETY: the copy targets inside `shaped` are caller memory that `get_ranges`'s contract
@@ -47,65 +53,71 @@ impl ReadCall<'_> {
 }
 
 /// Every key of `part` failed because a helper thread panicked.
-fn panicked(gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyResult> {
+fn panicked(gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyRead> {
     part.iter()
         .map(|&i| {
-            Err(StoreError::Other {
+            let e = StoreError::Other {
                 key: gets[i].key.to_owned(),
                 code: -1,
-            })
+            };
+            (Err(e), RangeChecksums::new())
         })
         .collect()
 }
 
 impl MooncakeStore {
     /// Reads `gets[i]` for every `i` in `readable` (keys in a session, valid arguments) into
-    /// `out[i]`, split into up to `read_streams` concurrent calls by bytes.
+    /// `out[i]`, split into up to `read_streams` concurrent calls by bytes; with `sums` shaped
+    /// as `gets`, sets the checksums of the ranges staged through scratch there (see
+    /// [`KvStore::get_ranges_checksummed`](crate::store::KvStore::get_ranges_checksummed)).
     pub(super) fn read_streamed(
         &self,
         gets: &[RangedGet<'_>],
         readable: &[usize],
         out: &mut [KeyResult],
+        sums: &mut [RangeChecksums],
     ) {
+        let hash = sums.len() == gets.len();
         let bytes: Vec<u64> = readable.iter().map(|&i| gets[i].expected()).collect();
         let parts = partition(&bytes, self.config.read_streams_count(), MIN_STREAM_BYTES);
-        let results: Vec<Vec<KeyResult>> = if parts.len() <= 1 {
-            vec![self.read_part(gets, readable)]
+        let results: Vec<Vec<KeyRead>> = if parts.len() <= 1 {
+            vec![self.read_part(gets, readable, hash)]
         } else {
             std::thread::scope(|s| {
                 let handles: Vec<_> = parts[1..]
                     .iter()
                     .map(|p| {
                         let part = &readable[p.clone()];
-                        s.spawn(move || self.read_part(gets, part))
+                        s.spawn(move || self.read_part(gets, part, hash))
                     })
                     .collect();
-                let mut all = vec![self.read_part(gets, &readable[parts[0].clone()])];
+                let mut all = vec![self.read_part(gets, &readable[parts[0].clone()], hash)];
                 for (h, p) in handles.into_iter().zip(&parts[1..]) {
-                    all.push(h.join().unwrap_or_else(|_| {
-                        readable[p.clone()]
-                            .iter()
-                            .map(|&i| {
-                                Err(StoreError::Other {
-                                    key: gets[i].key.to_owned(),
-                                    code: -1,
-                                })
-                            })
-                            .collect()
-                    }));
+                    all.push(
+                        h.join()
+                            .unwrap_or_else(|_| panicked(gets, &readable[p.clone()])),
+                    );
                 }
                 all
             })
         };
-        for (&i, r) in readable.iter().zip(results.into_iter().flatten()) {
+        for (&i, (r, taken)) in readable.iter().zip(results.into_iter().flatten()) {
             out[i] = r;
+            if let Some(dst) = sums.get_mut(i).filter(|d| d.len() == taken.len()) {
+                for (d, t) in dst.iter_mut().zip(taken) {
+                    if t.is_some() {
+                        *d = t;
+                    }
+                }
+            }
         }
     }
 
     /// The gets of one stream, in calls of at most [`SCRATCH_BYTES`] of staging each. The
-    /// copies out of one call's scratch run on a helper thread while the next call is on the
-    /// wire, so a large staged read pays its copies only once, at the end.
-    fn read_part(&self, gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyResult> {
+    /// copies out of one call's scratch (and with `hash`, the checksums taken in the same
+    /// pass) run on a helper thread while the next call is on the wire, so a large staged
+    /// read pays them only once, at the end.
+    fn read_part(&self, gets: &[RangedGet<'_>], part: &[usize], hash: bool) -> Vec<KeyRead> {
         let stage = self.config.staged_merge_enabled();
         let shaped: Vec<Shaped> = part
             .iter()
@@ -133,10 +145,11 @@ impl MooncakeStore {
         let mut out = Vec::with_capacity(part.len());
         std::thread::scope(|s| {
             // The copy-out of the previous call, on its helper thread, with its keys.
-            let mut copying: Option<(ScopedJoinHandle<'_, Vec<KeyResult>>, &[usize])> = None;
+            let mut copying: Option<(ScopedJoinHandle<'_, Vec<KeyRead>>, &[usize])> = None;
             for (range, need) in calls {
                 let keys = &part[range.clone()];
-                let call = self.read_call(gets, keys, &shaped[range], need);
+                let mut call = self.read_call(gets, keys, &shaped[range], need);
+                call.hash = hash.then(|| keys.iter().map(|&i| gets[i].ranges.len()).collect());
                 if let Some((h, prev)) = copying.take() {
                     out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev)));
                 }
@@ -190,6 +203,7 @@ impl MooncakeStore {
                     scratch: Vec::new(),
                     key_scratch: Vec::new(),
                     shaped,
+                    hash: None,
                 }
             }
         };
@@ -248,29 +262,56 @@ impl MooncakeStore {
             scratch,
             key_scratch,
             shaped,
+            hash: None,
         }
     }
 
-    /// The copies out of a returned call's scratch, for every key it read whole; the results.
-    fn copy_out(&self, call: ReadCall<'_>) -> Vec<KeyResult> {
+    /// The copies out of a returned call's scratch, for every key it read whole; the results,
+    /// with the checksums of the staged ranges when the call asks for them (each taken of the
+    /// scratch bytes just copied, while they are still in cache).
+    fn copy_out(&self, call: ReadCall<'_>) -> Vec<KeyRead> {
         let base = call.scratch.as_ptr();
-        for ((r, s), &start) in call.results.iter().zip(call.shaped).zip(&call.key_scratch) {
+        let mut sums: Vec<RangeChecksums> = Vec::with_capacity(call.results.len());
+        let keys = call.results.iter().zip(call.shaped).zip(&call.key_scratch);
+        for (k, ((r, s), &start)) in keys.enumerate() {
+            let ranges = call.hash.as_ref().and_then(|h| h.get(k).copied());
+            let mut taken = RangeChecksums::new();
             if r.is_err() {
+                sums.push(taken);
                 continue;
             }
+            if let Some(n) = ranges {
+                taken.resize(n, None);
+            }
+            let mut staged = s.staged.iter().peekable();
             for c in &s.copies {
+                let from = start + c.from;
                 // SAFETY: the source lies in this key's scratch share, which the call filled
                 // (`from + len <= s.scratch`); the destination is part of a caller range (valid
                 // for writes, untouched by others until `get_ranges` returns, per the contract
                 // quoted in `read_call`; this copy runs before it returns), and the two cannot
                 // overlap (scratch is the store's).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(base.add((start + c.from) as usize), c.to, c.len);
+                    std::ptr::copy_nonoverlapping(base.add(from as usize), c.to, c.len);
+                }
+                if ranges.is_none() {
+                    continue;
+                }
+                // The staged ranges inside this copy (in scratch order, like the copies).
+                let end = c.from + c.len as u64;
+                while let Some(st) = staged.next_if(|st| st.from < end) {
+                    let at = (start + st.from) as usize;
+                    if let (Some(bytes), Some(slot)) =
+                        (call.scratch.get(at..at + st.len), taken.get_mut(st.index))
+                    {
+                        *slot = Some(kv_geometry::layer_checksum(bytes));
+                    }
                 }
             }
+            sums.push(taken);
         }
         self.return_scratch(call.scratch);
-        call.results
+        call.results.into_iter().zip(sums).collect()
     }
 
     /// A scratch area of at least `len` bytes (empty for 0), reused when one is kept.

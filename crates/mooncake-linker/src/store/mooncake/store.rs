@@ -11,7 +11,8 @@ use tracing::{debug, warn};
 use super::config::MooncakeConfig;
 use super::gate::{TransferGate, UNREGISTER_WAIT};
 use crate::store::{
-    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet,
+    ReadSession, StoreError,
 };
 
 /// Most threads one `object_size` call asks the master on.
@@ -460,6 +461,18 @@ impl KvStore for MooncakeStore {
     }
 
     unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        // SAFETY: the caller's own promise, for the same call.
+        unsafe { self.get_ranges_checksummed(gets, &mut []) }
+    }
+
+    // Ranges staged through scratch (several layers of one page read as one range) are copied
+    // out by the store: their checksums are taken in that pass, on the copy-out thread, while
+    // the next call of the stream is on the wire.
+    unsafe fn get_ranges_checksummed(
+        &self,
+        gets: &[RangedGet<'_>],
+        sums: &mut [RangeChecksums],
+    ) -> Vec<Result<u64, StoreError>> {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
         // Gets with nothing to read succeed without I/O.
         let (valid, mut out) = vet_reads(
@@ -485,7 +498,7 @@ impl KvStore for MooncakeStore {
             })
             .collect();
         if !readable.is_empty() {
-            self.read_streamed(gets, &readable, &mut out);
+            self.read_streamed(gets, &readable, &mut out, sums);
         }
         let joined_ok = joined
             .iter()
