@@ -15,9 +15,7 @@ use kvlink::kv_geometry::{
     checksum_key, ComponentId, KvGeometry, ObjectChecksums, PageHash, Verified,
 };
 use kvlink::kv_loader::{KvLoadError, KvLoader, PlanError};
-use kvlink::mooncake_linker::store::{
-    EmbeddedStore, FaultyStore, KvStore, ObjectGet, ObjectPut, PutOutcome,
-};
+use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome};
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
 fn config() -> LinkerConfig {
@@ -348,15 +346,16 @@ fn corrupt(store: &dyn KvStore, key: &str, at: usize) {
     assert_eq!(put(store, key, &bytes), PutOutcome::Written);
 }
 
-/// One rank over a host pool or a device pool (CPU device).
+/// One rank over a host pool or a device pool (CPU device), with `config`.
 fn one_rank(
     g: &KvGeometry,
     store: Arc<dyn KvStore>,
     device: bool,
+    config: LinkerConfig,
 ) -> (Linker, Option<Arc<HostKvPool>>) {
     if !device {
         let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-        let l = Linker::new(g.clone(), store, pool.clone(), config()).unwrap();
+        let l = Linker::new(g.clone(), store, pool.clone(), config).unwrap();
         return (l, Some(pool));
     }
     let dev = kvlink::kv_device::CpuDevice::new(0).unwrap();
@@ -371,23 +370,65 @@ fn one_rank(
         pool.clone(),
         staging,
     ));
-    let l = Linker::with_landings(g.clone(), store, pool, landings, config(), None).unwrap();
+    let l = Linker::with_landings(g.clone(), store, pool, landings, config, None).unwrap();
     (l, None)
 }
 
 #[test]
 fn a_corrupt_layer_fails_the_batch_naming_key_and_layer_and_the_next_save_replaces_it() {
     // The embedded store takes each range's checksum as it copies it (the check compares
-    // that); behind a store that takes none (a FaultyStore with no rules keeps the default),
-    // the check hashes the rows in the pool itself. Either way the corrupt layer is found.
-    for (device, landed) in [(false, true), (true, true), (false, false), (true, false)] {
+    // that); behind a store that takes none (one that keeps the trait's default), or with
+    // `checksums_as_landed` off, the check hashes the rows in the pool itself. Every way the
+    // corrupt layer is found.
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    enum Sums {
+        AsLanded,
+        StoreTakesNone,
+        SwitchedOff,
+    }
+    for device in [false, true] {
+        for sums in [Sums::AsLanded, Sums::StoreTakesNone, Sums::SwitchedOff] {
+            corrupt_layer_case(device, sums == Sums::AsLanded, |store| match sums {
+                Sums::StoreTakesNone => (Arc::new(TakesNoChecksums { inner: store }), config()),
+                _ => {
+                    let config = LinkerConfig {
+                        checksums_as_landed: sums == Sums::AsLanded,
+                        ..config()
+                    };
+                    (store, config)
+                }
+            });
+        }
+    }
+}
+
+/// A store that takes no checksums as rows land (it keeps `get_ranges_checksummed`'s default).
+struct TakesNoChecksums {
+    inner: Arc<dyn KvStore>,
+}
+
+impl KvStore for TakesNoChecksums {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
+        get_ranges, put, remove, discard, register, unregister, start_session, end_session,
+        health);
+
+    fn name(&self) -> &str {
+        "takes-no-checksums"
+    }
+}
+
+/// One case of the test above: a rank over `reading(store)` (the store it reads through, its
+/// config) finds page 2's corrupt layer 4; with `landed`, every range was checked against the
+/// store's checksum, else none.
+fn corrupt_layer_case(
+    device: bool,
+    landed: bool,
+    reading: impl FnOnce(Arc<dyn KvStore>) -> (Arc<dyn KvStore>, LinkerConfig),
+) {
+    {
         let Saved { store, pages, g } = saved(31, 3);
-        let reads: Arc<dyn KvStore> = if landed {
-            store.clone()
-        } else {
-            Arc::new(FaultyStore::new(store.clone()))
-        };
-        let (linker, host_pool) = one_rank(&g, reads, device);
+        let (reads, config) = reading(store.clone());
+        let (linker, host_pool) = one_rank(&g, reads, device, config);
         let keys = linker
             .object_keys(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
             .unwrap();
@@ -432,15 +473,12 @@ fn a_corrupt_layer_fails_the_batch_naming_key_and_layer_and_the_next_save_replac
             );
         }
         let m = linker.metrics();
-        if landed {
-            assert!(m.ranges_checksummed_as_landed > 0, "{m:?}");
-            assert!(
-                m.ranges_checksummed_as_landed <= m.ranges_checksummed,
-                "{m:?}"
-            );
-        } else {
-            assert_eq!(m.ranges_checksummed_as_landed, 0, "{m:?}");
-        }
+        let want = if landed { m.ranges_checksummed } else { 0 };
+        assert!(m.ranges_checksummed > 0, "device {device}: {m:?}");
+        assert_eq!(
+            m.ranges_checksummed_as_landed, want,
+            "device {device}: {m:?}"
+        );
         linker.close().unwrap();
     }
 }

@@ -11,10 +11,11 @@ use std::time::{Duration, Instant};
 
 use common::tp::{
     config, fail_v_read, mixed_spec, paths, rank_matches, run, run_ok, run_timed, same_verdict,
-    tp_ranks, Path,
+    tp_ranks, Path, TpRank,
 };
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
+use kvlink::kv_geometry::PageHash;
 use kvlink::kv_loader::ShareMode;
 use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, Stall};
 use kvlink::mooncake_linker::LinkerConfig;
@@ -120,27 +121,7 @@ fn a_corrupt_object_fails_every_rank_alike_at_its_layer_and_is_replaced() {
             for (fail_rank, layer) in [(0u32, 0u32), (1, 2), (2, 4)] {
                 let what = format!("{path:?} {mode:?} rank {fail_rank} layer {layer}");
                 // The failing rank's own shard of `v`, page 3: read by that rank alone.
-                let r = &rs[fail_rank as usize];
-                let g = r.linker.geometry().clone();
-                let plan = common::load_plan(&g, 0, &hashes, r.slots.clone());
-                let v = g.component_by_name("v").unwrap();
-                let key = r.linker.object_keys(&plan).unwrap()[v.id.0 as usize][3].clone();
-                let mut bytes = vec![0u8; v.object_bytes() as usize];
-                let get = kvlink::mooncake_linker::store::ObjectGet {
-                    key: &key,
-                    dst: bytes.as_mut_ptr(),
-                    len: bytes.len(),
-                };
-                // SAFETY: `bytes` is ours and untouched during the call.
-                assert!(unsafe { store.get_into(&[get]) }[0].is_ok());
-                bytes[v.layer_range(layer).unwrap().start as usize + 5] ^= 0xff;
-                assert_eq!(store.remove(&[&key]), vec![Ok(())]);
-                let put = kvlink::mooncake_linker::store::ObjectPut {
-                    key: &key,
-                    parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
-                };
-                // SAFETY: `bytes` is live and unchanged during the call.
-                assert!(unsafe { store.put(&[put]) }[0].is_ok());
+                let key = corrupt(&store, &rs[fail_rank as usize], &hashes, ("v", 3, layer));
                 let outcomes = run(&rs, batch, &hashes);
                 same_verdict(&outcomes, fail_rank, layer, &what);
                 assert!(
@@ -165,6 +146,89 @@ fn a_corrupt_object_fails_every_rank_alike_at_its_layer_and_is_replaced() {
             }
         }
     }
+}
+
+/// A corrupt object of a replicated component, read by one rank for the group (rank 0 in
+/// `Rank0Broadcast`, the page's owner in `SplitAllGather`), its checksums taken by the store
+/// as the rows landed: that rank finds it at its layer before it shares the layer, every rank
+/// fails alike, and once saved again the next batch loads with every range the reading ranks
+/// checked compared against the store's checksums.
+#[test]
+fn a_corrupt_replicated_object_is_found_by_the_rank_that_reads_it_for_the_group() {
+    let spec = mixed_spec();
+    for path in paths() {
+        for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+            let cfg = config(mode);
+            let (rs, hashes) = tp_ranks(&spec, 3, store.clone(), 6, &cfg, path);
+            let shares = kvlink::dedup_broadcast::page_shares(6, 3);
+            let mut batch = 1;
+            for (page, layer) in [(1usize, 0u32), (3, 2), (5, 4)] {
+                let reader = match mode {
+                    ShareMode::SplitAllGather => {
+                        shares.iter().position(|s| s.contains(&page)).unwrap() as u32
+                    }
+                    _ => 0,
+                };
+                let what = format!("{path:?} {mode:?} page {page} (rank {reader}) layer {layer}");
+                let key = corrupt(&store, &rs[0], &hashes, ("k", page, layer));
+                let outcomes = run(&rs, batch, &hashes);
+                same_verdict(&outcomes, reader, layer, &what);
+                assert_eq!(store.exists(&[&key]), vec![Ok(false)], "{what}: discarded");
+                common::tp::save(&spec, 3, store.clone(), 6, &cfg);
+                for (rank, (r, o)) in rs.iter().zip(run(&rs, batch + 1, &hashes)).enumerate() {
+                    o.result
+                        .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
+                    rank_matches(r, &hashes, rank as u32).unwrap();
+                }
+                batch += 2;
+            }
+            for (rank, r) in rs.iter().enumerate() {
+                let m = r.linker.metrics();
+                assert!(
+                    m.ranges_checksummed > 0,
+                    "{path:?} {mode:?} rank {rank}: {m:?}"
+                );
+                assert_eq!(
+                    m.ranges_checksummed_as_landed, m.ranges_checksummed,
+                    "{path:?} {mode:?} rank {rank}"
+                );
+            }
+        }
+    }
+}
+
+/// Flips one byte of layer `layer` in the object of component `comp` at plan page `page` (`at`)
+/// as rank `r` keys it (its companion kept: the object no longer matches its checksums); its
+/// key.
+fn corrupt(
+    store: &Arc<dyn KvStore>,
+    r: &TpRank,
+    hashes: &[PageHash],
+    at: (&str, usize, u32),
+) -> String {
+    let (comp, page, layer) = at;
+    let g = r.linker.geometry().clone();
+    let plan = common::load_plan(&g, 0, hashes, r.slots.clone());
+    let c = g.component_by_name(comp).unwrap();
+    let key = r.linker.object_keys(&plan).unwrap()[c.id.0 as usize][page].clone();
+    let mut bytes = vec![0u8; c.object_bytes() as usize];
+    let get = kvlink::mooncake_linker::store::ObjectGet {
+        key: &key,
+        dst: bytes.as_mut_ptr(),
+        len: bytes.len(),
+    };
+    // SAFETY: `bytes` is ours and untouched during the call.
+    assert!(unsafe { store.get_into(&[get]) }[0].is_ok());
+    bytes[c.layer_range(layer).unwrap().start as usize + 5] ^= 0xff;
+    assert_eq!(store.remove(&[&key]), vec![Ok(())]);
+    let put = kvlink::mooncake_linker::store::ObjectPut {
+        key: &key,
+        parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
+    };
+    // SAFETY: `bytes` is live and unchanged during the call.
+    assert!(unsafe { store.put(&[put]) }[0].is_ok());
+    key
 }
 
 /// A rank whose read fails while its size check hangs on the store hands the failed layer

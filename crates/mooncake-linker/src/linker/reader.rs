@@ -21,7 +21,9 @@ use smallvec::SmallVec;
 use super::checksum_cache::ChecksumCache;
 use super::landed::LandedSums;
 
-use crate::store::{checked_results, Hold, StoreCalls, StoreError, TargetRange, TargetRead};
+use crate::store::{
+    checked_results, Hold, RangeChecksums, StoreCalls, StoreError, TargetRange, TargetRead,
+};
 
 /// Where the store writes a row of the layer lent in a stage's loan.
 pub(crate) trait RowTarget {
@@ -116,8 +118,8 @@ pub(crate) struct GroupReads<'k> {
     pages: Vec<u32>,
     /// Per object, where its ranges' landed checksums go.
     rows: Vec<RowsOf>,
-    /// The landed checksums' shape: plan pages, own components, shared components.
-    shape: (usize, usize, usize),
+    /// One layer's landed checksums with none set, sized for the parts' components and pages.
+    no_sums: LandedSums,
 }
 
 /// Which rows one planned object's ranges are: its component (shared or own, its index) and,
@@ -138,9 +140,8 @@ pub(crate) struct GroupRead {
 impl GroupReads<'_> {
     /// Per layer of a group of `layers`, the landed checksums in `sums` (per planned object,
     /// per range, as the store gave them) placed at their rows.
-    fn landed(&self, layers: usize, sums: &[crate::store::RangeChecksums]) -> Vec<LandedSums> {
-        let (pages, own, shared) = self.shape;
-        let mut out = vec![LandedSums::new(pages, own, shared); layers];
+    fn landed(&self, layers: usize, sums: &[RangeChecksums]) -> Vec<LandedSums> {
+        let mut out = vec![self.no_sums.clone(); layers];
         for ((rows, &page), sums) in self.rows.iter().zip(&self.pages).zip(sums) {
             for (&i, sum) in rows.layers.iter().zip(sums) {
                 if let (Some(l), Some(sum)) = (out.get_mut(i as usize), sum) {
@@ -180,8 +181,9 @@ impl LayerReader<'_> {
             expected: Vec::new(),
             pages: Vec::new(),
             rows: Vec::new(),
-            shape: (0, 0, 0),
+            no_sums: LandedSums::default(),
         };
+        let (mut pages, mut own, mut shared) = (0, 0, 0);
         for part in parts {
             if part.targets.len() < group.len() {
                 return Err(KvLoadError::internal(
@@ -193,13 +195,9 @@ impl LayerReader<'_> {
                     ),
                 ));
             }
-            let shape = &mut planned.shape;
-            shape.0 = shape.0.max(part.pages.end);
-            if part.shared {
-                shape.2 = shape.2.max(part.components.len());
-            } else {
-                shape.1 = shape.1.max(part.components.len());
-            }
+            pages = pages.max(part.pages.end);
+            let comps = if part.shared { &mut shared } else { &mut own };
+            *comps = (*comps).max(part.components.len());
             for (ci, comp) in part.components.iter().enumerate() {
                 let layers: Vec<(usize, u64)> = group
                     .clone()
@@ -233,6 +231,7 @@ impl LayerReader<'_> {
                 }
             }
         }
+        planned.no_sums = LandedSums::new(pages, own, shared);
         Ok(planned)
     }
 

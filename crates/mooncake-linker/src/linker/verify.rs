@@ -399,7 +399,8 @@ impl LayerCheck<'_> {
         if std::sync::Arc::ptr_eq(&now, taken) {
             return None;
         }
-        ObjectChecksums::verify_layer(Some(&now), &row.component.layout, layer, row.bytes).ok()
+        let layout = &row.component.layout;
+        ObjectChecksums::verify_layer_landed(Some(&now), layout, layer, row.bytes, row.landed).ok()
     }
 
     /// The rows this rank read at `layer`: its own components on every page, and its share

@@ -270,7 +270,7 @@ impl KvStore for EmbeddedStore {
     }
 
     // Every range is a copy out of the store's own memory: each one's checksum is taken of
-    // the source bytes right after they were copied (still in cache), when `sums` asks.
+    // its destination right after the copy wrote it (still in cache), when `sums` asks.
     unsafe fn get_ranges_checksummed(
         &self,
         gets: &[RangedGet<'_>],
@@ -308,8 +308,10 @@ impl KvStore for EmbeddedStore {
                         )
                     };
                     if let Some(s) = sums.as_deref_mut() {
-                        let at = r.offset as usize;
-                        s[j] = Some(kv_geometry::layer_checksum(&data[at..at + r.len]));
+                        // SAFETY: `dst` was just written with `r.len` bytes and no one else
+                        // touches it until this call returns (the caller's promise).
+                        let landed = unsafe { std::slice::from_raw_parts(r.dst, r.len) };
+                        s[j] = Some(kv_geometry::layer_checksum(landed));
                     }
                     done += r.len as u64;
                 }

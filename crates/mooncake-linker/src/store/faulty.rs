@@ -8,7 +8,8 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::{
-    KvStore, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, ReadSession, StoreError,
+    KvStore, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange, ReadSession,
+    StoreError,
 };
 
 /// Longest a [`Fault::Stall`] holds a call when it is never released (so a forgotten stall
@@ -355,12 +356,23 @@ impl KvStore for FaultyStore {
     }
 
     unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        // SAFETY: the caller's own promise, for the same call.
+        unsafe { self.get_ranges_checksummed(gets, &mut []) }
+    }
+
+    // No fault changes a byte the inner store wrote (a short read changes the count it
+    // returns), so the inner store's checksums are of what landed.
+    unsafe fn get_ranges_checksummed(
+        &self,
+        gets: &[RangedGet<'_>],
+        sums: &mut [RangeChecksums],
+    ) -> Vec<Result<u64, StoreError>> {
         let hits = self.hits(FaultCall::Read, gets.iter().map(|g| (g.key, &g.ranges[..])));
         if self.is_down() {
             return Self::all_down(gets.len());
         }
         // SAFETY: forwarded with the caller's own promise.
-        let r = unsafe { self.inner.get_ranges(gets) };
+        let r = unsafe { self.inner.get_ranges_checksummed(gets, sums) };
         self.apply(r, hits)
     }
 

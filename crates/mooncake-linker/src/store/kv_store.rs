@@ -165,10 +165,10 @@ pub trait KvStore: Send + Sync {
     /// store copies itself on their way to the destination (a read staged through its own
     /// memory): `sums[i][j]`, range `j` of `gets[i]`, is set to the
     /// [`layer_checksum`](kv_geometry::layer_checksum) of exactly the bytes written to that
-    /// range's destination, taken in the same pass as the copy, so that a caller checking
-    /// them need not read them again. Entries of ranges the store does not copy itself are
-    /// left as they are; those of a key that fails mean nothing. With `sums` not shaped as
-    /// `gets` (one entry per get, one per range), none is set.
+    /// range's destination, read back from it right after the copy (still in cache), so that
+    /// a caller checking them need not read them again. Entries of ranges the store does not
+    /// copy itself are left as they are; those of a key that fails mean nothing. With `sums`
+    /// not one entry per get, none is set; a get whose entry is not one per range gets none.
     ///
     /// The default sets none. A store that changes the bytes after its inner store wrote them
     /// (a fault injector) must keep the default, so that the caller hashes what landed.

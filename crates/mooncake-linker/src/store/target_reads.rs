@@ -186,10 +186,15 @@ impl StoreCalls {
                             .zip(ranges)
                             .map(|(key, ranges)| RangedGet { key, ranges })
                             .collect();
-                        let mut sums: Vec<RangeChecksums> = gets
-                            .iter()
-                            .map(|g| smallvec::smallvec![None; g.ranges.len()])
-                            .collect();
+                        // One entry per read either way (empty ones, which do not allocate,
+                        // when none are asked for).
+                        let mut sums: Vec<RangeChecksums> = if hash {
+                            let none =
+                                |g: &RangedGet<'_>| smallvec::smallvec![None; g.ranges.len()];
+                            gets.iter().map(none).collect()
+                        } else {
+                            vec![RangeChecksums::new(); gets.len()]
+                        };
                         // SAFETY: every destination is a `ReadTarget` of one of `loans` (checked
                         // by `refusal`), so its bytes lie in memory the loan keeps allocated and
                         // that its landing touches and lends to no one else while the loan

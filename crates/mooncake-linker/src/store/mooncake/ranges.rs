@@ -85,13 +85,21 @@ pub(crate) struct CopyOut {
 }
 
 /// An input range read through scratch: range `index` of the key's ranges lies at `from`
-/// (`len` bytes) in the key's scratch share, inside one [`CopyOut`]: what its checksum is
-/// taken of, in the copy's pass.
+/// (`len` bytes) in the key's scratch share, inside copy `copy` of [`Shaped::copies`], which
+/// moves it to the range's destination: where its checksum is taken, in that copy's pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct StagedRange {
     pub(crate) index: usize,
+    pub(crate) copy: usize,
     pub(crate) from: u64,
     pub(crate) len: usize,
+}
+
+impl StagedRange {
+    /// Where its bytes land: `copy`'s destination plus its offset inside `copy`.
+    pub(crate) fn offset_in(&self, copy: &CopyOut) -> usize {
+        (self.from - copy.from) as usize
+    }
 }
 
 /// How one key's ranges are read.
@@ -133,6 +141,7 @@ pub(crate) fn shape(ranges: &[ReadRange], stage: bool) -> Shaped {
             let start = out.scratch;
             let first = merged[i].range.offset;
             for Merged { range: m, inputs } in &merged[i..j] {
+                let copy = out.copies.len();
                 out.copies.push(CopyOut {
                     from: start + (m.offset - first),
                     to: m.dst.cast(),
@@ -141,6 +150,7 @@ pub(crate) fn shape(ranges: &[ReadRange], stage: bool) -> Shaped {
                 for k in inputs.clone() {
                     out.staged.push(StagedRange {
                         index: k,
+                        copy,
                         from: start + (ranges[k].offset - first),
                         len: ranges[k].len,
                     });
@@ -306,12 +316,15 @@ mod tests {
         );
         assert_eq!(staged.scratch, 300);
         assert_eq!(staged.copies.len(), 3);
-        let listed: Vec<(usize, u64, usize)> = staged
+        let listed: Vec<(usize, usize, u64, usize)> = staged
             .staged
             .iter()
-            .map(|s| (s.index, s.from, s.len))
+            .map(|s| (s.index, s.copy, s.from, s.len))
             .collect();
-        assert_eq!(listed, vec![(0, 0, 100), (1, 100, 100), (2, 200, 100)]);
+        assert_eq!(
+            listed,
+            vec![(0, 0, 0, 100), (1, 1, 100, 100), (2, 2, 200, 100)]
+        );
         assert!(direct.staged.is_empty());
     }
 
@@ -350,10 +363,10 @@ mod tests {
                 listed[st.index] += 1;
                 let r = &ranges[st.index];
                 prop_assert_eq!(st.len, r.len);
-                let copy = shaped.copies.iter().find(|c| c.from <= st.from && st.from + st.len as u64 <= c.from + c.len as u64);
-                prop_assert!(copy.is_some(), "staged range {} in no copy", st.index);
-                let c = copy.unwrap();
-                prop_assert_eq!(c.to as usize + (st.from - c.from) as usize, r.dst as usize);
+                // Its copy holds it whole and moves it to its destination.
+                let c = &shaped.copies[st.copy];
+                prop_assert!(c.from <= st.from && st.from + st.len as u64 <= c.from + c.len as u64);
+                prop_assert_eq!(c.to as usize + st.offset_in(c), r.dst as usize);
             }
             prop_assert!(shaped.staged.windows(2).all(|w| w[0].from + w[0].len as u64 <= w[1].from));
             let staged_bytes: u64 = shaped.staged.iter().map(|s| s.len as u64).sum();

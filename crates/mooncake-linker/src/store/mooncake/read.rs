@@ -37,7 +37,7 @@ struct ReadCall<'g> {
     key_scratch: Vec<u64>,
     shaped: &'g [Shaped],
     /// Each key's number of ranges, when their checksums are to be taken in the copies out.
-    hash: Option<Vec<usize>>,
+    ranges_to_hash: Option<Vec<usize>>,
 }
 
 // SAFETY: the copy targets inside `shaped` are caller memory that `get_ranges`'s contract
@@ -63,6 +63,58 @@ fn panicked(gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyRead> {
             (Err(e), RangeChecksums::new())
         })
         .collect()
+}
+
+/// The copies out of `scratch` of one key shaped as `s` (its share starting at `start`), and
+/// with `ranges` (its number of ranges), the checksum of each staged range, taken of the bytes
+/// at its destination right after its copy wrote them (still in cache): exactly what landed.
+///
+/// # Safety
+/// `scratch[start..start + s.scratch]` holds what the call read for the key, and every copy's
+/// destination is caller memory valid for writes of its length, written by no one else until
+/// the `get_ranges` call this runs in returns (KvStore's buffer contract; the copy runs before
+/// it returns), host memory (a staged read only happens over TCP).
+unsafe fn copy_key(
+    scratch: &[u8],
+    start: u64,
+    s: &Shaped,
+    ranges: Option<usize>,
+) -> RangeChecksums {
+    let mut taken = RangeChecksums::new();
+    if let Some(n) = ranges {
+        taken.resize(n, None);
+    }
+    let mut staged = s.staged.iter().peekable();
+    for (i, c) in s.copies.iter().enumerate() {
+        let Some(src) = scratch
+            .get((start + c.from) as usize..)
+            .and_then(|b| b.get(..c.len))
+        else {
+            // Not what `shape` makes; nothing is copied from outside the scratch.
+            continue;
+        };
+        // SAFETY: `src` is `c.len` bytes of the store's scratch; the destination is part of a
+        // caller range (valid for writes, untouched by others: the function's contract), and
+        // the two cannot overlap (scratch is the store's).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), c.to, c.len) };
+        if ranges.is_none() {
+            continue;
+        }
+        // The staged ranges this copy moved (listed in copy order by `shape`).
+        while let Some(st) = staged.next_if(|st| st.copy == i) {
+            if st.offset_in(c) + st.len > c.len {
+                continue;
+            }
+            // SAFETY: the range lies inside this copy's destination (checked just above),
+            // which the copy has just written and which no one else touches until the call
+            // returns (the function's contract): reading it back is sound.
+            let landed = unsafe { std::slice::from_raw_parts(c.to.add(st.offset_in(c)), st.len) };
+            if let Some(slot) = taken.get_mut(st.index) {
+                *slot = Some(kv_geometry::layer_checksum(landed));
+            }
+        }
+    }
+    taken
 }
 
 impl MooncakeStore {
@@ -148,8 +200,7 @@ impl MooncakeStore {
             let mut copying: Option<(ScopedJoinHandle<'_, Vec<KeyRead>>, &[usize])> = None;
             for (range, need) in calls {
                 let keys = &part[range.clone()];
-                let mut call = self.read_call(gets, keys, &shaped[range], need);
-                call.hash = hash.then(|| keys.iter().map(|&i| gets[i].ranges.len()).collect());
+                let call = self.read_call(gets, keys, (&shaped[range], need), hash);
                 if let Some((h, prev)) = copying.take() {
                     out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev)));
                 }
@@ -186,14 +237,16 @@ impl MooncakeStore {
 
     /// One ranged call of the wheel for `gets[i]`, `i` in `part`, shaped as `shaped`, with
     /// `need` bytes of scratch; per entry of `part`, the bytes read or the error (a short read
-    /// is an error). The copies out of scratch are left to [`copy_out`](Self::copy_out).
+    /// is an error). The copies out of scratch (with `hash`, and the staged ranges' checksums)
+    /// are left to [`copy_out`](Self::copy_out).
     fn read_call<'g>(
         &self,
         gets: &'g [RangedGet<'g>],
         part: &'g [usize],
-        shaped: &'g [Shaped],
-        need: u64,
+        (shaped, need): (&'g [Shaped], u64),
+        hash: bool,
     ) -> ReadCall<'g> {
+        let ranges_to_hash = hash.then(|| part.iter().map(|&i| gets[i].ranges.len()).collect());
         let names: Vec<&str> = part.iter().map(|&i| gets[i].key).collect();
         let ckeys = match CKeys::new(&names) {
             Ok(k) => k,
@@ -203,7 +256,7 @@ impl MooncakeStore {
                     scratch: Vec::new(),
                     key_scratch: Vec::new(),
                     shaped,
-                    hash: None,
+                    ranges_to_hash: None,
                 }
             }
         };
@@ -262,54 +315,26 @@ impl MooncakeStore {
             scratch,
             key_scratch,
             shaped,
-            hash: None,
+            ranges_to_hash,
         }
     }
 
     /// The copies out of a returned call's scratch, for every key it read whole; the results,
-    /// with the checksums of the staged ranges when the call asks for them (each taken of the
-    /// scratch bytes just copied, while they are still in cache).
+    /// with the checksums of the staged ranges when the call asks for them.
     fn copy_out(&self, call: ReadCall<'_>) -> Vec<KeyRead> {
-        let base = call.scratch.as_ptr();
-        let mut sums: Vec<RangeChecksums> = Vec::with_capacity(call.results.len());
         let keys = call.results.iter().zip(call.shaped).zip(&call.key_scratch);
-        for (k, ((r, s), &start)) in keys.enumerate() {
-            let ranges = call.hash.as_ref().and_then(|h| h.get(k).copied());
-            let mut taken = RangeChecksums::new();
-            if r.is_err() {
-                sums.push(taken);
-                continue;
-            }
-            if let Some(n) = ranges {
-                taken.resize(n, None);
-            }
-            let mut staged = s.staged.iter().peekable();
-            for c in &s.copies {
-                let from = start + c.from;
-                // SAFETY: the source lies in this key's scratch share, which the call filled
-                // (`from + len <= s.scratch`); the destination is part of a caller range (valid
-                // for writes, untouched by others until `get_ranges` returns, per the contract
-                // quoted in `read_call`; this copy runs before it returns), and the two cannot
-                // overlap (scratch is the store's).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(base.add(from as usize), c.to, c.len);
+        let sums: Vec<RangeChecksums> = keys
+            .enumerate()
+            .map(|(k, ((r, s), &start))| {
+                if r.is_err() {
+                    return RangeChecksums::new();
                 }
-                if ranges.is_none() {
-                    continue;
-                }
-                // The staged ranges inside this copy (in scratch order, like the copies).
-                let end = c.from + c.len as u64;
-                while let Some(st) = staged.next_if(|st| st.from < end) {
-                    let at = (start + st.from) as usize;
-                    if let (Some(bytes), Some(slot)) =
-                        (call.scratch.get(at..at + st.len), taken.get_mut(st.index))
-                    {
-                        *slot = Some(kv_geometry::layer_checksum(bytes));
-                    }
-                }
-            }
-            sums.push(taken);
-        }
+                let ranges = call.ranges_to_hash.as_ref().and_then(|h| h.get(k).copied());
+                // SAFETY: `start` is this key's share of `call.scratch`, which the call filled
+                // for the key (its result is Ok), and the copies are the key's own.
+                unsafe { copy_key(&call.scratch, start, s, ranges) }
+            })
+            .collect();
         self.return_scratch(call.scratch);
         call.results.into_iter().zip(sums).collect()
     }
@@ -341,5 +366,66 @@ impl MooncakeStore {
         if pool.len() < KEPT_SCRATCH {
             pool.push(buf);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::ranges::shape;
+    use super::*;
+    use crate::store::ReadRange;
+
+    #[test]
+    fn a_keys_copies_land_its_staged_ranges_and_take_each_ones_checksum_where_it_landed() {
+        // Four layers of one page into a layer-major pool (stride 1000), the third continuing
+        // the second in memory too (merged), then a gap in the object: three staged ranges in
+        // two copies, and one range read straight into the pool (no checksum taken).
+        let mut pool = vec![0u8; 8000];
+        let base = pool.as_mut_ptr();
+        let at = |off: usize| base.wrapping_add(off);
+        let ranges = [
+            ReadRange {
+                dst: at(0),
+                len: 100,
+                offset: 0,
+            },
+            ReadRange {
+                dst: at(1000),
+                len: 100,
+                offset: 100,
+            },
+            ReadRange {
+                dst: at(1100),
+                len: 50,
+                offset: 200,
+            },
+            ReadRange {
+                dst: at(3000),
+                len: 100,
+                offset: 400,
+            },
+        ];
+        let s = shape(&ranges, true);
+        assert_eq!((s.copies.len(), s.staged.len(), s.scratch), (2, 3, 250));
+        // The key's share of scratch starts at 64 in a larger area, as with several keys.
+        let scratch: Vec<u8> = (0..400u32).map(|i| (i * 7 + 3) as u8).collect();
+        // SAFETY: `scratch[64..314]` stands for what a call read; every destination lies in
+        // `pool`, which nothing else touches during the call.
+        let sums = unsafe { copy_key(&scratch, 64, &s, Some(ranges.len())) };
+        let object = &scratch[64..];
+        assert_eq!(pool[..100], object[..100]);
+        assert_eq!(pool[1000..1150], object[100..250]);
+        let landed =
+            |off: usize, len: usize| Some(kv_geometry::layer_checksum(&pool[off..off + len]));
+        assert_eq!(
+            sums.as_slice(),
+            &[landed(0, 100), landed(1000, 100), landed(1100, 50), None]
+        );
+        // Without checksums asked for: the same copies, none taken.
+        pool.fill(0);
+        // SAFETY: as above.
+        let none = unsafe { copy_key(&scratch, 64, &s, None) };
+        assert!(none.is_empty());
+        assert_eq!(pool[1000..1150], object[100..250]);
     }
 }
