@@ -945,6 +945,44 @@ fn a_failed_fresh_companion_read_discards_nothing() {
     linker.close().unwrap();
 }
 
+/// Stale kept checksums whose companion read afresh is cut short or too long: the object is
+/// bad, as the batch's own companion read judges such a companion (both discarded, the batch
+/// fails naming the key), not a store failure that would leave it to fail again.
+#[test]
+fn a_fresh_companion_cut_short_or_too_long_makes_its_object_bad() {
+    for (seed, change) in [(46u32, -8i64), (47, 8)] {
+        let s = saved(seed, 3);
+        let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+        let linker = Linker::new(s.g.clone(), s.store.clone(), pool.clone(), config()).unwrap();
+        load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
+        let (key, _) = rewrite_page_1(&s, &linker);
+        let companion = checksum_key(&key);
+        let mut sums = get(s.store.as_ref(), &companion).unwrap();
+        sums.resize((sums.len() as i64 + change) as usize, 0);
+        assert_eq!(s.store.remove(&[companion.as_str()]), vec![Ok(())]);
+        assert_eq!(
+            put(s.store.as_ref(), &companion, &sums),
+            PutOutcome::Written
+        );
+        let t = linker
+            .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
+            .unwrap();
+        let err = linker.wait_layer(&t, 0).unwrap_err();
+        match &err {
+            KvLoadError::BadObject { key: bad, .. } => assert_eq!(bad, &key, "{change}"),
+            other => panic!("companion {change:+} bytes: {other:?}"),
+        }
+        assert!(linker.wait_batch(&t).unwrap().result.is_err());
+        assert_eq!(
+            s.store.exists(&[key.as_str(), &companion]),
+            vec![Ok(false), Ok(false)],
+            "companion {change:+} bytes: both discarded"
+        );
+        assert_eq!(linker.metrics().bad_objects, 1);
+        linker.close().unwrap();
+    }
+}
+
 /// A load of objects this linker saved reads no companion: the save kept the checksums it
 /// wrote.
 #[test]

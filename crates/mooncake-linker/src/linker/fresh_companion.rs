@@ -3,12 +3,12 @@
 //! object is evicted and written again with other bytes (prefill kernels need not be bitwise
 //! deterministic), and a good object must not be discarded for that.
 
-use kv_geometry::{checksum_key, ObjectChecksums, Verified};
+use kv_geometry::{ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError};
 
+use super::companion::{companion_of, CompanionRead};
 use super::reader::{check_object_sizes, store_failure, ComponentKeys};
 use super::Inner;
-use crate::store::StoreError;
 
 /// A row of a layer to check again: its component, plan page and bytes as read.
 pub(crate) struct StaleRow<'a> {
@@ -36,14 +36,10 @@ impl Inner {
         layer: u32,
         rows: &[StaleRow<'_>],
     ) -> Result<Vec<Verified>, KvLoadError> {
-        let keys: Vec<String> = rows
+        let (keys, lens): (Vec<String>, Vec<usize>) = rows
             .iter()
-            .map(|r| checksum_key(&r.component.keys[r.page]))
-            .collect();
-        let lens: Vec<usize> = rows
-            .iter()
-            .map(|r| ObjectChecksums::encoded_len(r.component.layout.layers.len()))
-            .collect();
+            .map(|r| companion_of(&r.component.keys[r.page], &r.component.layout))
+            .unzip();
         for r in rows {
             self.checksums.remove(&r.component.keys[r.page]);
         }
@@ -70,23 +66,21 @@ impl Inner {
         };
         let read = self.calls.read_whole_owned(&refs, &lens, deadline);
         let mut verdicts = Vec::with_capacity(rows.len());
-        for (r, got) in rows.iter().zip(read) {
+        for ((r, got), (key, len)) in rows.iter().zip(read).zip(refs.iter().zip(&lens)) {
             let (comp, page) = (r.component, r.page);
-            let fresh = match got {
-                Ok(b) => match ObjectChecksums::decode_for(&b, &comp.layout) {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        sizes(comp, page)?;
-                        let detail = format!("checksum object read afresh: {e}");
-                        let why = (Some(layer), detail);
-                        return Err(self.bad_object(batch, comp, page, why, deadline));
-                    }
-                },
-                Err(StoreError::NotFound { .. }) => {
+            let fresh = match self.judge_companion((key, *len), &comp.layout, got, deadline) {
+                CompanionRead::Sums(s) => Some(s),
+                CompanionRead::Bad(e) => {
+                    sizes(comp, page)?;
+                    let detail = format!("checksum object read afresh: {e}");
+                    let why = (Some(layer), detail);
+                    return Err(self.bad_object(batch, comp, page, why, deadline));
+                }
+                CompanionRead::Absent => {
                     sizes(comp, page)?;
                     None
                 }
-                Err(e) => {
+                CompanionRead::Failed(e) => {
                     return Err(store_failure(batch, Some(layer), vec![page as u32], &e));
                 }
             };

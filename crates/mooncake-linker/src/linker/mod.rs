@@ -14,6 +14,7 @@ mod auto;
 mod batch;
 mod builder;
 mod checksum_cache;
+mod companion;
 mod compute;
 mod config;
 mod fresh_companion;

@@ -27,10 +27,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kv_geometry::{checksum_key, ComponentLayout, ObjectChecksums, PageHash};
+use kv_geometry::{ComponentLayout, ObjectChecksums, PageHash};
 use kv_loader::{ModeChoice, ShareMode};
 use parking_lot::{Condvar, Mutex};
 
+use super::companion::companion_of;
 use super::Inner;
 
 /// The companions being read ahead, and the thread reading them.
@@ -249,12 +250,9 @@ impl Inner {
     fn read_ahead(&self, objects: &[(String, ComponentLayout)]) {
         let t0 = Instant::now();
         let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
-        let companions: Vec<String> = objects.iter().map(|(k, _)| checksum_key(k)).collect();
+        let (companions, lens): (Vec<String>, Vec<usize>) =
+            objects.iter().map(|(k, c)| companion_of(k, c)).unzip();
         let keys: Vec<&str> = companions.iter().map(String::as_str).collect();
-        let lens: Vec<usize> = objects
-            .iter()
-            .map(|(_, c)| ObjectChecksums::encoded_len(c.layers.len()))
-            .collect();
         let got = self.calls.read_whole_owned(&keys, &lens, deadline);
         let mut kept = 0u64;
         for ((key, layout), r) in objects.iter().zip(got) {

@@ -13,15 +13,15 @@
 //! them again.
 
 use kv_device::{LayerLanding, LayerStage, ShareSide};
-use kv_geometry::{checksum_key, ChecksumError, ObjectChecksums, Verified};
+use kv_geometry::{ChecksumError, ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError};
 
 use super::batch::BatchLayers;
+use super::companion::{companion_of, CompanionRead};
 use super::fresh_companion::StaleRow;
 use super::landed::LandedSums;
 use super::reader::{check_object_sizes, store_failure, ComponentKeys};
 use super::Inner;
-use crate::store::StoreError;
 
 /// The companions of one batch's objects this rank reads: per component (own, then shared, in
 /// [`BatchLayers`] order), per plan page; `None` where the object has none (checked by length
@@ -107,12 +107,13 @@ impl Inner {
         for (shared, comps, pages) in lists {
             for (ci, c) in comps.iter().enumerate() {
                 for page in pages.clone() {
+                    let (key, len) = companion_of(&c.keys[page], &c.layout);
                     plan.wanted.push(Wanted {
                         shared,
                         comp: ci,
                         page,
-                        key: checksum_key(&c.keys[page]),
-                        len: ObjectChecksums::encoded_len(c.layout.layers.len()),
+                        key,
+                        len,
                     });
                 }
             }
@@ -143,58 +144,40 @@ impl Inner {
             .read_whole_owned(&keys, &lens, self.store_call_deadline());
         for (w, r) in plan.wanted.iter().zip(got) {
             let comp = wanted_component(layers, w);
-            let decoded = match r {
-                Ok(bytes) => {
-                    ObjectChecksums::decode_for(&bytes, &comp.layout).map_err(|e| e.to_string())
-                }
-                // No companion (objects another writer saved): checked by length only.
-                Err(StoreError::NotFound { .. }) => {
-                    plan.absent += 1;
-                    continue;
-                }
-                Err(StoreError::ShortRead { got, expected, .. }) => Err(format!(
-                    "checksum object of {got} bytes, {expected} expected"
-                )),
-                // Read whole: a companion longer than its format is refused by the store. A
-                // store says `InvalidArgument` for other causes too (a bad key, the whole
-                // call's arguments): only a companion its size shows too long is bad; anything
-                // else fails the batch as the store failure it is, and nothing is discarded.
-                Err(e @ StoreError::InvalidArgument { .. }) => {
-                    match self.longer_than(&w.key, w.len) {
-                        Some(size) => Err(format!(
-                            "checksum object of {size} bytes, {} expected ({e})",
-                            w.len
-                        )),
-                        None => return Err(store_failure(batch, None, vec![w.page as u32], &e)),
-                    }
-                }
-                Err(e) => return Err(store_failure(batch, None, vec![w.page as u32], &e)),
-            };
-            match decoded {
-                Ok(sums) => {
+            let key = (w.key.as_str(), w.len);
+            let deadline = self.store_call_deadline();
+            let detail = match self.judge_companion(key, &comp.layout, r, deadline) {
+                CompanionRead::Sums(sums) => {
                     let sums = std::sync::Arc::new(sums);
                     self.checksums.insert(&comp.keys[w.page], sums.clone());
                     if let Some(slot) = plan.sums.slot(w.shared, w.comp, w.page) {
                         *slot = Some(Companion { sums, kept: false });
                     }
+                    continue;
                 }
-                Err(detail) => {
-                    // A companion that does not fit the geometry most often means the object
-                    // itself was written for another one: say so, as the size check would.
-                    if self.config.verify_object_sizes {
-                        check_object_sizes(
-                            &self.calls,
-                            &self.checksums,
-                            batch,
-                            std::slice::from_ref(comp),
-                            w.page..w.page + 1,
-                            self.store_call_deadline(),
-                        )?;
-                    }
-                    let deadline = self.store_call_deadline();
-                    return Err(self.bad_object(batch, comp, w.page, (None, detail), deadline));
+                CompanionRead::Absent => {
+                    plan.absent += 1;
+                    continue;
                 }
+                CompanionRead::Failed(e) => {
+                    return Err(store_failure(batch, None, vec![w.page as u32], &e))
+                }
+                CompanionRead::Bad(detail) => detail,
+            };
+            // A companion that does not fit the geometry most often means the object itself
+            // was written for another one: say so, as the size check would.
+            if self.config.verify_object_sizes {
+                check_object_sizes(
+                    &self.calls,
+                    &self.checksums,
+                    batch,
+                    std::slice::from_ref(comp),
+                    w.page..w.page + 1,
+                    self.store_call_deadline(),
+                )?;
             }
+            let deadline = self.store_call_deadline();
+            return Err(self.bad_object(batch, comp, w.page, (None, detail), deadline));
         }
         Ok(())
     }
@@ -234,19 +217,6 @@ impl Inner {
             }
             false
         });
-    }
-
-    /// The size of object `key` when the store holds it with more than `len` bytes (one
-    /// bounded query; `None` otherwise, or when the query fails).
-    fn longer_than(&self, key: &str, len: usize) -> Option<u64> {
-        match self
-            .calls
-            .object_size(&[key], self.store_call_deadline())
-            .pop()
-        {
-            Some(Ok(size)) if size > len as u64 => Some(size),
-            _ => None,
-        }
     }
 
     /// An object found bad: discarded with its companion (the discard bounded by `deadline`),

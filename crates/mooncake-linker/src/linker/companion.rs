@@ -1,0 +1,94 @@
+//! An object's checksum companion (`{key}_kvsum`, written by kvlink's save): where it is, how
+//! long it must be, and what one whole read of it says. Shared by the batch's companion read
+//! (verify.rs), the recheck of stale kept checksums (fresh_companion.rs) and the read ahead at
+//! lookup (prefetch.rs), so that all three judge a companion alike.
+
+use kv_geometry::{checksum_key, ComponentLayout, ObjectChecksums};
+
+use super::Inner;
+use crate::store::StoreError;
+
+/// The companion of object `object_key` of `layout`: its key and its exact length.
+pub(crate) fn companion_of(object_key: &str, layout: &ComponentLayout) -> (String, usize) {
+    (
+        checksum_key(object_key),
+        ObjectChecksums::encoded_len(layout.layers.len()),
+    )
+}
+
+/// What one whole read of a companion says about its object.
+#[derive(Debug)]
+pub(crate) enum CompanionRead {
+    /// The object's checksums.
+    Sums(ObjectChecksums),
+    /// The store holds no companion (objects another writer saved): checked by length only.
+    Absent,
+    /// The companion is not one (malformed, for another layout, cut short, too long): its
+    /// object is bad.
+    Bad(String),
+    /// The store failed for another cause: nothing is known about the object.
+    Failed(StoreError),
+}
+
+impl Inner {
+    /// Judges `got`, the whole read of companion `key` (`len` bytes expected) of an object of
+    /// `layout`. A store refuses a companion longer than its buffer as `InvalidArgument`, which
+    /// it says for other causes too (a bad key, the call's arguments): only one whose size
+    /// query (one bounded call, until `deadline`) shows it too long is bad; else the refusal is
+    /// the store failure it is.
+    pub(crate) fn judge_companion(
+        &self,
+        (key, len): (&str, usize),
+        layout: &ComponentLayout,
+        got: Result<Vec<u8>, StoreError>,
+        deadline: std::time::Instant,
+    ) -> CompanionRead {
+        match got {
+            Ok(bytes) => match ObjectChecksums::decode_for(&bytes, layout) {
+                Ok(sums) => CompanionRead::Sums(sums),
+                Err(e) => CompanionRead::Bad(e.to_string()),
+            },
+            Err(StoreError::NotFound { .. }) => CompanionRead::Absent,
+            Err(StoreError::ShortRead { got, expected, .. }) => CompanionRead::Bad(format!(
+                "checksum object of {got} bytes, {expected} expected"
+            )),
+            Err(e @ StoreError::InvalidArgument { .. }) => {
+                match self.longer_than(key, len, deadline) {
+                    Some(size) => CompanionRead::Bad(format!(
+                        "checksum object of {size} bytes, {len} expected ({e})"
+                    )),
+                    None => CompanionRead::Failed(e),
+                }
+            }
+            Err(e) => CompanionRead::Failed(e),
+        }
+    }
+
+    /// The size of object `key` when the store holds it with more than `len` bytes (one
+    /// bounded query; `None` otherwise, or when the query fails).
+    fn longer_than(&self, key: &str, len: usize, deadline: std::time::Instant) -> Option<u64> {
+        match self.calls.object_size(&[key], deadline).pop() {
+            Some(Ok(size)) if size > len as u64 => Some(size),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_geometry::{KvGeometry, ModelKvSpec};
+
+    #[test]
+    fn a_companions_key_and_length_follow_its_object_and_layout() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let ix = g.component_by_name("indexer").unwrap();
+        let (key, len) = companion_of("ns_ab_cp0_pp0_indexer", ix);
+        assert_eq!(key, "ns_ab_cp0_pp0_indexer_kvsum");
+        let object: Vec<u8> = vec![7; ix.object_bytes() as usize];
+        let encoded = ObjectChecksums::of_object(&object, ix.page_layer_bytes)
+            .unwrap()
+            .encode();
+        assert_eq!(encoded.len(), len);
+    }
+}
