@@ -216,12 +216,12 @@ impl Inner {
             Err(e) => return Err(e),
         };
         if let Some(e) = refusal {
-            return self.refuse(coll, batch, gated.tag, e);
+            return self.refuse(coll, batch, gated.tag(), e);
         }
         // Auto's sample runs from here: the time in the queue and the wait at the gate for a
         // peer that called `start_load` later depend on the engine, not on the mode.
         let in_step = Instant::now();
-        let loaded = self.load_batch(Some(coll), job, gated.mode, gated.tag, held);
+        let loaded = self.load_batch(Some(coll), job, gated.mode, gated.tag(), held);
         match &loaded {
             // A batch too small to measure must not count as one in flight either: Auto
             // would then wait for a time that never comes.

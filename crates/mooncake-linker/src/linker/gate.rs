@@ -58,10 +58,15 @@ pub(crate) struct Gated {
     pub(crate) mode: ShareMode,
     /// The gate's number on the data handle.
     pub(crate) count: u64,
-    /// The batch's status-word tag (the gate's number, truncated).
-    pub(crate) tag: u8,
     /// Ranks whose plan differs from rank 0's (the batch then reads `AllRanks`).
     pub(crate) plans_differ: Vec<u32>,
+}
+
+impl Gated {
+    /// The batch's status-word tag: the gate's number, truncated.
+    pub(crate) fn tag(&self) -> u8 {
+        self.count as u8
+    }
 }
 
 impl Inner {
@@ -150,7 +155,6 @@ impl Inner {
                     return Ok(Gated {
                         mode,
                         count,
-                        tag: count as u8,
                         plans_differ,
                     });
                 }
@@ -186,7 +190,7 @@ impl Inner {
     /// rank records alike).
     fn observe_group_time(&self, batch: BatchId, mine: BatchSample, gate: &BatchGate) {
         let group = match gate.step {
-            GateStep::InStep => mine.group_time(&gate.last_batch_us),
+            GateStep::InStep => super::group_time::group_time(&gate.last_batch_us),
             _ => None,
         };
         let mode = mine.mode;

@@ -27,19 +27,19 @@ impl BatchSample {
             .unwrap_or(u32::MAX)
             .max(1)
     }
+}
 
-    /// The group's time of this batch from every rank's word (in rank order): the slowest
-    /// rank's, when every rank sent a sample; `None` when any rank sent none (its batch
-    /// failed, or its sample was stale), since the slowest rank may be the one missing.
-    pub(crate) fn group_time(&self, every_rank: &[u32]) -> Option<Duration> {
-        if every_rank.contains(&0) {
-            return None;
-        }
-        every_rank
-            .iter()
-            .max()
-            .map(|&us| Duration::from_micros(u64::from(us)))
+/// The group's time of a batch from every rank's word (in rank order): the slowest rank's,
+/// when every rank sent a sample; `None` when any rank sent none (its batch failed, or its
+/// sample was stale), since the slowest rank may be the one missing.
+pub(crate) fn group_time(every_rank: &[u32]) -> Option<Duration> {
+    if every_rank.contains(&0) {
+        return None;
     }
+    every_rank
+        .iter()
+        .max()
+        .map(|&us| Duration::from_micros(u64::from(us)))
 }
 
 /// The sample of this rank's last batch, waiting for its next gate.
@@ -141,13 +141,12 @@ mod tests {
 
     #[test]
     fn the_group_time_is_the_slowest_ranks_when_every_rank_has_one() {
-        let s = sample(250);
         assert_eq!(
-            s.group_time(&[250_000, 900_000, 300_000]),
+            group_time(&[250_000, 900_000, 300_000]),
             Some(Duration::from_millis(900))
         );
-        assert_eq!(s.group_time(&[250_000, 0, 300_000]), None);
-        assert_eq!(s.group_time(&[0]), None);
+        assert_eq!(group_time(&[250_000, 0, 300_000]), None);
+        assert_eq!(group_time(&[0]), None);
     }
 
     #[test]

@@ -321,7 +321,7 @@ impl LayerCheck<'_> {
         };
         let as_landed = rows
             .iter()
-            .filter(|r| r.sums.is_some() && r.landed.is_some())
+            .filter(|r| r.sums().is_some() && r.landed.is_some())
             .count() as u64;
         // Rows that failed against checksums an earlier load kept may only be stale (their
         // object written again with other bytes since): their companions read afresh decide.
@@ -329,7 +329,7 @@ impl LayerCheck<'_> {
         for (row, verdict) in rows.iter().zip(verdicts) {
             match verdict {
                 Ok(v) => count(v),
-                Err(_) if row.kept.is_some() => match self.renewed(row, layer) {
+                Err(_) if row.kept().is_some() => match self.renewed(row, layer) {
                     // An earlier layer's recheck already kept fresh checksums that pass.
                     Some(v) => count(v),
                     None => stale.push(StaleRow {
@@ -364,7 +364,7 @@ impl LayerCheck<'_> {
     /// those the cache holds now when an earlier layer's recheck replaced them (so a rewritten
     /// object is read afresh once per batch, not once per layer); `None`: to be rechecked.
     fn renewed(&self, row: &Row<'_>, layer: u32) -> Option<Verified> {
-        let taken = row.kept?;
+        let taken = row.kept()?;
         let now = self.inner.checksums.get(&row.component.keys[row.page])?;
         if std::sync::Arc::ptr_eq(&now, taken) {
             return None;
@@ -392,11 +392,9 @@ impl LayerCheck<'_> {
                 let bytes = landing
                     .target_bytes(stage, c.layout.id, page)
                     .map_err(KvLoadError::from)?;
-                let sums = self.sums.get(false, ci, page);
                 rows.push(Row {
                     component: c,
-                    sums: sums.map(|s| &*s.sums),
-                    kept: sums.filter(|s| s.kept).map(|s| &s.sums),
+                    companion: self.sums.get(false, ci, page),
                     page,
                     bytes,
                     landed: landed.and_then(|l| l.get(false, ci, page)),
@@ -419,11 +417,9 @@ impl LayerCheck<'_> {
                         }
                     }
                     .map_err(KvLoadError::from)?;
-                    let sums = self.sums.get(true, ci, page);
                     rows.push(Row {
                         component: c,
-                        sums: sums.map(|s| &*s.sums),
-                        kept: sums.filter(|s| s.kept).map(|s| &s.sums),
+                        companion: self.sums.get(true, ci, page),
                         page,
                         bytes,
                         landed: landed.and_then(|l| l.get(true, ci, page)),
@@ -438,13 +434,24 @@ impl LayerCheck<'_> {
 /// One row of a layer to verify.
 struct Row<'a> {
     component: &'a ComponentKeys,
-    sums: Option<&'a ObjectChecksums>,
-    /// `sums`, when an earlier load kept them.
-    kept: Option<&'a std::sync::Arc<ObjectChecksums>>,
+    /// Its object's checksums, if it has a companion.
+    companion: Option<&'a Companion>,
     page: usize,
     bytes: &'a [u8],
     /// The checksum the store took of `bytes` as they landed, if it took one.
     landed: Option<u64>,
+}
+
+impl<'a> Row<'a> {
+    /// Its object's checksums, if it has a companion.
+    fn sums(&self) -> Option<&'a ObjectChecksums> {
+        self.companion.map(|c| &*c.sums)
+    }
+
+    /// Its object's checksums, when an earlier load kept them.
+    fn kept(&self) -> Option<&'a std::sync::Arc<ObjectChecksums>> {
+        self.companion.filter(|c| c.kept).map(|c| &c.sums)
+    }
 }
 
 /// Most threads one layer's check starts, whatever `verify_threads` says.
@@ -473,12 +480,18 @@ fn verify_rows(
     threads: usize,
 ) -> Option<Vec<Result<Verified, ChecksumError>>> {
     let verify = |r: &Row<'_>| {
-        ObjectChecksums::verify_layer_landed(r.sums, &r.component.layout, layer, r.bytes, r.landed)
+        ObjectChecksums::verify_layer_landed(
+            r.sums(),
+            &r.component.layout,
+            layer,
+            r.bytes,
+            r.landed,
+        )
     };
     // Only the rows to hash count towards splitting the work over threads.
     let total: usize = rows
         .iter()
-        .filter(|r| r.sums.is_some() && r.landed.is_none())
+        .filter(|r| r.sums().is_some() && r.landed.is_none())
         .map(|r| r.bytes.len())
         .sum();
     let threads = verify_threads_for(threads, rows.len(), total);
@@ -532,6 +545,10 @@ mod tests {
         let k = g.component_by_name("k").unwrap().clone();
         let object: Vec<u8> = (0..k.object_bytes()).map(|i| (i * 7 + 3) as u8).collect();
         let sums = ObjectChecksums::of_object(&object, k.page_layer_bytes).unwrap();
+        let companion_of_sums = Companion {
+            sums: std::sync::Arc::new(sums.clone()),
+            kept: false,
+        };
         let range = k.layer_range(3).unwrap();
         let good = &object[range.start as usize..range.end as usize];
         let mut bad = good.to_vec();
@@ -545,8 +562,7 @@ mod tests {
         let rows: Vec<Row<'_>> = (0..300)
             .map(|page| Row {
                 component: &component,
-                sums: (page != 40).then_some(&sums),
-                kept: None,
+                companion: (page != 40).then_some(&companion_of_sums),
                 page,
                 bytes: if page == 211 { &bad } else { good },
                 landed: None,
@@ -582,6 +598,10 @@ mod tests {
         let k = g.component_by_name("k").unwrap().clone();
         let object: Vec<u8> = (0..k.object_bytes()).map(|i| (i * 5 + 1) as u8).collect();
         let sums = ObjectChecksums::of_object(&object, k.page_layer_bytes).unwrap();
+        let companion_of_sums = Companion {
+            sums: std::sync::Arc::new(sums),
+            kept: false,
+        };
         let range = k.layer_range(2).unwrap();
         let good = &object[range.start as usize..range.end as usize];
         let right = kv_geometry::layer_checksum(good);
@@ -597,8 +617,7 @@ mod tests {
         let rows: Vec<Row<'_>> = (0..4)
             .map(|page| Row {
                 component: &component,
-                sums: (page != 3).then_some(&sums),
-                kept: None,
+                companion: (page != 3).then_some(&companion_of_sums),
                 page,
                 bytes: good,
                 landed: landed[page],
