@@ -969,7 +969,18 @@ fn a_fresh_companion_cut_short_or_too_long_makes_its_object_bad() {
             .unwrap();
         let err = linker.wait_layer(&t, 0).unwrap_err();
         match &err {
-            KvLoadError::BadObject { key: bad, .. } => assert_eq!(bad, &key, "{change}"),
+            KvLoadError::BadObject {
+                key: bad,
+                layer,
+                detail,
+                ..
+            } => {
+                assert_eq!((bad, *layer), (&key, Some(0)), "{change}");
+                assert!(
+                    detail.contains("read afresh") && detail.contains("expected"),
+                    "companion {change:+} bytes: {detail}"
+                );
+            }
             other => panic!("companion {change:+} bytes: {other:?}"),
         }
         assert!(linker.wait_batch(&t).unwrap().result.is_err());

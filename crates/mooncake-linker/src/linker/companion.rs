@@ -1,7 +1,9 @@
 //! An object's checksum companion (`{key}_kvsum`, written by kvlink's save): where it is, how
-//! long it must be, and what one whole read of it says. Shared by the batch's companion read
-//! (verify.rs), the recheck of stale kept checksums (fresh_companion.rs) and the read ahead at
-//! lookup (prefetch.rs), so that all three judge a companion alike.
+//! long it must be, and what one whole read of it says. The batch's companion read
+//! (verify.rs) and the recheck of stale kept checksums (fresh_companion.rs) judge a companion
+//! alike through [`Inner::judge_companion`]; the read ahead at lookup (prefetch.rs) finds it
+//! with [`companion_of`] and keeps only companions that decode (anything else is left to the
+//! load's own read).
 
 use kv_geometry::{checksum_key, ComponentLayout, ObjectChecksums};
 

@@ -42,13 +42,12 @@ struct Companion {
     kept: bool,
 }
 
-/// One companion this rank wants: which component list, which component, which page.
+/// One companion this rank wants: which component list, which component, which page (its
+/// key and length are made only for those not kept: [`companion_of`]).
 struct Wanted {
     shared: bool,
     comp: usize,
     page: usize,
-    key: String,
-    len: usize,
 }
 
 impl BatchChecksums {
@@ -105,17 +104,9 @@ impl Inner {
             (true, &layers.shared, mine),
         ];
         for (shared, comps, pages) in lists {
-            for (ci, c) in comps.iter().enumerate() {
-                for page in pages.clone() {
-                    let (key, len) = companion_of(&c.keys[page], &c.layout);
-                    plan.wanted.push(Wanted {
-                        shared,
-                        comp: ci,
-                        page,
-                        key,
-                        len,
-                    });
-                }
+            for comp in 0..comps.len() {
+                let wanted = pages.clone().map(|page| Wanted { shared, comp, page });
+                plan.wanted.extend(wanted);
             }
         }
         plan
@@ -137,14 +128,18 @@ impl Inner {
         if plan.wanted.is_empty() {
             return Ok(());
         }
-        let keys: Vec<&str> = plan.wanted.iter().map(|w| w.key.as_str()).collect();
-        let lens: Vec<usize> = plan.wanted.iter().map(|w| w.len).collect();
+        let (keys, lens): (Vec<String>, Vec<usize>) = plan
+            .wanted
+            .iter()
+            .map(|w| companion_of(object_key(layers, w), &wanted_component(layers, w).layout))
+            .collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let got = self
             .calls
-            .read_whole_owned(&keys, &lens, self.store_call_deadline());
-        for (w, r) in plan.wanted.iter().zip(got) {
+            .read_whole_owned(&refs, &lens, self.store_call_deadline());
+        for ((w, r), key) in plan.wanted.iter().zip(got).zip(refs.iter().zip(&lens)) {
             let comp = wanted_component(layers, w);
-            let key = (w.key.as_str(), w.len);
+            let key = (*key.0, *key.1);
             let deadline = self.store_call_deadline();
             let detail = match self.judge_companion(key, &comp.layout, r, deadline) {
                 CompanionRead::Sums(sums) => {
