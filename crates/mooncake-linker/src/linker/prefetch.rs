@@ -166,14 +166,9 @@ impl Inner {
         }
         let rank = self.geometry.tp_rank;
         let mode = self.mode_ahead();
+        // A share of a replicated component's pages per rank (or nothing known): none ahead.
         let reads = |c: &ComponentLayout| {
-            !c.replicated
-                || match mode {
-                    Some(ShareMode::AllRanks) => true,
-                    Some(ShareMode::Rank0Broadcast) => rank == 0,
-                    // A share of the pages per rank (or nothing known): none ahead.
-                    _ => false,
-                }
+            !c.replicated || mode.is_some_and(|m| m.spec().reads.every_page(rank))
         };
         let mut out = Vec::new();
         for c in self.geometry.components().iter().filter(|c| reads(c)) {
