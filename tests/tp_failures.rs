@@ -134,14 +134,14 @@ fn a_corrupt_object_fails_every_rank_alike_at_its_layer_and_is_replaced() {
                     "{what}: {:?}",
                     outcomes[0].result
                 );
-                assert_eq!(store.exists(&[&key]), vec![Ok(false)], "{what}: discarded");
-                // The engine recomputes and saves: the object is written again.
-                common::tp::save(&spec, 3, store.clone(), 6, &cfg);
-                for (rank, (r, o)) in rs.iter().zip(run(&rs, batch + 1, &hashes)).enumerate() {
-                    o.result
-                        .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
-                    rank_matches(r, &hashes, rank as u32).unwrap();
-                }
+                let group = Group {
+                    store: &store,
+                    ranks: &rs,
+                    hashes: &hashes,
+                    spec: &spec,
+                    config: &cfg,
+                };
+                group.replaced_and_loaded(&key, batch + 1, &what);
                 batch += 2;
             }
         }
@@ -174,13 +174,14 @@ fn a_corrupt_replicated_object_is_found_by_the_rank_that_reads_it_for_the_group(
                 let key = corrupt(&store, &rs[0], &hashes, ("k", page, layer));
                 let outcomes = run(&rs, batch, &hashes);
                 same_verdict(&outcomes, reader, layer, &what);
-                assert_eq!(store.exists(&[&key]), vec![Ok(false)], "{what}: discarded");
-                common::tp::save(&spec, 3, store.clone(), 6, &cfg);
-                for (rank, (r, o)) in rs.iter().zip(run(&rs, batch + 1, &hashes)).enumerate() {
-                    o.result
-                        .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
-                    rank_matches(r, &hashes, rank as u32).unwrap();
-                }
+                let group = Group {
+                    store: &store,
+                    ranks: &rs,
+                    hashes: &hashes,
+                    spec: &spec,
+                    config: &cfg,
+                };
+                group.replaced_and_loaded(&key, batch + 1, &what);
                 batch += 2;
             }
             for (rank, r) in rs.iter().enumerate() {
@@ -194,6 +195,34 @@ fn a_corrupt_replicated_object_is_found_by_the_rank_that_reads_it_for_the_group(
                     "{path:?} {mode:?} rank {rank}"
                 );
             }
+        }
+    }
+}
+
+/// A TP 3 group of ranks over one store, with the prefix it saved.
+struct Group<'a> {
+    store: &'a Arc<dyn KvStore>,
+    ranks: &'a [TpRank],
+    hashes: &'a [PageHash],
+    spec: &'a kvlink::kv_geometry::ModelKvSpec,
+    config: &'a LinkerConfig,
+}
+
+impl Group<'_> {
+    /// After a batch that found object `key` bad: it was discarded; the engine recomputes
+    /// and saves (the object is written again), and batch `next` loads on every rank.
+    fn replaced_and_loaded(&self, key: &str, next: u64, what: &str) {
+        assert_eq!(
+            self.store.exists(&[key]),
+            vec![Ok(false)],
+            "{what}: discarded"
+        );
+        common::tp::save(self.spec, 3, self.store.clone(), 6, self.config);
+        let outcomes = run(self.ranks, next, self.hashes);
+        for (rank, (r, o)) in self.ranks.iter().zip(outcomes).enumerate() {
+            o.result
+                .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
+            rank_matches(r, self.hashes, rank as u32).unwrap();
         }
     }
 }

@@ -7,7 +7,7 @@ use kv_geometry::{ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError};
 
 use super::companion::{companion_of, CompanionRead};
-use super::reader::{check_object_sizes, store_failure, ComponentKeys};
+use super::reader::{store_failure, ComponentKeys};
 use super::Inner;
 
 /// A row of a layer to check again: its component, plan page and bytes as read.
@@ -50,20 +50,8 @@ impl Inner {
             .store_call_timeout
             .min(self.config.collective_timeout / 2);
         let deadline = kv_loader::deadline_after(bound);
-        let sizes = |comp: &ComponentKeys, page: usize| {
-            if self.config.verify_object_sizes {
-                check_object_sizes(
-                    &self.calls,
-                    &self.checksums,
-                    batch,
-                    std::slice::from_ref(comp),
-                    page..page + 1,
-                    deadline,
-                )
-            } else {
-                Ok(())
-            }
-        };
+        let sizes =
+            |comp: &ComponentKeys, page: usize| self.check_object_size(batch, comp, page, deadline);
         let read = self.calls.read_whole_owned(&refs, &lens, deadline);
         let mut verdicts = Vec::with_capacity(rows.len());
         for ((r, got), (key, len)) in rows.iter().zip(read).zip(refs.iter().zip(&lens)) {

@@ -161,16 +161,7 @@ impl Inner {
             };
             // A companion that does not fit the geometry most often means the object itself
             // was written for another one: say so, as the size check would.
-            if self.config.verify_object_sizes {
-                check_object_sizes(
-                    &self.calls,
-                    &self.checksums,
-                    batch,
-                    std::slice::from_ref(comp),
-                    w.page..w.page + 1,
-                    self.store_call_deadline(),
-                )?;
-            }
+            self.check_object_size(batch, comp, w.page, self.store_call_deadline())?;
             let deadline = self.store_call_deadline();
             return Err(self.bad_object(batch, comp, w.page, (None, detail), deadline));
         }
@@ -212,6 +203,30 @@ impl Inner {
             }
             false
         });
+    }
+
+    /// With `verify_object_sizes`, the size check of one object (`comp` at plan page `page`,
+    /// see [`check_object_sizes`]), bounded by `deadline`: before an object is called bad, so
+    /// that a wrong-sized one says so.
+    pub(crate) fn check_object_size(
+        &self,
+        batch: BatchId,
+        comp: &ComponentKeys,
+        page: usize,
+        deadline: std::time::Instant,
+    ) -> Result<(), KvLoadError> {
+        if !self.config.verify_object_sizes {
+            return Ok(());
+        }
+        let comps = std::slice::from_ref(comp);
+        check_object_sizes(
+            &self.calls,
+            &self.checksums,
+            batch,
+            comps,
+            page..page + 1,
+            deadline,
+        )
     }
 
     /// An object found bad: discarded with its companion (the discard bounded by `deadline`),
