@@ -117,6 +117,13 @@ fn a_corrupt_object_fails_every_rank_alike_at_its_layer_and_is_replaced() {
             let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
             let cfg = config(mode);
             let (rs, hashes) = tp_ranks(&spec, 3, store.clone(), 6, &cfg, path);
+            let group = Group {
+                store: &store,
+                ranks: &rs,
+                hashes: &hashes,
+                spec: &spec,
+                config: &cfg,
+            };
             let mut batch = 1;
             for (fail_rank, layer) in [(0u32, 0u32), (1, 2), (2, 4)] {
                 let what = format!("{path:?} {mode:?} rank {fail_rank} layer {layer}");
@@ -134,13 +141,6 @@ fn a_corrupt_object_fails_every_rank_alike_at_its_layer_and_is_replaced() {
                     "{what}: {:?}",
                     outcomes[0].result
                 );
-                let group = Group {
-                    store: &store,
-                    ranks: &rs,
-                    hashes: &hashes,
-                    spec: &spec,
-                    config: &cfg,
-                };
                 group.replaced_and_loaded(&key, batch + 1, &what);
                 batch += 2;
             }
@@ -161,6 +161,13 @@ fn a_corrupt_replicated_object_is_found_by_the_rank_that_reads_it_for_the_group(
             let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
             let cfg = config(mode);
             let (rs, hashes) = tp_ranks(&spec, 3, store.clone(), 6, &cfg, path);
+            let group = Group {
+                store: &store,
+                ranks: &rs,
+                hashes: &hashes,
+                spec: &spec,
+                config: &cfg,
+            };
             let shares = kvlink::dedup_broadcast::page_shares(6, 3);
             let mut batch = 1;
             for (page, layer) in [(1usize, 0u32), (3, 2), (5, 4)] {
@@ -174,13 +181,6 @@ fn a_corrupt_replicated_object_is_found_by_the_rank_that_reads_it_for_the_group(
                 let key = corrupt(&store, &rs[0], &hashes, ("k", page, layer));
                 let outcomes = run(&rs, batch, &hashes);
                 same_verdict(&outcomes, reader, layer, &what);
-                let group = Group {
-                    store: &store,
-                    ranks: &rs,
-                    hashes: &hashes,
-                    spec: &spec,
-                    config: &cfg,
-                };
                 group.replaced_and_loaded(&key, batch + 1, &what);
                 batch += 2;
             }
