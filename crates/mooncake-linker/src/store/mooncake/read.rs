@@ -38,6 +38,8 @@ struct ReadCall<'g> {
     shaped: &'g [Shaped],
     /// Each key's number of ranges, when their checksums are to be taken in the copies out.
     ranges_to_hash: Option<Vec<usize>>,
+    /// The keys, in call order.
+    keys: Vec<&'g str>,
 }
 
 // SAFETY: the copy targets inside `shaped` are caller memory that `get_ranges`'s contract
@@ -68,6 +70,8 @@ fn panicked(gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyRead> {
 /// The copies out of `scratch` of one key shaped as `s` (its share starting at `start`), and
 /// with `ranges` (its number of ranges), the checksum of each staged range, taken of the bytes
 /// at its destination right after its copy wrote them (still in cache): exactly what landed.
+/// `None` when a copy's source does not lie in `scratch` (not what `shape` makes): the key
+/// must then fail, its rows not all written.
 ///
 /// # Safety
 /// `scratch[start..start + s.scratch]` holds what the call read for the key, and every copy's
@@ -79,19 +83,23 @@ unsafe fn copy_key(
     start: u64,
     s: &Shaped,
     ranges: Option<usize>,
-) -> RangeChecksums {
+) -> Option<RangeChecksums> {
     let mut taken = RangeChecksums::new();
     if let Some(n) = ranges {
         taken.resize(n, None);
     }
     let mut staged = s.staged.iter().peekable();
     for (i, c) in s.copies.iter().enumerate() {
-        let Some(src) = scratch
-            .get((start + c.from) as usize..)
+        let from = start
+            .checked_add(c.from)
+            .and_then(|f| usize::try_from(f).ok());
+        let Some(src) = from
+            .and_then(|f| scratch.get(f..))
             .and_then(|b| b.get(..c.len))
         else {
-            // Not what `shape` makes; nothing is copied from outside the scratch.
-            continue;
+            // Not what `shape` makes: nothing is copied from outside the scratch, and the key
+            // fails rather than leave a row unwritten.
+            return None;
         };
         // SAFETY: `src` is `c.len` bytes of the store's scratch; the destination is part of a
         // caller range (valid for writes, untouched by others: the function's contract), and
@@ -114,7 +122,7 @@ unsafe fn copy_key(
             }
         }
     }
-    taken
+    Some(taken)
 }
 
 impl MooncakeStore {
@@ -257,6 +265,7 @@ impl MooncakeStore {
                     key_scratch: Vec::new(),
                     shaped,
                     ranges_to_hash: None,
+                    keys: names,
                 }
             }
         };
@@ -316,27 +325,49 @@ impl MooncakeStore {
             key_scratch,
             shaped,
             ranges_to_hash,
+            keys: names,
         }
     }
 
     /// The copies out of a returned call's scratch, for every key it read whole; the results,
     /// with the checksums of the staged ranges when the call asks for them.
     fn copy_out(&self, call: ReadCall<'_>) -> Vec<KeyRead> {
-        let keys = call.results.iter().zip(call.shaped).zip(&call.key_scratch);
-        let sums: Vec<RangeChecksums> = keys
+        let ReadCall {
+            results,
+            scratch,
+            key_scratch,
+            shaped,
+            ranges_to_hash,
+            keys,
+        } = call;
+        let each = results.into_iter().zip(shaped).zip(&key_scratch);
+        let out = each
             .enumerate()
             .map(|(k, ((r, s), &start))| {
                 if r.is_err() {
-                    return RangeChecksums::new();
+                    return (r, RangeChecksums::new());
                 }
-                let ranges = call.ranges_to_hash.as_ref().and_then(|h| h.get(k).copied());
-                // SAFETY: `start` is this key's share of `call.scratch`, which the call filled
-                // for the key (its result is Ok), and the copies are the key's own.
-                unsafe { copy_key(&call.scratch, start, s, ranges) }
+                let ranges = ranges_to_hash.as_ref().and_then(|h| h.get(k).copied());
+                // SAFETY: `start` is this key's share of `scratch`, which the call filled for
+                // the key (its result is Ok), and the copies are the key's own.
+                match unsafe { copy_key(&scratch, start, s, ranges) } {
+                    Some(sums) => (r, sums),
+                    None => {
+                        let key = keys.get(k).copied().unwrap_or_default().to_owned();
+                        tracing::error!(
+                            key,
+                            "a staged copy lies outside its scratch: the key fails"
+                        );
+                        (
+                            Err(StoreError::TransferFailed { key, code: -1 }),
+                            RangeChecksums::new(),
+                        )
+                    }
+                }
             })
             .collect();
-        self.return_scratch(call.scratch);
-        call.results.into_iter().zip(sums).collect()
+        self.return_scratch(scratch);
+        out
     }
 
     /// A scratch area of at least `len` bytes (empty for 0), reused when one is kept.
@@ -411,7 +442,7 @@ mod tests {
         let scratch: Vec<u8> = (0..400u32).map(|i| (i * 7 + 3) as u8).collect();
         // SAFETY: `scratch[64..314]` stands for what a call read; every destination lies in
         // `pool`, which nothing else touches during the call.
-        let sums = unsafe { copy_key(&scratch, 64, &s, Some(ranges.len())) };
+        let sums = unsafe { copy_key(&scratch, 64, &s, Some(ranges.len())) }.unwrap();
         let object = &scratch[64..];
         assert_eq!(pool[..100], object[..100]);
         assert_eq!(pool[1000..1150], object[100..250]);
@@ -424,8 +455,14 @@ mod tests {
         // Without checksums asked for: the same copies, none taken.
         pool.fill(0);
         // SAFETY: as above.
-        let none = unsafe { copy_key(&scratch, 64, &s, None) };
+        let none = unsafe { copy_key(&scratch, 64, &s, None) }.unwrap();
         assert!(none.is_empty());
         assert_eq!(pool[1000..1150], object[100..250]);
+        // A scratch that does not hold the key's share (not what a call gives): no copy reads
+        // past it, and the key fails instead of leaving rows unwritten.
+        // SAFETY: as above.
+        assert_eq!(unsafe { copy_key(&scratch[..200], 64, &s, None) }, None);
+        // SAFETY: as above.
+        assert_eq!(unsafe { copy_key(&scratch, u64::MAX - 8, &s, None) }, None);
     }
 }
