@@ -67,6 +67,12 @@ pub(crate) fn read_ahead_wait(store_call_timeout: std::time::Duration) -> std::t
 }
 
 impl CompanionPrefetch {
+    /// A read ahead is under way, or the linker is closing: none starts now.
+    fn busy(&self) -> bool {
+        let st = self.state.lock();
+        st.shut || st.running.as_ref().is_some_and(|r| !r.keys.is_empty())
+    }
+
     /// Waits while the read ahead under way reads the companion of any of `objects`, until it
     /// ends, its own deadline or `limit`, whichever is first (`waiting` is called once, before
     /// the wait); true if it waited.
@@ -158,9 +164,10 @@ impl Inner {
         }
     }
 
-    /// The objects of `pages` this rank will read every page of, with their layouts (see the
-    /// module docs); empty when that cannot be told or nothing is read ahead.
-    fn objects_ahead(&self, pages: &[PageHash]) -> Vec<(String, ComponentLayout)> {
+    /// The objects of `pages` this rank will read every page of, with their components' indices
+    /// in the geometry (see the module docs); empty when that cannot be told or nothing is
+    /// read ahead.
+    fn objects_ahead(&self, pages: &[PageHash]) -> Vec<(String, usize)> {
         if !self.config.verify_checksums || self.config.checksum_cache_entries == 0 {
             return Vec::new();
         }
@@ -171,11 +178,14 @@ impl Inner {
             !c.replicated || mode.is_some_and(|m| m.spec().reads.every_page(rank))
         };
         let mut out = Vec::new();
-        for c in self.geometry.components().iter().filter(|c| reads(c)) {
+        for (ci, c) in self.geometry.components().iter().enumerate() {
+            if !reads(c) {
+                continue;
+            }
             for p in pages {
                 let key = self.keys.object_key(p, c);
                 if self.checksums.get(&key).is_none() {
-                    out.push((key, c.clone()));
+                    out.push((key, ci));
                 }
             }
         }
@@ -185,6 +195,10 @@ impl Inner {
     /// After a lookup that found `pages`: starts reading their companions into the kept
     /// checksums on a thread of its own (see the module docs); returns at once.
     pub(crate) fn prefetch_companions(self: &Arc<Self>, pages: &[PageHash]) {
+        // One read ahead at a time: none is planned while one runs (checked again below).
+        if self.prefetch.busy() {
+            return;
+        }
         let objects = self.objects_ahead(pages);
         if objects.is_empty() {
             return;
@@ -242,15 +256,20 @@ impl Inner {
 
     /// The prefetch thread: reads the companions of `objects`, keeps those that decode and fit
     /// their layout (anything else is left to the load's own read), then says it is done.
-    fn read_ahead(&self, objects: &[(String, ComponentLayout)]) {
+    fn read_ahead(&self, objects: &[(String, usize)]) {
+        let comps = self.geometry.components();
         let t0 = Instant::now();
         let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
+        let objects: Vec<(&str, &ComponentLayout)> = objects
+            .iter()
+            .filter_map(|(k, ci)| Some((k.as_str(), comps.get(*ci)?)))
+            .collect();
         let (companions, lens): (Vec<String>, Vec<usize>) =
-            objects.iter().map(|(k, c)| companion_of(k, c)).unzip();
+            objects.iter().map(|&(k, c)| companion_of(k, c)).unzip();
         let keys: Vec<&str> = companions.iter().map(String::as_str).collect();
         let got = self.calls.read_whole_owned(&keys, &lens, deadline);
         let mut kept = 0u64;
-        for ((key, layout), r) in objects.iter().zip(got) {
+        for (&(key, layout), r) in objects.iter().zip(got) {
             let Ok(bytes) = r else { continue };
             if let Ok(sums) = ObjectChecksums::decode_for(&bytes, layout) {
                 self.checksums.insert(key, Arc::new(sums));
