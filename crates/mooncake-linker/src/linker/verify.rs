@@ -652,4 +652,26 @@ mod tests {
             Err(ChecksumError::Length { .. })
         ));
     }
+
+    #[test]
+    fn checksums_are_wanted_as_the_rows_land_only_while_some_object_has_a_companion() {
+        let companion = Companion {
+            sums: std::sync::Arc::new(ObjectChecksums {
+                layer_bytes: 8,
+                sums: vec![1],
+            }),
+            kept: false,
+        };
+        let mut sums = BatchChecksums {
+            enabled: true,
+            own: vec![vec![None; 3]],
+            shared: vec![vec![None; 3]],
+        };
+        assert!(!sums.has_companions(), "every companion absent");
+        *sums.slot(true, 0, 2).unwrap() = Some(companion);
+        assert!(sums.has_companions(), "one shared object has one");
+        sums.enabled = false;
+        assert!(!sums.has_companions(), "checks off");
+        assert!(sums.slot(true, 1, 0).is_none() && sums.slot(false, 0, 3).is_none());
+    }
 }
