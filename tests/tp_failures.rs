@@ -111,25 +111,16 @@ fn a_device_error_in_a_share_step_is_reported_next_and_the_next_batch_loads() {
 /// and the batch after loads.
 #[test]
 fn a_corrupt_object_fails_every_rank_alike_at_its_layer_and_is_replaced() {
-    let spec = mixed_spec();
     for path in paths() {
         for mode in MODES {
-            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
-            let cfg = config(mode);
-            let (rs, hashes) = tp_ranks(&spec, 3, store.clone(), 6, &cfg, path);
-            let group = Group {
-                store: &store,
-                ranks: &rs,
-                hashes: &hashes,
-                spec: &spec,
-                config: &cfg,
-            };
+            let group = Group::saved(path, mode);
+            let (store, rs, hashes) = (&group.store, &group.ranks, &group.hashes);
             let mut batch = 1;
             for (fail_rank, layer) in [(0u32, 0u32), (1, 2), (2, 4)] {
                 let what = format!("{path:?} {mode:?} rank {fail_rank} layer {layer}");
                 // The failing rank's own shard of `v`, page 3: read by that rank alone.
-                let key = corrupt(&store, &rs[fail_rank as usize], &hashes, ("v", 3, layer));
-                let outcomes = run(&rs, batch, &hashes);
+                let key = corrupt(store, &rs[fail_rank as usize], hashes, ("v", 3, layer));
+                let outcomes = run(rs, batch, hashes);
                 same_verdict(&outcomes, fail_rank, layer, &what);
                 assert!(
                     outcomes[0]
@@ -155,19 +146,10 @@ fn a_corrupt_object_fails_every_rank_alike_at_its_layer_and_is_replaced() {
 /// checked compared against the store's checksums.
 #[test]
 fn a_corrupt_replicated_object_is_found_by_the_rank_that_reads_it_for_the_group() {
-    let spec = mixed_spec();
     for path in paths() {
         for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
-            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
-            let cfg = config(mode);
-            let (rs, hashes) = tp_ranks(&spec, 3, store.clone(), 6, &cfg, path);
-            let group = Group {
-                store: &store,
-                ranks: &rs,
-                hashes: &hashes,
-                spec: &spec,
-                config: &cfg,
-            };
+            let group = Group::saved(path, mode);
+            let (store, rs, hashes) = (&group.store, &group.ranks, &group.hashes);
             let shares = kvlink::dedup_broadcast::page_shares(6, 3);
             let mut batch = 1;
             for (page, layer) in [(1usize, 0u32), (3, 2), (5, 4)] {
@@ -178,8 +160,8 @@ fn a_corrupt_replicated_object_is_found_by_the_rank_that_reads_it_for_the_group(
                     _ => 0,
                 };
                 let what = format!("{path:?} {mode:?} page {page} (rank {reader}) layer {layer}");
-                let key = corrupt(&store, &rs[0], &hashes, ("k", page, layer));
-                let outcomes = run(&rs, batch, &hashes);
+                let key = corrupt(store, &rs[0], hashes, ("k", page, layer));
+                let outcomes = run(rs, batch, hashes);
                 same_verdict(&outcomes, reader, layer, &what);
                 group.replaced_and_loaded(&key, batch + 1, &what);
                 batch += 2;
@@ -199,16 +181,29 @@ fn a_corrupt_replicated_object_is_found_by_the_rank_that_reads_it_for_the_group(
     }
 }
 
-/// A TP 3 group of ranks over one store, with the prefix it saved.
-struct Group<'a> {
-    store: &'a Arc<dyn KvStore>,
-    ranks: &'a [TpRank],
-    hashes: &'a [PageHash],
-    spec: &'a kvlink::kv_geometry::ModelKvSpec,
-    config: &'a LinkerConfig,
+/// A TP 3 group of ranks over one embedded store, with the prefix it saved (6 pages of
+/// [`mixed_spec`]).
+struct Group {
+    store: Arc<dyn KvStore>,
+    ranks: Vec<TpRank>,
+    hashes: Vec<PageHash>,
+    config: LinkerConfig,
 }
 
-impl Group<'_> {
+impl Group {
+    /// The group on `path`, loading in `mode`, its prefix saved.
+    fn saved(path: Path, mode: ShareMode) -> Self {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+        let config = config(mode);
+        let (ranks, hashes) = tp_ranks(&mixed_spec(), 3, store.clone(), 6, &config, path);
+        Group {
+            store,
+            ranks,
+            hashes,
+            config,
+        }
+    }
+
     /// After a batch that found object `key` bad: it was discarded; the engine recomputes
     /// and saves (the object is written again), and batch `next` loads on every rank.
     fn replaced_and_loaded(&self, key: &str, next: u64, what: &str) {
@@ -217,12 +212,12 @@ impl Group<'_> {
             vec![Ok(false)],
             "{what}: discarded"
         );
-        common::tp::save(self.spec, 3, self.store.clone(), 6, self.config);
-        let outcomes = run(self.ranks, next, self.hashes);
+        common::tp::save(&mixed_spec(), 3, self.store.clone(), 6, &self.config);
+        let outcomes = run(&self.ranks, next, &self.hashes);
         for (rank, (r, o)) in self.ranks.iter().zip(outcomes).enumerate() {
             o.result
                 .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));
-            rank_matches(r, self.hashes, rank as u32).unwrap();
+            rank_matches(r, &self.hashes, rank as u32).unwrap();
         }
     }
 }
