@@ -294,6 +294,66 @@ fn lookups_agree_on_the_group_minimum() {
     assert_eq!(hits, vec![4, 4]);
 }
 
+/// A lookup reads ahead the companions each rank's load will read, in every mode: its
+/// sharded component's on every page, and of the replicated ones the pages the mode has it
+/// read (all in `AllRanks` and on rank 0 of `Rank0Broadcast`, none on the other ranks there,
+/// its share in `SplitAllGather`); the load then reads none of them itself.
+#[test]
+fn a_lookup_reads_ahead_the_companions_each_ranks_load_reads_in_every_mode() {
+    // TP 3: `v` of 12 heads (4 per rank).
+    let spec = common::tp::mixed_spec();
+    for mode in [
+        ShareMode::AllRanks,
+        ShareMode::Rank0Broadcast,
+        ShareMode::SplitAllGather,
+    ] {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+        let (rs, pages) = ranks(&spec, 3, store, 6, &cfg(mode));
+        // `k` and `indexer` replicated, `v` sharded; 6 pages over 3 ranks.
+        let expected = |rank: u32| -> u64 {
+            let replicated = match mode {
+                ShareMode::AllRanks => 6,
+                ShareMode::Rank0Broadcast if rank == 0 => 6,
+                ShareMode::Rank0Broadcast => 0,
+                ShareMode::SplitAllGather => 2,
+            };
+            6 + 2 * replicated
+        };
+        std::thread::scope(|s| {
+            for r in &rs {
+                let pages = &pages;
+                s.spawn(move || {
+                    assert_eq!(r.linker.lookup_pages(pages, 0).unwrap().pages.len(), 6)
+                });
+            }
+        });
+        let limit = Instant::now() + Duration::from_secs(10);
+        for (rank, r) in rs.iter().enumerate() {
+            let want = expected(rank as u32);
+            while r.linker.metrics().companions_prefetched < want && Instant::now() < limit {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            assert_eq!(
+                r.linker.metrics().companions_prefetched,
+                want,
+                "{mode:?} rank {rank}"
+            );
+        }
+        for (rank, (r, o)) in rs.iter().zip(run(&rs, 1, &pages)).enumerate() {
+            o.result
+                .unwrap_or_else(|e| panic!("{mode:?} rank {rank}: {e}"));
+            rank_matches(r, &pages, rank as u32).unwrap();
+            let m = r.linker.metrics();
+            assert_eq!(
+                m.companions_kept,
+                expected(rank as u32),
+                "{mode:?} rank {rank}: {m:?}"
+            );
+            assert_eq!(m.ranges_length_only, 0, "{mode:?} rank {rank}: {m:?}");
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
     /// Random geometries, plans and per-rank slots: every mode's pools equal AllRanks'.

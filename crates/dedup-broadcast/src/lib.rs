@@ -77,7 +77,9 @@ pub use process::{
     MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError, RendezvousFormation,
     SocketCollective, Transport, TransportChoice, DEFAULT_REFORM_TIMEOUT, KVLINK_VERSION,
 };
-pub use share::{padded_share, page_shares, ShareError, StagedComponent, StagedRow, StagingLayout};
+pub use share::{
+    padded_share, page_shares, pages_read, ShareError, StagedComponent, StagedRow, StagingLayout,
+};
 pub use status::{
     code_name, exchange_status, fail_code, is_out_of_step, GroupStatus, LayerStatus,
     CODE_LAYER_MISMATCH, CODE_MALFORMED, CODE_OTHER, CODE_OUT_OF_STEP,

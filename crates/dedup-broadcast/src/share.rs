@@ -19,6 +19,31 @@ use kv_device::RowBlock;
 use kv_geometry::{ComponentId, ComponentLayout};
 use kv_loader::{ShareMode, StoreReads};
 
+/// The replicated pages (of `pages`, in plan order) rank `rank` of a group of `size` reads from
+/// the store itself when a mode's store reads are `reads`: all of them (`EveryRank`; rank 0 of
+/// `RankZero`), none (the other ranks of `RankZero`), or its share ([`page_shares`]).
+///
+/// ```
+/// use dedup_broadcast::pages_read;
+/// use kv_loader::StoreReads;
+/// assert_eq!(pages_read(StoreReads::EveryRank, 2, 4, 10), 0..10);
+/// assert_eq!(pages_read(StoreReads::RankZero, 0, 4, 10), 0..10);
+/// assert_eq!(pages_read(StoreReads::RankZero, 1, 4, 10), 0..0);
+/// assert_eq!(pages_read(StoreReads::SplitByRank, 1, 4, 10), 3..6);
+/// assert_eq!(pages_read(StoreReads::SplitByRank, 9, 4, 10), 0..0);
+/// ```
+pub fn pages_read(reads: StoreReads, rank: u32, size: u32, pages: usize) -> Range<usize> {
+    match reads {
+        StoreReads::EveryRank => 0..pages,
+        StoreReads::RankZero if rank == 0 => 0..pages,
+        StoreReads::RankZero => 0..0,
+        StoreReads::SplitByRank => page_shares(pages, size)
+            .get(rank as usize)
+            .cloned()
+            .unwrap_or(0..0),
+    }
+}
+
 /// Rank `r`'s pages are `page_shares(pages, size)[r]`: contiguous, in rank order, covering
 /// `0..pages` exactly, sizes differing by at most one (the first `pages % size` ranks get one
 /// more). A size of 0 gives no shares.

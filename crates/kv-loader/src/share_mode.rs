@@ -49,26 +49,6 @@ pub enum StoreReads {
     SplitByRank,
 }
 
-impl StoreReads {
-    /// Whether rank `rank` of a group of more than one rank reads every replicated page
-    /// itself (not a share of them, nor none).
-    ///
-    /// ```
-    /// use kv_loader::StoreReads;
-    /// assert!(StoreReads::EveryRank.every_page(3));
-    /// assert!(StoreReads::RankZero.every_page(0));
-    /// assert!(!StoreReads::RankZero.every_page(1));
-    /// assert!(!StoreReads::SplitByRank.every_page(0));
-    /// ```
-    pub const fn every_page(self, rank: u32) -> bool {
-        match self {
-            StoreReads::EveryRank => true,
-            StoreReads::RankZero => rank == 0,
-            StoreReads::SplitByRank => false,
-        }
-    }
-}
-
 /// The collective a mode runs on the fabric to complete every rank's pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FabricOp {

@@ -10,12 +10,12 @@
 //! load takes them from there, and waits for a read still under way rather than reading the
 //! same companions again (never longer than that read's own deadline).
 //!
-//! Only the companions this rank will read for certain: its sharded components' (read whole by
-//! every rank in every mode) and, where the mode is known (a rank alone; fixed, or kept by
-//! `Auto`) and this rank reads every page of them, its replicated components' (`AllRanks`;
-//! rank 0 of `Rank0Broadcast`). In `SplitAllGather` a rank reads a share of a replicated
-//! component's pages (known only with the batch's share layout) and the other ranks of
-//! `Rank0Broadcast` read none: those are not read ahead. One read ahead at a time per linker
+//! Only the companions this rank will read: its sharded components' (read whole by every rank
+//! in every mode) and, where the mode is known (a rank alone; fixed, or kept by `Auto`), those
+//! of the replicated pages the mode has it read ([`dedup_broadcast::pages_read`]: every page in
+//! `AllRanks` and on rank 0 of `Rank0Broadcast`, none on its other ranks, its share in
+//! `SplitAllGather`), reckoned on the looked-up pages as the batch's plan pages (a load of
+//! other pages reads the companions it misses itself). One read ahead at a time per linker
 //! (a lookup while one runs starts none); none without checksums or kept checksums
 //! (`verify_checksums`, `checksum_cache_entries`). A load waits for a read ahead of its
 //! companions for a quarter of `store_call_timeout` at most, then reads what is missing itself
@@ -171,18 +171,20 @@ impl Inner {
         if !self.config.verify_checksums || self.config.checksum_cache_entries == 0 {
             return Vec::new();
         }
-        let rank = self.geometry.tp_rank;
-        let mode = self.mode_ahead();
-        // A share of a replicated component's pages per rank (or nothing known): none ahead.
-        let reads = |c: &ComponentLayout| {
-            !c.replicated || mode.is_some_and(|m| m.spec().reads.every_page(rank))
-        };
+        let g = &self.geometry;
+        // Replicated components: the pages the mode has this rank read (none while the mode
+        // is not known), reckoned on the looked-up pages as the batch's plan pages.
+        let replicated = self.mode_ahead().map_or(0..0, |m| {
+            dedup_broadcast::pages_read(m.spec().reads, g.tp_rank, g.tp_size, pages.len())
+        });
         let mut out = Vec::new();
-        for (ci, c) in self.geometry.components().iter().enumerate() {
-            if !reads(c) {
-                continue;
-            }
-            for p in pages {
+        for (ci, c) in g.components().iter().enumerate() {
+            let read = if c.replicated {
+                &pages[replicated.clone()]
+            } else {
+                pages
+            };
+            for p in read {
                 let key = self.keys.object_key(p, c);
                 if self.checksums.get(&key).is_none() {
                     out.push((key, ci));
