@@ -340,8 +340,11 @@ fn a_lookup_reads_ahead_the_companions_each_ranks_load_reads_in_every_mode() {
             );
         }
         for (rank, (r, o)) in rs.iter().zip(run(&rs, 1, &pages)).enumerate() {
-            o.result
+            let stats = o
+                .result
                 .unwrap_or_else(|e| panic!("{mode:?} rank {rank}: {e}"));
+            // Read in the mode the read ahead assumed (a fallback to AllRanks would read more).
+            assert_eq!(stats.mode, mode, "rank {rank}");
             rank_matches(r, &pages, rank as u32).unwrap();
             let m = r.linker.metrics();
             assert_eq!(

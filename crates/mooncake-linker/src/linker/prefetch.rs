@@ -14,8 +14,10 @@
 //! in every mode) and, where the mode is known (a rank alone; fixed, or kept by `Auto`), those
 //! of the replicated pages the mode has it read ([`dedup_broadcast::pages_read`]: every page in
 //! `AllRanks` and on rank 0 of `Rank0Broadcast`, none on its other ranks, its share in
-//! `SplitAllGather`), reckoned on the looked-up pages as the batch's plan pages (a load of
-//! other pages reads the companions it misses itself). One read ahead at a time per linker
+//! `SplitAllGather`), reckoned on the looked-up pages as the batch's plan pages. A load of
+//! other pages, or a batch that falls back to `AllRanks` (the group down with `ReadAlone`,
+//! plans that differ across ranks), reads the companions it misses itself. One read ahead at
+//! a time per linker
 //! (a lookup while one runs starts none); none without checksums or kept checksums
 //! (`verify_checksums`, `checksum_cache_entries`). A load waits for a read ahead of its
 //! companions for a quarter of `store_call_timeout` at most, then reads what is missing itself
@@ -164,9 +166,8 @@ impl Inner {
         }
     }
 
-    /// The objects of `pages` this rank will read every page of, with their components' indices
-    /// in the geometry (see the module docs); empty when that cannot be told or nothing is
-    /// read ahead.
+    /// The objects of `pages` this rank's load will read (see the module docs), not kept yet,
+    /// with their components' indices in the geometry; empty when nothing is read ahead.
     fn objects_ahead(&self, pages: &[PageHash]) -> Vec<(String, usize)> {
         if !self.config.verify_checksums || self.config.checksum_cache_entries == 0 {
             return Vec::new();
@@ -197,7 +198,8 @@ impl Inner {
     /// After a lookup that found `pages`: starts reading their companions into the kept
     /// checksums on a thread of its own (see the module docs); returns at once.
     pub(crate) fn prefetch_companions(self: &Arc<Self>, pages: &[PageHash]) {
-        // One read ahead at a time: none is planned while one runs (checked again below).
+        // One read ahead at a time, none once closing: none is planned then (checked again
+        // below, under the lock that starts one).
         if self.prefetch.busy() {
             return;
         }

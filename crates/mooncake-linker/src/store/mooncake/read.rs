@@ -70,14 +70,14 @@ fn panicked(gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyRead> {
 /// The copies out of `scratch` of one key shaped as `s` (its share starting at `start`), and
 /// with `ranges` (its number of ranges), the checksum of each staged range, taken of the bytes
 /// at its destination right after its copy wrote them (still in cache): exactly what landed.
-/// `None` when a copy's source does not lie in `scratch` (not what `shape` makes): the key
-/// must then fail, its rows not all written.
+/// `scratch[start..start + s.scratch]` is what the call read for the key (its share); `None`
+/// when a copy's source does not lie in that share (not what `shape` makes): the key must then
+/// fail, its rows not all written.
 ///
 /// # Safety
-/// `scratch[start..start + s.scratch]` holds what the call read for the key, and every copy's
-/// destination is caller memory valid for writes of its length, written by no one else until
-/// the `get_ranges` call this runs in returns (KvStore's buffer contract; the copy runs before
-/// it returns), host memory (a staged read only happens over TCP).
+/// Every copy's destination is caller memory valid for writes of its length, written by no
+/// one else until the `get_ranges` call this runs in returns (KvStore's buffer contract; the
+/// copy runs before it returns), host memory (a staged read only happens over TCP).
 unsafe fn copy_key(
     scratch: &[u8],
     start: u64,
@@ -88,13 +88,17 @@ unsafe fn copy_key(
     if let Some(n) = ranges {
         taken.resize(n, None);
     }
+    // The key's own share of the scratch: a copy reaching past it would read another key's
+    // bytes (or stale ones).
+    let share = usize::try_from(start)
+        .ok()
+        .and_then(|at| scratch.get(at..))
+        .and_then(|b| b.get(..usize::try_from(s.scratch).ok()?))?;
     let mut staged = s.staged.iter().peekable();
     for (i, c) in s.copies.iter().enumerate() {
-        let from = start
-            .checked_add(c.from)
-            .and_then(|f| usize::try_from(f).ok());
+        let from = usize::try_from(c.from).ok();
         let Some(src) = from
-            .and_then(|f| scratch.get(f..))
+            .and_then(|f| share.get(f..))
             .and_then(|b| b.get(..c.len))
         else {
             // Not what `shape` makes: nothing is copied from outside the scratch, and the key
@@ -262,11 +266,12 @@ impl MooncakeStore {
                 return ReadCall {
                     results: names.iter().map(|k| Err(store_error(k, &e))).collect(),
                     scratch: Vec::new(),
-                    key_scratch: Vec::new(),
+                    // One entry per key, as `copy_out` pairs them (every key failed).
+                    key_scratch: vec![0; names.len()],
                     shaped,
                     ranges_to_hash: None,
                     keys: names,
-                }
+                };
             }
         };
         let mut scratch = self.take_scratch(need as usize);
@@ -358,8 +363,9 @@ impl MooncakeStore {
                             key,
                             "a staged copy lies outside its scratch: the key fails"
                         );
+                        // Not a transfer that may go through next time: an internal fault.
                         (
-                            Err(StoreError::TransferFailed { key, code: -1 }),
+                            Err(StoreError::Other { key, code: -1 }),
                             RangeChecksums::new(),
                         )
                     }
@@ -458,11 +464,18 @@ mod tests {
         let none = unsafe { copy_key(&scratch, 64, &s, None) }.unwrap();
         assert!(none.is_empty());
         assert_eq!(pool[1000..1150], object[100..250]);
-        // A scratch that does not hold the key's share (not what a call gives): no copy reads
-        // past it, and the key fails instead of leaving rows unwritten.
-        // SAFETY: as above.
+        // A scratch that does not hold the key's share (not what a call gives), or a share
+        // past its end: no copy reads outside the share, and the key fails instead of
+        // leaving rows unwritten.
+        // SAFETY: the destinations are in `pool`, as above (the scratch is not unsafe input).
         assert_eq!(unsafe { copy_key(&scratch[..200], 64, &s, None) }, None);
-        // SAFETY: as above.
+        // SAFETY: as just above.
         assert_eq!(unsafe { copy_key(&scratch, u64::MAX - 8, &s, None) }, None);
+        // A copy reaching past the key's own share (into the next key's bytes) is refused
+        // too, though the scratch is long enough.
+        let mut past = s.clone();
+        past.copies[1].from += 1;
+        // SAFETY: as just above.
+        assert_eq!(unsafe { copy_key(&scratch, 64, &past, None) }, None);
     }
 }
