@@ -272,16 +272,10 @@ impl StagingLayout {
     }
 
     /// The plan pages rank `rank` reads from the store: its share (`SplitAllGather`), all of
-    /// them on rank 0 and none elsewhere (`Rank0Broadcast`).
+    /// them on rank 0 and none elsewhere (`Rank0Broadcast`); [`pages_read`] of the layout's
+    /// mode (a layout is never built for one whose ranks all read every page).
     pub fn share(&self, rank: u32) -> Range<usize> {
-        match self.mode.spec().reads {
-            StoreReads::SplitByRank => page_shares(self.pages, self.size)
-                .get(rank as usize)
-                .cloned()
-                .unwrap_or(self.pages..self.pages),
-            _ if rank == 0 => 0..self.pages,
-            _ => 0..0,
-        }
+        pages_read(self.mode.spec().reads, rank, self.size, self.pages)
     }
 
     /// The staging bytes rank `rank` fills from the store: its chunk (`SplitAllGather`, an
