@@ -10,11 +10,13 @@ use super::companion::{companion_of, CompanionRead};
 use super::reader::{store_failure, ComponentKeys};
 use super::Inner;
 
-/// A row of a layer to check again: its component, plan page and bytes as read.
+/// A row of a layer to check again: its component, plan page and bytes as read (and their
+/// checksum, when the store took it as they landed).
 pub(crate) struct StaleRow<'a> {
     pub(crate) component: &'a ComponentKeys,
     pub(crate) page: usize,
     pub(crate) bytes: &'a [u8],
+    pub(crate) landed: Option<u64>,
 }
 
 impl Inner {
@@ -72,7 +74,14 @@ impl Inner {
                     return Err(store_failure(batch, Some(layer), vec![page as u32], &e));
                 }
             };
-            match ObjectChecksums::verify_layer(fresh.as_ref(), &comp.layout, layer, r.bytes) {
+            let verdict = ObjectChecksums::verify_layer_landed(
+                fresh.as_ref(),
+                &comp.layout,
+                layer,
+                r.bytes,
+                r.landed,
+            );
+            match verdict {
                 Ok(v) => {
                     let key = &comp.keys[page];
                     tracing::info!(%batch, key, layer, "kept checksums were stale: the companion read afresh passes");

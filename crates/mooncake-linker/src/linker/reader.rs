@@ -141,6 +141,10 @@ impl GroupReads<'_> {
     /// Per layer of a group of `layers`, the landed checksums in `sums` (per planned object,
     /// per range, as the store gave them) placed at their rows.
     fn landed(&self, layers: usize, sums: &[RangeChecksums]) -> Vec<LandedSums> {
+        // None taken (a store without staging, or one keeping the trait's default): no tables.
+        if sums.iter().flatten().all(Option::is_none) {
+            return Vec::new();
+        }
         let mut out = vec![self.no_sums.clone(); layers];
         for ((rows, &page), sums) in self.rows.iter().zip(&self.pages).zip(sums) {
             for (&i, sum) in rows.layers.iter().zip(sums) {

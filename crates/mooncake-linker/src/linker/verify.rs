@@ -137,11 +137,10 @@ impl Inner {
         let got = self
             .calls
             .read_whole_owned(&refs, &lens, self.store_call_deadline());
-        for ((w, r), key) in plan.wanted.iter().zip(got).zip(refs.iter().zip(&lens)) {
+        for ((w, r), (key, &len)) in plan.wanted.iter().zip(got).zip(refs.iter().zip(&lens)) {
             let comp = wanted_component(layers, w);
-            let key = (*key.0, *key.1);
             let deadline = self.store_call_deadline();
-            let detail = match self.judge_companion(key, &comp.layout, r, deadline) {
+            let detail = match self.judge_companion((key, len), &comp.layout, r, deadline) {
                 CompanionRead::Sums(sums) => {
                     let sums = std::sync::Arc::new(sums);
                     self.checksums.insert(&comp.keys[w.page], sums.clone());
@@ -324,28 +323,29 @@ impl LayerCheck<'_> {
                     format!("a layer {layer} verification thread panicked"),
                 )
             })?;
-        let mut counts = (0u64, 0u64);
-        let mut count = |v: Verified| match v {
-            Verified::Checksum => counts.0 += 1,
-            Verified::LengthOnly => counts.1 += 1,
+        // (by checksum, of those against a landed checksum, by length only)
+        let mut counts = (0u64, 0u64, 0u64);
+        let mut count = |v: Verified, landed: Option<u64>| match v {
+            Verified::Checksum => {
+                counts.0 += 1;
+                counts.1 += u64::from(landed.is_some());
+            }
+            Verified::LengthOnly => counts.2 += 1,
         };
-        let as_landed = rows
-            .iter()
-            .filter(|r| r.sums().is_some() && r.landed.is_some())
-            .count() as u64;
         // Rows that failed against checksums an earlier load kept may only be stale (their
         // object written again with other bytes since): their companions read afresh decide.
         let mut stale = Vec::new();
         for (row, verdict) in rows.iter().zip(verdicts) {
             match verdict {
-                Ok(v) => count(v),
+                Ok(v) => count(v, row.landed),
                 Err(_) if row.kept().is_some() => match self.renewed(row, layer) {
                     // An earlier layer's recheck already kept fresh checksums that pass.
-                    Some(v) => count(v),
+                    Some(v) => count(v, row.landed),
                     None => stale.push(StaleRow {
                         component: row.component,
                         page: row.page,
                         bytes: row.bytes,
+                        landed: row.landed,
                     }),
                 },
                 Err(e) => {
@@ -360,13 +360,15 @@ impl LayerCheck<'_> {
             }
         }
         if !stale.is_empty() {
-            for v in self.inner.recheck_fresh(self.batch, layer, &stale)? {
-                count(v);
+            let verdicts = self.inner.recheck_fresh(self.batch, layer, &stale)?;
+            for (v, row) in verdicts.into_iter().zip(&stale) {
+                count(v, row.landed);
             }
         }
-        self.inner.metrics.verified(counts.0, counts.1);
+        let (checksummed, as_landed, length_only) = counts;
+        self.inner.metrics.verified(checksummed, length_only);
         self.inner.metrics.checksummed_as_landed(as_landed);
-        tracing::trace!(layer, checksummed = counts.0, as_landed, length_only = counts.1, took = ?t0.elapsed(), "layer verified");
+        tracing::trace!(layer, checksummed, as_landed, length_only, took = ?t0.elapsed(), "layer verified");
         Ok(())
     }
 

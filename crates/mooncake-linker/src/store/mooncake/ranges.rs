@@ -96,9 +96,10 @@ pub(crate) struct StagedRange {
 }
 
 impl StagedRange {
-    /// Where its bytes land: `copy`'s destination plus its offset inside `copy`.
-    pub(crate) fn offset_in(&self, copy: &CopyOut) -> usize {
-        (self.from - copy.from) as usize
+    /// Where its bytes land: `copy`'s destination plus this offset inside `copy` (`None` when
+    /// it does not start inside `copy`).
+    pub(crate) fn offset_in(&self, copy: &CopyOut) -> Option<usize> {
+        usize::try_from(self.from.checked_sub(copy.from)?).ok()
     }
 }
 
@@ -366,7 +367,7 @@ mod tests {
                 // Its copy holds it whole and moves it to its destination.
                 let c = &shaped.copies[st.copy];
                 prop_assert!(c.from <= st.from && st.from + st.len as u64 <= c.from + c.len as u64);
-                prop_assert_eq!(c.to as usize + st.offset_in(c), r.dst as usize);
+                prop_assert_eq!(c.to as usize + st.offset_in(c).unwrap(), r.dst as usize);
             }
             prop_assert!(shaped.staged.windows(2).all(|w| w[0].from + w[0].len as u64 <= w[1].from));
             let staged_bytes: u64 = shaped.staged.iter().map(|s| s.len as u64).sum();

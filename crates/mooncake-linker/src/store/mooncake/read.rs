@@ -114,13 +114,18 @@ unsafe fn copy_key(
         }
         // The staged ranges this copy moved (listed in copy order by `shape`).
         while let Some(st) = staged.next_if(|st| st.copy == i) {
-            if st.offset_in(c) + st.len > c.len {
+            // A range not inside its copy (not what `shape` makes) gets no checksum: the
+            // check hashes its row itself.
+            let Some(off) = st
+                .offset_in(c)
+                .filter(|off| off.checked_add(st.len).is_some_and(|end| end <= c.len))
+            else {
                 continue;
-            }
+            };
             // SAFETY: the range lies inside this copy's destination (checked just above),
             // which the copy has just written and which no one else touches until the call
             // returns (the function's contract): reading it back is sound.
-            let landed = unsafe { std::slice::from_raw_parts(c.to.add(st.offset_in(c)), st.len) };
+            let landed = unsafe { std::slice::from_raw_parts(c.to.add(off), st.len) };
             if let Some(slot) = taken.get_mut(st.index) {
                 *slot = Some(kv_geometry::layer_checksum(landed));
             }

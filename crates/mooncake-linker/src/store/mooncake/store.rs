@@ -498,6 +498,11 @@ impl KvStore for MooncakeStore {
             })
             .collect();
         if !readable.is_empty() {
+            // Failed until a read says otherwise: a result the read paths drop is never an
+            // `Ok(0)`.
+            for &i in &readable {
+                out[i] = failed_placeholder(keys[i]);
+            }
             self.read_streamed(gets, &readable, &mut out, sums);
         }
         let joined_ok = joined
