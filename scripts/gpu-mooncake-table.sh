@@ -17,10 +17,11 @@
 #            node                                                           (about 6-8 min)
 #   reads    one client: the wheel's Python whole-object read against kvlink's reads and the
 #            Linker itself (adaptive layer groups, store defaults; checksums taken by the store
-#            as the rows land (the default) and hashed by each layer's check instead, the latter
-#            on the default 4 threads and on 16; checksum companions read by every load and
-#            read at lookup) with the engine computing 0 / 5.76 ms per layer
-#            (SIMULATED: the modelled compute at 32K), 32K tokens, one storage node (about 3 min)
+#            as the rows land (the default) and hashed by each layer's check instead, both on
+#            the default verify threads (4 on the GPU host) and on 16; checksum companions read
+#            by every load and read at lookup) with the engine computing 0 / 5.76 ms per layer
+#            (SIMULATED: the modelled compute at 32K), 32K tokens, one storage node (about 4 min;
+#            KVLINK_TABLE_TIMEOUT=420)
 #   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8
 #            (KVLINK_TABLE_TP), 32K, every mode and Auto, then Auto alone a second time (two
 #            runs must agree), one storage node, if this build's glm_prefill has the mode;
@@ -54,7 +55,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --part) part="${2:-}"; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "gpu-mooncake-table: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
