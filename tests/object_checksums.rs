@@ -425,62 +425,60 @@ fn corrupt_layer_case(
     landed: bool,
     reading: impl FnOnce(Arc<dyn KvStore>) -> (Arc<dyn KvStore>, LinkerConfig),
 ) {
-    {
-        let Saved { store, pages, g } = saved(31, 3);
-        let (reads, config) = reading(store.clone());
-        let (linker, host_pool) = one_rank(&g, reads, device, config);
-        let keys = linker
-            .object_keys(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
-            .unwrap();
-        // Page 2's KV object: one byte of layer 4 flipped.
-        let (key, k) = (&keys[0][2], &g.components()[0]);
-        let layer4 = k.layer_range(4).unwrap().start as usize;
-        corrupt(store.as_ref(), key, layer4 + 17);
-        let t = linker
-            .start_load(load_plan(&g, 1, &pages, vec![4, 5, 6]))
-            .unwrap();
-        // The layers before it are loaded (and right); layer 4 is not reported loaded.
-        for l in 0..4 {
-            linker.wait_layer(&t, l).unwrap();
-        }
-        let err = linker.wait_layer(&t, 4).unwrap_err();
-        match &err {
-            KvLoadError::BadObject {
-                key: bad, layer, ..
-            } => {
-                assert_eq!((bad, *layer), (key, Some(4)), "device {device}");
-            }
-            other => panic!("device {device}: {other:?}"),
-        }
-        assert!(linker.wait_batch(&t).unwrap().result.is_err());
-        // Discarded, with its companion, so the next save writes it again.
-        assert_eq!(
-            store.exists(&[key.as_str(), &checksum_key(key)]),
-            vec![Ok(false), Ok(false)]
-        );
-        assert_eq!(linker.metrics().bad_objects, 1);
-        if let Some(pool) = host_pool {
-            fill_pool(&pool, &pages, &[4, 5, 6]);
-            let report = linker
-                .save(&load_plan(&g, 2, &pages, vec![4, 5, 6]))
-                .unwrap();
-            assert_eq!(report.objects_written, 1);
-            load_verified(&linker, &pool, &pages, 3, &[0, 1, 2]);
-            let m = linker.metrics();
-            assert!(
-                m.ranges_checksummed > 0 && m.ranges_length_only == 0,
-                "{m:?}"
-            );
-        }
-        let m = linker.metrics();
-        let want = if landed { m.ranges_checksummed } else { 0 };
-        assert!(m.ranges_checksummed > 0, "device {device}: {m:?}");
-        assert_eq!(
-            m.ranges_checksummed_as_landed, want,
-            "device {device}: {m:?}"
-        );
-        linker.close().unwrap();
+    let Saved { store, pages, g } = saved(31, 3);
+    let (reads, config) = reading(store.clone());
+    let (linker, host_pool) = one_rank(&g, reads, device, config);
+    let keys = linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1, 2]))
+        .unwrap();
+    // Page 2's KV object: one byte of layer 4 flipped.
+    let (key, k) = (&keys[0][2], &g.components()[0]);
+    let layer4 = k.layer_range(4).unwrap().start as usize;
+    corrupt(store.as_ref(), key, layer4 + 17);
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![4, 5, 6]))
+        .unwrap();
+    // The layers before it are loaded (and right); layer 4 is not reported loaded.
+    for l in 0..4 {
+        linker.wait_layer(&t, l).unwrap();
     }
+    let err = linker.wait_layer(&t, 4).unwrap_err();
+    match &err {
+        KvLoadError::BadObject {
+            key: bad, layer, ..
+        } => {
+            assert_eq!((bad, *layer), (key, Some(4)), "device {device}");
+        }
+        other => panic!("device {device}: {other:?}"),
+    }
+    assert!(linker.wait_batch(&t).unwrap().result.is_err());
+    // Discarded, with its companion, so the next save writes it again.
+    assert_eq!(
+        store.exists(&[key.as_str(), &checksum_key(key)]),
+        vec![Ok(false), Ok(false)]
+    );
+    assert_eq!(linker.metrics().bad_objects, 1);
+    if let Some(pool) = host_pool {
+        fill_pool(&pool, &pages, &[4, 5, 6]);
+        let report = linker
+            .save(&load_plan(&g, 2, &pages, vec![4, 5, 6]))
+            .unwrap();
+        assert_eq!(report.objects_written, 1);
+        load_verified(&linker, &pool, &pages, 3, &[0, 1, 2]);
+        let m = linker.metrics();
+        assert!(
+            m.ranges_checksummed > 0 && m.ranges_length_only == 0,
+            "{m:?}"
+        );
+    }
+    let m = linker.metrics();
+    let want = if landed { m.ranges_checksummed } else { 0 };
+    assert!(m.ranges_checksummed > 0, "device {device}: {m:?}");
+    assert_eq!(
+        m.ranges_checksummed_as_landed, want,
+        "device {device}: {m:?}"
+    );
+    linker.close().unwrap();
 }
 
 #[test]
