@@ -137,7 +137,7 @@ fn command() -> Command {
                 .help(
                     "the Linker itself (adaptive layer groups, store defaults) loading everything \
                      with an engine computing this long per layer (µs, SIMULATED by a sleep); \
-                     empty: no Linker rows",
+                     --no-linker: no Linker rows",
                 ),
         )
         .arg(
@@ -204,6 +204,12 @@ fn command() -> Command {
                 ),
         )
         .arg(
+            Arg::new("no-linker")
+                .long("no-linker")
+                .action(ArgAction::SetTrue)
+                .help("no Linker rows (whatever --linker-compute-us says)"),
+        )
+        .arg(
             Arg::new("no-python")
                 .long("no-python")
                 .action(ArgAction::SetTrue)
@@ -212,8 +218,11 @@ fn command() -> Command {
         .arg(
             Arg::new("only")
                 .long("only")
-                .value_delimiter(',')
-                .help("run only variants whose label contains one of these words"),
+                .action(ArgAction::Append)
+                .help(
+                    "run only variants whose label contains this text (labels hold commas: \
+                     repeat the flag for several)",
+                ),
         )
 }
 
@@ -230,7 +239,11 @@ pub fn parse() -> Args {
         lanes: list(&m, "lanes"),
         compute_us: list(&m, "compute-us"),
         max_layers_per_call: *m.get_one("max-layers-per-call").expect("defaulted"),
-        linker_compute_us: list(&m, "linker-compute-us"),
+        linker_compute_us: if m.get_flag("no-linker") {
+            Vec::new()
+        } else {
+            list(&m, "linker-compute-us")
+        },
         linker_lanes: list(&m, "linker-lanes"),
         linker_streams: list(&m, "linker-streams"),
         linker_verify_threads: list(&m, "linker-verify-threads"),
