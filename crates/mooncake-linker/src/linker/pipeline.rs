@@ -23,10 +23,10 @@
 //! returns), a stage is reopened after a bounded wait for its device work, the reader waits
 //! for each free stage at most `layer_read_timeout + 2 × collective_timeout`, it waits for the
 //! preflight's verdicts until four fifths of `collective_timeout` after the group's read
-//! started (the batch's gate, for the first group; a rank alone: four store calls and a
+//! started (the batch's gate, for the first group; a rank alone: six store calls and a
 //! quarter after the batch's start), and the exchange loop waits for the reader at most
 //! `max(layer_read_timeout, collective_timeout) + collective_timeout + 2 × store_call_timeout`
-//! (and at least `5 × store_call_timeout`) per layer. Once the batch has failed, a size check
+//! (and at least seven store calls and a quarter) per layer. Once the batch has failed, a size check
 //! that has not started its queries skips them. A preflight check still running
 //! when its verdict is no longer waited for is joined when the reader ends (its store calls
 //! are bounded: the companions' read and, for one that does not fit, a size query and a
@@ -348,13 +348,7 @@ impl LayerPipeline<'_> {
     fn verdict_bound(&self, from: Instant) -> Instant {
         let c = &self.inner.config;
         if self.coll.is_none() {
-            // A wait for companions read ahead at lookup (a quarter of a store call at most),
-            // the companions' read, a size query and a discard, then the sizes: four store
-            // calls and a quarter from the batch's start at most.
-            let own = c
-                .store_call_timeout
-                .saturating_mul(4)
-                .saturating_add(super::prefetch::read_ahead_wait(c.store_call_timeout));
+            let own = alone_verdicts_bound(c.store_call_timeout);
             return self
                 .opened
                 .checked_add(own)
@@ -384,17 +378,7 @@ impl LayerPipeline<'_> {
         // (and discards) its object itself, and two checks discarding the same object at once
         // would each see the other's discard as a missing object.
         let (companions_read, read) = std::sync::mpsc::channel::<()>();
-        // Reading, and for a companion that does not fit, its object's size and the discard of
-        // both: three store calls at most.
-        // (And before them, a wait of a quarter of one for companions read ahead at lookup.)
-        let companions_limit = self
-            .inner
-            .config
-            .store_call_timeout
-            .saturating_mul(3)
-            .saturating_add(super::prefetch::read_ahead_wait(
-                self.inner.config.store_call_timeout,
-            ));
+        let companions_limit = companions_bound(self.inner.config.store_call_timeout);
         let store_call_timeout = self.inner.config.store_call_timeout;
         // Where every object has a companion the sizes need not hold layer 0 back: they start
         // once the first group is read too, so that their queries (one per object) do not slow
@@ -592,14 +576,14 @@ impl LayerPipeline<'_> {
         // landing's stages; before a group's read it may renew the read session (one store
         // call); then the read itself (`layer_read_timeout`); the preflight's verdicts are
         // waited for until four fifths of `collective_timeout` after the read's start (the
-        // gate, for the first group), or, alone, four store calls after the batch's start.
-        // One store call more as slack.
+        // gate, for the first group), or, alone, `alone_verdicts_bound` after the batch's
+        // start. One store call more as slack.
         let limit = c
             .layer_read_timeout
             .max(c.collective_timeout)
             .saturating_add(c.collective_timeout)
             .saturating_add(c.store_call_timeout.saturating_mul(2))
-            .max(c.store_call_timeout.saturating_mul(5));
+            .max(alone_verdicts_bound(c.store_call_timeout).saturating_add(c.store_call_timeout));
         let error = match h.next_layer(kv_loader::deadline_after(limit)) {
             Wait::Got(m) if m.layer == layer => return m,
             Wait::Got(m) => KvLoadError::internal(
@@ -801,4 +785,23 @@ impl Drop for Abandon<'_> {
     fn drop(&mut self) {
         self.0.store(true, Ordering::Release);
     }
+}
+
+/// Store calls the companions' check makes at most: their read, then for a companion that does
+/// not fit, its own size query (a refusal that may mean "too long"), its object's size query
+/// and the discard of both.
+const COMPANION_CHECK_CALLS: u32 = 4;
+
+/// Longest the companions' check may take, each of its store calls bounded by
+/// `store_call_timeout`: before them, a wait for companions read ahead at lookup.
+fn companions_bound(store_call_timeout: Duration) -> Duration {
+    store_call_timeout
+        .saturating_mul(COMPANION_CHECK_CALLS)
+        .saturating_add(super::prefetch::read_ahead_wait(store_call_timeout))
+}
+
+/// Longest a rank alone waits for the preflight's verdicts, from the batch's start: the
+/// companions' check, then the sizes' (a query, and the discard of a wrong-sized object).
+fn alone_verdicts_bound(store_call_timeout: Duration) -> Duration {
+    companions_bound(store_call_timeout).saturating_add(store_call_timeout.saturating_mul(2))
 }
