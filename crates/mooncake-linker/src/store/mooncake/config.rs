@@ -80,24 +80,28 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 /// connections per storage node, `MC_TCP_LANES_PER_PEER`, is 16).
 pub const MAX_READ_STREAMS: usize = 16;
 
-/// The default number of read streams on a machine with `cores` CPUs: one per two cores, from
-/// 1 to 8.
+/// The default number of read streams on a machine with `cores` CPUs: one per four cores,
+/// from 1 to 4.
 ///
 /// Each stream is a thread waiting inside the wheel's call, which polls for completion every
 /// 10 µs: on a 2-core machine extra streams took CPU from the transfer threads and made reads
-/// slower, while on the 16-core GPU host 8 streams read groups of 8 layers into pool slots
-/// fastest (730 ms for 1.77 GB against 824 ms with 4 and 1282 ms with 1; 26 and 78 layers
-/// per call: 8 and 4 streams equal), with the wheel's default 4 TCP connections per storage
-/// node (docs/benchmarks.md).
+/// slower. On the 16-core GPU host one storage node's transfer thread bounds what a client
+/// reads (it is busy about 95 % of a core during any large read, docs/benchmarks.md "What
+/// bounds one client"), so more streams only queue there. Reading a 32K-token GLM-5.2 prefix
+/// (all 78 layers per call), 4 streams were ahead of 8 by 2–12 % in five runs and level in
+/// one (the store's read, or the linker's load: 507 against 534 ms in the last); at TP 8,
+/// with eight clients on the host, the two came out within the runs' spread of each other.
+/// Only the store's own 8-layer calls, outside the linker, read faster with 8 (730 against
+/// 824 ms).
 ///
 /// ```
 /// use mooncake_linker::store::mooncake::auto_read_streams;
 /// assert_eq!(auto_read_streams(2), 1);
-/// assert_eq!(auto_read_streams(16), 8);
-/// assert_eq!(auto_read_streams(64), 8);
+/// assert_eq!(auto_read_streams(16), 4);
+/// assert_eq!(auto_read_streams(64), 4);
 /// ```
 pub fn auto_read_streams(cores: usize) -> usize {
-    (cores / 2).clamp(1, 8)
+    (cores / 4).clamp(1, 4)
 }
 
 fn default_read_streams() -> usize {
