@@ -17,11 +17,11 @@
 #            node                                                           (about 6-8 min)
 #   reads    one client: the wheel's Python whole-object read against kvlink's reads and the
 #            Linker itself (adaptive layer groups, store defaults; checksums taken by the store
-#            as the rows land (the default) and hashed by each layer's check instead, both on
-#            the default verify threads (4 on the GPU host) and on 16; checksum companions read
-#            by every load and read at lookup) with the engine computing 0 / 5.76 ms per layer
-#            (SIMULATED: the modelled compute at 32K), 32K tokens, one storage node (about 4 min;
-#            KVLINK_TABLE_TIMEOUT=420)
+#            as the rows land (the default) and hashed by each layer's check instead, on the
+#            default verify threads (4 on the GPU host: 16 measured no better at 03c5f1c);
+#            checksum companions read by every load and read at lookup) with the engine
+#            computing 0 / 5.76 ms per layer (SIMULATED: the modelled compute at 32K), 32K
+#            tokens, one storage node (about 3 min; KVLINK_TABLE_TIMEOUT=300)
 #   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8
 #            (KVLINK_TABLE_TP), 32K, every mode and Auto, then Auto alone a second time (two
 #            runs must agree), one storage node, if this build's glm_prefill has the mode;
@@ -138,7 +138,7 @@ case "$part" in
              --compute-us 0 --linker-compute-us 0,5480 --linker-verify-threads 0 --linker-as-landed on,off --linker-companions every-load,at-lookup)
     else
       flags=(--tokens 32768 --rounds 5 --groups 8,26,78 --parallel 8 --lanes 8 --streams 4,8
-             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-verify-threads 0,16 --linker-as-landed on,off --linker-companions every-load,at-lookup)
+             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-verify-threads 0 --linker-as-landed on,off --linker-companions every-load,at-lookup)
     fi
     tag=$([[ $quick -eq 1 ]] && echo 2k || echo 32k)
     run_bundle 1 mooncake_read "${flags[@]}" "${extra[@]}" \
