@@ -13,7 +13,7 @@ use kvlink::kv_loader::{
     KvLoadError, KvLoader, LoadTicket, LookupRequest, PlanError, StoreFailure,
 };
 use kvlink::mooncake_linker::store::{
-    EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, StoreError,
+    EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, StoreError,
 };
 use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity};
 
@@ -308,6 +308,51 @@ fn short_read_fails_the_batch() {
         "{err}"
     );
     assert!(err.to_string().contains("short read"));
+}
+
+#[test]
+fn a_rank_alone_whose_first_layer_reads_slowly_still_takes_the_sizes_verdict() {
+    // Every object has its companion, so the object sizes start only once the first group is
+    // read. That read takes longer than the whole preflight bound of a rank alone (six store
+    // calls and a quarter from the batch's start); the sizes then take a slow query (under
+    // one store call). Their verdict must still be waited for, not called overdue.
+    let r = rig(3);
+    let store_call = Duration::from_millis(150);
+    let config = LinkerConfig {
+        store_call_timeout: store_call,
+        layer_read_timeout: Duration::from_secs(5),
+        ..cfg()
+    };
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let layer0 = g
+        .component_by_name("k")
+        .unwrap()
+        .layer_range(0)
+        .unwrap()
+        .start;
+    r.faulty.inject(
+        FaultRule {
+            offset: Some(layer0),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Delay(store_call * 8),
+    );
+    r.faulty.inject_on(
+        FaultCall::Size,
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Delay(store_call / 3),
+    );
+    let (linker, pool, t) = start_batch_1(&r, config);
+    wait_all(&linker, &t).unwrap();
+    let stats = linker.wait_batch(&t).unwrap().result.unwrap();
+    assert_eq!(stats.bytes_read, 3 * g.bytes_per_page());
+    pool_matches(&pool, &r.pages, &[0, 1, 2], linker.num_layers()).unwrap();
+    // The sizes were checked (not skipped) and nothing was called bad.
+    assert_eq!(linker.metrics().bad_objects, 0);
 }
 
 #[test]

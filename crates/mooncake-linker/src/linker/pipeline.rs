@@ -24,14 +24,15 @@
 //! for each free stage at most `layer_read_timeout + 2 × collective_timeout`, it waits for the
 //! preflight's verdicts until four fifths of `collective_timeout` after the group's read
 //! started (the batch's gate, for the first group; a rank alone: six store calls and a
-//! quarter after the batch's start), and the exchange loop waits for the reader at most
+//! quarter after the batch's start, or for a later group two store calls after its read's
+//! start if that is later), and the exchange loop waits for the reader at most
 //! `max(layer_read_timeout, collective_timeout) + collective_timeout + 2 × store_call_timeout`
 //! (and at least seven store calls and a quarter) per layer. Once the batch has failed, a size check
 //! that has not started its queries skips them. A preflight check still running
 //! when its verdict is no longer waited for is joined when the reader ends (its store calls
-//! are bounded: the companions' read and, for one that does not fit, a size query and a
-//! discard; the sizes). So the reader thread always ends, and the scope's join of it is
-//! bounded by those waits.
+//! are bounded: the companions' read and, for one that does not fit, its size query, its
+//! object's size query and the discard; the sizes). So the reader thread always ends, and the
+//! scope's join of it is bounded by those waits.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -344,15 +345,19 @@ impl LayerPipeline<'_> {
     /// the group over with four fifths of that spent at most, leaving the rest for the status
     /// exchange itself; the peers then read this rank's verdict instead of timing out and
     /// re-forming the group. A rank alone has no peers waiting: its checks are bounded by
-    /// their own store calls only (the companions' read and discards, then the sizes).
+    /// their own store calls only ([`alone_verdicts_bound`] from the batch's start), and for
+    /// a later group also by two store calls from its read's start: where every object has a
+    /// companion the sizes start only once the first group is read, which may end after that
+    /// bound, and then take one store call (two, with one as slack).
     fn verdict_bound(&self, from: Instant) -> Instant {
         let c = &self.inner.config;
         if self.coll.is_none() {
-            let own = alone_verdicts_bound(c.store_call_timeout);
-            return self
-                .opened
-                .checked_add(own)
-                .unwrap_or_else(|| kv_loader::deadline_after(own));
+            let after = |at: Instant, d: Duration| {
+                at.checked_add(d)
+                    .unwrap_or_else(|| kv_loader::deadline_after(d))
+            };
+            let own = after(self.opened, alone_verdicts_bound(c.store_call_timeout));
+            return own.max(after(from, c.store_call_timeout.saturating_mul(2)));
         }
         let wait = c.collective_timeout.mul_f64(0.8);
         from.checked_add(wait)
@@ -801,7 +806,8 @@ fn companions_bound(store_call_timeout: Duration) -> Duration {
 }
 
 /// Longest a rank alone waits for the preflight's verdicts, from the batch's start: the
-/// companions' check, then the sizes' (a query, and the discard of a wrong-sized object).
+/// companions' check, then the sizes' (its queries and the discard of a wrong-sized object
+/// share one deadline: one store call), and one store call as slack.
 fn alone_verdicts_bound(store_call_timeout: Duration) -> Duration {
     companions_bound(store_call_timeout).saturating_add(store_call_timeout.saturating_mul(2))
 }
