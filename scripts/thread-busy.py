@@ -2,18 +2,23 @@
 """Samples how busy every thread of some processes is, from /proc, until stopped (SIGTERM or
 SIGINT) or --seconds have passed; then prints, per thread that was ever busy, how often it was
 saturated. Used to find what bounds one Mooncake client's read over TCP (the storage node's
-transfer thread, the reader's, or neither): see docs/benchmarks.md, "What bounds one client".
+transfer thread, the reader's, or neither): docs/benchmarks.md, "What bounds one client".
 
-Usage: thread-busy.py [--match REGEX] [--interval S] [--seconds S] [--min-busy F] > table.md
-  --match     regex on a process's command line (default: mooncake|python|mooncake_read)
+Usage: thread-busy.py [--match REGEX] [--interval S] [--seconds S] [--min-busy F] [--out FILE]
+  --match     regex on a process's command line (default: mooncake|python)
   --interval  seconds between samples (default 0.2)
   --seconds   stop after this long (default: run until signalled)
-  --min-busy  a sample interval counts as "active" for a thread when it used at least this
+  --min-busy  a sample interval counts as "active" for a thread when it ran at least this
               share of one core (default 0.10)
+  --out       write the table here (atomically, through a temporary file); default stdout
 
-Per thread it prints: the process (pid, first words of its command line), the thread's name,
-the intervals it was active in, and among those the median and 90th percentile of its busy
-share of one core and the share of active intervals at >= 90 % of a core (saturated).
+Run time comes from /proc/<pid>/task/<tid>/schedstat (nanoseconds on a CPU), each thread's
+share over the time between its own two reads. Per thread it prints: the process (pid, its
+program's name), the thread's name, the intervals it was active in, and among those the
+median and 90th percentile of its share of one core, the share of active intervals at
+>= 90 % of a core (saturated), and its voluntary context switches per second while active (a
+thread that waits in short sleeps, polling, switches tens of thousands of times a second; one
+that moves bytes, far fewer).
 """
 import argparse
 import os
@@ -21,8 +26,6 @@ import re
 import signal
 import sys
 import time
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cmdline(pid):
@@ -33,45 +36,94 @@ def cmdline(pid):
         return ""
 
 
-def thread_ticks(pid):
-    """{tid: (name, utime + stime ticks)} of one process; empty if it is gone."""
-    out = {}
+def program(cl):
+    """The program's name: argv[0]'s base name, and for an interpreter its script or `-c`."""
+    words = cl.split()
+    if not words:
+        return "?"
+    name = os.path.basename(words[0])
+    if name.startswith("python") and len(words) > 1:
+        name += " " + (os.path.basename(words[1]) if not words[1].startswith("-") else words[1])
+    return name
+
+
+def thread_sample(pid, tid):
+    """(name, ns on a CPU, voluntary switches, monotonic time read) of one thread, or None."""
+    base = f"/proc/{pid}/task/{tid}"
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                s = f.read()
-        except OSError:
+        with open(f"{base}/schedstat") as f:
+            ns = int(f.read().split()[0])
+        with open(f"{base}/comm") as f:
+            name = f.read().strip()
+        vol = 0
+        with open(f"{base}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    vol = int(line.split()[1])
+                    break
+        return name, ns, vol, time.monotonic()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def write(text, out):
+    if not out:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    tmp = f"{out}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, out)
+
+
+def table(samples, names, a, elapsed):
+    lines = [
+        f"Thread busy shares, sampled every {a.interval} s for {elapsed:.0f} s (processes "
+        f"matching `{a.match}`; active: >= {a.min_busy:.2f} of a core; run time from schedstat).",
+        "",
+        "| pid | program | thread | active intervals | median busy | p90 busy | saturated (>= 0.9) | voluntary switches/s while active |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = []
+    for k, xs in samples.items():
+        act = [(b, sw) for b, sw in xs if b >= a.min_busy]
+        if not act:
             continue
-        # The name is in parentheses and may hold spaces: split after the last ')'.
-        name = s[s.index("(") + 1 : s.rindex(")")]
-        rest = s[s.rindex(")") + 2 :].split()
-        out[int(tid)] = (name, int(rest[11]) + int(rest[12]))
-    return out
+        busy = sorted(b for b, _ in act)
+        med = busy[len(busy) // 2]
+        p90 = busy[min(len(busy) - 1, int(len(busy) * 0.9))]
+        sat = sum(1 for b in busy if b >= 0.9) / len(busy)
+        sw = sorted(s for _, s in act)[len(act) // 2]
+        rows.append((k, len(act), med, p90, sat, sw))
+    rows.sort(key=lambda r: -r[1] * r[2])
+    for (pid, tid), n, med, p90, sat, sw in rows[:40]:
+        prog, name = names[(pid, tid)]
+        lines.append(
+            f"| {pid} | `{prog}` | {name} ({tid}) | {n} | {med:.2f} | {p90:.2f} | {sat:.0%} | {sw:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--match", default="mooncake|python|mooncake_read")
+    p.add_argument("--match", default="mooncake|python")
     p.add_argument("--interval", type=float, default=0.2)
     p.add_argument("--seconds", type=float, default=0.0)
     p.add_argument("--min-busy", type=float, default=0.10)
+    p.add_argument("--out", default="")
     a = p.parse_args()
     pat = re.compile(a.match)
     me = os.getpid()
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
-    prev, prev_t = {}, time.monotonic()
-    shares = {}  # (pid, tid) -> list of busy shares per interval
+    prev = {}  # (pid, tid) -> (ns, vol, t)
+    samples = {}  # (pid, tid) -> [(busy share, voluntary switches per s)]
     names = {}
-    start = prev_t
+    start = time.monotonic()
     while not stop and (a.seconds <= 0 or time.monotonic() - start < a.seconds):
         time.sleep(a.interval)
-        now = time.monotonic()
         cur = {}
         for d in os.listdir("/proc"):
             if not d.isdigit() or int(d) == me:
@@ -80,33 +132,26 @@ def main():
             cl = cmdline(pid)
             if not cl or not pat.search(cl):
                 continue
-            for tid, (name, ticks) in thread_ticks(pid).items():
-                cur[(pid, tid)] = ticks
-                names[(pid, tid)] = (" ".join(cl.split()[:2])[:60], name)
-        dt = now - prev_t
-        for k, ticks in cur.items():
-            if k in prev and dt > 0:
-                shares.setdefault(k, []).append((ticks - prev[k]) / TICK / dt)
-        prev, prev_t = cur, now
-    print(f"Thread busy shares, sampled every {a.interval} s for {time.monotonic() - start:.0f} s "
-          f"(processes matching `{a.match}`; active: >= {a.min_busy:.2f} of a core).")
-    print()
-    print("| pid | process | thread | active intervals | median busy | p90 busy | saturated (>= 0.9) |")
-    print("|---:|---|---|---:|---:|---:|---:|")
-    rows = []
-    for k, xs in shares.items():
-        act = sorted(x for x in xs if x >= a.min_busy)
-        if not act:
-            continue
-        med = act[len(act) // 2]
-        p90 = act[min(len(act) - 1, int(len(act) * 0.9))]
-        sat = sum(1 for x in act if x >= 0.9) / len(act)
-        rows.append((k, len(act), med, p90, sat))
-    rows.sort(key=lambda r: (-r[1] * r[2]))
-    for (pid, tid), n, med, p90, sat in rows[:40]:
-        proc, name = names[(pid, tid)]
-        print(f"| {pid} | `{proc}` | {name} ({tid}) | {n} | {med:.2f} | {p90:.2f} | {sat:.0%} |")
-    sys.stdout.flush()
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for t in tids:
+                s = thread_sample(pid, int(t))
+                if s is None:
+                    continue
+                name, ns, vol, at = s
+                k = (pid, int(t))
+                cur[k] = (ns, vol, at)
+                names[k] = (program(cl), name)
+                if k in prev:
+                    pns, pvol, pat_ = prev[k]
+                    dt = at - pat_
+                    # A thread id reused by a new thread reads as time going back: skipped.
+                    if dt > 0 and ns >= pns and vol >= pvol:
+                        samples.setdefault(k, []).append(((ns - pns) / 1e9 / dt, (vol - pvol) / dt))
+        prev = cur
+    write(table(samples, names, a, time.monotonic() - start), a.out)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,12 @@ fn command() -> Command {
                 .help("per-layer compute (µs, MODELLED) to plan read_plan groups for"),
         )
         .arg(
+            Arg::new("no-plan")
+                .long("no-plan")
+                .action(ArgAction::SetTrue)
+                .help("no read_plan table (whatever --compute-us says): its rounds read the objects again"),
+        )
+        .arg(
             Arg::new("max-layers-per-call")
                 .long("max-layers-per-call")
                 .value_parser(value_parser!(u32).range(1..))
@@ -237,7 +243,11 @@ pub fn parse() -> Args {
         streams: list(&m, "streams"),
         store_groups: list(&m, "store-groups"),
         lanes: list(&m, "lanes"),
-        compute_us: list(&m, "compute-us"),
+        compute_us: if m.get_flag("no-plan") {
+            Vec::new()
+        } else {
+            list(&m, "compute-us")
+        },
         max_layers_per_call: *m.get_one("max-layers-per-call").expect("defaulted"),
         linker_compute_us: if m.get_flag("no-linker") {
             Vec::new()
