@@ -18,10 +18,10 @@
 #   reads    one client: the wheel's Python whole-object read against kvlink's reads and the
 #            Linker itself (adaptive layer groups, store defaults; checksums taken by the store
 #            as the rows land (the default) and hashed by each layer's check instead, on the
-#            default verify threads (4 on the GPU host: 16 measured no better at 03c5f1c);
+#            default verify threads (4 on the GPU host; 16 at 03c5f1c: no clear gain);
 #            checksum companions read by every load and read at lookup) with the engine
 #            computing 0 / 5.76 ms per layer (SIMULATED: the modelled compute at 32K), 32K
-#            tokens, one storage node (about 3 min; KVLINK_TABLE_TIMEOUT=300)
+#            tokens, one storage node (about 3-4 min; KVLINK_TABLE_TIMEOUT=330)
 #   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8
 #            (KVLINK_TABLE_TP), 32K, every mode and Auto, then Auto alone a second time (two
 #            runs must agree), one storage node, if this build's glm_prefill has the mode;

@@ -85,14 +85,14 @@ pub const MAX_READ_STREAMS: usize = 16;
 ///
 /// Each stream is a thread waiting inside the wheel's call, which polls for completion every
 /// 10 µs: on a 2-core machine extra streams took CPU from the transfer threads and made reads
-/// slower. On the 16-core GPU host one storage node's transfer thread bounds what a client
-/// reads (it is busy about 95 % of a core during any large read, docs/benchmarks.md "What
-/// bounds one client"), so more streams only queue there. Reading a 32K-token GLM-5.2 prefix
-/// (all 78 layers per call), 4 streams were ahead of 8 by 2–12 % in five runs and level in
-/// one (the store's read, or the linker's load: 507 against 534 ms in the last); at TP 8,
-/// with eight clients on the host, the two came out within the runs' spread of each other.
-/// Only the store's own 8-layer calls, outside the linker, read faster with 8 (730 against
-/// 824 ms).
+/// slower. On the 16-core GPU host a client's read of one storage node runs against one
+/// transfer thread of the node, at about a full core during any large read
+/// (docs/benchmarks.md, "What bounds one client"). Reading a 32K-token GLM-5.2 prefix (all 78
+/// layers per call), 4 streams were ahead of 8 by 2–12 % in five runs and level in one (the
+/// store's read, or the linker's load: 507 against 534 ms in the last); at TP 8, with eight
+/// clients on the host, the two were within the runs' spread of each other. The store's own
+/// 8- and 26-layer calls, outside the linker, read faster with 8 (730 against 824 ms; 585
+/// against 601).
 ///
 /// ```
 /// use mooncake_linker::store::mooncake::auto_read_streams;
