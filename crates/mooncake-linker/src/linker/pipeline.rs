@@ -351,17 +351,15 @@ impl LayerPipeline<'_> {
     /// bound, and then take one store call (two, with one as slack).
     fn verdict_bound(&self, from: Instant) -> Instant {
         let c = &self.inner.config;
+        let after = |at: Instant, d: Duration| {
+            at.checked_add(d)
+                .unwrap_or_else(|| kv_loader::deadline_after(d))
+        };
         if self.coll.is_none() {
-            let after = |at: Instant, d: Duration| {
-                at.checked_add(d)
-                    .unwrap_or_else(|| kv_loader::deadline_after(d))
-            };
             let own = after(self.opened, alone_verdicts_bound(c.store_call_timeout));
             return own.max(after(from, c.store_call_timeout.saturating_mul(2)));
         }
-        let wait = c.collective_timeout.mul_f64(0.8);
-        from.checked_add(wait)
-            .unwrap_or_else(|| kv_loader::deadline_after(wait))
+        after(from, c.collective_timeout.mul_f64(0.8))
     }
 
     /// Starts the preflight's checks (none when `run` is false): the checksum companions (read

@@ -88,8 +88,8 @@ pub const MAX_READ_STREAMS: usize = 16;
 /// slower. On the 16-core GPU host a client's read of one storage node runs against one
 /// transfer thread of the node, at about a full core during any large read
 /// (docs/benchmarks.md, "What bounds one client"). Reading a 32K-token GLM-5.2 prefix (all 78
-/// layers per call), 4 streams were ahead of 8 by 2–12 % in five runs and level in one (the
-/// store's read, or the linker's load: 507 against 534 ms in the last); at TP 8, with eight
+/// layers per call), 4 streams were ahead of 8 by 2–12 % in six runs and level in one (the
+/// store's read, or the linker's load: 630 against 658 ms in the last); at TP 8, with eight
 /// clients on the host, the two were within the runs' spread of each other. The store's own
 /// 8- and 26-layer calls, outside the linker, read faster with 8 (730 against 824 ms; 585
 /// against 601).
