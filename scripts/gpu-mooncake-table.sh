@@ -17,9 +17,9 @@
 #            node                                                           (about 6-8 min)
 #   reads    one client: the wheel's Python whole-object read against kvlink's reads and the
 #            Linker itself (adaptive layer groups, store defaults; checksums taken by the store
-#            as the rows land (the default) and hashed by each layer's check instead, on the
-#            default verify threads (4 on the GPU host; 16 at 03c5f1c: no clear gain);
-#            checksum companions read by every load and read at lookup) with the engine
+#            as the rows land, on the default verify threads (4 on the GPU host; 16 at
+#            03c5f1c: no clear gain); checksum companions read by every load, and read at
+#            lookup with the objects pinned at lookup (the default) or by the load) with the engine
 #            computing 0 / 5.76 ms per layer (SIMULATED: the modelled compute at 32K), 32K
 #            tokens, one storage node (about 3-4 min; KVLINK_TABLE_TIMEOUT=330)
 #   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8
@@ -135,10 +135,10 @@ case "$part" in
     export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
     if [[ $quick -eq 1 ]]; then
       flags=(--tokens 2048 --rounds 1 --groups 78 --parallel 2 --lanes 8 --streams 1,8 --store-groups 78
-             --compute-us 0 --linker-compute-us 0,5480 --linker-verify-threads 0 --linker-as-landed on,off --linker-companions every-load,at-lookup)
+             --compute-us 0 --linker-compute-us 0,5480 --linker-verify-threads 0 --linker-as-landed on --linker-companions every-load,at-lookup,at-lookup-pin-at-load)
     else
       flags=(--tokens 32768 --rounds 5 --groups 8,26,78 --parallel 8 --lanes 8 --streams 4,8
-             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-verify-threads 0 --linker-as-landed on,off --linker-companions every-load,at-lookup)
+             --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-verify-threads 0 --linker-as-landed on --linker-companions every-load,at-lookup,at-lookup-pin-at-load)
     fi
     tag=$([[ $quick -eq 1 ]] && echo 2k || echo 32k)
     run_bundle 1 mooncake_read "${flags[@]}" "${extra[@]}" \

@@ -157,7 +157,8 @@ fn command() -> Command {
                      each load, none kept), kept (kept between loads: every round after the \
                      first reads none), at-lookup (each round forgets what was kept, looks the \
                      prefix up, waits --linker-lookup-gap-us, then loads: the lookup reads them \
-                     ahead); one row set per value",
+                     ahead and pins the objects), at-lookup-pin-at-load (the same, but the load \
+                     pins the objects, pin_at_lookup off); one row set per value",
                 ),
         )
         .arg(
@@ -282,7 +283,9 @@ pub enum Companions {
     EveryLoad,
     /// Kept between loads: every round after the first reads none.
     Kept,
-    /// Each round forgets what was kept, looks the prefix up (which reads them ahead), waits
-    /// the engine's gap, then loads.
+    /// Each round forgets what was kept, looks the prefix up (which reads them ahead and pins
+    /// the objects, `LinkerConfig::pin_at_lookup`), waits the engine's gap, then loads.
     AtLookup,
+    /// As `AtLookup`, with `pin_at_lookup` off: the load pins the objects itself.
+    AtLookupPinAtLoad,
 }

@@ -42,7 +42,7 @@ pub struct RowSpec {
     pub as_landed: bool,
     /// How it gets its checksum companions.
     pub companions: Companions,
-    /// With `Companions::AtLookup`: the engine's time between lookup and load (SIMULATED).
+    /// With `Companions::AtLookup*`: the engine's time between lookup and load (SIMULATED).
     pub lookup_gap: Duration,
 }
 
@@ -107,7 +107,11 @@ impl RowSpec {
                 Companions::EveryLoad => "read by every load".into(),
                 Companions::Kept => "kept from round 1 (rounds 2+ read none)".into(),
                 Companions::AtLookup => format!(
-                    "read at lookup, {:.0} ms (SIMULATED) before start_load",
+                    "read at lookup, {:.0} ms (SIMULATED) before start_load; objects pinned at lookup (default)",
+                    self.lookup_gap.as_secs_f64() * 1e3
+                ),
+                Companions::AtLookupPinAtLoad => format!(
+                    "read at lookup, {:.0} ms (SIMULATED) before start_load; objects pinned by the load",
                     self.lookup_gap.as_secs_f64() * 1e3
                 ),
             },
@@ -183,10 +187,11 @@ impl LinkerReader {
                 wait_deadline: Duration::from_secs(120),
                 checksum_cache_entries: match companions {
                     Companions::EveryLoad => 0,
-                    Companions::Kept | Companions::AtLookup => {
+                    Companions::Kept | Companions::AtLookup | Companions::AtLookupPinAtLoad => {
                         LinkerConfig::default().checksum_cache_entries
                     }
                 },
+                pin_at_lookup: companions != Companions::AtLookupPinAtLoad,
                 checksums_as_landed: as_landed,
                 verify_threads: if verify_threads > 0 {
                     verify_threads
@@ -218,7 +223,10 @@ impl LinkerReader {
             }],
             self.slots.clone(),
         );
-        if self.spec.companions == Companions::AtLookup {
+        if matches!(
+            self.spec.companions,
+            Companions::AtLookup | Companions::AtLookupPinAtLoad
+        ) {
             // A first load of the prefix, as an engine makes it: lookup, its scheduling and
             // allocation (SIMULATED: a sleep), then the load.
             self.linker.forget_kept_checksums();
@@ -282,7 +290,7 @@ impl LinkerReader {
         let cost = self.linker.read_cost(ShareMode::AllRanks);
         let m = self.linker.metrics();
         format!(
-            "compute measured {}, call cost {:.1} ms + {:.2} GB/s; ranges checked by checksum {} ({} of them hashed by the store as they landed), by length only {}",
+            "compute measured {}, call cost {:.1} ms + {:.2} GB/s; ranges checked by checksum {} ({} of them hashed by the store as they landed), by length only {}; loads that took their lookup's pins {} of {}",
             self.linker
                 .compute_per_layer()
                 .map_or("—".into(), |c| format!("{:.1} ms", c.as_secs_f64() * 1e3)),
@@ -291,6 +299,8 @@ impl LinkerReader {
             m.ranges_checksummed,
             m.ranges_checksummed_as_landed,
             m.ranges_length_only,
+            m.pins_ahead_taken,
+            m.batches_loaded,
         )
     }
 }

@@ -394,7 +394,8 @@ impl Inner {
     }
 
     /// Pins the objects this rank reads for `layers` (one read session, renewed while the load
-    /// runs).
+    /// runs): takes over the session a lookup started for them where it covers them
+    /// (`pins_ahead`), else starts one.
     pub(crate) fn pin<'s>(
         &'s self,
         layers: &BatchLayers,
@@ -413,6 +414,18 @@ impl Inner {
                     .flat_map(|c| c.keys[my_pages.clone()].iter().map(String::as_str)),
             )
             .collect();
+        if let Some(held) = self.pins_ahead.take_covering(read_keys.iter().copied()) {
+            self.metrics.pins_ahead_taken();
+            tracing::debug!(%batch, rank = layers.rank, age = ?held.started.elapsed(),
+                            keys = read_keys.len(), "prepared: took the pins of the lookup");
+            return Ok(PinnedKeys::adopt(
+                &self.calls,
+                held.session,
+                held.started,
+                self.config.lease_renewal,
+                self.config.store_call_timeout,
+            ));
+        }
         let pins = PinnedKeys::start(
             &self.calls,
             &read_keys,

@@ -72,6 +72,13 @@ pub struct LinkerConfig {
     /// 0.8 KB each for GLM-5.2 with its key (32,768: 25-35 MB, eight 128K-token prefixes per
     /// rank).
     pub checksum_cache_entries: usize,
+    /// Start the read session a load reads under when its prefix is looked up, beside the
+    /// companions' read ahead, so that the load takes it over instead of starting one before
+    /// its first read (a master call: about 4 ms for a 32K-token GLM-5.2 prefix on the GPU
+    /// host). Only where this rank's reads are known at the lookup; the pins are held until
+    /// the load that takes them ends, the next lookup that pins other keys, `reset` or
+    /// `close` (docs/architecture.md, "Pins taken at lookup"). Default: on.
+    pub pin_at_lookup: bool,
     /// Longest any store call other than a layer's reads may take (lookups, read sessions,
     /// sizes, checksums and their reads ahead of a load, saves, discards): past it the call fails with
     /// [`StoreError::Overdue`](crate::store::StoreError::Overdue) while it runs on (its memory
@@ -206,6 +213,7 @@ impl Default for LinkerConfig {
             verify_object_sizes: true,
             verify_checksums: true,
             checksum_cache_entries: 32_768,
+            pin_at_lookup: true,
             store_call_timeout: Duration::from_secs(20),
             read_parallelism: 1,
             checksums_as_landed: true,

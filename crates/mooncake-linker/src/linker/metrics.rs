@@ -41,6 +41,8 @@ pub struct LinkerMetrics {
     companions_kept: AtomicU64,
     companions_prefetched: AtomicU64,
     read_ahead_waits: AtomicU64,
+    pins_ahead: AtomicU64,
+    pins_ahead_taken: AtomicU64,
     kept_checksums_stale: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
 }
@@ -86,6 +88,11 @@ pub struct MetricsSnapshot {
     /// Loads that waited for companions still being read ahead (instead of reading them),
     /// counted when the wait starts.
     pub read_ahead_waits: u64,
+    /// Read sessions started at a lookup for the load to come
+    /// (`LinkerConfig::pin_at_lookup`).
+    pub pins_ahead: u64,
+    /// Loads that took over the read session their lookup started instead of starting one.
+    pub pins_ahead_taken: u64,
     /// (object, layer) ranges that failed against kept checksums and were checked again
     /// against their companion read afresh (their object written again since).
     pub kept_checksums_stale: u64,
@@ -153,6 +160,14 @@ impl LinkerMetrics {
         self.read_ahead_waits.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(crate) fn pins_ahead(&self) {
+        self.pins_ahead.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn pins_ahead_taken(&self) {
+        self.pins_ahead_taken.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn kept_checksums_stale(&self, n: u64) {
         self.kept_checksums_stale.fetch_add(n, Ordering::Relaxed);
     }
@@ -188,6 +203,8 @@ impl LinkerMetrics {
             companions_kept: self.companions_kept.load(Ordering::Relaxed),
             companions_prefetched: self.companions_prefetched.load(Ordering::Relaxed),
             read_ahead_waits: self.read_ahead_waits.load(Ordering::Relaxed),
+            pins_ahead: self.pins_ahead.load(Ordering::Relaxed),
+            pins_ahead_taken: self.pins_ahead_taken.load(Ordering::Relaxed),
             kept_checksums_stale: self.kept_checksums_stale.load(Ordering::Relaxed),
             overdue_calls: 0,
             failures: self.failures.lock().clone(),

@@ -27,6 +27,7 @@ mod landed;
 mod lookup;
 mod metrics;
 mod outcomes;
+mod pins_ahead;
 mod pipeline;
 mod prefetch;
 mod preflight;
@@ -98,6 +99,8 @@ pub(crate) struct Inner {
     pub(crate) checksums: checksum_cache::ChecksumCache,
     /// The companions of a looked-up prefix being read ahead of its load.
     pub(crate) prefetch: prefetch::CompanionPrefetch,
+    /// The read session a lookup took for its load.
+    pub(crate) pins_ahead: pins_ahead::PinsAhead,
     /// Bumped by `reset`: a batch whose epoch differs is cancelled.
     pub(crate) epoch: AtomicU64,
     /// The landing memory registered with the store (let go by `close`, or by the last store
@@ -351,6 +354,7 @@ impl Linker {
             metrics: LinkerMetrics::default(),
             checksums,
             prefetch: prefetch::CompanionPrefetch::default(),
+            pins_ahead: pins_ahead::PinsAhead::default(),
             epoch: AtomicU64::new(0),
             registered: parking_lot::Mutex::new(Some(registered)),
             closed: AtomicBool::new(false),
@@ -483,8 +487,10 @@ impl Linker {
         s.epoch.fetch_add(1, Ordering::AcqRel);
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         let busy = !s.outcomes.cancel_all(deadline);
-        // Nothing left in flight: a read of companions ahead is waited for (same bound).
+        // Nothing left in flight: a read ahead is waited for (same bound), and the pins a
+        // lookup took are ended.
         s.prefetch.wait_idle(deadline);
+        s.end_pins_ahead();
         let mut held = s.outcomes.held();
         if busy {
             warn!(
@@ -562,7 +568,7 @@ impl KvLoader for Linker {
     fn lookup(&self, request: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
         self.inner.check_open()?;
         let hit = self.inner.lookup(request)?;
-        self.inner.prefetch_companions(&hit.pages);
+        self.inner.read_ahead_at_lookup(&hit.pages);
         Ok(hit)
     }
 
@@ -573,7 +579,7 @@ impl KvLoader for Linker {
     ) -> Result<LookupHit, KvLoadError> {
         self.inner.check_open()?;
         let hit = self.inner.lookup_pages(pages, skip_pages)?;
-        self.inner.prefetch_companions(&hit.pages);
+        self.inner.read_ahead_at_lookup(&hit.pages);
         Ok(hit)
     }
 
@@ -685,8 +691,10 @@ impl KvLoader for Linker {
         let deadline = kv_loader::deadline_after(self.inner.config.wait_deadline);
         // Dropping the sender ends the load loop once it has nothing queued.
         self.jobs.lock().take();
-        // No read of companions ahead from now on; one under way is waited for (bounded).
+        // No read ahead from now on; one under way is waited for (bounded), and pins one took
+        // since the cancel are ended (one still under way past the wait ends its own).
         self.inner.prefetch.shut(deadline);
+        self.inner.end_pins_ahead();
         let wait = if busy {
             Duration::ZERO
         } else {

@@ -1,5 +1,6 @@
 //! Checksum companions read when a prefix is looked up, so that its load need not read them
-//! before layer 0.
+//! before layer 0 (and, beside them on a thread of their own, the objects pinned for the load:
+//! `pins_ahead`).
 //!
 //! A load may publish layer 0 only once it has the companion of every object it reads: one
 //! small whole-object read each (about 20 ms for a 32K-token GLM-5.2 prefix over TCP), on the
@@ -59,6 +60,8 @@ struct Running {
     keys: HashSet<String>,
     /// When the read gives up.
     deadline: Instant,
+    /// The thread still runs (its companions' read, its pin: `pins_ahead`).
+    active: bool,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -72,7 +75,7 @@ impl CompanionPrefetch {
     /// A read ahead is under way, or the linker is closing: none starts now.
     fn busy(&self) -> bool {
         let st = self.state.lock();
-        st.shut || st.running.as_ref().is_some_and(|r| !r.keys.is_empty())
+        st.shut || st.running.as_ref().is_some_and(|r| r.active)
     }
 
     /// Waits while the read ahead under way reads the companion of any of `objects`, until it
@@ -119,17 +122,29 @@ impl CompanionPrefetch {
     /// it ended (one past the deadline ends by its own, bounded by its store call).
     pub(crate) fn wait_idle(&self, deadline: Instant) {
         let mut st = self.state.lock();
-        while st.running.as_ref().is_some_and(|r| !r.keys.is_empty()) {
+        while st.running.as_ref().is_some_and(|r| r.active) {
             if self.done.wait_until(&mut st, deadline).timed_out() {
                 break;
             }
         }
-        let ended = st.running.as_ref().is_some_and(|r| r.keys.is_empty());
+        let ended = st.running.as_ref().is_some_and(|r| !r.active);
         let thread = st.running.as_mut().and_then(|r| r.thread.take());
         drop(st);
         if let (true, Some(t)) = (ended, thread) {
             let _ = t.join();
         }
+    }
+}
+
+impl CompanionPrefetch {
+    /// Read ahead `generation` has read its companions: loads waiting for them go on (its
+    /// pin may still be under way).
+    fn companions_done(&self, generation: u64) {
+        let mut st = self.state.lock();
+        if let Some(r) = st.running.as_mut().filter(|r| r.generation == generation) {
+            r.keys.clear();
+        }
+        self.done.notify_all();
     }
 }
 
@@ -149,6 +164,7 @@ impl Drop for Ended<'_> {
             .filter(|r| r.generation == self.generation)
         {
             r.keys.clear();
+            r.active = false;
         }
         self.prefetch.done.notify_all();
     }
@@ -166,16 +182,13 @@ impl Inner {
         }
     }
 
-    /// The objects of `pages` this rank's load will read (see the module docs), not kept yet,
-    /// with their components' indices in the geometry; empty when nothing is read ahead.
-    fn objects_ahead(&self, pages: &[PageHash]) -> Vec<(String, usize)> {
-        if !self.config.verify_checksums || self.config.checksum_cache_entries == 0 {
-            return Vec::new();
-        }
+    /// The objects of `pages` this rank's load will read (see the module docs), with their
+    /// components' indices in the geometry: every page of its sharded components, and of the
+    /// replicated ones the pages `mode` has it read (none when the mode is not known).
+    fn objects_read(&self, pages: &[PageHash], mode: Option<ShareMode>) -> Vec<(String, usize)> {
         let g = &self.geometry;
-        // Replicated components: the pages the mode has this rank read (none while the mode
-        // is not known), reckoned on the looked-up pages as the batch's plan pages.
-        let replicated = self.mode_ahead().map_or(0..0, |m| {
+        // Replicated components: reckoned on the looked-up pages as the batch's plan pages.
+        let replicated = mode.map_or(0..0, |m| {
             dedup_broadcast::pages_read(m.spec().reads, g.tp_rank, g.tp_size, pages.len())
         });
         let mut out = Vec::new();
@@ -185,35 +198,60 @@ impl Inner {
             } else {
                 pages
             };
-            for p in read {
-                let key = self.keys.object_key(p, c);
-                if self.checksums.get(&key).is_none() {
-                    out.push((key, ci));
-                }
-            }
+            out.extend(read.iter().map(|p| (self.keys.object_key(p, c), ci)));
         }
         out
     }
 
+    /// The objects of `pages` whose companions are read ahead: those this rank will read, not
+    /// kept yet; none without kept checksums.
+    fn objects_ahead(&self, pages: &[PageHash], mode: Option<ShareMode>) -> Vec<(String, usize)> {
+        if !self.config.verify_checksums || self.config.checksum_cache_entries == 0 {
+            return Vec::new();
+        }
+        let mut objects = self.objects_read(pages, mode);
+        objects.retain(|(key, _)| self.checksums.get(key).is_none());
+        objects
+    }
+
+    /// The keys to pin ahead of the load of `pages` (`pins_ahead`): every object this rank's
+    /// load will read, where its mode is known; none where pins held already cover them and
+    /// are fresh, or `pin_at_lookup` is off.
+    fn pins_wanted(&self, pages: &[PageHash], mode: Option<ShareMode>) -> Option<Vec<String>> {
+        if !self.config.pin_at_lookup {
+            return None;
+        }
+        let keys: Vec<String> = self
+            .objects_read(pages, Some(mode?))
+            .into_iter()
+            .map(|(key, _)| key)
+            .collect();
+        let fresh = self.pins_ahead.hold_fresh(&keys, self.config.lease_renewal);
+        (!keys.is_empty() && !fresh).then_some(keys)
+    }
+
     /// After a lookup that found `pages`: starts reading their companions into the kept
-    /// checksums on a thread of its own (see the module docs); returns at once.
-    pub(crate) fn prefetch_companions(self: &Arc<Self>, pages: &[PageHash]) {
+    /// checksums, and pinning the objects the load will read, on a thread of its own (see the
+    /// module docs and `pins_ahead`); returns at once.
+    pub(crate) fn read_ahead_at_lookup(self: &Arc<Self>, pages: &[PageHash]) {
         // One read ahead at a time, none once closing: none is planned then (checked again
         // below, under the lock that starts one).
         if self.prefetch.busy() {
             return;
         }
-        let objects = self.objects_ahead(pages);
-        if objects.is_empty() {
+        let mode = self.mode_ahead();
+        let objects = self.objects_ahead(pages, mode);
+        let pins = self.pins_wanted(pages, mode);
+        if objects.is_empty() && pins.is_none() {
             return;
         }
         let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
         let generation = {
             let mut st = self.prefetch.state.lock();
-            if st.shut || st.running.as_ref().is_some_and(|r| !r.keys.is_empty()) {
+            if st.shut || st.running.as_ref().is_some_and(|r| r.active) {
                 return;
             }
-            // The last read ahead has ended (its keys are cleared); reap its thread.
+            // The last read ahead has ended; reap its thread.
             if let Some(t) = st.running.as_mut().and_then(|r| r.thread.take()) {
                 let _ = t.join();
             }
@@ -222,6 +260,7 @@ impl Inner {
                 generation: st.generations,
                 keys: objects.iter().map(|(k, _)| k.clone()).collect(),
                 deadline,
+                active: true,
                 thread: None,
             });
             st.generations
@@ -234,7 +273,7 @@ impl Inner {
                     prefetch: &inner.prefetch,
                     generation,
                 };
-                inner.read_ahead(&objects);
+                inner.read_ahead(&objects, pins.as_deref(), generation);
             });
         let mut st = self.prefetch.state.lock();
         match (spawned, st.running.as_mut()) {
@@ -245,7 +284,7 @@ impl Inner {
                 let _ = t.join();
             }
             (Err(e), _) => {
-                tracing::debug!(error = %e, "no thread to read companions ahead");
+                tracing::debug!(error = %e, "no thread to read ahead");
                 if st
                     .running
                     .as_ref()
@@ -258,9 +297,75 @@ impl Inner {
         }
     }
 
-    /// The prefetch thread: reads the companions of `objects`, keeps those that decode and fit
-    /// their layout (anything else is left to the load's own read), then says it is done.
-    fn read_ahead(&self, objects: &[(String, usize)]) {
+    /// The read-ahead thread: pins `pins` (on a scoped thread of its own where one can be
+    /// had, so that neither waits for the other) and reads the companions of `objects`.
+    fn read_ahead(&self, objects: &[(String, usize)], pins: Option<&[String]>, generation: u64) {
+        std::thread::scope(|s| {
+            let mut pins = pins;
+            if let Some(keys) = pins {
+                let beside = std::thread::Builder::new()
+                    .name(format!("kvlink-pin-r{}", self.geometry.tp_rank))
+                    .spawn_scoped(s, move || self.pin_ahead(keys, generation));
+                if beside.is_ok() {
+                    pins = None;
+                }
+            }
+            if !objects.is_empty() {
+                self.read_companions_ahead(objects);
+                self.prefetch.companions_done(generation);
+            }
+            // No thread to pin beside the read: pin after it.
+            if let Some(keys) = pins {
+                self.pin_ahead(keys, generation);
+            }
+        });
+    }
+
+    /// Starts the read session over `keys` for the next load (`pins_ahead`), then ends the
+    /// pins held before, if any (after, so keys in both stay pinned throughout).
+    fn pin_ahead(&self, keys: &[String], generation: u64) {
+        let before = self.pins_ahead.begin(generation);
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let started = Instant::now();
+        let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
+        match self.calls.start_session(&refs, deadline) {
+            Ok(session) => {
+                self.metrics.pins_ahead();
+                tracing::debug!(keys = keys.len(), took = ?started.elapsed(), "pinned at lookup");
+                if let Some(late) = self.pins_ahead.finish(generation, session, started) {
+                    tracing::debug!("pins taken at lookup no longer wanted: ended");
+                    self.end_session_logged(&late);
+                }
+            }
+            Err(e) => {
+                self.pins_ahead.abandon(generation);
+                tracing::debug!(error = %e, keys = keys.len(), "pinning at lookup failed: the load pins for itself");
+            }
+        }
+        if let Some(h) = before {
+            self.end_session_logged(&h.session);
+        }
+    }
+
+    /// Ends the pins held ahead of a load, if any (`reset`, `close`).
+    pub(crate) fn end_pins_ahead(&self) {
+        if let Some(session) = self.pins_ahead.take_all() {
+            self.end_session_logged(&session);
+        }
+    }
+
+    /// Ends `session` (bounded by `store_call_timeout`), logging a failure: the store's lease
+    /// lets the pins go on its own then.
+    fn end_session_logged(&self, session: &crate::store::ReadSession) {
+        let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
+        if let Err(e) = self.calls.end_session(session, deadline) {
+            tracing::warn!(error = %e, keys = session.keys.len(), "ending pins taken at lookup failed");
+        }
+    }
+
+    /// Reads the companions of `objects`, keeps those that decode and fit their layout
+    /// (anything else is left to the load's own read).
+    fn read_companions_ahead(&self, objects: &[(String, usize)]) {
         let comps = self.geometry.components();
         let t0 = Instant::now();
         let deadline = kv_loader::deadline_after(self.config.store_call_timeout);

@@ -35,6 +35,25 @@ impl<'a> PinnedKeys<'a> {
         })
     }
 
+    /// Takes over `session`, started at `started` (pins a lookup took, `pins_ahead`): it is
+    /// renewed as [`start`](Self::start)'s would be, counting from `started`, and ended on
+    /// drop.
+    pub(crate) fn adopt(
+        calls: &'a StoreCalls,
+        session: ReadSession,
+        started: Instant,
+        every: Duration,
+        timeout: Duration,
+    ) -> Self {
+        PinnedKeys {
+            calls,
+            timeout,
+            session: Some(session),
+            renewed: started,
+            every,
+        }
+    }
+
     fn deadline(&self) -> Instant {
         kv_loader::deadline_after(self.timeout)
     }
