@@ -120,6 +120,7 @@ fn variants(a: &args::Args, objects: &Objects, clients: &Clients) -> Vec<Variant
                 calls: calls as u64,
                 times: Vec::new(),
                 firsts: Vec::new(),
+                first_calls: Vec::new(),
             },
         })
     };
@@ -251,6 +252,7 @@ fn rounds(
                         .with_context(|| v.row.label.clone())?;
                     if let Some(&first) = t.ready.first() {
                         v.row.firsts.push(first);
+                        v.row.first_calls.push(first - t.session);
                     }
                     t.total
                 }
@@ -420,7 +422,14 @@ fn linker_table(
     let layer0: Vec<String> = rows
         .iter()
         .filter(|r| r.label.ends_with("1 layer/call") && !r.firsts.is_empty())
-        .map(|r| format!("{} {:.1} ms", r.label, r.first_median() * 1e3))
+        .map(|r| {
+            format!(
+                "{} {:.1} ms (its call alone {:.1} ms)",
+                r.label,
+                r.first_median() * 1e3,
+                r.first_call_median() * 1e3
+            )
+        })
         .collect();
     writeln!(
         out,

@@ -41,6 +41,8 @@ pub struct Timing {
     pub total: f64,
     /// Seconds from the start until each layer was ready (empty for whole-object reads).
     pub ready: Vec<f64>,
+    /// Seconds the read session's start took, at the start (0 for whole-object reads).
+    pub session: f64,
 }
 
 /// The ranged reads of layers `group` of every object into `dest`.
@@ -141,6 +143,7 @@ pub fn run(store: &dyn KvStore, objects: &mut Objects, read: &Read) -> Result<Ti
             Ok(Timing {
                 total,
                 ready: Vec::new(),
+                session: 0.0,
             })
         }
         Read::Ranged {
@@ -153,6 +156,7 @@ pub fn run(store: &dyn KvStore, objects: &mut Objects, read: &Read) -> Result<Ti
             let mut ready = vec![0.0; objects.layers as usize];
             let start = Instant::now();
             let session = store.start_session(&names)?;
+            let pinned = start.elapsed().as_secs_f64();
             for group in groups {
                 let gets = group_gets(objects, group.clone(), *dest);
                 let results = get_ranges(store, &gets, *parallel);
@@ -166,6 +170,7 @@ pub fn run(store: &dyn KvStore, objects: &mut Objects, read: &Read) -> Result<Ti
             Ok(Timing {
                 total: start.elapsed().as_secs_f64(),
                 ready,
+                session: pinned,
             })
         }
     }

@@ -15,6 +15,8 @@ pub struct Row {
     /// Seconds per round until layer 0 was ready (its group's call returned; the read
     /// session's start included): ranged reads only.
     pub firsts: Vec<f64>,
+    /// Seconds per round of layer 0's call alone (`firsts` without the read session's start).
+    pub first_calls: Vec<f64>,
 }
 
 /// The middle value (the upper one of an even count); NaN when empty.
@@ -33,6 +35,11 @@ impl Row {
     /// Median seconds until layer 0 was ready (NaN when not a ranged read).
     pub fn first_median(&self) -> f64 {
         middle(&self.firsts)
+    }
+
+    /// Median seconds of layer 0's call alone (NaN when not a ranged read).
+    pub fn first_call_median(&self) -> f64 {
+        middle(&self.first_calls)
     }
 
     fn min_max(&self) -> (f64, f64) {
