@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The first layer of one client's load, with the objects pinned at lookup against pinned by the
+# load: the Linker (TP 1, host pool, 32K tokens of GLM-5.2, checksum companions read at
+# lookup, an engine computing 5.76 ms per layer, SIMULATED) beside layer 0 read alone from a
+# cold start (the store's read session and its one call), and the Python whole-object read.
+# Two runs, the two settings in opposite order (A B, then B A), each its own master and
+# storage node, --rounds rounds each.
+#
+# Usage (on the GPU host, after bash scripts/gpu-mooncake-bundle.sh here; carry gpu-mooncake):
+#   OUT=/tmp/fl bash scripts/gpu-first-layer.sh [--rounds N] [--tokens T] [-- MOONCAKE_READ_FLAGS]
+# Output: $OUT/first_layer_<machine>_<tokens/1024>k.md (both runs), and the runs' stderr.
+# Exits 1 if a run failed.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+rounds=10
+tokens=32768
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --rounds) rounds="$2"; shift 2 ;;
+    --tokens) tokens="$2"; shift 2 ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "gpu-first-layer: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+out="${OUT:-$repo/gpu-mooncake/out}"
+mkdir -p "$out"
+# The machine: "h200x1" from the first GPU's name and the GPU count, as the table script names it.
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+if [[ $gpus -gt 0 ]]; then
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  model=$(echo "$name" | tr ' ' '\n' | grep -m1 '[0-9]' | tr '[:upper:]' '[:lower:]')
+  machine="${model:-gpu}x$gpus"
+else
+  machine="${KVLINK_MACHINE:-cpu$(nproc)}"
+fi
+file="$out/first_layer_${machine}_$((tokens / 1024))k.md"
+export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
+commit="$(grep '^commit:' "$repo/gpu-mooncake/BUNDLE_INFO" 2>/dev/null | awk '{print $2}')"
+{
+  echo "# First layer: objects pinned at lookup against pinned by the load ($((tokens / 1024))K tokens)"
+  echo
+  echo "Bundle built at commit ${commit:-unknown}. Command: \`bash scripts/gpu-first-layer.sh --rounds $rounds --tokens $tokens${*:+ -- $*}\` ($(date -u +%Y-%m-%d), $machine, $(nproc) CPUs, one storage node over TCP loopback)."
+} > "$file"
+rc=0
+n=0
+for order in at-lookup,at-lookup-pin-at-load at-lookup-pin-at-load,at-lookup; do
+  n=$((n + 1))
+  {
+    echo
+    echo "## Run $n: --linker-companions $order"
+    echo
+  } >> "$file"
+  timeout -k 15 300 bash "$repo/scripts/gpu-mooncake-run.sh" -- mooncake_read \
+    --tokens "$tokens" --rounds "$rounds" --no-plan --groups 78 --streams 4 --store-groups 78 \
+    --only "staged merge), 1 layer/call" --linker-compute-us 5760 --linker-companions "$order" "$@" \
+    >> "$file" 2> "$out/first_layer_run$n.stderr.log" || { r=$?; rc=1; echo "run $n failed (exit $r)" >> "$file"; }
+done
+exit "$rc"
