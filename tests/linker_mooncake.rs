@@ -203,3 +203,42 @@ fn objects_without_companions_load_checked_by_length() {
     assert_eq!(m.ranges_checksummed, carried(0), "{m:?}");
     assert_eq!(m.ranges_length_only, all - carried(0), "{m:?}");
 }
+
+/// On a real Mooncake store, a lookup's read session is taken over by its load (which starts
+/// none), both when the load comes at once and when it comes after the renewal period (it
+/// renews the session before its first read); every byte is right either way.
+#[test]
+fn a_load_takes_its_lookups_pins_over_mooncake() {
+    let Some(clients) = mooncake_clients(1) else {
+        return;
+    };
+    let spec = small_spec();
+    let ns = unique_ns("pins");
+    let config = LinkerConfig {
+        lease_renewal: Duration::from_millis(200),
+        ..cfg(&ns, ShareMode::AllRanks)
+    };
+    let tokens = prompt(17, 4, spec.page_size);
+    let pages = save_prefix(&spec, clients[0].clone(), &tokens, &config);
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), clients[0].clone(), pool.clone(), config).unwrap();
+    for (batch, pause) in [(1u64, Duration::ZERO), (2, Duration::from_millis(400))] {
+        let before = linker.metrics().pins_ahead;
+        assert_eq!(linker.lookup_pages(&pages, 0).unwrap().pages.len(), 4);
+        let limit = std::time::Instant::now() + Duration::from_secs(10);
+        while linker.metrics().pins_ahead == before && std::time::Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(pause);
+        let slots = vec![7, 1, 4, 2];
+        let t = linker
+            .start_load(load_plan(&g, batch, &pages, slots.clone()))
+            .unwrap();
+        wait_all(&linker, &t).unwrap();
+        linker.wait_batch(&t).unwrap().result.unwrap();
+        pool_matches(&pool, &pages, &slots, g.num_layers()).unwrap();
+        assert_eq!(linker.metrics().pins_ahead_taken, batch, "batch {batch}");
+    }
+    linker.close().unwrap();
+}
