@@ -47,6 +47,7 @@ commit="$(grep '^commit:' "$repo/gpu-mooncake/BUNDLE_INFO" 2>/dev/null | awk '{p
 } > "$file"
 rc=0
 n=0
+passed=0
 for order in at-lookup,at-lookup-pin-at-load at-lookup-pin-at-load,at-lookup; do
   n=$((n + 1))
   {
@@ -57,6 +58,13 @@ for order in at-lookup,at-lookup-pin-at-load at-lookup-pin-at-load,at-lookup; do
   timeout -k 15 300 bash "$repo/scripts/gpu-mooncake-run.sh" -- mooncake_read \
     --tokens "$tokens" --rounds "$rounds" --no-plan --groups 78 --streams 4 --store-groups 78 \
     --only "staged merge), 1 layer/call" --linker-compute-us 5760 --linker-companions "$order" "$@" \
-    >> "$file" 2> "$out/first_layer_run$n.stderr.log" || { r=$?; rc=1; echo "run $n failed (exit $r)" >> "$file"; }
+    >> "$file" 2> "$out/first_layer_run$n.stderr.log" && passed=$((passed + 1)) \
+    || { r=$?; rc=1; echo "run $n failed (exit $r)" >> "$file"; }
 done
+# Each run compares every variant's bytes and the Linker's pool with the objects in round 1
+# and exits non-zero on a mismatch (or any failure).
+{
+  echo
+  echo "$passed passed, $((n - passed)) failed"
+} >> "$file"
 exit "$rc"
