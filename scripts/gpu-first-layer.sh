@@ -25,18 +25,9 @@ while [[ $# -gt 0 ]]; do
 done
 out="${OUT:-$repo/gpu-mooncake/out}"
 mkdir -p "$out"
-# The machine: "h200x1" from the first GPU's name and the GPU count, as the table script names it.
-gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-fi
-if [[ $gpus -gt 0 ]]; then
-  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-  model=$(echo "$name" | tr ' ' '\n' | grep -m1 '[0-9]' | tr '[:upper:]' '[:lower:]')
-  machine="${model:-gpu}x$gpus"
-else
-  machine="${KVLINK_MACHINE:-cpu$(nproc)}"
-fi
+# shellcheck source=scripts/machine-name.sh
+source "$repo/scripts/machine-name.sh"
+machine=$(kvlink_machine)
 file="$out/first_layer_${machine}_$((tokens / 1024))k.md"
 export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
 commit="$(grep '^commit:' "$repo/gpu-mooncake/BUNDLE_INFO" 2>/dev/null | awk '{print $2}')"

@@ -69,19 +69,14 @@ out="${OUT:-$repo/gpu-mooncake/out}"
 mkdir -p "$out"
 export OUT="$out"
 
-# The machine: "h200x1" from the first GPU's name and the GPU count; "cpu" without a GPU.
-gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-fi
+# The machine: "h200x1" from the first GPU's name and the GPU count; "cpu<cores>" without one.
+# shellcheck source=scripts/machine-name.sh
+source "$repo/scripts/machine-name.sh"
+gpus=$(kvlink_gpus)
+machine=$(kvlink_machine)
 if [[ $gpus -gt 0 ]]; then
-  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-  model=$(echo "$name" | tr ' ' '\n' | grep -m1 '[0-9]' | tr '[:upper:]' '[:lower:]')
-  machine="${model:-gpu}x$gpus"
   # shellcheck source=scripts/gpu-common.sh
   source "$repo/scripts/gpu-common.sh"
-else
-  machine="${KVLINK_MACHINE:-cpu$(nproc)}"
 fi
 # Host memory on the lent machines grows as it is used (MemTotal reads low at the start): plan
 # with the machine's size by its GPU count.

@@ -109,6 +109,22 @@ fn eventually(done: impl Fn() -> bool) -> bool {
     true
 }
 
+/// A store wrapper whose first `start_session` (the lookup's pin) meets `fault`.
+fn first_session(fault: Fault) -> impl Fn(Arc<dyn KvStore>) -> Arc<dyn KvStore> {
+    move |s| {
+        let f = Arc::new(FaultyStore::new(s));
+        f.inject_on(
+            FaultCall::Session,
+            FaultRule {
+                times: Some(1),
+                ..FaultRule::default()
+            },
+            fault.clone(),
+        );
+        f
+    }
+}
+
 /// A prefix of `n` pages saved to a fresh embedded store, and a rank alone's linker over it
 /// through `wrap` (a fault wrapper, say) and a session log.
 struct Rank {
@@ -259,20 +275,10 @@ fn reset_and_close_end_the_pins_held() {
 /// A pin at lookup that fails costs nothing but the call: the load pins for itself.
 #[test]
 fn a_failed_pin_at_lookup_leaves_the_load_to_pin_for_itself() {
-    let r = rank(64, 3, config(), |s| {
-        let f = Arc::new(FaultyStore::new(s));
-        f.inject_on(
-            FaultCall::Session,
-            FaultRule {
-                times: Some(1),
-                ..FaultRule::default()
-            },
-            Fault::Error(StoreError::Unavailable {
-                detail: "injected".into(),
-            }),
-        );
-        f
+    let fault = Fault::Error(StoreError::Unavailable {
+        detail: "injected".into(),
     });
+    let r = rank(64, 3, config(), first_session(fault));
     r.linker.lookup_pages(&r.pages, 0).unwrap();
     // The read ahead ends (its companions kept) with no pin held.
     let objects = 3 * r.linker.geometry().components().len() as u64;
@@ -292,19 +298,7 @@ fn a_failed_pin_at_lookup_leaves_the_load_to_pin_for_itself() {
 #[test]
 fn a_load_beside_a_pin_under_way_pins_for_itself_and_the_late_pin_is_ended() {
     let held = Stall::new();
-    let stall = held.clone();
-    let r = rank(65, 3, config(), move |s| {
-        let f = Arc::new(FaultyStore::new(s));
-        f.inject_on(
-            FaultCall::Session,
-            FaultRule {
-                times: Some(1),
-                ..FaultRule::default()
-            },
-            Fault::Stall(stall.clone()),
-        );
-        f
-    });
+    let r = rank(65, 3, config(), first_session(Fault::Stall(held.clone())));
     r.linker.lookup_pages(&r.pages, 0).unwrap();
     assert!(
         eventually(|| held.hits() == 1),
