@@ -90,6 +90,9 @@ impl KvStore for Sessions {
     }
 }
 
+/// Each rank's session log, by rank.
+type RankLogs = Arc<Mutex<Vec<(u32, Arc<Sessions>)>>>;
+
 fn config() -> LinkerConfig {
     LinkerConfig {
         namespace: "pins".into(),
@@ -366,7 +369,7 @@ fn with_pin_at_lookup_off_the_load_pins_for_itself() {
 /// pins never cover another rank's share.
 #[test]
 fn each_rank_of_a_group_pins_its_own_share_and_takes_it() {
-    let logs: Arc<Mutex<Vec<(u32, Arc<Sessions>)>>> = Arc::default();
+    let logs: RankLogs = Arc::default();
     let keep = logs.clone();
     let wrap = move |rank: u32, s: Arc<dyn KvStore>| -> Arc<dyn KvStore> {
         let log = Sessions::over(s);
