@@ -33,9 +33,10 @@ pub trait KvLoader: Send + Sync {
     /// The longest run of pages after the engine's own hit that the store holds.
     ///
     /// An implementation may start preparing the hit's load here, off the caller's thread
-    /// (the Mooncake linker reads the hit's checksums and pins its objects ahead of
-    /// `start_load`). A lookup never followed by a load is harmless: what it holds is let go
-    /// by a later lookup, [`reset`](KvLoader::reset) or [`close`](KvLoader::close).
+    /// (reading what the load will check its bytes against, pinning the objects it will
+    /// read). A lookup never followed by a load must be harmless: whatever it holds is let
+    /// go within a bound the implementation documents, and by [`reset`](KvLoader::reset) and
+    /// [`close`](KvLoader::close).
     fn lookup(&self, request: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError>;
 
     /// [`lookup`](KvLoader::lookup) in the language of [`save`](KvLoader::save) and of a

@@ -414,17 +414,8 @@ impl Inner {
                     .flat_map(|c| c.keys[my_pages.clone()].iter().map(String::as_str)),
             )
             .collect();
-        if let Some(held) = self.pins_ahead.take_covering(read_keys.iter().copied()) {
-            self.metrics.pins_ahead_taken();
-            tracing::debug!(%batch, rank = layers.rank, age = ?held.started.elapsed(),
-                            keys = read_keys.len(), "prepared: took the pins of the lookup");
-            return Ok(PinnedKeys::adopt(
-                &self.calls,
-                held.session,
-                held.started,
-                self.config.lease_renewal,
-                self.config.store_call_timeout,
-            ));
+        if let Some(pins) = self.take_lookup_pins(&read_keys, layers.rank, batch) {
+            return Ok(pins);
         }
         let pins = PinnedKeys::start(
             &self.calls,
@@ -441,6 +432,27 @@ impl Inner {
             "prepared"
         );
         Ok(pins)
+    }
+
+    /// The session a lookup started over `read_keys` (`pins_ahead`), taken over for `batch`
+    /// where one covers them.
+    fn take_lookup_pins(
+        &self,
+        read_keys: &[&str],
+        rank: u32,
+        batch: BatchId,
+    ) -> Option<PinnedKeys<'_>> {
+        let held = self.pins_ahead.take_covering(read_keys)?;
+        self.metrics.pins_ahead_taken();
+        tracing::debug!(%batch, rank, age = ?held.started.elapsed(), keys = read_keys.len(),
+                        "prepared: took the pins of the lookup");
+        Some(PinnedKeys::adopt(
+            &self.calls,
+            held.session,
+            held.started,
+            self.config.lease_renewal,
+            self.config.store_call_timeout,
+        ))
     }
 }
 

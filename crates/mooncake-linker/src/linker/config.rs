@@ -43,7 +43,7 @@ pub struct LinkerConfig {
     /// returns), and a layer whose reads took longer in all fails it too.
     pub layer_read_timeout: Duration,
     /// Renew read sessions (lease pins) this often during a load, between store calls. Keep
-    /// it well under the store's lease (Mooncake's `kv_lease_ttl`: 5 s by default): a call
+    /// it well under the store's lease (Mooncake's `default_kv_lease_ttl`: 10 s by default): a call
     /// that ends after the lease its session took fails with `LEASE_EXPIRED`, so the renewal
     /// period plus one call's time (see `read_bytes_in_flight`) must stay under the lease.
     pub lease_renewal: Duration,
@@ -75,9 +75,10 @@ pub struct LinkerConfig {
     /// Start the read session a load reads under when its prefix is looked up, beside the
     /// companions' read ahead, so that the load takes it over instead of starting one before
     /// its first read (a master call: about 4 ms for a 32K-token GLM-5.2 prefix on the GPU
-    /// host). Only where this rank's reads are known at the lookup; the pins are held until
-    /// the load that takes them ends, the next lookup that pins other keys, `reset` or
-    /// `close` (docs/architecture.md, "Pins taken at lookup"). Default: on.
+    /// host). Only where this rank's reads are known at the lookup. The pins of the last four
+    /// lookups wait for their loads: each is held until the load that takes it ends, a later
+    /// lookup's pins cover it, four later lookups have pinned, `reset` or `close`
+    /// (docs/architecture.md, "Pins taken at lookup"). Default: on.
     pub pin_at_lookup: bool,
     /// Longest any store call other than a layer's reads may take (lookups, read sessions,
     /// sizes, checksums and their reads ahead of a load, saves, discards): past it the call fails with
@@ -110,7 +111,7 @@ pub struct LinkerConfig {
     /// Bytes the ranks of a group may have in one store call each at once, with adaptive
     /// granularity: each call of a rank reads at most this divided by the ranks that read at
     /// the same time in the batch's mode (every rank in `AllRanks` and `SplitAllGather`, rank
-    /// 0 alone in `Rank0Broadcast`). A store's read leases (Mooncake's: 5 s by default) must
+    /// 0 alone in `Rank0Broadcast`). A store's read leases (Mooncake's: 10 s by default) must
     /// outlast a call even when every rank reads at once: 2 GiB in flight over one storage
     /// node is about half a second on a 16-core host over TCP loopback.
     pub read_bytes_in_flight: u64,

@@ -12,34 +12,64 @@
 //! Only where this rank's reads are known at the lookup (a rank alone; a fixed mode, or the
 //! one `Auto` keeps): the same keys the load pins (every page of its own components, its
 //! share of the replicated ones, reckoned on the looked-up pages as the batch's plan pages).
-//! One slot per linker: the pins of the last lookup that took any. They are ended by the
-//! load that takes them (as its own session, on its drop), or else by the next lookup that
-//! pins other keys, by `reset`, or by `close`; Mooncake's lease also lets them go on its own
-//! (5 s by default). A load that finds a pin still under way does not wait for it: it pins
-//! for itself, and the late pin is ended by the thread that took it.
+//!
+//! The pins of the last [`KEPT`] lookups that took any are held, so that lookups of several
+//! requests ahead of their loads each find theirs. Each is ended by the load that takes it
+//! (as its own session, on its drop), or else: once a later lookup's pins cover all its keys,
+//! once [`KEPT`] later lookups have pinned, by `reset`, or by `close`; the store's lease also
+//! lets pins go on its own (Mooncake's default is 10 s), so an unused pin costs two master
+//! calls and holds its objects that long at most. A load that finds a pin of its keys still
+//! under way does not wait for it: it pins for itself, and the late pin is ended by the
+//! thread that took it. A pin that begins after `reset` or `close` (its lookup came before)
+//! is not started.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use crate::store::ReadSession;
 
-/// The one slot of pins held ahead of a load.
+/// How many lookups' pins are held at most, waiting for their loads.
+pub(crate) const KEPT: usize = 4;
+
+/// The pins held ahead of loads.
 #[derive(Debug, Default)]
 pub(crate) struct PinsAhead {
-    slot: Mutex<Slot>,
+    state: Mutex<Pins>,
 }
 
 #[derive(Debug, Default)]
-enum Slot {
-    #[default]
-    Empty,
-    /// The read ahead `generation` is starting a session; nobody has asked for it yet.
-    Starting {
-        generation: u64,
+struct Pins {
+    /// Bumped by [`PinsAhead::take_all`] (`reset`, `close`): a pin of a lookup from before
+    /// is not started.
+    epoch: u64,
+    /// Oldest first.
+    entries: VecDeque<Entry>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    /// The read ahead that pins it.
+    generation: u64,
+    keys: HashSet<String>,
+    pin: Pin,
+}
+
+#[derive(Debug)]
+enum Pin {
+    /// The session is being started; nobody has asked for it yet.
+    Starting,
+    Held {
+        session: ReadSession,
+        started: Instant,
     },
-    Held(HeldPins),
+}
+
+impl Entry {
+    fn covers<'k>(&self, mut keys: impl Iterator<Item = &'k str>) -> bool {
+        keys.all(|k| self.keys.contains(k))
+    }
 }
 
 /// A session started at a lookup, and when.
@@ -47,101 +77,148 @@ enum Slot {
 pub(crate) struct HeldPins {
     pub(crate) session: ReadSession,
     pub(crate) started: Instant,
-    keys: HashSet<String>,
 }
 
-impl HeldPins {
-    fn new(session: ReadSession, started: Instant) -> Self {
-        let keys = session.keys.iter().cloned().collect();
-        HeldPins {
-            session,
-            started,
-            keys,
-        }
-    }
-
-    fn covers<'k>(&self, keys: impl IntoIterator<Item = &'k str>) -> bool {
-        keys.into_iter().all(|k| self.keys.contains(k))
-    }
+/// What a finished pin leaves its thread to end.
+#[derive(Debug, Default)]
+pub(crate) struct Finished {
+    /// The new session, when no longer wanted (a load of its keys came first and pinned for
+    /// itself, or `reset` or `close` came meanwhile).
+    pub(crate) unwanted: Option<ReadSession>,
+    /// Sessions held before that the new one replaces: covered by it, or past [`KEPT`].
+    pub(crate) replaced: Vec<ReadSession>,
 }
 
 impl PinsAhead {
-    /// True if the pins held cover `keys` and were taken less than `fresh_for` ago: a lookup
-    /// then need not pin again.
+    /// The current epoch, taken at a lookup and handed to [`begin`](Self::begin).
+    pub(crate) fn epoch(&self) -> u64 {
+        self.state.lock().epoch
+    }
+
+    /// True if pins held and taken less than `fresh_for` ago, or a pin under way, cover
+    /// `keys`: a lookup then need not pin again.
     pub(crate) fn hold_fresh(&self, keys: &[String], fresh_for: Duration) -> bool {
-        match &*self.slot.lock() {
-            Slot::Held(h) => {
-                h.started.elapsed() < fresh_for && h.covers(keys.iter().map(String::as_str))
-            }
-            _ => false,
-        }
+        self.state.lock().entries.iter().any(|e| {
+            let fresh = match &e.pin {
+                Pin::Starting => true,
+                Pin::Held { started, .. } => started.elapsed() < fresh_for,
+            };
+            fresh && e.covers(keys.iter().map(String::as_str))
+        })
     }
 
-    /// Read ahead `generation` is about to pin: marks the slot so, and returns the pins held
-    /// before (which that read ahead ends once its own are in).
-    pub(crate) fn begin(&self, generation: u64) -> Option<HeldPins> {
-        let before = std::mem::replace(&mut *self.slot.lock(), Slot::Starting { generation });
-        match before {
-            Slot::Held(h) => Some(h),
-            _ => None,
+    /// Read ahead `generation`, of a lookup made in `epoch`, is about to pin `keys`: false if
+    /// the linker was reset or closed since (it must not pin).
+    pub(crate) fn begin(&self, generation: u64, epoch: u64, keys: &[String]) -> bool {
+        let mut st = self.state.lock();
+        if st.epoch != epoch {
+            return false;
         }
+        st.entries.push_back(Entry {
+            generation,
+            keys: keys.iter().cloned().collect(),
+            pin: Pin::Starting,
+        });
+        true
     }
 
-    /// Read ahead `generation`'s pin is in: held for the next load if still wanted; if not
-    /// (a load came first and pinned for itself, or the linker is ending), handed back to be
-    /// ended.
+    /// Read ahead `generation`'s pin is in: held for a load if still wanted, replacing the
+    /// pins its keys cover and the oldest past [`KEPT`]; handed back to be ended if not.
     pub(crate) fn finish(
         &self,
         generation: u64,
         session: ReadSession,
         started: Instant,
-    ) -> Option<ReadSession> {
-        let mut slot = self.slot.lock();
-        match &*slot {
-            Slot::Starting { generation: g } if *g == generation => {
-                *slot = Slot::Held(HeldPins::new(session, started));
-                None
+    ) -> Finished {
+        let mut st = self.state.lock();
+        let pos = st
+            .entries
+            .iter()
+            .position(|e| e.generation == generation && matches!(e.pin, Pin::Starting));
+        let Some(mut entry) = pos.and_then(|pos| st.entries.remove(pos)) else {
+            return Finished {
+                unwanted: Some(session),
+                replaced: Vec::new(),
+            };
+        };
+        entry.pin = Pin::Held { session, started };
+        let mut replaced = Vec::new();
+        let mut kept = VecDeque::with_capacity(st.entries.len() + 1);
+        for e in st.entries.drain(..) {
+            match e.pin {
+                Pin::Held { session, .. } if entry.covers(e.keys.iter().map(String::as_str)) => {
+                    replaced.push(session)
+                }
+                _ => kept.push_back(e),
             }
-            _ => Some(session),
+        }
+        kept.push_back(entry);
+        // The oldest held pins past the bound (pins under way are their threads').
+        while kept.len() > KEPT {
+            let Some(oldest) = kept.iter().position(|e| matches!(e.pin, Pin::Held { .. })) else {
+                break;
+            };
+            if let Some(Entry {
+                pin: Pin::Held { session, .. },
+                ..
+            }) = kept.remove(oldest)
+            {
+                replaced.push(session);
+            }
+        }
+        st.entries = kept;
+        Finished {
+            unwanted: None,
+            replaced,
         }
     }
 
-    /// Read ahead `generation`'s pin failed or was not started: the slot is empty again.
+    /// Read ahead `generation`'s pin failed: it holds nothing.
     pub(crate) fn abandon(&self, generation: u64) {
-        let mut slot = self.slot.lock();
-        if matches!(&*slot, Slot::Starting { generation: g } if *g == generation) {
-            *slot = Slot::Empty;
-        }
+        self.state
+            .lock()
+            .entries
+            .retain(|e| e.generation != generation);
     }
 
-    /// What a load finds for `keys`: the pins held when they cover every key (taken out of
-    /// the slot); none otherwise. Pins of other keys stay for a later load; a pin still under
-    /// way is given up (its thread ends it), since the load pins for itself rather than wait.
-    pub(crate) fn take_covering<'k>(
-        &self,
-        keys: impl IntoIterator<Item = &'k str>,
-    ) -> Option<HeldPins> {
-        let mut slot = self.slot.lock();
-        match &*slot {
-            Slot::Held(h) if h.covers(keys) => match std::mem::take(&mut *slot) {
-                Slot::Held(h) => Some(h),
+    /// What a load of `keys` finds: the newest pins held that cover every key (taken out);
+    /// none otherwise, and none for no keys. Pins of other keys stay for their loads; a pin of
+    /// these keys still under way is given up (its thread ends it), since the load pins for
+    /// itself rather than wait.
+    pub(crate) fn take_covering(&self, keys: &[&str]) -> Option<HeldPins> {
+        if keys.is_empty() {
+            return None;
+        }
+        let mut st = self.state.lock();
+        let covering = |e: &Entry| e.covers(keys.iter().copied());
+        let held = st
+            .entries
+            .iter()
+            .rposition(|e| matches!(e.pin, Pin::Held { .. }) && covering(e));
+        if let Some(pos) = held {
+            return match st.entries.remove(pos).map(|e| e.pin) {
+                Some(Pin::Held { session, started }) => Some(HeldPins { session, started }),
                 _ => None,
-            },
-            Slot::Starting { .. } => {
-                *slot = Slot::Empty;
-                None
-            }
-            _ => None,
+            };
         }
+        st.entries
+            .retain(|e| !(matches!(e.pin, Pin::Starting) && covering(e)));
+        None
     }
 
-    /// Empties the slot (`reset`, `close`): returns the pins held, for the caller to end. A
-    /// pin still under way is ended by its thread.
-    pub(crate) fn take_all(&self) -> Option<ReadSession> {
-        match std::mem::take(&mut *self.slot.lock()) {
-            Slot::Held(h) => Some(h.session),
-            _ => None,
-        }
+    /// Empties the pins (`reset`, `close`) and starts a new epoch: returns the sessions held,
+    /// for the caller to end. A pin still under way is ended by its thread; one not begun yet
+    /// is not started.
+    pub(crate) fn take_all(&self) -> Vec<ReadSession> {
+        let mut st = self.state.lock();
+        st.epoch += 1;
+        st.entries
+            .drain(..)
+            .filter_map(|e| match e.pin {
+                Pin::Held { session, .. } => Some(session),
+                Pin::Starting => None,
+            })
+            .collect()
     }
 }
 
@@ -156,49 +233,111 @@ mod tests {
         }
     }
 
+    fn keys(keys: &[&str]) -> Vec<String> {
+        keys.iter().map(|k| (*k).to_owned()).collect()
+    }
+
+    /// Pins `keys` as read ahead `generation` would, start to finish.
+    fn pin(p: &PinsAhead, generation: u64, k: &[&str]) -> Finished {
+        assert!(p.begin(generation, p.epoch(), &keys(k)));
+        p.finish(generation, session(k), Instant::now())
+    }
+
     #[test]
     fn a_load_takes_pins_that_cover_its_keys_and_leaves_others() {
         let p = PinsAhead::default();
-        assert!(p.begin(1).is_none());
-        assert!(p
-            .finish(1, session(&["a", "b", "c"]), Instant::now())
-            .is_none());
-        assert!(p.hold_fresh(&["a".into(), "c".into()], Duration::from_secs(1)));
-        assert!(!p.hold_fresh(&["a".into()], Duration::ZERO), "not fresh");
-        // Keys it does not cover: the pins stay.
-        assert!(p.take_covering(["a", "d"]).is_none());
-        let h = p.take_covering(["c", "a"]).expect("covered");
+        let f = pin(&p, 1, &["a", "b", "c"]);
+        assert!(f.unwanted.is_none() && f.replaced.is_empty());
+        assert!(p.hold_fresh(&keys(&["a", "c"]), Duration::from_secs(1)));
+        assert!(!p.hold_fresh(&keys(&["a"]), Duration::ZERO), "not fresh");
+        assert!(!p.hold_fresh(&keys(&["d"]), Duration::from_secs(1)));
+        // Keys it does not cover, or none: the pins stay.
+        assert!(p.take_covering(&["a", "d"]).is_none());
+        assert!(p.take_covering(&[]).is_none());
+        let h = p.take_covering(&["c", "a"]).expect("covered");
         assert_eq!(h.session.keys, ["a", "b", "c"]);
-        assert!(p.take_covering(["a"]).is_none(), "taken once");
+        assert!(p.take_covering(&["a"]).is_none(), "taken once");
     }
 
     #[test]
-    fn a_pin_no_longer_wanted_is_handed_back_to_be_ended() {
+    fn two_lookups_ahead_of_their_loads_each_keep_their_pins() {
         let p = PinsAhead::default();
-        p.begin(1);
-        // A load came first: it gives the pin under way up.
-        assert!(p.take_covering(["a"]).is_none());
-        assert!(p.finish(1, session(&["a"]), Instant::now()).is_some());
-        // A later read ahead replaced this one.
-        p.begin(2);
-        p.begin(3);
-        assert!(p.finish(2, session(&["a"]), Instant::now()).is_some());
-        assert!(p.finish(3, session(&["a"]), Instant::now()).is_none());
-        // The next read ahead gets the pins held before, to end them.
-        let before = p.begin(4).expect("held");
-        assert_eq!(before.session.keys, ["a"]);
-        p.abandon(4);
-        assert!(p.take_all().is_none());
+        pin(&p, 1, &["a1", "a2"]);
+        pin(&p, 2, &["b1", "b2"]);
+        assert_eq!(
+            p.take_covering(&["a1", "a2"]).unwrap().session.keys,
+            ["a1", "a2"]
+        );
+        assert_eq!(p.take_covering(&["b2"]).unwrap().session.keys, ["b1", "b2"]);
+        assert!(p.take_all().is_empty());
     }
 
     #[test]
-    fn ending_takes_what_is_held_and_a_late_pin_ends_itself() {
+    fn pins_covered_by_later_ones_or_past_the_bound_are_replaced() {
         let p = PinsAhead::default();
-        p.begin(1);
-        p.finish(1, session(&["a"]), Instant::now());
-        assert!(p.take_all().is_some());
-        p.begin(2);
-        assert!(p.take_all().is_none());
-        assert!(p.finish(2, session(&["a"]), Instant::now()).is_some());
+        pin(&p, 1, &["a"]);
+        // A later pin of a superset replaces it, once in.
+        let f = pin(&p, 2, &["a", "b"]);
+        assert_eq!(f.replaced.len(), 1);
+        assert_eq!(f.replaced[0].keys, ["a"]);
+        // KEPT more of other keys: the oldest (a, b) goes with the last.
+        for g in 0..KEPT as u64 {
+            let f = pin(&p, 3 + g, &[&format!("k{g}")]);
+            let last = g + 1 == KEPT as u64;
+            assert_eq!(f.replaced.len(), usize::from(last), "pin {g}");
+            if last {
+                assert_eq!(f.replaced[0].keys, ["a", "b"]);
+            }
+        }
+        assert!(p.take_covering(&["a"]).is_none());
+        assert_eq!(p.take_all().len(), KEPT);
+    }
+
+    #[test]
+    fn a_load_gives_up_only_a_pin_under_way_of_its_own_keys() {
+        let p = PinsAhead::default();
+        assert!(p.begin(1, 0, &keys(&["a"])));
+        // A load of other keys leaves it.
+        assert!(p.take_covering(&["b"]).is_none());
+        assert!(p.hold_fresh(&keys(&["a"]), Duration::ZERO), "under way");
+        let f = p.finish(1, session(&["a"]), Instant::now());
+        assert!(f.unwanted.is_none());
+        // A load of its keys gives it up: it is handed back once in.
+        assert!(p.begin(2, 0, &keys(&["c"])));
+        assert!(p.take_covering(&["c"]).is_none());
+        assert!(p
+            .finish(2, session(&["c"]), Instant::now())
+            .unwanted
+            .is_some());
+        assert!(p.take_covering(&["a"]).is_some());
+    }
+
+    #[test]
+    fn a_failed_pin_leaves_nothing_behind() {
+        let p = PinsAhead::default();
+        assert!(p.begin(1, 0, &keys(&["a"])));
+        p.abandon(1);
+        assert!(
+            !p.hold_fresh(&keys(&["a"]), Duration::from_secs(1)),
+            "the next lookup pins again"
+        );
+        assert!(p.take_all().is_empty());
+    }
+
+    #[test]
+    fn after_reset_a_late_pin_is_handed_back_and_an_earlier_lookup_pins_nothing() {
+        let p = PinsAhead::default();
+        pin(&p, 1, &["a"]);
+        let before = p.epoch();
+        assert!(p.begin(2, before, &keys(&["b"])));
+        assert_eq!(p.take_all().len(), 1, "the held one");
+        // The pin under way at the reset is ended by its thread.
+        assert!(p
+            .finish(2, session(&["b"]), Instant::now())
+            .unwanted
+            .is_some());
+        // A lookup from before the reset does not pin.
+        assert!(!p.begin(3, before, &keys(&["c"])));
+        assert!(p.take_all().is_empty());
     }
 }

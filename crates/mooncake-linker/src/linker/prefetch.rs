@@ -19,7 +19,7 @@
 //! other pages, or a batch that falls back to `AllRanks` (the group down with `ReadAlone`,
 //! plans that differ across ranks), reads the companions it misses itself. One read ahead at
 //! a time per linker
-//! (a lookup while one runs starts none); none without checksums or kept checksums
+//! (a lookup while one runs, its pin included, starts none); none without checksums or kept checksums
 //! (`verify_checksums`, `checksum_cache_entries`). A load waits for a read ahead of its
 //! companions for a quarter of `store_call_timeout` at most, then reads what is missing itself
 //! (the preflight's bounds allow for that wait); `close` waits for one under way until its
@@ -65,6 +65,14 @@ struct Running {
     thread: Option<JoinHandle<()>>,
 }
 
+/// The pins a read ahead takes: its keys, and the `pins_ahead` epoch of its lookup.
+#[derive(Debug, Clone, Copy)]
+struct PinAhead<'k> {
+    keys: &'k [String],
+    generation: u64,
+    epoch: u64,
+}
+
 /// Longest a load waits for a read ahead of its companions: a quarter of one store call (the
 /// preflight's bounds include it).
 pub(crate) fn read_ahead_wait(store_call_timeout: std::time::Duration) -> std::time::Duration {
@@ -72,7 +80,8 @@ pub(crate) fn read_ahead_wait(store_call_timeout: std::time::Duration) -> std::t
 }
 
 impl CompanionPrefetch {
-    /// A read ahead is under way, or the linker is closing: none starts now.
+    /// A read ahead is under way (its companions' read or its pin), or the linker is closing:
+    /// none starts now.
     fn busy(&self) -> bool {
         let st = self.state.lock();
         st.shut || st.running.as_ref().is_some_and(|r| r.active)
@@ -134,9 +143,7 @@ impl CompanionPrefetch {
             let _ = t.join();
         }
     }
-}
 
-impl CompanionPrefetch {
     /// Read ahead `generation` has read its companions: loads waiting for them go on (its
     /// pin may still be under way).
     fn companions_done(&self, generation: u64) {
@@ -203,31 +210,28 @@ impl Inner {
         out
     }
 
-    /// The objects of `pages` whose companions are read ahead: those this rank will read, not
-    /// kept yet; none without kept checksums.
-    fn objects_ahead(&self, pages: &[PageHash], mode: Option<ShareMode>) -> Vec<(String, usize)> {
+    /// Of the objects this rank will read (`objects_read`), those whose companions are read
+    /// ahead: not kept yet; none without kept checksums.
+    fn objects_ahead(&self, read: &[(String, usize)]) -> Vec<(String, usize)> {
         if !self.config.verify_checksums || self.config.checksum_cache_entries == 0 {
             return Vec::new();
         }
-        let mut objects = self.objects_read(pages, mode);
-        objects.retain(|(key, _)| self.checksums.get(key).is_none());
-        objects
+        read.iter()
+            .filter(|(key, _)| self.checksums.get(key).is_none())
+            .cloned()
+            .collect()
     }
 
-    /// The keys to pin ahead of the load of `pages` (`pins_ahead`): every object this rank's
-    /// load will read, where its mode is known; none where pins held already cover them and
-    /// are fresh, or `pin_at_lookup` is off.
-    fn pins_wanted(&self, pages: &[PageHash], mode: Option<ShareMode>) -> Option<Vec<String>> {
-        if !self.config.pin_at_lookup {
+    /// The keys to pin ahead of the load (`pins_ahead`): every object of `read` (this rank's
+    /// reads, `mode_known` if they include the replicated components'); none where the mode is
+    /// not known, pins held or under way already cover them, or `pin_at_lookup` is off.
+    fn pins_wanted(&self, read: &[(String, usize)], mode_known: bool) -> Option<Vec<String>> {
+        if !self.config.pin_at_lookup || !mode_known || read.is_empty() {
             return None;
         }
-        let keys: Vec<String> = self
-            .objects_read(pages, Some(mode?))
-            .into_iter()
-            .map(|(key, _)| key)
-            .collect();
+        let keys: Vec<String> = read.iter().map(|(key, _)| key.clone()).collect();
         let fresh = self.pins_ahead.hold_fresh(&keys, self.config.lease_renewal);
-        (!keys.is_empty() && !fresh).then_some(keys)
+        (!fresh).then_some(keys)
     }
 
     /// After a lookup that found `pages`: starts reading their companions into the kept
@@ -239,9 +243,12 @@ impl Inner {
         if self.prefetch.busy() {
             return;
         }
+        // Pins begin only if no `reset` or `close` comes between here and their start.
+        let epoch = self.pins_ahead.epoch();
         let mode = self.mode_ahead();
-        let objects = self.objects_ahead(pages, mode);
-        let pins = self.pins_wanted(pages, mode);
+        let read = self.objects_read(pages, mode);
+        let objects = self.objects_ahead(&read);
+        let pins = self.pins_wanted(&read, mode.is_some());
         if objects.is_empty() && pins.is_none() {
             return;
         }
@@ -273,7 +280,12 @@ impl Inner {
                     prefetch: &inner.prefetch,
                     generation,
                 };
-                inner.read_ahead(&objects, pins.as_deref(), generation);
+                let pins = pins.as_deref().map(|keys| PinAhead {
+                    keys,
+                    generation,
+                    epoch,
+                });
+                inner.read_ahead(&objects, pins, generation);
             });
         let mut st = self.prefetch.state.lock();
         match (spawned, st.running.as_mut()) {
@@ -297,59 +309,76 @@ impl Inner {
         }
     }
 
-    /// The read-ahead thread: pins `pins` (on a scoped thread of its own where one can be
-    /// had, so that neither waits for the other) and reads the companions of `objects`.
-    fn read_ahead(&self, objects: &[(String, usize)], pins: Option<&[String]>, generation: u64) {
+    /// The read-ahead thread: pins (on a scoped thread of its own where one can be had, so
+    /// that neither waits for the other) and reads the companions of `objects`.
+    fn read_ahead(&self, objects: &[(String, usize)], pins: Option<PinAhead<'_>>, generation: u64) {
         std::thread::scope(|s| {
             let mut pins = pins;
-            if let Some(keys) = pins {
+            if let Some(pin) = pins {
                 let beside = std::thread::Builder::new()
                     .name(format!("kvlink-pin-r{}", self.geometry.tp_rank))
-                    .spawn_scoped(s, move || self.pin_ahead(keys, generation));
-                if beside.is_ok() {
-                    pins = None;
+                    .spawn_scoped(s, move || self.pin_ahead(pin));
+                match beside {
+                    Ok(_) => pins = None,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "no thread to pin beside the companions' read: pinning after it")
+                    }
                 }
             }
             if !objects.is_empty() {
                 self.read_companions_ahead(objects);
                 self.prefetch.companions_done(generation);
             }
-            // No thread to pin beside the read: pin after it.
-            if let Some(keys) = pins {
-                self.pin_ahead(keys, generation);
+            if let Some(pin) = pins {
+                self.pin_ahead(pin);
             }
         });
     }
 
-    /// Starts the read session over `keys` for the next load (`pins_ahead`), then ends the
-    /// pins held before, if any (after, so keys in both stay pinned throughout).
-    fn pin_ahead(&self, keys: &[String], generation: u64) {
-        let before = self.pins_ahead.begin(generation);
+    /// Starts the read session over the keys of `pin` for their load (`pins_ahead`), then ends
+    /// the pins it replaces (after, so keys in both stay pinned throughout).
+    fn pin_ahead(&self, pin: PinAhead<'_>) {
+        let PinAhead {
+            keys,
+            generation,
+            epoch,
+        } = pin;
+        if !self.pins_ahead.begin(generation, epoch, keys) {
+            tracing::debug!("the linker was reset or closed since the lookup: no pins taken");
+            return;
+        }
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let started = Instant::now();
         let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
-        match self.calls.start_session(&refs, deadline) {
-            Ok(session) => {
-                self.metrics.pins_ahead();
-                tracing::debug!(keys = keys.len(), took = ?started.elapsed(), "pinned at lookup");
-                if let Some(late) = self.pins_ahead.finish(generation, session, started) {
-                    tracing::debug!("pins taken at lookup no longer wanted: ended");
-                    self.end_session_logged(&late);
-                }
-            }
+        let session = match self.calls.start_session(&refs, deadline) {
+            Ok(session) => session,
             Err(e) => {
                 self.pins_ahead.abandon(generation);
                 tracing::debug!(error = %e, keys = keys.len(), "pinning at lookup failed: the load pins for itself");
+                return;
             }
+        };
+        let finished = self.pins_ahead.finish(generation, session, started);
+        if let Some(unwanted) = &finished.unwanted {
+            tracing::debug!(
+                keys = keys.len(),
+                "pins taken at lookup no longer wanted: ended"
+            );
+            self.end_session_logged(unwanted);
+        } else {
+            self.metrics.pins_ahead();
+            tracing::debug!(keys = keys.len(), took = ?started.elapsed(),
+                            replaced = finished.replaced.len(), "pinned at lookup");
         }
-        if let Some(h) = before {
-            self.end_session_logged(&h.session);
+        for replaced in &finished.replaced {
+            self.end_session_logged(replaced);
         }
     }
 
-    /// Ends the pins held ahead of a load, if any (`reset`, `close`).
+    /// Ends the pins held ahead of loads (`reset`, `close`); pins of lookups before are not
+    /// started from now on.
     pub(crate) fn end_pins_ahead(&self) {
-        if let Some(session) = self.pins_ahead.take_all() {
+        for session in self.pins_ahead.take_all() {
             self.end_session_logged(&session);
         }
     }
