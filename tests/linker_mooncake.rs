@@ -10,6 +10,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::sessions::Sessions;
 use common::*;
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{KvGeometry, PageHash};
@@ -222,7 +223,8 @@ fn a_load_takes_its_lookups_pins_over_mooncake() {
     let pages = save_prefix(&spec, clients[0].clone(), &tokens, &config);
     let g = KvGeometry::new(spec, 1, 0).unwrap();
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-    let linker = Linker::new(g.clone(), clients[0].clone(), pool.clone(), config).unwrap();
+    let sessions = Sessions::over(clients[0].clone());
+    let linker = Linker::new(g.clone(), sessions.clone(), pool.clone(), config).unwrap();
     for (batch, pause) in [(1u64, Duration::ZERO), (2, Duration::from_millis(400))] {
         let before = linker.metrics().pins_ahead;
         assert_eq!(linker.lookup_pages(&pages, 0).unwrap().pages.len(), 4);
@@ -239,6 +241,21 @@ fn a_load_takes_its_lookups_pins_over_mooncake() {
         linker.wait_batch(&t).unwrap().result.unwrap();
         pool_matches(&pool, &pages, &slots, g.num_layers()).unwrap();
         assert_eq!(linker.metrics().pins_ahead_taken, batch, "batch {batch}");
+        let (started, ended) = sessions.counts();
+        assert_eq!(started, ended, "batch {batch}: every session ended");
+        assert!(sessions.pinned().is_empty());
+        if batch == 1 {
+            assert_eq!(started, 1, "the load started no session of its own");
+        } else {
+            // Taken past `lease_renewal`: renewed before the first read, then the old one
+            // ended.
+            assert!(started >= 3, "batch 2: {started} sessions");
+            assert!(
+                sessions.order().starts_with("sesse"),
+                "{}",
+                sessions.order()
+            );
+        }
     }
     linker.close().unwrap();
 }

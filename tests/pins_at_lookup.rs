@@ -1,94 +1,25 @@
 //! Pins taken at lookup (`LinkerConfig::pin_at_lookup`): a lookup that found pages starts the
 //! read session its load will read under; the load takes it over where it covers every key it
-//! reads, and every pin is ended: by the load that took it, the next lookup that pins other
-//! keys, `reset` or `close`, whatever failed or came late.
+//! reads. The pins of several lookups wait for their loads (four at most), and every pin is
+//! ended: by the load that took it, a later lookup's pins that cover it, the bound, `reset` or
+//! `close`, whatever failed or came late.
 
 mod common;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::sessions::Sessions;
 use common::tp::{self, Path, RankBuild};
 use common::*;
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{KvGeometry, PageHash};
 use kvlink::kv_loader::{KvLoader, ShareMode};
+use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
 use kvlink::mooncake_linker::store::{
-    EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, ReadSession, Stall,
-    StoreError,
+    EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, Stall, StoreError,
 };
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
-
-/// Counts the read sessions started and ended through it, and how many sessions hold each key.
-struct Sessions {
-    inner: Arc<dyn KvStore>,
-    state: Mutex<SessionLog>,
-}
-
-#[derive(Default)]
-struct SessionLog {
-    started: u32,
-    ended: u32,
-    open: HashMap<String, i64>,
-}
-
-impl Sessions {
-    fn over(inner: Arc<dyn KvStore>) -> Arc<Self> {
-        Arc::new(Sessions {
-            inner,
-            state: Mutex::new(SessionLog::default()),
-        })
-    }
-
-    /// Sessions started (successfully) and ended so far.
-    fn counts(&self) -> (u32, u32) {
-        let s = self.state.lock().unwrap();
-        (s.started, s.ended)
-    }
-
-    /// The keys some session holds now.
-    fn pinned(&self) -> Vec<String> {
-        let s = self.state.lock().unwrap();
-        let mut keys: Vec<String> = s
-            .open
-            .iter()
-            .filter(|(_, &n)| n != 0)
-            .map(|(k, _)| k.clone())
-            .collect();
-        keys.sort();
-        keys
-    }
-}
-
-impl KvStore for Sessions {
-    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put, remove,
-        discard, register, unregister, health);
-
-    fn name(&self) -> &str {
-        "sessions"
-    }
-
-    fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
-        let session = self.inner.start_session(keys)?;
-        let mut s = self.state.lock().unwrap();
-        s.started += 1;
-        for k in keys {
-            *s.open.entry((*k).to_owned()).or_default() += 1;
-        }
-        Ok(session)
-    }
-
-    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        let mut s = self.state.lock().unwrap();
-        s.ended += 1;
-        for k in &session.keys {
-            *s.open.entry(k.clone()).or_default() -= 1;
-        }
-        drop(s);
-        self.inner.end_session(session)
-    }
-}
 
 /// Each rank's session log, by rank.
 type RankLogs = Arc<Mutex<Vec<(u32, Arc<Sessions>)>>>;
@@ -101,8 +32,13 @@ fn config() -> LinkerConfig {
 }
 
 /// Waits (10 s at most) until `done` holds; false if it never did.
-fn eventually(done: impl Fn() -> bool) -> bool {
-    let limit = Instant::now() + Duration::from_secs(10);
+fn eventually(done: impl FnMut() -> bool) -> bool {
+    eventually_within(Duration::from_secs(10), done)
+}
+
+/// Waits (`limit` at most) until `done` holds; false if it never did.
+fn eventually_within(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let limit = Instant::now() + limit;
     while !done() {
         if Instant::now() > limit {
             return false;
@@ -191,13 +127,17 @@ impl Rank {
         pool_matches(&self.pool, pages, slots, g.num_layers()).unwrap();
     }
 
+    /// Looks `pages` up until a lookup pins them (one while the last lookup's read ahead
+    /// still runs starts none).
     fn lookup_pinned(&self, pages: &[PageHash], pins_before: u64) {
-        let hit = self.linker.lookup_pages(pages, 0).unwrap();
-        assert_eq!(hit.pages.len(), pages.len());
-        assert!(
-            eventually(|| self.linker.metrics().pins_ahead > pins_before),
-            "the lookup pinned"
-        );
+        let pinned = eventually(|| {
+            let hit = self.linker.lookup_pages(pages, 0).unwrap();
+            assert_eq!(hit.pages.len(), pages.len());
+            eventually_within(Duration::from_millis(50), || {
+                self.linker.metrics().pins_ahead > pins_before
+            })
+        });
+        assert!(pinned, "the lookup pinned");
     }
 }
 
@@ -214,6 +154,7 @@ fn a_lookup_pins_what_its_load_reads_and_the_load_takes_the_pins() {
         "every key the load reads, once"
     );
     r.load(&r.pages, 1, &[3, 1, 6, 0]);
+    assert_eq!(r.sessions.read(), r.keys_of(&r.pages), "what it read");
     let m = r.linker.metrics();
     assert_eq!((m.pins_ahead, m.pins_ahead_taken), (1, 1), "{m:?}");
     assert_eq!(
@@ -228,10 +169,11 @@ fn a_lookup_pins_what_its_load_reads_and_the_load_takes_the_pins() {
     r.linker.close().unwrap();
 }
 
-/// A load of other pages pins for itself and leaves the lookup's pins; the next lookup that
-/// pins other keys ends them, and `close` ends the last.
+/// A load of other pages pins for itself and leaves the lookup's pins; a lookup of more pages
+/// replaces them once its own are in (their keys stay pinned throughout), and `close` ends
+/// the last.
 #[test]
-fn pins_of_other_pages_stay_until_the_next_lookup_ends_them() {
+fn pins_of_other_pages_stay_until_a_lookup_of_more_pages_replaces_them() {
     let r = rank(62, 4, config(), |s| s);
     r.lookup_pinned(&r.pages[..2], 0);
     let first = r.keys_of(&r.pages[..2]);
@@ -251,6 +193,15 @@ fn pins_of_other_pages_stay_until_the_next_lookup_ends_them() {
     assert!(
         eventually(|| r.sessions.counts() == (3, 2)),
         "the pins before were ended"
+    );
+    assert_eq!(
+        r.sessions.order(),
+        "ssese",
+        "ended after the new ones started"
+    );
+    assert!(
+        !r.sessions.let_go_of_any(&first),
+        "the first pages stayed pinned throughout"
     );
     assert_eq!(r.sessions.pinned(), r.keys_of(&r.pages));
     // A lookup of the same pages while they are held and fresh pins nothing again.
@@ -343,6 +294,11 @@ fn pins_older_than_the_renewal_period_are_renewed_before_the_first_read() {
         started >= 2,
         "renewed before the first read: {started} sessions"
     );
+    assert!(
+        r.sessions.order().starts_with("sse"),
+        "the renewal started before the lookup's session ended: {}",
+        r.sessions.order()
+    );
     assert_eq!(started, ended);
     assert!(r.sessions.pinned().is_empty());
     r.linker.close().unwrap();
@@ -364,11 +320,80 @@ fn with_pin_at_lookup_off_the_load_pins_for_itself() {
     r.linker.close().unwrap();
 }
 
-/// TP 3 in `SplitAllGather`: each rank's lookup pins its own share of the replicated pages
-/// and every page of its sharded component, and each rank's load takes those pins; a rank's
-/// pins never cover another rank's share.
+/// Two requests looked up before either loads: each load takes its own lookup's pins.
 #[test]
-fn each_rank_of_a_group_pins_its_own_share_and_takes_it() {
+fn two_lookups_ahead_of_their_loads_each_keep_their_pins() {
+    let r = rank(69, 4, config(), |s| s);
+    let (a, b) = r.pages.split_at(2);
+    r.lookup_pinned(a, 0);
+    r.lookup_pinned(b, 1);
+    let mut both = [r.keys_of(a), r.keys_of(b)].concat();
+    both.sort();
+    assert_eq!(r.sessions.pinned(), both);
+    r.load(a, 1, &[5, 2]);
+    r.load(b, 2, &[0, 7]);
+    let m = r.linker.metrics();
+    assert_eq!((m.pins_ahead, m.pins_ahead_taken), (2, 2), "{m:?}");
+    assert_eq!(r.sessions.counts(), (2, 2), "no load pinned for itself");
+    assert!(r.sessions.pinned().is_empty());
+    r.linker.close().unwrap();
+}
+
+/// Four lookups' pins wait for their loads; a fifth's end the oldest.
+#[test]
+fn pins_past_four_lookups_end_the_oldest() {
+    let r = rank(70, 5, config(), |s| s);
+    for (i, page) in r.pages.chunks(1).enumerate() {
+        r.lookup_pinned(page, i as u64);
+    }
+    assert!(eventually(|| r.sessions.counts() == (5, 1)));
+    assert_eq!(r.sessions.pinned(), {
+        let mut k: Vec<String> = r.pages[1..].iter().flat_map(|p| r.keys_of(&[*p])).collect();
+        k.sort();
+        k
+    });
+    r.linker.close().unwrap();
+    assert_eq!(r.sessions.counts(), (5, 5));
+    assert!(r.sessions.pinned().is_empty());
+}
+
+/// A pin stalled at its store call past `reset` (or `close`), which wait for it only so long:
+/// once it comes back it is ended, never left held.
+#[test]
+fn a_pin_stalled_past_reset_or_close_is_ended_when_it_comes_back() {
+    for close in [false, true] {
+        let held = Stall::new();
+        let cfg = LinkerConfig {
+            wait_deadline: Duration::from_millis(200),
+            ..config()
+        };
+        let r = rank(71, 3, cfg, first_session(Fault::Stall(held.clone())));
+        r.linker.lookup_pages(&r.pages, 0).unwrap();
+        assert!(eventually(|| held.hits() == 1), "the pin is under way");
+        if close {
+            r.linker.close().unwrap();
+        } else {
+            r.linker.reset().unwrap();
+        }
+        held.release();
+        assert!(
+            eventually(|| r.sessions.counts() == (1, 1)),
+            "close {close}: the late pin was ended: {:?}",
+            r.sessions.counts()
+        );
+        assert!(r.sessions.pinned().is_empty());
+        if !close {
+            // After the reset a load pins for itself.
+            r.load(&r.pages, 1, &[0, 1, 2]);
+            assert_eq!(r.linker.metrics().pins_ahead_taken, 0);
+            r.linker.close().unwrap();
+            assert_eq!(r.sessions.counts(), (2, 2));
+        }
+    }
+}
+
+/// TP 3 ranks over one store, each through its own session log.
+fn group(mode: ModeChoice) -> (Vec<tp::TpRank>, Vec<PageHash>, Vec<Arc<Sessions>>) {
     let logs: RankLogs = Arc::default();
     let keep = logs.clone();
     let wrap = move |rank: u32, s: Arc<dyn KvStore>| -> Arc<dyn KvStore> {
@@ -380,18 +405,23 @@ fn each_rank_of_a_group_pins_its_own_share_and_takes_it() {
         store: &wrap,
         ..RankBuild::default()
     };
-    let cfg = tp::config(ShareMode::SplitAllGather);
+    let cfg = LinkerConfig {
+        mode,
+        ..tp::config(ShareMode::AllRanks)
+    };
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
     let (ranks, pages) =
         tp::tp_ranks_built(&tp::mixed_spec(), 3, store, 6, &cfg, Path::Host, &build);
-    let log_of = |rank: u32| {
-        logs.lock()
-            .unwrap()
-            .iter()
-            .find(|(r, _)| *r == rank)
-            .map(|(_, l)| l.clone())
-            .unwrap()
-    };
+    let mut logs = std::mem::take(&mut *logs.lock().unwrap());
+    logs.sort_by_key(|(rank, _)| *rank);
+    (ranks, pages, logs.into_iter().map(|(_, l)| l).collect())
+}
+
+/// TP 3 in a fixed mode: each rank's lookup pins exactly what its load then reads (every
+/// page of its sharded component, and its share of the replicated ones), and each rank's
+/// load takes those pins.
+fn each_rank_pins_what_it_reads(mode: ShareMode) -> Vec<Vec<String>> {
+    let (ranks, pages, logs) = group(ModeChoice::Fixed(mode));
     std::thread::scope(|s| {
         for r in &ranks {
             s.spawn(|| assert_eq!(r.linker.lookup_pages(&pages, 0).unwrap().pages.len(), 6));
@@ -401,25 +431,38 @@ fn each_rank_of_a_group_pins_its_own_share_and_takes_it() {
     for (rank, r) in ranks.iter().enumerate() {
         assert!(
             eventually(|| r.linker.metrics().pins_ahead == 1),
-            "rank {rank} pinned"
+            "{mode:?}: rank {rank} pinned"
         );
-        let keys = log_of(rank as u32).pinned();
-        assert!(!keys.is_empty());
-        pinned.push(keys);
+        pinned.push(logs[rank].pinned());
     }
-    tp::run_ok(&ranks, 1, &pages, "split, pinned at lookup");
+    tp::run_ok(&ranks, 1, &pages, "pinned at lookup");
     for (rank, r) in ranks.iter().enumerate() {
         let m = r.linker.metrics();
-        assert_eq!(m.pins_ahead_taken, 1, "rank {rank}: {m:?}");
-        let log = log_of(rank as u32);
+        assert_eq!(m.pins_ahead_taken, 1, "{mode:?}: rank {rank}: {m:?}");
+        let log = &logs[rank];
+        assert_eq!(
+            log.read(),
+            pinned[rank],
+            "{mode:?}: rank {rank} pinned what it read"
+        );
         assert_eq!(
             log.counts(),
             (1, 1),
-            "rank {rank} started no session of its own"
+            "{mode:?}: rank {rank} started no session of its own"
         );
         assert!(log.pinned().is_empty());
     }
-    // The replicated pages are split: no two ranks pinned the same replicated object.
+    for r in &ranks {
+        r.linker.close().unwrap();
+    }
+    pinned
+}
+
+/// In `SplitAllGather` no two ranks pin the same object (the replicated pages are split, the
+/// sharded component is each rank's own).
+#[test]
+fn in_split_each_rank_pins_its_own_share_and_takes_it() {
+    let pinned = each_rank_pins_what_it_reads(ShareMode::SplitAllGather);
     for a in 0..3 {
         for b in a + 1..3 {
             let shared: Vec<&String> = pinned[a].iter().filter(|k| pinned[b].contains(k)).collect();
@@ -429,7 +472,40 @@ fn each_rank_of_a_group_pins_its_own_share_and_takes_it() {
             );
         }
     }
+}
+
+/// In `Rank0Broadcast` rank 0 pins every replicated object, the others their sharded ones
+/// alone.
+#[test]
+fn in_rank0_broadcast_rank_0_pins_the_replicated_pages() {
+    let pinned = each_rank_pins_what_it_reads(ShareMode::Rank0Broadcast);
+    assert!(pinned[0].len() > pinned[1].len(), "{pinned:?}");
+    assert_eq!(pinned[1].len(), pinned[2].len());
+}
+
+/// `Auto` before it keeps a mode: a rank's replicated reads are not known at the lookup, so
+/// it pins nothing (the sharded companions are still read ahead) and the load pins for
+/// itself.
+#[test]
+fn auto_before_it_keeps_a_mode_pins_nothing_at_lookup() {
+    let (ranks, pages, logs) = group(ModeChoice::Auto);
+    // A group's lookup is collective.
+    std::thread::scope(|s| {
+        for r in &ranks {
+            s.spawn(|| r.linker.lookup_pages(&pages, 0).unwrap());
+        }
+    });
     for r in &ranks {
+        // Its sharded component's companion of each page.
+        assert!(eventually(
+            || r.linker.metrics().companions_prefetched == pages.len() as u64
+        ));
+        assert_eq!(r.linker.metrics().pins_ahead, 0);
+    }
+    tp::run_ok(&ranks, 1, &pages, "auto, nothing pinned at lookup");
+    for (rank, r) in ranks.iter().enumerate() {
+        assert_eq!(r.linker.metrics().pins_ahead_taken, 0);
+        assert_eq!(logs[rank].counts(), (1, 1), "rank {rank} pinned for itself");
         r.linker.close().unwrap();
     }
 }

@@ -13,6 +13,7 @@ use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
 pub mod coll;
 pub mod paced;
+pub mod sessions;
 pub mod tp;
 
 /// A small DSA-like model: 6 layers, page size 4, a 40 B/token KV and a 24 B/page indexer on
