@@ -19,6 +19,7 @@ mod config;
 mod gate;
 mod ranges;
 mod read;
+mod sessions;
 mod store;
 
 pub use config::{

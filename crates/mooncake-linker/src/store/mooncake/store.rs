@@ -6,10 +6,11 @@ use std::sync::Arc;
 use kv_loader::Cause;
 use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError};
 use parking_lot::Mutex;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::config::MooncakeConfig;
 use super::gate::{TransferGate, UNREGISTER_WAIT};
+use super::sessions::SessionTable;
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet,
     ReadSession, StoreError,
@@ -25,26 +26,6 @@ const SIZE_QUERY_THREADS: usize = 8;
 pub const MAX_WHOLE_READS_PER_CALL: usize = 1024;
 /// Keys per thread below which `object_size` asks on fewer threads.
 const SIZE_QUERY_KEYS_PER_THREAD: usize = 32;
-
-/// Read-session bookkeeping of one key: Mooncake's sessions are not reference counted (the
-/// client keeps one session per key; a repeated `batch_get_session_start` refreshes it, one
-/// `batch_get_session_end` erases it), so the store counts its users and ends the client's
-/// session only when the last one leaves.
-#[derive(Debug, Default)]
-struct KeySession {
-    /// [`KvStore::start_session`]s of the key not yet matched by an
-    /// [`KvStore::end_session`] (several linkers, or a renewal overlapping the session it
-    /// renews).
-    explicit: usize,
-    /// Ranged reads in flight that opened (or joined) the session.
-    implicit: usize,
-}
-
-impl KeySession {
-    fn unused(&self) -> bool {
-        self.explicit == 0 && self.implicit == 0
-    }
-}
 
 /// A [`KvStore`] on a Mooncake Store: one Mooncake client embedded in this process (it also
 /// lends `global_segment_size` bytes of RAM to the pool).
@@ -70,7 +51,7 @@ impl KeySession {
 pub struct MooncakeStore {
     pub(super) client: Client,
     pub(super) config: MooncakeConfig,
-    sessions: Mutex<HashMap<String, KeySession>>,
+    sessions: SessionTable,
     /// Reads and puts hold it shared; `unregister` alone.
     pub(super) transfers: TransferGate,
     /// Regions registered through this store (address to length).
@@ -123,7 +104,7 @@ impl MooncakeStore {
         Ok(Self {
             client,
             config,
-            sessions: Mutex::new(HashMap::new()),
+            sessions: SessionTable::default(),
             transfers: TransferGate::default(),
             registered: Mutex::new(HashMap::new()),
             scratch: Mutex::new(Vec::new()),
@@ -139,87 +120,11 @@ impl MooncakeStore {
     pub fn client(&self) -> &Client {
         &self.client
     }
-
-    /// Opens (or joins) read sessions for `keys` for one ranged read; per distinct key, whether
-    /// it is in a session now. Holds the lock across the RPC so that a concurrent end cannot
-    /// overtake the start (and vice versa).
-    fn join_sessions(&self, keys: &[&str]) -> HashMap<String, Result<(), StoreError>> {
-        let mut sessions = self.sessions.lock();
-        let mut out = HashMap::with_capacity(keys.len());
-        let mut to_start: Vec<&str> = Vec::new();
-        for &k in keys {
-            if out.contains_key(k) {
-                continue;
-            }
-            if let Some(s) = sessions.get_mut(k) {
-                s.implicit += 1;
-                out.insert(k.to_owned(), Ok(()));
-            } else {
-                to_start.push(k);
-                out.insert(k.to_owned(), Ok(()));
-            }
-        }
-        if to_start.is_empty() {
-            return out;
-        }
-        for (k, r) in to_start.iter().zip(start_sessions(&self.client, &to_start)) {
-            match r {
-                Ok(()) => {
-                    sessions.entry((*k).to_owned()).or_default().implicit += 1;
-                }
-                Err(e) => {
-                    out.insert((*k).to_owned(), Err(e));
-                }
-            }
-        }
-        out
-    }
-
-    /// Undoes [`join_sessions`](Self::join_sessions) for the keys it put in a session.
-    fn leave_sessions<'a>(&self, keys: impl Iterator<Item = &'a str>) {
-        let mut sessions = self.sessions.lock();
-        let mut to_end = Vec::new();
-        for k in keys {
-            if let Some(s) = sessions.get_mut(k) {
-                s.implicit = s.implicit.saturating_sub(1);
-                if s.unused() {
-                    sessions.remove(k);
-                    to_end.push(k);
-                }
-            }
-        }
-        if !to_end.is_empty() {
-            if let Err(e) = self.client.batch_get_session_end(&to_end) {
-                warn!(keys = to_end.len(), error = %e, "mooncake: ending read sessions failed");
-            }
-        }
-    }
-}
-
-fn start_sessions(client: &Client, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-    let (valid, mut out) = split_valid(keys);
-    if valid.is_empty() {
-        return out.into_iter().map(|r| r.map(|_| ())).collect();
-    }
-    let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
-    match client.batch_get_session_start(&names) {
-        Ok(results) => {
-            for (&i, r) in valid.iter().zip(results) {
-                out[i] = r.map_err(|c| code_error(keys[i], c));
-            }
-        }
-        Err(e) => {
-            for &i in &valid {
-                out[i] = Err(store_error(keys[i], &e));
-            }
-        }
-    }
-    out
 }
 
 /// Indices of keys Mooncake can take (no NUL byte), and a result vector with the others
 /// already failed.
-fn split_valid(keys: &[&str]) -> (Vec<usize>, Vec<Result<(), StoreError>>) {
+pub(super) fn split_valid(keys: &[&str]) -> (Vec<usize>, Vec<Result<(), StoreError>>) {
     let mut valid = Vec::with_capacity(keys.len());
     let out = keys
         .iter()
@@ -484,7 +389,7 @@ impl KvStore for MooncakeStore {
             return out;
         }
         let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
-        let joined = self.join_sessions(&names);
+        let joined = self.sessions.join(&self.client, &names);
         // Keys in a session now; the others fail with the session's error.
         let readable: Vec<usize> = valid
             .iter()
@@ -509,7 +414,7 @@ impl KvStore for MooncakeStore {
             .iter()
             .filter(|(_, r)| r.is_ok())
             .map(|(k, _)| k.as_str());
-        self.leave_sessions(joined_ok);
+        self.sessions.leave(&self.client, joined_ok);
         out
     }
 
@@ -648,27 +553,7 @@ impl KvStore for MooncakeStore {
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
-        let mut sessions = self.sessions.lock();
-        // Always asks the master: a repeated start renews the lease.
-        let results = start_sessions(&self.client, keys);
-        if let Some(pos) = results.iter().position(Result::is_err) {
-            // Undo what this call opened, keep what was open before.
-            let opened: Vec<&str> = keys
-                .iter()
-                .zip(&results)
-                .filter(|(k, r)| r.is_ok() && !sessions.contains_key(**k))
-                .map(|(k, _)| *k)
-                .collect();
-            if !opened.is_empty() {
-                if let Err(e) = self.client.batch_get_session_end(&opened) {
-                    warn!(error = %e, "mooncake: undoing a partial read session failed");
-                }
-            }
-            return Err(results[pos].clone().unwrap_err());
-        }
-        for k in keys {
-            sessions.entry((*k).to_owned()).or_default().explicit += 1;
-        }
+        self.sessions.start(&self.client, keys)?;
         Ok(ReadSession {
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             lease: Some(self.config.lease_duration()),
@@ -676,23 +561,7 @@ impl KvStore for MooncakeStore {
     }
 
     fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        let mut sessions = self.sessions.lock();
-        let mut to_end = Vec::new();
-        for k in &session.keys {
-            if let Some(s) = sessions.get_mut(k) {
-                s.explicit = s.explicit.saturating_sub(1);
-                if s.unused() {
-                    sessions.remove(k);
-                    to_end.push(k.as_str());
-                }
-            }
-        }
-        if to_end.is_empty() {
-            return Ok(());
-        }
-        self.client
-            .batch_get_session_end(&to_end)
-            .map_err(|e| store_error(to_end[0], &e))
+        self.sessions.end(&self.client, &session.keys)
     }
 
     fn health(&self) -> Result<(), StoreError> {

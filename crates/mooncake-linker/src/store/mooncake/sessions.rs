@@ -1,0 +1,370 @@
+//! The store's table of Mooncake read sessions, per key.
+//!
+//! Mooncake's sessions are not reference counted (the client keeps one session per key; a
+//! repeated `batch_get_session_start` refreshes it, one `batch_get_session_end` erases it),
+//! so the store counts each key's users and ends the client's session only when the last one
+//! leaves.
+//!
+//! Two locks. The table's own is held only to read and change counts, never across a master
+//! call. The other, `calls`, is held across every session call to the master (start or end),
+//! and taken before the table decides which keys to start or end, so that the master sees a
+//! key's starts and ends in the order the table made them. A ranged read whose keys are all
+//! in a session joins them under the table's lock alone: it never waits for a master call of
+//! other keys (a read session started at lookup, a renewal: 4-5 ms each for a 32K-token
+//! GLM-5.2 prefix on the GPU host). A key stays in the table, at zero users, until the holder
+//! of `calls` ends it; one that gains a user meanwhile is not ended.
+
+use std::collections::{HashMap, HashSet};
+
+use mooncake_sys::Client;
+use parking_lot::Mutex;
+use tracing::warn;
+
+use super::store::{code_error, split_valid, store_error};
+use crate::store::StoreError;
+
+/// Read-session bookkeeping of one key.
+#[derive(Debug, Default)]
+struct KeySession {
+    /// Explicit starts (`KvStore::start_session`) of the key not yet matched by an end
+    /// (several linkers, or a renewal overlapping the session it renews).
+    explicit: usize,
+    /// Ranged reads in flight that opened (or joined) the session.
+    implicit: usize,
+}
+
+impl KeySession {
+    fn unused(&self) -> bool {
+        self.explicit == 0 && self.implicit == 0
+    }
+}
+
+/// The master's session calls, as the table makes them (a Mooncake client's; a test's fake).
+pub(super) trait SessionCalls {
+    /// Starts the session of each of `keys` (one master call); per key, whether it did.
+    fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>>;
+    /// Ends the session of each of `keys` (one master call).
+    fn end(&self, keys: &[&str]) -> Result<(), StoreError>;
+}
+
+impl SessionCalls for Client {
+    fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        start_sessions(self, keys)
+    }
+
+    fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
+        match keys.first() {
+            None => Ok(()),
+            Some(first) => self
+                .batch_get_session_end(keys)
+                .map_err(|e| store_error(first, &e)),
+        }
+    }
+}
+
+/// Which keys are in a client read session, and who uses them (see the module docs).
+#[derive(Debug, Default)]
+pub(super) struct SessionTable {
+    keys: Mutex<HashMap<String, KeySession>>,
+    /// Held across every session call to the master.
+    calls: Mutex<()>,
+}
+
+impl SessionTable {
+    /// Opens (or joins) sessions for `keys` for one ranged read; per distinct key, whether it
+    /// is in a session now (undo with [`leave`](Self::leave) for the keys that are).
+    pub(super) fn join(
+        &self,
+        client: &(impl SessionCalls + ?Sized),
+        keys: &[&str],
+    ) -> HashMap<String, Result<(), StoreError>> {
+        let distinct: Vec<&str> = {
+            let mut seen = HashSet::with_capacity(keys.len());
+            keys.iter().copied().filter(|k| seen.insert(*k)).collect()
+        };
+        let mut out: HashMap<String, Result<(), StoreError>> =
+            distinct.iter().map(|k| ((*k).to_owned(), Ok(()))).collect();
+        // Every key in a session already: no master call, no wait for one.
+        if self.join_present(&distinct, true).is_empty() {
+            return out;
+        }
+        let _calls = self.calls.lock();
+        let to_start = self.join_present(&distinct, false);
+        if to_start.is_empty() {
+            return out;
+        }
+        let started = client.start(&to_start);
+        let mut table = self.keys.lock();
+        for (k, r) in to_start.iter().zip(started) {
+            match r {
+                Ok(()) => table.entry((*k).to_owned()).or_default().implicit += 1,
+                Err(e) => {
+                    out.insert((*k).to_owned(), Err(e));
+                }
+            }
+        }
+        out
+    }
+
+    /// Joins the keys of `keys` in a session now; returns the others. With `all_or_none`,
+    /// joins none unless every key is in one.
+    fn join_present<'k>(&self, keys: &[&'k str], all_or_none: bool) -> Vec<&'k str> {
+        let mut table = self.keys.lock();
+        let absent: Vec<&str> = keys
+            .iter()
+            .copied()
+            .filter(|k| !table.contains_key(*k))
+            .collect();
+        if all_or_none && !absent.is_empty() {
+            return absent;
+        }
+        for k in keys {
+            if let Some(s) = table.get_mut(*k) {
+                s.implicit += 1;
+            }
+        }
+        absent
+    }
+
+    /// Undoes [`join`](Self::join) for the keys it put in a session.
+    pub(super) fn leave<'a>(
+        &self,
+        client: &(impl SessionCalls + ?Sized),
+        keys: impl Iterator<Item = &'a str>,
+    ) {
+        let keys: Vec<&str> = keys.collect();
+        let any_unused = {
+            let mut table = self.keys.lock();
+            keys.iter().fold(false, |any, k| match table.get_mut(*k) {
+                Some(s) => {
+                    s.implicit = s.implicit.saturating_sub(1);
+                    any | s.unused()
+                }
+                None => any,
+            })
+        };
+        if any_unused {
+            if let Err(e) = self.end_unused(client, &keys) {
+                warn!(error = %e, "mooncake: ending read sessions failed");
+            }
+        }
+    }
+
+    /// An explicit session over `keys`: always asks the master (a repeated start renews the
+    /// lease). On failure, what this call opened is ended again and what was open before
+    /// kept.
+    pub(super) fn start(
+        &self,
+        client: &(impl SessionCalls + ?Sized),
+        keys: &[&str],
+    ) -> Result<(), StoreError> {
+        let _calls = self.calls.lock();
+        let results = client.start(keys);
+        if let Some(first) = results.iter().find_map(|r| r.as_ref().err()) {
+            // No key enters or leaves the table without `calls`: what is absent now was
+            // opened by this call.
+            let opened: Vec<&str> = {
+                let table = self.keys.lock();
+                keys.iter()
+                    .zip(&results)
+                    .filter(|(k, r)| r.is_ok() && !table.contains_key(**k))
+                    .map(|(k, _)| *k)
+                    .collect()
+            };
+            if !opened.is_empty() {
+                if let Err(e) = client.end(&opened) {
+                    warn!(error = %e, "mooncake: undoing a partial read session failed");
+                }
+            }
+            return Err(first.clone());
+        }
+        let mut table = self.keys.lock();
+        for k in keys {
+            table.entry((*k).to_owned()).or_default().explicit += 1;
+        }
+        Ok(())
+    }
+
+    /// Ends an explicit session over `keys`: the client's session of each key its last user
+    /// leaves is ended.
+    pub(super) fn end(
+        &self,
+        client: &(impl SessionCalls + ?Sized),
+        keys: &[String],
+    ) -> Result<(), StoreError> {
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let any_unused = {
+            let mut table = self.keys.lock();
+            keys.iter().fold(false, |any, k| match table.get_mut(*k) {
+                Some(s) => {
+                    s.explicit = s.explicit.saturating_sub(1);
+                    any | s.unused()
+                }
+                None => any,
+            })
+        };
+        if !any_unused {
+            return Ok(());
+        }
+        self.end_unused(client, &keys)
+    }
+
+    /// Ends the client's session of each of `keys` with no user left (one that gained a user
+    /// since stays).
+    fn end_unused(
+        &self,
+        client: &(impl SessionCalls + ?Sized),
+        keys: &[&str],
+    ) -> Result<(), StoreError> {
+        let _calls = self.calls.lock();
+        let mut to_end: Vec<&str> = Vec::new();
+        {
+            let mut table = self.keys.lock();
+            for &k in keys {
+                if table.get(k).is_some_and(KeySession::unused) {
+                    table.remove(k);
+                    to_end.push(k);
+                }
+            }
+        }
+        client.end(&to_end)
+    }
+}
+
+/// Starts the client's session of each of `keys` (one master call); per key, whether it did.
+fn start_sessions(client: &Client, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+    let (valid, mut out) = split_valid(keys);
+    if valid.is_empty() {
+        return out.into_iter().map(|r| r.map(|_| ())).collect();
+    }
+    let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
+    match client.batch_get_session_start(&names) {
+        Ok(results) => {
+            for (&i, r) in valid.iter().zip(results) {
+                out[i] = r.map_err(|c| code_error(keys[i], c));
+            }
+        }
+        Err(e) => {
+            for &i in &valid {
+                out[i] = Err(store_error(keys[i], &e));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A master's sessions: which keys are in one. Each call takes a little while, and its
+    /// effect lands at its end (as an RPC's at the master); every seventh start fails for
+    /// `k0` (that key's session is then left as it was).
+    #[derive(Default)]
+    struct FakeMaster {
+        open: Mutex<HashMap<String, bool>>,
+        starts: AtomicU64,
+    }
+
+    impl FakeMaster {
+        fn in_session(&self, key: &str) -> bool {
+            self.open.lock().get(key).copied().unwrap_or(false)
+        }
+    }
+
+    fn pause(seed: u64) {
+        std::thread::sleep(Duration::from_micros(seed % 150));
+    }
+
+    impl SessionCalls for FakeMaster {
+        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            let n = self.starts.fetch_add(1, Ordering::Relaxed);
+            pause(n * 37);
+            let mut open = self.open.lock();
+            keys.iter()
+                .map(|k| {
+                    if *k == "k0" && n % 7 == 6 {
+                        return Err(StoreError::Unavailable {
+                            detail: "injected".into(),
+                        });
+                    }
+                    open.insert((*k).to_owned(), true);
+                    Ok(())
+                })
+                .collect()
+        }
+
+        fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
+            pause(keys.len() as u64 * 53);
+            let mut open = self.open.lock();
+            for k in keys {
+                open.insert((*k).to_owned(), false);
+            }
+            Ok(())
+        }
+    }
+
+    /// Stress: threads join and leave (ranged reads) and start and end (explicit sessions)
+    /// overlapping keys at once, with master calls that overlap in time. Whoever holds a key
+    /// finds it in a session at the master; at the end the table is empty and every session
+    /// ended.
+    #[test]
+    fn a_key_held_is_always_in_a_session_at_the_master() {
+        let master = FakeMaster::default();
+        let table = SessionTable::default();
+        let keys: Vec<String> = (0..6).map(|i| format!("k{i}")).collect();
+        std::thread::scope(|s| {
+            for t in 0..8u64 {
+                let (master, table, keys) = (&master, &table, &keys);
+                s.spawn(move || {
+                    let mut x = t * 7919 + 1;
+                    for i in 0..300u64 {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let held: Vec<&str> = keys
+                            .iter()
+                            .enumerate()
+                            .filter(|(j, _)| (x >> j) & 1 == 1)
+                            .map(|(_, k)| k.as_str())
+                            .collect();
+                        let check = |held: &[&str]| {
+                            for k in held {
+                                assert!(master.in_session(k), "thread {t}, step {i}: {k} held");
+                            }
+                        };
+                        if (x >> 8) % 3 == 0 {
+                            if table.start(master, &held).is_ok() {
+                                check(&held);
+                                pause(x);
+                                check(&held);
+                                let owned: Vec<String> =
+                                    held.iter().map(|k| (*k).to_owned()).collect();
+                                table.end(master, &owned).unwrap();
+                            }
+                        } else {
+                            let joined = table.join(master, &held);
+                            let ok: Vec<&str> = joined
+                                .iter()
+                                .filter(|(_, r)| r.is_ok())
+                                .map(|(k, _)| k.as_str())
+                                .collect();
+                            check(&ok);
+                            pause(x);
+                            check(&ok);
+                            table.leave(master, ok.iter().copied());
+                        }
+                    }
+                });
+            }
+        });
+        assert!(table.keys.lock().is_empty());
+        for k in &keys {
+            assert!(!master.in_session(k), "{k} left in a session");
+        }
+        assert!(master.starts.load(Ordering::Relaxed) > 100);
+    }
+}
