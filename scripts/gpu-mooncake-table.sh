@@ -136,14 +136,20 @@ case "$part" in
              --store-groups 26,78 --compute-us 0 --linker-compute-us 0,5760 --linker-verify-threads 0 --linker-as-landed on --linker-companions every-load,at-lookup,at-lookup-pin-at-load)
     fi
     tag=$([[ $quick -eq 1 ]] && echo 2k || echo 32k)
+    read_rc=0
     run_bundle 1 mooncake_read "${flags[@]}" "${extra[@]}" \
-      > "$out/reads.stdout.log" 2> "$out/reads.stderr.log" || rc=$?
+      > "$out/reads.stdout.log" 2> "$out/reads.stderr.log" || read_rc=$?
+    [[ $read_rc -eq 0 ]] || rc=$read_rc
     {
       echo "# One Mooncake client reads GLM-5.2 FP8 objects ($tag tokens): the wheel's Python client against kvlink, same run"
       echo
       echo "Command: bash scripts/gpu-mooncake-table.sh --part reads$([[ $quick -eq 1 ]] && echo ' --quick') ($(date -u +%Y-%m-%d), $machine, $(nproc) CPUs, one storage node over TCP loopback)."
       echo
       cat "$out/reads.stdout.log"
+      # mooncake_read compares every variant's bytes and every Linker pool with the objects in
+      # round 1 and exits non-zero on a mismatch (or any failure).
+      echo
+      if [[ $read_rc -eq 0 ]]; then echo "1 passed, 0 failed"; else echo "0 passed, 1 failed (exit $read_rc)"; fi
     } > "$out/mooncake_read_${machine}_${tag}.md"
     ;;
   procs)
