@@ -127,6 +127,15 @@ impl Rank {
         pool_matches(&self.pool, pages, slots, g.num_layers()).unwrap();
     }
 
+    /// Checks the pins taken at lookup and taken over (`pins`), the sessions started and
+    /// ended (`sessions`), and that none is left open.
+    fn check_all_ended(&self, pins: (u64, u64), sessions: (u32, u32), what: &str) {
+        let m = self.linker.metrics();
+        assert_eq!((m.pins_ahead, m.pins_ahead_taken), pins, "{what}: {m:?}");
+        assert_eq!(self.sessions.counts(), sessions, "{what}");
+        assert!(self.sessions.pinned().is_empty(), "{what}");
+    }
+
     /// Looks `pages` up until a lookup pins them (one while the last lookup's read ahead
     /// still runs starts none).
     fn lookup_pinned(&self, pages: &[PageHash], pins_before: u64) {
@@ -240,10 +249,7 @@ fn a_failed_pin_at_lookup_leaves_the_load_to_pin_for_itself() {
         || r.linker.metrics().companions_prefetched == objects
     ));
     r.load(&r.pages, 1, &[2, 0, 5]);
-    let m = r.linker.metrics();
-    assert_eq!((m.pins_ahead, m.pins_ahead_taken), (0, 0), "{m:?}");
-    assert_eq!(r.sessions.counts(), (1, 1), "the load's own session");
-    assert!(r.sessions.pinned().is_empty());
+    r.check_all_ended((0, 0), (1, 1), "the load's own session");
     r.linker.close().unwrap();
 }
 
@@ -314,9 +320,7 @@ fn with_pin_at_lookup_off_the_load_pins_for_itself() {
     let r = rank(67, 3, cfg, |s| s);
     r.linker.lookup_pages(&r.pages, 0).unwrap();
     r.load(&r.pages, 1, &[1, 2, 3]);
-    let m = r.linker.metrics();
-    assert_eq!((m.pins_ahead, m.pins_ahead_taken), (0, 0), "{m:?}");
-    assert_eq!(r.sessions.counts(), (1, 1));
+    r.check_all_ended((0, 0), (1, 1), "the load's own session");
     r.linker.close().unwrap();
 }
 
@@ -332,10 +336,7 @@ fn two_lookups_ahead_of_their_loads_each_keep_their_pins() {
     assert_eq!(r.sessions.pinned(), both);
     r.load(a, 1, &[5, 2]);
     r.load(b, 2, &[0, 7]);
-    let m = r.linker.metrics();
-    assert_eq!((m.pins_ahead, m.pins_ahead_taken), (2, 2), "{m:?}");
-    assert_eq!(r.sessions.counts(), (2, 2), "no load pinned for itself");
-    assert!(r.sessions.pinned().is_empty());
+    r.check_all_ended((2, 2), (2, 2), "no load pinned for itself");
     r.linker.close().unwrap();
 }
 

@@ -133,17 +133,7 @@ impl SessionTable {
         keys: impl Iterator<Item = &'a str>,
     ) {
         let keys: Vec<&str> = keys.collect();
-        let any_unused = {
-            let mut table = self.keys.lock();
-            keys.iter().fold(false, |any, k| match table.get_mut(*k) {
-                Some(s) => {
-                    s.implicit = s.implicit.saturating_sub(1);
-                    any | s.unused()
-                }
-                None => any,
-            })
-        };
-        if any_unused {
+        if self.drop_users(&keys, |s| &mut s.implicit) {
             if let Err(e) = self.end_unused(client, &keys) {
                 warn!(error = %e, "mooncake: ending read sessions failed");
             }
@@ -193,20 +183,24 @@ impl SessionTable {
         keys: &[String],
     ) -> Result<(), StoreError> {
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let any_unused = {
-            let mut table = self.keys.lock();
-            keys.iter().fold(false, |any, k| match table.get_mut(*k) {
-                Some(s) => {
-                    s.explicit = s.explicit.saturating_sub(1);
-                    any | s.unused()
-                }
-                None => any,
-            })
-        };
-        if !any_unused {
+        if !self.drop_users(&keys, |s| &mut s.explicit) {
             return Ok(());
         }
         self.end_unused(client, &keys)
+    }
+
+    /// Takes one user off each of `keys` (`users` picks which count); true if that left any
+    /// of them unused.
+    fn drop_users(&self, keys: &[&str], users: fn(&mut KeySession) -> &mut usize) -> bool {
+        let mut table = self.keys.lock();
+        keys.iter().fold(false, |any, k| match table.get_mut(*k) {
+            Some(s) => {
+                let n = users(s);
+                *n = n.saturating_sub(1);
+                any | s.unused()
+            }
+            None => any,
+        })
     }
 
     /// Ends the client's session of each of `keys` with no user left (one that gained a user
