@@ -243,7 +243,9 @@ impl Inner {
         if self.prefetch.busy() {
             return;
         }
-        // Pins begin only if no `reset` or `close` comes between here and their start.
+        // Pins begin only if no `reset` or `close` comes between here and their start: the
+        // epoch is read here, at lookup, not on the read-ahead thread, so a reset between the
+        // lookup and that thread's start counts too.
         let epoch = self.pins_ahead.epoch();
         let mode = self.mode_ahead();
         let read = self.objects_read(pages, mode);

@@ -9,9 +9,10 @@
 //! call. The other, `calls`, is held across every session call to the master (start or end),
 //! and taken before the table decides which keys to start or end, so that the master sees a
 //! key's starts and ends in the order the table made them. A ranged read whose keys are all
-//! in a session joins them under the table's lock alone: it never waits for a master call of
+//! in a session joins them under the table's lock alone, without waiting for a master call of
 //! other keys (a read session started at lookup, a renewal: 4-5 ms each for a 32K-token
-//! GLM-5.2 prefix on the GPU host). A key stays in the table, at zero users, until the holder
+//! GLM-5.2 prefix on the GPU host); only a read that leaves a key with no user takes `calls`,
+//! after its transfer, to end that key's session. A key stays in the table, at zero users, until the holder
 //! of `calls` ends it; one that gains a user meanwhile is not ended.
 
 use std::collections::{HashMap, HashSet};
@@ -360,5 +361,129 @@ mod tests {
             assert!(!master.in_session(k), "{k} left in a session");
         }
         assert!(master.starts.load(Ordering::Relaxed) > 100);
+    }
+
+    /// A master whose start fails for `bad` and, for `slow`, tells `entered` and then waits
+    /// (at most 5 s) for `release` before it answers.
+    struct ScriptedMaster {
+        open: Mutex<HashMap<String, bool>>,
+        entered: Mutex<Option<std::sync::mpsc::Sender<()>>>,
+        release: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    }
+
+    impl ScriptedMaster {
+        fn new() -> Self {
+            ScriptedMaster {
+                open: Mutex::new(HashMap::new()),
+                entered: Mutex::new(None),
+                release: Mutex::new(None),
+            }
+        }
+
+        fn in_session(&self, key: &str) -> bool {
+            self.open.lock().get(key).copied().unwrap_or(false)
+        }
+    }
+
+    impl SessionCalls for ScriptedMaster {
+        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            if keys.contains(&"slow") {
+                if let Some(tx) = self.entered.lock().take() {
+                    let _ = tx.send(());
+                }
+                if let Some(rx) = self.release.lock().take() {
+                    let _ = rx.recv_timeout(Duration::from_secs(5));
+                }
+            }
+            let mut open = self.open.lock();
+            keys.iter()
+                .map(|k| {
+                    if *k == "bad" {
+                        return Err(StoreError::Unavailable {
+                            detail: "injected".into(),
+                        });
+                    }
+                    open.insert((*k).to_owned(), true);
+                    Ok(())
+                })
+                .collect()
+        }
+
+        fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
+            let mut open = self.open.lock();
+            for k in keys {
+                open.insert((*k).to_owned(), false);
+            }
+            Ok(())
+        }
+    }
+
+    /// An explicit start that fails for one key ends again what it opened, and keeps what was
+    /// open before it.
+    #[test]
+    fn a_failed_start_ends_what_it_opened_and_keeps_what_was_open() {
+        let master = ScriptedMaster::new();
+        let table = SessionTable::default();
+        table.start(&master, &["before"]).unwrap();
+        let err = table.start(&master, &["new", "before", "bad"]);
+        assert!(
+            matches!(err, Err(StoreError::Unavailable { .. })),
+            "{err:?}"
+        );
+        assert!(
+            !master.in_session("new"),
+            "the failed start left `new` open"
+        );
+        assert!(
+            master.in_session("before"),
+            "the failed start ended `before`"
+        );
+        {
+            let t = table.keys.lock();
+            assert!(!t.contains_key("new"));
+            assert_eq!(t.get("before").map(|s| s.explicit), Some(1));
+        }
+        table.end(&master, &["before".to_owned()]).unwrap();
+        assert!(!master.in_session("before"));
+        assert!(table.keys.lock().is_empty());
+    }
+
+    /// A ranged read of keys already in a session joins them while another session's master
+    /// call is still under way (it waited for it when one lock covered both).
+    #[test]
+    fn a_read_of_keys_in_a_session_does_not_wait_for_another_start() {
+        let master = ScriptedMaster::new();
+        let table = SessionTable::default();
+        table.start(&master, &["held"]).unwrap();
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel();
+        *master.entered.lock() = Some(entered_tx);
+        *master.release.lock() = Some(release_rx);
+        std::thread::scope(|s| {
+            let slow = s.spawn(|| table.start(&master, &["slow"]));
+            entered_rx
+                .recv_timeout(Duration::from_secs(5))
+                .expect("the slow start reached the master");
+            let t0 = std::time::Instant::now();
+            let joined = table.join(&master, &["held"]);
+            let waited = t0.elapsed();
+            // (The receiver is gone when the start gave up waiting: nothing to release.)
+            let _ = release_tx.send(());
+            assert!(joined.values().all(Result::is_ok), "{joined:?}");
+            assert!(
+                waited < Duration::from_secs(1),
+                "the join waited {waited:?} for another key's start"
+            );
+            table.leave(&master, ["held"].into_iter());
+            slow.join().unwrap().unwrap();
+        });
+        assert!(
+            master.in_session("held"),
+            "the explicit session still holds it"
+        );
+        table.end(&master, &["held".to_owned()]).unwrap();
+        table.end(&master, &["slow".to_owned()]).unwrap();
+        assert!(!master.in_session("held") && !master.in_session("slow"));
+        assert!(table.keys.lock().is_empty());
     }
 }
