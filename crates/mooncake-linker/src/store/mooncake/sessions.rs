@@ -260,28 +260,29 @@ mod tests {
     /// `k0` (that key's session is then left as it was).
     #[derive(Default)]
     struct FakeMaster {
-        open: Mutex<HashMap<String, bool>>,
+        open: MasterSessions,
         starts: AtomicU64,
     }
 
-    impl FakeMaster {
-        fn in_session(&self, key: &str) -> bool {
-            self.open.lock().get(key).copied().unwrap_or(false)
+    /// Which keys a fake master has in a session.
+    #[derive(Default)]
+    struct MasterSessions(Mutex<HashMap<String, bool>>);
+
+    impl MasterSessions {
+        fn has(&self, key: &str) -> bool {
+            self.0.lock().get(key).copied().unwrap_or(false)
         }
-    }
 
-    fn pause(seed: u64) {
-        std::thread::sleep(Duration::from_micros(seed % 150));
-    }
-
-    impl SessionCalls for FakeMaster {
-        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-            let n = self.starts.fetch_add(1, Ordering::Relaxed);
-            pause(n * 37);
-            let mut open = self.open.lock();
+        /// Starts `keys`' sessions, failing the keys `fails` names (left as they were).
+        fn start(
+            &self,
+            keys: &[&str],
+            fails: impl Fn(&str) -> bool,
+        ) -> Vec<Result<(), StoreError>> {
+            let mut open = self.0.lock();
             keys.iter()
                 .map(|k| {
-                    if *k == "k0" && n % 7 == 6 {
+                    if fails(k) {
                         return Err(StoreError::Unavailable {
                             detail: "injected".into(),
                         });
@@ -293,12 +294,34 @@ mod tests {
         }
 
         fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
-            pause(keys.len() as u64 * 53);
-            let mut open = self.open.lock();
+            let mut open = self.0.lock();
             for k in keys {
                 open.insert((*k).to_owned(), false);
             }
             Ok(())
+        }
+    }
+
+    impl FakeMaster {
+        fn in_session(&self, key: &str) -> bool {
+            self.open.has(key)
+        }
+    }
+
+    fn pause(seed: u64) {
+        std::thread::sleep(Duration::from_micros(seed % 150));
+    }
+
+    impl SessionCalls for FakeMaster {
+        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            let n = self.starts.fetch_add(1, Ordering::Relaxed);
+            pause(n * 37);
+            self.open.start(keys, |k| k == "k0" && n % 7 == 6)
+        }
+
+        fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
+            pause(keys.len() as u64 * 53);
+            self.open.end(keys)
         }
     }
 
@@ -366,7 +389,7 @@ mod tests {
     /// A master whose start fails for `bad` and, for `slow`, tells `entered` and then waits
     /// (at most 5 s) for `release` before it answers.
     struct ScriptedMaster {
-        open: Mutex<HashMap<String, bool>>,
+        open: MasterSessions,
         entered: Mutex<Option<std::sync::mpsc::Sender<()>>>,
         release: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
     }
@@ -374,14 +397,14 @@ mod tests {
     impl ScriptedMaster {
         fn new() -> Self {
             ScriptedMaster {
-                open: Mutex::new(HashMap::new()),
+                open: MasterSessions::default(),
                 entered: Mutex::new(None),
                 release: Mutex::new(None),
             }
         }
 
         fn in_session(&self, key: &str) -> bool {
-            self.open.lock().get(key).copied().unwrap_or(false)
+            self.open.has(key)
         }
     }
 
@@ -395,26 +418,11 @@ mod tests {
                     let _ = rx.recv_timeout(Duration::from_secs(5));
                 }
             }
-            let mut open = self.open.lock();
-            keys.iter()
-                .map(|k| {
-                    if *k == "bad" {
-                        return Err(StoreError::Unavailable {
-                            detail: "injected".into(),
-                        });
-                    }
-                    open.insert((*k).to_owned(), true);
-                    Ok(())
-                })
-                .collect()
+            self.open.start(keys, |k| k == "bad")
         }
 
         fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
-            let mut open = self.open.lock();
-            for k in keys {
-                open.insert((*k).to_owned(), false);
-            }
-            Ok(())
+            self.open.end(keys)
         }
     }
 
