@@ -12,8 +12,8 @@
 //! in a session joins them under the table's lock alone, without waiting for a master call of
 //! other keys (a read session started at lookup, a renewal: 4-5 ms each for a 32K-token
 //! GLM-5.2 prefix on the GPU host); only a read that leaves a key with no user takes `calls`,
-//! after its transfer, to end that key's session. A key stays in the table, at zero users, until the holder
-//! of `calls` ends it; one that gains a user meanwhile is not ended.
+//! after its transfer, to end that key's session. A key stays in the table, at zero users,
+//! until the holder of `calls` ends it; one that gains a user meanwhile is not ended.
 
 use std::collections::{HashMap, HashSet};
 
@@ -264,6 +264,29 @@ mod tests {
         starts: AtomicU64,
     }
 
+    impl FakeMaster {
+        fn in_session(&self, key: &str) -> bool {
+            self.open.has(key)
+        }
+    }
+
+    fn pause(seed: u64) {
+        std::thread::sleep(Duration::from_micros(seed % 150));
+    }
+
+    impl SessionCalls for FakeMaster {
+        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            let n = self.starts.fetch_add(1, Ordering::Relaxed);
+            pause(n * 37);
+            self.open.start(keys, |k| k == "k0" && n % 7 == 6)
+        }
+
+        fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
+            pause(keys.len() as u64 * 53);
+            self.open.end(keys)
+        }
+    }
+
     /// Which keys a fake master has in a session.
     #[derive(Default)]
     struct MasterSessions(Mutex<HashMap<String, bool>>);
@@ -299,29 +322,6 @@ mod tests {
                 open.insert((*k).to_owned(), false);
             }
             Ok(())
-        }
-    }
-
-    impl FakeMaster {
-        fn in_session(&self, key: &str) -> bool {
-            self.open.has(key)
-        }
-    }
-
-    fn pause(seed: u64) {
-        std::thread::sleep(Duration::from_micros(seed % 150));
-    }
-
-    impl SessionCalls for FakeMaster {
-        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-            let n = self.starts.fetch_add(1, Ordering::Relaxed);
-            pause(n * 37);
-            self.open.start(keys, |k| k == "k0" && n % 7 == 6)
-        }
-
-        fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
-            pause(keys.len() as u64 * 53);
-            self.open.end(keys)
         }
     }
 
