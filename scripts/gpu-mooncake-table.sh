@@ -30,6 +30,10 @@
 #           the prefix sizes and TP sizes
 #           (default 32768,131072 and 2,4,8; procs 32768), to split a part that would not fit one command
 #           (e.g. KVLINK_TABLE_TOKENS=131072 KVLINK_TABLE_TP=8 ... --part host).
+# KVLINK_TABLE_REPS / KVLINK_TABLE_AUTO_RUNS (host, nodes, device) batches per fixed mode (default 2)
+#           and fresh Auto runs per TP (default 2)
+# KVLINK_TABLE_MODES_BIN (host, nodes, device) another mooncake_modes build to run instead of the
+#           bundle's (an absolute path: an A/B of two builds in one command)
 # --quick   small sizes (2K tokens, TP 2 and 4, one rep, one Auto run; device pools on CPU
 #           devices when no GPU is visible): a dry run of the whole part in well under a minute
 #
@@ -55,7 +59,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --part) part="${2:-}"; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "gpu-mooncake-table: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -100,30 +104,31 @@ run_bundle() { # $1: storage nodes; the rest: the command
   timeout -k 15 "$limit" bash "$repo/scripts/gpu-mooncake-run.sh" --storage-nodes "$nodes" -- "$@"
 }
 
+modes_bin="${KVLINK_TABLE_MODES_BIN:-mooncake_modes}"
 modes_flags=(--machine "$machine" --out "$out" --budget-s "${KVLINK_TABLE_BUDGET:-520}")
 if [[ $quick -eq 1 ]]; then
   modes_flags+=(--tokens 2048 --tp 2,4 --reps 1 --auto-runs 1)
 else
   modes_flags+=(--tokens "${KVLINK_TABLE_TOKENS:-32768,131072}" --tp "${KVLINK_TABLE_TP:-2,4,8}"
-                --reps 2 --auto-runs 2)
+                --reps "${KVLINK_TABLE_REPS:-2}" --auto-runs "${KVLINK_TABLE_AUTO_RUNS:-2}")
 fi
 
 rc=0
 case "$part" in
   host)
     export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-8 GB}"
-    run_bundle 1 mooncake_modes --pools host "${modes_flags[@]}" "${extra[@]}" \
+    run_bundle 1 "$modes_bin" --pools host "${modes_flags[@]}" "${extra[@]}" \
       > "$out/host.stdout.log" 2> "$out/host.stderr.log" || rc=$?
     ;;
   nodes)
     export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-3 GB}"
-    run_bundle "${KVLINK_TABLE_NODES:-4}" mooncake_modes --pools host "${modes_flags[@]}" "${extra[@]}" \
+    run_bundle "${KVLINK_TABLE_NODES:-4}" "$modes_bin" --pools host "${modes_flags[@]}" "${extra[@]}" \
       > "$out/nodes.stdout.log" 2> "$out/nodes.stderr.log" || rc=$?
     ;;
   device)
     export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-8 GB}"
     if [[ $gpus -ge 2 ]]; then pools="gpu,nccl"; elif [[ $gpus -eq 1 ]]; then pools="gpu"; else pools="cpu"; fi
-    run_bundle 1 mooncake_modes --pools "$pools" "${modes_flags[@]}" "${extra[@]}" \
+    run_bundle 1 "$modes_bin" --pools "$pools" "${modes_flags[@]}" "${extra[@]}" \
       > "$out/device.stdout.log" 2> "$out/device.stderr.log" || rc=$?
     ;;
   reads)

@@ -198,6 +198,15 @@ impl SizeTables {
             .iter()
             .min_by(|a, b| a.last().total_cmp(&b.last()))
             .map(|r| (r.mode, r.last()));
+        report.info(
+            "auto",
+            format!("{label}: the fixed rows' batches (ms)"),
+            batch_times(
+                fixed
+                    .iter()
+                    .flat_map(|r| r.last.iter().map(move |&t| (r.mode, t))),
+            ),
+        );
         for (i, run) in autos.iter().enumerate() {
             let every = batches_beside(&fixed, &autos, i);
             let (status, what) = judge_pick(run, &every, &time, best_fixed);
@@ -425,7 +434,7 @@ fn judge_pick(
                      {:.2}× the best); best by those {b:?} ({} over {}); by the fixed rows \
                      alone {k:?} {} against {bf:?} {} ({:.2}×); after {} batches [{}]; \
                      Auto's own batches after it kept a mode {}; while it measured, median by \
-                     mode: {}",
+                     mode: {}; each batch while it measured (ms): {}",
                     ms(kt),
                     kt / bt,
                     ms(bt),
@@ -440,7 +449,8 @@ fn judge_pick(
                         .collect::<Vec<_>>()
                         .join(", "),
                     ms(run.result.last()),
-                    calibration_medians(run)
+                    calibration_medians(run),
+                    batch_times(measured(run))
                 ),
             )
         }
@@ -485,6 +495,14 @@ fn by_mode(times: impl Iterator<Item = (ShareMode, f64)>) -> Vec<(ShareMode, Vec
         }
     }
     by
+}
+
+/// Batches as `mode ms` in the order they ran (the raw times a pick's stability is read from).
+fn batch_times(times: impl Iterator<Item = (ShareMode, f64)>) -> String {
+    times
+        .map(|(m, t)| format!("{m:?} {:.0}", t * 1e3))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The median time to the last layer of each mode's batches while Auto measured.
