@@ -32,7 +32,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use kvlink::dedup_broadcast::ModeChoice;
 use kvlink::kv_loader::ShareMode;
-use kvlink::mooncake_linker::read_plan::ReadCost;
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::store::KvStore;
 use tracing_subscriber::EnvFilter;
@@ -43,9 +42,6 @@ use kvlink_rig::report::{Report, Status};
 use prefix::Prefix;
 use report::{AutoRun, ModeResult, SizeTables};
 use rig::{close_all, Rig};
-
-/// Each fixed mode's fitted read cost, to start a later linker of that mode from.
-type Priors = std::collections::HashMap<ShareMode, ReadCost>;
 
 const FIXED: [ShareMode; 3] = [
     ShareMode::AllRanks,
@@ -84,7 +80,6 @@ fn fixed_mode(
     prefix: &Prefix,
     mode: ShareMode,
     runs: &ModeRuns<'_>,
-    priors: &mut Priors,
     report: &mut Report,
 ) -> Result<ModeResult> {
     let ModeRuns {
@@ -92,12 +87,7 @@ fn fixed_mode(
         compute,
         label,
     } = *runs;
-    let linkers = rig.linkers(
-        prefix,
-        ModeChoice::Fixed(mode),
-        compute,
-        priors.get(&mode).copied(),
-    )?;
+    let linkers = rig.linkers(prefix, ModeChoice::Fixed(mode), compute)?;
     let mut result = ModeResult::new(format!("{mode:?}"), mode);
     let mut failure = None;
     for rep in 0..reps {
@@ -115,9 +105,6 @@ fn fixed_mode(
             }
         }
     }
-    // This mode's fit (its last batch ran in it), for a later linker of the same mode only:
-    // a call costs more when every rank reads at once, so another mode's fit misleads.
-    priors.insert(mode, linkers[0].read_cost(mode));
     let closed = close_all(linkers);
     if let Some(e) = failure {
         return Err(e);
@@ -178,8 +165,7 @@ fn auto_run(
     report: &mut Report,
     label: &str,
 ) -> Result<AutoRun> {
-    // Auto runs every mode on one linker, and a linker has one prior for all: the default.
-    let linkers = rig.linkers(prefix, ModeChoice::Auto, compute, None)?;
+    let linkers = rig.linkers(prefix, ModeChoice::Auto, compute)?;
     let mut measured = Vec::new();
     let mut timed = Vec::new();
     let mut batch = 100u64;
@@ -269,7 +255,6 @@ fn one_rig(
             ),
         );
     }
-    let mut priors = Priors::new();
     let mut results = Vec::new();
     for mode in FIXED
         .iter()
@@ -281,7 +266,7 @@ fn one_rig(
             compute,
             label: &label,
         };
-        match fixed_mode(&rig, prefix, mode, &runs, &mut priors, report) {
+        match fixed_mode(&rig, prefix, mode, &runs, report) {
             Ok(r) => results.push(r),
             Err(e) => report.push(
                 "modes",

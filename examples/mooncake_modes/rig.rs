@@ -13,7 +13,6 @@ use kvlink::kv_device::{
 };
 use kvlink::kv_geometry::{layer_checksum, KvGeometry};
 use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, LayerReady, LoadStats, RequestPages};
-use kvlink::mooncake_linker::read_plan::ReadCost;
 use kvlink::mooncake_linker::store::KvStore;
 use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity, TpGroup};
 
@@ -158,15 +157,14 @@ impl Rig {
         }
     }
 
-    /// One linker per rank for `mode`, starting from `prior` (what earlier linkers of this
-    /// rig measured in the same share mode; the default prior without one), with the engine's
-    /// compute configured.
+    /// One linker per rank for `mode`, from the default prior (a fresh linker, as an engine
+    /// starts: its first batch in each mode plans from the prior), with the engine's compute
+    /// configured.
     pub fn linkers(
         &self,
         prefix: &Prefix,
         mode: ModeChoice,
         compute: Duration,
-        prior: Option<ReadCost>,
     ) -> Result<Vec<Linker>> {
         let config = LinkerConfig {
             namespace: prefix.namespace.as_str().into(),
@@ -183,7 +181,7 @@ impl Rig {
                 // The modelled compute, as an engine that knows its compute configures it (a
                 // device engine's compute is not visible between its waits).
                 compute_per_layer: Some(compute),
-                prior: prior.unwrap_or(ReadGranularity::DEFAULT_PRIOR),
+                prior: ReadGranularity::DEFAULT_PRIOR,
             },
             ..LinkerConfig::default()
         };

@@ -53,8 +53,12 @@ pub enum ReadGranularity {
         /// layer 0 alone, then the fastest reads). A whole forward pass of compute shorter
         /// than one call's fixed cost counts as none: the fewest calls, no layer read alone.
         compute_per_layer: Option<Duration>,
-        /// What a call costs before this linker has timed any (e.g. what an earlier linker
-        /// over the same store measured: [`Linker::read_cost`](crate::Linker::read_cost)).
+        /// What a call costs one client reading alone, before this linker has timed any call
+        /// in a mode. A batch where several ranks read at once (every rank in `AllRanks` and
+        /// `SplitAllGather`) plans with its per-byte cost taken that many times, since they
+        /// share the store's bandwidth. An earlier linker's fit can serve where it read alone
+        /// ([`Linker::read_cost`](crate::Linker::read_cost) of `Rank0Broadcast`, or of
+        /// `AllRanks` without a group).
         prior: ReadCost,
     },
     /// Every call reads `layers_per_call` consecutive layers (1: one call per layer).
@@ -152,6 +156,25 @@ impl ReadGroups {
         self.estimators.lock()[mode.index()].estimate()
     }
 
+    /// The cost a batch in `mode` plans from, with `readers` ranks reading at once: the mode's
+    /// fit; before this linker has timed a call in `mode`, the prior, which is what a call
+    /// costs one client reading alone, with its per-byte cost taken `readers` times (the
+    /// ranks share the store's bandwidth). Without that, the first `SplitAllGather` batch at
+    /// TP 8 planned its reads as 8 times faster than they were: its last call read 40 layers,
+    /// whose share steps then all came after the reads (about 250 ms more than the later
+    /// batches on the GPU host).
+    pub(crate) fn cost_planned(&self, mode: ShareMode, readers: u64) -> ReadCost {
+        let est = &self.estimators.lock()[mode.index()];
+        let cost = est.estimate();
+        if est.has_calls() || readers <= 1 {
+            return cost;
+        }
+        ReadCost {
+            seconds_per_byte: cost.seconds_per_byte * readers as f64,
+            ..cost
+        }
+    }
+
     /// The compute per layer the plan uses: configured, else measured.
     pub(crate) fn compute_per_layer(&self) -> Option<Duration> {
         match self.granularity {
@@ -166,7 +189,9 @@ impl ReadGroups {
     /// The groups of one batch on this rank in `mode`: `layer_bytes[l]` bytes read for layer
     /// `l`, at most `stages - 1` layers per group (the stages the landing lends), calls
     /// predicted to take at most `limits.time` and reading at most `limits.bytes` (adaptive
-    /// granularity). The groups tile `0..layer_bytes.len()` in order.
+    /// granularity), with `readers` ranks of the group reading at once in this mode (they
+    /// share the store: see [`cost_planned`](Self::cost_planned)). The groups tile
+    /// `0..layer_bytes.len()` in order.
     ///
     /// What the reads overlap with is the slower of the engine's compute and the exchange
     /// loop's share step per layer (measured in this mode's last batches): a layer is ready
@@ -178,6 +203,7 @@ impl ReadGroups {
         stages: usize,
         limits: CallLimits,
         mode: ShareMode,
+        readers: u64,
     ) -> Vec<Range<u32>> {
         let n = layer_bytes.len() as u32;
         let by_stages = u32::try_from(stages.saturating_sub(1))
@@ -191,7 +217,7 @@ impl ReadGroups {
                 max_layers_per_call,
                 ..
             } => {
-                let cost = self.cost(mode);
+                let cost = self.cost_planned(mode, readers);
                 let by_time = max_by_time(layer_bytes, &cost, limits.time);
                 let by_bytes = max_by_bytes(layer_bytes, limits.bytes);
                 let max = max_layers_per_call
@@ -310,6 +336,7 @@ mod tests {
                 bytes: cap,
             },
             ShareMode::AllRanks,
+            1,
         );
         assert!(sizes(&g).iter().all(|&s| (1..=10).contains(&s)), "{g:?}");
         assert_eq!(g.last().map(|r| r.end), Some(78));
@@ -325,16 +352,18 @@ mod tests {
     fn fixed_groups_respect_the_stages() {
         let r = ReadGroups::new(ReadGranularity::Fixed { layers_per_call: 8 });
         assert_eq!(
-            sizes(&r.plan(&glm(4), 79, unlimited(), ShareMode::AllRanks))[..3],
+            sizes(&r.plan(&glm(4), 79, unlimited(), ShareMode::AllRanks, 1))[..3],
             [8, 8, 8]
         );
         // Two stages: one layer per call, whatever was asked.
-        assert!(sizes(&r.plan(&glm(4), 2, unlimited(), ShareMode::AllRanks))
-            .iter()
-            .all(|&s| s == 1));
+        assert!(
+            sizes(&r.plan(&glm(4), 2, unlimited(), ShareMode::AllRanks, 1))
+                .iter()
+                .all(|&s| s == 1)
+        );
         let one = ReadGroups::new(ReadGranularity::Fixed { layers_per_call: 1 });
         assert_eq!(
-            one.plan(&glm(4), 79, unlimited(), ShareMode::AllRanks)
+            one.plan(&glm(4), 79, unlimited(), ShareMode::AllRanks, 1)
                 .len(),
             78
         );
@@ -348,6 +377,7 @@ mod tests {
             79,
             timed(Duration::from_secs(5)),
             ShareMode::AllRanks,
+            1,
         );
         assert_eq!(g[0], 0..1);
         assert!(g.len() < 10, "{:?}", sizes(&g));
@@ -357,6 +387,7 @@ mod tests {
             9,
             timed(Duration::from_secs(5)),
             ShareMode::AllRanks,
+            1,
         );
         assert!(sizes(&g).iter().all(|&s| s <= 8));
         // So does a call's predicted time: 21.5 MB layers at the prior's 2 GB/s are ~13 ms.
@@ -365,6 +396,7 @@ mod tests {
             79,
             timed(Duration::from_millis(60)),
             ShareMode::AllRanks,
+            1,
         );
         assert!(sizes(&g).iter().all(|&s| s <= 5), "{:?}", sizes(&g));
     }
@@ -377,7 +409,7 @@ mod tests {
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
         assert_eq!(
-            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks)
+            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks, 1)
                 .len(),
             3
         );
@@ -392,7 +424,7 @@ mod tests {
         });
         // 78 µs of compute in all, against 2 ms per call: one call for everything.
         assert_eq!(
-            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks),
+            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks, 1),
             vec![0..78]
         );
         let r = ReadGroups::new(ReadGranularity::Adaptive {
@@ -401,7 +433,7 @@ mod tests {
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
         assert_eq!(
-            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks)[0],
+            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks, 1)[0],
             0..1
         );
     }
@@ -413,7 +445,7 @@ mod tests {
             compute_per_layer: Some(Duration::ZERO),
             prior: ReadGranularity::DEFAULT_PRIOR,
         });
-        let plan = |r: &ReadGroups, m| r.plan(&glm(512), 79, unlimited(), m);
+        let plan = |r: &ReadGroups, m| r.plan(&glm(512), 79, unlimited(), m, 1);
         assert_eq!(plan(&r, ShareMode::Rank0Broadcast), vec![0..78]);
         // A broadcast of 5 ms per layer: layer 0 alone, then groups that keep ahead of it.
         r.observe_share(ShareMode::Rank0Broadcast, Duration::from_millis(5));
@@ -456,19 +488,65 @@ mod tests {
         );
         // SplitAllGather of the same linker still plans from its own calls (the prior here):
         // layer 0 alone, so the engine starts after one layer's read.
-        let g = r.plan(&glm(512), 79, unlimited(), ShareMode::SplitAllGather);
+        let g = r.plan(&glm(512), 79, unlimited(), ShareMode::SplitAllGather, 1);
         assert_eq!(g[0], 0..1, "{:?}", sizes(&g));
         // AllRanks itself reads in the fewest calls: its fixed cost outweighs the compute.
         assert_eq!(
-            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks),
+            r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks, 1),
             vec![0..78]
+        );
+    }
+
+    #[test]
+    fn before_its_first_call_a_mode_that_every_rank_reads_in_plans_with_a_share_of_the_store() {
+        let r = ReadGroups::new(ReadGranularity::Adaptive {
+            max_layers_per_call: u32::MAX,
+            compute_per_layer: Some(Duration::from_micros(5760)),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        });
+        // SplitAllGather at TP 8, 32K tokens: each rank reads an eighth of 512 pages.
+        let bytes = glm(64);
+        let plan =
+            |readers| sizes(&r.plan(&bytes, 41, unlimited(), ShareMode::SplitAllGather, readers));
+        // Read alone at the prior's 2 GB/s the reads outrun the compute: the groups grow to
+        // the last, which takes as many layers as the stages allow.
+        assert_eq!(plan(1).last(), Some(&40), "{:?}", plan(1));
+        // Eight ranks at once, an eighth of the store each: the reads are the slower, so the
+        // groups shrink again towards the end and the last layers' share steps overlap them.
+        let eight = plan(8);
+        assert_eq!(eight[0], 1);
+        assert!(*eight.last().unwrap() <= 2, "{eight:?}");
+        assert!(
+            eight.windows(2).rev().take(3).all(|w| w[0] >= w[1]),
+            "{eight:?}"
+        );
+        assert_eq!(
+            r.cost_planned(ShareMode::SplitAllGather, 8)
+                .seconds_per_byte,
+            8.0 * ReadGranularity::DEFAULT_PRIOR.seconds_per_byte
+        );
+        // A rank reading alone (rank 0 in Rank0Broadcast) plans from the prior as it is.
+        assert_eq!(
+            r.cost_planned(ShareMode::Rank0Broadcast, 1),
+            ReadGranularity::DEFAULT_PRIOR
+        );
+        // Once a call in the mode was timed, its fit is what counts, whoever read at once.
+        r.observe(
+            ShareMode::SplitAllGather,
+            10,
+            bytes[..10].iter().sum(),
+            Duration::from_millis(90),
+        );
+        assert_eq!(
+            r.cost_planned(ShareMode::SplitAllGather, 8),
+            r.cost(ShareMode::SplitAllGather)
         );
     }
 
     #[test]
     fn a_rank_that_reads_nothing_still_gets_groups_within_its_stages() {
         let r = ReadGroups::new(ReadGranularity::ADAPTIVE);
-        let g = r.plan(&[0; 78], 4, unlimited(), ShareMode::AllRanks);
+        let g = r.plan(&[0; 78], 4, unlimited(), ShareMode::AllRanks, 1);
         assert!(sizes(&g).iter().all(|&s| (1..=3).contains(&s)));
         assert_eq!(g.last().map(|r| r.end), Some(78));
     }

@@ -442,8 +442,10 @@ impl Linker {
     /// its group calls in that mode (the prior before any): what the adaptive read plan
     /// decides from for a batch in `mode`. The fit is kept per mode, since a call costs more
     /// when every rank reads at once (a rank alone reads as in `AllRanks`). A new linker over
-    /// the same store, loading in the same mode, can start from it
-    /// (`ReadGranularity::Adaptive::prior`).
+    /// the same store can start from a fit of a rank reading alone
+    /// (`ReadGranularity::Adaptive::prior`, which a mode where several ranks read at once
+    /// scales to their share of the store): `Rank0Broadcast`'s, or `AllRanks`' without a
+    /// group.
     pub fn read_cost(&self, mode: kv_loader::ShareMode) -> ReadCost {
         self.inner.reads.cost(mode)
     }

@@ -197,7 +197,9 @@ impl LayerPipeline<'_> {
             time: c.layer_read_timeout / 4,
             bytes: c.read_bytes_in_flight / readers,
         };
-        self.inner.reads.plan(&bytes, ring, limits, layers.mode)
+        self.inner
+            .reads
+            .plan(&bytes, ring, limits, layers.mode, readers)
     }
 
     /// The reader thread: takes a free stage for each layer of its next group, reads the group

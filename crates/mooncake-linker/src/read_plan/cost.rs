@@ -122,6 +122,11 @@ impl ReadCostEstimator {
         self.xy = self.xy * self.keep + x * y;
     }
 
+    /// True once a call was observed (before, [`estimate`](Self::estimate) is the prior).
+    pub fn has_calls(&self) -> bool {
+        self.w > 0.0
+    }
+
     /// Calls too alike to separate the terms: the prior's split, scaled so that a call of the
     /// calls' mean size takes what they took on average. Without it a prior far off (e.g. a
     /// fixed cost that makes the plan read everything in one call, so that every call is
