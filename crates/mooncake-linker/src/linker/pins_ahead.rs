@@ -79,6 +79,41 @@ pub(crate) struct HeldPins {
     pub(crate) started: Instant,
 }
 
+/// A pin under way, from [`PinsAhead::begin`] until its session is in
+/// ([`finish`](Self::finish)) or its start failed ([`abandon`](Self::abandon)). Dropped
+/// without either (its thread unwound), it is abandoned: a panic cannot leave an entry that
+/// marks its keys as pinned for good, so that no later lookup would pin them. (A session
+/// started before such a panic is let go by the store's lease.)
+#[derive(Debug)]
+#[must_use = "a pin under way is abandoned when dropped"]
+pub(crate) struct PinUnderWay<'a> {
+    pins: &'a PinsAhead,
+    generation: u64,
+    /// Neither finished nor abandoned yet.
+    open: bool,
+}
+
+impl PinUnderWay<'_> {
+    /// The session is in: see [`Finished`].
+    pub(crate) fn finish(mut self, session: ReadSession, started: Instant) -> Finished {
+        self.open = false;
+        self.pins.finish(self.generation, session, started)
+    }
+
+    /// The session could not be started: the pin holds nothing.
+    pub(crate) fn abandon(self) {
+        // Drop abandons it.
+    }
+}
+
+impl Drop for PinUnderWay<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            self.pins.abandon(self.generation);
+        }
+    }
+}
+
 /// What a finished pin leaves its thread to end.
 #[derive(Debug, Default)]
 pub(crate) struct Finished {
@@ -107,29 +142,34 @@ impl PinsAhead {
         })
     }
 
-    /// Read ahead `generation`, of a lookup made in `epoch`, is about to pin `keys`: false if
-    /// the linker was reset or closed since (it must not pin).
-    pub(crate) fn begin(&self, generation: u64, epoch: u64, keys: &[String]) -> bool {
+    /// Read ahead `generation`, of a lookup made in `epoch`, is about to pin `keys`: the pin
+    /// under way, to finish or abandon; `None` if the linker was reset or closed since (it
+    /// must not pin).
+    pub(crate) fn begin(
+        &self,
+        generation: u64,
+        epoch: u64,
+        keys: &[String],
+    ) -> Option<PinUnderWay<'_>> {
         let mut st = self.state.lock();
         if st.epoch != epoch {
-            return false;
+            return None;
         }
         st.entries.push_back(Entry {
             generation,
             keys: keys.iter().cloned().collect(),
             pin: Pin::Starting,
         });
-        true
+        Some(PinUnderWay {
+            pins: self,
+            generation,
+            open: true,
+        })
     }
 
     /// Read ahead `generation`'s pin is in: held for a load if still wanted, replacing the
     /// pins its keys cover and the oldest past [`KEPT`]; handed back to be ended if not.
-    pub(crate) fn finish(
-        &self,
-        generation: u64,
-        session: ReadSession,
-        started: Instant,
-    ) -> Finished {
+    fn finish(&self, generation: u64, session: ReadSession, started: Instant) -> Finished {
         let mut st = self.state.lock();
         let pos = st
             .entries
@@ -174,7 +214,7 @@ impl PinsAhead {
     }
 
     /// Read ahead `generation`'s pin failed: it holds nothing.
-    pub(crate) fn abandon(&self, generation: u64) {
+    fn abandon(&self, generation: u64) {
         self.state
             .lock()
             .entries
@@ -239,8 +279,9 @@ mod tests {
 
     /// Pins `keys` as read ahead `generation` would, start to finish.
     fn pin(p: &PinsAhead, generation: u64, k: &[&str]) -> Finished {
-        assert!(p.begin(generation, p.epoch(), &keys(k)));
-        p.finish(generation, session(k), Instant::now())
+        p.begin(generation, p.epoch(), &keys(k))
+            .expect("same epoch")
+            .finish(session(k), Instant::now())
     }
 
     #[test]
@@ -296,27 +337,23 @@ mod tests {
     #[test]
     fn a_load_gives_up_only_a_pin_under_way_of_its_own_keys() {
         let p = PinsAhead::default();
-        assert!(p.begin(1, 0, &keys(&["a"])));
+        let a = p.begin(1, 0, &keys(&["a"])).unwrap();
         // A load of other keys leaves it.
         assert!(p.take_covering(&["b"]).is_none());
         assert!(p.hold_fresh(&keys(&["a"]), Duration::ZERO), "under way");
-        let f = p.finish(1, session(&["a"]), Instant::now());
+        let f = a.finish(session(&["a"]), Instant::now());
         assert!(f.unwanted.is_none());
         // A load of its keys gives it up: it is handed back once in.
-        assert!(p.begin(2, 0, &keys(&["c"])));
+        let c = p.begin(2, 0, &keys(&["c"])).unwrap();
         assert!(p.take_covering(&["c"]).is_none());
-        assert!(p
-            .finish(2, session(&["c"]), Instant::now())
-            .unwanted
-            .is_some());
+        assert!(c.finish(session(&["c"]), Instant::now()).unwanted.is_some());
         assert!(p.take_covering(&["a"]).is_some());
     }
 
     #[test]
     fn a_failed_pin_leaves_nothing_behind() {
         let p = PinsAhead::default();
-        assert!(p.begin(1, 0, &keys(&["a"])));
-        p.abandon(1);
+        p.begin(1, 0, &keys(&["a"])).unwrap().abandon();
         assert!(
             !p.hold_fresh(&keys(&["a"]), Duration::from_secs(1)),
             "the next lookup pins again"
@@ -325,19 +362,35 @@ mod tests {
     }
 
     #[test]
+    fn a_pin_whose_thread_unwinds_leaves_nothing_behind() {
+        let p = PinsAhead::default();
+        let held = pin(&p, 1, &["b"]);
+        assert!(held.unwanted.is_none());
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _under_way = p.begin(2, 0, &keys(&["a"])).unwrap();
+            panic!("injected: the pin's thread unwinds before its session is in");
+        }));
+        assert!(unwound.is_err());
+        assert!(
+            !p.hold_fresh(&keys(&["a"]), Duration::from_secs(1)),
+            "the next lookup pins again"
+        );
+        // The pin held before stays for its load.
+        assert!(p.take_covering(&["b"]).is_some());
+        assert!(p.take_all().is_empty());
+    }
+
+    #[test]
     fn after_reset_a_late_pin_is_handed_back_and_an_earlier_lookup_pins_nothing() {
         let p = PinsAhead::default();
         pin(&p, 1, &["a"]);
         let before = p.epoch();
-        assert!(p.begin(2, before, &keys(&["b"])));
+        let b = p.begin(2, before, &keys(&["b"])).unwrap();
         assert_eq!(p.take_all().len(), 1, "the held one");
         // The pin under way at the reset is ended by its thread.
-        assert!(p
-            .finish(2, session(&["b"]), Instant::now())
-            .unwanted
-            .is_some());
+        assert!(b.finish(session(&["b"]), Instant::now()).unwanted.is_some());
         // A lookup from before the reset does not pin.
-        assert!(!p.begin(3, before, &keys(&["c"])));
+        assert!(p.begin(3, before, &keys(&["c"])).is_none());
         assert!(p.take_all().is_empty());
     }
 }

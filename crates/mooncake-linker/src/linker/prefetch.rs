@@ -345,22 +345,22 @@ impl Inner {
             generation,
             epoch,
         } = pin;
-        if !self.pins_ahead.begin(generation, epoch, keys) {
+        let Some(under_way) = self.pins_ahead.begin(generation, epoch, keys) else {
             tracing::debug!("the linker was reset or closed since the lookup: no pins taken");
             return;
-        }
+        };
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let started = Instant::now();
         let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
         let session = match self.calls.start_session(&refs, deadline) {
             Ok(session) => session,
             Err(e) => {
-                self.pins_ahead.abandon(generation);
+                under_way.abandon();
                 tracing::debug!(error = %e, keys = keys.len(), "pinning at lookup failed: the load pins for itself");
                 return;
             }
         };
-        let finished = self.pins_ahead.finish(generation, session, started);
+        let finished = under_way.finish(session, started);
         if let Some(unwanted) = &finished.unwanted {
             tracing::debug!(
                 keys = keys.len(),
