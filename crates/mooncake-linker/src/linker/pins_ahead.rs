@@ -21,7 +21,8 @@
 //! calls and holds its objects that long at most. A load that finds a pin of its keys still
 //! under way does not wait for it: it pins for itself, and the late pin is ended by the
 //! thread that took it. A pin that begins after `reset` or `close` (its lookup came before)
-//! is not started.
+//! is not started. A pin under way is a [`PinUnderWay`] guard: a thread that unwinds before
+//! its session is in leaves no entry behind.
 
 use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};

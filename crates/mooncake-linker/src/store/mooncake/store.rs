@@ -283,7 +283,7 @@ impl KvStore for MooncakeStore {
     }
 
     /// The pinned wheel asks the master once per key (no batched size query), so a large
-    /// batch's keys are asked on up to [`SIZE_QUERY_THREADS`] threads at once: the calls are
+    /// batch's keys are asked on up to `SIZE_QUERY_THREADS` threads at once: the calls are
     /// round trips, not CPU work.
     fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
         let one = |k: &&str| self.client.get_size(k).map_err(|e| store_error(k, &e));
