@@ -258,12 +258,17 @@ fn a_failed_pin_at_lookup_leaves_the_load_to_pin_for_itself() {
     r.linker.close().unwrap();
 }
 
-/// A load that comes while its lookup's pin is still under way does not wait for it: it pins
-/// for itself, and the late pin is ended once it is in.
+/// A load that comes while its lookup's pin is still under way waits for it a quarter of
+/// `store_call_timeout` at most: past that it pins for itself, and the late pin is ended once
+/// it is in.
 #[test]
-fn a_load_beside_a_pin_under_way_pins_for_itself_and_the_late_pin_is_ended() {
+fn a_load_beside_a_pin_stalled_past_its_wait_pins_for_itself_and_the_late_pin_is_ended() {
     let held = Stall::new();
-    let r = rank(65, 3, config(), first_session(Fault::Stall(held.clone())));
+    let cfg = LinkerConfig {
+        store_call_timeout: Duration::from_secs(2),
+        ..config()
+    };
+    let r = rank(65, 3, cfg, first_session(Fault::Stall(held.clone())));
     r.linker.lookup_pages(&r.pages, 0).unwrap();
     assert!(
         eventually(|| held.hits() == 1),
@@ -271,9 +276,10 @@ fn a_load_beside_a_pin_under_way_pins_for_itself_and_the_late_pin_is_ended() {
     );
     let t0 = Instant::now();
     r.load(&r.pages, 1, &[4, 2, 0]);
+    let took = t0.elapsed();
     assert!(
-        t0.elapsed() < Duration::from_secs(5),
-        "the load did not wait for the pin"
+        took >= Duration::from_millis(500) && took < Duration::from_secs(5),
+        "the load waited its 0.5 s for the pin, then pinned for itself: {took:?}"
     );
     assert_eq!(r.linker.metrics().pins_ahead_taken, 0);
     held.release();
@@ -285,6 +291,35 @@ fn a_load_beside_a_pin_under_way_pins_for_itself_and_the_late_pin_is_ended() {
     assert!(r.sessions.pinned().is_empty());
     r.linker.close().unwrap();
     assert_eq!(r.sessions.counts(), (2, 2));
+}
+
+/// A load right after its lookup, while the lookup's pin is still at the store, waits for that
+/// pin and takes it over once it is in: one session start, not two.
+#[test]
+fn a_load_right_after_its_lookup_takes_the_pin_under_way_once_it_is_in() {
+    let held = Stall::new();
+    let r = rank(68, 3, config(), first_session(Fault::Stall(held.clone())));
+    r.linker.lookup_pages(&r.pages, 0).unwrap();
+    assert!(
+        eventually(|| held.hits() == 1),
+        "the pin at lookup is under way"
+    );
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // The load is waiting by now (its wait is 5 s); the pin's call goes on.
+            std::thread::sleep(Duration::from_millis(200));
+            held.release();
+        });
+        let t0 = Instant::now();
+        r.load(&r.pages, 1, &[4, 2, 0]);
+        assert!(
+            t0.elapsed() >= Duration::from_millis(150),
+            "it waited for the pin"
+        );
+    });
+    assert_eq!(r.linker.metrics().pins_ahead_taken, 1);
+    r.check_all_ended((1, 1), (1, 1), "the lookup's session, taken over");
+    r.linker.close().unwrap();
 }
 
 /// Pins taken longer than `lease_renewal` before the load are renewed before its first read,

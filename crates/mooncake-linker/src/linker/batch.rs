@@ -435,14 +435,20 @@ impl Inner {
     }
 
     /// The session a lookup started over `read_keys` (`pins_ahead`), taken over for `batch`
-    /// where one covers them.
+    /// where one covers them, once in if it is still under way (waited for with a bound).
     fn take_lookup_pins(
         &self,
         read_keys: &[&str],
         rank: u32,
         batch: BatchId,
     ) -> Option<PinnedKeys<'_>> {
-        let held = self.pins_ahead.take_covering(read_keys)?;
+        // As long as a load waits for a read ahead of its companions (the preflight allows
+        // for it): a pin under way is one master call, which the load's own start would wait
+        // for anyway on a store that makes session calls one at a time.
+        let wait_until = kv_loader::deadline_after(super::prefetch::read_ahead_wait(
+            self.config.store_call_timeout,
+        ));
+        let held = self.pins_ahead.take_covering(read_keys, wait_until)?;
         self.metrics.pins_ahead_taken();
         tracing::debug!(%batch, rank, age = ?held.started.elapsed(), keys = read_keys.len(),
                         "prepared: took the pins of the lookup");

@@ -19,15 +19,18 @@
 //! once [`KEPT`] later lookups have pinned, by `reset`, or by `close`; the store's lease also
 //! lets pins go on its own (Mooncake's default is 10 s), so an unused pin costs two master
 //! calls and holds its objects that long at most. A load that finds a pin of its keys still
-//! under way does not wait for it: it pins for itself, and the late pin is ended by the
-//! thread that took it. A pin that begins after `reset` or `close` (its lookup came before)
+//! under way waits for it to come in and takes it (a load's own session start would wait
+//! for that pin's master call anyway: the Mooncake store makes session calls one at a time),
+//! for as long as it waits for a read ahead of its companions at most (a quarter of
+//! `store_call_timeout`, within the preflight's bounds); past that, or if the pin fails, it
+//! pins for itself, and a late pin is ended by the thread that took it. A pin that begins after `reset` or `close` (its lookup came before)
 //! is not started. A pin under way is a [`PinUnderWay`] guard: a thread that unwinds before
 //! its session is in leaves no entry behind.
 
 use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::store::ReadSession;
 
@@ -38,6 +41,9 @@ pub(crate) const KEPT: usize = 4;
 #[derive(Debug, Default)]
 pub(crate) struct PinsAhead {
     state: Mutex<Pins>,
+    /// Notified when a pin under way comes in or goes (finished, abandoned, or taken by
+    /// `reset` or `close`): what a load waiting for one waits on.
+    changed: Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -208,6 +214,7 @@ impl PinsAhead {
             }
         }
         st.entries = kept;
+        self.changed.notify_all();
         Finished {
             unwanted: None,
             replaced,
@@ -220,27 +227,42 @@ impl PinsAhead {
             .lock()
             .entries
             .retain(|e| e.generation != generation);
+        self.changed.notify_all();
     }
 
     /// What a load of `keys` finds: the newest pins held that cover every key (taken out);
-    /// none otherwise, and none for no keys. Pins of other keys stay for their loads; a pin of
-    /// these keys still under way is given up (its thread ends it), since the load pins for
-    /// itself rather than wait.
-    pub(crate) fn take_covering(&self, keys: &[&str]) -> Option<HeldPins> {
+    /// where none is held but a pin of these keys is under way, the same once it comes in,
+    /// waiting until `wait_until` at most; none otherwise, and none for no keys. Pins of other
+    /// keys stay for their loads; a pin of these keys still under way at `wait_until` (or one
+    /// that failed) is given up (its thread ends it once in), and the load pins for itself.
+    pub(crate) fn take_covering(&self, keys: &[&str], wait_until: Instant) -> Option<HeldPins> {
         if keys.is_empty() {
             return None;
         }
         let mut st = self.state.lock();
         let covering = |e: &Entry| e.covers(keys.iter().copied());
-        let held = st
-            .entries
-            .iter()
-            .rposition(|e| matches!(e.pin, Pin::Held { .. }) && covering(e));
-        if let Some(pos) = held {
-            return match st.entries.remove(pos).map(|e| e.pin) {
-                Some(Pin::Held { session, started }) => Some(HeldPins { session, started }),
-                _ => None,
-            };
+        let mut timed_out = false;
+        loop {
+            let held = st
+                .entries
+                .iter()
+                .rposition(|e| matches!(e.pin, Pin::Held { .. }) && covering(e));
+            if let Some(pos) = held {
+                return match st.entries.remove(pos).map(|e| e.pin) {
+                    Some(Pin::Held { session, started }) => Some(HeldPins { session, started }),
+                    _ => None,
+                };
+            }
+            let under_way = st
+                .entries
+                .iter()
+                .any(|e| matches!(e.pin, Pin::Starting) && covering(e));
+            // After the bound, the pins are looked at once more (one may have come in just
+            // then) before a pin still under way is given up.
+            if !under_way || timed_out {
+                break;
+            }
+            timed_out = self.changed.wait_until(&mut st, wait_until).timed_out();
         }
         st.entries
             .retain(|e| !(matches!(e.pin, Pin::Starting) && covering(e)));
@@ -253,13 +275,16 @@ impl PinsAhead {
     pub(crate) fn take_all(&self) -> Vec<ReadSession> {
         let mut st = self.state.lock();
         st.epoch += 1;
-        st.entries
+        let held = st
+            .entries
             .drain(..)
             .filter_map(|e| match e.pin {
                 Pin::Held { session, .. } => Some(session),
                 Pin::Starting => None,
             })
-            .collect()
+            .collect();
+        self.changed.notify_all();
+        held
     }
 }
 
@@ -294,11 +319,16 @@ mod tests {
         assert!(!p.hold_fresh(&keys(&["a"]), Duration::ZERO), "not fresh");
         assert!(!p.hold_fresh(&keys(&["d"]), Duration::from_secs(1)));
         // Keys it does not cover, or none: the pins stay.
-        assert!(p.take_covering(&["a", "d"]).is_none());
-        assert!(p.take_covering(&[]).is_none());
-        let h = p.take_covering(&["c", "a"]).expect("covered");
+        assert!(p.take_covering(&["a", "d"], Instant::now()).is_none());
+        assert!(p.take_covering(&[], Instant::now()).is_none());
+        let h = p
+            .take_covering(&["c", "a"], Instant::now())
+            .expect("covered");
         assert_eq!(h.session.keys, ["a", "b", "c"]);
-        assert!(p.take_covering(&["a"]).is_none(), "taken once");
+        assert!(
+            p.take_covering(&["a"], Instant::now()).is_none(),
+            "taken once"
+        );
     }
 
     #[test]
@@ -307,10 +337,19 @@ mod tests {
         pin(&p, 1, &["a1", "a2"]);
         pin(&p, 2, &["b1", "b2"]);
         assert_eq!(
-            p.take_covering(&["a1", "a2"]).unwrap().session.keys,
+            p.take_covering(&["a1", "a2"], Instant::now())
+                .unwrap()
+                .session
+                .keys,
             ["a1", "a2"]
         );
-        assert_eq!(p.take_covering(&["b2"]).unwrap().session.keys, ["b1", "b2"]);
+        assert_eq!(
+            p.take_covering(&["b2"], Instant::now())
+                .unwrap()
+                .session
+                .keys,
+            ["b1", "b2"]
+        );
         assert!(p.take_all().is_empty());
     }
 
@@ -331,7 +370,7 @@ mod tests {
                 assert_eq!(f.replaced[0].keys, ["a", "b"]);
             }
         }
-        assert!(p.take_covering(&["a"]).is_none());
+        assert!(p.take_covering(&["a"], Instant::now()).is_none());
         assert_eq!(p.take_all().len(), KEPT);
     }
 
@@ -340,15 +379,83 @@ mod tests {
         let p = PinsAhead::default();
         let a = p.begin(1, 0, &keys(&["a"])).unwrap();
         // A load of other keys leaves it.
-        assert!(p.take_covering(&["b"]).is_none());
+        assert!(p.take_covering(&["b"], Instant::now()).is_none());
         assert!(p.hold_fresh(&keys(&["a"]), Duration::ZERO), "under way");
         let f = a.finish(session(&["a"]), Instant::now());
         assert!(f.unwanted.is_none());
         // A load of its keys gives it up: it is handed back once in.
         let c = p.begin(2, 0, &keys(&["c"])).unwrap();
-        assert!(p.take_covering(&["c"]).is_none());
+        assert!(p.take_covering(&["c"], Instant::now()).is_none());
         assert!(c.finish(session(&["c"]), Instant::now()).unwanted.is_some());
-        assert!(p.take_covering(&["a"]).is_some());
+        assert!(p.take_covering(&["a"], Instant::now()).is_some());
+    }
+
+    #[test]
+    fn a_load_waits_for_its_pin_under_way_and_takes_it_once_in() {
+        let p = PinsAhead::default();
+        let a = p.begin(1, 0, &keys(&["a", "b"])).unwrap();
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| {
+                let t0 = Instant::now();
+                let got = p.take_covering(&["a"], Instant::now() + Duration::from_secs(10));
+                (got, t0.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(a
+                .finish(session(&["a", "b"]), Instant::now())
+                .unwanted
+                .is_none());
+            let (got, waited) = waiting.join().unwrap();
+            assert_eq!(got.expect("taken once in").session.keys, ["a", "b"]);
+            assert!(waited >= Duration::from_millis(40), "{waited:?}");
+            assert!(
+                waited < Duration::from_secs(5),
+                "woken, not timed out: {waited:?}"
+            );
+        });
+        assert!(p.take_all().is_empty(), "taken out");
+    }
+
+    #[test]
+    fn a_pin_under_way_past_the_bound_is_given_up_and_handed_back_once_in() {
+        let p = PinsAhead::default();
+        let a = p.begin(1, 0, &keys(&["a"])).unwrap();
+        let t0 = Instant::now();
+        assert!(p
+            .take_covering(&["a"], Instant::now() + Duration::from_millis(30))
+            .is_none());
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_millis(30), "{waited:?}");
+        assert!(
+            !p.hold_fresh(&keys(&["a"]), Duration::from_secs(1)),
+            "given up"
+        );
+        assert!(a.finish(session(&["a"]), Instant::now()).unwanted.is_some());
+        assert!(p.take_all().is_empty());
+    }
+
+    #[test]
+    fn a_load_waiting_for_a_pin_that_fails_or_is_reset_goes_on_at_once() {
+        let p = PinsAhead::default();
+        for reset in [false, true] {
+            let a = p.begin(1, p.epoch(), &keys(&["a"])).unwrap();
+            std::thread::scope(|s| {
+                let waiting = s.spawn(|| {
+                    let t0 = Instant::now();
+                    let got = p.take_covering(&["a"], Instant::now() + Duration::from_secs(10));
+                    (got.is_some(), t0.elapsed())
+                });
+                std::thread::sleep(Duration::from_millis(20));
+                if reset {
+                    assert!(p.take_all().is_empty());
+                } else {
+                    a.abandon();
+                }
+                let (got, waited) = waiting.join().unwrap();
+                assert!(!got, "reset {reset}");
+                assert!(waited < Duration::from_secs(5), "reset {reset}: {waited:?}");
+            });
+        }
     }
 
     #[test]
@@ -377,7 +484,7 @@ mod tests {
             "the next lookup pins again"
         );
         // The pin held before stays for its load.
-        assert!(p.take_covering(&["b"]).is_some());
+        assert!(p.take_covering(&["b"], Instant::now()).is_some());
         assert!(p.take_all().is_empty());
     }
 
