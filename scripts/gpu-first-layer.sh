@@ -8,6 +8,8 @@
 #
 # Usage (on the GPU host, after bash scripts/gpu-mooncake-bundle.sh here; carry gpu-mooncake):
 #   OUT=/tmp/fl bash scripts/gpu-first-layer.sh [--rounds N] [--tokens T] [-- MOONCAKE_READ_FLAGS]
+# KVLINK_READ_BIN: another mooncake_read build to run instead of the bundle's (an absolute path:
+# an A/B of two builds in one command).
 # Output: $OUT/first_layer_<machine>_<tokens/1024>k.md (both runs), and the runs' stderr.
 # Exits 1 if a run failed.
 set -euo pipefail
@@ -34,7 +36,7 @@ commit="$(grep '^commit:' "$repo/gpu-mooncake/BUNDLE_INFO" 2>/dev/null | awk '{p
 {
   echo "# First layer: objects pinned at lookup against pinned by the load ($((tokens / 1024))K tokens)"
   echo
-  echo "Bundle built at commit ${commit:-unknown}. Command: \`bash scripts/gpu-first-layer.sh --rounds $rounds --tokens $tokens${*:+ -- $*}\` ($(date -u +%Y-%m-%d), $machine, $(nproc) CPUs, one storage node over TCP loopback)."
+  echo "Bundle built at commit ${commit:-unknown}${KVLINK_READ_BIN:+; mooncake_read: $KVLINK_READ_BIN}. Command: \`${KVLINK_READ_BIN:+KVLINK_READ_BIN=$KVLINK_READ_BIN }bash scripts/gpu-first-layer.sh --rounds $rounds --tokens $tokens${*:+ -- $*}\` ($(date -u +%Y-%m-%d), $machine, $(nproc) CPUs, one storage node over TCP loopback)."
 } > "$file"
 rc=0
 n=0
@@ -46,7 +48,7 @@ for order in at-lookup,at-lookup-pin-at-load at-lookup-pin-at-load,at-lookup; do
     echo "## Run $n: --linker-companions $order"
     echo
   } >> "$file"
-  timeout -k 15 300 bash "$repo/scripts/gpu-mooncake-run.sh" -- mooncake_read \
+  timeout -k 15 300 bash "$repo/scripts/gpu-mooncake-run.sh" -- "${KVLINK_READ_BIN:-mooncake_read}" \
     --tokens "$tokens" --rounds "$rounds" --no-plan --groups 78 --streams 4 --store-groups 78 \
     --only "staged merge), 1 layer/call" --linker-compute-us 5760 --linker-companions "$order" "$@" \
     >> "$file" 2> "$out/first_layer_run$n.stderr.log" && passed=$((passed + 1)) \
