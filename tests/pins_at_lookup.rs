@@ -380,6 +380,38 @@ fn two_lookups_ahead_of_their_loads_each_keep_their_pins() {
     r.linker.close().unwrap();
 }
 
+/// Three requests looked up in a burst, while the first one's companions are still being read
+/// ahead (one read ahead at a time): each lookup pins, the later ones on threads of their
+/// own, and each load takes its own lookup's pins.
+#[test]
+fn lookups_in_a_burst_each_pin_for_their_loads() {
+    let slow_companions = |s: Arc<dyn KvStore>| -> Arc<dyn KvStore> {
+        let f = Arc::new(FaultyStore::new(s));
+        f.inject_on(
+            FaultCall::ReadWhole,
+            FaultRule::default(),
+            Fault::Delay(Duration::from_millis(100)),
+        );
+        f
+    };
+    let r = rank(72, 6, config(), slow_companions);
+    let requests: Vec<&[PageHash]> = r.pages.chunks(2).collect();
+    for pages in &requests {
+        r.linker.lookup_pages(pages, 0).unwrap();
+    }
+    assert!(
+        eventually(|| r.linker.metrics().pins_ahead == 3),
+        "every lookup pinned: {:?}",
+        r.linker.metrics()
+    );
+    for (i, pages) in requests.iter().enumerate() {
+        let first = 2 * i as u32;
+        r.load(pages, i as u64 + 1, &[first, first + 1]);
+    }
+    r.check_all_ended((3, 3), (3, 3), "each load took its lookup's pins");
+    r.linker.close().unwrap();
+}
+
 /// Four lookups' pins wait for their loads; a fifth's end the oldest.
 #[test]
 fn pins_past_four_lookups_end_the_oldest() {

@@ -100,7 +100,7 @@ pub(crate) struct Inner {
     /// The companions of a looked-up prefix being read ahead of its load.
     pub(crate) prefetch: prefetch::CompanionPrefetch,
     /// The read session a lookup took for its load.
-    pub(crate) pins_ahead: pins_ahead::PinsAhead,
+    pub(crate) pins_ahead: Arc<pins_ahead::PinsAhead>,
     /// Bumped by `reset`: a batch whose epoch differs is cancelled.
     pub(crate) epoch: AtomicU64,
     /// The landing memory registered with the store (let go by `close`, or by the last store
@@ -354,7 +354,7 @@ impl Linker {
             metrics: LinkerMetrics::default(),
             checksums,
             prefetch: prefetch::CompanionPrefetch::default(),
-            pins_ahead: pins_ahead::PinsAhead::default(),
+            pins_ahead: Arc::default(),
             epoch: AtomicU64::new(0),
             registered: parking_lot::Mutex::new(Some(registered)),
             closed: AtomicBool::new(false),

@@ -3,8 +3,9 @@
 //! A load reads its objects under a read session (lease pins, see `session`), and starting
 //! one is a master call (about 4 ms on the GPU host for a 32K-token GLM-5.2 prefix) on the
 //! first layer's path. A lookup that found pages therefore also starts the session its load
-//! will read under, on the thread that reads the companions ahead (see `prefetch`), beside
-//! that read; the load takes it over when it covers every key the load reads, and renews it
+//! will read under: the pin is begun on the lookup's thread (so a load right after finds it
+//! under way) and its session started on a thread beside the companions' read ahead (see
+//! `prefetch`), or on one of its own while another lookup's read ahead runs; the load takes it over when it covers every key the load reads, and renews it
 //! as its own before its first read if it is older than `LinkerConfig::lease_renewal` (so a
 //! late load is as safe as one that pinned for itself). SGLang's later linker likewise pins
 //! between the match and the load.
@@ -23,11 +24,14 @@
 //! for that pin's master call anyway: the Mooncake store makes session calls one at a time),
 //! for as long as it waits for a read ahead of its companions at most (a quarter of
 //! `store_call_timeout`, within the preflight's bounds); past that, or if the pin fails, it
-//! pins for itself, and a late pin is ended by the thread that took it. A pin that begins after `reset` or `close` (its lookup came before)
-//! is not started. A pin under way is a [`PinUnderWay`] guard: a thread that unwinds before
-//! its session is in leaves no entry behind.
+//! pins for itself, and a late pin is ended by the thread that took it. A pin that a load
+//! gave up, or that `reset` or `close` took, before its thread started its session is not
+//! started; a lookup from before a `reset` or `close` pins nothing. A pin under way is a
+//! [`PinUnderWay`] guard: a thread that unwinds before its session is in leaves no entry
+//! behind.
 
 use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -48,17 +52,19 @@ pub(crate) struct PinsAhead {
 
 #[derive(Debug, Default)]
 struct Pins {
-    /// Bumped by [`PinsAhead::take_all`] (`reset`, `close`): a pin of a lookup from before
-    /// is not started.
+    /// Bumped by [`PinsAhead::take_all`] (`reset`, `close`): a lookup from before pins
+    /// nothing.
     epoch: u64,
+    /// The last pin's id.
+    last_id: u64,
     /// Oldest first.
     entries: VecDeque<Entry>,
 }
 
 #[derive(Debug)]
 struct Entry {
-    /// The read ahead that pins it.
-    generation: u64,
+    /// Which pin this is (its [`PinUnderWay`]'s).
+    id: u64,
     keys: HashSet<String>,
     pin: Pin,
 }
@@ -93,18 +99,29 @@ pub(crate) struct HeldPins {
 /// started before such a panic is let go by the store's lease.)
 #[derive(Debug)]
 #[must_use = "a pin under way is abandoned when dropped"]
-pub(crate) struct PinUnderWay<'a> {
-    pins: &'a PinsAhead,
-    generation: u64,
+pub(crate) struct PinUnderWay {
+    pins: Arc<PinsAhead>,
+    id: u64,
     /// Neither finished nor abandoned yet.
     open: bool,
 }
 
-impl PinUnderWay<'_> {
+impl PinUnderWay {
+    /// Whether its session is still wanted: no load of its keys gave it up, and no `reset` or
+    /// `close` took it (its thread then starts no session).
+    pub(crate) fn wanted(&self) -> bool {
+        self.pins
+            .state
+            .lock()
+            .entries
+            .iter()
+            .any(|e| e.id == self.id && matches!(e.pin, Pin::Starting))
+    }
+
     /// The session is in: see [`Finished`].
     pub(crate) fn finish(mut self, session: ReadSession, started: Instant) -> Finished {
         self.open = false;
-        self.pins.finish(self.generation, session, started)
+        self.pins.finish(self.id, session, started)
     }
 
     /// The session could not be started: the pin holds nothing.
@@ -113,10 +130,10 @@ impl PinUnderWay<'_> {
     }
 }
 
-impl Drop for PinUnderWay<'_> {
+impl Drop for PinUnderWay {
     fn drop(&mut self) {
         if self.open {
-            self.pins.abandon(self.generation);
+            self.pins.abandon(self.id);
         }
     }
 }
@@ -149,39 +166,38 @@ impl PinsAhead {
         })
     }
 
-    /// Read ahead `generation`, of a lookup made in `epoch`, is about to pin `keys`: the pin
-    /// under way, to finish or abandon; `None` if the linker was reset or closed since (it
-    /// must not pin).
-    pub(crate) fn begin(
-        &self,
-        generation: u64,
-        epoch: u64,
-        keys: &[String],
-    ) -> Option<PinUnderWay<'_>> {
+    /// A lookup made in `epoch` pins `keys`: from now on a load of them finds this pin under
+    /// way (and waits for it, [`take_covering`](Self::take_covering)), and a lookup of them
+    /// pins nothing again ([`hold_fresh`](Self::hold_fresh)). Returns the pin under way, for
+    /// a thread to start its session and finish it, or abandon it; `None` if the linker was
+    /// reset or closed since `epoch` (nothing is pinned).
+    pub(crate) fn begin(self: &Arc<Self>, epoch: u64, keys: &[String]) -> Option<PinUnderWay> {
         let mut st = self.state.lock();
         if st.epoch != epoch {
             return None;
         }
+        st.last_id += 1;
+        let id = st.last_id;
         st.entries.push_back(Entry {
-            generation,
+            id,
             keys: keys.iter().cloned().collect(),
             pin: Pin::Starting,
         });
         Some(PinUnderWay {
-            pins: self,
-            generation,
+            pins: Arc::clone(self),
+            id,
             open: true,
         })
     }
 
-    /// Read ahead `generation`'s pin is in: held for a load if still wanted, replacing the
-    /// pins its keys cover and the oldest past [`KEPT`]; handed back to be ended if not.
-    fn finish(&self, generation: u64, session: ReadSession, started: Instant) -> Finished {
+    /// Pin `id`'s session is in: held for a load if still wanted, replacing the pins its
+    /// keys cover and the oldest past [`KEPT`]; handed back to be ended if not.
+    fn finish(&self, id: u64, session: ReadSession, started: Instant) -> Finished {
         let mut st = self.state.lock();
         let pos = st
             .entries
             .iter()
-            .position(|e| e.generation == generation && matches!(e.pin, Pin::Starting));
+            .position(|e| e.id == id && matches!(e.pin, Pin::Starting));
         let Some(mut entry) = pos.and_then(|pos| st.entries.remove(pos)) else {
             return Finished {
                 unwanted: Some(session),
@@ -221,12 +237,9 @@ impl PinsAhead {
         }
     }
 
-    /// Read ahead `generation`'s pin failed: it holds nothing.
-    fn abandon(&self, generation: u64) {
-        self.state
-            .lock()
-            .entries
-            .retain(|e| e.generation != generation);
+    /// Pin `id` failed: it holds nothing.
+    fn abandon(&self, id: u64) {
+        self.state.lock().entries.retain(|e| e.id != id);
         self.changed.notify_all();
     }
 
@@ -303,17 +316,21 @@ mod tests {
         keys.iter().map(|k| (*k).to_owned()).collect()
     }
 
-    /// Pins `keys` as read ahead `generation` would, start to finish.
-    fn pin(p: &PinsAhead, generation: u64, k: &[&str]) -> Finished {
-        p.begin(generation, p.epoch(), &keys(k))
+    fn pins() -> Arc<PinsAhead> {
+        Arc::new(PinsAhead::default())
+    }
+
+    /// Pins `keys` as a lookup's thread would, start to finish.
+    fn pin(p: &Arc<PinsAhead>, k: &[&str]) -> Finished {
+        p.begin(p.epoch(), &keys(k))
             .expect("same epoch")
             .finish(session(k), Instant::now())
     }
 
     #[test]
     fn a_load_takes_pins_that_cover_its_keys_and_leaves_others() {
-        let p = PinsAhead::default();
-        let f = pin(&p, 1, &["a", "b", "c"]);
+        let p = pins();
+        let f = pin(&p, &["a", "b", "c"]);
         assert!(f.unwanted.is_none() && f.replaced.is_empty());
         assert!(p.hold_fresh(&keys(&["a", "c"]), Duration::from_secs(1)));
         assert!(!p.hold_fresh(&keys(&["a"]), Duration::ZERO), "not fresh");
@@ -333,9 +350,9 @@ mod tests {
 
     #[test]
     fn two_lookups_ahead_of_their_loads_each_keep_their_pins() {
-        let p = PinsAhead::default();
-        pin(&p, 1, &["a1", "a2"]);
-        pin(&p, 2, &["b1", "b2"]);
+        let p = pins();
+        pin(&p, &["a1", "a2"]);
+        pin(&p, &["b1", "b2"]);
         assert_eq!(
             p.take_covering(&["a1", "a2"], Instant::now())
                 .unwrap()
@@ -355,15 +372,15 @@ mod tests {
 
     #[test]
     fn pins_covered_by_later_ones_or_past_the_bound_are_replaced() {
-        let p = PinsAhead::default();
-        pin(&p, 1, &["a"]);
+        let p = pins();
+        pin(&p, &["a"]);
         // A later pin of a superset replaces it, once in.
-        let f = pin(&p, 2, &["a", "b"]);
+        let f = pin(&p, &["a", "b"]);
         assert_eq!(f.replaced.len(), 1);
         assert_eq!(f.replaced[0].keys, ["a"]);
         // KEPT more of other keys: the oldest (a, b) goes with the last.
         for g in 0..KEPT as u64 {
-            let f = pin(&p, 3 + g, &[&format!("k{g}")]);
+            let f = pin(&p, &[&format!("k{g}")]);
             let last = g + 1 == KEPT as u64;
             assert_eq!(f.replaced.len(), usize::from(last), "pin {g}");
             if last {
@@ -376,15 +393,15 @@ mod tests {
 
     #[test]
     fn a_load_gives_up_only_a_pin_under_way_of_its_own_keys() {
-        let p = PinsAhead::default();
-        let a = p.begin(1, 0, &keys(&["a"])).unwrap();
+        let p = pins();
+        let a = p.begin(0, &keys(&["a"])).unwrap();
         // A load of other keys leaves it.
         assert!(p.take_covering(&["b"], Instant::now()).is_none());
         assert!(p.hold_fresh(&keys(&["a"]), Duration::ZERO), "under way");
         let f = a.finish(session(&["a"]), Instant::now());
         assert!(f.unwanted.is_none());
         // A load of its keys gives it up: it is handed back once in.
-        let c = p.begin(2, 0, &keys(&["c"])).unwrap();
+        let c = p.begin(0, &keys(&["c"])).unwrap();
         assert!(p.take_covering(&["c"], Instant::now()).is_none());
         assert!(c.finish(session(&["c"]), Instant::now()).unwanted.is_some());
         assert!(p.take_covering(&["a"], Instant::now()).is_some());
@@ -392,8 +409,8 @@ mod tests {
 
     #[test]
     fn a_load_waits_for_its_pin_under_way_and_takes_it_once_in() {
-        let p = PinsAhead::default();
-        let a = p.begin(1, 0, &keys(&["a", "b"])).unwrap();
+        let p = pins();
+        let a = p.begin(0, &keys(&["a", "b"])).unwrap();
         std::thread::scope(|s| {
             let waiting = s.spawn(|| {
                 let t0 = Instant::now();
@@ -418,8 +435,8 @@ mod tests {
 
     #[test]
     fn a_pin_under_way_past_the_bound_is_given_up_and_handed_back_once_in() {
-        let p = PinsAhead::default();
-        let a = p.begin(1, 0, &keys(&["a"])).unwrap();
+        let p = pins();
+        let a = p.begin(0, &keys(&["a"])).unwrap();
         let t0 = Instant::now();
         assert!(p
             .take_covering(&["a"], Instant::now() + Duration::from_millis(30))
@@ -436,9 +453,9 @@ mod tests {
 
     #[test]
     fn a_load_waiting_for_a_pin_that_fails_or_is_reset_goes_on_at_once() {
-        let p = PinsAhead::default();
+        let p = pins();
         for reset in [false, true] {
-            let a = p.begin(1, p.epoch(), &keys(&["a"])).unwrap();
+            let a = p.begin(p.epoch(), &keys(&["a"])).unwrap();
             std::thread::scope(|s| {
                 let waiting = s.spawn(|| {
                     let t0 = Instant::now();
@@ -459,9 +476,24 @@ mod tests {
     }
 
     #[test]
+    fn a_pin_is_wanted_until_a_load_gives_it_up_or_a_reset_takes_it() {
+        let p = pins();
+        let a = p.begin(0, &keys(&["a"])).unwrap();
+        assert!(a.wanted());
+        assert!(
+            p.take_covering(&["a"], Instant::now()).is_none(),
+            "given up at once"
+        );
+        assert!(!a.wanted(), "its thread starts no session");
+        let b = p.begin(0, &keys(&["b"])).unwrap();
+        assert!(p.take_all().is_empty());
+        assert!(!b.wanted());
+    }
+
+    #[test]
     fn a_failed_pin_leaves_nothing_behind() {
-        let p = PinsAhead::default();
-        p.begin(1, 0, &keys(&["a"])).unwrap().abandon();
+        let p = pins();
+        p.begin(0, &keys(&["a"])).unwrap().abandon();
         assert!(
             !p.hold_fresh(&keys(&["a"]), Duration::from_secs(1)),
             "the next lookup pins again"
@@ -471,11 +503,11 @@ mod tests {
 
     #[test]
     fn a_pin_whose_thread_unwinds_leaves_nothing_behind() {
-        let p = PinsAhead::default();
-        let held = pin(&p, 1, &["b"]);
+        let p = pins();
+        let held = pin(&p, &["b"]);
         assert!(held.unwanted.is_none());
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _under_way = p.begin(2, 0, &keys(&["a"])).unwrap();
+            let _under_way = p.begin(0, &keys(&["a"])).unwrap();
             panic!("injected: the pin's thread unwinds before its session is in");
         }));
         assert!(unwound.is_err());
@@ -490,15 +522,15 @@ mod tests {
 
     #[test]
     fn after_reset_a_late_pin_is_handed_back_and_an_earlier_lookup_pins_nothing() {
-        let p = PinsAhead::default();
-        pin(&p, 1, &["a"]);
+        let p = pins();
+        pin(&p, &["a"]);
         let before = p.epoch();
-        let b = p.begin(2, before, &keys(&["b"])).unwrap();
+        let b = p.begin(before, &keys(&["b"])).unwrap();
         assert_eq!(p.take_all().len(), 1, "the held one");
         // The pin under way at the reset is ended by its thread.
         assert!(b.finish(session(&["b"]), Instant::now()).unwanted.is_some());
         // A lookup from before the reset does not pin.
-        assert!(p.begin(3, before, &keys(&["c"])).is_none());
+        assert!(p.begin(before, &keys(&["c"])).is_none());
         assert!(p.take_all().is_empty());
     }
 }

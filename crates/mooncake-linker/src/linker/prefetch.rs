@@ -17,10 +17,11 @@
 //! `AllRanks` and on rank 0 of `Rank0Broadcast`, none on its other ranks, its share in
 //! `SplitAllGather`), reckoned on the looked-up pages as the batch's plan pages. A load of
 //! other pages, or a batch that falls back to `AllRanks` (the group down with `ReadAlone`,
-//! plans that differ across ranks), reads the companions it misses itself. One read ahead at
-//! a time per linker
-//! (a lookup while one runs, its pin included, starts none); none without checksums or kept checksums
-//! (`verify_checksums`, `checksum_cache_entries`). A load waits for a read ahead of its
+//! plans that differ across ranks), reads the companions it misses itself. One read ahead of
+//! companions at a time per linker: a lookup while one runs reads none ahead, but still pins
+//! (a burst of requests looked up together: each load finds its pins), on a thread of its
+//! own, at most [`KEPT`](super::pins_ahead::KEPT) such threads at once. None without
+//! checksums or kept checksums (`verify_checksums`, `checksum_cache_entries`). A load waits for a read ahead of its
 //! companions for a quarter of `store_call_timeout` at most, then reads what is missing itself
 //! (the preflight's bounds allow for that wait); `close` waits for one under way until its
 //! `wait_deadline` at most.
@@ -35,6 +36,7 @@ use kv_loader::{ModeChoice, ShareMode};
 use parking_lot::{Condvar, Mutex};
 
 use super::companion::companion_of;
+use super::pins_ahead::{PinUnderWay, KEPT};
 use super::Inner;
 
 /// The companions being read ahead, and the thread reading them.
@@ -48,6 +50,8 @@ pub(crate) struct CompanionPrefetch {
 struct State {
     running: Option<Running>,
     generations: u64,
+    /// Threads pinning for a lookup beside a read ahead (`pin_alone`), at most [`KEPT`].
+    pins_alone: usize,
     /// The linker is closing: no read ahead starts.
     shut: bool,
 }
@@ -65,12 +69,12 @@ struct Running {
     thread: Option<JoinHandle<()>>,
 }
 
-/// The pins a read ahead takes: its keys, and the `pins_ahead` epoch of its lookup.
-#[derive(Debug, Clone, Copy)]
-struct PinAhead<'k> {
-    keys: &'k [String],
-    generation: u64,
-    epoch: u64,
+/// The pins a lookup takes: begun at the lookup (so a load after it finds them under way),
+/// and the keys whose session its thread starts.
+#[derive(Debug)]
+struct PinJob {
+    under_way: PinUnderWay,
+    keys: Vec<String>,
 }
 
 /// Longest a load waits for a read ahead of its companions: a quarter of one store call (the
@@ -85,6 +89,29 @@ impl CompanionPrefetch {
     fn busy(&self) -> bool {
         let st = self.state.lock();
         st.shut || st.running.as_ref().is_some_and(|r| r.active)
+    }
+
+    /// The linker is closing: nothing is read or pinned ahead.
+    fn is_shut(&self) -> bool {
+        self.state.lock().shut
+    }
+
+    /// Counts a thread pinning beside a read ahead about to start: false (none may) when
+    /// closing or with [`KEPT`] of them under way.
+    fn pin_alone_begins(&self) -> bool {
+        let mut st = self.state.lock();
+        if st.shut || st.pins_alone >= KEPT {
+            return false;
+        }
+        st.pins_alone += 1;
+        true
+    }
+
+    /// A thread pinning beside a read ahead has ended (or never started).
+    fn pin_alone_ended(&self) {
+        let mut st = self.state.lock();
+        st.pins_alone = st.pins_alone.saturating_sub(1);
+        self.done.notify_all();
     }
 
     /// Waits while the read ahead under way reads the companion of any of `objects`, until it
@@ -127,11 +154,12 @@ impl CompanionPrefetch {
         self.wait_idle(deadline);
     }
 
-    /// Waits for a read ahead under way until it ends or `deadline`, and joins its thread if
-    /// it ended (one past the deadline ends by its own, bounded by its store call).
+    /// Waits for a read ahead under way, and threads pinning beside it, until they end or
+    /// `deadline`, and joins the read ahead's thread if it ended (one past the deadline ends
+    /// by its own, bounded by its store call).
     pub(crate) fn wait_idle(&self, deadline: Instant) {
         let mut st = self.state.lock();
-        while st.running.as_ref().is_some_and(|r| r.active) {
+        while st.running.as_ref().is_some_and(|r| r.active) || st.pins_alone > 0 {
             if self.done.wait_until(&mut st, deadline).timed_out() {
                 break;
             }
@@ -174,6 +202,15 @@ impl Drop for Ended<'_> {
             r.active = false;
         }
         self.prefetch.done.notify_all();
+    }
+}
+
+/// Counts a thread pinning beside a read ahead out when it returns or unwinds.
+struct PinAloneEnded<'a>(&'a CompanionPrefetch);
+
+impl Drop for PinAloneEnded<'_> {
+    fn drop(&mut self) {
+        self.0.pin_alone_ended();
     }
 }
 
@@ -236,29 +273,50 @@ impl Inner {
 
     /// After a lookup that found `pages`: starts reading their companions into the kept
     /// checksums, and pinning the objects the load will read, on a thread of its own (see the
-    /// module docs and `pins_ahead`); returns at once.
+    /// module docs and `pins_ahead`); returns at once. While another read ahead runs it only
+    /// pins, on a thread of its own (`pin_alone`).
     pub(crate) fn read_ahead_at_lookup(self: &Arc<Self>, pages: &[PageHash]) {
-        // One read ahead at a time, none once closing: none is planned then (checked again
-        // below, under the lock that starts one).
-        if self.prefetch.busy() {
+        if self.prefetch.is_shut() {
             return;
         }
-        // Pins begin only if no `reset` or `close` comes between here and their start: the
-        // epoch is read here, at lookup, not on the read-ahead thread, so a reset between the
-        // lookup and that thread's start counts too.
+        // The epoch is read here, at lookup, so a reset between the lookup and its thread's
+        // start counts too (the pins are begun here, then taken out by the reset).
         let epoch = self.pins_ahead.epoch();
         let mode = self.mode_ahead();
         let read = self.objects_read(pages, mode);
-        let objects = self.objects_ahead(&read);
-        let pins = self.pins_wanted(&read, mode.is_some());
-        if objects.is_empty() && pins.is_none() {
+        // Begun here, so that a load right after this lookup finds them under way.
+        let pin = self.pins_wanted(&read, mode.is_some()).and_then(|keys| {
+            let under_way = self.pins_ahead.begin(epoch, &keys)?;
+            Some(PinJob { under_way, keys })
+        });
+        if self.prefetch.busy() {
+            if let Some(pin) = pin {
+                self.pin_alone(pin);
+            }
             return;
         }
+        let objects = self.objects_ahead(&read);
+        if objects.is_empty() && pin.is_none() {
+            return;
+        }
+        if let Err(pin) = self.start_read_ahead(objects, pin) {
+            self.pin_alone(pin);
+        }
+    }
+
+    /// Starts the read ahead of `objects`' companions, with `pin` beside it, on a thread of
+    /// its own; hands `pin` back if another read ahead started meanwhile (or the linker is
+    /// closing: it is then abandoned by `pin_alone`).
+    fn start_read_ahead(
+        self: &Arc<Self>,
+        objects: Vec<(String, usize)>,
+        pin: Option<PinJob>,
+    ) -> Result<(), PinJob> {
         let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
         let generation = {
             let mut st = self.prefetch.state.lock();
             if st.shut || st.running.as_ref().is_some_and(|r| r.active) {
-                return;
+                return pin.map_or(Ok(()), Err);
             }
             // The last read ahead has ended; reap its thread.
             if let Some(t) = st.running.as_mut().and_then(|r| r.thread.take()) {
@@ -282,12 +340,7 @@ impl Inner {
                     prefetch: &inner.prefetch,
                     generation,
                 };
-                let pins = pins.as_deref().map(|keys| PinAhead {
-                    keys,
-                    generation,
-                    epoch,
-                });
-                inner.read_ahead(&objects, pins, generation);
+                inner.read_ahead(&objects, pin, generation);
             });
         let mut st = self.prefetch.state.lock();
         match (spawned, st.running.as_mut()) {
@@ -297,6 +350,7 @@ impl Inner {
                 drop(st);
                 let _ = t.join();
             }
+            // The pin went with the closure: abandoned.
             (Err(e), _) => {
                 tracing::debug!(error = %e, "no thread to read ahead");
                 if st
@@ -309,46 +363,74 @@ impl Inner {
                 self.prefetch.done.notify_all();
             }
         }
+        Ok(())
+    }
+
+    /// Pins for a lookup while another read ahead runs (a burst of lookups), on a thread of
+    /// its own: at most [`KEPT`] at once. Past that, when closing, or without a thread, the
+    /// pin is abandoned and its load pins for itself.
+    fn pin_alone(self: &Arc<Self>, pin: PinJob) {
+        if !self.prefetch.pin_alone_begins() {
+            tracing::debug!(
+                keys = pin.keys.len(),
+                "pins at lookup beside a read ahead: too many under way, the load pins for itself"
+            );
+            return;
+        }
+        let inner = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kvlink-pin-r{}", self.geometry.tp_rank))
+            .spawn(move || {
+                let _ended = PinAloneEnded(&inner.prefetch);
+                inner.pin_ahead(pin);
+            });
+        if let Err(e) = spawned {
+            // The pin went with the closure: abandoned.
+            self.prefetch.pin_alone_ended();
+            tracing::debug!(error = %e, "no thread to pin at lookup: the load pins for itself");
+        }
     }
 
     /// The read-ahead thread: pins (on a scoped thread of its own where one can be had, so
     /// that neither waits for the other) and reads the companions of `objects`.
-    fn read_ahead(&self, objects: &[(String, usize)], pins: Option<PinAhead<'_>>, generation: u64) {
+    fn read_ahead(&self, objects: &[(String, usize)], pin: Option<PinJob>, generation: u64) {
+        // The pin's thread takes it from here; without that thread it is taken after the
+        // companions' read.
+        let pin = Mutex::new(pin);
         std::thread::scope(|s| {
-            let mut pins = pins;
-            if let Some(pin) = pins {
+            if pin.lock().is_some() {
                 let beside = std::thread::Builder::new()
                     .name(format!("kvlink-pin-r{}", self.geometry.tp_rank))
-                    .spawn_scoped(s, move || self.pin_ahead(pin));
-                match beside {
-                    Ok(_) => pins = None,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "no thread to pin beside the companions' read: pinning after it")
-                    }
+                    .spawn_scoped(s, || {
+                        let taken = pin.lock().take();
+                        if let Some(p) = taken {
+                            self.pin_ahead(p);
+                        }
+                    });
+                if let Err(e) = beside {
+                    tracing::debug!(error = %e, "no thread to pin beside the companions' read: pinning after it");
                 }
             }
             if !objects.is_empty() {
                 self.read_companions_ahead(objects);
                 self.prefetch.companions_done(generation);
             }
-            if let Some(pin) = pins {
-                self.pin_ahead(pin);
+            let left = pin.lock().take();
+            if let Some(p) = left {
+                self.pin_ahead(p);
             }
         });
     }
 
     /// Starts the read session over the keys of `pin` for their load (`pins_ahead`), then ends
-    /// the pins it replaces (after, so keys in both stay pinned throughout).
-    fn pin_ahead(&self, pin: PinAhead<'_>) {
-        let PinAhead {
-            keys,
-            generation,
-            epoch,
-        } = pin;
-        let Some(under_way) = self.pins_ahead.begin(generation, epoch, keys) else {
-            tracing::debug!("the linker was reset or closed since the lookup: no pins taken");
+    /// the pins it replaces (after, so keys in both stay pinned throughout). None if it is no
+    /// longer wanted (a load gave it up, or `reset` or `close` took it).
+    fn pin_ahead(&self, pin: PinJob) {
+        let PinJob { under_way, keys } = pin;
+        if !under_way.wanted() {
+            tracing::debug!("pins at lookup no longer wanted before their start: none taken");
             return;
-        };
+        }
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let started = Instant::now();
         let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
