@@ -7,7 +7,9 @@
 # storage node, --rounds rounds each.
 #
 # Usage (on the GPU host, after bash scripts/gpu-mooncake-bundle.sh here; carry gpu-mooncake):
-#   OUT=/tmp/fl bash scripts/gpu-first-layer.sh [--rounds N] [--tokens T] [-- MOONCAKE_READ_FLAGS]
+#   OUT=/tmp/fl bash scripts/gpu-first-layer.sh [--rounds N] [--tokens T] [--hot] [-- MOONCAKE_READ_FLAGS]
+# --hot: a hot prefix, its checksum companions kept from round 1, so a lookup reads nothing
+# ahead and only pins (kept-at-lookup against kept-at-lookup-pin-at-load).
 # KVLINK_READ_BIN: another mooncake_read build to run instead of the bundle's (an absolute path:
 # an A/B of two builds in one command).
 # Output: $OUT/first_layer_<machine>_<tokens/1024>k.md (both runs), and the runs' stderr.
@@ -16,12 +18,14 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 rounds=10
 tokens=32768
+hot=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rounds) rounds="$2"; shift 2 ;;
     --tokens) tokens="$2"; shift 2 ;;
+    --hot) hot=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "gpu-first-layer: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -34,14 +38,19 @@ file="$out/first_layer_${machine}_$((tokens / 1024))k.md"
 export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
 commit="$(grep '^commit:' "$repo/gpu-mooncake/BUNDLE_INFO" 2>/dev/null | awk '{print $2}')"
 {
-  echo "# First layer: objects pinned at lookup against pinned by the load ($((tokens / 1024))K tokens)"
+  echo "# First layer: objects pinned at lookup against pinned by the load ($((tokens / 1024))K tokens$([[ $hot -eq 1 ]] && echo ", a hot prefix: companions kept"))"
   echo
-  echo "Bundle built at commit ${commit:-unknown}${KVLINK_READ_BIN:+; mooncake_read: $KVLINK_READ_BIN}. Command: \`${KVLINK_READ_BIN:+KVLINK_READ_BIN=$KVLINK_READ_BIN }bash scripts/gpu-first-layer.sh --rounds $rounds --tokens $tokens${*:+ -- $*}\` ($(date -u +%Y-%m-%d), $machine, $(nproc) CPUs, one storage node over TCP loopback)."
+  echo "Bundle built at commit ${commit:-unknown}${KVLINK_READ_BIN:+; mooncake_read: $KVLINK_READ_BIN}. Command: \`${KVLINK_READ_BIN:+KVLINK_READ_BIN=$KVLINK_READ_BIN }bash scripts/gpu-first-layer.sh --rounds $rounds --tokens $tokens$([[ $hot -eq 1 ]] && echo ' --hot')${*:+ -- $*}\` ($(date -u +%Y-%m-%d), $machine, $(nproc) CPUs, one storage node over TCP loopback)."
 } > "$file"
 rc=0
 n=0
 passed=0
-for order in at-lookup,at-lookup-pin-at-load at-lookup-pin-at-load,at-lookup; do
+if [[ $hot -eq 1 ]]; then
+  orders=(kept-at-lookup,kept-at-lookup-pin-at-load kept-at-lookup-pin-at-load,kept-at-lookup)
+else
+  orders=(at-lookup,at-lookup-pin-at-load at-lookup-pin-at-load,at-lookup)
+fi
+for order in "${orders[@]}"; do
   n=$((n + 1))
   {
     echo

@@ -158,7 +158,9 @@ fn command() -> Command {
                      first reads none), at-lookup (each round forgets what was kept, looks the \
                      prefix up, waits --linker-lookup-gap-us, then loads: the lookup reads them \
                      ahead and pins the objects), at-lookup-pin-at-load (the same, but the load \
-                     pins the objects, pin_at_lookup off); one row set per value",
+                     pins the objects, pin_at_lookup off), kept-at-lookup (kept, and each round \
+                     looks the prefix up, which pins the objects, waits the gap, then loads), \
+                     kept-at-lookup-pin-at-load (the same, the load pins); one row set per value",
                 ),
         )
         .arg(
@@ -288,4 +290,10 @@ pub enum Companions {
     AtLookup,
     /// As `AtLookup`, with `pin_at_lookup` off: the load pins the objects itself.
     AtLookupPinAtLoad,
+    /// Kept between loads (as `Kept`), and each round looks the prefix up (which pins the
+    /// objects: nothing is read ahead), waits the engine's gap, then loads: a hot prefix,
+    /// where the pin is all a lookup does ahead of the load.
+    KeptAtLookup,
+    /// As `KeptAtLookup`, with `pin_at_lookup` off: the load pins the objects itself.
+    KeptAtLookupPinAtLoad,
 }

@@ -114,6 +114,14 @@ impl RowSpec {
                     "read at lookup, {:.0} ms (SIMULATED) before start_load; objects pinned by the load",
                     self.lookup_gap.as_secs_f64() * 1e3
                 ),
+                Companions::KeptAtLookup => format!(
+                    "kept from round 1; looked up {:.0} ms (SIMULATED) before start_load; objects pinned at lookup (default)",
+                    self.lookup_gap.as_secs_f64() * 1e3
+                ),
+                Companions::KeptAtLookupPinAtLoad => format!(
+                    "kept from round 1; looked up {:.0} ms (SIMULATED) before start_load; objects pinned by the load",
+                    self.lookup_gap.as_secs_f64() * 1e3
+                ),
             },
         ]
     }
@@ -187,11 +195,12 @@ impl LinkerReader {
                 wait_deadline: Duration::from_secs(120),
                 checksum_cache_entries: match companions {
                     Companions::EveryLoad => 0,
-                    Companions::Kept | Companions::AtLookup | Companions::AtLookupPinAtLoad => {
-                        LinkerConfig::default().checksum_cache_entries
-                    }
+                    _ => LinkerConfig::default().checksum_cache_entries,
                 },
-                pin_at_lookup: companions != Companions::AtLookupPinAtLoad,
+                pin_at_lookup: !matches!(
+                    companions,
+                    Companions::AtLookupPinAtLoad | Companions::KeptAtLookupPinAtLoad
+                ),
                 checksums_as_landed: as_landed,
                 verify_threads: if verify_threads > 0 {
                     verify_threads
@@ -223,13 +232,20 @@ impl LinkerReader {
             }],
             self.slots.clone(),
         );
-        if matches!(
+        let first_load = matches!(
             self.spec.companions,
             Companions::AtLookup | Companions::AtLookupPinAtLoad
-        ) {
-            // A first load of the prefix, as an engine makes it: lookup, its scheduling and
-            // allocation (SIMULATED: a sleep), then the load.
-            self.linker.forget_kept_checksums();
+        );
+        let hot = matches!(
+            self.spec.companions,
+            Companions::KeptAtLookup | Companions::KeptAtLookupPinAtLoad
+        );
+        if first_load || hot {
+            // A load as an engine makes it: lookup, its scheduling and allocation (SIMULATED:
+            // a sleep), then the load; a first load of the prefix forgets what was kept.
+            if first_load {
+                self.linker.forget_kept_checksums();
+            }
             let hit = self.linker.lookup_pages(&self.hashes, 0)?;
             if hit.pages.len() != self.hashes.len() {
                 bail!(
