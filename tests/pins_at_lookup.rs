@@ -136,8 +136,7 @@ impl Rank {
         assert!(self.sessions.pinned().is_empty(), "{what}");
     }
 
-    /// Looks `pages` up until a lookup pins them (one while the last lookup's read ahead
-    /// still runs starts none).
+    /// Looks `pages` up until a lookup's pin is in (checked after each lookup for 50 ms).
     fn lookup_pinned(&self, pages: &[PageHash], pins_before: u64) {
         let pinned = eventually(|| {
             let hit = self.linker.lookup_pages(pages, 0).unwrap();
@@ -213,9 +212,9 @@ fn pins_of_other_pages_stay_until_a_lookup_of_more_pages_replaces_them() {
         "the first pages stayed pinned throughout"
     );
     assert_eq!(r.sessions.pinned(), r.keys_of(&r.pages));
-    // Lookups of the same pages while they are held and fresh pin nothing again. (A lookup
-    // while the last read ahead still runs starts none at all, so several, spaced past its
-    // end: the later ones are judged by what is held.)
+    // Lookups of the same pages while they are held and fresh pin nothing again. (Several,
+    // spaced past the last read ahead's end, so that the later ones are judged by what is
+    // held rather than by a pin still under way.)
     for _ in 0..5 {
         r.linker.lookup_pages(&r.pages, 0).unwrap();
         std::thread::sleep(Duration::from_millis(40));
@@ -320,6 +319,62 @@ fn a_load_right_after_its_lookup_takes_the_pin_under_way_once_it_is_in() {
     assert_eq!(r.linker.metrics().pins_ahead_taken, 1);
     r.check_all_ended((1, 1), (1, 1), "the lookup's session, taken over");
     r.linker.close().unwrap();
+}
+
+/// A `reset` while a load waits for its lookup's pin stalled at the store does not wait out
+/// that load's bound: the pins are taken out first, and the cancelled load goes on at once
+/// without starting a session of its own (the store's session calls stall too).
+#[test]
+fn a_reset_does_not_wait_for_a_load_waiting_for_a_stalled_pin() {
+    let held = Stall::new();
+    // Reset waits 1 s at most for the load thread (and as long for the stalled read ahead):
+    // far less than the load's 5 s wait for the pin, or a stalled start of its own.
+    let cfg = LinkerConfig {
+        wait_deadline: Duration::from_secs(1),
+        ..config()
+    };
+    let stalled = held.clone();
+    let r = rank(73, 3, cfg, move |s| {
+        let f = Arc::new(FaultyStore::new(s));
+        f.inject_on(
+            FaultCall::Session,
+            FaultRule {
+                times: Some(2),
+                ..FaultRule::default()
+            },
+            Fault::Stall(stalled.clone()),
+        );
+        f
+    });
+    r.linker.lookup_pages(&r.pages, 0).unwrap();
+    assert!(
+        eventually(|| held.hits() == 1),
+        "the pin at lookup is under way"
+    );
+    let g = r.linker.geometry();
+    let t = r
+        .linker
+        .start_load(load_plan(g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    // The load is waiting for the pin by now (its bound is a quarter of the 20 s store call).
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    let reset = r.linker.reset();
+    let took = t0.elapsed();
+    assert!(
+        reset.is_ok(),
+        "the load thread went on (no slots held): {reset:?}"
+    );
+    assert!(took < Duration::from_secs(3), "reset took {took:?}");
+    let _ = r.linker.wait_batch(&t);
+    held.release();
+    r.linker.close().unwrap();
+    assert!(
+        eventually(|| r.sessions.counts().0 == r.sessions.counts().1),
+        "every session ended: {:?}",
+        r.sessions.counts()
+    );
+    assert!(r.sessions.pinned().is_empty());
 }
 
 /// Pins taken longer than `lease_renewal` before the load are renewed before its first read,

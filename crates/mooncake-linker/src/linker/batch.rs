@@ -395,11 +395,13 @@ impl Inner {
 
     /// Pins the objects this rank reads for `layers` (one read session, renewed while the load
     /// runs): takes over the session a lookup started for them where it covers them
-    /// (`pins_ahead`), else starts one.
+    /// (`pins_ahead`), else starts one, unless the batch was `cancelled` meanwhile (a `reset`
+    /// takes the lookups' pins out, ending a wait for one: no session is started then).
     pub(crate) fn pin<'s>(
         &'s self,
         layers: &BatchLayers,
         batch: BatchId,
+        cancelled: &dyn Fn() -> bool,
     ) -> Result<PinnedKeys<'s>, KvLoadError> {
         let my_pages = layers.my_pages();
         let t0 = std::time::Instant::now();
@@ -416,6 +418,9 @@ impl Inner {
             .collect();
         if let Some(pins) = self.take_lookup_pins(&read_keys, layers.rank, batch) {
             return Ok(pins);
+        }
+        if cancelled() {
+            return Err(KvLoadError::Cancelled { batch });
         }
         let pins = PinnedKeys::start(
             &self.calls,
@@ -442,9 +447,9 @@ impl Inner {
         rank: u32,
         batch: BatchId,
     ) -> Option<PinnedKeys<'_>> {
-        // As long as a load waits for a read ahead of its companions (the preflight allows
-        // for it): a pin under way is one master call, which the load's own start would wait
-        // for anyway on a store that makes session calls one at a time.
+        // As long as a load waits for a read ahead of its companions (the exchange loop's wait
+        // for the reader allows for it): a pin under way is one master call, which the load's
+        // own start would wait for anyway on a store that makes session calls one at a time.
         let wait_until = kv_loader::deadline_after(super::prefetch::read_ahead_wait(
             self.config.store_call_timeout,
         ));

@@ -438,14 +438,14 @@ impl Linker {
         self.inner.save(plan, Some(after))
     }
 
-    /// What one store call of this linker's reads costs in share mode `mode`, as fitted from
-    /// its group calls in that mode (the prior before any): what the adaptive read plan
-    /// decides from for a batch in `mode`. The fit is kept per mode, since a call costs more
-    /// when every rank reads at once (a rank alone reads as in `AllRanks`). A new linker over
-    /// the same store can start from a fit of a rank reading alone
-    /// (`ReadGranularity::Adaptive::prior`, which a mode where several ranks read at once
-    /// scales to their share of the store): `Rank0Broadcast`'s, or `AllRanks`' without a
-    /// group.
+    /// What one store call of this linker's reads costs in share mode `mode`, as fitted from its
+    /// group calls in that mode: what the adaptive read plan decides from for a batch in `mode`.
+    /// Before any call in `mode` it is the prior as configured (the plan then takes its per-byte
+    /// cost once per rank reading at once). The fit is kept per mode, since a call costs more when
+    /// every rank reads at once (a rank alone reads as in `AllRanks`). A new linker over the same
+    /// store can start from a fit of a rank reading alone (`ReadGranularity::Adaptive::prior`,
+    /// which a mode where several ranks read at once scales to their share of the store):
+    /// `Rank0Broadcast`'s, or `AllRanks`' without a group.
     pub fn read_cost(&self, mode: kv_loader::ShareMode) -> ReadCost {
         self.inner.reads.cost(mode)
     }
@@ -488,9 +488,12 @@ impl Linker {
         let s = &self.inner;
         s.epoch.fetch_add(1, Ordering::AcqRel);
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
+        // The lookups' pins are taken out first, so a load waiting for one under way goes on
+        // at once instead of holding the load thread up to its bound.
+        s.end_pins_ahead();
         let busy = !s.outcomes.cancel_all(deadline);
         // Nothing left in flight: a read ahead is waited for (same bound), and the pins a
-        // lookup took are ended.
+        // lookup took meanwhile are ended.
         s.prefetch.wait_idle(deadline);
         s.end_pins_ahead();
         let mut held = s.outcomes.held();

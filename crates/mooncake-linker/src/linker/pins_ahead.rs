@@ -1,14 +1,14 @@
 //! Read-session pins taken when a prefix is looked up, for its load to take over.
 //!
-//! A load reads its objects under a read session (lease pins, see `session`), and starting
-//! one is a master call (about 4 ms on the GPU host for a 32K-token GLM-5.2 prefix) on the
-//! first layer's path. A lookup that found pages therefore also starts the session its load
-//! will read under: the pin is begun on the lookup's thread (so a load right after finds it
-//! under way) and its session started on a thread beside the companions' read ahead (see
-//! `prefetch`), or on one of its own while another lookup's read ahead runs; the load takes it over when it covers every key the load reads, and renews it
-//! as its own before its first read if it is older than `LinkerConfig::lease_renewal` (so a
-//! late load is as safe as one that pinned for itself). SGLang's later linker likewise pins
-//! between the match and the load.
+//! A load reads its objects under a read session (lease pins, see `session`), and starting one is a
+//! master call (about 4 ms on the GPU host for a 32K-token GLM-5.2 prefix) on the first layer's
+//! path. A lookup that found pages therefore also starts the session its load will read under: the
+//! pin is begun on the lookup's thread (so a load right after finds it under way) and its session
+//! started on a thread beside the companions' read ahead (see `prefetch`), or on one of its own
+//! while another lookup's read ahead runs; the load takes it over when it covers every key the load
+//! reads, and renews it as its own before its first read if it is older than
+//! `LinkerConfig::lease_renewal` (so a late load is as safe as one that pinned for itself).
+//! SGLang's later linker likewise pins between the match and the load.
 //!
 //! Only where this rank's reads are known at the lookup (a rank alone; a fixed mode, or the
 //! one `Auto` keeps): the same keys the load pins (every page of its own components, its
@@ -23,7 +23,8 @@
 //! under way waits for it to come in and takes it (a load's own session start would wait
 //! for that pin's master call anyway: the Mooncake store makes session calls one at a time),
 //! for as long as it waits for a read ahead of its companions at most (a quarter of
-//! `store_call_timeout`, within the preflight's bounds); past that, or if the pin fails, it
+//! `store_call_timeout`, on the reader thread before its first read: the exchange loop's
+//! wait for the reader allows for it); past that, or if the pin fails, it
 //! pins for itself, and a late pin is ended by the thread that took it. A pin that a load
 //! gave up, or that `reset` or `close` took, before its thread started its session is not
 //! started; a lookup from before a `reset` or `close` pins nothing. A pin under way is a
@@ -216,8 +217,14 @@ impl PinsAhead {
             }
         }
         kept.push_back(entry);
-        // The oldest held pins past the bound (pins under way are their threads').
-        while kept.len() > KEPT {
+        // The oldest held pins past the bound. Pins under way do not count (they are their
+        // threads'), so the new one, the newest held, is never among them.
+        let held = |k: &VecDeque<Entry>| {
+            k.iter()
+                .filter(|e| matches!(e.pin, Pin::Held { .. }))
+                .count()
+        };
+        while held(&kept) > KEPT {
             let Some(oldest) = kept.iter().position(|e| matches!(e.pin, Pin::Held { .. })) else {
                 break;
             };
@@ -279,6 +286,8 @@ impl PinsAhead {
         }
         st.entries
             .retain(|e| !(matches!(e.pin, Pin::Starting) && covering(e)));
+        // Another load waiting for a pin given up here goes on at once.
+        self.changed.notify_all();
         None
     }
 
@@ -473,6 +482,29 @@ mod tests {
                 assert!(waited < Duration::from_secs(5), "reset {reset}: {waited:?}");
             });
         }
+    }
+
+    #[test]
+    fn a_pin_that_comes_in_beside_more_than_kept_under_way_is_held() {
+        let p = pins();
+        let mut under_way: Vec<PinUnderWay> = (0..=KEPT)
+            .map(|i| p.begin(0, &keys(&[&format!("k{i}")])).unwrap())
+            .collect();
+        // The first to come in, with KEPT more still under way: held, not replaced by itself.
+        let first = under_way.remove(0);
+        let f = first.finish(session(&["k0"]), Instant::now());
+        assert!(f.unwanted.is_none() && f.replaced.is_empty(), "{f:?}");
+        // The rest come in: at most KEPT held, the oldest replaced.
+        let mut replaced = Vec::new();
+        for (i, u) in under_way.into_iter().enumerate() {
+            let k = format!("k{}", i + 1);
+            let f = u.finish(session(&[k.as_str()]), Instant::now());
+            assert!(f.unwanted.is_none());
+            replaced.extend(f.replaced.into_iter().map(|s| s.keys));
+        }
+        assert_eq!(replaced, [["k0"]]);
+        assert!(p.take_covering(&["k1"], Instant::now()).is_some());
+        assert_eq!(p.take_all().len(), KEPT - 1);
     }
 
     #[test]

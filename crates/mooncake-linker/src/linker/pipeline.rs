@@ -25,9 +25,10 @@
 //! preflight's verdicts until four fifths of `collective_timeout` after the group's read
 //! started (the batch's gate, for the first group; a rank alone: six store calls and a
 //! quarter after the batch's start, or for a later group two store calls after its read's
-//! start if that is later), and the exchange loop waits for the reader at most
-//! `max(layer_read_timeout, collective_timeout) + collective_timeout + 2 × store_call_timeout`
-//! (and at least seven store calls and a quarter) per layer. Once the batch has failed, a size check
+//! start if that is later), before its first read it waits for a pin a lookup has under way
+//! a quarter of `store_call_timeout` at most, and the exchange loop waits for the reader at
+//! most `max(layer_read_timeout, collective_timeout) + collective_timeout + 2.25 ×
+//! store_call_timeout` (and at least seven store calls and a quarter) per layer. Once the batch has failed, a size check
 //! that has not started its queries skips them. A preflight check still running
 //! when its verdict is no longer waited for is joined when the reader ends (its store calls
 //! are bounded: the companions' read and, for one that does not fit, its size query, its
@@ -253,7 +254,7 @@ impl LayerPipeline<'_> {
             // a size check that has not started its queries then skips them.
             let _abandon = Abandon(&abandoned);
             if failure.is_none() {
-                match self.inner.pin(self.layers, batch) {
+                match self.inner.pin(self.layers, batch, &|| self.cancelled()) {
                     Ok(p) => pins = Some(p),
                     Err(e) => failure = Some(e),
                 }
@@ -577,7 +578,8 @@ impl LayerPipeline<'_> {
     fn receive(&self, h: &Handoff<Option<LayerStage>, ReadLayer>, layer: u32) -> ReadLayer {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
-        // Before the first group the reader pins the objects (one store call) and opens the
+        // Before the first group the reader pins the objects (a wait for a lookup's pin under
+        // way, a quarter of a store call at most, then one store call) and opens the
         // landing's stages; before a group's read it may renew the read session (one store
         // call); then the read itself (`layer_read_timeout`); the preflight's verdicts are
         // waited for until four fifths of `collective_timeout` after the read's start (the
@@ -588,6 +590,7 @@ impl LayerPipeline<'_> {
             .max(c.collective_timeout)
             .saturating_add(c.collective_timeout)
             .saturating_add(c.store_call_timeout.saturating_mul(2))
+            .saturating_add(super::prefetch::read_ahead_wait(c.store_call_timeout))
             .max(alone_verdicts_bound(c.store_call_timeout).saturating_add(c.store_call_timeout));
         let error = match h.next_layer(kv_loader::deadline_after(limit)) {
             Wait::Got(m) if m.layer == layer => return m,

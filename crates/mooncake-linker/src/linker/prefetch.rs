@@ -11,20 +11,19 @@
 //! load takes them from there, and waits for a read still under way rather than reading the
 //! same companions again (never longer than that read's own deadline).
 //!
-//! Only the companions this rank will read: its sharded components' (read whole by every rank
-//! in every mode) and, where the mode is known (a rank alone; fixed, or kept by `Auto`), those
-//! of the replicated pages the mode has it read ([`dedup_broadcast::pages_read`]: every page in
-//! `AllRanks` and on rank 0 of `Rank0Broadcast`, none on its other ranks, its share in
-//! `SplitAllGather`), reckoned on the looked-up pages as the batch's plan pages. A load of
-//! other pages, or a batch that falls back to `AllRanks` (the group down with `ReadAlone`,
-//! plans that differ across ranks), reads the companions it misses itself. One read ahead of
-//! companions at a time per linker: a lookup while one runs reads none ahead, but still pins
-//! (a burst of requests looked up together: each load finds its pins), on a thread of its
-//! own, at most [`KEPT`](super::pins_ahead::KEPT) such threads at once. None without
-//! checksums or kept checksums (`verify_checksums`, `checksum_cache_entries`). A load waits for a read ahead of its
-//! companions for a quarter of `store_call_timeout` at most, then reads what is missing itself
-//! (the preflight's bounds allow for that wait); `close` waits for one under way until its
-//! `wait_deadline` at most.
+//! Only the companions this rank will read: its sharded components' (read whole by every rank in
+//! every mode) and, where the mode is known (a rank alone; fixed, or kept by `Auto`), those of the
+//! replicated pages the mode has it read ([`dedup_broadcast::pages_read`]: every page in `AllRanks`
+//! and on rank 0 of `Rank0Broadcast`, none on its other ranks, its share in `SplitAllGather`),
+//! reckoned on the looked-up pages as the batch's plan pages. A load of other pages, or a batch
+//! that falls back to `AllRanks` (the group down with `ReadAlone`, plans that differ across ranks),
+//! reads the companions it misses itself. One read ahead of companions at a time per linker: a
+//! lookup while one runs reads none ahead, but still pins (a burst of requests looked up together:
+//! each load finds its pins), on a thread of its own, at most [`KEPT`](super::pins_ahead::KEPT)
+//! such threads at once. None without checksums or kept checksums (`verify_checksums`,
+//! `checksum_cache_entries`). A load waits for a read ahead of its companions for a quarter of
+//! `store_call_timeout` at most, then reads what is missing itself (the preflight's bounds allow
+//! for that wait); `close` waits for one under way until its `wait_deadline` at most.
 
 use std::collections::HashSet;
 use std::sync::Arc;
