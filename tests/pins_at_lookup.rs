@@ -50,12 +50,17 @@ fn eventually_within(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
 
 /// A store wrapper whose first `start_session` (the lookup's pin) meets `fault`.
 fn first_session(fault: Fault) -> impl Fn(Arc<dyn KvStore>) -> Arc<dyn KvStore> {
+    first_sessions(1, fault)
+}
+
+/// A store wrapper whose first `times` calls of `start_session` meet `fault`.
+fn first_sessions(times: u32, fault: Fault) -> impl Fn(Arc<dyn KvStore>) -> Arc<dyn KvStore> {
     move |s| {
         let f = Arc::new(FaultyStore::new(s));
         f.inject_on(
             FaultCall::Session,
             FaultRule {
-                times: Some(1),
+                times: Some(times),
                 ..FaultRule::default()
             },
             fault.clone(),
@@ -333,19 +338,7 @@ fn a_reset_does_not_wait_for_a_load_waiting_for_a_stalled_pin() {
         wait_deadline: Duration::from_secs(1),
         ..config()
     };
-    let stalled = held.clone();
-    let r = rank(73, 3, cfg, move |s| {
-        let f = Arc::new(FaultyStore::new(s));
-        f.inject_on(
-            FaultCall::Session,
-            FaultRule {
-                times: Some(2),
-                ..FaultRule::default()
-            },
-            Fault::Stall(stalled.clone()),
-        );
-        f
-    });
+    let r = rank(73, 3, cfg, first_sessions(2, Fault::Stall(held.clone())));
     r.linker.lookup_pages(&r.pages, 0).unwrap();
     assert!(
         eventually(|| held.hits() == 1),
