@@ -297,3 +297,26 @@ pub enum Companions {
     /// As `KeptAtLookup`, with `pin_at_lookup` off: the load pins the objects itself.
     KeptAtLookupPinAtLoad,
 }
+
+impl Companions {
+    /// Each round forgets what was kept and looks the prefix up, which reads them ahead.
+    pub fn read_at_lookup(self) -> bool {
+        matches!(self, Companions::AtLookup | Companions::AtLookupPinAtLoad)
+    }
+
+    /// Kept, and each round looks the prefix up (which then only pins).
+    pub fn kept_at_lookup(self) -> bool {
+        matches!(
+            self,
+            Companions::KeptAtLookup | Companions::KeptAtLookupPinAtLoad
+        )
+    }
+
+    /// `LinkerConfig::pin_at_lookup` for these rows (off only for the `*PinAtLoad` ones).
+    pub fn pins_at_lookup(self) -> bool {
+        !matches!(
+            self,
+            Companions::AtLookupPinAtLoad | Companions::KeptAtLookupPinAtLoad
+        )
+    }
+}

@@ -106,22 +106,22 @@ impl RowSpec {
                 _ if none_written => "none written (length checks after a size query)".into(),
                 Companions::EveryLoad => "read by every load".into(),
                 Companions::Kept => "kept from round 1 (rounds 2+ read none)".into(),
-                Companions::AtLookup => format!(
-                    "read at lookup, {:.0} ms (SIMULATED) before start_load; objects pinned at lookup (default)",
-                    self.lookup_gap.as_secs_f64() * 1e3
-                ),
-                Companions::AtLookupPinAtLoad => format!(
-                    "read at lookup, {:.0} ms (SIMULATED) before start_load; objects pinned by the load",
-                    self.lookup_gap.as_secs_f64() * 1e3
-                ),
-                Companions::KeptAtLookup => format!(
-                    "kept from round 1; looked up {:.0} ms (SIMULATED) before start_load; objects pinned at lookup (default)",
-                    self.lookup_gap.as_secs_f64() * 1e3
-                ),
-                Companions::KeptAtLookupPinAtLoad => format!(
-                    "kept from round 1; looked up {:.0} ms (SIMULATED) before start_load; objects pinned by the load",
-                    self.lookup_gap.as_secs_f64() * 1e3
-                ),
+                c => {
+                    let before = if c.read_at_lookup() {
+                        "read at lookup,"
+                    } else {
+                        "kept from round 1; looked up"
+                    };
+                    let pinned = if c.pins_at_lookup() {
+                        "at lookup (default)"
+                    } else {
+                        "by the load"
+                    };
+                    format!(
+                        "{before} {:.0} ms (SIMULATED) before start_load; objects pinned {pinned}",
+                        self.lookup_gap.as_secs_f64() * 1e3
+                    )
+                }
             },
         ]
     }
@@ -197,10 +197,7 @@ impl LinkerReader {
                     Companions::EveryLoad => 0,
                     _ => LinkerConfig::default().checksum_cache_entries,
                 },
-                pin_at_lookup: !matches!(
-                    companions,
-                    Companions::AtLookupPinAtLoad | Companions::KeptAtLookupPinAtLoad
-                ),
+                pin_at_lookup: companions.pins_at_lookup(),
                 checksums_as_landed: as_landed,
                 verify_threads: if verify_threads > 0 {
                     verify_threads
@@ -232,15 +229,8 @@ impl LinkerReader {
             }],
             self.slots.clone(),
         );
-        let first_load = matches!(
-            self.spec.companions,
-            Companions::AtLookup | Companions::AtLookupPinAtLoad
-        );
-        let hot = matches!(
-            self.spec.companions,
-            Companions::KeptAtLookup | Companions::KeptAtLookupPinAtLoad
-        );
-        if first_load || hot {
+        let first_load = self.spec.companions.read_at_lookup();
+        if first_load || self.spec.companions.kept_at_lookup() {
             // A load as an engine makes it: lookup, its scheduling and allocation (SIMULATED:
             // a sleep), then the load; a first load of the prefix forgets what was kept.
             if first_load {

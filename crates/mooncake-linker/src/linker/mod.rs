@@ -489,12 +489,14 @@ impl Linker {
         s.epoch.fetch_add(1, Ordering::AcqRel);
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         // The lookups' pins are taken out first, so a load waiting for one under way goes on
-        // at once instead of holding the load thread up to its bound.
-        s.end_pins_ahead();
+        // at once instead of holding the load thread up to its bound; their sessions are ended
+        // after the cancel, so that no master call delays it.
+        let taken = s.pins_ahead.take_all();
         let busy = !s.outcomes.cancel_all(deadline);
         // Nothing left in flight: a read ahead is waited for (same bound), and the pins a
         // lookup took meanwhile are ended.
         s.prefetch.wait_idle(deadline);
+        s.end_pins(taken);
         s.end_pins_ahead();
         let mut held = s.outcomes.held();
         if busy {

@@ -24,12 +24,11 @@
 //! for that pin's master call anyway: the Mooncake store makes session calls one at a time),
 //! for as long as it waits for a read ahead of its companions at most (a quarter of
 //! `store_call_timeout`, on the reader thread before its first read: the exchange loop's
-//! wait for the reader allows for it); past that, or if the pin fails, it
-//! pins for itself, and a late pin is ended by the thread that took it. A pin that a load
-//! gave up, or that `reset` or `close` took, before its thread started its session is not
-//! started; a lookup from before a `reset` or `close` pins nothing. A pin under way is a
-//! [`PinUnderWay`] guard: a thread that unwinds before its session is in leaves no entry
-//! behind.
+//! wait for the reader allows for it); past that, or if the pin fails, it pins for itself,
+//! and a late pin is ended by the thread that took it. A pin that a load gave up, or that
+//! `reset` or `close` took, before its thread started its session is not started; a lookup
+//! from before a `reset` or `close` pins nothing. A pin under way is a [`PinUnderWay`]
+//! guard: a thread that unwinds before its session is in leaves no entry behind.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;

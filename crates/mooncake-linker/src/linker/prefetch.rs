@@ -461,8 +461,13 @@ impl Inner {
     /// Ends the pins held ahead of loads (`reset`, `close`); pins of lookups before are not
     /// started from now on.
     pub(crate) fn end_pins_ahead(&self) {
-        for session in self.pins_ahead.take_all() {
-            self.end_session_logged(&session);
+        self.end_pins(self.pins_ahead.take_all());
+    }
+
+    /// Ends pins taken out of `pins_ahead` (`PinsAhead::take_all`).
+    pub(crate) fn end_pins(&self, sessions: Vec<crate::store::ReadSession>) {
+        for session in &sessions {
+            self.end_session_logged(session);
         }
     }
 
