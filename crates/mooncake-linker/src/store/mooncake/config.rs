@@ -81,27 +81,34 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 pub const MAX_READ_STREAMS: usize = 16;
 
 /// The default number of read streams on a machine with `cores` CPUs: one per four cores,
-/// from 1 to 4.
+/// from 2 to 4 (1 on a single core).
 ///
 /// Each stream is a thread waiting inside the wheel's call, which polls for completion every
-/// 10 µs: on a 2-core machine extra streams took CPU from the transfer threads and made reads
-/// slower. On the 16-core GPU host a client's read of one storage node runs against one
-/// transfer thread of the node, at about a full core during any large read
-/// (docs/benchmarks.md, "What bounds one client"). Reading a 32K-token GLM-5.2 prefix (all 78
-/// layers per call), 4 streams were ahead of 8 by 2–12 % in six runs and level in one (the
-/// store's read, or the linker's load: 630 against 658 ms in the last); at TP 8, with eight
-/// clients on the host, the two were within the runs' spread of each other. The store's own
-/// 8- and 26-layer calls, outside the linker, read faster with 8 (730 against 824 ms; 585
-/// against 601).
+/// 10 µs, so streams cost CPU beside the transfer threads. They pay anyway from two cores up:
+/// on the 2-core VM, in four runs reading a 32K-token GLM-5.2 prefix (docs/benchmarks.md,
+/// "Two read streams on two cores"), 2 streams read every call size faster than 1 (the
+/// store's 78-layer call 924–1231 ms against 1105–1450, one layer per call 2407–2535 against
+/// 2916–3384), and the linker's load with no compute took 932–1191 against 1087–1298 ms (many
+/// concurrent one-layer *calls*, `read_parallelism`, are what lost there). On the 16-core GPU
+/// host a client's read of one storage node runs against one transfer thread of the node, at
+/// about a full core during any large read (docs/benchmarks.md, "What bounds one client").
+/// Reading a 32K-token GLM-5.2 prefix (all 78 layers per call), 4 streams were ahead of 8 by
+/// 2–12 % in six runs and level in one (the store's read, or the linker's load: 630 against
+/// 658 ms in the last); at TP 8, with eight clients on the host, the two were within the runs'
+/// spread of each other. The store's own 8- and 26-layer calls, outside the linker, read
+/// faster with 8 (730 against 824 ms; 585 against 601).
 ///
 /// ```
 /// use mooncake_linker::store::mooncake::auto_read_streams;
-/// assert_eq!(auto_read_streams(2), 1);
+/// assert_eq!(auto_read_streams(0), 1);
+/// assert_eq!(auto_read_streams(1), 1);
+/// assert_eq!(auto_read_streams(2), 2);
+/// assert_eq!(auto_read_streams(12), 3);
 /// assert_eq!(auto_read_streams(16), 4);
 /// assert_eq!(auto_read_streams(64), 4);
 /// ```
 pub fn auto_read_streams(cores: usize) -> usize {
-    (cores / 4).clamp(1, 4)
+    (cores / 4).clamp(2, 4).min(cores.max(1))
 }
 
 fn default_read_streams() -> usize {
