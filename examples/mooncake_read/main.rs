@@ -405,11 +405,21 @@ fn linker_table(
     let mut times: Vec<Vec<LinkerTiming>> = readers.iter().map(|_| Vec::new()).collect();
     let mut py = Vec::new();
     for round in 0..a.rounds {
-        if let Some(p) = python.as_mut() {
-            py.push(p.run("whole")?);
+        // The Python read goes first in even rounds and last in odd ones, so neither side
+        // always reads right after the other (a paired ratio free of the order).
+        let python_first = round % 2 == 0;
+        if python_first {
+            if let Some(p) = python.as_mut() {
+                py.push(p.run("whole")?);
+            }
         }
         for (r, t) in readers.iter_mut().zip(&mut times) {
             t.push(r.run(objects, round == 0)?);
+        }
+        if !python_first {
+            if let Some(p) = python.as_mut() {
+                py.push(p.run("whole")?);
+            }
         }
     }
     let py_ms = median(&mut py.clone()) * 1e3;
@@ -436,8 +446,9 @@ fn linker_table(
         "\nThe Linker (TP 1, host pool, scattered slots): adaptive layer groups, store defaults \
          (read_streams {}, staged merge {}) unless a row's columns say otherwise; an engine thread waits for each layer, then \
          computes it (SIMULATED: sleeps); {} rounds interleaved with the Python whole-object \
-         read, medians; the two ratios are medians of each round's ratio to that round's Python \
-         read (paired); one layer read alone (kvlink `get_ranges`, 1 layer/call, above, its \
+         read (before the Linker rows in even rounds, after them in odd ones), medians; the two \
+         ratios are medians of each round's ratio to that round's Python read (paired), and the \
+         rounds whose last layer came no later than that round's Python read are counted; one layer read alone (kvlink `get_ranges`, 1 layer/call, above, its \
          average call): {}; layer 0 read alone from a cold start (the read session's start and \
          its call, median): {}",
         defaults.read_streams_count(),
@@ -454,10 +465,10 @@ fn linker_table(
             layer0.join("; ")
         },
     )?;
-    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | verify threads | checksums | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms (median of the rounds) | Python + {} × compute ms | last layer / Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
+    writeln!(out, "\n| engine compute/layer (SIMULATED) | `MC_TCP_LANES_PER_PEER` | read streams | verify threads | checksums | checksum companions | layers per call (last round) | first layer ready ms | last layer ready ms | forward done ms | Python whole-object read ms (median of the rounds) | Python + {} × compute ms | last layer / Python | rounds: last layer ≤ Python | forward done / (Python + compute) | measured by the linker |", objects.layers)?;
     writeln!(
         out,
-        "|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
+        "|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     )?;
     for (r, t) in readers.iter().zip(&times) {
         let c = r.spec.compute.as_secs_f64() * 1e3;
@@ -484,9 +495,15 @@ fn linker_table(
         };
         let last_vs = paired(&|x, p| x.last / p);
         let done_vs = paired(&|x, p| x.forward_done / (p + compute_s));
+        let won = t.iter().zip(&py).filter(|(x, &p)| x.last <= p).count();
+        let won = if py.is_empty() {
+            "—".to_string()
+        } else {
+            format!("{won} of {}", t.len().min(py.len()))
+        };
         writeln!(
             out,
-            "| {c:.1} ms | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {last_vs:.2} | {done_vs:.2} | {} |",
+            "| {c:.1} ms | {} | {groups} | {first:.0} | {last:.0} | {done:.0} | {py_ms:.0} | {serial:.0} | {last_vs:.2} | {won} | {done_vs:.2} | {} |",
             r.spec
                 .columns(defaults.read_streams_count(), a.no_companions)
                 .join(" | "),
