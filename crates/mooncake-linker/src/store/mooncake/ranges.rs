@@ -203,30 +203,6 @@ pub(crate) fn partition(bytes: &[u64], streams: usize, min_bytes: u64) -> Vec<Ra
     out
 }
 
-/// The wheel calls that read the keys of `part`, in order: runs of consecutive keys whose
-/// scratch (`scratch[i]` bytes for key `i`) adds up to at most `max_scratch`, each with that
-/// sum; a key needing more than `max_scratch` is a call of its own. The calls tile `part`;
-/// none is empty; an empty `part` gives none.
-pub(crate) fn calls(
-    scratch: &[u64],
-    part: Range<usize>,
-    max_scratch: u64,
-) -> Vec<(Range<usize>, u64)> {
-    let mut out = Vec::new();
-    let mut start = part.start;
-    while start < part.end {
-        let mut end = start + 1;
-        let mut need = scratch[start];
-        while end < part.end && need.saturating_add(scratch[end]) <= max_scratch {
-            need += scratch[end];
-            end += 1;
-        }
-        out.push((start..end, need));
-        start = end;
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -443,29 +419,6 @@ mod tests {
                 prop_assert_eq!((m.range.dst as usize, m.range.offset, m.range.size as usize), (first.dst as usize, first.offset, len));
             }
             prop_assert_eq!(next, ranges.len());
-        }
-
-        #[test]
-        fn calls_tile_their_part_within_the_scratch_bound(
-            scratch in prop::collection::vec(0u64..10_000, 0..200),
-            cut in 0usize..200,
-            max in 0u64..30_000,
-        ) {
-            let start = cut.min(scratch.len());
-            let got = calls(&scratch, start..scratch.len(), max);
-            let mut next = start;
-            for (r, need) in &got {
-                prop_assert_eq!(r.start, next);
-                prop_assert!(r.end > r.start);
-                prop_assert_eq!(*need, scratch[r.clone()].iter().sum::<u64>());
-                // Over the bound only as a key alone; and no call could have taken the next key.
-                prop_assert!(*need <= max || r.len() == 1);
-                if r.end < scratch.len() {
-                    prop_assert!(need.saturating_add(scratch[r.end]) > max);
-                }
-                next = r.end;
-            }
-            prop_assert_eq!(next, scratch.len());
         }
 
         #[test]

@@ -1,17 +1,14 @@
-//! The ranged read path of [`MooncakeStore`]: each key's ranges shaped (merged, and staged
-//! through scratch where they continue in the object only), the keys planned into wheel calls
-//! that concurrent streams take from one queue, then each ranged call, then the copies out of
-//! scratch.
+//! The ranged read path of [`MooncakeStore`]: keys split into concurrent streams, each key's
+//! ranges shaped (merged, and staged through scratch where they continue in the object only),
+//! then the wheel's ranged call, then the copies out of scratch.
 
-use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::ScopedJoinHandle;
 
-use mooncake_sys::{CKeys, Range as ShimRange};
+use mooncake_sys::{CKeys, Range};
 use parking_lot::Mutex;
 
-use super::ranges::{calls, partition, shape, Shaped, Target};
+use super::ranges::{partition, shape, Shaped, Target};
 use super::store::{failed_placeholder, per_key, store_error, MooncakeStore};
 use crate::store::{RangeChecksums, RangedGet, StoreError};
 
@@ -54,42 +51,6 @@ impl ReadCall<'_> {
     /// True when no key of the call has anything to copy out of scratch.
     fn copies_nothing(&self) -> bool {
         self.shaped.iter().all(|s| s.copies.is_empty())
-    }
-}
-
-/// The wheel calls of one ranged read, shared by its streams: each takes the next one left.
-struct CallQueue<'q, 'g> {
-    gets: &'q [RangedGet<'g>],
-    readable: &'q [usize],
-    /// How each key of `readable` is read (by position in `readable`).
-    shaped: &'q [Shaped],
-    /// Each call's keys (positions in `readable`) and the scratch it stages through.
-    calls: &'q [(Range<usize>, u64)],
-    next: AtomicUsize,
-    hash: bool,
-}
-
-// SAFETY: the queue is read-only but for `next`, an atomic. The raw pointers it holds (in
-// `gets` and `shaped`) are caller destinations that `get_ranges`'s contract makes ours to
-// write, from any thread, until it returns; `take` hands each call, and so each key's
-// destinations, to exactly one stream, and every stream is a scoped thread joined before
-// `read_streamed` returns.
-unsafe impl Sync for CallQueue<'_, '_> {}
-
-impl<'q> CallQueue<'q, '_> {
-    /// The next call no stream has taken, with its index; `None` once all are taken.
-    fn take(&self) -> Option<(usize, &'q (Range<usize>, u64))> {
-        let c = self.next.fetch_add(1, Ordering::Relaxed);
-        self.calls.get(c).map(|call| (c, call))
-    }
-
-    /// Call `c`'s keys, every one failed because a helper thread panicked.
-    fn panicked(&self, c: usize) -> Vec<KeyRead> {
-        let keys = self
-            .calls
-            .get(c)
-            .map_or(&[][..], |(r, _)| &self.readable[r.clone()]);
-        panicked(self.gets, keys)
     }
 }
 
@@ -175,14 +136,9 @@ unsafe fn copy_key(
 
 impl MooncakeStore {
     /// Reads `gets[i]` for every `i` in `readable` (keys in a session, valid arguments) into
-    /// `out[i]`, on up to `read_streams` concurrent streams; with `sums` shaped as `gets`, sets
-    /// the checksums of the ranges staged through scratch there (see
+    /// `out[i]`, split into up to `read_streams` concurrent calls by bytes; with `sums` shaped
+    /// as `gets`, sets the checksums of the ranges staged through scratch there (see
     /// [`KvStore::get_ranges_checksummed`](crate::store::KvStore::get_ranges_checksummed)).
-    ///
-    /// The keys are split by bytes into one part per stream, and each part into wheel calls of
-    /// at most [`SCRATCH_BYTES`] of staging. The streams then take the calls from one queue,
-    /// in order, each the next one left: a stream that reads faster takes more of them, so the
-    /// streams end together rather than each at the end of its own part.
     pub(super) fn read_streamed(
         &self,
         gets: &[RangedGet<'_>],
@@ -191,58 +147,30 @@ impl MooncakeStore {
         sums: &mut [RangeChecksums],
     ) {
         let hash = sums.len() == gets.len();
-        let stage = self.config.staged_merge_enabled();
-        let shaped: Vec<Shaped> = readable
-            .iter()
-            .map(|&i| {
-                let s = shape(&gets[i].ranges, stage);
-                if s.scratch > SCRATCH_BYTES {
-                    shape(&gets[i].ranges, false)
-                } else {
-                    s
-                }
-            })
-            .collect();
         let bytes: Vec<u64> = readable.iter().map(|&i| gets[i].expected()).collect();
-        let scratch: Vec<u64> = shaped.iter().map(|s| s.scratch).collect();
         let parts = partition(&bytes, self.config.read_streams_count(), MIN_STREAM_BYTES);
-        let planned: Vec<(Range<usize>, u64)> = parts
-            .iter()
-            .flat_map(|p| calls(&scratch, p.clone(), SCRATCH_BYTES))
-            .collect();
-        let queue = CallQueue {
-            gets,
-            readable,
-            shaped: &shaped,
-            calls: &planned,
-            next: AtomicUsize::new(0),
-            hash,
-        };
-        let finished: Vec<(usize, Vec<KeyRead>)> = if parts.len() <= 1 {
-            self.read_calls(&queue)
+        let results: Vec<Vec<KeyRead>> = if parts.len() <= 1 {
+            vec![self.read_part(gets, readable, hash)]
         } else {
             std::thread::scope(|s| {
-                let handles: Vec<_> = (1..parts.len())
-                    .map(|_| s.spawn(|| self.read_calls(&queue)))
+                let handles: Vec<_> = parts[1..]
+                    .iter()
+                    .map(|p| {
+                        let part = &readable[p.clone()];
+                        s.spawn(move || self.read_part(gets, part, hash))
+                    })
                     .collect();
-                let mut all = self.read_calls(&queue);
-                for h in handles {
-                    // A stream that panicked loses its calls' results: their keys fail below.
-                    all.extend(h.join().unwrap_or_default());
+                let mut all = vec![self.read_part(gets, &readable[parts[0].clone()], hash)];
+                for (h, p) in handles.into_iter().zip(&parts[1..]) {
+                    all.push(
+                        h.join()
+                            .unwrap_or_else(|_| panicked(gets, &readable[p.clone()])),
+                    );
                 }
                 all
             })
         };
-        let mut by_call: Vec<Option<Vec<KeyRead>>> = planned.iter().map(|_| None).collect();
-        for (c, r) in finished {
-            if let Some(slot) = by_call.get_mut(c) {
-                *slot = Some(r);
-            }
-        }
-        let results = planned.iter().zip(by_call).flat_map(|((range, _), r)| {
-            r.unwrap_or_else(|| panicked(gets, &readable[range.clone()]))
-        });
-        for (&i, (r, taken)) in readable.iter().zip(results) {
+        for (&i, (r, taken)) in readable.iter().zip(results.into_iter().flatten()) {
             out[i] = r;
             if let Some(dst) = sums.get_mut(i).filter(|d| d.len() == taken.len()) {
                 for (d, t) in dst.iter_mut().zip(taken) {
@@ -254,28 +182,47 @@ impl MooncakeStore {
         }
     }
 
-    /// One stream: takes the next call left in `queue` until none is, and reads it. The
+    /// The gets of one stream, in calls of at most [`SCRATCH_BYTES`] of staging each. The
     /// copies out of one call's scratch (and with `hash`, the checksums taken in the same
-    /// pass) run on a helper thread while the stream's next call is on the wire, so a large
-    /// staged read pays them only once, at the end. Each call's results, with its index.
-    fn read_calls(&self, queue: &CallQueue<'_, '_>) -> Vec<(usize, Vec<KeyRead>)> {
-        let mut out = Vec::new();
+    /// pass) run on a helper thread while the next call is on the wire, so a large staged
+    /// read pays them only once, at the end.
+    fn read_part(&self, gets: &[RangedGet<'_>], part: &[usize], hash: bool) -> Vec<KeyRead> {
+        let stage = self.config.staged_merge_enabled();
+        let shaped: Vec<Shaped> = part
+            .iter()
+            .map(|&i| {
+                let s = shape(&gets[i].ranges, stage);
+                if s.scratch > SCRATCH_BYTES {
+                    shape(&gets[i].ranges, false)
+                } else {
+                    s
+                }
+            })
+            .collect();
+        let mut calls = Vec::new();
+        let mut start = 0;
+        while start < part.len() {
+            let mut end = start + 1;
+            let mut need = shaped[start].scratch;
+            while end < part.len() && need + shaped[end].scratch <= SCRATCH_BYTES {
+                need += shaped[end].scratch;
+                end += 1;
+            }
+            calls.push((start..end, need));
+            start = end;
+        }
+        let mut out = Vec::with_capacity(part.len());
         std::thread::scope(|s| {
-            // The copy-out of the stream's previous call, on its helper thread, with its index.
-            let mut copying: Option<(ScopedJoinHandle<'_, Vec<KeyRead>>, usize)> = None;
-            while let Some((c, (range, need))) = queue.take() {
-                let keys = &queue.readable[range.clone()];
-                let call = self.read_call(
-                    queue.gets,
-                    keys,
-                    (&queue.shaped[range.clone()], *need),
-                    queue.hash,
-                );
+            // The copy-out of the previous call, on its helper thread, with its keys.
+            let mut copying: Option<(ScopedJoinHandle<'_, Vec<KeyRead>>, &[usize])> = None;
+            for (range, need) in calls {
+                let keys = &part[range.clone()];
+                let call = self.read_call(gets, keys, (&shaped[range], need), hash);
                 if let Some((h, prev)) = copying.take() {
-                    out.push((prev, h.join().unwrap_or_else(|_| queue.panicked(prev))));
+                    out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev)));
                 }
                 if call.copies_nothing() {
-                    out.push((c, self.copy_out(call)));
+                    out.extend(self.copy_out(call));
                     continue;
                 }
                 let slot = Arc::new(Mutex::new(Some(call)));
@@ -289,17 +236,17 @@ impl MooncakeStore {
                     }
                 });
                 match spawned {
-                    Ok(h) => copying = Some((h, c)),
+                    Ok(h) => copying = Some((h, keys)),
                     // No thread to be had: the copies run here.
                     Err(_) => {
-                        if let Some(call) = slot.lock().take() {
-                            out.push((c, self.copy_out(call)));
+                        if let Some(c) = slot.lock().take() {
+                            out.extend(self.copy_out(c));
                         }
                     }
                 }
             }
             if let Some((h, prev)) = copying.take() {
-                out.push((prev, h.join().unwrap_or_else(|_| queue.panicked(prev))));
+                out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev)));
             }
         });
         out
@@ -336,7 +283,7 @@ impl MooncakeStore {
         let base = scratch.as_mut_ptr();
         let mut key_scratch = Vec::with_capacity(part.len());
         let mut counts = Vec::with_capacity(part.len());
-        let mut ranges: Vec<ShimRange> = Vec::with_capacity(part.len());
+        let mut ranges: Vec<Range> = Vec::with_capacity(part.len());
         let mut at = 0u64;
         for s in shaped {
             key_scratch.push(at);
@@ -348,7 +295,7 @@ impl MooncakeStore {
                     // spans lie inside its share of the area (`shape` sizes them).
                     Target::Scratch(off) => unsafe { base.add((at + off) as usize) },
                 };
-                ranges.push(ShimRange {
+                ranges.push(Range {
                     dst: dst.cast(),
                     size: span.size,
                     offset: span.offset,
@@ -469,42 +416,6 @@ mod tests {
     use super::super::ranges::shape;
     use super::*;
     use crate::store::ReadRange;
-
-    #[test]
-    fn streams_taking_from_one_queue_take_every_call_exactly_once() {
-        let calls: Vec<(Range<usize>, u64)> = (0..1000).map(|c| (c..c + 1, 0)).collect();
-        let queue = CallQueue {
-            gets: &[],
-            readable: &[],
-            shaped: &[],
-            calls: &calls,
-            next: AtomicUsize::new(0),
-            hash: false,
-        };
-        let taken: Vec<Vec<usize>> = std::thread::scope(|s| {
-            let streams: Vec<_> = (0..8)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut mine = Vec::new();
-                        while let Some((c, (range, _))) = queue.take() {
-                            assert_eq!(range.start, c);
-                            mine.push(c);
-                        }
-                        mine
-                    })
-                })
-                .collect();
-            streams.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        // Each stream took its calls in queue order, and together they took each one once.
-        assert!(taken.iter().all(|t| t.windows(2).all(|w| w[0] < w[1])));
-        let mut all: Vec<usize> = taken.into_iter().flatten().collect();
-        all.sort_unstable();
-        assert_eq!(all, (0..1000).collect::<Vec<_>>());
-        assert!(queue.take().is_none());
-        // A call past the end has no keys to fail.
-        assert!(queue.panicked(5000).is_empty());
-    }
 
     #[test]
     fn a_keys_copies_land_its_staged_ranges_and_take_each_ones_checksum_where_it_landed() {
