@@ -405,8 +405,9 @@ fn linker_table(
     let mut times: Vec<Vec<LinkerTiming>> = readers.iter().map(|_| Vec::new()).collect();
     let mut py = Vec::new();
     for round in 0..a.rounds {
-        // The Python read goes first in even rounds and last in odd ones, so neither side
-        // always reads right after the other (a paired ratio free of the order).
+        // The Python read goes first in rounds 1, 3, 5... (0, 2, 4... counted from 0) and last
+        // in the others, so that neither side always reads right after the other: the paired
+        // ratio's order is balanced.
         let python_first = round % 2 == 0;
         if python_first {
             if let Some(p) = python.as_mut() {
@@ -446,7 +447,7 @@ fn linker_table(
         "\nThe Linker (TP 1, host pool, scattered slots): adaptive layer groups, store defaults \
          (read_streams {}, staged merge {}) unless a row's columns say otherwise; an engine thread waits for each layer, then \
          computes it (SIMULATED: sleeps); {} rounds interleaved with the Python whole-object \
-         read (before the Linker rows in even rounds, after them in odd ones), medians; the two \
+         read (before the Linker rows in rounds 1, 3, 5 and so on, after them in the others), medians; the two \
          ratios are medians of each round's ratio to that round's Python read (paired), and the \
          rounds whose last layer came no later than that round's Python read are counted; one layer read alone (kvlink `get_ranges`, 1 layer/call, above, its \
          average call): {}; layer 0 read alone from a cold start (the read session's start and \

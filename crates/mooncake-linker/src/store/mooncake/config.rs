@@ -87,8 +87,8 @@ pub const MAX_READ_STREAMS: usize = 16;
 /// 10 µs, so streams cost CPU beside the transfer threads. They pay anyway from two cores up:
 /// on the 2-core VM, in four runs reading a 32K-token GLM-5.2 prefix (docs/benchmarks.md,
 /// "Two read streams on two cores"), 2 streams read every call size faster than 1 (the
-/// store's 78-layer call 924–1231 ms against 1105–1450, one layer per call 2407–2535 against
-/// 2916–3384), and the linker's load with no compute took 932–1191 against 1087–1298 ms (many
+/// store's 78-layer call 924–1231 ms against 1105–1450; one layer per call, in the three runs
+/// that had it, 2407–2535 against 2916–3384), and the linker's load with no compute took 932–1191 against 1087–1298 ms (many
 /// concurrent one-layer *calls*, `read_parallelism`, are what lost there). On the 16-core GPU
 /// host a client's read of one storage node runs against one transfer thread of the node, at
 /// about a full core during any large read (docs/benchmarks.md, "What bounds one client").
