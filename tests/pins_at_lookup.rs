@@ -120,6 +120,16 @@ impl Rank {
         keys
     }
 
+    /// Looks the prefix up (as batch 0) and waits until its pin's session start is held at
+    /// the store by `held`: the pin is under way.
+    fn look_up_with_pin_held(&self, held: &Stall) {
+        self.linker.lookup_pages(&self.pages, 0).unwrap();
+        assert!(
+            eventually(|| held.hits() == 1),
+            "the pin at lookup is under way"
+        );
+    }
+
     /// Loads `pages` as batch `batch` into `slots`: it succeeds and every byte is in place.
     fn load(&self, pages: &[PageHash], batch: u64, slots: &[u32]) {
         let g = self.linker.geometry();
@@ -273,11 +283,7 @@ fn a_load_beside_a_pin_stalled_past_its_wait_pins_for_itself_and_the_late_pin_is
         ..config()
     };
     let r = rank(65, 3, cfg, first_session(Fault::Stall(held.clone())));
-    r.linker.lookup_pages(&r.pages, 0).unwrap();
-    assert!(
-        eventually(|| held.hits() == 1),
-        "the pin at lookup is under way"
-    );
+    r.look_up_with_pin_held(&held);
     let t0 = Instant::now();
     r.load(&r.pages, 1, &[4, 2, 0]);
     let took = t0.elapsed();
@@ -303,11 +309,7 @@ fn a_load_beside_a_pin_stalled_past_its_wait_pins_for_itself_and_the_late_pin_is
 fn a_load_right_after_its_lookup_takes_the_pin_under_way_once_it_is_in() {
     let held = Stall::new();
     let r = rank(68, 3, config(), first_session(Fault::Stall(held.clone())));
-    r.linker.lookup_pages(&r.pages, 0).unwrap();
-    assert!(
-        eventually(|| held.hits() == 1),
-        "the pin at lookup is under way"
-    );
+    r.look_up_with_pin_held(&held);
     std::thread::scope(|s| {
         s.spawn(|| {
             // The load is waiting by now (its wait is 5 s); the pin's call goes on.
@@ -339,11 +341,7 @@ fn a_reset_does_not_wait_for_a_load_waiting_for_a_stalled_pin() {
         ..config()
     };
     let r = rank(73, 3, cfg, first_sessions(2, Fault::Stall(held.clone())));
-    r.linker.lookup_pages(&r.pages, 0).unwrap();
-    assert!(
-        eventually(|| held.hits() == 1),
-        "the pin at lookup is under way"
-    );
+    r.look_up_with_pin_held(&held);
     let g = r.linker.geometry();
     let t = r
         .linker

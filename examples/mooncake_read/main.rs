@@ -404,23 +404,20 @@ fn linker_table(
         .collect::<Result<Vec<_>>>()?;
     let mut times: Vec<Vec<LinkerTiming>> = readers.iter().map(|_| Vec::new()).collect();
     let mut py = Vec::new();
+    let mut whole = || python.as_mut().map(|p| p.run("whole")).transpose();
     for round in 0..a.rounds {
-        // The Python read goes first in rounds 1, 3, 5... (0, 2, 4... counted from 0) and last
-        // in the others, so that neither side always reads right after the other: the paired
-        // ratio's order is balanced.
+        // The Python read goes before the Linker rows in the first round and every second one
+        // after it, and after them in the others, so that neither side always reads right
+        // after the other: the paired ratio's order is balanced.
         let python_first = round % 2 == 0;
         if python_first {
-            if let Some(p) = python.as_mut() {
-                py.push(p.run("whole")?);
-            }
+            py.extend(whole()?);
         }
         for (r, t) in readers.iter_mut().zip(&mut times) {
             t.push(r.run(objects, round == 0)?);
         }
         if !python_first {
-            if let Some(p) = python.as_mut() {
-                py.push(p.run("whole")?);
-            }
+            py.extend(whole()?);
         }
     }
     let py_ms = median(&mut py.clone()) * 1e3;
@@ -447,9 +444,10 @@ fn linker_table(
         "\nThe Linker (TP 1, host pool, scattered slots): adaptive layer groups, store defaults \
          (read_streams {}, staged merge {}) unless a row's columns say otherwise; an engine thread waits for each layer, then \
          computes it (SIMULATED: sleeps); {} rounds interleaved with the Python whole-object \
-         read (before the Linker rows in rounds 1, 3, 5 and so on, after them in the others), medians; the two \
-         ratios are medians of each round's ratio to that round's Python read (paired), and the \
-         rounds whose last layer came no later than that round's Python read are counted; one layer read alone (kvlink `get_ranges`, 1 layer/call, above, its \
+         read (before the Linker rows in rounds 1, 3, 5 and so on, after them in the others), \
+         medians; the two ratios are medians of each round's ratio to that round's Python read \
+         (paired), and the rounds whose last layer came no later than that round's Python read \
+         are counted; one layer read alone (kvlink `get_ranges`, 1 layer/call, above, its \
          average call): {}; layer 0 read alone from a cold start (the read session's start and \
          its call, median): {}",
         defaults.read_streams_count(),

@@ -88,10 +88,13 @@ pub const MAX_READ_STREAMS: usize = 16;
 /// on the 2-core VM, in four runs reading a 32K-token GLM-5.2 prefix (docs/benchmarks.md,
 /// "Two read streams on two cores"), 2 streams read every call size faster than 1 (the
 /// store's 78-layer call 924–1231 ms against 1105–1450; one layer per call, in the three runs
-/// that had it, 2407–2535 against 2916–3384), and the linker's load with no compute took 932–1191 against 1087–1298 ms (many
-/// concurrent one-layer *calls*, `read_parallelism`, are what lost there). On the 16-core GPU
-/// host a client's read of one storage node runs against one transfer thread of the node, at
-/// about a full core during any large read (docs/benchmarks.md, "What bounds one client").
+/// that had it, 2407–2535 against 2916–3384), and the linker's load with no compute took
+/// 932–1191 against 1087–1298 ms (many concurrent one-layer *calls*, `read_parallelism`, are
+/// what lost there).
+///
+/// On the 16-core GPU host a client's read of one storage node runs against one transfer
+/// thread of the node, at about a full core during any large read (docs/benchmarks.md, "What
+/// bounds one client").
 /// Reading a 32K-token GLM-5.2 prefix (all 78 layers per call), 4 streams were ahead of 8 by
 /// 2–12 % in six runs and level in one (the store's read, or the linker's load: 630 against
 /// 658 ms in the last); at TP 8, with eight clients on the host, the two were within the runs'
