@@ -4,7 +4,8 @@
 //! keeps the call's **hold** (whatever keeps its memory allocated and away from everyone else:
 //! the landing, the pool, the batch's outcome) until the call really returns, so memory a
 //! late call may still write is neither freed, nor unregistered, nor handed to another batch
-//! before then.
+//! before then. A call that panics fails its keys at once with [`StoreError::Panicked`] (it
+//! is over: its memory is free again), and its worker goes on to the next call.
 //!
 //! Workers are kept and reused (a call costs a hand-off, not a thread start); a call that
 //! hangs keeps its worker, and a new one is started for the next call. At most
@@ -141,8 +142,24 @@ pub struct StoreCalls {
     overdue: Arc<AtomicU64>,
 }
 
-/// The call did not return by its deadline.
-pub(super) struct Overdue(pub(super) Duration);
+/// Why a call gave its caller no result.
+pub(super) enum Unanswered {
+    /// It did not return by its deadline (it may still be running).
+    Overdue(Duration),
+    /// It panicked (it is over).
+    Panicked,
+}
+
+impl Unanswered {
+    /// The error of `key` in a call `call` that gave no result.
+    pub(super) fn error(&self, key: &str, call: &'static str) -> StoreError {
+        let key = key.to_owned();
+        match *self {
+            Unanswered::Overdue(waited) => StoreError::Overdue { key, call, waited },
+            Unanswered::Panicked => StoreError::Panicked { key, call },
+        }
+    }
+}
 
 /// Where a call's result meets its caller.
 struct Slot<T> {
@@ -153,6 +170,8 @@ struct Slot<T> {
 enum Answer<T> {
     Waiting,
     Done(T),
+    /// The call panicked.
+    Panicked,
     /// The caller gave up at its deadline.
     Abandoned,
 }
@@ -166,19 +185,21 @@ pub(super) struct Pending<T> {
 }
 
 impl<T> Pending<T> {
-    /// The call's result, or [`Overdue`] at `deadline` (the call is then abandoned: its
-    /// result, when it comes, goes to its `late`).
-    pub(super) fn wait(self, deadline: Instant) -> Result<T, Overdue> {
+    /// The call's result; [`Unanswered::Panicked`] as soon as it panicked, or
+    /// [`Unanswered::Overdue`] at `deadline` (the call is then abandoned: its result, when it
+    /// comes, goes to its `late`).
+    pub(super) fn wait(self, deadline: Instant) -> Result<T, Unanswered> {
         let mut state = self.slot.state.lock();
         loop {
             match std::mem::replace(&mut *state, Answer::Waiting) {
                 Answer::Done(out) => return Ok(out),
+                Answer::Panicked => return Err(Unanswered::Panicked),
                 _ if Instant::now() >= deadline => {
                     *state = Answer::Abandoned;
                     self.overdue.fetch_add(1, Ordering::Relaxed);
                     let waited = self.started.elapsed();
                     error!(call = self.what, ?waited, "a store call is overdue: it fails now; its memory is kept until it returns");
-                    return Err(Overdue(waited));
+                    return Err(Unanswered::Overdue(waited));
                 }
                 _ => {
                     self.slot.cv.wait_until(&mut state, deadline);
@@ -188,20 +209,13 @@ impl<T> Pending<T> {
     }
 }
 
-pub(super) fn overdue_all<T>(
+/// Every key's error in a call `call` that gave no result.
+pub(super) fn unanswered_all<T>(
     keys: &[String],
     call: &'static str,
-    waited: Duration,
+    why: &Unanswered,
 ) -> Vec<Result<T, StoreError>> {
-    keys.iter()
-        .map(|k| {
-            Err(StoreError::Overdue {
-                key: k.clone(),
-                call,
-                waited,
-            })
-        })
-        .collect()
+    keys.iter().map(|k| Err(why.error(k, call))).collect()
 }
 
 pub(super) fn failed_all<T>(keys: &[String], e: &StoreError) -> Vec<Result<T, StoreError>> {
@@ -254,7 +268,18 @@ impl StoreCalls {
         let store = self.store.clone();
         let started = Instant::now();
         self.workers.submit(Box::new(move || {
-            let out = call(store.as_ref());
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                call(store.as_ref())
+            }));
+            let Ok(out) = out else {
+                error!(call = what, took = ?started.elapsed(), "a store call panicked: its keys fail");
+                let mut state = theirs.state.lock();
+                if !matches!(*state, Answer::Abandoned) {
+                    *state = Answer::Panicked;
+                    theirs.cv.notify_all();
+                }
+                return;
+            };
             let mut state = theirs.state.lock();
             if matches!(*state, Answer::Abandoned) {
                 drop(state);
@@ -284,7 +309,7 @@ impl StoreCalls {
         deadline: Instant,
         call: impl FnOnce(&dyn KvStore) -> T + Send + 'static,
         late: impl FnOnce(&dyn KvStore, T) + Send + 'static,
-    ) -> Result<Result<T, Overdue>, StoreError> {
+    ) -> Result<Result<T, Unanswered>, StoreError> {
         Ok(self.submit(what, call, late)?.wait(deadline))
     }
 
@@ -309,7 +334,7 @@ impl StoreCalls {
         );
         match out {
             Ok(Ok(r)) => r,
-            Ok(Err(Overdue(waited))) => overdue_all(&shared, what, waited),
+            Ok(Err(why)) => unanswered_all(&shared, what, &why),
             Err(e) => failed_all(&shared, &e),
         }
     }
@@ -350,14 +375,7 @@ impl StoreCalls {
                 }
             },
         )?;
-        match out {
-            Ok(r) => r,
-            Err(Overdue(waited)) => Err(StoreError::Overdue {
-                key,
-                call: "start_session",
-                waited,
-            }),
-        }
+        out.unwrap_or_else(|why| Err(why.error(&key, "start_session")))
     }
 
     /// [`KvStore::end_session`], bounded.
@@ -370,14 +388,7 @@ impl StoreCalls {
             move |s| s.end_session(&session),
             |_, _| {},
         )?;
-        match out {
-            Ok(r) => r,
-            Err(Overdue(waited)) => Err(StoreError::Overdue {
-                key,
-                call: "end_session",
-                waited,
-            }),
-        }
+        out.unwrap_or_else(|why| Err(why.error(&key, "end_session")))
     }
 
     /// Reads objects `keys[i]` whole, each into a buffer of the call's own of `lens[i]` bytes
@@ -434,7 +445,7 @@ fn owned_results(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{EmbeddedStore, Fault, FaultRule, FaultyStore, Stall};
+    use crate::store::{EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, Stall};
     use crate::store::{ObjectPut, TargetRange, TargetRead};
     use kv_device::{BatchShape, DirectLanding, HostKvPool, LayerLanding, LayerStage};
     use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
@@ -525,6 +536,90 @@ mod tests {
         // SAFETY: the call has returned and let go of its loan; nothing else writes the slot.
         unsafe { pool.read_slot(ComponentId(0), 0, 1, &mut out) }.unwrap();
         assert!(out.iter().all(|&b| b == 9), "the late call wrote its bytes");
+    }
+
+    #[test]
+    fn a_call_that_panics_fails_its_keys_at_once_and_its_worker_takes_the_next_call() {
+        let inner = Arc::new(EmbeddedStore::new(1 << 20));
+        put(inner.as_ref(), "k", b"bytes");
+        let faulty = Arc::new(FaultyStore::new(inner));
+        faulty.inject_on(FaultCall::Exists, FaultRule::default(), Fault::Panic);
+        let calls = StoreCalls::new(faulty.clone());
+        let t0 = Instant::now();
+        let r = calls.exists(
+            &["k", "other"],
+            kv_loader::deadline_after(Duration::from_secs(30)),
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "it waited for the deadline"
+        );
+        let panicked = |key: &str| {
+            Err(StoreError::Panicked {
+                key: key.into(),
+                call: "exists",
+            })
+        };
+        assert_eq!(r, vec![panicked("k"), panicked("other")]);
+        assert_eq!(calls.overdue_calls(), 0);
+        // The worker lives on: it comes back idle (it counts itself so after answering).
+        let t0 = Instant::now();
+        while calls.workers.idle.load(Ordering::Acquire) == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the worker did not come back"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(calls.workers(), 1);
+        faulty.clear();
+        let soon = kv_loader::deadline_after(Duration::from_secs(5));
+        assert_eq!(calls.exists(&["k"], soon), vec![Ok(true)]);
+        assert_eq!(
+            calls.workers(),
+            1,
+            "the worker that saw the panic took the next call"
+        );
+    }
+
+    #[test]
+    fn a_read_that_panics_fails_at_once_and_lets_go_of_its_memory() {
+        let (pool, landing, mut stages) = landing();
+        let mut loan = landing.lend(&mut stages[0]).unwrap();
+        let target = landing.target(&loan, ComponentId(0), 1).unwrap();
+        let inner = Arc::new(EmbeddedStore::new(1 << 22));
+        put(inner.as_ref(), "k", &vec![9u8; target.len()]);
+        let faulty = Arc::new(FaultyStore::new(inner));
+        faulty.inject(FaultRule::default(), Fault::Panic);
+        let calls = StoreCalls::new(faulty);
+        let batch: Arc<()> = Arc::new(());
+        loan.keep(batch.clone());
+        let read = TargetRead {
+            key: "k",
+            ranges: [TargetRange { target, offset: 0 }].into_iter().collect(),
+        };
+        let t0 = Instant::now();
+        let deadline = kv_loader::deadline_after(Duration::from_secs(30));
+        let r = calls.read_targets(&[read], vec![loan], 1, deadline);
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "it waited for the deadline"
+        );
+        assert!(
+            matches!(
+                &r[..],
+                [Err(StoreError::Panicked {
+                    call: "get_ranges",
+                    ..
+                })]
+            ),
+            "{r:?}"
+        );
+        // The call is over: its loan went back with it, and the batch's hold with the loan.
+        assert_eq!(Arc::strong_count(&batch), 1);
+        assert!(landing.target_bytes(&stages[0], ComponentId(0), 1).is_ok());
+        drop(landing);
+        assert_eq!(Arc::strong_count(&pool), 1);
     }
 
     #[test]

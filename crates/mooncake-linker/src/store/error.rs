@@ -98,6 +98,15 @@ pub enum StoreError {
         /// What was wrong.
         reason: &'static str,
     },
+    /// The store call panicked (a defect in the store or the client library under it, not a
+    /// condition of the object). It is over: the memory it read or wrote is free again.
+    #[error("`{key}`: {call} panicked")]
+    Panicked {
+        /// The key.
+        key: String,
+        /// The store call.
+        call: &'static str,
+    },
     /// Any other code of the store.
     #[error("`{key}`: store error code {code}")]
     Other {
@@ -122,7 +131,9 @@ impl StoreError {
             }
             StoreError::Unavailable { .. } => StoreFailure::Unavailable,
             StoreError::ShortRead { .. } => StoreFailure::ShortRead,
-            StoreError::ResultCount { .. } | StoreError::Other { .. } => StoreFailure::Other,
+            StoreError::ResultCount { .. }
+            | StoreError::Panicked { .. }
+            | StoreError::Other { .. } => StoreFailure::Other,
         }
     }
 }

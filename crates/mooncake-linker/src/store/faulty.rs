@@ -75,6 +75,9 @@ pub enum Fault {
     Delay(Duration),
     /// The call waits until the stall is released (a hung store call), then runs normally.
     Stall(Stall),
+    /// The call panics (a defect in the store or the client library under it), once per
+    /// call, before it reaches the store.
+    Panic,
     /// The store goes down: this call and every later one of any kind fail with
     /// [`StoreError::Unavailable`] until [`FaultyStore::clear`] (ending sessions still
     /// reaches the store, so that its pins are let go).
@@ -241,6 +244,7 @@ impl FaultyStore {
                 match &r.fault {
                     Fault::Delay(d) => std::thread::sleep(*d),
                     Fault::Stall(s) => s.hold(),
+                    Fault::Panic => panic!("injected: the store call panics ({key})"),
                     Fault::Down => {
                         self.down.store(true, Ordering::Release);
                         hit = Some(Fault::Down);

@@ -10,7 +10,7 @@ use std::time::Instant;
 use kv_device::{first_overlap, ReadTarget, StageLoan};
 use smallvec::SmallVec;
 
-use super::bounded::{failed_all, overdue_all, Overdue, Pending};
+use super::bounded::{failed_all, unanswered_all, Pending};
 use super::{checked_results, RangeChecksums, RangedGet, ReadRange, StoreCalls, StoreError};
 
 /// One range of a read into a typed target: `target.len()` bytes at byte `offset` of the
@@ -226,7 +226,7 @@ impl StoreCalls {
             .flat_map(|(p, keys, started)| {
                 let results = match started.map(|s| s.wait(deadline)) {
                     Ok(Ok(r)) => return r,
-                    Ok(Err(Overdue(waited))) => overdue_all(&keys, "get_ranges", waited),
+                    Ok(Err(why)) => unanswered_all(&keys, "get_ranges", &why),
                     Err(e) => failed_all(&keys, &e),
                 };
                 TargetReadResults {

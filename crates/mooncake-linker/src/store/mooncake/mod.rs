@@ -17,6 +17,7 @@
 
 mod config;
 mod gate;
+mod parts;
 mod ranges;
 mod read;
 mod sessions;

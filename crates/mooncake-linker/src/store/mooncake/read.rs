@@ -8,6 +8,7 @@ use std::thread::ScopedJoinHandle;
 use mooncake_sys::{CKeys, Range};
 use parking_lot::Mutex;
 
+use super::parts::run_parts;
 use super::ranges::{partition, shape, Shaped, Target};
 use super::store::{failed_placeholder, per_key, store_error, MooncakeStore};
 use crate::store::{RangeChecksums, RangedGet, StoreError};
@@ -58,9 +59,9 @@ impl ReadCall<'_> {
 fn panicked(gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyRead> {
     part.iter()
         .map(|&i| {
-            let e = StoreError::Other {
+            let e = StoreError::Panicked {
                 key: gets[i].key.to_owned(),
-                code: -1,
+                call: "get_ranges",
             };
             (Err(e), RangeChecksums::new())
         })
@@ -148,28 +149,17 @@ impl MooncakeStore {
     ) {
         let hash = sums.len() == gets.len();
         let bytes: Vec<u64> = readable.iter().map(|&i| gets[i].expected()).collect();
-        let parts = partition(&bytes, self.config.read_streams_count(), MIN_STREAM_BYTES);
-        let results: Vec<Vec<KeyRead>> = if parts.len() <= 1 {
-            vec![self.read_part(gets, readable, hash)]
-        } else {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = parts[1..]
-                    .iter()
-                    .map(|p| {
-                        let part = &readable[p.clone()];
-                        s.spawn(move || self.read_part(gets, part, hash))
-                    })
-                    .collect();
-                let mut all = vec![self.read_part(gets, &readable[parts[0].clone()], hash)];
-                for (h, p) in handles.into_iter().zip(&parts[1..]) {
-                    all.push(
-                        h.join()
-                            .unwrap_or_else(|_| panicked(gets, &readable[p.clone()])),
-                    );
-                }
-                all
-            })
-        };
+        let parts: Vec<&[usize]> =
+            partition(&bytes, self.config.read_streams_count(), MIN_STREAM_BYTES)
+                .into_iter()
+                .map(|p| &readable[p])
+                .collect();
+        let results = run_parts(
+            "read-stream",
+            &parts,
+            |part| self.read_part(gets, part, hash),
+            |part| panicked(gets, part),
+        );
         for (&i, (r, taken)) in readable.iter().zip(results.into_iter().flatten()) {
             out[i] = r;
             if let Some(dst) = sums.get_mut(i).filter(|d| d.len() == taken.len()) {

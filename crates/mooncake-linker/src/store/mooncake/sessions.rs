@@ -63,6 +63,21 @@ impl SessionCalls for Client {
     }
 }
 
+/// Keys one read joined to their sessions, left when it drops (see
+/// [`SessionTable::leave_on_drop`]).
+pub(super) struct JoinedKeys<'t, C: SessionCalls + ?Sized> {
+    table: &'t SessionTable,
+    client: &'t C,
+    keys: Vec<String>,
+}
+
+impl<C: SessionCalls + ?Sized> Drop for JoinedKeys<'_, C> {
+    fn drop(&mut self) {
+        let keys = self.keys.iter().map(String::as_str);
+        self.table.leave(self.client, keys);
+    }
+}
+
 /// Which keys are in a client read session, and who uses them (see the module docs).
 #[derive(Debug, Default)]
 pub(super) struct SessionTable {
@@ -105,6 +120,26 @@ impl SessionTable {
             }
         }
         out
+    }
+
+    /// The keys `joined` put in a session, left (see [`leave`](Self::leave)) when the
+    /// returned guard drops: on every path of the read, a panic inside it too, so that no
+    /// key's session is kept alive by a read that is over.
+    pub(super) fn leave_on_drop<'t, C: SessionCalls + ?Sized>(
+        &'t self,
+        client: &'t C,
+        joined: &HashMap<String, Result<(), StoreError>>,
+    ) -> JoinedKeys<'t, C> {
+        let keys = joined
+            .iter()
+            .filter(|(_, r)| r.is_ok())
+            .map(|(k, _)| k.clone())
+            .collect();
+        JoinedKeys {
+            table: self,
+            client,
+            keys,
+        }
     }
 
     /// Joins the keys of `keys` in a session now; returns the others. With `all_or_none`,
@@ -453,6 +488,33 @@ mod tests {
         }
         table.end(&master, &["before".to_owned()]).unwrap();
         assert!(!master.in_session("before"));
+        assert!(table.keys.lock().is_empty());
+    }
+
+    #[test]
+    fn a_read_that_panics_still_leaves_its_keys_and_their_sessions_end() {
+        let master = FakeMaster::default();
+        let table = SessionTable::default();
+        // "kept" is in an explicit session too: leaving it must not end that one.
+        table.start(&master, &["kept"]).unwrap();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let joined = table.join(&master, &["a", "b", "kept"]);
+            let _leave = table.leave_on_drop(&master, &joined);
+            assert!(master.in_session("a") && master.in_session("b"));
+            panic!("the read fails inside");
+        }));
+        assert!(panicked.is_err());
+        assert!(!master.in_session("a") && !master.in_session("b"));
+        assert!(
+            master.in_session("kept"),
+            "the explicit session still holds it"
+        );
+        // The next read of "a" starts its session again (the table did not think it open).
+        let joined = table.join(&master, &["a"]);
+        assert!(joined["a"].is_ok() && master.in_session("a"));
+        drop(table.leave_on_drop(&master, &joined));
+        assert!(!master.in_session("a"));
+        table.end(&master, &["kept".to_owned()]).unwrap();
         assert!(table.keys.lock().is_empty());
     }
 

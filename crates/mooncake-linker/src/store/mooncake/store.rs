@@ -10,6 +10,7 @@ use tracing::debug;
 
 use super::config::MooncakeConfig;
 use super::gate::{TransferGate, UNREGISTER_WAIT};
+use super::parts::run_parts;
 use super::sessions::SessionTable;
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet,
@@ -291,29 +292,25 @@ impl KvStore for MooncakeStore {
         if threads == 1 {
             return keys.iter().map(one).collect();
         }
-        let chunk = keys.len().div_ceil(threads);
-        std::thread::scope(|s| {
-            let handles: Vec<_> = keys
-                .chunks(chunk)
-                .map(|part| s.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
-                .collect();
-            handles
-                .into_iter()
-                .zip(keys.chunks(chunk))
-                .flat_map(|(h, part)| {
-                    h.join().unwrap_or_else(|_| {
-                        part.iter()
-                            .map(|k| {
-                                Err(StoreError::Other {
-                                    key: (*k).to_owned(),
-                                    code: -1,
-                                })
-                            })
-                            .collect()
+        let parts: Vec<&[&str]> = keys.chunks(keys.len().div_ceil(threads)).collect();
+        run_parts(
+            "size-query",
+            &parts,
+            |part| part.iter().map(one).collect::<Vec<_>>(),
+            |part| {
+                part.iter()
+                    .map(|k| {
+                        Err(StoreError::Panicked {
+                            key: (*k).to_owned(),
+                            call: "object_size",
+                        })
                     })
-                })
-                .collect()
-        })
+                    .collect()
+            },
+        )
+        .into_iter()
+        .flatten()
+        .collect()
     }
 
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
@@ -390,6 +387,7 @@ impl KvStore for MooncakeStore {
         }
         let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
         let joined = self.sessions.join(&self.client, &names);
+        let _leave = self.sessions.leave_on_drop(&self.client, &joined);
         // Keys in a session now; the others fail with the session's error.
         let readable: Vec<usize> = valid
             .iter()
@@ -410,11 +408,6 @@ impl KvStore for MooncakeStore {
             }
             self.read_streamed(gets, &readable, &mut out, sums);
         }
-        let joined_ok = joined
-            .iter()
-            .filter(|(_, r)| r.is_ok())
-            .map(|(k, _)| k.as_str());
-        self.sessions.leave(&self.client, joined_ok);
         out
     }
 

@@ -13,6 +13,9 @@ pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
 pub(crate) const PROTOCOL: u32 = 1;
 /// Largest request or reply frame (keys and ranges, not bulk bytes).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
+/// The call named by a [`StoreError::Panicked`] that came over the wire (its own name stays
+/// in the server's log).
+const SERVED_CALL: &str = "the serving store's call";
 
 /// Operations.
 pub(crate) mod op {
@@ -228,6 +231,8 @@ impl Enc {
                 self.u8(8).str(key).u64(*expected).u64(*got)
             }
             StoreError::Other { key, code } => self.u8(9).str(key).u64(*code as u64),
+            // The call's name does not cross the wire (decoded as the server's call).
+            StoreError::Panicked { key, .. } => self.u8(11).str(key),
             StoreError::ResultCount { key, expected, got } => {
                 self.u8(10).str(key).u64(*expected as u64).u64(*got as u64)
             }
@@ -337,6 +342,10 @@ impl<'a> Dec<'a> {
                 expected: self.u64()? as usize,
                 got: self.u64()? as usize,
             },
+            11 => StoreError::Panicked {
+                key: self.str()?,
+                call: SERVED_CALL,
+            },
             t => return Err(Malformed(format!("error kind {t}"))),
         })
     }
@@ -401,6 +410,10 @@ mod tests {
             StoreError::Other {
                 key: "k".into(),
                 code: 5,
+            },
+            StoreError::Panicked {
+                key: "k".into(),
+                call: SERVED_CALL,
             },
         ];
         for e in errors {
