@@ -50,7 +50,9 @@ pub struct RangedGet<'k> {
 impl RangedGet<'_> {
     /// Bytes this read asks for.
     pub fn expected(&self) -> u64 {
-        self.ranges.iter().map(|r| r.len as u64).sum()
+        self.ranges
+            .iter()
+            .fold(0, |a: u64, r| a.saturating_add(r.len as u64))
     }
 }
 

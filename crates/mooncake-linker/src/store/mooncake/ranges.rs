@@ -42,7 +42,7 @@ pub(crate) fn coalesce(ranges: &[ReadRange]) -> SmallVec<[Merged; 2]> {
             let continues_memory =
                 (last.dst as usize).checked_add(last.size as usize) == Some(r.dst as usize);
             if continues_object && continues_memory && r.len > 0 {
-                last.size += r.len as u64;
+                last.size = last.size.saturating_add(r.len as u64);
                 inputs.end = i + 1;
                 continue;
             }
@@ -144,7 +144,7 @@ pub(crate) fn shape(ranges: &[ReadRange], stage: bool) -> Shaped {
             for Merged { range: m, inputs } in &merged[i..j] {
                 let copy = out.copies.len();
                 out.copies.push(CopyOut {
-                    from: start + (m.offset - first),
+                    from: start.saturating_add(m.offset - first),
                     to: m.dst.cast(),
                     len: m.size as usize,
                 });
@@ -152,19 +152,21 @@ pub(crate) fn shape(ranges: &[ReadRange], stage: bool) -> Shaped {
                     out.staged.push(StagedRange {
                         index: k,
                         copy,
-                        from: start + (ranges[k].offset - first),
+                        from: start.saturating_add(ranges[k].offset - first),
                         len: ranges[k].len,
                     });
                 }
             }
             let last = &merged[j - 1].range;
-            let size = last.offset + last.size - first;
+            // Saturating: a range ending past u64 (refused before any read) gives a scratch
+            // too large to stage, so the key is read unstaged, not an overflow.
+            let size = last.offset.saturating_add(last.size) - first;
             out.spans.push(Span {
                 target: Target::Scratch(start),
                 size,
                 offset: first,
             });
-            out.scratch += size;
+            out.scratch = out.scratch.saturating_add(size);
         }
         i = j;
     }
@@ -179,7 +181,7 @@ pub(crate) fn partition(bytes: &[u64], streams: usize, min_bytes: u64) -> Vec<Ra
     if bytes.is_empty() {
         return Vec::new();
     }
-    let total: u64 = bytes.iter().sum();
+    let total: u64 = bytes.iter().fold(0, |a, &b| a.saturating_add(b));
     let by_size = (total / min_bytes.max(1)).max(1);
     let parts = (streams.max(1) as u64).min(by_size).min(bytes.len() as u64) as usize;
     let mut out = Vec::with_capacity(parts);
@@ -191,9 +193,9 @@ pub(crate) fn partition(bytes: &[u64], streams: usize, min_bytes: u64) -> Vec<Ra
         let target = (u128::from(total) * part as u128 / parts as u128) as u64;
         let max_end = bytes.len() - (parts - part);
         let mut end = start + 1;
-        acc += bytes[start];
+        acc = acc.saturating_add(bytes[start]);
         while end < max_end && acc < target {
-            acc += bytes[end];
+            acc = acc.saturating_add(bytes[end]);
             end += 1;
         }
         out.push(start..end);
@@ -285,6 +287,25 @@ mod tests {
         }
         v.sort_unstable();
         v
+    }
+
+    #[test]
+    fn ranges_ending_past_the_largest_offset_shape_and_split_without_overflow() {
+        // The store refuses such a read before any I/O; shaping and splitting it must still
+        // not overflow (a panic with overflow checks on).
+        let top = [
+            range(0x1000, 16, u64::MAX - 31),
+            range(0x3000, 16, u64::MAX - 15),
+            range(0x5000, usize::MAX, u64::MAX),
+        ];
+        let staged = shape(&top, true);
+        assert_eq!(staged.spans.len(), 2);
+        assert!(staged.scratch > 0);
+        let plain = shape(&top, false);
+        assert_eq!(plain.spans.len(), 3);
+        assert_eq!(plain.scratch, 0);
+        let parts = partition(&[u64::MAX, u64::MAX, 1], 4, 1);
+        assert_eq!(parts.iter().map(|p| p.len()).sum::<usize>(), 3);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use super::gate::{TransferGate, UNREGISTER_WAIT};
 use super::parts::run_parts;
 use super::sessions::SessionTable;
 use crate::store::{
-    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet,
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
     ReadSession, StoreError,
 };
 
@@ -146,12 +146,12 @@ pub(super) fn split_valid(keys: &[&str]) -> (Vec<usize>, Vec<Result<(), StoreErr
 }
 
 /// The reads of `keys` to issue, and every key's result so far: a key with a NUL byte, or
-/// whose read has a null destination (`null_dst(i)`), is refused; one with nothing to read
-/// (`!reads_bytes(i)`) succeeds with 0 bytes and no I/O; the rest are issued (`Ok(0)` until
-/// they are).
+/// whose read is malformed (`refused(i)` says why: a null destination, a range ending past
+/// the largest object offset), is refused; one with nothing to read (`!reads_bytes(i)`)
+/// succeeds with 0 bytes and no I/O; the rest are issued (`Ok(0)` until they are).
 fn vet_reads(
     keys: &[&str],
-    null_dst: impl Fn(usize) -> bool,
+    refused: impl Fn(usize) -> Option<&'static str>,
     reads_bytes: impl Fn(usize) -> bool,
 ) -> (Vec<usize>, Vec<Result<u64, StoreError>>) {
     let (valid, checked) = split_valid(keys);
@@ -160,10 +160,10 @@ fn vet_reads(
     let valid = valid
         .into_iter()
         .filter(|&i| {
-            if null_dst(i) {
+            if let Some(why) = refused(i) {
                 out[i] = Err(StoreError::InvalidArgument {
                     key: keys[i].to_owned(),
-                    detail: "null destination".into(),
+                    detail: why.into(),
                 });
                 return false;
             }
@@ -171,6 +171,23 @@ fn vet_reads(
         })
         .collect();
     (valid, out)
+}
+
+/// Why a read into `dst` is refused: a null destination.
+fn null_dst(dst: *mut u8) -> Option<&'static str> {
+    dst.is_null().then_some("null destination")
+}
+
+/// Why a range is refused: a null destination, or an end past the largest object offset (no
+/// object reaches it, and the range arithmetic would overflow).
+fn refused_range(r: &ReadRange) -> Option<&'static str> {
+    null_dst(r.dst).or_else(|| {
+        let end = u64::try_from(r.len)
+            .ok()
+            .and_then(|n| r.offset.checked_add(n));
+        end.is_none()
+            .then_some("a range ending past the largest object offset")
+    })
 }
 
 /// Maps a Mooncake status code for `key` to a [`StoreError`].
@@ -315,7 +332,7 @@ impl KvStore for MooncakeStore {
 
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
-        let (valid, mut out) = vet_reads(&keys, |i| gets[i].dst.is_null(), |_| true);
+        let (valid, mut out) = vet_reads(&keys, |i| null_dst(gets[i].dst), |_| true);
         let _transfer = self.transfers.transfer();
         // The wheel's `batch_get_into` stalls (until its 60 s transfer timeout) when one call
         // carries thousands of keys over TCP: at most MAX_WHOLE_READS_PER_CALL keys per call.
@@ -379,7 +396,7 @@ impl KvStore for MooncakeStore {
         // Gets with nothing to read succeed without I/O.
         let (valid, mut out) = vet_reads(
             &keys,
-            |i| gets[i].ranges.iter().any(|r| r.dst.is_null()),
+            |i| gets[i].ranges.iter().find_map(refused_range),
             |i| !gets[i].ranges.is_empty(),
         );
         if valid.is_empty() {
@@ -567,5 +584,34 @@ impl KvStore for MooncakeStore {
                 detail: Cause::from_error(e),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_range_with_a_null_destination_or_ending_past_the_largest_offset_is_refused() {
+        let mut byte = 0u8;
+        let dst: *mut u8 = &mut byte;
+        let r = |dst: *mut u8, len: usize, offset: u64| ReadRange { dst, len, offset };
+        assert_eq!(refused_range(&r(dst, 1, 0)), None);
+        assert_eq!(refused_range(&r(dst, 16, u64::MAX - 16)), None);
+        assert_eq!(
+            refused_range(&r(std::ptr::null_mut(), 1, 0)),
+            Some("null destination")
+        );
+        assert!(refused_range(&r(dst, 16, u64::MAX - 15)).is_some());
+        assert!(refused_range(&r(dst, usize::MAX, 1)).is_some());
+        // A read with one such range fails that key only, with its reason.
+        let keys = ["ok", "past"];
+        let ranges = [r(dst, 1, 0), r(dst, 16, u64::MAX - 15)];
+        let (valid, out) = vet_reads(&keys, |i| refused_range(&ranges[i]), |_| true);
+        assert_eq!(valid, [0]);
+        assert!(matches!(
+            &out[1],
+            Err(StoreError::InvalidArgument { key, .. }) if key == "past"
+        ));
     }
 }
