@@ -42,7 +42,7 @@ pub enum MooncakeConfigError {
 /// | `MOONCAKE_LOCAL_HOSTNAME` (else `LOCAL_HOSTNAME`) | [`local_hostname`](Self::local_hostname) | `localhost` | address other clients reach this one at |
 /// | `MOONCAKE_STORE_LIBRARY` | [`library`](Self::library) | search (mooncake-sys) | the store library (kvlink shim) to load |
 /// | `KVLINK_MOONCAKE_READ_STREAMS` | [`read_streams`](Self::read_streams) | [`auto_read_streams`] | concurrent calls one ranged read is split into (kvlink's own) |
-/// | `KVLINK_MOONCAKE_STAGED_MERGE` | [`staged_merge`](Self::staged_merge) | on for `tcp` | read a key's ranges that continue in the object as one range through scratch (kvlink's own; `0`/`1`) |
+/// | `KVLINK_MOONCAKE_STAGED_MERGE` | [`staged_merge`](Self::staged_merge) | on for `tcp` (not used over other protocols) | read a key's ranges that continue in the object as one range through scratch (kvlink's own; `0`/`1`) |
 ///
 /// Differences from SGLang: the protocol defaults to `tcp` (SGLang's newest default is `rdma`),
 /// and `MOONCAKE_DEVICE` must be a device name (SGLang also accepts a JSON map by TP rank).
@@ -278,9 +278,10 @@ impl MooncakeConfig {
 
     /// Whether a key's ranges that continue each other in the object but not in memory (several
     /// layers of a page into a layer-major pool) are read as one range into the store's scratch
-    /// and copied out: one round trip instead of one per range, for a memory copy (TCP only:
-    /// the scratch is not registered for RDMA, whose transport does not serialise ranges).
-    /// Default: on for `tcp`.
+    /// and copied out: one round trip instead of one per range, for a memory copy. TCP only:
+    /// the scratch is not registered for RDMA (whose transport does not serialise ranges
+    /// anyway), so over any other protocol the setting is not used (the store logs a warning
+    /// when it is on there). Default: on for `tcp`.
     pub fn staged_merge(mut self, on: bool) -> Self {
         self.staged_merge = Some(on);
         self
@@ -341,10 +342,16 @@ impl MooncakeConfig {
         self.read_streams
     }
 
-    /// See [`staged_merge`](Self::staged_merge): as set, else whether the protocol is `tcp`.
+    /// See [`staged_merge`](Self::staged_merge): whether the protocol is `tcp` and the merge
+    /// is not set off.
     pub fn staged_merge_enabled(&self) -> bool {
-        self.staged_merge
-            .unwrap_or_else(|| self.protocol.eq_ignore_ascii_case("tcp"))
+        self.protocol.eq_ignore_ascii_case("tcp") && self.staged_merge.unwrap_or(true)
+    }
+
+    /// True when the staged merge is set on for a protocol it is not used over (see
+    /// [`staged_merge`](Self::staged_merge)).
+    pub(super) fn staged_merge_refused(&self) -> bool {
+        self.staged_merge == Some(true) && !self.staged_merge_enabled()
     }
 
     pub(super) fn setup_args(&self) -> mooncake_sys::SetupArgs {
@@ -451,10 +458,14 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(cfg.read_streams_count(), 3);
-        // rdma: no staged merge unless asked for.
-        assert!(!cfg.staged_merge_enabled());
-        assert!(cfg.clone().staged_merge(true).staged_merge_enabled());
+        // rdma: no staged merge, even when asked for (its scratch is not registered there).
+        assert!(!cfg.staged_merge_enabled() && !cfg.staged_merge_refused());
+        let asked = cfg.clone().staged_merge(true);
+        assert!(!asked.staged_merge_enabled() && asked.staged_merge_refused());
         assert!(MooncakeConfig::new("m:1").staged_merge_enabled());
+        assert!(!MooncakeConfig::new("m:1")
+            .staged_merge(true)
+            .staged_merge_refused());
         let off = MooncakeConfig::from_lookup(lookup(&[
             ("MOONCAKE_MASTER", "m:1"),
             ("KVLINK_MOONCAKE_STAGED_MERGE", "0"),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kv_loader::Cause;
 use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError};
 use parking_lot::Mutex;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::config::MooncakeConfig;
 use super::gate::{TransferGate, UNREGISTER_WAIT};
@@ -102,6 +102,13 @@ impl MooncakeStore {
             segment = config.global_segment_bytes(),
             "mooncake store connected"
         );
+        if config.staged_merge_refused() {
+            warn!(
+                protocol = config.protocol_name(),
+                "staged merge asked for over a protocol other than tcp: not used (its scratch is \
+                 not registered for that transport)"
+            );
+        }
         Ok(Self {
             client,
             config,
