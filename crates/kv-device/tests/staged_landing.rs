@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kv_device::cpu::CpuOp;
 use kv_device::{
     BatchShape, CpuDevice, CpuDeviceConfig, Device, DeviceError, DeviceKvPool, DeviceShare,
     LandingFactory, LayerLanding, RowBlock, ScatterStrategy, ShareSide, StagedLanding,
@@ -438,6 +439,34 @@ fn saves_gather_what_loads_landed() {
     let mut got = vec![1u8; r.g.component(c).unwrap().page_layer_bytes as usize];
     r.pool.read_slot(c, 0, slots[0], &mut got).unwrap();
     assert!(got.iter().all(|&b| b == 0), "cleared");
+}
+
+#[test]
+fn a_slot_table_copy_queued_but_not_fenced_keeps_its_staging_for_good() {
+    let r = rig(CpuDeviceConfig::default(), 10, 2, 1);
+    // The table's copy through stage 0 is queued but does not run yet (a stalled device),
+    // and the event that would fence it cannot be recorded.
+    r.dev.stall_for(Duration::from_millis(300));
+    r.dev.fail_enqueue(CpuOp::Record, 0);
+    let made = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        vec![3, 5].into(),
+        BatchShape::own_only(all(&r.g)),
+    );
+    assert!(
+        matches!(made, Err(DeviceError::Driver(_))),
+        "{:?}",
+        made.err()
+    );
+    // The staging is not leased again: the copy may still read its stage 0 (and write the
+    // table, which is kept with it).
+    assert_eq!((r.staging.available(), r.staging.quarantined()), (0, 1));
+    assert!(r.staging.lease().is_err());
+    // The device runs the copy later; nothing it touches was freed or handed out.
+    r.dev.resume();
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(r.staging.quarantined(), 1, "never fenced: kept for good");
 }
 
 #[test]

@@ -169,11 +169,8 @@ impl StagedGather {
         let slot_table = if slots.is_empty() {
             None
         } else {
-            let table = device.alloc(slots.len() * 4, "slot table")?;
             let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
-            // SAFETY: `table` is ours, exactly `slots.len()` u32.
-            unsafe { sync::write(&*device, &sync::Bounce::default(), table.addr(), &bytes) }?;
-            Some(table)
+            Some(sync::upload(&*device, &bytes, "slot table")?)
         };
         // Every gather of this save runs after what the load stream did so far (loads into
         // these slots) and after the engine's compute that wrote the pages.

@@ -115,10 +115,11 @@ impl StagedLanding {
         check_shape(&pool, &shape, slots.len(), lease.stage_bytes())?;
         let stages_state: Vec<StageState> =
             (0..lease.stages()).map(|_| StageState::default()).collect();
-        let slot_table = if slots.is_empty() {
-            None
+        let (lease, slot_table) = if slots.is_empty() {
+            (lease, None)
         } else {
-            Some(upload_slots(&*device, &lease, &slots, &stages_state[0])?)
+            let (lease, table) = upload_slots(&*device, lease, &slots, &stages_state[0])?;
+            (lease, Some(table))
         };
         let ring = lease.stages();
         let id = next_landing_id();
@@ -304,19 +305,19 @@ impl StagedLanding {
 /// kernel), uploaded without blocking: the bytes go through the pinned stage 0 (free: a fresh
 /// lease has no work in flight), and the upload fences that stage, so the reader's first use
 /// of it waits for the copy. A table larger than a stage is written synchronously instead.
+/// When the copy is queued but cannot be fenced, the lease is quarantined for good with the
+/// table (the copy may still read stage 0 and write the table): neither is freed or reused.
 fn upload_slots(
     device: &dyn crate::Device,
-    lease: &StagingLease,
+    lease: StagingLease,
     slots: &[u32],
     stage0: &StageState,
-) -> Result<DeviceMemory, DeviceError> {
+) -> Result<(StagingLease, DeviceMemory), DeviceError> {
     let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
-    let table = device.alloc(bytes.len(), "slot table")?;
     if bytes.len() > lease.stage_bytes() {
-        // SAFETY: `table` is ours, exactly `bytes.len()` bytes, touched by nothing else.
-        unsafe { sync::write(device, &sync::Bounce::default(), table.addr(), &bytes) }?;
-        return Ok(table);
+        return Ok((lease, sync::upload(device, &bytes, "slot table")?));
     }
+    let table = device.alloc(bytes.len(), "slot table")?;
     let host = lease.host_stage(0)?;
     // SAFETY: stage 0 of a fresh lease is ours and idle (no fence pending), and holds at least
     // `bytes.len()` bytes (checked above).
@@ -327,12 +328,22 @@ fn upload_slots(
         src: host,
         len: bytes.len(),
     };
-    // SAFETY: source in the pinned stage 0, destination our table; stage 0 is fenced by the
-    // event recorded below (nothing writes it before that completes), and the table is freed
-    // only after the landing's fences drained (or it is quarantined with the lease).
+    // SAFETY: source in the pinned stage 0, destination our table; once queued, stage 0 is
+    // fenced by the event recorded below (nothing writes it before that completes) and the
+    // table is freed only after the landing's fences drained; where no event can be recorded,
+    // both are quarantined for good (below). Not queued (an error here): nothing runs.
     unsafe { stream.transfer(t)? };
-    stage0.fences.push(stream.record()?);
-    Ok(table)
+    match stream.record() {
+        Ok(ev) => {
+            stage0.fences.push(ev);
+            Ok((lease, table))
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "slot table copy queued but not fenced: its staging and table are kept for good");
+            lease.quarantine(Vec::new(), vec![table]);
+            Err(e)
+        }
+    }
 }
 
 /// Checks a batch's shape against the pool and the stage size.

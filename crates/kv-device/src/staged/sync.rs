@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::{Device, DeviceError, PinnedMemory, Stream, Transfer};
+use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, Stream, Transfer};
 
 /// Longest a synchronous copy waits for its stream.
 pub(crate) const SYNC_LIMIT: Duration = Duration::from_secs(60);
@@ -100,6 +100,27 @@ pub(crate) unsafe fn write(
     let host = unsafe { run(&device.load_stream(), t, host) }?;
     bounce.give(host);
     Ok(())
+}
+
+/// `data` in a new device allocation (`what`), copied there and waited for (bounded). When
+/// the copy fails after it may have been queued (a failed wait, a timeout), the allocation is
+/// leaked, not freed: the copy may still write it.
+pub(crate) fn upload(
+    device: &dyn Device,
+    data: &[u8],
+    what: &'static str,
+) -> Result<DeviceMemory, DeviceError> {
+    let mem = device.alloc(data.len(), what)?;
+    // SAFETY: `mem` is ours, exactly `data.len()` bytes, touched by nothing else; on a failure
+    // it is never freed (below), so it stays valid for a copy that may still run.
+    match unsafe { write(device, &Bounce::default(), mem.addr(), data) } {
+        Ok(()) => Ok(mem),
+        Err(e) => {
+            tracing::error!(what, error = %e, "an upload failed: its device memory is leaked (the copy may still write it)");
+            std::mem::forget(mem);
+            Err(e)
+        }
+    }
 }
 
 /// Copies `out.len()` bytes from device address `src` into `out` and waits (bounded).
