@@ -176,7 +176,8 @@ impl GroupLink {
             Some(w) => w,
         };
         now.abort(&format!("re-forming the group: {why}"));
-        let epoch = now.epoch + 1;
+        // Saturating: an epoch at the top (a peer's) makes the formation refuse, not panic.
+        let epoch = now.epoch.saturating_add(1);
         match formation.reform(self.rank, epoch, deadline) {
             Ok(fresh) => {
                 tracing::info!(

@@ -87,6 +87,13 @@ fn transport(leader: &Hello, joiners: &[Hello]) -> Result<Transport, RendezvousE
     }
 }
 
+/// The epoch after `last` (a rank's hello or the exchange says `last`: peer input), refused
+/// where there is none.
+pub(crate) fn next_epoch(last: u64) -> Result<u64, RendezvousError> {
+    last.checked_add(1)
+        .ok_or_else(|| RendezvousError::Protocol(format!("epoch {last} has no next one")))
+}
+
 /// Rank 0's decision over its own hello and every joiner's (every rank `1..world` present,
 /// possibly more: duplicates, ranks of another world size).
 pub(crate) fn decide(
@@ -120,7 +127,7 @@ pub(crate) fn decide(
     let mut sorted: Vec<&Hello> = joiners.iter().collect();
     sorted.sort_by_key(|h| h.rank);
     members.extend(sorted);
-    let epoch = members.iter().map(|h| h.last_epoch).max().unwrap_or(0) + 1;
+    let epoch = next_epoch(members.iter().map(|h| h.last_epoch).max().unwrap_or(0))?;
     Ok(Welcome {
         epoch,
         transport,
@@ -179,6 +186,20 @@ mod tests {
             decide(&l, &j, None),
             Err(RendezvousError::SettingsMismatch { rank: 1, .. })
         ));
+    }
+
+    #[test]
+    fn a_hello_with_the_last_epoch_there_is_is_refused_not_overflowed() {
+        let l = hello(0);
+        let mut j = vec![hello(1), hello(2)];
+        j[1].last_epoch = u64::MAX;
+        assert!(matches!(
+            decide(&l, &j, None),
+            Err(RendezvousError::Protocol(_))
+        ));
+        j[1].last_epoch = u64::MAX - 1;
+        assert_eq!(decide(&l, &j, None).unwrap().epoch, u64::MAX);
+        assert_eq!(next_epoch(3).unwrap(), 4);
     }
 
     #[test]

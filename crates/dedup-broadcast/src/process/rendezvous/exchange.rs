@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::decide::{decide, missing, IdSource};
+use super::decide::{decide, missing, next_epoch, IdSource};
 use super::message::{Hello, Reply, Welcome};
 use super::RendezvousError;
 
@@ -256,9 +256,9 @@ pub(crate) fn lead(
 ) -> Result<Welcome, RendezvousError> {
     let k = Keys(prefix);
     let closed = read_u64(x, &k.closed(), deadline)?.unwrap_or(0);
-    let mut epoch = closed.max(leader.last_epoch) + 1;
+    let mut epoch = next_epoch(closed.max(leader.last_epoch))?;
     while !x.create(&k.open(epoch), &leader.encode(), deadline)? {
-        epoch += 1;
+        epoch = next_epoch(epoch)?;
     }
     x.set(&k.current(), &epoch.to_le_bytes(), deadline)?;
     let world = leader.world;

@@ -261,19 +261,26 @@ fn accept_loop(
                 continue;
             }
         };
-        let st = state.lock();
+        let mut st = state.lock();
+        let mut arrival = Arrival { stream, hello };
         if let Some(tx) = &st.forming {
-            if tx.send(Arrival { stream, hello }).is_ok() {
-                continue;
+            match tx.send(arrival) {
+                Ok(()) => continue,
+                // The formation ended without closing its slot (it unwound): close it, and
+                // answer that none is under way; the next formation opens a new one.
+                Err(mpsc::SendError(back)) => {
+                    tracing::warn!("rank 0's formation ended without closing; answering idle");
+                    st.forming = None;
+                    arrival = back;
+                }
             }
-            return;
         }
         let idle = Reply::Idle {
             live_epoch: st.live_epoch,
             last_failure: st.last_failure.clone(),
         };
         drop(st);
-        reply(&mut stream, &idle);
+        reply(&mut arrival.stream, &idle);
     }
 }
 
