@@ -481,6 +481,12 @@ pub fn all_gather_in_place(
     unsafe { coll.all_gather_rows(&rows, &counts, deadline) }
 }
 
+/// True when per-rank `counts` add up to exactly `rows` (without overflowing: counts are
+/// the caller's input).
+pub(crate) fn counts_cover(counts: &[usize], rows: usize) -> bool {
+    counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)) == Some(rows)
+}
+
 /// Little-endian `u64`s from gathered 8-byte values (a shorter value is zero-padded), in rank
 /// order: how `all_gather_u64` implementations decode what they gathered as bytes.
 pub(crate) fn u64_words(all: &[Vec<u8>]) -> Vec<u64> {

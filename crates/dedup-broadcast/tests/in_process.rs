@@ -253,7 +253,7 @@ fn bad_arguments_fail_every_rank() {
 }
 
 #[test]
-fn overlapping_rows_and_bad_counts_are_refused_on_every_rank() {
+fn overlapping_rows_and_bad_or_overflowing_counts_are_refused_on_every_rank() {
     let r = run_group(2, |c| {
         let mut buf = vec![0u8; 8];
         let base = buf.as_mut_ptr() as usize;
@@ -277,14 +277,17 @@ fn overlapping_rows_and_bad_counts_are_refused_on_every_rank() {
         ];
         // SAFETY: as above.
         let counts = unsafe { c.all_gather_rows(&proper, &[2, 1], far()) };
+        // Counts whose sum overflows (and would wrap to the 2 rows): refused, not a panic.
+        // SAFETY: as above.
+        let wrapping = unsafe { c.all_gather_rows(&proper, &[usize::MAX, 3], far()) };
         // SAFETY: as above.
         let ok = unsafe { c.all_gather_rows(&proper, &[1, 1], far()) };
-        (overlap, counts, ok)
+        (overlap, counts, wrapping, ok)
     });
-    for (overlap, counts, ok) in r {
+    for (overlap, counts, wrapping, ok) in r {
         assert!(
-            overlap.is_err() && counts.is_err(),
-            "{overlap:?} {counts:?}"
+            overlap.is_err() && counts.is_err() && wrapping.is_err(),
+            "{overlap:?} {counts:?} {wrapping:?}"
         );
         ok.unwrap();
     }

@@ -160,10 +160,9 @@ impl InProcessCollective {
         let kind = OpKind::AllGatherRows;
         let invalid = if counts.len() != size as usize {
             Some(format!("{} counts for {size} ranks", counts.len()))
-        } else if counts.iter().sum::<usize>() != rows.len() {
+        } else if !crate::collective::counts_cover(counts, rows.len()) {
             Some(format!(
-                "counts sum to {}, not the {} rows",
-                counts.iter().sum::<usize>(),
+                "counts {counts:?} do not add up to the {} rows",
                 rows.len()
             ))
         } else {

@@ -547,7 +547,9 @@ impl Collective for NcclCollective {
         deadline: Instant,
     ) -> Result<(), CollectiveError> {
         let op = "all_gather_rows";
-        if counts.len() != self.size as usize || counts.iter().sum::<usize>() != rows.len() {
+        if counts.len() != self.size as usize
+            || !crate::collective::counts_cover(counts, rows.len())
+        {
             return Err(self.invalid(op, format!("counts {counts:?} for {} rows", rows.len())));
         }
         // NCCL gathers equal chunks: each rank's rows, padded to the largest rank's bytes.

@@ -54,6 +54,7 @@ use parking_lot::{Mutex, MutexGuard};
 use super::engine::{Failure, Gate, Inbound, Outbound, Run};
 use super::link::{Link, Span};
 use super::op_header::{layout_digest, OpHeader, OpKind};
+use crate::collective::counts_cover;
 use crate::{Collective, CollectiveError};
 
 /// How a socket group moves bulk rows (see the module docs).
@@ -419,8 +420,7 @@ impl SocketCollective {
         let problem = (counts.len() != n as usize)
             .then(|| format!("{} per-rank counts for a group of {n}", counts.len()))
             .or_else(|| {
-                let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
-                (total != Some(rows.len()))
+                (!counts_cover(counts, rows.len()))
                     .then(|| format!("counts {counts:?} do not add up to the {} rows", rows.len()))
             })
             .or_else(|| overlapping(rows).map(|(a, b)| format!("rows {a:?} and {b:?} overlap")));
