@@ -476,18 +476,36 @@ mod tests {
         (pool, landing, stages)
     }
 
-    #[test]
-    fn a_hung_read_fails_at_its_deadline_and_keeps_its_memory_until_it_returns() {
+    /// What a test of one read into slot 1 of a fresh landing's stage 0 looks at after it.
+    struct SlotRead {
+        pool: Arc<dyn kv_device::KvPool>,
+        landing: DirectLanding,
+        stages: Vec<LayerStage>,
+        /// What the batch keeps while a call may write its slots (its outcome, in the
+        /// linker): the read's loan keeps it.
+        batch: Arc<()>,
+        faulty: Arc<FaultyStore>,
+        calls: StoreCalls,
+        /// The slot's bytes.
+        len: usize,
+    }
+
+    /// Reads key `k` (the slot's bytes, all 9s) into slot 1 of a fresh landing through a
+    /// store with `fault` on its reads, waiting `wait` at most: the rig, the read's results
+    /// and how long the caller waited.
+    fn slot_read(
+        fault: Fault,
+        wait: Duration,
+    ) -> (SlotRead, Vec<Result<u64, StoreError>>, Duration) {
         let (pool, landing, mut stages) = landing();
         let mut loan = landing.lend(&mut stages[0]).unwrap();
         let target = landing.target(&loan, ComponentId(0), 1).unwrap();
+        let len = target.len();
         let inner = Arc::new(EmbeddedStore::new(1 << 22));
-        put(inner.as_ref(), "k", &vec![9u8; target.len()]);
+        put(inner.as_ref(), "k", &vec![9u8; len]);
         let faulty = Arc::new(FaultyStore::new(inner));
-        let stall = Stall::new();
-        faulty.inject(FaultRule::default(), Fault::Stall(stall.clone()));
+        faulty.inject(FaultRule::default(), fault);
         let calls = StoreCalls::new(faulty.clone());
-        // What the batch keeps while a call may write its slots (its outcome, in the linker).
         let batch: Arc<()> = Arc::new(());
         loan.keep(batch.clone());
         let read = TargetRead {
@@ -495,46 +513,69 @@ mod tests {
             ranges: [TargetRange { target, offset: 0 }].into_iter().collect(),
         };
         let t0 = Instant::now();
-        let deadline = kv_loader::deadline_after(Duration::from_millis(50));
-        let r = calls.read_targets(&[read], vec![loan], 1, deadline);
-        assert!(t0.elapsed() < Duration::from_secs(2));
-        assert!(
-            matches!(
-                &r[..],
-                [Err(StoreError::Overdue {
-                    call: "get_ranges",
-                    ..
-                })]
-            ),
-            "{r:?}"
-        );
+        let r = calls.read_targets(&[read], vec![loan], 1, kv_loader::deadline_after(wait));
+        let rig = SlotRead {
+            pool,
+            landing,
+            stages,
+            batch,
+            faulty,
+            calls,
+            len,
+        };
+        (rig, r, t0.elapsed())
+    }
+
+    /// The error of a read's one key (a test failure when it is anything else).
+    fn only_error(r: &[Result<u64, StoreError>]) -> &StoreError {
+        match r {
+            [Err(e)] => e,
+            _ => panic!("not one error: {r:?}"),
+        }
+    }
+
+    #[test]
+    fn a_hung_read_fails_at_its_deadline_and_keeps_its_memory_until_it_returns() {
+        let stall = Stall::new();
+        let (rig, r, waited) = slot_read(Fault::Stall(stall.clone()), Duration::from_millis(50));
+        assert!(waited < Duration::from_secs(2));
+        let StoreError::Overdue { call, .. } = only_error(&r) else {
+            panic!("not overdue: {r:?}")
+        };
+        assert_eq!(*call, "get_ranges");
         // The hung call still holds the loan: the stage is not the landing's, and the pool
         // stays allocated after the landing is gone.
         assert!(matches!(
-            landing.target_bytes(&stages[0], ComponentId(0), 1),
+            rig.landing.target_bytes(&rig.stages[0], ComponentId(0), 1),
             Err(kv_device::DeviceError::Lent(_))
         ));
-        assert_eq!(Arc::strong_count(&batch), 2);
+        assert_eq!(Arc::strong_count(&rig.batch), 2);
         // Other calls go on meanwhile, on another worker.
-        faulty.clear();
-        let ok = calls.exists(&["k"], kv_loader::deadline_after(Duration::from_secs(5)));
+        rig.faulty.clear();
+        let ok = rig
+            .calls
+            .exists(&["k"], kv_loader::deadline_after(Duration::from_secs(5)));
         assert_eq!(ok, vec![Ok(true)]);
-        assert_eq!(calls.workers(), 2);
-        drop(landing);
-        assert_eq!(Arc::strong_count(&pool), 2, "the loan keeps the pool");
+        assert_eq!(rig.calls.workers(), 2);
+        drop(rig.landing);
+        assert_eq!(Arc::strong_count(&rig.pool), 2, "the loan keeps the pool");
         stall.release();
         let t0 = Instant::now();
-        while Arc::strong_count(&batch) > 1 {
+        while Arc::strong_count(&rig.batch) > 1 {
             assert!(
                 t0.elapsed() < Duration::from_secs(5),
                 "the loan was not let go"
             );
             std::thread::sleep(Duration::from_millis(2));
         }
-        assert_eq!(Arc::strong_count(&pool), 1, "the loan let go of the pool");
-        let mut out = vec![0u8; target.len()];
+        assert_eq!(
+            Arc::strong_count(&rig.pool),
+            1,
+            "the loan let go of the pool"
+        );
+        let mut out = vec![0u8; rig.len];
         // SAFETY: the call has returned and let go of its loan; nothing else writes the slot.
-        unsafe { pool.read_slot(ComponentId(0), 0, 1, &mut out) }.unwrap();
+        unsafe { rig.pool.read_slot(ComponentId(0), 0, 1, &mut out) }.unwrap();
         assert!(out.iter().all(|&b| b == 9), "the late call wrote its bytes");
     }
 
@@ -584,41 +625,21 @@ mod tests {
 
     #[test]
     fn a_read_that_panics_fails_at_once_and_lets_go_of_its_memory() {
-        let (pool, landing, mut stages) = landing();
-        let mut loan = landing.lend(&mut stages[0]).unwrap();
-        let target = landing.target(&loan, ComponentId(0), 1).unwrap();
-        let inner = Arc::new(EmbeddedStore::new(1 << 22));
-        put(inner.as_ref(), "k", &vec![9u8; target.len()]);
-        let faulty = Arc::new(FaultyStore::new(inner));
-        faulty.inject(FaultRule::default(), Fault::Panic);
-        let calls = StoreCalls::new(faulty);
-        let batch: Arc<()> = Arc::new(());
-        loan.keep(batch.clone());
-        let read = TargetRead {
-            key: "k",
-            ranges: [TargetRange { target, offset: 0 }].into_iter().collect(),
-        };
-        let t0 = Instant::now();
-        let deadline = kv_loader::deadline_after(Duration::from_secs(30));
-        let r = calls.read_targets(&[read], vec![loan], 1, deadline);
+        let (rig, r, waited) = slot_read(Fault::Panic, Duration::from_secs(30));
         assert!(
-            t0.elapsed() < Duration::from_secs(10),
+            waited < Duration::from_secs(10),
             "it waited for the deadline"
         );
-        assert!(
-            matches!(
-                &r[..],
-                [Err(StoreError::Panicked {
-                    call: "get_ranges",
-                    ..
-                })]
-            ),
-            "{r:?}"
-        );
+        let StoreError::Panicked { call, .. } = only_error(&r) else {
+            panic!("not panicked: {r:?}")
+        };
+        assert_eq!(*call, "get_ranges");
         // The call is over: its loan went back with it, and the batch's hold with the loan.
-        assert_eq!(Arc::strong_count(&batch), 1);
-        assert!(landing.target_bytes(&stages[0], ComponentId(0), 1).is_ok());
-        drop(landing);
+        assert_eq!(Arc::strong_count(&rig.batch), 1);
+        let stage = &rig.stages[0];
+        assert!(rig.landing.target_bytes(stage, ComponentId(0), 1).is_ok());
+        let pool = rig.pool.clone();
+        drop(rig);
         assert_eq!(Arc::strong_count(&pool), 1);
     }
 
