@@ -410,16 +410,22 @@ impl KvStore for MooncakeStore {
             return out;
         }
         let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
+        // Left when it drops: after the read, on every path.
         let joined = self.sessions.join(&self.client, &names);
-        let _leave = self.sessions.leave_on_drop(&self.client, &joined);
         // Keys in a session now; the others fail with the session's error.
         let readable: Vec<usize> = valid
             .iter()
             .copied()
-            .filter(|&i| match &joined[keys[i]] {
-                Ok(()) => true,
-                Err(e) => {
+            .filter(|&i| match joined.result(keys[i]) {
+                Some(Ok(())) => true,
+                Some(Err(e)) => {
                     out[i] = Err(e.clone());
+                    false
+                }
+                // Every key of `names` has a result (the join's contract); one without fails
+                // unread, never a panic.
+                None => {
+                    out[i] = failed_placeholder(keys[i]);
                     false
                 }
             })
