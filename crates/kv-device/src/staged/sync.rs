@@ -102,9 +102,10 @@ pub(crate) unsafe fn write(
     Ok(())
 }
 
-/// `data` in a new device allocation (`what`), copied there and waited for (bounded). When
-/// the copy fails after it may have been queued (a failed wait, a timeout), the allocation is
-/// leaked, not freed: the copy may still write it.
+/// `data` in a new device allocation (`what`), copied there and waited for (bounded). On any
+/// failure of the copy the allocation is leaked, not freed: after a failed wait or a timeout
+/// the copy may still write it (a failure before anything was queued leaks it too; rare, and
+/// small: a slot table).
 pub(crate) fn upload(
     device: &dyn Device,
     data: &[u8],

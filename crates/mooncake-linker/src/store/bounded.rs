@@ -4,8 +4,9 @@
 //! keeps the call's **hold** (whatever keeps its memory allocated and away from everyone else:
 //! the landing, the pool, the batch's outcome) until the call really returns, so memory a
 //! late call may still write is neither freed, nor unregistered, nor handed to another batch
-//! before then. A call that panics fails its keys at once with [`StoreError::Panicked`] (it
-//! is over: its memory is free again), and its worker goes on to the next call.
+//! before then. A call that panics fails its keys with [`StoreError::Panicked`] as soon as it
+//! has unwound (it is over: its memory is free again, as the store's buffer contract says),
+//! not at its deadline, and its worker goes on to the next call.
 //!
 //! Workers are kept and reused (a call costs a hand-off, not a thread start); a call that
 //! hangs keeps its worker, and a new one is started for the next call. At most
@@ -99,7 +100,8 @@ impl Workers {
                 loop {
                     let job = rx.lock().recv();
                     let Ok(job) = job else { break };
-                    // A store call that panics is its caller's overdue call, not a dead worker.
+                    // A call's own panic is caught inside the job (its caller gets `Panicked`);
+                    // this catches one of its `late` handler, so the worker lives on either way.
                     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
                         error!("a store call panicked");
                     }

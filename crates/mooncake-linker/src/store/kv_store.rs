@@ -133,7 +133,9 @@ pub struct ReadSession {
 /// range is valid for writes of its length and not read or written by anyone else, every
 /// source range is valid for reads of its length and not written by anyone else, and the
 /// memory is of a kind the store can access (registered with [`KvStore::register`] where the
-/// store needs that). Destinations of one call must not overlap.
+/// store needs that). Destinations of one call must not overlap. In turn, a store touches
+/// none of that memory once the call has returned **or unwound** (a panic inside a store call
+/// leaves no work of it running: its threads are joined, its transfers over).
 ///
 /// Callers above the store layer never make these calls themselves: they go through
 /// [`StoreCalls`](super::StoreCalls), whose [`read_targets`](super::StoreCalls::read_targets)

@@ -158,8 +158,9 @@ pub(crate) fn shape(ranges: &[ReadRange], stage: bool) -> Shaped {
                 }
             }
             let last = &merged[j - 1].range;
-            // Saturating: a range ending past u64 (refused before any read) gives a scratch
-            // too large to stage, so the key is read unstaged, not an overflow.
+            // Saturating: a range ending past u64 is refused before any read (`get_ranges`'
+            // vetting); here it only must not overflow. Its span then comes out short, and
+            // `copy_key`'s bounds checks would fail the key.
             let size = last.offset.saturating_add(last.size) - first;
             out.spans.push(Span {
                 target: Target::Scratch(start),

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use crate::store::{PutOutcome, StoreError};
 
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
-pub(crate) const PROTOCOL: u32 = 1;
+/// Version 2: error kind 11 ([`StoreError::Panicked`]).
+pub(crate) const PROTOCOL: u32 = 2;
 /// Largest request or reply frame (keys and ranges, not bulk bytes).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// The call named by a [`StoreError::Panicked`] that came over the wire (its own name stays
