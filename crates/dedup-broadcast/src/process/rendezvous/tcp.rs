@@ -28,6 +28,24 @@ const REPLY_GRACE: Duration = Duration::from_millis(500);
 /// Pause between a joiner's attempts.
 const RETRY: Duration = Duration::from_millis(50);
 
+/// What joiners hear when rank 0's formation ended without deciding (it unwound).
+const ENDED_ABNORMALLY: &str = "rank 0's formation ended abnormally";
+
+/// Rank 0's formation slot while a formation is open: closed on drop unless the formation
+/// closed it (so a formation that unwinds does not leave hellos going to no one).
+struct OpenSlot<'a>(Option<&'a Mutex<LeaderState>>);
+
+impl Drop for OpenSlot<'_> {
+    fn drop(&mut self) {
+        if let Some(state) = self.0 {
+            let mut st = state.lock();
+            st.forming = None;
+            st.live_epoch = None;
+            st.last_failure = Some(ENDED_ABNORMALLY.into());
+        }
+    }
+}
+
 /// A hello that reached rank 0's listener.
 struct Arrival {
     stream: TcpStream,
@@ -121,6 +139,7 @@ impl TcpLeader {
     ) -> Result<Welcome, RendezvousError> {
         let (tx, rx) = mpsc::channel();
         self.state.lock().forming = Some(tx);
+        let mut slot = OpenSlot(Some(&self.state));
         let mut joined: Vec<(TcpStream, Hello)> = Vec::new();
         let mut foreign: Vec<(TcpStream, u32, RendezvousError)> = Vec::new();
         let world = leader.world;
@@ -169,6 +188,7 @@ impl TcpLeader {
             }
         };
         self.state.lock().forming = None;
+        slot.0 = None;
         // Hellos that raced in as the formation closed.
         let late: Vec<Arrival> = rx.try_iter().collect();
         let answer = match &decision {
@@ -271,6 +291,7 @@ fn accept_loop(
                 Err(mpsc::SendError(back)) => {
                     tracing::warn!("rank 0's formation ended without closing; answering idle");
                     st.forming = None;
+                    st.last_failure = Some(ENDED_ABNORMALLY.into());
                     arrival = back;
                 }
             }
@@ -403,5 +424,76 @@ pub(crate) fn join(
             None => {}
         }
         std::thread::sleep(RETRY.min(deadline.saturating_duration_since(Instant::now())));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::process::rendezvous::message::{Endpoint, TransportChoice, PROTOCOL};
+    use crate::process::socket_collective::Algorithm;
+
+    const VERSION: &str = "0.1.0";
+
+    fn hello(rank: u32) -> Hello {
+        Hello {
+            protocol: PROTOCOL,
+            version: VERSION.into(),
+            rank,
+            world: 2,
+            fingerprint: [7; 32],
+            nccl: false,
+            last_epoch: 0,
+            nonce: 100 + u64::from(rank),
+            transport: TransportChoice::Tcp,
+            algorithm: Algorithm::Ring,
+            endpoint: Endpoint {
+                tcp: None,
+                unix: None,
+                host: "h".into(),
+            },
+            attributes: Vec::new(),
+        }
+    }
+
+    /// Sends rank `rank`'s hello to rank 0 at `addr`; its reply.
+    fn ask(addr: SocketAddr, rank: u32) -> Reply {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let by = kv_loader::deadline_after(Duration::from_secs(5));
+        write_frame(&mut s, &hello(rank).encode(), by).unwrap();
+        Reply::decode(&read_frame(&mut s, by).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_hello_to_a_formation_that_is_gone_is_answered_and_rank_0_keeps_accepting() {
+        let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
+        // A formation slot whose formation is gone without closing it (it unwound).
+        let (tx, rx) = mpsc::channel();
+        drop(rx);
+        leader.state.lock().forming = Some(tx);
+        // Before, the accept loop returned here and rank 0 never answered again.
+        for rank in [1, 1] {
+            let reply = ask(leader.local_addr(), rank);
+            assert!(
+                matches!(&reply, Reply::Idle { last_failure: Some(f), .. } if f == ENDED_ABNORMALLY),
+                "not idle after an abnormal end"
+            );
+        }
+        assert!(leader.state.lock().forming.is_none());
+    }
+
+    #[test]
+    fn a_formation_that_unwinds_closes_its_slot() {
+        let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let (tx, _rx) = mpsc::channel();
+            leader.state.lock().forming = Some(tx);
+            let _slot = OpenSlot(Some(&leader.state));
+            panic!("the formation fails inside");
+        }));
+        assert!(unwound.is_err());
+        let st = leader.state.lock();
+        assert!(st.forming.is_none());
+        assert_eq!(st.last_failure.as_deref(), Some(ENDED_ABNORMALLY));
     }
 }
