@@ -307,19 +307,12 @@ impl LayerPipeline<'_> {
                         }
                     }
                 }
-                // The preflight's verdicts due before this group is handed over. A failure
-                // replaces this group's read failure when it names a bad object and the read's
-                // does not (a wrong-sized object says more than a short read of it, or than a
-                // read that found the object gone because a check discarded it; a store
-                // failure of a check says no more than the read's own), never an earlier one
-                // (an earlier group's, the pins', a cancellation): the batch has failed then,
-                // and nothing is waited for.
-                let read_named_it = failure.as_ref().is_some_and(names_a_bad_object);
+                // The preflight's verdicts due before this group is handed over. Their failure
+                // replaces this group's read failure (a wrong-sized object says more than a
+                // short read of it), never an earlier one (an earlier group's, the pins', a
+                // cancellation): the batch has failed then, and nothing is waited for.
                 match checks.due(index, groups.len(), read_failed, by) {
-                    Err(e)
-                        if !earlier
-                            && (!read_failed || names_a_bad_object(&e) && !read_named_it) =>
-                    {
+                    Err(e) if !earlier => {
                         warn!(%batch, error = %e, "preflight (object sizes, checksums)");
                         failure = Some(e);
                     }
@@ -820,13 +813,4 @@ fn companions_bound(store_call_timeout: Duration) -> Duration {
 /// share one deadline: one store call), and one store call as slack.
 fn alone_verdicts_bound(store_call_timeout: Duration) -> Duration {
     companions_bound(store_call_timeout).saturating_add(store_call_timeout.saturating_mul(2))
-}
-
-/// True when `e` fails the batch for a bad object (a wrong size, bytes that fail their
-/// checksum): what explains a failed read better than the read's own error.
-fn names_a_bad_object(e: &KvLoadError) -> bool {
-    matches!(
-        e,
-        KvLoadError::InvalidPlan { .. } | KvLoadError::BadObject { .. }
-    )
 }
