@@ -908,6 +908,52 @@ fn a_rewritten_wrong_size_object_without_companion_fails_its_size_check() {
     linker.close().unwrap();
 }
 
+/// The same rewrite, with each layer read by a call of its own (as when the engine's compute
+/// per layer was measured high): layer 0 goes on its kept checksums before the sizes are in,
+/// and the preflight's size query, slowed here, starts after that first read. Layer 0's check
+/// fails its kept checksums, finds no companion afresh, finds the wrong size itself and
+/// discards the object; the preflight's query, coming back later, finds it gone. The batch
+/// fails with the wrong size all the same, not with the `NotFound` of the check that came
+/// second.
+#[test]
+fn a_wrong_size_found_by_a_layer_check_is_not_replaced_by_a_check_that_found_the_object_gone() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
+    use kvlink::mooncake_linker::ReadGranularity;
+    let s = saved(45, 3);
+    let faults = Arc::new(FaultyStore::new(s.store.clone()));
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let cfg = LinkerConfig {
+        read_granularity: ReadGranularity::Fixed { layers_per_call: 1 },
+        ..config()
+    };
+    let linker = Linker::new(s.g.clone(), faults.clone(), pool.clone(), cfg).unwrap();
+    load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
+    let (key, mut bytes) = rewrite_page_1(&s, &linker);
+    bytes.extend_from_slice(&[9u8; 64]);
+    assert_eq!(
+        s.store
+            .discard(&[key.as_str(), checksum_key(&key).as_str()]),
+        vec![Ok(()), Ok(())]
+    );
+    assert_eq!(put(s.store.as_ref(), &key, &bytes), PutOutcome::Written);
+    let first_query = FaultRule {
+        key_contains: Some(key.clone()),
+        times: Some(1),
+        ..FaultRule::default()
+    };
+    let lag = std::time::Duration::from_millis(200);
+    faults.inject_on(FaultCall::Size, first_query, Fault::Delay(lag));
+    let t = linker
+        .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
+        .unwrap();
+    let first = linker.wait_layer(&t, 0).unwrap_err();
+    let failed = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    assert!(is_object_size(&first), "{first}");
+    assert!(is_object_size(&failed), "{failed}");
+    assert!(get(s.store.as_ref(), &key).is_none(), "discarded");
+    linker.close().unwrap();
+}
+
 /// A companion that cannot be read afresh (the store fails the call) fails the batch as that
 /// store failure: the object whose kept checksums failed is not discarded on a guess.
 #[test]

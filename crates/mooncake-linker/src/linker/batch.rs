@@ -29,6 +29,7 @@ use super::pipeline::LayerPipeline;
 use super::reader::{store_failure, ComponentKeys, LayerReader};
 use super::regions::Registered;
 use super::session::PinnedKeys;
+use super::wrong_sized::WrongSized;
 use super::{GroupFallback, Inner};
 use crate::store::Hold;
 
@@ -473,9 +474,9 @@ impl BatchLayers {
     pub(crate) fn verify_sizes(
         &self,
         reader: &LayerReader<'_>,
-        kept: &ChecksumCache,
+        known: (&ChecksumCache, &WrongSized),
     ) -> Result<(), KvLoadError> {
-        reader.verify_sizes(&self.own, 0..self.pages, kept)?;
-        reader.verify_sizes(&self.shared, self.my_pages(), kept)
+        reader.verify_sizes(&self.own, 0..self.pages, known)?;
+        reader.verify_sizes(&self.shared, self.my_pages(), known)
     }
 }

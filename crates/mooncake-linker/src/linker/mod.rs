@@ -41,6 +41,7 @@ mod save;
 mod session;
 mod share;
 mod verify;
+mod wrong_sized;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -97,6 +98,9 @@ pub(crate) struct Inner {
     pub(crate) metrics: LinkerMetrics,
     /// Checksum companions read by earlier loads (and ahead of loads, at lookup).
     pub(crate) checksums: checksum_cache::ChecksumCache,
+    /// Objects a batch found at the wrong size and discarded (why a later check of the
+    /// batch finds them gone).
+    pub(crate) wrong_sized: wrong_sized::WrongSized,
     /// The companions of a looked-up prefix being read ahead of its load.
     pub(crate) prefetch: prefetch::CompanionPrefetch,
     /// The read session a lookup took for its load.
@@ -353,6 +357,7 @@ impl Linker {
             config,
             metrics: LinkerMetrics::default(),
             checksums,
+            wrong_sized: wrong_sized::WrongSized::default(),
             prefetch: prefetch::CompanionPrefetch::default(),
             pins_ahead: Arc::default(),
             epoch: AtomicU64::new(0),

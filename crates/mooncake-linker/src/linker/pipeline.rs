@@ -409,7 +409,8 @@ impl LayerPipeline<'_> {
                 deadline: kv_loader::deadline_after(store_call_timeout),
                 ..*reader
             };
-            let r = self.layers.verify_sizes(&fresh, &self.inner.checksums);
+            let known = (&self.inner.checksums, &self.inner.wrong_sized);
+            let r = self.layers.verify_sizes(&fresh, known);
             tracing::debug!(%batch, rank, took = ?t0.elapsed(), "preflight sizes");
             r
         };

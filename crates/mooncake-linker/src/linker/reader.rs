@@ -20,6 +20,7 @@ use smallvec::SmallVec;
 
 use super::checksum_cache::ChecksumCache;
 use super::landed::LandedSums;
+use super::wrong_sized::WrongSized;
 
 use crate::store::{
     checked_results, Hold, RangeChecksums, StoreCalls, StoreError, TargetRange, TargetRead,
@@ -329,11 +330,11 @@ impl LayerReader<'_> {
         &self,
         components: &[ComponentKeys],
         pages: Range<usize>,
-        kept: &ChecksumCache,
+        (kept, wrong): (&ChecksumCache, &WrongSized),
     ) -> Result<(), KvLoadError> {
         check_object_sizes(
             self.calls,
-            kept,
+            (kept, wrong),
             self.batch,
             components,
             pages,
@@ -344,10 +345,12 @@ impl LayerReader<'_> {
 
 /// Checks that the objects of `components` at plan pages `pages` hold exactly the bytes the
 /// geometry expects; a wrong one is discarded (the next save writes it again), its kept
-/// checksums with it, and fails the batch with [`PlanError::ObjectSize`].
+/// checksums with it, recorded in `wrong`, and fails the batch with
+/// [`PlanError::ObjectSize`]. An object gone that this batch discarded for its size (another
+/// check of the batch got there first) fails with that same error.
 pub(crate) fn check_object_sizes(
     calls: &StoreCalls,
-    kept: &ChecksumCache,
+    (kept, wrong): (&ChecksumCache, &WrongSized),
     batch: BatchId,
     components: &[ComponentKeys],
     pages: Range<usize>,
@@ -364,16 +367,26 @@ pub(crate) fn check_object_sizes(
             match r {
                 Ok(actual) if actual == expected => {}
                 Ok(actual) => {
-                    kept.remove(keys[i]);
-                    super::replace::discard_objects(calls, &[keys[i]], deadline);
-                    return Err(KvLoadError::InvalidPlan {
+                    let error = KvLoadError::InvalidPlan {
                         batch,
                         reason: PlanError::ObjectSize {
                             key: keys[i].to_string(),
                             expected,
                             actual,
                         },
-                    });
+                    };
+                    // Recorded before the discard: a check that finds it gone knows why.
+                    wrong.record(batch, keys[i], &error);
+                    kept.remove(keys[i]);
+                    super::replace::discard_objects(calls, &[keys[i]], deadline);
+                    return Err(error);
+                }
+                Err(e) if e.failure() == StoreFailure::NotFound => {
+                    if let Some(error) = wrong.of(batch, keys[i]) {
+                        return Err(error);
+                    }
+                    let page = (pages.start + i) as u32;
+                    return Err(store_failure(batch, None, vec![page], &e));
                 }
                 Err(e) => {
                     let page = (pages.start + i) as u32;
@@ -414,7 +427,15 @@ mod tests {
             kept.insert(key, Arc::new(sums));
         }
         let comp = ComponentKeys { layout, keys };
-        let r = check_object_sizes(&calls, &kept, BatchId(1), &[comp], 0..2, soon());
+        let wrong = WrongSized::default();
+        let r = check_object_sizes(
+            &calls,
+            (&kept, &wrong),
+            BatchId(1),
+            std::slice::from_ref(&comp),
+            0..2,
+            soon(),
+        );
         assert!(
             matches!(
                 r,

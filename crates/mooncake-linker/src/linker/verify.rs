@@ -220,7 +220,7 @@ impl Inner {
         let comps = std::slice::from_ref(comp);
         check_object_sizes(
             &self.calls,
-            &self.checksums,
+            (&self.checksums, &self.wrong_sized),
             batch,
             comps,
             page..page + 1,
