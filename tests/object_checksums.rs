@@ -910,11 +910,12 @@ fn a_rewritten_wrong_size_object_without_companion_fails_its_size_check() {
 
 /// The same rewrite, with each layer read by a call of its own (as when the engine's compute
 /// per layer was measured high): layer 0 goes on its kept checksums before the sizes are in,
-/// and the preflight's size query, slowed here, starts after that first read. Layer 0's check
-/// fails its kept checksums, finds no companion afresh, finds the wrong size itself and
-/// discards the object; the preflight's query, coming back later, finds it gone. The batch
-/// fails with the wrong size all the same, not with the `NotFound` of the check that came
-/// second.
+/// so two checks of the batch ask for the object's size: layer 0's (its kept checksums fail,
+/// its companion is absent) and the preflight's (after the first read). The first query of the
+/// object's size is slowed, so layer 0's check asks first and hears last: the preflight finds
+/// the wrong size and discards the object meanwhile, and layer 0's answer is `NotFound`. The
+/// batch fails with the wrong size all the same (its record of why it discarded the object),
+/// not with the `NotFound` of the check that came second.
 #[test]
 fn a_wrong_size_found_by_a_layer_check_is_not_replaced_by_a_check_that_found_the_object_gone() {
     use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
