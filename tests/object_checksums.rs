@@ -878,6 +878,20 @@ fn a_corrupt_object_with_kept_checksums_is_still_bad() {
     linker.close().unwrap();
 }
 
+/// Page 1's first object written again with other bytes, 64 bytes longer and without its
+/// companion (after a load kept its checksums): its key.
+fn lengthen_page_1_without_companion(s: &Saved, linker: &Linker) -> String {
+    let (key, mut bytes) = rewrite_page_1(s, linker);
+    bytes.extend_from_slice(&[9u8; 64]);
+    assert_eq!(
+        s.store
+            .discard(&[key.as_str(), checksum_key(&key).as_str()]),
+        vec![Ok(()), Ok(())]
+    );
+    assert_eq!(put(s.store.as_ref(), &key, &bytes), PutOutcome::Written);
+    key
+}
+
 /// Kept checksums let layer 0 go before the sizes are in; an object written again with other
 /// bytes, at another length and without a companion is still never published: its kept
 /// checksums fail, its companion is found absent afresh, and its size is checked before a
@@ -889,14 +903,7 @@ fn a_rewritten_wrong_size_object_without_companion_fails_its_size_check() {
     let s = saved(44, 3);
     let (linker, pool, _) = counting_companions(&s, config());
     load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
-    let (key, mut bytes) = rewrite_page_1(&s, &linker);
-    bytes.extend_from_slice(&[9u8; 64]);
-    assert_eq!(
-        s.store
-            .discard(&[key.as_str(), checksum_key(&key).as_str()]),
-        vec![Ok(()), Ok(())]
-    );
-    assert_eq!(put(s.store.as_ref(), &key, &bytes), PutOutcome::Written);
+    let key = lengthen_page_1_without_companion(&s, &linker);
     let t = linker
         .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
         .unwrap();
@@ -929,14 +936,7 @@ fn a_wrong_size_found_by_a_layer_check_is_not_replaced_by_a_check_that_found_the
     };
     let linker = Linker::new(s.g.clone(), faults.clone(), pool.clone(), cfg).unwrap();
     load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
-    let (key, mut bytes) = rewrite_page_1(&s, &linker);
-    bytes.extend_from_slice(&[9u8; 64]);
-    assert_eq!(
-        s.store
-            .discard(&[key.as_str(), checksum_key(&key).as_str()]),
-        vec![Ok(()), Ok(())]
-    );
-    assert_eq!(put(s.store.as_ref(), &key, &bytes), PutOutcome::Written);
+    let key = lengthen_page_1_without_companion(&s, &linker);
     let first_query = FaultRule {
         key_contains: Some(key.clone()),
         times: Some(1),

@@ -458,9 +458,10 @@ fn decode_error(d: &mut Decoder<'_>) -> Result<RendezvousError, Malformed> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
+    /// A hello of rank `rank` (of 3, version 0.1.0) for tests.
     pub(crate) fn hello(rank: u32) -> Hello {
         Hello {
             protocol: PROTOCOL,

@@ -430,31 +430,10 @@ pub(crate) fn join(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::process::rendezvous::message::{Endpoint, TransportChoice, PROTOCOL};
-    use crate::process::socket_collective::Algorithm;
+    use crate::process::rendezvous::message::tests::hello;
 
+    /// The version of the tests' hellos.
     const VERSION: &str = "0.1.0";
-
-    fn hello(rank: u32) -> Hello {
-        Hello {
-            protocol: PROTOCOL,
-            version: VERSION.into(),
-            rank,
-            world: 2,
-            fingerprint: [7; 32],
-            nccl: false,
-            last_epoch: 0,
-            nonce: 100 + u64::from(rank),
-            transport: TransportChoice::Tcp,
-            algorithm: Algorithm::Ring,
-            endpoint: Endpoint {
-                tcp: None,
-                unix: None,
-                host: "h".into(),
-            },
-            attributes: Vec::new(),
-        }
-    }
 
     /// Sends rank `rank`'s hello to rank 0 at `addr`; its reply.
     fn ask(addr: SocketAddr, rank: u32) -> Reply {

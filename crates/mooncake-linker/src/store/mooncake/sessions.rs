@@ -430,8 +430,9 @@ mod tests {
         assert!(master.starts.load(Ordering::Relaxed) > 100);
     }
 
-    /// A master whose start fails for `bad` and, for `slow`, tells `entered` and then waits
-    /// (at most 5 s) for `release` before it answers.
+    /// A master whose start fails for `bad`, panics for `panics` (a defect in the client
+    /// library under it) and, for `slow`, tells `entered` and then waits (at most 5 s) for
+    /// `release` before it answers.
     struct ScriptedMaster {
         open: MasterSessions,
         entered: Mutex<Option<std::sync::mpsc::Sender<()>>>,
@@ -454,6 +455,9 @@ mod tests {
 
     impl SessionCalls for ScriptedMaster {
         fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            if keys.contains(&"panics") {
+                panic!("the session start panics");
+            }
             if keys.contains(&"slow") {
                 if let Some(tx) = self.entered.lock().take() {
                     let _ = tx.send(());
@@ -526,42 +530,22 @@ mod tests {
         assert!(table.keys.lock().is_empty());
     }
 
-    /// A master whose next session start panics (a defect in the client library under it).
-    #[derive(Default)]
-    struct PanicsOnStart {
-        open: MasterSessions,
-        panic_next: std::sync::atomic::AtomicBool,
-    }
-
-    impl SessionCalls for PanicsOnStart {
-        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-            if self.panic_next.swap(false, Ordering::Relaxed) {
-                panic!("the session start panics");
-            }
-            self.open.start(keys, |_| false)
-        }
-
-        fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
-            self.open.end(keys)
-        }
-    }
-
     #[test]
     fn a_join_whose_master_call_panics_leaves_the_keys_it_had_joined() {
-        let master = PanicsOnStart::default();
+        let master = ScriptedMaster::new();
         let table = SessionTable::default();
         // Another read holds "a" in a session.
         let other = table.join(&master, &["a"]);
-        assert!(master.open.has("a"));
-        // A read of "a" and "b": it joins "a" (in a session), then the start of "b" panics.
-        master.panic_next.store(true, Ordering::Relaxed);
+        assert!(master.in_session("a"));
+        // A read of "a" and "panics": it joins "a" (in a session), then the start of "panics"
+        // panics.
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            table.join(&master, &["a", "b"])
+            table.join(&master, &["a", "panics"])
         }));
         assert!(panicked.is_err());
         // It left "a" as it unwound: when the other read ends, "a" has no user and ends.
         drop(other);
-        assert!(!master.open.has("a") && !master.open.has("b"));
+        assert!(!master.in_session("a") && !master.in_session("panics"));
         assert!(table.keys.lock().is_empty());
     }
 
