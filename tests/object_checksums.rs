@@ -919,10 +919,12 @@ fn a_rewritten_wrong_size_object_without_companion_fails_its_size_check() {
 /// per layer was measured high): layer 0 goes on its kept checksums before the sizes are in,
 /// so two checks of the batch ask for the object's size: layer 0's (its kept checksums fail,
 /// its companion is absent) and the preflight's (after the first read). The first query of the
-/// object's size is slowed, so layer 0's check asks first and hears last: the preflight finds
-/// the wrong size and discards the object meanwhile, and layer 0's answer is `NotFound`. The
-/// batch fails with the wrong size all the same (its record of why it discarded the object),
-/// not with the `NotFound` of the check that came second.
+/// object's size is slowed, whichever check makes it: when it is layer 0's (about half the
+/// runs), layer 0's check asks first and hears last, the preflight finding the wrong size and
+/// discarding the object meanwhile, so its answer is `NotFound`. The batch fails with the
+/// wrong size in either order (its record of why it discarded the object), not with the
+/// `NotFound` of the check that came second. (reader.rs's unit test makes the second check
+/// deterministically.)
 #[test]
 fn a_wrong_size_found_by_a_layer_check_is_not_replaced_by_a_check_that_found_the_object_gone() {
     use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};

@@ -167,6 +167,9 @@ impl Inner {
         let span = info_span!("load_batch", %batch, pages = job.plan.logical.num_pages());
         let _enter = span.enter();
         debug!(%batch, queued = ?job.started.elapsed(), "batch starts");
+        // A batch id may be started again once its outcome was taken: nothing its earlier
+        // run found (all its checks are over) explains what this run finds.
+        self.wrong_sized.forget(batch);
         let cancelled = self.epoch.load(std::sync::atomic::Ordering::Acquire) != job.epoch;
         let refusal = job
             .refusal

@@ -450,5 +450,25 @@ mod tests {
         // stays.
         assert!(kept.get("short").is_none());
         assert!(kept.get("good").is_some());
+        // Another check of the same batch asks after the discard: the object is gone, and it
+        // fails with the same wrong size, not NotFound; another batch hears NotFound.
+        let again = |batch| {
+            let comps = std::slice::from_ref(&comp);
+            check_object_sizes(&calls, (&kept, &wrong), batch, comps, 1..2, soon())
+        };
+        assert!(matches!(
+            again(BatchId(1)),
+            Err(KvLoadError::InvalidPlan {
+                reason: PlanError::ObjectSize { ref key, .. },
+                ..
+            }) if key == "short"
+        ));
+        assert!(matches!(
+            again(BatchId(2)),
+            Err(KvLoadError::Store {
+                kind: StoreFailure::NotFound,
+                ..
+            })
+        ));
     }
 }

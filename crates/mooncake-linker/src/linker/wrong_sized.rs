@@ -32,6 +32,12 @@ impl WrongSized {
         e.push_back((batch, key.to_owned(), error.clone()));
     }
 
+    /// Forgets what batch `batch` recorded: called as a batch starts, since the engine may
+    /// start a batch id again once its outcome was taken (its checks are all over by then).
+    pub(crate) fn forget(&self, batch: BatchId) {
+        self.entries.lock().retain(|(b, _, _)| *b != batch);
+    }
+
     /// Why batch `batch` discarded object `key`, if it did for its size.
     pub(crate) fn of(&self, batch: BatchId, key: &str) -> Option<KvLoadError> {
         let e = self.entries.lock();
@@ -54,6 +60,10 @@ mod tests {
         assert!(w.of(BatchId(1), "k").is_some());
         assert!(w.of(BatchId(2), "k").is_none(), "another batch");
         assert!(w.of(BatchId(1), "other").is_none(), "another key");
+        // The same id started again: what its earlier run recorded is gone.
+        w.forget(BatchId(1));
+        assert!(w.of(BatchId(1), "k").is_none());
+        w.record(BatchId(1), "k", &err(1));
         for b in 2..=(KEPT as u64) {
             w.record(BatchId(b), "k", &err(b));
         }
