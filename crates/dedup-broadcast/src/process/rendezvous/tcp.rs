@@ -188,7 +188,6 @@ impl TcpLeader {
             }
         };
         self.state.lock().forming = None;
-        slot.0 = None;
         // Hellos that raced in as the formation closed.
         let late: Vec<Arrival> = rx.try_iter().collect();
         let answer = match &decision {
@@ -206,6 +205,8 @@ impl TcpLeader {
             reply(&mut s, &r);
         }
         let mut st = self.state.lock();
+        // The formation's own end is written below: the guard has nothing left to do.
+        slot.0 = None;
         match &decision {
             Ok(w) => {
                 st.live_epoch = Some(w.epoch);
@@ -291,6 +292,7 @@ fn accept_loop(
                 Err(mpsc::SendError(back)) => {
                     tracing::warn!("rank 0's formation ended without closing; answering idle");
                     st.forming = None;
+                    st.live_epoch = None;
                     st.last_failure = Some(ENDED_ABNORMALLY.into());
                     arrival = back;
                 }

@@ -140,6 +140,8 @@ impl SessionTable {
         if to_start.is_empty() {
             return joined;
         }
+        // A start that panics after the master opened some of its keys leaves those sessions
+        // out of the table: the master's lease ends them.
         let started = client.start(&to_start);
         let mut table = self.keys.lock();
         for (k, r) in to_start.iter().zip(started) {
