@@ -381,16 +381,15 @@ pub(crate) fn check_object_sizes(
                     super::replace::discard_objects(calls, &[keys[i]], deadline);
                     return Err(error);
                 }
-                Err(e) if e.failure() == StoreFailure::NotFound => {
-                    if let Some(error) = wrong.of(batch, keys[i]) {
-                        return Err(error);
-                    }
-                    let page = (pages.start + i) as u32;
-                    return Err(store_failure(batch, None, vec![page], &e));
-                }
                 Err(e) => {
+                    // Gone because this batch discarded it for its size: that is why.
+                    let discarded = (e.failure() == StoreFailure::NotFound)
+                        .then(|| wrong.of(batch, keys[i]))
+                        .flatten();
                     let page = (pages.start + i) as u32;
-                    return Err(store_failure(batch, None, vec![page], &e));
+                    return Err(
+                        discarded.unwrap_or_else(|| store_failure(batch, None, vec![page], &e))
+                    );
                 }
             }
         }

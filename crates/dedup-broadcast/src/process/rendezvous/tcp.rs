@@ -38,10 +38,7 @@ struct OpenSlot<'a>(Option<&'a Mutex<LeaderState>>);
 impl Drop for OpenSlot<'_> {
     fn drop(&mut self) {
         if let Some(state) = self.0 {
-            let mut st = state.lock();
-            st.forming = None;
-            st.live_epoch = None;
-            st.last_failure = Some(ENDED_ABNORMALLY.into());
+            state.lock().ended_abnormally();
         }
     }
 }
@@ -57,6 +54,16 @@ struct LeaderState {
     forming: Option<mpsc::Sender<Arrival>>,
     live_epoch: Option<u64>,
     last_failure: Option<String>,
+}
+
+impl LeaderState {
+    /// The formation in progress ended without deciding (it unwound): its slot closes, no
+    /// group is live, and joiners hear why.
+    fn ended_abnormally(&mut self) {
+        self.forming = None;
+        self.live_epoch = None;
+        self.last_failure = Some(ENDED_ABNORMALLY.into());
+    }
 }
 
 /// Rank 0's side: the listener and its accepting thread.
@@ -291,9 +298,7 @@ fn accept_loop(
                 // answer that none is under way; the next formation opens a new one.
                 Err(mpsc::SendError(back)) => {
                     tracing::warn!("rank 0's formation ended without closing; answering idle");
-                    st.forming = None;
-                    st.live_epoch = None;
-                    st.last_failure = Some(ENDED_ABNORMALLY.into());
+                    st.ended_abnormally();
                     arrival = back;
                 }
             }

@@ -70,10 +70,9 @@ impl SessionCalls for Client {
 pub(super) struct JoinedKeys<'t, C: SessionCalls + ?Sized> {
     table: &'t SessionTable,
     client: &'t C,
-    /// Per distinct key: whether it is in a session now (and joined by this read).
+    /// Per key joined so far: whether it is in a session now (`Ok`: this read is one of its
+    /// users, and leaves it on drop). Every distinct key has one once the join returned.
     results: HashMap<String, Result<(), StoreError>>,
-    /// The keys this read counts as a user of, to leave.
-    users: Vec<String>,
 }
 
 impl<C: SessionCalls + ?Sized> JoinedKeys<'_, C> {
@@ -82,17 +81,18 @@ impl<C: SessionCalls + ?Sized> JoinedKeys<'_, C> {
         self.results.get(key)
     }
 
-    /// The keys in a session now.
-    #[cfg(test)]
-    fn joined(&self) -> Vec<&str> {
-        self.users.iter().map(String::as_str).collect()
+    /// The keys in a session now (this read's to leave).
+    fn users(&self) -> impl Iterator<Item = &str> {
+        self.results
+            .iter()
+            .filter(|(_, r)| r.is_ok())
+            .map(|(k, _)| k.as_str())
     }
 }
 
 impl<C: SessionCalls + ?Sized> Drop for JoinedKeys<'_, C> {
     fn drop(&mut self) {
-        let keys = self.users.iter().map(String::as_str);
-        self.table.leave(self.client, keys);
+        self.table.leave(self.client, self.users());
     }
 }
 
@@ -116,15 +116,19 @@ impl SessionTable {
             let mut seen = HashSet::with_capacity(keys.len());
             keys.iter().copied().filter(|k| seen.insert(*k)).collect()
         };
+        fn in_session<'k>(
+            keys: impl Iterator<Item = &'k &'k str>,
+        ) -> HashMap<String, Result<(), StoreError>> {
+            keys.map(|k| ((*k).to_owned(), Ok(()))).collect()
+        }
         let mut joined = JoinedKeys {
             table: self,
             client,
-            results: distinct.iter().map(|k| ((*k).to_owned(), Ok(()))).collect(),
-            users: Vec::new(),
+            results: HashMap::new(),
         };
         // Every key in a session already: no master call, no wait for one.
         if self.join_present(&distinct, true).is_empty() {
-            joined.users = distinct.iter().map(|k| (*k).to_owned()).collect();
+            joined.results = in_session(distinct.iter());
             return joined;
         }
         let _calls = self.calls.lock();
@@ -132,11 +136,7 @@ impl SessionTable {
         // The keys joined so far count this read as a user from here on: left on drop, also
         // when the master call below unwinds.
         let absent: HashSet<&str> = to_start.iter().copied().collect();
-        joined.users = distinct
-            .iter()
-            .filter(|k| !absent.contains(*k))
-            .map(|k| (*k).to_owned())
-            .collect();
+        joined.results = in_session(distinct.iter().filter(|k| !absent.contains(*k)));
         if to_start.is_empty() {
             return joined;
         }
@@ -145,15 +145,10 @@ impl SessionTable {
         let started = client.start(&to_start);
         let mut table = self.keys.lock();
         for (k, r) in to_start.iter().zip(started) {
-            match r {
-                Ok(()) => {
-                    table.entry((*k).to_owned()).or_default().implicit += 1;
-                    joined.users.push((*k).to_owned());
-                }
-                Err(e) => {
-                    joined.results.insert((*k).to_owned(), Err(e));
-                }
+            if r.is_ok() {
+                table.entry((*k).to_owned()).or_default().implicit += 1;
             }
+            joined.results.insert((*k).to_owned(), r);
         }
         joined
     }
@@ -416,7 +411,7 @@ mod tests {
                             }
                         } else {
                             let joined = table.join(master, &held);
-                            let ok = joined.joined();
+                            let ok: Vec<&str> = joined.users().collect();
                             check(&ok);
                             pause(x);
                             check(&ok);
