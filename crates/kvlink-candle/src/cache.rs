@@ -149,7 +149,7 @@ impl PagedLatentCache {
             .get(..pages)
             .ok_or(CandleKvError::PageTable {
                 start: 0,
-                end: pages * self.pool.page_size(),
+                end: pages.saturating_mul(self.pool.page_size()),
                 needed: pages,
                 have,
             })?;

@@ -206,7 +206,12 @@ impl LatentPool {
                 })
             }
         };
-        let end = start + n;
+        let end = start.checked_add(n).ok_or(CandleKvError::PageTable {
+            start,
+            end: usize::MAX,
+            needed: usize::MAX,
+            have: page_table.len(),
+        })?;
         self.check_span(page_table, start, end)?;
         if n == 0 {
             return Ok(());

@@ -192,6 +192,14 @@ fn bad_reads_and_writes_are_typed_errors() {
             ..
         })
     ));
+    // Tokens past usize::MAX: refused, neither wrapped to an empty span nor a panic.
+    assert!(matches!(
+        write(&lp, 0, &[0], usize::MAX, &rows(1, 0.0)),
+        Err(CandleKvError::PageTable {
+            start: usize::MAX,
+            ..
+        })
+    ));
     let wrong = Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap();
     assert!(matches!(
         write(&lp, 0, &[0], 0, &wrong),
