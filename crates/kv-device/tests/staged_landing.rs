@@ -441,6 +441,73 @@ fn saves_gather_what_loads_landed() {
     assert!(got.iter().all(|&b| b == 0), "cleared");
 }
 
+/// Waits (bounded) until the staging pool has `n` buffers free again.
+fn await_available(staging: &StagingPool, n: usize) -> bool {
+    let end = soon();
+    while Instant::now() < end {
+        if staging.available() == n {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+#[test]
+fn a_save_gather_that_fails_half_queued_keeps_its_staging_until_the_queued_part_ran() {
+    let r = rig(CpuDeviceConfig::default(), 16, 5, 1);
+    let c = all(&r.g)[0];
+    let f = StagedLandingFactory::new(r.pool.clone(), r.staging.clone())
+        .with_strategy(ScatterStrategy::Runs);
+    // Two runs of slots: the first run's copy is queued (on a stalled device), the second's
+    // enqueue fails.
+    let mut save = f.begin_save(vec![1, 2, 9, 10, 11].into()).unwrap();
+    r.dev.stall_for(Duration::from_millis(300));
+    r.dev.fail_enqueue(CpuOp::ToHost, 1);
+    let got = save.gather(c, 0).map(|rows| rows.len());
+    assert!(matches!(got, Err(DeviceError::Driver(_))), "{got:?}");
+    drop(save);
+    // The queued copy may still write stage 0: the staging is not leased again yet.
+    assert_eq!((r.staging.available(), r.staging.quarantined()), (0, 1));
+    r.dev.resume();
+    assert!(
+        await_available(&r.staging, 1),
+        "fenced: free again once the copy ran"
+    );
+}
+
+#[test]
+fn a_save_gather_queued_but_not_fenced_keeps_its_staging_for_good() {
+    // One staging buffer per strategy.
+    let r = rig(CpuDeviceConfig::default(), 16, 5, 2);
+    let c = all(&r.g)[0];
+    for (i, strategy) in [ScatterStrategy::Runs, ScatterStrategy::Kernel]
+        .into_iter()
+        .enumerate()
+    {
+        let f =
+            StagedLandingFactory::new(r.pool.clone(), r.staging.clone()).with_strategy(strategy);
+        let mut save = f.begin_save(vec![1, 2, 9, 10, 11].into()).unwrap();
+        // The gather is queued on a stalled device; the event that would fence it cannot be
+        // recorded.
+        r.dev.stall_for(Duration::from_millis(200));
+        r.dev.fail_enqueue(CpuOp::Record, 0);
+        let got = save.gather(c, 0).map(|rows| rows.len());
+        assert!(
+            matches!(got, Err(DeviceError::Driver(_))),
+            "{strategy:?}: {got:?}"
+        );
+        drop(save);
+        r.dev.resume();
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(
+            (r.staging.available(), r.staging.quarantined()),
+            (1 - i, i + 1),
+            "{strategy:?}: never fenced, kept for good"
+        );
+    }
+}
+
 #[test]
 fn a_slot_table_copy_queued_but_not_fenced_keeps_its_staging_for_good() {
     let r = rig(CpuDeviceConfig::default(), 10, 2, 1);

@@ -144,8 +144,10 @@ pub(crate) struct StagedGather {
     slots: Arc<[u32]>,
     slot_table: Option<DeviceMemory>,
     strategy: ScatterStrategy,
-    /// A gather did not finish in time: the lease is quarantined on drop.
-    stuck: Option<crate::SharedEvent>,
+    /// A gather did not finish in time, or failed with part of it possibly queued: the lease
+    /// (with the slot table and the pool) is quarantined on drop until these events complete
+    /// (empty: no fence could be recorded, so for good).
+    stuck: Option<Vec<SharedEvent>>,
 }
 
 impl StagedGather {
@@ -220,26 +222,41 @@ impl SaveGather for StagedGather {
             pool: pool_buf,
             slot_table: self.slot_table.as_ref().map_or(0, DeviceMemory::addr),
         };
+        let dev_stage = lease.device_stage(0)?;
         // SAFETY: source slots lie in the pool buffer, destinations in stage 0 (size checked);
-        // the previous gather finished (waited below) and nothing else uses this lease.
-        unsafe {
+        // the previous gather finished (waited below) and nothing else uses this lease. What
+        // of it is queued is fenced below, failed or not, before the lease can be reused.
+        let queued = unsafe {
             copy::gather(
                 &self.stream,
                 self.strategy,
                 &self.slots,
                 span,
                 host,
-                lease.device_stage(0)?,
+                dev_stage,
             )
-        }?;
-        let ev = self.stream.record()?;
+        };
+        let ev = match self.stream.record() {
+            Ok(ev) => ev,
+            Err(e) => {
+                tracing::error!(error = %e, "save gather queued but not fenced: its staging, slot table and pool are kept for good");
+                self.stuck = Some(Vec::new());
+                return Err(queued.err().unwrap_or(e));
+            }
+        };
+        if let Err(e) = queued {
+            // Part of the gather may be queued (an earlier copy of it): hold the lease until it
+            // has run.
+            self.stuck = Some(vec![ev]);
+            return Err(e);
+        }
         if ev.wait_until(kv_loader::deadline_after(SYNC_LIMIT))? {
             // SAFETY: the gather into these `bytes` of pinned stage 0 (checked to fit) has
             // finished (waited above); the lease `self` holds keeps them allocated, and nothing
             // writes them until the next gather, which needs `&mut self`.
             return Ok(unsafe { std::slice::from_raw_parts(host as *const u8, bytes as usize) });
         }
-        self.stuck = Some(ev);
+        self.stuck = Some(vec![ev]);
         Err(DeviceError::Timeout {
             what: "save gather",
             waited: SYNC_LIMIT,
@@ -249,8 +266,13 @@ impl SaveGather for StagedGather {
 
 impl Drop for StagedGather {
     fn drop(&mut self) {
-        if let (Some(ev), Some(lease)) = (self.stuck.take(), self.lease.take()) {
-            lease.quarantine(vec![ev], self.slot_table.take().into_iter().collect());
+        if let (Some(fences), Some(lease)) = (self.stuck.take(), self.lease.take()) {
+            let pool: Arc<dyn std::any::Any + Send + Sync> = self.pool.clone();
+            lease.quarantine_owned(
+                fences,
+                self.slot_table.take().into_iter().collect(),
+                vec![pool],
+            );
         }
     }
 }

@@ -33,6 +33,8 @@ struct Quarantined {
     fences: Option<Vec<SharedEvent>>,
     lent: Vec<Arc<AtomicBool>>,
     _extra: Vec<DeviceMemory>,
+    /// Owners of memory the same work may touch (a device pool a save gather reads).
+    _owners: Vec<Arc<dyn Any + Send + Sync>>,
 }
 
 impl Quarantined {
@@ -297,18 +299,39 @@ impl StagingLease {
     /// again only once every event of `fences` has completed (never, when `fences` is empty),
     /// and `extra` (memory the same work may touch) lives as long.
     pub fn quarantine(self, fences: Vec<SharedEvent>, extra: Vec<DeviceMemory>) {
+        self.quarantine_owned(fences, extra, Vec::new());
+    }
+
+    /// [`quarantine`](Self::quarantine) that also keeps `owners` alive as long (what owns
+    /// other memory the same work may touch, e.g. the device pool a gather reads).
+    pub(crate) fn quarantine_owned(
+        self,
+        fences: Vec<SharedEvent>,
+        extra: Vec<DeviceMemory>,
+        owners: Vec<Arc<dyn Any + Send + Sync>>,
+    ) {
         let fences = (!fences.is_empty()).then_some(fences);
-        self.quarantine_lent(fences, Vec::new(), extra);
+        self.quarantine_with(fences, Vec::new(), extra, owners);
     }
 
     /// [`quarantine`](Self::quarantine) of a buffer whose stages may also still be lent to
     /// store reads: leased again once every `lent` flag has cleared (each loan dropped) and
     /// every event of `fences` has completed (never, when `fences` is `None`).
     pub(crate) fn quarantine_lent(
+        self,
+        fences: Option<Vec<SharedEvent>>,
+        lent: Vec<Arc<AtomicBool>>,
+        extra: Vec<DeviceMemory>,
+    ) {
+        self.quarantine_with(fences, lent, extra, Vec::new());
+    }
+
+    fn quarantine_with(
         mut self,
         fences: Option<Vec<SharedEvent>>,
         lent: Vec<Arc<AtomicBool>>,
         extra: Vec<DeviceMemory>,
+        owners: Vec<Arc<dyn Any + Send + Sync>>,
     ) {
         if let Some(pair) = self.pair.take() {
             tracing::error!(
@@ -321,6 +344,7 @@ impl StagingLease {
                 fences,
                 lent,
                 _extra: extra,
+                _owners: owners,
             });
         }
     }
