@@ -58,6 +58,9 @@ pub struct CudaDevice {
     ordinal: u32,
     ctx: Arc<CudaContext>,
     load_stream: Arc<CuStream>,
+    /// Where new device memory is zeroed (waited for before `alloc` returns), apart from the
+    /// load stream so an allocation never waits behind a landing's copies.
+    zero_stream: Arc<CudaStream>,
     kernels: Arc<KernelCache>,
 }
 
@@ -76,9 +79,13 @@ impl CudaDevice {
         let stream = ctx
             .new_stream()
             .map_err(drv("cuStreamCreate (load stream)"))?;
+        let zero_stream = ctx
+            .new_stream()
+            .map_err(drv("cuStreamCreate (zeroing stream)"))?;
         Ok(Arc::new(CudaDevice {
             ordinal,
             load_stream: Arc::new(CuStream::new(stream, kernels.clone())),
+            zero_stream,
             ctx,
             kernels,
         }))
@@ -157,7 +164,7 @@ impl Device for CudaDevice {
     }
 
     fn alloc(&self, len: usize, what: &'static str) -> Result<DeviceMemory, DeviceError> {
-        let buf = DeviceBuffer::zeroed(&self.ctx, len, what)?;
+        let buf = DeviceBuffer::zeroed_on(&self.zero_stream, len, what, SYNC_LIMIT)?;
         let region = DeviceRegion {
             ordinal: self.ordinal,
             addr: buf.ptr(),

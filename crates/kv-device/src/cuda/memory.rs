@@ -4,10 +4,13 @@
 
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::time::Duration;
 
-use cudarc::driver::{result, sys, CudaContext};
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
 use super::error::drv;
+use super::event::CudaLayerEvent;
+use crate::staged::sync::SYNC_LIMIT;
 use crate::DeviceError;
 
 /// Device memory of one GPU: `len` bytes at a raw device address.
@@ -42,17 +45,57 @@ impl DeviceBuffer {
         })
     }
 
-    /// Allocates `len` zeroed bytes.
+    /// Allocates `len` zeroed bytes, zeroed on a stream of its own (see
+    /// [`zeroed_on`](Self::zeroed_on)) and waited for, at most a minute.
     pub fn zeroed(
         ctx: &Arc<CudaContext>,
         len: usize,
         what: &'static str,
     ) -> Result<Self, DeviceError> {
-        let b = Self::alloc(ctx, len, what)?;
+        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        Self::zeroed_on(&stream, len, what, SYNC_LIMIT)
+    }
+
+    /// Allocates `len` zeroed bytes in `stream`'s context. The zeroing runs on `stream`
+    /// (`cuMemsetD8Async`: the plain `cuMemsetD8` runs on the legacy default stream, which
+    /// non-blocking streams are not ordered after, and may return before it has run), and is
+    /// waited for, at most `limit`. When it has not run by then the allocation is leaked (the
+    /// memset may still write it) and [`DeviceError::Timeout`] returned.
+    pub fn zeroed_on(
+        stream: &Arc<CudaStream>,
+        len: usize,
+        what: &'static str,
+        limit: Duration,
+    ) -> Result<Self, DeviceError> {
+        let b = Self::alloc(stream.context(), len, what)?;
         // SAFETY: `b.ptr` is our allocation of at least `len` bytes and nothing else uses it
-        // yet; the synchronous memset completes before returning.
-        unsafe { result::memset_d8_sync(b.ptr, 0, len) }.map_err(drv("cuMemsetD8"))?;
-        Ok(b)
+        // yet; the context is current (`alloc` bound it). The memset is waited for below, and
+        // `b` is leaked instead of freed when the wait does not end.
+        unsafe { result::memset_d8_async(b.ptr, 0, len, stream.cu_stream()) }
+            .map_err(drv("cuMemsetD8Async"))?;
+        let done = CudaLayerEvent::record_on(stream, u32::MAX)
+            .and_then(|ev| ev.wait_until(kv_loader::deadline_after(limit)));
+        match done {
+            Ok(true) => Ok(b),
+            Ok(false) => {
+                tracing::error!(
+                    bytes = len,
+                    what,
+                    "zeroing new device memory did not finish in time; leaking it"
+                );
+                std::mem::forget(b);
+                Err(DeviceError::Timeout {
+                    what: "zeroing new device memory",
+                    waited: limit,
+                })
+            }
+            Err(e) => {
+                tracing::error!(bytes = len, what, error = %e, "zeroing new device memory could not be waited for; leaking it");
+                std::mem::forget(b);
+                Err(e)
+            }
+        }
     }
 
     /// The device address.
