@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys as cu, CudaEvent, CudaStream};
 use cudarc::nccl::sys;
-use kv_device::cuda::{CudaDevice, CudaLayerEvent, DeviceBuffer};
+use kv_device::cuda::{CudaDevice, CudaLayerEvent, DeviceBuffer, PinnedBuffer};
 use kv_device::{Residence, SharedEvent};
 
 use super::error::nccl_error;
@@ -169,6 +169,9 @@ pub(crate) struct Worker {
     timing: bool,
     grace: Duration,
     scratch: Option<DeviceBuffer>,
+    /// Pinned host memory that a host span's bytes are copied through on their way to the
+    /// scratch (an asynchronous copy on the comm stream needs pinned memory of ours).
+    host_stage: Option<PinnedBuffer>,
     /// Recorded after the last work enqueued on the comm stream.
     last: Option<Arc<CudaLayerEvent>>,
     /// Set once the communicator was aborted; every later operation fails with it.
@@ -210,6 +213,7 @@ impl Worker {
             timing: s.config.timing,
             grace: s.config.abort_grace,
             scratch: None,
+            host_stage: None,
             last: None,
             aborted: None,
             broken: s.broken.clone(),
@@ -379,8 +383,10 @@ impl Worker {
             ) {
                 tracing::error!(
                     rank = self.rank,
-                    "comm stream still busy after ncclCommAbort; its buffers may still be in use"
+                    "comm stream still busy after ncclCommAbort; its buffers may still be in use: leaking the scratch"
                 );
+                std::mem::forget(self.scratch.take());
+                std::mem::forget(self.host_stage.take());
             }
         }
         self.last = None;
@@ -454,15 +460,39 @@ impl Worker {
         Ok(ev)
     }
 
-    fn h2d(&self, dst: u64, src: usize, len: usize) -> Result<(), Fail> {
+    /// Copies the caller's host bytes to the device scratch `dst`, ordered on the comm stream
+    /// before the NCCL operation that reads them. The bytes go through our pinned stage: a
+    /// synchronous `cuMemcpyHtoD` runs on the legacy default stream, which the non-blocking
+    /// comm stream is not ordered after (and from pageable memory it returns before the DMA
+    /// has landed); an asynchronous copy straight from the caller's memory could still read
+    /// it after a timed-out call returned. The caller's bytes are read by this thread only.
+    fn h2d(&mut self, dst: u64, src: usize, len: usize) -> Result<(), Fail> {
         if len == 0 {
             return Ok(());
         }
-        // SAFETY: `src` is the caller's host buffer valid for `len` bytes (Collective's memory
-        // contract), `dst` our scratch of at least `len` bytes; synchronous copy.
-        unsafe { cu::cuMemcpyHtoD_v2(dst, src as *const c_void, len) }
-            .result()
-            .map_err(|e| Fail::Error(driver("cuMemcpyHtoD", e)))
+        if self.host_stage.as_ref().is_none_or(|b| b.len() < len) {
+            self.host_stage = None;
+            let cap = len.max(1 << 16).next_power_of_two();
+            self.host_stage = Some(
+                PinnedBuffer::zeroed(self.device.context(), cap, "NCCL host-op stage")
+                    .map_err(|e| Fail::Error(cerr(e)))?,
+            );
+        }
+        let stage = self.host_stage.as_ref().map_or(0, |b| b.addr());
+        // SAFETY: `src` is the caller's host buffer valid for reads of `len` bytes for the
+        // call (Collective's memory rules); `stage` is our pinned buffer of at least `len`
+        // bytes, which no copy still reads (every earlier operation's copy on the comm stream
+        // completed: `drain_last` ran before this, or the comm was aborted and drained, or its
+        // stage leaked).
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, stage as *mut u8, len) };
+        // SAFETY: `stage` holds `len` bytes that stay ours and unchanged until the next
+        // operation, which first waits for this one; `dst` is our scratch of at least `len`
+        // bytes. The copy is ordered on the comm stream before the NCCL call.
+        unsafe {
+            cu::cuMemcpyHtoDAsync_v2(dst, stage as *const c_void, len, self.stream.cu_stream())
+        }
+        .result()
+        .map_err(|e| Fail::Error(driver("cuMemcpyHtoDAsync", e)))
     }
 
     fn d2h(&self, dst: usize, src: u64, len: usize) -> Result<(), Fail> {
