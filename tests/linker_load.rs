@@ -10,7 +10,7 @@ use common::*;
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{KvGeometry, ModelKvSpec};
 use kvlink::kv_loader::{
-    KvLoadError, KvLoader, LoadTicket, LookupRequest, PlanError, StoreFailure,
+    BatchId, KvLoadError, KvLoader, LoadTicket, LookupRequest, PlanError, StoreFailure,
 };
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, StoreError,
@@ -490,6 +490,42 @@ fn reset_during_a_load_cancels_it_and_the_linker_goes_on() {
     wait_all(&linker, &t).unwrap();
     linker.wait_batch(&t).unwrap().result.unwrap();
     pool_matches(&pool, &r.pages, &[7, 8, 9], 6).unwrap();
+}
+
+#[test]
+fn an_untaken_outcome_keeps_its_batch_id_after_reset() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let (linker, pool, t) = start_batch_1(&r, cfg());
+    wait_all(&linker, &t).unwrap();
+    // Batch 1 is done but its outcome is not taken; the engine resets.
+    linker.reset().unwrap();
+    // Starting batch 1 again is refused until its outcome is taken: a new run must not be
+    // handed the earlier run's outcome (nor have its own forgotten when that one is taken).
+    r.faulty.inject(
+        FaultRule::default(),
+        Fault::Delay(Duration::from_millis(200)),
+    );
+    let again = linker.start_load(load_plan(&g, 1, &r.pages, vec![3, 4, 5]));
+    assert!(
+        matches!(again, Err(KvLoadError::DuplicateBatch { batch }) if batch == BatchId(1)),
+        "{again:?}"
+    );
+    let taken = linker.completed();
+    assert_eq!(taken.len(), 1);
+    assert!(taken[0].result.is_ok(), "{:?}", taken[0].result);
+    // Now the id is free, and the new run's outcome is its own.
+    let t2 = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![3, 4, 5]))
+        .unwrap();
+    assert!(matches!(
+        linker.start_load(load_plan(&g, 1, &r.pages, vec![6, 7, 8])),
+        Err(KvLoadError::DuplicateBatch { .. })
+    ));
+    wait_all(&linker, &t2).unwrap();
+    linker.wait_batch(&t2).unwrap().result.unwrap();
+    r.faulty.clear();
+    pool_matches(&pool, &r.pages, &[3, 4, 5], 6).unwrap();
 }
 
 #[test]

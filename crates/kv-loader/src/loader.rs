@@ -67,7 +67,8 @@ pub trait KvLoader: Send + Sync {
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError>;
 
     /// Cancels every batch in flight and waits until nothing is in flight; waiters get
-    /// `Cancelled`. The loader stays usable.
+    /// `Cancelled`. The loader stays usable. Outcomes not yet taken stay to be taken (by
+    /// [`completed`](Self::completed)), and their batch ids stay in use until then.
     fn reset(&self) -> Result<(), KvLoadError>;
 
     /// Like `reset`, then releases every resource; later calls return `Closed`.

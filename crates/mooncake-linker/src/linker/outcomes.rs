@@ -223,9 +223,14 @@ impl Outcomes {
         if idle {
             self.readies.lock().clear();
             // Every batch from before the reset is over (their tickets are stale): their ids
-            // may be used again, except those whose slots a late store call may still write.
+            // may be used again, except those whose slots a late store call may still write,
+            // and those whose outcome is not taken yet (a run of the same id would otherwise
+            // be handed that outcome, and its taking would forget the new run).
+            let untaken: HashSet<BatchId> = self.done.lock().keys().copied().collect();
             let held = self.held.lock();
-            self.in_flight.lock().retain(|b| held.contains(b));
+            self.in_flight
+                .lock()
+                .retain(|b| held.contains(b) || untaken.contains(b));
         }
         idle
     }
