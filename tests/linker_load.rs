@@ -498,6 +498,17 @@ fn an_untaken_outcome_keeps_its_batch_id_after_reset() {
     let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
     let (linker, pool, t) = start_batch_1(&r, cfg());
     wait_all(&linker, &t).unwrap();
+    // A layer past the model is the engine's input error, typed as such.
+    assert!(matches!(
+        linker.wait_layer(&t, 6),
+        Err(KvLoadError::InvalidPlan {
+            reason: PlanError::LayerOutOfRange {
+                layer: 6,
+                num_layers: 6
+            },
+            ..
+        })
+    ));
     // Batch 1 is done but its outcome is not taken; the engine resets.
     linker.reset().unwrap();
     // Starting batch 1 again is refused until its outcome is taken: a new run must not be

@@ -276,6 +276,10 @@ impl KvLoader for MockKvLoader {
             batch,
             pages: plan.logical.num_pages(),
         })?;
+        let mut state = self.state.lock();
+        if state.live.contains_key(&batch) {
+            return Err(KvLoadError::DuplicateBatch { batch });
+        }
         let counter = self.counter.begin(self.num_layers.max(1)).map_err(|e| {
             KvLoadError::internal(batch, crate::Cause::with_source(format!("mock: {e}"), e))
         })?;
@@ -285,7 +289,7 @@ impl KvLoader for MockKvLoader {
             counter,
         };
         let pages = u32::try_from(plan.logical.num_pages()).unwrap_or(u32::MAX);
-        self.state.lock().live.insert(batch, (ticket, pages));
+        state.live.insert(batch, (ticket, pages));
         Ok(ticket)
     }
 
@@ -295,6 +299,15 @@ impl KvLoader for MockKvLoader {
             layer,
         })?;
         self.live_ticket(ticket)?;
+        if layer >= self.num_layers {
+            return Err(KvLoadError::InvalidPlan {
+                batch: ticket.batch,
+                reason: crate::PlanError::LayerOutOfRange {
+                    layer,
+                    num_layers: self.num_layers,
+                },
+            });
+        }
         if self.script.time_out.contains(&ticket.batch) {
             return Err(KvLoadError::Timeout {
                 batch: ticket.batch,
@@ -403,6 +416,41 @@ mod tests {
             })
             .unwrap_err();
         assert!(matches!(err, KvLoadError::Config(_)), "{err}");
+    }
+
+    fn plan(batch: u64) -> BatchPlan {
+        BatchPlan {
+            logical: crate::LogicalPlan {
+                batch: BatchId(batch),
+                requests: vec![],
+                components: vec![],
+            },
+            slots: vec![],
+        }
+    }
+
+    #[test]
+    fn a_batch_id_in_use_is_refused_and_a_layer_past_the_model_is_an_error() {
+        let mock = MockKvLoader::new(3, MockScript::default());
+        let t = mock.start_load(plan(1)).unwrap();
+        assert!(matches!(
+            mock.start_load(plan(1)),
+            Err(KvLoadError::DuplicateBatch { batch: BatchId(1) })
+        ));
+        assert!(matches!(
+            mock.wait_layer(&t, 3),
+            Err(KvLoadError::InvalidPlan {
+                reason: crate::PlanError::LayerOutOfRange {
+                    layer: 3,
+                    num_layers: 3
+                },
+                ..
+            })
+        ));
+        assert!(matches!(mock.wait_layer(&t, 2), Ok(LayerReady::Resident)));
+        mock.wait_batch(&t).unwrap().result.unwrap();
+        // Taken: the id is free again.
+        mock.start_load(plan(1)).unwrap();
     }
 
     #[test]

@@ -182,6 +182,13 @@ impl Inner {
             CounterError::StaleTicket { .. } => KvLoadError::StaleTicket {
                 batch: ticket.batch,
             },
+            // The engine asked for a layer past the model: its input, not our fault.
+            CounterError::LayerOutOfRange {
+                layer, num_layers, ..
+            } => KvLoadError::InvalidPlan {
+                batch: ticket.batch,
+                reason: kv_loader::PlanError::LayerOutOfRange { layer, num_layers },
+            },
             other => KvLoadError::internal(ticket.batch, kv_loader::Cause::from_error(other)),
         }
     }
