@@ -167,6 +167,14 @@ impl GroupFormation for InProcessFormation {
             )));
         }
         let mut epochs = self.epochs.lock();
+        // A rank that lags joins the newest formation its peers already made (one built for an
+        // older epoch would hold this rank alone: the others have moved past it).
+        let epoch = epochs
+            .keys()
+            .copied()
+            .filter(|&e| e >= epoch)
+            .max()
+            .unwrap_or(epoch);
         if !epochs.contains_key(&epoch) {
             let handles = (self.build)()?;
             if handles.len() != self.size as usize {

@@ -243,6 +243,32 @@ fn a_formation_gives_every_rank_a_fresh_working_group() {
     assert!(f.reform(2, 9, soon()).is_err(), "no rank 2");
 }
 
+#[test]
+fn a_rank_that_lags_joins_the_formation_its_peers_made() {
+    let f = InProcessFormation::host(2);
+    // Rank 0 re-forms twice (its first new group broke before rank 1 came for it); rank 1,
+    // still on epoch 0, asks for epoch 1 and must meet rank 0 in epoch 2, not a group of its
+    // own.
+    let a1 = f.reform(0, 1, soon()).unwrap();
+    a1.data.abort("rank 1 is slow");
+    let a2 = f.reform(0, 2, soon()).unwrap();
+    let b = f.reform(1, 1, soon()).unwrap();
+    assert_eq!((a2.epoch, b.epoch), (2, 2));
+    let mins: Vec<u64> = thread::scope(|s| {
+        let hs: Vec<_> = [&a2, &b]
+            .into_iter()
+            .map(|h| {
+                s.spawn(move || {
+                    h.data
+                        .all_reduce_min_u64(10 + u64::from(h.data.rank()), soon())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    assert_eq!(mins, vec![10, 10]);
+}
+
 /// Three ranks, one layer, `k` shared by Rank0Broadcast and SplitAllGather through real
 /// landings: host rows (host pools) and device stages (CPU device pools).
 #[test]
