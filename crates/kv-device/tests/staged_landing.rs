@@ -441,6 +441,46 @@ fn saves_gather_what_loads_landed() {
     assert!(got.iter().all(|&b| b == 0), "cleared");
 }
 
+#[test]
+fn a_stage_is_not_lent_while_its_upload_may_still_read_it() {
+    let r = rig(CpuDeviceConfig::default(), 10, 4, 1);
+    let k = r.g.component_by_name("k").unwrap().id;
+    let shape = BatchShape {
+        own: vec![],
+        shared: vec![k],
+        share_bytes: vec![4 * 10 * 4; 4],
+    };
+    let mut landing = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        vec![0, 1, 2, 3].into(),
+        shape,
+    )
+    .unwrap();
+    let mut stages = landing.take_stages();
+    let stage = &mut stages[0];
+    landing.open(stage, 0, soon()).unwrap();
+    drop(landing.lend(stage).unwrap());
+    // The share area's upload reads the pinned stage, on a stalled device; the layer stays
+    // open (the collective and the scatter come next).
+    r.dev.stall_for(Duration::from_millis(300));
+    landing.upload(stage, 0..160).unwrap();
+    // A store must not write the stage while the upload may still read it.
+    let again = landing.lend(stage);
+    assert!(
+        matches!(again, Err(DeviceError::InvalidStage(_))),
+        "{:?}",
+        again.map(|_| ())
+    );
+    r.dev.resume();
+    // Once the upload has run, the stage may be lent again.
+    let end = soon();
+    while landing.lend(stage).is_err() {
+        assert!(Instant::now() < end, "the upload never completed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Waits (bounded) until the staging pool has `n` buffers free again.
 fn await_available(staging: &StagingPool, n: usize) -> bool {
     let end = soon();

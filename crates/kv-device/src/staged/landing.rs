@@ -414,7 +414,20 @@ impl LayerLanding for StagedLanding {
     fn lend(&self, stage: &mut LayerStage) -> Result<StageLoan, DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
         let owner = self.lease_ref()?.owner();
-        let lent = self.state(h)?.lent.lend()?;
+        let state = self.state(h)?;
+        // Device work queued since the stage was opened (an upload, a land) may still read the
+        // pinned stage: a store must not write it until `open` has waited for that work.
+        if state.fences.is_poisoned() {
+            return Err(DeviceError::Poisoned(
+                "lending a stage whose device work failed",
+            ));
+        }
+        if state.fences.busy() {
+            return Err(stage_err(
+                "lending a stage with device work queued since it was opened (open it again)",
+            ));
+        }
+        let lent = state.lent.lend()?;
         // SAFETY: the loan's targets lie in stage `h` of the pinned buffer (`target` and
         // `share_target` check them), which the staging pool (`owner`) keeps allocated; while
         // `lent` is set this landing touches none of it (`open`, `target_bytes`,
