@@ -368,6 +368,45 @@ fn a_reset_does_not_wait_for_a_load_waiting_for_a_stalled_pin() {
     assert!(r.sessions.pinned().is_empty());
 }
 
+/// A store whose `end_session` hangs holds `reset` to its `wait_deadline`: the pins held are
+/// ended under that one bound (the rest are left to the store's lease), not one store-call
+/// timeout each.
+#[test]
+fn a_reset_with_ending_pins_stalled_returns_within_its_wait_deadline() {
+    let held = Stall::new();
+    let faulty: Arc<Mutex<Option<Arc<FaultyStore>>>> = Arc::default();
+    let cfg = LinkerConfig {
+        wait_deadline: Duration::from_secs(1),
+        store_call_timeout: Duration::from_secs(3),
+        ..config()
+    };
+    let slot = faulty.clone();
+    let r = rank(79, 4, cfg, move |s| {
+        let f = Arc::new(FaultyStore::new(s));
+        *slot.lock().unwrap() = Some(f.clone());
+        f
+    });
+    let (a, b) = r.pages.split_at(2);
+    r.lookup_pinned(a, 0);
+    r.lookup_pinned(b, 1);
+    let f = faulty.lock().unwrap().clone().unwrap();
+    f.inject_on(
+        FaultCall::EndSession,
+        FaultRule::default(),
+        Fault::Stall(held.clone()),
+    );
+    let t0 = Instant::now();
+    let reset = r.linker.reset();
+    let took = t0.elapsed();
+    held.release();
+    assert!(reset.is_ok(), "{reset:?}");
+    // Two pins at 3 s each took 6 s before; now the 1 s bound (slack for a loaded CI host).
+    assert!(took < Duration::from_millis(2500), "reset took {took:?}");
+    assert!(held.hits() >= 1, "an end stalled");
+    f.clear();
+    r.linker.close().unwrap();
+}
+
 /// Pins taken longer than `lease_renewal` before the load are renewed before its first read,
 /// as a load's own session would be; the old and the renewed session are both ended.
 #[test]

@@ -508,8 +508,8 @@ impl Linker {
         // Nothing left in flight: a read ahead is waited for (same bound), and the pins a
         // lookup took meanwhile are ended.
         s.prefetch.wait_idle(deadline);
-        s.end_pins(taken);
-        s.end_pins_ahead();
+        s.end_pins(taken, deadline);
+        s.end_pins_ahead(deadline);
         let mut held = s.outcomes.held();
         if busy {
             warn!(
@@ -713,7 +713,7 @@ impl KvLoader for Linker {
         // No read ahead from now on; one under way is waited for (bounded), and pins one took
         // since the cancel are ended (one still under way past the wait ends its own).
         self.inner.prefetch.shut(deadline);
-        self.inner.end_pins_ahead();
+        self.inner.end_pins_ahead(deadline);
         let wait = if busy {
             Duration::ZERO
         } else {

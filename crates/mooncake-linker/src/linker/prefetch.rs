@@ -460,21 +460,31 @@ impl Inner {
 
     /// Ends the pins held ahead of loads (`reset`, `close`); pins of lookups before are not
     /// started from now on.
-    pub(crate) fn end_pins_ahead(&self) {
-        self.end_pins(self.pins_ahead.take_all());
+    pub(crate) fn end_pins_ahead(&self, by: Instant) {
+        self.end_pins(self.pins_ahead.take_all(), by);
     }
 
-    /// Ends pins taken out of `pins_ahead` (`PinsAhead::take_all`).
-    pub(crate) fn end_pins(&self, sessions: Vec<crate::store::ReadSession>) {
+    /// Ends pins taken out of `pins_ahead` (`PinsAhead::take_all`), all by `by` (what `reset`
+    /// and `close` promise to return within): a session not ended by then is left to the
+    /// store's lease.
+    pub(crate) fn end_pins(&self, sessions: Vec<crate::store::ReadSession>, by: Instant) {
         for session in &sessions {
-            self.end_session_logged(session);
+            self.end_session_by(session, by);
         }
     }
 
     /// Ends `session` (bounded by `store_call_timeout`), logging a failure: the store's lease
     /// lets the pins go on its own then.
     fn end_session_logged(&self, session: &crate::store::ReadSession) {
-        let deadline = kv_loader::deadline_after(self.config.store_call_timeout);
+        self.end_session_by(
+            session,
+            kv_loader::deadline_after(self.config.store_call_timeout),
+        );
+    }
+
+    /// Ends `session`, bounded by `by` and by `store_call_timeout`, logging a failure.
+    fn end_session_by(&self, session: &crate::store::ReadSession, by: Instant) {
+        let deadline = kv_loader::deadline_after(self.config.store_call_timeout).min(by);
         if let Err(e) = self.calls.end_session(session, deadline) {
             tracing::warn!(error = %e, keys = session.keys.len(), "ending pins taken at lookup failed");
         }

@@ -100,6 +100,8 @@ pub enum FaultCall {
     Size,
     /// `start_session`.
     Session,
+    /// `end_session` (a store down still lets it through, so pins are let go).
+    EndSession,
     /// `put`.
     Put,
     /// Every call above.
@@ -316,7 +318,16 @@ impl ShortenBy for () {
 }
 
 impl KvStore for FaultyStore {
-    crate::forward_store_calls!(inner => register, unregister, end_session);
+    crate::forward_store_calls!(inner => register, unregister);
+
+    fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
+        let keys: Vec<&str> = session.keys.iter().map(String::as_str).collect();
+        let hits = self.hits(FaultCall::EndSession, Self::plain(&keys));
+        if let Some(Some(Fault::Error(e))) = hits.into_iter().find(Option::is_some) {
+            return Err(e);
+        }
+        self.inner.end_session(session)
+    }
 
     fn name(&self) -> &str {
         match self.inner.name() {
