@@ -367,6 +367,8 @@ impl NcclCollective {
                 reply: reply_tx,
             })
             .map_err(|_| {
+                // No operation can run any more: the handle is broken, so the group re-forms.
+                self.unusable.store(true, Ordering::Release);
                 CollectiveError::Backend(format!("rank {}: the comm thread has ended", self.rank))
             })?;
         let wait = deadline
@@ -389,10 +391,15 @@ impl NcclCollective {
                     missing: Vec::new(),
                 })
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(CollectiveError::Backend(format!(
-                "rank {}: the comm thread ended during {name} #{seq}",
-                self.rank
-            ))),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                // The comm thread died mid-operation (a panic under it): its operation's end is
+                // unknown and nothing more runs; broken, so the group re-forms.
+                self.unusable.store(true, Ordering::Release);
+                Err(CollectiveError::Backend(format!(
+                    "rank {}: the comm thread ended during {name} #{seq}",
+                    self.rank
+                )))
+            }
         }
     }
 
