@@ -158,7 +158,7 @@ impl GroupFormation for InProcessFormation {
         &self,
         rank: u32,
         epoch: u64,
-        _deadline: Instant,
+        deadline: Instant,
     ) -> Result<GroupHandles, CollectiveError> {
         if rank >= self.size {
             return Err(CollectiveError::Backend(format!(
@@ -166,7 +166,15 @@ impl GroupFormation for InProcessFormation {
                 self.size
             )));
         }
-        let mut epochs = self.epochs.lock();
+        // Another rank may be building the group (an NCCL group's set-up takes up to its
+        // init timeout): wait for it until `deadline` only; the caller asks again later.
+        let Some(mut epochs) = self.epochs.try_lock_until(deadline) else {
+            return Err(CollectiveError::Timeout {
+                op: "reform",
+                seq: epoch,
+                missing: Vec::new(),
+            });
+        };
         // A rank that lags joins the newest formation its peers already made (one built for an
         // older epoch would hold this rank alone: the others have moved past it).
         let epoch = epochs

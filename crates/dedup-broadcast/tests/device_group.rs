@@ -269,6 +269,51 @@ fn a_rank_that_lags_joins_the_formation_its_peers_made() {
     assert_eq!(mins, vec![10, 10]);
 }
 
+#[test]
+fn a_rank_waits_for_a_slow_build_only_until_its_deadline() {
+    // A build as slow as an NCCL group's set-up can be.
+    let building = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let started = building.clone();
+    let f = Arc::new(InProcessFormation::new(2, move || {
+        started.store(true, std::sync::atomic::Ordering::Release);
+        thread::sleep(Duration::from_millis(1500));
+        Ok(InProcessGroup::new(2)
+            .into_iter()
+            .zip(InProcessGroup::new(2))
+            .map(|(d, c)| {
+                (
+                    Arc::new(d) as Arc<dyn Collective>,
+                    Arc::new(c) as Arc<dyn Collective>,
+                )
+            })
+            .collect())
+    }));
+    let builder = {
+        let f = f.clone();
+        thread::spawn(move || f.reform(0, 1, soon()))
+    };
+    let end = soon();
+    while !building.load(std::sync::atomic::Ordering::Acquire) {
+        assert!(Instant::now() < end, "rank 0 never began the build");
+        thread::sleep(Duration::from_millis(1));
+    }
+    let t0 = Instant::now();
+    let late = f.reform(1, 1, Instant::now() + Duration::from_millis(100));
+    assert!(
+        matches!(late, Err(CollectiveError::Timeout { .. })),
+        "{:?}",
+        late.map(|h| h.epoch)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(1000),
+        "{:?}",
+        t0.elapsed()
+    );
+    // Asked again once the group is built, the rank joins it.
+    assert_eq!(builder.join().unwrap().unwrap().epoch, 1);
+    assert_eq!(f.reform(1, 1, soon()).unwrap().epoch, 1);
+}
+
 /// Three ranks, one layer, `k` shared by Rank0Broadcast and SplitAllGather through real
 /// landings: host rows (host pools) and device stages (CPU device pools).
 #[test]
