@@ -17,6 +17,11 @@ pub fn run(report: &mut Report) {
         Ok(dev) => {
             report.info("env", "GPU 0", dev.name());
             kernels(&dev, report);
+            report.check(
+                SEC,
+                "new device memory is zeroed before the load stream writes it (legacy stream busy)",
+                || zeroed_before_first_write(&dev),
+            );
         }
         Err(e) => report.push(SEC, "open GPU 0", Status::Fail, de(e)),
     }
@@ -133,4 +138,54 @@ fn kernel_case(
         return Err(format!("gather back differs (row {row} B)"));
     }
     Ok(format!("{row} B rows ok"))
+}
+
+/// `Device::alloc` zeroes new memory, and the zeroing must not land after the load stream's
+/// first write into it: with the legacy default stream busy (a long copy queued on it), a
+/// zeroing queued there would run after the write below and wipe it.
+fn zeroed_before_first_write(dev: &Arc<CudaDevice>) -> Result<String, String> {
+    let busy_len = 2usize << 30;
+    let ctx = dev.context();
+    let a = DeviceBuffer::alloc(ctx, busy_len, "busy src").map_err(de)?;
+    let b = DeviceBuffer::alloc(ctx, busy_len, "busy dst").map_err(de)?;
+    let len = 1usize << 20;
+    let pattern: Vec<u8> = (0..len).map(|i| (i % 251) as u8 | 1).collect();
+    let pinned = dev.alloc_pinned(len, "pattern").map_err(de)?;
+    let mut rounds_wiped = 0;
+    let rounds = 8;
+    for _ in 0..rounds {
+        dev.bind().map_err(de)?;
+        // SAFETY: both buffers are ours, `busy_len` bytes each; the copy runs on the legacy
+        // stream and is waited for (ctx.synchronize) before they are freed.
+        unsafe { result::memcpy_dtod_async(b.ptr(), a.ptr(), busy_len, std::ptr::null_mut()) }
+            .map_err(|e| format!("legacy-stream copy: {e}"))?;
+        let mem = dev.alloc(len, "zeroed").map_err(de)?;
+        // SAFETY: `pinned` is ours, `len` bytes, idle.
+        unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), pinned.addr() as *mut u8, len) };
+        let t = kvlink::kv_device::Transfer::ToDevice {
+            dst: mem.addr(),
+            src: pinned.addr(),
+            len,
+        };
+        // SAFETY: `mem` and `pinned` are ours with `len` bytes; waited for below.
+        unsafe { dev.load_stream().transfer(t) }.map_err(de)?;
+        dev.synchronize_load_stream().map_err(de)?;
+        ctx.synchronize()
+            .map_err(|e| format!("cuCtxSynchronize: {e}"))?;
+        let mut back = vec![0u8; len];
+        // SAFETY: `mem` holds `len` bytes; everything before is done (synchronized above).
+        unsafe { result::memcpy_dtoh_sync(&mut back, mem.addr()) }
+            .map_err(|e| format!("read back: {e}"))?;
+        if back != pattern {
+            rounds_wiped += 1;
+        }
+    }
+    if rounds_wiped > 0 {
+        return Err(format!(
+            "{rounds_wiped} of {rounds} rounds: the write was wiped by a late zeroing"
+        ));
+    }
+    Ok(format!(
+        "{rounds} rounds: the pattern written on the load stream survived a 2 GiB copy queued on the legacy stream"
+    ))
 }
