@@ -226,8 +226,10 @@ impl Outcomes {
             // may be used again, except those whose slots a late store call may still write,
             // and those whose outcome is not taken yet (a run of the same id would otherwise
             // be handed that outcome, and its taking would forget the new run).
-            let untaken: HashSet<BatchId> = self.done.lock().keys().copied().collect();
+            // `held` first: a held outcome is delivered into `done` before it leaves `held`,
+            // so under `held`'s lock a batch is in one or the other.
             let held = self.held.lock();
+            let untaken: HashSet<BatchId> = self.done.lock().keys().copied().collect();
             self.in_flight
                 .lock()
                 .retain(|b| held.contains(b) || untaken.contains(b));
