@@ -116,6 +116,8 @@ impl MockScript {
 struct MockState {
     calls: Vec<MockCall>,
     live: HashMap<BatchId, (LoadTicket, u32)>,
+    /// Batches a reset cancelled whose outcomes are not taken yet (`Cancelled` when taken).
+    cancelled: std::collections::HashSet<BatchId>,
     closed: bool,
 }
 
@@ -214,7 +216,9 @@ impl MockKvLoader {
 
     fn outcome(&self, ticket: &LoadTicket, pages: u32) -> BatchOutcome {
         let b = ticket.batch;
-        let result = if let Some(&l) = self.script.fail_at_layer.get(&b) {
+        let result = if self.state.lock().cancelled.remove(&b) {
+            Err(KvLoadError::Cancelled { batch: b })
+        } else if let Some(&l) = self.script.fail_at_layer.get(&b) {
             Err(self.failure(b, l))
         } else if self.script.time_out.contains(&b) {
             Err(KvLoadError::Timeout {
@@ -368,7 +372,12 @@ impl KvLoader for MockKvLoader {
 
     fn reset(&self) -> Result<(), KvLoadError> {
         self.record(MockCall::Reset)?;
-        self.state.lock().live.clear();
+        // As the Linker does: the batches end cancelled, their outcomes stay to be taken by
+        // `completed`, and their ids stay in use until then.
+        let mut s = self.state.lock();
+        let live: Vec<BatchId> = s.live.keys().copied().collect();
+        s.cancelled.extend(live);
+        drop(s);
         self.counter.reset();
         Ok(())
     }
@@ -377,6 +386,7 @@ impl KvLoader for MockKvLoader {
         self.record(MockCall::Close)?;
         let mut s = self.state.lock();
         s.live.clear();
+        s.cancelled.clear();
         s.closed = true;
         Ok(())
     }
@@ -451,6 +461,23 @@ mod tests {
         mock.wait_batch(&t).unwrap().result.unwrap();
         // Taken: the id is free again.
         mock.start_load(plan(1)).unwrap();
+        // A reset cancels it; its outcome stays to be taken, and its id in use until then.
+        mock.reset().unwrap();
+        assert!(matches!(
+            mock.start_load(plan(1)),
+            Err(KvLoadError::DuplicateBatch { batch: BatchId(1) })
+        ));
+        let taken = mock.completed();
+        assert_eq!(taken.len(), 1);
+        assert!(matches!(
+            taken[0].result,
+            Err(KvLoadError::Cancelled { .. })
+        ));
+        mock.start_load(plan(1)).unwrap();
+        assert!(
+            mock.completed()[0].result.is_ok(),
+            "a new run's own outcome"
+        );
     }
 
     #[test]
