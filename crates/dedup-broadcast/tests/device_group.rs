@@ -276,7 +276,7 @@ fn a_rank_waits_for_a_slow_build_only_until_its_deadline() {
     let started = building.clone();
     let f = Arc::new(InProcessFormation::new(2, move || {
         started.store(true, std::sync::atomic::Ordering::Release);
-        thread::sleep(Duration::from_millis(1500));
+        thread::sleep(Duration::from_millis(3000));
         Ok(InProcessGroup::new(2)
             .into_iter()
             .zip(InProcessGroup::new(2))

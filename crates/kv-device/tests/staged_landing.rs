@@ -461,9 +461,9 @@ fn a_stage_is_not_lent_while_its_upload_may_still_read_it() {
     let stage = &mut stages[0];
     landing.open(stage, 0, soon()).unwrap();
     drop(landing.lend(stage).unwrap());
-    // The share area's upload reads the pinned stage, on a stalled device; the layer stays
-    // open (the collective and the scatter come next).
-    r.dev.stall_for(Duration::from_millis(300));
+    // The share area's upload reads the pinned stage, on a device stalled until resumed
+    // below; the layer stays open (the collective and the scatter come next).
+    r.dev.stall_for(Duration::from_secs(30));
     landing.upload(stage, 0..160).unwrap();
     // A store must not write the stage while the upload may still read it.
     let again = landing.lend(stage);
@@ -502,7 +502,7 @@ fn a_save_gather_that_fails_half_queued_keeps_its_staging_until_the_queued_part_
     // Two runs of slots: the first run's copy is queued (on a stalled device), the second's
     // enqueue fails.
     let mut save = f.begin_save(vec![1, 2, 9, 10, 11].into()).unwrap();
-    r.dev.stall_for(Duration::from_millis(300));
+    r.dev.stall_for(Duration::from_secs(30));
     r.dev.fail_enqueue(CpuOp::ToHost, 1);
     let got = save.gather(c, 0).map(|rows| rows.len());
     assert!(matches!(got, Err(DeviceError::Driver(_))), "{got:?}");
