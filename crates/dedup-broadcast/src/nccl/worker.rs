@@ -376,18 +376,15 @@ impl Worker {
         }
         self.comm = std::ptr::null_mut();
         self.aborted.get_or_insert_with(|| cause.to_string());
-        if let Ok(ev) = CudaLayerEvent::record_on(&self.stream, u32::MAX) {
-            if !matches!(
-                ev.wait_until(kv_loader::deadline_after(self.grace)),
-                Ok(true)
-            ) {
-                tracing::error!(
-                    rank = self.rank,
-                    "comm stream still busy after ncclCommAbort; its buffers may still be in use: leaking the scratch"
-                );
-                std::mem::forget(self.scratch.take());
-                std::mem::forget(self.host_stage.take());
-            }
+        let drained = CudaLayerEvent::record_on(&self.stream, u32::MAX)
+            .and_then(|ev| ev.wait_until(kv_loader::deadline_after(self.grace)));
+        if !matches!(drained, Ok(true)) {
+            tracing::error!(
+                rank = self.rank,
+                "comm stream not known to be idle after ncclCommAbort; its buffers may still be in use: leaking the scratch"
+            );
+            std::mem::forget(self.scratch.take());
+            std::mem::forget(self.host_stage.take());
         }
         self.last = None;
     }
