@@ -192,18 +192,30 @@ impl StagingPool {
 
     /// Moves quarantined pairs whose work has finished back to the free list.
     fn reclaim(&self) {
-        let mut q = self.quarantine.lock();
-        let mut free = self.free.lock();
-        let mut i = 0;
-        while i < q.len() {
-            if q[i].settled() {
-                let back = q.swap_remove(i);
-                tracing::info!("a quarantined staging buffer is free again");
-                free.push(back.pair);
-            } else {
-                i += 1;
+        // What a settled entry kept alive (a slot table, a device pool whose drop drains its
+        // stream) is dropped after the locks are let go.
+        let mut settled = Vec::new();
+        {
+            let mut q = self.quarantine.lock();
+            let mut free = self.free.lock();
+            let mut i = 0;
+            while i < q.len() {
+                if q[i].settled() {
+                    let Quarantined {
+                        pair,
+                        _extra,
+                        _owners,
+                        ..
+                    } = q.swap_remove(i);
+                    tracing::info!("a quarantined staging buffer is free again");
+                    free.push(pair);
+                    settled.push((_extra, _owners));
+                } else {
+                    i += 1;
+                }
             }
         }
+        drop(settled);
     }
 
     /// Leases a buffer; [`DeviceError::Alloc`] when every buffer is leased or quarantined (the
