@@ -183,10 +183,12 @@ impl SocketStore {
         let r = self.call(|c, deadline| {
             let reply = Self::request(c, &body.0, deadline)?;
             let mut d = Dec::new(&reply);
-            Ok(keys
+            let results = keys
                 .iter()
                 .map(|_| d.result(&value))
-                .collect::<Result<Vec<_>, _>>()?)
+                .collect::<Result<Vec<_>, _>>()?;
+            d.finish()?;
+            Ok(results)
         });
         self.spread(r, keys.iter().copied())
     }
@@ -207,6 +209,7 @@ impl SocketStore {
                 .clone()
                 .map(|_| d.result(|d| d.u64()))
                 .collect::<Result<_, _>>()?;
+            d.finish()?;
             let mut dsts = dsts(&results)?;
             read_all_vectored(c, &mut dsts, deadline)?;
             Ok(results)
@@ -230,7 +233,10 @@ impl SocketStore {
         let body = keys_body(opcode, keys);
         let r = self.call(|c, deadline| {
             let reply = Self::request(c, &body.0, deadline)?;
-            Ok(Dec::new(&reply).result(|_| Ok(()))?)
+            let mut d = Dec::new(&reply);
+            let result = d.result(|_| Ok(()))?;
+            d.finish()?;
+            Ok(result)
         });
         match r {
             Ok(v) => v,
@@ -322,7 +328,16 @@ impl KvStore for SocketStore {
         self.read(&body, gets.iter().map(|g| g.key), |results| {
             let mut dsts = Vec::new();
             for (g, r) in gets.iter().zip(results) {
-                if r.is_ok() {
+                if let Ok(total) = r {
+                    let asked = g
+                        .ranges
+                        .iter()
+                        .fold(0u64, |t, r| t.saturating_add(r.len as u64));
+                    if *total != asked {
+                        return Err(CallError::Down(
+                            format!("{}: {total} bytes for ranges of {asked}", g.key).into(),
+                        ));
+                    }
                     for range in g.ranges.iter().filter(|r| r.len > 0) {
                         // SAFETY: the caller promised every destination range is valid for
                         // writes of its length and touched by nothing else for the call;
@@ -362,10 +377,12 @@ impl KvStore for SocketStore {
             write_all_vectored(c, &mut slices, deadline)?;
             let reply = read_frame(c, deadline)?;
             let mut d = Dec::new(&reply);
-            Ok(puts
+            let results = puts
                 .iter()
                 .map(|_| d.result(|d| d.outcome()))
-                .collect::<Result<Vec<_>, _>>()?)
+                .collect::<Result<Vec<_>, _>>()?;
+            d.finish()?;
+            Ok(results)
         });
         self.spread(r, puts.iter().map(|p| p.key))
     }
@@ -400,7 +417,10 @@ impl KvStore for SocketStore {
         body.u8(op::HEALTH);
         let r = self.call(|c, deadline| {
             let reply = Self::request(c, &body.0, deadline)?;
-            Ok(Dec::new(&reply).result(|_| Ok(()))?)
+            let mut d = Dec::new(&reply);
+            let result = d.result(|_| Ok(()))?;
+            d.finish()?;
+            Ok(result)
         });
         match r {
             Ok(v) => v,

@@ -292,6 +292,29 @@ impl<'a> Dec<'a> {
     pub(crate) fn u8(&mut self) -> Result<u8, Malformed> {
         Ok(self.take(1)?[0])
     }
+    /// A count of items that each take at least `item_bytes` of what follows: refused when
+    /// the message cannot hold that many (so a count from the wire never sizes an allocation
+    /// larger than the message itself).
+    pub(crate) fn count(&mut self, item_bytes: usize) -> Result<usize, Malformed> {
+        let n = self.u32()? as usize;
+        let left = self.buf.len() - self.pos;
+        if n.saturating_mul(item_bytes.max(1)) > left {
+            return Err(Malformed(format!(
+                "{n} items of at least {item_bytes} bytes in the {left} bytes left"
+            )));
+        }
+        Ok(n)
+    }
+    /// Checks that the whole message was read (a longer one, say more results than asked
+    /// for, is refused rather than cut short).
+    pub(crate) fn finish(&self) -> Result<(), Malformed> {
+        match self.buf.len() - self.pos {
+            0 => Ok(()),
+            extra => Err(Malformed(format!(
+                "{extra} bytes past the end of the message"
+            ))),
+        }
+    }
     pub(crate) fn u32(&mut self) -> Result<u32, Malformed> {
         let b = self.take(4)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -429,5 +452,23 @@ mod tests {
         });
         assert_eq!(Dec::new(&enc.0).result(|d| d.u64()).unwrap(), Ok(42));
         assert!(Dec::new(&enc.0[..3]).result(|d| d.u64()).is_err());
+    }
+
+    #[test]
+    fn a_count_the_message_cannot_hold_is_refused_and_trailing_bytes_are_seen() {
+        let mut enc = Enc::default();
+        enc.u32(3).u64(1).u64(2).u64(3);
+        assert_eq!(Dec::new(&enc.0).count(8).unwrap(), 3);
+        assert!(Dec::new(&enc.0).count(9).is_err(), "3 × 9 > 24 bytes left");
+        let mut huge = Enc::default();
+        huge.u32(u32::MAX);
+        assert!(Dec::new(&huge.0).count(16).is_err());
+        let mut d = Dec::new(&enc.0);
+        d.u32().unwrap();
+        d.u64().unwrap();
+        assert!(d.finish().is_err(), "16 bytes left");
+        d.u64().unwrap();
+        d.u64().unwrap();
+        assert!(d.finish().is_ok());
     }
 }

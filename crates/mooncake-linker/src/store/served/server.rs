@@ -67,8 +67,9 @@ struct Served {
     store: Arc<EmbeddedStore>,
     stop: AtomicBool,
     clients: Mutex<HashMap<u64, ClientPins>>,
-    /// Clones of open connections, to shut them when the server stops.
-    open: Mutex<Vec<Conn>>,
+    /// Clones of open connections by number, to shut them when the server stops; each is
+    /// taken out (and closed) when its connection ends.
+    open: Mutex<HashMap<u64, Conn>>,
 }
 
 /// Serves an [`EmbeddedStore`] over a socket; stops (and closes every connection) when
@@ -150,7 +151,7 @@ impl StoreServer {
             store,
             stop: AtomicBool::new(false),
             clients: Mutex::new(HashMap::new()),
-            open: Mutex::new(Vec::new()),
+            open: Mutex::new(HashMap::new()),
         });
         let s = served.clone();
         let thread = std::thread::Builder::new()
@@ -180,7 +181,7 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.served.stop.store(true, Ordering::Release);
         self.wake.poke();
-        for c in self.served.open.lock().drain(..) {
+        for (_, c) in self.served.open.lock().drain() {
             c.shutdown();
         }
         if let Some(t) = self.thread.take() {
@@ -189,28 +190,53 @@ impl Drop for StoreServer {
     }
 }
 
+/// How long the accept loop rests after a failed accept (out of file descriptors, say)
+/// before it tries again, rather than spinning.
+const ACCEPT_RETRY: Duration = Duration::from_millis(20);
+
 fn accept_loop(listener: Listener, served: Arc<Served>) {
     let mut conns: Vec<JoinHandle<()>> = Vec::new();
+    let mut next_id = 0u64;
     loop {
         let accepted = listener.accept();
         if served.stop.load(Ordering::Acquire) {
             break;
         }
-        let Ok(conn) = accepted else { continue };
+        let conn = match accepted {
+            Ok(conn) => conn,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a store connection failed");
+                std::thread::sleep(ACCEPT_RETRY);
+                continue;
+            }
+        };
+        let id = next_id;
+        next_id += 1;
         if let Ok(clone) = conn.try_clone() {
-            served.open.lock().push(clone);
+            served.open.lock().insert(id, clone);
         }
         let s = served.clone();
         let spawned = std::thread::Builder::new()
             .name("kvlink-store-conn".into())
-            .spawn(move || serve_connection(conn, &s));
+            .spawn(move || {
+                serve_connection(conn, &s);
+                // Closed for the client too (the clone would keep the socket open).
+                if let Some(c) = s.open.lock().remove(&id) {
+                    c.shutdown();
+                }
+            });
         match spawned {
             Ok(h) => conns.push(h),
-            Err(e) => tracing::error!(error = %e, "cannot start a store connection thread"),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start a store connection thread");
+                if let Some(c) = served.open.lock().remove(&id) {
+                    c.shutdown();
+                }
+            }
         }
         conns.retain(|h| !h.is_finished());
     }
-    for c in served.open.lock().drain(..) {
+    for (_, c) in served.open.lock().drain() {
         c.shutdown();
     }
     for h in conns {
@@ -223,10 +249,16 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
 fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
     let mut len = [0u8; 4];
     let mut got = 0;
+    // Idle before a request begins, for as long as the client likes; once its first byte
+    // came, the rest of the length within REQUEST_TIMEOUT.
+    let mut begun: Option<Instant> = None;
     let _ = conn.set_timeout(Some(IDLE_CHECK));
     while got < 4 {
-        if served.stop.load(Ordering::Acquire) {
+        if served.stop.load(Ordering::Acquire) || begun.is_some_and(|d| Instant::now() >= d) {
             return None;
+        }
+        if got > 0 && begun.is_none() {
+            begun = Some(kv_loader::deadline_after(REQUEST_TIMEOUT));
         }
         match conn.read(&mut len[got..]) {
             Ok(0) => return None,
@@ -451,8 +483,9 @@ fn get_into(store: &EmbeddedStore, d: &mut Dec<'_>) -> io::Result<Reply> {
 fn get_ranges(store: &EmbeddedStore, d: &mut Dec<'_>) -> io::Result<Reply> {
     reads(d, |d, reply| {
         let key = d.str()?;
-        let m = d.u32()?;
-        let mut ranges = Vec::with_capacity(m as usize);
+        // Each range is two u64s on the wire.
+        let m = d.count(16)?;
+        let mut ranges = Vec::with_capacity(m);
         for _ in 0..m {
             ranges.push((d.u64()?, d.u64()?));
         }
@@ -468,7 +501,7 @@ fn get_ranges(store: &EmbeddedStore, d: &mut Dec<'_>) -> io::Result<Reply> {
                         key,
                     }),
                     None => {
-                        let total = ranges.iter().map(|r| r.1).sum::<u64>();
+                        let total = ranges.iter().fold(0u64, |t, r| t.saturating_add(r.1));
                         for (off, len) in ranges {
                             reply.pieces.push((o.clone(), off as usize, len as usize));
                         }
@@ -487,8 +520,9 @@ fn put(
     d: &mut Dec<'_>,
     deadline: Instant,
 ) -> io::Result<Reply> {
-    let n = d.u32()?;
-    let mut items = Vec::with_capacity(n as usize);
+    // Each item is a key (a u32 length, then its bytes) and a u64 length on the wire.
+    let n = d.count(12)?;
+    let mut items = Vec::with_capacity(n);
     for _ in 0..n {
         items.push((d.str()?, d.u64()?));
     }

@@ -5,6 +5,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::os::linux::net::SocketAddrExt;
+
+use super::protocol::{frame_len, op, Enc, MAGIC, PROTOCOL};
 use super::*;
 use crate::store::{
     EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, StoreError,
@@ -266,4 +269,117 @@ fn concurrent_clients_and_threads_see_whole_objects() {
         }
     });
     assert_eq!(server.store().len(), 20);
+}
+
+/// A raw connection to `server` that has said hello (as a client would, or a hostile peer).
+fn raw_connection(server: &StoreServer) -> std::os::unix::net::UnixStream {
+    use std::io::{Read, Write};
+    let name = server.address().strip_prefix("unix:@").unwrap();
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let mut raw = std::os::unix::net::UnixStream::connect_addr(&a).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut hello = Enc::default();
+    hello.u32(MAGIC).u32(PROTOCOL).u64(0xfeed);
+    raw.write_all(&hello.0).unwrap();
+    let mut ok = [0u8; 4];
+    raw.read_exact(&mut ok).unwrap();
+    assert_eq!(u32::from_le_bytes(ok), 0, "hello accepted");
+    raw
+}
+
+/// Reads until the server closes the connection; false when it stays open past the timeout.
+fn closed_by_server(raw: &mut std::os::unix::net::UnixStream) -> bool {
+    use std::io::Read;
+    let mut buf = [0u8; 64];
+    loop {
+        match raw.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[test]
+fn counts_a_request_cannot_hold_are_refused_before_anything_is_allocated() {
+    use std::io::Write;
+    let (server, client) = serve(1 << 20);
+    // A put of u32::MAX items (32 bytes each in memory: 137 GB), and a ranged read of one key
+    // with u32::MAX ranges, each in a message of a few bytes.
+    let mut put = Enc::default();
+    put.u8(op::PUT).u32(u32::MAX);
+    let mut ranges = Enc::default();
+    ranges.u8(op::GET_RANGES).u32(1).str("k").u32(u32::MAX);
+    for body in [put, ranges] {
+        let mut raw = raw_connection(&server);
+        raw.write_all(&frame_len(&body.0)).unwrap();
+        raw.write_all(&body.0).unwrap();
+        assert!(
+            closed_by_server(&mut raw),
+            "a malformed request ends its connection"
+        );
+    }
+    assert_eq!(client.health(), Ok(()), "the server serves on");
+}
+
+#[test]
+fn a_connection_the_server_ends_is_closed_for_its_client_at_once() {
+    use std::io::Write;
+    let (server, _client) = serve(1 << 20);
+    let mut raw = raw_connection(&server);
+    let mut body = Enc::default();
+    body.u8(99);
+    raw.write_all(&frame_len(&body.0)).unwrap();
+    raw.write_all(&body.0).unwrap();
+    // Before, the server kept a clone of every connection until it stopped: the client saw
+    // no end and waited out its own timeout.
+    let t0 = Instant::now();
+    assert!(closed_by_server(&mut raw), "closed, not left open");
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn a_reply_with_more_results_than_keys_is_refused() {
+    use std::io::{Read, Write};
+    // A fake server: accepts the hello, then answers one `exists` of one key with two
+    // results.
+    let name = format!("kvlink-fake-store-{}", std::process::id());
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind_addr(&a).unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut c, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 16];
+        c.read_exact(&mut hello).unwrap();
+        c.write_all(&0u32.to_le_bytes()).unwrap();
+        let mut next_request = |c: &mut std::os::unix::net::UnixStream| {
+            let mut len = [0u8; 4];
+            c.read_exact(&mut len).unwrap();
+            let mut req = vec![0u8; u32::from_le_bytes(len) as usize];
+            c.read_exact(&mut req).unwrap();
+            req[0]
+        };
+        // The connection's health check, answered right.
+        assert_eq!(next_request(&mut c), op::HEALTH);
+        let mut reply = Enc::default();
+        reply.result(&Ok(()), |_, _| {});
+        c.write_all(&frame_len(&reply.0)).unwrap();
+        c.write_all(&reply.0).unwrap();
+        // Then `exists`, answered with a result too many.
+        assert_eq!(next_request(&mut c), op::EXISTS);
+        let mut reply = Enc::default();
+        for _ in 0..2 {
+            reply.result(&Ok(true), |e, v| {
+                e.u8(u8::from(*v));
+            });
+        }
+        c.write_all(&frame_len(&reply.0)).unwrap();
+        c.write_all(&reply.0).unwrap();
+        // Keep the connection until the client has read the reply.
+        let _ = c.read(&mut [0u8; 1]);
+    });
+    let client = SocketStore::connect(&format!("unix:@{name}")).unwrap();
+    let got = client.exists(&["a"]);
+    assert!(got[0].is_err(), "{got:?}");
+    drop(client);
+    fake.join().unwrap();
 }
