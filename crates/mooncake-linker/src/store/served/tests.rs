@@ -351,7 +351,7 @@ fn a_reply_with_more_results_than_keys_is_refused() {
         let mut hello = [0u8; 16];
         c.read_exact(&mut hello).unwrap();
         c.write_all(&0u32.to_le_bytes()).unwrap();
-        let mut next_request = |c: &mut std::os::unix::net::UnixStream| {
+        let next_request = |c: &mut std::os::unix::net::UnixStream| {
             let mut len = [0u8; 4];
             c.read_exact(&mut len).unwrap();
             let mut req = vec![0u8; u32::from_le_bytes(len) as usize];
