@@ -206,6 +206,27 @@ impl EmbeddedStore {
         }
     }
 
+    /// Pins those of `keys` that are present (a session's start) and returns them: what a
+    /// later [`unpin`](Self::unpin) of this start may take back. A key written later is not
+    /// pinned by this start.
+    pub(crate) fn pin_present(&self, keys: &[String]) -> Vec<String> {
+        keys.iter()
+            .filter(|k| {
+                self.shards[shard_of(k)]
+                    .read()
+                    .get(k.as_str())
+                    .map(|e| e.pins.fetch_add(1, Ordering::AcqRel))
+                    .is_some()
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// Takes back one pin of each of `keys` (never below zero).
+    pub(crate) fn unpin(&self, keys: &[String]) {
+        self.pin(keys, -1);
+    }
+
     fn pin(&self, keys: &[String], delta: i32) {
         for k in keys {
             if let Some(e) = self.shards[shard_of(k)].read().get(k.as_str()) {

@@ -383,32 +383,39 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
                 out.result(&r, |_, _| {});
             }
         }
-        op::START_SESSION | op::END_SESSION => {
-            let start = body[0] == op::START_SESSION;
+        op::START_SESSION => {
             let ks = keys(&mut d)?;
-            let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
-            let r = if start {
-                store.start_session(&refs).map(|_| ())
-            } else {
-                store.end_session(&crate::store::ReadSession {
-                    keys: ks.clone(),
-                    lease: None,
-                })
-            };
+            // Only what was pinned is counted for this client: a key absent now, written and
+            // pinned by another client later, is not this client's to let go.
+            let pinned = store.pin_present(&ks);
             let mut clients = served.clients.lock();
             let pins = &mut clients.entry(client).or_default().keys;
-            for k in ks {
-                let n = pins.entry(k.clone()).or_default();
-                if start {
-                    *n += 1;
-                } else {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        pins.remove(&k);
+            for k in pinned {
+                let n = pins.entry(k).or_default();
+                *n = n.saturating_add(1);
+            }
+            out.result(&Ok(()), |_, _| {});
+        }
+        op::END_SESSION => {
+            let ks = keys(&mut d)?;
+            // Only pins this client holds are let go (an end of keys it never pinned, or a
+            // session ended twice, would take other clients' pins).
+            let mut mine = Vec::new();
+            {
+                let mut clients = served.clients.lock();
+                let pins = &mut clients.entry(client).or_default().keys;
+                for k in ks {
+                    if let Some(n) = pins.get_mut(&k) {
+                        *n -= 1;
+                        if *n == 0 {
+                            pins.remove(&k);
+                        }
+                        mine.push(k);
                     }
                 }
             }
-            out.result(&r, |_, _| {});
+            store.unpin(&mine);
+            out.result(&Ok(()), |_, _| {});
         }
         op::HEALTH => out.result(&store.health(), |_, _| {}),
         other => return Err(Malformed(format!("operation {other}")).into()),

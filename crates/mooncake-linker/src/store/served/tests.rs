@@ -383,3 +383,22 @@ fn a_reply_with_more_results_than_keys_is_refused() {
     drop(client);
     fake.join().unwrap();
 }
+
+#[test]
+fn a_client_lets_go_only_of_the_pins_it_took() {
+    let (server, x) = serve(3000);
+    let y = SocketStore::connect(server.address()).unwrap();
+    // X starts a session on `k` before `k` exists: it pins nothing.
+    let sx = x.start_session(&["k"]).unwrap();
+    assert_eq!(put(&y, "k", &[&pattern(1, 1000)]), Ok(PutOutcome::Written));
+    let _sy = y.start_session(&["k"]).unwrap();
+    // X ends its session twice, then leaves: none of that may take Y's pin.
+    x.end_session(&sx).unwrap();
+    x.end_session(&sx).unwrap();
+    drop(x);
+    // Fill the store past its capacity: `k`, pinned by Y, is not evicted.
+    for i in 0..5 {
+        let _ = put(&y, &format!("f{i}"), &[&pattern(i + 2, 1000)]);
+    }
+    assert_eq!(y.exists(&["k"]), vec![Ok(true)]);
+}
