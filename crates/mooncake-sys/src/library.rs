@@ -10,7 +10,9 @@ use crate::sys::{self, symbols};
 
 /// File name of the kvlink shim built by `scripts/mooncake-build-shim.sh`.
 pub const SHIM_FILE_NAME: &str = "libkvlink_mooncake.so";
-/// File name of upstream's C-API library (`cmake -DWITH_STORE_C_SHARED=ON`), tried last.
+/// File name of upstream's C-API library (`cmake -DWITH_STORE_C_SHARED=ON`). Not loaded:
+/// without kvlink's ABI report its struct layouts (which differ between upstream revisions)
+/// cannot be checked, so [`Library::open`] refuses it.
 pub const UPSTREAM_FILE_NAME: &str = "libmooncake_store.so";
 /// Environment variable naming the library to load (a path, or a name for the system's search).
 pub const ENV_LIBRARY: &str = "MOONCAKE_STORE_LIBRARY";
@@ -133,7 +135,13 @@ impl Library {
     ///    (a `target/` inside the repository finds the repository's `.mooncake/`);
     /// 4. `<workspace>/.mooncake/lib/libkvlink_mooncake.so` of the source tree this crate was
     ///    compiled from;
-    /// 5. `libkvlink_mooncake.so`, then `libmooncake_store.so`, through the system's search path.
+    /// 5. `libkvlink_mooncake.so` through the system's search path.
+    ///
+    /// ```
+    /// use mooncake_sys::library::{Library, UPSTREAM_FILE_NAME};
+    /// // Upstream's library is never tried: its layouts cannot be checked.
+    /// assert!(!Library::candidates().iter().any(|p| p.ends_with(UPSTREAM_FILE_NAME)));
+    /// ```
     pub fn candidates() -> Vec<PathBuf> {
         if let Some(explicit) = std::env::var_os(ENV_LIBRARY).filter(|v| !v.is_empty()) {
             return vec![PathBuf::from(explicit)];
@@ -155,7 +163,6 @@ impl Library {
         let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         out.push(in_dir(&workspace.join(".mooncake")));
         out.push(PathBuf::from(SHIM_FILE_NAME));
-        out.push(PathBuf::from(UPSTREAM_FILE_NAME));
         let mut seen = std::collections::HashSet::new();
         out.retain(|p| seen.insert(p.clone()));
         out
@@ -183,9 +190,16 @@ impl Library {
             unregister_buffer: symbol(&handle, &path, symbols::UNREGISTER_BUFFER)?,
         };
         // The extensions are all-or-nothing: a library exporting `kvlink_mc_abi_info` must be a
-        // complete kvlink shim; one without it is taken as upstream's store_c.h library.
+        // complete kvlink shim. One without it (upstream's store_c.h library) is refused: the
+        // layouts this crate passes (`ReplicateConfig`) differ between upstream revisions, and
+        // only the shim's ABI report lets them be checked.
         let ext = match symbol::<sys::FnAbiInfo>(&handle, &path, symbols::ABI_INFO) {
-            Err(_) => None,
+            Err(_) => {
+                return Err(MooncakeError::AbiMismatch {
+                    path,
+                    detail: "no kvlink_mc_abi_info (not the kvlink shim): its struct layouts cannot be checked; build the shim with scripts/mooncake-build-shim.sh".into(),
+                })
+            }
             Ok(abi_info) => Some(Extensions {
                 abi_info,
                 error_name: symbol(&handle, &path, symbols::ERROR_NAME)?,
@@ -198,7 +212,7 @@ impl Library {
         };
         let abi = match &ext {
             None => None,
-            Some(ext) => Some(check_abi(&path, ext)?),
+            Some(ext) => Some(check_abi(&path, ext.abi_info)?),
         };
         Ok(Self {
             path,
@@ -246,6 +260,13 @@ impl Library {
         if n == 0 {
             return None;
         }
+        if n >= buf.len() {
+            // Longer than the buffer (the return is its full length): ask again with room for
+            // all of it (the message stays until this thread's next error).
+            buf = vec![0 as c_char; n.saturating_add(1)];
+            // SAFETY: as above, for the larger buffer.
+            unsafe { (ext.last_error)(buf.as_mut_ptr(), buf.len()) };
+        }
         // SAFETY: the shim NUL-terminated `buf` (len > 0) above.
         let msg = unsafe { CStr::from_ptr(buf.as_ptr()) };
         Some(msg.to_string_lossy().into_owned())
@@ -259,21 +280,29 @@ impl Library {
     }
 }
 
-fn check_abi(path: &Path, ext: &Extensions) -> Result<AbiInfo> {
+fn check_abi(path: &Path, abi_info: sys::FnAbiInfo) -> Result<AbiInfo> {
     let mismatch = |detail: String| MooncakeError::AbiMismatch {
         path: path.to_path_buf(),
         detail,
     };
-    let mut raw = std::mem::MaybeUninit::<sys::KvlinkMcAbiInfo>::zeroed();
-    // SAFETY: `raw` is valid for writes of one `kvlink_mc_abi_info_t` (same `repr(C)` layout as
-    // the header; the info_size check below catches a different one); the call only fills it.
-    let rc = unsafe { (ext.abi_info)(raw.as_mut_ptr()) };
+    // A shim of another ABI version may write a larger report than this crate's struct: the
+    // call gets a zeroed area far larger than any report, and the struct is read out of it
+    // only once its size checked.
+    const ROOM: usize = 4096;
+    #[repr(C, align(8))]
+    struct Room([u8; ROOM]);
+    let mut room = Room([0; ROOM]);
+    // SAFETY: `room` is valid for writes of ROOM bytes, 8-aligned (as the report's u64
+    // fields need), and far larger than any version's report (the shim writes its own
+    // `sizeof(kvlink_mc_abi_info_t)`, which it reports in `info_size`).
+    let rc = unsafe { abi_info(room.0.as_mut_ptr().cast::<sys::KvlinkMcAbiInfo>()) };
     if rc != 0 {
         return Err(mismatch(format!("kvlink_mc_abi_info returned {rc}")));
     }
-    // SAFETY: zero-initialised, then filled by the shim; all-zero is a valid value of this
-    // plain-old-data struct either way.
-    let raw = unsafe { raw.assume_init() };
+    const _: () = assert!(std::mem::size_of::<sys::KvlinkMcAbiInfo>() <= ROOM);
+    // SAFETY: `room` holds at least one `KvlinkMcAbiInfo` (asserted above), 8-aligned, zeroed
+    // and then filled by the shim; all bit patterns are valid for this plain-old-data struct.
+    let raw = unsafe { std::ptr::read(room.0.as_ptr().cast::<sys::KvlinkMcAbiInfo>()) };
     if raw.abi_version != sys::KVLINK_MC_ABI_VERSION
         || raw.info_size as usize != std::mem::size_of::<sys::KvlinkMcAbiInfo>()
     {
@@ -360,4 +389,30 @@ fn symbol<T: Copy>(handle: &libloading::Library, path: &Path, name: &[u8]) -> Re
             symbol: String::from_utf8_lossy(name.strip_suffix(b"\0").unwrap_or(name)).into_owned(),
             reason: e.to_string(),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shim of a later ABI version whose report is 200 bytes.
+    unsafe extern "C" fn report_v2(out: *mut sys::KvlinkMcAbiInfo) -> std::ffi::c_int {
+        let mut v2 = [0u8; 200];
+        v2[..4].copy_from_slice(&2u32.to_le_bytes());
+        v2[4..8].copy_from_slice(&200u32.to_le_bytes());
+        // SAFETY: the caller's contract (kvlink_mc_abi_info) is room for the shim's own report.
+        unsafe { std::ptr::copy_nonoverlapping(v2.as_ptr(), out.cast::<u8>(), v2.len()) };
+        0
+    }
+
+    #[test]
+    fn a_larger_report_of_another_abi_version_is_refused_not_overrun() {
+        let got = check_abi(Path::new("fake"), report_v2);
+        match got {
+            Err(MooncakeError::AbiMismatch { detail, .. }) => {
+                assert!(detail.contains("version 2 (info size 200)"), "{detail}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }
