@@ -243,6 +243,12 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
 /// Maps a whole-call mooncake-sys error to the [`StoreError`] of `key`.
 pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
     match e {
+        MooncakeError::Status {
+            code,
+            message: Some(message),
+            operation,
+            ..
+        } => with_message(code_error(key, *code), operation, message),
         MooncakeError::Status { code, .. } => code_error(key, *code),
         MooncakeError::NulInString { .. } | MooncakeError::InvalidArguments { .. } => {
             StoreError::InvalidArgument {
@@ -253,6 +259,34 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
         _ => StoreError::Unavailable {
             detail: format!("`{key}`: {e}").into(),
         },
+    }
+}
+
+/// `e` with the message of the C++ exception behind it (the shim's): in its detail where it
+/// has one, else in a log line beside it (the kinds without a detail cross the served
+/// protocol as they are).
+fn with_message(e: StoreError, operation: &str, message: &str) -> StoreError {
+    let more = |detail: String| format!("{detail}; {operation}: {message}");
+    match e {
+        StoreError::NoSpace { key, detail } => StoreError::NoSpace {
+            key,
+            detail: more(detail),
+        },
+        StoreError::Lease { key, detail } => StoreError::Lease {
+            key,
+            detail: more(detail),
+        },
+        StoreError::InvalidArgument { key, detail } => StoreError::InvalidArgument {
+            key,
+            detail: more(detail),
+        },
+        StoreError::Unavailable { detail } => StoreError::Unavailable {
+            detail: more(detail.to_string()).into(),
+        },
+        other => {
+            tracing::warn!(error = %other, operation, message, "Mooncake call failed");
+            other
+        }
     }
 }
 
@@ -603,6 +637,28 @@ impl KvStore for MooncakeStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shims_exception_message_stays_with_the_error() {
+        let status = |code: i32| MooncakeError::Status {
+            operation: "batch_get_ranges",
+            key: None,
+            code: ErrorCode(code),
+            message: Some("boom".into()),
+        };
+        let invalid = store_error("k", &status(mooncake_sys::sys::shim_codes::INVALID_ARG));
+        assert!(
+            matches!(invalid, StoreError::InvalidArgument { .. }),
+            "{invalid:?}"
+        );
+        assert!(
+            invalid.to_string().contains("batch_get_ranges: boom"),
+            "{invalid}"
+        );
+        // A kind without a detail keeps its kind (the message goes to the log).
+        let other = store_error("k", &status(mooncake_sys::sys::shim_codes::EXCEPTION));
+        assert!(matches!(other, StoreError::Other { .. }), "{other:?}");
+    }
 
     #[test]
     fn a_range_with_a_null_destination_or_ending_past_the_largest_offset_is_refused() {
