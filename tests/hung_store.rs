@@ -137,6 +137,72 @@ fn hung_batch_fails_in_time(linker: &Linker, o: &One, slots: Vec<u32>) -> LoadTi
     t
 }
 
+/// A read the store gave up on while its transfer may still run (Mooncake's client returns
+/// after 60 s with transfers in flight; here `StoreError::Abandoned`, injected): the batch
+/// fails, and its memory is kept for good: its outcome never comes, `reset` and `close` name
+/// its slots as held every time, and the regions are never let go.
+#[test]
+fn a_read_the_store_gave_up_on_keeps_its_slots_and_registrations_for_good() {
+    let o = one();
+    o.store.inner.clear();
+    let layer3 =
+        o.g.component_by_name("k")
+            .unwrap()
+            .layer_range(3)
+            .unwrap()
+            .start;
+    o.store.inner.inject(
+        FaultRule {
+            offset: Some(layer3),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::Abandoned {
+            key: "injected".into(),
+            call: "get_ranges",
+            detail: "the client's transfer timeout (injected)".into(),
+        }),
+    );
+    let pool = Arc::new(HostKvPool::new(o.g.clone(), 16).unwrap());
+    let linker = Linker::new(o.g.clone(), o.store.clone(), pool.clone(), cfg()).unwrap();
+    let t = linker
+        .start_load(load_plan(&o.g, 1, &o.pages, vec![1, 2, 3, 4]))
+        .unwrap();
+    for l in 0..3 {
+        linker.wait_layer(&t, l).unwrap();
+    }
+    let err = linker.wait_layer(&t, 3).unwrap_err();
+    assert!(
+        matches!(&err, KvLoadError::Store { layer: Some(3), .. }),
+        "{err:?}"
+    );
+    // Other slots load meanwhile.
+    let other = vec![8, 9, 10, 11];
+    let t2 = linker
+        .start_load(load_plan(&o.g, 2, &o.pages, other.clone()))
+        .unwrap();
+    wait_all(&linker, &t2).unwrap();
+    linker.wait_batch(&t2).unwrap().result.unwrap();
+    pool_matches(&pool, &o.pages, &other, o.g.num_layers()).unwrap();
+    // Batch 1's slots are held now and later: its outcome is never handed out.
+    for _ in 0..2 {
+        let r = linker.reset();
+        assert!(
+            matches!(&r, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(1)]),
+            "{r:?}"
+        );
+        assert!(linker.completed().is_empty());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(matches!(linker.close(), Err(KvLoadError::SlotsHeld { .. })));
+    drop(linker);
+    assert_eq!(
+        o.store.released.load(Ordering::SeqCst),
+        0,
+        "the regions the transfer may still write stay registered"
+    );
+}
+
 #[test]
 fn a_hung_read_on_a_host_pool_keeps_its_slots_and_registrations_until_it_returns() {
     let o = one();

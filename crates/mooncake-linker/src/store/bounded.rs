@@ -418,6 +418,27 @@ impl StoreCalls {
             // SAFETY: every destination is a buffer this closure owns, of exactly its length,
             // distinct from the others, alive and untouched until the call returns.
             let got = unsafe { s.get_into(&gets) };
+            if got
+                .iter()
+                .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer))
+            {
+                // The store gave up on a transfer that may still write these buffers: they
+                // are kept for good, and every key fails.
+                let failed = super::checked_results(k, got)
+                    .into_iter()
+                    .zip(k)
+                    .map(|(r, key)| match r {
+                        Err(e) => Err(e),
+                        Ok(_) => Err(StoreError::Abandoned {
+                            key: (*key).to_owned(),
+                            call: "get_into",
+                            detail: "another key's transfer of the same call was given up".into(),
+                        }),
+                    })
+                    .collect();
+                std::mem::forget(bufs);
+                return failed;
+            }
             owned_results(k, bufs, super::checked_results(k, got))
         })
     }
@@ -459,6 +480,36 @@ mod tests {
         };
         // SAFETY: `bytes` is live and unchanged during the call.
         assert!(unsafe { store.put(&[p]) }[0].is_ok());
+    }
+
+    #[test]
+    fn a_whole_read_the_store_gave_up_on_fails_every_key_of_its_call() {
+        let inner = Arc::new(EmbeddedStore::new(1 << 20));
+        put(inner.as_ref(), "a", &[1; 8]);
+        put(inner.as_ref(), "b", &[2; 8]);
+        let faulty = Arc::new(FaultyStore::new(inner));
+        faulty.inject_on(
+            FaultCall::ReadWhole,
+            FaultRule {
+                key_contains: Some("b".into()),
+                ..FaultRule::default()
+            },
+            Fault::Error(StoreError::Abandoned {
+                key: "b".into(),
+                call: "get_into",
+                detail: "injected".into(),
+            }),
+        );
+        let calls = StoreCalls::new(faulty);
+        let soon = kv_loader::deadline_after(Duration::from_secs(5));
+        let got = calls.read_whole_owned(&["a", "b"], &[8, 8], soon);
+        // `a` came whole, but its buffer is kept with `b`'s (the call may still write both):
+        // neither is handed out.
+        assert!(
+            got.iter()
+                .all(|r| matches!(r, Err(StoreError::Abandoned { .. }))),
+            "{got:?}"
+        );
     }
 
     /// A landing of one batch (plan pages → slots 0, 1) over a fresh host pool, its first

@@ -107,6 +107,19 @@ pub enum StoreError {
         /// The store call.
         call: &'static str,
     },
+    /// The store gave up on the key's transfer while it may still be running (Mooncake's
+    /// client stops waiting for its transfers after 60 s and returns, leaving them in
+    /// flight): the memory the call read or wrote may still be read or written, so it is kept
+    /// for good (never freed, never reused), as for a call that never returns.
+    #[error("`{key}`: {call} gave up on a transfer that may still run ({detail})")]
+    Abandoned {
+        /// The key.
+        key: String,
+        /// The store call.
+        call: &'static str,
+        /// What the store said.
+        detail: String,
+    },
     /// Any other code of the store.
     #[error("`{key}`: store error code {code}")]
     Other {
@@ -118,12 +131,20 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// True when the call may still use the key's memory although it returned
+    /// ([`Abandoned`](StoreError::Abandoned)): its memory must be kept for good.
+    pub fn may_still_transfer(&self) -> bool {
+        matches!(self, StoreError::Abandoned { .. })
+    }
+
     /// The kind, as the loader's errors carry it.
     pub fn failure(&self) -> StoreFailure {
         match self {
             StoreError::NotFound { .. } => StoreFailure::NotFound,
             StoreError::NoSpace { .. } => StoreFailure::NoSpace,
-            StoreError::TransferFailed { .. } => StoreFailure::TransferFailed,
+            StoreError::TransferFailed { .. } | StoreError::Abandoned { .. } => {
+                StoreFailure::TransferFailed
+            }
             StoreError::Lease { .. } => StoreFailure::Lease,
             StoreError::RpcTimeout { .. } | StoreError::Overdue { .. } => StoreFailure::RpcTimeout,
             StoreError::InvalidArgument { .. } | StoreError::InvalidTarget { .. } => {

@@ -76,8 +76,17 @@ impl StoreCalls {
             // own bytes are never written again; the engine does not write a pool slot while a
             // save of it is in progress).
             let r = unsafe { s.put(&puts) };
-            drop(parts);
-            drop(hold);
+            if r.iter()
+                .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer))
+            {
+                // The store gave up on a transfer that may still read these sources: kept for
+                // good.
+                std::mem::forget(parts);
+                std::mem::forget(hold);
+            } else {
+                drop(parts);
+                drop(hold);
+            }
             r
         })
     }

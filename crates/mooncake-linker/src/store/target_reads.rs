@@ -210,7 +210,16 @@ impl StoreCalls {
                                 s.get_ranges(&gets)
                             }
                         };
-                        drop(loans);
+                        if r.iter()
+                            .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer))
+                        {
+                            // The store gave up on a transfer that may still write these
+                            // targets: their loans (and the batch's memory hold with them) are
+                            // kept for good, so nothing is handed on or freed.
+                            std::mem::forget(loans);
+                        } else {
+                            drop(loans);
+                        }
                         let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
                         let results = checked_results(&refs, r);
                         TargetReadResults { results, sums }

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 
 use super::parts::run_parts;
 use super::ranges::{partition, shape, Shaped, Target};
-use super::store::{failed_placeholder, per_key, store_error, MooncakeStore};
+use super::store::{failed_placeholder, mark_abandoned, per_key, store_error, MooncakeStore};
 use crate::store::{RangeChecksums, RangedGet, StoreError};
 
 /// Below this many bytes per stream a ranged read is not split (thread start-up and the
@@ -41,6 +41,9 @@ struct ReadCall<'g> {
     ranges_to_hash: Option<Vec<usize>>,
     /// The keys, in call order.
     keys: Vec<&'g str>,
+    /// The client gave up on some transfer of the call that may still run: the scratch is
+    /// kept for good, not reused.
+    abandoned: bool,
 }
 
 // SAFETY: the copy targets inside `shaped` are caller memory that `get_ranges`'s contract
@@ -266,6 +269,7 @@ impl MooncakeStore {
                     shaped,
                     ranges_to_hash: None,
                     keys: names,
+                    abandoned: false,
                 };
             }
         };
@@ -302,11 +306,19 @@ impl MooncakeStore {
         // destination lies in `scratch`, owned here for the whole call. Concurrent calls get
         // disjoint gets and their own scratch. The call is synchronous. Staging is used over
         // TCP only, whose reader side needs no registration.
+        let t0 = std::time::Instant::now();
         let results = unsafe { self.client.batch_get_ranges_raw(&ckeys, &counts, &ranges) };
-        drop(transfer);
+        let took = t0.elapsed();
         let positions: Vec<usize> = (0..part.len()).collect();
         let mut out: Vec<KeyResult> = names.iter().map(|k| failed_placeholder(k)).collect();
         per_key(&names, results, &positions, &mut out);
+        let abandoned = mark_abandoned("batch_get_ranges", took, &mut out);
+        if abandoned {
+            // Transfers may still write the caller's memory: `unregister` must not let it go.
+            std::mem::forget(transfer);
+        } else {
+            drop(transfer);
+        }
         for (r, &i) in out.iter_mut().zip(part) {
             let expected = gets[i].expected();
             if let Ok(got) = *r {
@@ -326,6 +338,7 @@ impl MooncakeStore {
             shaped,
             ranges_to_hash,
             keys: names,
+            abandoned,
         }
     }
 
@@ -339,6 +352,7 @@ impl MooncakeStore {
             shaped,
             ranges_to_hash,
             keys,
+            abandoned,
         } = call;
         let each = results.into_iter().zip(shaped).zip(&key_scratch);
         let out = each
@@ -367,7 +381,12 @@ impl MooncakeStore {
                 }
             })
             .collect();
-        self.return_scratch(scratch);
+        if abandoned {
+            // A transfer the client gave up on may still write it.
+            std::mem::forget(scratch);
+        } else {
+            self.return_scratch(scratch);
+        }
         out
     }
 

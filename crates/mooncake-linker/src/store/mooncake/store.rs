@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kv_loader::Cause;
 use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError};
@@ -240,6 +241,46 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
     }
 }
 
+/// How long Mooncake's client waits for a call's transfers before it gives up on them and
+/// returns with them still in flight (`TransferEngineOperationState::wait_for_completion`,
+/// 60 s), less a margin: a call that failed a transfer after this long is taken as one the
+/// client gave up on.
+pub(super) const CLIENT_GIVES_UP_AFTER: Duration = Duration::from_secs(55);
+
+/// Marks the failed transfers of a wheel call that ran into the client's own transfer timeout
+/// as [`StoreError::Abandoned`]: the client returned without waiting for them, and they may
+/// still read or write the call's memory. True when there was one.
+pub(super) fn mark_abandoned<T>(
+    call: &'static str,
+    took: Duration,
+    results: &mut [Result<T, StoreError>],
+) -> bool {
+    if took < CLIENT_GIVES_UP_AFTER {
+        return false;
+    }
+    let mut any = false;
+    for r in results.iter_mut() {
+        if let Err(StoreError::TransferFailed { key, code }) = r {
+            *r = Err(StoreError::Abandoned {
+                key: std::mem::take(key),
+                call,
+                detail: format!(
+                    "transfer code {code} after {took:?}; the client stops waiting at 60 s"
+                ),
+            });
+            any = true;
+        }
+    }
+    if any {
+        tracing::error!(
+            call,
+            ?took,
+            "Mooncake gave up on transfers that may still run: their memory is kept for good"
+        );
+    }
+    any
+}
+
 /// Maps a whole-call mooncake-sys error to the [`StoreError`] of `key`.
 pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
     match e {
@@ -374,7 +415,8 @@ impl KvStore for MooncakeStore {
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
         let (valid, mut out) = vet_reads(&keys, |i| null_dst(gets[i].dst), |_| true);
-        let _transfer = self.transfers.transfer();
+        let transfer = self.transfers.transfer();
+        let mut abandoned = false;
         // The wheel's `batch_get_into` stalls (until its 60 s transfer timeout) when one call
         // carries thousands of keys over TCP: at most MAX_WHOLE_READS_PER_CALL keys per call.
         // Once a call fails whole (or every key of it fails its transfer), the later parts are
@@ -404,7 +446,9 @@ impl KvStore for MooncakeStore {
             // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract) that
             // each `dst` is valid for writes of `len` bytes, not accessed by anyone else during
             // the call, and registered where the transport needs it; the call is synchronous.
+            let t0 = Instant::now();
             let results = unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
+            let took = t0.elapsed();
             given_up = match &results {
                 Err(e) => Some(format!("an earlier whole-object read call failed ({e})")),
                 Ok(r) if r.iter().all(|k| k == &Err(ErrorCode::TRANSFER_FAIL)) => {
@@ -416,6 +460,18 @@ impl KvStore for MooncakeStore {
                 tracing::warn!(keys = part.len(), why, "whole-object reads given up");
             }
             per_key(&keys, results, part, &mut out);
+            let mut mine: Vec<Result<u64, StoreError>> = part
+                .iter()
+                .map(|&i| std::mem::replace(&mut out[i], Ok(0)))
+                .collect();
+            abandoned |= mark_abandoned("batch_get_into", took, &mut mine);
+            for (&i, r) in part.iter().zip(mine) {
+                out[i] = r;
+            }
+        }
+        if abandoned {
+            // Transfers may still run: `unregister` must not let their memory go.
+            std::mem::forget(transfer);
         }
         out
     }
@@ -529,6 +585,7 @@ impl KvStore for MooncakeStore {
         }
         let names: Vec<&str> = to_write.iter().map(|&i| keys[i]).collect();
         let transfer = self.transfers.transfer();
+        let t0 = Instant::now();
         let results = match CKeys::new(&names) {
             // SAFETY: every pointer is either a caller's single source part (valid for reads of
             // its length for the whole call, by the trait's contract) or one of `staging`'s
@@ -543,13 +600,21 @@ impl KvStore for MooncakeStore {
             },
             Err(e) => Err(e),
         };
-        drop(transfer);
+        let took = t0.elapsed();
         let mut written: Vec<Result<(), StoreError>> = to_write
             .iter()
             .map(|&i| failed_placeholder(keys[i]))
             .collect();
         let positions: Vec<usize> = (0..to_write.len()).collect();
         per_key(&names, results, &positions, &mut written);
+        if mark_abandoned("batch_put_from", took, &mut written) {
+            // Transfers may still read the staging and the registered sources.
+            std::mem::forget(staging);
+            std::mem::forget(transfer);
+            staging = Vec::new();
+        } else {
+            drop(transfer);
+        }
         for (&i, r) in to_write.iter().zip(written) {
             out[i] = r.map(|()| PutOutcome::Written);
         }
@@ -637,6 +702,30 @@ impl KvStore for MooncakeStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transfers_failed_after_the_clients_own_timeout_are_abandoned() {
+        let results = || {
+            vec![
+                Ok(3u64),
+                Err(StoreError::TransferFailed {
+                    key: "k".into(),
+                    code: -800,
+                }),
+                Err(StoreError::NotFound { key: "n".into() }),
+            ]
+        };
+        let mut early = results();
+        assert!(!mark_abandoned("get", Duration::from_secs(10), &mut early));
+        assert_eq!(early, results());
+        let mut late = results();
+        assert!(mark_abandoned("get", Duration::from_secs(60), &mut late));
+        assert_eq!(late[0], Ok(3));
+        assert!(
+            matches!(&late[1], Err(StoreError::Abandoned { key, call: "get", .. }) if key == "k")
+        );
+        assert_eq!(late[2], Err(StoreError::NotFound { key: "n".into() }));
+    }
 
     #[test]
     fn the_shims_exception_message_stays_with_the_error() {

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use crate::store::{PutOutcome, StoreError};
 
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
-/// Version 2: error kind 11 ([`StoreError::Panicked`]).
-pub(crate) const PROTOCOL: u32 = 2;
+/// Version 2: error kind 11 ([`StoreError::Panicked`]); version 3: error kind 12
+/// ([`StoreError::Abandoned`]). A peer of another version is refused at hello.
+pub(crate) const PROTOCOL: u32 = 3;
 /// Largest request or reply frame (keys and ranges, not bulk bytes).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// The call named by a [`StoreError::Panicked`] that came over the wire (its own name stays
@@ -234,6 +235,7 @@ impl Enc {
             StoreError::Other { key, code } => self.u8(9).str(key).u64(*code as u64),
             // The call's name does not cross the wire (decoded as the server's call).
             StoreError::Panicked { key, .. } => self.u8(11).str(key),
+            StoreError::Abandoned { key, detail, .. } => self.u8(12).str(key).str(detail),
             StoreError::ResultCount { key, expected, got } => {
                 self.u8(10).str(key).u64(*expected as u64).u64(*got as u64)
             }
@@ -370,6 +372,11 @@ impl<'a> Dec<'a> {
                 key: self.str()?,
                 call: SERVED_CALL,
             },
+            12 => StoreError::Abandoned {
+                key: self.str()?,
+                call: SERVED_CALL,
+                detail: self.str()?,
+            },
             t => return Err(Malformed(format!("error kind {t}"))),
         })
     }
@@ -438,6 +445,11 @@ mod tests {
             StoreError::Panicked {
                 key: "k".into(),
                 call: SERVED_CALL,
+            },
+            StoreError::Abandoned {
+                key: "k".into(),
+                call: SERVED_CALL,
+                detail: "d".into(),
             },
         ];
         for e in errors {
