@@ -135,7 +135,10 @@ pub struct ReadSession {
 /// memory is of a kind the store can access (registered with [`KvStore::register`] where the
 /// store needs that). Destinations of one call must not overlap. In turn, a store touches
 /// none of that memory once the call has returned **or unwound** (a panic inside a store call
-/// leaves no work of it running: its threads are joined, its transfers over).
+/// leaves no work of it running: its threads are joined, its transfers over), with one
+/// exception it must say: when any key of a call fails with [`StoreError::Abandoned`], the
+/// store gave up on a transfer that may still run, and the caller keeps all of that call's
+/// memory for good (never frees, reuses or hands it on).
 ///
 /// Callers above the store layer never make these calls themselves: they go through
 /// [`StoreCalls`](super::StoreCalls), whose [`read_targets`](super::StoreCalls::read_targets)

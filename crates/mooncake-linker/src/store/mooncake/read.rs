@@ -299,14 +299,16 @@ impl MooncakeStore {
         }
         // Held shared for the call: `unregister` waits for it.
         let transfer = self.transfers.transfer();
+        let t0 = std::time::Instant::now();
         // SAFETY: every caller destination comes from a range whose `dst` the caller of
         // `get_ranges` (an `unsafe fn`) promised, by KvStore's buffer contract, valid for writes
         // of its length, untouched by anyone else during the call and registered where the
         // transport needs it (merging joins only ranges adjacent in memory); every scratch
         // destination lies in `scratch`, owned here for the whole call. Concurrent calls get
-        // disjoint gets and their own scratch. The call is synchronous. Staging is used over
-        // TCP only, whose reader side needs no registration.
-        let t0 = std::time::Instant::now();
+        // disjoint gets and their own scratch. The call is synchronous, except for a transfer
+        // the client gives up on, after which everything it may touch is kept for good
+        // (`mark_abandoned` below). Staging is used over TCP only, whose reader side needs no
+        // registration.
         let results = unsafe { self.client.batch_get_ranges_raw(&ckeys, &counts, &ranges) };
         let took = t0.elapsed();
         let positions: Vec<usize> = (0..part.len()).collect();

@@ -443,10 +443,12 @@ impl KvStore for MooncakeStore {
             };
             let ptrs: Vec<*mut u8> = part.iter().map(|&i| gets[i].dst).collect();
             let sizes: Vec<usize> = part.iter().map(|&i| gets[i].len).collect();
+            let t0 = Instant::now();
             // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract) that
             // each `dst` is valid for writes of `len` bytes, not accessed by anyone else during
-            // the call, and registered where the transport needs it; the call is synchronous.
-            let t0 = Instant::now();
+            // the call, and registered where the transport needs it; the call is synchronous,
+            // except for a transfer the client gives up on, whose memory the caller then keeps
+            // for good (`StoreError::Abandoned`).
             let results = unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
             let took = t0.elapsed();
             given_up = match &results {
