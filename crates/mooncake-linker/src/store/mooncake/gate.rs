@@ -2,6 +2,7 @@
 //! (reads, puts) hold it shared; unregistering memory holds it alone, so that no transfer is
 //! in flight when a region is let go (mooncake-sys's `unregister_buffer` contract).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -10,20 +11,38 @@ use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 /// up (the region then stays registered, and its memory must be kept).
 pub const UNREGISTER_WAIT: Duration = Duration::from_secs(5);
 
-/// Shared by transfers, exclusive for unregistering.
+/// Shared by transfers, exclusive for unregistering; closed to unregistering for good once a
+/// transfer was given up on.
 #[derive(Debug, Default)]
-pub(crate) struct TransferGate(RwLock<()>);
+pub(crate) struct TransferGate {
+    lock: RwLock<()>,
+    /// A transfer was given up on while it may still run (`StoreError::Abandoned`): no region
+    /// is let go from then on.
+    abandoned: AtomicBool,
+}
 
 impl TransferGate {
     /// Held for the length of one call that moves bytes.
     pub(crate) fn transfer(&self) -> RwLockReadGuard<'_, ()> {
-        self.0.read()
+        self.lock.read()
+    }
+
+    /// Ends a call (`guard`) whose client gave up on a transfer that may still run: no region
+    /// is unregistered from now on, since that transfer may still use any of them.
+    pub(crate) fn abandon(&self, guard: RwLockReadGuard<'_, ()>) {
+        self.abandoned.store(true, Ordering::Release);
+        drop(guard);
     }
 
     /// Held while a region is unregistered: no transfer is in flight meanwhile. `None` if
-    /// transfers were still in flight after `wait`.
+    /// transfers were still in flight after `wait`, or at once when one was given up on.
     pub(crate) fn quiet(&self, wait: Duration) -> Option<RwLockWriteGuard<'_, ()>> {
-        self.0.try_write_for(wait)
+        if self.abandoned.load(Ordering::Acquire) {
+            return None;
+        }
+        let quiet = self.lock.try_write_for(wait)?;
+        // A call that ended abandoned set the flag before it let go of its guard.
+        (!self.abandoned.load(Ordering::Acquire)).then_some(quiet)
     }
 }
 
@@ -57,5 +76,16 @@ mod tests {
             release.0.send(()).unwrap();
             assert!(gate.quiet(Duration::from_secs(10)).is_some());
         });
+    }
+
+    #[test]
+    fn a_gate_with_an_abandoned_transfer_refuses_unregistering_at_once() {
+        let gate = TransferGate::default();
+        gate.abandon(gate.transfer());
+        let t0 = Instant::now();
+        assert!(gate.quiet(Duration::from_secs(5)).is_none());
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        // Transfers still go through.
+        drop(gate.transfer());
     }
 }

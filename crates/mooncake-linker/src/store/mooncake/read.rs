@@ -317,7 +317,7 @@ impl MooncakeStore {
         let abandoned = mark_abandoned("batch_get_ranges", took, &mut out);
         if abandoned {
             // Transfers may still write the caller's memory: `unregister` must not let it go.
-            std::mem::forget(transfer);
+            self.transfers.abandon(transfer);
         } else {
             drop(transfer);
         }

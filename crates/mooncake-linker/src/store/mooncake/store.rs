@@ -473,7 +473,7 @@ impl KvStore for MooncakeStore {
         }
         if abandoned {
             // Transfers may still run: `unregister` must not let their memory go.
-            std::mem::forget(transfer);
+            self.transfers.abandon(transfer);
         }
         out
     }
@@ -612,7 +612,7 @@ impl KvStore for MooncakeStore {
         if mark_abandoned("batch_put_from", took, &mut written) {
             // Transfers may still read the staging and the registered sources.
             std::mem::forget(staging);
-            std::mem::forget(transfer);
+            self.transfers.abandon(transfer);
             staging = Vec::new();
         } else {
             drop(transfer);
@@ -661,8 +661,8 @@ impl KvStore for MooncakeStore {
         let Some(_quiet) = self.transfers.quiet(UNREGISTER_WAIT) else {
             return Err(StoreError::Unavailable {
                 detail: format!(
-                    "<region {:#x}+{}>: transfers still in flight after {UNREGISTER_WAIT:?}; \
-                     the region stays registered",
+                    "<region {:#x}+{}>: transfers still in flight after {UNREGISTER_WAIT:?}, \
+                     or one was given up on and may still run; the region stays registered",
                     region.addr, region.len
                 )
                 .into(),
