@@ -303,6 +303,11 @@ impl KvLoader for MockKvLoader {
             layer,
         })?;
         self.live_ticket(ticket)?;
+        if self.state.lock().cancelled.contains(&ticket.batch) {
+            return Err(KvLoadError::Cancelled {
+                batch: ticket.batch,
+            });
+        }
         if layer >= self.num_layers {
             return Err(KvLoadError::InvalidPlan {
                 batch: ticket.batch,
@@ -461,18 +466,23 @@ mod tests {
         mock.wait_batch(&t).unwrap().result.unwrap();
         // Taken: the id is free again.
         mock.start_load(plan(1)).unwrap();
-        // A reset cancels it; its outcome stays to be taken, and its id in use until then.
+        // A reset cancels it (its waiters hear so); its outcome stays to be taken, and its id
+        // in use until then.
+        let t = mock.start_load(plan(2)).unwrap();
         mock.reset().unwrap();
+        assert!(matches!(
+            mock.wait_layer(&t, 0),
+            Err(KvLoadError::Cancelled { batch: BatchId(2) })
+        ));
         assert!(matches!(
             mock.start_load(plan(1)),
             Err(KvLoadError::DuplicateBatch { batch: BatchId(1) })
         ));
         let taken = mock.completed();
-        assert_eq!(taken.len(), 1);
-        assert!(matches!(
-            taken[0].result,
-            Err(KvLoadError::Cancelled { .. })
-        ));
+        assert_eq!(taken.len(), 2);
+        assert!(taken
+            .iter()
+            .all(|o| matches!(o.result, Err(KvLoadError::Cancelled { .. }))));
         mock.start_load(plan(1)).unwrap();
         assert!(
             mock.completed()[0].result.is_ok(),
