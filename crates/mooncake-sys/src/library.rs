@@ -68,7 +68,8 @@ pub struct AbiInfo {
     pub replicate_config_offsets: [u64; 7],
 }
 
-/// A loaded Mooncake store library: the kvlink shim, or upstream's `libmooncake_store.so`.
+/// A loaded Mooncake store library: the kvlink shim (a library without its ABI report, such
+/// as upstream's `libmooncake_store.so`, is refused).
 ///
 /// The library is never unloaded: Mooncake's client starts background threads and registers
 /// `atexit` handlers inside it, so `dlclose` while the process runs would be unsound. Dropping a
@@ -228,13 +229,14 @@ impl Library {
         &self.path
     }
 
-    /// Whether the kvlink extensions (ranged reads, read sessions, upsert) are available.
+    /// Whether the kvlink extensions (ranged reads, read sessions, upsert) are available:
+    /// always, since a library without them is refused when opened.
     pub fn has_extensions(&self) -> bool {
         self.ext.is_some()
     }
 
-    /// The shim's ABI report (`None` for a library without the kvlink extensions). It was
-    /// checked against this crate's expectations when the library was opened.
+    /// The shim's ABI report, checked against this crate's expectations when the library was
+    /// opened (always `Some`: a library without one is refused).
     pub fn abi_info(&self) -> Option<&AbiInfo> {
         self.abi.as_ref()
     }

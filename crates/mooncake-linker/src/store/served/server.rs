@@ -197,15 +197,24 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(20);
 fn accept_loop(listener: Listener, served: Arc<Served>) {
     let mut conns: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id = 0u64;
+    let mut failed_accepts = 0u64;
     loop {
         let accepted = listener.accept();
         if served.stop.load(Ordering::Acquire) {
             break;
         }
         let conn = match accepted {
-            Ok(conn) => conn,
+            Ok(conn) => {
+                failed_accepts = 0;
+                conn
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "accepting a store connection failed");
+                failed_accepts += 1;
+                // The first failure of a run and then one in a hundred (out of file
+                // descriptors, this repeats every ACCEPT_RETRY).
+                if failed_accepts % 100 == 1 {
+                    tracing::warn!(error = %e, failed_accepts, "accepting a store connection failed");
+                }
                 std::thread::sleep(ACCEPT_RETRY);
                 continue;
             }
