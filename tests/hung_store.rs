@@ -115,6 +115,17 @@ fn eventually(what: &str, f: impl Fn() -> bool) {
     }
 }
 
+/// Batch 2 into slots 8..12 loads whole (the load thread went on past batch 1).
+fn loads_into_other_slots(linker: &Linker, o: &One, pool: &HostKvPool) {
+    let other = vec![8, 9, 10, 11];
+    let t2 = linker
+        .start_load(load_plan(&o.g, 2, &o.pages, other.clone()))
+        .unwrap();
+    wait_all(linker, &t2).unwrap();
+    linker.wait_batch(&t2).unwrap().result.unwrap();
+    pool_matches(pool, &o.pages, &other, o.g.num_layers()).unwrap();
+}
+
 /// The hung batch fails within the read timeout; its ticket.
 fn hung_batch_fails_in_time(linker: &Linker, o: &One, slots: Vec<u32>) -> LoadTicket {
     let t0 = Instant::now();
@@ -177,13 +188,7 @@ fn a_read_the_store_gave_up_on_keeps_its_slots_and_registrations_for_good() {
         "{err:?}"
     );
     // Other slots load meanwhile.
-    let other = vec![8, 9, 10, 11];
-    let t2 = linker
-        .start_load(load_plan(&o.g, 2, &o.pages, other.clone()))
-        .unwrap();
-    wait_all(&linker, &t2).unwrap();
-    linker.wait_batch(&t2).unwrap().result.unwrap();
-    pool_matches(&pool, &o.pages, &other, o.g.num_layers()).unwrap();
+    loads_into_other_slots(&linker, &o, &pool);
     // Batch 1's slots are held now and later: its outcome is never handed out.
     for _ in 0..2 {
         let r = linker.reset();
@@ -215,13 +220,7 @@ fn a_hung_read_on_a_host_pool_keeps_its_slots_and_registrations_until_it_returns
     // The outcome (and so the slots) waits for the call: not handed out yet.
     assert!(linker.completed().is_empty());
     // The load thread goes on: a batch into other slots loads.
-    let other = vec![8, 9, 10, 11];
-    let t2 = linker
-        .start_load(load_plan(&o.g, 2, &o.pages, other.clone()))
-        .unwrap();
-    wait_all(&linker, &t2).unwrap();
-    linker.wait_batch(&t2).unwrap().result.unwrap();
-    pool_matches(&pool, &o.pages, &other, o.g.num_layers()).unwrap();
+    loads_into_other_slots(&linker, &o, &pool);
     // reset returns within its bound, naming the batch whose slots are held.
     let t0 = Instant::now();
     let r = linker.reset();
