@@ -132,7 +132,8 @@ fn device_pool_matches(pool: &DeviceKvPool, pages: &[PageHash], slots: &[u32]) {
         for c in pool.geometry().components() {
             for &l in &c.layers {
                 let mut got = vec![0u8; c.page_layer_bytes as usize];
-                pool.read_slot(c.id, l, slot, &mut got).unwrap();
+                // SAFETY: the batch's outcome was taken: nothing writes the pool meanwhile.
+                unsafe { pool.read_slot(c.id, l, slot, &mut got) }.unwrap();
                 let want: Vec<u8> = (0..got.len())
                     .map(|i| page_byte(page, c.id.0, l, i))
                     .collect();

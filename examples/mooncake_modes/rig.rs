@@ -278,7 +278,8 @@ impl Rig {
         all_ok(on_ranks(self.ranks.len(), |r| {
             let rank = &self.ranks[r];
             match &rank.pool {
-                RankPool::Device { pool, .. } => pool.clear().map_err(de),
+                // SAFETY: between batches: no load or save of this pool is in flight.
+                RankPool::Device { pool, .. } => unsafe { pool.clear() }.map_err(de),
                 RankPool::Host(pool) => {
                     let widest = rank
                         .g
@@ -340,7 +341,8 @@ fn verify_rank(rank: &RankRig, prefix: &Prefix) -> Result<u64> {
                     .position(|&(a, _)| a as u64 == ptr)
                     .ok_or_else(|| anyhow!("a pool buffer that is not among its regions"))?;
                 buf.resize(buf_len, 0u8);
-                pool.read_buffer(index, &mut buf)
+                // SAFETY: the batch's outcome was taken: nothing writes the pool meanwhile.
+                unsafe { pool.read_buffer(index, &mut buf) }
                     .map_err(de)
                     .map_err(|e| anyhow!(e))?;
             } else {

@@ -105,7 +105,8 @@ impl Pool {
 
     fn clear(&self) -> Result<(), String> {
         match self {
-            Pool::Device(d) => d.pool.clear().map_err(de),
+            // SAFETY: between batches: no load or save of this pool is in flight.
+            Pool::Device(d) => unsafe { d.pool.clear() }.map_err(de),
             Pool::Host(p, _, _) => {
                 // SAFETY: cleared between batches, when none of this pool is in flight.
                 unsafe { p.clear() };
@@ -376,7 +377,8 @@ fn share_step(d: &RankDev, handles: &GroupHandles, mode: ShareMode) -> Result<(u
     let g = &d.g;
     let n = 32usize;
     let slots = Rng(0xabc ^ mode as u64).scattered_slots(n, d.pool.pages());
-    d.pool.clear().map_err(de)?;
+    // SAFETY: before the batch: no load or save of this pool is in flight.
+    unsafe { d.pool.clear() }.map_err(de)?;
     // This example stands in for the store: the rig fills each stage through its loan.
     share_every_layer(d, coll, mode, &slots)?;
     let bytes = compare_pool(d, &slots, g.num_layers(), &|_| true)?;

@@ -65,7 +65,8 @@ impl RankPool {
             // SAFETY: callers compare after the batch they loaded has finished (its outcome
             // was taken), and nothing else writes these slots meanwhile.
             RankPool::Host(p) => unsafe { p.read_slot(c.id, layer, slot, out) }.unwrap(),
-            RankPool::Device(p) => p.read_slot(c.id, layer, slot, out).unwrap(),
+            // SAFETY: as for the host pool.
+            RankPool::Device(p) => unsafe { p.read_slot(c.id, layer, slot, out) }.unwrap(),
         }
     }
 }

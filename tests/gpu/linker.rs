@@ -29,7 +29,8 @@ fn compare(pool: &CudaKvPool, g: &KvGeometry, slots: &[u32], upto: u32) -> Resul
         for &l in c.layers.iter().filter(|&&l| l < upto) {
             for (p, &s) in slots.iter().enumerate() {
                 fill_row(&mut want, tag(c), l, p as u64);
-                pool.read_slot(c.id, l, s, &mut got).map_err(de)?;
+                // SAFETY: the batch's outcome was taken: nothing writes the pool meanwhile.
+                unsafe { pool.read_slot(c.id, l, s, &mut got) }.map_err(de)?;
                 if got != want {
                     return Err(format!(
                         "component {} layer {l} page {p} (slot {s}) differs",

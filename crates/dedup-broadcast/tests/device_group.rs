@@ -440,7 +440,9 @@ fn share_entry_points_move_a_layer_and_count_it() {
             l.land(s).unwrap();
             for (p, &sl) in slots.iter().enumerate() {
                 let mut got = vec![0u8; row];
-                pool.read_slot(k.id, 0, sl, &mut got).unwrap();
+                // SAFETY: the layer landed (its copies come first on the load stream) and
+                // nothing else writes this rank's pool.
+                unsafe { pool.read_slot(k.id, 0, sl, &mut got) }.unwrap();
                 assert_eq!(
                     got,
                     (0..row).map(|i| byte(p, i)).collect::<Vec<_>>(),

@@ -53,7 +53,8 @@ fn check_pool(pool: &DeviceKvPool, g: &KvGeometry, slots: &[u32], comps: &[Compo
             for (p, &s) in slots.iter().enumerate() {
                 let want = row(g, c, l, p);
                 let mut got = vec![0u8; want.len()];
-                pool.read_slot(c, l, s, &mut got).unwrap();
+                // SAFETY: the landings compared have ended: nothing writes the pool meanwhile.
+                unsafe { pool.read_slot(c, l, s, &mut got) }.unwrap();
                 assert_eq!(got, want, "component {} layer {l} page {p} slot {s}", c.0);
             }
         }
@@ -413,9 +414,8 @@ fn saves_gather_what_loads_landed() {
             .into_iter()
             .flat_map(move |l| (0..5).map(move |p| (c, l, p)))
     }) {
-        r.pool
-            .write_slot(c, l, slots[p], &row(&r.g, c, l, p))
-            .unwrap();
+        // SAFETY: nothing else uses the pool yet.
+        unsafe { r.pool.write_slot(c, l, slots[p], &row(&r.g, c, l, p)) }.unwrap();
     }
     for strategy in [ScatterStrategy::Runs, ScatterStrategy::Kernel] {
         let f =
@@ -434,10 +434,12 @@ fn saves_gather_what_loads_landed() {
     }
     assert_eq!(r.staging.available(), 1);
     assert_eq!(r.dev.ordinal(), 0);
-    r.pool.clear().unwrap();
+    // SAFETY: the saves have ended: nothing else uses the pool.
+    unsafe { r.pool.clear() }.unwrap();
     let c = comps[0];
     let mut got = vec![1u8; r.g.component(c).unwrap().page_layer_bytes as usize];
-    r.pool.read_slot(c, 0, slots[0], &mut got).unwrap();
+    // SAFETY: as above.
+    unsafe { r.pool.read_slot(c, 0, slots[0], &mut got) }.unwrap();
     assert!(got.iter().all(|&b| b == 0), "cleared");
 }
 

@@ -23,9 +23,11 @@ use crate::{Device, DeviceError, DeviceMemory, KvPool, Residence, Transfer};
 /// use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
 /// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
 /// let pool = DeviceKvPool::new(CpuDevice::new(0).unwrap(), g, 4).unwrap();
-/// pool.write_slot(ComponentId(1), 0, 3, &[9u8; 8448]).unwrap();
+/// // SAFETY: the pool is this example's alone, used from one thread, with no load in flight.
+/// unsafe { pool.write_slot(ComponentId(1), 0, 3, &[9u8; 8448]) }.unwrap();
 /// let mut out = vec![0u8; 8448];
-/// pool.read_slot(ComponentId(1), 0, 3, &mut out).unwrap();
+/// // SAFETY: as above.
+/// unsafe { pool.read_slot(ComponentId(1), 0, 3, &mut out) }.unwrap();
 /// assert_eq!(out, vec![9u8; 8448]);
 /// ```
 pub struct DeviceKvPool {
@@ -98,7 +100,14 @@ impl DeviceKvPool {
 
     /// Copies one slot's slice out, after everything enqueued on the load stream so far (so a
     /// landing's copies are in). `out` must be exactly the slice's length.
-    pub fn read_slot(
+    ///
+    /// # Safety
+    /// As [`HostKvPool::read_slot`](crate::HostKvPool::read_slot): nothing writes this slot's
+    /// slice during the call other than work already enqueued on the load stream (no
+    /// [`write_slot`](Self::write_slot) of it on another thread, no load of it on another
+    /// stream). On the CPU device the copies are plain memory copies by its stream threads,
+    /// so a race would be a data race.
+    pub unsafe fn read_slot(
         &self,
         component: ComponentId,
         layer: u32,
@@ -107,13 +116,17 @@ impl DeviceKvPool {
     ) -> Result<(), DeviceError> {
         let src = self.slice(component, layer, slot, out.len())?;
         // SAFETY: `src` lies in our buffer with `out.len()` bytes (checked by `slice`); the
-        // caller orders this after any writer other than the load stream.
+        // caller's promise orders this after any writer other than the load stream.
         unsafe { sync::read(&*self.device, &self.bounce, src, out) }
     }
 
-    /// Copies `data` into one slot's slice (as an engine's attention would write new KV). The
-    /// caller owns the slot (no load targets it).
-    pub fn write_slot(
+    /// Copies `data` into one slot's slice (as an engine's attention would write new KV).
+    ///
+    /// # Safety
+    /// As [`HostKvPool::write_slot`](crate::HostKvPool::write_slot): nothing else reads or
+    /// writes this slot's slice during the call (no read or write of it on another thread, no
+    /// load of it in flight, no save of it in progress).
+    pub unsafe fn write_slot(
         &self,
         component: ComponentId,
         layer: u32,
@@ -121,12 +134,17 @@ impl DeviceKvPool {
         data: &[u8],
     ) -> Result<(), DeviceError> {
         let dst = self.slice(component, layer, slot, data.len())?;
-        // SAFETY: `dst` lies in our buffer with `data.len()` bytes; the caller owns the slot.
+        // SAFETY: `dst` lies in our buffer with `data.len()` bytes; the caller's promise: no
+        // one else touches the slice meanwhile.
         unsafe { sync::write(&*self.device, &self.bounce, dst, data) }
     }
 
     /// Copies buffer `index` (in [`KvPool::regions`] order) out, after the load stream's work.
-    pub fn read_buffer(&self, index: usize, out: &mut [u8]) -> Result<(), DeviceError> {
+    ///
+    /// # Safety
+    /// Nothing writes the buffer during the call other than work already enqueued on the load
+    /// stream.
+    pub unsafe fn read_buffer(&self, index: usize, out: &mut [u8]) -> Result<(), DeviceError> {
         let b = self.buffers.get(index).ok_or(DeviceError::OutOfPool {
             component: u16::MAX,
             layer: u32::MAX,
@@ -141,13 +159,17 @@ impl DeviceKvPool {
                 reason: "buffer length differs",
             });
         }
-        // SAFETY: the whole buffer, ours; the caller orders this after other writers.
+        // SAFETY: the whole buffer, ours; the caller's promise orders this after other writers.
         unsafe { sync::read(&*self.device, &self.bounce, b.addr(), out) }
     }
 
-    /// Zeroes every buffer (after the load stream's work; no other device work may use the
-    /// pool meanwhile): copies from one zeroed pinned chunk, then one bounded wait.
-    pub fn clear(&self) -> Result<(), DeviceError> {
+    /// Zeroes every buffer (after the load stream's work): copies from one zeroed pinned
+    /// chunk, then one bounded wait.
+    ///
+    /// # Safety
+    /// As [`HostKvPool::clear`](crate::HostKvPool::clear): nothing else reads or writes the
+    /// pool during the call (no slot copy on another thread, no load or save of it in flight).
+    pub unsafe fn clear(&self) -> Result<(), DeviceError> {
         let chunk = self
             .buffers
             .iter()
@@ -234,7 +256,8 @@ unsafe impl KvPool for DeviceKvPool {
         slot: u32,
         out: &mut [u8],
     ) -> Result<(), DeviceError> {
-        DeviceKvPool::read_slot(self, component, layer, slot, out)
+        // SAFETY: the trait's contract for `read_slot` is the inherent one's.
+        unsafe { DeviceKvPool::read_slot(self, component, layer, slot, out) }
     }
 
     unsafe fn write_slot(
@@ -244,7 +267,8 @@ unsafe impl KvPool for DeviceKvPool {
         slot: u32,
         data: &[u8],
     ) -> Result<(), DeviceError> {
-        DeviceKvPool::write_slot(self, component, layer, slot, data)
+        // SAFETY: the trait's contract for `write_slot` is the inherent one's.
+        unsafe { DeviceKvPool::write_slot(self, component, layer, slot, data) }
     }
 }
 

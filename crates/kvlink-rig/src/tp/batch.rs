@@ -71,7 +71,12 @@ pub fn run_batch(linkers: &[Linker], plans: Vec<BatchPlan>) -> Vec<Result<RankRu
 /// Zeroes every rank's device pool, all at once (so a later comparison sees only what the
 /// next batch landed).
 pub fn clear_pools(devs: &[RankDev]) -> Result<(), String> {
-    all_ok(on_ranks(devs.len(), |r| devs[r].pool.clear().map_err(de))).map(|_| ())
+    all_ok(on_ranks(devs.len(), |r| {
+        // SAFETY: between batches: no load or save of the rank's pool is in flight, and each
+        // rank's thread clears only its own pool.
+        unsafe { devs[r].pool.clear() }.map_err(de)
+    }))
+    .map(|_| ())
 }
 
 /// Compares rank `d`'s device pool with the saved bytes: for every layer below `upto` that
@@ -98,7 +103,9 @@ pub fn compare_pool(
                 .ok_or("a pool buffer that is not among its regions")?;
             host.resize(buf_len, 0u8);
             // After the load stream's work (the landings' copies), bounded.
-            d.pool.read_buffer(index, &mut host).map_err(de)?;
+            // SAFETY: the batch's outcome was taken: no load or save of the pool is in flight,
+            // and nothing else writes it while it is compared.
+            unsafe { d.pool.read_buffer(index, &mut host) }.map_err(de)?;
             for (p, &s) in slots.iter().enumerate() {
                 fill_row(&mut want, tag(c), l, p as u64);
                 let got = &host[s as usize * len..(s as usize + 1) * len];
