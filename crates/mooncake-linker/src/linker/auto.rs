@@ -342,7 +342,9 @@ impl AutoMode {
         // send none, and must not use up the patience meant for times that never come.
         if s.kept.is_none() && in_flight.is_some() {
             s.proposals += 1;
-            let limit = AUTO_GIVE_UP * ShareMode::COUNT as u32 * self.per_mode;
+            let limit = AUTO_GIVE_UP
+                .saturating_mul(ShareMode::COUNT as u32)
+                .saturating_mul(self.per_mode);
             if s.proposals > limit {
                 let leader = s.leader();
                 tracing::warn!(
@@ -376,6 +378,11 @@ impl AutoMode {
     /// A batch of `mode` landed `bytes` in `took` (on the slowest rank of the group: see the
     /// module docs).
     pub(crate) fn observe_batch(&self, mode: ShareMode, bytes: u64, took: Duration) {
+        // Only a measuring Auto uses the samples (a fixed mode, or Auto from configured
+        // bandwidths, would only pile them up).
+        if self.choice != ModeChoice::Auto || self.configured.all_known() {
+            return;
+        }
         if !Self::measures(bytes) || took.is_zero() {
             return;
         }
@@ -394,6 +401,28 @@ impl AutoMode {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_fixed_mode_keeps_no_samples_and_a_huge_patience_does_not_overflow() {
+        let fixed = AutoMode::new(
+            ModeChoice::Fixed(ShareMode::AllRanks),
+            Bandwidths::UNKNOWN,
+            3,
+        );
+        for _ in 0..10_000 {
+            fixed.observe_batch(ShareMode::AllRanks, 64 << 20, Duration::from_millis(100));
+        }
+        assert!(fixed.seen.lock().samples.iter().all(Vec::is_empty));
+        // `auto_batches_per_mode` is not bounded by the config: the give-up limit saturates.
+        let patient = AutoMode::new(ModeChoice::Auto, Bandwidths::UNKNOWN, u32::MAX);
+        for _ in 0..20 {
+            let _ = patient.propose(2, 1 << 20, Some(ShareMode::AllRanks));
+        }
+        assert!(
+            patient.seen.lock().kept.is_none(),
+            "not given up after 20 proposals"
+        );
+    }
 
     /// Runs the measuring phase with group batch times `time(mode, i)` (`i`: the mode's
     /// batches before) as the linker does: each batch's proposal is made while the previous
