@@ -105,13 +105,18 @@ fn groups_land_every_rank_byte_for_byte_on_both_paths() {
                         // Every rank reads its shard of `v` on every layer: its groups tile
                         // the 12 layers.
                         assert_eq!(s.read_groups.iter().sum::<u32>(), 12, "{what}");
-                        let calls = r.linker.metrics().layer_reads;
+                        let m = r.linker.metrics();
                         assert_eq!(
-                            calls - calls_before[rank],
+                            m.layer_read_calls - calls_before[rank],
                             s.read_groups.len() as u64,
                             "{what}: one store call per group"
                         );
-                        calls_before[rank] = calls;
+                        assert_eq!(
+                            m.layer_reads,
+                            12 * batch,
+                            "{what}: every layer read counted once"
+                        );
+                        calls_before[rank] = m.layer_read_calls;
                         let biggest = s.read_groups.iter().copied().max().unwrap_or(0);
                         match granularity {
                             ReadGranularity::Fixed { .. } => {

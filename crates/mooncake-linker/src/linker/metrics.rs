@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-/// Upper bounds (µs) of the per-layer read latency histogram buckets; the last is +∞.
+/// Upper bounds (µs) of the read-call latency histogram buckets; the last is +∞.
 pub const LAYER_LATENCY_BUCKETS_US: [u64; 12] = [
     100,
     250,
@@ -32,6 +32,7 @@ pub struct LinkerMetrics {
     batches_loaded: AtomicU64,
     batches_failed: AtomicU64,
     layer_reads: AtomicU64,
+    layer_read_calls: AtomicU64,
     layer_read_us: AtomicU64,
     layer_hist: [AtomicU64; 12],
     ranges_checksummed: AtomicU64,
@@ -62,11 +63,14 @@ pub struct MetricsSnapshot {
     pub batches_loaded: u64,
     /// Batches failed.
     pub batches_failed: u64,
-    /// Layer reads done.
+    /// Layers read (a store call that read a group of `k` layers counts `k`).
     pub layer_reads: u64,
-    /// Total time of layer reads.
+    /// Store calls that read them (one per group of layers).
+    pub layer_read_calls: u64,
+    /// Total time of those calls.
     pub layer_read_time: Duration,
-    /// Layer reads per latency bucket (see [`LAYER_LATENCY_BUCKETS_US`]).
+    /// Read calls per latency bucket (see [`LAYER_LATENCY_BUCKETS_US`]): one entry per call,
+    /// of however many layers.
     pub layer_read_histogram: [u64; 12],
     /// (object, layer) ranges loaded and verified against the checksums written with the
     /// object.
@@ -116,9 +120,12 @@ impl LinkerMetrics {
         self.pages_hit.fetch_add(hit, Ordering::Relaxed);
     }
 
-    pub(crate) fn layer_read(&self, took: Duration) {
-        let us = took.as_micros() as u64;
-        self.layer_reads.fetch_add(1, Ordering::Relaxed);
+    /// A store call read `layers` layers in `took`.
+    pub(crate) fn layer_read(&self, layers: u32, took: Duration) {
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.layer_reads
+            .fetch_add(u64::from(layers), Ordering::Relaxed);
+        self.layer_read_calls.fetch_add(1, Ordering::Relaxed);
         self.layer_read_us.fetch_add(us, Ordering::Relaxed);
         let b = LAYER_LATENCY_BUCKETS_US
             .iter()
@@ -194,6 +201,7 @@ impl LinkerMetrics {
             batches_loaded: self.batches_loaded.load(Ordering::Relaxed),
             batches_failed: self.batches_failed.load(Ordering::Relaxed),
             layer_reads: self.layer_reads.load(Ordering::Relaxed),
+            layer_read_calls: self.layer_read_calls.load(Ordering::Relaxed),
             layer_read_time: Duration::from_micros(self.layer_read_us.load(Ordering::Relaxed)),
             layer_read_histogram: hist,
             ranges_checksummed: self.ranges_checksummed.load(Ordering::Relaxed),

@@ -530,7 +530,7 @@ impl LayerPipeline<'_> {
         let read = reader.read(planned, loans, group.clone(), hash)?;
         let (n, took) = (read.bytes, t0.elapsed());
         tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
-        inner.metrics.layer_read(took);
+        inner.metrics.layer_read(group.len() as u32, took);
         inner
             .reads
             .observe(layers.mode, group.len() as u32, n, took);
