@@ -76,7 +76,13 @@ impl DeviceEvent for CpuEvent {
                 State::Failed(why) => return Err(DeviceError::Driver(why.clone())),
                 State::Pending => {
                     if self.cv.wait_until(&mut st, deadline).timed_out() {
-                        return Ok(*st == State::Done);
+                        // The state may have changed at the deadline itself: a failure then is
+                        // a failure, not a wait that ran out.
+                        return match &*st {
+                            State::Done => Ok(true),
+                            State::Failed(why) => Err(DeviceError::Driver(why.clone())),
+                            State::Pending => Ok(false),
+                        };
                     }
                 }
             }

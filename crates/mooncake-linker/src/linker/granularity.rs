@@ -280,7 +280,7 @@ fn max_by_bytes(layer_bytes: &[u64], max_bytes: u64) -> u32 {
 fn fixed(n: u32, k: u32) -> Vec<Range<u32>> {
     (0..n)
         .step_by(k.max(1) as usize)
-        .map(|s| s..(s + k).min(n))
+        .map(|s| s..s.saturating_add(k).min(n))
         .collect()
 }
 
