@@ -9,27 +9,41 @@ use tracing::warn;
 
 use crate::store::{StoreCalls, StoreError};
 
-/// Discards `objects` and their checksum companions from the store (one call, bounded by
-/// `deadline`). A key already gone is fine; any other failure is logged (the next load finds
-/// the object bad again and retries). Returns how many objects (not companions) were
-/// discarded.
+/// Discards `objects` and then their checksum companions from the store (bounded by
+/// `deadline`). A companion goes only once its object is gone (discarded now, or already
+/// absent): an object left in place without its companion would pass later loads on its length
+/// alone, and a save would skip it (first write wins). A key already gone is fine; any other
+/// failure is logged (the next load finds the object bad again and retries). Returns how many
+/// objects (not companions) were discarded.
 pub(crate) fn discard_objects(calls: &StoreCalls, objects: &[&str], deadline: Instant) -> usize {
     if objects.is_empty() {
         return 0;
     }
-    let companions: Vec<String> = objects.iter().map(|k| checksum_key(k)).collect();
-    let keys: Vec<&str> = objects
-        .iter()
-        .copied()
-        .chain(companions.iter().map(String::as_str))
-        .collect();
-    let results = calls.discard(&keys, deadline);
     let mut discarded = 0;
-    for (i, (key, r)) in keys.iter().zip(results).enumerate() {
+    let mut gone: Vec<&str> = Vec::with_capacity(objects.len());
+    for (key, r) in objects.iter().zip(calls.discard(objects, deadline)) {
         match r {
-            Ok(()) => discarded += usize::from(i < objects.len()),
-            Err(StoreError::NotFound { .. }) => {}
-            Err(e) => warn!(key, error = %e, "discarding a bad object failed"),
+            Ok(()) => {
+                discarded += 1;
+                gone.push(key);
+            }
+            Err(StoreError::NotFound { .. }) => gone.push(key),
+            Err(e) => {
+                warn!(key, error = %e, "discarding a bad object failed: its checksums are kept")
+            }
+        }
+    }
+    let companions: Vec<String> = gone.iter().map(|k| checksum_key(k)).collect();
+    let companion_keys: Vec<&str> = companions.iter().map(String::as_str).collect();
+    if !companion_keys.is_empty() {
+        for (key, r) in companion_keys
+            .iter()
+            .zip(calls.discard(&companion_keys, deadline))
+        {
+            match r {
+                Ok(()) | Err(StoreError::NotFound { .. }) => {}
+                Err(e) => warn!(key, error = %e, "discarding a bad object's checksums failed"),
+            }
         }
     }
     warn!(
@@ -73,5 +87,32 @@ mod tests {
         let left = store.exists(&["a_k", "a_k_kvsum", "b_k"]);
         assert_eq!(left, vec![Ok(false), Ok(false), Ok(false)]);
         assert_eq!(discard_objects(&calls, &[], soon()), 0);
+    }
+
+    #[test]
+    fn an_object_that_could_not_be_discarded_keeps_its_companion() {
+        use crate::store::{Fault, FaultCall, FaultRule, FaultyStore};
+        let store = Arc::new(EmbeddedStore::new(1 << 20));
+        let faulty = Arc::new(FaultyStore::new(store.clone()));
+        let calls = StoreCalls::new(faulty.clone());
+        put(&calls, "a_k", &[1; 8]);
+        put(&calls, &checksum_key("a_k"), &[2; 8]);
+        faulty.inject_on(
+            FaultCall::Discard,
+            FaultRule {
+                key_contains: Some("a_k".into()),
+                times: Some(1),
+                ..FaultRule::default()
+            },
+            Fault::Error(StoreError::RpcTimeout { key: "a_k".into() }),
+        );
+        let soon = kv_loader::deadline_after(Duration::from_secs(5));
+        assert_eq!(discard_objects(&calls, &["a_k"], soon), 0);
+        // The object stayed, so its checksums stay with it: a later load still finds it bad
+        // rather than passing it on its length alone.
+        assert_eq!(
+            store.exists(&["a_k", "a_k_kvsum"]),
+            vec![Ok(true), Ok(true)]
+        );
     }
 }

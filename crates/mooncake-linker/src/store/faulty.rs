@@ -104,6 +104,8 @@ pub enum FaultCall {
     EndSession,
     /// `put`.
     Put,
+    /// `discard` (a key the fault hits is not discarded).
+    Discard,
     /// Every call above.
     Any,
 }
@@ -409,10 +411,25 @@ impl KvStore for FaultyStore {
     }
 
     fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        let hits = self.hits(FaultCall::Discard, Self::plain(keys));
         if self.is_down() {
             return Self::all_down(keys.len());
         }
-        self.inner.discard(keys)
+        // A key its fault fails is left in the store; the others are discarded.
+        let spared: Vec<&str> = keys
+            .iter()
+            .zip(&hits)
+            .filter(|(_, h)| !matches!(h, Some(Fault::Error(_))))
+            .map(|(k, _)| *k)
+            .collect();
+        let mut done = self.inner.discard(&spared).into_iter();
+        keys.iter()
+            .zip(hits)
+            .map(|(_, h)| match h {
+                Some(Fault::Error(e)) => Err(e),
+                _ => done.next().unwrap_or(Ok(())),
+            })
+            .collect()
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
