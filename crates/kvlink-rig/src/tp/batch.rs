@@ -81,7 +81,8 @@ pub fn clear_pools(devs: &[RankDev]) -> Result<(), String> {
 
 /// Compares rank `d`'s device pool with the saved bytes: for every layer below `upto` that
 /// `pick` selects, each component's whole layer buffer is copied out once and every plan
-/// page's slot in it checked. Returns the bytes compared.
+/// page's slot in it checked. Returns the bytes compared. Call it once the loads into the pool
+/// have ended and while nothing else writes the pool.
 pub fn compare_pool(
     d: &RankDev,
     slots: &[u32],
@@ -103,8 +104,9 @@ pub fn compare_pool(
                 .ok_or("a pool buffer that is not among its regions")?;
             host.resize(buf_len, 0u8);
             // After the load stream's work (the landings' copies), bounded.
-            // SAFETY: the batch's outcome was taken: no load or save of the pool is in flight,
-            // and nothing else writes it while it is compared.
+            // SAFETY: callers compare once the loads into the pool have ended (a batch's
+            // outcome taken, or every layer of a rig's landing landed), and nothing else writes
+            // the pool while it is compared (this function's documented precondition).
             unsafe { d.pool.read_buffer(index, &mut host) }.map_err(de)?;
             for (p, &s) in slots.iter().enumerate() {
                 fill_row(&mut want, tag(c), l, p as u64);
