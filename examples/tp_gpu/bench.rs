@@ -346,7 +346,9 @@ fn one_mode(
     let mut failure = None;
     // One warm-up (staging, kernels, NCCL buffers), then the measured repetitions.
     for rep in 0..=args.reps {
-        if let Err(e) = clear_pools(devs) {
+        // SAFETY: before this repetition's batch; every earlier batch's outcome was taken
+        // (a failed repetition ends the loop).
+        if let Err(e) = unsafe { clear_pools(devs) } {
             failure = Some(e);
             break;
         }
@@ -405,7 +407,9 @@ fn one_mode(
     // The last repetition's bytes, sampled: three layers, every page, every rank.
     let layers = devs[0].g.num_layers();
     let pick = move |l: u32| l == 0 || l == layers / 2 || l + 1 == layers;
-    compare_all(devs, slots, layers, &pick)?;
+    // SAFETY: every repetition's outcome was taken (a failure returned above) and the
+    // linkers are closed: nothing writes the pools.
+    unsafe { compare_all(devs, slots, layers, &pick) }?;
     // The median repetition: its timeline and each rank's last layer.
     let mut order: Vec<usize> = (0..last_ms.len()).collect();
     order.sort_by(|&a, &b| last_ms[a].total_cmp(&last_ms[b]));

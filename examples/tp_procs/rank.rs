@@ -118,7 +118,9 @@ impl Pool {
     /// The pool against the saved bytes (plan page `p` at `slots[p]`); bytes compared.
     fn compare(&self, slots: &[u32]) -> Result<u64, String> {
         match self {
-            Pool::Device(d) => compare_pool(d, slots, d.g.num_layers(), &|_| true),
+            // SAFETY: callers compare after `load` took the batch's outcome (or returned Err
+            // and the rank stopped): nothing writes the pool.
+            Pool::Device(d) => unsafe { compare_pool(d, slots, d.g.num_layers(), &|_| true) },
             Pool::Host(p, g, rank) => {
                 let (mut want, mut got, mut bytes) = (Vec::new(), Vec::new(), 0u64);
                 for c in g.components() {
@@ -176,18 +178,20 @@ fn form(args: &Args, r: &RankArgs, g: &KvGeometry) -> Result<FormedTpGroup, Stri
 }
 
 /// One batch of the whole prefix into `slots`: every layer waited as an engine would (its
-/// event synchronized); the outcome, and the layers that became ready.
+/// event synchronized); the outcome, and the layers that became ready. `Err` when no outcome
+/// could be taken and a reset could not settle the batch: its slots may still be written, so
+/// the caller must not touch the pool again (it stops).
 fn load(
     linker: &Linker,
     batch: u64,
     pages: &[PageHash],
     slots: &[u32],
-) -> (Result<LoadStats, String>, u32, Duration) {
+) -> Result<(Result<LoadStats, String>, u32, Duration), String> {
     let t = Instant::now();
     let p = plan(linker.geometry(), batch, "tp-procs", pages, slots.to_vec());
     let ticket = match linker.start_load(p) {
         Ok(t) => t,
-        Err(e) => return (Err(e.to_string()), 0, t.elapsed()),
+        Err(e) => return Ok((Err(e.to_string()), 0, t.elapsed())),
     };
     let mut ready = 0;
     for l in 0..linker.num_layers() {
@@ -202,9 +206,16 @@ fn load(
     }
     let result = match linker.wait_batch(&ticket) {
         Ok(o) => o.result.map_err(|e| format!("{}: {e}", e.kind_name())),
-        Err(e) => Err(e.to_string()),
+        Err(e) => {
+            // No outcome: the batch may still be landing. A reset cancels it and waits
+            // (bounded); only then may the pool be cleared for the next batch.
+            linker
+                .reset()
+                .map_err(|r| format!("batch {batch} unsettled ({e}), and reset: {r}"))?;
+            Err(e.to_string())
+        }
     };
-    (result, ready, t.elapsed())
+    Ok((result, ready, t.elapsed()))
 }
 
 /// A rank process (see the module docs).
@@ -228,7 +239,7 @@ pub fn run(args: &Args, r: &RankArgs) -> Result<(), String> {
             Duration::from_secs(20),
             formed.group.clone(),
         )?;
-        let (result, _, took) = load(&linker, 1 + i as u64, &pages, &slots);
+        let (result, _, took) = load(&linker, 1 + i as u64, &pages, &slots)?;
         let line = match result {
             Ok(stats) => format!(
                 "mode name={mode:?} ran={:?} read={} landed={} h2d={} ms={:.1} verified={}",
@@ -291,7 +302,7 @@ fn timeout_then_reform(
         SHORT_COLLECTIVE,
         formed.group.clone(),
     )?;
-    let (result, ready, took) = load(&linker, 10, pages, &slots);
+    let (result, ready, took) = load(&linker, 10, pages, &slots)?;
     match result {
         Ok(_) => return Err("the batch with a slow rank loaded".into()),
         Err(e) => say(&format!(
@@ -305,7 +316,7 @@ fn timeout_then_reform(
     loop {
         tries += 1;
         pool.clear()?;
-        let (result, _, took) = load(&linker, 11, pages, &slots);
+        let (result, _, took) = load(&linker, 11, pages, &slots)?;
         match result {
             Ok(stats) => {
                 say(&format!(
@@ -381,6 +392,7 @@ fn share_step(d: &RankDev, handles: &GroupHandles, mode: ShareMode) -> Result<(u
     unsafe { d.pool.clear() }.map_err(de)?;
     // This example stands in for the store: the rig fills each stage through its loan.
     share_every_layer(d, coll, mode, &slots)?;
-    let bytes = compare_pool(d, &slots, g.num_layers(), &|_| true)?;
+    // SAFETY: `share_every_layer` landed every layer (waited for): nothing writes the pool.
+    let bytes = unsafe { compare_pool(d, &slots, g.num_layers(), &|_| true) }?;
     Ok((g.num_layers(), bytes))
 }

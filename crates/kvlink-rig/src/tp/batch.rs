@@ -70,10 +70,13 @@ pub fn run_batch(linkers: &[Linker], plans: Vec<BatchPlan>) -> Vec<Result<RankRu
 
 /// Zeroes every rank's device pool, all at once (so a later comparison sees only what the
 /// next batch landed).
-pub fn clear_pools(devs: &[RankDev]) -> Result<(), String> {
+///
+/// # Safety
+/// Between batches: no load or save of any of these pools is in flight, and nothing else
+/// reads or writes them during the call.
+pub unsafe fn clear_pools(devs: &[RankDev]) -> Result<(), String> {
     all_ok(on_ranks(devs.len(), |r| {
-        // SAFETY: between batches: no load or save of the rank's pool is in flight, and each
-        // rank's thread clears only its own pool.
+        // SAFETY: the caller's promise; each rank's thread clears only its own pool.
         unsafe { devs[r].pool.clear() }.map_err(de)
     }))
     .map(|_| ())
@@ -81,9 +84,12 @@ pub fn clear_pools(devs: &[RankDev]) -> Result<(), String> {
 
 /// Compares rank `d`'s device pool with the saved bytes: for every layer below `upto` that
 /// `pick` selects, each component's whole layer buffer is copied out once and every plan
-/// page's slot in it checked. Returns the bytes compared. Call it once the loads into the pool
-/// have ended and while nothing else writes the pool.
-pub fn compare_pool(
+/// page's slot in it checked. Returns the bytes compared.
+///
+/// # Safety
+/// The loads into the pool have ended (a batch's outcome taken, or every layer of a rig's
+/// landing landed), and nothing else writes the pool during the call.
+pub unsafe fn compare_pool(
     d: &RankDev,
     slots: &[u32],
     upto: u32,
@@ -104,9 +110,7 @@ pub fn compare_pool(
                 .ok_or("a pool buffer that is not among its regions")?;
             host.resize(buf_len, 0u8);
             // After the load stream's work (the landings' copies), bounded.
-            // SAFETY: callers compare once the loads into the pool have ended (a batch's
-            // outcome taken, or every layer of a rig's landing landed), and nothing else writes
-            // the pool while it is compared (this function's documented precondition).
+            // SAFETY: the caller's promise (loads ended, nothing else writing the pool).
             unsafe { d.pool.read_buffer(index, &mut host) }.map_err(de)?;
             for (p, &s) in slots.iter().enumerate() {
                 fill_row(&mut want, tag(c), l, p as u64);
@@ -126,14 +130,18 @@ pub fn compare_pool(
 }
 
 /// Every rank's pool compared (all at once); total bytes compared.
-pub fn compare_all(
+///
+/// # Safety
+/// As [`compare_pool`], for every rank's pool.
+pub unsafe fn compare_all(
     devs: &[RankDev],
     slots: &[Vec<u32>],
     upto: u32,
     pick: &(dyn Fn(u32) -> bool + Sync),
 ) -> Result<u64, String> {
     let per = all_ok(on_ranks(devs.len(), |r| {
-        compare_pool(&devs[r], &slots[r], upto, pick)
+        // SAFETY: the caller's promise, for this rank's pool.
+        unsafe { compare_pool(&devs[r], &slots[r], upto, pick) }
     }))?;
     Ok(per.iter().sum())
 }
