@@ -422,12 +422,18 @@ impl KvStore for FaultyStore {
             .filter(|(_, h)| !matches!(h, Some(Fault::Error(_))))
             .map(|(k, _)| *k)
             .collect();
-        let mut done = self.inner.discard(&spared).into_iter();
+        let mut done = super::checked_results(&spared, self.inner.discard(&spared)).into_iter();
         keys.iter()
             .zip(hits)
-            .map(|(_, h)| match h {
+            .map(|(key, h)| match h {
                 Some(Fault::Error(e)) => Err(e),
-                _ => done.next().unwrap_or(Ok(())),
+                _ => done.next().unwrap_or_else(|| {
+                    Err(StoreError::ResultCount {
+                        key: (*key).to_owned(),
+                        expected: spared.len(),
+                        got: 0,
+                    })
+                }),
             })
             .collect()
     }
