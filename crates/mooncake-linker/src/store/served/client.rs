@@ -7,9 +7,10 @@
 //! and every key of that call gets the error ([`StoreError::Unavailable`], or
 //! [`StoreError::RpcTimeout`] past the request timeout).
 
+use std::ffi::OsStr;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::TcpStream;
-use std::os::linux::net::SocketAddrExt;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -79,6 +80,38 @@ impl CallError {
     }
 }
 
+/// How long a Unix connect waits before it tries again while the listener's backlog is full.
+const CONNECT_RETRY: Duration = Duration::from_millis(5);
+
+/// Connects a Unix stream socket to `path` by `deadline`. std's connect blocks for as long as
+/// the listener's backlog stays full (a server that stopped accepting); this one connects
+/// without blocking and tries again until the deadline, then answers `TimedOut`.
+fn connect_unix(path: &OsStr, deadline: Instant) -> io::Result<UnixStream> {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    let addr = SockAddr::unix(path)?;
+    let socket = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    socket.set_nonblocking(true)?;
+    loop {
+        match socket.connect(&addr) {
+            Ok(()) => break,
+            // Linux answers EAGAIN (`WouldBlock`) while the backlog is full.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the listener's backlog stayed full until the deadline",
+                    ));
+                }
+                std::thread::sleep(CONNECT_RETRY.min(deadline - now));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    socket.set_nonblocking(false)?;
+    Ok(UnixStream::from(socket))
+}
+
 fn fresh_client_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -114,11 +147,11 @@ impl SocketStore {
         let unavailable =
             |e: io::Error| CallError::Down(Cause::with_source(format!("connecting: {e}"), e));
         let mut conn = if let Some(name) = self.address.strip_prefix("unix:@") {
-            let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
-                .map_err(unavailable)?;
-            Conn::Unix(UnixStream::connect_addr(&a).map_err(unavailable)?)
+            // An abstract name is a socket path that starts with a NUL byte.
+            let path = [&[0u8][..], name.as_bytes()].concat();
+            Conn::Unix(connect_unix(OsStr::from_bytes(&path), deadline).map_err(unavailable)?)
         } else if let Some(path) = self.address.strip_prefix("unix:") {
-            Conn::Unix(UnixStream::connect(path).map_err(unavailable)?)
+            Conn::Unix(connect_unix(OsStr::new(path), deadline).map_err(unavailable)?)
         } else if let Some(hp) = self.address.strip_prefix("tcp:") {
             let addr = std::net::ToSocketAddrs::to_socket_addrs(hp)
                 .map_err(unavailable)?

@@ -402,3 +402,41 @@ fn a_client_lets_go_only_of_the_pins_it_took() {
     }
     assert_eq!(y.exists(&["k"]), vec![Ok(true)]);
 }
+
+#[test]
+fn a_connect_to_a_listener_whose_backlog_stays_full_ends_by_its_deadline() {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    use std::os::unix::ffi::OsStrExt;
+    // A listener that never accepts, with the smallest backlog, filled by connections that
+    // stay open: std's blocking connect waited on it for good.
+    let name = format!("kvlink-test-full-backlog-{}", std::process::id());
+    let path = [&[0u8][..], name.as_bytes()].concat();
+    let addr = SockAddr::unix(std::ffi::OsStr::from_bytes(&path)).unwrap();
+    let listener = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+    listener.bind(&addr).unwrap();
+    listener.listen(0).unwrap();
+    let mut queued = Vec::new();
+    loop {
+        let s = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+        s.set_nonblocking(true).unwrap();
+        match s.connect(&addr) {
+            Ok(()) => queued.push(s),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("filling the backlog: {e}"),
+        }
+        assert!(queued.len() < 1000, "the backlog never filled");
+    }
+    let address = format!("unix:@{name}");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let r = SocketStore::connect_with(&address, Duration::from_millis(300)).map(drop);
+        let _ = tx.send((r, t0.elapsed()));
+    });
+    let (r, took) = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the connect returns, not blocks on the full backlog");
+    assert!(r.is_err(), "nothing accepted, so nothing connected");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    drop(queued);
+}
