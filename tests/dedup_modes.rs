@@ -507,7 +507,7 @@ struct SlowSessionEnd {
 
 impl KvStore for SlowSessionEnd {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
-        get_ranges, put, remove, register, unregister, start_session, health);
+        get_ranges, put, remove, discard, register, unregister, start_session, health);
 
     fn name(&self) -> &str {
         "slow-session-end"

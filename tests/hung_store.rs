@@ -48,7 +48,7 @@ struct Regions {
 
 impl KvStore for Regions {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
-        get_ranges, put, remove, start_session, end_session, health);
+        get_ranges, put, remove, discard, start_session, end_session, health);
 
     fn name(&self) -> &str {
         "regions"

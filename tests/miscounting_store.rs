@@ -68,7 +68,7 @@ impl Miscounting {
 }
 
 impl KvStore for Miscounting {
-    kvlink::mooncake_linker::forward_store_calls!(inner => get_into, remove, register, unregister,
+    kvlink::mooncake_linker::forward_store_calls!(inner => get_into, remove, discard, register, unregister,
         start_session, end_session, health);
 
     fn name(&self) -> &str {

@@ -64,7 +64,7 @@ pub struct TimedReads {
 
 impl KvStore for TimedReads {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, put,
-        remove, register, unregister, start_session, end_session, health);
+        remove, discard, register, unregister, start_session, end_session, health);
 
     fn name(&self) -> &str {
         "timed-reads"

@@ -44,7 +44,7 @@ impl SessionCount {
 
 impl KvStore for SessionCount {
     mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, get_ranges,
-        put, remove, register, unregister, end_session, health);
+        put, remove, discard, register, unregister, end_session, health);
 
     fn name(&self) -> &str {
         self.inner.name()

@@ -317,6 +317,7 @@ mod tests {
         ReadSession {
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             lease: None,
+            token: 0,
         }
     }
 

@@ -18,13 +18,22 @@ struct Entry {
     data: Arc<[u8]>,
     last_used: AtomicU64,
     pins: AtomicU32,
+    /// Which write of its key this is (unique in the store): a session lets go only of the
+    /// object it pinned, not of one written again at the same key since.
+    generation: u64,
 }
+
+/// What one read session pinned: each key with the generation of the object pinned.
+type SessionPins = Vec<(String, u64)>;
 
 /// An in-process [`KvStore`]: the default of the example and of most tests, with no setup.
 ///
 /// Thread-safe (keys spread over 16 lock shards; bytes are copied outside the locks), bounded
 /// by a byte capacity with least-recently-used eviction of unpinned objects, first-write-wins
-/// puts like Mooncake, ranged reads. An object that cannot fit is refused with `NoSpace`.
+/// puts like Mooncake, ranged reads. An object that cannot fit is refused with `NoSpace`,
+/// and then nothing is evicted for it. A read session pins the objects present when it starts
+/// and lets go of exactly those when it ends (once); `remove` refuses a pinned object
+/// (`Lease`), `discard` takes it regardless.
 ///
 /// ```
 /// use mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
@@ -49,6 +58,9 @@ pub struct EmbeddedStore {
     capacity: u64,
     used: Mutex<u64>,
     clock: AtomicU64,
+    /// Open read sessions by token, with what each pinned.
+    sessions: Mutex<HashMap<u64, SessionPins>>,
+    next_session: AtomicU64,
 }
 
 fn shard_of(key: &str) -> usize {
@@ -68,6 +80,8 @@ impl EmbeddedStore {
             capacity,
             used: Mutex::new(0),
             clock: AtomicU64::new(1),
+            sessions: Mutex::new(HashMap::new()),
+            next_session: AtomicU64::new(1),
         }
     }
 
@@ -97,9 +111,32 @@ impl EmbeddedStore {
         Some(e.data.clone())
     }
 
-    /// Frees at least `need` bytes by evicting unpinned objects, oldest first. Called with
-    /// `used` locked, so evictions and reservations do not race.
+    /// Bytes of objects no session pins.
+    fn unpinned_bytes(&self) -> u64 {
+        self.shards
+            .iter()
+            .flat_map(|shard| {
+                shard
+                    .read()
+                    .values()
+                    .filter(|e| e.pins.load(Ordering::Acquire) == 0)
+                    .map(|e| e.data.len() as u64)
+                    .collect::<Vec<_>>()
+            })
+            .sum()
+    }
+
+    /// Frees at least `need` bytes by evicting unpinned objects, oldest first; evicts nothing
+    /// when even all of them would not free enough. Called with `used` locked, so evictions
+    /// and reservations do not race.
     fn evict_for(&self, used: &mut u64, need: u64) -> bool {
+        let short = (*used + need).saturating_sub(self.capacity);
+        if short == 0 {
+            return true;
+        }
+        if self.unpinned_bytes() < short {
+            return false;
+        }
         while *used + need > self.capacity {
             let mut oldest: Option<(u64, usize, String)> = None;
             for (i, shard) in self.shards.iter().enumerate() {
@@ -170,6 +207,11 @@ impl EmbeddedStore {
     pub(crate) fn insert(&self, key: &str, data: Vec<u8>) -> Result<PutOutcome, StoreError> {
         let len = data.len() as u64;
         let mut used = self.used.lock();
+        // Every insert holds `used`: a put of the same key that came first is seen here,
+        // before anything is evicted for this one.
+        if self.shards[shard_of(key)].read().contains_key(key) {
+            return Ok(PutOutcome::AlreadyPresent);
+        }
         if !self.evict_for(&mut used, len) {
             return Err(StoreError::NoSpace {
                 key: key.to_string(),
@@ -180,16 +222,15 @@ impl EmbeddedStore {
             });
         }
         let mut shard = self.shards[shard_of(key)].write();
-        if shard.contains_key(key) {
-            return Ok(PutOutcome::AlreadyPresent);
-        }
         *used += len;
+        let now = self.tick();
         shard.insert(
             key.to_string(),
             Entry {
                 data: data.into(),
-                last_used: AtomicU64::new(self.tick()),
+                last_used: AtomicU64::new(now),
                 pins: AtomicU32::new(0),
+                generation: now,
             },
         );
         Ok(PutOutcome::Written)
@@ -206,40 +247,51 @@ impl EmbeddedStore {
         }
     }
 
-    /// Pins those of `keys` that are present (a session's start) and returns them: what a
-    /// later [`unpin`](Self::unpin) of this start may take back. A key written later is not
-    /// pinned by this start.
-    pub(crate) fn pin_present(&self, keys: &[String]) -> Vec<String> {
+    /// Pins those of `keys` that are present, each object once per occurrence.
+    fn pin_present(&self, keys: &[&str]) -> SessionPins {
         keys.iter()
-            .filter(|k| {
-                self.shards[shard_of(k)]
-                    .read()
-                    .get(k.as_str())
-                    .map(|e| e.pins.fetch_add(1, Ordering::AcqRel))
-                    .is_some()
+            .filter_map(|k| {
+                let shard = self.shards[shard_of(k)].read();
+                let e = shard.get(*k)?;
+                e.pins.fetch_add(1, Ordering::AcqRel);
+                Some((k.to_string(), e.generation))
             })
-            .cloned()
             .collect()
     }
 
-    /// Takes back one pin of each of `keys` (never below zero).
-    pub(crate) fn unpin(&self, keys: &[String]) {
-        self.pin(keys, -1);
-    }
-
-    fn pin(&self, keys: &[String], delta: i32) {
-        for k in keys {
+    /// Takes back one pin of each object of `pins` still held (never below zero).
+    fn unpin(&self, pins: &SessionPins) {
+        for (k, generation) in pins {
             if let Some(e) = self.shards[shard_of(k)].read().get(k.as_str()) {
-                if delta > 0 {
-                    e.pins.fetch_add(1, Ordering::AcqRel);
-                } else {
-                    // Never below zero, even for a session ended twice.
+                if e.generation == *generation {
                     let _ = e
                         .pins
                         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| p.checked_sub(1));
                 }
             }
         }
+    }
+
+    fn is_pinned(e: &Entry) -> bool {
+        e.pins.load(Ordering::Acquire) > 0
+    }
+
+    /// Removes `key` (only when unpinned unless `force`).
+    fn remove_one(&self, key: &str, force: bool) -> Result<(), StoreError> {
+        let mut shard = self.shards[shard_of(key)].write();
+        let e = shard.get(key).ok_or_else(|| Self::not_found(key))?;
+        if !force && Self::is_pinned(e) {
+            return Err(StoreError::Lease {
+                key: key.to_string(),
+                detail: "pinned by a read session".into(),
+            });
+        }
+        let Some(e) = shard.remove(key) else {
+            return Err(Self::not_found(key));
+        };
+        drop(shard);
+        *self.used.lock() -= e.data.len() as u64;
+        Ok(())
     }
 }
 
@@ -346,14 +398,11 @@ impl KvStore for EmbeddedStore {
     }
 
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-        keys.iter()
-            .map(|k| {
-                let removed = self.shards[shard_of(k)].write().remove(*k);
-                let e = removed.ok_or_else(|| Self::not_found(k))?;
-                *self.used.lock() -= e.data.len() as u64;
-                Ok(())
-            })
-            .collect()
+        keys.iter().map(|k| self.remove_one(k, false)).collect()
+    }
+
+    fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        keys.iter().map(|k| self.remove_one(k, true)).collect()
     }
 
     unsafe fn register(&self, _region: MemoryRegion) -> Result<(), StoreError> {
@@ -365,13 +414,27 @@ impl KvStore for EmbeddedStore {
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
-        let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        self.pin(&keys, 1);
-        Ok(ReadSession { keys, lease: None })
+        let token = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let pins = self.pin_present(keys);
+        self.sessions.lock().insert(token, pins);
+        Ok(ReadSession {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            lease: None,
+            token,
+        })
     }
 
+    /// Lets go of what the session pinned; a session ended before, or not started here,
+    /// lets go of nothing.
     fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        self.pin(&session.keys, -1);
+        let pins = self.sessions.lock().remove(&session.token);
+        match pins {
+            Some(pins) => self.unpin(&pins),
+            None => debug!(
+                token = session.token,
+                "embedded store: a session ended that is not open (ended before)"
+            ),
+        }
         Ok(())
     }
 
@@ -443,6 +506,98 @@ mod tests {
         s.end_session(&sess).unwrap();
         assert_eq!(put(&s, "e", &[0; 10]), Ok(PutOutcome::Written));
         assert_eq!(s.used_bytes(), 30);
+    }
+
+    #[test]
+    fn a_put_that_cannot_fit_evicts_nothing() {
+        let s = EmbeddedStore::new(30);
+        for k in ["a", "b", "c"] {
+            put(&s, k, &[0; 10]).unwrap();
+        }
+        let _pin = s.start_session(&["a"]).unwrap();
+        // 25 bytes need 25 free; b and c give only 20: before, both were evicted anyway.
+        assert!(matches!(
+            put(&s, "d", &[0; 25]),
+            Err(StoreError::NoSpace { .. })
+        ));
+        assert_eq!(
+            s.exists(&["a", "b", "c"]),
+            vec![Ok(true), Ok(true), Ok(true)]
+        );
+        assert_eq!(s.used_bytes(), 30);
+    }
+
+    /// Fills the store with unpinned objects so that only pinned ones survive.
+    fn flush(s: &EmbeddedStore, n: usize) {
+        for i in 0..n {
+            put(s, &format!("filler-{i}"), &[0; 10]).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_session_lets_go_only_of_the_objects_it_pinned() {
+        // Started while `k` was absent: its end must not take the pin of a later session.
+        let s = EmbeddedStore::new(30);
+        let early = s.start_session(&["k"]).unwrap();
+        put(&s, "k", &[1; 10]).unwrap();
+        let later = s.start_session(&["k"]).unwrap();
+        s.end_session(&early).unwrap();
+        flush(&s, 4);
+        assert_eq!(
+            s.exists(&["k"]),
+            vec![Ok(true)],
+            "the later session's pin held"
+        );
+        // Ended twice: the second end takes nothing.
+        let other = s.start_session(&["k"]).unwrap();
+        s.end_session(&later).unwrap();
+        s.end_session(&later).unwrap();
+        flush(&s, 4);
+        assert_eq!(
+            s.exists(&["k"]),
+            vec![Ok(true)],
+            "the other session's pin held"
+        );
+        s.end_session(&other).unwrap();
+        flush(&s, 4);
+        assert_eq!(s.exists(&["k"]), vec![Ok(false)], "unpinned at last");
+    }
+
+    #[test]
+    fn a_session_does_not_let_go_of_an_object_written_again_since() {
+        let s = EmbeddedStore::new(30);
+        put(&s, "k", &[1; 10]).unwrap();
+        let first = s.start_session(&["k"]).unwrap();
+        assert_eq!(
+            s.discard(&["k"]),
+            vec![Ok(())],
+            "discard takes a pinned object"
+        );
+        put(&s, "k", &[2; 10]).unwrap();
+        let second = s.start_session(&["k"]).unwrap();
+        s.end_session(&first).unwrap();
+        flush(&s, 4);
+        assert_eq!(
+            get(&s, "k", 10).unwrap(),
+            vec![2; 10],
+            "still pinned by the second"
+        );
+        s.end_session(&second).unwrap();
+    }
+
+    #[test]
+    fn remove_refuses_a_pinned_object_and_discard_takes_it() {
+        let s = EmbeddedStore::new(30);
+        put(&s, "k", &[1; 10]).unwrap();
+        let pin = s.start_session(&["k"]).unwrap();
+        assert!(matches!(
+            &s.remove(&["k"])[0],
+            Err(StoreError::Lease { key, .. }) if key == "k"
+        ));
+        assert_eq!(s.exists(&["k"]), vec![Ok(true)]);
+        s.end_session(&pin).unwrap();
+        assert_eq!(s.remove(&["k"]), vec![Ok(())]);
+        assert_eq!(s.used_bytes(), 0);
     }
 
     #[test]

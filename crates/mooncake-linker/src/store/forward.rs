@@ -10,8 +10,8 @@
 /// `forward_store_calls!(inner => exists, put, health)` writes `exists`, `put` and `health`,
 /// each calling the same method of `self.inner` with the same arguments (the `unsafe` ones
 /// with the caller's own promise). Any of the trait's methods but `name` may be listed; a
-/// method left out keeps the trait's default where it has one (`discard`,
-/// `get_ranges_checksummed`) and must otherwise be written by hand.
+/// method left out keeps the trait's default where it has one (`get_ranges_checksummed`)
+/// and must otherwise be written by hand.
 ///
 /// ```
 /// use std::sync::atomic::{AtomicU64, Ordering};

@@ -122,6 +122,9 @@ pub struct ReadSession {
     pub keys: Vec<String>,
     /// How long the pin lasts without renewal (`None`: until ended).
     pub lease: Option<Duration>,
+    /// The store's own mark of this session, for stores that track sessions (0 for those
+    /// that do not): its end lets go of what this session pinned and nothing else.
+    pub token: u64,
 }
 
 /// A KV object store, batched and zero-copy: the linker reads layer slices straight into pool
@@ -204,10 +207,10 @@ pub trait KvStore: Send + Sync {
     /// Removes objects known to be bad (wrong size, failed checksum), so that the next save
     /// writes them again despite first-write-wins: like [`remove`](KvStore::remove), but a
     /// read lease or pin does not keep the object (Mooncake: a forced remove). A missing key
-    /// is `NotFound`. The default is `remove`.
-    fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-        self.remove(keys)
-    }
+    /// is `NotFound`. No default: a store whose `remove` already ignores pins writes
+    /// `discard` as `remove`, and a decorator forwards it (a `remove` standing in for it would
+    /// leave a bad object that a read holds in place).
+    fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>>;
 
     /// Registers memory the store will read into or write from (a no-op for stores that do
     /// not need it). Transports that pin memory (RDMA) keep using the region until it is

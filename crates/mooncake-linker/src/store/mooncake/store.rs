@@ -681,6 +681,7 @@ impl KvStore for MooncakeStore {
         Ok(ReadSession {
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             lease: Some(self.config.lease_duration()),
+            token: 0,
         })
     }
 

@@ -262,18 +262,23 @@ impl SocketStore {
         }
     }
 
-    fn single(&self, opcode: u8, keys: &[&str]) -> Result<(), StoreError> {
-        let body = keys_body(opcode, keys);
+    /// A request (`body`) whose reply is one result; `key` names the call in its error.
+    fn single<T>(
+        &self,
+        body: &Enc,
+        key: &str,
+        value: impl Fn(&mut Dec<'_>) -> Result<T, Malformed>,
+    ) -> Result<T, StoreError> {
         let r = self.call(|c, deadline| {
             let reply = Self::request(c, &body.0, deadline)?;
             let mut d = Dec::new(&reply);
-            let result = d.result(|_| Ok(()))?;
+            let result = d.result(&value)?;
             d.finish()?;
             Ok(result)
         });
         match r {
             Ok(v) => v,
-            Err(e) => Err(e.for_key(&self.address, keys.first().copied().unwrap_or(""))),
+            Err(e) => Err(e.for_key(&self.address, key)),
         }
     }
 }
@@ -424,6 +429,10 @@ impl KvStore for SocketStore {
         self.per_key(op::REMOVE, keys, |_| Ok(()))
     }
 
+    fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        self.per_key(op::DISCARD, keys, |_| Ok(()))
+    }
+
     unsafe fn register(&self, _region: MemoryRegion) -> Result<(), StoreError> {
         Ok(())
     }
@@ -433,31 +442,26 @@ impl KvStore for SocketStore {
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
-        self.single(op::START_SESSION, keys)?;
+        let body = keys_body(op::START_SESSION, keys);
+        let token = self.single(&body, keys.first().copied().unwrap_or(""), |d| d.u64())?;
         Ok(ReadSession {
             keys: keys.iter().map(|k| k.to_string()).collect(),
             lease: None,
+            token,
         })
     }
 
+    /// Ends the session the server named by its token (only the pins it took go).
     fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        let keys: Vec<&str> = session.keys.iter().map(String::as_str).collect();
-        self.single(op::END_SESSION, &keys)
+        let mut body = Enc::default();
+        body.u8(op::END_SESSION).u64(session.token);
+        let key = session.keys.first().map(String::as_str).unwrap_or("");
+        self.single(&body, key, |_| Ok(()))
     }
 
     fn health(&self) -> Result<(), StoreError> {
         let mut body = Enc::default();
         body.u8(op::HEALTH);
-        let r = self.call(|c, deadline| {
-            let reply = Self::request(c, &body.0, deadline)?;
-            let mut d = Dec::new(&reply);
-            let result = d.result(|_| Ok(()))?;
-            d.finish()?;
-            Ok(result)
-        });
-        match r {
-            Ok(v) => v,
-            Err(e) => Err(e.for_key(&self.address, "")),
-        }
+        self.single(&body, "", |_| Ok(()))
     }
 }

@@ -11,8 +11,10 @@ use crate::store::{PutOutcome, StoreError};
 
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
 /// Version 2: error kind 11 ([`StoreError::Panicked`]); version 3: error kind 12
-/// ([`StoreError::Abandoned`]). A peer of another version is refused at hello.
-pub(crate) const PROTOCOL: u32 = 3;
+/// ([`StoreError::Abandoned`]); version 4: a session is named by the token its start answers
+/// (its end sends the token, not keys), and `DISCARD`. A peer of another version is refused
+/// at hello.
+pub(crate) const PROTOCOL: u32 = 4;
 /// Largest request or reply frame (keys and ranges, not bulk bytes).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// The call named by a [`StoreError::Panicked`] that came over the wire (its own name stays
@@ -30,6 +32,7 @@ pub(crate) mod op {
     pub(crate) const START_SESSION: u8 = 7;
     pub(crate) const END_SESSION: u8 = 8;
     pub(crate) const HEALTH: u8 = 9;
+    pub(crate) const DISCARD: u8 = 10;
 }
 
 /// A connected stream socket (Unix on one host, TCP otherwise).

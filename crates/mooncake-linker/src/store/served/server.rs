@@ -6,7 +6,7 @@
 //! store then keeps. Pins (read sessions) are kept per client process and released when its
 //! last connection closes, so a rank that dies never pins objects forever.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, IoSlice, Read};
 use std::net::{SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
@@ -56,11 +56,12 @@ impl Listener {
     }
 }
 
-/// Pins of one client process: its open connections, and how often it pinned each key.
+/// One client process: its open connections, and the tokens of its open read sessions (the
+/// store's own, unique across clients).
 #[derive(Default)]
 struct ClientPins {
     conns: usize,
-    keys: HashMap<String, u32>,
+    sessions: HashSet<u64>,
 }
 
 struct Served {
@@ -335,21 +336,26 @@ fn release(served: &Served, client: u64) {
         return;
     };
     drop(clients);
-    let keys: Vec<String> = c
-        .keys
-        .into_iter()
-        .flat_map(|(k, n)| std::iter::repeat_n(k, n as usize))
-        .collect();
-    if !keys.is_empty() {
+    if !c.sessions.is_empty() {
         tracing::info!(
             client,
-            pins = keys.len(),
-            "a client left: releasing its pins"
+            sessions = c.sessions.len(),
+            "a client left: ending its read sessions"
         );
-        let _ = served
-            .store
-            .end_session(&crate::store::ReadSession { keys, lease: None });
     }
+    for token in c.sessions {
+        end_session(&served.store, token);
+    }
+}
+
+/// Ends the store's session `token` (the embedded store's end cannot fail).
+fn end_session(store: &EmbeddedStore, token: u64) {
+    let session = crate::store::ReadSession {
+        keys: Vec::new(),
+        lease: None,
+        token,
+    };
+    let _ = store.end_session(&session);
 }
 
 fn keys(d: &mut Dec<'_>) -> Result<Vec<String>, Malformed> {
@@ -392,38 +398,37 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
                 out.result(&r, |_, _| {});
             }
         }
+        op::DISCARD => {
+            let ks = keys(&mut d)?;
+            let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
+            for r in store.discard(&refs) {
+                out.result(&r, |_, _| {});
+            }
+        }
         op::START_SESSION => {
             let ks = keys(&mut d)?;
-            // Only what was pinned is counted for this client: a key absent now, written and
-            // pinned by another client later, is not this client's to let go.
-            let pinned = store.pin_present(&ks);
-            let mut clients = served.clients.lock();
-            let pins = &mut clients.entry(client).or_default().keys;
-            for k in pinned {
-                let n = pins.entry(k).or_default();
-                *n = n.saturating_add(1);
+            let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
+            let r = store.start_session(&refs).map(|s| s.token);
+            if let Ok(token) = r {
+                let mut clients = served.clients.lock();
+                clients.entry(client).or_default().sessions.insert(token);
             }
-            out.result(&Ok(()), |_, _| {});
+            out.result(&r, |e, t| {
+                e.u64(*t);
+            });
         }
         op::END_SESSION => {
-            let ks = keys(&mut d)?;
-            // Only pins this client holds are let go (an end of keys it never pinned, or a
-            // session ended twice, would take other clients' pins).
-            let mut mine = Vec::new();
-            {
-                let mut clients = served.clients.lock();
-                let pins = &mut clients.entry(client).or_default().keys;
-                for k in ks {
-                    if let Some(n) = pins.get_mut(&k) {
-                        *n -= 1;
-                        if *n == 0 {
-                            pins.remove(&k);
-                        }
-                        mine.push(k);
-                    }
-                }
+            let token = d.u64()?;
+            // Only a session this client holds is ended: a session ended twice, or another
+            // client's token, takes no one's pins.
+            let mine = served
+                .clients
+                .lock()
+                .get_mut(&client)
+                .is_some_and(|c| c.sessions.remove(&token));
+            if mine {
+                end_session(store, token);
             }
-            store.unpin(&mine);
             out.result(&Ok(()), |_, _| {});
         }
         op::HEALTH => out.result(&store.health(), |_, _| {}),

@@ -440,3 +440,26 @@ fn a_connect_to_a_listener_whose_backlog_stays_full_ends_by_its_deadline() {
     assert!(took < Duration::from_secs(3), "{took:?}");
     drop(queued);
 }
+
+#[test]
+fn a_session_over_an_object_written_again_keeps_only_its_own_pin() {
+    let (server, x) = serve(3000);
+    let y = SocketStore::connect(server.address()).unwrap();
+    assert_eq!(put(&x, "k", &[&pattern(1, 1000)]), Ok(PutOutcome::Written));
+    let sx = x.start_session(&["k"]).unwrap();
+    // A pinned object is not removed, but discarded (it was found bad), then written again.
+    assert!(matches!(
+        &x.remove(&["k"])[0],
+        Err(StoreError::Lease { .. })
+    ));
+    assert_eq!(x.discard(&["k"]), vec![Ok(())]);
+    assert_eq!(put(&y, "k", &[&pattern(2, 1000)]), Ok(PutOutcome::Written));
+    let _sy = y.start_session(&["k"]).unwrap();
+    // X's end names its own session: before, it let go of one pin of the key `k`, which
+    // was now Y's.
+    x.end_session(&sx).unwrap();
+    for i in 0..5 {
+        let _ = put(&x, &format!("f{i}"), &[&pattern(i + 3, 1000)]);
+    }
+    assert_eq!(y.exists(&["k"]), vec![Ok(true)]);
+}
