@@ -104,10 +104,11 @@ impl ModelKvSpec {
                     None => {
                         let hidden = field_u32(&cfg, "hidden_size")?;
                         let heads = field_u32(&cfg, "num_attention_heads")?;
-                        if heads == 0 {
-                            return Err(GeometryError::BadConfig(
-                                "num_attention_heads is zero".into(),
-                            ));
+                        if heads == 0 || hidden % heads != 0 {
+                            return Err(GeometryError::BadConfig(format!(
+                                "no head_dim, and hidden_size {hidden} is not a multiple of \
+                                 num_attention_heads {heads}"
+                            )));
                         }
                         hidden / heads
                     }

@@ -10,7 +10,8 @@ use crate::{ComponentLayout, KvGeometry, PageHash};
 ///   [`Namespace::of_model`]. Two models with the same shapes (DeepSeek-V3 and R1) differ by
 ///   name; one model in another KV dtype or page size differs by those.
 /// - [`Namespace::sglang`]: SGLang's scheme, `{tag}_{model path with / → -}`, for sharing a
-///   cache with SGLang (its keys then match kvlink's byte for byte).
+///   cache with SGLang's Mooncake direct linker (its keys then match kvlink's byte for byte;
+///   SGLang's HiCache `MooncakeStore` path uses other suffixes, see [`KeyScheme`]).
 /// - [`Namespace::Exact`]: any prefix, given as is (`""`: none). `"text".into()` makes one.
 ///
 /// ```
@@ -32,7 +33,9 @@ pub enum Namespace {
 
 impl Namespace {
     /// SGLang's key prefix (`MooncakeStore._tag_keys`): `{tag}_{model_path}` with every `/` of
-    /// the model path turned into `-`; an empty part is left out (with its `_`).
+    /// the model path turned into `-`; an empty part is left out (with its `_`), as SGLang
+    /// does for an unset tag. (A tag set to the empty string makes SGLang's keys start with
+    /// `_`: give that prefix as [`Namespace::Exact`].)
     pub fn sglang(tag: &str, model_path: &str) -> Namespace {
         let path = model_path.replace('/', "-");
         let parts: Vec<&str> = [tag, path.as_str()]
@@ -103,7 +106,9 @@ impl From<&String> for Namespace {
 
 /// How object keys are named for one rank: the namespace and the parallel ranks that go in
 /// the suffix. Replicated components carry `cp{c}_pp{p}`; sharded ones `tp{t}_cp{c}_pp{p}`, so
-/// all TP ranks share one copy of a replicated object.
+/// all TP ranks share one copy of a replicated object. These are the keys of SGLang's
+/// Mooncake direct linker (`_storage_suffix`); SGLang's HiCache `MooncakeStore` names pages
+/// `{hash}__k` (MLA) or `{hash}_{tp}_k` / `_v` (MHA), which this scheme does not produce.
 ///
 /// ```
 /// use kv_geometry::{KeyScheme, KvGeometry, ModelKvSpec, PageHash};

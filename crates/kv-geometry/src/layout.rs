@@ -48,10 +48,11 @@ impl ComponentLayout {
         Some(start..start + self.page_layer_bytes)
     }
 
-    /// Byte range of page slot `slot` inside one layer's pool buffer of this component.
+    /// Byte range of page slot `slot` inside one layer's pool buffer of this component
+    /// (saturating at `u64::MAX`, far past any buffer, for a slot no pool can have).
     pub fn slot_range(&self, slot: u32) -> Range<u64> {
-        let start = u64::from(slot) * self.page_layer_bytes;
-        start..start + self.page_layer_bytes
+        let start = u64::from(slot).saturating_mul(self.page_layer_bytes);
+        start..start.saturating_add(self.page_layer_bytes)
     }
 }
 

@@ -131,9 +131,9 @@ impl ModelKvSpec {
     }
 
     /// Bytes of a prefix of `tokens` tokens (whole pages only: a partial last page is not
-    /// stored), saturating at `u64::MAX`.
+    /// stored), saturating at `u64::MAX`; 0 for a spec whose page size is 0 (no whole page).
     pub fn bytes_for_tokens(&self, tokens: u64) -> u64 {
-        let pages = tokens / u64::from(self.page_size);
+        let pages = tokens.checked_div(u64::from(self.page_size)).unwrap_or(0);
         self.components
             .iter()
             .map(|c| {

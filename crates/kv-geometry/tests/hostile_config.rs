@@ -31,6 +31,26 @@ fn llama_row_overflowing_u32_is_an_error() {
 }
 
 #[test]
+fn a_head_dim_that_does_not_divide_is_an_error_not_truncated() {
+    // No head_dim: hidden_size / num_attention_heads must be whole (100 / 3 was taken as 33).
+    let cfg = r#"{"model_type":"llama","num_hidden_layers":2,"num_attention_heads":3,
+                  "num_key_value_heads":1,"hidden_size":100}"#;
+    assert!(matches!(parse(cfg), Err(GeometryError::BadConfig(m)) if m.contains("multiple")));
+    let cfg = r#"{"model_type":"llama","num_hidden_layers":2,"num_attention_heads":4,
+                  "num_key_value_heads":1,"hidden_size":128}"#;
+    assert!(parse(cfg).is_ok());
+}
+
+#[test]
+fn a_spec_with_page_size_zero_has_no_whole_page() {
+    let spec = ModelKvSpec {
+        page_size: 0,
+        ..ModelKvSpec::glm52_dsa_fp8()
+    };
+    assert_eq!(spec.bytes_for_tokens(64), 0);
+}
+
+#[test]
 fn dsa_indexer_row_overflowing_u32_is_an_error() {
     let cfg = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78,"kv_lora_rank":512,
                   "qk_rope_head_dim":64,"index_head_dim":4294967295}"#;
