@@ -24,6 +24,7 @@ use tracing::{debug, info_span, warn};
 use super::checksum_cache::ChecksumCache;
 use super::gate::Gates;
 use super::group_time::BatchSample;
+use super::handle_use::Channel;
 use super::outcomes::HeldOutcome;
 use super::pipeline::LayerPipeline;
 use super::reader::{store_failure, ComponentKeys, LayerReader};
@@ -176,7 +177,9 @@ impl Inner {
             .clone()
             .or_else(|| cancelled.then_some(KvLoadError::Cancelled { batch }));
         let handles = match &self.group {
-            Some(link) => match link.handles(self.collective_deadline()) {
+            // The data handle stays marked in use to the batch's end (its verdict is the last
+            // exchange): a re-formation on the lookup thread then leaves it to this batch.
+            Some(link) => match link.handles_for(Channel::Data, self.collective_deadline()) {
                 Ok(h) => Ok(h),
                 Err(down) => match self.config.group_fallback {
                     GroupFallback::Fail => return Err(down.error(Some(batch))),
@@ -186,7 +189,7 @@ impl Inner {
             // A rank alone has nobody to keep in step with.
             None => Err(String::new()),
         };
-        let handles = match handles {
+        let (handles, _in_use) = match handles {
             Ok(h) => h,
             Err(alone) => {
                 // No gate: whatever this batch does, it leaves no time for the group.

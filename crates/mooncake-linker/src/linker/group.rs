@@ -12,6 +12,8 @@ use kv_device::Device;
 use kv_loader::{BatchId, KvLoadError};
 use parking_lot::Mutex;
 
+use super::handle_use::{Channel, HandleInUse, HandleUses};
+
 /// One rank's handles on its TP group: `data` carries the per-layer exchanges of the load
 /// thread, `control` the lookups of the engine's thread. Two handles, because the two
 /// threads issue collectives independently and one handle's operations must stay in one
@@ -120,13 +122,16 @@ impl std::fmt::Display for GroupDown {
 /// A linker's live handles on its group, shared by the load thread (data) and lookups
 /// (control). When either handle is broken, the first of them to need the group re-forms it
 /// through the formation: both handles at once (one formation makes both), the old ones
-/// aborted first so that peers still waiting on them fail at once. One re-formation at a
-/// time in this process; a caller that waited for another's sees its result.
+/// aborted first so that peers still waiting on them fail at once, except one the other
+/// thread is using now, which is aborted when that use ends ([`HandleUses`]). One
+/// re-formation at a time in this process; a caller that waited for another's sees its
+/// result.
 pub(crate) struct GroupLink {
     rank: u32,
     current: Mutex<GroupHandles>,
     formation: Option<Arc<dyn GroupFormation>>,
     reforming: Mutex<()>,
+    uses: Arc<HandleUses>,
 }
 
 impl GroupLink {
@@ -142,14 +147,28 @@ impl GroupLink {
                 }),
                 formation: g.formation.clone(),
                 reforming: Mutex::new(()),
+                uses: Arc::default(),
             })
         })
+    }
+
+    /// The handles to use now, with `channel`'s marked in use until the mark is dropped (a
+    /// batch holds its data handle's mark to its end, a lookup its control handle's): see
+    /// [`handles`](Self::handles).
+    pub(crate) fn handles_for(
+        &self,
+        channel: Channel,
+        deadline: Instant,
+    ) -> Result<(GroupHandles, HandleInUse), GroupDown> {
+        let handles = self.handles(deadline)?;
+        let in_use = self.uses.begin(&handles, channel);
+        Ok((handles, in_use))
     }
 
     /// The handles to use now: re-formed first when either is broken. A re-formation that
     /// does not complete by `deadline` (the formation may bound it sooner) fails: the caller
     /// fails its batch or lookup, and the next one tries again.
-    pub(crate) fn handles(&self, deadline: Instant) -> Result<GroupHandles, GroupDown> {
+    fn handles(&self, deadline: Instant) -> Result<GroupHandles, GroupDown> {
         let seen = self.current.lock().clone();
         let Some(why) = seen.broken() else {
             return Ok(seen);
@@ -175,7 +194,8 @@ impl GroupLink {
             None => return Ok(now),
             Some(w) => w,
         };
-        now.abort(&format!("re-forming the group: {why}"));
+        self.uses
+            .replace(&now, &format!("re-forming the group: {why}"));
         // Saturating: an epoch at the top (a peer's) makes the formation refuse, not panic.
         let epoch = now.epoch.saturating_add(1);
         match formation.reform(self.rank, epoch, deadline) {

@@ -13,6 +13,7 @@ use kv_loader::{KvLoadError, LookupHit, LookupRequest};
 use tracing::{debug, warn};
 
 use super::group::GroupLink;
+use super::handle_use::Channel;
 use super::{GroupFallback, Inner};
 use crate::store::StoreCalls;
 
@@ -78,8 +79,9 @@ impl Inner {
             detail: format!("lookup: {detail}").into(),
         };
         let deadline = kv_loader::deadline_after(self.config.collective_timeout);
-        let coll = match link.handles(deadline) {
-            Ok(handles) => handles.control,
+        // Marked in use to the lookup's end: a re-formation on the load thread leaves it.
+        let (coll, _in_use) = match link.handles_for(Channel::Control, deadline) {
+            Ok((handles, in_use)) => (handles.control, in_use),
             Err(down) => {
                 return match self.config.group_fallback {
                     GroupFallback::Fail => Err(down.error(None)),

@@ -22,6 +22,7 @@ mod gate;
 mod granularity;
 mod group;
 mod group_time;
+mod handle_use;
 mod handoff;
 mod landed;
 mod lookup;
