@@ -136,11 +136,12 @@ pub(crate) enum Failure {
     Io { peer: u32, error: io::Error },
 }
 
-/// The header span followed by the body spans, from `cursor`, at most `limit` bytes and
-/// [`MAX_IOV`] spans.
-fn pending(header: &[u8; HEADER], body: &[Span], cursor: Cursor, limit: usize) -> Vec<Span> {
+/// The header span (its [`HEADER`] bytes at `header`) followed by the body spans, from
+/// `cursor`, at most `limit` bytes and [`MAX_IOV`] spans. An inbound stream passes its header
+/// array's address taken from a `&mut` (the read writes it), an outbound one from a `&`.
+fn pending(header: usize, body: &[Span], cursor: Cursor, limit: usize) -> Vec<Span> {
     let head = Span {
-        addr: header.as_ptr() as usize,
+        addr: header,
         len: HEADER,
     };
     let all = std::iter::once(&head).chain(body.iter());
@@ -337,7 +338,8 @@ impl Run<'_> {
         };
         let mut turn = READ_TURN;
         while !s.finished() && turn > 0 {
-            let spans = pending(&s.header, &s.body, s.cursor, (s.total() - s.done).min(turn));
+            let header = std::ptr::addr_of_mut!(s.header) as usize;
+            let spans = pending(header, &s.body, s.cursor, (s.total() - s.done).min(turn));
             // SAFETY: the header is this stream's own array; body spans are valid for writes
             // and untouched by others (this function's contract); `pending` never goes past
             // the stream's end, so no byte of the next operation is consumed.
@@ -389,7 +391,7 @@ impl Run<'_> {
                 let Some(link) = self.links[o.peer as usize].as_ref() else {
                     return Err(Failure::Gone(vec![o.peer]));
                 };
-                let spans = pending(&o.header, &o.body, o.cursor, can);
+                let spans = pending(o.header.as_ptr() as usize, &o.body, o.cursor, can);
                 // SAFETY: the header is this stream's own array; body spans are valid for
                 // reads and not written (contract); a gated stream's spans past its head are
                 // bytes its inbound stream has already received.
@@ -439,13 +441,13 @@ mod tests {
         let body = vec![span(&a), span(&b), span(&c)];
         let header = [0u8; HEADER];
         let mut cur = Cursor::default();
-        let p = pending(&header, &body, cur, usize::MAX);
+        let p = pending(header.as_ptr() as usize, &body, cur, usize::MAX);
         assert_eq!(
             p.iter().map(|s| s.len).collect::<Vec<_>>(),
             vec![HEADER, 3, 2]
         );
         advance(&mut cur, &body, HEADER + 2);
-        let p = pending(&header, &body, cur, 2);
+        let p = pending(header.as_ptr() as usize, &body, cur, 2);
         assert_eq!(p.len(), 2);
         assert_eq!((p[0].addr, p[0].len), (a.as_ptr() as usize + 2, 1));
         assert_eq!(p[1].len, 1);
@@ -471,7 +473,7 @@ mod tests {
         let limit = std::time::Instant::now() + Duration::from_secs(10);
         while sent < want && std::time::Instant::now() < limit {
             let spans = pending(
-                &hdr,
+                hdr.as_ptr() as usize,
                 &[span(&src)],
                 advanced(&[span(&src)], sent),
                 want - sent,

@@ -71,6 +71,45 @@ impl Link {
         }
     }
 
+    /// Sends all of `bytes` on a socket in blocking mode (its send timeout bounds each wait:
+    /// `TimedOut` when it passes), without `SIGPIPE`: a peer that is gone gives
+    /// `BrokenPipe`/`ConnectionReset` instead of killing a process that did not ignore the
+    /// signal. (Recent std's `UnixStream::write` sends with `MSG_NOSIGNAL` too; older ones
+    /// use a plain `write`, so this does not depend on the toolchain.)
+    pub(crate) fn send_all(&self, mut bytes: &[u8]) -> io::Result<()> {
+        while !bytes.is_empty() {
+            // SAFETY: `bytes` is a live slice, valid for reads of its length for the call;
+            // the socket is open (owned by this Link).
+            let n = unsafe {
+                libc::send(
+                    self.fd(),
+                    bytes.as_ptr().cast(),
+                    bytes.len(),
+                    libc::MSG_NOSIGNAL,
+                )
+            };
+            if n > 0 {
+                bytes = &bytes[(n as usize).min(bytes.len())..];
+                continue;
+            }
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => {}
+                io::ErrorKind::WouldBlock => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the peer took no bytes before the send timeout",
+                    ))
+                }
+                _ => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Closes both directions: the peer's pending and later reads see end-of-stream, its
     /// writes fail. Used to tell every peer at once that this rank gave the group up.
     pub(crate) fn shut(&self) {
@@ -144,6 +183,58 @@ fn iovecs(spans: &[Span]) -> Vec<libc::iovec> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether SIGPIPE is pending for this thread (it is blocked here, so it stays pending),
+    /// taking it if so.
+    fn take_pending_sigpipe() -> bool {
+        // SAFETY: plain libc signal-set calls on local, initialised sets.
+        unsafe {
+            let mut pending: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut pending);
+            libc::sigpending(&mut pending);
+            if libc::sigismember(&pending, libc::SIGPIPE) != 1 {
+                return false;
+            }
+            let mut only: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut only);
+            libc::sigaddset(&mut only, libc::SIGPIPE);
+            let zero = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            libc::sigtimedwait(&only, std::ptr::null_mut(), &zero);
+            true
+        }
+    }
+
+    /// A send to a peer that is gone raises no SIGPIPE (which kills a process that did not
+    /// ignore it), whatever std's own writes do.
+    #[test]
+    fn a_send_to_a_closed_peer_is_an_error_without_sigpipe() {
+        std::thread::spawn(|| {
+            // SAFETY: blocks SIGPIPE for this thread only, with a local initialised set.
+            unsafe {
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, libc::SIGPIPE);
+                libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            }
+            let (a, b) = UnixStream::pair().unwrap();
+            drop(b);
+            let e = Link::Unix(a.try_clone().unwrap())
+                .send_all(b"hello")
+                .unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
+            assert!(!take_pending_sigpipe(), "send_all raised SIGPIPE");
+            // The check itself sees the signal a plain `write(2)` raises.
+            // SAFETY: writes 5 bytes from a live array to an open socket.
+            let n = unsafe { libc::write(a.as_raw_fd(), b"hello".as_ptr().cast(), 5) };
+            assert_eq!(n, -1);
+            assert!(take_pending_sigpipe(), "a plain write raises SIGPIPE");
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn vectored_send_and_read_move_bytes_between_spans() {

@@ -164,9 +164,9 @@ fn blocking(link: &Link) -> Blocking<'_> {
 }
 
 fn write_all_by(link: &Link, bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
-    let mut s = blocking(link);
+    let s = blocking(link);
     super::wire::TimedStream::set_timeouts(&s, remaining(deadline)?)?;
-    s.write_all(bytes)
+    link.send_all(bytes)
 }
 
 /// Connects to `peer` at its endpoint, retrying refusals until `deadline`.
