@@ -225,3 +225,33 @@ fn nccl_ids_travel_from_rank_0_to_every_rank() {
         );
     }
 }
+
+/// A connection to rank 0 that never sends its hello does not hold the others' hellos: each
+/// is read on a thread of its own (before, one at a time, each for up to 2 s).
+#[test]
+fn a_silent_connection_does_not_delay_the_others_hellos() {
+    let quick = |rank| {
+        RendezvousConfig::new(rank, 2, MeetingPoint::Tcp("127.0.0.1:0".into()))
+            .timeout(Duration::from_millis(1500))
+    };
+    let r0 = Rendezvous::new(quick(0)).unwrap();
+    let at = r0.listen_addr().unwrap().to_string();
+    // Three silent connections, made before the real joiner's.
+    let silent: Vec<_> = (0..3)
+        .map(|_| std::net::TcpStream::connect(&at).unwrap())
+        .collect();
+    let joiner = RendezvousConfig::new(1, 2, MeetingPoint::Tcp(at.clone()))
+        .timeout(Duration::from_millis(1500));
+    let mut ranks = vec![r0, Rendezvous::new(joiner).unwrap()];
+    let t0 = std::time::Instant::now();
+    let formed = form_all(&mut ranks);
+    for (rank, f) in formed.iter().enumerate() {
+        assert!(f.is_ok(), "rank {rank}: {:?}", f.as_ref().err());
+    }
+    assert!(
+        t0.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t0.elapsed()
+    );
+    drop(silent);
+}

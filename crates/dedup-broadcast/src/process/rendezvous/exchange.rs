@@ -257,7 +257,14 @@ pub(crate) fn lead(
     let k = Keys(prefix);
     let closed = read_u64(x, &k.closed(), deadline)?.unwrap_or(0);
     let mut epoch = next_epoch(closed.max(leader.last_epoch))?;
+    // Each taken epoch is one store call: bounded by the deadline as well as by the epochs.
     while !x.create(&k.open(epoch), &leader.encode(), deadline)? {
+        if Instant::now() >= deadline {
+            return Err(RendezvousError::Timeout {
+                missing: (1..leader.world).collect(),
+                detail: format!("rank 0 found every epoch up to {epoch} already opened"),
+            });
+        }
         epoch = next_epoch(epoch)?;
     }
     x.set(&k.current(), &epoch.to_le_bytes(), deadline)?;

@@ -27,6 +27,8 @@ const MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
 const REPLY_GRACE: Duration = Duration::from_millis(500);
 /// Pause between a joiner's attempts.
 const RETRY: Duration = Duration::from_millis(50);
+/// How long the accepting thread rests after a failed accept (out of descriptors).
+const ACCEPT_RETRY: Duration = Duration::from_millis(20);
 
 /// What joiners hear when rank 0's formation ended without deciding (it unwound).
 const ENDED_ABNORMALLY: &str = "rank 0's formation ended abnormally";
@@ -254,6 +256,7 @@ fn accept_loop(
     state: Arc<Mutex<LeaderState>>,
     version: String,
 ) {
+    let mut failed_accepts = 0u32;
     loop {
         let mut fds = [
             libc::pollfd {
@@ -279,37 +282,69 @@ fn accept_loop(
         if fds[1].revents != 0 {
             return;
         }
-        let Ok((mut stream, peer)) = listener.accept() else {
-            continue;
-        };
-        let hello = match read_frame(&mut stream, kv_loader::deadline_after(MESSAGE_TIMEOUT)) {
-            Ok(body) => Hello::decode(&body, &version),
+        let (stream, peer) = match listener.accept() {
+            Ok(c) => {
+                failed_accepts = 0;
+                c
+            }
             Err(e) => {
-                tracing::debug!(%peer, error = %e, "a connection sent no hello");
+                // Out of descriptors (EMFILE) leaves the connection queued and `poll` ready at
+                // once: rest instead of spinning, and log once per run of failures.
+                if failed_accepts == 0 {
+                    tracing::warn!(error = %e, "rank 0's rendezvous could not accept");
+                }
+                failed_accepts = failed_accepts.saturating_add(1);
+                std::thread::sleep(ACCEPT_RETRY);
                 continue;
             }
         };
-        let mut st = state.lock();
-        let mut arrival = Arrival { stream, hello };
-        if let Some(tx) = &st.forming {
-            match tx.send(arrival) {
-                Ok(()) => continue,
-                // The formation ended without closing its slot (it unwound): close it, and
-                // answer that none is under way; the next formation opens a new one.
-                Err(mpsc::SendError(back)) => {
-                    tracing::warn!("rank 0's formation ended without closing; answering idle");
-                    st.ended_abnormally();
-                    arrival = back;
-                }
+        // Each hello is read on a thread of its own: a connection that sends nothing would
+        // otherwise hold every other rank's hello for its whole read timeout.
+        let (st, v) = (state.clone(), version.clone());
+        let spawned = std::thread::Builder::new()
+            .name("kvlink-rdv-hello".into())
+            .spawn(move || admit(stream, peer, &st, &v));
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, %peer, "no thread for a rendezvous hello; dropped");
+        }
+    }
+}
+
+/// Reads one connection's hello and hands it to the formation under way, or answers that
+/// none is.
+fn admit(
+    mut stream: std::net::TcpStream,
+    peer: std::net::SocketAddr,
+    state: &Mutex<LeaderState>,
+    version: &str,
+) {
+    let hello = match read_frame(&mut stream, kv_loader::deadline_after(MESSAGE_TIMEOUT)) {
+        Ok(body) => Hello::decode(&body, version),
+        Err(e) => {
+            tracing::debug!(%peer, error = %e, "a connection sent no hello");
+            return;
+        }
+    };
+    let mut st = state.lock();
+    let mut arrival = Arrival { stream, hello };
+    if let Some(tx) = &st.forming {
+        match tx.send(arrival) {
+            Ok(()) => return,
+            // The formation ended without closing its slot (it unwound): close it, and
+            // answer that none is under way; the next formation opens a new one.
+            Err(mpsc::SendError(back)) => {
+                tracing::warn!("rank 0's formation ended without closing; answering idle");
+                st.ended_abnormally();
+                arrival = back;
             }
         }
-        let idle = Reply::Idle {
-            live_epoch: st.live_epoch,
-            last_failure: st.last_failure.clone(),
-        };
-        drop(st);
-        reply(&mut arrival.stream, &idle);
     }
+    let idle = Reply::Idle {
+        live_epoch: st.live_epoch,
+        last_failure: st.last_failure.clone(),
+    };
+    drop(st);
+    reply(&mut arrival.stream, &idle);
 }
 
 /// What a joiner last heard, for the error at its deadline.
