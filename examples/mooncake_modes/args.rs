@@ -40,6 +40,7 @@ pub struct Args {
     pub pools: Vec<Pools>,
     pub modes: Vec<String>,
     pub reps: usize,
+    pub warmup: usize,
     pub auto_runs: usize,
     pub suffix_tokens: u64,
     pub no_compute: bool,
@@ -102,6 +103,17 @@ fn command() -> Command {
                 .value_parser(value_parser!(usize))
                 .default_value("2")
                 .help("measured batches per fixed mode (the table gives the median)"),
+        )
+        .arg(
+            Arg::new("warmup")
+                .long("warmup")
+                .value_parser(value_parser!(usize))
+                .default_value("1")
+                .help(
+                    "unreported batches per fixed mode before the measured ones (a fresh \
+                     linker's first batch plans from its prior; Auto's measured batches come \
+                     after its calibration)",
+                ),
         )
         .arg(
             Arg::new("auto-runs")
@@ -188,6 +200,7 @@ pub fn parse() -> Result<Args, String> {
         pools,
         modes,
         reps: (*m.get_one::<usize>("reps").expect("defaulted")).max(1),
+        warmup: *m.get_one::<usize>("warmup").expect("defaulted"),
         auto_runs: *m.get_one::<usize>("auto-runs").expect("defaulted"),
         suffix_tokens: *m.get_one("suffix-tokens").expect("defaulted"),
         no_compute: m.get_flag("no-compute"),

@@ -65,16 +65,17 @@ fn storage_nodes() -> u32 {
         .unwrap_or(1)
 }
 
-/// How each mode of one rig runs: `reps` batches with `compute` per layer, rows labelled
-/// `label`.
+/// How each mode of one rig runs: `warmup` unreported batches (fixed modes), then `reps`
+/// measured batches with `compute` per layer, rows labelled `label`.
 struct ModeRuns<'a> {
+    warmup: usize,
     reps: usize,
     compute: Duration,
     label: &'a str,
 }
 
-/// One fixed mode on one rig: `runs.reps` batches (the pools zeroed before the last, and
-/// verified after it).
+/// One fixed mode on one rig: `runs.warmup` batches not reported, then `runs.reps` batches
+/// (the pools zeroed before the last, and verified after it).
 fn fixed_mode(
     rig: &Rig,
     prefix: &Prefix,
@@ -83,6 +84,7 @@ fn fixed_mode(
     report: &mut Report,
 ) -> Result<ModeResult> {
     let ModeRuns {
+        warmup,
         reps,
         compute,
         label,
@@ -90,7 +92,14 @@ fn fixed_mode(
     let linkers = rig.linkers(prefix, ModeChoice::Fixed(mode), compute)?;
     let mut result = ModeResult::new(format!("{mode:?}"), mode);
     let mut failure = None;
-    for rep in 0..reps {
+    // Batch ids after the measured ones' (1..=reps), so none is reused.
+    for w in 0..warmup {
+        if let Err(e) = rig.run_batch(&linkers, prefix, (reps + 1 + w) as u64, compute) {
+            failure = Some(e.context("warm-up batch"));
+            break;
+        }
+    }
+    for rep in (0..reps).take_while(|_| failure.is_none()) {
         if rep + 1 == reps {
             if let Err(e) = rig.clear() {
                 failure = Some(e);
@@ -262,6 +271,7 @@ fn one_rig(
         .filter(|m| a.modes.iter().any(|x| x == mode_name(*m)))
     {
         let runs = ModeRuns {
+            warmup: a.warmup,
             reps: a.reps,
             compute,
             label: &label,

@@ -159,6 +159,7 @@ pub struct SizeTables {
     compute: Duration,
     compute_text: String,
     reps: usize,
+    warmup: usize,
     rows: Vec<TpRows>,
 }
 
@@ -176,6 +177,7 @@ impl SizeTables {
                 compute::describe(prefix.tokens, a.suffix_tokens)
             },
             reps: a.reps,
+            warmup: a.warmup,
             rows: Vec::new(),
         }
     }
@@ -289,10 +291,10 @@ impl SizeTables {
             "Pools: {pools}. Store: Mooncake over TCP loopback, one client per rank with no \
              segment of its own (every byte crosses TCP from a storage node), adaptive layer \
              groups (LoadStats.read_groups). Times: the slowest rank, from its `start_load`, \
-             median of {} batches per fixed mode ({} for Auto after it decided); the pools are \
-             zeroed before each mode's last batch and every row of every rank is checked \
-             against the saved bytes after it.\n\n{}.\n",
-            self.reps, self.reps, self.compute_text
+             median of {} batches per fixed mode after {} unreported warm-up batches ({} for \
+             Auto after it decided); the pools are zeroed before each mode's last batch and \
+             every row of every rank is checked against the saved bytes after it.\n\n{}.\n",
+            self.reps, self.warmup, self.reps, self.compute_text
         );
         let mut t = Markdown::new(&[
             "TP",

@@ -69,9 +69,9 @@ fn command() -> Command {
         .arg(
             Arg::new("rounds")
                 .long("rounds")
-                .value_parser(value_parser!(usize))
+                .value_parser(value_parser!(u64).range(1..))
                 .default_value("5")
-                .help("interleaved rounds (each variant once per round)"),
+                .help("interleaved rounds (each variant once per round; round 1 checks the bytes)"),
         )
         .arg(
             Arg::new("groups")
@@ -240,7 +240,7 @@ pub fn parse() -> Args {
     let m = command().get_matches();
     Args {
         tokens: *m.get_one("tokens").expect("defaulted"),
-        rounds: *m.get_one::<usize>("rounds").expect("defaulted"),
+        rounds: *m.get_one::<u64>("rounds").expect("defaulted") as usize,
         groups: list(&m, "groups"),
         parallel: list(&m, "parallel"),
         streams: list(&m, "streams"),

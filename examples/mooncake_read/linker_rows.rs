@@ -246,6 +246,14 @@ impl LinkerReader {
             }
             std::thread::sleep(self.spec.lookup_gap);
         }
+        if check {
+            // The readers share one pool and land the same pages in the same slots: without
+            // zeroing, a reader that landed nothing would pass on the previous reader's bytes.
+            // SAFETY: the readers run one at a time and each takes its batch's outcome before
+            // returning, so no load or save of the pool is in flight, and nothing else
+            // touches it.
+            unsafe { self.pool.clear() };
+        }
         let start = Instant::now();
         let ticket = self.linker.start_load(plan)?;
         let mut ready = Vec::new();

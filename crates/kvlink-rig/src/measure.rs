@@ -16,13 +16,26 @@ pub fn timing_event(stream: &Arc<CudaStream>) -> Result<CudaEvent, String> {
         .map_err(|e| format!("cuEventRecord: {e}"))
 }
 
-/// Median of `v` (sorted in place); NaN when empty.
+/// Median of `v` (sorted in place): the middle value, or the mean of the two middle values
+/// for an even count; NaN when empty.
+///
+/// ```
+/// use kvlink_rig::measure::median;
+/// assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+/// assert_eq!(median(&mut [10.0, 20.0]), 15.0);
+/// assert!(median(&mut []).is_nan());
+/// ```
 pub fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    let mid = v.len() / 2;
+    if v.len() % 2 == 0 {
+        (v[mid - 1] + v[mid]) / 2.0
+    } else {
+        v[mid]
+    }
 }
 
 /// GB/s for `bytes` moved in `ms` milliseconds.
