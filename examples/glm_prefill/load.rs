@@ -87,7 +87,14 @@ pub(super) fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result
     };
     let agreed = lookup_all(ctx, &rigs, out)?;
     let calibration = if mode == ModeArg::Auto {
-        Some(calibrate_auto(&rigs, &ctx.pages[..agreed], out)?)
+        let seen = calibrate_auto(&rigs, &ctx.pages[..agreed], out)?;
+        for rig in &rigs {
+            // SAFETY: every calibration batch loaded (`calibrate_auto` fails otherwise) and was
+            // waited for to its outcome (`wait_batch`), so no load of this pool is in flight;
+            // zeroed, the measured batch's check sees only what it landed.
+            unsafe { rig.pool.clear() };
+        }
+        Some(seen)
     } else {
         warm_up(ctx, &rigs, agreed, mode, out)?;
         None

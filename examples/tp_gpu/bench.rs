@@ -338,6 +338,7 @@ fn one_mode(
         .collect();
     let ls = linkers(devs, &stores, groups.get()?, &cfg)?;
     let want = effective(mode, tp);
+    let layers_per_batch = devs[0].g.num_layers() as usize;
     let mut last_ms = Vec::new();
     let mut first_ms = Vec::new();
     let mut timelines: Vec<Vec<Vec<f64>>> = Vec::new();
@@ -368,6 +369,19 @@ fn one_mode(
         let mut rep_reads = Vec::new();
         let mut rep_pcie = Vec::new();
         for (r, run) in runs.iter().enumerate() {
+            // A layer wait that failed leaves `ready_ms` short: its last entry is not the
+            // last layer's time.
+            if let Some((layer, e)) = &run.wait_error {
+                failure = Some(format!("rank {r}: waiting for layer {layer}: {e}"));
+                continue;
+            }
+            if run.ready_ms.len() != layers_per_batch {
+                failure = Some(format!(
+                    "rank {r}: {} of {layers_per_batch} layers seen ready",
+                    run.ready_ms.len()
+                ));
+                continue;
+            }
             match &run.outcome.result {
                 Ok(s) if s.mode == want => {
                     rep_reads.push(s.bytes_read);

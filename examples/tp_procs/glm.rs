@@ -2,13 +2,54 @@
 //! host (host pools, embedded store), one after the other; both must verify every pool.
 //! The whole outputs go to `$OUT`; the table gets each mode's time to the last layer.
 
-use std::process::Command;
-use std::time::Instant;
+use std::io::Read;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use crate::Args;
 use kvlink_rig::report::{Report, Status};
 
 const SEC: &str = "glm_prefill";
+
+/// How long one `glm_prefill` run may take before it is killed (the GPU script gives the
+/// whole of `tp_procs` 290 s).
+const RUN_LIMIT: Duration = Duration::from_secs(120);
+
+/// Runs `cmd` to its end with its output captured, or kills it after `limit` (`Err`).
+fn output_within(cmd: &mut Command, limit: Duration) -> std::io::Result<Output> {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("killed after {} s", limit.as_secs()),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Ok(Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    })
+}
 
 /// `| 32,768 | AllRanks | store | 123.4 ms | ...` → ("AllRanks", "123.4 ms", store bytes).
 fn compare_rows(out: &str) -> Vec<(String, String, String)> {
@@ -37,25 +78,27 @@ pub fn run(args: &Args, report: &mut Report) {
             "TP {tp}, {tokens} tokens, ranks as {shape}: --mode compare, every pool verified"
         );
         let t = Instant::now();
-        let run = Command::new(&args.glm_bin)
-            .args([
-                "--mode",
-                "compare",
-                "--tp",
-                &tp,
-                "--tokens",
-                &tokens,
-                "--ranks-as",
-                shape,
-                "--svg",
-            ])
-            .arg(
-                args.out
-                    .as_ref()
-                    .map(|d| d.join(format!("glm_prefill_{shape}.svg")))
-                    .unwrap_or_else(|| format!("/tmp/glm_prefill_{shape}.svg").into()),
-            )
-            .output();
+        let run = output_within(
+            Command::new(&args.glm_bin)
+                .args([
+                    "--mode",
+                    "compare",
+                    "--tp",
+                    &tp,
+                    "--tokens",
+                    &tokens,
+                    "--ranks-as",
+                    shape,
+                    "--svg",
+                ])
+                .arg(
+                    args.out
+                        .as_ref()
+                        .map(|d| d.join(format!("glm_prefill_{shape}.svg")))
+                        .unwrap_or_else(|| format!("/tmp/glm_prefill_{shape}.svg").into()),
+                ),
+            RUN_LIMIT,
+        );
         let out = match run {
             Ok(o) => o,
             Err(e) => {

@@ -300,12 +300,12 @@ fn load_mode(
             );
         }
         let calibration = if mode == ModeArg::Auto {
-            Some(calibrate_auto(
-                ctx,
-                &linker,
-                &slots,
-                formed.group.control.as_ref(),
-            )?)
+            let seen = calibrate_auto(ctx, &linker, &slots, formed.group.control.as_ref())?;
+            // SAFETY: every calibration batch loaded on every rank (`calibrate_auto` fails
+            // otherwise) and was waited for to its outcome, so no load of this pool is in
+            // flight; zeroed, the measured batch's check sees only what it landed.
+            unsafe { pool.clear() };
+            Some(seen)
         } else {
             None
         };
