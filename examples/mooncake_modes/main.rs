@@ -41,7 +41,7 @@ use kvlink_rig::measure::{fmt_bytes, fmt_tokens};
 use kvlink_rig::report::{Report, Status};
 use prefix::Prefix;
 use report::{AutoRun, ModeResult, SizeTables};
-use rig::{close_all, Rig};
+use rig::{close_all, LinkersNotClosed, Rig};
 
 const FIXED: [ShareMode; 3] = [
     ShareMode::AllRanks,
@@ -114,9 +114,13 @@ fn fixed_mode(
             }
         }
     }
+    // A close that failed wins: it says the pools may still be written.
     let closed = close_all(linkers);
     if let Some(e) = failure {
-        return Err(e);
+        return Err(match closed {
+            Err(c) => c.context(format!("after a failed batch: {e:#}")),
+            Ok(()) => e,
+        });
     }
     closed?;
     let wrong: Vec<String> = result
@@ -214,7 +218,12 @@ fn auto_run(
         }
     }
     let closed = close_all(linkers);
-    outcome?;
+    if let Err(e) = outcome {
+        return Err(match closed {
+            Err(c) => c.context(format!("after a failed batch: {e:#}")),
+            Ok(()) => e,
+        });
+    }
     closed?;
     let verified = rig.verify(prefix);
     report.push(
@@ -236,6 +245,25 @@ fn auto_run(
         kept,
         result,
     })
+}
+
+/// Ends one rig's modes early: a linker could not be closed, so a batch may still write its
+/// pools and no later mode may clear or check them. The modes that ran keep their rows.
+fn stop_rig(
+    label: &str,
+    results: Vec<ModeResult>,
+    tables: &mut SizeTables,
+    report: &mut Report,
+    tp: u32,
+) -> Result<()> {
+    report.push(
+        "modes",
+        format!("{label}: the later modes"),
+        Status::Skip,
+        "not run: a linker could not be closed, its pools may still be written".to_string(),
+    );
+    tables.add(tp, results, Vec::new(), report, label);
+    Ok(())
 }
 
 /// Every mode on one (pools, TP) rig.
@@ -278,12 +306,17 @@ fn one_rig(
         };
         match fixed_mode(&rig, prefix, mode, &runs, report) {
             Ok(r) => results.push(r),
-            Err(e) => report.push(
-                "modes",
-                format!("{label} {mode:?}"),
-                Status::Fail,
-                format!("{e:#}"),
-            ),
+            Err(e) => {
+                report.push(
+                    "modes",
+                    format!("{label} {mode:?}"),
+                    Status::Fail,
+                    format!("{e:#}"),
+                );
+                if e.downcast_ref::<LinkersNotClosed>().is_some() {
+                    return stop_rig(&label, results, tables, report, tp);
+                }
+            }
         }
     }
     let mut autos = Vec::new();
@@ -291,12 +324,17 @@ fn one_rig(
         for run in 0..a.auto_runs.max(1) {
             match auto_run(&rig, prefix, a.reps, compute, report, &label) {
                 Ok(r) => autos.push(r),
-                Err(e) => report.push(
-                    "auto",
-                    format!("{label} Auto run {}", run + 1),
-                    Status::Fail,
-                    format!("{e:#}"),
-                ),
+                Err(e) => {
+                    report.push(
+                        "auto",
+                        format!("{label} Auto run {}", run + 1),
+                        Status::Fail,
+                        format!("{e:#}"),
+                    );
+                    if e.downcast_ref::<LinkersNotClosed>().is_some() {
+                        break;
+                    }
+                }
             }
         }
     }
@@ -407,8 +445,19 @@ fn run(a: &Args, report: &mut Report) -> Result<Vec<(String, String)>> {
             continue;
         }
         let t_size = Instant::now();
-        let prefix = Prefix::save(&config, tokens, a.savers, a.seed)
-            .with_context(|| format!("saving the {label} prefix"))?;
+        let prefix = match Prefix::save(&config, tokens, a.savers, a.seed) {
+            Ok(p) => p,
+            Err(e) => {
+                // The sizes already run keep their tables; this one has none.
+                report.push(
+                    "prefix",
+                    format!("{label}: saved"),
+                    Status::Fail,
+                    format!("{e:#}"),
+                );
+                continue;
+            }
+        };
         report.info(
             "prefix",
             label.clone(),
@@ -454,7 +503,11 @@ fn run(a: &Args, report: &mut Report) -> Result<Vec<(String, String)>> {
                 pools.name(),
                 fmt_tokens(prefix.tokens).to_lowercase()
             );
-            files.push((name, tables.render()));
+            let text = tables.render();
+            // Written now, with the checks so far, so that a run stopped later (a time limit)
+            // keeps this size's table; rewritten at the end with the whole run's checks.
+            write_table(a, &name, &text, report, false);
+            files.push((name, text));
         }
         let removed = prefix.discard(stores[0].as_ref());
         report.info(
@@ -492,6 +545,26 @@ fn machine(a: &Args) -> String {
     })
 }
 
+/// One size's table with the run's checks so far, written under `--out` when given;
+/// returns the text.
+fn write_table(a: &Args, name: &str, text: &str, report: &Report, ended: bool) -> String {
+    let results = report.table();
+    let summary = results.lines().last().unwrap_or_default();
+    let heading = if ended {
+        "Checks of the whole run"
+    } else {
+        "Checks of the run so far (it had not ended when this file was written)"
+    };
+    let body = format!("{text}\n## {heading}\n\n```\n{results}```\n\n{summary}\n");
+    if let Some(dir) = &a.out {
+        let _ = std::fs::create_dir_all(dir);
+        if let Err(e) = std::fs::write(dir.join(name), &body) {
+            eprintln!("writing {name}: {e}");
+        }
+    }
+    body
+}
+
 fn main() -> ExitCode {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
@@ -519,16 +592,8 @@ fn main() -> ExitCode {
     };
     let results = report.table();
     for (name, text) in &files {
-        let summary = results.lines().last().unwrap_or_default();
-        let body =
-            format!("{text}\n## Checks of the whole run\n\n```\n{results}```\n\n{summary}\n");
+        let body = write_table(&a, name, text, &report, true);
         println!("==== {name}\n{body}");
-        if let Some(dir) = &a.out {
-            let _ = std::fs::create_dir_all(dir);
-            if let Err(e) = std::fs::write(dir.join(name), &body) {
-                eprintln!("writing {name}: {e}");
-            }
-        }
     }
     if files.is_empty() {
         println!("{results}");

@@ -386,6 +386,24 @@ fn nccl_groups(_tp: u32) -> Result<Vec<TpGroup>> {
 }
 
 /// Closes every rank's linker at once.
+/// A linker's `close` failed: a batch may still write the rig's pools (its slots are held),
+/// so nothing else may run on them.
+#[derive(Debug)]
+pub struct LinkersNotClosed(pub String);
+
+impl std::fmt::Display for LinkersNotClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "closing the linkers: {} (the rig's pools are left alone)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for LinkersNotClosed {}
+
+/// Closes every linker (in parallel); a failure is a [`LinkersNotClosed`].
 pub fn close_all(linkers: Vec<Linker>) -> Result<()> {
     let errors = Mutex::new(Vec::new());
     std::thread::scope(|s| {
@@ -402,8 +420,8 @@ pub fn close_all(linkers: Vec<Linker>) -> Result<()> {
         }
     });
     let errors = errors.into_inner().unwrap_or_default();
-    match errors.first() {
-        Some(e) => bail!("closing the linkers: {e}"),
+    match errors.into_iter().next() {
+        Some(e) => Err(LinkersNotClosed(e).into()),
         None => Ok(()),
     }
 }
