@@ -40,9 +40,10 @@
 # Output ($OUT when set, else gpu-mooncake/out/): the part's tables, named after the machine and
 # shape for docs/results/ (e.g. mooncake_modes_h200x1_host_128k_n1.md, mooncake_read_h200x1_32k.md),
 # each ending with `N passed, N failed` where it checks; <part>.stdout.log, <part>.stderr.log and
-# env_<part>.txt. The binary is stopped after KVLINK_TABLE_TIMEOUT seconds (default 570), and
-# starts no prefix size it expects to end past --budget-s (default 520 s), so the tables of the
-# sizes it finished are always written.
+# env_<part>.txt. The part's runs together are stopped after KVLINK_TABLE_TIMEOUT seconds
+# (default 570; each run gets what is left), and mooncake_modes starts no prefix size it expects
+# to end past --budget-s (default 520 s) and writes each size's table when it is done, so the
+# tables of the sizes it finished are kept.
 #
 # From the build machine:
 #   bash scripts/gpu-mooncake-bundle.sh        # gpu-mooncake/ (carry it; < 34 MiB)
@@ -99,9 +100,18 @@ esac
 } > "$out/env_$part.txt"
 
 limit="${KVLINK_TABLE_TIMEOUT:-570}"
+# One limit for the whole part, however many runs it makes (the procs part makes up to seven):
+# each run gets what is left of it, so the part ends, and prints its summary, inside the
+# device command's time.
+part_deadline=$(( $(date +%s) + limit ))
 run_bundle() { # $1: storage nodes; the rest: the command
   local nodes="$1"; shift
-  timeout -k 15 "$limit" bash "$repo/scripts/gpu-mooncake-run.sh" --storage-nodes "$nodes" -- "$@"
+  local left=$(( part_deadline - $(date +%s) ))
+  if (( left < 5 )); then
+    echo "gpu-mooncake-table: the part's ${limit} s are spent; not run: $*" >&2
+    return 124
+  fi
+  timeout -k 15 "$left" bash "$repo/scripts/gpu-mooncake-run.sh" --storage-nodes "$nodes" -- "$@"
 }
 
 modes_bin="${KVLINK_TABLE_MODES_BIN:-mooncake_modes}"
