@@ -101,7 +101,13 @@ fn parse_args() -> Result<Args, String> {
         match arg.as_str() {
             "--cpu" => a.cpu = true,
             "--tp" => a.tp = num("--tp", it.next())?,
-            "--pages" => a.pages = num::<usize>("--pages", it.next())?.max(1),
+            "--pages" => {
+                a.pages = num::<usize>("--pages", it.next())?;
+                // Part 1's share step moves 32 pages through staging sized for --pages.
+                if a.pages < 32 {
+                    return Err(format!("--pages {}: at least 32", a.pages));
+                }
+            }
             "--quick" => {
                 a.pages = 32;
                 a.glm_tokens = 8192;
