@@ -57,9 +57,15 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
+/// The median (the mean of the two middle values of an even count).
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
-    v[v.len() / 2]
+    let mid = v.len() / 2;
+    if v.len().is_multiple_of(2) {
+        (v[mid - 1] + v[mid]) / 2
+    } else {
+        v[mid]
+    }
 }
 
 fn out(line: &str) {

@@ -512,8 +512,11 @@ fn calibration_medians(run: &AutoRun) -> String {
     by_mode(measured(run))
         .into_iter()
         .map(|(m, mut v)| {
-            v.sort_by(f64::total_cmp);
-            format!("{m:?} {} ({} batches)", ms(v[v.len() / 2]), v.len())
+            let n = v.len();
+            format!(
+                "{m:?} {} ({n} batches)",
+                ms(kvlink_rig::measure::median(&mut v))
+            )
         })
         .collect::<Vec<_>>()
         .join(", ")

@@ -380,8 +380,7 @@ fn policy(
 }
 
 fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    kvlink_rig::measure::median(v)
 }
 
 /// The `Linker` rows: one linker per `--linker-compute-us` value (each its own client, with

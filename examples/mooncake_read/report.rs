@@ -19,11 +19,9 @@ pub struct Row {
     pub first_calls: Vec<f64>,
 }
 
-/// The middle value (the upper one of an even count); NaN when empty.
+/// The median (the mean of the two middle values of an even count); NaN when empty.
 fn middle(v: &[f64]) -> f64 {
-    let mut t = v.to_vec();
-    t.sort_by(f64::total_cmp);
-    t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+    kvlink_rig::measure::median(&mut v.to_vec())
 }
 
 impl Row {
