@@ -1237,3 +1237,89 @@ fn lookups_and_loads_back_to_back_stay_right() {
     assert_eq!(m.ranges_length_only, 0, "{m:?}");
     linker.close().unwrap();
 }
+
+/// Serves the companion `key`'s first read with `stale` bytes: as a companion read beside the
+/// pin, before the pin took, sees the companion of an object since evicted and written again
+/// (other bytes, its own companion).
+struct StaleCompanionOnce {
+    inner: Arc<dyn KvStore>,
+    stale: std::sync::Mutex<Option<(String, Vec<u8>)>>,
+}
+
+impl KvStore for StaleCompanionOnce {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_ranges, put,
+        remove, discard, register, unregister, start_session, end_session, health);
+
+    fn name(&self) -> &str {
+        "stale-companion-once"
+    }
+
+    unsafe fn get_into(
+        &self,
+        gets: &[ObjectGet<'_>],
+    ) -> Vec<Result<u64, kvlink::mooncake_linker::store::StoreError>> {
+        // SAFETY: forwarded with the caller's promise.
+        let got = unsafe { self.inner.get_into(gets) };
+        let mut stale = self.stale.lock().unwrap();
+        for (g, r) in gets.iter().zip(&got) {
+            let hit = matches!((&*stale, r), (Some((k, b)), Ok(n)) if k == g.key && *n as usize == b.len());
+            if hit {
+                let (_, bytes) = stale.take().unwrap();
+                // SAFETY: the caller's destination is valid for `g.len` ≥ `bytes.len()` bytes
+                // (the read just wrote that many) and nothing else touches it during the call.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), g.dst, bytes.len()) };
+            }
+        }
+        got
+    }
+}
+
+/// A batch whose own companion read (not kept) is older than its object, written again with
+/// other bytes since, does not discard the good object: the failing layer is checked again
+/// against the companion read afresh, and the batch loads the new bytes.
+#[test]
+fn a_stale_companion_read_by_the_batch_is_checked_again_not_taken_as_bad() {
+    let s = saved(43, 4);
+    let key = {
+        let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+        let l = Linker::new(s.g.clone(), s.store.clone(), pool, config()).unwrap();
+        let k = l
+            .object_keys(&load_plan(&s.g, 0, &s.pages, vec![0, 1, 2, 3]))
+            .unwrap()[0][1]
+            .clone();
+        l.close().unwrap();
+        k
+    };
+    let old = get(s.store.as_ref(), &checksum_key(&key)).unwrap();
+    let reads: Arc<dyn KvStore> = Arc::new(StaleCompanionOnce {
+        inner: s.store.clone(),
+        stale: std::sync::Mutex::new(Some((checksum_key(&key), old))),
+    });
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let linker = Linker::new(s.g.clone(), reads, pool.clone(), config()).unwrap();
+    let (key2, bytes) = rewrite_page_1(&s, &linker);
+    assert_eq!(key2, key);
+    let t = linker
+        .start_load(load_plan(&s.g, 2, &s.pages, vec![0, 2, 4, 6]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    let m = linker.metrics();
+    assert_eq!(m.bad_objects, 0, "{m:?}");
+    assert_eq!(
+        (m.companions_reread, m.kept_checksums_stale),
+        (1, 0),
+        "{m:?}"
+    );
+    assert_eq!(
+        s.store.exists(&[key.as_str(), &checksum_key(&key)]),
+        vec![Ok(true), Ok(true)]
+    );
+    let c = &s.g.components()[0];
+    let r = c.layer_range(0).unwrap();
+    let mut row = vec![0u8; c.page_layer_bytes as usize];
+    // SAFETY: the batch finished (every layer landed) and nothing else writes slot 2.
+    unsafe { pool.read_slot(c.id, 0, 2, &mut row) }.unwrap();
+    assert_eq!(row, &bytes[r.start as usize..r.end as usize]);
+    linker.close().unwrap();
+}

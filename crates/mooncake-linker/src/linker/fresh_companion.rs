@@ -1,7 +1,8 @@
-//! Rows of a layer that failed against checksums an earlier load kept (`checksum_cache`),
-//! checked again against their companions read afresh: kept checksums go stale when their
+//! Rows of a layer that failed against their checksums, checked again against their
+//! companions read afresh before their object is taken as bad. Checksums go stale when their
 //! object is evicted and written again with other bytes (prefill kernels need not be bitwise
-//! deterministic), and a good object must not be discarded for that.
+//! deterministic): those an earlier load kept (`checksum_cache`), and those this batch read
+//! beside its pin, before the pin took. A good object must not be discarded for that.
 
 use kv_geometry::{ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError};
@@ -17,10 +18,13 @@ pub(crate) struct StaleRow<'a> {
     pub(crate) page: usize,
     pub(crate) bytes: &'a [u8],
     pub(crate) landed: Option<u64>,
+    /// Its checksums were kept by an earlier load (else this batch read them).
+    pub(crate) kept: bool,
 }
 
 impl Inner {
-    /// Layer `layer` of each row's object failed against kept checksums: forgets them, reads
+    /// Layer `layer` of each row's object failed against its checksums (kept, or read by this
+    /// batch): forgets any kept ones, reads
     /// the rows' companions afresh (one call for all) and checks each row against its own.
     /// Where the object has no companion now, or a bad one, its size is checked first (when
     /// `verify_object_sizes`): kept checksums let layer 0 go before the sizes were in, and a
@@ -45,7 +49,9 @@ impl Inner {
         for r in rows {
             self.checksums.remove(&r.component.keys[r.page]);
         }
-        self.metrics.kept_checksums_stale(rows.len() as u64);
+        let kept = rows.iter().filter(|r| r.kept).count() as u64;
+        self.metrics.kept_checksums_stale(kept);
+        self.metrics.companions_reread(rows.len() as u64 - kept);
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let bound = self
             .config
@@ -84,7 +90,8 @@ impl Inner {
             match verdict {
                 Ok(v) => {
                     let key = &comp.keys[page];
-                    tracing::info!(%batch, key, layer, "kept checksums were stale: the companion read afresh passes");
+                    let checksums = if r.kept { "kept" } else { "this batch's" };
+                    tracing::info!(%batch, key, layer, checksums, "checksums were stale: the companion read afresh passes");
                     if let Some(s) = fresh {
                         self.checksums.insert(key, std::sync::Arc::new(s));
                     }

@@ -45,6 +45,7 @@ pub struct LinkerMetrics {
     pins_ahead: AtomicU64,
     pins_ahead_taken: AtomicU64,
     kept_checksums_stale: AtomicU64,
+    companions_reread: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
 }
 
@@ -100,6 +101,10 @@ pub struct MetricsSnapshot {
     /// (object, layer) ranges that failed against kept checksums and were checked again
     /// against their companion read afresh (their object written again since).
     pub kept_checksums_stale: u64,
+    /// (object, layer) ranges that failed against the companion this batch read and were
+    /// checked again against one read afresh: that read may have come before the batch's pin
+    /// took, and the object been written again (other bytes, its own companion) in between.
+    pub companions_reread: u64,
     /// Store calls that did not return by their deadline (filled by `Linker::metrics`).
     pub overdue_calls: u64,
     /// Failures by kind (`KvLoadError::kind_name`).
@@ -179,6 +184,10 @@ impl LinkerMetrics {
         self.kept_checksums_stale.fetch_add(n, Ordering::Relaxed);
     }
 
+    pub(crate) fn companions_reread(&self, n: u64) {
+        self.companions_reread.fetch_add(n, Ordering::Relaxed);
+    }
+
     pub(crate) fn bad_object(&self) {
         self.bad_objects.fetch_add(1, Ordering::Relaxed);
     }
@@ -214,6 +223,7 @@ impl LinkerMetrics {
             pins_ahead: self.pins_ahead.load(Ordering::Relaxed),
             pins_ahead_taken: self.pins_ahead_taken.load(Ordering::Relaxed),
             kept_checksums_stale: self.kept_checksums_stale.load(Ordering::Relaxed),
+            companions_reread: self.companions_reread.load(Ordering::Relaxed),
             overdue_calls: 0,
             failures: self.failures.lock().clone(),
         }

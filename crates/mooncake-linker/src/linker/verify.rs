@@ -34,8 +34,9 @@ pub(crate) struct BatchChecksums {
     shared: Vec<Vec<Option<Companion>>>,
 }
 
-/// One object's checksums for a batch, and whether an earlier load kept them (then a layer
-/// that fails against them is checked again against the companion read afresh).
+/// One object's checksums for a batch, and whether an earlier load kept them (else this batch
+/// read them). A layer that fails against them is checked again against the companion read
+/// afresh either way.
 #[derive(Debug, Clone)]
 struct Companion {
     sums: std::sync::Arc<ObjectChecksums>,
@@ -332,13 +333,14 @@ impl LayerCheck<'_> {
             }
             Verified::LengthOnly => counts.2 += 1,
         };
-        // Rows that failed against checksums an earlier load kept may only be stale (their
-        // object written again with other bytes since): their companions read afresh decide.
+        // Rows that failed against their checksums may only be stale (their object written
+        // again with other bytes since those were read: an earlier load kept them, or this
+        // batch read them before its pin took): their companions read afresh decide.
         let mut stale = Vec::new();
         for (row, verdict) in rows.iter().zip(verdicts) {
             match verdict {
                 Ok(v) => count(v, row.landed),
-                Err(_) if row.kept().is_some() => match self.renewed(row, layer) {
+                Err(_) if row.companion.is_some() => match self.renewed(row, layer) {
                     // An earlier layer's recheck already kept fresh checksums that pass.
                     Some(v) => count(v, row.landed),
                     None => stale.push(StaleRow {
@@ -346,6 +348,7 @@ impl LayerCheck<'_> {
                         page: row.page,
                         bytes: row.bytes,
                         landed: row.landed,
+                        kept: row.kept().is_some(),
                     }),
                 },
                 Err(e) => {
@@ -372,11 +375,12 @@ impl LayerCheck<'_> {
         Ok(())
     }
 
-    /// A row that failed against the checksums this batch took from the cache, checked against
-    /// those the cache holds now when an earlier layer's recheck replaced them (so a rewritten
-    /// object is read afresh once per batch, not once per layer); `None`: to be rechecked.
+    /// A row that failed against the checksums this batch has for it (kept, or read), checked
+    /// against those the cache holds now when an earlier layer's recheck replaced them (so a
+    /// rewritten object is read afresh once per batch, not once per layer); `None`: to be
+    /// rechecked.
     fn renewed(&self, row: &Row<'_>, layer: u32) -> Option<Verified> {
-        let taken = row.kept()?;
+        let taken = &row.companion?.sums;
         let now = self.inner.checksums.get(&row.component.keys[row.page])?;
         if std::sync::Arc::ptr_eq(&now, taken) {
             return None;
