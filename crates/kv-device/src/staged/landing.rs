@@ -112,6 +112,14 @@ impl StagedLanding {
                 reason: "slot past the pool",
             });
         }
+        if let Some(s) = first_repeated(&slots) {
+            // The row-copy kernel writes every destination row from its own thread block:
+            // a slot named twice would be written by two at once.
+            return Err(DeviceError::SlotBusy {
+                slot: s,
+                reason: "named twice in the batch's slots",
+            });
+        }
         check_shape(&pool, &shape, slots.len(), lease.stage_bytes())?;
         let stages_state: Vec<StageState> =
             (0..lease.stages()).map(|_| StageState::default()).collect();
@@ -623,8 +631,14 @@ impl DeviceShare for StagedLanding {
                 {
                     return Err(stage_err("a row block past the plan"));
                 }
-                let end = b.offset as u64 + b.pages as u64 * c.page_layer_bytes;
-                if end > share {
+                // Checked: a block's fields are caller input, and a sum that wrapped would pass
+                // the bound and point the copy before the staging buffer.
+                let end = u64::try_from(b.offset).ok().and_then(|o| {
+                    (b.pages as u64)
+                        .checked_mul(c.page_layer_bytes)
+                        .and_then(|n| o.checked_add(n))
+                });
+                if end.is_none_or(|e| e > share) {
                     return Err(stage_err("a row block outside the share area"));
                 }
                 let span = self.span(b.component, layer, b.first_page, b.pages)?;
@@ -640,6 +654,13 @@ impl DeviceShare for StagedLanding {
         })
         .map(|_| ())
     }
+}
+
+/// The first slot of `slots` that is named more than once (in sorted order), if any.
+fn first_repeated(slots: &[u32]) -> Option<u32> {
+    let mut sorted = slots.to_vec();
+    sorted.sort_unstable();
+    sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
 }
 
 impl Drop for StagedLanding {

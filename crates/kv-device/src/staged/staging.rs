@@ -135,7 +135,9 @@ impl StagingPool {
     /// layer, with the share area's padding (a `SplitAllGather` share area holds `tp_size`
     /// chunks of the largest share).
     pub fn half_bytes_for(geometry: &KvGeometry, pages: usize, tp_size: u32) -> usize {
-        let padded = pages.div_ceil(tp_size.max(1) as usize) * tp_size.max(1) as usize;
+        let padded = pages
+            .div_ceil(tp_size.max(1) as usize)
+            .saturating_mul(tp_size.max(1) as usize);
         (geometry.max_layer_bytes_per_page() as usize).saturating_mul(padded.max(pages))
     }
 
