@@ -685,3 +685,90 @@ fn a_lent_stage_is_the_loans_alone_and_its_staging_waits_for_the_loan() {
     drop(pool);
     assert!(staging.upgrade().is_none());
 }
+
+/// One shared component (`k`, every layer) over `slots`, its whole share area on each layer.
+fn k_shared(r: &Rig, pages: usize) -> (ComponentId, u64, BatchShape) {
+    let k = r.g.component_by_name("k").unwrap();
+    let row = k.page_layer_bytes;
+    let shape = BatchShape {
+        own: vec![],
+        shared: vec![k.id],
+        share_bytes: vec![pages * row as usize; 4],
+    };
+    (k.id, row, shape)
+}
+
+/// A row block whose offset and length wrap past `u64::MAX` is refused: its end, summed
+/// unchecked, panicked in a debug build and, wrapped in a release one, passed the bound and
+/// pointed the copy before the staging buffer.
+#[test]
+fn a_row_block_whose_end_wraps_is_refused() {
+    let r = rig(CpuDeviceConfig::default(), 10, 4, 1);
+    let (k, row, shape) = k_shared(&r, 1);
+    let mut landing = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        vec![0].into(),
+        shape,
+    )
+    .unwrap();
+    let mut stages = landing.take_stages();
+    let stage = &mut stages[0];
+    landing.open(stage, 0, soon()).unwrap();
+    let after = r.dev.load_stream().record().unwrap();
+    let block = RowBlock {
+        component: k,
+        first_page: 0,
+        pages: 1,
+        offset: usize::MAX - row as usize + 1,
+    };
+    let got = landing.scatter(stage, &[block], &after);
+    assert!(matches!(got, Err(DeviceError::InvalidStage(_))), "{got:?}");
+}
+
+/// A slot named twice is refused when the landing is made: the row-copy kernel writes each
+/// destination row from its own thread block, so two blocks would write that slot at once.
+#[test]
+fn a_slot_named_twice_in_a_staged_batch_is_refused() {
+    let r = rig(CpuDeviceConfig::default(), 16, 4, 1);
+    let got = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        vec![3, 5, 3, 7].into(),
+        BatchShape::own_only(all(&r.g)),
+    );
+    assert!(
+        matches!(got, Err(DeviceError::SlotBusy { slot: 3, .. })),
+        "{:?}",
+        got.err()
+    );
+}
+
+/// A save that waits on an engine event that does not complete fails alone: later saves do
+/// not queue behind it (the factory's one save stream failed for good, and every later save
+/// on it failed too).
+#[test]
+fn a_save_held_by_an_engine_event_does_not_fail_the_later_saves() {
+    let r = rig(
+        CpuDeviceConfig {
+            wait_limit: Duration::from_millis(100),
+            ..CpuDeviceConfig::default()
+        },
+        16,
+        4,
+        2,
+    );
+    let slots: Vec<u32> = vec![1, 4, 9, 2];
+    let engine = CpuDevice::new(3).unwrap();
+    engine.stall_for(Duration::from_secs(30));
+    let late = engine.load_stream().record().unwrap();
+    let f = StagedLandingFactory::new(r.pool.clone(), r.staging.clone());
+    let k = r.g.component_by_name("k").unwrap().id;
+    {
+        let mut held = f.begin_save_after(slots.clone().into(), &late).unwrap();
+        assert!(held.gather(k, 0).is_err(), "its engine event never came");
+    }
+    engine.resume();
+    let mut next = f.begin_save(slots.into()).unwrap();
+    assert!(next.gather(k, 0).is_ok(), "a later save gathers");
+}

@@ -37,10 +37,15 @@ pub struct StagedLandingFactory {
     staging: Arc<StagingPool>,
     strategy: ScatterStrategy,
     drain: Duration,
-    /// The stream saves gather on (made at the first save): apart from the load stream, so a
-    /// save that waits for the engine's compute never holds a load's copies back.
-    save_stream: Mutex<Option<Arc<dyn Stream>>>,
+    /// The stream saves without an engine event gather on (made at the first such save, made
+    /// again after a gather on it got stuck or failed): apart from the load stream, so a save
+    /// never holds a load's copies back. A save that waits for an engine event gets a stream
+    /// of its own: an event that never completes then holds back that save alone.
+    save_stream: SaveStream,
 }
+
+/// The factory's shared save stream, cleared by a gather that found it stuck.
+type SaveStream = Arc<Mutex<Option<Arc<dyn Stream>>>>;
 
 impl StagedLandingFactory {
     /// Landings into `pool` through `staging` (the same device).
@@ -50,7 +55,7 @@ impl StagedLandingFactory {
             staging,
             strategy: ScatterStrategy::Auto,
             drain: Duration::from_secs(30),
-            save_stream: Mutex::new(None),
+            save_stream: Arc::default(),
         }
     }
 
@@ -87,9 +92,14 @@ impl StagedLandingFactory {
         slots: Arc<[u32]>,
         after: Option<&SharedEvent>,
     ) -> Result<Box<dyn SaveGather>, DeviceError> {
+        let (stream, shared) = match after {
+            Some(_) => (self.pool.device().new_stream()?, None),
+            None => (self.save_stream()?, Some(self.save_stream.clone())),
+        };
         Ok(Box::new(StagedGather::new(
             self.pool.clone(),
-            self.save_stream()?,
+            stream,
+            shared,
             self.staging.lease()?,
             slots,
             self.strategy,
@@ -140,6 +150,9 @@ impl LandingFactory for StagedLandingFactory {
 pub(crate) struct StagedGather {
     pool: Arc<DeviceKvPool>,
     stream: Arc<dyn Stream>,
+    /// The factory's shared save stream, when `stream` is it: cleared when this gather finds
+    /// the stream stuck, so that later saves get a fresh one.
+    shared: Option<SaveStream>,
     lease: Option<StagingLease>,
     slots: Arc<[u32]>,
     slot_table: Option<DeviceMemory>,
@@ -154,6 +167,7 @@ impl StagedGather {
     fn new(
         pool: Arc<DeviceKvPool>,
         stream: Arc<dyn Stream>,
+        shared: Option<SaveStream>,
         lease: StagingLease,
         slots: Arc<[u32]>,
         strategy: ScatterStrategy,
@@ -182,6 +196,7 @@ impl StagedGather {
         }
         Ok(StagedGather {
             stream,
+            shared,
             pool,
             lease: Some(lease),
             slots,
@@ -240,27 +255,55 @@ impl SaveGather for StagedGather {
             Ok(ev) => ev,
             Err(e) => {
                 tracing::error!(error = %e, "save gather queued but not fenced: its staging, slot table and pool are kept for good");
-                self.stuck = Some(Vec::new());
+                self.stick(Vec::new());
                 return Err(queued.err().unwrap_or(e));
             }
         };
         if let Err(e) = queued {
             // Part of the gather may be queued (an earlier copy of it): hold the lease until it
             // has run.
-            self.stuck = Some(vec![ev]);
+            self.stick(vec![ev]);
             return Err(e);
         }
-        if ev.wait_until(kv_loader::deadline_after(SYNC_LIMIT))? {
-            // SAFETY: the gather into these `bytes` of pinned stage 0 (checked to fit) has
-            // finished (waited above); the lease `self` holds keeps them allocated, and nothing
-            // writes them until the next gather, which needs `&mut self`.
-            return Ok(unsafe { std::slice::from_raw_parts(host as *const u8, bytes as usize) });
+        match ev.wait_until(kv_loader::deadline_after(SYNC_LIMIT)) {
+            Ok(true) => {
+                // SAFETY: the gather into these `bytes` of pinned stage 0 (checked to fit) has
+                // finished (waited above); the lease `self` holds keeps them allocated, and
+                // nothing writes them until the next gather, which needs `&mut self`.
+                Ok(unsafe { std::slice::from_raw_parts(host as *const u8, bytes as usize) })
+            }
+            Ok(false) => {
+                self.stick(vec![ev]);
+                Err(DeviceError::Timeout {
+                    what: "save gather",
+                    waited: SYNC_LIMIT,
+                })
+            }
+            // The wait itself failed (not the gather, maybe): the copy may still run, so the
+            // lease is held until the event settles.
+            Err(e) => {
+                self.stick(vec![ev]);
+                Err(e)
+            }
         }
-        self.stuck = Some(vec![ev]);
-        Err(DeviceError::Timeout {
-            what: "save gather",
-            waited: SYNC_LIMIT,
-        })
+    }
+}
+
+impl StagedGather {
+    /// This gather did not finish cleanly: its lease is quarantined on drop until `fences`
+    /// complete (empty: for good), and the factory's shared save stream, when it ran on it,
+    /// is let go so that later saves do not queue behind it.
+    fn stick(&mut self, fences: Vec<SharedEvent>) {
+        self.stuck = Some(fences);
+        if let Some(shared) = &self.shared {
+            let mut s = shared.lock();
+            if s.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, &self.stream)) {
+                tracing::warn!(
+                    "a save gather got stuck on the save stream: later saves get a new stream"
+                );
+                *s = None;
+            }
+        }
     }
 }
 
