@@ -153,7 +153,13 @@ impl EmbeddedStore {
             let Some((_, i, key)) = oldest else {
                 return false;
             };
-            if let Some(e) = self.shards[i].write().remove(&key) {
+            let mut shard = self.shards[i].write();
+            // Pins are taken under `used` (held here), so none came since the scan; checked
+            // again all the same, as the entry is taken out.
+            if shard.get(&key).is_some_and(Self::is_pinned) {
+                continue;
+            }
+            if let Some(e) = shard.remove(&key) {
                 *used -= e.data.len() as u64;
                 debug!(key, bytes = e.data.len(), "embedded store evicted");
             }
@@ -247,8 +253,11 @@ impl EmbeddedStore {
         }
     }
 
-    /// Pins those of `keys` that are present, each object once per occurrence.
+    /// Pins those of `keys` that are present, each object once per occurrence. Under `used`,
+    /// as evictions are: an object an eviction chose is never pinned before it goes, and a
+    /// put's check of what it could evict holds while it evicts.
     fn pin_present(&self, keys: &[&str]) -> SessionPins {
+        let _evictions = self.used.lock();
         keys.iter()
             .filter_map(|k| {
                 let shard = self.shards[shard_of(k)].read();
