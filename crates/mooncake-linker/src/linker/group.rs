@@ -219,3 +219,27 @@ impl GroupLink {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// The lookup thread finds the control handle broken and re-forms while a batch holds the
+    /// data handle: the data handle is left to the batch and aborted when it lets go.
+    #[test]
+    fn a_re_formation_leaves_the_data_handle_a_batch_holds_until_it_lets_go() {
+        let groups = TpGroup::in_process(3);
+        let link = GroupLink::of(Some(&groups[1])).unwrap();
+        let deadline = || kv_loader::deadline_after(Duration::from_secs(5));
+        let (old, batch) = link.handles_for(Channel::Data, deadline()).unwrap();
+        old.control.abort("a lookup's collective failed");
+        let (fresh, lookup) = link.handles_for(Channel::Control, deadline()).unwrap();
+        assert!(fresh.epoch > old.epoch, "re-formed");
+        assert!(old.data.broken().is_none(), "left to the batch");
+        drop(lookup);
+        drop(batch);
+        assert!(old.data.broken().is_some(), "aborted once the batch let go");
+        assert!(fresh.broken().is_none());
+    }
+}
