@@ -29,6 +29,10 @@ const REPLY_GRACE: Duration = Duration::from_millis(500);
 const RETRY: Duration = Duration::from_millis(50);
 /// How long the accepting thread rests after a failed accept (out of descriptors).
 const ACCEPT_RETRY: Duration = Duration::from_millis(20);
+/// Most hellos read at once (each on a thread, for up to `MESSAGE_TIMEOUT`): past it, a new
+/// connection is closed unread (its rank retries), so a burst of connections that send
+/// nothing cannot take every thread and descriptor of rank 0's process.
+const MAX_HELLOS_IN_FLIGHT: usize = 128;
 
 /// What joiners hear when rank 0's formation ended without deciding (it unwound).
 const ENDED_ABNORMALLY: &str = "rank 0's formation ended abnormally";
@@ -257,6 +261,7 @@ fn accept_loop(
     version: String,
 ) {
     let mut failed_accepts = 0u32;
+    let in_flight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let mut fds = [
             libc::pollfd {
@@ -300,11 +305,21 @@ fn accept_loop(
         };
         // Each hello is read on a thread of its own: a connection that sends nothing would
         // otherwise hold every other rank's hello for its whole read timeout.
-        let (st, v) = (state.clone(), version.clone());
+        use std::sync::atomic::Ordering;
+        if in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_HELLOS_IN_FLIGHT {
+            in_flight.fetch_sub(1, Ordering::AcqRel);
+            tracing::debug!(%peer, "too many rendezvous hellos in flight: connection closed");
+            continue;
+        }
+        let (st, v, n) = (state.clone(), version.clone(), in_flight.clone());
         let spawned = std::thread::Builder::new()
             .name("kvlink-rdv-hello".into())
-            .spawn(move || admit(stream, peer, &st, &v));
+            .spawn(move || {
+                admit(stream, peer, &st, &v);
+                n.fetch_sub(1, Ordering::AcqRel);
+            });
         if let Err(e) = spawned {
+            in_flight.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(error = %e, %peer, "no thread for a rendezvous hello; dropped");
         }
     }
