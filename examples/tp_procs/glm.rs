@@ -15,9 +15,16 @@ const SEC: &str = "glm_prefill";
 /// whole of `tp_procs` 290 s).
 const RUN_LIMIT: Duration = Duration::from_secs(120);
 
-/// Runs `cmd` to its end with its output captured, or kills it after `limit` (`Err`).
+/// Runs `cmd` to its end with its output captured, or kills it, with every process it started
+/// (its process group: glm_prefill's rank processes), after `limit`: the output up to then,
+/// with the kill's status and a line saying so on stderr.
 fn output_within(cmd: &mut Command, limit: Duration) -> std::io::Result<Output> {
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    use std::os::unix::process::CommandExt;
+    let mut child = cmd
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
     let drain = |pipe: Option<Box<dyn Read + Send>>| {
         std::thread::spawn(move || {
             let mut bytes = Vec::new();
@@ -30,24 +37,35 @@ fn output_within(cmd: &mut Command, limit: Duration) -> std::io::Result<Output> 
     let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
     let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
     let deadline = Instant::now() + limit;
+    let mut killed = false;
     let status = loop {
         if let Some(status) = child.try_wait()? {
             break status;
         }
         if Instant::now() >= deadline {
+            // The whole group: the rank processes hold the pipes too.
+            let group = format!("-{}", child.id());
+            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
             let _ = child.kill();
-            let _ = child.wait();
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("killed after {} s", limit.as_secs()),
-            ));
+            killed = true;
+            break child.wait()?;
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    let mut stderr = stderr.join().unwrap_or_default();
+    if killed {
+        stderr.extend_from_slice(
+            format!(
+                "tp_procs: killed with its processes after {} s\n",
+                limit.as_secs()
+            )
+            .as_bytes(),
+        );
+    }
     Ok(Output {
         status,
         stdout: stdout.join().unwrap_or_default(),
-        stderr: stderr.join().unwrap_or_default(),
+        stderr,
     })
 }
 

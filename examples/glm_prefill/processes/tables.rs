@@ -217,7 +217,7 @@ pub(super) fn finish(
              start_load, every rank starting after a barrier)"
         )?;
     }
-    fail_on_failed_modes(results)
+    fail_on_failed_modes(results, ctx.tp())
 }
 
 /// A rank other than 0: one line per mode about its own pool (rank 0 prints the tables).
