@@ -6,8 +6,8 @@
 #      Linker into a device pool (pool compared), runs the device share step on its NCCL
 #      communicator for every layer, aborts it, re-forms at the rendezvous, shares again.
 #   2. Two or more GPUs: one rank process per GPU, NCCL device path through the Linker, every
-#      mode, every pool compared, store reads per mode; a rank whose read outlasts the
-#      collective deadline → every rank fails that batch in time (NCCL aborts), the linkers
+#      mode, every pool compared, store reads per mode; a rank process stopped mid-batch
+#      (SIGSTOP) past the collective deadline → every rank fails that batch (NCCL aborts), the linkers
 #      re-form the group at the rendezvous and the next batch verifies.
 #   3. glm_prefill --mode compare on this host with TP ranks as threads, then as processes
 #      (host pools, embedded store): every pool verified, the tables kept.

@@ -175,6 +175,42 @@ fn one_process(args: &Args, store_at: &str, one_copy: u64, report: &mut Report) 
 }
 
 /// Part 2: one rank process per GPU.
+/// How long the launcher stops the slow rank's process: past the collective deadline (6 s).
+const STALL: Duration = Duration::from_secs(9);
+
+/// Stops rank `slow`'s process (SIGSTOP) shortly after it says `stall-me` (it is then in its
+/// slow read, mid-batch) for [`STALL`], then continues it, whatever happens in between.
+fn stall(procs: &mut [RankProc], slow: u32, report: &mut Report) {
+    let Some(p) = procs.iter_mut().find(|p| p.rank == slow) else {
+        return;
+    };
+    if let Err(e) = p.expect("stall-me", deadline(60)) {
+        return report.push(SEC_GROUP, "stall the slow rank", Status::Fail, e);
+    }
+    std::thread::sleep(Duration::from_millis(700));
+    let pid = p.pid().to_string();
+    let signal = |sig: &str| {
+        std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let stopped = signal("-STOP");
+    std::thread::sleep(STALL);
+    let continued = signal("-CONT");
+    report.check(
+        SEC_GROUP,
+        &format!(
+            "rank {slow}'s process stopped mid-batch for {} s",
+            STALL.as_secs()
+        ),
+        || match (stopped, continued) {
+            (true, true) => Ok(format!("SIGSTOP, {} s, SIGCONT", STALL.as_secs())),
+            _ => Err(format!("kill -STOP: {stopped}, kill -CONT: {continued}")),
+        },
+    );
+}
+
 fn group(args: &Args, world: u32, store_at: &str, one_copy: u64, report: &mut Report) {
     let slow = world - 1;
     let extra = |_r: u32| vec!["--slow-rank".to_string(), slow.to_string()];
@@ -227,15 +263,14 @@ fn group(args: &Args, world: u32, store_at: &str, one_copy: u64, report: &mut Re
             },
         );
     }
-    let limit_ms = 2.0 * (6.0 + 9.0 + 10.0) * 1e3;
+    stall(&mut procs, slow, report);
+    let limit_ms = 2.0 * (6.0 + STALL.as_secs_f64() + 10.0) * 1e3;
     for p in procs.iter_mut() {
         let r = p.rank;
         let got = p.expect("slow ", deadline(120));
         report.check(
             SEC_GROUP,
-            &format!(
-                "rank {slow}'s read outlasts the deadline → rank {r} fails that batch in time"
-            ),
+            &format!("rank {slow} stalled past the deadline → rank {r} fails that batch in time"),
             || {
                 let got = got?;
                 let ms: f64 = num(&got, "failed_ms")?;

@@ -49,6 +49,11 @@ impl RankProc {
         })
     }
 
+    /// The process id (to stop and continue it).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The next report starting with `prefix` (the rest of it), or why none came by
     /// `deadline` (the process reported an error, exited, or was silent).
     pub fn expect(&mut self, prefix: &str, deadline: Instant) -> Result<String, String> {

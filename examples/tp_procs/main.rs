@@ -13,8 +13,9 @@
 //!    rendezvous (new epoch, new ids, new communicators) and the share step runs again.
 //! 2. **One rank process per GPU** (2 or more GPUs, `--tp`): NCCL across processes, the
 //!    device path through the Linker, every mode, every rank's pool compared and its store
-//!    reads checked against the mode; then a rank whose read outlasts the collective deadline:
-//!    every rank fails that batch within the deadline (NCCL aborts on timeout), the linkers
+//!    reads checked against the mode; then a rank process stopped mid-batch (SIGSTOP) past
+//!    the collective deadline (a slow read alone fails in time through the status words and
+//!    leaves the group whole): every rank fails that batch (NCCL aborts on timeout), the linkers
 //!    re-form the group at the rendezvous by themselves, and the next batch loads and
 //!    verifies.
 //! 3. **`glm_prefill` with TP ranks as threads and as processes** on this host (host pools,

@@ -43,10 +43,11 @@ pub fn say(line: &str) {
     let _ = out.flush();
 }
 
-/// The collective deadline of the timeout case (the slow read outlasts it).
+/// The collective deadline of the timeout case (the stalled rank outlasts it).
 const SHORT_COLLECTIVE: Duration = Duration::from_secs(6);
-/// The slow rank's read of one layer.
-const SLOW_READ: Duration = Duration::from_secs(9);
+/// The slow rank's read of one layer: well inside the linker's read bound, so that the
+/// launcher's stop (see `cases::STALL`) finds the rank in the middle of the batch.
+const SLOW_READ: Duration = Duration::from_secs(2);
 
 /// This rank's pool: device memory (CUDA) or, in the dry run, host memory.
 enum Pool {
@@ -268,9 +269,13 @@ pub fn run(args: &Args, r: &RankArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// The timeout case: rank `slow`'s read of a middle layer outlasts the collective deadline;
-/// every rank fails that batch (NCCL aborts its communicators on the deadline), then each
-/// keeps loading until the group re-formed at the rendezvous and a batch loads.
+/// The timeout case: rank `slow` is stopped (SIGSTOP, by the launcher once it says
+/// `stall-me`) in the middle of a batch, during a slow read of a middle layer, for longer
+/// than the collective deadline: a process that stalls, which no store-call bound can
+/// shorten (a slow read alone fails in time through the status words and leaves the group
+/// whole). Every rank fails that batch (the peers' NCCL operations reach their deadline and
+/// abort; the stalled rank, continued, finds its peers gone), then each keeps loading until
+/// the group re-formed at the rendezvous and a batch loads.
 fn timeout_then_reform(
     args: &Args,
     r: &RankArgs,
@@ -302,9 +307,12 @@ fn timeout_then_reform(
         SHORT_COLLECTIVE,
         formed.group.clone(),
     )?;
+    if r.rank == slow {
+        say("stall-me");
+    }
     let (result, ready, took) = load(&linker, 10, pages, &slots)?;
     match result {
-        Ok(_) => return Err("the batch with a slow rank loaded".into()),
+        Ok(_) => return Err("the batch with a stalled rank loaded".into()),
         Err(e) => say(&format!(
             "slow failed_ms={:.0} ready={ready} layer={layer} err={}",
             took.as_secs_f64() * 1e3,
