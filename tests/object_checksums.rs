@@ -789,6 +789,37 @@ fn rewrite_page_1(s: &Saved, linker: &Linker) -> (String, Vec<u8>) {
     (key, bytes)
 }
 
+/// Loads batch 2 (page 1 in slot 2) after page 1's object of component 0 was written again as
+/// `bytes` at `key`: the batch loads, nothing is bad or discarded, and slot 2 holds the new
+/// bytes. Returns the linker's metrics.
+fn load_rewritten(
+    linker: &Linker,
+    s: &Saved,
+    pool: &HostKvPool,
+    key: &str,
+    bytes: &[u8],
+) -> kvlink::mooncake_linker::MetricsSnapshot {
+    let t = linker
+        .start_load(load_plan(&s.g, 2, &s.pages, vec![0, 2, 4, 6]))
+        .unwrap();
+    wait_all(linker, &t).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    let m = linker.metrics();
+    assert_eq!(m.bad_objects, 0, "{m:?}");
+    assert_eq!(
+        s.store.exists(&[key, &checksum_key(key)]),
+        vec![Ok(true), Ok(true)]
+    );
+    // Page 1 (slot 2) holds the object's new bytes: its layer 0 range.
+    let c = &s.g.components()[0];
+    let r = c.layer_range(0).unwrap();
+    let mut row = vec![0u8; c.page_layer_bytes as usize];
+    // SAFETY: the batch finished (every layer landed) and nothing else writes slot 2.
+    unsafe { pool.read_slot(c.id, 0, 2, &mut row) }.unwrap();
+    assert_eq!(row, &bytes[r.start as usize..r.end as usize]);
+    m
+}
+
 /// Checksums kept from an earlier load that went stale (the object written again with other
 /// bytes and its own companion) do not make a good object bad: the layer is checked again
 /// against the companion read afresh, the batch loads, nothing is discarded, and the fresh
@@ -800,34 +831,17 @@ fn stale_kept_checksums_are_checked_again_against_a_fresh_companion() {
     load_verified(&linker, &pool, &s.pages, 1, &[3, 1, 6, 0]);
     let before = reads.hits();
     let (key, bytes) = rewrite_page_1(&s, &linker);
-    let t = linker
-        .start_load(load_plan(&s.g, 2, &s.pages, vec![0, 2, 4, 6]))
-        .unwrap();
-    wait_all(&linker, &t).unwrap();
-    linker.wait_batch(&t).unwrap().result.unwrap();
-    let m = linker.metrics();
-    assert_eq!(m.bad_objects, 0, "{m:?}");
+    let m = load_rewritten(&linker, &s, &pool, &key, &bytes);
     assert_eq!(m.ranges_length_only, 0, "{m:?}");
     assert_eq!(
         m.kept_checksums_stale, 1,
         "one range, then the fresh ones: {m:?}"
     );
     assert_eq!(
-        s.store.exists(&[key.as_str(), &checksum_key(&key)]),
-        vec![Ok(true), Ok(true)]
-    );
-    assert_eq!(
         reads.hits(),
         before + 1,
         "the companion was read afresh, once"
     );
-    // Page 1 (slot 2) holds the object's new bytes: its layer 0 range.
-    let c = &s.g.components()[0];
-    let r = c.layer_range(0).unwrap();
-    let mut row = vec![0u8; c.page_layer_bytes as usize];
-    // SAFETY: the batch finished (every layer landed) and nothing else writes slot 2.
-    unsafe { pool.read_slot(c.id, 0, 2, &mut row) }.unwrap();
-    assert_eq!(row, &bytes[r.start as usize..r.end as usize]);
     // The fresh checksums are kept: a third load reads no companion.
     let after = reads.hits();
     load_plan_ok(&linker, &s, 3);
@@ -1299,27 +1313,11 @@ fn a_stale_companion_read_by_the_batch_is_checked_again_not_taken_as_bad() {
     let linker = Linker::new(s.g.clone(), reads, pool.clone(), config()).unwrap();
     let (key2, bytes) = rewrite_page_1(&s, &linker);
     assert_eq!(key2, key);
-    let t = linker
-        .start_load(load_plan(&s.g, 2, &s.pages, vec![0, 2, 4, 6]))
-        .unwrap();
-    wait_all(&linker, &t).unwrap();
-    linker.wait_batch(&t).unwrap().result.unwrap();
-    let m = linker.metrics();
-    assert_eq!(m.bad_objects, 0, "{m:?}");
+    let m = load_rewritten(&linker, &s, &pool, &key, &bytes);
     assert_eq!(
         (m.companions_reread, m.kept_checksums_stale),
         (1, 0),
         "{m:?}"
     );
-    assert_eq!(
-        s.store.exists(&[key.as_str(), &checksum_key(&key)]),
-        vec![Ok(true), Ok(true)]
-    );
-    let c = &s.g.components()[0];
-    let r = c.layer_range(0).unwrap();
-    let mut row = vec![0u8; c.page_layer_bytes as usize];
-    // SAFETY: the batch finished (every layer landed) and nothing else writes slot 2.
-    unsafe { pool.read_slot(c.id, 0, 2, &mut row) }.unwrap();
-    assert_eq!(row, &bytes[r.start as usize..r.end as usize]);
     linker.close().unwrap();
 }
