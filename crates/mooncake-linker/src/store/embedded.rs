@@ -115,20 +115,20 @@ impl EmbeddedStore {
     fn unpinned_bytes(&self) -> u64 {
         self.shards
             .iter()
-            .flat_map(|shard| {
+            .map(|shard| {
                 shard
                     .read()
                     .values()
-                    .filter(|e| e.pins.load(Ordering::Acquire) == 0)
+                    .filter(|e| !Self::is_pinned(e))
                     .map(|e| e.data.len() as u64)
-                    .collect::<Vec<_>>()
+                    .sum::<u64>()
             })
             .sum()
     }
 
     /// Frees at least `need` bytes by evicting unpinned objects, oldest first; evicts nothing
     /// when even all of them would not free enough. Called with `used` locked, so evictions
-    /// and reservations do not race.
+    /// and reservations do not race, and no pin comes in between (pins are taken under it).
     fn evict_for(&self, used: &mut u64, need: u64) -> bool {
         let short = (*used + need).saturating_sub(self.capacity);
         if short == 0 {
@@ -141,7 +141,7 @@ impl EmbeddedStore {
             let mut oldest: Option<(u64, usize, String)> = None;
             for (i, shard) in self.shards.iter().enumerate() {
                 for (k, e) in shard.read().iter() {
-                    if e.pins.load(Ordering::Acquire) > 0 {
+                    if Self::is_pinned(e) {
                         continue;
                     }
                     let t = e.last_used.load(Ordering::Relaxed);
@@ -153,13 +153,7 @@ impl EmbeddedStore {
             let Some((_, i, key)) = oldest else {
                 return false;
             };
-            let mut shard = self.shards[i].write();
-            // Pins are taken under `used` (held here), so none came since the scan; checked
-            // again all the same, as the entry is taken out.
-            if shard.get(&key).is_some_and(Self::is_pinned) {
-                continue;
-            }
-            if let Some(e) = shard.remove(&key) {
+            if let Some(e) = self.shards[i].write().remove(&key) {
                 *used -= e.data.len() as u64;
                 debug!(key, bytes = e.data.len(), "embedded store evicted");
             }

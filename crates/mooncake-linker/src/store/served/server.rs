@@ -59,7 +59,7 @@ impl Listener {
 /// One client process: its open connections, and the tokens of its open read sessions (the
 /// store's own, unique across clients).
 #[derive(Default)]
-struct ClientPins {
+struct ClientSessions {
     conns: usize,
     sessions: HashSet<u64>,
 }
@@ -67,7 +67,7 @@ struct ClientPins {
 struct Served {
     store: Arc<EmbeddedStore>,
     stop: AtomicBool,
-    clients: Mutex<HashMap<u64, ClientPins>>,
+    clients: Mutex<HashMap<u64, ClientSessions>>,
     /// Clones of open connections by number, to shut them when the server stops; each is
     /// taken out (and closed) when its connection ends.
     open: Mutex<HashMap<u64, Conn>>,
