@@ -26,7 +26,10 @@
 //! comm thread calls **`ncclCommAbort`**, which also stops NCCL kernels still waiting for the
 //! missing peer, waits (bounded by [`NcclConfig::abort_grace`]) for the comm stream to drain,
 //! and replies [`CollectiveError::Timeout`] (or `Backend`). The abort is done by the comm
-//! thread itself because NCCL calls on one communicator must not race. From then on every
+//! thread itself because NCCL calls on one communicator must not race. An
+//! [`abort`](Collective::abort) from another thread is a request the comm thread checks at
+//! every poll, so it also ends an operation already in flight (which returns
+//! [`CollectiveError::Aborted`]) rather than waiting for that operation's deadline. From then on every
 //! operation of that rank fails at once with [`CollectiveError::Aborted`]; a rank whose peer
 //! aborted also fails by its own deadline, so every rank of the group ends the batch with an
 //! error and none hangs. Recovering means building a new group (a new unique id).
@@ -59,7 +62,7 @@ use kv_device::{DeviceRegion, HostRow, SharedEvent};
 use parking_lot::Mutex;
 
 pub use error::nccl_result_name;
-use worker::{Op, Reply, Request, Setup, Span, Worker};
+use worker::{AbortRequest, Op, Reply, Request, Setup, Span, Worker};
 
 use crate::{Collective, CollectiveError, InProcessFormation, MemorySupport};
 
@@ -225,6 +228,11 @@ pub struct NcclCollective {
     ordinal: u32,
     grace: Duration,
     tx: Mutex<Option<mpsc::Sender<Request>>>,
+    /// A second sender of the same channel, for [`abort`](Collective::abort): `tx`'s lock is
+    /// held for a whole operation, and an abort must not wait for the operation it ends.
+    abort_tx: Mutex<Option<mpsc::Sender<Request>>>,
+    /// Where [`abort`](Collective::abort) asks the comm thread to abort, seen while it waits.
+    interrupt: Arc<AbortRequest>,
     seq: AtomicU64,
     last_ms: AtomicU64,
     unusable: Arc<AtomicBool>,
@@ -284,6 +292,7 @@ impl NcclCollective {
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (done_tx, done_rx) = mpsc::sync_channel::<()>(1);
         let aborted = Arc::new(Mutex::new(None));
+        let interrupt = Arc::new(AbortRequest::default());
         let setup = Setup {
             rank,
             size,
@@ -292,6 +301,7 @@ impl NcclCollective {
             config,
             init_deadline: deadline,
             broken: aborted.clone(),
+            interrupt: interrupt.clone(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-nccl-r{rank}"))
@@ -314,7 +324,9 @@ impl NcclCollective {
                 size,
                 ordinal,
                 grace: config.abort_grace,
+                abort_tx: Mutex::new(Some(tx.clone())),
                 tx: Mutex::new(Some(tx)),
+                interrupt,
                 seq: AtomicU64::new(0),
                 last_ms: AtomicU64::new(f64::NAN.to_bits()),
                 unusable: Arc::new(AtomicBool::new(false)),
@@ -632,16 +644,41 @@ impl Collective for NcclCollective {
     /// Aborts the communicator (`ncclCommAbort` on the comm thread): every operation in flight
     /// ends, every later one fails with [`CollectiveError::Aborted`]; the handles of the same
     /// in-process group become [`broken`](Collective::broken) too.
+    ///
+    /// Callable from any thread, also while another thread waits in an operation of this
+    /// handle: the comm thread sees the request while it waits, aborts, and that operation
+    /// returns `Aborted` at once. This call returns once the comm thread has aborted, or after
+    /// at most twice [`NcclConfig::abort_grace`] (the comm thread's bounded drain wait, for the
+    /// operation in flight and for this request).
     fn abort(&self, cause: &str) {
         self.group
             .lock()
             .get_or_insert_with(|| format!("rank {}: {cause}", self.rank));
-        let _ = self.call(
-            Op::Abort {
+        self.interrupt.ask(cause);
+        // Queued as well, for a comm thread that is idle (waiting for its next request).
+        let Some(sender) = self.abort_tx.lock().clone() else {
+            return;
+        };
+        let (reply_tx, reply_rx) = mpsc::sync_channel(1);
+        let request = Request {
+            seq: self.seq.fetch_add(1, Ordering::AcqRel),
+            op: Op::Abort {
                 cause: cause.to_string(),
             },
-            Instant::now(),
-        );
+            deadline: Instant::now(),
+            reply: reply_tx,
+        };
+        if sender.send(request).is_err() {
+            // The comm thread has ended: nothing of it runs any more.
+            return;
+        }
+        if reply_rx.recv_timeout(self.grace.saturating_mul(2)).is_err() {
+            tracing::warn!(
+                rank = self.rank,
+                cause,
+                "the comm thread did not confirm the abort in time; the handle stays broken"
+            );
+        }
     }
 
     fn broken(&self) -> Option<String> {
@@ -662,6 +699,7 @@ impl Drop for NcclCollective {
         // Closing the channel ends the comm thread's loop; it finalizes (or aborts) the
         // communicator. Wait for that, bounded: a thread stuck in the driver is left behind.
         drop(self.tx.lock().take());
+        drop(self.abort_tx.lock().take());
         let done = self.done.lock().take();
         let finished = done.is_some_and(|d| d.recv_timeout(self.grace.saturating_mul(2)).is_ok());
         if let Some(t) = self.thread.lock().take() {

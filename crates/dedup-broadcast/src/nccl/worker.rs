@@ -6,6 +6,7 @@
 //! [`NcclCollective`]: super::NcclCollective
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,6 +104,31 @@ pub(crate) struct Request {
     pub(crate) reply: mpsc::SyncSender<Result<Reply, CollectiveError>>,
 }
 
+/// An abort the handle asked for, from any thread. The comm thread looks at it while it waits
+/// for an operation (every poll), not only between requests, so an abort ends an operation
+/// already in flight at once instead of after that operation's deadline.
+#[derive(Debug, Default)]
+pub(crate) struct AbortRequest {
+    asked: AtomicBool,
+    cause: parking_lot::Mutex<Option<String>>,
+}
+
+impl AbortRequest {
+    /// Asks for the abort (the first cause is kept).
+    pub(crate) fn ask(&self, cause: &str) {
+        self.cause.lock().get_or_insert_with(|| cause.to_string());
+        self.asked.store(true, Ordering::Release);
+    }
+
+    /// The cause, once an abort was asked for.
+    fn asked(&self) -> Option<String> {
+        if !self.asked.load(Ordering::Acquire) {
+            return None;
+        }
+        Some(self.cause.lock().clone().unwrap_or_default())
+    }
+}
+
 /// Who this thread is.
 pub(crate) struct Setup {
     pub(crate) rank: u32,
@@ -113,6 +139,8 @@ pub(crate) struct Setup {
     pub(crate) init_deadline: Instant,
     /// Where the worker says that its communicator was aborted (the handle's `broken`).
     pub(crate) broken: Arc<parking_lot::Mutex<Option<String>>>,
+    /// Where the handle asks for an abort.
+    pub(crate) interrupt: Arc<AbortRequest>,
 }
 
 /// `ncclConfig_t` as NCCL 2.17 laid it out. NCCL reads the leading `size` field and copies
@@ -156,6 +184,8 @@ enum Fail {
     Deadline,
     /// Anything else, already as the error to report.
     Error(CollectiveError),
+    /// The handle asked for an abort while the operation was in flight (the cause).
+    Interrupted(String),
 }
 
 pub(crate) struct Worker {
@@ -178,6 +208,8 @@ pub(crate) struct Worker {
     aborted: Option<String>,
     /// The handle's view of `aborted`.
     broken: Arc<parking_lot::Mutex<Option<String>>>,
+    /// An abort the handle asked for.
+    interrupt: Arc<AbortRequest>,
 }
 
 /// A failed driver call of the worker, keeping the driver's error as the source.
@@ -217,6 +249,7 @@ impl Worker {
             last: None,
             aborted: None,
             broken: s.broken.clone(),
+            interrupt: s.interrupt.clone(),
         };
         w.init_comm(s)?;
         Ok(w)
@@ -261,6 +294,15 @@ impl Worker {
                     self.abort_comm("initialisation failed");
                     Err(e)
                 }
+                Err(Fail::Interrupted(cause)) => {
+                    self.abort_comm(&cause);
+                    Err(CollectiveError::Aborted {
+                        op: "init",
+                        seq: 0,
+                        missing: Vec::new(),
+                        cause,
+                    })
+                }
             }
         } else {
             // SAFETY: `comm` is a valid out-pointer; blocking init returns when every rank
@@ -297,6 +339,7 @@ impl Worker {
                 sys::ncclResult_t::ncclInProgress => {}
                 e => return Err(Fail::Error(nccl_error(call, e, self.comm))),
             }
+            self.check_interrupt()?;
             if Instant::now() >= deadline {
                 return Err(Fail::Deadline);
             }
@@ -306,6 +349,14 @@ impl Worker {
             } else {
                 std::thread::sleep(Duration::from_micros(50));
             }
+        }
+    }
+
+    /// `Fail::Interrupted` once the handle asked for an abort.
+    fn check_interrupt(&self) -> Result<(), Fail> {
+        match self.interrupt.asked() {
+            Some(cause) => Err(Fail::Interrupted(cause)),
+            None => Ok(()),
         }
     }
 
@@ -344,6 +395,7 @@ impl Worker {
                     self.comm,
                 )));
             }
+            self.check_interrupt()?;
             if Instant::now() >= deadline {
                 return Err(Fail::Deadline);
             }
@@ -508,6 +560,13 @@ impl Worker {
         if let Op::Abort { cause } = op {
             self.abort_comm(&cause);
             return Ok(Reply::Done { device_ms: None });
+        }
+        // An abort asked for while this thread was idle, or between the handle's request and
+        // its `Op::Abort`: done before anything else runs.
+        if self.aborted.is_none() {
+            if let Some(cause) = self.interrupt.asked() {
+                self.abort_comm(&cause);
+            }
         }
         if let Some(cause) = &self.aborted {
             return Err(Fail::Error(CollectiveError::Aborted {
@@ -793,6 +852,22 @@ impl Worker {
                         missing: Vec::new(),
                     })
                 }
+                Err(Fail::Interrupted(cause)) => {
+                    tracing::warn!(
+                        rank = self.rank,
+                        op = name,
+                        seq = req.seq,
+                        cause,
+                        "abort asked for with the operation in flight: it ends now"
+                    );
+                    self.abort_comm(&cause);
+                    Err(CollectiveError::Aborted {
+                        op: name,
+                        seq: req.seq,
+                        missing: Vec::new(),
+                        cause: format!("aborted in flight: {cause}"),
+                    })
+                }
             };
             let _ = req.reply.send(result);
         }
@@ -804,6 +879,12 @@ impl Worker {
             return;
         }
         let _ = self.device.bind();
+        if let Some(cause) = self.interrupt.asked() {
+            // Asked for and not yet done (the request came after the last operation): a
+            // communicator whose group gave up is aborted, not finalized with its peers.
+            self.abort_comm(&cause);
+            return;
+        }
         let deadline = kv_loader::deadline_after(self.grace);
         if self.drain_last(deadline).is_err() {
             self.abort_comm("closing with an operation still in flight");
@@ -826,5 +907,24 @@ impl Worker {
             tracing::warn!(rank = self.rank, code = ?r, "ncclCommDestroy failed");
         }
         self.comm = std::ptr::null_mut();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_abort_request_is_seen_from_another_thread_with_its_first_cause() {
+        let req = Arc::new(AbortRequest::default());
+        assert_eq!(req.asked(), None);
+        let asker = req.clone();
+        std::thread::spawn(move || {
+            asker.ask("lookup found the group broken");
+            asker.ask("a later cause");
+        })
+        .join()
+        .unwrap();
+        assert_eq!(req.asked().as_deref(), Some("lookup found the group broken"));
     }
 }
