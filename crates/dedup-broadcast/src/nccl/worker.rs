@@ -925,6 +925,9 @@ mod tests {
         })
         .join()
         .unwrap();
-        assert_eq!(req.asked().as_deref(), Some("lookup found the group broken"));
+        assert_eq!(
+            req.asked().as_deref(),
+            Some("lookup found the group broken")
+        );
     }
 }

@@ -14,8 +14,13 @@
 //! GLM-5.2 prefix on the GPU host); only a read that leaves a key with no user takes `calls`,
 //! after its transfer, to end that key's session. A key stays in the table, at zero users,
 //! until the holder of `calls` ends it; one that gains a user meanwhile is not ended.
+//!
+//! An explicit session is named by a token the table hands out; ending it takes the users
+//! that session added and nothing else, once: a session ended twice, or one not started here,
+//! ends nothing (another holder's count of the same key stays).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use mooncake_sys::Client;
 use parking_lot::Mutex;
@@ -102,6 +107,10 @@ pub(super) struct SessionTable {
     keys: Mutex<HashMap<String, KeySession>>,
     /// Held across every session call to the master.
     calls: Mutex<()>,
+    /// The explicit sessions open, by token: the keys each added a user to.
+    open: Mutex<HashMap<u64, Vec<String>>>,
+    /// The last token handed out (tokens start at 1; 0 names no session of this table).
+    last_token: AtomicU64,
 }
 
 impl SessionTable {
@@ -189,12 +198,12 @@ impl SessionTable {
 
     /// An explicit session over `keys`: always asks the master (a repeated start renews the
     /// lease). On failure, what this call opened is ended again and what was open before
-    /// kept.
+    /// kept. On success, the session's token, for [`end`](Self::end).
     pub(super) fn start(
         &self,
         client: &(impl SessionCalls + ?Sized),
         keys: &[&str],
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         let _calls = self.calls.lock();
         let results = client.start(keys);
         if let Some(first) = results.iter().find_map(|r| r.as_ref().err()) {
@@ -215,21 +224,31 @@ impl SessionTable {
             }
             return Err(first.clone());
         }
-        let mut table = self.keys.lock();
-        for k in keys {
-            table.entry((*k).to_owned()).or_default().explicit += 1;
+        {
+            let mut table = self.keys.lock();
+            for k in keys {
+                table.entry((*k).to_owned()).or_default().explicit += 1;
+            }
         }
-        Ok(())
+        let token = self.last_token.fetch_add(1, Ordering::Relaxed) + 1;
+        let owned = keys.iter().map(|k| (*k).to_owned()).collect();
+        self.open.lock().insert(token, owned);
+        Ok(token)
     }
 
-    /// Ends an explicit session over `keys`: the client's session of each key its last user
-    /// leaves is ended.
+    /// Ends the explicit session `token`: one user off each key it started, and the client's
+    /// session of each key its last user leaves is ended. A session ended before, or not
+    /// started here, ends nothing.
     pub(super) fn end(
         &self,
         client: &(impl SessionCalls + ?Sized),
-        keys: &[String],
+        token: u64,
     ) -> Result<(), StoreError> {
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let Some(owned) = self.open.lock().remove(&token) else {
+            tracing::debug!(token, "mooncake: a read session ended that is not open");
+            return Ok(());
+        };
+        let keys: Vec<&str> = owned.iter().map(String::as_str).collect();
         if !self.drop_users(&keys, |s| &mut s.explicit) {
             return Ok(());
         }
@@ -401,13 +420,11 @@ mod tests {
                             }
                         };
                         if (x >> 8) % 3 == 0 {
-                            if table.start(master, &held).is_ok() {
+                            if let Ok(token) = table.start(master, &held) {
                                 check(&held);
                                 pause(x);
                                 check(&held);
-                                let owned: Vec<String> =
-                                    held.iter().map(|k| (*k).to_owned()).collect();
-                                table.end(master, &owned).unwrap();
+                                table.end(master, token).unwrap();
                             }
                         } else {
                             let joined = table.join(master, &held);
@@ -477,7 +494,7 @@ mod tests {
     fn a_failed_start_ends_what_it_opened_and_keeps_what_was_open() {
         let master = ScriptedMaster::new();
         let table = SessionTable::default();
-        table.start(&master, &["before"]).unwrap();
+        let before = table.start(&master, &["before"]).unwrap();
         let err = table.start(&master, &["new", "before", "bad"]);
         assert!(
             matches!(err, Err(StoreError::Unavailable { .. })),
@@ -496,7 +513,7 @@ mod tests {
             assert!(!t.contains_key("new"));
             assert_eq!(t.get("before").map(|s| s.explicit), Some(1));
         }
-        table.end(&master, &["before".to_owned()]).unwrap();
+        table.end(&master, before).unwrap();
         assert!(!master.in_session("before"));
         assert!(table.keys.lock().is_empty());
     }
@@ -506,7 +523,7 @@ mod tests {
         let master = FakeMaster::default();
         let table = SessionTable::default();
         // "kept" is in an explicit session too: leaving it must not end that one.
-        table.start(&master, &["kept"]).unwrap();
+        let kept = table.start(&master, &["kept"]).unwrap();
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let _joined = table.join(&master, &["a", "b", "kept"]);
             assert!(master.in_session("a") && master.in_session("b"));
@@ -523,7 +540,7 @@ mod tests {
         assert!(joined.result("a").is_some_and(Result::is_ok) && master.in_session("a"));
         drop(joined);
         assert!(!master.in_session("a"));
-        table.end(&master, &["kept".to_owned()]).unwrap();
+        table.end(&master, kept).unwrap();
         assert!(table.keys.lock().is_empty());
     }
 
@@ -552,12 +569,12 @@ mod tests {
     fn a_read_of_keys_in_a_session_does_not_wait_for_another_start() {
         let master = ScriptedMaster::new();
         let table = SessionTable::default();
-        table.start(&master, &["held"]).unwrap();
+        let held = table.start(&master, &["held"]).unwrap();
         let (entered_tx, entered_rx) = std::sync::mpsc::channel();
         let (release_tx, release_rx) = std::sync::mpsc::channel();
         *master.entered.lock() = Some(entered_tx);
         *master.release.lock() = Some(release_rx);
-        std::thread::scope(|s| {
+        let slow = std::thread::scope(|s| {
             let slow = s.spawn(|| table.start(&master, &["slow"]));
             entered_rx
                 .recv_timeout(Duration::from_secs(5))
@@ -573,15 +590,38 @@ mod tests {
                 "the join waited {waited:?} for another key's start"
             );
             drop(joined);
-            slow.join().unwrap().unwrap();
+            slow.join().unwrap().unwrap()
         });
         assert!(
             master.in_session("held"),
             "the explicit session still holds it"
         );
-        table.end(&master, &["held".to_owned()]).unwrap();
-        table.end(&master, &["slow".to_owned()]).unwrap();
+        table.end(&master, held).unwrap();
+        table.end(&master, slow).unwrap();
         assert!(!master.in_session("held") && !master.in_session("slow"));
         assert!(table.keys.lock().is_empty());
+    }
+
+    /// Two holders of one key: the first ending its session twice (a clone ended again, or
+    /// a stale one) ends nothing of the second's, and a token not handed out ends nothing.
+    #[test]
+    fn a_session_ended_twice_leaves_another_holders_session_of_the_same_key() {
+        let master = FakeMaster::default();
+        let table = SessionTable::default();
+        let first = table.start(&master, &["a"]).unwrap();
+        let second = table.start(&master, &["a", "b"]).unwrap();
+        assert_ne!(first, second);
+        table.end(&master, first).unwrap();
+        table.end(&master, first).unwrap();
+        table.end(&master, 0).unwrap();
+        table.end(&master, second + 100).unwrap();
+        assert!(
+            master.in_session("a") && master.in_session("b"),
+            "the second session's keys were ended by the first's repeated end"
+        );
+        assert_eq!(table.keys.lock().get("a").map(|s| s.explicit), Some(1));
+        table.end(&master, second).unwrap();
+        assert!(!master.in_session("a") && !master.in_session("b"));
+        assert!(table.keys.lock().is_empty() && table.open.lock().is_empty());
     }
 }

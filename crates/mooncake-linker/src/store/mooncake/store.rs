@@ -677,16 +677,18 @@ impl KvStore for MooncakeStore {
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
-        self.sessions.start(&self.client, keys)?;
+        let token = self.sessions.start(&self.client, keys)?;
         Ok(ReadSession {
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             lease: Some(self.config.lease_duration()),
-            token: 0,
+            token,
         })
     }
 
+    /// Lets go of what the session pinned (its keys as started, whatever `session.keys` says
+    /// now); a session ended before, or not started here, lets go of nothing.
     fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        self.sessions.end(&self.client, &session.keys)
+        self.sessions.end(&self.client, session.token)
     }
 
     fn health(&self) -> Result<(), StoreError> {
