@@ -1,14 +1,14 @@
 //! One store call split into parts that run at once: the read streams of a ranged read, the
 //! size queries of a large batch. A part's thread is started where the system gives one and
 //! the part runs on the caller's thread where it does not, so a call never fails, or panics,
-//! for want of a thread; a part whose thread panicked gets its keys' errors, not the caller's
-//! panic.
+//! for want of a thread; a part that panicked (on its own thread or on the caller's) gets its
+//! keys' errors, not the caller's panic.
 
 use tracing::warn;
 
 /// Runs `work` on every part, the first on this thread and each other on a scoped thread of
 /// its own (on this thread, after the first, when no thread can be started), and returns the
-/// results in part order. A part whose thread panicked gets `panicked(part)`.
+/// results in part order. A part that panicked gets `panicked(part)`, wherever it ran.
 pub(super) fn run_parts<P: Sync, R: Send>(
     what: &'static str,
     parts: &[P],
@@ -18,8 +18,15 @@ pub(super) fn run_parts<P: Sync, R: Send>(
     let Some((first, rest)) = parts.split_first() else {
         return Vec::new();
     };
+    // A part run on this thread: its panic is its result too, as on a thread of its own.
+    let here = |p: &P| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(p))).unwrap_or_else(|_| {
+            warn!(part = what, "a part panicked on the caller's thread");
+            panicked(p)
+        })
+    };
     if rest.is_empty() {
-        return vec![work(first)];
+        return vec![here(first)];
     }
     let work = &work;
     std::thread::scope(|s| {
@@ -36,11 +43,11 @@ pub(super) fn run_parts<P: Sync, R: Send>(
             })
             .collect();
         let mut out = Vec::with_capacity(parts.len());
-        out.push(work(first));
+        out.push(here(first));
         for (p, h) in rest.iter().zip(started) {
             out.push(match h {
                 Some(h) => h.join().unwrap_or_else(|_| panicked(p)),
-                None => work(p),
+                None => here(p),
             });
         }
         out
@@ -88,5 +95,22 @@ mod tests {
             |&p| Err(p),
         );
         assert_eq!(out, [Ok(1), Err(2), Ok(3)]);
+    }
+
+    #[test]
+    fn a_part_that_panics_on_the_callers_thread_gets_its_own_error_too() {
+        // The first part runs on the caller's thread: its panic does not unwind the call (it
+        // used to, taking every other part's results with it).
+        let work = |&p: &u32| {
+            if p == 1 {
+                panic!("part 1 fails");
+            }
+            Ok(p)
+        };
+        assert_eq!(
+            run_parts("first", &[1u32, 2], work, |&p| Err(p)),
+            [Err(1), Ok(2)]
+        );
+        assert_eq!(run_parts("only", &[1u32], work, |&p| Err(p)), [Err(1)]);
     }
 }

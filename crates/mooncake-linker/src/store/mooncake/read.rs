@@ -2,15 +2,23 @@
 //! ranges shaped (merged, and staged through scratch where they continue in the object only),
 //! then the wheel's ranged call, then the copies out of scratch.
 
+use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::ScopedJoinHandle;
 
-use mooncake_sys::{CKeys, Range};
+use std::time::Duration;
+
+use mooncake_sys::{CKeys, Client, KeyResult as WheelResult, MooncakeError, Range};
 use parking_lot::Mutex;
 
+use super::gate::TransferGate;
 use super::parts::run_parts;
 use super::ranges::{partition, shape, Shaped, Target};
-use super::store::{failed_placeholder, mark_abandoned, per_key, store_error, MooncakeStore};
+use super::store::{
+    failed_placeholder, gives_up, mark_abandoned_after, not_read, panicked_call, per_key,
+    store_error, MooncakeStore, CLIENT_GIVES_UP_AFTER,
+};
 use crate::store::{RangeChecksums, RangedGet, StoreError};
 
 /// Below this many bytes per stream a ranged read is not split (thread start-up and the
@@ -44,6 +52,8 @@ struct ReadCall<'g> {
     /// The client gave up on some transfer of the call that may still run: the scratch is
     /// kept for good, not reused.
     abandoned: bool,
+    /// Why the stream's later calls are not tried (see [`gives_up`]), if they are not.
+    given_up: Option<String>,
 }
 
 // SAFETY: the copy targets inside `shaped` are caller memory that `get_ranges`'s contract
@@ -58,13 +68,26 @@ impl ReadCall<'_> {
     }
 }
 
-/// Every key of `part` failed because a helper thread panicked.
-fn panicked(gets: &[RangedGet<'_>], part: &[usize]) -> Vec<KeyRead> {
+/// Every key of `part` failed because a helper thread panicked; a key an earlier call of the
+/// part left abandoned (marked in `abandoned`, indexed as `gets`) stays `Abandoned`, so that
+/// its memory is kept.
+fn panicked(gets: &[RangedGet<'_>], part: &[usize], abandoned: &[AtomicBool]) -> Vec<KeyRead> {
     part.iter()
         .map(|&i| {
-            let e = StoreError::Panicked {
-                key: gets[i].key.to_owned(),
-                call: "get_ranges",
+            let key = gets[i].key.to_owned();
+            let e = if abandoned.get(i).is_some_and(|a| a.load(Ordering::Acquire)) {
+                StoreError::Abandoned {
+                    key,
+                    call: "get_ranges",
+                    detail: "a transfer the client gave up on may still run (a later call of \
+                             the same read stream panicked)"
+                        .into(),
+                }
+            } else {
+                StoreError::Panicked {
+                    key,
+                    call: "get_ranges",
+                }
             };
             (Err(e), RangeChecksums::new())
         })
@@ -138,7 +161,75 @@ unsafe fn copy_key(
     Some(taken)
 }
 
+/// The wheel's ranged call, as the read path makes it: the client's, or a test's fake.
+pub(super) trait RangedCall: Sync {
+    /// One `batch_get_into_multi_buffer_ranges`: `counts[k]` ranges of `ranges` per key of
+    /// `keys`, in order; per key, the bytes read or the wheel's code.
+    ///
+    /// # Safety
+    /// As [`Client::batch_get_ranges_raw`]: every `ranges[j].dst` is valid for writes of its
+    /// size, not accessed by anything else during the call, and registered where needed.
+    unsafe fn ranged(
+        &self,
+        keys: &CKeys,
+        counts: &[usize],
+        ranges: &[Range],
+    ) -> Result<Vec<WheelResult<u64>>, MooncakeError>;
+}
+
+impl RangedCall for Client {
+    unsafe fn ranged(
+        &self,
+        keys: &CKeys,
+        counts: &[usize],
+        ranges: &[Range],
+    ) -> Result<Vec<WheelResult<u64>>, MooncakeError> {
+        // SAFETY: the caller's promise, for the same call.
+        unsafe { self.batch_get_ranges_raw(keys, counts, ranges) }
+    }
+}
+
+/// What one ranged read runs with: the wheel's call, the store's transfer gate and scratch
+/// areas, and its settings.
+pub(super) struct ReadPath<'s, W: ?Sized> {
+    pub(super) wheel: &'s W,
+    pub(super) transfers: &'s TransferGate,
+    pub(super) scratch: &'s Mutex<Vec<Vec<u8>>>,
+    /// Concurrent wheel calls at most (`MooncakeConfig::read_streams`).
+    pub(super) streams: usize,
+    /// Ranges that continue in the object only are staged through scratch.
+    pub(super) stage: bool,
+    /// A failed transfer of a call that took this long may still run (the client gave up on
+    /// it): [`CLIENT_GIVES_UP_AFTER`] for the wheel.
+    pub(super) gives_up_after: Duration,
+}
+
 impl MooncakeStore {
+    /// The read path over this store's client, gate and scratch.
+    fn read_path(&self) -> ReadPath<'_, Client> {
+        ReadPath {
+            wheel: &self.client,
+            transfers: &self.transfers,
+            scratch: &self.scratch,
+            streams: self.config.read_streams_count(),
+            stage: self.config.staged_merge_enabled(),
+            gives_up_after: CLIENT_GIVES_UP_AFTER,
+        }
+    }
+
+    /// See [`ReadPath::read_streamed`].
+    pub(super) fn read_streamed(
+        &self,
+        gets: &[RangedGet<'_>],
+        readable: &[usize],
+        out: &mut [KeyResult],
+        sums: &mut [RangeChecksums],
+    ) {
+        self.read_path().read_streamed(gets, readable, out, sums);
+    }
+}
+
+impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
     /// Reads `gets[i]` for every `i` in `readable` (keys in a session, valid arguments) into
     /// `out[i]`, split into up to `read_streams` concurrent calls by bytes; with `sums` shaped
     /// as `gets`, sets the checksums of the ranges staged through scratch there (see
@@ -151,17 +242,20 @@ impl MooncakeStore {
         sums: &mut [RangeChecksums],
     ) {
         let hash = sums.len() == gets.len();
+        // Keys a call left abandoned, marked as soon as it returns: a later panic of the same
+        // stream must not report them as merely failed.
+        let abandoned: Vec<AtomicBool> = gets.iter().map(|_| AtomicBool::new(false)).collect();
+        let abandoned = &abandoned[..];
         let bytes: Vec<u64> = readable.iter().map(|&i| gets[i].expected()).collect();
-        let parts: Vec<&[usize]> =
-            partition(&bytes, self.config.read_streams_count(), MIN_STREAM_BYTES)
-                .into_iter()
-                .map(|p| &readable[p])
-                .collect();
+        let parts: Vec<&[usize]> = partition(&bytes, self.streams, MIN_STREAM_BYTES)
+            .into_iter()
+            .map(|p| &readable[p])
+            .collect();
         let results = run_parts(
             "read-stream",
             &parts,
-            |part| self.read_part(gets, part, hash),
-            |part| panicked(gets, part),
+            |part| self.read_part(gets, part, hash, abandoned),
+            |part| panicked(gets, part, abandoned),
         );
         for (&i, (r, taken)) in readable.iter().zip(results.into_iter().flatten()) {
             out[i] = r;
@@ -178,9 +272,17 @@ impl MooncakeStore {
     /// The gets of one stream, in calls of at most [`SCRATCH_BYTES`] of staging each. The
     /// copies out of one call's scratch (and with `hash`, the checksums taken in the same
     /// pass) run on a helper thread while the next call is on the wire, so a large staged
-    /// read pays them only once, at the end.
-    fn read_part(&self, gets: &[RangedGet<'_>], part: &[usize], hash: bool) -> Vec<KeyRead> {
-        let stage = self.config.staged_merge_enabled();
+    /// read pays them only once, at the end. Once a call fails whole, or every transfer of it
+    /// fails, the later calls are not made (their keys fail unread, see [`gives_up`]); the
+    /// keys a call left abandoned are marked in `abandoned`.
+    fn read_part(
+        &self,
+        gets: &[RangedGet<'_>],
+        part: &[usize],
+        hash: bool,
+        abandoned: &[AtomicBool],
+    ) -> Vec<KeyRead> {
+        let stage = self.stage;
         let shaped: Vec<Shaped> = part
             .iter()
             .map(|&i| {
@@ -208,11 +310,36 @@ impl MooncakeStore {
         std::thread::scope(|s| {
             // The copy-out of the previous call, on its helper thread, with its keys.
             let mut copying: Option<(ScopedJoinHandle<'_, Vec<KeyRead>>, &[usize])> = None;
+            let mut given_up: Option<String> = None;
             for (range, need) in calls {
                 let keys = &part[range.clone()];
+                if let Some(why) = &given_up {
+                    // In call order: the previous call's copies first.
+                    if let Some((h, prev)) = copying.take() {
+                        out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev, abandoned)));
+                    }
+                    out.extend(
+                        keys.iter()
+                            .map(|&i| (Err(not_read(gets[i].key, why)), RangeChecksums::new())),
+                    );
+                    continue;
+                }
                 let call = self.read_call(gets, keys, (&shaped[range], need), hash);
+                for (&i, r) in keys.iter().zip(&call.results) {
+                    if r.as_ref().is_err_and(StoreError::may_still_transfer) {
+                        abandoned[i].store(true, Ordering::Release);
+                    }
+                }
+                if let Some(why) = &call.given_up {
+                    tracing::warn!(
+                        keys = keys.len(),
+                        why,
+                        "a read stream's later calls given up"
+                    );
+                    given_up = Some(why.clone());
+                }
                 if let Some((h, prev)) = copying.take() {
-                    out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev)));
+                    out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev, abandoned)));
                 }
                 if call.copies_nothing() {
                     out.extend(self.copy_out(call));
@@ -239,7 +366,7 @@ impl MooncakeStore {
                 }
             }
             if let Some((h, prev)) = copying.take() {
-                out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev)));
+                out.extend(h.join().unwrap_or_else(|_| panicked(gets, prev, abandoned)));
             }
         });
         out
@@ -270,6 +397,7 @@ impl MooncakeStore {
                     ranges_to_hash: None,
                     keys: names,
                     abandoned: false,
+                    given_up: None,
                 };
             }
         };
@@ -309,12 +437,30 @@ impl MooncakeStore {
         // the client gives up on, after which everything it may touch is kept for good
         // (`mark_abandoned` below). Staging is used over TCP only, whose reader side needs no
         // registration.
-        let results = unsafe { self.client.batch_get_ranges_raw(&ckeys, &counts, &ranges) };
+        let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+            self.wheel.ranged(&ckeys, &counts, &ranges)
+        }));
         let took = t0.elapsed();
         let positions: Vec<usize> = (0..part.len()).collect();
         let mut out: Vec<KeyResult> = names.iter().map(|k| failed_placeholder(k)).collect();
-        per_key(&names, results, &positions, &mut out);
-        let abandoned = mark_abandoned("batch_get_ranges", took, &mut out);
+        let given_up = match call {
+            Ok(results) => {
+                let why = gives_up(&results, "ranged read");
+                per_key(&names, results, &positions, &mut out);
+                why
+            }
+            Err(_) => {
+                for (r, k) in out.iter_mut().zip(&names) {
+                    *r = Err(panicked_call(k, "get_ranges", took, self.gives_up_after));
+                }
+                Some("an earlier ranged read call panicked".into())
+            }
+        };
+        let abandoned =
+            mark_abandoned_after("batch_get_ranges", took, self.gives_up_after, &mut out)
+                || out
+                    .iter()
+                    .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer));
         if abandoned {
             // Transfers may still write the caller's memory: `unregister` must not let it go.
             self.transfers.abandon(transfer);
@@ -341,6 +487,7 @@ impl MooncakeStore {
             ranges_to_hash,
             keys: names,
             abandoned,
+            given_up,
         }
     }
 
@@ -355,7 +502,10 @@ impl MooncakeStore {
             ranges_to_hash,
             keys,
             abandoned,
+            given_up: _,
         } = call;
+        // Never freed by an unwind either while a transfer may still write it.
+        let scratch = ManuallyDrop::new(scratch);
         let each = results.into_iter().zip(shaped).zip(&key_scratch);
         let out = each
             .enumerate()
@@ -383,11 +533,11 @@ impl MooncakeStore {
                 }
             })
             .collect();
-        if abandoned {
-            // A transfer the client gave up on may still write it.
-            std::mem::forget(scratch);
+        if !abandoned {
+            self.return_scratch(ManuallyDrop::into_inner(scratch));
         } else {
-            self.return_scratch(scratch);
+            // A transfer the client gave up on may still write it: kept for good.
+            tracing::debug!(bytes = scratch.len(), "scratch of an abandoned call kept");
         }
         out
     }
@@ -493,5 +643,199 @@ mod tests {
         past.copies[1].from += 1;
         // SAFETY: as just above.
         assert_eq!(unsafe { copy_key(&scratch, 64, &past, None) }, None);
+    }
+
+    /// A wheel whose calls follow a script: per call, each key's transfer succeeds (writing
+    /// byte `(offset + j) % 251` of the object) or fails, or the call panics.
+    enum Scripted {
+        Keys(Vec<bool>),
+        Panic,
+    }
+
+    #[derive(Default)]
+    struct FakeWheel {
+        script: Mutex<std::collections::VecDeque<Scripted>>,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl RangedCall for FakeWheel {
+        unsafe fn ranged(
+            &self,
+            _keys: &CKeys,
+            counts: &[usize],
+            ranges: &[Range],
+        ) -> Result<Vec<WheelResult<u64>>, MooncakeError> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            let next = self.script.lock().pop_front();
+            let Some(Scripted::Keys(ok)) = next else {
+                panic!("a scripted panic (or a call the script did not plan)");
+            };
+            let mut at = 0;
+            let mut out = Vec::new();
+            for (k, &n) in counts.iter().enumerate() {
+                let mine = &ranges[at..at + n];
+                at += n;
+                if !ok[k] {
+                    out.push(Err(mooncake_sys::ErrorCode::TRANSFER_FAIL));
+                    continue;
+                }
+                let mut total = 0;
+                for r in mine {
+                    let len = r.size as usize;
+                    // SAFETY: the read path hands this call destinations valid for writes of
+                    // each range's size (its own scratch, or the test's pool).
+                    let dst = unsafe { std::slice::from_raw_parts_mut(r.dst.cast::<u8>(), len) };
+                    for (j, b) in dst.iter_mut().enumerate() {
+                        *b = ((r.offset as usize + j) % 251) as u8;
+                    }
+                    total += r.size;
+                }
+                out.push(Ok(total));
+            }
+            Ok(out)
+        }
+    }
+
+    /// Four keys of 10 MiB, each read as two ranges that continue in the object but not in
+    /// the pool (staged through scratch): with one stream, the calls are keys 0-2 (30 MiB of
+    /// scratch) and key 3.
+    const KEY_BYTES: usize = 10 << 20;
+
+    fn four_keys(pool: &mut [u8]) -> Vec<RangedGet<'static>> {
+        const KEYS: [&str; 4] = ["k0", "k1", "k2", "k3"];
+        let half = KEY_BYTES / 2;
+        let base = pool.as_mut_ptr();
+        KEYS.iter()
+            .enumerate()
+            .map(|(k, key)| {
+                // The second half lands before the first in the pool: not one range in memory.
+                let first = base.wrapping_add(k * KEY_BYTES + half);
+                let second = base.wrapping_add(k * KEY_BYTES);
+                RangedGet {
+                    key,
+                    ranges: smallvec::smallvec![
+                        ReadRange {
+                            dst: first,
+                            len: half,
+                            offset: 0
+                        },
+                        ReadRange {
+                            dst: second,
+                            len: half,
+                            offset: half as u64
+                        },
+                    ],
+                }
+            })
+            .collect()
+    }
+
+    fn read_with(
+        wheel: &FakeWheel,
+        gives_up_after: Duration,
+    ) -> (Vec<KeyResult>, TransferGate, Vec<u8>) {
+        let gate = TransferGate::default();
+        let scratch = Mutex::new(Vec::new());
+        let mut pool = vec![0u8; 4 * KEY_BYTES];
+        let gets = four_keys(&mut pool);
+        let path = ReadPath {
+            wheel,
+            transfers: &gate,
+            scratch: &scratch,
+            streams: 1,
+            stage: true,
+            gives_up_after,
+        };
+        let mut out: Vec<KeyResult> = gets.iter().map(|g| failed_placeholder(g.key)).collect();
+        let readable: Vec<usize> = (0..gets.len()).collect();
+        path.read_streamed(&gets, &readable, &mut out, &mut []);
+        (out, gate, pool)
+    }
+
+    fn landed(pool: &[u8], k: usize) -> bool {
+        let half = KEY_BYTES / 2;
+        let key = &pool[k * KEY_BYTES..(k + 1) * KEY_BYTES];
+        let want = |off: usize, j: usize| ((off + j) % 251) as u8;
+        key[half..]
+            .iter()
+            .enumerate()
+            .all(|(j, &b)| b == want(0, j))
+            && key[..half]
+                .iter()
+                .enumerate()
+                .all(|(j, &b)| b == want(half, j))
+    }
+
+    #[test]
+    fn a_stream_whose_call_failed_every_transfer_makes_no_later_call() {
+        let wheel = FakeWheel::default();
+        wheel
+            .script
+            .lock()
+            .push_back(Scripted::Keys(vec![false; 3]));
+        let (out, gate, _) = read_with(&wheel, Duration::from_secs(3600));
+        // One call, not two: a stalled node would make each later call wait out 60 s.
+        assert_eq!(wheel.calls.load(Ordering::Relaxed), 1);
+        for r in &out[..3] {
+            assert!(matches!(r, Err(StoreError::TransferFailed { .. })), "{r:?}");
+        }
+        assert!(
+            matches!(&out[3], Err(StoreError::Unavailable { detail }) if detail.to_string().contains("not read")),
+            "{:?}",
+            out[3]
+        );
+        assert!(gate.quiet(Duration::ZERO).is_some(), "nothing abandoned");
+    }
+
+    #[test]
+    fn keys_abandoned_by_a_call_stay_abandoned_when_a_later_call_panics() {
+        // The client gives up at once (limit 0): key 1's failed transfer may still run. The
+        // stream's next call panics.
+        let wheel = FakeWheel::default();
+        wheel
+            .script
+            .lock()
+            .extend([Scripted::Keys(vec![true, false, true]), Scripted::Panic]);
+        let (out, gate, pool) = read_with(&wheel, Duration::ZERO);
+        assert_eq!(wheel.calls.load(Ordering::Relaxed), 2);
+        assert!(matches!(out[0], Ok(n) if n == KEY_BYTES as u64) && landed(&pool, 0));
+        assert!(matches!(out[2], Ok(n) if n == KEY_BYTES as u64) && landed(&pool, 2));
+        assert!(
+            out[1].as_ref().is_err_and(StoreError::may_still_transfer),
+            "{:?}",
+            out[1]
+        );
+        // The panicked call ran past the client's limit (0): its key is kept too.
+        assert!(
+            out[3].as_ref().is_err_and(StoreError::may_still_transfer),
+            "{:?}",
+            out[3]
+        );
+        assert!(
+            gate.quiet(Duration::ZERO).is_none(),
+            "the gate lets the memory go"
+        );
+    }
+
+    #[test]
+    fn a_call_that_panics_fails_its_own_keys_only() {
+        let wheel = FakeWheel::default();
+        wheel
+            .script
+            .lock()
+            .extend([Scripted::Keys(vec![true; 3]), Scripted::Panic]);
+        let (out, gate, pool) = read_with(&wheel, Duration::from_secs(3600));
+        for (k, r) in out[..3].iter().enumerate() {
+            assert!(
+                matches!(r, Ok(n) if *n == KEY_BYTES as u64) && landed(&pool, k),
+                "key {k}"
+            );
+        }
+        assert!(
+            matches!(out[3], Err(StoreError::Panicked { .. })),
+            "{:?}",
+            out[3]
+        );
+        assert!(gate.quiet(Duration::ZERO).is_some());
     }
 }

@@ -198,6 +198,22 @@ fn refused_range(r: &ReadRange) -> Option<&'static str> {
     })
 }
 
+/// Why a ranged read of one key is refused: one of its ranges is ([`refused_range`]), or
+/// their total is ([`too_long`]).
+fn refused_get(get: &RangedGet<'_>) -> Option<&'static str> {
+    get.ranges
+        .iter()
+        .find_map(refused_range)
+        .or_else(|| too_long(get.expected()))
+}
+
+/// Why a key's ranges are refused as a whole: they add up to more than the wheel's per-key
+/// result (an `int`) can count. Refused here, the key fails alone; the shim would refuse the
+/// whole call, and with it every other key the call carries.
+fn too_long(total: u64) -> Option<&'static str> {
+    (total > i32::MAX as u64).then_some("a key's ranges add up to more than INT_MAX bytes")
+}
+
 /// Maps a Mooncake status code for `key` to a [`StoreError`].
 ///
 /// | Mooncake codes | StoreError |
@@ -255,7 +271,17 @@ pub(super) fn mark_abandoned<T>(
     took: Duration,
     results: &mut [Result<T, StoreError>],
 ) -> bool {
-    if took < CLIENT_GIVES_UP_AFTER {
+    mark_abandoned_after(call, took, CLIENT_GIVES_UP_AFTER, results)
+}
+
+/// [`mark_abandoned`] with the client's timeout given (`limit`).
+pub(super) fn mark_abandoned_after<T>(
+    call: &'static str,
+    took: Duration,
+    limit: Duration,
+    results: &mut [Result<T, StoreError>],
+) -> bool {
+    if took < limit {
         return false;
     }
     let mut any = false;
@@ -279,6 +305,55 @@ pub(super) fn mark_abandoned<T>(
         );
     }
     any
+}
+
+/// Why the later calls of one read are not tried after this call, if they are not: it
+/// failed whole, or every transfer of it failed. Each later call would wait out the client's
+/// transfer timeout too (a storage node that stalls would cost calls × 60 s) while the caller
+/// has given up.
+pub(super) fn gives_up<T>(
+    results: &Result<Vec<mooncake_sys::KeyResult<T>>, MooncakeError>,
+    what: &str,
+) -> Option<String> {
+    match results {
+        Err(e) => Some(format!("an earlier {what} call failed ({e})")),
+        Ok(r)
+            if r.iter()
+                .all(|k| matches!(k, Err(c) if *c == ErrorCode::TRANSFER_FAIL)) =>
+        {
+            Some(format!("every transfer of an earlier {what} call failed"))
+        }
+        Ok(_) => None,
+    }
+}
+
+/// The error of a key not read because an earlier call of the same read gave up (`why`).
+pub(super) fn not_read(key: &str, why: &str) -> StoreError {
+    StoreError::Unavailable {
+        detail: format!("`{key}` not read: {why}").into(),
+    }
+}
+
+/// The error of a key whose wheel call panicked after `took`: `Abandoned` once the client may
+/// have given up on its transfers (they may still run), else `Panicked`.
+pub(super) fn panicked_call(
+    key: &str,
+    call: &'static str,
+    took: Duration,
+    limit: Duration,
+) -> StoreError {
+    if took >= limit {
+        StoreError::Abandoned {
+            key: key.to_owned(),
+            call,
+            detail: format!("the call panicked after {took:?}; its transfers may still run"),
+        }
+    } else {
+        StoreError::Panicked {
+            key: key.to_owned(),
+            call,
+        }
+    }
 }
 
 /// Maps a whole-call mooncake-sys error to the [`StoreError`] of `key`.
@@ -415,8 +490,9 @@ impl KvStore for MooncakeStore {
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
         let (valid, mut out) = vet_reads(&keys, |i| null_dst(gets[i].dst), |_| true);
-        let transfer = self.transfers.transfer();
-        let mut abandoned = false;
+        // Marked abandoned as soon as a call is (not after the loop): a later call that
+        // panicked would otherwise unwind past the mark.
+        let mut transfer = Some(self.transfers.transfer());
         // The wheel's `batch_get_into` stalls (until its 60 s transfer timeout) when one call
         // carries thousands of keys over TCP: at most MAX_WHOLE_READS_PER_CALL keys per call.
         // Once a call fails whole (or every key of it fails its transfer), the later parts are
@@ -425,9 +501,7 @@ impl KvStore for MooncakeStore {
         for part in valid.chunks(MAX_WHOLE_READS_PER_CALL) {
             if let Some(why) = &given_up {
                 for &i in part {
-                    out[i] = Err(StoreError::Unavailable {
-                        detail: format!("`{}` not read: {why}", keys[i]).into(),
-                    });
+                    out[i] = Err(not_read(keys[i], why));
                 }
                 continue;
             }
@@ -449,32 +523,44 @@ impl KvStore for MooncakeStore {
             // the call, and registered where the transport needs it; the call is synchronous,
             // except for a transfer the client gives up on, whose memory the caller then keeps
             // for good (`StoreError::Abandoned`).
-            let results = unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
+            let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+                self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes)
+            }));
             let took = t0.elapsed();
-            given_up = match &results {
-                Err(e) => Some(format!("an earlier whole-object read call failed ({e})")),
-                Ok(r) if r.iter().all(|k| k == &Err(ErrorCode::TRANSFER_FAIL)) => {
-                    Some("every transfer of an earlier whole-object read call failed".into())
+            let mut mine: Vec<Result<u64, StoreError>> = match call {
+                Ok(results) => {
+                    given_up = gives_up(&results, "whole-object read");
+                    let mut mine = part.iter().map(|_| Ok(0)).collect::<Vec<_>>();
+                    let positions: Vec<usize> = (0..part.len()).collect();
+                    per_key(&names, results, &positions, &mut mine);
+                    mine
                 }
-                Ok(_) => None,
+                Err(_) => {
+                    given_up = Some("an earlier whole-object read call panicked".into());
+                    names
+                        .iter()
+                        .map(|k| Err(panicked_call(k, "get_into", took, CLIENT_GIVES_UP_AFTER)))
+                        .collect()
+                }
             };
             if let Some(why) = &given_up {
                 tracing::warn!(keys = part.len(), why, "whole-object reads given up");
             }
-            per_key(&keys, results, part, &mut out);
-            let mut mine: Vec<Result<u64, StoreError>> = part
-                .iter()
-                .map(|&i| std::mem::replace(&mut out[i], Ok(0)))
-                .collect();
-            abandoned |= mark_abandoned("batch_get_into", took, &mut mine);
+            let abandoned = mark_abandoned("batch_get_into", took, &mut mine)
+                || mine
+                    .iter()
+                    .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer));
+            if abandoned {
+                // Transfers may still run: `unregister` must not let their memory go.
+                if let Some(t) = transfer.take() {
+                    self.transfers.abandon(t);
+                }
+            }
             for (&i, r) in part.iter().zip(mine) {
                 out[i] = r;
             }
         }
-        if abandoned {
-            // Transfers may still run: `unregister` must not let their memory go.
-            self.transfers.abandon(transfer);
-        }
+        drop(transfer);
         out
     }
 
@@ -495,7 +581,7 @@ impl KvStore for MooncakeStore {
         // Gets with nothing to read succeed without I/O.
         let (valid, mut out) = vet_reads(
             &keys,
-            |i| gets[i].ranges.iter().find_map(refused_range),
+            |i| refused_get(&gets[i]),
             |i| !gets[i].ranges.is_empty(),
         );
         if valid.is_empty() {
@@ -707,6 +793,43 @@ impl KvStore for MooncakeStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_whose_ranges_exceed_int_max_is_refused_alone() {
+        // The wheel's per-key result is an int: the shim refuses a whole call with such a key
+        // in it, so the vetting refuses that key before the call, and the others go ahead.
+        assert_eq!(too_long(i32::MAX as u64), None);
+        assert!(too_long(i32::MAX as u64 + 1).is_some());
+        let big = ReadRange {
+            dst: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+            len: 1 << 30,
+            offset: 0,
+        };
+        let gets = [
+            RangedGet {
+                key: "small",
+                ranges: smallvec::smallvec![ReadRange { len: 4096, ..big }],
+            },
+            RangedGet {
+                key: "big",
+                ranges: smallvec::smallvec![
+                    big,
+                    ReadRange {
+                        offset: 1 << 30,
+                        ..big
+                    }
+                ],
+            },
+        ];
+        let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
+        let (valid, out) = vet_reads(
+            &keys,
+            |i| refused_get(&gets[i]),
+            |i| !gets[i].ranges.is_empty(),
+        );
+        assert_eq!(valid, [0]);
+        assert!(matches!(&out[1], Err(StoreError::InvalidArgument { key, .. }) if key == "big"));
+    }
 
     #[test]
     fn transfers_failed_after_the_clients_own_timeout_are_abandoned() {
