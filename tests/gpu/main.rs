@@ -1,7 +1,8 @@
 //! The GPU checks as tests (feature `cuda`), one file per idea:
 //! - the CUDA backend: the copy kernel (`kernels`), the staged landing into a device pool with
 //!   a failure at a layer and the save-direction gather (`staged_landing`), misuse refused
-//!   with typed errors (`landing_misuse`);
+//!   with typed errors (`landing_misuse`), an engine thread's own context kept current
+//!   (`context`);
 //! - NCCL: one rank end to end and two GPUs (`nccl`), the device share step on one rank
 //!   (`nccl_share_step`), initialisations and ranks that time out and abort (`nccl_aborts`);
 //! - the Linker into device pools: loaded bytes, a save from a device pool, a failure at a
@@ -30,6 +31,7 @@ use kvlink::kv_device::cuda::cuda_device_count;
 use kvlink_rig::report::{panic_msg, Report, Status};
 use kvlink_rig::tp::Fabric;
 
+mod context;
 mod kernels;
 mod landing_misuse;
 mod linker;
@@ -102,6 +104,11 @@ fn run(test: &str, f: impl FnOnce(u32, &mut Report)) {
     let table = report.table();
     println!("== {test}\n{table}");
     assert!(!report.failed(), "{test}: a check failed:\n{table}");
+}
+
+#[test]
+fn engine_context_kept() {
+    run("context", |_, r| context::run(r));
 }
 
 #[test]

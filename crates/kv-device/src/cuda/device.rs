@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
+use super::current::Current;
 use super::error::{driver_error_text, drv};
 use super::kernels::{KernelCache, KernelSource, Kernels};
 use super::memory::{DeviceBuffer, PinnedBuffer};
@@ -118,7 +119,9 @@ impl CudaDevice {
         Ok(ev)
     }
 
-    /// Makes the context current on the calling thread (raw driver calls need it).
+    /// Makes the context current on the calling thread, and leaves it current (raw driver
+    /// calls need it). kvlink's own calls on an engine's thread do not leave it current:
+    /// they make it current for the call and give the thread its own context back.
     pub fn bind(&self) -> Result<(), DeviceError> {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))
     }
@@ -147,7 +150,7 @@ impl CudaDevice {
     /// Loads the copy kernels from a given source (tests and benchmarks compare them); does not
     /// replace the cached ones.
     pub fn load_kernels(&self, source: KernelSource) -> Result<Kernels, DeviceError> {
-        self.bind()?;
+        let _current = Current::make(&self.ctx).map_err(drv("cuCtxPushCurrent"))?;
         Kernels::load(&self.ctx, Some(source))
     }
 }
@@ -188,7 +191,7 @@ impl Device for CudaDevice {
     }
 
     fn new_stream(&self) -> Result<Arc<dyn Stream>, DeviceError> {
-        self.bind()?;
+        let _current = Current::make(&self.ctx).map_err(drv("cuCtxPushCurrent"))?;
         let stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         Ok(Arc::new(CuStream::new(stream, self.kernels.clone())))
     }

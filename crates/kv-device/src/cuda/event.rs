@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 use kv_loader::{KvLoadError, RawStream, StreamWaitable};
 
+use super::current::Current;
 use super::error::{driver_error_text, drv};
 use crate::staged::sync::SYNC_LIMIT;
 use crate::{DeviceError, DeviceEvent};
@@ -54,7 +55,7 @@ impl CudaLayerEvent {
         stream: sys::CUstream,
         layer: u32,
     ) -> Result<Arc<Self>, DeviceError> {
-        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let _current = Current::make(ctx).map_err(drv("cuCtxPushCurrent"))?;
         let mut event: sys::CUevent = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
             | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
@@ -112,7 +113,7 @@ impl CudaLayerEvent {
 
     /// True when the work before the event has finished; a device error surfaces here.
     pub fn is_complete(&self) -> Result<bool, DeviceError> {
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let _current = Current::make(&self.ctx).map_err(drv("cuCtxPushCurrent"))?;
         // SAFETY: the event is live.
         match unsafe { sys::cuEventQuery(self.event) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -133,7 +134,7 @@ impl CudaLayerEvent {
             if now >= deadline {
                 return Ok(false);
             }
-            spins += 1;
+            spins = spins.saturating_add(1);
             if spins < 64 {
                 std::hint::spin_loop();
             } else if spins < 256 {
@@ -193,7 +194,7 @@ impl DeviceEvent for CudaLayerEvent {
 
 impl Drop for CudaLayerEvent {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+        let _current = Current::make(&self.ctx);
         // SAFETY: we own the event and destroy it once; destroying an event whose work is
         // still pending is allowed (the driver releases it when the work completes).
         let _ = unsafe { sys::cuEventDestroy_v2(self.event) };

@@ -8,6 +8,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use parking_lot::Mutex;
 
+use super::current::Current;
 use super::error::drv;
 use crate::{DeviceError, RowCopy};
 
@@ -137,6 +138,11 @@ impl Kernels {
         if n_rows == 0 || row_bytes == 0 {
             return Ok(());
         }
+        if n_rows > MAX_ROWS {
+            return Err(DeviceError::InvalidStage(
+                "a row copy of more rows than the kernel's row loop can count",
+            ));
+        }
         let (grid_x, grid_y) = grid(n_rows, row_bytes);
         let mut a_src = src;
         let mut a_dst = dst;
@@ -169,6 +175,10 @@ impl Kernels {
     }
 }
 
+/// Most rows one launch copies: the kernel's row loop (`r += gridDim.y`, a 32-bit index, at
+/// most 65535 per step) must not wrap past `n_rows`, or its blocks never end.
+const MAX_ROWS: u32 = u32::MAX - 65_535;
+
 /// Launch grid for `n_rows` rows of `row_bytes`: x blocks cover a row's 16-byte words (at
 /// most 64 blocks, grid-stride beyond), y covers rows (at most 65535, grid-stride beyond).
 fn grid(n_rows: u32, row_bytes: u64) -> (u32, u32) {
@@ -199,7 +209,7 @@ impl KernelCache {
         if let Some(k) = k.as_ref() {
             return Ok(k.clone());
         }
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let _current = Current::make(&self.ctx).map_err(drv("cuCtxPushCurrent"))?;
         let loaded = Arc::new(Kernels::load(&self.ctx, None)?);
         *k = Some(loaded.clone());
         Ok(loaded)
@@ -215,6 +225,9 @@ mod tests {
         assert_eq!(grid(2048, 41_984), (11, 2048));
         assert_eq!(grid(1, 1), (1, 1));
         assert_eq!(grid(100_000, 1 << 30), (64, 65_535));
+        // At the row limit the last row plus one grid step still fits in the kernel's u32.
+        let (_, y) = grid(MAX_ROWS, 1);
+        assert!(u64::from(MAX_ROWS - 1) + u64::from(y) <= u64::from(u32::MAX));
     }
 
     #[test]

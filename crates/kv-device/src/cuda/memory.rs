@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
+use super::current::Current;
 use super::error::drv;
 use super::event::CudaLayerEvent;
 use crate::staged::sync::SYNC_LIMIT;
@@ -21,6 +22,25 @@ pub struct DeviceBuffer {
     len: usize,
 }
 
+/// A failed allocation: [`DeviceError::Alloc`] when the memory ran out, else the driver's
+/// error itself (a context that a fault broke is not a busy pool), keeping it as the source.
+fn alloc_error(
+    call: &'static str,
+    e: cudarc::driver::DriverError,
+    len: usize,
+    what: &'static str,
+) -> DeviceError {
+    tracing::warn!(bytes = len, what, error = %super::error::driver_error_text(e), "{call} failed");
+    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        DeviceError::Alloc {
+            bytes: len as u64,
+            what,
+        }
+    } else {
+        DeviceError::Cuda { call, source: e }
+    }
+}
+
 impl DeviceBuffer {
     /// Allocates `len` bytes (`cuMemAlloc`, at least 256-byte aligned), contents unspecified.
     pub fn alloc(
@@ -28,16 +48,11 @@ impl DeviceBuffer {
         len: usize,
         what: &'static str,
     ) -> Result<Self, DeviceError> {
-        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let _current = Current::make(ctx).map_err(drv("cuCtxPushCurrent"))?;
         // SAFETY: the context is current; cuMemAlloc returns fresh memory we own and free once
         // in Drop. Its contents are never read as a Rust value.
-        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| {
-            tracing::warn!(bytes = len, what, error = %super::error::driver_error_text(e), "cuMemAlloc failed");
-            DeviceError::Alloc {
-                bytes: len as u64,
-                what,
-            }
-        })?;
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }
+            .map_err(|e| alloc_error("cuMemAlloc", e, len, what))?;
         Ok(DeviceBuffer {
             ctx: ctx.clone(),
             ptr,
@@ -52,7 +67,7 @@ impl DeviceBuffer {
         len: usize,
         what: &'static str,
     ) -> Result<Self, DeviceError> {
-        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let _current = Current::make(ctx).map_err(drv("cuCtxPushCurrent"))?;
         let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         Self::zeroed_on(&stream, len, what, SYNC_LIMIT)
     }
@@ -122,9 +137,9 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // Owners order frees after the device work that uses the memory (they synchronize
-        // their streams or events before dropping); cuMemFree itself also waits for the
-        // device to finish work in flight on the memory.
-        let _ = self.ctx.bind_to_thread();
+        // their streams or events before dropping, or leak the buffer when a wait failed);
+        // nothing here relies on cuMemFree waiting for work in flight.
+        let _current = Current::make(&self.ctx);
         // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once.
         if let Err(e) = unsafe { result::free_sync(self.ptr) } {
             tracing::warn!(error = %super::error::driver_error_text(e), "cuMemFree failed");
@@ -156,17 +171,12 @@ impl PinnedBuffer {
         len: usize,
         what: &'static str,
     ) -> Result<Self, DeviceError> {
-        ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let _current = Current::make(ctx).map_err(drv("cuCtxPushCurrent"))?;
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: the context is current; cuMemHostAlloc returns fresh page-locked memory of
         // at least `len.max(1)` bytes that we own and free once in Drop.
-        let raw = unsafe { result::malloc_host(len.max(1), flags) }.map_err(|e| {
-            tracing::warn!(bytes = len, what, error = %super::error::driver_error_text(e), "cuMemHostAlloc failed");
-            DeviceError::Alloc {
-                bytes: len as u64,
-                what,
-            }
-        })?;
+        let raw = unsafe { result::malloc_host(len.max(1), flags) }
+            .map_err(|e| alloc_error("cuMemHostAlloc", e, len, what))?;
         let ptr = raw as *mut u8;
         // SAFETY: `ptr` is valid for writes of `len` bytes (just allocated, not shared yet).
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
@@ -230,7 +240,7 @@ fn check_range(offset: usize, len: usize, cap: usize) -> Result<(), DeviceError>
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+        let _current = Current::make(&self.ctx);
         // SAFETY: `ptr` came from cuMemHostAlloc and is freed exactly once; owners drop it only
         // after the copies that read or write it completed (they synchronize first).
         if let Err(e) = unsafe { result::free_host(self.ptr as *mut c_void) } {

@@ -10,12 +10,14 @@
 //! (cudarc itself would panic).
 //!
 //! Files, each depending only on those before it: `error` (driver errors as
-//! [`DeviceError`]s), `memory`, `kernels` (and the per-context kernel cache), `event`,
-//! `stream`, `device`.
+//! [`DeviceError`]s), `current` (our context current for a call, the thread's own restored
+//! after), `memory`, `kernels` (and the per-context kernel cache), `event`, `stream`,
+//! `device`.
 //!
 //! [`DeviceError`]: crate::DeviceError
 //! [`DeviceError::Unavailable`]: crate::DeviceError::Unavailable
 
+mod current;
 mod device;
 pub(crate) mod error;
 mod event;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaStream};
 
+use super::current::Current;
 use super::error::drv;
 use super::event::CudaLayerEvent;
 use super::kernels::KernelCache;
@@ -26,11 +27,10 @@ impl CuStream {
         &self.stream
     }
 
-    fn bind(&self) -> Result<(), DeviceError> {
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(drv("cuCtxSetCurrent"))
+    /// The stream's context current for the caller's driver calls (the thread's own back
+    /// after).
+    fn bind(&self) -> Result<Current, DeviceError> {
+        Current::make(self.stream.context()).map_err(drv("cuCtxPushCurrent"))
     }
 }
 
@@ -41,7 +41,7 @@ unsafe impl Stream for CuStream {
         if t.is_empty() {
             return Ok(());
         }
-        self.bind()?;
+        let _current = self.bind()?;
         let s = self.stream.cu_stream();
         // SAFETY: the caller promised both ranges are valid and untouched by others until an
         // event recorded after this copy completes; the context is current.
@@ -61,7 +61,7 @@ unsafe impl Stream for CuStream {
 
     unsafe fn copy_rows(&self, c: RowCopy) -> Result<(), DeviceError> {
         let kernels = self.kernels.get()?;
-        self.bind()?;
+        let _current = self.bind()?;
         // SAFETY: the caller's promise (Stream::copy_rows) is the kernel's contract.
         unsafe { kernels.copy_rows(self.stream.cu_stream(), c) }
     }

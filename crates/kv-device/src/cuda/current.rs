@@ -1,0 +1,61 @@
+//! Our context made current for one driver call, on any thread, without taking the thread's
+//! own context away from it.
+//!
+//! kvlink's driver calls run on its own threads and on the engine's (a layer wait, an event or
+//! buffer dropped there). A call that left kvlink's context current on an engine thread whose
+//! own context is another (a non-primary context, another GPU's) would send the engine's next
+//! runtime calls to the wrong context. [`Current`] pushes ours over another and pops it again.
+
+use std::marker::PhantomData;
+
+use cudarc::driver::{result, sys, CudaContext, DriverError};
+
+/// `ctx` is current on this thread while the guard lives. A thread with no current context
+/// (kvlink's own threads) keeps ours after the guard; a thread that had another one has that
+/// one current again when the guard drops.
+pub(crate) struct Current {
+    pushed: bool,
+    /// Popped on the thread that pushed (a context stack is per thread).
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Current {
+    /// Makes `ctx` current for the guard's life.
+    pub(crate) fn make(ctx: &CudaContext) -> Result<Self, DriverError> {
+        let pushed = match result::ctx::get_current()? {
+            Some(c) if c == ctx.cu_ctx() => false,
+            None => {
+                ctx.bind_to_thread()?;
+                false
+            }
+            Some(_) => {
+                // SAFETY: `ctx.cu_ctx()` is a live context (the `CudaContext` holds it
+                // retained for as long as the caller borrows it); it is popped once, on this
+                // thread, when the guard drops.
+                unsafe { sys::cuCtxPushCurrent_v2(ctx.cu_ctx()) }.result()?;
+                true
+            }
+        };
+        Ok(Current {
+            pushed,
+            _not_send: PhantomData,
+        })
+    }
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        if !self.pushed {
+            return;
+        }
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context `make` pushed on this thread (the guard is not `Send`);
+        // `popped` is a valid out-pointer.
+        if let Err(e) = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }.result() {
+            tracing::warn!(
+                error = %super::error::driver_error_text(e),
+                "cuCtxPopCurrent failed: the thread's own context may not be current"
+            );
+        }
+    }
+}
