@@ -650,7 +650,8 @@ impl KvLoader for Linker {
         }
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         s.reads.compute.entering(ticket.batch, layer);
-        match s.outcomes.wait_layer(ticket, layer, deadline) {
+        let events = matches!(s.pool.residence(), Residence::Device { .. });
+        match s.outcomes.wait_layer(ticket, layer, deadline, events) {
             // Host pools are resident once the layer is marked; device pools hand back the
             // layer's event.
             Ok(ready) => Ok({

@@ -148,26 +148,50 @@ impl Outcomes {
     }
 
     /// Waits (until `deadline`) for layer `layer` of the batch; what the engine waits on.
+    /// With `events` (a device pool, whose layers are published with events), a layer found
+    /// ready whose event is gone was forgotten in between (its batch taken, or a reset): the
+    /// wait fails with the stale ticket rather than answer that no event is needed.
     pub(crate) fn wait_layer(
         &self,
         ticket: &LoadTicket,
         layer: u32,
         deadline: Instant,
+        events: bool,
     ) -> Result<Option<LayerReady>, WaitFailure> {
         let r = self
             .counter
             .wait(ticket.counter, layer, deadline)
             .map_err(WaitFailure::Counter)?;
         match r {
-            WaitOutcome::Ready => Ok(self
-                .readies
-                .lock()
-                .get(&ticket.batch)
-                .and_then(|v| v.get(layer as usize).cloned().flatten())),
+            WaitOutcome::Ready => self.ready_of(ticket, layer, events),
             WaitOutcome::Failed(e) => Err(WaitFailure::Load(e)),
             WaitOutcome::TimedOut => Err(WaitFailure::TimedOut),
             WaitOutcome::Cancelled => Err(WaitFailure::Cancelled),
         }
+    }
+
+    /// What the engine gets for a layer the counter found ready: its event, if it was
+    /// published with one. With `events`, an event gone since (the batch was forgotten in
+    /// between) fails with the stale ticket: `forget` makes the ticket stale before it drops
+    /// the events, so a layer published without one keeps a live ticket and a forgotten one
+    /// does not.
+    fn ready_of(
+        &self,
+        ticket: &LoadTicket,
+        layer: u32,
+        events: bool,
+    ) -> Result<Option<LayerReady>, WaitFailure> {
+        let ready = self
+            .readies
+            .lock()
+            .get(&ticket.batch)
+            .and_then(|v| v.get(layer as usize).cloned().flatten());
+        if ready.is_none() && events {
+            self.counter
+                .is_ready(ticket.counter, layer)
+                .map_err(WaitFailure::Counter)?;
+        }
+        Ok(ready)
     }
 
     /// Takes the outcome of `batch`, waiting until `deadline`; frees its counter slot.
@@ -332,5 +356,115 @@ mod tests {
         drop(late_call);
         assert!(o.held().is_empty());
         assert!(o.take(BatchId(7), soon).is_some());
+    }
+
+    #[derive(Debug)]
+    struct PendingCopy;
+
+    impl kv_loader::StreamWaitable for PendingCopy {
+        fn wait_on_stream(&self, _stream: kv_loader::RawStream) -> Result<(), KvLoadError> {
+            Ok(())
+        }
+
+        fn synchronize(&self) -> Result<(), KvLoadError> {
+            Ok(())
+        }
+    }
+
+    /// The window the stress test below aims at, made certain: the counter found the layer
+    /// ready, then the batch was taken (its events dropped) before the event was looked up.
+    #[test]
+    fn a_ready_layer_whose_event_is_gone_is_a_stale_ticket_not_resident() {
+        let o = Outcomes::new(2);
+        let batch = BatchId(7);
+        let counter = o.begin(batch, 2).unwrap();
+        let t = LoadTicket {
+            batch,
+            num_layers: 2,
+            counter,
+        };
+        o.publish(
+            batch,
+            counter,
+            0,
+            LayerReady::Event(Arc::new(PendingCopy)),
+            2,
+        );
+        // Layer 1 lands resident (no event): a live ticket answers so.
+        o.publish(batch, counter, 1, LayerReady::Resident, 2);
+        assert!(matches!(
+            o.ready_of(&t, 0, true),
+            Ok(Some(LayerReady::Event(_)))
+        ));
+        assert!(matches!(o.ready_of(&t, 1, true), Ok(None)));
+        o.finish(counter, outcome_ok(batch));
+        assert_eq!(o.drain().len(), 1);
+        assert!(
+            matches!(o.ready_of(&t, 0, true), Err(WaitFailure::Counter(_))),
+            "a forgotten layer's event was answered as not needed"
+        );
+        // Host pools have no events to lose: resident stays the answer.
+        assert!(matches!(o.ready_of(&t, 0, false), Ok(None)));
+    }
+
+    /// Stress: the engine waits on layers published with events while another thread takes
+    /// the finished batch (which drops its events). Each wait gets the layer's event or a stale
+    /// ticket, never "ready, no event" (which a device pool answers as resident while its copy
+    /// may still run).
+    #[test]
+    fn a_layer_published_with_an_event_is_never_answered_without_it() {
+        let o = Outcomes::new(4);
+        let deadline = || kv_loader::deadline_after(std::time::Duration::from_secs(5));
+        for i in 0..3000u64 {
+            let batch = BatchId(i);
+            let counter = o.begin(batch, 2).unwrap();
+            let t = LoadTicket {
+                batch,
+                num_layers: 2,
+                counter,
+            };
+            for layer in 0..2 {
+                o.publish(
+                    batch,
+                    counter,
+                    layer,
+                    LayerReady::Event(Arc::new(PendingCopy)),
+                    2,
+                );
+            }
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    o.finish(counter, outcome_ok(batch));
+                    let _ = o.drain();
+                });
+                for layer in 0..2 {
+                    match o.wait_layer(&t, layer, deadline(), true) {
+                        Ok(Some(LayerReady::Event(_))) | Err(WaitFailure::Counter(_)) => {}
+                        Ok(other) => panic!("batch {i}, layer {layer}: {other:?}"),
+                        Err(_) => panic!("batch {i}, layer {layer}: another failure"),
+                    }
+                }
+            });
+        }
+    }
+
+    fn outcome_ok(batch: BatchId) -> BatchOutcome {
+        BatchOutcome {
+            batch,
+            result: Ok(LoadStats {
+                pages: 1,
+                layers: 2,
+                bytes_read: 0,
+                bytes_landed: 0,
+                mode: kv_loader::ShareMode::AllRanks,
+                first_layer: std::time::Duration::ZERO,
+                last_layer: std::time::Duration::ZERO,
+                transfers: kv_loader::TransferBytes::default(),
+                layer_transfers: Vec::new(),
+                alone: None,
+                read_groups: Vec::new(),
+                plans_differ: Vec::new(),
+            }),
+        }
     }
 }
