@@ -291,7 +291,9 @@ fn the_next_group_is_read_while_the_last_is_shared() {
     timeline.clear();
     let outs = run(&ranks, 1, &pages);
     for (rank, (r, o)) in ranks.iter().zip(&outs).enumerate() {
-        assert_eq!(stats(o, "batch 1").read_groups, vec![4, 4, 4]);
+        // Rank 0 reads in groups of 4; rank 1 reads nothing (no groups).
+        let want: Vec<u32> = if rank == 0 { vec![4, 4, 4] } else { Vec::new() };
+        assert_eq!(stats(o, "batch 1").read_groups, want);
         rank_matches(r, &pages, rank as u32).unwrap();
     }
     let steps = timeline.steps();
@@ -307,4 +309,46 @@ fn the_next_group_is_read_while_the_last_is_shared() {
     );
     // No share step had to give up waiting for the next group's read.
     assert!(!steps.contains(&Step::GateGaveUp), "{steps:?}");
+}
+
+/// A model whose components are all replicated (DeepSeek-style latent KV): under
+/// `Rank0Broadcast` rank 1 reads nothing, so it reports no read groups and counts no store
+/// calls (it used to count a call and a ~0 µs read per group).
+#[test]
+fn a_rank_that_reads_nothing_counts_no_store_calls() {
+    let spec = ModelKvSpec::new(
+        "latent",
+        6,
+        4,
+        vec![ComponentSpec::new(
+            "kv",
+            RowUnit::Token,
+            ElementType::Bytes,
+            40,
+        )],
+    )
+    .unwrap();
+    let cfg = config(ShareMode::Rank0Broadcast, ReadGranularity::ADAPTIVE);
+    let (rs, pages) = tp_ranks_built(
+        &spec,
+        2,
+        store(),
+        5,
+        &cfg,
+        Path::Host,
+        &RankBuild::stages(4),
+    );
+    for (rank, (r, o)) in rs.iter().zip(run(&rs, 1, &pages)).enumerate() {
+        let s = stats(&o, "latent");
+        rank_matches(r, &pages, rank as u32).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let m = r.linker.metrics();
+        if rank == 0 {
+            assert_eq!(s.read_groups.iter().sum::<u32>(), 6);
+            assert_eq!(m.layer_read_calls, s.read_groups.len() as u64);
+        } else {
+            assert!(s.read_groups.is_empty(), "rank {rank}: {:?}", s.read_groups);
+            assert_eq!((m.layer_read_calls, m.layer_reads), (0, 0), "rank {rank}");
+            assert_eq!(s.bytes_read, 0);
+        }
+    }
 }

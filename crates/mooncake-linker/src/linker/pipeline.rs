@@ -297,7 +297,10 @@ impl LayerPipeline<'_> {
                     match read {
                         Ok(read) => {
                             run.bytes += read.bytes;
-                            run.groups.push(group.len() as u32);
+                            // Groups of store calls: none for a rank that read nothing.
+                            if read.called {
+                                run.groups.push(group.len() as u32);
+                            }
                             landed = read.landed;
                         }
                         Err(e) => {
@@ -529,6 +532,10 @@ impl LayerPipeline<'_> {
             && self.sums.get().is_none_or(BatchChecksums::has_companions);
         let read = reader.read(planned, loans, group.clone(), hash)?;
         let (n, took) = (read.bytes, t0.elapsed());
+        if !read.called {
+            // Nothing of this group is this rank's to read: no store call to count or time.
+            return Ok(read);
+        }
         tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
         inner.metrics.layer_read(group.len() as u32, took);
         inner

@@ -136,6 +136,8 @@ struct RowsOf {
 pub(crate) struct GroupRead {
     pub(crate) bytes: u64,
     pub(crate) landed: Vec<LandedSums>,
+    /// A store call was made (false: this rank had nothing to read in the group).
+    pub(crate) called: bool,
 }
 
 impl GroupReads<'_> {
@@ -256,6 +258,7 @@ impl LayerReader<'_> {
             return Ok(GroupRead {
                 bytes: 0,
                 landed: Vec::new(),
+                called: false,
             });
         }
         for loan in &mut loans {
@@ -321,6 +324,7 @@ impl LayerReader<'_> {
         Ok(GroupRead {
             bytes: total,
             landed,
+            called: true,
         })
     }
 
