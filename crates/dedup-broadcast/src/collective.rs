@@ -80,6 +80,11 @@ pub enum CollectiveError {
         detail: String,
     },
     /// A rank passed arguments the operation cannot take (lengths, root, residence, overlap).
+    /// Refused before anything was issued, on this rank only: the handle stays as it was, and
+    /// peers that issued the operation fail it by their deadline. A caller that goes on after
+    /// a refusal its peers may not share must [`abort`](Collective::abort) the group first
+    /// (the linker aborts on every failed step), or its next operation may pair with the
+    /// peers' refused one.
     #[error("{op} #{seq}: rank {rank}: {reason}")]
     InvalidArgument {
         /// The operation.

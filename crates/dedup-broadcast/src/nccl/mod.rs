@@ -33,7 +33,7 @@
 //! operation of that rank fails at once with [`CollectiveError::Aborted`]; a rank whose peer
 //! aborted also fails by its own deadline, so every rank of the group ends the batch with an
 //! error and none hangs. Recovering means building a new group (a new unique id).
-//! The caller waits for the reply at most `deadline + abort_grace`; should the comm thread not
+//! The caller waits for the reply at most `deadline + 2 × abort_grace`; should the comm thread not
 //! answer by then (a driver that hangs inside `ncclCommAbort`), the handle is marked
 //! unusable and the call returns `Timeout` (its buffers may then still be referenced by the
 //! device: the caller should not free them).
@@ -167,7 +167,31 @@ impl NcclGroup {
                 )
             })
             .collect::<Result<_, _>>()?;
-        pending.into_iter().map(|p| p.ready()).collect()
+        // Once one rank fails to start, the others are told to give up at once (their
+        // initialisation would wait for it until `init_timeout`, and each drop then for its
+        // comm thread); those that formed abort instead of finalizing with a missing peer.
+        const GIVE_UP: &str = "another rank of the group failed to start";
+        let mut formed: Vec<NcclCollective> = Vec::with_capacity(pending.len());
+        let mut failed: Option<CollectiveError> = None;
+        for p in pending {
+            if failed.is_some() {
+                p.handle.interrupt.ask(GIVE_UP);
+            }
+            match p.ready() {
+                Ok(h) => formed.push(h),
+                Err(e) if failed.is_none() => {
+                    for h in &formed {
+                        h.interrupt.ask(GIVE_UP);
+                    }
+                    failed = Some(e);
+                }
+                Err(_) => {}
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(formed),
+        }
     }
 
     /// The formation of in-process groups on `ordinals`: each epoch two fresh
@@ -204,7 +228,7 @@ impl Pending {
         let wait = self
             .deadline
             .saturating_duration_since(Instant::now())
-            .saturating_add(self.handle.grace);
+            .saturating_add(self.handle.reply_slack());
         match self.ready.recv_timeout(wait) {
             Ok(Ok(())) => Ok(self.handle),
             Ok(Err(e)) => Err(e),
@@ -340,6 +364,14 @@ impl NcclCollective {
         })
     }
 
+    /// How long past a request's deadline the handle waits for the comm thread's reply: the
+    /// thread's own timeout path takes `ncclCommAbort` and then up to `abort_grace` for the
+    /// comm stream to drain, so a reply within twice the grace is still an answer, not a
+    /// silent thread.
+    fn reply_slack(&self) -> Duration {
+        self.grace.saturating_mul(2)
+    }
+
     /// The GPU of this rank.
     pub fn ordinal(&self) -> u32 {
         self.ordinal
@@ -385,7 +417,7 @@ impl NcclCollective {
             })?;
         let wait = deadline
             .saturating_duration_since(Instant::now())
-            .saturating_add(self.grace);
+            .saturating_add(self.reply_slack());
         match reply_rx.recv_timeout(wait) {
             Ok(Ok(reply)) => {
                 if let Reply::Done { device_ms } = &reply {
@@ -655,6 +687,10 @@ impl Collective for NcclCollective {
             .lock()
             .get_or_insert_with(|| format!("rank {}: {cause}", self.rank));
         self.interrupt.ask(cause);
+        if self.unusable.load(Ordering::Acquire) {
+            // The comm thread stopped answering earlier: no wait for a reply it will not give.
+            return;
+        }
         // Queued as well, for a comm thread that is idle (waiting for its next request).
         let Some(sender) = self.abort_tx.lock().clone() else {
             return;

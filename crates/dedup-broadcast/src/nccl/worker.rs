@@ -836,10 +836,11 @@ impl Worker {
             let result = match self.run(req.op, req.seq, req.deadline) {
                 Ok(r) => Ok(r),
                 Err(Fail::Error(e)) => {
-                    if matches!(
-                        e,
-                        CollectiveError::Backend(_) | CollectiveError::Device { .. }
-                    ) {
+                    // A refused argument (`InvalidArgument`) issued nothing and leaves the
+                    // communicator as it was; the caller decides (see `Collective`'s docs: a
+                    // caller that goes on after a refusal its peers did not share aborts the
+                    // group, as the linker does for every failed step). Anything else aborts.
+                    if !matches!(e, CollectiveError::InvalidArgument { .. }) {
                         self.abort_comm(&format!("{name} #{} failed: {e}", req.seq));
                     }
                     Err(e)
