@@ -482,3 +482,137 @@ fn random_timeouts_give_every_rank_the_same_answer() {
         }
     }
 }
+
+/// A device of another backend than the CPU device: its stream refuses events it did not
+/// make, as every backend does (`DeviceError::ForeignEvent`), and does nothing else.
+mod other_backend {
+    use std::any::Any;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use kv_device::{
+        Device, DeviceError, DeviceEvent, DeviceMemory, PinnedMemory, RowCopy, SharedEvent, Stream,
+        Transfer,
+    };
+
+    #[derive(Debug)]
+    struct Done;
+
+    impl kv_loader::StreamWaitable for Done {
+        fn wait_on_stream(
+            &self,
+            _stream: kv_loader::RawStream,
+        ) -> Result<(), kv_loader::KvLoadError> {
+            Ok(())
+        }
+
+        fn synchronize(&self) -> Result<(), kv_loader::KvLoadError> {
+            Ok(())
+        }
+    }
+
+    impl DeviceEvent for Done {
+        fn is_complete(&self) -> Result<bool, DeviceError> {
+            Ok(true)
+        }
+
+        fn wait_until(&self, _deadline: Instant) -> Result<bool, DeviceError> {
+            Ok(true)
+        }
+
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    #[derive(Debug)]
+    struct Inert;
+
+    // SAFETY: it moves no memory at all (every copy is refused).
+    unsafe impl Stream for Inert {
+        unsafe fn transfer(&self, _t: Transfer) -> Result<(), DeviceError> {
+            Err(DeviceError::Driver("another backend".into()))
+        }
+
+        unsafe fn copy_rows(&self, _c: RowCopy) -> Result<(), DeviceError> {
+            Err(DeviceError::Driver("another backend".into()))
+        }
+
+        fn record(&self) -> Result<SharedEvent, DeviceError> {
+            Ok(Arc::new(Done))
+        }
+
+        fn wait(&self, event: &SharedEvent) -> Result<(), DeviceError> {
+            match event.as_any().downcast_ref::<Done>() {
+                Some(_) => Ok(()),
+                None => Err(DeviceError::ForeignEvent(format!("{event:?}"))),
+            }
+        }
+    }
+
+    #[derive(Debug)]
+    pub struct OtherDevice;
+
+    impl Device for OtherDevice {
+        fn ordinal(&self) -> u32 {
+            0
+        }
+
+        fn name(&self) -> String {
+            "another backend".into()
+        }
+
+        fn alloc(&self, _len: usize, _what: &'static str) -> Result<DeviceMemory, DeviceError> {
+            Err(DeviceError::Driver("another backend".into()))
+        }
+
+        fn alloc_pinned(
+            &self,
+            _len: usize,
+            _what: &'static str,
+        ) -> Result<PinnedMemory, DeviceError> {
+            Err(DeviceError::Driver("another backend".into()))
+        }
+
+        fn load_stream(&self) -> Arc<dyn Stream> {
+            Arc::new(Inert)
+        }
+
+        fn new_stream(&self) -> Result<Arc<dyn Stream>, DeviceError> {
+            Ok(Arc::new(Inert))
+        }
+    }
+}
+
+/// Ranks on devices of two backends are refused when the group is made (a comm stream would
+/// copy from a peer's device address with its own backend); one backend is accepted.
+#[test]
+fn devices_of_two_backends_are_refused() {
+    use kv_device::{CpuDevice, Device};
+    use std::sync::Arc;
+    let cpu: Arc<dyn Device> = CpuDevice::new(0).unwrap();
+    let other: Arc<dyn Device> = Arc::new(other_backend::OtherDevice);
+    for devices in [
+        vec![cpu.clone(), other.clone()],
+        vec![other.clone(), cpu.clone()],
+    ] {
+        match InProcessGroup::on_devices(devices) {
+            Err(CollectiveError::Device { what, .. }) => {
+                assert!(what.contains("backend"), "{what}")
+            }
+            other => panic!("two backends accepted: {:?}", other.map(|r| r.len())),
+        }
+    }
+    assert_eq!(
+        InProcessGroup::on_devices(vec![cpu.clone(), cpu])
+            .unwrap()
+            .len(),
+        2
+    );
+    assert_eq!(
+        InProcessGroup::on_devices(vec![other.clone(), other])
+            .unwrap()
+            .len(),
+        2
+    );
+}

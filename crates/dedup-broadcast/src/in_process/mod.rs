@@ -84,8 +84,9 @@ impl InProcessGroup {
 
     /// One handle per device, rank `r` on `devices[r]` (ranks may share one device), moving
     /// host rows and device regions; each rank gets its own comm stream from its device. All
-    /// devices must be of one backend (a stream waits only on its own backend's events); on
-    /// distinct GPUs the copies rely on unified addressing.
+    /// devices must be of one backend (a stream waits only on its own backend's events;
+    /// devices of two are refused with [`CollectiveError::Device`]); on distinct GPUs the
+    /// copies rely on unified addressing.
     ///
     /// ```
     /// use dedup_broadcast::{Collective, InProcessGroup};
@@ -111,6 +112,7 @@ impl InProcessGroup {
                 Ok(Some(RankDevice { device, comm }))
             })
             .collect::<Result<Vec<_>, CollectiveError>>()?;
+        one_backend(&ranks)?;
         Ok(Self::build(size, ranks))
     }
 
@@ -137,6 +139,33 @@ impl InProcessGroup {
 struct RankDevice {
     device: Arc<dyn Device>,
     comm: Arc<dyn Stream>,
+}
+
+/// Refuses devices of more than one backend: a rank's comm stream copies from a peer's
+/// device address with its own backend, so a CUDA rank and a CPU rank in one group would read
+/// one backend's addresses as another's. Checked with the streams themselves: each comm stream
+/// must be able to wait on an event of rank 0's (another backend's event is refused).
+fn one_backend(ranks: &[Option<RankDevice>]) -> Result<(), CollectiveError> {
+    let mut ranks = ranks.iter().flatten();
+    let Some(first) = ranks.next() else {
+        return Ok(());
+    };
+    let probe = first
+        .comm
+        .record()
+        .map_err(|source| CollectiveError::Device {
+            what: "backend check (rank 0's comm stream)",
+            source,
+        })?;
+    for r in ranks {
+        r.comm
+            .wait(&probe)
+            .map_err(|source| CollectiveError::Device {
+                what: "backend check: all ranks' devices must be of one backend",
+                source,
+            })?;
+    }
+    Ok(())
 }
 
 /// One rank's handle of an [`InProcessGroup`]. Dropping it tells the group this rank is gone:
