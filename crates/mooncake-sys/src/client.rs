@@ -111,7 +111,17 @@ impl Client {
     /// Reads the whole object `key` into a new vector.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let size = self.get_size(key)?;
-        let mut buf = vec![0u8; size as usize];
+        // A size the store reports is input: one that cannot be allocated is an error, not an
+        // allocation abort.
+        let mut buf = Vec::new();
+        usize::try_from(size)
+            .ok()
+            .and_then(|n| buf.try_reserve_exact(n).ok().map(|()| n))
+            .map(|n| buf.resize(n, 0))
+            .ok_or_else(|| MooncakeError::InvalidArguments {
+                operation: "get",
+                detail: format!("`{key}`: an object of {size} bytes cannot be allocated here"),
+            })?;
         let n = self.get_into(key, &mut buf)?;
         buf.truncate(n);
         Ok(buf)

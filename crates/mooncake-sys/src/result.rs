@@ -102,8 +102,8 @@ impl CKeys {
         self.ptrs.as_ptr()
     }
 
-    fn key(&self, i: usize) -> String {
-        self.owned[i].to_string_lossy().into_owned()
+    fn key(&self, i: usize) -> Option<String> {
+        self.owned.get(i).map(|k| k.to_string_lossy().into_owned())
     }
 }
 
@@ -644,7 +644,21 @@ pub unsafe fn unregister_buffer(lib: &Library, store: MooncakeStoreT, ptr: *mut 
     check(lib, "unregister_buffer", None, i64::from(rc)).map(drop)
 }
 
-/// Name of the key at `index` of `keys` (for error reports built by callers).
-pub fn key_at(keys: &CKeys, index: usize) -> String {
+/// Name of the key at `index` of `keys` (for error reports built by callers); `None` past
+/// the last key.
+pub fn key_at(keys: &CKeys, index: usize) -> Option<String> {
     keys.key(index)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_index_past_the_last_key_is_none_not_a_panic() {
+        let keys = CKeys::new(&["a", "b"]).unwrap();
+        assert_eq!(key_at(&keys, 1).as_deref(), Some("b"));
+        assert_eq!(key_at(&keys, 2), None);
+        assert_eq!(key_at(&keys, usize::MAX), None);
+    }
 }
