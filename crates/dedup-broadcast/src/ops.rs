@@ -101,13 +101,23 @@ pub fn share_rows(
 /// stage's upload, and returns the collective's completion event. The event is pushed onto the
 /// stage's fences before this returns, so the stage is not reused while the collective
 /// may still write it. On an error from a group that is now [broken](Collective::broken), the
-/// stage is poisoned (work may be in flight that no event tells the end of).
+/// stage is poisoned (work may be in flight that no event tells the end of). A group broken
+/// before the call issues nothing: the share fails [`Aborted`](CollectiveError::Aborted) at
+/// once and the stage is left as it was (its staging is reused, not quarantined for good).
 pub fn share_stage(
     coll: &dyn Collective,
     stage: &mut DeviceStage<'_>,
     how: StageShare,
     deadline: Instant,
 ) -> Result<SharedEvent, CollectiveError> {
+    if let Some(why) = coll.broken() {
+        return Err(CollectiveError::Aborted {
+            op: "share_stage",
+            seq: 0,
+            missing: Vec::new(),
+            cause: format!("the group was broken before this share (nothing issued): {why}"),
+        });
+    }
     let region = stage.region();
     let after = stage.after();
     // SAFETY: `DeviceStage` vouches that its region is device memory valid for reads and

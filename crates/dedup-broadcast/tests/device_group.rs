@@ -465,3 +465,55 @@ fn share_entry_points_move_a_layer_and_count_it() {
         });
     }
 }
+
+/// A rank that reaches its share step after a peer aborted the group issues nothing, and its
+/// stage is not quarantined: the staging lease comes back when the landing drops (it stayed
+/// poisoned for good, one lease per such failure, until the staging ran out).
+#[test]
+fn a_share_on_a_group_broken_before_it_leaves_the_stage_reusable() {
+    let spec = ModelKvSpec::new(
+        "broken-share",
+        1,
+        2,
+        vec![ComponentSpec::new(
+            "k",
+            RowUnit::Token,
+            ElementType::Bytes,
+            20,
+        )],
+    )
+    .unwrap();
+    let pages = 4usize;
+    let dev: Arc<dyn Device> = jittery(0);
+    let ranks = InProcessGroup::on_devices(vec![dev.clone(), dev.clone()]).unwrap();
+    ranks[0].abort("rank 0 gave up on this layer");
+    let c = &ranks[1];
+    let g = KvGeometry::new(spec, 2, 1).unwrap();
+    let k = g.components()[0].clone();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging =
+        StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, pages, 2), 1).unwrap();
+    let layout = StagingLayout::new(ShareMode::Rank0Broadcast, 0, [&k], pages, 2).unwrap();
+    let slots: Vec<u32> = (0..pages as u32).collect();
+    let shape = BatchShape {
+        own: vec![],
+        shared: vec![k.id],
+        share_bytes: vec![layout.len()],
+    };
+    let mut l = StagedLanding::new(pool, staging.lease().unwrap(), slots.into(), shape).unwrap();
+    let mut st = l.take_stages();
+    let s = &mut st[0];
+    l.open(s, 0, soon()).unwrap();
+    l.upload(s, layout.chunk(c.rank())).unwrap();
+    let r = {
+        let mut ds = l.device_stage(s).unwrap();
+        share_stage(c, &mut ds, StageShare::Broadcast { root: 0 }, soon())
+    };
+    assert!(matches!(r, Err(CollectiveError::Aborted { .. })), "{r:?}");
+    drop(st);
+    drop(l);
+    assert!(
+        staging.lease().is_ok(),
+        "the stage of a share that issued nothing was quarantined"
+    );
+}
