@@ -39,10 +39,15 @@ source scripts/gpu-common.sh
 
 quick=0
 [[ " $* " == *" --quick "* ]] && quick=1
-KVLINK_REQUIRE_GPU=1 KVLINK_GPU_QUICK=$quick "$bin_dir/gpu_tests" --test-threads=1 --nocapture \
+# Each binary is bounded (KVLINK_GPU_TESTS_LIMIT, KVLINK_GPU_CHECK_LIMIT seconds): a check that
+# hangs ends as a failure (exit 124) with the rows printed so far, not a device command that
+# runs out with nothing back.
+KVLINK_REQUIRE_GPU=1 KVLINK_GPU_QUICK=$quick timeout -k 15 "${KVLINK_GPU_TESTS_LIMIT:-360}" \
+  "$bin_dir/gpu_tests" --test-threads=1 --nocapture \
   > "$out/gpu_tests.stdout.log" 2> "$out/gpu_tests.stderr.log"
 trc=$?
-"$bin_dir/gpu_check" --out "$out" "$@" > "$out/gpu_check.stdout.log" 2> "$out/gpu_check.stderr.log"
+timeout -k 15 "${KVLINK_GPU_CHECK_LIMIT:-180}" "$bin_dir/gpu_check" --out "$out" "$@" \
+  > "$out/gpu_check.stdout.log" 2> "$out/gpu_check.stderr.log"
 rc=$?
 cat "$out/env.txt"
 echo "== gpu_tests stderr (last 40 lines; full log: $out/gpu_tests.stderr.log)"

@@ -1,18 +1,20 @@
 //! NCCL failures end by their deadlines: an initialisation with a rank that never joins times
 //! out, and on two GPUs a rank that never issues makes its peer time out, abort, and the late
-//! rank fail instead of hang. An abort from another thread ends an operation already in
-//! flight at once (one GPU: the comm stream held behind a stream that waits on a device word;
-//! two GPUs: a peer that never issues), not at that operation's deadline.
+//! rank fail instead of hang; and an abort from another thread ends an operation already in
+//! flight (a peer that never issues) at once, not at that operation's deadline.
+//!
+//! Not checked on one GPU: holding the comm stream behind a gate (`cuStreamWaitValue32`)
+//! leaves an NCCL kernel queued behind it, which `ncclCommAbort` may free resources under. A
+//! device command that ran the checks with such a test (2026-12-04) reached its 600 s limit
+//! with nothing back, so it was taken out. A peer that never issues is what the abort is
+//! for, and needs two GPUs.
 
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use kvlink::dedup_broadcast::nccl::{nccl_unique_id, NcclCollective, NcclConfig, NcclGroup};
 use kvlink::dedup_broadcast::{Collective, CollectiveError};
-use kvlink::kv_device::cuda::cudarc::driver::sys as cu;
-use kvlink::kv_device::cuda::{CudaDevice, CudaLayerEvent, DeviceBuffer};
-use kvlink::kv_device::{DeviceRegion, SharedEvent};
-use kvlink_rig::report::{de, Report, Status};
+use kvlink_rig::report::{Report, Status};
 
 const SEC: &str = "nccl";
 
@@ -32,11 +34,6 @@ pub fn run_aborts(gpus: u32, report: &mut Report) {
         SEC,
         "init with a rank that never joins: Timeout, no hang",
         init_timeout,
-    );
-    report.check(
-        SEC,
-        "abort from another thread ends the operation in flight (comm stream held)",
-        abort_in_flight_one_gpu,
     );
     if gpus >= 2 {
         report.check(
@@ -166,63 +163,6 @@ fn aborted_in_time<T: std::fmt::Debug>(
             "expected Aborted within {ABORTED_WITHIN:?}, got {other:?} after {:.2} s",
             took.as_secs_f64()
         )),
-    }
-}
-
-/// One rank on one GPU: a device broadcast ordered after an event of a stream that waits for
-/// a device word (`cuStreamWaitValue32`) holds the comm stream, so the next host operation
-/// waits in the comm thread (it drains the broadcast first) until its deadline, unless the
-/// abort from another thread ends it.
-fn abort_in_flight_one_gpu() -> Result<String, String> {
-    let ranks = NcclGroup::new_in_process_with(&[0], short_grace()).map_err(ce)?;
-    let coll = &ranks[0];
-    let dev = CudaDevice::new(0).map_err(de)?;
-    let gate = DeviceBuffer::zeroed(dev.context(), 4, "test gate").map_err(de)?;
-    let data = DeviceBuffer::zeroed(dev.context(), 1 << 16, "test data").map_err(de)?;
-    let held = dev.context().new_stream().map_err(|e| e.to_string())?;
-    dev.bind().map_err(de)?;
-    // SAFETY: `gate` is our live 4-byte device buffer (0); the stream waits until it holds 1,
-    // which the release below writes.
-    unsafe {
-        cu::cuStreamWaitValue32_v2(
-            held.cu_stream(),
-            gate.ptr(),
-            1,
-            cu::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
-        )
-    }
-    .result()
-    .map_err(|e| format!("cuStreamWaitValue32: {e}"))?;
-    let before: SharedEvent = CudaLayerEvent::record_on(&held, 0).map_err(de)?;
-    let region = DeviceRegion {
-        ordinal: 0,
-        addr: data.ptr(),
-        len: data.len(),
-    };
-    // SAFETY: `data` is our device buffer on GPU 0, untouched by other work until the returned
-    // event completes (waited for below, after the release, before `data` drops).
-    let bcast = unsafe { coll.broadcast_device(region, Some(before), 0, soon()) };
-    let (r, took) = abort_during(coll, Duration::from_millis(500), || {
-        coll.all_gather_u64(1, kvlink::kv_loader::deadline_after(IN_FLIGHT_DEADLINE))
-    });
-    // Release the held stream, whatever happened, so nothing of the GPU stays waiting.
-    let release = dev.context().new_stream().map_err(|e| e.to_string())?;
-    // SAFETY: `gate` is our live 4-byte device buffer; one 32-bit word is set.
-    unsafe { cu::cuMemsetD32Async(gate.ptr(), 1, 1, release.cu_stream()) }
-        .result()
-        .map_err(|e| format!("cuMemsetD32Async: {e}"))?;
-    release.synchronize().map_err(|e| e.to_string())?;
-    held.synchronize().map_err(|e| e.to_string())?;
-    if let Ok(ev) = &bcast {
-        if !ev.wait_until(soon()).map_err(de)? {
-            return Err("the held broadcast did not end after the release".into());
-        }
-    }
-    bcast.map_err(ce)?;
-    let verdict = aborted_in_time(r, took)?;
-    match coll.broken() {
-        Some(_) => Ok(verdict),
-        None => Err(format!("{verdict}; but the handle is not broken")),
     }
 }
 
