@@ -1,12 +1,15 @@
 //! kvlink's driver calls on an engine's thread leave the engine's own context current: a
-//! thread with a non-primary context of the GPU current (an engine's) records, polls, waits
-//! on and drops kvlink's events, and allocates and frees its buffers, and still finds its own
-//! context current after each.
+//! thread with a non-primary context of the GPU current (an engine's) opens kvlink's device,
+//! records, polls, waits on and drops kvlink's events, and allocates and frees its buffers,
+//! and still finds its own context current after each. (Dropping the last handle of kvlink's
+//! device, whose streams cudarc destroys with its context made current, is the documented
+//! exception.)
 
 use std::ptr::null_mut;
 
 use kvlink::kv_device::cuda::cudarc::driver::sys as cu;
 use kvlink::kv_device::cuda::{CudaDevice, CudaLayerEvent, DeviceBuffer, PinnedBuffer};
+use kvlink::kv_device::Device;
 use kvlink::kv_loader::StreamWaitable;
 use kvlink_rig::report::{de, Report};
 
@@ -74,6 +77,12 @@ fn engine_context_kept() -> Result<String, String> {
         Ok(())
     };
     kept("creating the engine context")?;
+    let opened = CudaDevice::new(0).map_err(de)?;
+    kept("opening kvlink's device (CudaDevice::new)")?;
+    let mem = opened.alloc(1 << 20, "test").map_err(de)?;
+    kept("allocating through Device::alloc (zeroed on its stream)")?;
+    drop(mem);
+    kept("freeing it")?;
     let ev = CudaLayerEvent::record_on(dev.cuda_load_stream(), 0).map_err(de)?;
     kept("recording an event")?;
     ev.is_complete().map_err(de)?;

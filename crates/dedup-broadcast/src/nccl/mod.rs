@@ -167,31 +167,7 @@ impl NcclGroup {
                 )
             })
             .collect::<Result<_, _>>()?;
-        // Once one rank fails to start, the others are told to give up at once (their
-        // initialisation would wait for it until `init_timeout`, and each drop then for its
-        // comm thread); those that formed abort instead of finalizing with a missing peer.
-        const GIVE_UP: &str = "another rank of the group failed to start";
-        let mut formed: Vec<NcclCollective> = Vec::with_capacity(pending.len());
-        let mut failed: Option<CollectiveError> = None;
-        for p in pending {
-            if failed.is_some() {
-                p.handle.interrupt.ask(GIVE_UP);
-            }
-            match p.ready() {
-                Ok(h) => formed.push(h),
-                Err(e) if failed.is_none() => {
-                    for h in &formed {
-                        h.interrupt.ask(GIVE_UP);
-                    }
-                    failed = Some(e);
-                }
-                Err(_) => {}
-            }
-        }
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(formed),
-        }
+        start_all(pending)
     }
 
     /// The formation of in-process groups on `ordinals`: each epoch two fresh
@@ -214,6 +190,68 @@ impl NcclGroup {
                 .collect())
         })
     }
+}
+
+/// Why the other ranks of an in-process group give up their start.
+const GIVE_UP: &str = "another rank of the group failed to start";
+
+/// Waits for every rank of an in-process group to start, taking the ranks' answers in the
+/// order they come. The first rank that fails (or a start still unanswered at the deadline)
+/// makes the others give up at once: their initialisation would otherwise wait for it until
+/// `init_timeout`, and each drop then for its comm thread. Those that formed abort instead of
+/// finalizing with a missing peer. The error is the first failed rank's own.
+fn start_all(pending: Vec<Pending>) -> Result<Vec<NcclCollective>, CollectiveError> {
+    let until = pending
+        .iter()
+        .map(|p| p.deadline + p.handle.reply_slack())
+        .max()
+        .unwrap_or_else(Instant::now);
+    let mut answers: Vec<Option<Result<(), CollectiveError>>> =
+        pending.iter().map(|_| None).collect();
+    let failed = loop {
+        for (p, a) in pending.iter().zip(answers.iter_mut()) {
+            if a.is_none() {
+                match p.ready.try_recv() {
+                    Ok(r) => *a = Some(r),
+                    Err(mpsc::TryRecvError::Empty) => {}
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        *a = Some(Err(CollectiveError::Backend(format!(
+                            "rank {}: the comm thread ended while starting",
+                            p.handle.rank
+                        ))))
+                    }
+                }
+            }
+        }
+        if let Some(e) = answers.iter().flatten().find_map(|r| r.as_ref().err()) {
+            break Some(e.clone());
+        }
+        if answers.iter().all(Option::is_some) {
+            break None;
+        }
+        if Instant::now() >= until {
+            break Some(CollectiveError::Timeout {
+                op: "init",
+                seq: 0,
+                missing: Vec::new(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let Some(e) = failed else {
+        return Ok(pending.into_iter().map(|p| p.handle).collect());
+    };
+    for p in &pending {
+        p.handle.interrupt.ask(GIVE_UP);
+    }
+    // The ranks still starting give up now (bounded as before); their handles then drop and
+    // their comm threads end (an asked-for abort replaces the finalize).
+    for (p, a) in pending.into_iter().zip(answers) {
+        if a.is_none() {
+            let _ = p.ready();
+        }
+    }
+    Err(e)
 }
 
 /// A comm thread being started.

@@ -12,16 +12,18 @@ use cudarc::driver::{result, sys, CudaContext, DriverError};
 
 /// `ctx` is current on this thread while the guard lives. A thread with no current context
 /// (kvlink's own threads) keeps ours after the guard; a thread that had another one has that
-/// one current again when the guard drops.
-pub(crate) struct Current {
+/// one current again when the guard drops. The guard borrows the context, so the context
+/// outlives it, and is not `Send`: it pops on the thread that pushed.
+pub(crate) struct Current<'c> {
     pushed: bool,
+    _context: PhantomData<&'c CudaContext>,
     /// Popped on the thread that pushed (a context stack is per thread).
     _not_send: PhantomData<*const ()>,
 }
 
-impl Current {
+impl<'c> Current<'c> {
     /// Makes `ctx` current for the guard's life.
-    pub(crate) fn make(ctx: &CudaContext) -> Result<Self, DriverError> {
+    pub(crate) fn make(ctx: &'c CudaContext) -> Result<Self, DriverError> {
         let pushed = match result::ctx::get_current()? {
             Some(c) if c == ctx.cu_ctx() => false,
             None => {
@@ -30,20 +32,21 @@ impl Current {
             }
             Some(_) => {
                 // SAFETY: `ctx.cu_ctx()` is a live context (the `CudaContext` holds it
-                // retained for as long as the caller borrows it); it is popped once, on this
-                // thread, when the guard drops.
+                // retained, and the guard's borrow keeps that alive until it pops); it is
+                // popped once, on this thread, when the guard drops.
                 unsafe { sys::cuCtxPushCurrent_v2(ctx.cu_ctx()) }.result()?;
                 true
             }
         };
         Ok(Current {
             pushed,
+            _context: PhantomData,
             _not_send: PhantomData,
         })
     }
 }
 
-impl Drop for Current {
+impl Drop for Current<'_> {
     fn drop(&mut self) {
         if !self.pushed {
             return;
@@ -55,6 +58,43 @@ impl Drop for Current {
             tracing::warn!(
                 error = %super::error::driver_error_text(e),
                 "cuCtxPopCurrent failed: the thread's own context may not be current"
+            );
+        }
+    }
+}
+
+/// The context current on this thread when made, current again when dropped: around cudarc
+/// calls that make their own context current for good (`CudaContext::new`, a new stream), so
+/// an engine thread that opens kvlink's device keeps its own context.
+pub(crate) struct ThreadContext {
+    saved: Option<sys::CUcontext>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl ThreadContext {
+    /// Remembers this thread's current context (none: nothing to give back).
+    pub(crate) fn save() -> Result<Self, DriverError> {
+        Ok(ThreadContext {
+            saved: result::ctx::get_current()?,
+            _not_send: PhantomData,
+        })
+    }
+}
+
+impl Drop for ThreadContext {
+    fn drop(&mut self) {
+        let Some(saved) = self.saved else {
+            return;
+        };
+        if result::ctx::get_current().ok().flatten() == Some(saved) {
+            return;
+        }
+        // SAFETY: `saved` was this thread's current context when the guard was made, and
+        // whoever made it current keeps it alive while it is (the engine's own context).
+        if let Err(e) = unsafe { result::ctx::set_current(saved) } {
+            tracing::warn!(
+                error = %super::error::driver_error_text(e),
+                "cuCtxSetCurrent failed: the thread's own context is not current again"
             );
         }
     }

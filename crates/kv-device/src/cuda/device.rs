@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
-use super::current::Current;
+use super::current::{Current, ThreadContext};
 use super::error::{driver_error_text, drv};
 use super::kernels::{KernelCache, KernelSource, Kernels};
 use super::memory::{DeviceBuffer, PinnedBuffer};
@@ -75,6 +75,8 @@ impl CudaDevice {
                 "CUDA device {ordinal} does not exist ({count} visible)"
             )));
         }
+        // cudarc makes the new context current for good: the thread's own comes back after.
+        let _thread = ThreadContext::save().map_err(drv("cuCtxGetCurrent"))?;
         let ctx = CudaContext::new(ordinal as usize).map_err(drv("cuDevicePrimaryCtxRetain"))?;
         let kernels = Arc::new(KernelCache::new(ctx.clone()));
         let stream = ctx

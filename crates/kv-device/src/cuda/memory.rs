@@ -84,9 +84,10 @@ impl DeviceBuffer {
         limit: Duration,
     ) -> Result<Self, DeviceError> {
         let b = Self::alloc(stream.context(), len, what)?;
+        let _current = Current::make(stream.context()).map_err(drv("cuCtxPushCurrent"))?;
         // SAFETY: `b.ptr` is our allocation of at least `len` bytes and nothing else uses it
-        // yet; the context is current (`alloc` bound it). The memset is waited for below, and
-        // `b` is leaked instead of freed when the wait does not end.
+        // yet; the stream's context is current (the guard above). The memset is waited for
+        // below, and `b` is leaked instead of freed when the wait does not end.
         unsafe { result::memset_d8_async(b.ptr, 0, len, stream.cu_stream()) }
             .map_err(drv("cuMemsetD8Async"))?;
         let done = CudaLayerEvent::record_on(stream, u32::MAX)

@@ -29,7 +29,7 @@ impl CuStream {
 
     /// The stream's context current for the caller's driver calls (the thread's own back
     /// after).
-    fn bind(&self) -> Result<Current, DeviceError> {
+    fn bind(&self) -> Result<Current<'_>, DeviceError> {
         Current::make(self.stream.context()).map_err(drv("cuCtxPushCurrent"))
     }
 }

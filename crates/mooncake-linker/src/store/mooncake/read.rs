@@ -202,6 +202,9 @@ pub(super) struct ReadPath<'s, W: ?Sized> {
     /// A failed transfer of a call that took this long may still run (the client gave up on
     /// it): [`CLIENT_GIVES_UP_AFTER`] for the wheel.
     pub(super) gives_up_after: Duration,
+    /// Tests only: every copy-out panics (a fault outside the wheel's call).
+    #[cfg(test)]
+    pub(super) copy_out_panics: bool,
 }
 
 impl MooncakeStore {
@@ -214,6 +217,8 @@ impl MooncakeStore {
             streams: self.config.read_streams_count(),
             stage: self.config.staged_merge_enabled(),
             gives_up_after: CLIENT_GIVES_UP_AFTER,
+            #[cfg(test)]
+            copy_out_panics: false,
         }
     }
 
@@ -494,6 +499,12 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
     /// The copies out of a returned call's scratch, for every key it read whole; the results,
     /// with the checksums of the staged ranges when the call asks for them.
     fn copy_out(&self, call: ReadCall<'_>) -> Vec<KeyRead> {
+        #[cfg(test)]
+        if self.copy_out_panics {
+            // Leaks the call's scratch with it (`ManuallyDrop` is not reached): a test fault.
+            std::mem::forget(call);
+            panic!("test: a copy-out panics");
+        }
         let ReadCall {
             results,
             scratch,
@@ -745,6 +756,7 @@ mod tests {
             streams: 1,
             stage: true,
             gives_up_after,
+            copy_out_panics: false,
         };
         let mut out: Vec<KeyResult> = gets.iter().map(|g| failed_placeholder(g.key)).collect();
         let readable: Vec<usize> = (0..gets.len()).collect();
@@ -837,5 +849,61 @@ mod tests {
             out[3]
         );
         assert!(gate.quiet(Duration::ZERO).is_some());
+    }
+
+    /// A part that panics outside the wheel's call (here its copy-out, run on the part's own
+    /// thread since the call staged nothing) fails its keys as `Panicked`, except a key its
+    /// call left abandoned: that one stays `Abandoned`, so its memory is kept.
+    #[test]
+    fn a_key_abandoned_before_a_part_panics_stays_abandoned() {
+        let wheel = FakeWheel::default();
+        wheel
+            .script
+            .lock()
+            .push_back(Scripted::Keys(vec![true, false, true]));
+        let gate = TransferGate::default();
+        let scratch = Mutex::new(Vec::new());
+        // One range per key straight into the pool: nothing staged, the copy-out runs inline.
+        let mut pool = vec![0u8; 3 * 4096];
+        let base = pool.as_mut_ptr();
+        let gets: Vec<RangedGet<'_>> = ["a", "b", "c"]
+            .iter()
+            .enumerate()
+            .map(|(k, key)| RangedGet {
+                key,
+                ranges: smallvec::smallvec![ReadRange {
+                    dst: base.wrapping_add(k * 4096),
+                    len: 4096,
+                    offset: 0,
+                }],
+            })
+            .collect();
+        let path = ReadPath {
+            wheel: &wheel,
+            transfers: &gate,
+            scratch: &scratch,
+            streams: 1,
+            stage: true,
+            gives_up_after: Duration::ZERO,
+            copy_out_panics: true,
+        };
+        let mut out: Vec<KeyResult> = gets.iter().map(|g| failed_placeholder(g.key)).collect();
+        path.read_streamed(&gets, &[0, 1, 2], &mut out, &mut []);
+        assert!(
+            out[1].as_ref().is_err_and(StoreError::may_still_transfer),
+            "{:?}",
+            out[1]
+        );
+        for k in [0, 2] {
+            assert!(
+                matches!(out[k], Err(StoreError::Panicked { .. })),
+                "{:?}",
+                out[k]
+            );
+        }
+        assert!(
+            gate.quiet(Duration::ZERO).is_none(),
+            "the gate lets the memory go"
+        );
     }
 }
