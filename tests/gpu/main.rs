@@ -37,6 +37,7 @@ mod landing_misuse;
 mod linker;
 mod nccl;
 mod nccl_aborts;
+mod nccl_gated;
 mod nccl_share_step;
 mod staged_landing;
 mod tp_dedup;
@@ -129,6 +130,17 @@ fn nccl_one_rank_and_two_gpus() {
 #[test]
 fn nccl_timeouts_abort() {
     run("nccl aborts", nccl_aborts::run_aborts);
+}
+
+/// A diagnostic of an abort with the comm stream held (see `nccl_gated`): prints its steps,
+/// checks nothing; `gpu_tests nccl_abort_with_the_comm_stream_gated --ignored --nocapture`.
+#[test]
+#[ignore = "a diagnostic that may leave the GPU context in a bad state: run it by name"]
+fn nccl_abort_with_the_comm_stream_gated() {
+    let _one = GPU.lock().unwrap_or_else(|p| p.into_inner());
+    if gpus().is_ok() {
+        nccl_gated::run();
+    }
 }
 
 #[test]
