@@ -16,8 +16,15 @@
 //! - [`sys`]: the C types, function-pointer types and error-code constants, unchecked;
 //! - [`result`]: one checked function per C entry point (`Result<_, MooncakeError>`, per-key
 //!   results for batches);
-//! - [`Library`] and [`Client`]: the loaded library (ABI checked at load) and a safe client
-//!   handle (`Send + Sync`, destroyed on drop).
+//! - [`Library`] and [`Client`]: the loaded library (the shim's ABI report checked at load)
+//!   and a safe client handle (`Send + Sync`, destroyed on drop).
+//!
+//! What the load check covers: the shim reports the ABI it was compiled against (its own
+//! structs and the wheel version named when it was built), and a shim of another ABI is
+//! refused. It does not inspect the wheel's `store.so` that the shim resolves at run time:
+//! keep the shim and the wheel it was built against together (the build script and the GPU
+//! bundle do). Loading a library runs its initialisers, as any `dlopen` does: point
+//! `MOONCAKE_STORE_LIBRARY` only at a library you trust.
 //!
 //! | variable | meaning |
 //! |---|---|

@@ -385,9 +385,16 @@ impl Worker {
             let mut state = sys::ncclResult_t::ncclSuccess;
             // SAFETY: live communicator, valid out-pointer.
             let r = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
-            if r == sys::ncclResult_t::ncclSuccess
-                && state != sys::ncclResult_t::ncclSuccess
-                && state != sys::ncclResult_t::ncclInProgress
+            if r != sys::ncclResult_t::ncclSuccess {
+                // The query itself failed: the communicator cannot be watched, so the wait
+                // fails now rather than at its deadline.
+                return Err(Fail::Error(nccl_error(
+                    "ncclCommGetAsyncError",
+                    r,
+                    self.comm,
+                )));
+            }
+            if state != sys::ncclResult_t::ncclSuccess && state != sys::ncclResult_t::ncclInProgress
             {
                 return Err(Fail::Error(nccl_error(
                     "asynchronous NCCL error",
