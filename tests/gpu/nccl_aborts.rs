@@ -82,17 +82,7 @@ fn two_ranks_timeout() -> Result<String, String> {
         ..NcclConfig::default()
     };
     let ranks = NcclGroup::new_in_process_with(&[0, 1], cfg).map_err(ce)?;
-    // Both ranks once (so connections exist), then rank 0 alone.
-    let barrier = Barrier::new(2);
-    std::thread::scope(|s| {
-        for coll in &ranks {
-            let b = &barrier;
-            s.spawn(move || {
-                let _ = coll.all_gather_u64(1, soon());
-                b.wait();
-            });
-        }
-    });
+    both_once(&ranks);
     let t0 = Instant::now();
     let r = ranks[0].all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
     let took = t0.elapsed();
@@ -170,17 +160,7 @@ fn aborted_in_time<T: std::fmt::Debug>(
 /// unless the abort from another thread ends it.
 fn two_ranks_abort_in_flight() -> Result<String, String> {
     let ranks = NcclGroup::new_in_process_with(&[0, 1], short_grace()).map_err(ce)?;
-    // Both ranks once (so connections exist), then rank 0 alone.
-    let barrier = Barrier::new(2);
-    std::thread::scope(|s| {
-        for coll in &ranks {
-            let b = &barrier;
-            s.spawn(move || {
-                let _ = coll.all_gather_u64(1, soon());
-                b.wait();
-            });
-        }
-    });
+    both_once(&ranks);
     let (r, took) = abort_during(&ranks[0], Duration::from_millis(500), || {
         ranks[0].all_gather_u64(2, kvlink::kv_loader::deadline_after(IN_FLIGHT_DEADLINE))
     });
@@ -192,4 +172,19 @@ fn two_ranks_abort_in_flight() -> Result<String, String> {
         return Err("rank 1 completed against an aborted peer".into());
     }
     Ok(format!("{verdict}; rank 1 late: failed"))
+}
+
+/// Both ranks issue one exchange together (so their connections exist), before the checks
+/// let rank 0 go on alone.
+fn both_once(ranks: &[NcclCollective]) {
+    let barrier = Barrier::new(2);
+    std::thread::scope(|s| {
+        for coll in ranks {
+            let b = &barrier;
+            s.spawn(move || {
+                let _ = coll.all_gather_u64(1, soon());
+                b.wait();
+            });
+        }
+    });
 }

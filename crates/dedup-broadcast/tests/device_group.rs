@@ -318,18 +318,7 @@ fn a_rank_waits_for_a_slow_build_only_until_its_deadline() {
 /// landings: host rows (host pools) and device stages (CPU device pools).
 #[test]
 fn share_entry_points_move_a_layer_and_count_it() {
-    let spec = ModelKvSpec::new(
-        "share-test",
-        1,
-        2,
-        vec![ComponentSpec::new(
-            "k",
-            RowUnit::Token,
-            ElementType::Bytes,
-            20,
-        )],
-    )
-    .unwrap();
+    let spec = one_layer_spec("share-test");
     let pages = 7usize;
     let row = 40usize;
     let byte = |p: usize, i: usize| (p * 17 + i) as u8;
@@ -471,18 +460,7 @@ fn share_entry_points_move_a_layer_and_count_it() {
 /// poisoned for good, one lease per such failure, until the staging ran out).
 #[test]
 fn a_share_on_a_group_broken_before_it_leaves_the_stage_reusable() {
-    let spec = ModelKvSpec::new(
-        "broken-share",
-        1,
-        2,
-        vec![ComponentSpec::new(
-            "k",
-            RowUnit::Token,
-            ElementType::Bytes,
-            20,
-        )],
-    )
-    .unwrap();
+    let spec = one_layer_spec("broken-share");
     let pages = 4usize;
     let dev: Arc<dyn Device> = jittery(0);
     let ranks = InProcessGroup::on_devices(vec![dev.clone(), dev.clone()]).unwrap();
@@ -516,4 +494,20 @@ fn a_share_on_a_group_broken_before_it_leaves_the_stage_reusable() {
         staging.lease().is_ok(),
         "the stage of a share that issued nothing was quarantined"
     );
+}
+
+/// One layer, pages of 2 tokens, one replicated component `k` of 20 bytes a token.
+fn one_layer_spec(name: &str) -> ModelKvSpec {
+    ModelKvSpec::new(
+        name,
+        1,
+        2,
+        vec![ComponentSpec::new(
+            "k",
+            RowUnit::Token,
+            ElementType::Bytes,
+            20,
+        )],
+    )
+    .unwrap()
 }
