@@ -1321,3 +1321,54 @@ fn a_stale_companion_read_by_the_batch_is_checked_again_not_taken_as_bad() {
     );
     linker.close().unwrap();
 }
+
+/// A leftover companion that cannot be discarded fails the save, and its object is not
+/// written: written beside checksums of other bytes, every later load of it would fail and
+/// discard it. The next save, with the store healthy again, writes the pair.
+#[test]
+fn a_leftover_companion_that_cannot_be_discarded_fails_the_save_and_writes_no_object() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
+    let store: Arc<dyn KvStore> = faulty.clone();
+    let tokens = prompt(25, 2, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+    fill_pool(&pool, &pages, &[0, 1]);
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
+    let keys = linker.object_keys(&plan).unwrap();
+    let leftover = ObjectChecksums {
+        layer_bytes: g.components()[0].page_layer_bytes,
+        sums: vec![7; g.components()[0].layers.len()],
+    };
+    let companion = checksum_key(&keys[0][0]);
+    put(store.as_ref(), &companion, &leftover.encode());
+    faulty.inject_on(
+        FaultCall::Discard,
+        FaultRule {
+            key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::Unavailable {
+            detail: "injected: discard refused".into(),
+        }),
+    );
+    let err = linker.save(&plan).unwrap_err();
+    assert!(matches!(err, KvLoadError::Store { .. }), "{err}");
+    assert_eq!(
+        store.exists(&[&keys[0][0]]),
+        vec![Ok(false)],
+        "no object beside the leftover"
+    );
+    // The fault is spent: the next save discards the leftover and writes the pair.
+    linker.save(&plan).unwrap();
+    let object = get(store.as_ref(), &keys[0][0]).unwrap();
+    let fresh = ObjectChecksums::decode(&get(store.as_ref(), &companion).unwrap()).unwrap();
+    assert_eq!(
+        Ok(fresh),
+        ObjectChecksums::of_object(&object, g.components()[0].page_layer_bytes)
+    );
+}

@@ -71,7 +71,7 @@ impl ChecksumCache {
         }
         // Pairs of keys removed or inserted again since stay in `order`: trim them when it
         // grows past twice the capacity, so it stays bounded too.
-        if e.order.len() > 2 * self.capacity {
+        if e.order.len() > self.capacity.saturating_mul(2) {
             let Entries { by_key, order, .. } = &mut *e;
             order.retain(|(k, g)| by_key.get(k).is_some_and(|(_, now)| now == g));
         }
@@ -159,5 +159,13 @@ mod tests {
         let c = ChecksumCache::new(0);
         c.insert("a", sums(1));
         assert!(c.get("a").is_none());
+    }
+
+    #[test]
+    fn a_capacity_meant_as_unbounded_takes_entries_without_overflow() {
+        let c = ChecksumCache::new(usize::MAX);
+        c.insert("a", sums(1));
+        c.insert("b", sums(2));
+        assert_eq!(c.len(), 2);
     }
 }

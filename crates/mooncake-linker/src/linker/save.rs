@@ -73,7 +73,6 @@ impl Inner {
             }
         }
         report.settle_pages(plan.logical.num_pages());
-        self.metrics.written(report.bytes_written);
         debug!(?report, "saved");
         Ok(report)
     }
@@ -95,7 +94,10 @@ impl Inner {
 
     /// The plan pages whose object of `comp` the store lacks (counting the others present).
     /// A lacking object's leftover companion (its object was evicted or discarded alone) is
-    /// discarded first, so the new object gets a companion of its own bytes.
+    /// discarded first, so the new object gets a companion of its own bytes. A companion
+    /// whose presence cannot be told, or a leftover that cannot be discarded, fails the save:
+    /// the new object would be written beside checksums of other bytes (puts are first write
+    /// wins), and every later load of it would fail and discard it.
     fn missing_objects(
         &self,
         plan: &BatchPlan,
@@ -112,7 +114,7 @@ impl Inner {
         let present = self.calls.exists(&keys, self.store_deadline());
         let (objects, sums) = present.split_at(comp.keys.len());
         let mut todo = Vec::new();
-        let mut stale: Vec<&str> = Vec::new();
+        let mut stale: Vec<(usize, &String)> = Vec::new();
         for (i, p) in objects.iter().enumerate() {
             match p {
                 Ok(true) => report.objects_present += 1,
@@ -120,18 +122,24 @@ impl Inner {
                     // Evicted: checksums kept from an earlier load of it say nothing now.
                     self.checksums.remove(&comp.keys[i]);
                     todo.push(i);
-                    if matches!(sums[i], Ok(true)) {
-                        stale.push(&companions[i]);
+                    match &sums[i] {
+                        Ok(true) => stale.push((i, &companions[i])),
+                        Ok(false) => {}
+                        Err(e) => {
+                            return Err(store_failure(plan.logical.batch, None, vec![i as u32], e))
+                        }
                     }
                 }
                 Err(e) => return Err(store_failure(plan.logical.batch, None, vec![i as u32], e)),
             }
         }
         if !stale.is_empty() {
-            let gone = self.calls.discard(&stale, self.store_deadline());
-            for (k, r) in stale.iter().zip(gone) {
+            let keys: Vec<&str> = stale.iter().map(|&(_, k)| k.as_str()).collect();
+            let gone = self.calls.discard(&keys, self.store_deadline());
+            for (&(i, key), r) in stale.iter().zip(gone) {
                 if let Err(e) = r {
-                    warn!(key = k, error = %e, "a leftover checksum companion stays");
+                    warn!(key, error = %e, "a leftover checksum companion stays: the save fails");
+                    return Err(store_failure(plan.logical.batch, None, vec![i as u32], &e));
                 }
             }
         }
@@ -247,11 +255,19 @@ impl Inner {
         }));
         let results = self.calls.put(&all, hold, self.store_deadline());
         let (objects, companion_results) = results.split_at(puts.len());
-        for (put, (r, &page)) in puts.iter().zip(objects.iter().zip(chunk)) {
+        self.unpair_foreign_companions(comp, chunk, objects, companion_results);
+        for (i, (put, (r, &page))) in puts.iter().zip(objects.iter().zip(chunk)).enumerate() {
+            let foreign = matches!(
+                companion_results.get(i),
+                Some(Ok(PutOutcome::AlreadyPresent))
+            );
             match r {
+                Ok(PutOutcome::Written) if foreign => {}
                 Ok(PutOutcome::Written) => {
                     report.objects_written += 1;
                     report.bytes_written += put.len();
+                    // Counted as written, also when a later chunk fails the save.
+                    self.metrics.written(put.len());
                     report.pages_written.push(page as u32);
                 }
                 Ok(PutOutcome::AlreadyPresent) => report.objects_present += 1,
@@ -272,5 +288,43 @@ impl Inner {
             }
         }
         Ok(())
+    }
+
+    /// An object this save wrote whose companion was already there (written since the save
+    /// looked, of other bytes) is not a pair: the object is discarded (best effort, logged),
+    /// so no load checks it against checksums of other bytes, and is not counted written.
+    fn unpair_foreign_companions(
+        &self,
+        comp: &ComponentKeys,
+        chunk: &[usize],
+        objects: &[Result<PutOutcome, crate::store::StoreError>],
+        companions: &[Result<PutOutcome, crate::store::StoreError>],
+    ) {
+        let foreign: Vec<&str> = chunk
+            .iter()
+            .zip(objects.iter().zip(companions))
+            .filter(|(_, pair)| {
+                matches!(
+                    pair,
+                    (Ok(PutOutcome::Written), Ok(PutOutcome::AlreadyPresent))
+                )
+            })
+            .map(|(&page, _)| comp.keys[page].as_str())
+            .collect();
+        if foreign.is_empty() {
+            return;
+        }
+        warn!(
+            objects = foreign.len(),
+            "objects written beside a companion already there: discarded"
+        );
+        for (key, r) in foreign
+            .iter()
+            .zip(self.calls.discard(&foreign, self.store_deadline()))
+        {
+            if let Err(e) = r {
+                warn!(key, error = %e, "an object beside a foreign companion stays");
+            }
+        }
     }
 }
