@@ -12,7 +12,7 @@ use kv_device::Device;
 use kv_loader::{BatchId, KvLoadError};
 use parking_lot::Mutex;
 
-use super::handle_use::{Channel, HandleInUse, HandleUses};
+use super::handle_use::{Channel, HandleInUse, HandleUses, Replaced};
 
 /// One rank's handles on its TP group: `data` carries the per-layer exchanges of the load
 /// thread, `control` the lookups of the engine's thread. Two handles, because the two
@@ -160,9 +160,25 @@ impl GroupLink {
         channel: Channel,
         deadline: Instant,
     ) -> Result<(GroupHandles, HandleInUse), GroupDown> {
-        let handles = self.handles(deadline)?;
-        let in_use = self.uses.begin(&handles, channel);
-        Ok((handles, in_use))
+        loop {
+            let handles = self.handles(deadline)?;
+            match self.uses.begin(&handles, channel) {
+                Ok(in_use) => return Ok((handles, in_use)),
+                // Replaced since `handles` read them (a re-formation on the other thread):
+                // take them again, which waits for that re-formation.
+                Err(Replaced) if Instant::now() < deadline => continue,
+                Err(Replaced) => {
+                    return Err(GroupDown {
+                        missing: Vec::new(),
+                        detail: format!(
+                            "the group's handles of epoch {} were replaced and no new ones \
+                             came by the deadline",
+                            handles.epoch
+                        ),
+                    })
+                }
+            }
+        }
     }
 
     /// The handles to use now: re-formed first when either is broken. A re-formation that

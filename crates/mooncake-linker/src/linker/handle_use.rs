@@ -9,7 +9,7 @@
 //! the other thread is using is therefore *retired* instead: it stays as it is, and is
 //! aborted when its last use ends (peers still waiting on it then fail at once, as before).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use dedup_broadcast::{Collective, GroupHandles};
@@ -43,20 +43,36 @@ pub(crate) struct HandleUses {
 struct UseState {
     users: HashMap<(Channel, u64), usize>,
     retired: Vec<(Channel, u64, Arc<dyn Collective>)>,
+    /// Handles a re-formation has replaced (aborted, or retired): no new use may begin on
+    /// them. Without this, a use begun between the replacement's decision and its abort (the
+    /// abort runs outside the lock) would be aborted under its user.
+    replaced: HashSet<(Channel, u64)>,
 }
+
+/// The handle asked for was replaced by a re-formation: take the group's handles again.
+#[derive(Debug)]
+pub(crate) struct Replaced;
 
 impl HandleUses {
     /// Marks `channel`'s handle of `handles` as used until the returned mark is dropped; a
-    /// handle already broken is not marked (nothing would wait to abort it).
-    pub(crate) fn begin(self: &Arc<Self>, handles: &GroupHandles, channel: Channel) -> HandleInUse {
+    /// handle already broken is not marked (nothing would wait to abort it). A handle a
+    /// re-formation has replaced is refused ([`Replaced`]): the caller takes the new one.
+    pub(crate) fn begin(
+        self: &Arc<Self>,
+        handles: &GroupHandles,
+        channel: Channel,
+    ) -> Result<HandleInUse, Replaced> {
         let mut s = self.state.lock();
+        if s.replaced.contains(&(channel, handles.epoch)) {
+            return Err(Replaced);
+        }
         if channel.of(handles).broken().is_some() {
-            return HandleInUse { uses: None };
+            return Ok(HandleInUse { uses: None });
         }
         *s.users.entry((channel, handles.epoch)).or_default() += 1;
-        HandleInUse {
+        Ok(HandleInUse {
             uses: Some((self.clone(), channel, handles.epoch)),
-        }
+        })
     }
 
     /// Aborts the handles of `old` (a formation being replaced) with `cause`, except a handle
@@ -66,6 +82,7 @@ impl HandleUses {
             let handle = channel.of(old);
             let busy = {
                 let mut s = self.state.lock();
+                s.replaced.insert((channel, old.epoch));
                 let busy = handle.broken().is_none()
                     && s.users.get(&(channel, old.epoch)).is_some_and(|n| *n > 0);
                 if busy {
@@ -162,7 +179,7 @@ mod tests {
     fn a_handle_in_use_is_aborted_when_its_use_ends() {
         let uses = Arc::new(HandleUses::default());
         let old = formation(0);
-        let batch = uses.begin(&old[1], Channel::Data);
+        let batch = uses.begin(&old[1], Channel::Data).unwrap();
         uses.replace(&old[1], "re-forming");
         assert!(
             old[1].control.broken().is_some(),
@@ -183,7 +200,7 @@ mod tests {
     fn a_re_formation_on_one_thread_leaves_the_last_exchange_of_a_batch_whole() {
         let uses = Arc::new(HandleUses::default());
         let old = formation(0);
-        let batch = uses.begin(&old[1], Channel::Data);
+        let batch = uses.begin(&old[1], Channel::Data).unwrap();
         let results: Vec<_> = std::thread::scope(|s| {
             let gathers: Vec<_> = [0usize, 1]
                 .into_iter()
@@ -206,5 +223,20 @@ mod tests {
         }
         drop(batch);
         assert!(old[1].data.broken().is_some());
+    }
+
+    /// A use asked for once a re-formation has decided on a handle (its abort may still be on
+    /// its way, outside the lock) is refused: begun in that gap, it would be aborted under its
+    /// user. The caller takes the new handles instead.
+    #[test]
+    fn no_use_begins_on_a_handle_a_re_formation_replaced() {
+        let uses = Arc::new(HandleUses::default());
+        let old = formation(4);
+        uses.replace(&old[1], "re-forming");
+        assert!(uses.begin(&old[1], Channel::Control).is_err());
+        assert!(uses.begin(&old[1], Channel::Data).is_err());
+        // Another epoch's handles are not affected.
+        let fresh = formation(5);
+        assert!(uses.begin(&fresh[1], Channel::Control).is_ok());
     }
 }
