@@ -42,17 +42,20 @@ pub struct TransferBytes {
 impl TransferBytes {
     /// Bytes over PCIe: host→device plus device→host.
     pub fn pcie(&self) -> u64 {
-        self.host_to_device + self.device_to_host
+        self.host_to_device.saturating_add(self.device_to_host)
     }
 }
 
 impl AddAssign for TransferBytes {
     fn add_assign(&mut self, o: TransferBytes) {
-        self.host_to_device += o.host_to_device;
-        self.device_to_host += o.device_to_host;
-        self.device_to_device += o.device_to_device;
-        self.collective_received += o.collective_received;
-        self.collective_sent += o.collective_sent;
+        // Counters of bytes: they saturate rather than panic on fields set by hand.
+        self.host_to_device = self.host_to_device.saturating_add(o.host_to_device);
+        self.device_to_host = self.device_to_host.saturating_add(o.device_to_host);
+        self.device_to_device = self.device_to_device.saturating_add(o.device_to_device);
+        self.collective_received = self
+            .collective_received
+            .saturating_add(o.collective_received);
+        self.collective_sent = self.collective_sent.saturating_add(o.collective_sent);
     }
 }
 
@@ -67,5 +70,23 @@ impl Add for TransferBytes {
 impl std::iter::Sum for TransferBytes {
     fn sum<I: Iterator<Item = TransferBytes>>(iter: I) -> TransferBytes {
         iter.fold(TransferBytes::default(), Add::add)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counters_saturate_instead_of_panicking() {
+        let full = TransferBytes {
+            host_to_device: u64::MAX,
+            device_to_host: 1,
+            ..TransferBytes::default()
+        };
+        assert_eq!(full.pcie(), u64::MAX);
+        let more = full + full;
+        assert_eq!((more.host_to_device, more.device_to_host), (u64::MAX, 2));
+        assert_eq!([full, full].into_iter().sum::<TransferBytes>(), more);
     }
 }

@@ -101,8 +101,14 @@ impl PagedLatentCache {
         }
     }
 
-    /// The same cache, its reads gated on `gate`'s load.
+    /// The same cache, its reads gated on `gate`'s load. A load already attached is finished
+    /// first (its outcome taken, as [`finish_load`](Self::finish_load) waits for it), so no
+    /// load is left writing the slots unwatched; when it cannot be settled the loaded tokens
+    /// stay fenced ([`CandleKvError::Unsettled`]).
     pub fn with_load(mut self, gate: LayerGate) -> Self {
+        if let Err(CandleKvError::Unsettled { source }) = self.gate.finish() {
+            self.unsettled = Some(source);
+        }
         self.gate = gate;
         self
     }
@@ -160,7 +166,7 @@ impl PagedLatentCache {
     /// Writes layer `layer`'s rows `[n, width]` of tokens `start..start + n`. Rows inside
     /// the loaded prefix wait for the layer's load first (they would race it otherwise).
     pub fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), CandleKvError> {
-        if start < self.loaded_tokens {
+        if self.touches_loaded(start) {
             self.fence(true)?;
             self.gate.wait(layer)?;
         }
@@ -182,6 +188,14 @@ impl PagedLatentCache {
             Ok(_) => {}
         }
         out
+    }
+
+    /// Whether a write from token `start` on reaches a page the load writes: loads land whole
+    /// pages, so the page holding the last loaded token is the load's whole, its tokens past
+    /// `loaded_tokens` too (a write there rewrites the page beside the load).
+    fn touches_loaded(&self, start: usize) -> bool {
+        let ps = self.pool.page_size().max(1);
+        start / ps < self.loaded_tokens.div_ceil(ps)
     }
 
     /// Refuses an access that reaches the loaded tokens of a load that did not settle.

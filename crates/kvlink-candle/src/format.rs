@@ -26,8 +26,8 @@ pub struct LatentFormat {
 }
 
 impl LatentFormat {
-    /// A format; refuses empty rows and dtypes the adapter does not move (anything but
-    /// f32, bf16, f16).
+    /// A format; refuses empty rows, rows larger than a pool row can be (`u32` bytes), and
+    /// dtypes the adapter does not move (anything but f32, bf16, f16).
     pub fn new(kv_lora_rank: usize, rope_dim: usize, dtype: DType) -> Result<Self, CandleKvError> {
         if kv_lora_rank == 0 {
             return Err(CandleKvError::Format(
@@ -37,6 +37,17 @@ impl LatentFormat {
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
             return Err(CandleKvError::Format(format!(
                 "dtype {dtype:?} is not supported (f32, bf16, f16)"
+            )));
+        }
+        // `width` and `row_bytes` are plain arithmetic: refuse sizes they cannot hold.
+        let fits = kv_lora_rank
+            .checked_add(rope_dim)
+            .and_then(|w| w.checked_mul(dtype.size_in_bytes()))
+            .is_some_and(|b| u32::try_from(b).is_ok());
+        if !fits {
+            return Err(CandleKvError::Format(format!(
+                "a row of {kv_lora_rank} + {rope_dim} elements of {dtype:?} is larger than a \
+                 pool row can be"
             )));
         }
         Ok(LatentFormat {
@@ -138,4 +149,18 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>, CandleKvError> {
             )))
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_whose_row_cannot_be_counted_are_refused() {
+        assert!(LatentFormat::new(usize::MAX, 1, DType::F32).is_err());
+        assert!(LatentFormat::new(usize::MAX / 2, 0, DType::F32).is_err());
+        assert!(LatentFormat::new(1 << 31, 0, DType::BF16).is_err());
+        let glm = LatentFormat::new(512, 64, DType::BF16).unwrap();
+        assert_eq!((glm.width(), glm.row_bytes()), (576, 1152));
+    }
 }

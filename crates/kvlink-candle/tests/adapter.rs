@@ -478,3 +478,48 @@ fn latents_read_and_write_a_device_pool_through_the_pool_trait() {
         Err(kv_device::DeviceError::OutOfPool { .. })
     ));
 }
+
+/// Loads land whole pages: a write after the last loaded token but inside its page rewrites
+/// that page beside the load, so it waits for the layer too (it raced the load before).
+#[test]
+fn a_write_into_the_last_loaded_page_waits_for_the_load() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let ticket = mock.start_load(plan(11)).unwrap();
+    let loaded = PAGE as usize + 2; // the load lands pages 0 and 1 whole
+                                    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1, 2], loaded) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    cache.write(1, loaded, &rows(1, 0.0)).unwrap();
+    assert_eq!(
+        waits(&mock),
+        vec![1],
+        "the write into page 1 waited for layer 1"
+    );
+    cache.write(1, 2 * PAGE as usize, &rows(1, 0.0)).unwrap();
+    assert_eq!(waits(&mock), vec![1], "page 2 is not the load's");
+    cache.finish_load().unwrap();
+}
+
+/// Attaching a second load finishes the first (its outcome taken) instead of leaving it
+/// writing the slots unwatched.
+#[test]
+fn attaching_another_load_finishes_the_one_attached() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let first = mock.start_load(plan(12)).unwrap();
+    let second = mock.start_load(plan(13)).unwrap();
+    // SAFETY: as above.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 4) }
+        .with_load(LayerGate::new(mock.clone(), first))
+        .with_load(LayerGate::new(mock.clone(), second));
+    let taken: Vec<u64> = mock
+        .calls()
+        .into_iter()
+        .filter_map(|c| match c {
+            MockCall::WaitBatch { batch, .. } => Some(batch.0),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(taken, vec![12], "the first load's outcome was taken");
+    assert!(cache.gate().is_loading());
+    cache.finish_load().unwrap();
+}
