@@ -84,7 +84,8 @@ pub struct MockScript {
     pub lookup_pages: Option<usize>,
     /// Batch → layer at which its load fails with a store transfer error.
     pub fail_at_layer: HashMap<BatchId, u32>,
-    /// Batches whose layer waits time out.
+    /// Batches whose layer waits time out, and whose `wait_batch` does too (no outcome comes
+    /// until a reset cancels them; `completed` still hands them over, failed).
     pub time_out: Vec<BatchId>,
     /// Tokens per page, used to hash lookups (0 makes every lookup a `Config` error).
     pub page_size: u32,
@@ -246,6 +247,29 @@ impl MockKvLoader {
     }
 }
 
+/// Why a plan's slots are refused without a geometry: not one slot per page, or a slot twice.
+fn slot_problem(plan: &BatchPlan) -> Option<crate::PlanError> {
+    let pages = plan.logical.num_pages();
+    if pages != plan.slots.len() {
+        return Some(crate::PlanError::SlotCount {
+            pages,
+            slots: plan.slots.len(),
+        });
+    }
+    let mut first = HashMap::with_capacity(plan.slots.len());
+    for (page, &slot) in plan.slots.iter().enumerate() {
+        if let Some(&f) = first.get(&slot) {
+            return Some(crate::PlanError::DuplicateSlot {
+                slot,
+                first: f,
+                second: page,
+            });
+        }
+        first.insert(slot, page);
+    }
+    None
+}
+
 impl KvLoader for MockKvLoader {
     fn num_layers(&self) -> u32 {
         self.num_layers
@@ -280,13 +304,27 @@ impl KvLoader for MockKvLoader {
             batch,
             pages: plan.logical.num_pages(),
         })?;
+        // The checks a plan needs no geometry for, as the Linker's `BatchPlan::validate` does.
+        if let Some(reason) = slot_problem(&plan) {
+            return Err(KvLoadError::InvalidPlan { batch, reason });
+        }
         let mut state = self.state.lock();
         if state.live.contains_key(&batch) {
             return Err(KvLoadError::DuplicateBatch { batch });
         }
-        let counter = self.counter.begin(self.num_layers.max(1)).map_err(|e| {
-            KvLoadError::internal(batch, crate::Cause::with_source(format!("mock: {e}"), e))
-        })?;
+        let counter = self
+            .counter
+            .begin(self.num_layers.max(1))
+            .map_err(|e| match e {
+                // As the Linker: too many batches in flight is back-pressure, not a fault.
+                layerwise_counter::CounterError::Full { capacity } => {
+                    KvLoadError::Busy { capacity }
+                }
+                other => KvLoadError::internal(
+                    batch,
+                    crate::Cause::with_source(format!("mock: {other}"), other),
+                ),
+            })?;
         let ticket = LoadTicket {
             batch,
             num_layers: self.num_layers,
@@ -304,7 +342,9 @@ impl KvLoader for MockKvLoader {
         })?;
         self.live_ticket(ticket)?;
         if self.state.lock().cancelled.contains(&ticket.batch) {
-            return Err(KvLoadError::Cancelled {
+            // As the Linker: a reset ends the batch's tickets (a thread already waiting then
+            // hears `Cancelled`; the mock never blocks, so every wait after is this).
+            return Err(KvLoadError::StaleTicket {
                 batch: ticket.batch,
             });
         }
@@ -335,6 +375,17 @@ impl KvLoader for MockKvLoader {
             batch: ticket.batch,
         })?;
         self.live_ticket(ticket)?;
+        if self.script.time_out.contains(&ticket.batch)
+            && !self.state.lock().cancelled.contains(&ticket.batch)
+        {
+            // As the Linker: no outcome came by the wait's deadline, so there is none to
+            // return; the batch stays in flight (unsettled: the engine resets the loader).
+            return Err(KvLoadError::Timeout {
+                batch: ticket.batch,
+                layer: ticket.num_layers.saturating_sub(1),
+                waited: Duration::ZERO,
+            });
+        }
         let pages = self
             .state
             .lock()
@@ -466,13 +517,13 @@ mod tests {
         mock.wait_batch(&t).unwrap().result.unwrap();
         // Taken: the id is free again.
         mock.start_load(plan(1)).unwrap();
-        // A reset cancels it (its waiters hear so); its outcome stays to be taken, and its id
-        // in use until then.
+        // A reset cancels it (a later wait finds its ticket ended, as with the Linker); its
+        // outcome stays to be taken, and its id in use until then.
         let t = mock.start_load(plan(2)).unwrap();
         mock.reset().unwrap();
         assert!(matches!(
             mock.wait_layer(&t, 0),
-            Err(KvLoadError::Cancelled { batch: BatchId(2) })
+            Err(KvLoadError::StaleTicket { batch: BatchId(2) })
         ));
         assert!(matches!(
             mock.start_load(plan(1)),
@@ -502,5 +553,60 @@ mod tests {
             .unwrap();
         let pages = page_hashes(&tokens, MOCK_PAGE_SIZE, None);
         assert_eq!(mock.lookup_pages(&pages, 1).unwrap(), by_tokens);
+    }
+
+    /// The mock answers as the Linker does where an engine's tests would otherwise take
+    /// another branch: plans with a slot per page and no slot twice, back-pressure as
+    /// `Busy`, a batch that times out has no outcome to wait for.
+    #[test]
+    fn plans_back_pressure_and_time_outs_answer_as_the_linker_does() {
+        let mock = MockKvLoader::new(2, MockScript::default());
+        let mut two_pages = plan(1);
+        two_pages.logical.requests = vec![crate::RequestPages {
+            request: crate::RequestId("r".into()),
+            pages: vec![PageHash([1; 32]), PageHash([2; 32])],
+        }];
+        let refused = |p: &BatchPlan| match mock.start_load(p.clone()) {
+            Err(KvLoadError::InvalidPlan { reason, .. }) => reason,
+            other => panic!("{other:?}"),
+        };
+        assert!(matches!(
+            refused(&two_pages),
+            crate::PlanError::SlotCount { pages: 2, slots: 0 }
+        ));
+        two_pages.slots = vec![3, 3];
+        assert!(matches!(
+            refused(&two_pages),
+            crate::PlanError::DuplicateSlot {
+                slot: 3,
+                first: 0,
+                second: 1
+            }
+        ));
+        two_pages.slots = vec![3, 4];
+        mock.start_load(two_pages).unwrap();
+        for b in 2..=layerwise_counter::DEFAULT_CAPACITY as u64 {
+            mock.start_load(plan(b)).unwrap();
+        }
+        assert!(matches!(
+            mock.start_load(plan(1000)),
+            Err(KvLoadError::Busy {
+                capacity: layerwise_counter::DEFAULT_CAPACITY
+            })
+        ));
+        let mut script = MockScript::default();
+        script.time_out.push(BatchId(7));
+        let mock = MockKvLoader::new(2, script);
+        let t = mock.start_load(plan(7)).unwrap();
+        assert!(matches!(
+            mock.wait_batch(&t),
+            Err(KvLoadError::Timeout { .. })
+        ));
+        mock.reset().unwrap();
+        let after = mock.completed();
+        assert!(
+            matches!(after[0].result, Err(KvLoadError::Cancelled { .. })),
+            "{after:?}"
+        );
     }
 }
