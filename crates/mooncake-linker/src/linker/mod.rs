@@ -677,13 +677,15 @@ impl KvLoader for Linker {
     fn wait_batch(&self, ticket: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
         let s = &self.inner;
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
-        s.outcomes
-            .take(ticket.batch, deadline)
-            .ok_or(KvLoadError::Timeout {
+        match s.outcomes.take(ticket, deadline) {
+            Ok(Some(outcome)) => Ok(outcome),
+            Ok(None) => Err(KvLoadError::Timeout {
                 batch: ticket.batch,
                 layer: ticket.num_layers.saturating_sub(1),
                 waited: s.config.wait_deadline,
-            })
+            }),
+            Err(e) => Err(Inner::counter_error(ticket, e)),
+        }
     }
 
     fn completed(&self) -> Vec<BatchOutcome> {

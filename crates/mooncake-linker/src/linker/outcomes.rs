@@ -194,21 +194,38 @@ impl Outcomes {
         Ok(ready)
     }
 
-    /// Takes the outcome of `batch`, waiting until `deadline`; frees its counter slot.
-    pub(crate) fn take(&self, batch: BatchId, deadline: Instant) -> Option<BatchOutcome> {
+    /// Takes the outcome of `ticket`'s run of its batch, waiting until `deadline`; frees its
+    /// counter slot. `Ok(None)`: none came by the deadline. A ticket of an earlier run of the
+    /// same batch id (its outcome taken, the id used again) is stale: it never takes the new
+    /// run's outcome.
+    pub(crate) fn take(
+        &self,
+        ticket: &LoadTicket,
+        deadline: Instant,
+    ) -> Result<Option<BatchOutcome>, CounterError> {
+        let batch = ticket.batch;
+        let mine = |done: &mut HashMap<BatchId, (Ticket, BatchOutcome)>| match done.get(&batch) {
+            Some((t, _)) if *t == ticket.counter => Ok(done.remove(&batch)),
+            Some(_) => Err(CounterError::StaleTicket {
+                ticket: ticket.counter,
+            }),
+            None => Ok(None),
+        };
         let mut done = self.done.lock();
         let taken = loop {
-            if let Some(t) = done.remove(&batch) {
+            if let Some(t) = mine(&mut done)? {
                 break Some(t);
             }
             if self.done_cv.wait_until(&mut done, deadline).timed_out() {
-                break done.remove(&batch);
+                break mine(&mut done)?;
             }
         };
         drop(done);
-        let (ticket, outcome) = taken?;
-        self.forget(ticket, batch);
-        Some(outcome)
+        let Some((t, outcome)) = taken else {
+            return Ok(None);
+        };
+        self.forget(t, batch);
+        Ok(Some(outcome))
     }
 
     /// Takes every finished outcome, in batch order; frees their counter slots.
@@ -331,10 +348,26 @@ mod tests {
         o.finish(t, ok(1));
         o.finish(t2, ok(2));
         let deadline = kv_loader::deadline_after(std::time::Duration::from_secs(1));
-        assert_eq!(o.take(BatchId(1), deadline).unwrap().batch, BatchId(1));
+        let first = ticket(1, t);
+        assert_eq!(o.take(&first, deadline).unwrap().unwrap().batch, BatchId(1));
         // Taken: the id is free again, and so is the slot.
-        assert!(o.begin(BatchId(1), 4).is_ok());
+        let again = o.begin(BatchId(1), 4).unwrap();
+        // The new run's outcome is its own: the first run's ticket cannot take it.
+        o.finish(again, ok(1));
+        assert!(matches!(
+            o.take(&first, deadline),
+            Err(CounterError::StaleTicket { .. })
+        ));
+        assert!(o.take(&ticket(1, again), deadline).unwrap().is_some());
         let _ = std::mem::size_of::<LoadStats>();
+    }
+
+    fn ticket(batch: u64, counter: Ticket) -> LoadTicket {
+        LoadTicket {
+            batch: BatchId(batch),
+            num_layers: 4,
+            counter,
+        }
     }
 
     #[test]
@@ -346,7 +379,7 @@ mod tests {
         o.finish_held(hold, t, ok(7));
         assert_eq!(o.held(), vec![BatchId(7)]);
         let soon = kv_loader::deadline_after(std::time::Duration::from_millis(10));
-        assert!(o.take(BatchId(7), soon).is_none(), "held back");
+        assert!(o.take(&ticket(7, t), soon).unwrap().is_none(), "held back");
         // A reset keeps the held id in flight.
         assert!(o.cancel_all(soon));
         assert!(matches!(
@@ -355,7 +388,7 @@ mod tests {
         ));
         drop(late_call);
         assert!(o.held().is_empty());
-        assert!(o.take(BatchId(7), soon).is_some());
+        assert!(o.take(&ticket(7, t), soon).unwrap().is_some());
     }
 
     #[derive(Debug)]
