@@ -323,8 +323,22 @@ impl StoreCalls {
         deadline: Instant,
         call: impl FnOnce(&dyn KvStore, &[&str]) -> Vec<Result<T, StoreError>> + Send + 'static,
     ) -> Vec<Result<T, StoreError>> {
+        self.per_key_then(what, keys, deadline, call, |_, _, _| {})
+    }
+
+    /// [`per_key`](Self::per_key), and `late` on the worker with the call's own results when
+    /// the call returned after its caller gave up (to undo what no caller will take).
+    pub(super) fn per_key_then<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        keys: Vec<String>,
+        deadline: Instant,
+        call: impl FnOnce(&dyn KvStore, &[&str]) -> Vec<Result<T, StoreError>> + Send + 'static,
+        late: impl FnOnce(&dyn KvStore, &[&str], Vec<Result<T, StoreError>>) + Send + 'static,
+    ) -> Vec<Result<T, StoreError>> {
         let shared: Arc<[String]> = keys.into();
         let mine = shared.clone();
+        let theirs = shared.clone();
         let out = self.run(
             what,
             deadline,
@@ -332,7 +346,10 @@ impl StoreCalls {
                 let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
                 super::checked_results(&refs, call(s, &refs))
             },
-            |_, _| {},
+            move |s, r| {
+                let refs: Vec<&str> = theirs.iter().map(String::as_str).collect();
+                late(s, &refs, r);
+            },
         );
         match out {
             Ok(Ok(r)) => r,

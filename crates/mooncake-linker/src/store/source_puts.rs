@@ -8,7 +8,7 @@ use std::time::Instant;
 use kv_device::SaveSource;
 use smallvec::SmallVec;
 
-use super::{Hold, ObjectPut, PutOutcome, StoreCalls, StoreError};
+use super::{Hold, KvStore, ObjectPut, PutOutcome, StoreCalls, StoreError};
 
 /// A write of one object, gathered from typed sources in order.
 #[derive(Debug, Clone)]
@@ -59,35 +59,139 @@ impl StoreCalls {
     ) -> Vec<Result<PutOutcome, StoreError>> {
         let keys: Vec<String> = puts.iter().map(|p| p.key.to_owned()).collect();
         let parts: Vec<SmallVec<[SaveSource; 4]>> = puts.iter().map(|p| p.parts.clone()).collect();
-        self.per_key("put", keys, deadline, move |s, k| {
-            let puts: Vec<ObjectPut<'_>> = k
-                .iter()
-                .zip(&parts)
-                .map(|(key, parts)| ObjectPut {
-                    key,
-                    parts: parts
-                        .iter()
-                        .map(|p| (p.addr() as *const u8, p.len()))
-                        .collect(),
-                })
-                .collect();
-            // SAFETY: every part is a `SaveSource` this closure owns until the call has
-            // returned: its bytes stay allocated meanwhile, and nothing writes them (a source's
-            // own bytes are never written again; the engine does not write a pool slot while a
-            // save of it is in progress).
-            let r = unsafe { s.put(&puts) };
-            if r.iter()
-                .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer))
-            {
-                // The store gave up on a transfer that may still read these sources: kept for
-                // good.
-                std::mem::forget(parts);
-                std::mem::forget(hold);
-            } else {
-                drop(parts);
-                drop(hold);
-            }
-            r
-        })
+        self.per_key_then(
+            "put",
+            keys,
+            deadline,
+            move |s, k| {
+                let puts: Vec<ObjectPut<'_>> = k
+                    .iter()
+                    .zip(&parts)
+                    .map(|(key, parts)| ObjectPut {
+                        key,
+                        parts: parts
+                            .iter()
+                            .map(|p| (p.addr() as *const u8, p.len()))
+                            .collect(),
+                    })
+                    .collect();
+                // SAFETY: every part is a `SaveSource` this closure owns until the call has
+                // returned: its bytes stay allocated meanwhile, and nothing writes them (a source's
+                // own bytes are never written again; the engine does not write a pool slot while a
+                // save of it is in progress).
+                let r = unsafe { s.put(&puts) };
+                if r.iter()
+                    .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer))
+                {
+                    // The store gave up on a transfer that may still read these sources: kept for
+                    // good.
+                    std::mem::forget(parts);
+                    std::mem::forget(hold);
+                } else {
+                    drop(parts);
+                    drop(hold);
+                }
+                r
+            },
+            discard_late_writes,
+        )
+    }
+}
+
+/// A put that returned after its caller gave up: the caller reported the save failed, and
+/// may have written the sources again (a host pool's slots are read in place) while the put
+/// still read them. What it wrote is discarded, so no torn object stays under first write
+/// wins.
+fn discard_late_writes(
+    store: &dyn KvStore,
+    keys: &[&str],
+    results: Vec<Result<PutOutcome, StoreError>>,
+) {
+    let written: Vec<&str> = keys
+        .iter()
+        .zip(&results)
+        .filter(|(_, r)| matches!(r, Ok(PutOutcome::Written)))
+        .map(|(k, _)| *k)
+        .collect();
+    if written.is_empty() {
+        return;
+    }
+    tracing::warn!(
+        objects = written.len(),
+        "a put returned after its deadline: what it wrote is discarded"
+    );
+    for (key, r) in written.iter().zip(store.discard(&written)) {
+        if let Err(e) = r {
+            tracing::warn!(key, error = %e, "an object a late put wrote stays");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::store::{no_hold, EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, Stall};
+
+    /// Counts the discards that reach the store.
+    struct Discards {
+        inner: EmbeddedStore,
+        seen: AtomicU64,
+    }
+
+    impl KvStore for Discards {
+        crate::forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put,
+            remove, register, unregister, start_session, end_session, health);
+
+        fn name(&self) -> &str {
+            "discards"
+        }
+
+        fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            self.seen.fetch_add(keys.len() as u64, Ordering::Relaxed);
+            self.inner.discard(keys)
+        }
+    }
+
+    /// A put held past its deadline fails for its caller; when it returns, what it wrote is
+    /// discarded (its sources may have been written again meanwhile), not left as a torn
+    /// object that first write wins would keep.
+    #[test]
+    fn a_put_that_returns_after_its_deadline_leaves_nothing_written() {
+        let inner = Arc::new(Discards {
+            inner: EmbeddedStore::new(1 << 20),
+            seen: AtomicU64::new(0),
+        });
+        let faulty = Arc::new(FaultyStore::new(inner.clone()));
+        let stall = Stall::new();
+        faulty.inject_on(
+            FaultCall::Put,
+            FaultRule::default(),
+            Fault::Stall(stall.clone()),
+        );
+        let calls = StoreCalls::new(faulty);
+        let put = SourcePut {
+            key: "late",
+            parts: [SaveSource::from_bytes(Arc::new(vec![9u8; 64]), 0..64).unwrap()]
+                .into_iter()
+                .collect(),
+        };
+        let soon = kv_loader::deadline_after(Duration::from_millis(50));
+        assert!(calls.put(&[put], no_hold(), soon)[0].is_err());
+        stall.release();
+        // The late put writes, then its hook discards it: wait (bounded) for the discard.
+        let limit = std::time::Instant::now() + Duration::from_secs(10);
+        while inner.seen.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(
+            inner.seen.load(Ordering::Relaxed),
+            1,
+            "the late write was discarded"
+        );
+        assert_eq!(inner.exists(&["late"]), vec![Ok(false)]);
     }
 }
