@@ -349,6 +349,21 @@ impl Linker {
             config.cp_rank,
             config.pp_rank,
         );
+        if group.as_ref().is_some_and(|g| g.size() > 1)
+            && (config.collective_timeout <= config.layer_read_timeout
+                || config.collective_timeout <= config.store_call_timeout)
+        {
+            // Not refused (a short collective bound is a valid choice for a fast local store),
+            // but said: a rank whose read or store call runs to its own bound then makes its
+            // peers time out in the collective instead of reading its failure.
+            tracing::warn!(
+                collective_timeout = ?config.collective_timeout,
+                layer_read_timeout = ?config.layer_read_timeout,
+                store_call_timeout = ?config.store_call_timeout,
+                "collective_timeout is not above the store bounds: a slow read shows on the \
+                 peers as a collective timeout"
+            );
+        }
         let link = GroupLink::of(group.as_ref());
         let checksums = checksum_cache::ChecksumCache::new(config.checksum_cache_entries);
         let inner = Arc::new(Inner {
