@@ -294,19 +294,27 @@ fn a_wrong_size_object_is_replaced_by_the_next_save() {
     load_verified(&linker, &pool, &pages, 3, &[0, 1, 2]);
 }
 
-#[test]
-fn a_leftover_companion_is_replaced_and_sglang_objects_get_none() {
+/// A linker over `store` with two pages of prompt `seed` in its host pool (slots 0 and 1),
+/// and page 0's object missing from the store but its companion there, of other bytes (an
+/// object evicted alone).
+struct Leftover {
+    g: KvGeometry,
+    linker: Linker,
+    plan: kvlink::kv_loader::BatchPlan,
+    keys: Vec<Vec<String>>,
+    leftover: ObjectChecksums,
+}
+
+fn leftover_companion(store: Arc<dyn KvStore>, seed: u32) -> Leftover {
     let spec = small_spec();
     let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let tokens = prompt(24, 2, spec.page_size);
+    let tokens = prompt(seed, 2, spec.page_size);
     let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
     let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
     fill_pool(&pool, &pages, &[0, 1]);
     let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
     let plan = load_plan(&g, 0, &pages, vec![0, 1]);
     let keys = linker.object_keys(&plan).unwrap();
-    // Page 0's KV object was evicted and left its companion behind, of other bytes.
     let leftover = ObjectChecksums {
         layer_bytes: g.components()[0].page_layer_bytes,
         sums: vec![7; g.components()[0].layers.len()],
@@ -316,6 +324,26 @@ fn a_leftover_companion_is_replaced_and_sglang_objects_get_none() {
         &checksum_key(&keys[0][0]),
         &leftover.encode(),
     );
+    Leftover {
+        g,
+        linker,
+        plan,
+        keys,
+        leftover,
+    }
+}
+
+#[test]
+fn a_leftover_companion_is_replaced_and_sglang_objects_get_none() {
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    // Page 0's KV object was evicted and left its companion behind, of other bytes.
+    let Leftover {
+        g,
+        linker,
+        plan,
+        keys,
+        leftover,
+    } = leftover_companion(store.clone(), 24);
     // Page 1's KV object was written by SGLang: present, no companion.
     let sglang_object = vec![0u8; g.components()[0].object_bytes() as usize];
     put(store.as_ref(), &keys[0][1], &sglang_object);
@@ -1328,23 +1356,16 @@ fn a_stale_companion_read_by_the_batch_is_checked_again_not_taken_as_bad() {
 #[test]
 fn a_leftover_companion_that_cannot_be_discarded_fails_the_save_and_writes_no_object() {
     use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
-    let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
     let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
     let store: Arc<dyn KvStore> = faulty.clone();
-    let tokens = prompt(25, 2, spec.page_size);
-    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
-    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
-    fill_pool(&pool, &pages, &[0, 1]);
-    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
-    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
-    let keys = linker.object_keys(&plan).unwrap();
-    let leftover = ObjectChecksums {
-        layer_bytes: g.components()[0].page_layer_bytes,
-        sums: vec![7; g.components()[0].layers.len()],
-    };
+    let Leftover {
+        g,
+        linker,
+        plan,
+        keys,
+        ..
+    } = leftover_companion(store.clone(), 25);
     let companion = checksum_key(&keys[0][0]);
-    put(store.as_ref(), &companion, &leftover.encode());
     faulty.inject_on(
         FaultCall::Discard,
         FaultRule {
