@@ -152,14 +152,15 @@ impl StreamWaitable for CudaLayerEvent {
     fn wait_on_stream(&self, stream: RawStream) -> Result<(), KvLoadError> {
         self.wait_raw(stream.as_raw() as sys::CUstream)
             .map_err(|e| {
-                KvLoadError::Device(
+                // The driver's error stays the source (an engine can tell a sticky fault).
+                KvLoadError::Device(kv_loader::Cause::with_source(
                     format!(
                         "cuStreamWaitEvent (layer {}): {}",
                         self.layer,
                         driver_error_text(e)
-                    )
-                    .into(),
-                )
+                    ),
+                    e,
+                ))
             })
     }
 
