@@ -15,10 +15,7 @@ use parking_lot::Mutex;
 use super::gate::TransferGate;
 use super::parts::run_parts;
 use super::ranges::{partition, shape, Shaped, Target};
-use super::store::{
-    failed_placeholder, gives_up, mark_abandoned_after, not_read, panicked_call, per_key,
-    store_error, MooncakeStore, CLIENT_GIVES_UP_AFTER,
-};
+use super::store::{not_read, store_error, wheel_read, MooncakeStore, CLIENT_GIVES_UP_AFTER};
 use crate::store::{RangeChecksums, RangedGet, StoreError};
 
 /// Below this many bytes per stream a ranged read is not split (thread start-up and the
@@ -432,40 +429,24 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
         }
         // Held shared for the call: `unregister` waits for it.
         let transfer = self.transfers.transfer();
-        let t0 = std::time::Instant::now();
-        // SAFETY: every caller destination comes from a range whose `dst` the caller of
-        // `get_ranges` (an `unsafe fn`) promised, by KvStore's buffer contract, valid for writes
-        // of its length, untouched by anyone else during the call and registered where the
-        // transport needs it (merging joins only ranges adjacent in memory); every scratch
-        // destination lies in `scratch`, owned here for the whole call. Concurrent calls get
-        // disjoint gets and their own scratch. The call is synchronous, except for a transfer
-        // the client gives up on, after which everything it may touch is kept for good
-        // (`mark_abandoned` below). Staging is used over TCP only, whose reader side needs no
-        // registration.
-        let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
-            self.wheel.ranged(&ckeys, &counts, &ranges)
-        }));
-        let took = t0.elapsed();
-        let positions: Vec<usize> = (0..part.len()).collect();
-        let mut out: Vec<KeyResult> = names.iter().map(|k| failed_placeholder(k)).collect();
-        let given_up = match call {
-            Ok(results) => {
-                let why = gives_up(&results, "ranged read");
-                per_key(&names, results, &positions, &mut out);
-                why
-            }
-            Err(_) => {
-                for (r, k) in out.iter_mut().zip(&names) {
-                    *r = Err(panicked_call(k, "get_ranges", took, self.gives_up_after));
-                }
-                Some("an earlier ranged read call panicked".into())
-            }
-        };
-        let abandoned =
-            mark_abandoned_after("batch_get_ranges", took, self.gives_up_after, &mut out)
-                || out
-                    .iter()
-                    .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer));
+        // SAFETY: every caller destination comes from a range whose
+        // `dst` the caller of `get_ranges` (an `unsafe fn`) promised, by KvStore's buffer
+        // contract, valid for writes of its length, untouched by anyone else during the call
+        // and registered where the transport needs it (merging joins only ranges adjacent in
+        // memory); every scratch destination lies in `scratch`, owned here for the whole call.
+        // Concurrent calls get disjoint gets and their own scratch. The call is synchronous,
+        // except for a transfer the client gives up on, after which everything it may touch
+        // is kept for good (`abandoned` below). Staging is used over TCP only, whose reader
+        // side needs no registration.
+        let call = || unsafe { self.wheel.ranged(&ckeys, &counts, &ranges) };
+        let read = wheel_read(
+            "batch_get_ranges",
+            "ranged read",
+            &names,
+            self.gives_up_after,
+            call,
+        );
+        let (mut out, given_up, abandoned) = (read.results, read.given_up, read.abandoned);
         if abandoned {
             // Transfers may still write the caller's memory: `unregister` must not let it go.
             self.transfers.abandon(transfer);
@@ -587,6 +568,7 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
 mod tests {
     use super::super::ranges::shape;
     use super::*;
+    use crate::store::mooncake::store::failed_placeholder;
     use crate::store::ReadRange;
 
     #[test]

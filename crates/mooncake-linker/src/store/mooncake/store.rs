@@ -275,7 +275,7 @@ pub(super) fn mark_abandoned<T>(
 }
 
 /// [`mark_abandoned`] with the client's timeout given (`limit`).
-pub(super) fn mark_abandoned_after<T>(
+fn mark_abandoned_after<T>(
     call: &'static str,
     took: Duration,
     limit: Duration,
@@ -311,7 +311,7 @@ pub(super) fn mark_abandoned_after<T>(
 /// failed whole, or every transfer of it failed. Each later call would wait out the client's
 /// transfer timeout too (a storage node that stalls would cost calls × 60 s) while the caller
 /// has given up.
-pub(super) fn gives_up<T>(
+fn gives_up<T>(
     results: &Result<Vec<mooncake_sys::KeyResult<T>>, MooncakeError>,
     what: &str,
 ) -> Option<String> {
@@ -336,12 +336,7 @@ pub(super) fn not_read(key: &str, why: &str) -> StoreError {
 
 /// The error of a key whose wheel call panicked after `took`: `Abandoned` once the client may
 /// have given up on its transfers (they may still run), else `Panicked`.
-pub(super) fn panicked_call(
-    key: &str,
-    call: &'static str,
-    took: Duration,
-    limit: Duration,
-) -> StoreError {
+fn panicked_call(key: &str, call: &'static str, took: Duration, limit: Duration) -> StoreError {
     if took >= limit {
         StoreError::Abandoned {
             key: key.to_owned(),
@@ -353,6 +348,55 @@ pub(super) fn panicked_call(
             key: key.to_owned(),
             call,
         }
+    }
+}
+
+/// What one read call of the wheel gave: per key its result, why the read's later calls are
+/// not tried ([`gives_up`]), and whether the client gave up on a transfer that may still run.
+pub(super) struct WheelRead {
+    pub(super) results: Vec<Result<u64, StoreError>>,
+    pub(super) given_up: Option<String>,
+    pub(super) abandoned: bool,
+}
+
+/// Runs one read call of the wheel (`call` names it, `what` in the messages) over `keys`,
+/// timed and with a panic caught: the call's results per key, or every key failed when it
+/// panicked (`Abandoned` past `limit`, the client's own timeout; else `Panicked`), with the
+/// failed transfers of a call that ran to `limit` marked `Abandoned`.
+pub(super) fn wheel_read(
+    call: &'static str,
+    what: &str,
+    keys: &[&str],
+    limit: Duration,
+    run: impl FnOnce() -> Result<Vec<mooncake_sys::KeyResult<u64>>, MooncakeError>,
+) -> WheelRead {
+    let t0 = Instant::now();
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
+    let took = t0.elapsed();
+    let mut results: Vec<Result<u64, StoreError>> =
+        keys.iter().map(|k| failed_placeholder(k)).collect();
+    let given_up = match ran {
+        Ok(r) => {
+            let why = gives_up(&r, what);
+            let positions: Vec<usize> = (0..keys.len()).collect();
+            per_key(keys, r, &positions, &mut results);
+            why
+        }
+        Err(_) => {
+            for (r, k) in results.iter_mut().zip(keys) {
+                *r = Err(panicked_call(k, call, took, limit));
+            }
+            Some(format!("an earlier {what} call panicked"))
+        }
+    };
+    let abandoned = mark_abandoned_after(call, took, limit, &mut results)
+        || results
+            .iter()
+            .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer));
+    WheelRead {
+        results,
+        given_up,
+        abandoned,
     }
 }
 
@@ -517,45 +561,30 @@ impl KvStore for MooncakeStore {
             };
             let ptrs: Vec<*mut u8> = part.iter().map(|&i| gets[i].dst).collect();
             let sizes: Vec<usize> = part.iter().map(|&i| gets[i].len).collect();
-            let t0 = Instant::now();
-            // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract) that
-            // each `dst` is valid for writes of `len` bytes, not accessed by anyone else during
-            // the call, and registered where the transport needs it; the call is synchronous,
-            // except for a transfer the client gives up on, whose memory the caller then keeps
-            // for good (`StoreError::Abandoned`).
-            let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
-                self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes)
-            }));
-            let took = t0.elapsed();
-            let mut mine: Vec<Result<u64, StoreError>> = match call {
-                Ok(results) => {
-                    given_up = gives_up(&results, "whole-object read");
-                    let mut mine = part.iter().map(|_| Ok(0)).collect::<Vec<_>>();
-                    let positions: Vec<usize> = (0..part.len()).collect();
-                    per_key(&names, results, &positions, &mut mine);
-                    mine
-                }
-                Err(_) => {
-                    given_up = Some("an earlier whole-object read call panicked".into());
-                    names
-                        .iter()
-                        .map(|k| Err(panicked_call(k, "get_into", took, CLIENT_GIVES_UP_AFTER)))
-                        .collect()
-                }
-            };
+            // SAFETY: the caller of this `unsafe fn` promised
+            // (KvStore's buffer contract) that each `dst` is valid for writes of `len` bytes,
+            // not accessed by anyone else during the call, and registered where the transport
+            // needs it; the call is synchronous, except for a transfer the client gives up on,
+            // whose memory the caller then keeps for good (`StoreError::Abandoned`).
+            let call = || unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
+            let read = wheel_read(
+                "batch_get_into",
+                "whole-object read",
+                &names,
+                CLIENT_GIVES_UP_AFTER,
+                call,
+            );
+            given_up = read.given_up;
             if let Some(why) = &given_up {
                 tracing::warn!(keys = part.len(), why, "whole-object reads given up");
             }
-            let abandoned = mark_abandoned("batch_get_into", took, &mut mine)
-                || mine
-                    .iter()
-                    .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer));
-            if abandoned {
+            if read.abandoned {
                 // Transfers may still run: `unregister` must not let their memory go.
                 if let Some(t) = transfer.take() {
                     self.transfers.abandon(t);
                 }
             }
+            let mine = read.results;
             for (&i, r) in part.iter().zip(mine) {
                 out[i] = r;
             }
