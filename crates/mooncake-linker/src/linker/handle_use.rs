@@ -9,7 +9,7 @@
 //! the other thread is using is therefore *retired* instead: it stays as it is, and is
 //! aborted when its last use ends (peers still waiting on it then fail at once, as before).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use dedup_broadcast::{Collective, GroupHandles};
@@ -43,10 +43,11 @@ pub(crate) struct HandleUses {
 struct UseState {
     users: HashMap<(Channel, u64), usize>,
     retired: Vec<(Channel, u64, Arc<dyn Collective>)>,
-    /// Handles a re-formation has replaced (aborted, or retired): no new use may begin on
-    /// them. Without this, a use begun between the replacement's decision and its abort (the
-    /// abort runs outside the lock) would be aborted under its user.
-    replaced: HashSet<(Channel, u64)>,
+    /// The newest epoch a re-formation has replaced (both its handles, aborted or retired): no
+    /// new use may begin on it or an older one. Without this, a use begun between the
+    /// replacement's decision and its abort (the abort runs outside the lock) would be
+    /// aborted under its user. Epochs only grow, so one number says it.
+    replaced_through: Option<u64>,
 }
 
 /// The handle asked for was replaced by a re-formation: take the group's handles again.
@@ -63,7 +64,7 @@ impl HandleUses {
         channel: Channel,
     ) -> Result<HandleInUse, Replaced> {
         let mut s = self.state.lock();
-        if s.replaced.contains(&(channel, handles.epoch)) {
+        if s.replaced_through.is_some_and(|e| handles.epoch <= e) {
             return Err(Replaced);
         }
         if channel.of(handles).broken().is_some() {
@@ -82,7 +83,7 @@ impl HandleUses {
             let handle = channel.of(old);
             let busy = {
                 let mut s = self.state.lock();
-                s.replaced.insert((channel, old.epoch));
+                s.replaced_through = s.replaced_through.max(Some(old.epoch));
                 let busy = handle.broken().is_none()
                     && s.users.get(&(channel, old.epoch)).is_some_and(|n| *n > 0);
                 if busy {
