@@ -44,6 +44,11 @@ impl<'c> Current<'c> {
             _not_send: PhantomData,
         })
     }
+
+    /// [`make`](Self::make), its failure as the backend's error.
+    pub(crate) fn of(ctx: &'c CudaContext) -> Result<Self, crate::DeviceError> {
+        Self::make(ctx).map_err(super::error::drv("cuCtxPushCurrent"))
+    }
 }
 
 impl Drop for Current<'_> {

@@ -152,7 +152,7 @@ impl CudaDevice {
     /// Loads the copy kernels from a given source (tests and benchmarks compare them); does not
     /// replace the cached ones.
     pub fn load_kernels(&self, source: KernelSource) -> Result<Kernels, DeviceError> {
-        let _current = Current::make(&self.ctx).map_err(drv("cuCtxPushCurrent"))?;
+        let _current = Current::of(&self.ctx)?;
         Kernels::load(&self.ctx, Some(source))
     }
 }
@@ -193,7 +193,7 @@ impl Device for CudaDevice {
     }
 
     fn new_stream(&self) -> Result<Arc<dyn Stream>, DeviceError> {
-        let _current = Current::make(&self.ctx).map_err(drv("cuCtxPushCurrent"))?;
+        let _current = Current::of(&self.ctx)?;
         let stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         Ok(Arc::new(CuStream::new(stream, self.kernels.clone())))
     }

@@ -55,7 +55,7 @@ impl CudaLayerEvent {
         stream: sys::CUstream,
         layer: u32,
     ) -> Result<Arc<Self>, DeviceError> {
-        let _current = Current::make(ctx).map_err(drv("cuCtxPushCurrent"))?;
+        let _current = Current::of(ctx)?;
         let mut event: sys::CUevent = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
             | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
@@ -113,7 +113,7 @@ impl CudaLayerEvent {
 
     /// True when the work before the event has finished; a device error surfaces here.
     pub fn is_complete(&self) -> Result<bool, DeviceError> {
-        let _current = Current::make(&self.ctx).map_err(drv("cuCtxPushCurrent"))?;
+        let _current = Current::of(&self.ctx)?;
         // SAFETY: the event is live.
         match unsafe { sys::cuEventQuery(self.event) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),

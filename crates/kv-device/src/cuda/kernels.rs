@@ -209,7 +209,7 @@ impl KernelCache {
         if let Some(k) = k.as_ref() {
             return Ok(k.clone());
         }
-        let _current = Current::make(&self.ctx).map_err(drv("cuCtxPushCurrent"))?;
+        let _current = Current::of(&self.ctx)?;
         let loaded = Arc::new(Kernels::load(&self.ctx, None)?);
         *k = Some(loaded.clone());
         Ok(loaded)

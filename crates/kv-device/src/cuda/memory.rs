@@ -48,7 +48,7 @@ impl DeviceBuffer {
         len: usize,
         what: &'static str,
     ) -> Result<Self, DeviceError> {
-        let _current = Current::make(ctx).map_err(drv("cuCtxPushCurrent"))?;
+        let _current = Current::of(ctx)?;
         // SAFETY: the context is current; cuMemAlloc returns fresh memory we own and free once
         // in Drop. Its contents are never read as a Rust value.
         let ptr = unsafe { result::malloc_sync(len.max(1)) }
@@ -67,7 +67,7 @@ impl DeviceBuffer {
         len: usize,
         what: &'static str,
     ) -> Result<Self, DeviceError> {
-        let _current = Current::make(ctx).map_err(drv("cuCtxPushCurrent"))?;
+        let _current = Current::of(ctx)?;
         let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         Self::zeroed_on(&stream, len, what, SYNC_LIMIT)
     }
@@ -172,7 +172,7 @@ impl PinnedBuffer {
         len: usize,
         what: &'static str,
     ) -> Result<Self, DeviceError> {
-        let _current = Current::make(ctx).map_err(drv("cuCtxPushCurrent"))?;
+        let _current = Current::of(ctx)?;
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: the context is current; cuMemHostAlloc returns fresh page-locked memory of
         // at least `len.max(1)` bytes that we own and free once in Drop.
