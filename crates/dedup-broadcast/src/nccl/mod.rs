@@ -29,12 +29,12 @@
 //! thread itself because NCCL calls on one communicator must not race. An
 //! [`abort`](Collective::abort) from another thread is a request the comm thread checks at
 //! every poll, so it also ends an operation already in flight (which returns
-//! [`CollectiveError::Aborted`]) rather than waiting for that operation's deadline. From then on every
-//! operation of that rank fails at once with [`CollectiveError::Aborted`]; a rank whose peer
-//! aborted also fails by its own deadline, so every rank of the group ends the batch with an
-//! error and none hangs. Recovering means building a new group (a new unique id).
-//! The caller waits for the reply at most `deadline + 2 × abort_grace`; should the comm thread not
-//! answer by then (a driver that hangs inside `ncclCommAbort`), the handle is marked
+//! [`CollectiveError::Aborted`]) rather than waiting for that operation's deadline. From then
+//! on every operation of that rank fails at once with [`CollectiveError::Aborted`]; a rank
+//! whose peer aborted also fails by its own deadline, so every rank of the group ends the
+//! batch with an error and none hangs. Recovering means building a new group (a new unique
+//! id). The caller waits for the reply at most `deadline + 2 × abort_grace`; should the comm
+//! thread not answer by then (a driver that hangs inside `ncclCommAbort`), the handle is marked
 //! unusable and the call returns `Timeout` (its buffers may then still be referenced by the
 //! device: the caller should not free them).
 //!
@@ -746,7 +746,7 @@ impl Collective for NcclCollective {
             // The comm thread has ended: nothing of it runs any more.
             return;
         }
-        if reply_rx.recv_timeout(self.grace.saturating_mul(2)).is_err() {
+        if reply_rx.recv_timeout(self.reply_slack()).is_err() {
             tracing::warn!(
                 rank = self.rank,
                 cause,
