@@ -1,7 +1,8 @@
 //! NCCL failures end by their deadlines: an initialisation with a rank that never joins times
-//! out, and on two GPUs a rank that never issues makes its peer time out, abort, and the late
-//! rank fail instead of hang; and an abort from another thread ends an operation already in
-//! flight (a peer that never issues) at once, not at that operation's deadline.
+//! out, and on two GPUs a rank that never issues makes its peer time out and abort, and the
+//! late rank end by its own bound instead of hang; and an abort from another thread ends an
+//! operation already in flight (a peer that never issues) at once, not at that operation's
+//! deadline.
 //!
 //! Not checked on one GPU: holding the comm stream behind a gate (`cuStreamWaitValue32`)
 //! leaves an NCCL kernel queued behind it, which `ncclCommAbort` may free resources under. A
@@ -94,17 +95,35 @@ fn two_ranks_timeout() -> Result<String, String> {
         Err(e @ CollectiveError::Aborted { .. }) => e.to_string(),
         other => return Err(format!("expected Aborted after the abort, got {other:?}")),
     };
-    // Rank 1 issues late: its peer aborted, so it must fail by its own deadline, not hang.
-    let t1 = Instant::now();
-    let late =
-        ranks[1].all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
-    if late.is_ok() {
-        return Err("rank 1 completed against an aborted peer".into());
-    }
+    let late = late_rank_1(&ranks[1], Duration::from_secs(10))?;
     Ok(format!(
-        "rank 0: {first} after {:.1} s; then {next}; rank 1 late: failed after {:.1} s",
+        "rank 0: {first} after {:.1} s; then {next}; {late}",
         took.as_secs_f64(),
-        t1.elapsed().as_secs_f64()
+    ))
+}
+
+/// Rank 1 issues the operation late, against a peer that aborted: it must end by its own
+/// bound (2 s deadline plus twice `grace`), not hang. It may end either way. On two H200s
+/// over NVLink it completed (2026-12-04), most likely because rank 0's kernel had pushed its
+/// share into rank 1's buffers before the abort. That is why the linker decides a batch by its status words and
+/// verdict, not by one collective's return.
+fn late_rank_1(rank1: &NcclCollective, grace: Duration) -> Result<String, String> {
+    let t1 = Instant::now();
+    let late = rank1.all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
+    let took = t1.elapsed();
+    let bound = Duration::from_secs(2) + grace * 2 + Duration::from_secs(1);
+    if took > bound {
+        return Err(format!(
+            "rank 1 late: ended after {took:?}, past its bound {bound:?}"
+        ));
+    }
+    let how = match late {
+        Ok(_) => "completed (rank 0's share had landed before its abort)".to_string(),
+        Err(e) => format!("failed ({e})"),
+    };
+    Ok(format!(
+        "rank 1 late: {how} after {:.1} s",
+        took.as_secs_f64()
     ))
 }
 
@@ -165,13 +184,8 @@ fn two_ranks_abort_in_flight() -> Result<String, String> {
         ranks[0].all_gather_u64(2, kvlink::kv_loader::deadline_after(IN_FLIGHT_DEADLINE))
     });
     let verdict = aborted_in_time(r, took)?;
-    // Rank 1 issues late against its aborted peer: it fails by its own deadline.
-    let late =
-        ranks[1].all_gather_u64(2, kvlink::kv_loader::deadline_after(Duration::from_secs(2)));
-    if late.is_ok() {
-        return Err("rank 1 completed against an aborted peer".into());
-    }
-    Ok(format!("{verdict}; rank 1 late: failed"))
+    let late = late_rank_1(&ranks[1], short_grace().abort_grace)?;
+    Ok(format!("{verdict}; {late}"))
 }
 
 /// Both ranks issue one exchange together (so their connections exist), before the checks
