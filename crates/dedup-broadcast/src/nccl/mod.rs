@@ -30,10 +30,12 @@
 //! [`abort`](Collective::abort) from another thread is a request the comm thread checks at
 //! every poll, so it also ends an operation already in flight (which returns
 //! [`CollectiveError::Aborted`]) rather than waiting for that operation's deadline. From then
-//! on every operation of that rank fails at once with [`CollectiveError::Aborted`]; a rank
-//! whose peer aborted also fails by its own deadline, so every rank of the group ends the
-//! batch with an error and none hangs. Recovering means building a new group (a new unique
-//! id). The caller waits for the reply at most `deadline + 2 × abort_grace`; should the comm
+//! on every operation of that rank fails at once with [`CollectiveError::Aborted`]. A rank
+//! whose peer aborted fails by its own deadline, none hangs; one operation of it may still
+//! complete, where the peer's share had landed before the abort (seen on two H200s over
+//! NVLink), and its next exchange with the aborted peer fails. So one collective's return does
+//! not decide a batch on every rank alike: the linker's status words and verdict do. Recovering
+//! means building a new group (a new unique id). The caller waits for the reply at most `deadline + 2 × abort_grace`; should the comm
 //! thread not answer by then (a driver that hangs inside `ncclCommAbort`), the handle is marked
 //! unusable and the call returns `Timeout` (its buffers may then still be referenced by the
 //! device: the caller should not free them).
