@@ -38,7 +38,10 @@
 //!
 //! Every wait is bounded: a rank waits for others to arrive until its deadline, and an owner
 //! waits for peers of a committed round to copy out of its rows until its deadline plus a
-//! grace (then the round is given up; only copies already running are waited for).
+//! grace. Then the round is given up, unless a copy is running: a copy under way is a bounded
+//! memory copy, so it is waited for and the round still ends committed (every rank `Ok`); a
+//! round given up fails every rank that has not returned (peers that had already copied out
+//! of a broadcast's root returned `Ok`).
 
 mod device;
 mod round;
@@ -50,10 +53,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kv_device::{Device, DeviceRegion, HostRow, SharedEvent, Stream};
-use parking_lot::{Condvar, Mutex};
 
 use crate::{Collective, CollectiveError, MemorySupport};
-use round::{Arrival, Desc, Group, OpKind, State};
+use round::{Arrival, Desc, Group, OpKind};
 
 /// Builds the ranks of an in-process TP group.
 ///
@@ -117,11 +119,7 @@ impl InProcessGroup {
     }
 
     fn build(size: u32, devices: Vec<Option<RankDevice>>) -> Vec<InProcessCollective> {
-        let group = Arc::new(Group {
-            size,
-            state: Mutex::new(State::new(size)),
-            cv: Condvar::new(),
-        });
+        let group = Arc::new(Group::new(size));
         devices
             .into_iter()
             .enumerate()

@@ -2,18 +2,78 @@
 //! and how its fate is decided once for all of them.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kv_device::{DeviceRegion, HostRow, SharedEvent};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::CollectiveError;
 
+/// How long past its deadline an owner waits for peers of a committed round to copy out of
+/// its rows (they start at once; this only bounds a peer thread that never runs again). Then
+/// the round is given up, unless a copy is running: a running copy is a bounded memory copy,
+/// not anyone's progress, so the owner waits for it and the round can still end `Ok`.
+const COPY_GRACE: Duration = Duration::from_secs(10);
+
+/// The wait between checks of copies already running.
+pub(super) const COPY_POLL: Duration = Duration::from_millis(5);
+
 /// State every handle of one group shares.
 pub(super) struct Group {
     pub(super) size: u32,
     pub(super) state: Mutex<State>,
     pub(super) cv: Condvar,
+    /// [`COPY_GRACE`], shorter in tests.
+    pub(super) copy_grace: Duration,
+    /// Tests: a rank that sleeps this long inside its host copy (a copy still running at the
+    /// grace's end).
+    #[cfg(test)]
+    pub(super) copy_pause: Mutex<Option<(u32, Duration)>>,
+}
+
+impl Group {
+    pub(super) fn new(size: u32) -> Self {
+        Group {
+            size,
+            state: Mutex::new(State::new(size)),
+            cv: Condvar::new(),
+            copy_grace: COPY_GRACE,
+            #[cfg(test)]
+            copy_pause: Mutex::new(None),
+        }
+    }
+
+    /// An owner's wait for peers of a committed round to copy out of its rows, until `limit`
+    /// (its deadline plus the copy grace). True when the round is to be given up: the limit
+    /// has passed and no copy is running (`running`, read under the lock). A copy running at
+    /// the limit is waited for instead, a short poll at a time: it is a bounded memory copy,
+    /// and giving the round up under it would fail that peer after others returned `Ok`.
+    pub(super) fn wait_for_copies(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        limit: Instant,
+        running: bool,
+    ) -> bool {
+        if Instant::now() < limit {
+            self.cv.wait_until(st, limit);
+            return false;
+        }
+        if running {
+            self.cv.wait_for(st, COPY_POLL);
+            return false;
+        }
+        true
+    }
+
+    /// Tests: sleeps inside `rank`'s host copy when a pause is set for it.
+    pub(super) fn pause_in_copy(&self, _rank: u32) {
+        #[cfg(test)]
+        if let Some((rank, pause)) = *self.copy_pause.lock() {
+            if rank == _rank {
+                std::thread::sleep(pause);
+            }
+        }
+    }
 }
 
 pub(super) struct State {

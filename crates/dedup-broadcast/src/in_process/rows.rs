@@ -1,23 +1,14 @@
 //! Host rows: broadcast and in-place all-gather, one CPU copy per row per receiver.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kv_device::HostRow;
 use parking_lot::MutexGuard;
 use xxhash_rust::xxh3::Xxh3;
 
-use super::round::{round_mut, Arrival, Desc, Fate, OpKind};
+use super::round::{round_mut, Arrival, Desc, Fate, OpKind, COPY_POLL};
 use super::InProcessCollective;
 use crate::CollectiveError;
-
-/// How long past its deadline an owner waits for peers of a committed round to copy out of
-/// its rows (they start at once; this only bounds a peer thread that never runs again). Then
-/// the round is given up: peers that have not started never will, and the owner waits only
-/// for copies already running (a bounded memory copy, not anyone's progress).
-const COPY_GRACE: Duration = Duration::from_secs(10);
-
-/// The wait between checks of copies already running.
-const COPY_POLL: Duration = Duration::from_millis(5);
 
 fn copies_gave_up(op: &'static str, seq: u64) -> CollectiveError {
     CollectiveError::Timeout {
@@ -91,7 +82,7 @@ impl InProcessCollective {
         let mut st = g.arrive(rank, seq, desc, invalid, Arrival::Rows(rows.to_vec()))?;
         let is_root = rank == root;
         let mut copied = false;
-        let limit = kv_loader::deadline_from(deadline, COPY_GRACE);
+        let limit = kv_loader::deadline_from(deadline, g.copy_grace);
         loop {
             let round = round_mut(&mut st, seq)?;
             match (&round.fate, is_root) {
@@ -110,7 +101,8 @@ impl InProcessCollective {
                     return Ok(());
                 }
                 (Fate::Committed, true) => {
-                    if g.cv.wait_until(&mut st, limit).timed_out() && Instant::now() >= limit {
+                    let running = round.copying > 0;
+                    if g.wait_for_copies(&mut st, limit, running) {
                         tracing::error!(rank, seq, "peers never copied a broadcast: given up");
                         st.abandon(seq, copies_gave_up(kind.name(), seq));
                         g.cv.notify_all();
@@ -123,6 +115,7 @@ impl InProcessCollective {
                     };
                     round.copying += 1;
                     MutexGuard::unlocked(&mut st, || {
+                        g.pause_in_copy(rank);
                         // SAFETY: the root's rows stay valid and unwritten until this copy is
                         // counted finished (the root waits for `copying == 0` and `copied`);
                         // this rank's rows are valid for writes and touched by nothing else
@@ -177,7 +170,7 @@ impl InProcessCollective {
         let seq = self.next_seq();
         let mut st = g.arrive(rank, seq, desc, invalid, Arrival::Rows(rows.to_vec()))?;
         let mut copied = false;
-        let limit = kv_loader::deadline_from(deadline, COPY_GRACE);
+        let limit = kv_loader::deadline_from(deadline, g.copy_grace);
         loop {
             let round = round_mut(&mut st, seq)?;
             match &round.fate {
@@ -202,6 +195,7 @@ impl InProcessCollective {
                         .collect();
                     round.copying += 1;
                     MutexGuard::unlocked(&mut st, || {
+                        g.pause_in_copy(rank);
                         let mut start = 0;
                         for (peer, &n) in counts.iter().enumerate() {
                             let range = start..start + n;
@@ -229,7 +223,8 @@ impl InProcessCollective {
                     return Ok(());
                 }
                 Fate::Committed => {
-                    if g.cv.wait_until(&mut st, limit).timed_out() && Instant::now() >= limit {
+                    let running = round.copying > 0;
+                    if g.wait_for_copies(&mut st, limit, running) {
                         tracing::error!(rank, seq, "peers never copied an all-gather: given up");
                         st.abandon(seq, copies_gave_up(kind.name(), seq));
                         g.cv.notify_all();
@@ -237,6 +232,110 @@ impl InProcessCollective {
                 }
                 Fate::Open => g.wait_open(rank, &mut st, seq, kind.name(), deadline),
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use kv_device::HostRow;
+    use parking_lot::Mutex;
+
+    use super::super::round::Group;
+    use super::super::InProcessCollective;
+    use crate::CollectiveError;
+
+    /// A host-only group of `size` whose owners give up 50 ms past their deadline, and whose
+    /// rank 1 spends `pause` inside its copy.
+    fn group_with_slow_copy(size: u32, pause: Duration) -> Vec<InProcessCollective> {
+        let group = Arc::new(Group {
+            copy_grace: Duration::from_millis(50),
+            copy_pause: Mutex::new(Some((1, pause))),
+            ..Group::new(size)
+        });
+        (0..size)
+            .map(|rank| InProcessCollective {
+                group: group.clone(),
+                rank,
+                seq: AtomicU64::new(0),
+                device: None,
+            })
+            .collect()
+    }
+
+    fn row_of(buf: &mut [u8]) -> Vec<HostRow> {
+        vec![HostRow {
+            addr: buf.as_mut_ptr() as usize,
+            len: buf.len(),
+        }]
+    }
+
+    /// Runs `op` on every rank at once, each on its own buffer (rank `r`'s filled with `r + 1`),
+    /// and returns each rank's outcome and buffer.
+    fn run_ranks(
+        ranks: &[InProcessCollective],
+        len: usize,
+        op: impl Fn(&InProcessCollective, &[HostRow]) -> Result<(), CollectiveError> + Sync,
+    ) -> Vec<(Result<(), CollectiveError>, Vec<u8>)> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .iter()
+                .map(|c| {
+                    let op = &op;
+                    s.spawn(move || {
+                        let mut buf = vec![c.rank as u8 + 1; len];
+                        let rows = row_of(&mut buf);
+                        (op(c, &rows), buf)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// A peer's copy still running when the owner's grace ends is waited for, not given up
+    /// under it: before, the root failed the round at its limit, so the slow peer failed after
+    /// its copy while the quick one had returned `Ok`.
+    #[test]
+    fn a_broadcast_copy_running_at_the_grace_end_finishes_the_round_ok() {
+        let ranks = group_with_slow_copy(3, Duration::from_millis(400));
+        let deadline = kv_loader::deadline_after(Duration::from_millis(50));
+        let out = run_ranks(&ranks, 4096, |c, rows| {
+            // SAFETY: each rank's row is its own live buffer, untouched by anything else
+            // during the call; ranks' buffers do not overlap.
+            unsafe { c.rows_broadcast(rows, 0, deadline) }
+        });
+        for (rank, (result, buf)) in out.iter().enumerate() {
+            assert!(result.is_ok(), "rank {rank}: {result:?}");
+            assert!(
+                buf.iter().all(|&b| b == 1),
+                "rank {rank} holds the root's row"
+            );
+        }
+    }
+
+    /// The same for an all-gather: every rank waits for the slow copy and ends `Ok`.
+    #[test]
+    fn an_all_gather_copy_running_at_the_grace_end_finishes_the_round_ok() {
+        let ranks = group_with_slow_copy(3, Duration::from_millis(400));
+        let deadline = kv_loader::deadline_after(Duration::from_millis(50));
+        let out = run_ranks(&ranks, 3, |c, rows| {
+            let split: Vec<HostRow> = (0..3)
+                .map(|i| HostRow {
+                    addr: rows[0].addr + i,
+                    len: 1,
+                })
+                .collect();
+            // SAFETY: as above; the three one-byte rows split the rank's own buffer.
+            unsafe { c.rows_all_gather(&split, &[1, 1, 1], deadline) }
+        });
+        for (rank, (result, buf)) in out.iter().enumerate() {
+            assert!(result.is_ok(), "rank {rank}: {result:?}");
+            assert_eq!(buf, &[1, 2, 3], "rank {rank} holds every rank's row");
         }
     }
 }
