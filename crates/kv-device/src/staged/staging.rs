@@ -37,15 +37,53 @@ struct Quarantined {
     _owners: Vec<Arc<dyn Any + Send + Sync>>,
 }
 
+/// What a quarantined pair's fences say.
+enum Fenced {
+    /// Every fence has completed.
+    Done,
+    /// Some fence has not completed yet.
+    Running,
+    /// Unknown for good: no fences were given, or one failed to answer.
+    Unknown,
+}
+
 impl Quarantined {
-    /// True when no stage is lent any more and every fence has completed (or failed: its
-    /// stream runs nothing more).
-    fn settled(&self) -> bool {
-        self.lent.iter().all(|l| !l.load(Ordering::Acquire))
-            && self
-                .fences
-                .as_ref()
-                .is_some_and(|f| f.iter().all(|f| !matches!(f.is_complete(), Ok(false))))
+    /// True when no stage is lent any more and every fence has completed. A fence whose query
+    /// fails says nothing about the work before it (a broken context may still hold it), so
+    /// its pair is never handed out again: the failure is logged once and the fences dropped.
+    fn settled(&mut self) -> bool {
+        if self.lent.iter().any(|l| l.load(Ordering::Acquire)) {
+            return false;
+        }
+        match self.fenced() {
+            Fenced::Done => true,
+            Fenced::Running => false,
+            Fenced::Unknown => {
+                self.fences = None;
+                false
+            }
+        }
+    }
+
+    fn fenced(&self) -> Fenced {
+        let Some(fences) = &self.fences else {
+            return Fenced::Unknown;
+        };
+        for fence in fences {
+            match fence.is_complete() {
+                Ok(true) => {}
+                Ok(false) => return Fenced::Running,
+                Err(error) => {
+                    tracing::error!(
+                        %error,
+                        "a quarantined staging buffer's fence failed to answer: whether its \
+                         device work has ended is unknown, so the buffer is never leased again"
+                    );
+                    return Fenced::Unknown;
+                }
+            }
+        }
+        Fenced::Done
     }
 }
 
@@ -237,7 +275,7 @@ impl StagingPool {
 
 impl Drop for StagingPool {
     fn drop(&mut self) {
-        for q in self.quarantine.get_mut().drain(..) {
+        for mut q in self.quarantine.get_mut().drain(..) {
             if q.settled() {
                 continue;
             }
@@ -369,5 +407,81 @@ impl Drop for StagingLease {
         if let Some(pair) = self.pair.take() {
             self.pool.free.lock().push(pair);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::any::Any;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use kv_loader::{KvLoadError, RawStream, StreamWaitable};
+    use parking_lot::Mutex;
+
+    use super::StagingPool;
+    use crate::{CpuDevice, DeviceError, DeviceEvent, SharedEvent};
+
+    /// An event whose next answers the test sets.
+    #[derive(Debug)]
+    struct Scripted(Mutex<Result<bool, String>>);
+
+    impl Scripted {
+        fn answer(&self, answer: Result<bool, String>) {
+            *self.0.lock() = answer;
+        }
+    }
+
+    impl StreamWaitable for Scripted {
+        fn wait_on_stream(&self, _: RawStream) -> Result<(), KvLoadError> {
+            Ok(())
+        }
+        fn synchronize(&self) -> Result<(), KvLoadError> {
+            Ok(())
+        }
+    }
+
+    impl DeviceEvent for Scripted {
+        fn is_complete(&self) -> Result<bool, DeviceError> {
+            self.0.lock().clone().map_err(DeviceError::Driver)
+        }
+        fn wait_until(&self, _: Instant) -> Result<bool, DeviceError> {
+            self.is_complete()
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    fn pool_of_one() -> Arc<StagingPool> {
+        StagingPool::with_stages(CpuDevice::new(0).unwrap(), 4096, 2, 1).unwrap()
+    }
+
+    #[test]
+    fn a_quarantined_buffer_comes_back_once_its_fence_completes() {
+        let pool = pool_of_one();
+        let fence = Arc::new(Scripted(Mutex::new(Ok(false))));
+        pool.lease()
+            .unwrap()
+            .quarantine(vec![fence.clone() as SharedEvent], Vec::new());
+        assert_eq!((pool.available(), pool.quarantined()), (0, 1));
+        fence.answer(Ok(true));
+        assert_eq!((pool.available(), pool.quarantined()), (1, 0));
+    }
+
+    /// Before, a fence whose query failed counted as completed, and its buffer was leased
+    /// again while the device work before the fence might still be writing it.
+    #[test]
+    fn a_fence_that_fails_to_answer_keeps_its_buffer_quarantined_for_good() {
+        let pool = pool_of_one();
+        let fence = Arc::new(Scripted(Mutex::new(Err("context broken".into()))));
+        pool.lease()
+            .unwrap()
+            .quarantine(vec![fence.clone() as SharedEvent], Vec::new());
+        assert_eq!((pool.available(), pool.quarantined()), (0, 1));
+        assert!(matches!(pool.lease(), Err(DeviceError::Alloc { .. })));
+        // Unknown stays unknown, whatever the event answers later.
+        fence.answer(Ok(true));
+        assert_eq!((pool.available(), pool.quarantined()), (0, 1));
     }
 }
