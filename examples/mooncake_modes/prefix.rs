@@ -140,22 +140,12 @@ impl Prefix {
                 .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("saver panicked"))))
                 .collect()
         });
-        for r in results {
-            r?;
-        }
         let save_s = t0.elapsed().as_secs_f64();
-        let scheme = kvlink::kv_geometry::KeyScheme::new(&namespace, 0, 0, 0);
-        let keys = g
-            .components()
-            .iter()
-            .flat_map(|c| {
-                pages
-                    .iter()
-                    .map(|p| scheme.object_key(p, c))
-                    .collect::<Vec<_>>()
-            })
-            .flat_map(|k| [kvlink::kv_geometry::checksum_key(&k), k])
-            .collect();
+        let keys = prefix_keys(&g, &pages, &namespace);
+        if let Some(e) = results.into_iter().find_map(Result::err) {
+            // Chunks other savers wrote stay in the store otherwise, and crowd the next size.
+            return Err(e.context(discard_after_failed_save(config, &keys)));
+        }
         Ok(Prefix {
             tokens: n as u64 * u64::from(g.page_size()),
             bytes: g.bytes_per_page() * n as u64,
@@ -170,9 +160,42 @@ impl Prefix {
     /// Removes every object and companion of the prefix from the store (forced: the loads'
     /// read leases do not keep them), so the next size fits the storage nodes.
     pub fn discard(&self, store: &dyn KvStore) -> usize {
-        let keys: Vec<&str> = self.keys.iter().map(String::as_str).collect();
-        keys.chunks(512)
-            .map(|c| store.discard(c).into_iter().filter(Result::is_ok).count())
-            .sum()
+        discard_keys(store, &self.keys)
     }
+}
+
+/// Every object key of the prefix, each after its checksum companion.
+fn prefix_keys(g: &KvGeometry, pages: &[PageHash], namespace: &str) -> Vec<String> {
+    let scheme = kvlink::kv_geometry::KeyScheme::new(namespace, 0, 0, 0);
+    g.components()
+        .iter()
+        .flat_map(|c| {
+            pages
+                .iter()
+                .map(|p| scheme.object_key(p, c))
+                .collect::<Vec<_>>()
+        })
+        .flat_map(|k| [kvlink::kv_geometry::checksum_key(&k), k])
+        .collect()
+}
+
+/// Removes what a failed save may have written (every key of the prefix; absent ones are
+/// refused by the store and not counted), on a client of its own; says what it did.
+fn discard_after_failed_save(config: &MooncakeConfig, keys: &[String]) -> String {
+    let store = match MooncakeStore::connect(config.clone()) {
+        Ok(s) => s,
+        Err(e) => {
+            return format!("the save failed; its objects stay (no client to discard them: {e})")
+        }
+    };
+    let removed = discard_keys(&store, keys);
+    format!("the save failed; {removed} of its objects and companions discarded")
+}
+
+/// Discards `keys` (forced), 512 per store call; how many were removed.
+fn discard_keys(store: &dyn KvStore, keys: &[String]) -> usize {
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    keys.chunks(512)
+        .map(|c| store.discard(c).into_iter().filter(Result::is_ok).count())
+        .sum()
 }
