@@ -49,15 +49,22 @@ if [[ $procs -eq 1 ]]; then
     source "$repo/scripts/modelled-compute.sh"
     compute=$(modelled_compute_us "$tokens") || { echo "gpu-mooncake-steps: or --no-compute" >&2; exit 2; }
   fi
-  # One glm_prefill run per mode, each inside one shared time limit.
+  # One glm_prefill run per mode, each inside one shared time limit. A mode passes when its
+  # run exits 0: glm_prefill verifies every rank's pool and exits 1 on a failed load or a
+  # differing pool. The count is the file's last line (a mode the time limit cut is neither).
   timeout -k 15 "${KVLINK_TABLE_TIMEOUT:-400}" bash -c '
-    rc=0
+    rc=0; passed=0; failed=0
     for mode in ${1//,/ }; do
       echo "## glm_prefill --mode $mode"; echo; echo "\`\`\`"
-      bash scripts/gpu-mooncake-run.sh --storage-nodes 1 -- glm_prefill --store mooncake \
-        --ranks-as processes --mode "$mode" --tp "$2" --tokens "$3" --compute-us "$4" || rc=$?
+      if bash scripts/gpu-mooncake-run.sh --storage-nodes 1 -- glm_prefill --store mooncake \
+        --ranks-as processes --mode "$mode" --tp "$2" --tokens "$3" --compute-us "$4"; then
+        passed=$((passed + 1))
+      else
+        rc=$?; failed=$((failed + 1))
+      fi
       echo "\`\`\`"; echo
     done
+    echo "$passed passed, $failed failed"
     exit $rc' _ "$modes" "$tp" "$tokens" "$compute" > "$work/stdout.log" 2> "$work/stderr.log"
   rc=$?
   cp "$work/stdout.log" "$work/runs.md"

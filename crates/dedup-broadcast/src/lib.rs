@@ -4,8 +4,9 @@
 //! The building blocks, one idea per module:
 //! - [`Collective`]: a TP group's collective operations (host rows, event-ordered device
 //!   regions, small host values), issued in the same order on every rank, each bounded by a
-//!   deadline. [`InProcessGroup`] implements it for ranks that are threads of one process (host
-//!   memory, or device memory with [`InProcessGroup::on_devices`]: N ranks may share one GPU);
+//!   deadline. [`InProcessCollective`] (built by [`InProcessGroup`]) implements it for ranks
+//!   that are threads of one process (host memory, or device memory with
+//!   [`InProcessGroup::on_devices`]: N ranks may share one GPU);
 //!   [`nccl::NcclCollective`] (feature `nccl`) over NCCL; `SocketCollective` (Linux) for
 //!   ranks that are processes, host rows over a socket mesh, formed at a `Rendezvous`
 //!   (`RendezvousFormation` forms and re-forms such groups, over sockets or NCCL).
