@@ -342,7 +342,8 @@ impl Linker {
                 "the pool is laid out for another geometry",
             ));
         }
-        let registered = Registered::new(store.clone(), landings.clone())?;
+        let registered =
+            Registered::new(store.clone(), landings.clone(), config.store_call_timeout)?;
         let keys = KeyScheme::new(
             &config.namespace.resolve(&geometry),
             geometry.tp_rank,

@@ -2,36 +2,46 @@
 //! close (or, when store calls past their deadline still run, once the last of them returned),
 //! and never freed while the store may still use it: each region keeps its memory allocated
 //! ([`StoreRegion`](kv_device::StoreRegion)), and a region the store will not let go of is
-//! kept for good ([`Registration`]).
+//! kept for good ([`Registration`]). Registering and unregistering are store calls like the
+//! others: each is waited for at most `store_call_timeout` (on a worker that keeps the region
+//! until the store answers), so a store whose metadata service hangs fails the linker's build
+//! in time and does not hold `close`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kv_device::LandingFactory;
 use kv_loader::KvLoadError;
 
-use crate::store::{KvStore, Registration};
+use crate::store::{KvStore, Registration, StoreCalls};
 
 /// The landing memory registered with the store, let go (unregistered) when the last holder
 /// drops it: the linker, and every store call past its deadline that may still write that
 /// memory (through its memory hold). So a region is never unregistered while a call that
 /// uses it runs.
 pub(crate) struct Registered {
-    _regions: Vec<Registration>,
+    regions: Vec<Registration>,
     /// Kept while the memory is registered: the landings the store writes through.
     _landings: Arc<dyn LandingFactory>,
 }
 
 impl Registered {
-    /// Registers every store region of `landings` with `store`; on a failure, lets go of
-    /// those already registered.
+    /// Registers every store region of `landings` with `store`, each call waited for at most
+    /// `bound` and a second per GB of the region (each later unregister for `bound`); on a
+    /// failure, lets go of those already registered.
     pub(crate) fn new(
         store: Arc<dyn KvStore>,
         landings: Arc<dyn LandingFactory>,
+        bound: Duration,
     ) -> Result<Arc<Self>, KvLoadError> {
+        let calls = Arc::new(StoreCalls::new(store));
         let regions = landings
             .store_regions()
             .into_iter()
-            .map(|region| Registration::new(&store, region))
+            .map(|region| {
+                let deadline = kv_loader::deadline_after(registering_bound(bound, region.len()));
+                Registration::bounded(&calls, region, deadline, bound)
+            })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| {
                 KvLoadError::config(kv_loader::Cause::with_source(
@@ -40,8 +50,30 @@ impl Registered {
                 ))
             })?;
         Ok(Arc::new(Registered {
-            _regions: regions,
+            regions,
             _landings: landings,
         }))
     }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        // Side by side: one bound for all of them, not one per region.
+        let failed = Registration::release_all(std::mem::take(&mut self.regions))
+            .into_iter()
+            .filter(Result::is_err)
+            .count();
+        if failed > 0 {
+            tracing::warn!(
+                failed,
+                "landing memory not unregistered: kept registered and allocated"
+            );
+        }
+    }
+}
+
+/// How long registering `bytes` may take: one store call, and a second per GB more (over
+/// RDMA registering pins and maps every page of the region; over TCP it is bookkeeping).
+fn registering_bound(store_call: Duration, bytes: usize) -> Duration {
+    store_call.saturating_add(Duration::from_secs_f64(bytes as f64 / 1e9))
 }

@@ -1,12 +1,18 @@
 //! Registering memory with a store without `unsafe` at the call site: the region
 //! ([`StoreRegion`]) keeps its memory allocated, and a [`Registration`] keeps the region until
-//! the store has let go of it, or for good when it will not.
+//! the store has let go of it, or for good when it will not. [`Registration::bounded`]
+//! registers and unregisters on a store-call worker and waits for either at most a bound: a
+//! store whose `register` or `unregister` hangs (its metadata service down) then fails the
+//! caller in time, and the worker keeps the region until the store has answered.
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kv_device::StoreRegion;
+use parking_lot::Mutex;
 
-use super::{KvStore, MemoryRegion, StoreError};
+use super::{KvStore, MemoryRegion, StoreCalls, StoreError};
 
 /// A region registered with a store. Dropping it (or [`release`](Registration::release))
 /// unregisters it; when the store refuses (a transfer still in flight), the region is kept
@@ -26,6 +32,9 @@ use super::{KvStore, MemoryRegion, StoreError};
 pub struct Registration {
     store: Arc<dyn KvStore>,
     region: Option<StoreRegion>,
+    /// Where the unregister runs and how long it is waited for ([`Registration::bounded`]);
+    /// `None`: on the calling thread, unbounded.
+    bound: Option<(Arc<StoreCalls>, Duration)>,
 }
 
 fn raw(region: &StoreRegion) -> MemoryRegion {
@@ -35,17 +44,40 @@ fn raw(region: &StoreRegion) -> MemoryRegion {
     }
 }
 
+/// How a registration's failures name their region (store errors name a key).
+fn label(region: &MemoryRegion) -> String {
+    format!("memory {:#x}+{}", region.addr, region.len)
+}
+
+/// Unregisters `region` and lets it go; when the store refuses, or panics, the region is
+/// kept for the rest of the process (leaked, never freed under the store).
+fn unregister_owned(store: &dyn KvStore, region: StoreRegion) -> Result<(), StoreError> {
+    let region = ManuallyDrop::new(region);
+    match store.unregister(raw(&region)) {
+        Ok(()) => {
+            drop(ManuallyDrop::into_inner(region));
+            Ok(())
+        }
+        Err(e) => {
+            tracing::error!(error = %e, bytes = region.len(), "memory stays registered with the store: kept, never freed");
+            Err(e)
+        }
+    }
+}
+
 impl std::fmt::Debug for Registration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registration")
             .field("store", &self.store.name())
             .field("region", &self.region)
+            .field("bound", &self.bound.as_ref().map(|(_, wait)| wait))
             .finish()
     }
 }
 
 impl Registration {
-    /// Registers `region` with `store`.
+    /// Registers `region` with `store`, on the calling thread; its unregister runs there too.
+    /// Both wait as long as the store takes: [`bounded`](Self::bounded) does not.
     pub fn new(store: &Arc<dyn KvStore>, region: StoreRegion) -> Result<Self, StoreError> {
         // SAFETY: `region` keeps its memory allocated while it lives (its constructor's
         // contract). The registration keeps both the region and the store until `unregister`
@@ -55,7 +87,65 @@ impl Registration {
         Ok(Registration {
             store: store.clone(),
             region: Some(region),
+            bound: None,
         })
+    }
+
+    /// Registers `region` on a worker of `calls`, waiting for it until `deadline`
+    /// ([`StoreError::Overdue`] then); its unregister (drop or [`release`](Self::release)) runs
+    /// on a worker too and is waited for at most `unregister_wait`. Whatever the waits, the
+    /// region stays allocated until the store has let go of it: a register that completes
+    /// after its caller gave up is undone on the worker, and an unregister still running at
+    /// its bound keeps the region until it returns (for good when the store refuses).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use kv_device::StoreRegion;
+    /// use mooncake_linker::store::{EmbeddedStore, Registration, StoreCalls};
+    /// let calls = Arc::new(StoreCalls::new(Arc::new(EmbeddedStore::new(1 << 20))));
+    /// let buf: Arc<Vec<u8>> = Arc::new(vec![0; 4096]);
+    /// // SAFETY: `buf`'s bytes stay allocated while `buf` (the owner) lives.
+    /// let region = unsafe { StoreRegion::new(buf.as_ptr() as usize, buf.len(), buf.clone()) };
+    /// let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+    /// let reg = Registration::bounded(&calls, region, deadline, Duration::from_secs(5)).unwrap();
+    /// reg.release().unwrap();
+    /// ```
+    pub fn bounded(
+        calls: &Arc<StoreCalls>,
+        region: StoreRegion,
+        deadline: Instant,
+        unregister_wait: Duration,
+    ) -> Result<Self, StoreError> {
+        let name = label(&raw(&region));
+        let pending = calls.submit(
+            "register",
+            move |s| {
+                // Not dropped by an unwinding `register`: it may have registered part of it.
+                let region = ManuallyDrop::new(region);
+                // SAFETY: `region` keeps its memory allocated while it lives (its
+                // constructor's contract); it goes back to the caller with the answer, or is
+                // unregistered on this worker when the caller has given up (and kept for good
+                // when the store will not let go), so the memory outlives the registration.
+                let registered = unsafe { s.register(raw(&region)) };
+                (registered, ManuallyDrop::into_inner(region))
+            },
+            |s, (registered, region)| {
+                if registered.is_ok() {
+                    tracing::warn!("a registration completed after its caller gave up: undone");
+                    let _ = unregister_owned(s, region);
+                }
+            },
+        )?;
+        match pending.wait(deadline) {
+            Ok((Ok(()), region)) => Ok(Registration {
+                store: calls.store().clone(),
+                region: Some(region),
+                bound: Some((calls.clone(), unregister_wait)),
+            }),
+            Ok((Err(e), _not_registered)) => Err(e),
+            Err(why) => Err(why.error(&name, "register")),
+        }
     }
 
     /// The region.
@@ -64,23 +154,101 @@ impl Registration {
     }
 
     /// Unregisters the region. On `Err` the region stays registered, and its memory
-    /// allocated for the rest of the process.
+    /// allocated for the rest of the process (or, for a [bounded](Self::bounded) unregister
+    /// past its wait, until the store answers).
     pub fn release(mut self) -> Result<(), StoreError> {
         self.let_go()
     }
 
     fn let_go(&mut self) -> Result<(), StoreError> {
-        let Some(region) = self.region.take() else {
-            return Ok(());
-        };
-        match self.store.unregister(raw(&region)) {
-            Ok(()) => Ok(()),
+        self.start_let_go().answer(Instant::now())
+    }
+}
+
+/// An unregister started on a worker, or already answered.
+enum Unregistering {
+    Answered(Result<(), StoreError>),
+    Running {
+        pending: super::bounded::Pending<Result<(), StoreError>>,
+        name: String,
+        wait: Duration,
+    },
+}
+
+impl Unregistering {
+    /// Starts the unregister of `region` on a worker of `calls`; the worker owns the region
+    /// until the store answers.
+    fn start(calls: &StoreCalls, region: StoreRegion, wait: Duration) -> Self {
+        let name = label(&raw(&region));
+        // Shared, so that a call no worker took leaves the region here, to be kept.
+        let slot = Arc::new(Mutex::new(Some(region)));
+        let theirs = slot.clone();
+        let submitted = calls.submit(
+            "unregister",
+            move |s| match theirs.lock().take() {
+                Some(region) => unregister_owned(s, region),
+                None => Ok(()),
+            },
+            |_, _| {},
+        );
+        match submitted {
+            Ok(pending) => Unregistering::Running {
+                pending,
+                name,
+                wait,
+            },
             Err(e) => {
-                tracing::error!(error = %e, bytes = region.len(), "memory stays registered with the store: kept, never freed");
-                std::mem::forget(region);
-                Err(e)
+                if let Some(region) = slot.lock().take() {
+                    tracing::error!(error = %e, region = %name, "no worker to unregister: the memory stays registered, kept for good");
+                    std::mem::forget(region);
+                }
+                Unregistering::Answered(Err(e))
             }
         }
+    }
+
+    /// The store's answer, waited for until `wait` after `started`.
+    fn answer(self, started: Instant) -> Result<(), StoreError> {
+        match self {
+            Unregistering::Answered(answer) => answer,
+            Unregistering::Running {
+                pending,
+                name,
+                wait,
+            } => match pending.wait(kv_loader::deadline_from(started, wait)) {
+                Ok(answer) => answer,
+                Err(why) => {
+                    tracing::error!(region = %name, "unregister overdue: the region is kept until the store answers");
+                    Err(why.error(&name, "unregister"))
+                }
+            },
+        }
+    }
+}
+
+impl Registration {
+    /// Starts letting go of the region: on a worker when bounded, else here.
+    fn start_let_go(&mut self) -> Unregistering {
+        let Some(region) = self.region.take() else {
+            return Unregistering::Answered(Ok(()));
+        };
+        match &self.bound {
+            None => Unregistering::Answered(unregister_owned(self.store.as_ref(), region)),
+            Some((calls, wait)) => Unregistering::start(calls, region, *wait),
+        }
+    }
+
+    /// Unregisters every registration at once: the bounded ones' unregisters run side by side,
+    /// so letting go of several regions waits one bound, not one per region. The answers, in
+    /// order.
+    pub fn release_all(registrations: Vec<Registration>) -> Vec<Result<(), StoreError>> {
+        let started = Instant::now();
+        let mut registrations = registrations;
+        let running: Vec<Unregistering> = registrations
+            .iter_mut()
+            .map(Registration::start_let_go)
+            .collect();
+        running.into_iter().map(|u| u.answer(started)).collect()
     }
 }
 
@@ -109,5 +277,173 @@ mod tests {
         );
         reg.release().unwrap();
         assert_eq!(Arc::strong_count(&buf), 1, "released: the owner is let go");
+    }
+
+    /// A store whose `register` and `unregister` wait until the gate opens (a metadata service
+    /// that hangs), and that counts the regions it holds registered.
+    struct HangingRegistry {
+        inner: EmbeddedStore,
+        open: parking_lot::Mutex<bool>,
+        opened: parking_lot::Condvar,
+        registered: std::sync::atomic::AtomicI64,
+    }
+
+    impl HangingRegistry {
+        fn new(open: bool) -> Arc<Self> {
+            Arc::new(HangingRegistry {
+                inner: EmbeddedStore::new(1 << 20),
+                open: parking_lot::Mutex::new(open),
+                opened: parking_lot::Condvar::new(),
+                registered: std::sync::atomic::AtomicI64::new(0),
+            })
+        }
+
+        fn wait_open(&self) {
+            let deadline = kv_loader::deadline_after(Duration::from_secs(30));
+            let mut open = self.open.lock();
+            while !*open && !self.opened.wait_until(&mut open, deadline).timed_out() {}
+        }
+
+        fn set_open(&self, open: bool) {
+            *self.open.lock() = open;
+            self.opened.notify_all();
+        }
+
+        fn held(&self) -> i64 {
+            self.registered.load(std::sync::atomic::Ordering::Acquire)
+        }
+    }
+
+    impl KvStore for HangingRegistry {
+        crate::forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put,
+            remove, discard, start_session, end_session, health);
+
+        fn name(&self) -> &str {
+            "hanging-registry"
+        }
+
+        unsafe fn register(&self, _: MemoryRegion) -> Result<(), StoreError> {
+            self.wait_open();
+            self.registered
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            Ok(())
+        }
+
+        fn unregister(&self, _: MemoryRegion) -> Result<(), StoreError> {
+            self.wait_open();
+            self.registered
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            Ok(())
+        }
+    }
+
+    fn region_of(buf: &Arc<Vec<u8>>) -> StoreRegion {
+        // SAFETY: `buf`'s bytes stay allocated while `buf` (the owner) lives.
+        unsafe { StoreRegion::new(buf.as_ptr() as usize, buf.len(), buf.clone()) }
+    }
+
+    /// Waits (bounded) until `what` holds.
+    fn eventually(what: impl Fn() -> bool) -> bool {
+        let limit = Instant::now() + Duration::from_secs(10);
+        while !what() {
+            if Instant::now() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
+    const SHORT: Duration = Duration::from_millis(100);
+
+    #[test]
+    fn a_hanging_register_fails_at_its_deadline_and_is_undone_when_it_completes() {
+        let store = HangingRegistry::new(false);
+        let calls = Arc::new(StoreCalls::new(store.clone()));
+        let buf: Arc<Vec<u8>> = Arc::new(vec![0; 64]);
+        let started = Instant::now();
+        let out = Registration::bounded(&calls, region_of(&buf), Instant::now() + SHORT, SHORT);
+        assert!(
+            matches!(
+                out,
+                Err(StoreError::Overdue {
+                    call: "register",
+                    ..
+                })
+            ),
+            "{out:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(
+            Arc::strong_count(&buf),
+            2,
+            "the stuck call keeps the memory"
+        );
+        store.set_open(true);
+        assert!(
+            eventually(|| Arc::strong_count(&buf) == 1),
+            "let go once undone"
+        );
+        assert_eq!(store.held(), 0, "the late registration was undone");
+    }
+
+    #[test]
+    fn a_hanging_unregister_returns_at_its_bound_and_keeps_the_memory_until_it_answers() {
+        let store = HangingRegistry::new(true);
+        let calls = Arc::new(StoreCalls::new(store.clone()));
+        let buf: Arc<Vec<u8>> = Arc::new(vec![0; 64]);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let reg = Registration::bounded(&calls, region_of(&buf), deadline, SHORT).unwrap();
+        assert_eq!(store.held(), 1);
+        store.set_open(false);
+        let started = Instant::now();
+        let out = reg.release();
+        assert!(
+            matches!(
+                out,
+                Err(StoreError::Overdue {
+                    call: "unregister",
+                    ..
+                })
+            ),
+            "{out:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(
+            Arc::strong_count(&buf),
+            2,
+            "kept while the store has not answered"
+        );
+        store.set_open(true);
+        assert!(eventually(|| Arc::strong_count(&buf) == 1));
+        assert_eq!(store.held(), 0);
+    }
+
+    #[test]
+    fn releasing_several_hanging_registrations_waits_one_bound_not_one_each() {
+        let store = HangingRegistry::new(true);
+        let calls = Arc::new(StoreCalls::new(store.clone()));
+        let wait = Duration::from_millis(300);
+        let bufs: Vec<Arc<Vec<u8>>> = (0..4).map(|_| Arc::new(vec![0; 64])).collect();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let regs: Vec<Registration> = bufs
+            .iter()
+            .map(|b| Registration::bounded(&calls, region_of(b), deadline, wait).unwrap())
+            .collect();
+        store.set_open(false);
+        let started = Instant::now();
+        let out = Registration::release_all(regs);
+        let took = started.elapsed();
+        assert_eq!(out.len(), 4);
+        assert!(out.iter().all(Result::is_err), "{out:?}");
+        assert!(
+            took < wait * 3,
+            "{took:?} for four unregisters of {wait:?} each"
+        );
+        store.set_open(true);
+        assert!(eventually(|| bufs
+            .iter()
+            .all(|b| Arc::strong_count(b) == 1)));
+        assert_eq!(store.held(), 0);
     }
 }
