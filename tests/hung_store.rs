@@ -20,7 +20,8 @@ use kvlink::kv_device::{
 use kvlink::kv_geometry::{KvGeometry, PageHash};
 use kvlink::kv_loader::{BatchId, KvLoadError, KvLoader, LoadTicket, ShareMode};
 use kvlink::mooncake_linker::store::{
-    EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, MemoryRegion, Stall, StoreError,
+    EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, MemoryRegion, Stall,
+    StoreError,
 };
 use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity};
 
@@ -409,4 +410,68 @@ fn a_reset_that_finds_the_load_thread_busy_holds_the_batchs_slots() {
         kvlink::kv_loader::EngineAction::HoldSlots
     );
     session.release();
+}
+
+/// A store whose `register` or `unregister` hangs (its metadata service stopped answering);
+/// its reads do not.
+fn hanging_registry(call: FaultCall) -> (One, Stall) {
+    let o = one();
+    // Reads do not hang here.
+    o.stall.release();
+    let stall = Stall::new();
+    o.store
+        .inner
+        .inject_on(call, FaultRule::default(), Fault::Stall(stall.clone()));
+    (o, stall)
+}
+
+#[test]
+fn a_hung_register_fails_the_linkers_build_in_time_and_is_undone_when_it_returns() {
+    let (o, stall) = hanging_registry(FaultCall::Register);
+    let pool = Arc::new(HostKvPool::new(o.g.clone(), 16).unwrap());
+    let t0 = Instant::now();
+    let built = Linker::new(o.g.clone(), o.store.clone(), pool.clone(), cfg());
+    let took = t0.elapsed();
+    let e = built.err().expect("the build fails");
+    assert!(e.to_string().contains("register"), "{e}");
+    // One store call (2 s) and a second per GB of the pool's region: well under 4 s here.
+    assert!(took < Duration::from_secs(4), "{took:?}");
+    assert!(took >= Duration::from_secs(2), "{took:?}: waited its bound");
+    assert_eq!(o.store.released.load(Ordering::SeqCst), 0);
+    stall.release();
+    eventually("the late registration is undone", || {
+        o.store.released.load(Ordering::SeqCst) == o.store.registered.load(Ordering::SeqCst)
+    });
+    eventually("the pool's memory is let go", || {
+        Arc::strong_count(&pool) == 1
+    });
+}
+
+#[test]
+fn a_hung_unregister_does_not_hold_close_past_its_bound_and_keeps_the_memory_until_it_returns() {
+    let (o, stall) = hanging_registry(FaultCall::Unregister);
+    let pool = Arc::new(HostKvPool::new(o.g.clone(), 16).unwrap());
+    let linker = Linker::new(o.g.clone(), o.store.clone(), pool.clone(), cfg()).unwrap();
+    let t2 = linker
+        .start_load(load_plan(&o.g, 2, &o.pages, vec![8, 9, 10, 11]))
+        .unwrap();
+    wait_all(&linker, &t2).unwrap();
+    linker.wait_batch(&t2).unwrap().result.unwrap();
+    let t0 = Instant::now();
+    linker.close().unwrap();
+    let took = t0.elapsed();
+    // Every region's unregister side by side, one store call's bound (2 s) for all.
+    assert!(took < Duration::from_secs(4), "{took:?}");
+    drop(linker);
+    assert!(
+        Arc::strong_count(&pool) > 1,
+        "the registered memory is kept while its unregister has not returned"
+    );
+    stall.release();
+    eventually("the regions are let go", || {
+        o.store.released.load(Ordering::SeqCst) == o.store.registered.load(Ordering::SeqCst)
+    });
+    eventually("the pool's memory is let go", || {
+        Arc::strong_count(&pool) == 1
+    });
 }

@@ -8,8 +8,8 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::{
-    KvStore, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange, ReadSession,
-    StoreError,
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
+    ReadSession, StoreError,
 };
 
 /// Longest a [`Fault::Stall`] holds a call when it is never released (so a forgotten stall
@@ -106,8 +106,14 @@ pub enum FaultCall {
     Put,
     /// `discard` (a key the fault hits is not discarded).
     Discard,
-    /// Every call above.
+    /// Every call above (not the two below).
     Any,
+    /// `register`: the key a rule matches is the region, `memory 0x<addr>+<len>`. An error,
+    /// or `Down` from a rule on this call, fails it before it reaches the store (nothing is
+    /// registered); a store taken down by a rule on other calls still lets it through.
+    Register,
+    /// `unregister` (same key and rules): a failed one leaves the region registered.
+    Unregister,
 }
 
 /// Which keys a fault hits: all conditions given must match.
@@ -137,7 +143,10 @@ impl Armed {
             }
             c => c,
         };
-        if self.call != FaultCall::Any && self.call != call {
+        let registry = matches!(call, FaultCall::Register | FaultCall::Unregister);
+        if (self.call == FaultCall::Any && registry)
+            || (self.call != FaultCall::Any && self.call != call)
+        {
             return false;
         }
         if let Some(k) = &self.rule.key_contains {
@@ -319,8 +328,34 @@ impl ShortenBy for () {
     fn shorten(&mut self) {}
 }
 
+impl FaultyStore {
+    /// The faults a `register` or `unregister` of `region` hits, as the error to fail it with.
+    fn registry_fault(&self, call: FaultCall, region: &MemoryRegion) -> Option<StoreError> {
+        let key = format!("memory {:#x}+{}", region.addr, region.len);
+        let hit = self.hits(call, std::iter::once((key.as_str(), &[][..])));
+        match hit.into_iter().next().flatten() {
+            Some(Fault::Error(e)) => Some(e),
+            Some(Fault::Down) => Some(Self::unavailable()),
+            _ => None,
+        }
+    }
+}
+
 impl KvStore for FaultyStore {
-    crate::forward_store_calls!(inner => register, unregister);
+    unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        if let Some(e) = self.registry_fault(FaultCall::Register, &region) {
+            return Err(e);
+        }
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.register(region) }
+    }
+
+    fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        if let Some(e) = self.registry_fault(FaultCall::Unregister, &region) {
+            return Err(e);
+        }
+        self.inner.unregister(region)
+    }
 
     fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
         let keys: Vec<&str> = session.keys.iter().map(String::as_str).collect();
