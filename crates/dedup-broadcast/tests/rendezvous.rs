@@ -180,6 +180,36 @@ fn a_key_value_exchange_forms_re_forms_and_refuses_like_tcp() {
     }
 }
 
+/// The exchange restarts empty (its `closed` and `current` keys lost) while the joiners have
+/// belonged to epoch 2: the group meets at once at epoch 3. Before, the joiners ignored every
+/// epoch up to 2, so rank 0's epochs 1 and 2 each timed out first.
+#[test]
+fn an_exchange_that_restarted_empty_still_meets_at_a_newer_epoch() {
+    let x = Arc::new(MemoryExchange::new());
+    let mut ranks: Vec<Rendezvous> = (0..3)
+        .map(|r| Rendezvous::new(exchange(r, 3, &x)).unwrap())
+        .collect();
+    for _ in 0..2 {
+        assert!(form_all(&mut ranks).into_iter().all(|g| g.is_ok()));
+    }
+    assert!(ranks[1..].iter().all(|r| r.last_epoch() == 2));
+    x.clear();
+    // Rank 0 restarts with the exchange (its own last epoch lost too); the joiners stay.
+    ranks[0] = Rendezvous::new(exchange(0, 3, &x).timeout(Duration::from_secs(5))).unwrap();
+    let started = std::time::Instant::now();
+    let groups: Vec<FormedGroup> = form_all(&mut ranks)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(groups.iter().all(|g| g.epoch() == 3));
+    assert_eq!(sum_over(groups), vec![33, 33, 33]);
+}
+
 #[test]
 fn an_exchange_joiner_that_gives_up_can_retry_without_being_a_duplicate() {
     let x = Arc::new(MemoryExchange::new());

@@ -7,12 +7,16 @@
 //! 1. Rank 0 opens epoch `E`: the first `E` above the last closed epoch (`P/closed`) and its
 //!    own last epoch whose key `P/E/open` it can **create** (so two rank-0 processes never
 //!    open the same epoch), then sets `P/current = E`.
-//! 2. Every other rank reads `P/current`; an epoch it already belonged to, or one already
-//!    decided (`P/E/verdict` present), is not for it: it waits for a newer one. Otherwise it
-//!    claims its rank by creating `P/E/hello/{rank}` with its hello; if that key exists,
-//!    another process claimed the rank: it writes its hello to `P/E/dup/{rank}` instead.
-//! 3. Rank 0 polls for every rank's hello (and duplicates) until all are there or the
-//!    deadline, decides exactly as over TCP, and writes the reply to `P/E/verdict`, then
+//! 2. Every other rank reads `P/current`; an epoch already decided (`P/E/verdict` present) is
+//!    not for it: it waits for a newer one. Otherwise it claims its rank by creating
+//!    `P/E/hello/{rank}` with its hello; if that key exists, another process claimed the
+//!    rank: it writes its hello to `P/E/dup/{rank}` instead.
+//! 3. Rank 0 polls for every rank's hello (and duplicates). A hello whose rank has belonged
+//!    to epoch `E` or a later one (the exchange restarted empty, so `P/closed` was lost) makes
+//!    rank 0 open a new epoch above it at once, as in step 1: the joiners see `P/current` move
+//!    and claim their rank there. So the epoch grows past every member's last, as over TCP.
+//!    Once every hello is there (or at the deadline) rank 0 decides exactly as over TCP, and
+//!    writes the reply to `P/E/verdict`, then
 //!    `P/closed = E`. Every rank waits for the verdict; a joiner whose nonce is not the
 //!    accepted one for its rank was the duplicate. A joiner that sees `P/current` move past
 //!    `E` (rank 0 restarted) joins the newer epoch instead. A joiner that gives up at its
@@ -98,6 +102,12 @@ impl MemoryExchange {
     /// An empty exchange.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Forgets every key, as an exchange that restarted empty does.
+    pub fn clear(&self) {
+        self.map.lock().clear();
+        self.changed.notify_all();
     }
 }
 
@@ -256,18 +266,7 @@ pub(crate) fn lead(
 ) -> Result<Welcome, RendezvousError> {
     let k = Keys(prefix);
     let closed = read_u64(x, &k.closed(), deadline)?.unwrap_or(0);
-    let mut epoch = next_epoch(closed.max(leader.last_epoch))?;
-    // Each taken epoch is one store call: bounded by the deadline as well as by the epochs.
-    while !x.create(&k.open(epoch), &leader.encode(), deadline)? {
-        if Instant::now() >= deadline {
-            return Err(RendezvousError::Timeout {
-                missing: (1..leader.world).collect(),
-                detail: format!("rank 0 found every epoch up to {epoch} already opened"),
-            });
-        }
-        epoch = next_epoch(epoch)?;
-    }
-    x.set(&k.current(), &epoch.to_le_bytes(), deadline)?;
+    let mut epoch = open_epoch(x, &k, leader, closed.max(leader.last_epoch), deadline)?;
     let world = leader.world;
     let decision = loop {
         let mut hellos = Vec::new();
@@ -285,6 +284,23 @@ pub(crate) fn lead(
                     }
                 }
             }
+        }
+        // A member of epoch `epoch` or later: the exchange lost what came before (restarted
+        // empty). Open an epoch above every such member's at once.
+        if let Some(last) = hellos
+            .iter()
+            .map(|h| h.last_epoch)
+            .filter(|&last| last >= epoch)
+            .max()
+        {
+            tracing::info!(
+                epoch,
+                last,
+                "a rank has belonged to this epoch or a later one: the exchange restarted \
+                 empty; opening a newer epoch"
+            );
+            epoch = open_epoch(x, &k, leader, last, deadline)?;
+            continue;
         }
         let mut absent = missing(world, &hellos);
         absent.retain(|r| !foreign.iter().any(|(f, _)| f == r));
@@ -318,6 +334,29 @@ pub(crate) fn lead(
     decision
 }
 
+/// Opens the first epoch above `after` whose key rank 0 can create, and makes it current.
+fn open_epoch(
+    x: &dyn KeyValueExchange,
+    k: &Keys<'_>,
+    leader: &Hello,
+    after: u64,
+    deadline: Instant,
+) -> Result<u64, RendezvousError> {
+    let mut epoch = next_epoch(after)?;
+    // Each taken epoch is one store call: bounded by the deadline as well as by the epochs.
+    while !x.create(&k.open(epoch), &leader.encode(), deadline)? {
+        if Instant::now() >= deadline {
+            return Err(RendezvousError::Timeout {
+                missing: (1..leader.world).collect(),
+                detail: format!("rank 0 found every epoch up to {epoch} already opened"),
+            });
+        }
+        epoch = next_epoch(epoch)?;
+    }
+    x.set(&k.current(), &epoch.to_le_bytes(), deadline)?;
+    Ok(epoch)
+}
+
 /// A joiner's formation over the exchange: returns the welcome (its hello accepted).
 pub(crate) fn join(
     x: &dyn KeyValueExchange,
@@ -331,7 +370,8 @@ pub(crate) fn join(
     // which waits for the next epoch until its own deadline.
     let mut timed_out: Option<RendezvousError> = None;
     'epochs: loop {
-        // An open epoch that is newer than this process's last group.
+        // An open epoch not decided yet. One at or below this process's last group's means the
+        // exchange restarted empty: the hello says so, and rank 0 opens a newer epoch.
         let epoch = loop {
             if Instant::now() >= deadline {
                 return Err(timed_out.take().unwrap_or(RendezvousError::Timeout {
@@ -340,9 +380,7 @@ pub(crate) fn join(
                 }));
             }
             match read_u64(x, &k.current(), deadline)? {
-                Some(e) if e > hello.last_epoch && x.get(&k.verdict(e), deadline)?.is_none() => {
-                    break e
-                }
+                Some(e) if x.get(&k.verdict(e), deadline)?.is_none() => break e,
                 _ => pause(deadline),
             }
         };
