@@ -354,6 +354,21 @@ mod tests {
         true
     }
 
+    /// `out` is `call` overdue, returned in time, while the store's worker still holds `buf`.
+    fn overdue_and_kept<T: std::fmt::Debug>(
+        out: Result<T, StoreError>,
+        call: &str,
+        started: Instant,
+        buf: &Arc<Vec<u8>>,
+    ) {
+        assert!(
+            matches!(&out, Err(StoreError::Overdue { call: c, .. }) if *c == call),
+            "{out:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(Arc::strong_count(buf), 2, "the stuck call keeps the memory");
+    }
+
     const SHORT: Duration = Duration::from_millis(100);
 
     #[test]
@@ -363,22 +378,7 @@ mod tests {
         let buf: Arc<Vec<u8>> = Arc::new(vec![0; 64]);
         let started = Instant::now();
         let out = Registration::bounded(&calls, region_of(&buf), Instant::now() + SHORT, SHORT);
-        assert!(
-            matches!(
-                out,
-                Err(StoreError::Overdue {
-                    call: "register",
-                    ..
-                })
-            ),
-            "{out:?}"
-        );
-        assert!(started.elapsed() < Duration::from_secs(5));
-        assert_eq!(
-            Arc::strong_count(&buf),
-            2,
-            "the stuck call keeps the memory"
-        );
+        overdue_and_kept(out, "register", started, &buf);
         store.set_open(true);
         assert!(
             eventually(|| Arc::strong_count(&buf) == 1),
@@ -398,22 +398,7 @@ mod tests {
         store.set_open(false);
         let started = Instant::now();
         let out = reg.release();
-        assert!(
-            matches!(
-                out,
-                Err(StoreError::Overdue {
-                    call: "unregister",
-                    ..
-                })
-            ),
-            "{out:?}"
-        );
-        assert!(started.elapsed() < Duration::from_secs(5));
-        assert_eq!(
-            Arc::strong_count(&buf),
-            2,
-            "kept while the store has not answered"
-        );
+        overdue_and_kept(out, "unregister", started, &buf);
         store.set_open(true);
         assert!(eventually(|| Arc::strong_count(&buf) == 1));
         assert_eq!(store.held(), 0);
