@@ -467,10 +467,8 @@ fn a_hung_unregister_does_not_hold_close_past_its_bound_and_keeps_the_memory_unt
         Arc::strong_count(&pool) > 1,
         "the registered memory is kept while its unregister has not returned"
     );
+    // (`released` counts an unregister as it starts: the pool's count says it returned.)
     stall.release();
-    eventually("the regions are let go", || {
-        o.store.released.load(Ordering::SeqCst) == o.store.registered.load(Ordering::SeqCst)
-    });
     eventually("the pool's memory is let go", || {
         Arc::strong_count(&pool) == 1
     });

@@ -743,7 +743,9 @@ impl KvLoader for Linker {
         if self.join_load_thread(wait) {
             // The linker lets go of the landing memory; a store call past its deadline still
             // holds it (registered, allocated) until it returns.
-            self.inner.registered.lock().take();
+            // Dropped outside the lock: letting go waits for the store (bounded).
+            let registered = self.inner.registered.lock().take();
+            drop(registered);
         }
         cancelled
     }

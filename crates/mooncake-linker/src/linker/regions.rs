@@ -3,8 +3,8 @@
 //! and never freed while the store may still use it: each region keeps its memory allocated
 //! ([`StoreRegion`](kv_device::StoreRegion)), and a region the store will not let go of is
 //! kept for good ([`Registration`]). Registering and unregistering are store calls like the
-//! others: each is waited for at most `store_call_timeout` (on a worker that keeps the region
-//! until the store answers), so a store whose metadata service hangs fails the linker's build
+//! others, side by side: all are waited for at most `store_call_timeout` (registering: and a
+//! second per GB), on workers that keep each region until the store answers, so a store whose metadata service hangs fails the linker's build
 //! in time and does not hold `close`.
 
 use std::sync::Arc;
@@ -21,13 +21,14 @@ use crate::store::{KvStore, Registration, StoreCalls};
 /// uses it runs.
 pub(crate) struct Registered {
     regions: Vec<Registration>,
-    /// Kept while the memory is registered: the landings the store writes through.
+    /// The landings the store writes through (each region also keeps its own memory's owner,
+    /// for as long as an unregister past its bound runs).
     _landings: Arc<dyn LandingFactory>,
 }
 
 impl Registered {
-    /// Registers every store region of `landings` with `store`, each call waited for at most
-    /// `bound` and a second per GB of the region (each later unregister for `bound`); on a
+    /// Registers every store region of `landings` with `store`, side by side, all waited for
+    /// at most `bound` and a second per GB of them (each later unregister for `bound`); on a
     /// failure, lets go of those already registered.
     pub(crate) fn new(
         store: Arc<dyn KvStore>,
@@ -35,20 +36,18 @@ impl Registered {
         bound: Duration,
     ) -> Result<Arc<Self>, KvLoadError> {
         let calls = Arc::new(StoreCalls::new(store));
-        let regions = landings
-            .store_regions()
-            .into_iter()
-            .map(|region| {
-                let deadline = kv_loader::deadline_after(registering_bound(bound, region.len()));
-                Registration::bounded(&calls, region, deadline, bound)
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| {
-                KvLoadError::config(kv_loader::Cause::with_source(
-                    format!("registering landing memory: {e}"),
-                    e,
-                ))
-            })?;
+        let regions = landings.store_regions();
+        let bytes = regions
+            .iter()
+            .map(|r| r.len())
+            .fold(0usize, usize::saturating_add);
+        let deadline = kv_loader::deadline_after(registering_bound(bound, bytes));
+        let regions = Registration::bounded_all(&calls, regions, deadline, bound).map_err(|e| {
+            KvLoadError::config(kv_loader::Cause::with_source(
+                format!("registering landing memory: {e}"),
+                e,
+            ))
+        })?;
         Ok(Arc::new(Registered {
             regions,
             _landings: landings,
@@ -66,7 +65,7 @@ impl Drop for Registered {
         if failed > 0 {
             tracing::warn!(
                 failed,
-                "landing memory not unregistered: kept registered and allocated"
+                "landing memory not unregistered in time, or refused: kept allocated until the store lets go"
             );
         }
     }

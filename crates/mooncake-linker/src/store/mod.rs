@@ -31,7 +31,7 @@ pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
     ReadSession,
 };
-pub use registration::Registration;
+pub use registration::{Registration, REGISTRATION_WAVE};
 #[cfg(target_os = "linux")]
 pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE};
 #[cfg(any(test, feature = "testing"))]

@@ -117,34 +117,53 @@ impl Registration {
         deadline: Instant,
         unregister_wait: Duration,
     ) -> Result<Self, StoreError> {
-        let name = label(&raw(&region));
-        let pending = calls.submit(
-            "register",
-            move |s| {
-                // Not dropped by an unwinding `register`: it may have registered part of it.
-                let region = ManuallyDrop::new(region);
-                // SAFETY: `region` keeps its memory allocated while it lives (its
-                // constructor's contract); it goes back to the caller with the answer, or is
-                // unregistered on this worker when the caller has given up (and kept for good
-                // when the store will not let go), so the memory outlives the registration.
-                let registered = unsafe { s.register(raw(&region)) };
-                (registered, ManuallyDrop::into_inner(region))
-            },
-            |s, (registered, region)| {
-                if registered.is_ok() {
-                    tracing::warn!("a registration completed after its caller gave up: undone");
-                    let _ = unregister_owned(s, region);
+        Registering::start(calls, region)?.finish(calls, deadline, unregister_wait)
+    }
+
+    /// [`bounded`](Self::bounded) for every region, under **one** deadline for all: the
+    /// registers start side by side, [`REGISTRATION_WAVE`] at a time. On a failure the ones registered are
+    /// let go (side by side, [`release_all`](Self::release_all)), the ones still running are
+    /// given up (each undone on its worker when it completes), and the rest are not started;
+    /// the first error is returned.
+    pub fn bounded_all(
+        calls: &Arc<StoreCalls>,
+        regions: Vec<StoreRegion>,
+        deadline: Instant,
+        unregister_wait: Duration,
+    ) -> Result<Vec<Self>, StoreError> {
+        let mut done = Vec::with_capacity(regions.len());
+        let mut failed: Option<StoreError> = None;
+        let mut regions = regions.into_iter();
+        while failed.is_none() {
+            let wave: Vec<StoreRegion> = regions.by_ref().take(REGISTRATION_WAVE).collect();
+            if wave.is_empty() {
+                break;
+            }
+            let started: Vec<_> = wave
+                .into_iter()
+                .map(|region| Registering::start(calls, region))
+                .collect();
+            for registering in started {
+                // Once one failed, the others are taken if done and given up if not.
+                let by = if failed.is_some() {
+                    Instant::now()
+                } else {
+                    deadline
+                };
+                match registering.and_then(|r| r.finish(calls, by, unregister_wait)) {
+                    Ok(registration) => done.push(registration),
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                    }
                 }
-            },
-        )?;
-        match pending.wait(deadline) {
-            Ok((Ok(()), region)) => Ok(Registration {
-                store: calls.store().clone(),
-                region: Some(region),
-                bound: Some((calls.clone(), unregister_wait)),
-            }),
-            Ok((Err(e), _not_registered)) => Err(e),
-            Err(why) => Err(why.error(&name, "register")),
+            }
+        }
+        match failed {
+            None => Ok(done),
+            Some(e) => {
+                let _ = Self::release_all(done);
+                Err(e)
+            }
         }
     }
 
@@ -162,6 +181,65 @@ impl Registration {
 
     fn let_go(&mut self) -> Result<(), StoreError> {
         self.start_let_go().answer(Instant::now())
+    }
+}
+
+/// Most registers or unregisters [`Registration::bounded_all`] and
+/// [`Registration::release_all`] start side by side: well under the store calls that may run
+/// at once ([`MAX_WORKERS`](super::MAX_WORKERS)), whatever the number of regions.
+pub const REGISTRATION_WAVE: usize = 64;
+
+/// A register started on a worker.
+struct Registering {
+    pending: super::bounded::Pending<(Result<(), StoreError>, StoreRegion)>,
+    name: String,
+}
+
+impl Registering {
+    /// Starts registering `region` on a worker of `calls`.
+    fn start(calls: &StoreCalls, region: StoreRegion) -> Result<Self, StoreError> {
+        let name = label(&raw(&region));
+        let pending = calls.submit(
+            "register",
+            move |s| {
+                // Not dropped by an unwinding `register`: it may have registered part of it.
+                let region = ManuallyDrop::new(region);
+                // SAFETY: `region` keeps its memory allocated while it lives (its
+                // constructor's contract); it goes back to the caller with the answer, or is
+                // unregistered on this worker when the caller has given up (and kept for good
+                // when the store will not let go), so the memory outlives the registration.
+                let registered = unsafe { s.register(raw(&region)) };
+                (registered, ManuallyDrop::into_inner(region))
+            },
+            // A late success is undone. (A store that keys registrations by address may by
+            // then hold a newer registration of the same memory, which this undoes too: its
+            // transfers then fail; the memory stays allocated either way.)
+            |s, (registered, region)| {
+                if registered.is_ok() {
+                    tracing::warn!("a registration completed after its caller gave up: undone");
+                    let _ = unregister_owned(s, region);
+                }
+            },
+        )?;
+        Ok(Registering { pending, name })
+    }
+
+    /// The registration, waited for until `deadline` (given up then).
+    fn finish(
+        self,
+        calls: &Arc<StoreCalls>,
+        deadline: Instant,
+        unregister_wait: Duration,
+    ) -> Result<Registration, StoreError> {
+        match self.pending.wait(deadline) {
+            Ok((Ok(()), region)) => Ok(Registration {
+                store: calls.store().clone(),
+                region: Some(region),
+                bound: Some((calls.clone(), unregister_wait)),
+            }),
+            Ok((Err(e), _not_registered)) => Err(e),
+            Err(why) => Err(why.error(&self.name, "register")),
+        }
     }
 }
 
@@ -238,17 +316,19 @@ impl Registration {
         }
     }
 
-    /// Unregisters every registration at once: the bounded ones' unregisters run side by side,
-    /// so letting go of several regions waits one bound, not one per region. The answers, in
-    /// order.
+    /// Unregisters every registration at once: the bounded ones' unregisters run side by side
+    /// ([`REGISTRATION_WAVE`] at a time), so letting go of several regions waits one bound, not one per
+    /// region. The answers, in order.
     pub fn release_all(registrations: Vec<Registration>) -> Vec<Result<(), StoreError>> {
         let started = Instant::now();
         let mut registrations = registrations;
-        let running: Vec<Unregistering> = registrations
-            .iter_mut()
-            .map(Registration::start_let_go)
-            .collect();
-        running.into_iter().map(|u| u.answer(started)).collect()
+        let mut answers = Vec::with_capacity(registrations.len());
+        for wave in registrations.chunks_mut(REGISTRATION_WAVE) {
+            let running: Vec<Unregistering> =
+                wave.iter_mut().map(Registration::start_let_go).collect();
+            answers.extend(running.into_iter().map(|u| u.answer(started)));
+        }
+        answers
     }
 }
 
@@ -286,6 +366,8 @@ mod tests {
         open: parking_lot::Mutex<bool>,
         opened: parking_lot::Condvar,
         registered: std::sync::atomic::AtomicI64,
+        /// Registers that go through while the gate is shut.
+        free_registers: std::sync::atomic::AtomicUsize,
     }
 
     impl HangingRegistry {
@@ -295,6 +377,7 @@ mod tests {
                 open: parking_lot::Mutex::new(open),
                 opened: parking_lot::Condvar::new(),
                 registered: std::sync::atomic::AtomicI64::new(0),
+                free_registers: std::sync::atomic::AtomicUsize::new(0),
             })
         }
 
@@ -323,7 +406,17 @@ mod tests {
         }
 
         unsafe fn register(&self, _: MemoryRegion) -> Result<(), StoreError> {
-            self.wait_open();
+            let free = self
+                .free_registers
+                .fetch_update(
+                    std::sync::atomic::Ordering::AcqRel,
+                    std::sync::atomic::Ordering::Acquire,
+                    |n| n.checked_sub(1),
+                )
+                .is_ok();
+            if !free {
+                self.wait_open();
+            }
             self.registered
                 .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             Ok(())
@@ -430,5 +523,37 @@ mod tests {
             .iter()
             .all(|b| Arc::strong_count(b) == 1)));
         assert_eq!(store.held(), 0);
+    }
+
+    /// The store registers 3 of 5 regions, then hangs: `bounded_all` fails by its one
+    /// deadline, lets go of the 3, and the 2 given up are undone when the store comes back.
+    #[test]
+    fn registering_several_regions_fails_by_one_deadline_and_lets_go_of_those_registered() {
+        let store = HangingRegistry::new(false);
+        store
+            .free_registers
+            .store(3, std::sync::atomic::Ordering::Release);
+        let calls = Arc::new(StoreCalls::new(store.clone()));
+        let bufs: Vec<Arc<Vec<u8>>> = (0..5).map(|_| Arc::new(vec![0; 64])).collect();
+        let regions = bufs.iter().map(region_of).collect();
+        let started = Instant::now();
+        // Unregisters hang too (the gate is shut): each is waited for at most SHORT.
+        let out = Registration::bounded_all(&calls, regions, Instant::now() + SHORT, SHORT);
+        assert!(
+            matches!(
+                &out,
+                Err(StoreError::Overdue {
+                    call: "register",
+                    ..
+                })
+            ),
+            "{out:?}"
+        );
+        assert!(started.elapsed() < SHORT * 6, "{:?}", started.elapsed());
+        store.set_open(true);
+        assert!(eventually(|| bufs
+            .iter()
+            .all(|b| Arc::strong_count(b) == 1)));
+        assert_eq!(store.held(), 0, "every registration let go or undone");
     }
 }
