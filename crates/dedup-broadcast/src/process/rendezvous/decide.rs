@@ -140,12 +140,13 @@ pub(crate) fn decide(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::process::rendezvous::message::{Endpoint, PROTOCOL};
     use crate::process::socket_collective::Algorithm;
 
-    fn hello(rank: u32) -> Hello {
+    /// A hello of `rank` in a world of 3 on host `h`, last epoch 0 (the exchange's tests too).
+    pub(in crate::process::rendezvous) fn hello(rank: u32) -> Hello {
         Hello {
             protocol: PROTOCOL,
             version: "0.1.0".into(),

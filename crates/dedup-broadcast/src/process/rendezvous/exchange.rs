@@ -299,8 +299,14 @@ pub(crate) fn lead(
                 "a rank has belonged to this epoch or a later one: the exchange restarted \
                  empty; opening a newer epoch"
             );
-            epoch = open_epoch(x, &k, leader, last, deadline)?;
-            continue;
+            match open_epoch(x, &k, leader, last, deadline) {
+                Ok(newer) => {
+                    epoch = newer;
+                    continue;
+                }
+                // The joiners of this epoch get it as its verdict, like any refusal.
+                Err(e) => break Err(e),
+            }
         }
         let mut absent = missing(world, &hellos);
         absent.retain(|r| !foreign.iter().any(|(f, _)| f == r));
@@ -479,5 +485,33 @@ mod tests {
             assert_eq!(wins, 1);
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A joiner whose last epoch has no next one makes rank 0's move to a newer epoch fail:
+    /// that failure is the epoch's verdict, so the joiner gets the same refusal at once
+    /// instead of waiting out its deadline.
+    #[test]
+    fn a_failed_move_to_a_newer_epoch_is_every_ranks_refusal() {
+        use super::super::decide::tests::hello;
+        let x = MemoryExchange::new();
+        let (leader, mut late) = (hello(0), hello(1));
+        late.last_epoch = u64::MAX;
+        let deadline = kv_loader::deadline_after(Duration::from_secs(10));
+        let started = Instant::now();
+        let (led, joined) = std::thread::scope(|s| {
+            let l = s.spawn(|| lead(&x, "p", &leader, None, deadline));
+            let j = s.spawn(|| join(&x, "p", &late, deadline));
+            (l.join().unwrap(), j.join().unwrap())
+        });
+        assert!(matches!(led, Err(RendezvousError::Protocol(_))), "{led:?}");
+        assert!(
+            matches!(joined, Err(RendezvousError::Protocol(_))),
+            "{joined:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }
