@@ -39,9 +39,9 @@
 //! Every wait is bounded: a rank waits for others to arrive until its deadline, and an owner
 //! waits for peers of a committed round to copy out of its rows until its deadline plus a
 //! grace. Then the round is given up, unless a copy is running: a copy under way is a bounded
-//! memory copy, so it is waited for and the round still ends committed (every rank `Ok`); a
-//! round given up fails every rank that has not returned (peers that had already copied out
-//! of a broadcast's root returned `Ok`).
+//! memory copy, so it is waited for first (when every peer had started its copy, the round
+//! still ends committed, every rank `Ok`). A round given up fails every rank that has not
+//! returned (peers that had already copied out of a broadcast's root returned `Ok`).
 
 mod device;
 mod round;

@@ -249,11 +249,11 @@ mod tests {
     use super::super::InProcessCollective;
     use crate::CollectiveError;
 
-    /// A host-only group of `size` whose owners give up 50 ms past their deadline, and whose
+    /// A host-only group of `size` whose owners give up 100 ms past their deadline, and whose
     /// rank 1 spends `pause` inside its copy.
     fn group_with_slow_copy(size: u32, pause: Duration) -> Vec<InProcessCollective> {
         let group = Arc::new(Group {
-            copy_grace: Duration::from_millis(50),
+            copy_grace: Duration::from_millis(100),
             copy_pause: Mutex::new(Some((1, pause))),
             ..Group::new(size)
         });
@@ -298,12 +298,13 @@ mod tests {
     }
 
     /// A peer's copy still running when the owner's grace ends is waited for, not given up
-    /// under it: before, the root failed the round at its limit, so the slow peer failed after
+    /// under it (600 ms for every rank to arrive and rank 1 to start its copy; that copy
+    /// outlasts the deadline and the grace): before, the root failed the round at its limit, so the slow peer failed after
     /// its copy while the quick one had returned `Ok`.
     #[test]
     fn a_broadcast_copy_running_at_the_grace_end_finishes_the_round_ok() {
-        let ranks = group_with_slow_copy(3, Duration::from_millis(400));
-        let deadline = kv_loader::deadline_after(Duration::from_millis(50));
+        let ranks = group_with_slow_copy(3, Duration::from_millis(1500));
+        let deadline = kv_loader::deadline_after(Duration::from_millis(600));
         let out = run_ranks(&ranks, 4096, |c, rows| {
             // SAFETY: each rank's row is its own live buffer, untouched by anything else
             // during the call; ranks' buffers do not overlap.
@@ -321,8 +322,8 @@ mod tests {
     /// The same for an all-gather: every rank waits for the slow copy and ends `Ok`.
     #[test]
     fn an_all_gather_copy_running_at_the_grace_end_finishes_the_round_ok() {
-        let ranks = group_with_slow_copy(3, Duration::from_millis(400));
-        let deadline = kv_loader::deadline_after(Duration::from_millis(50));
+        let ranks = group_with_slow_copy(3, Duration::from_millis(1500));
+        let deadline = kv_loader::deadline_after(Duration::from_millis(600));
         let out = run_ranks(&ranks, 3, |c, rows| {
             let split: Vec<HostRow> = (0..3)
                 .map(|i| HostRow {
