@@ -211,9 +211,10 @@ impl Registering {
                 let registered = unsafe { s.register(raw(&region)) };
                 (registered, ManuallyDrop::into_inner(region))
             },
-            // A late success is undone. (A store that keys registrations by address may by
-            // then hold a newer registration of the same memory, which this undoes too: its
-            // transfers then fail; the memory stays allocated either way.)
+            // A late success is undone. A newer registration of the same memory (a linker
+            // built again over the same pool) stays: `MooncakeStore` counts a region's holders
+            // and lets the wheel go only with the last. (A store that does not count would
+            // undo that one too: its transfers fail; the memory stays allocated either way.)
             |s, (registered, region)| {
                 if registered.is_ok() {
                     tracing::warn!("a registration completed after its caller gave up: undone");

@@ -20,6 +20,7 @@ mod gate;
 mod parts;
 mod ranges;
 mod read;
+mod registry;
 mod sessions;
 mod store;
 

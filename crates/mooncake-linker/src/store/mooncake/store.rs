@@ -1,6 +1,5 @@
 //! [`MooncakeStore`]: [`KvStore`] on a real Mooncake Store through mooncake-sys.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,6 +11,7 @@ use tracing::{debug, warn};
 use super::config::MooncakeConfig;
 use super::gate::{TransferGate, UNREGISTER_WAIT};
 use super::parts::run_parts;
+use super::registry::{RegionCounts, Release};
 use super::sessions::SessionTable;
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
@@ -56,8 +56,8 @@ pub struct MooncakeStore {
     sessions: SessionTable,
     /// Reads and puts hold it shared; `unregister` alone.
     pub(super) transfers: TransferGate,
-    /// Regions registered through this store (address to length).
-    registered: Mutex<HashMap<usize, usize>>,
+    /// Regions registered through this store, with their holders.
+    registered: Mutex<RegionCounts>,
     /// Scratch areas of staged merges, kept for reuse (see `read.rs`).
     pub(super) scratch: Mutex<Vec<Vec<u8>>>,
 }
@@ -115,7 +115,7 @@ impl MooncakeStore {
             config,
             sessions: SessionTable::default(),
             transfers: TransferGate::default(),
-            registered: Mutex::new(HashMap::new()),
+            registered: Mutex::new(RegionCounts::default()),
             scratch: Mutex::new(Vec::new()),
         })
     }
@@ -754,6 +754,9 @@ impl KvStore for MooncakeStore {
 
     unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
         let mut registered = self.registered.lock();
+        if registered.hold_again(&region) {
+            return Ok(());
+        }
         // SAFETY: mooncake-sys asks that the region stay allocated until it is unregistered or
         // the client is dropped: exactly this function's own contract, which our caller took
         // on. The client is dropped with this store.
@@ -762,14 +765,15 @@ impl KvStore for MooncakeStore {
                 .register_buffer(region.addr as *mut u8, region.len)
         }
         .map_err(|e| region_error(region, &e))?;
-        registered.insert(region.addr, region.len);
+        registered.added(&region);
         Ok(())
     }
 
     fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
         let mut registered = self.registered.lock();
-        if !registered.contains_key(&region.addr) {
-            return Ok(());
+        match registered.release(&region) {
+            Release::NotHeld | Release::StillHeld => return Ok(()),
+            Release::Last => {}
         }
         // mooncake-sys asks that no call using the region be in flight: wait until no
         // transfer of this store is (bounded; on time-out the region stays registered).
@@ -787,7 +791,7 @@ impl KvStore for MooncakeStore {
         // every transfer goes through this store's client.
         unsafe { self.client.unregister_buffer(region.addr as *mut u8) }
             .map_err(|e| region_error(region, &e))?;
-        registered.remove(&region.addr);
+        registered.forget(&region);
         Ok(())
     }
 

@@ -1,0 +1,105 @@
+//! The regions registered through one Mooncake client, counted. The same region registered
+//! twice (two linkers over one pool, or a registration undone late while a newer one already
+//! holds the same memory) is one registration with the wheel, let go only when its last
+//! holder lets go: otherwise the first unregister would take the memory away from the
+//! other holder's transfers.
+
+use std::collections::HashMap;
+
+use crate::store::MemoryRegion;
+
+/// What an unregister of a region asks the wheel to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Release {
+    /// The region is not registered here: nothing to undo.
+    NotHeld,
+    /// Another holder still has it: one count less, the wheel keeps it.
+    StillHeld,
+    /// The last holder: the wheel lets it go (then [`RegionCounts::forget`]).
+    Last,
+}
+
+/// Holders of each registered region (address and length).
+#[derive(Debug, Default)]
+pub(super) struct RegionCounts(HashMap<(usize, usize), u32>);
+
+fn key(region: &MemoryRegion) -> (usize, usize) {
+    (region.addr, region.len)
+}
+
+impl RegionCounts {
+    /// True when `region` is registered here already: one holder more was counted, and the
+    /// wheel is not asked again. False: register it with the wheel, then [`added`](Self::added).
+    pub(super) fn hold_again(&mut self, region: &MemoryRegion) -> bool {
+        match self.0.get_mut(&key(region)) {
+            Some(holders) => {
+                *holders = holders.saturating_add(1);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The wheel registered `region`: its first holder.
+    pub(super) fn added(&mut self, region: &MemoryRegion) {
+        self.0.insert(key(region), 1);
+    }
+
+    /// What unregistering `region` means; a [`StillHeld`](Release::StillHeld) is counted at
+    /// once.
+    pub(super) fn release(&mut self, region: &MemoryRegion) -> Release {
+        match self.0.get_mut(&key(region)) {
+            None => Release::NotHeld,
+            Some(holders) if *holders > 1 => {
+                *holders -= 1;
+                Release::StillHeld
+            }
+            Some(_) => Release::Last,
+        }
+    }
+
+    /// The wheel let `region` go.
+    pub(super) fn forget(&mut self, region: &MemoryRegion) {
+        self.0.remove(&key(region));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(addr: usize, len: usize) -> MemoryRegion {
+        MemoryRegion { addr, len }
+    }
+
+    #[test]
+    fn a_region_registered_twice_is_let_go_by_its_last_holder_only() {
+        let mut c = RegionCounts::default();
+        assert!(!c.hold_again(&r(4096, 64)));
+        c.added(&r(4096, 64));
+        assert!(c.hold_again(&r(4096, 64)));
+        assert_eq!(c.release(&r(4096, 64)), Release::StillHeld);
+        assert_eq!(c.release(&r(4096, 64)), Release::Last);
+        c.forget(&r(4096, 64));
+        assert_eq!(c.release(&r(4096, 64)), Release::NotHeld);
+    }
+
+    #[test]
+    fn regions_of_another_length_or_address_are_their_own() {
+        let mut c = RegionCounts::default();
+        c.added(&r(4096, 64));
+        assert!(!c.hold_again(&r(4096, 128)));
+        assert!(!c.hold_again(&r(8192, 64)));
+        assert_eq!(c.release(&r(8192, 64)), Release::NotHeld);
+        assert_eq!(c.release(&r(4096, 64)), Release::Last);
+    }
+
+    #[test]
+    fn a_failed_last_release_keeps_the_region_held() {
+        let mut c = RegionCounts::default();
+        c.added(&r(1, 1));
+        // The wheel refused: no `forget`, so the next unregister tries again.
+        assert_eq!(c.release(&r(1, 1)), Release::Last);
+        assert_eq!(c.release(&r(1, 1)), Release::Last);
+    }
+}
