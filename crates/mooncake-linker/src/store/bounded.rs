@@ -211,6 +211,18 @@ impl<T> Pending<T> {
     }
 }
 
+impl<T> Drop for Pending<T> {
+    /// A caller that stops waiting before the call answered gives it up, as a deadline does:
+    /// its result then goes to its `late` on the worker, not into a slot no one reads. (A
+    /// result already in the slot is dropped with it: take it with `wait`.)
+    fn drop(&mut self) {
+        let mut state = self.slot.state.lock();
+        if matches!(*state, Answer::Waiting) {
+            *state = Answer::Abandoned;
+        }
+    }
+}
+
 /// Every key's error in a call `call` that gave no result.
 pub(super) fn unanswered_all<T>(
     keys: &[String],
@@ -722,5 +734,29 @@ mod tests {
             Err(StoreError::Unavailable { .. })
         ));
         workers.alive.store(0, Ordering::Release);
+    }
+
+    /// A call whose caller dropped its `Pending` without waiting is given up: its result goes
+    /// to `late` when it comes, not into the slot.
+    #[test]
+    fn a_dropped_pending_gives_its_call_up_to_late() {
+        let calls = StoreCalls::new(Arc::new(EmbeddedStore::new(1 << 20)));
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (late_tx, late_rx) = mpsc::channel::<u32>();
+        let pending = calls
+            .submit(
+                "test",
+                move |_| {
+                    let _ = go_rx.recv_timeout(Duration::from_secs(10));
+                    7u32
+                },
+                move |_, out| {
+                    let _ = late_tx.send(out);
+                },
+            )
+            .unwrap();
+        drop(pending);
+        go_tx.send(()).unwrap();
+        assert_eq!(late_rx.recv_timeout(Duration::from_secs(10)), Ok(7));
     }
 }

@@ -123,20 +123,30 @@ impl Registration {
     /// [`bounded`](Self::bounded) for every region, under **one** deadline for all: the
     /// registers start side by side, [`REGISTRATION_WAVE`] at a time. On a failure the ones registered are
     /// let go (side by side, [`release_all`](Self::release_all)), the ones still running are
-    /// given up (each undone on its worker when it completes), and the rest are not started;
-    /// the first error is returned.
+    /// given up (each undone on its worker when it completes), and the rest are not started
+    /// (nor is a wave once the deadline has passed); the first error is returned.
     pub fn bounded_all(
         calls: &Arc<StoreCalls>,
         regions: Vec<StoreRegion>,
         deadline: Instant,
         unregister_wait: Duration,
     ) -> Result<Vec<Self>, StoreError> {
+        let started = Instant::now();
         let mut done = Vec::with_capacity(regions.len());
         let mut failed: Option<StoreError> = None;
         let mut regions = regions.into_iter();
         while failed.is_none() {
             let wave: Vec<StoreRegion> = regions.by_ref().take(REGISTRATION_WAVE).collect();
-            if wave.is_empty() {
+            let Some(first) = wave.first() else {
+                break;
+            };
+            // Past the deadline (earlier waves took it all), a wave is not started.
+            if Instant::now() >= deadline {
+                failed = Some(StoreError::Overdue {
+                    key: label(&raw(first)),
+                    call: "register",
+                    waited: started.elapsed(),
+                });
                 break;
             }
             let started: Vec<_> = wave
@@ -369,6 +379,8 @@ mod tests {
         registered: std::sync::atomic::AtomicI64,
         /// Registers that go through while the gate is shut.
         free_registers: std::sync::atomic::AtomicUsize,
+        /// Registers asked for.
+        register_calls: std::sync::atomic::AtomicUsize,
     }
 
     impl HangingRegistry {
@@ -379,6 +391,7 @@ mod tests {
                 opened: parking_lot::Condvar::new(),
                 registered: std::sync::atomic::AtomicI64::new(0),
                 free_registers: std::sync::atomic::AtomicUsize::new(0),
+                register_calls: std::sync::atomic::AtomicUsize::new(0),
             })
         }
 
@@ -407,6 +420,8 @@ mod tests {
         }
 
         unsafe fn register(&self, _: MemoryRegion) -> Result<(), StoreError> {
+            self.register_calls
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             let free = self
                 .free_registers
                 .fetch_update(
@@ -556,5 +571,33 @@ mod tests {
             .iter()
             .all(|b| Arc::strong_count(b) == 1)));
         assert_eq!(store.held(), 0, "every registration let go or undone");
+    }
+
+    /// A deadline already past starts no wave: nothing is asked of the store (before, every
+    /// region was registered, given up at once and undone later).
+    #[test]
+    fn a_deadline_already_past_starts_no_registration() {
+        let store = HangingRegistry::new(true);
+        let calls = Arc::new(StoreCalls::new(store.clone()));
+        let bufs: Vec<Arc<Vec<u8>>> = (0..REGISTRATION_WAVE + 6)
+            .map(|_| Arc::new(vec![0; 64]))
+            .collect();
+        let regions = bufs.iter().map(region_of).collect();
+        let out = Registration::bounded_all(&calls, regions, Instant::now(), SHORT);
+        assert!(
+            matches!(
+                &out,
+                Err(StoreError::Overdue {
+                    call: "register",
+                    ..
+                })
+            ),
+            "{out:?}"
+        );
+        assert!(bufs.iter().all(|b| Arc::strong_count(b) == 1));
+        let asked = store
+            .register_calls
+            .load(std::sync::atomic::Ordering::Acquire);
+        assert_eq!(asked, 0, "no register started");
     }
 }
