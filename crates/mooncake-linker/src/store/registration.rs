@@ -470,12 +470,17 @@ mod tests {
         started: Instant,
         buf: &Arc<Vec<u8>>,
     ) {
-        assert!(
-            matches!(&out, Err(StoreError::Overdue { call: c, .. }) if *c == call),
-            "{out:?}"
-        );
+        assert_overdue(&out, call);
         assert!(started.elapsed() < Duration::from_secs(5));
         assert_eq!(Arc::strong_count(buf), 2, "the stuck call keeps the memory");
+    }
+
+    /// `out` is `call` overdue.
+    fn assert_overdue<T: std::fmt::Debug>(out: &Result<T, StoreError>, call: &str) {
+        assert!(
+            matches!(out, Err(StoreError::Overdue { call: c, .. }) if *c == call),
+            "{out:?}"
+        );
     }
 
     const SHORT: Duration = Duration::from_millis(100);
@@ -555,16 +560,7 @@ mod tests {
         let started = Instant::now();
         // Unregisters hang too (the gate is shut): each is waited for at most SHORT.
         let out = Registration::bounded_all(&calls, regions, Instant::now() + SHORT, SHORT);
-        assert!(
-            matches!(
-                &out,
-                Err(StoreError::Overdue {
-                    call: "register",
-                    ..
-                })
-            ),
-            "{out:?}"
-        );
+        assert_overdue(&out, "register");
         assert!(started.elapsed() < SHORT * 6, "{:?}", started.elapsed());
         store.set_open(true);
         assert!(eventually(|| bufs
@@ -584,16 +580,7 @@ mod tests {
             .collect();
         let regions = bufs.iter().map(region_of).collect();
         let out = Registration::bounded_all(&calls, regions, Instant::now(), SHORT);
-        assert!(
-            matches!(
-                &out,
-                Err(StoreError::Overdue {
-                    call: "register",
-                    ..
-                })
-            ),
-            "{out:?}"
-        );
+        assert_overdue(&out, "register");
         assert!(bufs.iter().all(|b| Arc::strong_count(b) == 1));
         let asked = store
             .register_calls
