@@ -299,8 +299,8 @@ mod tests {
 
     /// A peer's copy still running when the owner's grace ends is waited for, not given up
     /// under it (600 ms for every rank to arrive and rank 1 to start its copy; that copy
-    /// outlasts the deadline and the grace): before, the root failed the round at its limit, so the slow peer failed after
-    /// its copy while the quick one had returned `Ok`.
+    /// outlasts the deadline and the grace). Before, the root failed the round at its limit,
+    /// so the slow peer failed after its copy while the quick one had returned `Ok`.
     #[test]
     fn a_broadcast_copy_running_at_the_grace_end_finishes_the_round_ok() {
         let ranks = group_with_slow_copy(3, Duration::from_millis(1500));

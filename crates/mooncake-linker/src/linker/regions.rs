@@ -4,8 +4,8 @@
 //! ([`StoreRegion`](kv_device::StoreRegion)), and a region the store will not let go of is
 //! kept for good ([`Registration`]). Registering and unregistering are store calls like the
 //! others, side by side: all are waited for at most `store_call_timeout` (registering: and a
-//! second per GB), on workers that keep each region until the store answers, so a store whose metadata service hangs fails the linker's build
-//! in time and does not hold `close`.
+//! second per GB), on workers that keep each region until the store answers, so a store whose
+//! metadata service hangs fails the linker's build in time and does not hold `close`.
 
 use std::sync::Arc;
 use std::time::Duration;
