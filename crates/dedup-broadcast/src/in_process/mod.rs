@@ -119,7 +119,11 @@ impl InProcessGroup {
     }
 
     fn build(size: u32, devices: Vec<Option<RankDevice>>) -> Vec<InProcessCollective> {
-        let group = Arc::new(Group::new(size));
+        Self::ranks_of(Arc::new(Group::new(size)), devices)
+    }
+
+    /// One handle per entry of `devices` on `group` (rank `r` at index `r`).
+    fn ranks_of(group: Arc<Group>, devices: Vec<Option<RankDevice>>) -> Vec<InProcessCollective> {
         devices
             .into_iter()
             .enumerate()

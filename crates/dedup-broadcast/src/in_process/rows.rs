@@ -238,7 +238,6 @@ impl InProcessCollective {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicU64;
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -246,7 +245,7 @@ mod tests {
     use parking_lot::Mutex;
 
     use super::super::round::Group;
-    use super::super::InProcessCollective;
+    use super::super::{InProcessCollective, InProcessGroup};
     use crate::CollectiveError;
 
     /// A host-only group of `size` whose owners give up 100 ms past their deadline, and whose
@@ -257,14 +256,7 @@ mod tests {
             copy_pause: Mutex::new(Some((1, pause))),
             ..Group::new(size)
         });
-        (0..size)
-            .map(|rank| InProcessCollective {
-                group: group.clone(),
-                rank,
-                seq: AtomicU64::new(0),
-                device: None,
-            })
-            .collect()
+        InProcessGroup::ranks_of(group, (0..size).map(|_| None).collect())
     }
 
     fn row_of(buf: &mut [u8]) -> Vec<HostRow> {

@@ -331,7 +331,7 @@ impl ShortenBy for () {
 impl FaultyStore {
     /// The faults a `register` or `unregister` of `region` hits, as the error to fail it with.
     fn registry_fault(&self, call: FaultCall, region: &MemoryRegion) -> Option<StoreError> {
-        let key = format!("memory {:#x}+{}", region.addr, region.len);
+        let key = region.to_string();
         let hit = self.hits(call, std::iter::once((key.as_str(), &[][..])));
         match hit.into_iter().next().flatten() {
             Some(Fault::Error(e)) => Some(e),

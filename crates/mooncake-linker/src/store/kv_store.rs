@@ -18,6 +18,14 @@ pub struct MemoryRegion {
     pub len: usize,
 }
 
+impl std::fmt::Display for MemoryRegion {
+    /// `memory 0x<addr>+<len>`: how registration errors, and fault rules on `register` and
+    /// `unregister`, name a region (where store errors name a key).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "memory {:#x}+{}", self.addr, self.len)
+    }
+}
+
 /// One destination range of a ranged read: `len` bytes at byte `offset` of the object go to
 /// `dst`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -44,11 +44,6 @@ fn raw(region: &StoreRegion) -> MemoryRegion {
     }
 }
 
-/// How a registration's failures name their region (store errors name a key).
-fn label(region: &MemoryRegion) -> String {
-    format!("memory {:#x}+{}", region.addr, region.len)
-}
-
 /// Unregisters `region` and lets it go; when the store refuses, or panics, the region is
 /// kept for the rest of the process (leaked, never freed under the store).
 fn unregister_owned(store: &dyn KvStore, region: StoreRegion) -> Result<(), StoreError> {
@@ -121,10 +116,10 @@ impl Registration {
     }
 
     /// [`bounded`](Self::bounded) for every region, under **one** deadline for all: the
-    /// registers start side by side, [`REGISTRATION_WAVE`] at a time. On a failure the ones registered are
-    /// let go (side by side, [`release_all`](Self::release_all)), the ones still running are
-    /// given up (each undone on its worker when it completes), and the rest are not started
-    /// (nor is a wave once the deadline has passed); the first error is returned.
+    /// registers start side by side, [`REGISTRATION_WAVE`] at a time. On a failure the ones
+    /// registered are let go (side by side, [`release_all`](Self::release_all)), the ones still
+    /// running are given up (each undone on its worker when it completes), and the rest are
+    /// not started (nor is a wave once the deadline has passed); the first error is returned.
     pub fn bounded_all(
         calls: &Arc<StoreCalls>,
         regions: Vec<StoreRegion>,
@@ -143,17 +138,17 @@ impl Registration {
             // Past the deadline (earlier waves took it all), a wave is not started.
             if Instant::now() >= deadline {
                 failed = Some(StoreError::Overdue {
-                    key: label(&raw(first)),
+                    key: raw(first).to_string(),
                     call: "register",
                     waited: started.elapsed(),
                 });
                 break;
             }
-            let started: Vec<_> = wave
+            let registering: Vec<_> = wave
                 .into_iter()
                 .map(|region| Registering::start(calls, region))
                 .collect();
-            for registering in started {
+            for registering in registering {
                 // Once one failed, the others are taken if done and given up if not.
                 let by = if failed.is_some() {
                     Instant::now()
@@ -208,7 +203,7 @@ struct Registering {
 impl Registering {
     /// Starts registering `region` on a worker of `calls`.
     fn start(calls: &StoreCalls, region: StoreRegion) -> Result<Self, StoreError> {
-        let name = label(&raw(&region));
+        let name = raw(&region).to_string();
         let pending = calls.submit(
             "register",
             move |s| {
@@ -268,7 +263,7 @@ impl Unregistering {
     /// Starts the unregister of `region` on a worker of `calls`; the worker owns the region
     /// until the store answers.
     fn start(calls: &StoreCalls, region: StoreRegion, wait: Duration) -> Self {
-        let name = label(&raw(&region));
+        let name = raw(&region).to_string();
         // Shared, so that a call no worker took leaves the region here, to be kept.
         let slot = Arc::new(Mutex::new(Some(region)));
         let theirs = slot.clone();
@@ -328,8 +323,8 @@ impl Registration {
     }
 
     /// Unregisters every registration at once: the bounded ones' unregisters run side by side
-    /// ([`REGISTRATION_WAVE`] at a time), so letting go of several regions waits one bound, not one per
-    /// region. The answers, in order.
+    /// ([`REGISTRATION_WAVE`] at a time), so letting go of several regions waits one bound,
+    /// not one per region. The answers, in order.
     pub fn release_all(registrations: Vec<Registration>) -> Vec<Result<(), StoreError>> {
         let started = Instant::now();
         let mut registrations = registrations;

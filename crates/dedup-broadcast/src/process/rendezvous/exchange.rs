@@ -16,8 +16,7 @@
 //!    rank 0 open a new epoch above it at once, as in step 1: the joiners see `P/current` move
 //!    and claim their rank there. So the epoch grows past every member's last, as over TCP.
 //!    Once every hello is there (or at the deadline) rank 0 decides exactly as over TCP, and
-//!    writes the reply to `P/E/verdict`, then
-//!    `P/closed = E`. Every rank waits for the verdict; a joiner whose nonce is not the
+//!    writes the reply to `P/E/verdict`, then `P/closed = E`. Every rank waits for the verdict; a joiner whose nonce is not the
 //!    accepted one for its rank was the duplicate. A joiner that sees `P/current` move past
 //!    `E` (rank 0 restarted) joins the newer epoch instead. A joiner that gives up at its
 //!    deadline overwrites its claim with a withdrawal, so that its next attempt takes the
@@ -287,12 +286,7 @@ pub(crate) fn lead(
         }
         // A member of epoch `epoch` or later: the exchange lost what came before (restarted
         // empty). Open an epoch above every such member's at once.
-        if let Some(last) = hellos
-            .iter()
-            .map(|h| h.last_epoch)
-            .filter(|&last| last >= epoch)
-            .max()
-        {
+        if let Some(last) = latest_at_or_past(&hellos, epoch) {
             tracing::info!(
                 epoch,
                 last,
@@ -338,6 +332,15 @@ pub(crate) fn lead(
     x.set(&k.verdict(epoch), &reply.encode(), late)?;
     x.set(&k.closed(), &epoch.to_le_bytes(), late)?;
     decision
+}
+
+/// The latest epoch a hello's rank belonged to, when it is `epoch` or later.
+fn latest_at_or_past(hellos: &[Hello], epoch: u64) -> Option<u64> {
+    hellos
+        .iter()
+        .map(|h| h.last_epoch)
+        .filter(|&last| last >= epoch)
+        .max()
 }
 
 /// Opens the first epoch above `after` whose key rank 0 can create, and makes it current.
