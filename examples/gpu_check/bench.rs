@@ -1,18 +1,12 @@
 //! Benchmarks, each with its ceiling measured in the same run.
 
 use std::fmt::Write as _;
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvlink::dedup_broadcast::nccl::{NcclConfig, NcclGroup};
-use kvlink::dedup_broadcast::Collective;
 use kvlink::kv_device::cuda::cudarc::driver::{sys, CudaEvent};
-use kvlink::kv_device::cuda::cudarc::nccl as cnccl;
-use kvlink::kv_device::cuda::CudaLayerEvent;
 use kvlink::kv_device::cuda::{CudaDevice, CudaKvPool, DeviceBuffer, PinnedBuffer};
-use kvlink::kv_device::{
-    DeviceRegion, LayerLanding, ScatterStrategy, SharedEvent, StagedLanding, StagingPool,
-};
+use kvlink::kv_device::{LayerLanding, ScatterStrategy, StagedLanding, StagingPool};
 use kvlink::kv_geometry::KvGeometry;
 use kvlink::kv_loader::{LayerReady, RawStream};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
@@ -57,7 +51,7 @@ pub fn run(args: &Args, gpus: u32, report: &mut Report) {
         let name = format!("layer-wise load {}K tokens (embedded store)", tokens / 1024);
         report.check(SEC, &name, || store_load(&dev, tokens, args));
     }
-    nccl_bench(args, gpus, report);
+    super::nccl_bench::run(args, gpus, report);
 }
 
 /// The layer of the batch with the most bytes.
@@ -526,185 +520,4 @@ fn timeline_svg(times: &[LayerTimes], tag: &str, wall: f64) -> String {
             (COPY[0], COPY[1], "H2D landing of a layer (device)".into()),
         ],
     })
-}
-
-fn timed_broadcast(
-    coll: &kvlink::dedup_broadcast::nccl::NcclCollective,
-    dev: &CudaDevice,
-    d: &DeviceBuffer,
-) -> Result<(f64, f64), String> {
-    let stream = dev.cuda_load_stream();
-    let start = timing_event(stream)?;
-    let after: SharedEvent = CudaLayerEvent::record_on(stream, 0).map_err(de)?;
-    let region = DeviceRegion {
-        ordinal: coll.ordinal(),
-        addr: d.ptr(),
-        len: d.len(),
-    };
-    let t0 = Instant::now();
-    // SAFETY: `d` is this rank's device buffer, untouched by other work until the returned
-    // event completes (waited for below).
-    let ev = unsafe {
-        coll.broadcast_device(
-            region,
-            Some(after),
-            0,
-            kvlink::kv_loader::deadline_after(Duration::from_secs(30)),
-        )
-    }
-    .map_err(|e| e.to_string())?;
-    if let Some(cuda) = ev.as_any().downcast_ref::<CudaLayerEvent>() {
-        cuda.wait_on(stream).map_err(de)?;
-    }
-    let end = timing_event(stream)?;
-    if !ev
-        .wait_until(kvlink::kv_loader::deadline_after(Duration::from_secs(30)))
-        .map_err(de)?
-    {
-        return Err("broadcast_device did not complete in 30 s".into());
-    }
-    let wall = t0.elapsed().as_secs_f64() * 1e3;
-    end.synchronize().map_err(|e| e.to_string())?;
-    let dms = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
-    Ok((wall, f64::from(dms)))
-}
-
-/// NCCL broadcast of one GLM-5.2 layer of a 128K prefix (131072 × 656 B): kvlink's
-/// collective vs raw NCCL (cudarc) for the same bytes, two GPUs.
-fn nccl_bench(args: &Args, gpus: u32, report: &mut Report) {
-    let bytes = 131_072usize * 656;
-    let (warm, iters) = if args.quick { (2, 5) } else { (5, 20) };
-    if gpus < 2 {
-        report.check(SEC, "NCCL broadcast 86 MB, 1 rank (local; no fabric)", || {
-            let cfg = NcclConfig {
-                timing: true,
-                ..NcclConfig::default()
-            };
-            let ranks = NcclGroup::new_in_process_with(&[0], cfg).map_err(|e| e.to_string())?;
-            let dev = CudaDevice::new(0).map_err(de)?;
-            let d = DeviceBuffer::zeroed(dev.context(), bytes, "bench").map_err(de)?;
-            let mut dev_ms = Vec::new();
-            let mut wall = Vec::new();
-            for i in 0..warm + iters {
-                let (w, dms) = timed_broadcast(&ranks[0], &dev, &d)?;
-                if i >= warm {
-                    wall.push(w);
-                    dev_ms.push(dms);
-                }
-            }
-            Ok(format!(
-                "device {:.3} ms, call {:.3} ms (one rank: no transfer; 2-GPU numbers need nvidia-h200-x2)",
-                median(&mut dev_ms),
-                median(&mut wall)
-            ))
-        });
-        report.push(
-            SEC,
-            "NCCL broadcast 86 MB vs raw NCCL, 2 ranks",
-            Status::Skip,
-            format!("{gpus} GPU visible; needs 2"),
-        );
-        return;
-    }
-    report.check(SEC, "NCCL broadcast 86 MB (one 128K layer) vs raw NCCL, 2 ranks", || {
-        let raw = raw_nccl_broadcast(bytes, warm, iters)?;
-        let cfg = NcclConfig {
-            timing: true,
-            ..NcclConfig::default()
-        };
-        let ranks = NcclGroup::new_in_process_with(&[0, 1], cfg).map_err(|e| e.to_string())?;
-        let barrier = Barrier::new(2);
-        let res: Vec<Result<(f64, f64), String>> = std::thread::scope(|s| {
-            let hs: Vec<_> = ranks
-                .iter()
-                .map(|coll| {
-                    let barrier = &barrier;
-                    s.spawn(move || -> Result<(f64, f64), String> {
-                        let r = coll.rank();
-                        let dev = CudaDevice::new(r).map_err(de)?;
-                        let d = DeviceBuffer::zeroed(dev.context(), bytes, "bench").map_err(de)?;
-                        let mut wall = Vec::new();
-                        let mut dms = Vec::new();
-                        for i in 0..warm + iters {
-                            barrier.wait();
-                            let (w, d_ms) = timed_broadcast(coll, &dev, &d)?;
-                            if i >= warm {
-                                wall.push(w);
-                                dms.push(d_ms);
-                            }
-                        }
-                        Ok((median(&mut wall), median(&mut dms)))
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("panic".into())))
-                .collect()
-        });
-        let (wall, dms) = res.into_iter().next().ok_or("no rank 0")??;
-        let ratio = raw / wall;
-        let v = format!(
-            "kvlink {wall:.3} ms call ({:.0} GB/s), device {dms:.3} ms; raw NCCL {raw:.3} ms ({:.0} GB/s); {:.0} % of raw (target ≥ 80 %)",
-            gbps(bytes as u64, wall),
-            gbps(bytes as u64, raw),
-            ratio * 100.0
-        );
-        if ratio >= 0.8 {
-            Ok(v)
-        } else {
-            Err(v)
-        }
-    });
-}
-
-/// Raw NCCL broadcast (cudarc's safe API, one thread per rank): median device ms on rank 0.
-fn raw_nccl_broadcast(bytes: usize, warm: usize, iters: usize) -> Result<f64, String> {
-    let id = cnccl::Id::new().map_err(|e| {
-        format!(
-            "ncclGetUniqueId: {}",
-            kvlink::dedup_broadcast::nccl::nccl_result_name(e.0)
-        )
-    })?;
-    let barrier = Barrier::new(2);
-    let res: Vec<Result<f64, String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2usize)
-            .map(|r| {
-                let barrier = &barrier;
-                s.spawn(move || -> Result<f64, String> {
-                    let ctx = kvlink::kv_device::cuda::cudarc::driver::CudaContext::new(r)
-                        .map_err(|e| e.to_string())?;
-                    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
-                    let mut buf = stream.alloc_zeros::<u8>(bytes).map_err(|e| e.to_string())?;
-                    let comm = cnccl::Comm::from_rank(stream.clone(), r, 2, id).map_err(|e| {
-                        format!(
-                            "ncclCommInitRank: {}",
-                            kvlink::dedup_broadcast::nccl::nccl_result_name(e.0)
-                        )
-                    })?;
-                    let mut ms = Vec::new();
-                    for i in 0..warm + iters {
-                        barrier.wait();
-                        let start = timing_event(&stream)?;
-                        comm.broadcast_in_place(&mut buf, 0).map_err(|e| {
-                            format!(
-                                "ncclBroadcast: {}",
-                                kvlink::dedup_broadcast::nccl::nccl_result_name(e.0)
-                            )
-                        })?;
-                        let end = timing_event(&stream)?;
-                        let t = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
-                        if i >= warm {
-                            ms.push(f64::from(t));
-                        }
-                    }
-                    stream.synchronize().map_err(|e| e.to_string())?;
-                    Ok(median(&mut ms))
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("panic".into())))
-            .collect()
-    });
-    res.into_iter().next().ok_or("no rank 0")?
 }

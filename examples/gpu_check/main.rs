@@ -21,6 +21,7 @@
 
 mod bench;
 mod linker_bench;
+mod nccl_bench;
 
 use std::process::ExitCode;
 use std::time::Instant;
