@@ -8,6 +8,10 @@
 //! - **one call alone** (shown, no target): issue one broadcast, then wait for it on the host.
 //!   kvlink's call crosses to its comm thread and back and polls the event; raw NCCL is called
 //!   on the waiting thread and waited with `cuStreamSynchronize`.
+//!
+//! The two ranks step together through a `std::sync::Barrier`, which has no timeout: a rank
+//! that fails to start leaves the other waiting. The run is bounded by its script's limit
+//! (`KVLINK_GPU_CHECK_LIMIT` in scripts/gpu-run.sh), as raw NCCL's own set-up is.
 
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
