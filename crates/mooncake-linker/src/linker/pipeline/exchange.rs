@@ -1,0 +1,303 @@
+//! The load thread's part of a batch: per layer, this rank's check of what it read, the status
+//! exchange, then the share step, landing and publishing; after the last layer, the verdict
+//! (see the [pipeline](super) docs for the protocol and its bounds).
+
+use std::time::{Duration, Instant};
+
+use dedup_broadcast::{GroupStatus, LayerStatus};
+use kv_device::LayerStage;
+use kv_loader::{KvLoadError, StoreFailure};
+use tracing::warn;
+
+use super::{alone_verdicts_bound, LayerPipeline, ReadLayer};
+use crate::linker::batch::collective_failure;
+use crate::linker::handoff::{Handoff, Wait};
+use crate::linker::share::{step_for, LayerCx, ShareStep, StepError};
+use crate::linker::verify::LayerCheck;
+
+/// What the load thread knows of its batch so far, carried from layer to layer.
+#[derive(Default)]
+struct Progress {
+    /// Every rank's status words, as exchanged.
+    status: GroupStatus,
+    /// This rank's failure of the previous layer's share step, to report next.
+    carried: Option<KvLoadError>,
+    /// This rank's first failure (what a rank alone reports).
+    own: Option<KvLoadError>,
+    /// Bytes of the layers landed in this rank's pool.
+    landed: u64,
+    /// From `start_load` to the first layer published.
+    first_layer: Duration,
+    /// Time in the share steps (collective, scatter, land), for the read plan.
+    share_time: Duration,
+}
+
+/// Why the layers stopped before the last.
+enum Stop {
+    /// A status word was not ok: every rank stops at this layer.
+    Group,
+    /// A collective failed, or a share step's wait ran out: the ranks may no longer be in
+    /// step on this handle.
+    Fatal(KvLoadError),
+}
+
+impl LayerPipeline<'_> {
+    /// One status word for `layer`: exchanged with the group, or recorded alone.
+    fn exchange(
+        &self,
+        status: &mut GroupStatus,
+        layer: u32,
+        mine: LayerStatus,
+    ) -> Result<(), KvLoadError> {
+        let batch = self.job.plan.logical.batch;
+        match self.coll {
+            Some(c) => {
+                let deadline = kv_loader::deadline_after(self.inner.config.collective_timeout);
+                status
+                    .exchange_tagged(c, layer, mine, self.tag, deadline)
+                    .map(drop)
+                    .map_err(|e| collective_failure(batch, kv_loader::Cause::from_error(e)))
+            }
+            None => {
+                status.record(layer, &[mine]);
+                Ok(())
+            }
+        }
+    }
+
+    /// The layer `layer` message from the reader (bounded); one without a stage, carrying this
+    /// rank's error, where none came in time or the reader sent another layer or left.
+    fn receive(&self, h: &Handoff<Option<LayerStage>, ReadLayer>, layer: u32) -> ReadLayer {
+        let batch = self.job.plan.logical.batch;
+        let c = &self.inner.config;
+        // Before the first group the reader pins the objects (a wait for a lookup's pin under
+        // way, a quarter of a store call at most, then one store call) and opens the
+        // landing's stages; before a group's read it may renew the read session (one store
+        // call); then the read itself (`layer_read_timeout`); the preflight's verdicts are
+        // waited for until four fifths of `collective_timeout` after the read's start (the
+        // gate, for the first group), or, alone, `alone_verdicts_bound` after the batch's
+        // start. One store call more as slack.
+        let limit = c
+            .layer_read_timeout
+            .max(c.collective_timeout)
+            .saturating_add(c.collective_timeout)
+            .saturating_add(c.store_call_timeout.saturating_mul(2))
+            .saturating_add(crate::linker::prefetch::read_ahead_wait(
+                c.store_call_timeout,
+            ))
+            .max(alone_verdicts_bound(c.store_call_timeout).saturating_add(c.store_call_timeout));
+        let error = match h.next_layer(kv_loader::deadline_after(limit)) {
+            Wait::Got(m) if m.layer == layer => return m,
+            Wait::Got(m) => KvLoadError::internal(
+                batch,
+                format!("the reader sent layer {} for layer {layer}", m.layer),
+            ),
+            Wait::TimedOut => KvLoadError::Store {
+                batch: Some(batch),
+                layer: Some(layer),
+                pages: Vec::new().into(),
+                kind: StoreFailure::RpcTimeout,
+                detail: format!("the reader did not finish layer {layer} within {limit:?}").into(),
+            },
+            Wait::Closed => {
+                KvLoadError::internal(batch, format!("the reader stopped before layer {layer}"))
+            }
+        };
+        ReadLayer {
+            layer,
+            stage: None,
+            error: Some(error),
+            landed: None,
+        }
+    }
+
+    /// The load thread's part: per layer, the status exchange, then the share step, landing and
+    /// publishing; then the verdict. Returns (bytes landed, time to the first layer).
+    pub(super) fn exchange_loop(
+        &self,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
+    ) -> Result<(u64, Duration), KvLoadError> {
+        let batch = self.job.plan.logical.batch;
+        let num_layers = self.inner.geometry.num_layers();
+        let step = step_for(self.layers.mode);
+        tracing::debug!(%batch, rank = self.layers.rank, mode = ?step.mode(), "exchange loop");
+        let mut progress = Progress::default();
+        let mut stopped = None;
+        for layer in 0..num_layers {
+            if let Err(stop) = self.layer_step(h, step, layer, &mut progress) {
+                stopped = Some(stop);
+                break;
+            }
+        }
+        // The reader's waits end at once; what is left in the hand-off goes with it.
+        drop(h.exchange_done());
+        if stopped.is_none() && num_layers > 0 {
+            // What the next batch's read plan overlaps its reads with, beside the compute.
+            self.inner
+                .reads
+                .observe_share(self.layers.mode, progress.share_time / num_layers);
+        }
+        self.verdict(progress, stopped)
+    }
+
+    /// One layer: receive it from the reader, check it, exchange its status word, and when
+    /// every rank is ok, share, land and publish it. A failure of this rank's share step is
+    /// carried to the next status word.
+    fn layer_step(
+        &self,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
+        step: &dyn ShareStep,
+        layer: u32,
+        progress: &mut Progress,
+    ) -> Result<(), Stop> {
+        let batch = self.job.plan.logical.batch;
+        let waited_at = Instant::now();
+        let read = self.receive(h, layer);
+        let verify_at = Instant::now();
+        // What this rank read for the layer is verified before it says "ok" for it.
+        let verified = self.check_read(&read, layer);
+        let mine = progress.carried.take().or(read.error).or(verified);
+        if let Some(e) = &mine {
+            progress.own.get_or_insert_with(|| e.clone());
+        }
+        let word = mine
+            .as_ref()
+            .map_or(LayerStatus::Ok, LayerStatus::from_error);
+        let exchange_at = Instant::now();
+        self.exchange(&mut progress.status, layer, word)
+            .map_err(Stop::Fatal)?;
+        if !progress.status.is_ok() {
+            return Err(Stop::Group);
+        }
+        let (Some(landing), Some(mut stage)) = (self.landing, read.stage) else {
+            return Err(Stop::Fatal(KvLoadError::internal(
+                batch,
+                format!("layer {layer} has no stage"),
+            )));
+        };
+        let cx = LayerCx {
+            coll: self.coll,
+            landing,
+            layout: self.layers.layouts[layer as usize].as_ref(),
+            rank: self.layers.rank,
+            batch,
+            collective_timeout: self.inner.config.collective_timeout,
+            auto: &self.inner.auto,
+        };
+        let shared_at = Instant::now();
+        let ran = cx.run(step, &mut stage);
+        let shared = shared_at.elapsed();
+        progress.share_time += shared;
+        tracing::trace!(
+            %batch,
+            rank = self.layers.rank,
+            layer,
+            read_wait = ?(verify_at - waited_at),
+            verify = ?(exchange_at - verify_at),
+            status = ?(shared_at - exchange_at),
+            share = ?shared,
+            "layer steps"
+        );
+        match ran {
+            Ok(ready) => {
+                let num_layers = self.inner.geometry.num_layers();
+                self.inner
+                    .outcomes
+                    .publish(batch, self.counter, layer, ready, num_layers);
+                progress.landed += self.layers.layer_bytes(layer);
+                if layer == 0 {
+                    progress.first_layer = self.job.started.elapsed();
+                }
+            }
+            Err(StepError::Local(e)) => {
+                warn!(%batch, layer, error = %e, "share step failed on this rank");
+                progress.carried = Some(e);
+            }
+            Err(StepError::Fatal(e)) => return Err(Stop::Fatal(e)),
+        }
+        h.give_back(Some(stage));
+        Ok(())
+    }
+
+    /// This rank's check of what it read for `layer` (checksums, or lengths), when the read
+    /// itself succeeded. A layer without a stage or a landing fails here, in its own status
+    /// word, so that every rank stops at it together (never after an ok word, which would skip
+    /// this layer's collective).
+    fn check_read(&self, read: &ReadLayer, layer: u32) -> Option<KvLoadError> {
+        let batch = self.job.plan.logical.batch;
+        if read.error.is_some() {
+            return None;
+        }
+        let (Some(stage), Some(landing)) = (&read.stage, self.landing) else {
+            return Some(KvLoadError::internal(
+                batch,
+                format!("layer {layer} has no stage or no landing"),
+            ));
+        };
+        let Some(sums) = self.sums.get() else {
+            return Some(KvLoadError::internal(
+                batch,
+                format!("layer {layer} arrived before its checksums were read"),
+            ));
+        };
+        LayerCheck {
+            inner: self.inner,
+            batch,
+            layers: self.layers,
+            sums,
+        }
+        .run(landing, stage, layer, read.landed.as_ref())
+        .err()
+    }
+
+    /// The batch's end on this rank. After every layer, one more status exchange carries the
+    /// last layer's share-step failure to every rank. A fatal stop aborts the data group
+    /// (every rank re-forms it at its next batch); a failed status gives, alone, this rank's
+    /// own error and, in a group, the same error on every rank.
+    fn verdict(
+        &self,
+        mut progress: Progress,
+        stopped: Option<Stop>,
+    ) -> Result<(u64, Duration), KvLoadError> {
+        let batch = self.job.plan.logical.batch;
+        let fatal = match stopped {
+            Some(Stop::Fatal(e)) => Some(e),
+            Some(Stop::Group) => None,
+            None => {
+                if let Some(e) = &progress.carried {
+                    progress.own.get_or_insert_with(|| e.clone());
+                }
+                let word = progress
+                    .carried
+                    .as_ref()
+                    .map_or(LayerStatus::Ok, LayerStatus::from_error);
+                let num_layers = self.inner.geometry.num_layers();
+                self.exchange(&mut progress.status, num_layers, word).err()
+            }
+        };
+        if let Some(e) = fatal {
+            if let Some(c) = self.coll {
+                c.abort(&e.to_string());
+                warn!(%batch, error = %e, "data group aborted: every rank re-forms it at its next batch");
+            }
+            return Err(e);
+        }
+        let status = &progress.status;
+        if status.out_of_step {
+            if let Some(c) = self.coll {
+                self.inner
+                    .group_failed(c, batch, "status words out of step".into());
+            }
+        }
+        if !status.is_ok() {
+            // One rank alone: its own error says most. A group: every rank reports the same.
+            return Err(match (self.coll, progress.own) {
+                (None, Some(e)) => e,
+                _ => status
+                    .to_error(batch)
+                    .unwrap_or(KvLoadError::Cancelled { batch }),
+            });
+        }
+        Ok((progress.landed, progress.first_layer))
+    }
+}

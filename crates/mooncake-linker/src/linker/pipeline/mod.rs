@@ -1,0 +1,230 @@
+//! The layer pipeline of one batch on one rank: a reader thread reads the next group of layers
+//! from the store (one store call; the groups are planned per batch, see
+//! [`ReadGranularity`](super::ReadGranularity)) and hands its layers over in order as the call
+//! returns, while the exchange loop (the load thread) agrees on each layer with the other
+//! ranks, shares its replicated rows ([`ShareStep`](super::share::ShareStep), one per mode),
+//! lands it and publishes it. The batch's ring of [`LayerStage`]s (one per layer in flight)
+//! circulates between them through a [`Handoff`] (free stages to the reader, read layers to
+//! the exchange loop; loom-checked): the reader takes one per layer of its next group.
+//!
+//! Every rank issues the same collectives whatever happens (design rule: failure symmetry):
+//! one status exchange per layer, then that layer's collective when every rank is ok; a
+//! failure of this rank's own share step is reported in the next status word, and after the
+//! last layer one more exchange (the verdict) carries the last layer's. A failed status stops
+//! every rank at the same layer; a failed collective fails the batch on every rank and aborts
+//! the group (every rank re-forms it at its next batch), and so do status words that are out
+//! of step (another layer, another batch's tag).
+//!
+//! Before its status word, the exchange loop verifies what this rank read for the layer
+//! (`verify`: checksums, or lengths), while the reader reads the next layer.
+//!
+//! **Every wait is bounded.** Each store call waits at most `layer_read_timeout` (a call still
+//! running then fails its group of layers; the batch's memory hold keeps what it writes until it
+//! returns), a stage is reopened after a bounded wait for its device work, the reader waits
+//! for each free stage at most `layer_read_timeout + 2 × collective_timeout`, it waits for the
+//! preflight's verdicts until four fifths of `collective_timeout` after the group's read
+//! started (the batch's gate, for the first group; a rank alone: six store calls and a
+//! quarter after the batch's start, or for a later group two store calls after its read's
+//! start if that is later), before its first read it waits for a pin a lookup has under way
+//! a quarter of `store_call_timeout` at most, and the exchange loop waits for the reader at
+//! most `max(layer_read_timeout, collective_timeout) + collective_timeout + 2.25 ×
+//! store_call_timeout` (and at least seven store calls and a quarter) per layer. Once the batch has failed, a size check
+//! that has not started its queries skips them. A preflight check still running
+//! when its verdict is no longer waited for is joined when the reader ends (its store calls
+//! are bounded: the companions' read and, for one that does not fit, its size query, its
+//! object's size query and the discard; the sizes). So the reader thread always ends, and the
+//! scope's join of it is bounded by those waits.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use dedup_broadcast::Collective;
+use kv_device::{LayerLanding, LayerStage};
+use kv_loader::{KvLoadError, ShareMode};
+use layerwise_counter::Ticket;
+
+use super::batch::{BatchJob, BatchLayers};
+use super::granularity::CallLimits;
+use super::handoff::Handoff;
+use super::landed::LandedSums;
+use super::verify::BatchChecksums;
+use super::Inner;
+use crate::store::Hold;
+
+mod exchange;
+mod read;
+
+/// What the reader hands over for one layer.
+struct ReadLayer {
+    layer: u32,
+    stage: Option<LayerStage>,
+    /// Why this rank's read of the layer (or an earlier one) failed.
+    error: Option<KvLoadError>,
+    /// The checksums the store took of the layer's rows as they landed, if it took any.
+    landed: Option<LandedSums>,
+}
+
+/// What the reader thread did.
+#[derive(Default)]
+struct ReadRun {
+    bytes: u64,
+    /// Layers per store call, in order.
+    groups: Vec<u32>,
+}
+
+/// Tells the hand-off the reader left when dropped (also while unwinding).
+struct ReaderDone<'h>(&'h Handoff<Option<LayerStage>, ReadLayer>);
+
+impl Drop for ReaderDone<'_> {
+    fn drop(&mut self) {
+        self.0.reader_done();
+    }
+}
+
+/// What a finished pipeline did.
+pub(crate) struct PipelineRun {
+    pub(crate) bytes_read: u64,
+    /// Layers per store call of this rank's reads, in order.
+    pub(crate) read_groups: Vec<u32>,
+    /// Bytes of the layers landed in this rank's pool.
+    pub(crate) landed: u64,
+    /// From `start_load` to the first layer published.
+    pub(crate) first_layer: Duration,
+}
+
+/// One batch's layers on one rank (see the module docs).
+pub(crate) struct LayerPipeline<'a> {
+    pub(crate) inner: &'a Inner,
+    pub(crate) job: &'a BatchJob,
+    /// When the batch passed its gate, or started alone (the peers' wait for layer 0, if
+    /// there are peers, starts about then).
+    pub(crate) opened: Instant,
+    /// The batch's counter ticket (what publishing a layer marks).
+    pub(crate) counter: Ticket,
+    pub(crate) coll: Option<&'a dyn Collective>,
+    pub(crate) layers: &'a BatchLayers,
+    /// The batch's landing (absent when it could not be made: every layer then fails here).
+    pub(crate) landing: Option<&'a dyn LayerLanding>,
+    /// What a store call past its deadline keeps alive until it returns.
+    pub(crate) memory: &'a Hold,
+    /// The checksums of what this rank reads: set by the reader's helper beside the first
+    /// group's read, before any layer is handed over.
+    pub(crate) sums: &'a OnceLock<BatchChecksums>,
+    /// The batch's status-word tag.
+    pub(crate) tag: u8,
+}
+
+impl LayerPipeline<'_> {
+    /// Runs the batch: `prep` says why this rank cannot read, if it cannot; `stages` the
+    /// landing's ring of stages (empty when there is no landing).
+    pub(crate) fn run(
+        &self,
+        prep: Result<(), KvLoadError>,
+        stages: Vec<LayerStage>,
+    ) -> Result<PipelineRun, KvLoadError> {
+        // Without a landing every layer fails; two empty stages keep the layers moving.
+        let ring = stages.len().max(2);
+        let mut stages = stages.into_iter();
+        // A whole group may wait for the exchange loop: the reader hands a group's layers over
+        // as its call returns and starts the next group's read at once (only free stages hold
+        // it back). With room for one layer it sat in the hand-off until the loop had taken all
+        // but one layer of the group, so reads and share steps took turns instead of
+        // overlapping (Rank0Broadcast, TP 8: rank 0 waited for reads half its time).
+        let handoff: Handoff<Option<LayerStage>, ReadLayer> =
+            Handoff::new((0..ring).map(|_| stages.next()), ring);
+        let h = &handoff;
+        std::thread::scope(|s| {
+            let reader = std::thread::Builder::new()
+                .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank))
+                .spawn_scoped(s, move || {
+                    // The exchange loop learns at once that the reader left, even if it
+                    // panicked.
+                    let _done = ReaderDone(h);
+                    self.read_loop(prep, ring, h)
+                });
+            let reader = match reader {
+                Ok(r) => r,
+                Err(e) => {
+                    // Nothing was read: every exchange of the batch still happens, failed.
+                    h.reader_done();
+                    let _ = self.exchange_loop(h);
+                    return Err(KvLoadError::internal(
+                        self.job.plan.logical.batch,
+                        kv_loader::Cause::with_source(format!("spawning a reader: {e}"), e),
+                    ));
+                }
+            };
+            let exchanged = self.exchange_loop(h);
+            // Bounded: every wait of the reader is (see the module docs), and the exchange loop
+            // has left, which ends the reader's waits on the hand-off at once.
+            let read = reader.join().unwrap_or_default();
+            self.inner.metrics.read(read.bytes);
+            exchanged.map(|(landed, first_layer)| PipelineRun {
+                bytes_read: read.bytes,
+                read_groups: read.groups,
+                landed,
+                first_layer,
+            })
+        })
+    }
+
+    fn cancelled(&self) -> bool {
+        self.inner.epoch.load(Ordering::Acquire) != self.job.epoch
+    }
+
+    /// The layer groups this rank reads, one store call each (see [`ReadGranularity`]):
+    /// planned from the bytes it reads per layer in this batch's mode, at most `ring - 1`
+    /// layers per group (the rest of the ring is the layer the exchange loop holds).
+    ///
+    /// [`ReadGranularity`]: super::ReadGranularity
+    fn plan_groups(&self, ring: usize) -> Vec<std::ops::Range<u32>> {
+        let layers = self.layers;
+        let bytes: Vec<u64> = (0..self.inner.geometry.num_layers())
+            .map(|l| layers.read_bytes(l))
+            .collect();
+        let c = &self.inner.config;
+        // The ranks of the group that read at the same time in this mode share the store's
+        // bytes in flight (rank 0 alone in Rank0Broadcast).
+        let readers = match (self.coll, layers.mode) {
+            (None, _) | (_, ShareMode::Rank0Broadcast) => 1,
+            (Some(coll), _) => u64::from(coll.size().max(1)),
+        };
+        let limits = CallLimits {
+            time: c.layer_read_timeout / 4,
+            bytes: c.read_bytes_in_flight / readers,
+        };
+        self.inner
+            .reads
+            .plan(&bytes, ring, limits, layers.mode, readers)
+    }
+}
+
+/// Sets its flag when dropped: the reader's preflight checks are no longer waited for.
+struct Abandon<'a>(&'a AtomicBool);
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// Store calls the companions' check makes at most: their read, then for a companion that does
+/// not fit, its own size query (a refusal that may mean "too long"), its object's size query
+/// and the discard of both.
+const COMPANION_CHECK_CALLS: u32 = 4;
+
+/// Longest the companions' check may take, each of its store calls bounded by
+/// `store_call_timeout`: before them, a wait for companions read ahead at lookup.
+fn companions_bound(store_call_timeout: Duration) -> Duration {
+    store_call_timeout
+        .saturating_mul(COMPANION_CHECK_CALLS)
+        .saturating_add(super::prefetch::read_ahead_wait(store_call_timeout))
+}
+
+/// Longest a rank alone waits for the preflight's verdicts, from the batch's start: the
+/// companions' check, then the sizes' (its queries and the discard of a wrong-sized object
+/// share one deadline: one store call), and one store call as slack.
+fn alone_verdicts_bound(store_call_timeout: Duration) -> Duration {
+    companions_bound(store_call_timeout).saturating_add(store_call_timeout.saturating_mul(2))
+}
