@@ -206,6 +206,26 @@ pub(crate) fn partition(bytes: &[u64], streams: usize, min_bytes: u64) -> Vec<Ra
     out
 }
 
+/// Groups keys needing `scratch[i]` bytes of staging each into sequential calls of at most
+/// `limit` bytes: contiguous runs in order, each as long as it fits, a key alone where it does
+/// not fit by itself. Per call, its keys and the scratch it needs. The calls tile
+/// `0..scratch.len()` in order; none is empty.
+pub(crate) fn scratch_calls(scratch: &[u64], limit: u64) -> Vec<(Range<usize>, u64)> {
+    let mut calls = Vec::new();
+    let mut start = 0;
+    while start < scratch.len() {
+        let mut end = start + 1;
+        let mut need = scratch[start];
+        while end < scratch.len() && need.saturating_add(scratch[end]) <= limit {
+            need += scratch[end];
+            end += 1;
+        }
+        calls.push((start..end, need));
+        start = end;
+    }
+    calls
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,6 +369,30 @@ mod tests {
             vec![(0, 0, 0, 100), (1, 1, 100, 100), (2, 2, 200, 100)]
         );
         assert!(direct.staged.is_empty());
+    }
+
+    proptest! {
+        #[test]
+        fn scratch_calls_tile_the_keys_within_the_limit(
+            scratch in prop::collection::vec(0u64..100, 0..40),
+            limit in 1u64..200,
+        ) {
+            let calls = scratch_calls(&scratch, limit);
+            let mut next = 0;
+            for (i, (keys, need)) in calls.iter().enumerate() {
+                prop_assert_eq!(keys.start, next);
+                prop_assert!(!keys.is_empty());
+                prop_assert_eq!(*need, scratch[keys.clone()].iter().sum::<u64>());
+                // Within the limit, or one key that does not fit by itself.
+                prop_assert!(*need <= limit || keys.len() == 1);
+                // As long as it fits: the next key would not.
+                if let Some((later, _)) = calls.get(i + 1) {
+                    prop_assert!(need + scratch[later.start] > limit);
+                }
+                next = keys.end;
+            }
+            prop_assert_eq!(next, scratch.len());
+        }
     }
 
     proptest! {

@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 
 use super::gate::TransferGate;
 use super::parts::run_parts;
-use super::ranges::{partition, shape, Shaped, Target};
+use super::ranges::{partition, scratch_calls, shape, Shaped, Target};
 use super::store::{not_read, store_error, wheel_read, MooncakeStore, CLIENT_GIVES_UP_AFTER};
 use crate::store::{RangeChecksums, RangedGet, StoreError};
 
@@ -296,18 +296,8 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
                 }
             })
             .collect();
-        let mut calls = Vec::new();
-        let mut start = 0;
-        while start < part.len() {
-            let mut end = start + 1;
-            let mut need = shaped[start].scratch;
-            while end < part.len() && need + shaped[end].scratch <= SCRATCH_BYTES {
-                need += shaped[end].scratch;
-                end += 1;
-            }
-            calls.push((start..end, need));
-            start = end;
-        }
+        let needs: Vec<u64> = shaped.iter().map(|s| s.scratch).collect();
+        let calls = scratch_calls(&needs, SCRATCH_BYTES);
         let mut out = Vec::with_capacity(part.len());
         std::thread::scope(|s| {
             // The copy-out of the previous call, on its helper thread, with its keys.
