@@ -191,20 +191,7 @@ impl Inner {
         };
         let (handles, _in_use) = match handles {
             Ok(h) => h,
-            Err(alone) => {
-                // No gate: whatever this batch does, it leaves no time for the group.
-                gates.pending.clear();
-                if let Some(e) = refusal {
-                    return Err(e);
-                }
-                if alone.is_empty() {
-                    return self.load_batch(None, job, ShareMode::AllRanks, 0, held);
-                }
-                warn!(%batch, reason = %alone, "loading alone: the TP group is down");
-                let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
-                stats.alone = Some(alone);
-                return Ok(stats);
-            }
+            Err(alone) => return self.run_alone(gates, job, refusal, alone, held),
         };
         let coll = handles.data.as_ref();
         let gated = match self.gate(gates, handles.epoch, coll, job) {
@@ -229,25 +216,34 @@ impl Inner {
         // peer that called `start_load` later depend on the engine, not on the mode.
         let in_step = Instant::now();
         let loaded = self.load_batch(Some(coll), job, gated.mode, gated.tag(), held);
-        match &loaded {
-            // A batch too small to measure must not count as one in flight either: Auto
-            // would then wait for a time that never comes.
-            Ok(stats) if super::auto::AutoMode::measures(stats.bytes_landed) => {
-                gates.pending.record(
-                    handles.epoch,
-                    gated.count,
-                    BatchSample {
-                        mode: stats.mode,
-                        landed: stats.bytes_landed,
-                        took: in_step.elapsed(),
-                    },
-                )
-            }
-            // A failed batch's time says nothing (and must not travel later).
-            _ => gates.pending.clear(),
-        }
+        leave_sample(gates, (handles.epoch, gated.count), &loaded, in_step);
         let mut stats = loaded?;
         stats.plans_differ = gated.plans_differ;
+        Ok(stats)
+    }
+
+    /// A batch this rank runs without the group: no gate, so whatever it does it leaves no
+    /// time for the group. Refused here, or loaded alone; `alone` says why the group is down
+    /// (empty for a rank alone, which has nobody to keep in step with).
+    fn run_alone(
+        &self,
+        gates: &mut Gates,
+        job: &BatchJob,
+        refusal: Option<KvLoadError>,
+        alone: String,
+        held: Option<&Arc<HeldOutcome>>,
+    ) -> Result<LoadStats, KvLoadError> {
+        gates.pending.clear();
+        if let Some(e) = refusal {
+            return Err(e);
+        }
+        if alone.is_empty() {
+            return self.load_batch(None, job, ShareMode::AllRanks, 0, held);
+        }
+        let batch = job.plan.logical.batch;
+        warn!(%batch, reason = %alone, "loading alone: the TP group is down");
+        let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
+        stats.alone = Some(alone);
         Ok(stats)
     }
 
@@ -484,5 +480,30 @@ impl BatchLayers {
     ) -> Result<(), KvLoadError> {
         reader.verify_sizes(&self.own, 0..self.pages, known)?;
         reader.verify_sizes(&self.shared, self.my_pages(), known)
+    }
+}
+
+/// What a batch loaded with the group leaves for the next gate (`Auto` records the group's
+/// time there): its time from `in_step`, where the ranks were in step, for the handle's
+/// `(epoch, gate)`. A batch too small to measure leaves none (Auto would otherwise wait for a
+/// time that never comes), and so does a failed one (its time says nothing, and must not
+/// travel later).
+fn leave_sample(
+    gates: &mut Gates,
+    (epoch, gate): (u64, u64),
+    loaded: &Result<LoadStats, KvLoadError>,
+    in_step: Instant,
+) {
+    match loaded {
+        Ok(stats) if super::auto::AutoMode::measures(stats.bytes_landed) => gates.pending.record(
+            epoch,
+            gate,
+            BatchSample {
+                mode: stats.mode,
+                landed: stats.bytes_landed,
+                took: in_step.elapsed(),
+            },
+        ),
+        _ => gates.pending.clear(),
     }
 }

@@ -11,7 +11,9 @@ use kv_device::{first_overlap, ReadTarget, StageLoan};
 use smallvec::SmallVec;
 
 use super::bounded::{failed_all, unanswered_all, Pending};
-use super::{checked_results, RangeChecksums, RangedGet, ReadRange, StoreCalls, StoreError};
+use super::{
+    checked_results, KvStore, RangeChecksums, RangedGet, ReadRange, StoreCalls, StoreError,
+};
 
 /// One range of a read into a typed target: `target.len()` bytes at byte `offset` of the
 /// object.
@@ -150,19 +152,9 @@ impl StoreCalls {
         deadline: Instant,
         hash: bool,
     ) -> TargetReadResults {
-        let none = |r: &TargetRead<'_>| smallvec::smallvec![None; r.ranges.len()];
         if let Some(reason) = refusal(reads, &loans) {
             tracing::error!(reason, "a read's targets were refused");
-            return reads
-                .iter()
-                .map(|r| {
-                    let e = StoreError::InvalidTarget {
-                        key: r.key.to_owned(),
-                        reason,
-                    };
-                    (Err(e), none(r))
-                })
-                .collect();
+            return refused(reads, reason);
         }
         let parts = parallelism.clamp(1, reads.len().max(1));
         let chunk = reads.len().div_ceil(parts).max(1);
@@ -181,48 +173,15 @@ impl StoreCalls {
                 let started = self.submit(
                     "get_ranges",
                     move |s| {
-                        let gets: Vec<RangedGet<'_>> = mine
-                            .iter()
-                            .zip(ranges)
-                            .map(|(key, ranges)| RangedGet { key, ranges })
-                            .collect();
-                        // One entry per read either way (empty ones, which do not allocate,
-                        // when none are asked for).
-                        let mut sums: Vec<RangeChecksums> = if hash {
-                            let none =
-                                |g: &RangedGet<'_>| smallvec::smallvec![None; g.ranges.len()];
-                            gets.iter().map(none).collect()
-                        } else {
-                            vec![RangeChecksums::new(); gets.len()]
-                        };
-                        // SAFETY: every destination is a `ReadTarget` of one of `loans` (checked
-                        // by `refusal`), so its bytes lie in memory the loan keeps allocated and
-                        // that its landing touches and lends to no one else while the loan
-                        // lives (one stage per layer; a direct landing's slots claimed for
-                        // writing: no save source reads them, no other landing writes them);
-                        // this closure holds the loans until the call has returned. No
-                        // two destinations of the whole read share a byte (checked), so the
-                        // parts, run at once, write disjoint memory too.
-                        let r = unsafe {
-                            if hash {
-                                s.get_ranges_checksummed(&gets, &mut sums)
-                            } else {
-                                s.get_ranges(&gets)
-                            }
-                        };
-                        if r.iter()
-                            .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer))
-                        {
-                            // The store gave up on a transfer that may still write these
-                            // targets: their loans (and the batch's memory hold with them) are
-                            // kept for good, so nothing is handed on or freed.
-                            std::mem::forget(loans);
-                        } else {
-                            drop(loans);
-                        }
-                        let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
-                        let results = checked_results(&refs, r);
-                        TargetReadResults { results, sums }
+                        // SAFETY: every destination is a `ReadTarget` of one of `loans`
+                        // (checked by `refusal` above), so its bytes lie in memory the loan
+                        // keeps allocated and that its landing touches and lends to no one else
+                        // while the loan lives (one stage per layer; a direct landing's slots
+                        // claimed for writing: no save source reads them, no other landing
+                        // writes them); `read_part` holds the loans until the call has
+                        // returned. No two destinations of the whole read share a byte
+                        // (checked), so the parts, run at once, write disjoint memory too.
+                        unsafe { read_part(s, &mine, ranges, loans, hash) }
                     },
                     |_, _| {},
                 );
@@ -239,12 +198,86 @@ impl StoreCalls {
                     Err(e) => failed_all(&keys, &e),
                 };
                 TargetReadResults {
-                    sums: p.iter().map(none).collect(),
+                    sums: p.iter().map(no_sums).collect(),
                     results,
                 }
             })
             .collect()
     }
+}
+
+/// One `None` checksum per range of `read` (none taken).
+fn no_sums(read: &TargetRead<'_>) -> RangeChecksums {
+    smallvec::smallvec![None; read.ranges.len()]
+}
+
+/// Every read of a call whose targets were refused fails with `reason`.
+fn refused(reads: &[TargetRead<'_>], reason: &'static str) -> TargetReadResults {
+    reads
+        .iter()
+        .map(|r| {
+            let e = StoreError::InvalidTarget {
+                key: r.key.to_owned(),
+                reason,
+            };
+            (Err(e), no_sums(r))
+        })
+        .collect()
+}
+
+/// One part's store call, on a store-call worker: `keys[i]` read at `ranges[i]`, with the
+/// checksums the store takes as the ranges land when `hash`. Drops `loans` once the store has
+/// returned, or keeps them for good when it gave up on a transfer that may still write their
+/// memory.
+///
+/// # Safety
+///
+/// Every destination of `ranges` must be valid for writes of its length, written by nothing
+/// else and kept allocated while `loans` live (the targets minted in them, checked by
+/// [`refusal`]), and no two destinations share a byte.
+unsafe fn read_part(
+    s: &dyn KvStore,
+    keys: &[String],
+    ranges: Vec<SmallVec<[ReadRange; 2]>>,
+    loans: Arc<Vec<StageLoan>>,
+    hash: bool,
+) -> TargetReadResults {
+    let gets: Vec<RangedGet<'_>> = keys
+        .iter()
+        .zip(ranges)
+        .map(|(key, ranges)| RangedGet { key, ranges })
+        .collect();
+    // One entry per read either way (empty ones, which do not allocate, when none are asked
+    // for).
+    let mut sums: Vec<RangeChecksums> = if hash {
+        gets.iter()
+            .map(|g| smallvec::smallvec![None; g.ranges.len()])
+            .collect()
+    } else {
+        vec![RangeChecksums::new(); gets.len()]
+    };
+    // SAFETY: the caller's promise (this function's contract) for every destination; the
+    // loans live until the store call has returned (dropped or kept below).
+    let r = unsafe {
+        if hash {
+            s.get_ranges_checksummed(&gets, &mut sums)
+        } else {
+            s.get_ranges(&gets)
+        }
+    };
+    if r.iter()
+        .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer))
+    {
+        // The store gave up on a transfer that may still write these targets: their loans
+        // (and the batch's memory hold with them) are kept for good, so nothing is handed on
+        // or freed.
+        std::mem::forget(loans);
+    } else {
+        drop(loans);
+    }
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let results = checked_results(&refs, r);
+    TargetReadResults { results, sums }
 }
 
 /// What [`StoreCalls::read_targets_checksummed`] returns: per read, in order, the bytes read
