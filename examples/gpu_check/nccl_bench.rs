@@ -107,23 +107,9 @@ fn one_rank(warm: usize, iters: usize) -> Result<String, String> {
 fn kvlink_cost(warm: usize, iters: usize) -> Result<BroadcastCost, String> {
     let ranks = NcclGroup::new_in_process_with(&[0, 1], NcclConfig::default())
         .map_err(|e| e.to_string())?;
-    let barrier = Barrier::new(ranks.len());
-    let costs: Vec<Result<BroadcastCost, String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = ranks
-            .iter()
-            .map(|coll| {
-                let barrier = &barrier;
-                s.spawn(move || kvlink_rank(coll, barrier, warm, iters))
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("a rank's thread panicked".into()))
-            })
-            .collect()
-    });
-    costs.into_iter().next().ok_or("no rank 0")?
+    rank0_of(ranks.len(), |r, barrier| {
+        kvlink_rank(&ranks[r], barrier, warm, iters)
+    })
 }
 
 /// One rank's side of [`kvlink_cost`]: calls alone, then back-to-back rounds.
@@ -199,12 +185,21 @@ fn broadcasts(
 /// cost.
 fn raw_cost(warm: usize, iters: usize) -> Result<BroadcastCost, String> {
     let id = cnccl::Id::new().map_err(|e| format!("ncclGetUniqueId: {}", nccl_result_name(e.0)))?;
-    let barrier = Barrier::new(2);
+    rank0_of(2, |r, barrier| raw_rank(r, id, barrier, warm, iters))
+}
+
+/// Runs `rank(r, barrier)` for ranks `0..n`, one thread each, stepping together through
+/// `barrier`; rank 0's result.
+fn rank0_of<F>(n: usize, rank: F) -> Result<BroadcastCost, String>
+where
+    F: Fn(usize, &Barrier) -> Result<BroadcastCost, String> + Sync,
+{
+    let barrier = Barrier::new(n);
     let costs: Vec<Result<BroadcastCost, String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2usize)
+        let hs: Vec<_> = (0..n)
             .map(|r| {
-                let barrier = &barrier;
-                s.spawn(move || raw_rank(r, id, barrier, warm, iters))
+                let (barrier, rank) = (&barrier, &rank);
+                s.spawn(move || rank(r, barrier))
             })
             .collect();
         hs.into_iter()
