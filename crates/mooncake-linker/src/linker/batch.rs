@@ -485,9 +485,9 @@ impl BatchLayers {
 
 /// What a batch loaded with the group leaves for the next gate (`Auto` records the group's
 /// time there): its time from `in_step`, where the ranks were in step, for the handle's
-/// `(epoch, gate)`. A batch too small to measure leaves none (Auto would otherwise wait for a
-/// time that never comes), and so does a failed one (its time says nothing, and must not
-/// travel later).
+/// `(epoch, gate)`. A batch too small to measure leaves none: it must not count as one in
+/// flight either, or Auto would wait for a time that never comes. Nor does a failed one (its
+/// time says nothing, and must not travel later).
 fn leave_sample(
     gates: &mut Gates,
     (epoch, gate): (u64, u64),

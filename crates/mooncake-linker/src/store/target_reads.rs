@@ -91,7 +91,9 @@ impl StoreCalls {
     /// loan lives its landing lends the memory to no one else and keeps it allocated (and so
     /// does whatever the loan [`keep`](StageLoan::keep)s). Every target must be of one of
     /// `loans`, and no two may share a byte; otherwise nothing is read and every key fails
-    /// with [`StoreError::InvalidTarget`].
+    /// with [`StoreError::InvalidTarget`]. Where the store needs registered memory (RDMA),
+    /// the landings' memory must be registered with it ([`KvStore::register`]; the `Linker`
+    /// registers its pool and staging memory when it is built).
     ///
     /// ```
     /// use std::sync::Arc;
@@ -179,8 +181,10 @@ impl StoreCalls {
                         // while the loan lives (one stage per layer; a direct landing's slots
                         // claimed for writing: no save source reads them, no other landing
                         // writes them); `read_part` holds the loans until the call has
-                        // returned. No two destinations of the whole read share a byte
-                        // (checked), so the parts, run at once, write disjoint memory too.
+                        // returned, and for good where the store gave up on a transfer. No
+                        // two destinations of the whole read share a byte (checked), so the
+                        // parts, run at once, write disjoint memory too. Registration, where
+                        // the store needs it, is this call's caller's (see its doc).
                         unsafe { read_part(s, &mine, ranges, loans, hash) }
                     },
                     |_, _| {},
@@ -232,9 +236,11 @@ fn refused(reads: &[TargetRead<'_>], reason: &'static str) -> TargetReadResults 
 ///
 /// # Safety
 ///
-/// Every destination of `ranges` must be valid for writes of its length, written by nothing
-/// else and kept allocated while `loans` live (the targets minted in them, checked by
-/// [`refusal`]), and no two destinations share a byte.
+/// For the whole call (for good where a key fails [`StoreError::Abandoned`]), every
+/// destination of `ranges` must be valid for writes of its length, neither read nor written by
+/// anyone else, and of memory `s` can access (registered with it where it needs that); the
+/// loans in `loans` must keep it so while they live (the targets minted in them, checked by
+/// [`refusal`]); and no two destinations may share a byte.
 unsafe fn read_part(
     s: &dyn KvStore,
     keys: &[String],

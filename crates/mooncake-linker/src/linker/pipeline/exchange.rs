@@ -36,8 +36,8 @@ struct Progress {
 enum Stop {
     /// A status word was not ok: every rank stops at this layer.
     Group,
-    /// A collective failed, or a share step's wait ran out: the ranks may no longer be in
-    /// step on this handle.
+    /// A collective failed, a share step's wait ran out, or a layer agreed ok had no stage:
+    /// the ranks may no longer be in step on this handle.
     Fatal(KvLoadError),
 }
 
@@ -251,9 +251,10 @@ impl LayerPipeline<'_> {
     }
 
     /// The batch's end on this rank. After every layer, one more status exchange carries the
-    /// last layer's share-step failure to every rank. A fatal stop aborts the data group
-    /// (every rank re-forms it at its next batch); a failed status gives, alone, this rank's
-    /// own error and, in a group, the same error on every rank.
+    /// last layer's share-step failure to every rank. A fatal stop, or a failure of that last
+    /// exchange, aborts the data group if there is one (every rank re-forms it at its next
+    /// batch); status words out of step mark the group failed. A failed status gives, alone,
+    /// this rank's own error and, in a group, the same error on every rank.
     fn verdict(
         &self,
         mut progress: Progress,

@@ -411,7 +411,8 @@ fn free_stages(
 }
 
 /// Hands `group`'s layers over in order, each with its stage, the batch's failure if it has
-/// one, and its landed checksums. False once the exchange loop has left.
+/// one, and its landed checksums. False once the exchange loop has left (or did not take a
+/// layer within `wait`).
 fn hand_over(
     h: &Handoff<Option<LayerStage>, ReadLayer>,
     group: std::ops::Range<u32>,
