@@ -209,6 +209,13 @@ pub(crate) struct Run<'a> {
     pub(crate) outbound: Vec<Outbound>,
 }
 
+/// Each peer's stream in a run, by peer rank: the index of its inbound stream in the run's
+/// inbound list, and of its outbound stream in the outbound list (`None`: no such stream).
+struct ByPeer {
+    in_of: Vec<Option<usize>>,
+    out_of: Vec<Option<usize>>,
+}
+
 impl Run<'_> {
     /// Runs every stream to its end, or fails (see the module docs).
     ///
@@ -222,6 +229,28 @@ impl Run<'_> {
         deadline: Instant,
         check: &mut HeaderCheck<'_>,
     ) -> Result<(), Failure> {
+        let by_peer = self.streams_by_peer();
+        loop {
+            // SAFETY: forwarded from this function's contract.
+            unsafe { self.send_what_is_ready()? };
+            if self.all_finished() {
+                return Ok(());
+            }
+            let gone = self.gone_with_bytes_to_send();
+            if !gone.is_empty() {
+                return Err(Failure::Gone(gone));
+            }
+            let (mut fds, peers) = self.poll_set(&by_peer);
+            if !self.wait(&mut fds, deadline)? {
+                continue;
+            }
+            // SAFETY: forwarded from this function's contract.
+            unsafe { self.take_events(&fds, &peers, &by_peer, check)? };
+        }
+    }
+
+    /// Each peer's inbound and outbound stream, indexed by peer rank.
+    fn streams_by_peer(&self) -> ByPeer {
         let n = self.links.len();
         let mut in_of = vec![None; n];
         let mut out_of = vec![None; n];
@@ -231,87 +260,112 @@ impl Run<'_> {
         for (i, s) in self.outbound.iter().enumerate() {
             out_of[s.peer as usize] = Some(i);
         }
-        loop {
-            // SAFETY: forwarded from this function's contract.
-            unsafe { self.send_what_is_ready()? };
-            if self.inbound.iter().all(Inbound::finished)
-                && self.outbound.iter().all(Outbound::finished)
-            {
-                return Ok(());
+        ByPeer { in_of, out_of }
+    }
+
+    /// True when every stream, inbound and outbound, has reached its end.
+    fn all_finished(&self) -> bool {
+        self.inbound.iter().all(Inbound::finished) && self.outbound.iter().all(Outbound::finished)
+    }
+
+    /// Peers known to have hung up while an outbound stream to them is unfinished.
+    fn gone_with_bytes_to_send(&self) -> Vec<u32> {
+        self.outbound
+            .iter()
+            .filter(|o| !o.finished() && self.hung[o.peer as usize])
+            .map(|o| o.peer)
+            .collect()
+    }
+
+    /// What to wait for on each peer's link: its pollfds, and the peer of each.
+    fn poll_set(&self, by_peer: &ByPeer) -> (Vec<libc::pollfd>, Vec<usize>) {
+        let n = self.links.len();
+        let mut fds = Vec::with_capacity(n);
+        let mut peers = Vec::with_capacity(n);
+        for (peer, link) in self.links.iter().enumerate() {
+            let Some(link) = link else { continue };
+            let mut events: libc::c_short = 0;
+            if by_peer.in_of[peer].is_some_and(|i| !self.inbound[i].finished()) {
+                events |= libc::POLLIN;
             }
-            let gone: Vec<u32> = self
-                .outbound
-                .iter()
-                .filter(|o| !o.finished() && self.hung[o.peer as usize])
-                .map(|o| o.peer)
-                .collect();
-            if !gone.is_empty() {
-                return Err(Failure::Gone(gone));
+            if by_peer.out_of[peer].is_some_and(|i| self.outbound[i].blocked) {
+                events |= libc::POLLOUT;
             }
-            let mut fds = Vec::with_capacity(n);
-            let mut peers = Vec::with_capacity(n);
-            for (peer, link) in self.links.iter().enumerate() {
-                let Some(link) = link else { continue };
-                let mut events: libc::c_short = 0;
-                if in_of[peer].is_some_and(|i| !self.inbound[i].finished()) {
-                    events |= libc::POLLIN;
-                }
-                if out_of[peer].is_some_and(|i| self.outbound[i].blocked) {
-                    events |= libc::POLLOUT;
-                }
-                if !self.hung[peer] {
-                    events |= libc::POLLRDHUP;
-                } else if events == 0 {
-                    continue;
-                }
-                fds.push(libc::pollfd {
-                    fd: link.fd(),
-                    events,
-                    revents: 0,
-                });
-                peers.push(peer);
+            if !self.hung[peer] {
+                events |= libc::POLLRDHUP;
+            } else if events == 0 {
+                continue;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Failure::Timeout(self.not_arrived()));
+            fds.push(libc::pollfd {
+                fd: link.fd(),
+                events,
+                revents: 0,
+            });
+            peers.push(peer);
+        }
+        (fds, peers)
+    }
+
+    /// Waits on `fds` until one is ready: `Ok(true)` then, `Ok(false)` when a signal
+    /// interrupted the wait (the caller goes round again), a timeout once `deadline` is past.
+    fn wait(&self, fds: &mut [libc::pollfd], deadline: Instant) -> Result<bool, Failure> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Failure::Timeout(self.not_arrived()));
+        }
+        let ms = left.as_millis().saturating_add(1).min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: `fds` is a live, correctly sized array of pollfd for the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(false);
             }
-            let ms = left.as_millis().saturating_add(1).min(i32::MAX as u128) as libc::c_int;
-            // SAFETY: `fds` is a live, correctly sized array of pollfd for the call.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Failure::Io {
-                    peer: u32::MAX,
-                    error: e,
-                });
+            return Err(Failure::Io {
+                peer: u32::MAX,
+                error: e,
+            });
+        }
+        Ok(true)
+    }
+
+    /// Acts on what `poll` reported for each peer (`fds[k]` is `peers[k]`'s): reads a
+    /// readable inbound stream, marks a peer that hung up, and unblocks an outbound stream
+    /// whose socket has room.
+    ///
+    /// # Safety
+    /// As for [`run`](Self::run).
+    unsafe fn take_events(
+        &mut self,
+        fds: &[libc::pollfd],
+        peers: &[usize],
+        by_peer: &ByPeer,
+        check: &mut HeaderCheck<'_>,
+    ) -> Result<(), Failure> {
+        for (pfd, &peer) in fds.iter().zip(peers) {
+            let ev = pfd.revents;
+            if ev == 0 {
+                continue;
             }
-            for (pfd, &peer) in fds.iter().zip(&peers) {
-                let ev = pfd.revents;
-                if ev == 0 {
-                    continue;
+            let hangup = ev & (libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP) != 0;
+            if let Some(i) = by_peer.in_of[peer] {
+                if ev & (libc::POLLIN | libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP) != 0
+                    && !self.inbound[i].finished()
+                {
+                    // SAFETY: forwarded from this function's contract.
+                    unsafe { self.read(i, check)? };
                 }
-                let hangup = ev & (libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP) != 0;
-                if let Some(i) = in_of[peer] {
-                    if ev & (libc::POLLIN | libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP) != 0
-                        && !self.inbound[i].finished()
-                    {
-                        // SAFETY: forwarded from this function's contract.
-                        unsafe { self.read(i, check)? };
-                    }
-                }
-                if hangup {
-                    self.hung[peer] = true;
-                }
-                if ev & libc::POLLOUT != 0 {
-                    if let Some(i) = out_of[peer] {
-                        self.outbound[i].blocked = false;
-                    }
+            }
+            if hangup {
+                self.hung[peer] = true;
+            }
+            if ev & libc::POLLOUT != 0 {
+                if let Some(i) = by_peer.out_of[peer] {
+                    self.outbound[i].blocked = false;
                 }
             }
         }
+        Ok(())
     }
 
     /// Peers whose header has not arrived, for a timeout's report.

@@ -227,12 +227,29 @@ pub(crate) fn connect_meshes(
     deadline: Instant,
 ) -> Result<Vec<Vec<Option<Link>>>, RendezvousError> {
     let world = plan.members.len() as u32;
-    let me = plan.rank;
     let mut meshes: Vec<Vec<Option<Link>>> = (0..handles)
         .map(|_| (0..world).map(|_| None).collect())
         .collect();
     // Outbound first (never waits on a peer's progress: its listener queues us), then
     // inbound, then the acks of the outbound ones.
+    let outbound = connect_to_lower_ranks(plan, handles, deadline)?;
+    accept_higher_ranks(plan, listener, handles, &mut meshes, deadline)?;
+    take_acks(outbound, &mut meshes, deadline)?;
+    for link in meshes.iter().flatten().flatten() {
+        link.prepare()
+            .map_err(|e| RendezvousError::io("preparing a connection", e))?;
+    }
+    Ok(meshes)
+}
+
+/// Connects to every lower rank once per handle and sends each the handshake; the links,
+/// each with its handle and peer, still waiting for their acks.
+fn connect_to_lower_ranks(
+    plan: &MeshPlan<'_>,
+    handles: u32,
+    deadline: Instant,
+) -> Result<Vec<(u32, u32, Link)>, RendezvousError> {
+    let me = plan.rank;
     let mut outbound = Vec::new();
     for h in 0..handles {
         for peer in 0..me {
@@ -248,6 +265,20 @@ pub(crate) fn connect_meshes(
             outbound.push((h, peer, link));
         }
     }
+    Ok(outbound)
+}
+
+/// Accepts every higher rank's connection for every handle into `meshes`, dropping those
+/// meant for another group; a timeout naming the ranks still missing at `deadline`.
+fn accept_higher_ranks(
+    plan: &MeshPlan<'_>,
+    listener: &MeshListener,
+    handles: u32,
+    meshes: &mut [Vec<Option<Link>>],
+    deadline: Instant,
+) -> Result<(), RendezvousError> {
+    let world = plan.members.len() as u32;
+    let me = plan.rank;
     let mut expected = (world - 1 - me) * handles;
     while expected > 0 {
         let Some(link) = listener
@@ -262,35 +293,63 @@ pub(crate) fn connect_meshes(
                 detail: format!("rank {me} waiting for its peers' connections"),
             });
         };
-        let mut b = [0u8; HANDSHAKE];
-        let short = kv_loader::deadline_after(Duration::from_secs(2)).min(deadline);
-        if read_exact_by(&mut blocking(&link), &mut b, short).is_err() {
+        let Some((h, from)) = admit_peer(plan, &link, handles, meshes, deadline) else {
             continue;
-        }
-        let (magic, epoch, h, from, to) = parse_handshake(&b);
-        let fits = magic == MAGIC
-            && epoch == plan.epoch
-            && to == me
-            && h < handles
-            && from > me
-            && from < world
-            && meshes[h as usize][from as usize].is_none();
-        if !fits {
-            tracing::debug!(
-                epoch,
-                h,
-                from,
-                to,
-                "dropping a connection meant for another group"
-            );
-            continue;
-        }
-        if write_all_by(&link, &ACK, short).is_err() {
-            continue;
-        }
+        };
         meshes[h as usize][from as usize] = Some(link);
         expected -= 1;
     }
+    Ok(())
+}
+
+/// Reads an accepted connection's handshake and acks it when it is meant for this rank's
+/// meshes and its place there is still empty; its handle and rank, or `None` for a
+/// connection to drop (silent, meant for another group, or not acked in time).
+fn admit_peer(
+    plan: &MeshPlan<'_>,
+    link: &Link,
+    handles: u32,
+    meshes: &[Vec<Option<Link>>],
+    deadline: Instant,
+) -> Option<(u32, u32)> {
+    let world = plan.members.len() as u32;
+    let me = plan.rank;
+    let mut b = [0u8; HANDSHAKE];
+    let short = kv_loader::deadline_after(Duration::from_secs(2)).min(deadline);
+    if read_exact_by(&mut blocking(link), &mut b, short).is_err() {
+        return None;
+    }
+    let (magic, epoch, h, from, to) = parse_handshake(&b);
+    let fits = magic == MAGIC
+        && epoch == plan.epoch
+        && to == me
+        && h < handles
+        && from > me
+        && from < world
+        && meshes[h as usize][from as usize].is_none();
+    if !fits {
+        tracing::debug!(
+            epoch,
+            h,
+            from,
+            to,
+            "dropping a connection meant for another group"
+        );
+        return None;
+    }
+    if write_all_by(link, &ACK, short).is_err() {
+        return None;
+    }
+    Some((h, from))
+}
+
+/// Waits for each lower rank's ack of this rank's handshake, and puts each acked link in
+/// its place in `meshes`.
+fn take_acks(
+    outbound: Vec<(u32, u32, Link)>,
+    meshes: &mut [Vec<Option<Link>>],
+    deadline: Instant,
+) -> Result<(), RendezvousError> {
     for (h, peer, link) in outbound {
         let mut ack = [0u8; 4];
         read_exact_by(&mut blocking(&link), &mut ack, deadline)
@@ -302,9 +361,5 @@ pub(crate) fn connect_meshes(
         }
         meshes[h as usize][peer as usize] = Some(link);
     }
-    for link in meshes.iter().flatten().flatten() {
-        link.prepare()
-            .map_err(|e| RendezvousError::io("preparing a connection", e))?;
-    }
-    Ok(meshes)
+    Ok(())
 }

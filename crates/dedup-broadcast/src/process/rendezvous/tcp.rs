@@ -70,6 +70,102 @@ impl LeaderState {
         self.live_epoch = None;
         self.last_failure = Some(ENDED_ABNORMALLY.into());
     }
+
+    /// The formation in progress decided: the group it formed is live, or no group is and
+    /// joiners hear why.
+    fn ended(&mut self, decision: &Result<Welcome, RendezvousError>) {
+        match decision {
+            Ok(w) => {
+                self.live_epoch = Some(w.epoch);
+                self.last_failure = None;
+            }
+            Err(e) => {
+                self.live_epoch = None;
+                self.last_failure = Some(e.to_string());
+            }
+        }
+    }
+
+    /// The answer to a hello while no formation is in progress: the live group's epoch, or
+    /// why the last formation failed.
+    fn idle(&self) -> Reply {
+        Reply::Idle {
+            live_epoch: self.live_epoch,
+            last_failure: self.last_failure.clone(),
+        }
+    }
+}
+
+/// The ranks that joined the formation in progress, each waiting on its connection for the
+/// answer.
+#[derive(Default)]
+struct Joiners {
+    /// Ranks whose hello was taken.
+    joined: Vec<(TcpStream, Hello)>,
+    /// Ranks that run another version (the rank, and its refusal).
+    foreign: Vec<(TcpStream, u32, RendezvousError)>,
+}
+
+impl Joiners {
+    /// Lets go of the joined ranks that hung up (they gave up waiting).
+    fn drop_hung_up(&mut self) {
+        self.joined.retain(|(s, h)| {
+            let gone = hung_up(s);
+            if gone {
+                tracing::info!(rank = h.rank, "a joining rank gave up; waiting for another");
+            }
+            !gone
+        });
+    }
+
+    /// The joined ranks' hellos.
+    fn hellos(&self) -> Vec<Hello> {
+        self.joined.iter().map(|(_, h)| h.clone()).collect()
+    }
+
+    /// The ranks of `world` that have neither joined (per `hellos`) nor been heard from
+    /// with another version.
+    fn absent(&self, world: u32, hellos: &[Hello]) -> Vec<u32> {
+        let mut absent = missing(world, hellos);
+        absent.retain(|r| !self.foreign.iter().any(|(_, fr, _)| fr == r));
+        absent
+    }
+
+    /// Takes one arrival: a hello joins, a rank of another version waits for the decision,
+    /// any other bad hello is refused at once.
+    fn take(&mut self, Arrival { stream, hello }: Arrival) {
+        match hello {
+            Ok(h) => self.joined.push((stream, h)),
+            Err(e) => match &e {
+                RendezvousError::VersionMismatch { rank, .. } => {
+                    self.foreign.push((stream, *rank, e.clone()))
+                }
+                _ => {
+                    let mut s = stream;
+                    reply(&mut s, &Reply::Refused(e));
+                }
+            },
+        }
+    }
+
+    /// Answers every joiner with `decision`; a rank of another version hears its own refusal
+    /// unless the formation failed.
+    fn answer(self, decision: &Result<Welcome, RendezvousError>) {
+        let answer = match decision {
+            Ok(w) => Reply::Welcome(Box::new(w.clone())),
+            Err(e) => Reply::Refused(e.clone()),
+        };
+        for (mut s, _) in self.joined {
+            reply(&mut s, &answer);
+        }
+        for (mut s, _, e) in self.foreign {
+            let r = match decision {
+                Err(d) => Reply::Refused(d.clone()),
+                Ok(_) => Reply::Refused(e),
+            };
+            reply(&mut s, &r);
+        }
+    }
 }
 
 /// Rank 0's side: the listener and its accepting thread.
@@ -153,93 +249,63 @@ impl TcpLeader {
         let (tx, rx) = mpsc::channel();
         self.state.lock().forming = Some(tx);
         let mut slot = OpenSlot(Some(&self.state));
-        let mut joined: Vec<(TcpStream, Hello)> = Vec::new();
-        let mut foreign: Vec<(TcpStream, u32, RendezvousError)> = Vec::new();
-        let world = leader.world;
-        let decision = loop {
-            joined.retain(|(s, h)| {
-                let gone = hung_up(s);
-                if gone {
-                    tracing::info!(rank = h.rank, "a joining rank gave up; waiting for another");
-                }
-                !gone
-            });
-            let hellos: Vec<Hello> = joined.iter().map(|(_, h)| h.clone()).collect();
-            let mut absent = missing(world, &hellos);
-            absent.retain(|r| !foreign.iter().any(|(_, fr, _)| fr == r));
-            if absent.is_empty() {
-                break match foreign.first() {
-                    Some((_, _, e)) => Err(e.clone()),
-                    None => decide(leader, &hellos, ids),
-                };
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left.min(Duration::from_millis(200))) {
-                Ok(Arrival {
-                    stream,
-                    hello: Ok(h),
-                }) => joined.push((stream, h)),
-                Ok(Arrival {
-                    stream,
-                    hello: Err(e),
-                }) => match &e {
-                    RendezvousError::VersionMismatch { rank, .. } => {
-                        foreign.push((stream, *rank, e.clone()))
-                    }
-                    _ => {
-                        let mut s = stream;
-                        reply(&mut s, &Reply::Refused(e));
-                    }
-                },
-                Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => {
-                    break Err(RendezvousError::Timeout {
-                        missing: absent,
-                        detail: format!("rank 0 waited for every rank of {world} to join"),
-                    });
-                }
-                Err(_) => {}
-            }
-        };
+        let (decision, joiners) = gather(leader, ids, &rx, deadline);
         self.state.lock().forming = None;
         // Hellos that raced in as the formation closed.
         let late: Vec<Arrival> = rx.try_iter().collect();
-        let answer = match &decision {
-            Ok(w) => Reply::Welcome(Box::new(w.clone())),
-            Err(e) => Reply::Refused(e.clone()),
-        };
-        for (mut s, _) in joined {
-            reply(&mut s, &answer);
-        }
-        for (mut s, _, e) in foreign {
-            let r = match &decision {
-                Err(d) => Reply::Refused(d.clone()),
-                Ok(_) => Reply::Refused(e),
-            };
-            reply(&mut s, &r);
-        }
+        joiners.answer(&decision);
         let mut st = self.state.lock();
         // The formation's own end is written below: the guard has nothing left to do.
         slot.0 = None;
-        match &decision {
-            Ok(w) => {
-                st.live_epoch = Some(w.epoch);
-                st.last_failure = None;
-            }
-            Err(e) => {
-                st.live_epoch = None;
-                st.last_failure = Some(e.to_string());
-            }
-        }
-        let idle = Reply::Idle {
-            live_epoch: st.live_epoch,
-            last_failure: st.last_failure.clone(),
-        };
+        st.ended(&decision);
+        let idle = st.idle();
         drop(st);
         for mut a in late {
             reply(&mut a.stream, &idle);
         }
         decision
     }
+}
+
+/// Collects the hellos that `arrivals` brings until every rank of `leader.world` has joined
+/// or been heard from with another version (then decides), or `deadline`; the decision, and
+/// the ranks waiting for it.
+fn gather(
+    leader: &Hello,
+    ids: Option<&IdSource>,
+    arrivals: &mpsc::Receiver<Arrival>,
+    deadline: Instant,
+) -> (Result<Welcome, RendezvousError>, Joiners) {
+    let mut joiners = Joiners::default();
+    let world = leader.world;
+    let decision = loop {
+        joiners.drop_hung_up();
+        let hellos = joiners.hellos();
+        let absent = joiners.absent(world, &hellos);
+        if absent.is_empty() {
+            break match joiners.foreign.first() {
+                Some((_, _, e)) => Err(e.clone()),
+                None => decide(leader, &hellos, ids),
+            };
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match arrivals.recv_timeout(left.min(Duration::from_millis(200))) {
+            Ok(arrival) => joiners.take(arrival),
+            Err(_) if left.is_zero() => {
+                break Err(RendezvousError::Timeout {
+                    missing: absent,
+                    detail: format!("rank 0 waited for every rank of {world} to join"),
+                });
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            // No arrival can come any more (the accepting side let go of its sender): wait
+            // for the deadline without spinning, so the formation still ends by it.
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                std::thread::sleep(left.min(Duration::from_millis(200)));
+            }
+        }
+    };
+    (decision, joiners)
 }
 
 impl Drop for TcpLeader {
@@ -354,10 +420,7 @@ fn admit(
             }
         }
     }
-    let idle = Reply::Idle {
-        live_epoch: st.live_epoch,
-        last_failure: st.last_failure.clone(),
-    };
+    let idle = st.idle();
     drop(st);
     reply(&mut arrival.stream, &idle);
 }
@@ -371,6 +434,36 @@ enum Heard {
     },
 }
 
+impl Heard {
+    /// The error rank `rank` ends with at its deadline after hearing this: the group that
+    /// is live holds its place, or rank 0 is missing (with what it said, if anything).
+    fn into_error(self, rank: u32) -> RendezvousError {
+        match self {
+            Heard::Idle {
+                live_epoch: Some(epoch),
+                ..
+            } => RendezvousError::Occupied { rank, epoch },
+            Heard::Idle { last_failure, .. } => RendezvousError::Timeout {
+                missing: vec![0],
+                detail: format!(
+                    "rank 0 is not forming a group{}",
+                    last_failure
+                        .map(|f| format!("; its last formation failed: {f}"))
+                        .unwrap_or_default()
+                ),
+            },
+            Heard::Nothing(detail) => RendezvousError::Timeout {
+                missing: vec![0],
+                detail,
+            },
+        }
+    }
+}
+
+/// This rank's hello and mesh listener, with the local IP that reaches rank 0 they were made
+/// for.
+type HelloAt = (IpAddr, Hello, MeshListener);
+
 /// A joiner's side: connects to rank 0 at `addr` until it answers with the group or a
 /// refusal, or `deadline`. `hello` builds this rank's hello for the local IP that reaches
 /// rank 0 (binding the mesh listener there). Returns the welcome, the listener, and the IP
@@ -383,85 +476,16 @@ pub(crate) fn join(
 ) -> Result<(Welcome, MeshListener, IpAddr), RendezvousError> {
     let mut heard = Heard::Nothing(format!("rank 0 did not answer at {addr}"));
     let mut timed_out: Option<RendezvousError> = None;
-    let mut listener: Option<(IpAddr, Hello, MeshListener)> = None;
+    let mut listener: Option<HelloAt> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             // Rank 0's formation that timed out names the ranks that were missing: it says
             // more than what rank 0 answered since.
-            return Err(timed_out.unwrap_or(match heard {
-                Heard::Idle {
-                    live_epoch: Some(epoch),
-                    ..
-                } => RendezvousError::Occupied { rank, epoch },
-                Heard::Idle { last_failure, .. } => RendezvousError::Timeout {
-                    missing: vec![0],
-                    detail: format!(
-                        "rank 0 is not forming a group{}",
-                        last_failure
-                            .map(|f| format!("; its last formation failed: {f}"))
-                            .unwrap_or_default()
-                    ),
-                },
-                Heard::Nothing(detail) => RendezvousError::Timeout {
-                    missing: vec![0],
-                    detail,
-                },
-            }));
+            return Err(timed_out.unwrap_or(heard.into_error(rank)));
         }
-        let attempt = (|| -> Result<Option<(Reply, IpAddr)>, RendezvousError> {
-            let addrs = resolve(addr)?;
-            let mut stream = None;
-            for a in &addrs {
-                match TcpStream::connect_timeout(a, left.min(MESSAGE_TIMEOUT)) {
-                    Ok(s) => {
-                        stream = Some(s);
-                        break;
-                    }
-                    Err(e) => heard = Heard::Nothing(format!("connecting to rank 0 at {a}: {e}")),
-                }
-            }
-            let Some(mut stream) = stream else {
-                return Ok(None);
-            };
-            let io = |e| RendezvousError::io("talking to rank 0", e);
-            let local = stream.local_addr().map_err(io)?.ip();
-            let server = stream.peer_addr().map_err(io)?.ip();
-            if listener.as_ref().is_none_or(|(ip, _, _)| *ip != local) {
-                let (h, l) = hello(local)?;
-                listener = Some((local, h, l));
-            }
-            let Some((_, h, _)) = &listener else {
-                return Ok(None);
-            };
-            if write_frame(&mut stream, &h.encode(), deadline).is_err() {
-                return Ok(None);
-            }
-            // Rank 0 answers a formation it holds this hello in when it decides, at the
-            // latest at its own deadline: wait a little past this rank's deadline for that
-            // answer, so that both end the same way (a welcome is taken even then).
-            let answer_by = deadline
-                .max(Instant::now())
-                .checked_add(REPLY_GRACE)
-                .unwrap_or(deadline);
-            match read_frame(&mut stream, answer_by) {
-                Ok(body) => Ok(Some((Reply::decode(&body)?, server))),
-                Err(e) => {
-                    heard = Heard::Nothing(format!("rank 0 hung up or went silent: {e}"));
-                    Ok(None)
-                }
-            }
-        })()?;
-        match attempt {
-            Some((Reply::Welcome(w), server)) => {
-                let Some((_, h, l)) = listener else {
-                    return Err(RendezvousError::Protocol("a welcome before a hello".into()));
-                };
-                if w.nonces.get(rank as usize) != Some(&h.nonce) {
-                    return Err(RendezvousError::DuplicateRank { rank });
-                }
-                return Ok((*w, l, server));
-            }
+        match attempt(addr, left, deadline, &mut hello, &mut listener, &mut heard)? {
+            Some((Reply::Welcome(w), server)) => return welcomed(*w, listener, rank, server),
             // Rank 0's formation timed out (a rank missing): not a refusal of this rank,
             // which keeps trying until its own deadline (rank 0 may open the next one).
             Some((Reply::Refused(e @ RendezvousError::Timeout { .. }), _)) => timed_out = Some(e),
@@ -482,6 +506,91 @@ pub(crate) fn join(
         }
         std::thread::sleep(RETRY.min(deadline.saturating_duration_since(Instant::now())));
     }
+}
+
+/// One attempt to reach rank 0 at `addr` (connecting for at most `left`): says this rank's
+/// hello, made anew by `hello` when the local IP that reaches rank 0 is not the one
+/// `listener` was made for, and reads the answer. Returns rank 0's reply and its IP, or
+/// `None` when there was none (`heard` then says why, where there is something to say).
+fn attempt(
+    addr: &str,
+    left: Duration,
+    deadline: Instant,
+    hello: &mut impl FnMut(IpAddr) -> Result<(Hello, MeshListener), RendezvousError>,
+    listener: &mut Option<HelloAt>,
+    heard: &mut Heard,
+) -> Result<Option<(Reply, IpAddr)>, RendezvousError> {
+    let addrs = resolve(addr)?;
+    let Some(mut stream) = connect_to_rank_0(&addrs, left, heard) else {
+        return Ok(None);
+    };
+    let io = |e| RendezvousError::io("talking to rank 0", e);
+    let local = stream.local_addr().map_err(io)?.ip();
+    let server = stream.peer_addr().map_err(io)?.ip();
+    if listener.as_ref().is_none_or(|(ip, _, _)| *ip != local) {
+        let (h, l) = hello(local)?;
+        *listener = Some((local, h, l));
+    }
+    let Some((_, h, _)) = listener.as_ref() else {
+        return Ok(None);
+    };
+    Ok(say_hello(&mut stream, h, deadline, heard)?.map(|r| (r, server)))
+}
+
+/// Connects to rank 0 at the first of `addrs` that answers within `left` (at most
+/// [`MESSAGE_TIMEOUT`] each); the stream, or `None` with the last failure in `heard`.
+fn connect_to_rank_0(addrs: &[SocketAddr], left: Duration, heard: &mut Heard) -> Option<TcpStream> {
+    for a in addrs {
+        match TcpStream::connect_timeout(a, left.min(MESSAGE_TIMEOUT)) {
+            Ok(s) => return Some(s),
+            Err(e) => *heard = Heard::Nothing(format!("connecting to rank 0 at {a}: {e}")),
+        }
+    }
+    None
+}
+
+/// Sends hello `h` on `stream` and reads rank 0's reply; `None` when the hello could not
+/// be sent, or when no reply came (`heard` then says why).
+fn say_hello(
+    stream: &mut TcpStream,
+    h: &Hello,
+    deadline: Instant,
+    heard: &mut Heard,
+) -> Result<Option<Reply>, RendezvousError> {
+    if write_frame(stream, &h.encode(), deadline).is_err() {
+        return Ok(None);
+    }
+    // Rank 0 answers a formation it holds this hello in when it decides, at the
+    // latest at its own deadline: wait a little past this rank's deadline for that
+    // answer, so that both end the same way (a welcome is taken even then).
+    let answer_by = deadline
+        .max(Instant::now())
+        .checked_add(REPLY_GRACE)
+        .unwrap_or(deadline);
+    match read_frame(stream, answer_by) {
+        Ok(body) => Ok(Some(Reply::decode(&body)?)),
+        Err(e) => {
+            *heard = Heard::Nothing(format!("rank 0 hung up or went silent: {e}"));
+            Ok(None)
+        }
+    }
+}
+
+/// Takes welcome `w`, which rank 0 sent at `server`, if it names this rank's hello (in
+/// `listener`) at rank `rank`: the welcome, the mesh listener, and rank 0's IP.
+fn welcomed(
+    w: Welcome,
+    listener: Option<HelloAt>,
+    rank: u32,
+    server: IpAddr,
+) -> Result<(Welcome, MeshListener, IpAddr), RendezvousError> {
+    let Some((_, h, l)) = listener else {
+        return Err(RendezvousError::Protocol("a welcome before a hello".into()));
+    };
+    if w.nonces.get(rank as usize) != Some(&h.nonce) {
+        return Err(RendezvousError::DuplicateRank { rank });
+    }
+    Ok((w, l, server))
 }
 
 #[cfg(test)]
