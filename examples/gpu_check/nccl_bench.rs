@@ -70,7 +70,7 @@ pub fn run(args: &Args, gpus: u32, report: &mut Report) {
     }
     report.check(SEC, "NCCL broadcast 86 MB (one 128K layer) vs raw NCCL, 2 ranks", || {
         let raw = raw_cost(warm, iters)?;
-        let ours = kvlink_cost(warm, iters)?;
+        let ours = kvlink_cost(&[0, 1], warm, iters)?;
         let ratio = raw.stream_ms / ours.stream_ms;
         let v = format!(
             "back to back ({STREAM_CALLS} per round): kvlink {:.3} ms ({:.0} GB/s), raw NCCL {:.3} ms ({:.0} GB/s), {:.0} % of raw (target ≥ {:.0} %); one call alone, issue to host-seen completion: kvlink {:.3} ms, raw {:.3} ms",
@@ -93,19 +93,16 @@ pub fn run(args: &Args, gpus: u32, report: &mut Report) {
 
 /// One rank alone: the collective's path end to end, nothing crosses a fabric.
 fn one_rank(warm: usize, iters: usize) -> Result<String, String> {
-    let ranks =
-        NcclGroup::new_in_process_with(&[0], NcclConfig::default()).map_err(|e| e.to_string())?;
-    let barrier = Barrier::new(1);
-    let cost = kvlink_rank(&ranks[0], &barrier, warm, iters)?;
+    let cost = kvlink_cost(&[0], warm, iters)?;
     Ok(format!(
         "back to back {:.3} ms per call, one call alone {:.3} ms (one rank: no transfer; 2-GPU numbers need nvidia-h200-x2)",
         cost.stream_ms, cost.call_ms
     ))
 }
 
-/// kvlink's collective on two GPUs, one thread per rank: rank 0's cost.
-fn kvlink_cost(warm: usize, iters: usize) -> Result<BroadcastCost, String> {
-    let ranks = NcclGroup::new_in_process_with(&[0, 1], NcclConfig::default())
+/// kvlink's collective on the GPUs `ordinals`, one thread per rank: rank 0's cost.
+fn kvlink_cost(ordinals: &[u32], warm: usize, iters: usize) -> Result<BroadcastCost, String> {
+    let ranks = NcclGroup::new_in_process_with(ordinals, NcclConfig::default())
         .map_err(|e| e.to_string())?;
     rank0_of(ranks.len(), |r, barrier| {
         kvlink_rank(&ranks[r], barrier, warm, iters)

@@ -31,6 +31,13 @@ fn exchange(rank: u32, world: u32, x: &Arc<MemoryExchange>) -> RendezvousConfig 
 }
 
 /// Forms every rendezvous of `ranks` at once (one thread each).
+/// Every rank of a `world` meeting at `x`, with the default settings.
+fn exchange_ranks(world: u32, x: &Arc<MemoryExchange>) -> Vec<Rendezvous> {
+    (0..world)
+        .map(|r| Rendezvous::new(exchange(r, world, x)).unwrap())
+        .collect()
+}
+
 fn form_all(ranks: &mut [Rendezvous]) -> Vec<Result<FormedGroup, RendezvousError>> {
     std::thread::scope(|s| {
         let hs: Vec<_> = ranks
@@ -150,9 +157,7 @@ fn bad_settings_are_refused_before_any_io() {
 #[test]
 fn a_key_value_exchange_forms_re_forms_and_refuses_like_tcp() {
     let x = Arc::new(MemoryExchange::new());
-    let mut ranks: Vec<Rendezvous> = (0..3)
-        .map(|r| Rendezvous::new(exchange(r, 3, &x)).unwrap())
-        .collect();
+    let mut ranks = exchange_ranks(3, &x);
     let groups: Vec<FormedGroup> = form_all(&mut ranks)
         .into_iter()
         .map(Result::unwrap)
@@ -186,9 +191,7 @@ fn a_key_value_exchange_forms_re_forms_and_refuses_like_tcp() {
 #[test]
 fn an_exchange_that_restarted_empty_still_meets_at_a_newer_epoch() {
     let x = Arc::new(MemoryExchange::new());
-    let mut ranks: Vec<Rendezvous> = (0..3)
-        .map(|r| Rendezvous::new(exchange(r, 3, &x)).unwrap())
-        .collect();
+    let mut ranks = exchange_ranks(3, &x);
     for _ in 0..2 {
         assert!(form_all(&mut ranks).into_iter().all(|g| g.is_ok()));
     }
