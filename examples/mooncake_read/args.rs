@@ -13,6 +13,8 @@ pub struct Args {
     pub groups: Vec<u32>,
     /// Concurrent calls per layer for the `read_parallelism`-style variants.
     pub parallel: Vec<usize>,
+    /// Concurrent whole-object calls (each over a contiguous part of the keys), one row each.
+    pub whole_parallel: Vec<usize>,
     /// `read_streams` of the clients with kvlink's store-level reads (staged merge on).
     pub streams: Vec<usize>,
     /// Layers per call of the store-level variants.
@@ -88,6 +90,16 @@ fn command() -> Command {
                 .value_delimiter(',')
                 .default_value("2,4,8")
                 .help("concurrent calls per layer (what LinkerConfig::read_parallelism does)"),
+        )
+        .arg(
+            Arg::new("whole-parallel")
+                .long("whole-parallel")
+                .value_parser(value_parser!(u64).range(2..64))
+                .value_delimiter(',')
+                .help(
+                    "rows of kvlink's whole-object read split into this many concurrent \
+                     `get_into` calls over contiguous parts of the keys (none by default)",
+                ),
         )
         .arg(
             Arg::new("streams")
@@ -243,6 +255,10 @@ pub fn parse() -> Args {
         rounds: *m.get_one::<u64>("rounds").expect("defaulted") as usize,
         groups: list(&m, "groups"),
         parallel: list(&m, "parallel"),
+        whole_parallel: list::<u64>(&m, "whole-parallel")
+            .into_iter()
+            .map(|p| p as usize)
+            .collect(),
         streams: list(&m, "streams"),
         store_groups: list(&m, "store-groups"),
         lanes: list(&m, "lanes"),

@@ -149,12 +149,19 @@ fn variants(a: &args::Args, objects: &Objects, clients: &Clients) -> Vec<Variant
     add(
         "kvlink `get_into`, whole objects".into(),
         1,
-        on(0, Read::Whole),
+        on(0, Read::Whole { parallel: 1 }),
     );
+    for &p in &a.whole_parallel {
+        add(
+            format!("kvlink `get_into`, whole objects, {p} concurrent calls"),
+            p,
+            on(0, Read::Whole { parallel: p }),
+        );
+    }
     add(
         "kvlink `get_into`, whole objects, `MC_TCP_ENABLE_CONNECTION_POOL=1`".into(),
         1,
-        on(clients.pooled, Read::Whole),
+        on(clients.pooled, Read::Whole { parallel: 1 }),
     );
     add(
         "kvlink `get_ranges`, 1 layer/call".into(),
@@ -223,7 +230,7 @@ fn kvlink_once(
     let timing = readers::run(store, objects, read)?;
     if checked {
         let dest = match read {
-            Read::Whole => Dest::PageMajor,
+            Read::Whole { .. } => Dest::PageMajor,
             Read::Ranged { dest, .. } => *dest,
         };
         objects.verify(dest)?;

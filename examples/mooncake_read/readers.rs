@@ -12,8 +12,12 @@ use crate::objects::{Component, Dest, Objects};
 /// How one kvlink variant reads.
 #[derive(Debug, Clone)]
 pub enum Read {
-    /// One `get_into` (Mooncake `batch_get_into`) of every whole object.
-    Whole,
+    /// `get_into` (Mooncake `batch_get_into`) of every whole object, in `parallel`
+    /// concurrent calls over contiguous parts of the keys (1: one call).
+    Whole {
+        /// Concurrent calls.
+        parallel: usize,
+    },
     /// Read session over every key, then one `get_ranges` per layer group, split into
     /// `parallel` concurrent calls (scoped threads, as the linker's `read_parallelism` does),
     /// into `dest`.
@@ -103,6 +107,28 @@ fn get_ranges(
     })
 }
 
+/// `gets` as one call or `parallel` concurrent calls over contiguous parts.
+fn get_into(
+    store: &dyn KvStore,
+    gets: &[ObjectGet<'_>],
+    parallel: usize,
+) -> Vec<Result<u64, StoreError>> {
+    let parts = parallel.clamp(1, gets.len().max(1));
+    let chunk = gets.len().div_ceil(parts).max(1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = gets
+            .chunks(chunk)
+            // SAFETY: disjoint object-sized slots of the registered buffers, untouched by
+            // anything else during the call.
+            .map(|part| s.spawn(move || unsafe { store.get_into(part) }))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("reader thread panicked"))
+            .collect()
+    })
+}
+
 fn check(results: Vec<Result<u64, StoreError>>, gets: &[RangedGet<'_>]) -> Result<()> {
     for (r, g) in results.into_iter().zip(gets) {
         match r {
@@ -116,7 +142,7 @@ fn check(results: Vec<Result<u64, StoreError>>, gets: &[RangedGet<'_>]) -> Resul
 /// Reads everything once with `read`.
 pub fn run(store: &dyn KvStore, objects: &mut Objects, read: &Read) -> Result<Timing> {
     match read {
-        Read::Whole => {
+        Read::Whole { parallel } => {
             let mut gets = Vec::new();
             for c in &mut objects.components {
                 let obj = c.object_bytes() as usize;
@@ -131,8 +157,7 @@ pub fn run(store: &dyn KvStore, objects: &mut Objects, read: &Read) -> Result<Ti
                 }
             }
             let start = Instant::now();
-            // SAFETY: distinct object-sized slots of the registered buffers.
-            let results = unsafe { store.get_into(&gets) };
+            let results = get_into(store, &gets, *parallel);
             let total = start.elapsed().as_secs_f64();
             for (r, g) in results.into_iter().zip(&gets) {
                 match r {
