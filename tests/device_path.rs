@@ -245,6 +245,62 @@ fn a_collective_that_never_completes_is_aborted_and_the_next_batch_loads() {
     }
 }
 
+/// A collective that does not complete in time fails the batch before anything that writes
+/// the rank's pool slots is enqueued behind it: no slot copy of the failed batch runs after
+/// its outcome reached the engine (which may recompute into those slots), even when the
+/// collective's event completes later.
+#[test]
+fn no_slot_copy_of_a_failed_batch_runs_after_its_outcome() {
+    let spec = mixed_spec();
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
+    for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+        let cfg = LinkerConfig {
+            collective_timeout: Duration::from_millis(300),
+            ..config(mode)
+        };
+        let (rs, hashes) = tp_ranks(&spec, 3, store(), 6, &cfg, path);
+        let stall = Duration::from_millis(1200);
+        rs[1].stall_first_device_copy(stall);
+        let t0 = Instant::now();
+        let failed_at: Vec<Instant> = std::thread::scope(|s| {
+            let hs: Vec<_> = rs
+                .iter()
+                .map(|r| {
+                    let hashes = &hashes;
+                    s.spawn(move || {
+                        let plan = load_plan(r.linker.geometry(), 1, hashes, r.slots.clone());
+                        let t = r.linker.start_load(plan).unwrap();
+                        let outcome = r.linker.wait_batch(&t).unwrap().result;
+                        assert!(
+                            matches!(outcome, Err(KvLoadError::Collective { .. })),
+                            "{mode:?}: {outcome:?}"
+                        );
+                        Instant::now()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // Past the stall: whatever was queued behind the stalled copy has run by now.
+        std::thread::sleep(stall.saturating_sub(t0.elapsed()) + Duration::from_millis(300));
+        for (rank, (r, &at)) in rs.iter().zip(&failed_at).enumerate() {
+            let late: Vec<_> = r
+                .device
+                .as_ref()
+                .unwrap()
+                .trace()
+                .into_iter()
+                .filter(|o| o.stream == 0 && matches!(o.op, CpuOp::Rows | CpuOp::OnDevice))
+                .filter(|o| o.finished > at)
+                .collect();
+            assert!(
+                late.is_empty(),
+                "{mode:?} rank {rank}: slot copies after the failed outcome: {late:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_rank_that_never_starts_fails_the_others_within_the_deadline() {
     let cfg = LinkerConfig {

@@ -158,12 +158,14 @@ impl LayerCx<'_> {
         share_stage(coll, &mut ds, how, self.deadline()).map_err(|e| self.collective_failed(e))
     }
 
-    /// Device path, after the collective was enqueued: scatters the layout's blocks after its
-    /// event and
-    /// lands the layer (unless `uploaded` failed), then waits, bounded, until the collective is
-    /// known complete: no layer event that depends on it reaches the engine before. A wait that
-    /// runs out aborts the group and poisons the stage.
-    fn scatter_land_wait(
+    /// Device path, after the collective was enqueued: waits, bounded, until the collective is
+    /// known complete, then scatters the layout's blocks into this rank's slots after its
+    /// event and lands the layer (unless `uploaded` failed). A wait that runs out aborts the
+    /// group and poisons the stage, and nothing that writes the slots has been enqueued: a
+    /// scatter queued behind a collective that never completes in time would write the slots
+    /// whenever it ends, after the batch's failure reached the engine (which may recompute
+    /// into them), and hold the in-order load stream behind it meanwhile.
+    fn wait_scatter_land(
         &self,
         device: &dyn DeviceShare,
         stage: &mut LayerStage,
@@ -172,10 +174,6 @@ impl LayerCx<'_> {
         started: Instant,
         layout: &StagingLayout,
     ) -> Result<LayerReady, StepError> {
-        let landed = uploaded
-            .and_then(|()| device.scatter(stage, &layout.blocks(), &shared))
-            .map_err(|e| StepError::Local(e.into()))
-            .and_then(|()| self.land(stage));
         let deadline = self.deadline();
         let done = shared.wait_until(deadline);
         if !matches!(done, Ok(true)) {
@@ -197,7 +195,10 @@ impl LayerCx<'_> {
         }
         self.auto
             .observe_fabric(layout.mode(), layout.len() as u64, started.elapsed());
-        landed
+        uploaded
+            .and_then(|()| device.scatter(stage, &layout.blocks(), &shared))
+            .map_err(|e| StepError::Local(e.into()))
+            .and_then(|()| self.land(stage))
     }
 }
 

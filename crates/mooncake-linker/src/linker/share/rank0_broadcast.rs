@@ -51,6 +51,6 @@ impl ShareStep for Rank0Broadcast {
         let uploaded = device.upload(stage, layout.chunk(cx.rank));
         let started = Instant::now();
         let shared = cx.share_stage(device, stage, StageShare::Broadcast { root: 0 })?;
-        cx.scatter_land_wait(device, stage, uploaded, shared, started, layout)
+        cx.wait_scatter_land(device, stage, uploaded, shared, started, layout)
     }
 }

@@ -56,6 +56,6 @@ impl ShareStep for SplitAllGather {
         let uploaded = device.upload(stage, layout.chunk(cx.rank));
         let started = Instant::now();
         let shared = cx.share_stage(device, stage, StageShare::AllGather)?;
-        cx.scatter_land_wait(device, stage, uploaded, shared, started, layout)
+        cx.wait_scatter_land(device, stage, uploaded, shared, started, layout)
     }
 }
