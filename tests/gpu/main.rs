@@ -4,7 +4,8 @@
 //!   with typed errors (`landing_misuse`), an engine thread's own context kept current
 //!   (`context`);
 //! - NCCL: one rank end to end and two GPUs (`nccl`), the device share step on one rank
-//!   (`nccl_share_step`), initialisations and ranks that time out and abort (`nccl_aborts`);
+//!   (`nccl_share_step`), initialisations and ranks that time out and abort (`nccl_aborts`), a
+//!   host operation not held by work on the legacy default stream (`nccl_default_stream`);
 //! - the Linker into device pools: loaded bytes, a save from a device pool, a failure at a
 //!   layer (`linker`);
 //! - TP dedup on device pools: every mode, plan mismatch, read failures on rank 0, a middle
@@ -37,6 +38,7 @@ mod landing_misuse;
 mod linker;
 mod nccl;
 mod nccl_aborts;
+mod nccl_default_stream;
 mod nccl_gated;
 mod nccl_share_step;
 mod staged_landing;
@@ -125,6 +127,11 @@ fn staged_landing_failure_gather_misuse() {
 #[test]
 fn nccl_one_rank_and_two_gpus() {
     run("nccl", |n, r| nccl::run(&args(), n, r));
+}
+
+#[test]
+fn nccl_host_ops_not_held_by_the_default_stream() {
+    run("nccl default stream", |_, r| nccl_default_stream::run(r));
 }
 
 #[test]

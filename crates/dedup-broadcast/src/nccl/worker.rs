@@ -526,15 +526,7 @@ impl Worker {
         if len == 0 {
             return Ok(());
         }
-        if self.host_stage.as_ref().is_none_or(|b| b.len() < len) {
-            self.host_stage = None;
-            let cap = len.max(1 << 16).next_power_of_two();
-            self.host_stage = Some(
-                PinnedBuffer::zeroed(self.device.context(), cap, "NCCL host-op stage")
-                    .map_err(|e| Fail::Error(cerr(e)))?,
-            );
-        }
-        let stage = self.host_stage.as_ref().map_or(0, |b| b.addr());
+        let stage = self.stage(len)?;
         // SAFETY: `src` is the caller's host buffer valid for reads of `len` bytes for the
         // call (Collective's memory rules); `stage` is our pinned buffer of at least `len`
         // bytes, which no copy still reads (every earlier operation's copy on the comm stream
@@ -551,15 +543,55 @@ impl Worker {
         .map_err(|e| Fail::Error(driver("cuMemcpyHtoDAsync", e)))
     }
 
-    fn d2h(&self, dst: usize, src: u64, len: usize) -> Result<(), Fail> {
+    /// Our pinned stage, grown to hold at least `len` bytes; its address. Only called with no
+    /// copy on the comm stream still using the stage (see [`h2d`](Self::h2d)).
+    fn stage(&mut self, len: usize) -> Result<usize, Fail> {
+        if self.host_stage.as_ref().is_none_or(|b| b.len() < len) {
+            self.host_stage = None;
+            let cap = len.max(1 << 16).next_power_of_two();
+            self.host_stage = Some(
+                PinnedBuffer::zeroed(self.device.context(), cap, "NCCL host-op stage")
+                    .map_err(|e| Fail::Error(cerr(e)))?,
+            );
+        }
+        Ok(self.host_stage.as_ref().map_or(0, |b| b.addr()))
+    }
+
+    /// Copies `len` result bytes of operation `seq` from the device scratch `src` to the
+    /// caller's host buffer `dst`, bounded by `deadline`. The bytes come through our pinned
+    /// stage on the comm stream: a synchronous `cuMemcpyDtoH` runs on the legacy default
+    /// stream, which waits for every blocking stream of the context, so an engine's long kernel
+    /// (or a stream waiting on a layer event) would hold it with no deadline and no way to
+    /// abort it. The caller's buffer is written here, on the CPU, only once the copy has
+    /// completed.
+    fn d2h(
+        &mut self,
+        (dst, src, len): (usize, u64, usize),
+        seq: u64,
+        deadline: Instant,
+    ) -> Result<(), Fail> {
         if len == 0 {
             return Ok(());
         }
-        // SAFETY: `dst` is the caller's host buffer valid for writes of `len` bytes, `src` our
-        // scratch holding the result (the NCCL op completed); synchronous copy.
-        unsafe { cu::cuMemcpyDtoH_v2(dst as *mut c_void, src, len) }
-            .result()
-            .map_err(|e| Fail::Error(driver("cuMemcpyDtoH", e)))
+        let stage = self.stage(len)?;
+        // SAFETY: `src` is our scratch holding the result (the NCCL operation completed),
+        // valid for `len` bytes; `stage` is our pinned buffer of at least `len` bytes, which
+        // no other copy uses (the operation before this one completed: `drain_last`). The
+        // stage stays ours until this copy completes: if the wait below fails, the copy is
+        // left as `last`, which the next operation waits for before it touches the stage.
+        unsafe {
+            cu::cuMemcpyDtoHAsync_v2(stage as *mut c_void, src, len, self.stream.cu_stream())
+        }
+        .result()
+        .map_err(|e| Fail::Error(driver("cuMemcpyDtoHAsync", e)))?;
+        let ev = self.record(seq as u32)?;
+        self.complete(&ev, deadline)?;
+        self.last = None;
+        // SAFETY: the copy into `stage` completed; `dst` is the caller's host buffer valid
+        // for writes of `len` bytes for the call (Collective's memory rules), read or written
+        // by this thread only, and distinct from our stage.
+        unsafe { std::ptr::copy_nonoverlapping(stage as *const u8, dst as *mut u8, len) };
+        Ok(())
     }
 
     fn run(&mut self, op: Op, seq: u64, deadline: Instant) -> Result<Reply, Fail> {
@@ -652,7 +684,7 @@ impl Worker {
         self.complete(&ev, deadline)?;
         self.last = None;
         if host && self.rank != root {
-            self.d2h(buf.addr, ptr, buf.len)?;
+            self.d2h((buf.addr, ptr, buf.len), seq, deadline)?;
         }
         Ok(Reply::Done {
             device_ms: timer.and_then(|(s, e)| s.elapsed_ms(&e).ok()),
@@ -724,7 +756,7 @@ impl Worker {
         self.complete(&ev, deadline)?;
         self.last = None;
         if recv_host {
-            self.d2h(recv.addr, rptr, recv.len)?;
+            self.d2h((recv.addr, rptr, recv.len), seq, deadline)?;
         }
         Ok(Reply::Done {
             device_ms: timer.and_then(|(s, e)| s.elapsed_ms(&e).ok()),
