@@ -425,7 +425,15 @@ impl NcclCollective {
 
     fn call(&self, op: Op, deadline: Instant) -> Result<Reply, CollectiveError> {
         let name = op.name();
-        let tx = self.tx.lock();
+        // Calls on one handle are serialised: a call that cannot take its turn by its
+        // deadline (another thread's call still running) times out, as its peers would.
+        let Some(tx) = self.tx.try_lock_until(deadline) else {
+            return Err(CollectiveError::Timeout {
+                op: name,
+                seq: u64::MAX,
+                missing: Vec::new(),
+            });
+        };
         let seq = self.seq.fetch_add(1, Ordering::AcqRel);
         if self.unusable.load(Ordering::Acquire) {
             return Err(CollectiveError::Aborted {
