@@ -4,6 +4,7 @@ use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use crate::call_buffer::CallBuffer;
 use crate::error::{ErrorCode, MooncakeError, Result};
 use crate::library::Library;
 use crate::result::{self, CKeys, ReplicateConfig, SetupArgs};
@@ -31,9 +32,11 @@ pub enum Health {
 /// Dropping it tears the client down (`tearDownAll`: its segment is unmounted, so objects held
 /// only there disappear) and frees it.
 ///
-/// Memory handed to the client: methods taking slices only use them for the duration of the
-/// call (Mooncake's calls are synchronous and wait for their transfers). The `*_raw` methods
-/// take raw pointers for zero-copy into registered regions; their contracts are on each.
+/// Memory handed to the client: the methods taking slices copy them into (or out of) a buffer
+/// of their own, which they keep for good when a call failed late enough that its transfers
+/// may still run ([`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER)): Mooncake's calls
+/// wait for their transfers for 60 s at most. The `*_raw` methods take raw pointers for
+/// zero-copy into registered regions; their contracts are on each.
 pub struct Client {
     lib: Arc<Library>,
     store: NonNull<c_void>,
@@ -92,20 +95,24 @@ impl Client {
         })
     }
 
-    /// Puts `value` under `key` (first write wins: an existing key is left as it is).
+    /// Puts a copy of `value` under `key` (first write wins: an existing key is left as it is).
     pub fn put(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> Result<()> {
-        // SAFETY: live handle (see `health`); `value` is a valid slice for the whole call.
-        unsafe { result::put(&self.lib, self.raw(), key, value, cfg) }
+        let copy = CallBuffer::copy_of("put", &[value])?;
+        // SAFETY: live handle (see `health`); `copy` is ours, kept for good by `after` when
+        // the call failed late enough that a transfer may still read it.
+        let r = unsafe { result::put(&self.lib, self.raw(), key, copy.bytes(), cfg) };
+        copy.after(r.is_err());
+        r
     }
 
     /// Reads the whole object `key` into `buf` (which must be at least as large as the object)
-    /// and returns its size.
+    /// and returns its size. The object is read into a buffer of the call's own and copied.
     pub fn get_into(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
-        // SAFETY: live handle; `buf` is an exclusively borrowed, writable slice of `buf.len()`
-        // bytes for the whole (synchronous) call.
-        let n =
-            unsafe { result::get_into(&self.lib, self.raw(), key, buf.as_mut_ptr(), buf.len()) }?;
-        Ok(n as usize)
+        let (bytes, n) = self.read_owned(key, buf.len())?;
+        let n = usize::try_from(n).unwrap_or(usize::MAX);
+        let copied = n.min(buf.len()).min(bytes.len());
+        buf[..copied].copy_from_slice(&bytes[..copied]);
+        Ok(n)
     }
 
     /// Reads the whole object `key` into a new vector.
@@ -113,18 +120,28 @@ impl Client {
         let size = self.get_size(key)?;
         // A size the store reports is input: one that cannot be allocated is an error, not an
         // allocation abort.
-        let mut buf = Vec::new();
-        usize::try_from(size)
-            .ok()
-            .and_then(|n| buf.try_reserve_exact(n).ok().map(|()| n))
-            .map(|n| buf.resize(n, 0))
-            .ok_or_else(|| MooncakeError::InvalidArguments {
-                operation: "get",
-                detail: format!("`{key}`: an object of {size} bytes cannot be allocated here"),
-            })?;
-        let n = self.get_into(key, &mut buf)?;
-        buf.truncate(n);
-        Ok(buf)
+        let len = usize::try_from(size).map_err(|_| MooncakeError::InvalidArguments {
+            operation: "get",
+            detail: format!("`{key}`: an object of {size} bytes cannot be allocated here"),
+        })?;
+        let (mut bytes, n) = self.read_owned(key, len)?;
+        bytes.truncate(usize::try_from(n).unwrap_or(usize::MAX));
+        Ok(bytes)
+    }
+
+    /// `get_into` into a buffer of `len` bytes of its own: the buffer and the object's size.
+    fn read_owned(&self, key: &str, len: usize) -> Result<(Vec<u8>, u64)> {
+        let mut into = CallBuffer::zeroed("get_into", len)?;
+        let (ptrs, _) = into.parts("get_into", &[len])?;
+        let ptr = ptrs.first().copied().unwrap_or(std::ptr::null_mut());
+        // SAFETY: live handle; `ptr` is our buffer of `len` bytes, written by this call only,
+        // and kept for good by `after` when the call failed late enough that a transfer may
+        // still write it.
+        let r = unsafe { result::get_into(&self.lib, self.raw(), key, ptr, len) };
+        match into.after(r.is_err()) {
+            Some(bytes) => r.map(|n| (bytes, n)),
+            None => r.map(|n| (Vec::new(), n)),
+        }
     }
 
     /// Whether `key` exists.
@@ -177,11 +194,10 @@ impl Client {
         values: &[&[u8]],
         cfg: &ReplicateConfig,
     ) -> Result<Vec<KeyResult<()>>> {
-        let keys = CKeys::new(keys)?;
-        let (ptrs, sizes) = read_parts(values);
-        // SAFETY: live handle; each pointer/size pair comes from a slice borrowed for the whole
-        // (synchronous) call, which only reads it.
-        unsafe { self.batch_put_from_raw(&keys, &ptrs, &sizes, cfg) }
+        self.batch_write("batch_put", keys, values, |k, p, s| {
+            // SAFETY: the pointers are `batch_write`'s own buffer, as it promises.
+            unsafe { self.batch_put_from_raw(k, p, s, cfg) }
+        })
     }
 
     /// Batched upsert from slices (overwrites existing keys).
@@ -191,10 +207,29 @@ impl Client {
         values: &[&[u8]],
         cfg: &ReplicateConfig,
     ) -> Result<Vec<KeyResult<()>>> {
+        self.batch_write("batch_upsert", keys, values, |k, p, s| {
+            // SAFETY: the pointers are `batch_write`'s own buffer, as it promises.
+            unsafe { self.batch_upsert_from_raw(k, p, s, cfg) }
+        })
+    }
+
+    /// A batched write of copies of `values`: `call` gets pointers into a buffer of this
+    /// call's own, valid for reads of their sizes for the call and, when it failed late
+    /// enough that a transfer may still read them, for good.
+    fn batch_write<K: AsRef<str>>(
+        &self,
+        operation: &'static str,
+        keys: &[K],
+        values: &[&[u8]],
+        call: impl FnOnce(&CKeys, &[*mut u8], &[usize]) -> Result<Vec<KeyResult<()>>>,
+    ) -> Result<Vec<KeyResult<()>>> {
         let keys = CKeys::new(keys)?;
-        let (ptrs, sizes) = read_parts(values);
-        // SAFETY: as in `batch_put`.
-        unsafe { self.batch_upsert_from_raw(&keys, &ptrs, &sizes, cfg) }
+        let mut copy = CallBuffer::copy_of(operation, values)?;
+        let lens: Vec<usize> = values.iter().map(|v| v.len()).collect();
+        let (ptrs, sizes) = copy.parts(operation, &lens)?;
+        let r = call(&keys, &ptrs, &sizes);
+        copy.after(failed(&r));
+        r
     }
 
     /// Batched whole-object reads into slices; per key, the object's size.
@@ -204,11 +239,27 @@ impl Client {
         bufs: &mut [&mut [u8]],
     ) -> Result<Vec<KeyResult<u64>>> {
         let keys = CKeys::new(keys)?;
-        let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
-        let sizes: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
-        // SAFETY: live handle; each pointer/size pair comes from a distinct, exclusively
-        // borrowed slice that outlives the (synchronous) call.
-        unsafe { self.batch_get_into_raw(&keys, &ptrs, &sizes) }
+        let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        let total = lens.iter().try_fold(0usize, |n, &l| n.checked_add(l));
+        let mut into = CallBuffer::zeroed("batch_get_into", total.unwrap_or(usize::MAX))?;
+        let (ptrs, sizes) = into.parts("batch_get_into", &lens)?;
+        // SAFETY: live handle; the pointers are parts of our own buffer, written by this call
+        // only, and kept for good by `after` when it failed late enough that a transfer may
+        // still write them.
+        let r = unsafe { self.batch_get_into_raw(&keys, &ptrs, &sizes) };
+        if let Some(bytes) = into.after(failed(&r)) {
+            if let Ok(per_key) = &r {
+                let mut at = 0usize;
+                for ((buf, &len), got) in bufs.iter_mut().zip(&lens).zip(per_key) {
+                    if let Ok(n) = got {
+                        let n = usize::try_from(*n).unwrap_or(usize::MAX).min(len);
+                        buf[..n].copy_from_slice(&bytes[at..at + n]);
+                    }
+                    at += len;
+                }
+            }
+        }
+        r
     }
 
     /// Starts a read session (replicas resolved once, read lease per key): needed before
@@ -229,8 +280,10 @@ impl Client {
     /// Zero-copy batched put: per key, `sizes[i]` bytes at `ptrs[i]`.
     ///
     /// # Safety
-    /// Each `ptrs[i]` is valid for reads of `sizes[i]` bytes for the duration of the call and
-    /// lies in a region registered with [`Client::register_buffer`] (required by RDMA).
+    /// Each `ptrs[i]` is valid for reads of `sizes[i]` bytes for the duration of the call (for
+    /// good when it fails after [`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER): its
+    /// transfers may still run) and lies in a region registered with
+    /// [`Client::register_buffer`] (required by RDMA).
     pub unsafe fn batch_put_from_raw(
         &self,
         keys: &CKeys,
@@ -261,7 +314,9 @@ impl Client {
     ///
     /// # Safety
     /// Each `ptrs[i]` is valid for writes of `sizes[i]` bytes, not accessed by anything else
-    /// during the call, and lies in a registered region (required by RDMA).
+    /// during the call (for good when it fails after
+    /// [`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER): its transfers may still run),
+    /// and lies in a registered region (required by RDMA).
     pub unsafe fn batch_get_into_raw(
         &self,
         keys: &CKeys,
@@ -277,7 +332,9 @@ impl Client {
     ///
     /// # Safety
     /// Every `ranges[j].dst` is valid for writes of `ranges[j].size` bytes, not accessed by
-    /// anything else during the call, and lies in a registered region (required by RDMA).
+    /// anything else during the call (for good when it fails after
+    /// [`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER): its transfers may still run),
+    /// and lies in a registered region (required by RDMA).
     pub unsafe fn batch_get_ranges_raw(
         &self,
         keys: &CKeys,
@@ -316,9 +373,9 @@ impl Drop for Client {
     }
 }
 
-fn read_parts(values: &[&[u8]]) -> (Vec<*mut u8>, Vec<usize>) {
-    // The C ABI takes `void**` for puts too; the shim and Mooncake only read through them.
-    let ptrs = values.iter().map(|v| v.as_ptr().cast_mut()).collect();
-    let sizes = values.iter().map(|v| v.len()).collect();
-    (ptrs, sizes)
+/// Whether a batch call failed whole or for some key (its memory may then still be in use,
+/// if it failed late).
+fn failed<T>(r: &Result<Vec<KeyResult<T>>>) -> bool {
+    !r.as_ref()
+        .is_ok_and(|per_key| per_key.iter().all(|k| k.is_ok()))
 }

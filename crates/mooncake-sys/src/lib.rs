@@ -31,12 +31,14 @@
 //! | `MOONCAKE_STORE_LIBRARY` | the library to load (path or name); when set, the only candidate |
 //! | `KVLINK_MOONCAKE_DIR` | the build script's directory (`<dir>/lib/libkvlink_mooncake.so`) |
 
+pub mod call_buffer;
 pub mod client;
 pub mod error;
 pub mod library;
 pub mod result;
 pub mod sys;
 
+pub use call_buffer::CLIENT_GIVES_UP_AFTER;
 pub use client::{Client, Health, KeyResult};
 pub use error::{ErrorCode, ErrorKind, MooncakeError, Result};
 pub use library::{AbiInfo, Library};

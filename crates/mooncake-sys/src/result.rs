@@ -4,6 +4,11 @@
 //! `Result<_, ErrorCode>` per key. The functions taking a raw `store` handle are `unsafe`: the
 //! handle must come from [`create`] of the same [`Library`] and not be destroyed yet, and
 //! pointer arguments must satisfy the documented contract.
+//!
+//! Memory a call reads or writes "for the call" must also stay allocated, and untouched by
+//! anything else, **for good** when the call fails after
+//! [`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER): Mooncake's client stops waiting
+//! for its transfers after 60 s and returns with them still in flight.
 
 use std::ffi::{c_char, c_int, c_void, CString};
 
@@ -253,7 +258,8 @@ pub unsafe fn health_check(lib: &Library, store: MooncakeStoreT) -> Result<i32> 
 /// existing key is left unchanged and the call succeeds).
 ///
 /// # Safety
-/// `store` is a live handle of `lib`.
+/// `store` is a live handle of `lib`; `value` stays as it is for the call (and for good when
+/// it fails late: see the module docs).
 pub unsafe fn put(
     lib: &Library,
     store: MooncakeStoreT,
@@ -282,7 +288,8 @@ pub unsafe fn put(
 ///
 /// # Safety
 /// `store` is a live handle of `lib`; `ptr` is valid for reads of `len` bytes for the duration
-/// of the call (and inside a registered region for RDMA).
+/// of the call, or for good when it fails late (module docs), and inside a registered region
+/// for RDMA.
 pub unsafe fn put_from(
     lib: &Library,
     store: MooncakeStoreT,
@@ -303,7 +310,7 @@ pub unsafe fn put_from(
 ///
 /// # Safety
 /// `store` is a live handle of `lib`; `buf` is valid for writes of `len` bytes and not
-/// accessed by anything else during the call.
+/// accessed by anything else during the call, or for good when it fails late (module docs).
 pub unsafe fn get_into(
     lib: &Library,
     store: MooncakeStoreT,
@@ -321,7 +328,8 @@ pub unsafe fn get_into(
 ///
 /// # Safety
 /// `store` is a live handle of `lib`; each `buffers[i]` is valid for reads of `sizes[i]` bytes
-/// for the duration of the call (and inside a registered region for RDMA).
+/// for the duration of the call, or for good when it fails late (module docs), and inside a
+/// registered region for RDMA.
 pub unsafe fn batch_put_from(
     lib: &Library,
     store: MooncakeStoreT,
@@ -411,7 +419,8 @@ unsafe fn batch_write(
 ///
 /// # Safety
 /// `store` is a live handle of `lib`; each `buffers[i]` is valid for writes of `sizes[i]`
-/// bytes and not accessed by anything else during the call.
+/// bytes and not accessed by anything else during the call, or for good when it fails late
+/// (module docs).
 pub unsafe fn batch_get_into(
     lib: &Library,
     store: MooncakeStoreT,
@@ -444,7 +453,8 @@ pub unsafe fn batch_get_into(
 ///
 /// # Safety
 /// `store` is a live handle of `lib`; every `ranges[j].dst` is valid for writes of
-/// `ranges[j].size` bytes and not accessed by anything else during the call.
+/// `ranges[j].size` bytes and not accessed by anything else during the call, or for good when
+/// it fails late (module docs).
 pub unsafe fn batch_get_ranges(
     lib: &Library,
     store: MooncakeStoreT,

@@ -261,7 +261,7 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
 /// returns with them still in flight (`TransferEngineOperationState::wait_for_completion`,
 /// 60 s), less a margin: a call that failed a transfer after this long is taken as one the
 /// client gave up on.
-pub(super) const CLIENT_GIVES_UP_AFTER: Duration = Duration::from_secs(55);
+pub(super) const CLIENT_GIVES_UP_AFTER: Duration = mooncake_sys::CLIENT_GIVES_UP_AFTER;
 
 /// Marks the failed transfers of a wheel call that ran into the client's own transfer timeout
 /// as [`StoreError::Abandoned`]: the client returned without waiting for them, and they may

@@ -1,0 +1,142 @@
+//! Memory that one call of the wheel may still use after it returned.
+//!
+//! Mooncake's client waits for a call's transfers for at most 60 s
+//! (`TransferEngineOperationState::wait_for_completion`); then it returns an error with the
+//! transfers still in flight, and they may go on reading or writing the call's memory. So a
+//! call that failed after [`CLIENT_GIVES_UP_AFTER`] must leave its memory allocated for good.
+//! The safe slice methods of [`Client`](crate::Client) therefore never hand the wheel the
+//! caller's memory: they read and write a buffer of their own, copied in or out, and
+//! keep it (leak it) when the call failed that late.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{MooncakeError, Result};
+
+/// How long Mooncake's client waits for a call's transfers before it gives up on them and
+/// returns with them still in flight (60 s), less a margin: a call that failed after this
+/// long is taken as one the client gave up on, whose memory its transfers may still use.
+pub const CLIENT_GIVES_UP_AFTER: Duration = Duration::from_secs(55);
+
+/// A buffer owned by one wheel call: handed back after the call, or kept for good when the
+/// call failed after [`CLIENT_GIVES_UP_AFTER`].
+pub(crate) struct CallBuffer {
+    bytes: Vec<u8>,
+    started: Instant,
+}
+
+impl CallBuffer {
+    /// `len` zeroed bytes (an error, not an allocation abort, when they cannot be had).
+    pub(crate) fn zeroed(operation: &'static str, len: usize) -> Result<Self> {
+        let mut bytes = Vec::new();
+        bytes
+            .try_reserve_exact(len)
+            .map_err(|_| MooncakeError::InvalidArguments {
+                operation,
+                detail: format!("a buffer of {len} bytes cannot be allocated here"),
+            })?;
+        bytes.resize(len, 0);
+        Ok(Self::owning(bytes))
+    }
+
+    /// The parts, back to back.
+    pub(crate) fn copy_of(operation: &'static str, parts: &[&[u8]]) -> Result<Self> {
+        let len = parts
+            .iter()
+            .try_fold(0usize, |n, p| n.checked_add(p.len()))
+            .ok_or_else(|| MooncakeError::InvalidArguments {
+                operation,
+                detail: "the values' total length overflows".into(),
+            })?;
+        let mut b = Self::zeroed(operation, len)?;
+        let mut at = 0;
+        for p in parts {
+            b.bytes[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        Ok(b)
+    }
+
+    fn owning(bytes: Vec<u8>) -> Self {
+        Self {
+            bytes,
+            started: Instant::now(),
+        }
+    }
+
+    /// The bytes (for a call that only reads them).
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Per part of `lens`, back to back: its address and length (for a call that writes them).
+    /// An error when the parts do not fit in the buffer.
+    pub(crate) fn parts(
+        &mut self,
+        operation: &'static str,
+        lens: &[usize],
+    ) -> Result<(Vec<*mut u8>, Vec<usize>)> {
+        let len = self.bytes.len();
+        // One base pointer for every part (`Vec::as_mut_ptr` makes no reference that a later
+        // part's would invalidate).
+        let base = self.bytes.as_mut_ptr();
+        let mut at = 0usize;
+        let mut ptrs = Vec::with_capacity(lens.len());
+        for &n in lens {
+            let end = at.checked_add(n).filter(|&e| e <= len).ok_or_else(|| {
+                MooncakeError::InvalidArguments {
+                    operation,
+                    detail: format!("parts of {lens:?} bytes do not fit in {len}"),
+                }
+            })?;
+            // SAFETY: `at <= end <= len`: the offset stays within the buffer (or one past it,
+            // for a last empty part).
+            ptrs.push(unsafe { base.add(at) });
+            at = end;
+        }
+        Ok((ptrs, lens.to_vec()))
+    }
+
+    /// After the call: the bytes back, or `None` when the call `failed` after
+    /// [`CLIENT_GIVES_UP_AFTER`], in which case the buffer is kept for good (leaked).
+    pub(crate) fn after(self, failed: bool) -> Option<Vec<u8>> {
+        if failed && self.started.elapsed() >= CLIENT_GIVES_UP_AFTER {
+            // Transfers the client gave up on may still use these bytes.
+            std::mem::forget(self.bytes);
+            return None;
+        }
+        Some(self.bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_tile_the_copied_values_in_order() {
+        let mut b = CallBuffer::copy_of("test", &[b"ab", b"", b"cde"]).unwrap();
+        assert_eq!(b.bytes(), b"abcde");
+        let (ptrs, lens) = b.parts("test", &[2, 0, 3]).unwrap();
+        let base = b.bytes().as_ptr() as usize;
+        let offsets: Vec<usize> = ptrs.iter().map(|p| *p as usize - base).collect();
+        assert_eq!(offsets, [0, 2, 2]);
+        assert_eq!(lens, [2, 0, 3]);
+        assert!(
+            b.parts("test", &[2, 4]).is_err(),
+            "parts past the end are refused"
+        );
+        assert_eq!(
+            b.after(true).as_deref(),
+            Some(&b"abcde"[..]),
+            "failed at once: freed"
+        );
+    }
+
+    #[test]
+    fn a_buffer_too_large_to_allocate_is_an_error() {
+        assert!(matches!(
+            CallBuffer::zeroed("test", usize::MAX),
+            Err(MooncakeError::InvalidArguments { .. })
+        ));
+    }
+}
