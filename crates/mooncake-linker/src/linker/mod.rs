@@ -624,6 +624,10 @@ impl KvLoader for Linker {
         s.check_open()?;
         let batch = plan.logical.batch;
         let num_layers = s.geometry.num_layers();
+        // The epoch is read before the ticket is made: a `reset` between the two then cancels
+        // the job (its epoch is behind), instead of leaving a job of the new epoch writing
+        // slots for a ticket that reset made stale.
+        let epoch = s.epoch.load(Ordering::Acquire);
         let begun = plan
             .validate(&s.geometry, s.pool.pages())
             .and_then(|()| s.outcomes.begin(batch, num_layers));
@@ -643,7 +647,7 @@ impl KvLoader for Linker {
             plan,
             ticket: Some(ticket),
             refusal: None,
-            epoch: s.epoch.load(Ordering::Acquire),
+            epoch,
             started: Instant::now(),
         };
         if !self.send(job) {

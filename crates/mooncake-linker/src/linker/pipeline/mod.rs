@@ -146,13 +146,21 @@ impl LayerPipeline<'_> {
             let reader = match reader {
                 Ok(r) => r,
                 Err(e) => {
-                    // Nothing was read: every exchange of the batch still happens, failed.
+                    // Nothing was read: every exchange of the batch still happens, failed. In
+                    // a group the verdict of those exchanges is this rank's outcome, as it is
+                    // every peer's; alone, the spawn's error is.
+                    tracing::error!(batch = %self.job.plan.logical.batch, error = %e,
+                        "no reader thread: the batch fails");
                     h.reader_done();
-                    let _ = self.exchange_loop(h);
-                    return Err(KvLoadError::internal(
+                    let exchanged = self.exchange_loop(h);
+                    let alone = KvLoadError::internal(
                         self.job.plan.logical.batch,
                         kv_loader::Cause::with_source(format!("spawning a reader: {e}"), e),
-                    ));
+                    );
+                    return Err(match exchanged {
+                        Err(verdict) if self.coll.is_some() => verdict,
+                        _ => alone,
+                    });
                 }
             };
             let exchanged = self.exchange_loop(h);
