@@ -29,8 +29,11 @@ impl Inner {
     /// Where the object has no companion now, or a bad one, its size is checked first (when
     /// `verify_object_sizes`): kept checksums let layer 0 go before the sizes were in, and a
     /// row's length alone cannot tell a wrong-sized object. Every row passes: their verdicts,
-    /// the fresh checksums kept. A row fails, or its fresh companion is not one: its object is
-    /// bad (discarded, as any; `PlanError::ObjectSize` when its size is wrong). The read fails:
+    /// the fresh checksums kept. A row whose object has no companion now passes by length
+    /// only, as an object without one always does (a writer that writes none, such as SGLang,
+    /// may have written it again). A row fails, or its fresh companion is malformed: its
+    /// object is bad (discarded, as any; `PlanError::ObjectSize` when its size is wrong). The
+    /// read fails:
     /// the batch fails as that store failure, and nothing is discarded.
     ///
     /// It runs on the exchange loop before this rank's status word, which the peers wait for
