@@ -15,7 +15,9 @@ use kvlink::kv_geometry::{
     checksum_key, ComponentId, KvGeometry, ObjectChecksums, PageHash, Verified,
 };
 use kvlink::kv_loader::{KvLoadError, KvLoader, PlanError};
-use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome};
+use kvlink::mooncake_linker::store::{
+    EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome, StoreError,
+};
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
 fn config() -> LinkerConfig {
@@ -363,6 +365,75 @@ fn a_leftover_companion_is_replaced_and_sglang_objects_get_none() {
         Ok(fresh.unwrap()),
         ObjectChecksums::of_object(&object, c.page_layer_bytes)
     );
+}
+
+/// A store where another writer (SGLang, say) writes `object` first, with bytes of its own and
+/// no companion, between the save's `exists` and its put.
+struct WrittenFirstByAnother {
+    inner: Arc<dyn KvStore>,
+    object: String,
+    bytes: Vec<u8>,
+}
+
+impl KvStore for WrittenFirstByAnother {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
+        get_ranges, remove, discard, register, unregister, start_session, end_session, health);
+
+    fn name(&self) -> &str {
+        "written-first-by-another"
+    }
+
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        if puts.iter().any(|p| p.key == self.object) {
+            put(self.inner.as_ref(), &self.object, &self.bytes);
+        }
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.put(puts) }
+    }
+}
+
+/// An object another writer wrote between the save's look and its put keeps no companion of
+/// the save's: the save's companion (checksums of other bytes) is discarded, so a load checks
+/// the object by length only instead of finding it bad.
+#[test]
+fn a_companion_written_beside_an_object_another_writer_wrote_first_is_discarded() {
+    let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let tokens = prompt(25, 2, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
+    let probe = Linker::new(
+        g.clone(),
+        inner.clone(),
+        Arc::new(HostKvPool::new(g.clone(), 2).unwrap()),
+        config(),
+    )
+    .unwrap();
+    let keys = probe.object_keys(&plan).unwrap();
+    probe.close().unwrap();
+    let theirs = vec![3u8; g.components()[0].object_bytes() as usize];
+    let store: Arc<dyn KvStore> = Arc::new(WrittenFirstByAnother {
+        inner: inner.clone(),
+        object: keys[0][1].clone(),
+        bytes: theirs.clone(),
+    });
+    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+    fill_pool(&pool, &pages, &[0, 1]);
+    let linker = Linker::new(g.clone(), store, pool, config()).unwrap();
+    let report = linker.save(&plan).unwrap();
+    assert_eq!(report.objects_present, 1, "{report:?}");
+    assert_eq!(
+        get(inner.as_ref(), &keys[0][1]),
+        Some(theirs),
+        "theirs stays"
+    );
+    assert_eq!(
+        inner.exists(&[&checksum_key(&keys[0][1]), &checksum_key(&keys[0][0])]),
+        vec![Ok(false), Ok(true)],
+        "no companion beside theirs; ours beside ours"
+    );
+    linker.close().unwrap();
 }
 
 /// Replaces object `key` with a copy whose byte `at` is flipped (a corrupt object, its

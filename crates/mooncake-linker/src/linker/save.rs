@@ -291,9 +291,13 @@ impl Inner {
         Ok(())
     }
 
-    /// An object this save wrote whose companion was already there (written since the save
-    /// looked, of other bytes) is not a pair: the object is discarded (best effort, logged),
-    /// so no load checks it against checksums of other bytes, and is not counted written.
+    /// An object and its companion that are not a pair are split up (best effort, logged), so
+    /// that no load checks an object against checksums of other bytes:
+    /// - an object this save wrote whose companion was already there (written since the save
+    ///   looked, of other bytes): the object is discarded, and not counted written;
+    /// - a companion this save wrote whose object was already there (another writer, such as
+    ///   SGLang, wrote it since the save looked, with bytes of its own): the companion is
+    ///   discarded, and the object stays, checked by length only as any without one.
     fn unpair_foreign_companions(
         &self,
         comp: &ComponentKeys,
@@ -301,30 +305,53 @@ impl Inner {
         objects: &[Result<PutOutcome, crate::store::StoreError>],
         companions: &[Result<PutOutcome, crate::store::StoreError>],
     ) {
-        let foreign: Vec<&str> = chunk
-            .iter()
-            .zip(objects.iter().zip(companions))
-            .filter(|(_, pair)| {
-                matches!(
-                    pair,
-                    (Ok(PutOutcome::Written), Ok(PutOutcome::AlreadyPresent))
+        let unpaired = |object: PutOutcome, companion: PutOutcome| -> Vec<String> {
+            chunk
+                .iter()
+                .zip(objects.iter().zip(companions))
+                .filter(
+                    |(_, pair)| matches!(pair, (Ok(o), Ok(c)) if *o == object && *c == companion),
                 )
-            })
-            .map(|(&page, _)| comp.keys[page].as_str())
-            .collect();
-        if foreign.is_empty() {
-            return;
+                .map(|(&page, _)| comp.keys[page].clone())
+                .collect()
+        };
+        let foreign_companions = unpaired(PutOutcome::Written, PutOutcome::AlreadyPresent);
+        let foreign_objects: Vec<String> =
+            unpaired(PutOutcome::AlreadyPresent, PutOutcome::Written)
+                .iter()
+                .map(|key| checksum_key(key))
+                .collect();
+        if !foreign_objects.is_empty() {
+            warn!(
+                companions = foreign_objects.len(),
+                "companions written beside an object another writer wrote first: discarded"
+            );
+            self.discard_unpaired(
+                &foreign_objects,
+                "a companion beside a foreign object stays",
+            );
         }
-        warn!(
-            objects = foreign.len(),
-            "objects written beside a companion already there: discarded"
-        );
-        for (key, r) in foreign
+        if !foreign_companions.is_empty() {
+            warn!(
+                objects = foreign_companions.len(),
+                "objects written beside a companion already there: discarded"
+            );
+            self.discard_unpaired(
+                &foreign_companions,
+                "an object beside a foreign companion stays",
+            );
+        }
+    }
+
+    /// Discards `keys` (best effort: a failure is logged with `stays`).
+    fn discard_unpaired(&self, keys: &[String], stays: &str) {
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        for (key, r) in refs
             .iter()
-            .zip(self.calls.discard(&foreign, self.store_deadline()))
+            .zip(self.calls.discard(&refs, self.store_deadline()))
         {
             if let Err(e) = r {
-                warn!(key, error = %e, "an object beside a foreign companion stays");
+                warn!(key, error = %e, "{stays}");
             }
         }
     }
