@@ -271,6 +271,8 @@ impl FaultyStore {
     }
 
     /// `results` with the faults of `hits` applied; every key fails while the store is down.
+    /// A result that says the inner store's transfer may still use the key's memory
+    /// ([`StoreError::may_still_transfer`]) is never replaced: the caller must keep that memory.
     fn apply<T>(
         &self,
         mut results: Vec<Result<T, StoreError>>,
@@ -281,6 +283,9 @@ impl FaultyStore {
     {
         let down = self.is_down();
         for (r, f) in results.iter_mut().zip(hits) {
+            if r.as_ref().is_err_and(StoreError::may_still_transfer) {
+                continue;
+            }
             match f {
                 _ if down => *r = Err(Self::unavailable()),
                 Some(Fault::Error(e)) => *r = Err(e),
@@ -489,5 +494,69 @@ impl KvStore for FaultyStore {
             return Err(Self::unavailable());
         }
         self.inner.health()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::EmbeddedStore;
+
+    /// An inner store whose whole-object reads all come back `Abandoned` (a transfer the store
+    /// gave up on, which may still write the caller's memory).
+    struct Abandons {
+        inner: EmbeddedStore,
+    }
+
+    impl KvStore for Abandons {
+        crate::forward_store_calls!(inner => exists, object_size, get_ranges, put, remove,
+            discard, register, unregister, start_session, end_session, health);
+
+        fn name(&self) -> &str {
+            "abandons"
+        }
+
+        unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
+            gets.iter()
+                .map(|g| {
+                    Err(StoreError::Abandoned {
+                        key: g.key.to_owned(),
+                        call: "get_into",
+                        detail: "test".into(),
+                    })
+                })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn an_injected_error_never_hides_an_abandoned_read() {
+        let inner = Arc::new(Abandons {
+            inner: EmbeddedStore::new(1 << 10),
+        });
+        let faulty = FaultyStore::new(inner);
+        let read = |faulty: &FaultyStore| {
+            let mut buf = [0u8; 8];
+            let g = ObjectGet {
+                key: "k",
+                dst: buf.as_mut_ptr(),
+                len: buf.len(),
+            };
+            // SAFETY: `buf` is ours for the call; the inner store writes nothing.
+            unsafe { faulty.get_into(&[g]) }.remove(0)
+        };
+        let injected = StoreError::Unavailable {
+            detail: "injected".into(),
+        };
+        faulty.inject_on(
+            FaultCall::ReadWhole,
+            FaultRule::default(),
+            Fault::Error(injected),
+        );
+        assert!(matches!(read(&faulty), Err(StoreError::Abandoned { .. })));
+        // Down before the call: the inner store is not called, so nothing is abandoned.
+        faulty.clear();
+        faulty.inject_on(FaultCall::ReadWhole, FaultRule::default(), Fault::Down);
+        assert!(matches!(read(&faulty), Err(StoreError::Unavailable { .. })));
     }
 }
