@@ -281,6 +281,9 @@ impl EmbeddedStore {
 
     /// Removes `key` (only when unpinned unless `force`).
     fn remove_one(&self, key: &str, force: bool) -> Result<(), StoreError> {
+        // `used` first, as `insert` takes it: an eviction (under `used`) then never sees bytes
+        // counted that are in no shard any more.
+        let mut used = self.used.lock();
         let mut shard = self.shards[shard_of(key)].write();
         let e = shard.get(key).ok_or_else(|| Self::not_found(key))?;
         if !force && Self::is_pinned(e) {
@@ -293,7 +296,7 @@ impl EmbeddedStore {
             return Err(Self::not_found(key));
         };
         drop(shard);
-        *self.used.lock() -= e.data.len() as u64;
+        *used -= e.data.len() as u64;
         Ok(())
     }
 }
