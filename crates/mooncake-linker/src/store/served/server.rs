@@ -142,8 +142,14 @@ impl StoreServer {
                 let l = TcpListener::bind(a)?;
                 let mut local = l.local_addr()?;
                 let address = format!("tcp:{local}");
+                // The wake-up connects to the loopback address of the listener's own family
+                // (an IPv6-only `[::]` listener refuses 127.0.0.1, and the stop would wait).
                 if local.ip().is_unspecified() {
-                    local.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+                    let loopback: std::net::IpAddr = match local {
+                        SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                        SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+                    };
+                    local.set_ip(loopback);
                 }
                 (Listener::Tcp(l), address, Wake::Tcp(local))
             }

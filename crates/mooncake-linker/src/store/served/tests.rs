@@ -463,3 +463,35 @@ fn a_session_over_an_object_written_again_keeps_only_its_own_pin() {
     }
     assert_eq!(y.exists(&["k"]), vec![Ok(true)]);
 }
+
+/// A server on the unspecified address of either family stops within a bound: its wake-up
+/// connects to that family's loopback address. (Whether `[::]` also takes IPv4 depends on the
+/// host's `net.ipv6.bindv6only`, which a test cannot set for `TcpListener::bind`.)
+#[test]
+fn a_tcp_server_on_an_unspecified_address_of_either_family_stops() {
+    for at in ["0.0.0.0:0", "[::]:0"] {
+        let addr: std::net::SocketAddr = at.parse().unwrap();
+        let server =
+            match StoreServer::start(Arc::new(EmbeddedStore::new(1 << 10)), ServeAt::Tcp(addr)) {
+                Ok(s) => s,
+                // A host without IPv6 cannot bind `[::]`: nothing to stop.
+                Err(e) if addr.is_ipv6() => {
+                    eprintln!("{at}: not bound here ({e}); skipped");
+                    continue;
+                }
+                Err(e) => panic!("{at}: {e}"),
+            };
+        let client = SocketStore::connect(server.address()).unwrap();
+        assert_eq!(client.exists(&["k"]), vec![Ok(false)], "{at}: served");
+        drop(client);
+        let (done, stopped) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(server);
+            let _ = done.send(());
+        });
+        assert!(
+            stopped.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "{at}: the server did not stop"
+        );
+    }
+}
