@@ -476,7 +476,7 @@ fn a_tcp_server_on_an_unspecified_address_of_either_family_stops() {
                 Ok(s) => s,
                 // A host without IPv6 cannot bind `[::]`: nothing to stop.
                 Err(e) if addr.is_ipv6() => {
-                    eprintln!("{at}: not bound here ({e}); skipped");
+                    tracing::info!(at, error = %e, "not bound here; skipped");
                     continue;
                 }
                 Err(e) => panic!("{at}: {e}"),
