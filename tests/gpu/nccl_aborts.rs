@@ -36,6 +36,11 @@ pub fn run_aborts(gpus: u32, report: &mut Report) {
         "init with a rank that never joins: Timeout, no hang",
         init_timeout,
     );
+    report.check(
+        SEC,
+        "init with a rank that never joins, caller's deadline before init_timeout: Timeout by it",
+        init_by_deadline,
+    );
     if gpus >= 2 {
         report.check(
             SEC,
@@ -73,6 +78,29 @@ fn init_timeout() -> Result<String, String> {
             took.as_secs_f64()
         )),
         Err(e) => Err(format!("expected Timeout, got {e} after {took:?}")),
+        Ok(_) => Err("a group of 2 with one rank formed".into()),
+    }
+}
+
+/// A re-formation's deadline bounds the join, not only `init_timeout` (60 s here).
+fn init_by_deadline() -> Result<String, String> {
+    let id = nccl_unique_id().map_err(ce)?;
+    let cfg = NcclConfig {
+        init_timeout: Duration::from_secs(60),
+        abort_grace: Duration::from_secs(2),
+        ..NcclConfig::default()
+    };
+    let t0 = Instant::now();
+    let deadline = kvlink::kv_loader::deadline_after(Duration::from_secs(2));
+    let r = NcclCollective::join_by((id, 0, 2), 0, cfg, deadline);
+    let took = t0.elapsed();
+    match r {
+        // The deadline plus the reply's slack (twice the grace) at most.
+        Err(CollectiveError::Timeout { .. }) if took < Duration::from_secs(8) => Ok(format!(
+            "Timeout after {:.1} s (deadline 2 s, init_timeout 60 s)",
+            took.as_secs_f64()
+        )),
+        Err(e) => Err(format!("expected Timeout within 8 s, got {e} after {took:?}")),
         Ok(_) => Err("a group of 2 with one rank formed".into()),
     }
 }

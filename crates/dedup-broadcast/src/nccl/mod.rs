@@ -329,8 +329,21 @@ impl NcclCollective {
         ordinal: u32,
         config: NcclConfig,
     ) -> Result<Self, CollectiveError> {
-        nccl_version()?;
         let deadline = kv_loader::deadline_after(config.init_timeout);
+        Self::join_by((unique_id, rank, size), ordinal, config, deadline)
+    }
+
+    /// [`join`](Self::join) bounded by `deadline` as well as `config.init_timeout` (a group
+    /// re-formed within a caller's bound): `(unique_id, rank, size)` as there. The handle's
+    /// reply may come up to twice `abort_grace` past the bound, as for any operation.
+    pub fn join_by(
+        (unique_id, rank, size): ([u8; 128], u32, u32),
+        ordinal: u32,
+        config: NcclConfig,
+        deadline: Instant,
+    ) -> Result<Self, CollectiveError> {
+        nccl_version()?;
+        let deadline = deadline.min(kv_loader::deadline_after(config.init_timeout));
         let group = Arc::new(Mutex::new(None));
         Self::spawn(unique_id, rank, size, ordinal, config, deadline, group)?.ready()
     }

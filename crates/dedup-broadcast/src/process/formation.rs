@@ -217,7 +217,7 @@ impl RendezvousFormation {
             }
             #[cfg(feature = "nccl")]
             Sharing::Nccl { ordinal, config } => {
-                let (d, c) = formed.join_nccl(ordinal, config)?;
+                let (d, c) = formed.join_nccl(ordinal, config, deadline)?;
                 Ok((Arc::new(d), Arc::new(c)))
             }
         }
