@@ -330,7 +330,11 @@ pub(crate) fn lead(
     // The verdict goes out even past the deadline, so that no joiner waits for nothing.
     let late = kv_loader::deadline_after(Duration::from_secs(5));
     x.set(&k.verdict(epoch), &reply.encode(), late)?;
-    x.set(&k.closed(), &epoch.to_le_bytes(), late)?;
+    // Once the verdict is out the joiners act on it: rank 0 must too. `closed` is a hint
+    // (`open_epoch` never reuses an epoch), so failing to write it is logged, not returned.
+    if let Err(e) = x.set(&k.closed(), &epoch.to_le_bytes(), late) {
+        tracing::warn!(epoch, error = %e, "could not mark the epoch closed: the verdict stands");
+    }
     decision
 }
 
@@ -516,5 +520,58 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
+    }
+
+    /// An exchange whose writes of the `closed` marker fail (a store hiccup after the verdict).
+    struct ClosedUnwritable(MemoryExchange);
+
+    impl KeyValueExchange for ClosedUnwritable {
+        fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError> {
+            if key.ends_with("/closed") {
+                return Err(ExchangeError::new(
+                    "test: the closed marker cannot be written",
+                ));
+            }
+            self.0.set(key, value, deadline)
+        }
+        fn get(&self, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
+            self.0.get(key, deadline)
+        }
+        fn create(
+            &self,
+            key: &str,
+            value: &[u8],
+            deadline: Instant,
+        ) -> Result<bool, ExchangeError> {
+            self.0.create(key, value, deadline)
+        }
+        fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
+            self.0.wait(keys, deadline)
+        }
+    }
+
+    /// The joiners act on the verdict once it is out: rank 0 reports the same formed group
+    /// even when marking the epoch closed then fails.
+    #[test]
+    fn rank_0_keeps_the_verdict_it_sent_when_the_closed_marker_fails() {
+        use super::super::decide::tests::hello;
+        let x = ClosedUnwritable(MemoryExchange::new());
+        let leader = hello(0);
+        let deadline = kv_loader::deadline_after(Duration::from_secs(10));
+        let (led, joined) = std::thread::scope(|s| {
+            let l = s.spawn(|| lead(&x, "p", &leader, None, deadline));
+            let js: Vec<_> = (1..leader.world)
+                .map(|r| {
+                    let (x, h) = (&x, hello(r));
+                    s.spawn(move || join(x, "p", &h, deadline))
+                })
+                .collect();
+            let joined: Vec<_> = js.into_iter().map(|j| j.join().unwrap()).collect();
+            (l.join().unwrap(), joined)
+        });
+        let led = led.unwrap();
+        for j in joined {
+            assert_eq!(j.unwrap().epoch, led.epoch);
+        }
     }
 }
