@@ -100,7 +100,9 @@ fn init_by_deadline() -> Result<String, String> {
             "Timeout after {:.1} s (deadline 2 s, init_timeout 60 s)",
             took.as_secs_f64()
         )),
-        Err(e) => Err(format!("expected Timeout within 8 s, got {e} after {took:?}")),
+        Err(e) => Err(format!(
+            "expected Timeout within 8 s, got {e} after {took:?}"
+        )),
         Ok(_) => Err("a group of 2 with one rank formed".into()),
     }
 }
