@@ -8,14 +8,16 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tp::{config, mixed_spec, rank_matches, run, tp_ranks, Path};
+use common::tp::{config, mixed_spec, rank_matches, run, tp_ranks, Path, TpRank};
 use common::{load_plan, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::{
     CpuDevice, DeviceKvPool, ScatterStrategy, StagedLandingFactory, StagingPool,
 };
-use kvlink::kv_geometry::{ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, RowUnit};
-use kvlink::kv_loader::{KvLoadError, KvLoader, ShareMode};
+use kvlink::kv_geometry::{
+    ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash, RowUnit,
+};
+use kvlink::kv_loader::{KvLoadError, KvLoader, LoadTicket, ShareMode};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
 
@@ -184,36 +186,54 @@ fn no_layer_event_reaches_the_engine_before_its_collective_completed() {
     }
 }
 
+/// Every rank starts batch 1 of `hashes` on a thread of its own and hands its ticket to
+/// `then`: what each returned, in rank order.
+fn each_rank_loads<T: Send>(
+    rs: &[TpRank],
+    hashes: &[PageHash],
+    then: impl Fn(&TpRank, &LoadTicket) -> T + Sync,
+) -> Vec<T> {
+    let then = &then;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = rs
+            .iter()
+            .map(|r| {
+                s.spawn(move || {
+                    let plan = load_plan(r.linker.geometry(), 1, hashes, r.slots.clone());
+                    let t = r.linker.start_load(plan).unwrap();
+                    then(r, &t)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Three device-path ranks in `mode` with a 300 ms `collective_timeout`, the middle one's
+/// device stopped for `stall` at its first device-to-device copy: its part of the first
+/// layer's collective (every other copy comes after that collective's event).
+fn middle_rank_stalled(mode: ShareMode, stall: Duration) -> (Vec<TpRank>, Vec<PageHash>) {
+    let cfg = LinkerConfig {
+        collective_timeout: Duration::from_millis(300),
+        ..config(mode)
+    };
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
+    let (rs, hashes) = tp_ranks(&mixed_spec(), 3, store(), 6, &cfg, path);
+    rs[1].stall_first_device_copy(stall);
+    (rs, hashes)
+}
+
 #[test]
 fn a_collective_that_never_completes_is_aborted_and_the_next_batch_loads() {
-    let spec = mixed_spec();
-    let path = Path::device_per_rank(ScatterStrategy::Auto);
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
-        let cfg = LinkerConfig {
-            collective_timeout: Duration::from_millis(300),
-            ..config(mode)
-        };
-        let (rs, hashes) = tp_ranks(&spec, 3, store(), 6, &cfg, path);
-        // The middle rank's device stops at its first device-to-device copy: its part of the
-        // first layer's collective (every other copy comes after that collective's event).
         let stall = Duration::from_millis(1500);
-        rs[1].stall_first_device_copy(stall);
+        let (rs, hashes) = middle_rank_stalled(mode, stall);
         let t0 = Instant::now();
-        let failed: Vec<(Result<(), KvLoadError>, Result<_, _>)> = std::thread::scope(|s| {
-            let hs: Vec<_> = rs
-                .iter()
-                .map(|r| {
-                    let hashes = &hashes;
-                    s.spawn(move || {
-                        let plan = load_plan(r.linker.geometry(), 1, hashes, r.slots.clone());
-                        let t = r.linker.start_load(plan).unwrap();
-                        let first = r.linker.wait_layer(&t, 0).map(drop);
-                        (first, r.linker.wait_batch(&t).unwrap().result)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let failed: Vec<(Result<(), KvLoadError>, Result<_, _>)> =
+            each_rank_loads(&rs, &hashes, |r, t| {
+                let first = r.linker.wait_layer(t, 0).map(drop);
+                (first, r.linker.wait_batch(t).unwrap().result)
+            });
         assert!(
             t0.elapsed() < Duration::from_millis(1400),
             "bounded: {:?}",
@@ -251,35 +271,17 @@ fn a_collective_that_never_completes_is_aborted_and_the_next_batch_loads() {
 /// collective's event completes later.
 #[test]
 fn no_slot_copy_of_a_failed_batch_runs_after_its_outcome() {
-    let spec = mixed_spec();
-    let path = Path::device_per_rank(ScatterStrategy::Auto);
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
-        let cfg = LinkerConfig {
-            collective_timeout: Duration::from_millis(300),
-            ..config(mode)
-        };
-        let (rs, hashes) = tp_ranks(&spec, 3, store(), 6, &cfg, path);
         let stall = Duration::from_millis(1200);
-        rs[1].stall_first_device_copy(stall);
+        let (rs, hashes) = middle_rank_stalled(mode, stall);
         let t0 = Instant::now();
-        let failed_at: Vec<Instant> = std::thread::scope(|s| {
-            let hs: Vec<_> = rs
-                .iter()
-                .map(|r| {
-                    let hashes = &hashes;
-                    s.spawn(move || {
-                        let plan = load_plan(r.linker.geometry(), 1, hashes, r.slots.clone());
-                        let t = r.linker.start_load(plan).unwrap();
-                        let outcome = r.linker.wait_batch(&t).unwrap().result;
-                        assert!(
-                            matches!(outcome, Err(KvLoadError::Collective { .. })),
-                            "{mode:?}: {outcome:?}"
-                        );
-                        Instant::now()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let failed_at: Vec<Instant> = each_rank_loads(&rs, &hashes, |r, t| {
+            let outcome = r.linker.wait_batch(t).unwrap().result;
+            assert!(
+                matches!(outcome, Err(KvLoadError::Collective { .. })),
+                "{mode:?}: {outcome:?}"
+            );
+            Instant::now()
         });
         // Past the stall: whatever was queued behind the stalled copy has run by now.
         std::thread::sleep(stall.saturating_sub(t0.elapsed()) + Duration::from_millis(300));

@@ -87,24 +87,9 @@ fn get_ranges(
     gets: &[RangedGet<'_>],
     parallel: usize,
 ) -> Vec<Result<u64, StoreError>> {
-    let parts = parallel.clamp(1, gets.len().max(1));
-    if parts == 1 {
-        // SAFETY: distinct destinations inside the bench's registered buffers, untouched by
-        // anything else during the call.
-        return unsafe { store.get_ranges(gets) };
-    }
-    let chunk = gets.len().div_ceil(parts);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = gets
-            .chunks(chunk)
-            // SAFETY: disjoint parts of `gets`, as above.
-            .map(|part| s.spawn(move || unsafe { store.get_ranges(part) }))
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("reader thread panicked"))
-            .collect()
-    })
+    // SAFETY: distinct destinations inside the bench's registered buffers, untouched by
+    // anything else during the call; the parts are disjoint.
+    in_parts(gets, parallel, |part| unsafe { store.get_ranges(part) })
 }
 
 /// `gets` as one call or `parallel` concurrent calls over contiguous parts.
@@ -113,14 +98,28 @@ fn get_into(
     gets: &[ObjectGet<'_>],
     parallel: usize,
 ) -> Vec<Result<u64, StoreError>> {
-    let parts = parallel.clamp(1, gets.len().max(1));
-    let chunk = gets.len().div_ceil(parts).max(1);
+    // SAFETY: disjoint object-sized slots of the registered buffers, untouched by anything
+    // else during the call; the parts are disjoint.
+    in_parts(gets, parallel, |part| unsafe { store.get_into(part) })
+}
+
+/// `call` over `items` once, or over `parallel` contiguous parts on threads of their own; the
+/// results in item order.
+fn in_parts<T: Sync, R: Send>(
+    items: &[T],
+    parallel: usize,
+    call: impl Fn(&[T]) -> Vec<R> + Sync,
+) -> Vec<R> {
+    let parts = parallel.clamp(1, items.len().max(1));
+    if parts == 1 {
+        return call(items);
+    }
+    let chunk = items.len().div_ceil(parts);
+    let call = &call;
     std::thread::scope(|s| {
-        let handles: Vec<_> = gets
+        let handles: Vec<_> = items
             .chunks(chunk)
-            // SAFETY: disjoint object-sized slots of the registered buffers, untouched by
-            // anything else during the call.
-            .map(|part| s.spawn(move || unsafe { store.get_into(part) }))
+            .map(|part| s.spawn(move || call(part)))
             .collect();
         handles
             .into_iter()
