@@ -217,7 +217,12 @@ impl RendezvousFormation {
             }
             #[cfg(feature = "nccl")]
             Sharing::Nccl { ordinal, config } => {
-                let (d, c) = formed.join_nccl(ordinal, config, deadline)?;
+                // Both communicators within one `init_timeout`, not each within its own, and
+                // not within the meeting's shorter bound: how long NCCL takes to initialise on
+                // eight GPUs was not measured here, and a shorter bound could fail healthy
+                // formations.
+                let by = kv_loader::deadline_after(config.init_timeout);
+                let (d, c) = formed.join_nccl(ordinal, config, by)?;
                 Ok((Arc::new(d), Arc::new(c)))
             }
         }
