@@ -247,18 +247,23 @@ impl Client {
         // only, and kept for good by `after` when it failed late enough that a transfer may
         // still write them.
         let r = unsafe { self.batch_get_into_raw(&keys, &ptrs, &sizes) };
-        if let Some(bytes) = into.after(failed(&r)) {
-            if let Ok(per_key) = &r {
-                let mut at = 0usize;
-                for ((buf, &len), got) in bufs.iter_mut().zip(&lens).zip(per_key) {
-                    if let Ok(n) = got {
-                        let n = usize::try_from(*n).unwrap_or(usize::MAX).min(len);
-                        buf[..n].copy_from_slice(&bytes[at..at + n]);
-                    }
-                    at += len;
+        // Every key read is copied out, also when the buffer is then kept for good: each from
+        // its own part only, since a transfer given up on may still write another key's part.
+        if let Ok(per_key) = &r {
+            for (((buf, &from), &len), got) in bufs.iter_mut().zip(&ptrs).zip(&lens).zip(per_key) {
+                if let Ok(n) = got {
+                    let n = usize::try_from(*n)
+                        .unwrap_or(usize::MAX)
+                        .min(len)
+                        .min(buf.len());
+                    // SAFETY: `from` is this key's part of our buffer, `len` bytes, which the
+                    // call has finished writing (its result is in); `buf` is the caller's, at
+                    // least `n` bytes, distinct from our buffer.
+                    unsafe { std::ptr::copy_nonoverlapping(from, buf.as_mut_ptr(), n) };
                 }
             }
         }
+        into.after(failed(&r));
         r
     }
 
