@@ -521,7 +521,12 @@ impl Linker {
         // at once instead of holding the load thread up to its bound; their sessions are ended
         // after the cancel, so that no master call delays it.
         let taken = s.pins_ahead.take_all();
-        let busy = !s.outcomes.cancel_all(deadline);
+        // The epoch moves again once the counter is reset: a `start_load` that read the first
+        // new epoch and made its ticket before the reset has a stale ticket, and its job is
+        // cancelled too.
+        let busy = !s.outcomes.cancel_all(deadline, || {
+            s.epoch.fetch_add(1, Ordering::AcqRel);
+        });
         // Nothing left in flight: a read ahead is waited for (same bound), and the pins a
         // lookup took meanwhile are ended.
         s.prefetch.wait_idle(deadline);

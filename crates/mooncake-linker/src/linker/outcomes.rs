@@ -250,9 +250,11 @@ impl Outcomes {
     }
 
     /// Cancels every batch in flight (waiters get `Cancelled`) and waits, until `deadline`,
-    /// until the load thread has nothing pending. True when it is idle.
-    pub(crate) fn cancel_all(&self, deadline: Instant) -> bool {
+    /// until the load thread has nothing pending. True when it is idle. `after_reset` runs once
+    /// the counter is reset, before the wait.
+    pub(crate) fn cancel_all(&self, deadline: Instant, after_reset: impl FnOnce()) -> bool {
         self.counter.reset();
+        after_reset();
         let mut p = self.pending.lock();
         while *p > 0 {
             if self.idle.wait_until(&mut p, deadline).timed_out() {
@@ -381,7 +383,7 @@ mod tests {
         let soon = kv_loader::deadline_after(std::time::Duration::from_millis(10));
         assert!(o.take(&ticket(7, t), soon).unwrap().is_none(), "held back");
         // A reset keeps the held id in flight.
-        assert!(o.cancel_all(soon));
+        assert!(o.cancel_all(soon, || {}));
         assert!(matches!(
             o.begin(BatchId(7), 4),
             Err(KvLoadError::DuplicateBatch { .. })
