@@ -274,7 +274,6 @@ fn no_slot_copy_of_a_failed_batch_runs_after_its_outcome() {
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
         let stall = Duration::from_millis(1200);
         let (rs, hashes) = middle_rank_stalled(mode, stall);
-        let t0 = Instant::now();
         let failed_at: Vec<Instant> = each_rank_loads(&rs, &hashes, |r, t| {
             let outcome = r.linker.wait_batch(t).unwrap().result;
             assert!(
@@ -283,8 +282,22 @@ fn no_slot_copy_of_a_failed_batch_runs_after_its_outcome() {
             );
             Instant::now()
         });
-        // Past the stall: whatever was queued behind the stalled copy has run by now.
-        std::thread::sleep(stall.saturating_sub(t0.elapsed()) + Duration::from_millis(300));
+        // Past the stall: the stalled copy has finished (seen in its trace, bounded), and
+        // whatever was queued behind it has had time to run.
+        let stalled = rs[1].device.as_ref().unwrap();
+        let by = Instant::now() + Duration::from_secs(10);
+        while !stalled
+            .trace()
+            .iter()
+            .any(|o| o.stream != 0 && o.op == CpuOp::OnDevice && o.finished > failed_at[1])
+        {
+            assert!(
+                Instant::now() < by,
+                "{mode:?}: the stalled copy never finished"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(300));
         for (rank, (r, &at)) in rs.iter().zip(&failed_at).enumerate() {
             let late: Vec<_> = r
                 .device

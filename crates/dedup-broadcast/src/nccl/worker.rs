@@ -563,7 +563,9 @@ impl Worker {
     /// stream, which waits for every blocking stream of the context, so an engine's long kernel
     /// (or a stream waiting on a layer event) would hold it with no deadline and no way to
     /// abort it. The caller's buffer is written here, on the CPU, only once the copy has
-    /// completed.
+    /// completed. The stage is pinned memory the size of the largest result so far (for a
+    /// host all-gather, every rank's part), kept for the handle's life; growing it allocates
+    /// pinned memory, which the driver may order after work on the context.
     fn d2h(
         &mut self,
         (dst, src, len): (usize, u64, usize),
@@ -576,9 +578,10 @@ impl Worker {
         let stage = self.stage(len)?;
         // SAFETY: `src` is our scratch holding the result (the NCCL operation completed),
         // valid for `len` bytes; `stage` is our pinned buffer of at least `len` bytes, which
-        // no other copy uses (the operation before this one completed: `drain_last`). The
-        // stage stays ours until this copy completes: if the wait below fails, the copy is
-        // left as `last`, which the next operation waits for before it touches the stage.
+        // no other copy uses (every earlier copy on the comm stream completed: the NCCL
+        // operation's event, recorded after them, did). The stage stays ours until this copy
+        // completes: if the wait below fails, the operation fails and the communicator is
+        // aborted, which drains the comm stream or leaks the stage (`abort_comm`).
         unsafe {
             cu::cuMemcpyDtoHAsync_v2(stage as *mut c_void, src, len, self.stream.cu_stream())
         }
