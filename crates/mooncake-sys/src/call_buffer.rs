@@ -68,13 +68,13 @@ impl CallBuffer {
         &self.bytes
     }
 
-    /// Per part of `lens`, back to back: its address and length (for a call that writes them).
-    /// An error when the parts do not fit in the buffer.
+    /// Per part of `lens`, back to back: its address (for a call that writes them). An error
+    /// when the parts do not fit in the buffer.
     pub(crate) fn parts(
         &mut self,
         operation: &'static str,
         lens: &[usize],
-    ) -> Result<(Vec<*mut u8>, Vec<usize>)> {
+    ) -> Result<Vec<*mut u8>> {
         let len = self.bytes.len();
         // One base pointer for every part (`Vec::as_mut_ptr` makes no reference that a later
         // part's would invalidate).
@@ -93,7 +93,7 @@ impl CallBuffer {
             ptrs.push(unsafe { base.add(at) });
             at = end;
         }
-        Ok((ptrs, lens.to_vec()))
+        Ok(ptrs)
     }
 
     /// After the call: the bytes back, or `None` when the call `failed` after
@@ -116,11 +116,10 @@ mod tests {
     fn parts_tile_the_copied_values_in_order() {
         let mut b = CallBuffer::copy_of("test", &[b"ab", b"", b"cde"]).unwrap();
         assert_eq!(b.bytes(), b"abcde");
-        let (ptrs, lens) = b.parts("test", &[2, 0, 3]).unwrap();
+        let ptrs = b.parts("test", &[2, 0, 3]).unwrap();
         let base = b.bytes().as_ptr() as usize;
         let offsets: Vec<usize> = ptrs.iter().map(|p| *p as usize - base).collect();
         assert_eq!(offsets, [0, 2, 2]);
-        assert_eq!(lens, [2, 0, 3]);
         assert!(
             b.parts("test", &[2, 4]).is_err(),
             "parts past the end are refused"

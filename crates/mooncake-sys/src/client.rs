@@ -132,16 +132,14 @@ impl Client {
     /// `get_into` into a buffer of `len` bytes of its own: the buffer and the object's size.
     fn read_owned(&self, key: &str, len: usize) -> Result<(Vec<u8>, u64)> {
         let mut into = CallBuffer::zeroed("get_into", len)?;
-        let (ptrs, _) = into.parts("get_into", &[len])?;
-        let ptr = ptrs.first().copied().unwrap_or(std::ptr::null_mut());
+        let ptr = into.parts("get_into", &[len])?[0];
         // SAFETY: live handle; `ptr` is our buffer of `len` bytes, written by this call only,
         // and kept for good by `after` when the call failed late enough that a transfer may
         // still write it.
         let r = unsafe { result::get_into(&self.lib, self.raw(), key, ptr, len) };
-        match into.after(r.is_err()) {
-            Some(bytes) => r.map(|n| (bytes, n)),
-            None => r.map(|n| (Vec::new(), n)),
-        }
+        // Kept (`None`) only after a failure, which `?` returns.
+        let bytes = into.after(r.is_err());
+        Ok((bytes.unwrap_or_default(), r?))
     }
 
     /// Whether `key` exists.
@@ -226,8 +224,8 @@ impl Client {
         let keys = CKeys::new(keys)?;
         let mut copy = CallBuffer::copy_of(operation, values)?;
         let lens: Vec<usize> = values.iter().map(|v| v.len()).collect();
-        let (ptrs, sizes) = copy.parts(operation, &lens)?;
-        let r = call(&keys, &ptrs, &sizes);
+        let ptrs = copy.parts(operation, &lens)?;
+        let r = call(&keys, &ptrs, &lens);
         copy.after(failed(&r));
         r
     }
@@ -242,11 +240,11 @@ impl Client {
         let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
         let total = lens.iter().try_fold(0usize, |n, &l| n.checked_add(l));
         let mut into = CallBuffer::zeroed("batch_get_into", total.unwrap_or(usize::MAX))?;
-        let (ptrs, sizes) = into.parts("batch_get_into", &lens)?;
+        let ptrs = into.parts("batch_get_into", &lens)?;
         // SAFETY: live handle; the pointers are parts of our own buffer, written by this call
         // only, and kept for good by `after` when it failed late enough that a transfer may
         // still write them.
-        let r = unsafe { self.batch_get_into_raw(&keys, &ptrs, &sizes) };
+        let r = unsafe { self.batch_get_into_raw(&keys, &ptrs, &lens) };
         // Every key read is copied out, also when the buffer is then kept for good: each from
         // its own part only, since a transfer given up on may still write another key's part.
         if let Ok(per_key) = &r {

@@ -315,43 +315,37 @@ impl Inner {
                 .map(|(&page, _)| comp.keys[page].clone())
                 .collect()
         };
-        let foreign_companions = unpaired(PutOutcome::Written, PutOutcome::AlreadyPresent);
-        let foreign_objects: Vec<String> =
+        let objects_beside_foreign_companions =
+            unpaired(PutOutcome::Written, PutOutcome::AlreadyPresent);
+        let companions_beside_foreign_objects: Vec<String> =
             unpaired(PutOutcome::AlreadyPresent, PutOutcome::Written)
                 .iter()
                 .map(|key| checksum_key(key))
                 .collect();
-        if !foreign_objects.is_empty() {
-            warn!(
-                companions = foreign_objects.len(),
-                "companions written beside an object another writer wrote first: discarded"
-            );
-            self.discard_unpaired(
-                &foreign_objects,
-                "a companion beside a foreign object stays",
-            );
-        }
-        if !foreign_companions.is_empty() {
-            warn!(
-                objects = foreign_companions.len(),
-                "objects written beside a companion already there: discarded"
-            );
-            self.discard_unpaired(
-                &foreign_companions,
-                "an object beside a foreign companion stays",
-            );
-        }
+        self.discard_unpaired(
+            &companions_beside_foreign_objects,
+            "companions written beside an object another writer wrote first",
+        );
+        self.discard_unpaired(
+            &objects_beside_foreign_companions,
+            "objects written beside a companion already there",
+        );
     }
 
-    /// Discards `keys` (best effort: a failure is logged with `stays`).
-    fn discard_unpaired(&self, keys: &[String], stays: &str) {
+    /// Discards `keys`, which are `what` (best effort: a key that cannot be discarded stays,
+    /// logged).
+    fn discard_unpaired(&self, keys: &[String], what: &str) {
+        if keys.is_empty() {
+            return;
+        }
+        warn!(keys = keys.len(), "{what}: discarded");
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         for (key, r) in refs
             .iter()
             .zip(self.calls.discard(&refs, self.store_deadline()))
         {
             if let Err(e) = r {
-                warn!(key, error = %e, "{stays}");
+                warn!(key, error = %e, "{what}: this one stays");
             }
         }
     }
