@@ -363,3 +363,58 @@ fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
     r.faults.clear();
     run_ok(&rs, 2, &hashes, "after the companions hung");
 }
+
+/// A rank whose pin and first read each stay within their own deadlines, but together run past
+/// the time its peers wait for layer 0's status word, reports a timeout in that word before
+/// they stop waiting: every rank gets its failure at layer 0 (a peer that timed out would fail
+/// with a collective error instead and abort the group), the peers' batches end within two
+/// collective timeouts, and the next batch loads. A middle rank of three, in both sharing
+/// modes that wait for it.
+#[test]
+fn a_slow_pin_and_first_read_fail_layer_0_before_the_peers_stop_waiting() {
+    let spec = mixed_spec();
+    let collective = Duration::from_secs(2);
+    for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+        let cfg = LinkerConfig {
+            collective_timeout: collective,
+            layer_read_timeout: Duration::from_millis(1500),
+            store_call_timeout: Duration::from_millis(1500),
+            pin_at_lookup: false,
+            ..config(mode)
+        };
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+        let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &cfg, Path::Host);
+        let what = format!("{mode:?}");
+        let r = &rs[1];
+        let once = || FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        };
+        // 1.2 s + 1.2 s: each call within its 1.5 s, together past the peers' 2 s.
+        r.faults.inject_on(
+            FaultCall::Session,
+            once(),
+            Fault::Delay(Duration::from_millis(1200)),
+        );
+        r.faults.inject_on(
+            FaultCall::Read,
+            FaultRule {
+                offset: Some(0),
+                ..once()
+            },
+            Fault::Delay(Duration::from_millis(1200)),
+        );
+        let t0 = Instant::now();
+        let (outcomes, ended) = run_timed(&rs, 1, &hashes);
+        same_verdict(&outcomes, 1, 0, &what);
+        for peer in [0, 2] {
+            let took = ended[peer] - t0;
+            assert!(
+                took < collective * 2,
+                "{what}: rank {peer} ended after {took:?}"
+            );
+        }
+        r.faults.clear();
+        run_ok(&rs, 2, &hashes, &what);
+    }
+}

@@ -9,7 +9,7 @@ use kv_device::LayerStage;
 use kv_loader::{KvLoadError, StoreFailure};
 use tracing::warn;
 
-use super::{alone_verdicts_bound, LayerPipeline, ReadLayer};
+use super::{alone_verdicts_bound, peers_wait_bound, LayerPipeline, ReadLayer};
 use crate::linker::batch::collective_failure;
 use crate::linker::handoff::{Handoff, Wait};
 use crate::linker::share::{step_for, LayerCx, ShareStep, StepError};
@@ -67,7 +67,18 @@ impl LayerPipeline<'_> {
 
     /// The layer `layer` message from the reader (bounded); one without a stage, carrying this
     /// rank's error, where none came in time or the reader sent another layer or left.
-    fn receive(&self, h: &Handoff<Option<LayerStage>, ReadLayer>, layer: u32) -> ReadLayer {
+    ///
+    /// In a TP group the peers wait for this layer's status word for `collective_timeout` from
+    /// about `peers_from` (the batch's gate for layer 0, else the end of the previous layer's
+    /// step): the wait ends by [`peers_wait_bound`] of that, so that a rank whose pin, session
+    /// and read together run long reports a timeout in its status word, which every rank
+    /// reads, instead of leaving its peers to time out and abort the group.
+    fn receive(
+        &self,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
+        layer: u32,
+        peers_from: Instant,
+    ) -> ReadLayer {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
         // Before the first group the reader pins the objects (a wait for a lookup's pin under
@@ -86,7 +97,12 @@ impl LayerPipeline<'_> {
                 c.store_call_timeout,
             ))
             .max(alone_verdicts_bound(c.store_call_timeout).saturating_add(c.store_call_timeout));
-        let error = match h.next_layer(kv_loader::deadline_after(limit)) {
+        let waited_from = Instant::now();
+        let mut deadline = kv_loader::deadline_after(limit);
+        if self.coll.is_some() {
+            deadline = deadline.min(peers_wait_bound(peers_from, c.collective_timeout));
+        }
+        let error = match h.next_layer(deadline) {
             Wait::Got(m) if m.layer == layer => return m,
             Wait::Got(m) => KvLoadError::internal(
                 batch,
@@ -97,7 +113,11 @@ impl LayerPipeline<'_> {
                 layer: Some(layer),
                 pages: Vec::new().into(),
                 kind: StoreFailure::RpcTimeout,
-                detail: format!("the reader did not finish layer {layer} within {limit:?}").into(),
+                detail: format!(
+                    "the reader did not finish layer {layer} within {:?}",
+                    deadline.saturating_duration_since(waited_from)
+                )
+                .into(),
             },
             Wait::Closed => {
                 KvLoadError::internal(batch, format!("the reader stopped before layer {layer}"))
@@ -152,7 +172,8 @@ impl LayerPipeline<'_> {
     ) -> Result<(), Stop> {
         let batch = self.job.plan.logical.batch;
         let waited_at = Instant::now();
-        let read = self.receive(h, layer);
+        let peers_from = if layer == 0 { self.opened } else { waited_at };
+        let read = self.receive(h, layer, peers_from);
         let verify_at = Instant::now();
         // What this rank read for the layer is verified before it says "ok" for it.
         let verified = self.check_read(&read, layer);

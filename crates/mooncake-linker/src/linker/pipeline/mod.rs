@@ -28,12 +28,14 @@
 //! start if that is later), before its first read it waits for a pin a lookup has under way
 //! a quarter of `store_call_timeout` at most, and the exchange loop waits for the reader at
 //! most `max(layer_read_timeout, collective_timeout) + collective_timeout + 2.25 ×
-//! store_call_timeout` (and at least seven store calls and a quarter) per layer. Once the batch has failed, a size check
-//! that has not started its queries skips them. A preflight check still running
-//! when its verdict is no longer waited for is joined when the reader ends (its store calls
-//! are bounded: the companions' read and, for one that does not fit, its size query, its
-//! object's size query and the discard; the sizes). So the reader thread always ends, and the
-//! scope's join of it is bounded by those waits.
+//! store_call_timeout` (and at least seven store calls and a quarter) per layer; in a TP group
+//! also at most four fifths of `collective_timeout` after the batch's gate (layer 0) or the end
+//! of the previous layer's step, since the peers wait for the status word that long. Once the
+//! batch has failed, a size check that has not started its queries skips them. A preflight
+//! check still running when its verdict is no longer waited for is joined when the reader ends
+//! (its store calls are bounded: the companions' read and, for one that does not fit, its size
+//! query, its object's size query and the discard; the sizes). So the reader thread always
+//! ends, and the scope's join of it is bounded by those waits.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -221,6 +223,16 @@ impl Drop for Abandon<'_> {
 /// not fit, its own size query (a refusal that may mean "too long"), its object's size query
 /// and the discard of both.
 const COMPANION_CHECK_CALLS: u32 = 4;
+
+/// The latest this rank may still answer for a layer when its TP peers started waiting for its
+/// status word at about `from`: they wait `collective_timeout`, so four fifths of it leaves the
+/// rest for the exchange itself, and the peers then read this rank's failure instead of timing
+/// out and re-forming the group.
+fn peers_wait_bound(from: Instant, collective_timeout: Duration) -> Instant {
+    let share = collective_timeout.mul_f64(0.8);
+    from.checked_add(share)
+        .unwrap_or_else(|| kv_loader::deadline_after(share))
+}
 
 /// Longest the companions' check may take, each of its store calls bounded by
 /// `store_call_timeout`: before them, a wait for companions read ahead at lookup.

@@ -9,7 +9,10 @@ use kv_device::{LayerLanding, LayerStage, ShareSide, StageLoan};
 use kv_loader::{KvLoadError, StoreFailure};
 use tracing::{debug, warn};
 
-use super::{alone_verdicts_bound, companions_bound, Abandon, LayerPipeline, ReadLayer, ReadRun};
+use super::{
+    alone_verdicts_bound, companions_bound, peers_wait_bound, Abandon, LayerPipeline, ReadLayer,
+    ReadRun,
+};
 use crate::linker::handoff::{Handoff, Wait};
 use crate::linker::landed::LandedSums;
 use crate::linker::preflight::{Check, PreflightChecks};
@@ -189,7 +192,7 @@ impl LayerPipeline<'_> {
             let own = after(self.opened, alone_verdicts_bound(c.store_call_timeout));
             return own.max(after(from, c.store_call_timeout.saturating_mul(2)));
         }
-        after(from, c.collective_timeout.mul_f64(0.8))
+        peers_wait_bound(from, c.collective_timeout)
     }
 
     /// Starts the preflight's checks (none when `run` is false): the checksum companions (read
