@@ -53,6 +53,7 @@ mod exchange;
 pub(crate) mod message;
 #[cfg(feature = "nccl")]
 mod nccl_join;
+mod resolve;
 mod tcp;
 
 use std::collections::BTreeMap;

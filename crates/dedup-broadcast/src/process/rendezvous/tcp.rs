@@ -6,7 +6,7 @@
 //! the formation in progress, or answers at once that none is (naming the live group's
 //! epoch, or why the last formation failed); the joiner then tries again until its deadline.
 
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{mpsc, Arc};
@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 
 use super::decide::{decide, missing, IdSource};
 use super::message::{Hello, Reply, Welcome};
+use super::resolve::{resolve_within, ResolveFailure};
 use super::RendezvousError;
 use crate::process::mesh::MeshListener;
 use crate::process::wire::{read_frame, write_frame};
@@ -176,19 +177,6 @@ pub(crate) struct TcpLeader {
     thread: Option<JoinHandle<()>>,
 }
 
-fn resolve(addr: &str) -> Result<Vec<SocketAddr>, RendezvousError> {
-    let v: Vec<SocketAddr> = addr
-        .to_socket_addrs()
-        .map_err(|e| RendezvousError::Config(format!("rendezvous address {addr:?}: {e}")))?
-        .collect();
-    if v.is_empty() {
-        return Err(RendezvousError::Config(format!(
-            "rendezvous address {addr:?} resolves to nothing"
-        )));
-    }
-    Ok(v)
-}
-
 fn reply(stream: &mut TcpStream, r: &Reply) {
     let _ = write_frame(
         stream,
@@ -212,7 +200,9 @@ fn hung_up(stream: &TcpStream) -> bool {
 impl TcpLeader {
     /// Listens at `addr` (rank 0's rendezvous address) for the life of the rendezvous.
     pub(crate) fn bind(addr: &str, version: String) -> Result<Self, RendezvousError> {
-        let addrs = resolve(addr)?;
+        // Rank 0's own address: a failed lookup is its configuration's (or host's) fault.
+        let addrs = resolve_within(addr, MESSAGE_TIMEOUT)
+            .map_err(|e| RendezvousError::Config(e.to_string()))?;
         let listener = TcpListener::bind(&addrs[..])
             .map_err(|e| RendezvousError::io(format!("rank 0 listening at {addr}"), e))?;
         let local = listener
@@ -520,7 +510,16 @@ fn attempt(
     listener: &mut Option<HelloAt>,
     heard: &mut Heard,
 ) -> Result<Option<(Reply, IpAddr)>, RendezvousError> {
-    let addrs = resolve(addr)?;
+    // A name that does not resolve yet (rank 0's DNS record published once its host is up)
+    // is tried again, as a rank 0 that does not answer is; bad syntax never resolves.
+    let addrs = match resolve_within(addr, left.min(MESSAGE_TIMEOUT)) {
+        Ok(a) => a,
+        Err(ResolveFailure::Invalid(e)) => return Err(RendezvousError::Config(e)),
+        Err(ResolveFailure::Lookup(e)) => {
+            *heard = Heard::Nothing(e);
+            return Ok(None);
+        }
+    };
     let Some(mut stream) = connect_to_rank_0(&addrs, left, heard) else {
         return Ok(None);
     };
@@ -640,5 +639,50 @@ mod tests {
         let st = leader.state.lock();
         assert!(st.forming.is_none());
         assert_eq!(st.last_failure.as_deref(), Some(ENDED_ABNORMALLY));
+    }
+
+    #[test]
+    fn a_joiner_keeps_trying_a_name_that_does_not_resolve_until_its_deadline() {
+        // Before, the first failed lookup ended the join at once as a configuration error.
+        let mut hellos = 0;
+        let t0 = Instant::now();
+        let r = join(
+            "rank0.kvlink.invalid:29500",
+            1,
+            |_| {
+                hellos += 1;
+                Err(RendezvousError::Config("never reached".into()))
+            },
+            kv_loader::deadline_after(Duration::from_millis(800)),
+        );
+        let took = t0.elapsed();
+        match r {
+            Err(RendezvousError::Timeout { missing, detail }) => {
+                assert_eq!(missing, [0]);
+                assert!(detail.contains("rank0.kvlink.invalid"), "{detail}");
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("joined a group at an address that does not resolve"),
+        }
+        assert_eq!(hellos, 0);
+        assert!(took >= Duration::from_millis(700), "gave up after {took:?}");
+        assert!(took < Duration::from_secs(4), "ended after {took:?}");
+    }
+
+    #[test]
+    fn a_joiner_given_an_address_without_a_port_fails_at_once() {
+        let t0 = Instant::now();
+        let r = join(
+            "rank0",
+            1,
+            |_| Err(RendezvousError::Config("never reached".into())),
+            kv_loader::deadline_after(Duration::from_secs(30)),
+        );
+        assert!(
+            matches!(r, Err(RendezvousError::Config(_))),
+            "{:?}",
+            r.err()
+        );
+        assert!(t0.elapsed() < Duration::from_secs(1));
     }
 }

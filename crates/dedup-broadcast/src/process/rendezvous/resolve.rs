@@ -1,0 +1,151 @@
+//! Rank 0's rendezvous address (`host:port`) to socket addresses, within a bound.
+//!
+//! A numeric address is parsed at once. A name is looked up on a thread of its own, waited
+//! for at most the caller's bound: the system's resolver has no deadline a caller can set, and
+//! a resolver that does not answer must not hold a rank past its join deadline. A lookup
+//! still running then ends by itself (the resolver's own timeouts) and its answer is dropped.
+//!
+//! Syntax is told apart from lookups: an address with no port, or a bad one, is a
+//! configuration error that no retry mends, while a name that does not resolve yet (a DNS
+//! record published only once rank 0's host is up, a resolver briefly down) may resolve on the
+//! next attempt.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// Why an address gave no socket address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ResolveFailure {
+    /// Not a `host:port` address (no port, a bad port, no host): never retried.
+    Invalid(String),
+    /// The lookup failed, found nothing or did not answer within the bound: it may pass
+    /// later.
+    Lookup(String),
+}
+
+impl std::fmt::Display for ResolveFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ResolveFailure::Invalid(s) | ResolveFailure::Lookup(s) => f.write_str(s),
+        }
+    }
+}
+
+/// The socket addresses `addr` names, looked up for at most `wait`.
+pub(crate) fn resolve_within(
+    addr: &str,
+    wait: Duration,
+) -> Result<Vec<SocketAddr>, ResolveFailure> {
+    if let Ok(a) = addr.parse::<SocketAddr>() {
+        return Ok(vec![a]);
+    }
+    check_syntax(addr)?;
+    let owned = addr.to_owned();
+    let (tx, rx) = mpsc::sync_channel(1);
+    let lookup = move || {
+        let found = owned.to_socket_addrs().map(Iterator::collect::<Vec<_>>);
+        // The caller may have stopped waiting: its receiver is then gone.
+        let _ = tx.send(found);
+    };
+    let spawned = std::thread::Builder::new()
+        .name("kvlink-resolve".into())
+        .spawn(lookup);
+    let found = match spawned {
+        Ok(_) => match rx.recv_timeout(wait) {
+            Ok(found) => found,
+            Err(_) => {
+                return Err(ResolveFailure::Lookup(format!(
+                    "looking up rendezvous address {addr:?}: no answer within {wait:?}"
+                )))
+            }
+        },
+        Err(e) => {
+            return Err(ResolveFailure::Lookup(format!(
+                "looking up rendezvous address {addr:?}: no thread to look it up on: {e}"
+            )))
+        }
+    };
+    match found {
+        Ok(v) if !v.is_empty() => Ok(v),
+        Ok(_) => Err(ResolveFailure::Lookup(format!(
+            "rendezvous address {addr:?} resolves to nothing"
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Err(ResolveFailure::Invalid(
+            format!("rendezvous address {addr:?}: {e}"),
+        )),
+        Err(e) => Err(ResolveFailure::Lookup(format!(
+            "looking up rendezvous address {addr:?}: {e}"
+        ))),
+    }
+}
+
+/// `addr` is `host:port`, with a host and a port number (the lookup needs no more).
+fn check_syntax(addr: &str) -> Result<(), ResolveFailure> {
+    let invalid = |why: &str| {
+        Err(ResolveFailure::Invalid(format!(
+            "rendezvous address {addr:?}: {why}"
+        )))
+    };
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return invalid("no port (expected host:port)");
+    };
+    if host.is_empty() {
+        return invalid("no host (expected host:port)");
+    }
+    if port.parse::<u16>().is_err() {
+        return invalid("the port is not a number from 0 to 65535");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numeric_addresses_parse_without_a_lookup() {
+        let v = resolve_within("127.0.0.1:29500", Duration::ZERO).unwrap();
+        assert_eq!(v, ["127.0.0.1:29500".parse::<SocketAddr>().unwrap()]);
+        let v = resolve_within("[::1]:7", Duration::ZERO).unwrap();
+        assert_eq!(v, ["[::1]:7".parse::<SocketAddr>().unwrap()]);
+    }
+
+    #[test]
+    fn an_address_without_a_usable_port_or_host_is_invalid() {
+        for bad in ["rank0", "rank0:", "rank0:http", "rank0:70000", ":29500", ""] {
+            match resolve_within(bad, Duration::from_secs(1)) {
+                Err(ResolveFailure::Invalid(why)) => assert!(why.contains("rendezvous"), "{why}"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_name_that_does_not_resolve_is_a_lookup_failure_within_the_bound() {
+        // `.invalid` never resolves (RFC 6761); with no resolver the lookup fails or takes
+        // its own time, and the bound ends the wait.
+        let wait = Duration::from_millis(1500);
+        let t0 = std::time::Instant::now();
+        match resolve_within("rank0.kvlink.invalid:29500", wait) {
+            Err(ResolveFailure::Lookup(why)) => {
+                assert!(why.contains("rank0.kvlink.invalid"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            t0.elapsed() < wait + Duration::from_millis(500),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
+
+    #[test]
+    fn localhost_resolves_by_name() {
+        let v = resolve_within("localhost:29500", Duration::from_secs(5)).unwrap();
+        assert!(
+            v.iter().all(|a| a.ip().is_loopback() && a.port() == 29500),
+            "{v:?}"
+        );
+    }
+}
