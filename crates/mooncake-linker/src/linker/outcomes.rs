@@ -23,8 +23,8 @@ pub(crate) struct Outcomes {
     /// Batches submitted and not yet finished by the load thread.
     pending: Mutex<usize>,
     idle: Condvar,
-    /// Batch ids started and not yet taken (nor forgotten by a reset).
-    in_flight: Mutex<HashSet<BatchId>>,
+    /// Batch ids started and not yet taken (nor forgotten by a reset), with their tickets.
+    in_flight: Mutex<HashMap<BatchId, Ticket>>,
     /// Batches the load thread finished whose outcome waits for a store call that may still
     /// write their slots.
     held: Mutex<HashSet<BatchId>>,
@@ -39,7 +39,7 @@ impl Outcomes {
             done_cv: Condvar::new(),
             pending: Mutex::new(0),
             idle: Condvar::new(),
-            in_flight: Mutex::new(HashSet::new()),
+            in_flight: Mutex::new(HashMap::new()),
             held: Mutex::new(HashSet::new()),
         }
     }
@@ -49,14 +49,14 @@ impl Outcomes {
     /// counted.
     pub(crate) fn begin(&self, batch: BatchId, num_layers: u32) -> Result<Ticket, KvLoadError> {
         let mut in_flight = self.in_flight.lock();
-        if in_flight.contains(&batch) {
+        if in_flight.contains_key(&batch) {
             return Err(KvLoadError::DuplicateBatch { batch });
         }
         let t = self.counter.begin(num_layers).map_err(|e| match e {
             CounterError::Full { capacity } => KvLoadError::Busy { capacity },
             other => KvLoadError::internal(batch, kv_loader::Cause::from_error(other)),
         })?;
-        in_flight.insert(batch);
+        in_flight.insert(batch, t);
         *self.pending.lock() += 1;
         Ok(t)
     }
@@ -135,7 +135,7 @@ impl Outcomes {
 
     /// The batches started and not yet finished (their outcome not published), sorted.
     pub(crate) fn in_flight(&self) -> Vec<BatchId> {
-        let mut v: Vec<BatchId> = self.in_flight.lock().iter().copied().collect();
+        let mut v: Vec<BatchId> = self.in_flight.lock().keys().copied().collect();
         v.sort();
         v
     }
@@ -197,18 +197,23 @@ impl Outcomes {
     /// Takes the outcome of `ticket`'s run of its batch, waiting until `deadline`; frees its
     /// counter slot. `Ok(None)`: none came by the deadline. A ticket of an earlier run of the
     /// same batch id (its outcome taken, the id used again) is stale: it never takes the new
-    /// run's outcome.
+    /// run's outcome. So is a ticket whose outcome is already taken (by another waiter, or
+    /// `completed`) or was forgotten by a reset: the batch is then neither finished nor in
+    /// flight, and the wait fails at once instead of waiting out its deadline.
     pub(crate) fn take(
         &self,
         ticket: &LoadTicket,
         deadline: Instant,
     ) -> Result<Option<BatchOutcome>, CounterError> {
         let batch = ticket.batch;
+        let stale = || CounterError::StaleTicket {
+            ticket: ticket.counter,
+        };
+        // `in_flight` is taken under `done`'s lock here only, and nowhere the other way round.
         let mine = |done: &mut HashMap<BatchId, (Ticket, BatchOutcome)>| match done.get(&batch) {
             Some((t, _)) if *t == ticket.counter => Ok(done.remove(&batch)),
-            Some(_) => Err(CounterError::StaleTicket {
-                ticket: ticket.counter,
-            }),
+            Some(_) => Err(stale()),
+            None if !self.in_flight.lock().contains_key(&batch) => Err(stale()),
             None => Ok(None),
         };
         let mut done = self.done.lock();
@@ -247,6 +252,9 @@ impl Outcomes {
         let _ = self.counter.finish(ticket);
         self.readies.lock().remove(&batch);
         self.in_flight.lock().remove(&batch);
+        // Another waiter for the same batch looks again, and finds its ticket spent.
+        let _done = self.done.lock();
+        self.done_cv.notify_all();
     }
 
     /// Cancels every batch in flight (waiters get `Cancelled`) and waits, until `deadline`,
@@ -264,18 +272,20 @@ impl Outcomes {
         let idle = *p == 0;
         drop(p);
         if idle {
-            self.readies.lock().clear();
             // Every batch from before the reset is over (their tickets are stale): their ids
             // may be used again, except those whose slots a late store call may still write,
             // and those whose outcome is not taken yet (a run of the same id would otherwise
-            // be handed that outcome, and its taking would forget the new run).
-            // `held` first: a held outcome is delivered into `done` before it leaves `held`,
-            // so under `held`'s lock a batch is in one or the other.
+            // be handed that outcome, and its taking would forget the new run). A batch
+            // started since the reset has a live ticket, and keeps its id and its layers'
+            // events. `held` first: a held outcome is delivered into `done` before it leaves
+            // `held`, so under `held`'s lock a batch is in one or the other.
             let held = self.held.lock();
             let untaken: HashSet<BatchId> = self.done.lock().keys().copied().collect();
-            self.in_flight
-                .lock()
-                .retain(|b| held.contains(b) || untaken.contains(b));
+            let mut in_flight = self.in_flight.lock();
+            in_flight.retain(|b, t| {
+                held.contains(b) || untaken.contains(b) || self.counter.ready_layers(*t).is_ok()
+            });
+            self.readies.lock().retain(|b, _| in_flight.contains_key(b));
         }
         idle
     }
@@ -362,6 +372,40 @@ mod tests {
         ));
         assert!(o.take(&ticket(1, again), deadline).unwrap().is_some());
         let _ = std::mem::size_of::<LoadStats>();
+    }
+
+    #[test]
+    fn a_ticket_whose_outcome_is_taken_is_stale_at_once_for_every_other_waiter() {
+        let o = Arc::new(Outcomes::new(2));
+        let t = o.begin(BatchId(3), 4).unwrap();
+        let long = kv_loader::deadline_after(std::time::Duration::from_secs(30));
+        // A second waiter already waiting when the first takes the outcome.
+        let waiting = {
+            let o = o.clone();
+            std::thread::spawn(move || {
+                let t0 = Instant::now();
+                (o.take(&ticket(3, t), long), t0.elapsed())
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        o.finish(t, ok(3));
+        let first = o.take(&ticket(3, t), long);
+        let (second, waited) = waiting.join().unwrap();
+        // One of the two took it; the other is told its ticket is spent, at once.
+        let (got, spent) = match first {
+            Ok(Some(_)) => (first, second),
+            _ => (second, first),
+        };
+        assert!(matches!(got, Ok(Some(_))));
+        assert!(matches!(spent, Err(CounterError::StaleTicket { .. })));
+        assert!(waited < std::time::Duration::from_secs(5), "{waited:?}");
+        // A later wait on the spent ticket (`completed` took it, say) fails at once too.
+        let t0 = Instant::now();
+        assert!(matches!(
+            o.take(&ticket(3, t), long),
+            Err(CounterError::StaleTicket { .. })
+        ));
+        assert!(t0.elapsed() < std::time::Duration::from_secs(1));
     }
 
     fn ticket(batch: u64, counter: Ticket) -> LoadTicket {
