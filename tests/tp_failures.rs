@@ -418,3 +418,62 @@ fn a_slow_pin_and_first_read_fail_layer_0_before_the_peers_stop_waiting() {
         run_ok(&rs, 2, &hashes, &what);
     }
 }
+
+/// A panic on a rank's load thread (here in a collective the engine supplied, at a middle
+/// layer's status exchange) fails that rank's batch with `Internal` instead of taking the load
+/// thread down: the batch's outcome is delivered, its peers fail within two collective
+/// timeouts, and the next batch loads on every rank (the group re-formed). A middle rank of
+/// three.
+#[test]
+fn a_panic_on_a_load_thread_fails_its_batch_and_the_next_batch_loads() {
+    use common::coll::{Misbehave, Misbehaving};
+    use common::tp::{tp_ranks_built, RankBuild};
+    use kvlink::kv_loader::KvLoadError;
+    use kvlink::mooncake_linker::TpGroup;
+    use std::sync::Mutex;
+
+    let spec = mixed_spec();
+    let collective = Duration::from_secs(2);
+    let cfg = LinkerConfig {
+        collective_timeout: collective,
+        ..config(ShareMode::SplitAllGather)
+    };
+    let armed = Mutex::new(None);
+    let wrap = |rank: u32, g: TpGroup| {
+        if rank != 1 {
+            return g;
+        }
+        let m = Misbehaving::new(g.data.clone(), Misbehave::PanicAtLayer { layer: 2 });
+        *armed.lock().unwrap() = Some(m.clone());
+        let data: Arc<dyn kvlink::dedup_broadcast::Collective> = m;
+        TpGroup { data, ..g }
+    };
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, hashes) = tp_ranks_built(
+        &spec,
+        3,
+        store,
+        6,
+        &cfg,
+        Path::Host,
+        &RankBuild::wrapped(&wrap),
+    );
+    let m = armed.lock().unwrap().clone().unwrap();
+    m.arm();
+    let t0 = Instant::now();
+    let (outcomes, ended) = run_timed(&rs, 1, &hashes);
+    assert!(m.done(), "the collective panicked");
+    match &outcomes[1].result {
+        Err(KvLoadError::Internal { .. }) => {
+            let text = outcomes[1].result.as_ref().unwrap_err().to_string();
+            assert!(text.contains("panicked"), "{text}");
+        }
+        other => panic!("rank 1: {other:?}"),
+    }
+    for peer in [0, 2] {
+        assert!(outcomes[peer].result.is_err(), "rank {peer} loaded");
+        let took = ended[peer] - t0;
+        assert!(took < collective * 2, "rank {peer} ended after {took:?}");
+    }
+    run_ok(&rs, 2, &hashes, "after the panic");
+}

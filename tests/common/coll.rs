@@ -18,6 +18,9 @@ pub enum Misbehave {
     /// At the first status exchange of `layer` (armed by [`Misbehaving::arm`]), it leaves the
     /// group: the handle is dropped.
     GoneAtLayer { layer: u32 },
+    /// At the first status exchange of `layer` (armed), it panics: a defect in a collective
+    /// the engine supplied.
+    PanicAtLayer { layer: u32 },
 }
 
 /// The decorator.
@@ -84,7 +87,9 @@ impl Misbehaving {
         }
         let hit = match self.how {
             Misbehave::SkipStatus { nth } => self.statuses.fetch_add(1, Ordering::AcqRel) == nth,
-            Misbehave::GoneAtLayer { layer: l } => layer == l,
+            Misbehave::GoneAtLayer { layer: l } | Misbehave::PanicAtLayer { layer: l } => {
+                layer == l
+            }
         };
         if hit {
             self.done.store(true, Ordering::Release);
@@ -142,6 +147,9 @@ impl Collective for Misbehaving {
                 Misbehave::SkipStatus { .. } => Err(CollectiveError::Backend(
                     "injected: this status exchange was never issued".into(),
                 )),
+                Misbehave::PanicAtLayer { layer } => {
+                    panic!("injected: the collective panics at layer {layer}'s status exchange")
+                }
                 Misbehave::GoneAtLayer { .. } => {
                     // The rank leaves: its handle goes, and peers waiting on it fail at once.
                     drop(self.inner.lock().unwrap().take());

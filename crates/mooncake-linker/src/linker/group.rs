@@ -152,6 +152,13 @@ impl GroupLink {
         })
     }
 
+    /// Aborts the current data handle (`why` says why): every rank re-forms the group at its
+    /// next batch.
+    pub(crate) fn abort_data(&self, why: &str) {
+        let data = self.current.lock().data.clone();
+        data.abort(why);
+    }
+
     /// The handles to use now, with `channel`'s marked in use until the mark is dropped (a
     /// batch holds its data handle's mark to its end, a lookup its control handle's): see
     /// [`handles`](Self::handles).

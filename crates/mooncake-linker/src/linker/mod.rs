@@ -156,9 +156,39 @@ impl Inner {
         while let Ok(job) = jobs.recv() {
             let held = (slots_written_by_store && job.ticket.is_some())
                 .then(|| HeldOutcome::new(self.outcomes.clone()));
-            let result = self.run_batch(&mut gates, &job, held.as_ref());
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.run_batch(&mut gates, &job, held.as_ref())
+            }));
+            let result = ran.unwrap_or_else(|payload| {
+                // What the gates carried may be out of step with the peers' now.
+                gates = Gates::default();
+                Err(self.batch_panicked(job.plan.logical.batch, payload.as_ref()))
+            });
             self.finish_job(job, result, held);
         }
+    }
+
+    /// A batch's run panicked (a defect here, or in a store, landing or collective the engine
+    /// supplied): the batch fails with `Internal`, its outcome is delivered as any other, and
+    /// the load thread goes on with the next batch. The data handle is aborted, since the
+    /// run may have left the collectives out of step: every rank re-forms the group at its
+    /// next batch, and peers still waiting in this batch's collectives fail at once.
+    fn batch_panicked(
+        &self,
+        batch: kv_loader::BatchId,
+        payload: &(dyn std::any::Any + Send),
+    ) -> KvLoadError {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic with no message".into());
+        let why = format!("the load thread panicked: {what}");
+        tracing::error!(%batch, why, "batch failed");
+        if let Some(link) = &self.group {
+            link.abort_data(&why);
+        }
+        KvLoadError::internal(batch, why)
     }
 
     /// When a store call other than a layer's reads must have returned.
