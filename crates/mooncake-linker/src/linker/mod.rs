@@ -663,6 +663,12 @@ impl KvLoader for Linker {
         // the job (its epoch is behind), instead of leaving a job of the new epoch writing
         // slots for a ticket that reset made stale.
         let epoch = s.epoch.load(Ordering::Acquire);
+        // Open again after the epoch is read: a `close` that began after the check above
+        // then moves the epoch after this read (it sets `closed` before its cancel), so the
+        // job is cancelled rather than run after `close` returned. (Had this read seen the
+        // cancel's new epoch, it would see `closed` here too: the epoch's release and acquire
+        // order the two.)
+        s.check_open()?;
         let begun = plan
             .validate(&s.geometry, s.pool.pages())
             .and_then(|()| s.outcomes.begin(batch, num_layers));
