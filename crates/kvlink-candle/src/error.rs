@@ -85,8 +85,36 @@ impl CandleKvError {
     }
 
     /// True when the load may still be writing its slots: reset the loader before reusing
-    /// them.
+    /// them. That is an outcome that could not be taken, and a failed load whose own error
+    /// says so ([`EngineAction::ResetThenRecompute`](kv_loader::EngineAction): a layer wait
+    /// past its deadline, a device error that may leave copies in flight).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kv_loader::{BatchId, KvLoadError};
+    /// use kvlink_candle::CandleKvError;
+    /// let timed_out = CandleKvError::Load {
+    ///     layer: Some(3),
+    ///     source: KvLoadError::Timeout {
+    ///         batch: BatchId(1),
+    ///         layer: 3,
+    ///         waited: Duration::from_secs(5),
+    ///     },
+    /// };
+    /// assert!(timed_out.needs_reset());
+    /// let cancelled = CandleKvError::Load {
+    ///     layer: None,
+    ///     source: KvLoadError::Cancelled { batch: BatchId(1) },
+    /// };
+    /// assert!(!cancelled.needs_reset());
+    /// ```
     pub fn needs_reset(&self) -> bool {
-        matches!(self, CandleKvError::Unsettled { .. })
+        match self {
+            CandleKvError::Unsettled { .. } => true,
+            CandleKvError::Load { source, .. } => {
+                source.action() == kv_loader::EngineAction::ResetThenRecompute
+            }
+            _ => false,
+        }
     }
 }
