@@ -386,12 +386,19 @@ impl KvLoader for MockKvLoader {
                 waited: Duration::ZERO,
             });
         }
-        let pages = self
-            .state
-            .lock()
-            .live
-            .remove(&ticket.batch)
-            .map_or(0, |(_, p)| p);
+        // Checked and taken under one lock: of two threads taking the same outcome (two
+        // waits, or a wait and `completed`), one gets it and the other a stale ticket.
+        let pages = {
+            let mut st = self.state.lock();
+            match st.live.get(&ticket.batch) {
+                Some((t, _)) if t == ticket => st.live.remove(&ticket.batch).map_or(0, |(_, p)| p),
+                _ => {
+                    return Err(KvLoadError::StaleTicket {
+                        batch: ticket.batch,
+                    })
+                }
+            }
+        };
         let _ = self.counter.finish(ticket.counter);
         Ok(self.outcome(ticket, pages))
     }
@@ -492,6 +499,21 @@ mod tests {
                 components: vec![],
             },
             slots: vec![],
+        }
+    }
+
+    #[test]
+    fn of_threads_taking_one_outcome_at_once_exactly_one_gets_it() {
+        for _ in 0..200 {
+            let mock = MockKvLoader::new(2, MockScript::default());
+            let t = mock.start_load(plan(1)).unwrap();
+            let (a, b, c) = std::thread::scope(|s| {
+                let a = s.spawn(|| mock.wait_batch(&t).is_ok());
+                let b = s.spawn(|| mock.wait_batch(&t).is_ok());
+                let c = s.spawn(|| mock.completed().len());
+                (a.join().unwrap(), b.join().unwrap(), c.join().unwrap())
+            });
+            assert_eq!(usize::from(a) + usize::from(b) + c, 1, "{a} {b} {c}");
         }
     }
 
