@@ -15,6 +15,9 @@ pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
 /// (its end sends the token, not keys), and `DISCARD`. A peer of another version is refused
 /// at hello.
 pub(crate) const PROTOCOL: u32 = 4;
+/// The code of a [`StoreError::TransferFailed`] that the served store's own store gave up on
+/// (sent as [`StoreError::Abandoned`]).
+pub(crate) const ABANDONED_ON_SERVER: i64 = -12;
 /// Largest request or reply frame (keys and ranges, not bulk bytes).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// The call named by a [`StoreError::Panicked`] that came over the wire (its own name stays
@@ -375,11 +378,18 @@ impl<'a> Dec<'a> {
                 key: self.str()?,
                 call: SERVED_CALL,
             },
-            12 => StoreError::Abandoned {
-                key: self.str()?,
-                call: SERVED_CALL,
-                detail: self.str()?,
-            },
+            // The server's store gave up on a transfer that may still run there: on this side
+            // the call is over (the client writes its destinations itself, from the reply), so
+            // no memory of the caller's needs keeping, as `Abandoned` would tell it.
+            12 => {
+                let key = self.str()?;
+                let detail = self.str()?;
+                tracing::warn!(key, detail, "the served store's call gave up on a transfer");
+                StoreError::TransferFailed {
+                    key,
+                    code: ABANDONED_ON_SERVER,
+                }
+            }
             t => return Err(Malformed(format!("error kind {t}"))),
         })
     }
@@ -459,7 +469,15 @@ mod tests {
             let mut enc = Enc::default();
             enc.result::<u64>(&Err(e.clone()), |_, _| {});
             let back = Dec::new(&enc.0).result(|d| d.u64()).unwrap();
-            assert_eq!(back, Err(e));
+            let want = match e {
+                // Over on the client: no memory to keep.
+                StoreError::Abandoned { key, .. } => StoreError::TransferFailed {
+                    key,
+                    code: ABANDONED_ON_SERVER,
+                },
+                e => e,
+            };
+            assert_eq!(back, Err(want));
         }
         let mut enc = Enc::default();
         enc.result(&Ok(42u64), |e, v| {
