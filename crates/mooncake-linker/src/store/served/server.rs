@@ -49,11 +49,23 @@ impl Listener {
             Listener::Tcp(l) => {
                 let (s, _) = l.accept()?;
                 s.set_nodelay(true)?;
+                // A client host that dies without a FIN (power, network cut) is found within
+                // about a minute: its connections end, and so do its read sessions' pins.
+                socket2::SockRef::from(&s).set_tcp_keepalive(&keepalive())?;
                 Conn::Tcp(s)
             }
             Listener::Unix(l) => Conn::Unix(l.accept()?.0),
         })
     }
+}
+
+/// Keep-alive probes of a served TCP connection: the first after 30 s idle, then every 10 s,
+/// three unanswered ones end it.
+fn keepalive() -> socket2::TcpKeepalive {
+    socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(30))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(3)
 }
 
 /// One client process: its open connections, and the tokens of its open read sessions (the
@@ -244,11 +256,10 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
         let spawned = std::thread::Builder::new()
             .name("kvlink-store-conn".into())
             .spawn(move || {
+                // Closed for the client too (the clone would keep the socket open), also when
+                // serving it panicked: the client then sees its end at once.
+                let _closed = Closed { served: &s, id };
                 serve_connection(conn, &s);
-                // Closed for the client too (the clone would keep the socket open).
-                if let Some(c) = s.open.lock().remove(&id) {
-                    c.shutdown();
-                }
             });
         match spawned {
             Ok(h) => conns.push(h),
@@ -266,6 +277,21 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
     }
     for h in conns {
         let _ = h.join();
+    }
+}
+
+/// A served connection's entry in `open`: shut down and removed when dropped (also while
+/// unwinding).
+struct Closed<'s> {
+    served: &'s Served,
+    id: u64,
+}
+
+impl Drop for Closed<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.served.open.lock().remove(&self.id) {
+            c.shutdown();
+        }
     }
 }
 
@@ -328,13 +354,27 @@ fn serve_connection(mut conn: Conn, served: &Served) {
         return;
     }
     served.clients.lock().entry(client).or_default().conns += 1;
+    // Released however this ends, a panic in a request's handling included: else the
+    // client's count never reaches 0 and its pins stay until the server stops.
+    let _counted = Counted { served, client };
     while let Some(body) = next_request(&mut conn, served) {
         if let Err(e) = handle(&mut conn, served, client, &body) {
             tracing::debug!(error = %e, "store connection closed");
             break;
         }
     }
-    release(served, client);
+}
+
+/// One counted connection of a client: released when dropped (also while unwinding).
+struct Counted<'s> {
+    served: &'s Served,
+    client: u64,
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        release(self.served, self.client);
+    }
 }
 
 /// The client's connection closed: when it was its last, its pins go.
@@ -569,17 +609,36 @@ fn put(
                 drain(conn, len, deadline)?;
                 answer
             }
-            None => {
-                let mut data = vec![0u8; len as usize];
-                read_exact_by(conn, &mut data, deadline)?;
-                store.insert(&key, data)
-            }
+            None => match zeroed(len) {
+                Some(mut data) => {
+                    read_exact_by(conn, &mut data, deadline)?;
+                    store.insert(&key, data)
+                }
+                // Many connections each putting an object up to the capacity at once can ask
+                // for more than the host has: refused, not an abort of the serving process.
+                None => {
+                    drain(conn, len, deadline)?;
+                    Err(StoreError::NoSpace {
+                        key,
+                        detail: format!("no memory for a put of {len} bytes on the server"),
+                    })
+                }
+            },
         };
         out.result(&r, |e, v| {
             e.u8(outcome_code(*v));
         });
     }
     Ok(Reply::new(out))
+}
+
+/// A zeroed buffer of `len` bytes, or `None` when the allocation fails.
+fn zeroed(len: u64) -> Option<Vec<u8>> {
+    let len = usize::try_from(len).ok()?;
+    let mut data = Vec::new();
+    data.try_reserve_exact(len).ok()?;
+    data.resize(len, 0);
+    Some(data)
 }
 
 /// Reads and drops `n` bytes (a put the store does not take).
@@ -591,4 +650,37 @@ fn drain(conn: &mut Conn, mut n: u64, deadline: Instant) -> io::Result<()> {
         n -= k as u64;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod accept_tests {
+    use super::*;
+
+    #[test]
+    fn an_accepted_tcp_connection_probes_a_silent_client() {
+        let l = Listener::Tcp(TcpListener::bind("127.0.0.1:0").unwrap());
+        let Listener::Tcp(t) = &l else { unreachable!() };
+        let _client = std::net::TcpStream::connect(t.local_addr().unwrap()).unwrap();
+        let Conn::Tcp(s) = l.accept().unwrap() else {
+            panic!("a TCP listener gave another kind of connection")
+        };
+        let s = socket2::SockRef::from(&s);
+        assert!(s.keepalive().unwrap());
+        assert_eq!(s.keepalive_time().unwrap(), Duration::from_secs(30));
+        assert_eq!(s.keepalive_interval().unwrap(), Duration::from_secs(10));
+        assert_eq!(s.keepalive_retries().unwrap(), 3);
+    }
+}
+
+#[cfg(test)]
+mod put_buffer_tests {
+    use super::zeroed;
+
+    #[test]
+    fn a_put_buffer_the_host_cannot_give_is_none_not_an_abort() {
+        assert_eq!(zeroed(3), Some(vec![0u8; 3]));
+        assert_eq!(zeroed(0), Some(Vec::new()));
+        assert!(zeroed(u64::MAX).is_none());
+        assert!(zeroed(1 << 62).is_none());
+    }
 }
