@@ -330,11 +330,42 @@ impl Registration {
         let mut registrations = registrations;
         let mut answers = Vec::with_capacity(registrations.len());
         for wave in registrations.chunks_mut(REGISTRATION_WAVE) {
-            let running: Vec<Unregistering> =
-                wave.iter_mut().map(Registration::start_let_go).collect();
+            // Past its bound (earlier waves took it all), an unregister is not started: each
+            // would hang on a worker too, and enough of them take every worker of the calls.
+            let running: Vec<Unregistering> = wave
+                .iter_mut()
+                .map(|r| match r.bound_passed(started) {
+                    Some(waited) => Unregistering::Answered(r.keep_for_good(waited)),
+                    None => r.start_let_go(),
+                })
+                .collect();
             answers.extend(running.into_iter().map(|u| u.answer(started)));
         }
         answers
+    }
+
+    /// How long it has been since `started`, when that is past this registration's
+    /// unregister bound (a bounded one only).
+    fn bound_passed(&self, started: Instant) -> Option<Duration> {
+        let (_, wait) = self.bound.as_ref()?;
+        let waited = started.elapsed();
+        (waited >= *wait).then_some(waited)
+    }
+
+    /// Keeps the region registered and its memory allocated for good, unregistered never:
+    /// what a release does once its bound is spent.
+    fn keep_for_good(&mut self, waited: Duration) -> Result<(), StoreError> {
+        let Some(region) = self.region.take() else {
+            return Ok(());
+        };
+        let name = raw(&region).to_string();
+        tracing::error!(region = %name, ?waited, "unregister not started: its bound is spent; the memory stays registered, kept for good");
+        std::mem::forget(region);
+        Err(StoreError::Overdue {
+            key: name,
+            call: "unregister",
+            waited,
+        })
     }
 }
 
@@ -539,6 +570,36 @@ mod tests {
             .iter()
             .all(|b| Arc::strong_count(b) == 1)));
         assert_eq!(store.held(), 0);
+    }
+
+    #[test]
+    fn a_release_past_its_bound_starts_no_more_unregisters() {
+        let store = HangingRegistry::new(true);
+        let calls = Arc::new(StoreCalls::new(store.clone()));
+        let wait = Duration::from_millis(300);
+        let n = REGISTRATION_WAVE * 3;
+        let bufs: Vec<Arc<Vec<u8>>> = (0..n).map(|_| Arc::new(vec![0; 64])).collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let regs =
+            Registration::bounded_all(&calls, bufs.iter().map(region_of).collect(), deadline, wait)
+                .unwrap();
+        store.set_open(false);
+        let started = Instant::now();
+        let out = Registration::release_all(regs);
+        let took = started.elapsed();
+        assert_eq!(out.len(), n);
+        assert!(
+            out.iter()
+                .all(|o| matches!(o, Err(StoreError::Overdue { .. }))),
+            "{out:?}"
+        );
+        assert!(took < wait * 3, "{took:?}");
+        store.set_open(true);
+        // The first wave's unregisters answer once the store does; the later waves' regions
+        // were never handed to a worker, and stay registered with their memory kept.
+        assert!(eventually(|| store.held() == (n - REGISTRATION_WAVE) as i64));
+        let kept = bufs.iter().filter(|b| Arc::strong_count(b) == 2).count();
+        assert_eq!(kept, n - REGISTRATION_WAVE);
     }
 
     /// The store registers 3 of 5 regions, then hangs: `bounded_all` fails by its one
