@@ -35,6 +35,16 @@ fn refusal(leader: &Hello, joiners: &[Hello]) -> Option<RendezvousError> {
             got: h.world,
         });
     }
+    // A rank past the group (a foreign or broken client: a rank's own check refuses it)
+    // would make a group of more members than its size, which every rank then refuses.
+    if let Some(h) = by_rank.iter().find(|h| h.rank >= leader.world) {
+        return Some(RendezvousError::SettingsMismatch {
+            rank: h.rank,
+            what: "the rank".into(),
+            expected: format!("below the group's size {}", leader.world),
+            got: h.rank.to_string(),
+        });
+    }
     if let Some(w) = by_rank
         .windows(2)
         .find(|w| w[0].rank == w[1].rank)
@@ -238,6 +248,11 @@ pub(super) mod tests {
         assert!(matches!(
             check(&|j| j[1].nccl = true),
             RendezvousError::SettingsMismatch { rank: 2, .. }
+        ));
+        // A rank past the group, with the right size (a complete group besides it).
+        assert!(matches!(
+            check(&|j| j.push(hello(3))),
+            RendezvousError::SettingsMismatch { rank: 3, .. }
         ));
         // A version mismatch is reported before a world-size one (the world may be a
         // symptom of the other build).
