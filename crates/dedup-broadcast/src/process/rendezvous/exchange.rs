@@ -267,23 +267,21 @@ pub(crate) fn lead(
     let closed = read_u64(x, &k.closed(), deadline)?.unwrap_or(0);
     let mut epoch = open_epoch(x, &k, leader, closed.max(leader.last_epoch), deadline)?;
     let world = leader.world;
+    let mut absent: Vec<u32> = (1..world).collect();
+    // From here on every way out is a verdict the joiners read: a failed read of the exchange
+    // too (before, it returned at once and the joiners waited out their deadline).
     let decision = loop {
-        let mut hellos = Vec::new();
-        // Hellos of another protocol: the rank is there, and the group is refused.
-        let mut foreign: Vec<(u32, RendezvousError)> = Vec::new();
-        for r in 1..world {
-            for key in [k.hello(epoch, r), k.dup(epoch, r)] {
-                if let Some(v) = x.get(&key, deadline)?.filter(|v| v != WITHDRAWN) {
-                    match Hello::decode(&v, &leader.version) {
-                        Ok(h) => hellos.push(h),
-                        Err(e @ RendezvousError::VersionMismatch { .. }) => foreign.push((r, e)),
-                        Err(e) => {
-                            tracing::warn!(key, error = %e, "ignoring a value that is no hello")
-                        }
-                    }
-                }
-            }
+        // Checked before reading: a read with its deadline already past may fail at once.
+        if Instant::now() >= deadline {
+            break Err(RendezvousError::Timeout {
+                missing: absent,
+                detail: format!("rank 0 waited for every rank of {world} to join"),
+            });
         }
+        let (hellos, foreign) = match read_hellos(x, &k, epoch, leader, deadline) {
+            Ok(read) => read,
+            Err(e) => break Err(e),
+        };
         // A member of epoch `epoch` or later: the exchange lost what came before (restarted
         // empty). Open an epoch above every such member's at once.
         if let Some(last) = latest_at_or_past(&hellos, epoch) {
@@ -302,19 +300,13 @@ pub(crate) fn lead(
                 Err(e) => break Err(e),
             }
         }
-        let mut absent = missing(world, &hellos);
+        absent = missing(world, &hellos);
         absent.retain(|r| !foreign.iter().any(|(f, _)| f == r));
         if absent.is_empty() {
             break match foreign.into_iter().next() {
                 Some((_, e)) => Err(e),
                 None => decide(leader, &hellos, ids),
             };
-        }
-        if Instant::now() >= deadline {
-            break Err(RendezvousError::Timeout {
-                missing: absent,
-                detail: format!("rank 0 waited for every rank of {world} to join"),
-            });
         }
         pause(deadline);
     };
@@ -336,6 +328,36 @@ pub(crate) fn lead(
         tracing::warn!(epoch, error = %e, "could not mark the epoch closed: the verdict stands");
     }
     decision
+}
+
+/// A rank whose hello is of another protocol, and the refusal it calls for.
+type Foreign = (u32, RendezvousError);
+
+/// The hellos of epoch `epoch` (claims and duplicates), and the ranks whose hello is of
+/// another protocol (the rank is there, and the group is refused).
+fn read_hellos(
+    x: &dyn KeyValueExchange,
+    k: &Keys<'_>,
+    epoch: u64,
+    leader: &Hello,
+    deadline: Instant,
+) -> Result<(Vec<Hello>, Vec<Foreign>), RendezvousError> {
+    let mut hellos = Vec::new();
+    let mut foreign = Vec::new();
+    for r in 1..leader.world {
+        for key in [k.hello(epoch, r), k.dup(epoch, r)] {
+            if let Some(v) = x.get(&key, deadline)?.filter(|v| v != WITHDRAWN) {
+                match Hello::decode(&v, &leader.version) {
+                    Ok(h) => hellos.push(h),
+                    Err(e @ RendezvousError::VersionMismatch { .. }) => foreign.push((r, e)),
+                    Err(e) => {
+                        tracing::warn!(key, error = %e, "ignoring a value that is no hello")
+                    }
+                }
+            }
+        }
+    }
+    Ok((hellos, foreign))
 }
 
 /// The latest epoch a hello's rank belonged to, when it is `epoch` or later.
@@ -573,5 +595,71 @@ mod tests {
         for j in joined {
             assert_eq!(j.unwrap().epoch, led.epoch);
         }
+    }
+
+    /// An exchange whose reads of rank 0's duplicate-claim keys fail once ranks 1 and 2 have
+    /// both claimed their places (a store hiccup while rank 0 collects the hellos).
+    struct DupUnreadable(MemoryExchange);
+
+    impl KeyValueExchange for DupUnreadable {
+        fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError> {
+            self.0.set(key, value, deadline)
+        }
+        fn get(&self, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
+            if let Some((epoch, _)) = key.split_once("/dup/") {
+                let claimed = |r: u32| {
+                    let claim = format!("{epoch}/hello/{r}");
+                    matches!(self.0.get(&claim, deadline), Ok(Some(_)))
+                };
+                if claimed(1) && claimed(2) {
+                    return Err(ExchangeError::new("test: the store cannot be read"));
+                }
+            }
+            self.0.get(key, deadline)
+        }
+        fn create(
+            &self,
+            key: &str,
+            value: &[u8],
+            deadline: Instant,
+        ) -> Result<bool, ExchangeError> {
+            self.0.create(key, value, deadline)
+        }
+        fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
+            self.0.wait(keys, deadline)
+        }
+    }
+
+    /// A read that fails while rank 0 collects the hellos is the formation's verdict: the
+    /// joiners read it and fail at once, rather than wait out their deadline for a verdict
+    /// rank 0 never wrote.
+    #[test]
+    fn a_failed_read_while_collecting_hellos_is_every_ranks_verdict() {
+        use super::super::decide::tests::hello;
+        let x = DupUnreadable(MemoryExchange::new());
+        let leader = hello(0);
+        let deadline = kv_loader::deadline_after(Duration::from_secs(20));
+        let started = Instant::now();
+        let (led, joined) = std::thread::scope(|s| {
+            let l = s.spawn(|| lead(&x, "p", &leader, None, deadline));
+            let js: Vec<_> = (1..leader.world)
+                .map(|r| {
+                    let (x, h) = (&x, hello(r));
+                    s.spawn(move || join(x, "p", &h, deadline))
+                })
+                .collect();
+            let joined: Vec<_> = js.into_iter().map(|j| j.join().unwrap()).collect();
+            (l.join().unwrap(), joined)
+        });
+        assert!(matches!(led, Err(RendezvousError::Exchange(_))), "{led:?}");
+        for j in joined {
+            let e = j.unwrap_err();
+            assert!(e.to_string().contains("cannot be read"), "{e}");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }
