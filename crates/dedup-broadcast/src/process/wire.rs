@@ -132,12 +132,41 @@ pub(crate) fn write_frame<S: TimedStream>(
     body: &[u8],
     deadline: Instant,
 ) -> io::Result<()> {
-    s.set_timeouts(remaining(deadline)?)?;
+    if body.len() > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("frame of {} bytes (at most {MAX_FRAME})", body.len()),
+        ));
+    }
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(body);
-    s.write_all(&frame)?;
+    write_all_by(s, &frame, deadline)?;
+    s.set_timeouts(remaining(deadline)?)?;
     s.flush()
+}
+
+/// Most bytes one write call hands the socket: a Unix socket's send timeout applies to each
+/// of its buffers in turn, not to the call, so one large write to a peer that reads slowly
+/// could run for many timeouts.
+const WRITE_TURN: usize = 64 << 10;
+
+/// `write_all`, re-arming the socket timeout with what is left of `deadline` before each
+/// write of at most [`WRITE_TURN`] bytes, so a peer that reads slowly cannot stretch the wait.
+fn write_all_by<S: TimedStream>(s: &mut S, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
+    while !buf.is_empty() {
+        s.set_timeouts(remaining(deadline)?)?;
+        match s.write(&buf[..buf.len().min(WRITE_TURN)]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Reads one frame before `deadline`. A frame over [`MAX_FRAME`] is `InvalidData`.
@@ -189,6 +218,42 @@ pub(crate) fn is_timeout(e: &io::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frame_written_to_a_peer_that_reads_slowly_ends_at_its_deadline() {
+        use std::os::unix::net::UnixStream;
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        // The reader takes 16 KiB every 50 ms: each write makes progress well within the
+        // socket timeout, so a timeout set once never fired (the frame took seconds).
+        let reader = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 16 << 10];
+            b.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            while let Ok(n) = b.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        });
+        let body = vec![7u8; MAX_FRAME];
+        let t0 = Instant::now();
+        let deadline = t0 + std::time::Duration::from_millis(400);
+        let r = write_frame(&mut a, &body, deadline);
+        let took = t0.elapsed();
+        drop(a);
+        reader.join().unwrap();
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::TimedOut);
+        assert!(took < std::time::Duration::from_millis(1500), "{took:?}");
+        let too_big = vec![0u8; MAX_FRAME + 1];
+        let (mut c, _d) = UnixStream::pair().unwrap();
+        let r = write_frame(
+            &mut c,
+            &too_big,
+            kv_loader::deadline_after(std::time::Duration::from_secs(1)),
+        );
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::InvalidInput);
+    }
 
     #[test]
     fn fields_round_trip_and_truncation_is_an_error() {
