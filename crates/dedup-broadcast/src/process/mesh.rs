@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
@@ -38,13 +39,18 @@ pub(crate) fn host_key() -> Option<String> {
 impl MeshListener {
     /// Listens on TCP at `ip` (any port) and, with `unix`, on a fresh abstract Unix socket.
     pub(crate) fn bind(ip: IpAddr, unix: bool, nonce: u64) -> std::io::Result<Self> {
+        // Non-blocking: an accept after `poll` said ready may still find nothing (the peer
+        // gave up in between), and must not then block past the deadline.
         let tcp = TcpListener::bind(SocketAddr::new(ip, 0))?;
+        tcp.set_nonblocking(true)?;
         let host = host_key();
         let (unix, name) = match (&host, unix) {
             (Some(_), true) => {
                 let name = format!("kvlink-{}-{nonce:016x}", std::process::id());
                 let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
-                (Some(UnixListener::bind_addr(&addr)?), Some(name))
+                let l = UnixListener::bind_addr(&addr)?;
+                l.set_nonblocking(true)?;
+                (Some(l), Some(name))
             }
             _ => (None, None),
         };
@@ -89,11 +95,58 @@ impl MeshListener {
             if r == 0 {
                 continue;
             }
-            return Ok(Some(match (transport, &self.unix) {
-                (Transport::Unix, Some(u)) => Link::Unix(u.accept()?.0),
-                _ => Link::Tcp(self.tcp.accept()?.0),
-            }));
+            let accepted = match (transport, &self.unix) {
+                (Transport::Unix, Some(u)) => u.accept().and_then(|(s, _)| {
+                    s.set_nonblocking(false)?;
+                    Ok(Link::Unix(s))
+                }),
+                _ => self.tcp.accept().and_then(|(s, _)| {
+                    s.set_nonblocking(false)?;
+                    Ok(Link::Tcp(s))
+                }),
+            };
+            match accepted {
+                Ok(link) => return Ok(Some(link)),
+                Err(e) => match accept_retry(&e) {
+                    Some(pause) => {
+                        tracing::debug!(error = %e, "accepting a peer failed; polling again");
+                        std::thread::sleep(
+                            pause.min(deadline.saturating_duration_since(Instant::now())),
+                        );
+                    }
+                    None => return Err(e),
+                },
+            }
         }
+    }
+}
+
+/// How long to wait before polling the listener again after an accept failed with `e`, or
+/// `None` when the listener itself is broken. Nothing to take (the peer gave up after `poll`),
+/// a connection aborted before it was taken, and the network errors Linux passes on from the
+/// new connection are polled again at once, as accept(2) says to; out of descriptors or
+/// memory, after a pause (the peer's connection waits in the backlog meanwhile).
+fn accept_retry(e: &std::io::Error) -> Option<Duration> {
+    use std::io::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::WouldBlock | ErrorKind::Interrupted | ErrorKind::ConnectionAborted
+    ) {
+        return Some(Duration::ZERO);
+    }
+    match e.raw_os_error()? {
+        libc::EPROTO
+        | libc::ENETDOWN
+        | libc::ENOPROTOOPT
+        | libc::EHOSTDOWN
+        | libc::ENONET
+        | libc::EHOSTUNREACH
+        | libc::EOPNOTSUPP
+        | libc::ENETUNREACH => Some(Duration::ZERO),
+        libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM => {
+            Some(Duration::from_millis(20))
+        }
+        _ => None,
     }
 }
 
@@ -180,9 +233,7 @@ fn connect(
         let attempt = match transport {
             Transport::Unix => {
                 let name = peer.unix.as_deref().unwrap_or_default();
-                std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
-                    .and_then(|a| UnixStream::connect_addr(&a))
-                    .map(Link::Unix)
+                connect_abstract(name, deadline).map(Link::Unix)
             }
             Transport::Tcp => {
                 let mut addr = peer.tcp.ok_or_else(|| {
@@ -206,6 +257,21 @@ fn connect(
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Connects to the abstract Unix socket `name` without blocking: std's connect waits for as
+/// long as the listener's backlog stays full, with no bound. `WouldBlock` when the backlog is
+/// full (the caller tries again until its deadline), `TimedOut` past `deadline`.
+fn connect_abstract(name: &str, deadline: Instant) -> std::io::Result<UnixStream> {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    remaining(deadline)?;
+    let path = [&[0u8][..], name.as_bytes()].concat();
+    let addr = SockAddr::unix(std::ffi::OsStr::from_bytes(&path))?;
+    let socket = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    socket.set_nonblocking(true)?;
+    socket.connect(&addr)?;
+    socket.set_nonblocking(false)?;
+    Ok(UnixStream::from(socket))
 }
 
 /// What a rank needs to connect its share of the mesh.
@@ -362,4 +428,97 @@ fn take_acks(
         meshes[h as usize][peer as usize] = Some(link);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Error, ErrorKind};
+
+    #[test]
+    fn accept_failures_of_one_connection_are_polled_again_and_a_broken_listener_is_not() {
+        let again = |e: Error| accept_retry(&e);
+        assert_eq!(again(ErrorKind::WouldBlock.into()), Some(Duration::ZERO));
+        assert_eq!(
+            again(ErrorKind::ConnectionAborted.into()),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(
+            again(Error::from_raw_os_error(libc::EPROTO)),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(
+            again(Error::from_raw_os_error(libc::ENETDOWN)),
+            Some(Duration::ZERO)
+        );
+        assert!(again(Error::from_raw_os_error(libc::EMFILE)).is_some_and(|d| !d.is_zero()));
+        assert!(again(Error::from_raw_os_error(libc::ENFILE)).is_some_and(|d| !d.is_zero()));
+        assert_eq!(again(Error::from_raw_os_error(libc::EBADF)), None);
+        assert_eq!(again(Error::from_raw_os_error(libc::EINVAL)), None);
+    }
+
+    #[test]
+    fn a_connect_to_a_peer_whose_backlog_stays_full_ends_by_its_deadline() {
+        use socket2::{Domain, SockAddr, Socket, Type};
+        // A listener that never accepts, with the smallest backlog, filled by connections
+        // that stay open: std's blocking connect waited on it for good.
+        let name = format!("kvlink-test-mesh-backlog-{}", std::process::id());
+        let path = [&[0u8][..], name.as_bytes()].concat();
+        let addr = SockAddr::unix(std::ffi::OsStr::from_bytes(&path)).unwrap();
+        let listener = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+        listener.bind(&addr).unwrap();
+        listener.listen(0).unwrap();
+        let mut queued = Vec::new();
+        loop {
+            let s = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+            s.set_nonblocking(true).unwrap();
+            match s.connect(&addr) {
+                Ok(()) => queued.push(s),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling the backlog: {e}"),
+            }
+            assert!(queued.len() < 1000, "the backlog never filled");
+        }
+        let peer = Endpoint {
+            tcp: None,
+            unix: Some(name),
+            host: "here".into(),
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let deadline = kv_loader::deadline_after(Duration::from_millis(300));
+            let r = connect(Transport::Unix, &peer, None, deadline).map(drop);
+            let _ = tx.send((r, t0.elapsed()));
+        });
+        let (r, took) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the connect returns, not blocks on the full backlog");
+        assert!(r.is_err(), "nothing accepted, so nothing connected");
+        assert!(took < Duration::from_secs(3), "{took:?}");
+    }
+
+    #[test]
+    fn a_non_blocking_listener_accepts_each_peer_and_its_wait_ends_at_the_deadline() {
+        let l = MeshListener::bind("127.0.0.1".parse().unwrap(), false, 7).unwrap();
+        let at = l.endpoint.tcp.unwrap();
+        // A connection that is gone before it is accepted, and one that stays: both taken.
+        drop(TcpStream::connect(at).unwrap());
+        let _stays = TcpStream::connect(at).unwrap();
+        let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+        for _ in 0..2 {
+            let link = l.accept(Transport::Tcp, deadline).unwrap();
+            assert!(link.is_some());
+        }
+        // Nothing more: the wait ends at its deadline.
+        let t0 = Instant::now();
+        let none = l
+            .accept(
+                Transport::Tcp,
+                kv_loader::deadline_after(Duration::from_millis(200)),
+            )
+            .unwrap();
+        assert!(none.is_none());
+        assert!(t0.elapsed() < Duration::from_secs(2));
+    }
 }
