@@ -38,8 +38,9 @@
 //!   for `l` has returned.** The hook may call back into the counter. Hooks stop when the
 //!   batch fails or is released; a hook that was already running when the batch failed
 //!   has run for a layer that then never becomes ready. If a hook panics, the panic goes
-//!   to the `complete` call that ran it, the batch drops its hook (no more calls) and its
-//!   complete prefix is published as ready.
+//!   to the `complete` call that ran it, the batch drops its hook (no more calls), and
+//!   neither that layer nor a later one ever becomes ready (its hook never returned): their
+//!   waiters get the batch's failure once the caller fails it, or their deadline.
 //! - **Failure.** The first [`fail`](LayerCounter::fail) wins and wakes every waiter of
 //!   the batch. A layer already ready stays `Ready`; waiting for any other layer returns
 //!   [`WaitOutcome::Failed`] with a clone of the first error.

@@ -40,6 +40,9 @@ struct SlotState<E> {
     hook: Option<LayerHook>,
     /// Some thread is running hooks for this batch (and will publish what they cover).
     hook_running: bool,
+    /// A hook of this batch panicked: nothing more is published (a layer is ready only once
+    /// its hook has returned).
+    hook_panicked: bool,
     /// First failure of the batch.
     error: Option<E>,
     /// Threads blocked in `cond` (of any generation).
@@ -90,6 +93,7 @@ impl<E: Clone> Slot<E> {
                 published: 0,
                 hook: None,
                 hook_running: false,
+                hook_panicked: false,
                 error: None,
                 waiters: 0,
             }),
@@ -129,6 +133,7 @@ impl<E: Clone> Slot<E> {
             st.done = 0;
             st.published = 0;
             st.hook_running = false;
+            st.hook_panicked = false;
             st.error = None;
             let old = std::mem::replace(&mut st.hook, hook);
             self.num_layers.store(num_layers, Ordering::Release);
@@ -174,7 +179,10 @@ impl<E: Clone> Slot<E> {
         while st.done < st.num_layers && st.completed.contains(st.done) {
             st.done += 1;
         }
-        if st.hook.is_none() {
+        if st.hook_panicked {
+            // Its layers from the panicking one on never become ready: a waiter gets the
+            // batch's failure, or its deadline.
+        } else if st.hook.is_none() {
             let done = st.done;
             let wake = self.publish(&mut st, done);
             drop(st);
@@ -292,9 +300,10 @@ impl<E: Clone> Slot<E> {
     }
 }
 
-/// Set while a hook runs without the lock: if the hook panics, the batch drops its hook
-/// (no further hook calls), stops claiming a runner and publishes its complete prefix, so
-/// that waiters are not left to time out. The panic goes on to the caller of `complete`.
+/// Set while a hook runs without the lock: if the hook panics, the batch drops its hook (no
+/// further hook calls), stops claiming a runner and publishes nothing more: the panicking
+/// layer's hook did not return, so neither it nor a later layer may be seen as ready. The
+/// panic goes on to the caller of `complete`.
 struct HookPanicGuard<'a, E: Clone> {
     slot: &'a Slot<E>,
     ticket: Ticket,
@@ -312,12 +321,8 @@ impl<E: Clone> Drop for HookPanicGuard<'_, E> {
         }
         let hook = st.hook.take();
         st.hook_running = false;
-        let wake = st.error.is_none() && {
-            let done = st.done;
-            self.slot.publish(&mut st, done)
-        };
+        st.hook_panicked = true;
         drop(st);
-        self.slot.wake(wake);
         drop(hook);
     }
 }

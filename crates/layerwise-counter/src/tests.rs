@@ -370,7 +370,7 @@ fn layer_out_of_range_and_bad_layer_counts() {
 }
 
 #[test]
-fn panicking_hook_propagates_and_the_batch_carries_on_without_it() {
+fn a_panicking_hook_propagates_and_no_layer_from_it_on_is_ever_ready() {
     let c = Counter::new();
     let calls = Arc::new(AtomicU32::new(0));
     let n = Arc::clone(&calls);
@@ -382,11 +382,18 @@ fn panicking_hook_propagates_and_the_batch_carries_on_without_it() {
     c.complete(t, 1).unwrap();
     let r = catch_unwind(AssertUnwindSafe(|| c.complete(t, 0)));
     assert!(r.is_err());
-    assert_eq!(c.ready_layers(t), Ok(2));
+    // Layer 0's hook returned; layer 1's panicked: it is not ready, nor is any later one.
+    assert_eq!(c.ready_layers(t), Ok(1));
     c.complete(t, 2).unwrap();
     c.complete(t, 3).unwrap();
-    assert_eq!(c.ready_layers(t), Ok(4));
+    assert_eq!(c.ready_layers(t), Ok(1));
     assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let soon = Instant::now() + Duration::from_millis(50);
+    assert!(matches!(c.wait(t, 1, soon), Ok(WaitOutcome::TimedOut)));
+    // The caller fails the batch: the waiters of those layers get it.
+    c.fail(t, "hook panicked".into()).unwrap();
+    assert!(matches!(c.wait(t, 3, soon), Ok(WaitOutcome::Failed(_))));
+    assert!(matches!(c.wait(t, 0, soon), Ok(WaitOutcome::Ready)));
 }
 
 #[test]
