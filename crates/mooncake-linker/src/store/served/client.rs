@@ -5,7 +5,10 @@
 //! straight from it (`writev` from the parts): the socket's own copies are the only ones.
 //! Connections are pooled (one per concurrent caller); a connection that fails is dropped,
 //! and every key of that call gets the error ([`StoreError::Unavailable`], or
-//! [`StoreError::RpcTimeout`] past the request timeout).
+//! [`StoreError::RpcTimeout`] past the request timeout). One more connection, opened at
+//! connect and never used for a request, stays open while the client lives: the server ends a
+//! client's read sessions when its last connection closes, which a dropped pooled connection
+//! must not cause.
 
 use std::ffi::OsStr;
 use std::io::{self, IoSlice, IoSliceMut};
@@ -19,7 +22,7 @@ use parking_lot::Mutex;
 
 use super::protocol::{
     frame_len, op, read_all_vectored, read_exact_by, read_frame, write_all_vectored, Conn, Dec,
-    Enc, Malformed, MAGIC, PROTOCOL,
+    Enc, Malformed, MAGIC, MAX_FRAME, PROTOCOL,
 };
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
@@ -34,6 +37,11 @@ pub struct SocketStore {
     client: u64,
     timeout: Duration,
     pool: Mutex<Vec<Conn>>,
+    /// A connection that carries no request and stays open while this client lives: the
+    /// server ends a client's read sessions when its last connection closes, and a pooled
+    /// connection that fails is dropped, which must not end the sessions of the client's
+    /// other loads.
+    _anchor: Option<Conn>,
 }
 
 impl std::fmt::Debug for SocketStore {
@@ -47,6 +55,8 @@ impl std::fmt::Debug for SocketStore {
 /// What went wrong with one request: the whole call fails with it, per key.
 enum CallError {
     Timeout,
+    /// A request of this many bytes, over the protocol's frame limit: not sent.
+    TooLarge(usize),
     /// The server is unreachable or broke the protocol (the I/O error behind it, if any).
     Down(Cause),
 }
@@ -72,6 +82,10 @@ impl CallError {
         match self {
             CallError::Timeout => StoreError::RpcTimeout {
                 key: key.to_string(),
+            },
+            CallError::TooLarge(n) => StoreError::InvalidArgument {
+                key: key.to_string(),
+                detail: format!("a request of {n} bytes (keys and ranges; at most {MAX_FRAME})"),
             },
             CallError::Down(d) => StoreError::Unavailable {
                 detail: d.clone().context(format!("served store at {address}")),
@@ -128,19 +142,30 @@ impl SocketStore {
 
     /// [`connect`](Self::connect) with another request timeout.
     pub fn connect_with(address: &str, timeout: Duration) -> Result<SocketStore, StoreError> {
-        let s = SocketStore {
+        let mut s = SocketStore {
             address: address.to_string(),
             client: fresh_client_id(),
             timeout,
             pool: Mutex::new(Vec::new()),
+            _anchor: None,
         };
         s.health()?;
+        let anchor = s
+            .open(kv_loader::deadline_after(timeout))
+            .map_err(|e| e.for_key(address, "connect"))?;
+        s._anchor = Some(anchor);
         Ok(s)
     }
 
     /// The server's address.
     pub fn address(&self) -> &str {
         &self.address
+    }
+
+    /// Drops the pooled connections, as a failed call drops its own; how many.
+    #[cfg(test)]
+    pub(super) fn drop_pooled(&self) -> usize {
+        std::mem::take(&mut *self.pool.lock()).len()
     }
 
     fn open(&self, deadline: Instant) -> Result<Conn, CallError> {
@@ -189,13 +214,24 @@ impl SocketStore {
             Some(c) => c,
             None => self.open(deadline)?,
         };
-        let out = f(&mut conn, deadline)?;
+        let out = match f(&mut conn, deadline) {
+            Ok(out) => out,
+            // Nothing was sent: the connection is still in step.
+            Err(e @ CallError::TooLarge(_)) => {
+                self.pool.lock().push(conn);
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         self.pool.lock().push(conn);
         Ok(out)
     }
 
     /// Sends `body` (framed) and reads the reply's frame.
     fn request(conn: &mut Conn, body: &[u8], deadline: Instant) -> Result<Vec<u8>, CallError> {
+        if body.len() > MAX_FRAME {
+            return Err(CallError::TooLarge(body.len()));
+        }
         let len = frame_len(body);
         write_all_vectored(
             conn,

@@ -471,6 +471,20 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
             out.result(&r, |e, t| {
                 e.u64(*t);
             });
+            let sent = Reply::new(out).send(conn, deadline);
+            if let (Err(_), Ok(token)) = (&sent, r) {
+                // The client never learns the token, so it can never end the session: end
+                // it here rather than keep its pins for as long as the client stays.
+                let mine = served
+                    .clients
+                    .lock()
+                    .get_mut(&client)
+                    .is_some_and(|c| c.sessions.remove(&token));
+                if mine {
+                    end_session(store, token);
+                }
+            }
+            return sent;
         }
         op::END_SESSION => {
             let token = d.u64()?;

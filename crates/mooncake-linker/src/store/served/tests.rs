@@ -364,6 +364,10 @@ fn a_reply_with_more_results_than_keys_is_refused() {
         reply.result(&Ok(()), |_, _| {});
         c.write_all(&frame_len(&reply.0)).unwrap();
         c.write_all(&reply.0).unwrap();
+        // The client's idle connection, kept open while it lives.
+        let (mut anchor, _) = listener.accept().unwrap();
+        anchor.read_exact(&mut hello).unwrap();
+        anchor.write_all(&0u32.to_le_bytes()).unwrap();
         // Then `exists`, answered with a result too many.
         assert_eq!(next_request(&mut c), op::EXISTS);
         let mut reply = Enc::default();
@@ -382,6 +386,52 @@ fn a_reply_with_more_results_than_keys_is_refused() {
     assert!(got[0].is_err(), "{got:?}");
     drop(client);
     fake.join().unwrap();
+}
+
+#[test]
+fn a_failed_pooled_connection_ends_none_of_its_clients_sessions() {
+    let (server, x) = serve(3000);
+    let y = SocketStore::connect(server.address()).unwrap();
+    assert_eq!(put(&x, "k", &[&pattern(1, 1000)]), Ok(PutOutcome::Written));
+    let _sx = x.start_session(&["k"]).unwrap();
+    // X's one pooled connection fails and is dropped (as `call` drops it on any error).
+    assert_eq!(x.drop_pooled(), 1);
+    // Fill the store past its capacity: `k`, still pinned by X, is not evicted.
+    for i in 0..5 {
+        let _ = put(&y, &format!("f{i}"), &[&pattern(i + 2, 1000)]);
+    }
+    assert_eq!(y.exists(&["k"]), vec![Ok(true)]);
+    // X itself goes: its pins go with it.
+    drop(x);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        for i in 5..10 {
+            let _ = put(&y, &format!("f{i}"), &[&pattern(i + 2, 1000)]);
+        }
+        if y.exists(&["k"]) == vec![Ok(false)] {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "k stayed pinned after its client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_request_over_the_frame_limit_is_refused_unsent_and_the_client_goes_on() {
+    let (_server, x) = serve(1 << 20);
+    let long = "k".repeat(1 << 20);
+    let keys: Vec<&str> = std::iter::repeat_n(long.as_str(), 65).collect();
+    let got = x.exists(&keys);
+    assert!(
+        got.iter()
+            .all(|r| matches!(r, Err(StoreError::InvalidArgument { .. }))),
+        "{:?}",
+        got.first()
+    );
+    assert_eq!(x.health(), Ok(()));
 }
 
 #[test]
