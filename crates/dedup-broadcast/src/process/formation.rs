@@ -43,6 +43,9 @@ pub struct Meeting {
     pub nccl: Option<NcclIds>,
     /// Rank 0's attributes (e.g. the address of a store it serves).
     pub attributes: BTreeMap<String, String>,
+    /// The IP this rank reached rank 0 at, when it met rank 0 over TCP
+    /// ([`FormedGroup::rank0_ip`](crate::FormedGroup::rank0_ip)).
+    pub rank0_ip: Option<std::net::IpAddr>,
 }
 
 /// Default bound of one re-formation.
@@ -171,6 +174,7 @@ impl RendezvousFormation {
             transport: formed.transport(),
             nccl: formed.nccl_ids().copied(),
             attributes: formed.attributes(),
+            rank0_ip: formed.rank0_ip(),
         };
         // The meeting is over on every rank at about the same time: connecting gets its own
         // bound (a rank that gave up just before rank 0's answer never connects).

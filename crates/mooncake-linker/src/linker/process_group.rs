@@ -3,6 +3,7 @@
 //! and the store the group's processes share.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use dedup_broadcast::{NcclIds, Rendezvous, RendezvousError, RendezvousFormation};
@@ -27,6 +28,9 @@ pub struct FormedTpGroup {
     /// The formation (also `group.formation`), e.g. to read what a later formation
     /// announced.
     pub formation: Arc<RendezvousFormation>,
+    /// The IP this rank reached rank 0 at, when it met rank 0 over TCP: a store rank 0 serves
+    /// on an unspecified IP (`0.0.0.0:port`) is reached there.
+    pub rank0_ip: Option<IpAddr>,
 }
 
 impl std::fmt::Debug for FormedTpGroup {
@@ -78,6 +82,7 @@ impl TpGroup {
             epoch: handles.epoch,
             nccl: meeting.nccl,
             attributes: meeting.attributes,
+            rank0_ip: meeting.rank0_ip,
             formation,
         })
     }
@@ -110,8 +115,44 @@ impl FormedTpGroup {
             return Ok(local);
         }
         match self.attributes.get(STORE_ATTRIBUTE) {
-            Some(address) => Ok(Some(Arc::new(SocketStore::connect(address)?))),
+            Some(address) => {
+                let address = reachable(address, self.rank0_ip);
+                Ok(Some(Arc::new(SocketStore::connect(&address)?)))
+            }
             None => Ok(None),
         }
+    }
+}
+
+/// `address` as this rank reaches it: a TCP address on an unspecified IP (rank 0 serving on
+/// every interface, `0.0.0.0` or `::`) at the IP this rank reached rank 0 at, when it knows
+/// one; any other address as it is (on one host an unspecified IP reaches the local one).
+fn reachable(address: &str, rank0_ip: Option<IpAddr>) -> String {
+    let at = address
+        .strip_prefix("tcp:")
+        .and_then(|a| a.parse::<std::net::SocketAddr>().ok());
+    match (at, rank0_ip) {
+        (Some(mut at), Some(ip)) if at.ip().is_unspecified() => {
+            at.set_ip(ip);
+            format!("tcp:{at}")
+        }
+        _ => address.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reachable;
+
+    #[test]
+    fn a_store_served_on_every_interface_is_reached_at_rank_0s_ip() {
+        let ip = Some("10.0.0.7".parse().unwrap());
+        assert_eq!(reachable("tcp:0.0.0.0:4000", ip), "tcp:10.0.0.7:4000");
+        let v6 = Some("fd00::7".parse().unwrap());
+        assert_eq!(reachable("tcp:[::]:4000", v6), "tcp:[fd00::7]:4000");
+        // A specific IP, a Unix socket, or no IP known: as announced.
+        assert_eq!(reachable("tcp:10.0.0.9:4000", ip), "tcp:10.0.0.9:4000");
+        assert_eq!(reachable("unix:@kvlink-store", ip), "unix:@kvlink-store");
+        assert_eq!(reachable("tcp:0.0.0.0:4000", None), "tcp:0.0.0.0:4000");
     }
 }

@@ -321,6 +321,13 @@ impl FormedGroup {
         self.welcome.nccl.as_ref()
     }
 
+    /// The IP this rank reached rank 0 at (over the TCP meeting point; `None` on rank 0 and
+    /// over a key-value exchange): where rank 0 is reachable from this host, for an address
+    /// rank 0 announced on an unspecified IP (`0.0.0.0`, `::`).
+    pub fn rank0_ip(&self) -> Option<IpAddr> {
+        self.rendezvous_ip
+    }
+
     /// One of rank 0's attributes.
     pub fn attribute(&self, key: &str) -> Option<&str> {
         self.welcome

@@ -34,7 +34,10 @@ const IDLE_CHECK: Duration = Duration::from_millis(500);
 pub enum ServeAt {
     /// A fresh abstract Unix socket: every process of this host (and network namespace).
     Unix,
-    /// A TCP address (port 0: any free port).
+    /// A TCP address (port 0: any free port). On an unspecified IP (`0.0.0.0`, `::`: every
+    /// interface) the address is announced as it is, and a rank that met rank 0 over TCP
+    /// connects at the IP it reached rank 0 at
+    /// ([`FormedTpGroup::store`](crate::FormedTpGroup::store)).
     Tcp(SocketAddr),
 }
 
