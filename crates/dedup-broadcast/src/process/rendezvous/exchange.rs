@@ -433,39 +433,79 @@ pub(crate) fn join(
         };
         loop {
             if let Some(v) = x.get(&k.verdict(epoch), deadline)? {
-                return match Reply::decode(&v)? {
-                    Reply::Welcome(w) if w.nonces.get(rank as usize) == Some(&hello.nonce) => {
-                        Ok(*w)
-                    }
-                    Reply::Welcome(_) => Err(RendezvousError::DuplicateRank { rank }),
-                    Reply::Refused(e @ RendezvousError::Timeout { .. }) => {
+                match verdict_for(&v, hello)? {
+                    Err(e @ RendezvousError::Timeout { .. }) => {
                         timed_out = Some(e);
                         continue 'epochs;
                     }
-                    Reply::Refused(e) => Err(e),
-                    Reply::Idle { .. } => Err(RendezvousError::Protocol(
-                        "an idle reply as a verdict".into(),
-                    )),
-                };
+                    verdict => return verdict,
+                }
             }
             if read_u64(x, &k.current(), deadline)?.is_some_and(|c| c > epoch) {
                 continue 'epochs;
             }
             if Instant::now() >= deadline {
-                // Withdraw, so that a retry is not taken for a second process of this rank.
-                let _ = x.set(
-                    &mine,
-                    WITHDRAWN,
-                    kv_loader::deadline_after(Duration::from_secs(1)),
-                );
-                return Err(RendezvousError::Timeout {
-                    missing: vec![0],
-                    detail: format!("rank 0 did not decide epoch {epoch}"),
-                });
+                return withdraw(x, &k, epoch, &mine, hello);
             }
             pause(deadline);
         }
     }
+}
+
+/// How long past its deadline a joiner that withdrew still takes a verdict rank 0 was writing
+/// (as the TCP meeting point's joiners do).
+const REPLY_GRACE: Duration = Duration::from_millis(500);
+
+/// A joiner's end at its deadline: withdraws its claim (so that a retry is not taken for a
+/// second process of this rank), then still takes, for [`REPLY_GRACE`], a verdict rank 0 was
+/// already writing: rank 0 may have read the hello just before the withdrawal, and a
+/// welcome that names this rank is then the group every other rank joins.
+fn withdraw(
+    x: &dyn KeyValueExchange,
+    k: &Keys<'_>,
+    epoch: u64,
+    mine: &str,
+    hello: &Hello,
+) -> Result<Welcome, RendezvousError> {
+    let grace = kv_loader::deadline_after(REPLY_GRACE);
+    let _ = x.set(
+        mine,
+        WITHDRAWN,
+        kv_loader::deadline_after(Duration::from_secs(1)),
+    );
+    let timed_out = || RendezvousError::Timeout {
+        missing: vec![0],
+        detail: format!("rank 0 did not decide epoch {epoch}"),
+    };
+    while Instant::now() < grace {
+        if let Ok(Some(v)) = x.get(&k.verdict(epoch), grace) {
+            return verdict_for(&v, hello)?.map_err(|e| match e {
+                // Rank 0's own timeout: this rank's is what it reports.
+                RendezvousError::Timeout { .. } => timed_out(),
+                e => e,
+            });
+        }
+        pause(grace);
+    }
+    Err(timed_out())
+}
+
+/// What rank 0's verdict `v` means for the joiner that said `hello`: the welcome, or the
+/// refusal (a welcome naming another process for this rank is a duplicate). The outer error:
+/// `v` does not decode.
+fn verdict_for(
+    v: &[u8],
+    hello: &Hello,
+) -> Result<Result<Welcome, RendezvousError>, RendezvousError> {
+    let rank = hello.rank;
+    Ok(match Reply::decode(v)? {
+        Reply::Welcome(w) if w.nonces.get(rank as usize) == Some(&hello.nonce) => Ok(*w),
+        Reply::Welcome(_) => Err(RendezvousError::DuplicateRank { rank }),
+        Reply::Refused(e) => Err(e),
+        Reply::Idle { .. } => Err(RendezvousError::Protocol(
+            "an idle reply as a verdict".into(),
+        )),
+    })
 }
 
 #[cfg(test)]
@@ -661,5 +701,34 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
+    }
+
+    /// A joiner whose deadline passes while rank 0 writes the verdict of a formation it is in
+    /// takes that welcome: rank 0 read its hello, so every other rank joins a group with it.
+    #[test]
+    fn a_joiner_takes_a_welcome_written_just_after_its_deadline() {
+        use super::super::decide::{decide, tests::hello};
+        let x = MemoryExchange::new();
+        let far = kv_loader::deadline_after(Duration::from_secs(10));
+        x.set("p/current", &1u64.to_le_bytes(), far).unwrap();
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(300);
+        let joined = std::thread::scope(|s| {
+            let j = s.spawn(|| join(&x, "p", &hello(1), deadline));
+            // Rank 0 reads the claim, then writes its welcome just past the joiner's deadline.
+            while x.get("p/1/hello/1", far).unwrap().is_none() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let claimed = Hello::decode(&x.get("p/1/hello/1", far).unwrap().unwrap(), "0.1.0");
+            let mut w = decide(&hello(0), &[claimed.unwrap(), hello(2)], None).unwrap();
+            w.epoch = 1;
+            std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
+            std::thread::sleep(Duration::from_millis(100));
+            let verdict = Reply::Welcome(Box::new(w)).encode();
+            x.set("p/1/verdict", &verdict, far).unwrap();
+            j.join().unwrap()
+        });
+        assert_eq!(joined.unwrap().epoch, 1);
+        assert!(started.elapsed() < Duration::from_secs(3));
     }
 }
