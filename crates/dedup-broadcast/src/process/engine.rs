@@ -393,7 +393,14 @@ impl Run<'_> {
         let mut turn = READ_TURN;
         while !s.finished() && turn > 0 {
             let header = std::ptr::addr_of_mut!(s.header) as usize;
-            let spans = pending(header, &s.body, s.cursor, (s.total() - s.done).min(turn));
+            // The header alone until it is checked: a body byte of an operation this rank did
+            // not issue (another sequence number, size or kind) never reaches its rows.
+            let want = if s.checked {
+                (s.total() - s.done).min(turn)
+            } else {
+                HEADER.saturating_sub(s.done).max(1)
+            };
+            let spans = pending(header, &s.body, s.cursor, want);
             // SAFETY: the header is this stream's own array; body spans are valid for writes
             // and untouched by others (this function's contract); `pending` never goes past
             // the stream's end, so no byte of the next operation is consumed.
@@ -569,6 +576,49 @@ mod tests {
             "the next turn reads what is left"
         );
         assert_eq!(&rows[..want - HEADER], &src[..want - HEADER]);
+    }
+
+    #[test]
+    fn a_refused_header_lands_no_body_byte_in_the_rows() {
+        let (tx, rx) = UnixStream::pair().unwrap();
+        let sender = Link::Unix(tx);
+        sender.prepare().unwrap();
+        let receiver = Link::Unix(rx);
+        receiver.prepare().unwrap();
+        // A peer's operation this rank did not issue: its header, then its body, all sent.
+        let src = vec![0xabu8; 4096];
+        let hdr = [9u8; HEADER];
+        let spans = pending(
+            hdr.as_ptr() as usize,
+            &[span(&src)],
+            Cursor::default(),
+            usize::MAX,
+        );
+        // SAFETY: `hdr` and `src` are live and only read.
+        let sent = unsafe { sender.send_from(&spans) }.unwrap();
+        assert_eq!(sent, HEADER + src.len());
+        let links = vec![None, Some(receiver)];
+        let mut rows = vec![0u8; src.len()];
+        let body = vec![Span {
+            addr: rows.as_mut_ptr() as usize,
+            len: rows.len(),
+        }];
+        let mut hung = vec![false; 2];
+        let mut run = Run {
+            links: &links,
+            hung: &mut hung,
+            inbound: vec![Inbound::new(1, body)],
+            outbound: vec![],
+        };
+        let mut check =
+            |_: u32, _: &[u8; HEADER]| Err(CollectiveError::Backend("another operation".into()));
+        // SAFETY: `rows` is this thread's own and outlives the run.
+        let r = unsafe { run.read(0, &mut check) };
+        assert!(matches!(r, Err(Failure::Refused(_))));
+        assert!(
+            rows.iter().all(|b| *b == 0),
+            "a body byte landed before the check"
+        );
     }
 
     /// A cursor `n` bytes into the header and then `body`.
