@@ -521,11 +521,7 @@ mod tests {
     #[test]
     fn a_read_turn_stops_at_its_share_and_the_next_turns_read_on() {
         let len = READ_TURN * 2;
-        let (tx, rx) = UnixStream::pair().unwrap();
-        let sender = Link::Unix(tx);
-        sender.prepare().unwrap();
-        let receiver = Link::Unix(rx);
-        receiver.prepare().unwrap();
+        let (sender, receiver) = link_pair();
         let src: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
         let hdr = [3u8; HEADER];
         // Fill the socket with more than one turn's bytes before reading.
@@ -551,17 +547,8 @@ mod tests {
         assert_eq!(sent, want, "the socket took more than one turn's bytes");
         let links = vec![None, Some(receiver)];
         let mut rows = vec![0u8; len];
-        let body = vec![Span {
-            addr: rows.as_mut_ptr() as usize,
-            len,
-        }];
         let mut hung = vec![false; 2];
-        let mut run = Run {
-            links: &links,
-            hung: &mut hung,
-            inbound: vec![Inbound::new(1, body)],
-            outbound: vec![],
-        };
+        let mut run = receiving_run(&links, &mut hung, &mut rows);
         let mut check = |_: u32, _: &[u8; HEADER]| Ok(());
         // SAFETY: `rows` is this thread's own and outlives the run.
         unsafe { run.read(0, &mut check) }.unwrap();
@@ -580,11 +567,7 @@ mod tests {
 
     #[test]
     fn a_refused_header_lands_no_body_byte_in_the_rows() {
-        let (tx, rx) = UnixStream::pair().unwrap();
-        let sender = Link::Unix(tx);
-        sender.prepare().unwrap();
-        let receiver = Link::Unix(rx);
-        receiver.prepare().unwrap();
+        let (sender, receiver) = link_pair();
         // A peer's operation this rank did not issue: its header, then its body, all sent.
         let src = vec![0xabu8; 4096];
         let hdr = [9u8; HEADER];
@@ -599,17 +582,8 @@ mod tests {
         assert_eq!(sent, HEADER + src.len());
         let links = vec![None, Some(receiver)];
         let mut rows = vec![0u8; src.len()];
-        let body = vec![Span {
-            addr: rows.as_mut_ptr() as usize,
-            len: rows.len(),
-        }];
         let mut hung = vec![false; 2];
-        let mut run = Run {
-            links: &links,
-            hung: &mut hung,
-            inbound: vec![Inbound::new(1, body)],
-            outbound: vec![],
-        };
+        let mut run = receiving_run(&links, &mut hung, &mut rows);
         let mut check =
             |_: u32, _: &[u8; HEADER]| Err(CollectiveError::Backend("another operation".into()));
         // SAFETY: `rows` is this thread's own and outlives the run.
@@ -619,6 +593,33 @@ mod tests {
             rows.iter().all(|b| *b == 0),
             "a body byte landed before the check"
         );
+    }
+
+    /// A run of rank 0 receiving one stream from rank 1 (`links[1]`) into `rows`.
+    fn receiving_run<'a>(
+        links: &'a [Option<Link>],
+        hung: &'a mut [bool],
+        rows: &mut [u8],
+    ) -> Run<'a> {
+        let body = vec![Span {
+            addr: rows.as_mut_ptr() as usize,
+            len: rows.len(),
+        }];
+        Run {
+            links,
+            hung,
+            inbound: vec![Inbound::new(1, body)],
+            outbound: vec![],
+        }
+    }
+
+    /// Two ends of a socket pair, prepared as the engine's links.
+    fn link_pair() -> (Link, Link) {
+        let (tx, rx) = UnixStream::pair().unwrap();
+        let (a, b) = (Link::Unix(tx), Link::Unix(rx));
+        a.prepare().unwrap();
+        b.prepare().unwrap();
+        (a, b)
     }
 
     /// A cursor `n` bytes into the header and then `body`.

@@ -584,20 +584,60 @@ mod tests {
         );
     }
 
-    /// An exchange whose writes of the `closed` marker fail (a store hiccup after the verdict).
-    struct ClosedUnwritable(MemoryExchange);
+    /// Rank 0 (`leader`) and every other rank of its group meet over `x` at once: what rank 0
+    /// and each joiner got.
+    fn meet(
+        x: &dyn KeyValueExchange,
+        leader: &Hello,
+        deadline: Instant,
+    ) -> (
+        Result<Welcome, RendezvousError>,
+        Vec<Result<Welcome, RendezvousError>>,
+    ) {
+        use super::super::decide::tests::hello;
+        std::thread::scope(|s| {
+            let l = s.spawn(|| lead(x, "p", leader, None, deadline));
+            let js: Vec<_> = (1..leader.world)
+                .map(|r| {
+                    let h = hello(r);
+                    s.spawn(move || join(x, "p", &h, deadline))
+                })
+                .collect();
+            let joined: Vec<_> = js.into_iter().map(|j| j.join().unwrap()).collect();
+            (l.join().unwrap(), joined)
+        })
+    }
 
-    impl KeyValueExchange for ClosedUnwritable {
-        fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError> {
-            if key.ends_with("/closed") {
-                return Err(ExchangeError::new(
-                    "test: the closed marker cannot be written",
-                ));
+    /// A memory exchange whose writes (`set_fails`) or reads (`get_fails`, which may look at
+    /// the exchange) of some keys fail: a store hiccup.
+    struct Hiccup {
+        x: MemoryExchange,
+        set_fails: fn(&str) -> bool,
+        get_fails: fn(&MemoryExchange, &str) -> bool,
+    }
+
+    impl Hiccup {
+        fn new(set_fails: fn(&str) -> bool, get_fails: fn(&MemoryExchange, &str) -> bool) -> Self {
+            Hiccup {
+                x: MemoryExchange::new(),
+                set_fails,
+                get_fails,
             }
-            self.0.set(key, value, deadline)
+        }
+    }
+
+    impl KeyValueExchange for Hiccup {
+        fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError> {
+            if (self.set_fails)(key) {
+                return Err(ExchangeError::new("test: the key cannot be written"));
+            }
+            self.x.set(key, value, deadline)
         }
         fn get(&self, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
-            self.0.get(key, deadline)
+            if (self.get_fails)(&self.x, key) {
+                return Err(ExchangeError::new("test: the store cannot be read"));
+            }
+            self.x.get(key, deadline)
         }
         fn create(
             &self,
@@ -605,10 +645,10 @@ mod tests {
             value: &[u8],
             deadline: Instant,
         ) -> Result<bool, ExchangeError> {
-            self.0.create(key, value, deadline)
+            self.x.create(key, value, deadline)
         }
         fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
-            self.0.wait(keys, deadline)
+            self.x.wait(keys, deadline)
         }
     }
 
@@ -617,56 +657,14 @@ mod tests {
     #[test]
     fn rank_0_keeps_the_verdict_it_sent_when_the_closed_marker_fails() {
         use super::super::decide::tests::hello;
-        let x = ClosedUnwritable(MemoryExchange::new());
+        // A store hiccup after the verdict: the `closed` marker cannot be written.
+        let x = Hiccup::new(|key| key.ends_with("/closed"), |_, _| false);
         let leader = hello(0);
         let deadline = kv_loader::deadline_after(Duration::from_secs(10));
-        let (led, joined) = std::thread::scope(|s| {
-            let l = s.spawn(|| lead(&x, "p", &leader, None, deadline));
-            let js: Vec<_> = (1..leader.world)
-                .map(|r| {
-                    let (x, h) = (&x, hello(r));
-                    s.spawn(move || join(x, "p", &h, deadline))
-                })
-                .collect();
-            let joined: Vec<_> = js.into_iter().map(|j| j.join().unwrap()).collect();
-            (l.join().unwrap(), joined)
-        });
+        let (led, joined) = meet(&x, &leader, deadline);
         let led = led.unwrap();
         for j in joined {
             assert_eq!(j.unwrap().epoch, led.epoch);
-        }
-    }
-
-    /// An exchange whose reads of rank 0's duplicate-claim keys fail once ranks 1 and 2 have
-    /// both claimed their places (a store hiccup while rank 0 collects the hellos).
-    struct DupUnreadable(MemoryExchange);
-
-    impl KeyValueExchange for DupUnreadable {
-        fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError> {
-            self.0.set(key, value, deadline)
-        }
-        fn get(&self, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
-            if let Some((epoch, _)) = key.split_once("/dup/") {
-                let claimed = |r: u32| {
-                    let claim = format!("{epoch}/hello/{r}");
-                    matches!(self.0.get(&claim, deadline), Ok(Some(_)))
-                };
-                if claimed(1) && claimed(2) {
-                    return Err(ExchangeError::new("test: the store cannot be read"));
-                }
-            }
-            self.0.get(key, deadline)
-        }
-        fn create(
-            &self,
-            key: &str,
-            value: &[u8],
-            deadline: Instant,
-        ) -> Result<bool, ExchangeError> {
-            self.0.create(key, value, deadline)
-        }
-        fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
-            self.0.wait(keys, deadline)
         }
     }
 
@@ -676,21 +674,23 @@ mod tests {
     #[test]
     fn a_failed_read_while_collecting_hellos_is_every_ranks_verdict() {
         use super::super::decide::tests::hello;
-        let x = DupUnreadable(MemoryExchange::new());
+        // Rank 0's reads of the duplicate claims fail once ranks 1 and 2 have both claimed
+        // their places (a store hiccup while rank 0 collects the hellos).
+        let x = Hiccup::new(
+            |_| false,
+            |x, key| {
+                let far = kv_loader::deadline_after(Duration::from_secs(1));
+                key.split_once("/dup/").is_some_and(|(epoch, _)| {
+                    [1, 2]
+                        .iter()
+                        .all(|r| matches!(x.get(&format!("{epoch}/hello/{r}"), far), Ok(Some(_))))
+                })
+            },
+        );
         let leader = hello(0);
         let deadline = kv_loader::deadline_after(Duration::from_secs(20));
         let started = Instant::now();
-        let (led, joined) = std::thread::scope(|s| {
-            let l = s.spawn(|| lead(&x, "p", &leader, None, deadline));
-            let js: Vec<_> = (1..leader.world)
-                .map(|r| {
-                    let (x, h) = (&x, hello(r));
-                    s.spawn(move || join(x, "p", &h, deadline))
-                })
-                .collect();
-            let joined: Vec<_> = js.into_iter().map(|j| j.join().unwrap()).collect();
-            (l.join().unwrap(), joined)
-        });
+        let (led, joined) = meet(&x, &leader, deadline);
         assert!(matches!(led, Err(RendezvousError::Exchange(_))), "{led:?}");
         for j in joined {
             let e = j.unwrap_err();

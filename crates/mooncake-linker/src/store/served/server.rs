@@ -406,6 +406,19 @@ fn release(served: &Served, client: u64) {
     }
 }
 
+/// Ends session `token` of `client`. Only a session this client holds is ended: a session
+/// ended twice, or another client's token, takes no one's pins.
+fn end_clients_session(served: &Served, client: u64, token: u64) {
+    let mine = served
+        .clients
+        .lock()
+        .get_mut(&client)
+        .is_some_and(|c| c.sessions.remove(&token));
+    if mine {
+        end_session(&served.store, token);
+    }
+}
+
 /// Ends the store's session `token` (the embedded store's end cannot fail).
 fn end_session(store: &EmbeddedStore, token: u64) {
     let session = crate::store::ReadSession {
@@ -478,29 +491,12 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
             if let (Err(_), Ok(token)) = (&sent, r) {
                 // The client never learns the token, so it can never end the session: end
                 // it here rather than keep its pins for as long as the client stays.
-                let mine = served
-                    .clients
-                    .lock()
-                    .get_mut(&client)
-                    .is_some_and(|c| c.sessions.remove(&token));
-                if mine {
-                    end_session(store, token);
-                }
+                end_clients_session(served, client, token);
             }
             return sent;
         }
         op::END_SESSION => {
-            let token = d.u64()?;
-            // Only a session this client holds is ended: a session ended twice, or another
-            // client's token, takes no one's pins.
-            let mine = served
-                .clients
-                .lock()
-                .get_mut(&client)
-                .is_some_and(|c| c.sessions.remove(&token));
-            if mine {
-                end_session(store, token);
-            }
+            end_clients_session(served, client, d.u64()?);
             out.result(&Ok(()), |_, _| {});
         }
         op::HEALTH => out.result(&store.health(), |_, _| {}),
