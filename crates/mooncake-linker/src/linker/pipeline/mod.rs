@@ -84,6 +84,17 @@ impl Drop for ReaderDone<'_> {
     }
 }
 
+/// Tells the hand-off the exchange loop left when dropped, also while unwinding: the reader's
+/// waits for free stages and for room to hand a layer over then end at once, so the scope's
+/// join of the reader (which runs before a panic goes on) does not wait out their bounds.
+struct ExchangeDone<'h>(&'h Handoff<Option<LayerStage>, ReadLayer>);
+
+impl Drop for ExchangeDone<'_> {
+    fn drop(&mut self) {
+        drop(self.0.exchange_done());
+    }
+}
+
 /// What a finished pipeline did.
 pub(crate) struct PipelineRun {
     pub(crate) bytes_read: u64,
@@ -165,7 +176,10 @@ impl LayerPipeline<'_> {
                     });
                 }
             };
-            let exchanged = self.exchange_loop(h);
+            let exchanged = {
+                let _left = ExchangeDone(h);
+                self.exchange_loop(h)
+            };
             // Bounded: every wait of the reader is (see the module docs), and the exchange loop
             // has left, which ends the reader's waits on the hand-off at once.
             let read = reader.join().unwrap_or_default();
