@@ -9,7 +9,7 @@ use kv_device::LayerStage;
 use kv_loader::{KvLoadError, StoreFailure};
 use tracing::warn;
 
-use super::{alone_verdicts_bound, peers_wait_bound, LayerPipeline, ReadLayer};
+use super::{alone_verdicts_bound, first_layer_bound, LayerPipeline, ReadLayer};
 use crate::linker::batch::collective_failure;
 use crate::linker::handoff::{Handoff, Wait};
 use crate::linker::share::{step_for, LayerCx, ShareStep, StepError};
@@ -68,17 +68,15 @@ impl LayerPipeline<'_> {
     /// The layer `layer` message from the reader (bounded); one without a stage, carrying this
     /// rank's error, where none came in time or the reader sent another layer or left.
     ///
-    /// In a TP group the peers wait for this layer's status word for `collective_timeout` from
-    /// about `peers_from` (the batch's gate for layer 0, else the end of the previous layer's
-    /// step): the wait ends by [`peers_wait_bound`] of that, so that a rank whose pin, session
-    /// and read together run long reports a timeout in its status word, which every rank
-    /// reads, instead of leaving its peers to time out and abort the group.
-    fn receive(
-        &self,
-        h: &Handoff<Option<LayerStage>, ReadLayer>,
-        layer: u32,
-        peers_from: Instant,
-    ) -> ReadLayer {
+    /// In a TP group the wait for layer 0 ends by [`first_layer_bound`]: a rank whose pin,
+    /// session start and first read each keep within their own bounds but together run past
+    /// what its peers wait then reports a timeout in its status word, which every rank reads,
+    /// instead of leaving its peers to time out and abort the group. (A first layer that
+    /// slow on every rank fails the batch cleanly too, where it passed before: the engine's
+    /// own wait for layer 0, `wait_deadline`, is about as long.) A later layer's read starts
+    /// while the peers still share the layer before it, and is bounded by
+    /// `layer_read_timeout`, which `collective_timeout` exceeds.
+    fn receive(&self, h: &Handoff<Option<LayerStage>, ReadLayer>, layer: u32) -> ReadLayer {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
         // Before the first group the reader pins the objects (a wait for a lookup's pin under
@@ -99,8 +97,8 @@ impl LayerPipeline<'_> {
             .max(alone_verdicts_bound(c.store_call_timeout).saturating_add(c.store_call_timeout));
         let waited_from = Instant::now();
         let mut deadline = kv_loader::deadline_after(limit);
-        if self.coll.is_some() {
-            deadline = deadline.min(peers_wait_bound(peers_from, c.collective_timeout));
+        if self.coll.is_some() && layer == 0 {
+            deadline = deadline.min(first_layer_bound(self.opened, c.collective_timeout));
         }
         let error = match h.next_layer(deadline) {
             Wait::Got(m) if m.layer == layer => return m,
@@ -172,8 +170,7 @@ impl LayerPipeline<'_> {
     ) -> Result<(), Stop> {
         let batch = self.job.plan.logical.batch;
         let waited_at = Instant::now();
-        let peers_from = if layer == 0 { self.opened } else { waited_at };
-        let read = self.receive(h, layer, peers_from);
+        let read = self.receive(h, layer);
         let verify_at = Instant::now();
         // What this rank read for the layer is verified before it says "ok" for it.
         let verified = self.check_read(&read, layer);

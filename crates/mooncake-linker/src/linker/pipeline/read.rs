@@ -10,8 +10,8 @@ use kv_loader::{KvLoadError, StoreFailure};
 use tracing::{debug, warn};
 
 use super::{
-    alone_verdicts_bound, companions_bound, peers_wait_bound, Abandon, LayerPipeline, ReadLayer,
-    ReadRun,
+    after, alone_verdicts_bound, companions_bound, peers_wait_bound, Abandon, LayerPipeline,
+    ReadLayer, ReadRun,
 };
 use crate::linker::handoff::{Handoff, Wait};
 use crate::linker::landed::LandedSums;
@@ -184,10 +184,6 @@ impl LayerPipeline<'_> {
     /// bound, and then take one store call (two, with one as slack).
     fn verdict_bound(&self, from: Instant) -> Instant {
         let c = &self.inner.config;
-        let after = |at: Instant, d: Duration| {
-            at.checked_add(d)
-                .unwrap_or_else(|| kv_loader::deadline_after(d))
-        };
         if self.coll.is_none() {
             let own = after(self.opened, alone_verdicts_bound(c.store_call_timeout));
             return own.max(after(from, c.store_call_timeout.saturating_mul(2)));
