@@ -142,7 +142,8 @@ pub(crate) fn write_frame<S: TimedStream>(
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(body);
     write_all_by(s, &frame, deadline)?;
-    s.set_timeouts(remaining(deadline)?)?;
+    // Sent whole: no deadline past this point makes it a failure (a socket's flush is a
+    // no-op), or the two ends would disagree on a message one of them has.
     s.flush()
 }
 

@@ -213,7 +213,8 @@ impl Outcomes {
         let mine = |done: &mut HashMap<BatchId, (Ticket, BatchOutcome)>| match done.get(&batch) {
             Some((t, _)) if *t == ticket.counter => Ok(done.remove(&batch)),
             Some(_) => Err(stale()),
-            None if !self.in_flight.lock().contains_key(&batch) => Err(stale()),
+            // Taken, forgotten by a reset, or the id started again by another run.
+            None if self.in_flight.lock().get(&batch) != Some(&ticket.counter) => Err(stale()),
             None => Ok(None),
         };
         let mut done = self.done.lock();
@@ -406,6 +407,16 @@ mod tests {
             Err(CounterError::StaleTicket { .. })
         ));
         assert!(t0.elapsed() < std::time::Duration::from_secs(1));
+        // The id started again and still running: the spent ticket is stale at once too.
+        let again = o.begin(BatchId(3), 4).unwrap();
+        let t0 = Instant::now();
+        assert!(matches!(
+            o.take(&ticket(3, t), long),
+            Err(CounterError::StaleTicket { .. })
+        ));
+        assert!(t0.elapsed() < std::time::Duration::from_secs(1));
+        o.finish(again, ok(3));
+        assert!(o.take(&ticket(3, again), long).unwrap().is_some());
     }
 
     fn ticket(batch: u64, counter: Ticket) -> LoadTicket {
