@@ -85,6 +85,11 @@ impl EmbeddedStore {
         }
     }
 
+    /// The most bytes of objects it holds.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
     /// Bytes held now.
     pub fn used_bytes(&self) -> u64 {
         *self.used.lock()

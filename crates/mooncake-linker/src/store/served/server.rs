@@ -86,6 +86,10 @@ struct Served {
     /// Clones of open connections by number, to shut them when the server stops; each is
     /// taken out (and closed) when its connection ends.
     open: Mutex<HashMap<u64, Conn>>,
+    /// Bytes of the puts being received now, on every connection: at most the store's
+    /// capacity, so that many connections each putting an object up to the capacity at once
+    /// cannot ask the host for many times it.
+    receiving: Mutex<u64>,
 }
 
 /// Serves an [`EmbeddedStore`] over a socket; stops (and closes every connection) when
@@ -183,6 +187,7 @@ impl StoreServer {
             stop: AtomicBool::new(false),
             clients: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
+            receiving: Mutex::new(0),
         });
         let s = served.clone();
         let thread = std::thread::Builder::new()
@@ -461,7 +466,7 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
         }
         op::GET_INTO => return get_into(store, &mut d)?.send(conn, deadline),
         op::GET_RANGES => return get_ranges(store, &mut d)?.send(conn, deadline),
-        op::PUT => return put(conn, store, &mut d, deadline)?.send(conn, deadline),
+        op::PUT => return put(conn, served, &mut d, deadline)?.send(conn, deadline),
         op::REMOVE => {
             let ks = keys(&mut d)?;
             let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
@@ -603,12 +608,8 @@ fn get_ranges(store: &EmbeddedStore, d: &mut Dec<'_>) -> io::Result<Reply> {
     })
 }
 
-fn put(
-    conn: &mut Conn,
-    store: &EmbeddedStore,
-    d: &mut Dec<'_>,
-    deadline: Instant,
-) -> io::Result<Reply> {
+fn put(conn: &mut Conn, served: &Served, d: &mut Dec<'_>, deadline: Instant) -> io::Result<Reply> {
+    let store = &served.store;
     // Each item is a key (a u32 length, then its bytes) and a u64 length on the wire.
     let n = d.count(12)?;
     let mut items = Vec::with_capacity(n);
@@ -622,18 +623,20 @@ fn put(
                 drain(conn, len, deadline)?;
                 answer
             }
-            None => match zeroed(len) {
-                Some(mut data) => {
+            None => match Receiving::take(served, len) {
+                Some(_receiving) => {
+                    let mut data = vec![0u8; len as usize];
                     read_exact_by(conn, &mut data, deadline)?;
                     store.insert(&key, data)
                 }
-                // Many connections each putting an object up to the capacity at once can ask
-                // for more than the host has: refused, not an abort of the serving process.
                 None => {
                     drain(conn, len, deadline)?;
                     Err(StoreError::NoSpace {
                         key,
-                        detail: format!("no memory for a put of {len} bytes on the server"),
+                        detail: format!(
+                            "a put of {len} bytes beside the puts being received, which \
+                             already hold up to the store's capacity"
+                        ),
                     })
                 }
             },
@@ -645,13 +648,31 @@ fn put(
     Ok(Reply::new(out))
 }
 
-/// A zeroed buffer of `len` bytes, or `None` when the allocation fails.
-fn zeroed(len: u64) -> Option<Vec<u8>> {
-    let len = usize::try_from(len).ok()?;
-    let mut data = Vec::new();
-    data.try_reserve_exact(len).ok()?;
-    data.resize(len, 0);
-    Some(data)
+/// `len` bytes of a put being received, counted in [`Served::receiving`] until dropped.
+struct Receiving<'s> {
+    served: &'s Served,
+    len: u64,
+}
+
+impl<'s> Receiving<'s> {
+    /// Counts `len` bytes more, unless that takes the puts being received past the store's
+    /// capacity.
+    fn take(served: &'s Served, len: u64) -> Option<Self> {
+        let mut receiving = served.receiving.lock();
+        let total = receiving.checked_add(len)?;
+        if total > served.store.capacity() {
+            return None;
+        }
+        *receiving = total;
+        Some(Receiving { served, len })
+    }
+}
+
+impl Drop for Receiving<'_> {
+    fn drop(&mut self) {
+        let mut receiving = self.served.receiving.lock();
+        *receiving = receiving.saturating_sub(self.len);
+    }
 }
 
 /// Reads and drops `n` bytes (a put the store does not take).
@@ -686,14 +707,29 @@ mod accept_tests {
 }
 
 #[cfg(test)]
-mod put_buffer_tests {
-    use super::zeroed;
+mod receiving_tests {
+    use super::*;
 
     #[test]
-    fn a_put_buffer_the_host_cannot_give_is_none_not_an_abort() {
-        assert_eq!(zeroed(3), Some(vec![0u8; 3]));
-        assert_eq!(zeroed(0), Some(Vec::new()));
-        assert!(zeroed(u64::MAX).is_none());
-        assert!(zeroed(1 << 62).is_none());
+    fn puts_being_received_hold_at_most_the_stores_capacity() {
+        let served = Served {
+            store: Arc::new(EmbeddedStore::new(1000)),
+            stop: AtomicBool::new(false),
+            clients: Mutex::new(HashMap::new()),
+            open: Mutex::new(HashMap::new()),
+            receiving: Mutex::new(0),
+        };
+        let a = Receiving::take(&served, 600).unwrap();
+        assert!(Receiving::take(&served, 500).is_none(), "past the capacity");
+        let b = Receiving::take(&served, 400).unwrap();
+        assert!(Receiving::take(&served, 1).is_none());
+        drop(a);
+        assert!(
+            Receiving::take(&served, 600).is_some(),
+            "a's bytes counted no more"
+        );
+        drop(b);
+        assert_eq!(*served.receiving.lock(), 0);
+        assert!(Receiving::take(&served, u64::MAX).is_none());
     }
 }
