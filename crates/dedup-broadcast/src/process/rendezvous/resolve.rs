@@ -37,10 +37,72 @@ pub(crate) fn resolve_within(
     addr: &str,
     wait: Duration,
 ) -> Result<Vec<SocketAddr>, ResolveFailure> {
-    if let Ok(a) = addr.parse::<SocketAddr>() {
-        return Ok(vec![a]);
+    Lookups::new(addr).resolve(wait)
+}
+
+/// The answer of one lookup thread.
+type Answer = std::io::Result<Vec<SocketAddr>>;
+
+/// Repeated lookups of one address (a joiner's attempts): at most one runs at a time. A
+/// lookup still running when its wait ended is waited for again by the next attempt, rather
+/// than a new thread started beside it, so a resolver that does not answer costs one thread,
+/// not one per attempt.
+pub(crate) struct Lookups {
+    addr: String,
+    running: Option<mpsc::Receiver<Answer>>,
+}
+
+impl Lookups {
+    pub(crate) fn new(addr: &str) -> Self {
+        Lookups {
+            addr: addr.to_owned(),
+            running: None,
+        }
     }
-    check_syntax(addr)?;
+
+    /// The socket addresses, looked up (or the lookup under way waited for) for at most
+    /// `wait`.
+    pub(crate) fn resolve(&mut self, wait: Duration) -> Result<Vec<SocketAddr>, ResolveFailure> {
+        let addr = self.addr.as_str();
+        if let Ok(a) = addr.parse::<SocketAddr>() {
+            return Ok(vec![a]);
+        }
+        check_syntax(addr)?;
+        let rx = match self.running.take() {
+            Some(rx) => rx,
+            None => spawn_lookup(addr)?,
+        };
+        let found = match rx.recv_timeout(wait) {
+            Ok(found) => found,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                self.running = Some(rx);
+                return Err(ResolveFailure::Lookup(format!(
+                    "looking up rendezvous address {addr:?}: no answer within {wait:?}"
+                )));
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(ResolveFailure::Lookup(format!(
+                    "looking up rendezvous address {addr:?}: the lookup ended without an answer"
+                )))
+            }
+        };
+        match found {
+            Ok(v) if !v.is_empty() => Ok(v),
+            Ok(_) => Err(ResolveFailure::Lookup(format!(
+                "rendezvous address {addr:?} resolves to nothing"
+            ))),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Err(ResolveFailure::Invalid(
+                format!("rendezvous address {addr:?}: {e}"),
+            )),
+            Err(e) => Err(ResolveFailure::Lookup(format!(
+                "looking up rendezvous address {addr:?}: {e}"
+            ))),
+        }
+    }
+}
+
+/// Starts looking `addr` up on a thread of its own; its answer comes on the receiver.
+fn spawn_lookup(addr: &str) -> Result<mpsc::Receiver<Answer>, ResolveFailure> {
     let owned = addr.to_owned();
     let (tx, rx) = mpsc::sync_channel(1);
     let lookup = move || {
@@ -48,36 +110,15 @@ pub(crate) fn resolve_within(
         // The caller may have stopped waiting: its receiver is then gone.
         let _ = tx.send(found);
     };
-    let spawned = std::thread::Builder::new()
+    std::thread::Builder::new()
         .name("kvlink-resolve".into())
-        .spawn(lookup);
-    let found = match spawned {
-        Ok(_) => match rx.recv_timeout(wait) {
-            Ok(found) => found,
-            Err(_) => {
-                return Err(ResolveFailure::Lookup(format!(
-                    "looking up rendezvous address {addr:?}: no answer within {wait:?}"
-                )))
-            }
-        },
-        Err(e) => {
-            return Err(ResolveFailure::Lookup(format!(
+        .spawn(lookup)
+        .map(|_| rx)
+        .map_err(|e| {
+            ResolveFailure::Lookup(format!(
                 "looking up rendezvous address {addr:?}: no thread to look it up on: {e}"
-            )))
-        }
-    };
-    match found {
-        Ok(v) if !v.is_empty() => Ok(v),
-        Ok(_) => Err(ResolveFailure::Lookup(format!(
-            "rendezvous address {addr:?} resolves to nothing"
-        ))),
-        Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Err(ResolveFailure::Invalid(
-            format!("rendezvous address {addr:?}: {e}"),
-        )),
-        Err(e) => Err(ResolveFailure::Lookup(format!(
-            "looking up rendezvous address {addr:?}: {e}"
-        ))),
-    }
+            ))
+        })
 }
 
 /// `addr` is `host:port`, with a host and a port number (the lookup needs no more).
@@ -138,6 +179,18 @@ mod tests {
             "{:?}",
             t0.elapsed()
         );
+    }
+
+    #[test]
+    fn a_lookup_still_running_is_waited_for_again_not_started_twice() {
+        let mut l = Lookups::new("localhost:29500");
+        // No wait at all: the first lookup is most likely still running when it ends.
+        if l.resolve(Duration::ZERO).is_err() {
+            assert!(l.running.is_some(), "the lookup under way is kept");
+        }
+        let v = l.resolve(Duration::from_secs(5)).unwrap();
+        assert!(v.iter().all(|a| a.ip().is_loopback()), "{v:?}");
+        assert!(l.running.is_none());
     }
 
     #[test]

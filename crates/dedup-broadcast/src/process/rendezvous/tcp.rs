@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 
 use super::decide::{decide, missing, IdSource};
 use super::message::{Hello, Reply, Welcome};
-use super::resolve::{resolve_within, ResolveFailure};
+use super::resolve::{resolve_within, Lookups, ResolveFailure};
 use super::RendezvousError;
 use crate::process::mesh::MeshListener;
 use crate::process::wire::{read_frame, write_frame};
@@ -28,6 +28,11 @@ const MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
 const REPLY_GRACE: Duration = Duration::from_millis(500);
 /// Pause between a joiner's attempts.
 const RETRY: Duration = Duration::from_millis(50);
+/// Pause between a joiner's attempts while rank 0's name does not resolve: each attempt asks
+/// the resolver, so not every `RETRY`.
+const LOOKUP_RETRY: Duration = Duration::from_millis(500);
+/// How long rank 0 waits for its own listening address to be looked up.
+const OWN_LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the accepting thread rests after a failed accept (out of descriptors).
 const ACCEPT_RETRY: Duration = Duration::from_millis(20);
 /// Most hellos read at once (each on a thread, for up to `MESSAGE_TIMEOUT`): past it, a new
@@ -201,7 +206,7 @@ impl TcpLeader {
     /// Listens at `addr` (rank 0's rendezvous address) for the life of the rendezvous.
     pub(crate) fn bind(addr: &str, version: String) -> Result<Self, RendezvousError> {
         // Rank 0's own address: a failed lookup is its configuration's (or host's) fault.
-        let addrs = resolve_within(addr, MESSAGE_TIMEOUT)
+        let addrs = resolve_within(addr, OWN_LOOKUP_TIMEOUT)
             .map_err(|e| RendezvousError::Config(e.to_string()))?;
         let listener = TcpListener::bind(&addrs[..])
             .map_err(|e| RendezvousError::io(format!("rank 0 listening at {addr}"), e))?;
@@ -465,6 +470,7 @@ pub(crate) fn join(
     deadline: Instant,
 ) -> Result<(Welcome, MeshListener, IpAddr), RendezvousError> {
     let mut heard = Heard::Nothing(format!("rank 0 did not answer at {addr}"));
+    let mut lookups = Lookups::new(addr);
     let mut timed_out: Option<RendezvousError> = None;
     let mut listener: Option<HelloAt> = None;
     loop {
@@ -474,7 +480,14 @@ pub(crate) fn join(
             // more than what rank 0 answered since.
             return Err(timed_out.unwrap_or(heard.into_error(rank)));
         }
-        match attempt(addr, left, deadline, &mut hello, &mut listener, &mut heard)? {
+        match attempt(
+            &mut lookups,
+            left,
+            deadline,
+            &mut hello,
+            &mut listener,
+            &mut heard,
+        )? {
             Some((Reply::Welcome(w), server)) => return welcomed(*w, listener, rank, server),
             // Rank 0's formation timed out (a rank missing): not a refusal of this rank,
             // which keeps trying until its own deadline (rank 0 may open the next one).
@@ -498,12 +511,13 @@ pub(crate) fn join(
     }
 }
 
-/// One attempt to reach rank 0 at `addr` (connecting for at most `left`): says this rank's
-/// hello, made anew by `hello` when the local IP that reaches rank 0 is not the one
-/// `listener` was made for, and reads the answer. Returns rank 0's reply and its IP, or
-/// `None` when there was none (`heard` then says why, where there is something to say).
+/// One attempt to reach rank 0 at the address `lookups` looks up (connecting for at most
+/// `left`): says this rank's hello, made anew by `hello` when the local IP that reaches rank 0
+/// is not the one `listener` was made for, and reads the answer. Returns rank 0's reply and
+/// its IP, or `None` when there was none (`heard` then says why, where there is something to
+/// say).
 fn attempt(
-    addr: &str,
+    lookups: &mut Lookups,
     left: Duration,
     deadline: Instant,
     hello: &mut impl FnMut(IpAddr) -> Result<(Hello, MeshListener), RendezvousError>,
@@ -512,11 +526,14 @@ fn attempt(
 ) -> Result<Option<(Reply, IpAddr)>, RendezvousError> {
     // A name that does not resolve yet (rank 0's DNS record published once its host is up)
     // is tried again, as a rank 0 that does not answer is; bad syntax never resolves.
-    let addrs = match resolve_within(addr, left.min(MESSAGE_TIMEOUT)) {
+    let addrs = match lookups.resolve(left.min(MESSAGE_TIMEOUT)) {
         Ok(a) => a,
         Err(ResolveFailure::Invalid(e)) => return Err(RendezvousError::Config(e)),
         Err(ResolveFailure::Lookup(e)) => {
             *heard = Heard::Nothing(e);
+            std::thread::sleep(
+                LOOKUP_RETRY.min(deadline.saturating_duration_since(Instant::now())),
+            );
             return Ok(None);
         }
     };
