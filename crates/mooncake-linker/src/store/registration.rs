@@ -324,23 +324,26 @@ impl Registration {
 
     /// Unregisters every registration at once: the bounded ones' unregisters run side by side
     /// ([`REGISTRATION_WAVE`] at a time), so letting go of several regions waits one bound,
-    /// not one per region. The answers, in order.
+    /// not one per region. Once the bound is spent, the regions left are unregistered one
+    /// after another on a single worker, not waited for (each kept until the store answers
+    /// for it): a wave each would hang 64 more workers on a store that does not answer, and
+    /// enough of them take every worker of the calls. The answers, in order.
     pub fn release_all(registrations: Vec<Registration>) -> Vec<Result<(), StoreError>> {
         let started = Instant::now();
         let mut registrations = registrations;
         let mut answers = Vec::with_capacity(registrations.len());
+        let mut late = LateUnregisters::default();
         for wave in registrations.chunks_mut(REGISTRATION_WAVE) {
-            // Past its bound (earlier waves took it all), an unregister is not started: each
-            // would hang on a worker too, and enough of them take every worker of the calls.
             let running: Vec<Unregistering> = wave
                 .iter_mut()
                 .map(|r| match r.bound_passed(started) {
-                    Some(waited) => Unregistering::Answered(r.keep_for_good(waited)),
+                    Some(waited) => Unregistering::Answered(late.take(r, waited)),
                     None => r.start_let_go(),
                 })
                 .collect();
             answers.extend(running.into_iter().map(|u| u.answer(started)));
         }
+        late.start();
         answers
     }
 
@@ -351,21 +354,78 @@ impl Registration {
         let waited = started.elapsed();
         (waited >= *wait).then_some(waited)
     }
+}
 
-    /// Keeps the region registered and its memory allocated for good, unregistered never:
-    /// what a release does once its bound is spent.
-    fn keep_for_good(&mut self, waited: Duration) -> Result<(), StoreError> {
-        let Some(region) = self.region.take() else {
+/// The regions a release reached past its bound, by the calls that unregister them.
+#[derive(Default)]
+struct LateUnregisters {
+    by_calls: Vec<(Arc<StoreCalls>, Vec<StoreRegion>)>,
+}
+
+impl LateUnregisters {
+    /// Takes `r`'s region (a bounded registration's) to unregister later; its answer now.
+    fn take(&mut self, r: &mut Registration, waited: Duration) -> Result<(), StoreError> {
+        let (Some(region), Some((calls, _))) = (r.region.take(), r.bound.as_ref()) else {
             return Ok(());
         };
         let name = raw(&region).to_string();
-        tracing::error!(region = %name, ?waited, "unregister not started: its bound is spent; the memory stays registered, kept for good");
-        std::mem::forget(region);
+        match self
+            .by_calls
+            .iter_mut()
+            .find(|(c, _)| Arc::ptr_eq(c, calls))
+        {
+            Some((_, regions)) => regions.push(region),
+            None => self.by_calls.push((calls.clone(), vec![region])),
+        }
         Err(StoreError::Overdue {
             key: name,
             call: "unregister",
             waited,
         })
+    }
+
+    /// Unregisters the regions on one worker of their calls each, one after another. A region
+    /// no worker takes, or that the worker has not reached when it stops (a panic), stays
+    /// registered with its memory kept for good.
+    fn start(self) {
+        for (calls, regions) in self.by_calls {
+            let n = regions.len();
+            tracing::warn!(
+                regions = n,
+                "unregister bound spent: the rest let go one by one on one worker, not waited for"
+            );
+            let left = Arc::new(Mutex::new(regions));
+            let theirs = left.clone();
+            let submitted = calls.submit(
+                "unregister",
+                move |s| {
+                    let _rest = KeepRest(theirs.clone());
+                    loop {
+                        // Taken out under the lock, unregistered without it.
+                        let next = theirs.lock().pop();
+                        let Some(region) = next else { break };
+                        let _ = unregister_owned(s, region);
+                    }
+                },
+                |_, _| {},
+            );
+            if let Err(e) = submitted {
+                tracing::error!(error = %e, regions = n, "no worker to unregister: the memory stays registered, kept for good");
+                drop(KeepRest(left));
+            }
+        }
+    }
+}
+
+/// Keeps the regions still in the list registered and allocated for good when dropped (a
+/// worker that stopped before it reached them, or a job no worker took).
+struct KeepRest(Arc<Mutex<Vec<StoreRegion>>>);
+
+impl Drop for KeepRest {
+    fn drop(&mut self) {
+        for region in std::mem::take(&mut *self.0.lock()) {
+            std::mem::forget(region);
+        }
     }
 }
 
@@ -573,7 +633,7 @@ mod tests {
     }
 
     #[test]
-    fn a_release_past_its_bound_starts_no_more_unregisters() {
+    fn a_release_past_its_bound_lets_go_of_the_rest_on_one_worker() {
         let store = HangingRegistry::new(true);
         let calls = Arc::new(StoreCalls::new(store.clone()));
         let wait = Duration::from_millis(300);
@@ -594,12 +654,19 @@ mod tests {
             "{out:?}"
         );
         assert!(took < wait * 3, "{took:?}");
+        // Workers: the first wave's unregisters, and the one that lets go of the rest in turn
+        // (a wave each took 64 more).
+        assert!(
+            calls.workers() <= REGISTRATION_WAVE + 1,
+            "{}",
+            calls.workers()
+        );
         store.set_open(true);
-        // The first wave's unregisters answer once the store does; the later waves' regions
-        // were never handed to a worker, and stay registered with their memory kept.
-        assert!(eventually(|| store.held() == (n - REGISTRATION_WAVE) as i64));
-        let kept = bufs.iter().filter(|b| Arc::strong_count(b) == 2).count();
-        assert_eq!(kept, n - REGISTRATION_WAVE);
+        // Once the store answers, every region is let go.
+        assert!(eventually(|| store.held() == 0));
+        assert!(eventually(|| bufs
+            .iter()
+            .all(|b| Arc::strong_count(b) == 1)));
     }
 
     /// The store registers 3 of 5 regions, then hangs: `bounded_all` fails by its one
