@@ -406,6 +406,59 @@ fn a_slow_pin_and_first_read_fail_layer_0_before_the_peers_stop_waiting() {
     }
 }
 
+/// The same at a later layer: a rank whose session renewal and read of layer 1 each stay
+/// within their own deadlines, but together run past the time its peers wait for layer 1's
+/// status word, reports a timeout in that word before they stop waiting. Its pin (the same
+/// session call) is slow too, within what layer 0 allows. A middle rank of three.
+#[test]
+fn a_slow_renewal_and_read_fail_a_later_layer_before_the_peers_stop_waiting() {
+    let spec = mixed_spec();
+    // As above: 4.5 s for the rank, 5 s for its peers.
+    let collective = Duration::from_secs(5);
+    let cfg = LinkerConfig {
+        collective_timeout: collective,
+        layer_read_timeout: Duration::from_millis(3500),
+        store_call_timeout: Duration::from_millis(3500),
+        // Every group after the first renews the read session first.
+        lease_renewal: Duration::from_millis(10),
+        pin_at_lookup: false,
+        ..config(ShareMode::SplitAllGather)
+    };
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &cfg, Path::Host);
+    let r = &rs[1];
+    let v = r.linker.geometry().component_by_name("v").unwrap().clone();
+    // One key of rank 1's sessions: its pin, then its first renewal (before layer 1's read),
+    // each take 2.7 s; then layer 1's read takes 2.7 s.
+    let one_key = format!("{}_tp1_cp0_pp0_v", hashes[0].to_hex());
+    r.faults.inject_on(
+        FaultCall::Session,
+        FaultRule {
+            key_contains: Some(one_key),
+            times: Some(2),
+            ..FaultRule::default()
+        },
+        Fault::Delay(Duration::from_millis(2700)),
+    );
+    // Layer 0's read takes 0.1 s, so the renewal is due before layer 1's.
+    for (layer, ms) in [(0, 100), (1, 2700)] {
+        r.faults.inject(
+            FaultRule {
+                key_contains: Some("tp1_cp0_pp0_v".into()),
+                offset: Some(v.layer_range(layer).unwrap().start),
+                times: Some(1),
+            },
+            Fault::Delay(Duration::from_millis(ms)),
+        );
+    }
+    let t0 = Instant::now();
+    let (outcomes, ended) = run_timed(&rs, 1, &hashes);
+    same_verdict(&outcomes, 1, 1, "renewal");
+    peers_ended_by(&ended, t0, collective * 3, "renewal");
+    r.faults.clear();
+    run_ok(&rs, 2, &hashes, "after the slow renewal");
+}
+
 /// A panic on a rank's load thread (here in a collective the engine supplied, at a middle
 /// layer's status exchange) fails that rank's batch with `Internal` instead of taking the load
 /// thread down: the batch's outcome is delivered, its peers fail within two collective

@@ -147,9 +147,10 @@ pub struct LinkerConfig {
     /// batch's gate, else the batch fails on that rank with
     /// [`StoreFailure::RpcTimeout`](kv_loader::StoreFailure::RpcTimeout) and every rank reads
     /// that failure in the status word (rather than timing out). Keep `store_call_timeout`
-    /// under it for the same reason. In a group, a rank's first layer (its pin, session start
-    /// and first read together) must also be in within nine tenths of it after the gate, or
-    /// that rank reports `RpcTimeout` for layer 0 on every rank.
+    /// under it for the same reason. In a group, each layer of a rank (its pin or session
+    /// renewal and its read together) must also be in within nine tenths of it after the gate
+    /// (layer 0) or the previous layer's status exchange, or that rank reports `RpcTimeout`
+    /// for the layer on every rank.
     pub collective_timeout: Duration,
     /// What a batch or lookup does while the TP group is down (broken and not re-formed in
     /// time, e.g. a rank process died and is not back yet).

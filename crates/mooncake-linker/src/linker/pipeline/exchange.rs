@@ -9,7 +9,7 @@ use kv_device::LayerStage;
 use kv_loader::{KvLoadError, StoreFailure};
 use tracing::warn;
 
-use super::{alone_verdicts_bound, first_layer_bound, LayerPipeline, ReadLayer};
+use super::{alone_verdicts_bound, reader_bound, LayerPipeline, ReadLayer};
 use crate::linker::batch::collective_failure;
 use crate::linker::handoff::{Handoff, Wait};
 use crate::linker::share::{step_for, LayerCx, ShareStep, StepError};
@@ -30,6 +30,9 @@ struct Progress {
     first_layer: Duration,
     /// Time in the share steps (collective, scatter, land), for the read plan.
     share_time: Duration,
+    /// When the last status exchange returned: the earliest the peers may begin waiting for
+    /// the next layer's status word.
+    exchanged_at: Option<Instant>,
 }
 
 /// Why the layers stopped before the last.
@@ -68,15 +71,18 @@ impl LayerPipeline<'_> {
     /// The layer `layer` message from the reader (bounded); one without a stage, carrying this
     /// rank's error, where none came in time or the reader sent another layer or left.
     ///
-    /// In a TP group the wait for layer 0 ends by [`first_layer_bound`]: a rank whose pin,
-    /// session start and first read each keep within their own bounds but together run past
-    /// what its peers wait then reports a timeout in its status word, which every rank reads,
-    /// instead of leaving its peers to time out and abort the group. (A first layer that
-    /// slow on every rank fails the batch cleanly too, where it passed before: the engine's
-    /// own wait for layer 0, `wait_deadline`, is about as long.) A later layer's read starts
-    /// while the peers still share the layer before it, and is bounded by
-    /// `layer_read_timeout`, which `collective_timeout` exceeds.
-    fn receive(&self, h: &Handoff<Option<LayerStage>, ReadLayer>, layer: u32) -> ReadLayer {
+    /// In a TP group the wait ends by [`reader_bound`] of `peers_from` (the batch's gate for
+    /// layer 0, else the end of the previous layer's status exchange): a rank whose pin or
+    /// session renewal, stage opening and read each keep within their own bounds but together
+    /// run past what its peers wait then reports a timeout in its status word, which every
+    /// rank reads, instead of leaving its peers to time out and abort the group. (A layer that
+    /// slow on every rank fails the batch cleanly too, where it could pass before.)
+    fn receive(
+        &self,
+        h: &Handoff<Option<LayerStage>, ReadLayer>,
+        layer: u32,
+        peers_from: Instant,
+    ) -> ReadLayer {
         let batch = self.job.plan.logical.batch;
         let c = &self.inner.config;
         // Before the first group the reader pins the objects (a wait for a lookup's pin under
@@ -97,8 +103,8 @@ impl LayerPipeline<'_> {
             .max(alone_verdicts_bound(c.store_call_timeout).saturating_add(c.store_call_timeout));
         let waited_from = Instant::now();
         let mut deadline = kv_loader::deadline_after(limit);
-        if self.coll.is_some() && layer == 0 {
-            deadline = deadline.min(first_layer_bound(self.opened, c.collective_timeout));
+        if self.coll.is_some() {
+            deadline = deadline.min(reader_bound(peers_from, c.collective_timeout));
         }
         let error = match h.next_layer(deadline) {
             Wait::Got(m) if m.layer == layer => return m,
@@ -170,7 +176,8 @@ impl LayerPipeline<'_> {
     ) -> Result<(), Stop> {
         let batch = self.job.plan.logical.batch;
         let waited_at = Instant::now();
-        let read = self.receive(h, layer);
+        let peers_from = progress.exchanged_at.unwrap_or(self.opened);
+        let read = self.receive(h, layer, peers_from);
         let verify_at = Instant::now();
         // What this rank read for the layer is verified before it says "ok" for it.
         let verified = self.check_read(&read, layer);
@@ -184,6 +191,7 @@ impl LayerPipeline<'_> {
         let exchange_at = Instant::now();
         self.exchange(&mut progress.status, layer, word)
             .map_err(Stop::Fatal)?;
+        progress.exchanged_at = Some(Instant::now());
         if !progress.status.is_ok() {
             return Err(Stop::Group);
         }

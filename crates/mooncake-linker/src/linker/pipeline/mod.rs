@@ -29,8 +29,10 @@
 //! a quarter of `store_call_timeout` at most, and the exchange loop waits for the reader at
 //! most `max(layer_read_timeout, collective_timeout) + collective_timeout + 2.25 ×
 //! store_call_timeout` (and at least seven store calls and a quarter) per layer; in a TP group
-//! at most nine tenths of `collective_timeout` after the batch's gate for layer 0 (whose pin,
-//! session start and first read may together outlast what the peers wait). Once the
+//! at most nine tenths of `collective_timeout` after the batch's gate (layer 0) or the end of
+//! the previous layer's status exchange, since a pin or a session renewal, a stage's opening
+//! and a read may each keep within their own bounds but together outlast what the peers
+//! wait. Once the
 //! batch has failed, a size check that has not started its queries skips them. A preflight
 //! check still running when its verdict is no longer waited for is joined when the reader ends
 //! (its store calls are bounded: the companions' read and, for one that does not fit, its size
@@ -246,13 +248,14 @@ fn peers_wait_bound(from: Instant, collective_timeout: Duration) -> Instant {
     after(from, collective_timeout.mul_f64(0.8))
 }
 
-/// The latest the exchange loop waits for the reader's first layer in a TP group: nine tenths
-/// of `collective_timeout` after the batch's gate. The peers wait for layer 0's status word
-/// that long at least (from their own arrival, no earlier than the gate); the reader hands
-/// over a preflight failure by four fifths ([`peers_wait_bound`]), so that failure, not this
-/// bound's, is what a rank reports when the preflight is what ran late.
-fn first_layer_bound(opened: Instant, collective_timeout: Duration) -> Instant {
-    after(opened, collective_timeout.mul_f64(0.9))
+/// The latest the exchange loop waits for the reader's layer in a TP group: nine tenths of
+/// `collective_timeout` after `from`, the earliest the peers may have begun waiting for its
+/// status word (the batch's gate for layer 0, else the end of the previous layer's status
+/// exchange). The peers wait at least that long; the reader hands a late preflight failure
+/// over by four fifths ([`peers_wait_bound`]), so that failure, not this bound's, is what a
+/// rank reports when the preflight is what ran late.
+fn reader_bound(from: Instant, collective_timeout: Duration) -> Instant {
+    after(from, collective_timeout.mul_f64(0.9))
 }
 
 /// `at + d`, or `d` from now where that cannot be represented.
