@@ -387,8 +387,8 @@ impl LateUnregisters {
     /// Unregisters the regions on one worker of their calls each, one after another. A region
     /// no worker takes, or that the worker has not reached when it stops (a panic), stays
     /// registered with its memory kept for good.
-    fn start(self) {
-        for (calls, regions) in self.by_calls {
+    fn start(mut self) {
+        for (calls, regions) in std::mem::take(&mut self.by_calls) {
             let n = regions.len();
             tracing::warn!(
                 regions = n,
@@ -413,6 +413,16 @@ impl LateUnregisters {
                 tracing::error!(error = %e, regions = n, "no worker to unregister: the memory stays registered, kept for good");
                 drop(KeepRest(left));
             }
+        }
+    }
+}
+
+impl Drop for LateUnregisters {
+    /// Regions not handed to a worker (the release unwound before `start`): registered still,
+    /// so kept for good.
+    fn drop(&mut self) {
+        for (_, regions) in std::mem::take(&mut self.by_calls) {
+            regions.into_iter().for_each(std::mem::forget);
         }
     }
 }
@@ -467,6 +477,8 @@ mod tests {
         free_registers: std::sync::atomic::AtomicUsize,
         /// Registers asked for.
         register_calls: std::sync::atomic::AtomicUsize,
+        /// Unregisters under way (waiting for the gate, while it is shut).
+        unregistering: std::sync::atomic::AtomicUsize,
     }
 
     impl HangingRegistry {
@@ -478,6 +490,7 @@ mod tests {
                 registered: std::sync::atomic::AtomicI64::new(0),
                 free_registers: std::sync::atomic::AtomicUsize::new(0),
                 register_calls: std::sync::atomic::AtomicUsize::new(0),
+                unregistering: std::sync::atomic::AtomicUsize::new(0),
             })
         }
 
@@ -490,6 +503,11 @@ mod tests {
         fn set_open(&self, open: bool) {
             *self.open.lock() = open;
             self.opened.notify_all();
+        }
+
+        fn unregistering(&self) -> usize {
+            self.unregistering
+                .load(std::sync::atomic::Ordering::Acquire)
         }
 
         fn held(&self) -> i64 {
@@ -525,7 +543,11 @@ mod tests {
         }
 
         fn unregister(&self, _: MemoryRegion) -> Result<(), StoreError> {
+            self.unregistering
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             self.wait_open();
+            self.unregistering
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
             self.registered
                 .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
             Ok(())
@@ -654,13 +676,11 @@ mod tests {
             "{out:?}"
         );
         assert!(took < wait * 3, "{took:?}");
-        // Workers: the first wave's unregisters, and the one that lets go of the rest in turn
-        // (a wave each took 64 more).
-        assert!(
-            calls.workers() <= REGISTRATION_WAVE + 1,
-            "{}",
-            calls.workers()
-        );
+        // Unregisters under way: the first wave's, and the one worker letting go of the rest
+        // in turn (a wave each had 64 more).
+        assert!(eventually(|| store.unregistering() == REGISTRATION_WAVE + 1));
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(store.unregistering(), REGISTRATION_WAVE + 1);
         store.set_open(true);
         // Once the store answers, every region is let go.
         assert!(eventually(|| store.held() == 0));
