@@ -12,7 +12,7 @@
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Why an address gave no socket address.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,8 +49,13 @@ type Answer = std::io::Result<Vec<SocketAddr>>;
 /// not one per attempt.
 pub(crate) struct Lookups {
     addr: String,
-    running: Option<mpsc::Receiver<Answer>>,
+    /// The lookup under way, and when it began.
+    running: Option<(mpsc::Receiver<Answer>, Instant)>,
 }
+
+/// How long a lookup that does not answer holds back a new one: past it, the next attempt
+/// starts a fresh lookup (the name may resolve now) and leaves the old one to end by itself.
+const FRESH_AFTER: Duration = Duration::from_secs(5);
 
 impl Lookups {
     pub(crate) fn new(addr: &str) -> Self {
@@ -68,14 +73,14 @@ impl Lookups {
             return Ok(vec![a]);
         }
         check_syntax(addr)?;
-        let rx = match self.running.take() {
-            Some(rx) => rx,
-            None => spawn_lookup(addr)?,
+        let (rx, began) = match self.running.take() {
+            Some((rx, began)) if began.elapsed() < FRESH_AFTER => (rx, began),
+            _ => (spawn_lookup(addr)?, Instant::now()),
         };
         let found = match rx.recv_timeout(wait) {
             Ok(found) => found,
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                self.running = Some(rx);
+                self.running = Some((rx, began));
                 return Err(ResolveFailure::Lookup(format!(
                     "looking up rendezvous address {addr:?}: no answer within {wait:?}"
                 )));
