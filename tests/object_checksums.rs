@@ -14,7 +14,7 @@ use kvlink::kv_device::{
 use kvlink::kv_geometry::{
     checksum_key, ComponentId, KvGeometry, ObjectChecksums, PageHash, Verified,
 };
-use kvlink::kv_loader::{KvLoadError, KvLoader, PlanError};
+use kvlink::kv_loader::{KvLoadError, KvLoader, PlanError, StoreFailure};
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome, StoreError,
 };
@@ -780,7 +780,6 @@ fn companions_are_read_beside_the_pin_without_an_exists() {
 /// companion stay, and the next load checks them as before.
 #[test]
 fn a_companion_refused_for_another_cause_is_not_discarded() {
-    use kvlink::kv_loader::StoreFailure;
     use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
     let s = saved(37, 3);
     let faults = Arc::new(FaultyStore::new(s.store.clone()));
@@ -988,6 +987,57 @@ fn a_corrupt_object_with_kept_checksums_is_still_bad() {
     );
     assert_eq!(linker.metrics().bad_objects, 1);
     assert_eq!(reads.hits(), before + 1, "its companion read afresh, once");
+    linker.close().unwrap();
+}
+
+/// A layer that fails against kept checksums whose companion is gone since (evicted, or
+/// discarded) is not published by length: nothing tells a rewrite by a writer without
+/// companions from bytes gone wrong, so the batch fails as a store failure, nothing is
+/// discarded, and the next load, finding no companion, checks the object by length.
+#[test]
+fn a_layer_failing_kept_checksums_whose_companion_is_gone_is_not_loaded_by_length() {
+    let s = saved(44, 3);
+    let (linker, pool, _reads) = counting_companions(&s, config());
+    load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
+    let keys = linker
+        .object_keys(&load_plan(&s.g, 0, &s.pages, vec![0, 1, 2]))
+        .unwrap();
+    let (key, k) = (&keys[0][2], &s.g.components()[0]);
+    let layer4 = k.layer_range(4).unwrap().start as usize;
+    corrupt(s.store.as_ref(), key, layer4 + 17);
+    assert_eq!(s.store.discard(&[checksum_key(key).as_str()]), vec![Ok(())]);
+    let t = linker
+        .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
+        .unwrap();
+    for l in 0..4 {
+        linker.wait_layer(&t, l).unwrap();
+    }
+    let err = linker.wait_layer(&t, 4).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            KvLoadError::Store {
+                kind: StoreFailure::NotFound,
+                layer: Some(4),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(linker.wait_batch(&t).unwrap().result.is_err());
+    assert_eq!(
+        s.store.exists(&[key.as_str()]),
+        vec![Ok(true)],
+        "not discarded"
+    );
+    assert_eq!(linker.metrics().bad_objects, 0);
+    // The next load has no checksums for it: by length, as any object without a companion.
+    let t = linker
+        .start_load(load_plan(&s.g, 3, &s.pages, vec![1, 3, 5]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    assert!(linker.metrics().ranges_length_only > 0);
     linker.close().unwrap();
 }
 

@@ -5,7 +5,7 @@
 //! beside its pin, before the pin took. A good object must not be discarded for that.
 
 use kv_geometry::{ObjectChecksums, Verified};
-use kv_loader::{BatchId, KvLoadError};
+use kv_loader::{BatchId, KvLoadError, StoreFailure};
 
 use super::companion::{companion_of, CompanionRead};
 use super::reader::{store_failure, ComponentKeys};
@@ -29,12 +29,14 @@ impl Inner {
     /// Where the object has no companion now, or a bad one, its size is checked first (when
     /// `verify_object_sizes`): kept checksums let layer 0 go before the sizes were in, and a
     /// row's length alone cannot tell a wrong-sized object. Every row passes: their verdicts,
-    /// the fresh checksums kept. A row whose object has no companion now passes by length
-    /// only, as an object without one always does (a writer that writes none, such as SGLang,
-    /// may have written it again). A row fails, or its fresh companion is malformed: its
-    /// object is bad (discarded, as any; `PlanError::ObjectSize` when its size is wrong). The
-    /// read fails:
-    /// the batch fails as that store failure, and nothing is discarded.
+    /// the fresh checksums kept. A row whose object has no companion now fails the batch as a
+    /// store failure (`NotFound`) and nothing is discarded: its bytes disagree with the
+    /// checksums this rank had, and with the companion gone nothing tells a rewrite by a
+    /// writer that writes none (such as SGLang) from a bad transfer of the same object, so the
+    /// engine recomputes, and the next load, finding no companion, checks the object by length
+    /// as it checks any object without one. A row fails, or its fresh companion is malformed:
+    /// its object is bad (discarded, as any; `PlanError::ObjectSize` when its size is wrong).
+    /// The read fails: the batch fails as that store failure, and nothing is discarded.
     ///
     /// It runs on the exchange loop before this rank's status word, which the peers wait for
     /// at most `collective_timeout`: its store calls are bounded by half of that (and by
@@ -77,7 +79,19 @@ impl Inner {
                 }
                 CompanionRead::Absent => {
                     sizes(comp, page)?;
-                    None
+                    return Err(KvLoadError::Store {
+                        batch: Some(batch),
+                        layer: Some(layer),
+                        pages: vec![page as u32].into(),
+                        kind: StoreFailure::NotFound,
+                        detail: format!(
+                            "`{}` does not match the checksums read for it, and its \
+                             companion is gone since: not loaded, nothing discarded (the next \
+                             load checks the object by length)",
+                            comp.keys[page]
+                        )
+                        .into(),
+                    });
                 }
                 CompanionRead::Failed(e) => {
                     return Err(store_failure(batch, Some(layer), vec![page as u32], &e));
