@@ -1514,3 +1514,50 @@ fn a_leftover_companion_that_cannot_be_discarded_fails_the_save_and_writes_no_ob
         ObjectChecksums::of_object(&object, g.components()[0].page_layer_bytes)
     );
 }
+
+/// A leftover companion that is gone by the time the save discards it (a load that found its
+/// object bad discarded it meanwhile, or the store evicted it) is what the discard was for:
+/// the save writes the pair.
+#[test]
+fn a_leftover_companion_gone_before_its_discard_does_not_fail_the_save() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, Stall};
+    let inner = Arc::new(EmbeddedStore::new(1 << 24));
+    let faulty = Arc::new(FaultyStore::new(inner.clone()));
+    let store: Arc<dyn KvStore> = faulty.clone();
+    let Leftover {
+        g,
+        linker,
+        plan,
+        keys,
+        ..
+    } = leftover_companion(store.clone(), 26);
+    let companion = checksum_key(&keys[0][0]);
+    // The save's discard of the leftover is held until another party has discarded it: the
+    // store then answers `NotFound`.
+    let held = Stall::new();
+    faulty.inject_on(
+        FaultCall::Discard,
+        FaultRule {
+            key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Stall(held.clone()),
+    );
+    std::thread::scope(|s| {
+        let saving = s.spawn(|| linker.save(&plan));
+        let limit = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while held.hits() == 0 && std::time::Instant::now() < limit {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert_eq!(inner.discard(&[companion.as_str()]), vec![Ok(())]);
+        held.release();
+        saving.join().unwrap().unwrap();
+    });
+    let object = get(store.as_ref(), &keys[0][0]).unwrap();
+    let fresh = ObjectChecksums::decode(&get(store.as_ref(), &companion).unwrap()).unwrap();
+    assert_eq!(
+        Ok(fresh),
+        ObjectChecksums::of_object(&object, g.components()[0].page_layer_bytes)
+    );
+}

@@ -138,9 +138,14 @@ impl Inner {
             let keys: Vec<&str> = stale.iter().map(|&(_, k)| k.as_str()).collect();
             let gone = self.calls.discard(&keys, self.store_deadline());
             for (&(i, key), r) in stale.iter().zip(gone) {
-                if let Err(e) = r {
-                    warn!(key, error = %e, "a leftover checksum companion stays: the save fails");
-                    return Err(store_failure(plan.logical.batch, None, vec![i as u32], &e));
+                match r {
+                    // Gone already (a load that found its object bad discarded it, or the
+                    // store evicted it): what the discard was for.
+                    Ok(()) | Err(crate::store::StoreError::NotFound { .. }) => {}
+                    Err(e) => {
+                        warn!(key, error = %e, "a leftover checksum companion stays: the save fails");
+                        return Err(store_failure(plan.logical.batch, None, vec![i as u32], &e));
+                    }
                 }
             }
         }
