@@ -101,7 +101,9 @@ impl StoreCalls {
 /// A put that returned after its caller gave up: the caller reported the save failed, and
 /// may have written the sources again (a host pool's slots are read in place) while the put
 /// still read them. What it wrote is discarded, so no torn object stays under first write
-/// wins.
+/// wins: the objects first, then the checksum companions, each only once its object is gone
+/// (discarded now, already absent, or not written by this put): an object left without its
+/// companion would pass later loads on its length alone.
 fn discard_late_writes(
     store: &dyn KvStore,
     keys: &[&str],
@@ -117,12 +119,30 @@ fn discard_late_writes(
         return;
     }
     tracing::warn!(
-        objects = written.len(),
+        keys = written.len(),
         "a put returned after its deadline: what it wrote is discarded"
     );
-    for (key, r) in written.iter().zip(store.discard(&written)) {
-        if let Err(e) = r {
-            tracing::warn!(key, error = %e, "an object a late put wrote stays");
+    let (companions, objects): (Vec<&str>, Vec<&str>) = written
+        .into_iter()
+        .partition(|k| k.ends_with(kv_geometry::CHECKSUM_KEY_SUFFIX));
+    let mut stays: Vec<&str> = Vec::new();
+    for (key, r) in objects.iter().zip(store.discard(&objects)) {
+        match r {
+            Ok(()) | Err(StoreError::NotFound { .. }) => {}
+            Err(e) => {
+                tracing::warn!(key, error = %e, "an object a late put wrote stays, and so does its companion");
+                stays.push(key);
+            }
+        }
+    }
+    let companions: Vec<&str> = companions
+        .into_iter()
+        .filter(|c| !stays.iter().any(|o| kv_geometry::checksum_key(o) == *c))
+        .collect();
+    for (key, r) in companions.iter().zip(store.discard(&companions)) {
+        match r {
+            Ok(()) | Err(StoreError::NotFound { .. }) => {}
+            Err(e) => tracing::warn!(key, error = %e, "a companion a late put wrote stays"),
         }
     }
 }
@@ -193,5 +213,74 @@ mod tests {
             "the late write was discarded"
         );
         assert_eq!(inner.exists(&["late"]), vec![Ok(false)]);
+    }
+
+    /// What a late put wrote goes objects first, then companions whose object is gone: a
+    /// companion whose object's discard failed stays with it (the object would otherwise pass
+    /// by length alone), one written beside another writer's object goes.
+    #[test]
+    fn a_late_puts_companion_goes_only_once_its_object_is_gone() {
+        use kv_geometry::checksum_key;
+        let inner = Arc::new(EmbeddedStore::new(1 << 20));
+        let faulty = FaultyStore::new(inner.clone());
+        let (c1, c2, c3) = (
+            checksum_key("obj1"),
+            checksum_key("obj2"),
+            checksum_key("obj3"),
+        );
+        let all = [
+            "obj1",
+            c1.as_str(),
+            "obj2",
+            c2.as_str(),
+            "obj3",
+            c3.as_str(),
+        ];
+        for k in all {
+            let bytes = [1u8; 8];
+            // SAFETY: `bytes` lives across the call.
+            let r = unsafe {
+                inner.put(&[crate::store::ObjectPut {
+                    key: k,
+                    parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
+                }])
+            };
+            assert_eq!(r, vec![Ok(PutOutcome::Written)]);
+        }
+        faulty.inject_on(
+            FaultCall::Discard,
+            FaultRule {
+                key_contains: Some("obj1".into()),
+                times: Some(1),
+                ..FaultRule::default()
+            },
+            Fault::Error(StoreError::Unavailable {
+                detail: "injected".into(),
+            }),
+        );
+        // obj3 was another writer's: only its companion is this put's.
+        let keys = [
+            "obj1",
+            c1.as_str(),
+            "obj2",
+            c2.as_str(),
+            "obj3",
+            c3.as_str(),
+        ];
+        let results = keys
+            .iter()
+            .map(|k| {
+                Ok(if *k == "obj3" {
+                    PutOutcome::AlreadyPresent
+                } else {
+                    PutOutcome::Written
+                })
+            })
+            .collect();
+        discard_late_writes(&faulty, &keys, results);
+        assert_eq!(
+            inner.exists(&all),
+            [true, true, false, false, true, false].map(Ok).to_vec()
+        );
     }
 }
