@@ -1561,3 +1561,46 @@ fn a_leftover_companion_gone_before_its_discard_does_not_fail_the_save() {
         ObjectChecksums::of_object(&object, g.components()[0].page_layer_bytes)
     );
 }
+
+/// A companion written beside an object whose put failed is discarded (whatever comes under
+/// that key later is not the bytes it was taken of), and the other pairs of the call are
+/// still written and kept: the save fails only after.
+#[test]
+fn a_companion_beside_an_object_whose_put_failed_is_discarded() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
+    let store: Arc<dyn KvStore> = faulty.clone();
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let tokens = prompt(27, 2, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+    fill_pool(&pool, &pages, &[0, 1]);
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
+    let keys = linker.object_keys(&plan).unwrap();
+    // The first put matching page 0's object key is the object's own (objects go first).
+    faulty.inject_on(
+        FaultCall::Put,
+        FaultRule {
+            key_contains: Some(keys[0][0].clone()),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::NoSpace {
+            key: keys[0][0].clone(),
+            detail: "injected".into(),
+        }),
+    );
+    assert!(linker.save(&plan).is_err());
+    // (This test store writes an object whose put it fails; a store whose put failed may
+    // have written nothing. Either way the companion must not stay.)
+    let companion = checksum_key(&keys[0][0]);
+    assert_eq!(store.exists(&[companion.as_str()]), vec![Ok(false)]);
+    // Page 1's pair of the same call is written, with its companion.
+    let other = &keys[0][1];
+    assert_eq!(
+        store.exists(&[other.as_str(), checksum_key(other).as_str()]),
+        vec![Ok(true), Ok(true)]
+    );
+}

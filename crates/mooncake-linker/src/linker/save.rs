@@ -262,6 +262,9 @@ impl Inner {
         let results = self.calls.put(&all, hold, self.store_deadline());
         let (objects, companion_results) = results.split_at(puts.len());
         self.unpair_foreign_companions(comp, chunk, objects, companion_results);
+        // The first object that failed fails the save, once every pair's outcome is counted
+        // and kept.
+        let mut failed = None;
         for (i, (put, (r, &page))) in puts.iter().zip(objects.iter().zip(chunk)).enumerate() {
             let foreign = matches!(
                 companion_results.get(i),
@@ -277,7 +280,9 @@ impl Inner {
                     report.pages_written.push(page as u32);
                 }
                 Ok(PutOutcome::AlreadyPresent) => report.objects_present += 1,
-                Err(e) => return Err(store_failure(batch, None, vec![page as u32], e)),
+                Err(e) => {
+                    failed.get_or_insert_with(|| store_failure(batch, None, vec![page as u32], e));
+                }
             }
         }
         for ((key, _), r) in companions.iter().zip(companion_results) {
@@ -293,7 +298,7 @@ impl Inner {
                     .insert(&comp.keys[page], std::sync::Arc::new(sums[i].clone()));
             }
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// An object and its companion that are not a pair are split up (best effort, logged), so
@@ -302,7 +307,8 @@ impl Inner {
     ///   looked, of other bytes): the object is discarded, and not counted written;
     /// - a companion this save wrote whose object was already there (another writer, such as
     ///   SGLang, wrote it since the save looked, with bytes of its own): the companion is
-    ///   discarded, and the object stays, checked by length only as any without one.
+    ///   discarded, and the object stays, checked by length only as any without one;
+    /// - a companion this save wrote whose object's put failed: the companion is discarded.
     fn unpair_foreign_companions(
         &self,
         comp: &ComponentKeys,
@@ -330,6 +336,18 @@ impl Inner {
         self.discard_unpaired(
             &companions_beside_foreign_objects,
             "companions written beside an object another writer wrote first",
+        );
+        // An object whose put failed: whatever is (or comes) there is not the bytes its
+        // companion was taken of.
+        let companions_beside_failed_objects: Vec<String> = chunk
+            .iter()
+            .zip(objects.iter().zip(companions))
+            .filter(|(_, pair)| matches!(pair, (Err(_), Ok(PutOutcome::Written))))
+            .map(|(&page, _)| checksum_key(&comp.keys[page]))
+            .collect();
+        self.discard_unpaired(
+            &companions_beside_failed_objects,
+            "companions written beside an object whose put failed",
         );
         self.discard_unpaired(
             &objects_beside_foreign_companions,
