@@ -40,12 +40,13 @@ impl Inner {
     ///
     /// It runs on the exchange loop before this rank's status word, which the peers wait for
     /// at most `collective_timeout`: its store calls are bounded by half of that (and by
-    /// `store_call_timeout`).
+    /// `store_call_timeout`), and by `by`, when the peers stop waiting (in a TP group).
     pub(crate) fn recheck_fresh(
         &self,
         batch: BatchId,
         layer: u32,
         rows: &[StaleRow<'_>],
+        by: Option<std::time::Instant>,
     ) -> Result<Vec<Verified>, KvLoadError> {
         let (keys, lens): (Vec<String>, Vec<usize>) = rows
             .iter()
@@ -63,6 +64,7 @@ impl Inner {
             .store_call_timeout
             .min(self.config.collective_timeout / 2);
         let deadline = kv_loader::deadline_after(bound);
+        let deadline = by.map_or(deadline, |by| deadline.min(by));
         let sizes =
             |comp: &ComponentKeys, page: usize| self.check_object_size(batch, comp, page, deadline);
         let read = self.calls.read_whole_owned(&refs, &lens, deadline);

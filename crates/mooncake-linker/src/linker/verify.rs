@@ -295,9 +295,17 @@ pub(crate) struct LayerCheck<'a> {
     pub(crate) batch: BatchId,
     pub(crate) layers: &'a BatchLayers,
     pub(crate) sums: &'a BatchChecksums,
+    /// When the check's store calls must have ended (in a TP group: before the peers stop
+    /// waiting for the layer's status word), besides their own bounds.
+    pub(crate) by: Option<std::time::Instant>,
 }
 
 impl LayerCheck<'_> {
+    /// `deadline`, or the check's own bound where that is sooner.
+    fn bounded(&self, deadline: std::time::Instant) -> std::time::Instant {
+        self.by.map_or(deadline, |by| deadline.min(by))
+    }
+
     /// Every range this rank read at `layer`, checked; the first that fails (in component,
     /// then page order; rows that failed against kept checksums only after the others, once
     /// their companions read afresh fail them too) is the error. A row whose checksum the
@@ -357,13 +365,15 @@ impl LayerCheck<'_> {
                         row.component,
                         row.page,
                         (Some(layer), e.to_string()),
-                        self.inner.store_call_deadline(),
+                        self.bounded(self.inner.store_call_deadline()),
                     ))
                 }
             }
         }
         if !stale.is_empty() {
-            let verdicts = self.inner.recheck_fresh(self.batch, layer, &stale)?;
+            let verdicts = self
+                .inner
+                .recheck_fresh(self.batch, layer, &stale, self.by)?;
             for (v, row) in verdicts.into_iter().zip(&stale) {
                 count(v, row.landed);
             }

@@ -9,7 +9,7 @@ use kv_device::LayerStage;
 use kv_loader::{KvLoadError, StoreFailure};
 use tracing::warn;
 
-use super::{alone_verdicts_bound, reader_bound, LayerPipeline, ReadLayer};
+use super::{alone_verdicts_bound, check_bound, reader_bound, LayerPipeline, ReadLayer};
 use crate::linker::batch::collective_failure;
 use crate::linker::handoff::{Handoff, Wait};
 use crate::linker::share::{step_for, LayerCx, ShareStep, StepError};
@@ -180,7 +180,7 @@ impl LayerPipeline<'_> {
         let read = self.receive(h, layer, peers_from);
         let verify_at = Instant::now();
         // What this rank read for the layer is verified before it says "ok" for it.
-        let verified = self.check_read(&read, layer);
+        let verified = self.check_read(&read, layer, peers_from);
         let mine = progress.carried.take().or(read.error).or(verified);
         if let Some(e) = &mine {
             progress.own.get_or_insert_with(|| e.clone());
@@ -249,7 +249,7 @@ impl LayerPipeline<'_> {
     /// itself succeeded. A layer without a stage or a landing fails here, in its own status
     /// word, so that every rank stops at it together (never after an ok word, which would skip
     /// this layer's collective).
-    fn check_read(&self, read: &ReadLayer, layer: u32) -> Option<KvLoadError> {
+    fn check_read(&self, read: &ReadLayer, layer: u32, peers_from: Instant) -> Option<KvLoadError> {
         let batch = self.job.plan.logical.batch;
         if read.error.is_some() {
             return None;
@@ -271,6 +271,11 @@ impl LayerPipeline<'_> {
             batch,
             layers: self.layers,
             sums,
+            // In a group the check's store calls (a companion read afresh, a bad object's
+            // discard) end before the peers stop waiting for this layer's status word.
+            by: self
+                .coll
+                .map(|_| check_bound(peers_from, self.inner.config.collective_timeout)),
         }
         .run(landing, stage, layer, read.landed.as_ref())
         .err()

@@ -258,6 +258,14 @@ fn reader_bound(from: Instant, collective_timeout: Duration) -> Instant {
     after(from, collective_timeout.mul_f64(0.9))
 }
 
+/// The latest a layer's check may end its store calls in a TP group: nineteen twentieths of
+/// `collective_timeout` after `from` (as for [`reader_bound`]), leaving the rest for the
+/// status exchange itself. A discard given up then is retried by the next load that finds the
+/// object bad.
+fn check_bound(from: Instant, collective_timeout: Duration) -> Instant {
+    after(from, collective_timeout.mul_f64(0.95))
+}
+
 /// `at + d`, or `d` from now where that cannot be represented.
 fn after(at: Instant, d: Duration) -> Instant {
     at.checked_add(d)
