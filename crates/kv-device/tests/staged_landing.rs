@@ -772,3 +772,59 @@ fn a_save_held_by_an_engine_event_does_not_fail_the_later_saves() {
     let mut next = f.begin_save(slots.into()).unwrap();
     assert!(next.gather(k, 0).is_ok(), "a later save gathers");
 }
+
+/// A staging pool, a pool and one landing's parts over one CPU device, for the refusal tests
+/// below.
+fn small_landing(shape: BatchShape) -> Result<StagedLanding, DeviceError> {
+    let dev = CpuDevice::with_config(0, CpuDeviceConfig::default()).unwrap();
+    let g = geometry();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging =
+        StagingPool::with_stages(dev, StagingPool::half_bytes_for(&g, 2, 2), 2, 1).unwrap();
+    StagedLanding::new(pool, staging.lease().unwrap(), vec![0u32, 1].into(), shape)
+}
+
+/// A shape whose layer bytes overflow is refused, not wrapped to a size that passes the
+/// stage's bound (then a share row could be placed anywhere in memory from safe code).
+#[test]
+fn a_shape_whose_layer_bytes_overflow_is_refused() {
+    let g = geometry();
+    let k = g.component_by_name("k").unwrap().id;
+    let v = g.component_by_name("v").unwrap().id;
+    let shape = BatchShape {
+        own: vec![v],
+        shared: vec![k],
+        share_bytes: vec![usize::MAX - 3; 4],
+    };
+    assert!(small_landing(shape).is_err());
+}
+
+/// A layer is open in one stage at a time: a second stage opening it is refused, so the
+/// layer's ready event (its stage's land) covers every copy into its slots.
+#[test]
+fn a_layer_open_in_one_stage_is_refused_to_another() {
+    let g = geometry();
+    let mut landing = small_landing(BatchShape::own_only(all(&g))).unwrap();
+    let mut stages = landing.take_stages();
+    let (a, b) = stages.split_at_mut(1);
+    landing.open(&mut a[0], 1, soon()).unwrap();
+    assert!(landing.open(&mut b[0], 1, soon()).is_err());
+    // Once landed in the first, it may be opened again.
+    landing.land(&mut a[0]).unwrap();
+    landing.open(&mut b[0], 1, soon()).unwrap();
+}
+
+/// A stage whose device work failed (a collective aborted) takes no more work: nothing lands
+/// in the slots behind a collective whose end is unknown.
+#[test]
+fn a_poisoned_stage_takes_no_more_device_work() {
+    let g = geometry();
+    let mut landing = small_landing(BatchShape::own_only(all(&g))).unwrap();
+    let mut stages = landing.take_stages();
+    landing.open(&mut stages[0], 0, soon()).unwrap();
+    landing.poison(&mut stages[0]);
+    assert!(matches!(
+        landing.land(&mut stages[0]),
+        Err(DeviceError::Poisoned(_))
+    ));
+}

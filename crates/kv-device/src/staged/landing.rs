@@ -80,6 +80,9 @@ pub struct StagedLanding {
     log: TransferLog,
     stats: Mutex<LandingStats>,
     drain: Duration,
+    /// Per stage of the ring, the layer open in it: no two stages hold one layer, so a layer's
+    /// ready event covers every copy into its slots.
+    open: Mutex<Vec<Option<u32>>>,
 }
 
 fn stage_err(reason: &'static str) -> DeviceError {
@@ -146,6 +149,7 @@ impl StagedLanding {
             log: TransferLog::new(layers),
             stats: Mutex::new(LandingStats::default()),
             drain: Duration::from_secs(30),
+            open: Mutex::new(vec![None; ring]),
         })
     }
 
@@ -273,6 +277,23 @@ impl StagedLanding {
         Ok(self.lease_ref()?.host_stage(h)? + offset)
     }
 
+    /// Stage `h` may take new device work: it is not lent (`lent_what` names the call), and
+    /// its earlier work did not fail (`poisoned_what`): nothing lands in the slots behind
+    /// device work, such as a collective, whose end is unknown.
+    fn workable(
+        &self,
+        h: usize,
+        lent_what: &'static str,
+        poisoned_what: &'static str,
+    ) -> Result<(), DeviceError> {
+        let state = self.state(h)?;
+        state.lent.check(lent_what)?;
+        if state.fences.is_poisoned() {
+            return Err(DeviceError::Poisoned(poisoned_what));
+        }
+        Ok(())
+    }
+
     /// The state of stage `h` (checked by `LayerStage::index` against this landing).
     fn state(&self, h: usize) -> Result<&StageState, DeviceError> {
         self.stages_state
@@ -375,18 +396,29 @@ fn check_shape(
     if !shape.share_bytes.is_empty() && shape.share_bytes.len() != g.num_layers() as usize {
         return Err(stage_err("share_bytes must name every layer"));
     }
+    // Checked arithmetic throughout: the shape's fields are the caller's, and a sum that
+    // wrapped would pass this check and let rows be placed past the stage.
+    let too_large = || stage_err("the batch's layer bytes overflow");
     for l in 0..g.num_layers() {
-        let own: u64 = g
+        let mut need = 0u64;
+        for c in g
             .components()
             .iter()
             .filter(|c| shape.own.contains(&c.id) && c.position(l).is_some())
-            .map(|c| c.page_layer_bytes * pages as u64)
-            .sum();
-        let need = own + shape.share_len(l) as u64;
+        {
+            let bytes = c
+                .page_layer_bytes
+                .checked_mul(pages as u64)
+                .ok_or_else(too_large)?;
+            need = need.checked_add(bytes).ok_or_else(too_large)?;
+        }
+        need = need
+            .checked_add(shape.share_len(l) as u64)
+            .ok_or_else(too_large)?;
         if need > stage_bytes as u64 {
             return Err(DeviceError::Alloc {
-                bytes: need * 2,
-                what: "staging buffer (a stage is smaller than one layer of this batch)",
+                bytes: need,
+                what: "staging stage (a stage is smaller than one layer of this batch)",
             });
         }
     }
@@ -414,6 +446,18 @@ impl LayerLanding for StagedLanding {
             self.stats.lock().reuse_waits += 1;
         }
         state.fences.drain(deadline, "staging stage reuse")?;
+        let mut open = self.open.lock();
+        if open
+            .iter()
+            .enumerate()
+            .any(|(other, l)| other != h && *l == Some(layer))
+        {
+            return Err(stage_err("the layer is open in another stage"));
+        }
+        if let Some(entry) = open.get_mut(h) {
+            *entry = Some(layer);
+        }
+        drop(open);
         *state.upload.lock() = None;
         stage.set_layer(Some(layer));
         Ok(())
@@ -478,7 +522,14 @@ impl LayerLanding for StagedLanding {
 
     fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
-        self.state(h)?.lent.check("landing a stage")?;
+        self.workable(
+            h,
+            "landing a stage",
+            "landing a stage whose device work failed",
+        )?;
+        if let Some(entry) = self.open.lock().get_mut(h) {
+            *entry = None;
+        }
         stage.set_layer(None);
         if self.slots.is_empty() {
             return Ok(LayerReady::Resident);
@@ -556,7 +607,11 @@ impl DeviceShare for StagedLanding {
 
     fn upload(&self, stage: &mut LayerStage, range: Range<usize>) -> Result<(), DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
-        self.state(h)?.lent.check("uploading a stage")?;
+        self.workable(
+            h,
+            "uploading a stage",
+            "uploading a stage whose device work failed",
+        )?;
         if range.start > range.end || range.end > self.shape.share_len(layer) {
             return Err(stage_err("an upload outside the share area"));
         }
@@ -593,6 +648,11 @@ impl DeviceShare for StagedLanding {
         stage: &'s mut LayerStage,
     ) -> Result<DeviceStage<'s>, DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
+        self.workable(
+            h,
+            "sharing a stage's device area",
+            "sharing a stage whose device work failed",
+        )?;
         let region = DeviceRegion {
             ordinal: self.pool.device().ordinal(),
             addr: self.lease_ref()?.device_stage(h)?,
@@ -614,38 +674,49 @@ impl DeviceShare for StagedLanding {
         after: &SharedEvent,
     ) -> Result<(), DeviceError> {
         let (h, layer) = stage.open_layer(self.id)?;
+        self.workable(
+            h,
+            "scattering a stage",
+            "scattering a stage whose device work failed (its collective may not have ended)",
+        )?;
         let dev = self.lease_ref()?.device_stage(h)?;
         let share = self.shape.share_len(layer) as u64;
+        // Every block is checked before anything is queued: a wait for `after` (which may
+        // never end) or half of the copies must not stay on the load stream for a call that
+        // fails.
+        let mut copies = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            let c = self.layout(b.component)?;
+            if !self.shape.shared.contains(&b.component) || c.position(layer).is_none() {
+                return Err(stage_err(
+                    "a row block of a component not shared on this layer",
+                ));
+            }
+            if b.first_page
+                .checked_add(b.pages)
+                .is_none_or(|e| e > self.slots.len())
+            {
+                return Err(stage_err("a row block past the plan"));
+            }
+            // Checked: a block's fields are caller input, and a sum that wrapped would pass
+            // the bound and point the copy before the staging buffer.
+            let end = u64::try_from(b.offset).ok().and_then(|o| {
+                (b.pages as u64)
+                    .checked_mul(c.page_layer_bytes)
+                    .and_then(|n| o.checked_add(n))
+            });
+            if end.is_none_or(|e| e > share) {
+                return Err(stage_err("a row block outside the share area"));
+            }
+            let span = self.span(b.component, layer, b.first_page, b.pages)?;
+            copies.push((span, Staged::Device(dev + b.offset as u64)));
+        }
         self.fenced(h, || {
             self.stream.wait(after)?;
-            for b in blocks {
-                let c = self.layout(b.component)?;
-                if !self.shape.shared.contains(&b.component) || c.position(layer).is_none() {
-                    return Err(stage_err(
-                        "a row block of a component not shared on this layer",
-                    ));
-                }
-                if b.first_page
-                    .checked_add(b.pages)
-                    .is_none_or(|e| e > self.slots.len())
-                {
-                    return Err(stage_err("a row block past the plan"));
-                }
-                // Checked: a block's fields are caller input, and a sum that wrapped would pass
-                // the bound and point the copy before the staging buffer.
-                let end = u64::try_from(b.offset).ok().and_then(|o| {
-                    (b.pages as u64)
-                        .checked_mul(c.page_layer_bytes)
-                        .and_then(|n| o.checked_add(n))
-                });
-                if end.is_none_or(|e| e > share) {
-                    return Err(stage_err("a row block outside the share area"));
-                }
-                let span = self.span(b.component, layer, b.first_page, b.pages)?;
-                let from = Staged::Device(dev + b.offset as u64);
-                // SAFETY: the block's rows lie in the device share area (checked), its slots
-                // in the pool; the load stream waits for the collective first; the stage is
-                // reused only after the fence recorded after this (`fenced`).
+            for (span, from) in copies {
+                // SAFETY: the block's rows lie in the device share area (checked above), its
+                // slots in the pool; the load stream waits for the collective first; the stage
+                // is reused only after the fence recorded after this (`fenced`).
                 let m =
                     unsafe { copy::scatter(&self.stream, self.strategy, &self.slots, span, from) }?;
                 self.count(layer, m);
