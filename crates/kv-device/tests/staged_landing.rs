@@ -828,3 +828,20 @@ fn a_poisoned_stage_takes_no_more_device_work() {
         Err(DeviceError::Poisoned(_))
     ));
 }
+
+/// Staging of another device than the pool's is refused for a save too (its gather would
+/// copy one device's slots into another's staging), as for a load.
+#[test]
+fn staging_of_another_device_is_refused_for_loads_and_saves() {
+    let g = geometry();
+    let pool_dev = CpuDevice::with_config(1, CpuDeviceConfig::default()).unwrap();
+    let other = CpuDevice::with_config(0, CpuDeviceConfig::default()).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(pool_dev, g.clone(), 8).unwrap());
+    let staging =
+        StagingPool::with_stages(other, StagingPool::half_bytes_for(&g, 2, 2), 2, 1).unwrap();
+    let f = StagedLandingFactory::new(pool, staging);
+    assert!(matches!(
+        f.begin_save(vec![0u32, 1].into()),
+        Err(DeviceError::InvalidStage(_))
+    ));
+}

@@ -181,6 +181,7 @@ impl StagedGather {
                 reason: "slot past the pool",
             });
         }
+        super::landing::same_device(&**lease.device(), &**pool.device())?;
         let device = pool.device().clone();
         let slot_table = if slots.is_empty() {
             None

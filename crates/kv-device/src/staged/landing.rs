@@ -15,7 +15,7 @@ use super::staging::StagingLease;
 use super::sync;
 use crate::landing::{next_landing_id, Fences, StageLent, TransferLog};
 use crate::{
-    BatchShape, DeviceError, DeviceMemory, DeviceRegion, DeviceShare, DeviceStage, KvPool,
+    BatchShape, Device, DeviceError, DeviceMemory, DeviceRegion, DeviceShare, DeviceStage, KvPool,
     LayerLanding, LayerStage, ReadTarget, RowBlock, ShareSide, SharedEvent, StageLoan, Stream,
     Transfer,
 };
@@ -89,6 +89,23 @@ fn stage_err(reason: &'static str) -> DeviceError {
     DeviceError::InvalidStage(reason)
 }
 
+/// The staging's device (`staging`) is the pool's (`pool`): the same ordinal of the same
+/// backend (a CPU device's stream cannot copy into a CUDA device's memory, nor one GPU's
+/// stream into another's). Two handles of one device pass.
+pub(crate) fn same_device(staging: &dyn Device, pool: &dyn Device) -> Result<(), DeviceError> {
+    if staging.ordinal() == pool.ordinal() && staging.name() == pool.name() {
+        return Ok(());
+    }
+    tracing::error!(
+        staging = %staging.name(),
+        staging_ordinal = staging.ordinal(),
+        pool = %pool.name(),
+        pool_ordinal = pool.ordinal(),
+        "staging of another device than the pool's"
+    );
+    Err(stage_err("staging of another device than the pool's"))
+}
+
 impl StagedLanding {
     /// A landing of a batch whose plan page `i` goes to slot `slots[i]` of `pool`, staged in
     /// `lease`, split as `shape`. Checks that every slot is inside the pool and that a
@@ -100,13 +117,7 @@ impl StagedLanding {
         shape: BatchShape,
     ) -> Result<Self, DeviceError> {
         let device = pool.device().clone();
-        if lease.device().ordinal() != device.ordinal() {
-            return Err(DeviceError::Driver(format!(
-                "staging of device {} used for a pool on device {}",
-                lease.device().ordinal(),
-                device.ordinal()
-            )));
-        }
+        same_device(&**lease.device(), &*device)?;
         if let Some(&s) = slots.iter().find(|&&s| s >= pool.pages()) {
             return Err(DeviceError::OutOfPool {
                 component: u16::MAX,
