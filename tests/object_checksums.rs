@@ -963,24 +963,12 @@ fn a_corrupt_object_with_kept_checksums_is_still_bad() {
     let (linker, pool, reads) = counting_companions(&s, config());
     load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
     let before = reads.hits();
-    let keys = linker
-        .object_keys(&load_plan(&s.g, 0, &s.pages, vec![0, 1, 2]))
-        .unwrap();
-    let (key, k) = (&keys[0][2], &s.g.components()[0]);
-    let layer4 = k.layer_range(4).unwrap().start as usize;
-    corrupt(s.store.as_ref(), key, layer4 + 17);
-    let t = linker
-        .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
-        .unwrap();
-    for l in 0..4 {
-        linker.wait_layer(&t, l).unwrap();
-    }
-    let err = linker.wait_layer(&t, 4).unwrap_err();
+    let key = &corrupt_page_2_at_layer_4(&s, &linker);
+    let err = layer_4_fails(&linker, &s);
     assert!(
         matches!(&err, KvLoadError::BadObject { key: bad, layer: Some(4), .. } if bad == key),
         "{err:?}"
     );
-    assert!(linker.wait_batch(&t).unwrap().result.is_err());
     assert_eq!(
         s.store.exists(&[key.as_str(), &checksum_key(key)]),
         vec![Ok(false), Ok(false)]
@@ -988,6 +976,31 @@ fn a_corrupt_object_with_kept_checksums_is_still_bad() {
     assert_eq!(linker.metrics().bad_objects, 1);
     assert_eq!(reads.hits(), before + 1, "its companion read afresh, once");
     linker.close().unwrap();
+}
+
+/// Page 2's first object, corrupted in layer 4: its key.
+fn corrupt_page_2_at_layer_4(s: &Saved, linker: &Linker) -> String {
+    let keys = linker
+        .object_keys(&load_plan(&s.g, 0, &s.pages, vec![0, 1, 2]))
+        .unwrap();
+    let (key, k) = (&keys[0][2], &s.g.components()[0]);
+    let layer4 = k.layer_range(4).unwrap().start as usize;
+    corrupt(s.store.as_ref(), key, layer4 + 17);
+    key.clone()
+}
+
+/// Loads batch 2 of `s`'s pages: layers 0 to 3 are ready, layer 4's wait fails (the error);
+/// the batch fails.
+fn layer_4_fails(linker: &Linker, s: &Saved) -> KvLoadError {
+    let t = linker
+        .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
+        .unwrap();
+    for l in 0..4 {
+        linker.wait_layer(&t, l).unwrap();
+    }
+    let err = linker.wait_layer(&t, 4).unwrap_err();
+    assert!(linker.wait_batch(&t).unwrap().result.is_err());
+    err
 }
 
 /// A layer that fails against kept checksums whose companion is gone since (evicted, or
@@ -999,20 +1012,9 @@ fn a_layer_failing_kept_checksums_whose_companion_is_gone_is_not_loaded_by_lengt
     let s = saved(44, 3);
     let (linker, pool, _reads) = counting_companions(&s, config());
     load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
-    let keys = linker
-        .object_keys(&load_plan(&s.g, 0, &s.pages, vec![0, 1, 2]))
-        .unwrap();
-    let (key, k) = (&keys[0][2], &s.g.components()[0]);
-    let layer4 = k.layer_range(4).unwrap().start as usize;
-    corrupt(s.store.as_ref(), key, layer4 + 17);
+    let key = &corrupt_page_2_at_layer_4(&s, &linker);
     assert_eq!(s.store.discard(&[checksum_key(key).as_str()]), vec![Ok(())]);
-    let t = linker
-        .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
-        .unwrap();
-    for l in 0..4 {
-        linker.wait_layer(&t, l).unwrap();
-    }
-    let err = linker.wait_layer(&t, 4).unwrap_err();
+    let err = layer_4_fails(&linker, &s);
     assert!(
         matches!(
             &err,
@@ -1024,7 +1026,6 @@ fn a_layer_failing_kept_checksums_whose_companion_is_gone_is_not_loaded_by_lengt
         ),
         "{err:?}"
     );
-    assert!(linker.wait_batch(&t).unwrap().result.is_err());
     assert_eq!(
         s.store.exists(&[key.as_str()]),
         vec![Ok(true)],
@@ -1345,18 +1346,14 @@ fn reset_waits_for_a_read_ahead_no_longer_than_its_bound() {
 /// load then reads its companions itself and loads.
 #[test]
 fn a_hung_read_ahead_holds_a_load_back_briefly() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, Stall};
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultyStore, Stall};
     let s = saved(50, 3);
     let faults = Arc::new(FaultyStore::new(s.store.clone()));
     // The read ahead's one call (every companion) is held; the load's own read is not.
     let held = Stall::new();
     faults.inject_on(
         FaultCall::ReadWhole,
-        FaultRule {
-            key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
-            times: Some(1),
-            ..FaultRule::default()
-        },
+        first_companion(),
         Fault::Stall(held.clone()),
     );
     let cfg = LinkerConfig {
@@ -1471,12 +1468,31 @@ fn a_stale_companion_read_by_the_batch_is_checked_again_not_taken_as_bad() {
     linker.close().unwrap();
 }
 
+/// The first key of a checksum companion a call of the rule's kind meets.
+fn first_companion() -> kvlink::mooncake_linker::store::FaultRule {
+    kvlink::mooncake_linker::store::FaultRule {
+        key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
+        times: Some(1),
+        ..Default::default()
+    }
+}
+
+/// `key`'s object is in the store with its companion, which holds the object's checksums.
+fn assert_paired(store: &dyn KvStore, g: &KvGeometry, key: &str) {
+    let object = get(store, key).unwrap();
+    let fresh = ObjectChecksums::decode(&get(store, &checksum_key(key)).unwrap()).unwrap();
+    assert_eq!(
+        Ok(fresh),
+        ObjectChecksums::of_object(&object, g.components()[0].page_layer_bytes)
+    );
+}
+
 /// A leftover companion that cannot be discarded fails the save, and its object is not
 /// written: written beside checksums of other bytes, every later load of it would fail and
 /// discard it. The next save, with the store healthy again, writes the pair.
 #[test]
 fn a_leftover_companion_that_cannot_be_discarded_fails_the_save_and_writes_no_object() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultyStore, StoreError};
     let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
     let store: Arc<dyn KvStore> = faulty.clone();
     let Leftover {
@@ -1486,14 +1502,9 @@ fn a_leftover_companion_that_cannot_be_discarded_fails_the_save_and_writes_no_ob
         keys,
         ..
     } = leftover_companion(store.clone(), 25);
-    let companion = checksum_key(&keys[0][0]);
     faulty.inject_on(
         FaultCall::Discard,
-        FaultRule {
-            key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
-            times: Some(1),
-            ..FaultRule::default()
-        },
+        first_companion(),
         Fault::Error(StoreError::Unavailable {
             detail: "injected: discard refused".into(),
         }),
@@ -1507,12 +1518,7 @@ fn a_leftover_companion_that_cannot_be_discarded_fails_the_save_and_writes_no_ob
     );
     // The fault is spent: the next save discards the leftover and writes the pair.
     linker.save(&plan).unwrap();
-    let object = get(store.as_ref(), &keys[0][0]).unwrap();
-    let fresh = ObjectChecksums::decode(&get(store.as_ref(), &companion).unwrap()).unwrap();
-    assert_eq!(
-        Ok(fresh),
-        ObjectChecksums::of_object(&object, g.components()[0].page_layer_bytes)
-    );
+    assert_paired(store.as_ref(), &g, &keys[0][0]);
 }
 
 /// A leftover companion that is gone by the time the save discards it (a load that found its
@@ -1520,7 +1526,7 @@ fn a_leftover_companion_that_cannot_be_discarded_fails_the_save_and_writes_no_ob
 /// the save writes the pair.
 #[test]
 fn a_leftover_companion_gone_before_its_discard_does_not_fail_the_save() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, Stall};
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultyStore, Stall};
     let inner = Arc::new(EmbeddedStore::new(1 << 24));
     let faulty = Arc::new(FaultyStore::new(inner.clone()));
     let store: Arc<dyn KvStore> = faulty.clone();
@@ -1537,11 +1543,7 @@ fn a_leftover_companion_gone_before_its_discard_does_not_fail_the_save() {
     let held = Stall::new();
     faulty.inject_on(
         FaultCall::Discard,
-        FaultRule {
-            key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
-            times: Some(1),
-            ..FaultRule::default()
-        },
+        first_companion(),
         Fault::Stall(held.clone()),
     );
     std::thread::scope(|s| {
@@ -1554,12 +1556,7 @@ fn a_leftover_companion_gone_before_its_discard_does_not_fail_the_save() {
         held.release();
         saving.join().unwrap().unwrap();
     });
-    let object = get(store.as_ref(), &keys[0][0]).unwrap();
-    let fresh = ObjectChecksums::decode(&get(store.as_ref(), &companion).unwrap()).unwrap();
-    assert_eq!(
-        Ok(fresh),
-        ObjectChecksums::of_object(&object, g.components()[0].page_layer_bytes)
-    );
+    assert_paired(store.as_ref(), &g, &keys[0][0]);
 }
 
 /// A companion written beside an object whose put failed is discarded (whatever comes under

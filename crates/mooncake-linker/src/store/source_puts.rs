@@ -259,14 +259,7 @@ mod tests {
             }),
         );
         // obj3 was another writer's: only its companion is this put's.
-        let keys = [
-            "obj1",
-            c1.as_str(),
-            "obj2",
-            c2.as_str(),
-            "obj3",
-            c3.as_str(),
-        ];
+        let keys = all;
         let results = keys
             .iter()
             .map(|k| {
