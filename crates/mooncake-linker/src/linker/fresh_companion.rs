@@ -30,11 +30,11 @@ impl Inner {
     /// `verify_object_sizes`): kept checksums let layer 0 go before the sizes were in, and a
     /// row's length alone cannot tell a wrong-sized object. Every row passes: their verdicts,
     /// the fresh checksums kept. A row whose object has no companion now fails the batch as a
-    /// store failure (`NotFound`) and nothing is discarded: its bytes disagree with the
-    /// checksums this rank had, and with the companion gone nothing tells a rewrite by a
-    /// writer that writes none (such as SGLang) from a bad transfer of the same object, so the
-    /// engine recomputes, and the next load, finding no companion, checks the object by length
-    /// as it checks any object without one. A row fails, or its fresh companion is malformed:
+    /// store failure (`TransferFailed`, retryable) and nothing is discarded: its bytes
+    /// disagree with the checksums this rank had, and with the companion gone nothing tells a
+    /// rewrite by a writer that writes none (such as SGLang) from a bad transfer of the same
+    /// object, so the engine recomputes, and the next load, finding no companion, checks the
+    /// object by length as it checks any object without one. A row fails, or its fresh companion is malformed:
     /// its object is bad (discarded, as any; `PlanError::ObjectSize` when its size is wrong).
     /// The read fails: the batch fails as that store failure, and nothing is discarded.
     ///
@@ -85,7 +85,7 @@ impl Inner {
                         batch: Some(batch),
                         layer: Some(layer),
                         pages: vec![page as u32].into(),
-                        kind: StoreFailure::NotFound,
+                        kind: StoreFailure::TransferFailed,
                         detail: format!(
                             "`{}` does not match the checksums read for it, and its \
                              companion is gone since: not loaded, nothing discarded (the next \

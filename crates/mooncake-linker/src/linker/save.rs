@@ -308,7 +308,8 @@ impl Inner {
     /// - a companion this save wrote whose object was already there (another writer, such as
     ///   SGLang, wrote it since the save looked, with bytes of its own): the companion is
     ///   discarded, and the object stays, checked by length only as any without one;
-    /// - a companion this save wrote whose object's put failed: the companion is discarded.
+    /// - a companion this save wrote whose object's put failed: the object (which the store
+    ///   may have taken all the same) is discarded, then the companion.
     fn unpair_foreign_companions(
         &self,
         comp: &ComponentKeys,
@@ -337,18 +338,23 @@ impl Inner {
             &companions_beside_foreign_objects,
             "companions written beside an object another writer wrote first",
         );
-        // An object whose put failed: whatever is (or comes) there is not the bytes its
-        // companion was taken of.
-        let companions_beside_failed_objects: Vec<String> = chunk
+        // An object whose put failed may still have been written (a call that timed out
+        // after the store took it, a transfer given up while it ran): it goes first, and its
+        // companion only once it is gone, so no object is left to pass by length alone nor a
+        // companion to vouch for whatever comes under that key.
+        let failed_objects: Vec<&str> = chunk
             .iter()
             .zip(objects.iter().zip(companions))
             .filter(|(_, pair)| matches!(pair, (Err(_), Ok(PutOutcome::Written))))
-            .map(|(&page, _)| checksum_key(&comp.keys[page]))
+            .map(|(&page, _)| comp.keys[page].as_str())
             .collect();
-        self.discard_unpaired(
-            &companions_beside_failed_objects,
-            "companions written beside an object whose put failed",
-        );
+        if !failed_objects.is_empty() {
+            warn!(
+                objects = failed_objects.len(),
+                "objects whose put failed beside a written companion: discarded with it"
+            );
+            super::replace::discard_objects(&self.calls, &failed_objects, self.store_deadline());
+        }
         self.discard_unpaired(
             &objects_beside_foreign_companions,
             "objects written beside a companion already there",
