@@ -799,8 +799,9 @@ fn a_shape_whose_layer_bytes_overflow_is_refused() {
     assert!(small_landing(shape).is_err());
 }
 
-/// A layer is open in one stage at a time: a second stage opening it is refused, so the
-/// layer's ready event (its stage's land) covers every copy into its slots.
+/// A layer is one stage's at a time, until that stage is opened again after landing it: a
+/// second stage opening it is refused, so the layer's ready event (its stage's land) covers
+/// every copy into its slots.
 #[test]
 fn a_layer_open_in_one_stage_is_refused_to_another() {
     let g = geometry();
@@ -809,8 +810,11 @@ fn a_layer_open_in_one_stage_is_refused_to_another() {
     let (a, b) = stages.split_at_mut(1);
     landing.open(&mut a[0], 1, soon()).unwrap();
     assert!(landing.open(&mut b[0], 1, soon()).is_err());
-    // Once landed in the first, it may be opened again.
+    // Landed in the first, whose copies may still run: still the first's.
     landing.land(&mut a[0]).unwrap();
+    assert!(landing.open(&mut b[0], 1, soon()).is_err());
+    // The first opened again (after waiting for those copies): the layer is free.
+    landing.open(&mut a[0], 2, soon()).unwrap();
     landing.open(&mut b[0], 1, soon()).unwrap();
 }
 

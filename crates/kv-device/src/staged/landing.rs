@@ -80,7 +80,8 @@ pub struct StagedLanding {
     log: TransferLog,
     stats: Mutex<LandingStats>,
     drain: Duration,
-    /// Per stage of the ring, the layer open in it: no two stages hold one layer, so a layer's
+    /// Per stage of the ring, the layer open or last landed in it (until the stage is opened
+    /// again, which waits for that layer's copies): no two stages hold one layer, so a layer's
     /// ready event covers every copy into its slots.
     open: Mutex<Vec<Option<u32>>>,
 }
@@ -93,7 +94,9 @@ fn stage_err(reason: &'static str) -> DeviceError {
 /// backend (a CPU device's stream cannot copy into a CUDA device's memory, nor one GPU's
 /// stream into another's). Two handles of one device pass.
 pub(crate) fn same_device(staging: &dyn Device, pool: &dyn Device) -> Result<(), DeviceError> {
-    if staging.ordinal() == pool.ordinal() && staging.name() == pool.name() {
+    if std::ptr::addr_eq(staging, pool)
+        || (staging.ordinal() == pool.ordinal() && staging.name() == pool.name())
+    {
         return Ok(());
     }
     tracing::error!(
@@ -538,9 +541,8 @@ impl LayerLanding for StagedLanding {
             "landing a stage",
             "landing a stage whose device work failed",
         )?;
-        if let Some(entry) = self.open.lock().get_mut(h) {
-            *entry = None;
-        }
+        // The layer stays this stage's until the stage is opened again, which first waits for
+        // the copies queued here: only then may another stage take the layer.
         stage.set_layer(None);
         if self.slots.is_empty() {
             return Ok(LayerReady::Resident);

@@ -126,7 +126,11 @@ fn discard_late_writes(
         .into_iter()
         .partition(|k| k.ends_with(kv_geometry::CHECKSUM_KEY_SUFFIX));
     let mut stays: Vec<&str> = Vec::new();
-    for (key, r) in objects.iter().zip(store.discard(&objects)) {
+    // One result per key: a missing one is an error, so its object's companion stays.
+    for (key, r) in objects
+        .iter()
+        .zip(super::checked_results(&objects, store.discard(&objects)))
+    {
         match r {
             Ok(()) | Err(StoreError::NotFound { .. }) => {}
             Err(e) => {
