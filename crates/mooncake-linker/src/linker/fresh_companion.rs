@@ -34,9 +34,10 @@ impl Inner {
     /// disagree with the checksums this rank had, and with the companion gone nothing tells a
     /// rewrite by a writer that writes none (such as SGLang) from a bad transfer of the same
     /// object, so the engine recomputes, and the next load, finding no companion, checks the
-    /// object by length as it checks any object without one. A row fails, or its fresh companion is malformed:
-    /// its object is bad (discarded, as any; `PlanError::ObjectSize` when its size is wrong).
-    /// The read fails: the batch fails as that store failure, and nothing is discarded.
+    /// object by length as it checks any object without one. A row fails, or its fresh
+    /// companion is malformed: its object is bad (discarded, as any; `PlanError::ObjectSize`
+    /// when its size is wrong). The read fails: the batch fails as that store failure, and
+    /// nothing is discarded.
     ///
     /// It runs on the exchange loop before this rank's status word, which the peers wait for
     /// at most `collective_timeout`: its store calls are bounded by half of that (and by

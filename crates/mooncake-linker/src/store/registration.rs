@@ -422,9 +422,15 @@ impl Drop for LateUnregisters {
     /// so kept for good.
     fn drop(&mut self) {
         for (_, regions) in std::mem::take(&mut self.by_calls) {
-            regions.into_iter().for_each(std::mem::forget);
+            keep_for_good(regions);
         }
     }
+}
+
+/// Keeps `regions` registered and their memory allocated for good: what nothing will
+/// unregister any more.
+fn keep_for_good(regions: Vec<StoreRegion>) {
+    regions.into_iter().for_each(std::mem::forget);
 }
 
 /// Keeps the regions still in the list registered and allocated for good when dropped (a
@@ -433,9 +439,7 @@ struct KeepRest(Arc<Mutex<Vec<StoreRegion>>>);
 
 impl Drop for KeepRest {
     fn drop(&mut self) {
-        for region in std::mem::take(&mut *self.0.lock()) {
-            std::mem::forget(region);
-        }
+        keep_for_good(std::mem::take(&mut *self.0.lock()));
     }
 }
 

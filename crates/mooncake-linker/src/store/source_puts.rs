@@ -139,9 +139,11 @@ fn discard_late_writes(
             }
         }
     }
+    let staying: std::collections::HashSet<String> =
+        stays.iter().map(|o| kv_geometry::checksum_key(o)).collect();
     let companions: Vec<&str> = companions
         .into_iter()
-        .filter(|c| !stays.iter().any(|o| kv_geometry::checksum_key(o) == *c))
+        .filter(|c| !staying.contains(*c))
         .collect();
     for (key, r) in companions.iter().zip(store.discard(&companions)) {
         match r {

@@ -32,12 +32,11 @@
 //! at most nine tenths of `collective_timeout` after the batch's gate (layer 0) or the end of
 //! the previous layer's status exchange, since a pin or a session renewal, a stage's opening
 //! and a read may each keep within their own bounds but together outlast what the peers
-//! wait. Once the
-//! batch has failed, a size check that has not started its queries skips them. A preflight
-//! check still running when its verdict is no longer waited for is joined when the reader ends
-//! (its store calls are bounded: the companions' read and, for one that does not fit, its size
-//! query, its object's size query and the discard; the sizes). So the reader thread always
-//! ends, and the scope's join of it is bounded by those waits.
+//! wait. Once the batch has failed, a size check that has not started its queries skips them.
+//! A preflight check still running when its verdict is no longer waited for is joined when the
+//! reader ends (its store calls are bounded: the companions' read and, for one that does not
+//! fit, its size query, its object's size query and the discard; the sizes). So the reader
+//! thread always ends, and the scope's join of it is bounded by those waits.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
