@@ -1,6 +1,6 @@
-//! Slot claims of a host pool: which page slots a landing is writing (through the store) and
-//! which a save is reading, so that kvlink's own safe paths never write a slot row while
-//! another of them reads or writes it. The engine's own slot copies
+//! Slot claims of a pool: which page slots a landing is writing (through the store, or by
+//! copies on a device stream) and which a save is reading, so that kvlink's own safe paths
+//! never write a slot row while another of them reads or writes it. The engine's own slot copies
 //! ([`KvPool::read_slot`](crate::KvPool::read_slot) / `write_slot`) are `unsafe` and keep
 //! their own contract; these claims cover what kvlink does.
 
@@ -85,7 +85,35 @@ impl SlotClaims {
     /// Claims `slot` of `pool` for reading (beside other readers): refused
     /// ([`DeviceError::SlotBusy`]) while a landing writes it. Released when the claim drops.
     pub fn read(pool: &Arc<dyn KvPool>, slot: u32) -> Result<ReadClaim, DeviceError> {
-        let state = Self::of(pool)?.state(slot)?;
+        Self::of(pool)?.add_reader(slot)?;
+        Ok(ReadClaim {
+            pool: pool.clone(),
+            slot,
+        })
+    }
+
+    /// Claims every slot of `slots` of `pool` for reading (beside other readers), all or
+    /// none: refused ([`DeviceError::SlotBusy`]) while a landing writes one of them. A slot
+    /// named twice is read twice. Released when the claim drops.
+    pub fn read_all(pool: &Arc<dyn KvPool>, slots: &[u32]) -> Result<ReadClaims, DeviceError> {
+        let claims = Self::of(pool)?;
+        for (i, &slot) in slots.iter().enumerate() {
+            if let Err(e) = claims.add_reader(slot) {
+                for &done in &slots[..i] {
+                    claims.states[done as usize].fetch_sub(1, Ordering::Release);
+                }
+                return Err(e);
+            }
+        }
+        Ok(ReadClaims {
+            pool: pool.clone(),
+            slots: slots.into(),
+        })
+    }
+
+    /// One more reader of `slot`, unless a landing writes it.
+    fn add_reader(&self, slot: u32) -> Result<(), DeviceError> {
+        let state = self.state(slot)?;
         let mut seen = state.load(Ordering::Relaxed);
         loop {
             if seen >= WRITER - 1 {
@@ -96,12 +124,7 @@ impl SlotClaims {
             }
             match state.compare_exchange_weak(seen, seen + 1, Ordering::Acquire, Ordering::Relaxed)
             {
-                Ok(_) => {
-                    return Ok(ReadClaim {
-                        pool: pool.clone(),
-                        slot,
-                    })
-                }
+                Ok(_) => return Ok(()),
                 Err(now) => seen = now,
             }
         }
@@ -161,6 +184,33 @@ impl std::fmt::Debug for ReadClaim {
     }
 }
 
+/// Slots a save reads: no landing writes them until this drops (see
+/// [`SlotClaims::read_all`]).
+pub struct ReadClaims {
+    pool: Arc<dyn KvPool>,
+    slots: Box<[u32]>,
+}
+
+impl Drop for ReadClaims {
+    fn drop(&mut self) {
+        if let Some(claims) = self.pool.slot_claims() {
+            for &slot in self.slots.iter() {
+                if let Some(s) = claims.states.get(slot as usize) {
+                    s.fetch_sub(1, Ordering::Release);
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for ReadClaims {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadClaims")
+            .field("slots", &self.slots.len())
+            .finish_non_exhaustive()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,6 +238,29 @@ mod tests {
         assert!(SlotClaims::write(&p, &[2]).is_ok());
         drop(w);
         assert!(SlotClaims::write(&p, &[0, 1]).is_ok());
+    }
+
+    #[test]
+    fn reading_many_slots_is_all_or_none() {
+        let p = pool();
+        let w = SlotClaims::write(&p, &[2]).unwrap();
+        assert!(matches!(
+            SlotClaims::read_all(&p, &[0, 1, 2]),
+            Err(DeviceError::SlotBusy { slot: 2, .. })
+        ));
+        // Slots 0 and 1 were given back when slot 2 was refused.
+        assert!(SlotClaims::write(&p, &[0, 1]).is_ok());
+        drop(w);
+        let r = SlotClaims::read_all(&p, &[1, 1, 3]).unwrap();
+        assert!(SlotClaims::write(&p, &[1]).is_err());
+        assert!(SlotClaims::write(&p, &[3]).is_err());
+        assert!(SlotClaims::read(&p, 1).is_ok(), "readers share");
+        drop(r);
+        assert!(
+            SlotClaims::write(&p, &[1, 3]).is_ok(),
+            "slot 1 read twice, released twice"
+        );
+        assert!(SlotClaims::read_all(&p, &[9]).is_err());
     }
 
     #[test]

@@ -31,7 +31,7 @@ mod source;
 mod staged;
 
 pub use backend::{Device, DeviceMemory, PinnedMemory, RowCopy, Stream, Transfer};
-pub use claims::{ReadClaim, SlotClaims, WriteClaim};
+pub use claims::{ReadClaim, ReadClaims, SlotClaims, WriteClaim};
 pub use cpu::{CpuDevice, CpuDeviceConfig};
 pub use error::DeviceError;
 pub use host::HostKvPool;

@@ -61,7 +61,8 @@ pub unsafe trait KvPool: Send + Sync {
     /// writes and which a save reads. A host pool kvlink lands into directly
     /// ([`DirectLanding`](crate::DirectLanding)) or saves from in place
     /// ([`SaveSource::slot`](crate::SaveSource::slot)) must keep them; `None` (the default)
-    /// refuses both.
+    /// refuses both. [`DeviceKvPool`](crate::DeviceKvPool) keeps them too: its staged
+    /// landings claim their slots for writing, its saves' gathers for reading.
     fn slot_claims(&self) -> Option<&crate::SlotClaims> {
         None
     }

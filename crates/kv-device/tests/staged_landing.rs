@@ -497,7 +497,7 @@ fn await_available(staging: &StagingPool, n: usize) -> bool {
 
 #[test]
 fn a_save_gather_that_fails_half_queued_keeps_its_staging_until_the_queued_part_ran() {
-    let r = rig(CpuDeviceConfig::default(), 16, 5, 1);
+    let r = rig(CpuDeviceConfig::default(), 16, 5, 2);
     let c = all(&r.g)[0];
     let f = StagedLandingFactory::new(r.pool.clone(), r.staging.clone())
         .with_strategy(ScatterStrategy::Runs);
@@ -509,13 +509,16 @@ fn a_save_gather_that_fails_half_queued_keeps_its_staging_until_the_queued_part_
     let got = save.gather(c, 0).map(|rows| rows.len());
     assert!(matches!(got, Err(DeviceError::Driver(_))), "{got:?}");
     drop(save);
-    // The queued copy may still write stage 0: the staging is not leased again yet.
-    assert_eq!((r.staging.available(), r.staging.quarantined()), (0, 1));
+    // The queued copy may still write stage 0: the staging is not leased again yet, and the
+    // copy may still read slot 9: no landing writes it yet.
+    assert_eq!((r.staging.available(), r.staging.quarantined()), (1, 1));
+    assert!(busy(own_landing(&r, &[9]), 9));
     r.dev.resume();
     assert!(
-        await_available(&r.staging, 1),
+        await_available(&r.staging, 2),
         "fenced: free again once the copy ran"
     );
+    assert!(own_landing(&r, &[9]).is_ok(), "released with the staging");
 }
 
 #[test]
@@ -848,4 +851,85 @@ fn staging_of_another_device_is_refused_for_loads_and_saves() {
         f.begin_save(vec![0u32, 1].into()),
         Err(DeviceError::InvalidStage(_))
     ));
+}
+
+fn busy(r: Result<impl Sized, DeviceError>, slot: u32) -> bool {
+    matches!(r, Err(DeviceError::SlotBusy { slot: s, .. }) if s == slot)
+}
+
+fn own_landing(r: &Rig, slots: &[u32]) -> Result<StagedLanding, DeviceError> {
+    StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease()?,
+        slots.into(),
+        BatchShape::own_only(all(&r.g)),
+    )
+}
+
+/// A device pool's slots are claimed as a host pool's are: a staged landing writes its slots
+/// alone, and a save's gather (on its own stream, which orders itself only after the load
+/// stream's work so far) never reads a slot a landing may still write.
+#[test]
+fn a_staged_landing_and_a_save_gather_never_touch_one_slot_at_once() {
+    let r = rig(CpuDeviceConfig::default(), 16, 4, 3);
+    let f = StagedLandingFactory::new(r.pool.clone(), r.staging.clone());
+    let landing = own_landing(&r, &[1, 2, 3]).unwrap();
+    assert!(busy(f.begin_save(vec![5, 3].into()).map(|_| ()), 3));
+    assert!(busy(own_landing(&r, &[6, 2]), 2), "another landing");
+    // The refusals kept nothing: slots 5 and 6 are free.
+    let save = f.begin_save(vec![5, 6].into()).unwrap();
+    assert!(busy(own_landing(&r, &[6]), 6), "a save reads it");
+    drop(landing);
+    let mut again = f.begin_save(vec![3].into()).unwrap();
+    let k = r.g.component_by_name("k").unwrap().id;
+    assert!(again.gather(k, 0).is_ok());
+    drop((save, again));
+    assert!(own_landing(&r, &[2, 3, 5, 6]).is_ok(), "all free again");
+}
+
+/// A landing dropped while a copy into its slots may still run keeps its slots claimed with
+/// its quarantined staging, until that work has finished.
+#[test]
+fn a_quarantined_landing_keeps_its_slots_claimed_until_its_work_ran() {
+    let r = rig(CpuDeviceConfig::default(), 10, 4, 2);
+    let k = r.g.component_by_name("k").unwrap().id;
+    let shape = BatchShape {
+        own: vec![],
+        shared: vec![k],
+        share_bytes: vec![4 * 10 * 4; 4],
+    };
+    let slow = CpuDevice::new(7).unwrap();
+    slow.stall_for(Duration::from_secs(30));
+    let mut landing = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        vec![0, 1, 2, 3].into(),
+        shape,
+    )
+    .unwrap()
+    .with_drain_limit(Duration::from_millis(50));
+    let mut stages = landing.take_stages();
+    let stage = &mut stages[0];
+    landing.open(stage, 0, soon()).unwrap();
+    landing.upload(stage, 0..160).unwrap();
+    {
+        // A collective that has not completed: its event fences the stage.
+        let mut ds = landing.device_stage(stage).unwrap();
+        ds.fence(slow.load_stream().record().unwrap());
+    }
+    landing.land(stage).unwrap();
+    drop(landing);
+    assert_eq!(r.staging.quarantined(), 1);
+    let f = StagedLandingFactory::new(r.pool.clone(), r.staging.clone());
+    assert!(busy(f.begin_save(vec![2].into()).map(|_| ()), 2));
+    slow.resume();
+    let limit = Instant::now() + Duration::from_secs(10);
+    while r.staging.quarantined() != 0 {
+        assert!(Instant::now() < limit, "never back after the late work");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        f.begin_save(vec![2].into()).is_ok(),
+        "released with the staging"
+    );
 }

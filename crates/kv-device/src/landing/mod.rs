@@ -306,7 +306,9 @@ pub trait LandingFactory: Send + Sync {
 
     /// For saving from a pool the store cannot read directly (device memory): a gatherer of
     /// the slices of plan page `i` (slot `slots[i]`) into host memory. Host pools are read in
-    /// place and need none.
+    /// place and need none. The gatherer claims the slots for reading while it lives (and
+    /// while a gather of it may still run): refused ([`DeviceError::SlotBusy`]) while a
+    /// landing writes one of them.
     fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
         let _ = slots;
         Err(DeviceError::Unavailable(

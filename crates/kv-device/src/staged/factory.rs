@@ -11,8 +11,8 @@ use super::pool::DeviceKvPool;
 use super::staging::{StagingLease, StagingPool};
 use super::sync::{self, SYNC_LIMIT};
 use crate::{
-    BatchShape, DeviceError, DeviceMemory, KvPool, LandingFactory, LayerLanding, SaveGather,
-    SharePath, SharedEvent, StoreRegion, Stream,
+    BatchShape, DeviceError, DeviceMemory, KvPool, LandingFactory, LayerLanding, ReadClaims,
+    SaveGather, SharePath, SharedEvent, SlotClaims, StoreRegion, Stream,
 };
 use parking_lot::Mutex;
 
@@ -161,6 +161,9 @@ pub(crate) struct StagedGather {
     /// (with the slot table and the pool) is quarantined on drop until these events complete
     /// (empty: no fence could be recorded, so for good).
     stuck: Option<Vec<SharedEvent>>,
+    /// The saved slots, claimed for reading until every gather from them has finished (on
+    /// drop, or with the quarantined lease).
+    claim: Option<ReadClaims>,
 }
 
 impl StagedGather {
@@ -182,6 +185,8 @@ impl StagedGather {
             });
         }
         super::landing::same_device(&**lease.device(), &**pool.device())?;
+        let claimed: Arc<dyn KvPool> = pool.clone();
+        let claim = SlotClaims::read_all(&claimed, &slots)?;
         let device = pool.device().clone();
         let slot_table = if slots.is_empty() {
             None
@@ -204,6 +209,7 @@ impl StagedGather {
             slot_table,
             strategy,
             stuck: None,
+            claim: Some(claim),
         })
     }
 }
@@ -311,12 +317,12 @@ impl StagedGather {
 impl Drop for StagedGather {
     fn drop(&mut self) {
         if let (Some(fences), Some(lease)) = (self.stuck.take(), self.lease.take()) {
-            let pool: Arc<dyn std::any::Any + Send + Sync> = self.pool.clone();
-            lease.quarantine_owned(
-                fences,
-                self.slot_table.take().into_iter().collect(),
-                vec![pool],
-            );
+            let mut owners: Vec<Arc<dyn std::any::Any + Send + Sync>> = vec![self.pool.clone()];
+            // The slots stay claimed while a gather may still read them.
+            if let Some(claim) = self.claim.take() {
+                owners.push(Arc::new(claim));
+            }
+            lease.quarantine_owned(fences, self.slot_table.take().into_iter().collect(), owners);
         }
     }
 }

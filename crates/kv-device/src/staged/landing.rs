@@ -16,8 +16,8 @@ use super::sync;
 use crate::landing::{next_landing_id, Fences, StageLent, TransferLog};
 use crate::{
     BatchShape, Device, DeviceError, DeviceMemory, DeviceRegion, DeviceShare, DeviceStage, KvPool,
-    LayerLanding, LayerStage, ReadTarget, RowBlock, ShareSide, SharedEvent, StageLoan, Stream,
-    Transfer,
+    LayerLanding, LayerStage, ReadTarget, RowBlock, ShareSide, SharedEvent, SlotClaims, StageLoan,
+    Stream, Transfer, WriteClaim,
 };
 
 /// Counters of one landing (what it enqueued).
@@ -84,6 +84,9 @@ pub struct StagedLanding {
     /// again, which waits for that layer's copies): no two stages hold one layer, so a layer's
     /// ready event covers every copy into its slots.
     open: Mutex<Vec<Option<u32>>>,
+    /// The batch's slots, claimed for writing until every copy into them has finished (on
+    /// drop, or with the quarantined lease).
+    claim: Option<WriteClaim>,
 }
 
 fn stage_err(reason: &'static str) -> DeviceError {
@@ -113,6 +116,9 @@ impl StagedLanding {
     /// A landing of a batch whose plan page `i` goes to slot `slots[i]` of `pool`, staged in
     /// `lease`, split as `shape`. Checks that every slot is inside the pool and that a
     /// stage holds every layer's share and own areas; uploads the slots for the scatter kernel.
+    /// It claims the slots for writing until every copy into them has finished: refused
+    /// ([`DeviceError::SlotBusy`]) while a save's gather reads one of them, another landing
+    /// writes one, or a slot is named twice.
     pub fn new(
         pool: Arc<DeviceKvPool>,
         lease: StagingLease,
@@ -138,6 +144,8 @@ impl StagedLanding {
             });
         }
         check_shape(&pool, &shape, slots.len(), lease.stage_bytes())?;
+        let claimed: Arc<dyn KvPool> = pool.clone();
+        let claim = SlotClaims::write(&claimed, &slots)?;
         let stages_state: Vec<StageState> =
             (0..lease.stages()).map(|_| StageState::default()).collect();
         let (lease, slot_table) = if slots.is_empty() {
@@ -164,6 +172,7 @@ impl StagedLanding {
             stats: Mutex::new(LandingStats::default()),
             drain: Duration::from_secs(30),
             open: Mutex::new(vec![None; ring]),
+            claim: Some(claim),
         })
     }
 
@@ -775,7 +784,27 @@ impl Drop for StagedLanding {
             // A drain failed with no fence left to wait for: nothing will say it is done.
             fences = fences.filter(|f| !f.is_empty());
         }
-        lease.quarantine_lent(fences, flags, self.slot_table.take().into_iter().collect());
+        // The slots stay claimed while that work may still write them.
+        let owners: Vec<Arc<dyn std::any::Any + Send + Sync>> = self
+            .claim
+            .take()
+            .map(|c| Arc::new(c) as Arc<dyn std::any::Any + Send + Sync>)
+            .into_iter()
+            .collect();
+        if fences.is_none() {
+            tracing::error!(
+                landing = self.id,
+                slots = self.slots.len(),
+                "a landing's copies may still run with no fence to wait for: its slots stay \
+                 claimed for good"
+            );
+        }
+        lease.quarantine_lent(
+            fences,
+            flags,
+            self.slot_table.take().into_iter().collect(),
+            owners,
+        );
     }
 }
 

@@ -7,7 +7,7 @@ use kv_geometry::{ComponentId, KvGeometry};
 
 use super::sync::{self, Bounce, SYNC_LIMIT};
 use crate::pool::{locate, locate_slice};
-use crate::{Device, DeviceError, DeviceMemory, KvPool, Residence, Transfer};
+use crate::{Device, DeviceError, DeviceMemory, KvPool, Residence, SlotClaims, Transfer};
 
 /// A KV pool in the memory of one device: one zeroed buffer per (component, carried layer),
 /// laid out exactly as [`HostKvPool`](crate::HostKvPool) (slot `s` at `s * page_layer_bytes`).
@@ -37,6 +37,8 @@ pub struct DeviceKvPool {
     buffers: Vec<DeviceMemory>,
     /// Pinned memory of the synchronous copies (reads, writes, clears).
     bounce: Bounce,
+    /// Which slots a staged landing writes and which a save's gather reads.
+    claims: SlotClaims,
 }
 
 impl fmt::Debug for DeviceKvPool {
@@ -73,6 +75,7 @@ impl DeviceKvPool {
             pages,
             buffers,
             bounce: Bounce::default(),
+            claims: SlotClaims::new(pages),
         })
     }
 
@@ -216,7 +219,8 @@ impl DeviceKvPool {
 
 // SAFETY: see the pool's docs: every slot lies inside one buffer the pool owns for its
 // whole life (`locate` checks the triple, slots of distinct triples are disjoint by the
-// geometry's layout), and the geometry and page count are fixed at construction.
+// geometry's layout), the geometry and page count are fixed at construction, and
+// `slot_claims` is always the pool's own field, sized to its pages.
 unsafe impl KvPool for DeviceKvPool {
     fn geometry(&self) -> &KvGeometry {
         &self.geometry
@@ -247,6 +251,10 @@ unsafe impl KvPool for DeviceKvPool {
             .iter()
             .map(|b| (b.addr() as usize, b.len()))
             .collect()
+    }
+
+    fn slot_claims(&self) -> Option<&SlotClaims> {
+        Some(&self.claims)
     }
 
     unsafe fn read_slot(
