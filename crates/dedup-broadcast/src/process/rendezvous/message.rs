@@ -412,6 +412,14 @@ fn encode_error(e: &mut Encoder, err: &RendezvousError) {
         RendezvousError::Nccl(detail) => {
             e.u8(7).str(detail);
         }
+        // The words go first: a decoder that does not know the kind reads them as the detail
+        // of a protocol error.
+        RendezvousError::Config(detail) => {
+            e.u8(8).str(&err.to_string()).str(detail);
+        }
+        RendezvousError::Occupied { rank, epoch } => {
+            e.u8(9).str(&err.to_string()).u32(*rank).u64(*epoch);
+        }
         other => {
             e.u8(0).str(&other.to_string());
         }
@@ -453,6 +461,17 @@ fn decode_error(d: &mut Decoder<'_>) -> Result<RendezvousError, Malformed> {
             }
         }
         7 => RendezvousError::Nccl(d.str("detail")?),
+        8 => {
+            d.str("words")?;
+            RendezvousError::Config(d.str("detail")?)
+        }
+        9 => {
+            d.str("words")?;
+            RendezvousError::Occupied {
+                rank: d.u32("rank")?,
+                epoch: d.u64("epoch")?,
+            }
+        }
         _ => RendezvousError::Protocol(format!("rank 0 refused: {}", d.str("detail")?)),
     })
 }
@@ -519,12 +538,27 @@ pub(crate) mod tests {
                 missing: vec![1, 2],
                 detail: "x".into(),
             },
+            RendezvousError::Config("rank 5 of a group of 3".into()),
+            RendezvousError::Occupied { rank: 2, epoch: 7 },
         ] {
             let back = Reply::decode(&Reply::Refused(err.clone()).encode()).unwrap();
             match back {
-                Reply::Refused(e) => assert_eq!(e.to_string(), err.to_string()),
+                Reply::Refused(e) => {
+                    assert_eq!(e.to_string(), err.to_string());
+                    assert_eq!(
+                        std::mem::discriminant(&e),
+                        std::mem::discriminant(&err),
+                        "{e:?}"
+                    );
+                }
                 other => panic!("{other:?}"),
             }
+        }
+        // What has no kind of its own reaches the joiner as a protocol error with its words.
+        let io = RendezvousError::io("accept", std::io::Error::other("gone"));
+        match Reply::decode(&Reply::Refused(io.clone()).encode()).unwrap() {
+            Reply::Refused(RendezvousError::Protocol(m)) => assert!(m.contains("accept: gone")),
+            other => panic!("{other:?}"),
         }
         let idle = Reply::Idle {
             live_epoch: Some(3),
