@@ -136,6 +136,8 @@ pub enum CollectiveError {
     },
     /// The group could not be re-formed ([`GroupFormation`](crate::GroupFormation)): ranks
     /// that did not come by the deadline (`missing`), or a refusal or failure (`detail`).
+    /// The formation's typed error is the source where it gave one
+    /// ([`is_refusal`](Self::is_refusal) tells a refusal from a missing rank).
     #[error("re-forming the group (epoch {epoch}){}: {detail}", if missing.is_empty() { String::new() } else { format!(", ranks {missing:?} missing") })]
     Formation {
         /// The epoch asked for.
@@ -144,10 +146,44 @@ pub enum CollectiveError {
         missing: Vec<u32>,
         /// What happened.
         detail: String,
+        /// The formation's error, where it gave one.
+        #[source]
+        cause: Option<FormationFailure>,
     },
 }
 
 impl CollectiveError {
+    /// True for a formation refused as configured (by rendezvous: rank 0 found another world
+    /// size, geometry, version or group setting, or a rank claimed twice): trying again
+    /// without changing a rank's settings fails the same way.
+    ///
+    /// ```
+    /// use dedup_broadcast::{CollectiveError, FormationFailure};
+    /// let refused = CollectiveError::Formation {
+    ///     epoch: 2,
+    ///     missing: vec![],
+    ///     detail: "rank 1 joined the group twice".into(),
+    ///     cause: Some(FormationFailure::new(std::io::Error::other("twice"), true)),
+    /// };
+    /// assert!(refused.is_refusal());
+    /// let late = CollectiveError::Formation {
+    ///     epoch: 2,
+    ///     missing: vec![3],
+    ///     detail: "timed out".into(),
+    ///     cause: None,
+    /// };
+    /// assert!(!late.is_refusal());
+    /// ```
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            CollectiveError::Formation {
+                cause: Some(c),
+                ..
+            } if c.is_refusal()
+        )
+    }
+
     /// The operation's sequence number, where the error names one.
     pub fn seq(&self) -> Option<u64> {
         match self {
@@ -211,6 +247,76 @@ impl PartialEq for SocketError {
 }
 
 impl Eq for SocketError {}
+
+/// Why a formation failed, inside a [`CollectiveError::Formation`]: the formation's typed
+/// error (a [`RendezvousError`] for [`RendezvousFormation`]; `error().downcast_ref` finds it)
+/// and whether it is a refusal, which trying again without changing a rank's settings does
+/// not cure. Shared so that a [`CollectiveError`] stays `Clone`; two are equal when their
+/// text and refusal are.
+///
+/// [`RendezvousError`]: crate::RendezvousError
+/// [`RendezvousFormation`]: crate::RendezvousFormation
+///
+/// ```
+/// use dedup_broadcast::FormationFailure;
+/// let f = FormationFailure::new(std::io::Error::other("rank 0 unreachable"), false);
+/// assert!(!f.is_refusal());
+/// assert!(f.error().downcast_ref::<std::io::Error>().is_some());
+/// assert_eq!(f.clone(), f);
+/// ```
+#[derive(Debug, Clone)]
+pub struct FormationFailure {
+    error: std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>,
+    refusal: bool,
+}
+
+impl FormationFailure {
+    /// `error`, a refusal or not.
+    pub fn new(error: impl std::error::Error + Send + Sync + 'static, refusal: bool) -> Self {
+        FormationFailure {
+            error: std::sync::Arc::new(error),
+            refusal,
+        }
+    }
+
+    /// The formation's error.
+    pub fn error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.error
+    }
+
+    /// True when the group was refused as configured.
+    pub fn is_refusal(&self) -> bool {
+        self.refusal
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl From<crate::RendezvousError> for FormationFailure {
+    fn from(e: crate::RendezvousError) -> Self {
+        let refusal = e.is_refusal();
+        FormationFailure::new(e, refusal)
+    }
+}
+
+impl std::fmt::Display for FormationFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for FormationFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.error)
+    }
+}
+
+impl PartialEq for FormationFailure {
+    fn eq(&self, other: &Self) -> bool {
+        self.refusal == other.refusal && self.error.to_string() == other.error.to_string()
+    }
+}
+
+impl Eq for FormationFailure {}
 
 impl From<CollectiveError> for kv_loader::KvLoadError {
     fn from(e: CollectiveError) -> Self {

@@ -62,7 +62,7 @@ mod status;
 
 pub use collective::{
     all_gather_in_place, all_gather_slices, broadcast_slice, Collective, CollectiveError,
-    MemorySupport, SocketError,
+    FormationFailure, MemorySupport, SocketError,
 };
 pub use formation::{GroupFormation, GroupHandles, InProcessFormation};
 pub use gate::{

@@ -139,7 +139,10 @@ fn a_re_formation_without_a_rank_fails_within_its_bound_and_the_next_meets_it() 
     );
     for e in &errs {
         match e {
-            CollectiveError::Formation { missing, .. } => assert_eq!(missing, &vec![2], "{e}"),
+            CollectiveError::Formation { missing, .. } => {
+                assert_eq!(missing, &vec![2], "{e}");
+                assert!(!e.is_refusal(), "a missing rank may come back: {e}");
+            }
             other => panic!("{other}"),
         }
     }
@@ -215,4 +218,39 @@ fn an_exchange_joiner_that_rank_0_gave_up_on_meets_rank_0s_next_formation() {
     assert_eq!(epochs[0], epochs[1]);
     assert_eq!(epochs[1], epochs[2]);
     assert!(epochs[0] >= 2, "the first epoch timed out: {epochs:?}");
+}
+
+/// A re-formation rank 0 refuses as configured (here a rank that says the group has another
+/// size) fails on every rank that came as a refusal, with the rendezvous's typed error as
+/// its source: trying again does not cure it.
+#[test]
+fn a_refused_re_formation_says_so_with_its_typed_error() {
+    let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0")).unwrap();
+    let at = r0.listen_addr().unwrap().to_string();
+    let r1 = Rendezvous::new(tcp(1, 3, &at)).unwrap();
+    let fs = [r0, r1].map(|rv| RendezvousFormation::sockets(rv).reform_timeout(REFORM));
+    let errs: Vec<CollectiveError> = std::thread::scope(|s| {
+        let hs: Vec<_> = fs
+            .iter()
+            .map(|f| s.spawn(move || f.reform(f.rank(), 1, soon()).unwrap_err()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &errs {
+        assert!(e.is_refusal(), "{e}");
+        let CollectiveError::Formation { cause: Some(c), .. } = e else {
+            panic!("{e:?}");
+        };
+        assert!(
+            matches!(
+                c.error().downcast_ref::<RendezvousError>(),
+                Some(RendezvousError::WorldSizeMismatch {
+                    rank: 1,
+                    expected: 2,
+                    got: 3
+                })
+            ),
+            "{e}"
+        );
+    }
 }

@@ -53,10 +53,10 @@ impl KvLoadError {
     ///
     /// | variant | action |
     /// |---|---|
-    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's), `BadObject`, `Internal`, `Cancelled` | `Recompute` |
+    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's, not refused), `BadObject`, `Internal`, `Cancelled` | `Recompute` |
     /// | `Timeout`, `Device` | `ResetThenRecompute` |
-    /// | `Busy`, `GroupDown` (a lookup's, `batch: None`) | `RetryLater` |
-    /// | `InvalidPlan`, `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry` | `FixInput` |
+    /// | `Busy`, `GroupDown` (a lookup's, `batch: None`, not refused) | `RetryLater` |
+    /// | `InvalidPlan`, `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry`, `GroupDown` (`refused`) | `FixInput` |
     /// | `SlotsHeld` | `HoldSlots` |
     ///
     /// `Timeout` is a layer wait's deadline: the batch is still in flight. `Device` may
@@ -70,6 +70,7 @@ impl KvLoadError {
             | KvLoadError::BadObject { .. }
             | KvLoadError::Internal { .. }
             | KvLoadError::Cancelled { .. } => EngineAction::Recompute,
+            KvLoadError::GroupDown { refused: true, .. } => EngineAction::FixInput,
             KvLoadError::GroupDown { batch: Some(_), .. } => EngineAction::Recompute,
             KvLoadError::GroupDown { batch: None, .. } | KvLoadError::Busy { .. } => {
                 EngineAction::RetryLater
@@ -91,7 +92,7 @@ impl KvLoadError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{BatchId, PlanError, StoreFailure};
+    use crate::{BatchId, Cause, PlanError, StoreFailure};
     use std::time::Duration;
 
     #[test]
@@ -121,7 +122,8 @@ mod tests {
                 KvLoadError::GroupDown {
                     batch: None,
                     missing: vec![2],
-                    detail: String::new(),
+                    refused: false,
+                    detail: Cause::new(""),
                 },
                 EngineAction::RetryLater,
             ),
@@ -129,9 +131,28 @@ mod tests {
                 KvLoadError::GroupDown {
                     batch: Some(b),
                     missing: vec![2],
-                    detail: String::new(),
+                    refused: false,
+                    detail: Cause::new(""),
                 },
                 EngineAction::Recompute,
+            ),
+            (
+                KvLoadError::GroupDown {
+                    batch: None,
+                    missing: vec![],
+                    refused: true,
+                    detail: Cause::new("rank 1 runs another geometry"),
+                },
+                EngineAction::FixInput,
+            ),
+            (
+                KvLoadError::GroupDown {
+                    batch: Some(b),
+                    missing: vec![],
+                    refused: true,
+                    detail: Cause::new("rank 1 runs another geometry"),
+                },
+                EngineAction::FixInput,
             ),
             (
                 KvLoadError::InvalidPlan {

@@ -191,14 +191,21 @@ pub enum KvLoadError {
     /// be re-formed in time (`missing`: the ranks that are not back; empty when the group has
     /// no formation or a rank was refused, as `detail` says). Nothing was read or moved; the
     /// engine recomputes, and a later batch or lookup tries to re-form the group again.
-    #[error("{}TP group unavailable{}: {detail}", batch.map(|b| format!("{b}: ")).unwrap_or_default(), if missing.is_empty() { String::new() } else { format!(" (ranks {missing:?} not back)") })]
+    /// `refused`: the group was refused as configured (the ranks differ in world size,
+    /// geometry, version or group settings, or a rank was claimed twice), which trying again
+    /// does not cure until a rank's settings change.
+    #[error("{}TP group unavailable{}{}: {detail}", batch.map(|b| format!("{b}: ")).unwrap_or_default(), if missing.is_empty() { String::new() } else { format!(" (ranks {missing:?} not back)") }, if *refused { " (refused as configured)" } else { "" })]
     GroupDown {
         /// The batch, if the failure belongs to one (`None`: a lookup).
         batch: Option<BatchId>,
         /// Ranks that did not come back in time.
         missing: Vec<u32>,
-        /// Why the group is down and why it could not re-form.
-        detail: String,
+        /// Whether the formation was refused as configured.
+        refused: bool,
+        /// Why the group is down and why it could not re-form; the formation's typed error
+        /// is its source where there is one (`Cause::downcast_ref`).
+        #[source]
+        detail: Cause,
     },
     /// A device (copy, event, allocation) failure; the device backend's typed error is its
     /// source where there is one (`Cause::downcast_ref`).
@@ -283,10 +290,10 @@ impl KvLoadError {
     pub fn is_retryable(&self) -> bool {
         match self {
             KvLoadError::Store { kind, .. } => kind.is_retryable(),
+            KvLoadError::GroupDown { refused, .. } => !refused,
             KvLoadError::Timeout { .. }
             | KvLoadError::PeerFailed { .. }
             | KvLoadError::Collective { .. }
-            | KvLoadError::GroupDown { .. }
             | KvLoadError::Busy { .. }
             | KvLoadError::Cancelled { .. } => true,
             _ => false,

@@ -257,6 +257,7 @@ impl GroupFormation for RendezvousFormation {
                 epoch,
                 missing,
                 detail: e.to_string(),
+                cause: Some(e.into()),
             }
         })
     }

@@ -9,7 +9,7 @@ use dedup_broadcast::{
     InProcessFormation, InProcessGroup,
 };
 use kv_device::Device;
-use kv_loader::{BatchId, KvLoadError};
+use kv_loader::{BatchId, Cause, KvLoadError};
 use parking_lot::Mutex;
 
 use super::handle_use::{Channel, HandleInUse, HandleUses, Replaced};
@@ -99,15 +99,28 @@ impl TpGroup {
 pub(crate) struct GroupDown {
     /// Ranks that did not come back (empty: refused, or no formation).
     pub(crate) missing: Vec<u32>,
-    pub(crate) detail: String,
+    /// Refused as configured: trying again does not cure it.
+    pub(crate) refused: bool,
+    /// Why, with the formation's typed error where there is one.
+    pub(crate) detail: Cause,
 }
 
 impl GroupDown {
+    /// Down for `detail`, with no formation's error behind it.
+    fn plain(detail: String) -> Self {
+        GroupDown {
+            missing: Vec::new(),
+            refused: false,
+            detail: Cause::new(detail),
+        }
+    }
+
     /// The typed error a batch (or, with `None`, a lookup) fails with.
     pub(crate) fn error(&self, batch: Option<BatchId>) -> KvLoadError {
         KvLoadError::GroupDown {
             batch,
             missing: self.missing.clone(),
+            refused: self.refused,
             detail: self.detail.clone(),
         }
     }
@@ -175,14 +188,11 @@ impl GroupLink {
                 // take them again, which waits for that re-formation.
                 Err(Replaced) if Instant::now() < deadline => continue,
                 Err(Replaced) => {
-                    return Err(GroupDown {
-                        missing: Vec::new(),
-                        detail: format!(
-                            "the group's handles of epoch {} were replaced and no new ones \
-                             came by the deadline",
-                            handles.epoch
-                        ),
-                    })
+                    return Err(GroupDown::plain(format!(
+                        "the group's handles of epoch {} were replaced and no new ones came by \
+                         the deadline",
+                        handles.epoch
+                    )))
                 }
             }
         }
@@ -197,20 +207,15 @@ impl GroupLink {
             return Ok(seen);
         };
         let Some(formation) = &self.formation else {
-            return Err(GroupDown {
-                missing: Vec::new(),
-                detail: format!("the group is broken ({why}) and has no formation"),
-            });
+            return Err(GroupDown::plain(format!(
+                "the group is broken ({why}) and has no formation"
+            )));
         };
         let Some(_one) = self.reforming.try_lock_until(deadline) else {
-            return Err(GroupDown {
-                missing: Vec::new(),
-                detail: format!(
-                    "the group is broken ({why}); another re-formation of rank {} is still \
-                     running",
-                    self.rank
-                ),
-            });
+            return Err(GroupDown::plain(format!(
+                "the group is broken ({why}); another re-formation of rank {} is still running",
+                self.rank
+            )));
         };
         let now = self.current.lock().clone();
         let why = match now.broken() {
@@ -232,13 +237,29 @@ impl GroupLink {
                 *self.current.lock() = fresh.clone();
                 Ok(fresh)
             }
-            Err(e) => Err(GroupDown {
-                missing: match &e {
-                    CollectiveError::Formation { missing, .. } => missing.clone(),
-                    _ => Vec::new(),
-                },
-                detail: format!("the group broke ({why}) and did not re-form: {e}"),
-            }),
+            Err(e) => {
+                let refused = e.is_refusal();
+                if refused {
+                    tracing::error!(
+                        rank = self.rank,
+                        epoch,
+                        error = %e,
+                        "the group was refused as configured: batches and lookups fail until a \
+                         rank's settings change"
+                    );
+                }
+                Err(GroupDown {
+                    missing: match &e {
+                        CollectiveError::Formation { missing, .. } => missing.clone(),
+                        _ => Vec::new(),
+                    },
+                    refused,
+                    detail: Cause::with_source(
+                        format!("the group broke ({why}) and did not re-form: {e}"),
+                        e,
+                    ),
+                })
+            }
         }
     }
 }
@@ -264,5 +285,62 @@ mod tests {
         drop(batch);
         assert!(old.data.broken().is_some(), "aborted once the batch let go");
         assert!(fresh.broken().is_none());
+    }
+
+    /// A formation that refuses the group as configured.
+    struct Refusing;
+
+    impl GroupFormation for Refusing {
+        fn reform(
+            &self,
+            _rank: u32,
+            epoch: u64,
+            _deadline: Instant,
+        ) -> Result<GroupHandles, CollectiveError> {
+            Err(CollectiveError::Formation {
+                epoch,
+                missing: Vec::new(),
+                detail: "rank 1 runs another geometry".into(),
+                cause: Some(dedup_broadcast::FormationFailure::new(
+                    std::io::Error::other("rank 1 runs another geometry"),
+                    true,
+                )),
+            })
+        }
+    }
+
+    /// A group refused as configured fails batches and lookups as `GroupDown { refused }`,
+    /// which the engine fixes rather than retries, with the formation's error as its source.
+    #[test]
+    fn a_refused_re_formation_is_a_group_down_to_fix_not_to_retry() {
+        let mut group = TpGroup::in_process(2).swap_remove(1);
+        group.formation = Some(Arc::new(Refusing));
+        let link = GroupLink::of(Some(&group)).unwrap();
+        group.data.abort("a peer died");
+        let down = link
+            .handles_for(
+                Channel::Control,
+                kv_loader::deadline_after(Duration::from_secs(5)),
+            )
+            .err()
+            .expect("refused");
+        for batch in [None, Some(BatchId(3))] {
+            let e = down.error(batch);
+            assert!(
+                matches!(e, KvLoadError::GroupDown { refused: true, .. }),
+                "{e}"
+            );
+            assert_eq!(e.action(), kv_loader::EngineAction::FixInput, "{e}");
+            assert!(!e.is_retryable());
+        }
+        let KvLoadError::GroupDown { detail, .. } = down.error(None) else {
+            unreachable!()
+        };
+        assert!(
+            detail
+                .downcast_ref::<CollectiveError>()
+                .is_some_and(|c| c.is_refusal()),
+            "{detail}"
+        );
     }
 }
