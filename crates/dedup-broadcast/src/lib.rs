@@ -74,9 +74,10 @@ pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};
 pub use ops::{share_rows, share_stage, RowsShare, StageShare};
 #[cfg(target_os = "linux")]
 pub use process::{
-    Algorithm, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, Meeting, MeetingPoint,
-    MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError, RendezvousFormation,
-    SocketCollective, Transport, TransportChoice, DEFAULT_REFORM_TIMEOUT, KVLINK_VERSION,
+    AddressLookups, Algorithm, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, Meeting,
+    MeetingPoint, MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError,
+    RendezvousFormation, ResolveFailure, SocketCollective, Transport, TransportChoice,
+    DEFAULT_REFORM_TIMEOUT, KVLINK_VERSION,
 };
 pub use share::{
     padded_share, page_shares, pages_read, ShareError, StagedComponent, StagedRow, StagingLayout,

@@ -14,8 +14,8 @@ mod wire;
 
 pub use formation::{Meeting, RendezvousFormation, DEFAULT_REFORM_TIMEOUT};
 pub use rendezvous::{
-    ExchangeError, FileExchange, FormedGroup, KeyValueExchange, MeetingPoint, MemoryExchange,
-    NcclIds, Rendezvous, RendezvousConfig, RendezvousError, Transport, TransportChoice,
-    KVLINK_VERSION,
+    AddressLookups, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, MeetingPoint,
+    MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError, ResolveFailure,
+    Transport, TransportChoice, KVLINK_VERSION,
 };
 pub use socket_collective::{Algorithm, SocketCollective};

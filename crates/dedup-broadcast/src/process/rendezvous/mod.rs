@@ -65,6 +65,7 @@ pub use config::{MeetingPoint, RendezvousConfig, KVLINK_VERSION};
 pub use error::RendezvousError;
 pub use exchange::{ExchangeError, FileExchange, KeyValueExchange, MemoryExchange};
 pub use message::{NcclIds, Transport, TransportChoice};
+pub use resolve::{AddressLookups, ResolveFailure};
 
 use super::mesh::{connect_meshes, MeshListener, MeshPlan};
 use super::socket_collective::{Algorithm, SocketCollective};

@@ -1,4 +1,5 @@
-//! Rank 0's rendezvous address (`host:port`) to socket addresses, within a bound.
+//! An address (`host:port`: rank 0's rendezvous, a served store) to socket addresses, within
+//! a bound.
 //!
 //! A numeric address is parsed at once. A name is looked up on a thread of its own, waited
 //! for at most the caller's bound: the system's resolver has no deadline a caller can set, and
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 
 /// Why an address gave no socket address.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum ResolveFailure {
+pub enum ResolveFailure {
     /// Not a `host:port` address (no port, a bad port, no host): never retried.
     Invalid(String),
     /// The lookup failed, found nothing or did not answer within the bound: it may pass
@@ -32,23 +33,40 @@ impl std::fmt::Display for ResolveFailure {
     }
 }
 
-/// The socket addresses `addr` names, looked up for at most `wait`.
+impl std::error::Error for ResolveFailure {}
+
+/// The socket addresses rendezvous address `addr` names, looked up for at most `wait`.
 pub(crate) fn resolve_within(
     addr: &str,
     wait: Duration,
 ) -> Result<Vec<SocketAddr>, ResolveFailure> {
-    Lookups::new(addr).resolve(wait)
+    AddressLookups::new(addr, RENDEZVOUS).resolve(wait)
 }
+
+/// What a rendezvous calls its address in its errors.
+pub(crate) const RENDEZVOUS: &str = "rendezvous address";
 
 /// The answer of one lookup thread.
 type Answer = std::io::Result<Vec<SocketAddr>>;
 
-/// Repeated lookups of one address (a joiner's attempts): at most one runs at a time. A
-/// lookup still running when its wait ended is waited for again by the next attempt, rather
-/// than a new thread started beside it, so a resolver that does not answer costs one thread,
-/// not one per attempt.
-pub(crate) struct Lookups {
+/// Repeated lookups of one address (a joiner's attempts, a client's connections): at most one
+/// runs at a time. A lookup still running when its wait ended is waited for again by the
+/// next attempt, rather than a new thread started beside it, so a resolver that does not
+/// answer costs one thread, not one per attempt.
+///
+/// ```
+/// use std::time::Duration;
+/// use dedup_broadcast::{AddressLookups, ResolveFailure};
+/// let mut store = AddressLookups::new("127.0.0.1:7000", "store address");
+/// assert_eq!(store.resolve(Duration::ZERO).unwrap()[0].port(), 7000);
+/// let mut bad = AddressLookups::new("rank0", "store address");
+/// assert!(matches!(bad.resolve(Duration::ZERO), Err(ResolveFailure::Invalid(_))));
+/// ```
+#[derive(Debug)]
+pub struct AddressLookups {
     addr: String,
+    /// What the address is, for errors ("rendezvous address").
+    what: &'static str,
     /// The lookup under way, and when it began.
     running: Option<(mpsc::Receiver<Answer>, Instant)>,
 }
@@ -57,57 +75,61 @@ pub(crate) struct Lookups {
 /// starts a fresh lookup (the name may resolve now) and leaves the old one to end by itself.
 const FRESH_AFTER: Duration = Duration::from_secs(5);
 
-impl Lookups {
-    pub(crate) fn new(addr: &str) -> Self {
-        Lookups {
+impl AddressLookups {
+    /// Lookups of `addr` (`host:port`), which errors call `what` ("store address").
+    pub fn new(addr: &str, what: &'static str) -> Self {
+        AddressLookups {
             addr: addr.to_owned(),
+            what,
             running: None,
         }
     }
 
     /// The socket addresses, looked up (or the lookup under way waited for) for at most
-    /// `wait`.
-    pub(crate) fn resolve(&mut self, wait: Duration) -> Result<Vec<SocketAddr>, ResolveFailure> {
-        let addr = self.addr.as_str();
+    /// `wait`. A numeric address is parsed at once; an address that is not `host:port` is
+    /// [`ResolveFailure::Invalid`]; a name that did not resolve within `wait` is
+    /// [`ResolveFailure::Lookup`] (it may resolve on a later call).
+    pub fn resolve(&mut self, wait: Duration) -> Result<Vec<SocketAddr>, ResolveFailure> {
+        let (addr, what) = (self.addr.as_str(), self.what);
         if let Ok(a) = addr.parse::<SocketAddr>() {
             return Ok(vec![a]);
         }
-        check_syntax(addr)?;
+        check_syntax(addr, what)?;
         let (rx, began) = match self.running.take() {
             Some((rx, began)) if began.elapsed() < FRESH_AFTER => (rx, began),
-            _ => (spawn_lookup(addr)?, Instant::now()),
+            _ => (spawn_lookup(addr, what)?, Instant::now()),
         };
         let found = match rx.recv_timeout(wait) {
             Ok(found) => found,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 self.running = Some((rx, began));
                 return Err(ResolveFailure::Lookup(format!(
-                    "looking up rendezvous address {addr:?}: no answer within {wait:?}"
+                    "looking up {what} {addr:?}: no answer within {wait:?}"
                 )));
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 return Err(ResolveFailure::Lookup(format!(
-                    "looking up rendezvous address {addr:?}: the lookup ended without an answer"
+                    "looking up {what} {addr:?}: the lookup ended without an answer"
                 )))
             }
         };
         match found {
             Ok(v) if !v.is_empty() => Ok(v),
             Ok(_) => Err(ResolveFailure::Lookup(format!(
-                "rendezvous address {addr:?} resolves to nothing"
+                "{what} {addr:?} resolves to nothing"
             ))),
-            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Err(ResolveFailure::Invalid(
-                format!("rendezvous address {addr:?}: {e}"),
-            )),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                Err(ResolveFailure::Invalid(format!("{what} {addr:?}: {e}")))
+            }
             Err(e) => Err(ResolveFailure::Lookup(format!(
-                "looking up rendezvous address {addr:?}: {e}"
+                "looking up {what} {addr:?}: {e}"
             ))),
         }
     }
 }
 
 /// Starts looking `addr` up on a thread of its own; its answer comes on the receiver.
-fn spawn_lookup(addr: &str) -> Result<mpsc::Receiver<Answer>, ResolveFailure> {
+fn spawn_lookup(addr: &str, what: &str) -> Result<mpsc::Receiver<Answer>, ResolveFailure> {
     let owned = addr.to_owned();
     let (tx, rx) = mpsc::sync_channel(1);
     let lookup = move || {
@@ -121,18 +143,14 @@ fn spawn_lookup(addr: &str) -> Result<mpsc::Receiver<Answer>, ResolveFailure> {
         .map(|_| rx)
         .map_err(|e| {
             ResolveFailure::Lookup(format!(
-                "looking up rendezvous address {addr:?}: no thread to look it up on: {e}"
+                "looking up {what} {addr:?}: no thread to look it up on: {e}"
             ))
         })
 }
 
 /// `addr` is `host:port`, with a host and a port number (the lookup needs no more).
-fn check_syntax(addr: &str) -> Result<(), ResolveFailure> {
-    let invalid = |why: &str| {
-        Err(ResolveFailure::Invalid(format!(
-            "rendezvous address {addr:?}: {why}"
-        )))
-    };
+fn check_syntax(addr: &str, what: &str) -> Result<(), ResolveFailure> {
+    let invalid = |why: &str| Err(ResolveFailure::Invalid(format!("{what} {addr:?}: {why}")));
     let Some((host, port)) = addr.rsplit_once(':') else {
         return invalid("no port (expected host:port)");
     };
@@ -188,7 +206,7 @@ mod tests {
 
     #[test]
     fn a_lookup_still_running_is_waited_for_again_not_started_twice() {
-        let mut l = Lookups::new("localhost:29500");
+        let mut l = AddressLookups::new("localhost:29500", RENDEZVOUS);
         // No wait at all: the first lookup is most likely still running when it ends.
         if l.resolve(Duration::ZERO).is_err() {
             assert!(l.running.is_some(), "the lookup under way is kept");

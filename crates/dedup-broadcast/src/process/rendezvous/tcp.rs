@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 
 use super::decide::{decide, missing, IdSource};
 use super::message::{Hello, Reply, Welcome};
-use super::resolve::{resolve_within, Lookups, ResolveFailure};
+use super::resolve::{resolve_within, AddressLookups, ResolveFailure, RENDEZVOUS};
 use super::RendezvousError;
 use crate::process::mesh::MeshListener;
 use crate::process::wire::{read_frame, write_frame};
@@ -470,7 +470,7 @@ pub(crate) fn join(
     deadline: Instant,
 ) -> Result<(Welcome, MeshListener, IpAddr), RendezvousError> {
     let mut heard = Heard::Nothing(format!("rank 0 did not answer at {addr}"));
-    let mut lookups = Lookups::new(addr);
+    let mut lookups = AddressLookups::new(addr, RENDEZVOUS);
     let mut timed_out: Option<RendezvousError> = None;
     let mut listener: Option<HelloAt> = None;
     loop {
@@ -517,7 +517,7 @@ pub(crate) fn join(
 /// its IP, or `None` when there was none (`heard` then says why, where there is something to
 /// say).
 fn attempt(
-    lookups: &mut Lookups,
+    lookups: &mut AddressLookups,
     left: Duration,
     deadline: Instant,
     hello: &mut impl FnMut(IpAddr) -> Result<(Hello, MeshListener), RendezvousError>,

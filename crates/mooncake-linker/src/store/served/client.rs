@@ -17,6 +17,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use dedup_broadcast::{AddressLookups, ResolveFailure};
 use kv_loader::Cause;
 use parking_lot::Mutex;
 
@@ -37,6 +38,8 @@ pub struct SocketStore {
     client: u64,
     timeout: Duration,
     pool: Mutex<Vec<Conn>>,
+    /// Lookups of a `tcp:` address's host, bounded by each connect's deadline.
+    lookups: Option<Mutex<AddressLookups>>,
     /// A connection that carries no request and stays open while this client lives: the
     /// server ends a client's read sessions when its last connection closes, and a pooled
     /// connection that fails is dropped, which must not end the sessions of the client's
@@ -126,6 +129,43 @@ fn connect_unix(path: &OsStr, deadline: Instant) -> io::Result<UnixStream> {
     Ok(UnixStream::from(socket))
 }
 
+/// Connects to the first address `lookups` finds that accepts, by `deadline`: the lookup (a
+/// name's, on a thread of its own) and the connects share the time left.
+fn connect_tcp(lookups: &Mutex<AddressLookups>, deadline: Instant) -> Result<TcpStream, CallError> {
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let found = match lookups.try_lock_until(deadline) {
+        Some(mut l) => l.resolve(left()),
+        None => return Err(CallError::Timeout),
+    };
+    let addrs = match found {
+        Ok(a) => a,
+        Err(e @ ResolveFailure::Invalid(_)) => {
+            return Err(CallError::Down(Cause::from_error(e)));
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "a served store's address did not resolve");
+            if left().is_zero() {
+                return Err(CallError::Timeout);
+            }
+            return Err(CallError::Down(Cause::from_error(e)));
+        }
+    };
+    let mut last = None;
+    for addr in &addrs {
+        if left().is_zero() {
+            break;
+        }
+        match TcpStream::connect_timeout(addr, left()) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(match last {
+        Some(e) => CallError::Down(Cause::with_source(format!("connecting: {e}"), e)),
+        None => CallError::Timeout,
+    })
+}
+
 fn fresh_client_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -147,6 +187,9 @@ impl SocketStore {
             client: fresh_client_id(),
             timeout,
             pool: Mutex::new(Vec::new()),
+            lookups: address
+                .strip_prefix("tcp:")
+                .map(|hp| Mutex::new(AddressLookups::new(hp, "served store address"))),
             _anchor: None,
         };
         s.health()?;
@@ -177,14 +220,8 @@ impl SocketStore {
             Conn::Unix(connect_unix(OsStr::from_bytes(&path), deadline).map_err(unavailable)?)
         } else if let Some(path) = self.address.strip_prefix("unix:") {
             Conn::Unix(connect_unix(OsStr::new(path), deadline).map_err(unavailable)?)
-        } else if let Some(hp) = self.address.strip_prefix("tcp:") {
-            let addr = std::net::ToSocketAddrs::to_socket_addrs(hp)
-                .map_err(unavailable)?
-                .next()
-                .ok_or_else(|| CallError::Down(format!("{hp} resolves to nothing").into()))?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            let s = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
-                .map_err(unavailable)?;
+        } else if let Some(lookups) = &self.lookups {
+            let s = connect_tcp(lookups, deadline)?;
             s.set_nodelay(true).map_err(unavailable)?;
             Conn::Tcp(s)
         } else {

@@ -548,3 +548,38 @@ fn a_tcp_server_on_an_unspecified_address_of_either_family_stops() {
         );
     }
 }
+
+/// A `tcp:` address by name is looked up within the client's request timeout (on a thread of
+/// its own, which the system's resolver has no deadline for) and connected at the first of
+/// its addresses that accepts; one that does not resolve fails the connect within the bound,
+/// and one that is not `host:port` fails as unavailable at once.
+#[test]
+fn a_tcp_address_by_name_is_looked_up_within_the_request_timeout() {
+    let addr: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let server =
+        StoreServer::start(Arc::new(EmbeddedStore::new(1 << 10)), ServeAt::Tcp(addr)).unwrap();
+    let port = server.address().rsplit_once(':').unwrap().1.to_string();
+    let client = SocketStore::connect(&format!("tcp:localhost:{port}")).unwrap();
+    assert_eq!(client.exists(&["k"]), vec![Ok(false)], "served by name");
+    // `.invalid` never resolves (RFC 6761).
+    let wait = Duration::from_millis(1500);
+    let t0 = Instant::now();
+    let r = SocketStore::connect_with("tcp:store.kvlink.invalid:7000", wait);
+    assert!(
+        matches!(
+            r,
+            Err(StoreError::Unavailable { .. } | StoreError::RpcTimeout { .. })
+        ),
+        "{r:?}"
+    );
+    assert!(
+        t0.elapsed() < wait + Duration::from_secs(1),
+        "{:?}",
+        t0.elapsed()
+    );
+    let r = SocketStore::connect_with("tcp:no-port", wait);
+    assert!(
+        matches!(&r, Err(StoreError::Unavailable { detail }) if detail.to_string().contains("no port")),
+        "{r:?}"
+    );
+}
