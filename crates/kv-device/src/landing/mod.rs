@@ -218,6 +218,14 @@ pub trait LayerLanding: Send + Sync {
     /// never free its memory while that work may still touch it.
     fn poison(&self, stage: &mut LayerStage);
 
+    /// The batch lands no more layers (its load ended, loaded or failed): later
+    /// [`land`](Self::land) calls may be refused. A landing whose slots only its own device
+    /// copies write (queued on one stream, before any later landing's or save's work on those
+    /// slots) lets the slots' claim go now, though store reads past their deadline may keep
+    /// it alive. The default does nothing: a landing the store writes through keeps its slots
+    /// until it and every loan of it are dropped.
+    fn finish(&self) {}
+
     /// Bytes moved so far, per model layer, by direction.
     fn transfers(&self) -> Vec<TransferBytes>;
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kv_geometry::{ComponentId, ComponentLayout};
 use kv_loader::{LayerReady, TransferBytes};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::copy::{self, Moved, RowSpan, ScatterStrategy, Staged};
 use super::pool::DeviceKvPool;
@@ -84,9 +84,12 @@ pub struct StagedLanding {
     /// again, which waits for that layer's copies): no two stages hold one layer, so a layer's
     /// ready event covers every copy into its slots.
     open: Mutex<Vec<Option<u32>>>,
-    /// The batch's slots, claimed for writing until every copy into them has finished (on
-    /// drop, or with the quarantined lease).
-    claim: Option<WriteClaim>,
+    /// The batch's slots, claimed for writing while this landing may queue copies into them:
+    /// `None` once it has [finished](LayerLanding::finish). `land` and `scatter` hold it read
+    /// while they queue copies. Copies already queued need no claim: they are on the load
+    /// stream, and every later landing's copies and every save's gather
+    /// ([`StagedLandingFactory`](super::StagedLandingFactory)) are ordered after them there.
+    slot_writes: RwLock<Option<WriteClaim>>,
 }
 
 fn stage_err(reason: &'static str) -> DeviceError {
@@ -116,9 +119,10 @@ impl StagedLanding {
     /// A landing of a batch whose plan page `i` goes to slot `slots[i]` of `pool`, staged in
     /// `lease`, split as `shape`. Checks that every slot is inside the pool and that a
     /// stage holds every layer's share and own areas; uploads the slots for the scatter kernel.
-    /// It claims the slots for writing until every copy into them has finished: refused
-    /// ([`DeviceError::SlotBusy`]) while a save's gather reads one of them, another landing
-    /// writes one, or a slot is named twice.
+    /// It claims the slots for writing until it [finishes](LayerLanding::finish) or is
+    /// dropped (its copies already queued are ordered before any later work on the slots):
+    /// refused ([`DeviceError::SlotBusy`]) while a save's gather reads one of them, another
+    /// landing writes one, or a slot is named twice.
     pub fn new(
         pool: Arc<DeviceKvPool>,
         lease: StagingLease,
@@ -172,7 +176,7 @@ impl StagedLanding {
             stats: Mutex::new(LandingStats::default()),
             drain: Duration::from_secs(30),
             open: Mutex::new(vec![None; ring]),
-            claim: Some(claim),
+            slot_writes: RwLock::new(Some(claim)),
         })
     }
 
@@ -558,6 +562,10 @@ impl LayerLanding for StagedLanding {
         }
         let lease = self.lease_ref()?;
         let base = self.shape.share_len(layer) as u64;
+        let writes = self.slot_writes.read();
+        if writes.is_none() {
+            return Err(stage_err("landing a layer after the landing finished"));
+        }
         let ((), ev) = self.fenced(h, || {
             for c in self.pool.geometry().components() {
                 if !self.shape.own.contains(&c.id) || c.position(layer).is_none() {
@@ -581,6 +589,14 @@ impl LayerLanding for StagedLanding {
         })?;
         self.stats.lock().layers += 1;
         Ok(LayerReady::Event(ev))
+    }
+
+    /// Queues no more copies into the slots (`land` and `scatter` are refused from now on)
+    /// and lets the slots' claim go: the loans of a store read past its deadline may keep
+    /// this landing (and its staging) alive, but they write only the staging, and what was
+    /// queued is ordered before any later landing's copies or save's gather.
+    fn finish(&self) {
+        drop(self.slot_writes.write().take());
     }
 
     fn poison(&self, stage: &mut LayerStage) {
@@ -733,6 +749,10 @@ impl DeviceShare for StagedLanding {
             let span = self.span(b.component, layer, b.first_page, b.pages)?;
             copies.push((span, Staged::Device(dev + b.offset as u64)));
         }
+        let writes = self.slot_writes.read();
+        if writes.is_none() {
+            return Err(stage_err("scattering a layer after the landing finished"));
+        }
         self.fenced(h, || {
             self.stream.wait(after)?;
             for (span, from) in copies {
@@ -784,27 +804,7 @@ impl Drop for StagedLanding {
             // A drain failed with no fence left to wait for: nothing will say it is done.
             fences = fences.filter(|f| !f.is_empty());
         }
-        // The slots stay claimed while that work may still write them.
-        let owners: Vec<Arc<dyn std::any::Any + Send + Sync>> = self
-            .claim
-            .take()
-            .map(|c| Arc::new(c) as Arc<dyn std::any::Any + Send + Sync>)
-            .into_iter()
-            .collect();
-        if fences.is_none() {
-            tracing::error!(
-                landing = self.id,
-                slots = self.slots.len(),
-                "a landing's copies may still run with no fence to wait for: its slots stay \
-                 claimed for good"
-            );
-        }
-        lease.quarantine_lent(
-            fences,
-            flags,
-            self.slot_table.take().into_iter().collect(),
-            owners,
-        );
+        lease.quarantine_lent(fences, flags, self.slot_table.take().into_iter().collect());
     }
 }
 

@@ -366,17 +366,16 @@ impl StagingLease {
         self.quarantine_with(fences, Vec::new(), extra, owners);
     }
 
-    /// [`quarantine_owned`](Self::quarantine_owned) of a buffer whose stages may also still
-    /// be lent to store reads: leased again once every `lent` flag has cleared (each loan
-    /// dropped) and every event of `fences` has completed (never, when `fences` is `None`).
+    /// [`quarantine`](Self::quarantine) of a buffer whose stages may also still be lent to
+    /// store reads: leased again once every `lent` flag has cleared (each loan dropped) and
+    /// every event of `fences` has completed (never, when `fences` is `None`).
     pub(crate) fn quarantine_lent(
         self,
         fences: Option<Vec<SharedEvent>>,
         lent: Vec<Arc<AtomicBool>>,
         extra: Vec<DeviceMemory>,
-        owners: Vec<Arc<dyn Any + Send + Sync>>,
     ) {
-        self.quarantine_with(fences, lent, extra, owners);
+        self.quarantine_with(fences, lent, extra, Vec::new());
     }
 
     fn quarantine_with(

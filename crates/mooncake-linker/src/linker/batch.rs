@@ -358,7 +358,13 @@ impl Inner {
             sums: &sums,
             tag,
         };
-        let run = pipeline.run(prep, stages)?;
+        let run = pipeline.run(prep, stages);
+        // No layer is landed after this: a landing whose slots only its own copies write lets
+        // them go once those ran, though a read past its deadline may keep it alive.
+        if let Some(l) = &landing {
+            l.finish();
+        }
+        let run = run?;
         // With a group, `Auto` records the group's time of this batch at the next gate.
         let last_layer = job.started.elapsed();
         let layer_transfers = landing.as_ref().map(|l| l.transfers()).unwrap_or_default();
