@@ -33,9 +33,17 @@ impl PageHash {
         s
     }
 
-    /// Parses 64 hex characters.
+    /// Parses 64 hex digits (either case); anything else is `None`.
+    ///
+    /// ```
+    /// use kv_geometry::PageHash;
+    /// let h = PageHash::from_hex(&"ab".repeat(32)).unwrap();
+    /// assert_eq!(h.to_hex(), "ab".repeat(32));
+    /// // `u8::from_str_radix` would take "+f" as 15: not a hex digit pair.
+    /// assert!(PageHash::from_hex(&"+f".repeat(32)).is_none());
+    /// ```
     pub fn from_hex(hex: &str) -> Option<PageHash> {
-        if hex.len() != 64 || !hex.is_ascii() {
+        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
         }
         let mut out = [0u8; 32];

@@ -83,13 +83,21 @@ impl ModelKvSpec {
             "deepseek_v3" => vec![latent(&cfg)?],
             "deepseek_v32" | "glm_moe_dsa" => {
                 let kv = if kv_dtype == ElementType::Fp8E4m3 {
+                    // The FP8 row (656 B: 512 FP8 latent values, 4 scales, 64 BF16 rope values)
+                    // is laid out for this latent alone.
+                    let rank = field_u32(&cfg, "kv_lora_rank")?;
+                    let rope = field_u32(&cfg, "qk_rope_head_dim")?;
+                    if (rank, rope) != (512, 64) {
+                        return Err(GeometryError::BadConfig(format!(
+                            "the FP8 DSA cache row ({DSA_FP8_ROW_BYTES} B) is laid out for \
+                             kv_lora_rank 512 and qk_rope_head_dim 64; this config has {rank} \
+                             and {rope}"
+                        )));
+                    }
                     ModelKvSpec::dsa_fp8_kv()
                 } else {
                     latent(&cfg)?
                 };
-                if kv_dtype == ElementType::Fp8E4m3 && kv.row_bytes != DSA_FP8_ROW_BYTES {
-                    return Err(GeometryError::BadConfig("unexpected DSA row".into()));
-                }
                 let head_dim = opt_u32(&cfg, "index_head_dim")?.unwrap_or(DSA_INDEX_HEAD_DIM);
                 vec![
                     kv,

@@ -189,3 +189,22 @@ proptest! {
         let _ = parse(&text);
     }
 }
+
+/// The FP8 DSA row is laid out for a 512 + 64 latent: a config with another latent, or none,
+/// is refused rather than given 656-byte rows that do not fit it.
+#[test]
+fn an_fp8_dsa_config_with_another_latent_is_refused() {
+    let fp8 = |cfg: &str| ModelKvSpec::from_hf_config(cfg, ElementType::Fp8E4m3, 64);
+    let other = r#"{"model_type":"deepseek_v32","num_hidden_layers":61,"kv_lora_rank":256,
+                    "qk_rope_head_dim":32}"#;
+    assert!(
+        matches!(fp8(other), Err(GeometryError::BadConfig(m)) if m.contains("256")),
+        "{:?}",
+        fp8(other)
+    );
+    let none = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78}"#;
+    assert!(fp8(none).is_err());
+    let right = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78,"kv_lora_rank":512,
+                    "qk_rope_head_dim":64}"#;
+    assert!(fp8(right).is_ok());
+}
