@@ -25,14 +25,18 @@ pub struct LayerCounter<E> {
     free: Mutex<FreeList>,
 }
 
-/// Slots that hold no batch, and the next generation to hand out.
+/// Slots that hold no batch.
 struct FreeList {
     /// Free slot indices; `pop` takes the lowest first. Never holds more than the
     /// capacity, which it was allocated with.
     slots: Vec<u32>,
-    /// Starts at 1 ([`crate::slot::FREE`] is 0); 2^64 batches never happen.
-    next_generation: u64,
 }
+
+/// The next generation to hand out, shared by every counter of the process, so that a ticket
+/// of one counter is stale for every other (its generation is never theirs). Starts at 1
+/// ([`crate::slot::FREE`] is 0); 2^64 batches never happen. Not one of loom's atomics: it
+/// only numbers batches, taken under the free list's lock.
+static NEXT_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl<E: Clone + Send + Sync + 'static> LayerCounter<E> {
     /// A counter with `max_in_flight` slots (clamped to [`MAX_CAPACITY`]), all allocated
@@ -43,7 +47,6 @@ impl<E: Clone + Send + Sync + 'static> LayerCounter<E> {
             slots: (0..capacity).map(|_| Slot::new()).collect(),
             free: Mutex::new(FreeList {
                 slots: (0..capacity).rev().collect(),
-                next_generation: 1,
             }),
         }
     }
@@ -98,8 +101,7 @@ impl<E: Clone + Send + Sync + 'static> LayerCounter<E> {
                     capacity: self.capacity(),
                 });
             };
-            let generation = free.next_generation;
-            free.next_generation += 1;
+            let generation = NEXT_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             (index, generation)
         };
         let ticket = Ticket::new(index, generation);

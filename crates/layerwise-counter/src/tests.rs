@@ -305,6 +305,23 @@ fn stale_ticket_after_finish() {
     );
 }
 
+/// A ticket of another counter is stale here, though the same slot of both counters holds a
+/// batch: generations are never shared between counters.
+#[test]
+fn a_ticket_of_another_counter_is_stale() {
+    let a = Counter::with_capacity(1);
+    let b = Counter::with_capacity(1);
+    let ta = a.begin(2).unwrap();
+    let tb = b.begin(2).unwrap();
+    assert_eq!(ta.slot(), tb.slot());
+    let stale = Err(CounterError::StaleTicket { ticket: ta });
+    assert_eq!(b.complete(ta, 0), stale);
+    assert_eq!(b.fail(ta, "x".into()), stale);
+    assert_eq!(b.finish(ta), stale);
+    assert_eq!(b.is_ready(tb, 0), Ok(false), "b's batch untouched");
+    assert_eq!(a.complete(ta, 0), Ok(()));
+}
+
 #[test]
 fn slot_reuse_gives_a_new_generation_and_old_tickets_stay_stale() {
     let c = Counter::with_capacity(1);
