@@ -170,6 +170,9 @@ impl Library {
     }
 
     fn from_handle(path: PathBuf, handle: libloading::Library) -> Result<Self> {
+        // Never dlclose'd, refused or not: the library's initialisers have run by now (they
+        // may have started threads or registered handlers inside it).
+        let handle = ManuallyDrop::new(handle);
         let core = Core {
             create: symbol(&handle, &path, symbols::CREATE)?,
             destroy: symbol(&handle, &path, symbols::DESTROY)?,
@@ -220,7 +223,7 @@ impl Library {
             core,
             ext,
             abi,
-            _handle: ManuallyDrop::new(handle),
+            _handle: handle,
         })
     }
 
