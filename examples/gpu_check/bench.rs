@@ -124,7 +124,7 @@ fn h2d(dev: &Arc<CudaDevice>, args: &Args, report: &mut Report) {
             ),
             format!("{ceiling:.3} ms = {:.1} GB/s", gbps(bytes as u64, ceiling)),
         );
-        let scattered: Arc<[u32]> = Rng(11).scattered_slots(n, pages).into();
+        let scattered: Arc<[u32]> = Rng(11).scattered_slots(n, pages)?.into();
         let contiguous: Arc<[u32]> = (64..64 + n as u32).collect::<Vec<_>>().into();
         for (label, slots, strategy, target) in [
             (
@@ -299,7 +299,7 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
         // outlives every read of this function anyway.
         let _ = unsafe { store.register(region) };
     }
-    let slots: Arc<[u32]> = Rng(tokens).scattered_slots(n, pages).into();
+    let slots: Arc<[u32]> = Rng(tokens).scattered_slots(n, pages)?.into();
     let readers = 8usize;
     let mut best: Option<(f64, Vec<LayerTimes>, String)> = None;
     let reps = if args.quick { 1 } else { 3 };

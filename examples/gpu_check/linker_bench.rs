@@ -41,7 +41,7 @@ fn bench(dev: &Arc<CudaDevice>, tokens: u64) -> Result<String, String> {
     let t_fill = Instant::now();
     let p = saved_prefix(n, 3)?;
     let fill = t_fill.elapsed().as_secs_f64();
-    let slots: Vec<u32> = Rng(5).scattered_slots(n, n as u32);
+    let slots: Vec<u32> = Rng(5).scattered_slots(n, n as u32)?;
     // Last-layer times (best of 3) with 1 and with 8 store calls per layer at once.
     let mut timed = Vec::new();
     let mut keys = Vec::new();

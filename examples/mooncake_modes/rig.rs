@@ -118,7 +118,7 @@ impl Rig {
                 }
             };
             let slots = Rng(seed ^ 0x51075 ^ (u64::from(r) << 32) ^ n as u64)
-                .scattered_slots(n, pool_pages);
+                .scattered_slots(n, pool_pages)?;
             Ok(RankRig {
                 g,
                 store: stores[r as usize].clone(),

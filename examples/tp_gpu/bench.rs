@@ -270,7 +270,7 @@ fn one_size(
     // A different permutation of the pool's slots on every rank.
     let slots: Vec<Vec<u32>> = (0..tp)
         .map(|r| Rng(tokens ^ (0x9e37 * u64::from(r + 1))).scattered_slots(n, n as u32))
-        .collect();
+        .collect::<Result<_, _>>()?;
     let mut modes = Vec::new();
     for mode in MODES {
         let name = format!("{} {tag} {mode:?} ({STORE}, {gpu})", fabric.label());

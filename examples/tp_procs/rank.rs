@@ -232,7 +232,7 @@ pub fn run(args: &Args, r: &RankArgs) -> Result<(), String> {
     let pages = pages_of(args);
     for (i, mode) in MODES.into_iter().enumerate() {
         let slots =
-            Rng(0x5eed ^ (u64::from(r.rank) << 20) ^ i as u64).scattered_slots(n, pool_pages);
+            Rng(0x5eed ^ (u64::from(r.rank) << 20) ^ i as u64).scattered_slots(n, pool_pages)?;
         pool.clear()?;
         let linker = pool.linker(
             served.clone(),
@@ -286,7 +286,7 @@ fn timeout_then_reform(
     slow: u32,
 ) -> Result<(), String> {
     let n = args.pages;
-    let slots = Rng(0x51_0e ^ u64::from(r.rank)).scattered_slots(n, 2 * n as u32 + 8);
+    let slots = Rng(0x51_0e ^ u64::from(r.rank)).scattered_slots(n, 2 * n as u32 + 8)?;
     let faulty = Arc::new(FaultyStore::new(served.clone()));
     let layer = pool.geometry().num_layers() / 2;
     if r.rank == slow {
@@ -395,7 +395,7 @@ fn share_step(d: &RankDev, handles: &GroupHandles, mode: ShareMode) -> Result<(u
     let coll = handles.data.as_ref();
     let g = &d.g;
     let n = 32usize;
-    let slots = Rng(0xabc ^ mode as u64).scattered_slots(n, d.pool.pages());
+    let slots = Rng(0xabc ^ mode as u64).scattered_slots(n, d.pool.pages())?;
     // SAFETY: before the batch: no load or save of this pool is in flight.
     unsafe { d.pool.clear() }.map_err(de)?;
     // This example stands in for the store: the rig fills each stage through its loan.

@@ -69,7 +69,7 @@ fn kernel_case(
     let rows = 37usize;
     let slots_n = 53u32;
     let mut rng = Rng(row ^ 0xabc);
-    let slots = rng.scattered_slots(rows, slots_n);
+    let slots = rng.scattered_slots(rows, slots_n)?;
     let r = row as usize;
     let mut src = vec![0u8; rows * r];
     for (i, chunk) in src.chunks_mut(r).enumerate() {

@@ -87,7 +87,7 @@ fn correctness(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
     let p = saved_prefix(n, 7)?;
     let pool_pages = 2 * n as u32 + 8;
     let (linker, pool) = device_linker(1, dev, &p.g, p.store.clone(), pool_pages, n)?;
-    let slots = Rng(99).scattered_slots(n, pool_pages);
+    let slots = Rng(99).scattered_slots(n, pool_pages)?;
     let t = linker
         .start_load(plan(&p.g, 1, &p.pages, slots.clone()))
         .map_err(|e| e.to_string())?;
@@ -113,7 +113,7 @@ fn save_from_device(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
     let p = saved_prefix(n, 13)?;
     let pool_pages = 2 * n as u32 + 8;
     let (first, pool_a) = device_linker(1, dev, &p.g, p.store.clone(), pool_pages, n)?;
-    let slots_a = Rng(3).scattered_slots(n, pool_pages);
+    let slots_a = Rng(3).scattered_slots(n, pool_pages)?;
     let t = first
         .start_load(plan(&p.g, 1, &p.pages, slots_a.clone()))
         .map_err(|e| e.to_string())?;

@@ -55,7 +55,7 @@ pub fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> 
     let g = glm(1, 0)?;
     let pages = if args.quick { 48 } else { 128 };
     let n = if args.quick { 16 } else { 48 };
-    let slots: Arc<[u32]> = Rng(77).scattered_slots(n, pages).into();
+    let slots: Arc<[u32]> = Rng(77).scattered_slots(n, pages)?.into();
     let pool = Arc::new(CudaKvPool::new(dev.clone(), g.clone(), pages).map_err(de)?);
     let host = Arc::new(HostKvPool::new(g.clone(), pages).map_err(de)?);
     let staging = StagingPool::new(dev.clone(), half_bytes(&g, n), 1).map_err(de)?;

@@ -39,7 +39,9 @@ pub fn run(args: &Args, report: &mut Report) {
     let pages: u32 = if args.quick { 48 } else { 160 };
     let n = if args.quick { 20 } else { 64 };
     let mut rng = Rng(0x5eed);
-    let scattered = rng.scattered_slots(n, pages);
+    let scattered = rng
+        .scattered_slots(n, pages)
+        .expect("fewer slots than pages");
     let contiguous: Vec<u32> = (7..7 + n as u32).collect();
     let mut mixed: Vec<u32> = (100 % pages..100 % pages + 4).collect();
     mixed.extend(0..(n as u32 - 4) / 2);

@@ -161,7 +161,11 @@ pub fn run(args: &Args, fabric: Fabric, report: &mut Report) {
     let groups = &mut groups;
     // Every rank its own scattered slots (different on every rank).
     let slots: Vec<Vec<u32>> = (0..tp)
-        .map(|r| Rng(0x5eed + 7919 * u64::from(r)).scattered_slots(n, pool_pages))
+        .map(|r| {
+            Rng(0x5eed + 7919 * u64::from(r))
+                .scattered_slots(n, pool_pages)
+                .expect("fewer slots than pages")
+        })
         .collect();
     let layers = devs[0].g.num_layers();
     for mode in MODES {

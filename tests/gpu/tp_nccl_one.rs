@@ -46,7 +46,7 @@ fn share_step(args: &Args, mode: ShareMode) -> Result<String, String> {
         dev: dev.clone(),
         g: g.clone(),
     };
-    let slots = Rng(0xabc).scattered_slots(n, pool_pages);
+    let slots = Rng(0xabc).scattered_slots(n, pool_pages)?;
     // This check stands in for the store: the rig fills each stage through its loan.
     let t = share_every_layer(&d, coll, mode, &slots)?;
     // SAFETY: `share_every_layer` landed every layer (waited for): nothing writes the pool.

@@ -32,14 +32,20 @@ impl Rng {
         x
     }
 
-    /// `n` distinct slots out of `0..pages`, scattered.
-    pub fn scattered_slots(&mut self, n: usize, pages: u32) -> Vec<u32> {
+    /// `n` distinct slots out of `0..pages`, scattered; an error when `pages` has fewer
+    /// than `n` (a check over fewer pages than asked for would pass for the wrong reason).
+    pub fn scattered_slots(&mut self, n: usize, pages: u32) -> Result<Vec<u32>, String> {
+        if n > pages as usize {
+            return Err(format!(
+                "{n} distinct slots asked of a pool of {pages} pages"
+            ));
+        }
         let mut all: Vec<u32> = (0..pages).collect();
         for i in (1..all.len()).rev() {
             let j = (self.next_word() % (i as u64 + 1)) as usize;
             all.swap(i, j);
         }
         all.truncate(n);
-        all
+        Ok(all)
     }
 }

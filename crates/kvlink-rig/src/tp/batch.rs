@@ -30,6 +30,11 @@ pub struct RankRun {
 /// Every rank starts `plans[r]` at the same moment (a barrier), waits every layer as an
 /// engine would (the event each wait hands back, synchronized), then takes the outcome.
 pub fn run_batch(linkers: &[Linker], plans: Vec<BatchPlan>) -> Vec<Result<RankRun, String>> {
+    if plans.len() != linkers.len() {
+        // A rank without a plan would never reach the barrier the others wait at.
+        let e = format!("{} plans for {} ranks", plans.len(), linkers.len());
+        return linkers.iter().map(|_| Err(e.clone())).collect();
+    }
     let barrier = TimedBarrier::new(linkers.len());
     let plans: Vec<Mutex<Option<BatchPlan>>> =
         plans.into_iter().map(|p| Mutex::new(Some(p))).collect();
