@@ -119,7 +119,9 @@ pub unsafe fn compare_pool(
             unsafe { d.pool.read_buffer(index, &mut host) }.map_err(de)?;
             for (p, &s) in slots.iter().enumerate() {
                 fill_row(&mut want, tag(c), l, p as u64);
-                let got = &host[s as usize * len..(s as usize + 1) * len];
+                let got = host
+                    .get(s as usize * len..(s as usize + 1) * len)
+                    .ok_or_else(|| format!("rank {}: slot {s} past the pool", d.rank))?;
                 if got != &want[..] {
                     let byte = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
                     return Err(format!(
