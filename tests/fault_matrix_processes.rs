@@ -78,7 +78,7 @@ fn bytes_ok(
     slots: &[u32],
     upto: u32,
 ) -> bool {
-    let rank = g.tp_rank;
+    let rank = g.tp_rank();
     pages.iter().zip(slots).all(|(page, &slot)| {
         g.components().iter().all(|c| {
             c.layers.iter().filter(|&&l| l < upto).all(|&l| {

@@ -207,7 +207,7 @@ impl Rig {
                         Some(group),
                     ),
                 };
-                linker.map_err(|e| anyhow!("rank {}: linker: {e}", r.g.tp_rank))
+                linker.map_err(|e| anyhow!("rank {}: linker: {e}", r.g.tp_rank()))
             })
             .collect()
     }
@@ -364,7 +364,7 @@ fn verify_rank(rank: &RankRig, prefix: &Prefix) -> Result<u64> {
                     bail!(
                         "rank {}: component {} layer {l} page {page} (slot {slot}) differs from \
                          the saved bytes",
-                        rank.g.tp_rank,
+                        rank.g.tp_rank(),
                         c.name
                     );
                 }

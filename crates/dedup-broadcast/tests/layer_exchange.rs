@@ -27,7 +27,7 @@ fn stored(c: ComponentId, layer: u32, page: usize, len: usize) -> Vec<u8> {
 }
 
 fn load(g: &KvGeometry, mode: ShareMode, pages: usize, slots: &[Vec<u32>]) -> Vec<Pool> {
-    let tp = g.tp_size;
+    let tp = g.tp_size();
     let ranks = InProcessGroup::new(tp);
     let deadline = kv_loader::deadline_after(Duration::from_secs(60));
     thread::scope(|s| {

@@ -107,21 +107,21 @@ impl KvGeometry {
         h.update(b"kvlink.group");
         h.update([FINGERPRINT_VERSION]);
         h.update(self.fingerprint().0);
-        h.update(self.tp_size.to_le_bytes());
-        h.update((self.spec.model.len() as u32).to_le_bytes());
-        h.update(self.spec.model.as_bytes());
+        h.update(self.tp_size().to_le_bytes());
+        h.update((self.spec().model.len() as u32).to_le_bytes());
+        h.update(self.spec().model.as_bytes());
         GeometryFingerprint(h.finalize().into())
     }
 
     fn write_fingerprint_encoding(&self, out: &mut dyn FnMut(&[u8])) {
-        let spec = &self.spec;
+        let spec = self.spec();
         let u32le = |v: u32| v.to_le_bytes();
         out(b"kvlink.geometry");
         out(&[FINGERPRINT_VERSION]);
         out(&u32le(spec.num_layers));
         out(&u32le(spec.page_size));
         let sharded = spec.components.iter().any(|c| !c.is_replicated());
-        out(&u32le(if sharded { self.tp_size } else { 0 }));
+        out(&u32le(if sharded { self.tp_size() } else { 0 }));
         out(&u32le(spec.components.len() as u32));
         for c in &spec.components {
             out(&u32le(c.name.len() as u32));

@@ -51,7 +51,7 @@ impl Namespace {
     /// the components' (`+`-joined, in spec order, each once), and the fingerprint is the
     /// first 16 hex characters of [`KvGeometry::fingerprint`].
     pub fn of_model(geometry: &KvGeometry) -> String {
-        let spec = &geometry.spec;
+        let spec = geometry.spec();
         let model: String = spec
             .model
             .chars()

@@ -68,12 +68,11 @@ impl ComponentLayout {
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvGeometry {
-    /// The model.
-    pub spec: ModelKvSpec,
-    /// Tensor-parallel size.
-    pub tp_size: u32,
-    /// This rank.
-    pub tp_rank: u32,
+    // Private: the layouts below are computed from these once, in `new`; a field changed
+    // after would make keys and byte sizes disagree.
+    spec: ModelKvSpec,
+    tp_size: u32,
+    tp_rank: u32,
     components: Vec<ComponentLayout>,
 }
 
@@ -115,6 +114,21 @@ impl KvGeometry {
             tp_rank,
             components,
         })
+    }
+
+    /// The model.
+    pub fn spec(&self) -> &ModelKvSpec {
+        &self.spec
+    }
+
+    /// Tensor-parallel size.
+    pub fn tp_size(&self) -> u32 {
+        self.tp_size
+    }
+
+    /// This rank.
+    pub fn tp_rank(&self) -> u32 {
+        self.tp_rank
     }
 
     /// Layers of the model.

@@ -74,7 +74,7 @@ impl LatentFormat {
         geometry: &KvGeometry,
         component: &ComponentLayout,
     ) -> Result<(), CandleKvError> {
-        let spec = geometry.spec.component(&component.name)?;
+        let spec = geometry.spec().component(&component.name)?;
         if spec.row_unit != RowUnit::Token || component.rows_per_page != geometry.page_size() {
             return Err(CandleKvError::Format(format!(
                 "component `{}` does not keep one row per token",

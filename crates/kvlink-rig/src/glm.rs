@@ -14,7 +14,7 @@ pub fn glm(tp: u32, rank: u32) -> Result<KvGeometry, String> {
 /// Bytes of one staging half for batches of `pages` pages (the widest layer, with the share
 /// area's padding at this TP).
 pub fn half_bytes(g: &KvGeometry, pages: usize) -> usize {
-    StagingPool::half_bytes_for(g, pages, g.tp_size)
+    StagingPool::half_bytes_for(g, pages, g.tp_size())
 }
 
 /// Every component of the geometry, read by this rank itself (nothing shared).

@@ -325,8 +325,8 @@ impl Linker {
                  collective moves {memory:?}"
             )));
         }
-        if group.rank() != geometry.tp_rank
-            || group.size() != geometry.tp_size
+        if group.rank() != geometry.tp_rank()
+            || group.size() != geometry.tp_size()
             || group.control.rank() != group.rank()
             || group.control.size() != group.size()
         {
@@ -334,8 +334,8 @@ impl Linker {
                 "group rank {}/{} does not match geometry rank {}/{}",
                 group.rank(),
                 group.size(),
-                geometry.tp_rank,
-                geometry.tp_size
+                geometry.tp_rank(),
+                geometry.tp_size()
             )));
         }
         Ok(())
@@ -376,7 +376,7 @@ impl Linker {
             Registered::new(store.clone(), landings.clone(), config.store_call_timeout)?;
         let keys = KeyScheme::new(
             &config.namespace.resolve(&geometry),
-            geometry.tp_rank,
+            geometry.tp_rank(),
             config.cp_rank,
             config.pp_rank,
         );
@@ -422,7 +422,7 @@ impl Linker {
         let (ended_tx, ended_rx) = mpsc::sync_channel::<()>(1);
         let worker = inner.clone();
         let thread = std::thread::Builder::new()
-            .name(format!("kvlink-load-r{}", worker.geometry.tp_rank))
+            .name(format!("kvlink-load-r{}", worker.geometry.tp_rank()))
             .spawn(move || {
                 worker.load_loop(rx);
                 drop(ended_tx);

@@ -232,7 +232,7 @@ impl Inner {
         let g = &self.geometry;
         // Replicated components: reckoned on the looked-up pages as the batch's plan pages.
         let replicated = mode.map_or(0..0, |m| {
-            dedup_broadcast::pages_read(m.spec().reads, g.tp_rank, g.tp_size, pages.len())
+            dedup_broadcast::pages_read(m.spec().reads, g.tp_rank(), g.tp_size(), pages.len())
         });
         let mut out = Vec::new();
         for (ci, c) in g.components().iter().enumerate() {
@@ -333,7 +333,7 @@ impl Inner {
         };
         let inner = self.clone();
         let spawned = std::thread::Builder::new()
-            .name(format!("kvlink-prefetch-r{}", self.geometry.tp_rank))
+            .name(format!("kvlink-prefetch-r{}", self.geometry.tp_rank()))
             .spawn(move || {
                 let _ended = Ended {
                     prefetch: &inner.prefetch,
@@ -378,7 +378,7 @@ impl Inner {
         }
         let inner = self.clone();
         let spawned = std::thread::Builder::new()
-            .name(format!("kvlink-pin-r{}", self.geometry.tp_rank))
+            .name(format!("kvlink-pin-r{}", self.geometry.tp_rank()))
             .spawn(move || {
                 let _ended = PinAloneEnded(&inner.prefetch);
                 inner.pin_ahead(pin);
@@ -399,7 +399,7 @@ impl Inner {
         std::thread::scope(|s| {
             if pin.lock().is_some() {
                 let beside = std::thread::Builder::new()
-                    .name(format!("kvlink-pin-r{}", self.geometry.tp_rank))
+                    .name(format!("kvlink-pin-r{}", self.geometry.tp_rank()))
                     .spawn_scoped(s, || {
                         let taken = pin.lock().take();
                         if let Some(p) = taken {

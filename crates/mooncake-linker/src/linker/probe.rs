@@ -57,7 +57,7 @@ impl PrefixProbe {
         let geometry = KvGeometry::new(spec, tp_size, 0)?;
         let schemes = (0..tp_size)
             .map(|rank| {
-                let g = KvGeometry::new(geometry.spec.clone(), tp_size, rank)?;
+                let g = KvGeometry::new(geometry.spec().clone(), tp_size, rank)?;
                 Ok(KeyScheme::new(
                     &config.namespace.resolve(&g),
                     rank,
@@ -124,7 +124,7 @@ impl PrefixProbe {
 impl std::fmt::Debug for PrefixProbe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PrefixProbe")
-            .field("model", &self.geometry.spec.model)
+            .field("model", &self.geometry.spec().model)
             .field("tp_size", &self.schemes.len())
             .finish_non_exhaustive()
     }

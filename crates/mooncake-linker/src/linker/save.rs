@@ -37,7 +37,7 @@ impl Inner {
             self.host_wait(ev)?;
         }
         for comp in self.component_keys(plan)? {
-            if comp.layout.replicated && self.geometry.tp_rank != 0 {
+            if comp.layout.replicated && self.geometry.tp_rank() != 0 {
                 report.objects_not_owned += comp.keys.len() as u32;
                 continue;
             }

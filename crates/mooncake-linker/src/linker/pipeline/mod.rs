@@ -150,7 +150,7 @@ impl LayerPipeline<'_> {
         let h = &handoff;
         std::thread::scope(|s| {
             let reader = std::thread::Builder::new()
-                .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank))
+                .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank()))
                 .spawn_scoped(s, move || {
                     // The exchange loop learns at once that the reader left, even if it
                     // panicked.

@@ -256,7 +256,7 @@ impl LayerPipeline<'_> {
             tracing::debug!(%batch, rank, took = ?t0.elapsed(), "preflight companions");
             Ok(())
         };
-        let name = |what: &str| format!("kvlink-{what}-r{}", self.inner.geometry.tp_rank);
+        let name = |what: &str| format!("kvlink-{what}-r{}", self.inner.geometry.tp_rank());
         // The companions first: a size check run inline (no thread to be had) waits for them.
         let companions = if run {
             Check::spawn(s, name("sums"), batch, "checksum companion", sums)
