@@ -150,6 +150,8 @@ pub(super) enum Unanswered {
     Overdue(Duration),
     /// It panicked (it is over).
     Panicked,
+    /// Its deadline had passed before it was started: it never went to the store.
+    NotStarted,
 }
 
 impl Unanswered {
@@ -159,6 +161,7 @@ impl Unanswered {
         match *self {
             Unanswered::Overdue(waited) => StoreError::Overdue { key, call, waited },
             Unanswered::Panicked => StoreError::Panicked { key, call },
+            Unanswered::NotStarted => StoreError::RpcTimeout { key },
         }
     }
 }
@@ -324,6 +327,15 @@ impl StoreCalls {
         call: impl FnOnce(&dyn KvStore) -> T + Send + 'static,
         late: impl FnOnce(&dyn KvStore, T) + Send + 'static,
     ) -> Result<Result<T, Unanswered>, StoreError> {
+        if Instant::now() >= deadline {
+            // Its caller's bound (a TP peer's wait, say) is spent: the call would only be
+            // given up at once, its memory held until it returned.
+            warn!(
+                call = what,
+                "a store call's deadline passed before it started: not sent"
+            );
+            return Ok(Err(Unanswered::NotStarted));
+        }
         Ok(self.submit(what, call, late)?.wait(deadline))
     }
 
@@ -509,6 +521,27 @@ mod tests {
         };
         // SAFETY: `bytes` is live and unchanged during the call.
         assert!(unsafe { store.put(&[p]) }[0].is_ok());
+    }
+
+    /// A call whose deadline has passed is not sent: a stalled store is never reached (no
+    /// worker holds it), and every key fails at once as timed out.
+    #[test]
+    fn a_call_past_its_deadline_is_not_sent() {
+        let stall = Stall::new();
+        let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 20))));
+        faulty.inject(FaultRule::default(), Fault::Stall(stall.clone()));
+        let calls = StoreCalls::new(faulty);
+        let t0 = Instant::now();
+        let passed = t0.checked_sub(Duration::from_millis(1)).unwrap_or(t0);
+        let got = calls.read_whole_owned(&["a", "b"], &[8, 8], passed);
+        assert!(t0.elapsed() < Duration::from_secs(1));
+        assert!(
+            got.iter()
+                .all(|r| matches!(r, Err(StoreError::RpcTimeout { .. }))),
+            "{got:?}"
+        );
+        assert_eq!(calls.workers(), 0, "nothing went to the store");
+        stall.release();
     }
 
     #[test]
