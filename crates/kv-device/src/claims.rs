@@ -138,15 +138,19 @@ pub struct WriteClaim {
     slots: Box<[u32]>,
 }
 
+/// Calls `release` on the state of every slot of `slots` in `pool`'s claims.
+fn release_each(pool: &Arc<dyn KvPool>, slots: &[u32], release: impl Fn(&AtomicU32)) {
+    if let Some(claims) = pool.slot_claims() {
+        slots
+            .iter()
+            .filter_map(|&slot| claims.states.get(slot as usize))
+            .for_each(release);
+    }
+}
+
 impl Drop for WriteClaim {
     fn drop(&mut self) {
-        if let Some(claims) = self.pool.slot_claims() {
-            for &slot in self.slots.iter() {
-                if let Some(s) = claims.states.get(slot as usize) {
-                    s.store(0, Ordering::Release);
-                }
-            }
-        }
+        release_each(&self.pool, &self.slots, |s| s.store(0, Ordering::Release));
     }
 }
 
@@ -166,13 +170,9 @@ pub struct ReadClaim {
 
 impl Drop for ReadClaim {
     fn drop(&mut self) {
-        if let Some(s) = self
-            .pool
-            .slot_claims()
-            .and_then(|c| c.states.get(self.slot as usize))
-        {
+        release_each(&self.pool, &[self.slot], |s| {
             s.fetch_sub(1, Ordering::Release);
-        }
+        });
     }
 }
 
@@ -193,13 +193,9 @@ pub struct ReadClaims {
 
 impl Drop for ReadClaims {
     fn drop(&mut self) {
-        if let Some(claims) = self.pool.slot_claims() {
-            for &slot in self.slots.iter() {
-                if let Some(s) = claims.states.get(slot as usize) {
-                    s.fetch_sub(1, Ordering::Release);
-                }
-            }
-        }
+        release_each(&self.pool, &self.slots, |s| {
+            s.fetch_sub(1, Ordering::Release);
+        });
     }
 }
 

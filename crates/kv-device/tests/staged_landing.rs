@@ -86,6 +86,32 @@ fn all(g: &KvGeometry) -> Vec<ComponentId> {
     g.components().iter().map(|c| c.id).collect()
 }
 
+/// Opens `stage` for `layer` and writes every component's rows of `pages` plan pages into
+/// it, as a store read would; the bytes written.
+fn fill_layer(
+    g: &KvGeometry,
+    landing: &StagedLanding,
+    stage: &mut kv_device::LayerStage,
+    layer: u32,
+    pages: usize,
+) -> u64 {
+    landing.open(stage, layer, soon()).unwrap();
+    let mut loan = landing.lend(stage).unwrap();
+    let mut bytes = 0;
+    for c in g
+        .components()
+        .iter()
+        .filter(|c| c.position(layer).is_some())
+    {
+        for p in 0..pages {
+            let t = landing.target(&loan, c.id, p).unwrap();
+            loan.write(t, &row(g, c.id, layer, p)).unwrap();
+        }
+        bytes += c.page_layer_bytes * pages as u64;
+    }
+    bytes
+}
+
 #[test]
 fn own_rows_land_byte_for_byte_in_every_strategy() {
     let jitter = CpuDeviceConfig {
@@ -114,20 +140,7 @@ fn own_rows_land_byte_for_byte_in_every_strategy() {
         let mut expect_h2d = 0;
         for layer in 0..r.g.num_layers() {
             let stage = &mut stages[layer as usize % 2];
-            landing.open(stage, layer, soon()).unwrap();
-            let mut loan = landing.lend(stage).unwrap();
-            for c in
-                r.g.components()
-                    .iter()
-                    .filter(|c| c.position(layer).is_some())
-            {
-                for p in 0..slots.len() {
-                    let t = landing.target(&loan, c.id, p).unwrap();
-                    loan.write(t, &row(&r.g, c.id, layer, p)).unwrap();
-                }
-                expect_h2d += c.page_layer_bytes * slots.len() as u64;
-            }
-            drop(loan);
+            expect_h2d += fill_layer(&r.g, &landing, stage, layer, slots.len());
             assert!(matches!(landing.land(stage).unwrap(), LayerReady::Event(_)));
         }
         let moved: u64 = landing.transfers().iter().map(|t| t.host_to_device).sum();
@@ -900,19 +913,7 @@ fn a_finished_landing_lets_its_slots_go_and_later_work_orders_after_its_copies()
     let last = r.g.num_layers() - 1;
     for layer in 0..=last {
         let stage = &mut stages[layer as usize % 2];
-        landing.open(stage, layer, soon()).unwrap();
-        let mut loan = landing.lend(stage).unwrap();
-        for c in
-            r.g.components()
-                .iter()
-                .filter(|c| c.position(layer).is_some())
-        {
-            for p in 0..slots.len() {
-                let t = landing.target(&loan, c.id, p).unwrap();
-                loan.write(t, &row(&r.g, c.id, layer, p)).unwrap();
-            }
-        }
-        drop(loan);
+        fill_layer(&r.g, &landing, stage, layer, slots.len());
         if layer + 1 == last {
             // This layer's copies queue behind a stalled device.
             r.dev.stall_for(Duration::from_millis(400));
