@@ -516,6 +516,57 @@ fn a_panic_on_a_load_thread_fails_its_batch_and_the_next_batch_loads() {
     }
 }
 
+/// A panic in a batch's run on the device path while that rank's read of a later layer hangs
+/// past its deadline (its loan keeps the landing alive): the landing is still finished as the
+/// run unwinds, so the next batch lands in the same slots at once, with the read still hung.
+#[test]
+fn a_panic_beside_a_hung_read_leaves_the_slots_to_the_next_batch() {
+    use common::coll::{Misbehave, Misbehaving};
+    use common::tp::{tp_ranks_built, RankBuild};
+    use kvlink::mooncake_linker::TpGroup;
+    use std::sync::Mutex;
+
+    let spec = mixed_spec();
+    let cfg = LinkerConfig {
+        collective_timeout: Duration::from_secs(2),
+        layer_read_timeout: Duration::from_millis(800),
+        store_call_timeout: Duration::from_millis(800),
+        ..config(ShareMode::SplitAllGather)
+    };
+    let armed = Mutex::new(None);
+    let wrap = |rank: u32, g: TpGroup| {
+        if rank != 1 {
+            return g;
+        }
+        let m = Misbehaving::new(g.data.clone(), Misbehave::PanicAtLayer { layer: 2 });
+        *armed.lock().unwrap() = Some(m.clone());
+        let data: Arc<dyn kvlink::dedup_broadcast::Collective> = m;
+        TpGroup { data, ..g }
+    };
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
+    let (rs, hashes) = tp_ranks_built(&spec, 3, store, 6, &cfg, path, &RankBuild::wrapped(&wrap));
+    let r = &rs[1];
+    let v = r.linker.geometry().component_by_name("v").unwrap().clone();
+    let stall = Stall::new();
+    r.faults.inject(
+        FaultRule {
+            key_contains: Some("tp1_cp0_pp0_v".into()),
+            offset: Some(v.layer_range(3).unwrap().start),
+            times: Some(1),
+        },
+        Fault::Stall(stall.clone()),
+    );
+    let m = armed.lock().unwrap().clone().unwrap();
+    m.arm();
+    let outcomes = run(&rs, 1, &hashes);
+    assert!(m.done(), "the collective panicked");
+    assert!(outcomes.iter().all(|o| o.result.is_err()), "{outcomes:?}");
+    assert_eq!(stall.hits(), 1, "layer 3's read hung");
+    run_ok(&rs, 2, &hashes, "beside the hung read");
+    stall.release();
+}
+
 /// Ranks 0 and 2 (the peers of a failing middle rank of three) ended their batch, started at
 /// `t0`, within `bound`.
 fn peers_ended_by(ended: &[Instant], t0: Instant, bound: Duration, what: &str) {

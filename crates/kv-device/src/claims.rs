@@ -41,7 +41,9 @@ impl SlotClaims {
 
     fn of(pool: &Arc<dyn KvPool>) -> Result<&SlotClaims, DeviceError> {
         pool.slot_claims().ok_or_else(|| {
-            DeviceError::Unavailable("this pool keeps no slot claims (HostKvPool does)".into())
+            DeviceError::Unavailable(
+                "this pool keeps no slot claims (HostKvPool and DeviceKvPool do)".into(),
+            )
         })
     }
 

@@ -923,7 +923,14 @@ fn a_finished_landing_lets_its_slots_go_and_later_work_orders_after_its_copies()
         }
     }
     landing.finish();
-    let got = landing.land(&mut stages[last as usize % 2]);
+    let open = &mut stages[last as usize % 2];
+    let after = r.dev.load_stream().record().unwrap();
+    let scattered = landing.scatter(open, &[], &after);
+    assert!(
+        matches!(scattered, Err(DeviceError::InvalidStage(m)) if m.contains("finished")),
+        "nothing is scattered once finished: {scattered:?}"
+    );
+    let got = landing.land(open);
     assert!(
         matches!(got, Err(DeviceError::InvalidStage(m)) if m.contains("finished")),
         "nothing lands once finished"

@@ -358,12 +358,12 @@ impl Inner {
             sums: &sums,
             tag,
         };
+        // No layer is landed after the run, returned or unwound: a landing whose slots only its
+        // own copies write lets them go then (those already queued come before any later work
+        // on the slots), though a read past its deadline may keep the landing alive.
+        let finishing = FinishOnDrop(landing.as_deref());
         let run = pipeline.run(prep, stages);
-        // No layer is landed after this: a landing whose slots only its own copies write lets
-        // them go once those ran, though a read past its deadline may keep it alive.
-        if let Some(l) = &landing {
-            l.finish();
-        }
+        drop(finishing);
         let run = run?;
         // With a group, `Auto` records the group's time of this batch at the next gate.
         let last_layer = job.started.elapsed();
@@ -511,5 +511,17 @@ fn leave_sample(
             },
         ),
         _ => gates.pending.clear(),
+    }
+}
+
+/// Finishes its landing ([`LayerLanding::finish`]) when dropped, also while unwinding from a
+/// panic in the batch's run (which the load thread catches before it goes on).
+struct FinishOnDrop<'l>(Option<&'l dyn LayerLanding>);
+
+impl Drop for FinishOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(l) = self.0 {
+            l.finish();
+        }
     }
 }

@@ -192,6 +192,8 @@ impl Inner {
                 objects[i * object + pos * row..][..row].copy_from_slice(src);
             }
         }
+        // Every row is copied out: the slots are free for loads while the objects are put.
+        drop(gather);
         let sums = objects
             .chunks(object.max(1))
             .take(chunk.len())

@@ -108,16 +108,48 @@ impl RendezvousError {
         }
     }
 
-    /// True for the refusals rank 0 sends every rank: the group cannot form as configured,
-    /// and trying again without changing a rank's settings fails the same way.
+    /// True for the refusals rank 0 sends every rank, and for a configuration that cannot
+    /// work (`Config`: an address that is not `host:port`, a transport rank 0 cannot open):
+    /// the group cannot form as configured, and trying again without changing a rank's
+    /// settings fails the same way. A name that does not resolve yet is not one.
     pub fn is_refusal(&self) -> bool {
         matches!(
             self,
-            RendezvousError::WorldSizeMismatch { .. }
+            RendezvousError::Config(_)
+                | RendezvousError::WorldSizeMismatch { .. }
                 | RendezvousError::DuplicateRank { .. }
                 | RendezvousError::GeometryMismatch { .. }
                 | RendezvousError::VersionMismatch { .. }
                 | RendezvousError::SettingsMismatch { .. }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RendezvousError;
+
+    /// What trying again cannot cure is a refusal; what may pass later is not.
+    #[test]
+    fn refusals_are_what_retrying_cannot_cure() {
+        let refused = [
+            RendezvousError::Config("rank 0 cannot open a Unix socket".into()),
+            RendezvousError::DuplicateRank { rank: 1 },
+            RendezvousError::WorldSizeMismatch {
+                rank: 2,
+                expected: 4,
+                got: 8,
+            },
+        ];
+        assert!(refused.iter().all(RendezvousError::is_refusal));
+        let passing = [
+            RendezvousError::Timeout {
+                missing: vec![3],
+                detail: "rank 3 not back".into(),
+            },
+            RendezvousError::Occupied { rank: 1, epoch: 4 },
+            RendezvousError::Protocol("a torn message".into()),
+        ];
+        assert!(!passing.iter().any(RendezvousError::is_refusal));
     }
 }

@@ -151,11 +151,15 @@ fn connect_tcp(lookups: &Mutex<AddressLookups>, deadline: Instant) -> Result<Tcp
         }
     };
     let mut last = None;
-    for addr in &addrs {
-        if left().is_zero() {
+    for (i, addr) in addrs.iter().enumerate() {
+        let now_left = left();
+        if now_left.is_zero() {
             break;
         }
-        match TcpStream::connect_timeout(addr, left()) {
+        // An equal share of what is left for each address still to try: one that drops
+        // the connect (an unreachable AAAA record) leaves time for the next.
+        let share = now_left / (addrs.len() - i) as u32;
+        match TcpStream::connect_timeout(addr, share.max(Duration::from_millis(1))) {
             Ok(s) => return Ok(s),
             Err(e) => last = Some(e),
         }
