@@ -466,11 +466,7 @@ fn a_slow_renewal_and_read_fail_a_later_layer_before_the_peers_stop_waiting() {
 /// three.
 #[test]
 fn a_panic_on_a_load_thread_fails_its_batch_and_the_next_batch_loads() {
-    use common::coll::{Misbehave, Misbehaving};
-    use common::tp::{tp_ranks_built, RankBuild};
     use kvlink::kv_loader::KvLoadError;
-    use kvlink::mooncake_linker::TpGroup;
-    use std::sync::Mutex;
 
     let spec = mixed_spec();
     let collective = Duration::from_secs(2);
@@ -482,20 +478,7 @@ fn a_panic_on_a_load_thread_fails_its_batch_and_the_next_batch_loads() {
     // the exchange loop unwinds: it must learn at once that the loop left.
     for path in paths() {
         let what = format!("{path:?}");
-        let armed = Mutex::new(None);
-        let wrap = |rank: u32, g: TpGroup| {
-            if rank != 1 {
-                return g;
-            }
-            let m = Misbehaving::new(g.data.clone(), Misbehave::PanicAtLayer { layer: 2 });
-            *armed.lock().unwrap() = Some(m.clone());
-            let data: Arc<dyn kvlink::dedup_broadcast::Collective> = m;
-            TpGroup { data, ..g }
-        };
-        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
-        let (rs, hashes) =
-            tp_ranks_built(&spec, 3, store, 6, &cfg, path, &RankBuild::wrapped(&wrap));
-        let m = armed.lock().unwrap().clone().unwrap();
+        let (rs, hashes, m) = ranks_panicking_at_layer_2(&spec, &cfg, path);
         m.arm();
         let t0 = Instant::now();
         let (outcomes, ended) = run_timed(&rs, 1, &hashes);
@@ -521,11 +504,6 @@ fn a_panic_on_a_load_thread_fails_its_batch_and_the_next_batch_loads() {
 /// run unwinds, so the next batch lands in the same slots at once, with the read still hung.
 #[test]
 fn a_panic_beside_a_hung_read_leaves_the_slots_to_the_next_batch() {
-    use common::coll::{Misbehave, Misbehaving};
-    use common::tp::{tp_ranks_built, RankBuild};
-    use kvlink::mooncake_linker::TpGroup;
-    use std::sync::Mutex;
-
     let spec = mixed_spec();
     let cfg = LinkerConfig {
         collective_timeout: Duration::from_secs(2),
@@ -533,19 +511,8 @@ fn a_panic_beside_a_hung_read_leaves_the_slots_to_the_next_batch() {
         store_call_timeout: Duration::from_millis(800),
         ..config(ShareMode::SplitAllGather)
     };
-    let armed = Mutex::new(None);
-    let wrap = |rank: u32, g: TpGroup| {
-        if rank != 1 {
-            return g;
-        }
-        let m = Misbehaving::new(g.data.clone(), Misbehave::PanicAtLayer { layer: 2 });
-        *armed.lock().unwrap() = Some(m.clone());
-        let data: Arc<dyn kvlink::dedup_broadcast::Collective> = m;
-        TpGroup { data, ..g }
-    };
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
     let path = Path::device_per_rank(ScatterStrategy::Auto);
-    let (rs, hashes) = tp_ranks_built(&spec, 3, store, 6, &cfg, path, &RankBuild::wrapped(&wrap));
+    let (rs, hashes, m) = ranks_panicking_at_layer_2(&spec, &cfg, path);
     let r = &rs[1];
     let v = r.linker.geometry().component_by_name("v").unwrap().clone();
     let stall = Stall::new();
@@ -557,7 +524,6 @@ fn a_panic_beside_a_hung_read_leaves_the_slots_to_the_next_batch() {
         },
         Fault::Stall(stall.clone()),
     );
-    let m = armed.lock().unwrap().clone().unwrap();
     m.arm();
     let outcomes = run(&rs, 1, &hashes);
     assert!(m.done(), "the collective panicked");
@@ -565,6 +531,34 @@ fn a_panic_beside_a_hung_read_leaves_the_slots_to_the_next_batch() {
     assert_eq!(stall.hits(), 1, "layer 3's read hung");
     run_ok(&rs, 2, &hashes, "beside the hung read");
     stall.release();
+}
+
+/// Three ranks on `path` whose rank 1's data collective panics at layer 2's status exchange
+/// once armed; that collective.
+fn ranks_panicking_at_layer_2(
+    spec: &kvlink::kv_geometry::ModelKvSpec,
+    cfg: &LinkerConfig,
+    path: Path,
+) -> (Vec<TpRank>, Vec<PageHash>, Arc<common::coll::Misbehaving>) {
+    use common::coll::{Misbehave, Misbehaving};
+    use common::tp::{tp_ranks_built, RankBuild};
+    use kvlink::mooncake_linker::TpGroup;
+    use std::sync::Mutex;
+
+    let armed = Mutex::new(None);
+    let wrap = |rank: u32, g: TpGroup| {
+        if rank != 1 {
+            return g;
+        }
+        let m = Misbehaving::new(g.data.clone(), Misbehave::PanicAtLayer { layer: 2 });
+        *armed.lock().unwrap() = Some(m.clone());
+        let data: Arc<dyn kvlink::dedup_broadcast::Collective> = m;
+        TpGroup { data, ..g }
+    };
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, hashes) = tp_ranks_built(spec, 3, store, 6, cfg, path, &RankBuild::wrapped(&wrap));
+    let m = armed.lock().unwrap().clone().unwrap();
+    (rs, hashes, m)
 }
 
 /// Ranks 0 and 2 (the peers of a failing middle rank of three) ended their batch, started at
