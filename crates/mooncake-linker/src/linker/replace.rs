@@ -7,7 +7,7 @@ use std::time::Instant;
 use kv_geometry::checksum_key;
 use tracing::warn;
 
-use crate::store::{StoreCalls, StoreError};
+use crate::store::{objects_then_companions, StoreCalls};
 
 /// Discards `objects` and then their checksum companions from the store (bounded by
 /// `deadline`). A companion goes only once its object is gone (discarded now, or already
@@ -19,33 +19,10 @@ pub(crate) fn discard_objects(calls: &StoreCalls, objects: &[&str], deadline: In
     if objects.is_empty() {
         return 0;
     }
-    let mut discarded = 0;
-    let mut gone: Vec<&str> = Vec::with_capacity(objects.len());
-    for (key, r) in objects.iter().zip(calls.discard(objects, deadline)) {
-        match r {
-            Ok(()) => {
-                discarded += 1;
-                gone.push(key);
-            }
-            Err(StoreError::NotFound { .. }) => gone.push(key),
-            Err(e) => {
-                warn!(key, error = %e, "discarding a bad object failed: its checksums are kept")
-            }
-        }
-    }
-    let companions: Vec<String> = gone.iter().map(|k| checksum_key(k)).collect();
-    let companion_keys: Vec<&str> = companions.iter().map(String::as_str).collect();
-    if !companion_keys.is_empty() {
-        for (key, r) in companion_keys
-            .iter()
-            .zip(calls.discard(&companion_keys, deadline))
-        {
-            match r {
-                Ok(()) | Err(StoreError::NotFound { .. }) => {}
-                Err(e) => warn!(key, error = %e, "discarding a bad object's checksums failed"),
-            }
-        }
-    }
+    let companions: Vec<String> = objects.iter().map(|k| checksum_key(k)).collect();
+    let companions: Vec<&str> = companions.iter().map(String::as_str).collect();
+    let discarded =
+        objects_then_companions(|keys| calls.discard(keys, deadline), objects, &companions);
     warn!(
         objects = objects.len(),
         discarded, "bad objects discarded for the next save to rewrite"
@@ -91,7 +68,7 @@ mod tests {
 
     #[test]
     fn an_object_that_could_not_be_discarded_keeps_its_companion() {
-        use crate::store::{Fault, FaultCall, FaultRule, FaultyStore};
+        use crate::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
         let store = Arc::new(EmbeddedStore::new(1 << 20));
         let faulty = Arc::new(FaultyStore::new(store.clone()));
         let calls = StoreCalls::new(faulty.clone());

@@ -3,6 +3,7 @@
 
 mod bounded;
 mod checked;
+mod discard;
 mod embedded;
 mod error;
 #[cfg(any(test, feature = "testing"))]
@@ -19,6 +20,7 @@ mod source_puts;
 mod target_reads;
 
 pub use checked::checked_results;
+pub(crate) use discard::objects_then_companions;
 pub use embedded::EmbeddedStore;
 
 pub use bounded::{no_hold, Hold, StoreCalls, MAX_WORKERS};

@@ -125,32 +125,8 @@ fn discard_late_writes(
     let (companions, objects): (Vec<&str>, Vec<&str>) = written
         .into_iter()
         .partition(|k| k.ends_with(kv_geometry::CHECKSUM_KEY_SUFFIX));
-    let mut stays: Vec<&str> = Vec::new();
-    // One result per key: a missing one is an error, so its object's companion stays.
-    for (key, r) in objects
-        .iter()
-        .zip(super::checked_results(&objects, store.discard(&objects)))
-    {
-        match r {
-            Ok(()) | Err(StoreError::NotFound { .. }) => {}
-            Err(e) => {
-                tracing::warn!(key, error = %e, "an object a late put wrote stays, and so does its companion");
-                stays.push(key);
-            }
-        }
-    }
-    let staying: std::collections::HashSet<String> =
-        stays.iter().map(|o| kv_geometry::checksum_key(o)).collect();
-    let companions: Vec<&str> = companions
-        .into_iter()
-        .filter(|c| !staying.contains(*c))
-        .collect();
-    for (key, r) in companions.iter().zip(store.discard(&companions)) {
-        match r {
-            Ok(()) | Err(StoreError::NotFound { .. }) => {}
-            Err(e) => tracing::warn!(key, error = %e, "a companion a late put wrote stays"),
-        }
-    }
+    // A companion written beside another writer's object goes too: it is this put's.
+    super::objects_then_companions(|k| store.discard(k), &objects, &companions);
 }
 
 #[cfg(test)]

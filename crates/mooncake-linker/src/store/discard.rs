@@ -1,0 +1,54 @@
+//! Discarding objects with their checksum companions, in the one order that never leaves an
+//! object in the store without its companion: an object left so would pass later loads on its
+//! length alone, and a save would skip it (first write wins).
+
+use kv_geometry::checksum_key;
+use tracing::warn;
+
+use super::{checked_results, StoreError};
+
+/// Discards `objects` with `discard`, then every key of `companions` whose object is gone
+/// (discarded now, or already absent): the companion of an object whose discard failed stays
+/// with it. A key already gone is fine; any other failure is logged. `discard` is the store's
+/// call (bounded or not); a result list of the wrong length counts as failures. Returns how
+/// many objects were discarded.
+pub(crate) fn objects_then_companions(
+    discard: impl Fn(&[&str]) -> Vec<Result<(), StoreError>>,
+    objects: &[&str],
+    companions: &[&str],
+) -> usize {
+    let mut discarded = 0;
+    let mut staying = std::collections::HashSet::new();
+    if !objects.is_empty() {
+        for (key, r) in objects
+            .iter()
+            .zip(checked_results(objects, discard(objects)))
+        {
+            match r {
+                Ok(()) => discarded += 1,
+                Err(StoreError::NotFound { .. }) => {}
+                Err(e) => {
+                    warn!(key, error = %e, "an object could not be discarded: it stays, and so does its companion");
+                    staying.insert(checksum_key(key));
+                }
+            }
+        }
+    }
+    let companions: Vec<&str> = companions
+        .iter()
+        .copied()
+        .filter(|c| !staying.contains(*c))
+        .collect();
+    if !companions.is_empty() {
+        for (key, r) in companions
+            .iter()
+            .zip(checked_results(&companions, discard(&companions)))
+        {
+            match r {
+                Ok(()) | Err(StoreError::NotFound { .. }) => {}
+                Err(e) => warn!(key, error = %e, "a companion could not be discarded"),
+            }
+        }
+    }
+    discarded
+}
