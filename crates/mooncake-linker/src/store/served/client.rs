@@ -43,8 +43,8 @@ pub struct SocketStore {
     /// A connection that carries no request and stays open while this client lives: the
     /// server ends a client's read sessions when its last connection closes, and a pooled
     /// connection that fails is dropped, which must not end the sessions of the client's
-    /// other loads.
-    _anchor: Option<Conn>,
+    /// other loads. Reopened by the next session start if the server closed it.
+    anchor: Mutex<Option<Conn>>,
 }
 
 impl std::fmt::Debug for SocketStore {
@@ -186,7 +186,7 @@ impl SocketStore {
 
     /// [`connect`](Self::connect) with another request timeout.
     pub fn connect_with(address: &str, timeout: Duration) -> Result<SocketStore, StoreError> {
-        let mut s = SocketStore {
+        let s = SocketStore {
             address: address.to_string(),
             client: fresh_client_id(),
             timeout,
@@ -194,13 +194,11 @@ impl SocketStore {
             lookups: address
                 .strip_prefix("tcp:")
                 .map(|hp| Mutex::new(AddressLookups::new(hp, "served store address"))),
-            _anchor: None,
+            anchor: Mutex::new(None),
         };
         s.health()?;
-        let anchor = s
-            .open(kv_loader::deadline_after(timeout))
+        s.keep_anchor(kv_loader::deadline_after(timeout))
             .map_err(|e| e.for_key(address, "connect"))?;
-        s._anchor = Some(anchor);
         Ok(s)
     }
 
@@ -244,13 +242,46 @@ impl SocketStore {
         Ok(conn)
     }
 
+    /// Opens the anchor connection, or opens it again if the server has closed it (a server
+    /// that restarted, or ended the connection), so that the sessions started from now on
+    /// are kept while this client lives. Sessions started before it closed may be gone: the
+    /// server ends a client's sessions with its last connection.
+    fn keep_anchor(&self, deadline: Instant) -> Result<(), CallError> {
+        let mut anchor = self.anchor.lock();
+        if anchor.as_ref().is_some_and(|c| !c.is_closed()) {
+            return Ok(());
+        }
+        let fresh = self.open(deadline)?;
+        if anchor.is_some() {
+            tracing::warn!(
+                address = %self.address,
+                "served store: the server closed this client's anchor connection; reopened \
+                 (read sessions started before it closed may have ended with it)"
+            );
+        }
+        *anchor = Some(fresh);
+        Ok(())
+    }
+
+    /// A pooled connection the server has not closed, if any (closed ones are dropped: a
+    /// call on one would fail for nothing).
+    fn pooled(&self) -> Option<Conn> {
+        loop {
+            let conn = self.pool.lock().pop()?;
+            if !conn.is_closed() {
+                return Some(conn);
+            }
+            tracing::debug!(address = %self.address, "served store: a pooled connection was closed by the server; dropped");
+        }
+    }
+
     /// Runs `f` on a pooled connection (or a new one); a connection that fails is dropped.
     fn call<T>(
         &self,
         f: impl FnOnce(&mut Conn, Instant) -> Result<T, CallError>,
     ) -> Result<T, CallError> {
         let deadline = kv_loader::deadline_after(self.timeout);
-        let pooled = self.pool.lock().pop();
+        let pooled = self.pooled();
         let mut conn = match pooled {
             Some(c) => c,
             None => self.open(deadline)?,
@@ -519,8 +550,13 @@ impl KvStore for SocketStore {
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
+        let key = keys.first().copied().unwrap_or("");
+        // The session's pins last while this client has a connection open: make sure the
+        // anchor is one.
+        self.keep_anchor(kv_loader::deadline_after(self.timeout))
+            .map_err(|e| e.for_key(&self.address, key))?;
         let body = keys_body(op::START_SESSION, keys);
-        let token = self.single(&body, keys.first().copied().unwrap_or(""), |d| d.u64())?;
+        let token = self.single(&body, key, |d| d.u64())?;
         Ok(ReadSession {
             keys: keys.iter().map(|k| k.to_string()).collect(),
             lease: None,

@@ -3,6 +3,7 @@
 //! straight between the socket and the store's or the caller's memory.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -64,6 +65,24 @@ impl Conn {
             Conn::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
             Conn::Unix(s) => s.shutdown(std::net::Shutdown::Both),
         };
+    }
+
+    /// True when the peer has closed this idle connection, or it has failed; never waits. A
+    /// connection at rest between requests has nothing to read, so a byte waiting on it (a
+    /// breach of the protocol) counts as closed too: it is out of step.
+    pub(crate) fn is_closed(&self) -> bool {
+        let sock = match self {
+            Conn::Tcp(s) => socket2::SockRef::from(s),
+            Conn::Unix(s) => socket2::SockRef::from(s),
+        };
+        if sock.set_nonblocking(true).is_err() {
+            return true;
+        }
+        let mut byte = [MaybeUninit::<u8>::uninit()];
+        let peeked = sock.peek(&mut byte);
+        let restored = sock.set_nonblocking(false).is_ok();
+        let idle = matches!(&peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+        !(restored && idle)
     }
 
     pub(crate) fn try_clone(&self) -> io::Result<Conn> {

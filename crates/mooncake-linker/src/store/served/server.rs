@@ -211,6 +211,16 @@ impl StoreServer {
     pub fn store(&self) -> &Arc<EmbeddedStore> {
         &self.served.store
     }
+
+    /// Ends every open connection (as a restart would) and keeps serving; how many.
+    #[cfg(test)]
+    pub(super) fn end_connections(&self) -> usize {
+        let open = self.served.open.lock();
+        for c in open.values() {
+            c.shutdown();
+        }
+        open.len()
+    }
 }
 
 impl Drop for StoreServer {

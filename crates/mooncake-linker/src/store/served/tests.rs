@@ -420,6 +420,34 @@ fn a_failed_pooled_connection_ends_none_of_its_clients_sessions() {
 }
 
 #[test]
+fn a_client_whose_connections_the_server_ended_goes_on_and_keeps_its_new_sessions() {
+    let (server, x) = serve(3000);
+    let y = SocketStore::connect(server.address()).unwrap();
+    assert_eq!(put(&x, "k", &[&pattern(1, 1000)]), Ok(PutOutcome::Written));
+    // Every connection ends, X's anchor and pooled ones among them (as a restart would).
+    assert!(server.end_connections() >= 4);
+    // A call goes on a fresh connection, not on the closed pooled one.
+    assert_eq!(x.health(), Ok(()));
+    assert_eq!(y.exists(&["k"]), vec![Ok(true)]);
+    // A session started now is kept by a reopened anchor: X's pooled connection may fail
+    // and go, and `k` stays pinned while others fill the store past its capacity.
+    let _sx = x.start_session(&["k"]).unwrap();
+    assert_eq!(x.drop_pooled(), 1);
+    let watch = Instant::now() + Duration::from_millis(500);
+    let mut i = 0;
+    while Instant::now() < watch {
+        let _ = put(&y, &format!("f{}", i % 8), &[&pattern(i + 2, 1000)]);
+        assert_eq!(
+            y.exists(&["k"]),
+            vec![Ok(true)],
+            "k was evicted after {i} puts"
+        );
+        i += 1;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
 fn a_request_over_the_frame_limit_is_refused_unsent_and_the_client_goes_on() {
     let (_server, x) = serve(1 << 20);
     let long = "k".repeat(1 << 20);
