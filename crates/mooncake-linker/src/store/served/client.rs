@@ -15,6 +15,7 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::net::TcpStream;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use dedup_broadcast::{AddressLookups, ResolveFailure};
@@ -45,6 +46,8 @@ pub struct SocketStore {
     /// connection that fails is dropped, which must not end the sessions of the client's
     /// other loads. Reopened by the next session start if the server closed it.
     anchor: Mutex<Option<Conn>>,
+    /// The tag of this client's next session start.
+    next_session_tag: AtomicU64,
 }
 
 impl std::fmt::Debug for SocketStore {
@@ -195,6 +198,7 @@ impl SocketStore {
                 .strip_prefix("tcp:")
                 .map(|hp| Mutex::new(AddressLookups::new(hp, "served store address"))),
             anchor: Mutex::new(None),
+            next_session_tag: AtomicU64::new(0),
         };
         s.health()?;
         s.keep_anchor(kv_loader::deadline_after(timeout))
@@ -275,12 +279,21 @@ impl SocketStore {
         }
     }
 
-    /// Runs `f` on a pooled connection (or a new one); a connection that fails is dropped.
+    /// Runs `f` on a pooled connection (or a new one) within the request timeout; a
+    /// connection that fails is dropped.
     fn call<T>(
         &self,
         f: impl FnOnce(&mut Conn, Instant) -> Result<T, CallError>,
     ) -> Result<T, CallError> {
-        let deadline = kv_loader::deadline_after(self.timeout);
+        self.call_by(kv_loader::deadline_after(self.timeout), f)
+    }
+
+    /// [`call`](Self::call) by `deadline`.
+    fn call_by<T>(
+        &self,
+        deadline: Instant,
+        f: impl FnOnce(&mut Conn, Instant) -> Result<T, CallError>,
+    ) -> Result<T, CallError> {
         let pooled = self.pooled();
         let mut conn = match pooled {
             Some(c) => c,
@@ -387,6 +400,46 @@ impl SocketStore {
         match r {
             Ok(v) => v,
             Err(e) => Err(e.for_key(&self.address, key)),
+        }
+    }
+}
+
+/// How long a client tries to give up a session start whose answer it never got.
+const GIVE_UP_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl SocketStore {
+    /// Ends the session started with `tag` whose answer never came, or has the server end it
+    /// when its start comes later (best effort, within [`GIVE_UP_TIMEOUT`]): else it would keep
+    /// its pins for as long as this client lives.
+    fn give_up_start(&self, tag: u64) {
+        let mut body = Enc::default();
+        body.u8(op::END_SESSION_TAG).u64(tag);
+        let deadline = kv_loader::deadline_after(self.timeout.min(GIVE_UP_TIMEOUT));
+        let r = self.call_by(deadline, |c, deadline| {
+            let reply = Self::request(c, &body.0, deadline)?;
+            let mut d = Dec::new(&reply);
+            let result = d.result(|_| Ok(()))?;
+            d.finish()?;
+            Ok(result)
+        });
+        let failed = match r {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(e) => Some(e.for_key(&self.address, "")),
+        };
+        match failed {
+            None => tracing::debug!(
+                address = %self.address,
+                tag,
+                "served store: a session start without answer given up"
+            ),
+            Some(e) => tracing::warn!(
+                address = %self.address,
+                tag,
+                error = %e,
+                "served store: a session start without answer could not be given up; its \
+                 pins may stay while this client lives"
+            ),
         }
     }
 }
@@ -555,8 +608,30 @@ impl KvStore for SocketStore {
         // anchor is one.
         self.keep_anchor(kv_loader::deadline_after(self.timeout))
             .map_err(|e| e.for_key(&self.address, key))?;
-        let body = keys_body(op::START_SESSION, keys);
-        let token = self.single(&body, key, |d| d.u64())?;
+        let tag = self.next_session_tag.fetch_add(1, Ordering::Relaxed);
+        let mut body = Enc::default();
+        body.u8(op::START_SESSION).u64(tag).u32(keys.len() as u32);
+        keys.iter().for_each(|k| {
+            body.str(k);
+        });
+        let answer = self.call(|c, deadline| {
+            let reply = Self::request(c, &body.0, deadline)?;
+            let mut d = Dec::new(&reply);
+            let result = d.result(|d| d.u64())?;
+            d.finish()?;
+            Ok(result)
+        });
+        let token = match answer {
+            Ok(answered) => answered?,
+            Err(e) => {
+                if !matches!(e, CallError::TooLarge(_)) {
+                    // Sent, and no answer: the session may have started, with a token this
+                    // client never learns.
+                    self.give_up_start(tag);
+                }
+                return Err(e.for_key(&self.address, key));
+            }
+        };
         Ok(ReadSession {
             keys: keys.iter().map(|k| k.to_string()).collect(),
             lease: None,

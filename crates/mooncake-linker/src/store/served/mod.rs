@@ -24,4 +24,6 @@ pub use server::{ServeAt, StoreServer};
 pub const STORE_ATTRIBUTE: &str = "kvlink.store";
 
 #[cfg(test)]
+mod session_tag_tests;
+#[cfg(test)]
 mod tests;

@@ -13,9 +13,10 @@ use crate::store::{PutOutcome, StoreError};
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
 /// Version 2: error kind 11 ([`StoreError::Panicked`]); version 3: error kind 12
 /// ([`StoreError::Abandoned`]); version 4: a session is named by the token its start answers
-/// (its end sends the token, not keys), and `DISCARD`. A peer of another version is refused
-/// at hello.
-pub(crate) const PROTOCOL: u32 = 4;
+/// (its end sends the token, not keys), and `DISCARD`; version 5: a session start carries
+/// the client's tag for it, and `END_SESSION_TAG` ends a start whose answer the client never
+/// got. A peer of another version is refused at hello.
+pub(crate) const PROTOCOL: u32 = 5;
 /// The code of a [`StoreError::TransferFailed`] that the served store's own store gave up on
 /// (sent as [`StoreError::Abandoned`]).
 pub(crate) const ABANDONED_ON_SERVER: i64 = -12;
@@ -37,6 +38,9 @@ pub(crate) mod op {
     pub(crate) const END_SESSION: u8 = 8;
     pub(crate) const HEALTH: u8 = 9;
     pub(crate) const DISCARD: u8 = 10;
+    /// Ends the session the client started with a tag (its start's answer never came), or
+    /// marks the tag so that its start, if it comes later, is ended at once.
+    pub(crate) const END_SESSION_TAG: u8 = 11;
 }
 
 /// A connected stream socket (Unix on one host, TCP otherwise).

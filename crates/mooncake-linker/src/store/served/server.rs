@@ -6,7 +6,7 @@
 //! store then keeps. Pins (read sessions) are kept per client process and released when its
 //! last connection closes, so a rank that dies never pins objects forever.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read};
 use std::net::{SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
@@ -71,12 +71,58 @@ fn keepalive() -> socket2::TcpKeepalive {
         .with_retries(3)
 }
 
-/// One client process: its open connections, and the tokens of its open read sessions (the
-/// store's own, unique across clients).
+/// One client process: its open connections, its open read sessions, and the session starts
+/// it gave up on before they ran.
 #[derive(Default)]
 struct ClientSessions {
     conns: usize,
-    sessions: HashSet<u64>,
+    /// Open sessions: the store's token (unique across clients) → the tag the client started
+    /// it with (unique within the client).
+    sessions: HashMap<u64, u64>,
+    /// Tags the client gave up on ([`op::END_SESSION_TAG`]) before a session of theirs
+    /// started: a start that comes later with one of them is ended at once. Oldest first, at
+    /// most [`GIVEN_UP_KEPT`].
+    given_up: VecDeque<u64>,
+}
+
+/// Tags of given-up starts kept per client: a start request the server never received leaves
+/// its tag here for good, so the oldest go.
+const GIVEN_UP_KEPT: usize = 1024;
+
+impl ClientSessions {
+    /// Records session `token`, started with `tag`; false (not recorded) when the client gave
+    /// that tag up already.
+    fn started(&mut self, token: u64, tag: u64) -> bool {
+        if let Some(at) = self.given_up.iter().position(|&t| t == tag) {
+            self.given_up.remove(at);
+            return false;
+        }
+        self.sessions.insert(token, tag);
+        true
+    }
+
+    /// The client gave up on its start tagged `tag`: the session's token if it started, else
+    /// the tag is kept so that its start, when it comes, is ended at once.
+    fn give_up(&mut self, tag: u64) -> Option<u64> {
+        let token = self
+            .sessions
+            .iter()
+            .find(|(_, &t)| t == tag)
+            .map(|(&k, _)| k);
+        match token {
+            Some(token) => {
+                self.sessions.remove(&token);
+                Some(token)
+            }
+            None => {
+                if self.given_up.len() == GIVEN_UP_KEPT {
+                    self.given_up.pop_front();
+                }
+                self.given_up.push_back(tag);
+                None
+            }
+        }
+    }
 }
 
 struct Served {
@@ -416,7 +462,7 @@ fn release(served: &Served, client: u64) {
             "a client left: ending its read sessions"
         );
     }
-    for token in c.sessions {
+    for token in c.sessions.into_keys() {
         end_session(&served.store, token);
     }
 }
@@ -428,7 +474,7 @@ fn end_clients_session(served: &Served, client: u64, token: u64) {
         .clients
         .lock()
         .get_mut(&client)
-        .is_some_and(|c| c.sessions.remove(&token));
+        .is_some_and(|c| c.sessions.remove(&token).is_some());
     if mine {
         end_session(&served.store, token);
     }
@@ -492,12 +538,23 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
             }
         }
         op::START_SESSION => {
+            let tag = d.u64()?;
             let ks = keys(&mut d)?;
             let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
             let r = store.start_session(&refs).map(|s| s.token);
             if let Ok(token) = r {
-                let mut clients = served.clients.lock();
-                clients.entry(client).or_default().sessions.insert(token);
+                let kept = served
+                    .clients
+                    .lock()
+                    .entry(client)
+                    .or_default()
+                    .started(token, tag);
+                if !kept {
+                    // Its client gave it up (its call ran out) before it ran: nobody will
+                    // end it.
+                    tracing::debug!(client, tag, "a session start its client gave up on: ended");
+                    end_session(store, token);
+                }
             }
             out.result(&r, |e, t| {
                 e.u64(*t);
@@ -512,6 +569,19 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
         }
         op::END_SESSION => {
             end_clients_session(served, client, d.u64()?);
+            out.result(&Ok(()), |_, _| {});
+        }
+        op::END_SESSION_TAG => {
+            let tag = d.u64()?;
+            let token = served
+                .clients
+                .lock()
+                .entry(client)
+                .or_default()
+                .give_up(tag);
+            if let Some(token) = token {
+                end_session(store, token);
+            }
             out.result(&Ok(()), |_, _| {});
         }
         op::HEALTH => out.result(&store.health(), |_, _| {}),
