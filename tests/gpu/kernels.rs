@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kvlink::kv_device::cuda::cudarc::driver::result;
 use kvlink::kv_device::cuda::{CudaDevice, DeviceBuffer, KernelSource};
-use kvlink::kv_device::{Device, DeviceError, RowCopy};
+use kvlink::kv_device::{Device, RowCopy};
 use kvlink_rig::pattern::{fill_row, Rng};
 use kvlink_rig::report::{de, Report, Status};
 
@@ -32,7 +32,7 @@ fn kernels(dev: &Arc<CudaDevice>, report: &mut Report) {
         let name = format!("copy kernel from {source:?}");
         let k = match dev.load_kernels(source) {
             Ok(k) => k,
-            Err(e @ DeviceError::Unavailable(_)) if source == KernelSource::Nvrtc => {
+            Err(e) if e.is_unavailable() && source == KernelSource::Nvrtc => {
                 report.push(
                     SEC,
                     name,

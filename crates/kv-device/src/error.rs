@@ -28,6 +28,18 @@ pub enum DeviceError {
     /// The backend is not available on this machine (e.g. no CUDA driver).
     #[error("backend unavailable: {0}")]
     Unavailable(String),
+    /// CUDA is not available on this machine: the driver is there, but a call that finds the
+    /// devices failed (feature `cuda`; `cuInit` with no device visible, say); the driver's
+    /// error is the source. [`is_unavailable`](Self::is_unavailable) covers both.
+    #[cfg(feature = "cuda")]
+    #[error("backend unavailable: CUDA: {call}: {}", crate::cuda::error::describe(.source))]
+    CudaUnavailable {
+        /// The driver call.
+        call: &'static str,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
     /// A driver call failed (the CPU device's injected failures; the CUDA backend's calls
     /// that report no driver code, such as an NVRTC compile).
     #[error("driver: {0}")]
@@ -77,8 +89,57 @@ pub enum DeviceError {
     Lent(&'static str),
 }
 
+impl DeviceError {
+    /// True when the backend itself is not available on this machine (no driver, no device,
+    /// no kernel compiler): a caller may fall back to another backend or path; any other
+    /// error is a failure of a backend that is there.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            DeviceError::Unavailable(_) => true,
+            #[cfg(feature = "cuda")]
+            DeviceError::CudaUnavailable { .. } => true,
+            _ => false,
+        }
+    }
+}
+
 impl From<DeviceError> for kv_loader::KvLoadError {
     fn from(e: DeviceError) -> Self {
         kv_loader::KvLoadError::Device(kv_loader::Cause::from_error(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_missing_backend_is_unavailable() {
+        assert!(DeviceError::Unavailable("no driver".into()).is_unavailable());
+        let busy = DeviceError::SlotBusy {
+            slot: 3,
+            reason: "a save reads it",
+        };
+        assert!(!busy.is_unavailable());
+        assert!(!DeviceError::Driver("injected".into()).is_unavailable());
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_failed_cuinit_keeps_the_drivers_error() {
+        use cudarc::driver::{sys::CUresult, DriverError};
+        use std::error::Error;
+        let e = DeviceError::CudaUnavailable {
+            call: "cuInit",
+            source: DriverError(CUresult::CUDA_ERROR_NO_DEVICE),
+        };
+        assert!(e.is_unavailable());
+        assert!(e.to_string().contains("cuInit"), "{e}");
+        assert!(e.to_string().contains("CUDA_ERROR_NO_DEVICE"), "{e}");
+        let source = e.source().expect("the driver's error is kept");
+        assert_eq!(
+            source.downcast_ref::<DriverError>(),
+            Some(&DriverError(CUresult::CUDA_ERROR_NO_DEVICE))
+        );
     }
 }

@@ -29,17 +29,13 @@ pub fn cuda_device_count() -> Result<u32, DeviceError> {
             "CUDA unavailable: the driver library (libcuda.so.1) is not on this machine".into(),
         ));
     }
-    result::init().map_err(|e| {
-        DeviceError::Unavailable(format!(
-            "CUDA unavailable: cuInit failed: {}",
-            driver_error_text(e)
-        ))
+    result::init().map_err(|source| DeviceError::CudaUnavailable {
+        call: "cuInit",
+        source,
     })?;
-    let n = result::device::get_count().map_err(|e| {
-        DeviceError::Unavailable(format!(
-            "CUDA unavailable: cuDeviceGetCount failed: {}",
-            driver_error_text(e)
-        ))
+    let n = result::device::get_count().map_err(|source| DeviceError::CudaUnavailable {
+        call: "cuDeviceGetCount",
+        source,
     })?;
     if n <= 0 {
         return Err(DeviceError::Unavailable(
