@@ -47,8 +47,13 @@ pub(crate) unsafe fn run(
     }
 }
 
+/// Largest piece of one synchronous copy: a longer copy goes in pieces through one pinned
+/// buffer of at most this size, so that reading a whole pool buffer out (gigabytes) neither
+/// pins as much host memory nor keeps it pinned afterwards.
+pub(crate) const BOUNCE_MAX: usize = 32 << 20;
+
 /// A pinned buffer reused by synchronous copies (pinned allocation is slow, and synchronizing,
-/// on CUDA): lent to one copy at a time, grown when a copy needs more.
+/// on CUDA): lent to one copy at a time, grown when a copy needs more, up to [`BOUNCE_MAX`].
 #[derive(Debug, Default)]
 pub(crate) struct Bounce(Mutex<Option<PinnedMemory>>);
 
@@ -85,20 +90,24 @@ pub(crate) unsafe fn write(
     dst: u64,
     data: &[u8],
 ) -> Result<(), DeviceError> {
-    if data.is_empty() {
-        return Ok(());
+    let mut dst = dst;
+    for piece in data.chunks(BOUNCE_MAX) {
+        let host = bounce.take(device, piece.len())?;
+        // SAFETY: `host` is ours (taken from the bounce), at least `piece.len()` bytes, idle.
+        unsafe {
+            std::ptr::copy_nonoverlapping(piece.as_ptr(), host.addr() as *mut u8, piece.len())
+        };
+        let t = Transfer::ToDevice {
+            dst,
+            src: host.addr(),
+            len: piece.len(),
+        };
+        // SAFETY: the caller's promise for `dst..dst + data.len()`, of which this piece is a
+        // part; the source is `host`.
+        let host = unsafe { run(&device.load_stream(), t, host) }?;
+        bounce.give(host);
+        dst += piece.len() as u64;
     }
-    let host = bounce.take(device, data.len())?;
-    // SAFETY: `host` is ours (taken from the bounce), at least `data.len()` bytes, idle.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), host.addr() as *mut u8, data.len()) };
-    let t = Transfer::ToDevice {
-        dst,
-        src: host.addr(),
-        len: data.len(),
-    };
-    // SAFETY: the caller's promise for `dst`; the source is `host`.
-    let host = unsafe { run(&device.load_stream(), t, host) }?;
-    bounce.give(host);
     Ok(())
 }
 
@@ -135,19 +144,56 @@ pub(crate) unsafe fn read(
     src: u64,
     out: &mut [u8],
 ) -> Result<(), DeviceError> {
-    if out.is_empty() {
-        return Ok(());
+    let mut src = src;
+    for piece in out.chunks_mut(BOUNCE_MAX) {
+        let host = bounce.take(device, piece.len())?;
+        let t = Transfer::ToHost {
+            dst: host.addr(),
+            src,
+            len: piece.len(),
+        };
+        // SAFETY: the caller's promise for `src..src + out.len()`, of which this piece is a
+        // part; the destination is `host`.
+        let host = unsafe { run(&device.load_stream(), t, host) }?;
+        // SAFETY: the copy finished; `host` holds at least `piece.len()` bytes and is ours.
+        unsafe {
+            std::ptr::copy_nonoverlapping(host.addr() as *const u8, piece.as_mut_ptr(), piece.len())
+        };
+        bounce.give(host);
+        src += piece.len() as u64;
     }
-    let host = bounce.take(device, out.len())?;
-    let t = Transfer::ToHost {
-        dst: host.addr(),
-        src,
-        len: out.len(),
-    };
-    // SAFETY: the caller's promise for `src`; the destination is `host`.
-    let host = unsafe { run(&device.load_stream(), t, host) }?;
-    // SAFETY: the copy finished; `host` holds at least `out.len()` bytes and is ours.
-    unsafe { std::ptr::copy_nonoverlapping(host.addr() as *const u8, out.as_mut_ptr(), out.len()) };
-    bounce.give(host);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CpuDevice;
+
+    #[test]
+    fn a_copy_longer_than_the_bounce_goes_in_pieces_and_keeps_at_most_its_size_pinned() {
+        let dev = CpuDevice::new(0).unwrap();
+        let len = 2 * BOUNCE_MAX + 4099;
+        let mem = dev.alloc(len, "test").unwrap();
+        let data: Vec<u8> = (0..len).map(|i| (i * 31 + i / 4099) as u8).collect();
+        let bounce = Bounce::default();
+        // SAFETY: `mem` is ours, `len` bytes, and nothing else touches it.
+        unsafe { write(&*dev, &bounce, mem.addr(), &data) }.unwrap();
+        let mut out = vec![0u8; len];
+        // SAFETY: as above; the write has finished.
+        unsafe { read(&*dev, &bounce, mem.addr(), &mut out) }.unwrap();
+        assert!(out == data, "the pieces land where they belong");
+        let kept = bounce.0.lock().as_ref().map(PinnedMemory::len);
+        assert_eq!(
+            kept,
+            Some(BOUNCE_MAX),
+            "one bounce of the largest piece kept"
+        );
+        // A piece off the middle of the allocation, across a piece boundary.
+        let mut mid = vec![0u8; BOUNCE_MAX + 10];
+        let at = BOUNCE_MAX / 2;
+        // SAFETY: as above.
+        unsafe { read(&*dev, &bounce, mem.addr() + at as u64, &mut mid) }.unwrap();
+        assert!(mid == data[at..at + mid.len()]);
+    }
 }
