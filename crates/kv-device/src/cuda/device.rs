@@ -20,7 +20,9 @@ use crate::{Device, DeviceError, DeviceMemory, DeviceRegion, PinnedMemory, Strea
 ///
 /// cudarc loads `libcuda` lazily and **panics** when it is missing (e.g. `CudaContext::new`
 /// on a machine without a driver); every constructor of this backend calls this first, so
-/// such a machine gets [`DeviceError::Unavailable`] instead.
+/// such a machine gets an error for which [`DeviceError::is_unavailable`] is true instead
+/// ([`DeviceError::Unavailable`] without the library, [`DeviceError::CudaUnavailable`] when
+/// `cuInit` or `cuDeviceGetCount` fails).
 pub fn cuda_device_count() -> Result<u32, DeviceError> {
     // SAFETY: `is_culib_present` only tries to dlopen the candidate library names (and drops
     // the handles); it calls no CUDA function.
@@ -63,7 +65,8 @@ pub struct CudaDevice {
 
 impl CudaDevice {
     /// Opens GPU `ordinal` (its primary context) and creates the load stream.
-    /// [`DeviceError::Unavailable`] without a driver or device; never panics for that.
+    /// An error with [`DeviceError::is_unavailable`] true without a driver or device; never
+    /// panics for that.
     pub fn new(ordinal: u32) -> Result<Arc<Self>, DeviceError> {
         let count = cuda_device_count()?;
         if ordinal >= count {

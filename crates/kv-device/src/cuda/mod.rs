@@ -6,8 +6,8 @@
 //! is compiled by NVRTC at run time, or loaded from the PTX shipped in the binary.
 //!
 //! Every constructor checks first that the driver library is present
-//! ([`cuda_device_count`]); a machine without it gets [`DeviceError::Unavailable`]
-//! (cudarc itself would panic).
+//! ([`cuda_device_count`]); a machine without it, or without a device, gets an error for
+//! which [`DeviceError::is_unavailable`] is true (cudarc itself would panic).
 //!
 //! Files, each depending only on those before it: `error` (driver errors as
 //! [`DeviceError`]s), `current` (our context current for a call, the thread's own restored

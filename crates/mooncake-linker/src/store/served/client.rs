@@ -6,9 +6,9 @@
 //! Connections are pooled (one per concurrent caller); a connection that fails is dropped,
 //! and every key of that call gets the error ([`StoreError::Unavailable`], or
 //! [`StoreError::RpcTimeout`] past the request timeout). One more connection, opened at
-//! connect and never used for a request, stays open while the client lives: the server ends a
-//! client's read sessions when its last connection closes, which a dropped pooled connection
-//! must not cause.
+//! connect and never used for a request, stays open while the client lives (a session start
+//! opens it again if the server closed it): the server ends a client's read sessions when its
+//! last connection closes, which a dropped pooled connection must not cause.
 
 use std::ffi::OsStr;
 use std::io::{self, IoSlice, IoSliceMut};
