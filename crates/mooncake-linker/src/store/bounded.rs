@@ -395,8 +395,13 @@ impl StoreCalls {
     }
 
     /// [`KvStore::discard`], bounded.
+    ///
+    /// A discard is cleanup that holds none of the caller's memory: it is sent even when its
+    /// deadline has passed (then given up on at once, the store still carrying it out), so
+    /// that a bad object found after a TP peer's bound is not left for every later load.
     pub fn discard(&self, keys: &[&str], deadline: Instant) -> Vec<Result<(), StoreError>> {
-        self.per_key("discard", owned(keys), deadline, |s, k| s.discard(k))
+        let sent_by = deadline.max(Instant::now() + Duration::from_millis(1));
+        self.per_key("discard", owned(keys), sent_by, |s, k| s.discard(k))
     }
 
     /// [`KvStore::start_session`], bounded. A session that starts after its deadline is
@@ -521,6 +526,20 @@ mod tests {
         };
         // SAFETY: `bytes` is live and unchanged during the call.
         assert!(unsafe { store.put(&[p]) }[0].is_ok());
+    }
+
+    /// A discard past its deadline is still sent: the object goes.
+    #[test]
+    fn a_discard_past_its_deadline_is_still_carried_out() {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 20));
+        put(&*store, "bad", &[1u8; 64]);
+        let calls = StoreCalls::new(store.clone());
+        let _ = calls.discard(&["bad"], Instant::now() - Duration::from_millis(5));
+        let until = Instant::now() + Duration::from_secs(5);
+        while store.exists(&["bad"]) != vec![Ok(false)] {
+            assert!(Instant::now() < until, "the discard was never carried out");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// A call whose deadline has passed is not sent: a stalled store is never reached (no
