@@ -606,7 +606,10 @@ impl KvStore for SocketStore {
         let key = keys.first().copied().unwrap_or("");
         // The session's pins last while this client has a connection open: make sure the
         // anchor is one.
-        self.keep_anchor(kv_loader::deadline_after(self.timeout))
+        // One deadline for the anchor and the start: the call fails within the request timeout
+        // (then at most GIVE_UP_TIMEOUT more to give the start up).
+        let deadline = kv_loader::deadline_after(self.timeout);
+        self.keep_anchor(deadline)
             .map_err(|e| e.for_key(&self.address, key))?;
         let tag = self.next_session_tag.fetch_add(1, Ordering::Relaxed);
         let mut body = Enc::default();
@@ -614,7 +617,7 @@ impl KvStore for SocketStore {
         keys.iter().for_each(|k| {
             body.str(k);
         });
-        let answer = self.call(|c, deadline| {
+        let answer = self.call_by(deadline, |c, deadline| {
             let reply = Self::request(c, &body.0, deadline)?;
             let mut d = Dec::new(&reply);
             let result = d.result(|d| d.u64())?;
