@@ -3,7 +3,12 @@
 use std::time::Duration;
 
 /// What went wrong with pool memory, staging, copies or events.
+///
+/// Non-exhaustive: the `cuda` feature adds variants, and a feature another crate of the build
+/// turns on must not break a `match` written without it; match the cases you handle and keep
+/// a `_` arm (or ask [`is_unavailable`](Self::is_unavailable)).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DeviceError {
     /// A (component, layer, slot) outside the pool.
     #[error("no slice for component #{component}, layer {layer}, slot {slot}: {reason}")]

@@ -80,6 +80,11 @@ pub enum RendezvousError {
         /// The live group's epoch.
         epoch: u64,
     },
+    /// Rank 0's own rendezvous address is a name that did not resolve within the bound (a
+    /// resolver down, a record not yet published): it may resolve on a later attempt, so this
+    /// is not a refusal. An address that is not `host:port` is [`Config`](Self::Config).
+    #[error("rank 0's rendezvous address did not resolve: {0}")]
+    Unresolved(String),
     /// A socket operation failed.
     #[error("{context}: {source}")]
     Io {
@@ -149,6 +154,7 @@ mod tests {
             },
             RendezvousError::Occupied { rank: 1, epoch: 4 },
             RendezvousError::Protocol("a torn message".into()),
+            RendezvousError::Unresolved("rank0.example: resolver down".into()),
         ];
         assert!(!passing.iter().any(RendezvousError::is_refusal));
     }

@@ -205,9 +205,13 @@ fn hung_up(stream: &TcpStream) -> bool {
 impl TcpLeader {
     /// Listens at `addr` (rank 0's rendezvous address) for the life of the rendezvous.
     pub(crate) fn bind(addr: &str, version: String) -> Result<Self, RendezvousError> {
-        // Rank 0's own address: a failed lookup is its configuration's (or host's) fault.
-        let addrs = resolve_within(addr, OWN_LOOKUP_TIMEOUT)
-            .map_err(|e| RendezvousError::Config(e.to_string()))?;
+        // Rank 0's own address: bad syntax is its configuration's fault and never passes; a
+        // name that did not resolve (the resolver down, a record not yet published) may
+        // resolve when the engine tries again, so it is not a refusal.
+        let addrs = resolve_within(addr, OWN_LOOKUP_TIMEOUT).map_err(|e| match e {
+            ResolveFailure::Invalid(e) => RendezvousError::Config(e),
+            ResolveFailure::Lookup(e) => RendezvousError::Unresolved(e),
+        })?;
         let listener = TcpListener::bind(&addrs[..])
             .map_err(|e| RendezvousError::io(format!("rank 0 listening at {addr}"), e))?;
         let local = listener
@@ -684,6 +688,23 @@ mod tests {
         assert_eq!(hellos, 0);
         assert!(took >= Duration::from_millis(700), "gave up after {took:?}");
         assert!(took < Duration::from_secs(4), "ended after {took:?}");
+    }
+
+    #[test]
+    fn rank_0_whose_own_name_does_not_resolve_may_try_again() {
+        // Before, a lookup that failed was a `Config` error, a refusal: an engine that gives up
+        // on refusals gave up on a resolver that was only down for a moment.
+        let e = TcpLeader::bind("rank0.kvlink.invalid:29500", VERSION.into())
+            .err()
+            .expect("bound an address that does not resolve");
+        assert!(matches!(e, RendezvousError::Unresolved(_)), "{e:?}");
+        assert!(!e.is_refusal(), "{e}");
+        assert!(e.to_string().contains("rank0.kvlink.invalid"), "{e}");
+        let e = TcpLeader::bind("rank0", VERSION.into())
+            .err()
+            .expect("bound an address without a port");
+        assert!(matches!(e, RendezvousError::Config(_)), "{e:?}");
+        assert!(e.is_refusal(), "{e}");
     }
 
     #[test]
