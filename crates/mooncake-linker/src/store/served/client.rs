@@ -617,7 +617,10 @@ impl KvStore for SocketStore {
         keys.iter().for_each(|k| {
             body.str(k);
         });
+        // Whether the request may have gone out: not when no connection opened.
+        let mut sent = false;
         let answer = self.call_by(deadline, |c, deadline| {
+            sent = true;
             let reply = Self::request(c, &body.0, deadline)?;
             let mut d = Dec::new(&reply);
             let result = d.result(|d| d.u64())?;
@@ -627,9 +630,9 @@ impl KvStore for SocketStore {
         let token = match answer {
             Ok(answered) => answered?,
             Err(e) => {
-                if !matches!(e, CallError::TooLarge(_)) {
+                if sent && !matches!(e, CallError::TooLarge(_)) {
                     // Sent, and no answer: the session may have started, with a token this
-                    // client never learns.
+                    // client never learns. (Too large: refused unsent.)
                     self.give_up_start(tag);
                 }
                 return Err(e.for_key(&self.address, key));

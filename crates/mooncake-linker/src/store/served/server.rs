@@ -541,7 +541,7 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
             let tag = d.u64()?;
             let ks = keys(&mut d)?;
             let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
-            let r = store.start_session(&refs).map(|s| s.token);
+            let mut r = store.start_session(&refs).map(|s| s.token);
             if let Ok(token) = r {
                 let kept = served
                     .clients
@@ -551,9 +551,16 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
                     .started(token, tag);
                 if !kept {
                     // Its client gave it up (its call ran out) before it ran: nobody will
-                    // end it.
+                    // end it. Nor is its token answered: that session is gone.
                     tracing::debug!(client, tag, "a session start its client gave up on: ended");
                     end_session(store, token);
+                    r = Err(StoreError::Lease {
+                        key: refs.first().copied().unwrap_or("").to_string(),
+                        detail: format!(
+                            "session start {tag} was given up by its client before it ran; \
+                             it was ended at once"
+                        ),
+                    });
                 }
             }
             out.result(&r, |e, t| {

@@ -41,14 +41,19 @@ fn send(c: &mut UnixStream, body: &Enc) {
     c.write_all(&body.0).unwrap();
 }
 
-/// Starts a session over `key` tagged `tag` on `raw`; the token answered.
-fn start(raw: &mut UnixStream, tag: u64, key: &str) -> u64 {
+/// Starts a session over `key` tagged `tag` on `raw`; the server's answer.
+fn try_start(raw: &mut UnixStream, tag: u64, key: &str) -> Result<u64, StoreError> {
     let mut body = Enc::default();
     body.u8(op::START_SESSION).u64(tag).u32(1).str(key);
     send(raw, &body);
     let reply = read_frame(raw);
     let mut d = Dec::new(&reply);
-    d.result(|d| d.u64()).unwrap().unwrap()
+    d.result(|d| d.u64()).unwrap()
+}
+
+/// Starts a session over `key` tagged `tag` on `raw`; the token answered.
+fn start(raw: &mut UnixStream, tag: u64, key: &str) -> u64 {
+    try_start(raw, tag, key).unwrap()
 }
 
 /// Gives up the start tagged `tag` on `raw`.
@@ -98,7 +103,11 @@ fn a_start_given_up_by_its_tag_lets_its_pins_go_whether_it_ran_before_or_after()
     // Given up before it ran (the give-up overtook it): it is ended as it starts.
     put_k(&other);
     give_up(&mut raw, 2);
-    start(&mut raw, 2, "k");
+    let answer = try_start(&mut raw, 2, "k");
+    assert!(
+        matches!(&answer, Err(StoreError::Lease { key, .. }) if key == "k"),
+        "a start given up is not answered with the token of a session already ended: {answer:?}"
+    );
     assert!(!pinned(&other), "given up before it ran: ended at once");
 
     // Only the tag given up: another start keeps its pins, and is ended by its token.
@@ -114,40 +123,55 @@ fn a_start_given_up_by_its_tag_lets_its_pins_go_whether_it_ran_before_or_after()
     assert!(!pinned(&other));
 }
 
+/// A fake server's listener (non-blocking) at a fresh abstract name; the name.
+fn fake_listener(what: &str) -> (UnixListener, String) {
+    let name = format!("kvlink-fake-store-{what}-{}", std::process::id());
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let listener = UnixListener::bind_addr(&a).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    (listener, name)
+}
+
+/// Accepts a connection within 10 s (a client that never connects fails the test, not hangs
+/// it) and answers its hello.
+fn accept(l: &UnixListener) -> UnixStream {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut c = loop {
+        match l.accept() {
+            Ok((c, _)) => break c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(std::time::Instant::now() < deadline, "no connection came");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    };
+    c.set_nonblocking(false).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut hello = [0u8; 16];
+    c.read_exact(&mut hello).unwrap();
+    c.write_all(&0u32.to_le_bytes()).unwrap();
+    c
+}
+
+/// Answers the health check a client's connect sends on `c`.
+fn answer_health(c: &mut UnixStream) {
+    assert_eq!(read_frame(c)[0], op::HEALTH);
+    let mut ok = Enc::default();
+    ok.result(&Ok(()), |_, _| {});
+    send(c, &ok);
+}
+
 #[test]
 fn a_client_whose_session_start_goes_unanswered_gives_it_up_by_its_tag() {
     // A fake server: answers the connect's health check, takes the anchor connection, then
     // leaves the session start unanswered and waits for its give-up on a new connection.
-    let name = format!("kvlink-fake-store-tag-{}", std::process::id());
-    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
-    let listener = UnixListener::bind_addr(&a).unwrap();
-    listener.set_nonblocking(true).unwrap();
-    // Accepts within 10 s (a client that never connects fails the test, not hangs it).
-    let accept = |l: &UnixListener| {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let mut c = loop {
-            match l.accept() {
-                Ok((c, _)) => break c,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    assert!(std::time::Instant::now() < deadline, "no connection came");
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => panic!("accept: {e}"),
-            }
-        };
-        c.set_nonblocking(false).unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut hello = [0u8; 16];
-        c.read_exact(&mut hello).unwrap();
-        c.write_all(&0u32.to_le_bytes()).unwrap();
-        c
-    };
+    let (listener, name) = fake_listener("tag");
     let fake = std::thread::spawn(move || {
         let mut c = accept(&listener);
-        assert_eq!(read_frame(&mut c)[0], op::HEALTH);
+        answer_health(&mut c);
         let mut ok = Enc::default();
         ok.result(&Ok(()), |_, _| {});
-        send(&mut c, &ok);
         let _anchor = accept(&listener);
         let start = read_frame(&mut c);
         assert_eq!(start[0], op::START_SESSION);
@@ -164,10 +188,48 @@ fn a_client_whose_session_start_goes_unanswered_gives_it_up_by_its_tag() {
         send(&mut g, &ok);
         let _ = c.read(&mut [0u8; 1]);
     });
+    // 1.5 s: the connect's two connections open within it on a loaded machine too.
     let client =
-        SocketStore::connect_with(&format!("unix:@{name}"), Duration::from_millis(300)).unwrap();
+        SocketStore::connect_with(&format!("unix:@{name}"), Duration::from_millis(1500)).unwrap();
     let got = client.start_session(&["k"]);
     assert!(matches!(got, Err(StoreError::RpcTimeout { .. })), "{got:?}");
     drop(client);
     fake.join().unwrap();
+}
+
+#[test]
+fn a_session_start_never_sent_is_not_given_up() {
+    // A fake server that takes the connect's two connections, then leaves every later
+    // connection's hello unanswered: the start's own connection never opens, so its request
+    // is never sent and there is nothing to give up. Before, the client gave it up anyway on
+    // one more connection, waiting for it, and warned that pins might stay.
+    let (listener, name) = fake_listener("unsent");
+    let (returned, client_returned) = std::sync::mpsc::channel::<()>();
+    let fake = std::thread::spawn(move || {
+        let mut c = accept(&listener);
+        answer_health(&mut c);
+        let _anchor = accept(&listener);
+        client_returned
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the client's start returned");
+        // Every connection the client opened since, answered or not, waits to be accepted.
+        let mut later = 0;
+        while listener.accept().is_ok() {
+            later += 1;
+        }
+        later
+    });
+    // 1.5 s: the connect's two connections open within it on a loaded machine too.
+    let client =
+        SocketStore::connect_with(&format!("unix:@{name}"), Duration::from_millis(1500)).unwrap();
+    assert_eq!(client.drop_pooled(), 1, "the health check's connection");
+    let got = client.start_session(&["k"]);
+    assert!(matches!(got, Err(StoreError::RpcTimeout { .. })), "{got:?}");
+    returned.send(()).unwrap();
+    assert_eq!(
+        fake.join().unwrap(),
+        1,
+        "only the start's own connection, which never opened: no give-up"
+    );
+    drop(client);
 }
