@@ -261,7 +261,13 @@ impl SaveGather for StagedGather {
         let ev = match self.stream.record() {
             Ok(ev) => ev,
             Err(e) => {
-                tracing::error!(error = %e, "save gather queued but not fenced: its staging, slot table and pool are kept for good");
+                tracing::error!(
+                    error = %e,
+                    slots = ?self.slots,
+                    "save gather queued but not fenced: its staging, slot table and pool are \
+                     kept for good, and its slots stay claimed for reading (landings into them \
+                     are refused SlotBusy; the device is likely broken: rebuild the pool)"
+                );
                 self.stick(Vec::new());
                 return Err(queued.err().unwrap_or(e));
             }

@@ -1,6 +1,12 @@
-//! Discarding objects with their checksum companions, in the one order that never leaves an
-//! object in the store without its companion: an object left so would pass later loads on its
-//! length alone, and a save would skip it (first write wins).
+//! Discarding objects with their checksum companions: objects first, and each companion only
+//! once its object is gone. A failing discard thus leaves an object with its companion (later
+//! loads keep checking it) or a companion without its object; this function never leaves an
+//! object without its companion, which would pass later loads on its length alone while a
+//! save skipped it (first write wins).
+//!
+//! It does not order itself against a save of the same key running beside it: such a save may
+//! write the object again between the two discards, and that object then stands without its
+//! companion.
 
 use kv_geometry::checksum_key;
 use tracing::warn;
