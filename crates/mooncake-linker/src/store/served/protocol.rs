@@ -79,14 +79,12 @@ impl Conn {
             Conn::Tcp(s) => socket2::SockRef::from(s),
             Conn::Unix(s) => socket2::SockRef::from(s),
         };
-        if sock.set_nonblocking(true).is_err() {
-            return true;
-        }
+        // One peek that does not wait (MSG_DONTWAIT), rather than switching the socket to
+        // non-blocking and back: one call, and the mode of a descriptor a clone shares is
+        // never changed under it.
         let mut byte = [MaybeUninit::<u8>::uninit()];
-        let peeked = sock.peek(&mut byte);
-        let restored = sock.set_nonblocking(false).is_ok();
-        let idle = matches!(&peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock);
-        !(restored && idle)
+        let peeked = sock.recv_with_flags(&mut byte, libc::MSG_PEEK | libc::MSG_DONTWAIT);
+        !matches!(&peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 
     pub(crate) fn try_clone(&self) -> io::Result<Conn> {
@@ -446,6 +444,33 @@ pub(crate) fn outcome_code(o: PutOutcome) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_is_closed_when_its_peer_closed_it_or_it_is_out_of_step() {
+        use std::io::Write;
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let ours = Conn::Unix(ours);
+        assert!(!ours.is_closed(), "idle and open");
+        theirs.write_all(&[1]).unwrap();
+        assert!(
+            ours.is_closed(),
+            "a byte waiting between requests: out of step"
+        );
+        // The peek took nothing, and the socket still blocks (a read waits for its timeout).
+        let Conn::Unix(mut s) = ours else {
+            unreachable!()
+        };
+        let mut b = [0u8; 2];
+        assert_eq!(s.read(&mut b).unwrap(), 1);
+        s.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        let t0 = Instant::now();
+        assert!(s.read(&mut b).is_err(), "nothing more to read");
+        assert!(t0.elapsed() >= Duration::from_millis(15));
+        let ours = Conn::Unix(s);
+        assert!(!ours.is_closed(), "idle again");
+        drop(theirs);
+        assert!(ours.is_closed(), "the peer closed it");
+    }
 
     #[test]
     fn every_store_error_round_trips() {
