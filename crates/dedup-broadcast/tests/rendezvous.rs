@@ -150,8 +150,17 @@ fn a_rank_0_that_never_forms_times_joiners_out_naming_it() {
 fn bad_settings_are_refused_before_any_io() {
     let e = Rendezvous::new(tcp(3, 3, "127.0.0.1:0")).unwrap_err();
     assert!(matches!(e, RendezvousError::Config(_)));
-    let e = Rendezvous::new(tcp(0, 2, "no-such-host.invalid:1")).unwrap_err();
+    let e = Rendezvous::new(tcp(0, 2, "no-port")).unwrap_err();
     assert!(matches!(e, RendezvousError::Config(_)), "{e:?}");
+    assert!(e.is_refusal());
+}
+
+#[test]
+fn rank_0_whose_own_name_does_not_resolve_is_not_refused() {
+    // A name may resolve later (a resolver down, a record not yet published): not a refusal.
+    let e = Rendezvous::new(tcp(0, 2, "no-such-host.invalid:1")).unwrap_err();
+    assert!(matches!(e, RendezvousError::Unresolved(_)), "{e:?}");
+    assert!(!e.is_refusal(), "{e}");
 }
 
 #[test]
