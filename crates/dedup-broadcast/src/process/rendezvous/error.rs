@@ -8,7 +8,11 @@ use std::sync::Arc;
 /// `VersionMismatch`, `SettingsMismatch`) are decided by rank 0 and sent to every rank that
 /// joined the formation, so each of them gets the same error; nothing of a batch has been
 /// read or moved by then.
+///
+/// Non-exhaustive: new ways a formation fails may come; keep a `_` arm (or ask
+/// [`is_refusal`](Self::is_refusal)).
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum RendezvousError {
     /// The configuration cannot work (rank out of range, an unparsable address or variable).
     #[error("rendezvous configuration: {0}")]

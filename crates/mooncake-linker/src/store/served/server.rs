@@ -414,13 +414,20 @@ fn serve_connection(mut conn: Conn, served: &Served) {
     };
     let ok_bytes = ok.to_le_bytes();
     let mut answer = [IoSlice::new(&ok_bytes)];
-    if write_all_vectored(&mut conn, &mut answer, deadline).is_err() || ok != 0 {
+    if ok != 0 {
+        let _ = write_all_vectored(&mut conn, &mut answer, deadline);
         return;
     }
+    // Counted before the hello is answered: a client that, once answered, closes another
+    // connection of its own (an anchor it replaces) must never leave the count at 0 between
+    // the two, which would end its sessions.
     served.clients.lock().entry(client).or_default().conns += 1;
     // Released however this ends, a panic in a request's handling included: else the
     // client's count never reaches 0 and its pins stay until the server stops.
     let _counted = Counted { served, client };
+    if write_all_vectored(&mut conn, &mut answer, deadline).is_err() {
+        return;
+    }
     while let Some(body) = next_request(&mut conn, served) {
         if let Err(e) = handle(&mut conn, served, client, &body) {
             tracing::debug!(error = %e, "store connection closed");
