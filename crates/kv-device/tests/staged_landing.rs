@@ -688,7 +688,13 @@ fn a_lent_stage_is_the_loans_alone_and_its_staging_waits_for_the_loan() {
     // whoever still writes it.
     drop(landing);
     assert_eq!(r.staging.available(), 0);
-    assert_eq!(r.staging.quarantined(), 1);
+    let held = r.staging.quarantined_work();
+    assert!(
+        held.len() == 1
+            && held[0].starts_with("landing ")
+            && held[0].ends_with(" of pool slots [3, 1, 2, 0]"),
+        "the quarantine names the batch and its slots: {held:?}"
+    );
     let staging = Arc::downgrade(&r.staging);
     drop(r);
     assert!(staging.upgrade().is_some(), "the loan keeps the staging");
@@ -784,6 +790,12 @@ fn a_save_held_by_an_engine_event_does_not_fail_the_later_saves() {
         let mut held = f.begin_save_after(slots.clone().into(), &late).unwrap();
         assert!(held.gather(k, 0).is_err(), "its engine event never came");
     }
+    // The stuck gather's staging waits in quarantine under a name that says which slots it
+    // keeps claimed (a landing into them is refused SlotBusy until it has run).
+    assert_eq!(
+        r.staging.quarantined_work(),
+        vec!["save gather of pool slots [1, 4, 9, 2]".to_string()]
+    );
     engine.resume();
     let mut next = f.begin_save(slots.into()).unwrap();
     assert!(next.gather(k, 0).is_ok(), "a later save gathers");

@@ -328,7 +328,13 @@ impl Drop for StagedGather {
             if let Some(claim) = self.claim.take() {
                 owners.push(Arc::new(claim));
             }
-            lease.quarantine_owned(fences, self.slot_table.take().into_iter().collect(), owners);
+            let work = super::staging::slots_work("save gather", &self.slots);
+            lease.quarantine_owned(
+                work,
+                fences,
+                self.slot_table.take().into_iter().collect(),
+                owners,
+            );
         }
     }
 }

@@ -11,7 +11,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::copy::{self, Moved, RowSpan, ScatterStrategy, Staged};
 use super::pool::DeviceKvPool;
-use super::staging::StagingLease;
+use super::staging::{slots_work, StagingLease};
 use super::sync;
 use crate::landing::{next_landing_id, Fences, StageLent, TransferLog};
 use crate::{
@@ -396,7 +396,8 @@ fn upload_slots(
         }
         Err(e) => {
             tracing::error!(error = %e, "slot table copy queued but not fenced: its staging and table are kept for good");
-            lease.quarantine(Vec::new(), vec![table]);
+            let work = slots_work("slot table upload", slots);
+            lease.quarantine_owned(work, Vec::new(), vec![table], Vec::new());
             Err(e)
         }
     }
@@ -804,7 +805,13 @@ impl Drop for StagedLanding {
             // A drain failed with no fence left to wait for: nothing will say it is done.
             fences = fences.filter(|f| !f.is_empty());
         }
-        lease.quarantine_lent(fences, flags, self.slot_table.take().into_iter().collect());
+        let work = slots_work(&format!("landing {}", self.id), &self.slots);
+        lease.quarantine_lent(
+            work,
+            fences,
+            flags,
+            self.slot_table.take().into_iter().collect(),
+        );
     }
 }
 

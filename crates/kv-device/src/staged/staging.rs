@@ -30,11 +30,28 @@ pub(crate) struct StagingPair {
 /// and anything else that work may touch.
 struct Quarantined {
     pair: StagingPair,
+    /// What work holds it ("save gather of pool slots [3, 7]"), for the logs.
+    work: String,
     fences: Option<Vec<SharedEvent>>,
     lent: Vec<Arc<AtomicBool>>,
     _extra: Vec<DeviceMemory>,
     /// Owners of memory the same work may touch (a device pool a save gather reads).
     _owners: Vec<Arc<dyn Any + Send + Sync>>,
+}
+
+/// Names work on pool slots for the logs: `"<what> of pool slots [3, 7]"`, the first 16 and a
+/// count past that (a batch may hold thousands).
+pub(crate) fn slots_work(what: &str, slots: &[u32]) -> String {
+    const SHOWN: usize = 16;
+    if slots.len() <= SHOWN {
+        format!("{what} of pool slots {slots:?}")
+    } else {
+        format!(
+            "{what} of {} pool slots, the first {SHOWN} {:?}",
+            slots.len(),
+            &slots[..SHOWN]
+        )
+    }
 }
 
 /// What a quarantined pair's fences say.
@@ -76,8 +93,10 @@ impl Quarantined {
                 Err(error) => {
                     tracing::error!(
                         %error,
+                        work = %self.work,
                         "a quarantined staging buffer's fence failed to answer: whether its \
-                         device work has ended is unknown, so the buffer is never leased again"
+                         device work has ended is unknown, so the buffer (and what that work \
+                         holds) is never released again"
                     );
                     return Fenced::Unknown;
                 }
@@ -230,6 +249,27 @@ impl StagingPool {
         self.quarantine.lock().len()
     }
 
+    /// What holds each quarantined buffer, e.g. `"save gather of pool slots [3, 7]"`: for a
+    /// health report, or to see which pool slots stay claimed (a landing into them is
+    /// refused [`DeviceError::SlotBusy`]) while the work may still run.
+    ///
+    /// ```
+    /// use kv_device::{CpuDevice, StagingPool};
+    /// let pool = StagingPool::new(CpuDevice::new(0).unwrap(), 1 << 12, 1).unwrap();
+    /// assert!(pool.quarantined_work().is_empty());
+    /// // No fence: the work's end is unknown, so the buffer is held for good.
+    /// pool.lease().unwrap().quarantine(Vec::new(), Vec::new());
+    /// assert_eq!(pool.quarantined_work(), vec!["a staging lease's device work".to_string()]);
+    /// ```
+    pub fn quarantined_work(&self) -> Vec<String> {
+        self.reclaim();
+        self.quarantine
+            .lock()
+            .iter()
+            .map(|q| q.work.clone())
+            .collect()
+    }
+
     /// Moves quarantined pairs whose work has finished back to the free list.
     fn reclaim(&self) {
         // What a settled entry kept alive (a slot table, a device pool whose drop drains its
@@ -243,11 +283,12 @@ impl StagingPool {
                 if q[i].settled() {
                     let Quarantined {
                         pair,
+                        work,
                         _extra,
                         _owners,
                         ..
                     } = q.swap_remove(i);
-                    tracing::info!("a quarantined staging buffer is free again");
+                    tracing::info!(work = %work, "a quarantined staging buffer is free again");
                     free.push(pair);
                     settled.push((_extra, _owners));
                 } else {
@@ -279,7 +320,11 @@ impl Drop for StagingPool {
             if q.settled() {
                 continue;
             }
-            tracing::error!("staging pool dropped while device work may still use a quarantined buffer; leaking it");
+            tracing::error!(
+                work = %q.work,
+                "staging pool dropped while device work may still use a quarantined buffer; \
+                 leaking it"
+            );
             std::mem::forget(q);
         }
     }
@@ -351,19 +396,27 @@ impl StagingLease {
     /// again only once every event of `fences` has completed (never, when `fences` is empty),
     /// and `extra` (memory the same work may touch) lives as long.
     pub fn quarantine(self, fences: Vec<SharedEvent>, extra: Vec<DeviceMemory>) {
-        self.quarantine_owned(fences, extra, Vec::new());
+        self.quarantine_owned(
+            "a staging lease's device work".into(),
+            fences,
+            extra,
+            Vec::new(),
+        );
     }
 
     /// [`quarantine`](Self::quarantine) that also keeps `owners` alive as long (what owns
     /// other memory the same work may touch, e.g. the device pool a gather reads).
+    /// `work` says what holds it, for the logs and
+    /// [`quarantined_work`](StagingPool::quarantined_work).
     pub(crate) fn quarantine_owned(
         self,
+        work: String,
         fences: Vec<SharedEvent>,
         extra: Vec<DeviceMemory>,
         owners: Vec<Arc<dyn Any + Send + Sync>>,
     ) {
         let fences = (!fences.is_empty()).then_some(fences);
-        self.quarantine_with(fences, Vec::new(), extra, owners);
+        self.quarantine_with(work, fences, Vec::new(), extra, owners);
     }
 
     /// [`quarantine`](Self::quarantine) of a buffer whose stages may also still be lent to
@@ -371,15 +424,17 @@ impl StagingLease {
     /// every event of `fences` has completed (never, when `fences` is `None`).
     pub(crate) fn quarantine_lent(
         self,
+        work: String,
         fences: Option<Vec<SharedEvent>>,
         lent: Vec<Arc<AtomicBool>>,
         extra: Vec<DeviceMemory>,
     ) {
-        self.quarantine_with(fences, lent, extra, Vec::new());
+        self.quarantine_with(work, fences, lent, extra, Vec::new());
     }
 
     fn quarantine_with(
         mut self,
+        work: String,
         fences: Option<Vec<SharedEvent>>,
         lent: Vec<Arc<AtomicBool>>,
         extra: Vec<DeviceMemory>,
@@ -387,12 +442,15 @@ impl StagingLease {
     ) {
         if let Some(pair) = self.pair.take() {
             tracing::error!(
+                work = %work,
                 fences = fences.as_ref().map(Vec::len),
                 lent = lent.len(),
-                "staging buffer quarantined: device work or a store read may still use it"
+                "staging buffer quarantined: device work or a store read may still use it \
+                 (fences None: held for good)"
             );
             self.pool.quarantine.lock().push(Quarantined {
                 pair,
+                work,
                 fences,
                 lent,
                 _extra: extra,
@@ -467,6 +525,41 @@ mod tests {
         assert_eq!((pool.available(), pool.quarantined()), (0, 1));
         fence.answer(Ok(true));
         assert_eq!((pool.available(), pool.quarantined()), (1, 0));
+    }
+
+    #[test]
+    fn work_on_slots_is_named_by_its_slots_the_first_sixteen_of_a_large_batch() {
+        assert_eq!(
+            super::slots_work("save gather", &[3, 7]),
+            "save gather of pool slots [3, 7]"
+        );
+        let many: Vec<u32> = (0..40).collect();
+        let named = super::slots_work("landing 5", &many);
+        assert!(
+            named.starts_with("landing 5 of 40 pool slots, the first 16 [0, 1, 2,"),
+            "{named}"
+        );
+        assert!(named.ends_with("14, 15]"), "{named}");
+    }
+
+    #[test]
+    fn quarantined_work_lists_what_holds_each_buffer_until_it_settles() {
+        let pool = pool_of_one();
+        let fence = Arc::new(Scripted(Mutex::new(Ok(false))));
+        let lease = pool.lease().unwrap();
+        lease.quarantine_owned(
+            super::slots_work("save gather", &[2, 9]),
+            vec![fence.clone() as SharedEvent],
+            Vec::new(),
+            Vec::new(),
+        );
+        assert_eq!(
+            pool.quarantined_work(),
+            vec!["save gather of pool slots [2, 9]"]
+        );
+        fence.answer(Ok(true));
+        assert!(pool.quarantined_work().is_empty());
+        assert_eq!(pool.available(), 1);
     }
 
     /// Before, a fence whose query failed counted as completed, and its buffer was leased
