@@ -3,7 +3,7 @@
 //! in flight when a region is let go (mooncake-sys's `unregister_buffer` contract).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -36,15 +36,38 @@ impl TransferGate {
 
     /// Held while a region is unregistered: no transfer is in flight meanwhile. `None` if
     /// transfers were still in flight after `wait`, or at once when one was given up on.
+    ///
+    /// It yields to transfers for all but the last [`QUIET_PREFERENCE`] of `wait`: until then
+    /// it takes the gate only in a gap between transfers and never makes a new one wait (a
+    /// waiting writer of the lock would park every new transfer of the store behind the one in
+    /// flight, for seconds). In the last stretch it waits as a writer, so a steady stream of
+    /// transfers with no gap parks new ones for at most that long.
     pub(crate) fn quiet(&self, wait: Duration) -> Option<RwLockWriteGuard<'_, ()>> {
-        if self.abandoned.load(Ordering::Acquire) {
-            return None;
-        }
-        let quiet = self.lock.try_write_for(wait)?;
+        let deadline = kv_loader::deadline_after(wait);
+        let prefer_from = deadline - wait.min(QUIET_PREFERENCE);
+        let mut pause = Duration::from_micros(100);
+        let quiet = loop {
+            if self.abandoned.load(Ordering::Acquire) {
+                return None;
+            }
+            if let Some(quiet) = self.lock.try_write() {
+                break quiet;
+            }
+            let now = Instant::now();
+            if now >= prefer_from {
+                break self.lock.try_write_until(deadline)?;
+            }
+            std::thread::sleep(pause.min(prefer_from - now));
+            pause = (pause * 2).min(Duration::from_millis(5));
+        };
         // A call that ended abandoned set the flag before it let go of its guard.
         (!self.abandoned.load(Ordering::Acquire)).then_some(quiet)
     }
 }
+
+/// The last stretch of an unregister's wait in which it makes new transfers wait for it
+/// ([`TransferGate::quiet`]).
+const QUIET_PREFERENCE: Duration = Duration::from_millis(100);
 
 #[cfg(test)]
 mod tests {
@@ -75,6 +98,42 @@ mod tests {
             // Once it ends, quiet succeeds.
             release.0.send(()).unwrap();
             assert!(gate.quiet(Duration::from_secs(10)).is_some());
+        });
+    }
+
+    /// Before, a waiting unregister was a waiting writer of the lock: every new transfer of
+    /// the store parked behind it until the transfer in flight ended or the 5 s ran out.
+    #[test]
+    fn an_unregister_waiting_for_a_transfer_does_not_park_new_transfers() {
+        let gate = TransferGate::default();
+        std::thread::scope(|s| {
+            let (held, release) = (mpsc::channel(), mpsc::channel::<()>());
+            let gate = &gate;
+            s.spawn(move || {
+                let _t = gate.transfer();
+                held.0.send(()).unwrap();
+                let _ = release.1.recv();
+            });
+            held.1.recv().unwrap();
+            let (started, got) = (mpsc::channel(), mpsc::channel());
+            s.spawn(move || {
+                started.0.send(()).unwrap();
+                got.0
+                    .send(gate.quiet(Duration::from_secs(20)).is_some())
+                    .unwrap();
+            });
+            started.1.recv().unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+            // The unregister is waiting; a new transfer goes ahead at once.
+            let t0 = Instant::now();
+            let second = gate.transfer();
+            let took = t0.elapsed();
+            assert!(took < Duration::from_secs(2), "parked for {took:?}");
+            assert!(got.1.try_recv().is_err(), "not quiet while transfers run");
+            drop(second);
+            release.0.send(()).unwrap();
+            // Both ended: the unregister gets its quiet, long before its 20 s.
+            assert_eq!(got.1.recv_timeout(Duration::from_secs(10)), Ok(true));
         });
     }
 

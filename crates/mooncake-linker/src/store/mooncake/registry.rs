@@ -94,6 +94,34 @@ mod tests {
         assert_eq!(c.release(&r(4096, 64)), Release::Last);
     }
 
+    /// `MooncakeStore::unregister` asks before its wait for the store to go quiet and again
+    /// after it: a register of the same memory in between keeps the region, and the waiting
+    /// holder's release still counts.
+    #[test]
+    fn a_register_between_the_two_asks_of_an_unregister_keeps_the_region() {
+        let mut c = RegionCounts::default();
+        c.added(&r(4096, 64));
+        assert_eq!(
+            c.release(&r(4096, 64)),
+            Release::Last,
+            "asked before the wait"
+        );
+        assert!(
+            c.hold_again(&r(4096, 64)),
+            "registered again during the wait"
+        );
+        assert_eq!(
+            c.release(&r(4096, 64)),
+            Release::StillHeld,
+            "asked after it"
+        );
+        assert_eq!(
+            c.release(&r(4096, 64)),
+            Release::Last,
+            "the newer holder's own"
+        );
+    }
+
     #[test]
     fn a_failed_last_release_keeps_the_region_held() {
         let mut c = RegionCounts::default();

@@ -770,10 +770,9 @@ impl KvStore for MooncakeStore {
     }
 
     fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        let mut registered = self.registered.lock();
-        match registered.release(&region) {
-            Release::NotHeld | Release::StillHeld => return Ok(()),
-            Release::Last => {}
+        // Not held across the wait below: a register (of any region) would wait with it.
+        if !matches!(self.registered.lock().release(&region), Release::Last) {
+            return Ok(());
         }
         // mooncake-sys asks that no call using the region be in flight: wait until no
         // transfer of this store is (bounded; on time-out the region stays registered).
@@ -787,6 +786,13 @@ impl KvStore for MooncakeStore {
                 .into(),
             });
         };
+        let mut registered = self.registered.lock();
+        // Registered again while this waited (its count went back up), or let go by a
+        // concurrent unregister of the same holder: the wheel keeps or already lost it.
+        match registered.release(&region) {
+            Release::Last => {}
+            Release::NotHeld | Release::StillHeld => return Ok(()),
+        }
         // SAFETY: no transfer of this store is in flight (the gate is held exclusively), and
         // every transfer goes through this store's client.
         unsafe { self.client.unregister_buffer(region.addr as *mut u8) }
