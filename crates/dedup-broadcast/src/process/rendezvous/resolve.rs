@@ -52,7 +52,10 @@ type Answer = std::io::Result<Vec<SocketAddr>>;
 /// Repeated lookups of one address (a joiner's attempts, a client's connections): at most one
 /// runs at a time. A lookup still running when its wait ended is waited for again by the
 /// next attempt, rather than a new thread started beside it, so a resolver that does not
-/// answer costs one thread, not one per attempt.
+/// answer costs one thread, not one per attempt. A name's answer is kept for 30 s
+/// (`KEEP_ANSWER`; each new connection of a pool would otherwise ask the resolver again)
+/// unless the caller [forgets](AddressLookups::forget) it, as it should when none of its
+/// addresses accepted a connection (the name may point elsewhere now).
 ///
 /// ```
 /// use std::time::Duration;
@@ -69,7 +72,14 @@ pub struct AddressLookups {
     what: &'static str,
     /// The lookup under way, and when it began.
     running: Option<(mpsc::Receiver<Answer>, Instant)>,
+    /// The last lookup's answer, and when it came.
+    answer: Option<(Vec<SocketAddr>, Instant)>,
+    /// Lookups started (threads spawned), for the tests.
+    started: u32,
 }
+
+/// How long a name's answer is used before it is looked up again.
+const KEEP_ANSWER: Duration = Duration::from_secs(30);
 
 /// How long a lookup that does not answer holds back a new one: past it, the next attempt
 /// starts a fresh lookup (the name may resolve now) and leaves the old one to end by itself.
@@ -82,7 +92,15 @@ impl AddressLookups {
             addr: addr.to_owned(),
             what,
             running: None,
+            answer: None,
+            started: 0,
         }
+    }
+
+    /// Drops the kept answer: the next [`resolve`](Self::resolve) looks the name up again.
+    /// Call it when none of the addresses accepted a connection.
+    pub fn forget(&mut self) {
+        self.answer = None;
     }
 
     /// The socket addresses, looked up (or the lookup under way waited for) for at most
@@ -95,9 +113,17 @@ impl AddressLookups {
             return Ok(vec![a]);
         }
         check_syntax(addr, what)?;
+        if let Some((kept, at)) = &self.answer {
+            if at.elapsed() < KEEP_ANSWER {
+                return Ok(kept.clone());
+            }
+        }
         let (rx, began) = match self.running.take() {
             Some((rx, began)) if began.elapsed() < FRESH_AFTER => (rx, began),
-            _ => (spawn_lookup(addr, what)?, Instant::now()),
+            _ => {
+                self.started = self.started.saturating_add(1);
+                (spawn_lookup(addr, what)?, Instant::now())
+            }
         };
         let found = match rx.recv_timeout(wait) {
             Ok(found) => found,
@@ -114,7 +140,10 @@ impl AddressLookups {
             }
         };
         match found {
-            Ok(v) if !v.is_empty() => Ok(v),
+            Ok(v) if !v.is_empty() => {
+                self.answer = Some((v.clone(), Instant::now()));
+                Ok(v)
+            }
             Ok(_) => Err(ResolveFailure::Lookup(format!(
                 "{what} {addr:?} resolves to nothing"
             ))),
@@ -214,6 +243,29 @@ mod tests {
         let v = l.resolve(Duration::from_secs(5)).unwrap();
         assert!(v.iter().all(|a| a.ip().is_loopback()), "{v:?}");
         assert!(l.running.is_none());
+    }
+
+    /// Before, every new connection of a served-store client looked its name up again.
+    #[test]
+    fn a_names_answer_is_kept_until_forgotten() {
+        let mut l = AddressLookups::new("localhost:29500", RENDEZVOUS);
+        let first = l.resolve(Duration::from_secs(5)).unwrap();
+        assert_eq!(
+            l.resolve(Duration::ZERO).unwrap(),
+            first,
+            "kept: no wait needed"
+        );
+        assert_eq!(l.started, 1, "one lookup for both");
+        l.forget();
+        assert_eq!(l.resolve(Duration::from_secs(5)).unwrap(), first);
+        assert_eq!(l.started, 2, "looked up again once forgotten");
+        // A kept answer past its time is looked up again too.
+        let at = &mut l.answer.as_mut().unwrap().1;
+        if let Some(old) = at.checked_sub(KEEP_ANSWER) {
+            *at = old;
+            l.resolve(Duration::from_secs(5)).unwrap();
+            assert_eq!(l.started, 3);
+        }
     }
 
     #[test]

@@ -167,6 +167,10 @@ fn connect_tcp(lookups: &Mutex<AddressLookups>, deadline: Instant) -> Result<Tcp
             Err(e) => last = Some(e),
         }
     }
+    // None accepted: the name may point elsewhere now (the server restarted on another host).
+    if let Some(mut l) = lookups.try_lock_until(deadline) {
+        l.forget();
+    }
     Err(match last {
         Some(e) => CallError::Down(Cause::with_source(format!("connecting: {e}"), e)),
         None => CallError::Timeout,
