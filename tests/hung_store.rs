@@ -127,8 +127,9 @@ fn loads_into_other_slots(linker: &Linker, o: &One, pool: &HostKvPool) {
     pool_matches(pool, &o.pages, &other, o.g.num_layers()).unwrap();
 }
 
-/// The hung batch fails within the read timeout; its ticket.
-fn hung_batch_fails_in_time(linker: &Linker, o: &One, slots: Vec<u32>) -> LoadTicket {
+/// The hung batch fails within the read timeout; its ticket. `held`: the late call writes
+/// the slots themselves (a host pool), not only a staging buffer (a device pool).
+fn hung_batch_fails_in_time(linker: &Linker, o: &One, slots: Vec<u32>, held: bool) -> LoadTicket {
     let t0 = Instant::now();
     let t = linker
         .start_load(load_plan(&o.g, 1, &o.pages, slots))
@@ -142,10 +143,23 @@ fn hung_batch_fails_in_time(linker: &Linker, o: &One, slots: Vec<u32>) -> LoadTi
         took >= READ_TIMEOUT && took < Duration::from_secs(2),
         "{took:?}: {err}"
     );
-    assert!(
-        matches!(&err, KvLoadError::Store { layer: Some(3), .. }),
-        "{err:?}"
-    );
+    if held {
+        // The late call may still write the slots: the wait says to hold them, not to
+        // recompute into them (a `Store` error here said `Recompute`, and the late call then
+        // overwrote the engine's rows). The outcome, once the call returns, says what failed.
+        assert!(
+            matches!(&err, KvLoadError::SlotsHeld { batches } if batches[..] == [BatchId(1)]),
+            "{err:?}"
+        );
+        assert_eq!(err.action(), kvlink::kv_loader::EngineAction::HoldSlots);
+    } else {
+        // Only the staging is written late: the slots are free to recompute into.
+        assert!(
+            matches!(&err, KvLoadError::Store { layer: Some(3), .. }),
+            "{err:?}"
+        );
+        assert_eq!(err.action(), kvlink::kv_loader::EngineAction::Recompute);
+    }
     t
 }
 
@@ -185,7 +199,7 @@ fn a_read_the_store_gave_up_on_keeps_its_slots_and_registrations_for_good() {
     }
     let err = linker.wait_layer(&t, 3).unwrap_err();
     assert!(
-        matches!(&err, KvLoadError::Store { layer: Some(3), .. }),
+        matches!(&err, KvLoadError::SlotsHeld { batches } if batches[..] == [BatchId(1)]),
         "{err:?}"
     );
     // Other slots load meanwhile.
@@ -217,7 +231,7 @@ fn a_hung_read_on_a_host_pool_keeps_its_slots_and_registrations_until_it_returns
     let registered = o.store.registered.load(Ordering::SeqCst);
     assert!(registered > 0);
     let hung_slots = vec![1, 2, 3, 4];
-    let _ = hung_batch_fails_in_time(&linker, &o, hung_slots.clone());
+    let _ = hung_batch_fails_in_time(&linker, &o, hung_slots.clone(), true);
     // The outcome (and so the slots) waits for the call: not handed out yet.
     assert!(linker.completed().is_empty());
     // The load thread goes on: a batch into other slots loads.
@@ -238,10 +252,10 @@ fn a_hung_read_on_a_host_pool_keeps_its_slots_and_registrations_until_it_returns
     // The call returns: its outcome comes, the regions are let go.
     o.stall.release();
     eventually("the held outcome comes", || {
-        linker
-            .completed()
-            .iter()
-            .any(|c| c.batch == BatchId(1) && c.result.is_err())
+        linker.completed().iter().any(|c| {
+            c.batch == BatchId(1)
+                && matches!(c.result, Err(KvLoadError::Store { layer: Some(3), .. }))
+        })
     });
     eventually("the regions are let go", || {
         o.store.released.load(Ordering::SeqCst) == registered
@@ -270,7 +284,7 @@ fn a_hung_read_on_a_device_pool_keeps_its_staging_out_of_other_batches_until_it_
         None,
     )
     .unwrap();
-    let t = hung_batch_fails_in_time(&linker, &o, vec![1, 2, 3, 4]);
+    let t = hung_batch_fails_in_time(&linker, &o, vec![1, 2, 3, 4], false);
     // The device's slots are written from staging only, so the outcome is handed out now;
     // the staging the call writes is kept from other batches.
     assert!(linker.wait_batch(&t).unwrap().result.is_err());

@@ -43,7 +43,10 @@ pub enum EngineAction {
     FixInput,
     /// `reset`/`close` returned while store calls past their deadline may still write the
     /// slots of these batches ([`KvLoadError::SlotsHeld`]): keep those slots out of use
-    /// (recompute into other slots) until each batch's outcome is handed out.
+    /// (recompute into other slots) until each batch's outcome is handed out. A layer wait
+    /// answers the same when its batch failed while such a call is still out: take the
+    /// batch's outcome (it comes once the call returns, and names what failed) before
+    /// reusing the slots.
     HoldSlots,
 }
 
@@ -53,10 +56,10 @@ impl KvLoadError {
     ///
     /// | variant | action |
     /// |---|---|
-    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's, not refused), `BadObject`, `Internal`, `Cancelled` | `Recompute` |
+    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's, not refused), `BadObject`, `Internal`, `Cancelled`, `InvalidPlan` of an object of the wrong size (`PlanError::ObjectSize`: store data, discarded) | `Recompute` |
     /// | `Timeout`, `Device` | `ResetThenRecompute` |
     /// | `Busy`, `GroupDown` (a lookup's, `batch: None`, not refused) | `RetryLater` |
-    /// | `InvalidPlan`, `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry`, `GroupDown` (`refused`) | `FixInput` |
+    /// | `InvalidPlan` (any other reason), `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry`, `GroupDown` (`refused`) | `FixInput` |
     /// | `SlotsHeld` | `HoldSlots` |
     ///
     /// `Timeout` is a layer wait's deadline: the batch is still in flight. `Device` may
@@ -70,6 +73,12 @@ impl KvLoadError {
             | KvLoadError::BadObject { .. }
             | KvLoadError::Internal { .. }
             | KvLoadError::Cancelled { .. } => EngineAction::Recompute,
+            // Bad store data, not a bad plan: the object was discarded and the next save
+            // rewrites it, so the same plan later misses instead of failing again.
+            KvLoadError::InvalidPlan {
+                reason: crate::PlanError::ObjectSize { .. },
+                ..
+            } => EngineAction::Recompute,
             KvLoadError::GroupDown { refused: true, .. } => EngineAction::FixInput,
             KvLoadError::GroupDown { batch: Some(_), .. } => EngineAction::Recompute,
             KvLoadError::GroupDown { batch: None, .. } | KvLoadError::Busy { .. } => {
@@ -160,6 +169,18 @@ mod tests {
                     reason: PlanError::BadComponent(9),
                 },
                 EngineAction::FixInput,
+            ),
+            // An object of the wrong size in the store: discarded, the plan was fine.
+            (
+                KvLoadError::InvalidPlan {
+                    batch: b,
+                    reason: PlanError::ObjectSize {
+                        key: "k".into(),
+                        expected: 64,
+                        actual: 32,
+                    },
+                },
+                EngineAction::Recompute,
             ),
             (KvLoadError::Busy { capacity: 1 }, EngineAction::RetryLater),
             (KvLoadError::Closed, EngineAction::FixInput),

@@ -106,6 +106,11 @@ impl Outcomes {
     /// The load thread finished a batch whose outcome `hold` keeps until every store call
     /// that may still write its slots has returned: its waiters fail now (on error), the
     /// outcome is handed out when the last holder lets go.
+    ///
+    /// While such a call is still out, the waiters fail with
+    /// [`KvLoadError::SlotsHeld`] (`HoldSlots`), not the batch's own error: that one says
+    /// `Recompute`, which an engine would do into the very slots the late call still writes.
+    /// The outcome, once handed out, carries the batch's own error.
     pub(crate) fn finish_held(
         &self,
         hold: Arc<HeldOutcome>,
@@ -113,7 +118,22 @@ impl Outcomes {
         outcome: BatchOutcome,
     ) {
         if let Err(e) = &outcome.result {
-            let _ = self.counter.fail(ticket, e.clone());
+            // Holders only let go from here on: a count of one is final, more may be stale
+            // by the time the waiters read it, which only holds the slots a little longer.
+            let waiters = if Arc::strong_count(&hold) > 1 {
+                tracing::warn!(
+                    batch = %outcome.batch,
+                    error = %e,
+                    "the batch failed while a store call past its deadline may still write its \
+                     slots: its layer waiters are told the slots are held"
+                );
+                KvLoadError::SlotsHeld {
+                    batches: Arc::from([outcome.batch]),
+                }
+            } else {
+                e.clone()
+            };
+            let _ = self.counter.fail(ticket, waiters);
         }
         let batch = outcome.batch;
         // Counted as held before this reference goes, so that a holder letting go at the same
