@@ -75,9 +75,10 @@ pub struct PagedLatentCache {
     page_table: Vec<u32>,
     loaded_tokens: usize,
     gate: LayerGate,
-    /// Set when the load's outcome could not be taken: it may still be writing the loaded
-    /// tokens' slots, so they stay fenced for the life of the cache.
-    unsettled: Option<KvLoadError>,
+    /// Set when a load's outcome could not be taken: it may still be writing the slots of
+    /// the tokens counted here (the loaded tokens when it was found), so they stay fenced for
+    /// the life of the cache, whatever later loads or failures do to `loaded_tokens`.
+    unsettled: Option<(KvLoadError, usize)>,
 }
 
 impl PagedLatentCache {
@@ -105,12 +106,26 @@ impl PagedLatentCache {
     /// first (its outcome taken, as [`finish_load`](Self::finish_load) waits for it), so no
     /// load is left writing the slots unwatched; when it cannot be settled the loaded tokens
     /// stay fenced ([`CandleKvError::Unsettled`]).
+    ///
+    /// The fence outlives the new load: a later failure that drops
+    /// [`loaded_tokens`](Self::loaded_tokens) to zero does not lift it.
     pub fn with_load(mut self, gate: LayerGate) -> Self {
         if let Err(CandleKvError::Unsettled { source }) = self.gate.finish() {
-            self.unsettled = Some(source);
+            self.mark_unsettled(source);
         }
         self.gate = gate;
         self
+    }
+
+    /// Fences the loaded tokens (and any fenced before) for good: `source` could not settle.
+    fn mark_unsettled(&mut self, source: KvLoadError) {
+        let fenced = self.unsettled.as_ref().map_or(0, |(_, t)| *t);
+        self.unsettled = Some((source, fenced.max(self.loaded_tokens)));
+    }
+
+    /// Tokens fenced for good because a load into their slots did not settle (0: none).
+    pub fn fenced_tokens(&self) -> usize {
+        self.unsettled.as_ref().map_or(0, |(_, t)| *t)
     }
 
     /// The page table (slot of each page, in sequence order).
@@ -137,7 +152,7 @@ impl PagedLatentCache {
     /// `tokens` tokens as `[tokens, kv_lora_rank + rope_dim]` (a copy on the CPU).
     /// A failed load gives [`CandleKvError::Load`].
     pub fn layer(&self, layer: u32, tokens: usize) -> Result<Tensor, CandleKvError> {
-        self.fence(tokens > 0)?;
+        self.fence(tokens > 0, 0)?;
         self.gate.wait(layer)?;
         // SAFETY: the slots are this cache's alone (`new`'s contract); the load into them has
         // landed this layer (the wait above), and writes need `&mut self`.
@@ -147,7 +162,7 @@ impl PagedLatentCache {
     /// Like [`layer`](Self::layer), in the paged form `[pages, page_size, width]` for the
     /// first `pages` pages.
     pub fn layer_pages(&self, layer: u32, pages: usize) -> Result<Tensor, CandleKvError> {
-        self.fence(pages > 0)?;
+        self.fence(pages > 0, 0)?;
         self.gate.wait(layer)?;
         let have = self.page_table.len();
         let slots = self
@@ -166,8 +181,8 @@ impl PagedLatentCache {
     /// Writes layer `layer`'s rows `[n, width]` of tokens `start..start + n`. Rows inside
     /// the loaded prefix wait for the layer's load first (they would race it otherwise).
     pub fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), CandleKvError> {
-        if self.touches_loaded(start) {
-            self.fence(true)?;
+        self.fence(true, start)?;
+        if self.touches(start, self.loaded_tokens) {
             self.gate.wait(layer)?;
         }
         // SAFETY: the slots are this cache's alone (`new`'s contract), `&mut self` excludes
@@ -183,25 +198,26 @@ impl PagedLatentCache {
     pub fn finish_load(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
         let out = self.gate.finish();
         match &out {
-            Err(CandleKvError::Unsettled { source }) => self.unsettled = Some(source.clone()),
+            Err(CandleKvError::Unsettled { source }) => self.mark_unsettled(source.clone()),
             Err(_) => self.loaded_tokens = 0,
             Ok(_) => {}
         }
         out
     }
 
-    /// Whether a write from token `start` on reaches a page the load writes: loads land whole
-    /// pages, so the page holding the last loaded token is the load's whole, its tokens past
-    /// `loaded_tokens` too (a write there rewrites the page beside the load).
-    fn touches_loaded(&self, start: usize) -> bool {
+    /// Whether an access from token `start` on reaches a page of the first `tokens` tokens:
+    /// loads land whole pages, so the page holding the last of them is the load's whole, its
+    /// later tokens too (a write there rewrites the page beside the load).
+    fn touches(&self, start: usize, tokens: usize) -> bool {
         let ps = self.pool.page_size().max(1);
-        start / ps < self.loaded_tokens.div_ceil(ps)
+        start / ps < tokens.div_ceil(ps)
     }
 
-    /// Refuses an access that reaches the loaded tokens of a load that did not settle.
-    fn fence(&self, touches_loaded: bool) -> Result<(), CandleKvError> {
+    /// Refuses an access from token `start` on (`any`: it touches a token at all) that
+    /// reaches the fenced tokens of a load that did not settle.
+    fn fence(&self, any: bool, start: usize) -> Result<(), CandleKvError> {
         match &self.unsettled {
-            Some(e) if touches_loaded && self.loaded_tokens > 0 => {
+            Some((e, fenced)) if any && self.touches(start, *fenced) => {
                 Err(CandleKvError::Unsettled { source: e.clone() })
             }
             _ => Ok(()),

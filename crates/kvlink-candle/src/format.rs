@@ -57,14 +57,16 @@ impl LatentFormat {
         })
     }
 
-    /// Elements per row: `kv_lora_rank + rope_dim`.
+    /// Elements per row: `kv_lora_rank + rope_dim` (saturating: the fields are public, so a
+    /// format built without [`new`](Self::new) may hold any sizes; [`check`](Self::check)
+    /// refuses those).
     pub fn width(&self) -> usize {
-        self.kv_lora_rank + self.rope_dim
+        self.kv_lora_rank.saturating_add(self.rope_dim)
     }
 
-    /// Bytes per row.
+    /// Bytes per row (saturating, as [`width`](Self::width)).
     pub fn row_bytes(&self) -> usize {
-        self.width() * self.dtype.size_in_bytes()
+        self.width().saturating_mul(self.dtype.size_in_bytes())
     }
 
     /// Checks this format against a pool component: token rows, this row size, and an
@@ -74,6 +76,8 @@ impl LatentFormat {
         geometry: &KvGeometry,
         component: &ComponentLayout,
     ) -> Result<(), CandleKvError> {
+        // A format built as a struct literal has not been through `new`'s checks.
+        Self::new(self.kv_lora_rank, self.rope_dim, self.dtype)?;
         let spec = geometry.spec().component(&component.name)?;
         if spec.row_unit != RowUnit::Token || component.rows_per_page != geometry.page_size() {
             return Err(CandleKvError::Format(format!(

@@ -173,6 +173,28 @@ fn formats_that_do_not_fit_the_component_are_refused() {
     assert!(LatentFormat::new(4, 2, DType::I64).is_err());
 }
 
+/// A format built as a struct literal skips `new`'s checks: its sizes overflowed `width` (a
+/// panic in a debug build) and could wrap to a row size that passed `check` in a release one.
+#[test]
+fn a_literal_format_of_impossible_sizes_is_refused_not_a_panic() {
+    let f = LatentFormat {
+        kv_lora_rank: usize::MAX,
+        rope_dim: 1,
+        dtype: DType::F32,
+    };
+    assert_eq!(f.width(), usize::MAX);
+    let got = LatentPool::new(pool_for(ElementType::Bytes, 24, 4), "k", f, Device::Cpu);
+    assert!(matches!(got, Err(CandleKvError::Format(_))), "{got:?}");
+    // No c_kv at all (`new` refuses it): passed `check` before, its row size matching.
+    let zero = LatentFormat {
+        kv_lora_rank: 0,
+        rope_dim: 6,
+        dtype: DType::F32,
+    };
+    let got = LatentPool::new(pool_for(ElementType::Bytes, 24, 4), "k", zero, Device::Cpu);
+    assert!(matches!(got, Err(CandleKvError::Format(_))), "{got:?}");
+}
+
 #[test]
 fn bad_reads_and_writes_are_typed_errors() {
     let lp = f32_latents(4);
@@ -302,6 +324,36 @@ fn a_failed_wait_is_kept_typed_and_ends_in_a_failed_outcome() {
     assert_eq!(cache.loaded_tokens(), 0);
     cache.write(1, 0, &rows(8, 0.0)).unwrap();
     assert_eq!(cache.layer(1, 8).unwrap().dims(), &[8, 6]);
+}
+
+/// Before, a later load's failure dropped the loaded tokens to zero, and with them the fence
+/// of an earlier load that had not settled: safe code could then write slots that load might
+/// still be writing.
+#[test]
+fn a_later_failed_load_does_not_lift_the_fence_of_one_that_did_not_settle() {
+    let mut script = MockScript::default();
+    script.time_out.push(kv_loader::BatchId(3));
+    script.fail_at_layer.insert(kv_loader::BatchId(4), 0);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let unsettled = mock.start_load(plan(3)).unwrap();
+    let failing = mock.start_load(plan(4)).unwrap();
+    // SAFETY: the test's own pool; the only loads into slots 0 and 1 are the mock's.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .with_load(LayerGate::new(mock.clone(), unsettled))
+        .with_load(LayerGate::new(mock.clone(), failing));
+    assert_eq!(cache.fenced_tokens(), 8, "the first load did not settle");
+    let e = cache.finish_load().unwrap_err();
+    assert!(e.is_load_failure() && !e.needs_reset(), "{e}");
+    assert_eq!(cache.loaded_tokens(), 0);
+    assert!(matches!(
+        cache.write(0, 0, &rows(1, 0.0)),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+    assert!(matches!(
+        cache.layer(0, 1),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+    assert_eq!(cache.fenced_tokens(), 8, "for the life of the cache");
 }
 
 #[test]
