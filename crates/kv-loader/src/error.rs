@@ -9,6 +9,7 @@ use crate::{BatchId, Cause};
 
 /// Why a plan was refused before any I/O.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PlanError {
     /// The plan has a different number of slots than pages.
     #[error("{slots} slots for {pages} pages")]
@@ -26,6 +27,17 @@ pub enum PlanError {
         /// Page size.
         page_size: u32,
     },
+    /// A token row whose page number does not fit a slot number (`u32`).
+    #[error("token row {row} is page {}, past the largest slot number", row / u64::from((*page_size).max(1)))]
+    RowOutOfRange {
+        /// The row.
+        row: u64,
+        /// Page size.
+        page_size: u32,
+    },
+    /// A page size of zero: no token row starts a page.
+    #[error("the page size is zero")]
+    ZeroPageSize,
     /// Two pages of the plan land in the same slot.
     #[error("slot {slot} is used by pages {first} and {second} of the plan")]
     DuplicateSlot {
@@ -108,7 +120,9 @@ impl StoreFailure {
 }
 
 /// Everything that can go wrong loading or saving KV. Cheap to clone (every rank and every
-/// waiter of a failed batch gets a copy).
+/// waiter of a failed batch gets a copy). Non-exhaustive, as [`PlanError`] is: new failure
+/// kinds may come; match the cases you handle with a `_` arm, and let
+/// [`action`](KvLoadError::action) say what to do about the rest.
 ///
 /// ```
 /// use kv_loader::{BatchId, KvLoadError, StoreFailure};
@@ -124,6 +138,7 @@ impl StoreFailure {
 /// assert!(e.to_string().contains("layer 12"));
 /// ```
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum KvLoadError {
     /// The plan was refused before any I/O.
     #[error("{batch}: invalid plan: {reason}")]

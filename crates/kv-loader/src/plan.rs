@@ -164,14 +164,51 @@ impl BatchPlan {
 /// assert_eq!(slots_from_token_rows(&[128, 0, 64], 64).unwrap(), vec![2, 0, 1]);
 /// assert!(slots_from_token_rows(&[65], 64).is_err());
 /// ```
+///
+/// A page size of zero is [`PlanError::ZeroPageSize`], a row whose page number does not fit
+/// a `u32` slot [`PlanError::RowOutOfRange`].
 pub fn slots_from_token_rows(rows: &[u64], page_size: u32) -> Result<Vec<u32>, PlanError> {
-    let ps = u64::from(page_size.max(1));
+    if page_size == 0 {
+        return Err(PlanError::ZeroPageSize);
+    }
+    let ps = u64::from(page_size);
     rows.iter()
         .map(|&row| {
             if !row.is_multiple_of(ps) {
                 return Err(PlanError::Misaligned { row, page_size });
             }
-            u32::try_from(row / ps).map_err(|_| PlanError::Misaligned { row, page_size })
+            u32::try_from(row / ps).map_err(|_| PlanError::RowOutOfRange { row, page_size })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Before, a page size of 0 was taken as 1 (rows became slots), and a row past the last
+    /// `u32` page was called misaligned.
+    #[test]
+    fn token_rows_need_a_page_size_and_pages_that_fit_a_slot() {
+        assert_eq!(
+            slots_from_token_rows(&[0, 8], 0),
+            Err(PlanError::ZeroPageSize)
+        );
+        let row = (u64::from(u32::MAX) + 1) * 64;
+        assert_eq!(
+            slots_from_token_rows(&[row], 64),
+            Err(PlanError::RowOutOfRange { row, page_size: 64 })
+        );
+        assert_eq!(
+            slots_from_token_rows(&[u64::from(u32::MAX) * 64], 64),
+            Ok(vec![u32::MAX])
+        );
+        assert_eq!(
+            slots_from_token_rows(&[65], 64),
+            Err(PlanError::Misaligned {
+                row: 65,
+                page_size: 64
+            })
+        );
+    }
 }

@@ -7,8 +7,10 @@ use kv_loader::KvLoadError;
 /// What went wrong reading or writing a layer of the pool as tensors, or waiting for it.
 ///
 /// [`CandleKvError::is_load_failure`] separates the one case an engine answers by
-/// recomputing the prefix (the load failed) from its own bugs and bad input.
+/// recomputing the prefix (the load failed) from its own bugs and bad input. Non-exhaustive:
+/// match the cases you handle with a `_` arm.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CandleKvError {
     /// The latent format does not fit the pool's component (row size, element type, rows per
     /// page), or names a dtype the adapter cannot move.

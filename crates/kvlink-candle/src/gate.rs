@@ -112,8 +112,10 @@ impl LayerGate {
 
     /// Takes the batch's outcome (waiting, bounded by the loader, for it to finish) and
     /// detaches the batch; the gate is open afterwards. `Ok(None)`: nothing was loading.
-    /// `Err(Load)`: the prefix is not in the pool (the same verdict on every TP rank).
-    /// `Err(Unsettled)`: no outcome could be taken; reset the loader before reusing the
+    /// `Err(Load)`: the prefix is not in the pool; the batch's own failure is the same verdict
+    /// on every TP rank, but a failure only this rank's wait saw (a layer wait past its
+    /// deadline on a batch that then loaded) is this rank's alone: ranks that must agree
+    /// compare their verdicts themselves. `Err(Unsettled)`: no outcome could be taken; reset the loader before reusing the
     /// slots.
     pub fn finish(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
         let Some(i) = self.inner.take() else {

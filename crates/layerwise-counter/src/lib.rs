@@ -49,9 +49,9 @@
 //!   release slots; a released ticket is refused with [`CounterError::StaleTicket`] by
 //!   every call, never answered from the slot's next batch. A thread already waiting when
 //!   its ticket is released returns [`WaitOutcome::Cancelled`].
-//! - **Generations.** Each `begin` takes the next value of a per-counter 64-bit generation,
-//!   so a slot reused after `finish`/`reset` yields a ticket that differs from every
-//!   earlier one.
+//! - **Generations.** Each `begin` takes the next value of a process-wide 64-bit
+//!   generation (shared by every counter), so a slot reused after `finish`/`reset` yields a
+//!   ticket that differs from every earlier one, of this counter or another.
 //!
 //! # Cost
 //! The slot table is allocated by the constructor; `begin` allocates only to grow a slot's
