@@ -378,17 +378,25 @@ fn slow_read_times_out_the_batch() {
         Fault::Delay(Duration::from_millis(200)),
     );
     let (linker, _pool, t) = start_batch_1(&r, config);
+    // The slow read may still write the slots when the batch fails: the waits say so.
     let err = wait_all(&linker, &t).unwrap_err();
     assert!(
+        matches!(&err, KvLoadError::SlotsHeld { batches } if batches[..] == [BatchId(1)]),
+        "{err}"
+    );
+    // Once it returned, the outcome says what failed.
+    let out = linker.wait_batch(&t).unwrap();
+    assert!(
         matches!(
-            &err,
-            KvLoadError::Store {
+            &out.result,
+            Err(KvLoadError::Store {
                 kind: StoreFailure::RpcTimeout,
                 layer: Some(4),
                 ..
-            }
+            })
         ),
-        "{err}"
+        "{:?}",
+        out.result
     );
 }
 
