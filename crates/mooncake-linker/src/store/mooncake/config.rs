@@ -348,6 +348,14 @@ impl MooncakeConfig {
         self.protocol.eq_ignore_ascii_case("tcp") && self.staged_merge.unwrap_or(true)
     }
 
+    /// Whether a multi-part object, gathered into a buffer of the store's own, is put
+    /// zero-copy: over TCP only, whose sender needs no registration; over RDMA the wheel reads
+    /// a zero-copy put's sources through their registration, so such objects go through the
+    /// client's copying put.
+    pub(crate) fn gathered_puts_zero_copy(&self) -> bool {
+        self.protocol.eq_ignore_ascii_case("tcp")
+    }
+
     /// True when the staged merge is set on for a protocol it is not used over (see
     /// [`staged_merge`](Self::staged_merge)).
     pub(super) fn staged_merge_refused(&self) -> bool {
@@ -458,6 +466,9 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(cfg.read_streams_count(), 3);
+        // rdma: gathered puts are copied by the client (a gathered buffer is not registered).
+        assert!(!cfg.gathered_puts_zero_copy());
+        assert!(MooncakeConfig::new("m:1").gathered_puts_zero_copy());
         // rdma: no staged merge, even when asked for (its scratch is not registered there).
         assert!(!cfg.staged_merge_enabled() && !cfg.staged_merge_refused());
         let asked = cfg.clone().staged_merge(true);

@@ -126,6 +126,8 @@ impl MooncakeStore {
     }
 
     /// The underlying mooncake-sys client (for what the trait does not cover, e.g. upsert).
+    /// Calls made through it bypass this store's transfer gate: [`KvStore::unregister`] does
+    /// not wait for them, so a region such a call uses must not be unregistered meanwhile.
     pub fn client(&self) -> &Client {
         &self.client
     }
@@ -263,15 +265,19 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
 /// client gave up on.
 pub(super) const CLIENT_GIVES_UP_AFTER: Duration = mooncake_sys::CLIENT_GIVES_UP_AFTER;
 
-/// Marks the failed transfers of a wheel call that ran into the client's own transfer timeout
-/// as [`StoreError::Abandoned`]: the client returned without waiting for them, and they may
-/// still read or write the call's memory. True when there was one.
+/// Marks the failures of a wheel call that ran into the client's own transfer timeout as
+/// [`StoreError::Abandoned`]: the client returned without waiting for its transfers, and they
+/// may still read or write the call's memory. That holds whatever the call then reported (a
+/// key's transfer code, or the whole call failing while it built its results), so every
+/// failure of `keys` (one result each, in order) but a missing object, which had no transfer,
+/// is marked. True when there was one.
 pub(super) fn mark_abandoned<T>(
     call: &'static str,
     took: Duration,
+    keys: &[&str],
     results: &mut [Result<T, StoreError>],
 ) -> bool {
-    mark_abandoned_after(call, took, CLIENT_GIVES_UP_AFTER, results)
+    mark_abandoned_after(call, took, CLIENT_GIVES_UP_AFTER, keys, results)
 }
 
 /// [`mark_abandoned`] with the client's timeout given (`limit`).
@@ -279,23 +285,33 @@ fn mark_abandoned_after<T>(
     call: &'static str,
     took: Duration,
     limit: Duration,
+    keys: &[&str],
     results: &mut [Result<T, StoreError>],
 ) -> bool {
     if took < limit {
         return false;
     }
     let mut any = false;
-    for r in results.iter_mut() {
-        if let Err(StoreError::TransferFailed { key, code }) = r {
-            *r = Err(StoreError::Abandoned {
-                key: std::mem::take(key),
-                call,
-                detail: format!(
-                    "transfer code {code} after {took:?}; the client stops waiting at 60 s"
-                ),
-            });
-            any = true;
-        }
+    for (r, key) in results.iter_mut().zip(keys) {
+        let detail = match r {
+            Ok(_) | Err(StoreError::NotFound { .. }) => continue,
+            Err(StoreError::Abandoned { .. }) => {
+                any = true;
+                continue;
+            }
+            Err(StoreError::TransferFailed { code, .. }) => {
+                format!("transfer code {code} after {took:?}; the client stops waiting at 60 s")
+            }
+            Err(e) => {
+                format!("{e} after {took:?}; the client stops waiting for its transfers at 60 s")
+            }
+        };
+        *r = Err(StoreError::Abandoned {
+            key: (*key).to_owned(),
+            call,
+            detail,
+        });
+        any = true;
     }
     if any {
         tracing::error!(
@@ -389,7 +405,7 @@ pub(super) fn wheel_read(
             Some(format!("an earlier {what} call panicked"))
         }
     };
-    let abandoned = mark_abandoned_after(call, took, limit, &mut results)
+    let abandoned = mark_abandoned_after(call, took, limit, keys, &mut results)
         || results
             .iter()
             .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer));
@@ -678,15 +694,21 @@ impl KvStore for MooncakeStore {
             return out;
         }
         // Multi-part objects are gathered into staging buffers (kept alive until the put
-        // returns); single-part objects go zero-copy.
+        // returns); single-part objects go zero-copy. Over any protocol but TCP the wheel
+        // reads a zero-copy put's sources through their registration, which a gathered buffer
+        // has not: those objects go through the client's copying put, one at a time.
+        let gather_zero_copy = self.config.gathered_puts_zero_copy();
+        let mut copied: Vec<(usize, Vec<u8>)> = Vec::new();
         let mut staging: Vec<Vec<u8>> = Vec::new();
         let mut ptrs: Vec<*mut u8> = Vec::with_capacity(to_write.len());
         let mut sizes: Vec<usize> = Vec::with_capacity(to_write.len());
+        let mut zero_copy = Vec::with_capacity(to_write.len());
         for &i in &to_write {
             let parts = &puts[i].parts;
             if let [(ptr, len)] = parts.as_slice() {
                 ptrs.push(ptr.cast_mut());
                 sizes.push(*len);
+                zero_copy.push(i);
             } else {
                 let mut buf = Vec::with_capacity(puts[i].len() as usize);
                 for &(ptr, len) in parts.iter().filter(|p| p.1 > 0) {
@@ -695,10 +717,27 @@ impl KvStore for MooncakeStore {
                     // written during the call; null parts of length > 0 were refused above.
                     buf.extend_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
                 }
-                ptrs.push(buf.as_mut_ptr());
-                sizes.push(buf.len());
-                staging.push(buf);
+                if gather_zero_copy {
+                    ptrs.push(buf.as_mut_ptr());
+                    sizes.push(buf.len());
+                    staging.push(buf);
+                    zero_copy.push(i);
+                } else {
+                    copied.push((i, buf));
+                }
             }
+        }
+        for (i, buf) in copied {
+            let _transfer = self.transfers.transfer();
+            out[i] = self
+                .client
+                .put(keys[i], &buf, self.config.replicate_config())
+                .map(|()| PutOutcome::Written)
+                .map_err(|e| store_error(keys[i], &e));
+        }
+        let to_write = zero_copy;
+        if to_write.is_empty() {
+            return out;
         }
         let names: Vec<&str> = to_write.iter().map(|&i| keys[i]).collect();
         let transfer = self.transfers.transfer();
@@ -724,7 +763,7 @@ impl KvStore for MooncakeStore {
             .collect();
         let positions: Vec<usize> = (0..to_write.len()).collect();
         per_key(&names, results, &positions, &mut written);
-        if mark_abandoned("batch_put_from", took, &mut written) {
+        if mark_abandoned("batch_put_from", took, &names, &mut written) {
             // Transfers may still read the staging and the registered sources.
             std::mem::forget(staging);
             self.transfers.abandon(transfer);
@@ -882,16 +921,76 @@ mod tests {
                 Err(StoreError::NotFound { key: "n".into() }),
             ]
         };
+        let keys = ["o", "k", "n"];
         let mut early = results();
-        assert!(!mark_abandoned("get", Duration::from_secs(10), &mut early));
+        assert!(!mark_abandoned(
+            "get",
+            Duration::from_secs(10),
+            &keys,
+            &mut early
+        ));
         assert_eq!(early, results());
         let mut late = results();
-        assert!(mark_abandoned("get", Duration::from_secs(60), &mut late));
+        assert!(mark_abandoned(
+            "get",
+            Duration::from_secs(60),
+            &keys,
+            &mut late
+        ));
         assert_eq!(late[0], Ok(3));
         assert!(
             matches!(&late[1], Err(StoreError::Abandoned { key, call: "get", .. }) if key == "k")
         );
         assert_eq!(late[2], Err(StoreError::NotFound { key: "n".into() }));
+    }
+
+    /// Before, only a key's transfer code was taken as abandoned: a late call that failed
+    /// whole (the wheel throwing while it built its results) left its scratch reused, its
+    /// staging freed and the gate open to unregistering while its transfers could still run.
+    #[test]
+    fn a_late_call_that_failed_whole_is_abandoned_too() {
+        let whole = MooncakeError::Status {
+            operation: "batch_get_ranges",
+            key: None,
+            code: ErrorCode(mooncake_sys::sys::shim_codes::EXCEPTION),
+            message: Some("std::bad_alloc".into()),
+        };
+        let keys = ["a", "b"];
+        let read = wheel_read(
+            "batch_get_ranges",
+            "ranged read",
+            &keys,
+            Duration::ZERO,
+            || Err(whole),
+        );
+        assert!(read.abandoned);
+        assert!(read.given_up.is_some());
+        for (r, k) in read.results.iter().zip(keys) {
+            assert!(
+                matches!(r, Err(StoreError::Abandoned { key, .. }) if key == k),
+                "{r:?}"
+            );
+        }
+        // In time, the same failure is the call's own error, nothing kept.
+        let whole = MooncakeError::Status {
+            operation: "batch_get_ranges",
+            key: None,
+            code: ErrorCode(mooncake_sys::sys::shim_codes::EXCEPTION),
+            message: None,
+        };
+        let read = wheel_read(
+            "batch_get_ranges",
+            "ranged read",
+            &keys,
+            Duration::from_secs(60),
+            || Err(whole),
+        );
+        assert!(!read.abandoned);
+        assert!(
+            matches!(read.results[0], Err(StoreError::Other { .. })),
+            "{:?}",
+            read.results[0]
+        );
     }
 
     #[test]
