@@ -361,7 +361,9 @@ impl Client {
     /// Unregisters a region registered with [`Client::register_buffer`].
     ///
     /// # Safety
-    /// No call using the region is in flight.
+    /// No transfer using the region is in flight: no call using it is running, and none that
+    /// used it failed late (past the client's own 60 s transfer timeout, after which it
+    /// returns with its transfers possibly still running).
     pub unsafe fn unregister_buffer(&self, ptr: *mut u8) -> Result<()> {
         // SAFETY: live handle; no transfer in flight (caller).
         unsafe { result::unregister_buffer(&self.lib, self.raw(), ptr) }

@@ -91,6 +91,42 @@ fn panicked(gets: &[RangedGet<'_>], part: &[usize], abandoned: &[AtomicBool]) ->
         .collect()
 }
 
+/// A call's scratch area as raw bytes. A transfer the client gave up on may still write some
+/// keys' shares of it, so no reference covers the whole area: only a key's own share, once
+/// its read returned, is borrowed ([`share`](Self::share)).
+#[derive(Debug, Clone, Copy)]
+struct ScratchArea {
+    base: *const u8,
+    len: usize,
+}
+
+impl ScratchArea {
+    /// The area of `scratch`'s buffer (no reference to its bytes is made: `Vec::as_ptr`, not
+    /// a slice's, which a `&[u8]` argument would be).
+    #[allow(clippy::ptr_arg)]
+    fn of(scratch: &Vec<u8>) -> Self {
+        ScratchArea {
+            base: scratch.as_ptr(),
+            len: scratch.len(),
+        }
+    }
+
+    /// Bytes `at..at + len` of the area; `None` when they do not lie in it.
+    ///
+    /// # Safety
+    /// The area is allocated, and those bytes are written by no one while the slice lives.
+    unsafe fn share<'a>(&self, at: u64, len: u64) -> Option<&'a [u8]> {
+        let at = usize::try_from(at).ok()?;
+        let len = usize::try_from(len).ok()?;
+        if at.checked_add(len)? > self.len {
+            return None;
+        }
+        // SAFETY: `at + len <= self.len`, inside the allocated area; nobody writes those
+        // bytes meanwhile (the caller's promise).
+        Some(unsafe { std::slice::from_raw_parts(self.base.add(at), len) })
+    }
+}
+
 /// The copies out of `scratch` of one key shaped as `s` (its share starting at `start`), and
 /// with `ranges` (its number of ranges), the checksum of each staged range, taken of the bytes
 /// at its destination right after its copy wrote them (still in cache): exactly what landed.
@@ -101,9 +137,10 @@ fn panicked(gets: &[RangedGet<'_>], part: &[usize], abandoned: &[AtomicBool]) ->
 /// # Safety
 /// Every copy's destination is caller memory valid for writes of its length, written by no
 /// one else until the `get_ranges` call this runs in returns (KvStore's buffer contract; the
-/// copy runs before it returns), host memory (a staged read only happens over TCP).
+/// copy runs before it returns), host memory (a staged read only happens over TCP). The key's
+/// share of `scratch` is allocated and written by no one while this runs (its read returned).
 unsafe fn copy_key(
-    scratch: &[u8],
+    scratch: ScratchArea,
     start: u64,
     s: &Shaped,
     ranges: Option<usize>,
@@ -114,10 +151,8 @@ unsafe fn copy_key(
     }
     // The key's own share of the scratch: a copy reaching past it would read another key's
     // bytes (or stale ones).
-    let share = usize::try_from(start)
-        .ok()
-        .and_then(|at| scratch.get(at..))
-        .and_then(|b| b.get(..usize::try_from(s.scratch).ok()?))?;
+    // SAFETY: this function's own contract for the key's share.
+    let share = unsafe { scratch.share(start, s.scratch) }?;
     let mut staged = s.staged.iter().peekable();
     for (i, c) in s.copies.iter().enumerate() {
         let from = usize::try_from(c.from).ok();
@@ -497,8 +532,9 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
                 }
                 let ranges = ranges_to_hash.as_ref().and_then(|h| h.get(k).copied());
                 // SAFETY: `start` is this key's share of `scratch`, which the call filled for
-                // the key (its result is Ok), and the copies are the key's own.
-                match unsafe { copy_key(&scratch, start, s, ranges) } {
+                // the key (its result is Ok: its transfer ended, and no other key's transfer,
+                // even one given up on, writes this share), and the copies are the key's own.
+                match unsafe { copy_key(ScratchArea::of(&scratch), start, s, ranges) } {
                     Some(sums) => (r, sums),
                     None => {
                         let key = keys.get(k).copied().unwrap_or_default().to_owned();
@@ -597,7 +633,8 @@ mod tests {
         let scratch: Vec<u8> = (0..400u32).map(|i| (i * 7 + 3) as u8).collect();
         // SAFETY: `scratch[64..314]` stands for what a call read; every destination lies in
         // `pool`, which nothing else touches during the call.
-        let sums = unsafe { copy_key(&scratch, 64, &s, Some(ranges.len())) }.unwrap();
+        let sums =
+            unsafe { copy_key(ScratchArea::of(&scratch), 64, &s, Some(ranges.len())) }.unwrap();
         let object = &scratch[64..];
         assert_eq!(pool[..100], object[..100]);
         assert_eq!(pool[1000..1150], object[100..250]);
@@ -610,22 +647,26 @@ mod tests {
         // Without checksums asked for: the same copies, none taken.
         pool.fill(0);
         // SAFETY: as above.
-        let none = unsafe { copy_key(&scratch, 64, &s, None) }.unwrap();
+        let none = unsafe { copy_key(ScratchArea::of(&scratch), 64, &s, None) }.unwrap();
         assert!(none.is_empty());
         assert_eq!(pool[1000..1150], object[100..250]);
         // A scratch that does not hold the key's share (not what a call gives), or a share
         // past its end: no copy reads outside the share, and the key fails instead of
         // leaving rows unwritten.
-        // SAFETY: the destinations are in `pool`, as above (the scratch is not unsafe input).
-        assert_eq!(unsafe { copy_key(&scratch[..200], 64, &s, None) }, None);
+        let short = scratch[..200].to_vec();
+        // SAFETY: the destinations are in `pool`, as above; the areas are the test's own.
+        let got = unsafe { copy_key(ScratchArea::of(&short), 64, &s, None) };
+        assert_eq!(got, None);
         // SAFETY: as just above.
-        assert_eq!(unsafe { copy_key(&scratch, u64::MAX - 8, &s, None) }, None);
+        let got = unsafe { copy_key(ScratchArea::of(&scratch), u64::MAX - 8, &s, None) };
+        assert_eq!(got, None);
         // A copy reaching past the key's own share (into the next key's bytes) is refused
         // too, though the scratch is long enough.
         let mut past = s.clone();
         past.copies[1].from += 1;
         // SAFETY: as just above.
-        assert_eq!(unsafe { copy_key(&scratch, 64, &past, None) }, None);
+        let got = unsafe { copy_key(ScratchArea::of(&scratch), 64, &past, None) };
+        assert_eq!(got, None);
     }
 
     /// A wheel whose calls follow a script: per call, each key's transfer succeeds (writing
