@@ -165,13 +165,6 @@ impl GroupLink {
         })
     }
 
-    /// Aborts the current data handle (`why` says why): every rank re-forms the group at its
-    /// next batch.
-    pub(crate) fn abort_data(&self, why: &str) {
-        let data = self.current.lock().data.clone();
-        data.abort(why);
-    }
-
     /// The handles to use now, with `channel`'s marked in use until the mark is dropped (a
     /// batch holds its data handle's mark to its end, a lookup its control handle's): see
     /// [`handles`](Self::handles).
@@ -285,6 +278,41 @@ mod tests {
         drop(batch);
         assert!(old.data.broken().is_some(), "aborted once the batch let go");
         assert!(fresh.broken().is_none());
+    }
+
+    /// Before, a batch that panicked aborted the group's *current* data handle: after a
+    /// re-formation during the batch that was the new formation, which every rank had just
+    /// made, and every rank's next batch failed at its gate.
+    #[test]
+    fn a_batch_that_panics_aborts_the_handle_it_used_not_a_newer_one() {
+        let groups = TpGroup::in_process(3);
+        let link = GroupLink::of(Some(&groups[1])).unwrap();
+        let deadline = || kv_loader::deadline_after(Duration::from_secs(5));
+        let (old, batch) = link.handles_for(Channel::Data, deadline()).unwrap();
+        old.control.abort("a lookup's collective failed");
+        let (fresh, lookup) = link.handles_for(Channel::Control, deadline()).unwrap();
+        drop(lookup);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _batch = batch;
+            panic!("a store the engine supplied panicked");
+        }));
+        assert!(unwound.is_err());
+        assert!(
+            old.data.broken().is_some(),
+            "the batch's own handle is aborted"
+        );
+        assert!(
+            fresh.data.broken().is_none(),
+            "the newer formation is left alone"
+        );
+        // With no re-formation, the handle the panicking batch used is the current one.
+        let (now, batch) = link.handles_for(Channel::Data, deadline()).unwrap();
+        assert_eq!(now.epoch, fresh.epoch);
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _batch = batch;
+            panic!("again");
+        }));
+        assert!(now.data.broken().is_some());
     }
 
     /// A formation that refuses the group as configured.

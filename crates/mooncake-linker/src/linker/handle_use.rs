@@ -68,11 +68,15 @@ impl HandleUses {
             return Err(Replaced);
         }
         if channel.of(handles).broken().is_some() {
-            return Ok(HandleInUse { uses: None });
+            return Ok(HandleInUse {
+                uses: None,
+                handle: None,
+            });
         }
         *s.users.entry((channel, handles.epoch)).or_default() += 1;
         Ok(HandleInUse {
             uses: Some((self.clone(), channel, handles.epoch)),
+            handle: Some(channel.of(handles).clone()),
         })
     }
 
@@ -133,12 +137,22 @@ impl HandleUses {
 }
 
 /// A use of one handle (a batch's data handle, a lookup's control handle); ends when dropped.
+/// A use that ends in a panic (its user unwinding) aborts the handle it used: the run may
+/// have left its collectives out of step, and peers still waiting on them fail at once. Only
+/// that handle: a newer formation is the peers' too, and aborting it would fail their next
+/// batch as well.
 pub(crate) struct HandleInUse {
     uses: Option<(Arc<HandleUses>, Channel, u64)>,
+    handle: Option<Arc<dyn Collective>>,
 }
 
 impl Drop for HandleInUse {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Some(handle) = self.handle.take() {
+                handle.abort("its user panicked: its collectives may be out of step");
+            }
+        }
         if let Some((uses, channel, epoch)) = self.uses.take() {
             uses.end(channel, epoch);
         }

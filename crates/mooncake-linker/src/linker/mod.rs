@@ -170,9 +170,11 @@ impl Inner {
 
     /// A batch's run panicked (a defect here, or in a store, landing or collective the engine
     /// supplied): the batch fails with `Internal`, its outcome is delivered as any other, and
-    /// the load thread goes on with the next batch. The data handle is aborted, since the
-    /// run may have left the collectives out of step: every rank re-forms the group at its
-    /// next batch, and peers still waiting in this batch's collectives fail at once.
+    /// the load thread goes on with the next batch. The data handle the batch used is aborted
+    /// as its use unwinds (`HandleInUse`), since the run may have left the collectives out of
+    /// step: every rank re-forms the group at its next batch, and peers still waiting in this
+    /// batch's collectives fail at once. A newer formation (made by a lookup while the batch
+    /// ran) is left alone.
     fn batch_panicked(
         &self,
         batch: kv_loader::BatchId,
@@ -185,9 +187,6 @@ impl Inner {
             .unwrap_or_else(|| "a panic with no message".into());
         let why = format!("the load thread panicked: {what}");
         tracing::error!(%batch, why, "batch failed");
-        if let Some(link) = &self.group {
-            link.abort_data(&why);
-        }
         KvLoadError::internal(batch, why)
     }
 
