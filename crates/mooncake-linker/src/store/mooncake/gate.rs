@@ -37,14 +37,14 @@ impl TransferGate {
     /// Held while a region is unregistered: no transfer is in flight meanwhile. `None` if
     /// transfers were still in flight after `wait`, or at once when one was given up on.
     ///
-    /// It yields to transfers for all but the last [`QUIET_PREFERENCE`] of `wait`: until then
-    /// it takes the gate only in a gap between transfers and never makes a new one wait (a
-    /// waiting writer of the lock would park every new transfer of the store behind the one in
-    /// flight, for seconds). In the last stretch it waits as a writer, so a steady stream of
-    /// transfers with no gap parks new ones for at most that long.
+    /// It yields to transfers for the first half of `wait`: until then it takes the gate only
+    /// in a gap between transfers and never makes a new one wait (a waiting writer of the lock
+    /// parks every new transfer of the store behind the one in flight). In the second half it
+    /// waits as a writer, so that transfers that always overlap cannot keep it out, and new
+    /// ones wait for it at most that long.
     pub(crate) fn quiet(&self, wait: Duration) -> Option<RwLockWriteGuard<'_, ()>> {
         let deadline = kv_loader::deadline_after(wait);
-        let prefer_from = deadline - wait.min(QUIET_PREFERENCE);
+        let prefer_from = deadline - wait / 2;
         let mut pause = Duration::from_micros(100);
         let quiet = loop {
             if self.abandoned.load(Ordering::Acquire) {
@@ -64,10 +64,6 @@ impl TransferGate {
         (!self.abandoned.load(Ordering::Acquire)).then_some(quiet)
     }
 }
-
-/// The last stretch of an unregister's wait in which it makes new transfers wait for it
-/// ([`TransferGate::quiet`]).
-const QUIET_PREFERENCE: Duration = Duration::from_millis(100);
 
 #[cfg(test)]
 mod tests {

@@ -269,8 +269,8 @@ pub(super) const CLIENT_GIVES_UP_AFTER: Duration = mooncake_sys::CLIENT_GIVES_UP
 /// [`StoreError::Abandoned`]: the client returned without waiting for its transfers, and they
 /// may still read or write the call's memory. That holds whatever the call then reported (a
 /// key's transfer code, or the whole call failing while it built its results), so every
-/// failure of `keys` (one result each, in order) but a missing object, which had no transfer,
-/// is marked. True when there was one.
+/// failure of `keys` (one result each, in order) is marked but those refused before any
+/// transfer began (missing object, no space, lease, bad argument). True when there was one.
 pub(super) fn mark_abandoned<T>(
     call: &'static str,
     took: Duration,
@@ -294,7 +294,12 @@ fn mark_abandoned_after<T>(
     let mut any = false;
     for (r, key) in results.iter_mut().zip(keys) {
         let detail = match r {
-            Ok(_) | Err(StoreError::NotFound { .. }) => continue,
+            // Refused before any transfer began: nothing of the key may still run.
+            Ok(_)
+            | Err(StoreError::NotFound { .. })
+            | Err(StoreError::NoSpace { .. })
+            | Err(StoreError::Lease { .. })
+            | Err(StoreError::InvalidArgument { .. }) => continue,
             Err(StoreError::Abandoned { .. }) => {
                 any = true;
                 continue;
@@ -727,13 +732,25 @@ impl KvStore for MooncakeStore {
                 }
             }
         }
+        // Once one fails, the rest are not tried: each could wait out the client's transfer
+        // timeout too, while the caller has given up.
+        let mut failed: Option<String> = None;
         for (i, buf) in copied {
+            if let Some(why) = &failed {
+                out[i] = Err(StoreError::Unavailable {
+                    detail: format!("`{}` not written: {why}", keys[i]).into(),
+                });
+                continue;
+            }
             let _transfer = self.transfers.transfer();
             out[i] = self
                 .client
                 .put(keys[i], &buf, self.config.replicate_config())
                 .map(|()| PutOutcome::Written)
                 .map_err(|e| store_error(keys[i], &e));
+            if let Err(e) = &out[i] {
+                failed = Some(format!("an earlier copying put failed ({e})"));
+            }
         }
         let to_write = zero_copy;
         if to_write.is_empty() {
@@ -813,19 +830,32 @@ impl KvStore for MooncakeStore {
         if !matches!(self.registered.lock().release(&region), Release::Last) {
             return Ok(());
         }
+        let still_in_flight = || StoreError::Unavailable {
+            detail: format!(
+                "<region {:#x}+{}>: transfers still in flight after {UNREGISTER_WAIT:?}, or one \
+                 was given up on and may still run; the region stays registered",
+                region.addr, region.len
+            )
+            .into(),
+        };
         // mooncake-sys asks that no call using the region be in flight: wait until no
         // transfer of this store is (bounded; on time-out the region stays registered).
-        let Some(_quiet) = self.transfers.quiet(UNREGISTER_WAIT) else {
-            return Err(StoreError::Unavailable {
-                detail: format!(
-                    "<region {:#x}+{}>: transfers still in flight after {UNREGISTER_WAIT:?}, \
-                     or one was given up on and may still run; the region stays registered",
-                    region.addr, region.len
-                )
-                .into(),
-            });
+        let deadline = kv_loader::deadline_after(UNREGISTER_WAIT);
+        let (_quiet, mut registered) = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let quiet = self.transfers.quiet(left).ok_or_else(still_in_flight)?;
+            // A register holds the counts across its wheel call (slow over RDMA, which pins
+            // every page): never wait for them while holding the gate, which parks every
+            // transfer of the store. Let the gate go and try again.
+            if let Some(registered) = self.registered.try_lock() {
+                break (quiet, registered);
+            }
+            drop(quiet);
+            if Instant::now() >= deadline {
+                return Err(still_in_flight());
+            }
+            std::thread::sleep(Duration::from_millis(1));
         };
-        let mut registered = self.registered.lock();
         // Registered again while this waited (its count went back up), or let go by a
         // concurrent unregister of the same holder: the wheel keeps or already lost it.
         match registered.release(&region) {
@@ -919,9 +949,14 @@ mod tests {
                     code: -800,
                 }),
                 Err(StoreError::NotFound { key: "n".into() }),
+                // Refused before any transfer began: stays what it is, nothing kept.
+                Err(StoreError::NoSpace {
+                    key: "f".into(),
+                    detail: "full".into(),
+                }),
             ]
         };
-        let keys = ["o", "k", "n"];
+        let keys = ["o", "k", "n", "f"];
         let mut early = results();
         assert!(!mark_abandoned(
             "get",
@@ -942,6 +977,7 @@ mod tests {
             matches!(&late[1], Err(StoreError::Abandoned { key, call: "get", .. }) if key == "k")
         );
         assert_eq!(late[2], Err(StoreError::NotFound { key: "n".into() }));
+        assert_eq!(late[3], results()[3]);
     }
 
     /// Before, only a key's transfer code was taken as abandoned: a late call that failed
