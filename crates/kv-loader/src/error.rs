@@ -285,6 +285,9 @@ pub enum KvLoadError {
     /// `reset` or `close` returned while store calls that outlived their deadline may still
     /// write these batches' slots: keep those slots out of use until each batch's outcome is
     /// handed out (`wait_batch`/`completed`), which happens when its last such call returns.
+    /// A layer wait answers the same, on this rank alone (its peers get the batch's error),
+    /// when the batch failed while such a call is still out; the outcome carries the batch's
+    /// own error.
     #[error("store calls past their deadline may still write the slots of {batches:?}; their outcomes come when the calls return")]
     SlotsHeld {
         /// The batches whose slots are held.

@@ -86,10 +86,12 @@ impl CandleKvError {
         )
     }
 
-    /// True when the load may still be writing its slots: reset the loader before reusing
-    /// them. That is an outcome that could not be taken, and a failed load whose own error
-    /// says so ([`EngineAction::ResetThenRecompute`](kv_loader::EngineAction): a layer wait
-    /// past its deadline, a device error that may leave copies in flight).
+    /// True when the load may still be writing its slots and a reset of the loader makes them
+    /// safe again: an outcome that could not be taken, and a failed load whose own error says
+    /// so ([`EngineAction::ResetThenRecompute`](kv_loader::EngineAction): a layer wait past its
+    /// deadline, a device error that may leave copies in flight). A `Load` whose source is
+    /// `SlotsHeld` (`HoldSlots`) is false here but its slots are not free either: a reset
+    /// would not free them; take the outcome (`finish`) before reusing them.
     ///
     /// ```
     /// use std::time::Duration;

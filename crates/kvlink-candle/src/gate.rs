@@ -83,7 +83,9 @@ impl LayerGate {
     }
 
     /// Returns once layer `layer` of the batch is readable (or at once for an open gate).
-    /// A failed load gives [`CandleKvError::Load`]: recompute the prefix.
+    /// A failed load gives [`CandleKvError::Load`]: recompute the prefix, into the same slots
+    /// once [`finish`](Self::finish) has taken the outcome (a `Load` whose source is
+    /// `SlotsHeld` means a store call may still write them until then).
     pub fn wait(&self, layer: u32) -> Result<(), CandleKvError> {
         let Some(i) = &self.inner else {
             return Ok(());
