@@ -109,8 +109,10 @@ pub enum ErrorKind {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum MooncakeError {
-    /// No candidate library could be loaded.
-    #[error("Mooncake store library not found; set MOONCAKE_STORE_LIBRARY or build it with scripts/mooncake-build-shim.sh (tried: {})", display_attempts(.attempts))]
+    /// No candidate library could be loaded and accepted: each attempt names the path or name
+    /// tried and why it was not used (the loader's error, or a library that loaded but was
+    /// refused: a missing symbol, an ABI mismatch).
+    #[error("no usable Mooncake store library; set MOONCAKE_STORE_LIBRARY or build it with scripts/mooncake-build-shim.sh (tried: {})", display_attempts(.attempts))]
     LibraryNotFound {
         /// Each path or name tried, with the loader's error.
         attempts: Vec<(PathBuf, String)>,
@@ -187,7 +189,7 @@ impl MooncakeError {
     }
 }
 
-fn display_attempts(attempts: &[(PathBuf, String)]) -> String {
+pub(crate) fn display_attempts(attempts: &[(PathBuf, String)]) -> String {
     attempts
         .iter()
         .map(|(p, e)| format!("{}: {e}", p.display()))

@@ -105,8 +105,12 @@ impl Library {
     }
 
     /// Loads the library from `MOONCAKE_STORE_LIBRARY` when it is set (and only from there), or
-    /// else from the first of [`Library::candidates`] that loads. Successful loads are cached
-    /// for the process.
+    /// else from the first of [`Library::candidates`] that loads and is accepted (a candidate
+    /// that loads but is refused, a stale shim of another ABI for one, is logged and the search
+    /// goes on). Successful loads are cached for the process.
+    ///
+    /// When none is accepted the error is [`MooncakeError::LibraryNotFound`] naming every
+    /// candidate with why it was not used: the loader's error, a missing symbol, an ABI mismatch.
     pub fn load_default() -> Result<Arc<Self>> {
         static DEFAULT: Mutex<Option<Arc<Library>>> = Mutex::new(None);
         let mut cached = DEFAULT
@@ -115,16 +119,41 @@ impl Library {
         if let Some(lib) = cached.as_ref() {
             return Ok(Arc::clone(lib));
         }
+        let lib = Arc::new(Self::load_first(Self::candidates())?);
+        *cached = Some(Arc::clone(&lib));
+        Ok(lib)
+    }
+
+    /// The first of `candidates` that loads and is accepted; otherwise every attempt with why
+    /// it failed.
+    fn load_first(candidates: impl IntoIterator<Item = PathBuf>) -> Result<Self> {
         let mut attempts = Vec::new();
-        for candidate in Self::candidates() {
-            match load(&candidate) {
-                Ok(handle) => {
-                    let lib = Arc::new(Self::from_handle(candidate, handle)?);
-                    *cached = Some(Arc::clone(&lib));
-                    return Ok(lib);
-                }
-                Err(reason) => attempts.push((candidate, reason)),
-            }
+        for candidate in candidates {
+            let refused = match load(&candidate) {
+                Ok(handle) => match Self::from_handle(candidate.clone(), handle) {
+                    Ok(lib) => {
+                        if !attempts.is_empty() {
+                            tracing::info!(
+                                library = %candidate.display(),
+                                skipped = %crate::error::display_attempts(&attempts),
+                                "Mooncake store library loaded after other candidates failed"
+                            );
+                        }
+                        return Ok(lib);
+                    }
+                    Err(refusal) => {
+                        tracing::warn!(
+                            library = %candidate.display(),
+                            error = %refusal,
+                            "Mooncake store library refused; trying the next candidate"
+                        );
+                        // The path is in the refusal's own words.
+                        refusal.to_string()
+                    }
+                },
+                Err(reason) => reason,
+            };
+            attempts.push((candidate, refused));
         }
         Err(MooncakeError::LibraryNotFound { attempts })
     }
@@ -408,6 +437,54 @@ mod tests {
         // SAFETY: the caller's contract (kvlink_mc_abi_info) is room for the shim's own report.
         unsafe { std::ptr::copy_nonoverlapping(v2.as_ptr(), out.cast::<u8>(), v2.len()) };
         0
+    }
+
+    /// A library that loads but is not the shim: the C library every process already has.
+    const NOT_THE_SHIM: &str = "libc.so.6";
+
+    #[test]
+    fn every_failed_candidate_is_named_with_its_reason() {
+        let missing = PathBuf::from("/nonexistent/libkvlink_mooncake.so");
+        let refused = PathBuf::from(NOT_THE_SHIM);
+        let err = Library::load_first([missing.clone(), refused.clone()]).unwrap_err();
+        let MooncakeError::LibraryNotFound { attempts } = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(attempts.len(), 2, "{err}");
+        assert_eq!(attempts[0].0, missing);
+        assert_eq!(attempts[1].0, refused);
+        // The refused library names what it lacks, not a loader error.
+        assert!(
+            attempts[1].1.contains("missing symbol"),
+            "{}",
+            attempts[1].1
+        );
+        let words = err.to_string();
+        assert!(
+            words.contains("/nonexistent/") && words.contains(NOT_THE_SHIM),
+            "{words}"
+        );
+    }
+
+    #[test]
+    #[allow(clippy::print_stderr)] // the skip message is the point
+    fn a_refused_candidate_does_not_stop_the_search() {
+        // The shim, where this machine has one built (CI installs it); else nothing to find.
+        let Some(shim) = Library::candidates()
+            .into_iter()
+            .find(|p| p.is_file() && load(p).is_ok())
+        else {
+            let required = std::env::var_os("KVLINK_REQUIRE_MOONCAKE").is_some_and(|v| v == "1");
+            assert!(
+                !required,
+                "KVLINK_REQUIRE_MOONCAKE=1 but no kvlink shim loads here"
+            );
+            eprintln!("SKIP: no kvlink shim built here");
+            return;
+        };
+        let lib = Library::load_first([PathBuf::from(NOT_THE_SHIM), shim.clone()]).unwrap();
+        assert_eq!(lib.path(), shim);
+        assert!(lib.abi_info().is_some());
     }
 
     #[test]
