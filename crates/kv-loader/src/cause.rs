@@ -8,6 +8,10 @@ use std::sync::Arc;
 /// A failure's words and, where one exists, the typed error they came from, kept as the
 /// [`source`](Error::source) so an engine can walk the chain or downcast it.
 ///
+/// The words are complete: they include the typed error's own words, so an error holding a
+/// `Cause` reads whole in one line (`{}`). The source is for typed access; a reporter that
+/// prints every error of the chain (`anyhow`'s `{:#}`) repeats those words.
+///
 /// ```
 /// use kv_loader::Cause;
 /// #[derive(Debug, thiserror::Error)]
