@@ -54,7 +54,7 @@ type Answer = std::io::Result<Vec<SocketAddr>>;
 /// next attempt, rather than a new thread started beside it, so a resolver that does not
 /// answer costs one thread, not one per attempt. A name's answer is kept for 30 s
 /// (`KEEP_ANSWER`; each new connection of a pool would otherwise ask the resolver again)
-/// unless the caller [forgets](AddressLookups::forget) it, as it should when none of its
+/// unless the caller [forgets](AddressLookups::forget_tried) it, as it should when none of its
 /// addresses accepted a connection (the name may point elsewhere now).
 ///
 /// ```
@@ -98,9 +98,26 @@ impl AddressLookups {
     }
 
     /// Drops the kept answer: the next [`resolve`](Self::resolve) looks the name up again.
-    /// Call it when none of the addresses accepted a connection.
     pub fn forget(&mut self) {
         self.answer = None;
+    }
+
+    /// Drops the kept answer if it is still `tried`, the addresses none of which accepted a
+    /// connection: the name may point elsewhere now. A newer answer (another caller sharing
+    /// these lookups looked the name up again meanwhile) is kept: `tried` says nothing about it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dedup_broadcast::AddressLookups;
+    /// let mut store = AddressLookups::new("localhost:7000", "store address");
+    /// let tried = store.resolve(Duration::from_secs(5)).unwrap();
+    /// store.forget_tried(&[]); // not the answer kept: nothing dropped
+    /// store.forget_tried(&tried); // the answer kept: looked up again next time
+    /// ```
+    pub fn forget_tried(&mut self, tried: &[SocketAddr]) {
+        if self.answer.as_ref().is_some_and(|(kept, _)| kept == tried) {
+            self.answer = None;
+        }
     }
 
     /// The socket addresses, looked up (or the lookup under way waited for) for at most
@@ -259,12 +276,23 @@ mod tests {
         l.forget();
         assert_eq!(l.resolve(Duration::from_secs(5)).unwrap(), first);
         assert_eq!(l.started, 2, "looked up again once forgotten");
+        // A failure of other addresses than those kept (an older answer's) keeps the answer.
+        let other: Vec<SocketAddr> = vec!["192.0.2.1:29500".parse().unwrap()];
+        l.forget_tried(&other);
+        assert!(
+            l.answer.is_some(),
+            "an older answer's failure keeps the newer one"
+        );
+        l.forget_tried(&first);
+        assert!(l.answer.is_none(), "the kept answer's own failure drops it");
+        assert_eq!(l.resolve(Duration::from_secs(5)).unwrap(), first);
+        assert_eq!(l.started, 3);
         // A kept answer past its time is looked up again too.
         let at = &mut l.answer.as_mut().unwrap().1;
         if let Some(old) = at.checked_sub(KEEP_ANSWER) {
             *at = old;
             l.resolve(Duration::from_secs(5)).unwrap();
-            assert_eq!(l.started, 3);
+            assert_eq!(l.started, 4);
         }
     }
 

@@ -543,7 +543,7 @@ fn attempt(
     };
     let Some(mut stream) = connect_to_rank_0(&addrs, left, heard) else {
         // The name may point elsewhere by the next attempt (rank 0 restarted on another host).
-        lookups.forget();
+        lookups.forget_tried(&addrs);
         return Ok(None);
     };
     let io = |e| RendezvousError::io("talking to rank 0", e);

@@ -168,8 +168,9 @@ fn connect_tcp(lookups: &Mutex<AddressLookups>, deadline: Instant) -> Result<Tcp
         }
     }
     // None accepted: the name may point elsewhere now (the server restarted on another host).
+    // Only this answer is dropped: another connection may have kept a newer one meanwhile.
     if let Some(mut l) = lookups.try_lock_until(deadline) {
-        l.forget();
+        l.forget_tried(&addrs);
     }
     Err(match last {
         Some(e) => CallError::Down(Cause::with_source(format!("connecting: {e}"), e)),
