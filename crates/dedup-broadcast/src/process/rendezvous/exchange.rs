@@ -423,33 +423,94 @@ pub(crate) fn join(
         let claim = k.hello(epoch, rank);
         let mine = if x.create(&claim, &bytes, deadline)? {
             claim
-        } else if x.get(&claim, deadline)?.as_deref() == Some(WITHDRAWN) {
-            x.set(&claim, &bytes, deadline)?;
-            claim
         } else {
-            let dup = k.dup(epoch, rank);
-            x.set(&dup, &bytes, deadline)?;
-            dup
-        };
-        loop {
-            if let Some(v) = x.get(&k.verdict(epoch), deadline)? {
-                match verdict_for(&v, hello)? {
-                    Err(e @ RendezvousError::Timeout { .. }) => {
-                        timed_out = Some(e);
-                        continue 'epochs;
-                    }
-                    verdict => return verdict,
-                }
+            let key = if x.get(&claim, deadline)?.as_deref() == Some(WITHDRAWN) {
+                claim
+            } else {
+                k.dup(epoch, rank)
+            };
+            if let Err(e) = x.set(&key, &bytes, deadline) {
+                // It may have been written all the same: never leave it standing.
+                return withdrawn_after(x, &k, epoch, &key, hello, e.into());
             }
-            if read_u64(x, &k.current(), deadline)?.is_some_and(|c| c > epoch) {
+            key
+        };
+        match await_verdict(x, &k, epoch, hello, deadline) {
+            Ok(Awaited::Verdict(verdict)) => return *verdict,
+            Ok(Awaited::NextEpoch(timeout)) => {
+                timed_out = timeout.or(timed_out);
                 continue 'epochs;
             }
-            if Instant::now() >= deadline {
-                return withdraw(x, &k, epoch, &mine, hello);
-            }
-            pause(deadline);
+            Ok(Awaited::Deadline) => return withdraw(x, &k, epoch, &mine, hello),
+            Err(e) => return withdrawn_after(x, &k, epoch, &mine, hello, e),
         }
     }
+}
+
+/// How a joiner's wait for rank 0's verdict on one epoch ended.
+enum Awaited {
+    /// Rank 0 decided: this rank's welcome or refusal.
+    Verdict(Box<Result<Welcome, RendezvousError>>),
+    /// The epoch is over for this rank: rank 0 timed out on it (the timeout, which this rank
+    /// reports if no later epoch forms by its own deadline) or opened a newer one (`None`).
+    NextEpoch(Option<RendezvousError>),
+    /// This rank's deadline came first.
+    Deadline,
+}
+
+/// Waits for rank 0's verdict on `epoch` until `deadline`. The deadline is checked before each
+/// read: a store may fail a read whose deadline is past at once, which is no error of the
+/// exchange's.
+fn await_verdict(
+    x: &dyn KeyValueExchange,
+    k: &Keys<'_>,
+    epoch: u64,
+    hello: &Hello,
+    deadline: Instant,
+) -> Result<Awaited, RendezvousError> {
+    loop {
+        if Instant::now() >= deadline {
+            return Ok(Awaited::Deadline);
+        }
+        if let Some(v) = x.get(&k.verdict(epoch), deadline)? {
+            return Ok(match verdict_for(&v, hello)? {
+                Err(e @ RendezvousError::Timeout { .. }) => Awaited::NextEpoch(Some(e)),
+                verdict => Awaited::Verdict(Box::new(verdict)),
+            });
+        }
+        if Instant::now() >= deadline {
+            return Ok(Awaited::Deadline);
+        }
+        if read_u64(x, &k.current(), deadline)?.is_some_and(|c| c > epoch) {
+            return Ok(Awaited::NextEpoch(None));
+        }
+        pause(deadline);
+    }
+}
+
+/// A joiner's end on error `e` once its hello may stand in the exchange: it withdraws its
+/// claim, as at its deadline, so that its next attempt is not taken for a second process of
+/// this rank (which gets the whole group refused as configured). A verdict rank 0 was already
+/// writing for this hello still stands: its welcome (every other rank joins that group) or its
+/// refusal; otherwise `e`.
+fn withdrawn_after(
+    x: &dyn KeyValueExchange,
+    k: &Keys<'_>,
+    epoch: u64,
+    mine: &str,
+    hello: &Hello,
+    e: RendezvousError,
+) -> Result<Welcome, RendezvousError> {
+    tracing::warn!(
+        epoch,
+        rank = hello.rank,
+        error = %e,
+        "rendezvous join failed; withdrawing this rank's hello"
+    );
+    withdraw(x, k, epoch, mine, hello).map_err(|verdict| match verdict {
+        RendezvousError::Timeout { .. } => e,
+        refused => refused,
+    })
 }
 
 /// How long past its deadline a joiner that withdrew still takes a verdict rank 0 was writing
@@ -700,6 +761,52 @@ mod tests {
             started.elapsed() < Duration::from_secs(5),
             "{:?}",
             started.elapsed()
+        );
+    }
+
+    /// A joiner whose wait for the verdict fails (a store hiccup) withdraws its hello, as at
+    /// its deadline: before, the hello stood, the next attempt's was taken for a second
+    /// process of this rank, and rank 0 refused the whole group as configured.
+    #[test]
+    fn a_joiner_whose_read_fails_withdraws_its_hello() {
+        use super::super::decide::tests::hello;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static VERDICT_FAILS: AtomicBool = AtomicBool::new(true);
+        let x = Hiccup::new(
+            |_| false,
+            // Once the hello is claimed: the joiner's wait for the verdict fails.
+            |x, key| {
+                let far = kv_loader::deadline_after(Duration::from_secs(1));
+                key.ends_with("/verdict")
+                    && VERDICT_FAILS.load(Ordering::SeqCst)
+                    && matches!(x.get("p/1/hello/1", far), Ok(Some(_)))
+            },
+        );
+        let far = kv_loader::deadline_after(Duration::from_secs(10));
+        x.set("p/current", &1u64.to_le_bytes(), far).unwrap();
+        let started = Instant::now();
+        let e = join(&x, "p", &hello(1), far).unwrap_err();
+        assert!(matches!(e, RendezvousError::Exchange(_)), "{e:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            x.get("p/1/hello/1", far).unwrap().as_deref(),
+            Some(WITHDRAWN)
+        );
+        // The next attempt (a new nonce) takes the place again, not a duplicate's.
+        VERDICT_FAILS.store(false, Ordering::SeqCst);
+        let mut again = hello(1);
+        again.nonce = again.nonce.wrapping_add(1);
+        let soon = kv_loader::deadline_after(Duration::from_millis(200));
+        let e = join(&x, "p", &again, soon).unwrap_err();
+        assert!(matches!(e, RendezvousError::Timeout { .. }), "{e:?}");
+        assert_eq!(
+            x.get("p/1/dup/1", far).unwrap(),
+            None,
+            "taken for a second process"
         );
     }
 
