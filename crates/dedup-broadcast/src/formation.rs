@@ -61,7 +61,9 @@ impl GroupHandles {
 /// replaces (the group first built is epoch 0 for in-process groups; a rendezvous numbers its
 /// own). A formation across processes meets the other ranks (a rendezvous) and may fail by
 /// `deadline` (a rank is not back, or was refused): the caller then fails its batch or
-/// lookup and asks again at the next one.
+/// lookup and asks again at the next one. Once the ranks have met, connecting the new handles
+/// has a bound of its own, which may end past `deadline` (a rank that gave up connecting would
+/// fail the formation for all); each implementation states it.
 pub trait GroupFormation: Send + Sync {
     /// Rank `rank`'s handles of the formation after the one of epoch `epoch - 1`. The
     /// returned [`GroupHandles::epoch`] is at least `epoch`.

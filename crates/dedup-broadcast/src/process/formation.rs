@@ -3,8 +3,14 @@
 //! failure: same meeting point, a new epoch, a new socket mesh (data and control), and, for a
 //! group that shares over NCCL, two new communicators from the unique ids rank 0 ships.
 //!
-//! A re-formation is bounded by [`reform_timeout`](RendezvousFormation::reform_timeout)
-//! (and the caller's deadline): while a rank is not back, every batch and lookup that needs
+//! A re-formation's meeting is bounded by
+//! [`reform_timeout`](RendezvousFormation::reform_timeout) (and the caller's deadline); once
+//! every rank has met, connecting the handles gets a bound of its own, the shorter of the
+//! rendezvous timeout and `reform_timeout` (at least 2 s), which may end past the caller's
+//! deadline: the ranks leave the meeting together, and a rank that gave up connecting at its
+//! own deadline would fail the formation for every other rank. So a re-formation returns at
+//! most about twice `reform_timeout` after it began (NCCL groups: the meeting, then NCCL's
+//! `init_timeout`). While a rank is not back, every batch and lookup that needs
 //! the group fails within that time with [`CollectiveError::Formation`] naming the missing
 //! ranks, and the first one after the rank is back meets it. A rank process that restarts
 //! makes a new `Rendezvous` with the same settings and forms with
