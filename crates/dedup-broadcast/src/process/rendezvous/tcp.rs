@@ -541,7 +541,7 @@ fn attempt(
             return Ok(None);
         }
     };
-    let Some(mut stream) = connect_to_rank_0(&addrs, left, heard) else {
+    let Some(mut stream) = connect_to_rank_0(&addrs, deadline, heard) else {
         // The name may point elsewhere by the next attempt (rank 0 restarted on another host).
         lookups.forget_tried(&addrs);
         return Ok(None);
@@ -559,10 +559,20 @@ fn attempt(
     Ok(say_hello(&mut stream, h, deadline, heard)?.map(|r| (r, server)))
 }
 
-/// Connects to rank 0 at the first of `addrs` that answers within `left` (at most
-/// [`MESSAGE_TIMEOUT`] each); the stream, or `None` with the last failure in `heard`.
-fn connect_to_rank_0(addrs: &[SocketAddr], left: Duration, heard: &mut Heard) -> Option<TcpStream> {
+/// Connects to rank 0 at the first of `addrs` that answers by `deadline` (at most
+/// [`MESSAGE_TIMEOUT`] each: the lookup and the addresses before it share the time, so the
+/// last one tried ends by the deadline too); the stream, or `None` with the last failure in
+/// `heard`.
+fn connect_to_rank_0(
+    addrs: &[SocketAddr],
+    deadline: Instant,
+    heard: &mut Heard,
+) -> Option<TcpStream> {
     for a in addrs {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
         match TcpStream::connect_timeout(a, left.min(MESSAGE_TIMEOUT)) {
             Ok(s) => return Some(s),
             Err(e) => *heard = Heard::Nothing(format!("connecting to rank 0 at {a}: {e}")),
@@ -629,6 +639,39 @@ mod tests {
         let by = kv_loader::deadline_after(Duration::from_secs(5));
         write_frame(&mut s, &hello(rank).encode(), by).unwrap();
         Reply::decode(&read_frame(&mut s, by).unwrap()).unwrap()
+    }
+
+    /// A listener that completes no more connections: its accept queue (backlog 0) is full,
+    /// so later connects hang until their own timeout, as to a host that drops packets.
+    fn blackhole() -> (socket2::Socket, SocketAddr, Vec<TcpStream>) {
+        use socket2::{Domain, Socket, Type};
+        let l = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        l.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        l.listen(0).unwrap();
+        let addr = l.local_addr().unwrap().as_socket().unwrap();
+        let fill = (0..4)
+            .filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_millis(100)).ok())
+            .collect();
+        (l, addr, fill)
+    }
+
+    /// Before, every address got the time left when the attempt began: three that drop the
+    /// connect took three times that, past the joiner's deadline.
+    #[test]
+    fn connecting_to_several_addresses_ends_by_the_deadline() {
+        let (_l, addr, _fill) = blackhole();
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            // This kernel completes connects past the backlog: nothing hangs to bound.
+            return;
+        }
+        let mut heard = Heard::Nothing(String::new());
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(300);
+        assert!(connect_to_rank_0(&[addr, addr, addr], deadline, &mut heard).is_none());
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(600), "{took:?}");
+        assert!(matches!(&heard, Heard::Nothing(w) if w.contains("connecting to rank 0")));
     }
 
     #[test]
