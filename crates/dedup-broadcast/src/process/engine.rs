@@ -134,6 +134,8 @@ pub(crate) enum Failure {
     Refused(CollectiveError),
     /// A socket error other than a hang-up.
     Io { peer: u32, error: io::Error },
+    /// The wait on every socket (`poll`) failed: this rank's own failure, no peer's.
+    Wait(io::Error),
 }
 
 /// The header span (its [`HEADER`] bytes at `header`) followed by the body spans, from
@@ -321,10 +323,7 @@ impl Run<'_> {
             if e.kind() == io::ErrorKind::Interrupted {
                 return Ok(false);
             }
-            return Err(Failure::Io {
-                peer: u32::MAX,
-                error: e,
-            });
+            return Err(Failure::Wait(e));
         }
         Ok(true)
     }

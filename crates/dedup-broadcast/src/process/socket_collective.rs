@@ -314,6 +314,9 @@ impl SocketCollective {
                 peer,
                 source: error.into(),
             },
+            Failure::Wait(error) => CollectiveError::Backend(format!(
+                "{op} #{seq}: rank {me}: waiting on the sockets to its peers (poll): {error}"
+            )),
         };
         Err(self.fail(err))
     }
