@@ -80,6 +80,9 @@ pub struct RendezvousFormation {
     rendezvous: Mutex<Rendezvous>,
     sharing: Sharing,
     reform_timeout: Duration,
+    /// The rendezvous timeout (its configuration, fixed), read without its lock: a
+    /// formation under way holds that lock.
+    form_timeout: Duration,
     last: Mutex<Option<Meeting>>,
 }
 
@@ -101,6 +104,7 @@ impl RendezvousFormation {
             rank: c.rank,
             world: c.world,
             reform_timeout: DEFAULT_REFORM_TIMEOUT.min(c.timeout),
+            form_timeout: c.timeout,
             rendezvous: Mutex::new(rendezvous),
             sharing,
             last: Mutex::new(None),
@@ -156,8 +160,9 @@ impl RendezvousFormation {
     /// Forms the group (the first time, or in a restarted process), bounded by the
     /// rendezvous timeout.
     pub fn form(&self) -> Result<GroupHandles, RendezvousError> {
-        let timeout = self.rendezvous.lock().config().timeout;
-        self.form_by(kv_loader::deadline_after(timeout))
+        // Not the rendezvous's lock: a formation under way on another thread holds it, and
+        // waiting for it here before the deadline starts would double the bound.
+        self.form_by(kv_loader::deadline_after(self.form_timeout))
     }
 
     /// Forms the group by `deadline`: meets every rank, then connects both handles (a
@@ -266,5 +271,45 @@ impl GroupFormation for RendezvousFormation {
                 cause: Some(e.into()),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::process::rendezvous::{MeetingPoint, RendezvousConfig};
+
+    /// Before, `form` read the rendezvous timeout under the rendezvous's lock, which a
+    /// formation under way holds: a second caller waited that formation out before its own
+    /// bound began, twice the timeout in all.
+    #[test]
+    fn a_second_form_while_one_runs_ends_within_the_timeout() {
+        let timeout = Duration::from_millis(600);
+        // Rank 0 of two: rank 1 never comes, so each formation runs its whole bound.
+        let rv = Rendezvous::new(
+            RendezvousConfig::new(0, 2, MeetingPoint::Tcp("127.0.0.1:0".into())).timeout(timeout),
+        )
+        .unwrap();
+        let formation = RendezvousFormation::sockets(rv);
+        let started = Instant::now();
+        let (first, second) = std::thread::scope(|s| {
+            let a = s.spawn(|| formation.form());
+            std::thread::sleep(Duration::from_millis(100));
+            let b = s.spawn(|| (formation.form(), started.elapsed()));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        assert!(
+            matches!(first, Err(RendezvousError::Timeout { .. })),
+            "{first:?}"
+        );
+        let (second, took) = second;
+        // Either the first still held the rendezvous at the second's deadline, or it let go
+        // just before and the second met no one by then: a timeout by its own deadline.
+        assert!(
+            matches!(&second, Err(RendezvousError::Timeout { .. })),
+            "{second:?}"
+        );
+        // Its own bound began when it was called, 100 ms after the first's.
+        assert!(took < timeout + Duration::from_millis(400), "{took:?}");
     }
 }
