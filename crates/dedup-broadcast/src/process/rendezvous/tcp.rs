@@ -318,15 +318,56 @@ impl Drop for TcpLeader {
 }
 
 /// Accepts connections until woken; hands each hello to the formation in progress, or
-/// answers that none is.
+/// answers that none is. The threads still reading a hello when it is woken are ended (their
+/// connections shut) and joined: none outlives the leader.
 fn accept_loop(
     listener: TcpListener,
     wake: UnixStream,
     state: Arc<Mutex<LeaderState>>,
     version: String,
 ) {
+    let mut reads = HelloReads::default();
+    if accept_until_woken(&listener, &wake, &state, &version, &mut reads) {
+        reads.end();
+    }
+    // Otherwise (its poll failed) a formation may still run and take their hellos: they end
+    // by themselves, within their read and reply timeouts.
+}
+
+/// The threads reading hellos: each one's handle and a second descriptor of its connection.
+#[derive(Default)]
+struct HelloReads(Vec<(std::thread::JoinHandle<()>, std::net::TcpStream)>);
+
+impl HelloReads {
+    /// Forgets the threads that ended; how many still run.
+    fn running(&mut self) -> usize {
+        self.0.retain(|(t, _)| !t.is_finished());
+        self.0.len()
+    }
+
+    /// Shuts the connection of every thread still running (its read or write fails at once)
+    /// and joins them all. Only when the leader ends: no formation runs then (one borrows the
+    /// leader), and the connections a formation took were answered and closed when it
+    /// returned.
+    fn end(self) {
+        for (t, conn) in self.0 {
+            if !t.is_finished() {
+                let _ = conn.shutdown(std::net::Shutdown::Both);
+            }
+            let _ = t.join();
+        }
+    }
+}
+
+/// The accept loop proper: `true` when woken (the leader ends), `false` when `poll` failed.
+fn accept_until_woken(
+    listener: &TcpListener,
+    wake: &UnixStream,
+    state: &Arc<Mutex<LeaderState>>,
+    version: &str,
+    reads: &mut HelloReads,
+) -> bool {
     let mut failed_accepts = 0u32;
-    let in_flight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let mut fds = [
             libc::pollfd {
@@ -347,10 +388,10 @@ fn accept_loop(
                 continue;
             }
             tracing::error!("rank 0's rendezvous poll failed; it stops accepting");
-            return;
+            return false;
         }
         if fds[1].revents != 0 {
-            return;
+            return true;
         }
         let (stream, peer) = match listener.accept() {
             Ok(c) => {
@@ -370,22 +411,26 @@ fn accept_loop(
         };
         // Each hello is read on a thread of its own: a connection that sends nothing would
         // otherwise hold every other rank's hello for its whole read timeout.
-        use std::sync::atomic::Ordering;
-        if in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_HELLOS_IN_FLIGHT {
-            in_flight.fetch_sub(1, Ordering::AcqRel);
+        if reads.running() >= MAX_HELLOS_IN_FLIGHT {
             tracing::debug!(%peer, "too many rendezvous hellos in flight: connection closed");
             continue;
         }
-        let (st, v, n) = (state.clone(), version.clone(), in_flight.clone());
+        let conn = match stream.try_clone() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, %peer, "no descriptor for a rendezvous hello; dropped");
+                continue;
+            }
+        };
+        let (st, v) = (state.clone(), version.to_owned());
         let spawned = std::thread::Builder::new()
             .name("kvlink-rdv-hello".into())
-            .spawn(move || {
-                admit(stream, peer, &st, &v);
-                n.fetch_sub(1, Ordering::AcqRel);
-            });
-        if let Err(e) = spawned {
-            in_flight.fetch_sub(1, Ordering::AcqRel);
-            tracing::warn!(error = %e, %peer, "no thread for a rendezvous hello; dropped");
+            .spawn(move || admit(stream, peer, &st, &v));
+        match spawned {
+            Ok(t) => reads.0.push((t, conn)),
+            Err(e) => {
+                tracing::warn!(error = %e, %peer, "no thread for a rendezvous hello; dropped")
+            }
         }
     }
 }
@@ -639,6 +684,25 @@ mod tests {
         let by = kv_loader::deadline_after(Duration::from_secs(5));
         write_frame(&mut s, &hello(rank).encode(), by).unwrap();
         Reply::decode(&read_frame(&mut s, by).unwrap()).unwrap()
+    }
+
+    /// Before, a connection that sent no hello kept its thread and socket for the whole read
+    /// timeout after the leader was dropped.
+    #[test]
+    fn dropping_the_leader_ends_the_hello_reads_at_once() {
+        use std::io::Read;
+        let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
+        let mut silent = TcpStream::connect(leader.local_addr()).unwrap();
+        // Let the accept loop take it and start its read.
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        drop(leader);
+        silent.set_read_timeout(Some(MESSAGE_TIMEOUT * 2)).unwrap();
+        let mut byte = [0u8; 1];
+        let got = silent.read(&mut byte);
+        assert!(matches!(got, Ok(0) | Err(_)), "{got:?}");
+        let took = started.elapsed();
+        assert!(took < MESSAGE_TIMEOUT / 2, "{took:?}");
     }
 
     /// A listener that completes no more connections: its accept queue (backlog 0) is full,
