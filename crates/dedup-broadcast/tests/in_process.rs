@@ -551,9 +551,17 @@ mod other_backend {
     }
 
     #[derive(Debug)]
-    pub struct OtherDevice;
+    pub struct OtherDevice(Arc<Inert>);
 
-    impl Device for OtherDevice {
+    impl OtherDevice {
+        pub fn new() -> Self {
+            OtherDevice(Arc::new(Inert))
+        }
+    }
+
+    // SAFETY: it allocates nothing; its load stream is the one it was made with; no other
+    // device is "another backend".
+    unsafe impl Device for OtherDevice {
         fn ordinal(&self) -> u32 {
             0
         }
@@ -575,7 +583,7 @@ mod other_backend {
         }
 
         fn load_stream(&self) -> Arc<dyn Stream> {
-            Arc::new(Inert)
+            self.0.clone()
         }
 
         fn new_stream(&self) -> Result<Arc<dyn Stream>, DeviceError> {
@@ -591,7 +599,7 @@ fn devices_of_two_backends_are_refused() {
     use kv_device::{CpuDevice, Device};
     use std::sync::Arc;
     let cpu: Arc<dyn Device> = CpuDevice::new(0).unwrap();
-    let other: Arc<dyn Device> = Arc::new(other_backend::OtherDevice);
+    let other: Arc<dyn Device> = Arc::new(other_backend::OtherDevice::new());
     for devices in [
         vec![cpu.clone(), other.clone()],
         vec![other.clone(), cpu.clone()],

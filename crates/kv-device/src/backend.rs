@@ -117,6 +117,17 @@ pub unsafe trait Stream: Send + Sync + fmt::Debug {
 /// One device as the loader uses it: allocations, the load stream (host→device copies and
 /// scatters of landings), and further streams (a collective's comm stream).
 ///
+/// # Safety
+/// The landings, staging buffers and pools of this crate write and free memory on the word of
+/// these methods, so an implementation promises:
+/// - [`alloc`](Device::alloc) and [`alloc_pinned`](Device::alloc_pinned) return memory of at
+///   least the `len` bytes asked for (a shorter one would have copies run past it);
+/// - [`load_stream`](Device::load_stream) is the same stream on every call: work enqueued
+///   through one returned handle is ordered before work enqueued later through another, and
+///   an event recorded on it covers all of it (a pool drains it before freeing its memory);
+/// - two devices with the same [`ordinal`](Device::ordinal) and [`name`](Device::name)
+///   address the same memory (a landing checks a pool's device that way).
+///
 /// ```
 /// use kv_device::{CpuDevice, Device};
 /// let dev = CpuDevice::new(0).unwrap();
@@ -125,7 +136,7 @@ pub unsafe trait Stream: Send + Sync + fmt::Debug {
 /// let ev = dev.load_stream().record().unwrap();
 /// assert!(ev.wait_until(kv_loader::deadline_after(std::time::Duration::from_secs(5))).unwrap());
 /// ```
-pub trait Device: Send + Sync + fmt::Debug {
+pub unsafe trait Device: Send + Sync + fmt::Debug {
     /// The device's ordinal ([`DeviceRegion::ordinal`], `Residence::Device`).
     fn ordinal(&self) -> u32;
 

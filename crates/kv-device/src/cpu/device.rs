@@ -229,7 +229,10 @@ impl CpuDevice {
     }
 }
 
-impl Device for CpuDevice {
+// SAFETY: `alloc` and `alloc_pinned` return host allocations of at least `len` bytes (below);
+// `load_stream` clones the one load stream made with the device; every CPU device addresses
+// the one host memory, whatever its ordinal.
+unsafe impl Device for CpuDevice {
     fn ordinal(&self) -> u32 {
         self.control.ordinal
     }

@@ -156,7 +156,10 @@ impl CudaDevice {
     }
 }
 
-impl Device for CudaDevice {
+// SAFETY: `alloc` and `alloc_pinned` return the driver's allocations of `len` bytes (below);
+// `load_stream` clones the one stream made with the device; the ordinal is the GPU's, and
+// every `CudaDevice` of one ordinal is on that GPU (its primary context).
+unsafe impl Device for CudaDevice {
     fn ordinal(&self) -> u32 {
         self.ordinal
     }
