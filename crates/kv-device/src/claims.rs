@@ -48,15 +48,21 @@ impl SlotClaims {
     }
 
     fn state(&self, slot: u32) -> Result<&AtomicU32, DeviceError> {
-        self.states.get(slot as usize).ok_or(DeviceError::SlotBusy {
-            slot,
-            reason: "a slot past the pool",
-        })
+        // A plan error, not a conflict that passes: not `SlotBusy`, which a caller may retry.
+        self.states
+            .get(slot as usize)
+            .ok_or(DeviceError::OutOfPool {
+                component: u16::MAX,
+                layer: u32::MAX,
+                slot,
+                reason: "slot past the pool",
+            })
     }
 
     /// Claims every slot of `slots` of `pool` for writing, all or none: refused
     /// ([`DeviceError::SlotBusy`]) when a save reads one, another landing writes one, or one
-    /// is named twice. Released when the claim drops.
+    /// is named twice; [`DeviceError::OutOfPool`] for a slot past the pool. Released when the
+    /// claim drops.
     pub fn write(pool: &Arc<dyn KvPool>, slots: &[u32]) -> Result<WriteClaim, DeviceError> {
         let claims = Self::of(pool)?;
         for (i, &slot) in slots.iter().enumerate() {
@@ -266,7 +272,14 @@ mod tests {
         let p = pool();
         assert!(SlotClaims::write(&p, &[3, 3]).is_err());
         assert!(SlotClaims::write(&p, &[3]).is_ok(), "nothing kept");
-        assert!(SlotClaims::write(&p, &[9]).is_err());
-        assert!(SlotClaims::read(&p, 9).is_err());
+        let past =
+            |r: Result<(), DeviceError>| matches!(r, Err(DeviceError::OutOfPool { slot: 9, .. }));
+        assert!(
+            past(SlotClaims::write(&p, &[9]).map(drop)),
+            "not busy: out of the pool"
+        );
+        assert!(past(SlotClaims::read(&p, 9).map(drop)));
+        assert!(past(SlotClaims::read_all(&p, &[1, 9]).map(drop)));
+        assert!(SlotClaims::write(&p, &[1]).is_ok(), "slot 1 given back");
     }
 }
