@@ -64,12 +64,15 @@ impl Fences {
         self.poisoned.load(Ordering::Acquire)
     }
 
-    /// True when some fence has not completed yet.
-    pub(crate) fn busy(&self) -> bool {
-        self.events
-            .lock()
-            .iter()
-            .any(|e| !matches!(e.is_complete(), Ok(true)))
+    /// True when some fence has not completed yet; the device's error when asking one
+    /// failed (a device fault, not work still queued).
+    pub(crate) fn busy(&self) -> Result<bool, DeviceError> {
+        for e in self.events.lock().iter() {
+            if !e.is_complete()? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Waits for every fence until `deadline`; clears them when all completed. A fence that
@@ -237,5 +240,49 @@ impl<'a> DeviceStage<'a> {
             t.collective_received += received;
             t.collective_sent += sent;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// An event whose device failed: asking it is an error.
+    #[derive(Debug)]
+    struct Faulted;
+
+    impl kv_loader::StreamWaitable for Faulted {
+        fn wait_on_stream(&self, _: kv_loader::RawStream) -> Result<(), kv_loader::KvLoadError> {
+            Ok(())
+        }
+        fn synchronize(&self) -> Result<(), kv_loader::KvLoadError> {
+            Ok(())
+        }
+    }
+
+    impl crate::DeviceEvent for Faulted {
+        fn is_complete(&self) -> Result<bool, DeviceError> {
+            Err(DeviceError::Driver("test: the device faulted".into()))
+        }
+        fn wait_until(&self, _: Instant) -> Result<bool, DeviceError> {
+            self.is_complete()
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    /// Before, a fence that could not be asked counted as work still queued: a stage lent
+    /// then was refused as "queued since it was opened", hiding the device's fault.
+    #[test]
+    fn a_fence_that_cannot_be_asked_is_its_error_not_busy() {
+        let f = Fences::default();
+        assert!(!f.busy().unwrap());
+        f.push(Arc::new(Faulted));
+        assert_eq!(
+            f.busy(),
+            Err(DeviceError::Driver("test: the device faulted".into()))
+        );
     }
 }

@@ -470,7 +470,8 @@ impl LayerLanding for StagedLanding {
         }
         let state = self.state(h)?;
         state.lent.check("reopening a stage")?;
-        if state.fences.busy() {
+        // A fence that cannot be asked is the drain's to report (it poisons the stage).
+        if state.fences.busy().unwrap_or(true) {
             self.stats.lock().reuse_waits += 1;
         }
         state.fences.drain(deadline, "staging stage reuse")?;
@@ -502,7 +503,7 @@ impl LayerLanding for StagedLanding {
                 "lending a stage whose device work failed",
             ));
         }
-        if state.fences.busy() {
+        if state.fences.busy()? {
             return Err(stage_err(
                 "lending a stage with device work queued since it was opened (open it again)",
             ));
