@@ -14,8 +14,9 @@ use crate::{DeviceError, RowCopy};
 
 /// The CUDA C source of the kernels.
 pub const COPY_ROWS_SRC: &str = include_str!("copy_rows.cu");
-/// The same source compiled to PTX (`compute_80`, NVRTC 13.0) ahead of time, for machines
-/// without `libnvrtc`; the driver JIT-compiles it for the device at load.
+/// The same source compiled to PTX (`compute_80`, NVRTC 13.0, PTX ISA 9.0) ahead of time, for
+/// machines without `libnvrtc`; the driver JIT-compiles it for the device at load, which needs
+/// a driver that supports CUDA 13 (R580 or later): an older one refuses the module.
 pub const COPY_ROWS_PTX: &str = include_str!("copy_rows.ptx");
 const KERNEL: &str = "kvlink_copy_rows";
 
