@@ -189,7 +189,7 @@ impl MooncakeError {
     }
 }
 
-pub(crate) fn display_attempts(attempts: &[(PathBuf, String)]) -> String {
+fn display_attempts(attempts: &[(PathBuf, String)]) -> String {
     attempts
         .iter()
         .map(|(p, e)| format!("{}: {e}", p.display()))

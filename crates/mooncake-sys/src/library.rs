@@ -105,12 +105,12 @@ impl Library {
     }
 
     /// Loads the library from `MOONCAKE_STORE_LIBRARY` when it is set (and only from there), or
-    /// else from the first of [`Library::candidates`] that loads and is accepted (a candidate
-    /// that loads but is refused, a stale shim of another ABI for one, is logged and the search
-    /// goes on). Successful loads are cached for the process.
+    /// else from the first of [`Library::candidates`] that loads. Successful loads are cached
+    /// for the process.
     ///
-    /// When none is accepted the error is [`MooncakeError::LibraryNotFound`] naming every
-    /// candidate with why it was not used: the loader's error, a missing symbol, an ABI mismatch.
+    /// A candidate that loads but is refused (a stale shim of another ABI, a missing symbol)
+    /// ends the search, since what it loaded stays loaded: its refusal, or, when candidates
+    /// before it did not load, [`MooncakeError::LibraryNotFound`] naming every attempt with why.
     pub fn load_default() -> Result<Arc<Self>> {
         static DEFAULT: Mutex<Option<Arc<Library>>> = Mutex::new(None);
         let mut cached = DEFAULT
@@ -124,36 +124,28 @@ impl Library {
         Ok(lib)
     }
 
-    /// The first of `candidates` that loads and is accepted; otherwise every attempt with why
-    /// it failed.
+    /// The first of `candidates` that loads, if it is accepted. A candidate that loads but is
+    /// refused ends the search: its initialisers have run and its dependencies (the wheel's
+    /// `store.so`, which has no SONAME) stay loaded, so a later candidate's `store.so` would
+    /// bind to that stale copy. The refusal itself when it is the first attempt; otherwise every
+    /// attempt with why it failed.
     fn load_first(candidates: impl IntoIterator<Item = PathBuf>) -> Result<Self> {
         let mut attempts = Vec::new();
         for candidate in candidates {
-            let refused = match load(&candidate) {
-                Ok(handle) => match Self::from_handle(candidate.clone(), handle) {
-                    Ok(lib) => {
-                        if !attempts.is_empty() {
-                            tracing::info!(
-                                library = %candidate.display(),
-                                skipped = %crate::error::display_attempts(&attempts),
-                                "Mooncake store library loaded after other candidates failed"
-                            );
+            match load(&candidate) {
+                Ok(handle) => {
+                    return match Self::from_handle(candidate.clone(), handle) {
+                        Ok(lib) => Ok(lib),
+                        Err(refusal) if attempts.is_empty() => Err(refusal),
+                        Err(refusal) => {
+                            // The path is in the refusal's own words.
+                            attempts.push((candidate, refusal.to_string()));
+                            Err(MooncakeError::LibraryNotFound { attempts })
                         }
-                        return Ok(lib);
-                    }
-                    Err(refusal) => {
-                        tracing::warn!(
-                            library = %candidate.display(),
-                            error = %refusal,
-                            "Mooncake store library refused; trying the next candidate"
-                        );
-                        // The path is in the refusal's own words.
-                        refusal.to_string()
-                    }
-                },
-                Err(reason) => reason,
-            };
-            attempts.push((candidate, refused));
+                    };
+                }
+                Err(reason) => attempts.push((candidate, reason)),
+            }
         }
         Err(MooncakeError::LibraryNotFound { attempts })
     }
@@ -464,11 +456,19 @@ mod tests {
             words.contains("/nonexistent/") && words.contains(NOT_THE_SHIM),
             "{words}"
         );
+        // A refusal as the first attempt is that refusal, typed.
+        let err = Library::load_first([refused.clone()]).unwrap_err();
+        assert!(
+            matches!(err, MooncakeError::MissingSymbol { .. }),
+            "{err:?}"
+        );
     }
 
+    /// What a refused library loaded stays loaded (a stale shim's `store.so` would serve the
+    /// next shim): the search ends there, even with a good shim after it.
     #[test]
     #[allow(clippy::print_stderr)] // the skip message is the point
-    fn a_refused_candidate_does_not_stop_the_search() {
+    fn a_refused_candidate_ends_the_search() {
         // The shim, where this machine has one built (CI installs it); else nothing to find.
         let Some(shim) = Library::candidates()
             .into_iter()
@@ -482,9 +482,11 @@ mod tests {
             eprintln!("SKIP: no kvlink shim built here");
             return;
         };
-        let lib = Library::load_first([PathBuf::from(NOT_THE_SHIM), shim.clone()]).unwrap();
-        assert_eq!(lib.path(), shim);
-        assert!(lib.abi_info().is_some());
+        let err = Library::load_first([PathBuf::from(NOT_THE_SHIM), shim]).unwrap_err();
+        assert!(
+            matches!(err, MooncakeError::MissingSymbol { .. }),
+            "{err:?}"
+        );
     }
 
     #[test]
