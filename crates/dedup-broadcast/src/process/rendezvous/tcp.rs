@@ -734,7 +734,7 @@ mod tests {
         let deadline = started + Duration::from_millis(300);
         assert!(connect_to_rank_0(&[addr, addr, addr], deadline, &mut heard).is_none());
         let took = started.elapsed();
-        assert!(took < Duration::from_millis(600), "{took:?}");
+        assert!(took < Duration::from_millis(800), "{took:?}");
         assert!(matches!(&heard, Heard::Nothing(w) if w.contains("connecting to rank 0")));
     }
 
