@@ -492,7 +492,9 @@ fn await_verdict(
 /// claim, as at its deadline, so that its next attempt is not taken for a second process of
 /// this rank (which gets the whole group refused as configured). A verdict rank 0 was already
 /// writing for this hello still stands: its welcome (every other rank joins that group) or its
-/// refusal; otherwise `e`.
+/// refusal; otherwise `e`. It takes up to 1 s for the withdrawal and [`REPLY_GRACE`] for the
+/// verdict, which may end past the caller's deadline, as at the deadline itself. (A `create`
+/// of the claim that fails is not withdrawn: the claim may be another process's.)
 fn withdrawn_after(
     x: &dyn KeyValueExchange,
     k: &Keys<'_>,
