@@ -264,14 +264,26 @@ mod tests {
 
     /// The lookup thread finds the control handle broken and re-forms while a batch holds the
     /// data handle: the data handle is left to the batch and aborted when it lets go.
+    fn deadline() -> Instant {
+        kv_loader::deadline_after(Duration::from_secs(5))
+    }
+
+    /// A batch takes the data handle, then a lookup finds the control handle broken and
+    /// re-forms: the batch's handles and use, the new handles and the lookup's use.
+    fn re_formed_during_a_batch(
+        link: &GroupLink,
+    ) -> (GroupHandles, HandleInUse, GroupHandles, HandleInUse) {
+        let (old, batch) = link.handles_for(Channel::Data, deadline()).unwrap();
+        old.control.abort("a lookup's collective failed");
+        let (fresh, lookup) = link.handles_for(Channel::Control, deadline()).unwrap();
+        (old, batch, fresh, lookup)
+    }
+
     #[test]
     fn a_re_formation_leaves_the_data_handle_a_batch_holds_until_it_lets_go() {
         let groups = TpGroup::in_process(3);
         let link = GroupLink::of(Some(&groups[1])).unwrap();
-        let deadline = || kv_loader::deadline_after(Duration::from_secs(5));
-        let (old, batch) = link.handles_for(Channel::Data, deadline()).unwrap();
-        old.control.abort("a lookup's collective failed");
-        let (fresh, lookup) = link.handles_for(Channel::Control, deadline()).unwrap();
+        let (old, batch, fresh, lookup) = re_formed_during_a_batch(&link);
         assert!(fresh.epoch > old.epoch, "re-formed");
         assert!(old.data.broken().is_none(), "left to the batch");
         drop(lookup);
@@ -287,10 +299,7 @@ mod tests {
     fn a_batch_that_panics_aborts_the_handle_it_used_not_a_newer_one() {
         let groups = TpGroup::in_process(3);
         let link = GroupLink::of(Some(&groups[1])).unwrap();
-        let deadline = || kv_loader::deadline_after(Duration::from_secs(5));
-        let (old, batch) = link.handles_for(Channel::Data, deadline()).unwrap();
-        old.control.abort("a lookup's collective failed");
-        let (fresh, lookup) = link.handles_for(Channel::Control, deadline()).unwrap();
+        let (old, batch, fresh, lookup) = re_formed_during_a_batch(&link);
         drop(lookup);
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
             let _batch = batch;
