@@ -421,7 +421,11 @@ pub(crate) fn join(
         };
         let bytes = hello.encode();
         let claim = k.hello(epoch, rank);
-        let mine = if x.create(&claim, &bytes, deadline)? {
+        let created = match x.create(&claim, &bytes, deadline) {
+            Ok(created) => created,
+            Err(e) => return lost_create(x, &k, epoch, &claim, hello, &bytes, e.into()),
+        };
+        let mine = if created {
             claim
         } else {
             let key = if x.get(&claim, deadline)?.as_deref() == Some(WITHDRAWN) {
@@ -494,7 +498,8 @@ fn await_verdict(
 /// writing for this hello still stands: its welcome (every other rank joins that group) or its
 /// refusal; otherwise `e`. It takes up to 1 s for the withdrawal and [`REPLY_GRACE`] for the
 /// verdict, which may end past the caller's deadline, as at the deadline itself. (A `create`
-/// of the claim that fails is not withdrawn: the claim may be another process's.)
+/// of the claim that fails is withdrawn only when the claim reads back as this attempt's:
+/// [`lost_create`].)
 fn withdrawn_after(
     x: &dyn KeyValueExchange,
     k: &Keys<'_>,
@@ -513,6 +518,37 @@ fn withdrawn_after(
         RendezvousError::Timeout { .. } => e,
         refused => refused,
     })
+}
+
+/// A joiner's end when the `create` of its claim failed: the write may have landed all the
+/// same (the answer was lost). The claim is read back once: when it holds this attempt's
+/// hello (its nonce is this attempt's own), it is withdrawn as after any other error, so the
+/// next attempt takes the rank over; otherwise (another process's claim, or nothing, or the
+/// read failed too) nothing is written, and the error is `e`.
+fn lost_create(
+    x: &dyn KeyValueExchange,
+    k: &Keys<'_>,
+    epoch: u64,
+    claim: &str,
+    hello: &Hello,
+    bytes: &[u8],
+    e: RendezvousError,
+) -> Result<Welcome, RendezvousError> {
+    let read = x.get(claim, kv_loader::deadline_after(Duration::from_secs(1)));
+    match read {
+        Ok(Some(v)) if v == bytes => withdrawn_after(x, k, epoch, claim, hello, e),
+        Ok(_) => Err(e),
+        Err(read) => {
+            tracing::warn!(
+                epoch,
+                rank = hello.rank,
+                error = %e,
+                read = %read,
+                "rendezvous claim failed and could not be read back; it may stand"
+            );
+            Err(e)
+        }
+    }
 }
 
 /// How long past its deadline a joiner that withdrew still takes a verdict rank 0 was writing
@@ -677,6 +713,8 @@ mod tests {
         x: MemoryExchange,
         set_fails: fn(&str) -> bool,
         get_fails: fn(&MemoryExchange, &str) -> bool,
+        /// Creates of these keys happen, but report an error (the answer was lost).
+        create_lost: fn(&str) -> bool,
     }
 
     impl Hiccup {
@@ -685,6 +723,7 @@ mod tests {
                 x: MemoryExchange::new(),
                 set_fails,
                 get_fails,
+                create_lost: |_| false,
             }
         }
     }
@@ -708,7 +747,11 @@ mod tests {
             value: &[u8],
             deadline: Instant,
         ) -> Result<bool, ExchangeError> {
-            self.x.create(key, value, deadline)
+            let created = self.x.create(key, value, deadline);
+            if (self.create_lost)(key) {
+                return Err(ExchangeError::new("test: the answer to a create was lost"));
+            }
+            created
         }
         fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
             self.x.wait(keys, deadline)
@@ -810,6 +853,52 @@ mod tests {
             None,
             "taken for a second process"
         );
+    }
+
+    /// A joiner whose `create` of its claim landed but answered an error withdraws the claim
+    /// (it reads back as this attempt's hello), so its next attempt takes the rank over; a
+    /// claim that reads back as another process's is left as it is.
+    #[test]
+    fn a_joiner_whose_create_answer_is_lost_withdraws_only_its_own_claim() {
+        use super::super::decide::tests::hello;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static LOST: AtomicBool = AtomicBool::new(true);
+        let mut x = Hiccup::new(|_| false, |_, _| false);
+        x.create_lost = |key| key.ends_with("/hello/1") && LOST.load(Ordering::SeqCst);
+        let far = kv_loader::deadline_after(Duration::from_secs(10));
+        x.set("p/current", &1u64.to_le_bytes(), far).unwrap();
+        let started = Instant::now();
+        let e = join(&x, "p", &hello(1), far).unwrap_err();
+        assert!(matches!(e, RendezvousError::Exchange(_)), "{e:?}");
+        assert!(started.elapsed() < Duration::from_secs(3));
+        assert_eq!(
+            x.get("p/1/hello/1", far).unwrap().as_deref(),
+            Some(WITHDRAWN),
+            "this attempt's claim left standing"
+        );
+        // The next attempt takes the place again, not a duplicate's.
+        LOST.store(false, Ordering::SeqCst);
+        let mut again = hello(1);
+        again.nonce = again.nonce.wrapping_add(1);
+        let soon = kv_loader::deadline_after(Duration::from_millis(200));
+        let e = join(&x, "p", &again, soon).unwrap_err();
+        assert!(matches!(e, RendezvousError::Timeout { .. }), "{e:?}");
+        assert_eq!(x.get("p/1/dup/1", far).unwrap(), None);
+
+        // Another process's claim stands: a lost answer to a create that found it is no
+        // reason to withdraw it.
+        let x = Hiccup {
+            create_lost: |key| key.ends_with("/hello/2"),
+            ..Hiccup::new(|_| false, |_, _| false)
+        };
+        x.set("p/current", &1u64.to_le_bytes(), far).unwrap();
+        let theirs = hello(2).encode();
+        x.set("p/1/hello/2", &theirs, far).unwrap();
+        let mut other = hello(2);
+        other.nonce = other.nonce.wrapping_add(7);
+        let e = join(&x, "p", &other, far).unwrap_err();
+        assert!(matches!(e, RendezvousError::Exchange(_)), "{e:?}");
+        assert_eq!(x.get("p/1/hello/2", far).unwrap(), Some(theirs));
     }
 
     /// A joiner whose deadline passes while rank 0 writes the verdict of a formation it is in
