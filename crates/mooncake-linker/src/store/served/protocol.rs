@@ -64,6 +64,14 @@ impl Conn {
         }
     }
 
+    /// The socket, for calls std does not offer (flags).
+    fn sock(&self) -> socket2::SockRef<'_> {
+        match self {
+            Conn::Tcp(s) => socket2::SockRef::from(s),
+            Conn::Unix(s) => socket2::SockRef::from(s),
+        }
+    }
+
     pub(crate) fn shutdown(&self) {
         let _ = match self {
             Conn::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
@@ -75,10 +83,7 @@ impl Conn {
     /// connection at rest between requests has nothing to read, so a byte waiting on it (a
     /// breach of the protocol) counts as closed too: it is out of step.
     pub(crate) fn is_closed(&self) -> bool {
-        let sock = match self {
-            Conn::Tcp(s) => socket2::SockRef::from(s),
-            Conn::Unix(s) => socket2::SockRef::from(s),
-        };
+        let sock = self.sock();
         // One peek that does not wait (MSG_DONTWAIT), rather than switching the socket to
         // non-blocking and back: one call, and the mode of a descriptor a clone shares is
         // never changed under it.
@@ -110,18 +115,17 @@ impl Read for Conn {
     }
 }
 
+/// Writes send with `MSG_NOSIGNAL`: a peer that is gone (a rank killed mid-reply, a client
+/// that dropped its connection at its deadline) gives `BrokenPipe`, not a `SIGPIPE` that kills
+/// a process that did not ignore the signal (std's own writes are plain `write(2)`/`writev(2)`
+/// on some toolchains).
 impl Write for Conn {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Conn::Tcp(s) => s.write(buf),
-            Conn::Unix(s) => s.write(buf),
-        }
+        self.sock().send_with_flags(buf, libc::MSG_NOSIGNAL)
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            Conn::Tcp(s) => s.write_vectored(bufs),
-            Conn::Unix(s) => s.write_vectored(bufs),
-        }
+        self.sock()
+            .send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
@@ -444,6 +448,85 @@ pub(crate) fn outcome_code(o: PutOutcome) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Blocks SIGPIPE on this thread, runs `f`, and says whether a SIGPIPE came (taking it).
+    fn sigpipe_during(f: impl FnOnce()) -> bool {
+        // SAFETY: plain libc signal-set calls on local, initialised sets; the mask is this
+        // thread's own, and the one pending signal taken is the SIGPIPE asked about.
+        unsafe {
+            let mut only: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut only);
+            libc::sigaddset(&mut only, libc::SIGPIPE);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &only, std::ptr::null_mut());
+            f();
+            let mut pending: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut pending);
+            libc::sigpending(&mut pending);
+            let came = libc::sigismember(&pending, libc::SIGPIPE) == 1;
+            if came {
+                let zero = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                libc::sigtimedwait(&only, std::ptr::null_mut(), &zero);
+            }
+            came
+        }
+    }
+
+    /// A write to a peer that is gone (a rank killed mid-reply) is `BrokenPipe`, without the
+    /// SIGPIPE that kills a process which did not ignore it; over both socket kinds.
+    #[test]
+    fn a_write_to_a_peer_that_is_gone_raises_no_sigpipe() {
+        std::thread::spawn(|| {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let tcp = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            drop(listener.accept().unwrap());
+            drop(listener);
+            let unix = {
+                let (a, b) = UnixStream::pair().unwrap();
+                drop(b);
+                a
+            };
+            for mut c in [Conn::Unix(unix), Conn::Tcp(tcp)] {
+                let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+                let block = vec![7u8; 1 << 20];
+                let mut err = None;
+                let came = sigpipe_during(|| {
+                    // A TCP peer's close is seen after a write or two (its reset).
+                    for _ in 0..50 {
+                        let mut bufs = [IoSlice::new(&block)];
+                        if let Err(e) = write_all_vectored(&mut c, &mut bufs, deadline) {
+                            err = Some(e);
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                });
+                let e = err.expect("writes to a closed peer kept succeeding");
+                assert!(
+                    matches!(
+                        e.kind(),
+                        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+                    ),
+                    "{e}"
+                );
+                assert!(!came, "a write raised SIGPIPE");
+            }
+            // The check itself sees the signal a plain `write(2)` raises.
+            let (a, b) = UnixStream::pair().unwrap();
+            drop(b);
+            let came = sigpipe_during(|| {
+                use std::os::fd::AsRawFd;
+                // SAFETY: writes 5 bytes from a live array to an open socket.
+                let n = unsafe { libc::write(a.as_raw_fd(), b"hello".as_ptr().cast(), 5) };
+                assert_eq!(n, -1);
+            });
+            assert!(came, "a plain write raises SIGPIPE");
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn a_connection_is_closed_when_its_peer_closed_it_or_it_is_out_of_step() {
