@@ -1,6 +1,6 @@
 //! `cargo run --release --example collective_bench -- --ranks 8 --mb 100 --reps 5`
 //!
-//! One layer of `--mb` MB (rows of 41,984 B: one GLM-5.2 page layer each) shared among
+//! One layer of `--mb` MiB (rows of 41,984 B: one GLM-5.2 page layer each) shared among
 //! `--ranks` ranks, timed per operation on rank 0 (whose call returns once every rank has
 //! its bytes), median of `--reps`:
 //! - ceilings in this process: `memcpy` of the layer on one thread, and one Unix socket pair
@@ -39,8 +39,8 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 8,
           value_parser = clap::value_parser!(u32).range(2..))]
     ranks: u32,
-    /// Size of the shared layer, MB.
-    #[arg(long, value_name = "MB", default_value_t = 100)]
+    /// Size of the shared layer, MiB (2^20 bytes; the report prints decimal MB).
+    #[arg(long, value_name = "MIB", default_value_t = 100)]
     mb: usize,
     /// Repetitions (the median is reported).
     #[arg(long, value_name = "R", default_value_t = 5)]

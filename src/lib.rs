@@ -6,11 +6,14 @@
 //!
 //! Features:
 //! - `mock`: [`mock::MockKvLoader`], a scriptable, recording `KvLoader` for an engine's own
-//!   tests. One dependency line: `kvlink = { version = "0.1", features = ["mock"] }` (under
-//!   `[dev-dependencies]`).
+//!   tests. One dependency line under `[dev-dependencies]`, e.g. `kvlink = { path =
+//!   "../kvlink", features = ["mock"] }` (kvlink is not published on crates.io: depend on it
+//!   by path or git).
 //! - `testing`: the store's test doubles, `mooncake_linker::store::FaultyStore` (scripted
 //!   faults and stalls) and `SimulatedRemoteStore` (a simulation of a remote link).
 //! - `cuda`: the CUDA backend of kv-device and the NCCL collective.
+//! - `candle`: [`candle`] (the kvlink-candle crate), a layer of the KV pool as candle
+//!   tensors for candle engines: `kvlink::candle::{PagedLatentCache, LatentPool, LayerGate}`.
 
 pub use dedup_broadcast;
 pub use kv_device;
@@ -18,6 +21,12 @@ pub use kv_geometry;
 pub use kv_loader;
 pub use layerwise_counter;
 pub use mooncake_linker;
+
+/// kvlink for candle engines (feature `candle`): a layer of the KV pool as candle tensors,
+/// read after the layer's load is ready ([`PagedLatentCache`](candle::PagedLatentCache)), and
+/// freshly computed rows written back. The kvlink-candle crate, re-exported.
+#[cfg(feature = "candle")]
+pub use kvlink_candle as candle;
 
 /// A scriptable, recording [`KvLoader`](kv_loader::KvLoader) for an engine's own tests
 /// (feature `mock`).

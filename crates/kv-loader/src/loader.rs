@@ -66,11 +66,17 @@ pub trait KvLoader: Send + Sync {
     /// already has and objects this rank does not own.
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError>;
 
-    /// Cancels every batch in flight and waits until nothing is in flight; waiters get
-    /// `Cancelled`. The loader stays usable. Outcomes not yet taken stay to be taken (by
+    /// Cancels every batch in flight and waits, bounded, until nothing is in flight; waiters
+    /// get `Cancelled`. The loader stays usable. Outcomes not yet taken stay to be taken (by
     /// [`completed`](Self::completed)), and their batch ids stay in use until then.
+    ///
+    /// The wait is bounded (kvlink's linker: its `wait_deadline`). When a batch may still
+    /// write its slots at the bound (a store call past its deadline, or work still running),
+    /// the answer is [`KvLoadError::SlotsHeld`] naming those batches: their slots must not be
+    /// reused until their outcomes come (through [`completed`](Self::completed)).
     fn reset(&self) -> Result<(), KvLoadError>;
 
-    /// Like `reset`, then releases every resource; later calls return `Closed`.
+    /// Like `reset`, then releases every resource; later calls return `Closed`. Its wait is
+    /// bounded as `reset`'s: `SlotsHeld` names the batches that may still write their slots.
     fn close(&self) -> Result<(), KvLoadError>;
 }

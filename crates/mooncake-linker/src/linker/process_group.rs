@@ -17,7 +17,7 @@ use crate::store::{
 #[derive(Clone)]
 pub struct FormedTpGroup {
     /// The two handles, and the formation that re-forms them: ready for
-    /// [`Linker::with_group`](crate::Linker::with_group) (or `with_landings`).
+    /// [`LinkerBuilder::group`](crate::LinkerBuilder::group).
     pub group: TpGroup,
     /// The group's epoch: it grows every time the group re-forms.
     pub epoch: u64,
