@@ -19,7 +19,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
-use tracing::{error, warn};
+use tracing::{debug, error, warn};
 
 use super::{KvStore, ObjectGet, ReadSession};
 use super::{ReadSession as Session, StoreError};
@@ -152,6 +152,9 @@ pub(super) enum Unanswered {
     Panicked,
     /// Its deadline had passed before it was started: it never went to the store.
     NotStarted,
+    /// Its deadline had passed before it was started, and it was sent all the same, not
+    /// waited for (cleanup that holds none of the caller's memory: [`StoreCalls::discard`]).
+    NotWaited,
 }
 
 impl Unanswered {
@@ -161,7 +164,7 @@ impl Unanswered {
         match *self {
             Unanswered::Overdue(waited) => StoreError::Overdue { key, call, waited },
             Unanswered::Panicked => StoreError::Panicked { key, call },
-            Unanswered::NotStarted => StoreError::RpcTimeout { key },
+            Unanswered::NotStarted | Unanswered::NotWaited => StoreError::RpcTimeout { key },
         }
     }
 }
@@ -179,6 +182,9 @@ enum Answer<T> {
     Panicked,
     /// The caller gave up at its deadline.
     Abandoned,
+    /// The caller sent the call without waiting for it ([`Pending::detach`]): no caller
+    /// takes its result, and it is not overdue.
+    Detached,
 }
 
 /// A call started on a worker.
@@ -210,6 +216,17 @@ impl<T> Pending<T> {
                     self.slot.cv.wait_until(&mut state, deadline);
                 }
             }
+        }
+    }
+}
+
+impl<T> Pending<T> {
+    /// Leaves the call to run without a caller: its result, when it comes, goes to its `late`
+    /// on the worker, quietly (not counted nor logged as overdue: no one waited for it).
+    pub(super) fn detach(self) {
+        let mut state = self.slot.state.lock();
+        if matches!(*state, Answer::Waiting) {
+            *state = Answer::Detached;
         }
     }
 }
@@ -291,22 +308,31 @@ impl StoreCalls {
             let Ok(out) = out else {
                 error!(call = what, took = ?started.elapsed(), "a store call panicked: its keys fail");
                 let mut state = theirs.state.lock();
-                if !matches!(*state, Answer::Abandoned) {
+                if matches!(*state, Answer::Waiting) {
                     *state = Answer::Panicked;
                     theirs.cv.notify_all();
                 }
                 return;
             };
             let mut state = theirs.state.lock();
-            if matches!(*state, Answer::Abandoned) {
-                drop(state);
-                warn!(
-                    call = what,
-                    took = ?started.elapsed(),
-                    "a store call returned after its deadline; its memory is released now"
-                );
-                late(store.as_ref(), out);
-                return;
+            match *state {
+                Answer::Abandoned => {
+                    drop(state);
+                    warn!(
+                        call = what,
+                        took = ?started.elapsed(),
+                        "a store call returned after its deadline; its memory is released now"
+                    );
+                    late(store.as_ref(), out);
+                    return;
+                }
+                Answer::Detached => {
+                    drop(state);
+                    debug!(call = what, took = ?started.elapsed(), "a store call sent without waiting returned");
+                    late(store.as_ref(), out);
+                    return;
+                }
+                _ => {}
             }
             *state = Answer::Done(out);
             theirs.cv.notify_all();
@@ -399,9 +425,35 @@ impl StoreCalls {
     /// A discard is cleanup that holds none of the caller's memory: it is sent even when its
     /// deadline has passed (then given up on at once, the store still carrying it out), so
     /// that a bad object found after a TP peer's bound is not left for every later load.
+    ///
+    /// Sent past its deadline, it is not waited for: every key answers `RpcTimeout` at once
+    /// (whether the object went is not known), and the call is neither counted nor logged as
+    /// overdue.
     pub fn discard(&self, keys: &[&str], deadline: Instant) -> Vec<Result<(), StoreError>> {
-        let sent_by = deadline.max(Instant::now() + Duration::from_millis(1));
-        self.per_key("discard", owned(keys), sent_by, |s, k| s.discard(k))
+        let keys = owned(keys);
+        if Instant::now() < deadline {
+            return self.per_key("discard", keys, deadline, |s, k| s.discard(k));
+        }
+        let mine = keys.clone();
+        let sent = self.submit(
+            "discard",
+            move |s| {
+                let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
+                s.discard(&refs)
+            },
+            |_, _| {},
+        );
+        match sent {
+            Ok(pending) => {
+                pending.detach();
+                debug!(
+                    keys = keys.len(),
+                    "a discard past its deadline: sent, not waited for"
+                );
+                unanswered_all(&keys, "discard", &Unanswered::NotWaited)
+            }
+            Err(e) => failed_all(&keys, &e),
+        }
     }
 
     /// [`KvStore::start_session`], bounded. A session that starts after its deadline is
@@ -540,6 +592,37 @@ mod tests {
             assert!(Instant::now() < until, "the discard was never carried out");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// A discard sent past its deadline to a slow store is not waited for, and is no overdue
+    /// call: before, it was waited for 1 ms, then counted (and logged) as overdue, a false
+    /// alarm in `LinkerMetrics::overdue_calls` on every replace after a peer's bound.
+    #[test]
+    fn a_discard_past_its_deadline_is_not_an_overdue_call() {
+        let stall = Stall::new();
+        let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 20))));
+        put(&*faulty, "bad", &[1u8; 64]);
+        faulty.inject(FaultRule::default(), Fault::Stall(stall.clone()));
+        let calls = StoreCalls::new(faulty.clone());
+        let t0 = Instant::now();
+        let got = calls.discard(
+            &["bad"],
+            t0.checked_sub(Duration::from_millis(5)).unwrap_or(t0),
+        );
+        assert!(t0.elapsed() < Duration::from_secs(1));
+        assert!(
+            matches!(got[..], [Err(StoreError::RpcTimeout { .. })]),
+            "{got:?}"
+        );
+        assert_eq!(calls.overdue_calls(), 0);
+        // The store still carries it out once it answers.
+        stall.release();
+        let until = Instant::now() + Duration::from_secs(5);
+        while faulty.exists(&["bad"]) != vec![Ok(false)] {
+            assert!(Instant::now() < until, "the discard was never carried out");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(calls.overdue_calls(), 0);
     }
 
     /// A call whose deadline has passed is not sent: a stalled store is never reached (no
