@@ -43,7 +43,7 @@ pub fn run(args: &Args, gpus: u32, report: &mut Report) {
              served over a Unix socket at {}; saved in {:.1} s",
             args.pages,
             fmt_bytes(one_copy),
-            server.address(),
+            server.location(),
             prefix.fill_s
         ),
     );

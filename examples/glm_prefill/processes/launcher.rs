@@ -89,7 +89,7 @@ pub(crate) fn launch(args: &Args, out: &mut dyn Write, spawn: &ChildSpawner) -> 
         match &server {
             Some(s) => format!(
                 "the launcher keeps the embedded store and serves it to them at {}",
-                s.address()
+                s.location()
             ),
             None => "each rank process opens its own Mooncake client".into(),
         }

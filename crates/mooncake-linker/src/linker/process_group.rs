@@ -126,15 +126,23 @@ impl FormedTpGroup {
 
 /// `address` as this rank reaches it: a TCP address on an unspecified IP (rank 0 serving on
 /// every interface, `0.0.0.0` or `::`) at the IP this rank reached rank 0 at, when it knows
-/// one; any other address as it is (on one host an unspecified IP reaches the local one).
+/// one, its key kept; any other address as it is (on one host an unspecified IP reaches the
+/// local one).
 fn reachable(address: &str, rank0_ip: Option<IpAddr>) -> String {
-    let at = address
+    let Ok((base, key)) = crate::store::split_address(address) else {
+        return address.to_string();
+    };
+    let at = base
         .strip_prefix("tcp:")
         .and_then(|a| a.parse::<std::net::SocketAddr>().ok());
     match (at, rank0_ip) {
         (Some(mut at), Some(ip)) if at.ip().is_unspecified() => {
             at.set_ip(ip);
-            format!("tcp:{at}")
+            let base = format!("tcp:{at}");
+            match key {
+                Some(k) => k.in_address(&base),
+                None => base,
+            }
         }
         _ => address.to_string(),
     }
@@ -154,5 +162,11 @@ mod tests {
         assert_eq!(reachable("tcp:10.0.0.9:4000", ip), "tcp:10.0.0.9:4000");
         assert_eq!(reachable("unix:@kvlink-store", ip), "unix:@kvlink-store");
         assert_eq!(reachable("tcp:0.0.0.0:4000", None), "tcp:0.0.0.0:4000");
+        // The server's key goes with the address.
+        let key = format!("#key={}", "0f".repeat(16));
+        assert_eq!(
+            reachable(&format!("tcp:0.0.0.0:4000{key}"), ip),
+            format!("tcp:10.0.0.7:4000{key}")
+        );
     }
 }

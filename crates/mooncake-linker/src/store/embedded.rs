@@ -63,6 +63,27 @@ pub struct EmbeddedStore {
     next_session: AtomicU64,
 }
 
+/// A new object's buffer of `len` bytes, allocated once and filled in place by `fill` (an
+/// object kept as `Arc<[u8]>` built from a `Vec` would be copied once more, and held twice
+/// meanwhile).
+pub(crate) fn new_object<E>(
+    len: usize,
+    fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+) -> Result<Arc<[u8]>, E> {
+    // `repeat_n` has an exact length: the Arc is allocated once, at its size.
+    let mut data: Arc<[u8]> = std::iter::repeat_n(0u8, len).collect();
+    match Arc::get_mut(&mut data) {
+        Some(dst) => fill(dst)?,
+        // Not reached (a fresh Arc has one owner); the copying way keeps it correct.
+        None => {
+            let mut v = vec![0u8; len];
+            fill(&mut v)?;
+            data = v.into();
+        }
+    }
+    Ok(data)
+}
+
 fn shard_of(key: &str) -> usize {
     // FNV-1a: cheap and good enough to spread keys over the shards.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -171,21 +192,28 @@ impl EmbeddedStore {
         if let Some(done) = self.admit(put.key, len) {
             return done;
         }
-        let mut data = Vec::with_capacity(len as usize);
-        for &(ptr, n) in &put.parts {
-            if n == 0 {
-                continue;
+        let data = new_object(len as usize, |dst| {
+            let mut rest = dst;
+            for &(ptr, n) in &put.parts {
+                if n == 0 {
+                    continue;
+                }
+                if ptr.is_null() {
+                    return Err(StoreError::InvalidArgument {
+                        key: put.key.to_string(),
+                        detail: "null source".into(),
+                    });
+                }
+                // SAFETY: the caller of `put` promised each part is valid for reads of `n`
+                // bytes and not written during the call (trait contract).
+                let src = unsafe { std::slice::from_raw_parts(ptr, n) };
+                // The parts' lengths sum to the object's (`put.len()`): `rest` holds `n`.
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+                head.copy_from_slice(src);
+                rest = tail;
             }
-            if ptr.is_null() {
-                return Err(StoreError::InvalidArgument {
-                    key: put.key.to_string(),
-                    detail: "null source".into(),
-                });
-            }
-            // SAFETY: the caller of `put` promised each part is valid for reads of `n` bytes
-            // and not written during the call (trait contract).
-            data.extend_from_slice(unsafe { std::slice::from_raw_parts(ptr, n) });
-        }
+            Ok(())
+        })?;
         self.insert(put.key, data)
     }
 
@@ -208,8 +236,8 @@ impl EmbeddedStore {
     }
 
     /// Stores `data` at `key` (first write wins), evicting as needed: the store keeps the
-    /// caller's buffer, no copy.
-    pub(crate) fn insert(&self, key: &str, data: Vec<u8>) -> Result<PutOutcome, StoreError> {
+    /// caller's buffer, no copy (make it with [`new_object`], filled in place).
+    pub(crate) fn insert(&self, key: &str, data: Arc<[u8]>) -> Result<PutOutcome, StoreError> {
         let len = data.len() as u64;
         let mut used = self.used.lock();
         // Every insert holds `used`: a put of the same key that came first is seen here,
@@ -232,7 +260,7 @@ impl EmbeddedStore {
         shard.insert(
             key.to_string(),
             Entry {
-                data: data.into(),
+                data,
                 last_used: AtomicU64::new(now),
                 pins: AtomicU32::new(0),
                 generation: now,
@@ -728,5 +756,40 @@ mod tests {
         // SAFETY: as above.
         let got = unsafe { store.get_ranges_checksummed(std::slice::from_ref(&get), &mut short) };
         assert_eq!(got, vec![Ok(400)]);
+    }
+
+    /// A put's object is allocated once, at its size, and kept as it is: the store's entry is
+    /// the very buffer the put filled (no `Vec` turned into an `Arc` by a copy).
+    #[test]
+    fn an_object_is_kept_in_the_buffer_it_was_filled_in() {
+        let store = EmbeddedStore::new(1 << 10);
+        let data = new_object(6, |d| {
+            d.copy_from_slice(b"abcdef");
+            Ok::<_, StoreError>(())
+        })
+        .unwrap();
+        let at = Arc::as_ptr(&data);
+        assert_eq!(store.insert("k", data), Ok(PutOutcome::Written));
+        let kept = store.object("k").unwrap();
+        assert!(std::ptr::eq(Arc::as_ptr(&kept), at));
+        assert_eq!(&kept[..], b"abcdef");
+        // A put of several parts fills the object in order.
+        let (a, b) = (b"01".to_vec(), b"2345".to_vec());
+        let p = ObjectPut {
+            key: "two",
+            parts: [
+                (a.as_ptr(), a.len()),
+                (std::ptr::null(), 0),
+                (b.as_ptr(), b.len()),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        // SAFETY: both parts are live vectors, unchanged during the call.
+        assert_eq!(unsafe { store.put(&[p]) }, vec![Ok(PutOutcome::Written)]);
+        assert_eq!(&store.object("two").unwrap()[..], b"012345");
+        // A failed fill stores nothing.
+        let failed = new_object(4, |_| Err(StoreError::RpcTimeout { key: "x".into() }));
+        assert!(failed.is_err());
     }
 }

@@ -34,6 +34,7 @@ pub use kv_store::{
     ReadSession,
 };
 pub use registration::{Registration, REGISTRATION_WAVE};
+pub(crate) use served::split_address;
 #[cfg(target_os = "linux")]
 pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE};
 #[cfg(any(test, feature = "testing"))]

@@ -23,8 +23,8 @@ use kv_loader::Cause;
 use parking_lot::Mutex;
 
 use super::protocol::{
-    frame_len, op, read_all_vectored, read_exact_by, read_frame, write_all_vectored, Conn, Dec,
-    Enc, Malformed, MAGIC, MAX_FRAME, PROTOCOL,
+    frame_len, hello as answer, op, read_all_vectored, read_exact_by, read_frame, split_address,
+    write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, MAX_FRAME, PROTOCOL,
 };
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
@@ -35,7 +35,10 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A client of a served embedded store (see the module docs).
 pub struct SocketStore {
+    /// Where to connect (the address without its key: what logs and errors name).
     address: String,
+    /// The server's key, said at hello (zeros when the address names none).
+    key: Option<StoreKey>,
     client: u64,
     timeout: Duration,
     pool: Mutex<Vec<Conn>>,
@@ -173,9 +176,19 @@ fn connect_tcp(lookups: &Mutex<AddressLookups>, deadline: Instant) -> Result<Tcp
         l.forget_tried(&addrs);
     }
     Err(match last {
-        Some(e) => CallError::Down(Cause::with_source(format!("connecting: {e}"), e)),
+        Some(e) => connect_error(e),
         None => CallError::Timeout,
     })
+}
+
+/// A failed connect: one that ran out its deadline is the call's timeout (`RpcTimeout`, as a
+/// request past it); any other, the store is unreachable.
+fn connect_error(e: io::Error) -> CallError {
+    if e.kind() == io::ErrorKind::TimedOut {
+        tracing::debug!(error = %e, "connecting to a served store ran out its deadline");
+        return CallError::Timeout;
+    }
+    CallError::Down(Cause::with_source(format!("connecting: {e}"), e))
 }
 
 fn fresh_client_id() -> u64 {
@@ -187,15 +200,19 @@ fn fresh_client_id() -> u64 {
 
 impl SocketStore {
     /// Connects to the store served at `address` (`unix:@name`, `unix:/path` or
-    /// `tcp:host:port`), checking it answers.
+    /// `tcp:host:port`, then `#key=…`: [`StoreServer::address`](super::StoreServer::address)
+    /// whole), checking it answers.
     pub fn connect(address: &str) -> Result<SocketStore, StoreError> {
         Self::connect_with(address, DEFAULT_REQUEST_TIMEOUT)
     }
 
     /// [`connect`](Self::connect) with another request timeout.
     pub fn connect_with(address: &str, timeout: Duration) -> Result<SocketStore, StoreError> {
+        let (address, key) = split_address(address)
+            .map_err(|e| CallError::Down(e.into()).for_key(address, "connect"))?;
         let s = SocketStore {
             address: address.to_string(),
+            key,
             client: fresh_client_id(),
             timeout,
             pool: Mutex::new(Vec::new()),
@@ -211,7 +228,7 @@ impl SocketStore {
         Ok(s)
     }
 
-    /// The server's address.
+    /// The server's address, without its key.
     pub fn address(&self) -> &str {
         &self.address
     }
@@ -223,8 +240,7 @@ impl SocketStore {
     }
 
     fn open(&self, deadline: Instant) -> Result<Conn, CallError> {
-        let unavailable =
-            |e: io::Error| CallError::Down(Cause::with_source(format!("connecting: {e}"), e));
+        let unavailable = connect_error;
         let mut conn = if let Some(name) = self.address.strip_prefix("unix:@") {
             // An abstract name is a socket path that starts with a NUL byte.
             let path = [&[0u8][..], name.as_bytes()].concat();
@@ -242,13 +258,20 @@ impl SocketStore {
         };
         let mut hello = Enc::default();
         hello.u32(MAGIC).u32(PROTOCOL).u64(self.client);
-        write_all_vectored(&mut conn, &mut [IoSlice::new(&hello.0)], deadline)?;
+        let key = self.key.map_or([0; 16], |k| k.0);
+        let parts = &mut [IoSlice::new(&hello.0), IoSlice::new(&key)];
+        write_all_vectored(&mut conn, parts, deadline)?;
         let mut ok = [0u8; 4];
         read_exact_by(&mut conn, &mut ok, deadline)?;
-        if ok != [0; 4] {
-            return Err(CallError::Down("the server speaks another protocol".into()));
+        match u32::from_le_bytes(ok) {
+            answer::ACCEPTED => Ok(conn),
+            answer::WRONG_KEY => Err(CallError::Down(
+                "the server refused this client's key: connect with the address the server \
+                 announced, its `#key=` part included"
+                    .into(),
+            )),
+            _ => Err(CallError::Down("the server speaks another protocol".into())),
         }
-        Ok(conn)
     }
 
     /// Opens the anchor connection, or opens it again if the server has closed it (a server
@@ -569,6 +592,10 @@ impl KvStore for SocketStore {
             body.str(p.key).u64(p.len());
         }
         let r = self.call(|c, deadline| {
+            // As `request` does: a frame the server would refuse is not sent.
+            if body.0.len() > MAX_FRAME {
+                return Err(CallError::TooLarge(body.0.len()));
+            }
             let len = frame_len(&body.0);
             let mut slices = vec![IoSlice::new(&len), IoSlice::new(&body.0)];
             for p in puts {

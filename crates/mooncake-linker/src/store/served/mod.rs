@@ -18,6 +18,7 @@ mod protocol;
 mod server;
 
 pub use client::{SocketStore, DEFAULT_REQUEST_TIMEOUT};
+pub(crate) use protocol::split_address;
 pub use server::{ServeAt, StoreServer};
 
 /// The rendezvous attribute under which rank 0 announces the address of the store it serves.

@@ -15,8 +15,15 @@ pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
 /// ([`StoreError::Abandoned`]); version 4: a session is named by the token its start answers
 /// (its end sends the token, not keys), and `DISCARD`; version 5: a session start carries
 /// the client's tag for it, and `END_SESSION_TAG` ends a start whose answer the client never
-/// got. A peer of another version is refused at hello.
-pub(crate) const PROTOCOL: u32 = 5;
+/// got; version 6: the hello carries the server's key ([`StoreKey`]). A peer of another
+/// version is refused at hello.
+pub(crate) const PROTOCOL: u32 = 6;
+/// The hello's answers: accepted, another protocol, a wrong key.
+pub(crate) mod hello {
+    pub(crate) const ACCEPTED: u32 = 0;
+    pub(crate) const OTHER_PROTOCOL: u32 = 1;
+    pub(crate) const WRONG_KEY: u32 = 2;
+}
 /// The code of a [`StoreError::TransferFailed`] that the served store's own store gave up on
 /// (sent as [`StoreError::Abandoned`]).
 pub(crate) const ABANDONED_ON_SERVER: i64 = -12;
@@ -41,6 +48,64 @@ pub(crate) mod op {
     /// Ends the session the client started with a tag (its start's answer never came), or
     /// marks the tag so that its start, if it comes later, is ended at once.
     pub(crate) const END_SESSION_TAG: u8 = 11;
+}
+
+/// What separates a served store's address (where to connect) from its key.
+const KEY_MARK: &str = "#key=";
+
+/// A served store's key: 16 random bytes the server makes at start and announces in its
+/// address (`unix:@name#key=<32 hex digits>`), which a client says at hello. Only a process
+/// given the address (through the group's rendezvous) can use the store: an abstract socket's
+/// name is listed to every user of the host (`/proc/net/unix`), and a TCP port to anyone who
+/// can reach it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StoreKey(pub(crate) [u8; 16]);
+
+impl StoreKey {
+    /// A fresh key from the kernel's random source.
+    pub(crate) fn fresh() -> io::Result<StoreKey> {
+        let mut k = [0u8; 16];
+        std::fs::File::open("/dev/urandom")?.read_exact(&mut k)?;
+        Ok(StoreKey(k))
+    }
+
+    /// `address` with this key.
+    pub(crate) fn in_address(&self, address: &str) -> String {
+        let hex: String = self.0.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{address}{KEY_MARK}{hex}")
+    }
+
+    /// Equal to `other`, compared in time that does not depend on where they differ.
+    pub(crate) fn matches(&self, other: &[u8; 16]) -> bool {
+        self.0.iter().zip(other).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0
+    }
+}
+
+impl std::fmt::Debug for StoreKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StoreKey(..)")
+    }
+}
+
+/// Splits a served store's address into where to connect and its key (`None`: the address
+/// names none). A key that is not 32 hex digits is an error (what is wrong with it).
+pub(crate) fn split_address(address: &str) -> Result<(&str, Option<StoreKey>), String> {
+    let Some((at, hex)) = address.rsplit_once(KEY_MARK) else {
+        return Ok((address, None));
+    };
+    let bytes = hex.as_bytes();
+    if bytes.len() != 32 || !bytes.iter().all(u8::is_ascii_hexdigit) {
+        return Err(format!(
+            "the key in a served store's address is {} characters, not 32 hex digits",
+            hex.len()
+        ));
+    }
+    let mut k = [0u8; 16];
+    for (i, b) in k.iter_mut().enumerate() {
+        // Two ASCII hex digits (checked above).
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+    }
+    Ok((at, Some(StoreKey(k))))
 }
 
 /// A connected stream socket (Unix on one host, TCP otherwise).
@@ -448,6 +513,30 @@ pub(crate) fn outcome_code(o: PutOutcome) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_address_splits_into_where_to_connect_and_its_key() {
+        let key = StoreKey([0xa5; 16]);
+        let address = key.in_address("tcp:10.0.0.1:7000");
+        assert_eq!(
+            address,
+            format!("tcp:10.0.0.1:7000#key={}", "a5".repeat(16))
+        );
+        let (at, got) = split_address(&address).unwrap();
+        assert_eq!((at, got), ("tcp:10.0.0.1:7000", Some(key)));
+        assert_eq!(split_address("unix:@x").unwrap(), ("unix:@x", None));
+        for bad in [
+            "unix:@x#key=",
+            "unix:@x#key=zz",
+            &format!("unix:@x#key={}", "g".repeat(32)),
+        ] {
+            assert!(split_address(bad).is_err(), "{bad}");
+        }
+        assert!(key.matches(&[0xa5; 16]));
+        assert!(!key.matches(&[0xa4; 16]));
+        assert_ne!(StoreKey::fresh().unwrap(), StoreKey::fresh().unwrap());
+        assert_eq!(format!("{key:?}"), "StoreKey(..)");
+    }
 
     /// Blocks SIGPIPE on this thread, runs `f`, and says whether a SIGPIPE came (taking it).
     fn sigpipe_during(f: impl FnOnce()) -> bool {

@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::protocol::{
-    frame_len, op, outcome_code, read_body, read_exact_by, write_all_vectored, Conn, Dec, Enc,
-    Malformed, MAGIC, PROTOCOL,
+    frame_len, hello as answer, op, outcome_code, read_body, read_exact_by, write_all_vectored,
+    Conn, Dec, Enc, Malformed, StoreKey, MAGIC, PROTOCOL,
 };
+use crate::store::embedded::new_object;
 use crate::store::{EmbeddedStore, KvStore, StoreError};
 
 /// How long one request may take to arrive whole, and its reply to leave.
@@ -47,6 +48,26 @@ enum Listener {
 }
 
 impl Listener {
+    /// Waits at most `limit` for a connection to accept: true when one may be there (or the
+    /// wait failed, which the accept then reports).
+    fn wait_ready(&self, limit: Duration) -> bool {
+        use std::os::fd::AsRawFd;
+        let fd = match self {
+            Listener::Tcp(l) => l.as_raw_fd(),
+            Listener::Unix(l) => l.as_raw_fd(),
+        };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = limit.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `pfd` is one live, initialised pollfd for the call, over a descriptor the
+        // listener owns and keeps open across it.
+        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+        r != 0
+    }
+
     fn accept(&self) -> io::Result<Conn> {
         Ok(match self {
             Listener::Tcp(l) => {
@@ -127,6 +148,8 @@ impl ClientSessions {
 
 struct Served {
     store: Arc<EmbeddedStore>,
+    /// What a client must say at hello (announced in the address).
+    key: StoreKey,
     stop: AtomicBool,
     clients: Mutex<HashMap<u64, ClientSessions>>,
     /// Clones of open connections by number, to shut them when the server stops; each is
@@ -141,6 +164,12 @@ struct Served {
 /// Serves an [`EmbeddedStore`] over a socket; stops (and closes every connection) when
 /// dropped. Clients: [`SocketStore`](super::SocketStore).
 ///
+/// Its [`address`](Self::address) carries a key made at start (`…#key=<32 hex digits>`)
+/// that a client must say: only processes given the address (through the group's
+/// rendezvous, [`STORE_ATTRIBUTE`](super::STORE_ATTRIBUTE)) can use the store, not every
+/// user of the host that lists its abstract socket, nor anyone who reaches its TCP port.
+/// Pass the address whole; a client without the key, or with another, is refused at hello.
+///
 /// ```
 /// use std::sync::Arc;
 /// use mooncake_linker::store::{EmbeddedStore, KvStore, ServeAt, SocketStore, StoreServer};
@@ -150,7 +179,10 @@ struct Served {
 /// assert_eq!(client.exists(&["nothing"]), vec![Ok(false)]);
 /// ```
 pub struct StoreServer {
+    /// Where it listens, with its key.
     address: String,
+    /// Where it listens, without its key (for logs and reports).
+    location: String,
     served: Arc<Served>,
     /// How the accepting thread is woken to stop: a connection to the listener itself.
     wake: Wake,
@@ -191,7 +223,7 @@ fn fresh_name() -> String {
 impl std::fmt::Debug for StoreServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreServer")
-            .field("address", &self.address)
+            .field("location", &self.location)
             .finish()
     }
 }
@@ -228,8 +260,10 @@ impl StoreServer {
                 (Listener::Tcp(l), address, Wake::Tcp(wake))
             }
         };
+        let key = StoreKey::fresh()?;
         let served = Arc::new(Served {
             store,
+            key,
             stop: AtomicBool::new(false),
             clients: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
@@ -241,21 +275,38 @@ impl StoreServer {
             .spawn(move || accept_loop(listener, s))?;
         tracing::info!(%address, "serving the embedded store");
         Ok(StoreServer {
-            address,
+            location: address.clone(),
+            address: key.in_address(&address),
             served,
             wake,
             thread: Some(thread),
         })
     }
 
-    /// Where clients connect (`unix:@name` or `tcp:host:port`).
+    /// Where clients connect, with the server's key: `unix:@name#key=…` or
+    /// `tcp:host:port#key=…`; what [`SocketStore::connect`](super::SocketStore::connect)
+    /// takes. Give it only to the processes that may use the store.
     pub fn address(&self) -> &str {
         &self.address
+    }
+
+    /// Where it listens, without its key (`unix:@name`, `tcp:host:port`): what logs and
+    /// reports may print.
+    pub fn location(&self) -> &str {
+        &self.location
     }
 
     /// The store served.
     pub fn store(&self) -> &Arc<EmbeddedStore> {
         &self.served.store
+    }
+
+    /// The same server with a wake-up that never connects (as when `drop` cannot open a
+    /// socket).
+    #[cfg(test)]
+    pub(super) fn without_wake(mut self) -> Self {
+        self.wake = Wake::Unix(format!("{}-no-wake", fresh_name()));
+        self
     }
 
     /// Ends every open connection (as a restart would) and keeps serving; how many.
@@ -291,6 +342,15 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
     let mut next_id = 0u64;
     let mut failed_accepts = 0u64;
     loop {
+        // The stop flag is looked at every IDLE_CHECK even when no connection comes: the
+        // wake-up connection of `drop` may fail (out of file descriptors, say).
+        let ready = listener.wait_ready(IDLE_CHECK);
+        if served.stop.load(Ordering::Acquire) {
+            break;
+        }
+        if !ready {
+            continue;
+        }
         let accepted = listener.accept();
         if served.stop.load(Ordering::Acquire) {
             break;
@@ -388,33 +448,25 @@ fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
             Err(_) => return None,
         }
     }
-    read_body(
-        conn,
-        u32::from_le_bytes(len) as usize,
-        kv_loader::deadline_after(REQUEST_TIMEOUT),
-    )
-    .ok()
+    let n = u32::from_le_bytes(len) as usize;
+    match read_body(conn, n, kv_loader::deadline_after(REQUEST_TIMEOUT)) {
+        Ok(body) => Some(body),
+        Err(e) => {
+            // Over the frame limit, cut short, or too slow: the connection is out of step.
+            tracing::warn!(bytes = n, error = %e, "store request not read whole; closing its connection");
+            None
+        }
+    }
 }
 
 fn serve_connection(mut conn: Conn, served: &Served) {
     let deadline = kv_loader::deadline_after(REQUEST_TIMEOUT);
-    let mut hello = [0u8; 16];
-    if read_exact_by(&mut conn, &mut hello, deadline).is_err() {
+    let Some((client, verdict)) = read_hello(&mut conn, served, deadline) else {
         return;
-    }
-    let mut d = Dec::new(&hello);
-    let (magic, protocol, client) = match (d.u32(), d.u32(), d.u64()) {
-        (Ok(m), Ok(p), Ok(c)) => (m, p, c),
-        _ => return,
     };
-    let ok: u32 = if magic == MAGIC && protocol == PROTOCOL {
-        0
-    } else {
-        1
-    };
-    let ok_bytes = ok.to_le_bytes();
+    let ok_bytes = verdict.to_le_bytes();
     let mut answer = [IoSlice::new(&ok_bytes)];
-    if ok != 0 {
+    if verdict != answer::ACCEPTED {
         let _ = write_all_vectored(&mut conn, &mut answer, deadline);
         return;
     }
@@ -434,6 +486,39 @@ fn serve_connection(mut conn: Conn, served: &Served) {
             break;
         }
     }
+}
+
+/// Reads a connection's hello: the client's id and the answer it gets (`None`: the
+/// connection ended or sent no hello). A hello of another protocol is answered without its
+/// key being read (its layout may differ); a wrong key is refused and logged.
+fn read_hello(conn: &mut Conn, served: &Served, deadline: Instant) -> Option<(u64, u32)> {
+    let mut head = [0u8; 16];
+    read_exact_by(conn, &mut head, deadline).ok()?;
+    let mut d = Dec::new(&head);
+    let (magic, protocol, client) = match (d.u32(), d.u32(), d.u64()) {
+        (Ok(m), Ok(p), Ok(c)) => (m, p, c),
+        _ => return None,
+    };
+    if magic != MAGIC || protocol != PROTOCOL {
+        tracing::warn!(
+            magic,
+            protocol,
+            expected = PROTOCOL,
+            "store connection refused: another protocol"
+        );
+        return Some((client, answer::OTHER_PROTOCOL));
+    }
+    let mut key = [0u8; 16];
+    read_exact_by(conn, &mut key, deadline).ok()?;
+    if !served.key.matches(&key) {
+        tracing::warn!(
+            client,
+            "store connection refused: the client did not say this server's key \
+             (an address without it, or another server's)"
+        );
+        return Some((client, answer::WRONG_KEY));
+    }
+    Some((client, answer::ACCEPTED))
 }
 
 /// One counted connection of a client: released when dropped (also while unwinding).
@@ -719,8 +804,7 @@ fn put(conn: &mut Conn, served: &Served, d: &mut Dec<'_>, deadline: Instant) -> 
             }
             None => match Receiving::take(served, len) {
                 Some(_receiving) => {
-                    let mut data = vec![0u8; len as usize];
-                    read_exact_by(conn, &mut data, deadline)?;
+                    let data = new_object(len as usize, |dst| read_exact_by(conn, dst, deadline))?;
                     store.insert(&key, data)
                 }
                 None => {
@@ -808,6 +892,7 @@ mod receiving_tests {
     fn puts_being_received_hold_at_most_the_stores_capacity() {
         let served = Served {
             store: Arc::new(EmbeddedStore::new(1000)),
+            key: StoreKey([0; 16]),
             stop: AtomicBool::new(false),
             clients: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),

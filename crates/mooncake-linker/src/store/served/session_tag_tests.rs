@@ -13,13 +13,15 @@ use crate::store::{EmbeddedStore, KvStore, ObjectPut, PutOutcome, StoreError};
 
 /// A raw connection to `server` that has said hello as client `client`.
 fn raw_connection(server: &StoreServer, client: u64) -> UnixStream {
-    let name = server.address().strip_prefix("unix:@").unwrap();
+    let (at, key) = super::protocol::split_address(server.address()).unwrap();
+    let name = at.strip_prefix("unix:@").unwrap();
     let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
     let mut raw = UnixStream::connect_addr(&a).unwrap();
     raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut hello = Enc::default();
     hello.u32(MAGIC).u32(PROTOCOL).u64(client);
     raw.write_all(&hello.0).unwrap();
+    raw.write_all(&key.unwrap().0).unwrap();
     let mut ok = [0u8; 4];
     raw.read_exact(&mut ok).unwrap();
     assert_eq!(u32::from_le_bytes(ok), 0, "hello accepted");
@@ -148,7 +150,7 @@ fn accept(l: &UnixListener) -> UnixStream {
     };
     c.set_nonblocking(false).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut hello = [0u8; 16];
+    let mut hello = [0u8; 32];
     c.read_exact(&mut hello).unwrap();
     c.write_all(&0u32.to_le_bytes()).unwrap();
     c

@@ -274,13 +274,15 @@ fn concurrent_clients_and_threads_see_whole_objects() {
 /// A raw connection to `server` that has said hello (as a client would, or a hostile peer).
 fn raw_connection(server: &StoreServer) -> std::os::unix::net::UnixStream {
     use std::io::{Read, Write};
-    let name = server.address().strip_prefix("unix:@").unwrap();
+    let (at, key) = super::protocol::split_address(server.address()).unwrap();
+    let name = at.strip_prefix("unix:@").unwrap();
     let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
     let mut raw = std::os::unix::net::UnixStream::connect_addr(&a).unwrap();
     raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut hello = Enc::default();
     hello.u32(MAGIC).u32(PROTOCOL).u64(0xfeed);
     raw.write_all(&hello.0).unwrap();
+    raw.write_all(&key.unwrap().0).unwrap();
     let mut ok = [0u8; 4];
     raw.read_exact(&mut ok).unwrap();
     assert_eq!(u32::from_le_bytes(ok), 0, "hello accepted");
@@ -348,7 +350,7 @@ fn a_reply_with_more_results_than_keys_is_refused() {
     let listener = std::os::unix::net::UnixListener::bind_addr(&a).unwrap();
     let fake = std::thread::spawn(move || {
         let (mut c, _) = listener.accept().unwrap();
-        let mut hello = [0u8; 16];
+        let mut hello = [0u8; 32];
         c.read_exact(&mut hello).unwrap();
         c.write_all(&0u32.to_le_bytes()).unwrap();
         let next_request = |c: &mut std::os::unix::net::UnixStream| {
@@ -514,7 +516,8 @@ fn a_connect_to_a_listener_whose_backlog_stays_full_ends_by_its_deadline() {
     let (r, took) = rx
         .recv_timeout(Duration::from_secs(10))
         .expect("the connect returns, not blocks on the full backlog");
-    assert!(r.is_err(), "nothing accepted, so nothing connected");
+    // A connect that ran out its deadline is the request timeout, not an unreachable store.
+    assert!(matches!(r, Err(StoreError::RpcTimeout { .. })), "{r:?}");
     assert!(took < Duration::from_secs(3), "{took:?}");
     drop(queued);
 }
@@ -586,8 +589,9 @@ fn a_tcp_address_by_name_is_looked_up_within_the_request_timeout() {
     let addr: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
     let server =
         StoreServer::start(Arc::new(EmbeddedStore::new(1 << 10)), ServeAt::Tcp(addr)).unwrap();
-    let port = server.address().rsplit_once(':').unwrap().1.to_string();
-    let client = SocketStore::connect(&format!("tcp:localhost:{port}")).unwrap();
+    let (at, key) = server.address().split_once('#').unwrap();
+    let port = at.rsplit_once(':').unwrap().1.to_string();
+    let client = SocketStore::connect(&format!("tcp:localhost:{port}#{key}")).unwrap();
     assert_eq!(client.exists(&["k"]), vec![Ok(false)], "served by name");
     // `.invalid` never resolves (RFC 6761).
     let wait = Duration::from_millis(1500);
@@ -610,4 +614,93 @@ fn a_tcp_address_by_name_is_looked_up_within_the_request_timeout() {
         matches!(&r, Err(StoreError::Unavailable { detail }) if detail.to_string().contains("no port")),
         "{r:?}"
     );
+}
+
+/// The server's address carries its key: a client without it, or with another server's, is
+/// refused at hello (over TCP as over a Unix socket), and the refusal says why; the address
+/// with the key connects.
+#[test]
+fn a_client_without_the_servers_key_is_refused() {
+    for at in [ServeAt::Unix, ServeAt::Tcp("127.0.0.1:0".parse().unwrap())] {
+        let server = StoreServer::start(Arc::new(EmbeddedStore::new(1 << 10)), at).unwrap();
+        let (location, key) = server.address().split_once('#').unwrap();
+        assert_eq!(location, server.location());
+        assert!(key.starts_with("key=") && key.len() == 4 + 32, "{key}");
+        let other =
+            StoreServer::start(Arc::new(EmbeddedStore::new(1 << 10)), ServeAt::Unix).unwrap();
+        let (_, other_key) = other.address().split_once('#').unwrap();
+        for wrong in [location.to_string(), format!("{location}#{other_key}")] {
+            match SocketStore::connect_with(&wrong, Duration::from_secs(5)) {
+                Err(StoreError::Unavailable { detail }) => {
+                    assert!(
+                        detail.to_string().contains("refused this client's key"),
+                        "{detail}"
+                    )
+                }
+                other => panic!("{wrong}: {other:?}"),
+            }
+        }
+        let r = SocketStore::connect_with(&format!("{location}#key=12"), Duration::from_secs(5));
+        assert!(
+            matches!(&r, Err(StoreError::Unavailable { detail }) if detail.to_string().contains("32 hex")),
+            "{r:?}"
+        );
+        let client = SocketStore::connect(server.address()).unwrap();
+        assert_eq!(client.address(), location, "the key is not named in errors");
+        assert_eq!(client.exists(&["k"]), vec![Ok(false)]);
+        assert!(!format!("{server:?}{client:?}").contains(&key[4..]));
+    }
+}
+
+/// A put whose keys alone pass the protocol's frame limit is refused before anything is sent
+/// (every key `InvalidArgument`), and the connection stays in step for the next call; before,
+/// the frame went out, the server closed the connection without a word, and the client
+/// answered `Unavailable`.
+#[test]
+fn a_put_over_the_frame_limit_is_refused_before_it_is_sent() {
+    let (_server, client) = serve(1 << 20);
+    let keys: Vec<String> = (0..700_000).map(|i| format!("{i:0>100}")).collect();
+    let one = [7u8; 1];
+    let puts: Vec<ObjectPut<'_>> = keys
+        .iter()
+        .map(|k| ObjectPut {
+            key: k,
+            parts: [(one.as_ptr(), 1)].into_iter().collect(),
+        })
+        .collect();
+    // SAFETY: every part is a live one-byte array, read-only for the call.
+    let r = unsafe { client.put(&puts) };
+    assert_eq!(r.len(), keys.len());
+    assert!(
+        r.iter().all(|x| matches!(
+            x,
+            Err(StoreError::InvalidArgument { detail, .. }) if detail.contains("at most")
+        )),
+        "{:?}",
+        &r[..1]
+    );
+    assert_eq!(client.drop_pooled(), 1, "the connection was kept");
+    assert_eq!(put(&client, "k", &[&one]), Ok(PutOutcome::Written));
+}
+
+/// Dropping the server ends within the accept loop's idle check even when its wake-up
+/// connection cannot be made (out of file descriptors, say): before, the accept thread stayed
+/// blocked in `accept` and the drop never returned.
+#[test]
+fn a_server_stops_when_its_wake_up_connection_fails() {
+    for at in [ServeAt::Unix, ServeAt::Tcp("127.0.0.1:0".parse().unwrap())] {
+        let server = StoreServer::start(Arc::new(EmbeddedStore::new(1 << 10)), at)
+            .unwrap()
+            .without_wake();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            drop(server);
+            let _ = tx.send(t0.elapsed());
+        });
+        let took = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the drop returns");
+        assert!(took < Duration::from_secs(3), "{took:?}");
+    }
 }
