@@ -440,9 +440,11 @@ pub trait Collective: Send + Sync {
     /// # Safety
     /// `region` is device memory of this rank's device, valid for reads (root) or writes
     /// (others) of `region.len` bytes, and nothing else touches it from the moment `after`
-    /// completes until the returned event completes (or, on `Err`, until the call returns;
-    /// after an abort, until [`broken`](Collective::broken) reports the group drained); it
-    /// stays allocated until then.
+    /// completes until the returned event completes, and it stays allocated until then. On
+    /// `Err` the region is free again once the call returns only while
+    /// [`broken`](Collective::broken) is `None`: an error with the handle broken (an abort, a
+    /// comm thread that stopped answering) may leave work queued on it, so the region must
+    /// be taken as in use for good (never reused nor freed).
     unsafe fn broadcast_device(
         &self,
         region: DeviceRegion,

@@ -51,6 +51,8 @@
 //! (`RendezvousFormation::nccl`: rank 0 makes the new ids and ships them).
 
 mod error;
+#[cfg(test)]
+mod tests;
 mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -137,6 +139,21 @@ impl NcclGroup {
         ordinals: &[u32],
         config: NcclConfig,
     ) -> Result<Vec<NcclCollective>, CollectiveError> {
+        Self::new_in_process_by(
+            ordinals,
+            config,
+            kv_loader::deadline_after(config.init_timeout),
+        )
+    }
+
+    /// [`new_in_process_with`](Self::new_in_process_with), its start bounded by `deadline`
+    /// as well as `config.init_timeout` (two groups formed within one bound, say). The
+    /// answer may come up to twice `abort_grace` past the bound, as for any operation.
+    pub fn new_in_process_by(
+        ordinals: &[u32],
+        config: NcclConfig,
+        deadline: Instant,
+    ) -> Result<Vec<NcclCollective>, CollectiveError> {
         if ordinals.is_empty() {
             return Err(CollectiveError::Backend(
                 "an NCCL group needs a rank".into(),
@@ -152,23 +169,28 @@ impl NcclGroup {
         }
         let id = nccl_unique_id()?;
         let size = ordinals.len() as u32;
-        let deadline = kv_loader::deadline_after(config.init_timeout);
+        let deadline = deadline.min(kv_loader::deadline_after(config.init_timeout));
         let group = Arc::new(Mutex::new(None));
-        let pending: Vec<_> = ordinals
-            .iter()
-            .enumerate()
-            .map(|(rank, &ordinal)| {
-                NcclCollective::spawn(
-                    id,
-                    rank as u32,
-                    size,
-                    ordinal,
-                    config,
-                    deadline,
-                    group.clone(),
-                )
-            })
-            .collect::<Result<_, _>>()?;
+        let mut pending = Vec::with_capacity(ordinals.len());
+        for (rank, &ordinal) in ordinals.iter().enumerate() {
+            let spawned = NcclCollective::spawn(
+                id,
+                rank as u32,
+                size,
+                ordinal,
+                config,
+                deadline,
+                group.clone(),
+            );
+            match spawned {
+                Ok(p) => pending.push(p),
+                Err(e) => {
+                    // The ranks started would wait for this one until the deadline.
+                    give_up(pending.iter().map(|p| &p.handle), GIVE_UP);
+                    return Err(e);
+                }
+            }
+        }
         start_all(pending)
     }
 
@@ -178,8 +200,17 @@ impl NcclGroup {
     pub fn formation(ordinals: Vec<u32>, config: NcclConfig) -> InProcessFormation {
         let size = ordinals.len() as u32;
         InProcessFormation::new(size, move || {
-            let data = Self::new_in_process_with(&ordinals, config)?;
-            let control = Self::new_in_process_with(&ordinals, config)?;
+            // Both groups within one init timeout, as a group of processes forms its two.
+            let deadline = kv_loader::deadline_after(config.init_timeout);
+            let data = Self::new_in_process_by(&ordinals, config, deadline)?;
+            let control = match Self::new_in_process_by(&ordinals, config, deadline) {
+                Ok(control) => control,
+                Err(e) => {
+                    // The data group formed: it aborts rather than finalizes, all together.
+                    give_up(&data, "the group's control communicator failed to start");
+                    return Err(e);
+                }
+            };
             Ok(data
                 .into_iter()
                 .zip(control)
@@ -205,7 +236,7 @@ const GIVE_UP: &str = "another rank of the group failed to start";
 fn start_all(pending: Vec<Pending>) -> Result<Vec<NcclCollective>, CollectiveError> {
     let until = pending
         .iter()
-        .map(|p| p.deadline + p.handle.reply_slack())
+        .map(|p| kv_loader::deadline_from(p.deadline, p.handle.reply_slack()))
         .max()
         .unwrap_or_else(Instant::now);
     let mut answers: Vec<Option<Result<(), CollectiveError>>> =
@@ -246,14 +277,54 @@ fn start_all(pending: Vec<Pending>) -> Result<Vec<NcclCollective>, CollectiveErr
     for p in &pending {
         p.handle.interrupt.ask(GIVE_UP);
     }
-    // The ranks still starting give up now (bounded as before); their handles then drop and
-    // their comm threads end (an asked-for abort replaces the finalize).
-    for (p, a) in pending.into_iter().zip(answers) {
-        if a.is_none() {
-            let _ = p.ready();
+    // The ranks still starting give up now, all together: one bound for all of them, not one
+    // after another (a comm thread that does not answer is left, its handle unusable). Then
+    // every comm thread ends (an asked-for abort replaces the finalize), together too.
+    let slack = pending.iter().map(|p| p.handle.reply_slack()).max();
+    let bound = kv_loader::deadline_after(slack.unwrap_or_default());
+    for (p, a) in pending.iter().zip(&answers) {
+        if a.is_none()
+            && p.ready
+                .recv_timeout(bound.saturating_duration_since(Instant::now()))
+                .is_err()
+        {
+            p.handle.unusable.store(true, Ordering::Release);
         }
     }
+    give_up(pending.iter().map(|p| &p.handle), GIVE_UP);
     Err(e)
+}
+
+/// Asks every handle of `handles` to give up (its comm thread aborts rather than finalizes:
+/// its group will not be used), then ends their comm threads together ([`close_all`]).
+fn give_up<'h>(handles: impl IntoIterator<Item = &'h NcclCollective>, cause: &str) {
+    let handles: Vec<&NcclCollective> = handles.into_iter().collect();
+    for h in &handles {
+        h.interrupt.ask(cause);
+    }
+    close_all(&handles);
+}
+
+/// Ends the comm threads of `handles` together: every channel closed first, then each thread
+/// waited for against one bound (twice the largest `abort_grace`; none for a handle whose
+/// thread is known silent), so that `n` handles take one grace, not `n`, and no thread waits
+/// for a peer whose own end has not been asked for yet.
+fn close_all(handles: &[&NcclCollective]) {
+    for h in handles {
+        h.hang_up();
+    }
+    let slack = handles.iter().map(|h| h.reply_slack()).max();
+    let bound = kv_loader::deadline_after(slack.unwrap_or_default());
+    for h in handles {
+        h.close(bound);
+    }
+}
+
+/// A call that failed: its error, and whether the comm thread may still use the operation's
+/// memory (the request went out, and no reply came).
+struct CallFailure {
+    error: CollectiveError,
+    unanswered: bool,
 }
 
 /// A comm thread being started.
@@ -306,6 +377,8 @@ pub struct NcclCollective {
     group: Arc<Mutex<Option<String>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     done: Mutex<Option<mpsc::Receiver<()>>>,
+    /// Bytes of host buffers leaked to a silent comm thread.
+    leaked: AtomicU64,
 }
 
 impl std::fmt::Debug for NcclCollective {
@@ -411,6 +484,7 @@ impl NcclCollective {
                 group,
                 thread: Mutex::new(Some(thread)),
                 done: Mutex::new(Some(done_rx)),
+                leaked: AtomicU64::new(0),
             },
             ready: ready_rx,
             deadline,
@@ -437,31 +511,41 @@ impl NcclCollective {
     }
 
     fn call(&self, op: Op, deadline: Instant) -> Result<Reply, CollectiveError> {
+        self.send_call(op, deadline).map_err(|f| f.error)
+    }
+
+    /// [`call`](Self::call), saying on failure whether the comm thread may still use the
+    /// operation's memory (the request went out and no reply came).
+    fn send_call(&self, op: Op, deadline: Instant) -> Result<Reply, CallFailure> {
+        let unsent = |error| CallFailure {
+            error,
+            unanswered: false,
+        };
         let name = op.name();
         // Calls on one handle are serialised: a call that cannot take its turn by its
         // deadline (another thread's call still running) times out, as its peers would.
         let Some(tx) = self.tx.try_lock_until(deadline) else {
-            return Err(CollectiveError::Timeout {
+            return Err(unsent(CollectiveError::Timeout {
                 op: name,
                 seq: u64::MAX,
                 missing: Vec::new(),
-            });
+            }));
         };
         let seq = self.seq.fetch_add(1, Ordering::AcqRel);
         if self.unusable.load(Ordering::Acquire) {
-            return Err(CollectiveError::Aborted {
+            return Err(unsent(CollectiveError::Aborted {
                 op: name,
                 seq,
                 missing: Vec::new(),
                 cause: "the comm thread stopped answering earlier".into(),
-            });
+            }));
         }
         let Some(sender) = tx.as_ref() else {
-            return Err(CollectiveError::RankGone {
+            return Err(unsent(CollectiveError::RankGone {
                 op: name,
                 seq,
                 gone: vec![self.rank],
-            });
+            }));
         };
         let (reply_tx, reply_rx) = mpsc::sync_channel(1);
         sender
@@ -474,7 +558,10 @@ impl NcclCollective {
             .map_err(|_| {
                 // No operation can run any more: the handle is broken, so the group re-forms.
                 self.unusable.store(true, Ordering::Release);
-                CollectiveError::Backend(format!("rank {}: the comm thread has ended", self.rank))
+                unsent(CollectiveError::Backend(format!(
+                    "rank {}: the comm thread has ended",
+                    self.rank
+                )))
             })?;
         let wait = deadline
             .saturating_duration_since(Instant::now())
@@ -487,50 +574,69 @@ impl NcclCollective {
                 }
                 Ok(reply)
             }
-            Ok(Err(e)) => Err(e),
+            // The comm thread answered: it is done with the operation's memory.
+            Ok(Err(e)) => Err(unsent(e)),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 self.unusable.store(true, Ordering::Release);
-                Err(CollectiveError::Timeout {
-                    op: name,
-                    seq,
-                    missing: Vec::new(),
+                Err(CallFailure {
+                    error: CollectiveError::Timeout {
+                        op: name,
+                        seq,
+                        missing: Vec::new(),
+                    },
+                    unanswered: true,
                 })
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 // The comm thread died mid-operation (a panic under it): its operation's end is
                 // unknown and nothing more runs; broken, so the group re-forms.
                 self.unusable.store(true, Ordering::Release);
-                Err(CollectiveError::Backend(format!(
-                    "rank {}: the comm thread ended during {name} #{seq}",
-                    self.rank
-                )))
+                Err(CallFailure {
+                    error: CollectiveError::Backend(format!(
+                        "rank {}: the comm thread ended during {name} #{seq}",
+                        self.rank
+                    )),
+                    unanswered: true,
+                })
             }
         }
     }
 
     /// A host operation over `buf` (which the comm thread reads and writes through the
-    /// scratch): `buf` back once the operation is done. When the comm thread did not answer in
-    /// time it may still use `buf`, which is then leaked rather than freed.
+    /// scratch): `buf` back once the operation is done. When the request went out and the
+    /// comm thread did not answer in time it may still use `buf`, which is then leaked rather
+    /// than freed (counted in [`leaked_host_bytes`](Self::leaked_host_bytes)); a request that
+    /// never went out frees it.
     fn host_call(
         &self,
-        buf: Vec<u8>,
+        mut buf: Vec<u8>,
         op: impl FnOnce(usize) -> Op,
         deadline: Instant,
     ) -> Result<Vec<u8>, CollectiveError> {
-        let addr = buf.as_ptr() as usize;
-        match self.call(op(addr), deadline) {
+        // The comm thread writes the result through this address.
+        let addr = buf.as_mut_ptr() as usize;
+        match self.send_call(op(addr), deadline) {
             Ok(_) => Ok(buf),
-            Err(e) => {
-                if self.unusable.load(Ordering::Acquire) {
+            Err(f) => {
+                if f.unanswered {
                     tracing::error!(
                         rank = self.rank,
+                        bytes = buf.len(),
                         "NCCL comm thread silent; leaking a host buffer it may still use"
                     );
+                    self.leaked
+                        .fetch_add(buf.capacity() as u64, Ordering::Relaxed);
                     std::mem::forget(buf);
                 }
-                Err(e)
+                Err(f.error)
             }
         }
+    }
+
+    /// Bytes of host buffers left to a comm thread that did not answer (it may still use
+    /// them): leaked, never freed, for the life of the process.
+    pub fn leaked_host_bytes(&self) -> u64 {
+        self.leaked.load(Ordering::Relaxed)
     }
 
     fn invalid(&self, op: &'static str, reason: String) -> CollectiveError {
@@ -791,23 +897,45 @@ impl Collective for NcclCollective {
     }
 }
 
-impl Drop for NcclCollective {
-    fn drop(&mut self) {
-        // Closing the channel ends the comm thread's loop; it finalizes (or aborts) the
-        // communicator. Wait for that, bounded: a thread stuck in the driver is left behind.
+impl NcclCollective {
+    /// Closes the channels to the comm thread: its loop ends, and it finalizes (or aborts) the
+    /// communicator.
+    fn hang_up(&self) {
         drop(self.tx.lock().take());
         drop(self.abort_tx.lock().take());
+    }
+
+    /// Ends the comm thread: hangs up, then waits for the thread until `bound` (not at all
+    /// when it is known silent) and joins it; a thread stuck in the driver is left behind.
+    /// Once closed, a second call does nothing.
+    fn close(&self, bound: Instant) {
+        self.hang_up();
+        let Some(t) = self.thread.lock().take() else {
+            return;
+        };
+        let bound = if self.unusable.load(Ordering::Acquire) {
+            Instant::now()
+        } else {
+            bound
+        };
         let done = self.done.lock().take();
-        let finished = done.is_some_and(|d| d.recv_timeout(self.grace.saturating_mul(2)).is_ok());
-        if let Some(t) = self.thread.lock().take() {
-            if finished {
-                let _ = t.join();
-            } else {
-                tracing::error!(
-                    rank = self.rank,
-                    "NCCL comm thread did not finish; leaving it"
-                );
-            }
+        let finished = done.is_some_and(|d| {
+            d.recv_timeout(bound.saturating_duration_since(Instant::now()))
+                .is_ok()
+        });
+        if finished {
+            let _ = t.join();
+        } else {
+            tracing::error!(
+                rank = self.rank,
+                "NCCL comm thread did not finish; leaving it"
+            );
         }
+    }
+}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        self.close(kv_loader::deadline_after(self.reply_slack()));
     }
 }

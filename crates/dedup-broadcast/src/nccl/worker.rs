@@ -121,7 +121,7 @@ impl AbortRequest {
     }
 
     /// The cause, once an abort was asked for.
-    fn asked(&self) -> Option<String> {
+    pub(crate) fn asked(&self) -> Option<String> {
         if !self.asked.load(Ordering::Acquire) {
             return None;
         }
@@ -343,7 +343,7 @@ impl Worker {
             if Instant::now() >= deadline {
                 return Err(Fail::Deadline);
             }
-            spins += 1;
+            spins = spins.saturating_add(1);
             if spins < 128 {
                 std::thread::yield_now();
             } else {
@@ -406,7 +406,7 @@ impl Worker {
             if Instant::now() >= deadline {
                 return Err(Fail::Deadline);
             }
-            spins += 1;
+            spins = spins.saturating_add(1);
             if spins < 64 {
                 std::hint::spin_loop();
             } else if spins < 256 {

@@ -1,0 +1,149 @@
+//! The handle's own bounds, with comm threads that never answer (no GPU, no NCCL: a stand-in
+//! thread holds the channels a real comm thread would).
+
+use super::*;
+
+/// A stand-in comm thread: holds the channels a real one would, answers nothing, and ends
+/// when the test drops the returned sender.
+struct Silent {
+    pending: Pending,
+    /// Requests sent to the thread (kept, so that sends succeed).
+    _requests: mpsc::Receiver<Request>,
+    release: mpsc::Sender<()>,
+}
+
+fn silent(rank: u32, size: u32, grace: Duration, deadline: Instant) -> Silent {
+    let (tx, rx) = mpsc::channel::<Request>();
+    let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+    let (done_tx, done_rx) = mpsc::sync_channel::<()>(1);
+    let (release, released) = mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let _keep = (ready_tx, done_tx);
+        let _ = released.recv();
+    });
+    let handle = NcclCollective {
+        rank,
+        size,
+        ordinal: 0,
+        grace,
+        abort_tx: Mutex::new(Some(tx.clone())),
+        tx: Mutex::new(Some(tx)),
+        interrupt: Arc::new(AbortRequest::default()),
+        seq: AtomicU64::new(0),
+        last_ms: AtomicU64::new(f64::NAN.to_bits()),
+        unusable: Arc::new(AtomicBool::new(false)),
+        aborted: Arc::new(Mutex::new(None)),
+        group: Arc::new(Mutex::new(None)),
+        thread: Mutex::new(Some(thread)),
+        done: Mutex::new(Some(done_rx)),
+        leaked: AtomicU64::new(0),
+    };
+    Silent {
+        pending: Pending {
+            handle,
+            ready: ready_rx,
+            deadline,
+        },
+        _requests: rx,
+        release,
+    }
+}
+
+/// A failed start of an in-process group gives up on the ranks still starting together: one
+/// bound for all of them, and their threads' ends waited for together. Before, each silent
+/// rank took its own bound, then its drop another (8 ranks: 16 graces).
+#[test]
+fn a_failed_start_gives_up_on_every_silent_rank_within_one_bound() {
+    let grace = Duration::from_millis(150);
+    let deadline = kv_loader::deadline_after(Duration::from_millis(50));
+    // Rank 0 fails at once; ranks 1..8 never answer.
+    let mut ranks: Vec<Silent> = (0..8).map(|r| silent(r, 8, grace, deadline)).collect();
+    let (fail_tx, fail_rx) = mpsc::sync_channel(1);
+    fail_tx
+        .send(Err(CollectiveError::Backend("rank 0: no GPU".into())))
+        .unwrap();
+    ranks[0].pending.ready = fail_rx;
+    let (pending, releases): (Vec<_>, Vec<_>) = ranks
+        .into_iter()
+        .map(|s| (s.pending, (s.release, s._requests)))
+        .unzip();
+    let t0 = Instant::now();
+    let r = start_all(pending);
+    let took = t0.elapsed();
+    assert!(
+        matches!(&r, Err(CollectiveError::Backend(m)) if m.contains("no GPU")),
+        "{r:?}"
+    );
+    // One grace pair for the give-up (the silent threads are then left at once).
+    assert!(took < grace * 2 + Duration::from_millis(600), "{took:?}");
+    drop(releases);
+}
+
+/// A handle whose comm thread is known silent is dropped at once, not after its grace.
+#[test]
+fn a_handle_whose_comm_thread_is_silent_drops_at_once() {
+    let grace = Duration::from_secs(2);
+    let s = silent(0, 2, grace, Instant::now());
+    s.pending.handle.unusable.store(true, Ordering::Release);
+    let t0 = Instant::now();
+    drop(s.pending);
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t0.elapsed()
+    );
+    drop(s.release);
+}
+
+/// A host call whose request never went out (the handle already unusable) frees its buffer;
+/// one whose request went out and got no reply leaks it, counted.
+#[test]
+fn only_a_host_buffer_the_comm_thread_may_still_use_is_leaked() {
+    let grace = Duration::from_millis(20);
+    let s = silent(1, 2, grace, Instant::now());
+    let h = &s.pending.handle;
+    let soon = || kv_loader::deadline_after(Duration::from_millis(30));
+    // Sent, never answered: the comm thread may still write the buffer.
+    let r = h.all_gather_bytes(&[1u8; 1000], soon());
+    assert!(matches!(r, Err(CollectiveError::Timeout { .. })), "{r:?}");
+    assert!(h.leaked_host_bytes() >= 2000, "{}", h.leaked_host_bytes());
+    let after_first = h.leaked_host_bytes();
+    // Never sent (the handle is unusable now): nothing more is leaked.
+    let r = h.all_gather_bytes(&[1u8; 1000], soon());
+    assert!(matches!(r, Err(CollectiveError::Aborted { .. })), "{r:?}");
+    assert_eq!(h.leaked_host_bytes(), after_first);
+    drop(s.release);
+}
+
+/// A formed group that will not be used (its control group failed to start) gives up as a
+/// whole: every handle is asked to abort rather than finalize, and the comm threads' ends are
+/// waited for against one bound, not one after another.
+#[test]
+fn a_group_given_up_asks_every_rank_to_abort_and_waits_once() {
+    let grace = Duration::from_millis(150);
+    let ranks: Vec<Silent> = (0..6)
+        .map(|r| silent(r, 6, grace, Instant::now()))
+        .collect();
+    let t0 = Instant::now();
+    give_up(
+        ranks.iter().map(|s| &s.pending.handle),
+        "test: control failed",
+    );
+    let took = t0.elapsed();
+    for s in &ranks {
+        assert_eq!(
+            s.pending.handle.interrupt.asked().as_deref(),
+            Some("test: control failed")
+        );
+    }
+    // One bound of twice the grace for all six (one after another: six times that).
+    assert!(took < grace * 2 + Duration::from_millis(400), "{took:?}");
+    // Closed: dropping them now waits no more.
+    let t1 = Instant::now();
+    drop(ranks);
+    assert!(
+        t1.elapsed() < Duration::from_millis(200),
+        "{:?}",
+        t1.elapsed()
+    );
+}
