@@ -50,6 +50,9 @@ pub(crate) mod op {
     pub(crate) const END_SESSION_TAG: u8 = 11;
 }
 
+/// The most slices one `sendmsg` takes (Linux's `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
 /// What separates a served store's address (where to connect) from its key.
 const KEY_MARK: &str = "#key=";
 
@@ -189,6 +192,9 @@ impl Write for Conn {
         self.sock().send_with_flags(buf, libc::MSG_NOSIGNAL)
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        // `sendmsg` refuses more than IOV_MAX slices (EMSGSIZE) where std's `writev` sends
+        // the first IOV_MAX: send those, the caller's loop sends the rest.
+        let bufs = &bufs[..bufs.len().min(IOV_MAX)];
         self.sock()
             .send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
     }
@@ -536,6 +542,26 @@ mod tests {
         assert!(!key.matches(&[0xa4; 16]));
         assert_ne!(StoreKey::fresh().unwrap(), StoreKey::fresh().unwrap());
         assert_eq!(format!("{key:?}"), "StoreKey(..)");
+    }
+
+    /// A write of more slices than one `sendmsg` takes sends them all, in order (a ranged
+    /// reply carries one slice per range).
+    #[test]
+    fn a_write_of_more_slices_than_one_sendmsg_takes_sends_them_all() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let data: Vec<[u8; 3]> = (0..3000u32).map(|i| [i as u8, (i >> 8) as u8, 7]).collect();
+        let want: Vec<u8> = data.iter().flatten().copied().collect();
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).unwrap();
+            got
+        });
+        let mut c = Conn::Unix(a);
+        let mut bufs: Vec<IoSlice<'_>> = data.iter().map(|d| IoSlice::new(d)).collect();
+        let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+        write_all_vectored(&mut c, &mut bufs, deadline).unwrap();
+        drop(c);
+        assert_eq!(reader.join().unwrap(), want);
     }
 
     /// Blocks SIGPIPE on this thread, runs `f`, and says whether a SIGPIPE came (taking it).
