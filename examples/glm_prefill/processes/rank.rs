@@ -116,7 +116,7 @@ pub(super) fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     }
     // Rank 0 saves the prefix; the others wait for it before they look it up.
     if rank == 0 {
-        save(&ctx, &store, opened.embedded().map(|e| e.len()), out)?;
+        save(&ctx, &store, opened.embedded(), out)?;
     }
     gather::barrier(control.as_ref()).context("waiting for rank 0's save")?;
 
@@ -171,7 +171,7 @@ pub(super) fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
 fn save(
     ctx: &Ctx,
     store: &Arc<dyn kvlink::mooncake_linker::store::KvStore>,
-    held: Option<usize>,
+    embedded: Option<&Arc<kvlink::mooncake_linker::store::EmbeddedStore>>,
     out: &mut dyn Write,
 ) -> Result<()> {
     let n = ctx.pages.len();
@@ -218,11 +218,12 @@ fn save(
         thousands(u64::from(total.objects_present)),
         bytes(total.bytes_written)
     )?;
-    if let Some(objects) = held {
+    // Counted once the save is done (it was counted before it, and said 0).
+    if let Some(store) = embedded {
         writeln!(
             out,
             "  rank 0's embedded store now holds {} objects",
-            thousands(objects as u64)
+            thousands(store.len() as u64)
         )?;
     }
     Ok(())
