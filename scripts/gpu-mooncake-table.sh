@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON THE GPU MACHINE: the reference table of the dedup modes against a real Mooncake Store
-# (issue 17), one part per command (each part stays inside the device tool's 10 minutes).
+# (issue 17: a work item, read throughput from Mooncake; docs/benchmarks.md lists them), one part
+# per command (each part stays inside the 10 minutes a command could run on the GPU machine).
 # Built and packed where the repo is by scripts/gpu-mooncake-bundle.sh (gpu-mooncake/: the
 # wheel's binaries and libraries, mooncake_modes built with CUDA, mooncake_read, glm_prefill);
 # every part runs under scripts/gpu-mooncake-run.sh (a master and storage nodes on loopback,
@@ -22,7 +23,7 @@
 #            lookup with the objects pinned at lookup (the default) or by the load) with the engine
 #            computing 0 / 5.76 ms per layer (SIMULATED: the modelled compute at 32K), 32K
 #            tokens, one storage node (about 3-4 min; KVLINK_TABLE_TIMEOUT=330)
-#   procs    ranks as processes (glm_prefill --ranks-as processes, issue 14), TP 2, 4, 8
+#   procs    ranks as processes (glm_prefill --ranks-as processes), TP 2, 4, 8
 #            (KVLINK_TABLE_TP), 32K, every mode and Auto, then Auto alone a second time (two
 #            runs must agree), one storage node, if this build's glm_prefill has the mode;
 #            else the part says so and exits 0                              (about 3-5 min)
@@ -46,9 +47,9 @@
 # tables of the sizes it finished are kept.
 #
 # From the build machine:
-#   bash scripts/gpu-mooncake-bundle.sh        # gpu-mooncake/ (carry it; < 34 MiB)
-#   run(command="bash scripts/gpu-mooncake-table.sh --part host", carry=["gpu-mooncake"],
-#       kind="nvidia-h200", timeout_s=600)     # then --part reads, --part device, --part nodes
+#   bash scripts/gpu-mooncake-bundle.sh        # gpu-mooncake/ (< 34 MiB)
+# then copy gpu-mooncake/ to the GPU machine with the working tree and run there
+#   bash scripts/gpu-mooncake-table.sh --part host  # then --part reads, device, nodes
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): gpu-bin/tp_procs and gpu-bin/glm_prefill, built here
-# by scripts/gpu-build.sh. Issue 14 in one command: TP ranks as PROCESSES.
+# by scripts/gpu-build.sh. Issue 14 (a work item; docs/benchmarks.md lists them) in one command:
+# TP ranks as PROCESSES.
 #   1. One rank process with NCCL through the whole path: the rendezvous ships the NCCL ids,
 #      the process joins its data and control communicators, loads every mode through the
 #      Linker into a device pool (pool compared), runs the device share step on its NCCL
@@ -28,9 +29,9 @@
 # five minutes), so the logs are still printed.
 # Exit status: tp_procs's (0 all passed, 1 a check failed, 2 no GPU or bad flags; 124 stopped).
 #
-# From the build machine: scripts/gpu-build.sh, then with the device tool
-#   run(command="bash scripts/gpu-procs-run.sh", carry=["gpu-bin"], kind="nvidia-h200-x2", timeout_s=330)
-# (kind nvidia-h200: parts 1 and 3 only; -x4 / -x8: part 2 with 4 / 8 rank processes).
+# From the build machine: scripts/gpu-build.sh, then copy gpu-bin/ to the GPU machine with the
+# working tree and run there `bash scripts/gpu-procs-run.sh` (on one GPU parts 1 and 3 only;
+# with 2 / 4 / 8 GPUs part 2 runs 2 / 4 / 8 rank processes).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin_dir="${KVLINK_GPU_BIN:-gpu-bin}"

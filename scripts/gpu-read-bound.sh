@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON THE GPU MACHINE (or any host with the bundle or a local Mooncake): what bounds one
-# Mooncake client's read of a GLM-5.2 prefix over TCP (issue 17). Four reads of the same objects,
+# Mooncake client's read of a GLM-5.2 prefix over TCP (issue 17: read throughput from Mooncake;
+# docs/benchmarks.md lists the work items). Four reads of the same objects,
 # each in a run of its own (own master and storage node) and nothing else read in that run,
 # with every thread of the storage node and the reader sampled from /proc (scripts/thread-busy.py):
 #   python     the wheel's Python client, `batch_get_into` of whole objects (the yardstick)

@@ -11,8 +11,8 @@
 # Logs, CSV and SVG timelines go to $OUT when set (else gpu-bin/out/).
 # Exit status: 0 all passed; 1 a check or a test failed; 2 CUDA unavailable (gpu_check's).
 #
-# From the build machine: scripts/gpu-build.sh, then with the device tool
-#   run(command="bash scripts/gpu-run.sh", carry=["gpu-bin"], kind="nvidia-h200", timeout_s=600)
+# From the build machine: scripts/gpu-build.sh, then copy gpu-bin/ to the GPU machine with the
+# working tree and run there `bash scripts/gpu-run.sh`.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin_dir="${KVLINK_GPU_BIN:-gpu-bin}"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the TP tests of gpu-bin/gpu_tests, then
 # gpu-bin/tp_gpu, both built here by scripts/gpu-build.sh.
-# Issue 13 in one command: the device path of TP dedup through the Linker into device pools.
+# Issue 13 (a work item: sharing replicated KV on device memory; docs/benchmarks.md lists them)
+# in one command: the device path of TP dedup through the Linker into device pools.
 #   1. Correctness: the `gpu` test target's TP tests (tests/gpu/tp_dedup.rs, tp_nccl_one.rs;
 #      `gpu_tests tp_`, KVLINK_REQUIRE_GPU=1). One GPU: 2, 4 and 8 ranks on the GPU (in-process
 #      device group: device-to-device copies on each rank's comm stream, ordered by events):
@@ -10,7 +11,8 @@
 #      more GPUs: the same checks over NCCL, one rank per GPU.
 #   2. Benchmarks (tp_gpu): one GPU: 128K tokens per mode at 8 ranks: time to the last layer on
 #      every rank, PCIe bytes per rank against the ideal. Two or more GPUs: NCCL across them,
-#      one rank per GPU, 128K/256K/512K per mode beside the seed's table.
+#      one rank per GPU, 128K/256K/512K per mode beside the seed's table (the SGLang reference:
+#      rank 0 loads, then broadcasts each layer over NCCL; docs/benchmarks.md, "the seed").
 # The tests print their tables, then tp_gpu its benchmark tables and result table; each table
 # ends with the line "N passed, N failed".
 #
@@ -26,22 +28,22 @@
 #   --host-mem-gib G host memory to plan with (default here: the machine's size, see below)
 #   --threads T      store fill threads
 #   --no-tests       benchmarks only (skip the TP tests)
-# Output in $OUT when set (else gpu-bin/out/), eight files (the device tool brings back at most
-# 8): env_tp.txt, gpu_tests_tp.stdout.log (the tests' tables), gpu_tests_tp.stderr.log (every
-# row as it was produced), tp_gpu.stdout.log (benchmark tables, then the result table),
-# tp_gpu.stderr.log (every row as it was produced, warnings), tp_gpu_bench_tp<N>.md (the
-# benchmark tables), tp_gpu_<gpu>x<gpus>_ranks<N>.txt (tables + result table: commit it under
-# docs/results/, e.g. tp_gpu_h200x1_ranks8.txt), timelines_tp<N>.tar (per size and mode:
-# timeline_*.svg/.csv).
+# Output in $OUT when set (else gpu-bin/out/), eight files (the GPU machine's runner brought
+# back at most 8): env_tp.txt, gpu_tests_tp.stdout.log (the tests' tables),
+# gpu_tests_tp.stderr.log (every row as it was produced), tp_gpu.stdout.log (benchmark
+# tables, then the result table), tp_gpu.stderr.log (every row as it was produced, warnings),
+# tp_gpu_bench_tp<N>.md (the benchmark tables), tp_gpu_<gpu>x<gpus>_ranks<N>.txt (tables +
+# result table: commit it under docs/results/, e.g. tp_gpu_h200x1_ranks8.txt),
+# timelines_tp<N>.tar (per size and mode: timeline_*.svg/.csv).
 # The tests and tp_gpu together are stopped after KVLINK_TP_TIMEOUT seconds (default 580, inside
-# the device tool's 600 s limit) so that the logs are still packed and printed; tp_gpu itself
-# starts no prefix size that would end past --budget-s.
+# the 600 s a command could run on the GPU machine) so that the logs are still packed and
+# printed; tp_gpu itself starts no prefix size that would end past --budget-s.
 # Exit status: 1 a TP test failed (tp_gpu's status otherwise: 0 all passed, 1 a benchmark
 # failed, 2 CUDA unavailable or too few GPUs; 124 stopped by KVLINK_TP_TIMEOUT).
 #
-# From the build machine: scripts/gpu-build.sh, then with the device tool
-#   run(command="bash scripts/gpu-tp-run.sh", carry=["gpu-bin"], kind="nvidia-h200", timeout_s=600)
-# (kind -x2 / -x4 / -x8 for NCCL across 2 / 4 / 8 GPUs, one rank per GPU).
+# From the build machine: scripts/gpu-build.sh, then copy gpu-bin/ to the GPU machine with the
+# working tree and run there `bash scripts/gpu-tp-run.sh` (one GPU; on a machine with 2 / 4 / 8
+# GPUs it also runs NCCL across them, one rank per GPU).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin_dir="${KVLINK_GPU_BIN:-gpu-bin}"
