@@ -414,6 +414,11 @@ pub(super) fn wheel_read(
         || results
             .iter()
             .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer));
+    // A call that ran into the client's transfer timeout (a storage node that stalls): each
+    // later call touching that node would wait it out too, while the caller has given up.
+    let given_up = given_up.or_else(|| {
+        abandoned.then(|| format!("an earlier {what} call ran into the client's transfer timeout"))
+    });
     WheelRead {
         results,
         given_up,
@@ -628,11 +633,11 @@ impl KvStore for MooncakeStore {
         sums: &mut [RangeChecksums],
     ) -> Vec<Result<u64, StoreError>> {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
-        // Gets with nothing to read succeed without I/O.
+        // Gets with nothing to read (no range, or only empty ones) succeed without I/O.
         let (valid, mut out) = vet_reads(
             &keys,
             |i| refused_get(&gets[i]),
-            |i| !gets[i].ranges.is_empty(),
+            |i| gets[i].ranges.iter().any(|r| r.len > 0),
         );
         if valid.is_empty() {
             return out;
