@@ -339,6 +339,21 @@ fn ranged_reads_of_several_layers_of_several_pages() {
         got[2]
     );
     assert_eq!(&small[..LAYER_BYTES], &objects[0][..LAYER_BYTES]);
+    // Empty ranges read nothing and go nowhere: no session, no call, even for a key the store
+    // does not have; beside a real range they change nothing.
+    let empty = |key| RangedGet {
+        key,
+        ranges: [ReadRange {
+            dst: sp,
+            len: 0,
+            offset: 0,
+        }]
+        .into_iter()
+        .collect(),
+    };
+    // SAFETY: nothing is written (every range is empty).
+    let got = unsafe { store.get_ranges(&[empty(&missing), empty(&keys[0])]) };
+    assert_eq!(got, vec![Ok(0), Ok(0)]);
     store.unregister(region).unwrap();
 }
 

@@ -133,11 +133,14 @@ pub(crate) fn shape(ranges: &[ReadRange], stage: bool) -> Shaped {
         }
         if j - i == 1 {
             let m = &merged[i].range;
-            out.spans.push(Span {
-                target: Target::Caller(m.dst.cast()),
-                size: m.size,
-                offset: m.offset,
-            });
+            // An empty range reads nothing: no zero-byte slice goes to the wheel.
+            if m.size > 0 {
+                out.spans.push(Span {
+                    target: Target::Caller(m.dst.cast()),
+                    size: m.size,
+                    offset: m.offset,
+                });
+            }
         } else {
             let start = out.scratch;
             let first = merged[i].range.offset;
@@ -162,11 +165,14 @@ pub(crate) fn shape(ranges: &[ReadRange], stage: bool) -> Shaped {
             // vetting); here it only must not overflow. Its span then comes out short, and
             // `copy_key`'s bounds checks would fail the key.
             let size = last.offset.saturating_add(last.size) - first;
-            out.spans.push(Span {
-                target: Target::Scratch(start),
-                size,
-                offset: first,
-            });
+            // A run of empty ranges only reads nothing (its copies move nothing).
+            if size > 0 {
+                out.spans.push(Span {
+                    target: Target::Scratch(start),
+                    size,
+                    offset: first,
+                });
+            }
             out.scratch = out.scratch.saturating_add(size);
         }
         i = j;
@@ -236,6 +242,25 @@ mod tests {
             dst: dst as *mut u8,
             len,
             offset,
+        }
+    }
+
+    /// Empty ranges put no zero-byte slice on the wire, alone or in a staged run, and the
+    /// ranges around them still read what they did.
+    #[test]
+    fn empty_ranges_read_nothing() {
+        for stage in [false, true] {
+            let empties = [range(1000, 0, 0), range(1000, 0, 0), range(5000, 0, 64)];
+            assert!(shape(&empties, stage).spans.is_empty(), "stage {stage}");
+            let mixed = [range(1000, 8, 0), range(3000, 0, 8), range(4000, 8, 8)];
+            let shaped = shape(&mixed, stage);
+            assert!(
+                shaped.spans.iter().all(|s| s.size > 0),
+                "{:?}",
+                shaped.spans
+            );
+            let bytes: u64 = shaped.spans.iter().map(|s| s.size).sum();
+            assert_eq!(bytes, 16, "stage {stage}");
         }
     }
 
@@ -398,7 +423,7 @@ mod tests {
     proptest! {
         #[test]
         fn shaped_reads_move_the_same_bytes_to_the_same_places(
-            spans in prop::collection::vec((0usize..3, 1usize..64, 0u64..3), 0..30),
+            spans in prop::collection::vec((0usize..3, 0usize..64, 0u64..3), 0..30),
             stage in any::<bool>(),
         ) {
             let mut ranges = Vec::new();
@@ -413,6 +438,8 @@ mod tests {
             let shaped = shape(&ranges, stage);
             prop_assert_eq!(mapping(&ranges), shaped_mapping(&shaped, 0));
             prop_assert!(shaped.spans.len() <= ranges.len());
+            // An empty range reads nothing: no zero-byte slice goes to the wheel.
+            prop_assert!(shaped.spans.iter().all(|s| s.size > 0), "{:?}", shaped.spans);
             let scratch_used: u64 = shaped
                 .spans
                 .iter()
