@@ -106,7 +106,7 @@ pub enum ErrorKind {
 }
 
 /// Errors of mooncake-sys.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum MooncakeError {
     /// No candidate library could be loaded and accepted: each attempt names the path or name

@@ -442,8 +442,10 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
                 detail: e.to_string(),
             }
         }
+        // The library itself (missing, refused, without the kvlink extensions), or a client
+        // that could not be made: the typed error stays behind the words.
         _ => StoreError::Unavailable {
-            detail: format!("`{key}`: {e}").into(),
+            detail: Cause::with_source(format!("`{key}`: {e}"), e.clone()),
         },
     }
 }
@@ -496,11 +498,24 @@ pub(super) fn per_key<T>(
     }
 }
 
+/// An empty buffer with room for a gathered object of `len` bytes: `NoSpace` for the key
+/// when the host cannot give it (an allocation failure would abort the process).
+fn gather_buffer(key: &str, len: u64) -> Result<Vec<u8>, StoreError> {
+    let mut buf = Vec::new();
+    usize::try_from(len)
+        .ok()
+        .and_then(|n| buf.try_reserve_exact(n).ok())
+        .ok_or_else(|| StoreError::NoSpace {
+            key: key.to_owned(),
+            detail: format!("{len} bytes to gather the object's parts could not be allocated"),
+        })?;
+    Ok(buf)
+}
+
+/// A failed registration: mapped as any call's error (a master that cannot be reached is
+/// `Unavailable`, not the caller's bad argument), the region named where a key would be.
 fn region_error(region: MemoryRegion, e: &MooncakeError) -> StoreError {
-    StoreError::InvalidArgument {
-        key: format!("<region {:#x}+{}>", region.addr, region.len),
-        detail: e.to_string(),
-    }
+    store_error(&format!("<region {:#x}+{}>", region.addr, region.len), e)
 }
 
 pub(super) fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
@@ -720,7 +735,13 @@ impl KvStore for MooncakeStore {
                 sizes.push(*len);
                 zero_copy.push(i);
             } else {
-                let mut buf = Vec::with_capacity(puts[i].len() as usize);
+                let mut buf = match gather_buffer(puts[i].key, puts[i].len()) {
+                    Ok(buf) => buf,
+                    Err(e) => {
+                        out[i] = Err(e);
+                        continue;
+                    }
+                };
                 for &(ptr, len) in parts.iter().filter(|p| p.1 > 0) {
                     // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer
                     // contract) that every source part is valid for reads of its length and not
@@ -906,6 +927,59 @@ impl KvStore for MooncakeStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A multi-part object whose gathering buffer cannot be had fails its key with
+    /// `NoSpace`, not the process with an allocation abort.
+    #[test]
+    fn a_gather_buffer_the_host_cannot_give_is_no_space() {
+        let e = gather_buffer("k", isize::MAX as u64).unwrap_err();
+        assert!(
+            matches!(&e, StoreError::NoSpace { key, .. } if key == "k"),
+            "{e:?}"
+        );
+        assert!(gather_buffer("k", u64::MAX).is_err());
+        assert!(gather_buffer("k", 4096).unwrap().capacity() >= 4096);
+    }
+
+    /// A library or client error keeps the typed `MooncakeError` behind the words, and a
+    /// registration that fails for a reason other than its arguments is not `InvalidArgument`.
+    #[test]
+    fn errors_keep_their_typed_source_and_registration_failures_their_kind() {
+        let unsupported = MooncakeError::Unsupported {
+            path: "store.so".into(),
+            operation: "get_ranges",
+        };
+        match store_error("k", &unsupported) {
+            StoreError::Unavailable { detail } => assert!(
+                matches!(
+                    detail.downcast_ref::<MooncakeError>(),
+                    Some(MooncakeError::Unsupported { .. })
+                ),
+                "{detail:?}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        let region = MemoryRegion {
+            addr: 0x1000,
+            len: 64,
+        };
+        let rpc = MooncakeError::Status {
+            operation: "register_buffer",
+            key: None,
+            code: mooncake_sys::ErrorCode::RPC_FAIL,
+            message: None,
+        };
+        let e = region_error(region, &rpc);
+        assert!(!matches!(e, StoreError::InvalidArgument { .. }), "{e:?}");
+        let bad = MooncakeError::InvalidArguments {
+            operation: "register_buffer",
+            detail: "zero length".into(),
+        };
+        assert!(matches!(
+            region_error(region, &bad),
+            StoreError::InvalidArgument { key, .. } if key.starts_with("<region 0x1000+64>")
+        ));
+    }
 
     #[test]
     fn a_key_whose_ranges_exceed_int_max_is_refused_alone() {
