@@ -21,6 +21,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use mooncake_sys::Client;
 use parking_lot::Mutex;
@@ -37,6 +38,8 @@ struct KeySession {
     explicit: usize,
     /// Ranged reads in flight that opened (or joined) the session.
     implicit: usize,
+    /// When the master last started (or renewed) the key's session.
+    renewed: Option<Instant>,
 }
 
 impl KeySession {
@@ -102,18 +105,51 @@ impl<C: SessionCalls + ?Sized> Drop for JoinedKeys<'_, C> {
 }
 
 /// Which keys are in a client read session, and who uses them (see the module docs).
-#[derive(Debug, Default)]
+///
+/// A key's session lives for the master's read lease after its last start. A read joins a
+/// key without asking the master only while the key was (re)started within half the lease;
+/// an older one is started again first (the master's answer to a read under a lapsed session
+/// is `LEASE_EXPIRED`). An explicit session whose owner never ended it (its end was given up
+/// at a deadline) is dropped once twice the lease has passed: it has lapsed at the master.
+#[derive(Debug)]
 pub(super) struct SessionTable {
     keys: Mutex<HashMap<String, KeySession>>,
     /// Held across every session call to the master.
     calls: Mutex<()>,
-    /// The explicit sessions open, by token: the keys each added a user to.
-    open: Mutex<HashMap<u64, Vec<String>>>,
+    /// The explicit sessions open, by token: when each started, and the keys it added a
+    /// user to.
+    open: Mutex<HashMap<u64, (Instant, Vec<String>)>>,
     /// The last token handed out (tokens start at 1; 0 names no session of this table).
     last_token: AtomicU64,
+    /// The master's read lease.
+    lease: Duration,
+}
+
+impl Default for SessionTable {
+    fn default() -> Self {
+        SessionTable::with_lease(super::config::DEFAULT_LEASE)
+    }
 }
 
 impl SessionTable {
+    /// A table for a master whose read lease is `lease`.
+    pub(super) fn with_lease(lease: Duration) -> Self {
+        SessionTable {
+            keys: Mutex::default(),
+            calls: Mutex::default(),
+            open: Mutex::default(),
+            last_token: AtomicU64::new(0),
+            lease,
+        }
+    }
+
+    /// True when `s`'s session may be joined without the master: started within half the
+    /// lease.
+    fn fresh(&self, s: &KeySession, now: Instant) -> bool {
+        s.renewed
+            .is_some_and(|at| now.saturating_duration_since(at) < self.lease / 2)
+    }
+
     /// Opens (or joins) sessions for `keys` for one ranged read: per distinct key, whether it
     /// is in a session now; the read leaves the keys that are when the returned join drops.
     pub(super) fn join<'t, C: SessionCalls + ?Sized>(
@@ -152,29 +188,35 @@ impl SessionTable {
         // A start that panics after the master opened some of its keys leaves those sessions
         // out of the table: the master's lease ends them.
         let started = client.start(&to_start);
+        let now = Instant::now();
         let mut table = self.keys.lock();
         for (k, r) in to_start.iter().zip(started) {
             if r.is_ok() {
-                table.entry((*k).to_owned()).or_default().implicit += 1;
+                let s = table.entry((*k).to_owned()).or_default();
+                s.implicit += 1;
+                s.renewed = Some(now);
             }
             joined.results.insert((*k).to_owned(), r);
         }
         joined
     }
 
-    /// Joins the keys of `keys` in a session now; returns the others. With `all_or_none`,
-    /// joins none unless every key is in one.
+    /// Joins the keys of `keys` in a fresh session now; returns the others (absent, or
+    /// started too long ago: to start again). With `all_or_none`, joins none unless every key
+    /// is in one.
     fn join_present<'k>(&self, keys: &[&'k str], all_or_none: bool) -> Vec<&'k str> {
+        let now = Instant::now();
         let mut table = self.keys.lock();
         let absent: Vec<&str> = keys
             .iter()
             .copied()
-            .filter(|k| !table.contains_key(*k))
+            .filter(|k| !table.get(*k).is_some_and(|s| self.fresh(s, now)))
             .collect();
         if all_or_none && !absent.is_empty() {
             return absent;
         }
-        for k in keys {
+        let to_start: HashSet<&str> = absent.iter().copied().collect();
+        for k in keys.iter().filter(|k| !to_start.contains(**k)) {
             if let Some(s) = table.get_mut(*k) {
                 s.implicit += 1;
             }
@@ -204,6 +246,7 @@ impl SessionTable {
         client: &(impl SessionCalls + ?Sized),
         keys: &[&str],
     ) -> Result<u64, StoreError> {
+        self.drop_lapsed(client);
         let _calls = self.calls.lock();
         let results = client.start(keys);
         if let Some(first) = results.iter().find_map(|r| r.as_ref().err()) {
@@ -224,16 +267,51 @@ impl SessionTable {
             }
             return Err(first.clone());
         }
+        let now = Instant::now();
         {
             let mut table = self.keys.lock();
             for k in keys {
-                table.entry((*k).to_owned()).or_default().explicit += 1;
+                let s = table.entry((*k).to_owned()).or_default();
+                s.explicit += 1;
+                s.renewed = Some(now);
             }
         }
         let token = self.last_token.fetch_add(1, Ordering::Relaxed) + 1;
         let owned = keys.iter().map(|k| (*k).to_owned()).collect();
-        self.open.lock().insert(token, owned);
+        self.open.lock().insert(token, (now, owned));
         Ok(token)
+    }
+
+    /// Drops the explicit sessions started more than twice the lease ago and never ended
+    /// (their owner gave their end up at a deadline, or died): they have lapsed at the master,
+    /// and left here they would keep their keys in the table for good. Their keys' users go,
+    /// and the client's session of each key left unused is ended.
+    fn drop_lapsed(&self, client: &(impl SessionCalls + ?Sized)) {
+        let horizon = self.lease.saturating_mul(2);
+        let lapsed: Vec<(u64, Vec<String>)> = {
+            let mut open = self.open.lock();
+            let old: Vec<u64> = open
+                .iter()
+                .filter(|(_, (at, _))| at.elapsed() > horizon)
+                .map(|(t, _)| *t)
+                .collect();
+            old.into_iter()
+                .filter_map(|t| open.remove(&t).map(|(_, keys)| (t, keys)))
+                .collect()
+        };
+        for (token, owned) in lapsed {
+            warn!(
+                token,
+                keys = owned.len(),
+                "mooncake: a read session never ended outlived twice the lease; dropped"
+            );
+            let keys: Vec<&str> = owned.iter().map(String::as_str).collect();
+            if self.drop_users(&keys, |s| &mut s.explicit) {
+                if let Err(e) = self.end_unused(client, &keys) {
+                    warn!(error = %e, "mooncake: ending lapsed read sessions failed");
+                }
+            }
+        }
     }
 
     /// Ends the explicit session `token`: one user off each key it started, and the client's
@@ -244,7 +322,7 @@ impl SessionTable {
         client: &(impl SessionCalls + ?Sized),
         token: u64,
     ) -> Result<(), StoreError> {
-        let Some(owned) = self.open.lock().remove(&token) else {
+        let Some((_, owned)) = self.open.lock().remove(&token) else {
             tracing::debug!(token, "mooncake: a read session ended that is not open");
             return Ok(());
         };
@@ -623,5 +701,41 @@ mod tests {
         table.end(&master, second).unwrap();
         assert!(!master.in_session("a") && !master.in_session("b"));
         assert!(table.keys.lock().is_empty() && table.open.lock().is_empty());
+    }
+
+    /// A key whose session was started more than half the lease ago is started again before
+    /// a read joins it (the master's session may have lapsed: a read under it would answer
+    /// `LEASE_EXPIRED`); an explicit session never ended is dropped once twice the lease has
+    /// passed, its keys' sessions ended. Before, such a key stayed in the table for good and
+    /// every later read joined it without asking the master.
+    #[test]
+    fn a_session_older_than_half_the_lease_is_started_again_and_a_lapsed_one_dropped() {
+        let master = FakeMaster::default();
+        let lease = Duration::from_millis(80);
+        let table = SessionTable::with_lease(lease);
+        // Started, never ended (its end was given up at a deadline).
+        let _forgotten = table.start(&master, &["a"]).unwrap();
+        let starts = || master.starts.load(Ordering::Relaxed);
+        let before = starts();
+        // Fresh: joined without the master.
+        drop(table.join(&master, &["a"]));
+        assert_eq!(starts(), before);
+        // Past half the lease: started again first.
+        std::thread::sleep(lease / 2 + Duration::from_millis(10));
+        let joined = table.join(&master, &["a"]);
+        assert_eq!(joined.result("a"), Some(&Ok(())));
+        assert_eq!(starts(), before + 1, "the key's session was started again");
+        drop(joined);
+        // Past twice the lease: the next start drops the forgotten session and ends the key.
+        std::thread::sleep(lease * 2);
+        let other = table.start(&master, &["b"]).unwrap();
+        assert!(
+            !master.in_session("a"),
+            "the lapsed session's key was ended"
+        );
+        assert!(!table.keys.lock().contains_key("a"));
+        assert_eq!(table.open.lock().len(), 1);
+        table.end(&master, other).unwrap();
+        assert!(table.keys.lock().is_empty());
     }
 }

@@ -112,8 +112,8 @@ impl MooncakeStore {
         }
         Ok(Self {
             client,
+            sessions: SessionTable::with_lease(config.lease_duration()),
             config,
-            sessions: SessionTable::default(),
             transfers: TransferGate::default(),
             registered: Mutex::new(RegionCounts::default()),
             scratch: Mutex::new(Vec::new()),
