@@ -62,6 +62,29 @@ impl RegionCounts {
     pub(super) fn forget(&mut self, region: &MemoryRegion) {
         self.0.remove(&key(region));
     }
+
+    /// True when the `len` bytes at `addr` lie inside one registered region.
+    pub(super) fn covers(&self, addr: usize, len: usize) -> bool {
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        self.0
+            .keys()
+            .any(|&(a, l)| a <= addr && a.checked_add(l).is_some_and(|e| end <= e))
+    }
+}
+
+/// Whether the wheel moves the `len` bytes at `addr` in place: over TCP any memory (the
+/// transport copies through its own buffers); over any other protocol (RDMA) only memory
+/// registered with the client, which the NIC reads and writes directly. Nothing (`len` 0)
+/// always.
+pub(super) fn moves_in_place(
+    tcp: bool,
+    registered: &RegionCounts,
+    addr: usize,
+    len: usize,
+) -> bool {
+    tcp || len == 0 || registered.covers(addr, len)
 }
 
 #[cfg(test)]
@@ -70,6 +93,29 @@ mod tests {
 
     fn r(addr: usize, len: usize) -> MemoryRegion {
         MemoryRegion { addr, len }
+    }
+
+    /// Over RDMA only memory inside a registered region moves in place (a range that runs
+    /// past a region's end, or between two regions, does not); over TCP any memory does.
+    #[test]
+    fn only_registered_memory_moves_in_place_over_rdma() {
+        let mut c = RegionCounts::default();
+        c.added(&r(4096, 64));
+        c.added(&r(4160, 64));
+        for (addr, len, inside) in [
+            (4096, 64, true),
+            (4100, 10, true),
+            (4160, 64, true),
+            (4150, 20, false), // across two regions
+            (4200, 64, false), // past the end
+            (100, 8, false),
+            (usize::MAX, 2, false),
+        ] {
+            assert_eq!(c.covers(addr, len), inside, "{addr}+{len}");
+            assert_eq!(moves_in_place(false, &c, addr, len), inside, "{addr}+{len}");
+            assert!(moves_in_place(true, &c, addr, len), "tcp: {addr}+{len}");
+        }
+        assert!(moves_in_place(false, &c, 100, 0), "nothing moves");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use tracing::{debug, warn};
 use super::config::MooncakeConfig;
 use super::gate::{TransferGate, UNREGISTER_WAIT};
 use super::parts::run_parts;
-use super::registry::{RegionCounts, Release};
+use super::registry::{moves_in_place, RegionCounts, Release};
 use super::sessions::SessionTable;
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
@@ -72,6 +72,23 @@ impl std::fmt::Debug for MooncakeStore {
 }
 
 impl MooncakeStore {
+    /// Whether the wheel moves the `len` bytes at `addr` in place ([`moves_in_place`]).
+    fn moves_in_place(&self, addr: usize, len: usize) -> bool {
+        let tcp = self.config.gathered_puts_zero_copy();
+        tcp || moves_in_place(tcp, &self.registered.lock(), addr, len)
+    }
+
+    /// Why a read into the `len` bytes at `addr` is refused: over RDMA, memory outside the
+    /// registered regions, which the wheel cannot write (the read would fail in the transfer
+    /// engine with a less telling error). The store has no copying read to fall back on:
+    /// read into registered memory (a registered pool), or over TCP.
+    fn unregistered_dst(&self, addr: usize, len: usize) -> Option<&'static str> {
+        (!self.moves_in_place(addr, len)).then_some(
+            "a destination outside the memory registered with the store: over RDMA the wheel \
+             writes registered memory only",
+        )
+    }
+
     /// Loads the store library, creates a client and joins the cluster.
     pub fn connect(config: MooncakeConfig) -> Result<Self, StoreError> {
         let library = match config.library_path() {
@@ -574,7 +591,14 @@ impl KvStore for MooncakeStore {
 
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
         let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
-        let (valid, mut out) = vet_reads(&keys, |i| null_dst(gets[i].dst), |_| true);
+        let (valid, mut out) = vet_reads(
+            &keys,
+            |i| {
+                null_dst(gets[i].dst)
+                    .or_else(|| self.unregistered_dst(gets[i].dst as usize, gets[i].len))
+            },
+            |_| true,
+        );
         // Marked abandoned as soon as a call is (not after the loop): a later call that
         // panicked would otherwise unwind past the mark.
         let mut transfer = Some(self.transfers.transfer());
@@ -651,7 +675,14 @@ impl KvStore for MooncakeStore {
         // Gets with nothing to read (no range, or only empty ones) succeed without I/O.
         let (valid, mut out) = vet_reads(
             &keys,
-            |i| refused_get(&gets[i]),
+            |i| {
+                refused_get(&gets[i]).or_else(|| {
+                    gets[i]
+                        .ranges
+                        .iter()
+                        .find_map(|r| self.unregistered_dst(r.dst as usize, r.len))
+                })
+            },
             |i| gets[i].ranges.iter().any(|r| r.len > 0),
         );
         if valid.is_empty() {
@@ -721,7 +752,9 @@ impl KvStore for MooncakeStore {
         // Multi-part objects are gathered into staging buffers (kept alive until the put
         // returns); single-part objects go zero-copy. Over any protocol but TCP the wheel
         // reads a zero-copy put's sources through their registration, which a gathered buffer
-        // has not: those objects go through the client's copying put, one at a time.
+        // has not, nor a single part outside the registered regions (a companion's, a device
+        // pool's gathered objects): those objects go through the client's copying put, one at
+        // a time.
         let gather_zero_copy = self.config.gathered_puts_zero_copy();
         let mut copied: Vec<(usize, Vec<u8>)> = Vec::new();
         let mut staging: Vec<Vec<u8>> = Vec::new();
@@ -730,11 +763,17 @@ impl KvStore for MooncakeStore {
         let mut zero_copy = Vec::with_capacity(to_write.len());
         for &i in &to_write {
             let parts = &puts[i].parts;
-            if let [(ptr, len)] = parts.as_slice() {
+            let in_place = match parts.as_slice() {
+                [(ptr, len)] if self.moves_in_place(*ptr as usize, *len) => Some((*ptr, *len)),
+                _ => None,
+            };
+            if let Some((ptr, len)) = in_place {
                 ptrs.push(ptr.cast_mut());
-                sizes.push(*len);
+                sizes.push(len);
                 zero_copy.push(i);
             } else {
+                // Several parts, or one in memory the wheel cannot read in place (not
+                // registered, over RDMA): gathered, then put zero-copy or copying as above.
                 let mut buf = match gather_buffer(puts[i].key, puts[i].len()) {
                     Ok(buf) => buf,
                     Err(e) => {
