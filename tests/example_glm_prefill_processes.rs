@@ -227,6 +227,11 @@ fn two_rank_processes_started_by_hand_with_one_rendezvous_load_and_verify() {
         out0.contains("rank 0 keeps the embedded store and serves it"),
         "{out0}"
     );
+    // The served store's address is printed without its key.
+    assert!(
+        out0.contains("at unix:@") && !out0.contains("#key="),
+        "{out0}"
+    );
     // Counted after the save: every page's two components, each with its checksum companion.
     assert!(
         out0.contains(&format!("embedded store now holds {} objects", 4 * pages)),

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use kvlink::dedup_broadcast::Rendezvous;
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
-use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ServeAt, SocketStore, StoreServer};
+use kvlink::mooncake_linker::store::{
+    served_location, EmbeddedStore, KvStore, ServeAt, SocketStore, StoreServer,
+};
 use kvlink::mooncake_linker::{serve_group_store, FormedTpGroup};
 
 use super::super::Unavailable;
@@ -49,7 +51,8 @@ pub(super) fn label(args: &Args) -> String {
 pub(super) fn whereabouts(args: &Args, formed: &FormedTpGroup) -> String {
     match (args.store, &args.procs.store_at) {
         (StoreKind::Embedded, Some(at)) => format!(
-            "the launcher keeps the embedded store and serves it to every rank process at {at}"
+            "the launcher keeps the embedded store and serves it to every rank process at {}",
+            served_location(at)
         ),
         (StoreKind::Embedded, None) => format!(
             "rank 0 keeps the embedded store and serves it to the other rank processes at {} \
@@ -57,7 +60,7 @@ pub(super) fn whereabouts(args: &Args, formed: &FormedTpGroup) -> String {
             formed
                 .attributes
                 .get(kvlink::mooncake_linker::store::STORE_ATTRIBUTE)
-                .map_or("?", String::as_str)
+                .map_or("?", |a| served_location(a))
         ),
         (StoreKind::Mooncake, _) => {
             "each rank process has its own Mooncake client (MOONCAKE_* environment)".into()
@@ -74,8 +77,12 @@ pub(super) fn open(
     rendezvous: &mut Rendezvous,
 ) -> Result<Opened> {
     if let Some(at) = &args.procs.store_at {
-        let s = SocketStore::connect(at)
-            .with_context(|| format!("rank {rank}: the launcher's store at {at}"))?;
+        let s = SocketStore::connect(at).with_context(|| {
+            format!(
+                "rank {rank}: the launcher's store at {}",
+                served_location(at)
+            )
+        })?;
         return Ok(Opened::Ready(Arc::new(s)));
     }
     match args.store {

@@ -431,8 +431,12 @@ impl StoreCalls {
     /// overdue.
     pub fn discard(&self, keys: &[&str], deadline: Instant) -> Vec<Result<(), StoreError>> {
         let keys = owned(keys);
-        if Instant::now() < deadline {
-            return self.per_key("discard", keys, deadline, |s, k| s.discard(k));
+        let now = Instant::now();
+        if now < deadline {
+            // At least 1 ms: a deadline that passes between this check and the call's own
+            // would leave the discard unsent.
+            let by = deadline.max(now + Duration::from_millis(1));
+            return self.per_key("discard", keys, by, |s, k| s.discard(k));
         }
         let mine = keys.clone();
         let sent = self.submit(

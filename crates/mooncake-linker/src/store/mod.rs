@@ -36,7 +36,9 @@ pub use kv_store::{
 pub use registration::{Registration, REGISTRATION_WAVE};
 pub(crate) use served::split_address;
 #[cfg(target_os = "linux")]
-pub use served::{ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE};
+pub use served::{
+    served_location, ServeAt, SocketStore, StoreServer, DEFAULT_REQUEST_TIMEOUT, STORE_ATTRIBUTE,
+};
 #[cfg(any(test, feature = "testing"))]
 pub use simulated::{SimulatedLink, SimulatedRemoteStore};
 pub use source_puts::SourcePut;

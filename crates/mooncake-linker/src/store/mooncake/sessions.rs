@@ -143,6 +143,12 @@ impl SessionTable {
         }
     }
 
+    /// True when `s`'s session has at least a quarter of its lease left.
+    fn alive(&self, s: &KeySession, now: Instant) -> bool {
+        s.renewed
+            .is_some_and(|at| now.saturating_duration_since(at) < self.lease.saturating_mul(3) / 4)
+    }
+
     /// True when `s`'s session may be joined without the master: started within half the
     /// lease.
     fn fresh(&self, s: &KeySession, now: Instant) -> bool {
@@ -191,11 +197,22 @@ impl SessionTable {
         let now = Instant::now();
         let mut table = self.keys.lock();
         for (k, r) in to_start.iter().zip(started) {
-            if r.is_ok() {
-                let s = table.entry((*k).to_owned()).or_default();
-                s.implicit += 1;
-                s.renewed = Some(now);
-            }
+            let r = match (r, table.get_mut(*k)) {
+                (Ok(()), _) => {
+                    let s = table.entry((*k).to_owned()).or_default();
+                    s.implicit += 1;
+                    s.renewed = Some(now);
+                    Ok(())
+                }
+                // A renewal that failed while the session still has a quarter of its lease
+                // left: the read goes ahead under it, as it would have without the renewal.
+                (Err(e), Some(s)) if self.alive(s, now) => {
+                    warn!(key = *k, error = %e, "mooncake: renewing a read session failed; reading under the one still open");
+                    s.implicit += 1;
+                    Ok(())
+                }
+                (Err(e), _) => Err(e),
+            };
             joined.results.insert((*k).to_owned(), r);
         }
         joined
@@ -736,6 +753,57 @@ mod tests {
         assert!(!table.keys.lock().contains_key("a"));
         assert_eq!(table.open.lock().len(), 1);
         table.end(&master, other).unwrap();
+        assert!(table.keys.lock().is_empty());
+    }
+
+    /// A master whose starts fail while `failing` is set.
+    #[derive(Default)]
+    struct FlakyMaster {
+        inner: FakeMaster,
+        failing: std::sync::atomic::AtomicBool,
+    }
+
+    impl SessionCalls for FlakyMaster {
+        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            if self.failing.load(Ordering::Relaxed) {
+                return keys
+                    .iter()
+                    .map(|_| Err(StoreError::RpcTimeout { key: "test".into() }))
+                    .collect();
+            }
+            self.inner.start(keys)
+        }
+
+        fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
+            self.inner.end(keys)
+        }
+    }
+
+    /// A renewal that fails while the session still has a quarter of its lease left lets
+    /// the read go ahead under it (as before renewals); past that, the read fails with the
+    /// renewal's error.
+    #[test]
+    fn a_failed_renewal_reads_under_a_session_with_lease_left() {
+        let master = FlakyMaster::default();
+        let lease = Duration::from_secs(1);
+        let table = SessionTable::with_lease(lease);
+        let token = table.start(&master, &["a"]).unwrap();
+        master.failing.store(true, Ordering::Relaxed);
+        // Past half the lease, before three quarters: renewed, which fails; read anyway.
+        std::thread::sleep(Duration::from_millis(550));
+        let joined = table.join(&master, &["a"]);
+        assert_eq!(joined.result("a"), Some(&Ok(())));
+        drop(joined);
+        // Past three quarters: the renewal's error.
+        std::thread::sleep(Duration::from_millis(300));
+        let joined = table.join(&master, &["a"]);
+        assert!(matches!(
+            joined.result("a"),
+            Some(Err(StoreError::RpcTimeout { .. }))
+        ));
+        drop(joined);
+        master.failing.store(false, Ordering::Relaxed);
+        table.end(&master, token).unwrap();
         assert!(table.keys.lock().is_empty());
     }
 }

@@ -1,11 +1,12 @@
 //! [`MooncakeStore`]: [`KvStore`] on a real Mooncake Store through mooncake-sys.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_loader::Cause;
 use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, MooncakeError};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use tracing::{debug, warn};
 
 use super::config::MooncakeConfig;
@@ -58,6 +59,10 @@ pub struct MooncakeStore {
     pub(super) transfers: TransferGate,
     /// Regions registered through this store, with their holders.
     registered: Mutex<RegionCounts>,
+    /// The registered regions (address, length), as `registered` last changed: what reads
+    /// and puts look at over RDMA (`registered` is held across a registration's wheel call,
+    /// which pins every page: seconds for a large pool).
+    in_place: RwLock<Vec<(usize, usize)>>,
     /// Scratch areas of staged merges, kept for reuse (see `read.rs`).
     pub(super) scratch: Mutex<Vec<Vec<u8>>>,
 }
@@ -75,7 +80,7 @@ impl MooncakeStore {
     /// Whether the wheel moves the `len` bytes at `addr` in place ([`moves_in_place`]).
     fn moves_in_place(&self, addr: usize, len: usize) -> bool {
         let tcp = self.config.gathered_puts_zero_copy();
-        tcp || moves_in_place(tcp, &self.registered.lock(), addr, len)
+        tcp || moves_in_place(tcp, &self.in_place.read(), addr, len)
     }
 
     /// Why a read into the `len` bytes at `addr` is refused: over RDMA, memory outside the
@@ -133,6 +138,7 @@ impl MooncakeStore {
             config,
             transfers: TransferGate::default(),
             registered: Mutex::new(RegionCounts::default()),
+            in_place: RwLock::new(Vec::new()),
             scratch: Mutex::new(Vec::new()),
         })
     }
@@ -756,7 +762,7 @@ impl KvStore for MooncakeStore {
         // pool's gathered objects): those objects go through the client's copying put, one at
         // a time.
         let gather_zero_copy = self.config.gathered_puts_zero_copy();
-        let mut copied: Vec<(usize, Vec<u8>)> = Vec::new();
+        let mut copied: Vec<(usize, Cow<'_, [u8]>)> = Vec::new();
         let mut staging: Vec<Vec<u8>> = Vec::new();
         let mut ptrs: Vec<*mut u8> = Vec::with_capacity(to_write.len());
         let mut sizes: Vec<usize> = Vec::with_capacity(to_write.len());
@@ -771,9 +777,16 @@ impl KvStore for MooncakeStore {
                 ptrs.push(ptr.cast_mut());
                 sizes.push(len);
                 zero_copy.push(i);
+            } else if let [(ptr, len)] = parts.as_slice() {
+                // One part the wheel cannot read in place (not registered, over RDMA): the
+                // copying put reads it where it is.
+                // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract)
+                // that the part is valid for reads of its length and not written during the
+                // call; a null part of length > 0 was refused above (length 0 moves in place).
+                let part = unsafe { std::slice::from_raw_parts(*ptr, *len) };
+                copied.push((i, Cow::Borrowed(part)));
             } else {
-                // Several parts, or one in memory the wheel cannot read in place (not
-                // registered, over RDMA): gathered, then put zero-copy or copying as above.
+                // Several parts: gathered, then put zero-copy or copying as above.
                 let mut buf = match gather_buffer(puts[i].key, puts[i].len()) {
                     Ok(buf) => buf,
                     Err(e) => {
@@ -793,7 +806,7 @@ impl KvStore for MooncakeStore {
                     staging.push(buf);
                     zero_copy.push(i);
                 } else {
-                    copied.push((i, buf));
+                    copied.push((i, Cow::Owned(buf)));
                 }
             }
         }
@@ -887,6 +900,7 @@ impl KvStore for MooncakeStore {
         }
         .map_err(|e| region_error(region, &e))?;
         registered.added(&region);
+        *self.in_place.write() = registered.regions();
         Ok(())
     }
 
@@ -932,6 +946,7 @@ impl KvStore for MooncakeStore {
         unsafe { self.client.unregister_buffer(region.addr as *mut u8) }
             .map_err(|e| region_error(region, &e))?;
         registered.forget(&region);
+        *self.in_place.write() = registered.regions();
         Ok(())
     }
 

@@ -23,8 +23,9 @@ use kv_loader::Cause;
 use parking_lot::Mutex;
 
 use super::protocol::{
-    frame_len, hello as answer, op, read_all_vectored, read_exact_by, read_frame, split_address,
-    write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, MAX_FRAME, PROTOCOL,
+    frame_len, hello as answer, location, op, read_all_vectored, read_exact_by, read_frame,
+    split_address, write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, MAX_FRAME,
+    PROTOCOL,
 };
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
@@ -209,7 +210,7 @@ impl SocketStore {
     /// [`connect`](Self::connect) with another request timeout.
     pub fn connect_with(address: &str, timeout: Duration) -> Result<SocketStore, StoreError> {
         let (address, key) = split_address(address)
-            .map_err(|e| CallError::Down(e.into()).for_key(address, "connect"))?;
+            .map_err(|e| CallError::Down(e.into()).for_key(location(address), "connect"))?;
         let s = SocketStore {
             address: address.to_string(),
             key,

@@ -21,6 +21,18 @@ pub use client::{SocketStore, DEFAULT_REQUEST_TIMEOUT};
 pub(crate) use protocol::split_address;
 pub use server::{ServeAt, StoreServer};
 
+/// A served store's address ([`StoreServer::address`]) without its key: what logs and
+/// reports may print (the key lets any process that has it use the store).
+///
+/// ```
+/// use mooncake_linker::store::served_location;
+/// assert_eq!(served_location("unix:@kvlink-store-1#key=00ff"), "unix:@kvlink-store-1");
+/// assert_eq!(served_location("tcp:10.0.0.1:7000"), "tcp:10.0.0.1:7000");
+/// ```
+pub fn served_location(address: &str) -> &str {
+    protocol::location(address)
+}
+
 /// The rendezvous attribute under which rank 0 announces the address of the store it serves.
 pub const STORE_ATTRIBUTE: &str = "kvlink.store";
 

@@ -90,6 +90,12 @@ impl std::fmt::Debug for StoreKey {
     }
 }
 
+/// A served store's address without its key (whatever follows the key's mark is dropped,
+/// well-formed or not): what logs, errors and reports may print.
+pub(crate) fn location(address: &str) -> &str {
+    address.rsplit_once(KEY_MARK).map_or(address, |(at, _)| at)
+}
+
 /// Splits a served store's address into where to connect and its key (`None`: the address
 /// names none). A key that is not 32 hex digits is an error (what is wrong with it).
 pub(crate) fn split_address(address: &str) -> Result<(&str, Option<StoreKey>), String> {
@@ -531,6 +537,9 @@ mod tests {
         let (at, got) = split_address(&address).unwrap();
         assert_eq!((at, got), ("tcp:10.0.0.1:7000", Some(key)));
         assert_eq!(split_address("unix:@x").unwrap(), ("unix:@x", None));
+        assert_eq!(location(&address), "tcp:10.0.0.1:7000");
+        assert_eq!(location("unix:@x#key=zz"), "unix:@x");
+        assert_eq!(location("unix:@x"), "unix:@x");
         for bad in [
             "unix:@x#key=",
             "unix:@x#key=zz",

@@ -65,7 +65,9 @@ impl Listener {
         // SAFETY: `pfd` is one live, initialised pollfd for the call, over a descriptor the
         // listener owns and keeps open across it.
         let r = unsafe { libc::poll(&mut pfd, 1, ms) };
-        r != 0
+        // Interrupted (a signal): not ready, so that the stop flag is looked at again rather
+        // than an `accept` blocking with nothing to accept.
+        r > 0 || (r < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted)
     }
 
     fn accept(&self) -> io::Result<Conn> {
