@@ -16,6 +16,7 @@
 //!
 //! [`DeviceError`]: crate::DeviceError
 //! [`DeviceError::Unavailable`]: crate::DeviceError::Unavailable
+//! [`DeviceError::is_unavailable`]: crate::DeviceError::is_unavailable
 
 mod current;
 mod device;
