@@ -291,7 +291,7 @@ fn start_all(pending: Vec<Pending>) -> Result<Vec<NcclCollective>, CollectiveErr
             p.handle.unusable.store(true, Ordering::Release);
         }
     }
-    give_up(pending.iter().map(|p| &p.handle), GIVE_UP);
+    close_all(&pending.iter().map(|p| &p.handle).collect::<Vec<_>>());
     Err(e)
 }
 

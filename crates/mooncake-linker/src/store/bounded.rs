@@ -315,24 +315,18 @@ impl StoreCalls {
                 return;
             };
             let mut state = theirs.state.lock();
-            match *state {
-                Answer::Abandoned => {
-                    drop(state);
-                    warn!(
-                        call = what,
-                        took = ?started.elapsed(),
-                        "a store call returned after its deadline; its memory is released now"
-                    );
-                    late(store.as_ref(), out);
-                    return;
+            // No caller takes the result: it goes to `late`, here.
+            if let Answer::Abandoned | Answer::Detached = *state {
+                let waited_for = matches!(*state, Answer::Abandoned);
+                drop(state);
+                let took = started.elapsed();
+                if waited_for {
+                    warn!(call = what, ?took, "a store call returned after its deadline; its memory is released now");
+                } else {
+                    debug!(call = what, ?took, "a store call sent without waiting returned");
                 }
-                Answer::Detached => {
-                    drop(state);
-                    debug!(call = what, took = ?started.elapsed(), "a store call sent without waiting returned");
-                    late(store.as_ref(), out);
-                    return;
-                }
-                _ => {}
+                late(store.as_ref(), out);
+                return;
             }
             *state = Answer::Done(out);
             theirs.cv.notify_all();

@@ -143,17 +143,21 @@ impl SessionTable {
         }
     }
 
+    /// True when `s`'s session was (re)started less than `age` ago.
+    fn renewed_within(s: &KeySession, now: Instant, age: Duration) -> bool {
+        s.renewed
+            .is_some_and(|at| now.saturating_duration_since(at) < age)
+    }
+
     /// True when `s`'s session has at least a quarter of its lease left.
     fn alive(&self, s: &KeySession, now: Instant) -> bool {
-        s.renewed
-            .is_some_and(|at| now.saturating_duration_since(at) < self.lease.saturating_mul(3) / 4)
+        Self::renewed_within(s, now, self.lease.saturating_mul(3) / 4)
     }
 
     /// True when `s`'s session may be joined without the master: started within half the
     /// lease.
     fn fresh(&self, s: &KeySession, now: Instant) -> bool {
-        s.renewed
-            .is_some_and(|at| now.saturating_duration_since(at) < self.lease / 2)
+        Self::renewed_within(s, now, self.lease / 2)
     }
 
     /// Opens (or joins) sessions for `keys` for one ranged read: per distinct key, whether it
@@ -232,10 +236,11 @@ impl SessionTable {
         if all_or_none && !absent.is_empty() {
             return absent;
         }
-        let to_start: HashSet<&str> = absent.iter().copied().collect();
-        for k in keys.iter().filter(|k| !to_start.contains(**k)) {
+        for k in keys {
             if let Some(s) = table.get_mut(*k) {
-                s.implicit += 1;
+                if self.fresh(s, now) {
+                    s.implicit += 1;
+                }
             }
         }
         absent
@@ -305,17 +310,14 @@ impl SessionTable {
     /// and the client's session of each key left unused is ended.
     fn drop_lapsed(&self, client: &(impl SessionCalls + ?Sized)) {
         let horizon = self.lease.saturating_mul(2);
-        let lapsed: Vec<(u64, Vec<String>)> = {
-            let mut open = self.open.lock();
-            let old: Vec<u64> = open
-                .iter()
-                .filter(|(_, (at, _))| at.elapsed() > horizon)
-                .map(|(t, _)| *t)
-                .collect();
-            old.into_iter()
-                .filter_map(|t| open.remove(&t).map(|(_, keys)| (t, keys)))
-                .collect()
-        };
+        let mut lapsed: Vec<(u64, Vec<String>)> = Vec::new();
+        self.open.lock().retain(|&token, (at, keys)| {
+            let keep = at.elapsed() <= horizon;
+            if !keep {
+                lapsed.push((token, std::mem::take(keys)));
+            }
+            keep
+        });
         for (token, owned) in lapsed {
             warn!(
                 token,

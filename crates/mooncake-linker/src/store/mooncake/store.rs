@@ -769,44 +769,46 @@ impl KvStore for MooncakeStore {
         let mut zero_copy = Vec::with_capacity(to_write.len());
         for &i in &to_write {
             let parts = &puts[i].parts;
-            let in_place = match parts.as_slice() {
-                [(ptr, len)] if self.moves_in_place(*ptr as usize, *len) => Some((*ptr, *len)),
-                _ => None,
-            };
-            if let Some((ptr, len)) = in_place {
-                ptrs.push(ptr.cast_mut());
-                sizes.push(len);
-                zero_copy.push(i);
-            } else if let [(ptr, len)] = parts.as_slice() {
-                // One part the wheel cannot read in place (not registered, over RDMA): the
-                // copying put reads it where it is.
-                // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer contract)
-                // that the part is valid for reads of its length and not written during the
-                // call; a null part of length > 0 was refused above (length 0 moves in place).
-                let part = unsafe { std::slice::from_raw_parts(*ptr, *len) };
-                copied.push((i, Cow::Borrowed(part)));
-            } else {
-                // Several parts: gathered, then put zero-copy or copying as above.
-                let mut buf = match gather_buffer(puts[i].key, puts[i].len()) {
-                    Ok(buf) => buf,
-                    Err(e) => {
-                        out[i] = Err(e);
-                        continue;
-                    }
-                };
-                for &(ptr, len) in parts.iter().filter(|p| p.1 > 0) {
-                    // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer
-                    // contract) that every source part is valid for reads of its length and not
-                    // written during the call; null parts of length > 0 were refused above.
-                    buf.extend_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
-                }
-                if gather_zero_copy {
-                    ptrs.push(buf.as_mut_ptr());
-                    sizes.push(buf.len());
-                    staging.push(buf);
+            match parts.as_slice() {
+                [(ptr, len)] if self.moves_in_place(*ptr as usize, *len) => {
+                    ptrs.push(ptr.cast_mut());
+                    sizes.push(*len);
                     zero_copy.push(i);
-                } else {
-                    copied.push((i, Cow::Owned(buf)));
+                }
+                [(ptr, len)] => {
+                    // One part the wheel cannot read in place (not registered, over RDMA): the
+                    // copying put reads it where it is.
+                    // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer
+                    // contract) that the part is valid for reads of its length and not written
+                    // during the call; a null part of length > 0 was refused above (length 0
+                    // moves in place).
+                    let part = unsafe { std::slice::from_raw_parts(*ptr, *len) };
+                    copied.push((i, Cow::Borrowed(part)));
+                }
+                _ => {
+                    // Several parts: gathered, then put zero-copy or copying as above.
+                    let mut buf = match gather_buffer(puts[i].key, puts[i].len()) {
+                        Ok(buf) => buf,
+                        Err(e) => {
+                            out[i] = Err(e);
+                            continue;
+                        }
+                    };
+                    for &(ptr, len) in parts.iter().filter(|p| p.1 > 0) {
+                        // SAFETY: the caller of this `unsafe fn` promised (KvStore's buffer
+                        // contract) that every source part is valid for reads of its length
+                        // and not written during the call; null parts of length > 0 were
+                        // refused above.
+                        buf.extend_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
+                    }
+                    if gather_zero_copy {
+                        ptrs.push(buf.as_mut_ptr());
+                        sizes.push(buf.len());
+                        staging.push(buf);
+                        zero_copy.push(i);
+                    } else {
+                        copied.push((i, Cow::Owned(buf)));
+                    }
                 }
             }
         }

@@ -241,16 +241,15 @@ impl SocketStore {
     }
 
     fn open(&self, deadline: Instant) -> Result<Conn, CallError> {
-        let unavailable = connect_error;
         let mut conn = if let Some(name) = self.address.strip_prefix("unix:@") {
             // An abstract name is a socket path that starts with a NUL byte.
             let path = [&[0u8][..], name.as_bytes()].concat();
-            Conn::Unix(connect_unix(OsStr::from_bytes(&path), deadline).map_err(unavailable)?)
+            Conn::Unix(connect_unix(OsStr::from_bytes(&path), deadline).map_err(connect_error)?)
         } else if let Some(path) = self.address.strip_prefix("unix:") {
-            Conn::Unix(connect_unix(OsStr::new(path), deadline).map_err(unavailable)?)
+            Conn::Unix(connect_unix(OsStr::new(path), deadline).map_err(connect_error)?)
         } else if let Some(lookups) = &self.lookups {
             let s = connect_tcp(lookups, deadline)?;
-            s.set_nodelay(true).map_err(unavailable)?;
+            s.set_nodelay(true).map_err(connect_error)?;
             Conn::Tcp(s)
         } else {
             return Err(CallError::Down(

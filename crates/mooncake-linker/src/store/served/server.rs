@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::protocol::{
-    frame_len, hello as answer, op, outcome_code, read_body, read_exact_by, write_all_vectored,
-    Conn, Dec, Enc, Malformed, StoreKey, MAGIC, PROTOCOL,
+    frame_len, hello as answer, location, op, outcome_code, read_body, read_exact_by,
+    write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, PROTOCOL,
 };
 use crate::store::embedded::new_object;
 use crate::store::{EmbeddedStore, KvStore, StoreError};
@@ -183,8 +183,6 @@ struct Served {
 pub struct StoreServer {
     /// Where it listens, with its key.
     address: String,
-    /// Where it listens, without its key (for logs and reports).
-    location: String,
     served: Arc<Served>,
     /// How the accepting thread is woken to stop: a connection to the listener itself.
     wake: Wake,
@@ -225,7 +223,7 @@ fn fresh_name() -> String {
 impl std::fmt::Debug for StoreServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreServer")
-            .field("location", &self.location)
+            .field("location", &self.location())
             .finish()
     }
 }
@@ -277,7 +275,6 @@ impl StoreServer {
             .spawn(move || accept_loop(listener, s))?;
         tracing::info!(%address, "serving the embedded store");
         Ok(StoreServer {
-            location: address.clone(),
             address: key.in_address(&address),
             served,
             wake,
@@ -295,7 +292,7 @@ impl StoreServer {
     /// Where it listens, without its key (`unix:@name`, `tcp:host:port`): what logs and
     /// reports may print.
     pub fn location(&self) -> &str {
-        &self.location
+        location(&self.address)
     }
 
     /// The store served.
