@@ -8,7 +8,8 @@
 #                                           (--features cuda)
 #        scripts/gpu-build.sh --regen-ptx   regenerate crates/kv-device/src/cuda/copy_rows.ptx
 #                                           from copy_rows.cu with NVRTC 13.0 from PyPI
-# Output: gpu-bin/gpu_tests (the `gpu` test target, tests/gpu/: the GPU checks as tests) and
+# Output: gpu-bin/gpu_tests (the `gpu` test target, tests/gpu/: the GPU checks as tests, built
+# with feature `failpoints` so that its fault-injection checks run) and
 # gpu-bin/gpu_check (benchmarks), run by scripts/gpu-run.sh; gpu-bin/tp_gpu (run with the TP tests by
 # scripts/gpu-tp-run.sh), gpu-bin/tp_procs and gpu-bin/glm_prefill (run by
 # scripts/gpu-procs-run.sh), stripped,
@@ -31,7 +32,7 @@ fi
 bins=(gpu_check tp_gpu tp_procs glm_prefill)
 cargo build --release --features cuda "${bins[@]/#/--example=}"
 # The GPU checks as tests: the test binary itself (its path has a hash; cargo names it).
-tests_bin=$(cargo test --release --features cuda --test gpu --no-run --message-format=json \
+tests_bin=$(cargo test --release --features cuda,failpoints --test gpu --no-run --message-format=json \
   | grep -o '"executable":"[^"]*"' | tail -1 | sed 's/"executable":"//; s/"$//')
 if [[ ! -x "$tests_bin" ]]; then
   echo "gpu-build: the gpu test binary was not found (got '$tests_bin')" >&2

@@ -41,6 +41,19 @@ pub fn run_aborts(gpus: u32, report: &mut Report) {
         "init with a rank that never joins, caller's deadline before init_timeout: Timeout by it",
         init_by_deadline,
     );
+    #[cfg(feature = "failpoints")]
+    report.check(
+        SEC,
+        "1 rank: the comm thread panics under an operation: the call fails at once, the communicator aborted",
+        comm_thread_panics,
+    );
+    #[cfg(not(feature = "failpoints"))]
+    report.push(
+        SEC,
+        "1 rank: the comm thread panics under an operation",
+        Status::Skip,
+        "built without feature `failpoints`".to_string(),
+    );
     if gpus >= 2 {
         report.check(
             SEC,
@@ -60,6 +73,45 @@ pub fn run_aborts(gpus: u32, report: &mut Report) {
             format!("{gpus} GPU visible; needs 2"),
         );
     }
+}
+
+/// A defect under an operation (a panic on the comm thread, injected through the failpoint
+/// "nccl-comm-op"): the call fails at once with "ended during" rather than at its deadline, the
+/// worker's drop aborts the communicator as the thread unwinds (the handle's `broken` names
+/// the panic, not only a thread that stopped answering), and the handle drops at once.
+#[cfg(feature = "failpoints")]
+fn comm_thread_panics() -> Result<String, String> {
+    let ranks = NcclGroup::new_in_process_with(&[0], short_grace()).map_err(ce)?;
+    let warm = ranks[0].all_gather_u64(1, soon()).map_err(ce)?;
+    fail::cfg("nccl-comm-op", "1*panic(test: injected defect)").map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let r = ranks[0].all_gather_u64(2, soon());
+    let took = t0.elapsed();
+    fail::remove("nccl-comm-op");
+    let failed = match r {
+        Err(e @ CollectiveError::Backend(_)) if e.to_string().contains("ended during") => e,
+        other => return Err(format!("expected Backend \"ended during\", got {other:?}")),
+    };
+    if took > Duration::from_secs(5) {
+        return Err(format!("the call ended after {took:?} (deadline 30 s)"));
+    }
+    let broken = ranks[0].broken().unwrap_or_default();
+    if !broken.contains("panicked") {
+        return Err(format!(
+            "the communicator was not aborted by the panic: broken = {broken:?}"
+        ));
+    }
+    let t1 = Instant::now();
+    drop(ranks);
+    let dropped = t1.elapsed();
+    if dropped > Duration::from_secs(1) {
+        return Err(format!("the handle took {dropped:?} to drop"));
+    }
+    Ok(format!(
+        "warm-up gathered {warm:?}; then {failed} after {:.3} s; broken: {broken}; dropped in {:.3} s",
+        took.as_secs_f64(),
+        dropped.as_secs_f64()
+    ))
 }
 
 fn init_timeout() -> Result<String, String> {

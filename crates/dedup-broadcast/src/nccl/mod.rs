@@ -316,7 +316,7 @@ fn close_all(handles: &[&NcclCollective]) {
     let slack = handles.iter().map(|h| h.reply_slack()).max();
     let bound = kv_loader::deadline_after(slack.unwrap_or_default());
     for h in handles {
-        h.close(bound);
+        let _ = h.close(bound);
     }
 }
 
@@ -456,7 +456,7 @@ impl NcclCollective {
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-nccl-r{rank}"))
             .spawn(move || {
-                match Worker::start(&setup) {
+                run_comm_thread(rank, done_tx, || match Worker::start(&setup) {
                     Ok(w) => {
                         let _ = ready_tx.send(Ok(()));
                         w.serve(rx);
@@ -464,8 +464,7 @@ impl NcclCollective {
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                     }
-                }
-                let _ = done_tx.send(());
+                })
             })
             .map_err(|e| CollectiveError::Backend(format!("spawning the comm thread: {e}")))?;
         Ok(Pending {
@@ -907,11 +906,11 @@ impl NcclCollective {
 
     /// Ends the comm thread: hangs up, then waits for the thread until `bound` (not at all
     /// when it is known silent) and joins it; a thread stuck in the driver is left behind.
-    /// Once closed, a second call does nothing.
-    fn close(&self, bound: Instant) {
+    /// Once closed, a second call does nothing. True when this call joined the thread.
+    fn close(&self, bound: Instant) -> bool {
         self.hang_up();
         let Some(t) = self.thread.lock().take() else {
-            return;
+            return false;
         };
         let bound = if self.unusable.load(Ordering::Acquire) {
             Instant::now()
@@ -919,9 +918,12 @@ impl NcclCollective {
             bound
         };
         let done = self.done.lock().take();
+        // The thread sends on `done` as it ends; a closed channel also means it ended.
         let finished = done.is_some_and(|d| {
-            d.recv_timeout(bound.saturating_duration_since(Instant::now()))
-                .is_ok()
+            !matches!(
+                d.recv_timeout(bound.saturating_duration_since(Instant::now())),
+                Err(mpsc::RecvTimeoutError::Timeout)
+            )
         });
         if finished {
             let _ = t.join();
@@ -931,11 +933,37 @@ impl NcclCollective {
                 "NCCL comm thread did not finish; leaving it"
             );
         }
+        finished
     }
+}
+
+/// Runs a comm thread's `body`, then reports the thread's end on `done`. A panic in `body` is
+/// a defect: it is logged; the worker's drop has aborted the communicator as it unwound; the
+/// request in flight gets no reply (its caller reads "ended during"); and the end is still
+/// reported, so the handle joins the thread instead of leaving it.
+fn run_comm_thread(rank: u32, done: mpsc::SyncSender<()>, body: impl FnOnce()) {
+    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+    if let Err(payload) = served {
+        tracing::error!(
+            rank,
+            panic = panic_text(payload.as_ref()),
+            "the NCCL comm thread panicked; its communicator was aborted"
+        );
+    }
+    let _ = done.send(());
+}
+
+/// The text of a panic's payload (a `&str` or `String` message).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic with no message")
 }
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        self.close(kv_loader::deadline_after(self.reply_slack()));
+        let _ = self.close(kv_loader::deadline_after(self.reply_slack()));
     }
 }

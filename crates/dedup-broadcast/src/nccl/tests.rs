@@ -21,7 +21,27 @@ fn silent(rank: u32, size: u32, grace: Duration, deadline: Instant) -> Silent {
         let _keep = (ready_tx, done_tx);
         let _ = released.recv();
     });
-    let handle = NcclCollective {
+    Silent {
+        pending: Pending {
+            handle: handle(rank, size, grace, tx, thread, done_rx),
+            ready: ready_rx,
+            deadline,
+        },
+        _requests: rx,
+        release,
+    }
+}
+
+/// A handle over a stand-in comm thread.
+fn handle(
+    rank: u32,
+    size: u32,
+    grace: Duration,
+    tx: mpsc::Sender<Request>,
+    thread: std::thread::JoinHandle<()>,
+    done: mpsc::Receiver<()>,
+) -> NcclCollective {
+    NcclCollective {
         rank,
         size,
         ordinal: 0,
@@ -35,18 +55,40 @@ fn silent(rank: u32, size: u32, grace: Duration, deadline: Instant) -> Silent {
         aborted: Arc::new(Mutex::new(None)),
         group: Arc::new(Mutex::new(None)),
         thread: Mutex::new(Some(thread)),
-        done: Mutex::new(Some(done_rx)),
+        done: Mutex::new(Some(done)),
         leaked: AtomicU64::new(0),
-    };
-    Silent {
-        pending: Pending {
-            handle,
-            ready: ready_rx,
-            deadline,
-        },
-        _requests: rx,
-        release,
     }
+}
+
+/// A comm thread that panics under an operation (run as the real one is, through
+/// `run_comm_thread`): the call fails at once with "ended during", its host buffer is leaked
+/// (the operation's end is unknown), the handle is broken, and closing it joins the thread.
+/// Before, the panic skipped the thread's end report and the close left the thread behind.
+#[test]
+fn a_comm_thread_that_panics_fails_its_call_and_is_joined() {
+    let (tx, rx) = mpsc::channel::<Request>();
+    let (done_tx, done_rx) = mpsc::sync_channel::<()>(1);
+    let thread = std::thread::spawn(move || {
+        run_comm_thread(1, done_tx, move || {
+            let _request = rx.recv();
+            panic!("test: injected defect under an operation");
+        })
+    });
+    let h = handle(1, 2, Duration::from_secs(5), tx, thread, done_rx);
+    let t0 = Instant::now();
+    let r = h.all_gather_bytes(
+        &[7u8; 64],
+        kv_loader::deadline_after(Duration::from_secs(20)),
+    );
+    assert!(
+        matches!(&r, Err(CollectiveError::Backend(m)) if m.contains("ended during")),
+        "{r:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert!(h.leaked_host_bytes() >= 128, "{}", h.leaked_host_bytes());
+    assert!(h.broken().is_some());
+    assert!(h.close(kv_loader::deadline_after(Duration::from_secs(5))));
+    assert!(!h.close(Instant::now()), "a second close does nothing");
 }
 
 /// A failed start of an in-process group gives up on the ranks still starting together: one

@@ -619,6 +619,10 @@ impl Worker {
             }));
         }
         self.device.bind().map_err(|e| Fail::Error(cerr(e)))?;
+        // Fault injection (feature `failpoints`): "nccl-comm-op" set to `panic` makes the comm
+        // thread panic here, as a defect under an operation would.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("nccl-comm-op");
         match op {
             Op::Broadcast { buf, root } => self.broadcast(name, seq, buf, root, deadline),
             Op::AllGather { send, recv } => self.all_gather(name, seq, send, recv, deadline),
@@ -950,6 +954,26 @@ impl Worker {
             tracing::warn!(rank = self.rank, code = ?r, "ncclCommDestroy failed");
         }
         self.comm = std::ptr::null_mut();
+    }
+}
+
+/// A comm thread that unwinds (a panic under `serve` or `start`) still ends its communicator:
+/// it is aborted, so that peers' kernels waiting on this rank end now rather than at their
+/// deadlines, and the handle's `broken()` gives the cause. After `shutdown` the
+/// communicator is null and this does nothing.
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if self.comm.is_null() {
+            return;
+        }
+        let cause = if std::thread::panicking() {
+            "the comm thread panicked"
+        } else {
+            "the comm thread ended without closing its communicator"
+        };
+        tracing::error!(rank = self.rank, cause, "aborting the NCCL communicator");
+        let _ = self.device.bind();
+        self.abort_comm(cause);
     }
 }
 
