@@ -8,7 +8,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tp::{config, mixed_spec, rank_matches, run, tp_ranks, Path, TpRank};
+use common::tp::{
+    config, mixed_spec, rank_matches, rank_matches_below, run, tp_ranks, Path, TpRank,
+};
 use common::{load_plan, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::{
@@ -430,5 +432,52 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
         o.result
             .unwrap_or_else(|e| panic!("after the stall, rank {rank}: {e}"));
         rank_matches(r, &hashes, rank as u32).unwrap();
+    }
+}
+
+/// A rank whose upload of a layer's share area fails (its enqueue fails, as a driver call
+/// that returns an error would) says so in that layer's status word: every rank stops at the
+/// same layer, none shares or publishes it, every layer a rank did publish holds that rank's
+/// own bytes, and the batch fails everywhere. Before, the rank still entered the layer's
+/// collective and its peers shared, scattered and published what its device staging held
+/// from an earlier layer; the failure reached them one status word later. The failing rank
+/// is the middle one for `SplitAllGather` and the root (the only rank whose upload moves
+/// anything) for `Rank0Broadcast`.
+#[test]
+fn a_failed_upload_stops_every_rank_before_the_layer_is_shared() {
+    for (mode, failing) in [
+        (ShareMode::SplitAllGather, 1usize),
+        (ShareMode::Rank0Broadcast, 0),
+    ] {
+        let spec = replicated_spec();
+        let path = Path::device_per_rank(ScatterStrategy::Auto);
+        let (rs, hashes) = tp_ranks(&spec, 3, store(), 6, &config(mode), path);
+        let layers = rs[0].linker.geometry().num_layers();
+        // Host-to-device copies before the layers' uploads: at most the slot table's.
+        rs[failing]
+            .device
+            .as_ref()
+            .expect("a device-path rank")
+            .fail_enqueue(CpuOp::ToDevice, 3);
+        let ends = each_rank_loads(&rs, &hashes, |r, t| {
+            let published = (0..layers)
+                .take_while(|&l| r.linker.wait_layer(t, l).is_ok())
+                .count() as u32;
+            (published, r.linker.wait_batch(t).unwrap().result)
+        });
+        let published: Vec<u32> = ends.iter().map(|(p, _)| *p).collect();
+        assert!(
+            published.windows(2).all(|w| w[0] == w[1]),
+            "{mode:?}: every rank stops at the same layer: {published:?}"
+        );
+        assert!(
+            (1..layers).contains(&published[0]),
+            "{mode:?}: the upload fault hit a middle layer: {published:?}"
+        );
+        for (rank, ((upto, outcome), r)) in ends.into_iter().zip(&rs).enumerate() {
+            assert!(outcome.is_err(), "{mode:?} rank {rank}: {outcome:?}");
+            rank_matches_below(r, &hashes, rank as u32, &r.slots, upto)
+                .unwrap_or_else(|e| panic!("{mode:?}: a published layer is wrong: {e}"));
+        }
     }
 }

@@ -846,6 +846,42 @@ fn a_layer_open_in_one_stage_is_refused_to_another() {
     landing.open(&mut b[0], 1, soon()).unwrap();
 }
 
+/// Device staging holds a layer's share area only after that layer's upload: sharing it
+/// before the upload, or after an upload that failed, is refused (a collective would share
+/// what an earlier layer left there, and peers would publish it as this layer).
+#[test]
+fn a_stage_is_shared_only_after_its_layers_upload() {
+    let dev = CpuDevice::with_config(0, CpuDeviceConfig::default()).unwrap();
+    let g = geometry();
+    let k = g.component_by_name("k").unwrap();
+    let len = 2 * k.page_layer_bytes as usize;
+    let shape = BatchShape {
+        own: vec![],
+        shared: vec![k.id],
+        share_bytes: vec![len; 4],
+    };
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging =
+        StagingPool::with_stages(dev.clone(), StagingPool::half_bytes_for(&g, 2, 2), 2, 1).unwrap();
+    let mut landing =
+        StagedLanding::new(pool, staging.lease().unwrap(), vec![0u32, 1].into(), shape).unwrap();
+    let mut stages = landing.take_stages();
+    let (a, b) = stages.split_at_mut(1);
+    landing.open(&mut a[0], 0, soon()).unwrap();
+    let before = landing.device_stage(&mut a[0]).map(drop);
+    assert!(
+        matches!(before, Err(DeviceError::InvalidStage(_))),
+        "{before:?}"
+    );
+    landing.upload(&mut a[0], 0..len).unwrap();
+    landing.device_stage(&mut a[0]).unwrap();
+    // The next layer's upload fails to enqueue: its stage is not shared.
+    landing.open(&mut b[0], 1, soon()).unwrap();
+    dev.fail_enqueue(CpuOp::ToDevice, 0);
+    assert!(landing.upload(&mut b[0], 0..len).is_err());
+    assert!(landing.device_stage(&mut b[0]).map(drop).is_err());
+}
+
 /// A stage whose device work failed (a collective aborted) takes no more work: nothing lands
 /// in the slots behind a collective whose end is unknown.
 #[test]

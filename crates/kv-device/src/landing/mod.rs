@@ -278,7 +278,9 @@ pub trait DeviceShare: Send + Sync {
     /// rank's part; may be empty), and records the event the collective starts after.
     fn upload(&self, stage: &mut LayerStage, range: Range<usize>) -> Result<(), DeviceError>;
 
-    /// The share area in device memory, for a collective.
+    /// The share area in device memory, for a collective, ordered after this layer's
+    /// [`upload`](Self::upload). Refused (`InvalidStage`) when the layer open in `stage` has
+    /// no upload that succeeded: device staging would still hold an earlier layer's bytes.
     fn device_stage<'s>(
         &'s self,
         stage: &'s mut LayerStage,

@@ -655,6 +655,8 @@ impl DeviceShare for StagedLanding {
         if range.start > range.end || range.end > self.shape.share_len(layer) {
             return Err(stage_err("an upload outside the share area"));
         }
+        // A failed upload leaves none: the stage is not shared on an earlier upload's event.
+        *self.state(h)?.upload.lock() = None;
         let lease = self.lease_ref()?;
         let ((), ev) = self.fenced(h, || {
             if range.is_empty() {
@@ -699,7 +701,14 @@ impl DeviceShare for StagedLanding {
             len: self.shape.share_len(layer),
         };
         let state = self.state(h)?;
-        let after = state.upload.lock().clone();
+        // Device staging holds this layer's share area only after its upload: without one
+        // (never made, or failed), a collective would share what an earlier layer left.
+        let Some(after) = state.upload.lock().clone() else {
+            return Err(stage_err(
+                "sharing a stage's device area with no upload of its layer (none made, or it failed)",
+            ));
+        };
+        let after = Some(after);
         // SAFETY: the region is the share area of this stage's device memory (sized in `new`),
         // owned by the lease, which is released only after every fence of the stage completed
         // (Drop drains them, or quarantines the lease with them); `stage` is borrowed

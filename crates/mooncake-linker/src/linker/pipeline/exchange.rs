@@ -177,11 +177,30 @@ impl LayerPipeline<'_> {
         let batch = self.job.plan.logical.batch;
         let waited_at = Instant::now();
         let peers_from = progress.exchanged_at.unwrap_or(self.opened);
-        let read = self.receive(h, layer, peers_from);
+        let mut read = self.receive(h, layer, peers_from);
         let verify_at = Instant::now();
-        // What this rank read for the layer is verified before it says "ok" for it.
+        let cx = self.landing.map(|landing| LayerCx {
+            coll: self.coll,
+            landing,
+            layout: self.layers.layouts[layer as usize].as_ref(),
+            rank: self.layers.rank,
+            batch,
+            collective_timeout: self.inner.config.collective_timeout,
+            auto: &self.inner.auto,
+        });
+        // What this rank read for the layer is verified, and on device pools its part of the
+        // share area uploaded, before it says "ok" for it: a failed upload stops every rank
+        // here, before anything is shared.
         let verified = self.check_read(&read, layer, peers_from);
-        let mine = progress.carried.take().or(read.error).or(verified);
+        let mine = progress
+            .carried
+            .take()
+            .or(read.error.take())
+            .or(verified)
+            .or_else(|| match (&cx, read.stage.as_mut()) {
+                (Some(cx), Some(stage)) => cx.upload(step, stage).err(),
+                _ => None,
+            });
         if let Some(e) = &mine {
             progress.own.get_or_insert_with(|| e.clone());
         }
@@ -195,20 +214,11 @@ impl LayerPipeline<'_> {
         if !progress.status.is_ok() {
             return Err(Stop::Group);
         }
-        let (Some(landing), Some(mut stage)) = (self.landing, read.stage) else {
+        let (Some(cx), Some(mut stage)) = (cx, read.stage) else {
             return Err(Stop::Fatal(KvLoadError::internal(
                 batch,
                 format!("layer {layer} has no stage"),
             )));
-        };
-        let cx = LayerCx {
-            coll: self.coll,
-            landing,
-            layout: self.layers.layouts[layer as usize].as_ref(),
-            rank: self.layers.rank,
-            batch,
-            collective_timeout: self.inner.config.collective_timeout,
-            auto: &self.inner.auto,
         };
         let shared_at = Instant::now();
         let ran = cx.run(step, &mut stage);

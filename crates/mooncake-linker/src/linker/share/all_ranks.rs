@@ -6,6 +6,8 @@
 //! copy into device staging and one scatter launch per component) and records the layer event.
 //! Every rank moves the whole layer over PCIe.
 
+use std::ops::Range;
+
 use dedup_broadcast::StagingLayout;
 use kv_device::{DeviceShare, HostShare, LayerStage};
 use kv_loader::{LayerReady, ShareMode};
@@ -28,6 +30,10 @@ impl ShareStep for AllRanks {
         stage: &mut LayerStage,
     ) -> Result<LayerReady, StepError> {
         cx.land(stage)
+    }
+
+    fn upload_range(&self, _layout: &StagingLayout, _rank: u32) -> Option<Range<usize>> {
+        None
     }
 
     fn device(

@@ -3,16 +3,21 @@
 //! have in common here.
 //!
 //! A step runs on the exchange loop after every rank reported the layer read (the status
-//! exchange). It ends in one of three ways: the layer landed ([`LayerReady`], published by the
-//! pipeline), a **local** error (this rank's upload, scatter or land failed: it still entered
-//! the layer's collective, and reports the error in the next status word), or a **fatal** one
-//! (a collective failed, or its event did not complete by the deadline: the group is aborted
+//! exchange). On device pools this rank's part of the share area is uploaded *before* that
+//! exchange ([`LayerCx::upload`]), and a failed upload is this rank's status word for the
+//! layer: its peers would otherwise share, scatter and publish what device staging held
+//! before (an earlier layer's bytes) as this layer. A step ends in one of three ways: the
+//! layer landed ([`LayerReady`], published by the pipeline), a **local** error (this rank's
+//! scatter or land failed, which touches only its own pool: it still entered the layer's
+//! collective, and reports the error in the next status word), or a **fatal** one (a
+//! collective failed, or its event did not complete by the deadline: the group is aborted
 //! where that can leave work behind, and the batch fails on every rank).
 
 mod all_ranks;
 mod rank0_broadcast;
 mod split_all_gather;
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use dedup_broadcast::{share_stage, Collective, CollectiveError, StageShare, StagingLayout};
@@ -44,8 +49,13 @@ pub(crate) trait ShareStep: Send + Sync {
         stage: &mut LayerStage,
     ) -> Result<LayerReady, StepError>;
 
-    /// Device pools: this rank's part of the replicated rows is in the stage's pinned share
-    /// area; share it on the device and scatter it into the slots.
+    /// Device pools: the part of the stage's share area this rank uploads before the layer's
+    /// status exchange (what it shares), or `None` when the mode shares nothing on the device.
+    fn upload_range(&self, layout: &StagingLayout, rank: u32) -> Option<Range<usize>>;
+
+    /// Device pools: this rank's part of the replicated rows is in the stage's share area,
+    /// uploaded ([`upload_range`](Self::upload_range)); share it on the device and scatter it
+    /// into the slots.
     fn device(
         &self,
         cx: &LayerCx<'_>,
@@ -93,6 +103,30 @@ impl LayerCx<'_> {
             ShareSide::Host(host) => step.host(self, host, layout, stage),
             ShareSide::Device(device) => step.device(self, device, layout, stage),
         }
+    }
+
+    /// Device pools, before the layer's status exchange: enqueues the upload of this rank's
+    /// part of the share area (`step`'s [`upload_range`](ShareStep::upload_range)), so that a
+    /// failure stops every rank at this layer through the status words, before anything is
+    /// shared. Nothing to do on host pools, for a rank alone, or for a layer that shares
+    /// nothing.
+    pub(crate) fn upload(
+        &self,
+        step: &dyn ShareStep,
+        stage: &mut LayerStage,
+    ) -> Result<(), KvLoadError> {
+        let (Some(layout), Some(_)) = (self.layout.filter(|l| !l.is_empty()), self.coll) else {
+            return Ok(());
+        };
+        let (ShareSide::Device(device), Some(range)) =
+            (self.landing.share(), step.upload_range(layout, self.rank))
+        else {
+            return Ok(());
+        };
+        device.upload(stage, range).map_err(|e| {
+            tracing::warn!(batch = %self.batch, rank = self.rank, error = %e, "upload failed");
+            e.into()
+        })
     }
 
     fn deadline(&self) -> Instant {
@@ -160,7 +194,7 @@ impl LayerCx<'_> {
 
     /// Device path, after the collective was enqueued: waits, bounded, until the collective is
     /// known complete, then scatters the layout's blocks into this rank's slots after its
-    /// event and lands the layer (unless `uploaded` failed). A wait that runs out aborts the
+    /// event and lands the layer. A wait that runs out aborts the
     /// group and poisons the stage, and nothing that writes the slots has been enqueued: a
     /// scatter queued behind a collective that never completes in time would write the slots
     /// whenever it ends, after the batch's failure reached the engine (which may recompute
@@ -169,7 +203,6 @@ impl LayerCx<'_> {
         &self,
         device: &dyn DeviceShare,
         stage: &mut LayerStage,
-        uploaded: Result<(), kv_device::DeviceError>,
         shared: SharedEvent,
         started: Instant,
         layout: &StagingLayout,
@@ -195,8 +228,8 @@ impl LayerCx<'_> {
         }
         self.auto
             .observe_fabric(layout.mode(), layout.len() as u64, started.elapsed());
-        uploaded
-            .and_then(|()| device.scatter(stage, &layout.blocks(), &shared))
+        device
+            .scatter(stage, &layout.blocks(), &shared)
             .map_err(|e| StepError::Local(e.into()))
             .and_then(|()| self.land(stage))
     }

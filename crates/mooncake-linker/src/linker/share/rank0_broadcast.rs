@@ -13,6 +13,7 @@
 //! broadcast is known complete before the layer's event reaches the engine. Receivers move 0
 //! bytes of replicated rows over PCIe.
 
+use std::ops::Range;
 use std::time::Instant;
 
 use dedup_broadcast::{RowsShare, StageShare, StagingLayout};
@@ -40,6 +41,11 @@ impl ShareStep for Rank0Broadcast {
         cx.land(stage)
     }
 
+    fn upload_range(&self, layout: &StagingLayout, rank: u32) -> Option<Range<usize>> {
+        // Rank 0's chunk is the whole share area; a receiver's is empty (nothing crosses PCIe).
+        Some(layout.chunk(rank))
+    }
+
     fn device(
         &self,
         cx: &LayerCx<'_>,
@@ -47,10 +53,8 @@ impl ShareStep for Rank0Broadcast {
         layout: &StagingLayout,
         stage: &mut LayerStage,
     ) -> Result<LayerReady, StepError> {
-        // Rank 0's chunk is the whole share area; a receiver's is empty (nothing crosses PCIe).
-        let uploaded = device.upload(stage, layout.chunk(cx.rank));
         let started = Instant::now();
         let shared = cx.share_stage(device, stage, StageShare::Broadcast { root: 0 })?;
-        cx.wait_scatter_land(device, stage, uploaded, shared, started, layout)
+        cx.wait_scatter_land(device, stage, shared, started, layout)
     }
 }

@@ -13,6 +13,7 @@
 //! scatters all blocks into its slots after the all-gather's event, lands its own rows, and
 //! waits (bounded) until the all-gather is known complete before publishing the layer.
 
+use std::ops::Range;
 use std::time::Instant;
 
 use dedup_broadcast::{RowsShare, StageShare, StagingLayout};
@@ -46,6 +47,10 @@ impl ShareStep for SplitAllGather {
         cx.land(stage)
     }
 
+    fn upload_range(&self, layout: &StagingLayout, rank: u32) -> Option<Range<usize>> {
+        Some(layout.chunk(rank))
+    }
+
     fn device(
         &self,
         cx: &LayerCx<'_>,
@@ -53,9 +58,8 @@ impl ShareStep for SplitAllGather {
         layout: &StagingLayout,
         stage: &mut LayerStage,
     ) -> Result<LayerReady, StepError> {
-        let uploaded = device.upload(stage, layout.chunk(cx.rank));
         let started = Instant::now();
         let shared = cx.share_stage(device, stage, StageShare::AllGather)?;
-        cx.wait_scatter_land(device, stage, uploaded, shared, started, layout)
+        cx.wait_scatter_land(device, stage, shared, started, layout)
     }
 }
