@@ -20,7 +20,9 @@ const RUN_LIMIT: Duration = Duration::from_secs(120);
 /// with the kill's status and a line saying so on stderr.
 fn output_within(cmd: &mut Command, limit: Duration) -> std::io::Result<Output> {
     use std::os::unix::process::CommandExt;
-    let mut child = cmd
+    // Its own process group (killed as one at the limit), ending with this process too:
+    // `timeout` signals only its own group.
+    let mut child = kvlink_rig::child::end_with_parent(cmd)
         .process_group(0)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -22,7 +22,7 @@ impl RankProc {
     /// Starts this program with `flags`.
     pub fn spawn(rank: u32, flags: &[String]) -> Result<RankProc, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut child = Command::new(exe)
+        let mut child = kvlink_rig::child::end_with_parent(&mut Command::new(exe))
             .args(flags)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -8,6 +8,7 @@
 //! - [`ranks`]: ranks as threads of one process, and a barrier with a timeout.
 //! - [`measure`]: medians, GB/s, sizes, markdown tables.
 //! - [`glm`]: the GLM-5.2 FP8 geometry they all load.
+//! - [`child`]: child processes that end with the process that started them.
 //! - with `cuda`: [`device_linker`] (one Linker into a device pool) and [`tp`] (TP ranks on
 //!   device pools, on one GPU or one per GPU over NCCL).
 //!
@@ -15,6 +16,7 @@
 //! `String` errors, made to become a table row, and the table logs its rows to stderr.
 #![allow(clippy::print_stderr)]
 
+pub mod child;
 #[cfg(feature = "cuda")]
 pub mod device_linker;
 pub mod glm;

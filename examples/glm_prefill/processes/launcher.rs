@@ -23,7 +23,8 @@ pub(crate) type ChildSpawner = dyn Fn(&[String]) -> std::io::Result<Child>;
 
 /// Starts this program with `args`.
 pub(crate) fn this_program(args: &[String]) -> std::io::Result<Child> {
-    Command::new(std::env::current_exe()?)
+    // Ends with the launcher: a launcher killed by a time limit leaves no rank behind.
+    kvlink_rig::child::end_with_parent(&mut Command::new(std::env::current_exe()?))
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
