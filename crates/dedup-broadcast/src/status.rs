@@ -19,9 +19,9 @@ use crate::{Collective, CollectiveError};
 
 const MAGIC: u64 = 0x5a;
 
-/// Codes 1..=24 are the kinds of [`KvLoadError`], in this order (`KvLoadError::kind_name`);
+/// Codes 1..=25 are the kinds of [`KvLoadError`], in this order (`KvLoadError::kind_name`);
 /// new kinds are appended, so a code never changes meaning.
-const KIND_NAMES: [&str; 24] = [
+const KIND_NAMES: [&str; 25] = [
     "invalid_plan",
     "store_not_found",
     "store_no_space",
@@ -46,6 +46,7 @@ const KIND_NAMES: [&str; 24] = [
     "bad_object",
     "slots_held",
     "internal",
+    "group_down",
 ];
 
 /// A failure with no more specific code.

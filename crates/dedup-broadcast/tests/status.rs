@@ -127,3 +127,88 @@ fn every_rank_reaches_the_same_verdict() {
     assert_eq!(words.first_failed, Some((1, 0)));
     assert_eq!(words.code, CODE_MALFORMED);
 }
+
+/// Every kind of `KvLoadError` has a status code of its own: a kind without one travels as
+/// "other", and its peers' verdicts lose what failed (`group_down` had none).
+#[test]
+fn every_error_kind_has_its_own_code() {
+    use kv_loader::{Cause, PlanError};
+    use std::sync::Arc;
+    let b = BatchId(1);
+    let store = |kind| KvLoadError::Store {
+        batch: Some(b),
+        layer: None,
+        pages: Arc::from(Vec::new()),
+        kind,
+        detail: Cause::new("x"),
+    };
+    let mut samples = vec![
+        KvLoadError::InvalidPlan {
+            batch: b,
+            reason: PlanError::ZeroPageSize,
+        },
+        KvLoadError::Timeout {
+            batch: b,
+            layer: 0,
+            waited: Duration::ZERO,
+        },
+        KvLoadError::Cancelled { batch: b },
+        KvLoadError::PeerFailed {
+            batch: b,
+            rank: 1,
+            layer: 0,
+            detail: "x".into(),
+        },
+        KvLoadError::Collective {
+            batch: Some(b),
+            detail: Cause::new("x"),
+        },
+        KvLoadError::GroupDown {
+            batch: Some(b),
+            missing: vec![2],
+            refused: false,
+            detail: Cause::new("x"),
+        },
+        KvLoadError::Device(Cause::new("x")),
+        KvLoadError::StaleTicket { batch: b },
+        KvLoadError::Busy { capacity: 4 },
+        KvLoadError::Closed,
+        KvLoadError::Geometry(kv_geometry::GeometryError::HeadsNotDivisible {
+            component: "v".into(),
+            heads: 3,
+            tp_size: 2,
+        }),
+        KvLoadError::config("x"),
+        KvLoadError::internal(b, "x"),
+        KvLoadError::DuplicateBatch { batch: b },
+        KvLoadError::BadObject {
+            batch: b,
+            key: "k".into(),
+            layer: None,
+            detail: "x".into(),
+        },
+        KvLoadError::SlotsHeld {
+            batches: Arc::from(vec![b]),
+        },
+    ];
+    for kind in [
+        StoreFailure::NotFound,
+        StoreFailure::NoSpace,
+        StoreFailure::TransferFailed,
+        StoreFailure::Lease,
+        StoreFailure::RpcTimeout,
+        StoreFailure::InvalidArgument,
+        StoreFailure::Unavailable,
+        StoreFailure::ShortRead,
+        StoreFailure::Other,
+    ] {
+        samples.push(store(kind));
+    }
+    let mut codes: Vec<u16> = samples.iter().map(fail_code).collect();
+    for (e, &code) in samples.iter().zip(&codes) {
+        assert_eq!(code_name(code), e.kind_name(), "{e}");
+    }
+    codes.sort_unstable();
+    codes.dedup();
+    assert_eq!(codes.len(), samples.len(), "one code per kind");
+}
