@@ -23,8 +23,10 @@ pub const MAX_PAGE_SIZE: u32 = 1 << 16;
 /// With [`MAX_LAYERS`] and [`MAX_PAGE_SIZE`] this bounds one object at 2^56 bytes, so every
 /// size kvlink computes in `u64` fits.
 pub const MAX_ROW_BYTES: u32 = 1 << 24;
-/// Most components a model may have (component ids are `u16`).
-pub const MAX_COMPONENTS: usize = 256;
+/// Most components a model may have. With one object of a page of a component at most 2^56
+/// bytes ([`MAX_ROW_BYTES`]), a page of every component is at most 255 × 2^56 bytes, which
+/// fits `u64` (256 such components would not).
+pub const MAX_COMPONENTS: usize = 255;
 
 /// `value` against `max`: a [`GeometryError::TooLarge`] past it.
 fn at_most(what: &'static str, value: u64, max: u64) -> Result<(), GeometryError> {
@@ -108,6 +110,11 @@ impl ModelKvSpec {
             };
             if c.name.is_empty() || c.name.contains('_') {
                 return Err(bad("name must be non-empty and free of '_'"));
+            }
+            if format!("_{}", c.name) == crate::CHECKSUM_KEY_SUFFIX {
+                // Its objects' keys would end as checksum companions' keys do, and be taken
+                // for companions (read, discarded and ordered as one).
+                return Err(bad("the name is reserved for checksum companions"));
             }
             if c.row_bytes == 0 {
                 return Err(bad("zero-byte rows"));

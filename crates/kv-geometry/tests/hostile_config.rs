@@ -3,7 +3,7 @@
 
 use kv_geometry::{
     ComponentSpec, ElementType, GeometryError, KvGeometry, LayerMap, ModelKvSpec, RowUnit,
-    MAX_LAYERS, MAX_PAGE_SIZE, MAX_ROW_BYTES,
+    MAX_COMPONENTS, MAX_LAYERS, MAX_PAGE_SIZE, MAX_ROW_BYTES,
 };
 use proptest::prelude::*;
 
@@ -113,6 +113,34 @@ fn bounds_are_inclusive_and_documented_values() {
         .unwrap()
         .with_component_layers("k", sparse)
         .is_err());
+}
+
+/// At most [`MAX_COMPONENTS`] components (255: a page of that many objects of the largest
+/// size, 2^56 bytes each, fits `u64`; 256 of them summed to 2^64 and wrapped).
+#[test]
+fn the_component_bound_keeps_a_page_in_u64() {
+    let comps = |n: usize| -> Vec<ComponentSpec> {
+        (0..n)
+            .map(|i| ComponentSpec::new(&format!("c{i}"), RowUnit::Token, ElementType::Bytes, 1))
+            .collect()
+    };
+    assert!(ModelKvSpec::new("m", 1, 1, comps(MAX_COMPONENTS)).is_ok());
+    assert!(matches!(
+        ModelKvSpec::new("m", 1, 1, comps(MAX_COMPONENTS + 1)),
+        Err(GeometryError::TooLarge { .. })
+    ));
+    assert!((MAX_COMPONENTS as u128) << 56 <= u128::from(u64::MAX));
+}
+
+/// A component named `kvsum` is refused: its objects' keys would end in `_kvsum`, as
+/// checksum companions' keys do, and be taken for companions.
+#[test]
+fn a_component_named_as_checksum_companions_end_is_refused() {
+    let c = ComponentSpec::new("kvsum", RowUnit::Token, ElementType::Bytes, 8);
+    assert!(matches!(
+        ModelKvSpec::new("m", 2, 4, vec![c]),
+        Err(GeometryError::BadComponent { .. })
+    ));
 }
 
 fn json_number() -> impl Strategy<Value = String> {
