@@ -325,7 +325,12 @@ impl Inner {
         let (landing, stages, landing_error) = match self.landings.begin(slots, layers.shape()) {
             Ok(mut l) => {
                 let stages = l.take_stages();
-                (Some(Arc::<dyn LayerLanding>::from(l)), stages, None)
+                // Layer 0 is read alone while the next group needs a stage of its own: a ring
+                // of one would fail layer 1 ("no landing to read into").
+                let few = (stages.len() < 2).then_some(kv_device::DeviceError::InvalidStage(
+                    "the landing lent fewer than two stages; a batch needs at least two",
+                ));
+                (Some(Arc::<dyn LayerLanding>::from(l)), stages, few)
             }
             Err(e) => (None, Vec::new(), Some(e)),
         };

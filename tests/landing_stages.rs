@@ -1,0 +1,116 @@
+//! A landing an engine supplies must lend at least two stages (the reader holds one for a
+//! group of layers while the exchange loop lands the layer before): one that lends fewer fails
+//! the batch at once, with a typed error naming why, not at layer 1 as an internal failure.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use common::*;
+use kvlink::kv_device::{
+    BatchShape, DeviceError, DirectLanding, HostKvPool, LandingFactory, LayerLanding, LayerStage,
+    ReadTarget, SaveGather, SharePath, ShareSide, StageLoan, StoreRegion,
+};
+use kvlink::kv_geometry::{ComponentId, KvGeometry};
+use kvlink::kv_loader::{KvLoadError, KvLoader, LayerReady, TransferBytes};
+use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
+use kvlink::mooncake_linker::{Linker, LinkerConfig};
+
+/// A host landing that lends only the first of its stages.
+struct OneStage(DirectLanding);
+
+impl LayerLanding for OneStage {
+    fn take_stages(&mut self) -> Vec<LayerStage> {
+        self.0.take_stages().into_iter().take(1).collect()
+    }
+    fn open(&self, stage: &mut LayerStage, layer: u32, by: Instant) -> Result<(), DeviceError> {
+        self.0.open(stage, layer, by)
+    }
+    fn lend(&self, stage: &mut LayerStage) -> Result<StageLoan, DeviceError> {
+        self.0.lend(stage)
+    }
+    fn target(
+        &self,
+        loan: &StageLoan,
+        component: ComponentId,
+        plan_page: usize,
+    ) -> Result<ReadTarget, DeviceError> {
+        self.0.target(loan, component, plan_page)
+    }
+    fn target_bytes<'s>(
+        &'s self,
+        stage: &'s LayerStage,
+        component: ComponentId,
+        plan_page: usize,
+    ) -> Result<&'s [u8], DeviceError> {
+        self.0.target_bytes(stage, component, plan_page)
+    }
+    fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
+        self.0.land(stage)
+    }
+    fn poison(&self, stage: &mut LayerStage) {
+        self.0.poison(stage)
+    }
+    fn transfers(&self) -> Vec<TransferBytes> {
+        self.0.transfers()
+    }
+    fn share(&self) -> ShareSide<'_> {
+        self.0.share()
+    }
+}
+
+struct OneStageLandings(Arc<HostKvPool>);
+
+impl LandingFactory for OneStageLandings {
+    fn begin(
+        &self,
+        slots: Arc<[u32]>,
+        shape: BatchShape,
+    ) -> Result<Box<dyn LayerLanding>, DeviceError> {
+        Ok(Box::new(OneStage(DirectLanding::new(
+            self.0.clone(),
+            slots,
+            shape,
+        )?)))
+    }
+    fn store_regions(&self) -> Vec<StoreRegion> {
+        Vec::new()
+    }
+    fn share_path(&self) -> SharePath {
+        SharePath::Host
+    }
+    fn begin_save(&self, _slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
+        Err(DeviceError::Unavailable("no saves in this test".into()))
+    }
+}
+
+#[test]
+fn a_landing_that_lends_one_stage_fails_the_batch_at_once_with_why() {
+    let spec = small_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let cfg = LinkerConfig::default();
+    let tokens = prompt(31, 3, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &cfg);
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    assert!(g.num_layers() >= 2);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 3).unwrap());
+    let linker = Linker::with_landings(
+        g.clone(),
+        store,
+        pool.clone(),
+        Arc::new(OneStageLandings(pool)),
+        cfg,
+        None,
+    )
+    .unwrap();
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![0, 1, 2]))
+        .unwrap();
+    assert!(linker.wait_layer(&t, 0).is_err(), "layer 0 published");
+    let outcome = linker.wait_batch(&t).unwrap().result;
+    assert!(
+        matches!(&outcome, Err(e @ KvLoadError::Device(_)) if e.to_string().contains("fewer than two stages")),
+        "{outcome:?}"
+    );
+}
