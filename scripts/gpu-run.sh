@@ -59,10 +59,20 @@ cat "$out/gpu_tests.stdout.log"
 echo "== gpu_check (benchmarks) exit status $rc; result table:"
 cat "$out/gpu_check.stdout.log"
 # One closing line over both: every "N passed, N failed" line of the tests' tables and the
-# benchmarks' table, added up (libtest's own "test result:" line is not one of them).
-cat "$out/gpu_tests.stdout.log" "$out/gpu_check.stdout.log" \
-  | awk '/^[0-9]+ passed, [0-9]+ failed$/ { p += $1; f += $3 } END { printf "%d passed, %d failed\n", p, f }' \
-  | tee "$out/gpu_result.txt"
+# benchmarks' table, added up (libtest's own "test result:" line is not one of them). A binary
+# that exited non-zero (cut off by its limit, crashed) with no failed row of its own counts as
+# one failure: the tables it never printed must not read as "0 failed".
+count() { awk '/^[0-9]+ passed, [0-9]+ failed$/ { p += $1; f += $3 } END { print p + 0, f + 0 }' "$1"; }
+read -r tp tf < <(count "$out/gpu_tests.stdout.log")
+read -r cp cf < <(count "$out/gpu_check.stdout.log")
+for pair in "gpu_tests:$trc:$tf" "gpu_check:$rc:$cf"; do
+  IFS=: read -r name code failed <<< "$pair"
+  if (( code != 0 && failed == 0 )); then
+    echo "gpu-run: $name exited $code with no failed row: counted as 1 failed (its remaining tables were not printed)"
+    if [[ "$name" == gpu_tests ]]; then tf=1; else cf=1; fi
+  fi
+done
+echo "$((tp + cp)) passed, $((tf + cf)) failed" | tee "$out/gpu_result.txt"
 if (( trc != 0 && rc == 0 )); then
   exit 1
 fi

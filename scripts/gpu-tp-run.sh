@@ -23,8 +23,8 @@
 #                    tokens only, one repetition
 #   --max-tokens T   largest prefix benchmarked; --min-tokens T the smallest
 #   --reps R         measured repetitions per mode after one warm-up (default 3)
-#   --budget-s S     start no size that would end past S seconds (default: 540 less the time
-#                    the tests took)
+#   --budget-s S     start no size that would end past S seconds (default: what the limit
+#                    leaves after the tests, less 45 s for the kill grace and the table)
 #   --host-mem-gib G host memory to plan with (default here: the machine's size, see below)
 #   --threads T      store fill threads
 #   --no-tests       benchmarks only (skip the TP tests)
@@ -71,7 +71,16 @@ source scripts/gpu-common.sh
 # reads 31-62 GiB at the start), so tp_gpu would skip sizes that fit. Unless --host-mem-gib is
 # given, plan with the machine's size by its GPU count: 1 → 128, 2 → 256, 4 → 512, 8 → 560 GiB.
 extra_args=()
-if [[ " $* " != *" --host-mem-gib "* ]]; then
+# Whether flag $1 is among the rest of the arguments (as `--flag value` or `--flag=value`).
+has_flag() {
+  local flag=$1 a
+  shift
+  for a in "$@"; do
+    [[ "$a" == "$flag" || "$a" == "$flag="* ]] && return 0
+  done
+  return 1
+}
+if ! has_flag --host-mem-gib "$@"; then
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   case "$ngpu" in
     1) extra_args=(--host-mem-gib 120) ;;
@@ -109,11 +118,13 @@ if (( run_tests )); then
   trc=$?
 fi
 spent=$(( SECONDS - started ))
-# The benchmark gets what the tests left of the budget (unless --budget-s is given).
-if [[ " $* " != *" --budget-s "* ]]; then
-  extra_args+=(--budget-s $(( 540 - spent > 60 ? 540 - spent : 60 )))
-fi
 left=$(( limit - 15 - spent ))
+# The benchmark plans with what is left of the limit, less 30 s for its table and timelines
+# (unless --budget-s is given): planned past `left`, it was killed mid-size with its table
+# (printed at its end) lost.
+if ! has_flag --budget-s "$@"; then
+  extra_args+=(--budget-s $(( left - 30 > 30 ? left - 30 : 30 )))
+fi
 rm -rf "$out/timelines"
 if (( left >= 60 )); then
   timeout -k 15 "$left" "$bin_dir/tp_gpu" --out "$out" "${extra_args[@]}" "$@" \

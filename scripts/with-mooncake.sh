@@ -167,8 +167,23 @@ done
 while IFS= read -r line; do export "${line?}"; done < <(mc_env)
 export MOONCAKE_MASTER_PID="$master_pid"
 mc_env | sed 's/^/[mooncake] env: /' >&2
+# In the background, waited for: a signal to this script then reaches its trap at once (a
+# foreground command held the trap until it ended), which stops the command, then the master
+# and nodes. Its stdin is /dev/null (no job control here); the tests read none.
 set +e
-"$@"
+"$@" &
+cmd_pid=$!
+stop_command() { # $1 exit status
+  kill -TERM "$cmd_pid" 2>/dev/null || true
+  local i
+  for ((i = 0; i < 100; i++)); do kill -0 "$cmd_pid" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL "$cmd_pid" 2>/dev/null || true
+  wait "$cmd_pid" 2>/dev/null || true
+  exit "$1"
+}
+trap 'stop_command 130' INT
+trap 'stop_command 143' TERM
+wait "$cmd_pid"
 status=$?
 set -e
 stop_started

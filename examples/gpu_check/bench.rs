@@ -464,7 +464,7 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
         ));
     }
     Ok(format!(
-        "{bytes:.2} GB in {wall:.0} ms ({:.1} GB/s); sum of parts {:.0} ms (read {read_sum:.0} with {readers} threads + H2D {copy_sum:.0}); bound max+1 layer {bound:.0} ms; {detail}; store fill {fill_s:.1} s; {:.0} MB sampled equal",
+        "{bytes:.2} GB in {wall:.0} ms (best of {reps}; {:.1} GB/s); sum of parts {:.0} ms (read {read_sum:.0} with {readers} threads + H2D {copy_sum:.0}); bound max+1 layer {bound:.0} ms; {detail}; store fill {fill_s:.1} s; {:.0} MB sampled equal",
         bytes / (wall / 1e3),
         read_sum + copy_sum,
         checked as f64 / 1e6

@@ -73,6 +73,10 @@ fn main() -> ExitCode {
         }
     };
     let gpus = match cuda_device_count() {
+        Ok(0) => {
+            eprintln!("gpu_check: the driver sees no GPU: nothing was run");
+            return ExitCode::from(2);
+        }
         Ok(n) => n,
         Err(e) => {
             eprintln!("gpu_check: {e}");

@@ -357,10 +357,9 @@ fn policy(
                 py.push(p.run("whole")?);
             }
         }
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-        };
+        // The median as every other table takes it (the mean of the middle two for an even
+        // count).
+        let med = |v: &mut Vec<f64>| kvlink_rig::measure::median(v);
         let sizes: Vec<String> = plan
             .groups()
             .iter()

@@ -134,17 +134,29 @@ impl PythonReader {
         let config =
             std::env::temp_dir().join(format!("mooncake_read-{}.json", std::process::id()));
         std::fs::write(&config, json)?;
-        let mut child = Command::new(python)
+        let spawned = Command::new(python)
             .env("PYTHONPATH", path)
             .arg("-c")
             .arg(SCRIPT)
             .arg(&config)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .spawn()
-            .context("starting the Python reader")?;
-        let stdin = child.stdin.take().context("python stdin")?;
-        let stdout = BufReader::new(child.stdout.take().context("python stdout")?);
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                // The reader that would remove the config on drop does not exist yet.
+                let _ = std::fs::remove_file(&config);
+                return Err(e).context("starting the Python reader");
+            }
+        };
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = std::fs::remove_file(&config);
+            bail!("the Python reader started without its pipes");
+        };
+        let stdout = BufReader::new(stdout);
         let mut reader = Self {
             child,
             stdin,

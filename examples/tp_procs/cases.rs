@@ -244,7 +244,14 @@ fn group(args: &Args, world: u32, store_at: &str, one_copy: u64, report: &mut Re
                 let ok = match mode {
                     ShareMode::AllRanks => r.iter().all(|&b| b == one_copy),
                     ShareMode::Rank0Broadcast => r[0] == one_copy && r[1..].iter().all(|&b| b == 0),
-                    ShareMode::SplitAllGather => total == one_copy,
+                    // One copy in all, and each rank about its share (not one rank all of
+                    // it): pages split by count, so shares differ by at most a page.
+                    ShareMode::SplitAllGather => {
+                        let share = one_copy / u64::from(world);
+                        total == one_copy
+                            && r.iter()
+                                .all(|&b| b.abs_diff(share) <= one_copy / 100 + share / 2)
+                    }
                 };
                 let per: Vec<String> = r.iter().map(|&b| fmt_bytes(b)).collect();
                 if ok {

@@ -91,7 +91,7 @@ fn correctness(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
     let t = linker
         .start_load(plan(&p.g, 1, &p.pages, slots.clone()))
         .map_err(|e| e.to_string())?;
-    wait_layers(&linker, &t)?;
+    wait_layers(&linker, &t, Instant::now())?;
     let stats = linker
         .wait_batch(&t)
         .map_err(|e| e.to_string())?
@@ -117,7 +117,7 @@ fn save_from_device(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
     let t = first
         .start_load(plan(&p.g, 1, &p.pages, slots_a.clone()))
         .map_err(|e| e.to_string())?;
-    wait_layers(&first, &t)?;
+    wait_layers(&first, &t, Instant::now())?;
     first
         .wait_batch(&t)
         .map_err(|e| e.to_string())?
@@ -154,7 +154,7 @@ fn save_from_device(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
     let t = second
         .start_load(plan(&p.g, 3, &p.pages, slots_b.clone()))
         .map_err(|e| e.to_string())?;
-    wait_layers(&second, &t)?;
+    wait_layers(&second, &t, Instant::now())?;
     second
         .wait_batch(&t)
         .map_err(|e| e.to_string())?
@@ -215,7 +215,7 @@ fn failure(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
     let t = linker
         .start_load(plan(&p.g, 2, &p.pages, slots.clone()))
         .map_err(|e| e.to_string())?;
-    wait_layers(&linker, &t)?;
+    wait_layers(&linker, &t, Instant::now())?;
     linker
         .wait_batch(&t)
         .map_err(|e| e.to_string())?

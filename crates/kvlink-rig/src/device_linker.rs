@@ -94,9 +94,11 @@ pub fn device_linker(
     Ok((linker, pool))
 }
 
-/// Waits every layer as an engine would: the event each wait hands back, synchronized.
-pub fn wait_layers(linker: &Linker, t: &LoadTicket) -> Result<Vec<f64>, String> {
-    let t0 = Instant::now();
+/// Waits every layer as an engine would: the event each wait hands back, synchronized. The
+/// times (ms) are since `since` (take it before `start_load`, as the batch's total is, so
+/// that the first layer's time includes what `start_load` does before it returns).
+pub fn wait_layers(linker: &Linker, t: &LoadTicket, since: Instant) -> Result<Vec<f64>, String> {
+    let t0 = since;
     let mut at = Vec::new();
     for l in 0..linker.num_layers() {
         match linker.wait_layer(t, l).map_err(|e| e.to_string())? {

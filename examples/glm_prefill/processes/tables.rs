@@ -97,9 +97,28 @@ pub(super) fn assemble(
             writeln!(out, "  FAILED: {why}")?;
             return Ok(ModeOutcome::Failed(why));
         }
-        if let Some(Err(e)) = &r.verified {
-            writeln!(out, "  FAILED: {e}")?;
-            return Ok(ModeOutcome::Failed(e.clone()));
+        // A rank that reported no verification (a truncated or mismatched report) has not
+        // shown its pool right: a failure, not 0 bytes compared.
+        // Every byte of the rank's share of the prefix compared: pages × its bytes per page.
+        let whole = kvlink::kv_geometry::KvGeometry::new(ctx.spec.clone(), tp, rank as u32)?
+            .bytes_per_page()
+            * n as u64;
+        match &r.verified {
+            Some(Ok(b)) if *b == whole => {}
+            Some(Ok(b)) => {
+                let why = format!("rank {rank}: compared {b} bytes of its {whole}");
+                writeln!(out, "  FAILED: {why}")?;
+                return Ok(ModeOutcome::Failed(why));
+            }
+            Some(Err(e)) => {
+                writeln!(out, "  FAILED: {e}")?;
+                return Ok(ModeOutcome::Failed(e.clone()));
+            }
+            None => {
+                let why = format!("rank {rank}: its report has no verification");
+                writeln!(out, "  FAILED: {why}")?;
+                return Ok(ModeOutcome::Failed(why));
+            }
         }
     }
     let compared: u64 = reports
