@@ -10,7 +10,9 @@
 //! (what the group's next batch waits for at its gate, so a rank slow to finish a batch slows
 //! the group); the slowest rank's is what the group's batches take. Batches landing under 1 MiB are not measured (their time is latency, not the mode).
 //! After the first round, a mode whose time is more than [`AUTO_DROP`] times the best is not
-//! measured again (noise of a shared host is ±20 %, not 50 %). When every remaining mode has
+//! measured again (noise of a shared host is ±20 %, not 50 %), unless its batches were all
+//! less than half the size of the best's (a small batch's fixed costs weigh more per byte:
+//! such a mode is measured again, not dropped on that batch). When every remaining mode has
 //! `auto_batches_per_mode` batches, it keeps for good the mode with the lowest **median**; a
 //! mode within [`AUTO_TIE`] of that median is taken as equally fast, and then the one reading
 //! fewer store bytes per rank wins (each mode's `tie_rank`: `SplitAllGather`, then
@@ -133,6 +135,9 @@ fn median(v: &[f64]) -> Option<f64> {
 pub(crate) struct Measured {
     /// Seconds per landed byte of each batch, per mode (by [`ShareMode::index`]).
     samples: [Vec<f64>; ShareMode::COUNT],
+    /// The smallest and largest batch (bytes landed) measured, per mode: a mode is dropped
+    /// after one round only against a best measured on batches of a like size.
+    sizes: [Option<(u64, u64)>; ShareMode::COUNT],
     /// Modes no longer measured (clearly slower after the first round).
     dropped: [bool; ShareMode::COUNT],
     /// The mode kept for good.
@@ -153,20 +158,46 @@ impl Measured {
         median(&self.samples[slot(m)])
     }
 
-    /// Records a batch: drops clearly slower modes once every mode has run once, and keeps a
-    /// mode for good once every remaining one has `per_mode` batches.
+    /// [`record_batch`](Self::record_batch) of a batch of 1 GiB (tests: every batch alike).
+    #[cfg(test)]
     pub(crate) fn record(&mut self, mode: ShareMode, seconds_per_byte: f64, per_mode: u32) {
+        self.record_batch(mode, seconds_per_byte, 1 << 30, per_mode);
+    }
+
+    /// Records a batch that landed `bytes`: drops clearly slower modes once every mode has run
+    /// once, and keeps a mode for good once every remaining one has `per_mode` batches.
+    ///
+    /// A mode is dropped only when its largest batch was at least half the size of the
+    /// smallest batch of the best mode: a batch's fixed costs (gate, pins, the first layer's
+    /// read) weigh more per byte in a small batch, so a mode that happened to get a small
+    /// batch is measured again rather than dropped on it.
+    pub(crate) fn record_batch(
+        &mut self,
+        mode: ShareMode,
+        seconds_per_byte: f64,
+        bytes: u64,
+        per_mode: u32,
+    ) {
         if self.kept.is_some() {
             return;
         }
         self.samples[slot(mode)].push(seconds_per_byte);
+        let size = &mut self.sizes[slot(mode)];
+        *size = Some(size.map_or((bytes, bytes), |(lo, hi)| (lo.min(bytes), hi.max(bytes))));
         if AUTO_MODES
             .iter()
             .all(|m| !self.samples[slot(*m)].is_empty())
         {
             let best = self.best();
+            let best_smallest = self
+                .live()
+                .filter(|m| self.median(*m) == Some(best))
+                .filter_map(|m| self.sizes[slot(m)].map(|(lo, _)| lo))
+                .min()
+                .unwrap_or(0);
             for m in AUTO_MODES {
-                if self.median(m).is_some_and(|t| t > best * AUTO_DROP) {
+                let like_sized = self.sizes[slot(m)].is_some_and(|(_, hi)| hi >= best_smallest / 2);
+                if like_sized && self.median(m).is_some_and(|t| t > best * AUTO_DROP) {
                     self.dropped[slot(m)] = true;
                 }
             }
@@ -386,9 +417,12 @@ impl AutoMode {
         if !Self::measures(bytes) || took.is_zero() {
             return;
         }
-        self.seen
-            .lock()
-            .record(mode, took.as_secs_f64() / bytes as f64, self.per_mode);
+        self.seen.lock().record_batch(
+            mode,
+            took.as_secs_f64() / bytes as f64,
+            bytes,
+            self.per_mode,
+        );
     }
 
     /// The mode kept, once decided.
@@ -509,6 +543,29 @@ mod tests {
         assert_eq!(proposed.iter().filter(|m| **m == SplitAllGather).count(), 2);
         // Among modes with as many batches, the fastest so far is measured first.
         assert_eq!(proposed[4], AllRanks);
+    }
+
+    /// A mode slower per byte only because its first batch was much smaller (a small batch's
+    /// fixed costs weigh more per byte) is measured again, not dropped; one slower on a batch
+    /// of a like size is dropped.
+    #[test]
+    fn a_mode_is_dropped_only_against_batches_of_a_like_size() {
+        use ShareMode::*;
+        let (mib, gib) = (1u64 << 20, 1u64 << 30);
+        let mut m = Measured::default();
+        m.record_batch(AllRanks, 1.0, gib, 3);
+        m.record_batch(Rank0Broadcast, 3.0, 2 * mib, 3);
+        m.record_batch(SplitAllGather, 1.1, gib, 3);
+        assert!(!m.dropped[slot(Rank0Broadcast)], "dropped on a 2 MiB batch");
+        // Its next batch, like sized and still slow: dropped now.
+        m.record_batch(Rank0Broadcast, 2.0, gib, 3);
+        assert!(m.dropped[slot(Rank0Broadcast)]);
+        // Like sized from the start: dropped after the first round.
+        let mut m = Measured::default();
+        m.record_batch(AllRanks, 1.0, gib, 3);
+        m.record_batch(Rank0Broadcast, 3.0, gib / 2, 3);
+        m.record_batch(SplitAllGather, 1.1, gib, 3);
+        assert!(m.dropped[slot(Rank0Broadcast)]);
     }
 
     #[test]
