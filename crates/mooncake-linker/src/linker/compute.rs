@@ -27,6 +27,9 @@ struct Track {
     batch: BatchId,
     layer: u32,
     returned: Instant,
+    /// Whether the gap after `layer` was counted (a wait for the next layer that timed out
+    /// and is tried again must not count it twice, the second time with the failed wait in).
+    counted: bool,
     mean: f64,
     gaps: u32,
 }
@@ -44,7 +47,8 @@ impl ComputeMeter {
         let now = Instant::now();
         let mut tracks = self.tracks.lock();
         if let Some(t) = tracks.iter_mut().find(|t| t.thread == me) {
-            if t.batch == batch && t.layer.checked_add(1) == Some(layer) {
+            if !t.counted && t.batch == batch && t.layer.checked_add(1) == Some(layer) {
+                t.counted = true;
                 let gap = now.saturating_duration_since(t.returned).as_secs_f64();
                 t.mean = if t.gaps == 0 {
                     gap
@@ -68,6 +72,7 @@ impl ComputeMeter {
                 t.batch = batch;
                 t.layer = layer;
                 t.returned = now;
+                t.counted = false;
             }
             return;
         }
@@ -86,6 +91,7 @@ impl ComputeMeter {
             batch,
             layer,
             returned: now,
+            counted: false,
             mean: 0.0,
             gaps: 0,
         });
@@ -145,6 +151,26 @@ mod tests {
             meter.returned(BatchId(b), 0);
         }
         assert_eq!(meter.estimate(), None);
+    }
+
+    /// A wait for the next layer that times out and is tried again counts the gap before it
+    /// once: the estimate stays the compute, not compute plus the failed wait.
+    #[test]
+    fn a_wait_tried_again_counts_its_gap_once() {
+        let meter = ComputeMeter::default();
+        for l in 0..8u32 {
+            meter.entering(BatchId(1), l);
+            if l > 0 {
+                // The first try of this layer's wait times out after 20 ms; the engine tries
+                // again.
+                std::thread::sleep(Duration::from_millis(20));
+                meter.entering(BatchId(1), l);
+            }
+            meter.returned(BatchId(1), l);
+        }
+        let t = &meter.tracks.lock()[0];
+        assert_eq!(t.gaps, 7, "one gap per layer after the first");
+        assert!(t.mean < 0.005, "{}", t.mean);
     }
 
     #[test]
