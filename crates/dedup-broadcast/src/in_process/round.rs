@@ -356,8 +356,10 @@ impl Group {
         round.arrived += 1;
         if round.arrived == size {
             round.fate = Fate::Committed;
-            self.cv.notify_all();
         }
+        // Every arrival wakes the waiters, not only the commit: a rows-broadcast receiver
+        // that came before the root starts copying as soon as the root is here.
+        self.cv.notify_all();
         Ok(st)
     }
 

@@ -311,6 +311,40 @@ mod tests {
         }
     }
 
+    /// A rows-broadcast receiver that arrived before the root starts its copy when the root
+    /// arrives, not when the last rank does: rank 1 (whose copy takes 500 ms) waits from
+    /// the start, the root comes at 50 ms and rank 2 at 500 ms; rank 1 is done about 550 ms
+    /// in. Before, the root's arrival woke no one, so rank 1 copied only after the commit
+    /// and was done at about 1000 ms.
+    #[test]
+    fn a_broadcast_receiver_copies_as_soon_as_the_root_arrives() {
+        let ranks = group_with_slow_copy(3, Duration::from_millis(500));
+        let deadline = kv_loader::deadline_after(Duration::from_secs(10));
+        let start = std::time::Instant::now();
+        let out = run_ranks(&ranks, 4096, |c, rows| {
+            match c.rank {
+                0 => std::thread::sleep(Duration::from_millis(50)),
+                2 => std::thread::sleep(Duration::from_millis(500)),
+                _ => {}
+            }
+            // SAFETY: each rank's row is its own live buffer, untouched by anything else
+            // during the call; ranks' buffers do not overlap.
+            let r = unsafe { c.rows_broadcast(rows, 0, deadline) };
+            if c.rank == 1 {
+                let took = start.elapsed();
+                assert!(
+                    took < Duration::from_millis(850),
+                    "rank 1 done after {took:?}"
+                );
+            }
+            r
+        });
+        for (rank, (result, buf)) in out.iter().enumerate() {
+            assert!(result.is_ok(), "rank {rank}: {result:?}");
+            assert!(buf.iter().all(|&b| b == 1), "rank {rank}");
+        }
+    }
+
     /// The same for an all-gather: every rank waits for the slow copy and ends `Ok`.
     #[test]
     fn an_all_gather_copy_running_at_the_grace_end_finishes_the_round_ok() {
