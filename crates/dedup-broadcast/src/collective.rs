@@ -80,8 +80,11 @@ pub enum CollectiveError {
         detail: String,
     },
     /// A rank passed arguments the operation cannot take (lengths, root, residence, overlap).
-    /// Refused before anything was issued, on this rank only: the handle stays as it was, and
-    /// peers that issued the operation fail it by their deadline. A caller that goes on after
+    /// Refused before this rank touched any memory. What its peers see depends on the group:
+    /// over NCCL (and sockets) the refusal is this rank's alone (the handle stays as it was,
+    /// and peers that issued the operation fail it by their deadline); an in-process group
+    /// counts the operation (the sequence number advances) and fails its round on every rank
+    /// at once. A caller that goes on after
     /// a refusal its peers may not share must [`abort`](Collective::abort) the group first
     /// (the linker aborts on every failed step), or its next operation may pair with the
     /// peers' refused one.
@@ -550,7 +553,8 @@ pub fn all_gather_slices(
             len: recv.len(),
         };
         // SAFETY: `recv` is exclusively borrowed; counts of 0 never sum to one row, so every
-        // implementation refuses the call before touching memory (on every rank alike).
+        // implementation refuses the call before touching memory (the peers' side of the
+        // refusal is as `InvalidArgument` says; no memory is touched on any rank).
         return unsafe { coll.all_gather_rows(&[whole], &vec![0; size], deadline) };
     }
     let at = coll.rank() as usize * send.len();

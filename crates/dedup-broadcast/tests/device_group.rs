@@ -141,6 +141,41 @@ fn device_broadcasts_and_all_gathers_are_ordered_by_events() {
     }
 }
 
+/// A rank whose device copy fails to enqueue (a driver error) gets its own device error as the
+/// typed source (`CollectiveError::Device`), its peers a failure naming it, and the group is
+/// broken on every rank. Before, the rank's error was flattened to text.
+#[test]
+fn a_rank_whose_copy_fails_keeps_its_device_error_and_the_group_breaks() {
+    let cpus: Vec<Arc<CpuDevice>> = (0..3u32)
+        .map(|r| CpuDevice::with_config(r, CpuDeviceConfig::default()).unwrap())
+        .collect();
+    cpus[1].fail_enqueue(kv_device::cpu::CpuOp::OnDevice, 0);
+    let devs: Vec<Arc<dyn Device>> = cpus.iter().map(|d| d.clone() as Arc<dyn Device>).collect();
+    let ranks = InProcessGroup::on_devices(devs.clone()).unwrap();
+    let len = 3 * 1024;
+    let results = on_threads(&ranks, |c| {
+        let mem = Mem::new(devs[c.rank() as usize].clone(), len);
+        // SAFETY: `mem.region` is this rank's own and untouched until the round ends (the
+        // test reads nothing of it).
+        unsafe { c.all_gather_device(mem.region.region(), None, soon()) }.map(drop)
+    });
+    match &results[1] {
+        Err(CollectiveError::Device { source, .. }) => {
+            assert!(
+                matches!(source, kv_device::DeviceError::Driver(_)),
+                "{source:?}"
+            )
+        }
+        other => panic!("rank 1: {other:?}"),
+    }
+    for r in [0usize, 2] {
+        assert!(results[r].is_err(), "rank {r}: {:?}", results[r]);
+    }
+    for c in &ranks {
+        assert!(c.broken().is_some(), "rank {} not broken", c.rank());
+    }
+}
+
 #[test]
 fn a_rank_that_never_issues_fails_the_others_by_their_deadline() {
     let dev: Arc<dyn Device> = CpuDevice::new(0).unwrap();

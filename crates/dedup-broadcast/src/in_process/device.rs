@@ -14,8 +14,12 @@ use crate::CollectiveError;
 /// has committed (they do so at once; this only bounds a backend that blocks in an enqueue).
 const POST_GRACE: Duration = Duration::from_secs(10);
 
-fn backend(e: impl std::fmt::Display) -> String {
-    e.to_string()
+/// This rank's own failed device call, its error kept as the source.
+fn backend(source: kv_device::DeviceError) -> CollectiveError {
+    CollectiveError::Device {
+        what: "in-process device copy",
+        source,
+    }
 }
 
 impl InProcessCollective {
@@ -53,7 +57,7 @@ impl InProcessCollective {
     }
 
     /// Posts this rank's copy event (or why there is none) for its peers.
-    fn post(&self, st: &mut State, seq: u64, ev: Result<SharedEvent, String>) {
+    fn post(&self, st: &mut State, seq: u64, ev: Result<SharedEvent, CollectiveError>) {
         if let Ok(round) = round_mut(st, seq) {
             round.posted[self.rank as usize] = Some(ev);
         }
@@ -68,14 +72,16 @@ impl InProcessCollective {
         seq: u64,
         ranks: &[u32],
         deadline: Instant,
-    ) -> Result<Vec<SharedEvent>, String> {
+    ) -> Result<Vec<SharedEvent>, CollectiveError> {
         let limit = kv_loader::deadline_from(deadline.max(Instant::now()), POST_GRACE);
         loop {
             if let Some(cause) = st.broken.clone() {
-                return Err(format!("the group was aborted: {cause}"));
+                return Err(CollectiveError::Backend(format!(
+                    "the group was aborted: {cause}"
+                )));
             }
-            let round = round_mut(st, seq).map_err(backend)?;
-            let posted: Option<Vec<&Result<SharedEvent, String>>> = ranks
+            let round = round_mut(st, seq)?;
+            let posted: Option<Vec<&Result<SharedEvent, CollectiveError>>> = ranks
                 .iter()
                 .map(|&r| round.posted[r as usize].as_ref())
                 .collect();
@@ -83,13 +89,16 @@ impl InProcessCollective {
                 return posted
                     .into_iter()
                     .map(|p| {
-                        p.clone()
-                            .map_err(|e| format!("a peer could not enqueue: {e}"))
+                        p.clone().map_err(|e| {
+                            CollectiveError::Backend(format!("a peer could not enqueue: {e}"))
+                        })
                     })
                     .collect();
             }
             if self.group.cv.wait_until(st, limit).timed_out() {
-                return Err("peers did not enqueue their copies in time".into());
+                return Err(CollectiveError::Backend(
+                    "peers did not enqueue their copies in time".into(),
+                ));
             }
         }
     }
@@ -102,7 +111,7 @@ impl InProcessCollective {
         st: &mut MutexGuard<'_, State>,
         seq: u64,
         op: &'static str,
-        readers: Result<Vec<SharedEvent>, String>,
+        readers: Result<Vec<SharedEvent>, CollectiveError>,
         own: Option<SharedEvent>,
     ) -> Result<SharedEvent, CollectiveError> {
         let done = readers.and_then(|evs| {
@@ -115,7 +124,12 @@ impl InProcessCollective {
             let cause = format!("{op} #{seq} on rank {}: {e}", self.rank);
             st.break_group(&cause);
             self.group.cv.notify_all();
-            CollectiveError::Backend(cause)
+            tracing::warn!(rank = self.rank, cause, "device round failed: group broken");
+            match e {
+                // This rank's own device failure keeps its typed error.
+                e @ CollectiveError::Device { .. } => e,
+                _ => CollectiveError::Backend(cause),
+            }
         });
         st.leave(seq);
         result
@@ -154,7 +168,7 @@ impl InProcessCollective {
         let all = Self::regions(&mut st, seq)?;
         if rank != root {
             let (src, src_after) = all[root as usize].clone();
-            let copy = MutexGuard::unlocked(&mut st, || -> Result<SharedEvent, String> {
+            let copy = MutexGuard::unlocked(&mut st, || -> Result<SharedEvent, CollectiveError> {
                 for ev in src_after.iter().chain(after.iter()) {
                     dev.comm.wait(ev).map_err(backend)?;
                 }
@@ -217,7 +231,7 @@ impl InProcessCollective {
         g.committed(rank, &mut st, seq, kind.name(), deadline)?;
         let all = Self::regions(&mut st, seq)?;
         let chunk = region.len / size.max(1) as usize;
-        let copy = MutexGuard::unlocked(&mut st, || -> Result<SharedEvent, String> {
+        let copy = MutexGuard::unlocked(&mut st, || -> Result<SharedEvent, CollectiveError> {
             for ev in all.iter().filter_map(|(_, a)| a.as_ref()) {
                 dev.comm.wait(ev).map_err(backend)?;
             }

@@ -81,7 +81,8 @@ pub(super) struct State {
     pub(super) rounds: HashMap<u64, Round>,
     /// Ranks whose handle was dropped.
     pub(super) gone: Vec<bool>,
-    /// Set by `abort` (device groups only): every later operation fails at once.
+    /// Set by `abort` (host and device groups), or by a device round that failed after its
+    /// commit: every later operation fails at once.
     pub(super) broken: Option<String>,
 }
 
@@ -154,7 +155,7 @@ pub(super) struct Round {
     /// Ranks whose host copies are finished.
     pub(super) copied: u32,
     /// Device rounds: each rank's copy event once enqueued (or why it could not be).
-    pub(super) posted: Vec<Option<Result<SharedEvent, String>>>,
+    pub(super) posted: Vec<Option<Result<SharedEvent, CollectiveError>>>,
     /// Ranks that have returned from this round.
     left: u32,
 }
