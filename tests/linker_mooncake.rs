@@ -125,6 +125,51 @@ fn tp2_loads_every_mode_over_mooncake() {
     }
 }
 
+/// A client that moves only registered memory in place (as over RDMA; set here over TCP
+/// with `registered_only`) loads with checksums: the ranged reads land in the registered pool,
+/// the checksum companions (read into the load's own buffers) through the store's registered
+/// bounce. Before, those companion reads were refused, and a load over RDMA needed
+/// `verify_checksums` off.
+#[test]
+fn a_load_with_checksums_when_only_registered_memory_moves_in_place() {
+    let Some(saver) = mooncake_clients(1) else {
+        return;
+    };
+    let registered_only: Arc<dyn KvStore> = Arc::new(
+        MooncakeStore::connect(
+            MooncakeConfig::from_env()
+                .expect("Mooncake environment")
+                .registered_only(true),
+        )
+        .expect("connect"),
+    );
+    let spec = small_spec();
+    let ns = unique_ns("bounce");
+    let tokens = prompt(7, 4, spec.page_size);
+    let pages = save_prefix(
+        &spec,
+        saver[0].clone(),
+        &tokens,
+        &cfg(&ns, ShareMode::AllRanks),
+    );
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let config = LinkerConfig {
+        verify_checksums: true,
+        ..cfg(&ns, ShareMode::AllRanks)
+    };
+    let linker = Linker::new(g.clone(), registered_only, pool.clone(), config).unwrap();
+    let slots = vec![6, 1, 4, 3];
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, slots.clone()))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    let outcome = linker.wait_batch(&t).unwrap();
+    let stats = outcome.result.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stats.bytes_read, 4 * g.bytes_per_page());
+    pool_matches(&pool, &pages, &slots, 4).unwrap();
+}
+
 #[test]
 fn a_missing_object_fails_the_batch_with_not_found() {
     let Some(clients) = mooncake_clients(1) else {

@@ -200,6 +200,80 @@ fn discard_removes_an_object_a_lease_holds() {
     );
 }
 
+/// With only registered memory moving in place (as over RDMA; `registered_only` over TCP
+/// here), whole-object reads into unregistered buffers go through the store's registered
+/// bounce and land byte for byte, alone or beside a read into a registered region in the
+/// same call, short objects included; before, they were refused.
+#[test]
+fn whole_reads_into_unregistered_memory_go_through_the_bounce() {
+    if !available(
+        "whole_reads_into_unregistered_memory_go_through_the_bounce",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let store =
+        MooncakeStore::connect(master.config(64 << 20).registered_only(true)).expect("connect");
+    let keys: Vec<String> = (0..3).map(|i| unique(&format!("bounce{i}"))).collect();
+    let sizes = [4096usize, 10_000, 3 << 20];
+    for (i, (k, &n)) in keys.iter().zip(&sizes).enumerate() {
+        put_one(&store, k, &pattern(i as u64, n)).unwrap();
+    }
+    // One at a time, into unregistered buffers (the last needs a larger bounce).
+    for (i, (k, &n)) in keys.iter().zip(&sizes).enumerate() {
+        assert_eq!(get_one(&store, k, n).unwrap(), pattern(i as u64, n), "{k}");
+    }
+    // A short object into a larger buffer: its bytes, and its length.
+    assert_eq!(get_one(&store, &keys[0], 8192).unwrap(), pattern(0, 4096));
+    // One call: an unregistered destination beside a registered one.
+    let mut registered = vec![0u8; sizes[1]];
+    let region = MemoryRegion {
+        addr: registered.as_mut_ptr() as usize,
+        len: registered.len(),
+    };
+    // SAFETY: `registered` outlives the registration (unregistered below, before it drops).
+    unsafe { store.register(region) }.unwrap();
+    let mut own = vec![0u8; sizes[0]];
+    let gets = [
+        ObjectGet {
+            key: &keys[0],
+            dst: own.as_mut_ptr(),
+            len: own.len(),
+        },
+        ObjectGet {
+            key: &keys[1],
+            dst: registered.as_mut_ptr(),
+            len: registered.len(),
+        },
+    ];
+    // SAFETY: both buffers are valid for writes of their lengths, distinct, and untouched
+    // during the call.
+    let got = unsafe { store.get_into(&gets) };
+    assert_eq!(got, vec![Ok(sizes[0] as u64), Ok(sizes[1] as u64)]);
+    assert_eq!(own, pattern(0, sizes[0]));
+    assert_eq!(registered, pattern(1, sizes[1]));
+    store.unregister(region).unwrap();
+    // Ranged reads have no bounce: into unregistered memory they are refused, as before.
+    let mut into = vec![0u8; 64];
+    let ranged = RangedGet {
+        key: &keys[0],
+        ranges: [ReadRange {
+            dst: into.as_mut_ptr(),
+            len: 64,
+            offset: 0,
+        }]
+        .into_iter()
+        .collect(),
+    };
+    // SAFETY: `into` is valid for writes of 64 bytes and untouched during the call.
+    let refused = unsafe { store.get_ranges(&[ranged]) }.remove(0);
+    assert!(
+        matches!(refused, Err(StoreError::InvalidArgument { .. })),
+        "{refused:?}"
+    );
+}
+
 /// Pages are objects laid out layer after layer; a load reads a few layers of every page
 /// straight into a layer-major pool, as the linker does.
 #[test]

@@ -68,6 +68,7 @@ pub struct MooncakeConfig {
     lease: Duration,
     read_streams: usize,
     staged_merge: Option<bool>,
+    registered_only: bool,
 }
 
 /// SGLang's default global segment: "4gb".
@@ -134,6 +135,7 @@ impl MooncakeConfig {
             lease: DEFAULT_LEASE,
             read_streams: default_read_streams(),
             staged_merge: None,
+            registered_only: false,
         }
     }
 
@@ -287,6 +289,22 @@ impl MooncakeConfig {
         self
     }
 
+    /// Whether the store treats memory as it must over RDMA whatever the protocol: only
+    /// memory registered with it moves in place; a read into other memory goes through the
+    /// store's registered bounce, a put from it through the client's copying put, and no
+    /// staged merge is used (its scratch is not registered). Over RDMA this is always so; set
+    /// it over TCP to run those paths where no RDMA device is. Default: off.
+    pub fn registered_only(mut self, on: bool) -> Self {
+        self.registered_only = on;
+        self
+    }
+
+    /// Whether any memory moves in place: over TCP (whose sender and receiver need no
+    /// registration), unless [`registered_only`](Self::registered_only) is set.
+    pub(crate) fn any_memory_in_place(&self) -> bool {
+        self.protocol.eq_ignore_ascii_case("tcp") && !self.registered_only
+    }
+
     /// The master's address.
     pub fn master_addr(&self) -> &str {
         &self.master
@@ -345,7 +363,7 @@ impl MooncakeConfig {
     /// See [`staged_merge`](Self::staged_merge): whether the protocol is `tcp` and the merge
     /// is not set off.
     pub fn staged_merge_enabled(&self) -> bool {
-        self.protocol.eq_ignore_ascii_case("tcp") && self.staged_merge.unwrap_or(true)
+        self.any_memory_in_place() && self.staged_merge.unwrap_or(true)
     }
 
     /// Whether a multi-part object, gathered into a buffer of the store's own, is put
@@ -353,7 +371,7 @@ impl MooncakeConfig {
     /// a zero-copy put's sources through their registration, so such objects go through the
     /// client's copying put.
     pub(crate) fn gathered_puts_zero_copy(&self) -> bool {
-        self.protocol.eq_ignore_ascii_case("tcp")
+        self.any_memory_in_place()
     }
 
     /// True when the staged merge is set on for a protocol it is not used over (see
@@ -420,6 +438,19 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |k| map.get(k).cloned()
+    }
+
+    /// `registered_only` applies RDMA's memory rules over TCP: nothing unregistered moves in
+    /// place, gathered puts are copied, no staged merge.
+    #[test]
+    fn registered_only_applies_rdmas_memory_rules_over_tcp() {
+        let tcp = MooncakeConfig::new("m:1");
+        assert!(tcp.any_memory_in_place() && tcp.gathered_puts_zero_copy());
+        let only = tcp.registered_only(true);
+        assert!(!only.any_memory_in_place());
+        assert!(!only.gathered_puts_zero_copy());
+        assert!(!only.staged_merge_enabled());
+        assert_eq!(only.protocol_name(), "tcp");
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! `scripts/with-mooncake.sh CMD` runs CMD next to a master on 127.0.0.1 in a private network
 //! namespace, with the `MOONCAKE_*` environment set.
 
+mod bounce;
 mod config;
 mod gate;
 mod parts;

@@ -9,6 +9,7 @@ use mooncake_sys::{CKeys, Client, ErrorCode, ErrorKind, Health, Library, Mooncak
 use parking_lot::{Mutex, RwLock};
 use tracing::{debug, warn};
 
+use super::bounce::Bounces;
 use super::config::MooncakeConfig;
 use super::gate::{TransferGate, UNREGISTER_WAIT};
 use super::parts::run_parts;
@@ -65,6 +66,9 @@ pub struct MooncakeStore {
     in_place: RwLock<Vec<(usize, usize)>>,
     /// Scratch areas of staged merges, kept for reuse (see `read.rs`).
     pub(super) scratch: Mutex<Vec<Vec<u8>>>,
+    /// Registered buffers that whole-object reads into unregistered memory go through (see
+    /// `bounce.rs`). Dropped after `client`, which is declared first.
+    pub(super) bounces: Bounces,
 }
 
 impl std::fmt::Debug for MooncakeStore {
@@ -79,14 +83,15 @@ impl std::fmt::Debug for MooncakeStore {
 impl MooncakeStore {
     /// Whether the wheel moves the `len` bytes at `addr` in place ([`moves_in_place`]).
     fn moves_in_place(&self, addr: usize, len: usize) -> bool {
-        let tcp = self.config.gathered_puts_zero_copy();
-        tcp || moves_in_place(tcp, &self.in_place.read(), addr, len)
+        let any = self.config.any_memory_in_place();
+        any || moves_in_place(any, &self.in_place.read(), addr, len)
     }
 
     /// Why a read into the `len` bytes at `addr` is refused: over RDMA, memory outside the
     /// registered regions, which the wheel cannot write (the read would fail in the transfer
-    /// engine with a less telling error). The store has no copying read to fall back on:
-    /// read into registered memory (a registered pool), or over TCP.
+    /// engine with a less telling error). Whole-object reads go through the store's bounce
+    /// instead (`bounce.rs`, up to `MAX_BOUNCE_BYTES` a call); ranged reads have no copying
+    /// path: read them into registered memory (a registered pool), or over TCP.
     fn unregistered_dst(&self, addr: usize, len: usize) -> Option<&'static str> {
         (!self.moves_in_place(addr, len)).then_some(
             "a destination outside the memory registered with the store: over RDMA the wheel \
@@ -140,6 +145,7 @@ impl MooncakeStore {
             registered: Mutex::new(RegionCounts::default()),
             in_place: RwLock::new(Vec::new()),
             scratch: Mutex::new(Vec::new()),
+            bounces: Bounces::default(),
         })
     }
 
@@ -596,72 +602,24 @@ impl KvStore for MooncakeStore {
     }
 
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
-        let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
-        let (valid, mut out) = vet_reads(
-            &keys,
-            |i| {
-                null_dst(gets[i].dst)
-                    .or_else(|| self.unregistered_dst(gets[i].dst as usize, gets[i].len))
-            },
-            |_| true,
-        );
-        // Marked abandoned as soon as a call is (not after the loop): a later call that
-        // panicked would otherwise unwind past the mark.
-        let mut transfer = Some(self.transfers.transfer());
-        // The wheel's `batch_get_into` stalls (until its 60 s transfer timeout) when one call
-        // carries thousands of keys over TCP: at most MAX_WHOLE_READS_PER_CALL keys per call.
-        // Once a call fails whole (or every key of it fails its transfer), the later parts are
-        // not tried: each would wait out the same timeout while the caller has given up.
-        let mut given_up: Option<String> = None;
-        for part in valid.chunks(MAX_WHOLE_READS_PER_CALL) {
-            if let Some(why) = &given_up {
-                for &i in part {
-                    out[i] = Err(not_read(keys[i], why));
-                }
-                continue;
-            }
-            let names: Vec<&str> = part.iter().map(|&i| keys[i]).collect();
-            let ckeys = match CKeys::new(&names) {
-                Ok(k) => k,
-                Err(e) => {
-                    for &i in part {
-                        out[i] = Err(store_error(keys[i], &e));
-                    }
-                    continue;
-                }
-            };
-            let ptrs: Vec<*mut u8> = part.iter().map(|&i| gets[i].dst).collect();
-            let sizes: Vec<usize> = part.iter().map(|&i| gets[i].len).collect();
-            // SAFETY: the caller of this `unsafe fn` promised
-            // (KvStore's buffer contract) that each `dst` is valid for writes of `len` bytes,
-            // not accessed by anyone else during the call, and registered where the transport
-            // needs it; the call is synchronous, except for a transfer the client gives up on,
-            // whose memory the caller then keeps for good (`StoreError::Abandoned`).
-            let call = || unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
-            let read = wheel_read(
-                "batch_get_into",
-                "whole-object read",
-                &names,
-                CLIENT_GIVES_UP_AFTER,
-                call,
-            );
-            given_up = read.given_up;
-            if let Some(why) = &given_up {
-                tracing::warn!(keys = part.len(), why, "whole-object reads given up");
-            }
-            if read.abandoned {
-                // Transfers may still run: `unregister` must not let their memory go.
-                if let Some(t) = transfer.take() {
-                    self.transfers.abandon(t);
-                }
-            }
-            let mine = read.results;
-            for (&i, r) in part.iter().zip(mine) {
-                out[i] = r;
-            }
+        // Destinations the transport cannot write in place (over RDMA: unregistered memory)
+        // go through the bounce; null ones and bad keys are refused as any call's.
+        let outside: Vec<usize> = (0..gets.len())
+            .filter(|&i| {
+                !gets[i].dst.is_null()
+                    && !gets[i].key.contains('\0')
+                    && self
+                        .unregistered_dst(gets[i].dst as usize, gets[i].len)
+                        .is_some()
+            })
+            .collect();
+        if outside.is_empty() {
+            // SAFETY: the caller's promise, for the same gets.
+            unsafe { self.get_into_in_place(gets) }
+        } else {
+            // SAFETY: the caller's promise, for the same gets.
+            unsafe { self.get_into_bounced(gets, &outside) }
         }
-        drop(transfer);
-        out
     }
 
     unsafe fn get_ranges(&self, gets: &[RangedGet<'_>]) -> Vec<Result<u64, StoreError>> {
@@ -977,6 +935,86 @@ impl KvStore for MooncakeStore {
                 detail: Cause::from_error(e),
             }),
         }
+    }
+}
+
+impl MooncakeStore {
+    /// [`KvStore::get_into`] with every destination written in place (none is routed through
+    /// the bounce; one the transport cannot write is refused).
+    ///
+    /// # Safety
+    /// As [`KvStore::get_into`].
+    pub(super) unsafe fn get_into_in_place(
+        &self,
+        gets: &[ObjectGet<'_>],
+    ) -> Vec<Result<u64, StoreError>> {
+        let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
+
+        let (valid, mut out) = vet_reads(
+            &keys,
+            |i| {
+                null_dst(gets[i].dst)
+                    .or_else(|| self.unregistered_dst(gets[i].dst as usize, gets[i].len))
+            },
+            |_| true,
+        );
+        // Marked abandoned as soon as a call is (not after the loop): a later call that
+        // panicked would otherwise unwind past the mark.
+        let mut transfer = Some(self.transfers.transfer());
+        // The wheel's `batch_get_into` stalls (until its 60 s transfer timeout) when one call
+        // carries thousands of keys over TCP: at most MAX_WHOLE_READS_PER_CALL keys per call.
+        // Once a call fails whole (or every key of it fails its transfer), the later parts are
+        // not tried: each would wait out the same timeout while the caller has given up.
+        let mut given_up: Option<String> = None;
+        for part in valid.chunks(MAX_WHOLE_READS_PER_CALL) {
+            if let Some(why) = &given_up {
+                for &i in part {
+                    out[i] = Err(not_read(keys[i], why));
+                }
+                continue;
+            }
+            let names: Vec<&str> = part.iter().map(|&i| keys[i]).collect();
+            let ckeys = match CKeys::new(&names) {
+                Ok(k) => k,
+                Err(e) => {
+                    for &i in part {
+                        out[i] = Err(store_error(keys[i], &e));
+                    }
+                    continue;
+                }
+            };
+            let ptrs: Vec<*mut u8> = part.iter().map(|&i| gets[i].dst).collect();
+            let sizes: Vec<usize> = part.iter().map(|&i| gets[i].len).collect();
+            // SAFETY: the caller of this `unsafe fn` promised
+            // (KvStore's buffer contract) that each `dst` is valid for writes of `len` bytes,
+            // not accessed by anyone else during the call, and registered where the transport
+            // needs it; the call is synchronous, except for a transfer the client gives up on,
+            // whose memory the caller then keeps for good (`StoreError::Abandoned`).
+            let call = || unsafe { self.client.batch_get_into_raw(&ckeys, &ptrs, &sizes) };
+            let read = wheel_read(
+                "batch_get_into",
+                "whole-object read",
+                &names,
+                CLIENT_GIVES_UP_AFTER,
+                call,
+            );
+            given_up = read.given_up;
+            if let Some(why) = &given_up {
+                tracing::warn!(keys = part.len(), why, "whole-object reads given up");
+            }
+            if read.abandoned {
+                // Transfers may still run: `unregister` must not let their memory go.
+                if let Some(t) = transfer.take() {
+                    self.transfers.abandon(t);
+                }
+            }
+            let mine = read.results;
+            for (&i, r) in part.iter().zip(mine) {
+                out[i] = r;
+            }
+        }
+        drop(transfer);
+        out
     }
 }
 
