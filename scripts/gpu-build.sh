@@ -45,8 +45,10 @@ max_glibc=0
 for b in gpu_tests "${bins[@]}"; do
   [[ "$b" == gpu_tests ]] || cp "target/release/examples/$b" gpu-bin/
   strip "gpu-bin/$b"
-  # `|| true`: a binary with no versioned glibc symbol needs none (grep finds nothing).
-  need=$( (objdump -T "gpu-bin/$b" | grep -o 'GLIBC_[0-9.]*' || true) | sed 's/GLIBC_//' | sort -Vu | tail -1)
+  # objdump must succeed (a failure is not "no glibc needed"); grep finding no versioned
+  # glibc symbol (exit 1) means the binary needs none.
+  syms=$(objdump -T "gpu-bin/$b")
+  need=$( (grep -o 'GLIBC_[0-9.]*' <<< "$syms" || [[ $? -eq 1 ]]) | sed 's/GLIBC_//' | sort -Vu | tail -1)
   need=${need:-0}
   if [[ "$(printf '%s\n2.34\n' "$need" | sort -V | tail -1)" != "2.34" ]]; then
     echo "gpu-build: $b needs glibc $need (> 2.34): it may not run on the GPU machine" >&2
@@ -61,7 +63,8 @@ if (( size > 60 * 1024 * 1024 )); then
 fi
 {
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$([[ -z "$(git status --porcelain --untracked-files=normal -- . ':!gpu-bin' 2>/dev/null)" ]] || echo ' (+ uncommitted changes)')"
+  changes=$(git status --porcelain --untracked-files=normal -- . ':!gpu-bin' 2>/dev/null || echo unknown)
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)${changes:+ (+ uncommitted changes)}"
   echo "rustc: $(rustc --version)"
   echo "max glibc symbol: $max_glibc"
 } > gpu-bin/BUILD_INFO

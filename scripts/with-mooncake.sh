@@ -167,24 +167,33 @@ done
 while IFS= read -r line; do export "${line?}"; done < <(mc_env)
 export MOONCAKE_MASTER_PID="$master_pid"
 mc_env | sed 's/^/[mooncake] env: /' >&2
-# In the background, waited for: a signal to this script then reaches its trap at once (a
-# foreground command held the trap until it ended), which stops the command, then the master
-# and nodes. Its stdin is /dev/null (no job control here); the tests read none.
+# In the background, in a process group of its own (job control on for its start), waited
+# for: a signal to this script reaches its trap at once (a foreground command held the trap
+# until it ended), and the trap stops the command's whole group (cargo and the test binaries
+# it runs), then the master and nodes. With job control the command does not ignore SIGINT;
+# its stdin is not the terminal's (the tests read none).
 set +e
-"$@" &
-cmd_pid=$!
+cmd_pid=
 stop_command() { # $1 exit status
-  kill -TERM "$cmd_pid" 2>/dev/null || true
-  local i
-  for ((i = 0; i < 100; i++)); do kill -0 "$cmd_pid" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$cmd_pid" 2>/dev/null || true
-  wait "$cmd_pid" 2>/dev/null || true
+  if [[ -n "$cmd_pid" ]]; then
+    kill -TERM -- "-$cmd_pid" 2>/dev/null || kill -TERM "$cmd_pid" 2>/dev/null || true
+    local i
+    for ((i = 0; i < 100; i++)); do kill -0 "$cmd_pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$cmd_pid" 2>/dev/null || true
+    wait "$cmd_pid" 2>/dev/null || true
+  fi
   exit "$1"
 }
 trap 'stop_command 130' INT
 trap 'stop_command 143' TERM
+set -m
+"$@" &
+cmd_pid=$!
+set +m
 wait "$cmd_pid"
 status=$?
+trap 'exit 130' INT
+trap 'exit 143' TERM
 set -e
 stop_started
 trap - EXIT

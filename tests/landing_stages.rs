@@ -114,3 +114,41 @@ fn a_landing_that_lends_one_stage_fails_the_batch_at_once_with_why() {
         "{outcome:?}"
     );
 }
+
+/// A model of one layer needs one stage: a landing that lends one loads it.
+#[test]
+fn a_one_layer_model_loads_through_one_stage() {
+    use kvlink::kv_geometry::{ComponentSpec, ElementType, ModelKvSpec, RowUnit};
+    let spec = ModelKvSpec::new(
+        "one-layer",
+        1,
+        4,
+        vec![ComponentSpec::new(
+            "k",
+            RowUnit::Token,
+            ElementType::Bytes,
+            16,
+        )],
+    )
+    .unwrap();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let cfg = LinkerConfig::default();
+    let tokens = prompt(32, 3, spec.page_size);
+    let pages = save_prefix(&spec, store.clone(), &tokens, &cfg);
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 3).unwrap());
+    let linker = Linker::with_landings(
+        g.clone(),
+        store,
+        pool.clone(),
+        Arc::new(OneStageLandings(pool)),
+        cfg,
+        None,
+    )
+    .unwrap();
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![2, 0, 1]))
+        .unwrap();
+    linker.wait_layer(&t, 0).unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+}

@@ -76,9 +76,10 @@ pub fn run_aborts(gpus: u32, report: &mut Report) {
 }
 
 /// A defect under an operation (a panic on the comm thread, injected through the failpoint
-/// "nccl-comm-op"): the call fails at once with "ended during" rather than at its deadline, the
-/// worker's drop aborts the communicator as the thread unwinds (the handle's `broken` names
-/// the panic, not only a thread that stopped answering), and the handle drops at once.
+/// "nccl-comm-op"): the comm thread aborts its communicator, then answers the call at once
+/// ("panicked during", not at its deadline), so the handle's `broken` names the panic by the
+/// time the call returns; the next call fails at once; the handle drops at once (its thread
+/// still serves, and is joined).
 #[cfg(feature = "failpoints")]
 fn comm_thread_panics() -> Result<String, String> {
     let ranks = NcclGroup::new_in_process_with(&[0], short_grace()).map_err(ce)?;
@@ -89,8 +90,12 @@ fn comm_thread_panics() -> Result<String, String> {
     let took = t0.elapsed();
     fail::remove("nccl-comm-op");
     let failed = match r {
-        Err(e @ CollectiveError::Backend(_)) if e.to_string().contains("ended during") => e,
-        other => return Err(format!("expected Backend \"ended during\", got {other:?}")),
+        Err(e @ CollectiveError::Backend(_)) if e.to_string().contains("panicked during") => e,
+        other => {
+            return Err(format!(
+                "expected Backend \"panicked during\", got {other:?}"
+            ))
+        }
     };
     if took > Duration::from_secs(5) {
         return Err(format!("the call ended after {took:?} (deadline 30 s)"));
@@ -100,6 +105,10 @@ fn comm_thread_panics() -> Result<String, String> {
         return Err(format!(
             "the communicator was not aborted by the panic: broken = {broken:?}"
         ));
+    }
+    match ranks[0].all_gather_u64(3, soon()) {
+        Err(CollectiveError::Aborted { .. }) => {}
+        other => return Err(format!("the next call: expected Aborted, got {other:?}")),
     }
     let t1 = Instant::now();
     drop(ranks);

@@ -937,10 +937,12 @@ impl NcclCollective {
     }
 }
 
-/// Runs a comm thread's `body`, then reports the thread's end on `done`. A panic in `body` is
-/// a defect: it is logged; the worker's drop has aborted the communicator as it unwound; the
-/// request in flight gets no reply (its caller reads "ended during"); and the end is still
-/// reported, so the handle joins the thread instead of leaving it.
+/// Runs a comm thread's `body`, then reports the thread's end on `done`. A panic under an
+/// operation is caught and answered by `serve` itself; one elsewhere in `body` (starting,
+/// shutting down) is a defect too: it is logged; the worker's drop has aborted the
+/// communicator as it unwound; a request in flight gets no reply (its caller reads "ended
+/// during"); and the end is still reported, so the handle joins the thread instead of
+/// leaving it.
 fn run_comm_thread(rank: u32, done: mpsc::SyncSender<()>, body: impl FnOnce()) {
     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
     if let Err(payload) = served {

@@ -879,7 +879,26 @@ impl Worker {
     pub(crate) fn serve(mut self, rx: mpsc::Receiver<Request>) {
         while let Ok(req) = rx.recv() {
             let name = req.op.name();
-            let result = match self.run(req.op, req.seq, req.deadline) {
+            // A panic under the operation (a defect) aborts the communicator here, before the
+            // caller hears of it, and is answered like any failure: the handle then names the
+            // panic (`broken`), its later calls fail at once, and its close joins this thread.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.run(req.op, req.seq, req.deadline)
+            }));
+            let ran = ran.unwrap_or_else(|payload| {
+                let what = super::panic_text(payload.as_ref());
+                let cause = format!(
+                    "the comm thread panicked during {name} #{}: {what}",
+                    req.seq
+                );
+                tracing::error!(rank = self.rank, cause, "aborting the NCCL communicator");
+                self.abort_comm(&cause);
+                Err(Fail::Error(CollectiveError::Backend(format!(
+                    "rank {}: {cause}; the communicator was aborted",
+                    self.rank
+                ))))
+            });
+            let result = match ran {
                 Ok(r) => Ok(r),
                 Err(Fail::Error(e)) => {
                     // A refused argument (`InvalidArgument`) issued nothing and leaves the
@@ -957,10 +976,11 @@ impl Worker {
     }
 }
 
-/// A comm thread that unwinds (a panic under `serve` or `start`) still ends its communicator:
-/// it is aborted, so that peers' kernels waiting on this rank end now rather than at their
-/// deadlines, and the handle's `broken()` gives the cause. After `shutdown` the
-/// communicator is null and this does nothing.
+/// A comm thread that unwinds (a panic outside an operation, which `serve` catches itself: in
+/// `start` or `shutdown`) still ends its communicator: it is aborted (this rank's kernels end;
+/// a peer waiting on this rank fails by its own deadline, as with any aborted peer), and the
+/// handle's `broken()` gives the cause. After `shutdown` the communicator is null and this
+/// does nothing.
 impl Drop for Worker {
     fn drop(&mut self) {
         if self.comm.is_null() {

@@ -326,8 +326,10 @@ impl Inner {
             Ok(mut l) => {
                 let stages = l.take_stages();
                 // Layer 0 is read alone while the next group needs a stage of its own: a ring
-                // of one would fail layer 1 ("no landing to read into").
-                let few = (stages.len() < 2).then_some(kv_device::DeviceError::InvalidStage(
+                // of one would fail layer 1 ("no landing to read into"). A model of one layer
+                // needs one.
+                let needed = 2.min(self.geometry.num_layers() as usize);
+                let few = (stages.len() < needed).then_some(kv_device::DeviceError::InvalidStage(
                     "the landing lent fewer than two stages; a batch needs at least two",
                 ));
                 (Some(Arc::<dyn LayerLanding>::from(l)), stages, few)

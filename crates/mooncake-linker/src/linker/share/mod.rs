@@ -4,8 +4,8 @@
 //!
 //! A step runs on the exchange loop after every rank reported the layer read (the status
 //! exchange). On device pools this rank's part of the share area is uploaded *before* that
-//! exchange ([`LayerCx::upload`]), and a failed upload is this rank's status word for the
-//! layer: its peers would otherwise share, scatter and publish what device staging held
+//! exchange ([`LayerCx::upload`]), and an upload that fails to enqueue is this rank's status
+//! word for the layer: its peers would otherwise share, scatter and publish what device staging held
 //! before (an earlier layer's bytes) as this layer. A step ends in one of three ways: the
 //! layer landed ([`LayerReady`], published by the pipeline), a **local** error (this rank's
 //! scatter or land failed, which touches only its own pool: it still entered the layer's
