@@ -496,6 +496,18 @@ pub trait Collective: Send + Sync {
     fn broken(&self) -> Option<String> {
         None
     }
+
+    /// Whether a device operation ([`broadcast_device`](Self::broadcast_device),
+    /// [`all_gather_device`](Self::all_gather_device)) that failed with `error` may have left
+    /// work in flight on its region: then the region must never be reused or freed (a stage is
+    /// poisoned). The default says so whenever the handle is [`broken`](Self::broken) after the
+    /// failure, as one whose failure may leave work behind is. An implementation that knows
+    /// nothing was enqueued (a round that failed before it committed) answers `false`, so that
+    /// a group broken by an abort that raced the call does not cost the caller its staging.
+    fn may_leave_work(&self, error: &CollectiveError) -> bool {
+        let _ = error;
+        self.broken().is_some()
+    }
 }
 
 /// Which memory a [`Collective`]'s data operations move.

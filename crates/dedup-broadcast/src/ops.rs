@@ -100,8 +100,9 @@ pub fn share_rows(
 /// Enqueues the share of `stage` (one layer's device share area) among the group, after the
 /// stage's upload, and returns the collective's completion event. The event is pushed onto the
 /// stage's fences before this returns, so the stage is not reused while the collective
-/// may still write it. On an error from a group that is now [broken](Collective::broken), the
-/// stage is poisoned (work may be in flight that no event tells the end of). A group broken
+/// may still write it. On an error that may have left work in flight
+/// ([`Collective::may_leave_work`]: by default, from a group that is now
+/// [broken](Collective::broken)), the stage is poisoned (no event tells that work's end). A group broken
 /// before the call issues nothing: the share fails [`Aborted`](CollectiveError::Aborted) at
 /// once and the stage is left as it was (its staging is reused, not quarantined for good).
 pub fn share_stage(
@@ -134,7 +135,7 @@ pub fn share_stage(
     let ev = match r {
         Ok(ev) => ev,
         Err(e) => {
-            if coll.broken().is_some() {
+            if coll.may_leave_work(&e) {
                 stage.poison();
             }
             return Err(e);

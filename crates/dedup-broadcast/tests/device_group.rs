@@ -493,6 +493,65 @@ fn share_entry_points_move_a_layer_and_count_it() {
 /// A rank that reaches its share step after a peer aborted the group issues nothing, and its
 /// stage is not quarantined: the staging lease comes back when the landing drops (it stayed
 /// poisoned for good, one lease per such failure, until the staging ran out).
+/// A share whose round an abort fails while it waits (a peer never came; the group was
+/// broken from outside during the call) enqueued nothing: its stage stays reusable on every
+/// rank that waited. Before, the group being broken after the failure poisoned the stage, and
+/// its staging lease was quarantined for good.
+#[test]
+fn a_share_whose_open_round_an_abort_fails_leaves_the_stage_reusable() {
+    let spec = one_layer_spec("aborted-share");
+    let pages = 6usize;
+    let dev: Arc<dyn Device> = jittery(0);
+    let ranks = InProcessGroup::on_devices(vec![dev.clone(), dev.clone(), dev.clone()]).unwrap();
+    let reusable = std::thread::scope(|s| {
+        let waiting: Vec<_> = ranks[..2]
+            .iter()
+            .map(|c| {
+                let (spec, dev) = (spec.clone(), dev.clone());
+                s.spawn(move || {
+                    let g = KvGeometry::new(spec, 3, c.rank()).unwrap();
+                    let k = g.components()[0].clone();
+                    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+                    let staging =
+                        StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, pages, 2), 1)
+                            .unwrap();
+                    let layout =
+                        StagingLayout::new(ShareMode::SplitAllGather, 0, [&k], pages, 3).unwrap();
+                    let shape = BatchShape {
+                        own: vec![],
+                        shared: vec![k.id],
+                        share_bytes: vec![layout.len()],
+                    };
+                    let slots: Vec<u32> = (0..pages as u32).collect();
+                    let mut l =
+                        StagedLanding::new(pool, staging.lease().unwrap(), slots.into(), shape)
+                            .unwrap();
+                    let mut st = l.take_stages();
+                    let stage = &mut st[0];
+                    l.open(stage, 0, soon()).unwrap();
+                    l.upload(stage, layout.chunk(c.rank())).unwrap();
+                    let r = {
+                        let mut ds = l.device_stage(stage).unwrap();
+                        share_stage(c, &mut ds, StageShare::AllGather, soon())
+                    };
+                    assert!(matches!(r, Err(CollectiveError::Aborted { .. })), "{r:?}");
+                    drop(st);
+                    drop(l);
+                    staging.lease().is_ok()
+                })
+            })
+            .collect();
+        // Rank 2 never issues; the group is aborted while ranks 0 and 1 wait in the round.
+        std::thread::sleep(Duration::from_millis(300));
+        ranks[2].abort("test: the group gave up");
+        waiting
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<bool>>()
+    });
+    assert_eq!(reusable, vec![true, true], "a stage was quarantined");
+}
+
 #[test]
 fn a_share_on_a_group_broken_before_it_leaves_the_stage_reusable() {
     let spec = one_layer_spec("broken-share");

@@ -326,4 +326,15 @@ impl Collective for InProcessCollective {
     fn broken(&self) -> Option<String> {
         self.group.state.lock().broken.clone()
     }
+
+    /// Only a device round that committed can have enqueued copies, and its failures after
+    /// the commit are `Backend` or `Device` (a copy or event that failed, peers that did not
+    /// post in time). Every failure before the commit (a timeout, a mismatch, a rank gone, an
+    /// abort that failed the open round) enqueued nothing.
+    fn may_leave_work(&self, error: &CollectiveError) -> bool {
+        matches!(
+            error,
+            CollectiveError::Backend(_) | CollectiveError::Device { .. }
+        )
+    }
 }
