@@ -171,29 +171,34 @@ mc_env | sed 's/^/[mooncake] env: /' >&2
 # for: a signal to this script reaches its trap at once (a foreground command held the trap
 # until it ended), and the trap stops the command's whole group (cargo and the test binaries
 # it runs), then the master and nodes. With job control the command does not ignore SIGINT;
-# its stdin is not the terminal's (the tests read none).
+# its stdin is /dev/null (a background job reading the terminal would stop; the tests read
+# none).
 set +e
 cmd_pid=
 stop_command() { # $1 exit status
-  if [[ -n "$cmd_pid" ]]; then
-    kill -TERM -- "-$cmd_pid" 2>/dev/null || kill -TERM "$cmd_pid" 2>/dev/null || true
-    local i
-    for ((i = 0; i < 100; i++)); do kill -0 "$cmd_pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL -- "-$cmd_pid" 2>/dev/null || true
-    wait "$cmd_pid" 2>/dev/null || true
+  # A signal between the start and `cmd_pid=$!` finds the command as the last job ($!).
+  local pid=${cmd_pid:-$!} i
+  if [[ -n "$pid" ]]; then
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    # The whole group gets the grace (cargo may end at once, its test binaries later).
+    for ((i = 0; i < 100; i++)); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
   fi
   exit "$1"
 }
 trap 'stop_command 130' INT
 trap 'stop_command 143' TERM
 set -m
-"$@" &
+"$@" </dev/null &
 cmd_pid=$!
 set +m
 wait "$cmd_pid"
 status=$?
 trap 'exit 130' INT
 trap 'exit 143' TERM
+# Anything the command left running in its group is stopped with it.
+kill -TERM -- "-$cmd_pid" 2>/dev/null || true
 set -e
 stop_started
 trap - EXIT

@@ -6,8 +6,12 @@
 //!
 //! Bounce buffers are registered once and stay registered until the store drops; they are
 //! freed after its client (the store's first field), so no transfer outlives them. A buffer a
-//! transfer the client gave up on may still write is never reused (kept until the store
-//! drops), as the caller's own buffer would be.
+//! transfer the client gave up on may still write is never reused nor freed, as the caller's
+//! own buffer would not be; the reads of that call that succeeded are still copied out. At
+//! most 256 MiB of bounces exist per store, and after a failed registration none is tried for
+//! a minute (the reads are refused meanwhile, as they were before the bounce).
+
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -19,62 +23,135 @@ use crate::store::{KvStore, MemoryRegion, ObjectGet, StoreError};
 /// registered pool).
 pub const MAX_BOUNCE_BYTES: usize = 64 << 20;
 
+/// Most bytes of bounce buffers a store keeps registered (free, lent and kept together):
+/// past it, reads that would need a new buffer are refused until one is free again.
+const MAX_BOUNCE_TOTAL: usize = 256 << 20;
+
 /// The smallest bounce buffer made (a companion read of a few KiB then reuses one buffer).
 const MIN_BOUNCE_BYTES: usize = 1 << 20;
+
+/// After a registration failed, how long no new buffer is tried (a lasting cause, such as the
+/// locked-memory limit, would otherwise cost every read a failed registration).
+const RETRY_AFTER: Duration = Duration::from_secs(60);
 
 /// The store's bounce buffers (see the module docs).
 #[derive(Debug, Default)]
 pub(super) struct Bounces {
-    /// Registered and free.
-    free: Mutex<Vec<Box<[u8]>>>,
-    /// Registered, and possibly still written by a transfer the client gave up on.
-    kept: Mutex<Vec<Box<[u8]>>>,
+    state: Mutex<BounceState>,
 }
 
-/// A bounce buffer lent to one call.
-pub(super) struct Lent(Box<[u8]>);
+#[derive(Debug, Default)]
+struct BounceState {
+    /// Registered and free.
+    free: Vec<Box<[u8]>>,
+    /// Registered, and possibly still written by a transfer the client gave up on: never
+    /// lent again nor freed (see `Drop`).
+    kept: Vec<Box<[u8]>>,
+    /// Bytes of every buffer made (free, lent, kept, and any leaked after a failed
+    /// registration).
+    total: usize,
+    /// When a registration last failed.
+    failed_at: Option<Instant>,
+}
+
+/// A bounce buffer lent to one call. Given back or kept explicitly; one dropped otherwise (an
+/// unwind between lending and giving back) is leaked, never freed: it is registered, and a
+/// transfer may still write it.
+pub(super) struct Lent(Option<Box<[u8]>>);
+
+impl Lent {
+    fn buf(&mut self) -> &mut [u8] {
+        self.0.as_deref_mut().unwrap_or(&mut [])
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(buf) = self.0.take() {
+            std::mem::forget(buf);
+        }
+    }
+}
+
+impl Drop for Bounces {
+    /// Kept buffers are never freed, even with the store (as a caller's buffer a given-up
+    /// transfer may still write is never freed): a transfer the client gave up on is not
+    /// known to have stopped when its client drops.
+    fn drop(&mut self) {
+        for buf in std::mem::take(&mut self.state.get_mut().kept) {
+            std::mem::forget(buf);
+        }
+    }
+}
 
 impl Bounces {
     /// A registered buffer of at least `need` bytes: a free one, or a new one registered now.
     fn take(&self, store: &MooncakeStore, need: usize) -> Result<Lent, StoreError> {
-        {
-            let mut free = self.free.lock();
-            if let Some(i) = free.iter().position(|b| b.len() >= need) {
-                return Ok(Lent(free.swap_remove(i)));
-            }
-        }
         let len = need.max(MIN_BOUNCE_BYTES).next_power_of_two();
+        {
+            let mut st = self.state.lock();
+            if let Some(i) = st.free.iter().position(|b| b.len() >= need) {
+                return Ok(Lent(Some(st.free.swap_remove(i))));
+            }
+            if st.failed_at.is_some_and(|t| t.elapsed() < RETRY_AFTER) {
+                return Err(refused(
+                    "a bounce registration failed less than a minute ago",
+                ));
+            }
+            if st.total.saturating_add(len) > MAX_BOUNCE_TOTAL {
+                return Err(refused("the store's bounce buffers are all in use"));
+            }
+            st.total += len;
+        }
         let mut buf = Vec::new();
-        buf.try_reserve_exact(len)
-            .map_err(|_| StoreError::NoSpace {
+        if buf.try_reserve_exact(len).is_err() {
+            self.state.lock().total -= len;
+            return Err(StoreError::NoSpace {
                 key: "<bounce>".into(),
                 detail: format!("{len} bytes for a registered bounce could not be allocated"),
-            })?;
+            });
+        }
         buf.resize(len, 0u8);
         let buf = buf.into_boxed_slice();
         let region = MemoryRegion {
             addr: buf.as_ptr() as usize,
             len,
         };
-        // SAFETY: the buffer is never freed while registered with the client: it goes back to
-        // `free` or `kept` (never dropped on its own) and is freed when the store drops, after
-        // its client (the store's first field), and it is never unregistered.
-        unsafe { store.register(region) }?;
+        // SAFETY: the buffer is never freed while registered with the client: it is never
+        // unregistered, and it goes back to `free` or `kept`, or is leaked (`Lent`'s drop, a
+        // failed registration below); free buffers are freed when the store drops, after its
+        // client (the store's first field).
+        if let Err(e) = unsafe { store.register(region) } {
+            // A registration that failed part way may have left the pages registered: leaked.
+            std::mem::forget(buf);
+            self.state.lock().failed_at = Some(Instant::now());
+            return Err(e);
+        }
         tracing::debug!(
             bytes = len,
             "registered a bounce buffer for reads into unregistered memory"
         );
-        Ok(Lent(buf))
+        Ok(Lent(Some(buf)))
     }
 
     /// A buffer whose call is over: free for the next.
-    fn give_back(&self, lent: Lent) {
-        self.free.lock().push(lent.0);
+    fn give_back(&self, mut lent: Lent) {
+        if let Some(buf) = lent.0.take() {
+            self.state.lock().free.push(buf);
+        }
     }
 
     /// A buffer a given-up transfer may still write: never lent again.
-    fn keep(&self, lent: Lent) {
-        self.kept.lock().push(lent.0);
+    fn keep(&self, mut lent: Lent) {
+        if let Some(buf) = lent.0.take() {
+            self.state.lock().kept.push(buf);
+        }
+    }
+}
+
+fn refused(why: &str) -> StoreError {
+    StoreError::Unavailable {
+        detail: format!("no bounce for a read into unregistered memory: {why}").into(),
     }
 }
 
@@ -109,7 +186,7 @@ impl MooncakeStore {
             }
         };
         let mut lent = lent;
-        let base = lent.0.as_mut_ptr();
+        let base = lent.buf().as_mut_ptr();
         let mut at = vec![None; gets.len()];
         let mut off = 0usize;
         for &i in outside {
@@ -129,23 +206,26 @@ impl MooncakeStore {
         // SAFETY: every destination is the caller's (its promise) or a distinct slice of the
         // bounce, which is registered, lent to this call alone and alive until it returns.
         let out = unsafe { self.get_into_in_place(&routed) };
+        // Every read that succeeded is copied out, also when another of the call was given
+        // up on (its slice of the bounce is its own, and finished).
+        for ((g, at), r) in gets.iter().zip(&at).zip(&out) {
+            if let (Some(o), Ok(n)) = (at, r) {
+                let n = usize::try_from(*n).map_or(g.len, |n| n.min(g.len));
+                // SAFETY: the bounce slice `o..o + n` (within `need`, which the bounce holds)
+                // was written by the call that returned; `g.dst` is valid for `g.len >= n`
+                // bytes (the caller's promise) and is not the bounce (memory the store does
+                // not own).
+                unsafe { std::ptr::copy_nonoverlapping(base.wrapping_add(*o), g.dst, n) };
+            }
+        }
         if out
             .iter()
             .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer))
         {
             self.bounces.keep(lent);
-            return out;
+        } else {
+            self.bounces.give_back(lent);
         }
-        for ((g, at), r) in gets.iter().zip(&at).zip(&out) {
-            if let (Some(o), Ok(n)) = (at, r) {
-                let n = usize::try_from(*n).map_or(g.len, |n| n.min(g.len));
-                // SAFETY: the bounce slice `o..o + n` was written by the call that returned;
-                // `g.dst` is valid for `g.len >= n` bytes (the caller's promise) and is not
-                // the bounce (memory the store does not own).
-                unsafe { std::ptr::copy_nonoverlapping(lent.0.as_ptr().add(*o), g.dst, n) };
-            }
-        }
-        self.bounces.give_back(lent);
         out
     }
 }
