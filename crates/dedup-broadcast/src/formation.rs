@@ -171,10 +171,11 @@ impl GroupFormation for InProcessFormation {
         // Another rank may be building the group (an NCCL group's set-up takes up to its
         // init timeout): wait for it until `deadline` only; the caller asks again later.
         let Some(mut epochs) = self.epochs.try_lock_until(deadline) else {
-            return Err(CollectiveError::Timeout {
-                op: "reform",
-                seq: epoch,
+            return Err(CollectiveError::Formation {
+                epoch,
                 missing: Vec::new(),
+                detail: "another rank was still building the group at this rank's deadline".into(),
+                cause: None,
             });
         };
         // A rank that lags joins the newest formation its peers already made (one built for an
@@ -186,7 +187,16 @@ impl GroupFormation for InProcessFormation {
             .max()
             .unwrap_or(epoch);
         if !epochs.contains_key(&epoch) {
-            let handles = (self.build)()?;
+            let handles = (self.build)().map_err(|e| match e {
+                // Already a formation's error (a refusal keeps saying so).
+                e @ CollectiveError::Formation { .. } => e,
+                e => CollectiveError::Formation {
+                    epoch,
+                    missing: Vec::new(),
+                    detail: format!("building the group failed: {e}"),
+                    cause: Some(crate::FormationFailure::new(e, false)),
+                },
+            })?;
             if handles.len() != self.size as usize {
                 return Err(CollectiveError::Backend(format!(
                     "built {} handles for {} ranks",

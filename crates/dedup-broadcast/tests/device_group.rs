@@ -335,7 +335,7 @@ fn a_rank_waits_for_a_slow_build_only_until_its_deadline() {
     let t0 = Instant::now();
     let late = f.reform(1, 1, Instant::now() + Duration::from_millis(100));
     assert!(
-        matches!(late, Err(CollectiveError::Timeout { .. })),
+        matches!(late, Err(CollectiveError::Formation { .. })),
         "{:?}",
         late.map(|h| h.epoch)
     );
