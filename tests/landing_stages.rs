@@ -12,7 +12,9 @@ use kvlink::kv_device::{
     BatchShape, DeviceError, DirectLanding, HostKvPool, LandingFactory, LayerLanding, LayerStage,
     ReadTarget, SaveGather, SharePath, ShareSide, StageLoan, StoreRegion,
 };
-use kvlink::kv_geometry::{ComponentId, KvGeometry};
+use kvlink::kv_geometry::{
+    ComponentId, ComponentSpec, ElementType, KvGeometry, ModelKvSpec, RowUnit,
+};
 use kvlink::kv_loader::{KvLoadError, KvLoader, LayerReady, TransferBytes};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
@@ -85,15 +87,14 @@ impl LandingFactory for OneStageLandings {
     }
 }
 
-#[test]
-fn a_landing_that_lends_one_stage_fails_the_batch_at_once_with_why() {
-    let spec = small_spec();
+/// A linker over a one-stage landing, and batch 1 of a 3-page prefix of `spec` saved for it,
+/// started into slots `slots`: the linker and the ticket.
+fn one_stage_load(spec: ModelKvSpec, slots: Vec<u32>) -> (Linker, kvlink::kv_loader::LoadTicket) {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
     let cfg = LinkerConfig::default();
     let tokens = prompt(31, 3, spec.page_size);
     let pages = save_prefix(&spec, store.clone(), &tokens, &cfg);
     let g = KvGeometry::new(spec, 1, 0).unwrap();
-    assert!(g.num_layers() >= 2);
     let pool = Arc::new(HostKvPool::new(g.clone(), 3).unwrap());
     let linker = Linker::with_landings(
         g.clone(),
@@ -104,9 +105,15 @@ fn a_landing_that_lends_one_stage_fails_the_batch_at_once_with_why() {
         None,
     )
     .unwrap();
-    let t = linker
-        .start_load(load_plan(&g, 1, &pages, vec![0, 1, 2]))
-        .unwrap();
+    let t = linker.start_load(load_plan(&g, 1, &pages, slots)).unwrap();
+    (linker, t)
+}
+
+#[test]
+fn a_landing_that_lends_one_stage_fails_the_batch_at_once_with_why() {
+    let spec = small_spec();
+    assert!(spec.num_layers >= 2);
+    let (linker, t) = one_stage_load(spec, vec![0, 1, 2]);
     assert!(linker.wait_layer(&t, 0).is_err(), "layer 0 published");
     let outcome = linker.wait_batch(&t).unwrap().result;
     assert!(
@@ -118,37 +125,9 @@ fn a_landing_that_lends_one_stage_fails_the_batch_at_once_with_why() {
 /// A model of one layer needs one stage: a landing that lends one loads it.
 #[test]
 fn a_one_layer_model_loads_through_one_stage() {
-    use kvlink::kv_geometry::{ComponentSpec, ElementType, ModelKvSpec, RowUnit};
-    let spec = ModelKvSpec::new(
-        "one-layer",
-        1,
-        4,
-        vec![ComponentSpec::new(
-            "k",
-            RowUnit::Token,
-            ElementType::Bytes,
-            16,
-        )],
-    )
-    .unwrap();
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let cfg = LinkerConfig::default();
-    let tokens = prompt(32, 3, spec.page_size);
-    let pages = save_prefix(&spec, store.clone(), &tokens, &cfg);
-    let g = KvGeometry::new(spec, 1, 0).unwrap();
-    let pool = Arc::new(HostKvPool::new(g.clone(), 3).unwrap());
-    let linker = Linker::with_landings(
-        g.clone(),
-        store,
-        pool.clone(),
-        Arc::new(OneStageLandings(pool)),
-        cfg,
-        None,
-    )
-    .unwrap();
-    let t = linker
-        .start_load(load_plan(&g, 1, &pages, vec![2, 0, 1]))
-        .unwrap();
+    let k = ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 16);
+    let spec = ModelKvSpec::new("one-layer", 1, 4, vec![k]).unwrap();
+    let (linker, t) = one_stage_load(spec, vec![2, 0, 1]);
     linker.wait_layer(&t, 0).unwrap();
     linker.wait_batch(&t).unwrap().result.unwrap();
 }
