@@ -118,6 +118,7 @@ fn fail_read(
                     key_contains: Some("_k".into()),
                     offset: Some(u64::from(layer) * page_layer_bytes),
                     times: None,
+                    ..FaultRule::default()
                 },
                 Fault::Error(StoreError::TransferFailed {
                     key: "injected".into(),

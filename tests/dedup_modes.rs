@@ -218,6 +218,7 @@ fn a_failed_shared_read_on_the_reader_fails_every_rank() {
                 key_contains: Some(format!("{}_cp0_pp0_k", pages[page])),
                 offset: Some(k.layer_range(3).unwrap().start),
                 times: Some(1),
+                ..FaultRule::default()
             },
             Fault::Short,
         );

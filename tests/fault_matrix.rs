@@ -165,6 +165,7 @@ fn arm(set: &Ranks, kind: Kind, rank: u32, layer: u32) -> Option<Stall> {
         key_contains: Some(format!("tp{rank}_cp0_pp0_v")),
         offset: Some(v.layer_range(layer).unwrap().start),
         times: Some(1),
+        ..FaultRule::default()
     };
     let fault = match kind {
         Kind::Error => Fault::Error(StoreError::TransferFailed {

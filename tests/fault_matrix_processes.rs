@@ -149,6 +149,7 @@ fn rank_main(role: &HashMap<String, String>) {
                 key_contains: Some(format!("tp{rank}_cp0_pp0_v")),
                 offset: Some(v.layer_range(layer).unwrap().start),
                 times: Some(1),
+                ..FaultRule::default()
             };
             let fault = match kind {
                 "error" => Fault::Error(StoreError::TransferFailed {

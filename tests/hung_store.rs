@@ -335,6 +335,7 @@ fn a_hung_read_on_a_middle_rank_fails_every_rank_in_time_and_the_group_goes_on()
                     key_contains: Some("tp1_cp0_pp0_v".into()),
                     offset: Some(v.layer_range(2).unwrap().start),
                     times: Some(1),
+                    ..FaultRule::default()
                 },
                 Fault::Stall(stall.clone()),
             );

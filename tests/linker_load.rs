@@ -220,6 +220,7 @@ fn failing_load(r: &Rig, layer: u32, fault: Fault) -> (KvLoadError, Linker, Arc<
             key_contains: Some(format!("{}_cp0", r.pages[1])),
             offset: Some(offset),
             times: Some(1),
+            ..FaultRule::default()
         },
         fault,
     );
@@ -709,6 +710,7 @@ fn parallel_layer_reads_land_the_same_bytes_and_fail_the_same_way() {
                 key_contains: Some(format!("{}_cp0", r.pages[5])),
                 offset: Some(offset),
                 times: Some(1),
+                ..FaultRule::default()
             },
             Fault::Error(StoreError::TransferFailed {
                 key: "injected".into(),

@@ -978,6 +978,42 @@ fn a_corrupt_object_with_kept_checksums_is_still_bad() {
     linker.close().unwrap();
 }
 
+/// A bad object is discarded even when its size cannot be had: its row failed against its
+/// companion read afresh, so it is bad whatever its size; only a wrong size replaces that
+/// verdict. Before, a size query that failed (injected here: `RpcTimeout`, as one sent past
+/// the recheck's spent deadline answers) ended the recheck as a store failure and left the
+/// bad object in the store, where first-write-wins kept the next save from replacing it.
+#[test]
+fn a_bad_object_is_discarded_even_when_its_size_cannot_be_had() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
+    let s = saved(44, 3);
+    let faults = Arc::new(FaultyStore::new(s.store.clone()));
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let linker = Linker::new(s.g.clone(), faults.clone(), pool.clone(), config()).unwrap();
+    load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
+    let key = &corrupt_page_2_at_layer_4(&s, &linker);
+    faults.inject_on(
+        FaultCall::Size,
+        FaultRule {
+            key_contains: Some(key.clone()),
+            // The load's own size check (before layer 0) passes; the recheck's fails.
+            skip: 1,
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::RpcTimeout { key: key.clone() }),
+    );
+    let err = layer_4_fails(&linker, &s);
+    assert!(
+        matches!(&err, KvLoadError::BadObject { key: bad, layer: Some(4), .. } if bad == key),
+        "{err:?}"
+    );
+    assert_eq!(
+        s.store.exists(&[key.as_str(), &checksum_key(key)]),
+        vec![Ok(false), Ok(false)]
+    );
+    linker.close().unwrap();
+}
+
 /// Page 2's first object, corrupted in layer 4: its key.
 fn corrupt_page_2_at_layer_4(s: &Saved, linker: &Linker) -> String {
     let keys = linker

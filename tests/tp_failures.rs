@@ -447,6 +447,7 @@ fn a_slow_renewal_and_read_fail_a_later_layer_before_the_peers_stop_waiting() {
                 key_contains: Some("tp1_cp0_pp0_v".into()),
                 offset: Some(v.layer_range(layer).unwrap().start),
                 times: Some(1),
+                ..FaultRule::default()
             },
             Fault::Delay(Duration::from_millis(ms)),
         );
@@ -521,6 +522,7 @@ fn a_panic_beside_a_hung_read_leaves_the_slots_to_the_next_batch() {
             key_contains: Some("tp1_cp0_pp0_v".into()),
             offset: Some(v.layer_range(3).unwrap().start),
             times: Some(1),
+            ..FaultRule::default()
         },
         Fault::Stall(stall.clone()),
     );

@@ -183,6 +183,7 @@ fn delayed_read(
             key_contains: Some(format!("_{}", k.name)),
             offset: k.layer_range(layer).map(|r| r.start),
             times,
+            ..FaultRule::default()
         },
         Fault::Delay(delay),
     );

@@ -197,6 +197,7 @@ fn run(a: &Args) -> anyhow::Result<bool> {
                     key_contains: Some("_k".into()),
                     offset: Some(off),
                     times: None,
+                    ..FaultRule::default()
                 },
                 Fault::Error(StoreError::TransferFailed {
                     key: "injected".into(),

@@ -296,6 +296,7 @@ fn timeout_then_reform(
                 key_contains: Some(format!("_{}", k.name)),
                 offset: k.layer_range(layer).map(|x| x.start),
                 times: Some(1),
+                ..FaultRule::default()
             },
             Fault::Delay(SLOW_READ),
         );

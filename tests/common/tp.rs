@@ -516,6 +516,7 @@ pub fn fail_v_read(faults: &FaultyStore, g: &KvGeometry, key: String, layer: u32
             key_contains: Some(key),
             offset: Some(v.layer_range(layer).unwrap().start),
             times: Some(1),
+            ..FaultRule::default()
         },
         Fault::Error(StoreError::TransferFailed {
             key: "injected".into(),

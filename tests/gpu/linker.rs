@@ -181,6 +181,7 @@ fn failure(dev: &Arc<CudaDevice>, n: usize) -> Result<String, String> {
             key_contains: Some("_k".into()),
             offset: k.layer_range(40).map(|r| r.start),
             times: Some(1),
+            ..FaultRule::default()
         },
         Fault::Error(StoreError::TransferFailed {
             key: "injected".into(),

@@ -307,6 +307,7 @@ fn failure(ctx: &mut Ctx<'_>, mode: ShareMode, fail_rank: u32) -> Result<String,
             key_contains: Some("_k".into()),
             offset: k.layer_range(mid).map(|r| r.start),
             times: Some(1),
+            ..FaultRule::default()
         },
         Fault::Error(StoreError::TransferFailed {
             key: "injected".into(),

@@ -68,6 +68,17 @@ impl Inner {
         let deadline = by.map_or(deadline, |by| deadline.min(by));
         let sizes =
             |comp: &ComponentKeys, page: usize| self.check_object_size(batch, comp, page, deadline);
+        // Before a bad object's discard: a wrong size is the verdict (that check discarded
+        // it); a size that could not be had (a query not sent by the spent deadline, a
+        // transient store error) does not spare a bad object its discard.
+        let wrong_size = |comp: &ComponentKeys, page: usize| match sizes(comp, page) {
+            Err(e @ KvLoadError::InvalidPlan { .. }) => Some(e),
+            Err(e) => {
+                tracing::warn!(%batch, key = comp.keys[page], error = %e, "size of a bad object not known: discarded anyway");
+                None
+            }
+            Ok(()) => None,
+        };
         let read = self.calls.read_whole_owned(&refs, &lens, deadline);
         let mut verdicts = Vec::with_capacity(rows.len());
         for ((r, got), (key, len)) in rows.iter().zip(read).zip(refs.iter().zip(&lens)) {
@@ -75,7 +86,9 @@ impl Inner {
             let fresh = match self.judge_companion((key, *len), &comp.layout, got, deadline) {
                 CompanionRead::Sums(s) => Some(s),
                 CompanionRead::Bad(e) => {
-                    sizes(comp, page)?;
+                    if let Some(e) = wrong_size(comp, page) {
+                        return Err(e);
+                    }
                     let detail = format!("checksum object read afresh: {e}");
                     let why = (Some(layer), detail);
                     return Err(self.bad_object(batch, comp, page, why, deadline));
@@ -118,7 +131,9 @@ impl Inner {
                     verdicts.push(v);
                 }
                 Err(e) => {
-                    sizes(comp, page)?;
+                    if let Some(e) = wrong_size(comp, page) {
+                        return Err(e);
+                    }
                     let why = (Some(layer), e.to_string());
                     return Err(self.bad_object(batch, comp, page, why, deadline));
                 }

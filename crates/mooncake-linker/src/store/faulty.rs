@@ -126,6 +126,8 @@ pub struct FaultRule {
     pub offset: Option<u64>,
     /// How many matching keys to hit before the rule is spent (`None`: forever).
     pub times: Option<u32>,
+    /// How many matching keys pass untouched before the rule hits (0: from the first).
+    pub skip: u32,
 }
 
 struct Armed {
@@ -133,6 +135,8 @@ struct Armed {
     rule: FaultRule,
     fault: Fault,
     hits: AtomicU32,
+    /// Matching keys seen (for `skip`).
+    seen: AtomicU32,
 }
 
 impl Armed {
@@ -158,6 +162,16 @@ impl Armed {
             if !ranges.iter().any(|r| r.offset == off) {
                 return false;
             }
+        }
+        if self.rule.skip > 0
+            && self
+                .seen
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < self.rule.skip).then_some(n + 1)
+                })
+                .is_ok()
+        {
+            return false;
         }
         match self.rule.times {
             None => true,
@@ -220,6 +234,7 @@ impl FaultyStore {
             rule,
             fault,
             hits: AtomicU32::new(0),
+            seen: AtomicU32::new(0),
         }));
     }
 
