@@ -481,3 +481,38 @@ fn a_failed_upload_stops_every_rank_before_the_layer_is_shared() {
         }
     }
 }
+
+/// A save whose gather from the device fails names what it was saving: the component, the
+/// layer and the plan pages (before, only the batch and the device's words).
+#[test]
+fn a_failed_save_gather_names_its_component_layer_and_pages() {
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
+    let (rs, hashes) = tp_ranks(
+        &replicated_spec(),
+        1,
+        store(),
+        4,
+        &config(ShareMode::AllRanks),
+        path,
+    );
+    let r = &rs[0];
+    r.device
+        .as_ref()
+        .expect("a device-path rank")
+        .fail_enqueue(CpuOp::ToHost, 0);
+    // Pages the store does not hold (the rig saved `hashes`): the save gathers them.
+    let page_size = r.linker.geometry().spec().page_size;
+    let fresh = kvlink::kv_geometry::page_hashes(
+        &common::prompt(99, hashes.len(), page_size),
+        page_size,
+        None,
+    );
+    let plan = load_plan(r.linker.geometry(), 9, &fresh, r.slots.clone());
+    let err = r.linker.save(&plan).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, KvLoadError::Device(_))
+            && text.contains("saving `k` layer 0, plan pages 0..=3"),
+        "{text}"
+    );
+}

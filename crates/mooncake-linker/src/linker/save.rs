@@ -174,14 +174,30 @@ impl Inner {
         let row = comp.layout.page_layer_bytes as usize;
         let object = comp.layout.object_bytes() as usize;
         let mut objects = vec![0u8; object * chunk.len()];
+        // What a failed gather names: the component, layer and plan pages it was saving.
+        let pages = match (chunk.first(), chunk.last()) {
+            (Some(a), Some(b)) if a != b => format!("plan pages {a}..={b}"),
+            (Some(a), _) => format!("plan page {a}"),
+            _ => "no pages".into(),
+        };
+        let what = |layer: u32| {
+            format!(
+                "{batch}: saving `{}` layer {layer}, {pages}",
+                comp.layout.name
+            )
+        };
         for (pos, &layer) in comp.layout.layers.iter().enumerate() {
-            let rows = gather
-                .gather(comp.layout.id, layer)
-                .map_err(KvLoadError::from)?;
+            let rows = gather.gather(comp.layout.id, layer).map_err(|e| {
+                KvLoadError::Device(kv_loader::Cause::with_source(
+                    format!("{}: {e}", what(layer)),
+                    e,
+                ))
+            })?;
             if rows.len() < chunk.len() * row {
                 return Err(KvLoadError::Device(
                     format!(
-                        "{batch}: a gather brought {} bytes for {} rows of {row}",
+                        "{}: a gather brought {} bytes for {} rows of {row}",
+                        what(layer),
                         rows.len(),
                         chunk.len()
                     )
