@@ -978,6 +978,20 @@ fn a_corrupt_object_with_kept_checksums_is_still_bad() {
     linker.close().unwrap();
 }
 
+/// A linker over `s`'s store behind a `FaultyStore` (no rule yet), after one verified load of
+/// `s`'s pages (so their checksums are kept): the linker and the fault store.
+fn loaded_once_through_faults(
+    s: &Saved,
+) -> (Linker, Arc<kvlink::mooncake_linker::store::FaultyStore>) {
+    let faults = Arc::new(kvlink::mooncake_linker::store::FaultyStore::new(
+        s.store.clone(),
+    ));
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let linker = Linker::new(s.g.clone(), faults.clone(), pool.clone(), config()).unwrap();
+    load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
+    (linker, faults)
+}
+
 /// A bad object is discarded even when its size cannot be had: its row failed against its
 /// companion read afresh, so it is bad whatever its size; only a wrong size replaces that
 /// verdict. Before, a size query that failed (injected here: `RpcTimeout`, as one sent past
@@ -985,12 +999,9 @@ fn a_corrupt_object_with_kept_checksums_is_still_bad() {
 /// bad object in the store, where first-write-wins kept the next save from replacing it.
 #[test]
 fn a_bad_object_is_discarded_even_when_its_size_cannot_be_had() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule};
     let s = saved(44, 3);
-    let faults = Arc::new(FaultyStore::new(s.store.clone()));
-    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
-    let linker = Linker::new(s.g.clone(), faults.clone(), pool.clone(), config()).unwrap();
-    load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
+    let (linker, faults) = loaded_once_through_faults(&s);
     let key = &corrupt_page_2_at_layer_4(&s, &linker);
     faults.inject_on(
         FaultCall::Size,
@@ -1161,12 +1172,9 @@ fn a_wrong_size_found_by_a_layer_check_is_not_replaced_by_a_check_that_found_the
 /// store failure: the object whose kept checksums failed is not discarded on a guess.
 #[test]
 fn a_failed_fresh_companion_read_discards_nothing() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, StoreError};
     let s = saved(45, 3);
-    let faults = Arc::new(FaultyStore::new(s.store.clone()));
-    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
-    let linker = Linker::new(s.g.clone(), faults.clone(), pool.clone(), config()).unwrap();
-    load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
+    let (linker, faults) = loaded_once_through_faults(&s);
     let (key, _) = rewrite_page_1(&s, &linker);
     faults.inject_on(
         FaultCall::ReadWhole,

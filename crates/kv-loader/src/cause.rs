@@ -55,6 +55,23 @@ impl Cause {
         Cause::with_source(source.to_string(), source)
     }
 
+    /// The words of a panic's payload (the `&str` or `String` a `panic!` carries; "a panic
+    /// with no message" for any other payload), for a caught panic that becomes an error.
+    ///
+    /// ```
+    /// use kv_loader::Cause;
+    /// let caught = std::panic::catch_unwind(|| panic!("slot {} out of range", 9)).unwrap_err();
+    /// assert_eq!(Cause::from_panic(caught.as_ref()).detail(), "slot 9 out of range");
+    /// ```
+    pub fn from_panic(payload: &(dyn std::any::Any + Send)) -> Self {
+        let words = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic with no message".into());
+        Cause::new(words)
+    }
+
     /// The same cause, its words prefixed with `context` ("context: words"); the typed error
     /// is kept.
     pub fn context(self, context: impl std::fmt::Display) -> Self {

@@ -158,10 +158,7 @@ impl Report {
 
 /// The text of a panic payload.
 pub fn panic_msg(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "panic".into())
+    kv_loader::Cause::from_panic(p).detail().to_string()
 }
 
 /// Error text of a device error.

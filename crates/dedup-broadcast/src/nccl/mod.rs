@@ -948,20 +948,11 @@ fn run_comm_thread(rank: u32, done: mpsc::SyncSender<()>, body: impl FnOnce()) {
     if let Err(payload) = served {
         tracing::error!(
             rank,
-            panic = panic_text(payload.as_ref()),
+            panic = %kv_loader::Cause::from_panic(payload.as_ref()),
             "the NCCL comm thread panicked; its communicator was aborted"
         );
     }
     let _ = done.send(());
-}
-
-/// The text of a panic's payload (a `&str` or `String` message).
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
-    payload
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("a panic with no message")
 }
 
 impl Drop for NcclCollective {

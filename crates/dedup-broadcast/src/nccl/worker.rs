@@ -886,7 +886,7 @@ impl Worker {
                 self.run(req.op, req.seq, req.deadline)
             }));
             let ran = ran.unwrap_or_else(|payload| {
-                let what = super::panic_text(payload.as_ref());
+                let what = kv_loader::Cause::from_panic(payload.as_ref());
                 let cause = format!(
                     "the comm thread panicked during {name} #{}: {what}",
                     req.seq

@@ -180,11 +180,7 @@ impl Inner {
         batch: kv_loader::BatchId,
         payload: &(dyn std::any::Any + Send),
     ) -> KvLoadError {
-        let what = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic with no message".into());
+        let what = kv_loader::Cause::from_panic(payload);
         let why = format!("the load thread panicked: {what}");
         tracing::error!(%batch, why, "batch failed");
         KvLoadError::internal(batch, why)
