@@ -435,6 +435,49 @@ fn pins_older_than_the_renewal_period_are_renewed_before_the_first_read() {
     r.linker.close().unwrap();
 }
 
+/// A load that takes over a lookup's pins covering more pages than it reads renews only its
+/// own keys: a renewal over the lookup's other pages (one of them refused by the store now,
+/// as a key evicted since) would fail the load for a key it does not read.
+#[test]
+fn an_adopted_wider_pin_is_renewed_over_the_loads_own_keys() {
+    let cfg = LinkerConfig {
+        lease_renewal: Duration::from_millis(50),
+        ..config()
+    };
+    let faults: Arc<Mutex<Option<Arc<FaultyStore>>>> = Arc::default();
+    let slot = faults.clone();
+    let r = rank(67, 3, cfg, move |s| {
+        let f = Arc::new(FaultyStore::new(s));
+        *slot.lock().unwrap() = Some(f.clone());
+        f
+    });
+    r.lookup_pinned(&r.pages, 0);
+    let unread = r.keys_of(&r.pages[2..]);
+    let f = faults.lock().unwrap().clone().unwrap();
+    f.inject_on(
+        FaultCall::Session,
+        FaultRule {
+            key_contains: Some(unread[0].clone()),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::NotFound {
+            key: unread[0].clone(),
+        }),
+    );
+    std::thread::sleep(Duration::from_millis(120));
+    r.load(&r.pages[..2], 1, &[1, 2]);
+    assert_eq!(
+        r.linker.metrics().pins_ahead_taken,
+        1,
+        "the wider pin was taken"
+    );
+    let (started, ended) = r.sessions.counts();
+    assert!(started >= 2, "renewed: {started} sessions");
+    assert_eq!(started, ended);
+    assert!(r.sessions.pinned().is_empty());
+    r.linker.close().unwrap();
+}
+
 /// Pins off: a lookup pins nothing, and the load pins for itself.
 #[test]
 fn with_pin_at_lookup_off_the_load_pins_for_itself() {

@@ -475,7 +475,7 @@ impl Inner {
                         "prepared: took the pins of the lookup");
         Some(PinnedKeys::adopt(
             &self.calls,
-            held.session,
+            (held.session, read_keys),
             held.started,
             self.config.lease_renewal,
             self.config.store_call_timeout,

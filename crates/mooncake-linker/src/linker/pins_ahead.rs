@@ -7,7 +7,8 @@
 //! started on a thread beside the companions' read ahead (see `prefetch`), or on one of its own
 //! while another lookup's read ahead runs; the load takes it over when it covers every key the load
 //! reads, and renews it as its own before its first read if it is older than
-//! `LinkerConfig::lease_renewal` (so a late load is as safe as one that pinned for itself).
+//! `LinkerConfig::lease_renewal` (so a late load is as safe as one that pinned for itself),
+//! over the keys it reads alone (a wider pin's other keys go when the old session ends).
 //! SGLang's later linker likewise pins between the match and the load.
 //!
 //! Only where this rank's reads are known at the lookup (a rank alone; a fixed mode, or the

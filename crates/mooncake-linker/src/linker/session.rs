@@ -12,6 +12,8 @@ pub(crate) struct PinnedKeys<'a> {
     calls: &'a StoreCalls,
     timeout: Duration,
     session: Option<ReadSession>,
+    /// What a renewal pins: the batch's own keys (an adopted session may cover more).
+    keys: Vec<String>,
     renewed: Instant,
     every: Duration,
 }
@@ -30,17 +32,19 @@ impl<'a> PinnedKeys<'a> {
             calls,
             timeout,
             session: Some(session),
+            keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             renewed: Instant::now(),
             every,
         })
     }
 
-    /// Takes over `session`, started at `started` (pins a lookup took, `pins_ahead`): it is
-    /// renewed as [`start`](Self::start)'s would be, counting from `started`, and ended on
-    /// drop.
+    /// Takes over `session`, started at `started` (pins a lookup took, `pins_ahead`), for a
+    /// batch that reads `keys` (which the session covers, and maybe more): it is renewed as
+    /// [`start`](Self::start)'s would be, counting from `started`, over `keys` alone (a key it
+    /// does not read, evicted since, must not fail the batch), and ended on drop.
     pub(crate) fn adopt(
         calls: &'a StoreCalls,
-        session: ReadSession,
+        (session, keys): (ReadSession, &[&str]),
         started: Instant,
         every: Duration,
         timeout: Duration,
@@ -49,6 +53,7 @@ impl<'a> PinnedKeys<'a> {
             calls,
             timeout,
             session: Some(session),
+            keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             renewed: started,
             every,
         }
@@ -66,10 +71,10 @@ impl<'a> PinnedKeys<'a> {
         if self.renewed.elapsed() < self.every {
             return Ok(());
         }
-        let Some(current) = &self.session else {
+        if self.session.is_none() {
             return Ok(());
-        };
-        let keys: Vec<&str> = current.keys.iter().map(String::as_str).collect();
+        }
+        let keys: Vec<&str> = self.keys.iter().map(String::as_str).collect();
         let fresh = self.calls.start_session(&keys, self.deadline())?;
         if let Some(old) = self.session.replace(fresh) {
             if let Err(e) = self.calls.end_session(&old, self.deadline()) {
