@@ -436,6 +436,117 @@ fn a_companion_written_beside_an_object_another_writer_wrote_first_is_discarded(
     linker.close().unwrap();
 }
 
+/// A store with Mooncake's race: another writer saves page 1's object of component 0 between
+/// the save's `exists` and its put, and the store reports the save's puts `Written` whatever
+/// it kept (the wheel answers a key that appeared meanwhile as written). The other writer's
+/// companion lands first; its object lands first only when `whole` (else after the save's).
+struct RacedByAnother {
+    inner: Arc<dyn KvStore>,
+    object: String,
+    theirs: Vec<u8>,
+    sums: Vec<u8>,
+    whole: bool,
+}
+
+impl KvStore for RacedByAnother {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
+        get_ranges, remove, discard, register, unregister, start_session, end_session, health);
+
+    fn name(&self) -> &str {
+        "raced-by-another"
+    }
+
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        let raced = puts.iter().any(|p| p.key == self.object);
+        if raced {
+            put(self.inner.as_ref(), &checksum_key(&self.object), &self.sums);
+            if self.whole {
+                put(self.inner.as_ref(), &self.object, &self.theirs);
+            }
+        }
+        // SAFETY: forwarded with the caller's promise.
+        let out = unsafe { self.inner.put(puts) };
+        if raced && !self.whole {
+            put(self.inner.as_ref(), &self.object, &self.theirs);
+        }
+        out.into_iter()
+            .map(|r| r.map(|_| PutOutcome::Written))
+            .collect()
+    }
+}
+
+/// Saves two pages of prompt 26 through [`RacedByAnother`]: the report, the store under it,
+/// page 1's object key of component 0 and the other writer's object.
+fn raced_save(
+    whole: bool,
+) -> (
+    kvlink::kv_loader::SaveReport,
+    Arc<dyn KvStore>,
+    String,
+    Vec<u8>,
+) {
+    let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let tokens = prompt(26, 2, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+    let probe = Linker::new(g.clone(), inner.clone(), pool.clone(), config()).unwrap();
+    let object = probe.object_keys(&plan).unwrap()[0][1].clone();
+    probe.close().unwrap();
+    let c = &g.components()[0];
+    let theirs = vec![5u8; c.object_bytes() as usize];
+    let sums = ObjectChecksums::of_object(&theirs, c.page_layer_bytes)
+        .unwrap()
+        .encode();
+    let store: Arc<dyn KvStore> = Arc::new(RacedByAnother {
+        inner: inner.clone(),
+        object: object.clone(),
+        theirs: theirs.clone(),
+        sums,
+        whole,
+    });
+    fill_pool(&pool, &pages, &[0, 1]);
+    let linker = Linker::new(g, store, pool, config()).unwrap();
+    let report = linker.save(&plan).unwrap();
+    linker.close().unwrap();
+    (report, inner, object, theirs)
+}
+
+/// Two saves of one page racing: the store keeps this save's object beside the other
+/// writer's companion, and both puts said `Written`. The save reads its companion back, finds
+/// the other's, finds the object does not match it, and discards both halves (object first),
+/// so no load fails against checksums of other bytes; the next save writes the page again.
+#[test]
+fn a_saved_object_beside_a_racing_writers_companion_is_discarded_with_it() {
+    let (report, inner, object, _) = raced_save(false);
+    assert_eq!(
+        inner.exists(&[&object, &checksum_key(&object)]),
+        vec![Ok(false), Ok(false)],
+        "neither half of a mixed pair stays"
+    );
+    assert_eq!(
+        (report.objects_written, report.objects_present),
+        (3, 0),
+        "{report:?}"
+    );
+}
+
+/// The other writer's whole pair won the race: it stays (checked against its own companion),
+/// and the save counts the object present, not written.
+#[test]
+fn a_racing_writers_whole_pair_stays_and_counts_present() {
+    let (report, inner, object, theirs) = raced_save(true);
+    assert_eq!(get(inner.as_ref(), &object), Some(theirs));
+    assert!(get(inner.as_ref(), &checksum_key(&object)).is_some());
+    assert_eq!(
+        (report.objects_written, report.objects_present),
+        (3, 1),
+        "{report:?}"
+    );
+}
+
 /// Replaces object `key` with a copy whose byte `at` is flipped (a corrupt object, its
 /// companion kept).
 fn corrupt(store: &dyn KvStore, key: &str, at: usize) {
@@ -1250,7 +1361,7 @@ fn a_fresh_companion_cut_short_or_too_long_makes_its_object_bad() {
 }
 
 /// A load of objects this linker saved reads no companion: the save kept the checksums it
-/// wrote.
+/// wrote, once it read each companion back.
 #[test]
 fn a_load_after_this_linkers_save_reads_no_companions() {
     let spec = small_spec();
@@ -1266,11 +1377,61 @@ fn a_load_after_this_linkers_save_reads_no_companions() {
         .save(&load_plan(&s.g, 1, &s.pages, vec![0, 1, 2]))
         .unwrap();
     assert_eq!(report.objects_written as u64, objects);
+    assert_eq!(
+        u64::from(reads.hits()),
+        objects,
+        "the save reads each companion back once"
+    );
     load_verified(&linker, &pool, &s.pages, 2, &[3, 4, 5]);
-    assert_eq!(reads.hits(), 0, "no companion read");
+    assert_eq!(u64::from(reads.hits()), objects, "the load reads none");
     let m = linker.metrics();
     assert_eq!(m.companions_kept, objects, "{m:?}");
     assert_eq!(m.ranges_length_only, 0, "{m:?}");
+    linker.close().unwrap();
+}
+
+/// A save whose read back of its companions fails leaves every pair as the store reported
+/// it (written, both halves kept) and keeps no checksums: the load reads the companions.
+#[test]
+fn a_failed_read_back_leaves_the_pairs_and_the_load_reads_their_companions() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let faults = Arc::new(FaultyStore::new(inner.clone()));
+    let objects = 2 * g.components().len() as u32;
+    let rule = FaultRule {
+        key_contains: Some(kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX.into()),
+        times: Some(objects),
+        ..FaultRule::default()
+    };
+    let down = StoreError::Unavailable {
+        detail: "injected".into(),
+    };
+    faults.inject_on(FaultCall::ReadWhole, rule, Fault::Error(down));
+    let tokens = prompt(27, 2, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 4).unwrap());
+    fill_pool(&pool, &pages, &[0, 1]);
+    let linker = Linker::new(g.clone(), faults.clone(), pool.clone(), config()).unwrap();
+    let plan = load_plan(&g, 1, &pages, vec![0, 1]);
+    let report = linker.save(&plan).unwrap();
+    assert_eq!(report.objects_written, objects, "{report:?}");
+    for keys in linker.object_keys(&plan).unwrap() {
+        for key in keys {
+            assert_eq!(
+                inner.exists(&[&key, &checksum_key(&key)]),
+                vec![Ok(true), Ok(true)]
+            );
+        }
+    }
+    load_verified(&linker, &pool, &pages, 2, &[2, 3]);
+    let m = linker.metrics();
+    assert_eq!(m.companions_kept, 0, "{m:?}");
+    assert_eq!(
+        m.ranges_length_only, 0,
+        "checked against the companions read: {m:?}"
+    );
     linker.close().unwrap();
 }
 

@@ -39,6 +39,7 @@ mod reader;
 mod regions;
 mod replace;
 mod save;
+mod save_read_back;
 mod session;
 mod share;
 mod verify;

@@ -15,6 +15,7 @@ use smallvec::SmallVec;
 use tracing::{debug, info_span, warn};
 
 use super::reader::{store_failure, ComponentKeys};
+use super::save_read_back::ReadBack;
 use super::Inner;
 use crate::store::{Hold, PutOutcome, SourcePut};
 
@@ -248,7 +249,10 @@ impl Inner {
     /// Puts one chunk's objects (plan pages `chunk`) with their checksum companions in one
     /// store call (which holds the sources, and `hold`, until it returns), and counts the
     /// objects' outcome. A companion that fails to land leaves its object checked by length
-    /// only (logged, not an error of the save).
+    /// only (logged, not an error of the save). Pairs both of whose puts said `Written` are
+    /// read back (save_read_back.rs): one another writer won counts present, a mixed one is
+    /// discarded and counts neither, and only a pair read back as the save's own keeps its
+    /// checksums.
     #[allow(clippy::too_many_arguments)]
     fn put_chunk(
         &self,
@@ -280,6 +284,23 @@ impl Inner {
         let results = self.calls.put(&all, hold, self.store_deadline());
         let (objects, companion_results) = results.split_at(puts.len());
         self.unpair_foreign_companions(comp, chunk, objects, companion_results);
+        // Pairs both of whose halves said `Written`: read back, as another writer's put
+        // between the save's look and its own is reported `Written` too.
+        let pairs: Vec<usize> = (0..puts.len())
+            .filter(|&i| {
+                matches!(
+                    (objects.get(i), companion_results.get(i)),
+                    (Some(Ok(PutOutcome::Written)), Some(Ok(PutOutcome::Written)))
+                )
+            })
+            .collect();
+        let mut read_back: Vec<Option<ReadBack>> = (0..puts.len()).map(|_| None).collect();
+        for (&i, verdict) in pairs
+            .iter()
+            .zip(self.read_back_pairs(comp, chunk, sums, &pairs))
+        {
+            read_back[i] = Some(verdict);
+        }
         // The first object that failed fails the save, once every pair's outcome is counted
         // and kept.
         let mut failed = None;
@@ -288,17 +309,26 @@ impl Inner {
                 companion_results.get(i),
                 Some(Ok(PutOutcome::AlreadyPresent))
             );
-            match r {
-                Ok(PutOutcome::Written) if foreign => {}
-                Ok(PutOutcome::Written) => {
+            match (r, read_back[i].take()) {
+                (Ok(PutOutcome::Written), _) if foreign => {}
+                (Ok(PutOutcome::Written), Some(ReadBack::Discarded)) => {}
+                (Ok(PutOutcome::Written), Some(ReadBack::Theirs(theirs))) => {
+                    report.objects_present += 1;
+                    self.keep_checksums(&comp.keys[page], theirs);
+                }
+                (Ok(PutOutcome::Written), verdict) => {
                     report.objects_written += 1;
                     report.bytes_written += put.len();
                     // Counted as written, also when a later chunk fails the save.
                     self.metrics.written(put.len());
                     report.pages_written.push(page as u32);
+                    if verdict == Some(ReadBack::Ours) {
+                        // A later load of this object knows its checksums already.
+                        self.keep_checksums(&comp.keys[page], sums[i].clone());
+                    }
                 }
-                Ok(PutOutcome::AlreadyPresent) => report.objects_present += 1,
-                Err(e) => {
+                (Ok(PutOutcome::AlreadyPresent), _) => report.objects_present += 1,
+                (Err(e), _) => {
                     failed.get_or_insert_with(|| store_failure(batch, None, vec![page as u32], e));
                 }
             }
@@ -306,14 +336,6 @@ impl Inner {
         for ((key, _), r) in companions.iter().zip(companion_results) {
             if let Err(e) = r {
                 warn!(key, error = %e, "checksum companion not written: its object is checked by length only");
-            }
-        }
-        // Both written: a later load of these objects knows their checksums already.
-        for (i, &page) in chunk.iter().enumerate() {
-            let pair = (objects.get(i), companion_results.get(i));
-            if let (Some(Ok(PutOutcome::Written)), Some(Ok(PutOutcome::Written))) = pair {
-                self.checksums
-                    .insert(&comp.keys[page], std::sync::Arc::new(sums[i].clone()));
             }
         }
         failed.map_or(Ok(()), Err)

@@ -1,0 +1,116 @@
+//! A saved pair read back. Mooncake's puts are first-write-wins, and a key another writer
+//! puts between a save's `exists` and its put is reported `Written` to both: two saves of one
+//! page can each see both halves `Written` while the store keeps one writer's object beside
+//! the other's companion. Every load of that object would then fail against checksums of
+//! other bytes. So a save reads back each companion it saw `Written` with its object:
+//! - its own bytes: the pair is the save's, or another writer's of the same bytes (then any
+//!   mix of the two is a true pair);
+//! - other bytes: another writer's companion won. The object is read too; when it matches the
+//!   companion the pair is the other writer's (kept, counted present); when it does not, or
+//!   it cannot be read, the pair is mixed or unknown, and both halves are discarded (object
+//!   first) for the next save to write again;
+//! - the read fails: nothing is known, the pair stays as the store said (a load checks it).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kv_geometry::{ComponentLayout, ObjectChecksums};
+use tracing::warn;
+
+use super::companion::{companion_of, CompanionRead};
+use super::reader::ComponentKeys;
+use super::Inner;
+
+/// What reading back a pair both of whose puts said `Written` found.
+#[derive(Debug, PartialEq)]
+pub(crate) enum ReadBack {
+    /// The companion is the save's own bytes: the pair is the save's.
+    Ours,
+    /// Another writer's pair won, whole: the store keeps it, with these checksums.
+    Theirs(ObjectChecksums),
+    /// Not a pair, or not known to be one: both halves were discarded (or tried).
+    Discarded,
+    /// The read back failed: the pair stays as the store reported it.
+    Unknown,
+}
+
+impl Inner {
+    /// Reads back the companions of plan pages `chunk[i]` for each `i` in `pairs` (both halves
+    /// reported `Written`; `sums[i]` what the save wrote), one bounded call for all, and
+    /// settles each as [`ReadBack`] says. Returns one verdict per entry of `pairs`.
+    pub(crate) fn read_back_pairs(
+        &self,
+        comp: &ComponentKeys,
+        chunk: &[usize],
+        sums: &[ObjectChecksums],
+        pairs: &[usize],
+    ) -> Vec<ReadBack> {
+        if pairs.is_empty() {
+            return Vec::new();
+        }
+        let deadline = self.store_deadline();
+        let (keys, lens): (Vec<String>, Vec<usize>) = pairs
+            .iter()
+            .map(|&i| companion_of(&comp.keys[chunk[i]], &comp.layout))
+            .unzip();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let read = self.calls.read_whole_owned(&refs, &lens, deadline);
+        let mut verdicts = Vec::with_capacity(pairs.len());
+        let mut discard: Vec<&str> = Vec::new();
+        for ((&i, got), (key, len)) in pairs.iter().zip(read).zip(refs.iter().zip(&lens)) {
+            let object = comp.keys[chunk[i]].as_str();
+            let verdict = match got {
+                Ok(bytes) if bytes == sums[i].encode() => ReadBack::Ours,
+                got => match self.judge_companion((key, *len), &comp.layout, got, deadline) {
+                    CompanionRead::Sums(theirs) => {
+                        self.object_matches(object, &comp.layout, theirs, deadline)
+                    }
+                    CompanionRead::Failed(e) => {
+                        warn!(key, error = %e, "a saved checksum companion could not be read back: the pair stays as the store reported it");
+                        ReadBack::Unknown
+                    }
+                    CompanionRead::Absent | CompanionRead::Bad(_) => ReadBack::Discarded,
+                },
+            };
+            if verdict == ReadBack::Discarded {
+                discard.push(object);
+            }
+            verdicts.push(verdict);
+        }
+        if !discard.is_empty() {
+            warn!(
+                objects = discard.len(),
+                "saved objects found beside another writer's checksum companion: discarded with it"
+            );
+            super::replace::discard_objects(&self.calls, &discard, deadline);
+        }
+        verdicts
+    }
+
+    /// Reads object `key` whole and checks it against `theirs`, the checksums another
+    /// writer's companion holds: [`ReadBack::Theirs`] when every layer matches, else
+    /// [`ReadBack::Discarded`] (to be discarded by the caller), also when it cannot be read.
+    fn object_matches(
+        &self,
+        key: &str,
+        layout: &ComponentLayout,
+        theirs: ObjectChecksums,
+        deadline: Instant,
+    ) -> ReadBack {
+        let len = layout.object_bytes() as usize;
+        let read = self.calls.read_whole_owned(&[key], &[len], deadline).pop();
+        match read.map(|r| r.map(|o| ObjectChecksums::of_object(&o, layout.page_layer_bytes))) {
+            Some(Ok(Ok(sums))) if sums == theirs => ReadBack::Theirs(theirs),
+            Some(Err(e)) => {
+                warn!(key, error = %e, "an object beside another writer's companion could not be read back");
+                ReadBack::Discarded
+            }
+            _ => ReadBack::Discarded,
+        }
+    }
+
+    /// Keeps `sums` as the checksums of object `key` for later loads.
+    pub(crate) fn keep_checksums(&self, key: &str, sums: ObjectChecksums) {
+        self.checksums.insert(key, Arc::new(sums));
+    }
+}
