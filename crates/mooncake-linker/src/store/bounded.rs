@@ -477,12 +477,31 @@ impl StoreCalls {
     }
 
     /// [`KvStore::end_session`], bounded.
+    ///
+    /// Ending a session is cleanup that holds none of the caller's memory: like a
+    /// [`discard`](Self::discard), it is sent even when its deadline has passed (a caller that
+    /// spent its bound waiting for a load, or on an earlier end, must not leave the keys
+    /// pinned), and then not waited for: it answers `RpcTimeout` at once.
     pub fn end_session(&self, session: &ReadSession, deadline: Instant) -> Result<(), StoreError> {
         let key = session.keys.first().cloned().unwrap_or_default();
         let session = session.clone();
+        let now = Instant::now();
+        if now >= deadline {
+            let pending =
+                self.submit("end_session", move |s| s.end_session(&session), |_, _| {})?;
+            pending.detach();
+            debug!(
+                key,
+                "ending a session past its deadline: sent, not waited for"
+            );
+            return Err(Unanswered::NotWaited.error(&key, "end_session"));
+        }
+        // At least 1 ms: a deadline that passes between this check and the call's own would
+        // leave the end unsent.
+        let by = deadline.max(now + Duration::from_millis(1));
         let out = self.run(
             "end_session",
-            deadline,
+            by,
             move |s| s.end_session(&session),
             |_, _| {},
         )?;
@@ -588,6 +607,34 @@ mod tests {
         let until = Instant::now() + Duration::from_secs(5);
         while store.exists(&["bad"]) != vec![Ok(false)] {
             assert!(Instant::now() < until, "the discard was never carried out");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A session ended past its deadline (its caller spent the bound waiting for a load, say)
+    /// is still ended: the end is sent, not waited for. Before, it was never sent, and the
+    /// keys stayed pinned (for good on this store: a plain remove refused them).
+    #[test]
+    fn a_session_ended_past_its_deadline_is_still_ended() {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 20));
+        put(&*store, "k", &[1u8; 64]);
+        let calls = StoreCalls::new(store.clone());
+        let session = calls
+            .start_session(&["k"], Instant::now() + Duration::from_secs(5))
+            .unwrap();
+        assert!(matches!(
+            &store.remove(&["k"])[..],
+            [Err(StoreError::Lease { .. })]
+        ));
+        let now = Instant::now();
+        let past = now.checked_sub(Duration::from_millis(5)).unwrap_or(now);
+        assert!(matches!(
+            calls.end_session(&session, past),
+            Err(StoreError::RpcTimeout { .. })
+        ));
+        let until = Instant::now() + Duration::from_secs(5);
+        while store.remove(&["k"]) != vec![Ok(())] {
+            assert!(Instant::now() < until, "the session was never ended");
             std::thread::sleep(Duration::from_millis(5));
         }
     }
