@@ -132,16 +132,14 @@ macro_rules! forward_device_ops {
 }
 pub(crate) use forward_device_ops;
 
-impl Collective for Misbehaving {
-    fn rank(&self) -> u32 {
-        self.rank
-    }
-
-    fn size(&self) -> u32 {
-        self.size
-    }
-
-    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
+impl Misbehaving {
+    /// A status word through the inner handle (settled or not), unless this one strikes.
+    fn status_word(
+        &self,
+        value: u64,
+        settled: bool,
+        deadline: Instant,
+    ) -> Result<Vec<u64>, CollectiveError> {
         if self.strikes(value) {
             return match self.how {
                 Misbehave::SkipStatus { .. } => Err(CollectiveError::Backend(
@@ -161,8 +159,34 @@ impl Collective for Misbehaving {
                 }
             };
         }
-        self.handle("all_gather_u64")?
-            .all_gather_u64(value, deadline)
+        let h = self.handle("all_gather_u64")?;
+        if settled {
+            h.all_gather_u64_settled(value, deadline)
+        } else {
+            h.all_gather_u64(value, deadline)
+        }
+    }
+}
+
+impl Collective for Misbehaving {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
+        self.status_word(value, false, deadline)
+    }
+
+    fn all_gather_u64_settled(
+        &self,
+        value: u64,
+        deadline: Instant,
+    ) -> Result<Vec<u64>, CollectiveError> {
+        self.status_word(value, true, deadline)
     }
 
     fn all_gather_bytes(

@@ -147,6 +147,14 @@ impl Collective for PacedShares {
         self.inner.all_gather_u64(value, deadline)
     }
 
+    fn all_gather_u64_settled(
+        &self,
+        value: u64,
+        deadline: Instant,
+    ) -> Result<Vec<u64>, CollectiveError> {
+        self.inner.all_gather_u64_settled(value, deadline)
+    }
+
     fn all_gather_bytes(
         &self,
         value: &[u8],

@@ -367,6 +367,20 @@ pub trait Collective: Send + Sync {
         Ok(u64_words(&all))
     }
 
+    /// [`all_gather_u64`](Collective::all_gather_u64) for a verdict that no later operation
+    /// settles (a batch's last status word): `Ok` on one rank means every rank received
+    /// every value, so that a rank that gave up (its deadline passed) fails the others too
+    /// rather than leaving them with `Ok`. By default the plain gather: right for a transport
+    /// whose gather completes on no rank until every rank took part (in-process rounds,
+    /// NCCL). The socket group adds a completion round.
+    fn all_gather_u64_settled(
+        &self,
+        value: u64,
+        deadline: Instant,
+    ) -> Result<Vec<u64>, CollectiveError> {
+        self.all_gather_u64(value, deadline)
+    }
+
     /// Every rank gets every rank's `value` (the same length on every rank), in rank order.
     fn all_gather_bytes(
         &self,

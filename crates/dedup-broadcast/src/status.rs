@@ -297,11 +297,32 @@ impl GroupStatus {
         deadline: Instant,
     ) -> Result<bool, CollectiveError> {
         let words = coll.all_gather_u64(status.encode_tagged(layer, tag), deadline)?;
+        Ok(self.record_tagged(layer, tag, words))
+    }
+
+    /// [`exchange_tagged`](Self::exchange_tagged) for the batch's verdict, the exchange no
+    /// later operation settles: through [`Collective::all_gather_u64_settled`], so that `Ok`
+    /// on one rank means every rank has every word (a rank that gave up fails the others
+    /// too, rather than leaving them to report the batch loaded).
+    pub fn exchange_verdict_tagged(
+        &mut self,
+        coll: &dyn Collective,
+        layer: u32,
+        status: LayerStatus,
+        tag: u8,
+        deadline: Instant,
+    ) -> Result<bool, CollectiveError> {
+        let words = coll.all_gather_u64_settled(status.encode_tagged(layer, tag), deadline)?;
+        Ok(self.record_tagged(layer, tag, words))
+    }
+
+    /// Folds in every rank's tagged word for `layer`; true when the layer is ok on every rank.
+    fn record_tagged(&mut self, layer: u32, tag: u8, words: Vec<u64>) -> bool {
         let statuses: Vec<LayerStatus> = words
             .into_iter()
             .map(|w| LayerStatus::decode_for_tagged(w, layer, tag))
             .collect();
-        Ok(self.record(layer, &statuses))
+        self.record(layer, &statuses)
     }
 
     /// True while no failure has been recorded.

@@ -201,6 +201,52 @@ fn a_rank_that_never_arrives_times_out_the_others_at_their_deadline() {
     }
 }
 
+/// A verdict word settled: rank 1 sends its word at once and gives up at its short deadline;
+/// rank 0 comes a little later with a long one, rank 2 only after rank 1 gave up. Rank 0
+/// then holds every word (rank 1's was sent before it left, rank 2's after), and a plain
+/// gather returned `Ok` there while rank 1 failed: a batch loaded on one rank and failed on
+/// another, with no later operation to bring them in step. Settled, every rank fails.
+#[test]
+fn a_settled_gather_fails_on_every_rank_when_one_gave_up() {
+    let ranks = SocketCollective::over_socket_pairs(3, Algorithm::Direct).unwrap();
+    let t0 = Instant::now();
+    let results = thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let (start, wait) = match c.rank() {
+                        1 => (0, 100),
+                        0 => (20, 2000),
+                        _ => (300, 2000),
+                    };
+                    thread::sleep(Duration::from_millis(start).saturating_sub(t0.elapsed()));
+                    let deadline = kv_loader::deadline_after(Duration::from_millis(wait));
+                    c.all_gather_u64_settled(u64::from(c.rank()), deadline)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert!(results.iter().all(Result::is_err), "{results:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+}
+
+/// Settled, a gather every rank comes to in time is the plain gather's result.
+#[test]
+fn a_settled_gather_in_time_gives_every_word_on_every_rank() {
+    for algorithm in [Algorithm::Ring, Algorithm::Direct] {
+        let ranks = SocketCollective::over_socket_pairs(4, algorithm).unwrap();
+        let words = on_threads(&ranks, |c| {
+            c.all_gather_u64_settled(u64::from(c.rank()) * 7, far())
+                .unwrap()
+        });
+        assert!(words.iter().all(|w| *w == vec![0, 7, 14, 21]), "{words:?}");
+    }
+}
+
 #[test]
 fn a_dropped_rank_fails_pending_and_later_ops_at_once() {
     let mut ranks = SocketCollective::over_socket_pairs(4, Algorithm::Ring).unwrap();

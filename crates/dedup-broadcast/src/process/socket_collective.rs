@@ -44,7 +44,11 @@
 //! of confirming, and every other rank fails too. The round costs one small message each
 //! way per pair, nothing next to a layer of rows. `all_gather_bytes` (status words, digests:
 //! latency-bound) has no such round: its `Ok` means this rank's result is right, and a peer
-//! that failed it has broken the group, which the next operation reports on every rank.
+//! that failed it has broken the group, which the next operation reports on every rank. The
+//! one gather no operation follows, a batch's verdict word
+//! ([`Collective::all_gather_u64_settled`]), ends with the completion round too: without it a
+//! rank that gave up at its deadline after sending its word left a peer that came later with
+//! every word and `Ok`.
 
 use std::time::Instant;
 
@@ -346,6 +350,53 @@ impl SocketCollective {
         unsafe { self.run(st, op, header, inbound, outbound, deadline) }
     }
 
+    /// Every rank's `value`, in rank order; with `settle`, followed by a completion round, so
+    /// that `Ok` here means every rank has every value.
+    fn gather_bytes(
+        &self,
+        value: &[u8],
+        settle: bool,
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let op = OpKind::GatherBytes.name();
+        let (mut st, seq) = self.begin(op, deadline)?;
+        let (me, n) = (self.rank, self.size);
+        let header = OpHeader {
+            seq,
+            kind: OpKind::GatherBytes,
+            root: 0,
+            len: value.len() as u64,
+            layout: 0,
+        };
+        let mut all: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value.len()]).collect();
+        all[me as usize].copy_from_slice(value);
+        let hdr = header.encode();
+        let mine = vec![Span {
+            addr: value.as_ptr() as usize,
+            len: value.len(),
+        }];
+        let mut inbound = Vec::new();
+        let mut outbound = Vec::new();
+        for p in (0..n).filter(|&p| p != me) {
+            outbound.push(Outbound::new(p, hdr, mine.clone(), None));
+            let buf = &mut all[p as usize];
+            inbound.push(Inbound::new(
+                p,
+                vec![Span {
+                    addr: buf.as_mut_ptr() as usize,
+                    len: buf.len(),
+                }],
+            ));
+        }
+        // SAFETY: `value` is borrowed (read-only) and each peer's buffer is a distinct Vec
+        // owned by this call, alive and untouched by anything else until `run` returns.
+        unsafe { self.run(&mut st, op, header, inbound, outbound, deadline)? };
+        if settle {
+            self.confirm(&mut st, op, seq, deadline)?;
+        }
+        Ok(all)
+    }
+
     /// Broadcast of `rows` from `root` (reported as `op`).
     ///
     /// # Safety
@@ -496,40 +547,17 @@ impl Collective for SocketCollective {
         value: &[u8],
         deadline: Instant,
     ) -> Result<Vec<Vec<u8>>, CollectiveError> {
-        let op = OpKind::GatherBytes.name();
-        let (mut st, seq) = self.begin(op, deadline)?;
-        let (me, n) = (self.rank, self.size);
-        let header = OpHeader {
-            seq,
-            kind: OpKind::GatherBytes,
-            root: 0,
-            len: value.len() as u64,
-            layout: 0,
-        };
-        let mut all: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value.len()]).collect();
-        all[me as usize].copy_from_slice(value);
-        let hdr = header.encode();
-        let mine = vec![Span {
-            addr: value.as_ptr() as usize,
-            len: value.len(),
-        }];
-        let mut inbound = Vec::new();
-        let mut outbound = Vec::new();
-        for p in (0..n).filter(|&p| p != me) {
-            outbound.push(Outbound::new(p, hdr, mine.clone(), None));
-            let buf = &mut all[p as usize];
-            inbound.push(Inbound::new(
-                p,
-                vec![Span {
-                    addr: buf.as_mut_ptr() as usize,
-                    len: buf.len(),
-                }],
-            ));
-        }
-        // SAFETY: `value` is borrowed (read-only) and each peer's buffer is a distinct Vec
-        // owned by this call, alive and untouched by anything else until `run` returns.
-        unsafe { self.run(&mut st, op, header, inbound, outbound, deadline)? };
-        Ok(all)
+        self.gather_bytes(value, false, deadline)
+    }
+
+    /// The gather, then a completion round (see the module docs).
+    fn all_gather_u64_settled(
+        &self,
+        value: u64,
+        deadline: Instant,
+    ) -> Result<Vec<u64>, CollectiveError> {
+        let all = self.gather_bytes(&value.to_le_bytes(), true, deadline)?;
+        Ok(crate::collective::u64_words(&all))
     }
 
     unsafe fn broadcast_rows(

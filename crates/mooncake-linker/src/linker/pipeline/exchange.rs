@@ -56,8 +56,14 @@ impl LayerPipeline<'_> {
         match self.coll {
             Some(c) => {
                 let deadline = kv_loader::deadline_after(self.inner.config.collective_timeout);
-                status
-                    .exchange_tagged(c, layer, mine, self.tag, deadline)
+                // The word after the last layer is the batch's verdict: nothing comes after
+                // it to bring a rank that gave up back in step, so it is settled on every rank.
+                let exchanged = if layer == self.inner.geometry.num_layers() {
+                    status.exchange_verdict_tagged(c, layer, mine, self.tag, deadline)
+                } else {
+                    status.exchange_tagged(c, layer, mine, self.tag, deadline)
+                };
+                exchanged
                     .map(drop)
                     .map_err(|e| collective_failure(batch, kv_loader::Cause::from_error(e)))
             }
