@@ -851,6 +851,10 @@ impl KvStore for MooncakeStore {
         if registered.hold_again(&region) {
             return Ok(());
         }
+        // Fault injection (feature `failpoints`): a `sleep` here is a registration that hangs
+        // in the wheel with the table held.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("mooncake-register-held");
         // SAFETY: mooncake-sys asks that the region stay allocated until it is unregistered or
         // the client is dropped: exactly this function's own contract, which our caller took
         // on. The client is dropped with this store.
@@ -865,8 +869,24 @@ impl KvStore for MooncakeStore {
     }
 
     fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError> {
+        let deadline = kv_loader::deadline_after(UNREGISTER_WAIT);
+        // A register holds the table across its wheel call, which may hang (a metadata
+        // service that does not answer): waited for within the same bound, then the region
+        // stays registered (counted as held).
+        let Some(mut table) = self.registered.try_lock_until(deadline) else {
+            return Err(StoreError::Unavailable {
+                detail: format!(
+                    "<region {:#x}+{}>: a registration held the table for {UNREGISTER_WAIT:?}; \
+                     the region stays registered",
+                    region.addr, region.len
+                )
+                .into(),
+            });
+        };
         // Not held across the wait below: a register (of any region) would wait with it.
-        if !matches!(self.registered.lock().release(&region), Release::Last) {
+        let last = matches!(table.release(&region), Release::Last);
+        drop(table);
+        if !last {
             return Ok(());
         }
         let still_in_flight = || StoreError::Unavailable {
@@ -879,7 +899,6 @@ impl KvStore for MooncakeStore {
         };
         // mooncake-sys asks that no call using the region be in flight: wait until no
         // transfer of this store is (bounded; on time-out the region stays registered).
-        let deadline = kv_loader::deadline_after(UNREGISTER_WAIT);
         let (_quiet, mut registered) = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let quiet = self.transfers.quiet(left).ok_or_else(still_in_flight)?;

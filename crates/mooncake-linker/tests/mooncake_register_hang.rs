@@ -1,0 +1,76 @@
+//! `MooncakeStore::unregister` beside a registration that hangs in the wheel with the store's
+//! table of regions held, against a real Mooncake master: the unregister returns within its
+//! bound (`UNREGISTER_WAIT`) and the region stays registered, where it waited for the hung
+//! registration without a bound.
+//!
+//! Needs the feature `failpoints` (the hang is the failpoint "mooncake-register-held"), and a
+//! binary of its own: a failpoint's setting holds for the whole process.
+//!
+//! Run: `scripts/with-mooncake.sh cargo test -p mooncake-linker --features failpoints --test
+//! mooncake_register_hang`. Without `MOONCAKE_MASTER_BIN` the test skips with a message;
+//! `KVLINK_REQUIRE_MOONCAKE=1` (CI) turns that into a failure.
+#![cfg(feature = "failpoints")]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{available, PrivateMaster};
+use mooncake_linker::store::mooncake::{MooncakeStore, UNREGISTER_WAIT};
+use mooncake_linker::store::{KvStore, MemoryRegion, StoreError};
+
+#[test]
+fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
+    if !available(
+        "an_unregister_beside_a_hung_registration_returns_at_its_bound",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
+    let mut held = vec![0u8; 1 << 16];
+    let mut hung = vec![0u8; 1 << 16];
+    let region = |buf: &mut Vec<u8>| MemoryRegion {
+        addr: buf.as_mut_ptr() as usize,
+        len: buf.len(),
+    };
+    let (held_region, hung_region) = (region(&mut held), region(&mut hung));
+    // SAFETY: `held` outlives its registration: unregistered below before it drops (a failing
+    // test may free it registered, with no transfer of it in flight).
+    unsafe { store.register(held_region) }.expect("register");
+    let hang = UNREGISTER_WAIT + Duration::from_secs(2);
+    fail::cfg(
+        "mooncake-register-held",
+        &format!("1*sleep({})", hang.as_millis()),
+    )
+    .unwrap();
+    std::thread::scope(|s| {
+        // SAFETY: as above, for `hung`.
+        let registering = s.spawn(|| unsafe { store.register(hung_region) });
+        // The registration takes the table, then sleeps with it held.
+        std::thread::sleep(Duration::from_millis(300));
+        let t0 = Instant::now();
+        let got = store.unregister(held_region);
+        let took = t0.elapsed();
+        assert!(
+            matches!(&got, Err(StoreError::Unavailable { .. })),
+            "{got:?}"
+        );
+        assert!(
+            took >= UNREGISTER_WAIT - Duration::from_millis(500) && took < hang,
+            "returned after {took:?}"
+        );
+        registering
+            .join()
+            .unwrap()
+            .expect("the hung registration ends");
+    });
+    fail::remove("mooncake-register-held");
+    // The region stayed registered, counted as held: unregistered now that nothing hangs.
+    store
+        .unregister(held_region)
+        .expect("unregister once the table is free");
+    store.unregister(hung_region).expect("unregister");
+    drop(store);
+}
