@@ -11,7 +11,7 @@ use std::io::{self, IoSlice, Read};
 use std::net::{SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -29,6 +29,13 @@ use crate::store::{EmbeddedStore, KvStore, StoreError};
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often an idle connection thread looks at the stop flag.
 const IDLE_CHECK: Duration = Duration::from_millis(500);
+/// How long a connection may take to say its hello (a client sends it as soon as it is
+/// connected): the socket's name is listed to every user of the host, and anyone may connect.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections accepted and not yet through their hello, at most: one more is closed at once
+/// (logged), so that connections that say nothing cannot start a thread each without bound
+/// in the process that serves the store (rank 0's linker, whose own store calls need threads).
+pub(super) const MAX_GREETING: usize = 64;
 
 /// Where a [`StoreServer`] listens.
 #[derive(Debug, Clone)]
@@ -161,6 +168,8 @@ struct Served {
     /// capacity, so that many connections each putting an object up to the capacity at once
     /// cannot ask the host for many times it.
     receiving: Mutex<u64>,
+    /// Connections accepted and not yet through their hello (at most [`MAX_GREETING`]).
+    greeting: AtomicUsize,
 }
 
 /// Serves an [`EmbeddedStore`] over a socket; stops (and closes every connection) when
@@ -268,6 +277,7 @@ impl StoreServer {
             clients: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
             receiving: Mutex::new(0),
+            greeting: AtomicUsize::new(0),
         });
         let s = served.clone();
         let thread = std::thread::Builder::new()
@@ -319,6 +329,14 @@ impl StoreServer {
     }
 }
 
+#[cfg(test)]
+impl StoreServer {
+    /// Connections accepted and not yet through their hello.
+    pub(super) fn greeting(&self) -> usize {
+        self.served.greeting.load(Ordering::Acquire)
+    }
+}
+
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.served.stop.store(true, Ordering::Release);
@@ -340,6 +358,7 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
     let mut conns: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id = 0u64;
     let mut failed_accepts = 0u64;
+    let mut refused_greetings = 0u64;
     loop {
         // The stop flag is looked at every IDLE_CHECK even when no connection comes: the
         // wake-up connection of `drop` may fail (out of file descriptors, say).
@@ -370,6 +389,20 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
                 continue;
             }
         };
+        if served.greeting.load(Ordering::Acquire) >= MAX_GREETING {
+            refused_greetings += 1;
+            if refused_greetings % 100 == 1 {
+                tracing::warn!(
+                    refused_greetings,
+                    "a store connection closed at once: {MAX_GREETING} others have not said \
+                     their hello yet"
+                );
+            }
+            drop(conn);
+            continue;
+        }
+        served.greeting.fetch_add(1, Ordering::AcqRel);
+        let greeting = Greeting(Some(served.clone()));
         let id = next_id;
         next_id += 1;
         if let Ok(clone) = conn.try_clone() {
@@ -382,7 +415,7 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
                 // Closed for the client too (the clone would keep the socket open), also when
                 // serving it panicked: the client then sees its end at once.
                 let _closed = Closed { served: &s, id };
-                serve_connection(conn, &s);
+                serve_connection(conn, &s, greeting);
             });
         match spawned {
             Ok(h) => conns.push(h),
@@ -458,11 +491,25 @@ fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
     }
 }
 
-fn serve_connection(mut conn: Conn, served: &Served) {
-    let deadline = kv_loader::deadline_after(REQUEST_TIMEOUT);
-    let Some((client, verdict)) = read_hello(&mut conn, served, deadline) else {
+/// A connection counted in [`Served::greeting`] until its hello is read (or it ends, a panic
+/// included): dropped then.
+struct Greeting(Option<Arc<Served>>);
+
+impl Drop for Greeting {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            s.greeting.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+fn serve_connection(mut conn: Conn, served: &Served, greeting: Greeting) {
+    let hello = read_hello(&mut conn, served, kv_loader::deadline_after(HELLO_TIMEOUT));
+    drop(greeting);
+    let Some((client, verdict)) = hello else {
         return;
     };
+    let deadline = kv_loader::deadline_after(REQUEST_TIMEOUT);
     let ok_bytes = verdict.to_le_bytes();
     let mut answer = [IoSlice::new(&ok_bytes)];
     if verdict != answer::ACCEPTED {
@@ -896,6 +943,7 @@ mod receiving_tests {
             clients: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
             receiving: Mutex::new(0),
+            greeting: AtomicUsize::new(0),
         };
         let a = Receiving::take(&served, 600).unwrap();
         assert!(Receiving::take(&served, 500).is_none(), "past the capacity");

@@ -271,14 +271,21 @@ fn concurrent_clients_and_threads_see_whole_objects() {
     assert_eq!(server.store().len(), 20);
 }
 
+/// A raw connection to `server` that has said nothing yet (reads time out after 5 s).
+fn silent_connection(server: &StoreServer) -> std::os::unix::net::UnixStream {
+    let (at, _) = super::protocol::split_address(server.address()).unwrap();
+    let name = at.strip_prefix("unix:@").unwrap();
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let raw = std::os::unix::net::UnixStream::connect_addr(&a).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    raw
+}
+
 /// A raw connection to `server` that has said hello (as a client would, or a hostile peer).
 fn raw_connection(server: &StoreServer) -> std::os::unix::net::UnixStream {
     use std::io::{Read, Write};
-    let (at, key) = super::protocol::split_address(server.address()).unwrap();
-    let name = at.strip_prefix("unix:@").unwrap();
-    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
-    let mut raw = std::os::unix::net::UnixStream::connect_addr(&a).unwrap();
-    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let (_, key) = super::protocol::split_address(server.address()).unwrap();
+    let mut raw = silent_connection(server);
     let mut hello = Enc::default();
     hello.u32(MAGIC).u32(PROTOCOL).u64(0xfeed);
     raw.write_all(&hello.0).unwrap();
@@ -287,6 +294,45 @@ fn raw_connection(server: &StoreServer) -> std::os::unix::net::UnixStream {
     raw.read_exact(&mut ok).unwrap();
     assert_eq!(u32::from_le_bytes(ok), 0, "hello accepted");
     raw
+}
+
+/// Connections that never say their hello hold a thread each of the process that serves the
+/// store only up to a bound: past `MAX_GREETING` waiting at once, one more is closed at once;
+/// once they go, a client connects and is served. (Anyone on the host may connect: the
+/// socket's name is listed in `/proc/net/unix`; the key is checked only at hello.)
+#[test]
+fn connections_that_say_nothing_are_bounded() {
+    use super::server::MAX_GREETING;
+    let (server, _client) = serve(1 << 10);
+    let mut silent: Vec<_> = (0..MAX_GREETING)
+        .map(|_| silent_connection(&server))
+        .collect();
+    let until = Instant::now() + Duration::from_secs(5);
+    while server.greeting() < MAX_GREETING {
+        assert!(
+            Instant::now() < until,
+            "the silent connections were not all taken"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let t0 = Instant::now();
+    let mut extra = silent_connection(&server);
+    assert!(closed_by_server(&mut extra), "one more is closed");
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "at once: {:?}",
+        t0.elapsed()
+    );
+    silent.clear();
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Ok(c) = SocketStore::connect_with(server.address(), Duration::from_secs(5)) {
+            assert_eq!(c.exists(&["k"]), vec![Ok(false)]);
+            break;
+        }
+        assert!(Instant::now() < until, "no client served once they went");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Reads until the server closes the connection; false when it stays open past the timeout.
