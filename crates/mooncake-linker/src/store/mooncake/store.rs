@@ -460,11 +460,23 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
     match e {
         MooncakeError::Status {
             code,
-            message: Some(message),
+            message,
             operation,
             ..
-        } => with_message(code_error(key, *code), operation, message),
-        MooncakeError::Status { code, .. } => code_error(key, *code),
+        } => {
+            let typed = code_error(key, *code);
+            let typed = match message {
+                Some(message) => with_message(typed, operation, message),
+                None => typed,
+            };
+            match typed {
+                // The kind with room for it keeps the status behind its words.
+                StoreError::Unavailable { detail } => StoreError::Unavailable {
+                    detail: Cause::with_source(detail.to_string(), e.clone()),
+                },
+                other => other,
+            }
+        }
         MooncakeError::NulInString { .. } | MooncakeError::InvalidArguments { .. } => {
             StoreError::InvalidArgument {
                 key: key.to_owned(),
@@ -1084,6 +1096,17 @@ mod tests {
         };
         let e = region_error(region, &rpc);
         assert!(!matches!(e, StoreError::InvalidArgument { .. }), "{e:?}");
+        // A status mapped to `Unavailable` keeps the status as its source.
+        match store_error("k", &rpc) {
+            StoreError::Unavailable { detail } => assert!(
+                matches!(
+                    detail.downcast_ref::<MooncakeError>(),
+                    Some(MooncakeError::Status { code, .. }) if *code == mooncake_sys::ErrorCode::RPC_FAIL
+                ),
+                "{detail:?}"
+            ),
+            other => panic!("{other:?}"),
+        }
         let bad = MooncakeError::InvalidArguments {
             operation: "register_buffer",
             detail: "zero length".into(),
