@@ -882,6 +882,118 @@ fn a_stage_is_shared_only_after_its_layers_upload() {
     assert!(landing.device_stage(&mut b[0]).map(drop).is_err());
 }
 
+/// A collective on `stage`'s device area as a caller runs one: on `comm`, after the stage's
+/// upload and behind `busy`'s queued work (on `comm` alone: the load stream is not held), a
+/// device-side write of the area, fenced through the `DeviceStage`. Returns the upload's
+/// event (what the collective waited for).
+fn slow_collective(
+    landing: &StagedLanding,
+    stage: &mut kv_device::LayerStage,
+    comm: &dyn kv_device::Stream,
+    busy: &kv_device::DeviceMemory,
+    len: usize,
+) -> kv_device::SharedEvent {
+    let mut ds = landing.device_stage(stage).unwrap();
+    let region = ds.region();
+    let upload = ds.after().unwrap();
+    comm.wait(&upload).unwrap();
+    // Tens of milliseconds of copies on `comm`: the collective comes after them.
+    let half = (busy.len() / 2) as u64;
+    for _ in 0..40 {
+        let t = kv_device::Transfer::OnDevice {
+            dst: busy.addr(),
+            src: busy.addr() + half,
+            len: half as usize,
+        };
+        // SAFETY: both halves lie in `busy`, which the caller keeps until the streams are
+        // done (the landing's next `open` drains the fences, the last recorded after these).
+        unsafe { comm.transfer(t) }.unwrap();
+    }
+    let t = kv_device::Transfer::OnDevice {
+        dst: region.addr,
+        src: region.addr + (len / 2) as u64,
+        len: len / 2,
+    };
+    // SAFETY: both halves lie in the stage's share area (the region, `len` bytes), which the
+    // landing keeps allocated until the stage's fences complete; the fence below covers it.
+    unsafe { comm.transfer(t) }.unwrap();
+    ds.fence(comm.record().unwrap());
+    upload
+}
+
+/// An upload or a scatter queued after a collective on the stage's device area (fenced
+/// through the `DeviceStage`) runs after it, whatever event the caller names: before, the
+/// second upload was queued with no wait on the collective's fence, and the load stream's copy
+/// ran while the collective (a slow device-side write here) still wrote the area.
+#[test]
+fn uploads_and_scatters_run_after_the_stages_collective() {
+    let config = CpuDeviceConfig {
+        trace: true,
+        ..CpuDeviceConfig::default()
+    };
+    let dev = CpuDevice::with_config(0, config).unwrap();
+    let g = geometry();
+    let k = g.component_by_name("k").unwrap();
+    let len = 2 * k.page_layer_bytes as usize;
+    let shape = BatchShape {
+        own: vec![],
+        shared: vec![k.id],
+        share_bytes: vec![len; 4],
+    };
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging =
+        StagingPool::with_stages(dev.clone(), StagingPool::half_bytes_for(&g, 2, 2), 2, 1).unwrap();
+    let mut landing =
+        StagedLanding::new(pool, staging.lease().unwrap(), vec![0u32, 1].into(), shape).unwrap();
+    let mut stages = landing.take_stages();
+    landing.open(&mut stages[0], 0, soon()).unwrap();
+    landing.upload(&mut stages[0], 0..len).unwrap();
+    let comm = dev.new_stream().unwrap();
+    let busy = dev.alloc(32 << 20, "test").unwrap();
+    slow_collective(&landing, &mut stages[0], comm.as_ref(), &busy, len);
+    // Named nothing of the collective: still after it.
+    landing.upload(&mut stages[0], 0..len).unwrap();
+    let upload_event = slow_collective(&landing, &mut stages[0], comm.as_ref(), &busy, len);
+    let block = RowBlock {
+        component: k.id,
+        first_page: 0,
+        pages: 2,
+        offset: 0,
+    };
+    // Named the upload's event, not the collective's: still after the collective.
+    landing
+        .scatter(&mut stages[0], &[block], &upload_event)
+        .unwrap();
+    landing.open(&mut stages[0], 2, soon()).unwrap();
+    let trace = dev.trace();
+    // The collectives: the area-sized writes on the comm stream.
+    let collectives: Vec<_> = trace
+        .iter()
+        .filter(|o| o.stream != 0 && o.op == CpuOp::OnDevice && o.bytes == (len / 2) as u64)
+        .collect();
+    assert_eq!(collectives.len(), 2, "{trace:?}");
+    let uploads: Vec<_> = trace
+        .iter()
+        .filter(|o| o.stream == 0 && o.op == CpuOp::ToDevice && o.bytes == len as u64)
+        .collect();
+    assert_eq!(uploads.len(), 2, "{trace:?}");
+    assert!(
+        uploads[1].started >= collectives[0].finished,
+        "the second upload ran before the first collective was done: {trace:?}"
+    );
+    let scatters: Vec<_> = trace
+        .iter()
+        .filter(|o| o.stream == 0 && matches!(o.op, CpuOp::Rows | CpuOp::OnDevice))
+        .collect();
+    assert!(!scatters.is_empty(), "{trace:?}");
+    assert!(
+        scatters
+            .iter()
+            .all(|o| o.started >= collectives[1].finished),
+        "the scatter ran before the second collective was done: {trace:?}"
+    );
+}
+
 /// A stage whose device work failed (a collective aborted) takes no more work: nothing lands
 /// in the slots behind a collective whose end is unknown.
 #[test]

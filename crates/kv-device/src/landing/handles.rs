@@ -103,6 +103,15 @@ impl Fences {
         Ok(())
     }
 
+    /// Makes `stream` wait (device-side) for every fence of the stage: work it queues next
+    /// then runs after every earlier use of the stage, on any stream (a collective's).
+    pub(crate) fn order_after(&self, stream: &dyn crate::Stream) -> Result<(), DeviceError> {
+        for ev in self.events.lock().iter() {
+            stream.wait(ev)?;
+        }
+        Ok(())
+    }
+
     /// The fences, for a release that must wait for them elsewhere.
     pub(crate) fn take(&self) -> Vec<SharedEvent> {
         std::mem::take(&mut *self.events.lock())

@@ -662,6 +662,9 @@ impl DeviceShare for StagedLanding {
             if range.is_empty() {
                 return Ok(());
             }
+            // After every earlier use of the stage's device area: a collective a caller ran
+            // on it since the layer's last upload (its fences) must not meet this copy.
+            self.state(h)?.fences.order_after(self.stream.as_ref())?;
             let t = Transfer::ToDevice {
                 dst: lease.device_stage(h)? + range.start as u64,
                 src: lease.host_stage(h)? + range.start,
@@ -765,7 +768,10 @@ impl DeviceShare for StagedLanding {
             return Err(stage_err("scattering a layer after the landing finished"));
         }
         self.fenced(h, || {
+            // The caller's event, and every fence of the stage (its collective's, whatever
+            // event the caller named).
             self.stream.wait(after)?;
+            self.state(h)?.fences.order_after(self.stream.as_ref())?;
             for (span, from) in copies {
                 // SAFETY: the block's rows lie in the device share area (checked above), its
                 // slots in the pool; the load stream waits for the collective first; the stage
