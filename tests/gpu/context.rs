@@ -6,6 +6,7 @@
 //! exception.)
 
 use std::ptr::null_mut;
+use std::time::{Duration, Instant};
 
 use kvlink::kv_device::cuda::cudarc::driver::sys as cu;
 use kvlink::kv_device::cuda::{CudaDevice, CudaLayerEvent, DeviceBuffer, PinnedBuffer};
@@ -20,6 +21,11 @@ pub fn run(report: &mut Report) {
         SEC,
         "an engine thread's own context stays current after kvlink's event and buffer calls",
         engine_context_kept,
+    );
+    report.check(
+        SEC,
+        "opening kvlink's device does not wait for the engine's queued work",
+        opening_does_not_wait_for_engine_work,
     );
 }
 
@@ -99,8 +105,96 @@ fn engine_context_kept() -> Result<String, String> {
     kept("allocating pinned memory")?;
     drop(pinned);
     kept("freeing it")?;
+    let stream = dev.new_stream().map_err(de)?;
+    kept("creating a stream of kvlink's device")?;
+    drop(stream);
+    kept("destroying it")?;
     Ok(format!(
         "{} steps, the engine's context current after each",
         steps.len()
+    ))
+}
+
+/// How long the engine's queued work takes (a host function that sleeps, on its stream).
+const ENGINE_WORK: Duration = Duration::from_secs(3);
+
+/// The engine's queued work: sleeps [`ENGINE_WORK`] on the stream's host-function thread.
+unsafe extern "C" fn engine_work(_: *mut std::ffi::c_void) {
+    std::thread::sleep(ENGINE_WORK);
+}
+
+/// A stream of the engine's in GPU 0's primary context (the one kvlink's device shares), with
+/// [`ENGINE_WORK`] queued on it; synchronised, destroyed and the context released on drop.
+struct EngineStream {
+    dev: cu::CUdevice,
+    stream: cu::CUstream,
+}
+
+impl EngineStream {
+    fn busy() -> Result<Self, String> {
+        let mut dev: cu::CUdevice = 0;
+        // SAFETY: `dev` is a valid out-pointer.
+        unsafe { cu::cuDeviceGet(&mut dev, 0) }
+            .result()
+            .map_err(|e| format!("cuDeviceGet: {e}"))?;
+        let mut ctx: cu::CUcontext = null_mut();
+        // SAFETY: `ctx` is a valid out-pointer; released in drop.
+        unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, dev) }
+            .result()
+            .map_err(|e| format!("cuDevicePrimaryCtxRetain: {e}"))?;
+        let mut stream: cu::CUstream = null_mut();
+        // SAFETY: the retained primary context is made current on this thread (a test
+        // thread), then a stream created in it, `stream` a valid out-pointer.
+        unsafe {
+            cu::cuCtxSetCurrent(ctx)
+                .result()
+                .map_err(|e| format!("cuCtxSetCurrent: {e}"))?;
+            cu::cuStreamCreate(
+                &mut stream,
+                cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+            .result()
+            .map_err(|e| format!("cuStreamCreate: {e}"))?;
+        }
+        let s = EngineStream { dev, stream };
+        // SAFETY: a live stream; the function takes no argument and touches no memory.
+        unsafe { cu::cuLaunchHostFunc(s.stream, Some(engine_work), null_mut()) }
+            .result()
+            .map_err(|e| format!("cuLaunchHostFunc: {e}"))?;
+        Ok(s)
+    }
+}
+
+impl Drop for EngineStream {
+    fn drop(&mut self) {
+        // SAFETY: the stream this value created, synchronised then destroyed once; the
+        // primary context it retained released once.
+        unsafe {
+            let _ = cu::cuStreamSynchronize(self.stream);
+            let _ = cu::cuStreamDestroy_v2(self.stream);
+            let _ = cu::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}
+
+/// cudarc synchronised the whole primary context at a new context's first stream: opening
+/// kvlink's device waited for every kernel an engine had queued (for ever behind one that
+/// hangs).
+fn opening_does_not_wait_for_engine_work() -> Result<String, String> {
+    let engine = EngineStream::busy()?;
+    let t0 = Instant::now();
+    let dev = CudaDevice::new(0).map_err(de)?;
+    let took = t0.elapsed();
+    let stream = dev.new_stream().map_err(de)?;
+    let all = t0.elapsed();
+    drop((stream, dev, engine));
+    if all >= ENGINE_WORK / 2 {
+        return Err(format!(
+            "opening the device took {took:?} and a stream {all:?}, beside {ENGINE_WORK:?} of \
+             engine work: it waited for it"
+        ));
+    }
+    Ok(format!(
+        "opened in {took:?}, a stream by {all:?}, beside {ENGINE_WORK:?} of engine work"
     ))
 }

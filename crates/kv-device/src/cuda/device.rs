@@ -77,6 +77,13 @@ impl CudaDevice {
         // cudarc makes the new context current for good: the thread's own comes back after.
         let _thread = ThreadContext::save().map_err(drv("cuCtxGetCurrent"))?;
         let ctx = CudaContext::new(ordinal as usize).map_err(drv("cuDevicePrimaryCtxRetain"))?;
+        // cudarc's event tracking makes the context's first `new_stream` synchronise the whole
+        // primary context (`cuCtxSynchronize`), which the engine shares: it would wait, with no
+        // bound, for every kernel the engine has queued.
+        // SAFETY: tracking only orders cudarc's `CudaSlice` uses across streams; this crate
+        // makes none (its allocations are raw, `cuda::memory`, ordered by its own events), so
+        // nothing relies on it.
+        unsafe { ctx.disable_event_tracking() };
         let kernels = Arc::new(KernelCache::new(ctx.clone()));
         let stream = ctx
             .new_stream()

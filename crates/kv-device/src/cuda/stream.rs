@@ -1,6 +1,7 @@
 //! A CUDA stream as a [`Stream`]: async copies, the row-copy kernel, events.
 
 use std::ffi::c_void;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaStream};
@@ -14,13 +15,17 @@ use crate::{DeviceError, RowCopy, SharedEvent, Stream, Transfer};
 /// One cudarc stream and the kernels of its context.
 #[derive(Debug)]
 pub(crate) struct CuStream {
-    stream: Arc<CudaStream>,
+    /// Dropped in `Drop`, with the stream's context pushed current (see there).
+    stream: ManuallyDrop<Arc<CudaStream>>,
     kernels: Arc<KernelCache>,
 }
 
 impl CuStream {
     pub(crate) fn new(stream: Arc<CudaStream>, kernels: Arc<KernelCache>) -> Self {
-        CuStream { stream, kernels }
+        CuStream {
+            stream: ManuallyDrop::new(stream),
+            kernels,
+        }
     }
 
     pub(crate) fn cuda(&self) -> &Arc<CudaStream> {
@@ -31,6 +36,26 @@ impl CuStream {
     /// after).
     fn bind(&self) -> Result<Current<'_>, DeviceError> {
         Current::make(self.stream.context()).map_err(drv("cuCtxPushCurrent"))
+    }
+}
+
+impl Drop for CuStream {
+    /// cudarc destroys a stream with its context made current by `cuCtxSetCurrent`, which
+    /// replaces the calling thread's own (an engine thread's, another GPU's): the context is
+    /// pushed first, so that the replaced one is ours and the pop brings the thread's back.
+    fn drop(&mut self) {
+        let ctx = self.stream.context().clone();
+        let current = Current::make(&ctx);
+        if let Err(e) = &current {
+            tracing::warn!(
+                error = %super::error::driver_error_text(*e),
+                "cuCtxPushCurrent before destroying a stream failed: the thread's own context \
+                 may not be current after"
+            );
+        }
+        // SAFETY: dropped once, here; the field is not used after.
+        unsafe { ManuallyDrop::drop(&mut self.stream) };
+        drop(current);
     }
 }
 
