@@ -243,6 +243,98 @@ fn an_exchange_joiner_that_gives_up_can_retry_without_being_a_duplicate() {
     });
 }
 
+/// An exchange that loses the first withdrawal written to it: a joiner killed (or crashed)
+/// before it could withdraw its claim.
+struct LosesAWithdrawal {
+    inner: Arc<MemoryExchange>,
+    lost: std::sync::atomic::AtomicBool,
+}
+
+impl KeyValueExchange for LosesAWithdrawal {
+    fn set(
+        &self,
+        key: &str,
+        value: &[u8],
+        deadline: std::time::Instant,
+    ) -> Result<(), dedup_broadcast::ExchangeError> {
+        use std::sync::atomic::Ordering;
+        if value == b"withdrawn" && !self.lost.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.inner.set(key, value, deadline)
+    }
+
+    fn get(
+        &self,
+        key: &str,
+        deadline: std::time::Instant,
+    ) -> Result<Option<Vec<u8>>, dedup_broadcast::ExchangeError> {
+        self.inner.get(key, deadline)
+    }
+
+    fn create(
+        &self,
+        key: &str,
+        value: &[u8],
+        deadline: std::time::Instant,
+    ) -> Result<bool, dedup_broadcast::ExchangeError> {
+        self.inner.create(key, value, deadline)
+    }
+}
+
+/// A joiner that died without withdrawing its claim, restarted, claims its rank again in the
+/// same epoch: rank 0 sees two claims. That is no refusal (every rank gets `ClaimedTwice`,
+/// which retrying cures); the next formation starts without the dead claim and forms. Before,
+/// every rank got `DuplicateRank`, a refusal, and the linker failed every batch as input to
+/// fix until a rank's settings changed.
+#[test]
+fn a_joiner_that_died_without_withdrawing_does_not_refuse_the_group() {
+    let x = Arc::new(LosesAWithdrawal {
+        inner: Arc::new(MemoryExchange::new()),
+        lost: Default::default(),
+    });
+    let shared: Arc<dyn KeyValueExchange> = x.clone();
+    let config = |rank: u32, timeout: Duration| {
+        RendezvousConfig::new(
+            rank,
+            3,
+            MeetingPoint::Exchange {
+                exchange: shared.clone(),
+                prefix: "g".into(),
+            },
+        )
+        .timeout(timeout)
+    };
+    let mut r0 = Rendezvous::new(config(0, Duration::from_secs(20))).unwrap();
+    std::thread::scope(|s| {
+        let leader = s.spawn(move || (r0.form().map(|g| g.epoch()), r0));
+        // Rank 1's first process gives up (rank 2 is late) and its withdrawal is lost.
+        let mut dead = Rendezvous::new(config(1, Duration::from_millis(300))).unwrap();
+        assert!(dead.form().is_err());
+        let mut r1 = Rendezvous::new(config(1, Duration::from_secs(20))).unwrap();
+        let mut r2 = Rendezvous::new(config(2, Duration::from_secs(20))).unwrap();
+        let h1 = s.spawn(move || (r1.form().map(|g| g.epoch()), r1));
+        let h2 = s.spawn(move || (r2.form().map(|g| g.epoch()), r2));
+        let (got1, mut r1) = h1.join().unwrap();
+        let (got2, mut r2) = h2.join().unwrap();
+        let (got0, mut r0) = leader.join().unwrap();
+        for got in [&got0, &got1, &got2] {
+            match got {
+                Err(e @ RendezvousError::ClaimedTwice { rank: 1, .. }) => {
+                    assert!(!e.is_refusal(), "{e}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // Everyone tries again: the next epoch forms.
+        let h1 = s.spawn(move || r1.form().map(|g| g.epoch()));
+        let h2 = s.spawn(move || r2.form().map(|g| g.epoch()));
+        let e0 = r0.form().map(|g| g.epoch()).unwrap();
+        assert_eq!(h1.join().unwrap().unwrap(), e0);
+        assert_eq!(h2.join().unwrap().unwrap(), e0);
+    });
+}
+
 #[test]
 fn nccl_ids_travel_from_rank_0_to_every_rank() {
     let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0").nccl(true))

@@ -84,6 +84,18 @@ pub enum RendezvousError {
         /// The live group's epoch.
         epoch: u64,
     },
+    /// Two hellos for one rank in one epoch of a key-value exchange: a process of that rank
+    /// that ended without withdrawing its claim (a crash, a kill) and its restart, or two
+    /// processes run as that rank. The exchange cannot tell a dead claim from a live one, so
+    /// this is not a refusal: the next epoch starts without the dead claim (and forms), while
+    /// two live processes meet again there (and it repeats, logged by rank 0 each time).
+    #[error("rank {rank} was claimed twice in epoch {epoch}: a process of that rank that ended without withdrawing its claim, or two processes run as rank {rank} (then this repeats)")]
+    ClaimedTwice {
+        /// The rank claimed twice.
+        rank: u32,
+        /// The epoch.
+        epoch: u64,
+    },
     /// Rank 0's own rendezvous address is a name that did not resolve within the bound (a
     /// resolver down, a record not yet published): it may resolve on a later attempt, so this
     /// is not a refusal. An address that is not `host:port` is [`Config`](Self::Config).
@@ -157,6 +169,7 @@ mod tests {
                 detail: "rank 3 not back".into(),
             },
             RendezvousError::Occupied { rank: 1, epoch: 4 },
+            RendezvousError::ClaimedTwice { rank: 1, epoch: 4 },
             RendezvousError::Protocol("a torn message".into()),
             RendezvousError::Unresolved("rank0.example: resolver down".into()),
         ];

@@ -311,10 +311,12 @@ pub(crate) fn lead(
         pause(deadline);
     };
     // The epoch is the one opened (above every member's last: each was at most `closed`).
-    let decision = decision.map(|mut w| {
-        w.epoch = epoch;
-        w
-    });
+    let decision = decision
+        .map(|mut w| {
+            w.epoch = epoch;
+            w
+        })
+        .map_err(|e| claimed_twice(e, epoch));
     let reply = match &decision {
         Ok(w) => Reply::Welcome(Box::new(w.clone())),
         Err(e) => Reply::Refused(e.clone()),
@@ -328,6 +330,24 @@ pub(crate) fn lead(
         tracing::warn!(epoch, error = %e, "could not mark the epoch closed: the verdict stands");
     }
     decision
+}
+
+/// A joiner's rank claimed twice in one epoch is no refusal here (see
+/// [`RendezvousError::ClaimedTwice`]): a claim left by a process that died cannot be told from
+/// a live one's. Rank 0 joined as by another process stays the refusal it is.
+fn claimed_twice(e: RendezvousError, epoch: u64) -> RendezvousError {
+    match e {
+        RendezvousError::DuplicateRank { rank } if rank != 0 => {
+            tracing::warn!(
+                rank,
+                epoch,
+                "a rank was claimed twice: a process of it ended without withdrawing its claim, \
+                 or two processes run as it; the next epoch starts without this one's claims"
+            );
+            RendezvousError::ClaimedTwice { rank, epoch }
+        }
+        other => other,
+    }
 }
 
 /// A rank whose hello is of another protocol, and the refusal it calls for.

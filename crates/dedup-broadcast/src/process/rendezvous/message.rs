@@ -420,6 +420,9 @@ fn encode_error(e: &mut Encoder, err: &RendezvousError) {
         RendezvousError::Occupied { rank, epoch } => {
             e.u8(9).str(&err.to_string()).u32(*rank).u64(*epoch);
         }
+        RendezvousError::ClaimedTwice { rank, epoch } => {
+            e.u8(10).str(&err.to_string()).u32(*rank).u64(*epoch);
+        }
         other => {
             e.u8(0).str(&other.to_string());
         }
@@ -468,6 +471,13 @@ fn decode_error(d: &mut Decoder<'_>) -> Result<RendezvousError, Malformed> {
         9 => {
             d.str("words")?;
             RendezvousError::Occupied {
+                rank: d.u32("rank")?,
+                epoch: d.u64("epoch")?,
+            }
+        }
+        10 => {
+            d.str("words")?;
+            RendezvousError::ClaimedTwice {
                 rank: d.u32("rank")?,
                 epoch: d.u64("epoch")?,
             }
