@@ -177,7 +177,7 @@ pub(crate) unsafe fn scatter(
         dst: span.pool,
         src_rows: 0,
         dst_rows: span.slot_rows(),
-        n_rows: span.pages as u32,
+        n_rows: rows_of(&span)?,
         row_bytes: span.row,
     };
     // SAFETY: source rows in device staging, destination rows `slots[i]` inside the pool
@@ -224,7 +224,7 @@ pub(crate) unsafe fn gather(
         dst: dev,
         src_rows: span.slot_rows(),
         dst_rows: 0,
-        n_rows: span.pages as u32,
+        n_rows: rows_of(&span)?,
         row_bytes: span.row,
     };
     // SAFETY: source rows `slots[i]` in the pool, destination rows in device staging.
@@ -241,6 +241,12 @@ pub(crate) unsafe fn gather(
     m.device_to_device += bytes;
     m.device_to_host += bytes;
     Ok(m)
+}
+
+/// `span`'s row count as a row copy takes it (a `u32`).
+fn rows_of(span: &RowSpan) -> Result<u32, DeviceError> {
+    u32::try_from(span.pages)
+        .map_err(|_| DeviceError::InvalidStage("a row copy of 2^32 rows or more"))
 }
 
 #[cfg(test)]

@@ -228,7 +228,9 @@ impl SaveGather for StagedGather {
             .geometry()
             .component(component)
             .map_err(|_| DeviceError::InvalidStage("unknown component"))?;
-        let bytes = c.page_layer_bytes * self.slots.len() as u64;
+        // Checked: the slots are the caller's (repeats allowed), a product that wrapped would
+        // pass the bound below and the gather would write past the stage.
+        let bytes = c.page_layer_bytes.saturating_mul(self.slots.len() as u64);
         if bytes > lease.stage_bytes() as u64 {
             return Err(DeviceError::Alloc {
                 bytes,
