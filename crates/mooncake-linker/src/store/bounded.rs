@@ -518,9 +518,34 @@ impl StoreCalls {
         lens: &[usize],
         deadline: Instant,
     ) -> Vec<Result<Vec<u8>, StoreError>> {
-        let lens = lens.to_vec();
+        if lens.len() != keys.len() {
+            return keys
+                .iter()
+                .map(|k| {
+                    Err(StoreError::InvalidArgument {
+                        key: (*k).to_owned(),
+                        detail: format!("{} lengths for {} keys", lens.len(), keys.len()),
+                    })
+                })
+                .collect();
+        }
+        let mut bufs: Vec<Vec<u8>> = Vec::with_capacity(keys.len());
+        for (key, &n) in keys.iter().zip(lens) {
+            let mut buf = Vec::new();
+            if buf.try_reserve_exact(n).is_err() {
+                return failed_all(
+                    &owned(keys),
+                    &StoreError::NoSpace {
+                        key: (*key).to_owned(),
+                        detail: format!("no memory for a {n}-byte buffer to read it into"),
+                    },
+                );
+            }
+            buf.resize(n, 0);
+            bufs.push(buf);
+        }
         self.per_key("read_whole_owned", owned(keys), deadline, move |s, k| {
-            let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+            let mut bufs = bufs;
             let gets: Vec<ObjectGet<'_>> = k
                 .iter()
                 .zip(bufs.iter_mut())
@@ -609,6 +634,32 @@ mod tests {
             assert!(Instant::now() < until, "the discard was never carried out");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// Lengths that do not pair with the keys are the caller's mistake, said as such for every
+    /// key (before, the store's result count was blamed); a buffer the host cannot give is
+    /// `NoSpace`, not an abort of the process.
+    #[test]
+    fn whole_reads_refuse_lengths_that_do_not_pair_and_buffers_past_memory() {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 20));
+        put(&*store, "a", &[1u8; 8]);
+        let calls = StoreCalls::new(store);
+        let soon = Instant::now() + Duration::from_secs(5);
+        let got = calls.read_whole_owned(&["a", "b"], &[8], soon);
+        assert!(
+            got.iter()
+                .all(|r| matches!(r, Err(StoreError::InvalidArgument { .. }))),
+            "{got:?}"
+        );
+        let got = calls.read_whole_owned(&["a"], &[usize::MAX / 2], soon);
+        assert!(
+            matches!(got[..], [Err(StoreError::NoSpace { .. })]),
+            "{got:?}"
+        );
+        assert_eq!(
+            calls.read_whole_owned(&["a"], &[8], soon),
+            vec![Ok(vec![1u8; 8])]
+        );
     }
 
     /// A session ended past its deadline (its caller spent the bound waiting for a load, say)
