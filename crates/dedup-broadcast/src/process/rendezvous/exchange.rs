@@ -23,8 +23,6 @@
 //!    rank over instead of counting as a second process for it.
 
 use std::collections::HashMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -140,73 +138,6 @@ impl KeyValueExchange for MemoryExchange {
             if self.changed.wait_until(&mut m, deadline).timed_out() {
                 return Ok(keys.iter().all(|k| m.contains_key(*k)));
             }
-        }
-    }
-}
-
-/// A [`KeyValueExchange`] in a directory (like torch's `FileStore`): one file per key, set
-/// by writing a temporary file and renaming it over the key (atomic), created by hard-linking
-/// a temporary file to the key's name (fails when the key exists: atomic too). Every rank of
-/// one host, or of hosts sharing a POSIX file system, can meet through it.
-#[derive(Debug, Clone)]
-pub struct FileExchange {
-    dir: PathBuf,
-}
-
-impl FileExchange {
-    /// Keys live in `dir` (created if missing).
-    pub fn new(dir: impl AsRef<Path>) -> Result<Self, ExchangeError> {
-        let dir = dir.as_ref().to_path_buf();
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| ExchangeError::new(format!("creating {}: {e}", dir.display())))?;
-        Ok(FileExchange { dir })
-    }
-
-    fn path(&self, key: &str) -> PathBuf {
-        let name: String = key.bytes().map(|b| format!("{b:02x}")).collect();
-        self.dir.join(name)
-    }
-
-    /// Writes `value` to a fresh temporary file in the directory.
-    fn temp(&self, value: &[u8]) -> Result<PathBuf, ExchangeError> {
-        let p = self.dir.join(format!(
-            ".tmp-{}-{:016x}",
-            std::process::id(),
-            super::fresh_nonce()
-        ));
-        let mut f = std::fs::File::create(&p)
-            .map_err(|e| ExchangeError::new(format!("writing {}: {e}", p.display())))?;
-        f.write_all(value)
-            .map_err(|e| ExchangeError::new(format!("writing {}: {e}", p.display())))?;
-        Ok(p)
-    }
-}
-
-impl KeyValueExchange for FileExchange {
-    fn set(&self, key: &str, value: &[u8], _deadline: Instant) -> Result<(), ExchangeError> {
-        let tmp = self.temp(value)?;
-        std::fs::rename(&tmp, self.path(key)).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            ExchangeError::new(format!("setting {key}: {e}"))
-        })
-    }
-
-    fn get(&self, key: &str, _deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
-        match std::fs::read(self.path(key)) {
-            Ok(v) => Ok(Some(v)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(ExchangeError::new(format!("reading {key}: {e}"))),
-        }
-    }
-
-    fn create(&self, key: &str, value: &[u8], _deadline: Instant) -> Result<bool, ExchangeError> {
-        let tmp = self.temp(value)?;
-        let r = std::fs::hard_link(&tmp, self.path(key));
-        let _ = std::fs::remove_file(&tmp);
-        match r {
-            Ok(()) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-            Err(e) => Err(ExchangeError::new(format!("creating {key}: {e}"))),
         }
     }
 }
@@ -629,6 +560,7 @@ fn verdict_for(
 
 #[cfg(test)]
 mod tests {
+    use super::super::file_exchange::FileExchange;
     use super::*;
 
     fn exercise(x: &dyn KeyValueExchange) {

@@ -50,6 +50,7 @@ mod config;
 mod decide;
 mod error;
 mod exchange;
+mod file_exchange;
 pub(crate) mod message;
 #[cfg(feature = "nccl")]
 mod nccl_join;
@@ -63,7 +64,8 @@ use std::time::{Duration, Instant};
 
 pub use config::{MeetingPoint, RendezvousConfig, KVLINK_VERSION};
 pub use error::RendezvousError;
-pub use exchange::{ExchangeError, FileExchange, KeyValueExchange, MemoryExchange};
+pub use exchange::{ExchangeError, KeyValueExchange, MemoryExchange};
+pub use file_exchange::FileExchange;
 pub use message::{NcclIds, Transport, TransportChoice};
 pub use resolve::{AddressLookups, ResolveFailure};
 

@@ -1,0 +1,236 @@
+//! [`FileExchange`]: a key-value exchange in a directory, every call bounded by its deadline.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::exchange::{ExchangeError, KeyValueExchange};
+
+/// File calls of one exchange still running past their caller's deadline, at most: beyond,
+/// a call fails at once (a file system that does not answer would otherwise gather a thread
+/// per poll).
+const MAX_STUCK: usize = 4;
+
+/// How long a call is waited for at least, its deadline spent or not: a local file call takes
+/// microseconds, and a poll made at its deadline (`wait`'s last) should still be answered.
+const GRACE: Duration = Duration::from_millis(100);
+
+/// A [`KeyValueExchange`] in a directory (like torch's `FileStore`): one file per key, set
+/// by writing a temporary file and renaming it over the key (atomic), created by hard-linking
+/// a temporary file to the key's name (fails when the key exists: atomic too). Every rank of
+/// one host, or of hosts sharing a POSIX file system, can meet through it.
+///
+/// Each call runs its file calls on a thread of its own and waits for them until its
+/// deadline (or [`GRACE`], if longer): a file system that hangs (an NFS server gone) fails
+/// the call then rather than holding the rendezvous; the file calls finish on their own (at most
+/// [`MAX_STUCK`] at once, then calls fail at once until one returns).
+///
+/// ```
+/// use std::time::Duration;
+/// use dedup_broadcast::{FileExchange, KeyValueExchange};
+/// let dir = std::env::temp_dir().join(format!("kvlink-doc-fx-{}", std::process::id()));
+/// let x = FileExchange::new(&dir).unwrap();
+/// let soon = kv_loader::deadline_after(Duration::from_secs(5));
+/// assert!(x.create("g/1/open", b"rank 0", soon).unwrap());
+/// assert!(!x.create("g/1/open", b"another", soon).unwrap());
+/// assert_eq!(x.get("g/1/open", soon).unwrap().as_deref(), Some(&b"rank 0"[..]));
+/// std::fs::remove_dir_all(&dir).unwrap();
+/// ```
+#[derive(Debug, Clone)]
+pub struct FileExchange {
+    dir: PathBuf,
+    /// File calls running past their caller's deadline now.
+    stuck: Arc<AtomicUsize>,
+}
+
+impl FileExchange {
+    /// Keys live in `dir` (created if missing; this one call is not bounded).
+    pub fn new(dir: impl AsRef<Path>) -> Result<Self, ExchangeError> {
+        let dir = dir.as_ref().to_path_buf();
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ExchangeError::new(format!("creating {}: {e}", dir.display())))?;
+        Ok(FileExchange {
+            dir,
+            stuck: Arc::default(),
+        })
+    }
+
+    fn path(dir: &Path, key: &str) -> PathBuf {
+        let name: String = key.bytes().map(|b| format!("{b:02x}")).collect();
+        dir.join(name)
+    }
+
+    /// Writes `value` to a fresh temporary file in `dir` (removed again when the write
+    /// fails).
+    fn temp(dir: &Path, value: &[u8]) -> Result<PathBuf, ExchangeError> {
+        let p = dir.join(format!(
+            ".tmp-{}-{:016x}",
+            std::process::id(),
+            super::fresh_nonce()
+        ));
+        let written = std::fs::File::create(&p).and_then(|mut f| f.write_all(value));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&p);
+            return Err(ExchangeError::new(format!("writing {}: {e}", p.display())));
+        }
+        Ok(p)
+    }
+
+    /// Runs `call` (file calls in `dir`) on a thread of its own, waiting for it until
+    /// `deadline`.
+    fn bounded<T: Send + 'static>(
+        &self,
+        what: String,
+        deadline: Instant,
+        call: impl FnOnce(&Path) -> Result<T, ExchangeError> + Send + 'static,
+    ) -> Result<T, ExchangeError> {
+        if self.stuck.load(Ordering::Acquire) >= MAX_STUCK {
+            return Err(ExchangeError::new(format!(
+                "{what}: {MAX_STUCK} earlier file calls in {} have not returned (a file \
+                 system that does not answer)",
+                self.dir.display()
+            )));
+        }
+        let answer: Arc<Answer<T>> = Arc::new(Answer {
+            state: Mutex::new(CallState::Running),
+            done: Condvar::new(),
+        });
+        let theirs = answer.clone();
+        let dir = self.dir.clone();
+        let stuck = self.stuck.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvlink-file-exchange".into())
+            .spawn(move || {
+                let r = call(&dir);
+                let mut state = theirs.state.lock();
+                if matches!(*state, CallState::GaveUp) {
+                    // Its caller counted it stuck, which it no longer is.
+                    stuck.fetch_sub(1, Ordering::AcqRel);
+                    return;
+                }
+                *state = CallState::Done(r);
+                theirs.done.notify_all();
+            });
+        if let Err(e) = spawned {
+            return Err(ExchangeError::new(format!(
+                "{what}: no thread to run it: {e}"
+            )));
+        }
+        let deadline = deadline.max(kv_loader::deadline_after(GRACE));
+        let mut state = answer.state.lock();
+        while matches!(*state, CallState::Running) {
+            if answer.done.wait_until(&mut state, deadline).timed_out() {
+                break;
+            }
+        }
+        match std::mem::replace(&mut *state, CallState::GaveUp) {
+            CallState::Done(r) => r,
+            _ => {
+                // Counted under the lock: the call's thread, finding `GaveUp`, uncounts it.
+                self.stuck.fetch_add(1, Ordering::AcqRel);
+                drop(state);
+                tracing::warn!(call = what, dir = %self.dir.display(), "a file exchange call did not return by its deadline");
+                Err(ExchangeError::new(format!(
+                    "{what}: the file system did not answer by the deadline"
+                )))
+            }
+        }
+    }
+}
+
+/// Where a bounded call's thread leaves its answer.
+struct Answer<T> {
+    state: Mutex<CallState<T>>,
+    done: Condvar,
+}
+
+enum CallState<T> {
+    Running,
+    Done(Result<T, ExchangeError>),
+    /// Its caller's deadline passed first.
+    GaveUp,
+}
+
+impl KeyValueExchange for FileExchange {
+    fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError> {
+        let (key, value) = (key.to_owned(), value.to_vec());
+        self.bounded(format!("setting {key}"), deadline, move |dir| {
+            let tmp = Self::temp(dir, &value)?;
+            std::fs::rename(&tmp, Self::path(dir, &key)).map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                ExchangeError::new(format!("setting {key}: {e}"))
+            })
+        })
+    }
+
+    fn get(&self, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
+        let key = key.to_owned();
+        self.bounded(
+            format!("reading {key}"),
+            deadline,
+            move |dir| match std::fs::read(Self::path(dir, &key)) {
+                Ok(v) => Ok(Some(v)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(ExchangeError::new(format!("reading {key}: {e}"))),
+            },
+        )
+    }
+
+    fn create(&self, key: &str, value: &[u8], deadline: Instant) -> Result<bool, ExchangeError> {
+        let (key, value) = (key.to_owned(), value.to_vec());
+        self.bounded(format!("creating {key}"), deadline, move |dir| {
+            let tmp = Self::temp(dir, &value)?;
+            let r = std::fs::hard_link(&tmp, Self::path(dir, &key));
+            let _ = std::fs::remove_file(&tmp);
+            match r {
+                Ok(()) => Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+                Err(e) => Err(ExchangeError::new(format!("creating {key}: {e}"))),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A read of a key that hangs in the file system (a FIFO nobody writes: its open blocks)
+    /// fails at the call's deadline; the file call finishes once the FIFO opens, and is no
+    /// longer counted stuck.
+    #[test]
+    fn a_call_the_file_system_does_not_answer_fails_at_its_deadline() {
+        let dir =
+            std::env::temp_dir().join(format!("kvlink-fx-hang-{}", super::super::fresh_nonce()));
+        let x = FileExchange::new(&dir).unwrap();
+        let fifo = FileExchange::path(&dir, "g/hangs");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo");
+        let t0 = Instant::now();
+        let got = x.get(
+            "g/hangs",
+            kv_loader::deadline_after(Duration::from_millis(200)),
+        );
+        assert!(got.is_err(), "{got:?}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        assert_eq!(x.stuck.load(Ordering::Acquire), 1);
+        // Opening the FIFO for writing lets the stuck read open it (and read nothing).
+        let w = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+        drop(w);
+        let until = Instant::now() + Duration::from_secs(5);
+        while x.stuck.load(Ordering::Acquire) != 0 {
+            assert!(Instant::now() < until, "the stuck call never finished");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            x.get("g/other", kv_loader::deadline_after(Duration::from_secs(5)))
+                .unwrap(),
+            None
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
