@@ -168,6 +168,10 @@ impl GroupFormation for InProcessFormation {
                 self.size
             )));
         }
+        // Stale epochs' handles taken out below: declared before the lock's guard, so dropped
+        // after it (an NCCL handle's drop joins its comm thread, up to seconds: the other
+        // ranks' `reform` must not wait for that).
+        let mut stale = Vec::new();
         // Another rank may be building the group (an NCCL group's set-up takes up to its
         // init timeout): wait for it until `deadline` only; the caller asks again later.
         let Some(mut epochs) = self.epochs.try_lock_until(deadline) else {
@@ -207,7 +211,8 @@ impl GroupFormation for InProcessFormation {
             // Older epochs are stale: a rank that asks for this one will not need them. (An
             // epoch whose handles were all taken stays until then, so that asking twice for it
             // is an error rather than a new group.)
-            epochs.retain(|&e, _| e > epoch);
+            let older: Vec<u64> = epochs.keys().copied().filter(|&e| e <= epoch).collect();
+            stale.extend(older.iter().filter_map(|e| epochs.remove(e)));
             epochs.insert(
                 epoch,
                 handles
@@ -230,5 +235,74 @@ impl GroupFormation for InProcessFormation {
         })?;
         tracing::info!(rank, epoch, "group re-formed");
         Ok(handles)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A handle whose drop takes a while (as an NCCL handle's joins its comm thread).
+    struct SlowToDrop(u32, u32);
+
+    impl Collective for SlowToDrop {
+        fn rank(&self) -> u32 {
+            self.0
+        }
+
+        fn size(&self) -> u32 {
+            self.1
+        }
+
+        fn all_gather_bytes(
+            &self,
+            _value: &[u8],
+            _deadline: Instant,
+        ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+            Err(CollectiveError::Backend("a test handle".into()))
+        }
+    }
+
+    impl Drop for SlowToDrop {
+        fn drop(&mut self) {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// A stale epoch's handles a rank never took are dropped after the formation's lock is
+    /// let go: a peer asking for the new epoch meanwhile gets it at once. Before, it waited
+    /// for every stale handle's drop (an NCCL handle's: up to seconds each) and could fail at
+    /// its deadline.
+    #[test]
+    fn stale_handles_drop_outside_the_formations_lock() {
+        let formation = InProcessFormation::new(2, || {
+            Ok((0..2)
+                .map(|r| {
+                    (
+                        Arc::new(SlowToDrop(r, 2)) as Arc<dyn Collective>,
+                        Arc::new(SlowToDrop(r, 2)) as Arc<dyn Collective>,
+                    )
+                })
+                .collect())
+        });
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        // Epoch 1: rank 1 never takes its handles.
+        drop(formation.reform(0, 1, soon()).unwrap());
+        std::thread::scope(|s| {
+            // Rank 0 moves to epoch 2, dropping rank 1's stale handles (1 s).
+            let r0 = s.spawn(|| formation.reform(0, 2, soon()).map(|h| h.epoch));
+            std::thread::sleep(Duration::from_millis(100));
+            let t0 = Instant::now();
+            let r1 = formation.reform(1, 2, kv_loader::deadline_after(Duration::from_millis(400)));
+            assert_eq!(r1.as_ref().map(|h| h.epoch).ok(), Some(2), "{:?}", r1.err());
+            assert!(
+                t0.elapsed() < Duration::from_millis(500),
+                "{:?}",
+                t0.elapsed()
+            );
+            drop(r1);
+            assert_eq!(r0.join().unwrap().ok(), Some(2));
+        });
     }
 }
