@@ -10,11 +10,6 @@ use parking_lot::{Condvar, Mutex};
 
 use super::exchange::{ExchangeError, KeyValueExchange};
 
-/// File calls of one exchange still running past their caller's deadline, at most: beyond,
-/// a call fails at once (a file system that does not answer would otherwise gather a thread
-/// per poll).
-const MAX_STUCK: usize = 4;
-
 /// How long a call is waited for at least, its deadline spent or not: a local file call takes
 /// microseconds, and a poll made at its deadline (`wait`'s last) should still be answered.
 const GRACE: Duration = Duration::from_millis(100);
@@ -88,10 +83,10 @@ impl FileExchange {
         deadline: Instant,
         call: impl FnOnce(&Path) -> Result<T, ExchangeError> + Send + 'static,
     ) -> Result<T, ExchangeError> {
-        if self.stuck.load(Ordering::Acquire) >= MAX_STUCK {
+        if self.stuck.load(Ordering::Acquire) > 0 {
             return Err(ExchangeError::new(format!(
-                "{what}: {MAX_STUCK} earlier file calls in {} have not returned (a file \
-                 system that does not answer)",
+                "{what}: an earlier file call in {} has not returned (a file system that \
+                 does not answer)",
                 self.dir.display()
             )));
         }
@@ -105,7 +100,13 @@ impl FileExchange {
         let spawned = std::thread::Builder::new()
             .name("kvlink-file-exchange".into())
             .spawn(move || {
-                let r = call(&dir);
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| call(&dir)))
+                    .unwrap_or_else(|p| {
+                        Err(ExchangeError::new(format!(
+                            "a file call panicked: {}",
+                            kv_loader::Cause::from_panic(p.as_ref())
+                        )))
+                    });
                 let mut state = theirs.state.lock();
                 if matches!(*state, CallState::GaveUp) {
                     // Its caller counted it stuck, which it no longer is.
@@ -218,6 +219,17 @@ mod tests {
         assert!(got.is_err(), "{got:?}");
         assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
         assert_eq!(x.stuck.load(Ordering::Acquire), 1);
+        // Until it returns, later calls fail at once (a late write must not land after them).
+        let t1 = Instant::now();
+        let later = x.set(
+            "g/later",
+            b"1",
+            kv_loader::deadline_after(Duration::from_secs(5)),
+        );
+        assert!(
+            later.is_err() && t1.elapsed() < Duration::from_secs(1),
+            "{later:?}"
+        );
         // Opening the FIFO for writing lets the stuck read open it (and read nothing).
         let w = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
         drop(w);
