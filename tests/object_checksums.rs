@@ -16,7 +16,8 @@ use kvlink::kv_geometry::{
 };
 use kvlink::kv_loader::{KvLoadError, KvLoader, PlanError, StoreFailure};
 use kvlink::mooncake_linker::store::{
-    EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome, StoreError,
+    EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, ObjectGet, ObjectPut,
+    PutOutcome, StoreError,
 };
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
@@ -475,10 +476,12 @@ impl KvStore for RacedByAnother {
     }
 }
 
-/// Saves two pages of prompt 26 through [`RacedByAnother`]: the report, the store under it,
-/// page 1's object key of component 0 and the other writer's object.
+/// Saves two pages of prompt 26 through [`RacedByAnother`] (with `whole`), whose whole reads of
+/// page 1's object fail when `object_unread`: the report, the store under it, page 1's object
+/// key of component 0 and the other writer's object.
 fn raced_save(
     whole: bool,
+    object_unread: bool,
 ) -> (
     kvlink::kv_loader::SaveReport,
     Arc<dyn KvStore>,
@@ -500,13 +503,27 @@ fn raced_save(
     let sums = ObjectChecksums::of_object(&theirs, c.page_layer_bytes)
         .unwrap()
         .encode();
-    let store: Arc<dyn KvStore> = Arc::new(RacedByAnother {
+    let raced: Arc<dyn KvStore> = Arc::new(RacedByAnother {
         inner: inner.clone(),
         object: object.clone(),
         theirs: theirs.clone(),
         sums,
         whole,
     });
+    let store = Arc::new(FaultyStore::new(raced));
+    if object_unread {
+        // The companion's read passes (the first key with the object's name), the object's
+        // fails.
+        let rule = FaultRule {
+            key_contains: Some(object.clone()),
+            skip: 1,
+            ..FaultRule::default()
+        };
+        let down = StoreError::Unavailable {
+            detail: "injected".into(),
+        };
+        store.inject_on(FaultCall::ReadWhole, rule, Fault::Error(down));
+    }
     fill_pool(&pool, &pages, &[0, 1]);
     let linker = Linker::new(g, store, pool, config()).unwrap();
     let report = linker.save(&plan).unwrap();
@@ -520,7 +537,7 @@ fn raced_save(
 /// so no load fails against checksums of other bytes; the next save writes the page again.
 #[test]
 fn a_saved_object_beside_a_racing_writers_companion_is_discarded_with_it() {
-    let (report, inner, object, _) = raced_save(false);
+    let (report, inner, object, _) = raced_save(false, false);
     assert_eq!(
         inner.exists(&[&object, &checksum_key(&object)]),
         vec![Ok(false), Ok(false)],
@@ -533,11 +550,25 @@ fn a_saved_object_beside_a_racing_writers_companion_is_discarded_with_it() {
     );
 }
 
+/// The other writer's companion came back, and the object's read back failed: nothing is known
+/// of the pair (it may be the other writer's good one), so it stays as the store reported it,
+/// with no checksums kept; before, both halves were discarded on a read that merely failed.
+#[test]
+fn a_raced_pair_whose_object_cannot_be_read_back_stays() {
+    let (report, inner, object, _) = raced_save(false, true);
+    assert_eq!(
+        inner.exists(&[&object, &checksum_key(&object)]),
+        vec![Ok(true), Ok(true)],
+        "the pair stays"
+    );
+    assert_eq!(report.objects_written, 4, "{report:?}");
+}
+
 /// The other writer's whole pair won the race: it stays (checked against its own companion),
 /// and the save counts the object present, not written.
 #[test]
 fn a_racing_writers_whole_pair_stays_and_counts_present() {
-    let (report, inner, object, theirs) = raced_save(true);
+    let (report, inner, object, theirs) = raced_save(true, false);
     assert_eq!(get(inner.as_ref(), &object), Some(theirs));
     assert!(get(inner.as_ref(), &checksum_key(&object)).is_some());
     assert_eq!(
@@ -1249,7 +1280,6 @@ fn a_rewritten_wrong_size_object_without_companion_fails_its_size_check() {
 /// deterministically.)
 #[test]
 fn a_wrong_size_found_by_a_layer_check_is_not_replaced_by_a_check_that_found_the_object_gone() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
     use kvlink::mooncake_linker::ReadGranularity;
     let s = saved(45, 3);
     let faults = Arc::new(FaultyStore::new(s.store.clone()));
@@ -1394,7 +1424,6 @@ fn a_load_after_this_linkers_save_reads_no_companions() {
 /// it (written, both halves kept) and keeps no checksums: the load reads the companions.
 #[test]
 fn a_failed_read_back_leaves_the_pairs_and_the_load_reads_their_companions() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
     let spec = small_spec();
     let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
     let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
@@ -1442,7 +1471,6 @@ fn held_companions(
     cfg: LinkerConfig,
     held: &kvlink::mooncake_linker::store::Stall,
 ) -> (Linker, Arc<HostKvPool>) {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
     let faults = Arc::new(FaultyStore::new(s.store.clone()));
     faults.inject_on(
         FaultCall::ReadWhole,

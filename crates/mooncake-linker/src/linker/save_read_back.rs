@@ -3,13 +3,16 @@
 //! page can each see both halves `Written` while the store keeps one writer's object beside
 //! the other's companion. Every load of that object would then fail against checksums of
 //! other bytes. So a save reads back each companion it saw `Written` with its object:
-//! - its own bytes: the pair is the save's, or another writer's of the same bytes (then any
-//!   mix of the two is a true pair);
+//! - its own bytes: kept as the save's pair. (Where two saves raced, the object may still be
+//!   the other's: that one then reads back a companion not its own, finds the object does not
+//!   match it, and discards both; where the other writes no companion nor reads back, a load
+//!   finds the mix, as before.)
 //! - other bytes: another writer's companion won. The object is read too; when it matches the
-//!   companion the pair is the other writer's (kept, counted present); when it does not, or
-//!   it cannot be read, the pair is mixed or unknown, and both halves are discarded (object
-//!   first) for the next save to write again;
-//! - the read fails: nothing is known, the pair stays as the store said (a load checks it).
+//!   companion the pair is the other writer's (kept, counted present); when it does not, the
+//!   pair is mixed and both halves are discarded (object first) for the next save to write
+//!   again;
+//! - a read fails (the companion's or the object's): nothing is known, the pair stays as the
+//!   store said and no checksums are kept (a load checks it).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,7 +31,7 @@ pub(crate) enum ReadBack {
     Ours,
     /// Another writer's pair won, whole: the store keeps it, with these checksums.
     Theirs(ObjectChecksums),
-    /// Not a pair, or not known to be one: both halves were discarded (or tried).
+    /// Not a pair: both halves were discarded (or tried).
     Discarded,
     /// The read back failed: the pair stays as the store reported it.
     Unknown,
@@ -88,8 +91,10 @@ impl Inner {
     }
 
     /// Reads object `key` whole and checks it against `theirs`, the checksums another
-    /// writer's companion holds: [`ReadBack::Theirs`] when every layer matches, else
-    /// [`ReadBack::Discarded`] (to be discarded by the caller), also when it cannot be read.
+    /// writer's companion holds: [`ReadBack::Theirs`] when every layer matches,
+    /// [`ReadBack::Discarded`] (to be discarded by the caller) when it does not, and
+    /// [`ReadBack::Unknown`] when it cannot be read (the pair may be the other writer's good
+    /// one: a forced discard would also fail a load reading it now).
     fn object_matches(
         &self,
         key: &str,
@@ -102,10 +107,12 @@ impl Inner {
         match read.map(|r| r.map(|o| ObjectChecksums::of_object(&o, layout.page_layer_bytes))) {
             Some(Ok(Ok(sums))) if sums == theirs => ReadBack::Theirs(theirs),
             Some(Err(e)) => {
-                warn!(key, error = %e, "an object beside another writer's companion could not be read back");
-                ReadBack::Discarded
+                warn!(key, error = %e, "an object beside another writer's companion could not be read back: the pair stays");
+                ReadBack::Unknown
             }
-            _ => ReadBack::Discarded,
+            // Bytes that do not match, or whose checksums the layout cannot take.
+            Some(Ok(_)) => ReadBack::Discarded,
+            None => ReadBack::Unknown,
         }
     }
 
