@@ -11,7 +11,7 @@ use std::io::{self, IoSlice, Read};
 use std::net::{SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,9 +32,10 @@ const IDLE_CHECK: Duration = Duration::from_millis(500);
 /// How long a connection may take to say its hello (a client sends it as soon as it is
 /// connected): the socket's name is listed to every user of the host, and anyone may connect.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-/// Connections accepted and not yet through their hello, at most: one more is closed at once
-/// (logged), so that connections that say nothing cannot start a thread each without bound
-/// in the process that serves the store (rank 0's linker, whose own store calls need threads).
+/// Connections accepted and not yet through their hello, at most: past it the oldest of them
+/// is closed (logged), so that connections that say nothing cannot start a thread each
+/// without bound in the process that serves the store (rank 0's linker, whose own store calls
+/// need threads), nor keep a real client (which says its hello at once) out.
 pub(super) const MAX_GREETING: usize = 64;
 
 /// Where a [`StoreServer`] listens.
@@ -168,8 +169,9 @@ struct Served {
     /// capacity, so that many connections each putting an object up to the capacity at once
     /// cannot ask the host for many times it.
     receiving: Mutex<u64>,
-    /// Connections accepted and not yet through their hello (at most [`MAX_GREETING`]).
-    greeting: AtomicUsize,
+    /// Connections accepted and not yet through their hello, by number, oldest first (at
+    /// most [`MAX_GREETING`]).
+    greeting: Mutex<VecDeque<u64>>,
 }
 
 /// Serves an [`EmbeddedStore`] over a socket; stops (and closes every connection) when
@@ -277,7 +279,7 @@ impl StoreServer {
             clients: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
             receiving: Mutex::new(0),
-            greeting: AtomicUsize::new(0),
+            greeting: Mutex::new(VecDeque::new()),
         });
         let s = served.clone();
         let thread = std::thread::Builder::new()
@@ -333,7 +335,7 @@ impl StoreServer {
 impl StoreServer {
     /// Connections accepted and not yet through their hello.
     pub(super) fn greeting(&self) -> usize {
-        self.served.greeting.load(Ordering::Acquire)
+        self.served.greeting.lock().len()
     }
 }
 
@@ -358,7 +360,7 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
     let mut conns: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id = 0u64;
     let mut failed_accepts = 0u64;
-    let mut refused_greetings = 0u64;
+    let mut closed_silent = 0u64;
     loop {
         // The stop flag is looked at every IDLE_CHECK even when no connection comes: the
         // wake-up connection of `drop` may fail (out of file descriptors, say).
@@ -389,22 +391,31 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
                 continue;
             }
         };
-        if served.greeting.load(Ordering::Acquire) >= MAX_GREETING {
-            refused_greetings += 1;
-            if refused_greetings % 100 == 1 {
-                tracing::warn!(
-                    refused_greetings,
-                    "a store connection closed at once: {MAX_GREETING} others have not said \
-                     their hello yet"
-                );
-            }
-            drop(conn);
-            continue;
-        }
-        served.greeting.fetch_add(1, Ordering::AcqRel);
-        let greeting = Greeting(Some(served.clone()));
         let id = next_id;
         next_id += 1;
+        let evicted = {
+            let mut greeting = served.greeting.lock();
+            let oldest = (greeting.len() >= MAX_GREETING)
+                .then(|| greeting.pop_front())
+                .flatten();
+            greeting.push_back(id);
+            oldest
+        };
+        if let Some(old) = evicted {
+            // Its thread finds the connection shut, ends, and lets its entry go.
+            if let Some(c) = served.open.lock().get(&old) {
+                c.shutdown();
+            }
+            closed_silent += 1;
+            if closed_silent % 100 == 1 {
+                tracing::warn!(
+                    closed_silent,
+                    "a store connection that had not said its hello closed: {MAX_GREETING} \
+                     newer ones were waiting to"
+                );
+            }
+        }
+        let greeting = Greeting(Some((served.clone(), id)));
         if let Ok(clone) = conn.try_clone() {
             served.open.lock().insert(id, clone);
         }
@@ -493,12 +504,12 @@ fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
 
 /// A connection counted in [`Served::greeting`] until its hello is read (or it ends, a panic
 /// included): dropped then.
-struct Greeting(Option<Arc<Served>>);
+struct Greeting(Option<(Arc<Served>, u64)>);
 
 impl Drop for Greeting {
     fn drop(&mut self) {
-        if let Some(s) = self.0.take() {
-            s.greeting.fetch_sub(1, Ordering::AcqRel);
+        if let Some((s, id)) = self.0.take() {
+            s.greeting.lock().retain(|&g| g != id);
         }
     }
 }
@@ -943,7 +954,7 @@ mod receiving_tests {
             clients: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
             receiving: Mutex::new(0),
-            greeting: AtomicUsize::new(0),
+            greeting: Mutex::new(VecDeque::new()),
         };
         let a = Receiving::take(&served, 600).unwrap();
         assert!(Receiving::take(&served, 500).is_none(), "past the capacity");
