@@ -541,8 +541,9 @@ fn withdraw(
 }
 
 /// What rank 0's verdict `v` means for the joiner that said `hello`: the welcome, or the
-/// refusal (a welcome naming another process for this rank is a duplicate). The outer error:
-/// `v` does not decode.
+/// refusal. A welcome naming another process for this rank is [`RendezvousError::ClaimedTwice`]
+/// (rank 0 took the other claim, perhaps one left by a process of this rank that died; no
+/// refusal, as where rank 0 saw both claims). The outer error: `v` does not decode.
 fn verdict_for(
     v: &[u8],
     hello: &Hello,
@@ -550,7 +551,10 @@ fn verdict_for(
     let rank = hello.rank;
     Ok(match Reply::decode(v)? {
         Reply::Welcome(w) if w.nonces.get(rank as usize) == Some(&hello.nonce) => Ok(*w),
-        Reply::Welcome(_) => Err(RendezvousError::DuplicateRank { rank }),
+        Reply::Welcome(w) => Err(RendezvousError::ClaimedTwice {
+            rank,
+            epoch: w.epoch,
+        }),
         Reply::Refused(e) => Err(e),
         Reply::Idle { .. } => Err(RendezvousError::Protocol(
             "an idle reply as a verdict".into(),
