@@ -12,8 +12,11 @@ use crate::process::socket_collective::Algorithm;
 use crate::process::wire::{Decoder, Encoder, Malformed};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
-/// Version of these messages; ranks with another refuse each other.
-pub(crate) const PROTOCOL: u32 = 1;
+/// Version of these messages and of what the formed group speaks; ranks with another refuse
+/// each other. 2: a batch's verdict word ends with a completion round on the socket group
+/// (`Collective::all_gather_u64_settled`), and a rank claimed twice over a key-value exchange
+/// is answered as error kind 10 (`ClaimedTwice`).
+pub(crate) const PROTOCOL: u32 = 2;
 
 /// Where a rank's collective listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
