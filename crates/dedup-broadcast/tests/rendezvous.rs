@@ -308,7 +308,14 @@ fn a_joiner_that_died_without_withdrawing_does_not_refuse_the_group() {
     let mut r0 = Rendezvous::new(config(0, Duration::from_secs(20))).unwrap();
     std::thread::scope(|s| {
         let leader = s.spawn(move || (r0.form().map(|g| g.epoch()), r0));
-        // Rank 1's first process gives up (rank 2 is late) and its withdrawal is lost.
+        // Once rank 0 has opened its epoch (the key `g/current`), rank 1's first process
+        // claims its rank, gives up (rank 2 is late), and its withdrawal is lost.
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        let far = || std::time::Instant::now() + Duration::from_secs(5);
+        while x.inner.get("g/current", far()).unwrap().is_none() {
+            assert!(std::time::Instant::now() < until, "rank 0 opened no epoch");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let mut dead = Rendezvous::new(config(1, Duration::from_millis(300))).unwrap();
         assert!(dead.form().is_err());
         let mut r1 = Rendezvous::new(config(1, Duration::from_secs(20))).unwrap();

@@ -209,26 +209,30 @@ fn a_rank_that_never_arrives_times_out_the_others_at_their_deadline() {
 #[test]
 fn a_settled_gather_fails_on_every_rank_when_one_gave_up() {
     let ranks = SocketCollective::over_socket_pairs(3, Algorithm::Direct).unwrap();
+    let (gave_up, after) = std::sync::mpsc::channel::<()>();
+    let (rank1_in, rank0_go) = std::sync::mpsc::channel::<()>();
     let t0 = Instant::now();
     let results = thread::scope(|s| {
-        let hs: Vec<_> = ranks
-            .iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let (start, wait) = match c.rank() {
-                        1 => (0, 100),
-                        0 => (20, 2000),
-                        _ => (300, 2000),
-                    };
-                    thread::sleep(Duration::from_millis(start).saturating_sub(t0.elapsed()));
-                    let deadline = kv_loader::deadline_after(Duration::from_millis(wait));
-                    c.all_gather_u64_settled(u64::from(c.rank()), deadline)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+        let (r0, r1, r2) = (&ranks[0], &ranks[1], &ranks[2]);
+        let h1 = s.spawn(move || {
+            // Rank 1 comes first, with a short deadline, and gives up.
+            let _ = rank1_in.send(());
+            let r =
+                r1.all_gather_u64_settled(1, kv_loader::deadline_after(Duration::from_millis(100)));
+            let _ = gave_up.send(());
+            r
+        });
+        let h0 = s.spawn(move || {
+            // Rank 0 comes once rank 1 is in, with a long deadline.
+            let _ = rank0_go.recv();
+            r0.all_gather_u64_settled(0, kv_loader::deadline_after(Duration::from_secs(3)))
+        });
+        let h2 = s.spawn(move || {
+            // Rank 2 comes only after rank 1 gave up.
+            let _ = after.recv();
+            r2.all_gather_u64_settled(2, kv_loader::deadline_after(Duration::from_secs(3)))
+        });
+        [h0, h1, h2].map(|h| h.join().unwrap())
     });
     assert!(results.iter().all(Result::is_err), "{results:?}");
     assert!(t0.elapsed() < Duration::from_secs(5));

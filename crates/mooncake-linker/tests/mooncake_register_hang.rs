@@ -40,16 +40,23 @@ fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
     // test may free it registered, with no transfer of it in flight).
     unsafe { store.register(held_region) }.expect("register");
     let hang = UNREGISTER_WAIT + Duration::from_secs(2);
-    fail::cfg(
-        "mooncake-register-held",
-        &format!("1*sleep({})", hang.as_millis()),
-    )
+    // The registration below takes the table, says so, then sleeps with it held.
+    let (held_now, table_held) = std::sync::mpsc::channel::<()>();
+    let held_now = std::sync::Mutex::new(Some(held_now));
+    fail::cfg_callback("mooncake-register-held", move || {
+        let first = held_now.lock().unwrap().take();
+        if let Some(tx) = first {
+            let _ = tx.send(());
+            std::thread::sleep(hang);
+        }
+    })
     .unwrap();
     std::thread::scope(|s| {
         // SAFETY: as above, for `hung`.
         let registering = s.spawn(|| unsafe { store.register(hung_region) });
-        // The registration takes the table, then sleeps with it held.
-        std::thread::sleep(Duration::from_millis(300));
+        table_held
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the registration reached its failpoint");
         let t0 = Instant::now();
         let got = store.unregister(held_region);
         let took = t0.elapsed();
