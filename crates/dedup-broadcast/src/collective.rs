@@ -369,10 +369,13 @@ pub trait Collective: Send + Sync {
 
     /// [`all_gather_u64`](Collective::all_gather_u64) for a verdict that no later operation
     /// settles (a batch's last status word): `Ok` on one rank means every rank received
-    /// every value, so that a rank that gave up (its deadline passed) fails the others too
-    /// rather than leaving them with `Ok`. By default the plain gather: right for a transport
-    /// whose gather completes on no rank until every rank took part (in-process rounds,
-    /// NCCL). The socket group adds a completion round.
+    /// every value, so that a rank that gave up (its deadline passed) before confirming fails
+    /// the others too rather than leaving them with `Ok`. (A rank that gives up after it
+    /// confirmed, while waiting for the others' confirmations, still fails alone: one
+    /// message's time.) By default the plain gather: right for a transport whose gather
+    /// completes on no rank until every rank took part (in-process rounds, NCCL). The socket
+    /// group adds a completion round. A wrapper of a collective must forward this method, or
+    /// its verdicts fall back to the plain gather.
     fn all_gather_u64_settled(
         &self,
         value: u64,
