@@ -846,14 +846,11 @@ fn a_layer_open_in_one_stage_is_refused_to_another() {
     landing.open(&mut b[0], 1, soon()).unwrap();
 }
 
-/// Device staging holds a layer's share area only after that layer's upload: sharing it
-/// before the upload, or after an upload that failed, is refused (a collective would share
-/// what an earlier layer left there, and peers would publish it as this layer).
-#[test]
-fn a_stage_is_shared_only_after_its_layers_upload() {
-    let dev = CpuDevice::with_config(0, CpuDeviceConfig::default()).unwrap();
+/// A landing of two plan pages on `dev` whose one shared component is `k` (its share area of
+/// `len` bytes per layer: two rows), with two stages; `k` and `len`.
+fn shared_k_landing(dev: &Arc<CpuDevice>) -> (StagedLanding, kv_geometry::ComponentLayout, usize) {
     let g = geometry();
-    let k = g.component_by_name("k").unwrap();
+    let k = g.component_by_name("k").unwrap().clone();
     let len = 2 * k.page_layer_bytes as usize;
     let shape = BatchShape {
         own: vec![],
@@ -863,8 +860,18 @@ fn a_stage_is_shared_only_after_its_layers_upload() {
     let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
     let staging =
         StagingPool::with_stages(dev.clone(), StagingPool::half_bytes_for(&g, 2, 2), 2, 1).unwrap();
-    let mut landing =
+    let landing =
         StagedLanding::new(pool, staging.lease().unwrap(), vec![0u32, 1].into(), shape).unwrap();
+    (landing, k, len)
+}
+
+/// Device staging holds a layer's share area only after that layer's upload: sharing it
+/// before the upload, or after an upload that failed, is refused (a collective would share
+/// what an earlier layer left there, and peers would publish it as this layer).
+#[test]
+fn a_stage_is_shared_only_after_its_layers_upload() {
+    let dev = CpuDevice::with_config(0, CpuDeviceConfig::default()).unwrap();
+    let (mut landing, _, len) = shared_k_landing(&dev);
     let mut stages = landing.take_stages();
     let (a, b) = stages.split_at_mut(1);
     landing.open(&mut a[0], 0, soon()).unwrap();
@@ -932,19 +939,7 @@ fn uploads_and_scatters_run_after_the_stages_collective() {
         ..CpuDeviceConfig::default()
     };
     let dev = CpuDevice::with_config(0, config).unwrap();
-    let g = geometry();
-    let k = g.component_by_name("k").unwrap();
-    let len = 2 * k.page_layer_bytes as usize;
-    let shape = BatchShape {
-        own: vec![],
-        shared: vec![k.id],
-        share_bytes: vec![len; 4],
-    };
-    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
-    let staging =
-        StagingPool::with_stages(dev.clone(), StagingPool::half_bytes_for(&g, 2, 2), 2, 1).unwrap();
-    let mut landing =
-        StagedLanding::new(pool, staging.lease().unwrap(), vec![0u32, 1].into(), shape).unwrap();
+    let (mut landing, k, len) = shared_k_landing(&dev);
     let mut stages = landing.take_stages();
     landing.open(&mut stages[0], 0, soon()).unwrap();
     landing.upload(&mut stages[0], 0..len).unwrap();
