@@ -20,9 +20,11 @@ const GRACE: Duration = Duration::from_millis(100);
 /// one host, or of hosts sharing a POSIX file system, can meet through it.
 ///
 /// Each call runs its file calls on a thread of its own and waits for them until its
-/// deadline (or [`GRACE`], if longer): a file system that hangs (an NFS server gone) fails
-/// the call then rather than holding the rendezvous; the file calls finish on their own (at most
-/// [`MAX_STUCK`] at once, then calls fail at once until one returns).
+/// deadline (and at least 100 ms): a file system that hangs (an NFS server gone) fails the
+/// call then rather than holding the rendezvous. Its file calls finish on their own, and until
+/// they have, every later call of the exchange fails at once: a late write must not land
+/// after a newer one (a hello over its withdrawal), nor a file system that does not answer
+/// gather a thread per poll.
 ///
 /// ```
 /// use std::time::Duration;
