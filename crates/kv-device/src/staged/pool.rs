@@ -179,7 +179,7 @@ impl DeviceKvPool {
             .map(DeviceMemory::len)
             .max()
             .unwrap_or(0)
-            .min(64 << 20);
+            .min(sync::BOUNCE_MAX);
         if chunk == 0 {
             return Ok(());
         }
@@ -203,17 +203,10 @@ impl DeviceKvPool {
             }
             Ok(())
         });
-        match sync::drain(&stream, SYNC_LIMIT) {
-            Ok(()) => {
-                self.bounce.give(zeros);
-                enqueued
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "clearing a device pool did not finish; leaking its zero chunk");
-                std::mem::forget(zeros);
-                Err(e)
-            }
-        }
+        // On a timeout the zero chunk is parked in the bounce until the copies end.
+        let zeros = self.bounce.finished(&stream, zeros)?;
+        self.bounce.give(zeros);
+        enqueued
     }
 }
 

@@ -6,44 +6,33 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, Stream, Transfer};
+use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, SharedEvent, Stream, Transfer};
 
 /// Longest a synchronous copy waits for its stream.
 pub(crate) const SYNC_LIMIT: Duration = Duration::from_secs(60);
 
 /// Waits for everything enqueued on `stream` so far, at most `limit`.
 pub(crate) fn drain(stream: &Arc<dyn Stream>, limit: Duration) -> Result<(), DeviceError> {
-    let ev = stream.record()?;
-    match ev.wait_until(kv_loader::deadline_after(limit))? {
-        true => Ok(()),
-        false => Err(DeviceError::Timeout {
-            what: "stream drain",
-            waited: limit,
-        }),
-    }
+    drain_or_park(stream, limit).map_err(|(e, _)| e)
 }
 
-/// Runs `transfer` (whose host side is `host`) on `stream` and waits for it, at most
-/// [`SYNC_LIMIT`]. On a timeout `host` is leaked: the copy may still touch it.
-///
-/// # Safety
-/// The transfer's device side is valid and untouched by others until this returns (or, on a
-/// timeout, for ever); its host side lies inside `host`.
-pub(crate) unsafe fn run(
+/// [`drain`], and on failure the event that tells when the stream's work so far has ended
+/// (`None` when none could be recorded, or it failed).
+fn drain_or_park(
     stream: &Arc<dyn Stream>,
-    transfer: Transfer,
-    host: PinnedMemory,
-) -> Result<PinnedMemory, DeviceError> {
-    // SAFETY: the caller's promise for the device side; the host side is inside `host`, which
-    // lives until the copy is known finished (or is leaked).
-    unsafe { stream.transfer(transfer)? };
-    match drain(stream, SYNC_LIMIT) {
-        Ok(()) => Ok(host),
-        Err(e) => {
-            tracing::error!(error = %e, "synchronous copy did not finish; leaking its host buffer");
-            std::mem::forget(host);
-            Err(e)
-        }
+    limit: Duration,
+) -> Result<(), (DeviceError, Option<SharedEvent>)> {
+    let ev = stream.record().map_err(|e| (e, None))?;
+    match ev.wait_until(kv_loader::deadline_after(limit)) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err((
+            DeviceError::Timeout {
+                what: "stream drain",
+                waited: limit,
+            },
+            Some(ev),
+        )),
+        Err(e) => Err((e, None)),
     }
 }
 
@@ -54,17 +43,44 @@ pub(crate) const BOUNCE_MAX: usize = 32 << 20;
 
 /// A pinned buffer reused by synchronous copies (pinned allocation is slow, and synchronizing,
 /// on CUDA): lent to one copy at a time, grown when a copy needs more, up to [`BOUNCE_MAX`].
-#[derive(Debug, Default)]
-pub(crate) struct Bounce(Mutex<Option<PinnedMemory>>);
+///
+/// A copy that does not finish within the bounce's limit parks its buffer here with the event
+/// that tells its end: until that event completes every later copy through the bounce fails
+/// at once ([`DeviceError::Poisoned`]) rather than waiting out the limit again and leaking a
+/// buffer each time; once it completes the buffer is used again. A bounce dropped with a
+/// parked copy still running leaks that buffer (the copy may still touch it).
+#[derive(Debug)]
+pub(crate) struct Bounce {
+    kept: Mutex<Option<PinnedMemory>>,
+    parked: Mutex<Option<(PinnedMemory, SharedEvent)>>,
+    limit: Duration,
+}
+
+impl Default for Bounce {
+    fn default() -> Self {
+        Bounce::with_limit(SYNC_LIMIT)
+    }
+}
 
 impl Bounce {
-    /// A pinned buffer of at least `len` bytes: the kept one, or a new one.
+    /// A bounce whose copies wait at most `limit` each.
+    pub(crate) fn with_limit(limit: Duration) -> Self {
+        Bounce {
+            kept: Mutex::new(None),
+            parked: Mutex::new(None),
+            limit,
+        }
+    }
+
+    /// A pinned buffer of at least `len` bytes: the kept one, or a new one. Refused while a
+    /// parked copy has not finished.
     pub(crate) fn take(
         &self,
         device: &dyn Device,
         len: usize,
     ) -> Result<PinnedMemory, DeviceError> {
-        match self.0.lock().take() {
+        self.settle()?;
+        match self.kept.lock().take() {
             Some(m) if m.len() >= len => Ok(m),
             _ => device.alloc_pinned(len, "synchronous copy"),
         }
@@ -72,9 +88,85 @@ impl Bounce {
 
     /// Keeps `mem` for the next copy.
     pub(crate) fn give(&self, mem: PinnedMemory) {
-        let mut kept = self.0.lock();
+        let mut kept = self.kept.lock();
         if kept.as_ref().is_none_or(|k| k.len() < mem.len()) {
             *kept = Some(mem);
+        }
+    }
+
+    /// Takes back a parked buffer whose copy has ended; an error while one has not (or its
+    /// event cannot tell: then it stays parked for good).
+    fn settle(&self) -> Result<(), DeviceError> {
+        let mut parked = self.parked.lock();
+        let Some((_, ev)) = parked.as_ref() else {
+            return Ok(());
+        };
+        if !ev.is_complete().unwrap_or(false) {
+            return Err(DeviceError::Poisoned(
+                "an earlier synchronous copy has not finished (its stream is stuck)",
+            ));
+        }
+        if let Some((mem, _)) = parked.take() {
+            drop(parked);
+            self.give(mem);
+        }
+        Ok(())
+    }
+
+    /// Runs `transfer` (whose host side is `host`, taken from this bounce) on `stream` and
+    /// waits for it, at most the bounce's limit; `host` back when it finished. When it did not,
+    /// `host` is parked (or leaked, when no event tells the copy's end): the copy may still
+    /// touch it.
+    ///
+    /// # Safety
+    /// The transfer's device side is valid and untouched by others until this returns (or, on
+    /// a timeout, for ever); its host side lies inside `host`.
+    pub(crate) unsafe fn run(
+        &self,
+        stream: &Arc<dyn Stream>,
+        transfer: Transfer,
+        host: PinnedMemory,
+    ) -> Result<PinnedMemory, DeviceError> {
+        // SAFETY: the caller's promise for the device side; the host side is inside `host`,
+        // which lives until the copy is known finished (parked, or leaked).
+        unsafe { stream.transfer(transfer)? };
+        self.finished(stream, host)
+    }
+
+    /// Waits for `stream`'s work so far, which uses `host` (this bounce's): `host` back when
+    /// it ended, else parked (or leaked) and the error.
+    pub(crate) fn finished(
+        &self,
+        stream: &Arc<dyn Stream>,
+        host: PinnedMemory,
+    ) -> Result<PinnedMemory, DeviceError> {
+        match drain_or_park(stream, self.limit) {
+            Ok(()) => Ok(host),
+            Err((e, Some(ev))) => {
+                tracing::error!(error = %e, "a synchronous copy did not finish: its host buffer is parked until it does; copies through this bounce fail meanwhile");
+                if let Some((old, _)) = self.parked.lock().replace((host, ev)) {
+                    // Two copies at once (two threads) that both timed out: the earlier one's
+                    // buffer is kept for good.
+                    std::mem::forget(old);
+                }
+                Err(e)
+            }
+            Err((e, None)) => {
+                tracing::error!(error = %e, "a synchronous copy did not finish: leaking its host buffer");
+                std::mem::forget(host);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        if let Some((mem, ev)) = self.parked.get_mut().take() {
+            if !ev.is_complete().unwrap_or(false) {
+                // The copy may still touch it.
+                std::mem::forget(mem);
+            }
         }
     }
 }
@@ -104,7 +196,7 @@ pub(crate) unsafe fn write(
         };
         // SAFETY: the caller's promise for `dst..dst + data.len()`, of which this piece is a
         // part; the source is `host`.
-        let host = unsafe { run(&device.load_stream(), t, host) }?;
+        let host = unsafe { bounce.run(&device.load_stream(), t, host) }?;
         bounce.give(host);
         dst += piece.len() as u64;
     }
@@ -154,7 +246,7 @@ pub(crate) unsafe fn read(
         };
         // SAFETY: the caller's promise for `src..src + out.len()`, of which this piece is a
         // part; the destination is `host`.
-        let host = unsafe { run(&device.load_stream(), t, host) }?;
+        let host = unsafe { bounce.run(&device.load_stream(), t, host) }?;
         // SAFETY: the copy finished; `host` holds at least `piece.len()` bytes and is ours.
         unsafe {
             std::ptr::copy_nonoverlapping(host.addr() as *const u8, piece.as_mut_ptr(), piece.len())
@@ -170,6 +262,53 @@ mod tests {
     use super::*;
     use crate::CpuDevice;
 
+    /// A copy that does not finish within the bounce's limit parks its buffer: later copies
+    /// fail at once instead of waiting out the limit and leaking a buffer each; once the copy
+    /// ended, the parked buffer is used again and copies go through.
+    #[test]
+    fn a_copy_past_its_limit_parks_its_buffer_and_later_copies_fail_fast_until_it_ends() {
+        let dev = CpuDevice::new(0).unwrap();
+        let mem = dev.alloc(4096, "test").unwrap();
+        let bounce = Bounce::with_limit(Duration::from_millis(50));
+        let data = vec![7u8; 4096];
+        dev.stall_for(Duration::from_millis(600));
+        // SAFETY: `mem` is ours, 4096 bytes, and nothing else touches it (the stalled copy
+        // writes it later, with the same bytes as the copies below).
+        let first = unsafe { write(&*dev, &bounce, mem.addr(), &data) };
+        assert!(
+            matches!(first, Err(DeviceError::Timeout { .. })),
+            "{first:?}"
+        );
+        let parked = bounce.parked.lock().as_ref().map(|(m, _)| m.addr());
+        assert!(parked.is_some(), "the buffer is parked");
+        let t0 = std::time::Instant::now();
+        // SAFETY: as above.
+        let again = unsafe { write(&*dev, &bounce, mem.addr(), &data) };
+        assert!(matches!(again, Err(DeviceError::Poisoned(_))), "{again:?}");
+        assert!(
+            t0.elapsed() < Duration::from_millis(50),
+            "at once: {:?}",
+            t0.elapsed()
+        );
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            // SAFETY: as above.
+            match unsafe { write(&*dev, &bounce, mem.addr(), &data) } {
+                Ok(()) => break,
+                Err(DeviceError::Poisoned(_)) if std::time::Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let kept = bounce.kept.lock().as_ref().map(PinnedMemory::addr);
+        assert_eq!(kept, parked, "the parked buffer is used again");
+        let mut out = vec![0u8; 4096];
+        // SAFETY: as above; the writes have finished.
+        unsafe { read(&*dev, &bounce, mem.addr(), &mut out) }.unwrap();
+        assert_eq!(out, data);
+    }
+
     #[test]
     fn a_copy_longer_than_the_bounce_goes_in_pieces_and_keeps_at_most_its_size_pinned() {
         let dev = CpuDevice::new(0).unwrap();
@@ -183,7 +322,7 @@ mod tests {
         // SAFETY: as above; the write has finished.
         unsafe { read(&*dev, &bounce, mem.addr(), &mut out) }.unwrap();
         assert!(out == data, "the pieces land where they belong");
-        let kept = bounce.0.lock().as_ref().map(PinnedMemory::len);
+        let kept = bounce.kept.lock().as_ref().map(PinnedMemory::len);
         assert_eq!(
             kept,
             Some(BOUNCE_MAX),
