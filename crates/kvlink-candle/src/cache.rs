@@ -74,6 +74,9 @@ pub struct PagedLatentCache {
     pool: LatentPool,
     page_table: Vec<u32>,
     loaded_tokens: usize,
+    /// The tokens a load attached to this cache covers (`new`'s `loaded_tokens`): what
+    /// `loaded_tokens` is again when a load is attached after a failed one.
+    load_extent: usize,
     gate: LayerGate,
     /// Set when a load's outcome could not be taken: it may still be writing the slots of
     /// the tokens counted here (the loaded tokens when it was found), so they stay fenced for
@@ -97,6 +100,7 @@ impl PagedLatentCache {
             pool,
             page_table,
             loaded_tokens,
+            load_extent: loaded_tokens,
             gate: LayerGate::open(),
             unsettled: None,
         }
@@ -108,12 +112,16 @@ impl PagedLatentCache {
     /// stay fenced ([`CandleKvError::Unsettled`]).
     ///
     /// The fence outlives the new load: a later failure that drops
-    /// [`loaded_tokens`](Self::loaded_tokens) to zero does not lift it.
+    /// [`loaded_tokens`](Self::loaded_tokens) to zero does not lift it. The new load covers
+    /// the tokens given to [`new`](Self::new) (`new`'s contract: the only load into the slots
+    /// covers those), also after a failed load dropped `loaded_tokens` to zero: its layers are
+    /// waited for, and fenced if it does not settle.
     pub fn with_load(mut self, gate: LayerGate) -> Self {
         if let Err(CandleKvError::Unsettled { source }) = self.gate.finish() {
             self.mark_unsettled(source);
         }
         self.gate = gate;
+        self.loaded_tokens = self.load_extent;
         self
     }
 

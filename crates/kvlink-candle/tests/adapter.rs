@@ -356,6 +356,39 @@ fn a_later_failed_load_does_not_lift_the_fence_of_one_that_did_not_settle() {
     assert_eq!(cache.fenced_tokens(), 8, "for the life of the cache");
 }
 
+/// A load attached again after a failed one (an engine retrying the plan) covers the loaded
+/// tokens again: its layers are waited for, and when it does not settle they are fenced.
+/// Before, the failure's zero loaded tokens stayed: the new load was neither waited for nor
+/// fenced, and safe code read and wrote slots it might still be writing.
+#[test]
+fn a_load_attached_after_a_failed_one_is_waited_for_and_fenced() {
+    let mut script = MockScript::default();
+    script.fail_at_layer.insert(kv_loader::BatchId(5), 0);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let failing = mock.start_load(plan(5)).unwrap();
+    // SAFETY: the test's own pool; the only loads into slots 0 and 1 are the mock's.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .with_load(LayerGate::new(mock.clone(), failing));
+    assert!(cache.finish_load().is_err());
+    assert_eq!(cache.loaded_tokens(), 0);
+    let retried = mock.start_load(plan(6)).unwrap();
+    let mut cache = cache.with_load(LayerGate::new(mock.clone(), retried));
+    assert_eq!(
+        cache.loaded_tokens(),
+        8,
+        "the retried load covers the prefix again"
+    );
+    // Its outcome is taken elsewhere: the cache cannot learn that the load has stopped.
+    mock.wait_batch(&retried).unwrap();
+    let e = cache.finish_load().unwrap_err();
+    assert!(e.needs_reset(), "{e}");
+    assert_eq!(cache.fenced_tokens(), 8);
+    assert!(matches!(
+        cache.layer(0, 1),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+}
+
 #[test]
 fn a_load_that_did_not_settle_fences_the_loaded_tokens() {
     let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
