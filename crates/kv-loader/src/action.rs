@@ -7,9 +7,10 @@ use crate::KvLoadError;
 /// it for an error found in a batch's outcome (`BatchOutcome::result`), a layer wait, or a
 /// call refused up front.
 ///
-/// One rule sits outside the error itself: when `wait_batch` / [`LoadHandle::finish`]
+/// Two rules sit outside the error itself: when `wait_batch` / [`LoadHandle::finish`]
 /// returns `Err` (no outcome could be taken), the answer is always
-/// [`ResetThenRecompute`](Self::ResetThenRecompute), whatever the error.
+/// [`ResetThenRecompute`](Self::ResetThenRecompute), whatever the error; and an error from a
+/// layer wait settles nothing: take the batch's outcome first, the action applies then.
 ///
 /// [`LoadHandle::finish`]: crate::LoadHandle::finish
 ///

@@ -53,6 +53,11 @@ pub trait KvLoader: Send + Sync {
     /// Waits (bounded by the loader's deadline) for layer `layer` of the batch. Host pools:
     /// returns [`LayerReady::Resident`] once the bytes are in the pool. Device pools: may
     /// return an event for the compute stream to wait on instead of blocking.
+    ///
+    /// An error here does not settle the batch: the load may still be copying another layer
+    /// (a `Cancelled` from a `reset` on another thread comes before that reset has waited
+    /// for the batch). Take the batch's outcome ([`wait_batch`](Self::wait_batch)) before
+    /// touching its slots; the error's [`action`](KvLoadError::action) applies then.
     fn wait_layer(&self, ticket: &LoadTicket, layer: u32) -> Result<LayerReady, KvLoadError>;
 
     /// Waits (bounded) for the batch to finish and takes its outcome.
