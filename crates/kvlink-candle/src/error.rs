@@ -57,7 +57,8 @@ pub enum CandleKvError {
     Load {
         /// The layer whose wait failed first, if a wait saw it.
         layer: Option<u32>,
-        /// The loader's error (the same verdict on every TP rank).
+        /// The loader's error: a batch outcome's is the same verdict on every TP rank; a
+        /// layer wait's own failure (its deadline) may be this rank's alone.
         #[source]
         source: KvLoadError,
     },
