@@ -253,7 +253,19 @@ fn a_rank_that_never_arrives_fails_the_others_within_the_deadline() {
         .start_load(load_plan(r.linker.geometry(), 1, &pages, r.slots.clone()))
         .unwrap();
     let err = r.linker.wait_layer(&t, 0).unwrap_err();
-    assert!(matches!(err, KvLoadError::Collective { .. }), "{err}");
+    // The gate's typed error stays its source, naming the rank that never came (it was
+    // only words before).
+    let KvLoadError::Collective { detail, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(
+        matches!(
+            detail.downcast_ref::<kvlink::dedup_broadcast::CollectiveError>(),
+            Some(kvlink::dedup_broadcast::CollectiveError::Timeout { missing, .. })
+                if missing.contains(&1)
+        ),
+        "{err}"
+    );
     assert!(
         t0.elapsed() < Duration::from_secs(3),
         "failed within the deadline"

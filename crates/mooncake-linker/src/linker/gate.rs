@@ -76,10 +76,12 @@ impl Inner {
         &self,
         coll: &dyn Collective,
         batch: BatchId,
-        why: String,
+        why: impl Into<kv_loader::Cause>,
     ) -> KvLoadError {
-        coll.abort(&why);
-        warn!(%batch, why, "data group aborted: every rank re-forms it at its next batch");
+        let why: kv_loader::Cause = why.into();
+        let words = why.to_string();
+        coll.abort(&words);
+        warn!(%batch, why = words, "data group aborted: every rank re-forms it at its next batch");
         collective_failure(batch, why)
     }
 
@@ -128,8 +130,10 @@ impl Inner {
                 proposal: proposal.wire_code(),
                 last_batch_us: mine.map_or(0, |s| s.word_us()),
             };
-            let gate = check_batch(coll, &word, self.collective_deadline())
-                .map_err(|e| self.group_failed(coll, batch, format!("gate: {e}")))?;
+            let gate = check_batch(coll, &word, self.collective_deadline()).map_err(|e| {
+                let why = kv_loader::Cause::with_source(format!("gate: {e}"), e);
+                self.group_failed(coll, batch, why)
+            })?;
             if let Some(mine) = mine {
                 self.observe_group_time(batch, mine, &gate);
             }
@@ -226,9 +230,12 @@ impl Inner {
                 tag,
                 self.collective_deadline(),
             )
-            .map_err(|e| self.group_failed(coll, batch, format!("status: {e}")))?;
+            .map_err(|e| {
+                let why = kv_loader::Cause::with_source(format!("status: {e}"), e);
+                self.group_failed(coll, batch, why)
+            })?;
         if status.out_of_step {
-            return Err(self.group_failed(coll, batch, "status words out of step".into()));
+            return Err(self.group_failed(coll, batch, "status words out of step"));
         }
         Err(status.to_error(batch).unwrap_or(why))
     }

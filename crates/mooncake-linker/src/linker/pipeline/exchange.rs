@@ -334,7 +334,7 @@ impl LayerPipeline<'_> {
         if status.out_of_step {
             if let Some(c) = self.coll {
                 self.inner
-                    .group_failed(c, batch, "status words out of step".into());
+                    .group_failed(c, batch, "status words out of step");
             }
         }
         if !status.is_ok() {
