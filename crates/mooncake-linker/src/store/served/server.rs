@@ -398,14 +398,17 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
             let oldest = (greeting.len() >= MAX_GREETING)
                 .then(|| greeting.pop_front())
                 .flatten();
+            if let Some(old) = oldest {
+                // Shut under the lock: its thread, done with the hello, finds its entry gone
+                // only after this (and stops), never serving a connection shut beneath it.
+                if let Some(c) = served.open.lock().get(&old) {
+                    c.shutdown();
+                }
+            }
             greeting.push_back(id);
             oldest
         };
-        if let Some(old) = evicted {
-            // Its thread finds the connection shut, ends, and lets its entry go.
-            if let Some(c) = served.open.lock().get(&old) {
-                c.shutdown();
-            }
+        if evicted.is_some() {
             closed_silent += 1;
             if closed_silent % 100 == 1 {
                 tracing::warn!(
@@ -416,8 +419,16 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
             }
         }
         let greeting = Greeting(Some((served.clone(), id)));
-        if let Ok(clone) = conn.try_clone() {
-            served.open.lock().insert(id, clone);
+        match conn.try_clone() {
+            Ok(clone) => {
+                served.open.lock().insert(id, clone);
+            }
+            Err(e) => {
+                // Without a clone it could be neither shut when evicted nor when the server
+                // stops: not served.
+                tracing::warn!(error = %e, "a store connection closed: it cannot be tracked");
+                continue;
+            }
         }
         let s = served.clone();
         let spawned = std::thread::Builder::new()
@@ -506,6 +517,19 @@ fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
 /// included): dropped then.
 struct Greeting(Option<(Arc<Served>, u64)>);
 
+impl Greeting {
+    /// Leaves the list; false when the connection was no longer in it (closed as the oldest
+    /// silent one: not to be served).
+    fn leave(mut self) -> bool {
+        self.0.take().is_some_and(|(s, id)| {
+            let mut greeting = s.greeting.lock();
+            let listed = greeting.contains(&id);
+            greeting.retain(|&g| g != id);
+            listed
+        })
+    }
+}
+
 impl Drop for Greeting {
     fn drop(&mut self) {
         if let Some((s, id)) = self.0.take() {
@@ -516,7 +540,9 @@ impl Drop for Greeting {
 
 fn serve_connection(mut conn: Conn, served: &Served, greeting: Greeting) {
     let hello = read_hello(&mut conn, served, kv_loader::deadline_after(HELLO_TIMEOUT));
-    drop(greeting);
+    if !greeting.leave() {
+        return;
+    }
     let Some((client, verdict)) = hello else {
         return;
     };

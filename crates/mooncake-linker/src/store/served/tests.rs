@@ -320,6 +320,10 @@ fn connections_that_say_nothing_are_bounded() {
     let c = SocketStore::connect_with(server.address(), Duration::from_secs(5)).unwrap();
     assert_eq!(c.exists(&["k"]), vec![Ok(false)]);
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // Well before its 5 s to say a hello: closed because it was the oldest.
+    silent[0]
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .unwrap();
     assert!(
         closed_by_server(&mut silent[0]),
         "the oldest silent one was closed"
