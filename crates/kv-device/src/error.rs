@@ -71,7 +71,9 @@ pub enum DeviceError {
         waited: Duration,
     },
     /// Staging that device work may still use (a wait for it timed out, or a collective on it
-    /// was aborted): it is never reused nor freed until that work is known to be done.
+    /// was aborted): it is never reused nor freed until that work is known to be done. Also a
+    /// pool's synchronous copy refused while an earlier one (past its limit) has not ended:
+    /// the load stream is stuck; it clears once that copy ends (or rebuild the pool).
     #[error("staging poisoned: {0}")]
     Poisoned(&'static str),
     /// A stage or row block used against the rules (another batch's stage, a layer not open,

@@ -19,7 +19,9 @@ pub enum CandleKvError {
     /// The component or layer is not in the geometry.
     #[error("geometry: {0}")]
     Geometry(#[from] GeometryError),
-    /// The pool refused a slot (out of the pool, layer not carried, wrong length).
+    /// The pool refused a slot (out of the pool, layer not carried, wrong length), or its
+    /// copy did not finish: a `Timeout`, or `Poisoned` while an earlier copy past its limit
+    /// has not ended (the device's load stream is stuck: not bad input).
     #[error("pool: {0}")]
     Pool(#[from] DeviceError),
     /// A read or write asked for tokens past the sequence's page table.

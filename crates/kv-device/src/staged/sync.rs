@@ -144,10 +144,14 @@ impl Bounce {
             Ok(()) => Ok(host),
             Err((e, Some(ev))) => {
                 tracing::error!(error = %e, "a synchronous copy did not finish: its host buffer is parked until it does; copies through this bounce fail meanwhile");
-                if let Some((old, _)) = self.parked.lock().replace((host, ev)) {
+                if let Some((old, old_ev)) = self.parked.lock().replace((host, ev)) {
                     // Two copies at once (two threads) that both timed out: the earlier one's
-                    // buffer is kept for good.
-                    std::mem::forget(old);
+                    // buffer is used again if its copy has ended, else kept for good.
+                    if old_ev.is_complete().unwrap_or(false) {
+                        self.give(old);
+                    } else {
+                        std::mem::forget(old);
+                    }
                 }
                 Err(e)
             }
@@ -269,9 +273,9 @@ mod tests {
     fn a_copy_past_its_limit_parks_its_buffer_and_later_copies_fail_fast_until_it_ends() {
         let dev = CpuDevice::new(0).unwrap();
         let mem = dev.alloc(4096, "test").unwrap();
-        let bounce = Bounce::with_limit(Duration::from_millis(50));
+        let bounce = Bounce::with_limit(Duration::from_millis(300));
         let data = vec![7u8; 4096];
-        dev.stall_for(Duration::from_millis(600));
+        dev.stall_for(Duration::from_secs(3));
         // SAFETY: `mem` is ours, 4096 bytes, and nothing else touches it (the stalled copy
         // writes it later, with the same bytes as the copies below).
         let first = unsafe { write(&*dev, &bounce, mem.addr(), &data) };
@@ -286,7 +290,7 @@ mod tests {
         let again = unsafe { write(&*dev, &bounce, mem.addr(), &data) };
         assert!(matches!(again, Err(DeviceError::Poisoned(_))), "{again:?}");
         assert!(
-            t0.elapsed() < Duration::from_millis(50),
+            t0.elapsed() < Duration::from_millis(250),
             "at once: {:?}",
             t0.elapsed()
         );

@@ -22,9 +22,10 @@ const GRACE: Duration = Duration::from_millis(100);
 /// Each call runs its file calls on a thread of its own and waits for them until its
 /// deadline (and at least 100 ms): a file system that hangs (an NFS server gone) fails the
 /// call then rather than holding the rendezvous. Its file calls finish on their own, and until
-/// they have, every later call of the exchange fails at once: a late write must not land
-/// after a newer one (a hello over its withdrawal), nor a file system that does not answer
-/// gather a thread per poll.
+/// they have, every call of the exchange started after it was given up fails at once: a late
+/// write must not land after a newer one (a hello over its withdrawal), nor a file system that
+/// does not answer gather a thread per poll. (Calls running at once on several threads are
+/// not ordered among themselves; the rendezvous makes its calls one at a time.)
 ///
 /// ```
 /// use std::time::Duration;
