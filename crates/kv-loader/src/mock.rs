@@ -85,8 +85,14 @@ pub struct MockScript {
     /// Batch → layer at which its load fails with a store transfer error.
     pub fail_at_layer: HashMap<BatchId, u32>,
     /// Batches whose layer waits time out, and whose `wait_batch` does too (no outcome comes
-    /// until a reset cancels them; `completed` still hands them over, failed).
+    /// until a reset cancels them: `completed` hands them over only then, cancelled).
     pub time_out: Vec<BatchId>,
+    /// Batches that hold a store call past its deadline (a hung store): a `reset` or `close`
+    /// answers [`KvLoadError::SlotsHeld`] naming those in flight, and their outcomes are held
+    /// back (no `completed`, `wait_batch` times out) until
+    /// [`MockKvLoader::release`] says the call returned, as the linker does. Their slots must
+    /// stay out of use until then.
+    pub hold_slots: Vec<BatchId>,
     /// Tokens per page, used to hash lookups (0 makes every lookup a `Config` error).
     pub page_size: u32,
 }
@@ -98,6 +104,7 @@ impl Default for MockScript {
             lookup_pages: None,
             fail_at_layer: HashMap::new(),
             time_out: Vec::new(),
+            hold_slots: Vec::new(),
             page_size: MOCK_PAGE_SIZE,
         }
     }
@@ -119,6 +126,8 @@ struct MockState {
     live: HashMap<BatchId, (LoadTicket, u32)>,
     /// Batches a reset cancelled whose outcomes are not taken yet (`Cancelled` when taken).
     cancelled: std::collections::HashSet<BatchId>,
+    /// Cancelled batches whose outcome waits for [`MockKvLoader::release`] (`hold_slots`).
+    held: std::collections::HashSet<BatchId>,
     closed: bool,
 }
 
@@ -159,6 +168,13 @@ impl MockKvLoader {
             state: Mutex::new(MockState::default()),
             counter: LayerCounter::new(),
         }
+    }
+
+    /// The store call held by `batch` (`MockScript::hold_slots`) returned: its outcome
+    /// (cancelled) comes through `completed` from now on, and its slots may be reused once
+    /// it is taken.
+    pub fn release(&self, batch: BatchId) {
+        self.state.lock().held.remove(&batch);
     }
 
     /// Every call so far, in order.
@@ -375,9 +391,13 @@ impl KvLoader for MockKvLoader {
             batch: ticket.batch,
         })?;
         self.live_ticket(ticket)?;
-        if self.script.time_out.contains(&ticket.batch)
-            && !self.state.lock().cancelled.contains(&ticket.batch)
-        {
+        let in_flight = {
+            let st = self.state.lock();
+            st.held.contains(&ticket.batch)
+                || (self.script.time_out.contains(&ticket.batch)
+                    && !st.cancelled.contains(&ticket.batch))
+        };
+        if in_flight {
             // As the Linker: no outcome came by the wait's deadline, so there is none to
             // return; the batch stays in flight (unsettled: the engine resets the loader).
             return Err(KvLoadError::Timeout {
@@ -407,7 +427,21 @@ impl KvLoader for MockKvLoader {
         if self.record(MockCall::Completed).is_err() {
             return Vec::new();
         }
-        let live: Vec<(LoadTicket, u32)> = self.state.lock().live.drain().map(|(_, t)| t).collect();
+        // As the linker: a batch still in flight (a time-out not cancelled) or whose store call
+        // has not returned (held) has no outcome yet.
+        let live: Vec<(LoadTicket, u32)> = {
+            let mut st = self.state.lock();
+            let ready: Vec<BatchId> = st
+                .live
+                .keys()
+                .copied()
+                .filter(|b| {
+                    !st.held.contains(b)
+                        && (!self.script.time_out.contains(b) || st.cancelled.contains(b))
+                })
+                .collect();
+            ready.iter().filter_map(|b| st.live.remove(b)).collect()
+        };
         for (t, _) in &live {
             let _ = self.counter.finish(t.counter);
         }
@@ -439,19 +473,44 @@ impl KvLoader for MockKvLoader {
         // `completed`, and their ids stay in use until then.
         let mut s = self.state.lock();
         let live: Vec<BatchId> = s.live.keys().copied().collect();
-        s.cancelled.extend(live);
+        s.cancelled.extend(live.iter().copied());
+        let held: Vec<BatchId> = live
+            .into_iter()
+            .filter(|b| self.script.hold_slots.contains(b))
+            .collect();
+        s.held.extend(held.iter().copied());
+        let mut all_held: Vec<BatchId> = s.held.iter().copied().collect();
         drop(s);
         self.counter.reset();
-        Ok(())
+        if all_held.is_empty() {
+            return Ok(());
+        }
+        all_held.sort();
+        Err(KvLoadError::SlotsHeld {
+            batches: all_held.into(),
+        })
     }
 
     fn close(&self) -> Result<(), KvLoadError> {
         self.record(MockCall::Close)?;
         let mut s = self.state.lock();
+        let mut held: Vec<BatchId> = s
+            .live
+            .keys()
+            .copied()
+            .filter(|b| self.script.hold_slots.contains(b) || s.held.contains(b))
+            .collect();
         s.live.clear();
         s.cancelled.clear();
+        s.held.clear();
         s.closed = true;
-        Ok(())
+        if held.is_empty() {
+            return Ok(());
+        }
+        held.sort();
+        Err(KvLoadError::SlotsHeld {
+            batches: held.into(),
+        })
     }
 }
 
@@ -624,11 +683,50 @@ mod tests {
             mock.wait_batch(&t),
             Err(KvLoadError::Timeout { .. })
         ));
+        assert!(mock.completed().is_empty(), "no outcome while it hangs");
         mock.reset().unwrap();
         let after = mock.completed();
         assert!(
             matches!(after[0].result, Err(KvLoadError::Cancelled { .. })),
             "{after:?}"
         );
+    }
+
+    /// A batch holding a store call past its deadline: `reset` answers `SlotsHeld` naming it,
+    /// and its outcome comes only once the call returned (`release`), as with the linker.
+    #[test]
+    fn a_held_store_call_makes_reset_answer_slots_held_until_it_returns() {
+        let plan = |b| BatchPlan {
+            logical: crate::LogicalPlan {
+                batch: BatchId(b),
+                requests: vec![],
+                components: vec![],
+            },
+            slots: vec![],
+        };
+        let script = MockScript {
+            time_out: vec![BatchId(7)],
+            hold_slots: vec![BatchId(7)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        let t = mock.start_load(plan(7)).unwrap();
+        let other = mock.start_load(plan(8)).unwrap();
+        match mock.reset() {
+            Err(KvLoadError::SlotsHeld { batches }) => assert_eq!(&batches[..], [BatchId(7)]),
+            other => panic!("{other:?}"),
+        }
+        assert!(mock.wait_batch(&t).is_err(), "held: no outcome");
+        let first = mock.completed();
+        assert_eq!(first.len(), 1, "only the batch not held: {first:?}");
+        assert_eq!(first[0].batch, other.batch);
+        mock.release(BatchId(7));
+        let after = mock.completed();
+        assert_eq!(after.len(), 1, "{after:?}");
+        assert!(matches!(
+            after[0].result,
+            Err(KvLoadError::Cancelled { .. })
+        ));
+        mock.reset().unwrap();
     }
 }
