@@ -124,6 +124,9 @@ impl MockScript {
 struct MockState {
     calls: Vec<MockCall>,
     live: HashMap<BatchId, (LoadTicket, u32)>,
+    /// The slots of each batch whose outcome is not taken yet (a save of those of a batch
+    /// still in flight is refused).
+    slots: HashMap<BatchId, Vec<u32>>,
     /// Batches a reset cancelled whose outcomes are not taken yet (`Cancelled` when taken).
     cancelled: std::collections::HashSet<BatchId>,
     /// Cancelled batches whose outcome waits for [`MockKvLoader::release`] (`hold_slots`).
@@ -348,6 +351,7 @@ impl KvLoader for MockKvLoader {
         };
         let pages = u32::try_from(plan.logical.num_pages()).unwrap_or(u32::MAX);
         state.live.insert(batch, (ticket, pages));
+        state.slots.insert(batch, plan.slots.clone());
         Ok(ticket)
     }
 
@@ -411,7 +415,10 @@ impl KvLoader for MockKvLoader {
         let pages = {
             let mut st = self.state.lock();
             match st.live.get(&ticket.batch) {
-                Some((t, _)) if t == ticket => st.live.remove(&ticket.batch).map_or(0, |(_, p)| p),
+                Some((t, _)) if t == ticket => {
+                    st.slots.remove(&ticket.batch);
+                    st.live.remove(&ticket.batch).map_or(0, |(_, p)| p)
+                }
                 _ => {
                     return Err(KvLoadError::StaleTicket {
                         batch: ticket.batch,
@@ -440,6 +447,9 @@ impl KvLoader for MockKvLoader {
                         && (!self.script.time_out.contains(b) || st.cancelled.contains(b))
                 })
                 .collect();
+            for b in &ready {
+                st.slots.remove(b);
+            }
             ready.iter().filter_map(|b| st.live.remove(b)).collect()
         };
         for (t, _) in &live {
@@ -451,10 +461,35 @@ impl KvLoader for MockKvLoader {
     }
 
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
+        let batch = plan.logical.batch;
         self.record(MockCall::Save {
-            batch: plan.logical.batch,
+            batch,
             pages: plan.logical.num_pages(),
         })?;
+        // As the linker: the plan's checks that need no geometry, and no slot of a load still
+        // in flight (a time-out not cancelled, a held store call: it may still write it; the
+        // linker refuses it as a busy slot, a device error). A finished load's slots are free,
+        // its outcome taken or not, as the linker lets them go when the batch ends.
+        if let Some(reason) = slot_problem(plan) {
+            return Err(KvLoadError::InvalidPlan { batch, reason });
+        }
+        let busy = {
+            let st = self.state.lock();
+            let in_flight = |b: &BatchId| {
+                st.held.contains(b)
+                    || (self.script.time_out.contains(b) && !st.cancelled.contains(b))
+            };
+            plan.slots.iter().copied().find(|slot| {
+                st.slots
+                    .iter()
+                    .any(|(b, slots)| in_flight(b) && slots.contains(slot))
+            })
+        };
+        if let Some(slot) = busy {
+            return Err(KvLoadError::Device(crate::Cause::from(format!(
+                "mock: page slot {slot} is busy: a load still in flight holds it"
+            ))));
+        }
         let pages = plan.logical.num_pages();
         let mut report = SaveReport {
             objects_written: (pages * plan.logical.components.len()) as u32,
@@ -501,6 +536,7 @@ impl KvLoader for MockKvLoader {
             .filter(|b| self.script.hold_slots.contains(b) || s.held.contains(b))
             .collect();
         s.live.clear();
+        s.slots.clear();
         s.cancelled.clear();
         s.held.clear();
         s.closed = true;
@@ -690,6 +726,43 @@ mod tests {
             matches!(after[0].result, Err(KvLoadError::Cancelled { .. })),
             "{after:?}"
         );
+    }
+
+    /// A save is checked as the linker checks it: a plan without one slot per page is
+    /// `InvalidPlan`, and a slot of a load still in flight (a time-out) is refused (the load
+    /// may still write it); once a reset cancelled it the save goes through.
+    #[test]
+    fn a_save_is_refused_a_bad_plan_and_the_slots_of_a_load_in_flight() {
+        use crate::RequestPages;
+        let page = PageHash([7; 32]);
+        let plan = |b, slots: Vec<u32>| BatchPlan {
+            logical: crate::LogicalPlan {
+                batch: BatchId(b),
+                requests: vec![RequestPages {
+                    request: "r".into(),
+                    pages: vec![page],
+                }],
+                components: vec![],
+            },
+            slots,
+        };
+        let script = MockScript {
+            time_out: vec![BatchId(2)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        assert!(matches!(
+            mock.save(&plan(1, vec![])),
+            Err(KvLoadError::InvalidPlan { .. })
+        ));
+        mock.start_load(plan(2, vec![5])).unwrap();
+        assert!(matches!(
+            mock.save(&plan(3, vec![5])),
+            Err(KvLoadError::Device(_))
+        ));
+        mock.save(&plan(4, vec![6])).unwrap();
+        mock.reset().unwrap();
+        mock.save(&plan(5, vec![5])).unwrap();
     }
 
     /// A batch holding a store call past its deadline: `reset` answers `SlotsHeld` naming it,
