@@ -192,7 +192,7 @@ impl StagedGather {
             None
         } else {
             let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
-            Some(sync::upload(&*device, &bytes, "slot table")?)
+            Some(sync::upload(&*device, pool.bounce(), &bytes, "slot table")?)
         };
         // Every gather of this save runs after what the load stream did so far (loads into
         // these slots) and after the engine's compute that wrote the pages.

@@ -155,7 +155,8 @@ impl StagedLanding {
         let (lease, slot_table) = if slots.is_empty() {
             (lease, None)
         } else {
-            let (lease, table) = upload_slots(&*device, lease, &slots, &stages_state[0])?;
+            let (lease, table) =
+                upload_slots(&*device, pool.bounce(), lease, &slots, &stages_state[0])?;
             (lease, Some(table))
         };
         let ring = lease.stages();
@@ -365,13 +366,14 @@ impl StagedLanding {
 /// table (the copy may still read stage 0 and write the table): neither is freed or reused.
 fn upload_slots(
     device: &dyn crate::Device,
+    bounce: &super::sync::Bounce,
     lease: StagingLease,
     slots: &[u32],
     stage0: &StageState,
 ) -> Result<(StagingLease, DeviceMemory), DeviceError> {
     let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
     if bytes.len() > lease.stage_bytes() {
-        return Ok((lease, sync::upload(device, &bytes, "slot table")?));
+        return Ok((lease, sync::upload(device, bounce, &bytes, "slot table")?));
     }
     let table = device.alloc(bytes.len(), "slot table")?;
     let host = lease.host_stage(0)?;

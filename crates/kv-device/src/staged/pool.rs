@@ -79,6 +79,11 @@ impl DeviceKvPool {
         })
     }
 
+    /// The pinned bounce of the pool's synchronous copies (slot-table uploads use it too).
+    pub(crate) fn bounce(&self) -> &Bounce {
+        &self.bounce
+    }
+
     /// The device it lives on.
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.device
@@ -283,5 +288,42 @@ impl Drop for DeviceKvPool {
                 std::mem::forget(b);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CpuDevice, LandingFactory, StagedLandingFactory, StagingPool};
+    use kv_geometry::ModelKvSpec;
+    use std::time::Duration;
+
+    /// While a copy of the pool is stuck past its limit, a save's slot-table upload fails at
+    /// once (it goes through the pool's bounce): before, each save waited the 60 s limit out
+    /// again on the stuck stream and leaked a pinned buffer.
+    #[test]
+    fn a_save_beside_a_stuck_copy_of_the_pool_fails_at_once() {
+        let dev = CpuDevice::new(0).unwrap();
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let mut pool = DeviceKvPool::new(dev.clone(), g.clone(), 4).unwrap();
+        pool.bounce = Bounce::with_limit(Duration::from_millis(200));
+        let pool = Arc::new(pool);
+        let c = &g.components()[0];
+        let row = vec![1u8; c.page_layer_bytes as usize];
+        dev.stall_for(Duration::from_secs(3));
+        // SAFETY: the test's own pool, one thread, no load or save of it.
+        let stuck = unsafe { pool.write_slot(c.id, c.layers[0], 0, &row) };
+        assert!(
+            matches!(stuck, Err(DeviceError::Timeout { .. })),
+            "{stuck:?}"
+        );
+        let staging =
+            StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 4, 1), 2).unwrap();
+        let factory = StagedLandingFactory::new(pool.clone(), staging);
+        let t0 = std::time::Instant::now();
+        let save = factory.begin_save(vec![1u32, 2].into()).map(drop);
+        assert!(matches!(save, Err(DeviceError::Poisoned(_))), "{save:?}");
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        dev.resume();
     }
 }

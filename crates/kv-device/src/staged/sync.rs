@@ -96,7 +96,7 @@ impl Bounce {
 
     /// Takes back a parked buffer whose copy has ended; an error while one has not (or its
     /// event cannot tell: then it stays parked for good).
-    fn settle(&self) -> Result<(), DeviceError> {
+    pub(crate) fn settle(&self) -> Result<(), DeviceError> {
         let mut parked = self.parked.lock();
         let Some((_, ev)) = parked.as_ref() else {
             return Ok(());
@@ -213,13 +213,17 @@ pub(crate) unsafe fn write(
 /// small: a slot table).
 pub(crate) fn upload(
     device: &dyn Device,
+    bounce: &Bounce,
     data: &[u8],
     what: &'static str,
 ) -> Result<DeviceMemory, DeviceError> {
+    // Through the pool's bounce: while a copy of the pool is stuck past its limit this fails
+    // at once (before allocating) instead of waiting the limit out again.
+    bounce.settle()?;
     let mem = device.alloc(data.len(), what)?;
     // SAFETY: `mem` is ours, exactly `data.len()` bytes, touched by nothing else; on a failure
     // it is never freed (below), so it stays valid for a copy that may still run.
-    match unsafe { write(device, &Bounce::default(), mem.addr(), data) } {
+    match unsafe { write(device, bounce, mem.addr(), data) } {
         Ok(()) => Ok(mem),
         Err(e) => {
             tracing::error!(what, error = %e, "an upload failed: its device memory is leaked (the copy may still write it)");
