@@ -297,6 +297,34 @@ fn a_wrong_size_object_is_replaced_by_the_next_save() {
     load_verified(&linker, &pool, &pages, 3, &[0, 1, 2]);
 }
 
+/// Two pages of prompt `seed` for rank 0 of TP 1 of [`small_spec`]: the plan (slots 0 and 1),
+/// its object keys (component, then page) and a pool holding the pages' bytes in those slots.
+struct TwoPages {
+    g: KvGeometry,
+    plan: kvlink::kv_loader::BatchPlan,
+    keys: Vec<Vec<String>>,
+    pool: Arc<HostKvPool>,
+}
+
+fn two_pages(store: &Arc<dyn KvStore>, seed: u32) -> TwoPages {
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let tokens = prompt(seed, 2, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+    fill_pool(&pool, &pages, &[0, 1]);
+    let probe = Linker::new(g.clone(), store.clone(), pool.clone(), config()).unwrap();
+    let keys = probe.object_keys(&plan).unwrap();
+    probe.close().unwrap();
+    TwoPages {
+        g,
+        plan,
+        keys,
+        pool,
+    }
+}
+
 /// A linker over `store` with two pages of prompt `seed` in its host pool (slots 0 and 1),
 /// and page 0's object missing from the store but its companion there, of other bytes (an
 /// object evicted alone).
@@ -309,15 +337,14 @@ struct Leftover {
 }
 
 fn leftover_companion(store: Arc<dyn KvStore>, seed: u32) -> Leftover {
-    let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
-    let tokens = prompt(seed, 2, spec.page_size);
-    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
-    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
-    fill_pool(&pool, &pages, &[0, 1]);
+    let TwoPages {
+        g,
+        plan,
+        keys,
+        pool,
+        ..
+    } = two_pages(&store, seed);
     let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
-    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
-    let keys = linker.object_keys(&plan).unwrap();
     let leftover = ObjectChecksums {
         layer_bytes: g.components()[0].page_layer_bytes,
         sums: vec![7; g.components()[0].layers.len()],
@@ -399,28 +426,19 @@ impl KvStore for WrittenFirstByAnother {
 #[test]
 fn a_companion_written_beside_an_object_another_writer_wrote_first_is_discarded() {
     let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
-    let tokens = prompt(25, 2, spec.page_size);
-    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
-    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
-    let probe = Linker::new(
-        g.clone(),
-        inner.clone(),
-        Arc::new(HostKvPool::new(g.clone(), 2).unwrap()),
-        config(),
-    )
-    .unwrap();
-    let keys = probe.object_keys(&plan).unwrap();
-    probe.close().unwrap();
+    let TwoPages {
+        g,
+        plan,
+        keys,
+        pool,
+        ..
+    } = two_pages(&inner, 25);
     let theirs = vec![3u8; g.components()[0].object_bytes() as usize];
     let store: Arc<dyn KvStore> = Arc::new(WrittenFirstByAnother {
         inner: inner.clone(),
         object: keys[0][1].clone(),
         bytes: theirs.clone(),
     });
-    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
-    fill_pool(&pool, &pages, &[0, 1]);
     let linker = Linker::new(g.clone(), store, pool, config()).unwrap();
     let report = linker.save(&plan).unwrap();
     assert_eq!(report.objects_present, 1, "{report:?}");
@@ -489,15 +507,14 @@ fn raced_save(
     Vec<u8>,
 ) {
     let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
-    let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
-    let tokens = prompt(26, 2, spec.page_size);
-    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
-    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
-    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
-    let probe = Linker::new(g.clone(), inner.clone(), pool.clone(), config()).unwrap();
-    let object = probe.object_keys(&plan).unwrap()[0][1].clone();
-    probe.close().unwrap();
+    let TwoPages {
+        g,
+        plan,
+        keys,
+        pool,
+        ..
+    } = two_pages(&inner, 26);
+    let object = keys[0][1].clone();
     let c = &g.components()[0];
     let theirs = vec![5u8; c.object_bytes() as usize];
     let sums = ObjectChecksums::of_object(&theirs, c.page_layer_bytes)
@@ -524,7 +541,6 @@ fn raced_save(
         };
         store.inject_on(FaultCall::ReadWhole, rule, Fault::Error(down));
     }
-    fill_pool(&pool, &pages, &[0, 1]);
     let linker = Linker::new(g, store, pool, config()).unwrap();
     let report = linker.save(&plan).unwrap();
     linker.close().unwrap();
