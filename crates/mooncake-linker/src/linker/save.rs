@@ -286,21 +286,7 @@ impl Inner {
         self.unpair_foreign_companions(comp, chunk, objects, companion_results);
         // Pairs both of whose halves said `Written`: read back, as another writer's put
         // between the save's look and its own is reported `Written` too.
-        let pairs: Vec<usize> = (0..puts.len())
-            .filter(|&i| {
-                matches!(
-                    (objects.get(i), companion_results.get(i)),
-                    (Some(Ok(PutOutcome::Written)), Some(Ok(PutOutcome::Written)))
-                )
-            })
-            .collect();
-        let mut read_back: Vec<Option<ReadBack>> = (0..puts.len()).map(|_| None).collect();
-        for (&i, verdict) in pairs
-            .iter()
-            .zip(self.read_back_pairs(comp, chunk, sums, &pairs))
-        {
-            read_back[i] = Some(verdict);
-        }
+        let mut read_back = self.read_back_pairs(comp, chunk, sums, (objects, companion_results));
         // The first object that failed fails the save, once every pair's outcome is counted
         // and kept.
         let mut failed = None;

@@ -23,6 +23,10 @@ use tracing::warn;
 use super::companion::{companion_of, CompanionRead};
 use super::reader::ComponentKeys;
 use super::Inner;
+use crate::store::{PutOutcome, StoreError};
+
+/// One put's answer.
+type PutResult = Result<PutOutcome, StoreError>;
 
 /// What reading back a pair both of whose puts said `Written` found.
 #[derive(Debug, PartialEq)]
@@ -38,18 +42,24 @@ pub(crate) enum ReadBack {
 }
 
 impl Inner {
-    /// Reads back the companions of plan pages `chunk[i]` for each `i` in `pairs` (both halves
-    /// reported `Written`; `sums[i]` what the save wrote), one bounded call for all, and
-    /// settles each as [`ReadBack`] says. Returns one verdict per entry of `pairs`.
+    /// Reads back the companion of plan page `chunk[i]` for each `i` whose object and
+    /// companion puts (`objects[i]`, `companions[i]`) both said `Written` (`sums[i]`: what the
+    /// save wrote), one bounded call for all, and settles each as [`ReadBack`] says. Returns
+    /// one entry per page of `chunk`: `None` where there was nothing to read back.
     pub(crate) fn read_back_pairs(
         &self,
         comp: &ComponentKeys,
         chunk: &[usize],
         sums: &[ObjectChecksums],
-        pairs: &[usize],
-    ) -> Vec<ReadBack> {
+        (objects, companions): (&[PutResult], &[PutResult]),
+    ) -> Vec<Option<ReadBack>> {
+        let written = |r: Option<&PutResult>| matches!(r, Some(Ok(PutOutcome::Written)));
+        let pairs: Vec<usize> = (0..chunk.len())
+            .filter(|&i| written(objects.get(i)) && written(companions.get(i)))
+            .collect();
+        let mut verdicts: Vec<Option<ReadBack>> = (0..chunk.len()).map(|_| None).collect();
         if pairs.is_empty() {
-            return Vec::new();
+            return verdicts;
         }
         let deadline = self.store_deadline();
         let (keys, lens): (Vec<String>, Vec<usize>) = pairs
@@ -58,7 +68,6 @@ impl Inner {
             .unzip();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let read = self.calls.read_whole_owned(&refs, &lens, deadline);
-        let mut verdicts = Vec::with_capacity(pairs.len());
         let mut discard: Vec<&str> = Vec::new();
         for ((&i, got), (key, len)) in pairs.iter().zip(read).zip(refs.iter().zip(&lens)) {
             let object = comp.keys[chunk[i]].as_str();
@@ -78,7 +87,7 @@ impl Inner {
             if verdict == ReadBack::Discarded {
                 discard.push(object);
             }
-            verdicts.push(verdict);
+            verdicts[i] = Some(verdict);
         }
         if !discard.is_empty() {
             warn!(
