@@ -96,6 +96,40 @@ impl Misbehaving {
         }
         hit
     }
+
+    /// A status word through the inner handle (settled or not), unless this one strikes.
+    fn status_word(
+        &self,
+        value: u64,
+        settled: bool,
+        deadline: Instant,
+    ) -> Result<Vec<u64>, CollectiveError> {
+        if self.strikes(value) {
+            return match self.how {
+                Misbehave::SkipStatus { .. } => Err(CollectiveError::Backend(
+                    "injected: this status exchange was never issued".into(),
+                )),
+                Misbehave::PanicAtLayer { layer } => {
+                    panic!("injected: the collective panics at layer {layer}'s status exchange")
+                }
+                Misbehave::GoneAtLayer { .. } => {
+                    // The rank leaves: its handle goes, and peers waiting on it fail at once.
+                    drop(self.inner.lock().unwrap().take());
+                    Err(CollectiveError::RankGone {
+                        op: "all_gather_u64",
+                        seq: 0,
+                        gone: vec![self.rank],
+                    })
+                }
+            };
+        }
+        let h = self.handle("all_gather_u64")?;
+        if settled {
+            h.all_gather_u64_settled(value, deadline)
+        } else {
+            h.all_gather_u64(value, deadline)
+        }
+    }
 }
 
 /// The device operations of a test decorator of a collective, forwarded to the handle that
@@ -131,42 +165,6 @@ macro_rules! forward_device_ops {
     };
 }
 pub(crate) use forward_device_ops;
-
-impl Misbehaving {
-    /// A status word through the inner handle (settled or not), unless this one strikes.
-    fn status_word(
-        &self,
-        value: u64,
-        settled: bool,
-        deadline: Instant,
-    ) -> Result<Vec<u64>, CollectiveError> {
-        if self.strikes(value) {
-            return match self.how {
-                Misbehave::SkipStatus { .. } => Err(CollectiveError::Backend(
-                    "injected: this status exchange was never issued".into(),
-                )),
-                Misbehave::PanicAtLayer { layer } => {
-                    panic!("injected: the collective panics at layer {layer}'s status exchange")
-                }
-                Misbehave::GoneAtLayer { .. } => {
-                    // The rank leaves: its handle goes, and peers waiting on it fail at once.
-                    drop(self.inner.lock().unwrap().take());
-                    Err(CollectiveError::RankGone {
-                        op: "all_gather_u64",
-                        seq: 0,
-                        gone: vec![self.rank],
-                    })
-                }
-            };
-        }
-        let h = self.handle("all_gather_u64")?;
-        if settled {
-            h.all_gather_u64_settled(value, deadline)
-        } else {
-            h.all_gather_u64(value, deadline)
-        }
-    }
-}
 
 impl Collective for Misbehaving {
     fn rank(&self) -> u32 {
