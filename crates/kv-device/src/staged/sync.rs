@@ -72,6 +72,15 @@ impl Bounce {
         }
     }
 
+    /// True while a copy that ran past its limit has not finished: the stream it ran on is
+    /// still stuck behind it (a failed poll counts as stuck).
+    pub(crate) fn stuck(&self) -> bool {
+        self.parked
+            .lock()
+            .as_ref()
+            .is_some_and(|(_, ev)| !ev.is_complete().unwrap_or(false))
+    }
+
     /// A pinned buffer of at least `len` bytes: the kept one, or a new one. Refused while a
     /// parked copy has not finished.
     pub(crate) fn take(
