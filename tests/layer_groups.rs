@@ -158,6 +158,10 @@ fn a_failure_inside_a_group_fails_every_rank_at_the_groups_first_layer() {
             fail_v_read(&rs[1].faults, rs[1].linker.geometry(), "_v".into(), 4);
             let outcomes = run(&rs, 1, &pages);
             same_verdict(&outcomes, 1, 3, &what);
+            // The failed call is counted and timed apart from the reads that landed.
+            let m = rs[1].linker.metrics();
+            assert_eq!(m.failed_read_calls, 1, "{what}: {m:?}");
+            assert!(m.failed_read_time > Duration::ZERO, "{what}: {m:?}");
             for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &pages)).enumerate() {
                 stats(&o, &format!("{what}: the next batch"));
                 rank_matches(r, &pages, rank as u32).unwrap();

@@ -35,6 +35,8 @@ pub struct LinkerMetrics {
     layer_read_calls: AtomicU64,
     layer_read_us: AtomicU64,
     layer_hist: [AtomicU64; 12],
+    failed_read_calls: AtomicU64,
+    failed_read_us: AtomicU64,
     ranges_checksummed: AtomicU64,
     ranges_checksummed_as_landed: AtomicU64,
     ranges_length_only: AtomicU64,
@@ -73,6 +75,11 @@ pub struct MetricsSnapshot {
     /// Read calls per latency bucket (see [`LAYER_LATENCY_BUCKETS_US`]): one entry per call,
     /// of however many layers.
     pub layer_read_histogram: [u64; 12],
+    /// Store read calls of layers that failed (an error, a transfer given up, a deadline):
+    /// not in the three figures above, which time the calls that read their layers.
+    pub failed_read_calls: u64,
+    /// Total time of the failed calls, from their start to their error.
+    pub failed_read_time: Duration,
     /// (object, layer) ranges loaded and verified against the checksums written with the
     /// object.
     pub ranges_checksummed: u64,
@@ -137,6 +144,13 @@ impl LinkerMetrics {
             .position(|&ub| us <= ub)
             .unwrap_or(LAYER_LATENCY_BUCKETS_US.len() - 1);
         self.layer_hist[b].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A store call of layers failed after `took`.
+    pub(crate) fn layer_read_failed(&self, took: Duration) {
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.failed_read_calls.fetch_add(1, Ordering::Relaxed);
+        self.failed_read_us.fetch_add(us, Ordering::Relaxed);
     }
 
     pub(crate) fn batch(&self, ok: bool) {
@@ -213,6 +227,8 @@ impl LinkerMetrics {
             layer_read_calls: self.layer_read_calls.load(Ordering::Relaxed),
             layer_read_time: Duration::from_micros(self.layer_read_us.load(Ordering::Relaxed)),
             layer_read_histogram: hist,
+            failed_read_calls: self.failed_read_calls.load(Ordering::Relaxed),
+            failed_read_time: Duration::from_micros(self.failed_read_us.load(Ordering::Relaxed)),
             ranges_checksummed: self.ranges_checksummed.load(Ordering::Relaxed),
             ranges_checksummed_as_landed: self.ranges_checksummed_as_landed.load(Ordering::Relaxed),
             ranges_length_only: self.ranges_length_only.load(Ordering::Relaxed),

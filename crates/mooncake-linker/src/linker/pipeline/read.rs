@@ -314,7 +314,9 @@ impl LayerPipeline<'_> {
         let hash = inner.config.verify_checksums
             && inner.config.checksums_as_landed
             && self.sums.get().is_none_or(BatchChecksums::has_companions);
-        let read = reader.read(planned, loans, group.clone(), hash)?;
+        let read = reader
+            .read(planned, loans, group.clone(), hash)
+            .inspect_err(|_| inner.metrics.layer_read_failed(t0.elapsed()))?;
         let (n, took) = (read.bytes, t0.elapsed());
         if !read.called {
             // Nothing of this group is this rank's to read: no store call to count or time.
