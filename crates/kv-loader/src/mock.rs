@@ -87,6 +87,9 @@ pub struct MockScript {
     /// Batches whose layer waits time out, and whose `wait_batch` does too (no outcome comes
     /// until a reset cancels them: `completed` hands them over only then, cancelled).
     pub time_out: Vec<BatchId>,
+    /// Batch → layer from which its layer waits time out while the batch itself loads (a
+    /// rank whose wait deadline passed on a load that then ended well): its outcome is `Ok`.
+    pub wait_time_out_from: HashMap<BatchId, u32>,
     /// Batches that hold a store call past its deadline (a hung store): a `reset` or `close`
     /// answers [`KvLoadError::SlotsHeld`] naming those in flight, and their outcomes are held
     /// back (no `completed`, `wait_batch` times out) until
@@ -104,6 +107,7 @@ impl Default for MockScript {
             lookup_pages: None,
             fail_at_layer: HashMap::new(),
             time_out: Vec::new(),
+            wait_time_out_from: HashMap::new(),
             hold_slots: Vec::new(),
             page_size: MOCK_PAGE_SIZE,
         }
@@ -377,7 +381,9 @@ impl KvLoader for MockKvLoader {
                 },
             });
         }
-        if self.script.time_out.contains(&ticket.batch) {
+        let late =
+            matches!(self.script.wait_time_out_from.get(&ticket.batch), Some(&l) if layer >= l);
+        if late || self.script.time_out.contains(&ticket.batch) {
             return Err(KvLoadError::Timeout {
                 batch: ticket.batch,
                 layer,
@@ -801,5 +807,21 @@ mod tests {
             Err(KvLoadError::Cancelled { .. })
         ));
         mock.reset().unwrap();
+    }
+
+    #[test]
+    fn a_wait_past_its_deadline_on_a_load_that_ends_well() {
+        let mut script = MockScript::default();
+        script.wait_time_out_from.insert(BatchId(4), 1);
+        let mock = MockKvLoader::new(3, script);
+        let t = mock.start_load(plan(4)).unwrap();
+        assert!(mock.wait_layer(&t, 0).is_ok());
+        for layer in [1, 2] {
+            assert!(matches!(
+                mock.wait_layer(&t, layer),
+                Err(KvLoadError::Timeout { layer: l, .. }) if l == layer
+            ));
+        }
+        assert!(mock.wait_batch(&t).unwrap().result.is_ok());
     }
 }

@@ -64,6 +64,18 @@ pub enum CandleKvError {
         #[source]
         source: KvLoadError,
     },
+    /// A layer wait of this rank failed (its deadline passed) but the batch then loaded: the
+    /// load has settled (nothing of it still writes the slots, no reset needed), yet this
+    /// rank gave the layer up, so the prefix counts as failed here: recompute it. Other TP
+    /// ranks may have used the load: ranks that must agree compare their verdicts themselves.
+    #[error("layer {layer}: this rank's wait failed, though the load then ended: {source}")]
+    WaitFailed {
+        /// The layer whose wait failed first.
+        layer: u32,
+        /// The wait's error.
+        #[source]
+        source: KvLoadError,
+    },
     /// The batch's outcome could not be taken (`wait_batch` itself failed: its deadline
     /// passed, the loader is closed, the ticket is stale). The prefix is unusable **and the
     /// load may still be writing its slots**: `reset()` the loader (it cancels and waits for
@@ -85,14 +97,17 @@ impl CandleKvError {
     pub fn is_load_failure(&self) -> bool {
         matches!(
             self,
-            CandleKvError::Load { .. } | CandleKvError::Unsettled { .. }
+            CandleKvError::Load { .. }
+                | CandleKvError::WaitFailed { .. }
+                | CandleKvError::Unsettled { .. }
         )
     }
 
     /// True when the load may still be writing its slots and a reset of the loader makes them
     /// safe again: an outcome that could not be taken, and a failed load whose own error says
     /// so ([`EngineAction::ResetThenRecompute`](kv_loader::EngineAction): a layer wait past its
-    /// deadline, a device error that may leave copies in flight). A `Load` whose source is
+    /// deadline, a device error that may leave copies in flight). False for
+    /// [`WaitFailed`](Self::WaitFailed): that load has ended. A `Load` whose source is
     /// `SlotsHeld` (`HoldSlots`) is false here but its slots are not free either: a reset
     /// would not free them; take the outcome (`finish`) before reusing them.
     ///

@@ -115,9 +115,9 @@ impl LayerGate {
     /// Takes the batch's outcome (waiting, bounded by the loader, for it to finish) and
     /// detaches the batch; the gate is open afterwards. `Ok(None)`: nothing was loading.
     /// `Err(Load)`: the prefix is not in the pool; the batch's own failure is the same verdict
-    /// on every TP rank, but a failure only this rank's wait saw (a layer wait past its
-    /// deadline on a batch that then loaded) is this rank's alone: ranks that must agree
-    /// compare their verdicts themselves. `Err(Unsettled)`: no outcome could be taken; reset the loader before reusing the
+    /// on every TP rank. `Err(WaitFailed)`: a failure only this rank's wait saw (a layer wait
+    /// past its deadline on a batch that then loaded) is this rank's alone: ranks that must
+    /// agree compare their verdicts themselves; the load has ended (no reset needed). `Err(Unsettled)`: no outcome could be taken; reset the loader before reusing the
     /// slots.
     pub fn finish(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
         let Some(i) = self.inner.take() else {
@@ -130,12 +130,10 @@ impl LayerGate {
             .map_err(|source| CandleKvError::Unsettled { source })?;
         match outcome.result {
             Ok(stats) => {
-                if let Some((l, e)) = i.failure.into_inner() {
-                    // A wait failed but the batch claims success: trust the failure.
-                    return Err(CandleKvError::Load {
-                        layer: Some(l),
-                        source: e,
-                    });
+                if let Some((layer, source)) = i.failure.into_inner() {
+                    // A wait failed but the batch loaded: the engine gave the layer up, so
+                    // the prefix is failed here, but nothing of the load runs any more.
+                    return Err(CandleKvError::WaitFailed { layer, source });
                 }
                 Ok(Some(stats))
             }

@@ -513,6 +513,40 @@ fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
     assert!(stream.finish().unwrap().is_some());
 }
 
+/// A layer wait past its deadline on a load that then ended well: the prefix is failed on
+/// this rank (the engine gave the layer up) but the load has ended, so no reset is asked
+/// for (a reset cancels every other batch in flight). Before, the wait's `Timeout` came back
+/// as `Load` and asked for one.
+#[test]
+fn a_wait_that_failed_on_a_load_that_ended_asks_for_no_reset() {
+    let mut script = MockScript::default();
+    script.wait_time_out_from.insert(kv_loader::BatchId(8), 1);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(8)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    cache.layer(0, 8).unwrap();
+    let waited = cache.layer(1, 8).unwrap_err();
+    assert!(waited.needs_reset(), "the load may still run: {waited}");
+    let e = cache.finish_load().unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            CandleKvError::WaitFailed {
+                layer: 1,
+                source: KvLoadError::Timeout { .. }
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.is_load_failure() && !e.needs_reset(), "{e}");
+    // The engine recomputes into the same slots: nothing is fenced.
+    assert_eq!((cache.loaded_tokens(), cache.fenced_tokens()), (0, 0));
+    cache.write(1, 0, &rows(8, 0.0)).unwrap();
+    assert_eq!(cache.layer(1, 8).unwrap().dims(), &[8, 6]);
+}
+
 #[test]
 fn an_outcome_that_cannot_be_taken_asks_for_a_reset() {
     let mock = Arc::new(MockKvLoader::new(2, MockScript::default()));
