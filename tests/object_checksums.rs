@@ -456,15 +456,26 @@ fn a_companion_written_beside_an_object_another_writer_wrote_first_is_discarded(
 }
 
 /// A store with Mooncake's race: another writer saves page 1's object of component 0 between
-/// the save's `exists` and its put, and the store reports the save's puts `Written` whatever
-/// it kept (the wheel answers a key that appeared meanwhile as written). The other writer's
-/// companion lands first; its object lands first only when `whole` (else after the save's).
+/// the save's `exists` and its put, and the store reports the save's object puts `Written`
+/// whatever it kept (the wheel answers a key that appeared meanwhile as written). The other
+/// writer's companion lands first; its object lands first only when `race.whole` (else after
+/// the save's). The save's companion put says `Written` too, or, with
+/// `race.companion_found`, `AlreadyPresent` (the wheel saw the other's companion there).
 struct RacedByAnother {
     inner: Arc<dyn KvStore>,
     object: String,
     theirs: Vec<u8>,
     sums: Vec<u8>,
+    race: Race,
+}
+
+/// How [`RacedByAnother`] races a save, and whether the save's whole read of the raced object
+/// fails (`object_unread`).
+#[derive(Clone, Copy, Default)]
+struct Race {
     whole: bool,
+    companion_found: bool,
+    object_unread: bool,
 }
 
 impl KvStore for RacedByAnother {
@@ -479,27 +490,31 @@ impl KvStore for RacedByAnother {
         let raced = puts.iter().any(|p| p.key == self.object);
         if raced {
             put(self.inner.as_ref(), &checksum_key(&self.object), &self.sums);
-            if self.whole {
+            if self.race.whole {
                 put(self.inner.as_ref(), &self.object, &self.theirs);
             }
         }
         // SAFETY: forwarded with the caller's promise.
         let out = unsafe { self.inner.put(puts) };
-        if raced && !self.whole {
+        if raced && !self.race.whole {
             put(self.inner.as_ref(), &self.object, &self.theirs);
         }
-        out.into_iter()
-            .map(|r| r.map(|_| PutOutcome::Written))
+        let found = checksum_key(&self.object);
+        puts.iter()
+            .zip(out)
+            .map(|(p, r)| match r {
+                Ok(o) if self.race.companion_found && p.key == found => Ok(o),
+                r => r.map(|_| PutOutcome::Written),
+            })
             .collect()
     }
 }
 
-/// Saves two pages of prompt 26 through [`RacedByAnother`] (with `whole`), whose whole reads of
-/// page 1's object fail when `object_unread`: the report, the store under it, page 1's object
-/// key of component 0 and the other writer's object.
+/// Saves two pages of prompt 26 through [`RacedByAnother`] racing as `race` says: the
+/// report, the store under it, page 1's object key of component 0 and the other writer's
+/// object.
 fn raced_save(
-    whole: bool,
-    object_unread: bool,
+    race: Race,
 ) -> (
     kvlink::kv_loader::SaveReport,
     Arc<dyn KvStore>,
@@ -525,10 +540,10 @@ fn raced_save(
         object: object.clone(),
         theirs: theirs.clone(),
         sums,
-        whole,
+        race,
     });
     let store = Arc::new(FaultyStore::new(raced));
-    if object_unread {
+    if race.object_unread {
         // The companion's read passes (the first key with the object's name), the object's
         // fails.
         let rule = FaultRule {
@@ -553,7 +568,7 @@ fn raced_save(
 /// so no load fails against checksums of other bytes; the next save writes the page again.
 #[test]
 fn a_saved_object_beside_a_racing_writers_companion_is_discarded_with_it() {
-    let (report, inner, object, _) = raced_save(false, false);
+    let (report, inner, object, _) = raced_save(Race::default());
     assert_eq!(
         inner.exists(&[&object, &checksum_key(&object)]),
         vec![Ok(false), Ok(false)],
@@ -569,22 +584,37 @@ fn a_saved_object_beside_a_racing_writers_companion_is_discarded_with_it() {
 /// The other writer's companion came back, and the object's read back failed: nothing is known
 /// of the pair (it may be the other writer's good one), so it stays as the store reported it,
 /// with no checksums kept; before, both halves were discarded on a read that merely failed.
+/// It is not counted as the save's (its companion is known to be the other's): before, it was
+/// counted written.
 #[test]
 fn a_raced_pair_whose_object_cannot_be_read_back_stays() {
-    let (report, inner, object, _) = raced_save(false, true);
-    assert_eq!(
-        inner.exists(&[&object, &checksum_key(&object)]),
-        vec![Ok(true), Ok(true)],
-        "the pair stays"
-    );
-    assert_eq!(report.objects_written, 4, "{report:?}");
+    for companion_found in [false, true] {
+        let (report, inner, object, _) = raced_save(Race {
+            object_unread: true,
+            companion_found,
+            ..Race::default()
+        });
+        assert_eq!(
+            inner.exists(&[&object, &checksum_key(&object)]),
+            vec![Ok(true), Ok(true)],
+            "the pair stays"
+        );
+        assert_eq!(
+            (report.objects_written, report.objects_present),
+            (3, 1),
+            "{report:?}"
+        );
+    }
 }
 
 /// The other writer's whole pair won the race: it stays (checked against its own companion),
 /// and the save counts the object present, not written.
 #[test]
 fn a_racing_writers_whole_pair_stays_and_counts_present() {
-    let (report, inner, object, theirs) = raced_save(true, false);
+    let (report, inner, object, theirs) = raced_save(Race {
+        whole: true,
+        ..Race::default()
+    });
     assert_eq!(get(inner.as_ref(), &object), Some(theirs));
     assert!(get(inner.as_ref(), &checksum_key(&object)).is_some());
     assert_eq!(
@@ -592,6 +622,106 @@ fn a_racing_writers_whole_pair_stays_and_counts_present() {
         (3, 1),
         "{report:?}"
     );
+}
+
+/// The save's companion put found the other writer's companion there (`AlreadyPresent`) and
+/// its object put said `Written`: the object kept may be either writer's. The pair is read
+/// back as any other: the other's whole pair stays and counts present (before, the object was
+/// discarded unread, losing a good pair and leaving its companion alone), and a mixed pair goes
+/// whole (before, its companion stayed).
+#[test]
+fn an_object_written_beside_a_companion_found_there_is_read_back() {
+    let whole = Race {
+        whole: true,
+        companion_found: true,
+        ..Race::default()
+    };
+    let (report, inner, object, theirs) = raced_save(whole);
+    assert_eq!(get(inner.as_ref(), &object), Some(theirs), "theirs stays");
+    assert!(get(inner.as_ref(), &checksum_key(&object)).is_some());
+    assert_eq!(
+        (report.objects_written, report.objects_present),
+        (3, 1),
+        "{report:?}"
+    );
+    let mixed = Race {
+        companion_found: true,
+        ..Race::default()
+    };
+    let (report, inner, object, _) = raced_save(mixed);
+    assert_eq!(
+        inner.exists(&[&object, &checksum_key(&object)]),
+        vec![Ok(false), Ok(false)],
+        "neither half of a mixed pair stays"
+    );
+    assert_eq!(
+        (report.objects_written, report.objects_present),
+        (3, 0),
+        "{report:?}"
+    );
+}
+
+/// A store that answers every put it takes `Written`, as Mooncake does for a key absent when
+/// its call began (a key put twice in one call included).
+struct AnswersWritten {
+    inner: Arc<dyn KvStore>,
+}
+
+impl KvStore for AnswersWritten {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
+        get_ranges, remove, discard, register, unregister, start_session, end_session, health);
+
+    fn name(&self) -> &str {
+        "answers-written"
+    }
+
+    unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
+        // SAFETY: forwarded with the caller's promise.
+        let out = unsafe { self.inner.put(puts) };
+        out.into_iter()
+            .map(|r| r.map(|_| PutOutcome::Written))
+            .collect()
+    }
+}
+
+/// A plan naming one page twice (two requests of one prefix, on two slots): its object is put
+/// once, with its own companion, and the second counts present. Before, both were put in one
+/// call (which Mooncake answers `Written` twice) and counted written twice.
+#[test]
+fn a_page_named_twice_in_a_plan_is_saved_once() {
+    let inner: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+    let store: Arc<dyn KvStore> = Arc::new(AnswersWritten { inner });
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let pages =
+        kvlink::kv_geometry::page_hashes(&prompt(44, 2, spec.page_size), spec.page_size, None);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+    fill_pool(&pool, &[pages[0], pages[0]], &[0, 1]);
+    let twice = load_plan(&g, 0, &[pages[0], pages[0]], vec![0, 1]);
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let report = linker.save(&twice).unwrap();
+    let components = g.components().len() as u32;
+    assert_eq!(
+        (report.objects_written, report.objects_present),
+        (components, components),
+        "{report:?}"
+    );
+    assert_eq!(report.pages_written, vec![0]);
+    for (c, keys) in g
+        .components()
+        .iter()
+        .zip(linker.object_keys(&twice).unwrap())
+    {
+        let object = get(store.as_ref(), &keys[0]).unwrap();
+        let sums = get(store.as_ref(), &checksum_key(&keys[0])).unwrap();
+        assert_eq!(
+            ObjectChecksums::decode(&sums),
+            ObjectChecksums::of_object(&object, c.page_layer_bytes),
+            "{}: the object and its companion are a pair",
+            c.name
+        );
+    }
+    linker.close().unwrap();
 }
 
 /// Replaces object `key` with a copy whose byte `at` is flipped (a corrupt object, its

@@ -117,9 +117,13 @@ impl Inner {
         let (objects, sums) = present.split_at(comp.keys.len());
         let mut todo = Vec::new();
         let mut stale: Vec<(usize, &String)> = Vec::new();
+        // A plan may name one page twice (two requests of one prefix on other slots): its
+        // object is put once, the later pages count it present.
+        let mut queued = std::collections::HashSet::new();
         for (i, p) in objects.iter().enumerate() {
             match p {
                 Ok(true) => report.objects_present += 1,
+                Ok(false) if !queued.insert(comp.keys[i].as_str()) => report.objects_present += 1,
                 Ok(false) => {
                     // Evicted: checksums kept from an earlier load of it say nothing now.
                     self.checksums.remove(&comp.keys[i]);
@@ -249,10 +253,13 @@ impl Inner {
     /// Puts one chunk's objects (plan pages `chunk`) with their checksum companions in one
     /// store call (which holds the sources, and `hold`, until it returns), and counts the
     /// objects' outcome. A companion that fails to land leaves its object checked by length
-    /// only (logged, not an error of the save). Pairs both of whose puts said `Written` are
-    /// read back (save_read_back.rs): one another writer won counts present, a mixed one is
-    /// discarded and counts neither, and only a pair read back as the save's own keeps its
-    /// checksums.
+    /// only (logged, not an error of the save). Pairs whose object put said `Written` beside
+    /// a companion that said `Written` or was already there are read back
+    /// (save_read_back.rs): the save's own counts written and keeps its checksums; one
+    /// another writer won counts present and keeps that writer's checksums (checked against
+    /// the object); a mixed one is discarded and counts neither; one that could not be read
+    /// back stays, counted written when both puts said `Written`, else present (its companion
+    /// is another writer's), with no checksums kept.
     #[allow(clippy::too_many_arguments)]
     fn put_chunk(
         &self,
@@ -284,23 +291,22 @@ impl Inner {
         let results = self.calls.put(&all, hold, self.store_deadline());
         let (objects, companion_results) = results.split_at(puts.len());
         self.unpair_foreign_companions(comp, chunk, objects, companion_results);
-        // Pairs both of whose halves said `Written`: read back, as another writer's put
-        // between the save's look and its own is reported `Written` too.
+        // Pairs whose object said `Written`: read back, as another writer's put between the
+        // save's look and its own is reported `Written` too.
         let mut read_back = self.read_back_pairs(comp, chunk, sums, (objects, companion_results));
         // The first object that failed fails the save, once every pair's outcome is counted
         // and kept.
         let mut failed = None;
         for (i, (put, (r, &page))) in puts.iter().zip(objects.iter().zip(chunk)).enumerate() {
-            let foreign = matches!(
-                companion_results.get(i),
-                Some(Ok(PutOutcome::AlreadyPresent))
-            );
             match (r, read_back[i].take()) {
-                (Ok(PutOutcome::Written), _) if foreign => {}
                 (Ok(PutOutcome::Written), Some(ReadBack::Discarded)) => {}
                 (Ok(PutOutcome::Written), Some(ReadBack::Theirs(theirs))) => {
                     report.objects_present += 1;
                     self.keep_checksums(&comp.keys[page], theirs);
+                }
+                // Not known to be the save's: its companion is another writer's.
+                (Ok(PutOutcome::Written), Some(ReadBack::Unchecked)) => {
+                    report.objects_present += 1;
                 }
                 (Ok(PutOutcome::Written), verdict) => {
                     report.objects_written += 1;
@@ -328,9 +334,10 @@ impl Inner {
     }
 
     /// An object and its companion that are not a pair are split up (best effort, logged), so
-    /// that no load checks an object against checksums of other bytes:
-    /// - an object this save wrote whose companion was already there (written since the save
-    ///   looked, of other bytes): the object is discarded, and not counted written;
+    /// that no load checks an object against checksums of other bytes (an object this save
+    /// wrote beside a companion already there is read back instead, see
+    /// [`read_back_pairs`](Inner::read_back_pairs): when another writer raced the save the
+    /// object kept may be that writer's, matching its companion):
     /// - a companion this save wrote whose object was already there (another writer, such as
     ///   SGLang, wrote it since the save looked, with bytes of its own): the companion is
     ///   discarded, and the object stays, checked by length only as any without one;
@@ -353,8 +360,6 @@ impl Inner {
                 .map(|(&page, _)| comp.keys[page].clone())
                 .collect()
         };
-        let objects_beside_foreign_companions =
-            unpaired(PutOutcome::Written, PutOutcome::AlreadyPresent);
         let companions_beside_foreign_objects: Vec<String> =
             unpaired(PutOutcome::AlreadyPresent, PutOutcome::Written)
                 .iter()
@@ -381,10 +386,6 @@ impl Inner {
             );
             super::replace::discard_objects(&self.calls, &failed_objects, self.store_deadline());
         }
-        self.discard_unpaired(
-            &objects_beside_foreign_companions,
-            "objects written beside a companion already there",
-        );
     }
 
     /// Discards `keys`, which are `what` (best effort: a key that cannot be discarded stays,

@@ -2,7 +2,9 @@
 //! puts between a save's `exists` and its put is reported `Written` to both: two saves of one
 //! page can each see both halves `Written` while the store keeps one writer's object beside
 //! the other's companion. Every load of that object would then fail against checksums of
-//! other bytes. So a save reads back each companion it saw `Written` with its object:
+//! other bytes. So a save reads back the companion of each object it saw `Written`, whether
+//! its own companion put said `Written` or found one there (another writer's, put since the
+//! save looked: the object kept may be either writer's):
 //! - its own bytes: kept as the save's pair. (Where two saves raced, the object may still be
 //!   the other's: that one then reads back a companion not its own, finds the object does not
 //!   match it, and discards both; where the other writes no companion nor reads back, a load
@@ -12,7 +14,8 @@
 //!   pair is mixed and both halves are discarded (object first) for the next save to write
 //!   again;
 //! - a read fails (the companion's or the object's): nothing is known, the pair stays as the
-//!   store said and no checksums are kept (a load checks it).
+//!   store said and no checksums are kept (a load checks it); where the companion is known to
+//!   be another writer's the pair is not counted as the save's.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -37,15 +40,19 @@ pub(crate) enum ReadBack {
     Theirs(ObjectChecksums),
     /// Not a pair: both halves were discarded (or tried).
     Discarded,
-    /// The read back failed: the pair stays as the store reported it.
+    /// The companion could not be read back: the pair stays as the store reported it.
     Unknown,
+    /// The companion is another writer's (not the save's bytes, or found there by the put)
+    /// and the pair could not be checked: it stays, not counted as the save's.
+    Unchecked,
 }
 
 impl Inner {
-    /// Reads back the companion of plan page `chunk[i]` for each `i` whose object and
-    /// companion puts (`objects[i]`, `companions[i]`) both said `Written` (`sums[i]`: what the
-    /// save wrote), one bounded call for all, and settles each as [`ReadBack`] says. Returns
-    /// one entry per page of `chunk`: `None` where there was nothing to read back.
+    /// Reads back the companion of plan page `chunk[i]` for each `i` whose object put
+    /// (`objects[i]`) said `Written` and whose companion put (`companions[i]`) said `Written`
+    /// or found one there (`sums[i]`: what the save wrote), one bounded call for all, and
+    /// settles each as [`ReadBack`] says. Returns one entry per page of `chunk`: `None` where
+    /// there was nothing to read back.
     pub(crate) fn read_back_pairs(
         &self,
         comp: &ComponentKeys,
@@ -54,8 +61,9 @@ impl Inner {
         (objects, companions): (&[PutResult], &[PutResult]),
     ) -> Vec<Option<ReadBack>> {
         let written = |r: Option<&PutResult>| matches!(r, Some(Ok(PutOutcome::Written)));
+        let found = |i: usize| matches!(companions.get(i), Some(Ok(PutOutcome::AlreadyPresent)));
         let pairs: Vec<usize> = (0..chunk.len())
-            .filter(|&i| written(objects.get(i)) && written(companions.get(i)))
+            .filter(|&i| written(objects.get(i)) && (written(companions.get(i)) || found(i)))
             .collect();
         let mut verdicts: Vec<Option<ReadBack>> = (0..chunk.len()).map(|_| None).collect();
         if pairs.is_empty() {
@@ -79,7 +87,11 @@ impl Inner {
                     }
                     CompanionRead::Failed(e) => {
                         warn!(key, error = %e, "a saved checksum companion could not be read back: the pair stays as the store reported it");
-                        ReadBack::Unknown
+                        if found(i) {
+                            ReadBack::Unchecked
+                        } else {
+                            ReadBack::Unknown
+                        }
                     }
                     CompanionRead::Absent | CompanionRead::Bad(_) => ReadBack::Discarded,
                 },
@@ -102,8 +114,8 @@ impl Inner {
     /// Reads object `key` whole and checks it against `theirs`, the checksums another
     /// writer's companion holds: [`ReadBack::Theirs`] when every layer matches,
     /// [`ReadBack::Discarded`] (to be discarded by the caller) when it does not, and
-    /// [`ReadBack::Unknown`] when it cannot be read (the pair may be the other writer's good
-    /// one: a forced discard would also fail a load reading it now).
+    /// [`ReadBack::Unchecked`] when it cannot be read (the pair may be the other writer's
+    /// good one: a forced discard would also fail a load reading it now).
     fn object_matches(
         &self,
         key: &str,
@@ -117,11 +129,11 @@ impl Inner {
             Some(Ok(Ok(sums))) if sums == theirs => ReadBack::Theirs(theirs),
             Some(Err(e)) => {
                 warn!(key, error = %e, "an object beside another writer's companion could not be read back: the pair stays");
-                ReadBack::Unknown
+                ReadBack::Unchecked
             }
             // Bytes that do not match, or whose checksums the layout cannot take.
             Some(Ok(_)) => ReadBack::Discarded,
-            None => ReadBack::Unknown,
+            None => ReadBack::Unchecked,
         }
     }
 
