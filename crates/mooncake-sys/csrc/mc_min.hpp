@@ -4,9 +4,11 @@
 //  - parameter types are checked at link time, through the mangled names exported by the wheel's
 //    `store.so`;
 //  - return types and the layout of `ReplicateConfig` are NOT checked by the linker. They were
-//    read from the wheel's Python docstrings and from upstream headers of the same period, and
-//    are checked at run time by `kvlink_mc_abi_info` + the mooncake-sys smoke test (soft-pin
-//    round trip through the master). Bump the wheel => re-check every line of this file.
+//    read from the wheel's Python docstrings and from upstream headers of the same period.
+//    `kvlink_mc_abi_info` reports the layout of THIS declaration (so it catches another
+//    compiler or standard library, not a wheel whose struct differs); against the wheel only
+//    the mooncake-sys smoke test checks it, and only in part (a soft-pin round trip through the
+//    master). Bump the wheel => re-check every line of this file.
 //
 // Nothing here is copied from Mooncake; it only re-declares names the wheel exports.
 #pragma once

@@ -178,6 +178,8 @@ void mooncake_store_destroy(mooncake_store_t store) {
         if (h->client) h->client->tearDownAll();
         return 0;
     });
+    // Destructors are noexcept: one that throws ends the process (std::terminate) rather
+    // than reach this guard. Nothing unwinds into Rust either way.
     (void)guarded<int>([h]() -> int {
         delete h;
         return 0;

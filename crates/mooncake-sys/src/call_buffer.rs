@@ -4,6 +4,9 @@
 //! (`TransferEngineOperationState::wait_for_completion`); then it returns an error with the
 //! transfers still in flight, and they may go on reading or writing the call's memory. So a
 //! call that failed after [`CLIENT_GIVES_UP_AFTER`] must leave its memory allocated for good.
+//! So must a call the shim cut short by catching an exception the wheel threw (or an
+//! allocation failure) inside it: the wheel may have submitted transfers it then never waited
+//! for.
 //! The safe slice methods of [`Client`](crate::Client) therefore never hand the wheel the
 //! caller's memory: they read and write a buffer of their own, copied in or out, and
 //! keep it (leak it) when the call failed that late.
@@ -17,8 +20,15 @@ use crate::error::{MooncakeError, Result};
 /// long is taken as one the client gave up on, whose memory its transfers may still use.
 pub const CLIENT_GIVES_UP_AFTER: Duration = Duration::from_secs(55);
 
+/// Whether `r` is a call the shim cut short: it caught an exception thrown inside the wheel's
+/// call, or an allocation failure, so transfers the call submitted may not have been waited
+/// for.
+pub(crate) fn cut_short<T>(r: &Result<T>) -> bool {
+    r.as_ref().is_err_and(MooncakeError::cut_short)
+}
+
 /// A buffer owned by one wheel call: handed back after the call, or kept for good when the
-/// call failed after [`CLIENT_GIVES_UP_AFTER`].
+/// call failed after [`CLIENT_GIVES_UP_AFTER`] or was cut short.
 pub(crate) struct CallBuffer {
     bytes: Vec<u8>,
     started: Instant,
@@ -97,10 +107,12 @@ impl CallBuffer {
     }
 
     /// After the call: the bytes back, or `None` when the call `failed` after
-    /// [`CLIENT_GIVES_UP_AFTER`], in which case the buffer is kept for good (leaked).
-    pub(crate) fn after(self, failed: bool) -> Option<Vec<u8>> {
-        if failed && self.started.elapsed() >= CLIENT_GIVES_UP_AFTER {
-            // Transfers the client gave up on may still use these bytes.
+    /// [`CLIENT_GIVES_UP_AFTER`] or was `cut_short` (see [`cut_short`]), in which case the
+    /// buffer is kept for good (leaked).
+    pub(crate) fn after(self, failed: bool, cut_short: bool) -> Option<Vec<u8>> {
+        if cut_short || (failed && self.started.elapsed() >= CLIENT_GIVES_UP_AFTER) {
+            // Transfers the client gave up on, or never waited for, may still use these
+            // bytes.
             std::mem::forget(self.bytes);
             return None;
         }
@@ -111,6 +123,7 @@ impl CallBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sys::shim_codes;
 
     #[test]
     fn parts_tile_the_copied_values_in_order() {
@@ -125,10 +138,30 @@ mod tests {
             "parts past the end are refused"
         );
         assert_eq!(
-            b.after(true).as_deref(),
+            b.after(true, false).as_deref(),
             Some(&b"abcde"[..]),
             "failed at once: freed"
         );
+    }
+
+    /// A call the shim cut short (an exception caught inside the wheel's call) keeps its
+    /// buffer however soon it failed: the wheel may not have waited for its transfers.
+    #[test]
+    fn a_call_cut_short_keeps_its_buffer() {
+        let status = |code: i32| -> Result<()> {
+            Err(MooncakeError::Status {
+                operation: "get_into",
+                key: None,
+                code: crate::error::ErrorCode(code),
+                message: None,
+            })
+        };
+        assert!(cut_short(&status(shim_codes::EXCEPTION)));
+        assert!(cut_short(&status(shim_codes::OUT_OF_MEMORY)));
+        assert!(!cut_short(&status(-704)), "a status of the wheel's own");
+        assert!(!cut_short(&Ok(())));
+        let b = CallBuffer::zeroed("test", 8).unwrap();
+        assert!(b.after(true, true).is_none(), "kept");
     }
 
     #[test]

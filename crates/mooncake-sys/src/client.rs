@@ -4,7 +4,7 @@ use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::call_buffer::CallBuffer;
+use crate::call_buffer::{cut_short, CallBuffer};
 use crate::error::{ErrorCode, MooncakeError, Result};
 use crate::library::Library;
 use crate::result::{self, CKeys, ReplicateConfig, SetupArgs};
@@ -101,7 +101,7 @@ impl Client {
         // SAFETY: live handle (see `health`); `copy` is ours, kept for good by `after` when
         // the call failed late enough that a transfer may still read it.
         let r = unsafe { result::put(&self.lib, self.raw(), key, copy.bytes(), cfg) };
-        copy.after(r.is_err());
+        copy.after(r.is_err(), cut_short(&r));
         r
     }
 
@@ -138,7 +138,7 @@ impl Client {
         // still write it.
         let r = unsafe { result::get_into(&self.lib, self.raw(), key, ptr, len) };
         // Kept (`None`) only after a failure, which `?` returns.
-        let bytes = into.after(r.is_err());
+        let bytes = into.after(r.is_err(), cut_short(&r));
         Ok((bytes.unwrap_or_default(), r?))
     }
 
@@ -226,7 +226,7 @@ impl Client {
         let lens: Vec<usize> = values.iter().map(|v| v.len()).collect();
         let ptrs = copy.parts(operation, &lens)?;
         let r = call(&keys, &ptrs, &lens);
-        copy.after(failed(&r));
+        copy.after(failed(&r), cut_short(&r));
         r
     }
 
@@ -261,7 +261,7 @@ impl Client {
                 }
             }
         }
-        into.after(failed(&r));
+        into.after(failed(&r), cut_short(&r));
         r
     }
 

@@ -187,6 +187,26 @@ impl MooncakeError {
             _ => None,
         }
     }
+
+    /// True when the shim cut the call short: it caught an exception thrown inside the
+    /// wheel's call, or an allocation failure (`KVLINK_MC_ERR_EXCEPTION`,
+    /// `KVLINK_MC_ERR_OUT_OF_MEMORY`). The wheel may have submitted transfers it then never
+    /// waited for, so the call's memory must be kept as if the client had given up on them.
+    ///
+    /// ```
+    /// use mooncake_sys::{ErrorCode, MooncakeError};
+    /// let status = |code| MooncakeError::Status { operation: "get_into", key: None, code: ErrorCode(code), message: None };
+    /// assert!(status(-90002).cut_short());
+    /// assert!(!status(-704).cut_short());
+    /// ```
+    pub fn cut_short(&self) -> bool {
+        self.code().is_some_and(|c| {
+            matches!(
+                c.0,
+                crate::sys::shim_codes::EXCEPTION | crate::sys::shim_codes::OUT_OF_MEMORY
+            )
+        })
+    }
 }
 
 fn display_attempts(attempts: &[(PathBuf, String)]) -> String {

@@ -1,4 +1,16 @@
 //! Loading the Mooncake store library at run time.
+//!
+//! # Trust
+//! Loading a shared library runs its code (its initialisers) and then calls its functions
+//! through the types of csrc/kvlink_mooncake.h: no check can make that sound for an arbitrary
+//! file. The library a path, a name or the environment ([`ENV_LIBRARY`], [`ENV_DIR`]) names is
+//! therefore trusted to be the kvlink shim that scripts/mooncake-build-shim.sh builds, as the
+//! dynamic loader's own search path is trusted to name the C library: the deployment chooses
+//! it. What can be checked is: the shim's ABI report (version and struct layouts) and every
+//! symbol are checked before a call, so a stale shim or another library exporting none of them
+//! is refused. [`Library::open`] and [`Library::load_default`] stay safe functions on that
+//! assumption, as CUDA bindings load libcuda by name; point them only at a shim you built or
+//! trust the same way.
 
 use std::ffi::{c_char, CStr, OsStr};
 use std::mem::ManuallyDrop;
@@ -95,7 +107,9 @@ impl std::fmt::Debug for Library {
 
 impl Library {
     /// Loads the library at `path` (a path, or a bare file name looked up by the system's
-    /// dynamic loader), resolves its symbols, and checks the shim's ABI report.
+    /// dynamic loader), resolves its symbols, and checks the shim's ABI report. `path` must
+    /// name the kvlink shim (see the module's [trust](self#trust) note: loading runs the
+    /// library's code).
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<Self>> {
         let path = path.as_ref().to_path_buf();
         let handle = load(&path).map_err(|reason| MooncakeError::LibraryNotFound {
@@ -387,9 +401,11 @@ fn load(path: &Path) -> std::result::Result<libloading::Library, String> {
         use libloading::os::unix::{Library as UnixLibrary, RTLD_LOCAL, RTLD_NOW};
         // A bare name goes to the dynamic loader's search; anything with a '/' is a path.
         let name: &OsStr = path.as_os_str();
-        // SAFETY: loading runs the library's initialisers. For the kvlink shim these are
-        // store.so's C++ static constructors and the shim's own (which only promotes the already
-        // loaded libpython to global scope); they are what every Mooncake user runs on import.
+        // SAFETY: loading runs the library's initialisers; the library named is trusted to be
+        // the kvlink shim (the module's trust note: the deployment names it). For the shim these
+        // are store.so's C++ static constructors and the shim's own (which only promotes the
+        // already loaded libpython to global scope); they are what every Mooncake user runs on
+        // import.
         // RTLD_NOW reports unresolved symbols (e.g. a missing libibverbs) here as an error
         // instead of at a later call.
         unsafe { UnixLibrary::open(Some(name), RTLD_NOW | RTLD_LOCAL) }
@@ -406,7 +422,8 @@ fn load(path: &Path) -> std::result::Result<libloading::Library, String> {
 fn symbol<T: Copy>(handle: &libloading::Library, path: &Path, name: &[u8]) -> Result<T> {
     // SAFETY: every `T` used with this function is the `sys::Fn*` type that mirrors the C
     // declaration of `name` in csrc/kvlink_mooncake.h (one to one, checked by review; the shim
-    // and this crate share the ABI version checked in `check_abi`). The pointer stays valid for
+    // and this crate share the ABI version checked in `check_abi`), in a library trusted to be
+    // the kvlink shim (the module's trust note). The pointer stays valid for
     // the life of the process because the library is never unloaded (`ManuallyDrop`).
     unsafe { handle.get::<T>(name) }
         .map(|s| *s)

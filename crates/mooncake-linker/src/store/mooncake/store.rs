@@ -320,6 +320,35 @@ fn mark_abandoned_after<T>(
     if took < limit {
         return false;
     }
+    abandon_failures(call, keys, results, |e| match e {
+        StoreError::TransferFailed { code, .. } => {
+            format!("transfer code {code} after {took:?}; the client stops waiting at 60 s")
+        }
+        e => format!("{e} after {took:?}; the client stops waiting for its transfers at 60 s"),
+    })
+}
+
+/// Marks the failures of a wheel call the shim cut short ([`MooncakeError::cut_short`]: an
+/// exception caught inside the call) as [`StoreError::Abandoned`], as [`mark_abandoned`]
+/// does: the wheel may have submitted transfers it never waited for. True when there was one.
+pub(super) fn mark_cut_short<T>(
+    call: &'static str,
+    keys: &[&str],
+    results: &mut [Result<T, StoreError>],
+) -> bool {
+    abandon_failures(call, keys, results, |e| {
+        format!("{e}: the call was cut short by an exception; its transfers may still run")
+    })
+}
+
+/// Marks every failure of `results` (one per key of `keys`) `Abandoned`, with the detail
+/// `why` gives, but those refused before any transfer began. True when there was one.
+fn abandon_failures<T>(
+    call: &'static str,
+    keys: &[&str],
+    results: &mut [Result<T, StoreError>],
+    why: impl Fn(&StoreError) -> String,
+) -> bool {
     let mut any = false;
     for (r, key) in results.iter_mut().zip(keys) {
         let detail = match r {
@@ -333,12 +362,7 @@ fn mark_abandoned_after<T>(
                 any = true;
                 continue;
             }
-            Err(StoreError::TransferFailed { code, .. }) => {
-                format!("transfer code {code} after {took:?}; the client stops waiting at 60 s")
-            }
-            Err(e) => {
-                format!("{e} after {took:?}; the client stops waiting for its transfers at 60 s")
-            }
+            Err(e) => why(e),
         };
         *r = Err(StoreError::Abandoned {
             key: (*key).to_owned(),
@@ -350,8 +374,7 @@ fn mark_abandoned_after<T>(
     if any {
         tracing::error!(
             call,
-            ?took,
-            "Mooncake gave up on transfers that may still run: their memory is kept for good"
+            "Mooncake left transfers that may still run: their memory is kept for good"
         );
     }
     any
@@ -425,6 +448,7 @@ pub(super) fn wheel_read(
     let took = t0.elapsed();
     let mut results: Vec<Result<u64, StoreError>> =
         keys.iter().map(|k| failed_placeholder(k)).collect();
+    let cut_short = matches!(&ran, Ok(Err(e)) if e.cut_short());
     let given_up = match ran {
         Ok(r) => {
             let why = gives_up(&r, what);
@@ -440,6 +464,7 @@ pub(super) fn wheel_read(
         }
     };
     let abandoned = mark_abandoned_after(call, took, limit, keys, &mut results)
+        || (cut_short && mark_cut_short(call, keys, &mut results))
         || results
             .iter()
             .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer));
@@ -824,13 +849,16 @@ impl KvStore for MooncakeStore {
             Err(e) => Err(e),
         };
         let took = t0.elapsed();
+        let cut_short = results.as_ref().is_err_and(MooncakeError::cut_short);
         let mut written: Vec<Result<(), StoreError>> = to_write
             .iter()
             .map(|&i| failed_placeholder(keys[i]))
             .collect();
         let positions: Vec<usize> = (0..to_write.len()).collect();
         per_key(&names, results, &positions, &mut written);
-        if mark_abandoned("batch_put_from", took, &names, &mut written) {
+        let abandoned = mark_abandoned("batch_put_from", took, &names, &mut written)
+            || (cut_short && mark_cut_short("batch_put_from", &names, &mut written));
+        if abandoned {
             // Transfers may still read the staging and the registered sources.
             std::mem::forget(staging);
             self.transfers.abandon(transfer);
@@ -1222,26 +1250,50 @@ mod tests {
                 "{r:?}"
             );
         }
-        // In time, the same failure is the call's own error, nothing kept.
-        let whole = MooncakeError::Status {
+        // In time, a whole failure after the wheel's call returned (results of the wrong
+        // shape) is the call's own error, nothing kept.
+        let whole = |code: i32| MooncakeError::Status {
             operation: "batch_get_ranges",
             key: None,
-            code: ErrorCode(mooncake_sys::sys::shim_codes::EXCEPTION),
+            code: ErrorCode(code),
             message: None,
         };
+        let bad_result = mooncake_sys::sys::shim_codes::BAD_RESULT;
         let read = wheel_read(
             "batch_get_ranges",
             "ranged read",
             &keys,
             Duration::from_secs(60),
-            || Err(whole),
+            || Err(whole(bad_result)),
         );
         assert!(!read.abandoned);
         assert!(
-            matches!(read.results[0], Err(StoreError::Other { .. })),
+            !read.results[0].as_ref().unwrap_err().may_still_transfer(),
             "{:?}",
             read.results[0]
         );
+        // An exception the shim caught inside the wheel's call cut it short: the transfers it
+        // submitted may never have been waited for, however soon it failed. Before, that
+        // memory was freed or reused at once.
+        for code in [
+            mooncake_sys::sys::shim_codes::EXCEPTION,
+            mooncake_sys::sys::shim_codes::OUT_OF_MEMORY,
+        ] {
+            let read = wheel_read(
+                "batch_get_ranges",
+                "ranged read",
+                &keys,
+                Duration::from_secs(60),
+                || Err(whole(code)),
+            );
+            assert!(read.abandoned, "{code}");
+            for (r, k) in read.results.iter().zip(keys) {
+                assert!(
+                    matches!(r, Err(StoreError::Abandoned { key, .. }) if key == k),
+                    "{r:?}"
+                );
+            }
+        }
     }
 
     #[test]
