@@ -399,6 +399,12 @@ fn slow_read_times_out_the_batch() {
         "{:?}",
         out.result
     );
+    // The call past its limit counts as failed (timed to its limit, where the linker stopped
+    // waiting for it), not among the reads that landed.
+    let m = linker.metrics();
+    assert_eq!(m.failed_read_calls, 1, "{m:?}");
+    assert!(m.failed_read_time >= Duration::from_millis(50), "{m:?}");
+    assert!(m.layer_reads <= 4, "only layers before 4 landed: {m:?}");
 }
 
 #[test]

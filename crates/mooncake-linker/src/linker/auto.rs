@@ -372,11 +372,11 @@ impl AutoMode {
         // Counted only while a measured batch's time is due: batches too small to measure
         // send none, and must not use up the patience meant for times that never come.
         if s.kept.is_none() && in_flight.is_some() {
-            s.proposals += 1;
+            s.proposals = s.proposals.saturating_add(1);
             let limit = AUTO_GIVE_UP
                 .saturating_mul(ShareMode::COUNT as u32)
                 .saturating_mul(self.per_mode);
-            if s.proposals > limit {
+            if s.proposals > limit || s.proposals == u32::MAX {
                 let leader = s.leader();
                 tracing::warn!(
                     ?leader,
@@ -456,6 +456,14 @@ mod tests {
             patient.seen.lock().kept.is_none(),
             "not given up after 20 proposals"
         );
+        // At the counter's end it gives up rather than wrap (or panic in a debug build).
+        patient.seen.lock().proposals = u32::MAX - 1;
+        for _ in 0..2 {
+            let _ = patient.propose(2, 1 << 20, Some(ShareMode::AllRanks));
+        }
+        let s = patient.seen.lock();
+        assert_eq!(s.proposals, u32::MAX);
+        assert!(s.kept.is_some(), "given up at the counter's end");
     }
 
     /// Runs the measuring phase with group batch times `time(mode, i)` (`i`: the mode's

@@ -41,9 +41,11 @@ pub enum ReadGranularity {
     /// Each batch's groups are planned by [`read_plan::plan_reads`](crate::read_plan::plan_reads)
     /// on each rank: from the bytes this rank reads per layer in the batch's mode, the
     /// linker's estimate of a call's cost (fitted from every group call it made), and the
-    /// engine's compute per layer. Layer 0 is read alone (attention starts after one layer's
-    /// read) unless the compute is configured as zero; the groups then grow while the reads
-    /// stay ahead of compute.
+    /// engine's compute per layer (or the share step's time per layer, the larger). Layer 0 is
+    /// read alone (attention starts after one layer's read) unless that time over the whole
+    /// forward pass is below one call's fixed cost (nothing worth overlapping: the reads alone
+    /// count, in the fewest calls); the groups then grow while the reads stay ahead of
+    /// compute.
     Adaptive {
         /// Most layers one call may read. Also capped by the stages (above) and so that a
         /// call's predicted time stays under a quarter of `layer_read_timeout`.

@@ -152,7 +152,14 @@ pub fn plan_reads(req: &ReadPlanRequest<'_>) -> Result<ReadPlan, ReadPlanError> 
     } else {
         Some(model.fastest_reads())
     }
-    .unwrap_or_else(|| std::iter::once(0..n as u32).collect());
+    // Not reached (a plan without a deadline always exists): groups of the most layers a call
+    // may read, should it ever be.
+    .unwrap_or_else(|| {
+        (0..n)
+            .step_by(model.max)
+            .map(|s| s as u32..(s + model.max).min(n) as u32)
+            .collect()
+    });
     let mut ready = vec![0.0; n];
     let mut t = 0.0;
     for g in &groups {
@@ -190,7 +197,9 @@ impl Model {
             prefix,
             cost: req.cost,
             compute: req.compute_per_layer.as_secs_f64(),
-            max: req.max_layers_per_call as usize,
+            // At least one layer a call, and no more than there are (so that `s + max` stays
+            // within twice the layer count on any target).
+            max: (req.max_layers_per_call as usize).clamp(1, req.layer_bytes.len().max(1)),
         }
     }
 

@@ -323,12 +323,11 @@ impl LayerPipeline<'_> {
             return Ok(read);
         }
         tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
-        inner.metrics.layer_read(group.len() as u32, took);
-        inner
-            .reads
-            .observe(layers.mode, group.len() as u32, n, took);
-        inner.auto.observe_store_read(n, took);
         if took > inner.config.layer_read_timeout {
+            // A call past its limit is a failure: it neither counts among the reads that
+            // landed nor feeds the read-cost fit and Auto's measure (one hung call would skew
+            // the fit's fixed cost per call for many calls after it).
+            inner.metrics.layer_read_failed(took);
             return Err(KvLoadError::Store {
                 batch: Some(batch),
                 layer: Some(group.start),
@@ -341,6 +340,11 @@ impl LayerPipeline<'_> {
                 .into(),
             });
         }
+        inner.metrics.layer_read(group.len() as u32, took);
+        inner
+            .reads
+            .observe(layers.mode, group.len() as u32, n, took);
+        inner.auto.observe_store_read(n, took);
         Ok(read)
     }
 
