@@ -196,6 +196,15 @@ impl Collective for Misbehaving {
             .all_gather_bytes(value, deadline)
     }
 
+    fn all_gather_bytes_settled(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.handle("all_gather_bytes")?
+            .all_gather_bytes_settled(value, deadline)
+    }
+
     fn memory(&self) -> MemorySupport {
         self.handle("memory")
             .map(|h| h.memory())

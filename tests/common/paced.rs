@@ -163,6 +163,14 @@ impl Collective for PacedShares {
         self.inner.all_gather_bytes(value, deadline)
     }
 
+    fn all_gather_bytes_settled(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.inner.all_gather_bytes_settled(value, deadline)
+    }
+
     fn memory(&self) -> MemorySupport {
         self.inner.memory()
     }

@@ -384,6 +384,19 @@ pub trait Collective: Send + Sync {
         self.all_gather_u64(value, deadline)
     }
 
+    /// [`all_gather_bytes`](Collective::all_gather_bytes) for a decision the ranks act on
+    /// apart before any later operation could bring them in step (a batch's gate: whether
+    /// they load together): settled as
+    /// [`all_gather_u64_settled`](Collective::all_gather_u64_settled) is. By default the plain
+    /// gather; the socket group adds a completion round. A wrapper must forward it.
+    fn all_gather_bytes_settled(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.all_gather_bytes(value, deadline)
+    }
+
     /// Every rank gets every rank's `value` (the same length on every rank), in rank order.
     fn all_gather_bytes(
         &self,

@@ -275,7 +275,9 @@ pub fn check_batch(
     word: &GateWord,
     deadline: Instant,
 ) -> Result<BatchGate, CollectiveError> {
-    let all = coll.all_gather_bytes(&word.encode(), deadline)?;
+    // Settled: ranks act on the gate apart (a rank whose gate failed may load alone), so an
+    // `Ok` here must mean every rank has every word.
+    let all = coll.all_gather_bytes_settled(&word.encode(), deadline)?;
     Ok(judge_gate(word, &all))
 }
 

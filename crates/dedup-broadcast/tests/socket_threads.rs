@@ -205,37 +205,55 @@ fn a_rank_that_never_arrives_times_out_the_others_at_their_deadline() {
 /// rank 0 comes a little later with a long one, rank 2 only after rank 1 gave up. Rank 0
 /// then holds every word (rank 1's was sent before it left, rank 2's after), and a plain
 /// gather returned `Ok` there while rank 1 failed: a batch loaded on one rank and failed on
-/// another, with no later operation to bring them in step. Settled, every rank fails.
+/// another, with no later operation to bring them in step. Settled, every rank fails. The
+/// same for a batch's gate (before, its plain gather let a rank whose gate failed load alone
+/// with `ReadAlone` while the others went on with a broken group and failed).
 #[test]
 fn a_settled_gather_fails_on_every_rank_when_one_gave_up() {
-    let ranks = SocketCollective::over_socket_pairs(3, Algorithm::Direct).unwrap();
-    let (gave_up, after) = std::sync::mpsc::channel::<()>();
-    let (rank1_in, rank0_go) = std::sync::mpsc::channel::<()>();
-    let t0 = Instant::now();
-    let results = thread::scope(|s| {
-        let (r0, r1, r2) = (&ranks[0], &ranks[1], &ranks[2]);
-        let h1 = s.spawn(move || {
-            // Rank 1 comes first, with a short deadline, and gives up.
-            let _ = rank1_in.send(());
-            let r =
-                r1.all_gather_u64_settled(1, kv_loader::deadline_after(Duration::from_millis(100)));
-            let _ = gave_up.send(());
-            r
+    type Op = fn(&SocketCollective, u32, Instant) -> Result<(), CollectiveError>;
+    let verdict: Op = |c, rank, deadline| {
+        c.all_gather_u64_settled(u64::from(rank), deadline)
+            .map(drop)
+    };
+    let gate: Op = |c, rank, deadline| {
+        let word = dedup_broadcast::GateWord {
+            digest: [7; 16],
+            batch: 1,
+            count: 0,
+            proposal: u64::from(rank),
+            last_batch_us: 0,
+        };
+        dedup_broadcast::check_batch(c, &word, deadline).map(drop)
+    };
+    for (what, op) in [("verdict", verdict), ("gate", gate)] {
+        let ranks = SocketCollective::over_socket_pairs(3, Algorithm::Direct).unwrap();
+        let (gave_up, after) = std::sync::mpsc::channel::<()>();
+        let (rank1_in, rank0_go) = std::sync::mpsc::channel::<()>();
+        let t0 = Instant::now();
+        let results = thread::scope(|s| {
+            let (r0, r1, r2) = (&ranks[0], &ranks[1], &ranks[2]);
+            let h1 = s.spawn(move || {
+                // Rank 1 comes first, with a short deadline, and gives up.
+                let _ = rank1_in.send(());
+                let r = op(r1, 1, kv_loader::deadline_after(Duration::from_millis(100)));
+                let _ = gave_up.send(());
+                r
+            });
+            let h0 = s.spawn(move || {
+                // Rank 0 comes once rank 1 is in, with a long deadline.
+                let _ = rank0_go.recv();
+                op(r0, 0, kv_loader::deadline_after(Duration::from_secs(3)))
+            });
+            let h2 = s.spawn(move || {
+                // Rank 2 comes only after rank 1 gave up.
+                let _ = after.recv();
+                op(r2, 2, kv_loader::deadline_after(Duration::from_secs(3)))
+            });
+            [h0, h1, h2].map(|h| h.join().unwrap())
         });
-        let h0 = s.spawn(move || {
-            // Rank 0 comes once rank 1 is in, with a long deadline.
-            let _ = rank0_go.recv();
-            r0.all_gather_u64_settled(0, kv_loader::deadline_after(Duration::from_secs(3)))
-        });
-        let h2 = s.spawn(move || {
-            // Rank 2 comes only after rank 1 gave up.
-            let _ = after.recv();
-            r2.all_gather_u64_settled(2, kv_loader::deadline_after(Duration::from_secs(3)))
-        });
-        [h0, h1, h2].map(|h| h.join().unwrap())
-    });
-    assert!(results.iter().all(Result::is_err), "{results:?}");
-    assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(results.iter().all(Result::is_err), "{what}: {results:?}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "{what}");
+    }
 }
 
 /// Settled, a gather every rank comes to in time is the plain gather's result.

@@ -784,12 +784,14 @@ impl StorageNode {
             .stderr(Stdio::null())
             .spawn()
             .expect("start mooncake_client");
+        // Built before the wait: a node that never listens is killed (on drop) too.
+        let node = Self(child);
         let deadline = kv_loader::deadline_after(Duration::from_secs(20));
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "storage node not listening");
             std::thread::sleep(Duration::from_millis(50));
         }
-        Self(child)
+        node
     }
 }
 

@@ -48,7 +48,9 @@
 //! one gather no operation follows, a batch's verdict word
 //! ([`Collective::all_gather_u64_settled`]), ends with the completion round too: without it a
 //! rank that gave up at its deadline after sending its word left a peer that came later with
-//! every word and `Ok`.
+//! every word and `Ok`. So does a batch's gate ([`Collective::all_gather_bytes_settled`]):
+//! with `GroupFallback::ReadAlone` a rank whose gate failed loads alone and reports `Ok`,
+//! while a peer whose gate succeeded went on with the group, found it broken, and failed.
 
 use std::time::Instant;
 
@@ -548,6 +550,15 @@ impl Collective for SocketCollective {
         deadline: Instant,
     ) -> Result<Vec<Vec<u8>>, CollectiveError> {
         self.gather_bytes(value, false, deadline)
+    }
+
+    /// The gather, then a completion round (see the module docs).
+    fn all_gather_bytes_settled(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.gather_bytes(value, true, deadline)
     }
 
     /// The gather, then a completion round (see the module docs).

@@ -74,21 +74,25 @@ impl PrivateMaster {
             .spawn()
             .expect("start mooncake_master");
         let addr = format!("127.0.0.1:{port}");
-        let deadline = kv_loader::deadline_after(Duration::from_secs(20));
-        while TcpStream::connect(&addr).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "private master not listening on {addr}; log {}",
-                log.display()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self {
+        // Built before the wait, so that a master that never listens is killed (on drop) by
+        // the wait's own failure too.
+        let master = Self {
             child: Some(child),
             addr,
             metrics: format!("127.0.0.1:{metrics}"),
             log,
+        };
+        let deadline = kv_loader::deadline_after(Duration::from_secs(20));
+        while TcpStream::connect(&master.addr).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "private master not listening on {}; log {}",
+                master.addr,
+                master.log.display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
+        master
     }
 
     /// The master's counter `name` from its Prometheus endpoint (`GET /metrics` on the

@@ -15,8 +15,9 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// Version of these messages and of what the formed group speaks; ranks with another refuse
 /// each other. 2: a batch's verdict word ends with a completion round on the socket group
 /// (`Collective::all_gather_u64_settled`), and a rank claimed twice over a key-value exchange
-/// is answered as error kind 10 (`ClaimedTwice`).
-pub(crate) const PROTOCOL: u32 = 2;
+/// is answered as error kind 10 (`ClaimedTwice`). 3: a batch's gate ends with that round too
+/// (`Collective::all_gather_bytes_settled`).
+pub(crate) const PROTOCOL: u32 = 3;
 
 /// Where a rank's collective listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
