@@ -1235,6 +1235,54 @@ fn stale_kept_checksums_are_checked_again_against_a_fresh_companion() {
     linker.close().unwrap();
 }
 
+/// A layer whose bytes went wrong on their way (a bad transfer of a good object) fails its
+/// checksums, and against its companion read afresh too; the object's layer read again passes,
+/// so the batch fails as a retryable transfer failure and nothing is discarded: the next load
+/// takes the object. Before, the good object and its companion were discarded as bad.
+#[test]
+fn a_bad_transfer_of_a_good_object_discards_nothing() {
+    let s = saved(45, 3);
+    let faults = Arc::new(FaultyStore::new(s.store.clone()));
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let linker = Linker::new(s.g.clone(), faults.clone(), pool.clone(), config()).unwrap();
+    let key = linker
+        .object_keys(&load_plan(&s.g, 0, &s.pages, vec![0, 1, 2]))
+        .unwrap()[0][1]
+        .clone();
+    faults.inject(
+        FaultRule {
+            key_contains: Some(key.clone()),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Corrupt,
+    );
+    let t = linker
+        .start_load(load_plan(&s.g, 1, &s.pages, vec![0, 1, 2]))
+        .unwrap();
+    let _ = wait_all(&linker, &t);
+    let out = linker.wait_batch(&t).unwrap();
+    assert!(
+        matches!(
+            &out.result,
+            Err(KvLoadError::Store {
+                kind: StoreFailure::TransferFailed,
+                ..
+            })
+        ),
+        "{:?}",
+        out.result
+    );
+    assert_eq!(linker.metrics().bad_objects, 0);
+    assert_eq!(
+        s.store.exists(&[&key, &checksum_key(&key)]),
+        vec![Ok(true), Ok(true)],
+        "the good pair stays"
+    );
+    load_verified(&linker, &pool, &s.pages, 2, &[0, 1, 2]);
+    linker.close().unwrap();
+}
+
 fn load_plan_ok(linker: &Linker, s: &Saved, batch: u64) {
     let t = linker
         .start_load(load_plan(&s.g, batch, &s.pages, vec![1, 3, 5, 7]))

@@ -34,10 +34,13 @@ impl Inner {
     /// disagree with the checksums this rank had, and with the companion gone nothing tells a
     /// rewrite by a writer that writes none (such as SGLang) from a bad transfer of the same
     /// object, so the engine recomputes, and the next load, finding no companion, checks the
-    /// object by length as it checks any object without one. A row fails, or its fresh
-    /// companion is malformed: its object is bad (discarded, as any; `PlanError::ObjectSize`
-    /// when its size is wrong). The read fails: the batch fails as that store failure, and
-    /// nothing is discarded.
+    /// object by length as it checks any object without one. A row fails: the object's layer is
+    /// read again (one whole read) and checked against the fresh companion before the object
+    /// is taken as bad; where it passes, the row's bytes went wrong on their way (a bad
+    /// transfer), so the batch fails as a store failure (`TransferFailed`, retryable) and
+    /// nothing is discarded. A row fails again, or its fresh companion is malformed: its object
+    /// is bad (discarded, as any; `PlanError::ObjectSize` when its size is wrong). A read fails:
+    /// the batch fails as that store failure, and nothing is discarded.
     ///
     /// It runs on the exchange loop before this rank's status word, which the peers wait for
     /// at most `collective_timeout`: its store calls are bounded by half of that (and by
@@ -134,11 +137,58 @@ impl Inner {
                     if let Some(e) = wrong_size(comp, page) {
                         return Err(e);
                     }
+                    self.read_again(batch, comp, page, layer, fresh.as_ref(), deadline)?;
                     let why = (Some(layer), e.to_string());
                     return Err(self.bad_object(batch, comp, page, why, deadline));
                 }
             }
         }
         Ok(verdicts)
+    }
+
+    /// Reads the object of plan page `page` again, whole, and checks its layer `layer` against
+    /// `fresh`: `Ok` when it fails again (the object is bad), else the batch's error, with
+    /// nothing discarded: a store failure when the read fails, `TransferFailed` when the layer
+    /// now passes (the first read's bytes went wrong on their way, not the object's).
+    fn read_again(
+        &self,
+        batch: BatchId,
+        comp: &ComponentKeys,
+        page: usize,
+        layer: u32,
+        fresh: Option<&ObjectChecksums>,
+        deadline: std::time::Instant,
+    ) -> Result<(), KvLoadError> {
+        let key = comp.keys[page].as_str();
+        let len = comp.layout.object_bytes() as usize;
+        let object = match self.calls.read_whole_owned(&[key], &[len], deadline).pop() {
+            Some(Ok(object)) => object,
+            Some(Err(e)) => return Err(store_failure(batch, Some(layer), vec![page as u32], &e)),
+            None => {
+                let detail = format!("a read of `{key}` gave no result");
+                return Err(KvLoadError::internal(batch, detail));
+            }
+        };
+        let row = comp
+            .layout
+            .layer_range(layer)
+            .and_then(|r| object.get(r.start as usize..r.end as usize));
+        let passes = row.is_some_and(|row| {
+            ObjectChecksums::verify_layer_landed(fresh, &comp.layout, layer, row, None).is_ok()
+        });
+        if !passes {
+            return Ok(());
+        }
+        tracing::warn!(%batch, key, layer, "a layer failed its checksums but passes when read again: a bad transfer, the object stays");
+        Err(KvLoadError::Store {
+            batch: Some(batch),
+            layer: Some(layer),
+            pages: vec![page as u32].into(),
+            kind: StoreFailure::TransferFailed,
+            detail: format!(
+                "`{key}` layer {layer} failed its checksums as read, and passes read again:                  not loaded, nothing discarded"
+            )
+            .into(),
+        })
     }
 }

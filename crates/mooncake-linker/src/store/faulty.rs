@@ -71,6 +71,9 @@ pub enum Fault {
     Error(StoreError),
     /// The key's read returns one byte less than asked (a short read; reads only).
     Short,
+    /// The key's ranged read lands with its first byte flipped, and no checksum taken as it
+    /// landed (a transfer that corrupted the bytes on their way; ranged reads only).
+    Corrupt,
     /// The call sleeps this long (per matching key) first (a slow store), then runs normally.
     Delay(Duration),
     /// The call waits until the stall is released (a hung store call), then runs normally.
@@ -432,8 +435,8 @@ impl KvStore for FaultyStore {
         unsafe { self.get_ranges_checksummed(gets, &mut []) }
     }
 
-    // No fault changes a byte the inner store wrote (a short read changes the count it
-    // returns), so the inner store's checksums are of what landed.
+    // Only `Corrupt` changes a byte the inner store wrote (a short read changes the count it
+    // returns), and it clears that read's checksums: those left are of what landed.
     unsafe fn get_ranges_checksummed(
         &self,
         gets: &[RangedGet<'_>],
@@ -445,6 +448,19 @@ impl KvStore for FaultyStore {
         }
         // SAFETY: forwarded with the caller's own promise.
         let r = unsafe { self.inner.get_ranges_checksummed(gets, sums) };
+        for (i, (g, (r, hit))) in gets.iter().zip(r.iter().zip(&hits)).enumerate() {
+            if !matches!(hit, Some(Fault::Corrupt)) || r.is_err() {
+                continue;
+            }
+            if let Some(range) = g.ranges.iter().find(|range| range.len > 0) {
+                // SAFETY: still inside the call: the caller promised `dst` valid for writes of
+                // `len` (> 0) bytes and untouched by anyone else until the call returns.
+                unsafe { *range.dst ^= 0x5a };
+            }
+            if let Some(s) = sums.get_mut(i) {
+                s.iter_mut().for_each(|c| *c = None);
+            }
+        }
         self.apply(r, hits)
     }
 
