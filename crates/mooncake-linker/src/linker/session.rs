@@ -27,13 +27,16 @@ impl<'a> PinnedKeys<'a> {
         every: Duration,
         timeout: Duration,
     ) -> Result<Self, StoreError> {
+        // The lease runs from when the store granted it, somewhere inside the call: counted
+        // from the call's start, so that a slow call does not push the renewal past it.
+        let started = Instant::now();
         let session = calls.start_session(keys, kv_loader::deadline_after(timeout))?;
         Ok(PinnedKeys {
             calls,
             timeout,
             session: Some(session),
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
-            renewed: Instant::now(),
+            renewed: started,
             every,
         })
     }
@@ -75,13 +78,15 @@ impl<'a> PinnedKeys<'a> {
             return Ok(());
         }
         let keys: Vec<&str> = self.keys.iter().map(String::as_str).collect();
+        // Counted from the call's start, as in `start`.
+        let started = Instant::now();
         let fresh = self.calls.start_session(&keys, self.deadline())?;
         if let Some(old) = self.session.replace(fresh) {
             if let Err(e) = self.calls.end_session(&old, self.deadline()) {
                 warn!(error = %e, "ending a renewed read session failed");
             }
         }
-        self.renewed = Instant::now();
+        self.renewed = started;
         Ok(())
     }
 }
@@ -93,5 +98,31 @@ impl Drop for PinnedKeys<'_> {
                 warn!(error = %e, keys = s.keys.len(), "ending a read session failed");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::store::{EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore};
+
+    /// A session whose start took longer than the renewal period is due for renewal at once:
+    /// its lease ran from inside the call. Before, the period was counted from the call's
+    /// end, so a slow store left the pins to lapse before the renewal came.
+    #[test]
+    fn the_renewal_counts_from_the_session_calls_start() {
+        let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 20))));
+        let slow = Duration::from_millis(150);
+        faulty.inject_on(FaultCall::Session, FaultRule::default(), Fault::Delay(slow));
+        let store: Arc<dyn KvStore> = faulty;
+        let calls = StoreCalls::new(store);
+        let every = Duration::from_millis(100);
+        let pins = PinnedKeys::start(&calls, &["k"], every, Duration::from_secs(5)).unwrap();
+        assert!(
+            pins.renewed.elapsed() >= every,
+            "the renewal is due once the slow call returns"
+        );
     }
 }
