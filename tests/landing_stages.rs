@@ -88,8 +88,8 @@ impl LandingFactory for OneStageLandings {
 }
 
 /// A linker over a one-stage landing, and batch 1 of a 3-page prefix of `spec` saved for it,
-/// started into slots `slots`: the linker and the ticket.
-fn one_stage_load(spec: ModelKvSpec, slots: Vec<u32>) -> (Linker, kvlink::kv_loader::LoadTicket) {
+/// started into slots `slots`: the linker, the ticket, the pool and the prefix's pages.
+fn one_stage_load(spec: ModelKvSpec, slots: Vec<u32>) -> OneStageLoad {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
     let cfg = LinkerConfig::default();
     let tokens = prompt(31, 3, spec.page_size);
@@ -100,20 +100,32 @@ fn one_stage_load(spec: ModelKvSpec, slots: Vec<u32>) -> (Linker, kvlink::kv_loa
         g.clone(),
         store,
         pool.clone(),
-        Arc::new(OneStageLandings(pool)),
+        Arc::new(OneStageLandings(pool.clone())),
         cfg,
         None,
     )
     .unwrap();
     let t = linker.start_load(load_plan(&g, 1, &pages, slots)).unwrap();
-    (linker, t)
+    OneStageLoad {
+        linker,
+        t,
+        pool,
+        pages,
+    }
+}
+
+struct OneStageLoad {
+    linker: Linker,
+    t: kvlink::kv_loader::LoadTicket,
+    pool: Arc<HostKvPool>,
+    pages: Vec<kvlink::kv_geometry::PageHash>,
 }
 
 #[test]
 fn a_landing_that_lends_one_stage_fails_the_batch_at_once_with_why() {
     let spec = small_spec();
     assert!(spec.num_layers >= 2);
-    let (linker, t) = one_stage_load(spec, vec![0, 1, 2]);
+    let OneStageLoad { linker, t, .. } = one_stage_load(spec, vec![0, 1, 2]);
     assert!(linker.wait_layer(&t, 0).is_err(), "layer 0 published");
     let outcome = linker.wait_batch(&t).unwrap().result;
     assert!(
@@ -127,7 +139,13 @@ fn a_landing_that_lends_one_stage_fails_the_batch_at_once_with_why() {
 fn a_one_layer_model_loads_through_one_stage() {
     let k = ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 16);
     let spec = ModelKvSpec::new("one-layer", 1, 4, vec![k]).unwrap();
-    let (linker, t) = one_stage_load(spec, vec![2, 0, 1]);
+    let OneStageLoad {
+        linker,
+        t,
+        pool,
+        pages,
+    } = one_stage_load(spec, vec![2, 0, 1]);
     linker.wait_layer(&t, 0).unwrap();
     linker.wait_batch(&t).unwrap().result.unwrap();
+    pool_matches(&pool, &pages, &[2, 0, 1], 1).unwrap();
 }

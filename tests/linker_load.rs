@@ -467,9 +467,12 @@ fn missing_object_fails_with_not_found() {
 fn reset_during_a_load_cancels_it_and_the_linker_goes_on() {
     let r = rig(3);
     let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    // Each key of a read call (one layer each) takes 100 ms: layer 5 lands 600 ms in at the
+    // soonest, so the reset (after 60 ms) comes well before it even on a loaded machine, and
+    // waits for one call in flight at most.
     r.faulty.inject(
         FaultRule::default(),
-        Fault::Delay(Duration::from_millis(30)),
+        Fault::Delay(Duration::from_millis(100)),
     );
     let (linker, pool, t) = start_batch_1(&r, cfg());
     let queued = linker

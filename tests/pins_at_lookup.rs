@@ -310,16 +310,18 @@ fn a_load_right_after_its_lookup_takes_the_pin_under_way_once_it_is_in() {
     let held = Stall::new();
     let r = rank(68, 3, config(), first_session(Fault::Stall(held.clone())));
     r.look_up_with_pin_held(&held);
+    // Timed from before the releasing thread starts: the pin cannot come in sooner than its
+    // 200 ms sleep.
+    let t0 = Instant::now();
     std::thread::scope(|s| {
         s.spawn(|| {
             // The load is waiting by now (its wait is 5 s); the pin's call goes on.
             std::thread::sleep(Duration::from_millis(200));
             held.release();
         });
-        let t0 = Instant::now();
         r.load(&r.pages, 1, &[4, 2, 0]);
         assert!(
-            t0.elapsed() >= Duration::from_millis(150),
+            t0.elapsed() >= Duration::from_millis(200),
             "it waited for the pin"
         );
     });

@@ -20,14 +20,14 @@ fn latent_width_overflowing_u32_is_an_error() {
     // The sum fits but times the element size does not.
     let cfg = r#"{"model_type":"deepseek_v3","num_hidden_layers":61,
                   "kv_lora_rank":3000000000,"qk_rope_head_dim":64}"#;
-    assert!(parse(cfg).is_err());
+    assert!(overflows(parse(cfg)));
 }
 
 #[test]
 fn llama_row_overflowing_u32_is_an_error() {
     let cfg = r#"{"model_type":"llama","num_hidden_layers":80,"num_attention_heads":64,
                   "num_key_value_heads":65536,"head_dim":65536}"#;
-    assert!(parse(cfg).is_err());
+    assert!(overflows(parse(cfg)));
 }
 
 #[test]
@@ -54,10 +54,31 @@ fn a_spec_with_page_size_zero_has_no_whole_page() {
 fn dsa_indexer_row_overflowing_u32_is_an_error() {
     let cfg = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78,"kv_lora_rank":512,
                   "qk_rope_head_dim":64,"index_head_dim":4294967295}"#;
-    assert!(parse(cfg).is_err());
+    // Refused at its bound before any product is taken.
+    let p = parse(cfg);
+    assert!(
+        matches!(
+            p,
+            Err(GeometryError::TooLarge {
+                what: "row bytes",
+                ..
+            })
+        ),
+        "{p:?}"
+    );
     let cfg = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78,"kv_lora_rank":512,
                   "qk_rope_head_dim":64,"index_head_dim":128}"#;
-    assert!(ModelKvSpec::from_hf_config(cfg, ElementType::Fp8E4m3, u32::MAX).is_err());
+    let huge_pages = ModelKvSpec::from_hf_config(cfg, ElementType::Fp8E4m3, u32::MAX);
+    assert!(
+        matches!(
+            huge_pages,
+            Err(GeometryError::TooLarge {
+                what: "page size",
+                ..
+            })
+        ),
+        "{huge_pages:?}"
+    );
 }
 
 #[test]
@@ -211,10 +232,12 @@ proptest! {
         }
     }
 
-    /// Arbitrary text never panics the parser.
+    /// Arbitrary text never panics the parser, and is refused as a bad config (no text of 200
+    /// characters or fewer drawn here is a whole config of a known model).
     #[test]
     fn arbitrary_text_never_panics(text in ".{0,200}") {
-        let _ = parse(&text);
+        let parsed = parse(&text);
+        prop_assert!(matches!(parsed, Err(GeometryError::BadConfig(_))), "{:?}", parsed);
     }
 }
 
@@ -235,4 +258,9 @@ fn an_fp8_dsa_config_with_another_latent_is_refused() {
     let right = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78,"kv_lora_rank":512,
                     "qk_rope_head_dim":64}"#;
     assert!(fp8(right).is_ok());
+}
+
+/// The parse failed because a size overflows (not for some other reason a wrapped value gave).
+fn overflows(parsed: Result<ModelKvSpec, GeometryError>) -> bool {
+    matches!(&parsed, Err(GeometryError::BadConfig(m)) if m.contains("overflows"))
 }
