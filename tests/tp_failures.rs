@@ -364,14 +364,14 @@ fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
 #[test]
 fn a_slow_pin_and_first_read_fail_layer_0_before_the_peers_stop_waiting() {
     let spec = mixed_spec();
-    // The rank gives up on layer 0 at 4.5 s (nine tenths), half a second before its peers
-    // would: room for a loaded CI machine.
-    let collective = Duration::from_secs(5);
+    // The rank gives up on layer 0 at 9 s (nine tenths), a second before its peers would:
+    // room for a loaded CI machine.
+    let collective = Duration::from_secs(10);
     for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
         let cfg = LinkerConfig {
             collective_timeout: collective,
-            layer_read_timeout: Duration::from_millis(3500),
-            store_call_timeout: Duration::from_millis(3500),
+            layer_read_timeout: Duration::from_millis(7000),
+            store_call_timeout: Duration::from_millis(7000),
             pin_at_lookup: false,
             ..config(mode)
         };
@@ -383,11 +383,11 @@ fn a_slow_pin_and_first_read_fail_layer_0_before_the_peers_stop_waiting() {
             times: Some(1),
             ..FaultRule::default()
         };
-        // 2.7 s + 2.7 s: each call within its 3.5 s, together past the peers' 5 s.
+        // 5.4 s + 5.4 s: each call within its 7 s, together past the peers' 10 s.
         r.faults.inject_on(
             FaultCall::Session,
             once(),
-            Fault::Delay(Duration::from_millis(2700)),
+            Fault::Delay(Duration::from_millis(5400)),
         );
         r.faults.inject_on(
             FaultCall::Read,
@@ -395,7 +395,7 @@ fn a_slow_pin_and_first_read_fail_layer_0_before_the_peers_stop_waiting() {
                 offset: Some(0),
                 ..once()
             },
-            Fault::Delay(Duration::from_millis(2700)),
+            Fault::Delay(Duration::from_millis(5400)),
         );
         let t0 = Instant::now();
         let (outcomes, ended) = run_timed(&rs, 1, &hashes);
@@ -413,14 +413,15 @@ fn a_slow_pin_and_first_read_fail_layer_0_before_the_peers_stop_waiting() {
 #[test]
 fn a_slow_renewal_and_read_fail_a_later_layer_before_the_peers_stop_waiting() {
     let spec = mixed_spec();
-    // As above: 4.5 s for the rank, 5 s for its peers.
-    let collective = Duration::from_secs(5);
+    // As above: 9 s for the rank, 10 s for its peers.
+    let collective = Duration::from_secs(10);
     let cfg = LinkerConfig {
         collective_timeout: collective,
-        layer_read_timeout: Duration::from_millis(3500),
-        store_call_timeout: Duration::from_millis(3500),
-        // Every group after the first renews the read session first.
-        lease_renewal: Duration::from_millis(10),
+        layer_read_timeout: Duration::from_millis(7000),
+        store_call_timeout: Duration::from_millis(7000),
+        // The renewal falls due between layer 0's read and layer 1's: the period counts from
+        // the pin's start (5.4 s before it returned), layer 0's read ends a second later.
+        lease_renewal: Duration::from_secs(6),
         pin_at_lookup: false,
         ..config(ShareMode::SplitAllGather)
     };
@@ -429,7 +430,7 @@ fn a_slow_renewal_and_read_fail_a_later_layer_before_the_peers_stop_waiting() {
     let r = &rs[1];
     let v = r.linker.geometry().component_by_name("v").unwrap().clone();
     // One key of rank 1's sessions: its pin, then its first renewal (before layer 1's read),
-    // each take 2.7 s; then layer 1's read takes 2.7 s.
+    // each take 5.4 s; then layer 1's read takes 5.4 s.
     let one_key = format!("{}_tp1_cp0_pp0_v", hashes[0].to_hex());
     r.faults.inject_on(
         FaultCall::Session,
@@ -438,10 +439,11 @@ fn a_slow_renewal_and_read_fail_a_later_layer_before_the_peers_stop_waiting() {
             times: Some(2),
             ..FaultRule::default()
         },
-        Fault::Delay(Duration::from_millis(2700)),
+        Fault::Delay(Duration::from_millis(5400)),
     );
-    // Layer 0's read takes 0.1 s, so the renewal is due before layer 1's.
-    for (layer, ms) in [(0, 100), (1, 2700)] {
+    // Layer 0's read takes 1 s, so the renewal is due before layer 1's (6.4 s after the pin
+    // began), not before layer 0's (5.4 s).
+    for (layer, ms) in [(0, 1000), (1, 5400)] {
         r.faults.inject(
             FaultRule {
                 key_contains: Some("tp1_cp0_pp0_v".into()),
