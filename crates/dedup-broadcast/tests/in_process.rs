@@ -332,8 +332,9 @@ fn a_rank_that_stops_makes_the_others_time_out_and_can_catch_up_later() {
                 }
                 other => panic!("late rank: {other:?}"),
             }
+            // At once (well under the others' timeout), with room for a loaded machine.
             assert!(
-                *elapsed < Duration::from_millis(100),
+                *elapsed < Duration::from_secs(1),
                 "late rank waited {elapsed:?}"
             );
             assert_eq!(b, &[3u8; 16], "a late rank's buffer is left alone");

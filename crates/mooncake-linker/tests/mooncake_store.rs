@@ -57,9 +57,13 @@ fn get_one(store: &dyn KvStore, key: &str, cap: usize) -> Result<Vec<u8>, StoreE
     Ok(buf)
 }
 
+/// Runs the wheel's Python client on `script`, bounded: `timeout` ends it after two minutes
+/// (a hung client would hold the test for good).
 fn python(script: &str, args: &[&str]) -> std::process::Output {
     let py = env("MOONCAKE_PYTHON").unwrap_or_else(|| "python3".into());
-    let out = Command::new(py)
+    let out = Command::new("timeout")
+        .args(["--kill-after=5", "120"])
+        .arg(py)
         .env(
             "PYTHONPATH",
             env("MOONCAKE_PYTHONPATH").expect("MOONCAKE_PYTHONPATH"),
@@ -765,6 +769,16 @@ fn report(line: &str) {
     eprintln!("[mooncake_store] {line}");
 }
 
+/// A child process of this test, killed (and reaped) on drop.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A `mooncake_client` storage node of this test only; killed on drop.
 struct StorageNode(Child);
 
@@ -948,7 +962,7 @@ for line in sys.stdin:
 s.close()
 "#
     );
-    let mut py = Command::new(env("MOONCAKE_PYTHON").unwrap_or_else(|| "python3".into()))
+    let py = Command::new(env("MOONCAKE_PYTHON").unwrap_or_else(|| "python3".into()))
         .env(
             "PYTHONPATH",
             env("MOONCAKE_PYTHONPATH").expect("MOONCAKE_PYTHONPATH"),
@@ -961,8 +975,10 @@ s.close()
         .stdout(Stdio::piped())
         .spawn()
         .expect("start the Python reader");
-    let mut py_in = py.stdin.take().unwrap();
-    let mut py_out = std::io::BufReader::new(py.stdout.take().unwrap());
+    // Killed when the benchmark ends, also by a panic.
+    let mut py = Reaped(py);
+    let mut py_in = py.0.stdin.take().unwrap();
+    let mut py_out = std::io::BufReader::new(py.0.stdout.take().unwrap());
     let mut py_line = |cmd: &str| -> f64 {
         use std::io::{BufRead, Write};
         if !cmd.is_empty() {
@@ -1027,7 +1043,7 @@ s.close()
         }
     }
     py_line("quit");
-    let _ = py.wait();
+    let _ = py.0.wait();
     for (i, d) in data.iter().enumerate() {
         assert!(dst[i * OBJ..(i + 1) * OBJ] == d[..], "object {i}");
     }
