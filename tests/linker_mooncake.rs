@@ -263,7 +263,10 @@ fn a_load_takes_its_lookups_pins_over_mooncake() {
     let spec = small_spec();
     let ns = unique_ns("pins");
     let config = LinkerConfig {
-        lease_renewal: Duration::from_millis(200),
+        // Long enough that batch 1, loaded at once, is not due for a renewal on a loaded
+        // machine; batch 2 comes after it (soon after: the other tests of this binary fill
+        // the same store, and may evict this one's objects given long enough).
+        lease_renewal: Duration::from_secs(1),
         ..cfg(&ns, ShareMode::AllRanks)
     };
     let tokens = prompt(17, 4, spec.page_size);
@@ -272,7 +275,7 @@ fn a_load_takes_its_lookups_pins_over_mooncake() {
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
     let sessions = Sessions::over(clients[0].clone());
     let linker = Linker::new(g.clone(), sessions.clone(), pool.clone(), config).unwrap();
-    for (batch, pause) in [(1u64, Duration::ZERO), (2, Duration::from_millis(400))] {
+    for (batch, pause) in [(1u64, Duration::ZERO), (2, Duration::from_millis(1200))] {
         let before = linker.metrics().pins_ahead;
         assert_eq!(linker.lookup_pages(&pages, 0).unwrap().pages.len(), 4);
         let limit = std::time::Instant::now() + Duration::from_secs(10);

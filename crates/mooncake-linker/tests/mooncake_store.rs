@@ -681,8 +681,10 @@ fn master_killed_mid_batch_is_a_typed_error_in_bounded_time() {
 
     // A reader loops over batched ranged reads until one fails.
     let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let reader = {
         let (store, keys, stop) = (Arc::clone(&store), keys.clone(), Arc::clone(&stop));
+        let done = Arc::clone(&done);
         std::thread::spawn(move || {
             let mut dst = vec![0u8; N * SIZE];
             let base = dst.as_mut_ptr();
@@ -709,11 +711,17 @@ fn master_killed_mid_batch_is_a_typed_error_in_bounded_time() {
                     return (ok_batches, Some((Instant::now(), e)));
                 }
                 ok_batches += 1;
+                done.store(ok_batches, Ordering::Relaxed);
             }
             (ok_batches, None)
         })
     };
-    std::thread::sleep(Duration::from_millis(300));
+    // The master is killed once the reader has read a batch (bounded).
+    let by = Instant::now() + Duration::from_secs(30);
+    while done.load(Ordering::Relaxed) == 0 && !reader.is_finished() {
+        assert!(Instant::now() < by, "no batch read in 30 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let killed_at = Instant::now();
     master.kill();
     // Bounded: the reader must report within 30 s (measured: well under 5 s).
