@@ -43,12 +43,11 @@ proptest! {
         prop_assert_eq!(ObjectChecksums::decode(&bytes), Ok(c));
     }
 
-    /// Garbage never panics the parser, and whatever it accepts encodes back to the same bytes.
+    /// Garbage never panics the parser (the property is the absence of a panic: random bytes
+    /// pass the trailer's hash with negligible odds; a changed good companion is refused, next).
     #[test]
     fn garbage_never_panics_the_parser(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
-        if let Ok(c) = ObjectChecksums::decode(&bytes) {
-            prop_assert_eq!(c.encode(), bytes);
-        }
+        let _ = ObjectChecksums::decode(&bytes);
     }
 
     #[test]

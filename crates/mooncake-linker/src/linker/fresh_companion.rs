@@ -38,9 +38,10 @@ impl Inner {
     /// read again (one whole read) and checked against the fresh companion before the object
     /// is taken as bad; where it passes, the row's bytes went wrong on their way (a bad
     /// transfer), so the batch fails as a store failure (`TransferFailed`, retryable) and
-    /// nothing is discarded. A row fails again, or its fresh companion is malformed: its object
-    /// is bad (discarded, as any; `PlanError::ObjectSize` when its size is wrong). A read fails:
-    /// the batch fails as that store failure, and nothing is discarded.
+    /// nothing is discarded. A row fails again (or its read again fails), or its fresh
+    /// companion is malformed: its object is bad (discarded, as any; `PlanError::ObjectSize`
+    /// when its size is wrong). The companion's read fails: the batch fails as that store
+    /// failure, and nothing is discarded.
     ///
     /// It runs on the exchange loop before this rank's status word, which the peers wait for
     /// at most `collective_timeout`: its store calls are bounded by half of that (and by
@@ -147,9 +148,10 @@ impl Inner {
     }
 
     /// Reads the object of plan page `page` again, whole, and checks its layer `layer` against
-    /// `fresh`: `Ok` when it fails again (the object is bad), else the batch's error, with
-    /// nothing discarded: a store failure when the read fails, `TransferFailed` when the layer
-    /// now passes (the first read's bytes went wrong on their way, not the object's).
+    /// `fresh`: `TransferFailed`, with nothing discarded, when the layer now passes (the first
+    /// read's bytes went wrong on their way, not the object's); else `Ok` (the object is bad):
+    /// also when the read itself fails (a spent deadline, an unavailable store), which does not
+    /// spare a bad object its discard, as a size that cannot be had does not.
     fn read_again(
         &self,
         batch: BatchId,
@@ -163,11 +165,11 @@ impl Inner {
         let len = comp.layout.object_bytes() as usize;
         let object = match self.calls.read_whole_owned(&[key], &[len], deadline).pop() {
             Some(Ok(object)) => object,
-            Some(Err(e)) => return Err(store_failure(batch, Some(layer), vec![page as u32], &e)),
-            None => {
-                let detail = format!("a read of `{key}` gave no result");
-                return Err(KvLoadError::internal(batch, detail));
+            Some(Err(e)) => {
+                tracing::warn!(%batch, key, layer, error = %e, "a bad layer's object could not be read again: discarded anyway");
+                return Ok(());
             }
+            None => return Ok(()),
         };
         let row = comp
             .layout
@@ -186,7 +188,8 @@ impl Inner {
             pages: vec![page as u32].into(),
             kind: StoreFailure::TransferFailed,
             detail: format!(
-                "`{key}` layer {layer} failed its checksums as read, and passes read again:                  not loaded, nothing discarded"
+                "`{key}` layer {layer} failed its checksums as read, and passes read again: not \
+                 loaded, nothing discarded"
             )
             .into(),
         })

@@ -324,10 +324,15 @@ impl LayerPipeline<'_> {
         }
         tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
         if took > inner.config.layer_read_timeout {
-            // A call past its limit is a failure: it neither counts among the reads that
-            // landed nor feeds the read-cost fit and Auto's measure (one hung call would skew
-            // the fit's fixed cost per call for many calls after it).
+            // A call past its limit is a failure: it does not count among the reads that
+            // landed, nor in Auto's measure. The read-cost fit takes it at the limit (a
+            // censored sample): a store grown slow still teaches the plan smaller groups, and
+            // one hung call does not skew the fit by its whole length.
+            let limit = inner.config.layer_read_timeout;
             inner.metrics.layer_read_failed(took);
+            inner
+                .reads
+                .observe(layers.mode, group.len() as u32, n, took.min(limit));
             return Err(KvLoadError::Store {
                 batch: Some(batch),
                 layer: Some(group.start),

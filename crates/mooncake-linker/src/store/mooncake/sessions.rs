@@ -197,6 +197,9 @@ impl SessionTable {
         }
         // A start that panics after the master opened some of its keys leaves those sessions
         // out of the table: the master's lease ends them.
+        // The lease may begin anywhere inside the call: counted from its start, so that a
+        // slow start does not let later reads join a session whose lease already ran out.
+        let asked = Instant::now();
         let started = client.start(&to_start);
         let now = Instant::now();
         let mut table = self.keys.lock();
@@ -205,7 +208,7 @@ impl SessionTable {
                 (Ok(()), _) => {
                     let s = table.entry((*k).to_owned()).or_default();
                     s.implicit += 1;
-                    s.renewed = Some(now);
+                    s.renewed = Some(asked);
                     Ok(())
                 }
                 // A renewal that failed while the session still has a quarter of its lease
@@ -270,6 +273,8 @@ impl SessionTable {
     ) -> Result<u64, StoreError> {
         self.drop_lapsed(client);
         let _calls = self.calls.lock();
+        // Counted from the call's start, as above.
+        let asked = Instant::now();
         let results = client.start(keys);
         if let Some(first) = results.iter().find_map(|r| r.as_ref().err()) {
             // No key enters or leaves the table without `calls`: what is absent now was
@@ -289,18 +294,17 @@ impl SessionTable {
             }
             return Err(first.clone());
         }
-        let now = Instant::now();
         {
             let mut table = self.keys.lock();
             for k in keys {
                 let s = table.entry((*k).to_owned()).or_default();
                 s.explicit += 1;
-                s.renewed = Some(now);
+                s.renewed = Some(asked);
             }
         }
         let token = self.last_token.fetch_add(1, Ordering::Relaxed) + 1;
         let owned = keys.iter().map(|k| (*k).to_owned()).collect();
-        self.open.lock().insert(token, (now, owned));
+        self.open.lock().insert(token, (asked, owned));
         Ok(token)
     }
 
@@ -756,6 +760,55 @@ mod tests {
         assert_eq!(table.open.lock().len(), 1);
         table.end(&master, other).unwrap();
         assert!(table.keys.lock().is_empty());
+    }
+
+    /// A master whose starts take `slow` each.
+    struct SlowMaster {
+        inner: FakeMaster,
+        slow: Duration,
+    }
+
+    impl SessionCalls for SlowMaster {
+        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            std::thread::sleep(self.slow);
+            self.inner.start(keys)
+        }
+
+        fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
+            self.inner.end(keys)
+        }
+    }
+
+    /// A session whose start took longer than half the lease is not joined without the master
+    /// right after: its lease may have begun when the call did. Before, its age counted from
+    /// the call's end, and reads joined it while its lease ran out.
+    #[test]
+    fn a_slow_start_counts_its_lease_from_the_calls_start() {
+        let lease = Duration::from_millis(200);
+        let master = SlowMaster {
+            inner: FakeMaster::default(),
+            slow: Duration::from_millis(120),
+        };
+        let starts = || master.inner.starts.load(Ordering::Relaxed);
+        for explicit in [false, true] {
+            let table = SessionTable::with_lease(lease);
+            let before = starts();
+            // The first holder (an explicit session, or a read still under way) keeps the
+            // key's session open.
+            let (token, first) = if explicit {
+                (Some(table.start(&master, &["a"]).unwrap()), None)
+            } else {
+                (None, Some(table.join(&master, &["a"])))
+            };
+            assert_eq!(starts(), before + 1);
+            // At once after the slow start: past half the lease since it began.
+            drop(table.join(&master, &["a"]));
+            assert_eq!(starts(), before + 2, "explicit {explicit}: started again");
+            drop(first);
+            if let Some(t) = token {
+                table.end(&master, t).unwrap();
+            }
+        }
     }
 
     /// A master whose starts fail while `failing` is set.
