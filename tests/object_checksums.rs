@@ -562,23 +562,41 @@ fn raced_save(
     (report, inner, object, theirs)
 }
 
+/// What a raced save must leave: whether the raced pair stays in the store (both halves; for
+/// `Theirs`, the other writer's object bytes), and the report's (written, present) counts.
+#[derive(Clone, Copy, PartialEq)]
+enum Left {
+    Neither,
+    Pair,
+    Theirs,
+}
+
+/// Saves through [`RacedByAnother`] racing as `race`, and checks what it left.
+fn raced_save_leaves(race: Race, left: Left, counts: (u32, u32)) {
+    let (report, inner, object, theirs) = raced_save(race);
+    let stays = left != Left::Neither;
+    assert_eq!(
+        inner.exists(&[&object, &checksum_key(&object)]),
+        vec![Ok(stays), Ok(stays)],
+        "the raced pair stays: {stays}"
+    );
+    if left == Left::Theirs {
+        assert_eq!(get(inner.as_ref(), &object), Some(theirs), "theirs stays");
+    }
+    assert_eq!(
+        (report.objects_written, report.objects_present),
+        counts,
+        "{report:?}"
+    );
+}
+
 /// Two saves of one page racing: the store keeps this save's object beside the other
 /// writer's companion, and both puts said `Written`. The save reads its companion back, finds
 /// the other's, finds the object does not match it, and discards both halves (object first),
 /// so no load fails against checksums of other bytes; the next save writes the page again.
 #[test]
 fn a_saved_object_beside_a_racing_writers_companion_is_discarded_with_it() {
-    let (report, inner, object, _) = raced_save(Race::default());
-    assert_eq!(
-        inner.exists(&[&object, &checksum_key(&object)]),
-        vec![Ok(false), Ok(false)],
-        "neither half of a mixed pair stays"
-    );
-    assert_eq!(
-        (report.objects_written, report.objects_present),
-        (3, 0),
-        "{report:?}"
-    );
+    raced_save_leaves(Race::default(), Left::Neither, (3, 0));
 }
 
 /// The other writer's companion came back, and the object's read back failed: nothing is known
@@ -589,21 +607,12 @@ fn a_saved_object_beside_a_racing_writers_companion_is_discarded_with_it() {
 #[test]
 fn a_raced_pair_whose_object_cannot_be_read_back_stays() {
     for companion_found in [false, true] {
-        let (report, inner, object, _) = raced_save(Race {
+        let race = Race {
             object_unread: true,
             companion_found,
             ..Race::default()
-        });
-        assert_eq!(
-            inner.exists(&[&object, &checksum_key(&object)]),
-            vec![Ok(true), Ok(true)],
-            "the pair stays"
-        );
-        assert_eq!(
-            (report.objects_written, report.objects_present),
-            (3, 1),
-            "{report:?}"
-        );
+        };
+        raced_save_leaves(race, Left::Pair, (3, 1));
     }
 }
 
@@ -611,17 +620,11 @@ fn a_raced_pair_whose_object_cannot_be_read_back_stays() {
 /// and the save counts the object present, not written.
 #[test]
 fn a_racing_writers_whole_pair_stays_and_counts_present() {
-    let (report, inner, object, theirs) = raced_save(Race {
+    let whole = Race {
         whole: true,
         ..Race::default()
-    });
-    assert_eq!(get(inner.as_ref(), &object), Some(theirs));
-    assert!(get(inner.as_ref(), &checksum_key(&object)).is_some());
-    assert_eq!(
-        (report.objects_written, report.objects_present),
-        (3, 1),
-        "{report:?}"
-    );
+    };
+    raced_save_leaves(whole, Left::Theirs, (3, 1));
 }
 
 /// The save's companion put found the other writer's companion there (`AlreadyPresent`) and
@@ -636,29 +639,12 @@ fn an_object_written_beside_a_companion_found_there_is_read_back() {
         companion_found: true,
         ..Race::default()
     };
-    let (report, inner, object, theirs) = raced_save(whole);
-    assert_eq!(get(inner.as_ref(), &object), Some(theirs), "theirs stays");
-    assert!(get(inner.as_ref(), &checksum_key(&object)).is_some());
-    assert_eq!(
-        (report.objects_written, report.objects_present),
-        (3, 1),
-        "{report:?}"
-    );
+    raced_save_leaves(whole, Left::Theirs, (3, 1));
     let mixed = Race {
         companion_found: true,
         ..Race::default()
     };
-    let (report, inner, object, _) = raced_save(mixed);
-    assert_eq!(
-        inner.exists(&[&object, &checksum_key(&object)]),
-        vec![Ok(false), Ok(false)],
-        "neither half of a mixed pair stays"
-    );
-    assert_eq!(
-        (report.objects_written, report.objects_present),
-        (3, 0),
-        "{report:?}"
-    );
+    raced_save_leaves(mixed, Left::Neither, (3, 0));
 }
 
 /// A store that answers every put it takes `Written`, as Mooncake does for a key absent when
