@@ -405,6 +405,19 @@ fn slow_read_times_out_the_batch() {
     assert_eq!(m.failed_read_calls, 1, "{m:?}");
     assert!(m.failed_read_time >= Duration::from_millis(50), "{m:?}");
     assert!(m.layer_reads <= 4, "only layers before 4 landed: {m:?}");
+    // The read-cost fit took the call that ran into its deadline at the limit (a censored
+    // sample): a one-layer call is now predicted to take a good part of it (before, the fit
+    // saw only the fast calls and predicted well under a millisecond, so a store grown slow
+    // kept being read in groups that time out).
+    let cost = linker.read_cost(kvlink::kv_loader::ShareMode::AllRanks);
+    let layer_bytes = m.bytes_read as f64 / m.layer_reads.max(1) as f64;
+    let predicted = cost.per_call
+        + cost.per_layer
+        + Duration::from_secs_f64(layer_bytes * cost.seconds_per_byte);
+    assert!(
+        predicted >= Duration::from_millis(5),
+        "{cost:?}: {predicted:?}"
+    );
 }
 
 #[test]

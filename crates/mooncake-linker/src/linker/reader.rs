@@ -123,6 +123,13 @@ pub(crate) struct GroupReads<'k> {
     no_sums: LandedSums,
 }
 
+impl GroupReads<'_> {
+    /// Bytes the planned reads ask for, all told.
+    pub(crate) fn expected_bytes(&self) -> u64 {
+        self.expected.iter().fold(0u64, |a, &b| a.saturating_add(b))
+    }
+}
+
 /// Which rows one planned object's ranges are: its component (shared or own, its index) and,
 /// per range, the layer's place in the group.
 struct RowsOf {

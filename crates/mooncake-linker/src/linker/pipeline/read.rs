@@ -314,9 +314,26 @@ impl LayerPipeline<'_> {
         let hash = inner.config.verify_checksums
             && inner.config.checksums_as_landed
             && self.sums.get().is_none_or(BatchChecksums::has_companions);
+        let asked = planned.expected_bytes();
+        let limit = inner.config.layer_read_timeout;
         let read = reader
             .read(planned, loans, group.clone(), hash)
-            .inspect_err(|_| inner.metrics.layer_read_failed(t0.elapsed()))?;
+            .inspect_err(|e| {
+                inner.metrics.layer_read_failed(t0.elapsed());
+                // A call that ran into its deadline took the limit at least: the fit takes it
+                // there (censored, as below), so that a store grown slow teaches smaller groups.
+                if matches!(
+                    e,
+                    KvLoadError::Store {
+                        kind: StoreFailure::RpcTimeout,
+                        ..
+                    }
+                ) {
+                    inner
+                        .reads
+                        .observe(self.layers.mode, group.len() as u32, asked, limit);
+                }
+            })?;
         let (n, took) = (read.bytes, t0.elapsed());
         if !read.called {
             // Nothing of this group is this rank's to read: no store call to count or time.
@@ -328,7 +345,6 @@ impl LayerPipeline<'_> {
             // landed, nor in Auto's measure. The read-cost fit takes it at the limit (a
             // censored sample): a store grown slow still teaches the plan smaller groups, and
             // one hung call does not skew the fit by its whole length.
-            let limit = inner.config.layer_read_timeout;
             inner.metrics.layer_read_failed(took);
             inner
                 .reads
