@@ -315,40 +315,39 @@ impl LayerPipeline<'_> {
             && inner.config.checksums_as_landed
             && self.sums.get().is_none_or(BatchChecksums::has_companions);
         let asked = planned.expected_bytes();
+        let read = reader.read(planned, loans, group.clone(), hash);
+        let took = t0.elapsed();
+        // A call that ran into its deadline, or returned past it, is a failure: it does not
+        // count among the reads that landed, nor in Auto's measure. The read-cost fit takes it
+        // at the limit (a censored sample): a store grown slow still teaches the plan smaller
+        // groups, and one hung call does not skew the fit by its whole length.
         let limit = inner.config.layer_read_timeout;
-        let read = reader
-            .read(planned, loans, group.clone(), hash)
-            .inspect_err(|e| {
-                inner.metrics.layer_read_failed(t0.elapsed());
-                // A call that ran into its deadline took the limit at least: the fit takes it
-                // there (censored, as below), so that a store grown slow teaches smaller groups.
-                if matches!(
-                    e,
-                    KvLoadError::Store {
-                        kind: StoreFailure::RpcTimeout,
-                        ..
-                    }
-                ) {
-                    inner
-                        .reads
-                        .observe(self.layers.mode, group.len() as u32, asked, limit);
+        let timed_out = || {
+            inner
+                .reads
+                .observe(layers.mode, group.len() as u32, asked, took.min(limit));
+        };
+        let read = read.inspect_err(|e| {
+            inner.metrics.layer_read_failed(took);
+            if matches!(
+                e,
+                KvLoadError::Store {
+                    kind: StoreFailure::RpcTimeout,
+                    ..
                 }
-            })?;
-        let (n, took) = (read.bytes, t0.elapsed());
+            ) {
+                timed_out();
+            }
+        })?;
+        let n = read.bytes;
         if !read.called {
             // Nothing of this group is this rank's to read: no store call to count or time.
             return Ok(read);
         }
         tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
-        if took > inner.config.layer_read_timeout {
-            // A call past its limit is a failure: it does not count among the reads that
-            // landed, nor in Auto's measure. The read-cost fit takes it at the limit (a
-            // censored sample): a store grown slow still teaches the plan smaller groups, and
-            // one hung call does not skew the fit by its whole length.
+        if took > limit {
             inner.metrics.layer_read_failed(took);
-            inner
-                .reads
-                .observe(layers.mode, group.len() as u32, n, took.min(limit));
+            timed_out();
             return Err(KvLoadError::Store {
                 batch: Some(batch),
                 layer: Some(group.start),

@@ -294,29 +294,45 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
 /// client gave up on.
 pub(super) const CLIENT_GIVES_UP_AFTER: Duration = mooncake_sys::CLIENT_GIVES_UP_AFTER;
 
-/// Marks the failures of a wheel call that ran into the client's own transfer timeout as
-/// [`StoreError::Abandoned`]: the client returned without waiting for its transfers, and they
-/// may still read or write the call's memory. That holds whatever the call then reported (a
-/// key's transfer code, or the whole call failing while it built its results), so every
-/// failure of `keys` (one result each, in order) is marked but those refused before any
-/// transfer began (missing object, no space, lease, bad argument). True when there was one.
+/// How a wheel call ended, for [`mark_abandoned`]: after how long, and whether the shim cut it
+/// short ([`MooncakeError::cut_short`]: an exception caught inside the call).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CallEnd {
+    pub(super) took: Duration,
+    pub(super) cut_short: bool,
+}
+
+/// Marks the failures of a wheel call whose transfers may still run as
+/// [`StoreError::Abandoned`]: one that ran into the client's own transfer timeout (the client
+/// returned without waiting for its transfers), or one the shim cut short (the wheel may have
+/// submitted transfers it never waited for); they may still read or write the call's memory.
+/// That holds whatever the call then reported (a key's transfer code, or the whole call failing
+/// while it built its results), so every failure of `keys` (one result each, in order) is
+/// marked but those refused before any transfer began (missing object, no space, lease, bad
+/// argument). True when there was one.
 pub(super) fn mark_abandoned<T>(
     call: &'static str,
-    took: Duration,
+    end: CallEnd,
     keys: &[&str],
     results: &mut [Result<T, StoreError>],
 ) -> bool {
-    mark_abandoned_after(call, took, CLIENT_GIVES_UP_AFTER, keys, results)
+    mark_abandoned_after(call, end, CLIENT_GIVES_UP_AFTER, keys, results)
 }
 
 /// [`mark_abandoned`] with the client's timeout given (`limit`).
 fn mark_abandoned_after<T>(
     call: &'static str,
-    took: Duration,
+    end: CallEnd,
     limit: Duration,
     keys: &[&str],
     results: &mut [Result<T, StoreError>],
 ) -> bool {
+    let took = end.took;
+    if end.cut_short {
+        return abandon_failures(call, keys, results, |e| {
+            format!("{e}: the call was cut short by an exception; its transfers may still run")
+        });
+    }
     if took < limit {
         return false;
     }
@@ -325,19 +341,6 @@ fn mark_abandoned_after<T>(
             format!("transfer code {code} after {took:?}; the client stops waiting at 60 s")
         }
         e => format!("{e} after {took:?}; the client stops waiting for its transfers at 60 s"),
-    })
-}
-
-/// Marks the failures of a wheel call the shim cut short ([`MooncakeError::cut_short`]: an
-/// exception caught inside the call) as [`StoreError::Abandoned`], as [`mark_abandoned`]
-/// does: the wheel may have submitted transfers it never waited for. True when there was one.
-pub(super) fn mark_cut_short<T>(
-    call: &'static str,
-    keys: &[&str],
-    results: &mut [Result<T, StoreError>],
-) -> bool {
-    abandon_failures(call, keys, results, |e| {
-        format!("{e}: the call was cut short by an exception; its transfers may still run")
     })
 }
 
@@ -463,8 +466,8 @@ pub(super) fn wheel_read(
             Some(format!("an earlier {what} call panicked"))
         }
     };
-    let abandoned = mark_abandoned_after(call, took, limit, keys, &mut results)
-        || (cut_short && mark_cut_short(call, keys, &mut results))
+    let end = CallEnd { took, cut_short };
+    let abandoned = mark_abandoned_after(call, end, limit, keys, &mut results)
         || results
             .iter()
             .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer));
@@ -856,8 +859,8 @@ impl KvStore for MooncakeStore {
             .collect();
         let positions: Vec<usize> = (0..to_write.len()).collect();
         per_key(&names, results, &positions, &mut written);
-        let abandoned = mark_abandoned("batch_put_from", took, &names, &mut written)
-            || (cut_short && mark_cut_short("batch_put_from", &names, &mut written));
+        let end = CallEnd { took, cut_short };
+        let abandoned = mark_abandoned("batch_put_from", end, &names, &mut written);
         if abandoned {
             // Transfers may still read the staging and the registered sources.
             std::mem::forget(staging);
@@ -1203,7 +1206,10 @@ mod tests {
         let mut early = results();
         assert!(!mark_abandoned(
             "get",
-            Duration::from_secs(10),
+            CallEnd {
+                took: Duration::from_secs(10),
+                cut_short: false
+            },
             &keys,
             &mut early
         ));
@@ -1211,7 +1217,10 @@ mod tests {
         let mut late = results();
         assert!(mark_abandoned(
             "get",
-            Duration::from_secs(60),
+            CallEnd {
+                took: Duration::from_secs(60),
+                cut_short: false
+            },
             &keys,
             &mut late
         ));
