@@ -6,6 +6,9 @@
 //! `KVLINK_REQUIRE_MOONCAKE=1` (CI) turns that into a failure.
 
 mod common;
+// The private master of the mooncake-linker crate's own Mooncake tests.
+#[path = "../crates/mooncake-linker/tests/common/mod.rs"]
+mod private_master;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,13 +22,21 @@ use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
 use kvlink::mooncake_linker::store::mooncake::{MooncakeConfig, MooncakeStore};
 use kvlink::mooncake_linker::store::KvStore;
 use kvlink::mooncake_linker::{Linker, LinkerConfig, TpGroup};
+use private_master::PrivateMaster;
 
+/// A `mooncake_master` of this test only (killed on drop) and `n` clients of it, each lending
+/// its segment to the pool as `MOONCAKE_GLOBAL_SEGMENT_SIZE` says. Private, because a master
+/// places an object in any mounted segment and drops it when that segment's client goes: on
+/// the master this binary's tests shared, a test that ended took other tests' objects with it
+/// (a CI run lost a page of `a_load_takes_its_lookups_pins_over_mooncake` that way, `NotFound`).
 #[allow(clippy::print_stderr)] // the skip message is the point
-fn mooncake_clients(n: usize) -> Option<Vec<Arc<dyn KvStore>>> {
-    if std::env::var("MOONCAKE_MASTER").map_or(true, |v| v.is_empty()) {
+fn mooncake_clients(n: usize) -> Option<(PrivateMaster, Vec<Arc<dyn KvStore>>)> {
+    let unset = |v: &str| std::env::var(v).map_or(true, |v| v.is_empty());
+    if unset("MOONCAKE_MASTER") || unset("MOONCAKE_MASTER_BIN") {
         assert!(
             std::env::var("KVLINK_REQUIRE_MOONCAKE").map_or(true, |v| v != "1"),
-            "KVLINK_REQUIRE_MOONCAKE=1 but MOONCAKE_MASTER is unset: run under scripts/with-mooncake.sh"
+            "KVLINK_REQUIRE_MOONCAKE=1 but MOONCAKE_MASTER or MOONCAKE_MASTER_BIN is unset: run \
+             under scripts/with-mooncake.sh"
         );
         eprintln!(
             "skipping: MOONCAKE_MASTER not set. To run: scripts/mooncake-build-shim.sh && \
@@ -33,14 +44,17 @@ fn mooncake_clients(n: usize) -> Option<Vec<Arc<dyn KvStore>>> {
         );
         return None;
     }
-    let cfg = MooncakeConfig::from_env().expect("Mooncake environment");
-    Some(
-        (0..n)
-            .map(|_| {
-                Arc::new(MooncakeStore::connect(cfg.clone()).expect("connect")) as Arc<dyn KvStore>
-            })
-            .collect(),
-    )
+    let master = PrivateMaster::start(&[]);
+    let segment = MooncakeConfig::from_env()
+        .expect("Mooncake environment")
+        .global_segment_bytes();
+    let clients = (0..n)
+        .map(|_| {
+            Arc::new(MooncakeStore::connect(master.config(segment)).expect("connect"))
+                as Arc<dyn KvStore>
+        })
+        .collect();
+    Some((master, clients))
 }
 
 fn cfg(ns: &str, mode: ShareMode) -> LinkerConfig {
@@ -62,7 +76,7 @@ fn unique_ns(name: &str) -> String {
 
 #[test]
 fn tp2_loads_every_mode_over_mooncake() {
-    let Some(clients) = mooncake_clients(2) else {
+    let Some((_master, clients)) = mooncake_clients(2) else {
         return;
     };
     let spec = small_spec();
@@ -132,17 +146,11 @@ fn tp2_loads_every_mode_over_mooncake() {
 /// `verify_checksums` off.
 #[test]
 fn a_load_with_checksums_when_only_registered_memory_moves_in_place() {
-    let Some(saver) = mooncake_clients(1) else {
+    let Some((master, saver)) = mooncake_clients(1) else {
         return;
     };
-    let registered_only: Arc<dyn KvStore> = Arc::new(
-        MooncakeStore::connect(
-            MooncakeConfig::from_env()
-                .expect("Mooncake environment")
-                .registered_only(true),
-        )
-        .expect("connect"),
-    );
+    let registered_only: Arc<dyn KvStore> =
+        Arc::new(MooncakeStore::connect(master.config(0).registered_only(true)).expect("connect"));
     let spec = small_spec();
     let ns = unique_ns("bounce");
     let tokens = prompt(7, 4, spec.page_size);
@@ -172,7 +180,7 @@ fn a_load_with_checksums_when_only_registered_memory_moves_in_place() {
 
 #[test]
 fn a_missing_object_fails_the_batch_with_not_found() {
-    let Some(clients) = mooncake_clients(1) else {
+    let Some((_master, clients)) = mooncake_clients(1) else {
         return;
     };
     let spec = small_spec();
@@ -205,7 +213,7 @@ fn a_missing_object_fails_the_batch_with_not_found() {
 /// left, that object's layers are checked against it and the others by length.
 #[test]
 fn objects_without_companions_load_checked_by_length() {
-    let Some(clients) = mooncake_clients(1) else {
+    let Some((_master, clients)) = mooncake_clients(1) else {
         return;
     };
     let spec = small_spec();
@@ -257,15 +265,14 @@ fn objects_without_companions_load_checked_by_length() {
 /// renews the session before its first read); every byte is right either way.
 #[test]
 fn a_load_takes_its_lookups_pins_over_mooncake() {
-    let Some(clients) = mooncake_clients(1) else {
+    let Some((_master, clients)) = mooncake_clients(1) else {
         return;
     };
     let spec = small_spec();
     let ns = unique_ns("pins");
     let config = LinkerConfig {
         // Long enough that batch 1, loaded at once, is not due for a renewal on a loaded
-        // machine; batch 2 comes after it (soon after: the other tests of this binary fill
-        // the same store, and may evict this one's objects given long enough).
+        // machine; batch 2 comes after it.
         lease_renewal: Duration::from_secs(1),
         ..cfg(&ns, ShareMode::AllRanks)
     };
