@@ -665,9 +665,13 @@ fn end_session(store: &EmbeddedStore, token: u64) {
     let _ = store.end_session(&session);
 }
 
+/// A request's list of keys, which ends its message (bytes past it are refused: a request
+/// read as one it is not, say from a client of another build, is not answered as if it were).
 fn keys(d: &mut Dec<'_>) -> Result<Vec<String>, Malformed> {
     let n = d.u32()?;
-    (0..n).map(|_| d.str()).collect()
+    let keys = (0..n).map(|_| d.str()).collect::<Result<_, _>>()?;
+    d.finish()?;
+    Ok(keys)
 }
 
 /// Answers one request.
@@ -750,11 +754,14 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
             return sent;
         }
         op::END_SESSION => {
-            end_clients_session(served, client, d.u64()?);
+            let token = d.u64()?;
+            d.finish()?;
+            end_clients_session(served, client, token);
             out.result(&Ok(()), |_, _| {});
         }
         op::END_SESSION_TAG => {
             let tag = d.u64()?;
+            d.finish()?;
             let token = served
                 .clients
                 .lock()
@@ -766,7 +773,10 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
             }
             out.result(&Ok(()), |_, _| {});
         }
-        op::HEALTH => out.result(&store.health(), |_, _| {}),
+        op::HEALTH => {
+            d.finish()?;
+            out.result(&store.health(), |_, _| {});
+        }
         other => return Err(Malformed(format!("operation {other}")).into()),
     }
     Reply::new(out).send(conn, deadline)
@@ -813,6 +823,7 @@ fn reads(
             e.u64(*v);
         });
     }
+    d.finish()?;
     Ok(reply)
 }
 
@@ -878,6 +889,8 @@ fn put(conn: &mut Conn, served: &Served, d: &mut Dec<'_>, deadline: Instant) -> 
     for _ in 0..n {
         items.push((d.str()?, d.u64()?));
     }
+    // Before any of its bytes are taken from the connection.
+    d.finish()?;
     let mut out = Enc::default();
     for (key, len) in items {
         let r = match store.admit(&key, len) {

@@ -366,6 +366,62 @@ fn counts_a_request_cannot_hold_are_refused_before_anything_is_allocated() {
     assert_eq!(client.health(), Ok(()), "the server serves on");
 }
 
+/// A request with bytes past its end (a count of one followed by two keys, say: a client of
+/// another build) ends its connection instead of being answered as the shorter request it
+/// starts with; the same request without them is answered.
+#[test]
+fn a_request_with_bytes_past_its_end_is_refused() {
+    use std::io::{Read, Write};
+    let (server, client) = serve(1 << 20);
+    let requests = |extra: bool| {
+        let mut exists = Enc::default();
+        exists.u8(op::EXISTS).u32(1).str("a");
+        let mut get = Enc::default();
+        get.u8(op::GET_INTO).u32(1).str("a").u64(8);
+        let mut ranges = Enc::default();
+        ranges
+            .u8(op::GET_RANGES)
+            .u32(1)
+            .str("a")
+            .u32(1)
+            .u64(0)
+            .u64(1);
+        let mut put = Enc::default();
+        put.u8(op::PUT).u32(0);
+        let mut end = Enc::default();
+        end.u8(op::END_SESSION).u64(7);
+        let mut health = Enc::default();
+        health.u8(op::HEALTH);
+        let mut all = [exists, get, ranges, put, end, health];
+        if extra {
+            for body in &mut all {
+                body.str("b");
+            }
+        }
+        all
+    };
+    for (shorter, longer) in requests(false).into_iter().zip(requests(true)) {
+        let mut raw = raw_connection(&server);
+        raw.write_all(&frame_len(&shorter.0)).unwrap();
+        raw.write_all(&shorter.0).unwrap();
+        let mut len = [0u8; 4];
+        assert!(
+            raw.read_exact(&mut len).is_ok(),
+            "op {}: answered",
+            shorter.0[0]
+        );
+        let mut raw = raw_connection(&server);
+        raw.write_all(&frame_len(&longer.0)).unwrap();
+        raw.write_all(&longer.0).unwrap();
+        assert!(
+            closed_by_server(&mut raw),
+            "op {}: a longer request ends its connection",
+            longer.0[0]
+        );
+    }
+    assert_eq!(client.health(), Ok(()), "the server serves on");
+}
+
 #[test]
 fn a_connection_the_server_ends_is_closed_for_its_client_at_once() {
     use std::io::Write;
