@@ -330,6 +330,11 @@ impl From<CollectiveError> for kv_loader::KvLoadError {
     }
 }
 
+/// The word of the confirming round of the default settled gathers
+/// ([`Collective::all_gather_u64_settled`]): what it carries is not looked at, only that
+/// every rank took part.
+const SETTLED: u64 = 0x5e77_1ed0;
+
 /// The collective operations of one rank of a TP group.
 ///
 /// **Ordering.** Every rank issues the same operations with matching arguments (same kind,
@@ -372,29 +377,40 @@ pub trait Collective: Send + Sync {
     /// every value, so that a rank that gave up (its deadline passed) before confirming fails
     /// the others too rather than leaving them with `Ok`. (A rank that gives up after it
     /// confirmed, while waiting for the others' confirmations, still fails alone: one
-    /// message's time.) By default the plain gather: right for a transport whose gather
-    /// completes on no rank until every rank took part (in-process rounds, NCCL). The socket
-    /// group adds a completion round. A wrapper of a collective must forward this method, or
-    /// its verdicts fall back to the plain gather.
+    /// message's time.)
+    ///
+    /// By default the gather, then a second gather that confirms it: a rank takes part in the
+    /// second only once it has every value of the first, so a rank that gave up in the first
+    /// leaves every other rank's second to fail by its deadline. A plain gather is not enough
+    /// where a rank's value can land on its peers before the rank itself has the others' (NCCL:
+    /// a rank that sent its share and then timed out leaves a late peer with the whole
+    /// result). A collective whose operation's fate is decided once for every rank (the
+    /// in-process group) overrides this with its plain gather; the socket group, with its own
+    /// completion round. A wrapper of a collective should forward this method (else it gets
+    /// the default's two rounds: still settled, one round slower).
     fn all_gather_u64_settled(
         &self,
         value: u64,
         deadline: Instant,
     ) -> Result<Vec<u64>, CollectiveError> {
-        self.all_gather_u64(value, deadline)
+        let all = self.all_gather_u64(value, deadline)?;
+        self.all_gather_u64(SETTLED, deadline)?;
+        Ok(all)
     }
 
     /// [`all_gather_bytes`](Collective::all_gather_bytes) for a decision the ranks act on
     /// apart before any later operation could bring them in step (a batch's gate: whether
     /// they load together): settled as
-    /// [`all_gather_u64_settled`](Collective::all_gather_u64_settled) is. By default the plain
-    /// gather; the socket group adds a completion round. A wrapper must forward it.
+    /// [`all_gather_u64_settled`](Collective::all_gather_u64_settled) is, by default with the
+    /// same confirming second gather. A wrapper should forward it.
     fn all_gather_bytes_settled(
         &self,
         value: &[u8],
         deadline: Instant,
     ) -> Result<Vec<Vec<u8>>, CollectiveError> {
-        self.all_gather_bytes(value, deadline)
+        let all = self.all_gather_bytes(value, deadline)?;
+        self.all_gather_u64(SETTLED, deadline)?;
+        Ok(all)
     }
 
     /// Every rank gets every rank's `value` (the same length on every rank), in rank order.

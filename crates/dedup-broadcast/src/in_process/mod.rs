@@ -263,6 +263,25 @@ impl Collective for InProcessCollective {
         self.gather_values(OpKind::GatherBytes, value.to_vec(), deadline)
     }
 
+    /// The plain gather: a round's fate is decided once for every rank (all took part, or
+    /// it failed on all), so it is settled as it is.
+    fn all_gather_u64_settled(
+        &self,
+        value: u64,
+        deadline: Instant,
+    ) -> Result<Vec<u64>, CollectiveError> {
+        self.all_gather_u64(value, deadline)
+    }
+
+    /// The plain gather, settled as it is (see `all_gather_u64_settled`).
+    fn all_gather_bytes_settled(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.all_gather_bytes(value, deadline)
+    }
+
     fn memory(&self) -> MemorySupport {
         MemorySupport {
             host: true,

@@ -34,7 +34,10 @@
 //! whose peer aborted fails by its own deadline, none hangs; one operation of it may still
 //! complete, where the peer's share had landed before the abort (seen on two H200s over
 //! NVLink), and its next exchange with the aborted peer fails. So one collective's return does
-//! not decide a batch on every rank alike: the linker's status words and verdict do. Recovering
+//! not decide a batch on every rank alike: the linker's status words and verdict do, and the
+//! verdict and a batch's gate go through the settled gathers, which here are the trait's
+//! default (the gather, then a confirming second gather: a peer that timed out after its
+//! share landed never takes part in the second). Recovering
 //! means building a new group (a new unique id). The caller waits for the reply at most `deadline + 2 × abort_grace`; should the comm
 //! thread not answer by then (a driver that hangs inside `ncclCommAbort`), the handle is marked
 //! unusable and the call returns `Timeout` (its buffers may then still be referenced by the
