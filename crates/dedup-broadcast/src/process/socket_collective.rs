@@ -335,6 +335,17 @@ impl SocketCollective {
         seq: u64,
         deadline: Instant,
     ) -> Result<(), CollectiveError> {
+        if Instant::now() >= deadline {
+            // The operation's data came in at its deadline (a poll returns up to a
+            // millisecond past it): this rank confirms nothing, so every peer fails the round
+            // too (at once, as the handle breaks). Sent, then timed out in the wait, the
+            // confirmation would let peers whose own had already come end `Ok`.
+            return Err(self.fail(CollectiveError::Timeout {
+                op,
+                seq,
+                missing: Vec::new(),
+            }));
+        }
         let header = OpHeader {
             seq,
             kind: OpKind::Confirm,
@@ -597,5 +608,35 @@ impl Collective for SocketCollective {
 
     fn broken(&self) -> Option<String> {
         self.broken.lock().clone()
+    }
+}
+
+#[cfg(test)]
+mod confirm_tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    /// A rank that comes to the completion round past its deadline confirms nothing: its peer,
+    /// which confirmed in time and waits for it, fails too. Before, it sent its confirmation and
+    /// only then timed out, and the peer ended `Ok`.
+    #[test]
+    fn a_rank_past_its_deadline_confirms_nothing_and_its_peer_fails_too() {
+        let ranks = SocketCollective::over_socket_pairs(2, Algorithm::Direct).unwrap();
+        let confirm = |c: &SocketCollective, deadline: Instant| {
+            let (mut st, seq) = c.begin("confirm test", deadline)?;
+            c.confirm(&mut st, "confirm test", seq, deadline)
+        };
+        let (early, late) = std::thread::scope(|s| {
+            let early = s.spawn(|| confirm(&ranks[1], Instant::now() + Duration::from_secs(5)));
+            std::thread::sleep(Duration::from_millis(50));
+            let late = confirm(&ranks[0], Instant::now());
+            (early.join().unwrap(), late)
+        });
+        assert!(
+            matches!(late, Err(CollectiveError::Timeout { .. })),
+            "{late:?}"
+        );
+        assert!(early.is_err(), "the peer that confirmed in time: {early:?}");
     }
 }
