@@ -81,13 +81,14 @@ pub enum CollectiveError {
     },
     /// A rank passed arguments the operation cannot take (lengths, root, residence, overlap).
     /// Refused before this rank touched any memory. What its peers see depends on the group:
-    /// over NCCL (and sockets) the refusal is this rank's alone (the handle stays as it was,
-    /// and peers that issued the operation fail it by their deadline); an in-process group
-    /// counts the operation (the sequence number advances) and fails its round on every rank
-    /// at once. A caller that goes on after
-    /// a refusal its peers may not share must [`abort`](Collective::abort) the group first
-    /// (the linker aborts on every failed step), or its next operation may pair with the
-    /// peers' refused one.
+    /// over NCCL the refusal is this rank's alone (peers that issued the operation fail it by
+    /// their deadline; a refusal the handle finds leaves its sequence number as it was, one
+    /// its comm thread finds, such as a root out of range or a region on another GPU, counts
+    /// the operation); the socket group breaks the handle, so peers fail at once; an
+    /// in-process group counts the operation (the sequence number advances) and fails its
+    /// round on every rank at once. A caller that goes on after a refusal its peers may not
+    /// share must [`abort`](Collective::abort) the group first (the linker aborts on every
+    /// failed step), or its next operation may pair with the peers' refused one.
     #[error("{op} #{seq}: rank {rank}: {reason}")]
     InvalidArgument {
         /// The operation.

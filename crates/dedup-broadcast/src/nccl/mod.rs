@@ -346,13 +346,21 @@ impl Pending {
         match self.ready.recv_timeout(wait) {
             Ok(Ok(())) => Ok(self.handle),
             Ok(Err(e)) => Err(e),
-            Err(_) => {
+            Err(mpsc::RecvTimeoutError::Timeout) => {
                 self.handle.unusable.store(true, Ordering::Release);
                 Err(CollectiveError::Timeout {
                     op: "init",
                     seq: 0,
                     missing: Vec::new(),
                 })
+            }
+            // As `start_all` says it: not a peer's lateness, so not a timeout.
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                self.handle.unusable.store(true, Ordering::Release);
+                Err(CollectiveError::Backend(format!(
+                    "rank {}: the comm thread ended while starting",
+                    self.handle.rank
+                )))
             }
         }
     }

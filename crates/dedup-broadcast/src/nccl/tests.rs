@@ -121,6 +121,30 @@ fn a_failed_start_gives_up_on_every_silent_rank_within_one_bound() {
     drop(releases);
 }
 
+/// A comm thread that ends before it says whether it started (a panic in its start, say) is
+/// reported as that, at once: before, the join answered `Timeout` as if a peer were late.
+#[test]
+fn a_comm_thread_that_ends_while_starting_is_no_timeout() {
+    let (tx, _requests) = mpsc::channel::<Request>();
+    let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), CollectiveError>>(1);
+    let (done_tx, done_rx) = mpsc::sync_channel::<()>(1);
+    let thread = std::thread::spawn(move || drop((ready_tx, done_tx)));
+    let pending = Pending {
+        handle: handle(0, 2, Duration::from_millis(50), tx, thread, done_rx),
+        ready: ready_rx,
+        deadline: Instant::now() + Duration::from_secs(5),
+    };
+    let t0 = Instant::now();
+    let Err(err) = pending.ready() else {
+        panic!("a handle from a comm thread that ended");
+    };
+    assert!(
+        matches!(&err, CollectiveError::Backend(m) if m.contains("ended while starting")),
+        "{err:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+}
+
 /// A handle whose comm thread is known silent is dropped at once, not after its grace.
 #[test]
 fn a_handle_whose_comm_thread_is_silent_drops_at_once() {
