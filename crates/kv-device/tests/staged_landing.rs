@@ -889,6 +889,40 @@ fn a_stage_is_shared_only_after_its_layers_upload() {
     assert!(landing.device_stage(&mut b[0]).map(drop).is_err());
 }
 
+/// A scatter of a layer whose stage has no upload (none made, or it failed) is refused: the
+/// share area still holds an earlier layer's rows (here layer 0's, of this batch; another
+/// batch's where the lease is reused), and before, they landed in this layer's slots.
+#[test]
+fn a_stage_is_scattered_only_after_its_layers_upload() {
+    let dev = CpuDevice::with_config(0, CpuDeviceConfig::default()).unwrap();
+    let (mut landing, k, len) = shared_k_landing(&dev);
+    let mut stages = landing.take_stages();
+    let block = RowBlock {
+        component: k.id,
+        first_page: 0,
+        pages: 2,
+        offset: 0,
+    };
+    landing.open(&mut stages[0], 0, soon()).unwrap();
+    landing.upload(&mut stages[0], 0..len).unwrap();
+    let done = dev.load_stream().record().unwrap();
+    landing.scatter(&mut stages[0], &[block], &done).unwrap();
+    landing.land(&mut stages[0]).unwrap();
+    for fails in [false, true] {
+        landing.open(&mut stages[0], 2, soon()).unwrap();
+        if fails {
+            dev.fail_enqueue(CpuOp::ToDevice, 0);
+            assert!(landing.upload(&mut stages[0], 0..len).is_err());
+        }
+        let done = dev.load_stream().record().unwrap();
+        let r = landing.scatter(&mut stages[0], &[block], &done);
+        assert!(
+            matches!(r, Err(DeviceError::InvalidStage(_))),
+            "upload failed: {fails}: {r:?}"
+        );
+    }
+}
+
 /// A collective on `stage`'s device area as a caller runs one: on `comm`, after the stage's
 /// upload and behind `busy`'s queued work (on `comm` alone: the load stream is not held), a
 /// device-side write of the area, fenced through the `DeviceStage`. Returns the upload's

@@ -769,6 +769,14 @@ impl DeviceShare for StagedLanding {
         if writes.is_none() {
             return Err(stage_err("scattering a layer after the landing finished"));
         }
+        // As for `device_stage`: without an upload of this layer (none made, or it failed),
+        // the share area holds what an earlier layer or batch left there, and a scatter
+        // would land those bytes in this layer's slots.
+        if self.state(h)?.upload.lock().is_none() {
+            return Err(stage_err(
+                "scattering a stage with no upload of its layer (none made, or it failed)",
+            ));
+        }
         self.fenced(h, || {
             // The caller's event, and every fence of the stage (its collective's, whatever
             // event the caller named).
