@@ -1,6 +1,7 @@
 //! Synchronous copies over a stream, bounded: for pool reads and writes outside loads, and
 //! small uploads (the slot table).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,11 +49,15 @@ pub(crate) const BOUNCE_MAX: usize = 32 << 20;
 /// that tells its end: until that event completes every later copy through the bounce fails
 /// at once ([`DeviceError::Poisoned`]) rather than waiting out the limit again and leaking a
 /// buffer each time; once it completes the buffer is used again. A bounce dropped with a
-/// parked copy still running leaks that buffer (the copy may still touch it).
+/// parked copy still running leaks that buffer (the copy may still touch it). A copy whose
+/// wait failed (its stream failed: no event can tell its end) leaks its buffer, and every
+/// later copy through the bounce is refused for good, as the stream's later work fails too.
 #[derive(Debug)]
 pub(crate) struct Bounce {
     kept: Mutex<Option<PinnedMemory>>,
     parked: Mutex<Option<(PinnedMemory, SharedEvent)>>,
+    /// A copy's wait failed: its buffer was leaked, and copies are refused from then on.
+    lost: AtomicBool,
     limit: Duration,
 }
 
@@ -68,6 +73,7 @@ impl Bounce {
         Bounce {
             kept: Mutex::new(None),
             parked: Mutex::new(None),
+            lost: AtomicBool::new(false),
             limit,
         }
     }
@@ -104,8 +110,15 @@ impl Bounce {
     }
 
     /// Takes back a parked buffer whose copy has ended; an error while one has not (or its
-    /// event cannot tell: then it stays parked for good).
+    /// event cannot tell: then it stays parked for good), and for good once a copy's wait
+    /// failed.
     pub(crate) fn settle(&self) -> Result<(), DeviceError> {
+        if self.lost.load(Ordering::Acquire) {
+            return Err(DeviceError::Poisoned(
+                "an earlier synchronous copy's wait failed (its stream failed): its buffer may \
+                 still be in use, and later copies through it are refused",
+            ));
+        }
         let mut parked = self.parked.lock();
         let Some((_, ev)) = parked.as_ref() else {
             return Ok(());
@@ -165,7 +178,8 @@ impl Bounce {
                 Err(e)
             }
             Err((e, None)) => {
-                tracing::error!(error = %e, "a synchronous copy did not finish: leaking its host buffer");
+                tracing::error!(error = %e, "a synchronous copy's wait failed: leaking its host buffer; later copies through this bounce are refused");
+                self.lost.store(true, Ordering::Release);
                 std::mem::forget(host);
                 Err(e)
             }
@@ -324,6 +338,48 @@ mod tests {
         // SAFETY: as above; the writes have finished.
         unsafe { read(&*dev, &bounce, mem.addr(), &mut out) }.unwrap();
         assert_eq!(out, data);
+    }
+
+    /// A copy whose wait fails (its stream failed) leaks its buffer, and later copies through
+    /// the bounce are refused at once. Before, each one queued on the failed stream, allocated
+    /// a fresh pinned buffer, failed its wait and leaked that buffer too.
+    #[test]
+    fn a_copy_whose_wait_fails_refuses_later_copies_instead_of_leaking_a_buffer_each() {
+        let slow = CpuDevice::new(1).unwrap();
+        let dev = CpuDevice::with_config(
+            0,
+            crate::CpuDeviceConfig {
+                wait_limit: Duration::from_millis(100),
+                ..crate::CpuDeviceConfig::default()
+            },
+        )
+        .unwrap();
+        slow.stall_for(Duration::from_millis(500));
+        // The load stream waits for an event that does not complete within its wait limit:
+        // the stream fails, and so does every later event of it.
+        let never_in_time = slow.load_stream().record().unwrap();
+        dev.load_stream().wait(&never_in_time).unwrap();
+        let mem = dev.alloc(4096, "test").unwrap();
+        let bounce = Bounce::with_limit(Duration::from_secs(5));
+        let data = vec![7u8; 4096];
+        // SAFETY: `mem` is ours, 4096 bytes, and nothing else touches it (it is never freed
+        // before the failed stream has skipped the copies).
+        let first = unsafe { write(&*dev, &bounce, mem.addr(), &data) };
+        assert!(
+            first.is_err() && !matches!(first, Err(DeviceError::Poisoned(_))),
+            "{first:?}"
+        );
+        // SAFETY: as above.
+        let again = unsafe { write(&*dev, &bounce, mem.addr(), &data) };
+        assert!(matches!(again, Err(DeviceError::Poisoned(_))), "{again:?}");
+        let mut out = vec![0u8; 16];
+        // SAFETY: as above.
+        let read_back = unsafe { read(&*dev, &bounce, mem.addr(), &mut out) };
+        assert!(
+            matches!(read_back, Err(DeviceError::Poisoned(_))),
+            "{read_back:?}"
+        );
+        assert!(bounce.kept.lock().is_none() && bounce.parked.lock().is_none());
     }
 
     #[test]
