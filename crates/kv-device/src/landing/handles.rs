@@ -166,9 +166,10 @@ impl<'a> HostRows<'a> {
 
     /// Counts what a collective moved into (`received`) and out of (`sent`) these rows.
     pub fn count_collective(&mut self, received: u64, sent: u64) {
+        // Saturating: the counts are the caller's, and a counter must not panic on them.
         self.log.add(self.layer, |t| {
-            t.collective_received += received;
-            t.collective_sent += sent;
+            t.collective_received = t.collective_received.saturating_add(received);
+            t.collective_sent = t.collective_sent.saturating_add(sent);
         });
     }
 }
@@ -245,9 +246,10 @@ impl<'a> DeviceStage<'a> {
 
     /// Counts what a collective moved into (`received`) and out of (`sent`) the region.
     pub fn count_collective(&mut self, received: u64, sent: u64) {
+        // Saturating: the counts are the caller's, and a counter must not panic on them.
         self.log.add(self.layer, |t| {
-            t.collective_received += received;
-            t.collective_sent += sent;
+            t.collective_received = t.collective_received.saturating_add(received);
+            t.collective_sent = t.collective_sent.saturating_add(sent);
         });
     }
 }

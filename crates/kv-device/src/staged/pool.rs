@@ -208,10 +208,15 @@ impl DeviceKvPool {
             }
             Ok(())
         });
-        // On a timeout the zero chunk is parked in the bounce until the copies end.
-        let zeros = self.bounce.finished(&stream, zeros)?;
-        self.bounce.give(zeros);
-        enqueued
+        // On a timeout the zero chunk is parked in the bounce until the copies end. A copy
+        // that failed to enqueue is the error to report, before the wait's own.
+        match self.bounce.finished(&stream, zeros) {
+            Ok(zeros) => {
+                self.bounce.give(zeros);
+                enqueued
+            }
+            Err(e) => enqueued.and(Err(e)),
+        }
     }
 }
 
@@ -342,6 +347,26 @@ mod tests {
         let t1 = std::time::Instant::now();
         drop(Arc::into_inner(pool).expect("the test holds the pool's last handle"));
         assert!(t1.elapsed() < Duration::from_secs(1), "{:?}", t1.elapsed());
+        dev.resume();
+    }
+
+    /// A clear whose copy fails to enqueue, behind a stalled stream it then waits out,
+    /// reports the enqueue's error (what went wrong), not the wait's timeout.
+    #[test]
+    fn a_clear_whose_copy_fails_to_enqueue_says_so_before_the_waits_timeout() {
+        let dev = CpuDevice::new(0).unwrap();
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let mut pool = DeviceKvPool::new(dev.clone(), g, 4).unwrap();
+        assert!(pool.buffers.len() >= 2, "a copy before the failing one");
+        pool.bounce = Bounce::with_limit(Duration::from_millis(200));
+        dev.stall_for(Duration::from_secs(3));
+        dev.fail_enqueue(crate::cpu::CpuOp::ToDevice, 1);
+        // SAFETY: the test's own pool, one thread, no load or save of it.
+        let cleared = unsafe { pool.clear() };
+        assert!(
+            matches!(cleared, Err(DeviceError::Driver(_))),
+            "{cleared:?}"
+        );
         dev.resume();
     }
 }
