@@ -1,9 +1,9 @@
 //! kvlink's driver calls on an engine's thread leave the engine's own context current: a
 //! thread with a non-primary context of the GPU current (an engine's) opens kvlink's device,
 //! records, polls, waits on and drops kvlink's events, and allocates and frees its buffers,
-//! and still finds its own context current after each. (Dropping the last handle of kvlink's
-//! device, whose streams cudarc destroys with its context made current, is the documented
-//! exception.)
+//! and still finds its own context current after each, also when what it drops holds the last
+//! handle on kvlink's device or context (cudarc's drops of a stream, a module or a context make
+//! that context current with `cuCtxSetCurrent`).
 
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
@@ -109,6 +109,26 @@ fn engine_context_kept() -> Result<String, String> {
     kept("creating a stream of kvlink's device")?;
     drop(stream);
     kept("destroying it")?;
+    // Handles that outlive the device: each of the drops below may hold the last handle on
+    // kvlink's context (and kernels), released with it made current by cudarc.
+    let ev = CudaLayerEvent::record_on(dev.cuda_load_stream(), 0).map_err(de)?;
+    let buf = DeviceBuffer::zeroed(dev.context(), 1 << 20, "test").map_err(de)?;
+    let pinned = PinnedBuffer::zeroed(dev.context(), 1 << 16, "test").map_err(de)?;
+    ev.synchronize().map_err(|e| e.to_string())?;
+    let stream = dev.new_stream().map_err(de)?;
+    kept("making handles that outlive the device")?;
+    drop(opened);
+    kept("dropping a handle of kvlink's device")?;
+    drop(dev);
+    kept("dropping the last handle of kvlink's device (its streams destroyed)")?;
+    drop(ev);
+    kept("dropping an event that outlived the device")?;
+    drop(buf);
+    kept("freeing a device buffer that outlived it")?;
+    drop(pinned);
+    kept("freeing pinned memory that outlived it")?;
+    drop(stream);
+    kept("destroying the last stream (the last handle on kvlink's context and kernels)")?;
     Ok(format!(
         "{} steps, the engine's context current after each",
         steps.len()

@@ -88,19 +88,54 @@ impl ThreadContext {
 
 impl Drop for ThreadContext {
     fn drop(&mut self) {
-        let Some(saved) = self.saved else {
-            return;
-        };
-        if result::ctx::get_current().ok().flatten() == Some(saved) {
-            return;
+        if let Some(saved) = self.saved {
+            make_current_again(saved);
         }
-        // SAFETY: `saved` was this thread's current context when the guard was made, and
-        // whoever made it current keeps it alive while it is (the engine's own context).
-        if let Err(e) = unsafe { result::ctx::set_current(saved) } {
-            tracing::warn!(
-                error = %super::error::driver_error_text(e),
-                "cuCtxSetCurrent failed: the thread's own context is not current again"
-            );
+    }
+}
+
+/// Makes `saved`, this thread's current context when it was read, current again (if another
+/// one replaced it meanwhile).
+fn make_current_again(saved: sys::CUcontext) {
+    if result::ctx::get_current().ok().flatten() == Some(saved) {
+        return;
+    }
+    // SAFETY: `saved` was this thread's current context when it was read (by this thread,
+    // moments ago: in the same drop or guard), and whoever made it current keeps it alive
+    // while it is (the engine's own context).
+    if let Err(e) = unsafe { result::ctx::set_current(saved) } {
+        tracing::warn!(
+            error = %super::error::driver_error_text(e),
+            "cuCtxSetCurrent failed: the thread's own context is not current again"
+        );
+    }
+}
+
+/// The **last field** of a value whose fields may hold the last handle on kvlink's context or
+/// kernels: cudarc's drops of a context, a module or a stream make that context current with
+/// `cuCtxSetCurrent`, replacing the calling thread's own (an engine's). The value's `Drop`
+/// calls [`save`](Self::save) first; the fields then drop in order, this one last, and it makes
+/// the thread's own context current again. (A thread with no current context keeps kvlink's.)
+#[derive(Debug, Default)]
+pub(crate) struct ContextRestore {
+    /// The thread's current context when `save` ran (an address: the field stays `Send`).
+    saved: Option<usize>,
+}
+
+impl ContextRestore {
+    /// Remembers the calling thread's current context, to make it current again on drop.
+    pub(crate) fn save(&mut self) {
+        self.saved = result::ctx::get_current()
+            .ok()
+            .flatten()
+            .map(|c| c as usize);
+    }
+}
+
+impl Drop for ContextRestore {
+    fn drop(&mut self) {
+        if let Some(saved) = self.saved.take() {
+            make_current_again(saved as sys::CUcontext);
         }
     }
 }

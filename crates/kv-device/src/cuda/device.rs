@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
-use super::current::{Current, ThreadContext};
+use super::current::{ContextRestore, Current, ThreadContext};
 use super::error::{driver_error_text, drv};
 use super::kernels::{KernelCache, KernelSource, Kernels};
 use super::memory::{DeviceBuffer, PinnedBuffer};
@@ -61,6 +61,18 @@ pub struct CudaDevice {
     /// load stream so an allocation never waits behind a landing's copies.
     zero_stream: Arc<CudaStream>,
     kernels: Arc<KernelCache>,
+    /// Last: the thread's own context current again after the streams, the kernels and the
+    /// context dropped (cudarc's drops make kvlink's context current for good).
+    restore: ContextRestore,
+}
+
+impl Drop for CudaDevice {
+    /// The fields drop after this, the `restore` field last: it makes the thread's own
+    /// context current again after cudarc destroyed the streams (and released the context)
+    /// with kvlink's made current.
+    fn drop(&mut self) {
+        self.restore.save();
+    }
 }
 
 impl CudaDevice {
@@ -97,6 +109,7 @@ impl CudaDevice {
             zero_stream,
             ctx,
             kernels,
+            restore: ContextRestore::default(),
         }))
     }
 

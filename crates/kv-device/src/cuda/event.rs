@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 use kv_loader::{KvLoadError, RawStream, StreamWaitable};
 
-use super::current::Current;
+use super::current::{ContextRestore, Current};
 use super::error::{driver_error_text, drv};
 use crate::staged::sync::SYNC_LIMIT;
 use crate::{DeviceError, DeviceEvent};
@@ -26,6 +26,9 @@ pub struct CudaLayerEvent {
     ctx: Arc<CudaContext>,
     event: sys::CUevent,
     layer: u32,
+    /// Last: the thread's own context current again after `ctx` (maybe the last handle on
+    /// kvlink's context) dropped.
+    restore: ContextRestore,
 }
 
 // SAFETY: a CUevent handle may be used from any thread (the driver API is thread-safe); every
@@ -67,6 +70,7 @@ impl CudaLayerEvent {
             ctx: ctx.clone(),
             event,
             layer,
+            restore: ContextRestore::default(),
         };
         // SAFETY: `event` was just created in this context; `stream` is a live stream handle:
         // a stream of this backend's own, or a `RawStream` whose `unsafe` constructor's caller
@@ -195,6 +199,7 @@ impl DeviceEvent for CudaLayerEvent {
 
 impl Drop for CudaLayerEvent {
     fn drop(&mut self) {
+        self.restore.save();
         let _current = Current::make(&self.ctx);
         // SAFETY: we own the event and destroy it once; destroying an event whose work is
         // still pending is allowed (the driver releases it when the work completes).

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
-use super::current::Current;
+use super::current::{ContextRestore, Current};
 use super::error::drv;
 use super::event::CudaLayerEvent;
 use crate::staged::sync::SYNC_LIMIT;
@@ -20,6 +20,9 @@ pub struct DeviceBuffer {
     ctx: Arc<CudaContext>,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// Last: the thread's own context current again after `ctx` (maybe the last handle on
+    /// kvlink's context) dropped.
+    restore: ContextRestore,
 }
 
 /// A failed allocation: [`DeviceError::Alloc`] when the memory ran out, else the driver's
@@ -57,6 +60,7 @@ impl DeviceBuffer {
             ctx: ctx.clone(),
             ptr,
             len,
+            restore: ContextRestore::default(),
         })
     }
 
@@ -140,6 +144,7 @@ impl Drop for DeviceBuffer {
         // Owners order frees after the device work that uses the memory (they synchronize
         // their streams or events before dropping, or leak the buffer when a wait failed);
         // nothing here relies on cuMemFree waiting for work in flight.
+        self.restore.save();
         let _current = Current::make(&self.ctx);
         // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once.
         if let Err(e) = unsafe { result::free_sync(self.ptr) } {
@@ -156,6 +161,9 @@ pub struct PinnedBuffer {
     ctx: Arc<CudaContext>,
     ptr: *mut u8,
     len: usize,
+    /// Last: the thread's own context current again after `ctx` (maybe the last handle on
+    /// kvlink's context) dropped.
+    restore: ContextRestore,
 }
 
 // SAFETY: PinnedBuffer owns its allocation and hands out addresses only; every access to the
@@ -185,6 +193,7 @@ impl PinnedBuffer {
             ctx: ctx.clone(),
             ptr,
             len,
+            restore: ContextRestore::default(),
         })
     }
 
@@ -241,6 +250,7 @@ fn check_range(offset: usize, len: usize, cap: usize) -> Result<(), DeviceError>
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
+        self.restore.save();
         let _current = Current::make(&self.ctx);
         // SAFETY: `ptr` came from cuMemHostAlloc and is freed exactly once; owners drop it only
         // after the copies that read or write it completed (they synchronize first).

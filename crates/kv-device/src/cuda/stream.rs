@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaStream};
 
-use super::current::Current;
+use super::current::{ContextRestore, Current};
 use super::error::drv;
 use super::event::CudaLayerEvent;
 use super::kernels::KernelCache;
@@ -18,6 +18,9 @@ pub(crate) struct CuStream {
     /// Dropped in `Drop`, with the stream's context pushed current (see there).
     stream: ManuallyDrop<Arc<CudaStream>>,
     kernels: Arc<KernelCache>,
+    /// Last: the thread's own context current again after `kernels` (maybe the last handle on
+    /// the module and the context) dropped.
+    restore: ContextRestore,
 }
 
 impl CuStream {
@@ -25,6 +28,7 @@ impl CuStream {
         CuStream {
             stream: ManuallyDrop::new(stream),
             kernels,
+            restore: ContextRestore::default(),
         }
     }
 
@@ -44,6 +48,7 @@ impl Drop for CuStream {
     /// replaces the calling thread's own (an engine thread's, another GPU's): the context is
     /// pushed first, so that the replaced one is ours and the pop brings the thread's back.
     fn drop(&mut self) {
+        self.restore.save();
         let ctx = self.stream.context().clone();
         let current = Current::make(&ctx);
         if let Err(e) = &current {
