@@ -5,7 +5,10 @@
 //! straight from it (`writev` from the parts): the socket's own copies are the only ones.
 //! Connections are pooled (one per concurrent caller); a connection that fails is dropped,
 //! and every key of that call gets the error ([`StoreError::Unavailable`], or
-//! [`StoreError::RpcTimeout`] past the request timeout). One more connection, opened at
+//! [`StoreError::RpcTimeout`] past the request timeout). A call naming a null destination or
+//! source (with a length) is refused whole before anything is sent: every key gets
+//! [`StoreError::InvalidArgument`] naming the first such key (the embedded store refuses only
+//! that key). One more connection, opened at
 //! connect and never used for a request, stays open while the client lives (a session start
 //! opens it again if the server closed it): the server ends a client's read sessions when its
 //! last connection closes, which a dropped pooled connection must not cause.
@@ -207,7 +210,9 @@ impl SocketStore {
         Self::connect_with(address, DEFAULT_REQUEST_TIMEOUT)
     }
 
-    /// [`connect`](Self::connect) with another request timeout.
+    /// [`connect`](Self::connect) with another request timeout. The server gives each step of
+    /// a request at most 60 s (its arrival, then its handling and reply): a longer timeout
+    /// waits longer for a reply, but a request the server gave up on ends as `Unavailable`.
     pub fn connect_with(address: &str, timeout: Duration) -> Result<SocketStore, StoreError> {
         let (address, key) = split_address(address)
             .map_err(|e| CallError::Down(e.into()).for_key(location(address), "connect"))?;

@@ -3,15 +3,16 @@
 //!
 //! Reads go from the store's own memory straight into the socket (`writev` over the
 //! objects' bytes, no copy); a put's bytes go from the socket straight into the buffer the
-//! store then keeps. Pins (read sessions) are kept per client process and released when its
-//! last connection closes, so a rank that dies never pins objects forever.
+//! store then keeps. Pins (read sessions) are kept per client (each
+//! [`SocketStore`](super::SocketStore): two in one process are two clients) and released when
+//! its last connection closes, so a rank that dies never pins objects forever.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read};
 use std::net::{SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -25,7 +26,11 @@ use super::protocol::{
 use crate::store::embedded::new_object;
 use crate::store::{EmbeddedStore, KvStore, StoreError};
 
-/// How long one request may take to arrive whole, and its reply to leave.
+/// How long each step of a request may take: the rest of its length prefix once its first
+/// byte came, then its body, then its handling with a put's bytes and the reply's write. A
+/// client whose own request timeout is longer
+/// ([`SocketStore::connect_with`](super::SocketStore::connect_with)) sees a request that ran
+/// past one of these steps as its connection closed (`Unavailable`), not as `RpcTimeout`.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often an idle connection thread looks at the stop flag.
 const IDLE_CHECK: Duration = Duration::from_millis(500);
@@ -172,6 +177,9 @@ struct Served {
     /// Connections accepted and not yet through their hello, by number, oldest first (at
     /// most [`MAX_GREETING`]).
     greeting: Mutex<VecDeque<u64>>,
+    /// Hellos refused (another protocol, a wrong key): logged the first time and then one in
+    /// a hundred, as anyone on the host may connect and say anything, as often as it likes.
+    refused: AtomicU64,
 }
 
 /// Serves an [`EmbeddedStore`] over a socket; stops (and closes every connection) when
@@ -280,6 +288,7 @@ impl StoreServer {
             open: Mutex::new(HashMap::new()),
             receiving: Mutex::new(0),
             greeting: Mutex::new(VecDeque::new()),
+            refused: AtomicU64::new(0),
         });
         let s = served.clone();
         let thread = std::thread::Builder::new()
@@ -583,22 +592,30 @@ fn read_hello(conn: &mut Conn, served: &Served, deadline: Instant) -> Option<(u6
         _ => return None,
     };
     if magic != MAGIC || protocol != PROTOCOL {
-        tracing::warn!(
-            magic,
-            protocol,
-            expected = PROTOCOL,
-            "store connection refused: another protocol"
-        );
+        let refused = served.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        if refused % 100 == 1 {
+            tracing::warn!(
+                magic,
+                protocol,
+                expected = PROTOCOL,
+                refused,
+                "store connection refused: another protocol (one in a hundred refusals logged)"
+            );
+        }
         return Some((client, answer::OTHER_PROTOCOL));
     }
     let mut key = [0u8; 16];
     read_exact_by(conn, &mut key, deadline).ok()?;
     if !served.key.matches(&key) {
-        tracing::warn!(
-            client,
-            "store connection refused: the client did not say this server's key \
-             (an address without it, or another server's)"
-        );
+        let refused = served.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        if refused % 100 == 1 {
+            tracing::warn!(
+                client,
+                refused,
+                "store connection refused: the client did not say this server's key (an \
+                 address without it, or another server's; one in a hundred refusals logged)"
+            );
+        }
         return Some((client, answer::WRONG_KEY));
     }
     Some((client, answer::ACCEPTED))
@@ -994,6 +1011,7 @@ mod receiving_tests {
             open: Mutex::new(HashMap::new()),
             receiving: Mutex::new(0),
             greeting: Mutex::new(VecDeque::new()),
+            refused: AtomicU64::new(0),
         };
         let a = Receiving::take(&served, 600).unwrap();
         assert!(Receiving::take(&served, 500).is_none(), "past the capacity");
