@@ -14,8 +14,9 @@
 //! Per (pools, size) a markdown file goes to `--out` (default `$OUT`):
 //! `mooncake_modes_<machine>_<pools>_<tokens>_n<storage nodes>.md`, with the table, the
 //! seed's table beside it at 128K, Auto's picks, and the result rows ending in
-//! `N passed, N failed`. Exit status 0 when every check passed, 1 otherwise, 2 when the store
-//! or the pools are not available.
+//! `N passed, N failed`. Exit status 0 when every check passed (and one at least), 1 otherwise
+//! (a run whose every size was skipped included), 2 when the store or the pools are not
+//! available.
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -599,6 +600,11 @@ fn main() -> ExitCode {
         println!("{results}");
     }
     if report.failed() {
+        ExitCode::FAILURE
+    } else if report.passed() == 0 {
+        // Every size skipped (the budget, the host's memory): nothing was measured or
+        // verified, which must not read as a pass.
+        eprintln!("mooncake_modes: nothing passed (every size was skipped): exit 1");
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS

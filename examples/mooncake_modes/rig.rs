@@ -214,7 +214,8 @@ impl Rig {
 
     /// Every rank loads the prefix as batch `batch` at once (a barrier), waits every layer as
     /// an engine does (device pools: the layer's event synchronized) and computes it
-    /// (`compute`: a sleep), then takes the outcome.
+    /// (`compute`: a sleep), then takes the outcome. First and last layer ready: when the
+    /// layer was ready (a watcher thread's wait), not when the engine came to it.
     pub fn run_batch(
         &self,
         linkers: &[Linker],
@@ -237,26 +238,44 @@ impl Rig {
             barrier.wait(BARRIER_WAIT)?;
             let t0 = Instant::now();
             let ticket = linker.start_load(plan).map_err(|e| e.to_string())?;
-            let (mut first, mut last) = (f64::NAN, f64::NAN);
-            let mut failed = None;
-            for l in 0..linker.num_layers() {
-                let ready = linker.wait_layer(&ticket, l).and_then(|r| match r {
+            // When each layer is ready: a watcher waits for every layer as it comes, apart from
+            // the engine thread, which reaches layer l only after computing the layers before
+            // it (its own arrival would floor "last layer ready" at the modelled compute).
+            let ready_at = |l: u32| {
+                linker.wait_layer(&ticket, l).and_then(|r| match r {
                     LayerReady::Event(ev) => ev.synchronize(),
                     LayerReady::Resident => Ok(()),
+                })
+            };
+            let (ready, failed) = std::thread::scope(|s| {
+                let watcher = s.spawn(|| {
+                    let mut ready = Vec::with_capacity(linker.num_layers() as usize);
+                    for l in 0..linker.num_layers() {
+                        if ready_at(l).is_err() {
+                            break;
+                        }
+                        ready.push(t0.elapsed().as_secs_f64());
+                    }
+                    ready
                 });
-                if let Err(e) = ready {
-                    failed = Some(format!("layer {l}: {e}"));
-                    break;
+                let mut failed = None;
+                for l in 0..linker.num_layers() {
+                    if let Err(e) = ready_at(l) {
+                        failed = Some(format!("layer {l}: {e}"));
+                        break;
+                    }
+                    if !compute.is_zero() {
+                        std::thread::sleep(compute);
+                    }
                 }
-                let t = t0.elapsed().as_secs_f64();
-                if l == 0 {
-                    first = t;
-                }
-                last = t;
-                if !compute.is_zero() {
-                    std::thread::sleep(compute);
-                }
-            }
+                (watcher.join().unwrap_or_default(), failed)
+            });
+            let first = ready.first().copied().unwrap_or(f64::NAN);
+            let last = if ready.len() == linker.num_layers() as usize {
+                ready.last().copied().unwrap_or(f64::NAN)
+            } else {
+                f64::NAN
+            };
             let forward_done = t0.elapsed().as_secs_f64();
             let outcome = linker.wait_batch(&ticket).map_err(|e| e.to_string())?;
             let stats = outcome.result.map_err(|e| e.to_string())?;

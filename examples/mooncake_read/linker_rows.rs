@@ -256,14 +256,31 @@ impl LinkerReader {
         }
         let start = Instant::now();
         let ticket = self.linker.start_load(plan)?;
-        let mut ready = Vec::new();
-        for l in 0..self.linker.num_layers() {
-            self.linker.wait_layer(&ticket, l)?;
-            ready.push(start.elapsed().as_secs_f64());
-            if !self.spec.compute.is_zero() {
-                std::thread::sleep(self.spec.compute);
-            }
-        }
+        let layers = self.linker.num_layers();
+        // When each layer is ready: a watcher waits for every layer as it comes, apart from
+        // the engine thread, which reaches layer l only after computing the layers before it
+        // (its own arrival would floor "last layer ready" at the modelled compute).
+        let (ready, engine) = std::thread::scope(|s| {
+            let watcher = s.spawn(|| {
+                let mut ready = Vec::with_capacity(layers as usize);
+                for l in 0..layers {
+                    if self.linker.wait_layer(&ticket, l).is_err() {
+                        break;
+                    }
+                    ready.push(start.elapsed().as_secs_f64());
+                }
+                ready
+            });
+            let engine = (0..layers).try_for_each(|l| {
+                self.linker.wait_layer(&ticket, l)?;
+                if !self.spec.compute.is_zero() {
+                    std::thread::sleep(self.spec.compute);
+                }
+                Ok::<_, kvlink::kv_loader::KvLoadError>(())
+            });
+            (watcher.join().unwrap_or_default(), engine)
+        });
+        engine?;
         let forward_done = start.elapsed().as_secs_f64();
         let stats = self.linker.wait_batch(&ticket)?.result?;
         if check {
@@ -271,7 +288,11 @@ impl LinkerReader {
         }
         Ok(LinkerTiming {
             first: ready.first().copied().unwrap_or(f64::NAN),
-            last: ready.last().copied().unwrap_or(f64::NAN),
+            last: if ready.len() == layers as usize {
+                ready.last().copied().unwrap_or(f64::NAN)
+            } else {
+                f64::NAN
+            },
             forward_done,
             groups: stats.read_groups,
         })
