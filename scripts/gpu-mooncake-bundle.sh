@@ -135,7 +135,9 @@ fi
 
 {
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(. /etc/os-release && echo "$PRETTY_NAME")"
-  echo "commit: $(git -C "$MC_REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$MC_REPO" diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+  # Staged and untracked source count as changes too (as gpu-build.sh says them).
+  changes=$(git -C "$MC_REPO" status --porcelain --untracked-files=normal -- . ':!gpu-mooncake' ':!gpu-bin' 2>/dev/null || echo unknown)
+  echo "commit: $(git -C "$MC_REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)${changes:+ (+ uncommitted changes)}"
   echo "wheel: $MC_WHEEL_PACKAGE==$MC_WHEEL_VERSION cp311 sha256 $MC_WHEEL_SHA256"
   [[ $py312 -eq 1 ]] && echo "py312: $PY312_WHEEL_FILE sha256 $PY312_WHEEL_SHA256"
   echo "libpython: $libpython ($(dpkg-query -W -f='${Version}' libpython3.11 2>/dev/null || echo '?'))"

@@ -28,9 +28,11 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 out="${OUT:-$repo/gpu-mooncake/out}"; mkdir -p "$out"
-machine="cpu$(nproc)"
+# shellcheck source=scripts/machine-name.sh
+source "$repo/scripts/machine-name.sh"
+# The card's own model in the name (an H100 run is not labelled H200).
+machine=$(kvlink_machine)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  n=$(nvidia-smi -L | grep -c '^GPU'); machine="h200x$n"
   source "$repo/scripts/gpu-common.sh"
 fi
 export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-8 GB}"

@@ -171,8 +171,16 @@ case "$part" in
   procs)
     # glm_prefill's processes mode (issue 14: one process per rank, a rendezvous, socket
     # collectives, each rank its own Mooncake client): run when this build has it.
-    # (grep without -q: an early exit would break the help's pipe under pipefail)
-    if run_bundle 1 glm_prefill --help 2>/dev/null | grep -- '--ranks-as' >/dev/null; then
+    # A help that did not run (no bundle, a master that did not start, no binary) fails the
+    # part: it must not read as a build without processes mode, which passes with nothing run.
+    help_rc=0
+    help=$(run_bundle 1 glm_prefill --help 2> "$out/procs.help.stderr.log") || help_rc=$?
+    if [[ $help_rc -ne 0 ]]; then
+      echo "procs: glm_prefill --help failed (exit $help_rc, $out/procs.help.stderr.log): nothing run" \
+        | tee "$out/procs.stdout.log"
+      tail -n 20 "$out/procs.help.stderr.log" >&2
+      rc=$help_rc
+    elif grep -- '--ranks-as' <<< "$help" > /dev/null; then
       export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
       if [[ $quick -eq 1 ]]; then tokens=2048; tps="2 4"; else tokens=32768; tps="2 4 8"; fi
       # One prefix size from KVLINK_TABLE_TOKENS (its first), with the modelled compute of that

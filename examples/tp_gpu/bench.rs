@@ -424,10 +424,16 @@ fn one_mode(
     // SAFETY: every repetition's outcome was taken (a failure returned above) and the
     // linkers are closed: nothing writes the pools.
     unsafe { compare_all(devs, slots, layers, &pick) }?;
-    // The median repetition: its timeline and each rank's last layer.
+    // The median repetition: its timeline and each rank's last layer. Of an even count, the
+    // faster of the two middle ones (the median column is their mean; the upper one was
+    // taken before, the slower run, unlike every other median here).
     let mut order: Vec<usize> = (0..last_ms.len()).collect();
     order.sort_by(|&a, &b| last_ms[a].total_cmp(&last_ms[b]));
-    let mid = order.get(order.len() / 2).copied();
+    let mid = order
+        .len()
+        .checked_sub(1)
+        .and_then(|i| order.get(i / 2))
+        .copied();
     let rank_last_ms = mid
         .map(|m| {
             timelines[m]
@@ -758,7 +764,7 @@ fn tables(fabric: Fabric, gpu: &str, args: &Args, results: &[SizeResult]) -> Str
     let mut b = Markdown::new(&[
         "cached prefix",
         "mode",
-        "last layer per rank (ms, median run)",
+        "last layer per rank (ms, median run; of an even count the faster middle one)",
         "PCIe per rank (measured)",
         "PCIe per rank (ideal)",
         "store read per rank",

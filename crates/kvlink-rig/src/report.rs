@@ -118,6 +118,14 @@ impl Report {
         self.rows.iter().any(|r| r.status == Status::Fail)
     }
 
+    /// Rows that passed.
+    pub fn passed(&self) -> usize {
+        self.rows
+            .iter()
+            .filter(|r| r.status == Status::Pass)
+            .count()
+    }
+
     /// The rows as a table; its last line is `N passed, N failed`.
     pub fn table(&self) -> String {
         let w_sec = self.rows.iter().map(|r| r.section.len()).max().unwrap_or(7);
