@@ -86,7 +86,7 @@ pub(super) fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result
         Err(refused) => return Ok(refused),
     };
     let agreed = lookup_all(ctx, &rigs, out)?;
-    let calibration = if mode == ModeArg::Auto {
+    let (calibration, zeroed) = if mode == ModeArg::Auto {
         let seen = calibrate_auto(&rigs, &ctx.pages[..agreed], out)?;
         for rig in &rigs {
             // SAFETY: every calibration batch loaded (`calibrate_auto` fails otherwise) and was
@@ -94,25 +94,35 @@ pub(super) fn load_mode(ctx: &Ctx, mode: ModeArg, out: &mut dyn Write) -> Result
             // zeroed, the measured batch's check sees only what it landed.
             unsafe { rig.pool.clear() };
         }
-        Some(seen)
+        (Some(seen), true)
     } else {
-        warm_up(ctx, &rigs, agreed, mode, out)?;
-        None
+        (None, warm_up(ctx, &rigs, agreed, mode, out)?)
     };
     let raws = run_ranks(ctx, &rigs, agreed, mode, 1);
+    if !zeroed {
+        // The pools keep what a warm-up landed: the measured batch's check could pass on
+        // those bytes, so the mode fails rather than reads as verified.
+        let why = "a warm-up batch failed, so the pools were not zeroed before the measured \
+                   batch and its check cannot tell what it landed"
+            .to_string();
+        say!(out, "  FAILED: {why}");
+        close_all(&rigs);
+        return Ok(ModeOutcome::Failed(why));
+    }
     mode_outcome(ctx, mode, &rigs, &raws, calibration, out)
 }
 
 /// A fixed mode's warm-up batches (`--warmup`), each as the measured load is run: the slowest
 /// rank's last layer of each is printed, nothing else is kept. When every one loaded, the pools
-/// are zeroed after them, so the measured batch's check sees only what it landed.
+/// are zeroed after them, so the measured batch's check sees only what it landed. Whether the
+/// pools are zeroed (or there was no warm-up).
 fn warm_up(
     ctx: &Ctx,
     rigs: &[RankRig],
     agreed: usize,
     mode: ModeArg,
     out: &mut dyn Write,
-) -> Result<()> {
+) -> Result<bool> {
     let mut all_loaded = true;
     for w in 0..u64::from(ctx.args.warmup) {
         let raws = run_ranks(ctx, rigs, agreed, mode, 50 + w);
@@ -144,7 +154,7 @@ fn warm_up(
             say!(out, "  (a warm-up batch failed: the pools keep its bytes)");
         }
     }
-    Ok(())
+    Ok(all_loaded)
 }
 
 /// Each rank: a fresh pool (touched), a linker in one in-process TP group, its own scattered

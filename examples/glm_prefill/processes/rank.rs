@@ -344,7 +344,16 @@ fn load_mode(
     if let Err(e) = loaded {
         rep.start_err = Some(format!("{e:#}"));
     }
-    if rep.start_err.is_none() && rep.batch_err.is_none() && rep.layer_err.is_none() {
+    if rep.warmups.iter().any(Result::is_err) {
+        // The pool keeps what a warm-up landed (it was not zeroed): a check could pass on
+        // those bytes, so this rank's verdict is a failure rather than verified.
+        rep.verified = Some(Err(
+            "a warm-up batch failed, so this rank's pool was not zeroed \
+                                 before the measured batch and its check cannot tell what it \
+                                 landed"
+                .into(),
+        ));
+    } else if rep.start_err.is_none() && rep.batch_err.is_none() && rep.layer_err.is_none() {
         let t = Instant::now();
         let verify = progress(rank, "verify pool", n as u64, "pages");
         rep.verified = Some(verify_pool(ctx, rank as usize, &pool, &slots, &verify));
