@@ -14,7 +14,7 @@
 #      one rank per GPU, 128K/256K/512K per mode beside the seed's table (the SGLang reference:
 #      rank 0 loads, then broadcasts each layer over NCCL; docs/benchmarks.md, "the seed").
 # The tests print their tables, then tp_gpu its benchmark tables and result table; each table
-# ends with the line "N passed, N failed".
+# ends with the line "N passed, N failed", and a last such line adds them all up.
 #
 # Usage: bash scripts/gpu-tp-run.sh [tp_gpu flags]
 #   --bench-ranks N  ranks on one GPU for the benchmark (default 8)
@@ -150,11 +150,33 @@ tail -n 80 "$out/tp_gpu.stderr.log"
 [[ $rc -eq 124 || $rc -eq 137 ]] && echo "== tp_gpu stopped after $left s: rows so far are in the stderr log above; tables of finished sizes in $out/tp_gpu_bench_tp*.md"
 echo "== tp_gpu exit status $rc; benchmark tables and result table:"
 cat "$out/tp_gpu.stdout.log"
+# One closing line over both (as gpu-run.sh writes it): every "N passed, N failed" line of the
+# tests' tables and of tp_gpu's, added up. A binary that exited non-zero with no failed row of
+# its own counts as one failure: the tables it never printed must not read as "0 failed" (the
+# last line was tp_gpu's own before, whatever the tests did).
+count() { awk '/^[0-9]+ passed, [0-9]+ failed$/ { p += $1; f += $3 } END { print p + 0, f + 0 }' "$1"; }
+tp=0; tf=0
+if (( run_tests )); then
+  read -r tp tf < <(count "$out/gpu_tests_tp.stdout.log")
+  if (( trc != 0 && tf == 0 )); then
+    echo "gpu-tp-run: gpu_tests tp_ exited $trc with no failed row: counted as 1 failed"
+    tf=1
+  fi
+fi
+read -r bp bf < <(count "$out/tp_gpu.stdout.log")
+if (( rc != 0 && bf == 0 )); then
+  echo "gpu-tp-run: tp_gpu exited $rc with no failed row: counted as 1 failed"
+  bf=1
+fi
 if (( trc == 124 || trc == 137 )); then
   echo "== gpu_tests tp_ stopped at their limit ($tests_limit s)"
+fi
+echo "$((tp + bp)) passed, $((tf + bf)) failed" | tee "$out/tp_result.txt"
+if (( trc == 124 || trc == 137 )); then
   exit 124
 fi
-if (( trc != 0 && rc == 0 )); then
+# A failed test is a failure whatever tp_gpu said (its 2, "CUDA unavailable", included).
+if (( trc != 0 )); then
   exit 1
 fi
 exit "$rc"
