@@ -54,7 +54,8 @@ use crate::{CandleKvError, LatentPool, LayerGate};
 /// ```
 ///
 /// Building one is `unsafe`: the cache reads and writes its slots through raw copies, so
-/// the engine promises once, here, that the slots are the sequence's alone.
+/// the engine promises once, here, that nothing else writes them meanwhile (see
+/// [`new`](Self::new)).
 ///
 /// ```compile_fail,E0133
 /// # use std::sync::Arc;
@@ -90,11 +91,14 @@ impl PagedLatentCache {
     /// they are taken as already in the pool).
     ///
     /// # Safety
-    /// While the cache lives, the slots of `page_table` are this sequence's alone: nothing
-    /// but this cache reads or writes them (no other cache or [`LatentPool`] call over them,
-    /// no save of them), and the only load into them is the one attached with `with_load`,
-    /// covering the first `loaded_tokens` tokens. The cache itself waits for that load's
-    /// layer before it touches those tokens.
+    /// While the cache lives, nothing writes the slots of `page_table` but this cache and the
+    /// one load attached with `with_load` (covering the first `loaded_tokens` tokens), and
+    /// nothing reads the slots this cache writes while it may be writing them: another cache
+    /// or [`LatentPool`] call over them, or a save of them, runs only between the cache's
+    /// calls, ordered after them (the same thread, say: the save after prefill). Slots only
+    /// read here (a prefix shared with other sequences, below `loaded_tokens` and never
+    /// written) may be read by others at any time. The cache itself waits for the load's
+    /// layer before it touches the loaded tokens.
     pub unsafe fn new(pool: LatentPool, page_table: Vec<u32>, loaded_tokens: usize) -> Self {
         PagedLatentCache {
             pool,
@@ -117,9 +121,8 @@ impl PagedLatentCache {
     /// covers those), also after a failed load dropped `loaded_tokens` to zero: its layers are
     /// waited for, and fenced if it does not settle.
     pub fn with_load(mut self, gate: LayerGate) -> Self {
-        if let Err(CandleKvError::Unsettled { source }) = self.gate.finish() {
-            self.mark_unsettled(source);
-        }
+        let out = self.gate.finish();
+        self.settle(&out);
         self.gate = gate;
         self.loaded_tokens = self.load_extent;
         self
@@ -200,17 +203,30 @@ impl PagedLatentCache {
 
     /// Takes the load's outcome and detaches it (see [`LayerGate::finish`]). After a
     /// failure the loaded tokens drop to zero: the engine recomputes them into the same
-    /// slots. When no outcome could be taken ([`CandleKvError::Unsettled`]) the load may
-    /// still be writing them: every later access to the loaded tokens fails with that error
-    /// (reset the loader and build a new cache).
+    /// slots. When the load may still be writing them (no outcome could be taken,
+    /// [`CandleKvError::Unsettled`], or a failure whose
+    /// [`needs_reset`](CandleKvError::needs_reset) is true) every later access to the loaded
+    /// tokens fails with [`CandleKvError::Unsettled`] (reset the loader and build a new cache).
     pub fn finish_load(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
         let out = self.gate.finish();
-        match &out {
-            Err(CandleKvError::Unsettled { source }) => self.mark_unsettled(source.clone()),
+        self.settle(&out);
+        out
+    }
+
+    /// What a load's outcome `out` leaves: on a failure whose load may still be writing the
+    /// slots ([`needs_reset`](CandleKvError::needs_reset): no outcome taken, or a failed
+    /// load whose error says so) the loaded tokens are fenced for good; on another failure
+    /// they drop to zero (the engine recomputes them into the same slots).
+    fn settle(&mut self, out: &Result<Option<LoadStats>, CandleKvError>) {
+        match out {
+            Err(e @ (CandleKvError::Unsettled { source } | CandleKvError::Load { source, .. }))
+                if e.needs_reset() =>
+            {
+                self.mark_unsettled(source.clone())
+            }
             Err(_) => self.loaded_tokens = 0,
             Ok(_) => {}
         }
-        out
     }
 
     /// Whether an access from token `start` on reaches a page of the first `tokens` tokens:

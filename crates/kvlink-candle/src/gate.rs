@@ -1,8 +1,8 @@
 //! The per-layer wait in front of a loaded prefix.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use kv_loader::{KvLoadError, KvLoader, LoadHandle, LoadStats, LoadTicket, RawStream};
+use kv_loader::{KvLoadError, KvLoader, LayerReady, LoadHandle, LoadStats, LoadTicket, RawStream};
 
 use crate::CandleKvError;
 
@@ -16,17 +16,52 @@ use crate::CandleKvError;
 /// again. [`finish`](Self::finish) takes the batch outcome (call it once per started batch,
 /// even after a failure, so the loader can forget the batch).
 ///
+/// **One batch, several sequences.** A plan may carry several requests: clone the gate into
+/// each sequence's [`PagedLatentCache`](crate::PagedLatentCache). The clones share the batch:
+/// a failed wait seen through one is seen through all, and the first
+/// [`finish`](Self::finish) takes the outcome while the others get the same verdict (their
+/// own `finish` does not ask the loader again). Take a gated batch's outcome through the gate,
+/// not through `KvLoader::completed`: an outcome taken there is gone, and the gate's `finish`
+/// then finds no outcome to take (`Unsettled`).
+///
 /// With [`LayerReady::Event`](kv_loader::LayerReady::Event) (device pools), the gate blocks
 /// on the event on the host, or, if built [`on_stream`](Self::on_stream), makes that compute
-/// stream wait instead.
+/// stream wait instead (per clone: each may name its own stream).
+#[derive(Clone)]
 pub struct LayerGate {
-    inner: Option<Inner>,
+    inner: Option<Arc<Inner>>,
+    stream: Option<RawStream>,
 }
 
+/// What every clone of one gate shares: the batch, its first failed wait, and its outcome
+/// once one clone took it.
 struct Inner {
-    load: LoadHandle,
+    loader: Arc<dyn KvLoader>,
+    ticket: LoadTicket,
+    /// The batch's handle, taken (and finished) by the first `finish`.
+    load: Mutex<Option<LoadHandle>>,
     failure: OnceLock<(u32, KvLoadError)>,
-    stream: Option<RawStream>,
+    /// The verdict of `finish`, taken once (under the lock: a second clone waits for the
+    /// first to take it rather than ask the loader again).
+    outcome: Mutex<Option<Result<Option<LoadStats>, Verdict>>>,
+}
+
+/// A failed verdict, kept to hand to every clone.
+#[derive(Clone)]
+enum Verdict {
+    Load(Option<u32>, KvLoadError),
+    WaitFailed(u32, KvLoadError),
+    Unsettled(KvLoadError),
+}
+
+impl Verdict {
+    fn error(self) -> CandleKvError {
+        match self {
+            Verdict::Load(layer, source) => CandleKvError::Load { layer, source },
+            Verdict::WaitFailed(layer, source) => CandleKvError::WaitFailed { layer, source },
+            Verdict::Unsettled(source) => CandleKvError::Unsettled { source },
+        }
+    }
 }
 
 impl std::fmt::Debug for LayerGate {
@@ -35,7 +70,7 @@ impl std::fmt::Debug for LayerGate {
             None => f.write_str("LayerGate(open)"),
             Some(i) => f
                 .debug_struct("LayerGate")
-                .field("batch", &i.load.batch())
+                .field("batch", &i.ticket.batch)
                 .field("failed_at", &i.failure.get().map(|f| f.0))
                 .finish(),
         }
@@ -45,7 +80,10 @@ impl std::fmt::Debug for LayerGate {
 impl LayerGate {
     /// A gate with nothing loading: every wait returns at once.
     pub fn open() -> Self {
-        LayerGate { inner: None }
+        LayerGate {
+            inner: None,
+            stream: None,
+        }
     }
 
     /// A gate on the batch `ticket` that `loader.start_load` returned.
@@ -56,18 +94,21 @@ impl LayerGate {
     /// A gate on the batch `load` owns (e.g. from [`LoadHandle::start`]).
     pub fn from_handle(load: LoadHandle) -> Self {
         LayerGate {
-            inner: Some(Inner {
-                load,
+            inner: Some(Arc::new(Inner {
+                loader: load.loader().clone(),
+                ticket: *load.ticket(),
+                load: Mutex::new(Some(load)),
                 failure: OnceLock::new(),
-                stream: None,
-            }),
+                outcome: Mutex::new(None),
+            })),
+            stream: None,
         }
     }
 
     /// Device layers (`LayerReady::Event`) make `stream` wait instead of blocking the host.
     pub fn on_stream(mut self, stream: RawStream) -> Self {
-        if let Some(i) = &mut self.inner {
-            i.stream = Some(stream);
+        if self.inner.is_some() {
+            self.stream = Some(stream);
         }
         self
     }
@@ -79,7 +120,7 @@ impl LayerGate {
 
     /// The batch's ticket, if one is attached.
     pub fn ticket(&self) -> Option<&LoadTicket> {
-        self.inner.as_ref().map(|i| i.load.ticket())
+        self.inner.as_ref().map(|i| &i.ticket)
     }
 
     /// Returns once layer `layer` of the batch is readable (or at once for an open gate).
@@ -90,10 +131,10 @@ impl LayerGate {
         let Some(i) = &self.inner else {
             return Ok(());
         };
-        if layer >= i.load.num_layers() {
+        if layer >= i.ticket.num_layers {
             return Err(CandleKvError::LayerOutOfRange {
                 layer,
-                num_layers: i.load.num_layers(),
+                num_layers: i.ticket.num_layers,
             });
         }
         if let Some((l, e)) = i.failure.get() {
@@ -102,8 +143,8 @@ impl LayerGate {
                 source: e.clone(),
             });
         }
-        i.load.wait_layer_on(layer, i.stream).map_err(|e| {
-            tracing::debug!(batch = %i.load.batch(), layer, error = %e, "layer wait failed");
+        i.wait_layer_on(layer, self.stream).map_err(|e| {
+            tracing::debug!(batch = %i.ticket.batch, layer, error = %e, "layer wait failed");
             let (l, e) = i.failure.get_or_init(|| (layer, e));
             CandleKvError::Load {
                 layer: Some(*l),
@@ -113,34 +154,54 @@ impl LayerGate {
     }
 
     /// Takes the batch's outcome (waiting, bounded by the loader, for it to finish) and
-    /// detaches the batch; the gate is open afterwards. `Ok(None)`: nothing was loading.
-    /// `Err(Load)`: the prefix is not in the pool; the batch's own failure is the same verdict
-    /// on every TP rank. `Err(WaitFailed)`: a failure only this rank's wait saw (a layer wait
-    /// past its deadline on a batch that then loaded) is this rank's alone: ranks that must
-    /// agree compare their verdicts themselves; the load has ended (no reset needed). `Err(Unsettled)`: no outcome could be taken; reset the loader before reusing the
-    /// slots.
+    /// detaches the batch from this gate; the gate is open afterwards. `Ok(None)`: nothing was
+    /// loading. `Err(Load)`: the prefix is not in the pool; the batch's own failure is the
+    /// same verdict on every TP rank. `Err(WaitFailed)`: a failure only this rank's wait saw
+    /// (a layer wait past its deadline on a batch that then loaded) is this rank's alone:
+    /// ranks that must agree compare their verdicts themselves; the load has ended (no reset
+    /// needed). `Err(Unsettled)`: no outcome could be taken; reset the loader before reusing
+    /// the slots. Clones of the gate get the verdict the first of them took.
     pub fn finish(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
         let Some(i) = self.inner.take() else {
             return Ok(None);
         };
-        let failed_layer = i.failure.get().map(|f| f.0);
-        let outcome = i
-            .load
-            .finish()
-            .map_err(|source| CandleKvError::Unsettled { source })?;
+        // A clone that panicked while taking the outcome left none: this one takes it.
+        let mut taken = i.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        let verdict = taken.get_or_insert_with(|| i.take_outcome()).clone();
+        verdict.map_err(Verdict::error)
+    }
+}
+
+impl Inner {
+    /// [`LoadHandle::wait_layer_on`], without the handle (another clone may be taking it for
+    /// the outcome meanwhile).
+    fn wait_layer_on(&self, layer: u32, stream: Option<RawStream>) -> Result<(), KvLoadError> {
+        match self.loader.wait_layer(&self.ticket, layer)? {
+            LayerReady::Resident => Ok(()),
+            LayerReady::Event(ev) => match stream {
+                Some(s) => ev.wait_on_stream(s),
+                None => ev.synchronize(),
+            },
+        }
+    }
+
+    /// Asks the loader for the batch's outcome (once per batch: `finish` keeps it).
+    fn take_outcome(&self) -> Result<Option<LoadStats>, Verdict> {
+        let failed_layer = self.failure.get().map(|f| f.0);
+        let handle = self.load.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let outcome = match handle {
+            Some(h) => h.finish(),
+            None => self.loader.wait_batch(&self.ticket),
+        }
+        .map_err(Verdict::Unsettled)?;
         match outcome.result {
-            Ok(stats) => {
-                if let Some((layer, source)) = i.failure.into_inner() {
-                    // A wait failed but the batch loaded: the engine gave the layer up, so
-                    // the prefix is failed here, but nothing of the load runs any more.
-                    return Err(CandleKvError::WaitFailed { layer, source });
-                }
-                Ok(Some(stats))
-            }
-            Err(source) => Err(CandleKvError::Load {
-                layer: failed_layer,
-                source,
-            }),
+            Ok(stats) => match self.failure.get() {
+                // A wait failed but the batch loaded: the engine gave the layer up, so the
+                // prefix is failed here, but nothing of the load runs any more.
+                Some((layer, source)) => Err(Verdict::WaitFailed(*layer, source.clone())),
+                None => Ok(Some(stats)),
+            },
+            Err(source) => Err(Verdict::Load(failed_layer, source)),
         }
     }
 }

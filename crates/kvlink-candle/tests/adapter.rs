@@ -430,6 +430,8 @@ fn an_open_gate_never_calls_a_loader() {
 struct EventLoader {
     inner: MockKvLoader,
     event: Arc<CountingEvent>,
+    /// What every batch outcome says instead of the mock's (`None`: the mock's).
+    outcome_error: Option<KvLoadError>,
 }
 
 #[derive(Debug, Default)]
@@ -472,7 +474,14 @@ impl KvLoader for EventLoader {
         Ok(LayerReady::Event(self.event.clone()))
     }
     fn wait_batch(&self, t: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
-        self.inner.wait_batch(t)
+        let outcome = self.inner.wait_batch(t)?;
+        Ok(match &self.outcome_error {
+            Some(e) => BatchOutcome {
+                batch: outcome.batch,
+                result: Err(e.clone()),
+            },
+            None => outcome,
+        })
     }
     fn completed(&self) -> Vec<BatchOutcome> {
         self.inner.completed()
@@ -494,6 +503,7 @@ fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
     let loader = Arc::new(EventLoader {
         inner: MockKvLoader::new(2, MockScript::default()),
         event: event.clone(),
+        outcome_error: None,
     });
     let t1 = loader.start_load(plan(1)).unwrap();
     let host = LayerGate::new(loader.clone(), t1);
@@ -641,4 +651,84 @@ fn attaching_another_load_finishes_the_one_attached() {
     assert_eq!(taken, vec![12], "the first load's outcome was taken");
     assert!(cache.gate().is_loading());
     cache.finish_load().unwrap();
+}
+
+/// One batch feeding two sequences' caches (a plan of two requests): the gate is cloned into
+/// both, the first `finish_load` takes the outcome and the second gets the same verdict
+/// without asking the loader again. Before, the gate could not be shared: a second gate on the
+/// same ticket found the outcome already taken, `Unsettled`, fenced its loaded tokens for good
+/// and asked for a reset (which cancels every batch in flight).
+#[test]
+fn one_batch_gates_two_caches_and_both_take_its_outcome() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let ticket = mock.start_load(plan(11)).unwrap();
+    let gate = LayerGate::new(mock.clone(), ticket);
+    // SAFETY: the test's own pool; slots 0 and 1 are sequence a's, 2 and 3 sequence b's, and
+    // the only load into them is the mock's `ticket`.
+    let mut a =
+        unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }.with_load(gate.clone());
+    // SAFETY: as above.
+    let mut b = unsafe { PagedLatentCache::new(f32_latents(4), vec![2, 3], 4) }.with_load(gate);
+    a.layer(2, 8).unwrap();
+    b.layer(2, 4).unwrap();
+    let first = a.finish_load().unwrap().unwrap();
+    let second = b.finish_load().unwrap().unwrap();
+    assert_eq!(first, second);
+    let taken = mock
+        .calls()
+        .into_iter()
+        .filter(|c| matches!(c, MockCall::WaitBatch { .. }))
+        .count();
+    assert_eq!(taken, 1, "the loader was asked for the outcome once");
+    assert_eq!((a.fenced_tokens(), b.fenced_tokens()), (0, 0));
+    assert_eq!((a.loaded_tokens(), b.loaded_tokens()), (8, 4));
+}
+
+/// A failed wait seen through one clone of a gate is the batch's: the other clone's caches
+/// fail on it too, without asking the loader again, and both outcomes say the load failed.
+#[test]
+fn a_failed_wait_through_one_clone_fails_the_others() {
+    let mut script = MockScript::default();
+    script.fail_at_layer.insert(kv_loader::BatchId(12), 1);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(12)).unwrap();
+    let gate = LayerGate::new(mock.clone(), ticket);
+    let mut other = gate.clone();
+    let mut gate = gate;
+    assert!(gate.wait(1).is_err());
+    let again = other.wait(1).unwrap_err();
+    assert!(matches!(again, CandleKvError::Load { layer: Some(1), .. }));
+    assert_eq!(waits(&mock), vec![1], "the clone did not ask again");
+    assert!(gate.finish().unwrap_err().is_load_failure());
+    assert!(other.finish().unwrap_err().is_load_failure());
+}
+
+/// A load whose outcome is a failure that may leave copies in flight (`needs_reset`: here a
+/// timeout) fences the loaded tokens as an outcome that could not be taken does. Before, the
+/// loaded tokens dropped to zero and safe code could write slots the load might still write.
+#[test]
+fn a_failed_load_that_needs_a_reset_fences_the_loaded_tokens() {
+    let event = Arc::new(CountingEvent::default());
+    let loader = Arc::new(EventLoader {
+        inner: MockKvLoader::new(2, MockScript::default()),
+        event,
+        outcome_error: Some(KvLoadError::Timeout {
+            batch: kv_loader::BatchId(13),
+            layer: 1,
+            waited: std::time::Duration::from_secs(5),
+        }),
+    });
+    let ticket = loader.start_load(plan(13)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 0, 1 and 2 is `ticket`'s.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1, 2], 8) }
+        .with_load(LayerGate::new(loader.clone(), ticket));
+    let e = cache.finish_load().unwrap_err();
+    assert!(e.needs_reset(), "{e}");
+    assert_eq!(cache.fenced_tokens(), 8);
+    assert!(matches!(
+        cache.write(0, 0, &rows(1, 0.0)),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+    // Past the loaded prefix the slots are the cache's own.
+    cache.write(0, 8, &rows(1, 0.0)).unwrap();
 }
