@@ -90,11 +90,12 @@ pub struct MockScript {
     /// Batch → layer from which its layer waits time out while the batch itself loads (a
     /// rank whose wait deadline passed on a load that then ended well): its outcome is `Ok`.
     pub wait_time_out_from: HashMap<BatchId, u32>,
-    /// Batches that hold a store call past its deadline (a hung store): a `reset` or `close`
-    /// answers [`KvLoadError::SlotsHeld`] naming those in flight, and their outcomes are held
-    /// back (no `completed`, `wait_batch` times out) until
-    /// [`MockKvLoader::release`] says the call returned, as the linker does. Their slots must
-    /// stay out of use until then.
+    /// Batches that hold a store call past its deadline (a hung store): from their start
+    /// their layer waits and `wait_batch` time out and `completed` skips them, a `reset` or
+    /// `close` answers [`KvLoadError::SlotsHeld`] naming them, and so on until
+    /// [`MockKvLoader::release`] says the call returned, as the linker does (the outcome is
+    /// then `Cancelled` after a reset, else the batch's `Timeout`). Their slots must stay out
+    /// of use until then.
     pub hold_slots: Vec<BatchId>,
     /// Tokens per page, used to hash lookups (0 makes every lookup a `Config` error).
     pub page_size: u32,
@@ -133,7 +134,8 @@ struct MockState {
     slots: HashMap<BatchId, Vec<u32>>,
     /// Batches a reset cancelled whose outcomes are not taken yet (`Cancelled` when taken).
     cancelled: std::collections::HashSet<BatchId>,
-    /// Cancelled batches whose outcome waits for [`MockKvLoader::release`] (`hold_slots`).
+    /// Batches whose store call has not returned (`hold_slots`, until
+    /// [`MockKvLoader::release`]): no outcome yet, slots busy.
     held: std::collections::HashSet<BatchId>,
     closed: bool,
 }
@@ -178,8 +180,8 @@ impl MockKvLoader {
     }
 
     /// The store call held by `batch` (`MockScript::hold_slots`) returned: its outcome
-    /// (cancelled) comes through `completed` from now on, and its slots may be reused once
-    /// it is taken.
+    /// (cancelled after a reset, else its `Timeout`) can be taken from now on, and its slots
+    /// may be reused once it is.
     pub fn release(&self, batch: BatchId) {
         self.state.lock().held.remove(&batch);
     }
@@ -196,6 +198,33 @@ impl MockKvLoader {
             return Err(KvLoadError::Closed);
         }
         Ok(())
+    }
+
+    /// Records a call that still answers after `close` (as the linker's: outcomes stay to be
+    /// taken, and a second close is a no-op).
+    fn record_open_or_closed(&self, call: MockCall) {
+        self.state.lock().calls.push(call);
+    }
+
+    /// Whether `batch` is still loading: a time-out a reset has not cancelled, or a store call
+    /// that has not returned (held).
+    fn in_flight(&self, st: &MockState, batch: &BatchId) -> bool {
+        st.held.contains(batch)
+            || (self.script.time_out.contains(batch) && !st.cancelled.contains(batch))
+    }
+
+    /// Cancels every batch in flight (`reset`, `close`); the batches whose store call has not
+    /// returned (their outcomes wait for `release`).
+    fn cancel_in_flight(&self) -> Vec<BatchId> {
+        let mut st = self.state.lock();
+        let in_flight: Vec<BatchId> = st
+            .live
+            .keys()
+            .copied()
+            .filter(|b| self.in_flight(&st, b))
+            .collect();
+        st.cancelled.extend(in_flight);
+        st.held.iter().copied().collect()
     }
 
     fn live_ticket(&self, ticket: &LoadTicket) -> Result<(), KvLoadError> {
@@ -244,7 +273,7 @@ impl MockKvLoader {
             Err(KvLoadError::Cancelled { batch: b })
         } else if let Some(&l) = self.script.fail_at_layer.get(&b) {
             Err(self.failure(b, l))
-        } else if self.script.time_out.contains(&b) {
+        } else if self.script.time_out.contains(&b) || self.script.hold_slots.contains(&b) {
             Err(KvLoadError::Timeout {
                 batch: b,
                 layer: 0,
@@ -356,6 +385,9 @@ impl KvLoader for MockKvLoader {
         let pages = u32::try_from(plan.logical.num_pages()).unwrap_or(u32::MAX);
         state.live.insert(batch, (ticket, pages));
         state.slots.insert(batch, plan.slots.clone());
+        if self.script.hold_slots.contains(&batch) {
+            state.held.insert(batch);
+        }
         Ok(ticket)
     }
 
@@ -383,7 +415,7 @@ impl KvLoader for MockKvLoader {
         }
         let late =
             matches!(self.script.wait_time_out_from.get(&ticket.batch), Some(&l) if layer >= l);
-        if late || self.script.time_out.contains(&ticket.batch) {
+        if late || self.in_flight(&self.state.lock(), &ticket.batch) {
             return Err(KvLoadError::Timeout {
                 batch: ticket.batch,
                 layer,
@@ -397,16 +429,11 @@ impl KvLoader for MockKvLoader {
     }
 
     fn wait_batch(&self, ticket: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
-        self.record(MockCall::WaitBatch {
+        self.record_open_or_closed(MockCall::WaitBatch {
             batch: ticket.batch,
-        })?;
+        });
         self.live_ticket(ticket)?;
-        let in_flight = {
-            let st = self.state.lock();
-            st.held.contains(&ticket.batch)
-                || (self.script.time_out.contains(&ticket.batch)
-                    && !st.cancelled.contains(&ticket.batch))
-        };
+        let in_flight = self.in_flight(&self.state.lock(), &ticket.batch);
         if in_flight {
             // As the Linker: no outcome came by the wait's deadline, so there is none to
             // return; the batch stays in flight (unsettled: the engine resets the loader).
@@ -437,9 +464,7 @@ impl KvLoader for MockKvLoader {
     }
 
     fn completed(&self) -> Vec<BatchOutcome> {
-        if self.record(MockCall::Completed).is_err() {
-            return Vec::new();
-        }
+        self.record_open_or_closed(MockCall::Completed);
         // As the linker: a batch still in flight (a time-out not cancelled) or whose store call
         // has not returned (held) has no outcome yet.
         let live: Vec<(LoadTicket, u32)> = {
@@ -448,10 +473,7 @@ impl KvLoader for MockKvLoader {
                 .live
                 .keys()
                 .copied()
-                .filter(|b| {
-                    !st.held.contains(b)
-                        && (!self.script.time_out.contains(b) || st.cancelled.contains(b))
-                })
+                .filter(|b| !self.in_flight(&st, b))
                 .collect();
             for b in &ready {
                 st.slots.remove(b);
@@ -472,28 +494,26 @@ impl KvLoader for MockKvLoader {
             batch,
             pages: plan.logical.num_pages(),
         })?;
-        // As the linker: the plan's checks that need no geometry, and no slot of a load still
-        // in flight (a time-out not cancelled, a held store call: it may still write it; the
-        // linker refuses it as a busy slot, a device error). A finished load's slots are free,
-        // its outcome taken or not, as the linker lets them go when the batch ends.
+        // As the linker: the plan's checks that need no geometry, and no slot of a load whose
+        // outcome is not taken (the linker holds a load's slots until a little after its last
+        // layer, and the docs ask for the outcome before a save of them: it refuses them as a
+        // busy slot, a device error), unless a reset ended that load (its slots are free then,
+        // but a held store call's).
         if let Some(reason) = slot_problem(plan) {
             return Err(KvLoadError::InvalidPlan { batch, reason });
         }
         let busy = {
             let st = self.state.lock();
-            let in_flight = |b: &BatchId| {
-                st.held.contains(b)
-                    || (self.script.time_out.contains(b) && !st.cancelled.contains(b))
-            };
+            let holds = |b: &BatchId| st.held.contains(b) || !st.cancelled.contains(b);
             plan.slots.iter().copied().find(|slot| {
                 st.slots
                     .iter()
-                    .any(|(b, slots)| in_flight(b) && slots.contains(slot))
+                    .any(|(b, slots)| holds(b) && slots.contains(slot))
             })
         };
         if let Some(slot) = busy {
             return Err(KvLoadError::Device(crate::Cause::from(format!(
-                "mock: page slot {slot} is busy: a load still in flight holds it"
+                "mock: page slot {slot} is busy: a load whose outcome is not taken holds it"
             ))));
         }
         let pages = plan.logical.num_pages();
@@ -510,18 +530,9 @@ impl KvLoader for MockKvLoader {
 
     fn reset(&self) -> Result<(), KvLoadError> {
         self.record(MockCall::Reset)?;
-        // As the Linker does: the batches end cancelled, their outcomes stay to be taken by
-        // `completed`, and their ids stay in use until then.
-        let mut s = self.state.lock();
-        let live: Vec<BatchId> = s.live.keys().copied().collect();
-        s.cancelled.extend(live.iter().copied());
-        let held: Vec<BatchId> = live
-            .into_iter()
-            .filter(|b| self.script.hold_slots.contains(b))
-            .collect();
-        s.held.extend(held.iter().copied());
-        let mut all_held: Vec<BatchId> = s.held.iter().copied().collect();
-        drop(s);
+        // As the Linker does: the batches in flight end cancelled; every outcome stays to be
+        // taken (a finished batch's as it was), and the ids stay in use until then.
+        let mut all_held = self.cancel_in_flight();
         self.counter.reset();
         if all_held.is_empty() {
             return Ok(());
@@ -533,19 +544,13 @@ impl KvLoader for MockKvLoader {
     }
 
     fn close(&self) -> Result<(), KvLoadError> {
-        self.record(MockCall::Close)?;
-        let mut s = self.state.lock();
-        let mut held: Vec<BatchId> = s
-            .live
-            .keys()
-            .copied()
-            .filter(|b| self.script.hold_slots.contains(b) || s.held.contains(b))
-            .collect();
-        s.live.clear();
-        s.slots.clear();
-        s.cancelled.clear();
-        s.held.clear();
-        s.closed = true;
+        self.record_open_or_closed(MockCall::Close);
+        // As the linker: a second close does nothing; the first cancels what is in flight,
+        // and every outcome stays to be taken (`wait_batch`, `completed`) after it.
+        if std::mem::replace(&mut self.state.lock().closed, true) {
+            return Ok(());
+        }
+        let mut held = self.cancel_in_flight();
         if held.is_empty() {
             return Ok(());
         }
@@ -603,6 +608,21 @@ mod tests {
         }
     }
 
+    /// A plan of one page into `slot`.
+    fn one_page_plan(batch: u64, slot: u32) -> BatchPlan {
+        BatchPlan {
+            logical: crate::LogicalPlan {
+                batch: BatchId(batch),
+                requests: vec![crate::RequestPages {
+                    request: "r".into(),
+                    pages: vec![PageHash([7; 32])],
+                }],
+                components: vec![],
+            },
+            slots: vec![slot],
+        }
+    }
+
     #[test]
     fn of_threads_taking_one_outcome_at_once_exactly_one_gets_it() {
         for _ in 0..200 {
@@ -620,7 +640,11 @@ mod tests {
 
     #[test]
     fn a_batch_id_in_use_is_refused_and_a_layer_past_the_model_is_an_error() {
-        let mock = MockKvLoader::new(3, MockScript::default());
+        let script = MockScript {
+            time_out: vec![BatchId(2)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(3, script);
         let t = mock.start_load(plan(1)).unwrap();
         assert!(matches!(
             mock.start_load(plan(1)),
@@ -640,8 +664,9 @@ mod tests {
         mock.wait_batch(&t).unwrap().result.unwrap();
         // Taken: the id is free again.
         mock.start_load(plan(1)).unwrap();
-        // A reset cancels it (a later wait finds its ticket ended, as with the Linker); its
-        // outcome stays to be taken, and its id in use until then.
+        // A reset cancels a batch in flight (2, timing out: a later wait finds its ticket
+        // ended, as with the Linker); batch 1, which had loaded, keeps its outcome. Both stay
+        // to be taken, and their ids in use until then.
         let t = mock.start_load(plan(2)).unwrap();
         mock.reset().unwrap();
         assert!(matches!(
@@ -654,9 +679,11 @@ mod tests {
         ));
         let taken = mock.completed();
         assert_eq!(taken.len(), 2);
-        assert!(taken
-            .iter()
-            .all(|o| matches!(o.result, Err(KvLoadError::Cancelled { .. }))));
+        assert!(taken[0].result.is_ok(), "{:?}", taken[0]);
+        assert!(matches!(
+            taken[1].result,
+            Err(KvLoadError::Cancelled { .. })
+        ));
         mock.start_load(plan(1)).unwrap();
         assert!(
             mock.completed()[0].result.is_ok(),
@@ -823,5 +850,78 @@ mod tests {
             ));
         }
         assert!(mock.wait_batch(&t).unwrap().result.is_ok());
+    }
+
+    /// A batch holding a store call (`hold_slots`) is in flight from its start, as with the
+    /// linker: its waits and `wait_batch` time out and a save of its slots is refused; once
+    /// the call returned (`release`) without a reset, its outcome is its `Timeout`, taken
+    /// once; a later reset does not hold it again. Before, such a batch loaded at once, and a
+    /// reset after its release held it again.
+    #[test]
+    fn a_held_store_call_is_in_flight_from_its_start_until_released() {
+        let script = MockScript {
+            hold_slots: vec![BatchId(3)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        let slotted = |b| one_page_plan(b, 4);
+        let t = mock.start_load(slotted(3)).unwrap();
+        assert!(matches!(
+            mock.wait_layer(&t, 0),
+            Err(KvLoadError::Timeout { .. })
+        ));
+        assert!(matches!(
+            mock.wait_batch(&t),
+            Err(KvLoadError::Timeout { .. })
+        ));
+        assert!(mock.completed().is_empty());
+        assert!(matches!(
+            mock.save(&slotted(9)),
+            Err(KvLoadError::Device(_))
+        ));
+        mock.release(BatchId(3));
+        mock.reset().unwrap();
+        assert!(matches!(
+            mock.wait_batch(&t).unwrap().result,
+            Err(KvLoadError::Timeout { .. })
+        ));
+    }
+
+    /// After `close`, as with the linker: a second close is a no-op, and outcomes not taken
+    /// (a loaded batch's, a cancelled one's) are still handed out. Before, the second close
+    /// failed `Closed` and the outcomes were dropped.
+    #[test]
+    fn outcomes_stay_to_be_taken_after_close_and_a_second_close_is_a_no_op() {
+        let script = MockScript {
+            time_out: vec![BatchId(2)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        let loaded = mock.start_load(plan(1)).unwrap();
+        mock.start_load(plan(2)).unwrap();
+        mock.close().unwrap();
+        mock.close().unwrap();
+        assert!(matches!(mock.start_load(plan(3)), Err(KvLoadError::Closed)));
+        assert!(mock.wait_batch(&loaded).unwrap().result.is_ok());
+        let rest = mock.completed();
+        assert_eq!(rest.len(), 1, "{rest:?}");
+        assert!(matches!(rest[0].result, Err(KvLoadError::Cancelled { .. })));
+    }
+
+    /// A save of slots whose load's outcome is not taken is refused (the docs ask for the
+    /// outcome first; the linker holds the slots until a little after the last layer), then
+    /// goes through once it is taken. Before, the mock let it through at once.
+    #[test]
+    fn a_save_waits_for_the_outcome_of_the_load_into_its_slots() {
+        let mock = MockKvLoader::new(2, MockScript::default());
+        let slotted = |b| one_page_plan(b, 5);
+        let t = mock.start_load(slotted(1)).unwrap();
+        mock.wait_layer(&t, 1).unwrap();
+        assert!(matches!(
+            mock.save(&slotted(2)),
+            Err(KvLoadError::Device(_))
+        ));
+        mock.wait_batch(&t).unwrap().result.unwrap();
+        mock.save(&slotted(2)).unwrap();
     }
 }
