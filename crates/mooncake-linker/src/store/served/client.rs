@@ -28,7 +28,7 @@ use parking_lot::Mutex;
 use super::protocol::{
     frame_len, hello as answer, location, op, read_all_vectored, read_exact_by, read_frame,
     split_address, write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, MAX_FRAME,
-    PROTOCOL,
+    MAX_ITEMS, PROTOCOL,
 };
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
@@ -366,6 +366,9 @@ impl SocketStore {
         keys: &[&str],
         value: impl Fn(&mut Dec<'_>) -> Result<T, Malformed>,
     ) -> Vec<Result<T, StoreError>> {
+        if let Some(e) = too_many(keys.len(), keys.first().copied().unwrap_or("")) {
+            return all_err(keys.len(), e);
+        }
         let body = keys_body(opcode, keys);
         let r = self.call(|c, deadline| {
             let reply = Self::request(c, &body.0, deadline)?;
@@ -497,6 +500,20 @@ fn refuse_all<T>(n: usize, key: &str, detail: &str) -> Vec<Result<T, StoreError>
     (0..n).map(|_| Err(e.clone())).collect()
 }
 
+/// A call naming more items than one request may ([`MAX_ITEMS`]; the server would close the
+/// connection): refused whole for `first`, nothing sent.
+fn too_many(n: usize, first: &str) -> Option<StoreError> {
+    (n > MAX_ITEMS).then(|| StoreError::InvalidArgument {
+        key: first.to_string(),
+        detail: format!("a call of {n} items (at most {MAX_ITEMS} in one request)"),
+    })
+}
+
+/// `n` results, each `e`.
+fn all_err<T>(n: usize, e: StoreError) -> Vec<Result<T, StoreError>> {
+    (0..n).map(|_| Err(e.clone())).collect()
+}
+
 impl KvStore for SocketStore {
     fn name(&self) -> &str {
         "embedded (served)"
@@ -513,6 +530,9 @@ impl KvStore for SocketStore {
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
         if let Some(bad) = gets.iter().find(|g| g.dst.is_null() && g.len > 0) {
             return refuse_all(gets.len(), bad.key, "null destination");
+        }
+        if let Some(e) = too_many(gets.len(), gets.first().map_or("", |g| g.key)) {
+            return all_err(gets.len(), e);
         }
         let mut body = Enc::default();
         body.u8(op::GET_INTO).u32(gets.len() as u32);
@@ -548,6 +568,10 @@ impl KvStore for SocketStore {
             .find(|g| g.ranges.iter().any(|r| r.dst.is_null() && r.len > 0))
         {
             return refuse_all(gets.len(), bad.key, "null destination");
+        }
+        let most = gets.iter().map(|g| g.ranges.len()).max().unwrap_or(0);
+        if let Some(e) = too_many(gets.len().max(most), gets.first().map_or("", |g| g.key)) {
+            return all_err(gets.len(), e);
         }
         let mut body = Enc::default();
         body.u8(op::GET_RANGES).u32(gets.len() as u32);
@@ -590,6 +614,9 @@ impl KvStore for SocketStore {
             .find(|p| p.parts.iter().any(|(ptr, n)| ptr.is_null() && *n > 0))
         {
             return refuse_all(puts.len(), bad.key, "null source");
+        }
+        if let Some(e) = too_many(puts.len(), puts.first().map_or("", |p| p.key)) {
+            return all_err(puts.len(), e);
         }
         let mut body = Enc::default();
         body.u8(op::PUT).u32(puts.len() as u32);
@@ -641,6 +668,9 @@ impl KvStore for SocketStore {
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
         let key = keys.first().copied().unwrap_or("");
+        if let Some(e) = too_many(keys.len(), key) {
+            return Err(e);
+        }
         // The session's pins last while this client has a connection open: make sure the
         // anchor is one.
         // One deadline for the anchor and the start: the call fails within the request timeout

@@ -29,6 +29,12 @@ pub(crate) mod hello {
 pub(crate) const ABANDONED_ON_SERVER: i64 = -12;
 /// Largest request or reply frame (keys and ranges, not bulk bytes).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
+/// Most items (keys, gets, puts, ranges of one get) one request may name. An item takes a
+/// few bytes on the wire (an empty key: its 4-byte length) and tens in memory where it is
+/// handled (the key, its reference, its result), so the frame limit alone let one request of
+/// empty keys ask the serving process for gigabytes. A linker's calls name far fewer (a
+/// batch's pages times its components).
+pub(crate) const MAX_ITEMS: usize = 1 << 20;
 /// The call named by a [`StoreError::Panicked`] that came over the wire (its own name stays
 /// in the server's log).
 const SERVED_CALL: &str = "the serving store's call";
@@ -402,12 +408,15 @@ impl<'a> Dec<'a> {
     pub(crate) fn u8(&mut self) -> Result<u8, Malformed> {
         Ok(self.take(1)?[0])
     }
-    /// A count of items that each take at least `item_bytes` of what follows: refused when
-    /// the message cannot hold that many (so a count from the wire sizes an allocation of at
+    /// A count of items that each take at least `item_bytes` of what follows: refused past
+    /// [`MAX_ITEMS`], and when the message cannot hold that many (so a count from the wire sizes an allocation of at
     /// most the message's length times an item's size in memory over `item_bytes`: a put's
     /// items, 32 bytes each for at least 12 on the wire, about 2.7 times the message).
     pub(crate) fn count(&mut self, item_bytes: usize) -> Result<usize, Malformed> {
         let n = self.u32()? as usize;
+        if n > MAX_ITEMS {
+            return Err(Malformed(format!("{n} items (at most {MAX_ITEMS})")));
+        }
         let left = self.buf.len() - self.pos;
         if n.saturating_mul(item_bytes.max(1)) > left {
             return Err(Malformed(format!(

@@ -685,7 +685,8 @@ fn end_session(store: &EmbeddedStore, token: u64) {
 /// A request's list of keys, which ends its message (bytes past it are refused: a request
 /// read as one it is not, say from a client of another build, is not answered as if it were).
 fn keys(d: &mut Dec<'_>) -> Result<Vec<String>, Malformed> {
-    let n = d.u32()?;
+    // Each key is at least its 4-byte length on the wire.
+    let n = d.count(4)?;
     let keys = (0..n).map(|_| d.str()).collect::<Result<_, _>>()?;
     d.finish()?;
     Ok(keys)
@@ -832,7 +833,8 @@ fn reads(
     d: &mut Dec<'_>,
     mut get: impl FnMut(&mut Dec<'_>, &mut Reply) -> io::Result<Result<u64, StoreError>>,
 ) -> io::Result<Reply> {
-    let n = d.u32()?;
+    // Each get is at least a key's length and a u64 (a capacity, or a range count and more).
+    let n = d.count(8)?;
     let mut reply = Reply::new(Enc::default());
     for _ in 0..n {
         let r = get(d, &mut reply)?;

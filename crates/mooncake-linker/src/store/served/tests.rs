@@ -422,6 +422,35 @@ fn a_request_with_bytes_past_its_end_is_refused() {
     assert_eq!(client.health(), Ok(()), "the server serves on");
 }
 
+/// A request naming more items than `MAX_ITEMS` ends its connection before its keys are
+/// taken apart (empty keys, 4 bytes each on the wire, cost the serving process tens of bytes
+/// each: a 64 MiB frame of them asked it for gigabytes); a client refuses such a call itself,
+/// sending nothing, and goes on.
+#[test]
+fn a_request_of_more_items_than_one_may_name_is_refused() {
+    use super::protocol::MAX_ITEMS;
+    use std::io::Write;
+    let (server, client) = serve(1 << 20);
+    let mut body = Enc::default();
+    body.u8(op::EXISTS).u32(MAX_ITEMS as u32 + 1);
+    for _ in 0..=MAX_ITEMS {
+        body.str("");
+    }
+    let mut raw = raw_connection(&server);
+    raw.write_all(&frame_len(&body.0)).unwrap();
+    raw.write_all(&body.0).unwrap();
+    assert!(closed_by_server(&mut raw), "refused: the connection ends");
+    let keys = vec![""; MAX_ITEMS + 1];
+    let got = client.exists(&keys);
+    assert_eq!(got.len(), keys.len());
+    assert!(
+        matches!(&got[0], Err(StoreError::InvalidArgument { detail, .. }) if detail.contains("items")),
+        "{:?}",
+        got[0]
+    );
+    assert_eq!(client.exists(&["k"]), vec![Ok(false)], "the client goes on");
+}
+
 #[test]
 fn a_connection_the_server_ends_is_closed_for_its_client_at_once() {
     use std::io::Write;
