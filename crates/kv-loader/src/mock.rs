@@ -90,12 +90,12 @@ pub struct MockScript {
     /// Batch → layer from which its layer waits time out while the batch itself loads (a
     /// rank whose wait deadline passed on a load that then ended well): its outcome is `Ok`.
     pub wait_time_out_from: HashMap<BatchId, u32>,
-    /// Batches that hold a store call past its deadline (a hung store): from their start
-    /// their layer waits and `wait_batch` time out and `completed` skips them, a `reset` or
-    /// `close` answers [`KvLoadError::SlotsHeld`] naming them, and so on until
-    /// [`MockKvLoader::release`] says the call returned, as the linker does (the outcome is
-    /// then `Cancelled` after a reset, else the batch's `Timeout`). Their slots must stay out
-    /// of use until then.
+    /// Batches that hold a store call past its deadline (a hung store), as the linker's do:
+    /// from their start the batch has failed while the call is out, so its layer waits answer
+    /// [`KvLoadError::SlotsHeld`], `wait_batch` times out, `completed` skips it, and a `reset`
+    /// or `close` answers `SlotsHeld` naming it, until [`MockKvLoader::release`] says the call
+    /// returned; its outcome is then the batch's own store failure (a reset between does not
+    /// make it `Cancelled`). Their slots must stay out of use until then.
     pub hold_slots: Vec<BatchId>,
     /// Tokens per page, used to hash lookups (0 makes every lookup a `Config` error).
     pub page_size: u32,
@@ -137,6 +137,9 @@ struct MockState {
     /// Batches whose store call has not returned (`hold_slots`, until
     /// [`MockKvLoader::release`]): no outcome yet, slots busy.
     held: std::collections::HashSet<BatchId>,
+    /// Batches a reset or close ended whose outcomes are not taken yet: their tickets are
+    /// ended for waits (`StaleTicket`), as the linker's counter reset ends them.
+    ended: std::collections::HashSet<BatchId>,
     closed: bool,
 }
 
@@ -179,9 +182,9 @@ impl MockKvLoader {
         }
     }
 
-    /// The store call held by `batch` (`MockScript::hold_slots`) returned: its outcome
-    /// (cancelled after a reset, else its `Timeout`) can be taken from now on, and its slots
-    /// may be reused once it is.
+    /// The store call held by `batch` (`MockScript::hold_slots`) returned: its outcome (the
+    /// batch's store failure) can be taken from now on, and its slots may be reused once it
+    /// is.
     pub fn release(&self, batch: BatchId) {
         self.state.lock().held.remove(&batch);
     }
@@ -224,6 +227,8 @@ impl MockKvLoader {
             .filter(|b| self.in_flight(&st, b))
             .collect();
         st.cancelled.extend(in_flight);
+        let live: Vec<BatchId> = st.live.keys().copied().collect();
+        st.ended.extend(live);
         st.held.iter().copied().collect()
     }
 
@@ -234,6 +239,17 @@ impl MockKvLoader {
             _ => Err(KvLoadError::StaleTicket {
                 batch: ticket.batch,
             }),
+        }
+    }
+
+    /// The failure of a batch whose store call was held (`hold_slots`): past its deadline.
+    fn held_failure(&self, batch: BatchId) -> KvLoadError {
+        KvLoadError::Store {
+            batch: Some(batch),
+            layer: Some(0),
+            pages: Vec::new().into(),
+            kind: StoreFailure::RpcTimeout,
+            detail: "scripted store call held past its deadline (mock)".into(),
         }
     }
 
@@ -269,11 +285,15 @@ impl MockKvLoader {
 
     fn outcome(&self, ticket: &LoadTicket, pages: u32) -> BatchOutcome {
         let b = ticket.batch;
-        let result = if self.state.lock().cancelled.remove(&b) {
+        let result = if self.script.hold_slots.contains(&b) {
+            // The batch failed on its store call; a reset does not change what it failed of.
+            self.state.lock().cancelled.remove(&b);
+            Err(self.held_failure(b))
+        } else if self.state.lock().cancelled.remove(&b) {
             Err(KvLoadError::Cancelled { batch: b })
         } else if let Some(&l) = self.script.fail_at_layer.get(&b) {
             Err(self.failure(b, l))
-        } else if self.script.time_out.contains(&b) || self.script.hold_slots.contains(&b) {
+        } else if self.script.time_out.contains(&b) {
             Err(KvLoadError::Timeout {
                 batch: b,
                 layer: 0,
@@ -397,7 +417,21 @@ impl KvLoader for MockKvLoader {
             layer,
         })?;
         self.live_ticket(ticket)?;
-        if self.state.lock().cancelled.contains(&ticket.batch) {
+        let (ended, held) = {
+            let st = self.state.lock();
+            (
+                st.cancelled.contains(&ticket.batch) || st.ended.contains(&ticket.batch),
+                st.held.contains(&ticket.batch),
+            )
+        };
+        if held {
+            // As the Linker: the batch failed while its store call is out; the slots stay
+            // held until the call returns and the outcome is taken.
+            return Err(KvLoadError::SlotsHeld {
+                batches: vec![ticket.batch].into(),
+            });
+        }
+        if ended {
             // As the Linker: a reset ends the batch's tickets (a thread already waiting then
             // hears `Cancelled`; the mock never blocks, so every wait after is this).
             return Err(KvLoadError::StaleTicket {
@@ -415,7 +449,7 @@ impl KvLoader for MockKvLoader {
         }
         let late =
             matches!(self.script.wait_time_out_from.get(&ticket.batch), Some(&l) if layer >= l);
-        if late || self.in_flight(&self.state.lock(), &ticket.batch) {
+        if late || self.script.time_out.contains(&ticket.batch) {
             return Err(KvLoadError::Timeout {
                 batch: ticket.batch,
                 layer,
@@ -450,6 +484,7 @@ impl KvLoader for MockKvLoader {
             match st.live.get(&ticket.batch) {
                 Some((t, _)) if t == ticket => {
                     st.slots.remove(&ticket.batch);
+                    st.ended.remove(&ticket.batch);
                     st.live.remove(&ticket.batch).map_or(0, |(_, p)| p)
                 }
                 _ => {
@@ -477,6 +512,7 @@ impl KvLoader for MockKvLoader {
                 .collect();
             for b in &ready {
                 st.slots.remove(b);
+                st.ended.remove(b);
             }
             ready.iter().filter_map(|b| st.live.remove(b)).collect()
         };
@@ -494,11 +530,11 @@ impl KvLoader for MockKvLoader {
             batch,
             pages: plan.logical.num_pages(),
         })?;
-        // As the linker: the plan's checks that need no geometry, and no slot of a load whose
-        // outcome is not taken (the linker holds a load's slots until a little after its last
-        // layer, and the docs ask for the outcome before a save of them: it refuses them as a
-        // busy slot, a device error), unless a reset ended that load (its slots are free then,
-        // but a held store call's).
+        // The plan's checks that need no geometry (as the linker), and no slot of a load whose
+        // outcome is not taken unless a reset ended that load (a held store call's stay busy):
+        // the rule the docs give engines. Stricter than the linker, which lets a load's slots
+        // go a little after its last layer whether or not its outcome was taken; it refuses a
+        // busy slot as this does, a device error.
         if let Some(reason) = slot_problem(plan) {
             return Err(KvLoadError::InvalidPlan { batch, reason });
         }
@@ -663,15 +699,19 @@ mod tests {
         assert!(matches!(mock.wait_layer(&t, 2), Ok(LayerReady::Resident)));
         mock.wait_batch(&t).unwrap().result.unwrap();
         // Taken: the id is free again.
-        mock.start_load(plan(1)).unwrap();
-        // A reset cancels a batch in flight (2, timing out: a later wait finds its ticket
-        // ended, as with the Linker); batch 1, which had loaded, keeps its outcome. Both stay
-        // to be taken, and their ids in use until then.
+        let one = mock.start_load(plan(1)).unwrap();
+        // A reset cancels a batch in flight (2, timing out); batch 1, which had loaded, keeps
+        // its outcome. A later wait finds either ticket ended, as with the Linker (its counter
+        // reset). Both outcomes stay to be taken, and their ids in use until then.
         let t = mock.start_load(plan(2)).unwrap();
         mock.reset().unwrap();
         assert!(matches!(
             mock.wait_layer(&t, 0),
             Err(KvLoadError::StaleTicket { batch: BatchId(2) })
+        ));
+        assert!(matches!(
+            mock.wait_layer(&one, 0),
+            Err(KvLoadError::StaleTicket { batch: BatchId(1) })
         ));
         assert!(matches!(
             mock.start_load(plan(1)),
@@ -829,9 +869,14 @@ mod tests {
         mock.release(BatchId(7));
         let after = mock.completed();
         assert_eq!(after.len(), 1, "{after:?}");
+        // The batch's own failure (its store call), as the linker hands it out: not
+        // `Cancelled`, though a reset came between.
         assert!(matches!(
             after[0].result,
-            Err(KvLoadError::Cancelled { .. })
+            Err(KvLoadError::Store {
+                kind: StoreFailure::RpcTimeout,
+                ..
+            })
         ));
         mock.reset().unwrap();
     }
@@ -853,8 +898,8 @@ mod tests {
     }
 
     /// A batch holding a store call (`hold_slots`) is in flight from its start, as with the
-    /// linker: its waits and `wait_batch` time out and a save of its slots is refused; once
-    /// the call returned (`release`) without a reset, its outcome is its `Timeout`, taken
+    /// linker: its waits answer `SlotsHeld`, `wait_batch` times out and a save of its slots is
+    /// refused; once the call returned (`release`) its outcome is its store failure, taken
     /// once; a later reset does not hold it again. Before, such a batch loaded at once, and a
     /// reset after its release held it again.
     #[test]
@@ -868,7 +913,7 @@ mod tests {
         let t = mock.start_load(slotted(3)).unwrap();
         assert!(matches!(
             mock.wait_layer(&t, 0),
-            Err(KvLoadError::Timeout { .. })
+            Err(KvLoadError::SlotsHeld { .. })
         ));
         assert!(matches!(
             mock.wait_batch(&t),
@@ -883,7 +928,7 @@ mod tests {
         mock.reset().unwrap();
         assert!(matches!(
             mock.wait_batch(&t).unwrap().result,
-            Err(KvLoadError::Timeout { .. })
+            Err(KvLoadError::Store { .. })
         ));
     }
 

@@ -143,13 +143,26 @@ impl LayerGate {
                 source: e.clone(),
             });
         }
-        i.wait_layer_on(layer, self.stream).map_err(|e| {
-            tracing::debug!(batch = %i.ticket.batch, layer, error = %e, "layer wait failed");
-            let (l, e) = i.failure.get_or_init(|| (layer, e));
-            CandleKvError::Load {
-                layer: Some(*l),
-                source: e.clone(),
-            }
+        if let Some(taken) = i.taken() {
+            // Another clone took the outcome: the loader has forgotten the ticket, and the
+            // verdict says it all (loaded: every layer is in the pool).
+            return taken;
+        }
+        let Err(e) = i.wait_layer_on(layer, self.stream) else {
+            return Ok(());
+        };
+        // Another clone may have taken the outcome meanwhile (its `finish` holds the lock
+        // while it does, so this waits for it): then the wait failed on the forgotten ticket,
+        // and the verdict answers instead of a failure recorded for every clone.
+        let outcome = i.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(v) = outcome.as_ref() {
+            return v.clone().map(drop).map_err(Verdict::error);
+        }
+        tracing::debug!(batch = %i.ticket.batch, layer, error = %e, "layer wait failed");
+        let (l, e) = i.failure.get_or_init(|| (layer, e));
+        Err(CandleKvError::Load {
+            layer: Some(*l),
+            source: e.clone(),
         })
     }
 
@@ -173,6 +186,14 @@ impl LayerGate {
 }
 
 impl Inner {
+    /// The verdict a clone's `finish` took, as a layer wait's answer (`None`: not taken).
+    fn taken(&self) -> Option<Result<(), CandleKvError>> {
+        let outcome = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        outcome
+            .as_ref()
+            .map(|v| v.clone().map(drop).map_err(Verdict::error))
+    }
+
     /// [`LoadHandle::wait_layer_on`], without the handle (another clone may be taking it for
     /// the outcome meanwhile).
     fn wait_layer_on(&self, layer: u32, stream: Option<RawStream>) -> Result<(), KvLoadError> {

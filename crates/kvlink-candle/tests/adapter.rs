@@ -732,3 +732,18 @@ fn a_failed_load_that_needs_a_reset_fences_the_loaded_tokens() {
     // Past the loaded prefix the slots are the cache's own.
     cache.write(0, 8, &rows(1, 0.0)).unwrap();
 }
+
+/// A clone that waits after another clone took the outcome (its sequence ended this step, the
+/// other reads its prefix next step) answers from the verdict: the loader has forgotten the
+/// ticket, and its `StaleTicket` must not fail the batch for every clone.
+#[test]
+fn a_clone_that_waits_after_another_finished_answers_from_the_verdict() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let ticket = mock.start_load(plan(14)).unwrap();
+    let mut first = LayerGate::new(mock.clone(), ticket);
+    let mut second = first.clone();
+    assert!(first.finish().unwrap().is_some());
+    second.wait(2).unwrap();
+    assert_eq!(waits(&mock), Vec::<u32>::new(), "the loader was not asked");
+    assert!(second.finish().unwrap().is_some(), "the same verdict");
+}
