@@ -251,12 +251,12 @@ impl Rig {
                 let watcher = s.spawn(|| {
                     let mut ready = Vec::with_capacity(linker.num_layers() as usize);
                     for l in 0..linker.num_layers() {
-                        if ready_at(l).is_err() {
-                            break;
+                        if let Err(e) = ready_at(l) {
+                            return Err(format!("layer {l} (the ready-time watcher): {e}"));
                         }
                         ready.push(t0.elapsed().as_secs_f64());
                     }
-                    ready
+                    Ok(ready)
                 });
                 let mut failed = None;
                 for l in 0..linker.num_layers() {
@@ -268,14 +268,20 @@ impl Rig {
                         std::thread::sleep(compute);
                     }
                 }
-                (watcher.join().unwrap_or_default(), failed)
+                let watched = watcher
+                    .join()
+                    .unwrap_or_else(|_| Err("the ready-time watcher panicked".into()));
+                (watched, failed)
             });
-            let first = ready.first().copied().unwrap_or(f64::NAN);
-            let last = if ready.len() == linker.num_layers() as usize {
-                ready.last().copied().unwrap_or(f64::NAN)
-            } else {
-                f64::NAN
+            // A layer the watcher did not see ready fails the batch's run: its times would be
+            // missing from the table (a NaN the slowest-rank maximum drops).
+            let (ready, failed) = match (ready, failed) {
+                (Ok(ready), failed) => (ready, failed),
+                (Err(e), None) => (Vec::new(), Some(e)),
+                (Err(_), failed) => (Vec::new(), failed),
             };
+            let first = ready.first().copied().unwrap_or(f64::NAN);
+            let last = ready.last().copied().unwrap_or(f64::NAN);
             let forward_done = t0.elapsed().as_secs_f64();
             let outcome = linker.wait_batch(&ticket).map_err(|e| e.to_string())?;
             let stats = outcome.result.map_err(|e| e.to_string())?;

@@ -264,12 +264,12 @@ impl LinkerReader {
             let watcher = s.spawn(|| {
                 let mut ready = Vec::with_capacity(layers as usize);
                 for l in 0..layers {
-                    if self.linker.wait_layer(&ticket, l).is_err() {
-                        break;
+                    if let Err(e) = self.linker.wait_layer(&ticket, l) {
+                        bail!("layer {l} (the ready-time watcher): {e}");
                     }
                     ready.push(start.elapsed().as_secs_f64());
                 }
-                ready
+                Ok(ready)
             });
             let engine = (0..layers).try_for_each(|l| {
                 self.linker.wait_layer(&ticket, l)?;
@@ -278,9 +278,14 @@ impl LinkerReader {
                 }
                 Ok::<_, kvlink::kv_loader::KvLoadError>(())
             });
-            (watcher.join().unwrap_or_default(), engine)
+            let watched = watcher
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("the ready-time watcher panicked")));
+            (watched, engine)
         });
         engine?;
+        // A layer the watcher did not see ready fails the round: its times would be missing.
+        let ready = ready?;
         let forward_done = start.elapsed().as_secs_f64();
         let stats = self.linker.wait_batch(&ticket)?.result?;
         if check {
@@ -288,11 +293,7 @@ impl LinkerReader {
         }
         Ok(LinkerTiming {
             first: ready.first().copied().unwrap_or(f64::NAN),
-            last: if ready.len() == layers as usize {
-                ready.last().copied().unwrap_or(f64::NAN)
-            } else {
-                f64::NAN
-            },
+            last: ready.last().copied().unwrap_or(f64::NAN),
             forward_done,
             groups: stats.read_groups,
         })

@@ -109,26 +109,55 @@ fn engine_context_kept() -> Result<String, String> {
     kept("creating a stream of kvlink's device")?;
     drop(stream);
     kept("destroying it")?;
-    // Handles that outlive the device: each of the drops below may hold the last handle on
-    // kvlink's context (and kernels), released with it made current by cudarc.
-    let ev = CudaLayerEvent::record_on(dev.cuda_load_stream(), 0).map_err(de)?;
-    let buf = DeviceBuffer::zeroed(dev.context(), 1 << 20, "test").map_err(de)?;
-    let pinned = PinnedBuffer::zeroed(dev.context(), 1 << 16, "test").map_err(de)?;
-    ev.synchronize().map_err(|e| e.to_string())?;
-    let stream = dev.new_stream().map_err(de)?;
-    kept("making handles that outlive the device")?;
-    drop(opened);
-    kept("dropping a handle of kvlink's device")?;
-    drop(dev);
-    kept("dropping the last handle of kvlink's device (its streams destroyed)")?;
-    drop(ev);
-    kept("dropping an event that outlived the device")?;
-    drop(buf);
-    kept("freeing a device buffer that outlived it")?;
-    drop(pinned);
-    kept("freeing pinned memory that outlived it")?;
-    drop(stream);
-    kept("destroying the last stream (the last handle on kvlink's context and kernels)")?;
+    drop((dev, opened));
+    kept("dropping kvlink's devices")?;
+    // Handles that outlive their device, each kind dropped last in a round of its own: that
+    // drop releases the last handle on kvlink's context (and kernels), which cudarc does with
+    // the context made current.
+    for last in [
+        "event",
+        "device buffer",
+        "pinned buffer",
+        "stream",
+        "kernels",
+    ] {
+        let dev = CudaDevice::new(0).map_err(de)?;
+        let mut held: Vec<(&str, Box<dyn std::any::Any>)> = vec![
+            (
+                "event",
+                Box::new(CudaLayerEvent::record_on(dev.cuda_load_stream(), 0).map_err(de)?),
+            ),
+            (
+                "device buffer",
+                Box::new(DeviceBuffer::zeroed(dev.context(), 1 << 20, "test").map_err(de)?),
+            ),
+            (
+                "pinned buffer",
+                Box::new(PinnedBuffer::zeroed(dev.context(), 1 << 16, "test").map_err(de)?),
+            ),
+            ("stream", Box::new(dev.new_stream().map_err(de)?)),
+            ("kernels", Box::new(dev.kernels().map_err(de)?)),
+        ];
+        dev.load_stream()
+            .record()
+            .map_err(de)?
+            .synchronize()
+            .map_err(|e| e.to_string())?;
+        drop(dev);
+        // Every other handle first, then `last`, which holds the context alone.
+        let at = held.iter().position(|(name, _)| *name == last).unwrap_or(0);
+        let kept_last = held.remove(at);
+        drop(held);
+        kept("dropping the device and every other handle that outlived it")?;
+        drop(kept_last);
+        kept(match last {
+            "event" => "dropping an event that held kvlink's context last",
+            "device buffer" => "freeing a device buffer that held kvlink's context last",
+            "pinned buffer" => "freeing pinned memory that held kvlink's context last",
+            "stream" => "destroying a stream that held kvlink's context last",
+            _ => "dropping the kernels, which held kvlink's context last",
+        })?;
+    }
     Ok(format!(
         "{} steps, the engine's context current after each",
         steps.len()

@@ -73,7 +73,10 @@ pub enum DeviceError {
     /// Staging that device work may still use (a wait for it timed out, or a collective on it
     /// was aborted): it is never reused nor freed until that work is known to be done. Also a
     /// pool's synchronous copy refused while an earlier one (past its limit) has not ended:
-    /// the load stream is stuck; it clears once that copy ends (or rebuild the pool).
+    /// the load stream is stuck; it clears once that copy ends (or rebuild the pool). After a
+    /// copy whose wait failed outright (its stream failed: a CUDA error that leaves the
+    /// context unusable, say) the pool's synchronous copies, slot-table uploads included, are
+    /// refused for good: rebuild the pool (and, on CUDA, the device).
     #[error("staging poisoned: {0}")]
     Poisoned(&'static str),
     /// A stage or row block used against the rules (another batch's stage, a layer not open,

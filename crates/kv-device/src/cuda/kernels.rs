@@ -8,7 +8,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use parking_lot::Mutex;
 
-use super::current::Current;
+use super::current::{ContextRestore, Current};
 use super::error::drv;
 use crate::{DeviceError, RowCopy};
 
@@ -35,6 +35,16 @@ pub struct Kernels {
     source: KernelSource,
     func: CudaFunction,
     _module: Arc<CudaModule>,
+    /// Last: the thread's own context current again after the module (whose drop makes
+    /// kvlink's context current, and may release it) dropped.
+    restore: ContextRestore,
+}
+
+impl Drop for Kernels {
+    /// The fields drop after this, `restore` last (see `ContextRestore`).
+    fn drop(&mut self) {
+        self.restore.save();
+    }
 }
 
 /// Threads per block of the copy kernel.
@@ -106,6 +116,7 @@ impl Kernels {
             source,
             func,
             _module: module,
+            restore: ContextRestore::default(),
         })
     }
 
