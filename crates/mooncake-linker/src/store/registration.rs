@@ -112,6 +112,21 @@ impl Registration {
         deadline: Instant,
         unregister_wait: Duration,
     ) -> Result<Self, StoreError> {
+        if Instant::now() >= deadline {
+            // As every bounded call: not sent once its deadline has passed (it would only be
+            // given up at once, a worker held until the store answered).
+            let name = raw(&region).to_string();
+            tracing::warn!(
+                region = %name,
+                "a register's deadline passed before it started: not sent"
+            );
+            // As `bounded_all` says a wave it did not start.
+            return Err(StoreError::Overdue {
+                key: name,
+                call: "register",
+                waited: Duration::ZERO,
+            });
+        }
         Registering::start(calls, region)?.finish(calls, deadline, unregister_wait)
     }
 
@@ -729,6 +744,15 @@ mod tests {
         let out = Registration::bounded_all(&calls, regions, Instant::now(), SHORT);
         assert_overdue(&out, "register");
         assert!(bufs.iter().all(|b| Arc::strong_count(b) == 1));
+        let asked = store
+            .register_calls
+            .load(std::sync::atomic::Ordering::Acquire);
+        assert_eq!(asked, 0, "no register started");
+        // Nor does one region's (before, it was sent, given up at once and undone later).
+        let buf = Arc::new(vec![0u8; 64]);
+        let one = Registration::bounded(&calls, region_of(&buf), Instant::now(), SHORT);
+        assert_overdue(&one.map(|r| vec![r]), "register");
+        assert_eq!(Arc::strong_count(&buf), 1, "the region was let go");
         let asked = store
             .register_calls
             .load(std::sync::atomic::Ordering::Acquire);

@@ -10,7 +10,7 @@ use std::time::Instant;
 use kv_device::{first_overlap, ReadTarget, StageLoan};
 use smallvec::SmallVec;
 
-use super::bounded::{failed_all, unanswered_all, Pending};
+use super::bounded::{failed_all, unanswered_all, Pending, Unanswered};
 use super::{
     checked_results, KvStore, RangeChecksums, RangedGet, ReadRange, StoreCalls, StoreError,
 };
@@ -157,6 +157,19 @@ impl StoreCalls {
         if let Some(reason) = refusal(reads, &loans) {
             tracing::error!(reason, "a read's targets were refused");
             return refused(reads, reason);
+        }
+        if Instant::now() >= deadline {
+            // As `StoreCalls::run`: the caller's bound is spent, and the call would only be
+            // given up at once, a worker and the loans held until the store answered.
+            tracing::warn!(
+                call = "get_ranges",
+                "a store call's deadline passed before it started: not sent"
+            );
+            let keys: Vec<String> = reads.iter().map(|r| r.key.to_owned()).collect();
+            return TargetReadResults {
+                results: unanswered_all(&keys, "get_ranges", &Unanswered::NotStarted),
+                sums: reads.iter().map(no_sums).collect(),
+            };
         }
         let parts = parallelism.clamp(1, reads.len().max(1));
         let chunk = reads.len().div_ceil(parts).max(1);
@@ -335,6 +348,37 @@ mod tests {
                 .map(|&target| TargetRange { target, offset: 0 })
                 .collect(),
         }
+    }
+
+    /// A read whose deadline passed before it started is not sent (as every other bounded
+    /// call): before, it went to the store anyway and was given up at once, a worker and the
+    /// loans held until the store answered (against a hung store, one more worker each time).
+    #[test]
+    fn a_read_past_its_deadline_is_not_sent() {
+        use crate::store::faulty::{Fault, FaultRule, FaultyStore, Stall};
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 4).unwrap());
+        let shape = BatchShape::own_only(vec![ComponentId(0)]);
+        let mut landing = DirectLanding::new(pool, vec![0, 1].into(), shape).unwrap();
+        let mut stages = landing.take_stages();
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        landing.open(&mut stages[0], 0, soon()).unwrap();
+        let stall = Stall::new();
+        let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 22))));
+        faulty.inject(FaultRule::default(), Fault::Stall(stall.clone()));
+        let calls = StoreCalls::new(faulty.clone() as Arc<dyn KvStore>);
+        let loan = landing.lend(&mut stages[0]).unwrap();
+        let a = landing.target(&loan, ComponentId(0), 0).unwrap();
+        let t0 = Instant::now();
+        let passed = t0.checked_sub(Duration::from_millis(1)).unwrap_or(t0);
+        let r = calls.read_targets(&[read("x", &[a])], vec![loan], 1, passed);
+        assert!(
+            matches!(&r[..], [Err(StoreError::RpcTimeout { .. })]),
+            "{r:?}"
+        );
+        assert_eq!(calls.workers(), 0, "nothing went to the store");
+        assert_eq!(stall.hits(), 0);
+        stall.release();
     }
 
     #[test]
