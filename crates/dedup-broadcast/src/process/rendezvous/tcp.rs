@@ -595,6 +595,10 @@ fn attempt(
     let local = stream.local_addr().map_err(io)?.ip();
     let server = stream.peer_addr().map_err(io)?.ip();
     if listener.as_ref().is_none_or(|(ip, _, _)| *ip != local) {
+        // The old one first: its Unix listener's name (pid and nonce) is the one the new
+        // listener binds, and two cannot (EADDRINUSE ended the join when the address that
+        // reaches rank 0 changed, as when it restarted on another host).
+        *listener = None;
         let (h, l) = hello(local)?;
         *listener = Some((local, h, l));
     }
@@ -770,6 +774,44 @@ mod tests {
         let st = leader.state.lock();
         assert!(st.forming.is_none());
         assert_eq!(st.last_failure.as_deref(), Some(ENDED_ABNORMALLY));
+    }
+
+    /// A joiner whose address toward rank 0 changed (its listener was for another IP) makes a
+    /// new listener under the same name (pid and nonce): the old one goes first. Before, the
+    /// new bind met the old one's Unix name (EADDRINUSE) and the join ended with `Io`.
+    #[test]
+    fn a_joiner_whose_address_to_rank_0_changed_binds_its_listener_again() {
+        let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
+        let nonce = 0x5eed_0001 ^ u64::from(std::process::id());
+        let old_ip: IpAddr = "127.0.0.2".parse().unwrap();
+        let mut listener = Some((
+            old_ip,
+            hello(1),
+            MeshListener::bind("127.0.0.1".parse().unwrap(), true, nonce).unwrap(),
+        ));
+        let mut lookups = AddressLookups::new(&leader.local_addr().to_string(), "rank 0");
+        let mut heard = Heard::Nothing(String::new());
+        let mut bind = |ip: IpAddr| {
+            let l = MeshListener::bind(ip, true, nonce)
+                .map_err(|e| RendezvousError::io("binding the mesh listener", e))?;
+            Ok((hello(1), l))
+        };
+        let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+        let r = attempt(
+            &mut lookups,
+            Duration::from_secs(5),
+            deadline,
+            &mut bind,
+            &mut listener,
+            &mut heard,
+        );
+        assert!(r.is_ok(), "{:?}", r.err());
+        let ip = listener.as_ref().map(|(ip, _, _)| *ip);
+        assert_eq!(
+            ip,
+            Some("127.0.0.1".parse().unwrap()),
+            "a listener for the new address"
+        );
     }
 
     #[test]
