@@ -350,19 +350,26 @@ mod tests {
         }
     }
 
+    /// A direct landing of GLM-5.2's first component into slots 0 and 1 of a host pool, its
+    /// stages, the first open for layer 0.
+    fn landing_with_layer_0_open() -> (DirectLanding, Vec<kv_device::LayerStage>) {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 4).unwrap());
+        let shape = BatchShape::own_only(vec![ComponentId(0)]);
+        let mut landing = DirectLanding::new(pool, vec![0, 1].into(), shape).unwrap();
+        let mut stages = landing.take_stages();
+        let soon = kv_loader::deadline_after(Duration::from_secs(5));
+        landing.open(&mut stages[0], 0, soon).unwrap();
+        (landing, stages)
+    }
+
     /// A read whose deadline passed before it started is not sent (as every other bounded
     /// call): before, it went to the store anyway and was given up at once, a worker and the
     /// loans held until the store answered (against a hung store, one more worker each time).
     #[test]
     fn a_read_past_its_deadline_is_not_sent() {
         use crate::store::faulty::{Fault, FaultRule, FaultyStore, Stall};
-        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
-        let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 4).unwrap());
-        let shape = BatchShape::own_only(vec![ComponentId(0)]);
-        let mut landing = DirectLanding::new(pool, vec![0, 1].into(), shape).unwrap();
-        let mut stages = landing.take_stages();
-        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
-        landing.open(&mut stages[0], 0, soon()).unwrap();
+        let (landing, mut stages) = landing_with_layer_0_open();
         let stall = Stall::new();
         let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 22))));
         faulty.inject(FaultRule::default(), Fault::Stall(stall.clone()));
@@ -383,13 +390,8 @@ mod tests {
 
     #[test]
     fn overlapping_or_foreign_targets_are_refused_and_nothing_is_written() {
-        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
-        let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 4).unwrap());
-        let shape = BatchShape::own_only(vec![ComponentId(0)]);
-        let mut landing = DirectLanding::new(pool, vec![0, 1].into(), shape).unwrap();
-        let mut stages = landing.take_stages();
+        let (landing, mut stages) = landing_with_layer_0_open();
         let soon = || kv_loader::deadline_after(Duration::from_secs(5));
-        landing.open(&mut stages[0], 0, soon()).unwrap();
         landing.open(&mut stages[1], 1, soon()).unwrap();
         let store = Arc::new(EmbeddedStore::new(1 << 22));
         let calls = StoreCalls::new(store.clone() as Arc<dyn KvStore>);
