@@ -420,7 +420,8 @@ impl KvLoader for MockKvLoader {
         let (ended, held) = {
             let st = self.state.lock();
             (
-                st.cancelled.contains(&ticket.batch) || st.ended.contains(&ticket.batch),
+                // A cancelled batch is one of those a reset or close ended.
+                st.ended.contains(&ticket.batch),
                 st.held.contains(&ticket.batch),
             )
         };
