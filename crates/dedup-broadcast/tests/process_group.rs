@@ -409,25 +409,18 @@ fn a_middle_rank_of_four_that_hangs_times_the_others_out_then_the_group_reforms(
 
 /// Starts `ranks` (each `(rank, world, extra role keys)`), rank 0 first; every process
 /// must report the same refusal kind.
-fn refused_everywhere(ranks: &[(u32, u32, &str)], want: &str, stagger: Option<usize>) {
+fn refused_everywhere(ranks: &[(u32, u32, &str)], want: &str) {
     let role = |r: u32, w: u32, extra: &str, meet: &str| {
         format!("role=refuse,rank={r},world={w},meet={meet},rv_ms=30000{extra}")
     };
     let (r0, w0, e0) = ranks[0];
     // Timed from the first start: a refusal that waited for the 30 s rendezvous timeout of
-    // any process ends past the bound, whatever the stagger.
+    // any process ends past the bound.
     let t = Instant::now();
     let mut first = RankProc::spawn("rank 0", &role(r0, w0, e0, "tcp:127.0.0.1:0"));
     let meet = format!("tcp:{}", first.expect("addr ", WAIT));
     let mut procs = vec![first];
     for (i, &(r, w, extra)) in ranks.iter().enumerate().skip(1) {
-        if stagger == Some(i) {
-            // Every earlier process is inside its formation before this one starts.
-            for p in procs.iter_mut() {
-                p.expect("joining", WAIT);
-            }
-            std::thread::sleep(Duration::from_millis(2_000));
-        }
         procs.push(RankProc::spawn(
             &format!("process {i} (rank {r})"),
             &role(r, w, extra, &meet),
@@ -447,20 +440,38 @@ fn refused_everywhere(ranks: &[(u32, u32, &str)], want: &str, stagger: Option<us
 
 #[test]
 fn a_wrong_world_size_is_refused_on_every_rank() {
-    refused_everywhere(
-        &[(0, 3, ""), (1, 3, ""), (2, 4, "")],
-        "WorldSizeMismatch",
-        None,
-    );
+    refused_everywhere(&[(0, 3, ""), (1, 3, ""), (2, 4, "")], "WorldSizeMismatch");
 }
 
+/// Over TCP the newest hello of a rank replaces an earlier one (a crashed host's claim never
+/// reads as gone, and its restart must join): the earlier claimant alone is refused, the
+/// others form. Before, every rank was refused with `DuplicateRank`.
 #[test]
-fn a_rank_joining_twice_is_refused_on_every_rank() {
-    refused_everywhere(
-        &[(0, 3, ""), (1, 3, ""), (1, 3, ""), (2, 3, "")],
-        "DuplicateRank",
-        Some(3),
-    );
+fn a_rank_joining_twice_refuses_the_earlier_claim_alone() {
+    let role = |r: u32, meet: &str| format!("role=refuse,rank={r},world=3,meet={meet},rv_ms=30000");
+    let mut leader = RankProc::spawn("rank 0", &role(0, "tcp:127.0.0.1:0"));
+    let meet = format!("tcp:{}", leader.expect("addr ", WAIT));
+    let mut earlier = RankProc::spawn("rank 1, first", &role(1, &meet));
+    earlier.expect("joining", WAIT);
+    leader.expect("joining", WAIT);
+    // The first claim has reached rank 0 before the second is made.
+    std::thread::sleep(Duration::from_millis(2_000));
+    let mut procs = vec![
+        leader,
+        RankProc::spawn("rank 1, second", &role(1, &meet)),
+        RankProc::spawn("rank 2", &role(2, &meet)),
+    ];
+    let got = earlier.expect("refused ", WAIT);
+    assert_eq!(field(&got, "kind"), "DuplicateRank", "{got}");
+    earlier.succeeds(WAIT);
+    let epochs: Vec<String> = procs
+        .iter_mut()
+        .map(|p| field(&p.expect("formed ", WAIT), "epoch").to_string())
+        .collect();
+    assert!(epochs.iter().all(|e| *e == epochs[0]), "{epochs:?}");
+    for p in procs.iter_mut() {
+        p.succeeds(WAIT);
+    }
 }
 
 #[test]
@@ -468,7 +479,6 @@ fn a_different_geometry_is_refused_on_every_rank() {
     refused_everywhere(
         &[(0, 3, ""), (1, 3, ",model=glm5"), (2, 3, "")],
         "GeometryMismatch",
-        None,
     );
 }
 
@@ -477,7 +487,6 @@ fn a_different_version_is_refused_on_every_rank() {
     refused_everywhere(
         &[(0, 3, ""), (1, 3, ""), (2, 3, ",version=0.0.0-other")],
         "VersionMismatch",
-        None,
     );
 }
 

@@ -28,6 +28,8 @@ pub enum RendezvousError {
         got: u32,
     },
     /// Two processes joined as the same rank (or a process other than rank 0 joined as 0).
+    /// Over TCP only the earlier claim hears it: rank 0 takes the newest hello of a rank (a
+    /// crashed host's claim never reads as gone), and refuses a joiner's claim of rank 0 alone.
     #[error("rank {rank} joined the group twice")]
     DuplicateRank {
         /// The rank claimed twice.

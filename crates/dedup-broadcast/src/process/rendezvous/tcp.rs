@@ -113,12 +113,20 @@ struct Joiners {
 }
 
 impl Joiners {
-    /// Lets go of the joined ranks that hung up (they gave up waiting).
+    /// Lets go of the ranks that hung up (they gave up waiting), joined or of another
+    /// version: a foreign process that has gone must not fail the formation.
     fn drop_hung_up(&mut self) {
         self.joined.retain(|(s, h)| {
             let gone = hung_up(s);
             if gone {
                 tracing::info!(rank = h.rank, "a joining rank gave up; waiting for another");
+            }
+            !gone
+        });
+        self.foreign.retain(|(s, rank, _)| {
+            let gone = hung_up(s);
+            if gone {
+                tracing::info!(rank, "a rank of another version hung up; no longer counted");
             }
             !gone
         });
@@ -137,21 +145,58 @@ impl Joiners {
         absent
     }
 
-    /// Takes one arrival: a hello joins, a rank of another version waits for the decision,
-    /// any other bad hello is refused at once.
-    fn take(&mut self, Arrival { stream, hello }: Arrival) {
-        match hello {
-            Ok(h) => self.joined.push((stream, h)),
-            Err(e) => match &e {
-                RendezvousError::VersionMismatch { rank, .. } => {
-                    self.foreign.push((stream, *rank, e.clone()))
-                }
-                _ => {
-                    let mut s = stream;
-                    reply(&mut s, &Reply::Refused(e));
-                }
+    /// Takes one arrival: a hello joins, a rank of `world` of another version waits for the
+    /// decision, any other bad hello is refused at once, and so is a hello that can be no
+    /// member (rank 0, or a rank past a group of its own size `world`: a broken or foreign
+    /// client must not fail the formation of the others). A hello for a rank already claimed
+    /// replaces the earlier claim, which is refused with `DuplicateRank`: a process whose host
+    /// went away without a hang-up (a crash, a cut link) leaves a claim that never reads as
+    /// gone, and its restart must still join.
+    fn take(&mut self, world: u32, Arrival { stream, hello }: Arrival) {
+        let outside = |rank: u32| rank == 0 || rank >= world;
+        let refused = match hello {
+            Ok(h) if h.world == world && outside(h.rank) => RendezvousError::SettingsMismatch {
+                rank: h.rank,
+                what: "the rank".into(),
+                expected: format!("1 to {} (rank 0 leads)", world.saturating_sub(1)),
+                got: h.rank.to_string(),
             },
-        }
+            Ok(h) => {
+                self.supersede(h.rank);
+                self.joined.push((stream, h));
+                return;
+            }
+            Err(e @ RendezvousError::VersionMismatch { rank, .. }) if !outside(rank) => {
+                self.supersede(rank);
+                self.foreign.push((stream, rank, e));
+                return;
+            }
+            Err(e) => e,
+        };
+        let mut s = stream;
+        reply(&mut s, &Reply::Refused(refused));
+    }
+
+    /// Refuses and lets go of the earlier claim of `rank` (joined, or of another version), if
+    /// any: a newer hello claims it.
+    fn supersede(&mut self, rank: u32) {
+        let earlier = if let Some(i) = self.joined.iter().position(|(_, j)| j.rank == rank) {
+            self.joined.swap_remove(i).0
+        } else if let Some(i) = self.foreign.iter().position(|(_, r, _)| *r == rank) {
+            self.foreign.swap_remove(i).0
+        } else {
+            return;
+        };
+        tracing::warn!(
+            rank,
+            "a second hello for a rank: the newer claim replaces the earlier one, which is \
+             refused (a restart after a crash, or two processes run as this rank)"
+        );
+        let mut earlier = earlier;
+        reply(
+            &mut earlier,
+            &Reply::Refused(RendezvousError::DuplicateRank { rank }),
+        );
     }
 
     /// Answers every joiner with `decision`; a rank of another version hears its own refusal
@@ -289,7 +334,7 @@ fn gather(
         }
         let left = deadline.saturating_duration_since(Instant::now());
         match arrivals.recv_timeout(left.min(Duration::from_millis(200))) {
-            Ok(arrival) => joiners.take(arrival),
+            Ok(arrival) => joiners.take(world, arrival),
             Err(_) if left.is_zero() => {
                 break Err(RendezvousError::Timeout {
                     missing: absent,
@@ -688,6 +733,137 @@ mod tests {
         let by = kv_loader::deadline_after(Duration::from_secs(5));
         write_frame(&mut s, &hello(rank).encode(), by).unwrap();
         Reply::decode(&read_frame(&mut s, by).unwrap()).unwrap()
+    }
+
+    /// Sends hello `h` to rank 0 at `addr`; the connection, for its reply.
+    fn send(addr: SocketAddr, h: &Hello) -> TcpStream {
+        let mut s = TcpStream::connect(addr).unwrap();
+        write_frame(
+            &mut s,
+            &h.encode(),
+            kv_loader::deadline_after(Duration::from_secs(5)),
+        )
+        .unwrap();
+        s
+    }
+
+    /// Rank 0's reply on `s`.
+    fn answer(s: &mut TcpStream) -> Reply {
+        let by = kv_loader::deadline_after(Duration::from_secs(10));
+        Reply::decode(&read_frame(s, by).unwrap()).unwrap()
+    }
+
+    /// Rank `rank`'s hello from a build of another rendezvous protocol.
+    fn foreign(rank: u32) -> Hello {
+        Hello {
+            protocol: super::super::message::PROTOCOL + 1,
+            version: "9.9.9".into(),
+            ..hello(rank)
+        }
+    }
+
+    /// Rank 0 of the tests' group (of 3) forming while `joiners` runs; its decision.
+    fn form_while(joiners: impl FnOnce(SocketAddr) + Send) -> Result<Welcome, RendezvousError> {
+        let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
+        let addr = leader.local_addr();
+        std::thread::scope(|s| {
+            let forming =
+                s.spawn(|| leader.form(&hello(0), None, Instant::now() + Duration::from_secs(10)));
+            while leader.state.lock().forming.is_none() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            joiners(addr);
+            forming.join().unwrap()
+        })
+    }
+
+    /// Lets rank 0 take what was sent.
+    fn settle() {
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
+    /// A rank whose host went away without a hang-up leaves a claim rank 0 cannot see as
+    /// gone; its restart claims the rank again. Before, the two claims refused the group
+    /// (`DuplicateRank` to every rank); now the newer claim joins, the earlier is refused.
+    #[test]
+    fn a_newer_claim_of_a_rank_replaces_the_earlier_one() {
+        let decision = form_while(|addr| {
+            let mut stale = send(addr, &hello(1));
+            settle();
+            let restarted = Hello {
+                nonce: 1234,
+                ..hello(1)
+            };
+            let mut fresh = send(addr, &restarted);
+            settle();
+            let mut two = send(addr, &hello(2));
+            let refused = answer(&mut stale);
+            assert!(
+                matches!(
+                    refused,
+                    Reply::Refused(RendezvousError::DuplicateRank { rank: 1 })
+                ),
+                "{refused:?}"
+            );
+            for s in [&mut fresh, &mut two] {
+                let got = answer(s);
+                assert!(matches!(got, Reply::Welcome(_)), "{got:?}");
+            }
+        });
+        assert_eq!(decision.unwrap().nonces[1], 1234);
+    }
+
+    /// A process of another version that connected and went away no longer counts. Before,
+    /// its hello stayed until the decision, which it made a `VersionMismatch` refusal for
+    /// every rank as soon as the others had joined.
+    #[test]
+    fn a_rank_of_another_version_that_hung_up_does_not_fail_the_formation() {
+        let decision = form_while(|addr| {
+            let gone = send(addr, &foreign(2));
+            settle();
+            drop(gone);
+            let mut one = send(addr, &hello(1));
+            settle();
+            let mut two = send(addr, &hello(2));
+            for s in [&mut one, &mut two] {
+                let got = answer(s);
+                assert!(matches!(got, Reply::Welcome(_)), "{got:?}");
+            }
+        });
+        assert!(decision.is_ok(), "{decision:?}");
+    }
+
+    /// A hello that can be no member (a rank past the group, of this build or another) is
+    /// refused alone. Before, either kind failed the formation of every rank.
+    #[test]
+    fn a_hello_for_a_rank_outside_the_group_is_refused_alone() {
+        let decision = form_while(|addr| {
+            let mut other = send(addr, &foreign(7));
+            let got = answer(&mut other);
+            assert!(
+                matches!(
+                    got,
+                    Reply::Refused(RendezvousError::VersionMismatch { rank: 7, .. })
+                ),
+                "{got:?}"
+            );
+            let mut past = send(addr, &hello(3));
+            let got = answer(&mut past);
+            assert!(
+                matches!(
+                    got,
+                    Reply::Refused(RendezvousError::SettingsMismatch { rank: 3, .. })
+                ),
+                "{got:?}"
+            );
+            let mut one = send(addr, &hello(1));
+            let mut two = send(addr, &hello(2));
+            for s in [&mut one, &mut two] {
+                let got = answer(s);
+                assert!(matches!(got, Reply::Welcome(_)), "{got:?}");
+            }
+        });
+        assert!(decision.is_ok(), "{decision:?}");
     }
 
     /// Before, a connection that sent no hello kept its thread and socket for the whole read
