@@ -541,7 +541,9 @@ fn withdraw(
 }
 
 /// What rank 0's verdict `v` means for the joiner that said `hello`: the welcome, or the
-/// refusal. A welcome naming another process for this rank is [`RendezvousError::ClaimedTwice`]
+/// refusal. A welcome of a group too small for this rank is
+/// [`RendezvousError::WorldSizeMismatch`]. A welcome naming another process for this rank is
+/// [`RendezvousError::ClaimedTwice`]
 /// (rank 0 took the other claim, perhaps one left by a process of this rank that died; no
 /// refusal, as where rank 0 saw both claims). The outer error: `v` does not decode.
 fn verdict_for(
@@ -550,6 +552,15 @@ fn verdict_for(
 ) -> Result<Result<Welcome, RendezvousError>, RendezvousError> {
     let rank = hello.rank;
     Ok(match Reply::decode(v)? {
+        // A group without this rank: rank 0 runs a smaller world (it never reads a claim past
+        // its own size, so only this rank can tell). A refusal, as over TCP.
+        Reply::Welcome(w) if rank as usize >= w.nonces.len() => {
+            Err(RendezvousError::WorldSizeMismatch {
+                rank,
+                expected: u32::try_from(w.nonces.len()).unwrap_or(u32::MAX),
+                got: hello.world,
+            })
+        }
         Reply::Welcome(w) if w.nonces.get(rank as usize) == Some(&hello.nonce) => Ok(*w),
         Reply::Welcome(w) => Err(RendezvousError::ClaimedTwice {
             rank,
@@ -637,6 +648,53 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
+    }
+
+    /// A joiner of a larger world claims a rank past rank 0's group: rank 0 never reads that
+    /// claim and forms without it. Before, the joiner read the welcome as its rank claimed
+    /// twice (`ClaimedTwice`, retried for good); now it is refused as over TCP.
+    #[test]
+    fn a_joiner_past_rank_0s_world_is_refused_with_the_world_size() {
+        use super::super::decide::tests::hello;
+        let x = MemoryExchange::new();
+        let leader = hello(0);
+        let past = Hello {
+            rank: leader.world + 2,
+            world: leader.world + 4,
+            ..hello(1)
+        };
+        let deadline = kv_loader::deadline_after(Duration::from_secs(10));
+        std::thread::scope(|s| {
+            let l = s.spawn(|| lead(&x, "p", &leader, None, deadline));
+            let p = s.spawn(|| join(&x, "p", &past, deadline));
+            // The larger world's claim stands before the group can form.
+            let claim = Keys("p").hello(1, past.rank);
+            while x.get(&claim, deadline).unwrap().is_none() {
+                assert!(Instant::now() < deadline, "no claim");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let js: Vec<_> = (1..leader.world)
+                .map(|r| {
+                    let h = hello(r);
+                    let x = &x;
+                    s.spawn(move || join(x, "p", &h, deadline))
+                })
+                .collect();
+            for j in js {
+                let got = j.join().unwrap();
+                assert!(got.is_ok(), "{got:?}");
+            }
+            assert!(l.join().unwrap().is_ok());
+            let got = p.join().unwrap();
+            assert!(
+                matches!(
+                    got,
+                    Err(RendezvousError::WorldSizeMismatch { rank, expected, got })
+                        if rank == leader.world + 2 && expected == leader.world && got == leader.world + 4
+                ),
+                "{got:?}"
+            );
+        });
     }
 
     /// Rank 0 (`leader`) and every other rank of its group meet over `x` at once: what rank 0
