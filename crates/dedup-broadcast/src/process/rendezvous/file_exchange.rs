@@ -14,10 +14,17 @@ use super::exchange::{ExchangeError, KeyValueExchange};
 /// microseconds, and a poll made at its deadline (`wait`'s last) should still be answered.
 const GRACE: Duration = Duration::from_millis(100);
 
+/// The longest key named by its bytes in hex (twice as long, within a file name's 255 bytes);
+/// longer keys are named by their hash.
+const HEX_KEY_MAX: usize = 120;
+
 /// A [`KeyValueExchange`] in a directory (like torch's `FileStore`): one file per key, set
 /// by writing a temporary file and renaming it over the key (atomic), created by hard-linking
 /// a temporary file to the key's name (fails when the key exists: atomic too). Every rank of
-/// one host, or of hosts sharing a POSIX file system, can meet through it.
+/// one host, or of hosts sharing a POSIX file system, can meet through it. A file is named
+/// by its key's bytes in hex, or by the key's 128-bit hash for keys of more than 120 bytes.
+/// Files of past epochs stay (a few per rank and formation): remove the directory between
+/// deployments.
 ///
 /// Each call runs its file calls on a thread of its own and waits for them until its
 /// deadline (and at least 100 ms): a file system that hangs (an NFS server gone) fails the
@@ -57,8 +64,15 @@ impl FileExchange {
         })
     }
 
+    /// The file of `key`: its bytes in hex, or for a key of more than [`HEX_KEY_MAX`] bytes
+    /// (its hex name would pass the 255-byte limit of a file name) `h` and its 128-bit hash in
+    /// hex (no hex name starts with `h`).
     fn path(dir: &Path, key: &str) -> PathBuf {
-        let name: String = key.bytes().map(|b| format!("{b:02x}")).collect();
+        let name: String = if key.len() <= HEX_KEY_MAX {
+            key.bytes().map(|b| format!("{b:02x}")).collect()
+        } else {
+            format!("h{:032x}", xxhash_rust::xxh3::xxh3_128(key.as_bytes()))
+        };
         dir.join(name)
     }
 
@@ -202,6 +216,29 @@ impl KeyValueExchange for FileExchange {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys past 127 bytes made hex names past a file name's 255 bytes: every call on them
+    /// failed (`ENAMETOOLONG`), so a group prefix of about 110 bytes could never meet. Long
+    /// keys now take hashed names; two that differ only in their last byte stay apart.
+    #[test]
+    fn long_keys_are_set_created_and_read() {
+        let dir =
+            std::env::temp_dir().join(format!("kvlink-fx-long-{}", super::super::fresh_nonce()));
+        let x = FileExchange::new(&dir).unwrap();
+        let soon = kv_loader::deadline_after(Duration::from_secs(5));
+        let prefix = "a-deployment/".repeat(12);
+        let (a, b) = (format!("{prefix}1/open"), format!("{prefix}2/open"));
+        assert!(a.len() > 127);
+        assert!(x.create(&a, b"first", soon).unwrap());
+        assert!(!x.create(&a, b"again", soon).unwrap());
+        x.set(&b, b"second", soon).unwrap();
+        assert_eq!(x.get(&a, soon).unwrap().as_deref(), Some(&b"first"[..]));
+        assert_eq!(x.get(&b, soon).unwrap().as_deref(), Some(&b"second"[..]));
+        let short = "g/1/open";
+        x.set(short, b"short", soon).unwrap();
+        assert_eq!(x.get(short, soon).unwrap().as_deref(), Some(&b"short"[..]));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// A read of a key that hangs in the file system (a FIFO nobody writes: its open blocks)
     /// fails at the call's deadline; the file call finishes once the FIFO opens, and is no
