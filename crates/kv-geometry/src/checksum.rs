@@ -215,6 +215,9 @@ impl ObjectChecksums {
         if body[4] != VERSION || body[5] != XXH3_64 {
             return Err(bad("unknown version or algorithm"));
         }
+        if body[6..8] != [0, 0] {
+            return Err(bad("reserved bytes are not zero"));
+        }
         let layer_bytes = u64_at(body, 8);
         let mut count = [0u8; 4];
         count.copy_from_slice(&body[16..20]);

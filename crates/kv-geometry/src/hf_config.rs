@@ -32,7 +32,15 @@ fn opt_u32(cfg: &Value, name: &str) -> Result<Option<u32>, GeometryError> {
 }
 
 impl ModelKvSpec {
-    /// A spec from a Hugging Face `config.json` text, the KV cache dtype and the page size.
+    /// A spec from the model's name, its Hugging Face `config.json` text, the KV cache dtype
+    /// and the page size.
+    ///
+    /// `model` names the checkpoint the engine serves (its hub id or path, as SGLang's key
+    /// prefix does): it becomes [`ModelKvSpec::model`], which names the default namespace, so
+    /// two checkpoints of one architecture (DeepSeek-V3 and R1, a fine-tune and its base) have
+    /// KV of the same shapes and must differ here. The config's `_name_or_path` is not used:
+    /// published configs often lack it, and fine-tunes keep their base's. An empty name is
+    /// refused.
     ///
     /// Known `model_type`s: `deepseek_v3` (MLA latent in `kv_dtype`), `deepseek_v32` and
     /// `glm_moe_dsa` (DSA: FP8 KV as 656 B rows when `kv_dtype` is fp8, the bf16/f16 latent
@@ -49,14 +57,22 @@ impl ModelKvSpec {
     /// use kv_geometry::{ElementType, ModelKvSpec};
     /// let cfg = r#"{"model_type":"deepseek_v3","num_hidden_layers":61,
     ///               "kv_lora_rank":512,"qk_rope_head_dim":64}"#;
-    /// let spec = ModelKvSpec::from_hf_config(cfg, ElementType::Bf16, 64).unwrap();
+    /// let spec = ModelKvSpec::from_hf_config("deepseek-ai/DeepSeek-R1", cfg, ElementType::Bf16, 64)
+    ///     .unwrap();
     /// assert_eq!(spec.bytes_per_token(), 70_272.0);
+    /// assert_eq!(spec.model, "deepseek-ai/DeepSeek-R1");
     /// ```
     pub fn from_hf_config(
+        model: &str,
         config_json: &str,
         kv_dtype: ElementType,
         page_size: u32,
     ) -> Result<ModelKvSpec, GeometryError> {
+        if model.is_empty() {
+            return Err(GeometryError::BadConfig(
+                "an empty model name (it names the default namespace)".into(),
+            ));
+        }
         let cfg: Value = serde_json::from_str(config_json)
             .map_err(|e| GeometryError::BadConfig(format!("not JSON: {e}")))?;
         let model_type = cfg
@@ -132,10 +148,6 @@ impl ModelKvSpec {
             }
             other => return Err(GeometryError::UnsupportedModelType(other.to_string())),
         };
-        let name = cfg
-            .get("_name_or_path")
-            .and_then(Value::as_str)
-            .unwrap_or(model_type);
-        ModelKvSpec::new(name, layers, page_size, components)
+        ModelKvSpec::new(model, layers, page_size, components)
     }
 }

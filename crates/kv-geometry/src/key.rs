@@ -8,7 +8,9 @@ use crate::{ComponentLayout, KvGeometry, PageHash};
 ///
 /// - [`Namespace::Model`] (the default): derived from the geometry, see
 ///   [`Namespace::of_model`]. Two models with the same shapes (DeepSeek-V3 and R1) differ by
-///   name; one model in another KV dtype or page size differs by those.
+///   name ([`ModelKvSpec::model`](crate::ModelKvSpec::model): a preset names its
+///   architecture's reference checkpoint, so an engine serving another checkpoint of it sets
+///   its own name); one model in another KV dtype or page size differs by those.
 /// - [`Namespace::sglang`]: SGLang's scheme, `{tag}_{model path with / → -}`, for sharing a
 ///   cache with SGLang's Mooncake direct linker (its keys then match kvlink's byte for byte;
 ///   SGLang's HiCache `MooncakeStore` path uses other suffixes, see [`KeyScheme`]).
@@ -47,19 +49,20 @@ impl Namespace {
 
     /// The namespace of a model and its KV format:
     /// `{model}-{element types}-p{page size}-g{fingerprint}`, where the model's name keeps
-    /// ASCII letters, digits, `.` and `-` (anything else becomes `-`), the element types are
+    /// ASCII letters, digits, `.` and `-`, and every other byte becomes `~` and its two hex
+    /// digits (`/` is `~2f`: two names never share a namespace), the element types are
     /// the components' (`+`-joined, in spec order, each once), and the fingerprint is the
     /// first 16 hex characters of [`KvGeometry::fingerprint`].
     pub fn of_model(geometry: &KvGeometry) -> String {
         let spec = geometry.spec();
         let model: String = spec
             .model
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
-                    c
+            .bytes()
+            .map(|b| {
+                if b.is_ascii_alphanumeric() || b == b'.' || b == b'-' {
+                    char::from(b).to_string()
                 } else {
-                    '-'
+                    format!("~{b:02x}")
                 }
             })
             .collect();

@@ -47,11 +47,17 @@ fn at_most(what: &'static str, value: u64, max: u64) -> Result<(), GeometryError
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ModelKvSpec {
-    /// Model name, for logs and errors.
+    /// The checkpoint's name (a hub id or path): it names the default namespace
+    /// ([`Namespace::Model`](crate::Namespace::Model)), so two checkpoints of one architecture,
+    /// whose KV has the same shapes, must differ here; also in logs and errors. The presets
+    /// name their architecture's reference checkpoint (`"DeepSeek-V3"`): set it when serving
+    /// another (`ModelKvSpec { model: "deepseek-ai/DeepSeek-R1".into(), ..preset }`).
     pub model: String,
     /// Transformer layers.
     pub num_layers: u32,
-    /// Tokens per page.
+    /// Tokens per page. A page-row component's bytes are not checked against it: the
+    /// presets' DSA indexer rows are built for their page size of 64, so a spec of another
+    /// page size builds its indexer with [`ModelKvSpec::dsa_indexer`] for that size.
     pub page_size: u32,
     /// Components, in object-key and load order.
     pub components: Vec<ComponentSpec>,

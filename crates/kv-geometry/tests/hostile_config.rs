@@ -8,7 +8,7 @@ use kv_geometry::{
 use proptest::prelude::*;
 
 fn parse(json: &str) -> Result<ModelKvSpec, GeometryError> {
-    ModelKvSpec::from_hf_config(json, ElementType::Bf16, 64)
+    ModelKvSpec::from_hf_config("org/model", json, ElementType::Bf16, 64)
 }
 
 #[test]
@@ -68,7 +68,7 @@ fn dsa_indexer_row_overflowing_u32_is_an_error() {
     );
     let cfg = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78,"kv_lora_rank":512,
                   "qk_rope_head_dim":64,"index_head_dim":128}"#;
-    let huge_pages = ModelKvSpec::from_hf_config(cfg, ElementType::Fp8E4m3, u32::MAX);
+    let huge_pages = ModelKvSpec::from_hf_config("org/model", cfg, ElementType::Fp8E4m3, u32::MAX);
     assert!(
         matches!(
             huge_pages,
@@ -221,7 +221,7 @@ proptest! {
         Just(0u32), Just(1), Just(64), Just(MAX_PAGE_SIZE), Just(MAX_PAGE_SIZE + 1), Just(u32::MAX),
         any::<u32>()]) {
         let dtype = [ElementType::Bf16, ElementType::F16, ElementType::Fp8E4m3, ElementType::Bytes][dtype];
-        if let Ok(spec) = ModelKvSpec::from_hf_config(&cfg, dtype, page) {
+        if let Ok(spec) = ModelKvSpec::from_hf_config("org/model", &cfg, dtype, page) {
             prop_assert!(spec.num_layers >= 1 && spec.num_layers <= MAX_LAYERS);
             prop_assert!(spec.page_size >= 1 && spec.page_size <= MAX_PAGE_SIZE);
             prop_assert!(spec.components.iter().all(|c| c.row_bytes >= 1 && c.row_bytes <= MAX_ROW_BYTES));
@@ -245,7 +245,7 @@ proptest! {
 /// is refused rather than given 656-byte rows that do not fit it.
 #[test]
 fn an_fp8_dsa_config_with_another_latent_is_refused() {
-    let fp8 = |cfg: &str| ModelKvSpec::from_hf_config(cfg, ElementType::Fp8E4m3, 64);
+    let fp8 = |cfg: &str| ModelKvSpec::from_hf_config("org/model", cfg, ElementType::Fp8E4m3, 64);
     let other = r#"{"model_type":"deepseek_v32","num_hidden_layers":61,"kv_lora_rank":256,
                     "qk_rope_head_dim":32}"#;
     assert!(

@@ -110,7 +110,7 @@ fn default_namespaces_tell_models_and_formats_apart() {
     };
     assert_eq!(
         ns(v3.clone()),
-        format!("deepseek-ai-DeepSeek-V3-bf16-p64-g{}", &V3_BF16_FP[..16])
+        format!("deepseek-ai~2fDeepSeek-V3-bf16-p64-g{}", &V3_BF16_FP[..16])
     );
     // Same shapes, other model; same model, other KV dtype: other keys.
     assert_ne!(ns(v3.clone()), ns(r1));
@@ -130,7 +130,18 @@ fn default_namespaces_tell_models_and_formats_apart() {
         model: "a b_c/d\0e".into(),
         ..ModelKvSpec::deepseek_v3(ElementType::Bf16)
     };
-    assert!(ns(odd).starts_with("a-b-c-d-e-bf16-p64-g"));
+    assert!(ns(odd).starts_with("a~20b~5fc~2fd~00e-bf16-p64-g"));
+    // Names that differ only in bytes outside the kept set differ in their namespaces.
+    // Before, each of these bytes became `-` and these three shared one.
+    let named = |model: &str| {
+        ns(ModelKvSpec {
+            model: model.into(),
+            ..ModelKvSpec::deepseek_v3(ElementType::Bf16)
+        })
+    };
+    let (a, b, c) = (named("org/m_1"), named("org-m-1"), named("org/m-1"));
+    assert!(a != b && b != c && a != c, "{a} {b} {c}");
+    assert_ne!(named("é"), named("è"));
 }
 
 #[test]

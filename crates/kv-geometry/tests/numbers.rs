@@ -117,21 +117,21 @@ fn gqa_shards_by_head() {
 #[test]
 fn hf_configs() {
     let v3 = r#"{"model_type":"deepseek_v3","num_hidden_layers":61,"kv_lora_rank":512,"qk_rope_head_dim":64}"#;
-    let s = ModelKvSpec::from_hf_config(v3, ElementType::Fp8E4m3, 64).unwrap();
+    let s = ModelKvSpec::from_hf_config("org/model", v3, ElementType::Fp8E4m3, 64).unwrap();
     assert_eq!(s.bytes_per_token(), 35_136.0);
 
     let v32 = r#"{"model_type":"deepseek_v32","num_hidden_layers":61,"kv_lora_rank":512,"qk_rope_head_dim":64,"index_head_dim":128}"#;
-    let s = ModelKvSpec::from_hf_config(v32, ElementType::Fp8E4m3, 64).unwrap();
+    let s = ModelKvSpec::from_hf_config("org/model", v32, ElementType::Fp8E4m3, 64).unwrap();
     assert_eq!(
         s,
         ModelKvSpec {
-            model: "deepseek_v32".into(),
+            model: "org/model".into(),
             ..ModelKvSpec::deepseek_v32_dsa_fp8()
         }
     );
 
     let glm = r#"{"model_type":"glm_moe_dsa","num_hidden_layers":78,"kv_lora_rank":512,"qk_rope_head_dim":64,"index_head_dim":128}"#;
-    let s = ModelKvSpec::from_hf_config(glm, ElementType::Fp8E4m3, 64).unwrap();
+    let s = ModelKvSpec::from_hf_config("org/model", glm, ElementType::Fp8E4m3, 64).unwrap();
     assert_eq!(s.bytes_per_token(), 61_464.0);
     let s = s
         .with_component_layers("indexer", LayerMap::evenly_spaced(21, 78))
@@ -139,18 +139,28 @@ fn hf_configs() {
     assert_eq!(s.bytes_per_token(), 53_940.0);
 
     let llama = r#"{"model_type":"llama","num_hidden_layers":80,"num_attention_heads":64,"num_key_value_heads":8,"hidden_size":8192}"#;
-    let s = ModelKvSpec::from_hf_config(llama, ElementType::Bf16, 64).unwrap();
+    let s = ModelKvSpec::from_hf_config("org/model", llama, ElementType::Bf16, 64).unwrap();
     assert_eq!(s.components, ModelKvSpec::llama3_70b().components);
 
     let qwen = r#"{"model_type":"qwen3_moe","num_hidden_layers":48}"#;
-    let err = ModelKvSpec::from_hf_config(qwen, ElementType::Bf16, 64).unwrap_err();
+    let err = ModelKvSpec::from_hf_config("org/model", qwen, ElementType::Bf16, 64).unwrap_err();
     assert_eq!(err, GeometryError::UnsupportedModelType("qwen3_moe".into()));
     assert!(err.to_string().contains("qwen3_moe"));
 
     let missing = r#"{"model_type":"deepseek_v3","num_hidden_layers":61}"#;
     assert!(matches!(
-        ModelKvSpec::from_hf_config(missing, ElementType::Bf16, 64),
+        ModelKvSpec::from_hf_config("org/model", missing, ElementType::Bf16, 64),
         Err(GeometryError::BadConfig(m)) if m.contains("kv_lora_rank")
     ));
-    assert!(ModelKvSpec::from_hf_config("{", ElementType::Bf16, 64).is_err());
+    assert!(ModelKvSpec::from_hf_config("org/model", "{", ElementType::Bf16, 64).is_err());
+    // The name is the engine's, not the config's: published configs often have none, and a
+    // fine-tune keeps its base's. Before, both took `model_type` here and shared a namespace.
+    let v3_named = r#"{"_name_or_path":"base","model_type":"deepseek_v3","num_hidden_layers":61,"kv_lora_rank":512,"qk_rope_head_dim":64}"#;
+    let r1 =
+        ModelKvSpec::from_hf_config("deepseek-ai/DeepSeek-R1", v3_named, ElementType::Bf16, 64);
+    assert_eq!(r1.unwrap().model, "deepseek-ai/DeepSeek-R1");
+    assert!(matches!(
+        ModelKvSpec::from_hf_config("", v3, ElementType::Bf16, 64),
+        Err(GeometryError::BadConfig(m)) if m.contains("model name")
+    ));
 }
