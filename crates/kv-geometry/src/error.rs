@@ -21,7 +21,7 @@ pub enum GeometryError {
         /// TP size.
         tp_size: u32,
     },
-    /// The page size is zero, or a page-row component's bytes do not divide by it.
+    /// The page size is zero.
     #[error("bad page size {page_size}: {reason}")]
     BadPageSize {
         /// Page size in tokens.

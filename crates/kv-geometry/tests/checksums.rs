@@ -121,6 +121,25 @@ proptest! {
     }
 }
 
+/// A companion whose reserved bytes are set (with a good trailer: a writer that gave them a
+/// meaning without a new version) is refused. Before, it decoded as version 1.
+#[test]
+fn set_reserved_bytes_are_refused() {
+    let mut b = ObjectChecksums {
+        layer_bytes: 4096,
+        sums: vec![1, 2, 3],
+    }
+    .encode();
+    b[6] = 1;
+    let n = b.len() - 8;
+    let trailer = xxhash_rust::xxh3::xxh3_64(&b[..n]).to_le_bytes();
+    b[n..].copy_from_slice(&trailer);
+    assert!(matches!(
+        ObjectChecksums::decode(&b),
+        Err(ChecksumError::Malformed(m)) if m.contains("reserved")
+    ));
+}
+
 #[test]
 fn lengths_layers_and_layouts_are_checked() {
     let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
