@@ -73,8 +73,9 @@ pub struct SaveReport {
 
 impl SaveReport {
     /// Fills `pages_skipped` as the plan pages `0..num_pages` not in `pages_written`, after
-    /// sorting and de-duplicating `pages_written` (a loader counts pages written as it goes,
-    /// one object at a time, then calls this once).
+    /// sorting and de-duplicating `pages_written` and dropping from it any index past the plan
+    /// (so that the two stay disjoint and cover exactly `0..num_pages`; a loader counts pages
+    /// written as it goes, one object at a time, then calls this once).
     ///
     /// ```
     /// use kv_loader::SaveReport;
@@ -83,10 +84,12 @@ impl SaveReport {
     /// assert_eq!((r.pages_written, r.pages_skipped), (vec![1, 3], vec![0, 2, 4]));
     /// ```
     pub fn settle_pages(&mut self, num_pages: usize) {
+        let n = u32::try_from(num_pages).unwrap_or(u32::MAX);
+        self.pages_written.retain(|&p| p < n);
         self.pages_written.sort_unstable();
         self.pages_written.dedup();
         let written = &self.pages_written;
-        self.pages_skipped = (0..num_pages as u32)
+        self.pages_skipped = (0..n)
             .filter(|p| written.binary_search(p).is_err())
             .collect();
     }
@@ -103,8 +106,9 @@ mod tests {
             n in 0usize..200,
             written in proptest::collection::vec(0u32..200, 0..300),
         ) {
-            let written: Vec<u32> = written.into_iter().filter(|&p| (p as usize) < n).collect();
+            // Indices past the plan too (before, they stayed in `pages_written`).
             let mut r = SaveReport { pages_written: written.clone(), ..SaveReport::default() };
+            let written: Vec<u32> = written.into_iter().filter(|&p| (p as usize) < n).collect();
             r.settle_pages(n);
             let mut all: Vec<u32> = r.pages_written.iter().chain(&r.pages_skipped).copied().collect();
             all.sort_unstable();
