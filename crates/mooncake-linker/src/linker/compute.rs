@@ -4,7 +4,8 @@
 //! asynchronously on its stream shows only the launch time here, and should configure its
 //! compute instead). Several threads may wait on one linker (an engine thread and a
 //! watcher); the slowest thread's running mean is the estimate, since only a thread that
-//! computes between waits has gaps longer than a wake-up.
+//! computes between waits has gaps longer than a wake-up. A thread may wait on several
+//! batches before each layer (one per request of a forward): gaps are taken per batch.
 
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -18,20 +19,48 @@ const MAX_THREADS: usize = 16;
 const EWMA: f64 = 0.1;
 /// Gaps a thread must have shown before it counts.
 const MIN_GAPS: u32 = 4;
-/// A thread that has not returned from a wait for this long no longer counts.
+/// A thread that has not returned from a wait for this long no longer counts while another
+/// thread has counted more recently.
 const STALE: Duration = Duration::from_secs(60);
 
+/// The last layer one thread got of one batch.
 #[derive(Debug)]
-struct Track {
-    thread: ThreadId,
+struct LastLayer {
     batch: BatchId,
     layer: u32,
     returned: Instant,
     /// Whether the gap after `layer` was counted (a wait for the next layer that timed out
     /// and is tried again must not count it twice, the second time with the failed wait in).
     counted: bool,
+}
+
+/// One thread's gaps.
+#[derive(Debug)]
+struct Track {
+    thread: ThreadId,
+    /// Per batch it waits on (an engine may wait on several batches before each layer: one
+    /// per request of its forward), the latest first-returned of each, at most
+    /// [`BATCHES_PER_THREAD`].
+    last: Vec<LastLayer>,
+    /// When it last returned from a wait.
+    active: Instant,
     mean: f64,
     gaps: u32,
+}
+
+/// Batches followed per thread (the least recently returned one is forgotten first).
+const BATCHES_PER_THREAD: usize = 8;
+
+impl Track {
+    fn count(&mut self, gap: Duration) {
+        let gap = gap.as_secs_f64();
+        self.mean = if self.gaps == 0 {
+            gap
+        } else {
+            self.mean * (1.0 - EWMA) + gap * EWMA
+        };
+        self.gaps = self.gaps.saturating_add(1);
+    }
 }
 
 /// Running estimate of the engine's compute per layer (see the module docs).
@@ -46,17 +75,16 @@ impl ComputeMeter {
         let me = std::thread::current().id();
         let now = Instant::now();
         let mut tracks = self.tracks.lock();
-        if let Some(t) = tracks.iter_mut().find(|t| t.thread == me) {
-            if !t.counted && t.batch == batch && t.layer.checked_add(1) == Some(layer) {
-                t.counted = true;
-                let gap = now.saturating_duration_since(t.returned).as_secs_f64();
-                t.mean = if t.gaps == 0 {
-                    gap
-                } else {
-                    t.mean * (1.0 - EWMA) + gap * EWMA
-                };
-                t.gaps = t.gaps.saturating_add(1);
-            }
+        let Some(t) = tracks.iter_mut().find(|t| t.thread == me) else {
+            return;
+        };
+        let Some(last) = t.last.iter_mut().find(|b| b.batch == batch) else {
+            return;
+        };
+        if !last.counted && last.layer.checked_add(1) == Some(layer) {
+            last.counted = true;
+            let gap = now.saturating_duration_since(last.returned);
+            t.count(gap);
         }
     }
 
@@ -65,50 +93,81 @@ impl ComputeMeter {
         let me = std::thread::current().id();
         let now = Instant::now();
         let mut tracks = self.tracks.lock();
-        if let Some(t) = tracks.iter_mut().find(|t| t.thread == me) {
+        let i = match tracks.iter().position(|t| t.thread == me) {
+            Some(i) => i,
+            None => {
+                if tracks.len() >= MAX_THREADS {
+                    if let Some(oldest) = tracks
+                        .iter()
+                        .enumerate()
+                        .min_by_key(|(_, t)| t.active)
+                        .map(|(i, _)| i)
+                    {
+                        tracks.swap_remove(oldest);
+                    }
+                }
+                tracks.push(Track {
+                    thread: me,
+                    last: Vec::new(),
+                    active: now,
+                    mean: 0.0,
+                    gaps: 0,
+                });
+                tracks.len() - 1
+            }
+        };
+        let t = &mut tracks[i];
+        t.active = now;
+        match t.last.iter_mut().find(|b| b.batch == batch) {
             // A layer waited on again (an engine reads it twice) keeps its first return, so
             // the next gap is still the layer's whole compute.
-            if t.batch != batch || t.layer != layer {
-                t.batch = batch;
-                t.layer = layer;
-                t.returned = now;
-                t.counted = false;
+            Some(last) if last.layer == layer => {}
+            Some(last) => {
+                last.layer = layer;
+                last.returned = now;
+                last.counted = false;
             }
-            return;
-        }
-        if tracks.len() >= MAX_THREADS {
-            if let Some(oldest) = tracks
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, t)| t.returned)
-                .map(|(i, _)| i)
-            {
-                tracks.swap_remove(oldest);
+            None => {
+                if t.last.len() >= BATCHES_PER_THREAD {
+                    if let Some(oldest) = t
+                        .last
+                        .iter()
+                        .enumerate()
+                        .min_by_key(|(_, b)| b.returned)
+                        .map(|(i, _)| i)
+                    {
+                        t.last.swap_remove(oldest);
+                    }
+                }
+                t.last.push(LastLayer {
+                    batch,
+                    layer,
+                    returned: now,
+                    counted: false,
+                });
             }
         }
-        tracks.push(Track {
-            thread: me,
-            batch,
-            layer,
-            returned: now,
-            counted: false,
-            mean: 0.0,
-            gaps: 0,
-        });
     }
 
     /// The compute per layer measured so far: the largest running mean of the threads active
-    /// in the last minute that showed enough gaps; `None` before any did.
+    /// in the last minute that showed enough gaps; when none was active (an engine idle for a
+    /// while), the largest of all that did (the engine's compute has not changed for being
+    /// idle); `None` before any did.
     pub(crate) fn estimate(&self) -> Option<Duration> {
         let now = Instant::now();
-        self.tracks
-            .lock()
-            .iter()
-            .filter(|t| t.gaps >= MIN_GAPS && now.saturating_duration_since(t.returned) < STALE)
-            .map(|t| t.mean)
-            .fold(None, |acc: Option<f64>, m| {
-                Some(acc.map_or(m, |a| a.max(m)))
-            })
+        let tracks = self.tracks.lock();
+        let largest = |fresh: bool| {
+            tracks
+                .iter()
+                .filter(|t| t.gaps >= MIN_GAPS)
+                .filter(|t| !fresh || now.saturating_duration_since(t.active) < STALE)
+                .map(|t| t.mean)
+                .fold(None, |acc: Option<f64>, m| {
+                    Some(acc.map_or(m, |a| a.max(m)))
+                })
+        };
+        largest(true)
+            .or_else(|| largest(false))
             .and_then(|s| Duration::try_from_secs_f64(s).ok())
     }
 }
@@ -171,6 +230,45 @@ mod tests {
         let t = &meter.tracks.lock()[0];
         assert_eq!(t.gaps, 7, "one gap per layer after the first");
         assert!(t.mean < 0.005, "{}", t.mean);
+    }
+
+    /// An engine that waits on two batches before each layer (one per request of its
+    /// forward). Before, each wait found the other batch's layer and no gap was counted: the
+    /// estimate stayed `None` and reads were planned for no compute.
+    #[test]
+    fn an_engine_waiting_on_two_batches_per_layer_is_measured() {
+        let meter = ComputeMeter::default();
+        for l in 0..12u32 {
+            for b in [1, 2] {
+                meter.entering(BatchId(b), l);
+                meter.returned(BatchId(b), l);
+            }
+            std::thread::sleep(Duration::from_millis(3));
+        }
+        let est = meter.estimate().expect("measured");
+        assert!(est >= Duration::from_millis(3), "{est:?}");
+        assert!(est < Duration::from_millis(50), "{est:?}");
+    }
+
+    /// After a lull longer than [`STALE`] the engine's last measured compute still stands.
+    /// Before, the estimate was `None` and the first batch after every lull was planned for no
+    /// compute.
+    #[test]
+    fn an_idle_engines_compute_is_kept() {
+        let meter = ComputeMeter::default();
+        layers(&meter, 1, 8, Duration::from_millis(3));
+        let Some(past) = Instant::now().checked_sub(STALE * 2) else {
+            return; // A clock too young to go back a lull: nothing to check.
+        };
+        meter.tracks.lock()[0].active = past;
+        let est = meter.estimate().expect("kept");
+        assert!(est >= Duration::from_millis(3), "{est:?}");
+        // A thread active since, with enough gaps, is the estimate instead.
+        std::thread::scope(|s| {
+            s.spawn(|| layers(&meter, 2, 8, Duration::ZERO));
+        });
+        let est = meter.estimate().expect("measured");
+        assert!(est < Duration::from_millis(3), "{est:?}");
     }
 
     #[test]
