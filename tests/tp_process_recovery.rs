@@ -8,8 +8,9 @@
 //! refused with a typed error and the others stay down; once the right process is back, the
 //! linkers re-form the group by themselves (a new epoch at the same rendezvous) and the next
 //! batch loads and verifies on every rank. Bad input at the first formation (a wrong world
-//! size, a rank joining twice, another geometry) is refused by `TpGroup::from_rendezvous`
-//! with the same typed error in every process.
+//! size, another geometry) is refused by `TpGroup::from_rendezvous`
+//! with the same typed error in every process; of a rank joining twice, the earlier claim
+//! alone is refused.
 //!
 //! The test process plays the launcher: it keeps the embedded store and serves it, so that
 //! the store survives the death of any rank (rank 0 included). Every child is killed when
@@ -573,10 +574,9 @@ fn first_formation(role: &HashMap<String, String>) {
     }
 }
 
-/// Starts `ranks` (`(rank, world, extra role keys)`, rank 0 first; `stagger`: the index of
-/// a process started only once every earlier one is inside its formation); every process
-/// must report the refusal `want`, well before the rendezvous timeout.
-fn refused_everywhere(ranks: &[(u32, u32, &str)], want: &str, stagger: Option<usize>) {
+/// Starts `ranks` (`(rank, world, extra role keys)`, rank 0 first); every process must
+/// report the refusal `want`, well before the rendezvous timeout.
+fn refused_everywhere(ranks: &[(u32, u32, &str)], want: &str) {
     let role = |r: u32, w: u32, extra: &str, meet: &str| {
         format!("role=first,rank={r},world={w},meet={meet}{extra}")
     };
@@ -585,12 +585,6 @@ fn refused_everywhere(ranks: &[(u32, u32, &str)], want: &str, stagger: Option<us
     let meet = first.expect("addr ", WAIT);
     let mut procs = vec![first];
     for (i, &(r, w, extra)) in ranks.iter().enumerate().skip(1) {
-        if stagger == Some(i) {
-            for p in procs.iter_mut() {
-                p.expect("joining", WAIT);
-            }
-            std::thread::sleep(Duration::from_millis(1_500));
-        }
         procs.push(RankProc::spawn(
             &format!("process {i} (rank {r})"),
             &role(r, w, extra, &meet),
@@ -610,19 +604,40 @@ fn refused_everywhere(ranks: &[(u32, u32, &str)], want: &str, stagger: Option<us
 
 #[test]
 fn bad_input_at_the_first_formation_is_refused_by_the_linker_api_on_every_rank() {
-    refused_everywhere(
-        &[(0, 3, ""), (1, 3, ""), (2, 4, "")],
-        "WorldSizeMismatch",
-        None,
-    );
-    refused_everywhere(
-        &[(0, 3, ""), (1, 3, ""), (1, 3, ""), (2, 3, "")],
-        "DuplicateRank",
-        Some(3),
-    );
+    refused_everywhere(&[(0, 3, ""), (1, 3, ""), (2, 4, "")], "WorldSizeMismatch");
     refused_everywhere(
         &[(0, 3, ""), (1, 3, ",model=other"), (2, 3, "")],
         "GeometryMismatch",
-        None,
     );
+}
+
+/// A rank that joins twice: the newest hello of a rank replaces an earlier one (a crashed
+/// host's claim never reads as gone), so the earlier claimant alone is refused with
+/// `DuplicateRank` and the others form. Before, every rank was refused.
+#[test]
+fn a_rank_joining_twice_at_the_first_formation_refuses_the_earlier_claim_alone() {
+    let role = |r: u32, meet: &str| format!("role=first,rank={r},world=3,meet={meet}");
+    let mut leader = RankProc::spawn("rank 0", &role(0, "127.0.0.1:0"));
+    let meet = leader.expect("addr ", WAIT);
+    let mut earlier = RankProc::spawn("rank 1, first", &role(1, &meet));
+    earlier.expect("joining", WAIT);
+    leader.expect("joining", WAIT);
+    // The first claim has reached rank 0 before the second is made.
+    std::thread::sleep(Duration::from_millis(1_500));
+    let mut second = RankProc::spawn("rank 1, second", &role(1, &meet));
+    second.expect("joining", WAIT);
+    // The second claim has reached rank 0 before the group can be complete.
+    std::thread::sleep(Duration::from_millis(1_500));
+    let mut procs = [leader, second, RankProc::spawn("rank 2", &role(2, &meet))];
+    let got = earlier.expect("refused ", WAIT);
+    assert_eq!(field(&got, "kind"), "DuplicateRank", "{got}");
+    earlier.succeeds(WAIT);
+    let epochs: Vec<String> = procs
+        .iter_mut()
+        .map(|p| field(&p.expect("formed ", WAIT), "epoch").to_string())
+        .collect();
+    assert!(epochs.iter().all(|e| *e == epochs[0]), "{epochs:?}");
+    for p in procs.iter_mut() {
+        p.succeeds(WAIT);
+    }
 }

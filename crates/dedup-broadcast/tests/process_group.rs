@@ -456,11 +456,11 @@ fn a_rank_joining_twice_refuses_the_earlier_claim_alone() {
     leader.expect("joining", WAIT);
     // The first claim has reached rank 0 before the second is made.
     std::thread::sleep(Duration::from_millis(2_000));
-    let mut procs = [
-        leader,
-        RankProc::spawn("rank 1, second", &role(1, &meet)),
-        RankProc::spawn("rank 2", &role(2, &meet)),
-    ];
+    let mut second = RankProc::spawn("rank 1, second", &role(1, &meet));
+    second.expect("joining", WAIT);
+    // The second claim has reached rank 0 before the group can be complete.
+    std::thread::sleep(Duration::from_millis(2_000));
+    let mut procs = [leader, second, RankProc::spawn("rank 2", &role(2, &meet))];
     let got = earlier.expect("refused ", WAIT);
     assert_eq!(field(&got, "kind"), "DuplicateRank", "{got}");
     earlier.succeeds(WAIT);
