@@ -12,6 +12,7 @@ use kvlink::kv_geometry::{KvGeometry, ModelKvSpec};
 use kvlink::kv_loader::{
     BatchId, KvLoadError, KvLoader, LoadTicket, LookupRequest, PlanError, StoreFailure,
 };
+use kvlink::mooncake_linker::read_plan::ReadCost;
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, StoreError,
 };
@@ -132,6 +133,51 @@ fn tp_ranks_as_threads_each_load_their_own_slots() {
             });
         }
     });
+}
+
+/// Settings no linker can run with are refused at build, naming the setting. Before, a zero
+/// `layer_read_timeout` built and failed every batch with `RpcTimeout`, and an invalid prior
+/// was replaced by the default unsaid.
+#[test]
+fn settings_no_linker_can_run_with_are_refused_at_build() {
+    let g = KvGeometry::new(small_spec(), 1, 0).unwrap();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 20));
+    let build = |config: LinkerConfig| {
+        let pool = Arc::new(HostKvPool::new(g.clone(), 4).unwrap());
+        Linker::new(g.clone(), store.clone(), pool, config)
+    };
+    let refused = |config: LinkerConfig, what: &str| match build(config) {
+        Err(KvLoadError::Config(c)) => assert!(c.to_string().contains(what), "{c}"),
+        Err(e) => panic!("{what}: {e:?}"),
+        Ok(_) => panic!("{what}: built"),
+    };
+    refused(
+        LinkerConfig {
+            layer_read_timeout: Duration::ZERO,
+            ..cfg()
+        },
+        "layer_read_timeout",
+    );
+    refused(
+        LinkerConfig {
+            store_call_timeout: Duration::ZERO,
+            ..cfg()
+        },
+        "store_call_timeout",
+    );
+    let bad_prior = ReadCost::from_gbps(Duration::ZERO, Duration::ZERO, -1.0);
+    refused(
+        LinkerConfig {
+            read_granularity: ReadGranularity::Adaptive {
+                max_layers_per_call: 8,
+                compute_per_layer: None,
+                prior: bad_prior,
+            },
+            ..cfg()
+        },
+        "prior",
+    );
+    assert!(build(cfg()).is_ok());
 }
 
 #[test]

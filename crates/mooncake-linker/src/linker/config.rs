@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use kv_geometry::Namespace;
-use kv_loader::{Bandwidths, ModeChoice, ShareMode};
+use kv_loader::{Bandwidths, KvLoadError, ModeChoice, ShareMode};
 
 use super::granularity::ReadGranularity;
 
@@ -206,6 +206,35 @@ pub enum GroupFallback {
 /// ```
 pub fn auto_verify_threads(cores: usize) -> usize {
     cores.clamp(1, 4)
+}
+
+impl LinkerConfig {
+    /// The values no linker can run with, refused at build: a zero bound (every store call,
+    /// read or collective would fail at once) and an adaptive granularity's prior that is not
+    /// [valid](crate::read_plan::ReadCost::is_valid) (it was replaced by the default unsaid).
+    pub(crate) fn check(&self) -> Result<(), KvLoadError> {
+        let bounds = [
+            ("layer_read_timeout", self.layer_read_timeout),
+            ("store_call_timeout", self.store_call_timeout),
+            ("collective_timeout", self.collective_timeout),
+            ("wait_deadline", self.wait_deadline),
+            ("lease_renewal", self.lease_renewal),
+        ];
+        if let Some((name, _)) = bounds.iter().find(|(_, d)| d.is_zero()) {
+            return Err(KvLoadError::config(format!(
+                "LinkerConfig::{name} is zero: every call it bounds would fail at once"
+            )));
+        }
+        if let ReadGranularity::Adaptive { prior, .. } = self.read_granularity {
+            if !prior.is_valid() {
+                return Err(KvLoadError::config(format!(
+                    "the adaptive read granularity's prior {prior:?} is not valid (a cost \
+                     per byte that is negative or not finite)"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for LinkerConfig {

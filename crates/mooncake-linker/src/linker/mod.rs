@@ -368,6 +368,7 @@ impl Linker {
                 "the pool is laid out for another geometry",
             ));
         }
+        config.check()?;
         let registered =
             Registered::new(store.clone(), landings.clone(), config.store_call_timeout)?;
         let keys = KeyScheme::new(
