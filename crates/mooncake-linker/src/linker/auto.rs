@@ -52,8 +52,9 @@
 //! the default, when no mode drops out).
 //!
 //! If no group time comes in (a peer never sends one, e.g. one built before the gate word
-//! carried times), `Auto` does not measure for ever: after [`AUTO_GIVE_UP`] proposals made
-//! while this rank's measured batch awaited the group's time, without a decision, it keeps the
+//! carried times), `Auto` does not measure for ever: after [`AUTO_GIVE_UP`] × modes ×
+//! `auto_batches_per_mode` proposals (36 with the defaults) made while this rank's measured
+//! batch awaited the group's time, without a decision, it keeps the
 //! mode leading so far (`AllRanks` when nothing was measured) and says so in a warning.
 //! Batches too small to measure (and failed ones) send no time and do not count.
 //!

@@ -143,8 +143,10 @@ pub struct LinkerConfig {
     /// out clearly slower after one round are not measured further; up to twice as many in a
     /// close call, where noise around the tie margin would decide the pick).
     pub auto_batches_per_mode: u32,
-    /// Longest a rank waits in one collective for its peers (must exceed
-    /// `layer_read_timeout`: in `Rank0Broadcast` the others wait for rank 0's read). It also
+    /// Longest a rank waits in one collective for its peers (keep it above
+    /// `layer_read_timeout`: in `Rank0Broadcast` the others wait for rank 0's read; a lower
+    /// value is allowed, with a warning at build, and a slow read then shows on the peers as a
+    /// collective timeout). It also
     /// bounds a rank's own preflight in a TP group: the checksum companions (and, where some
     /// object has none, the object sizes) must be in within four fifths of it after the
     /// batch's gate, else the batch fails on that rank with

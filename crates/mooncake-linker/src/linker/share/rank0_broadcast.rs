@@ -8,10 +8,10 @@
 //! Device pools: rank 0's reader writes the rows into the share area of its pinned stage; rank
 //! 0 uploads the whole share area to device staging (one host→device copy, load stream); the
 //! broadcast runs on the comm stream after that upload's event and fills every receiver's
-//! device share area; every rank scatters the rows into its slots on the load stream after the
-//! broadcast's event (one launch per block), lands its own rows, and waits (bounded) until the
-//! broadcast is known complete before the layer's event reaches the engine. Receivers move 0
-//! bytes of replicated rows over PCIe.
+//! device share area; every rank waits (bounded) until the broadcast is known complete, and
+//! only then scatters the rows into its slots on the load stream (one launch per block) and
+//! lands its own rows: nothing writes a rank's slots behind a collective not known complete.
+//! Receivers move 0 bytes of replicated rows over PCIe.
 
 use std::ops::Range;
 use std::time::Instant;

@@ -9,9 +9,10 @@
 //!
 //! Device pools: each rank's reader writes its share into its chunk of the pinned share area;
 //! it uploads that chunk alone (about 1/N of the layer over PCIe), the all-gather runs in place
-//! on device staging on the comm stream after every rank's upload event, and every rank
-//! scatters all blocks into its slots after the all-gather's event, lands its own rows, and
-//! waits (bounded) until the all-gather is known complete before publishing the layer.
+//! on device staging on the comm stream after every rank's upload event, and every rank waits
+//! (bounded) until the all-gather is known complete, and only then scatters all blocks into
+//! its slots and lands its own rows: nothing writes a rank's slots behind a collective not
+//! known complete.
 
 use std::ops::Range;
 use std::time::Instant;
