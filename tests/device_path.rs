@@ -267,6 +267,53 @@ fn a_collective_that_never_completes_is_aborted_and_the_next_batch_loads() {
     }
 }
 
+/// A device error under a rank's collective (its event reports it) stays a device error on
+/// that rank: `KvLoadError::Device`, whose source downcasts to `DeviceError`, with a device
+/// reset as its action; the rank aborts the group, so every other rank fails the batch too.
+/// Before, it was `KvLoadError::Collective` with the error as text.
+#[test]
+fn a_device_error_under_a_collective_is_a_device_error() {
+    use common::coll::{Misbehave, Misbehaving};
+    use common::tp::{tp_ranks_built, RankBuild};
+    use kvlink::kv_device::DeviceError;
+    for mode in [ShareMode::Rank0Broadcast, ShareMode::SplitAllGather] {
+        let wrap = |rank: u32, g: TpGroup| match rank {
+            1 => {
+                let m = Misbehaving::new(g.data.clone(), Misbehave::FailedDeviceEvent { nth: 0 });
+                let data: Arc<dyn kvlink::dedup_broadcast::Collective> = m;
+                TpGroup { data, ..g }
+            }
+            _ => g,
+        };
+        let (rs, hashes) = tp_ranks_built(
+            &mixed_spec(),
+            3,
+            store(),
+            4,
+            &config(mode),
+            Path::device_per_rank(ScatterStrategy::Auto),
+            &RankBuild::wrapped(&wrap),
+        );
+        let outcomes = run(&rs, 1, &hashes);
+        for (rank, o) in outcomes.iter().enumerate() {
+            let Err(e) = &o.result else {
+                panic!("{mode:?} rank {rank}: loaded");
+            };
+            if rank != 1 {
+                continue;
+            }
+            let KvLoadError::Device(cause) = e else {
+                panic!("{mode:?} rank 1: {e:?}");
+            };
+            let device = cause.downcast_ref::<DeviceError>();
+            assert!(
+                matches!(device, Some(DeviceError::Driver(m)) if m.contains("injected")),
+                "{mode:?}: {cause:?}"
+            );
+        }
+    }
+}
+
 /// A collective that does not complete in time fails the batch before anything that writes
 /// the rank's pool slots is enqueued behind it: no slot copy of the failed batch runs after
 /// its outcome reached the engine (which may recompute into those slots), even when the

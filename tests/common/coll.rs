@@ -1,13 +1,15 @@
 //! A test decorator of a rank's data collective that misbehaves once: it skips one status
-//! exchange (the rank's collectives shift by one), or it leaves the group at a layer's status
-//! exchange (a rank gone: its handle is dropped, every peer waiting on it fails at once).
+//! exchange (the rank's collectives shift by one), it leaves the group at a layer's status
+//! exchange (a rank gone: its handle is dropped, every peer waiting on it fails at once), it
+//! panics there, or one of its device collectives' events reports a device error.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvlink::dedup_broadcast::{Collective, CollectiveError, LayerStatus, MemorySupport};
-use kvlink::kv_device::HostRow;
+use kvlink::kv_device::{DeviceError, DeviceEvent, HostRow, SharedEvent};
+use kvlink::kv_loader::{KvLoadError, RawStream, StreamWaitable};
 use std::sync::Mutex;
 
 /// How the decorated rank misbehaves.
@@ -21,6 +23,9 @@ pub enum Misbehave {
     /// At the first status exchange of `layer` (armed), it panics: a defect in a collective
     /// the engine supplied.
     PanicAtLayer { layer: u32 },
+    /// The event of its `nth` device collective (0-based) reports a device error once the
+    /// collective completed: the device failed under it.
+    FailedDeviceEvent { nth: u64 },
 }
 
 /// The decorator.
@@ -90,6 +95,7 @@ impl Misbehaving {
             Misbehave::GoneAtLayer { layer: l } | Misbehave::PanicAtLayer { layer: l } => {
                 layer == l
             }
+            Misbehave::FailedDeviceEvent { .. } => false,
         };
         if hit {
             self.done.store(true, Ordering::Release);
@@ -106,6 +112,7 @@ impl Misbehaving {
     ) -> Result<Vec<u64>, CollectiveError> {
         if self.strikes(value) {
             return match self.how {
+                Misbehave::FailedDeviceEvent { .. } => unreachable!("never strikes a status"),
                 Misbehave::SkipStatus { .. } => Err(CollectiveError::Backend(
                     "injected: this status exchange was never issued".into(),
                 )),
@@ -132,8 +139,17 @@ impl Misbehaving {
     }
 }
 
+/// What a test decorator does to each event its handle's device operations return (by
+/// default, nothing).
+pub trait DeviceEventHook {
+    fn device_event(&self, event: SharedEvent) -> SharedEvent {
+        event
+    }
+}
+
 /// The device operations of a test decorator of a collective, forwarded to the handle that
-/// `self.$handle(op)?` gives (`op`: the operation's name).
+/// `self.$handle(op)?` gives (`op`: the operation's name); each event returned goes through
+/// [`DeviceEventHook::device_event`].
 macro_rules! forward_device_ops {
     ($handle:ident) => {
         unsafe fn broadcast_device(
@@ -144,10 +160,13 @@ macro_rules! forward_device_ops {
             deadline: std::time::Instant,
         ) -> Result<kvlink::kv_device::SharedEvent, kvlink::dedup_broadcast::CollectiveError> {
             // SAFETY: forwarded with the caller's own promise.
-            unsafe {
+            let event = unsafe {
                 self.$handle("broadcast_device")?
                     .broadcast_device(region, after, root, deadline)
-            }
+            }?;
+            Ok(crate::common::coll::DeviceEventHook::device_event(
+                self, event,
+            ))
         }
 
         unsafe fn all_gather_device(
@@ -157,14 +176,70 @@ macro_rules! forward_device_ops {
             deadline: std::time::Instant,
         ) -> Result<kvlink::kv_device::SharedEvent, kvlink::dedup_broadcast::CollectiveError> {
             // SAFETY: forwarded with the caller's own promise.
-            unsafe {
+            let event = unsafe {
                 self.$handle("all_gather_device")?
                     .all_gather_device(region, after, deadline)
-            }
+            }?;
+            Ok(crate::common::coll::DeviceEventHook::device_event(
+                self, event,
+            ))
         }
     };
 }
 pub(crate) use forward_device_ops;
+
+impl DeviceEventHook for Misbehaving {
+    fn device_event(&self, event: SharedEvent) -> SharedEvent {
+        let Misbehave::FailedDeviceEvent { nth } = self.how else {
+            return event;
+        };
+        if self.statuses.fetch_add(1, Ordering::AcqRel) != nth {
+            return event;
+        }
+        self.done.store(true, Ordering::Release);
+        Arc::new(FailedEvent(event))
+    }
+}
+
+/// An event that reports a device error once the work before it finished.
+#[derive(Debug)]
+struct FailedEvent(SharedEvent);
+
+impl FailedEvent {
+    fn error() -> DeviceError {
+        DeviceError::Driver("injected: the device failed under a collective".into())
+    }
+}
+
+impl DeviceEvent for FailedEvent {
+    fn is_complete(&self) -> Result<bool, DeviceError> {
+        match self.0.is_complete()? {
+            true => Err(Self::error()),
+            false => Ok(false),
+        }
+    }
+
+    fn wait_until(&self, deadline: Instant) -> Result<bool, DeviceError> {
+        match self.0.wait_until(deadline)? {
+            true => Err(Self::error()),
+            false => Ok(false),
+        }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl StreamWaitable for FailedEvent {
+    fn wait_on_stream(&self, _: RawStream) -> Result<(), KvLoadError> {
+        Err(Self::error().into())
+    }
+
+    fn synchronize(&self) -> Result<(), KvLoadError> {
+        Err(Self::error().into())
+    }
+}
 
 impl Collective for Misbehaving {
     fn rank(&self) -> u32 {

@@ -134,6 +134,8 @@ impl PacedShares {
     }
 }
 
+impl super::coll::DeviceEventHook for PacedShares {}
+
 impl Collective for PacedShares {
     fn rank(&self) -> u32 {
         self.inner.rank()

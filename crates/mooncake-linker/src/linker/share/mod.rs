@@ -210,7 +210,7 @@ impl LayerCx<'_> {
         let deadline = self.deadline();
         let done = shared.wait_until(deadline);
         if !matches!(done, Ok(true)) {
-            let why = match done {
+            let why = match &done {
                 Err(e) => format!("the collective's event failed: {e}"),
                 _ => format!(
                     "the collective did not complete within {:?}",
@@ -221,10 +221,16 @@ impl LayerCx<'_> {
             let coll = self.coll()?;
             coll.abort(&why);
             tracing::warn!(batch = %self.batch, rank = self.rank, why, "aborting the data group");
-            return Err(StepError::Fatal(KvLoadError::Collective {
-                batch: Some(self.batch),
-                detail: why.into(),
-            }));
+            // A device error stays one (its action resets the device's work; the engine
+            // can downcast it); a collective that did not complete in time is the group's.
+            let err = match done {
+                Err(e) => KvLoadError::from(e),
+                _ => KvLoadError::Collective {
+                    batch: Some(self.batch),
+                    detail: why.into(),
+                },
+            };
+            return Err(StepError::Fatal(err));
         }
         self.auto
             .observe_fabric(layout.mode(), layout.len() as u64, started.elapsed());
