@@ -1,6 +1,7 @@
 //! A landing an engine supplies must lend at least two stages (the reader holds one for a
 //! group of layers while the exchange loop lands the layer before): one that lends fewer fails
-//! the batch at once, with a typed error naming why, not at layer 1 as an internal failure.
+//! the batch at once, with a typed error naming why, not at layer 1 as an internal failure;
+//! one that panics fails the batch with an error naming the panic.
 
 mod common;
 
@@ -19,14 +20,20 @@ use kvlink::kv_loader::{KvLoadError, KvLoader, LayerReady, TransferBytes};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
-/// A host landing that lends only the first of its stages.
-struct OneStage(DirectLanding);
+/// A host landing that lends only the first `stages` of its stages, and panics opening layer
+/// `panic_at` (a defect of a landing an engine supplied).
+struct OneStage(DirectLanding, usize, Option<u32>);
 
 impl LayerLanding for OneStage {
     fn take_stages(&mut self) -> Vec<LayerStage> {
-        self.0.take_stages().into_iter().take(1).collect()
+        self.0.take_stages().into_iter().take(self.1).collect()
     }
     fn open(&self, stage: &mut LayerStage, layer: u32, by: Instant) -> Result<(), DeviceError> {
+        assert_ne!(
+            Some(layer),
+            self.2,
+            "injected: the landing panics opening layer {layer}"
+        );
         self.0.open(stage, layer, by)
     }
     fn lend(&self, stage: &mut LayerStage) -> Result<StageLoan, DeviceError> {
@@ -62,7 +69,7 @@ impl LayerLanding for OneStage {
     }
 }
 
-struct OneStageLandings(Arc<HostKvPool>);
+struct OneStageLandings(Arc<HostKvPool>, usize, Option<u32>);
 
 impl LandingFactory for OneStageLandings {
     fn begin(
@@ -70,11 +77,8 @@ impl LandingFactory for OneStageLandings {
         slots: Arc<[u32]>,
         shape: BatchShape,
     ) -> Result<Box<dyn LayerLanding>, DeviceError> {
-        Ok(Box::new(OneStage(DirectLanding::new(
-            self.0.clone(),
-            slots,
-            shape,
-        )?)))
+        let direct = DirectLanding::new(self.0.clone(), slots, shape)?;
+        Ok(Box::new(OneStage(direct, self.1, self.2)))
     }
     fn store_regions(&self) -> Vec<StoreRegion> {
         Vec::new()
@@ -90,6 +94,16 @@ impl LandingFactory for OneStageLandings {
 /// A linker over a one-stage landing, and batch 1 of a 3-page prefix of `spec` saved for it,
 /// started into slots `slots`: the linker, the ticket, the pool and the prefix's pages.
 fn one_stage_load(spec: ModelKvSpec, slots: Vec<u32>) -> OneStageLoad {
+    landing_load(spec, slots, 1, None)
+}
+
+/// [`one_stage_load`] over a landing of `stages` stages that panics opening layer `panic_at`.
+fn landing_load(
+    spec: ModelKvSpec,
+    slots: Vec<u32>,
+    stages: usize,
+    panic_at: Option<u32>,
+) -> OneStageLoad {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
     let cfg = LinkerConfig::default();
     let tokens = prompt(31, 3, spec.page_size);
@@ -100,7 +114,7 @@ fn one_stage_load(spec: ModelKvSpec, slots: Vec<u32>) -> OneStageLoad {
         g.clone(),
         store,
         pool.clone(),
-        Arc::new(OneStageLandings(pool.clone())),
+        Arc::new(OneStageLandings(pool.clone(), stages, panic_at)),
         cfg,
         None,
     )
@@ -119,6 +133,22 @@ struct OneStageLoad {
     t: kvlink::kv_loader::LoadTicket,
     pool: Arc<HostKvPool>,
     pages: Vec<kvlink::kv_geometry::PageHash>,
+}
+
+/// A landing that panics opening layer 1 fails the batch with an error naming the panic.
+/// Before, the reader's panic was dropped at its join and the batch failed with "the reader
+/// stopped before layer 1" alone.
+#[test]
+fn a_landing_that_panics_fails_the_batch_naming_the_panic() {
+    let spec = small_spec();
+    assert!(spec.num_layers >= 3);
+    let OneStageLoad { linker, t, .. } = landing_load(spec, vec![0, 1, 2], 4, Some(1));
+    let outcome = linker.wait_batch(&t).unwrap().result;
+    assert!(
+        matches!(&outcome, Err(e @ KvLoadError::Internal { .. })
+            if e.to_string().contains("the landing panics opening layer 1")),
+        "{outcome:?}"
+    );
 }
 
 #[test]

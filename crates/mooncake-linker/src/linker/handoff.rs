@@ -32,6 +32,8 @@ struct State<S, L> {
     depth: usize,
     reader_open: bool,
     exchange_open: bool,
+    /// Why the reader left before handing every layer over, when it says (its first reason).
+    stopped: Option<String>,
 }
 
 /// The hand-off of one batch (see the module docs).
@@ -51,6 +53,7 @@ impl<S, L> Handoff<S, L> {
                 depth: depth.max(1),
                 reader_open: true,
                 exchange_open: true,
+                stopped: None,
             }),
             cv: Condvar::new(),
         }
@@ -91,6 +94,10 @@ impl<S, L> Handoff<S, L> {
             let (g, in_time) = self.wait(st, deadline);
             st = g;
             if !in_time {
+                st.stopped.get_or_insert_with(|| {
+                    "its wait for a free stage ran out (the exchange loop gave none back in time)"
+                        .into()
+                });
                 return Wait::TimedOut;
             }
         }
@@ -114,9 +121,24 @@ impl<S, L> Handoff<S, L> {
             let (g, in_time) = self.wait(st, deadline);
             st = g;
             if !in_time {
+                st.stopped.get_or_insert_with(|| {
+                    "its wait to hand a layer over ran out (the exchange loop took none in time)"
+                        .into()
+                });
                 return Err(layer);
             }
         }
+    }
+
+    /// Reader: why it leaves early (kept when it gave none yet), for the exchange loop's
+    /// error.
+    pub(crate) fn reader_stopped(&self, why: String) {
+        self.lock().stopped.get_or_insert(why);
+    }
+
+    /// Why the reader left early, if it said.
+    pub(crate) fn why_reader_stopped(&self) -> Option<String> {
+        self.lock().stopped.clone()
     }
 
     /// Reader: it hands over nothing more.

@@ -129,9 +129,14 @@ impl LayerPipeline<'_> {
                 )
                 .into(),
             },
-            Wait::Closed => {
-                KvLoadError::internal(batch, format!("the reader stopped before layer {layer}"))
-            }
+            Wait::Closed => KvLoadError::internal(
+                batch,
+                format!(
+                    "the reader stopped before layer {layer}: {}",
+                    h.why_reader_stopped()
+                        .unwrap_or_else(|| "it gave no reason".into())
+                ),
+            ),
         };
         ReadLayer {
             layer,

@@ -155,7 +155,19 @@ impl LayerPipeline<'_> {
                     // The exchange loop learns at once that the reader left, even if it
                     // panicked.
                     let _done = ReaderDone(h);
-                    self.read_loop(prep, ring, h)
+                    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        self.read_loop(prep, ring, h)
+                    }));
+                    read.unwrap_or_else(|payload| {
+                        let why = format!(
+                            "it panicked: {}",
+                            kv_loader::Cause::from_panic(payload.as_ref())
+                        );
+                        tracing::error!(batch = %self.job.plan.logical.batch, why,
+                            "the batch's reader panicked; the batch fails");
+                        h.reader_stopped(why);
+                        ReadRun::default()
+                    })
                 });
             let reader = match reader {
                 Ok(r) => r,
