@@ -11,7 +11,7 @@
 //! caller's memory: they read and write a buffer of their own, copied in or out, and
 //! keep it (leak it) when the call failed that late.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::error::{MooncakeError, Result};
 
@@ -19,6 +19,79 @@ use crate::error::{MooncakeError, Result};
 /// returns with them still in flight (60 s), less a margin: a call that failed after this
 /// long is taken as one the client gave up on, whose memory its transfers may still use.
 pub const CLIENT_GIVES_UP_AFTER: Duration = Duration::from_secs(55);
+
+/// How far the wall clock may drift from the monotonic one over a call before the call is
+/// taken as one across which the wall clock was stepped.
+const CLOCK_SLACK: Duration = Duration::from_secs(1);
+
+/// When a wheel call started, on both clocks its client's give-up depends on.
+///
+/// Mooncake's client times its wait for a call's transfers on the wall clock
+/// (`CLOCK_REALTIME`, in `TransferEngineOperationState::wait_for_completion`), which an NTP
+/// step, `date -s` or a resumed VM moves: a step forward of a minute makes it give up at its
+/// next poll, transfers in flight, after a fraction of a second by the monotonic clock. So a
+/// call counts as one the client may have given up on ([`CallSpan::past`]) when either clock
+/// says it ran the limit, or the wall clock was stepped during it (it drifted more than a
+/// second from the monotonic clock, or went back: a step forward before that cannot be told
+/// out).
+///
+/// ```
+/// use std::time::Duration;
+/// use mooncake_sys::{CallClock, CLIENT_GIVES_UP_AFTER};
+/// let clock = CallClock::start();
+/// let span = clock.span();
+/// assert!(span.monotonic < Duration::from_secs(1));
+/// assert!(!span.past(CLIENT_GIVES_UP_AFTER));
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct CallClock {
+    monotonic: Instant,
+    wall: SystemTime,
+}
+
+impl CallClock {
+    /// Now, on both clocks.
+    pub fn start() -> Self {
+        CallClock {
+            monotonic: Instant::now(),
+            wall: SystemTime::now(),
+        }
+    }
+
+    /// The span from the start to now, on both clocks.
+    pub fn span(&self) -> CallSpan {
+        CallSpan {
+            monotonic: self.monotonic.elapsed(),
+            wall: SystemTime::now().duration_since(self.wall).ok(),
+        }
+    }
+}
+
+/// How long a call took on both clocks (see [`CallClock`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallSpan {
+    /// Elapsed on the monotonic clock.
+    pub monotonic: Duration,
+    /// Elapsed on the wall clock; `None` when it went back.
+    pub wall: Option<Duration>,
+}
+
+impl CallSpan {
+    /// Whether the call may have outlived the client's wait of `limit` for its transfers:
+    /// either clock says it ran `limit`, or the wall clock was stepped during it (see
+    /// [`CallClock`]).
+    pub fn past(&self, limit: Duration) -> bool {
+        let Some(wall) = self.wall else {
+            return true;
+        };
+        let drift = if wall > self.monotonic {
+            wall - self.monotonic
+        } else {
+            self.monotonic - wall
+        };
+        self.monotonic >= limit || wall >= limit || drift > CLOCK_SLACK
+    }
+}
 
 /// Whether `r` is a call the shim cut short: it caught an exception thrown inside the wheel's
 /// call, or an allocation failure, so transfers the call submitted may not have been waited
@@ -31,7 +104,7 @@ pub(crate) fn cut_short<T>(r: &Result<T>) -> bool {
 /// call failed after [`CLIENT_GIVES_UP_AFTER`] or was cut short.
 pub(crate) struct CallBuffer {
     bytes: Vec<u8>,
-    started: Instant,
+    started: CallClock,
 }
 
 impl CallBuffer {
@@ -69,7 +142,7 @@ impl CallBuffer {
     fn owning(bytes: Vec<u8>) -> Self {
         Self {
             bytes,
-            started: Instant::now(),
+            started: CallClock::start(),
         }
     }
 
@@ -110,7 +183,7 @@ impl CallBuffer {
     /// [`CLIENT_GIVES_UP_AFTER`] or was `cut_short` (see [`cut_short`]), in which case the
     /// buffer is kept for good (leaked).
     pub(crate) fn after(self, failed: bool, cut_short: bool) -> Option<Vec<u8>> {
-        if cut_short || (failed && self.started.elapsed() >= CLIENT_GIVES_UP_AFTER) {
+        if cut_short || (failed && self.started.span().past(CLIENT_GIVES_UP_AFTER)) {
             // Transfers the client gave up on, or never waited for, may still use these
             // bytes.
             std::mem::forget(self.bytes);
@@ -162,6 +235,29 @@ mod tests {
         assert!(!cut_short(&Ok(())));
         let b = CallBuffer::zeroed("test", 8).unwrap();
         assert!(b.after(true, true).is_none(), "kept");
+    }
+
+    /// The client times its give-up on the wall clock: a call of 0.2 s across which the wall
+    /// clock stepped a minute forward, or back, or drifted, may have been given up on. Before,
+    /// only the monotonic clock was read, and such a call's memory was freed under transfers
+    /// still running.
+    #[test]
+    fn a_step_of_the_wall_clock_counts_the_call_as_given_up() {
+        let limit = CLIENT_GIVES_UP_AFTER;
+        let short = Duration::from_millis(200);
+        let past = |monotonic, wall| CallSpan { monotonic, wall }.past(limit);
+        assert!(!past(short, Some(short)));
+        assert!(
+            past(short, Some(Duration::from_secs(61))),
+            "stepped forward"
+        );
+        assert!(past(short, None), "stepped back");
+        assert!(past(short, Some(Duration::from_secs(3))), "drifted");
+        assert!(past(limit, Some(limit)), "ran the limit");
+        assert!(
+            !past(short, Some(Duration::from_millis(900))),
+            "within the slack"
+        );
     }
 
     #[test]

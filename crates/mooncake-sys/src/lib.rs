@@ -38,7 +38,7 @@ pub mod library;
 pub mod result;
 pub mod sys;
 
-pub use call_buffer::CLIENT_GIVES_UP_AFTER;
+pub use call_buffer::{CallClock, CallSpan, CLIENT_GIVES_UP_AFTER};
 pub use client::{Client, Health, KeyResult};
 pub use error::{ErrorCode, ErrorKind, MooncakeError, Result};
 pub use library::{AbiInfo, Library};

@@ -294,11 +294,12 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
 /// client gave up on.
 pub(super) const CLIENT_GIVES_UP_AFTER: Duration = mooncake_sys::CLIENT_GIVES_UP_AFTER;
 
-/// How a wheel call ended, for [`mark_abandoned`]: after how long, and whether the shim cut it
-/// short ([`MooncakeError::cut_short`]: an exception caught inside the call).
+/// How a wheel call ended, for [`mark_abandoned`]: after how long, on both clocks the client's
+/// give-up depends on (see [`mooncake_sys::CallClock`]), and whether the shim cut it short
+/// ([`MooncakeError::cut_short`]: an exception caught inside the call).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct CallEnd {
-    pub(super) took: Duration,
+    pub(super) span: mooncake_sys::CallSpan,
     pub(super) cut_short: bool,
 }
 
@@ -327,13 +328,13 @@ fn mark_abandoned_after<T>(
     keys: &[&str],
     results: &mut [Result<T, StoreError>],
 ) -> bool {
-    let took = end.took;
+    let took = end.span.monotonic;
     if end.cut_short {
         return abandon_failures(call, keys, results, |e| {
             format!("{e}: the call was cut short by an exception; its transfers may still run")
         });
     }
-    if took < limit {
+    if !end.span.past(limit) {
         return false;
     }
     abandon_failures(call, keys, results, |e| match e {
@@ -410,10 +411,16 @@ pub(super) fn not_read(key: &str, why: &str) -> StoreError {
     }
 }
 
-/// The error of a key whose wheel call panicked after `took`: `Abandoned` once the client may
+/// The error of a key whose wheel call panicked after `span`: `Abandoned` once the client may
 /// have given up on its transfers (they may still run), else `Panicked`.
-fn panicked_call(key: &str, call: &'static str, took: Duration, limit: Duration) -> StoreError {
-    if took >= limit {
+fn panicked_call(
+    key: &str,
+    call: &'static str,
+    span: mooncake_sys::CallSpan,
+    limit: Duration,
+) -> StoreError {
+    let took = span.monotonic;
+    if span.past(limit) {
         StoreError::Abandoned {
             key: key.to_owned(),
             call,
@@ -446,9 +453,9 @@ pub(super) fn wheel_read(
     limit: Duration,
     run: impl FnOnce() -> Result<Vec<mooncake_sys::KeyResult<u64>>, MooncakeError>,
 ) -> WheelRead {
-    let t0 = Instant::now();
+    let clock = mooncake_sys::CallClock::start();
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
-    let took = t0.elapsed();
+    let span = clock.span();
     let mut results: Vec<Result<u64, StoreError>> =
         keys.iter().map(|k| failed_placeholder(k)).collect();
     let cut_short = matches!(&ran, Ok(Err(e)) if e.cut_short());
@@ -461,12 +468,12 @@ pub(super) fn wheel_read(
         }
         Err(_) => {
             for (r, k) in results.iter_mut().zip(keys) {
-                *r = Err(panicked_call(k, call, took, limit));
+                *r = Err(panicked_call(k, call, span, limit));
             }
             Some(format!("an earlier {what} call panicked"))
         }
     };
-    let end = CallEnd { took, cut_short };
+    let end = CallEnd { span, cut_short };
     let abandoned = mark_abandoned_after(call, end, limit, keys, &mut results)
         || results
             .iter()
@@ -836,7 +843,7 @@ impl KvStore for MooncakeStore {
         }
         let names: Vec<&str> = to_write.iter().map(|&i| keys[i]).collect();
         let transfer = self.transfers.transfer();
-        let t0 = Instant::now();
+        let clock = mooncake_sys::CallClock::start();
         let results = match CKeys::new(&names) {
             // SAFETY: every pointer is either a caller's single source part (valid for reads of
             // its length for the whole call, by the trait's contract) or one of `staging`'s
@@ -851,7 +858,7 @@ impl KvStore for MooncakeStore {
             },
             Err(e) => Err(e),
         };
-        let took = t0.elapsed();
+        let span = clock.span();
         let cut_short = results.as_ref().is_err_and(MooncakeError::cut_short);
         let mut written: Vec<Result<(), StoreError>> = to_write
             .iter()
@@ -859,7 +866,7 @@ impl KvStore for MooncakeStore {
             .collect();
         let positions: Vec<usize> = (0..to_write.len()).collect();
         per_key(&names, results, &positions, &mut written);
-        let end = CallEnd { took, cut_short };
+        let end = CallEnd { span, cut_short };
         let abandoned = mark_abandoned("batch_put_from", end, &names, &mut written);
         if abandoned {
             // Transfers may still read the staging and the registered sources.
@@ -1203,11 +1210,15 @@ mod tests {
             ]
         };
         let keys = ["o", "k", "n", "f"];
+        let span = |d| mooncake_sys::CallSpan {
+            monotonic: d,
+            wall: Some(d),
+        };
         let mut early = results();
         assert!(!mark_abandoned(
             "get",
             CallEnd {
-                took: Duration::from_secs(10),
+                span: span(Duration::from_secs(10)),
                 cut_short: false
             },
             &keys,
@@ -1218,7 +1229,7 @@ mod tests {
         assert!(mark_abandoned(
             "get",
             CallEnd {
-                took: Duration::from_secs(60),
+                span: span(Duration::from_secs(60)),
                 cut_short: false
             },
             &keys,
@@ -1230,6 +1241,26 @@ mod tests {
         );
         assert_eq!(late[2], Err(StoreError::NotFound { key: "n".into() }));
         assert_eq!(late[3], results()[3]);
+    }
+
+    /// The client times its 60 s on the wall clock: a call of 0.2 s across which the wall
+    /// clock was stepped a minute forward had its failed transfers given up on, still running.
+    /// Before, only the monotonic time was read, and the call's memory was handed back.
+    #[test]
+    fn a_call_across_a_wall_clock_step_is_abandoned() {
+        let mut results: Vec<Result<u64, StoreError>> = vec![Err(StoreError::TransferFailed {
+            key: "k".into(),
+            code: -800,
+        })];
+        let stepped = CallEnd {
+            span: mooncake_sys::CallSpan {
+                monotonic: Duration::from_millis(200),
+                wall: Some(Duration::from_secs(61)),
+            },
+            cut_short: false,
+        };
+        assert!(mark_abandoned("get", stepped, &["k"], &mut results));
+        assert!(matches!(&results[0], Err(StoreError::Abandoned { .. })));
     }
 
     /// Before, only a key's transfer code was taken as abandoned: a late call that failed
