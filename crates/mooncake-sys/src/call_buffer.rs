@@ -84,11 +84,7 @@ impl CallSpan {
         let Some(wall) = self.wall else {
             return true;
         };
-        let drift = if wall > self.monotonic {
-            wall - self.monotonic
-        } else {
-            self.monotonic - wall
-        };
+        let drift = wall.abs_diff(self.monotonic);
         self.monotonic >= limit || wall >= limit || drift > CLOCK_SLACK
     }
 }
