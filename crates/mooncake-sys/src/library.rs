@@ -171,6 +171,11 @@ impl Library {
     ///    (a `target/` inside the repository finds the repository's `.mooncake/`);
     /// 4. `<workspace>/.mooncake/lib/libkvlink_mooncake.so` of the source tree this crate was
     ///    compiled from;
+    ///
+    ///    (3 and 4 are found, not chosen: each is taken only when the file, its `lib/` and its
+    ///    `.mooncake/` are owned by this process's user or root and writable by no one else,
+    ///    so that no other user can plant a library there, e.g. a `/tmp/.mooncake` above an
+    ///    executable under `/tmp`;)
     /// 5. `libkvlink_mooncake.so` through the system's search path.
     ///
     /// ```
@@ -190,14 +195,17 @@ impl Library {
         if let Ok(exe) = std::env::current_exe() {
             for dir in exe.ancestors().skip(1) {
                 let candidate = in_dir(&dir.join(".mooncake"));
-                if candidate.is_file() {
+                if candidate.is_file() && not_plantable(&candidate) {
                     out.push(candidate);
                     break;
                 }
             }
         }
         let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        out.push(in_dir(&workspace.join(".mooncake")));
+        let built = in_dir(&workspace.join(".mooncake"));
+        if !built.exists() || not_plantable(&built) {
+            out.push(built);
+        }
         out.push(PathBuf::from(SHIM_FILE_NAME));
         let mut seen = std::collections::HashSet::new();
         out.retain(|p| seen.insert(p.clone()));
@@ -302,14 +310,18 @@ impl Library {
         }
         if n >= buf.len() {
             // Longer than the buffer (the return is its full length): ask again with room for
-            // all of it (the message stays until this thread's next error).
-            buf = vec![0 as c_char; n.saturating_add(1)];
+            // all of it, up to 64 KiB (the message stays until this thread's next error; a
+            // longer one is cut).
+            buf = vec![0 as c_char; n.saturating_add(1).min(LAST_ERROR_MAX)];
             // SAFETY: as above, for the larger buffer.
             unsafe { (ext.last_error)(buf.as_mut_ptr(), buf.len()) };
         }
-        // SAFETY: the shim NUL-terminated `buf` (len > 0) above.
-        let msg = unsafe { CStr::from_ptr(buf.as_ptr()) };
-        Some(msg.to_string_lossy().into_owned())
+        // Read within `buf` whatever the shim wrote: up to its first NUL, or all of it.
+        let bytes: Vec<u8> = buf.iter().map(|&c| c as u8).collect();
+        let msg = CStr::from_bytes_until_nul(&bytes)
+            .map(|m| m.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+        Some(msg)
     }
 
     pub(crate) fn extensions(&self, operation: &'static str) -> Result<&Extensions> {
@@ -434,6 +446,25 @@ fn symbol<T: Copy>(handle: &libloading::Library, path: &Path, name: &[u8]) -> Re
         })
 }
 
+/// The longest last-error message read from the shim (bytes, with its NUL).
+const LAST_ERROR_MAX: usize = 64 * 1024;
+
+/// Whether no user but this process's and root could have put `library` where it is: it, its
+/// directory and that directory's parent are each owned by the effective user or root and
+/// not writable by others (a directory some other user can write, like `/tmp`, may hold
+/// only what that user made there, which the owner check refuses).
+fn not_plantable(library: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let lib_dir = library.parent();
+    let top = lib_dir.and_then(Path::parent);
+    [Some(library), lib_dir, top].into_iter().all(|p| {
+        p.and_then(|p| std::fs::metadata(p).ok())
+            .is_some_and(|m| (m.uid() == me || m.uid() == 0) && m.mode() & 0o002 == 0)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -450,6 +481,36 @@ mod tests {
 
     /// A library that loads but is not the shim: the C library every process already has.
     const NOT_THE_SHIM: &str = "libc.so.6";
+
+    /// A library someone else could have put in place (its file or a directory above it
+    /// writable by others) is not taken from a `.mooncake/` found above the executable.
+    /// Before, any `.mooncake/lib/libkvlink_mooncake.so` there was loaded, e.g. one planted in
+    /// `/tmp/.mooncake` above an executable under `/tmp`.
+    #[test]
+    fn a_library_others_could_have_planted_is_not_found() {
+        use std::os::unix::fs::PermissionsExt;
+        let top = std::env::temp_dir().join(format!("kvlink-plant-{}", std::process::id()));
+        let lib = top.join(".mooncake").join("lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        let file = lib.join(SHIM_FILE_NAME);
+        std::fs::write(&file, b"not a library").unwrap();
+        let mode = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        for p in [&top.join(".mooncake"), &lib] {
+            mode(p, 0o755);
+        }
+        mode(&file, 0o644);
+        assert!(not_plantable(&file));
+        mode(&file, 0o666);
+        assert!(!not_plantable(&file), "a file others can write");
+        mode(&file, 0o644);
+        mode(&top.join(".mooncake"), 0o777);
+        assert!(!not_plantable(&file), "a directory others can write");
+        mode(&top.join(".mooncake"), 0o755);
+        assert!(!not_plantable(&top.join("missing.so")), "nothing there");
+        std::fs::remove_dir_all(&top).unwrap();
+    }
 
     #[test]
     fn every_failed_candidate_is_named_with_its_reason() {
