@@ -104,16 +104,27 @@ pub(crate) struct CallBuffer {
 }
 
 impl CallBuffer {
-    /// `len` zeroed bytes (an error, not an allocation abort, when they cannot be had).
+    /// `len` zeroed bytes (an error, not an allocation abort, when they cannot be had). The
+    /// memory comes zeroed from the allocator (fresh pages are not touched until bytes land
+    /// in them), so that a size no host can back fails or is backed as it is written, rather
+    /// than every page being written up front (under overcommit, an out-of-memory kill).
     pub(crate) fn zeroed(operation: &'static str, len: usize) -> Result<Self> {
-        let mut bytes = Vec::new();
-        bytes
-            .try_reserve_exact(len)
-            .map_err(|_| MooncakeError::InvalidArguments {
-                operation,
-                detail: format!("a buffer of {len} bytes cannot be allocated here"),
-            })?;
-        bytes.resize(len, 0);
+        let refused = || MooncakeError::InvalidArguments {
+            operation,
+            detail: format!("a buffer of {len} bytes cannot be allocated here"),
+        };
+        if len == 0 {
+            return Ok(Self::owning(Vec::new()));
+        }
+        let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| refused())?;
+        // SAFETY: `layout` has a non-zero size (`len > 0`).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(refused());
+        }
+        // SAFETY: `ptr` was allocated by the global allocator with the layout of `len` bytes
+        // of `u8` (so capacity `len`), and all `len` of them are initialised (zeroed).
+        let bytes = unsafe { Vec::from_raw_parts(ptr, len, len) };
         Ok(Self::owning(bytes))
     }
 
@@ -254,6 +265,27 @@ mod tests {
             !past(short, Some(Duration::from_millis(900))),
             "within the slack"
         );
+    }
+
+    /// A large buffer is not written up front: 2 GiB of it adds far less than that to the
+    /// process's resident memory. Before, every byte was written at allocation (a size the
+    /// host cannot back was an out-of-memory kill under overcommit, not an error).
+    #[test]
+    fn a_large_zeroed_buffer_is_not_written_up_front() {
+        let resident = || -> u64 {
+            let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+            let pages: u64 = statm
+                .split_whitespace()
+                .nth(1)
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0);
+            pages * 4096
+        };
+        let before = resident();
+        let b = CallBuffer::zeroed("test", 2 << 30).unwrap();
+        let grew = resident().saturating_sub(before);
+        assert!(grew < 1 << 30, "resident memory grew by {grew} bytes");
+        assert_eq!(b.bytes()[(2 << 30) - 1], 0);
     }
 
     #[test]
