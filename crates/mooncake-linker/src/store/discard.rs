@@ -1,8 +1,10 @@
-//! Discarding objects with their checksum companions: objects first, and each companion only
-//! once its object is gone. A failing discard thus leaves an object with its companion (later
-//! loads keep checking it) or a companion without its object; this function never leaves an
-//! object without its companion, which would pass later loads on its length alone while a
-//! save skipped it (first write wins).
+//! Discarding objects with their checksum companions: objects first, and a companion of one of
+//! those objects only once its object is gone. A failing discard thus leaves an object with
+//! its companion (later loads keep checking it) or a companion without its object; for the
+//! objects it discards, this function never leaves one without its companion, which would
+//! pass later loads on its length alone while a save skipped it (first write wins). A
+//! companion passed without its object goes whatever that object's state: a caller passes
+//! one when it means to drop it (a companion written beside another writer's object).
 //!
 //! It does not order itself against a save of the same key running beside it: such a save may
 //! write the object again between the two discards, and that object then stands without its
@@ -13,9 +15,10 @@ use tracing::warn;
 
 use super::{checked_results, StoreError};
 
-/// Discards `objects` with `discard`, then every key of `companions` whose object is gone
-/// (discarded now, or already absent): the companion of an object whose discard failed stays
-/// with it. A key already gone is fine; any other failure is logged. `discard` is the store's
+/// Discards `objects` with `discard`, then every key of `companions` but those of objects of
+/// `objects` whose discard failed (those stay with their objects; a companion of an object not
+/// in `objects` goes whatever that object's state). A key already gone is fine; any other
+/// failure is logged. `discard` is the store's
 /// call (bounded or not); a result list of the wrong length counts as failures. Returns how
 /// many objects were discarded.
 pub(crate) fn objects_then_companions(

@@ -46,7 +46,8 @@ impl Stall {
         *self.0 .0.lock()
     }
 
-    /// Calls it has held so far (a test waits for this to know a call is stuck).
+    /// Keys it has held so far, over every call (a test waits for this to know a call is
+    /// stuck).
     pub fn hits(&self) -> u32 {
         self.1.load(Ordering::Acquire)
     }
@@ -67,7 +68,8 @@ impl Stall {
 /// What an injected fault does to a matching call.
 #[derive(Debug, Clone)]
 pub enum Fault {
-    /// The key fails with this error.
+    /// The key fails with this error. The inner store's call still runs (a put is written):
+    /// a store that reports a failure for a call it carried out.
     Error(StoreError),
     /// The key's read returns one byte less than asked (a short read; reads only).
     Short,
@@ -259,7 +261,8 @@ impl FaultyStore {
     }
 
     /// The faults of a call over `keys` (with their read ranges, where it reads ranges): a
-    /// delay or stall is served here (once per call), a `Down` takes the store down.
+    /// delay or stall is served here (per matching key and rule), a `Down` takes the store
+    /// down.
     fn hits<'a>(
         &self,
         call: FaultCall,

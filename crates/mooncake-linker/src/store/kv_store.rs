@@ -189,7 +189,9 @@ pub trait KvStore: Send + Sync {
     /// not one entry per get, none is set; a get whose entry is not one per range gets none.
     ///
     /// The default sets none. A store that changes the bytes after its inner store wrote them
-    /// (a fault injector) must keep the default, so that the caller hashes what landed.
+    /// (a fault injector) must not pass on its inner store's sums of the ranges it changed:
+    /// it keeps the default, or clears those sums (as `FaultyStore` does for a corrupted
+    /// read), so that the caller hashes what landed.
     ///
     /// # Safety
     /// See the trait's buffer contract.

@@ -34,6 +34,7 @@ pub use kv_store::{
     ReadSession,
 };
 pub use registration::{Registration, REGISTRATION_WAVE};
+#[cfg(target_os = "linux")]
 pub(crate) use served::split_address;
 #[cfg(target_os = "linux")]
 pub use served::{

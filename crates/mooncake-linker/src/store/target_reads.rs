@@ -132,8 +132,9 @@ impl StoreCalls {
 
     /// [`read_targets`](Self::read_targets), and the checksums the store took of the ranges it
     /// copied itself as they landed ([`KvStore::get_ranges_checksummed`]): per read, per
-    /// range, `None` where it took none (hash those targets' bytes to check them), and for
-    /// every range of a key that failed or a part past its deadline.
+    /// range, `None` where it took none (hash those targets' bytes to check them) and for a
+    /// part past its deadline. The sums of a key that failed mean nothing (a store may have
+    /// set some before it failed): a caller reads them only for keys that succeeded.
     ///
     /// [`KvStore::get_ranges_checksummed`]: super::KvStore::get_ranges_checksummed
     pub fn read_targets_checksummed(
