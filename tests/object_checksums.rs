@@ -917,6 +917,44 @@ fn a_malformed_companion_makes_its_object_bad() {
     a_rewritten_companion_makes_its_object_bad(33, 1, 0, |bytes| bytes[9] ^= 1);
 }
 
+/// An object whose companion is malformed is discarded even when its size cannot be had (a
+/// size query the store fails). Before, that store failure ended the check before the
+/// discard: the bad pair stayed, and with size queries failing for it every load failed.
+#[test]
+fn a_malformed_companion_makes_its_object_bad_even_when_its_size_cannot_be_had() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
+    let Saved { store, pages, g } = saved(37, 2);
+    let faults = Arc::new(FaultyStore::new(store.clone()));
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), faults.clone(), pool, config()).unwrap();
+    let key = linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
+        .unwrap()[0][1]
+        .clone();
+    let companion = checksum_key(&key);
+    let mut bytes = get(store.as_ref(), &companion).unwrap();
+    bytes[9] ^= 1;
+    assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
+    put(store.as_ref(), &companion, &bytes);
+    faults.inject_on(
+        FaultCall::Size,
+        FaultRule {
+            key_contains: Some(key.clone()),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::RpcTimeout { key: key.clone() }),
+    );
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![2, 3]))
+        .unwrap();
+    assert!(linker.wait_layer(&t, 0).is_err());
+    let _ = linker.wait_batch(&t);
+    assert_eq!(
+        store.exists(&[key.as_str(), &companion]),
+        vec![Ok(false), Ok(false)]
+    );
+}
+
 /// A companion longer than its format (a valid one with bytes after it) is as bad as a
 /// malformed one.
 #[test]

@@ -160,8 +160,15 @@ impl Inner {
                 CompanionRead::Bad(detail) => detail,
             };
             // A companion that does not fit the geometry most often means the object itself
-            // was written for another one: say so, as the size check would.
-            self.check_object_size(batch, comp, w.page, self.store_call_deadline())?;
+            // was written for another one: say so, as the size check would. A size that could
+            // not be had (a transient store error) does not spare the object its discard.
+            match self.check_object_size(batch, comp, w.page, self.store_call_deadline()) {
+                Err(e @ KvLoadError::InvalidPlan { .. }) => return Err(e),
+                Err(e) => {
+                    tracing::warn!(%batch, key, error = %e, "size of an object with a bad companion not known: discarded anyway");
+                }
+                Ok(()) => {}
+            }
             let deadline = self.store_call_deadline();
             return Err(self.bad_object(batch, comp, w.page, (None, detail), deadline));
         }
