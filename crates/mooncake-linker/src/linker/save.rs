@@ -258,8 +258,8 @@ impl Inner {
     /// (save_read_back.rs): the save's own counts written and keeps its checksums; one
     /// another writer won counts present and keeps that writer's checksums (checked against
     /// the object); a mixed one is discarded and counts neither; one that could not be read
-    /// back stays, counted written when both puts said `Written`, else present (its companion
-    /// is another writer's), with no checksums kept.
+    /// back stays, counted written when both puts said `Written` and the companion was not
+    /// read back as another writer's, else present, with no checksums kept.
     #[allow(clippy::too_many_arguments)]
     fn put_chunk(
         &self,
