@@ -19,7 +19,9 @@ use super::wire::{read_exact_by, remaining};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"KVMH");
 const ACK: [u8; 4] = *b"KVOK";
-const HANDSHAKE: usize = 24;
+/// The ack and the acceptor's nonce.
+const ACK_LEN: usize = 12;
+const HANDSHAKE: usize = 32;
 
 /// A rank's listening sockets for one formation.
 pub(crate) struct MeshListener {
@@ -150,27 +152,54 @@ fn accept_retry(e: &std::io::Error) -> Option<Duration> {
     }
 }
 
-fn handshake(epoch: u64, handle: u32, from: u32, to: u32) -> [u8; HANDSHAKE] {
+/// A connecting rank's greeting: the group's epoch, the handle, its rank and the peer's, and
+/// its own nonce of the welcome (which only the group's members were told: a process that
+/// can connect but is no member cannot take a member's place).
+fn handshake(epoch: u64, handle: u32, from: u32, to: u32, nonce: u64) -> [u8; HANDSHAKE] {
     let mut b = [0u8; HANDSHAKE];
     b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     b[4..12].copy_from_slice(&epoch.to_le_bytes());
     b[12..16].copy_from_slice(&handle.to_le_bytes());
     b[16..20].copy_from_slice(&from.to_le_bytes());
     b[20..24].copy_from_slice(&to.to_le_bytes());
+    b[24..32].copy_from_slice(&nonce.to_le_bytes());
     b
 }
 
-fn parse_handshake(b: &[u8; HANDSHAKE]) -> (u32, u64, u32, u32, u32) {
+/// A greeting's fields.
+struct Greeting {
+    magic: u32,
+    epoch: u64,
+    handle: u32,
+    from: u32,
+    to: u32,
+    nonce: u64,
+}
+
+fn parse_handshake(b: &[u8; HANDSHAKE]) -> Greeting {
     let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-    let mut e = [0u8; 8];
-    e.copy_from_slice(&b[4..12]);
-    (
-        u32_at(0),
-        u64::from_le_bytes(e),
-        u32_at(12),
-        u32_at(16),
-        u32_at(20),
-    )
+    let u64_at = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[i..i + 8]);
+        u64::from_le_bytes(w)
+    };
+    Greeting {
+        magic: u32_at(0),
+        epoch: u64_at(4),
+        handle: u32_at(12),
+        from: u32_at(16),
+        to: u32_at(20),
+        nonce: u64_at(24),
+    }
+}
+
+/// An acceptor's answer: the ack and its own nonce of the welcome (the connecting rank
+/// checks it reached the member it meant).
+fn ack(nonce: u64) -> [u8; ACK_LEN] {
+    let mut b = [0u8; ACK_LEN];
+    b[..4].copy_from_slice(&ACK);
+    b[4..].copy_from_slice(&nonce.to_le_bytes());
+    b
 }
 
 /// A blocking stream with timeouts, for the handshake.
@@ -278,10 +307,20 @@ fn connect_abstract(name: &str, deadline: Instant) -> std::io::Result<UnixStream
 pub(crate) struct MeshPlan<'a> {
     pub(crate) rank: u32,
     pub(crate) epoch: u64,
+    /// Each member's nonce of the welcome (index = rank), which members greet with.
+    pub(crate) nonces: &'a [u64],
     pub(crate) transport: Transport,
     pub(crate) members: &'a [Endpoint],
     /// The IP rank 0 was reached at (for a rank 0 listening on an unspecified address).
     pub(crate) rendezvous_ip: Option<IpAddr>,
+}
+
+impl MeshPlan<'_> {
+    /// Rank `rank`'s nonce (0 for a rank the welcome names none for: no member greets with
+    /// it, as every nonce is drawn at random).
+    fn nonce(&self, rank: u32) -> u64 {
+        self.nonces.get(rank as usize).copied().unwrap_or(0)
+    }
 }
 
 /// Connects `handles` full meshes: for each handle, one link per peer (index = peer rank,
@@ -300,7 +339,7 @@ pub(crate) fn connect_meshes(
     // inbound, then the acks of the outbound ones.
     let outbound = connect_to_lower_ranks(plan, handles, deadline)?;
     accept_higher_ranks(plan, listener, handles, &mut meshes, deadline)?;
-    take_acks(outbound, &mut meshes, deadline)?;
+    take_acks(plan, outbound, &mut meshes, deadline)?;
     for link in meshes.iter().flatten().flatten() {
         link.prepare()
             .map_err(|e| RendezvousError::io("preparing a connection", e))?;
@@ -326,7 +365,8 @@ fn connect_to_lower_ranks(
                 deadline,
             )
             .map_err(|e| RendezvousError::io(format!("connecting to rank {peer}"), e))?;
-            write_all_by(&link, &handshake(plan.epoch, h, me, peer), deadline)
+            let greeting = handshake(plan.epoch, h, me, peer, plan.nonce(me));
+            write_all_by(&link, &greeting, deadline)
                 .map_err(|e| RendezvousError::io(format!("greeting rank {peer}"), e))?;
             outbound.push((h, peer, link));
         }
@@ -385,25 +425,35 @@ fn admit_peer(
     if read_exact_by(&mut blocking(link), &mut b, short).is_err() {
         return None;
     }
-    let (magic, epoch, h, from, to) = parse_handshake(&b);
-    let fits = magic == MAGIC
-        && epoch == plan.epoch
-        && to == me
+    let g = parse_handshake(&b);
+    let (h, from) = (g.handle, g.from);
+    let fits = g.magic == MAGIC
+        && g.epoch == plan.epoch
+        && g.to == me
         && h < handles
         && from > me
         && from < world
         && meshes[h as usize][from as usize].is_none();
     if !fits {
         tracing::debug!(
-            epoch,
+            epoch = g.epoch,
             h,
             from,
-            to,
+            to = g.to,
             "dropping a connection meant for another group"
         );
         return None;
     }
-    if write_all_by(link, &ACK, short).is_err() {
+    if g.nonce != plan.nonce(from) {
+        tracing::warn!(
+            epoch = g.epoch,
+            h,
+            from,
+            "dropping a connection that claims a member's place without its nonce (no member)"
+        );
+        return None;
+    }
+    if write_all_by(link, &ack(plan.nonce(me)), short).is_err() {
         return None;
     }
     Some((h, from))
@@ -412,17 +462,19 @@ fn admit_peer(
 /// Waits for each lower rank's ack of this rank's handshake, and puts each acked link in
 /// its place in `meshes`.
 fn take_acks(
+    plan: &MeshPlan<'_>,
     outbound: Vec<(u32, u32, Link)>,
     meshes: &mut [Vec<Option<Link>>],
     deadline: Instant,
 ) -> Result<(), RendezvousError> {
     for (h, peer, link) in outbound {
-        let mut ack = [0u8; 4];
-        read_exact_by(&mut blocking(&link), &mut ack, deadline)
+        let mut got = [0u8; ACK_LEN];
+        read_exact_by(&mut blocking(&link), &mut got, deadline)
             .map_err(|e| RendezvousError::io(format!("waiting for rank {peer} to accept"), e))?;
-        if ack != ACK {
+        if got != ack(plan.nonce(peer)) {
             return Err(RendezvousError::Protocol(format!(
-                "rank {peer} answered the handshake with {ack:?}"
+                "rank {peer}'s address answered the handshake with {got:?}, not that member's \
+                 ack"
             )));
         }
         meshes[h as usize][peer as usize] = Some(link);
@@ -434,6 +486,48 @@ fn take_acks(
 mod tests {
     use super::*;
     use std::io::{Error, ErrorKind};
+
+    /// A process that can connect but is no member greets rank 0 first, as rank 1 with the
+    /// group's (guessable) epoch: it is dropped, and the real rank 1 takes its place. Before,
+    /// the greeting carried nothing a non-member lacks: the outsider was acked, rank 0 formed
+    /// with it, and the real rank 1's connection found its place taken.
+    #[test]
+    fn a_greeting_without_the_members_nonce_is_dropped() {
+        use std::net::{IpAddr, Ipv4Addr};
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let (l0, l1) = (
+            MeshListener::bind(ip, false, 11).unwrap(),
+            MeshListener::bind(ip, false, 12).unwrap(),
+        );
+        let members = [l0.endpoint.clone(), l1.endpoint.clone()];
+        let nonces = [0x1111_u64, 0x2222];
+        let plan = |rank| MeshPlan {
+            rank,
+            epoch: 1,
+            nonces: &nonces,
+            transport: Transport::Tcp,
+            members: &members,
+            rendezvous_ip: None,
+        };
+        let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+        // The outsider knows everything but rank 1's nonce.
+        let mut outsider = TcpStream::connect(l0.endpoint.tcp.unwrap()).unwrap();
+        outsider.write_all(&handshake(1, 0, 1, 0, 0xbad)).unwrap();
+        let (zero, one) = std::thread::scope(|s| {
+            let zero = s.spawn(|| connect_meshes(&plan(0), &l0, 1, deadline));
+            let one = s.spawn(|| connect_meshes(&plan(1), &l1, 1, deadline));
+            (zero.join().unwrap(), one.join().unwrap())
+        });
+        assert!(one.is_ok(), "{:?}", one.err());
+        let zero = zero.unwrap();
+        assert!(zero[0][1].is_some());
+        // The outsider got no ack: its connection was closed unanswered.
+        outsider
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let mut got = [0u8; ACK_LEN];
+        assert!(!matches!(outsider.read(&mut got), Ok(n) if n > 0));
+    }
 
     #[test]
     fn accept_failures_of_one_connection_are_polled_again_and_a_broken_listener_is_not() {

@@ -16,8 +16,9 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// each other. 2: a batch's verdict word ends with a completion round on the socket group
 /// (`Collective::all_gather_u64_settled`), and a rank claimed twice over a key-value exchange
 /// is answered as error kind 10 (`ClaimedTwice`). 3: a batch's gate ends with that round too
-/// (`Collective::all_gather_bytes_settled`).
-pub(crate) const PROTOCOL: u32 = 3;
+/// (`Collective::all_gather_bytes_settled`). 4: the socket group's connections greet with the
+/// sender's nonce of the welcome and are acked with the acceptor's.
+pub(crate) const PROTOCOL: u32 = 4;
 
 /// Where a rank's collective listens.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -362,6 +362,7 @@ impl FormedGroup {
         let plan = MeshPlan {
             rank: self.rank,
             epoch: self.welcome.epoch,
+            nonces: &self.welcome.nonces,
             transport: self.welcome.transport,
             members: &self.welcome.members,
             rendezvous_ip: self.rendezvous_ip,
