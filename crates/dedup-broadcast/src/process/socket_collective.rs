@@ -213,6 +213,11 @@ impl SocketCollective {
         deadline: Instant,
     ) -> Result<(MutexGuard<'_, OpState>, u64), CollectiveError> {
         let Some(mut st) = self.op.try_lock_until(deadline) else {
+            // Another thread's operation held the handle to this one's deadline: as after any
+            // error, the handle breaks, so that peers waiting on this rank fail at once.
+            self.break_with(&format!(
+                "{op} could not start by its deadline: another operation held the handle"
+            ));
             return Err(CollectiveError::Timeout {
                 op,
                 seq: u64::MAX,
@@ -638,5 +643,26 @@ mod confirm_tests {
             "{late:?}"
         );
         assert!(early.is_err(), "the peer that confirmed in time: {early:?}");
+    }
+
+    /// An operation that cannot take the handle by its deadline (another thread's operation
+    /// holds it) breaks the handle, as any other error does, so peers fail at once. Before,
+    /// it returned `Timeout` and left the handle whole.
+    #[test]
+    fn an_operation_that_cannot_start_breaks_the_handle() {
+        let ranks = SocketCollective::over_socket_pairs(2, Algorithm::Direct).unwrap();
+        std::thread::scope(|s| {
+            // Rank 1 never joins: this gather holds rank 0's handle for 2 s.
+            let holder =
+                s.spawn(|| ranks[0].all_gather_u64(1, Instant::now() + Duration::from_secs(2)));
+            std::thread::sleep(Duration::from_millis(100));
+            let second = ranks[0].all_gather_u64(2, Instant::now() + Duration::from_millis(100));
+            assert!(
+                matches!(second, Err(CollectiveError::Timeout { .. })),
+                "{second:?}"
+            );
+            assert!(ranks[0].broken().is_some());
+            let _ = holder.join().unwrap();
+        });
     }
 }
