@@ -221,6 +221,22 @@ impl<T> Pending<T> {
 }
 
 impl<T> Pending<T> {
+    /// The call's result if it has answered; otherwise it is left to run without a caller,
+    /// as [`detach`](Self::detach) leaves it (not counted nor logged as overdue: the caller
+    /// stops waiting for a reason of its own, not at a deadline).
+    pub(super) fn answered_or_detach(self) -> Option<Result<T, Unanswered>> {
+        let mut state = self.slot.state.lock();
+        match std::mem::replace(&mut *state, Answer::Detached) {
+            Answer::Done(out) => Some(Ok(out)),
+            Answer::Panicked => Some(Err(Unanswered::Panicked)),
+            Answer::Waiting => None,
+            other => {
+                *state = other;
+                None
+            }
+        }
+    }
+
     /// Leaves the call to run without a caller: its result, when it comes, goes to its `late`
     /// on the worker, quietly (not counted nor logged as overdue: no one waited for it).
     pub(super) fn detach(self) {

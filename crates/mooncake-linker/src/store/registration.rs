@@ -164,13 +164,17 @@ impl Registration {
                 .map(|region| Registering::start(calls, region))
                 .collect();
             for registering in registering {
-                // Once one failed, the others are taken if done and given up if not.
-                let by = if failed.is_some() {
-                    Instant::now()
-                } else {
-                    deadline
-                };
-                match registering.and_then(|r| r.finish(calls, by, unregister_wait)) {
+                // Once one failed, the others are taken if done and left if not (a register
+                // that completes later is undone on its worker): not overdue, none waited.
+                if failed.is_some() {
+                    if let Ok(Some(registration)) =
+                        registering.map(|r| r.answered_or_leave(calls, unregister_wait))
+                    {
+                        done.push(registration);
+                    }
+                    continue;
+                }
+                match registering.and_then(|r| r.finish(calls, deadline, unregister_wait)) {
                     Ok(registration) => done.push(registration),
                     Err(e) => {
                         failed.get_or_insert(e);
@@ -260,6 +264,25 @@ impl Registering {
             }),
             Ok((Err(e), _not_registered)) => Err(e),
             Err(why) => Err(why.error(&self.name, "register")),
+        }
+    }
+}
+
+impl Registering {
+    /// The registration if the register has answered `Ok`; otherwise nothing, and a register
+    /// still running is left to its worker (undone there when it completes).
+    fn answered_or_leave(
+        self,
+        calls: &Arc<StoreCalls>,
+        unregister_wait: Duration,
+    ) -> Option<Registration> {
+        match self.pending.answered_or_detach()? {
+            Ok((Ok(()), region)) => Some(Registration {
+                store: calls.store().clone(),
+                region: Some(region),
+                bound: Some((calls.clone(), unregister_wait)),
+            }),
+            _ => None,
         }
     }
 }
@@ -424,9 +447,13 @@ impl LateUnregisters {
                 },
                 |_, _| {},
             );
-            if let Err(e) = submitted {
-                tracing::error!(error = %e, regions = n, "no worker to unregister: the memory stays registered, kept for good");
-                drop(KeepRest(left));
+            match submitted {
+                // Sent without a caller waiting: its end is not a late answer.
+                Ok(pending) => pending.detach(),
+                Err(e) => {
+                    tracing::error!(error = %e, regions = n, "no worker to unregister: the memory stays registered, kept for good");
+                    drop(KeepRest(left));
+                }
             }
         }
     }
@@ -498,6 +525,8 @@ mod tests {
         register_calls: std::sync::atomic::AtomicUsize,
         /// Unregisters under way (waiting for the gate, while it is shut).
         unregistering: std::sync::atomic::AtomicUsize,
+        /// Registers of regions this long fail at once (0: none).
+        fail_len: std::sync::atomic::AtomicUsize,
     }
 
     impl HangingRegistry {
@@ -510,6 +539,7 @@ mod tests {
                 free_registers: std::sync::atomic::AtomicUsize::new(0),
                 register_calls: std::sync::atomic::AtomicUsize::new(0),
                 unregistering: std::sync::atomic::AtomicUsize::new(0),
+                fail_len: std::sync::atomic::AtomicUsize::new(0),
             })
         }
 
@@ -542,9 +572,14 @@ mod tests {
             "hanging-registry"
         }
 
-        unsafe fn register(&self, _: MemoryRegion) -> Result<(), StoreError> {
+        unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
             self.register_calls
                 .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            if region.len == self.fail_len.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(StoreError::Unavailable {
+                    detail: "injected: registration refused".into(),
+                });
+            }
             let free = self
                 .free_registers
                 .fetch_update(
@@ -729,6 +764,34 @@ mod tests {
             .iter()
             .all(|b| Arc::strong_count(b) == 1)));
         assert_eq!(store.held(), 0, "every registration let go or undone");
+    }
+
+    /// Once one register of a wave failed, the others still running are left to their
+    /// workers (undone when they complete), not counted nor logged as overdue: their deadline
+    /// has not passed. Before, each was waited for with a deadline of "now" and counted an
+    /// overdue call, with an error-level log.
+    #[test]
+    fn registers_left_after_a_failed_one_are_not_overdue() {
+        let store = HangingRegistry::new(false);
+        store
+            .fail_len
+            .store(32, std::sync::atomic::Ordering::Release);
+        let calls = Arc::new(StoreCalls::new(store.clone()));
+        let bufs: Vec<Arc<Vec<u8>>> = vec![Arc::new(vec![0; 32]), Arc::new(vec![0; 64])];
+        let regions = bufs.iter().map(region_of).collect();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let out = Registration::bounded_all(&calls, regions, deadline, SHORT);
+        assert!(
+            matches!(&out, Err(StoreError::Unavailable { .. })),
+            "{:?}",
+            out.as_ref().err()
+        );
+        assert_eq!(calls.overdue_calls(), 0);
+        store.set_open(true);
+        assert!(eventually(|| bufs
+            .iter()
+            .all(|b| Arc::strong_count(b) == 1)));
+        assert!(eventually(|| store.held() == 0), "the late one undone");
     }
 
     /// A deadline already past starts no wave: nothing is asked of the store (before, every
