@@ -113,7 +113,15 @@ mod tests {
     /// end, so a slow store left the pins to lapse before the renewal came.
     #[test]
     fn the_renewal_counts_from_the_session_calls_start() {
-        let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 20))));
+        let inner = Arc::new(EmbeddedStore::new(1 << 20));
+        let k = [7u8; 8];
+        let put = crate::store::ObjectPut {
+            key: "k",
+            parts: [(k.as_ptr(), k.len())].into_iter().collect(),
+        };
+        // SAFETY: `k` is a live slice, read-only for the call.
+        assert!(unsafe { inner.put(&[put]) }[0].is_ok());
+        let faulty = Arc::new(FaultyStore::new(inner));
         let slow = Duration::from_millis(150);
         faulty.inject_on(FaultCall::Session, FaultRule::default(), Fault::Delay(slow));
         let store: Arc<dyn KvStore> = faulty;

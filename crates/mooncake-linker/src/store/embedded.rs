@@ -452,9 +452,19 @@ impl KvStore for EmbeddedStore {
         Ok(())
     }
 
+    /// Pins every key, or fails with the first absent one's `NotFound` and pins nothing, as
+    /// Mooncake's session start does (it resolves every key's replicas).
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
         let token = self.next_session.fetch_add(1, Ordering::Relaxed);
         let pins = self.pin_present(keys);
+        if pins.len() < keys.len() {
+            let absent = keys
+                .iter()
+                .find(|k| !pins.iter().any(|(p, _)| p == *k))
+                .map_or_else(String::new, |k| k.to_string());
+            self.unpin(&pins);
+            return Err(StoreError::NotFound { key: absent });
+        }
         self.sessions.lock().insert(token, pins);
         Ok(ReadSession {
             keys: keys.iter().map(|k| k.to_string()).collect(),
@@ -575,17 +585,29 @@ mod tests {
 
     #[test]
     fn a_session_lets_go_only_of_the_objects_it_pinned() {
-        // Started while `k` was absent: its end must not take the pin of a later session.
         let s = EmbeddedStore::new(30);
-        let early = s.start_session(&["k"]).unwrap();
+        // A session over an absent key is refused, as Mooncake refuses it, and pins nothing
+        // (not even the keys present): before, it pinned what was there and said `Ok`.
+        put(&s, "j", &[2; 10]).unwrap();
+        assert!(matches!(
+            s.start_session(&["j", "k"]),
+            Err(StoreError::NotFound { key }) if key == "k"
+        ));
+        let early = s.start_session(&["j"]).unwrap();
         put(&s, "k", &[1; 10]).unwrap();
         let later = s.start_session(&["k"]).unwrap();
+        // Ending a session on other objects takes nothing of `k`'s pin.
         s.end_session(&early).unwrap();
         flush(&s, 4);
         assert_eq!(
             s.exists(&["k"]),
             vec![Ok(true)],
             "the later session's pin held"
+        );
+        assert_eq!(
+            s.exists(&["j"]),
+            vec![Ok(false)],
+            "the refused start pinned nothing"
         );
         // Ended twice: the second end takes nothing.
         let other = s.start_session(&["k"]).unwrap();

@@ -244,7 +244,9 @@ pub trait KvStore: Send + Sync {
     /// registered: keep its memory allocated (leak it rather than free it).
     fn unregister(&self, region: MemoryRegion) -> Result<(), StoreError>;
 
-    /// Pins objects for a multi-step read (renew by calling again before the lease ends).
+    /// Pins objects for a multi-step read (renew by calling again before the lease ends). A
+    /// key that is absent fails the call (`NotFound` for it) and nothing is pinned, as
+    /// Mooncake's session start does.
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError>;
 
     /// Releases a pin.

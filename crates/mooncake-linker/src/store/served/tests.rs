@@ -595,8 +595,11 @@ fn a_request_over_the_frame_limit_is_refused_unsent_and_the_client_goes_on() {
 fn a_client_lets_go_only_of_the_pins_it_took() {
     let (server, x) = serve(3000);
     let y = SocketStore::connect(server.address()).unwrap();
-    // X starts a session on `k` before `k` exists: it pins nothing.
-    let sx = x.start_session(&["k"]).unwrap();
+    // X's session on `k` before `k` exists is refused (as Mooncake refuses it) and pins
+    // nothing; one X started and ended on another object is one it ends again below.
+    assert!(x.start_session(&["k"]).is_err());
+    assert_eq!(put(&y, "j", &[&pattern(9, 10)]), Ok(PutOutcome::Written));
+    let sx = x.start_session(&["j"]).unwrap();
     assert_eq!(put(&y, "k", &[&pattern(1, 1000)]), Ok(PutOutcome::Written));
     let _sy = y.start_session(&["k"]).unwrap();
     // X ends its session twice, then leaves: none of that may take Y's pin.
