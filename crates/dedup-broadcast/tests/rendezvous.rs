@@ -108,6 +108,40 @@ fn tcp_groups_form_re_form_and_grow_their_epoch_when_rank_0_restarts() {
     assert_eq!(sum_over(groups), vec![33, 33, 33]);
 }
 
+/// Connecting the group's sockets ends alike on every rank: rank 1 gives up before rank 2
+/// connects, so rank 2 cannot reach it. Before, rank 0 (which only accepts) had every higher
+/// rank's connection and returned its handles while ranks 1 and 2 failed; its first batch
+/// then failed. Now its connect fails too.
+#[test]
+fn connecting_the_group_ends_alike_on_every_rank() {
+    let r0 = Rendezvous::new(tcp(0, 3, "127.0.0.1:0")).unwrap();
+    let at = r0.listen_addr().unwrap().to_string();
+    let mut ranks = vec![
+        r0,
+        Rendezvous::new(tcp(1, 3, &at)).unwrap(),
+        Rendezvous::new(tcp(2, 3, &at)).unwrap(),
+    ];
+    let mut groups: Vec<FormedGroup> = form_all(&mut ranks)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let g2 = groups.pop().unwrap();
+    let g1 = groups.pop().unwrap();
+    let g0 = groups.pop().unwrap();
+    let soon = |ms| kv_loader::deadline_after(Duration::from_millis(ms));
+    let (c0, c1, c2) = std::thread::scope(|s| {
+        let c0 = s.spawn(|| g0.connect_by(1, soon(5_000)).map(drop));
+        let c1 = s.spawn(|| g1.connect_by(1, soon(200)).map(drop));
+        let c2 = s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(400));
+            g2.connect_by(1, soon(2_000)).map(drop)
+        });
+        (c0.join().unwrap(), c1.join().unwrap(), c2.join().unwrap())
+    });
+    assert!(c1.is_err() && c2.is_err(), "{c1:?} {c2:?}");
+    assert!(c0.is_err(), "rank 0 connected alone");
+}
+
 #[test]
 fn a_rank_held_by_a_live_group_is_told_so() {
     let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0")).unwrap();

@@ -369,7 +369,7 @@ impl FormedGroup {
         };
         let meshes = connect_meshes(&plan, &self.listener, handles, deadline)?;
         let world = self.world();
-        Ok(meshes
+        let handles: Vec<SocketCollective> = meshes
             .into_iter()
             .map(|links| {
                 SocketCollective::new(
@@ -380,6 +380,37 @@ impl FormedGroup {
                     links,
                 )
             })
-            .collect())
+            .collect();
+        self.settle(&handles, deadline)?;
+        Ok(handles)
+    }
+
+    /// The connect's last step, on every rank: a settled gather of the epoch over the first
+    /// handle, so that every rank connects or none does. Rank 0 makes no connection of its
+    /// own and its accepts end once each higher rank reached it, so without this it returned
+    /// its handles while two other ranks failed to reach each other; a rank that failed has
+    /// dropped its connections, so its peers' gather fails at once.
+    fn settle(
+        &self,
+        handles: &[SocketCollective],
+        deadline: Instant,
+    ) -> Result<(), RendezvousError> {
+        use crate::Collective;
+        let Some(first) = handles.first() else {
+            return Ok(());
+        };
+        let epoch = self.welcome.epoch;
+        let words = first.all_gather_u64_settled(epoch, deadline).map_err(|e| {
+            RendezvousError::io(
+                "confirming the group's connections on every rank",
+                std::io::Error::other(e),
+            )
+        })?;
+        if words.iter().any(|&w| w != epoch) {
+            return Err(RendezvousError::Protocol(format!(
+                "the ranks confirmed epochs {words:?}, not {epoch}"
+            )));
+        }
+        Ok(())
     }
 }
