@@ -39,7 +39,8 @@ pub(crate) fn host_key() -> Option<String> {
 }
 
 impl MeshListener {
-    /// Listens on TCP at `ip` (any port) and, with `unix`, on a fresh abstract Unix socket.
+    /// Listens on TCP at `ip` (any port) and, with `unix`, on a fresh abstract Unix socket
+    /// named from `nonce` (a name every process of the host can list: never a secret).
     pub(crate) fn bind(ip: IpAddr, unix: bool, nonce: u64) -> std::io::Result<Self> {
         // Non-blocking: an accept after `poll` said ready may still find nothing (the peer
         // gave up in between), and must not then block past the deadline.

@@ -27,9 +27,10 @@ pub enum RendezvousError {
         /// The rank's.
         got: u32,
     },
-    /// Two processes joined as the same rank (or a process other than rank 0 joined as 0).
-    /// Over TCP only the earlier claim hears it: rank 0 takes the newest hello of a rank (a
-    /// crashed host's claim never reads as gone), and refuses a joiner's claim of rank 0 alone.
+    /// Two processes joined as the same rank (or, over a key-value exchange, a process other
+    /// than rank 0 joined as 0). Over TCP only the earlier claim hears it: rank 0 takes the
+    /// newest hello of a rank (a crashed host's claim never reads as gone); a joiner's claim of
+    /// rank 0 is refused alone there, as `SettingsMismatch`.
     #[error("rank {rank} joined the group twice")]
     DuplicateRank {
         /// The rank claimed twice.

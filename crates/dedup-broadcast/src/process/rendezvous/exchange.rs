@@ -553,7 +553,7 @@ fn verdict_for(
     let rank = hello.rank;
     Ok(match Reply::decode(v)? {
         // A group without this rank: rank 0 runs a smaller world (it never reads a claim past
-        // its own size, so only this rank can tell). A refusal, as over TCP.
+        // its own size, so only this rank can tell). A refusal, of this rank alone.
         Reply::Welcome(w) if rank as usize >= w.nonces.len() => {
             Err(RendezvousError::WorldSizeMismatch {
                 rank,
@@ -652,7 +652,8 @@ mod tests {
 
     /// A joiner of a larger world claims a rank past rank 0's group: rank 0 never reads that
     /// claim and forms without it. Before, the joiner read the welcome as its rank claimed
-    /// twice (`ClaimedTwice`, retried for good); now it is refused as over TCP.
+    /// twice (`ClaimedTwice`, retried for good); now it is refused with the world size, alone
+    /// (over TCP rank 0 reads every hello, and one of another world size refuses every rank).
     #[test]
     fn a_joiner_past_rank_0s_world_is_refused_with_the_world_size() {
         use super::super::decide::tests::hello;

@@ -17,7 +17,8 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// (`Collective::all_gather_u64_settled`), and a rank claimed twice over a key-value exchange
 /// is answered as error kind 10 (`ClaimedTwice`). 3: a batch's gate ends with that round too
 /// (`Collective::all_gather_bytes_settled`). 4: the socket group's connections greet with the
-/// sender's nonce of the welcome and are acked with the acceptor's.
+/// sender's nonce of the welcome and are acked with the acceptor's, and connecting ends with a
+/// settled gather of the epoch on the first handle.
 pub(crate) const PROTOCOL: u32 = 4;
 
 /// Where a rank's collective listens.

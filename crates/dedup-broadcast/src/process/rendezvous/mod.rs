@@ -3,9 +3,13 @@
 //!
 //! Every rank gives its rank, the world size and the meeting point ([`RendezvousConfig`]).
 //! Rank 0 leads each formation: it collects every rank's hello, checks that all run the same
-//! kvlink version, world size and geometry fingerprint and that no rank joined twice, and
-//! answers every rank with the same thing: the group, or the same typed refusal. Nothing of a
-//! batch has moved by then, and every wait is bounded by [`RendezvousConfig::timeout`].
+//! kvlink version, world size and geometry fingerprint, and answers every member with the same
+//! thing: the group, or the same typed refusal. A hello that can be no member (a rank past the
+//! group) is refused alone, and of two claims of one rank the earlier one is (over TCP the
+//! newest claim joins; over a key-value exchange see [`RendezvousError::ClaimedTwice`]).
+//! Nothing of a batch has moved by then, and every wait is bounded by
+//! [`RendezvousConfig::timeout`]. The meeting point is not authenticated: a process that can
+//! reach it during a formation, with the version and the geometry, can claim a rank.
 //!
 //! The group rank 0 announces ([`FormedGroup`]) carries:
 //! - the **epoch**: one more than the highest epoch any member belonged to, so it grows every
@@ -180,8 +184,9 @@ impl Rendezvous {
         }
     }
 
-    fn listener(&self, ip: IpAddr, nonce: u64) -> Result<MeshListener, RendezvousError> {
-        MeshListener::bind(ip, self.config.transport != TransportChoice::Tcp, nonce)
+    /// The mesh listener, its Unix name made from `name` (never the hello's nonce).
+    fn listener(&self, ip: IpAddr, name: u64) -> Result<MeshListener, RendezvousError> {
+        MeshListener::bind(ip, self.config.transport != TransportChoice::Tcp, name)
             .map_err(|e| RendezvousError::io("listening for the group's connections", e))
     }
 
@@ -198,13 +203,16 @@ impl Rendezvous {
     /// out) keeps trying until its own deadline: rank 0 may open the next formation before.
     pub fn form_by(&mut self, deadline: Instant) -> Result<FormedGroup, RendezvousError> {
         let nonce = fresh_nonce();
+        // The Unix listener's name is listed to every process of the host
+        // (`/proc/net/unix`): it takes a value of its own, never the nonce members greet with.
+        let name = fresh_nonce();
         let rank = self.config.rank;
         let (welcome, listener, rendezvous_ip) = match &self.config.meet {
             MeetingPoint::Tcp(_) if rank == 0 => {
                 let Some(leader) = &self.leader else {
                     return Err(RendezvousError::Config("rank 0 without a listener".into()));
                 };
-                let listener = self.listener(leader.local_addr().ip(), nonce)?;
+                let listener = self.listener(leader.local_addr().ip(), name)?;
                 let hello = self.hello(nonce, listener.endpoint.clone());
                 let w = leader.form(&hello, self.ids.as_deref(), deadline)?;
                 (w, listener, None)
@@ -214,7 +222,7 @@ impl Rendezvous {
                     addr,
                     rank,
                     |ip| {
-                        let l = self.listener(ip, nonce)?;
+                        let l = self.listener(ip, name)?;
                         Ok((self.hello(nonce, l.endpoint.clone()), l))
                     },
                     deadline,
@@ -226,7 +234,7 @@ impl Rendezvous {
                     .config
                     .host_ip
                     .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-                let listener = self.listener(ip, nonce)?;
+                let listener = self.listener(ip, name)?;
                 let hello = self.hello(nonce, listener.endpoint.clone());
                 let w = if rank == 0 {
                     exchange::lead(
@@ -412,5 +420,49 @@ impl FormedGroup {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The nonce a member greets its peers with is told only to the group's members: it must
+    /// not be in any member's abstract Unix socket name, which every process of the host can
+    /// list (`/proc/net/unix`). Before, the listener was named from that very nonce.
+    #[test]
+    fn no_members_nonce_is_in_a_socket_name() {
+        let x: Arc<dyn KeyValueExchange> = Arc::new(MemoryExchange::new());
+        let config = |rank| {
+            RendezvousConfig::new(
+                rank,
+                2,
+                MeetingPoint::Exchange {
+                    exchange: x.clone(),
+                    prefix: "names".into(),
+                },
+            )
+            .timeout(Duration::from_secs(10))
+        };
+        let mut ranks = [
+            Rendezvous::new(config(0)).unwrap(),
+            Rendezvous::new(config(1)).unwrap(),
+        ];
+        let formed: Vec<FormedGroup> = std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .iter_mut()
+                .map(|r| s.spawn(move || r.form()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        });
+        let w = &formed[0].welcome;
+        let names: Vec<&str> = w.members.iter().filter_map(|m| m.unix.as_deref()).collect();
+        if names.is_empty() {
+            return; // No Unix sockets here: nothing is named.
+        }
+        for nonce in &w.nonces {
+            let hex = format!("{nonce:016x}");
+            assert!(names.iter().all(|n| !n.contains(&hex)), "{names:?} {hex}");
+        }
     }
 }
