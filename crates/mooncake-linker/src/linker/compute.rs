@@ -5,7 +5,8 @@
 //! compute instead). Several threads may wait on one linker (an engine thread and a
 //! watcher); the slowest thread's running mean is the estimate, since only a thread that
 //! computes between waits has gaps longer than a wake-up. A thread may wait on several
-//! batches before each layer (one per request of a forward): gaps are taken per batch.
+//! batches before each layer (one per request of a forward): gaps are taken per batch, less
+//! the thread's time in waits on other batches in between.
 
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -29,6 +30,9 @@ struct LastLayer {
     batch: BatchId,
     layer: u32,
     returned: Instant,
+    /// The thread's time in waits ([`Track::waited`]) at that return: waits since (on other
+    /// batches) are not compute.
+    waited_then: Duration,
     /// Whether the gap after `layer` was counted (a wait for the next layer that timed out
     /// and is tried again must not count it twice, the second time with the failed wait in).
     counted: bool,
@@ -44,6 +48,10 @@ struct Track {
     last: Vec<LastLayer>,
     /// When it last returned from a wait.
     active: Instant,
+    /// When it entered the wait it is in, if any.
+    entered: Option<Instant>,
+    /// Time it spent in waits, all batches together.
+    waited: Duration,
     mean: f64,
     gaps: u32,
 }
@@ -78,12 +86,18 @@ impl ComputeMeter {
         let Some(t) = tracks.iter_mut().find(|t| t.thread == me) else {
             return;
         };
+        t.entered = Some(now);
+        let waited = t.waited;
         let Some(last) = t.last.iter_mut().find(|b| b.batch == batch) else {
             return;
         };
         if !last.counted && last.layer.checked_add(1) == Some(layer) {
             last.counted = true;
-            let gap = now.saturating_duration_since(last.returned);
+            // The time since the layer's return, less the thread's waits on other batches
+            // in between (a stalled load of one request is not the engine's compute).
+            let gap = now
+                .saturating_duration_since(last.returned)
+                .saturating_sub(waited.saturating_sub(last.waited_then));
             t.count(gap);
         }
     }
@@ -110,6 +124,8 @@ impl ComputeMeter {
                     thread: me,
                     last: Vec::new(),
                     active: now,
+                    entered: None,
+                    waited: Duration::ZERO,
                     mean: 0.0,
                     gaps: 0,
                 });
@@ -118,6 +134,12 @@ impl ComputeMeter {
         };
         let t = &mut tracks[i];
         t.active = now;
+        if let Some(entered) = t.entered.take() {
+            t.waited = t
+                .waited
+                .saturating_add(now.saturating_duration_since(entered));
+        }
+        let waited = t.waited;
         match t.last.iter_mut().find(|b| b.batch == batch) {
             // A layer waited on again (an engine reads it twice) keeps its first return, so
             // the next gap is still the layer's whole compute.
@@ -125,6 +147,7 @@ impl ComputeMeter {
             Some(last) => {
                 last.layer = layer;
                 last.returned = now;
+                last.waited_then = waited;
                 last.counted = false;
             }
             None => {
@@ -143,6 +166,7 @@ impl ComputeMeter {
                     batch,
                     layer,
                     returned: now,
+                    waited_then: waited,
                     counted: false,
                 });
             }
@@ -250,6 +274,25 @@ mod tests {
         assert!(est < Duration::from_millis(50), "{est:?}");
     }
 
+    /// Two batches per layer where one request's load lags: the engine's waits on batch 2
+    /// (20 ms each) fall inside batch 1's gaps, and are not its compute (3 ms). Before, they
+    /// were counted, and reads were planned for a compute eight times the engine's.
+    #[test]
+    fn waits_on_another_batch_are_not_compute() {
+        let meter = ComputeMeter::default();
+        for l in 0..12u32 {
+            meter.entering(BatchId(1), l);
+            meter.returned(BatchId(1), l);
+            meter.entering(BatchId(2), l);
+            std::thread::sleep(Duration::from_millis(20));
+            meter.returned(BatchId(2), l);
+            std::thread::sleep(Duration::from_millis(3));
+        }
+        let est = meter.estimate().expect("measured");
+        assert!(est >= Duration::from_millis(3), "{est:?}");
+        assert!(est < Duration::from_millis(12), "{est:?}");
+    }
+
     /// After a lull longer than [`STALE`] the engine's last measured compute still stands.
     /// Before, the estimate was `None` and the first batch after every lull was planned for no
     /// compute.
@@ -265,7 +308,8 @@ mod tests {
         assert!(est >= Duration::from_millis(3), "{est:?}");
         // A thread active since, with enough gaps, is the estimate instead.
         std::thread::scope(|s| {
-            s.spawn(|| layers(&meter, 2, 8, Duration::ZERO));
+            // Enough layers that one preempted gap fades from the running mean.
+            s.spawn(|| layers(&meter, 2, 40, Duration::ZERO));
         });
         let est = meter.estimate().expect("measured");
         assert!(est < Duration::from_millis(3), "{est:?}");
