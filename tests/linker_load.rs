@@ -178,6 +178,16 @@ fn settings_no_linker_can_run_with_are_refused_at_build() {
         "prior",
     );
     assert!(build(cfg()).is_ok());
+    // A prefix probe checks the same settings (its store calls are bounded the same way).
+    let probe = |config: &LinkerConfig| {
+        kvlink::mooncake_linker::PrefixProbe::new(small_spec(), 1, store.clone(), config)
+    };
+    let zero = LinkerConfig {
+        store_call_timeout: Duration::ZERO,
+        ..cfg()
+    };
+    assert!(matches!(probe(&zero), Err(KvLoadError::Config(_))));
+    assert!(probe(&cfg()).is_ok());
 }
 
 #[test]

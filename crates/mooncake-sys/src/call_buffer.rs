@@ -3,7 +3,8 @@
 //! Mooncake's client waits for a call's transfers for at most 60 s
 //! (`TransferEngineOperationState::wait_for_completion`); then it returns an error with the
 //! transfers still in flight, and they may go on reading or writing the call's memory. So a
-//! call that failed after [`CLIENT_GIVES_UP_AFTER`] must leave its memory allocated for good.
+//! call that failed after [`CLIENT_GIVES_UP_AFTER`] (on either clock, or across a wall-clock
+//! step: [`CallClock`]) must leave its memory allocated for good.
 //! So must a call the shim cut short by catching an exception the wheel threw (or an
 //! allocation failure) inside it: the wheel may have submitted transfers it then never waited
 //! for.

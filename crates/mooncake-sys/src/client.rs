@@ -34,8 +34,9 @@ pub enum Health {
 ///
 /// Memory handed to the client: the methods taking slices copy them into (or out of) a buffer
 /// of their own, which they keep for good when a call failed late enough that its transfers
-/// may still run ([`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER)): Mooncake's calls
-/// wait for their transfers for 60 s at most. The `*_raw` methods take raw pointers for
+/// may still run ([`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER) on either clock, or
+/// across a wall-clock step: [`CallClock`](crate::CallClock)): Mooncake's calls wait for their
+/// transfers for 60 s at most, timed on the wall clock. The `*_raw` methods take raw pointers for
 /// zero-copy into registered regions; their contracts are on each.
 pub struct Client {
     lib: Arc<Library>,
@@ -284,8 +285,10 @@ impl Client {
     ///
     /// # Safety
     /// Each `ptrs[i]` is valid for reads of `sizes[i]` bytes for the duration of the call (for
-    /// good when it fails after [`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER): its
-    /// transfers may still run) and lies in a region registered with
+    /// good when it fails and a [`CallClock`](crate::CallClock) started before it says
+    /// [`past`](crate::CallSpan::past)`(`[`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER)`)`
+    /// after it, both clocks read: its transfers may still run) and lies in a region
+    /// registered with
     /// [`Client::register_buffer`] (required by RDMA).
     pub unsafe fn batch_put_from_raw(
         &self,
@@ -317,9 +320,10 @@ impl Client {
     ///
     /// # Safety
     /// Each `ptrs[i]` is valid for writes of `sizes[i]` bytes, not accessed by anything else
-    /// during the call (for good when it fails after
-    /// [`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER): its transfers may still run),
-    /// and lies in a registered region (required by RDMA).
+    /// during the call (for good when it fails and a [`CallClock`](crate::CallClock) started
+    /// before it says [`past`](crate::CallSpan::past)`(`[`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER)`)`
+    /// after it: its transfers may still run), and lies in a registered region (required by
+    /// RDMA).
     pub unsafe fn batch_get_into_raw(
         &self,
         keys: &CKeys,
@@ -335,9 +339,11 @@ impl Client {
     ///
     /// # Safety
     /// Every `ranges[j].dst` is valid for writes of `ranges[j].size` bytes, not accessed by
-    /// anything else during the call (for good when it fails after
-    /// [`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER): its transfers may still run),
-    /// and lies in a registered region (required by RDMA).
+    /// anything else during the call (for good when it fails and a
+    /// [`CallClock`](crate::CallClock) started before it says
+    /// [`past`](crate::CallSpan::past)`(`[`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER)`)`
+    /// after it: its transfers may still run), and lies in a registered region (required by
+    /// RDMA).
     pub unsafe fn batch_get_ranges_raw(
         &self,
         keys: &CKeys,

@@ -173,9 +173,10 @@ impl Library {
     ///    compiled from;
     ///
     ///    (3 and 4 are found, not chosen: each is taken only when the file, its `lib/` and its
-    ///    `.mooncake/` are owned by this process's user or root and writable by no one else,
-    ///    so that no other user can plant a library there, e.g. a `/tmp/.mooncake` above an
-    ///    executable under `/tmp`;)
+    ///    `.mooncake/` are owned by this process's user or root and not writable by all users
+    ///    (group-writable is allowed: private user groups), so that no other user can plant a
+    ///    library there, e.g. a `/tmp/.mooncake` above an executable under `/tmp`; one that is
+    ///    not taken is left out of the list, and of the error when nothing loads;)
     /// 5. `libkvlink_mooncake.so` through the system's search path.
     ///
     /// ```
@@ -449,10 +450,11 @@ fn symbol<T: Copy>(handle: &libloading::Library, path: &Path, name: &[u8]) -> Re
 /// The longest last-error message read from the shim (bytes, with its NUL).
 const LAST_ERROR_MAX: usize = 64 * 1024;
 
-/// Whether no user but this process's and root could have put `library` where it is: it, its
-/// directory and that directory's parent are each owned by the effective user or root and
-/// not writable by others (a directory some other user can write, like `/tmp`, may hold
-/// only what that user made there, which the owner check refuses).
+/// Whether no user but this process's and root (and its group's, where the group may write)
+/// could have put `library` where it is: it, its directory and that directory's parent are
+/// each owned by the effective user or root and not writable by all users (a directory every
+/// user can write, like `/tmp`, may hold only what another user made there, which the owner
+/// check refuses).
 fn not_plantable(library: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     // SAFETY: geteuid has no preconditions and cannot fail.

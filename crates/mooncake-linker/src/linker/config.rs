@@ -211,7 +211,8 @@ pub fn auto_verify_threads(cores: usize) -> usize {
 }
 
 impl LinkerConfig {
-    /// The values no linker can run with, refused at build: a zero bound (every store call,
+    /// The values no linker can run with, refused at build (and by a
+    /// [`PrefixProbe`](crate::PrefixProbe) of its store bound): a zero bound (every store call,
     /// read or collective would fail at once) and an adaptive granularity's prior that is not
     /// [valid](crate::read_plan::ReadCost::is_valid) (it was replaced by the default unsaid).
     pub(crate) fn check(&self) -> Result<(), KvLoadError> {
@@ -220,7 +221,6 @@ impl LinkerConfig {
             ("store_call_timeout", self.store_call_timeout),
             ("collective_timeout", self.collective_timeout),
             ("wait_deadline", self.wait_deadline),
-            ("lease_renewal", self.lease_renewal),
         ];
         if let Some((name, _)) = bounds.iter().find(|(_, d)| d.is_zero()) {
             return Err(KvLoadError::config(format!(

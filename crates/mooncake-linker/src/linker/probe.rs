@@ -54,6 +54,7 @@ impl PrefixProbe {
         store: Arc<dyn KvStore>,
         config: &LinkerConfig,
     ) -> Result<Self, KvLoadError> {
+        config.check()?;
         let geometry = KvGeometry::new(spec, tp_size, 0)?;
         let schemes = (0..tp_size)
             .map(|rank| {
