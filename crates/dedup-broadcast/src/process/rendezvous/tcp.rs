@@ -777,9 +777,10 @@ mod tests {
         })
     }
 
-    /// Lets rank 0 take what was sent.
+    /// Lets rank 0 take what was sent (each hello is read on a thread of its own; half a
+    /// second leaves room on a loaded machine).
     fn settle() {
-        std::thread::sleep(Duration::from_millis(300));
+        std::thread::sleep(Duration::from_millis(500));
     }
 
     /// A rank whose host went away without a hang-up leaves a claim rank 0 cannot see as
