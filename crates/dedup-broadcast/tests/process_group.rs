@@ -448,30 +448,15 @@ fn a_wrong_world_size_is_refused_on_every_rank() {
 /// others form. Before, every rank was refused with `DuplicateRank`.
 #[test]
 fn a_rank_joining_twice_refuses_the_earlier_claim_alone() {
-    let role = |r: u32, meet: &str| format!("role=refuse,rank={r},world=3,meet={meet},rv_ms=30000");
-    let mut leader = RankProc::spawn("rank 0", &role(0, "tcp:127.0.0.1:0"));
-    let meet = format!("tcp:{}", leader.expect("addr ", WAIT));
-    let mut earlier = RankProc::spawn("rank 1, first", &role(1, &meet));
-    earlier.expect("joining", WAIT);
-    leader.expect("joining", WAIT);
-    // The first claim has reached rank 0 before the second is made.
-    std::thread::sleep(Duration::from_millis(2_000));
-    let mut second = RankProc::spawn("rank 1, second", &role(1, &meet));
-    second.expect("joining", WAIT);
-    // The second claim has reached rank 0 before the group can be complete.
-    std::thread::sleep(Duration::from_millis(2_000));
-    let mut procs = [leader, second, RankProc::spawn("rank 2", &role(2, &meet))];
-    let got = earlier.expect("refused ", WAIT);
-    assert_eq!(field(&got, "kind"), "DuplicateRank", "{got}");
-    earlier.succeeds(WAIT);
-    let epochs: Vec<String> = procs
-        .iter_mut()
-        .map(|p| field(&p.expect("formed ", WAIT), "epoch").to_string())
-        .collect();
-    assert!(epochs.iter().all(|e| *e == epochs[0]), "{epochs:?}");
-    for p in procs.iter_mut() {
-        p.succeeds(WAIT);
-    }
+    let role = |r: u32, meet: &str| {
+        let meet = if r == 0 {
+            "tcp:127.0.0.1:0".to_string()
+        } else {
+            format!("tcp:{meet}")
+        };
+        format!("role=refuse,rank={r},world=3,meet={meet},rv_ms=30000")
+    };
+    common::procs::earlier_claim_refused_alone(&role, Duration::from_millis(2_000));
 }
 
 #[test]

@@ -167,3 +167,34 @@ pub fn field<'a>(report: &'a str, key: &str) -> &'a str {
         .find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
         .unwrap_or_else(|| panic!("report {report:?} has no {key}"))
 }
+
+/// A rank of a world of 3 claimed twice over TCP: rank 0 (`role(0, "")` reports its `addr `),
+/// the first claim of rank 1, and once it has reached rank 0 (`settle`), the second, then rank
+/// 2 (`role(rank, meeting point)` for each). The earlier claim alone must be refused with
+/// `DuplicateRank`, and the others form one group (each reports `formed epoch=..`).
+pub fn earlier_claim_refused_alone(role: &dyn Fn(u32, &str) -> String, settle: Duration) {
+    let wait = Duration::from_secs(60);
+    let mut leader = RankProc::spawn("rank 0", &role(0, ""));
+    let meet = leader.expect("addr ", wait);
+    let mut earlier = RankProc::spawn("rank 1, first", &role(1, &meet));
+    earlier.expect("joining", wait);
+    leader.expect("joining", wait);
+    // The first claim has reached rank 0 before the second is made.
+    std::thread::sleep(settle);
+    let mut second = RankProc::spawn("rank 1, second", &role(1, &meet));
+    second.expect("joining", wait);
+    // The second claim has reached rank 0 before the group can be complete.
+    std::thread::sleep(settle);
+    let mut procs = [leader, second, RankProc::spawn("rank 2", &role(2, &meet))];
+    let got = earlier.expect("refused ", wait);
+    assert_eq!(field(&got, "kind"), "DuplicateRank", "{got}");
+    earlier.succeeds(wait);
+    let epochs: Vec<String> = procs
+        .iter_mut()
+        .map(|p| field(&p.expect("formed ", wait), "epoch").to_string())
+        .collect();
+    assert!(epochs.iter().all(|e| *e == epochs[0]), "{epochs:?}");
+    for p in procs.iter_mut() {
+        p.succeeds(wait);
+    }
+}

@@ -753,6 +753,14 @@ mod tests {
         Reply::decode(&read_frame(s, by).unwrap()).unwrap()
     }
 
+    /// Each of `streams` got the group.
+    fn all_welcomed<const N: usize>(streams: [&mut TcpStream; N]) {
+        for s in streams {
+            let got = answer(s);
+            assert!(matches!(got, Reply::Welcome(_)), "{got:?}");
+        }
+    }
+
     /// Rank `rank`'s hello from a build of another rendezvous protocol.
     fn foreign(rank: u32) -> Hello {
         Hello {
@@ -806,10 +814,7 @@ mod tests {
                 ),
                 "{refused:?}"
             );
-            for s in [&mut fresh, &mut two] {
-                let got = answer(s);
-                assert!(matches!(got, Reply::Welcome(_)), "{got:?}");
-            }
+            all_welcomed([&mut fresh, &mut two]);
         });
         assert_eq!(decision.unwrap().nonces[1], 1234);
     }
@@ -826,10 +831,7 @@ mod tests {
             let mut one = send(addr, &hello(1));
             settle();
             let mut two = send(addr, &hello(2));
-            for s in [&mut one, &mut two] {
-                let got = answer(s);
-                assert!(matches!(got, Reply::Welcome(_)), "{got:?}");
-            }
+            all_welcomed([&mut one, &mut two]);
         });
         assert!(decision.is_ok(), "{decision:?}");
     }
@@ -859,10 +861,7 @@ mod tests {
             );
             let mut one = send(addr, &hello(1));
             let mut two = send(addr, &hello(2));
-            for s in [&mut one, &mut two] {
-                let got = answer(s);
-                assert!(matches!(got, Reply::Welcome(_)), "{got:?}");
-            }
+            all_welcomed([&mut one, &mut two]);
         });
         assert!(decision.is_ok(), "{decision:?}");
     }
