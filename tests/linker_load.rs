@@ -530,6 +530,12 @@ fn missing_object_fails_with_not_found() {
         .unwrap();
     let err = wait_fails_not_found(&linker, &t);
     assert!(!err.is_retryable());
+    // The missing object's page is named (page 2): the engine recomputes it. Before, the
+    // session start that found it absent named no page.
+    assert!(
+        matches!(&err, KvLoadError::Store { pages, .. } if pages.as_ref() == [2]),
+        "{err:?}"
+    );
 }
 
 #[test]

@@ -444,7 +444,20 @@ impl Inner {
             self.config.lease_renewal,
             self.config.store_call_timeout,
         )
-        .map_err(|e| store_failure(batch, None, Vec::new(), &e))?;
+        .map_err(|e| {
+            // A key the session could not start over (absent: evicted since the lookup) names
+            // its plan page, as a read of it would.
+            let page = match &e {
+                crate::store::StoreError::NotFound { key } => layers
+                    .own
+                    .iter()
+                    .chain(&layers.shared)
+                    .find_map(|c| c.keys.iter().position(|k| k == key)),
+                _ => None,
+            };
+            let pages = page.map_or_else(Vec::new, |p| vec![p as u32]);
+            store_failure(batch, None, pages, &e)
+        })?;
         tracing::debug!(
             %batch,
             rank = layers.rank,
