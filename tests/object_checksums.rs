@@ -476,6 +476,8 @@ struct Race {
     whole: bool,
     companion_found: bool,
     object_unread: bool,
+    /// The save's object put is answered as the store did (`AlreadyPresent` when `whole`).
+    object_found: bool,
 }
 
 impl KvStore for RacedByAnother {
@@ -504,6 +506,7 @@ impl KvStore for RacedByAnother {
             .zip(out)
             .map(|(p, r)| match r {
                 Ok(o) if self.race.companion_found && p.key == found => Ok(o),
+                Ok(o) if self.race.object_found && p.key == self.object => Ok(o),
                 r => r.map(|_| PutOutcome::Written),
             })
             .collect()
@@ -588,6 +591,34 @@ fn raced_save_leaves(race: Race, left: Left, counts: (u32, u32)) {
         counts,
         "{report:?}"
     );
+}
+
+/// The other writer's whole pair won, and the store answered this save's object put
+/// `AlreadyPresent` but its companion put `Written` (the other's companion became visible
+/// between the wheel's check and its write). The companion read back is the other writer's:
+/// it stays with its object. Before, the save discarded it unread, leaving the other writer's
+/// object checked by length only.
+#[test]
+fn another_writers_companion_beside_its_own_object_stays() {
+    let race = Race {
+        whole: true,
+        object_found: true,
+        ..Race::default()
+    };
+    let (report, inner, object, theirs) = raced_save(race);
+    assert_eq!(
+        get(inner.as_ref(), &object),
+        Some(theirs.clone()),
+        "theirs stays"
+    );
+    let c = ObjectChecksums::decode(&get(inner.as_ref(), &checksum_key(&object)).unwrap());
+    let layer_bytes = c.as_ref().map(|c| c.layer_bytes).unwrap_or(0);
+    assert_eq!(
+        c.ok(),
+        ObjectChecksums::of_object(&theirs, layer_bytes).ok(),
+        "their companion stays beside their object"
+    );
+    assert_eq!(report.objects_present, 1, "{report:?}");
 }
 
 /// Two saves of one page racing: the store keeps this save's object beside the other

@@ -290,7 +290,7 @@ impl Inner {
         }));
         let results = self.calls.put(&all, hold, self.store_deadline());
         let (objects, companion_results) = results.split_at(puts.len());
-        self.unpair_foreign_companions(comp, chunk, objects, companion_results);
+        self.unpair_foreign_companions(comp, chunk, sums, objects, companion_results);
         // Pairs whose object said `Written`: read back, as another writer's put between the
         // save's look and its own is reported `Written` too.
         let mut read_back = self.read_back_pairs(comp, chunk, sums, (objects, companion_results));
@@ -339,32 +339,34 @@ impl Inner {
     /// [`read_back_pairs`](Inner::read_back_pairs): when another writer raced the save the
     /// object kept may be that writer's, matching its companion):
     /// - a companion this save wrote whose object was already there (another writer, such as
-    ///   SGLang, wrote it since the save looked, with bytes of its own): the companion is
-    ///   discarded, and the object stays, checked by length only as any without one;
+    ///   SGLang, wrote it since the save looked, with bytes of its own): the companion is read
+    ///   back and discarded when it holds the save's bytes (or cannot be read), and the object
+    ///   stays, checked by length only as any without one; a companion of other bytes is
+    ///   another writer's, put with its object (the store answered this save `Written` for it
+    ///   all the same), and stays with it;
     /// - a companion this save wrote whose object's put failed: the object (which the store
     ///   may have taken all the same) is discarded, then the companion.
     fn unpair_foreign_companions(
         &self,
         comp: &ComponentKeys,
         chunk: &[usize],
+        sums: &[ObjectChecksums],
         objects: &[Result<PutOutcome, crate::store::StoreError>],
         companions: &[Result<PutOutcome, crate::store::StoreError>],
     ) {
-        let unpaired = |object: PutOutcome, companion: PutOutcome| -> Vec<String> {
-            chunk
-                .iter()
-                .zip(objects.iter().zip(companions))
-                .filter(
-                    |(_, pair)| matches!(pair, (Ok(o), Ok(c)) if *o == object && *c == companion),
+        let beside_foreign: Vec<(String, Vec<u8>)> = chunk
+            .iter()
+            .zip(sums)
+            .zip(objects.iter().zip(companions))
+            .filter(|(_, pair)| {
+                matches!(
+                    pair,
+                    (Ok(PutOutcome::AlreadyPresent), Ok(PutOutcome::Written))
                 )
-                .map(|(&page, _)| comp.keys[page].clone())
-                .collect()
-        };
-        let companions_beside_foreign_objects: Vec<String> =
-            unpaired(PutOutcome::AlreadyPresent, PutOutcome::Written)
-                .iter()
-                .map(|key| checksum_key(key))
-                .collect();
+            })
+            .map(|((&page, s), _)| (checksum_key(&comp.keys[page]), s.encode()))
+            .collect();
+        let companions_beside_foreign_objects = self.own_companions(&beside_foreign);
         self.discard_unpaired(
             &companions_beside_foreign_objects,
             "companions written beside an object another writer wrote first",
@@ -390,6 +392,33 @@ impl Inner {
 
     /// Discards `keys`, which are `what` (best effort: a key that cannot be discarded stays,
     /// logged).
+    /// The keys of `companions` (each with the bytes this save put under it) that hold the
+    /// save's bytes, read back in one bounded call, or that could not be read (kept as the
+    /// save's: the store said it wrote them); one holding other bytes, or gone, is not.
+    fn own_companions(&self, companions: &[(String, Vec<u8>)]) -> Vec<String> {
+        if companions.is_empty() {
+            return Vec::new();
+        }
+        let refs: Vec<&str> = companions.iter().map(|(k, _)| k.as_str()).collect();
+        let lens: Vec<usize> = companions.iter().map(|(_, b)| b.len()).collect();
+        let read = self
+            .calls
+            .read_whole_owned(&refs, &lens, self.store_deadline());
+        companions
+            .iter()
+            .zip(read)
+            .filter(|((key, ours), got)| match got {
+                Ok(bytes) => bytes == ours,
+                Err(crate::store::StoreError::NotFound { .. }) => false,
+                Err(e) => {
+                    warn!(key, error = %e, "a companion beside another writer's object could not be read back: taken as the save's");
+                    true
+                }
+            })
+            .map(|((key, _), _)| key.clone())
+            .collect()
+    }
+
     fn discard_unpaired(&self, keys: &[String], what: &str) {
         if keys.is_empty() {
             return;
