@@ -390,8 +390,6 @@ impl Inner {
         }
     }
 
-    /// Discards `keys`, which are `what` (best effort: a key that cannot be discarded stays,
-    /// logged).
     /// The keys of `companions` (each with the bytes this save put under it) that hold the
     /// save's bytes, read back in one bounded call, or that could not be read (kept as the
     /// save's: the store said it wrote them); one holding other bytes, or gone, is not.
@@ -419,6 +417,8 @@ impl Inner {
             .collect()
     }
 
+    /// Discards `keys`, which are `what` (best effort: a key that cannot be discarded stays,
+    /// logged).
     fn discard_unpaired(&self, keys: &[String], what: &str) {
         if keys.is_empty() {
             return;
