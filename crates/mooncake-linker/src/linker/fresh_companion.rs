@@ -72,16 +72,8 @@ impl Inner {
         let deadline = by.map_or(deadline, |by| deadline.min(by));
         let sizes =
             |comp: &ComponentKeys, page: usize| self.check_object_size(batch, comp, page, deadline);
-        // Before a bad object's discard: a wrong size is the verdict (that check discarded
-        // it); a size that could not be had (a query not sent by the spent deadline, a
-        // transient store error) does not spare a bad object its discard.
-        let wrong_size = |comp: &ComponentKeys, page: usize| match sizes(comp, page) {
-            Err(e @ KvLoadError::InvalidPlan { .. }) => Some(e),
-            Err(e) => {
-                tracing::warn!(%batch, key = comp.keys[page], error = %e, "size of a bad object not known: discarded anyway");
-                None
-            }
-            Ok(()) => None,
+        let wrong_size = |comp: &ComponentKeys, page: usize| {
+            self.wrong_size_of_bad_object(batch, comp, page, deadline)
         };
         let read = self.calls.read_whole_owned(&refs, &lens, deadline);
         let mut verdicts = Vec::with_capacity(rows.len());

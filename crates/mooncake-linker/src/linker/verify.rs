@@ -160,14 +160,10 @@ impl Inner {
                 CompanionRead::Bad(detail) => detail,
             };
             // A companion that does not fit the geometry most often means the object itself
-            // was written for another one: say so, as the size check would. A size that could
-            // not be had (a transient store error) does not spare the object its discard.
-            match self.check_object_size(batch, comp, w.page, self.store_call_deadline()) {
-                Err(e @ KvLoadError::InvalidPlan { .. }) => return Err(e),
-                Err(e) => {
-                    tracing::warn!(%batch, key, error = %e, "size of an object with a bad companion not known: discarded anyway");
-                }
-                Ok(()) => {}
+            // was written for another one: say so, as the size check would.
+            let deadline = self.store_call_deadline();
+            if let Some(e) = self.wrong_size_of_bad_object(batch, comp, w.page, deadline) {
+                return Err(e);
             }
             let deadline = self.store_call_deadline();
             return Err(self.bad_object(batch, comp, w.page, (None, detail), deadline));
@@ -234,6 +230,29 @@ impl Inner {
             page..page + 1,
             deadline,
         )
+    }
+
+    /// Before a bad object's discard: its size checked ([`check_object_size`]), the error
+    /// when that check found it wrong (and discarded it: that is the verdict). A size that
+    /// could not be had (a query not sent by a spent deadline, a transient store error) does
+    /// not spare a bad object its discard: `None`, logged.
+    ///
+    /// [`check_object_size`]: Self::check_object_size
+    pub(crate) fn wrong_size_of_bad_object(
+        &self,
+        batch: BatchId,
+        comp: &ComponentKeys,
+        page: usize,
+        deadline: std::time::Instant,
+    ) -> Option<KvLoadError> {
+        match self.check_object_size(batch, comp, page, deadline) {
+            Err(e @ KvLoadError::InvalidPlan { .. }) => Some(e),
+            Err(e) => {
+                tracing::warn!(%batch, key = comp.keys[page], error = %e, "size of a bad object not known: discarded anyway");
+                None
+            }
+            Ok(()) => None,
+        }
     }
 
     /// An object found bad: discarded with its companion (the discard bounded by `deadline`),
