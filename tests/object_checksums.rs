@@ -1261,6 +1261,131 @@ fn load_rewritten(
     m
 }
 
+/// A store where `key`'s object and companion are written again (as `rewrite` holds them)
+/// just before the first ranged read of it at or past byte `from`: an object evicted and
+/// saved again by another prefill while a batch reads it layer by layer.
+struct RewrittenMidBatch {
+    inner: Arc<dyn KvStore>,
+    key: String,
+    from: u64,
+    rewrite: std::sync::Mutex<Option<(Vec<u8>, Vec<u8>)>>,
+}
+
+impl KvStore for RewrittenMidBatch {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, put,
+        remove, discard, register, unregister, start_session, end_session, health);
+
+    fn name(&self) -> &str {
+        "rewritten-mid-batch"
+    }
+
+    unsafe fn get_ranges(
+        &self,
+        gets: &[kvlink::mooncake_linker::store::RangedGet<'_>],
+    ) -> Vec<Result<u64, StoreError>> {
+        let past = |g: &kvlink::mooncake_linker::store::RangedGet<'_>| {
+            g.key == self.key && g.ranges.iter().any(|r| r.offset >= self.from)
+        };
+        if gets.iter().any(past) {
+            if let Some((object, sums)) = self.rewrite.lock().unwrap().take() {
+                let companion = checksum_key(&self.key);
+                let inner = self.inner.as_ref();
+                assert_eq!(
+                    inner.discard(&[&self.key, &companion]),
+                    vec![Ok(()), Ok(())]
+                );
+                assert_eq!(put(inner, &self.key, &object), PutOutcome::Written);
+                assert_eq!(put(inner, &companion, &sums), PutOutcome::Written);
+            }
+        }
+        // SAFETY: forwarded with the caller's promise.
+        unsafe { self.inner.get_ranges(gets) }
+    }
+}
+
+/// An object written again with other bytes while a batch reads it (after its layers 0 to 3,
+/// before layer 4) does not load as a mix of both: layer 4 fails the checksums the batch
+/// read and passes the companion read afresh, which disagrees with them on the layers the
+/// batch already holds, so the batch fails as a retryable transfer failure, nothing is
+/// discarded, and the next load reads the new version whole. Before, the batch loaded layers
+/// 0 to 3 of the old object and the rest of the new one.
+#[test]
+fn an_object_written_again_during_a_batch_is_not_loaded_as_two_versions() {
+    let s = saved(47, 4);
+    let config = LinkerConfig {
+        read_granularity: kvlink::mooncake_linker::ReadGranularity::Fixed { layers_per_call: 1 },
+        ..config()
+    };
+    let key = {
+        let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+        let l = Linker::new(s.g.clone(), s.store.clone(), pool, config.clone()).unwrap();
+        let k = l
+            .object_keys(&load_plan(&s.g, 0, &s.pages, vec![0, 1, 2, 3]))
+            .unwrap()[0][1]
+            .clone();
+        l.close().unwrap();
+        k
+    };
+    let c = &s.g.components()[0];
+    let mut bytes = get(s.store.as_ref(), &key).unwrap();
+    for b in bytes.iter_mut().step_by(97) {
+        *b ^= 0x3c;
+    }
+    let sums = ObjectChecksums::of_object(&bytes, c.page_layer_bytes).unwrap();
+    let store: Arc<dyn KvStore> = Arc::new(RewrittenMidBatch {
+        inner: s.store.clone(),
+        key: key.clone(),
+        from: c.layer_range(4).unwrap().start,
+        rewrite: std::sync::Mutex::new(Some((bytes.clone(), sums.encode()))),
+    });
+    let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
+    let linker = Linker::new(s.g.clone(), store, pool.clone(), config).unwrap();
+    let t = linker
+        .start_load(load_plan(&s.g, 1, &s.pages, vec![4, 5, 6, 7]))
+        .unwrap();
+    for l in 0..4 {
+        linker.wait_layer(&t, l).unwrap();
+    }
+    let err = linker.wait_layer(&t, 4).unwrap_err();
+    assert!(linker.wait_batch(&t).unwrap().result.is_err());
+    assert!(
+        matches!(
+            &err,
+            KvLoadError::Store {
+                kind: StoreFailure::TransferFailed,
+                layer: Some(4),
+                detail,
+                ..
+            } if detail.contains("layer 0 as read is of the earlier version")
+        ),
+        "{err:?}"
+    );
+    assert_eq!(linker.metrics().bad_objects, 0);
+    load_rewritten(&linker, &s, &pool, &key, &bytes);
+    pool_matches_object(&pool, c, 2, &bytes);
+    linker.close().unwrap();
+}
+
+/// Every layer of `c` in `slot` of `pool` holds that layer's range of `object`.
+fn pool_matches_object(
+    pool: &HostKvPool,
+    c: &kvlink::kv_geometry::ComponentLayout,
+    slot: u32,
+    object: &[u8],
+) {
+    let mut row = vec![0u8; c.page_layer_bytes as usize];
+    for &layer in &c.layers {
+        let r = c.layer_range(layer).unwrap();
+        // SAFETY: the batch that wrote the slot finished and nothing else writes it.
+        unsafe { pool.read_slot(c.id, layer, slot, &mut row) }.unwrap();
+        assert_eq!(
+            row,
+            &object[r.start as usize..r.end as usize],
+            "layer {layer}"
+        );
+    }
+}
+
 /// Checksums kept from an earlier load that went stale (the object written again with other
 /// bytes and its own companion) do not make a good object bad: the layer is checked again
 /// against the companion read afresh, the batch loads, nothing is discarded, and the fresh

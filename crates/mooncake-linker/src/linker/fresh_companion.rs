@@ -4,7 +4,9 @@
 //! deterministic): those an earlier load kept (`checksum_cache`), and those this batch read
 //! beside its pin, before the pin took. A good object must not be discarded for that.
 
-use kv_geometry::{ObjectChecksums, Verified};
+use std::sync::Arc;
+
+use kv_geometry::{ComponentLayout, ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError, StoreFailure};
 
 use super::companion::{companion_of, CompanionRead};
@@ -20,6 +22,43 @@ pub(crate) struct StaleRow<'a> {
     pub(crate) landed: Option<u64>,
     /// Its checksums were kept by an earlier load (else this batch read them).
     pub(crate) kept: bool,
+    /// The checksums its object's layers this batch checked before matched.
+    pub(crate) published: &'a ObjectChecksums,
+}
+
+/// The first model layer before `layer` of `layout` on which `a` and `b` disagree: the
+/// batch's layers of an object checked so far (in model layer order, all before `layer`)
+/// matched `a`; where `b`, of the object written again, disagrees on one, the batch holds two
+/// versions of the object. Checksums of another layout disagree on their first layer.
+pub(crate) fn first_disagreement(
+    a: &ObjectChecksums,
+    b: &ObjectChecksums,
+    layout: &ComponentLayout,
+    layer: u32,
+) -> Option<u32> {
+    let earlier = layout.layers.iter().enumerate().filter(|(_, &l)| l < layer);
+    earlier
+        .map(|(pos, &l)| (l, a.sums.get(pos), b.sums.get(pos)))
+        .find(|(_, x, y)| x.is_none() || x != y)
+        .map(|(l, _, _)| l)
+}
+
+/// The batch fails, retryable, with nothing discarded: `row`'s object was written again twice
+/// while the batch read it (its layers moved to fresh checksums once already).
+pub(crate) fn written_again_twice(batch: BatchId, layer: u32, row: &StaleRow<'_>) -> KvLoadError {
+    let key = &row.component.keys[row.page];
+    tracing::warn!(%batch, key, layer, "an object was written again twice while one batch read it: not loaded");
+    KvLoadError::Store {
+        batch: Some(batch),
+        layer: Some(layer),
+        pages: vec![row.page as u32].into(),
+        kind: StoreFailure::TransferFailed,
+        detail: format!(
+            "`{key}` was written again twice while this batch read it: not loaded, nothing \
+             discarded"
+        )
+        .into(),
+    }
 }
 
 impl Inner {
@@ -28,8 +67,12 @@ impl Inner {
     /// the rows' companions afresh (one call for all) and checks each row against its own.
     /// Where the object has no companion now, or a bad one, its size is checked first (when
     /// `verify_object_sizes`): kept checksums let layer 0 go before the sizes were in, and a
-    /// row's length alone cannot tell a wrong-sized object. Every row passes: their verdicts,
-    /// the fresh checksums kept. A row whose object has no companion now fails the batch as a
+    /// row's length alone cannot tell a wrong-sized object. Every row passes: their verdicts
+    /// and fresh checksums (also kept in the cache), unless those disagree with the ones the
+    /// batch's earlier layers of the object matched (`published`): the object was written
+    /// again while the batch read it, and the batch would hold layers of both versions, so it
+    /// fails as a store failure (`TransferFailed`, retryable) and nothing is discarded (the
+    /// next load reads the new version whole). A row whose object has no companion now fails the batch as a
     /// store failure (`TransferFailed`, retryable) and nothing is discarded: its bytes
     /// disagree with the checksums this rank had, and with the companion gone nothing tells a
     /// rewrite by a writer that writes none (such as SGLang) from a bad transfer of the same
@@ -52,7 +95,7 @@ impl Inner {
         layer: u32,
         rows: &[StaleRow<'_>],
         by: Option<std::time::Instant>,
-    ) -> Result<Vec<Verified>, KvLoadError> {
+    ) -> Result<Vec<(Verified, Arc<ObjectChecksums>)>, KvLoadError> {
         let (keys, lens): (Vec<String>, Vec<usize>) = rows
             .iter()
             .map(|r| companion_of(&r.component.keys[r.page], &r.component.layout))
@@ -80,7 +123,7 @@ impl Inner {
         for ((r, got), (key, len)) in rows.iter().zip(read).zip(refs.iter().zip(&lens)) {
             let (comp, page) = (r.component, r.page);
             let fresh = match self.judge_companion((key, *len), &comp.layout, got, deadline) {
-                CompanionRead::Sums(s) => Some(s),
+                CompanionRead::Sums(s) => s,
                 CompanionRead::Bad(e) => {
                     if let Some(e) = wrong_size(comp, page) {
                         return Err(e);
@@ -110,7 +153,7 @@ impl Inner {
                 }
             };
             let verdict = ObjectChecksums::verify_layer_landed(
-                fresh.as_ref(),
+                Some(&fresh),
                 &comp.layout,
                 layer,
                 r.bytes,
@@ -121,16 +164,19 @@ impl Inner {
                     let key = &comp.keys[page];
                     let checksums = if r.kept { "kept" } else { "this batch's" };
                     tracing::info!(%batch, key, layer, checksums, "checksums were stale: the companion read afresh passes");
-                    if let Some(s) = fresh {
-                        self.checksums.insert(key, std::sync::Arc::new(s));
+                    let fresh = Arc::new(fresh);
+                    self.checksums.insert(key, fresh.clone());
+                    let mixed = first_disagreement(r.published, &fresh, &comp.layout, layer);
+                    if let Some(earlier) = mixed {
+                        return Err(written_again_during(batch, layer, earlier, r));
                     }
-                    verdicts.push(v);
+                    verdicts.push((v, fresh));
                 }
                 Err(e) => {
                     if let Some(e) = wrong_size(comp, page) {
                         return Err(e);
                     }
-                    self.read_again(batch, comp, page, layer, fresh.as_ref(), deadline)?;
+                    self.read_again(batch, comp, page, layer, Some(&fresh), deadline)?;
                     let why = (Some(layer), e.to_string());
                     return Err(self.bad_object(batch, comp, page, why, deadline));
                 }
@@ -185,5 +231,68 @@ impl Inner {
             )
             .into(),
         })
+    }
+}
+
+/// The batch fails, retryable, with nothing discarded: `row`'s object was written again while
+/// the batch read it, with other bytes at layer `earlier`, which the batch holds of the
+/// earlier version, and at `layer`, which it holds of the new one.
+fn written_again_during(
+    batch: BatchId,
+    layer: u32,
+    earlier: u32,
+    row: &StaleRow<'_>,
+) -> KvLoadError {
+    let key = &row.component.keys[row.page];
+    tracing::warn!(%batch, key, layer, earlier, "an object was written again while the batch read it: layers of two versions, not loaded");
+    KvLoadError::Store {
+        batch: Some(batch),
+        layer: Some(layer),
+        pages: vec![row.page as u32].into(),
+        kind: StoreFailure::TransferFailed,
+        detail: format!(
+            "`{key}` was written again with other bytes while this batch read it: layer \
+             {earlier} as read is of the earlier version, layer {layer} of the new one; not \
+             loaded, nothing discarded (the next load reads the new version)"
+        )
+        .into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_geometry::{KvGeometry, ModelKvSpec};
+
+    #[test]
+    fn checksums_disagree_first_on_the_earliest_differing_layer_before_the_one_checked() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let k = g.component_by_name("k").unwrap();
+        let n = k.layers.len();
+        let a = ObjectChecksums {
+            layer_bytes: k.page_layer_bytes,
+            sums: (0..n as u64).collect(),
+        };
+        let mut b = a.clone();
+        assert_eq!(
+            first_disagreement(&a, &b, k, 78),
+            None,
+            "the same sums agree"
+        );
+        // Layers 5 and 9 differ: checked before layer 5, nothing disagrees yet.
+        b.sums[5] += 100;
+        b.sums[9] += 100;
+        assert_eq!(first_disagreement(&a, &b, k, 0), None);
+        assert_eq!(first_disagreement(&a, &b, k, 5), None);
+        assert_eq!(first_disagreement(&a, &b, k, 6), Some(5));
+        assert_eq!(first_disagreement(&a, &b, k, 40), Some(5));
+        // Checksums cut short (another layout) disagree where they end.
+        let short = ObjectChecksums {
+            layer_bytes: k.page_layer_bytes,
+            sums: a.sums[..3].to_vec(),
+        };
+        assert_eq!(first_disagreement(&a, &short, k, 2), None);
+        assert_eq!(first_disagreement(&a, &short, k, 4), Some(3));
+        assert_eq!(first_disagreement(&short, &a, k, 4), Some(3));
     }
 }

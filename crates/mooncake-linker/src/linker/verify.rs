@@ -18,7 +18,7 @@ use kv_loader::{BatchId, KvLoadError};
 
 use super::batch::BatchLayers;
 use super::companion::{companion_of, CompanionRead};
-use super::fresh_companion::StaleRow;
+use super::fresh_companion::{first_disagreement, written_again_twice, StaleRow};
 use super::landed::LandedSums;
 use super::reader::{check_object_sizes, store_failure, ComponentKeys};
 use super::Inner;
@@ -41,6 +41,26 @@ pub(crate) struct BatchChecksums {
 struct Companion {
     sums: std::sync::Arc<ObjectChecksums>,
     kept: bool,
+    /// Checksums of the object written again since `sums` were taken, that the batch's later
+    /// layers of it are checked against: set (once a batch) where a layer failed against
+    /// `sums` and passed against its companion read afresh (or one another batch read), and
+    /// those agree with `sums` on every layer the batch checked before.
+    moved: std::sync::OnceLock<std::sync::Arc<ObjectChecksums>>,
+}
+
+impl Companion {
+    fn new(sums: std::sync::Arc<ObjectChecksums>, kept: bool) -> Self {
+        Companion {
+            sums,
+            kept,
+            moved: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The checksums every layer of the object this batch checked so far matched.
+    fn published(&self) -> &std::sync::Arc<ObjectChecksums> {
+        self.moved.get().unwrap_or(&self.sums)
+    }
 }
 
 /// One companion this rank wants: which component list, which component, which page (its
@@ -146,7 +166,7 @@ impl Inner {
                     let sums = std::sync::Arc::new(sums);
                     self.checksums.insert(&comp.keys[w.page], sums.clone());
                     if let Some(slot) = plan.sums.slot(w.shared, w.comp, w.page) {
-                        *slot = Some(Companion { sums, kept: false });
+                        *slot = Some(Companion::new(sums, false));
                     }
                     continue;
                 }
@@ -199,10 +219,7 @@ impl Inner {
                 return true;
             };
             if let Some(slot) = sums.slot(w.shared, w.comp, w.page) {
-                *slot = Some(Companion {
-                    sums: kept,
-                    kept: true,
-                });
+                *slot = Some(Companion::new(kept, true));
             }
             false
         });
@@ -370,29 +387,37 @@ impl LayerCheck<'_> {
         // Rows that failed against their checksums may only be stale (their object written
         // again with other bytes since those were read: an earlier load kept them, or this
         // batch read them before its pin took): their companions read afresh decide.
-        let mut stale = Vec::new();
+        let (mut stale, mut moving) = (Vec::new(), Vec::new());
         for (row, verdict) in rows.iter().zip(verdicts) {
-            match verdict {
-                Ok(v) => count(v, row.landed),
-                Err(_) if row.companion.is_some() => match self.renewed(row, layer) {
-                    // An earlier layer's recheck already kept fresh checksums that pass.
-                    Some(v) => count(v, row.landed),
-                    None => stale.push(StaleRow {
+            let e = match verdict {
+                Ok(v) => {
+                    count(v, row.landed);
+                    continue;
+                }
+                Err(e) => e,
+            };
+            let Some(companion) = row.companion else {
+                return Err(self.inner.bad_object(
+                    self.batch,
+                    row.component,
+                    row.page,
+                    (Some(layer), e.to_string()),
+                    self.bounded(self.inner.store_call_deadline()),
+                ));
+            };
+            match self.renewed(row, companion, layer) {
+                // Another batch's recheck already kept fresh checksums that pass.
+                Some(v) => count(v, row.landed),
+                None => {
+                    moving.push(companion);
+                    stale.push(StaleRow {
                         component: row.component,
                         page: row.page,
                         bytes: row.bytes,
                         landed: row.landed,
-                        kept: row.kept().is_some(),
-                    }),
-                },
-                Err(e) => {
-                    return Err(self.inner.bad_object(
-                        self.batch,
-                        row.component,
-                        row.page,
-                        (Some(layer), e.to_string()),
-                        self.bounded(self.inner.store_call_deadline()),
-                    ))
+                        kept: companion.kept,
+                        published: companion.published(),
+                    });
                 }
             }
         }
@@ -400,7 +425,10 @@ impl LayerCheck<'_> {
             let verdicts = self
                 .inner
                 .recheck_fresh(self.batch, layer, &stale, self.by)?;
-            for (v, row) in verdicts.into_iter().zip(&stale) {
+            for (((v, fresh), row), companion) in verdicts.into_iter().zip(&stale).zip(moving) {
+                if companion.moved.set(fresh).is_err() {
+                    return Err(written_again_twice(self.batch, layer, row));
+                }
                 count(v, row.landed);
             }
         }
@@ -412,17 +440,25 @@ impl LayerCheck<'_> {
     }
 
     /// A row that failed against the checksums this batch has for it (kept, or read), checked
-    /// against those the cache holds now when an earlier layer's recheck replaced them (so a
-    /// rewritten object is read afresh once per batch, not once per layer); `None`: to be
-    /// rechecked.
-    fn renewed(&self, row: &Row<'_>, layer: u32) -> Option<Verified> {
-        let taken = &row.companion?.sums;
+    /// against those the cache holds now when another batch's recheck replaced them (so a
+    /// rewritten object is read afresh once, not once per batch), and moved to them when they
+    /// pass and agree with the ones the batch's earlier layers of the object matched; `None`:
+    /// to be rechecked.
+    fn renewed(&self, row: &Row<'_>, companion: &Companion, layer: u32) -> Option<Verified> {
+        let published = companion.published();
         let now = self.inner.checksums.get(&row.component.keys[row.page])?;
-        if std::sync::Arc::ptr_eq(&now, taken) {
+        if std::sync::Arc::ptr_eq(&now, published) {
             return None;
         }
         let layout = &row.component.layout;
-        ObjectChecksums::verify_layer_landed(Some(&now), layout, layer, row.bytes, row.landed).ok()
+        if first_disagreement(published, &now, layout, layer).is_some() {
+            return None;
+        }
+        let v =
+            ObjectChecksums::verify_layer_landed(Some(&now), layout, layer, row.bytes, row.landed)
+                .ok()?;
+        companion.moved.set(now).ok()?;
+        Some(v)
     }
 
     /// The rows this rank read at `layer`: its own components on every page, and its share
@@ -495,14 +531,10 @@ struct Row<'a> {
 }
 
 impl<'a> Row<'a> {
-    /// Its object's checksums, if it has a companion.
+    /// Its object's checksums, if it has a companion: those its earlier layers in the batch
+    /// matched.
     fn sums(&self) -> Option<&'a ObjectChecksums> {
-        self.companion.map(|c| &*c.sums)
-    }
-
-    /// Its object's checksums, when an earlier load kept them.
-    fn kept(&self) -> Option<&'a std::sync::Arc<ObjectChecksums>> {
-        self.companion.filter(|c| c.kept).map(|c| &c.sums)
+        self.companion.map(|c| &**c.published())
     }
 }
 
@@ -597,10 +629,7 @@ mod tests {
         let k = g.component_by_name("k").unwrap().clone();
         let object: Vec<u8> = (0..k.object_bytes()).map(|i| (i * 7 + 3) as u8).collect();
         let sums = ObjectChecksums::of_object(&object, k.page_layer_bytes).unwrap();
-        let companion_of_sums = Companion {
-            sums: std::sync::Arc::new(sums.clone()),
-            kept: false,
-        };
+        let companion_of_sums = Companion::new(std::sync::Arc::new(sums.clone()), false);
         let range = k.layer_range(3).unwrap();
         let good = &object[range.start as usize..range.end as usize];
         let mut bad = good.to_vec();
@@ -650,10 +679,7 @@ mod tests {
         let k = g.component_by_name("k").unwrap().clone();
         let object: Vec<u8> = (0..k.object_bytes()).map(|i| (i * 5 + 1) as u8).collect();
         let sums = ObjectChecksums::of_object(&object, k.page_layer_bytes).unwrap();
-        let companion_of_sums = Companion {
-            sums: std::sync::Arc::new(sums),
-            kept: false,
-        };
+        let companion_of_sums = Companion::new(std::sync::Arc::new(sums), false);
         let range = k.layer_range(2).unwrap();
         let good = &object[range.start as usize..range.end as usize];
         let right = kv_geometry::layer_checksum(good);
@@ -697,13 +723,13 @@ mod tests {
 
     #[test]
     fn checksums_are_wanted_as_the_rows_land_only_while_some_object_has_a_companion() {
-        let companion = Companion {
-            sums: std::sync::Arc::new(ObjectChecksums {
+        let companion = Companion::new(
+            std::sync::Arc::new(ObjectChecksums {
                 layer_bytes: 8,
                 sums: vec![1],
             }),
-            kept: false,
-        };
+            false,
+        );
         let mut sums = BatchChecksums {
             enabled: true,
             own: vec![vec![None; 3]],
