@@ -60,12 +60,18 @@ def plan(k):
                 offs.append([pos[0] * lb])
         calls.append((keys, ptrs, sizes, offs))
     return calls
+def clear():
+    # Zeroed before each timed command (outside its time), so that check() sees what that
+    # command landed, not what an earlier one left.
+    for c in comps:
+        ctypes.memset(c["base"], 0, c["obj"] * len(c["keys"]))
 plans = {}
 print("ready", flush=True)
 for line in sys.stdin:
     cmd = line.split()
     if not cmd or cmd[0] == "quit":
         break
+    clear()
     if cmd[0] == "whole":
         t0 = time.perf_counter()
         r = s.batch_get_into(all_keys, whole_ptrs, whole_sizes)
