@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvlink::kv_geometry::page_hashes;
+use kvlink::kv_geometry::{page_hashes, ComponentId};
 use kvlink::kv_loader::mock::{MockCall, MockKvLoader, MockScript};
 use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, LogicalPlan, LookupRequest, RequestPages};
 
@@ -32,7 +32,8 @@ fn prefill(loader: &dyn KvLoader, batch: u64, tokens: &[u32]) -> Forward {
                 request: format!("r{batch}").as_str().into(),
                 pages: hit.pages.clone(),
             }],
-            components: vec![],
+            // The mock's model has one component (a plan with pages names at least one).
+            components: vec![ComponentId(0)],
         },
         slots: (0..n as u32).collect(),
     };

@@ -58,9 +58,17 @@ pub enum PlanError {
         /// Pages in the pool.
         pool_pages: u32,
     },
-    /// A component id the geometry does not have, or listed twice.
+    /// A component id the geometry does not have, or listed twice (or out of order).
     #[error("component #{0} is unknown or repeated")]
     BadComponent(u16),
+    /// A plan with pages and no component: it would move nothing, and its slots would read as
+    /// loaded. [`BatchPlan::all_components`](crate::BatchPlan::all_components) names every
+    /// component of a geometry.
+    #[error("{pages} pages and no component to load")]
+    NoComponents {
+        /// Pages in the plan.
+        pages: usize,
+    },
     /// A layer past the model.
     #[error("layer {layer} is out of range for {num_layers} layers")]
     LayerOutOfRange {

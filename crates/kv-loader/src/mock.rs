@@ -319,14 +319,10 @@ impl MockKvLoader {
     }
 }
 
-/// Why a plan's slots are refused without a geometry: not one slot per page, or a slot twice.
+/// Why a plan is refused without a geometry: [`BatchPlan::check_shape`], or a slot twice.
 fn slot_problem(plan: &BatchPlan) -> Option<crate::PlanError> {
-    let pages = plan.logical.num_pages();
-    if pages != plan.slots.len() {
-        return Some(crate::PlanError::SlotCount {
-            pages,
-            slots: plan.slots.len(),
-        });
+    if let Err(e) = plan.check_shape() {
+        return Some(e);
     }
     let mut first = HashMap::with_capacity(plan.slots.len());
     for (page, &slot) in plan.slots.iter().enumerate() {
@@ -654,7 +650,7 @@ mod tests {
                     request: "r".into(),
                     pages: vec![PageHash([7; 32])],
                 }],
-                components: vec![],
+                components: vec![kv_geometry::ComponentId(0)],
             },
             slots: vec![slot],
         }
@@ -747,7 +743,8 @@ mod tests {
     }
 
     /// The mock answers as the Linker does where an engine's tests would otherwise take
-    /// another branch: plans with a slot per page and no slot twice, back-pressure as
+    /// another branch: plans with a slot per page, no slot twice, and components (at least
+    /// one, in increasing order), back-pressure as
     /// `Busy`, a batch that times out has no outcome to wait for.
     #[test]
     fn plans_back_pressure_and_time_outs_answer_as_the_linker_does() {
@@ -765,6 +762,15 @@ mod tests {
             refused(&two_pages),
             crate::PlanError::SlotCount { pages: 2, slots: 0 }
         ));
+        two_pages.slots = vec![3, 4];
+        assert_eq!(
+            refused(&two_pages),
+            crate::PlanError::NoComponents { pages: 2 }
+        );
+        two_pages.logical.components =
+            vec![kv_geometry::ComponentId(1), kv_geometry::ComponentId(0)];
+        assert_eq!(refused(&two_pages), crate::PlanError::BadComponent(0));
+        two_pages.logical.components = vec![kv_geometry::ComponentId(0)];
         two_pages.slots = vec![3, 3];
         assert!(matches!(
             refused(&two_pages),
@@ -816,7 +822,7 @@ mod tests {
                     request: "r".into(),
                     pages: vec![page],
                 }],
-                components: vec![],
+                components: vec![kv_geometry::ComponentId(0)],
             },
             slots,
         };

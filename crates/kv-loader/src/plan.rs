@@ -112,25 +112,60 @@ impl BatchPlan {
         }
     }
 
-    /// Checks the plan against the geometry and a pool of `pool_pages` page slots: one slot
-    /// per page, every slot inside the pool, no slot twice, components known and not repeated.
-    pub fn validate(&self, geometry: &KvGeometry, pool_pages: u32) -> Result<(), KvLoadError> {
-        let batch = self.logical.batch;
-        let bad = |reason| KvLoadError::InvalidPlan { batch, reason };
+    /// The checks a plan needs no geometry or pool for: one slot per page, and components
+    /// (at least one, when there are pages) strictly increasing. [`validate`](Self::validate)
+    /// makes them first; a loader without a geometry (a mock) can make them alone.
+    ///
+    /// ```
+    /// use kv_loader::{BatchId, BatchPlan, LogicalPlan, PlanError, RequestId, RequestPages};
+    /// use kv_geometry::{ComponentId, PageHash};
+    /// let plan = |components: Vec<u16>| BatchPlan {
+    ///     logical: LogicalPlan {
+    ///         batch: BatchId(1),
+    ///         requests: vec![RequestPages { request: RequestId("r".into()), pages: vec![PageHash([1; 32])] }],
+    ///         components: components.into_iter().map(ComponentId).collect(),
+    ///     },
+    ///     slots: vec![4],
+    /// };
+    /// assert_eq!(plan(vec![0, 1]).check_shape(), Ok(()));
+    /// assert_eq!(plan(vec![]).check_shape(), Err(PlanError::NoComponents { pages: 1 }));
+    /// assert_eq!(plan(vec![1, 0]).check_shape(), Err(PlanError::BadComponent(0)));
+    /// ```
+    pub fn check_shape(&self) -> Result<(), PlanError> {
+        self.check_shape_with(|_| true)
+    }
+
+    /// [`check_shape`](Self::check_shape), with each component also refused unless `known`
+    /// (the first component unknown or out of order is the error).
+    fn check_shape_with(&self, known: impl Fn(ComponentId) -> bool) -> Result<(), PlanError> {
         let pages = self.logical.num_pages();
         if pages != self.slots.len() {
-            return Err(bad(PlanError::SlotCount {
+            return Err(PlanError::SlotCount {
                 pages,
                 slots: self.slots.len(),
-            }));
+            });
+        }
+        if pages > 0 && self.logical.components.is_empty() {
+            return Err(PlanError::NoComponents { pages });
         }
         let mut prev: Option<u16> = None;
         for c in &self.logical.components {
-            if geometry.component(*c).is_err() || prev.is_some_and(|p| p >= c.0) {
-                return Err(bad(PlanError::BadComponent(c.0)));
+            if !known(*c) || prev.is_some_and(|p| p >= c.0) {
+                return Err(PlanError::BadComponent(c.0));
             }
             prev = Some(c.0);
         }
+        Ok(())
+    }
+
+    /// Checks the plan against the geometry and a pool of `pool_pages` page slots: one slot
+    /// per page, every slot inside the pool, no slot twice, components (at least one, when
+    /// there are pages) known and not repeated.
+    pub fn validate(&self, geometry: &KvGeometry, pool_pages: u32) -> Result<(), KvLoadError> {
+        let batch = self.logical.batch;
+        let bad = |reason| KvLoadError::InvalidPlan { batch, reason };
+        self.check_shape_with(|c| geometry.component(c).is_ok())
+            .map_err(bad)?;
         // Bitset of used slots, plus who used them first for the error.
         let mut used = vec![0u64; (pool_pages as usize).div_ceil(64)];
         for (page, &slot) in self.slots.iter().enumerate() {

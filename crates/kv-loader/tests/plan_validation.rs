@@ -7,8 +7,9 @@ use kv_geometry::{ComponentId, ElementType, KvGeometry, ModelKvSpec, PageHash};
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LogicalPlan, PlanError, RequestPages};
 use proptest::prelude::*;
 
-/// What `validate` must answer, checked in its documented order: slot count, components,
-/// then each page's slot in plan order (outside the pool, or used before).
+/// What `validate` must answer, checked in its documented order: slot count, components (none
+/// for pages; each unknown or out of order), then each page's slot in plan order (outside the
+/// pool, or used before).
 fn expected(plan: &BatchPlan, components: usize, pool: u32) -> Result<(), PlanError> {
     let pages = plan.logical.num_pages();
     if pages != plan.slots.len() {
@@ -16,6 +17,9 @@ fn expected(plan: &BatchPlan, components: usize, pool: u32) -> Result<(), PlanEr
             pages,
             slots: plan.slots.len(),
         });
+    }
+    if pages > 0 && plan.logical.components.is_empty() {
+        return Err(PlanError::NoComponents { pages });
     }
     let mut prev = None;
     for c in &plan.logical.components {

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use kvlink::kv_geometry::page_hashes;
+use kvlink::kv_geometry::{page_hashes, ComponentId};
 use kvlink::kv_loader::{
     BatchId, BatchPlan, EngineAction, KvLoadError, KvLoader, LoadHandle, LogicalPlan,
     LookupRequest, RequestPages,
@@ -60,7 +60,8 @@ impl TinyEngine {
                     request: request.into(),
                     pages,
                 }],
-                components: vec![],
+                // The tiny model's one component (a plan with pages names at least one).
+                components: vec![ComponentId(0)],
             },
             slots: (0..n as u32).collect(),
         };

@@ -8,9 +8,7 @@ use kvlink::candle::candle_core::{DType, Device, Tensor};
 use kvlink::candle::{LatentFormat, LatentPool, LayerGate, PagedLatentCache};
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{ComponentSpec, ElementType, KvGeometry, ModelKvSpec, RowUnit};
-use kvlink::kv_loader::{
-    BatchId, BatchPlan, KvLoader, LoadHandle, LogicalPlan, LookupRequest, RequestPages,
-};
+use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, LoadHandle, LookupRequest, RequestPages};
 use kvlink::mock::{MockKvLoader, MockScript, MOCK_PAGE_SIZE};
 
 #[test]
@@ -24,7 +22,7 @@ fn a_cache_through_the_facade_waits_for_the_mocks_load_then_reads_each_layer() {
         format.row_bytes() as u32,
     );
     let spec = ModelKvSpec::new("tiny-mla", layers, MOCK_PAGE_SIZE, vec![k]).unwrap();
-    let pool = Arc::new(HostKvPool::new(KvGeometry::new(spec, 1, 0).unwrap(), 4).unwrap());
+    let pool = Arc::new(HostKvPool::new(KvGeometry::new(spec.clone(), 1, 0).unwrap(), 4).unwrap());
     let latents = LatentPool::new(pool, "k", format, Device::Cpu).unwrap();
 
     let mock = Arc::new(MockKvLoader::new(layers, MockScript::default()));
@@ -37,17 +35,12 @@ fn a_cache_through_the_facade_waits_for_the_mocks_load_then_reads_each_layer() {
         })
         .unwrap();
     assert_eq!(hit.pages.len(), 2);
-    let plan = BatchPlan {
-        logical: LogicalPlan {
-            batch: BatchId(1),
-            requests: vec![RequestPages {
-                request: "r".into(),
-                pages: hit.pages,
-            }],
-            components: vec![],
-        },
-        slots: vec![3, 1],
-    };
+    let requests = vec![RequestPages {
+        request: "r".into(),
+        pages: hit.pages,
+    }];
+    let geometry = KvGeometry::new(spec, 1, 0).unwrap();
+    let plan = BatchPlan::all_components(&geometry, BatchId(1), requests, vec![3, 1]);
     let load = LoadHandle::start(loader, plan).unwrap();
     // SAFETY: slots 3, 1 and 0 are this sequence's alone; only its own load writes 3 and 1.
     let mut cache = unsafe { PagedLatentCache::new(latents, vec![3, 1, 0], hit.tokens) }
