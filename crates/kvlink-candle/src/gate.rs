@@ -126,7 +126,9 @@ impl LayerGate {
     /// Returns once layer `layer` of the batch is readable (or at once for an open gate).
     /// A failed load gives [`CandleKvError::Load`]: recompute the prefix, into the same slots
     /// once [`finish`](Self::finish) has taken the outcome (a `Load` whose source is
-    /// `SlotsHeld` means a store call may still write them until then).
+    /// `SlotsHeld` means a store call may still write them until then). Once a clone's
+    /// `finish` took the outcome, every wait answers with its verdict: `Ok` when loaded, else
+    /// the error `finish` gave (also `WaitFailed` or `Unsettled`).
     pub fn wait(&self, layer: u32) -> Result<(), CandleKvError> {
         let Some(i) = &self.inner else {
             return Ok(());
@@ -137,16 +139,17 @@ impl LayerGate {
                 num_layers: i.ticket.num_layers,
             });
         }
+        if let Some(taken) = i.taken() {
+            // Another clone took the outcome: the loader has forgotten the ticket, and the
+            // verdict says it all (loaded: every layer is in the pool), also over a failed
+            // wait seen before it (a `WaitFailed` verdict: the load has ended, no reset).
+            return taken;
+        }
         if let Some((l, e)) = i.failure.get() {
             return Err(CandleKvError::Load {
                 layer: Some(*l),
                 source: e.clone(),
             });
-        }
-        if let Some(taken) = i.taken() {
-            // Another clone took the outcome: the loader has forgotten the ticket, and the
-            // verdict says it all (loaded: every layer is in the pool).
-            return taken;
         }
         let Err(e) = i.wait_layer_on(layer, self.stream) else {
             return Ok(());

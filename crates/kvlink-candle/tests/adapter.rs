@@ -557,6 +557,35 @@ fn a_wait_that_failed_on_a_load_that_ended_asks_for_no_reset() {
     assert_eq!(cache.layer(1, 8).unwrap().dims(), &[8, 6]);
 }
 
+/// A clone's wait after another clone took the outcome answers with that verdict, not with
+/// the failed wait seen before it: the load has ended, so no reset is asked for. Before, the
+/// clone got the wait's `Timeout` as `Load`, which asks for a reset (cancelling every other
+/// batch in flight on the rank).
+#[test]
+fn a_clone_waiting_after_the_verdict_gets_the_verdict() {
+    let mut script = MockScript::default();
+    script.wait_time_out_from.insert(kv_loader::BatchId(9), 1);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(9)).unwrap();
+    let mut first = LayerGate::new(mock.clone(), ticket);
+    let second = first.clone();
+    first.wait(0).unwrap();
+    assert!(
+        first.wait(1).unwrap_err().needs_reset(),
+        "the load may still run"
+    );
+    let verdict = first.finish().unwrap_err();
+    assert!(
+        matches!(verdict, CandleKvError::WaitFailed { layer: 1, .. }),
+        "{verdict:?}"
+    );
+    let e = second.wait(0).unwrap_err();
+    assert!(
+        matches!(e, CandleKvError::WaitFailed { layer: 1, .. }) && !e.needs_reset(),
+        "{e:?}"
+    );
+}
+
 #[test]
 fn an_outcome_that_cannot_be_taken_asks_for_a_reset() {
     let mock = Arc::new(MockKvLoader::new(2, MockScript::default()));
