@@ -435,6 +435,13 @@ impl KvLoader for MockKvLoader {
                 batch: ticket.batch,
             });
         }
+        if self.script.hold_slots.contains(&ticket.batch) {
+            // Released, outcome not taken: as the Linker's counter, which keeps the batch's
+            // first failure (`SlotsHeld`) for every wait until the outcome is taken.
+            return Err(KvLoadError::SlotsHeld {
+                batches: vec![ticket.batch].into(),
+            });
+        }
         if layer >= self.num_layers {
             return Err(KvLoadError::InvalidPlan {
                 batch: ticket.batch,
@@ -932,6 +939,12 @@ mod tests {
             Err(KvLoadError::Device(_))
         ));
         mock.release(BatchId(3));
+        // Released, outcome not taken: waits still fail (as the linker's counter keeps the
+        // batch's first failure); before, they answered the layer loaded.
+        assert!(matches!(
+            mock.wait_layer(&t, 0),
+            Err(KvLoadError::SlotsHeld { .. })
+        ));
         mock.reset().unwrap();
         assert!(matches!(
             mock.wait_batch(&t).unwrap().result,
