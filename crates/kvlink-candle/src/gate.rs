@@ -22,7 +22,10 @@ use crate::CandleKvError;
 /// [`finish`](Self::finish) takes the outcome while the others get the same verdict (their
 /// own `finish` does not ask the loader again). Take a gated batch's outcome through the gate,
 /// not through `KvLoader::completed`: an outcome taken there is gone, and the gate's `finish`
-/// then finds no outcome to take (`Unsettled`).
+/// then finds no outcome to take (`Unsettled`). The last clone dropped without `finish` (an
+/// aborted request's cache) takes the outcome as it goes, waiting as `finish` would (bounded
+/// by the loader) and logging the verdict, so the load is not left writing slots the engine
+/// may hand out again.
 ///
 /// With [`LayerReady::Event`](kv_loader::LayerReady::Event) (device pools), the gate blocks
 /// on the event on the host, or, if built [`on_stream`](Self::on_stream), makes that compute
@@ -185,6 +188,32 @@ impl LayerGate {
         let mut taken = i.outcome.lock().unwrap_or_else(|p| p.into_inner());
         let verdict = taken.get_or_insert_with(|| i.take_outcome()).clone();
         verdict.map_err(Verdict::error)
+    }
+}
+
+/// The last clone dropped without [`LayerGate::finish`] (a request aborted mid-prefill, a
+/// cache dropped unfinished): the outcome is taken here, waiting as `finish` does (bounded by
+/// the loader), so that the load is not left writing slots the engine hands to another
+/// sequence once the cache is gone, nor its batch id and counter slot held until someone
+/// drains `KvLoader::completed` (which a gated batch's engine does not).
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let outcome = self.outcome.get_mut().unwrap_or_else(|p| p.into_inner());
+        if outcome.is_some() {
+            return;
+        }
+        let batch = self.ticket.batch;
+        match self.take_outcome() {
+            Ok(_) => {
+                tracing::warn!(%batch, "layer gate dropped unfinished: its outcome taken on drop (the batch loaded)")
+            }
+            Err(Verdict::Unsettled(e)) => {
+                tracing::error!(%batch, error = %e, "layer gate dropped unfinished and no outcome could be taken: the load may still write its slots; reset the loader before reusing them")
+            }
+            Err(v) => {
+                tracing::warn!(%batch, error = %v.error(), "layer gate dropped unfinished: its outcome taken on drop (the batch failed)")
+            }
+        }
     }
 }
 

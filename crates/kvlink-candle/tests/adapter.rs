@@ -586,6 +586,31 @@ fn a_clone_waiting_after_the_verdict_gets_the_verdict() {
     );
 }
 
+/// A cache dropped with its load unfinished (a request aborted mid-prefill) takes the load's
+/// outcome as its gate goes: the batch is settled, its id free again, and nothing is left
+/// for `completed`. Before, the load was left unwatched: its id stayed in use and, once
+/// `max_in_flight` such drops piled up, every load was refused `Busy`.
+#[test]
+fn a_cache_dropped_unfinished_settles_its_load() {
+    let mock = Arc::new(MockKvLoader::new(2, MockScript::default()));
+    let ticket = mock.start_load(plan(11)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    let clone = cache.gate().clone();
+    drop(cache);
+    assert!(
+        matches!(
+            mock.start_load(plan(11)),
+            Err(KvLoadError::DuplicateBatch { .. })
+        ),
+        "a clone still holds the gate"
+    );
+    drop(clone);
+    assert!(mock.completed().is_empty(), "the outcome was taken on drop");
+    mock.start_load(plan(11)).unwrap();
+}
+
 #[test]
 fn an_outcome_that_cannot_be_taken_asks_for_a_reset() {
     let mock = Arc::new(MockKvLoader::new(2, MockScript::default()));
