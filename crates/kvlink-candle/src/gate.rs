@@ -2,7 +2,9 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kv_loader::{KvLoadError, KvLoader, LayerReady, LoadHandle, LoadStats, LoadTicket, RawStream};
+use kv_loader::{
+    KvLoadError, KvLoader, LayerReady, LoadHandle, LoadStats, LoadTicket, RawStream, StreamWaitable,
+};
 
 use crate::CandleKvError;
 
@@ -47,6 +49,10 @@ struct Inner {
     /// The verdict of `finish`, taken once (under the lock: a second clone waits for the
     /// first to take it rather than ask the loader again).
     outcome: Mutex<Option<Result<Option<LoadStats>, Verdict>>>,
+    /// Each layer's device event, asked of the loader just before the outcome is taken (the
+    /// loader forgets them with the ticket): a clone's wait after the verdict waits on its
+    /// layer's event, since the copies may still be queued on the load stream.
+    events: OnceLock<Vec<Option<Arc<dyn StreamWaitable>>>>,
 }
 
 /// A failed verdict, kept to hand to every clone.
@@ -103,6 +109,7 @@ impl LayerGate {
                 load: Mutex::new(Some(load)),
                 failure: OnceLock::new(),
                 outcome: Mutex::new(None),
+                events: OnceLock::new(),
             })),
             stream: None,
         }
@@ -144,9 +151,10 @@ impl LayerGate {
         }
         if let Some(taken) = i.taken() {
             // Another clone took the outcome: the loader has forgotten the ticket, and the
-            // verdict says it all (loaded: every layer is in the pool), also over a failed
-            // wait seen before it (a `WaitFailed` verdict: the load has ended, no reset).
-            return taken;
+            // verdict says it all (loaded: every layer is landed or has its event), also over
+            // a failed wait seen before it (a `WaitFailed` verdict: the load has ended, no
+            // reset).
+            return taken.and_then(|()| i.replay(layer, self.stream));
         }
         if let Some((l, e)) = i.failure.get() {
             return Err(CandleKvError::Load {
@@ -162,7 +170,9 @@ impl LayerGate {
         // and the verdict answers instead of a failure recorded for every clone.
         let outcome = i.outcome.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(v) = outcome.as_ref() {
-            return v.clone().map(drop).map_err(Verdict::error);
+            let verdict = v.clone().map(drop).map_err(Verdict::error);
+            drop(outcome);
+            return verdict.and_then(|()| i.replay(layer, self.stream));
         }
         tracing::debug!(batch = %i.ticket.batch, layer, error = %e, "layer wait failed");
         let (l, e) = i.failure.get_or_init(|| (layer, e));
@@ -179,7 +189,9 @@ impl LayerGate {
     /// (a layer wait past its deadline on a batch that then loaded) is this rank's alone:
     /// ranks that must agree compare their verdicts themselves; the load has ended (no reset
     /// needed). `Err(Unsettled)`: no outcome could be taken; reset the loader before reusing
-    /// the slots. Clones of the gate get the verdict the first of them took.
+    /// the slots. Clones of the gate get the verdict the first of them took; before taking it,
+    /// each layer is waited for (no host block on device events: they are kept, and a clone's
+    /// later wait waits on its layer's event, as before the verdict).
     pub fn finish(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
         let Some(i) = self.inner.take() else {
             return Ok(None);
@@ -238,8 +250,46 @@ impl Inner {
         }
     }
 
+    /// After the verdict: layer `layer`'s device event (kept before the outcome was taken),
+    /// waited on as a wait before it would; a layer without one is resident.
+    fn replay(&self, layer: u32, stream: Option<RawStream>) -> Result<(), CandleKvError> {
+        let event = self
+            .events
+            .get()
+            .and_then(|e| e.get(layer as usize)?.clone());
+        let Some(ev) = event else {
+            return Ok(());
+        };
+        match stream {
+            Some(s) => ev.wait_on_stream(s),
+            None => ev.synchronize(),
+        }
+        .map_err(|source| CandleKvError::Load {
+            layer: Some(layer),
+            source,
+        })
+    }
+
+    /// Each layer's event, asked of the loader before the outcome is taken (the batch has
+    /// ended or is about to: `finish` waits for it anyway); stops at the first wait that
+    /// fails (the verdict then fails too, and no event is replayed).
+    fn keep_events(&self) {
+        let mut events = Vec::new();
+        if self.failure.get().is_none() {
+            for layer in 0..self.ticket.num_layers {
+                match self.loader.wait_layer(&self.ticket, layer) {
+                    Ok(LayerReady::Event(ev)) => events.push(Some(ev)),
+                    Ok(LayerReady::Resident) => events.push(None),
+                    Err(_) => break,
+                }
+            }
+        }
+        let _ = self.events.set(events);
+    }
+
     /// Asks the loader for the batch's outcome (once per batch: `finish` keeps it).
     fn take_outcome(&self) -> Result<Option<LoadStats>, Verdict> {
+        self.keep_events();
         let failed_layer = self.failure.get().map(|f| f.0);
         let handle = self.load.lock().unwrap_or_else(|p| p.into_inner()).take();
         let outcome = match handle {

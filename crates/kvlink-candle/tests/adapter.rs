@@ -523,6 +523,35 @@ fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
     assert!(stream.finish().unwrap().is_some());
 }
 
+/// A clone's wait after another clone took the outcome still waits on the layer's device
+/// event (its copies may be queued on the load stream when the outcome comes): the gate kept
+/// each layer's event before taking the outcome. Before, such a wait answered ready at once,
+/// and a kernel on that clone's stream could read the slots before the copies landed.
+#[test]
+fn a_clone_waiting_after_the_verdict_still_waits_on_the_layer_event() {
+    let event = Arc::new(CountingEvent::default());
+    let loader = Arc::new(EventLoader {
+        inner: MockKvLoader::new(2, MockScript::default()),
+        event: event.clone(),
+        outcome_error: None,
+    });
+    let t = loader.start_load(plan(12)).unwrap();
+    let mut first = LayerGate::new(loader.clone(), t);
+    // SAFETY: the fake event only compares the handle; no driver ever sees it.
+    let raw = unsafe { RawStream::from_raw(0xabc) };
+    let second = first.clone().on_stream(raw);
+    assert!(first.finish().unwrap().is_some());
+    let before = event.synchronized.load(Ordering::SeqCst);
+    second.wait(1).unwrap();
+    assert_eq!(event.streamed.load(Ordering::SeqCst), 1, "the stream waits");
+    first.wait(0).unwrap();
+    assert_eq!(
+        event.synchronized.load(Ordering::SeqCst),
+        before,
+        "a finished clone is open"
+    );
+}
+
 /// A layer wait past its deadline on a load that then ended well: the prefix is failed on
 /// this rank (the engine gave the layer up) but the load has ended, so no reset is asked
 /// for (a reset cancels every other batch in flight). Before, the wait's `Timeout` came back
@@ -797,7 +826,9 @@ fn a_clone_that_waits_after_another_finished_answers_from_the_verdict() {
     let mut first = LayerGate::new(mock.clone(), ticket);
     let mut second = first.clone();
     assert!(first.finish().unwrap().is_some());
+    // `finish` asked for each layer's event (none: a host pool) before the outcome.
+    assert_eq!(waits(&mock), vec![0, 1, 2]);
     second.wait(2).unwrap();
-    assert_eq!(waits(&mock), Vec::<u32>::new(), "the loader was not asked");
+    assert_eq!(waits(&mock), vec![0, 1, 2], "the loader was not asked again");
     assert!(second.finish().unwrap().is_some(), "the same verdict");
 }
