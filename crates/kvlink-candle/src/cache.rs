@@ -91,7 +91,8 @@ impl PagedLatentCache {
     /// they are taken as already in the pool).
     ///
     /// # Safety
-    /// While the cache lives, nothing writes the slots of `page_table` but this cache and the
+    /// The slots of `page_table` are distinct (a slot named twice holds two pages' rows at
+    /// once: each write of one overwrites the other). While the cache lives, nothing writes the slots of `page_table` but this cache and the
     /// one load attached with `with_load` (covering the first `loaded_tokens` tokens), and
     /// nothing reads the slots this cache writes while it may be writing them: another cache
     /// or [`LatentPool`] call over them, or a save of them, runs only between the cache's
