@@ -737,6 +737,8 @@ fn a_row_block_whose_end_wraps_is_refused() {
     let mut stages = landing.take_stages();
     let stage = &mut stages[0];
     landing.open(stage, 0, soon()).unwrap();
+    // Uploaded, so that the scatter meets the bound's check, not the missing upload's.
+    landing.upload(stage, 0..row as usize).unwrap();
     let after = r.dev.load_stream().record().unwrap();
     let block = RowBlock {
         component: k,
@@ -745,7 +747,10 @@ fn a_row_block_whose_end_wraps_is_refused() {
         offset: usize::MAX - row as usize + 1,
     };
     let got = landing.scatter(stage, &[block], &after);
-    assert!(matches!(got, Err(DeviceError::InvalidStage(_))), "{got:?}");
+    assert!(
+        matches!(&got, Err(DeviceError::InvalidStage(m)) if m.contains("outside the share area")),
+        "{got:?}"
+    );
 }
 
 /// A slot named twice is refused when the landing is made: the row-copy kernel writes each
@@ -881,6 +886,15 @@ fn a_stage_is_shared_only_after_its_layers_upload() {
         "{before:?}"
     );
     landing.upload(&mut a[0], 0..len).unwrap();
+    landing.device_stage(&mut a[0]).unwrap();
+    // A second device stage of the same upload is refused: its collective would start after
+    // the upload alone, not after the first one's collective (and scatter) on the area.
+    let twice = landing.device_stage(&mut a[0]).map(drop);
+    assert!(
+        matches!(&twice, Err(DeviceError::InvalidStage(m)) if m.contains("twice")),
+        "{twice:?}"
+    );
+    landing.upload(&mut a[0], 0..0).unwrap();
     landing.device_stage(&mut a[0]).unwrap();
     // The next layer's upload fails to enqueue: its stage is not shared.
     landing.open(&mut b[0], 1, soon()).unwrap();

@@ -829,6 +829,10 @@ fn a_clone_that_waits_after_another_finished_answers_from_the_verdict() {
     // `finish` asked for each layer's event (none: a host pool) before the outcome.
     assert_eq!(waits(&mock), vec![0, 1, 2]);
     second.wait(2).unwrap();
-    assert_eq!(waits(&mock), vec![0, 1, 2], "the loader was not asked again");
+    assert_eq!(
+        waits(&mock),
+        vec![0, 1, 2],
+        "the loader was not asked again"
+    );
     assert!(second.finish().unwrap().is_some(), "the same verdict");
 }

@@ -280,7 +280,10 @@ pub trait DeviceShare: Send + Sync {
 
     /// The share area in device memory, for a collective, ordered after this layer's
     /// [`upload`](Self::upload). Refused (`InvalidStage`) when the layer open in `stage` has
-    /// no upload that succeeded: device staging would still hold an earlier layer's bytes.
+    /// no upload that succeeded: device staging would still hold an earlier layer's bytes;
+    /// and when a device stage was already handed out since that upload: one per upload, as
+    /// its collective starts after the upload's event only (upload again, even an empty
+    /// range, for another: the new upload is ordered after the stage's earlier work).
     fn device_stage<'s>(
         &'s self,
         stage: &'s mut LayerStage,

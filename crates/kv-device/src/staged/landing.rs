@@ -39,6 +39,10 @@ struct StageState {
     fences: Fences,
     /// The event after the share area's upload (what the collective starts after).
     upload: Mutex<Option<SharedEvent>>,
+    /// A device stage was handed out since the last upload: a second one would start its
+    /// collective after the upload alone, not after the first one's collective and scatter
+    /// (their fences came after the upload's event).
+    shared: std::sync::atomic::AtomicBool,
     /// Whether the pinned stage is lent to a store read.
     lent: StageLent,
 }
@@ -490,6 +494,9 @@ impl LayerLanding for StagedLanding {
         }
         drop(open);
         *state.upload.lock() = None;
+        state
+            .shared
+            .store(false, std::sync::atomic::Ordering::Release);
         stage.set_layer(Some(layer));
         Ok(())
     }
@@ -661,12 +668,13 @@ impl DeviceShare for StagedLanding {
         *self.state(h)?.upload.lock() = None;
         let lease = self.lease_ref()?;
         let ((), ev) = self.fenced(h, || {
+            // After every earlier use of the stage's device area: a collective a caller ran
+            // on it since the layer's last upload (its fences) must not meet this copy, nor
+            // (an empty upload's event included) a collective that starts after it.
+            self.state(h)?.fences.order_after(self.stream.as_ref())?;
             if range.is_empty() {
                 return Ok(());
             }
-            // After every earlier use of the stage's device area: a collective a caller ran
-            // on it since the layer's last upload (its fences) must not meet this copy.
-            self.state(h)?.fences.order_after(self.stream.as_ref())?;
             let t = Transfer::ToDevice {
                 dst: lease.device_stage(h)? + range.start as u64,
                 src: lease.host_stage(h)? + range.start,
@@ -686,7 +694,11 @@ impl DeviceShare for StagedLanding {
             );
             Ok(())
         })?;
-        *self.state(h)?.upload.lock() = Some(ev);
+        let state = self.state(h)?;
+        *state.upload.lock() = Some(ev);
+        state
+            .shared
+            .store(false, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 
@@ -713,6 +725,13 @@ impl DeviceShare for StagedLanding {
                 "sharing a stage's device area with no upload of its layer (none made, or it failed)",
             ));
         };
+        // One device stage per upload: its collective and scatter are fenced after the
+        // upload's event, which a second one would start after alone.
+        if state.shared.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return Err(stage_err(
+                "sharing a stage's device area twice after one upload (upload again first)",
+            ));
+        }
         let after = Some(after);
         // SAFETY: the region is the share area of this stage's device memory (sized in `new`),
         // owned by the lease, which is released only after every fence of the stage completed
