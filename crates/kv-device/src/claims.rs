@@ -40,11 +40,9 @@ impl SlotClaims {
     }
 
     fn of(pool: &Arc<dyn KvPool>) -> Result<&SlotClaims, DeviceError> {
-        pool.slot_claims().ok_or_else(|| {
-            DeviceError::Unavailable(
-                "this pool keeps no slot claims (HostKvPool and DeviceKvPool do)".into(),
-            )
-        })
+        pool.slot_claims().ok_or(DeviceError::Unsupported(
+            "this pool keeps no slot claims (HostKvPool and DeviceKvPool do)",
+        ))
     }
 
     fn state(&self, slot: u32) -> Result<&AtomicU32, DeviceError> {

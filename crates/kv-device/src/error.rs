@@ -33,6 +33,19 @@ pub enum DeviceError {
     /// The backend is not available on this machine (e.g. no CUDA driver).
     #[error("backend unavailable: {0}")]
     Unavailable(String),
+    /// An operation this pool or path does not offer (a direct landing into a device pool, a
+    /// save read in place from one, slot claims of a pool that keeps none): a caller's choice
+    /// of path, not a machine without the backend.
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
+    /// A device ordinal past the devices this process sees.
+    #[error("device {ordinal} does not exist ({visible} visible)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: u32,
+        /// Devices visible.
+        visible: u32,
+    },
     /// CUDA is not available on this machine: the driver is there, but a call that finds the
     /// devices failed (feature `cuda`; `cuInit` with no device visible, say); the driver's
     /// error is the source. [`is_unavailable`](Self::is_unavailable) covers both.

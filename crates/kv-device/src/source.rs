@@ -63,8 +63,8 @@ impl SaveSource {
         slot: u32,
     ) -> Result<Self, DeviceError> {
         if pool.residence() != Residence::Host {
-            return Err(DeviceError::Unavailable(
-                "a save reads slots in place in host pools only".into(),
+            return Err(DeviceError::Unsupported(
+                "a save reads slots in place in host pools only",
             ));
         }
         let addr = pool.slot_addr(component, layer, slot)?;

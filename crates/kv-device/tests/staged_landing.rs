@@ -1157,3 +1157,21 @@ fn a_finished_landing_lets_its_slots_go_and_later_work_orders_after_its_copies()
     drop(save);
     assert!(own_landing(&r, &slots).is_ok(), "free for the next batch");
 }
+
+/// Paths a device pool does not offer answer `Unsupported`, which a caller must not take for a
+/// machine without the backend: before, they answered `Unavailable` (`is_unavailable`), and a
+/// caller following its docs would fall back to another backend. A staging pool asked for
+/// more buffers than the address space holds fails to allocate (it aborted on the capacity).
+#[test]
+fn a_path_a_device_pool_does_not_offer_is_unsupported_not_unavailable() {
+    let r = rig(CpuDeviceConfig::default(), 8, 2, 1);
+    let pool: Arc<dyn kv_device::KvPool> = r.pool.clone();
+    let shape = BatchShape::own_only(vec![r.g.components()[0].id]);
+    let direct = kv_device::DirectLanding::new(pool, vec![0].into(), shape).map(drop);
+    assert!(
+        matches!(&direct, Err(e @ DeviceError::Unsupported(_)) if !e.is_unavailable()),
+        "{direct:?}"
+    );
+    let huge = StagingPool::new(r.dev.clone(), 1 << 40, usize::MAX).map(drop);
+    assert!(matches!(huge, Err(DeviceError::Alloc { .. })), "{huge:?}");
+}

@@ -62,7 +62,7 @@ impl CpuStream {
                 worker.run(rx);
                 let _ = done_tx.send(());
             })
-            .map_err(|e| DeviceError::Unavailable(format!("spawning a CPU stream: {e}")))?;
+            .map_err(|e| DeviceError::Driver(format!("spawning a CPU stream's thread: {e}")))?;
         Ok(Arc::new(CpuStream {
             id,
             control,

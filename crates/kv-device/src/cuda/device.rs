@@ -77,14 +77,19 @@ impl Drop for CudaDevice {
 
 impl CudaDevice {
     /// Opens GPU `ordinal` (its primary context) and creates the load stream.
-    /// An error with [`DeviceError::is_unavailable`] true without a driver or device; never
-    /// panics for that.
+    /// An error with [`DeviceError::is_unavailable`] true without a driver or device;
+    /// [`DeviceError::NoSuchDevice`] for an ordinal past the devices visible (a configuration
+    /// error, not a machine without CUDA); never panics for either.
     pub fn new(ordinal: u32) -> Result<Arc<Self>, DeviceError> {
         let count = cuda_device_count()?;
+        if count == 0 {
+            return Err(DeviceError::Unavailable("no CUDA device is visible".into()));
+        }
         if ordinal >= count {
-            return Err(DeviceError::Unavailable(format!(
-                "CUDA device {ordinal} does not exist ({count} visible)"
-            )));
+            return Err(DeviceError::NoSuchDevice {
+                ordinal,
+                visible: count,
+            });
         }
         // cudarc makes the new context current for good: the thread's own comes back after.
         let _thread = ThreadContext::save().map_err(drv("cuCtxGetCurrent"))?;

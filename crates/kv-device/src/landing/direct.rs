@@ -62,8 +62,8 @@ impl DirectLanding {
         shape: BatchShape,
     ) -> Result<Self, DeviceError> {
         if pool.residence() != Residence::Host {
-            return Err(DeviceError::Unavailable(
-                "a direct landing writes host pools only".into(),
+            return Err(DeviceError::Unsupported(
+                "a direct landing writes host pools only",
             ));
         }
         let claim = SlotClaims::write(&pool, &slots)?;

@@ -324,8 +324,8 @@ pub trait LandingFactory: Send + Sync {
     /// landing writes one of them.
     fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
         let _ = slots;
-        Err(DeviceError::Unavailable(
-            "this backend's pool is read in place; it has no save gatherer".into(),
+        Err(DeviceError::Unsupported(
+            "this backend's pool is read in place; it has no save gatherer",
         ))
     }
 

@@ -169,8 +169,10 @@ impl StagingPool {
             bytes: u64::MAX,
             what: "staging buffer",
         })?;
-        let mut free = Vec::with_capacity(count);
-        let mut host_regions = Vec::with_capacity(count);
+        // Not reserved up front: `count` is caller input, and a capacity past the address
+        // space would abort; the first allocation that does not fit ends the loop instead.
+        let mut free = Vec::new();
+        let mut host_regions = Vec::new();
         for _ in 0..count {
             let host = device.alloc_pinned(total, "pinned staging")?;
             let dev = device.alloc(total, "device staging")?;
