@@ -24,6 +24,11 @@ pub fn run(report: &mut Report) {
     );
     report.check(
         SEC,
+        "an engine thread with no context has none after kvlink's event calls",
+        no_context_stays_none,
+    );
+    report.check(
+        SEC,
         "opening kvlink's device does not wait for the engine's queued work",
         opening_does_not_wait_for_engine_work,
     );
@@ -64,6 +69,39 @@ impl Drop for EngineContext {
         // SAFETY: the context this value created, destroyed once.
         let _ = unsafe { cu::cuCtxDestroy_v2(self.0) };
     }
+}
+
+/// A thread that never touched CUDA (an engine's scheduler) waits on, polls and drops a clone
+/// of kvlink's layer event: afterwards it still has no current context. Before, kvlink's
+/// context was bound to it for good, so the engine's later runtime calls on that thread went
+/// to kvlink's GPU instead of device 0.
+fn no_context_stays_none() -> Result<String, String> {
+    let dev = CudaDevice::new(0).map_err(de)?;
+    let ev = std::sync::Arc::new(CudaLayerEvent::record_on(dev.cuda_load_stream(), 0).map_err(de)?);
+    let theirs = ev.clone();
+    std::thread::spawn(move || -> Result<(), String> {
+        let none = |what: &str| -> Result<(), String> {
+            let now = current()?;
+            if now.is_null() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "after {what}, a context ({now:?}) is current on a thread that had none"
+                ))
+            }
+        };
+        none("starting the thread")?;
+        theirs.is_complete().map_err(de)?;
+        none("polling kvlink's event")?;
+        theirs.synchronize().map_err(|e| e.to_string())?;
+        none("waiting for it")?;
+        drop(theirs);
+        none("dropping a clone of it")
+    })
+    .join()
+    .map_err(|_| "the engine thread panicked".to_string())??;
+    drop(ev);
+    Ok("no context current after polling, waiting and dropping".into())
 }
 
 fn engine_context_kept() -> Result<String, String> {

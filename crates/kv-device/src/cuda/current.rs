@@ -10,9 +10,10 @@ use std::marker::PhantomData;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 
-/// `ctx` is current on this thread while the guard lives. A thread with no current context
-/// (kvlink's own threads) keeps ours after the guard; a thread that had another one has that
-/// one current again when the guard drops. The guard borrows the context, so the context
+/// `ctx` is current on this thread while the guard lives; a thread that had another current
+/// context, or none, has that again when the guard drops (an engine thread that never touched
+/// CUDA must not find kvlink's GPU current afterwards: its runtime calls would go there rather
+/// than to device 0). The guard borrows the context, so the context
 /// outlives it, and is not `Send`: it pops on the thread that pushed.
 pub(crate) struct Current<'c> {
     pushed: bool,
@@ -26,11 +27,7 @@ impl<'c> Current<'c> {
     pub(crate) fn make(ctx: &'c CudaContext) -> Result<Self, DriverError> {
         let pushed = match result::ctx::get_current()? {
             Some(c) if c == ctx.cu_ctx() => false,
-            None => {
-                ctx.bind_to_thread()?;
-                false
-            }
-            Some(_) => {
+            None | Some(_) => {
                 // SAFETY: `ctx.cu_ctx()` is a live context (the `CudaContext` holds it
                 // retained, and the guard's borrow keeps that alive until it pops); it is
                 // popped once, on this thread, when the guard drops.

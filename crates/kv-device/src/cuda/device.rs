@@ -51,7 +51,9 @@ pub fn cuda_device_count() -> Result<u32, DeviceError> {
 /// candle use, so pointers and events are shared), a dedicated non-blocking **load stream**
 /// for host→device copies and scatters, and the copy kernels (loaded on first use).
 ///
-/// Cheap to share (`Arc`); every method binds the context to the calling thread first.
+/// Cheap to share (`Arc`); every method makes the context current on the calling thread for
+/// its own driver calls and leaves the thread's own current context (or none) as it found it
+/// ([`bind`](Self::bind) alone leaves it bound).
 #[derive(Debug)]
 pub struct CudaDevice {
     ordinal: u32,

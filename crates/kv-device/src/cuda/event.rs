@@ -105,10 +105,12 @@ impl CudaLayerEvent {
 
     fn wait_raw(&self, stream: sys::CUstream) -> Result<(), DriverError> {
         // The engine's thread keeps its own current context (a stream handle names its
-        // context); ours is made current only where none is.
-        if cudarc::driver::result::ctx::get_current()?.is_none() {
-            self.ctx.bind_to_thread()?;
-        }
+        // context); ours is made current only where none is, and only for the call.
+        let _current = if cudarc::driver::result::ctx::get_current()?.is_none() {
+            Some(Current::make(&self.ctx)?)
+        } else {
+            None
+        };
         // SAFETY: the event is live (we own it); `stream` is a live stream handle: a cudarc
         // stream's own, or a `RawStream` whose `unsafe` constructor's caller vouched for it
         // (any context may wait on an event of another context).
