@@ -36,7 +36,9 @@ source "$repo/scripts/machine-name.sh"
 machine=$(kvlink_machine)
 file="$out/first_layer_${machine}_$((tokens / 1024))k.md"
 export MOONCAKE_STORAGE_NODE_SEGMENT="${MOONCAKE_STORAGE_NODE_SEGMENT:-4 GB}"
-commit="$(grep '^commit:' "$repo/gpu-mooncake/BUNDLE_INFO" 2>/dev/null | awk '{print $2}')"
+# `|| true`: without BUNDLE_INFO (or its commit line) grep fails, which `set -e -o pipefail`
+# would make the script's silent end; the commit then reads "unknown".
+commit="$(grep '^commit:' "$repo/gpu-mooncake/BUNDLE_INFO" 2>/dev/null | awk '{print $2}' || true)"
 {
   echo "# First layer: objects pinned at lookup against pinned by the load ($((tokens / 1024))K tokens$([[ $hot -eq 1 ]] && echo ", a hot prefix: companions kept"))"
   echo
