@@ -89,6 +89,8 @@ fi
 case "$gpus" in
   1) export KVLINK_HOST_MEM_GIB="${KVLINK_HOST_MEM_GIB:-120}" ;;
   2) export KVLINK_HOST_MEM_GIB="${KVLINK_HOST_MEM_GIB:-240}" ;;
+  4) export KVLINK_HOST_MEM_GIB="${KVLINK_HOST_MEM_GIB:-490}" ;;
+  8) export KVLINK_HOST_MEM_GIB="${KVLINK_HOST_MEM_GIB:-540}" ;;
 esac
 
 {
