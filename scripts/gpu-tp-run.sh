@@ -162,6 +162,11 @@ if (( run_tests )); then
     echo "gpu-tp-run: gpu_tests tp_ exited $trc with no failed row: counted as 1 failed"
     tf=1
   fi
+  # A filter that matched no test (modules renamed) must not read as a pass.
+  if (( tp + tf == 0 )); then
+    echo "gpu-tp-run: gpu_tests tp_ ran no check: counted as 1 failed"
+    tf=1
+  fi
 fi
 read -r bp bf < <(count "$out/tp_gpu.stdout.log")
 if (( rc != 0 && bf == 0 )); then
