@@ -175,16 +175,18 @@ mc_env | sed 's/^/[mooncake] env: /' >&2
 # none).
 set +e
 cmd_pid=
+stop_group() { # $1 the command's pid (its process group's id)
+  local pid=$1 i
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  # The whole group gets the grace (cargo may end at once, its test binaries later).
+  for ((i = 0; i < 100; i++)); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL -- "-$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
 stop_command() { # $1 exit status
   # A signal between the start and `cmd_pid=$!` finds the command as the last job ($!).
-  local pid=${cmd_pid:-$!} i
-  if [[ -n "$pid" ]]; then
-    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-    # The whole group gets the grace (cargo may end at once, its test binaries later).
-    for ((i = 0; i < 100; i++)); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL -- "-$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-  fi
+  local pid=${cmd_pid:-$!}
+  if [[ -n "$pid" ]]; then stop_group "$pid"; fi
   exit "$1"
 }
 trap 'stop_command 130' INT
@@ -197,8 +199,9 @@ wait "$cmd_pid"
 status=$?
 trap 'exit 130' INT
 trap 'exit 143' TERM
-# Anything the command left running in its group is stopped with it.
-kill -TERM -- "-$cmd_pid" 2>/dev/null || true
+# Anything the command left running in its group is stopped with it (the same grace, then
+# KILL: a leftover that ignores TERM must not outlive the master and nodes stopped below).
+stop_group "$cmd_pid"
 set -e
 stop_started
 trap - EXIT
