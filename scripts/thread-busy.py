@@ -24,6 +24,7 @@ import argparse
 import os
 import re
 import signal
+import statistics
 import sys
 import time
 
@@ -91,10 +92,10 @@ def table(samples, names, a, elapsed):
         if not act:
             continue
         busy = sorted(b for b, _ in act)
-        med = busy[len(busy) // 2]
+        med = statistics.median(busy)
         p90 = busy[min(len(busy) - 1, int(len(busy) * 0.9))]
         sat = sum(1 for b in busy if b >= 0.9) / len(busy)
-        sw = sorted(s for _, s in act)[len(act) // 2]
+        sw = statistics.median(s for _, s in act)
         rows.append((k, len(act), med, p90, sat, sw))
     rows.sort(key=lambda r: -r[1] * r[2])
     for (pid, tid), n, med, p90, sat, sw in rows[:40]:
