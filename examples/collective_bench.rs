@@ -220,7 +220,10 @@ struct RankProc {
 
 impl RankProc {
     fn spawn(role: &str) -> std::io::Result<RankProc> {
-        let mut child = Command::new(std::env::current_exe()?)
+        let mut cmd = Command::new(std::env::current_exe()?);
+        // A bench killed by its time limit takes its rank processes with it (they waited out
+        // their 120 s collective deadlines before).
+        let mut child = kvlink_rig::child::end_with_parent(&mut cmd)
             .env(ROLE, role)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
