@@ -9,11 +9,11 @@
 //!   kvlink's call crosses to its comm thread and back and polls the event; raw NCCL is called
 //!   on the waiting thread and waited with `cuStreamSynchronize`.
 //!
-//! The two ranks step together through a `std::sync::Barrier`, which has no timeout: a rank
-//! that fails to start leaves the other waiting. The run is bounded by its script's limit
-//! (`KVLINK_GPU_CHECK_LIMIT` in scripts/gpu-run.sh), as raw NCCL's own set-up is.
+//! The two ranks step together through a barrier bounded by [`STEP`]: a rank that fails to
+//! start leaves the other an error after that, not a wait that would hold the whole result
+//! table back. Raw NCCL's own set-up is bounded by its script's limit
+//! (`KVLINK_GPU_CHECK_LIMIT` in scripts/gpu-run.sh).
 
-use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use kvlink::dedup_broadcast::nccl::{nccl_result_name, NcclCollective, NcclConfig, NcclGroup};
@@ -24,11 +24,15 @@ use kvlink::kv_device::cuda::{CudaDevice, CudaLayerEvent, DeviceBuffer};
 use kvlink::kv_device::{DeviceRegion, SharedEvent};
 use kvlink::kv_loader::deadline_after;
 use kvlink_rig::measure::{gbps, median, timing_event};
+use kvlink_rig::ranks::TimedBarrier;
 use kvlink_rig::report::{de, Report, Status};
 
 use super::Args;
 
 const SEC: &str = "bench";
+
+/// How long a rank waits at a step for the other (its set-up, a round of calls).
+const STEP: Duration = Duration::from_secs(60);
 
 /// One GLM-5.2 layer of `k` for a 128K prefix: 131072 tokens × 656 B.
 const LAYER_BYTES: usize = 131_072 * 656;
@@ -112,7 +116,7 @@ fn kvlink_cost(ordinals: &[u32], warm: usize, iters: usize) -> Result<BroadcastC
 /// One rank's side of [`kvlink_cost`]: calls alone, then back-to-back rounds.
 fn kvlink_rank(
     coll: &NcclCollective,
-    barrier: &Barrier,
+    barrier: &TimedBarrier,
     warm: usize,
     iters: usize,
 ) -> Result<BroadcastCost, String> {
@@ -125,7 +129,7 @@ fn kvlink_rank(
     };
     let mut alone = Vec::new();
     for i in 0..warm + iters {
-        barrier.wait();
+        barrier.wait(STEP)?;
         let t0 = Instant::now();
         broadcasts(coll, &dev, region, 1)?;
         if i >= warm {
@@ -134,7 +138,7 @@ fn kvlink_rank(
     }
     let mut per_call = Vec::new();
     for _ in 0..STREAM_ROUNDS {
-        barrier.wait();
+        barrier.wait(STEP)?;
         per_call.push(broadcasts(coll, &dev, region, STREAM_CALLS)? / STREAM_CALLS as f64);
     }
     Ok(BroadcastCost {
@@ -189,9 +193,9 @@ fn raw_cost(warm: usize, iters: usize) -> Result<BroadcastCost, String> {
 /// `barrier`; rank 0's result.
 fn rank0_of<F>(n: usize, rank: F) -> Result<BroadcastCost, String>
 where
-    F: Fn(usize, &Barrier) -> Result<BroadcastCost, String> + Sync,
+    F: Fn(usize, &TimedBarrier) -> Result<BroadcastCost, String> + Sync,
 {
-    let barrier = Barrier::new(n);
+    let barrier = TimedBarrier::new(n);
     let costs: Vec<Result<BroadcastCost, String>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|r| {
@@ -213,7 +217,7 @@ where
 fn raw_rank(
     r: usize,
     id: cnccl::Id,
-    barrier: &Barrier,
+    barrier: &TimedBarrier,
     warm: usize,
     iters: usize,
 ) -> Result<BroadcastCost, String> {
@@ -238,7 +242,7 @@ fn raw_rank(
     };
     let mut alone = Vec::new();
     for i in 0..warm + iters {
-        barrier.wait();
+        barrier.wait(STEP)?;
         let t0 = Instant::now();
         broadcast(1)?;
         if i >= warm {
@@ -247,7 +251,7 @@ fn raw_rank(
     }
     let mut per_call = Vec::new();
     for _ in 0..STREAM_ROUNDS {
-        barrier.wait();
+        barrier.wait(STEP)?;
         per_call.push(broadcast(STREAM_CALLS)? / STREAM_CALLS as f64);
     }
     Ok(BroadcastCost {
