@@ -23,11 +23,16 @@ pub(crate) fn nccl_result_text(code: sys::ncclResult_t) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// The communicator's last error message (`ncclGetLastError`), if any.
+/// NCCL's last error message (`ncclGetLastError`), if any. NCCL keeps one for the whole
+/// process (it ignores `comm`) and never clears it: the text may be another communicator's
+/// or an earlier failure's, and another thread may be rewriting it as it is read (a torn
+/// text); it is quoted as a hint, labelled so.
 pub(crate) fn nccl_last_error(comm: sys::ncclComm_t) -> String {
-    // SAFETY: ncclGetLastError accepts a live communicator or null and returns a pointer to a
-    // NUL-terminated string owned by NCCL, valid until the next NCCL call on this thread; we
-    // copy it out at once.
+    // SAFETY: ncclGetLastError accepts a live communicator or null and returns a pointer to
+    // NCCL's static 1024-byte message buffer, always NUL-terminated within it (NCCL writes it
+    // with a bounded vsnprintf, whose last byte is only ever the terminator), so the scan
+    // below ends inside it even if another thread rewrites the text meanwhile; we copy it out
+    // at once.
     let p = unsafe { sys::ncclGetLastError(comm) };
     if p.is_null() {
         return String::new();
@@ -37,7 +42,7 @@ pub(crate) fn nccl_last_error(comm: sys::ncclComm_t) -> String {
 }
 
 /// An NCCL failure of `call` as a [`CollectiveError::Backend`]: the code's name, NCCL's text
-/// for it, and the communicator's last error message.
+/// for it, and NCCL's last error message (process-wide: [`nccl_last_error`]).
 pub(crate) fn nccl_error(
     call: &str,
     code: sys::ncclResult_t,
@@ -47,7 +52,7 @@ pub(crate) fn nccl_error(
     let last = if last.is_empty() {
         String::new()
     } else {
-        format!("; last error: {last}")
+        format!("; NCCL's last error in this process (may be another communicator's): {last}")
     };
     CollectiveError::Backend(format!(
         "{call}: {} ({}){last}",
