@@ -20,7 +20,8 @@
 //! and scattered back: host pools work over NCCL too, with two copies over PCIe per rank.
 //!
 //! **Deadlines and aborts.** The communicator is created *non-blocking*
-//! (`ncclConfig_t.blocking = 0`), so no NCCL call blocks the comm thread: it polls
+//! (`ncclConfig_t.blocking = 0`; a start with `NCCL_COMM_BLOCKING=1` in the environment,
+//! which NCCL takes over the config, is refused), so no NCCL call blocks the comm thread: it polls
 //! `ncclCommGetAsyncError` and the operation's event until the request's deadline. When an
 //! operation cannot finish by then (a rank never issued it) or NCCL reports an error, the
 //! comm thread calls **`ncclCommAbort`**, which also stops NCCL kernels still waiting for the
@@ -283,13 +284,18 @@ fn start_all(pending: Vec<Pending>) -> Result<Vec<NcclCollective>, CollectiveErr
     // The ranks still starting give up now, all together: one bound for all of them, not one
     // after another (a comm thread that does not answer is left, its handle unusable). Then
     // every comm thread ends (an asked-for abort replaces the finalize), together too.
+    // Past `until` the ranks still unanswered already had their deadline and their comm
+    // thread's own abort grace: they are left at once, not waited for again (which put the
+    // answer up to twice `abort_grace` more past the documented bound).
+    let late = Instant::now() >= until;
     let slack = pending.iter().map(|p| p.handle.reply_slack()).max();
     let bound = kv_loader::deadline_after(slack.unwrap_or_default());
     for (p, a) in pending.iter().zip(&answers) {
         if a.is_none()
-            && p.ready
-                .recv_timeout(bound.saturating_duration_since(Instant::now()))
-                .is_err()
+            && (late
+                || p.ready
+                    .recv_timeout(bound.saturating_duration_since(Instant::now()))
+                    .is_err())
         {
             p.handle.unusable.store(true, Ordering::Release);
         }
@@ -886,10 +892,14 @@ impl Collective for NcclCollective {
             return;
         }
         if reply_rx.recv_timeout(self.reply_slack()).is_err() {
+            // Unusable as well as broken: a later abort, operation or close does not wait
+            // for a reply again from a comm thread that gave none (each waited twice
+            // `abort_grace` more).
+            self.unusable.store(true, Ordering::Release);
             tracing::warn!(
                 rank = self.rank,
                 cause,
-                "the comm thread did not confirm the abort in time; the handle stays broken"
+                "the comm thread did not confirm the abort in time; the handle stays broken and unusable"
             );
         }
     }

@@ -257,6 +257,16 @@ impl Worker {
 
     fn init_comm(&mut self, s: &Setup) -> Result<(), CollectiveError> {
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        if self.non_blocking && env_forces_blocking() {
+            // NCCL takes the variable over the config: its init would block until every rank
+            // joined, past every deadline and give-up request of this mode.
+            return Err(CollectiveError::Backend(
+                "NCCL_COMM_BLOCKING=1 in the environment makes NCCL's calls blocking, which \
+                 the non-blocking mode's deadlines cannot bound: unset it, or choose \
+                 NcclConfig { non_blocking: false, .. }"
+                    .into(),
+            ));
+        }
         if self.non_blocking {
             let mut cfg = NcclConfigV217::non_blocking();
             // SAFETY: `comm` is a valid out-pointer; `cfg` is a properly initialised config
@@ -309,10 +319,15 @@ impl Worker {
             // joined (no deadline: this mode is the documented fallback).
             let r =
                 unsafe { sys::ncclCommInitRank(&mut comm, s.size as c_int, s.id, s.rank as c_int) };
-            if r != sys::ncclResult_t::ncclSuccess {
-                return Err(nccl_error("ncclCommInitRank", r, std::ptr::null_mut()));
-            }
+            // NCCL sets `comm` before its init job runs: a failed start returns a live
+            // communicator (its bootstrap sockets, proxy thread, pinned memory), aborted here
+            // as the non-blocking branch does, not leaked on every re-formation.
             self.comm = comm;
+            if r != sys::ncclResult_t::ncclSuccess {
+                let err = nccl_error("ncclCommInitRank", r, comm);
+                self.abort_comm("initialisation failed");
+                return Err(err);
+            }
             Ok(())
         }
     }
@@ -995,6 +1010,12 @@ impl Drop for Worker {
         let _ = self.device.bind();
         self.abort_comm(cause);
     }
+}
+
+/// `NCCL_COMM_BLOCKING` set to a true value: NCCL's `envConfigOverride` then makes every
+/// communicator blocking whatever its config asks.
+fn env_forces_blocking() -> bool {
+    std::env::var("NCCL_COMM_BLOCKING").is_ok_and(|v| v.trim() == "1")
 }
 
 #[cfg(test)]
