@@ -986,6 +986,46 @@ fn a_malformed_companion_makes_its_object_bad_even_when_its_size_cannot_be_had()
     );
 }
 
+/// A malformed companion's object discarded before the batch's pin reaches it (the pin's
+/// session start delayed here): the pin finds the object gone, and the batch still fails
+/// naming the bad object, its verdict waited for as after a failed read. Before, the pin's
+/// `NotFound` came first and the preflight's verdict was dropped (a race, seen in CI).
+#[test]
+fn a_bad_companion_discarded_before_the_pin_still_names_its_object() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
+    let Saved { store, pages, g } = saved(38, 2);
+    let faults = Arc::new(FaultyStore::new(store.clone()));
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), faults.clone(), pool, config()).unwrap();
+    let key = linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
+        .unwrap()[0][1]
+        .clone();
+    let companion = checksum_key(&key);
+    let mut bytes = get(store.as_ref(), &companion).unwrap();
+    bytes[9] ^= 1;
+    assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
+    put(store.as_ref(), &companion, &bytes);
+    faults.inject_on(
+        FaultCall::Session,
+        FaultRule::default(),
+        Fault::Delay(std::time::Duration::from_millis(300)),
+    );
+    let t = linker
+        .start_load(load_plan(&g, 1, &pages, vec![2, 3]))
+        .unwrap();
+    let err = linker.wait_layer(&t, 0).unwrap_err();
+    assert!(
+        matches!(&err, KvLoadError::BadObject { key: k, layer: None, .. } if *k == key),
+        "{err:?}"
+    );
+    let _ = linker.wait_batch(&t);
+    assert_eq!(
+        store.exists(&[key.as_str(), &companion]),
+        vec![Ok(false), Ok(false)]
+    );
+}
+
 /// A companion longer than its format (a valid one with bytes after it) is as bad as a
 /// malformed one.
 #[test]

@@ -84,10 +84,23 @@ impl LayerPipeline<'_> {
             // Declared after the checks, so dropped (and the flag set) before they are joined:
             // a size check that has not started its queries then skips them.
             let _abandon = Abandon(&abandoned);
+            // A pin that found an object gone may have lost the race with the preflight's
+            // discard of it (its companion was bad): the first group's verdicts are then
+            // waited for as after a failed read, and say more (`BadObject`, naming the key).
+            let mut pin_not_found = false;
             if reading.failure.is_none() {
                 match self.inner.pin(self.layers, batch, &|| self.cancelled()) {
                     Ok(p) => reading.pins = Some(p),
-                    Err(e) => reading.failure = Some(e),
+                    Err(e) => {
+                        pin_not_found = matches!(
+                            &e,
+                            KvLoadError::Store {
+                                kind: StoreFailure::NotFound,
+                                ..
+                            }
+                        );
+                        reading.failure = Some(e);
+                    }
                 }
             }
             for (index, group) in groups.iter().cloned().enumerate() {
@@ -100,20 +113,22 @@ impl LayerPipeline<'_> {
                 }
                 // Until when this group's preflight verdicts may be waited for: none once the
                 // batch has failed (nothing more is read or published).
-                let earlier = reading.failure.is_some();
-                let by = match reading.failure {
-                    Some(_) => Instant::now(),
-                    None => self.verdict_bound(if index == 0 {
+                let earlier = reading.failure.is_some() && !(index == 0 && pin_not_found);
+                let by = if earlier {
+                    Instant::now()
+                } else {
+                    self.verdict_bound(if index == 0 {
                         self.opened
                     } else {
                         Instant::now()
-                    }),
+                    })
                 };
                 let (read_failed, landed) = self.read_into(&mut reading, &mut stages, &group);
                 // The preflight's verdicts due before this group is handed over. Their failure
                 // replaces this group's read failure (a wrong-sized object says more than a
-                // short read of it), never an earlier one (an earlier group's, the pins', a
-                // cancellation): the batch has failed then, and nothing is waited for.
+                // short read of it), never an earlier one (an earlier group's, the pins' but an
+                // object the pin found gone, a cancellation): the batch has failed then, and
+                // nothing is waited for.
                 match checks.due(index, groups.len(), read_failed, by) {
                     Err(e) if !earlier => {
                         warn!(%batch, error = %e, "preflight (object sizes, checksums)");
