@@ -15,7 +15,8 @@ use crate::CandleKvError;
 /// Readiness is the loader's: a layer waited on again asks its counter again (one atomic
 /// load once ready); the gate keeps no copy. A failed wait is kept: every later
 /// [`wait`](Self::wait) returns the same [`CandleKvError::Load`] without calling the loader
-/// again. [`finish`](Self::finish) takes the batch outcome (call it once per started batch,
+/// again, until a clone's `finish` took the outcome (waits then answer its verdict).
+/// [`finish`](Self::finish) takes the batch outcome (call it once per started batch,
 /// even after a failure, so the loader can forget the batch).
 ///
 /// **One batch, several sequences.** A plan may carry several requests: clone the gate into
@@ -198,7 +199,7 @@ impl LayerGate {
         };
         // A clone that panicked while taking the outcome left none: this one takes it.
         let mut taken = i.outcome.lock().unwrap_or_else(|p| p.into_inner());
-        let verdict = taken.get_or_insert_with(|| i.take_outcome()).clone();
+        let verdict = taken.get_or_insert_with(|| i.take_outcome(false)).clone();
         verdict.map_err(Verdict::error)
     }
 }
@@ -215,15 +216,16 @@ impl Drop for Inner {
             return;
         }
         let batch = self.ticket.batch;
-        match self.take_outcome() {
+        match self.take_outcome(true).map_err(Verdict::error) {
             Ok(_) => {
                 tracing::warn!(%batch, "layer gate dropped unfinished: its outcome taken on drop (the batch loaded)")
             }
-            Err(Verdict::Unsettled(e)) => {
-                tracing::error!(%batch, error = %e, "layer gate dropped unfinished and no outcome could be taken: the load may still write its slots; reset the loader before reusing them")
+            // The load may still write the slots (no outcome, or one whose error says so).
+            Err(e) if e.needs_reset() => {
+                tracing::error!(%batch, error = %e, "layer gate dropped unfinished: the load may still write its slots; keep them out of use until the loader frees them (a reset, or for SlotsHeld the store call's return)")
             }
-            Err(v) => {
-                tracing::warn!(%batch, error = %v.error(), "layer gate dropped unfinished: its outcome taken on drop (the batch failed)")
+            Err(e) => {
+                tracing::warn!(%batch, error = %e, "layer gate dropped unfinished: its outcome taken on drop (the batch failed; its slots are free)")
             }
         }
     }
@@ -271,25 +273,37 @@ impl Inner {
     }
 
     /// Each layer's event, asked of the loader before the outcome is taken (the batch has
-    /// ended or is about to: `finish` waits for it anyway); stops at the first wait that
-    /// fails (the verdict then fails too, and no event is replayed).
-    fn keep_events(&self) {
-        let mut events = Vec::new();
+    /// ended or is about to: `finish` waits for it anyway), last layer first: once it is
+    /// ready the others answer at once, and the loader's compute meter (which times the gaps
+    /// between waits on consecutive layers) sees no back-to-back pair to take for compute.
+    /// Stops at the first wait that fails, which it returns: no event is kept then, and a
+    /// batch that loads anyway is failed on this rank (`WaitFailed`), since a clone's later
+    /// wait could not wait on the events it missed.
+    fn keep_events(&self) -> Option<(u32, KvLoadError)> {
+        let n = self.ticket.num_layers;
+        let mut events = vec![None; n as usize];
+        let mut missed = None;
         if self.failure.get().is_none() {
-            for layer in 0..self.ticket.num_layers {
+            for layer in (0..n).rev() {
                 match self.loader.wait_layer(&self.ticket, layer) {
-                    Ok(LayerReady::Event(ev)) => events.push(Some(ev)),
-                    Ok(LayerReady::Resident) => events.push(None),
-                    Err(_) => break,
+                    Ok(LayerReady::Event(ev)) => events[layer as usize] = Some(ev),
+                    Ok(LayerReady::Resident) => {}
+                    Err(e) => {
+                        missed = Some((layer, e));
+                        events.clear();
+                        break;
+                    }
                 }
             }
         }
         let _ = self.events.set(events);
+        missed
     }
 
-    /// Asks the loader for the batch's outcome (once per batch: `finish` keeps it).
-    fn take_outcome(&self) -> Result<Option<LoadStats>, Verdict> {
-        self.keep_events();
+    /// Asks the loader for the batch's outcome (once per batch: `finish` keeps it); first
+    /// each layer's event (`keep_events`) unless `dropping` (no clone is left to wait).
+    fn take_outcome(&self, dropping: bool) -> Result<Option<LoadStats>, Verdict> {
+        let missed = if dropping { None } else { self.keep_events() };
         let failed_layer = self.failure.get().map(|f| f.0);
         let handle = self.load.lock().unwrap_or_else(|p| p.into_inner()).take();
         let outcome = match handle {
@@ -298,10 +312,10 @@ impl Inner {
         }
         .map_err(Verdict::Unsettled)?;
         match outcome.result {
-            Ok(stats) => match self.failure.get() {
+            Ok(stats) => match self.failure.get().cloned().or(missed) {
                 // A wait failed but the batch loaded: the engine gave the layer up, so the
                 // prefix is failed here, but nothing of the load runs any more.
-                Some((layer, source)) => Err(Verdict::WaitFailed(*layer, source.clone())),
+                Some((layer, source)) => Err(Verdict::WaitFailed(layer, source)),
                 None => Ok(Some(stats)),
             },
             Err(source) => Err(Verdict::Load(failed_layer, source)),

@@ -552,6 +552,24 @@ fn a_clone_waiting_after_the_verdict_still_waits_on_the_layer_event() {
     );
 }
 
+/// A layer whose event `finish` could not keep (its wait failed, here past its deadline, on
+/// a load that then ended well) fails the batch on this rank (`WaitFailed`, no reset): a
+/// clone's later wait could not wait on that event. Before, the verdict was `Ok` and such a
+/// wait answered ready at once.
+#[test]
+fn a_layer_event_finish_could_not_keep_fails_the_batch_on_this_rank() {
+    let mut script = MockScript::default();
+    script.wait_time_out_from.insert(kv_loader::BatchId(13), 2);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(13)).unwrap();
+    let mut gate = LayerGate::new(mock.clone(), ticket);
+    let e = gate.finish().unwrap_err();
+    assert!(
+        matches!(e, CandleKvError::WaitFailed { layer: 2, .. }) && !e.needs_reset(),
+        "{e:?}"
+    );
+}
+
 /// A layer wait past its deadline on a load that then ended well: the prefix is failed on
 /// this rank (the engine gave the layer up) but the load has ended, so no reset is asked
 /// for (a reset cancels every other batch in flight). Before, the wait's `Timeout` came back
@@ -826,12 +844,13 @@ fn a_clone_that_waits_after_another_finished_answers_from_the_verdict() {
     let mut first = LayerGate::new(mock.clone(), ticket);
     let mut second = first.clone();
     assert!(first.finish().unwrap().is_some());
-    // `finish` asked for each layer's event (none: a host pool) before the outcome.
-    assert_eq!(waits(&mock), vec![0, 1, 2]);
+    // `finish` asked for each layer's event (none: a host pool) before the outcome, last
+    // layer first (no back-to-back pair of consecutive layers for the compute meter).
+    assert_eq!(waits(&mock), vec![2, 1, 0]);
     second.wait(2).unwrap();
     assert_eq!(
         waits(&mock),
-        vec![0, 1, 2],
+        vec![2, 1, 0],
         "the loader was not asked again"
     );
     assert!(second.finish().unwrap().is_some(), "the same verdict");
