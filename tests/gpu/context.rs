@@ -72,7 +72,8 @@ impl Drop for EngineContext {
 }
 
 /// A thread that never touched CUDA (an engine's scheduler) waits on, polls and drops a clone
-/// of kvlink's layer event: afterwards it still has no current context. Before, kvlink's
+/// of kvlink's layer event, opens kvlink's device, allocates and drops the last handles on
+/// it: afterwards it still has no current context. Before, kvlink's
 /// context was bound to it for good, so the engine's later runtime calls on that thread went
 /// to kvlink's GPU instead of device 0.
 fn no_context_stays_none() -> Result<String, String> {
@@ -96,12 +97,19 @@ fn no_context_stays_none() -> Result<String, String> {
         theirs.synchronize().map_err(|e| e.to_string())?;
         none("waiting for it")?;
         drop(theirs);
-        none("dropping a clone of it")
+        none("dropping a clone of it")?;
+        let own = CudaDevice::new(0).map_err(de)?;
+        none("opening kvlink's device")?;
+        let buf = DeviceBuffer::zeroed(own.context(), 1 << 16, "test").map_err(de)?;
+        none("allocating a zeroed device buffer")?;
+        drop(own);
+        drop(buf);
+        none("dropping them")
     })
     .join()
     .map_err(|_| "the engine thread panicked".to_string())??;
     drop(ev);
-    Ok("no context current after polling, waiting and dropping".into())
+    Ok("no context current after polling, waiting, dropping, opening and freeing".into())
 }
 
 fn engine_context_kept() -> Result<String, String> {

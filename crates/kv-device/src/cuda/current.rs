@@ -85,22 +85,24 @@ impl ThreadContext {
 
 impl Drop for ThreadContext {
     fn drop(&mut self) {
-        if let Some(saved) = self.saved {
-            make_current_again(saved);
-        }
+        make_current_again(self.saved);
     }
 }
 
 /// Makes `saved`, this thread's current context when it was read, current again (if another
-/// one replaced it meanwhile).
-fn make_current_again(saved: sys::CUcontext) {
-    if result::ctx::get_current().ok().flatten() == Some(saved) {
+/// one replaced it meanwhile); `None`: the thread had none, and has none again (a thread that
+/// never touched CUDA must not keep kvlink's context bound: an engine's runtime calls there
+/// would go to kvlink's GPU).
+fn make_current_again(saved: Option<sys::CUcontext>) {
+    let now = result::ctx::get_current().ok().flatten();
+    if now == saved {
         return;
     }
-    // SAFETY: `saved` was this thread's current context when it was read (by this thread,
-    // moments ago: in the same drop or guard), and whoever made it current keeps it alive
-    // while it is (the engine's own context).
-    if let Err(e) = unsafe { result::ctx::set_current(saved) } {
+    let to = saved.unwrap_or(std::ptr::null_mut());
+    // SAFETY: `to` is null (no current context: always valid) or was this thread's current
+    // context when it was read (by this thread, moments ago: in the same drop or guard), and
+    // whoever made it current keeps it alive while it is (the engine's own context).
+    if let Err(e) = unsafe { result::ctx::set_current(to) } {
         tracing::warn!(
             error = %super::error::driver_error_text(e),
             "cuCtxSetCurrent failed: the thread's own context is not current again"
@@ -112,27 +114,28 @@ fn make_current_again(saved: sys::CUcontext) {
 /// kernels: cudarc's drops of a context, a module or a stream make that context current with
 /// `cuCtxSetCurrent`, replacing the calling thread's own (an engine's). The value's `Drop`
 /// calls [`save`](Self::save) first; the fields then drop in order, this one last, and it makes
-/// the thread's own context current again. (A thread with no current context keeps kvlink's.)
+/// the thread's own context current again, or none where the thread had none.
 #[derive(Debug, Default)]
 pub(crate) struct ContextRestore {
-    /// The thread's current context when `save` ran (an address: the field stays `Send`).
-    saved: Option<usize>,
+    /// The thread's current context when `save` ran (an address: the field stays `Send`);
+    /// `Some(None)`: it had none; `None`: `save` never ran (nothing to restore).
+    saved: Option<Option<usize>>,
 }
 
 impl ContextRestore {
     /// Remembers the calling thread's current context, to make it current again on drop.
+    /// A failed query remembers nothing (the drop then leaves the thread as it finds it).
     pub(crate) fn save(&mut self) {
         self.saved = result::ctx::get_current()
             .ok()
-            .flatten()
-            .map(|c| c as usize);
+            .map(|c| c.map(|c| c as usize));
     }
 }
 
 impl Drop for ContextRestore {
     fn drop(&mut self) {
         if let Some(saved) = self.saved.take() {
-            make_current_again(saved as sys::CUcontext);
+            make_current_again(saved.map(|c| c as sys::CUcontext));
         }
     }
 }
