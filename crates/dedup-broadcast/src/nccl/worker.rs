@@ -319,9 +319,8 @@ impl Worker {
             // joined (no deadline: this mode is the documented fallback).
             let r =
                 unsafe { sys::ncclCommInitRank(&mut comm, s.size as c_int, s.id, s.rank as c_int) };
-            // NCCL sets `comm` before its init job runs: a failed start returns a live
-            // communicator (its bootstrap sockets, proxy thread, pinned memory), aborted here
-            // as the non-blocking branch does, not leaked on every re-formation.
+            // NCCL frees the communicator of a failed start and returns null today; should a
+            // version hand one back, it is aborted here as the non-blocking branch does.
             self.comm = comm;
             if r != sys::ncclResult_t::ncclSuccess {
                 let err = nccl_error("ncclCommInitRank", r, comm);
