@@ -175,9 +175,14 @@ mc_env | sed 's/^/[mooncake] env: /' >&2
 # none).
 set +e
 cmd_pid=
-stop_group() { # $1 the command's pid (its process group's id)
+stop_group() { # $1 the command's pid (its process group's id), $2 "reaped" once waited for
   local pid=$1 i
-  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  # A reaped command's pid may belong to another process by now: its group alone is signalled.
+  if [[ "${2:-}" == reaped ]]; then
+    kill -TERM -- "-$pid" 2>/dev/null || true
+  else
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  fi
   # The whole group gets the grace (cargo may end at once, its test binaries later).
   for ((i = 0; i < 100; i++)); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.1; done
   kill -KILL -- "-$pid" 2>/dev/null || true
@@ -201,7 +206,7 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 # Anything the command left running in its group is stopped with it (the same grace, then
 # KILL: a leftover that ignores TERM must not outlive the master and nodes stopped below).
-stop_group "$cmd_pid"
+stop_group "$cmd_pid" reaped
 set -e
 stop_started
 trap - EXIT
