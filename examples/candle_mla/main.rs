@@ -214,9 +214,11 @@ fn run(a: &Args) -> anyhow::Result<bool> {
         let served = engine::serve_request2(&sc, &models, store, mode, &arm)?;
         let (diff, same) = compare(&served, &reference)?;
         // A failure must end in recompute on every rank, no failure in a load on every rank;
-        // no hit only where the prompt holds no whole page (else a broken save, key or lookup
-        // would pass: every run recomputed, its logits trivially equal).
-        let whole_page = a.prompt >= a.page_size as usize;
+        // no hit only where the prompt holds no whole chunk of whole pages besides its last
+        // token (the engine loads whole chunks only; else a broken save, key or lookup would
+        // pass: every run recomputed, its logits trivially equal).
+        let ps = a.page_size as usize;
+        let whole_page = a.prompt.saturating_sub(1) / ps * ps >= a.chunk;
         let expected_path = served.iter().all(|s| {
             matches!(
                 (&s.path, fail_layer),
