@@ -948,13 +948,20 @@ fn a_malformed_companion_makes_its_object_bad() {
     a_rewritten_companion_makes_its_object_bad(33, 1, 0, |bytes| bytes[9] ^= 1);
 }
 
-/// An object whose companion is malformed is discarded even when its size cannot be had (a
-/// size query the store fails). Before, that store failure ended the check before the
-/// discard: the bad pair stayed, and with size queries failing for it every load failed.
-#[test]
-fn a_malformed_companion_makes_its_object_bad_even_when_its_size_cannot_be_had() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
-    let Saved { store, pages, g } = saved(37, 2);
+/// Page 1's object of component 0 of a fresh save, its companion malformed, and a linker over
+/// the store behind a `FaultyStore` (no rule yet).
+struct MalformedCompanion {
+    store: Arc<dyn KvStore>,
+    pages: Vec<PageHash>,
+    g: KvGeometry,
+    faults: Arc<FaultyStore>,
+    linker: Linker,
+    key: String,
+    companion: String,
+}
+
+fn malformed_companion_through_faults(seed: u32) -> MalformedCompanion {
+    let Saved { store, pages, g } = saved(seed, 2);
     let faults = Arc::new(FaultyStore::new(store.clone()));
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
     let linker = Linker::new(g.clone(), faults.clone(), pool, config()).unwrap();
@@ -967,6 +974,32 @@ fn a_malformed_companion_makes_its_object_bad_even_when_its_size_cannot_be_had()
     bytes[9] ^= 1;
     assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
     put(store.as_ref(), &companion, &bytes);
+    MalformedCompanion {
+        store,
+        pages,
+        g,
+        faults,
+        linker,
+        key,
+        companion,
+    }
+}
+
+/// An object whose companion is malformed is discarded even when its size cannot be had (a
+/// size query the store fails). Before, that store failure ended the check before the
+/// discard: the bad pair stayed, and with size queries failing for it every load failed.
+#[test]
+fn a_malformed_companion_makes_its_object_bad_even_when_its_size_cannot_be_had() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule};
+    let MalformedCompanion {
+        store,
+        pages,
+        g,
+        faults,
+        linker,
+        key,
+        companion,
+    } = malformed_companion_through_faults(37);
     faults.inject_on(
         FaultCall::Size,
         FaultRule {
@@ -992,20 +1025,16 @@ fn a_malformed_companion_makes_its_object_bad_even_when_its_size_cannot_be_had()
 /// `NotFound` came first and the preflight's verdict was dropped (a race, seen in CI).
 #[test]
 fn a_bad_companion_discarded_before_the_pin_still_names_its_object() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore};
-    let Saved { store, pages, g } = saved(38, 2);
-    let faults = Arc::new(FaultyStore::new(store.clone()));
-    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-    let linker = Linker::new(g.clone(), faults.clone(), pool, config()).unwrap();
-    let key = linker
-        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
-        .unwrap()[0][1]
-        .clone();
-    let companion = checksum_key(&key);
-    let mut bytes = get(store.as_ref(), &companion).unwrap();
-    bytes[9] ^= 1;
-    assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
-    put(store.as_ref(), &companion, &bytes);
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule};
+    let MalformedCompanion {
+        store,
+        pages,
+        g,
+        faults,
+        linker,
+        key,
+        companion,
+    } = malformed_companion_through_faults(38);
     faults.inject_on(
         FaultCall::Session,
         FaultRule::default(),

@@ -48,16 +48,21 @@ pub(crate) fn first_disagreement(
 pub(crate) fn written_again_twice(batch: BatchId, layer: u32, row: &StaleRow<'_>) -> KvLoadError {
     let key = &row.component.keys[row.page];
     tracing::warn!(%batch, key, layer, "an object was written again twice while one batch read it: not loaded");
+    let detail = format!(
+        "`{key}` was written again twice while this batch read it: not loaded, nothing \
+         discarded"
+    );
+    rewritten(batch, layer, row, detail)
+}
+
+/// A retryable store failure (`TransferFailed`) of `row`'s plan page at `layer`.
+fn rewritten(batch: BatchId, layer: u32, row: &StaleRow<'_>, detail: String) -> KvLoadError {
     KvLoadError::Store {
         batch: Some(batch),
         layer: Some(layer),
         pages: vec![row.page as u32].into(),
         kind: StoreFailure::TransferFailed,
-        detail: format!(
-            "`{key}` was written again twice while this batch read it: not loaded, nothing \
-             discarded"
-        )
-        .into(),
+        detail: detail.into(),
     }
 }
 
@@ -245,18 +250,12 @@ fn written_again_during(
 ) -> KvLoadError {
     let key = &row.component.keys[row.page];
     tracing::warn!(%batch, key, layer, earlier, "an object was written again while the batch read it: layers of two versions, not loaded");
-    KvLoadError::Store {
-        batch: Some(batch),
-        layer: Some(layer),
-        pages: vec![row.page as u32].into(),
-        kind: StoreFailure::TransferFailed,
-        detail: format!(
-            "`{key}` was written again with other bytes while this batch read it: layer \
-             {earlier} as read is of the earlier version, layer {layer} of the new one; not \
-             loaded, nothing discarded (the next load reads the new version)"
-        )
-        .into(),
-    }
+    let detail = format!(
+        "`{key}` was written again with other bytes while this batch read it: layer \
+         {earlier} as read is of the earlier version, layer {layer} of the new one; not \
+         loaded, nothing discarded (the next load reads the new version)"
+    );
+    rewritten(batch, layer, row, detail)
 }
 
 #[cfg(test)]
