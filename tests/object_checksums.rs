@@ -960,6 +960,24 @@ struct MalformedCompanion {
     companion: String,
 }
 
+impl MalformedCompanion {
+    /// A load of its pages fails at layer 0 (the error), and the object and its companion are
+    /// discarded.
+    fn fails_with_the_pair_discarded(&self) -> KvLoadError {
+        let t = self
+            .linker
+            .start_load(load_plan(&self.g, 1, &self.pages, vec![2, 3]))
+            .unwrap();
+        let err = self.linker.wait_layer(&t, 0).unwrap_err();
+        let _ = self.linker.wait_batch(&t);
+        assert_eq!(
+            self.store.exists(&[self.key.as_str(), &self.companion]),
+            vec![Ok(false), Ok(false)]
+        );
+        err
+    }
+}
+
 fn malformed_companion_through_faults(seed: u32) -> MalformedCompanion {
     let Saved { store, pages, g } = saved(seed, 2);
     let faults = Arc::new(FaultyStore::new(store.clone()));
@@ -991,32 +1009,16 @@ fn malformed_companion_through_faults(seed: u32) -> MalformedCompanion {
 #[test]
 fn a_malformed_companion_makes_its_object_bad_even_when_its_size_cannot_be_had() {
     use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule};
-    let MalformedCompanion {
-        store,
-        pages,
-        g,
-        faults,
-        linker,
-        key,
-        companion,
-    } = malformed_companion_through_faults(37);
-    faults.inject_on(
+    let m = malformed_companion_through_faults(37);
+    m.faults.inject_on(
         FaultCall::Size,
         FaultRule {
-            key_contains: Some(key.clone()),
+            key_contains: Some(m.key.clone()),
             ..FaultRule::default()
         },
-        Fault::Error(StoreError::RpcTimeout { key: key.clone() }),
+        Fault::Error(StoreError::RpcTimeout { key: m.key.clone() }),
     );
-    let t = linker
-        .start_load(load_plan(&g, 1, &pages, vec![2, 3]))
-        .unwrap();
-    assert!(linker.wait_layer(&t, 0).is_err());
-    let _ = linker.wait_batch(&t);
-    assert_eq!(
-        store.exists(&[key.as_str(), &companion]),
-        vec![Ok(false), Ok(false)]
-    );
+    m.fails_with_the_pair_discarded();
 }
 
 /// A malformed companion's object discarded before the batch's pin reaches it (the pin's
@@ -1026,32 +1028,16 @@ fn a_malformed_companion_makes_its_object_bad_even_when_its_size_cannot_be_had()
 #[test]
 fn a_bad_companion_discarded_before_the_pin_still_names_its_object() {
     use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule};
-    let MalformedCompanion {
-        store,
-        pages,
-        g,
-        faults,
-        linker,
-        key,
-        companion,
-    } = malformed_companion_through_faults(38);
-    faults.inject_on(
+    let m = malformed_companion_through_faults(38);
+    m.faults.inject_on(
         FaultCall::Session,
         FaultRule::default(),
         Fault::Delay(std::time::Duration::from_millis(300)),
     );
-    let t = linker
-        .start_load(load_plan(&g, 1, &pages, vec![2, 3]))
-        .unwrap();
-    let err = linker.wait_layer(&t, 0).unwrap_err();
+    let err = m.fails_with_the_pair_discarded();
     assert!(
-        matches!(&err, KvLoadError::BadObject { key: k, layer: None, .. } if *k == key),
+        matches!(&err, KvLoadError::BadObject { key: k, layer: None, .. } if *k == m.key),
         "{err:?}"
-    );
-    let _ = linker.wait_batch(&t);
-    assert_eq!(
-        store.exists(&[key.as_str(), &companion]),
-        vec![Ok(false), Ok(false)]
     );
 }
 
