@@ -1175,3 +1175,68 @@ fn a_path_a_device_pool_does_not_offer_is_unsupported_not_unavailable() {
     let huge = StagingPool::new(r.dev.clone(), 1 << 40, usize::MAX).map(drop);
     assert!(matches!(huge, Err(DeviceError::Alloc { .. })), "{huge:?}");
 }
+
+/// Lands every layer of `slots` (one own-only batch, the row-copy kernel, which reads the
+/// slot table) and checks the pool.
+fn land_batch_by_kernel(r: &Rig, slots: &[u32]) {
+    let comps = all(&r.g);
+    let mut landing = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        slots.into(),
+        BatchShape::own_only(comps.clone()),
+    )
+    .unwrap()
+    .with_strategy(ScatterStrategy::Kernel);
+    let mut stages = landing.take_stages();
+    for layer in 0..r.g.num_layers() {
+        let stage = &mut stages[layer as usize % 2];
+        fill_layer(&r.g, &landing, stage, layer, slots.len());
+        landing.land(stage).unwrap();
+    }
+    assert!(landing.stats().kernel_launches > 0);
+    drop(landing);
+    check_pool(&r.pool, &r.g, slots, &comps);
+}
+
+/// Before, every batch allocated its slot table and freed it when it ended (on CUDA a
+/// `cuMemAlloc` and a `cuMemFree` per batch, which may synchronize the whole device and stall
+/// the engine's compute). The table is kept with the staging buffer: batches reuse it, and
+/// only a batch larger than any before on that buffer allocates (a larger) one; loads and
+/// saves alike land and gather the right slots through the reused table.
+#[test]
+fn batches_reuse_their_staging_buffers_slot_table_instead_of_allocating_one_each() {
+    let r = rig(CpuDeviceConfig::default(), 3000, 1500, 1);
+    for round in 0..4u32 {
+        let slots: Vec<u32> = (0..12).map(|i| (i * 7 + 3 + round * 11) % 40).collect();
+        land_batch_by_kernel(&r, &slots);
+    }
+    assert_eq!(
+        r.dev.allocations("slot table"),
+        1,
+        "one table for four batches"
+    );
+    // Saves lease the same buffer and use its table too.
+    let f = StagedLandingFactory::new(r.pool.clone(), r.staging.clone())
+        .with_strategy(ScatterStrategy::Kernel);
+    let slots: Vec<u32> = vec![9, 2, 15, 3];
+    let k = r.g.component_by_name("k").unwrap().id;
+    let len = r.g.component(k).unwrap().page_layer_bytes as usize;
+    let mut save = f.begin_save(slots.clone().into()).unwrap();
+    let rows = save.gather(k, 2).unwrap().to_vec();
+    drop(save);
+    for (p, &s) in slots.iter().enumerate() {
+        let mut want = vec![0u8; len];
+        // SAFETY: the loads and the save have ended: nothing writes the pool meanwhile.
+        unsafe { r.pool.read_slot(k, 2, s, &mut want) }.unwrap();
+        assert_eq!(&rows[p * len..(p + 1) * len], &want[..], "slot {s}");
+    }
+    assert_eq!(r.dev.allocations("slot table"), 1, "the save reused it");
+    // A batch past the table's size replaces it once; smaller ones after it reuse that.
+    let large: Vec<u32> = (0..1500).map(|i| (i * 2 + 1) % 3000).collect();
+    land_batch_by_kernel(&r, &large);
+    assert_eq!(r.dev.allocations("slot table"), 2);
+    land_batch_by_kernel(&r, &[5, 1, 30]);
+    land_batch_by_kernel(&r, &large[700..1400]);
+    assert_eq!(r.dev.allocations("slot table"), 2);
+}

@@ -1,5 +1,6 @@
 //! The CPU device and its test controls.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -77,6 +78,8 @@ pub(crate) struct Control {
     /// Injected stalls: (kind, operations of that kind still to start, stall length).
     stalls: Mutex<Vec<(CpuOp, u32, Duration)>>,
     trace: Mutex<Vec<TraceOp>>,
+    /// Device allocations made so far, by what they are for.
+    allocs: Mutex<HashMap<&'static str, usize>>,
 }
 
 impl Control {
@@ -182,6 +185,7 @@ impl CpuDevice {
             faults: Mutex::new(Vec::new()),
             stalls: Mutex::new(Vec::new()),
             trace: Mutex::new(Vec::new()),
+            allocs: Mutex::new(HashMap::new()),
         });
         let load = CpuStream::spawn(0, control.clone())?;
         Ok(Arc::new(CpuDevice {
@@ -221,6 +225,21 @@ impl CpuDevice {
         self.control.faults.lock().push((op, skip));
     }
 
+    /// Device allocations ([`Device::alloc`]) made so far whose `what` is `what`: a test sees
+    /// with it that a path reuses device memory instead of allocating per batch (on CUDA
+    /// each is a `cuMemAlloc`, and its later `cuMemFree`, which may synchronize the device).
+    ///
+    /// ```
+    /// use kv_device::{CpuDevice, Device};
+    /// let dev = CpuDevice::new(0).unwrap();
+    /// let _a = dev.alloc(64, "slot table").unwrap();
+    /// let _b = dev.alloc(64, "other").unwrap();
+    /// assert_eq!(dev.allocations("slot table"), 1);
+    /// ```
+    pub fn allocations(&self, what: &str) -> usize {
+        self.control.allocs.lock().get(what).copied().unwrap_or(0)
+    }
+
     /// Operations run so far (with [`CpuDeviceConfig::trace`]), in the order they finished.
     pub fn trace(&self) -> Vec<TraceOp> {
         let mut t = self.control.trace.lock().clone();
@@ -243,6 +262,7 @@ unsafe impl Device for CpuDevice {
 
     fn alloc(&self, len: usize, what: &'static str) -> Result<DeviceMemory, DeviceError> {
         let buf = HostBuffer::zeroed(len, what)?;
+        *self.control.allocs.lock().entry(what).or_default() += 1;
         let region = DeviceRegion {
             ordinal: self.control.ordinal,
             addr: buf.addr() as u64,

@@ -11,8 +11,8 @@ use super::pool::DeviceKvPool;
 use super::staging::{StagingLease, StagingPool};
 use super::sync::{self, SYNC_LIMIT};
 use crate::{
-    BatchShape, DeviceError, DeviceMemory, KvPool, LandingFactory, LayerLanding, ReadClaims,
-    SaveGather, SharePath, SharedEvent, SlotClaims, StoreRegion, Stream,
+    BatchShape, DeviceError, KvPool, LandingFactory, LayerLanding, ReadClaims, SaveGather,
+    SharePath, SharedEvent, SlotClaims, StoreRegion, Stream,
 };
 use parking_lot::Mutex;
 
@@ -155,7 +155,8 @@ pub(crate) struct StagedGather {
     shared: Option<SaveStream>,
     lease: Option<StagingLease>,
     slots: Arc<[u32]>,
-    slot_table: Option<DeviceMemory>,
+    /// Device address of the slot table (0: no slots), kept with the lease's staging buffer.
+    slot_table: u64,
     strategy: ScatterStrategy,
     /// A gather did not finish in time, or failed with part of it possibly queued: the lease
     /// (with the slot table and the pool) is quarantined on drop until these events complete
@@ -171,7 +172,7 @@ impl StagedGather {
         pool: Arc<DeviceKvPool>,
         stream: Arc<dyn Stream>,
         shared: Option<SaveStream>,
-        lease: StagingLease,
+        mut lease: StagingLease,
         slots: Arc<[u32]>,
         strategy: ScatterStrategy,
         after: Option<&SharedEvent>,
@@ -189,10 +190,17 @@ impl StagedGather {
         let claim = SlotClaims::read_all(&claimed, &slots)?;
         let device = pool.device().clone();
         let slot_table = if slots.is_empty() {
-            None
+            0
         } else {
             let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
-            Some(sync::upload(&*device, pool.bounce(), &bytes, "slot table")?)
+            let table = lease.slot_table(bytes.len())?;
+            // SAFETY: the lease's own table, at least `bytes.len()` bytes, used by no device
+            // work (a fresh lease); on a failure it is leaked, never freed or reused.
+            if let Err(e) = unsafe { sync::write_settled(&*device, pool.bounce(), table, &bytes) } {
+                lease.leak_slot_table("a save's slot table upload failed");
+                return Err(e);
+            }
+            table
         };
         // Every gather of this save runs after what the load stream did so far (loads into
         // these slots) and after the engine's compute that wrote the pages.
@@ -244,7 +252,7 @@ impl SaveGather for StagedGather {
             pages: self.slots.len(),
             row: c.page_layer_bytes,
             pool: pool_buf,
-            slot_table: self.slot_table.as_ref().map_or(0, DeviceMemory::addr),
+            slot_table: self.slot_table,
         };
         let dev_stage = lease.device_stage(0)?;
         // SAFETY: source slots lie in the pool buffer, destinations in stage 0 (size checked);
@@ -331,12 +339,7 @@ impl Drop for StagedGather {
                 owners.push(Arc::new(claim));
             }
             let work = super::staging::slots_work("save gather", &self.slots);
-            lease.quarantine_owned(
-                work,
-                fences,
-                self.slot_table.take().into_iter().collect(),
-                owners,
-            );
+            lease.quarantine_owned(work, fences, Vec::new(), owners);
         }
     }
 }

@@ -15,9 +15,9 @@ use super::staging::{slots_work, StagingLease};
 use super::sync;
 use crate::landing::{next_landing_id, Fences, StageLent, TransferLog};
 use crate::{
-    BatchShape, Device, DeviceError, DeviceMemory, DeviceRegion, DeviceShare, DeviceStage, KvPool,
-    LayerLanding, LayerStage, ReadTarget, RowBlock, ShareSide, SharedEvent, SlotClaims, StageLoan,
-    Stream, Transfer, WriteClaim,
+    BatchShape, Device, DeviceError, DeviceRegion, DeviceShare, DeviceStage, KvPool, LayerLanding,
+    LayerStage, ReadTarget, RowBlock, ShareSide, SharedEvent, SlotClaims, StageLoan, Stream,
+    Transfer, WriteClaim,
 };
 
 /// Counters of one landing (what it enqueued).
@@ -76,7 +76,9 @@ pub struct StagedLanding {
     stream: Arc<dyn Stream>,
     lease: Option<StagingLease>,
     slots: Arc<[u32]>,
-    slot_table: Option<DeviceMemory>,
+    /// Device address of the batch's slot table (0: no slots), kept with the lease's staging
+    /// buffer ([`StagingLease::slot_table`]), so it lives as long as the lease.
+    slot_table: u64,
     strategy: ScatterStrategy,
     shape: BatchShape,
     stages_state: Vec<StageState>,
@@ -157,11 +159,9 @@ impl StagedLanding {
         let stages_state: Vec<StageState> =
             (0..lease.stages()).map(|_| StageState::default()).collect();
         let (lease, slot_table) = if slots.is_empty() {
-            (lease, None)
+            (lease, 0)
         } else {
-            let (lease, table) =
-                upload_slots(&*device, pool.bounce(), lease, &slots, &stages_state[0])?;
-            (lease, Some(table))
+            upload_slots(&*device, pool.bounce(), lease, &slots, &stages_state[0])?
         };
         let ring = lease.stages();
         let id = next_landing_id();
@@ -254,7 +254,7 @@ impl StagedLanding {
             pages,
             row: self.layout(component)?.page_layer_bytes,
             pool,
-            slot_table: self.slot_table.as_ref().map_or(0, DeviceMemory::addr),
+            slot_table: self.slot_table,
         })
     }
 
@@ -363,37 +363,49 @@ impl StagedLanding {
 }
 
 /// The batch's slot table in device memory (one `u32` per plan page, for the row-copy
-/// kernel), uploaded without blocking: the bytes go through the pinned stage 0 (free: a fresh
-/// lease has no work in flight), and the upload fences that stage, so the reader's first use
-/// of it waits for the copy. A table larger than a stage is written synchronously instead.
-/// When the copy is queued but cannot be fenced, the lease is quarantined for good with the
-/// table (the copy may still read stage 0 and write the table): neither is freed or reused.
+/// kernel), written into the table kept with the lease's staging buffer (no allocation once
+/// a batch as large ran on it) and uploaded without blocking: the bytes go through the pinned
+/// stage 0 (free: a fresh lease has no work in flight), and the upload fences that stage, so
+/// the reader's first use of it waits for the copy. A table larger than a stage is written
+/// synchronously instead (its table is leaked when that write fails: the copy may still write
+/// it). When the copy is queued but cannot be fenced, the lease is quarantined for good with
+/// its table (the copy may still read stage 0 and write the table): neither is freed or
+/// reused.
 fn upload_slots(
     device: &dyn crate::Device,
     bounce: &super::sync::Bounce,
-    lease: StagingLease,
+    mut lease: StagingLease,
     slots: &[u32],
     stage0: &StageState,
-) -> Result<(StagingLease, DeviceMemory), DeviceError> {
+) -> Result<(StagingLease, u64), DeviceError> {
     let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let table = lease.slot_table(bytes.len())?;
     if bytes.len() > lease.stage_bytes() {
-        return Ok((lease, sync::upload(device, bounce, &bytes, "slot table")?));
+        // SAFETY: `table` is the lease's slot table, at least `bytes.len()` bytes, used by no
+        // device work (a fresh lease); on a failure it is leaked, never freed or reused.
+        return match unsafe { sync::write_settled(device, bounce, table, &bytes) } {
+            Ok(()) => Ok((lease, table)),
+            Err(e) => {
+                lease.leak_slot_table("a slot table's synchronous upload failed");
+                Err(e)
+            }
+        };
     }
-    let table = device.alloc(bytes.len(), "slot table")?;
     let host = lease.host_stage(0)?;
     // SAFETY: stage 0 of a fresh lease is ours and idle (no fence pending), and holds at least
     // `bytes.len()` bytes (checked above).
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host as *mut u8, bytes.len()) };
     let stream = device.load_stream();
     let t = Transfer::ToDevice {
-        dst: table.addr(),
+        dst: table,
         src: host,
         len: bytes.len(),
     };
-    // SAFETY: source in the pinned stage 0, destination our table; once queued, stage 0 is
-    // fenced by the event recorded below (nothing writes it before that completes) and the
-    // table is freed only after the landing's fences drained; where no event can be recorded,
-    // both are quarantined for good (below). Not queued (an error here): nothing runs.
+    // SAFETY: source in the pinned stage 0, destination the lease's table; once queued, stage
+    // 0 is fenced by the event recorded below (nothing writes it before that completes) and
+    // the table, kept with the staging buffer, is reused or freed only once the landing's
+    // fences drained; where no event can be recorded, both are quarantined for good (below).
+    // Not queued (an error here): nothing runs.
     unsafe { stream.transfer(t)? };
     match stream.record() {
         Ok(ev) => {
@@ -403,7 +415,7 @@ fn upload_slots(
         Err(e) => {
             tracing::error!(error = %e, "slot table copy queued but not fenced: its staging and table are kept for good");
             let work = slots_work("slot table upload", slots);
-            lease.quarantine_owned(work, Vec::new(), vec![table], Vec::new());
+            lease.quarantine_owned(work, Vec::new(), Vec::new(), Vec::new());
             Err(e)
         }
     }
@@ -851,12 +863,7 @@ impl Drop for StagedLanding {
             fences = fences.filter(|f| !f.is_empty());
         }
         let work = slots_work(&format!("landing {}", self.id), &self.slots);
-        lease.quarantine_lent(
-            work,
-            fences,
-            flags,
-            self.slot_table.take().into_iter().collect(),
-        );
+        lease.quarantine_lent(work, fences, flags, Vec::new());
     }
 }
 

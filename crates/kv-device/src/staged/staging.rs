@@ -18,10 +18,16 @@ use parking_lot::Mutex;
 
 use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, SharedEvent, StoreRegion};
 
-/// One staging buffer pair (pinned and device), each split into the pool's stages.
+/// One staging buffer pair (pinned and device), each split into the pool's stages, and the
+/// device slot table its batches use, kept with it: reused batch after batch, so that a
+/// batch allocates and frees no device memory (on CUDA, `cuMemAlloc` and `cuMemFree` may
+/// synchronize the whole device, stalling the engine's compute).
 pub(crate) struct StagingPair {
     host: PinnedMemory,
     dev: DeviceMemory,
+    /// Grown on demand ([`StagingLease::slot_table`]); only the pair's lease holder uses it,
+    /// and it is freed only when the pair is idle (leased, or dropped with its pool).
+    table: Option<DeviceMemory>,
 }
 
 /// A pair that device work or a store read may still use: the events that say when the
@@ -38,6 +44,9 @@ struct Quarantined {
     /// Owners of memory the same work may touch (a device pool a save gather reads).
     _owners: Vec<Arc<dyn Any + Send + Sync>>,
 }
+
+/// Smallest slot table a staging buffer keeps (1024 pages): small batches never regrow it.
+pub(crate) const SLOT_TABLE_MIN: usize = 4096;
 
 /// Names work on pool slots for the logs: `"<what> of pool slots [3, 7]"`, the first 16 and a
 /// count past that (a batch may hold thousands).
@@ -177,7 +186,11 @@ impl StagingPool {
             let host = device.alloc_pinned(total, "pinned staging")?;
             let dev = device.alloc(total, "device staging")?;
             host_regions.push((host.addr(), host.len()));
-            free.push(StagingPair { host, dev });
+            free.push(StagingPair {
+                host,
+                dev,
+                table: None,
+            });
         }
         Ok(Arc::new(StagingPool {
             device,
@@ -385,6 +398,45 @@ impl StagingLease {
     /// The device.
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.pool.device
+    }
+
+    /// Device address of the buffer's slot table, at least `bytes` long: the one kept with
+    /// this staging buffer, reused by every batch that leases it; allocated (or replaced by a
+    /// larger one, [`SLOT_TABLE_MIN`] bytes at least and doubled past that) only when no
+    /// earlier batch on this buffer needed as many bytes. Replacing frees the old table: no
+    /// device work uses it, as a buffer is leased only once the work of its last batch ended
+    /// (or from quarantine, once that work is known to have ended). What the holder writes
+    /// into the table is guarded like its stages: once work that reads it is queued, the
+    /// lease is released only after that work, or quarantined with the table.
+    pub(crate) fn slot_table(&mut self, bytes: usize) -> Result<u64, DeviceError> {
+        let device = self.pool.device.clone();
+        let pair = self
+            .pair
+            .as_mut()
+            .ok_or(DeviceError::InvalidStage("the lease was given up"))?;
+        if let Some(table) = pair.table.as_ref().filter(|t| t.len() >= bytes) {
+            return Ok(table.addr());
+        }
+        let len = bytes
+            .checked_next_power_of_two()
+            .unwrap_or(bytes)
+            .max(SLOT_TABLE_MIN);
+        let table = device.alloc(len, "slot table")?;
+        tracing::debug!(bytes = len, "a staging buffer's slot table (re)allocated");
+        Ok(pair.table.insert(table).addr())
+    }
+
+    /// Leaks the buffer's slot table, never to be freed or reused (a failed copy may still
+    /// write it); the next batch on this buffer allocates a fresh one. `why` is logged.
+    pub(crate) fn leak_slot_table(&mut self, why: &str) {
+        if let Some(table) = self.pair.as_mut().and_then(|p| p.table.take()) {
+            tracing::error!(
+                why,
+                bytes = table.len(),
+                "a staging buffer's slot table is leaked: device work may still write it"
+            );
+            std::mem::forget(table);
+        }
     }
 
     /// What keeps the leased buffer allocated whoever drops the lease: its pool (which frees

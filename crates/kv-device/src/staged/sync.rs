@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, SharedEvent, Stream, Transfer};
+use crate::{Device, DeviceError, PinnedMemory, SharedEvent, Stream, Transfer};
 
 /// Longest a synchronous copy waits for its stream.
 pub(crate) const SYNC_LIMIT: Duration = Duration::from_secs(60);
@@ -230,30 +230,21 @@ pub(crate) unsafe fn write(
     Ok(())
 }
 
-/// `data` in a new device allocation (`what`), copied there and waited for (bounded). On any
-/// failure of the copy the allocation is leaked, not freed: after a failed wait or a timeout
-/// the copy may still write it (a failure before anything was queued leaks it too; rare, and
-/// small: a slot table).
-pub(crate) fn upload(
+/// [`write`] through a bounce that first settles: while a copy of the pool is stuck past its
+/// limit this fails at once instead of waiting the limit out again.
+///
+/// # Safety
+/// As for [`write`]: on a failure the caller keeps `dst` from being freed or reused (the copy
+/// may still write it).
+pub(crate) unsafe fn write_settled(
     device: &dyn Device,
     bounce: &Bounce,
+    dst: u64,
     data: &[u8],
-    what: &'static str,
-) -> Result<DeviceMemory, DeviceError> {
-    // Through the pool's bounce: while a copy of the pool is stuck past its limit this fails
-    // at once (before allocating) instead of waiting the limit out again.
+) -> Result<(), DeviceError> {
     bounce.settle()?;
-    let mem = device.alloc(data.len(), what)?;
-    // SAFETY: `mem` is ours, exactly `data.len()` bytes, touched by nothing else; on a failure
-    // it is never freed (below), so it stays valid for a copy that may still run.
-    match unsafe { write(device, bounce, mem.addr(), data) } {
-        Ok(()) => Ok(mem),
-        Err(e) => {
-            tracing::error!(what, error = %e, "an upload failed: its device memory is leaked (the copy may still write it)");
-            std::mem::forget(mem);
-            Err(e)
-        }
-    }
+    // SAFETY: the caller's promise.
+    unsafe { write(device, bounce, dst, data) }
 }
 
 /// Copies `out.len()` bytes from device address `src` into `out` and waits (bounded).
