@@ -4,6 +4,7 @@
 use candle_core::Tensor;
 use kv_loader::{KvLoadError, LoadStats};
 
+use crate::recompute::Recompute;
 use crate::{CandleKvError, LatentPool, LayerGate};
 
 /// One sequence's MLA latent cache in a kvlink pool: its page table (slot of each page, in
@@ -83,6 +84,9 @@ pub struct PagedLatentCache {
     /// the tokens counted here (the loaded tokens when it was found), so they stay fenced for
     /// the life of the cache, whatever later loads or failures do to `loaded_tokens`.
     unsettled: Option<(KvLoadError, usize)>,
+    /// Set when a load failed (and settled): per layer, its tokens not yet written again,
+    /// which reads refuse ([`CandleKvError::NotRecomputed`]) instead of returning stale rows.
+    recompute: Option<Recompute>,
 }
 
 impl PagedLatentCache {
@@ -108,6 +112,7 @@ impl PagedLatentCache {
             load_extent: loaded_tokens,
             gate: LayerGate::open(),
             unsettled: None,
+            recompute: None,
         }
     }
 
@@ -126,6 +131,8 @@ impl PagedLatentCache {
         self.settle(&out);
         self.gate = gate;
         self.loaded_tokens = self.load_extent;
+        // The new load covers the tokens again.
+        self.recompute = None;
         self
     }
 
@@ -162,10 +169,12 @@ impl PagedLatentCache {
 
     /// Waits for layer `layer` of the load, then reads the layer's rows of the first
     /// `tokens` tokens as `[tokens, kv_lora_rank + rope_dim]` (a copy on the CPU).
-    /// A failed load gives [`CandleKvError::Load`].
+    /// A failed load gives [`CandleKvError::Load`]; once its outcome was taken, a read of its
+    /// tokens before the engine wrote them again gives [`CandleKvError::NotRecomputed`].
     pub fn layer(&self, layer: u32, tokens: usize) -> Result<Tensor, CandleKvError> {
         self.fence(tokens > 0, 0)?;
         self.gate.wait(layer)?;
+        self.recomputed(layer, tokens)?;
         // SAFETY: the slots are this cache's alone (`new`'s contract); the load into them has
         // landed this layer (the wait above), and writes need `&mut self`.
         unsafe { self.pool.read_tokens(layer, &self.page_table, tokens) }
@@ -176,6 +185,7 @@ impl PagedLatentCache {
     pub fn layer_pages(&self, layer: u32, pages: usize) -> Result<Tensor, CandleKvError> {
         self.fence(pages > 0, 0)?;
         self.gate.wait(layer)?;
+        self.recomputed(layer, pages.saturating_mul(self.pool.page_size()))?;
         let have = self.page_table.len();
         let slots = self
             .page_table
@@ -199,12 +209,17 @@ impl PagedLatentCache {
         }
         // SAFETY: the slots are this cache's alone (`new`'s contract), `&mut self` excludes
         // its own readers, and the load's layer has landed wherever the rows overlap it.
-        unsafe { self.pool.write_tokens(layer, &self.page_table, start, rows) }
+        unsafe { self.pool.write_tokens(layer, &self.page_table, start, rows) }?;
+        if let (Some(r), Some(&n)) = (self.recompute.as_mut(), rows.dims().first()) {
+            r.wrote(layer, start, start.saturating_add(n));
+        }
+        Ok(())
     }
 
     /// Takes the load's outcome and detaches it (see [`LayerGate::finish`]). After a
     /// failure the loaded tokens drop to zero: the engine recomputes them into the same
-    /// slots. When the load may still be writing them (no outcome could be taken,
+    /// slots, and until it has written a layer's rows again (from token 0 on), a read of
+    /// them gives [`CandleKvError::NotRecomputed`] instead of the stale rows. When the load may still be writing them (no outcome could be taken,
     /// [`CandleKvError::Unsettled`], or a failure whose
     /// [`needs_reset`](CandleKvError::needs_reset) is true) every later access to the loaded
     /// tokens fails with [`CandleKvError::Unsettled`] (reset the loader and build a new cache).
@@ -225,8 +240,27 @@ impl PagedLatentCache {
             {
                 self.mark_unsettled(source.clone())
             }
-            Err(_) => self.loaded_tokens = 0,
+            Err(_) => {
+                if self.loaded_tokens > 0 {
+                    let layers = self.pool.pool().geometry().num_layers() as usize;
+                    self.recompute = Some(Recompute::new(layers, self.loaded_tokens));
+                }
+                self.loaded_tokens = 0;
+            }
             Ok(_) => {}
+        }
+    }
+
+    /// Refuses a read of layer `layer`'s first `tokens` tokens that reaches rows of a failed
+    /// load the engine has not written again.
+    fn recomputed(&self, layer: u32, tokens: usize) -> Result<(), CandleKvError> {
+        match self.recompute.as_ref().and_then(|r| r.stale(layer, tokens)) {
+            Some(stale) => Err(CandleKvError::NotRecomputed {
+                layer,
+                from: stale.start,
+                to: stale.end,
+            }),
+            None => Ok(()),
         }
     }
 

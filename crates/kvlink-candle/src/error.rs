@@ -86,6 +86,19 @@ pub enum CandleKvError {
         #[source]
         source: KvLoadError,
     },
+    /// A read reached rows of a failed load's tokens that the engine has not written again
+    /// since the failure ([`PagedLatentCache::write`](crate::PagedLatentCache::write), from
+    /// token 0 on): they hold whatever the slots held before, not this prompt's KV. An engine
+    /// bug (recompute the layer's rows first), not a load failure.
+    #[error("layer {layer}: tokens {from}..{to} of a failed load are not recomputed yet")]
+    NotRecomputed {
+        /// The layer read.
+        layer: u32,
+        /// First token not written again.
+        from: usize,
+        /// One past the last stale token the read reached.
+        to: usize,
+    },
     /// candle refused a tensor operation.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),

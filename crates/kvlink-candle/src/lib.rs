@@ -43,6 +43,7 @@ mod error;
 mod format;
 mod gate;
 mod pool;
+mod recompute;
 
 pub use cache::PagedLatentCache;
 pub use error::CandleKvError;

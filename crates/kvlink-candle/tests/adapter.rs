@@ -326,6 +326,45 @@ fn a_failed_wait_is_kept_typed_and_ends_in_a_failed_outcome() {
     assert_eq!(cache.layer(1, 8).unwrap().dims(), &[8, 6]);
 }
 
+/// Before, once a failed load's outcome was taken, reads of its tokens returned whatever the
+/// slots held before (another sequence's rows, zeros) as `Ok`, as if computed: an engine that
+/// read a layer before recomputing it got wrong attention silently. Each layer's reads are
+/// refused until the engine wrote its rows again from token 0 on; a retried load lifts it.
+#[test]
+fn a_failed_loads_tokens_are_refused_until_the_engine_writes_them_again() {
+    let mut script = MockScript::default();
+    script.fail_at_layer.insert(kv_loader::BatchId(9), 1);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(9)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    assert!(cache.finish_load().unwrap_err().is_load_failure());
+    let stale = |r: Result<Tensor, CandleKvError>| match r {
+        Err(CandleKvError::NotRecomputed { layer, from, to }) => Some((layer, from, to)),
+        Ok(_) => None,
+        Err(e) => panic!("{e}"),
+    };
+    // Layer 0 loaded before the failure, but the whole prefix is gone: every layer is stale.
+    assert_eq!(stale(cache.layer(0, 8)), Some((0, 0, 8)));
+    assert_eq!(stale(cache.layer(1, 3)), Some((1, 0, 3)));
+    cache.write(1, 0, &rows(5, 0.0)).unwrap();
+    assert_eq!(stale(cache.layer(1, 8)), Some((1, 5, 8)));
+    assert_eq!(cache.layer(1, 5).unwrap().dims(), &[5, 6]);
+    assert_eq!(stale(cache.layer_pages(1, 2)), Some((1, 5, 8)));
+    assert_eq!(cache.layer_pages(1, 1).unwrap().dims(), &[1, 4, 6]);
+    // The rest of the layer written, it reads again.
+    cache.write(1, 5, &rows(3, 1.0)).unwrap();
+    assert_eq!(cache.layer(1, 8).unwrap().dims(), &[8, 6]);
+    assert_eq!(stale(cache.layer(2, 8)), Some((2, 0, 8)), "layers apart");
+    let e = cache.layer(0, 1).unwrap_err();
+    assert!(!e.is_load_failure() && !e.needs_reset(), "{e}");
+    // A retried load covers the prefix again: its layers are waited for, not refused.
+    let retried = mock.start_load(plan(10)).unwrap();
+    let cache = cache.with_load(LayerGate::new(mock.clone(), retried));
+    assert_eq!(cache.layer(0, 8).unwrap().dims(), &[8, 6]);
+}
+
 /// Before, a later load's failure dropped the loaded tokens to zero, and with them the fence
 /// of an earlier load that had not settled: safe code could then write slots that load might
 /// still be writing.
