@@ -116,7 +116,8 @@ impl Pool {
         }
     }
 
-    /// The pool against the saved bytes (plan page `p` at `slots[p]`); bytes compared.
+    /// The pool against the saved bytes (plan page `p` at `slots[p]`, every other slot still
+    /// zero: compared after a `clear` and one batch); the plan's bytes compared.
     fn compare(&self, slots: &[u32]) -> Result<u64, String> {
         match self {
             // SAFETY: callers compare after `load` took the batch's outcome (or returned Err
@@ -124,6 +125,12 @@ impl Pool {
             Pool::Device(d) => unsafe { compare_pool(d, slots, d.g.num_layers(), &|_| true) },
             Pool::Host(p, g, rank) => {
                 let (mut want, mut got, mut bytes) = (Vec::new(), Vec::new(), 0u64);
+                let mut planned = vec![false; p.pages() as usize];
+                for &s in slots {
+                    *planned
+                        .get_mut(s as usize)
+                        .ok_or("a plan slot past the pool")? = true;
+                }
                 for c in g.components() {
                     let len = c.page_layer_bytes as usize;
                     want.resize(len, 0);
@@ -140,6 +147,18 @@ impl Pool {
                                 ));
                             }
                             bytes += len as u64;
+                        }
+                        // Every other slot is still zero (the pool was cleared before the
+                        // batch): a landing that wrote outside its plan fails here.
+                        for s in (0..p.pages()).filter(|&s| !planned[s as usize]) {
+                            // SAFETY: as above.
+                            unsafe { p.read_slot(c.id, l, s, &mut got) }.map_err(de)?;
+                            if got.iter().any(|&b| b != 0) {
+                                return Err(format!(
+                                    "rank {rank}: component {} layer {l}: slot {s}, in no plan page, was written",
+                                    c.name
+                                ));
+                            }
                         }
                     }
                 }

@@ -89,11 +89,14 @@ pub unsafe fn clear_pools(devs: &[RankDev]) -> Result<(), String> {
 
 /// Compares rank `d`'s device pool with the saved bytes: for every layer below `upto` that
 /// `pick` selects, each component's whole layer buffer is copied out once and every plan
-/// page's slot in it checked. Returns the bytes compared.
+/// page's slot in it checked, and every other slot checked to be still zero (a landing that
+/// also wrote a slot outside its plan, e.g. a share area's padding row, would overwrite
+/// another sequence's KV). Returns the bytes compared (the plan's).
 ///
 /// # Safety
 /// The loads into the pool have ended (a batch's outcome taken, or every layer of a rig's
-/// landing landed), and nothing else writes the pool during the call.
+/// landing landed), and nothing else writes the pool during the call. The pool was zeroed
+/// ([`clear_pools`], or a fresh pool) before the loads compared.
 pub unsafe fn compare_pool(
     d: &RankDev,
     slots: &[u32],
@@ -104,6 +107,12 @@ pub unsafe fn compare_pool(
     let mut want = Vec::new();
     let mut bytes = 0u64;
     let regions = d.pool.regions();
+    let mut planned = vec![false; d.pool.pages() as usize];
+    for &s in slots {
+        *planned
+            .get_mut(s as usize)
+            .ok_or_else(|| format!("rank {}: slot {s} past the pool", d.rank))? = true;
+    }
     for c in d.g.components() {
         let len = c.page_layer_bytes as usize;
         want.resize(len, 0u8);
@@ -131,9 +140,32 @@ pub unsafe fn compare_pool(
                 }
                 bytes += len as u64;
             }
+            untouched_slots_zero(d.rank, &c.name, l, &host, len, &planned)?;
         }
     }
     Ok(bytes)
+}
+
+/// Every slot of one layer buffer `host` (slots of `len` bytes) that no plan page names is
+/// still all zero.
+fn untouched_slots_zero(
+    rank: u32,
+    component: &str,
+    layer: u32,
+    host: &[u8],
+    len: usize,
+    planned: &[bool],
+) -> Result<(), String> {
+    let stray = host
+        .chunks(len.max(1))
+        .zip(planned)
+        .position(|(row, &p)| !p && row.iter().any(|&b| b != 0));
+    match stray {
+        Some(s) => Err(format!(
+            "rank {rank}: component {component} layer {layer}: slot {s}, in no plan page, was written"
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Every rank's pool compared (all at once); total bytes compared.
@@ -151,4 +183,63 @@ pub unsafe fn compare_all(
         unsafe { compare_pool(&devs[r], &slots[r], upto, pick) }
     }))?;
     Ok(per.iter().sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use kv_device::{CpuDevice, DeviceKvPool, StagingPool};
+
+    use super::{compare_pool, RankDev};
+    use crate::glm::{glm, half_bytes, tag};
+    use crate::pattern::fill_row;
+
+    /// A CPU rank of GLM-5.2 at TP 1 with a pool of 4 pages, plan pages 0 and 1 written into
+    /// slots 0 and 2 on the first two layers.
+    fn rank_with_plan_rows() -> RankDev {
+        let dev = CpuDevice::new(0).unwrap();
+        let g = glm(1, 0).unwrap();
+        let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 4).unwrap());
+        for c in g.components() {
+            let mut row = vec![0u8; c.page_layer_bytes as usize];
+            for &l in c.layers.iter().filter(|&&l| l < 2) {
+                for (p, s) in [(0u64, 0u32), (1, 2)] {
+                    fill_row(&mut row, tag(c), l, p);
+                    // SAFETY: the test's own pool: nothing else uses it.
+                    unsafe { pool.write_slot(c.id, l, s, &row) }.unwrap();
+                }
+            }
+        }
+        RankDev {
+            rank: 0,
+            staging: StagingPool::new(dev.clone(), half_bytes(&g, 2), 1).unwrap(),
+            dev,
+            g,
+            pool,
+        }
+    }
+
+    /// Before, only the plan's slots were compared: a landing that also wrote a slot outside
+    /// its plan (another sequence's KV, in an engine) passed every check.
+    #[test]
+    fn a_slot_outside_the_plan_written_fails_the_comparison() {
+        let d = rank_with_plan_rows();
+        // SAFETY: nothing writes the pool during the comparisons (the test's own).
+        let bytes = unsafe { compare_pool(&d, &[0, 2], 2, &|_| true) }.unwrap();
+        assert!(bytes > 0);
+        let c = &d.g.components()[0];
+        let stray = vec![1u8; c.page_layer_bytes as usize];
+        // SAFETY: as above.
+        unsafe { d.pool.write_slot(c.id, 1, 3, &stray) }.unwrap();
+        // SAFETY: as above.
+        let e = unsafe { compare_pool(&d, &[0, 2], 2, &|_| true) }.unwrap_err();
+        assert!(e.contains("slot 3, in no plan page, was written"), "{e}");
+        // A layer not picked is not compared, strays included.
+        // SAFETY: as above.
+        assert!(unsafe { compare_pool(&d, &[0, 2], 2, &|l| l == 0) }.is_ok());
+        // A plan slot past the pool is refused, not a panic.
+        // SAFETY: as above.
+        assert!(unsafe { compare_pool(&d, &[0, 9], 2, &|_| true) }.is_err());
+    }
 }
