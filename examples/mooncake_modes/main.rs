@@ -124,13 +124,7 @@ fn fixed_mode(
         });
     }
     closed?;
-    let wrong: Vec<String> = result
-        .modes
-        .iter()
-        .enumerate()
-        .filter(|(_, m)| **m != mode)
-        .map(|(r, m)| format!("rank {r} ran {m:?}"))
-        .collect();
+    let wrong = result.off_mode();
     report.push(
         "modes",
         format!("{label} {mode:?}: ran as configured"),

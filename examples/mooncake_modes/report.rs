@@ -32,10 +32,12 @@ pub struct ModeResult {
     first: Vec<f64>,
     last: Vec<f64>,
     done: Vec<f64>,
-    /// Per rank, of the last batch: store bytes read, PCIe bytes, the mode it ran.
+    /// Per rank, of the last batch: store bytes read, PCIe bytes.
     reads: Vec<u64>,
     pcie: Vec<u64>,
-    pub modes: Vec<ShareMode>,
+    /// Every rank of every batch that ran another mode than `mode` ("batch 2: rank 1 ran
+    /// AllRanks"): its time is in the medians, so the row would credit `mode` with it.
+    off_mode: Vec<String>,
     /// Rank 0's layers per store call in the last batch.
     groups: Vec<u32>,
 }
@@ -50,24 +52,36 @@ impl ModeResult {
             done: Vec::new(),
             reads: Vec::new(),
             pcie: Vec::new(),
-            modes: Vec::new(),
+            off_mode: Vec::new(),
             groups: Vec::new(),
         }
     }
 
     /// One batch on every rank.
     pub fn add(&mut self, runs: &[RankRun]) {
+        let batch = self.last.len() + 1;
+        for (r, run) in runs.iter().enumerate() {
+            if run.stats.mode != self.mode {
+                self.off_mode
+                    .push(format!("batch {batch}: rank {r} ran {:?}", run.stats.mode));
+            }
+        }
         let max = |f: fn(&RankRun) -> f64| runs.iter().map(f).fold(0.0, f64::max);
         self.first.push(max(|r| r.first));
         self.last.push(max(|r| r.last));
         self.done.push(max(|r| r.forward_done));
         self.reads = runs.iter().map(|r| r.stats.bytes_read).collect();
         self.pcie = runs.iter().map(|r| r.stats.transfers.pcie()).collect();
-        self.modes = runs.iter().map(|r| r.stats.mode).collect();
         self.groups = runs
             .first()
             .map(|r| r.stats.read_groups.clone())
             .unwrap_or_default();
+    }
+
+    /// Every rank of every measured batch that ran another mode than this result's (empty:
+    /// each ran as configured).
+    pub fn off_mode(&self) -> &[String] {
+        &self.off_mode
     }
 
     /// Median seconds to the last layer (slowest rank).
@@ -520,4 +534,59 @@ fn calibration_medians(run: &AutoRun) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use kvlink::kv_loader::{LoadStats, ShareMode, TransferBytes};
+
+    use super::ModeResult;
+    use crate::rig::RankRun;
+
+    fn run(mode: ShareMode) -> RankRun {
+        RankRun {
+            stats: LoadStats {
+                pages: 1,
+                layers: 1,
+                bytes_read: 0,
+                bytes_landed: 0,
+                mode,
+                first_layer: Duration::ZERO,
+                last_layer: Duration::ZERO,
+                transfers: TransferBytes::default(),
+                layer_transfers: Vec::new(),
+                alone: None,
+                read_groups: Vec::new(),
+                plans_differ: Vec::new(),
+            },
+            first: 0.1,
+            last: 0.2,
+            forward_done: 0.3,
+        }
+    }
+
+    /// Before, only the last batch's modes were kept: a batch that fell back to another mode
+    /// earlier had its time in the medians while the row said "ran as configured".
+    #[test]
+    fn a_batch_of_another_mode_is_flagged_whichever_batch_it_was() {
+        let mut r = ModeResult::new("Rank0Broadcast".into(), ShareMode::Rank0Broadcast);
+        r.add(&[
+            run(ShareMode::Rank0Broadcast),
+            run(ShareMode::Rank0Broadcast),
+        ]);
+        r.add(&[run(ShareMode::AllRanks), run(ShareMode::AllRanks)]);
+        r.add(&[
+            run(ShareMode::Rank0Broadcast),
+            run(ShareMode::Rank0Broadcast),
+        ]);
+        assert_eq!(
+            r.off_mode(),
+            [
+                "batch 2: rank 0 ran AllRanks",
+                "batch 2: rank 1 ran AllRanks"
+            ]
+        );
+    }
 }
