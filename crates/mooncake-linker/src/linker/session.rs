@@ -20,7 +20,10 @@ pub(crate) struct PinnedKeys<'a> {
 
 impl<'a> PinnedKeys<'a> {
     /// A session over `keys`, renewed every `every`; each session call waits at most
-    /// `timeout`.
+    /// `timeout`. No keys (a rank that reads nothing of the batch: not rank 0 in
+    /// `Rank0Broadcast` of an all-replicated model, fewer pages than ranks in
+    /// `SplitAllGather`): no session and no store call, so a slow or stuck master call does
+    /// not fail a batch this rank reads nothing of.
     pub(crate) fn start(
         calls: &'a StoreCalls,
         keys: &[&str],
@@ -30,11 +33,15 @@ impl<'a> PinnedKeys<'a> {
         // The lease runs from when the store granted it, somewhere inside the call: counted
         // from the call's start, so that a slow call does not push the renewal past it.
         let started = Instant::now();
-        let session = calls.start_session(keys, kv_loader::deadline_after(timeout))?;
+        let session = if keys.is_empty() {
+            None
+        } else {
+            Some(calls.start_session(keys, kv_loader::deadline_after(timeout))?)
+        };
         Ok(PinnedKeys {
             calls,
             timeout,
-            session: Some(session),
+            session,
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             renewed: started,
             every,
@@ -132,5 +139,28 @@ mod tests {
             pins.renewed.elapsed() >= every,
             "the renewal is due once the slow call returns"
         );
+    }
+
+    /// Before, a rank that reads nothing of a batch still started (and renewed) a read
+    /// session of no keys: a store call that, queued behind a stuck master call, failed a
+    /// batch this rank needed nothing of.
+    #[test]
+    fn no_keys_pin_nothing_and_call_no_store() {
+        let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 20))));
+        let failing = crate::store::StoreError::RpcTimeout { key: "k".into() };
+        faulty.inject_on(
+            FaultCall::Session,
+            FaultRule::default(),
+            Fault::Error(failing),
+        );
+        let store: Arc<dyn KvStore> = faulty;
+        let calls = StoreCalls::new(store);
+        let every = Duration::ZERO;
+        let mut pins = PinnedKeys::start(&calls, &[], every, Duration::from_secs(5)).unwrap();
+        assert!(pins.session.is_none());
+        pins.renew_if_due().unwrap();
+        assert!(pins.session.is_none(), "nothing to renew");
+        // The fault is real: a session of one key fails on it.
+        assert!(PinnedKeys::start(&calls, &["k"], every, Duration::from_secs(5)).is_err());
     }
 }
