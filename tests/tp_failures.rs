@@ -355,6 +355,49 @@ fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
     run_ok(&rs, 2, &hashes, "after the companions hung");
 }
 
+/// A rank whose pin finds an object gone (evicted since the lookup) while its checksum
+/// companions are still being read, past the bound its peers allow: every rank fails layer 0
+/// with the pin's `NotFound`, the companions' verdict taken only if it came in by then.
+/// Before, the companions' verdict was required by that bound as if nothing had failed, and
+/// their lateness replaced the pin's error: the batch failed as an RPC timeout, pointing
+/// operators at a slow store instead of an evicted object. A middle rank of three.
+#[test]
+fn an_object_gone_at_the_pin_is_reported_over_slow_companions() {
+    let spec = mixed_spec();
+    let collective = Duration::from_secs(2);
+    let cfg = LinkerConfig {
+        collective_timeout: collective,
+        layer_read_timeout: Duration::from_secs(1),
+        store_call_timeout: Duration::from_millis(2500),
+        pin_at_lookup: false,
+        ..config(ShareMode::SplitAllGather)
+    };
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, hashes) = tp_ranks(&spec, 3, store.clone(), 6, &cfg, Path::Host);
+    let r = &rs[1];
+    // Rank 1's own shard of `v` for page 0: gone from the store.
+    let plan = common::load_plan(r.linker.geometry(), 1, &hashes, r.slots.clone());
+    let v = r.linker.geometry().component_by_name("v").unwrap().id.0 as usize;
+    let gone = r.linker.object_keys(&plan).unwrap()[v][0].clone();
+    assert_eq!(store.remove(&[gone.as_str()]), vec![Ok(())]);
+    // Its companions' read takes longer than the peers wait for layer 0 (four fifths of the
+    // collective timeout), within its own store call's deadline.
+    r.faults.inject_on(
+        FaultCall::ReadWhole,
+        FaultRule::default(),
+        Fault::Delay(Duration::from_millis(1900)),
+    );
+    let t0 = Instant::now();
+    let (outcomes, ended) = run_timed(&rs, 1, &hashes);
+    same_verdict(&outcomes, 1, 0, "pin");
+    let e = outcomes[0].result.as_ref().unwrap_err().to_string();
+    assert!(
+        e.contains("not_found"),
+        "the pin's error, not the companions' lateness: {e}"
+    );
+    peers_ended_by(&ended, t0, collective * 2, "pin");
+}
+
 /// A rank whose pin and first read each stay within their own deadlines, but together run past
 /// the time its peers wait for layer 0's status word, reports a timeout in that word before
 /// they stop waiting: every rank gets its failure at layer 0 (a peer that timed out would fail

@@ -129,6 +129,11 @@ impl LayerPipeline<'_> {
                 // short read of it), never an earlier one (an earlier group's, the pins' but an
                 // object the pin found gone, a cancellation): the batch has failed then, and
                 // nothing is waited for.
+                // A pin that found an object gone counts as the first group's failed read:
+                // its verdicts are taken if they come in by the bound (they may say more,
+                // naming a bad object), else the pin's `NotFound` stands (a late check must
+                // not turn it into a timeout).
+                let read_failed = read_failed || (index == 0 && pin_not_found);
                 match checks.due(index, groups.len(), read_failed, by) {
                     Err(e) if !earlier => {
                         warn!(%batch, error = %e, "preflight (object sizes, checksums)");
