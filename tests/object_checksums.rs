@@ -591,6 +591,13 @@ fn raced_save_leaves(race: Race, left: Left, counts: (u32, u32)) {
         counts,
         "{report:?}"
     );
+    // A pair discarded is the save's object gone: its page (1) is not saved, and not counted
+    // as skipped ("already in the store"), which it was before.
+    let gone = u32::from(left == Left::Neither);
+    assert_eq!(report.objects_discarded, gone, "{report:?}");
+    let not_saved: &[u32] = if stays { &[] } else { &[1] };
+    assert_eq!(report.pages_not_saved, not_saved, "{report:?}");
+    assert!(!report.pages_skipped.contains(&1) || stays, "{report:?}");
 }
 
 /// The other writer's whole pair won, and the store answered this save's object put

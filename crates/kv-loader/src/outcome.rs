@@ -67,30 +67,49 @@ pub struct SaveReport {
     pub pages_written: Vec<u32>,
     /// Plan page indices of which this rank wrote nothing: every object of the page it owns
     /// was already in the store, or it owns none (replicated components off rank 0).
-    /// `pages_written` and `pages_skipped` are disjoint and together cover the plan.
+    /// `pages_written`, `pages_skipped` and `pages_not_saved` are disjoint and together cover
+    /// the plan.
     pub pages_skipped: Vec<u32>,
+    /// Objects this rank wrote and then discarded again, because their pair with their
+    /// checksum companion could not be confirmed (a racing writer's companion beside them, or
+    /// theirs lost): the store lacks them. Not counted in `objects_written`.
+    pub objects_discarded: u32,
+    /// Plan page indices with an object discarded so (`objects_discarded`): the store lacks
+    /// the page whole, and a later save writes it again. Taken out of `pages_written`.
+    pub pages_not_saved: Vec<u32>,
 }
 
 impl SaveReport {
-    /// Fills `pages_skipped` as the plan pages `0..num_pages` not in `pages_written`, after
-    /// sorting and de-duplicating `pages_written` and dropping from it any index past the plan
-    /// (so that the two stay disjoint and cover exactly `0..num_pages`; a loader counts pages
-    /// written as it goes, one object at a time, then calls this once).
+    /// Fills `pages_skipped` as the plan pages `0..num_pages` neither written nor not saved,
+    /// after sorting and de-duplicating `pages_written` and `pages_not_saved`, dropping from
+    /// them any index past the plan, and from `pages_written` the pages not saved (so that
+    /// the three stay disjoint and cover exactly `0..num_pages`; a loader counts pages as it
+    /// goes, one object at a time, then calls this once).
     ///
     /// ```
     /// use kv_loader::SaveReport;
-    /// let mut r = SaveReport { pages_written: vec![3, 1, 3], ..SaveReport::default() };
+    /// let mut r = SaveReport {
+    ///     pages_written: vec![3, 1, 3, 2],
+    ///     pages_not_saved: vec![2],
+    ///     ..SaveReport::default()
+    /// };
     /// r.settle_pages(5);
-    /// assert_eq!((r.pages_written, r.pages_skipped), (vec![1, 3], vec![0, 2, 4]));
+    /// assert_eq!((r.pages_written, r.pages_skipped), (vec![1, 3], vec![0, 4]));
+    /// assert_eq!(r.pages_not_saved, vec![2]);
     /// ```
     pub fn settle_pages(&mut self, num_pages: usize) {
         let n = u32::try_from(num_pages).unwrap_or(u32::MAX);
-        self.pages_written.retain(|&p| p < n);
-        self.pages_written.sort_unstable();
-        self.pages_written.dedup();
+        for pages in [&mut self.pages_written, &mut self.pages_not_saved] {
+            pages.retain(|&p| p < n);
+            pages.sort_unstable();
+            pages.dedup();
+        }
+        let not_saved = &self.pages_not_saved;
+        self.pages_written
+            .retain(|p| not_saved.binary_search(p).is_err());
         let written = &self.pages_written;
         self.pages_skipped = (0..n)
-            .filter(|p| written.binary_search(p).is_err())
+            .filter(|p| written.binary_search(p).is_err() && not_saved.binary_search(p).is_err())
             .collect();
     }
 }
@@ -105,16 +124,34 @@ mod tests {
         fn settled_pages_split_the_plan(
             n in 0usize..200,
             written in proptest::collection::vec(0u32..200, 0..300),
+            not_saved in proptest::collection::vec(0u32..200, 0..20),
         ) {
             // Indices past the plan too (before, they stayed in `pages_written`).
-            let mut r = SaveReport { pages_written: written.clone(), ..SaveReport::default() };
-            let written: Vec<u32> = written.into_iter().filter(|&p| (p as usize) < n).collect();
+            let mut r = SaveReport {
+                pages_written: written.clone(),
+                pages_not_saved: not_saved.clone(),
+                ..SaveReport::default()
+            };
+            let in_plan = |p: &u32| (*p as usize) < n;
+            let not_saved: Vec<u32> = not_saved.into_iter().filter(in_plan).collect();
+            let written: Vec<u32> = written
+                .into_iter()
+                .filter(|p| in_plan(p) && !not_saved.contains(p))
+                .collect();
             r.settle_pages(n);
-            let mut all: Vec<u32> = r.pages_written.iter().chain(&r.pages_skipped).copied().collect();
+            let mut all: Vec<u32> = r
+                .pages_written
+                .iter()
+                .chain(&r.pages_skipped)
+                .chain(&r.pages_not_saved)
+                .copied()
+                .collect();
             all.sort_unstable();
             prop_assert_eq!(all, (0..n as u32).collect::<Vec<_>>());
             prop_assert!(r.pages_written.windows(2).all(|w| w[0] < w[1]));
+            prop_assert!(r.pages_not_saved.windows(2).all(|w| w[0] < w[1]));
             prop_assert!(written.iter().all(|p| r.pages_written.contains(p)));
+            prop_assert!(not_saved.iter().all(|p| r.pages_not_saved.contains(p)));
         }
     }
 }

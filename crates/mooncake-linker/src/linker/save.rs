@@ -299,7 +299,12 @@ impl Inner {
         let mut failed = None;
         for (i, (put, (r, &page))) in puts.iter().zip(objects.iter().zip(chunk)).enumerate() {
             match (r, read_back[i].take()) {
-                (Ok(PutOutcome::Written), Some(ReadBack::Discarded)) => {}
+                // Written, then discarded with a companion that is not its own: not in the
+                // store, so neither written nor skipped.
+                (Ok(PutOutcome::Written), Some(ReadBack::Discarded)) => {
+                    report.objects_discarded += 1;
+                    report.pages_not_saved.push(page as u32);
+                }
                 (Ok(PutOutcome::Written), Some(ReadBack::Theirs(theirs))) => {
                     report.objects_present += 1;
                     self.keep_checksums(&comp.keys[page], theirs);
