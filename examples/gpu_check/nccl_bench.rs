@@ -190,7 +190,8 @@ fn raw_cost(warm: usize, iters: usize) -> Result<BroadcastCost, String> {
 }
 
 /// Runs `rank(r, barrier)` for ranks `0..n`, one thread each, stepping together through
-/// `barrier`; rank 0's result.
+/// `barrier`; rank 0's result, or the first rank's error (a rank that failed in the last
+/// round, after the last barrier, would otherwise go unseen behind rank 0's numbers).
 fn rank0_of<F>(n: usize, rank: F) -> Result<BroadcastCost, String>
 where
     F: Fn(usize, &TimedBarrier) -> Result<BroadcastCost, String> + Sync,
@@ -210,7 +211,20 @@ where
             })
             .collect()
     });
-    costs.into_iter().next().ok_or("no rank 0")?
+    first_error_or_rank0(costs)
+}
+
+/// Rank 0's result when every rank succeeded, else the first failed rank's error.
+fn first_error_or_rank0<T>(results: Vec<Result<T, String>>) -> Result<T, String> {
+    let mut rank0 = None;
+    for (r, result) in results.into_iter().enumerate() {
+        match result {
+            Err(e) => return Err(format!("rank {r}: {e}")),
+            Ok(v) if r == 0 => rank0 = Some(v),
+            Ok(_) => {}
+        }
+    }
+    rank0.ok_or_else(|| "no rank 0".into())
 }
 
 /// One rank's side of [`raw_cost`].
@@ -258,4 +272,21 @@ fn raw_rank(
         stream_ms: median(&mut per_call),
         call_ms: median(&mut alone),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_error_or_rank0;
+
+    /// Before, rank 0's result was taken and the others dropped: a rank that failed in the
+    /// last round went unseen.
+    #[test]
+    fn a_failed_rank_fails_the_run_not_only_rank_0() {
+        assert_eq!(first_error_or_rank0(vec![Ok(1), Ok(2)]), Ok(1));
+        assert_eq!(
+            first_error_or_rank0(vec![Ok(1), Err::<i32, _>("lost".into())]),
+            Err("rank 1: lost".into())
+        );
+        assert!(first_error_or_rank0::<i32>(Vec::new()).is_err());
+    }
 }

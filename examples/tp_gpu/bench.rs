@@ -304,9 +304,19 @@ fn one_size(
                 );
                 modes.push(m);
             }
-            Err(e) => {
+            Err(ModeFailure::Failed(e)) => {
                 report.push(SEC, name, Status::Fail, e);
                 groups.reset();
+            }
+            Err(ModeFailure::PoolsInUse(e)) => {
+                report.push(SEC, name, Status::Fail, e);
+                report.push(
+                    SEC,
+                    format!("TP{tp} {tag}: the modes after {mode:?}"),
+                    Status::Skip,
+                    "not run: a batch may still write the pools they would use",
+                );
+                break;
             }
         }
     }
@@ -320,6 +330,21 @@ fn one_size(
     })
 }
 
+/// Why a mode gave no result.
+enum ModeFailure {
+    /// It failed; its linkers closed, so the pools may be cleared for the next mode.
+    Failed(String),
+    /// Its linkers could not be closed: a batch may still write the pools, so no later mode
+    /// may use them.
+    PoolsInUse(String),
+}
+
+impl From<String> for ModeFailure {
+    fn from(e: String) -> Self {
+        ModeFailure::Failed(e)
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn one_mode(
     args: &Args,
@@ -330,7 +355,7 @@ fn one_mode(
     prefix: &Prefix,
     mode: ShareMode,
     tag: &str,
-) -> Result<ModeResult, String> {
+) -> Result<ModeResult, ModeFailure> {
     let tp = fabric.tp();
     let cfg = config(mode, Duration::from_secs(120), Duration::from_secs(600));
     let stores: Vec<Arc<dyn KvStore>> = (0..tp)
@@ -413,11 +438,18 @@ fn one_mode(
         reads = rep_reads;
         pcie = rep_pcie;
     }
-    let closed = close_all(ls);
-    if let Some(e) = failure {
-        return Err(e);
+    // A close that failed wins, and says the pools may still be written: no later mode may
+    // clear or compare them.
+    match (close_all(ls), failure) {
+        (Err(c), failure) => {
+            let after = failure.map_or_else(String::new, |e| format!(" (after: {e})"));
+            return Err(ModeFailure::PoolsInUse(format!(
+                "linkers not closed: {c}{after}"
+            )));
+        }
+        (Ok(()), Some(e)) => return Err(e.into()),
+        (Ok(()), None) => {}
     }
-    closed?;
     // The last repetition's bytes, sampled: three layers, every page, every rank.
     let layers = devs[0].g.num_layers();
     let pick = move |l: u32| l == 0 || l == layers / 2 || l + 1 == layers;

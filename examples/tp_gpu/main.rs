@@ -264,6 +264,11 @@ fn main() -> ExitCode {
     println!("{text}");
     if report.failed() {
         ExitCode::from(1)
+    } else if report.passed() == 0 {
+        // Every size skipped (none in range, too little memory, out of budget): a run that
+        // measured nothing is not a pass.
+        eprintln!("tp_gpu: nothing was measured or checked (every row skipped)");
+        ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
     }

@@ -272,8 +272,12 @@ pub fn run(args: &Args, r: &RankArgs) -> Result<(), String> {
             ),
             Err(e) => format!("mode name={mode:?} failed={}", e.replace(' ', "_")),
         };
-        let _ = linker.close();
         say(&line);
+        // A close that fails leaves a batch that may still write the pool: the next mode
+        // must not clear and compare it.
+        linker.close().map_err(|e| {
+            format!("closing the {mode:?} linker: {e} (a batch may still write the pool)")
+        })?;
     }
     match r.case.as_str() {
         "one" if !args.cpu => one_rank_share_steps(&pool, &formed)?,
@@ -366,8 +370,9 @@ fn timeout_then_reform(
             Err(e) => return Err(format!("never re-formed: {e}")),
         }
     }
-    let _ = linker.close();
-    Ok(())
+    linker
+        .close()
+        .map_err(|e| format!("closing the linker: {e} (a batch may still write the pool)"))
 }
 
 /// One rank: the device share step of the linker's shared modes on this process's NCCL

@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use kv_device::KvPool;
 use kv_loader::{BatchOutcome, BatchPlan, KvLoader, LayerReady};
-use mooncake_linker::Linker;
 
 use super::rank_dev::RankDev;
 use crate::glm::tag;
@@ -29,7 +28,14 @@ pub struct RankRun {
 
 /// Every rank starts `plans[r]` at the same moment (a barrier), waits every layer as an
 /// engine would (the event each wait hands back, synchronized), then takes the outcome.
-pub fn run_batch(linkers: &[Linker], plans: Vec<BatchPlan>) -> Vec<Result<RankRun, String>> {
+/// Where no outcome can be taken (`wait_batch` failed: the load may still write the slots)
+/// the rank's loader is reset, which cancels the batch and waits for it, so that the caller
+/// may clear and compare the pools again; the error says whether that reset failed too (then
+/// the pool may still be written: stop using it).
+pub fn run_batch<L: KvLoader + Sync>(
+    linkers: &[L],
+    plans: Vec<BatchPlan>,
+) -> Vec<Result<RankRun, String>> {
     if plans.len() != linkers.len() {
         // A rank without a plan would never reach the barrier the others wait at.
         let e = format!("{} plans for {} ranks", plans.len(), linkers.len());
@@ -63,7 +69,14 @@ pub fn run_batch(linkers: &[Linker], plans: Vec<BatchPlan>) -> Vec<Result<RankRu
                 }
             }
         }
-        let outcome = linker.wait_batch(&ticket).map_err(|e| e.to_string())?;
+        let outcome = linker
+            .wait_batch(&ticket)
+            .map_err(|e| match linker.reset() {
+                Ok(()) => format!("no outcome ({e}); the loader was reset"),
+                Err(r) => format!(
+                    "no outcome ({e}), and the reset failed too ({r}): the pool may still be written"
+                ),
+            })?;
         Ok(RankRun {
             outcome,
             ready_ms,
@@ -191,7 +204,11 @@ mod tests {
 
     use kv_device::{CpuDevice, DeviceKvPool, StagingPool};
 
-    use super::{compare_pool, RankDev};
+    use kv_geometry::{ComponentSpec, ElementType, KvGeometry, ModelKvSpec, RowUnit};
+    use kv_loader::mock::{MockCall, MockKvLoader, MockScript};
+    use kv_loader::{BatchId, BatchPlan};
+
+    use super::{compare_pool, run_batch, RankDev};
     use crate::glm::{glm, half_bytes, tag};
     use crate::pattern::fill_row;
 
@@ -218,6 +235,44 @@ mod tests {
             g,
             pool,
         }
+    }
+
+    /// Before, a rank whose `wait_batch` gave no outcome just returned: the next check
+    /// cleared and compared a pool that batch might still write. The loader is reset now.
+    #[test]
+    fn a_batch_without_an_outcome_resets_its_loader() {
+        let script = MockScript {
+            time_out: vec![BatchId(1)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        let spec = ModelKvSpec::new(
+            "tiny",
+            2,
+            4,
+            vec![ComponentSpec::new(
+                "k",
+                RowUnit::Token,
+                ElementType::Bytes,
+                8,
+            )],
+        )
+        .unwrap();
+        let g = KvGeometry::new(spec, 1, 0).unwrap();
+        let page = kv_geometry::page_hashes(&[1, 2, 3, 4], 4, None);
+        let plan = BatchPlan::all_components(
+            &g,
+            BatchId(1),
+            vec![kv_loader::RequestPages {
+                request: "r".into(),
+                pages: page,
+            }],
+            vec![0],
+        );
+        let runs = run_batch(std::slice::from_ref(&mock), vec![plan]);
+        let e = runs.into_iter().next().unwrap().err().unwrap();
+        assert!(e.contains("the loader was reset"), "{e}");
+        assert!(mock.calls().contains(&MockCall::Reset));
     }
 
     /// Before, only the plan's slots were compared: a landing that also wrote a slot outside

@@ -23,12 +23,25 @@ fn soon() -> std::time::Instant {
 /// `coll` in `mode`, scattered into the pool after the collective's event, landed, and the
 /// event waited for (bounded). Returns the landing's transfer counters; the caller compares
 /// the pool.
+///
+/// One rank only: the layout is built for a group of one and this rank writes every share
+/// itself, so with more ranks the pool would hold the right bytes whatever the collective
+/// moved (a `Rank0Broadcast` that moved nothing would pass). A collective of more ranks, or a
+/// geometry of another TP size, is refused.
 pub fn share_every_layer(
     d: &RankDev,
     coll: &dyn Collective,
     mode: ShareMode,
     slots: &[u32],
 ) -> Result<Vec<TransferBytes>, String> {
+    if coll.size() != 1 || d.g.tp_size() != 1 {
+        return Err(format!(
+            "share_every_layer drives one rank: a collective of {} ranks and a geometry at TP {} \
+             would let the pool pass whatever the collective moved",
+            coll.size(),
+            d.g.tp_size()
+        ));
+    }
     let g = &d.g;
     let n = slots.len();
     let layouts: Vec<StagingLayout> = (0..g.num_layers())
@@ -77,4 +90,43 @@ pub fn share_every_layer(
         }
     }
     Ok(landing.transfers())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use dedup_broadcast::InProcessGroup;
+    use kv_device::{CpuDevice, DeviceKvPool, StagingPool};
+    use kv_loader::ShareMode;
+
+    use super::share_every_layer;
+    use crate::glm::{glm, half_bytes};
+    use crate::tp::RankDev;
+
+    fn cpu_rank(tp: u32) -> RankDev {
+        let dev = CpuDevice::new(0).unwrap();
+        let g = glm(tp, 0).unwrap();
+        RankDev {
+            rank: 0,
+            pool: Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 4).unwrap()),
+            staging: StagingPool::new(dev.clone(), half_bytes(&g, 2), 1).unwrap(),
+            dev,
+            g,
+        }
+    }
+
+    /// Before, any collective was taken: with more ranks each wrote every share itself, and
+    /// the pool passed its comparison whatever the collective moved.
+    #[test]
+    fn more_than_one_rank_is_refused() {
+        let two = InProcessGroup::new(2);
+        let e = share_every_layer(&cpu_rank(1), &two[0], ShareMode::Rank0Broadcast, &[0, 1])
+            .unwrap_err();
+        assert!(e.contains("a collective of 2 ranks"), "{e}");
+        let one = InProcessGroup::new(1);
+        let e = share_every_layer(&cpu_rank(2), &one[0], ShareMode::SplitAllGather, &[0, 1])
+            .unwrap_err();
+        assert!(e.contains("at TP 2"), "{e}");
+    }
 }
