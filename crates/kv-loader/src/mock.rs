@@ -544,7 +544,11 @@ impl KvLoader for MockKvLoader {
         }
         let busy = {
             let st = self.state.lock();
-            let holds = |b: &BatchId| st.held.contains(b) || !st.cancelled.contains(b);
+            // A batch a reset or close ended (cancelled in flight, or finished with its outcome
+            // not taken) lets its slots go; a held store call's keep them.
+            let holds = |b: &BatchId| {
+                st.held.contains(b) || !(st.cancelled.contains(b) || st.ended.contains(b))
+            };
             plan.slots.iter().copied().find(|slot| {
                 st.slots
                     .iter()
@@ -988,5 +992,30 @@ mod tests {
         ));
         mock.wait_batch(&t).unwrap().result.unwrap();
         mock.save(&slotted(2)).unwrap();
+    }
+
+    /// A reset ends every batch, finished ones whose outcome is not taken too: their slots
+    /// go, as the linker's do (a held store call's stay busy). Before, only batches still in
+    /// flight at the reset let their slots go: an engine's test took a branch (save refused)
+    /// the linker never takes.
+    #[test]
+    fn a_reset_lets_the_slots_of_a_finished_batch_go_unless_a_store_call_holds_them() {
+        let script = MockScript {
+            hold_slots: vec![BatchId(3)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        mock.start_load(one_page_plan(1, 5)).unwrap();
+        mock.start_load(one_page_plan(3, 6)).unwrap();
+        assert!(
+            mock.save(&one_page_plan(2, 5)).is_err(),
+            "outcome not taken"
+        );
+        assert!(matches!(mock.reset(), Err(KvLoadError::SlotsHeld { .. })));
+        mock.save(&one_page_plan(2, 5)).unwrap();
+        assert!(
+            matches!(mock.save(&one_page_plan(4, 6)), Err(KvLoadError::Device(_))),
+            "a held store call keeps its slots"
+        );
     }
 }
