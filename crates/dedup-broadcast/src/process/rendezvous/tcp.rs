@@ -333,14 +333,16 @@ fn gather(
             };
         }
         let left = deadline.saturating_duration_since(Instant::now());
+        // Checked before receiving: arrivals queued faster than they are handled (a flood of
+        // refused hellos on the open port) would otherwise keep the formation past its bound.
+        if left.is_zero() {
+            break Err(RendezvousError::Timeout {
+                missing: absent,
+                detail: format!("rank 0 waited for every rank of {world} to join"),
+            });
+        }
         match arrivals.recv_timeout(left.min(Duration::from_millis(200))) {
             Ok(arrival) => joiners.take(world, arrival),
-            Err(_) if left.is_zero() => {
-                break Err(RendezvousError::Timeout {
-                    missing: absent,
-                    detail: format!("rank 0 waited for every rank of {world} to join"),
-                });
-            }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             // No arrival can come any more (the accepting side let go of its sender): wait
             // for the deadline without spinning, so the formation still ends by it.
@@ -726,6 +728,74 @@ mod tests {
 
     /// The version of the tests' hellos.
     const VERSION: &str = "0.1.0";
+
+    /// Before, the deadline was looked at only when no arrival came: a flood of hellos (here
+    /// malformed ones, refused, as fast as rank 0 answers them) kept the formation past its
+    /// bound for as long as it lasted. (Before the change this failed in about half the runs
+    /// here: where the queue runs dry for a moment the old loop saw the deadline too.)
+    #[test]
+    fn a_flood_of_hellos_does_not_keep_the_formation_past_its_deadline() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let near = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut far, _) = listener.accept().unwrap();
+        socket2::SockRef::from(&near)
+            .set_send_buffer_size(4096)
+            .unwrap();
+        socket2::SockRef::from(&far)
+            .set_recv_buffer_size(4096)
+            .unwrap();
+        // Bounded: the producers keep the queue full without piling up descriptors.
+        let (tx, rx) = mpsc::sync_channel::<Arrival>(256);
+        let stop = AtomicBool::new(false);
+        let leader = hello(0);
+        let (took, decision) = std::thread::scope(|s| {
+            s.spawn(|| {
+                // Rank 0's refusals, read slowly (small buffers on both sides): each answer
+                // takes rank 0 about a millisecond, and the producers keep its queue full.
+                far.set_read_timeout(Some(Duration::from_millis(100)))
+                    .unwrap();
+                let mut sink = [0u8; 64];
+                while !stop.load(Ordering::Acquire) {
+                    let _ = std::io::Read::read(&mut far, &mut sink);
+                    std::thread::sleep(Duration::from_micros(500));
+                }
+            });
+            // Three producers, to outpace rank 0's answers.
+            for _ in 0..3 {
+                let (tx, near, stop) = (tx.clone(), &near, &stop);
+                s.spawn(move || {
+                    let until = kv_loader::deadline_after(Duration::from_secs(8));
+                    while !stop.load(Ordering::Acquire) && Instant::now() < until {
+                        let arrival = Arrival {
+                            stream: near.try_clone().unwrap(),
+                            hello: Err(RendezvousError::Protocol("a flood".into())),
+                        };
+                        if tx.send(arrival).is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+            drop(tx);
+            // The queue fills first: alone it holds more than the deadline's worth of answers.
+            std::thread::sleep(Duration::from_millis(100));
+            let t0 = Instant::now();
+            let deadline = kv_loader::deadline_after(Duration::from_millis(200));
+            let (decision, _) = gather(&leader, None, &rx, deadline);
+            let took = t0.elapsed();
+            stop.store(true, Ordering::Release);
+            // Unblocks a producer waiting on the full queue.
+            drop(rx);
+            (took, decision)
+        });
+        assert!(
+            matches!(decision, Err(RendezvousError::Timeout { .. })),
+            "{decision:?}"
+        );
+        // The deadline and one slow answer at most; before, as long as the flood (8 s).
+        assert!(took < Duration::from_secs(3), "{took:?}");
+    }
 
     /// Sends rank `rank`'s hello to rank 0 at `addr`; its reply.
     fn ask(addr: SocketAddr, rank: u32) -> Reply {
