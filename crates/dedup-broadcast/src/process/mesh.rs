@@ -280,6 +280,10 @@ fn connect(
         };
         match attempt {
             Ok(l) => return Ok(l),
+            // Every member binds its listener before it says hello, so after the welcome a
+            // refused connection means the peer's formation has ended (it hung up, crashed):
+            // waiting out the deadline (a minute on a first formation) would not bring it.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return Err(e),
             Err(e) if kv_loader::deadline_after(Duration::from_millis(20)) < deadline => {
                 tracing::debug!(error = %e, "connecting to a peer, retrying");
                 std::thread::sleep(Duration::from_millis(20));
@@ -528,6 +532,42 @@ mod tests {
             .unwrap();
         let mut got = [0u8; ACK_LEN];
         assert!(!matches!(outsider.read(&mut got), Ok(n) if n > 0));
+    }
+
+    /// Before, a refused connection was tried again every 20 ms until the deadline: a member
+    /// whose formation ended after the welcome (its listener gone) held every higher rank
+    /// for the whole connect bound (about a minute on a first formation).
+    #[test]
+    fn a_peer_whose_listener_is_gone_fails_the_connect_at_once() {
+        use std::net::{IpAddr, Ipv4Addr};
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        for transport in [Transport::Tcp, Transport::Unix] {
+            let unix = transport == Transport::Unix;
+            let (l0, l1) = (
+                MeshListener::bind(ip, unix, 21).unwrap(),
+                MeshListener::bind(ip, unix, 22).unwrap(),
+            );
+            let members = [l0.endpoint.clone(), l1.endpoint.clone()];
+            drop(l0);
+            let nonces = [1_u64, 2];
+            let plan = MeshPlan {
+                rank: 1,
+                epoch: 1,
+                nonces: &nonces,
+                transport,
+                members: &members,
+                rendezvous_ip: None,
+            };
+            let t0 = std::time::Instant::now();
+            let deadline = kv_loader::deadline_after(Duration::from_secs(10));
+            let r = connect_meshes(&plan, &l1, 1, deadline);
+            assert!(r.is_err(), "{transport:?}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(2),
+                "{transport:?}: {:?}",
+                t0.elapsed()
+            );
+        }
     }
 
     #[test]
