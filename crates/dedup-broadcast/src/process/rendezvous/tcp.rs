@@ -174,7 +174,7 @@ impl Joiners {
             Err(e) => e,
         };
         let mut s = stream;
-        reply(&mut s, &Reply::Refused(refused));
+        let _ = reply(&mut s, &Reply::Refused(refused));
     }
 
     /// Refuses and lets go of the earlier claim of `rank` (joined, or of another version), if
@@ -193,29 +193,34 @@ impl Joiners {
              refused (a restart after a crash, or two processes run as this rank)"
         );
         let mut earlier = earlier;
-        reply(
+        let _ = reply(
             &mut earlier,
             &Reply::Refused(RendezvousError::DuplicateRank { rank }),
         );
     }
 
     /// Answers every joiner with `decision`; a rank of another version hears its own refusal
-    /// unless the formation failed.
-    fn answer(self, decision: &Result<Welcome, RendezvousError>) {
+    /// unless the formation failed. Returns the joined ranks the answer could not be written
+    /// to, with why (a rank that hung up just then, a welcome past the frame limit).
+    fn answer(self, decision: &Result<Welcome, RendezvousError>) -> Vec<(u32, std::io::Error)> {
         let answer = match decision {
             Ok(w) => Reply::Welcome(Box::new(w.clone())),
             Err(e) => Reply::Refused(e.clone()),
         };
-        for (mut s, _) in self.joined {
-            reply(&mut s, &answer);
+        let mut undelivered = Vec::new();
+        for (mut s, h) in self.joined {
+            if let Err(e) = reply(&mut s, &answer) {
+                undelivered.push((h.rank, e));
+            }
         }
         for (mut s, _, e) in self.foreign {
             let r = match decision {
                 Err(d) => Reply::Refused(d.clone()),
                 Ok(_) => Reply::Refused(e),
             };
-            reply(&mut s, &r);
+            let _ = reply(&mut s, &r);
         }
+        undelivered
     }
 }
 
@@ -227,12 +232,40 @@ pub(crate) struct TcpLeader {
     thread: Option<JoinHandle<()>>,
 }
 
-fn reply(stream: &mut TcpStream, r: &Reply) {
-    let _ = write_frame(
+/// Writes `r` to a joiner (bounded); an error says the joiner did not get it.
+fn reply(stream: &mut TcpStream, r: &Reply) -> std::io::Result<()> {
+    write_frame(
         stream,
         &r.encode(),
         kv_loader::deadline_after(MESSAGE_TIMEOUT),
-    );
+    )
+}
+
+/// A formation decided `decision` but its welcome did not reach the joined ranks of
+/// `undelivered`: no group formed (they will never connect), so rank 0 records no live group
+/// and fails the formation, naming them.
+fn delivered(
+    decision: Result<Welcome, RendezvousError>,
+    mut undelivered: Vec<(u32, std::io::Error)>,
+) -> Result<Welcome, RendezvousError> {
+    undelivered.sort_by_key(|(rank, _)| *rank);
+    match decision {
+        Ok(_) if !undelivered.is_empty() => {
+            let why: Vec<String> = undelivered
+                .iter()
+                .map(|(rank, e)| format!("rank {rank}: {e}"))
+                .collect();
+            tracing::error!(why = %why.join("; "), "rank 0's welcome was not delivered");
+            Err(RendezvousError::Timeout {
+                missing: undelivered.iter().map(|(rank, _)| *rank).collect(),
+                detail: format!(
+                    "rank 0's welcome could not be delivered ({})",
+                    why.join("; ")
+                ),
+            })
+        }
+        decision => decision,
+    }
 }
 
 /// True when the peer of `stream` has hung up (it gave up waiting).
@@ -297,7 +330,8 @@ impl TcpLeader {
         self.state.lock().forming = None;
         // Hellos that raced in as the formation closed.
         let late: Vec<Arrival> = rx.try_iter().collect();
-        joiners.answer(&decision);
+        let undelivered = joiners.answer(&decision);
+        let decision = delivered(decision, undelivered);
         let mut st = self.state.lock();
         // The formation's own end is written below: the guard has nothing left to do.
         slot.0 = None;
@@ -305,7 +339,7 @@ impl TcpLeader {
         let idle = st.idle();
         drop(st);
         for mut a in late {
-            reply(&mut a.stream, &idle);
+            let _ = reply(&mut a.stream, &idle);
         }
         decision
     }
@@ -513,7 +547,7 @@ fn admit(
     }
     let idle = st.idle();
     drop(st);
-    reply(&mut arrival.stream, &idle);
+    let _ = reply(&mut arrival.stream, &idle);
 }
 
 /// What a joiner last heard, for the error at its deadline.
@@ -853,6 +887,51 @@ mod tests {
             joiners(addr);
             forming.join().unwrap()
         })
+    }
+
+    /// A welcome that cannot reach the joined ranks (here: rank 0's attributes make it larger
+    /// than a frame may be) forms no group: rank 0's formation fails naming them, and a later
+    /// hello hears no live group. Before, rank 0 reported the group formed and answered later
+    /// hellos with its epoch (`Occupied` for a rank that never got in).
+    #[test]
+    fn a_welcome_that_cannot_be_delivered_forms_no_group() {
+        let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
+        let addr = leader.local_addr();
+        let huge = Hello {
+            attributes: vec![(
+                "big".into(),
+                "x".repeat(super::super::super::wire::MAX_FRAME),
+            )],
+            ..hello(0)
+        };
+        let decision = std::thread::scope(|s| {
+            let forming =
+                s.spawn(|| leader.form(&huge, None, Instant::now() + Duration::from_secs(10)));
+            while leader.state.lock().forming.is_none() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let _one = send(addr, &hello(1));
+            let _two = send(addr, &hello(2));
+            forming.join().unwrap()
+        });
+        match decision {
+            Err(RendezvousError::Timeout { missing, detail }) => {
+                assert_eq!(missing, vec![1, 2], "{detail}");
+                assert!(detail.contains("could not be delivered"), "{detail}");
+            }
+            // The epoch only: the welcome holds a megabyte of attributes.
+            other => panic!("{:?}", other.map(|w| w.epoch)),
+        }
+        assert!(
+            matches!(
+                ask(addr, 1),
+                Reply::Idle {
+                    live_epoch: None,
+                    ..
+                }
+            ),
+            "no live group"
+        );
     }
 
     /// Lets rank 0 take what was sent (each hello is read on a thread of its own; half a
