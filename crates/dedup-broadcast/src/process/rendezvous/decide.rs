@@ -97,6 +97,32 @@ fn transport(leader: &Hello, joiners: &[Hello]) -> Result<Transport, RendezvousE
     }
 }
 
+/// Over TCP with ranks on more than one host, the first member whose TCP endpoint other hosts
+/// cannot reach: a loopback address (a key-value exchange's default without `host_ip`), or
+/// an unspecified one of a joiner (rank 0's is rewritten to the address it was reached at).
+/// Without this the group formed, and every connect to that rank failed at the deadline as
+/// "connection refused" (each host reached its own loopback), never naming the setting.
+fn unreachable_endpoint(leader: &Hello, joiners: &[Hello]) -> Option<RendezvousError> {
+    if joiners
+        .iter()
+        .all(|h| h.endpoint.host == leader.endpoint.host)
+    {
+        return None;
+    }
+    std::iter::once(leader).chain(joiners).find_map(|h| {
+        let ip = h.endpoint.tcp?.ip();
+        let unreachable = ip.is_loopback() || (ip.is_unspecified() && h.rank != 0);
+        unreachable.then(|| RendezvousError::SettingsMismatch {
+            rank: h.rank,
+            what: "TCP endpoint (ranks on several hosts: set the rendezvous `host_ip` to an \
+                   address the other hosts reach)"
+                .into(),
+            expected: "an address other hosts can reach".into(),
+            got: ip.to_string(),
+        })
+    })
+}
+
 /// The epoch after `last` (a rank's hello or the exchange says `last`: peer input), refused
 /// where there is none.
 pub(crate) fn next_epoch(last: u64) -> Result<u64, RendezvousError> {
@@ -122,6 +148,11 @@ pub(crate) fn decide(
         });
     }
     let transport = transport(leader, joiners)?;
+    if transport == Transport::Tcp {
+        if let Some(err) = unreachable_endpoint(leader, joiners) {
+            return Err(err);
+        }
+    }
     let nccl = if leader.nccl {
         let ids = ids.ok_or_else(|| {
             RendezvousError::Nccl("this build of kvlink has no NCCL (feature `nccl`)".into())
@@ -175,6 +206,54 @@ pub(super) mod tests {
             },
             attributes: Vec::new(),
         }
+    }
+
+    /// A rank of `host` whose TCP endpoint is at `ip`.
+    fn on(rank: u32, host: &str, ip: &str) -> Hello {
+        let mut h = hello(rank);
+        h.endpoint.host = host.into();
+        h.endpoint.tcp = Some(format!("{ip}:4000").parse().unwrap());
+        h
+    }
+
+    /// Before, ranks on several hosts announcing loopback endpoints (a key-value exchange
+    /// without `host_ip`) formed a group whose every connect then failed at the deadline as
+    /// "connection refused"; now the formation is refused naming the rank and the setting.
+    /// On one host, loopback stays fine.
+    #[test]
+    fn loopback_endpoints_across_hosts_are_refused_naming_the_setting() {
+        let across = decide(
+            &on(0, "a", "10.0.0.1"),
+            &[on(1, "b", "127.0.0.1"), on(2, "b", "10.0.0.2")],
+            None,
+        );
+        match across {
+            Err(RendezvousError::SettingsMismatch { rank: 1, what, .. }) => {
+                assert!(what.contains("host_ip"), "{what}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let unspecified = decide(
+            &on(0, "a", "0.0.0.0"),
+            &[on(1, "b", "0.0.0.0"), on(2, "b", "10.0.0.2")],
+            None,
+        );
+        assert!(
+            matches!(
+                unspecified,
+                Err(RendezvousError::SettingsMismatch { rank: 1, .. })
+            ),
+            "rank 0's unspecified address is rewritten; a joiner's is not: {unspecified:?}"
+        );
+        let mut local = [
+            on(0, "h", "127.0.0.1"),
+            on(1, "h", "127.0.0.1"),
+            on(2, "h", "127.0.0.1"),
+        ];
+        for h in &mut local {
+            h.transport = TransportChoice::Tcp;
+        }
+        assert!(decide(&local[0], &local[1..], None).is_ok());
     }
 
     #[test]
