@@ -415,6 +415,9 @@ fn accept_loop(
     // by themselves, within their read and reply timeouts.
 }
 
+/// How often, at most, rank 0's accepting thread lets go of answered hellos' connections.
+const PRUNE_EVERY_MS: libc::c_int = 1000;
+
 /// The threads reading hellos: each one's handle and a second descriptor of its connection.
 #[derive(Default)]
 struct HelloReads(Vec<(std::thread::JoinHandle<()>, std::net::TcpStream)>);
@@ -462,8 +465,15 @@ fn accept_until_woken(
                 revents: 0,
             },
         ];
+        // Woken at least every `PRUNE_EVERY` to let go of the connections of hellos already
+        // answered (their second descriptor, kept to shut them when the leader ends): they
+        // would stay open, in CLOSE_WAIT, until the next connection came (hours, maybe).
         // SAFETY: two live pollfds for the call.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, PRUNE_EVERY_MS) };
+        if r == 0 {
+            reads.running();
+            continue;
+        }
         if r < 0 {
             if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                 continue;
@@ -829,6 +839,21 @@ mod tests {
         );
         // The deadline and one slow answer at most; before, as long as the flood (8 s).
         assert!(took < Duration::from_secs(3), "{took:?}");
+    }
+
+    /// Before, an answered hello's connection stayed open on rank 0 (a second descriptor kept
+    /// by the accepting thread) until the next connection came: the joiner saw no end of it.
+    #[test]
+    fn an_answered_hellos_connection_is_closed_without_waiting_for_another() {
+        let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
+        let mut s = send(leader.local_addr(), &hello(1));
+        assert!(matches!(answer(&mut s), Reply::Idle { .. }));
+        s.set_read_timeout(Some(Duration::from_secs(4))).unwrap();
+        let mut more = [0u8; 16];
+        assert!(
+            matches!(std::io::Read::read(&mut s, &mut more), Ok(0)),
+            "rank 0 closed the connection after answering"
+        );
     }
 
     /// Sends rank `rank`'s hello to rank 0 at `addr`; its reply.
