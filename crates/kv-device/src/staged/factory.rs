@@ -193,11 +193,15 @@ impl StagedGather {
             0
         } else {
             let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+            // While a copy of the pool is stuck this fails at once, before any table is had.
+            pool.bounce().settle()?;
             let table = lease.slot_table(bytes.len())?;
             // SAFETY: the lease's own table, at least `bytes.len()` bytes, used by no device
-            // work (a fresh lease); on a failure it is leaked, never freed or reused.
-            if let Err(e) = unsafe { sync::write_settled(&*device, pool.bounce(), table, &bytes) } {
-                lease.leak_slot_table("a save's slot table upload failed");
+            // work (a fresh lease); where a failed copy may still run it is leaked.
+            if let Err(e) = unsafe { sync::write(&*device, pool.bounce(), table, &bytes) } {
+                if pool.bounce().may_still_run() {
+                    lease.leak_slot_table("a save's slot table upload did not finish");
+                }
                 return Err(e);
             }
             table

@@ -379,18 +379,23 @@ fn upload_slots(
     stage0: &StageState,
 ) -> Result<(StagingLease, u64), DeviceError> {
     let bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
-    let table = lease.slot_table(bytes.len())?;
     if bytes.len() > lease.stage_bytes() {
+        // While a copy of the pool is stuck this fails at once, before any table is had.
+        bounce.settle()?;
+        let table = lease.slot_table(bytes.len())?;
         // SAFETY: `table` is the lease's slot table, at least `bytes.len()` bytes, used by no
-        // device work (a fresh lease); on a failure it is leaked, never freed or reused.
-        return match unsafe { sync::write_settled(device, bounce, table, &bytes) } {
+        // device work (a fresh lease); where a failed copy may still run it is leaked.
+        return match unsafe { sync::write(device, bounce, table, &bytes) } {
             Ok(()) => Ok((lease, table)),
             Err(e) => {
-                lease.leak_slot_table("a slot table's synchronous upload failed");
+                if bounce.may_still_run() {
+                    lease.leak_slot_table("a slot table's synchronous upload did not finish");
+                }
                 Err(e)
             }
         };
     }
+    let table = lease.slot_table(bytes.len())?;
     let host = lease.host_stage(0)?;
     // SAFETY: stage 0 of a fresh lease is ours and idle (no fence pending), and holds at least
     // `bytes.len()` bytes (checked above).

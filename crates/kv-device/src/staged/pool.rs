@@ -338,9 +338,13 @@ mod tests {
             StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 4, 1), 2).unwrap();
         let factory = StagedLandingFactory::new(pool.clone(), staging);
         let t0 = std::time::Instant::now();
-        let save = factory.begin_save(vec![1u32, 2].into()).map(drop);
-        assert!(matches!(save, Err(DeviceError::Poisoned(_))), "{save:?}");
+        for _ in 0..3 {
+            let save = factory.begin_save(vec![1u32, 2].into()).map(drop);
+            assert!(matches!(save, Err(DeviceError::Poisoned(_))), "{save:?}");
+        }
         assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        // Refused before a slot table was had: none allocated (and none leaked) meanwhile.
+        assert_eq!(dev.allocations("slot table"), 0);
         drop(factory);
         // Dropping the pool does not wait the 60 s limit out on the stream its copy is stuck
         // on (it keeps its buffers instead).
@@ -348,6 +352,23 @@ mod tests {
         drop(Arc::into_inner(pool).expect("the test holds the pool's last handle"));
         assert!(t1.elapsed() < Duration::from_secs(1), "{:?}", t1.elapsed());
         dev.resume();
+    }
+
+    /// A save whose slot-table copy fails to enqueue queued nothing: the table is kept and the
+    /// next save uses it. Before, it was leaked, and the next save allocated another.
+    #[test]
+    fn a_slot_table_copy_that_failed_to_enqueue_keeps_its_table() {
+        let dev = CpuDevice::new(0).unwrap();
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 4).unwrap());
+        let staging =
+            StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 4, 1), 1).unwrap();
+        let factory = StagedLandingFactory::new(pool, staging);
+        dev.fail_enqueue(crate::cpu::CpuOp::ToDevice, 0);
+        let failed = factory.begin_save(vec![1u32, 2].into()).map(drop);
+        assert!(matches!(failed, Err(DeviceError::Driver(_))), "{failed:?}");
+        factory.begin_save(vec![3u32, 0].into()).unwrap();
+        assert_eq!(dev.allocations("slot table"), 1, "the table was kept");
     }
 
     /// A clear whose copy fails to enqueue, behind a stalled stream it then waits out,

@@ -287,8 +287,8 @@ impl StagingPool {
 
     /// Moves quarantined pairs whose work has finished back to the free list.
     fn reclaim(&self) {
-        // What a settled entry kept alive (a slot table, a device pool whose drop drains its
-        // stream) is dropped after the locks are let go.
+        // What a settled entry kept alive (memory its work touched, a device pool whose drop
+        // drains its stream) is dropped after the locks are let go.
         let mut settled = Vec::new();
         {
             let mut q = self.quarantine.lock();

@@ -109,6 +109,13 @@ impl Bounce {
         }
     }
 
+    /// True while a copy through this bounce may still run: one parked past its limit that
+    /// has not ended, or one whose wait failed. After a failed [`write`], false means nothing
+    /// of it is still queued (it failed before its copy was queued, or the copy ended).
+    pub(crate) fn may_still_run(&self) -> bool {
+        self.lost.load(Ordering::Acquire) || self.stuck()
+    }
+
     /// Takes back a parked buffer whose copy has ended; an error while one has not (or its
     /// event cannot tell: then it stays parked for good), and for good once a copy's wait
     /// failed.
@@ -228,23 +235,6 @@ pub(crate) unsafe fn write(
         dst += piece.len() as u64;
     }
     Ok(())
-}
-
-/// [`write`] through a bounce that first settles: while a copy of the pool is stuck past its
-/// limit this fails at once instead of waiting the limit out again.
-///
-/// # Safety
-/// As for [`write`]: on a failure the caller keeps `dst` from being freed or reused (the copy
-/// may still write it).
-pub(crate) unsafe fn write_settled(
-    device: &dyn Device,
-    bounce: &Bounce,
-    dst: u64,
-    data: &[u8],
-) -> Result<(), DeviceError> {
-    bounce.settle()?;
-    // SAFETY: the caller's promise.
-    unsafe { write(device, bounce, dst, data) }
 }
 
 /// Copies `out.len()` bytes from device address `src` into `out` and waits (bounded).
