@@ -30,6 +30,11 @@ pub(crate) struct MeshListener {
     pub(crate) endpoint: Endpoint,
 }
 
+/// How a rank whose host key could not be read names its host (then its nonce): whether it
+/// shares a host with another rank cannot be told (no Unix sockets with it, and no endpoint
+/// is refused as unreachable from other hosts).
+pub(crate) const UNKNOWN_HOST: &str = "unknown-";
+
 /// The host and network namespace this process runs in: ranks with the same key can reach
 /// each other's abstract Unix sockets.
 pub(crate) fn host_key() -> Option<String> {
@@ -60,7 +65,7 @@ impl MeshListener {
         let endpoint = Endpoint {
             tcp: Some(tcp.local_addr()?),
             unix: name,
-            host: host.unwrap_or_else(|| format!("unknown-{nonce:x}")),
+            host: host.unwrap_or_else(|| format!("{UNKNOWN_HOST}{nonce:x}")),
         };
         Ok(MeshListener {
             tcp,

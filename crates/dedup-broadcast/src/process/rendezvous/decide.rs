@@ -5,6 +5,7 @@ use kv_geometry::GeometryFingerprint;
 
 use super::message::{Hello, Transport, TransportChoice, Welcome};
 use super::{NcclIds, RendezvousError};
+use crate::process::mesh::UNKNOWN_HOST;
 
 /// Makes one NCCL unique id (rank 0 only).
 pub(crate) type IdSource = dyn Fn() -> Result<[u8; 128], String> + Send + Sync;
@@ -99,19 +100,28 @@ fn transport(leader: &Hello, joiners: &[Hello]) -> Result<Transport, RendezvousE
 
 /// Over TCP with ranks on more than one host, the first member whose TCP endpoint other hosts
 /// cannot reach: a loopback address (a key-value exchange's default without `host_ip`), or
-/// an unspecified one of a joiner (rank 0's is rewritten to the address it was reached at).
-/// Without this the group formed, and every connect to that rank failed at the deadline as
-/// "connection refused" (each host reached its own loopback), never naming the setting.
-fn unreachable_endpoint(leader: &Hello, joiners: &[Hello]) -> Option<RendezvousError> {
-    if joiners
-        .iter()
-        .all(|h| h.endpoint.host == leader.endpoint.host)
+/// an unspecified one (but rank 0's where `rank0` says the peers rewrite it). Without this
+/// the group formed, and every connect to that rank failed at the deadline as "connection
+/// refused" (each host reached its own loopback), never naming the setting. Where a host is
+/// not known (its key could not be read: `unknown-…`), whether the ranks share one cannot be
+/// told, and nothing is refused.
+fn unreachable_endpoint(
+    leader: &Hello,
+    joiners: &[Hello],
+    rank0: Rank0Address,
+) -> Option<RendezvousError> {
+    let members = || std::iter::once(leader).chain(joiners);
+    if members().any(|h| h.endpoint.host.starts_with(UNKNOWN_HOST))
+        || joiners
+            .iter()
+            .all(|h| h.endpoint.host == leader.endpoint.host)
     {
         return None;
     }
-    std::iter::once(leader).chain(joiners).find_map(|h| {
+    members().find_map(|h| {
         let ip = h.endpoint.tcp?.ip();
-        let unreachable = ip.is_loopback() || (ip.is_unspecified() && h.rank != 0);
+        let rewritten = h.rank == 0 && rank0 == Rank0Address::Rewritten;
+        let unreachable = ip.is_loopback() || (ip.is_unspecified() && !rewritten);
         unreachable.then(|| RendezvousError::SettingsMismatch {
             rank: h.rank,
             what: "TCP endpoint (ranks on several hosts: set the rendezvous `host_ip` to an \
@@ -130,12 +140,23 @@ pub(crate) fn next_epoch(last: u64) -> Result<u64, RendezvousError> {
         .ok_or_else(|| RendezvousError::Protocol(format!("epoch {last} has no next one")))
 }
 
+/// Whether the peers reach rank 0's mesh at the IP it announced, or at the one they reached
+/// its rendezvous at (an unspecified IP of rank 0's is then rewritten: the TCP meeting point).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rank0Address {
+    /// Peers rewrite rank 0's unspecified IP to the one they reached it at.
+    Rewritten,
+    /// Peers connect to what rank 0 announced (a key-value exchange: no address was reached).
+    AsAnnounced,
+}
+
 /// Rank 0's decision over its own hello and every joiner's (every rank `1..world` present,
 /// possibly more: duplicates, ranks of another world size).
 pub(crate) fn decide(
     leader: &Hello,
     joiners: &[Hello],
     ids: Option<&IdSource>,
+    rank0: Rank0Address,
 ) -> Result<Welcome, RendezvousError> {
     if let Some(err) = refusal(leader, joiners) {
         return Err(err);
@@ -149,7 +170,7 @@ pub(crate) fn decide(
     }
     let transport = transport(leader, joiners)?;
     if transport == Transport::Tcp {
-        if let Some(err) = unreachable_endpoint(leader, joiners) {
+        if let Some(err) = unreachable_endpoint(leader, joiners, rank0) {
             return Err(err);
         }
     }
@@ -219,13 +240,14 @@ pub(super) mod tests {
     /// Before, ranks on several hosts announcing loopback endpoints (a key-value exchange
     /// without `host_ip`) formed a group whose every connect then failed at the deadline as
     /// "connection refused"; now the formation is refused naming the rank and the setting.
-    /// On one host, loopback stays fine.
+    /// On one host, loopback stays fine; so it is where a host is not known.
     #[test]
     fn loopback_endpoints_across_hosts_are_refused_naming_the_setting() {
         let across = decide(
             &on(0, "a", "10.0.0.1"),
             &[on(1, "b", "127.0.0.1"), on(2, "b", "10.0.0.2")],
             None,
+            Rank0Address::Rewritten,
         );
         match across {
             Err(RendezvousError::SettingsMismatch { rank: 1, what, .. }) => {
@@ -237,6 +259,7 @@ pub(super) mod tests {
             &on(0, "a", "0.0.0.0"),
             &[on(1, "b", "0.0.0.0"), on(2, "b", "10.0.0.2")],
             None,
+            Rank0Address::Rewritten,
         );
         assert!(
             matches!(
@@ -253,7 +276,28 @@ pub(super) mod tests {
         for h in &mut local {
             h.transport = TransportChoice::Tcp;
         }
-        assert!(decide(&local[0], &local[1..], None).is_ok());
+        assert!(decide(&local[0], &local[1..], None, Rank0Address::Rewritten).is_ok());
+        // Over a key-value exchange rank 0's unspecified address is what the peers get.
+        let exchange = decide(
+            &on(0, "a", "0.0.0.0"),
+            &[on(1, "b", "10.0.0.3"), on(2, "b", "10.0.0.2")],
+            None,
+            Rank0Address::AsAnnounced,
+        );
+        assert!(
+            matches!(
+                exchange,
+                Err(RendezvousError::SettingsMismatch { rank: 0, .. })
+            ),
+            "{exchange:?}"
+        );
+        // Hosts whose keys could not be read: one host, maybe; loopback is not refused.
+        let unknown = [
+            on(0, &format!("{UNKNOWN_HOST}1"), "127.0.0.1"),
+            on(1, &format!("{UNKNOWN_HOST}2"), "127.0.0.1"),
+            on(2, &format!("{UNKNOWN_HOST}3"), "127.0.0.1"),
+        ];
+        assert!(decide(&unknown[0], &unknown[1..], None, Rank0Address::Rewritten).is_ok());
     }
 
     #[test]
@@ -262,7 +306,7 @@ pub(super) mod tests {
         l.attributes = vec![("store".into(), "x".into())];
         let mut j = vec![hello(2), hello(1)];
         j[0].last_epoch = 6;
-        let w = decide(&l, &j, None).unwrap();
+        let w = decide(&l, &j, None, Rank0Address::Rewritten).unwrap();
         assert_eq!(w.epoch, 7);
         assert_eq!(w.transport, Transport::Unix);
         assert_eq!(w.nonces, vec![100, 101, 102]);
@@ -270,10 +314,15 @@ pub(super) mod tests {
         assert_eq!(w.attributes, l.attributes);
         // Another host: TCP under Auto, a refusal under Unix.
         j[1].endpoint.host = "other".into();
-        assert_eq!(decide(&l, &j, None).unwrap().transport, Transport::Tcp);
+        assert_eq!(
+            decide(&l, &j, None, Rank0Address::Rewritten)
+                .unwrap()
+                .transport,
+            Transport::Tcp
+        );
         l.transport = TransportChoice::Unix;
         assert!(matches!(
-            decide(&l, &j, None),
+            decide(&l, &j, None, Rank0Address::Rewritten),
             Err(RendezvousError::SettingsMismatch { rank: 1, .. })
         ));
     }
@@ -284,11 +333,14 @@ pub(super) mod tests {
         let mut j = vec![hello(1), hello(2)];
         j[1].last_epoch = u64::MAX;
         assert!(matches!(
-            decide(&l, &j, None),
+            decide(&l, &j, None, Rank0Address::Rewritten),
             Err(RendezvousError::Protocol(_))
         ));
         j[1].last_epoch = u64::MAX - 1;
-        assert_eq!(decide(&l, &j, None).unwrap().epoch, u64::MAX);
+        assert_eq!(
+            decide(&l, &j, None, Rank0Address::Rewritten).unwrap().epoch,
+            u64::MAX
+        );
         assert_eq!(next_epoch(3).unwrap(), 4);
     }
 
@@ -298,7 +350,7 @@ pub(super) mod tests {
         let check = |f: &dyn Fn(&mut Vec<Hello>)| {
             let mut j = vec![hello(1), hello(2)];
             f(&mut j);
-            decide(&l, &j, None).unwrap_err()
+            decide(&l, &j, None, Rank0Address::Rewritten).unwrap_err()
         };
         assert!(matches!(
             check(&|j| j[1].world = 4),
@@ -357,12 +409,15 @@ pub(super) mod tests {
         let mut j = vec![hello(1), hello(2)];
         j.iter_mut().for_each(|h| h.nccl = true);
         assert!(matches!(
-            decide(&l, &j, None),
+            decide(&l, &j, None, Rank0Address::Rewritten),
             Err(RendezvousError::Nccl(_))
         ));
         let n = std::sync::atomic::AtomicU8::new(1);
         let src = move || Ok([n.fetch_add(1, std::sync::atomic::Ordering::Relaxed); 128]);
-        let ids = decide(&l, &j, Some(&src)).unwrap().nccl.unwrap();
+        let ids = decide(&l, &j, Some(&src), Rank0Address::Rewritten)
+            .unwrap()
+            .nccl
+            .unwrap();
         assert_ne!(ids.data, ids.control, "two communicators, two ids");
     }
 }

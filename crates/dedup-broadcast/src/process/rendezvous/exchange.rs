@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::decide::{decide, missing, next_epoch, IdSource};
+use super::decide::{decide, missing, next_epoch, IdSource, Rank0Address};
 use super::message::{Hello, Reply, Welcome};
 use super::RendezvousError;
 
@@ -236,7 +236,7 @@ pub(crate) fn lead(
         if absent.is_empty() {
             break match foreign.into_iter().next() {
                 Some((_, e)) => Err(e),
-                None => decide(leader, &hellos, ids),
+                None => decide(leader, &hellos, ids, Rank0Address::AsAnnounced),
             };
         }
         pause(deadline);
@@ -933,7 +933,13 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(5));
             }
             let claimed = Hello::decode(&x.get("p/1/hello/1", far).unwrap().unwrap(), "0.1.0");
-            let mut w = decide(&hello(0), &[claimed.unwrap(), hello(2)], None).unwrap();
+            let mut w = decide(
+                &hello(0),
+                &[claimed.unwrap(), hello(2)],
+                None,
+                Rank0Address::AsAnnounced,
+            )
+            .unwrap();
             w.epoch = 1;
             std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
             std::thread::sleep(Duration::from_millis(100));

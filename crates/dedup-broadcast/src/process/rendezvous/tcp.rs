@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::decide::{decide, missing, IdSource};
+use super::decide::{decide, missing, IdSource, Rank0Address};
 use super::message::{Hello, Reply, Welcome};
 use super::resolve::{resolve_within, AddressLookups, ResolveFailure, RENDEZVOUS};
 use super::RendezvousError;
@@ -363,7 +363,7 @@ fn gather(
         if absent.is_empty() {
             break match joiners.foreign.first() {
                 Some((_, _, e)) => Err(e.clone()),
-                None => decide(leader, &hellos, ids),
+                None => decide(leader, &hellos, ids, Rank0Address::Rewritten),
             };
         }
         let left = deadline.saturating_duration_since(Instant::now());
