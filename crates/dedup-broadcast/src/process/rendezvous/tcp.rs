@@ -20,10 +20,14 @@ use super::message::{Hello, Reply, Welcome};
 use super::resolve::{resolve_within, AddressLookups, ResolveFailure, RENDEZVOUS};
 use super::RendezvousError;
 use crate::process::mesh::MeshListener;
-use crate::process::wire::{read_frame, write_frame};
+use crate::process::wire::{read_frame, write_frame, MAX_FRAME};
 
 /// How long rank 0 waits for a connected rank's hello, and gives a reply to go out.
 const MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Longest rank 0 spends, all together, answering hellos that came in as a formation closed
+/// (each is told no formation runs; one that is not told in time sees its connection end).
+const LATE_ANSWERS: Duration = Duration::from_secs(1);
 /// How long past its deadline a joiner waits for the answer of a formation it is in.
 const REPLY_GRACE: Duration = Duration::from_millis(500);
 /// Pause between a joiner's attempts.
@@ -234,11 +238,13 @@ pub(crate) struct TcpLeader {
 
 /// Writes `r` to a joiner (bounded); an error says the joiner did not get it.
 fn reply(stream: &mut TcpStream, r: &Reply) -> std::io::Result<()> {
-    write_frame(
-        stream,
-        &r.encode(),
-        kv_loader::deadline_after(MESSAGE_TIMEOUT),
-    )
+    reply_by(stream, r, kv_loader::deadline_after(MESSAGE_TIMEOUT))
+}
+
+/// [`reply`] by `by` at the latest.
+fn reply_by(stream: &mut TcpStream, r: &Reply, by: Instant) -> std::io::Result<()> {
+    let by = by.min(kv_loader::deadline_after(MESSAGE_TIMEOUT));
+    write_frame(stream, &r.encode(), by)
 }
 
 /// A formation decided `decision` but its welcome did not reach the joined ranks of
@@ -327,6 +333,7 @@ impl TcpLeader {
         self.state.lock().forming = Some(tx);
         let mut slot = OpenSlot(Some(&self.state));
         let (decision, joiners) = gather(leader, ids, &rx, deadline);
+        let decision = decision.and_then(fits_a_frame);
         self.state.lock().forming = None;
         // Hellos that raced in as the formation closed.
         let late: Vec<Arrival> = rx.try_iter().collect();
@@ -338,10 +345,26 @@ impl TcpLeader {
         st.ended(&decision);
         let idle = st.idle();
         drop(st);
+        // Bounded together: a flood that queued many must not hold the formation's end.
+        let by = kv_loader::deadline_after(LATE_ANSWERS);
         for mut a in late {
-            let _ = reply(&mut a.stream, &idle);
+            let _ = reply_by(&mut a.stream, &idle, by);
         }
         decision
+    }
+}
+
+/// `welcome` when its message fits a frame; else a refusal to every rank (the same each
+/// time: rank 0's attributes are too large), where writing it would fail for every rank.
+fn fits_a_frame(welcome: Welcome) -> Result<Welcome, RendezvousError> {
+    let reply = Reply::Welcome(Box::new(welcome));
+    let len = reply.encode().len();
+    match reply {
+        Reply::Welcome(w) if len <= MAX_FRAME => Ok(*w),
+        _ => Err(RendezvousError::Config(format!(
+            "rank 0's welcome is {len} bytes, past the {MAX_FRAME}-byte message limit: its \
+             attributes are too large"
+        ))),
     }
 }
 
@@ -773,72 +796,39 @@ mod tests {
     /// The version of the tests' hellos.
     const VERSION: &str = "0.1.0";
 
-    /// Before, the deadline was looked at only when no arrival came: a flood of hellos (here
-    /// malformed ones, refused, as fast as rank 0 answers them) kept the formation past its
-    /// bound for as long as it lasted. (Before the change this failed in about half the runs
-    /// here: where the queue runs dry for a moment the old loop saw the deadline too.)
+    /// Before, the deadline was looked at only when no arrival came: hellos queued faster
+    /// than rank 0 answered them (a flood of refused hellos on the open port) kept the
+    /// formation past its bound for as long as they lasted. Here six are queued whose answers
+    /// each take rank 0 its whole reply bound (2 s: a refusal larger than the socket's buffers,
+    /// to a reader that never reads): the formation ends after one of them (before, after all
+    /// six, 12 s).
     #[test]
-    fn a_flood_of_hellos_does_not_keep_the_formation_past_its_deadline() {
-        use std::sync::atomic::{AtomicBool, Ordering};
+    fn queued_hellos_do_not_keep_the_formation_past_its_deadline() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let near = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (mut far, _) = listener.accept().unwrap();
+        let (_far, _) = listener.accept().unwrap();
         socket2::SockRef::from(&near)
             .set_send_buffer_size(4096)
             .unwrap();
-        socket2::SockRef::from(&far)
-            .set_recv_buffer_size(4096)
+        let (tx, rx) = mpsc::channel::<Arrival>();
+        for _ in 0..6 {
+            let big = RendezvousError::Protocol("x".repeat(256 << 10));
+            tx.send(Arrival {
+                stream: near.try_clone().unwrap(),
+                hello: Err(big),
+            })
             .unwrap();
-        // Bounded: the producers keep the queue full without piling up descriptors.
-        let (tx, rx) = mpsc::sync_channel::<Arrival>(256);
-        let stop = AtomicBool::new(false);
-        let leader = hello(0);
-        let (took, decision) = std::thread::scope(|s| {
-            s.spawn(|| {
-                // Rank 0's refusals, read slowly (small buffers on both sides): each answer
-                // takes rank 0 about a millisecond, and the producers keep its queue full.
-                far.set_read_timeout(Some(Duration::from_millis(100)))
-                    .unwrap();
-                let mut sink = [0u8; 64];
-                while !stop.load(Ordering::Acquire) {
-                    let _ = std::io::Read::read(&mut far, &mut sink);
-                    std::thread::sleep(Duration::from_micros(500));
-                }
-            });
-            // Three producers, to outpace rank 0's answers.
-            for _ in 0..3 {
-                let (tx, near, stop) = (tx.clone(), &near, &stop);
-                s.spawn(move || {
-                    let until = kv_loader::deadline_after(Duration::from_secs(8));
-                    while !stop.load(Ordering::Acquire) && Instant::now() < until {
-                        let arrival = Arrival {
-                            stream: near.try_clone().unwrap(),
-                            hello: Err(RendezvousError::Protocol("a flood".into())),
-                        };
-                        if tx.send(arrival).is_err() {
-                            break;
-                        }
-                    }
-                });
-            }
-            drop(tx);
-            // The queue fills first: alone it holds more than the deadline's worth of answers.
-            std::thread::sleep(Duration::from_millis(100));
-            let t0 = Instant::now();
-            let deadline = kv_loader::deadline_after(Duration::from_millis(200));
-            let (decision, _) = gather(&leader, None, &rx, deadline);
-            let took = t0.elapsed();
-            stop.store(true, Ordering::Release);
-            // Unblocks a producer waiting on the full queue.
-            drop(rx);
-            (took, decision)
-        });
+        }
+        let t0 = Instant::now();
+        let deadline = kv_loader::deadline_after(Duration::from_millis(200));
+        let (decision, _) = gather(&hello(0), None, &rx, deadline);
+        let took = t0.elapsed();
         assert!(
             matches!(decision, Err(RendezvousError::Timeout { .. })),
-            "{decision:?}"
+            "{:?}",
+            decision.map(|w| w.epoch)
         );
-        // The deadline and one slow answer at most; before, as long as the flood (8 s).
-        assert!(took < Duration::from_secs(3), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
     }
 
     /// Before, an answered hello's connection stayed open on rank 0 (a second descriptor kept
@@ -914,38 +904,40 @@ mod tests {
         })
     }
 
-    /// A welcome that cannot reach the joined ranks (here: rank 0's attributes make it larger
-    /// than a frame may be) forms no group: rank 0's formation fails naming them, and a later
-    /// hello hears no live group. Before, rank 0 reported the group formed and answered later
-    /// hellos with its epoch (`Occupied` for a rank that never got in).
+    /// A welcome larger than a message may be (rank 0's attributes) forms no group: every
+    /// rank is refused with `Config` (the same each time), and a later hello hears no live
+    /// group. Before, rank 0 reported the group formed and answered later hellos with its
+    /// epoch (`Occupied` for a rank that never got in), while the joiners heard nothing.
     #[test]
-    fn a_welcome_that_cannot_be_delivered_forms_no_group() {
+    fn a_welcome_past_the_message_limit_is_refused_to_every_rank() {
         let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
         let addr = leader.local_addr();
         let huge = Hello {
-            attributes: vec![(
-                "big".into(),
-                "x".repeat(super::super::super::wire::MAX_FRAME),
-            )],
+            attributes: vec![("big".into(), "x".repeat(MAX_FRAME))],
             ..hello(0)
         };
-        let decision = std::thread::scope(|s| {
+        let (decision, replies) = std::thread::scope(|s| {
             let forming =
                 s.spawn(|| leader.form(&huge, None, Instant::now() + Duration::from_secs(10)));
             while leader.state.lock().forming.is_none() {
                 std::thread::sleep(Duration::from_millis(5));
             }
-            let _one = send(addr, &hello(1));
-            let _two = send(addr, &hello(2));
-            forming.join().unwrap()
+            let mut one = send(addr, &hello(1));
+            let mut two = send(addr, &hello(2));
+            let decision = forming.join().unwrap();
+            (decision, [answer(&mut one), answer(&mut two)])
         });
-        match decision {
-            Err(RendezvousError::Timeout { missing, detail }) => {
-                assert_eq!(missing, vec![1, 2], "{detail}");
-                assert!(detail.contains("could not be delivered"), "{detail}");
-            }
-            // The epoch only: the welcome holds a megabyte of attributes.
-            other => panic!("{:?}", other.map(|w| w.epoch)),
+        // The epoch only: a welcome would hold a megabyte of attributes.
+        match decision.map(|w| w.epoch) {
+            Err(RendezvousError::Config(why)) => assert!(why.contains("too large"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        for r in replies {
+            assert!(
+                matches!(r, Reply::Refused(RendezvousError::Config(_))),
+                "{:?}",
+                matches!(r, Reply::Welcome(_))
+            );
         }
         assert!(
             matches!(
@@ -956,6 +948,32 @@ mod tests {
                 }
             ),
             "no live group"
+        );
+    }
+
+    /// A welcome that did not reach a joined rank (it hung up just then) forms no group: the
+    /// formation fails naming the ranks not reached.
+    #[test]
+    fn a_welcome_not_delivered_fails_the_formation_naming_the_ranks() {
+        let w = decide(
+            &hello(0),
+            &[hello(1), hello(2)],
+            None,
+            Rank0Address::Rewritten,
+        )
+        .unwrap();
+        let gone = || std::io::Error::from(std::io::ErrorKind::BrokenPipe);
+        match delivered(Ok(w.clone()), vec![(2, gone()), (1, gone())]) {
+            Err(RendezvousError::Timeout { missing, detail }) => {
+                assert_eq!(missing, vec![1, 2], "{detail}");
+                assert!(detail.contains("could not be delivered"), "{detail}");
+            }
+            other => panic!("{:?}", other.map(|w| w.epoch)),
+        }
+        let epoch = w.epoch;
+        assert_eq!(
+            delivered(Ok(w), Vec::new()).map(|w| w.epoch).ok(),
+            Some(epoch)
         );
     }
 
