@@ -252,6 +252,7 @@ fn too_long(total: u64) -> Option<&'static str> {
 /// | OBJECT_NOT_FOUND (-704), REPLICA_NOT_FOUND, REPLICA_IS_GONE | `NotFound` |
 /// | NO_AVAILABLE_HANDLE (-200), BUFFER_OVERFLOW, quota/limit codes | `NoSpace` |
 /// | OBJECT_HAS_LEASE (-706), LEASE_EXPIRED (-707) | `Lease` |
+/// | REPLICA_IS_NOT_READY (-703), OBJECT_REPLICA_BUSY (-714): a put still in progress | `Lease` |
 /// | TRANSFER_FAIL (-800), CHECKSUM_MISMATCH, WRITE_FAIL | `TransferFailed` |
 /// | RPC_TIMEOUT (-901) | `RpcTimeout` |
 /// | RPC_FAIL (-900), SEGMENT/CLIENT_NOT_FOUND, UNAVAILABLE_* | `Unavailable` |
@@ -268,6 +269,12 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
         ErrorKind::Lease => StoreError::Lease {
             key,
             detail: code.to_string(),
+        },
+        // The object's put is still in progress (a load or prefetch racing a save): it may
+        // be ready a moment later, as a held lease lets go.
+        ErrorKind::Busy => StoreError::Lease {
+            key,
+            detail: format!("{code} (a put of it still in progress)"),
         },
         ErrorKind::Transfer => StoreError::TransferFailed {
             key,
@@ -1102,6 +1109,16 @@ mod tests {
         );
         assert!(gather_buffer("k", u64::MAX).is_err());
         assert!(gather_buffer("k", 4096).unwrap().capacity() >= 4096);
+    }
+
+    /// Before, the master's "replica not ready" / "replica busy" (a put of the object still in
+    /// progress, as when a load races a save) came back as `Other`, a permanent failure.
+    #[test]
+    fn a_replica_still_being_put_is_a_retryable_failure() {
+        for code in [mooncake_sys::ErrorCode(-703), mooncake_sys::ErrorCode(-714)] {
+            let e = code_error("k", code);
+            assert!(e.failure().is_retryable(), "{code}: {e:?}");
+        }
     }
 
     /// A library or client error keeps the typed `MooncakeError` behind the words, and a
