@@ -75,9 +75,13 @@ fn time_on<F: FnMut() -> Result<(), String>>(
 ) -> Result<f64, String> {
     let mut ms = Vec::with_capacity(iters);
     for i in 0..warm + iters {
-        let start = timing_event(dev.cuda_load_stream())?;
+        // SAFETY: events and raw copies of this crate's memory on the load stream: no
+        // `CudaSlice` is made through it.
+        let start = timing_event(unsafe { dev.cuda_load_stream() })?;
         f()?;
-        let end = timing_event(dev.cuda_load_stream())?;
+        // SAFETY: events and raw copies of this crate's memory on the load stream: no
+        // `CudaSlice` is made through it.
+        let end = timing_event(unsafe { dev.cuda_load_stream() })?;
         let t = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
         if i >= warm {
             ms.push(f64::from(t));
@@ -105,7 +109,9 @@ fn h2d(dev: &Arc<CudaDevice>, args: &Args, report: &mut Report) {
         // Ceiling: one plain pinned → device copy of the same bytes, same stream.
         let pinned = PinnedBuffer::zeroed(dev.context(), bytes, "bench").map_err(de)?;
         let dbuf = DeviceBuffer::alloc(dev.context(), bytes, "bench").map_err(de)?;
-        let stream = dev.cuda_load_stream().cu_stream();
+        // SAFETY: events and raw copies of this crate's memory on the load stream: no
+        // `CudaSlice` is made through it.
+        let stream = unsafe { dev.cuda_load_stream() }.cu_stream();
         let ceiling = time_on(dev, warm, iters, || {
             dev.bind().map_err(de)?;
             // SAFETY: our pinned buffer and device buffer, `bytes` each; the timing event
@@ -163,9 +169,13 @@ fn h2d(dev: &Arc<CudaDevice>, args: &Args, report: &mut Report) {
                     let mut stages = l.take_stages();
                     let stage = &mut stages[0];
                     l.open(stage, layer, soon()).map_err(de)?;
-                    let start = timing_event(dev.cuda_load_stream())?;
+                    // SAFETY: events and raw copies of this crate's memory on the load stream: no
+                    // `CudaSlice` is made through it.
+                    let start = timing_event(unsafe { dev.cuda_load_stream() })?;
                     l.land(stage).map_err(de)?;
-                    let end = timing_event(dev.cuda_load_stream())?;
+                    // SAFETY: events and raw copies of this crate's memory on the load stream: no
+                    // `CudaSlice` is made through it.
+                    let end = timing_event(unsafe { dev.cuda_load_stream() })?;
                     let e = start.elapsed_ms(&end).map_err(|e| e.to_string())?;
                     if i >= warm {
                         ms.push(f64::from(e));
@@ -348,7 +358,9 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
         )
         .map_err(de)?;
         let mut stages = landing.take_stages();
-        let base = timing_event(dev.cuda_load_stream())?;
+        // SAFETY: events and raw copies of this crate's memory on the load stream: no
+        // `CudaSlice` is made through it.
+        let base = timing_event(unsafe { dev.cuda_load_stream() })?;
         let t0 = Instant::now();
         let mut marks: Vec<(f64, f64, CudaEvent, CudaEvent)> = Vec::new();
         let mut last = None;
@@ -409,9 +421,13 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
                 return Err(format!("{failed} reads failed at layer {layer}"));
             }
             let r1 = t0.elapsed().as_secs_f64() * 1e3;
-            let s = timing_event(dev.cuda_load_stream())?;
+            // SAFETY: events and raw copies of this crate's memory on the load stream: no
+            // `CudaSlice` is made through it.
+            let s = timing_event(unsafe { dev.cuda_load_stream() })?;
             let ready = landing.land(stage).map_err(de)?;
-            let e = timing_event(dev.cuda_load_stream())?;
+            // SAFETY: events and raw copies of this crate's memory on the load stream: no
+            // `CudaSlice` is made through it.
+            let e = timing_event(unsafe { dev.cuda_load_stream() })?;
             marks.push((r0, r1, s, e));
             last = Some(ready);
         }

@@ -156,7 +156,9 @@ fn broadcasts(
     region: DeviceRegion,
     n: usize,
 ) -> Result<f64, String> {
-    let stream = dev.cuda_load_stream();
+    // SAFETY: events and raw copies of this crate's memory on the load stream: no
+    // `CudaSlice` is made through it.
+    let stream = unsafe { dev.cuda_load_stream() };
     let start = timing_event(stream)?;
     let mut after: Option<SharedEvent> = Some(CudaLayerEvent::record_on(stream, 0).map_err(de)?);
     let deadline = deadline_after(Duration::from_secs(30));

@@ -527,7 +527,9 @@ fn ceilings(
         let dev = CudaDevice::new(r as u32).map_err(de)?;
         let pinned = PinnedBuffer::zeroed(dev.context(), bytes, "ceiling").map_err(de)?;
         let dbuf = DeviceBuffer::alloc(dev.context(), bytes, "ceiling").map_err(de)?;
-        let stream = dev.cuda_load_stream();
+        // SAFETY: events and raw copies of this crate's memory on the load stream: no
+        // `CudaSlice` is made through it.
+        let stream = unsafe { dev.cuda_load_stream() };
         let mut ms = Vec::new();
         for i in 0..warm + iters {
             // Every GPU copies at once (they share the host's memory and PCIe).

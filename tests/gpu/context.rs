@@ -32,6 +32,27 @@ pub fn run(report: &mut Report) {
         "opening kvlink's device does not wait for the engine's queued work",
         opening_does_not_wait_for_engine_work,
     );
+    report.check(
+        SEC,
+        "the context handed to the engine keeps cudarc's event tracking; kvlink's own does not",
+        engine_context_is_tracked,
+    );
+}
+
+/// Before, `context()` handed out kvlink's handle, event tracking off: an engine's
+/// `CudaSlice`s made through it were not ordered across streams by cudarc (a slice dropped
+/// while another stream's copy into it ran could be reused under it), from safe code.
+fn engine_context_is_tracked() -> Result<String, String> {
+    let dev = CudaDevice::new(0).map_err(de)?;
+    // SAFETY: only asked whether tracking is on: nothing is made through it.
+    let own = unsafe { dev.untracked_context() }.is_event_tracking();
+    let engine = dev.context().is_event_tracking();
+    if !engine || own {
+        return Err(format!(
+            "event tracking: the engine's handle {engine}, kvlink's {own} (want true, false)"
+        ));
+    }
+    Ok("the engine's handle tracks events; kvlink's does not".into())
 }
 
 fn current() -> Result<cu::CUcontext, String> {
@@ -78,7 +99,11 @@ impl Drop for EngineContext {
 /// to kvlink's GPU instead of device 0.
 fn no_context_stays_none() -> Result<String, String> {
     let dev = CudaDevice::new(0).map_err(de)?;
-    let ev = std::sync::Arc::new(CudaLayerEvent::record_on(dev.cuda_load_stream(), 0).map_err(de)?);
+    // SAFETY: events and raw copies of this crate's memory on the load stream: no
+    // `CudaSlice` is made through it.
+    let ev = std::sync::Arc::new(
+        CudaLayerEvent::record_on(unsafe { dev.cuda_load_stream() }, 0).map_err(de)?,
+    );
     let theirs = ev.clone();
     std::thread::spawn(move || -> Result<(), String> {
         let none = |what: &str| -> Result<(), String> {
@@ -135,7 +160,9 @@ fn engine_context_kept() -> Result<String, String> {
     kept("allocating through Device::alloc (zeroed on its stream)")?;
     drop(mem);
     kept("freeing it")?;
-    let ev = CudaLayerEvent::record_on(dev.cuda_load_stream(), 0).map_err(de)?;
+    // SAFETY: events and raw copies of this crate's memory on the load stream: no
+    // `CudaSlice` is made through it.
+    let ev = CudaLayerEvent::record_on(unsafe { dev.cuda_load_stream() }, 0).map_err(de)?;
     kept("recording an event")?;
     ev.is_complete().map_err(de)?;
     kept("polling it")?;
@@ -171,7 +198,14 @@ fn engine_context_kept() -> Result<String, String> {
         let mut held: Vec<(&str, Box<dyn std::any::Any>)> = vec![
             (
                 "event",
-                Box::new(CudaLayerEvent::record_on(dev.cuda_load_stream(), 0).map_err(de)?),
+                Box::new(
+                    CudaLayerEvent::record_on(
+                        // SAFETY: an event on the load stream: no `CudaSlice` is made through it.
+                        unsafe { dev.cuda_load_stream() },
+                        0,
+                    )
+                    .map_err(de)?,
+                ),
             ),
             (
                 "device buffer",

@@ -81,7 +81,9 @@ fn kernel_case(
     let d_back = DeviceBuffer::zeroed(ctx, src.len(), "test").map_err(de)?;
     let d_slots = DeviceBuffer::zeroed(ctx, rows * 4, "test").map_err(de)?;
     dev.bind().map_err(de)?;
-    let stream = dev.cuda_load_stream().cu_stream();
+    // SAFETY: events and raw copies of this crate's memory on the load stream: no
+    // `CudaSlice` is made through it.
+    let stream = unsafe { dev.cuda_load_stream() }.cu_stream();
     // SAFETY: every buffer is ours with the sizes used; copies are synchronous; the kernels
     // write rows inside d_dst (slots < slots_n) and d_back (rows < rows); the stream is
     // synchronized before the buffers are read or dropped.

@@ -105,7 +105,9 @@ fn device_ops(coll: &NcclCollective) -> Result<String, String> {
     unsafe { result::memcpy_htod_sync(d.ptr(), &host) }.map_err(|e| e.to_string())?;
     // The device operations: ordered after an event of the load stream, completion as an event.
     let before: SharedEvent =
-        kvlink::kv_device::cuda::CudaLayerEvent::record_on(dev.cuda_load_stream(), 0)
+        // SAFETY: events and raw copies of this crate's memory on the load stream: no
+        // `CudaSlice` is made through it.
+        kvlink::kv_device::cuda::CudaLayerEvent::record_on(unsafe { dev.cuda_load_stream() }, 0)
             .map_err(de)?;
     // SAFETY: `d` is our device buffer on GPU 0, untouched by other work until the event.
     let ev =

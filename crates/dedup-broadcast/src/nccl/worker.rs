@@ -230,8 +230,11 @@ impl Worker {
     pub(crate) fn start(s: &Setup) -> Result<Worker, CollectiveError> {
         let device = CudaDevice::new(s.ordinal).map_err(cerr)?;
         device.bind().map_err(cerr)?;
-        let stream = device
-            .context()
+        // kvlink's handle (cudarc's event tracking off): a new stream in it does not
+        // synchronize the context the engine shares.
+        // SAFETY: no `CudaSlice` is made through it or the comm stream: the worker's memory is
+        // raw (`DeviceBuffer`, `PinnedBuffer`, the landing's staging), ordered by events.
+        let stream = unsafe { device.untracked_context() }
             .new_stream()
             .map_err(|e| driver("cuStreamCreate (comm stream)", e))?;
         let mut w = Worker {
@@ -508,7 +511,8 @@ impl Worker {
         if !self.timing {
             return None;
         }
-        let ctx = self.device.context();
+        // SAFETY: events only (timing the comm stream): no `CudaSlice`.
+        let ctx = unsafe { self.device.untracked_context() };
         let flags = Some(cu::CUevent_flags::CU_EVENT_DEFAULT);
         let start = ctx.new_event(flags).ok()?;
         let end = ctx.new_event(flags).ok()?;

@@ -57,7 +57,11 @@ pub fn cuda_device_count() -> Result<u32, DeviceError> {
 #[derive(Debug)]
 pub struct CudaDevice {
     ordinal: u32,
+    /// kvlink's handle of the primary context: cudarc's event tracking off (below).
     ctx: Arc<CudaContext>,
+    /// The engine's handle of the same primary context, tracking on (cudarc's default): what
+    /// [`context`](Self::context) hands out, so that `CudaSlice`s made through it stay ordered.
+    engine_ctx: Arc<CudaContext>,
     load_stream: Arc<CuStream>,
     /// Where new device memory is zeroed (waited for before `alloc` returns), apart from the
     /// load stream so an allocation never waits behind a landing's copies.
@@ -101,8 +105,12 @@ impl CudaDevice {
         // bound, for every kernel the engine has queued.
         // SAFETY: tracking only orders cudarc's `CudaSlice` uses across streams; this crate
         // makes none (its allocations are raw, `cuda::memory`, ordered by its own events), so
-        // nothing relies on it.
+        // nothing relies on it. This handle leaves the crate only through the `unsafe`
+        // accessors below, whose callers take on the same duty; the safe `context` hands out a
+        // second handle of the same context with tracking on.
         unsafe { ctx.disable_event_tracking() };
+        let engine_ctx =
+            CudaContext::new(ordinal as usize).map_err(drv("cuDevicePrimaryCtxRetain"))?;
         let kernels = Arc::new(KernelCache::new(ctx.clone()));
         let stream = ctx
             .new_stream()
@@ -115,18 +123,39 @@ impl CudaDevice {
             load_stream: Arc::new(CuStream::new(stream, kernels.clone())),
             zero_stream,
             ctx,
+            engine_ctx,
             kernels,
             restore: ContextRestore::default(),
         }))
     }
 
-    /// The device's primary context (cudarc), e.g. to create engine streams in it.
+    /// The device's primary context as a cudarc handle for the engine's own use (streams,
+    /// `CudaSlice`s): cudarc's event tracking is on in it, as by default, so its slices stay
+    /// ordered across streams (its first `new_stream` synchronizes the context once, as any
+    /// tracked cudarc context's does). Raw memory of this crate (`DeviceBuffer`,
+    /// `PinnedBuffer`) may be made through it too.
     pub fn context(&self) -> &Arc<CudaContext> {
+        &self.engine_ctx
+    }
+
+    /// kvlink's own handle of the primary context, cudarc's event tracking off (so that
+    /// making a stream in it never synchronizes the context the engine shares): for kvlink's
+    /// crates and benchmarks that make streams, events and raw memory in it.
+    ///
+    /// # Safety
+    /// cudarc does not order a `CudaSlice` of this handle (or of a stream made from it)
+    /// across streams: the caller makes none, or orders every use of each on another stream
+    /// itself (events) and drops none while such a use may still run.
+    pub unsafe fn untracked_context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
 
     /// The load stream as a cudarc stream (for timing events and raw copies in benchmarks).
-    pub fn cuda_load_stream(&self) -> &Arc<CudaStream> {
+    ///
+    /// # Safety
+    /// As for [`untracked_context`](Self::untracked_context): the stream belongs to that
+    /// handle.
+    pub unsafe fn cuda_load_stream(&self) -> &Arc<CudaStream> {
         self.load_stream.cuda()
     }
 

@@ -92,8 +92,11 @@ impl CudaLayerEvent {
         self.event
     }
 
-    /// The context it belongs to.
-    pub fn context(&self) -> &Arc<CudaContext> {
+    /// The context it belongs to: kvlink's handle of it, cudarc's event tracking off.
+    ///
+    /// # Safety
+    /// As for [`CudaDevice::untracked_context`](super::CudaDevice::untracked_context).
+    pub unsafe fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
 
