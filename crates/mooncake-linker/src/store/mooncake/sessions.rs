@@ -211,9 +211,12 @@ impl SessionTable {
                     s.renewed = Some(asked);
                     Ok(())
                 }
-                // A renewal that failed while the session still has a quarter of its lease
-                // left: the read goes ahead under it, as it would have without the renewal.
-                (Err(e), Some(s)) if self.alive(s, now) => {
+                // A renewal that failed for a passing reason (the master slow or unreachable)
+                // while the session still has a quarter of its lease left: the read goes
+                // ahead under it, as it would have without the renewal. Not when the master
+                // says the object is gone (`NotFound`: removed, maybe discarded as bad): the
+                // replica the old session resolved may hold another object's bytes by now.
+                (Err(e), Some(s)) if self.alive(s, now) && passing(&e) => {
                     warn!(key = *k, error = %e, "mooncake: renewing a read session failed; reading under the one still open");
                     s.implicit += 1;
                     Ok(())
@@ -223,6 +226,18 @@ impl SessionTable {
             joined.results.insert((*k).to_owned(), r);
         }
         joined
+    }
+
+    /// Forgets where `keys`' sessions were resolved (their objects were removed: the replicas
+    /// the master named may be given to new puts): the next read of each asks the master
+    /// again instead of joining the old session. Reads and starts holding them keep them.
+    pub(super) fn forget_replicas(&self, keys: &[&str]) {
+        let mut table = self.keys.lock();
+        for k in keys {
+            if let Some(s) = table.get_mut(*k) {
+                s.renewed = None;
+            }
+        }
     }
 
     /// Joins the keys of `keys` in a fresh session now; returns the others (absent, or
@@ -414,6 +429,15 @@ fn start_sessions(client: &Client, keys: &[&str]) -> Vec<Result<(), StoreError>>
     out
 }
 
+/// A failure that may pass: the master slow or unreachable (a session still open may be read
+/// under), not an answer about the object.
+fn passing(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::Unavailable { .. } | StoreError::RpcTimeout { .. } | StoreError::Overdue { .. }
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -489,6 +513,84 @@ mod tests {
             }
             Ok(())
         }
+    }
+
+    /// A master whose starts answer as `answer` says, counting them.
+    struct CountingMaster {
+        starts: AtomicU64,
+        answer: Mutex<Option<StoreError>>,
+    }
+
+    impl SessionCalls for CountingMaster {
+        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            self.starts.fetch_add(1, Ordering::Relaxed);
+            let answer = self.answer.lock().clone();
+            keys.iter()
+                .map(|_| answer.clone().map_or(Ok(()), Err))
+                .collect()
+        }
+
+        fn end(&self, _: &[&str]) -> Result<(), StoreError> {
+            Ok(())
+        }
+    }
+
+    fn counting() -> CountingMaster {
+        CountingMaster {
+            starts: AtomicU64::new(0),
+            answer: Mutex::new(None),
+        }
+    }
+
+    /// Before, a key whose object was removed (discarded as bad) was still joined in its old
+    /// session for half the lease, with no master call: the read went to the replica the
+    /// master may have given to a new put. Once its replicas are forgotten, the next read asks
+    /// the master again.
+    #[test]
+    fn a_key_whose_replicas_are_forgotten_is_asked_of_the_master_again() {
+        let master = counting();
+        let table = SessionTable::with_lease(Duration::from_secs(10));
+        let held = table.join(&master, &["k"]);
+        drop(table.join(&master, &["k"]));
+        assert_eq!(
+            master.starts.load(Ordering::Relaxed),
+            1,
+            "joined while fresh"
+        );
+        table.forget_replicas(&["k"]);
+        let again = table.join(&master, &["k"]);
+        assert_eq!(master.starts.load(Ordering::Relaxed), 2, "asked again");
+        assert!(matches!(again.result("k"), Some(Ok(()))));
+        drop((held, again));
+    }
+
+    /// Before, any failed renewal of a session with a quarter of its lease left let the read
+    /// go ahead under the old one, also when the master said the object is gone: only a
+    /// passing failure (the master slow or unreachable) does now.
+    #[test]
+    fn a_renewal_that_finds_the_object_gone_fails_the_read() {
+        let master = counting();
+        let table = SessionTable::with_lease(Duration::from_secs(2));
+        let first = table.join(&master, &["k"]);
+        // Past half the lease (a renewal is asked), within three quarters (still alive), with
+        // room for a loaded machine.
+        std::thread::sleep(Duration::from_millis(1100));
+        *master.answer.lock() = Some(StoreError::Unavailable {
+            detail: "injected".into(),
+        });
+        let passing = table.join(&master, &["k"]);
+        assert!(
+            matches!(passing.result("k"), Some(Ok(()))),
+            "read under the open one"
+        );
+        *master.answer.lock() = Some(StoreError::NotFound { key: "k".into() });
+        let gone = table.join(&master, &["k"]);
+        assert!(
+            matches!(gone.result("k"), Some(Err(StoreError::NotFound { .. }))),
+            "{:?}",
+            gone.result("k")
+        );
+        drop((first, passing, gone));
     }
 
     /// Stress: threads join and leave (ranged reads) and start and end (explicit sessions)

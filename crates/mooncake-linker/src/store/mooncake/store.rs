@@ -891,16 +891,26 @@ impl KvStore for MooncakeStore {
     }
 
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-        keys.iter()
+        let out = keys
+            .iter()
             .map(|k| self.client.remove(k, false).map_err(|e| store_error(k, &e)))
-            .collect()
+            .collect();
+        // The replicas their sessions resolved may go to new puts: the next read asks again.
+        self.sessions.forget_replicas(keys);
+        out
     }
 
     /// A forced remove: a bad object goes even while a read lease (a load, a lookup) holds it.
+    /// Sessions of its key that reads would join without the master are forgotten: their
+    /// replica may be given to a new put, whose bytes a ranged read would return as the
+    /// object's.
     fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-        keys.iter()
+        let out = keys
+            .iter()
             .map(|k| self.client.remove(k, true).map_err(|e| store_error(k, &e)))
-            .collect()
+            .collect();
+        self.sessions.forget_replicas(keys);
+        out
     }
 
     unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
