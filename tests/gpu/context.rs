@@ -37,6 +37,37 @@ pub fn run(report: &mut Report) {
         "the context handed to the engine keeps cudarc's event tracking; kvlink's own does not",
         engine_context_is_tracked,
     );
+    report.check(
+        SEC,
+        "an event on the default stream is refused where another context is current",
+        default_stream_of_another_context_refused,
+    );
+}
+
+/// Before, `record_on` with stream handle 0 on a thread running another context recorded on
+/// kvlink's context's default stream: an event that completed at once, covering none of the
+/// engine's work (a save would gather pages not yet written).
+fn default_stream_of_another_context_refused() -> Result<String, String> {
+    let dev = CudaDevice::new(0).map_err(de)?;
+    // SAFETY: 0 is the default stream, live in every context.
+    let default = unsafe { kvlink::kv_loader::RawStream::from_raw(0) };
+    let theirs = std::thread::spawn(move || -> Result<String, String> {
+        let _engine = EngineContext::new()?;
+        match dev.record_on(default) {
+            Err(kvlink::kv_device::DeviceError::Unsupported(_)) => Ok(()),
+            other => Err(format!(
+                "with another context current: {:?}",
+                other.map(|_| "an event")
+            )),
+        }?;
+        let plain = std::thread::spawn(move || dev.record_on(default).map(drop).map_err(de))
+            .join()
+            .map_err(|_| "a thread panicked".to_string())?;
+        plain.map(|()| "refused under another context; recorded on a thread with none".into())
+    });
+    theirs
+        .join()
+        .map_err(|_| "the engine thread panicked".to_string())?
 }
 
 /// Before, `context()` handed out kvlink's handle, event tracking off: an engine's

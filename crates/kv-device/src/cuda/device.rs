@@ -57,6 +57,10 @@ pub fn cuda_device_count() -> Result<u32, DeviceError> {
 #[derive(Debug)]
 pub struct CudaDevice {
     ordinal: u32,
+    /// The device's name, read once when opened (cudarc's `name()` would also consume an
+    /// error one of its drops recorded, and answer with it: two devices of one GPU must
+    /// name it alike, as landings compare them).
+    name: String,
     /// kvlink's handle of the primary context: cudarc's event tracking off (below).
     ctx: Arc<CudaContext>,
     /// The engine's handle of the same primary context, tracking on (cudarc's default): what
@@ -111,6 +115,8 @@ impl CudaDevice {
         unsafe { ctx.disable_event_tracking() };
         let engine_ctx =
             CudaContext::new(ordinal as usize).map_err(drv("cuDevicePrimaryCtxRetain"))?;
+        let name = cudarc::driver::result::device::get_name(ctx.cu_device())
+            .unwrap_or_else(|e| format!("CUDA device {ordinal} ({})", driver_error_text(e)));
         let kernels = Arc::new(KernelCache::new(ctx.clone()));
         let stream = ctx
             .new_stream()
@@ -122,6 +128,7 @@ impl CudaDevice {
             ordinal,
             load_stream: Arc::new(CuStream::new(stream, kernels.clone())),
             zero_stream,
+            name,
             ctx,
             engine_ctx,
             kernels,
@@ -164,10 +171,25 @@ impl CudaDevice {
     /// `Linker::save_after` orders the gather after, device-side. Safe: `RawStream`'s
     /// constructor carries the promise that it is a live stream of this process (a stream of
     /// another context is refused by the driver: an error, not undefined behaviour).
+    ///
+    /// The special handles 0 (the default stream), 1 (legacy) and 2 (per-thread) name a
+    /// stream of whichever context is current: on a thread whose current context is not
+    /// this device's they are refused ([`DeviceError::Unsupported`]), since the event would
+    /// land on this context's default stream and not cover the engine's work.
     pub fn record_on(
         &self,
         stream: kv_loader::RawStream,
     ) -> Result<crate::SharedEvent, DeviceError> {
+        if stream.as_raw() <= 2 {
+            let current =
+                cudarc::driver::result::ctx::get_current().map_err(drv("cuCtxGetCurrent"))?;
+            if current.is_some_and(|c| c != self.ctx.cu_ctx()) {
+                return Err(DeviceError::Unsupported(
+                    "recording on the default stream (handle 0, 1 or 2) of a thread whose \
+                     current context is not kvlink's: name the engine's stream itself",
+                ));
+            }
+        }
         let ev = super::event::CudaLayerEvent::record_raw(
             &self.ctx,
             stream.as_raw() as cudarc::driver::sys::CUstream,
@@ -221,9 +243,7 @@ unsafe impl Device for CudaDevice {
     }
 
     fn name(&self) -> String {
-        self.ctx
-            .name()
-            .unwrap_or_else(|e| format!("CUDA device {} ({})", self.ordinal, driver_error_text(e)))
+        self.name.clone()
     }
 
     fn alloc(&self, len: usize, what: &'static str) -> Result<DeviceMemory, DeviceError> {

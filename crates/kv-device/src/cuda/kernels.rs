@@ -204,7 +204,10 @@ fn grid(n_rows: u32, row_bytes: u64) -> (u32, u32) {
 #[derive(Debug)]
 pub(crate) struct KernelCache {
     ctx: Arc<CudaContext>,
-    loaded: Mutex<Option<Arc<Kernels>>>,
+    /// The kernels, or why they could not be loaded: a failure is kept (a driver that refuses
+    /// the PTX refuses it again; loading again would compile under this lock on every copy,
+    /// serializing every stream's enqueues).
+    loaded: Mutex<Option<Result<Arc<Kernels>, DeviceError>>>,
 }
 
 impl KernelCache {
@@ -219,12 +222,16 @@ impl KernelCache {
     pub(crate) fn get(&self) -> Result<Arc<Kernels>, DeviceError> {
         let mut k = self.loaded.lock();
         if let Some(k) = k.as_ref() {
-            return Ok(k.clone());
+            return k.clone();
         }
+        // A context that cannot be made current says nothing of the kernels: not kept.
         let _current = Current::of(&self.ctx)?;
-        let loaded = Arc::new(Kernels::load(&self.ctx, None)?);
+        let loaded = Kernels::load(&self.ctx, None).map(Arc::new);
+        if let Err(e) = &loaded {
+            tracing::error!(error = %e, "the copy kernels could not be loaded; kept as this device's answer");
+        }
         *k = Some(loaded.clone());
-        Ok(loaded)
+        loaded
     }
 }
 

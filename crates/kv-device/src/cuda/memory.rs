@@ -65,15 +65,38 @@ impl DeviceBuffer {
     }
 
     /// Allocates `len` zeroed bytes, zeroed on a stream of its own (see
-    /// [`zeroed_on`](Self::zeroed_on)) and waited for, at most a minute.
+    /// [`zeroed_on`](Self::zeroed_on)) and waited for, at most a minute. The stream is made
+    /// raw: cudarc's `new_stream` on a context with event tracking on (the engine's handle,
+    /// `CudaDevice::context`) would first synchronize the whole context, with no bound.
     pub fn zeroed(
         ctx: &Arc<CudaContext>,
         len: usize,
         what: &'static str,
     ) -> Result<Self, DeviceError> {
+        let b = Self::alloc(ctx, len, what)?;
         let _current = Current::of(ctx)?;
-        let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        Self::zeroed_on(&stream, len, what, SYNC_LIMIT)
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(drv("cuStreamCreate"))?;
+        // SAFETY: `b.ptr` is our allocation of at least `len` bytes that nothing else uses yet;
+        // the context is current (the guard above) and `stream` was just made in it. The
+        // memset is waited for (`waited_for`), and `b` is leaked instead of freed when it
+        // cannot be.
+        let queued = unsafe { result::memset_d8_async(b.ptr, 0, len, stream) }
+            .map_err(drv("cuMemsetD8Async"))
+            .and_then(|()| CudaLayerEvent::record_raw(ctx, stream, u32::MAX));
+        // SAFETY: the stream is ours and used by nothing else; the driver destroys it once
+        // its queued work (the memset) has run, which the event above still tells.
+        if let Err(e) = unsafe { result::stream::destroy(stream) } {
+            tracing::warn!(error = %super::error::driver_error_text(e), "destroying a zeroing stream failed");
+        }
+        match queued {
+            Ok(ev) => b.waited_for(&ev, what, SYNC_LIMIT),
+            // Nothing may have been queued, or the memset was: kept for good either way.
+            Err(e) => {
+                std::mem::forget(b);
+                Err(e)
+            }
+        }
     }
 
     /// Allocates `len` zeroed bytes in `stream`'s context. The zeroing runs on `stream`
@@ -94,9 +117,27 @@ impl DeviceBuffer {
         // below, and `b` is leaked instead of freed when the wait does not end.
         unsafe { result::memset_d8_async(b.ptr, 0, len, stream.cu_stream()) }
             .map_err(drv("cuMemsetD8Async"))?;
-        let done = CudaLayerEvent::record_on(stream, u32::MAX)
-            .and_then(|ev| ev.wait_until(kv_loader::deadline_after(limit)));
-        match done {
+        match CudaLayerEvent::record_on(stream, u32::MAX) {
+            Ok(ev) => b.waited_for(&ev, what, limit),
+            Err(e) => {
+                tracing::error!(bytes = len, what, error = %e, "zeroing new device memory could not be waited for; leaking it");
+                std::mem::forget(b);
+                Err(e)
+            }
+        }
+    }
+
+    /// `self` once `ev` (after its zeroing) completed, waiting at most `limit`; leaked (the
+    /// memset may still write it) when it did not or could not be waited for.
+    fn waited_for(
+        self,
+        ev: &CudaLayerEvent,
+        what: &'static str,
+        limit: Duration,
+    ) -> Result<Self, DeviceError> {
+        let b = self;
+        let len = b.len;
+        match ev.wait_until(kv_loader::deadline_after(limit)) {
             Ok(true) => Ok(b),
             Ok(false) => {
                 tracing::error!(
