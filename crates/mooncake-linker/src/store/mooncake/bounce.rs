@@ -47,9 +47,12 @@ struct BounceState {
     /// Registered, and possibly still written by a transfer the client gave up on: never
     /// lent again nor freed (see `Drop`).
     kept: Vec<Box<[u8]>>,
-    /// Bytes of every buffer made (free, lent, kept, and any leaked after a failed
-    /// registration).
+    /// Bytes of every buffer made and still the store's (free, lent, kept).
     total: usize,
+    /// Bytes leaked after failed registrations (a registration that failed part way may have
+    /// left the pages registered): counted apart, so that a few failures do not leave every
+    /// later read refused as "all in use"; past [`MAX_BOUNCE_TOTAL`] no more are tried.
+    leaked: usize,
     /// When a registration last failed.
     failed_at: Option<Instant>,
 }
@@ -93,6 +96,11 @@ impl Bounces {
             if let Some(i) = st.free.iter().position(|b| b.len() >= need) {
                 return Ok(Lent(Some(st.free.swap_remove(i))));
             }
+            if st.leaked >= MAX_BOUNCE_TOTAL {
+                return Err(refused(
+                    "bounce registrations failed too often (their buffers were leaked)",
+                ));
+            }
             if st.failed_at.is_some_and(|t| t.elapsed() < RETRY_AFTER) {
                 return Err(refused(
                     "a bounce registration failed less than a minute ago",
@@ -124,7 +132,10 @@ impl Bounces {
         if let Err(e) = unsafe { store.register(region) } {
             // A registration that failed part way may have left the pages registered: leaked.
             std::mem::forget(buf);
-            self.state.lock().failed_at = Some(Instant::now());
+            let mut st = self.state.lock();
+            st.failed_at = Some(Instant::now());
+            st.total -= len;
+            st.leaked = st.leaked.saturating_add(len);
             return Err(e);
         }
         tracing::debug!(
@@ -177,12 +188,19 @@ impl MooncakeStore {
             Some(Ok(lent)) => lent,
             why => {
                 let why = match why {
-                    Some(Err(e)) => e.to_string(),
-                    _ => format!("more than {MAX_BOUNCE_BYTES} bytes"),
+                    Some(Err(e)) => Some(e),
+                    _ => None,
                 };
-                tracing::warn!(why, "reads into unregistered memory not bounced: refused");
+                tracing::warn!(
+                    why = why.as_ref().map_or_else(
+                        || format!("more than {MAX_BOUNCE_BYTES} bytes"),
+                        |e| e.to_string()
+                    ),
+                    "reads into unregistered memory not bounced"
+                );
                 // SAFETY: the caller's promise, for the same gets.
-                return unsafe { self.get_into_in_place(gets) };
+                let read = unsafe { self.get_into_in_place(gets) };
+                return not_bounced(read, outside, why);
             }
         };
         let mut lent = lent;
@@ -227,5 +245,47 @@ impl MooncakeStore {
             self.bounces.give_back(lent);
         }
         out
+    }
+}
+
+/// The results of reads whose unregistered destinations (`outside`) could not be bounced:
+/// read in place, those are refused (`InvalidArgument`: what a read into unregistered memory
+/// is); where a bounce was not to be had for a passing reason (`why`: every bounce in use, a
+/// registration that failed a moment ago), they fail with that reason instead, which may
+/// pass (a load retried then succeeds).
+fn not_bounced(
+    mut read: Vec<Result<u64, StoreError>>,
+    outside: &[usize],
+    why: Option<StoreError>,
+) -> Vec<Result<u64, StoreError>> {
+    if let Some(why) = why {
+        for &i in outside {
+            if let Some(r) = read.get_mut(i) {
+                *r = Err(why.clone());
+            }
+        }
+    }
+    read
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Before, a read whose bounce was not to be had (every bounce in use) was refused as an
+    /// invalid argument, a permanent failure: it fails with the bounce's own, passing reason.
+    #[test]
+    fn reads_not_bounced_for_a_passing_reason_fail_with_it() {
+        let invalid = || StoreError::InvalidArgument {
+            key: "k".into(),
+            detail: "unregistered".into(),
+        };
+        let read = vec![Ok(8), Err(invalid()), Err(invalid())];
+        let busy = refused("the store's bounce buffers are all in use");
+        let out = not_bounced(read.clone(), &[1, 2], Some(busy.clone()));
+        assert_eq!(out, vec![Ok(8), Err(busy.clone()), Err(busy.clone())]);
+        assert!(busy.failure().is_retryable());
+        // Too large to bounce at all: refused as before.
+        assert_eq!(not_bounced(read.clone(), &[1, 2], None), read);
     }
 }
