@@ -204,6 +204,56 @@ fn discard_removes_an_object_a_lease_holds() {
     );
 }
 
+/// A copying put (registered-only memory, as over RDMA) goes through the client's local
+/// buffer: an object larger than it is refused saying so, and the puts after it in the same
+/// call still go. Before, the wheel's INVALID_PARAMS came back, and the first failure made
+/// every later copying put of the call `Unavailable` unwritten.
+#[test]
+fn an_object_larger_than_the_local_buffer_is_refused_alone() {
+    if !available(
+        "an_object_larger_than_the_local_buffer_is_refused_alone",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let config = master
+        .config(64 << 20)
+        .registered_only(true)
+        .local_buffer_size(1 << 20);
+    let store = MooncakeStore::connect(config).expect("connect");
+    let (big, small) = (unique("too-big"), unique("fits"));
+    let (big_bytes, small_bytes) = (pattern(1, 2 << 20), pattern(2, 64 << 10));
+    let puts = [
+        ObjectPut {
+            key: &big,
+            parts: [(big_bytes.as_ptr(), big_bytes.len())]
+                .into_iter()
+                .collect(),
+        },
+        ObjectPut {
+            key: &small,
+            parts: [(small_bytes.as_ptr(), small_bytes.len())]
+                .into_iter()
+                .collect(),
+        },
+    ];
+    // SAFETY: both sources are valid for reads of their lengths for the whole call.
+    let out = unsafe { store.put(&puts) };
+    match &out[0] {
+        Err(StoreError::InvalidArgument { detail, .. }) => {
+            assert!(detail.contains("local buffer"), "{detail}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        out[1],
+        Ok(PutOutcome::Written),
+        "the put after it still went"
+    );
+    assert_eq!(get_one(&store, &small, 64 << 10).unwrap(), small_bytes);
+}
+
 /// With only registered memory moving in place (as over RDMA; `registered_only` over TCP
 /// here), whole-object reads into unregistered buffers go through the store's registered
 /// bounce and land byte for byte, alone or beside a read into a registered region in the

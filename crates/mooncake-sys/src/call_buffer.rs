@@ -110,9 +110,9 @@ impl CallBuffer {
     /// in them), so that a size no host can back fails or is backed as it is written, rather
     /// than every page being written up front (under overcommit, an out-of-memory kill).
     pub(crate) fn zeroed(operation: &'static str, len: usize) -> Result<Self> {
-        let refused = || MooncakeError::InvalidArguments {
+        let refused = || MooncakeError::OutOfMemory {
             operation,
-            detail: format!("a buffer of {len} bytes cannot be allocated here"),
+            bytes: len,
         };
         if len == 0 {
             return Ok(Self::owning(Vec::new()));
@@ -206,6 +206,18 @@ mod tests {
     use super::*;
     use crate::sys::shim_codes;
 
+    /// Before, a buffer that could not be allocated was `InvalidArguments` (a permanent
+    /// failure for the caller); it is `OutOfMemory`, which may pass.
+    #[test]
+    fn a_buffer_that_cannot_be_allocated_is_out_of_memory() {
+        for len in [usize::MAX, isize::MAX as usize] {
+            assert!(matches!(
+                CallBuffer::zeroed("put", len),
+                Err(MooncakeError::OutOfMemory { bytes, .. }) if bytes == len
+            ));
+        }
+    }
+
     #[test]
     fn parts_tile_the_copied_values_in_order() {
         let mut b = CallBuffer::copy_of("test", &[b"ab", b"", b"cde"]).unwrap();
@@ -287,13 +299,5 @@ mod tests {
         let grew = resident().saturating_sub(before);
         assert!(grew < 1 << 30, "resident memory grew by {grew} bytes");
         assert_eq!(b.bytes()[(2 << 30) - 1], 0);
-    }
-
-    #[test]
-    fn a_buffer_too_large_to_allocate_is_an_error() {
-        assert!(matches!(
-            CallBuffer::zeroed("test", usize::MAX),
-            Err(MooncakeError::InvalidArguments { .. })
-        ));
     }
 }

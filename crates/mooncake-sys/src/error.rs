@@ -159,6 +159,15 @@ pub enum MooncakeError {
         /// What is wrong.
         detail: String,
     },
+    /// A buffer for a call could not be allocated here (host memory short, or a size past
+    /// what can be allocated at all): it may pass once memory is free.
+    #[error("{operation}: a buffer of {bytes} bytes cannot be allocated here")]
+    OutOfMemory {
+        /// The operation.
+        operation: &'static str,
+        /// The bytes asked for.
+        bytes: usize,
+    },
     /// `mooncake_store_create` returned NULL.
     #[error("mooncake_store_create failed{}", display_message(.message))]
     CreateFailed {

@@ -525,6 +525,10 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
                 detail: e.to_string(),
             }
         }
+        MooncakeError::OutOfMemory { .. } => StoreError::NoSpace {
+            key: key.to_owned(),
+            detail: e.to_string(),
+        },
         // The library itself (missing, refused, without the kvlink extensions), or a client
         // that could not be made: the typed error stays behind the words.
         _ => StoreError::Unavailable {
@@ -834,14 +838,38 @@ impl KvStore for MooncakeStore {
                 });
                 continue;
             }
+            // The client copies through its local buffer: an object larger than it can never
+            // be put so (a setting to change, said plainly rather than as the wheel's
+            // INVALID_PARAMS).
+            let local = self.config.local_buffer_bytes();
+            if buf.len() as u64 > local {
+                out[i] = Err(StoreError::InvalidArgument {
+                    key: keys[i].to_owned(),
+                    detail: format!(
+                        "an object of {} bytes is larger than the client's local buffer ({local} \
+                         bytes, MOONCAKE_LOCAL_BUFFER_SIZE) that a copying put goes through",
+                        buf.len()
+                    ),
+                });
+                continue;
+            }
             let _transfer = self.transfers.transfer();
             out[i] = self
                 .client
                 .put(keys[i], &buf, self.config.replicate_config())
                 .map(|()| PutOutcome::Written)
                 .map_err(|e| store_error(keys[i], &e));
+            // A failure that may have waited out the client's transfer timeout stops the
+            // rest (the caller has given up); one about this object alone does not.
             if let Err(e) = &out[i] {
-                failed = Some(format!("an earlier copying put failed ({e})"));
+                if matches!(
+                    e.failure(),
+                    kv_loader::StoreFailure::TransferFailed
+                        | kv_loader::StoreFailure::RpcTimeout
+                        | kv_loader::StoreFailure::Unavailable
+                ) {
+                    failed = Some(format!("an earlier copying put failed ({e})"));
+                }
             }
         }
         let to_write = zero_copy;
@@ -1119,6 +1147,19 @@ mod tests {
         );
         assert!(gather_buffer("k", u64::MAX).is_err());
         assert!(gather_buffer("k", 4096).unwrap().capacity() >= 4096);
+    }
+
+    /// Before, a call buffer that could not be allocated came back as `InvalidArgument`, a
+    /// permanent failure: it is `NoSpace`, which may pass.
+    #[test]
+    fn a_call_buffer_that_cannot_be_allocated_is_no_space() {
+        let oom = MooncakeError::OutOfMemory {
+            operation: "put",
+            bytes: usize::MAX,
+        };
+        let e = store_error("k", &oom);
+        assert!(matches!(e, StoreError::NoSpace { .. }), "{e:?}");
+        assert!(e.failure().is_retryable());
     }
 
     /// Before, the master's "replica not ready" / "replica busy" (a put of the object still in
