@@ -308,13 +308,10 @@ fn a_failed_read_does_not_wait_past_the_peers_for_a_hung_size_check() {
     }
 }
 
-/// A rank whose checksum companions hang on the store (their whole-object read) fails its
-/// first layer before its peers stop waiting for it: every rank gets that rank's failure at
-/// layer 0 from the status word, the peers' batches end in time, and the next batch loads once
-/// the store answers. A middle rank of three.
-#[test]
-fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
-    let spec = mixed_spec();
+/// `SplitAllGather` with a 2 s collective timeout and a store call's deadline past it (2.5 s):
+/// a rank's slow companions outlast what its peers wait for layer 0. The config and the
+/// collective timeout.
+fn companions_config() -> (LinkerConfig, Duration) {
     let collective = Duration::from_secs(2);
     let cfg = LinkerConfig {
         collective_timeout: collective,
@@ -322,6 +319,17 @@ fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
         store_call_timeout: Duration::from_millis(2500),
         ..config(ShareMode::SplitAllGather)
     };
+    (cfg, collective)
+}
+
+/// A rank whose checksum companions hang on the store (their whole-object read) fails its
+/// first layer before its peers stop waiting for it: every rank gets that rank's failure at
+/// layer 0 from the status word, the peers' batches end in time, and the next batch loads once
+/// the store answers. A middle rank of three.
+#[test]
+fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
+    let spec = mixed_spec();
+    let (cfg, collective) = companions_config();
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
     let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &cfg, Path::Host);
     let stall = Stall::new();
@@ -364,13 +372,10 @@ fn hung_checksum_companions_fail_layer_0_before_the_peers_stop_waiting() {
 #[test]
 fn an_object_gone_at_the_pin_is_reported_over_slow_companions() {
     let spec = mixed_spec();
-    let collective = Duration::from_secs(2);
+    let (cfg, collective) = companions_config();
     let cfg = LinkerConfig {
-        collective_timeout: collective,
-        layer_read_timeout: Duration::from_secs(1),
-        store_call_timeout: Duration::from_millis(2500),
         pin_at_lookup: false,
-        ..config(ShareMode::SplitAllGather)
+        ..cfg
     };
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
     let (rs, hashes) = tp_ranks(&spec, 3, store.clone(), 6, &cfg, Path::Host);
