@@ -110,18 +110,23 @@ impl CallBuffer {
     /// in them), so that a size no host can back fails or is backed as it is written, rather
     /// than every page being written up front (under overcommit, an out-of-memory kill).
     pub(crate) fn zeroed(operation: &'static str, len: usize) -> Result<Self> {
-        let refused = || MooncakeError::OutOfMemory {
-            operation,
-            bytes: len,
-        };
         if len == 0 {
             return Ok(Self::owning(Vec::new()));
         }
-        let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| refused())?;
+        // A size no allocation can ever have (past `isize::MAX`, as an overflowed sum is
+        // passed on): an argument that cannot work, never memory that may free up.
+        let layout =
+            std::alloc::Layout::array::<u8>(len).map_err(|_| MooncakeError::InvalidArguments {
+                operation,
+                detail: format!("a buffer of {len} bytes cannot exist"),
+            })?;
         // SAFETY: `layout` has a non-zero size (`len > 0`).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
-            return Err(refused());
+            return Err(MooncakeError::OutOfMemory {
+                operation,
+                bytes: len,
+            });
         }
         // SAFETY: `ptr` was allocated by the global allocator with the layout of `len` bytes
         // of `u8` (so capacity `len`), and all `len` of them are initialised (zeroed).
@@ -206,16 +211,20 @@ mod tests {
     use super::*;
     use crate::sys::shim_codes;
 
-    /// Before, a buffer that could not be allocated was `InvalidArguments` (a permanent
-    /// failure for the caller); it is `OutOfMemory`, which may pass.
+    /// Before, a buffer the allocator could not give was `InvalidArguments` (a permanent
+    /// failure for the caller); it is `OutOfMemory`, which may pass. A size no buffer can
+    /// have stays `InvalidArguments`.
     #[test]
     fn a_buffer_that_cannot_be_allocated_is_out_of_memory() {
-        for len in [usize::MAX, isize::MAX as usize] {
-            assert!(matches!(
-                CallBuffer::zeroed("put", len),
-                Err(MooncakeError::OutOfMemory { bytes, .. }) if bytes == len
-            ));
-        }
+        let len = isize::MAX as usize;
+        assert!(matches!(
+            CallBuffer::zeroed("put", len),
+            Err(MooncakeError::OutOfMemory { bytes, .. }) if bytes == len
+        ));
+        assert!(matches!(
+            CallBuffer::zeroed("put", usize::MAX),
+            Err(MooncakeError::InvalidArguments { .. })
+        ));
     }
 
     #[test]

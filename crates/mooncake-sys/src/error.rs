@@ -159,8 +159,8 @@ pub enum MooncakeError {
         /// What is wrong.
         detail: String,
     },
-    /// A buffer for a call could not be allocated here (host memory short, or a size past
-    /// what can be allocated at all): it may pass once memory is free.
+    /// The allocator could not give a buffer for a call (host memory short): it may pass once
+    /// memory is free. (A size no buffer can have is [`InvalidArguments`](Self::InvalidArguments).)
     #[error("{operation}: a buffer of {bytes} bytes cannot be allocated here")]
     OutOfMemory {
         /// The operation.

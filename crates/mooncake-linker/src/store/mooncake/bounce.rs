@@ -49,10 +49,12 @@ struct BounceState {
     kept: Vec<Box<[u8]>>,
     /// Bytes of every buffer made and still the store's (free, lent, kept).
     total: usize,
-    /// Bytes leaked after failed registrations (a registration that failed part way may have
-    /// left the pages registered): counted apart, so that a few failures do not leave every
-    /// later read refused as "all in use"; past [`MAX_BOUNCE_TOTAL`] no more are tried.
-    leaked: usize,
+    /// Registrations that failed, each leaking its buffer (a registration that failed part
+    /// way may have left the pages registered): counted apart from `total`, so that failures
+    /// do not leave every later read refused as "all in use"; past
+    /// [`MAX_FAILED_REGISTRATIONS`] (at most one a minute) no more are tried, and reads that
+    /// need a bounce are refused for good.
+    failed_registrations: u32,
     /// When a registration last failed.
     failed_at: Option<Instant>,
 }
@@ -96,10 +98,15 @@ impl Bounces {
             if let Some(i) = st.free.iter().position(|b| b.len() >= need) {
                 return Ok(Lent(Some(st.free.swap_remove(i))));
             }
-            if st.leaked >= MAX_BOUNCE_TOTAL {
-                return Err(refused(
-                    "bounce registrations failed too often (their buffers were leaked)",
-                ));
+            if st.failed_registrations >= MAX_FAILED_REGISTRATIONS {
+                // Permanent: retrying cannot pass.
+                return Err(StoreError::InvalidArgument {
+                    key: "<bounce>".into(),
+                    detail: format!(
+                        "no bounce for a read into unregistered memory: {MAX_FAILED_REGISTRATIONS} \
+                         bounce registrations failed (their buffers leaked); none is tried again"
+                    ),
+                });
             }
             if st.failed_at.is_some_and(|t| t.elapsed() < RETRY_AFTER) {
                 return Err(refused(
@@ -135,7 +142,7 @@ impl Bounces {
             let mut st = self.state.lock();
             st.failed_at = Some(Instant::now());
             st.total -= len;
-            st.leaked = st.leaked.saturating_add(len);
+            st.failed_registrations = st.failed_registrations.saturating_add(1);
             return Err(e);
         }
         tracing::debug!(
@@ -247,6 +254,9 @@ impl MooncakeStore {
         out
     }
 }
+
+/// Failed bounce registrations after which no more are tried (each leaked its buffer).
+const MAX_FAILED_REGISTRATIONS: u32 = 16;
 
 /// The results of reads whose unregistered destinations (`outside`) could not be bounced:
 /// read in place, those are refused (`InvalidArgument`: what a read into unregistered memory

@@ -231,7 +231,11 @@ impl SessionTable {
     /// Forgets where `keys`' sessions were resolved (their objects were removed: the replicas
     /// the master named may be given to new puts): the next read of each asks the master
     /// again instead of joining the old session. Reads and starts holding them keep them.
+    /// Taken under `calls`: a start asked of the master before the removal cannot write its
+    /// (older) renewal back after this. Only this store's table hears of it: another
+    /// process's sessions of the key lapse with their lease.
     pub(super) fn forget_replicas(&self, keys: &[&str]) {
+        let _calls = self.calls.lock();
         let mut table = self.keys.lock();
         for k in keys {
             if let Some(s) = table.get_mut(*k) {
@@ -570,11 +574,11 @@ mod tests {
     #[test]
     fn a_renewal_that_finds_the_object_gone_fails_the_read() {
         let master = counting();
-        let table = SessionTable::with_lease(Duration::from_secs(2));
+        let table = SessionTable::with_lease(Duration::from_secs(6));
         let first = table.join(&master, &["k"]);
         // Past half the lease (a renewal is asked), within three quarters (still alive), with
-        // room for a loaded machine.
-        std::thread::sleep(Duration::from_millis(1100));
+        // more than a second of room either way for a loaded machine.
+        std::thread::sleep(Duration::from_millis(3300));
         *master.answer.lock() = Some(StoreError::Unavailable {
             detail: "injected".into(),
         });

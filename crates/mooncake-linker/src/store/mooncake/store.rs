@@ -854,20 +854,24 @@ impl KvStore for MooncakeStore {
                 continue;
             }
             let _transfer = self.transfers.transfer();
+            let began = Instant::now();
             out[i] = self
                 .client
                 .put(keys[i], &buf, self.config.replicate_config())
                 .map(|()| PutOutcome::Written)
                 .map_err(|e| store_error(keys[i], &e));
-            // A failure that may have waited out the client's transfer timeout stops the
-            // rest (the caller has given up); one about this object alone does not.
+            // A failure that may have waited out the client's transfer timeout (by its kind,
+            // or by how long it took) stops the rest (the caller has given up); one about this
+            // object alone does not.
             if let Err(e) = &out[i] {
-                if matches!(
-                    e.failure(),
-                    kv_loader::StoreFailure::TransferFailed
-                        | kv_loader::StoreFailure::RpcTimeout
-                        | kv_loader::StoreFailure::Unavailable
-                ) {
+                if began.elapsed() >= CLIENT_GIVES_UP_AFTER
+                    || matches!(
+                        e.failure(),
+                        kv_loader::StoreFailure::TransferFailed
+                            | kv_loader::StoreFailure::RpcTimeout
+                            | kv_loader::StoreFailure::Unavailable
+                    )
+                {
                     failed = Some(format!("an earlier copying put failed ({e})"));
                 }
             }
@@ -919,6 +923,8 @@ impl KvStore for MooncakeStore {
     }
 
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        // Before and after the master call: a read joining in between asks the master.
+        self.sessions.forget_replicas(keys);
         let out = keys
             .iter()
             .map(|k| self.client.remove(k, false).map_err(|e| store_error(k, &e)))
@@ -933,6 +939,8 @@ impl KvStore for MooncakeStore {
     /// replica may be given to a new put, whose bytes a ranged read would return as the
     /// object's.
     fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+        // Before and after the master call: a read joining in between asks the master.
+        self.sessions.forget_replicas(keys);
         let out = keys
             .iter()
             .map(|k| self.client.remove(k, true).map_err(|e| store_error(k, &e)))
