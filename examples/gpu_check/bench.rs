@@ -232,7 +232,12 @@ fn wait_cost(dev: &Arc<CudaDevice>, report: &mut Report) {
         let LayerReady::Event(ev) = l.land(&mut stages[0]).map_err(de)? else {
             return Err("no event".into());
         };
-        let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
+        // A stream of kvlink's handle: the tracked one's first stream would synchronize the
+        // whole context, with no bound. SAFETY: a stream for raw kernels and events: no
+        // `CudaSlice` is made through it.
+        let compute = unsafe { dev.untracked_context() }
+            .new_stream()
+            .map_err(|e| e.to_string())?;
         // SAFETY: `compute` is a live stream of this process's context, kept until the end
         // of this block, after the last wait on `raw`.
         let raw = unsafe { RawStream::from_raw(compute.cu_stream() as usize) };

@@ -86,7 +86,12 @@ pub fn dedup_path(coll: &NcclCollective, args: &Args) -> Result<String, String> 
     let host_dyn: Arc<dyn KvPool> = host.clone();
     let mut direct = DirectLanding::new(host_dyn, slots.clone(), own_all(&g)).map_err(de)?;
     let (mut ss, mut ds) = (staged.take_stages(), direct.take_stages());
-    let compute = dev.context().new_stream().map_err(|e| e.to_string())?;
+    // A stream of kvlink's handle: the tracked one's first stream would synchronize the
+    // whole context, with no bound. SAFETY: a stream for raw kernels and events: no
+    // `CudaSlice` is made through it.
+    let compute = unsafe { dev.untracked_context() }
+        .new_stream()
+        .map_err(|e| e.to_string())?;
     for layer in 0..g.num_layers() {
         let (s, d) = (&mut ss[layer as usize % 2], &mut ds[layer as usize % 2]);
         staged.open(s, layer, soon()).map_err(de)?;

@@ -204,11 +204,18 @@ fn grid(n_rows: u32, row_bytes: u64) -> (u32, u32) {
 #[derive(Debug)]
 pub(crate) struct KernelCache {
     ctx: Arc<CudaContext>,
-    /// The kernels, or why they could not be loaded: a failure is kept (a driver that refuses
-    /// the PTX refuses it again; loading again would compile under this lock on every copy,
-    /// serializing every stream's enqueues).
-    loaded: Mutex<Option<Result<Arc<Kernels>, DeviceError>>>,
+    /// The kernels, or why they could not be loaded and when: a failure answers every call
+    /// for [`LOAD_RETRY_AFTER`] (loading again on every copy would compile under this lock,
+    /// serializing every stream's enqueues), then the load is tried again (its cause may
+    /// pass: memory short when the engine had just reserved the GPU).
+    loaded: Mutex<Option<Loaded>>,
 }
+
+/// A load's outcome: the kernels, or why not and when it failed.
+type Loaded = Result<Arc<Kernels>, (DeviceError, std::time::Instant)>;
+
+/// How long a failed kernel load answers for itself before it is tried again.
+const LOAD_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl KernelCache {
     /// Nothing loaded yet: the first [`get`](Self::get) loads the kernels into `ctx`.
@@ -221,16 +228,21 @@ impl KernelCache {
 
     pub(crate) fn get(&self) -> Result<Arc<Kernels>, DeviceError> {
         let mut k = self.loaded.lock();
-        if let Some(k) = k.as_ref() {
-            return k.clone();
+        match k.as_ref() {
+            Some(Ok(kernels)) => return Ok(kernels.clone()),
+            Some(Err((e, at))) if at.elapsed() < LOAD_RETRY_AFTER => return Err(e.clone()),
+            _ => {}
         }
         // A context that cannot be made current says nothing of the kernels: not kept.
         let _current = Current::of(&self.ctx)?;
         let loaded = Kernels::load(&self.ctx, None).map(Arc::new);
-        if let Err(e) = &loaded {
-            tracing::error!(error = %e, "the copy kernels could not be loaded; kept as this device's answer");
-        }
-        *k = Some(loaded.clone());
+        *k = Some(match &loaded {
+            Ok(kernels) => Ok(kernels.clone()),
+            Err(e) => {
+                tracing::error!(error = %e, retry_after = ?LOAD_RETRY_AFTER, "the copy kernels could not be loaded");
+                Err((e.clone(), std::time::Instant::now()))
+            }
+        });
         loaded
     }
 }

@@ -79,23 +79,28 @@ impl DeviceBuffer {
             .map_err(drv("cuStreamCreate"))?;
         // SAFETY: `b.ptr` is our allocation of at least `len` bytes that nothing else uses yet;
         // the context is current (the guard above) and `stream` was just made in it. The
-        // memset is waited for (`waited_for`), and `b` is leaked instead of freed when it
-        // cannot be.
-        let queued = unsafe { result::memset_d8_async(b.ptr, 0, len, stream) }
-            .map_err(drv("cuMemsetD8Async"))
-            .and_then(|()| CudaLayerEvent::record_raw(ctx, stream, u32::MAX));
+        // memset is waited for (`waited_for`), and `b` is leaked instead of freed where it
+        // was queued and cannot be.
+        let memset = unsafe { result::memset_d8_async(b.ptr, 0, len, stream) };
+        // Queued: only its event tells when it is done.
+        let event = memset
+            .map(|()| CudaLayerEvent::record_raw(ctx, stream, u32::MAX))
+            .map_err(drv("cuMemsetD8Async"));
         // SAFETY: the stream is ours and used by nothing else; the driver destroys it once
         // its queued work (the memset) has run, which the event above still tells.
         if let Err(e) = unsafe { result::stream::destroy(stream) } {
             tracing::warn!(error = %super::error::driver_error_text(e), "destroying a zeroing stream failed");
         }
-        match queued {
-            Ok(ev) => b.waited_for(&ev, what, SYNC_LIMIT),
-            // Nothing may have been queued, or the memset was: kept for good either way.
-            Err(e) => {
+        match event {
+            Ok(Ok(ev)) => b.waited_for(&ev, what, SYNC_LIMIT),
+            // Queued, but nothing tells its end: kept for good.
+            Ok(Err(e)) => {
+                tracing::error!(bytes = len, what, error = %e, "zeroing new device memory could not be waited for; leaking it");
                 std::mem::forget(b);
                 Err(e)
             }
+            // Not queued: nothing touches `b`, freed as it drops here.
+            Err(e) => Err(e),
         }
     }
 

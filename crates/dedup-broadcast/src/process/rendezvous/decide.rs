@@ -102,20 +102,20 @@ fn transport(leader: &Hello, joiners: &[Hello]) -> Result<Transport, RendezvousE
 /// cannot reach: a loopback address (a key-value exchange's default without `host_ip`), or
 /// an unspecified one (but rank 0's where `rank0` says the peers rewrite it). Without this
 /// the group formed, and every connect to that rank failed at the deadline as "connection
-/// refused" (each host reached its own loopback), never naming the setting. Where a host is
-/// not known (its key could not be read: `unknown-…`), whether the ranks share one cannot be
-/// told, and nothing is refused.
+/// refused" (each host reached its own loopback), never naming the setting. Hosts not known
+/// (their key could not be read: `unknown-…`) count for nothing: with fewer than two known
+/// hosts, whether the ranks span several cannot be told, and nothing is refused.
 fn unreachable_endpoint(
     leader: &Hello,
     joiners: &[Hello],
     rank0: Rank0Address,
 ) -> Option<RendezvousError> {
     let members = || std::iter::once(leader).chain(joiners);
-    if members().any(|h| h.endpoint.host.starts_with(UNKNOWN_HOST))
-        || joiners
-            .iter()
-            .all(|h| h.endpoint.host == leader.endpoint.host)
-    {
+    let known: std::collections::HashSet<&str> = members()
+        .map(|h| h.endpoint.host.as_str())
+        .filter(|host| !host.starts_with(UNKNOWN_HOST))
+        .collect();
+    if known.len() < 2 {
         return None;
     }
     members().find_map(|h| {
@@ -298,6 +298,23 @@ pub(super) mod tests {
             on(2, &format!("{UNKNOWN_HOST}3"), "127.0.0.1"),
         ];
         assert!(decide(&unknown[0], &unknown[1..], None, Rank0Address::Rewritten).is_ok());
+        // Two known hosts beside an unknown one: several hosts for sure, loopback refused.
+        let mixed = decide(
+            &on(0, "a", "10.0.0.1"),
+            &[
+                on(1, "b", "127.0.0.1"),
+                on(2, &format!("{UNKNOWN_HOST}3"), "10.0.0.2"),
+            ],
+            None,
+            Rank0Address::Rewritten,
+        );
+        assert!(
+            matches!(
+                mixed,
+                Err(RendezvousError::SettingsMismatch { rank: 1, .. })
+            ),
+            "{mixed:?}"
+        );
     }
 
     #[test]

@@ -519,6 +519,9 @@ fn accept_until_woken(
                     tracing::warn!(error = %e, "rank 0's rendezvous could not accept");
                 }
                 failed_accepts = failed_accepts.saturating_add(1);
+                // Short of descriptors, poll never times out (the connection stays queued):
+                // answered hellos' descriptors are let go here too.
+                reads.running();
                 std::thread::sleep(ACCEPT_RETRY);
                 continue;
             }
