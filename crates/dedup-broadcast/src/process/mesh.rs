@@ -313,6 +313,11 @@ fn connect_abstract(name: &str, deadline: Instant) -> std::io::Result<UnixStream
     Ok(UnixStream::from(socket))
 }
 
+/// Longest an accepted connection has to greet (and take its ack): a member greets right after
+/// its connect returns; each silent connection (a port scan, a stray local process) costs the
+/// formation this much, as greetings are read one at a time.
+const GREETING_WAIT: Duration = Duration::from_millis(500);
+
 /// What a rank needs to connect its share of the mesh.
 pub(crate) struct MeshPlan<'a> {
     pub(crate) rank: u32,
@@ -431,7 +436,7 @@ fn admit_peer(
     let world = plan.members.len() as u32;
     let me = plan.rank;
     let mut b = [0u8; HANDSHAKE];
-    let short = kv_loader::deadline_after(Duration::from_secs(2)).min(deadline);
+    let short = kv_loader::deadline_after(GREETING_WAIT).min(deadline);
     if read_exact_by(&mut blocking(link), &mut b, short).is_err() {
         return None;
     }
@@ -573,6 +578,42 @@ mod tests {
                 t0.elapsed()
             );
         }
+    }
+
+    /// Before, each silent connection held rank 0's accept for 2 s: three ahead of the real
+    /// peer pushed a 5 s re-formation past its deadline. Half a second each now.
+    #[test]
+    fn silent_connections_do_not_push_the_mesh_past_its_deadline() {
+        use std::net::{IpAddr, Ipv4Addr};
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let (l0, l1) = (
+            MeshListener::bind(ip, false, 31).unwrap(),
+            MeshListener::bind(ip, false, 32).unwrap(),
+        );
+        let members = [l0.endpoint.clone(), l1.endpoint.clone()];
+        let nonces = [7_u64, 8];
+        let plan = |rank| MeshPlan {
+            rank,
+            epoch: 1,
+            nonces: &nonces,
+            transport: Transport::Tcp,
+            members: &members,
+            rendezvous_ip: None,
+        };
+        let silent: Vec<TcpStream> = (0..3)
+            .map(|_| TcpStream::connect(l0.endpoint.tcp.unwrap()).unwrap())
+            .collect();
+        let t0 = std::time::Instant::now();
+        let deadline = kv_loader::deadline_after(Duration::from_secs(5));
+        let (zero, one) = std::thread::scope(|s| {
+            let zero = s.spawn(|| connect_meshes(&plan(0), &l0, 1, deadline));
+            let one = s.spawn(|| connect_meshes(&plan(1), &l1, 1, deadline));
+            (zero.join().unwrap(), one.join().unwrap())
+        });
+        assert!(zero.is_ok(), "{:?}", zero.err());
+        assert!(one.is_ok(), "{:?}", one.err());
+        assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+        drop(silent);
     }
 
     #[test]
