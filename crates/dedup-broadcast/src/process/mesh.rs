@@ -502,37 +502,77 @@ mod tests {
     use super::*;
     use std::io::{Error, ErrorKind};
 
+    /// Two ranks' mesh listeners on loopback (`unix`: abstract Unix sockets too), their
+    /// endpoints and the welcome's nonces.
+    struct TwoRanks {
+        l0: MeshListener,
+        l1: MeshListener,
+        members: [Endpoint; 2],
+        nonces: [u64; 2],
+    }
+
+    impl TwoRanks {
+        /// Listeners bound with nonces `seed` and `seed + 1`.
+        fn bind(unix: bool, seed: u64) -> Self {
+            let ip = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+            let l0 = MeshListener::bind(ip, unix, seed).unwrap();
+            let l1 = MeshListener::bind(ip, unix, seed + 1).unwrap();
+            let members = [l0.endpoint.clone(), l1.endpoint.clone()];
+            TwoRanks {
+                l0,
+                l1,
+                members,
+                nonces: [seed, seed + 1],
+            }
+        }
+
+        fn plan(&self, rank: u32, transport: Transport) -> MeshPlan<'_> {
+            plan(&self.members, &self.nonces, rank, transport)
+        }
+
+        /// Both ranks connect their mesh over TCP at once, by `deadline`; rank 0's, rank 1's.
+        fn connect_both(&self, deadline: Instant) -> (MeshResult, MeshResult) {
+            std::thread::scope(|s| {
+                let zero = s
+                    .spawn(|| connect_meshes(&self.plan(0, Transport::Tcp), &self.l0, 1, deadline));
+                let one = s
+                    .spawn(|| connect_meshes(&self.plan(1, Transport::Tcp), &self.l1, 1, deadline));
+                (zero.join().unwrap(), one.join().unwrap())
+            })
+        }
+    }
+
+    type MeshResult = Result<Vec<Vec<Option<Link>>>, RendezvousError>;
+
+    /// Rank `rank`'s share of a mesh of `members` over `transport`, epoch 1.
+    fn plan<'a>(
+        members: &'a [Endpoint],
+        nonces: &'a [u64],
+        rank: u32,
+        transport: Transport,
+    ) -> MeshPlan<'a> {
+        MeshPlan {
+            rank,
+            epoch: 1,
+            nonces,
+            transport,
+            members,
+            rendezvous_ip: None,
+        }
+    }
+
     /// A process that can connect but is no member greets rank 0 first, as rank 1 with the
     /// group's (guessable) epoch: it is dropped, and the real rank 1 takes its place. Before,
     /// the greeting carried nothing a non-member lacks: the outsider was acked, rank 0 formed
     /// with it, and the real rank 1's connection found its place taken.
     #[test]
     fn a_greeting_without_the_members_nonce_is_dropped() {
-        use std::net::{IpAddr, Ipv4Addr};
-        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        let (l0, l1) = (
-            MeshListener::bind(ip, false, 11).unwrap(),
-            MeshListener::bind(ip, false, 12).unwrap(),
-        );
-        let members = [l0.endpoint.clone(), l1.endpoint.clone()];
-        let nonces = [0x1111_u64, 0x2222];
-        let plan = |rank| MeshPlan {
-            rank,
-            epoch: 1,
-            nonces: &nonces,
-            transport: Transport::Tcp,
-            members: &members,
-            rendezvous_ip: None,
-        };
+        let two = TwoRanks::bind(false, 0x1111);
         let deadline = kv_loader::deadline_after(Duration::from_secs(5));
         // The outsider knows everything but rank 1's nonce.
-        let mut outsider = TcpStream::connect(l0.endpoint.tcp.unwrap()).unwrap();
+        let mut outsider = TcpStream::connect(two.members[0].tcp.unwrap()).unwrap();
         outsider.write_all(&handshake(1, 0, 1, 0, 0xbad)).unwrap();
-        let (zero, one) = std::thread::scope(|s| {
-            let zero = s.spawn(|| connect_meshes(&plan(0), &l0, 1, deadline));
-            let one = s.spawn(|| connect_meshes(&plan(1), &l1, 1, deadline));
-            (zero.join().unwrap(), one.join().unwrap())
-        });
+        let (zero, one) = two.connect_both(deadline);
         assert!(one.is_ok(), "{:?}", one.err());
         let zero = zero.unwrap();
         assert!(zero[0][1].is_some());
@@ -549,28 +589,17 @@ mod tests {
     /// for the whole connect bound (about a minute on a first formation).
     #[test]
     fn a_peer_whose_listener_is_gone_fails_the_connect_at_once() {
-        use std::net::{IpAddr, Ipv4Addr};
-        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
         for transport in [Transport::Tcp, Transport::Unix] {
-            let unix = transport == Transport::Unix;
-            let (l0, l1) = (
-                MeshListener::bind(ip, unix, 21).unwrap(),
-                MeshListener::bind(ip, unix, 22).unwrap(),
-            );
-            let members = [l0.endpoint.clone(), l1.endpoint.clone()];
+            let TwoRanks {
+                l0,
+                l1,
+                members,
+                nonces,
+            } = TwoRanks::bind(transport == Transport::Unix, 21);
             drop(l0);
-            let nonces = [1_u64, 2];
-            let plan = MeshPlan {
-                rank: 1,
-                epoch: 1,
-                nonces: &nonces,
-                transport,
-                members: &members,
-                rendezvous_ip: None,
-            };
             let t0 = std::time::Instant::now();
             let deadline = kv_loader::deadline_after(Duration::from_secs(10));
-            let r = connect_meshes(&plan, &l1, 1, deadline);
+            let r = connect_meshes(&plan(&members, &nonces, 1, transport), &l1, 1, deadline);
             assert!(r.is_err(), "{transport:?}");
             assert!(
                 t0.elapsed() < Duration::from_secs(2),
@@ -584,32 +613,12 @@ mod tests {
     /// peer pushed a 5 s re-formation past its deadline. Half a second each now.
     #[test]
     fn silent_connections_do_not_push_the_mesh_past_its_deadline() {
-        use std::net::{IpAddr, Ipv4Addr};
-        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        let (l0, l1) = (
-            MeshListener::bind(ip, false, 31).unwrap(),
-            MeshListener::bind(ip, false, 32).unwrap(),
-        );
-        let members = [l0.endpoint.clone(), l1.endpoint.clone()];
-        let nonces = [7_u64, 8];
-        let plan = |rank| MeshPlan {
-            rank,
-            epoch: 1,
-            nonces: &nonces,
-            transport: Transport::Tcp,
-            members: &members,
-            rendezvous_ip: None,
-        };
+        let two = TwoRanks::bind(false, 31);
         let silent: Vec<TcpStream> = (0..3)
-            .map(|_| TcpStream::connect(l0.endpoint.tcp.unwrap()).unwrap())
+            .map(|_| TcpStream::connect(two.members[0].tcp.unwrap()).unwrap())
             .collect();
         let t0 = std::time::Instant::now();
-        let deadline = kv_loader::deadline_after(Duration::from_secs(5));
-        let (zero, one) = std::thread::scope(|s| {
-            let zero = s.spawn(|| connect_meshes(&plan(0), &l0, 1, deadline));
-            let one = s.spawn(|| connect_meshes(&plan(1), &l1, 1, deadline));
-            (zero.join().unwrap(), one.join().unwrap())
-        });
+        let (zero, one) = two.connect_both(kv_loader::deadline_after(Duration::from_secs(5)));
         assert!(zero.is_ok(), "{:?}", zero.err());
         assert!(one.is_ok(), "{:?}", one.err());
         assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());

@@ -241,9 +241,8 @@ fn reply(stream: &mut TcpStream, r: &Reply) -> std::io::Result<()> {
     reply_by(stream, r, kv_loader::deadline_after(MESSAGE_TIMEOUT))
 }
 
-/// [`reply`] by `by` at the latest.
+/// [`reply`] by `by` (callers give one no later than `MESSAGE_TIMEOUT` from now).
 fn reply_by(stream: &mut TcpStream, r: &Reply, by: Instant) -> std::io::Result<()> {
-    let by = by.min(kv_loader::deadline_after(MESSAGE_TIMEOUT));
     write_frame(stream, &r.encode(), by)
 }
 

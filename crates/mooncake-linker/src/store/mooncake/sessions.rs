@@ -437,8 +437,8 @@ fn start_sessions(client: &Client, keys: &[&str]) -> Vec<Result<(), StoreError>>
 /// under), not an answer about the object.
 fn passing(e: &StoreError) -> bool {
     matches!(
-        e,
-        StoreError::Unavailable { .. } | StoreError::RpcTimeout { .. } | StoreError::Overdue { .. }
+        e.failure(),
+        kv_loader::StoreFailure::Unavailable | kv_loader::StoreFailure::RpcTimeout
     )
 }
 
