@@ -283,13 +283,15 @@ impl MockKvLoader {
         }
     }
 
-    fn outcome(&self, ticket: &LoadTicket, pages: u32) -> BatchOutcome {
+    /// The outcome of a batch taken out of `live`; `cancelled`: a reset cancelled it (its
+    /// marker taken under the same lock, so that a new batch of the same id started since
+    /// cannot inherit it).
+    fn outcome(&self, ticket: &LoadTicket, pages: u32, cancelled: bool) -> BatchOutcome {
         let b = ticket.batch;
         let result = if self.script.hold_slots.contains(&b) {
             // The batch failed on its store call; a reset does not change what it failed of.
-            self.state.lock().cancelled.remove(&b);
             Err(self.held_failure(b))
-        } else if self.state.lock().cancelled.remove(&b) {
+        } else if cancelled {
             Err(KvLoadError::Cancelled { batch: b })
         } else if let Some(&l) = self.script.fail_at_layer.get(&b) {
             Err(self.failure(b, l))
@@ -483,13 +485,15 @@ impl KvLoader for MockKvLoader {
         }
         // Checked and taken under one lock: of two threads taking the same outcome (two
         // waits, or a wait and `completed`), one gets it and the other a stale ticket.
-        let pages = {
+        let (pages, cancelled) = {
             let mut st = self.state.lock();
             match st.live.get(&ticket.batch) {
                 Some((t, _)) if t == ticket => {
                     st.slots.remove(&ticket.batch);
                     st.ended.remove(&ticket.batch);
-                    st.live.remove(&ticket.batch).map_or(0, |(_, p)| p)
+                    let cancelled = st.cancelled.remove(&ticket.batch);
+                    let pages = st.live.remove(&ticket.batch).map_or(0, |(_, p)| p);
+                    (pages, cancelled)
                 }
                 _ => {
                     return Err(KvLoadError::StaleTicket {
@@ -499,14 +503,14 @@ impl KvLoader for MockKvLoader {
             }
         };
         let _ = self.counter.finish(ticket.counter);
-        Ok(self.outcome(ticket, pages))
+        Ok(self.outcome(ticket, pages, cancelled))
     }
 
     fn completed(&self) -> Vec<BatchOutcome> {
         self.record_open_or_closed(MockCall::Completed);
         // As the linker: a batch still in flight (a time-out not cancelled) or whose store call
         // has not returned (held) has no outcome yet.
-        let live: Vec<(LoadTicket, u32)> = {
+        let live: Vec<(LoadTicket, u32, bool)> = {
             let mut st = self.state.lock();
             let ready: Vec<BatchId> = st
                 .live
@@ -514,16 +518,24 @@ impl KvLoader for MockKvLoader {
                 .copied()
                 .filter(|b| !self.in_flight(&st, b))
                 .collect();
+            let mut taken = Vec::with_capacity(ready.len());
             for b in &ready {
                 st.slots.remove(b);
                 st.ended.remove(b);
+                let cancelled = st.cancelled.remove(b);
+                if let Some((t, p)) = st.live.remove(b) {
+                    taken.push((t, p, cancelled));
+                }
             }
-            ready.iter().filter_map(|b| st.live.remove(b)).collect()
+            taken
         };
-        for (t, _) in &live {
+        for (t, _, _) in &live {
             let _ = self.counter.finish(t.counter);
         }
-        let mut out: Vec<BatchOutcome> = live.iter().map(|(t, p)| self.outcome(t, *p)).collect();
+        let mut out: Vec<BatchOutcome> = live
+            .iter()
+            .map(|(t, p, c)| self.outcome(t, *p, *c))
+            .collect();
         out.sort_by_key(|o| o.batch);
         out
     }
@@ -1017,5 +1029,50 @@ mod tests {
             matches!(mock.save(&one_page_plan(4, 6)), Err(KvLoadError::Device(_))),
             "a held store call keeps its slots"
         );
+    }
+
+    /// A cancelled batch's marker is taken with its outcome, under one lock. Before, `completed`
+    /// let the batch go from `live` and read the marker afterwards: a new batch of the same id
+    /// started in between inherited it (it answered `Cancelled`, never reset) and the old one
+    /// ended `Timeout`, not `Cancelled`. Stress test: the window is a few instructions wide.
+    #[test]
+    fn a_new_batch_of_a_cancelled_batchs_id_does_not_inherit_its_cancellation() {
+        for round in 0..2_000 {
+            let script = MockScript {
+                time_out: vec![BatchId(1)],
+                ..MockScript::default()
+            };
+            let mock = MockKvLoader::new(2, script);
+            mock.start_load(one_page_plan(1, 5)).unwrap();
+            mock.reset().unwrap();
+            std::thread::scope(|s| {
+                let old = s.spawn(|| mock.completed());
+                // The same id again, as soon as the old batch is out of `live`.
+                let t = loop {
+                    match mock.start_load(one_page_plan(1, 6)) {
+                        Ok(t) => break t,
+                        Err(KvLoadError::DuplicateBatch { .. }) => std::hint::spin_loop(),
+                        Err(e) => panic!("round {round}: {e:?}"),
+                    }
+                };
+                // The new batch times out (the script), never reset: still in flight.
+                let new = mock.wait_batch(&t);
+                assert!(
+                    matches!(new, Err(KvLoadError::Timeout { .. })),
+                    "round {round}: the new batch answered {new:?}"
+                );
+                let old = old.join().unwrap();
+                assert!(
+                    matches!(
+                        old.as_slice(),
+                        [BatchOutcome {
+                            result: Err(KvLoadError::Cancelled { .. }),
+                            ..
+                        }]
+                    ),
+                    "round {round}: the reset batch ended {old:?}"
+                );
+            });
+        }
     }
 }

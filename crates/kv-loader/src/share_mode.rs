@@ -69,8 +69,10 @@ pub struct ShareModeSpec {
     pub reads: StoreReads,
     /// The collective that completes the pools (`None`: nothing is shared).
     pub fabric: Option<FabricOp>,
-    /// Among modes the time model or a measurement finds equally fast, the lowest wins: the
-    /// mode reading the fewest store bytes on any rank.
+    /// Among modes that `Auto`'s measurements find equally fast, the lowest wins: the mode
+    /// reading the fewest store bytes on any rank. (The time model, which has no measurement,
+    /// breaks its exact ties in [`ShareMode::ALL`] order instead, simplest first: with every
+    /// bandwidth unknown it keeps `AllRanks`.)
     pub tie_rank: u8,
 }
 
