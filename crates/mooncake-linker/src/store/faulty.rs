@@ -68,13 +68,16 @@ impl Stall {
 /// What an injected fault does to a matching call.
 #[derive(Debug, Clone)]
 pub enum Fault {
-    /// The key fails with this error. The inner store's call still runs (a put is written):
-    /// a store that reports a failure for a call it carried out.
+    /// The key fails with this error. On reads, puts, `exists` and `object_size` the inner
+    /// store's call still runs (a put is written): a store that reports a failure for a call it
+    /// carried out. On `discard` the key is left in the store, and `start_session`,
+    /// `end_session`, `register` and `unregister` fail before they reach the store.
     Error(StoreError),
     /// The key's read returns one byte less than asked (a short read; reads only).
     Short,
-    /// The key's ranged read lands with its first byte flipped, and no checksum taken as it
-    /// landed (a transfer that corrupted the bytes on their way; ranged reads only).
+    /// The key's ranged read lands with the first byte of one range flipped (the range at the
+    /// rule's `offset`, else the first with bytes), and no checksum taken as it landed (a
+    /// transfer that corrupted the bytes on their way; ranged reads only).
     Corrupt,
     /// The call sleeps this long (per matching key) first (a slow store), then runs normally.
     Delay(Duration),
@@ -268,6 +271,18 @@ impl FaultyStore {
         call: FaultCall,
         keys: impl Iterator<Item = (&'a str, &'a [ReadRange])>,
     ) -> Hits {
+        self.hits_at(call, keys)
+            .into_iter()
+            .map(|h| h.map(|(f, _)| f))
+            .collect()
+    }
+
+    /// As [`hits`](Self::hits), each fault with the offset its rule picked (`None`: any).
+    fn hits_at<'a>(
+        &self,
+        call: FaultCall,
+        keys: impl Iterator<Item = (&'a str, &'a [ReadRange])>,
+    ) -> Vec<Option<(Fault, Option<u64>)>> {
         let rules: Vec<Arc<Armed>> = self.rules.lock().clone();
         keys.map(|(key, ranges)| {
             let mut hit = None;
@@ -281,9 +296,9 @@ impl FaultyStore {
                     Fault::Panic => panic!("injected: the store call panics ({key})"),
                     Fault::Down => {
                         self.down.store(true, Ordering::Release);
-                        hit = Some(Fault::Down);
+                        hit = Some((Fault::Down, None));
                     }
-                    f => hit = Some(f.clone()),
+                    f => hit = Some((f.clone(), r.rule.offset)),
                 }
             }
             hit
@@ -445,17 +460,22 @@ impl KvStore for FaultyStore {
         gets: &[RangedGet<'_>],
         sums: &mut [RangeChecksums],
     ) -> Vec<Result<u64, StoreError>> {
-        let hits = self.hits(FaultCall::Read, gets.iter().map(|g| (g.key, &g.ranges[..])));
+        let hits = self.hits_at(FaultCall::Read, gets.iter().map(|g| (g.key, &g.ranges[..])));
         if self.is_down() {
             return Self::all_down(gets.len());
         }
         // SAFETY: forwarded with the caller's own promise.
         let r = unsafe { self.inner.get_ranges_checksummed(gets, sums) };
         for (i, (g, (r, hit))) in gets.iter().zip(r.iter().zip(&hits)).enumerate() {
-            if !matches!(hit, Some(Fault::Corrupt)) || r.is_err() {
+            let Some((Fault::Corrupt, at)) = hit else {
+                continue;
+            };
+            if r.is_err() {
                 continue;
             }
-            if let Some(range) = g.ranges.iter().find(|range| range.len > 0) {
+            // The range the rule picked (its offset), else the first with bytes.
+            let picked = |range: &&ReadRange| range.len > 0 && at.is_none_or(|o| range.offset == o);
+            if let Some(range) = g.ranges.iter().find(picked) {
                 // SAFETY: still inside the call: the caller promised `dst` valid for writes of
                 // `len` (> 0) bytes and untouched by anyone else until the call returns.
                 unsafe { *range.dst ^= 0x5a };
@@ -464,7 +484,7 @@ impl KvStore for FaultyStore {
                 s.iter_mut().for_each(|c| *c = None);
             }
         }
-        self.apply(r, hits)
+        self.apply(r, hits.into_iter().map(|h| h.map(|(f, _)| f)).collect())
     }
 
     unsafe fn put(&self, puts: &[ObjectPut<'_>]) -> Vec<Result<PutOutcome, StoreError>> {
@@ -592,5 +612,42 @@ mod tests {
         faulty.clear();
         faulty.inject_on(FaultCall::ReadWhole, FaultRule::default(), Fault::Down);
         assert!(matches!(read(&faulty), Err(StoreError::Unavailable { .. })));
+    }
+
+    /// A `Corrupt` rule with an offset flips a byte of the range at that offset (the layer it
+    /// picked). Before, it flipped the first range of the read whichever the rule picked.
+    #[test]
+    fn a_corrupt_rule_with_an_offset_corrupts_the_range_at_that_offset() {
+        let inner = Arc::new(EmbeddedStore::new(1 << 10));
+        let data: Vec<u8> = (0..32).collect();
+        let put = ObjectPut {
+            key: "k",
+            parts: smallvec::smallvec![(data.as_ptr(), data.len())],
+        };
+        // SAFETY: `data` outlives the call and is only read.
+        assert!(unsafe { inner.put(&[put]) }[0].is_ok());
+        let faulty = FaultyStore::new(inner);
+        faulty.inject(
+            FaultRule {
+                offset: Some(16),
+                ..FaultRule::default()
+            },
+            Fault::Corrupt,
+        );
+        let (mut a, mut b) = ([0u8; 8], [0u8; 8]);
+        let range = |dst: &mut [u8; 8], offset| ReadRange {
+            dst: dst.as_mut_ptr(),
+            len: dst.len(),
+            offset,
+        };
+        let get = RangedGet {
+            key: "k",
+            ranges: smallvec::smallvec![range(&mut a, 0), range(&mut b, 16)],
+        };
+        // SAFETY: `a` and `b` are ours for the call.
+        assert_eq!(unsafe { faulty.get_ranges(&[get]) }[0], Ok(16));
+        assert_eq!(a[..], data[0..8], "the range at offset 0 is untouched");
+        assert_ne!(b[0], data[16], "the range at offset 16 is corrupted");
+        assert_eq!(b[1..], data[17..24]);
     }
 }
