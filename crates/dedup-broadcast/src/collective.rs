@@ -12,7 +12,11 @@ use kv_device::{DeviceRegion, HostRow, SharedEvent};
 ///
 /// Every variant names the operation (`op`) and the sequence number (`seq`) of the rank that
 /// reports it. Implementations that can decide an operation's fate for the whole group (the
-/// in-process one does) give every rank that takes part the same variant.
+/// in-process one does) give every rank that takes part the same variant, with one exception:
+/// a broadcast's receivers that had already copied out of the root when the round was given
+/// up (the root's deadline and copy grace passed) returned `Ok` beside the others' failure.
+/// Callers that act on a result alone settle it (the `*_settled` gathers, or a status
+/// exchange after the data).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CollectiveError {
     /// A participant's deadline passed before every rank had arrived; `missing` are the ranks

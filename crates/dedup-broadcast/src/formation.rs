@@ -85,8 +85,9 @@ type Build = dyn Fn() -> Result<Vec<(Arc<dyn Collective>, Arc<dyn Collective>)>,
 type Epochs = HashMap<u64, Vec<Option<GroupHandles>>>;
 
 /// The formation of a group whose ranks are threads of this process: the first rank to ask for
-/// an epoch builds every rank's handles at once (with `build`), each rank takes its own. No
-/// rank waits for another.
+/// an epoch builds every rank's handles at once (with `build`), each rank takes its own. A rank
+/// waits for another only while that one is building (an NCCL group's set-up, up to its init
+/// timeout), and then at most until its own deadline.
 ///
 /// ```
 /// use std::time::{Duration, Instant};

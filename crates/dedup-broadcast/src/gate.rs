@@ -360,10 +360,13 @@ pub fn lookup_digest(first_page: u64, candidates: &[kv_geometry::PageHash]) -> [
     h.digest128().to_le_bytes()
 }
 
-/// Every rank's lookup over the group in one [`Collective::all_gather_bytes`]: a digest of
-/// the candidate pages and this rank's hit (`None`: its own lookup failed). Every rank gets
-/// the same words, so every rank reaches the same [`LookupAgreement`], and every rank issues
-/// exactly one collective per lookup whatever its own lookup did.
+/// Every rank's lookup over the group in one [`Collective::all_gather_bytes_settled`]: a
+/// digest of the candidate pages and this rank's hit (`None`: its own lookup failed). Every
+/// rank that gets `Ok` gets the same words, so reaches the same [`LookupAgreement`]; the
+/// gather is settled because each rank acts on the agreed hit alone (its engine plans that
+/// many cached tokens): a rank that gave up before confirming fails every other rank's lookup
+/// too, rather than leaving them with a hit it does not share. Every rank issues the same
+/// collective per lookup whatever its own lookup did.
 ///
 /// ```
 /// use std::time::Duration;
@@ -382,7 +385,7 @@ pub fn agree_lookup(
     let mut word = [0u8; LOOKUP_WORD];
     word[..16].copy_from_slice(digest);
     word[16..].copy_from_slice(&hit.unwrap_or(u64::MAX).to_le_bytes());
-    let all = coll.all_gather_bytes(&word, deadline)?;
+    let all = coll.all_gather_bytes_settled(&word, deadline)?;
     let digest_of = |w: &Vec<u8>| w.get(..16).map(<[u8]>::to_vec);
     let reference = all.first().and_then(digest_of);
     let differing: Vec<u32> = all

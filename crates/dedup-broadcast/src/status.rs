@@ -128,10 +128,12 @@ impl LayerStatus {
         matches!(self, LayerStatus::Ok)
     }
 
-    /// The code: 0 for ok.
+    /// The code: 0 for ok; a failure built with code 0 (the field is public) reads as
+    /// [`CODE_OTHER`], so that it is never sent, nor taken, as ok.
     pub fn code(self) -> u16 {
         match self {
             LayerStatus::Ok => 0,
+            LayerStatus::Failed { code: 0 } => CODE_OTHER,
             LayerStatus::Failed { code } => code,
         }
     }

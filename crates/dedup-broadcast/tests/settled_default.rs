@@ -135,6 +135,20 @@ fn the_default_settled_bytes_gather_fails_the_late_rank_too() {
     );
 }
 
+/// Each rank acts on its lookup's agreed hit alone (its engine plans that many cached tokens):
+/// before, `agree_lookup` used the plain gather, so a late rank got a hit beside a rank whose
+/// lookup failed (and looked up alone, or failed the request).
+#[test]
+fn a_lookup_agreement_is_settled_a_late_rank_fails_too() {
+    let [first, late] =
+        early_then_late(|c, d| dedup_broadcast::agree_lookup(c, &[3; 16], Some(4), d));
+    assert!(first.is_err(), "{first:?}");
+    assert!(
+        matches!(late, Err(CollectiveError::Timeout { ref missing, .. }) if missing == &[0]),
+        "{late:?}"
+    );
+}
+
 #[test]
 fn settled_gathers_of_ranks_that_all_come_in_time_return_every_value() {
     let ranks = group(3);

@@ -37,6 +37,17 @@ fn malformed_and_misplaced_words_fail() {
     assert_eq!(LayerStatus::failed(0).code(), dedup_broadcast::CODE_OTHER);
 }
 
+/// The variant's field is public: a failure built with code 0 was sent as an ok word (code 0
+/// on the wire), and every rank, its sender too, took the layer as loaded.
+#[test]
+fn a_failure_built_with_code_zero_is_never_sent_as_ok() {
+    let word = LayerStatus::Failed { code: 0 }.encode(3);
+    let (layer, got) = LayerStatus::decode(word).unwrap();
+    assert_eq!(layer, 3);
+    assert!(!got.is_ok(), "{got:?}");
+    assert_eq!(got.code(), dedup_broadcast::CODE_OTHER);
+}
+
 #[test]
 fn codes_name_the_error_kind() {
     let e = KvLoadError::Store {
