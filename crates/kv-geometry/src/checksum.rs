@@ -307,7 +307,11 @@ impl ObjectChecksums {
             return Ok(Verified::LengthOnly);
         };
         sums.check_layout(layout)?;
-        let expected = sums.sums[pos as usize];
+        // `layers` is public: a changed copy of a layout may no longer have this position.
+        let expected = *sums
+            .sums
+            .get(pos as usize)
+            .ok_or(ChecksumError::NoLayer(layer))?;
         let actual = landed.unwrap_or_else(|| layer_checksum(bytes));
         if actual != expected {
             return Err(ChecksumError::Mismatch {

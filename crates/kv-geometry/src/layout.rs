@@ -41,11 +41,13 @@ impl ComponentLayout {
         self.position.get(layer as usize).copied().flatten()
     }
 
-    /// Byte range of model layer `layer` inside one object, or `None` if not carried.
+    /// Byte range of model layer `layer` inside one object, or `None` if not carried
+    /// (saturating at `u64::MAX`, as [`slot_range`](Self::slot_range), for a layout whose
+    /// public fields were changed past what [`KvGeometry::new`] builds).
     pub fn layer_range(&self, layer: u32) -> Option<Range<u64>> {
         let pos = u64::from(self.position(layer)?);
-        let start = pos * self.page_layer_bytes;
-        Some(start..start + self.page_layer_bytes)
+        let start = pos.saturating_mul(self.page_layer_bytes);
+        Some(start..start.saturating_add(self.page_layer_bytes))
     }
 
     /// Byte range of page slot `slot` inside one layer's pool buffer of this component

@@ -176,3 +176,24 @@ fn lengths_layers_and_layouts_are_checked() {
     assert!(ObjectChecksums::of_object(&obj, 0).is_err());
     assert_eq!(checksum_key("a_b_k"), "a_b_k_kvsum");
 }
+
+/// A layout's `layers` and `page_layer_bytes` are public: a changed copy whose layers no
+/// longer reach a layer's position was indexed past its checksums (a panic), and a huge
+/// `page_layer_bytes` wrapped `layer_range` in release builds.
+#[test]
+fn a_changed_copy_of_a_layout_is_refused_not_panicked_on() {
+    let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+    let mut ix = g.component_by_name("indexer").unwrap().clone();
+    let last = *ix.layers.last().unwrap();
+    ix.layers.truncate(5);
+    let object = vec![7u8; (5 * ix.page_layer_bytes) as usize];
+    let sums = ObjectChecksums::of_object(&object, ix.page_layer_bytes).unwrap();
+    let bytes = vec![7u8; ix.page_layer_bytes as usize];
+    assert_eq!(
+        ObjectChecksums::verify_layer(Some(&sums), &ix, last, &bytes),
+        Err(ChecksumError::NoLayer(last))
+    );
+    ix.page_layer_bytes = u64::MAX / 2;
+    let r = ix.layer_range(last).unwrap();
+    assert!(r.start <= r.end, "{r:?}");
+}
