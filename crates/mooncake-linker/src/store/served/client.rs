@@ -239,6 +239,12 @@ impl SocketStore {
         &self.address
     }
 
+    /// Pools `conn`: the next call takes it first.
+    #[cfg(test)]
+    pub(super) fn pool_connection(&self, conn: Conn) {
+        self.pool.lock().push(conn);
+    }
+
     /// Drops the pooled connections, as a failed call drops its own; how many.
     #[cfg(test)]
     pub(super) fn drop_pooled(&self) -> usize {
@@ -717,7 +723,29 @@ impl KvStore for SocketStore {
         let mut body = Enc::default();
         body.u8(op::END_SESSION).u64(session.token);
         let key = session.keys.first().map(String::as_str).unwrap_or("");
-        self.single(&body, key, |_| Ok(()))
+        let end = |deadline| {
+            self.call_by(deadline, |c, deadline| {
+                let reply = Self::request(c, &body.0, deadline)?;
+                let mut d = Dec::new(&reply);
+                let result = d.result(|_| Ok(()))?;
+                d.finish()?;
+                Ok(result)
+            })
+        };
+        let first = match end(kv_loader::deadline_after(self.timeout)) {
+            Ok(answered) => return answered,
+            Err(e @ CallError::Down(_)) => e.for_key(&self.address, key),
+            Err(e) => return Err(e.for_key(&self.address, key)),
+        };
+        // The connection broke (a pooled one the server had dropped): the end may never have
+        // reached the server, and the session's pins would stay while this client lives.
+        // Ending is idempotent (the server ends only a session this client still holds): once
+        // more, within `GIVE_UP_TIMEOUT`.
+        tracing::debug!(address = %self.address, error = %first, "served store: ending a read session failed on its connection; once more");
+        match end(kv_loader::deadline_after(self.timeout.min(GIVE_UP_TIMEOUT))) {
+            Ok(answered) => answered,
+            Err(e) => Err(e.for_key(&self.address, key)),
+        }
     }
 
     fn health(&self) -> Result<(), StoreError> {

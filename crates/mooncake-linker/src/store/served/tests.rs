@@ -834,3 +834,29 @@ fn a_server_stops_when_its_wake_up_connection_fails() {
         assert!(took < Duration::from_secs(3), "{took:?}");
     }
 }
+
+/// Before, an end whose pooled connection broke under it failed, and the session's pins stayed
+/// for as long as the client lived (its anchor connection kept them): the store could not
+/// evict the object again. The end is now tried once more, on another connection.
+#[test]
+fn an_end_on_a_connection_that_breaks_is_tried_again_and_the_pins_go() {
+    use std::io::Read;
+    let (_server, x) = serve(3000);
+    let y = SocketStore::connect(_server.address()).unwrap();
+    assert_eq!(put(&x, "k", &[&pattern(1, 1000)]), Ok(PutOutcome::Written));
+    let sx = x.start_session(&["k"]).unwrap();
+    // The next call of X takes a connection whose far end reads the request and closes.
+    let (near, mut far) = std::os::unix::net::UnixStream::pair().unwrap();
+    x.pool_connection(super::protocol::Conn::Unix(near));
+    let breaker = std::thread::spawn(move || {
+        let mut got = [0u8; 8];
+        let _ = far.read(&mut got);
+    });
+    assert_eq!(x.end_session(&sx), Ok(()));
+    breaker.join().unwrap();
+    // `k` is no longer pinned: filling the store evicts it.
+    for i in 0..5 {
+        let _ = put(&y, &format!("f{i}"), &[&pattern(i + 2, 1000)]);
+    }
+    assert_eq!(y.exists(&["k"]), vec![Ok(false)], "k stayed pinned");
+}
