@@ -10,7 +10,8 @@ use common::*;
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{KvGeometry, ModelKvSpec};
 use kvlink::kv_loader::{
-    BatchId, KvLoadError, KvLoader, LoadTicket, LookupRequest, PlanError, StoreFailure,
+    BatchId, EngineAction, KvLoadError, KvLoader, LoadTicket, LookupRequest, PlanError,
+    StoreFailure,
 };
 use kvlink::mooncake_linker::read_plan::ReadCost;
 use kvlink::mooncake_linker::store::{
@@ -745,9 +746,17 @@ fn outcomes_taken_by_completed_free_their_slots() {
         .unwrap();
     let busy = linker.start_load(load_plan(&g, 3, &r.pages, vec![4, 5]));
     assert!(
-        matches!(busy, Err(KvLoadError::Busy { capacity: 2 })),
+        matches!(
+            busy,
+            Err(KvLoadError::Busy {
+                capacity: 2,
+                peers_fail: false
+            })
+        ),
         "{busy:?}"
     );
+    // One rank: nothing else was told; the same start may go through later.
+    assert_eq!(busy.unwrap_err().action(), EngineAction::RetryLater);
     wait_all(&linker, &t1).unwrap();
     for batch in 3..8 {
         let deadline = kvlink::kv_loader::deadline_after(Duration::from_secs(5));

@@ -19,7 +19,7 @@ use common::{load_plan, prompt, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
-use kvlink::kv_loader::{KvLoadError, KvLoader, LookupRequest};
+use kvlink::kv_loader::{EngineAction, KvLoadError, KvLoader, LookupRequest};
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, StoreError,
 };
@@ -179,8 +179,11 @@ fn a_batch_refused_as_busy_on_one_rank_still_meets_the_group() {
                 let four = each(&rs, |rank, r| {
                     let plan = load_plan(r.linker.geometry(), 4, &hashes, r.slots.clone());
                     match r.linker.start_load(plan) {
-                        Err(KvLoadError::Busy { .. }) => {
+                        Err(e @ KvLoadError::Busy { .. }) => {
                             assert_eq!(rank, fail);
+                            // The peers fail batch 4 (below): this rank recomputes it too.
+                            // Before, `RetryLater`: a start of it again met peers past it.
+                            assert_eq!(e.action(), EngineAction::Recompute, "{what}: {e}");
                             false
                         }
                         Err(e) => panic!("{what}: rank {rank}: {e}"),

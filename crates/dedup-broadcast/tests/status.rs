@@ -182,7 +182,10 @@ fn every_error_kind_has_its_own_code() {
         },
         KvLoadError::Device(Cause::new("x")),
         KvLoadError::StaleTicket { batch: b },
-        KvLoadError::Busy { capacity: 4 },
+        KvLoadError::Busy {
+            capacity: 4,
+            peers_fail: true,
+        },
         KvLoadError::Closed,
         KvLoadError::Geometry(kv_geometry::GeometryError::HeadsNotDivisible {
             component: "v".into(),

@@ -18,7 +18,7 @@ use crate::KvLoadError;
 /// use kv_loader::{BatchId, EngineAction, KvLoadError};
 /// let e = KvLoadError::Cancelled { batch: BatchId(4) };
 /// assert_eq!(e.action(), EngineAction::Recompute);
-/// let e = KvLoadError::Busy { capacity: 8 };
+/// let e = KvLoadError::Busy { capacity: 8, peers_fail: false };
 /// assert_eq!(e.action(), EngineAction::RetryLater);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -57,9 +57,9 @@ impl KvLoadError {
     ///
     /// | variant | action |
     /// |---|---|
-    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's, not refused), `BadObject`, `Internal`, `Cancelled`, `InvalidPlan` of an object of the wrong size (`PlanError::ObjectSize`: store data, discarded) | `Recompute` |
+    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's, not refused), `BadObject`, `Internal`, `Cancelled`, `InvalidPlan` of an object of the wrong size (`PlanError::ObjectSize`: store data, discarded), `Busy` refused in a TP group (`peers_fail`) | `Recompute` |
     /// | `Timeout`, `Device` | `ResetThenRecompute` |
-    /// | `Busy`, `GroupDown` (a lookup's, `batch: None`, not refused) | `RetryLater` |
+    /// | `Busy` of one rank (not `peers_fail`), `GroupDown` (a lookup's, `batch: None`, not refused) | `RetryLater` |
     /// | `InvalidPlan` (any other reason), `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry`, `GroupDown` (`refused`) | `FixInput` |
     /// | `SlotsHeld` | `HoldSlots` |
     ///
@@ -82,6 +82,9 @@ impl KvLoadError {
             } => EngineAction::Recompute,
             KvLoadError::GroupDown { refused: true, .. } => EngineAction::FixInput,
             KvLoadError::GroupDown { batch: Some(_), .. } => EngineAction::Recompute,
+            KvLoadError::Busy {
+                peers_fail: true, ..
+            } => EngineAction::Recompute,
             KvLoadError::GroupDown { batch: None, .. } | KvLoadError::Busy { .. } => {
                 EngineAction::RetryLater
             }
@@ -183,7 +186,20 @@ mod tests {
                 },
                 EngineAction::Recompute,
             ),
-            (KvLoadError::Busy { capacity: 1 }, EngineAction::RetryLater),
+            (
+                KvLoadError::Busy {
+                    capacity: 1,
+                    peers_fail: false,
+                },
+                EngineAction::RetryLater,
+            ),
+            (
+                KvLoadError::Busy {
+                    capacity: 1,
+                    peers_fail: true,
+                },
+                EngineAction::Recompute,
+            ),
             (KvLoadError::Closed, EngineAction::FixInput),
             (
                 KvLoadError::internal(b, "a step out of order"),

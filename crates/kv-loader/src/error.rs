@@ -241,10 +241,17 @@ pub enum KvLoadError {
         batch: BatchId,
     },
     /// Too many batches in flight: take outcomes (`wait_batch`/`completed`) first.
-    #[error("{capacity} batches already in flight")]
+    #[error("{capacity} batches already in flight{}", if *peers_fail { " (refused in a TP group: every rank fails this batch)" } else { "" })]
     Busy {
         /// Batches the loader tracks at once.
         capacity: u32,
+        /// The refusal was exchanged with this rank's TP peers (a loader in a group tells its
+        /// peers, so that none waits for this rank's part): the batch has failed on every
+        /// rank, so it is to be recomputed, not started again ([`EngineAction::Recompute`];
+        /// a start of it again would find the peers past it).
+        ///
+        /// [`EngineAction::Recompute`]: crate::EngineAction::Recompute
+        peers_fail: bool,
     },
     /// The loader is closed.
     #[error("the loader is closed")]

@@ -387,9 +387,10 @@ impl KvLoader for MockKvLoader {
             .begin(self.num_layers.max(1))
             .map_err(|e| match e {
                 // As the Linker: too many batches in flight is back-pressure, not a fault.
-                layerwise_counter::CounterError::Full { capacity } => {
-                    KvLoadError::Busy { capacity }
-                }
+                layerwise_counter::CounterError::Full { capacity } => KvLoadError::Busy {
+                    capacity,
+                    peers_fail: false,
+                },
                 other => KvLoadError::internal(
                     batch,
                     crate::Cause::with_source(format!("mock: {other}"), other),
@@ -811,7 +812,8 @@ mod tests {
         assert!(matches!(
             mock.start_load(plan(1000)),
             Err(KvLoadError::Busy {
-                capacity: layerwise_counter::DEFAULT_CAPACITY
+                capacity: layerwise_counter::DEFAULT_CAPACITY,
+                peers_fail: false,
             })
         ));
         let mut script = MockScript::default();

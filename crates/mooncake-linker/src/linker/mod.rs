@@ -673,7 +673,14 @@ impl KvLoader for Linker {
             Ok(c) => c,
             Err(e) => {
                 self.refuse(plan, &e);
-                return Err(e);
+                return Err(match e {
+                    // The peers fail it too (`refuse`): it is recomputed, not started again.
+                    KvLoadError::Busy { capacity, .. } if s.grouped() => KvLoadError::Busy {
+                        capacity,
+                        peers_fail: true,
+                    },
+                    e => e,
+                });
             }
         };
         let ticket = LoadTicket {

@@ -53,7 +53,10 @@ impl Outcomes {
             return Err(KvLoadError::DuplicateBatch { batch });
         }
         let t = self.counter.begin(num_layers).map_err(|e| match e {
-            CounterError::Full { capacity } => KvLoadError::Busy { capacity },
+            CounterError::Full { capacity } => KvLoadError::Busy {
+                capacity,
+                peers_fail: false,
+            },
             other => KvLoadError::internal(batch, kv_loader::Cause::from_error(other)),
         })?;
         in_flight.insert(batch, t);
