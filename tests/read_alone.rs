@@ -117,3 +117,42 @@ fn lookups_go_alone_on_every_rank_when_one_rank_finds_the_group_down() {
         assert_eq!(hit.pages.len(), hashes.len(), "rank {rank}");
     }
 }
+
+/// A rank the group went past (its peers settled a batch without it, and met again at a later
+/// one) loads that batch alone too when it comes to it. Before, its gate found it behind and it
+/// failed the batch a peer had loaded alone. Here rank 1's engine starts batch 2 before batch
+/// 1: the gate rank 0 meets at batch 1 is the one a peer that loaded batch 1 alone (the group
+/// down) and came back at batch 2 leaves it.
+#[test]
+fn a_rank_the_group_went_past_loads_the_batch_alone_too() {
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let cfg = LinkerConfig {
+        collective_timeout: Duration::from_secs(2),
+        ..alone_config(ShareMode::SplitAllGather)
+    };
+    let (rs, hashes) = common::tp::tp_ranks(&mixed_spec(), 2, store, 5, &cfg, Path::Host);
+    let load = |r: &common::tp::TpRank, batch| {
+        let plan = common::load_plan(r.linker.geometry(), batch, &hashes, r.slots.clone());
+        let t = r.linker.start_load(plan).unwrap();
+        let _ = common::wait_all(&r.linker, &t);
+        r.linker.wait_batch(&t).unwrap().result
+    };
+    let (zero, one) = std::thread::scope(|s| {
+        let zero = s.spawn(|| [load(&rs[0], 1), load(&rs[0], 2)]);
+        let one = s.spawn(|| [load(&rs[1], 2), load(&rs[1], 1)]);
+        (zero.join().unwrap(), one.join().unwrap())
+    });
+    let [zero_1, zero_2] = zero;
+    let [one_2, one_1] = one;
+    let zero_1 = zero_1.expect("rank 0, batch 1: behind the group, it loads alone");
+    assert!(zero_1.alone.is_some(), "{zero_1:?}");
+    // Rank 1 comes to batch 1 alone: its gate fails by the timeout, and it loads alone too.
+    assert!(one_1.expect("rank 1, batch 1").alone.is_some());
+    for (rank, stats) in [(0, zero_2), (1, one_2)] {
+        let stats = stats.unwrap_or_else(|e| panic!("rank {rank}, batch 2: {e}"));
+        assert!(stats.alone.is_none(), "rank {rank}: batch 2 in step");
+    }
+    for (rank, r) in rs.iter().enumerate() {
+        rank_matches(r, &hashes, rank as u32).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}

@@ -22,7 +22,7 @@ use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, LoadTicket, ShareMod
 use tracing::{debug, info_span, warn};
 
 use super::checksum_cache::ChecksumCache;
-use super::gate::Gates;
+use super::gate::{GateMiss, Gates};
 use super::group_time::BatchSample;
 use super::handle_use::Channel;
 use super::outcomes::HeldOutcome;
@@ -201,13 +201,23 @@ impl Inner {
             // `ReadAlone` this rank then loads alone too, so every rank ends the batch loaded
             // (alone) rather than some loaded and some failed. The gate took the previous
             // batch's time; this batch leaves none.
-            Err(e) if self.reads_alone_after(coll, refusal.as_ref()) => {
+            Err(GateMiss::Failed(e)) if self.reads_alone_after(coll, refusal.as_ref()) => {
                 warn!(%batch, error = %e, "the gate failed and the group broke: loading alone");
                 let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
                 stats.alone = Some(format!("the group broke at the gate: {e}"));
                 return Ok(stats);
             }
-            Err(e) => return Err(e),
+            // The group went on past this batch without this rank: with `ReadAlone` its ranks
+            // settled it alone (a peer that loaded it alone, found the group down, then met
+            // this rank again at its next batch), so this rank loads it alone too rather than
+            // fail a batch a peer loaded.
+            Err(GateMiss::Behind(e)) if self.reads_alone_behind(refusal.as_ref()) => {
+                warn!(%batch, error = %e, "the group is past this batch: loading alone");
+                let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
+                stats.alone = Some(format!("the group went on past this batch: {e}"));
+                return Ok(stats);
+            }
+            Err(GateMiss::Behind(e) | GateMiss::Failed(e)) => return Err(e),
         };
         if let Some(e) = refusal {
             return self.refuse(coll, batch, gated.tag(), e);
@@ -251,9 +261,13 @@ impl Inner {
     /// the batch, and the group's handle is now broken (a gate that only found this rank
     /// behind leaves it whole: the catch-up protocol goes on).
     fn reads_alone_after(&self, coll: &dyn Collective, refusal: Option<&KvLoadError>) -> bool {
-        matches!(self.config.group_fallback, GroupFallback::ReadAlone)
-            && refusal.is_none()
-            && coll.broken().is_some()
+        self.reads_alone_behind(refusal) && coll.broken().is_some()
+    }
+
+    /// After a gate that found the group at a later batch: the engine configured reading
+    /// alone and this rank did not refuse the batch.
+    fn reads_alone_behind(&self, refusal: Option<&KvLoadError>) -> bool {
+        matches!(self.config.group_fallback, GroupFallback::ReadAlone) && refusal.is_none()
     }
 
     /// How the batch's layers split, in `mode`. A layout that cannot be built becomes this

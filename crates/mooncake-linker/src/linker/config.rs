@@ -184,8 +184,9 @@ pub enum GroupFallback {
     /// lookup returns this rank's own hit, not the group's minimum (the engine must agree on
     /// the prefix itself). Only for engines whose ranks can still run while kvlink's group is
     /// down. "Down" is each rank's own finding, so a rank whose gate (or lookup collective)
-    /// then fails because a peer went alone goes alone too: every rank ends such a batch
-    /// loaded, none failed while another loaded it.
+    /// then fails because a peer went alone goes alone too, and so does a rank whose gate finds
+    /// the group already at a later batch (its peers settled this one alone and met again
+    /// after it): every rank ends such a batch loaded, none failed while another loaded it.
     ReadAlone,
 }
 

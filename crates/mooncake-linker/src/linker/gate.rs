@@ -53,6 +53,16 @@ pub(crate) struct Gates {
     pub(crate) pending: PendingSample,
 }
 
+/// Why a batch did not pass its gate.
+#[derive(Debug)]
+pub(crate) enum GateMiss {
+    /// The group is at a later batch: its ranks went on without this one (each loaded this
+    /// batch alone, or failed it), and this rank skips it to catch up. The handle stays whole.
+    Behind(KvLoadError),
+    /// The gate's collective failed, or the ranks are lost (the handle is then aborted).
+    Failed(KvLoadError),
+}
+
 /// What the gate decided for a batch in step.
 pub(crate) struct Gated {
     pub(crate) mode: ShareMode,
@@ -108,7 +118,7 @@ impl Inner {
         epoch: u64,
         coll: &dyn Collective,
         job: &BatchJob,
-    ) -> Result<Gated, KvLoadError> {
+    ) -> Result<Gated, GateMiss> {
         let batch = job.plan.logical.batch;
         let digest = plan_digest(&job.plan.logical);
         let mut sample = gates.pending.take_for(epoch, gates.count.peek(epoch));
@@ -132,7 +142,7 @@ impl Inner {
             };
             let gate = check_batch(coll, &word, self.collective_deadline()).map_err(|e| {
                 let why = kv_loader::Cause::with_source(format!("gate: {e}"), e);
-                self.group_failed(coll, batch, why)
+                GateMiss::Failed(self.group_failed(coll, batch, why))
             })?;
             if let Some(mine) = mine {
                 self.observe_group_time(batch, mine, &gate);
@@ -167,25 +177,25 @@ impl Inner {
                 }
                 GateStep::Behind { latest } => {
                     warn!(%batch, latest, "this rank is behind the group: skipping this batch");
-                    return Err(collective_failure(
+                    return Err(GateMiss::Behind(collective_failure(
                         batch,
                         format!("ranks out of step: the group is at batch {latest}; this batch is skipped to catch up"),
-                    ));
+                    )));
                 }
                 GateStep::Lost { detail } => {
-                    return Err(self.group_failed(
+                    return Err(GateMiss::Failed(self.group_failed(
                         coll,
                         batch,
                         format!("ranks out of step: {detail}"),
-                    ));
+                    )));
                 }
             }
         }
-        Err(self.group_failed(
+        Err(GateMiss::Failed(self.group_failed(
             coll,
             batch,
             format!("ranks still out of step after {MAX_CATCH_UP} gates"),
-        ))
+        )))
     }
 
     /// After a gate whose word carried this rank's previous batch (`mine`): `Auto` records
