@@ -34,6 +34,7 @@ fn a_read_failure_on_any_rank_at_any_layer_fails_every_rank_alike_on_both_paths(
             let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
             let (rs, hashes) = tp_ranks(&spec, 3, store, 6, &config(mode), path);
             let mut batch = 1;
+            let mut own_seen = [0u64; 3];
             for fail_rank in [0u32, 1, 2] {
                 for layer in [0u32, 2, 4] {
                     let what = format!("{path:?} {mode:?} rank {fail_rank} layer {layer}");
@@ -48,6 +49,15 @@ fn a_read_failure_on_any_rank_at_any_layer_fails_every_rank_alike_on_both_paths(
                         "{what}: no deadline waited"
                     );
                     same_verdict(&outcomes, fail_rank, layer, &what);
+                    // Only the failing rank counts the failure as its own, by its kind (every
+                    // rank's outcome is `peer_failed`). Before, no rank counted it at all.
+                    own_seen[fail_rank as usize] += 1;
+                    for (rank, r) in rs.iter().enumerate() {
+                        let m = r.linker.metrics();
+                        let own = m.own_failures.get("store_transfer").copied().unwrap_or(0);
+                        assert_eq!(own, own_seen[rank], "{what}: rank {rank}");
+                        assert_eq!(m.own_failures.len(), usize::from(own > 0), "{what}");
+                    }
                     for (rank, (r, o)) in rs.iter().zip(run(&rs, batch + 1, &hashes)).enumerate() {
                         o.result
                             .unwrap_or_else(|e| panic!("{what}: next batch, rank {rank}: {e}"));

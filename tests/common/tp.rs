@@ -525,22 +525,36 @@ pub fn fail_v_read(faults: &FaultyStore, g: &KvGeometry, key: String, layer: u32
     );
 }
 
-/// Every rank failed with `PeerFailed { rank, layer }`, the same text everywhere.
+/// Every rank failed with `PeerFailed { rank, layer }`, the same code everywhere; the rank
+/// that failed (`outcomes` are in rank order) adds its own error's words to it.
 pub fn same_verdict(outcomes: &[BatchOutcome], rank: u32, layer: u32, what: &str) {
-    let errs: Vec<String> = outcomes
+    let verdicts: Vec<(u32, u32, &str)> = outcomes
         .iter()
         .map(|o| match &o.result {
-            Err(e) => e.to_string(),
+            Err(KvLoadError::PeerFailed {
+                rank,
+                layer,
+                detail,
+                ..
+            }) => (*rank, *layer, detail.as_str()),
+            Err(other) => panic!("{what}: {other:?}"),
             Ok(_) => panic!("{what}: a rank loaded despite the failure"),
         })
         .collect();
-    assert!(errs.windows(2).all(|w| w[0] == w[1]), "{what}: {errs:?}");
-    match outcomes[0].result.as_ref().unwrap_err() {
-        KvLoadError::PeerFailed {
-            rank: r, layer: l, ..
-        } => {
-            assert_eq!((*r, *l), (rank, layer), "{what}")
+    let code = verdicts
+        .iter()
+        .enumerate()
+        .find(|(r, _)| *r as u32 != rank)
+        .map(|(_, v)| v.2);
+    for (r, &(first, at, detail)) in verdicts.iter().enumerate() {
+        assert_eq!((first, at), (rank, layer), "{what}: rank {r}");
+        match code {
+            Some(code) if r as u32 == rank => assert!(
+                detail.starts_with(code) && detail.len() > code.len(),
+                "{what}: the failed rank's detail {detail:?} extends {code:?}"
+            ),
+            Some(code) => assert_eq!(detail, code, "{what}: rank {r}"),
+            None => {}
         }
-        other => panic!("{what}: {other:?}"),
     }
 }

@@ -188,7 +188,9 @@ pub enum KvLoadError {
         /// The batch.
         batch: BatchId,
     },
-    /// Another TP rank failed this batch; every rank reports the same failure.
+    /// A TP rank failed this batch; every rank reports the same failure (the first: lowest
+    /// layer, then lowest rank). On the rank that failed (`rank` is its own), `detail` also
+    /// carries its own error's words.
     #[error("{batch}: rank {rank} failed at layer {layer}: {detail}")]
     PeerFailed {
         /// The batch.

@@ -49,6 +49,7 @@ pub struct LinkerMetrics {
     kept_checksums_stale: AtomicU64,
     companions_reread: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
+    own_failures: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 /// A copy of the counters at one moment.
@@ -114,8 +115,13 @@ pub struct MetricsSnapshot {
     pub companions_reread: u64,
     /// Store calls that did not return by their deadline (filled by `Linker::metrics`).
     pub overdue_calls: u64,
-    /// Failures by kind (`KvLoadError::kind_name`).
+    /// Failed batch outcomes by kind (`KvLoadError::kind_name`). In a TP group every rank's
+    /// outcome of a batch a rank failed while loading is `peer_failed`; what failed is in
+    /// `own_failures` of the rank it was.
     pub failures: BTreeMap<&'static str, u64>,
+    /// This rank's own failures while loading a batch's layers (a read, a verification, an
+    /// upload, a share step), by kind, alone or in a group: at most one per batch.
+    pub own_failures: BTreeMap<&'static str, u64>,
 }
 
 impl LinkerMetrics {
@@ -210,6 +216,10 @@ impl LinkerMetrics {
         *self.failures.lock().entry(kind).or_default() += 1;
     }
 
+    pub(crate) fn own_failure(&self, kind: &'static str) {
+        *self.own_failures.lock().entry(kind).or_default() += 1;
+    }
+
     /// The counters now.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut hist = [0; 12];
@@ -242,6 +252,7 @@ impl LinkerMetrics {
             companions_reread: self.companions_reread.load(Ordering::Relaxed),
             overdue_calls: 0,
             failures: self.failures.lock().clone(),
+            own_failures: self.own_failures.lock().clone(),
         }
     }
 }

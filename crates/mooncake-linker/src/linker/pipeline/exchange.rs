@@ -342,11 +342,38 @@ impl LayerPipeline<'_> {
                     .group_failed(c, batch, "status words out of step");
             }
         }
+        if let Some(own) = &progress.own {
+            self.inner.metrics.own_failure(own.kind_name());
+        }
         if !status.is_ok() {
-            // One rank alone: its own error says most. A group: every rank reports the same.
+            // One rank alone: its own error says most. A group: every rank reports the same
+            // failure, the first (lowest layer, then rank); the rank it was carries its own
+            // error's words, which the others do not have.
             return Err(match (self.coll, progress.own) {
                 (None, Some(e)) => e,
-                _ => status
+                (Some(c), own) => {
+                    let mut e = status
+                        .to_error(batch)
+                        .unwrap_or(KvLoadError::Cancelled { batch });
+                    if let (
+                        KvLoadError::PeerFailed {
+                            rank: first,
+                            detail,
+                            ..
+                        },
+                        Some(own),
+                    ) = (&mut e, &own)
+                    {
+                        if *first == c.rank() {
+                            *detail = format!("{detail}: {own}");
+                        }
+                    }
+                    if let Some(own) = own {
+                        warn!(%batch, error = %own, "this rank's own failure of the batch");
+                    }
+                    e
+                }
+                (None, None) => status
                     .to_error(batch)
                     .unwrap_or(KvLoadError::Cancelled { batch }),
             });
