@@ -477,6 +477,60 @@ fn slow_read_times_out_the_batch() {
     );
 }
 
+/// A store that answers "RPC timeout" early (its master gave up, well before the linker's
+/// own limit) read nothing: the fit takes the call at the limit too. Before, it took the
+/// call's own short time for all the bytes asked, as if they were read at once: the fit came
+/// out faster, and the plan read in larger groups from a store that was timing out.
+#[test]
+fn an_early_rpc_timeout_teaches_the_fit_the_limit_not_a_fast_read() {
+    let r = rig(3);
+    let config = LinkerConfig {
+        layer_read_timeout: Duration::from_millis(300),
+        ..cfg()
+    };
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let offset = g
+        .component_by_name("k")
+        .unwrap()
+        .layer_range(1)
+        .unwrap()
+        .start;
+    r.faulty.inject(
+        FaultRule {
+            offset: Some(offset),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::RpcTimeout {
+            key: "injected".into(),
+        }),
+    );
+    let (linker, _pool, t) = start_batch_1(&r, config);
+    let _ = wait_all(&linker, &t);
+    let out = linker.wait_batch(&t).unwrap();
+    assert!(
+        matches!(
+            &out.result,
+            Err(KvLoadError::Store {
+                kind: StoreFailure::RpcTimeout,
+                ..
+            })
+        ),
+        "{:?}",
+        out.result
+    );
+    let m = linker.metrics();
+    let cost = linker.read_cost(kvlink::kv_loader::ShareMode::AllRanks);
+    let layer_bytes = (3 * g.bytes_per_page()) as f64 / f64::from(g.num_layers());
+    let predicted = cost.per_call
+        + cost.per_layer
+        + Duration::from_secs_f64(layer_bytes * cost.seconds_per_byte);
+    assert!(
+        predicted >= Duration::from_millis(30),
+        "{cost:?}: one layer predicted in {predicted:?} ({m:?})"
+    );
+}
+
 #[test]
 fn a_wait_never_outlives_its_deadline() {
     let r = rig(3);

@@ -337,15 +337,17 @@ impl LayerPipeline<'_> {
         let asked = planned.expected_bytes();
         let read = reader.read(planned, loans, group.clone(), hash);
         let took = t0.elapsed();
-        // A call that ran into its deadline, or returned past it, is a failure: it does not
-        // count among the reads that landed, nor in Auto's measure. The read-cost fit takes it
-        // at the limit (a censored sample): a store grown slow still teaches the plan smaller
-        // groups, and one hung call does not skew the fit by its whole length.
+        // A call that ran into its deadline, returned past it, or answered "RPC timeout" is a
+        // failure: it does not count among the reads that landed, nor in Auto's measure. The
+        // read-cost fit takes it at the limit (a censored sample): a store grown slow still
+        // teaches the plan smaller groups, one hung call does not skew the fit by its whole
+        // length, and a store's early "RPC timeout" (nothing read) is not taken for its bytes
+        // read in no time.
         let limit = inner.config.layer_read_timeout;
         let timed_out = || {
             inner
                 .reads
-                .observe(layers.mode, group.len() as u32, asked, took.min(limit));
+                .observe(layers.mode, group.len() as u32, asked, limit);
         };
         let read = read.inspect_err(|e| {
             inner.metrics.layer_read_failed(took);
