@@ -16,7 +16,7 @@ use common::tp::{
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
-use kvlink::kv_loader::ShareMode;
+use kvlink::kv_loader::{KvLoader, ShareMode};
 use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, Stall};
 use kvlink::mooncake_linker::LinkerConfig;
 
@@ -630,4 +630,67 @@ fn peers_ended_by(ended: &[Instant], t0: Instant, bound: Duration, what: &str) {
         let took = ended[peer] - t0;
         assert!(took < bound, "{what}: rank {peer} ended after {took:?}");
     }
+}
+
+/// `close` waits for all it waits for within one `wait_deadline`, as `reset`. Before, the cancel
+/// had its own bound and every step after it a fresh one: here rank 0's batch in flight ends
+/// 2.5 s into the cancel, and a refused batch then waits at the gate for a peer that never
+/// comes, so close took the cancel's 2.5 s and a whole second `wait_deadline` (5.5 s).
+#[test]
+fn close_waits_one_wait_deadline_in_all() {
+    let cfg = LinkerConfig {
+        wait_deadline: Duration::from_secs(3),
+        collective_timeout: Duration::from_secs(20),
+        layer_read_timeout: Duration::from_secs(10),
+        ..config(ShareMode::AllRanks)
+    };
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, hashes) = tp_ranks(&mixed_spec(), 2, store, 4, &cfg, Path::Host);
+    // Rank 0's read of layer 1 takes 2.5 s.
+    let v = rs[0]
+        .linker
+        .geometry()
+        .component_by_name("v")
+        .unwrap()
+        .clone();
+    rs[0].faults.inject(
+        FaultRule {
+            key_contains: Some("tp0_cp0_pp0_v".into()),
+            offset: Some(v.layer_range(1).unwrap().start),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Delay(Duration::from_millis(2500)),
+    );
+    let plan = |r: &TpRank, batch: u64, slots: Vec<u32>| {
+        common::load_plan(r.linker.geometry(), batch, &hashes, slots)
+    };
+    std::thread::scope(|s| {
+        let one = s.spawn(|| {
+            let t = rs[1]
+                .linker
+                .start_load(plan(&rs[1], 1, rs[1].slots.clone()))
+                .unwrap();
+            let _ = common::wait_all(&rs[1].linker, &t);
+            rs[1].linker.wait_batch(&t).unwrap()
+        });
+        let zero = &rs[0].linker;
+        let _t = zero
+            .start_load(plan(&rs[0], 1, rs[0].slots.clone()))
+            .unwrap();
+        // Batch 2 refused here (a slot twice): the load thread takes it to the gate after
+        // batch 1, and rank 1 never comes to batch 2.
+        let mut twice = rs[0].slots.clone();
+        twice[1] = twice[0];
+        assert!(zero.start_load(plan(&rs[0], 2, twice)).is_err());
+        std::thread::sleep(Duration::from_millis(200));
+        let t0 = Instant::now();
+        let _ = zero.close();
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(2000) && took < Duration::from_millis(4500),
+            "close took {took:?}: one wait_deadline (3 s) in all"
+        );
+        let _ = one.join().unwrap();
+    });
 }

@@ -535,15 +535,14 @@ impl Linker {
             .collect())
     }
 
-    /// Cancels every batch in flight and waits (bounded by `wait_deadline`) until the load
-    /// thread is idle. `Err(SlotsHeld)` names the batches whose slots may still be written: a
-    /// store call past its deadline (their outcomes come when it returns), or, when the load
-    /// thread is still busy at the deadline, every batch still in flight. The flag says the
-    /// load thread was still busy.
-    fn cancel_all(&self) -> (Result<(), KvLoadError>, bool) {
+    /// Cancels every batch in flight and waits (until `deadline`) until the load thread is
+    /// idle. `Err(SlotsHeld)` names the batches whose slots may still be written: a store call
+    /// past its deadline (their outcomes come when it returns), or, when the load thread is
+    /// still busy at the deadline, every batch still in flight. The flag says the load thread
+    /// was still busy.
+    fn cancel_all(&self, deadline: Instant) -> (Result<(), KvLoadError>, bool) {
         let s = &self.inner;
         s.epoch.fetch_add(1, Ordering::AcqRel);
-        let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         // The lookups' pins are taken out first, so a load waiting for one under way goes on
         // at once instead of holding the load thread up to its bound; their sessions are ended
         // after the cancel, so that no master call delays it.
@@ -765,7 +764,8 @@ impl KvLoader for Linker {
     fn reset(&self) -> Result<(), KvLoadError> {
         self.inner.check_open()?;
         info!("linker reset");
-        self.cancel_all().0
+        self.cancel_all(kv_loader::deadline_after(self.inner.config.wait_deadline))
+            .0
     }
 
     fn close(&self) -> Result<(), KvLoadError> {
@@ -773,10 +773,11 @@ impl KvLoader for Linker {
             return Ok(());
         }
         info!("linker close");
-        let (cancelled, busy) = self.cancel_all();
-        // One bound for what close waits for after the cancel: a read of companions ahead
-        // begun meanwhile, then the load thread.
+        // One bound for all close waits for, as `reset`'s: the cancel, then a read of
+        // companions ahead begun meanwhile, then the load thread (before, each step after the
+        // cancel had a fresh `wait_deadline`: twice as long in all).
         let deadline = kv_loader::deadline_after(self.inner.config.wait_deadline);
+        let (cancelled, busy) = self.cancel_all(deadline);
         // Dropping the sender ends the load loop once it has nothing queued.
         self.jobs.lock().take();
         // No read ahead from now on; one under way is waited for (bounded), and pins one took
