@@ -131,10 +131,11 @@ impl<'scope> Check<'scope> {
     /// fails the batch.
     pub(crate) fn verdict(&mut self) -> Result<(), KvLoadError> {
         match std::mem::replace(&mut self.state, CheckState::Taken) {
-            CheckState::Running { handle, .. } => handle.join().unwrap_or_else(|_| {
+            CheckState::Running { handle, .. } => handle.join().unwrap_or_else(|payload| {
+                let what = kv_loader::Cause::from_panic(payload.as_ref());
                 Err(KvLoadError::internal(
                     self.batch,
-                    format!("the preflight's {} check panicked", self.what),
+                    what.context(format!("the preflight's {} check panicked", self.what)),
                 ))
             }),
             CheckState::Done(r) => r,
@@ -516,7 +517,7 @@ mod tests {
             });
             let e = c.verdict().unwrap_err();
             assert!(matches!(e, KvLoadError::Internal { .. }), "{e}");
-            assert!(e.to_string().contains("sizes check panicked"), "{e}");
+            assert!(e.to_string().contains("sizes check panicked: boom"), "{e}");
         });
     }
 }

@@ -369,10 +369,10 @@ impl LayerCheck<'_> {
         let t0 = std::time::Instant::now();
         let rows = self.rows(landing, stage, layer, landed)?;
         let verdicts =
-            verify_rows(&rows, layer, self.inner.config.verify_threads).ok_or_else(|| {
+            verify_rows(&rows, layer, self.inner.config.verify_threads).map_err(|what| {
                 KvLoadError::internal(
                     self.batch,
-                    format!("a layer {layer} verification thread panicked"),
+                    what.context(format!("a layer {layer} verification thread panicked")),
                 )
             })?;
         // (by checksum, of those against a landed checksum, by length only)
@@ -556,13 +556,13 @@ fn verify_threads_for(threads: usize, rows: usize, bytes: usize) -> usize {
 
 /// Each row's verdict, in row order: on the calling thread, or split in contiguous parts over
 /// up to `threads` threads, the calling one and scoped ones for the others (a part whose
-/// thread cannot start is verified inline); `None` when a verification thread panicked (the
-/// batch then fails; nothing is re-run).
+/// thread cannot start is verified inline); the panic's words when a verification thread
+/// panicked (the batch then fails; nothing is re-run).
 fn verify_rows(
     rows: &[Row<'_>],
     layer: u32,
     threads: usize,
-) -> Option<Vec<Result<Verified, ChecksumError>>> {
+) -> Result<Vec<Result<Verified, ChecksumError>>, kv_loader::Cause> {
     let verify = |r: &Row<'_>| {
         ObjectChecksums::verify_layer_landed(
             r.sums(),
@@ -580,7 +580,7 @@ fn verify_rows(
         .sum();
     let threads = verify_threads_for(threads, rows.len(), total);
     if threads == 1 {
-        return Some(rows.iter().map(verify).collect());
+        return Ok(rows.iter().map(verify).collect());
     }
     let chunk = rows.len().div_ceil(threads);
     let (first, rest) = rows.split_at(chunk.min(rows.len()));
@@ -599,14 +599,16 @@ fn verify_rows(
         let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             first.iter().map(verify).collect::<Vec<_>>()
         }))
-        .ok();
+        .map_err(|p| kv_loader::Cause::from_panic(p.as_ref()));
         // Every thread is joined before deciding, so a second panicked part cannot re-panic
         // when the scope ends.
-        let joined: Vec<Option<Vec<_>>> = parts
+        let joined: Vec<Result<Vec<_>, _>> = parts
             .into_iter()
             .map(|(part, handle)| match handle {
-                Ok(h) => h.join().ok(),
-                Err(_) => Some(part.iter().map(verify).collect()),
+                Ok(h) => h
+                    .join()
+                    .map_err(|p| kv_loader::Cause::from_panic(p.as_ref())),
+                Err(_) => Ok(part.iter().map(verify).collect()),
             })
             .collect();
         let mut all = Vec::with_capacity(rows.len());
@@ -614,7 +616,7 @@ fn verify_rows(
         for part in joined {
             all.extend(part?);
         }
-        Some(all)
+        Ok(all)
     })
 }
 
