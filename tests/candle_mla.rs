@@ -200,8 +200,10 @@ fn a_failed_load_falls_back_to_recompute_and_still_matches() {
                 "{mode:?}: {}",
                 verdicts[0]
             );
+            // The same verdict everywhere; rank 0, which failed, adds its own error's words.
             assert!(
-                verdicts.iter().all(|v| v == &verdicts[0]),
+                verdicts[1..].iter().all(|v| v == &verdicts[1])
+                    && verdicts[0].starts_with(&verdicts[1]),
                 "same verdict: {verdicts:?}"
             );
             f.assert_matches(&served, &format!("{mode:?}, failed at layer {layer}"));

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::tp::{
-    fail_v_read, rank_matches, run, tp_ranks, tp_ranks_built, Path, RankBuild, TpRank,
+    fail_v_read, rank_matches, run, same_verdict, tp_ranks, tp_ranks_built, Path, RankBuild, TpRank,
 };
 use common::*;
 use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, PageHash, RowUnit};
@@ -172,20 +172,12 @@ fn a_failure_on_any_rank_at_any_layer_fails_every_rank_the_same_way() {
                     t0.elapsed() < Duration::from_secs(5),
                     "no rank waited for a deadline"
                 );
-                let errs: Vec<String> = outcomes
-                    .iter()
-                    .map(|o| o.result.as_ref().unwrap_err().to_string())
-                    .collect();
-                assert_eq!(
-                    errs[0], errs[1],
-                    "{mode:?} rank {fail_rank} layer {layer}: same verdict"
+                same_verdict(
+                    &outcomes,
+                    fail_rank,
+                    layer,
+                    &format!("{mode:?} rank {fail_rank} layer {layer}"),
                 );
-                match outcomes[0].result.as_ref().unwrap_err() {
-                    KvLoadError::PeerFailed { rank, layer: l, .. } => {
-                        assert_eq!((*rank, *l), (fail_rank, layer))
-                    }
-                    other => panic!("unexpected {other:?}"),
-                }
                 for r in &rs {
                     assert_eq!(r.linker.metrics().batches_failed, 1);
                 }
@@ -223,17 +215,7 @@ fn a_failed_shared_read_on_the_reader_fails_every_rank() {
             Fault::Short,
         );
         let outcomes = run(&rs, 1, &pages);
-        for o in &outcomes {
-            assert!(
-                matches!(o.result, Err(KvLoadError::PeerFailed { rank, layer: 3, .. }) if rank == fail_rank as u32),
-                "{:?}",
-                o.result
-            );
-        }
-        assert_eq!(
-            outcomes[0].result.as_ref().unwrap_err().to_string(),
-            outcomes[1].result.as_ref().unwrap_err().to_string()
-        );
+        same_verdict(&outcomes, fail_rank as u32, 3, &format!("{mode:?}"));
     }
 }
 

@@ -348,7 +348,7 @@ fn failure(ctx: &mut Ctx<'_>, mode: ShareMode, fail_rank: u32) -> Result<String,
         if let Some((r, e)) = errs
             .iter()
             .enumerate()
-            .find(|(_, e)| e.to_string() != first)
+            .find(|(_, e)| !same_failure(e, &errs[0]))
         {
             return Err(format!(
                 "outcomes differ: rank 0 \"{first}\", rank {r} \"{e}\""
@@ -397,4 +397,26 @@ fn failure(ctx: &mut Ctx<'_>, mode: ShareMode, fail_rank: u32) -> Result<String,
         "{verdict}; the next batch loaded all {} layers",
         ctx.layers
     ))
+}
+
+/// Two ranks' outcomes of one failed batch say the same: for `PeerFailed`, the same rank,
+/// layer and code (the rank that failed adds its own error's words to the code).
+fn same_failure(a: &KvLoadError, b: &KvLoadError) -> bool {
+    match (a, b) {
+        (
+            KvLoadError::PeerFailed {
+                rank: ra,
+                layer: la,
+                detail: da,
+                ..
+            },
+            KvLoadError::PeerFailed {
+                rank: rb,
+                layer: lb,
+                detail: db,
+                ..
+            },
+        ) => ra == rb && la == lb && (da.starts_with(db.as_str()) || db.starts_with(da.as_str())),
+        _ => a.to_string() == b.to_string(),
+    }
 }
