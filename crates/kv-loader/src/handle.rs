@@ -112,7 +112,8 @@ impl LoadHandle {
     ///
     /// `Ok(outcome)`: the batch is settled; `outcome.result` is its stats or why it failed
     /// (then recompute its pages: [`KvLoadError::action`]). `Err(e)`: no outcome could be
-    /// taken (deadline, closed loader, stale ticket) and the load may still write its
+    /// taken (the deadline passed, or the ticket is stale: its outcome was taken elsewhere,
+    /// e.g. through `completed`) and the load may still write its
     /// slots: [`EngineAction::ResetThenRecompute`](crate::EngineAction::ResetThenRecompute)
     /// whatever `e` is.
     pub fn finish(mut self) -> Result<BatchOutcome, KvLoadError> {

@@ -411,10 +411,11 @@ impl KvLoader for MockKvLoader {
     }
 
     fn wait_layer(&self, ticket: &LoadTicket, layer: u32) -> Result<LayerReady, KvLoadError> {
-        self.record(MockCall::WaitLayer {
+        // As the Linker: after `close` a ticket is stale (close ended its batch), not `Closed`.
+        self.record_open_or_closed(MockCall::WaitLayer {
             batch: ticket.batch,
             layer,
-        })?;
+        });
         self.live_ticket(ticket)?;
         let (ended, held) = {
             let st = self.state.lock();
@@ -1031,6 +1032,23 @@ mod tests {
             matches!(mock.save(&one_page_plan(4, 6)), Err(KvLoadError::Device(_))),
             "a held store call keeps its slots"
         );
+    }
+
+    /// As the Linker: after `close`, a layer wait on a ticket of before is `StaleTicket` (close
+    /// ended its batch), and the batch's outcome is still handed out. Before, the mock answered
+    /// `Closed` (`FixInput`), an action the engine never gets in production.
+    #[test]
+    fn a_layer_wait_after_close_is_a_stale_ticket_as_the_linkers() {
+        let mock = MockKvLoader::new(2, MockScript::default());
+        let t = mock.start_load(one_page_plan(1, 5)).unwrap();
+        mock.close().unwrap();
+        assert!(matches!(
+            mock.wait_layer(&t, 0),
+            Err(KvLoadError::StaleTicket { batch: BatchId(1) })
+        ));
+        // It had loaded before the close (the mock loads at once): its outcome says so.
+        let out = mock.wait_batch(&t).unwrap();
+        assert!(out.result.is_ok(), "{out:?}");
     }
 
     /// A cancelled batch's marker is taken with its outcome, under one lock. Before, `completed`

@@ -36,10 +36,10 @@ pub struct LinkerConfig {
     pub cp_rank: u32,
     /// Pipeline-parallel rank (in the key suffix).
     pub pp_rank: u32,
-    /// Longest a `wait_layer` or `wait_batch` blocks, and `reset`. `close` waits at most twice
-    /// this (the cancel, then a read ahead under way and the load thread), and one
-    /// `store_call_timeout` more when the store's unregister hangs: an engine's shutdown
-    /// watchdog allows for that.
+    /// Longest a `wait_layer` or `wait_batch` blocks, and `reset`, and `close` (one bound for
+    /// the cancel, then a read ahead under way and the load thread), and one
+    /// `store_call_timeout` more for `close` when the store's unregister hangs: an engine's
+    /// shutdown watchdog allows for that.
     pub wait_deadline: Duration,
     /// Longest one store call of a layer's reads may take: a call still running then fails
     /// the batch at once (it is not waited for; the memory it writes is kept until it
