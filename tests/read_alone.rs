@@ -118,36 +118,48 @@ fn lookups_go_alone_on_every_rank_when_one_rank_finds_the_group_down() {
     }
 }
 
-/// A rank the group went past (its peers settled a batch without it, and met again at a later
-/// one) loads that batch alone too when it comes to it. Before, its gate found it behind and it
-/// failed the batch a peer had loaded alone. Here rank 1's engine starts batch 2 before batch
-/// 1: the gate rank 0 meets at batch 1 is the one a peer that loaded batch 1 alone (the group
-/// down) and came back at batch 2 leaves it.
-#[test]
-fn a_rank_the_group_went_past_loads_the_batch_alone_too() {
+/// Loads batch `batch` on rank `r` into its slots; the outcome's result.
+fn load(
+    r: &common::tp::TpRank,
+    batch: u64,
+    hashes: &[kvlink::kv_geometry::PageHash],
+) -> Result<kvlink::kv_loader::LoadStats, kvlink::kv_loader::KvLoadError> {
+    let plan = common::load_plan(r.linker.geometry(), batch, hashes, r.slots.clone());
+    let t = r.linker.start_load(plan).unwrap();
+    let _ = common::wait_all(&r.linker, &t);
+    r.linker.wait_batch(&t).unwrap().result
+}
+
+/// Two ranks with `ReadAlone` whose gates wait `collective_timeout` for each other.
+fn two_alone_ranks(
+    collective_timeout: Duration,
+) -> (Vec<common::tp::TpRank>, Vec<kvlink::kv_geometry::PageHash>) {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
     let cfg = LinkerConfig {
-        collective_timeout: Duration::from_secs(2),
+        collective_timeout,
         ..alone_config(ShareMode::SplitAllGather)
     };
-    let (rs, hashes) = common::tp::tp_ranks(&mixed_spec(), 2, store, 5, &cfg, Path::Host);
-    let load = |r: &common::tp::TpRank, batch| {
-        let plan = common::load_plan(r.linker.geometry(), batch, &hashes, r.slots.clone());
-        let t = r.linker.start_load(plan).unwrap();
-        let _ = common::wait_all(&r.linker, &t);
-        r.linker.wait_batch(&t).unwrap().result
-    };
-    let (zero, one) = std::thread::scope(|s| {
-        let zero = s.spawn(|| [load(&rs[0], 1), load(&rs[0], 2)]);
-        let one = s.spawn(|| [load(&rs[1], 2), load(&rs[1], 1)]);
-        (zero.join().unwrap(), one.join().unwrap())
+    common::tp::tp_ranks(&mixed_spec(), 2, store, 5, &cfg, Path::Host)
+}
+
+/// A rank the group went past loads the batch alone when its peers loaded it alone. Rank 1
+/// comes to batch 1 first: its gate times out (rank 0 is not there), the group breaks, and it
+/// loads batch 1 alone; at batch 2 it re-forms the group and meets rank 0, only now at batch
+/// 1. Before, rank 0 failed batch 1 (behind the group) while rank 1 had loaded it.
+#[test]
+fn a_rank_the_group_went_past_loads_alone_a_batch_its_peers_loaded_alone() {
+    let (rs, hashes) = two_alone_ranks(Duration::from_secs(2));
+    let one_1 = load(&rs[1], 1, &hashes).expect("rank 1, batch 1: alone");
+    assert!(one_1.alone.is_some(), "{one_1:?}");
+    let (zero, one_2) = std::thread::scope(|s| {
+        let one = s.spawn(|| load(&rs[1], 2, &hashes));
+        let zero = [load(&rs[0], 1, &hashes), load(&rs[0], 2, &hashes)];
+        (zero, one.join().unwrap())
     });
     let [zero_1, zero_2] = zero;
-    let [one_2, one_1] = one;
     let zero_1 = zero_1.expect("rank 0, batch 1: behind the group, it loads alone");
-    assert!(zero_1.alone.is_some(), "{zero_1:?}");
-    // Rank 1 comes to batch 1 alone: its gate fails by the timeout, and it loads alone too.
-    assert!(one_1.expect("rank 1, batch 1").alone.is_some());
+    let why = zero_1.alone.clone().unwrap_or_default();
+    assert!(why.contains("went on past"), "{why:?}");
     for (rank, stats) in [(0, zero_2), (1, one_2)] {
         let stats = stats.unwrap_or_else(|e| panic!("rank {rank}, batch 2: {e}"));
         assert!(stats.alone.is_none(), "rank {rank}: batch 2 in step");
@@ -155,4 +167,42 @@ fn a_rank_the_group_went_past_loads_the_batch_alone_too() {
     for (rank, r) in rs.iter().enumerate() {
         rank_matches(r, &hashes, rank as u32).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
+}
+
+/// ... and fails it when a peer ahead failed it. Rank 1 refuses batch 1 (a slot twice): its
+/// refusal meets no one by the timeout and the group breaks; at batch 2 it re-forms and meets
+/// rank 0, only now at batch 1. Rank 0 must not load a batch rank 1 failed (its gate word says
+/// it loaded none alone); it fails it, and batch 2 loads on both.
+#[test]
+fn a_rank_the_group_went_past_fails_a_batch_a_peer_failed() {
+    let timeout = Duration::from_secs(2);
+    let (rs, hashes) = two_alone_ranks(timeout);
+    let mut twice = load_plan_of(&rs[1], 1, &hashes);
+    twice.slots[1] = twice.slots[0];
+    assert!(rs[1].linker.start_load(twice).is_err(), "refused");
+    let (zero, one_2) = std::thread::scope(|s| {
+        // Queued behind the refusal: it runs once the refusal's gate timed out.
+        let one = s.spawn(|| load(&rs[1], 2, &hashes));
+        // Rank 0 comes once the refusal's gate gave up, well within rank 1's batch 2 gate.
+        std::thread::sleep(timeout + Duration::from_secs(1));
+        let zero = [load(&rs[0], 1, &hashes), load(&rs[0], 2, &hashes)];
+        (zero, one.join().unwrap())
+    });
+    let [zero_1, zero_2] = zero;
+    assert!(
+        zero_1.is_err(),
+        "rank 0 loaded batch 1, which rank 1 refused: {zero_1:?}"
+    );
+    for (rank, stats) in [(0, zero_2), (1, one_2)] {
+        let stats = stats.unwrap_or_else(|e| panic!("rank {rank}, batch 2: {e}"));
+        assert!(stats.alone.is_none(), "rank {rank}: batch 2 in step");
+    }
+}
+
+fn load_plan_of(
+    r: &common::tp::TpRank,
+    batch: u64,
+    hashes: &[kvlink::kv_geometry::PageHash],
+) -> kvlink::kv_loader::BatchPlan {
+    common::load_plan(r.linker.geometry(), batch, hashes, r.slots.clone())
 }

@@ -141,14 +141,16 @@ pub fn check_digest(
 }
 
 /// What a batch gate word says: the plan digest, the batch, how many gates this rank has held
-/// on its handle before this one, the rank's share-mode proposal, and how long its previous
-/// batch took. 48 bytes on the wire: `"KVG1"`, `last_batch_us` as a little-endian `u32` (bytes
-/// 4..8, reserved and always 0 before it existed, so an older rank's word reads as "no
-/// sample"), the digest, then batch, count and proposal as little-endian `u64`.
+/// on its handle before this one, the rank's share-mode proposal, how long its previous batch
+/// took, and which batches it last loaded alone. 64 bytes on the wire: `"KVG2"`,
+/// `last_batch_us` as a little-endian `u32`, the digest, then batch, count and proposal as
+/// little-endian `u64`, then the alone run's first and last batch (`u64::MAX` twice: none).
 ///
 /// ```
 /// use dedup_broadcast::GateWord;
-/// let word = GateWord { digest: [7; 16], batch: 3, count: 2, proposal: 1, last_batch_us: 812_345 };
+/// let word = GateWord {
+///     digest: [7; 16], batch: 3, count: 2, proposal: 1, last_batch_us: 812_345, alone: Some((1, 2)),
+/// };
 /// assert_eq!(GateWord::decode(&word.encode()), Some(word));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,10 +172,18 @@ pub struct GateWord {
     /// not the one gated just before). The group's time of a batch is the slowest rank's: the
     /// group's next batch waits for it at its gate.
     pub last_batch_us: u32,
+    /// The run of batches this rank settled last, every one loaded alone (without the
+    /// group), as (first, last) batch ids; `None` when the last batch it settled was not
+    /// loaded alone (loaded with the group, failed, refused or cancelled) or it settled none.
+    /// A rank the group went past learns from it whether the ranks ahead loaded its batch
+    /// ([`GateStep::Behind`]).
+    pub alone: Option<(u64, u64)>,
 }
 
-const GATE_MAGIC: &[u8; 4] = b"KVG1";
-const GATE_WORD: usize = 48;
+const GATE_MAGIC: &[u8; 4] = b"KVG2";
+const GATE_WORD: usize = 64;
+/// The alone run's bytes when there is none.
+const NO_RUN: u64 = u64::MAX;
 
 impl GateWord {
     /// The wire bytes.
@@ -185,6 +195,9 @@ impl GateWord {
         w[24..32].copy_from_slice(&self.batch.to_le_bytes());
         w[32..40].copy_from_slice(&self.count.to_le_bytes());
         w[40..48].copy_from_slice(&self.proposal.to_le_bytes());
+        let (first, last) = self.alone.unwrap_or((NO_RUN, NO_RUN));
+        w[48..56].copy_from_slice(&first.to_le_bytes());
+        w[56..64].copy_from_slice(&last.to_le_bytes());
         w
     }
 
@@ -208,6 +221,7 @@ impl GateWord {
             count: u(32),
             proposal: u(40),
             last_batch_us: u32::from_le_bytes(us),
+            alone: (u(48) != NO_RUN).then(|| (u(48), u(56))),
         })
     }
 }
@@ -217,11 +231,16 @@ impl GateWord {
 pub enum GateStep {
     /// Every rank gated the same batch, after the same number of gates: in step.
     InStep,
-    /// Another rank gated a later batch (batch ids increase): this rank is behind, so it fails
-    /// this batch with no further collective, and gates its next batch next.
+    /// Another rank gated a later batch (batch ids increase): this rank is behind, so it
+    /// settles this batch with no further collective (fails it, or loads it alone where the
+    /// ranks ahead did), and gates its next batch next.
     Behind {
         /// The latest batch another rank gated.
         latest: u64,
+        /// Every rank at a later batch loaded this one alone (its [`GateWord::alone`] run
+        /// covers it): a rank that may load alone loads it alone too, so that no rank fails a
+        /// batch another loaded, nor loads one the others failed.
+        settled_alone: bool,
     },
     /// Another rank gated an earlier batch: it is behind and moves on to its next batch; this
     /// rank gates the same batch again.
@@ -263,7 +282,9 @@ pub struct BatchGate {
 /// use std::time::Duration;
 /// use dedup_broadcast::{check_batch, GateStep, GateWord, InProcessGroup};
 /// let ranks = InProcessGroup::new(1);
-/// let word = GateWord { digest: [7; 16], batch: 3, count: 0, proposal: 1, last_batch_us: 0 };
+/// let word = GateWord {
+///     digest: [7; 16], batch: 3, count: 0, proposal: 1, last_batch_us: 0, alone: None,
+/// };
 /// let deadline = kv_loader::deadline_after(Duration::from_secs(5));
 /// let gate = check_batch(&ranks[0], &word, deadline).unwrap();
 /// assert_eq!(gate.step, GateStep::InStep);
@@ -303,7 +324,14 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
     }
     if earliest != latest {
         let step = if mine.batch < latest {
-            GateStep::Behind { latest }
+            let covers = |w: &GateWord| {
+                w.alone
+                    .is_some_and(|(first, last)| (first..=last).contains(&mine.batch))
+            };
+            GateStep::Behind {
+                latest,
+                settled_alone: words.iter().filter(|w| w.batch > mine.batch).all(covers),
+            }
         } else {
             GateStep::Ahead { earliest }
         };

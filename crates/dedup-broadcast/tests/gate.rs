@@ -173,6 +173,7 @@ fn gate_word(batch: u64, count: u64, last_batch_us: u32) -> GateWord {
         count,
         proposal: 2,
         last_batch_us,
+        alone: None,
     }
 }
 
@@ -184,8 +185,9 @@ proptest! {
         count in any::<u64>(),
         proposal in any::<u64>(),
         last_batch_us in any::<u32>(),
+        alone in prop::option::of((0..u64::MAX, any::<u64>())),
     ) {
-        let w = GateWord { digest, batch, count, proposal, last_batch_us };
+        let w = GateWord { digest, batch, count, proposal, last_batch_us, alone };
         prop_assert_eq!(GateWord::decode(&w.encode()), Some(w));
     }
 }
@@ -193,7 +195,7 @@ proptest! {
 #[test]
 fn the_previous_batch_time_sits_in_bytes_4_to_8() {
     let w = gate_word(5, 1, 0x0102_0304).encode();
-    assert_eq!(&w[..4], b"KVG1");
+    assert_eq!(&w[..4], b"KVG2");
     assert_eq!(&w[4..8], &[4, 3, 2, 1], "little-endian µs");
     // No sample: those bytes are zero, as the reserved bytes of a word without the field were.
     let none = gate_word(5, 1, 0).encode();
@@ -226,8 +228,44 @@ fn an_in_step_gate_gives_every_ranks_previous_batch_time() {
     ];
     let all: Vec<Vec<u8>> = behind.iter().map(|w| w.encode().to_vec()).collect();
     let gate = judge_gate(&behind[0], &all);
-    assert_eq!(gate.step, GateStep::Behind { latest: 8 });
+    assert_eq!(
+        gate.step,
+        GateStep::Behind {
+            latest: 8,
+            settled_alone: false
+        }
+    );
     assert!(gate.last_batch_us.is_empty());
+}
+
+/// A rank the group went past loads its batch alone only when every rank ahead loaded that
+/// batch alone: a rank ahead that failed it (or loaded it with others) leaves it failed.
+#[test]
+fn a_rank_behind_learns_whether_every_rank_ahead_loaded_its_batch_alone() {
+    let with = |batch, alone| GateWord {
+        alone,
+        ..gate_word(batch, 0, 0)
+    };
+    let behind = |words: &[GateWord]| {
+        let all: Vec<Vec<u8>> = words.iter().map(|w| w.encode().to_vec()).collect();
+        judge_gate(&words[0], &all).step
+    };
+    let step = |settled_alone| GateStep::Behind {
+        latest: 9,
+        settled_alone,
+    };
+    // Rank 1 loaded 5..=8 alone, rank 2 loaded 7 alone: batch 7 was loaded alone by both.
+    let ahead = [with(7, None), with(9, Some((5, 8))), with(9, Some((7, 7)))];
+    assert_eq!(behind(&ahead), step(true));
+    // Rank 2's run does not cover 7 (it failed 7, then loaded 8 alone).
+    let one_failed = [with(7, None), with(9, Some((5, 8))), with(9, Some((8, 8)))];
+    assert_eq!(behind(&one_failed), step(false));
+    // No run: the rank ahead settled its last batch with the group, or failed it.
+    let none = [with(7, None), with(9, None), with(7, None)];
+    assert_eq!(behind(&none), step(false));
+    // A rank at the same batch as this one does not count (it is behind too).
+    let peer_behind = [with(7, None), with(9, Some((7, 8))), with(7, None)];
+    assert_eq!(behind(&peer_behind), step(true));
 }
 
 #[test]

@@ -207,17 +207,21 @@ impl Inner {
                 stats.alone = Some(format!("the group broke at the gate: {e}"));
                 return Ok(stats);
             }
-            // The group went on past this batch without this rank: with `ReadAlone` its ranks
-            // settled it alone (a peer that loaded it alone, found the group down, then met
-            // this rank again at its next batch), so this rank loads it alone too rather than
-            // fail a batch a peer loaded.
-            Err(GateMiss::Behind(e)) if self.reads_alone_behind(refusal.as_ref()) => {
+            // The group went on past this batch without this rank, every rank ahead having
+            // loaded it alone (a peer that found the group down, loaded alone, then met this
+            // rank again at its next batch): with `ReadAlone` this rank loads it alone too
+            // rather than fail a batch its peers loaded. Where a rank ahead failed it (or
+            // loaded it with others), this rank fails it too.
+            Err(GateMiss::Behind {
+                error: e,
+                settled_alone: true,
+            }) if self.reads_alone_behind(refusal.as_ref()) => {
                 warn!(%batch, error = %e, "the group is past this batch: loading alone");
                 let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
                 stats.alone = Some(format!("the group went on past this batch: {e}"));
                 return Ok(stats);
             }
-            Err(GateMiss::Behind(e) | GateMiss::Failed(e)) => return Err(e),
+            Err(GateMiss::Behind { error: e, .. } | GateMiss::Failed(e)) => return Err(e),
         };
         if let Some(e) = refusal {
             return self.refuse(coll, batch, gated.tag(), e);

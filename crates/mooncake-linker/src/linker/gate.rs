@@ -46,19 +46,37 @@ impl GateCount {
 }
 
 /// What the load thread keeps from one gate to the next: the gates held on the data handle,
-/// and its last batch's time waiting to travel in the next gate word.
+/// its last batch's time waiting to travel in the next gate word, and the run of batches it
+/// last loaded alone (the word's `alone`, kept across re-formations: a group that re-forms
+/// after this rank loaded alone learns it at its next gate).
 #[derive(Debug, Default)]
 pub(crate) struct Gates {
     pub(crate) count: GateCount,
     pub(crate) pending: PendingSample,
+    pub(crate) alone: Option<(u64, u64)>,
+}
+
+impl Gates {
+    /// `batch` is settled on this rank: loaded alone (`alone`) extends the run, anything
+    /// else (loaded with the group, failed, refused) ends it.
+    pub(crate) fn settled(&mut self, batch: BatchId, alone: bool) {
+        self.alone = alone.then(|| match self.alone {
+            Some((first, _)) => (first, batch.0),
+            None => (batch.0, batch.0),
+        });
+    }
 }
 
 /// Why a batch did not pass its gate.
 #[derive(Debug)]
 pub(crate) enum GateMiss {
-    /// The group is at a later batch: its ranks went on without this one (each loaded this
-    /// batch alone, or failed it), and this rank skips it to catch up. The handle stays whole.
-    Behind(KvLoadError),
+    /// The group is at a later batch: its ranks went on without this one, and this rank
+    /// settles it to catch up (`settled_alone`: every rank ahead loaded it alone). The
+    /// handle stays whole.
+    Behind {
+        error: KvLoadError,
+        settled_alone: bool,
+    },
     /// The gate's collective failed, or the ranks are lost (the handle is then aborted).
     Failed(KvLoadError),
 }
@@ -139,6 +157,7 @@ impl Inner {
                 count,
                 proposal: proposal.wire_code(),
                 last_batch_us: mine.map_or(0, |s| s.word_us()),
+                alone: gates.alone,
             };
             let gate = check_batch(coll, &word, self.collective_deadline()).map_err(|e| {
                 let why = kv_loader::Cause::with_source(format!("gate: {e}"), e);
@@ -175,12 +194,18 @@ impl Inner {
                 GateStep::Ahead { earliest } => {
                     warn!(%batch, earliest, "a rank is behind (at an earlier batch): gating this batch again");
                 }
-                GateStep::Behind { latest } => {
-                    warn!(%batch, latest, "this rank is behind the group: skipping this batch");
-                    return Err(GateMiss::Behind(collective_failure(
-                        batch,
-                        format!("ranks out of step: the group is at batch {latest}; this batch is skipped to catch up"),
-                    )));
+                GateStep::Behind {
+                    latest,
+                    settled_alone,
+                } => {
+                    warn!(%batch, latest, settled_alone, "this rank is behind the group: settling this batch without it");
+                    return Err(GateMiss::Behind {
+                        error: collective_failure(
+                            batch,
+                            format!("ranks out of step: the group is at batch {latest}; this batch is skipped to catch up"),
+                        ),
+                        settled_alone,
+                    });
                 }
                 GateStep::Lost { detail } => {
                     return Err(GateMiss::Failed(self.group_failed(

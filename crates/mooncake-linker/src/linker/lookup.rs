@@ -1,7 +1,7 @@
 //! Lookup: the longest run of pages the store holds after the engine's own hit, agreed over
 //! the TP group.
 //!
-//! Every rank issues exactly one collective per lookup on the control handle, whatever its own
+//! Every rank issues exactly one (settled) gather per lookup on the control handle, whatever its own
 //! lookup did (a store error included): a rank that failed counts a hit of 0 (and returns its
 //! error), so the ranks' collectives never shift. The collective carries a digest of the
 //! candidate pages: ranks that looked up different pages (or a control channel that shifted)
@@ -65,7 +65,7 @@ impl Inner {
         )
     }
 
-    /// The group's hit: one collective on the control handle whatever `local` is (this
+    /// The group's hit: one settled gather on the control handle whatever `local` is (this
     /// rank's own hit when the group is down and the engine configured reading alone).
     fn group_hit(
         &self,

@@ -165,6 +165,8 @@ impl Inner {
                 gates = Gates::default();
                 Err(self.batch_panicked(job.plan.logical.batch, payload.as_ref()))
             });
+            let alone = matches!(&result, Ok(stats) if stats.alone.is_some());
+            gates.settled(job.plan.logical.batch, alone);
             self.finish_job(job, result, held);
         }
     }

@@ -18,8 +18,9 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// is answered as error kind 10 (`ClaimedTwice`). 3: a batch's gate ends with that round too
 /// (`Collective::all_gather_bytes_settled`). 4: the socket group's connections greet with the
 /// sender's nonce of the welcome and are acked with the acceptor's, and connecting ends with a
-/// settled gather of the epoch on the first handle.
-pub(crate) const PROTOCOL: u32 = 4;
+/// settled gather of the epoch on the first handle. 5: a batch's gate word is 64 bytes
+/// (`"KVG2"`, with the run of batches the rank last loaded alone).
+pub(crate) const PROTOCOL: u32 = 5;
 
 /// Where a rank's collective listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
