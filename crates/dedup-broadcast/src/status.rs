@@ -249,7 +249,9 @@ impl GroupStatus {
     pub fn record(&mut self, layer: u32, statuses: &[LayerStatus]) -> bool {
         let mut all_ok = true;
         for (rank, s) in statuses.iter().enumerate() {
-            if let LayerStatus::Failed { code } = *s {
+            if !s.is_ok() {
+                // `code()`: a failure built with code 0 counts as `CODE_OTHER`, never as ok.
+                let code = s.code();
                 all_ok = false;
                 self.out_of_step |= is_out_of_step(code);
                 let here = (rank as u32, layer);

@@ -46,6 +46,13 @@ fn a_failure_built_with_code_zero_is_never_sent_as_ok() {
     assert_eq!(layer, 3);
     assert!(!got.is_ok(), "{got:?}");
     assert_eq!(got.code(), dedup_broadcast::CODE_OTHER);
+    // Folded in as it is (not through a word): a failure too, of `CODE_OTHER`, not "ok".
+    let mut g = GroupStatus::default();
+    assert!(!g.record(2, &[LayerStatus::Ok, LayerStatus::Failed { code: 0 }]));
+    assert_eq!(
+        (g.first_failed, g.code),
+        (Some((1, 2)), dedup_broadcast::CODE_OTHER)
+    );
 }
 
 #[test]

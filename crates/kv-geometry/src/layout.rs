@@ -33,7 +33,9 @@ pub struct ComponentLayout {
 impl ComponentLayout {
     /// Bytes of one object (one page, all carried layers).
     pub fn object_bytes(&self) -> u64 {
-        self.page_layer_bytes * self.layers.len() as u64
+        // Saturating, as `layer_range`, for a layout whose public fields were changed.
+        self.page_layer_bytes
+            .saturating_mul(self.layers.len() as u64)
     }
 
     /// Position of model layer `layer` in the object, or `None` if this component is not on it.

@@ -247,10 +247,11 @@ pub enum KvLoadError {
     Busy {
         /// Batches the loader tracks at once.
         capacity: u32,
-        /// The refusal was exchanged with this rank's TP peers (a loader in a group tells its
-        /// peers, so that none waits for this rank's part): the batch has failed on every
-        /// rank, so it is to be recomputed, not started again ([`EngineAction::Recompute`];
-        /// a start of it again would find the peers past it).
+        /// The refusal goes to this rank's TP peers (a loader in a group tells its peers, so
+        /// that none waits for this rank's part): they fail the batch too (unless the group is
+        /// down and they load alone, `ReadAlone`), so it is to be recomputed, not started
+        /// again ([`EngineAction::Recompute`]; a start of it again would find the peers past
+        /// it).
         ///
         /// [`EngineAction::Recompute`]: crate::EngineAction::Recompute
         peers_fail: bool,

@@ -328,6 +328,9 @@ impl LayerPipeline<'_> {
                 self.exchange(&mut progress.status, num_layers, word).err()
             }
         };
+        if let Some(own) = &progress.own {
+            self.inner.metrics.own_failure(own.kind_name());
+        }
         if let Some(e) = fatal {
             if let Some(c) = self.coll {
                 c.abort(&e.to_string());
@@ -341,9 +344,6 @@ impl LayerPipeline<'_> {
                 self.inner
                     .group_failed(c, batch, "status words out of step");
             }
-        }
-        if let Some(own) = &progress.own {
-            self.inner.metrics.own_failure(own.kind_name());
         }
         if !status.is_ok() {
             // One rank alone: its own error says most. A group: every rank reports the same

@@ -457,13 +457,22 @@ impl SocketStore {
         let mut body = Enc::default();
         body.u8(op::END_SESSION_TAG).u64(tag);
         let deadline = kv_loader::deadline_after(self.timeout.min(GIVE_UP_TIMEOUT));
-        let r = self.call_by(deadline, |c, deadline| {
-            let reply = Self::request(c, &body.0, deadline)?;
-            let mut d = Dec::new(&reply);
-            let result = d.result(|_| Ok(()))?;
-            d.finish()?;
-            Ok(result)
-        });
+        let give_up = || {
+            self.call_by(deadline, |c, deadline| {
+                let reply = Self::request(c, &body.0, deadline)?;
+                let mut d = Dec::new(&reply);
+                let result = d.result(|_| Ok(()))?;
+                d.finish()?;
+                Ok(result)
+            })
+        };
+        // A connection that broke under it (a pooled one the server dropped) may not have
+        // taken it to the server: once more, within the same bound (the server's give-up is
+        // idempotent, as `end_session`'s retry).
+        let r = match give_up() {
+            Err(CallError::Down(_)) => give_up(),
+            r => r,
+        };
         let failed = match r {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(e),
