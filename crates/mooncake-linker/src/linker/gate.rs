@@ -60,10 +60,8 @@ impl Gates {
     /// `batch` is settled on this rank: loaded alone (`alone`) extends the run, anything
     /// else (loaded with the group, failed, refused) ends it.
     pub(crate) fn settled(&mut self, batch: BatchId, alone: bool) {
-        self.alone = alone.then(|| match self.alone {
-            Some((first, _)) => (first, batch.0),
-            None => (batch.0, batch.0),
-        });
+        let first = self.alone.map_or(batch.0, |(first, _)| first);
+        self.alone = alone.then_some((first, batch.0));
     }
 }
 
