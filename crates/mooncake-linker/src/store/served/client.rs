@@ -451,33 +451,14 @@ const GIVE_UP_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl SocketStore {
     /// Ends the session started with `tag` whose answer never came, or has the server end it
-    /// when its start comes later (best effort, within [`GIVE_UP_TIMEOUT`]): else it would keep
+    /// when its start comes later (best effort, within [`GIVE_UP_TIMEOUT`], and as long again
+    /// when the connection broke under the first try): else it would keep
     /// its pins for as long as this client lives.
     fn give_up_start(&self, tag: u64) {
         let mut body = Enc::default();
         body.u8(op::END_SESSION_TAG).u64(tag);
-        let deadline = kv_loader::deadline_after(self.timeout.min(GIVE_UP_TIMEOUT));
-        let give_up = || {
-            self.call_by(deadline, |c, deadline| {
-                let reply = Self::request(c, &body.0, deadline)?;
-                let mut d = Dec::new(&reply);
-                let result = d.result(|_| Ok(()))?;
-                d.finish()?;
-                Ok(result)
-            })
-        };
-        // A connection that broke under it (a pooled one the server dropped) may not have
-        // taken it to the server: once more, within the same bound (the server's give-up is
-        // idempotent, as `end_session`'s retry).
-        let r = match give_up() {
-            Err(CallError::Down(_)) => give_up(),
-            r => r,
-        };
-        let failed = match r {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e),
-            Err(e) => Some(e.for_key(&self.address, "")),
-        };
+        let within = self.timeout.min(GIVE_UP_TIMEOUT);
+        let failed = self.idempotent(&body, "", within, within).err();
         match failed {
             None => tracing::debug!(
                 address = %self.address,
@@ -491,6 +472,39 @@ impl SocketStore {
                 "served store: a session start without answer could not be given up; its \
                  pins may stay while this client lives"
             ),
+        }
+    }
+
+    /// Sends `body`, a request whose reply carries nothing but its result and which the server
+    /// may carry out twice (ending a session or a session start this client holds), within
+    /// `first`; when the connection broke under it (a pooled one the server had dropped: the
+    /// request may never have reached the server), once more within `again`. Else what a
+    /// lost request holds (a session's pins) would stay while this client lives.
+    fn idempotent(
+        &self,
+        body: &Enc,
+        key: &str,
+        first: Duration,
+        again: Duration,
+    ) -> Result<(), StoreError> {
+        let send = |within| {
+            self.call_by(kv_loader::deadline_after(within), |c, deadline| {
+                let reply = Self::request(c, &body.0, deadline)?;
+                let mut d = Dec::new(&reply);
+                let result = d.result(|_| Ok(()))?;
+                d.finish()?;
+                Ok(result)
+            })
+        };
+        let broke = match send(first) {
+            Ok(answered) => return answered,
+            Err(e @ CallError::Down(_)) => e.for_key(&self.address, key),
+            Err(e) => return Err(e.for_key(&self.address, key)),
+        };
+        tracing::debug!(address = %self.address, error = %broke, "served store: a request failed on its connection; once more");
+        match send(again) {
+            Ok(answered) => answered,
+            Err(e) => Err(e.for_key(&self.address, key)),
         }
     }
 }
@@ -732,29 +746,9 @@ impl KvStore for SocketStore {
         let mut body = Enc::default();
         body.u8(op::END_SESSION).u64(session.token);
         let key = session.keys.first().map(String::as_str).unwrap_or("");
-        let end = |deadline| {
-            self.call_by(deadline, |c, deadline| {
-                let reply = Self::request(c, &body.0, deadline)?;
-                let mut d = Dec::new(&reply);
-                let result = d.result(|_| Ok(()))?;
-                d.finish()?;
-                Ok(result)
-            })
-        };
-        let first = match end(kv_loader::deadline_after(self.timeout)) {
-            Ok(answered) => return answered,
-            Err(e @ CallError::Down(_)) => e.for_key(&self.address, key),
-            Err(e) => return Err(e.for_key(&self.address, key)),
-        };
-        // The connection broke (a pooled one the server had dropped): the end may never have
-        // reached the server, and the session's pins would stay while this client lives.
-        // Ending is idempotent (the server ends only a session this client still holds): once
-        // more, within `GIVE_UP_TIMEOUT`.
-        tracing::debug!(address = %self.address, error = %first, "served store: ending a read session failed on its connection; once more");
-        match end(kv_loader::deadline_after(self.timeout.min(GIVE_UP_TIMEOUT))) {
-            Ok(answered) => answered,
-            Err(e) => Err(e.for_key(&self.address, key)),
-        }
+        // Ending is idempotent: the server ends only a session this client still holds.
+        let again = self.timeout.min(GIVE_UP_TIMEOUT);
+        self.idempotent(&body, key, self.timeout, again)
     }
 
     fn health(&self) -> Result<(), StoreError> {
