@@ -413,6 +413,23 @@ fn a_rank_alone_whose_first_layer_reads_slowly_still_takes_the_sizes_verdict() {
     assert_eq!(linker.metrics().bad_objects, 0);
 }
 
+/// `fault` hits, once, a read of layer `layer` of the `k` objects.
+fn once_at_k_layer(r: &Rig, layer: u32, fault: Fault) {
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let offset = g
+        .component_by_name("k")
+        .unwrap()
+        .layer_range(layer)
+        .unwrap()
+        .start;
+    let once = FaultRule {
+        offset: Some(offset),
+        times: Some(1),
+        ..FaultRule::default()
+    };
+    r.faulty.inject(once, fault);
+}
+
 #[test]
 fn slow_read_times_out_the_batch() {
     let r = rig(3);
@@ -420,21 +437,7 @@ fn slow_read_times_out_the_batch() {
         layer_read_timeout: Duration::from_millis(50),
         ..cfg()
     };
-    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
-    let offset = g
-        .component_by_name("k")
-        .unwrap()
-        .layer_range(4)
-        .unwrap()
-        .start;
-    r.faulty.inject(
-        FaultRule {
-            offset: Some(offset),
-            times: Some(1),
-            ..FaultRule::default()
-        },
-        Fault::Delay(Duration::from_millis(200)),
-    );
+    once_at_k_layer(&r, 4, Fault::Delay(Duration::from_millis(200)));
     let (linker, _pool, t) = start_batch_1(&r, config);
     // The slow read may still write the slots when the batch fails: the waits say so.
     let err = wait_all(&linker, &t).unwrap_err();
@@ -488,23 +491,10 @@ fn an_early_rpc_timeout_teaches_the_fit_the_limit_not_a_fast_read() {
         layer_read_timeout: Duration::from_millis(300),
         ..cfg()
     };
-    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
-    let offset = g
-        .component_by_name("k")
-        .unwrap()
-        .layer_range(1)
-        .unwrap()
-        .start;
-    r.faulty.inject(
-        FaultRule {
-            offset: Some(offset),
-            times: Some(1),
-            ..FaultRule::default()
-        },
-        Fault::Error(StoreError::RpcTimeout {
-            key: "injected".into(),
-        }),
-    );
+    let rpc_timeout = StoreError::RpcTimeout {
+        key: "injected".into(),
+    };
+    once_at_k_layer(&r, 1, Fault::Error(rpc_timeout));
     let (linker, _pool, t) = start_batch_1(&r, config);
     let _ = wait_all(&linker, &t);
     let out = linker.wait_batch(&t).unwrap();
@@ -521,6 +511,7 @@ fn an_early_rpc_timeout_teaches_the_fit_the_limit_not_a_fast_read() {
     );
     let m = linker.metrics();
     let cost = linker.read_cost(kvlink::kv_loader::ShareMode::AllRanks);
+    let g = linker.geometry();
     let layer_bytes = (3 * g.bytes_per_page()) as f64 / f64::from(g.num_layers());
     let predicted = cost.per_call
         + cost.per_layer
