@@ -265,13 +265,7 @@ fn object_size_mismatch_is_a_typed_error() {
 }
 
 fn failing_load(r: &Rig, layer: u32, fault: Fault) -> (KvLoadError, Linker, Arc<HostKvPool>) {
-    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
-    let offset = g
-        .component_by_name("k")
-        .unwrap()
-        .layer_range(layer)
-        .unwrap()
-        .start;
+    let offset = k_layer_offset(r, layer);
     r.faulty.inject(
         FaultRule {
             key_contains: Some(format!("{}_cp0", r.pages[1])),
@@ -282,6 +276,7 @@ fn failing_load(r: &Rig, layer: u32, fault: Fault) -> (KvLoadError, Linker, Arc<
         fault,
     );
     let (linker, pool) = rank_linker(r, 1, 0, 16, cfg());
+    let g = linker.geometry().clone();
     let slots = scattered(r.pages.len());
     let t = linker
         .start_load(load_plan(&g, 1, &r.pages, slots.clone()))
@@ -413,15 +408,16 @@ fn a_rank_alone_whose_first_layer_reads_slowly_still_takes_the_sizes_verdict() {
     assert_eq!(linker.metrics().bad_objects, 0);
 }
 
+/// Where layer `layer` starts in a `k` object.
+fn k_layer_offset(r: &Rig, layer: u32) -> u64 {
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let k = g.component_by_name("k").unwrap();
+    k.layer_range(layer).unwrap().start
+}
+
 /// `fault` hits, once, a read of layer `layer` of the `k` objects.
 fn once_at_k_layer(r: &Rig, layer: u32, fault: Fault) {
-    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
-    let offset = g
-        .component_by_name("k")
-        .unwrap()
-        .layer_range(layer)
-        .unwrap()
-        .start;
+    let offset = k_layer_offset(r, layer);
     let once = FaultRule {
         offset: Some(offset),
         times: Some(1),
