@@ -172,7 +172,7 @@ fn a_rank_the_group_went_past_loads_alone_a_batch_its_peers_loaded_alone() {
 /// ... and fails it when a peer ahead failed it. Rank 1 refuses batch 1 (a slot twice): its
 /// refusal meets no one by the timeout and the group breaks; at batch 2 it re-forms and meets
 /// rank 0, only now at batch 1. Rank 0 must not load a batch rank 1 failed (its gate word says
-/// it loaded none alone); it fails it, and batch 2 loads on both.
+/// it did not load it alone); it fails it as behind the group, and batch 2 loads on both.
 #[test]
 fn a_rank_the_group_went_past_fails_a_batch_a_peer_failed() {
     let timeout = Duration::from_secs(2);
@@ -180,22 +180,66 @@ fn a_rank_the_group_went_past_fails_a_batch_a_peer_failed() {
     let mut twice = load_plan_of(&rs[1], 1, &hashes);
     twice.slots[1] = twice.slots[0];
     assert!(rs[1].linker.start_load(twice).is_err(), "refused");
+    // Both come once the refusal's gate gave up (queued first on rank 1's load thread).
+    std::thread::sleep(timeout + Duration::from_secs(1));
     let (zero, one_2) = std::thread::scope(|s| {
-        // Queued behind the refusal: it runs once the refusal's gate timed out.
         let one = s.spawn(|| load(&rs[1], 2, &hashes));
-        // Rank 0 comes once the refusal's gate gave up, well within rank 1's batch 2 gate.
-        std::thread::sleep(timeout + Duration::from_secs(1));
         let zero = [load(&rs[0], 1, &hashes), load(&rs[0], 2, &hashes)];
         (zero, one.join().unwrap())
     });
     let [zero_1, zero_2] = zero;
-    assert!(
-        zero_1.is_err(),
-        "rank 0 loaded batch 1, which rank 1 refused: {zero_1:?}"
-    );
+    behind_failure(zero_1, "rank 0, batch 1 (rank 1 refused it)");
     for (rank, stats) in [(0, zero_2), (1, one_2)] {
         let stats = stats.unwrap_or_else(|e| panic!("rank {rank}, batch 2: {e}"));
         assert!(stats.alone.is_none(), "rank {rank}: batch 2 in step");
+    }
+}
+
+/// A peer's later failure does not hide a batch it loaded alone. Rank 1 loads batch 1 alone
+/// (its gate times out), then fails batch 2 (refused; its gate times out too), and meets rank 0
+/// at batch 3 while rank 0 is at batch 1: rank 0 loads batch 1 alone (rank 1 did) and fails
+/// batch 2 (rank 1 did). Before, the gate word kept only a run of batches loaded alone, which
+/// batch 2 ended: rank 0 failed batch 1, which rank 1 had loaded.
+#[test]
+fn a_peers_later_failure_does_not_hide_a_batch_it_loaded_alone() {
+    let timeout = Duration::from_secs(3);
+    let (rs, hashes) = two_alone_ranks(timeout);
+    let mut twice = load_plan_of(&rs[1], 2, &hashes);
+    twice.slots[1] = twice.slots[0];
+    let (zero, one) = std::thread::scope(|s| {
+        let one = s.spawn(|| {
+            let one_1 = load(&rs[1], 1, &hashes);
+            assert!(rs[1].linker.start_load(twice).is_err(), "refused");
+            (one_1, load(&rs[1], 3, &hashes))
+        });
+        // Rank 1's gates: batch 1 until 3 s, the refusal until 6 s, batch 3 until 9 s.
+        std::thread::sleep(2 * timeout + timeout / 2);
+        let zero = [1, 2, 3].map(|b| load(&rs[0], b, &hashes));
+        (zero, one.join().unwrap())
+    });
+    let (one_1, one_3) = one;
+    assert!(one_1.expect("rank 1, batch 1").alone.is_some());
+    let [zero_1, zero_2, zero_3] = zero;
+    let zero_1 = zero_1.expect("rank 0, batch 1: rank 1 loaded it alone");
+    let why = zero_1.alone.clone().unwrap_or_default();
+    assert!(why.contains("went on past"), "{why:?}");
+    behind_failure(zero_2, "rank 0, batch 2 (rank 1 refused it)");
+    for (rank, stats) in [(0, zero_3), (1, one_3)] {
+        let stats = stats.unwrap_or_else(|e| panic!("rank {rank}, batch 3: {e}"));
+        assert!(stats.alone.is_none(), "rank {rank}: batch 3 in step");
+    }
+}
+
+/// `got` is the failure of a batch its rank skipped as behind the group.
+fn behind_failure(
+    got: Result<kvlink::kv_loader::LoadStats, kvlink::kv_loader::KvLoadError>,
+    what: &str,
+) {
+    match got {
+        Err(e @ kvlink::kv_loader::KvLoadError::Collective { .. }) => {
+            assert!(e.to_string().contains("skipped to catch up"), "{what}: {e}")
+        }
+        other => panic!("{what}: {other:?}"),
     }
 }
 

@@ -142,14 +142,15 @@ pub fn check_digest(
 
 /// What a batch gate word says: the plan digest, the batch, how many gates this rank has held
 /// on its handle before this one, the rank's share-mode proposal, how long its previous batch
-/// took, and which batches it last loaded alone. 64 bytes on the wire: `"KVG2"`,
+/// took, and which of its last batches it loaded alone. 64 bytes on the wire: `"KVG2"`,
 /// `last_batch_us` as a little-endian `u32`, the digest, then batch, count and proposal as
-/// little-endian `u64`, then the alone run's first and last batch (`u64::MAX` twice: none).
+/// little-endian `u64`, then [`AloneLoads`]' last batch (`u64::MAX`: none) and mask.
 ///
 /// ```
 /// use dedup_broadcast::GateWord;
 /// let word = GateWord {
-///     digest: [7; 16], batch: 3, count: 2, proposal: 1, last_batch_us: 812_345, alone: Some((1, 2)),
+///     digest: [7; 16], batch: 3, count: 2, proposal: 1, last_batch_us: 812_345,
+///     alone: Some(dedup_broadcast::AloneLoads { last: 2, mask: 0b11 }),
 /// };
 /// assert_eq!(GateWord::decode(&word.encode()), Some(word));
 /// ```
@@ -172,17 +173,54 @@ pub struct GateWord {
     /// not the one gated just before). The group's time of a batch is the slowest rank's: the
     /// group's next batch waits for it at its gate.
     pub last_batch_us: u32,
-    /// The run of batches this rank settled last, every one loaded alone (without the
-    /// group), as (first, last) batch ids; `None` when the last batch it settled was not
-    /// loaded alone (loaded with the group, failed, refused or cancelled) or it settled none.
-    /// A rank the group went past learns from it whether the ranks ahead loaded its batch
-    /// ([`GateStep::Behind`]).
-    pub alone: Option<(u64, u64)>,
+    /// Which of the batches this rank settled last it loaded alone (without the group);
+    /// `None` before it settled any. A rank the group went past learns from it whether the
+    /// ranks ahead loaded its batch ([`GateStep::Behind`]).
+    pub alone: Option<AloneLoads>,
+}
+
+/// Which of a rank's last 64 batch ids it loaded alone: bit `k` of `mask` is batch
+/// `last - k`, set when the rank settled that batch loaded alone, clear when it settled it
+/// otherwise (loaded with the group, failed, refused, cancelled) or never ran it.
+///
+/// ```
+/// use dedup_broadcast::AloneLoads;
+/// let mut a = AloneLoads::default();
+/// a.settled(7, true);
+/// a.settled(8, false);   // refused: batch 7 stays loaded alone
+/// assert!(a.covers(7) && !a.covers(8) && !a.covers(6) && !a.covers(9));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AloneLoads {
+    /// The last batch settled.
+    pub last: u64,
+    /// Bit `k`: batch `last - k` was loaded alone.
+    pub mask: u64,
+}
+
+impl AloneLoads {
+    /// Batch `batch` is settled, loaded alone or not. Batch ids increase; a lower one (an id
+    /// started again) begins the record anew.
+    pub fn settled(&mut self, batch: u64, alone: bool) {
+        let kept = match batch.checked_sub(self.last) {
+            Some(shift) if shift < 64 => self.mask << shift,
+            _ => 0,
+        };
+        self.last = batch;
+        self.mask = kept | u64::from(alone);
+    }
+
+    /// Whether batch `batch` was loaded alone (as far as the last 64 ids tell).
+    pub fn covers(&self, batch: u64) -> bool {
+        self.last
+            .checked_sub(batch)
+            .is_some_and(|k| k < 64 && self.mask >> k & 1 == 1)
+    }
 }
 
 const GATE_MAGIC: &[u8; 4] = b"KVG2";
 const GATE_WORD: usize = 64;
-/// The alone run's bytes when there is none.
+/// The alone record's last batch when there is none.
 const NO_RUN: u64 = u64::MAX;
 
 impl GateWord {
@@ -195,9 +233,12 @@ impl GateWord {
         w[24..32].copy_from_slice(&self.batch.to_le_bytes());
         w[32..40].copy_from_slice(&self.count.to_le_bytes());
         w[40..48].copy_from_slice(&self.proposal.to_le_bytes());
-        let (first, last) = self.alone.unwrap_or((NO_RUN, NO_RUN));
-        w[48..56].copy_from_slice(&first.to_le_bytes());
-        w[56..64].copy_from_slice(&last.to_le_bytes());
+        let a = self.alone.unwrap_or(AloneLoads {
+            last: NO_RUN,
+            mask: 0,
+        });
+        w[48..56].copy_from_slice(&a.last.to_le_bytes());
+        w[56..64].copy_from_slice(&a.mask.to_le_bytes());
         w
     }
 
@@ -221,7 +262,10 @@ impl GateWord {
             count: u(32),
             proposal: u(40),
             last_batch_us: u32::from_le_bytes(us),
-            alone: (u(48) != NO_RUN).then(|| (u(48), u(56))),
+            alone: (u(48) != NO_RUN).then(|| AloneLoads {
+                last: u(48),
+                mask: u(56),
+            }),
         })
     }
 }
@@ -237,9 +281,9 @@ pub enum GateStep {
     Behind {
         /// The latest batch another rank gated.
         latest: u64,
-        /// Every rank at a later batch loaded this one alone (its [`GateWord::alone`] run
-        /// covers it): a rank that may load alone loads it alone too, so that no rank fails a
-        /// batch another loaded, nor loads one the others failed.
+        /// Every rank at a later batch loaded this one alone (its [`GateWord::alone`] covers
+        /// it): a rank that may load alone loads it alone too, so that no rank fails a batch
+        /// another loaded, nor loads one the others failed.
         settled_alone: bool,
     },
     /// Another rank gated an earlier batch: it is behind and moves on to its next batch; this
@@ -324,10 +368,7 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
     }
     if earliest != latest {
         let step = if mine.batch < latest {
-            let covers = |w: &GateWord| {
-                w.alone
-                    .is_some_and(|(first, last)| (first..=last).contains(&mine.batch))
-            };
+            let covers = |w: &GateWord| w.alone.is_some_and(|a| a.covers(mine.batch));
             GateStep::Behind {
                 latest,
                 settled_alone: words.iter().filter(|w| w.batch > mine.batch).all(covers),

@@ -67,7 +67,7 @@ pub use collective::{
 pub use formation::{GroupFormation, GroupHandles, InProcessFormation};
 pub use gate::{
     agree_lookup, check_batch, check_digest, check_plan, judge_gate, lookup_digest, plan_digest,
-    BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, PLAN_DIGEST_SEED,
+    AloneLoads, BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, PLAN_DIGEST_SEED,
 };
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};

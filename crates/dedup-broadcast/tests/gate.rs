@@ -5,7 +5,7 @@ use std::thread;
 use std::time::Duration;
 
 use dedup_broadcast::{
-    check_batch, check_plan, judge_gate, plan_digest, GateStep, GateVerdict, GateWord,
+    check_batch, check_plan, judge_gate, plan_digest, AloneLoads, GateStep, GateVerdict, GateWord,
     InProcessGroup,
 };
 use kv_geometry::{ComponentId, PageHash};
@@ -187,6 +187,7 @@ proptest! {
         last_batch_us in any::<u32>(),
         alone in prop::option::of((0..u64::MAX, any::<u64>())),
     ) {
+        let alone = alone.map(|(last, mask)| AloneLoads { last, mask });
         let w = GateWord { digest, batch, count, proposal, last_batch_us, alone };
         prop_assert_eq!(GateWord::decode(&w.encode()), Some(w));
     }
@@ -242,6 +243,12 @@ fn an_in_step_gate_gives_every_ranks_previous_batch_time() {
 /// batch alone: a rank ahead that failed it (or loaded it with others) leaves it failed.
 #[test]
 fn a_rank_behind_learns_whether_every_rank_ahead_loaded_its_batch_alone() {
+    // A rank's record after settling `batches` (id, loaded alone).
+    let loads = |batches: &[(u64, bool)]| {
+        let mut a = AloneLoads::default();
+        batches.iter().for_each(|&(b, alone)| a.settled(b, alone));
+        Some(a)
+    };
     let with = |batch, alone| GateWord {
         alone,
         ..gate_word(batch, 0, 0)
@@ -254,18 +261,43 @@ fn a_rank_behind_learns_whether_every_rank_ahead_loaded_its_batch_alone() {
         latest: 9,
         settled_alone,
     };
-    // Rank 1 loaded 5..=8 alone, rank 2 loaded 7 alone: batch 7 was loaded alone by both.
-    let ahead = [with(7, None), with(9, Some((5, 8))), with(9, Some((7, 7)))];
+    let alone_5_to_8 = loads(&[(5, true), (6, true), (7, true), (8, true)]);
+    // Rank 1 loaded 5..=8 alone; rank 2 loaded 7 alone, then failed 8 (a refusal, a store
+    // error): batch 7 was loaded alone by both.
+    let ahead = [
+        with(7, None),
+        with(9, alone_5_to_8),
+        with(9, loads(&[(7, true), (8, false)])),
+    ];
     assert_eq!(behind(&ahead), step(true));
-    // Rank 2's run does not cover 7 (it failed 7, then loaded 8 alone).
-    let one_failed = [with(7, None), with(9, Some((5, 8))), with(9, Some((8, 8)))];
+    // Rank 2 failed 7, then loaded 8 alone.
+    let one_failed = [
+        with(7, None),
+        with(9, alone_5_to_8),
+        with(9, loads(&[(7, false), (8, true)])),
+    ];
     assert_eq!(behind(&one_failed), step(false));
-    // No run: the rank ahead settled its last batch with the group, or failed it.
+    // No record, or 7 loaded with the group: not alone.
     let none = [with(7, None), with(9, None), with(7, None)];
     assert_eq!(behind(&none), step(false));
+    let with_group = [with(7, None), with(9, loads(&[(7, false)])), with(7, None)];
+    assert_eq!(behind(&with_group), step(false));
     // A rank at the same batch as this one does not count (it is behind too).
-    let peer_behind = [with(7, None), with(9, Some((7, 8))), with(7, None)];
+    let peer_behind = [with(7, None), with(9, alone_5_to_8), with(7, None)];
     assert_eq!(behind(&peer_behind), step(true));
+    // 64 batches on, the record no longer tells.
+    let far = [
+        with(7, None),
+        with(90, loads(&[(7, true), (71, true)])),
+        with(7, None),
+    ];
+    assert_eq!(
+        behind(&far),
+        GateStep::Behind {
+            latest: 90,
+            settled_alone: false
+        }
+    );
 }
 
 #[test]

@@ -8,8 +8,8 @@
 //! or cancelled by `reset` before it ran still gates and exchanges a failed status word for
 //! layer 0, so every rank issues the same collectives for it and every rank fails it. The gate
 //! word carries the batch id and the number of gates held on the handle; ranks that meet at
-//! different batches catch up (the rank behind skips its batch, the rank ahead gates its batch
-//! again), and ranks whose collectives no longer line up at all abort the group, which every
+//! different batches catch up (the rank behind fails its batch, or with `ReadAlone` loads it
+//! alone where every rank ahead did; the rank ahead gates its batch again), and ranks whose collectives no longer line up at all abort the group, which every
 //! rank re-forms at its next batch (sequence numbers from 0 again).
 
 use std::ops::Range;

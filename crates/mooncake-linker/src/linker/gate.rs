@@ -5,8 +5,8 @@
 //! records the group's time (see `group_time`).
 
 use dedup_broadcast::{
-    check_batch, plan_digest, BatchGate, Collective, GateStep, GateVerdict, GateWord, GroupStatus,
-    LayerStatus,
+    check_batch, plan_digest, AloneLoads, BatchGate, Collective, GateStep, GateVerdict, GateWord,
+    GroupStatus, LayerStatus,
 };
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, ShareMode};
 use tracing::{debug, info, warn};
@@ -46,22 +46,23 @@ impl GateCount {
 }
 
 /// What the load thread keeps from one gate to the next: the gates held on the data handle,
-/// its last batch's time waiting to travel in the next gate word, and the run of batches it
-/// last loaded alone (the word's `alone`, kept across re-formations: a group that re-forms
-/// after this rank loaded alone learns it at its next gate).
+/// its last batch's time waiting to travel in the next gate word, and which of its last
+/// batches it loaded alone (the word's `alone`, kept across re-formations: a group that
+/// re-forms after this rank loaded alone learns it at its next gate).
 #[derive(Debug, Default)]
 pub(crate) struct Gates {
     pub(crate) count: GateCount,
     pub(crate) pending: PendingSample,
-    pub(crate) alone: Option<(u64, u64)>,
+    pub(crate) alone: Option<AloneLoads>,
 }
 
 impl Gates {
-    /// `batch` is settled on this rank: loaded alone (`alone`) extends the run, anything
-    /// else (loaded with the group, failed, refused) ends it.
+    /// `batch` is settled on this rank, loaded alone or not (loaded with the group, failed,
+    /// refused, cancelled).
     pub(crate) fn settled(&mut self, batch: BatchId, alone: bool) {
-        let first = self.alone.map_or(batch.0, |(first, _)| first);
-        self.alone = alone.then_some((first, batch.0));
+        self.alone
+            .get_or_insert_with(AloneLoads::default)
+            .settled(batch.0, alone);
     }
 }
 

@@ -19,7 +19,7 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// (`Collective::all_gather_bytes_settled`). 4: the socket group's connections greet with the
 /// sender's nonce of the welcome and are acked with the acceptor's, and connecting ends with a
 /// settled gather of the epoch on the first handle. 5: a batch's gate word is 64 bytes
-/// (`"KVG2"`, with the run of batches the rank last loaded alone).
+/// (`"KVG2"`, with which of its last 64 batches the rank loaded alone).
 pub(crate) const PROTOCOL: u32 = 5;
 
 /// Where a rank's collective listens.

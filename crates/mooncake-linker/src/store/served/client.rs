@@ -477,8 +477,9 @@ impl SocketStore {
 
     /// Sends `body`, a request whose reply carries nothing but its result and which the server
     /// may carry out twice (ending a session or a session start this client holds), within
-    /// `first`; when the connection broke under it (a pooled one the server had dropped: the
-    /// request may never have reached the server), once more within `again`. Else what a
+    /// `first`; when its connection failed (broke under it, as a pooled one the server had
+    /// dropped: the request may never have reached the server; or any other `Down`, where the
+    /// second try only fails alike), once more within `again`. Else what a
     /// lost request holds (a session's pins) would stay while this client lives.
     fn idempotent(
         &self,
