@@ -144,13 +144,13 @@ pub fn check_digest(
 /// on its handle before this one, the rank's share-mode proposal, how long its previous batch
 /// took, and which of its last batches it loaded alone. 64 bytes on the wire: `"KVG2"`,
 /// `last_batch_us` as a little-endian `u32`, the digest, then batch, count and proposal as
-/// little-endian `u64`, then [`AloneLoads`]' last batch (`u64::MAX`: none) and mask.
+/// little-endian `u64`, then [`AloneLoads`]' last batch and mask.
 ///
 /// ```
 /// use dedup_broadcast::GateWord;
 /// let word = GateWord {
 ///     digest: [7; 16], batch: 3, count: 2, proposal: 1, last_batch_us: 812_345,
-///     alone: Some(dedup_broadcast::AloneLoads { last: 2, mask: 0b11 }),
+///     alone: dedup_broadcast::AloneLoads { last: 2, mask: 0b11 },
 /// };
 /// assert_eq!(GateWord::decode(&word.encode()), Some(word));
 /// ```
@@ -173,15 +173,16 @@ pub struct GateWord {
     /// not the one gated just before). The group's time of a batch is the slowest rank's: the
     /// group's next batch waits for it at its gate.
     pub last_batch_us: u32,
-    /// Which of the batches this rank settled last it loaded alone (without the group);
-    /// `None` before it settled any. A rank the group went past learns from it whether the
-    /// ranks ahead loaded its batch ([`GateStep::Behind`]).
-    pub alone: Option<AloneLoads>,
+    /// Which of the batches this rank settled last it loaded alone (without the group; the
+    /// default, none). A rank the group went past learns from it whether the ranks ahead
+    /// loaded its batch ([`GateStep::Behind`]).
+    pub alone: AloneLoads,
 }
 
 /// Which of a rank's last 64 batch ids it loaded alone: bit `k` of `mask` is batch
 /// `last - k`, set when the rank settled that batch loaded alone, clear when it settled it
-/// otherwise (loaded with the group, failed, refused, cancelled) or never ran it.
+/// otherwise (loaded with the group, failed, refused, cancelled) or never ran it. The default
+/// covers no batch.
 ///
 /// ```
 /// use dedup_broadcast::AloneLoads;
@@ -220,8 +221,6 @@ impl AloneLoads {
 
 const GATE_MAGIC: &[u8; 4] = b"KVG2";
 const GATE_WORD: usize = 64;
-/// The alone record's last batch when there is none.
-const NO_RUN: u64 = u64::MAX;
 
 impl GateWord {
     /// The wire bytes.
@@ -233,12 +232,8 @@ impl GateWord {
         w[24..32].copy_from_slice(&self.batch.to_le_bytes());
         w[32..40].copy_from_slice(&self.count.to_le_bytes());
         w[40..48].copy_from_slice(&self.proposal.to_le_bytes());
-        let a = self.alone.unwrap_or(AloneLoads {
-            last: NO_RUN,
-            mask: 0,
-        });
-        w[48..56].copy_from_slice(&a.last.to_le_bytes());
-        w[56..64].copy_from_slice(&a.mask.to_le_bytes());
+        w[48..56].copy_from_slice(&self.alone.last.to_le_bytes());
+        w[56..64].copy_from_slice(&self.alone.mask.to_le_bytes());
         w
     }
 
@@ -262,10 +257,10 @@ impl GateWord {
             count: u(32),
             proposal: u(40),
             last_batch_us: u32::from_le_bytes(us),
-            alone: (u(48) != NO_RUN).then(|| AloneLoads {
+            alone: AloneLoads {
                 last: u(48),
                 mask: u(56),
-            }),
+            },
         })
     }
 }
@@ -327,7 +322,8 @@ pub struct BatchGate {
 /// use dedup_broadcast::{check_batch, GateStep, GateWord, InProcessGroup};
 /// let ranks = InProcessGroup::new(1);
 /// let word = GateWord {
-///     digest: [7; 16], batch: 3, count: 0, proposal: 1, last_batch_us: 0, alone: None,
+///     digest: [7; 16], batch: 3, count: 0, proposal: 1, last_batch_us: 0,
+///     alone: Default::default(),
 /// };
 /// let deadline = kv_loader::deadline_after(Duration::from_secs(5));
 /// let gate = check_batch(&ranks[0], &word, deadline).unwrap();
@@ -368,7 +364,7 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
     }
     if earliest != latest {
         let step = if mine.batch < latest {
-            let covers = |w: &GateWord| w.alone.is_some_and(|a| a.covers(mine.batch));
+            let covers = |w: &GateWord| w.alone.covers(mine.batch);
             GateStep::Behind {
                 latest,
                 settled_alone: words.iter().filter(|w| w.batch > mine.batch).all(covers),

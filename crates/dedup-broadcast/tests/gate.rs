@@ -173,7 +173,7 @@ fn gate_word(batch: u64, count: u64, last_batch_us: u32) -> GateWord {
         count,
         proposal: 2,
         last_batch_us,
-        alone: None,
+        alone: AloneLoads::default(),
     }
 }
 
@@ -185,9 +185,10 @@ proptest! {
         count in any::<u64>(),
         proposal in any::<u64>(),
         last_batch_us in any::<u32>(),
-        alone in prop::option::of((0..u64::MAX, any::<u64>())),
+        last in any::<u64>(),
+        mask in any::<u64>(),
     ) {
-        let alone = alone.map(|(last, mask)| AloneLoads { last, mask });
+        let alone = AloneLoads { last, mask };
         let w = GateWord { digest, batch, count, proposal, last_batch_us, alone };
         prop_assert_eq!(GateWord::decode(&w.encode()), Some(w));
     }
@@ -247,7 +248,7 @@ fn a_rank_behind_learns_whether_every_rank_ahead_loaded_its_batch_alone() {
     let loads = |batches: &[(u64, bool)]| {
         let mut a = AloneLoads::default();
         batches.iter().for_each(|&(b, alone)| a.settled(b, alone));
-        Some(a)
+        a
     };
     let with = |batch, alone| GateWord {
         alone,
@@ -265,31 +266,43 @@ fn a_rank_behind_learns_whether_every_rank_ahead_loaded_its_batch_alone() {
     // Rank 1 loaded 5..=8 alone; rank 2 loaded 7 alone, then failed 8 (a refusal, a store
     // error): batch 7 was loaded alone by both.
     let ahead = [
-        with(7, None),
+        with(7, AloneLoads::default()),
         with(9, alone_5_to_8),
         with(9, loads(&[(7, true), (8, false)])),
     ];
     assert_eq!(behind(&ahead), step(true));
     // Rank 2 failed 7, then loaded 8 alone.
     let one_failed = [
-        with(7, None),
+        with(7, AloneLoads::default()),
         with(9, alone_5_to_8),
         with(9, loads(&[(7, false), (8, true)])),
     ];
     assert_eq!(behind(&one_failed), step(false));
     // No record, or 7 loaded with the group: not alone.
-    let none = [with(7, None), with(9, None), with(7, None)];
+    let none = [
+        with(7, AloneLoads::default()),
+        with(9, AloneLoads::default()),
+        with(7, AloneLoads::default()),
+    ];
     assert_eq!(behind(&none), step(false));
-    let with_group = [with(7, None), with(9, loads(&[(7, false)])), with(7, None)];
+    let with_group = [
+        with(7, AloneLoads::default()),
+        with(9, loads(&[(7, false)])),
+        with(7, AloneLoads::default()),
+    ];
     assert_eq!(behind(&with_group), step(false));
     // A rank at the same batch as this one does not count (it is behind too).
-    let peer_behind = [with(7, None), with(9, alone_5_to_8), with(7, None)];
+    let peer_behind = [
+        with(7, AloneLoads::default()),
+        with(9, alone_5_to_8),
+        with(7, AloneLoads::default()),
+    ];
     assert_eq!(behind(&peer_behind), step(true));
     // 64 batches on, the record no longer tells.
     let far = [
-        with(7, None),
+        with(7, AloneLoads::default()),
         with(90, loads(&[(7, true), (71, true)])),
-        with(7, None),
+        with(7, AloneLoads::default()),
     ];
     assert_eq!(
         behind(&far),

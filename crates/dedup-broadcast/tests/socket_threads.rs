@@ -222,7 +222,7 @@ fn a_settled_gather_fails_on_every_rank_when_one_gave_up() {
             count: 0,
             proposal: u64::from(rank),
             last_batch_us: 0,
-            alone: None,
+            alone: Default::default(),
         };
         dedup_broadcast::check_batch(c, &word, deadline).map(drop)
     };

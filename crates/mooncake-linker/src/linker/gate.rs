@@ -53,16 +53,14 @@ impl GateCount {
 pub(crate) struct Gates {
     pub(crate) count: GateCount,
     pub(crate) pending: PendingSample,
-    pub(crate) alone: Option<AloneLoads>,
+    pub(crate) alone: AloneLoads,
 }
 
 impl Gates {
     /// `batch` is settled on this rank, loaded alone or not (loaded with the group, failed,
     /// refused, cancelled).
     pub(crate) fn settled(&mut self, batch: BatchId, alone: bool) {
-        self.alone
-            .get_or_insert_with(AloneLoads::default)
-            .settled(batch.0, alone);
+        self.alone.settled(batch.0, alone);
     }
 }
 

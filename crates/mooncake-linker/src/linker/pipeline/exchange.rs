@@ -15,6 +15,25 @@ use crate::linker::handoff::{Handoff, Wait};
 use crate::linker::share::{step_for, LayerCx, ShareStep, StepError};
 use crate::linker::verify::LayerCheck;
 
+/// The group's failure of a batch, on rank `rank` whose own failure was `own`: a
+/// `PeerFailed` naming this rank carries `own`'s words after its code.
+fn with_own_words(group: KvLoadError, rank: u32, own: &KvLoadError) -> KvLoadError {
+    match group {
+        KvLoadError::PeerFailed {
+            batch,
+            rank: first,
+            layer,
+            detail,
+        } if first == rank => KvLoadError::PeerFailed {
+            batch,
+            rank: first,
+            layer,
+            detail: format!("{detail}: {own}"),
+        },
+        e => e,
+    }
+}
+
 /// What the load thread knows of its batch so far, carried from layer to layer.
 #[derive(Default)]
 struct Progress {
@@ -349,33 +368,16 @@ impl LayerPipeline<'_> {
             // One rank alone: its own error says most. A group: every rank reports the same
             // failure, the first (lowest layer, then rank); the rank it was carries its own
             // error's words, which the others do not have.
+            let group = status
+                .to_error(batch)
+                .unwrap_or(KvLoadError::Cancelled { batch });
             return Err(match (self.coll, progress.own) {
-                (None, Some(e)) => e,
-                (Some(c), own) => {
-                    let mut e = status
-                        .to_error(batch)
-                        .unwrap_or(KvLoadError::Cancelled { batch });
-                    if let (
-                        KvLoadError::PeerFailed {
-                            rank: first,
-                            detail,
-                            ..
-                        },
-                        Some(own),
-                    ) = (&mut e, &own)
-                    {
-                        if *first == c.rank() {
-                            *detail = format!("{detail}: {own}");
-                        }
-                    }
-                    if let Some(own) = own {
-                        warn!(%batch, error = %own, "this rank's own failure of the batch");
-                    }
-                    e
+                (None, Some(own)) => own,
+                (Some(c), Some(own)) => {
+                    warn!(%batch, error = %own, "this rank's own failure of the batch");
+                    with_own_words(group, c.rank(), &own)
                 }
-                (None, None) => status
-                    .to_error(batch)
-                    .unwrap_or(KvLoadError::Cancelled { batch }),
+                (_, None) => group,
             });
         }
         Ok((progress.landed, progress.first_layer))
