@@ -86,8 +86,10 @@ type Epochs = HashMap<u64, Vec<Option<GroupHandles>>>;
 
 /// The formation of a group whose ranks are threads of this process: the first rank to ask for
 /// an epoch builds every rank's handles at once (with `build`), each rank takes its own. A rank
-/// waits for another only while that one is building (an NCCL group's set-up, up to its init
-/// timeout), and then at most until its own deadline.
+/// that lags joins the newest epoch its peers built, or builds the next one when that group
+/// was aborted already (its peers gave up on it). A rank waits for another only while that one
+/// is building (an NCCL group's set-up, up to its init timeout), and then at most until its
+/// own deadline.
 ///
 /// ```
 /// use std::time::{Duration, Instant};
@@ -184,13 +186,19 @@ impl GroupFormation for InProcessFormation {
             });
         };
         // A rank that lags joins the newest formation its peers already made (one built for an
-        // older epoch would hold this rank alone: the others have moved past it).
-        let epoch = epochs
+        // older epoch would hold this rank alone: the others have moved past it), unless that
+        // group was aborted since (its ranks gave up on this one): its first collective would
+        // fail at once. A fresh formation follows it, which those ranks join next.
+        let newest = epochs
             .keys()
             .copied()
             .filter(|&e| e >= epoch)
             .max()
             .unwrap_or(epoch);
+        let epoch = match epochs.get(&newest) {
+            Some(slots) if aborted(slots) => newest.saturating_add(1),
+            _ => newest,
+        };
         if !epochs.contains_key(&epoch) {
             let handles = (self.build)().map_err(|e| match e {
                 // Already a formation's error (a refusal keeps saying so).
@@ -237,6 +245,14 @@ impl GroupFormation for InProcessFormation {
         tracing::info!(rank, epoch, "group re-formed");
         Ok(handles)
     }
+}
+
+/// Whether the group of an epoch's handles was aborted (as any handle not yet taken tells).
+fn aborted(slots: &[Option<GroupHandles>]) -> bool {
+    slots
+        .iter()
+        .flatten()
+        .any(|h| h.data.broken().is_some() || h.control.broken().is_some())
 }
 
 #[cfg(test)]
@@ -305,5 +321,33 @@ mod tests {
             drop(r1);
             assert_eq!(r0.join().unwrap().ok(), Some(2));
         });
+    }
+
+    /// A rank that lags does not join a group its peers already aborted: it gets a fresh
+    /// epoch, which they join next. Before, it took the aborted group's handles and its first
+    /// collective failed at once (with `ReadAlone`, its batch then loaded alone whatever its
+    /// peers had done with it).
+    #[test]
+    fn a_rank_that_lags_skips_an_aborted_formation() {
+        let formation = InProcessFormation::host(2);
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        // Rank 1 formed epoch 1 alone and gave up on it (its gate timed out).
+        let one = formation.reform(1, 1, soon()).unwrap();
+        one.data.abort("rank 0 never came");
+        let zero = formation.reform(0, 1, soon()).unwrap();
+        assert_eq!(zero.epoch, 2);
+        assert!(zero.data.broken().is_none() && zero.control.broken().is_none());
+        let one = formation.reform(1, 2, soon()).unwrap();
+        assert_eq!(one.epoch, 2);
+        let d = kv_loader::deadline_after(Duration::from_secs(5));
+        std::thread::scope(|s| {
+            let a = s.spawn(|| zero.data.all_gather_bytes(&[0], d));
+            let b = one.data.all_gather_bytes(&[1], d).unwrap();
+            assert_eq!(a.join().unwrap().unwrap(), b);
+        });
+        // A group still whole is joined as before.
+        let other = InProcessFormation::host(2);
+        assert_eq!(other.reform(1, 1, soon()).unwrap().epoch, 1);
+        assert_eq!(other.reform(0, 1, soon()).unwrap().epoch, 1);
     }
 }
