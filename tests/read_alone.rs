@@ -230,6 +230,59 @@ fn a_peers_later_failure_does_not_hide_a_batch_it_loaded_alone() {
     }
 }
 
+/// A rank far behind still settles each batch as the ranks ahead did once they stopped
+/// waiting for it. Rank 1 runs batches 1 to 10 without rank 0 (the group down): it refuses 1
+/// and 10 and loads 2 to 9 alone. It meets rank 0 at batch 11 while rank 0 is at batch 1, and
+/// gates 11 again while rank 0 catches up, 9 times in all; then it gives up, aborts the group
+/// and loads 11 alone. Rank 0's batch 10 finds the group down: it must fail it (rank 1 did),
+/// not load it alone as a rank that merely finds the group down does. Before, it loaded it.
+#[test]
+fn a_rank_far_behind_fails_a_batch_a_peer_ahead_failed_after_the_group_broke() {
+    let timeout = Duration::from_secs(1);
+    let (rs, hashes) = two_alone_ranks(timeout);
+    let refuse = |batch| {
+        let mut twice = load_plan_of(&rs[1], batch, &hashes);
+        twice.slots[1] = twice.slots[0];
+        assert!(
+            rs[1].linker.start_load(twice).is_err(),
+            "batch {batch} refused"
+        );
+    };
+    refuse(1);
+    for batch in 2..=9 {
+        let stats = load(&rs[1], batch, &hashes).expect("rank 1 alone");
+        assert!(stats.alone.is_some(), "rank 1, batch {batch}: {stats:?}");
+    }
+    refuse(10);
+    // The refusal's attempt to re-form the group ends by the timeout.
+    std::thread::sleep(timeout + Duration::from_secs(1));
+    let (zero, one_11) = std::thread::scope(|s| {
+        let one = s.spawn(|| load(&rs[1], 11, &hashes));
+        let zero: Vec<_> = (1..=11).map(|b| load(&rs[0], b, &hashes)).collect();
+        (zero, one.join().unwrap())
+    });
+    let one_11 = one_11.expect("rank 1, batch 11: alone once it gave up");
+    assert!(one_11.alone.is_some(), "{one_11:?}");
+    let mut zero = zero.into_iter();
+    behind_failure(zero.next().unwrap(), "rank 0, batch 1 (rank 1 refused it)");
+    for batch in 2..=9 {
+        let stats = zero.next().unwrap();
+        let stats = stats.unwrap_or_else(|e| panic!("rank 0, batch {batch}: {e}"));
+        let why = stats.alone.clone().unwrap_or_default();
+        assert!(
+            why.contains("went on past"),
+            "rank 0, batch {batch}: {why:?}"
+        );
+    }
+    behind_failure(zero.next().unwrap(), "rank 0, batch 10 (rank 1 refused it)");
+    let zero_11 = zero
+        .next()
+        .unwrap()
+        .expect("rank 0, batch 11: alone, as rank 1");
+    assert!(zero_11.alone.is_some(), "{zero_11:?}");
+    rank_matches(&rs[0], &hashes, 0).unwrap();
+}
+
 /// `got` is the failure of a batch its rank skipped as behind the group.
 fn behind_failure(
     got: Result<kvlink::kv_loader::LoadStats, kvlink::kv_loader::KvLoadError>,

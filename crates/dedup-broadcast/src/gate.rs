@@ -219,6 +219,48 @@ impl AloneLoads {
     }
 }
 
+/// What the ranks at a later batch than this rank's said at a gate: each one's batch and
+/// which batches it had loaded alone. A rank behind keeps it past the gate: should the group
+/// then break before it catches up (the ranks ahead gave up waiting for it), it still settles
+/// each batch it is behind on as they did, failing a batch a rank ahead did not load alone.
+///
+/// ```
+/// use dedup_broadcast::{AloneLoads, RanksAhead};
+/// let mut loaded = AloneLoads::default();
+/// loaded.settled(4, true);
+/// loaded.settled(5, false);
+/// let ahead = RanksAhead { ranks: vec![(6, loaded)] };
+/// assert_eq!(ahead.settled_alone(4), Some(true));
+/// assert_eq!(ahead.settled_alone(5), Some(false));
+/// assert_eq!(ahead.settled_alone(6), None); // no rank was past batch 6
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RanksAhead {
+    /// Each rank ahead's batch at the gate and its [`GateWord::alone`].
+    pub ranks: Vec<(u64, AloneLoads)>,
+}
+
+impl RanksAhead {
+    /// The ranks ahead of `mine` among `words`.
+    fn of(mine: u64, words: &[GateWord]) -> RanksAhead {
+        RanksAhead {
+            ranks: words
+                .iter()
+                .filter(|w| w.batch > mine)
+                .map(|w| (w.batch, w.alone))
+                .collect(),
+        }
+    }
+
+    /// Whether every rank that was past `batch` loaded it alone; `None` when no rank was
+    /// past it (nothing known of it: those ranks had not settled it yet).
+    pub fn settled_alone(&self, batch: u64) -> Option<bool> {
+        let mut past = self.ranks.iter().filter(|(at, _)| *at > batch).peekable();
+        past.peek()?;
+        Some(past.all(|(_, alone)| alone.covers(batch)))
+    }
+}
+
 const GATE_MAGIC: &[u8; 4] = b"KVG2";
 const GATE_WORD: usize = 64;
 
@@ -309,6 +351,8 @@ pub struct BatchGate {
     /// Every rank's [`GateWord::last_batch_us`], in rank order (meaningful when in step;
     /// empty otherwise).
     pub last_batch_us: Vec<u32>,
+    /// The ranks at a later batch than this rank's (none unless [`GateStep::Behind`]).
+    pub ahead: RanksAhead,
 }
 
 /// The batch gate: one [`Collective::all_gather_bytes`] of every rank's [`GateWord`], which
@@ -349,6 +393,7 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
         verdict: GateVerdict::Agreed,
         proposals: Vec::new(),
         last_batch_us: Vec::new(),
+        ahead: RanksAhead::default(),
     };
     let words: Option<Vec<GateWord>> = all.iter().map(|b| GateWord::decode(b)).collect();
     let Some(words) = words.filter(|w| !w.is_empty()) else {
@@ -363,20 +408,20 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
         ));
     }
     if earliest != latest {
-        let step = if mine.batch < latest {
-            let covers = |w: &GateWord| w.alone.covers(mine.batch);
-            GateStep::Behind {
+        let ahead = RanksAhead::of(mine.batch, &words);
+        let step = match ahead.settled_alone(mine.batch) {
+            Some(settled_alone) => GateStep::Behind {
                 latest,
-                settled_alone: words.iter().filter(|w| w.batch > mine.batch).all(covers),
-            }
-        } else {
-            GateStep::Ahead { earliest }
+                settled_alone,
+            },
+            None => GateStep::Ahead { earliest },
         };
         return BatchGate {
             step,
             verdict: GateVerdict::Agreed,
             proposals: Vec::new(),
             last_batch_us: Vec::new(),
+            ahead,
         };
     }
     let differing: Vec<u32> = words
@@ -394,6 +439,7 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
         },
         proposals: words.iter().map(|w| w.proposal).collect(),
         last_batch_us: words.iter().map(|w| w.last_batch_us).collect(),
+        ahead: RanksAhead::default(),
     }
 }
 

@@ -67,7 +67,8 @@ pub use collective::{
 pub use formation::{GroupFormation, GroupHandles, InProcessFormation};
 pub use gate::{
     agree_lookup, check_batch, check_digest, check_plan, judge_gate, lookup_digest, plan_digest,
-    AloneLoads, BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, PLAN_DIGEST_SEED,
+    AloneLoads, BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, RanksAhead,
+    PLAN_DIGEST_SEED,
 };
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};

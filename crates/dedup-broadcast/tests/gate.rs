@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use dedup_broadcast::{
     check_batch, check_plan, judge_gate, plan_digest, AloneLoads, GateStep, GateVerdict, GateWord,
-    InProcessGroup,
+    InProcessGroup, RanksAhead,
 };
 use kv_geometry::{ComponentId, PageHash};
 use kv_loader::{BatchId, LogicalPlan, RequestPages};
@@ -311,6 +311,45 @@ fn a_rank_behind_learns_whether_every_rank_ahead_loaded_its_batch_alone() {
             settled_alone: false
         }
     );
+}
+
+/// The gate hands a rank behind what the ranks ahead said (each one's batch and record), so
+/// that it can settle its next batches as they did should the group break before it catches
+/// up; a rank in step or ahead gets none.
+#[test]
+fn a_rank_behind_keeps_the_words_of_the_ranks_ahead() {
+    let mut one = AloneLoads::default();
+    [(5, true), (6, false), (7, true)]
+        .iter()
+        .for_each(|&(b, alone)| one.settled(b, alone));
+    let words = [
+        gate_word(5, 0, 0),
+        GateWord {
+            alone: one,
+            ..gate_word(8, 0, 0)
+        },
+        gate_word(5, 0, 0),
+    ];
+    let all: Vec<Vec<u8>> = words.iter().map(|w| w.encode().to_vec()).collect();
+    let gate = judge_gate(&words[0], &all);
+    assert_eq!(gate.ahead.ranks, vec![(8, one)]);
+    // Batch 5 (this one), then 6 and 7, which it will meet next: as rank 1 settled them.
+    let settled: Vec<_> = (5..=8).map(|b| gate.ahead.settled_alone(b)).collect();
+    assert_eq!(settled, [Some(true), Some(false), Some(true), None]);
+    assert_eq!(
+        gate.step,
+        GateStep::Behind {
+            latest: 8,
+            settled_alone: true
+        }
+    );
+    // Rank 1, ahead: nobody is past it.
+    let ahead = judge_gate(&words[1], &all);
+    assert_eq!(ahead.step, GateStep::Ahead { earliest: 5 });
+    assert!(ahead.ahead.ranks.is_empty());
+    let in_step = [gate_word(5, 0, 0), gate_word(5, 0, 0)];
+    let all: Vec<Vec<u8>> = in_step.iter().map(|w| w.encode().to_vec()).collect();
+    assert_eq!(judge_gate(&in_step[0], &all).ahead, RanksAhead::default());
 }
 
 #[test]

@@ -131,6 +131,35 @@ pub(crate) fn collective_failure(batch: BatchId, e: impl Into<kv_loader::Cause>)
     }
 }
 
+/// With the group down (`down` says why), a batch this rank is behind on that a rank ahead
+/// did not load alone (at the last gate judged: the ranks ahead gave up waiting for this rank
+/// before it caught up) fails here too rather than load alone: the error. `None` when every
+/// rank ahead loaded it alone, or none was past it (then this rank loads it alone).
+fn failed_ahead(
+    gates: &Gates,
+    batch: BatchId,
+    down: &dyn std::fmt::Display,
+) -> Option<KvLoadError> {
+    if gates.ahead.settled_alone(batch.0) != Some(false) {
+        return None;
+    }
+    let latest = gates
+        .ahead
+        .ranks
+        .iter()
+        .map(|(at, _)| *at)
+        .max()
+        .unwrap_or(batch.0);
+    warn!(%batch, latest, down = %down, "the group is down and a rank ahead did not load this batch alone: failing it");
+    Some(collective_failure(
+        batch,
+        format!(
+            "the group is down ({down}) and a rank ahead (at batch {latest}) did not load this \
+             batch alone; this batch is skipped to catch up"
+        ),
+    ))
+}
+
 impl Inner {
     /// The keys of every planned component, in plan page order.
     pub(crate) fn component_keys(
@@ -202,6 +231,9 @@ impl Inner {
             // (alone) rather than some loaded and some failed. The gate took the previous
             // batch's time; this batch leaves none.
             Err(GateMiss::Failed(e)) if self.reads_alone_after(coll, refusal.as_ref()) => {
+                if let Some(failed) = failed_ahead(gates, batch, &e) {
+                    return Err(failed);
+                }
                 warn!(%batch, error = %e, "the gate failed and the group broke: loading alone");
                 let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
                 stats.alone = Some(format!("the group broke at the gate: {e}"));
@@ -255,6 +287,9 @@ impl Inner {
             return self.load_batch(None, job, ShareMode::AllRanks, 0, held);
         }
         let batch = job.plan.logical.batch;
+        if let Some(failed) = failed_ahead(gates, batch, &alone) {
+            return Err(failed);
+        }
         warn!(%batch, reason = %alone, "loading alone: the TP group is down");
         let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
         stats.alone = Some(alone);

@@ -187,6 +187,8 @@ pub enum GroupFallback {
     /// then fails because a peer went alone goes alone too, and so does a rank whose gate finds
     /// the group already at a later batch (its peers settled this one alone and met again
     /// after it): every rank ends such a batch loaded, none failed while another loaded it.
+    /// A rank behind whose peers gave up waiting for it settles the batches it is still
+    /// behind on as their last gate words said: it fails one a rank ahead did not load alone.
     ReadAlone,
 }
 

@@ -6,7 +6,7 @@
 
 use dedup_broadcast::{
     check_batch, plan_digest, AloneLoads, BatchGate, Collective, GateStep, GateVerdict, GateWord,
-    GroupStatus, LayerStatus,
+    GroupStatus, LayerStatus, RanksAhead,
 };
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, ShareMode};
 use tracing::{debug, info, warn};
@@ -46,14 +46,17 @@ impl GateCount {
 }
 
 /// What the load thread keeps from one gate to the next: the gates held on the data handle,
-/// its last batch's time waiting to travel in the next gate word, and which of its last
-/// batches it loaded alone (the word's `alone`, kept across re-formations: a group that
-/// re-forms after this rank loaded alone learns it at its next gate).
+/// its last batch's time waiting to travel in the next gate word, which of its last batches
+/// it loaded alone (the word's `alone`, kept across re-formations: a group that re-forms
+/// after this rank loaded alone learns it at its next gate), and what the ranks ahead said at
+/// the last gate judged (a rank behind settles the batches it is behind on as they did, even
+/// once the group broke before it caught up).
 #[derive(Debug, Default)]
 pub(crate) struct Gates {
     pub(crate) count: GateCount,
     pub(crate) pending: PendingSample,
     pub(crate) alone: AloneLoads,
+    pub(crate) ahead: RanksAhead,
 }
 
 impl Gates {
@@ -163,6 +166,7 @@ impl Inner {
             if let Some(mine) = mine {
                 self.observe_group_time(batch, mine, &gate);
             }
+            gates.ahead = gate.ahead.clone();
             match gate.step {
                 GateStep::InStep => {
                     let mode = gate
