@@ -40,7 +40,7 @@ mkdir -p "$out"
 # What this run writes, gone first: a reused $out must not show an earlier run's outputs as
 # this one's (part 3 cut off, or not run).
 rm -f "$out"/glm_prefill_*.txt "$out"/glm_prefill_*.svg "$out/glm_prefill_timelines.tar" \
-  "$out"/tp_procs.*.log
+  "$out"/tp_procs.*.log "$out/tp_procs.txt" "$out/env_procs.txt"
 for b in tp_procs glm_prefill; do
   if [[ ! -x "$bin_dir/$b" ]]; then
     echo "gpu-procs-run: $bin_dir/$b missing: run scripts/gpu-build.sh on the build machine and carry gpu-bin" >&2

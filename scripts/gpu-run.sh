@@ -18,6 +18,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin_dir="${KVLINK_GPU_BIN:-gpu-bin}"
 out="${OUT:-$bin_dir/out}"
 mkdir -p "$out"
+# What this run writes, gone first: a reused $out must not show an earlier run's table or
+# timelines as this one's (a run cut off, or a --quick run that writes fewer sizes).
+rm -f "$out/env.txt" "$out"/gpu_check.*.log "$out"/gpu_tests.*.log "$out/gpu_result.txt" \
+  "$out/gpu_check_table.txt" "$out"/timeline_*.csv "$out"/timeline_*.svg
 for b in gpu_tests gpu_check; do
   if [[ ! -x "$bin_dir/$b" ]]; then
     echo "gpu-run: $bin_dir/$b missing: run scripts/gpu-build.sh on the build machine and carry gpu-bin" >&2

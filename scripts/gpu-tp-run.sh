@@ -49,6 +49,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin_dir="${KVLINK_GPU_BIN:-gpu-bin}"
 out="${OUT:-$bin_dir/out}"
 mkdir -p "$out"
+# What this run writes, gone first: a reused $out must not show an earlier run's tables as
+# this one's (tp_gpu cut off before it wrote them, or the tests not run).
+rm -rf "$out/timelines" "$out"/timelines_tp*.tar "$out"/tp_gpu_bench_tp*.md \
+  "$out"/tp_gpu_*_ranks*.txt "$out"/tp_gpu.*.log "$out"/gpu_tests_tp.*.log "$out/env_tp.txt" \
+  "$out/tp_result.txt"
 for b in gpu_tests tp_gpu; do
   if [[ ! -x "$bin_dir/$b" ]]; then
     echo "gpu-tp-run: $bin_dir/$b missing: run scripts/gpu-build.sh on the build machine and carry gpu-bin" >&2
@@ -125,7 +130,6 @@ left=$(( limit - 15 - spent ))
 if ! has_flag --budget-s "$@"; then
   extra_args+=(--budget-s $(( left - 30 > 30 ? left - 30 : 30 )))
 fi
-rm -rf "$out/timelines"
 if (( left >= 60 )); then
   timeout -k 15 "$left" "$bin_dir/tp_gpu" --out "$out" "${extra_args[@]}" "$@" \
     > "$out/tp_gpu.stdout.log" 2> "$out/tp_gpu.stderr.log"
