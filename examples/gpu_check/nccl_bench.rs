@@ -242,6 +242,9 @@ fn raw_rank(
     let mut buf = stream
         .alloc_zeros::<u8>(LAYER_BYTES)
         .map_err(|e| e.to_string())?;
+    // Nobody enters the (blocking) communicator init unless every rank got this far: a rank
+    // that failed above would leave the other in `ncclCommInitRank` for good.
+    barrier.wait(STEP)?;
     let comm = cnccl::Comm::from_rank(stream.clone(), r, 2, id)
         .map_err(|e| format!("ncclCommInitRank: {}", nccl_result_name(e.0)))?;
     let mut broadcast = |n: usize| -> Result<f64, String> {
