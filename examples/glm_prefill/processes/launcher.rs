@@ -36,6 +36,10 @@ pub(crate) fn this_program(args: &[String]) -> std::io::Result<Child> {
 const RENDEZVOUS_WAIT: Duration = Duration::from_secs(60);
 /// How long the others may take to exit once rank 0 has.
 const EXIT_WAIT: Duration = Duration::from_secs(120);
+/// How long rank 0 may go without a line of its report before the launcher takes it for stuck
+/// (and kills every rank process): its longest step, one size's runs of every mode, takes
+/// well under a minute.
+const REPORT_IDLE: Duration = Duration::from_secs(600);
 
 /// The rank processes: killed and reaped when dropped unless they exited.
 struct Ranks(Vec<Child>);
@@ -149,9 +153,18 @@ pub(crate) fn launch(args: &Args, out: &mut dyn Write, spawn: &ChildSpawner) -> 
     }
     writeln!(out)?;
     // Rank 0's report, as it comes.
-    for line in rank0.iter() {
-        writeln!(out, "{line}")?;
-        out.flush()?;
+    loop {
+        match rank0.recv_timeout(REPORT_IDLE) {
+            Ok(line) => {
+                writeln!(out, "{line}")?;
+                out.flush()?;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => bail!(
+                "rank 0 said nothing for {} s: taken for stuck, every rank process is killed",
+                REPORT_IDLE.as_secs()
+            ),
+        }
     }
     let statuses = wait_all(&mut ranks)?;
     writeln!(out)?;
