@@ -4,7 +4,9 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
@@ -92,11 +94,17 @@ for line in sys.stdin:
 s.close()
 "#;
 
+/// How long the reader may take to set up its client and buffers.
+const READY_WAIT: Duration = Duration::from_secs(120);
+/// How long one command (one timed read of every object, and its check) may take.
+const COMMAND_WAIT: Duration = Duration::from_secs(300);
+
 /// A running Python reader.
 pub struct PythonReader {
     child: Child,
     stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    /// Its stdout's lines (a thread reads them, so that every wait for one is bounded).
+    lines: mpsc::Receiver<String>,
     config: PathBuf,
 }
 
@@ -140,7 +148,8 @@ impl PythonReader {
         let config =
             std::env::temp_dir().join(format!("mooncake_read-{}.json", std::process::id()));
         std::fs::write(&config, json)?;
-        let spawned = Command::new(python)
+        // Ends with this program: one killed by a time limit leaves no reader behind.
+        let spawned = kvlink_rig::child::end_with_parent(&mut Command::new(python))
             .env("PYTHONPATH", path)
             .arg("-c")
             .arg(SCRIPT)
@@ -162,33 +171,47 @@ impl PythonReader {
             let _ = std::fs::remove_file(&config);
             bail!("the Python reader started without its pipes");
         };
-        let stdout = BufReader::new(stdout);
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
         let mut reader = Self {
             child,
             stdin,
-            stdout,
+            lines,
             config,
         };
-        let first = reader.line()?;
+        let first = reader.line(READY_WAIT)?;
         if first != "ready" {
             bail!("python reader: expected `ready`, got {first:?}");
         }
         Ok(reader)
     }
 
-    fn line(&mut self) -> Result<String> {
-        let mut l = String::new();
-        if self.stdout.read_line(&mut l)? == 0 {
-            bail!("the Python reader exited (its error is above)");
+    /// Its next line, waited for at most `limit`.
+    fn line(&mut self, limit: Duration) -> Result<String> {
+        match self.lines.recv_timeout(limit) {
+            Ok(l) => Ok(l.trim().to_owned()),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                bail!("the Python reader exited (its error is above)")
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => bail!(
+                "the Python reader said nothing for {} s (its Mooncake client stuck?)",
+                limit.as_secs()
+            ),
         }
-        Ok(l.trim().to_owned())
     }
 
     /// Runs one command; the seconds Python measured.
     pub fn run(&mut self, command: &str) -> Result<f64> {
         writeln!(self.stdin, "{command}")?;
         self.stdin.flush()?;
-        let l = self.line()?;
+        let l = self.line(COMMAND_WAIT)?;
         l.parse().with_context(|| format!("python answered {l:?}"))
     }
 }
