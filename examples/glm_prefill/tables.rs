@@ -81,8 +81,9 @@ pub(super) fn timeline_table(ctx: &Ctx, tl: &RunTimeline, out: &mut dyn Write) -
     };
     say!(
         out,
-        "  per-layer timeline, ms since the first start_load (ready: when a thread blocked in \
-         wait_layer saw it; compute: SIMULATED sleep){}:",
+        "  per-layer timeline, ms since {} (ready: when a thread blocked in wait_layer saw it; \
+         compute: SIMULATED sleep){}:",
+        tl.origin(),
         if shown.len() < tl.ranks.len() {
             format!(" — ranks {shown:?} of {}", tl.ranks.len())
         } else {

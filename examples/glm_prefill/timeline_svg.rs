@@ -31,6 +31,20 @@ pub struct RunTimeline {
     pub note: String,
     /// Ranks in order.
     pub ranks: Vec<RankTimeline>,
+    /// Each rank's times count from its own `start_load` (rank processes share no clock),
+    /// not from the first `start_load` of any rank.
+    pub own_starts: bool,
+}
+
+impl RunTimeline {
+    /// What the times count from, as the axis and the table say it.
+    pub fn origin(&self) -> &'static str {
+        if self.own_starts {
+            "each rank's own start_load"
+        } else {
+            "the first start_load"
+        }
+    }
 }
 
 const READ: [&str; 2] = ["#2f6ea8", "#8fbce6"];
@@ -50,7 +64,11 @@ pub fn render(title: &str, subtitle: &str, runs: &[RunTimeline]) -> String {
     chart::render(&Chart {
         title: title.to_string(),
         subtitle: subtitle.to_string(),
-        axis_label: "time since the first start_load (ms)".into(),
+        axis_label: format!(
+            "time since {} (ms)",
+            runs.first()
+                .map_or("the first start_load", RunTimeline::origin)
+        ),
         blocks,
         legend: vec![
             (

@@ -147,8 +147,10 @@ pub(super) fn assemble(
     }
     let ms_of = |d: &Duration| d.as_secs_f64() * 1e3;
     let mut ranks = Vec::new();
+    // Each rank's times are its own process's, from its own start_load.
     let mut timeline = RunTimeline {
         label: mode_label(mode, effective),
+        own_starts: true,
         ..RunTimeline::default()
     };
     for (rank, (r, st)) in reports.iter().zip(&stats).enumerate() {
