@@ -6,16 +6,23 @@
 use std::time::Duration;
 
 use divan::{black_box, Bencher};
+use kvlink::kv_geometry::{KvGeometry, ModelKvSpec};
 use kvlink::mooncake_linker::read_plan::{plan_reads, ReadCost, ReadPlanRequest};
 
 fn main() {
     divan::main();
 }
 
-/// GLM-5.2 FP8, 512 pages: `k` on every layer, `indexer` on 21 of 78.
+/// GLM-5.2 FP8 (the model's own spec: `k` on every layer, `indexer` on 21 of 78, evenly
+/// spaced), 512 pages.
 fn glm_layer_bytes() -> Vec<u64> {
-    (0..78u64)
-        .map(|l| 512 * (41_984 + if l % 4 == 1 { 8_448 } else { 0 }))
+    let geometry = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).expect("GLM-5.2 geometry");
+    (0..geometry.num_layers())
+        .map(|l| {
+            512 * geometry
+                .layer_bytes_per_page(l)
+                .expect("a layer of the model")
+        })
         .collect()
 }
 

@@ -163,8 +163,8 @@ fn fixed_mode(
     Ok(result)
 }
 
-/// One fresh `Auto` run: batches until rank 0's linker keeps a mode (at most 12), then `reps`
-/// measured batches (the last verified).
+/// One fresh `Auto` run: batches until rank 0's linker keeps a mode (it keeps one within 19
+/// batches; the loop stops at 22), then `reps` measured batches (the last verified).
 fn auto_run(
     rig: &Rig,
     prefix: &Prefix,
@@ -178,7 +178,8 @@ fn auto_run(
     let mut timed = Vec::new();
     let mut batch = 100u64;
     let mut outcome = Ok(());
-    // At most 19 batches (6 per mode in a close call, one more while the last time travels).
+    // Auto keeps a mode within 19 batches (6 per mode in a close call, one more while the last
+    // time travels); 3 more to spare.
     while linkers[0].auto_decision().is_none() && measured.len() < 22 {
         match rig.run_batch(&linkers, prefix, batch, compute) {
             Ok(runs) => {
