@@ -496,6 +496,59 @@ fn a_stage_is_not_lent_while_its_upload_may_still_read_it() {
     }
 }
 
+/// A stage lent again after its upload holds what the new loan wrote, not what was uploaded:
+/// the device area is shared (and scattered) only after the next upload. Before, the old
+/// upload was shared and scattered, landing the first loan's bytes while the pinned stage
+/// (and its checksums) held the second's.
+#[test]
+fn a_stage_lent_again_after_its_upload_is_shared_only_after_the_next_upload() {
+    let r = rig(CpuDeviceConfig::default(), 10, 4, 1);
+    let k = r.g.component_by_name("k").unwrap().id;
+    let share_len = 4 * 10 * 4;
+    let shape = BatchShape {
+        own: vec![],
+        shared: vec![k],
+        share_bytes: vec![share_len; 4],
+    };
+    let mut landing = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        vec![0, 1, 2, 3].into(),
+        shape,
+    )
+    .unwrap();
+    let mut stages = landing.take_stages();
+    let stage = &mut stages[0];
+    landing.open(stage, 0, soon()).unwrap();
+    let write = |landing: &StagedLanding, stage: &mut kv_device::LayerStage, byte: u8| {
+        let end = soon();
+        let mut loan = loop {
+            match landing.lend(stage) {
+                Ok(l) => break l,
+                Err(_) if Instant::now() < end => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => panic!("never lent again: {e}"),
+            }
+        };
+        let at = landing.share_target(&loan, 0, share_len).unwrap();
+        loan.write(at, &vec![byte; share_len]).unwrap();
+    };
+    write(&landing, stage, 0xA1);
+    landing.upload(stage, 0..share_len).unwrap();
+    write(&landing, stage, 0xB2);
+    assert!(matches!(
+        landing.device_stage(stage).map(|_| ()),
+        Err(DeviceError::InvalidStage(_))
+    ));
+    let ev = r.dev.new_stream().unwrap().record().unwrap();
+    assert!(matches!(
+        landing.scatter(stage, &[], &ev),
+        Err(DeviceError::InvalidStage(_))
+    ));
+    // Uploaded again: shared as before.
+    landing.upload(stage, 0..share_len).unwrap();
+    assert!(landing.device_stage(stage).is_ok());
+}
+
 /// Waits (bounded) until the staging pool has `n` buffers free again.
 fn await_available(staging: &StagingPool, n: usize) -> bool {
     let end = soon();

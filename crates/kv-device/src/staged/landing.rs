@@ -535,6 +535,12 @@ impl LayerLanding for StagedLanding {
             ));
         }
         let lent = state.lent.lend()?;
+        // The loan may write the share area anew: an earlier upload no longer holds what the
+        // pinned stage will, so sharing or scattering the device area waits for the next one.
+        *state.upload.lock() = None;
+        state
+            .shared
+            .store(false, std::sync::atomic::Ordering::Release);
         // SAFETY: the loan's targets lie in stage `h` of the pinned buffer (`target` and
         // `share_target` check them), which the staging pool (`owner`) keeps allocated; while
         // `lent` is set this landing touches none of it (`open`, `target_bytes`,
