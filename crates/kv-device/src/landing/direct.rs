@@ -320,3 +320,29 @@ impl LandingFactory for DirectLandingFactory {
         SharePath::Host
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::{CpuDevice, Device, HostKvPool};
+    use kv_geometry::{KvGeometry, ModelKvSpec};
+
+    /// A host pool has no save gatherer: `begin_save_after` says so at once, not after
+    /// waiting for the engine's event (up to a minute) first.
+    #[test]
+    fn begin_save_after_on_a_host_pool_is_unsupported_at_once() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 4).unwrap());
+        let factory = DirectLandingFactory::new(pool);
+        let dev = CpuDevice::new(0).unwrap();
+        dev.stall_for(Duration::from_secs(5));
+        let ev = dev.new_stream().unwrap().record().unwrap();
+        let t0 = Instant::now();
+        let got = factory.begin_save_after(vec![0, 1].into(), &ev);
+        assert!(matches!(got, Err(DeviceError::Unsupported(_))));
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        dev.resume();
+    }
+}

@@ -333,13 +333,16 @@ pub trait LandingFactory: Send + Sync {
 
     /// [`begin_save`](Self::begin_save), ordered after `after` (an event recorded after the
     /// engine's compute that wrote the pages): no gather reads the slots before it completed.
-    /// Backends with device streams wait on it device-side; the default waits for it on the
-    /// calling thread (at most a minute), then gathers.
+    /// Backends with device streams wait on it device-side; the default takes the gatherer
+    /// (a backend without one says so at once), then waits for the event on the calling
+    /// thread (at most a minute) before handing it out.
     fn begin_save_after(
         &self,
         slots: Arc<[u32]>,
         after: &SharedEvent,
     ) -> Result<Box<dyn SaveGather>, DeviceError> {
+        // A gatherer reads nothing until its first `gather`, which comes after this returns.
+        let gather = self.begin_save(slots)?;
         let limit = crate::staged::sync::SYNC_LIMIT;
         if !after.wait_until(kv_loader::deadline_after(limit))? {
             return Err(DeviceError::Timeout {
@@ -347,7 +350,7 @@ pub trait LandingFactory: Send + Sync {
                 waited: limit,
             });
         }
-        self.begin_save(slots)
+        Ok(gather)
     }
 }
 
