@@ -16,9 +16,12 @@ pub(crate) struct HostBuffer {
 // SAFETY: HostBuffer owns its allocation outright and hands out addresses only; nothing in
 // it is tied to a thread.
 unsafe impl Send for HostBuffer {}
-// SAFETY: a shared reference exposes only the address and the length, never the bytes. Every
-// access to the bytes goes through an `unsafe` call (`HostKvPool::read_slot`/`write_slot`, a
-// store's read or write) whose caller promises that no one else writes them meanwhile.
+// SAFETY: a shared reference exposes only the address and the length, never the bytes. The
+// bytes are reached either through an `unsafe` call (`HostKvPool::read_slot`/`write_slot`, a
+// store's read or write) whose caller promises that no one else writes them meanwhile, or
+// through safe calls that hold the slots' claims or a stage's loan (`SaveSource::bytes`,
+// `DirectLanding::target_bytes`, `StageLoan::write`): a claim or loan excludes every writer
+// of those bytes while the borrow lives.
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {

@@ -145,8 +145,8 @@ impl LandingFactory for StagedLandingFactory {
 }
 
 /// The save direction: device slots → pinned staging, one (component, layer) at a time,
-/// synchronously (bounded), on the factory's save stream: after the load stream's work so far,
-/// and after the engine's event when given.
+/// synchronously (bounded), on the factory's save stream (a fresh stream when ordered after the
+/// engine's event): after the load stream's work so far, and after that event when given.
 pub(crate) struct StagedGather {
     pool: Arc<DeviceKvPool>,
     stream: Arc<dyn Stream>,
