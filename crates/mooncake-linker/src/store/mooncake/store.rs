@@ -855,11 +855,27 @@ impl KvStore for MooncakeStore {
             }
             let _transfer = self.transfers.transfer();
             let began = Instant::now();
-            out[i] = self
-                .client
-                .put(keys[i], &buf, self.config.replicate_config())
-                .map(|()| PutOutcome::Written)
-                .map_err(|e| store_error(keys[i], &e));
+            // Fault injection (feature `failpoints`): a copying put that failed as a transfer.
+            #[cfg(feature = "failpoints")]
+            let injected = (|| {
+                fail::fail_point!("mooncake-copying-put", |_| Some(
+                    StoreError::TransferFailed {
+                        key: keys[i].to_owned(),
+                        code: -1,
+                    }
+                ));
+                None
+            })();
+            #[cfg(not(feature = "failpoints"))]
+            let injected: Option<StoreError> = None;
+            out[i] = match injected {
+                Some(e) => Err(e),
+                None => self
+                    .client
+                    .put(keys[i], &buf, self.config.replicate_config())
+                    .map(|()| PutOutcome::Written)
+                    .map_err(|e| store_error(keys[i], &e)),
+            };
             // A failure that may have waited out the client's transfer timeout (by its kind,
             // or by how long it took) stops the rest (the caller has given up); one about this
             // object alone does not.
@@ -877,6 +893,15 @@ impl KvStore for MooncakeStore {
             }
         }
         let to_write = zero_copy;
+        // Nor the zero-copy batch, which would wait out the same timeout once more.
+        if let Some(why) = &failed {
+            for &i in &to_write {
+                out[i] = Err(StoreError::Unavailable {
+                    detail: format!("`{}` not written: {why}", keys[i]).into(),
+                });
+            }
+            return out;
+        }
         if to_write.is_empty() {
             return out;
         }
