@@ -38,9 +38,16 @@ pub enum Health {
 /// across a wall-clock step: [`CallClock`](crate::CallClock)): Mooncake's calls wait for their
 /// transfers for 60 s at most, timed on the wall clock. The `*_raw` methods take raw pointers for
 /// zero-copy into registered regions; their contracts are on each.
+///
+/// Only over TCP does the wheel move bytes from and to memory it has not registered: over any
+/// other transport (RDMA) the slice methods but [`put`](Self::put) (the copying put, through
+/// the client's local buffer) are refused with `InvalidArguments` rather than sent to fail
+/// key by key: use the `*_raw` methods on registered regions there.
 pub struct Client {
     lib: Arc<Library>,
     store: NonNull<c_void>,
+    /// The transport moves bytes from and to any memory (TCP), not only registered regions.
+    any_memory: bool,
 }
 
 // SAFETY: the handle is a heap-allocated `shared_ptr<RealClient>` that is not tied to the
@@ -67,11 +74,30 @@ impl Client {
     pub fn connect(lib: Arc<Library>, args: &SetupArgs) -> Result<Self> {
         let store = result::create(&lib)?;
         let store = NonNull::new(store).ok_or(MooncakeError::CreateFailed { message: None })?;
-        let client = Self { lib, store };
+        let client = Self {
+            lib,
+            store,
+            any_memory: moves_any_memory(&args.protocol),
+        };
         // SAFETY: `client.store` was just created by `client.lib`; on failure `client` is
         // dropped, which destroys the handle exactly once.
         unsafe { result::setup(&client.lib, client.raw(), args) }?;
         Ok(client)
+    }
+
+    /// Refuses `operation`, a zero-copy call on a buffer of the call's own (not registered),
+    /// where the transport moves registered memory only.
+    fn own_buffer_moves(&self, operation: &'static str) -> Result<()> {
+        if self.any_memory {
+            return Ok(());
+        }
+        Err(MooncakeError::InvalidArguments {
+            operation,
+            detail: "this transport moves registered memory only, and the call's own buffer is \
+                     not registered: use the copying `put`, or the `*_raw` calls on registered \
+                     regions"
+                .into(),
+        })
     }
 
     /// The library this client lives in.
@@ -109,6 +135,7 @@ impl Client {
     /// Reads the whole object `key` into `buf` (which must be at least as large as the object)
     /// and returns its size. The object is read into a buffer of the call's own and copied.
     pub fn get_into(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
+        self.own_buffer_moves("get_into")?;
         let (bytes, n) = self.read_owned(key, buf.len())?;
         let n = usize::try_from(n).unwrap_or(usize::MAX);
         let copied = n.min(buf.len()).min(bytes.len());
@@ -118,6 +145,7 @@ impl Client {
 
     /// Reads the whole object `key` into a new vector.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        self.own_buffer_moves("get")?;
         let size = self.get_size(key)?;
         // A size the store reports is input: one that cannot be allocated is an error, not an
         // allocation abort.
@@ -222,6 +250,7 @@ impl Client {
         values: &[&[u8]],
         call: impl FnOnce(&CKeys, &[*mut u8], &[usize]) -> Result<Vec<KeyResult<()>>>,
     ) -> Result<Vec<KeyResult<()>>> {
+        self.own_buffer_moves(operation)?;
         let keys = CKeys::new(keys)?;
         let mut copy = CallBuffer::copy_of(operation, values)?;
         let lens: Vec<usize> = values.iter().map(|v| v.len()).collect();
@@ -237,6 +266,7 @@ impl Client {
         keys: &[K],
         bufs: &mut [&mut [u8]],
     ) -> Result<Vec<KeyResult<u64>>> {
+        self.own_buffer_moves("batch_get_into")?;
         let keys = CKeys::new(keys)?;
         let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
         let total = lens.iter().try_fold(0usize, |n, &l| n.checked_add(l));
@@ -389,4 +419,21 @@ impl Drop for Client {
 fn failed<T>(r: &Result<Vec<KeyResult<T>>>) -> bool {
     !r.as_ref()
         .is_ok_and(|per_key| per_key.iter().all(|k| k.is_ok()))
+}
+
+/// Whether transport `protocol` moves bytes from and to memory the wheel has not registered
+/// (TCP does; RDMA reads and writes registered regions only).
+fn moves_any_memory(protocol: &str) -> bool {
+    protocol.trim().eq_ignore_ascii_case("tcp")
+}
+
+#[cfg(test)]
+mod transport_tests {
+    use super::moves_any_memory;
+
+    #[test]
+    fn only_tcp_moves_memory_it_has_not_registered() {
+        assert!(moves_any_memory("tcp") && moves_any_memory("TCP"));
+        assert!(!moves_any_memory("rdma") && !moves_any_memory("") && !moves_any_memory("nvlink"));
+    }
 }

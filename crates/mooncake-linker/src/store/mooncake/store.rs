@@ -36,7 +36,8 @@ const SIZE_QUERY_KEYS_PER_THREAD: usize = 32;
 ///
 /// - Reads go straight into caller memory (`batch_get_into`, and ranged reads with
 ///   `batch_get_into_multi_buffer_ranges`); register the destination once with
-///   [`KvStore::register`] (required for RDMA; TCP works either way).
+///   [`KvStore::register`] (TCP works either way; over RDMA a whole-object read into memory
+///   not registered goes through the store's registered bounce and is copied out).
 /// - Ranged reads need a Mooncake read session: keys that are not in one opened with
 ///   [`KvStore::start_session`] get one for the duration of the call. Sessions are counted
 ///   per key: a start renews the lease (the master is asked again), and the client's session
@@ -45,8 +46,9 @@ const SIZE_QUERY_KEYS_PER_THREAD: usize = 32;
 /// - Puts are first-write-wins, as in Mooncake: keys found present are reported
 ///   [`PutOutcome::AlreadyPresent`] and not written (a key that appears between the check and
 ///   the write is reported `Written`, while Mooncake keeps the other writer's bytes).
-///   Single-part objects are put zero-copy; multi-part objects are gathered into one staging
-///   buffer first.
+///   Single-part objects are put zero-copy (over RDMA only those inside a registered region;
+///   others go through the client's copying put, one object at a time); multi-part objects
+///   are gathered into one staging buffer first.
 /// - `remove` does not force: an object with a live read lease (10 s after a read or an
 ///   exists check) is refused with [`StoreError::Lease`]; `discard` (for objects found bad)
 ///   forces.
@@ -154,8 +156,9 @@ impl MooncakeStore {
         &self.config
     }
 
-    /// The underlying mooncake-sys client (for what the trait does not cover, e.g. upsert).
-    /// Calls made through it bypass this store's transfer gate: [`KvStore::unregister`] does
+    /// The underlying mooncake-sys client (for what the trait does not cover, e.g. upsert;
+    /// over RDMA its slice calls other than `put` are refused, see [`Client`]). Calls made
+    /// through it bypass this store's transfer gate: [`KvStore::unregister`] does
     /// not wait for them, so a region such a call uses must not be unregistered meanwhile.
     pub fn client(&self) -> &Client {
         &self.client
