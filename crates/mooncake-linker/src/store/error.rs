@@ -131,6 +131,29 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// The same error, naming `key` (an error made for several keys at once, or for a
+    /// stand-in such as the store's bounce buffer, told about each key it failed).
+    /// [`Unavailable`](StoreError::Unavailable) names no key and stays as it is.
+    pub(crate) fn for_key(mut self, key: &str) -> StoreError {
+        match &mut self {
+            StoreError::NotFound { key: k }
+            | StoreError::NoSpace { key: k, .. }
+            | StoreError::TransferFailed { key: k, .. }
+            | StoreError::Lease { key: k, .. }
+            | StoreError::RpcTimeout { key: k }
+            | StoreError::InvalidArgument { key: k, .. }
+            | StoreError::ShortRead { key: k, .. }
+            | StoreError::ResultCount { key: k, .. }
+            | StoreError::Overdue { key: k, .. }
+            | StoreError::InvalidTarget { key: k, .. }
+            | StoreError::Panicked { key: k, .. }
+            | StoreError::Abandoned { key: k, .. }
+            | StoreError::Other { key: k, .. } => *k = key.to_owned(),
+            StoreError::Unavailable { .. } => {}
+        }
+        self
+    }
+
     /// True when the call may still use the key's memory although it returned
     /// ([`Abandoned`](StoreError::Abandoned)): its memory must be kept for good.
     pub fn may_still_transfer(&self) -> bool {

@@ -207,7 +207,8 @@ impl MooncakeStore {
                 );
                 // SAFETY: the caller's promise, for the same gets.
                 let read = unsafe { self.get_into_in_place(gets) };
-                return not_bounced(read, outside, why);
+                let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
+                return not_bounced(read, &keys, outside, why);
             }
         };
         let mut lent = lent;
@@ -262,16 +263,17 @@ const MAX_FAILED_REGISTRATIONS: u32 = 16;
 /// read in place, those are refused (`InvalidArgument`: what a read into unregistered memory
 /// is); where a bounce was not to be had for a passing reason (`why`: every bounce in use, a
 /// registration that failed a moment ago), they fail with that reason instead, which may
-/// pass (a load retried then succeeds).
+/// pass (a load retried then succeeds). Each names its own key (`keys`, as the reads').
 fn not_bounced(
     mut read: Vec<Result<u64, StoreError>>,
+    keys: &[&str],
     outside: &[usize],
     why: Option<StoreError>,
 ) -> Vec<Result<u64, StoreError>> {
     if let Some(why) = why {
         for &i in outside {
-            if let Some(r) = read.get_mut(i) {
-                *r = Err(why.clone());
+            if let (Some(r), Some(key)) = (read.get_mut(i), keys.get(i)) {
+                *r = Err(why.clone().for_key(key));
             }
         }
     }
@@ -292,10 +294,31 @@ mod tests {
         };
         let read = vec![Ok(8), Err(invalid()), Err(invalid())];
         let busy = refused("the store's bounce buffers are all in use");
-        let out = not_bounced(read.clone(), &[1, 2], Some(busy.clone()));
+        let keys = ["a", "b", "c"];
+        let out = not_bounced(read.clone(), &keys, &[1, 2], Some(busy.clone()));
         assert_eq!(out, vec![Ok(8), Err(busy.clone()), Err(busy.clone())]);
         assert!(busy.failure().is_retryable());
         // Too large to bounce at all: refused as before.
-        assert_eq!(not_bounced(read.clone(), &[1, 2], None), read);
+        assert_eq!(not_bounced(read.clone(), &keys, &[1, 2], None), read);
+    }
+
+    /// A bounce that could not be had for good (its registrations failed) is told about each
+    /// read it failed by that read's key, not as `<bounce>` for all.
+    #[test]
+    fn reads_not_bounced_name_their_own_keys() {
+        let stand_in = StoreError::InvalidArgument {
+            key: "<bounce>".into(),
+            detail: "no bounce".into(),
+        };
+        let read = vec![Ok(8), Err(stand_in.clone()), Err(stand_in.clone())];
+        let out = not_bounced(read, &["a", "k1", "k2"], &[1, 2], Some(stand_in));
+        let named: Vec<String> = out
+            .iter()
+            .filter_map(|r| match r {
+                Err(StoreError::InvalidArgument { key, .. }) => Some(key.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(named, ["k1", "k2"]);
     }
 }
