@@ -78,7 +78,7 @@ pub use process::{
     AddressLookups, Algorithm, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, Meeting,
     MeetingPoint, MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError,
     RendezvousFormation, ResolveFailure, SocketCollective, Transport, TransportChoice,
-    DEFAULT_REFORM_TIMEOUT, KVLINK_VERSION,
+    DEFAULT_REFORM_TIMEOUT, KVLINK_VERSION, MIN_REFORM_TIMEOUT,
 };
 pub use share::{
     padded_share, page_shares, pages_read, ShareError, StagedComponent, StagedRow, StagingLayout,

@@ -254,3 +254,25 @@ fn a_refused_re_formation_says_so_with_its_typed_error() {
         );
     }
 }
+
+/// `reform_timeout` is held between its floor and the rendezvous timeout: a longer one held
+/// every batch past what the first formation may take (10 s here for a 1 s rendezvous), and a
+/// zero one failed every re-formation at once, so the group never came back.
+#[test]
+fn the_re_formation_bound_is_held_between_its_floor_and_the_rendezvous_timeout() {
+    let short = |rank| {
+        RendezvousConfig::new(rank, 2, MeetingPoint::Tcp("127.0.0.1:0".into()))
+            .timeout(Duration::from_secs(1))
+    };
+    let f = RendezvousFormation::sockets(Rendezvous::new(short(0)).unwrap())
+        .reform_timeout(Duration::from_secs(10));
+    assert_eq!(f.reform_bound(), Duration::from_secs(1));
+    // Rank 1 never comes: the re-formation fails within the rendezvous timeout's bound.
+    let t = Instant::now();
+    let e = f.reform(0, 1, soon()).unwrap_err();
+    assert!(matches!(e, CollectiveError::Formation { .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    let zero = RendezvousFormation::sockets(Rendezvous::new(short(0)).unwrap())
+        .reform_timeout(Duration::ZERO);
+    assert_eq!(zero.reform_bound(), dedup_broadcast::MIN_REFORM_TIMEOUT);
+}

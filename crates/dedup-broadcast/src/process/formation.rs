@@ -9,8 +9,9 @@
 //! rendezvous timeout and `reform_timeout` (at least 2 s), which may end past the caller's
 //! deadline: the ranks leave the meeting together, and a rank that gave up connecting at its
 //! own deadline would fail the formation for every other rank. So a re-formation returns at
-//! most about twice `reform_timeout` after it began (NCCL groups: the meeting, then NCCL's
-//! `init_timeout`). While a rank is not back, every batch and lookup that needs
+//! most about twice `reform_timeout` after it began, or `reform_timeout` and 2.5 s with a
+//! bound under 2 s (connecting has a 2 s floor, and a TCP joiner waits up to 0.5 s past its
+//! deadline for rank 0's answer); NCCL groups: the meeting, then NCCL's `init_timeout`. While a rank is not back, every batch and lookup that needs
 //! the group fails within that time with [`CollectiveError::Formation`] naming the missing
 //! ranks, and the first one after the rank is back meets it. A rank process that restarts
 //! makes a new `Rendezvous` with the same settings and forms with
@@ -56,6 +57,8 @@ pub struct Meeting {
 
 /// Default bound of one re-formation.
 pub const DEFAULT_REFORM_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest bound of one re-formation's meeting.
+pub const MIN_REFORM_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// The formation of a group of processes at a rendezvous (see the module docs).
 ///
@@ -134,12 +137,20 @@ impl RendezvousFormation {
         Ok(Self::with(rendezvous, Sharing::Nccl { ordinal, config }))
     }
 
-    /// Bounds each re-formation (default [`DEFAULT_REFORM_TIMEOUT`], at most the rendezvous
-    /// timeout): how long a batch or lookup waits for a rank that is not back before it
-    /// fails.
+    /// Bounds each re-formation (default [`DEFAULT_REFORM_TIMEOUT`]): how long a batch or
+    /// lookup waits for a rank that is not back before it fails. Held between
+    /// [`MIN_REFORM_TIMEOUT`] (a zero bound would fail every re-formation at once, and the
+    /// group would never come back) and the rendezvous timeout (a longer one would hold every
+    /// batch longer than the first formation may take).
     pub fn reform_timeout(mut self, timeout: Duration) -> Self {
-        self.reform_timeout = timeout;
+        self.reform_timeout = timeout.min(self.form_timeout).max(MIN_REFORM_TIMEOUT);
         self
+    }
+
+    /// The bound of each re-formation's meeting, as [`reform_timeout`](Self::reform_timeout)
+    /// set it.
+    pub fn reform_bound(&self) -> Duration {
+        self.reform_timeout
     }
 
     /// This rank.

@@ -12,7 +12,7 @@ pub(crate) mod rendezvous;
 mod socket_collective;
 mod wire;
 
-pub use formation::{Meeting, RendezvousFormation, DEFAULT_REFORM_TIMEOUT};
+pub use formation::{Meeting, RendezvousFormation, DEFAULT_REFORM_TIMEOUT, MIN_REFORM_TIMEOUT};
 pub use rendezvous::{
     AddressLookups, ExchangeError, FileExchange, FormedGroup, KeyValueExchange, MeetingPoint,
     MemoryExchange, NcclIds, Rendezvous, RendezvousConfig, RendezvousError, ResolveFailure,
