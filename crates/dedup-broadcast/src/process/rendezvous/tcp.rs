@@ -300,6 +300,11 @@ impl TcpLeader {
         let local = listener
             .local_addr()
             .map_err(|e| RendezvousError::io("rank 0's listening address", e))?;
+        // Non-blocking: a connection that went away between `poll` and `accept` must not
+        // block the accept thread (and the leader's drop, which joins it) until the next one.
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| RendezvousError::io("rank 0's listener, made non-blocking", e))?;
         let (wake, wake_rx) =
             UnixStream::pair().map_err(|e| RendezvousError::io("rank 0's wake-up pipe", e))?;
         let state = Arc::new(Mutex::new(LeaderState::default()));
@@ -511,6 +516,8 @@ fn accept_until_woken(
                 failed_accepts = 0;
                 c
             }
+            // The connection poll saw went away before it was accepted: nothing to take.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => {
                 // Out of descriptors (EMFILE) leaves the connection queued and `poll` ready at
                 // once: rest instead of spinning, and log once per run of failures.
@@ -525,6 +532,12 @@ fn accept_until_woken(
                 continue;
             }
         };
+        // The hello's reads are bounded by timeouts on a blocking socket (an accepted socket
+        // does not take the listener's non-blocking mode on Linux; said here all the same).
+        if let Err(e) = stream.set_nonblocking(false) {
+            tracing::warn!(error = %e, %peer, "a rendezvous connection stayed non-blocking; dropped");
+            continue;
+        }
         // Each hello is read on a thread of its own: a connection that sends nothing would
         // otherwise hold every other rank's hello for its whole read timeout.
         if reads.running() >= MAX_HELLOS_IN_FLIGHT {
