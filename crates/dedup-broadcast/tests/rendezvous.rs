@@ -142,6 +142,33 @@ fn connecting_the_group_ends_alike_on_every_rank() {
     assert!(c0.is_err(), "rank 0 connected alone");
 }
 
+/// A rank that met the others and then went away (its formed group dropped before it
+/// connected) is named by the ranks that fail to reach it: the linker's `GroupDown` lists it
+/// as missing. Before, the failure was a bare socket error and named no rank.
+#[test]
+fn a_rank_gone_after_the_meeting_is_named_by_those_that_cannot_reach_it() {
+    let r0 = Rendezvous::new(tcp(0, 3, "127.0.0.1:0")).unwrap();
+    let at = r0.listen_addr().unwrap().to_string();
+    let mut ranks = vec![
+        r0,
+        Rendezvous::new(tcp(1, 3, &at)).unwrap(),
+        Rendezvous::new(tcp(2, 3, &at)).unwrap(),
+    ];
+    let mut groups: Vec<FormedGroup> = form_all(&mut ranks)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let g2 = groups.pop().unwrap();
+    drop(groups.pop().unwrap());
+    let e = g2
+        .connect_by(1, kv_loader::deadline_after(Duration::from_secs(3)))
+        .map(drop)
+        .unwrap_err();
+    assert_eq!(e.missing_ranks(), vec![1], "{e}");
+    assert!(matches!(e, RendezvousError::Peer { rank: 1, .. }), "{e}");
+    assert!(!e.is_refusal(), "{e}");
+}
+
 #[test]
 fn a_rank_held_by_a_live_group_is_told_so() {
     let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0")).unwrap();

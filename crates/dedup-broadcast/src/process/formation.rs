@@ -271,10 +271,7 @@ impl GroupFormation for RendezvousFormation {
         let by = deadline.min(kv_loader::deadline_after(self.reform_timeout));
         self.form_by(by).map_err(|e| {
             tracing::warn!(rank, epoch, error = %e, "re-forming the group failed");
-            let missing = match &e {
-                RendezvousError::Timeout { missing, .. } => missing.clone(),
-                _ => Vec::new(),
-            };
+            let missing = e.missing_ranks();
             CollectiveError::Formation {
                 epoch,
                 missing,

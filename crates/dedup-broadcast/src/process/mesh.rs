@@ -379,10 +379,10 @@ fn connect_to_lower_ranks(
                 (peer == 0).then_some(plan.rendezvous_ip).flatten(),
                 deadline,
             )
-            .map_err(|e| RendezvousError::io(format!("connecting to rank {peer}"), e))?;
+            .map_err(|e| RendezvousError::peer(peer, "connecting", e))?;
             let greeting = handshake(plan.epoch, h, me, peer, plan.nonce(me));
             write_all_by(&link, &greeting, deadline)
-                .map_err(|e| RendezvousError::io(format!("greeting rank {peer}"), e))?;
+                .map_err(|e| RendezvousError::peer(peer, "greeting", e))?;
             outbound.push((h, peer, link));
         }
     }
@@ -485,7 +485,7 @@ fn take_acks(
     for (h, peer, link) in outbound {
         let mut got = [0u8; ACK_LEN];
         read_exact_by(&mut blocking(&link), &mut got, deadline)
-            .map_err(|e| RendezvousError::io(format!("waiting for rank {peer} to accept"), e))?;
+            .map_err(|e| RendezvousError::peer(peer, "waiting for the handshake's ack", e))?;
         if got != ack(plan.nonce(peer)) {
             return Err(RendezvousError::Protocol(format!(
                 "rank {peer}'s address answered the handshake with {got:?}, not that member's \

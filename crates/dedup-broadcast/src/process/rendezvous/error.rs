@@ -113,6 +113,19 @@ pub enum RendezvousError {
         #[source]
         source: Arc<std::io::Error>,
     },
+    /// A socket operation with rank `rank` failed once the ranks had met (connecting to it,
+    /// greeting it, waiting for its answer): it went away, or cannot be reached from here.
+    /// The formation fails naming it.
+    #[error("{context} (rank {rank}): {source}")]
+    Peer {
+        /// The other rank.
+        rank: u32,
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
     /// A message from another rank did not decode.
     #[error("rendezvous message: {0}")]
     Protocol(String),
@@ -129,6 +142,25 @@ impl RendezvousError {
         RendezvousError::Io {
             context: context.into(),
             source: Arc::new(source),
+        }
+    }
+
+    /// A failed socket operation with rank `rank` ([`Peer`](Self::Peer)).
+    pub(crate) fn peer(rank: u32, context: impl Into<String>, source: std::io::Error) -> Self {
+        RendezvousError::Peer {
+            rank,
+            context: context.into(),
+            source: Arc::new(source),
+        }
+    }
+
+    /// The ranks this error says did not come (a timeout's missing ranks) or went away after
+    /// the meeting (a [`Peer`](Self::Peer) failure); empty for any other error.
+    pub fn missing_ranks(&self) -> Vec<u32> {
+        match self {
+            RendezvousError::Timeout { missing, .. } => missing.clone(),
+            RendezvousError::Peer { rank, .. } => vec![*rank],
+            _ => Vec::new(),
         }
     }
 
