@@ -42,6 +42,10 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// without bound in the process that serves the store (rank 0's linker, whose own store calls
 /// need threads), nor keep a real client (which says its hello at once) out.
 pub(super) const MAX_GREETING: usize = 64;
+/// How long the oldest connection waiting to say its hello has before it may be closed to
+/// make room: a burst of more than [`MAX_GREETING`] real clients, whose hellos come within
+/// moments, is waited for rather than cut (accepts then wait up to this long for room).
+pub(super) const GREETING_GRACE: Duration = Duration::from_millis(500);
 
 /// Where a [`StoreServer`] listens.
 #[derive(Debug, Clone)]
@@ -174,9 +178,9 @@ struct Served {
     /// capacity, so that many connections each putting an object up to the capacity at once
     /// cannot ask the host for many times it.
     receiving: Mutex<u64>,
-    /// Connections accepted and not yet through their hello, by number, oldest first (at
-    /// most [`MAX_GREETING`]).
-    greeting: Mutex<VecDeque<u64>>,
+    /// Connections accepted and not yet through their hello, by number, with when each was
+    /// accepted, oldest first (at most [`MAX_GREETING`]).
+    greeting: Mutex<VecDeque<(u64, Instant)>>,
     /// Hellos refused (another protocol, a wrong key): logged the first time and then one in
     /// a hundred, as anyone on the host may connect and say anything, as often as it likes.
     refused: AtomicU64,
@@ -402,22 +406,9 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
         };
         let id = next_id;
         next_id += 1;
-        let evicted = {
-            let mut greeting = served.greeting.lock();
-            let oldest = (greeting.len() >= MAX_GREETING)
-                .then(|| greeting.pop_front())
-                .flatten();
-            if let Some(old) = oldest {
-                // Shut under the lock: its thread, done with the hello, finds its entry gone
-                // only after this (and stops), never serving a connection shut beneath it.
-                if let Some(c) = served.open.lock().get(&old) {
-                    c.shutdown();
-                }
-            }
-            greeting.push_back(id);
-            oldest
-        };
-        if evicted.is_some() {
+        let evicted = make_room(&served);
+        served.greeting.lock().push_back((id, Instant::now()));
+        if evicted {
             closed_silent += 1;
             if closed_silent % 100 == 1 {
                 tracing::warn!(
@@ -522,6 +513,34 @@ fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
     }
 }
 
+/// Room for one more connection waiting to say its hello: while [`MAX_GREETING`] are, the
+/// oldest is closed once it has waited [`GREETING_GRACE`] (sooner when the server stops).
+/// True when one was closed.
+fn make_room(served: &Served) -> bool {
+    loop {
+        let mut greeting = served.greeting.lock();
+        if greeting.len() < MAX_GREETING {
+            return false;
+        }
+        let Some(&(old, at)) = greeting.front() else {
+            return false;
+        };
+        let waited = at.elapsed();
+        if waited >= GREETING_GRACE || served.stop.load(Ordering::Acquire) {
+            greeting.pop_front();
+            // Shut under the lock: its thread, done with the hello, finds its entry gone only
+            // after this (and stops), never serving a connection shut beneath it.
+            if let Some(c) = served.open.lock().get(&old) {
+                c.shutdown();
+            }
+            return true;
+        }
+        drop(greeting);
+        // Its hello, or any other's, may come meanwhile: looked at again soon.
+        std::thread::sleep((GREETING_GRACE - waited).min(IDLE_CHECK / 10));
+    }
+}
+
 /// A connection counted in [`Served::greeting`] until its hello is read (or it ends, a panic
 /// included): dropped then.
 struct Greeting(Option<(Arc<Served>, u64)>);
@@ -532,8 +551,8 @@ impl Greeting {
     fn leave(mut self) -> bool {
         self.0.take().is_some_and(|(s, id)| {
             let mut greeting = s.greeting.lock();
-            let listed = greeting.contains(&id);
-            greeting.retain(|&g| g != id);
+            let listed = greeting.iter().any(|&(g, _)| g == id);
+            greeting.retain(|&(g, _)| g != id);
             listed
         })
     }
@@ -542,7 +561,7 @@ impl Greeting {
 impl Drop for Greeting {
     fn drop(&mut self) {
         if let Some((s, id)) = self.0.take() {
-            s.greeting.lock().retain(|&g| g != id);
+            s.greeting.lock().retain(|&(g, _)| g != id);
         }
     }
 }

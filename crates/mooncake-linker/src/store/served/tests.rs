@@ -331,6 +331,42 @@ fn connections_that_say_nothing_are_bounded() {
     assert!(server.greeting() <= MAX_GREETING);
 }
 
+/// A burst of more connections than `MAX_GREETING`, each saying its hello moments after it
+/// connected (real clients starting together), is served whole: the oldest waiting one is
+/// closed only after `GREETING_GRACE`. Before, the connection past the bound closed the
+/// oldest at once, a real client's included.
+#[test]
+fn a_burst_of_clients_past_the_greeting_bound_is_not_cut() {
+    use super::server::MAX_GREETING;
+    use std::io::{Read, Write};
+    let (server, _client) = serve(1 << 10);
+    let (_, key) = super::protocol::split_address(server.address()).unwrap();
+    let key = key.unwrap();
+    let mut burst: Vec<_> = (0..=MAX_GREETING)
+        .map(|_| silent_connection(&server))
+        .collect();
+    // Every connection accepted before any hello comes: the bound's worth waiting, and the
+    // one past it accepted 100 ms later (its hello then comes well inside the grace).
+    let until = Instant::now() + Duration::from_secs(5);
+    while server.greeting() < MAX_GREETING {
+        assert!(Instant::now() < until, "the burst was not all taken");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    for (i, raw) in burst.iter_mut().enumerate() {
+        let mut hello = Enc::default();
+        hello.u32(MAGIC).u32(PROTOCOL).u64(0xb00 + i as u64);
+        raw.write_all(&hello.0).unwrap();
+        raw.write_all(&key.0).unwrap();
+    }
+    for (i, raw) in burst.iter_mut().enumerate() {
+        let mut ok = [0u8; 4];
+        raw.read_exact(&mut ok)
+            .unwrap_or_else(|e| panic!("connection {i} of the burst: {e}"));
+        assert_eq!(u32::from_le_bytes(ok), 0, "connection {i}: hello accepted");
+    }
+}
+
 /// Reads until the server closes the connection; false when it stays open past the timeout.
 fn closed_by_server(raw: &mut std::os::unix::net::UnixStream) -> bool {
     use std::io::Read;
