@@ -58,6 +58,14 @@
 //! mode leading so far (`AllRanks` when nothing was measured) and says so in a warning.
 //! Batches too small to measure (and failed ones) send no time and do not count.
 //!
+//! **A mode that fails is not proposed for ever.** A failed batch sends no time; it counts as
+//! one batch of its mode when choosing the next (the mode then comes last among equals), so
+//! another mode runs next. A mode that fails again after another mode's batch was measured
+//! since its last failure fails on its own account (a store or group outage fails every mode
+//! alike): it is dropped, unless it is the last mode left. Batches the engine cancelled, and
+//! batches whose plans differed across ranks (they read `AllRanks`), do not count. A mode
+//! kept for good is not revisited when it fails later.
+//!
 //! Only rank 0's proposal is used (the ranks exchange proposals at the gate), so rank 0's
 //! state decides for the group; every rank keeps its own, fed the same group times (each
 //! divided by the bytes that rank landed).
@@ -145,6 +153,16 @@ pub(crate) struct Measured {
     kept: Option<ShareMode>,
     /// Proposals made while measuring (see [`AUTO_GIVE_UP`]).
     proposals: u32,
+    /// Per mode, its batches that failed since its last measured one (any counts as one of
+    /// its batches when choosing the next mode, and the mode comes last among equals, so
+    /// that another mode runs next).
+    failing: [u32; ShareMode::COUNT],
+    /// Per mode, the number (in `batches`) of its last failed batch.
+    last_failure: [Option<u64>; ShareMode::COUNT],
+    /// The number of the last measured batch, of any mode.
+    last_measured: Option<u64>,
+    /// Batches measured or failed so far (numbers them).
+    batches: u64,
 }
 
 impl Measured {
@@ -182,6 +200,9 @@ impl Measured {
         if self.kept.is_some() {
             return;
         }
+        self.batches += 1;
+        self.last_measured = Some(self.batches);
+        self.failing[slot(mode)] = 0;
         self.samples[slot(mode)].push(seconds_per_byte);
         let size = &mut self.sizes[slot(mode)];
         *size = Some(size.map_or((bytes, bytes), |(lo, hi)| (lo.min(bytes), hi.max(bytes))));
@@ -203,10 +224,39 @@ impl Measured {
                 }
             }
         }
+        self.keep_when_measured(per_mode);
+    }
+
+    /// Keeps the leading mode for good once every remaining mode has enough batches.
+    fn keep_when_measured(&mut self, per_mode: u32) {
         let enough = self.enough(per_mode);
         if self.live().all(|m| self.samples[slot(m)].len() >= enough) {
             self.kept = Some(self.leader());
         }
+    }
+
+    /// Records a failed batch of `mode` (while measuring). A mode that fails again after
+    /// another mode's batch was measured since its last failure fails on its own account,
+    /// not the store's nor the group's (those fail every mode alike): it is not measured again
+    /// (unless it is the last mode left). Before, a failed batch left no trace, so a mode that
+    /// always failed kept the fewest batches and was proposed for ever. True when the mode
+    /// was dropped.
+    pub(crate) fn record_failure(&mut self, mode: ShareMode, per_mode: u32) -> bool {
+        if self.kept.is_some() {
+            return false;
+        }
+        self.batches += 1;
+        let m = slot(mode);
+        let others_measured_since = self.failing[m] > 0
+            && self.last_failure[m].is_some_and(|f| self.last_measured.is_some_and(|ok| ok > f));
+        self.failing[m] = self.failing[m].saturating_add(1);
+        self.last_failure[m] = Some(self.batches);
+        if !others_measured_since || self.dropped[m] || self.live().count() < 2 {
+            return false;
+        }
+        self.dropped[m] = true;
+        self.keep_when_measured(per_mode);
+        true
     }
 
     /// Batches each remaining mode needs before one is kept: `per_mode`, or
@@ -253,14 +303,19 @@ impl Measured {
             .fold(f64::INFINITY, f64::min)
     }
 
-    /// Batches of `m`: those measured, and the one `in_flight` (ran, its time not known yet).
+    /// Batches of `m`: those measured, one more when it failed since, and the one
+    /// `in_flight` (ran, its time not known yet).
     fn count(&self, m: ShareMode, in_flight: Option<ShareMode>) -> usize {
-        self.samples[slot(m)].len() + usize::from(in_flight == Some(m))
+        self.samples[slot(m)].len()
+            + usize::from(self.failing[slot(m)] > 0)
+            + usize::from(in_flight == Some(m))
     }
 
     /// The next mode to propose while the batch of mode `in_flight` (if any) awaits its time:
-    /// the kept one; else, among the live modes with the fewest batches (that one counted),
-    /// one with no time known yet, else the fastest so far (round order among equals); once
+    /// the kept one; else, among the live modes with the fewest batches (that one counted, and
+    /// a failure since a mode's last time counted as one), one with no time known yet, else
+    /// the fastest so far, a mode failing since its last time last (round order among
+    /// equals); once
     /// every live mode has enough batches counting that one (`per_mode`, more in a close call:
     /// [`Measured::enough`]), the mode leading so far.
     pub(crate) fn next(&self, in_flight: Option<ShareMode>, per_mode: u32) -> ShareMode {
@@ -278,7 +333,11 @@ impl Measured {
         self.live()
             .filter(|m| self.count(*m, in_flight) == fewest)
             .min_by(|a, b| {
-                let known = |m: &ShareMode| self.median(*m).unwrap_or(f64::NEG_INFINITY);
+                // No time yet: first; failing since its last time: last.
+                let known = |m: &ShareMode| match self.failing[slot(*m)] {
+                    0 => self.median(*m).unwrap_or(f64::NEG_INFINITY),
+                    _ => f64::INFINITY,
+                };
                 known(a).total_cmp(&known(b))
             })
             .unwrap_or(ShareMode::AllRanks)
@@ -426,6 +485,23 @@ impl AutoMode {
         );
     }
 
+    /// A batch of `mode` failed (its own failure, or its group's; not one the engine
+    /// cancelled): see [`Measured::record_failure`].
+    pub(crate) fn observe_failure(&self, mode: ShareMode) {
+        if self.choice != ModeChoice::Auto || self.configured.all_known() {
+            return;
+        }
+        let mut s = self.seen.lock();
+        if s.record_failure(mode, self.per_mode) {
+            tracing::warn!(
+                ?mode,
+                measured = %s.describe(),
+                "Auto: this mode failed again after another mode's batch loaded; it is not \
+                 measured again"
+            );
+        }
+    }
+
     /// The mode kept, once decided.
     pub(crate) fn kept(&self) -> Option<ShareMode> {
         self.seen.lock().kept
@@ -489,6 +565,82 @@ mod tests {
             ran[slot(mode)] += 1;
         }
         panic!("Auto never decided");
+    }
+
+    /// [`run`] where batch `n` (counting every batch) of mode `m` fails when `fails(m, n)`:
+    /// its failure is recorded as the batch ends (it sends no time). The modes proposed
+    /// before the kept one, the mode kept, and the modes dropped.
+    fn run_failing(
+        per_mode: u32,
+        fails: impl Fn(ShareMode, usize) -> bool,
+    ) -> (Vec<ShareMode>, ShareMode, Vec<ShareMode>) {
+        let mut m = Measured::default();
+        let mut in_flight: Option<(ShareMode, f64)> = None;
+        let mut proposed = Vec::new();
+        for n in 0..200 {
+            let mode = m.next(in_flight.map(|(f, _)| f), per_mode);
+            if m.kept.is_some() {
+                let dropped = AUTO_MODES
+                    .into_iter()
+                    .filter(|x| m.dropped[slot(*x)])
+                    .collect();
+                return (proposed, mode, dropped);
+            }
+            proposed.push(mode);
+            if let Some((f, t)) = in_flight.take() {
+                m.record(f, t, per_mode);
+            }
+            if fails(mode, n) {
+                m.record_failure(mode, per_mode);
+            } else {
+                in_flight = Some((mode, base(mode)));
+            }
+        }
+        panic!("Auto never decided: proposed {proposed:?}");
+    }
+
+    /// A mode whose every batch fails is proposed twice, not for ever: it fails again after
+    /// another mode's batch loaded, and is not measured again. Before, a failed batch left no
+    /// trace, so the failing mode kept the fewest batches and every later batch ran it.
+    #[test]
+    fn a_mode_that_always_fails_is_dropped_after_failing_twice() {
+        use ShareMode::*;
+        for bad in [AllRanks, Rank0Broadcast, SplitAllGather] {
+            let (proposed, kept, dropped) = run_failing(3, |m, _| m == bad);
+            let tries = proposed.iter().filter(|m| **m == bad).count();
+            assert_eq!(tries, 2, "{bad:?}: {proposed:?}");
+            assert!(dropped.contains(&bad), "{bad:?}: {dropped:?}");
+            assert_ne!(kept, bad);
+            // The fastest of the others.
+            let want = if bad == SplitAllGather {
+                Rank0Broadcast
+            } else {
+                SplitAllGather
+            };
+            assert_eq!(kept, want, "{bad:?}: {proposed:?}");
+        }
+    }
+
+    /// Batches that fail whatever their mode (the store down for a while) drop no mode: no
+    /// mode failed while another loaded. Once they load again, every mode is measured and the
+    /// pick is the one made without the outage.
+    #[test]
+    fn an_outage_that_fails_every_mode_drops_none() {
+        let (proposed, kept, dropped) = run_failing(3, |_, n| n < 12);
+        assert_eq!(kept, ShareMode::SplitAllGather, "{proposed:?}");
+        // Only speed drops modes here (after the first round measured them all).
+        assert_eq!(
+            dropped,
+            [ShareMode::AllRanks, ShareMode::Rank0Broadcast],
+            "{proposed:?}"
+        );
+        let after: Vec<_> = proposed[12..].to_vec();
+        for m in AUTO_MODES {
+            assert!(
+                after.contains(&m),
+                "{m:?} measured after the outage: {after:?}"
+            );
+        }
     }
 
     /// [`run`]: the number of batches before the kept mode runs, and the mode kept.

@@ -263,6 +263,13 @@ impl Inner {
         let in_step = Instant::now();
         let loaded = self.load_batch(Some(coll), job, gated.mode, gated.tag(), held);
         leave_sample(gates, (handles.epoch, gated.count), &loaded, in_step);
+        // A failure of the mode `Auto` proposed (every rank fails a batch alike, so every
+        // rank records it): not one the engine cancelled, nor a batch whose plans differed.
+        if let Err(e) = &loaded {
+            if !matches!(e, KvLoadError::Cancelled { .. }) && gated.plans_differ.is_empty() {
+                self.auto.observe_failure(gated.mode);
+            }
+        }
         let mut stats = loaded?;
         stats.plans_differ = gated.plans_differ;
         Ok(stats)
