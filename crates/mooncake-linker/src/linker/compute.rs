@@ -173,6 +173,21 @@ impl ComputeMeter {
         }
     }
 
+    /// The calling thread's wait ended without its layer (it failed, timed out, or the batch
+    /// was cancelled): the time in it was a wait all the same, not the engine's compute.
+    pub(crate) fn left(&self) {
+        let me = std::thread::current().id();
+        let now = Instant::now();
+        let mut tracks = self.tracks.lock();
+        if let Some(t) = tracks.iter_mut().find(|t| t.thread == me) {
+            if let Some(entered) = t.entered.take() {
+                t.waited = t
+                    .waited
+                    .saturating_add(now.saturating_duration_since(entered));
+            }
+        }
+    }
+
     /// The compute per layer measured so far: the largest running mean of the threads active
     /// in the last minute that showed enough gaps; when none was active (an engine idle for a
     /// while), the largest of all that did (the engine's compute has not changed for being
@@ -234,6 +249,24 @@ mod tests {
             meter.returned(BatchId(b), 0);
         }
         assert_eq!(meter.estimate(), None);
+    }
+
+    /// A wait on another batch that fails (it timed out, or the batch failed) is a wait too:
+    /// the gap over it is not compute. Before, a failed wait's time was never added to the
+    /// thread's time in waits, so it counted as compute of the batch followed.
+    #[test]
+    fn a_failed_wait_on_another_batch_is_not_compute() {
+        let meter = ComputeMeter::default();
+        for l in 0..8u32 {
+            meter.entering(BatchId(1), l);
+            meter.returned(BatchId(1), l);
+            // A wait on batch 2 that fails after 30 ms.
+            meter.entering(BatchId(2), l);
+            std::thread::sleep(Duration::from_millis(30));
+            meter.left();
+        }
+        let est = meter.estimate().expect("measured");
+        assert!(est < Duration::from_millis(10), "{est:?}");
     }
 
     /// A wait for the next layer that times out and is tried again counts the gap before it

@@ -717,7 +717,11 @@ impl KvLoader for Linker {
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         s.reads.compute.entering(ticket.batch, layer);
         let events = matches!(s.pool.residence(), Residence::Device { .. });
-        match s.outcomes.wait_layer(ticket, layer, deadline, events) {
+        let waited = s.outcomes.wait_layer(ticket, layer, deadline, events);
+        if waited.is_err() {
+            s.reads.compute.left();
+        }
+        match waited {
             // Host pools are resident once the layer is marked; device pools hand back the
             // layer's event.
             Ok(ready) => Ok({
