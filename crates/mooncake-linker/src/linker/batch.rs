@@ -262,7 +262,14 @@ impl Inner {
         // peer that called `start_load` later depend on the engine, not on the mode.
         let in_step = Instant::now();
         let loaded = self.load_batch(Some(coll), job, gated.mode, gated.tag(), held);
-        leave_sample(gates, (handles.epoch, gated.count), &loaded, in_step);
+        if gated.plans_differ.is_empty() {
+            leave_sample(gates, (handles.epoch, gated.count), &loaded, in_step);
+        } else {
+            // Each rank loaded its own plan (`AllRanks` forced, not proposed): the ranks'
+            // bytes differ, and the slowest rank's time over this rank's bytes says nothing
+            // of the mode.
+            gates.pending.clear();
+        }
         // A failure of the mode `Auto` proposed (every rank fails a batch alike, so every
         // rank records it): not one the engine cancelled, nor a batch whose plans differed.
         if let Err(e) = &loaded {
