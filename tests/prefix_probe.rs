@@ -96,3 +96,43 @@ fn a_probe_for_a_tp_size_the_model_cannot_split_is_refused() {
     let err = PrefixProbe::new(mixed_spec(), 5, store, &config(ShareMode::AllRanks)).unwrap_err();
     assert_eq!(err.kind_name(), "geometry", "{err}");
 }
+
+/// A store error of a lookup or a probe keeps the store's typed error as the detail's source,
+/// as a batch's does (`detail.downcast_ref::<StoreError>()`); before, only its words.
+#[test]
+fn lookup_and_probe_store_errors_keep_their_typed_source() {
+    use kvlink::kv_loader::KvLoadError;
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    let spec = mixed_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let cfg = config(ShareMode::AllRanks);
+    let (ranks, _) = tp_ranks(&spec, 1, store.clone(), 4, &cfg, Path::Host);
+    let down = StoreError::RpcTimeout {
+        key: "exists".into(),
+    };
+    let tokens = prompt(11, 4, spec.page_size);
+    let check = |got: Result<kvlink::kv_loader::LookupHit, KvLoadError>, what: &str| match got {
+        Err(KvLoadError::Store { detail, .. }) => {
+            assert_eq!(detail.downcast_ref::<StoreError>(), Some(&down), "{what}")
+        }
+        other => panic!("{what}: {other:?}"),
+    };
+    ranks[0].faults.inject_on(
+        FaultCall::Exists,
+        FaultRule::default(),
+        Fault::Error(down.clone()),
+    );
+    let req = LookupRequest {
+        tokens: &tokens,
+        skip_pages: 0,
+    };
+    check(ranks[0].linker.lookup(&req), "lookup");
+    let faulty = Arc::new(FaultyStore::new(store));
+    faulty.inject_on(
+        FaultCall::Exists,
+        FaultRule::default(),
+        Fault::Error(down.clone()),
+    );
+    let probe = PrefixProbe::new(spec, 1, faulty, &cfg).unwrap();
+    check(probe.probe(&tokens, 0), "probe");
+}

@@ -74,9 +74,10 @@ impl Inner {
         first: usize,
         local: Result<usize, KvLoadError>,
     ) -> Result<usize, KvLoadError> {
-        let failed = |detail: String| KvLoadError::Collective {
+        // The collective's error stays the detail's source (`downcast_ref::<CollectiveError>`).
+        let failed = |e: dedup_broadcast::CollectiveError| KvLoadError::Collective {
             batch: None,
-            detail: format!("lookup: {detail}").into(),
+            detail: kv_loader::Cause::with_source(format!("lookup: {e}"), e),
         };
         let deadline = kv_loader::deadline_after(self.config.collective_timeout);
         // Marked in use to the lookup's end: a re-formation on the load thread leaves it.
@@ -97,7 +98,7 @@ impl Inner {
         let agreed = agree_lookup(coll.as_ref(), &digest, mine, deadline).map_err(|e| {
             // The ranks may no longer be in step on this channel: re-form it.
             coll.abort(&format!("lookup collective failed: {e}"));
-            failed(e.to_string())
+            failed(e)
         });
         if let (Err(e), GroupFallback::ReadAlone) = (&agreed, self.config.group_fallback) {
             // As a batch whose gate failed: a peer that found the group down looks up alone,
@@ -145,8 +146,9 @@ pub(crate) fn present_run(
                         layer: None,
                         pages: vec![(first + i) as u32].into(),
                         kind: e.failure(),
-                        detail: format!("lookup: {e}").into(),
-                    })
+                        // The store's error stays the source (`downcast_ref::<StoreError>`).
+                        detail: kv_loader::Cause::with_source(format!("lookup: {e}"), e.clone()),
+                    });
                 }
             }
         }
