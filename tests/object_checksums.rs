@@ -2274,3 +2274,41 @@ fn a_companion_beside_an_object_whose_put_failed_is_discarded() {
         vec![Ok(true), Ok(true)]
     );
 }
+
+/// A save whose puts fail for several pages of one call names every one of them in its error
+/// (each is logged too); before, only the first was named and the others left no trace.
+#[test]
+fn a_save_names_every_page_whose_object_was_not_written() {
+    use kvlink::kv_loader::KvLoadError;
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
+    let store: Arc<dyn KvStore> = faulty.clone();
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let tokens = prompt(28, 3, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 3).unwrap());
+    fill_pool(&pool, &pages, &[0, 1, 2]);
+    let linker = Linker::new(g.clone(), store, pool, config()).unwrap();
+    let plan = load_plan(&g, 0, &pages, vec![0, 1, 2]);
+    let keys = linker.object_keys(&plan).unwrap();
+    // Pages 0 and 2's objects of the first component fail.
+    for page in [0, 2] {
+        faulty.inject_on(
+            FaultCall::Put,
+            FaultRule {
+                key_contains: Some(keys[0][page].clone()),
+                times: Some(1),
+                ..FaultRule::default()
+            },
+            Fault::Error(StoreError::TransferFailed {
+                key: keys[0][page].clone(),
+                code: -800,
+            }),
+        );
+    }
+    match linker.save(&plan) {
+        Err(KvLoadError::Store { pages, .. }) => assert_eq!(&pages[..], &[0, 2]),
+        other => panic!("{other:?}"),
+    }
+}

@@ -294,9 +294,9 @@ impl Inner {
         // Pairs whose object said `Written`: read back, as another writer's put between the
         // save's look and its own is reported `Written` too.
         let mut read_back = self.read_back_pairs(comp, chunk, sums, (objects, companion_results));
-        // The first object that failed fails the save, once every pair's outcome is counted
-        // and kept.
-        let mut failed = None;
+        // The objects that failed fail the save (the first one's error, naming every failed
+        // page), once every pair's outcome is counted and kept.
+        let mut failed: Option<(&crate::store::StoreError, Vec<u32>)> = None;
         for (i, (put, (r, &page))) in puts.iter().zip(objects.iter().zip(chunk)).enumerate() {
             match (r, read_back[i].take()) {
                 // Written, then discarded with a companion that is not its own: not in the
@@ -326,7 +326,11 @@ impl Inner {
                 }
                 (Ok(PutOutcome::AlreadyPresent), _) => report.objects_present += 1,
                 (Err(e), _) => {
-                    failed.get_or_insert_with(|| store_failure(batch, None, vec![page as u32], e));
+                    warn!(key = put.key, error = %e, "object not saved");
+                    failed
+                        .get_or_insert_with(|| (e, Vec::new()))
+                        .1
+                        .push(page as u32);
                 }
             }
         }
@@ -335,7 +339,9 @@ impl Inner {
                 warn!(key, error = %e, "checksum companion not written: its object is checked by length only");
             }
         }
-        failed.map_or(Ok(()), Err)
+        failed.map_or(Ok(()), |(e, pages)| {
+            Err(store_failure(batch, None, pages, e))
+        })
     }
 
     /// An object and its companion that are not a pair are split up (best effort, logged), so
