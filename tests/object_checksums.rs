@@ -2312,3 +2312,42 @@ fn a_save_names_every_page_whose_object_was_not_written() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A page the plan names twice shares its objects with its twin: when the save's read-back
+/// discards the object it wrote, both pages are reported not saved. Before, the twin (which
+/// counted the object present) was reported skipped, as if the store held it.
+#[test]
+fn a_twin_of_a_page_not_saved_is_not_saved_either() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
+    let store: Arc<dyn KvStore> = faulty.clone();
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let tokens = prompt(29, 1, spec.page_size);
+    let page = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None)[0];
+    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+    fill_pool(&pool, &[page, page], &[0, 1]);
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let plan = load_plan(&g, 0, &[page, page], vec![0, 1]);
+    let keys = linker.object_keys(&plan).unwrap();
+    // The read-back finds the first component's companion gone: its object is discarded.
+    faulty.inject_on(
+        FaultCall::ReadWhole,
+        FaultRule {
+            key_contains: Some(checksum_key(&keys[0][0])),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::NotFound {
+            key: checksum_key(&keys[0][0]),
+        }),
+    );
+    let report = linker.save(&plan).unwrap();
+    assert_eq!(
+        store.exists(&[keys[0][0].as_str()]),
+        vec![Ok(false)],
+        "{report:?}"
+    );
+    assert_eq!(report.pages_not_saved, vec![0, 1], "{report:?}");
+    assert!(report.pages_skipped.is_empty(), "{report:?}");
+}

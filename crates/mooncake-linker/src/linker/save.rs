@@ -74,6 +74,7 @@ impl Inner {
                 self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report, hold)?;
             }
         }
+        not_saved_twins(plan, &mut report);
         report.settle_pages(plan.logical.num_pages());
         debug!(?report, "saved");
         Ok(report)
@@ -443,6 +444,26 @@ impl Inner {
             if let Err(e) = r {
                 warn!(key, error = %e, "{what}: this one stays");
             }
+        }
+    }
+}
+
+/// A page the plan names twice (two requests of one prefix) shares its objects with its twin,
+/// which counted them present: where one is not saved (its object discarded after its put),
+/// neither is the other.
+fn not_saved_twins(plan: &BatchPlan, report: &mut SaveReport) {
+    if report.pages_not_saved.is_empty() {
+        return;
+    }
+    let hashes: Vec<_> = plan.logical.pages().collect();
+    let lost: std::collections::HashSet<_> = report
+        .pages_not_saved
+        .iter()
+        .filter_map(|&p| hashes.get(p as usize).copied())
+        .collect();
+    for (q, h) in hashes.iter().enumerate() {
+        if lost.contains(h) {
+            report.pages_not_saved.push(q as u32);
         }
     }
 }
