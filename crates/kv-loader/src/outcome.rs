@@ -72,7 +72,9 @@ pub struct SaveReport {
     pub pages_skipped: Vec<u32>,
     /// Objects this rank wrote and then discarded again, because their pair with their
     /// checksum companion could not be confirmed (a racing writer's companion beside them, or
-    /// theirs lost): the store lacks them. Not counted in `objects_written`.
+    /// theirs lost): the store lacks them, unless the store refused the discard (logged; the
+    /// object then stays, checked by length alone where its companion is gone). Not counted in
+    /// `objects_written`.
     pub objects_discarded: u32,
     /// Plan page indices with an object discarded so (`objects_discarded`): the store lacks
     /// the page whole, and a later save writes it again. Taken out of `pages_written`.
