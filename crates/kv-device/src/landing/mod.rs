@@ -184,8 +184,9 @@ pub trait LayerLanding: Send + Sync {
     /// Lends the stage's memory (the layer open in it) to one store read: a typed loan that
     /// keeps the memory allocated and the stage the call's alone until it drops (see
     /// [`StageLoan`]). A stage already lent, or with no layer open, is refused. A loan may
-    /// write the share area anew, so an earlier upload of the stage is forgotten: its device
-    /// area is shared or scattered only after the next [`upload`](Self::upload).
+    /// write the share area anew, so a landing that shares device staging forgets the stage's
+    /// earlier upload: its device area is shared or scattered only after the next
+    /// [`upload`](DeviceShare::upload).
     fn lend(&self, stage: &mut LayerStage) -> Result<StageLoan, DeviceError>;
 
     /// Where the store writes plan page `plan_page`'s slice of `component` at the loan's
