@@ -2,7 +2,7 @@
 //! (no segment), reading the same objects on command, so that its reads interleave with
 //! kvlink's in every round.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -171,15 +171,7 @@ impl PythonReader {
             let _ = std::fs::remove_file(&config);
             bail!("the Python reader started without its pipes");
         };
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = kvlink_rig::child::lines(stdout);
         let mut reader = Self {
             child,
             stdin,

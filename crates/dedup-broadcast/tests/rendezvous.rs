@@ -108,12 +108,9 @@ fn tcp_groups_form_re_form_and_grow_their_epoch_when_rank_0_restarts() {
     assert_eq!(sum_over(groups), vec![33, 33, 33]);
 }
 
-/// Connecting the group's sockets ends alike on every rank: rank 1 gives up before rank 2
-/// connects, so rank 2 cannot reach it. Before, rank 0 (which only accepts) had every higher
-/// rank's connection and returned its handles while ranks 1 and 2 failed; its first batch
-/// then failed. Now its connect fails too.
-#[test]
-fn connecting_the_group_ends_alike_on_every_rank() {
+/// Three ranks met over TCP (rank 0 on a free port): their rendezvous (kept for the test's
+/// length) and their formed groups, not yet connected.
+fn three_formed_over_tcp() -> (Vec<Rendezvous>, [FormedGroup; 3]) {
     let r0 = Rendezvous::new(tcp(0, 3, "127.0.0.1:0")).unwrap();
     let at = r0.listen_addr().unwrap().to_string();
     let mut ranks = vec![
@@ -121,13 +118,23 @@ fn connecting_the_group_ends_alike_on_every_rank() {
         Rendezvous::new(tcp(1, 3, &at)).unwrap(),
         Rendezvous::new(tcp(2, 3, &at)).unwrap(),
     ];
-    let mut groups: Vec<FormedGroup> = form_all(&mut ranks)
+    let groups: Vec<FormedGroup> = form_all(&mut ranks)
         .into_iter()
         .map(Result::unwrap)
         .collect();
-    let g2 = groups.pop().unwrap();
-    let g1 = groups.pop().unwrap();
-    let g0 = groups.pop().unwrap();
+    let Ok(groups) = <[FormedGroup; 3]>::try_from(groups) else {
+        panic!("three groups")
+    };
+    (ranks, groups)
+}
+
+/// Connecting the group's sockets ends alike on every rank: rank 1 gives up before rank 2
+/// connects, so rank 2 cannot reach it. Before, rank 0 (which only accepts) had every higher
+/// rank's connection and returned its handles while ranks 1 and 2 failed; its first batch
+/// then failed. Now its connect fails too.
+#[test]
+fn connecting_the_group_ends_alike_on_every_rank() {
+    let (_ranks, [g0, g1, g2]) = three_formed_over_tcp();
     let soon = |ms| kv_loader::deadline_after(Duration::from_millis(ms));
     let (c0, c1, c2) = std::thread::scope(|s| {
         let c0 = s.spawn(|| g0.connect_by(1, soon(5_000)).map(drop));
@@ -147,19 +154,8 @@ fn connecting_the_group_ends_alike_on_every_rank() {
 /// as missing. Before, the failure was a bare socket error and named no rank.
 #[test]
 fn a_rank_gone_after_the_meeting_is_named_by_those_that_cannot_reach_it() {
-    let r0 = Rendezvous::new(tcp(0, 3, "127.0.0.1:0")).unwrap();
-    let at = r0.listen_addr().unwrap().to_string();
-    let mut ranks = vec![
-        r0,
-        Rendezvous::new(tcp(1, 3, &at)).unwrap(),
-        Rendezvous::new(tcp(2, 3, &at)).unwrap(),
-    ];
-    let mut groups: Vec<FormedGroup> = form_all(&mut ranks)
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
-    let g2 = groups.pop().unwrap();
-    drop(groups.pop().unwrap());
+    let (_ranks, [_g0, g1, g2]) = three_formed_over_tcp();
+    drop(g1);
     let e = g2
         .connect_by(1, kv_loader::deadline_after(Duration::from_secs(3)))
         .map(drop)

@@ -456,8 +456,9 @@ fn saves_gather_what_loads_landed() {
     assert!(got.iter().all(|&b| b == 0), "cleared");
 }
 
-#[test]
-fn a_stage_is_not_lent_while_its_upload_may_still_read_it() {
+/// A landing of `k` alone, shared (its 4 pages' rows, 160 bytes per layer), on slots 0 to 3
+/// of a rig with one staging lease.
+fn k_shared_on_4_slots() -> (Rig, StagedLanding) {
     let r = rig(CpuDeviceConfig::default(), 10, 4, 1);
     let k = r.g.component_by_name("k").unwrap().id;
     let shape = BatchShape {
@@ -465,13 +466,19 @@ fn a_stage_is_not_lent_while_its_upload_may_still_read_it() {
         shared: vec![k],
         share_bytes: vec![4 * 10 * 4; 4],
     };
-    let mut landing = StagedLanding::new(
+    let landing = StagedLanding::new(
         r.pool.clone(),
         r.staging.lease().unwrap(),
         vec![0, 1, 2, 3].into(),
         shape,
     )
     .unwrap();
+    (r, landing)
+}
+
+#[test]
+fn a_stage_is_not_lent_while_its_upload_may_still_read_it() {
+    let (r, mut landing) = k_shared_on_4_slots();
     let mut stages = landing.take_stages();
     let stage = &mut stages[0];
     landing.open(stage, 0, soon()).unwrap();
@@ -502,21 +509,8 @@ fn a_stage_is_not_lent_while_its_upload_may_still_read_it() {
 /// (and its checksums) held the second's.
 #[test]
 fn a_stage_lent_again_after_its_upload_is_shared_only_after_the_next_upload() {
-    let r = rig(CpuDeviceConfig::default(), 10, 4, 1);
-    let k = r.g.component_by_name("k").unwrap().id;
+    let (r, mut landing) = k_shared_on_4_slots();
     let share_len = 4 * 10 * 4;
-    let shape = BatchShape {
-        own: vec![],
-        shared: vec![k],
-        share_bytes: vec![share_len; 4],
-    };
-    let mut landing = StagedLanding::new(
-        r.pool.clone(),
-        r.staging.lease().unwrap(),
-        vec![0, 1, 2, 3].into(),
-        shape,
-    )
-    .unwrap();
     let mut stages = landing.take_stages();
     let stage = &mut stages[0];
     landing.open(stage, 0, soon()).unwrap();

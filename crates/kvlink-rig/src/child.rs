@@ -1,6 +1,31 @@
-//! Child processes that end with the process that started them.
+//! Child processes that end with the process that started them, and their output read on a
+//! thread of its own (so that every wait for a line can be bounded).
 
+use std::io::{BufRead, BufReader, Read};
 use std::process::Command;
+use std::sync::mpsc;
+
+/// The lines of `output` (a child's stdout), on a channel: a thread reads them until the
+/// output ends or the receiver is dropped, so the caller waits for each with
+/// `recv_timeout`.
+///
+/// ```
+/// let rx = kvlink_rig::child::lines(&b"one\ntwo\n"[..]);
+/// let got: Vec<String> = rx.iter().collect();
+/// assert_eq!(got, ["one", "two"]);
+/// ```
+pub fn lines(output: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(output).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
 
 /// Makes the child started by `cmd` receive SIGKILL when the thread that starts it ends (on
 /// Linux, `PR_SET_PDEATHSIG`; call `spawn` from a thread that outlives the child, such as the

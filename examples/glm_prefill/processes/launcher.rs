@@ -4,8 +4,8 @@
 //! it comes, and ends with every process's exit status. Every process it started is killed
 //! if it returns early (an error, a panic).
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use kvlink::kv_geometry::{KvGeometry, ModelKvSpec};
 use kvlink::mooncake_linker::store::{EmbeddedStore, ServeAt, StoreServer};
+
+use kvlink_rig::child::lines;
 
 use super::rank::RENDEZVOUS_MARK;
 use crate::args::{Args, StoreKind};
@@ -53,20 +55,6 @@ impl Drop for Ranks {
             let _ = c.wait();
         }
     }
-}
-
-/// Lines of a child's stdout, on a channel (a thread per child reads them).
-fn lines(stdout: ChildStdout) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    rx
 }
 
 /// The launcher (see the module docs).
