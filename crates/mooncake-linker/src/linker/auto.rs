@@ -56,15 +56,19 @@
 //! `auto_batches_per_mode` proposals (36 with the defaults) made while this rank's measured
 //! batch awaited the group's time, without a decision, it keeps the
 //! mode leading so far (`AllRanks` when nothing was measured) and says so in a warning.
-//! Batches too small to measure (and failed ones) send no time and do not count.
+//! Batches too small to measure (and failed ones) send no time and do not count towards
+//! that limit.
 //!
-//! **A mode that fails is not proposed for ever.** A failed batch sends no time; it counts as
-//! one batch of its mode when choosing the next (the mode then comes last among equals), so
-//! another mode runs next. A mode that fails again after another mode's batch was measured
-//! since its last failure fails on its own account (a store or group outage fails every mode
-//! alike): it is dropped, unless it is the last mode left. Batches the engine cancelled, and
-//! batches whose plans differed across ranks (they read `AllRanks`), do not count. A mode
-//! kept for good is not revisited when it fails later.
+//! **A mode that fails is not proposed for ever.** A failed batch sends no time. Its mode
+//! then waits (is not proposed while another mode may be) until another mode's batch is
+//! measured; failing again after that, it fails on its own account (a store or group outage
+//! fails every mode alike, with no batch measured in between): it is dropped, unless it is
+//! the last mode left. Only failures a mode may cause count (a collective's, a device's, a
+//! layer wait's timeout, a transfer, a lease, an RPC timeout, a short read, ranks out of
+//! step: in a group, the first failing rank's kind); a reset or a refusal on any rank, an
+//! object missing or bad, and a batch whose plans differed across ranks (it read
+//! `AllRanks`) do not. A transient failure costs at most three batches more before the
+//! pick. A mode kept for good is not revisited when it fails later.
 //!
 //! Only rank 0's proposal is used (the ranks exchange proposals at the gate), so rank 0's
 //! state decides for the group; every rank keeps its own, fed the same group times (each
@@ -153,9 +157,9 @@ pub(crate) struct Measured {
     kept: Option<ShareMode>,
     /// Proposals made while measuring (see [`AUTO_GIVE_UP`]).
     proposals: u32,
-    /// Per mode, its batches that failed since its last measured one (any counts as one of
-    /// its batches when choosing the next mode, and the mode comes last among equals, so
-    /// that another mode runs next).
+    /// Per mode, its batches that failed since its last measured one: such a mode waits
+    /// until another mode's batch is measured (see [`Measured::waits_after_failing`]), and
+    /// comes last among equals.
     failing: [u32; ShareMode::COUNT],
     /// Per mode, the number (in `batches`) of its last failed batch.
     last_failure: [Option<u64>; ShareMode::COUNT],
@@ -206,10 +210,8 @@ impl Measured {
         self.samples[slot(mode)].push(seconds_per_byte);
         let size = &mut self.sizes[slot(mode)];
         *size = Some(size.map_or((bytes, bytes), |(lo, hi)| (lo.min(bytes), hi.max(bytes))));
-        if AUTO_MODES
-            .iter()
-            .all(|m| !self.samples[slot(*m)].is_empty())
-        {
+        // Once every mode still measured has a time (a mode dropped for failing has none).
+        if self.live().all(|m| !self.samples[slot(m)].is_empty()) {
             let best = self.best();
             let best_smallest = self
                 .live()
@@ -235,9 +237,9 @@ impl Measured {
         }
     }
 
-    /// Records a failed batch of `mode` (while measuring). A mode that fails again after
-    /// another mode's batch was measured since its last failure fails on its own account,
-    /// not the store's nor the group's (those fail every mode alike): it is not measured again
+    /// Records a failed batch of `mode` (while measuring). The mode then waits until another
+    /// mode's batch is measured; failing again after that, it fails on its own account, not
+    /// the store's nor the group's (those fail every mode alike): it is not measured again
     /// (unless it is the last mode left). Before, a failed batch left no trace, so a mode that
     /// always failed kept the fewest batches and was proposed for ever. True when the mode
     /// was dropped.
@@ -303,34 +305,50 @@ impl Measured {
             .fold(f64::INFINITY, f64::min)
     }
 
-    /// Batches of `m`: those measured, one more when it failed since, and the one
-    /// `in_flight` (ran, its time not known yet).
+    /// Batches of `m`: those measured, and the one `in_flight` (ran, its time not known yet).
     fn count(&self, m: ShareMode, in_flight: Option<ShareMode>) -> usize {
-        self.samples[slot(m)].len()
-            + usize::from(self.failing[slot(m)] > 0)
-            + usize::from(in_flight == Some(m))
+        self.samples[slot(m)].len() + usize::from(in_flight == Some(m))
+    }
+
+    /// Whether `m` failed and no batch of another mode was measured since: it is not proposed
+    /// while another mode may be, so that its next failure (if any) comes after another
+    /// mode's measured batch, which tells a mode failing on its own account from an outage.
+    fn waits_after_failing(&self, m: ShareMode) -> bool {
+        self.failing[slot(m)] > 0
+            && self.last_failure[slot(m)]
+                .is_some_and(|f| self.last_measured.is_none_or(|ok| ok < f))
     }
 
     /// The next mode to propose while the batch of mode `in_flight` (if any) awaits its time:
-    /// the kept one; else, among the live modes with the fewest batches (that one counted, and
-    /// a failure since a mode's last time counted as one), one with no time known yet, else
-    /// the fastest so far, a mode failing since its last time last (round order among
-    /// equals); once
-    /// every live mode has enough batches counting that one (`per_mode`, more in a close call:
+    /// the kept one; else, among the live modes (those waiting after a failure left out while
+    /// another remains: [`waits_after_failing`](Self::waits_after_failing)) with the fewest
+    /// batches (that one counted), one with no time known yet, else the fastest so far, a mode
+    /// failing since its last time last (round order among equals); once every such mode has
+    /// enough batches counting that one (`per_mode`, more in a close call:
     /// [`Measured::enough`]), the mode leading so far.
     pub(crate) fn next(&self, in_flight: Option<ShareMode>, per_mode: u32) -> ShareMode {
         if let Some(k) = self.kept {
             return k;
         }
         let enough = self.enough(per_mode);
-        let Some(fewest) = self.live().map(|m| self.count(m, in_flight)).min() else {
+        let ready: Vec<ShareMode> = self
+            .live()
+            .filter(|m| !self.waits_after_failing(*m))
+            .collect();
+        let candidates: Vec<ShareMode> = if ready.is_empty() {
+            self.live().collect()
+        } else {
+            ready
+        };
+        let Some(fewest) = candidates.iter().map(|m| self.count(*m, in_flight)).min() else {
             return ShareMode::AllRanks;
         };
         if fewest >= enough {
             return self.leader();
         }
         // `min_by` keeps the first of equal keys: round order.
-        self.live()
+        candidates
+            .into_iter()
             .filter(|m| self.count(*m, in_flight) == fewest)
             .min_by(|a, b| {
                 // No time yet: first; failing since its last time: last.
@@ -574,6 +592,15 @@ mod tests {
         per_mode: u32,
         fails: impl Fn(ShareMode, usize) -> bool,
     ) -> (Vec<ShareMode>, ShareMode, Vec<ShareMode>) {
+        run_failing_at(per_mode, base, fails)
+    }
+
+    /// [`run_failing`] with group batch times `time(mode)`.
+    fn run_failing_at(
+        per_mode: u32,
+        time: impl Fn(ShareMode) -> f64,
+        fails: impl Fn(ShareMode, usize) -> bool,
+    ) -> (Vec<ShareMode>, ShareMode, Vec<ShareMode>) {
         let mut m = Measured::default();
         let mut in_flight: Option<(ShareMode, f64)> = None;
         let mut proposed = Vec::new();
@@ -593,7 +620,7 @@ mod tests {
             if fails(mode, n) {
                 m.record_failure(mode, per_mode);
             } else {
-                in_flight = Some((mode, base(mode)));
+                in_flight = Some((mode, time(mode)));
             }
         }
         panic!("Auto never decided: proposed {proposed:?}");
@@ -618,6 +645,40 @@ mod tests {
                 SplitAllGather
             };
             assert_eq!(kept, want, "{bad:?}: {proposed:?}");
+        }
+    }
+
+    /// One failure in the last round (a transient one) delays the decision by at most three
+    /// batches: the failed mode is measured again once another mode's batch was (its time
+    /// arrives one batch late). Before (a
+    /// failure counted as one of the mode's batches), the mode leading ran from then on, the
+    /// failed one never again, and nothing was kept until the give-up limit.
+    #[test]
+    fn one_failure_in_the_last_round_still_decides() {
+        use ShareMode::*;
+        let time = |m: ShareMode| match m {
+            AllRanks => 1.3,
+            Rank0Broadcast => 1.0,
+            SplitAllGather => 1.2,
+        };
+        let clean = run_failing_at(3, time, |_, _| false);
+        for bad in [AllRanks, SplitAllGather] {
+            // The mode's third batch fails: the first batch of it at or after index 6.
+            let first_late = clean
+                .0
+                .iter()
+                .enumerate()
+                .position(|(n, m)| n >= 6 && *m == bad);
+            let at = first_late.expect("a third batch of the mode");
+            let (proposed, kept, dropped) = run_failing_at(3, time, |m, n| m == bad && n == at);
+            assert_eq!(kept, clean.1, "{bad:?}: {proposed:?}");
+            assert!(dropped.is_empty(), "{bad:?}: {dropped:?}");
+            assert!(
+                proposed.len() <= clean.0.len() + 3,
+                "{bad:?}: {} batches, {} without the failure: {proposed:?}",
+                proposed.len(),
+                clean.0.len()
+            );
         }
     }
 

@@ -131,6 +131,31 @@ pub(crate) fn collective_failure(batch: BatchId, e: impl Into<kv_loader::Cause>)
     }
 }
 
+/// Whether a batch's failure may be its share mode's doing (its collectives, its device work,
+/// its reads' timing and load on the store), not the engine's (a reset, a refusal, a slot
+/// held) nor the data's (an object missing or bad): only such failures count against the
+/// mode in `Auto`. In a group the failure is the first failing rank's, its kind first in
+/// `PeerFailed`'s detail.
+fn mode_may_have_failed(e: &KvLoadError) -> bool {
+    let kind = match e {
+        KvLoadError::PeerFailed { detail, .. } => detail.split(':').next().unwrap_or_default(),
+        e => e.kind_name(),
+    };
+    matches!(
+        kind,
+        "collective"
+            | "device"
+            | "timeout"
+            | "store_transfer"
+            | "store_lease"
+            | "store_rpc_timeout"
+            | "store_short_read"
+            | "malformed_status"
+            | "layer_mismatch"
+            | "out_of_step"
+    )
+}
+
 /// With the group down (`down` says why), a batch this rank is behind on that a rank ahead
 /// did not load alone (at the last gate judged: the ranks ahead gave up waiting for this rank
 /// before it caught up) fails here too rather than load alone: the error. `None` when every
@@ -270,10 +295,11 @@ impl Inner {
             // of the mode.
             gates.pending.clear();
         }
-        // A failure of the mode `Auto` proposed (every rank fails a batch alike, so every
-        // rank records it): not one the engine cancelled, nor a batch whose plans differed.
+        // A failure that may be the mode's own (every rank fails a batch alike, with the
+        // first failing rank's kind, so every rank records it alike); not in a batch whose
+        // plans differed (its mode was forced).
         if let Err(e) = &loaded {
-            if !matches!(e, KvLoadError::Cancelled { .. }) && gated.plans_differ.is_empty() {
+            if mode_may_have_failed(e) && gated.plans_differ.is_empty() {
                 self.auto.observe_failure(gated.mode);
             }
         }
@@ -610,5 +636,48 @@ impl Drop for FinishOnDrop<'_> {
         if let Some(l) = self.0 {
             l.finish();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer's reset or refusal, a missing object, or a bad one is not the mode's failure;
+    /// a collective's, a device's, a transfer's or a lease's may be (in a group, the first
+    /// failing rank's kind, as `PeerFailed` carries it, with its own words after on that rank).
+    #[test]
+    fn only_failures_a_mode_may_cause_count_against_it() {
+        let peer = |detail: &str| KvLoadError::PeerFailed {
+            batch: BatchId(1),
+            rank: 2,
+            layer: 0,
+            detail: detail.into(),
+        };
+        for kind in [
+            "cancelled",
+            "busy",
+            "duplicate_batch",
+            "invalid_plan",
+            "store_not_found",
+        ] {
+            assert!(!mode_may_have_failed(&peer(kind)), "{kind}");
+        }
+        assert!(!mode_may_have_failed(&peer(
+            "cancelled: batch 1: cancelled"
+        )));
+        assert!(!mode_may_have_failed(&KvLoadError::Cancelled {
+            batch: BatchId(1)
+        }));
+        for kind in ["collective", "store_lease", "timeout", "out_of_step"] {
+            assert!(mode_may_have_failed(&peer(kind)), "{kind}");
+        }
+        assert!(mode_may_have_failed(&peer(
+            "store_transfer: `k`: transfer failed"
+        )));
+        assert!(mode_may_have_failed(&collective_failure(
+            BatchId(1),
+            "gate"
+        )));
     }
 }
