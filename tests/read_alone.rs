@@ -238,7 +238,7 @@ fn a_peers_later_failure_does_not_hide_a_batch_it_loaded_alone() {
 /// not load it alone as a rank that merely finds the group down does. Before, it loaded it.
 #[test]
 fn a_rank_far_behind_fails_a_batch_a_peer_ahead_failed_after_the_group_broke() {
-    let timeout = Duration::from_secs(1);
+    let timeout = Duration::from_secs(2);
     let (rs, hashes) = two_alone_ranks(timeout);
     let refuse = |batch| {
         let mut twice = load_plan_of(&rs[1], batch, &hashes);

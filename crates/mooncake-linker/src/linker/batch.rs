@@ -165,7 +165,8 @@ fn failed_ahead(
     batch: BatchId,
     down: &dyn std::fmt::Display,
 ) -> Option<KvLoadError> {
-    if gates.ahead.settled_alone(batch.0) != Some(false) {
+    // The record was taken at an earlier gate of this rank: it tells of the batches after.
+    if batch.0 <= gates.ahead_at || gates.ahead.settled_alone(batch.0) != Some(false) {
         return None;
     }
     let latest = gates

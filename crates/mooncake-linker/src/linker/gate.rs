@@ -57,6 +57,9 @@ pub(crate) struct Gates {
     pub(crate) pending: PendingSample,
     pub(crate) alone: AloneLoads,
     pub(crate) ahead: RanksAhead,
+    /// The batch this rank gated when `ahead` was judged: the record speaks of later batches
+    /// only (a batch id started again, or lower, finds none).
+    pub(crate) ahead_at: u64,
 }
 
 impl Gates {
@@ -167,6 +170,7 @@ impl Inner {
                 self.observe_group_time(batch, mine, &gate);
             }
             gates.ahead = gate.ahead.clone();
+            gates.ahead_at = batch.0;
             match gate.step {
                 GateStep::InStep => {
                     let mode = gate
