@@ -11,9 +11,10 @@
 //!    not for it: it waits for a newer one. Otherwise it claims its rank by creating
 //!    `P/E/hello/{rank}` with its hello; if that key exists, another process claimed the
 //!    rank: it writes its hello to `P/E/dup/{rank}` instead.
-//! 3. Rank 0 polls for every rank's hello (and duplicates). A hello whose rank has belonged
-//!    to epoch `E` or a later one (the exchange restarted empty, so `P/closed` was lost) makes
-//!    rank 0 open a new epoch above it at once, as in step 1: the joiners see `P/current` move
+//! 3. Rank 0 waits for every rank's hello (through the exchange's `wait`, in slices of 200 ms,
+//!    reading the claims and duplicates after each). A hello whose rank has belonged to epoch
+//!    `E` or a later one (the exchange restarted empty, so `P/closed` was lost) makes rank 0
+//!    open a new epoch above it, as in step 1: the joiners see `P/current` move
 //!    and claim their rank there. So the epoch grows past every member's last, as over TCP.
 //!    Once every hello is there (or at the deadline) rank 0 decides exactly as over TCP, and
 //!    writes the reply to `P/E/verdict`, then `P/closed = E`. Every rank waits for the verdict; a joiner whose nonce is not the
@@ -53,7 +54,10 @@ impl ExchangeError {
 /// bounded by its `deadline`.
 ///
 /// Mapping `TCPStore`: `set` → `set`, `get` → `check` then `get`, `create` →
-/// `compare_set(key, "", value)` (true when the returned value is `value`), `wait` → `wait`.
+/// `compare_set(key, "", value)` (true when the returned value is `value`), `wait` → `wait`
+/// with the time left as its timeout (`TCPStore` raises at it: return `Ok(false)` or the
+/// error, the rendezvous takes either as "not yet"). The rendezvous waits for keys through
+/// `wait`, in slices of 200 ms.
 pub trait KeyValueExchange: Send + Sync {
     /// Sets `key` to `value`, replacing any value.
     fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError>;
@@ -192,16 +196,30 @@ const WAIT_SLICE: Duration = Duration::from_millis(200);
 
 /// Waits, through the exchange's own [`wait`](KeyValueExchange::wait) (a store that can block
 /// on keys answers as they appear, with no polling), until every key of `keys` is present:
-/// for at most [`WAIT_SLICE`] and until `deadline`. True when they all are.
-fn wait_slice(
-    x: &dyn KeyValueExchange,
-    keys: &[String],
-    deadline: Instant,
-) -> Result<bool, ExchangeError> {
+/// for at most [`WAIT_SLICE`] and until `deadline`. True when they all are. A wait that
+/// fails is taken as "not yet" (an adapter may report a wait's timeout as an error, as
+/// `TCPStore` raises one): logged, paused for, and left to the reads and writes around it,
+/// which fail the formation where the exchange itself fails. Under a millisecond left, no
+/// wait is made (a store may take a zero timeout as none).
+fn wait_slice(x: &dyn KeyValueExchange, keys: &[String], deadline: Instant) -> bool {
     let until = deadline.min(Instant::now() + WAIT_SLICE);
+    if until.saturating_duration_since(Instant::now()) < Duration::from_millis(1) {
+        return false;
+    }
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    x.wait(&keys, until)
+    match x.wait(&keys, until) {
+        Ok(all) => all,
+        Err(e) => {
+            tracing::debug!(error = %e, "a wait on the exchange failed: taken as not yet");
+            pause(deadline);
+            false
+        }
+    }
 }
+
+/// How long rank 0 rests between reads while every missing rank's claim is there but not
+/// usable (withdrawn by a joiner that gave up): a wait on the keys cannot see it rewritten.
+const UNUSABLE_CLAIMS_PAUSE: Duration = Duration::from_millis(100);
 
 /// Rank 0's formation over the exchange.
 pub(crate) fn lead(
@@ -216,6 +234,8 @@ pub(crate) fn lead(
     let mut epoch = open_epoch(x, &k, leader, closed.max(leader.last_epoch), deadline)?;
     let world = leader.world;
     let mut absent: Vec<u32> = (1..world).collect();
+    // The last wait found every missing claim there, yet some rank still missing.
+    let mut unusable_claims = false;
     // From here on every way out is a verdict the joiners read: a failed read of the exchange
     // too (before, it returned at once and the joiners waited out their deadline).
     let decision = loop {
@@ -257,12 +277,18 @@ pub(crate) fn lead(
             };
         }
         // Until the missing ranks' claims appear (or a while). Claims that are there but not
-        // usable (withdrawn) end the wait at once: then a pause, not a loop of reads.
+        // usable (withdrawn) end the wait at once: read again at once the first time (they
+        // may have just come), then after a longer pause while it lasts.
         let claims: Vec<String> = absent.iter().map(|&r| k.hello(epoch, r)).collect();
-        match wait_slice(x, &claims, deadline) {
-            Ok(true) => pause(deadline),
-            Ok(false) => {}
-            Err(e) => break Err(e.into()),
+        if wait_slice(x, &claims, deadline) {
+            if unusable_claims {
+                std::thread::sleep(
+                    UNUSABLE_CLAIMS_PAUSE.min(deadline.saturating_duration_since(Instant::now())),
+                );
+            }
+            unusable_claims = true;
+        } else {
+            unusable_claims = false;
         }
     };
     // The epoch is the one opened (above every member's last: each was at most `closed`).
@@ -397,7 +423,7 @@ pub(crate) fn join(
                 None => k.current(),
             };
             // There already (rank 0 between opening an epoch and making it current): a pause.
-            if wait_slice(x, &[awaited], deadline)? {
+            if wait_slice(x, &[awaited], deadline) {
                 pause(deadline);
             }
         };
@@ -470,7 +496,7 @@ fn await_verdict(
         if read_u64(x, &k.current(), deadline)?.is_some_and(|c| c > epoch) {
             return Ok(Awaited::NextEpoch(None));
         }
-        wait_slice(x, &[k.verdict(epoch)], deadline)?;
+        wait_slice(x, &[k.verdict(epoch)], deadline);
     }
 }
 
@@ -1047,5 +1073,64 @@ mod tests {
         assert!(waits > 0, "no wait on the exchange");
         // Polling, 600 ms cost rank 0 about 240 reads and rank 1 about 120.
         assert!(gets < 100, "{gets} reads, {waits} waits");
+    }
+
+    /// A memory exchange whose `wait` raises when its keys do not come in time (as torch's
+    /// `TCPStore.wait` raises on its timeout).
+    #[derive(Default)]
+    struct WaitRaises(MemoryExchange);
+
+    impl KeyValueExchange for WaitRaises {
+        fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError> {
+            self.0.set(key, value, deadline)
+        }
+        fn get(&self, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
+            self.0.get(key, deadline)
+        }
+        fn create(
+            &self,
+            key: &str,
+            value: &[u8],
+            deadline: Instant,
+        ) -> Result<bool, ExchangeError> {
+            self.0.create(key, value, deadline)
+        }
+        fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
+            match self.0.wait(keys, deadline)? {
+                true => Ok(true),
+                false => Err(ExchangeError::new("test: wait timed out")),
+            }
+        }
+    }
+
+    /// A wait that reports its timeout as an error is "not yet": a rank that comes a second
+    /// late still forms the group. Before, rank 0 took the first such error as the
+    /// formation's verdict, and every joiner failed.
+    #[test]
+    fn a_wait_that_raises_on_its_timeout_is_not_yet() {
+        use super::super::decide::tests::hello;
+        let x = WaitRaises::default();
+        let deadline = kv_loader::deadline_after(Duration::from_secs(10));
+        let leader = hello(0);
+        let (led, joined) = std::thread::scope(|s| {
+            let l = s.spawn(|| lead(&x, "p", &leader, None, deadline));
+            let js: Vec<_> = (1..leader.world)
+                .map(|r| {
+                    let (h, x) = (hello(r), &x);
+                    s.spawn(move || {
+                        if r == 2 {
+                            std::thread::sleep(Duration::from_secs(1));
+                        }
+                        join(x, "p", &h, deadline)
+                    })
+                })
+                .collect();
+            let joined: Vec<_> = js.into_iter().map(|j| j.join().unwrap()).collect();
+            (l.join().unwrap(), joined)
+        });
+        let epoch = led.expect("rank 0 formed").epoch;
+        for j in joined {
+            assert_eq!(j.expect("a joiner formed").epoch, epoch);
+        }
     }
 }
