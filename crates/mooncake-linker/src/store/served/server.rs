@@ -44,8 +44,12 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 pub(super) const MAX_GREETING: usize = 64;
 /// How long the oldest connection waiting to say its hello has before it may be closed to
 /// make room: a burst of more than [`MAX_GREETING`] real clients, whose hellos come within
-/// moments, is waited for rather than cut (accepts then wait up to this long for room).
+/// moments, is not cut, up to [`MAX_GREETING_HARD`] at once.
 pub(super) const GREETING_GRACE: Duration = Duration::from_millis(500);
+/// Connections waiting to say their hello, at most, grace or not: past it the oldest is
+/// closed at once (the accept thread never waits, so silent connections cannot slow the
+/// accepts of real clients).
+pub(super) const MAX_GREETING_HARD: usize = 2 * MAX_GREETING;
 
 /// Where a [`StoreServer`] listens.
 #[derive(Debug, Clone)]
@@ -406,9 +410,8 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
         };
         let id = next_id;
         next_id += 1;
-        let evicted = make_room(&served);
         served.greeting.lock().push_back((id, Instant::now()));
-        if evicted {
+        if make_room(&served) {
             closed_silent += 1;
             if closed_silent % 100 == 1 {
                 tracing::warn!(
@@ -513,32 +516,28 @@ fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
     }
 }
 
-/// Room for one more connection waiting to say its hello: while [`MAX_GREETING`] are, the
-/// oldest is closed once it has waited [`GREETING_GRACE`] (sooner when the server stops).
-/// True when one was closed.
+/// Closes the oldest connections still to say their hello while more than [`MAX_GREETING`]
+/// are: each once it has waited [`GREETING_GRACE`], or at once past [`MAX_GREETING_HARD`].
+/// Never waits. True when one was closed.
 fn make_room(served: &Served) -> bool {
-    loop {
-        let mut greeting = served.greeting.lock();
-        if greeting.len() < MAX_GREETING {
-            return false;
-        }
+    let mut greeting = served.greeting.lock();
+    let mut closed = false;
+    while greeting.len() > MAX_GREETING {
         let Some(&(old, at)) = greeting.front() else {
-            return false;
+            break;
         };
-        let waited = at.elapsed();
-        if waited >= GREETING_GRACE || served.stop.load(Ordering::Acquire) {
-            greeting.pop_front();
-            // Shut under the lock: its thread, done with the hello, finds its entry gone only
-            // after this (and stops), never serving a connection shut beneath it.
-            if let Some(c) = served.open.lock().get(&old) {
-                c.shutdown();
-            }
-            return true;
+        if greeting.len() <= MAX_GREETING_HARD && at.elapsed() < GREETING_GRACE {
+            break;
         }
-        drop(greeting);
-        // Its hello, or any other's, may come meanwhile: looked at again soon.
-        std::thread::sleep((GREETING_GRACE - waited).min(IDLE_CHECK / 10));
+        greeting.pop_front();
+        // Shut under the lock: its thread, done with the hello, finds its entry gone only
+        // after this (and stops), never serving a connection shut beneath it.
+        if let Some(c) = served.open.lock().get(&old) {
+            c.shutdown();
+        }
+        closed = true;
     }
+    closed
 }
 
 /// A connection counted in [`Served::greeting`] until its hello is read (or it ends, a panic

@@ -297,8 +297,9 @@ fn raw_connection(server: &StoreServer) -> std::os::unix::net::UnixStream {
 }
 
 /// Connections that never say their hello hold a thread each of the process that serves the
-/// store only up to a bound: past `MAX_GREETING` waiting at once, the oldest is closed, and a
-/// real client (which says its hello at once) is still served while the others wait. (Anyone
+/// store only up to a bound: past `MAX_GREETING` waiting at once, the oldest is closed once
+/// it has waited `GREETING_GRACE`, and a real client (which says its hello at once) is still
+/// served while the others wait. (Anyone
 /// on the host may connect: the socket's name is listed in `/proc/net/unix`; the key is
 /// checked only at hello.)
 #[test]
@@ -316,6 +317,7 @@ fn connections_that_say_nothing_are_bounded() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+    std::thread::sleep(super::server::GREETING_GRACE + Duration::from_millis(100));
     let t0 = Instant::now();
     let c = SocketStore::connect_with(server.address(), Duration::from_secs(5)).unwrap();
     assert_eq!(c.exists(&["k"]), vec![Ok(false)]);
@@ -365,6 +367,23 @@ fn a_burst_of_clients_past_the_greeting_bound_is_not_cut() {
             .unwrap_or_else(|e| panic!("connection {i} of the burst: {e}"));
         assert_eq!(u32::from_le_bytes(ok), 0, "connection {i}: hello accepted");
     }
+}
+
+/// Past `MAX_GREETING_HARD` connections waiting to say their hello, the oldest is closed at
+/// once, however young: a flood cannot start threads without bound, nor make the accept
+/// thread wait.
+#[test]
+fn a_flood_of_silent_connections_is_cut_at_the_hard_bound() {
+    use super::server::MAX_GREETING_HARD;
+    let (server, _client) = serve(1 << 10);
+    let mut flood: Vec<_> = (0..=MAX_GREETING_HARD)
+        .map(|_| silent_connection(&server))
+        .collect();
+    flood[0]
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    assert!(closed_by_server(&mut flood[0]), "the oldest was closed");
+    assert!(server.greeting() <= MAX_GREETING_HARD);
 }
 
 /// Reads until the server closes the connection; false when it stays open past the timeout.
