@@ -106,7 +106,9 @@ impl RendezvousFormation {
         RendezvousFormation {
             rank: c.rank,
             world: c.world,
-            reform_timeout: DEFAULT_REFORM_TIMEOUT.min(c.timeout),
+            reform_timeout: DEFAULT_REFORM_TIMEOUT
+                .min(c.timeout)
+                .max(MIN_REFORM_TIMEOUT),
             form_timeout: c.timeout,
             rendezvous: Mutex::new(rendezvous),
             sharing,
@@ -138,10 +140,11 @@ impl RendezvousFormation {
     }
 
     /// Bounds each re-formation (default [`DEFAULT_REFORM_TIMEOUT`]): how long a batch or
-    /// lookup waits for a rank that is not back before it fails. Held between
-    /// [`MIN_REFORM_TIMEOUT`] (a zero bound would fail every re-formation at once, and the
-    /// group would never come back) and the rendezvous timeout (a longer one would hold every
-    /// batch longer than the first formation may take).
+    /// lookup waits for a rank that is not back before it fails. Held at most the rendezvous
+    /// timeout (a longer one would hold every batch longer than the first formation may take)
+    /// and at least [`MIN_REFORM_TIMEOUT`] (a zero bound would fail every re-formation at
+    /// once, and the group would never come back), the floor winning over a shorter
+    /// rendezvous timeout; the default ([`DEFAULT_REFORM_TIMEOUT`]) is held alike.
     pub fn reform_timeout(mut self, timeout: Duration) -> Self {
         self.reform_timeout = timeout.min(self.form_timeout).max(MIN_REFORM_TIMEOUT);
         self

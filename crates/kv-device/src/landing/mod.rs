@@ -324,7 +324,9 @@ pub trait LandingFactory: Send + Sync {
     /// the slices of plan page `i` (slot `slots[i]`) into host memory. Host pools are read in
     /// place and need none. The gatherer claims the slots for reading while it lives (and
     /// while a gather of it may still run): refused ([`DeviceError::SlotBusy`]) while a
-    /// landing writes one of them.
+    /// landing writes one of them. It must read nothing of the slots before its first
+    /// [`SaveGather::gather`]: [`begin_save_after`](Self::begin_save_after)'s default takes
+    /// it before waiting for the engine's event (its claims then hold the slots meanwhile).
     fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
         let _ = slots;
         Err(DeviceError::Unsupported(
