@@ -2351,3 +2351,35 @@ fn a_twin_of_a_page_not_saved_is_not_saved_either() {
     assert_eq!(report.pages_not_saved, vec![0, 1], "{report:?}");
     assert!(report.pages_skipped.is_empty(), "{report:?}");
 }
+
+/// A failed put's error names the page's twin too (the plan names the page again; the twin
+/// counted the object present): before, only the page whose put failed was named.
+#[test]
+fn a_failed_puts_error_names_the_pages_twin() {
+    use kvlink::kv_loader::KvLoadError;
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
+    let store: Arc<dyn KvStore> = faulty.clone();
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let tokens = prompt(30, 1, spec.page_size);
+    let page = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None)[0];
+    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
+    fill_pool(&pool, &[page, page], &[0, 1]);
+    let linker = Linker::new(g.clone(), store, pool, config()).unwrap();
+    let plan = load_plan(&g, 0, &[page, page], vec![0, 1]);
+    let key = linker.object_keys(&plan).unwrap()[0][0].clone();
+    faulty.inject_on(
+        FaultCall::Put,
+        FaultRule {
+            key_contains: Some(key.clone()),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::TransferFailed { key, code: -800 }),
+    );
+    match linker.save(&plan) {
+        Err(KvLoadError::Store { pages, .. }) => assert_eq!(&pages[..], &[0, 1]),
+        other => panic!("{other:?}"),
+    }
+}

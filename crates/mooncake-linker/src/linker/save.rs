@@ -45,7 +45,8 @@ impl Inner {
             let todo = self.missing_objects(plan, &comp, &mut report)?;
             for chunk in todo.chunks(self.config.save_chunk.max(1)) {
                 if self.pool.residence() != Residence::Host {
-                    self.save_gathered(plan, &comp, chunk, &mut report, after)?;
+                    self.save_gathered(plan, &comp, chunk, &mut report, after)
+                        .map_err(|e| with_twins(plan, e))?;
                     continue;
                 }
                 let mut puts = Vec::with_capacity(chunk.len());
@@ -71,7 +72,8 @@ impl Inner {
                 }
                 // The sources keep the pool; a put past its deadline keeps its registration too.
                 let hold: Hold = Arc::new(self.registered.lock().clone());
-                self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report, hold)?;
+                self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report, hold)
+                    .map_err(|e| with_twins(plan, e))?;
             }
         }
         not_saved_twins(plan, &mut report);
@@ -465,5 +467,36 @@ fn not_saved_twins(plan: &BatchPlan, report: &mut SaveReport) {
         if lost.contains(h) {
             report.pages_not_saved.push(q as u32);
         }
+    }
+}
+
+/// A store failure of a save naming plan pages also names their twins (the same page named
+/// again: it counted the object present, and the store lacks it as well).
+fn with_twins(plan: &BatchPlan, e: KvLoadError) -> KvLoadError {
+    match e {
+        KvLoadError::Store {
+            batch,
+            layer,
+            pages,
+            kind,
+            detail,
+        } => {
+            let hashes: Vec<_> = plan.logical.pages().collect();
+            let named: std::collections::HashSet<_> = pages
+                .iter()
+                .filter_map(|&p| hashes.get(p as usize).copied())
+                .collect();
+            let pages: Vec<u32> = (0..hashes.len() as u32)
+                .filter(|&q| pages.contains(&q) || named.contains(hashes[q as usize]))
+                .collect();
+            KvLoadError::Store {
+                batch,
+                layer,
+                pages: pages.into(),
+                kind,
+                detail,
+            }
+        }
+        e => e,
     }
 }
