@@ -153,7 +153,10 @@ fn smoke_against_real_master() {
     let mut buf = vec![0u8; 8192];
     // Over a transport that moves registered memory only, the slice calls on the client's
     // own buffers are refused up front; the rest of this test needs TCP.
-    if !env_or("MOONCAKE_PROTOCOL", "tcp").eq_ignore_ascii_case("tcp") {
+    if !env_or("MOONCAKE_PROTOCOL", "tcp")
+        .trim()
+        .eq_ignore_ascii_case("tcp")
+    {
         let refused = client.get_into(&a, &mut buf).unwrap_err();
         assert!(
             matches!(

@@ -61,9 +61,12 @@
 //!
 //! **A mode that fails is not proposed for ever.** A failed batch sends no time. Its mode
 //! then waits (is not proposed while another mode may be) until another mode's batch is
-//! measured; failing again after that, it fails on its own account (a store or group outage
-//! fails every mode alike, with no batch measured in between): it is dropped, unless it is
-//! the last mode left. Only failures a mode may cause count (a collective's, a device's, a
+//! measured. Failing again after that, it is suspected; it fails on its own account (never
+//! proposed again) when the next event is another mode's measured batch, and is cleared when
+//! it is another mode's failure: a store or group outage, however short, fails every mode
+//! alike (two modes failing one after the other suspect neither). Should every mode still
+//! measured wait after failing, a mode dropped as slower is tried; should none be left, the
+//! modes dropped as slower come back. Only failures a mode may cause count (a collective's, a device's, a
 //! layer wait's timeout, a transfer, a lease, an RPC timeout, a short read, ranks out of
 //! step: in a group, the first failing rank's kind); a reset or a refusal on any rank, an
 //! object missing or bad, and a batch whose plans differed across ranks (it read
@@ -151,8 +154,18 @@ pub(crate) struct Measured {
     /// The smallest and largest batch (bytes landed) measured, per mode: a mode is dropped
     /// after one round only against a best measured on batches of a like size.
     sizes: [Option<(u64, u64)>; ShareMode::COUNT],
-    /// Modes no longer measured (clearly slower after the first round).
+    /// Modes no longer measured (clearly slower after the first round). Brought back should
+    /// every other mode fail on its own account (see [`Measured::record_batch`]).
     dropped: [bool; ShareMode::COUNT],
+    /// Modes that fail on their own account: never proposed again.
+    failed_out: [bool; ShareMode::COUNT],
+    /// A mode that failed again after another mode's batch was measured: not proposed; it
+    /// fails on its own account (`failed_out`) once the next event is another mode's
+    /// measured batch, and is cleared when the next event is another mode's failure (the
+    /// store or the group failing every mode: an outage).
+    suspect: Option<ShareMode>,
+    /// The mode of the last event when it was a failure (`None` after a measured batch).
+    last_failed: Option<ShareMode>,
     /// The mode kept for good.
     kept: Option<ShareMode>,
     /// Proposals made while measuring (see [`AUTO_GIVE_UP`]).
@@ -174,7 +187,12 @@ impl Measured {
         AUTO_MODES
             .iter()
             .copied()
-            .filter(|m| !self.dropped[slot(*m)])
+            .filter(|m| !self.dropped[slot(*m)] && !self.failed_out[slot(*m)])
+    }
+
+    /// A live mode that may be kept: not suspected of failing on its own account.
+    fn pickable(&self, m: ShareMode) -> bool {
+        !self.dropped[slot(m)] && !self.failed_out[slot(m)] && self.suspect != Some(m)
     }
 
     fn median(&self, m: ShareMode) -> Option<f64> {
@@ -206,7 +224,13 @@ impl Measured {
         }
         self.batches += 1;
         self.last_measured = Some(self.batches);
+        self.last_failed = None;
         self.failing[slot(mode)] = 0;
+        // Another mode loaded right after the suspect failed: it fails on its own account.
+        match self.suspect.take() {
+            Some(s) if s != mode => self.fail_out(s),
+            _ => {}
+        }
         self.samples[slot(mode)].push(seconds_per_byte);
         let size = &mut self.sizes[slot(mode)];
         *size = Some(size.map_or((bytes, bytes), |(lo, hi)| (lo.min(bytes), hi.max(bytes))));
@@ -238,12 +262,14 @@ impl Measured {
     }
 
     /// Records a failed batch of `mode` (while measuring). The mode then waits until another
-    /// mode's batch is measured; failing again after that, it fails on its own account, not
-    /// the store's nor the group's (those fail every mode alike): it is not measured again
-    /// (unless it is the last mode left). Before, a failed batch left no trace, so a mode that
-    /// always failed kept the fewest batches and was proposed for ever. True when the mode
-    /// was dropped.
-    pub(crate) fn record_failure(&mut self, mode: ShareMode, per_mode: u32) -> bool {
+    /// mode's batch is measured; failing again after that (and not right after another
+    /// mode's failure), it is suspected, and fails on its own account (never proposed again)
+    /// when the next event is another mode's measured batch. Another mode's failure next
+    /// clears the suspicion: the store or the group fails every mode alike (an outage, however
+    /// short). Before, a failed batch left no trace, so a
+    /// mode that always failed kept the fewest batches and was proposed for ever. True when
+    /// the mode is now suspected.
+    pub(crate) fn record_failure(&mut self, mode: ShareMode) -> bool {
         if self.kept.is_some() {
             return false;
         }
@@ -253,12 +279,32 @@ impl Measured {
             && self.last_failure[m].is_some_and(|f| self.last_measured.is_some_and(|ok| ok > f));
         self.failing[m] = self.failing[m].saturating_add(1);
         self.last_failure[m] = Some(self.batches);
-        if !others_measured_since || self.dropped[m] || self.live().count() < 2 {
-            return false;
+        // Two modes failing one after the other: an outage, not a mode.
+        let after_another = self.last_failed.is_some_and(|x| x != mode);
+        self.last_failed = Some(mode);
+        match self.suspect {
+            Some(s) if s != mode => {
+                self.suspect = None;
+                false
+            }
+            Some(_) => false,
+            None if others_measured_since && !after_another && !self.failed_out[m] => {
+                self.suspect = Some(mode);
+                true
+            }
+            None => false,
         }
-        self.dropped[m] = true;
-        self.keep_when_measured(per_mode);
-        true
+    }
+
+    /// `m` fails on its own account: never proposed again. Should no mode be left live, the
+    /// modes dropped as slower come back (they may be the only ones that load).
+    fn fail_out(&mut self, m: ShareMode) {
+        self.failed_out[slot(m)] = true;
+        if self.live().next().is_none() {
+            for x in AUTO_MODES {
+                self.dropped[slot(x)] = false;
+            }
+        }
     }
 
     /// Batches each remaining mode needs before one is kept: `per_mode`, or
@@ -293,7 +339,7 @@ impl Measured {
         let best = self.best();
         preference()
             .into_iter()
-            .filter(|m| !self.dropped[slot(*m)])
+            .filter(|m| self.pickable(*m))
             .find(|m| self.median(*m).is_some_and(|t| t <= best * (1.0 + margin)))
             .unwrap_or(ShareMode::AllRanks)
     }
@@ -333,17 +379,27 @@ impl Measured {
         let enough = self.enough(per_mode);
         let ready: Vec<ShareMode> = self
             .live()
-            .filter(|m| !self.waits_after_failing(*m))
+            .filter(|m| self.pickable(*m) && !self.waits_after_failing(*m))
             .collect();
-        let candidates: Vec<ShareMode> = if ready.is_empty() {
-            self.live().collect()
-        } else {
+        // Every live mode waits after failing (or is suspected): a mode dropped as slower is
+        // tried (its load tells the live ones' failures from an outage); else the live ones.
+        let probes: Vec<ShareMode> = AUTO_MODES
+            .into_iter()
+            .filter(|m| self.dropped[slot(*m)] && !self.failed_out[slot(*m)])
+            .filter(|m| self.suspect != Some(*m) && !self.waits_after_failing(*m))
+            .collect();
+        let probing = ready.is_empty() && !probes.is_empty();
+        let candidates: Vec<ShareMode> = if !ready.is_empty() {
             ready
+        } else if probing {
+            probes
+        } else {
+            self.live().filter(|m| self.pickable(*m)).collect()
         };
         let Some(fewest) = candidates.iter().map(|m| self.count(*m, in_flight)).min() else {
-            return ShareMode::AllRanks;
+            return self.live().next().unwrap_or(ShareMode::AllRanks);
         };
-        if fewest >= enough {
+        if fewest >= enough && !probing {
             return self.leader();
         }
         // `min_by` keeps the first of equal keys: round order.
@@ -510,12 +566,12 @@ impl AutoMode {
             return;
         }
         let mut s = self.seen.lock();
-        if s.record_failure(mode, self.per_mode) {
+        if s.record_failure(mode) {
             tracing::warn!(
                 ?mode,
                 measured = %s.describe(),
                 "Auto: this mode failed again after another mode's batch loaded; it is not \
-                 measured again"
+                 measured again if the next batch, of another mode, loads"
             );
         }
     }
@@ -588,11 +644,17 @@ mod tests {
     /// [`run`] where batch `n` (counting every batch) of mode `m` fails when `fails(m, n)`:
     /// its failure is recorded as the batch ends (it sends no time). The modes proposed
     /// before the kept one, the mode kept, and the modes dropped.
-    fn run_failing(
-        per_mode: u32,
-        fails: impl Fn(ShareMode, usize) -> bool,
-    ) -> (Vec<ShareMode>, ShareMode, Vec<ShareMode>) {
+    fn run_failing(per_mode: u32, fails: impl Fn(ShareMode, usize) -> bool) -> Failing {
         run_failing_at(per_mode, base, fails)
+    }
+
+    /// What [`run_failing_at`] saw: the modes proposed before the kept one, the mode kept, the
+    /// modes dropped as slower, and those that failed on their own account.
+    struct Failing {
+        proposed: Vec<ShareMode>,
+        kept: ShareMode,
+        slower: Vec<ShareMode>,
+        failed_out: Vec<ShareMode>,
     }
 
     /// [`run_failing`] with group batch times `time(mode)`.
@@ -600,25 +662,29 @@ mod tests {
         per_mode: u32,
         time: impl Fn(ShareMode) -> f64,
         fails: impl Fn(ShareMode, usize) -> bool,
-    ) -> (Vec<ShareMode>, ShareMode, Vec<ShareMode>) {
+    ) -> Failing {
         let mut m = Measured::default();
         let mut in_flight: Option<(ShareMode, f64)> = None;
         let mut proposed = Vec::new();
         for n in 0..200 {
             let mode = m.next(in_flight.map(|(f, _)| f), per_mode);
             if m.kept.is_some() {
-                let dropped = AUTO_MODES
-                    .into_iter()
-                    .filter(|x| m.dropped[slot(*x)])
-                    .collect();
-                return (proposed, mode, dropped);
+                let with = |flags: &[bool; ShareMode::COUNT]| {
+                    AUTO_MODES.into_iter().filter(|x| flags[slot(*x)]).collect()
+                };
+                return Failing {
+                    proposed,
+                    kept: mode,
+                    slower: with(&m.dropped),
+                    failed_out: with(&m.failed_out),
+                };
             }
             proposed.push(mode);
             if let Some((f, t)) = in_flight.take() {
                 m.record(f, t, per_mode);
             }
             if fails(mode, n) {
-                m.record_failure(mode, per_mode);
+                m.record_failure(mode);
             } else {
                 in_flight = Some((mode, time(mode)));
             }
@@ -633,10 +699,15 @@ mod tests {
     fn a_mode_that_always_fails_is_dropped_after_failing_twice() {
         use ShareMode::*;
         for bad in [AllRanks, Rank0Broadcast, SplitAllGather] {
-            let (proposed, kept, dropped) = run_failing(3, |m, _| m == bad);
+            let Failing {
+                proposed,
+                kept,
+                failed_out,
+                ..
+            } = run_failing(3, |m, _| m == bad);
             let tries = proposed.iter().filter(|m| **m == bad).count();
             assert_eq!(tries, 2, "{bad:?}: {proposed:?}");
-            assert!(dropped.contains(&bad), "{bad:?}: {dropped:?}");
+            assert_eq!(failed_out, [bad], "{bad:?}: {proposed:?}");
             assert_ne!(kept, bad);
             // The fastest of the others.
             let want = if bad == SplitAllGather {
@@ -665,19 +736,23 @@ mod tests {
         for bad in [AllRanks, SplitAllGather] {
             // The mode's third batch fails: the first batch of it at or after index 6.
             let first_late = clean
-                .0
+                .proposed
                 .iter()
                 .enumerate()
                 .position(|(n, m)| n >= 6 && *m == bad);
             let at = first_late.expect("a third batch of the mode");
-            let (proposed, kept, dropped) = run_failing_at(3, time, |m, n| m == bad && n == at);
-            assert_eq!(kept, clean.1, "{bad:?}: {proposed:?}");
-            assert!(dropped.is_empty(), "{bad:?}: {dropped:?}");
+            let got = run_failing_at(3, time, |m, n| m == bad && n == at);
+            let proposed = &got.proposed;
+            assert_eq!(got.kept, clean.kept, "{bad:?}: {proposed:?}");
             assert!(
-                proposed.len() <= clean.0.len() + 3,
+                got.slower.is_empty() && got.failed_out.is_empty(),
+                "{bad:?}"
+            );
+            assert!(
+                proposed.len() <= clean.proposed.len() + 3,
                 "{bad:?}: {} batches, {} without the failure: {proposed:?}",
                 proposed.len(),
-                clean.0.len()
+                clean.proposed.len()
             );
         }
     }
@@ -687,20 +762,61 @@ mod tests {
     /// pick is the one made without the outage.
     #[test]
     fn an_outage_that_fails_every_mode_drops_none() {
-        let (proposed, kept, dropped) = run_failing(3, |_, n| n < 12);
+        let Failing {
+            proposed,
+            kept,
+            slower,
+            failed_out,
+        } = run_failing(3, |_, n| n < 12);
         assert_eq!(kept, ShareMode::SplitAllGather, "{proposed:?}");
         // Only speed drops modes here (after the first round measured them all).
         assert_eq!(
-            dropped,
+            slower,
             [ShareMode::AllRanks, ShareMode::Rank0Broadcast],
             "{proposed:?}"
         );
+        assert!(failed_out.is_empty(), "{proposed:?}");
         let after: Vec<_> = proposed[12..].to_vec();
         for m in AUTO_MODES {
             assert!(
                 after.contains(&m),
                 "{m:?} measured after the outage: {after:?}"
             );
+        }
+    }
+
+    /// Two short outages a batch apart (a store that flaps) fail a mode again after another
+    /// mode's batch loaded, and then another mode fails too: an outage, no mode's own
+    /// failure. Nothing fails out, and the pick is the one made without them.
+    #[test]
+    fn a_flapping_store_fails_no_mode_out() {
+        for (first, second) in [(0..3, 4..6), (1..4, 5..7), (0..2, 3..5)] {
+            let got = run_failing(3, |_, n| first.contains(&n) || second.contains(&n));
+            assert!(got.failed_out.is_empty(), "{:?}", got.proposed);
+            assert_eq!(got.kept, ShareMode::SplitAllGather, "{:?}", got.proposed);
+        }
+    }
+
+    /// The last mode measured (the others dropped as slower) failing on its own account:
+    /// the modes dropped as slower are tried again, the failing one fails out, and the
+    /// fastest of the others is kept. Before, the failing mode was proposed for ever.
+    #[test]
+    fn when_the_last_live_mode_fails_the_slower_ones_come_back() {
+        use ShareMode::*;
+        // TP 8 shape: AllRanks and Rank0Broadcast drop after the first round.
+        let got = run_failing(3, |m, n| m == SplitAllGather && n >= 3);
+        assert_eq!(got.failed_out, [SplitAllGather], "{:?}", got.proposed);
+        assert_eq!(got.kept, Rank0Broadcast, "{:?}", got.proposed);
+        assert!(got.proposed.len() < 20, "{:?}", got.proposed);
+    }
+
+    proptest! {
+        /// Whatever batches fail, for however long, Auto decides once they stop failing, and
+        /// keeps a mode that did not fail out.
+        #[test]
+        fn any_failures_then_none_still_decide(pattern in proptest::collection::vec(any::<bool>(), 0..40)) {
+            let got = run_failing(3, |_, n| pattern.get(n).copied().unwrap_or(false));
+            prop_assert!(!got.failed_out.contains(&got.kept), "{:?}", got.proposed);
         }
     }
 

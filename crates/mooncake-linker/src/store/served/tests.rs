@@ -347,8 +347,9 @@ fn a_burst_of_clients_past_the_greeting_bound_is_not_cut() {
     let mut burst: Vec<_> = (0..=MAX_GREETING)
         .map(|_| silent_connection(&server))
         .collect();
-    // Every connection accepted before any hello comes: the bound's worth waiting, and the
-    // one past it accepted 100 ms later (its hello then comes well inside the grace).
+    // Every connection accepted before any hello comes (the bound's worth waiting, and the
+    // one past it, accepted right after them), the hellos 100 ms later: well inside the
+    // grace of the oldest.
     let until = Instant::now() + Duration::from_secs(5);
     while server.greeting() < MAX_GREETING {
         assert!(Instant::now() < until, "the burst was not all taken");
