@@ -2234,17 +2234,11 @@ fn a_leftover_companion_gone_before_its_discard_does_not_fail_the_save() {
 /// the save fails only after.
 #[test]
 fn a_companion_beside_an_object_whose_put_failed_is_discarded() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
-    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
-    let store: Arc<dyn KvStore> = faulty.clone();
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, StoreError};
     let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
     let tokens = prompt(27, 2, spec.page_size);
     let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
-    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
-    fill_pool(&pool, &pages, &[0, 1]);
-    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
-    let plan = load_plan(&g, 0, &pages, vec![0, 1]);
+    let (faulty, store, linker, plan) = faulty_saver(&pages);
     let keys = linker.object_keys(&plan).unwrap();
     // The first put matching page 0's object key is the object's own (objects go first).
     faulty.inject_on(
@@ -2280,17 +2274,11 @@ fn a_companion_beside_an_object_whose_put_failed_is_discarded() {
 #[test]
 fn a_save_names_every_page_whose_object_was_not_written() {
     use kvlink::kv_loader::KvLoadError;
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
-    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
-    let store: Arc<dyn KvStore> = faulty.clone();
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, StoreError};
     let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
     let tokens = prompt(28, 3, spec.page_size);
     let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
-    let pool = Arc::new(HostKvPool::new(g.clone(), 3).unwrap());
-    fill_pool(&pool, &pages, &[0, 1, 2]);
-    let linker = Linker::new(g.clone(), store, pool, config()).unwrap();
-    let plan = load_plan(&g, 0, &pages, vec![0, 1, 2]);
+    let (faulty, _, linker, plan) = faulty_saver(&pages);
     let keys = linker.object_keys(&plan).unwrap();
     // Pages 0 and 2's objects of the first component fail.
     for page in [0, 2] {
@@ -2318,17 +2306,11 @@ fn a_save_names_every_page_whose_object_was_not_written() {
 /// counted the object present) was reported skipped, as if the store held it.
 #[test]
 fn a_twin_of_a_page_not_saved_is_not_saved_either() {
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
-    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
-    let store: Arc<dyn KvStore> = faulty.clone();
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, StoreError};
     let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
     let tokens = prompt(29, 1, spec.page_size);
     let page = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None)[0];
-    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
-    fill_pool(&pool, &[page, page], &[0, 1]);
-    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
-    let plan = load_plan(&g, 0, &[page, page], vec![0, 1]);
+    let (faulty, store, linker, plan) = faulty_saver(&[page, page]);
     let keys = linker.object_keys(&plan).unwrap();
     // The read-back finds the first component's companion gone: its object is discarded.
     faulty.inject_on(
@@ -2357,17 +2339,11 @@ fn a_twin_of_a_page_not_saved_is_not_saved_either() {
 #[test]
 fn a_failed_puts_error_names_the_pages_twin() {
     use kvlink::kv_loader::KvLoadError;
-    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
-    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
-    let store: Arc<dyn KvStore> = faulty.clone();
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, StoreError};
     let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
     let tokens = prompt(30, 1, spec.page_size);
     let page = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None)[0];
-    let pool = Arc::new(HostKvPool::new(g.clone(), 2).unwrap());
-    fill_pool(&pool, &[page, page], &[0, 1]);
-    let linker = Linker::new(g.clone(), store, pool, config()).unwrap();
-    let plan = load_plan(&g, 0, &[page, page], vec![0, 1]);
+    let (faulty, _, linker, plan) = faulty_saver(&[page, page]);
     let key = linker.object_keys(&plan).unwrap()[0][0].clone();
     faulty.inject_on(
         FaultCall::Put,
@@ -2382,4 +2358,27 @@ fn a_failed_puts_error_names_the_pages_twin() {
         Err(KvLoadError::Store { pages, .. }) => assert_eq!(&pages[..], &[0, 1]),
         other => panic!("{other:?}"),
     }
+}
+
+/// A TP-1 linker saving `pages` (slot `i` for page `i`, filled) through a `FaultyStore`: the
+/// store to inject faults on, the store as the linker sees it, the linker and the save plan.
+fn faulty_saver(
+    pages: &[kvlink::kv_geometry::PageHash],
+) -> (
+    Arc<kvlink::mooncake_linker::store::FaultyStore>,
+    Arc<dyn KvStore>,
+    Linker,
+    kvlink::kv_loader::BatchPlan,
+) {
+    let faulty = Arc::new(kvlink::mooncake_linker::store::FaultyStore::new(Arc::new(
+        EmbeddedStore::new(1 << 24),
+    )));
+    let store: Arc<dyn KvStore> = faulty.clone();
+    let g = KvGeometry::new(small_spec(), 1, 0).unwrap();
+    let slots: Vec<u32> = (0..pages.len() as u32).collect();
+    let pool = Arc::new(HostKvPool::new(g.clone(), pages.len() as u32).unwrap());
+    fill_pool(&pool, pages, &slots);
+    let linker = Linker::new(g.clone(), store.clone(), pool, config()).unwrap();
+    let plan = load_plan(&g, 0, pages, slots);
+    (faulty, store, linker, plan)
 }

@@ -1008,12 +1008,14 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(3));
     }
 
-    /// A memory exchange that counts reads and waits.
+    /// A memory exchange that counts reads and waits, and whose `wait` raises when its keys
+    /// do not come in time (as torch's `TCPStore.wait` raises on its timeout) if asked to.
     #[derive(Default)]
     struct Counting {
         x: MemoryExchange,
         gets: std::sync::atomic::AtomicU64,
         waits: std::sync::atomic::AtomicU64,
+        raises: bool,
     }
 
     impl KeyValueExchange for Counting {
@@ -1035,7 +1037,10 @@ mod tests {
         fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
             self.waits
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.x.wait(keys, deadline)
+            match self.x.wait(keys, deadline)? {
+                false if self.raises => Err(ExchangeError::new("test: wait timed out")),
+                all => Ok(all),
+            }
         }
     }
 
@@ -1075,41 +1080,16 @@ mod tests {
         assert!(gets < 100, "{gets} reads, {waits} waits");
     }
 
-    /// A memory exchange whose `wait` raises when its keys do not come in time (as torch's
-    /// `TCPStore.wait` raises on its timeout).
-    #[derive(Default)]
-    struct WaitRaises(MemoryExchange);
-
-    impl KeyValueExchange for WaitRaises {
-        fn set(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), ExchangeError> {
-            self.0.set(key, value, deadline)
-        }
-        fn get(&self, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>, ExchangeError> {
-            self.0.get(key, deadline)
-        }
-        fn create(
-            &self,
-            key: &str,
-            value: &[u8],
-            deadline: Instant,
-        ) -> Result<bool, ExchangeError> {
-            self.0.create(key, value, deadline)
-        }
-        fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
-            match self.0.wait(keys, deadline)? {
-                true => Ok(true),
-                false => Err(ExchangeError::new("test: wait timed out")),
-            }
-        }
-    }
-
     /// A wait that reports its timeout as an error is "not yet": a rank that comes a second
     /// late still forms the group. Before, rank 0 took the first such error as the
     /// formation's verdict, and every joiner failed.
     #[test]
     fn a_wait_that_raises_on_its_timeout_is_not_yet() {
         use super::super::decide::tests::hello;
-        let x = WaitRaises::default();
+        let x = Counting {
+            raises: true,
+            ..Counting::default()
+        };
         let deadline = kv_loader::deadline_after(Duration::from_secs(10));
         let leader = hello(0);
         let (led, joined) = std::thread::scope(|s| {
