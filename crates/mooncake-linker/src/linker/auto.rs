@@ -341,12 +341,15 @@ impl Measured {
             .into_iter()
             .filter(|m| self.pickable(*m))
             .find(|m| self.median(*m).is_some_and(|t| t <= best * (1.0 + margin)))
+            .or_else(|| AUTO_MODES.into_iter().find(|m| self.pickable(*m)))
+            .or_else(|| self.live().next())
             .unwrap_or(ShareMode::AllRanks)
     }
 
-    /// The lowest median of the modes still measured.
+    /// The lowest median of the modes that may be kept (live, not suspected).
     fn best(&self) -> f64 {
         self.live()
+            .filter(|m| self.pickable(*m))
             .filter_map(|m| self.median(m))
             .fold(f64::INFINITY, f64::min)
     }
@@ -394,13 +397,25 @@ impl Measured {
         } else if probing {
             probes
         } else {
-            self.live().filter(|m| self.pickable(*m)).collect()
+            // Every mode waits after failing: the one whose failure is oldest, in turn (the
+            // fewest batches would pick a broken mode with none for ever).
+            return self
+                .live()
+                .filter(|m| self.pickable(*m))
+                .min_by_key(|m| self.last_failure[slot(*m)])
+                .or_else(|| self.live().next())
+                .unwrap_or(ShareMode::AllRanks);
         };
         let Some(fewest) = candidates.iter().map(|m| self.count(*m, in_flight)).min() else {
             return self.live().next().unwrap_or(ShareMode::AllRanks);
         };
         if fewest >= enough && !probing {
-            return self.leader();
+            // The leader, unless it waits after failing: then another mode runs, after which
+            // the leader is tried again.
+            let leader = self.leader();
+            if candidates.contains(&leader) {
+                return leader;
+            }
         }
         // `min_by` keeps the first of equal keys: round order.
         candidates
@@ -808,6 +823,35 @@ mod tests {
         assert_eq!(got.failed_out, [SplitAllGather], "{:?}", got.proposed);
         assert_eq!(got.kept, Rank0Broadcast, "{:?}", got.proposed);
         assert!(got.proposed.len() < 20, "{:?}", got.proposed);
+    }
+
+    /// Patterns of the third review: a mode that goes bad once the others have enough
+    /// batches, a mode with the best median that then always fails, a broken mode plus a
+    /// short outage. Each was proposed for ever (the waiting leader, a suspect taken for the
+    /// best, the fewest batches); each now decides, keeping a mode that did not fail out.
+    #[test]
+    fn a_mode_going_bad_late_or_beside_an_outage_still_decides() {
+        use ShareMode::*;
+        let same = |_: ShareMode| 1.0;
+        let ar_best = |m: ShareMode| match m {
+            AllRanks => 1.0,
+            Rank0Broadcast => 2.5,
+            SplitAllGather => 1.2,
+        };
+        let cases: [(&dyn Fn(ShareMode) -> f64, &dyn Fn(ShareMode, usize) -> bool); 3] = [
+            (&same, &|m, n| m == SplitAllGather && n >= 4),
+            (&ar_best, &|m, n| m == AllRanks && n >= 2),
+            (&base, &|m, n| m == AllRanks || (1..3).contains(&n)),
+        ];
+        for (i, (time, fails)) in cases.into_iter().enumerate() {
+            let got = run_failing_at(3, time, fails);
+            assert!(
+                !got.failed_out.contains(&got.kept),
+                "case {i}: {:?}",
+                got.proposed
+            );
+            assert!(got.proposed.len() < 40, "case {i}: {:?}", got.proposed);
+        }
     }
 
     proptest! {
