@@ -838,7 +838,9 @@ mod tests {
             Rank0Broadcast => 2.5,
             SplitAllGather => 1.2,
         };
-        let cases: [(&dyn Fn(ShareMode) -> f64, &dyn Fn(ShareMode, usize) -> bool); 3] = [
+        type Times<'a> = &'a dyn Fn(ShareMode) -> f64;
+        type Fails<'a> = &'a dyn Fn(ShareMode, usize) -> bool;
+        let cases: [(Times, Fails); 3] = [
             (&same, &|m, n| m == SplitAllGather && n >= 4),
             (&ar_best, &|m, n| m == AllRanks && n >= 2),
             (&base, &|m, n| m == AllRanks || (1..3).contains(&n)),
