@@ -177,9 +177,7 @@ fn a_rank_the_group_went_past_loads_alone_a_batch_its_peers_loaded_alone() {
 fn a_rank_the_group_went_past_fails_a_batch_a_peer_failed() {
     let timeout = Duration::from_secs(2);
     let (rs, hashes) = two_alone_ranks(timeout);
-    let mut twice = load_plan_of(&rs[1], 1, &hashes);
-    twice.slots[1] = twice.slots[0];
-    assert!(rs[1].linker.start_load(twice).is_err(), "refused");
+    refuse(&rs[1], 1, &hashes);
     // Both come once the refusal's gate gave up (queued first on rank 1's load thread).
     std::thread::sleep(timeout + Duration::from_secs(1));
     let (zero, one_2) = std::thread::scope(|s| {
@@ -204,12 +202,10 @@ fn a_rank_the_group_went_past_fails_a_batch_a_peer_failed() {
 fn a_peers_later_failure_does_not_hide_a_batch_it_loaded_alone() {
     let timeout = Duration::from_secs(3);
     let (rs, hashes) = two_alone_ranks(timeout);
-    let mut twice = load_plan_of(&rs[1], 2, &hashes);
-    twice.slots[1] = twice.slots[0];
     let (zero, one) = std::thread::scope(|s| {
         let one = s.spawn(|| {
             let one_1 = load(&rs[1], 1, &hashes);
-            assert!(rs[1].linker.start_load(twice).is_err(), "refused");
+            refuse(&rs[1], 2, &hashes);
             (one_1, load(&rs[1], 3, &hashes))
         });
         // Rank 1's gates: batch 1 until 3 s, the refusal until 6 s, batch 3 until 9 s.
@@ -240,20 +236,12 @@ fn a_peers_later_failure_does_not_hide_a_batch_it_loaded_alone() {
 fn a_rank_far_behind_fails_a_batch_a_peer_ahead_failed_after_the_group_broke() {
     let timeout = Duration::from_secs(2);
     let (rs, hashes) = two_alone_ranks(timeout);
-    let refuse = |batch| {
-        let mut twice = load_plan_of(&rs[1], batch, &hashes);
-        twice.slots[1] = twice.slots[0];
-        assert!(
-            rs[1].linker.start_load(twice).is_err(),
-            "batch {batch} refused"
-        );
-    };
-    refuse(1);
+    refuse(&rs[1], 1, &hashes);
     for batch in 2..=9 {
         let stats = load(&rs[1], batch, &hashes).expect("rank 1 alone");
         assert!(stats.alone.is_some(), "rank 1, batch {batch}: {stats:?}");
     }
-    refuse(10);
+    refuse(&rs[1], 10, &hashes);
     // The refusal's attempt to re-form the group ends by the timeout.
     std::thread::sleep(timeout + Duration::from_secs(1));
     let (zero, one_11) = std::thread::scope(|s| {
@@ -296,10 +284,13 @@ fn behind_failure(
     }
 }
 
-fn load_plan_of(
-    r: &common::tp::TpRank,
-    batch: u64,
-    hashes: &[kvlink::kv_geometry::PageHash],
-) -> kvlink::kv_loader::BatchPlan {
-    common::load_plan(r.linker.geometry(), batch, hashes, r.slots.clone())
+/// Rank `r` refuses batch `batch`: its plan names one slot twice, so `start_load` fails
+/// (the batch still goes through the gate, where the rank says it did not load it).
+fn refuse(r: &common::tp::TpRank, batch: u64, hashes: &[kvlink::kv_geometry::PageHash]) {
+    let mut twice = common::load_plan(r.linker.geometry(), batch, hashes, r.slots.clone());
+    twice.slots[1] = twice.slots[0];
+    assert!(
+        r.linker.start_load(twice).is_err(),
+        "batch {batch}: a slot twice is refused"
+    );
 }
