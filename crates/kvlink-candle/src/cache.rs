@@ -125,14 +125,19 @@ impl PagedLatentCache {
     /// [`loaded_tokens`](Self::loaded_tokens) to zero does not lift it. The new load covers
     /// the tokens given to [`new`](Self::new) (`new`'s contract: the only load into the slots
     /// covers those), also after a failed load dropped `loaded_tokens` to zero: its layers are
-    /// waited for, and fenced if it does not settle.
+    /// waited for, and fenced if it does not settle (a gate whose outcome a clone already took
+    /// answers that verdict). An open gate ([`LayerGate::open`]) covers nothing: after a
+    /// failed load its tokens stay refused until the engine writes them again.
     pub fn with_load(mut self, gate: LayerGate) -> Self {
         let out = self.gate.finish();
         self.settle(&out);
+        let attached = gate.ticket().is_some();
         self.gate = gate;
-        self.loaded_tokens = self.load_extent;
-        // The new load covers the tokens again.
-        self.recompute = None;
+        if attached {
+            // The new load covers the tokens again.
+            self.loaded_tokens = self.load_extent;
+            self.recompute = None;
+        }
         self
     }
 
@@ -162,7 +167,8 @@ impl PagedLatentCache {
         &self.pool
     }
 
-    /// The gate of the load in flight (open when none).
+    /// The gate of the load attached: open when none, and after a failed load's outcome was
+    /// taken (the fences answer for its tokens); a loaded one keeps answering its verdict.
     pub fn gate(&self) -> &LayerGate {
         &self.gate
     }
@@ -173,10 +179,11 @@ impl PagedLatentCache {
     /// tokens before the engine wrote them again gives [`CandleKvError::NotRecomputed`].
     pub fn layer(&self, layer: u32, tokens: usize) -> Result<Tensor, CandleKvError> {
         self.fence(tokens > 0, 0)?;
-        self.gate.wait(layer)?;
+        self.gate.wait_on_host(layer)?;
         self.recomputed(layer, tokens)?;
         // SAFETY: the slots are this cache's alone (`new`'s contract); the load into them has
-        // landed this layer (the wait above), and writes need `&mut self`.
+        // landed this layer (the wait above blocks the host on a device layer's event, also
+        // for a gate built `on_stream`), and writes need `&mut self`.
         unsafe { self.pool.read_tokens(layer, &self.page_table, tokens) }
     }
 
@@ -184,7 +191,7 @@ impl PagedLatentCache {
     /// first `pages` pages.
     pub fn layer_pages(&self, layer: u32, pages: usize) -> Result<Tensor, CandleKvError> {
         self.fence(pages > 0, 0)?;
-        self.gate.wait(layer)?;
+        self.gate.wait_on_host(layer)?;
         self.recomputed(layer, pages.saturating_mul(self.pool.page_size()))?;
         let have = self.page_table.len();
         let slots = self
@@ -205,7 +212,7 @@ impl PagedLatentCache {
     pub fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), CandleKvError> {
         self.fence(true, start)?;
         if self.touches(start, self.loaded_tokens) {
-            self.gate.wait(layer)?;
+            self.gate.wait_on_host(layer)?;
         }
         // SAFETY: the slots are this cache's alone (`new`'s contract), `&mut self` excludes
         // its own readers, and the load's layer has landed wherever the rows overlap it.
@@ -226,6 +233,11 @@ impl PagedLatentCache {
     pub fn finish_load(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
         let out = self.gate.finish();
         self.settle(&out);
+        if out.is_err() {
+            // The fences above answer for the failed load's tokens now: the recomputed rows
+            // are read without the gate, whose verdict would refuse every layer.
+            self.gate = LayerGate::open();
+        }
         out
     }
 

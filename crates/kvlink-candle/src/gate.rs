@@ -37,6 +37,9 @@ use crate::CandleKvError;
 pub struct LayerGate {
     inner: Option<Arc<Inner>>,
     stream: Option<RawStream>,
+    /// This gate's own `finish` ran: a second one has nothing left to take (`Ok(None)`),
+    /// while waits keep answering the verdict.
+    finished: bool,
 }
 
 /// What every clone of one gate shares: the batch, its first failed wait, and its outcome
@@ -93,6 +96,7 @@ impl LayerGate {
         LayerGate {
             inner: None,
             stream: None,
+            finished: false,
         }
     }
 
@@ -113,6 +117,7 @@ impl LayerGate {
                 events: OnceLock::new(),
             })),
             stream: None,
+            finished: false,
         }
     }
 
@@ -124,9 +129,10 @@ impl LayerGate {
         self
     }
 
-    /// True while a batch is attached (not [`open`](Self::open), not finished).
+    /// True while a batch is attached (not [`open`](Self::open)) and no clone's
+    /// [`finish`](Self::finish) has taken its outcome yet.
     pub fn is_loading(&self) -> bool {
-        self.inner.is_some()
+        self.inner.as_ref().is_some_and(|i| i.taken().is_none())
     }
 
     /// The batch's ticket, if one is attached.
@@ -138,24 +144,35 @@ impl LayerGate {
     /// A failed load gives [`CandleKvError::Load`]: recompute the prefix, into the same slots
     /// once [`finish`](Self::finish) has taken the outcome (a `Load` whose source is
     /// `SlotsHeld` means a store call may still write them until then). Once a clone's
-    /// `finish` took the outcome, every wait answers with its verdict: `Ok` when loaded, else
-    /// the error `finish` gave (also `WaitFailed` or `Unsettled`).
+    /// `finish` took the outcome (this gate's own included), every wait answers with its
+    /// verdict: `Ok` when loaded (device layers still wait on their events), else the error
+    /// `finish` gave (also `WaitFailed` or `Unsettled`).
     pub fn wait(&self, layer: u32) -> Result<(), CandleKvError> {
+        self.wait_on(layer, self.stream)
+    }
+
+    /// [`wait`](Self::wait) that blocks the host on a device layer's event whatever stream
+    /// the gate was built with: for reads and writes of the slots made by host-side copies.
+    pub(crate) fn wait_on_host(&self, layer: u32) -> Result<(), CandleKvError> {
+        self.wait_on(layer, None)
+    }
+
+    /// [`wait`](Self::wait), a device layer's event handed to `stream` (`None`: the host
+    /// blocks on it).
+    fn wait_on(&self, layer: u32, stream: Option<RawStream>) -> Result<(), CandleKvError> {
         let Some(i) = &self.inner else {
             return Ok(());
         };
-        if layer >= i.ticket.num_layers {
-            return Err(CandleKvError::LayerOutOfRange {
-                layer,
-                num_layers: i.ticket.num_layers,
-            });
+        let num_layers = i.num_layers();
+        if layer >= num_layers {
+            return Err(CandleKvError::LayerOutOfRange { layer, num_layers });
         }
         if let Some(taken) = i.taken() {
             // Another clone took the outcome: the loader has forgotten the ticket, and the
             // verdict says it all (loaded: every layer is landed or has its event), also over
             // a failed wait seen before it (a `WaitFailed` verdict: the load has ended, no
             // reset).
-            return taken.and_then(|()| i.replay(layer, self.stream));
+            return taken.and_then(|()| i.replay(layer, stream));
         }
         if let Some((l, e)) = i.failure.get() {
             return Err(CandleKvError::Load {
@@ -163,7 +180,7 @@ impl LayerGate {
                 source: e.clone(),
             });
         }
-        let Err(e) = i.wait_layer_on(layer, self.stream) else {
+        let Err(e) = i.wait_layer_on(layer, stream) else {
             return Ok(());
         };
         // Another clone may have taken the outcome meanwhile (its `finish` holds the lock
@@ -173,7 +190,7 @@ impl LayerGate {
         if let Some(v) = outcome.as_ref() {
             let verdict = v.clone().map(drop).map_err(Verdict::error);
             drop(outcome);
-            return verdict.and_then(|()| i.replay(layer, self.stream));
+            return verdict.and_then(|()| i.replay(layer, stream));
         }
         tracing::debug!(batch = %i.ticket.batch, layer, error = %e, "layer wait failed");
         let (l, e) = i.failure.get_or_init(|| (layer, e));
@@ -183,9 +200,10 @@ impl LayerGate {
         })
     }
 
-    /// Takes the batch's outcome (waiting, bounded by the loader, for it to finish) and
-    /// detaches the batch from this gate; the gate is open afterwards. `Ok(None)`: nothing was
-    /// loading. `Err(Load)`: the prefix is not in the pool; the batch's own failure is the
+    /// Takes the batch's outcome (waiting, bounded by the loader, for it to finish). The gate
+    /// keeps the verdict: every later [`wait`](Self::wait) answers with it (a failed load's
+    /// layers never read as ready), and a second `finish` of this gate returns `Ok(None)`.
+    /// `Ok(None)`: nothing was loading, or this gate finished before. `Err(Load)`: the prefix is not in the pool; the batch's own failure is the
     /// same verdict on every TP rank. `Err(WaitFailed)`: a failure only this rank's wait saw
     /// (a layer wait past its deadline on a batch that then loaded) is this rank's alone:
     /// ranks that must agree compare their verdicts themselves; the load has ended (no reset
@@ -194,9 +212,10 @@ impl LayerGate {
     /// each layer is waited for (no host block on device events: they are kept, and a clone's
     /// later wait waits on its layer's event, as before the verdict).
     pub fn finish(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
-        let Some(i) = self.inner.take() else {
+        let Some(i) = self.inner.as_ref().filter(|_| !self.finished) else {
             return Ok(None);
         };
+        self.finished = true;
         // A clone that panicked while taking the outcome left none: this one takes it.
         let mut taken = i.outcome.lock().unwrap_or_else(|p| p.into_inner());
         let verdict = taken.get_or_insert_with(|| i.take_outcome(false)).clone();
@@ -232,6 +251,12 @@ impl Drop for Inner {
 }
 
 impl Inner {
+    /// Layers of the batch: the ticket's, at most the loader's (a ticket's fields are public:
+    /// one built by hand must not size the event list past the model).
+    fn num_layers(&self) -> u32 {
+        self.ticket.num_layers.min(self.loader.num_layers())
+    }
+
     /// The verdict a clone's `finish` took, as a layer wait's answer (`None`: not taken).
     fn taken(&self) -> Option<Result<(), CandleKvError>> {
         let outcome = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
@@ -280,7 +305,7 @@ impl Inner {
     /// batch that loads anyway is failed on this rank (`WaitFailed`), since a clone's later
     /// wait could not wait on the events it missed.
     fn keep_events(&self) -> Option<(u32, KvLoadError)> {
-        let n = self.ticket.num_layers;
+        let n = self.num_layers();
         let mut events = vec![None; n as usize];
         let mut missed = None;
         if self.failure.get().is_none() {

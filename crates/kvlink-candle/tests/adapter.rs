@@ -365,6 +365,43 @@ fn a_failed_loads_tokens_are_refused_until_the_engine_writes_them_again() {
     assert_eq!(cache.layer(0, 8).unwrap().dims(), &[8, 6]);
 }
 
+/// An open gate attached after a failed load covers nothing: the failed load's tokens stay
+/// refused until the engine writes them again. Before, `with_load` counted the tokens loaded
+/// again for any gate, and with an open one the stale rows read as `Ok`.
+#[test]
+fn an_open_gate_attached_after_a_failed_load_leaves_its_tokens_refused() {
+    let mut script = MockScript::default();
+    script.fail_at_layer.insert(kv_loader::BatchId(21), 0);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(21)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    assert!(cache.finish_load().unwrap_err().is_load_failure());
+    let cache = cache.with_load(LayerGate::open());
+    assert_eq!(cache.loaded_tokens(), 0);
+    assert!(
+        matches!(cache.layer(0, 8), Err(CandleKvError::NotRecomputed { .. })),
+        "{:?}",
+        cache.layer(0, 8)
+    );
+    // A gate whose (failed) outcome a clone took answers its verdict, not stale rows.
+    let t = mock.start_load(plan(22)).unwrap();
+    let mut script_gate = LayerGate::new(mock.clone(), t);
+    let attached = script_gate.clone();
+    assert!(script_gate.finish().unwrap().is_some());
+    let mut cache = cache.with_load(attached);
+    assert_eq!(
+        cache.layer(0, 8).unwrap().dims(),
+        &[8, 6],
+        "that load landed"
+    );
+    assert!(
+        cache.finish_load().unwrap().is_some(),
+        "the clone's verdict"
+    );
+}
+
 /// Before, a later load's failure dropped the loaded tokens to zero, and with them the fence
 /// of an earlier load that had not settled: safe code could then write slots that load might
 /// still be writing.
@@ -586,9 +623,92 @@ fn a_clone_waiting_after_the_verdict_still_waits_on_the_layer_event() {
     first.wait(0).unwrap();
     assert_eq!(
         event.synchronized.load(Ordering::SeqCst),
-        before,
-        "a finished clone is open"
+        before + 1,
+        "the gate that finished answers its verdict and waits on the layer's event too"
     );
+}
+
+/// The cache reads and writes its slots by host-side copies: a layer's event is waited for
+/// on the host even when the gate hands events to a compute stream (`on_stream`), which
+/// would only order that stream's kernels after the copies, not the cache's own reads.
+/// Before, the cache's read passed the event to the stream and copied the slots at once.
+#[test]
+fn the_cache_waits_on_the_host_for_a_layer_of_a_gate_on_a_stream() {
+    let event = Arc::new(CountingEvent::default());
+    let loader = Arc::new(EventLoader {
+        inner: MockKvLoader::new(3, MockScript::default()),
+        event: event.clone(),
+        outcome_error: None,
+    });
+    let t = loader.start_load(plan(24)).unwrap();
+    // SAFETY: the fake event only compares the handle; no driver ever sees it.
+    let raw = unsafe { RawStream::from_raw(0xabc) };
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is `t` (a mock's).
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .with_load(LayerGate::new(loader.clone(), t).on_stream(raw));
+    cache.layer(1, 8).unwrap();
+    cache.write(2, 0, &rows(1, 0.0)).unwrap();
+    assert_eq!(event.synchronized.load(Ordering::SeqCst), 2, "host waits");
+    assert_eq!(event.streamed.load(Ordering::SeqCst), 0);
+    cache.gate().wait(1).unwrap();
+    assert_eq!(
+        event.streamed.load(Ordering::SeqCst),
+        1,
+        "the gate's own wait"
+    );
+    assert!(cache.finish_load().unwrap().is_some());
+}
+
+/// A gate's own `finish` keeps its verdict: a later wait on it answers the failure, as a
+/// clone's does. Before, `finish` left the gate open, and every later wait said the failed
+/// load's layers were ready.
+#[test]
+fn a_gate_that_finished_a_failed_load_keeps_refusing_its_layers() {
+    let mut script = MockScript::default();
+    script.fail_at_layer.insert(kv_loader::BatchId(23), 1);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(23)).unwrap();
+    let mut gate = LayerGate::new(mock.clone(), ticket);
+    let clone = gate.clone();
+    assert!(gate.is_loading() && clone.is_loading());
+    assert!(gate.finish().unwrap_err().is_load_failure());
+    assert!(
+        !gate.is_loading() && !clone.is_loading(),
+        "the outcome is taken"
+    );
+    for (which, g) in [("finished", &gate), ("clone", &clone)] {
+        for layer in 0..3 {
+            let e = g.wait(layer).unwrap_err();
+            assert!(e.is_load_failure(), "{which}, layer {layer}: {e}");
+        }
+    }
+    assert!(gate.finish().unwrap().is_none(), "nothing left to take");
+}
+
+/// A ticket's fields are public: one built by hand with a huge layer count is held to the
+/// loader's layers (no event list sized by it, no wait past the model). Before, `finish`
+/// sized its event list by the ticket: 64 GiB for `u32::MAX` layers.
+#[test]
+fn a_hand_built_ticket_is_held_to_the_loaders_layers() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let real = mock.start_load(plan(25)).unwrap();
+    let forged = LoadTicket {
+        num_layers: u32::MAX,
+        ..real
+    };
+    let mut gate = LayerGate::new(mock.clone(), forged);
+    assert!(matches!(
+        gate.wait(3),
+        Err(CandleKvError::LayerOutOfRange {
+            layer: 3,
+            num_layers: 3
+        })
+    ));
+    // The mock knows the ticket it gave, not the forged one: stale, and no outcome taken
+    // (the event list is held to 3 layers on the way).
+    let e = gate.finish().unwrap_err();
+    assert!(e.needs_reset(), "{e}");
+    assert!(mock.wait_batch(&real).unwrap().result.is_ok());
 }
 
 /// A layer whose event `finish` could not keep (its wait failed, here past its deadline, on
