@@ -242,9 +242,12 @@ impl std::fmt::Display for SocketError {
     }
 }
 
+/// Transparent, as thiserror's `#[error(transparent)]`: the display is the `io::Error`'s,
+/// so the source is the `io::Error`'s own (a chain walker prints the socket's error once;
+/// [`io`](SocketError::io) gives the `io::Error` itself).
 impl std::error::Error for SocketError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.0)
+        self.0.source()
     }
 }
 
@@ -312,9 +315,12 @@ impl std::fmt::Display for FormationFailure {
     }
 }
 
+/// Transparent, as thiserror's `#[error(transparent)]`: the display is the formation's
+/// error's, so the source is that error's own ([`error`](FormationFailure::error) gives the
+/// error itself).
 impl std::error::Error for FormationFailure {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.error)
+        self.error.source()
     }
 }
 
@@ -719,5 +725,39 @@ mod error_tests {
             e.to_string(),
             "broadcast_rows #7: rank 1: socket to rank 2: reset by peer"
         );
+        // A chain walker prints the socket's error once: the wrapper is transparent.
+        let texts = chain(&e);
+        assert_eq!(
+            texts.iter().filter(|t| t.contains("reset by peer")).count(),
+            2,
+            "the operation's line and the socket's: {texts:?}"
+        );
+    }
+
+    /// Every level's text of `e` and its sources.
+    fn chain(e: &dyn std::error::Error) -> Vec<String> {
+        std::iter::successors(Some(e), |e| e.source())
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    /// Before, `FormationFailure` displayed its error and gave it as its source too, so a
+    /// chain walker printed the formation's error twice below the `Formation` line.
+    #[test]
+    fn a_formation_failure_is_transparent() {
+        let io = std::io::Error::other("rank 0 unreachable");
+        let e = CollectiveError::Formation {
+            epoch: 3,
+            missing: vec![],
+            detail: "rendezvous failed".into(),
+            cause: Some(FormationFailure::new(io, false)),
+        };
+        let texts = chain(&e);
+        assert_eq!(texts.len(), 2, "{texts:?}");
+        assert_eq!(texts[1], "rank 0 unreachable");
+        let Some(CollectiveError::Formation { cause: Some(f), .. }) = Some(&e) else {
+            unreachable!()
+        };
+        assert!(f.error().downcast_ref::<std::io::Error>().is_some());
     }
 }
