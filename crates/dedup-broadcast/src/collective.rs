@@ -30,10 +30,12 @@ pub enum CollectiveError {
         /// Ranks that had not issued it.
         missing: Vec<u32>,
     },
-    /// The group had given this operation up before this rank issued it (this rank arrived
-    /// late, after another rank's deadline or a failure); `missing` are the ranks that had not
-    /// arrived when it was given up (this rank among them), `cause` why.
-    #[error("{op} #{seq}: given up before this rank arrived ({cause}); missing ranks {missing:?}")]
+    /// The operation was given up, `cause` says why: the group gave it up before this rank
+    /// issued it (this rank arrived late, after another rank's deadline or a failure), or the
+    /// handle was aborted or broken before or while it ran (an NCCL communicator aborted, a
+    /// socket group's handle broken). `missing` are the ranks known not to have arrived when
+    /// it was given up (empty where the transport cannot tell).
+    #[error("{op} #{seq}: given up ({cause}); missing ranks {missing:?}")]
     Aborted {
         /// The operation.
         op: &'static str,
