@@ -287,6 +287,15 @@ impl Group {
         let (size, op) = (self.size, desc.kind.name());
         let mut st = self.state.lock();
         if let Some(cause) = st.broken.clone() {
+            // A round its peers issued before the abort is left by this rank too, so that it
+            // can be dropped (its arrivals' values and events were kept until every handle
+            // was dropped).
+            if let Some(round) = st.rounds.get_mut(&seq) {
+                if let Some(t) = round.touched.get_mut(rank as usize) {
+                    *t = true;
+                }
+                st.leave(seq);
+            }
             return Err(CollectiveError::Aborted {
                 op,
                 seq,
@@ -423,5 +432,40 @@ impl Group {
                 Fate::Open => self.wait_open(rank, st, seq, op, deadline),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::{Collective, InProcessGroup};
+
+    /// Before, a rank that came to a round after the group was aborted was turned away
+    /// without leaving it: the round (its arrivals' values, a device round's events) stayed
+    /// until every handle was dropped.
+    #[test]
+    fn a_round_an_abort_failed_is_dropped_once_the_late_rank_comes() {
+        let ranks = InProcessGroup::new(3);
+        let deadline = kv_loader::deadline_after(Duration::from_secs(20));
+        std::thread::scope(|s| {
+            let early: Vec<_> = ranks[..2]
+                .iter()
+                .map(|c| s.spawn(move || c.all_gather_u64(u64::from(c.rank()), deadline)))
+                .collect();
+            while ranks[0].group.state.lock().rounds.is_empty() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            ranks[0].abort("test");
+            for h in early {
+                assert!(h.join().unwrap().is_err(), "aborted");
+            }
+        });
+        let late = ranks[2].all_gather_u64(2, deadline).unwrap_err();
+        assert!(
+            matches!(late, crate::CollectiveError::Aborted { .. }),
+            "{late}"
+        );
+        assert!(ranks[0].group.state.lock().rounds.is_empty());
     }
 }
