@@ -46,7 +46,9 @@
 //!
 //! What NCCL cannot tell: which rank is missing (`Timeout::missing` is empty), nor a length
 //! or root that differs between ranks (a mismatch shows as a timeout or garbage, not as
-//! `SizeMismatch`): the plan gate and the status exchange keep ranks in step.
+//! `SizeMismatch`): the plan gate and the status exchange keep ranks in step. An empty
+//! operation (no bytes) still meets the peers: NCCL discards an empty collective at once,
+//! without waiting for anyone, so the comm thread moves one byte of its scratch instead.
 //!
 //! **Re-forming.** An aborted handle is [`broken`](Collective::broken); so are its peers of the
 //! same [`NcclGroup::new_in_process`] group once one of them is aborted (they share a flag).

@@ -676,25 +676,29 @@ impl Worker {
         self.check_root(op, seq, root)?;
         let host = self.residence(op, seq, &buf).map_err(Fail::Error)?;
         self.drain_last(deadline)?;
-        let ptr = if host {
+        let (ptr, count) = if buf.len == 0 {
+            // NCCL discards an empty collective without meeting any peer: one byte of
+            // scratch moves instead, so a rank alone still waits for its peers.
+            (self.scratch(1).map_err(Fail::Error)?, 1)
+        } else if host {
             let s = self.scratch(buf.len).map_err(Fail::Error)?;
             if self.rank == root {
                 self.h2d(s, buf.addr, buf.len)?;
             }
-            s
+            (s, buf.len)
         } else {
-            buf.addr as u64
+            (buf.addr as u64, buf.len)
         };
         let timer = self.timer();
-        // SAFETY: `ptr` is device memory of this rank's GPU valid for `buf.len` bytes (the
-        // caller's device buffer under the Collective memory contract, or our scratch); the
-        // broadcast is in place (NCCL allows sendbuff == recvbuff); the comm and stream are
-        // ours and live.
+        // SAFETY: `ptr` is device memory of this rank's GPU valid for `count` bytes (the
+        // caller's device buffer under the Collective memory contract, or our scratch of at
+        // least 64 KiB); the broadcast is in place (NCCL allows sendbuff == recvbuff); the
+        // comm and stream are ours and live.
         let r = unsafe {
             sys::ncclBroadcast(
                 ptr as *const c_void,
                 ptr as *mut c_void,
-                buf.len,
+                count,
                 sys::ncclDataType_t::ncclUint8,
                 root as c_int,
                 self.comm,
@@ -708,7 +712,7 @@ impl Worker {
         let ev = self.record(seq as u32)?;
         self.complete(&ev, deadline)?;
         self.last = None;
-        if host && self.rank != root {
+        if host && self.rank != root && buf.len > 0 {
             self.d2h((buf.addr, ptr, buf.len), seq, deadline)?;
         }
         Ok(Reply::Done {
@@ -751,23 +755,28 @@ impl Worker {
             )));
         }
         self.drain_last(deadline)?;
-        let (sptr, rptr) = if send_host {
+        let (sptr, rptr, count) = if n == 0 {
+            // As in `broadcast`: one byte per rank of scratch, so that the ranks meet.
+            let s = self.scratch(size).map_err(Fail::Error)?;
+            (s + self.rank as u64, s, 1)
+        } else if send_host {
             let s = self.scratch(recv.len).map_err(Fail::Error)?;
             let mine = s + (self.rank as usize * n) as u64;
             self.h2d(mine, send.addr, n)?;
-            (mine, s)
+            (mine, s, n)
         } else {
-            (send.addr as u64, recv.addr as u64)
+            (send.addr as u64, recv.addr as u64, n)
         };
         let timer = self.timer();
-        // SAFETY: `sptr` holds `n` readable bytes and `rptr` `size * n` writable bytes of this
-        // rank's GPU (the caller's device buffers under the Collective contract, or our
-        // scratch, in place at this rank's slot as NCCL allows); comm and stream are ours.
+        // SAFETY: `sptr` holds `count` readable bytes and `rptr` `size * count` writable bytes
+        // of this rank's GPU (the caller's device buffers under the Collective contract, or
+        // our scratch of at least 64 KiB, in place at this rank's slot as NCCL allows); comm
+        // and stream are ours.
         let r = unsafe {
             sys::ncclAllGather(
                 sptr as *const c_void,
                 rptr as *mut c_void,
-                n,
+                count,
                 sys::ncclDataType_t::ncclUint8,
                 self.comm,
                 self.stream(),
@@ -780,7 +789,7 @@ impl Worker {
         let ev = self.record(seq as u32)?;
         self.complete(&ev, deadline)?;
         self.last = None;
-        if recv_host {
+        if recv_host && n > 0 {
             self.d2h((recv.addr, rptr, recv.len), seq, deadline)?;
         }
         Ok(Reply::Done {
@@ -808,14 +817,22 @@ impl Worker {
         if let Some(ev) = &after {
             self.wait_after(op, seq, ev)?;
         }
-        // SAFETY: `buf` is device memory of this rank's GPU valid for `buf.len` bytes until
-        // the returned event completes (the caller's contract for broadcast_device); in place;
-        // comm and stream are ours.
+        // An empty region moves one byte of scratch, as in `broadcast`. The scratch stays
+        // until a host operation replaces it, and every host operation drains this one first.
+        let (ptr, count) = if buf.len == 0 {
+            (self.scratch(1).map_err(Fail::Error)?, 1)
+        } else {
+            (buf.addr as u64, buf.len)
+        };
+        // SAFETY: `ptr` is device memory of this rank's GPU valid for `count` bytes until
+        // the returned event completes (the caller's contract for broadcast_device, or our
+        // scratch, freed only after a drain of this operation); in place; comm and stream are
+        // ours.
         let r = unsafe {
             sys::ncclBroadcast(
-                buf.addr as *const c_void,
-                buf.addr as *mut c_void,
-                buf.len,
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                count,
                 sys::ncclDataType_t::ncclUint8,
                 root as c_int,
                 self.comm,
@@ -863,15 +880,23 @@ impl Worker {
         if let Some(ev) = &after {
             self.wait_after(op, seq, ev)?;
         }
-        // SAFETY: `send` (n bytes) and `recv` (size × n bytes) are device memory of this
-        // rank's GPU, valid and untouched by other work until the returned event completes
-        // (the caller's contract for all_gather_device); in place or disjoint (checked); comm
-        // and stream are ours.
+        // Empty: one byte per rank of scratch, as in `broadcast_async`.
+        let (sptr, rptr, count) = if n == 0 {
+            let s = self.scratch(self.size as usize).map_err(Fail::Error)?;
+            (s + u64::from(self.rank), s, 1)
+        } else {
+            (send.addr as u64, recv.addr as u64, n)
+        };
+        // SAFETY: `sptr` (count bytes) and `rptr` (size × count bytes) are device memory of
+        // this rank's GPU, valid and untouched by other work until the returned event
+        // completes (the caller's contract for all_gather_device, or our scratch of at least
+        // 64 KiB, freed only after a drain of this operation); in place or disjoint
+        // (checked); comm and stream are ours.
         let r = unsafe {
             sys::ncclAllGather(
-                send.addr as *const c_void,
-                recv.addr as *mut c_void,
-                n,
+                sptr as *const c_void,
+                rptr as *mut c_void,
+                count,
                 sys::ncclDataType_t::ncclUint8,
                 self.comm,
                 self.stream(),
