@@ -27,6 +27,7 @@ use std::time::Instant;
 
 use kv_loader::{BatchId, KvLoadError, StoreFailure};
 use parking_lot::Mutex;
+use tracing::debug;
 
 /// One preflight check running on a helper thread (or already done inline, when no thread
 /// could be started), joined once.
@@ -207,8 +208,9 @@ impl PreflightChecks<'_> {
     /// word, less a margin; alone: when the checks' own store calls are over). A verdict the
     /// group needs that is not in by then fails the batch ([`StoreFailure::RpcTimeout`]).
     /// When the group's read failed (`read_failed`) the sizes, and on the first group the
-    /// companions, are taken if they come in by `by` (a wrong-sized object explains a failed
-    /// read better than the read does), else the read's error stands. The companions' error comes first:
+    /// companions, are taken if they come in by `by` and name a bad object (a wrong-sized
+    /// object explains a failed read better than the read does: [`names_an_object`]), else
+    /// the read's error stands (a size query that merely failed says less than the read). The companions' error comes first:
     /// a companion that does not fit checks its object's size itself, and says
     /// [`PlanError::ObjectSize`](kv_loader::PlanError::ObjectSize) when that is why.
     pub(crate) fn due(
@@ -226,14 +228,14 @@ impl PreflightChecks<'_> {
         // says more than the read); else the read's own error stands.
         let companions = match (first, read_failed) {
             (false, _) => Ok(()),
-            (true, true) => self.companions.verdict_by(by).unwrap_or(Ok(())),
+            (true, true) => says_more(self.companions.verdict_by(by)),
             (true, false) => self.companions.required_by(by),
         };
         // Known once the companions' verdict is in (from the first group on, unless it
         // was not in time, and then the batch has failed).
         let covered = self.covered.load(Ordering::Acquire);
         let sizes = if read_failed {
-            self.sizes.verdict_by(by).unwrap_or(Ok(()))
+            says_more(self.sizes.verdict_by(by))
         } else if (first && !covered) || last {
             self.sizes.required_by(by)
         } else if self.sizes.is_done() {
@@ -245,10 +247,46 @@ impl PreflightChecks<'_> {
     }
 }
 
+/// A verdict taken after a failed read (`None`: not in by the bound): its failure when it
+/// names a bad object, else `Ok` (the read's own error stands).
+fn says_more(verdict: Option<Result<(), KvLoadError>>) -> Result<(), KvLoadError> {
+    match verdict {
+        Some(Err(e)) if names_an_object(&e) => Err(e),
+        Some(Err(e)) => {
+            debug!(error = %e, "preflight failure after a failed read: the read's error stands");
+            Ok(())
+        }
+        Some(Ok(())) | None => Ok(()),
+    }
+}
+
+/// Whether `e` says an object is bad (wrong-sized, or failing its checksum companion): that
+/// explains a failed read of it better than the read's own error.
+pub(crate) fn names_an_object(e: &KvLoadError) -> bool {
+    matches!(
+        e,
+        KvLoadError::InvalidPlan {
+            reason: kv_loader::PlanError::ObjectSize { .. },
+            ..
+        } | KvLoadError::BadObject { .. }
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::{Duration, Instant};
+
+    fn wrong_size() -> Result<(), KvLoadError> {
+        Err(KvLoadError::InvalidPlan {
+            batch: BatchId(1),
+            reason: kv_loader::PlanError::ObjectSize {
+                key: "k".into(),
+                expected: 2,
+                actual: 1,
+            },
+        })
+    }
 
     static COVERED: AtomicBool = AtomicBool::new(true);
 
@@ -455,13 +493,33 @@ mod tests {
                 companions: Check::passed(BatchId(1), "companions"),
                 sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", |_| {
                     std::thread::sleep(Duration::from_millis(50));
-                    failed("wrong size")
+                    wrong_size()
+                }),
+                covered: &COVERED,
+                first_read: None,
+            };
+            assert!(names_an_object(&checks.due(1, 5, true, far()).unwrap_err()));
+        });
+    }
+
+    /// Before, any failure of the checks replaced a failed read's error: a size query that
+    /// timed out turned a short read at layer 0 into an RPC timeout at no layer.
+    #[test]
+    fn a_failed_read_keeps_its_error_over_checks_that_merely_failed() {
+        std::thread::scope(|s| {
+            let mut checks = PreflightChecks {
+                companions: Check::spawn(s, "c".into(), BatchId(1), "companions", |_| {
+                    failed("companion read failed")
+                }),
+                sizes: Check::spawn(s, "s".into(), BatchId(1), "sizes", |_| {
+                    failed("size query failed")
                 }),
                 covered: &COVERED,
                 first_read: None,
             };
             assert!(
-                matches!(checks.due(1, 5, true, far()), Err(KvLoadError::Config(m)) if m.detail() == "wrong size")
+                checks.due(0, 2, true, far()).is_ok(),
+                "the read's error stands"
             );
         });
     }
