@@ -17,12 +17,15 @@ use common::tp::{
     TpRank,
 };
 use common::{load_plan, wait_all};
+use kvlink::kv_device::HostKvPool;
 use kvlink::kv_device::ScatterStrategy;
-use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, PageHash, RowUnit};
+use kvlink::kv_geometry::{
+    ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash, RowUnit,
+};
 use kvlink::kv_loader::{KvLoader, LoadStats, ShareMode};
 use kvlink::mooncake_linker::dedup_broadcast::ModeChoice;
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
-use kvlink::mooncake_linker::{LinkerConfig, ReadGranularity, TpGroup};
+use kvlink::mooncake_linker::{Linker, LinkerConfig, ReadGranularity, TpGroup};
 
 const MODES: [ShareMode; 3] = [
     ShareMode::AllRanks,
@@ -247,6 +250,39 @@ fn configured_zero_compute_reads_in_the_fewest_calls() {
         .map(|i| rank_byte(&pages[7], &c, 0, 11, i))
         .collect();
     assert_eq!(got, want);
+}
+
+/// A rank of several that loads with no group (no sharing; or alone while its group is down)
+/// reads beside every other rank: each call is held to the bytes in flight divided by the
+/// ranks. Before, such a rank planned as the only reader, and with every rank reading at once
+/// the store had TP times the bytes in flight (its calls could outlive the read lease).
+#[test]
+fn a_rank_without_a_group_shares_the_bytes_in_flight_with_the_other_ranks() {
+    let store = store();
+    let cfg = LinkerConfig {
+        read_granularity: ReadGranularity::Adaptive {
+            max_layers_per_call: 5,
+            compute_per_layer: Some(Duration::ZERO),
+            prior: ReadGranularity::DEFAULT_PRIOR,
+        },
+        ..config(ShareMode::AllRanks, ReadGranularity::default())
+    };
+    let pages = common::tp::save(&spec(), 2, store.clone(), 8, &cfg);
+    let g = KvGeometry::new(spec(), 2, 0).unwrap();
+    // Room for two of this rank's widest layers in flight: one call each per rank of two.
+    let widest = g.max_layer_bytes_per_page() * pages.len() as u64;
+    let cfg = LinkerConfig {
+        read_bytes_in_flight: 2 * widest,
+        ..cfg
+    };
+    let pool = Arc::new(HostKvPool::new(g.clone(), pages.len() as u32).unwrap());
+    let linker = Linker::new(g.clone(), store, pool, cfg).unwrap();
+    let slots: Vec<u32> = (0..pages.len() as u32).collect();
+    let t = linker.start_load(load_plan(&g, 1, &pages, slots)).unwrap();
+    wait_all(&linker, &t).unwrap();
+    let s = linker.wait_batch(&t).unwrap().result.unwrap();
+    assert!(s.read_groups.iter().all(|&n| n == 1), "{:?}", s.read_groups);
+    linker.close().unwrap();
 }
 
 /// Rank 0 of `Rank0Broadcast` reads its next group while its exchange loop still shares the

@@ -177,6 +177,8 @@ impl LayerPipeline<'_> {
                     // every peer's; alone, the spawn's error is.
                     tracing::error!(batch = %self.job.plan.logical.batch, error = %e,
                         "no reader thread: the batch fails");
+                    // The peers read why from this rank's status words.
+                    h.reader_stopped(format!("no reader thread could be started: {e}"));
                     h.reader_done();
                     let exchanged = self.exchange_loop(h);
                     let alone = KvLoadError::internal(
@@ -222,10 +224,13 @@ impl LayerPipeline<'_> {
             .collect();
         let c = &self.inner.config;
         // The ranks of the group that read at the same time in this mode share the store's
-        // bytes in flight (rank 0 alone in Rank0Broadcast).
+        // bytes in flight (rank 0 alone in Rank0Broadcast). A rank of several with no group
+        // (no sharing, or loading alone while the group is down) reads beside every other
+        // rank, which do the same.
         let readers = match (self.coll, layers.mode) {
-            (None, _) | (_, ShareMode::Rank0Broadcast) => 1,
+            (Some(_), ShareMode::Rank0Broadcast) => 1,
             (Some(coll), _) => u64::from(coll.size().max(1)),
+            (None, _) => u64::from(self.inner.geometry.tp_size().max(1)),
         };
         let limits = CallLimits {
             time: c.layer_read_timeout / 4,
