@@ -14,24 +14,38 @@ use kvlink::kv_device::{
     ReadTarget, SaveGather, SharePath, ShareSide, StageLoan, StoreRegion,
 };
 use kvlink::kv_geometry::{
-    ComponentId, ComponentSpec, ElementType, KvGeometry, ModelKvSpec, RowUnit,
+    checksum_key, ComponentId, ComponentSpec, ElementType, KeyScheme, KvGeometry, ModelKvSpec,
+    RowUnit,
 };
 use kvlink::kv_loader::{KvLoadError, KvLoader, LayerReady, TransferBytes};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore};
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
-/// A host landing that lends only the first `stages` of its stages, and panics opening layer
-/// `panic_at` (a defect of a landing an engine supplied).
-struct OneStage(DirectLanding, usize, Option<u32>);
+/// A host landing's defects (as in one an engine supplied): it lends only the first
+/// `stages` of its stages, panics opening layer `panic_at`, and gives plan page `short_page`'s
+/// slices one byte short.
+#[derive(Clone, Copy)]
+struct Defects {
+    stages: usize,
+    panic_at: Option<u32>,
+    short_page: Option<usize>,
+}
+
+/// A host landing with [`Defects`].
+struct OneStage(DirectLanding, Defects);
 
 impl LayerLanding for OneStage {
     fn take_stages(&mut self) -> Vec<LayerStage> {
-        self.0.take_stages().into_iter().take(self.1).collect()
+        self.0
+            .take_stages()
+            .into_iter()
+            .take(self.1.stages)
+            .collect()
     }
     fn open(&self, stage: &mut LayerStage, layer: u32, by: Instant) -> Result<(), DeviceError> {
         assert_ne!(
             Some(layer),
-            self.2,
+            self.1.panic_at,
             "injected: the landing panics opening layer {layer}"
         );
         self.0.open(stage, layer, by)
@@ -53,7 +67,11 @@ impl LayerLanding for OneStage {
         component: ComponentId,
         plan_page: usize,
     ) -> Result<&'s [u8], DeviceError> {
-        self.0.target_bytes(stage, component, plan_page)
+        let bytes = self.0.target_bytes(stage, component, plan_page)?;
+        Ok(match self.1.short_page {
+            Some(p) if p == plan_page => &bytes[..bytes.len().saturating_sub(1)],
+            _ => bytes,
+        })
     }
     fn land(&self, stage: &mut LayerStage) -> Result<LayerReady, DeviceError> {
         self.0.land(stage)
@@ -69,7 +87,7 @@ impl LayerLanding for OneStage {
     }
 }
 
-struct OneStageLandings(Arc<HostKvPool>, usize, Option<u32>);
+struct OneStageLandings(Arc<HostKvPool>, Defects);
 
 impl LandingFactory for OneStageLandings {
     fn begin(
@@ -78,7 +96,7 @@ impl LandingFactory for OneStageLandings {
         shape: BatchShape,
     ) -> Result<Box<dyn LayerLanding>, DeviceError> {
         let direct = DirectLanding::new(self.0.clone(), slots, shape)?;
-        Ok(Box::new(OneStage(direct, self.1, self.2)))
+        Ok(Box::new(OneStage(direct, self.1)))
     }
     fn store_regions(&self) -> Vec<StoreRegion> {
         Vec::new()
@@ -94,27 +112,47 @@ impl LandingFactory for OneStageLandings {
 /// A linker over a one-stage landing, and batch 1 of a 3-page prefix of `spec` saved for it,
 /// started into slots `slots`: the linker, the ticket, the pool and the prefix's pages.
 fn one_stage_load(spec: ModelKvSpec, slots: Vec<u32>) -> OneStageLoad {
-    landing_load(spec, slots, 1, None)
+    let defects = Defects {
+        stages: 1,
+        panic_at: None,
+        short_page: None,
+    };
+    landing_load(spec, slots, defects)
 }
 
-/// [`one_stage_load`] over a landing of `stages` stages that panics opening layer `panic_at`.
-fn landing_load(
+/// [`one_stage_load`] over a landing with `defects`.
+fn landing_load(spec: ModelKvSpec, slots: Vec<u32>, defects: Defects) -> OneStageLoad {
+    landing_load_with(spec, slots, defects, true)
+}
+
+/// [`landing_load`], the objects' checksum companions removed first unless `companions`
+/// (objects as another writer saves them).
+fn landing_load_with(
     spec: ModelKvSpec,
     slots: Vec<u32>,
-    stages: usize,
-    panic_at: Option<u32>,
+    defects: Defects,
+    companions: bool,
 ) -> OneStageLoad {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
     let cfg = LinkerConfig::default();
     let tokens = prompt(31, 3, spec.page_size);
     let pages = save_prefix(&spec, store.clone(), &tokens, &cfg);
     let g = KvGeometry::new(spec, 1, 0).unwrap();
+    if !companions {
+        let scheme = KeyScheme::new(&cfg.namespace.resolve(&g), 0, 0, 0);
+        for page in &pages {
+            for c in g.components() {
+                let key = checksum_key(&scheme.object_key(page, c));
+                assert_eq!(store.remove(&[key.as_str()]), vec![Ok(())], "{key}");
+            }
+        }
+    }
     let pool = Arc::new(HostKvPool::new(g.clone(), 3).unwrap());
     let linker = Linker::with_landings(
         g.clone(),
-        store,
+        store.clone(),
         pool.clone(),
-        Arc::new(OneStageLandings(pool.clone(), stages, panic_at)),
+        Arc::new(OneStageLandings(pool.clone(), defects)),
         cfg,
         None,
     )
@@ -125,10 +163,12 @@ fn landing_load(
         t,
         pool,
         pages,
+        store,
     }
 }
 
 struct OneStageLoad {
+    store: Arc<dyn KvStore>,
     linker: Linker,
     t: kvlink::kv_loader::LoadTicket,
     pool: Arc<HostKvPool>,
@@ -142,7 +182,12 @@ struct OneStageLoad {
 fn a_landing_that_panics_fails_the_batch_naming_the_panic() {
     let spec = small_spec();
     assert!(spec.num_layers >= 3);
-    let OneStageLoad { linker, t, .. } = landing_load(spec, vec![0, 1, 2], 4, Some(1));
+    let defects = Defects {
+        stages: 4,
+        panic_at: Some(1),
+        short_page: None,
+    };
+    let OneStageLoad { linker, t, .. } = landing_load(spec, vec![0, 1, 2], defects);
     let outcome = linker.wait_batch(&t).unwrap().result;
     assert!(
         matches!(&outcome, Err(e @ KvLoadError::Internal { .. })
@@ -174,8 +219,47 @@ fn a_one_layer_model_loads_through_one_stage() {
         t,
         pool,
         pages,
+        ..
     } = one_stage_load(spec, vec![2, 0, 1]);
     linker.wait_layer(&t, 0).unwrap();
     linker.wait_batch(&t).unwrap().result.unwrap();
     pool_matches(&pool, &pages, &[2, 0, 1], 1).unwrap();
+}
+
+/// A landed slice that does not fit its layout (one byte short) is the landing's defect, not
+/// the object's: the store read returned every byte. The batch fails as internal and the
+/// objects stay. Before, the check took it for a bad object and discarded it from the store
+/// (at once without a companion; after reading the companion again with one).
+#[test]
+fn a_landing_slice_that_does_not_fit_fails_the_batch_and_keeps_the_object() {
+    for companions in [true, false] {
+        let defects = Defects {
+            stages: 4,
+            panic_at: None,
+            short_page: Some(0),
+        };
+        let OneStageLoad {
+            linker,
+            t,
+            pages,
+            store,
+            ..
+        } = landing_load_with(small_spec(), vec![0, 1, 2], defects, companions);
+        let g = linker.geometry().clone();
+        let scheme = KeyScheme::new(&LinkerConfig::default().namespace.resolve(&g), 0, 0, 0);
+        let outcome = linker.wait_batch(&t).unwrap().result;
+        assert!(
+            matches!(&outcome, Err(e @ KvLoadError::Internal { .. })
+                if e.to_string().contains("does not fit its layout")),
+            "companions {companions}: {outcome:?}"
+        );
+        for c in g.components() {
+            let key = scheme.object_key(&pages[0], c);
+            assert_eq!(
+                store.exists(&[key.as_str()]),
+                vec![Ok(true)],
+                "companions {companions}: `{key}` kept"
+            );
+        }
+    }
 }

@@ -396,6 +396,22 @@ impl LayerCheck<'_> {
                 }
                 Err(e) => e,
             };
+            if landing_misfit(&e) {
+                // The read returned the object's bytes in full (checked as it returned): a
+                // slice that does not fit the layout is this rank's landing's doing, and the
+                // object is kept.
+                return Err(KvLoadError::internal(
+                    self.batch,
+                    kv_loader::Cause::with_source(
+                        format!(
+                            "layer {layer}: the landed slice of `{}` does not fit its layout \
+                             (a defect of the landing; the object is kept)",
+                            row.component.keys.get(row.page).map_or("?", String::as_str)
+                        ),
+                        e,
+                    ),
+                ));
+            }
             let Some(companion) = row.companion else {
                 return Err(self.inner.bad_object(
                     self.batch,
@@ -536,6 +552,13 @@ impl<'a> Row<'a> {
     fn sums(&self) -> Option<&'a ObjectChecksums> {
         self.companion.map(|c| &**c.published())
     }
+}
+
+/// Whether a row's check failed on the slice the landing gave (its length, or a layer its
+/// component's layout does not carry), not on the object's bytes: the store read returned
+/// every byte it was asked for, so such a failure is never the object's.
+fn landing_misfit(e: &ChecksumError) -> bool {
+    matches!(e, ChecksumError::Length { .. } | ChecksumError::NoLayer(_))
 }
 
 /// Most threads one layer's check starts, whatever `verify_threads` says.
