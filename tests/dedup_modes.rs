@@ -495,6 +495,62 @@ fn auto_measures_again_a_mode_whose_batch_failed_on_a_middle_rank() {
     assert!(later.contains(&ShareMode::Rank0Broadcast), "{later:?}");
 }
 
+/// A mode `Auto` kept that then fails every batch is given up for one that loads. TP 3, nine
+/// pages of a replicated `k`: once Auto has kept a mode, a read that only some modes make
+/// fails for good: rank 1's `k` of page 4 (read there by `AllRanks` and `SplitAllGather`), or,
+/// when `Rank0Broadcast` was kept, rank 0's `k` of page 8 (`AllRanks` and `Rank0Broadcast`).
+/// After three failures in a row one batch tries another mode (a second one when that fails
+/// too), the kept mode fails once more and is given up, and Auto keeps the one mode that
+/// loads. Before, a kept mode was never revisited: every later batch failed.
+#[test]
+fn auto_gives_up_a_kept_mode_that_goes_bad() {
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let (rs, pages) = ranks(&auto_spec(), 3, store, 9, &auto_cfg());
+    let mut batch = 1;
+    while rs[0].linker.auto_decision().is_none() && batch <= 24 {
+        let modes = modes_of(&rs, batch, &pages);
+        assert!(modes.iter().all(Result::is_ok), "{modes:?}");
+        batch += 1;
+    }
+    let kept = rs[0].linker.auto_decision().expect("decided");
+    let (rank, page, survivor) = match kept {
+        ShareMode::Rank0Broadcast => (0, 8, ShareMode::SplitAllGather),
+        _ => (1, 4, ShareMode::Rank0Broadcast),
+    };
+    let g = rs[rank].linker.geometry().clone();
+    let k_keys = rs[rank]
+        .linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0; 9]))
+        .unwrap()
+        .swap_remove(0);
+    rs[rank].faults.inject(
+        FaultRule {
+            key_contains: Some(k_keys[page].clone()),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::TransferFailed {
+            key: "injected".into(),
+            code: -800,
+        }),
+    );
+    let mut seen = Vec::new();
+    for _ in 0..40 {
+        let modes = modes_of(&rs, batch, &pages);
+        batch += 1;
+        seen.push(modes[0].clone());
+        let tail = &seen[seen.len().saturating_sub(3)..];
+        if tail.len() == 3 && tail.iter().all(|m| *m == Ok(survivor)) {
+            break;
+        }
+    }
+    assert_eq!(
+        rs[0].linker.auto_decision(),
+        Some(survivor),
+        "kept {kept:?} first, then: {seen:?}"
+    );
+    assert!(seen.len() <= 25, "{} batches: {seen:?}", seen.len());
+}
+
 /// A store whose `end_session` of a read session over any of `keys` first sleeps `delay` (a
 /// SIMULATED slow tail: the rank's batch ends after the group's last collective, so the other
 /// ranks never wait for it); counts the sessions it delayed. Everything else is forwarded.

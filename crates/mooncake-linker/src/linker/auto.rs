@@ -71,7 +71,15 @@
 //! step: in a group, the first failing rank's kind); a reset or a refusal on any rank, an
 //! object missing or bad, and a batch whose plans differed across ranks (it read
 //! `AllRanks`) do not. A transient failure costs at most three batches more before the
-//! pick. A mode kept for good is not revisited when it fails later.
+//! pick.
+//!
+//! **A kept mode that goes bad is given up.** After [`AUTO_KEPT_STRIKES`] batches of the kept
+//! mode failed in a row (failures a mode may cause, as above), one batch runs another mode (a
+//! probe: the fastest other mode measured). If the probe fails too, the store or the group is
+//! failing every mode: the kept mode stays. If it loads, the kept mode runs again, and failing
+//! once more it fails on its own account: `Auto` measures again without it (the other modes
+//! keep their samples, so the next pick comes within a batch or two when they were measured
+//! enough). A kept mode that loads again clears its count.
 //!
 //! Only rank 0's proposal is used (the ranks exchange proposals at the gate), so rank 0's
 //! state decides for the group; every rank keeps its own, fed the same group times (each
@@ -93,6 +101,10 @@ pub(crate) const AUTO_DROP: f64 = 1.5;
 /// `Auto` stops measuring after this many times (modes × batches per mode) proposals without a
 /// decision, and keeps the mode leading so far: with the default 3 batches per mode, after 36.
 pub(crate) const AUTO_GIVE_UP: u32 = 4;
+
+/// Batches of the kept mode failed in a row after which one batch tries another mode (see the
+/// module docs: a kept mode that goes bad).
+pub(crate) const AUTO_KEPT_STRIKES: u32 = 3;
 
 /// Modes whose median is within this fraction of the best median count as equally fast.
 pub(crate) const AUTO_TIE: f64 = 0.10;
@@ -180,6 +192,14 @@ pub(crate) struct Measured {
     last_measured: Option<u64>,
     /// Batches measured or failed so far (numbers them).
     batches: u64,
+    /// Batches of the kept mode failed in a row (only failures a mode may cause).
+    kept_failing: u32,
+    /// A probe (another mode's batch, tried while the kept mode was failing) loaded since the
+    /// kept mode's last batch: the kept mode failing again fails on its own account.
+    probe_loaded: bool,
+    /// Modes whose probe failed since the kept mode last loaded: the next probe tries another
+    /// (a fault may fail some modes only: the kept one and the probe's).
+    probe_failed: [bool; ShareMode::COUNT],
 }
 
 impl Measured {
@@ -219,7 +239,14 @@ impl Measured {
         bytes: u64,
         per_mode: u32,
     ) {
-        if self.kept.is_some() {
+        if let Some(k) = self.kept {
+            if mode == k {
+                self.kept_failing = 0;
+                self.probe_loaded = false;
+                self.probe_failed = [false; ShareMode::COUNT];
+            } else if self.kept_failing > 0 {
+                self.probe_loaded = true;
+            }
             return;
         }
         self.batches += 1;
@@ -270,7 +297,8 @@ impl Measured {
     /// mode that always failed kept the fewest batches and was proposed for ever. True when
     /// the mode is now suspected.
     pub(crate) fn record_failure(&mut self, mode: ShareMode) -> bool {
-        if self.kept.is_some() {
+        if let Some(k) = self.kept {
+            self.kept_failure(k, mode);
             return false;
         }
         self.batches += 1;
@@ -294,6 +322,48 @@ impl Measured {
             }
             None => false,
         }
+    }
+
+    /// A batch of `mode` failed while `k` is kept: the kept mode's count goes up, and it fails
+    /// on its own account when a probe loaded since its last batch; a probe that fails clears
+    /// the count (the store or the group fails every mode).
+    fn kept_failure(&mut self, k: ShareMode, mode: ShareMode) {
+        if mode != k {
+            self.kept_failing = 0;
+            self.probe_loaded = false;
+            self.probe_failed[slot(mode)] = true;
+            return;
+        }
+        self.kept_failing = self.kept_failing.saturating_add(1);
+        if self.probe_loaded {
+            self.fail_out(k);
+            self.kept = None;
+            self.kept_failing = 0;
+            self.probe_loaded = false;
+            self.suspect = None;
+            self.last_failed = None;
+            // A fresh patience for the measuring that resumes.
+            self.proposals = 0;
+        }
+    }
+
+    /// The mode a probe runs in while the kept mode `k` fails: of the other modes not failed
+    /// out, those whose probe has not failed since `k` last loaded (all of them again once
+    /// every one's has), the fastest measured, else the first (`None`: no other mode).
+    fn probe_for(&self, k: ShareMode) -> Option<ShareMode> {
+        let others = |untried: bool| {
+            AUTO_MODES.into_iter().filter(move |m| {
+                *m != k && !self.failed_out[slot(*m)] && !(untried && self.probe_failed[slot(*m)])
+            })
+        };
+        let fastest = |untried: bool| {
+            others(untried)
+                .filter_map(|m| self.median(m).map(|t| (m, t)))
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+                .map(|(m, _)| m)
+                .or_else(|| others(untried).next())
+        };
+        fastest(true).or_else(|| fastest(false))
     }
 
     /// `m` fails on its own account: never proposed again. Should no mode be left live, the
@@ -377,6 +447,9 @@ impl Measured {
     /// [`Measured::enough`]), the mode leading so far.
     pub(crate) fn next(&self, in_flight: Option<ShareMode>, per_mode: u32) -> ShareMode {
         if let Some(k) = self.kept {
+            if self.kept_failing >= AUTO_KEPT_STRIKES && !self.probe_loaded {
+                return self.probe_for(k).unwrap_or(k);
+            }
             return k;
         }
         let enough = self.enough(per_mode);
@@ -441,7 +514,9 @@ impl Measured {
                 let med = self
                     .median(*m)
                     .map_or("—".to_string(), |t| format!("{:.3}", t * 1e9));
-                let drop = if self.dropped[slot(*m)] {
+                let drop = if self.failed_out[slot(*m)] {
+                    " (failed)"
+                } else if self.dropped[slot(*m)] {
                     " (dropped)"
                 } else {
                     ""
@@ -539,6 +614,12 @@ impl AutoMode {
         }
         let mode = s.next(in_flight, self.per_mode);
         let why = match s.kept {
+            Some(k) if k != mode => format!(
+                "Auto: keeps {k:?}, which failed {} batches in a row: one batch in {mode:?} \
+                 tells its failures from the store's ({})",
+                s.kept_failing,
+                s.describe()
+            ),
             Some(_) => format!(
                 "Auto: keeps {mode:?} ({}; this rank's reads ≈ {:.2} GB/s per call)",
                 s.describe(),
@@ -581,7 +662,17 @@ impl AutoMode {
             return;
         }
         let mut s = self.seen.lock();
-        if s.record_failure(mode) {
+        let kept = s.kept;
+        let suspected = s.record_failure(mode);
+        if kept.is_some() && s.kept.is_none() {
+            tracing::warn!(
+                ?mode,
+                measured = %s.describe(),
+                "Auto: the kept mode failed again after another mode's batch loaded; measuring \
+                 again without it"
+            );
+        }
+        if suspected {
             tracing::warn!(
                 ?mode,
                 measured = %s.describe(),
@@ -705,6 +796,101 @@ mod tests {
             }
         }
         panic!("Auto never decided: proposed {proposed:?}");
+    }
+
+    /// `n` batches as the linker runs them (each proposal made while the previous batch's
+    /// time is on the way), from `m`'s state; batch `i` of mode `x` fails when `fails(x, i)`.
+    /// The modes proposed.
+    fn drive(
+        m: &mut Measured,
+        n: usize,
+        per_mode: u32,
+        fails: impl Fn(ShareMode, usize) -> bool,
+    ) -> Vec<ShareMode> {
+        let mut in_flight: Option<ShareMode> = None;
+        let mut proposed = Vec::new();
+        for i in 0..n {
+            let mode = m.next(in_flight, per_mode);
+            proposed.push(mode);
+            if let Some(f) = in_flight.take() {
+                m.record(f, base(f), per_mode);
+            }
+            if fails(mode, i) {
+                m.record_failure(mode);
+            } else {
+                in_flight = Some(mode);
+            }
+        }
+        proposed
+    }
+
+    /// Auto, measured until it keeps a mode with every mode loading (the `base` times).
+    fn kept_state(per_mode: u32) -> (Measured, ShareMode) {
+        let mut m = Measured::default();
+        drive(&mut m, 40, per_mode, |_, _| false);
+        let kept = m.kept.expect("kept");
+        (m, kept)
+    }
+
+    /// A kept mode that then fails every batch is given up: after three failures in a row one
+    /// batch runs another mode, which loads, and the kept mode's next failure fails it out;
+    /// Auto keeps another mode, which loads from then on. Before, a kept mode was never
+    /// revisited: every later batch failed.
+    #[test]
+    fn a_kept_mode_that_goes_bad_is_given_up() {
+        let (mut m, kept) = kept_state(3);
+        let proposed = drive(&mut m, 30, 3, |x, _| x == kept);
+        let first_other = proposed.iter().position(|x| *x != kept).expect("a probe");
+        assert_eq!(first_other, AUTO_KEPT_STRIKES as usize, "{proposed:?}");
+        let now = m.kept.expect("another mode kept");
+        assert_ne!(now, kept);
+        assert!(m.failed_out[slot(kept)]);
+        let last = &proposed[proposed.len() - 10..];
+        assert!(last.iter().all(|x| *x == now), "{proposed:?}");
+        let failures = proposed.iter().filter(|x| **x == kept).count();
+        assert!(failures <= 6, "{failures} failed batches: {proposed:?}");
+    }
+
+    /// An outage after the pick fails every mode: the probe fails too, so the kept mode stays
+    /// (one batch in four tries another mode while it lasts), and it is kept after.
+    #[test]
+    fn an_outage_after_the_pick_keeps_the_kept_mode() {
+        let (mut m, kept) = kept_state(3);
+        let proposed = drive(&mut m, 24, 3, |_, _| true);
+        assert_eq!(m.kept, Some(kept));
+        assert!(!m.failed_out.iter().any(|x| *x));
+        let probes = proposed.iter().filter(|x| **x != kept).count();
+        assert_eq!(
+            probes,
+            24 / (AUTO_KEPT_STRIKES as usize + 1),
+            "{proposed:?}"
+        );
+        let after = drive(&mut m, 10, 3, |_, _| false);
+        assert!(after[1..].iter().all(|x| *x == kept), "{after:?}");
+    }
+
+    /// A fault that fails the kept mode and the first probe's mode, but not the third mode:
+    /// the next probe tries that one, and the kept mode is given up for it.
+    #[test]
+    fn a_probe_that_fails_is_followed_by_a_probe_of_another_mode() {
+        let (mut m, kept) = kept_state(3);
+        let first = m.probe_for(kept).expect("another mode");
+        let proposed = drive(&mut m, 30, 3, |x, _| x == kept || x == first);
+        let now = m.kept.expect("kept");
+        assert!(now != kept && now != first, "{proposed:?}");
+        assert!(m.failed_out[slot(kept)] && m.failed_out[slot(first)]);
+        assert!(proposed[20..].iter().all(|x| *x == now), "{proposed:?}");
+    }
+
+    /// Three failures of the kept mode and then the outage ends: the probe loads, the kept
+    /// mode loads again and stays kept.
+    #[test]
+    fn a_short_outage_of_the_kept_mode_does_not_give_it_up() {
+        let (mut m, kept) = kept_state(3);
+        let proposed = drive(&mut m, 20, 3, |x, i| x == kept && i < 3);
+        assert_eq!(m.kept, Some(kept), "{proposed:?}");
+        assert!(!m.failed_out[slot(kept)]);
+        assert!(proposed[6..].iter().all(|x| *x == kept), "{proposed:?}");
     }
 
     /// A mode whose every batch fails is proposed twice, not for ever: it fails again after
