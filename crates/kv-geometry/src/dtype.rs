@@ -33,13 +33,38 @@ impl ElementType {
     }
 
     /// Parses the names engines use for a KV cache dtype (`bf16`, `bfloat16`, `fp16`, `f16`,
-    /// `float16`, `fp8`, `fp8_e4m3`).
+    /// `float16`, `fp8`, `fp8_e4m3`), and every [`name`](Self::name) back.
+    ///
+    /// ```
+    /// use kv_geometry::ElementType;
+    /// assert_eq!(ElementType::parse("bfloat16"), Some(ElementType::Bf16));
+    /// assert_eq!(ElementType::parse(ElementType::Fp8E4m3.name()), Some(ElementType::Fp8E4m3));
+    /// ```
     pub fn parse(name: &str) -> Option<Self> {
         match name.to_ascii_lowercase().as_str() {
             "bf16" | "bfloat16" => Some(ElementType::Bf16),
             "f16" | "fp16" | "float16" | "half" => Some(ElementType::F16),
-            "fp8" | "fp8_e4m3" | "float8_e4m3fn" | "e4m3" => Some(ElementType::Fp8E4m3),
+            "fp8" | "fp8e4m3" | "fp8_e4m3" | "float8_e4m3fn" | "e4m3" => Some(ElementType::Fp8E4m3),
+            "bytes" => Some(ElementType::Bytes),
             _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ElementType;
+
+    /// Before, `fp8e4m3` and `bytes` (the names namespaces carry) did not parse back.
+    #[test]
+    fn every_name_parses_back() {
+        for e in [
+            ElementType::Bf16,
+            ElementType::F16,
+            ElementType::Fp8E4m3,
+            ElementType::Bytes,
+        ] {
+            assert_eq!(ElementType::parse(e.name()), Some(e), "{}", e.name());
         }
     }
 }

@@ -166,8 +166,16 @@ pub enum ModeChoice {
 }
 
 /// Measured bandwidths, GB/s (1e9 bytes per second). A value that is not a positive finite
-/// number means "unknown": a mode that needs it is not chosen by `Auto`'s time model.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// number means "unknown": a mode that needs it is not chosen by `Auto`'s time model. Two
+/// are equal when each bandwidth is the same number or unknown in both.
+///
+/// ```
+/// use kv_loader::Bandwidths;
+/// assert_eq!(Bandwidths::UNKNOWN, Bandwidths::UNKNOWN);
+/// let known = Bandwidths { store_per_rank_gbps: 3.3, ..Bandwidths::UNKNOWN };
+/// assert_ne!(known, Bandwidths::UNKNOWN);
+/// ```
+#[derive(Debug, Clone, Copy)]
 pub struct Bandwidths {
     /// What one rank reads from the store when it reads alone.
     pub store_per_rank_gbps: f64,
@@ -178,6 +186,21 @@ pub struct Bandwidths {
     pub fabric_broadcast_gbps: f64,
     /// All-gather over the group.
     pub fabric_all_gather_gbps: f64,
+}
+
+impl PartialEq for Bandwidths {
+    fn eq(&self, other: &Self) -> bool {
+        let known = |x: f64| x.is_finite() && x > 0.0;
+        let same = |a: f64, b: f64| match (known(a), known(b)) {
+            (true, true) => a == b,
+            (false, false) => true,
+            _ => false,
+        };
+        same(self.store_per_rank_gbps, other.store_per_rank_gbps)
+            && same(self.store_aggregate_gbps, other.store_aggregate_gbps)
+            && same(self.fabric_broadcast_gbps, other.fabric_broadcast_gbps)
+            && same(self.fabric_all_gather_gbps, other.fabric_all_gather_gbps)
+    }
 }
 
 impl Bandwidths {
