@@ -541,8 +541,13 @@ impl NcclCollective {
         };
         let name = op.name();
         // Calls on one handle are serialised: a call that cannot take its turn by its
-        // deadline (another thread's call still running) times out, as its peers would.
+        // deadline (another thread's call still running) times out, as its peers would, and
+        // the handle is aborted: this rank skipped an operation its peers issued, so its next
+        // one would pair with theirs (as the socket group breaks its handle).
         let Some(tx) = self.tx.try_lock_until(deadline) else {
+            self.abort(&format!(
+                "{name} could not start by its deadline: another operation held the handle"
+            ));
             return Err(unsent(CollectiveError::Timeout {
                 op: name,
                 seq: u64::MAX,
