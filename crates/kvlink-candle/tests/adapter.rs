@@ -295,15 +295,24 @@ fn every_read_of_a_loaded_layer_asks_the_loader_first() {
     );
 }
 
+/// A mock loader of 3 layers whose batch `batch` fails at layer `layer`, and a cache of 8
+/// tokens in slots 0 and 1 gated on that batch.
+fn failing_load(batch: u64, layer: u32) -> (Arc<MockKvLoader>, PagedLatentCache) {
+    let mut script = MockScript::default();
+    script
+        .fail_at_layer
+        .insert(kv_loader::BatchId(batch), layer);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(batch)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    (mock, cache)
+}
+
 #[test]
 fn a_failed_wait_is_kept_typed_and_ends_in_a_failed_outcome() {
-    let mut script = MockScript::default();
-    script.fail_at_layer.insert(kv_loader::BatchId(7), 1);
-    let mock = Arc::new(MockKvLoader::new(3, script));
-    let ticket = mock.start_load(plan(7)).unwrap();
-    // SAFETY: as above.
-    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
-        .with_load(LayerGate::new(mock.clone(), ticket));
+    let (mock, mut cache) = failing_load(7, 1);
     cache.layer(0, 8).unwrap();
     let e = cache.layer(1, 8).unwrap_err();
     assert!(e.is_load_failure());
@@ -332,13 +341,7 @@ fn a_failed_wait_is_kept_typed_and_ends_in_a_failed_outcome() {
 /// refused until the engine wrote its rows again from token 0 on; a retried load lifts it.
 #[test]
 fn a_failed_loads_tokens_are_refused_until_the_engine_writes_them_again() {
-    let mut script = MockScript::default();
-    script.fail_at_layer.insert(kv_loader::BatchId(9), 1);
-    let mock = Arc::new(MockKvLoader::new(3, script));
-    let ticket = mock.start_load(plan(9)).unwrap();
-    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
-    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
-        .with_load(LayerGate::new(mock.clone(), ticket));
+    let (mock, mut cache) = failing_load(9, 1);
     assert!(cache.finish_load().unwrap_err().is_load_failure());
     let stale = |r: Result<Tensor, CandleKvError>| match r {
         Err(CandleKvError::NotRecomputed { layer, from, to }) => Some((layer, from, to)),
@@ -370,13 +373,7 @@ fn a_failed_loads_tokens_are_refused_until_the_engine_writes_them_again() {
 /// again for any gate, and with an open one the stale rows read as `Ok`.
 #[test]
 fn an_open_gate_attached_after_a_failed_load_leaves_its_tokens_refused() {
-    let mut script = MockScript::default();
-    script.fail_at_layer.insert(kv_loader::BatchId(21), 0);
-    let mock = Arc::new(MockKvLoader::new(3, script));
-    let ticket = mock.start_load(plan(21)).unwrap();
-    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
-    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
-        .with_load(LayerGate::new(mock.clone(), ticket));
+    let (mock, mut cache) = failing_load(21, 0);
     assert!(cache.finish_load().unwrap_err().is_load_failure());
     let cache = cache.with_load(LayerGate::open());
     assert_eq!(cache.loaded_tokens(), 0);
@@ -573,14 +570,20 @@ impl KvLoader for EventLoader {
     }
 }
 
-#[test]
-fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
+/// An [`EventLoader`] of `layers` layers whose batches load, and its event.
+fn event_loader(layers: u32) -> (Arc<EventLoader>, Arc<CountingEvent>) {
     let event = Arc::new(CountingEvent::default());
     let loader = Arc::new(EventLoader {
-        inner: MockKvLoader::new(2, MockScript::default()),
+        inner: MockKvLoader::new(layers, MockScript::default()),
         event: event.clone(),
         outcome_error: None,
     });
+    (loader, event)
+}
+
+#[test]
+fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
+    let (loader, event) = event_loader(2);
     let t1 = loader.start_load(plan(1)).unwrap();
     let host = LayerGate::new(loader.clone(), t1);
     host.wait(0).unwrap();
@@ -605,12 +608,7 @@ fn device_events_are_synchronized_or_handed_to_the_compute_stream() {
 /// and a kernel on that clone's stream could read the slots before the copies landed.
 #[test]
 fn a_clone_waiting_after_the_verdict_still_waits_on_the_layer_event() {
-    let event = Arc::new(CountingEvent::default());
-    let loader = Arc::new(EventLoader {
-        inner: MockKvLoader::new(2, MockScript::default()),
-        event: event.clone(),
-        outcome_error: None,
-    });
+    let (loader, event) = event_loader(2);
     let t = loader.start_load(plan(12)).unwrap();
     let mut first = LayerGate::new(loader.clone(), t);
     // SAFETY: the fake event only compares the handle; no driver ever sees it.
@@ -634,12 +632,7 @@ fn a_clone_waiting_after_the_verdict_still_waits_on_the_layer_event() {
 /// Before, the cache's read passed the event to the stream and copied the slots at once.
 #[test]
 fn the_cache_waits_on_the_host_for_a_layer_of_a_gate_on_a_stream() {
-    let event = Arc::new(CountingEvent::default());
-    let loader = Arc::new(EventLoader {
-        inner: MockKvLoader::new(3, MockScript::default()),
-        event: event.clone(),
-        outcome_error: None,
-    });
+    let (loader, event) = event_loader(3);
     let t = loader.start_load(plan(24)).unwrap();
     // SAFETY: the fake event only compares the handle; no driver ever sees it.
     let raw = unsafe { RawStream::from_raw(0xabc) };
