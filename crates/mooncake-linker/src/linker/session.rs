@@ -73,6 +73,11 @@ impl<'a> PinnedKeys<'a> {
         kv_loader::deadline_after(self.timeout)
     }
 
+    /// How often the session is renewed.
+    pub(crate) fn renewal_period(&self) -> Duration {
+        self.every
+    }
+
     /// Renews the pins if the renewal period has passed. Renewal extends: the fresh session
     /// starts before the old one ends, so every key stays pinned throughout (stores count
     /// sessions per key; ending the old one leaves the fresh one). If the fresh start fails,

@@ -105,7 +105,8 @@ impl LayerPipeline<'_> {
             }
             for (index, group) in groups.iter().cloned().enumerate() {
                 // The exchange loop hands a stage back after each layer (bounded), or leaves.
-                let Some(mut stages) = free_stages(h, group.len(), wait) else {
+                let Some(mut stages) = free_stages(h, group.len(), wait, reading.pins.as_mut())
+                else {
                     return;
                 };
                 if reading.failure.is_none() && self.cancelled() {
@@ -442,15 +443,43 @@ impl LayerPipeline<'_> {
 
 /// A free stage for each of `layers` layers, each waited for at most `wait`; `None` once the
 /// exchange loop has left (or did not hand one back in time).
+/// The shortest slice a wait for stages is cut into to renew the read session (a zero
+/// renewal period must not spin).
+const MIN_RENEWAL_SLICE: Duration = Duration::from_millis(50);
+
+/// Takes a free stage for each of `layers` layers, each within `wait` (`None`: the exchange
+/// loop left or a wait ran out).
+///
+/// The batch's read session (`pins`) is renewed while it waits, when due: a wait for stages
+/// may outlast the store's read lease (a slow peer holds the exchange loop), and the objects
+/// still to be read would be evictable meanwhile. A renewal that fails here is left to the
+/// next read's own renewal to report.
 fn free_stages(
     h: &Handoff<Option<LayerStage>, ReadLayer>,
     layers: usize,
     wait: Duration,
+    mut pins: Option<&mut PinnedKeys<'_>>,
 ) -> Option<Vec<Option<LayerStage>>> {
     let mut stages = Vec::with_capacity(layers);
     for _ in 0..layers {
-        let Wait::Got(stage) = h.free_stage(kv_loader::deadline_after(wait)) else {
-            return None;
+        let deadline = kv_loader::deadline_after(wait);
+        let stage = loop {
+            let slice = pins
+                .as_ref()
+                .map_or(wait, |p| p.renewal_period().max(MIN_RENEWAL_SLICE));
+            let by = deadline.min(kv_loader::deadline_after(slice));
+            match h.free_stage(by) {
+                Wait::Got(stage) => break stage,
+                Wait::Closed => return None,
+                Wait::TimedOut if Instant::now() >= deadline => return None,
+                Wait::TimedOut => {
+                    if let Some(p) = pins.as_deref_mut() {
+                        if let Err(e) = p.renew_if_due() {
+                            tracing::debug!(error = %e, "renewing the read session while waiting for a stage failed");
+                        }
+                    }
+                }
+            }
         };
         stages.push(stage);
     }
@@ -481,4 +510,51 @@ fn hand_over(
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::store::{
+        EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, Stall, StoreCalls,
+    };
+
+    /// A reader waiting for a free stage renews its read session when due: the wait may
+    /// outlast the store's read lease. Before, only a read renewed it (here: none in 600 ms at
+    /// a 100 ms period).
+    #[test]
+    fn a_wait_for_stages_renews_the_read_session() {
+        let inner = Arc::new(EmbeddedStore::new(1 << 20));
+        let k = [7u8; 8];
+        let put = crate::store::ObjectPut {
+            key: "k",
+            parts: [(k.as_ptr(), k.len())].into_iter().collect(),
+        };
+        // SAFETY: `k` is a live slice, read-only for the call.
+        assert!(unsafe { inner.put(&[put]) }[0].is_ok());
+        let faulty = Arc::new(FaultyStore::new(inner));
+        let starts = Stall::new();
+        starts.release();
+        faulty.inject_on(
+            FaultCall::Session,
+            FaultRule::default(),
+            Fault::Stall(starts.clone()),
+        );
+        let store: Arc<dyn KvStore> = faulty;
+        let calls = StoreCalls::new(store);
+        let every = Duration::from_millis(100);
+        let mut pins = PinnedKeys::start(&calls, &["k"], every, Duration::from_secs(5)).unwrap();
+        let h: Handoff<Option<LayerStage>, ReadLayer> = Handoff::new([], 2);
+        let got = std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(600));
+                h.give_back(None);
+            });
+            free_stages(&h, 1, Duration::from_secs(10), Some(&mut pins))
+        });
+        assert_eq!(got.map(|v| v.len()), Some(1));
+        assert!(starts.hits() >= 4, "{} session starts", starts.hits());
+    }
 }
