@@ -176,7 +176,21 @@ fn a_rank_whose_copy_fails_keeps_its_device_error_and_the_group_breaks() {
         other => panic!("rank 1: {other:?}"),
     }
     for r in [0usize, 2] {
-        assert!(results[r].is_err(), "rank {r}: {:?}", results[r]);
+        let Err(e) = &results[r] else {
+            panic!("rank {r}: {:?}", results[r])
+        };
+        // Before, the failing rank's words came with their own "collective backend:" inside
+        // the peer's (twice or three times in all).
+        let text = e.to_string();
+        assert_eq!(
+            text.matches("collective backend").count(),
+            1,
+            "rank {r}: {text}"
+        );
+        assert!(
+            text.contains("rank 1"),
+            "names the rank whose copy failed: {text}"
+        );
     }
     for c in &ranks {
         assert!(c.broken().is_some(), "rank {} not broken", c.rank());

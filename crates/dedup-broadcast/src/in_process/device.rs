@@ -86,11 +86,15 @@ impl InProcessCollective {
                 .map(|&r| round.posted[r as usize].as_ref())
                 .collect();
             if let Some(posted) = posted {
-                return posted
-                    .into_iter()
-                    .map(|p| {
+                return ranks
+                    .iter()
+                    .zip(posted)
+                    .map(|(r, p)| {
                         p.clone().map_err(|e| {
-                            CollectiveError::Backend(format!("a peer could not enqueue: {e}"))
+                            CollectiveError::Backend(format!(
+                                "rank {r} could not enqueue its copy: {}",
+                                backend_text(&e)
+                            ))
                         })
                     })
                     .collect();
@@ -121,7 +125,7 @@ impl InProcessCollective {
             dev.comm.record().map_err(backend)
         });
         let result = done.map_err(|e| {
-            let cause = format!("{op} #{seq} on rank {}: {e}", self.rank);
+            let cause = format!("{op} #{seq} on rank {}: {}", self.rank, backend_text(&e));
             st.break_group(&cause);
             self.group.cv.notify_all();
             tracing::warn!(rank = self.rank, cause, "device round failed: group broken");
@@ -262,5 +266,15 @@ impl InProcessCollective {
             Ok(evs)
         });
         self.complete(dev, &mut st, seq, kind.name(), readers, None)
+    }
+}
+
+/// `e`'s words, without the `collective backend:` a `Backend` or `Device` error's display
+/// starts with (a backend error wrapped in another says it once).
+fn backend_text(e: &CollectiveError) -> String {
+    match e {
+        CollectiveError::Backend(m) => m.clone(),
+        CollectiveError::Device { what, source } => format!("{what}: {source}"),
+        other => other.to_string(),
     }
 }
