@@ -239,14 +239,7 @@ impl Measured {
         bytes: u64,
         per_mode: u32,
     ) {
-        if let Some(k) = self.kept {
-            if mode == k {
-                self.kept_failing = 0;
-                self.probe_loaded = false;
-                self.probe_failed = [false; ShareMode::COUNT];
-            } else if self.kept_failing > 0 {
-                self.probe_loaded = true;
-            }
+        if self.kept.is_some() {
             return;
         }
         self.batches += 1;
@@ -321,6 +314,22 @@ impl Measured {
                 true
             }
             None => false,
+        }
+    }
+
+    /// A batch of `mode` loaded (as it ends, whether or not its time is measured): while a
+    /// mode is kept, the kept mode's batch clears its failures, and a probe's says the kept
+    /// mode's failures are its own (see [`kept_failure`](Self::kept_failure)).
+    pub(crate) fn record_loaded(&mut self, mode: ShareMode) {
+        let Some(k) = self.kept else {
+            return;
+        };
+        if mode == k {
+            self.kept_failing = 0;
+            self.probe_loaded = false;
+            self.probe_failed = [false; ShareMode::COUNT];
+        } else if self.kept_failing > 0 {
+            self.probe_loaded = true;
         }
     }
 
@@ -655,6 +664,15 @@ impl AutoMode {
         );
     }
 
+    /// A batch of `mode` loaded on every rank (measured or not): see
+    /// [`Measured::record_loaded`].
+    pub(crate) fn observe_loaded(&self, mode: ShareMode) {
+        if self.choice != ModeChoice::Auto || self.configured.all_known() {
+            return;
+        }
+        self.seen.lock().record_loaded(mode);
+    }
+
     /// A batch of `mode` failed (its own failure, or its group's; not one the engine
     /// cancelled): see [`Measured::record_failure`].
     pub(crate) fn observe_failure(&self, mode: ShareMode) {
@@ -818,10 +836,44 @@ mod tests {
             if fails(mode, i) {
                 m.record_failure(mode);
             } else {
+                m.record_loaded(mode);
                 in_flight = Some(mode);
             }
         }
         proposed
+    }
+
+    /// The kept mode's state moves on batches that load whether or not their time comes
+    /// (batches under 1 MiB, a peer that sends no time). Before, only a recorded time did:
+    /// a probe whose time never came was proposed for ever, and after an outage the kept
+    /// mode's later loads cleared nothing, so one failure, however much later, failed it out.
+    #[test]
+    fn the_kept_modes_state_moves_on_loads_without_times() {
+        let (mut m, kept) = kept_state(3);
+        for _ in 0..AUTO_KEPT_STRIKES {
+            assert_eq!(m.next(None, 3), kept);
+            m.record_failure(kept);
+        }
+        let probe = m.next(None, 3);
+        assert_ne!(probe, kept);
+        m.record_loaded(probe);
+        assert_eq!(
+            m.next(None, 3),
+            kept,
+            "the kept mode runs again after the probe"
+        );
+        m.record_loaded(kept);
+        for _ in 0..50 {
+            assert_eq!(m.next(None, 3), kept);
+            m.record_loaded(kept);
+        }
+        m.record_failure(kept);
+        assert_eq!(
+            m.kept,
+            Some(kept),
+            "one failure after loads fails nothing out"
+        );
+        assert!(!m.failed_out[slot(kept)]);
     }
 
     /// Auto, measured until it keeps a mode with every mode loading (the `base` times).

@@ -299,10 +299,12 @@ impl Inner {
         // A failure that may be the mode's own (every rank fails a batch alike, with the
         // first failing rank's kind, so every rank records it alike); not in a batch whose
         // plans differed (its mode was forced).
-        if let Err(e) = &loaded {
-            if mode_may_have_failed(e) && gated.plans_differ.is_empty() {
-                self.auto.observe_failure(gated.mode);
+        match &loaded {
+            Err(e) if mode_may_have_failed(e) && gated.plans_differ.is_empty() => {
+                self.auto.observe_failure(gated.mode)
             }
+            Ok(_) if gated.plans_differ.is_empty() => self.auto.observe_loaded(gated.mode),
+            _ => {}
         }
         let mut stats = loaded?;
         stats.plans_differ = gated.plans_differ;
