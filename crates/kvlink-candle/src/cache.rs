@@ -223,7 +223,8 @@ impl PagedLatentCache {
         Ok(())
     }
 
-    /// Takes the load's outcome and detaches it (see [`LayerGate::finish`]). After a
+    /// Takes the load's outcome (see [`LayerGate::finish`]); after a failure the gate is
+    /// detached (the cache's gate is open and the fences below answer for the tokens). After a
     /// failure the loaded tokens drop to zero: the engine recomputes them into the same
     /// slots, and until it has written a layer's rows again (from token 0 on), a read of
     /// them gives [`CandleKvError::NotRecomputed`] instead of the stale rows. When the load may still be writing them (no outcome could be taken,

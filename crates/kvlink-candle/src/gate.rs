@@ -33,13 +33,24 @@ use crate::CandleKvError;
 /// With [`LayerReady::Event`](kv_loader::LayerReady::Event) (device pools), the gate blocks
 /// on the event on the host, or, if built [`on_stream`](Self::on_stream), makes that compute
 /// stream wait instead (per clone: each may name its own stream).
-#[derive(Clone)]
 pub struct LayerGate {
     inner: Option<Arc<Inner>>,
     stream: Option<RawStream>,
     /// This gate's own `finish` ran: a second one has nothing left to take (`Ok(None)`),
     /// while waits keep answering the verdict.
     finished: bool,
+}
+
+/// A clone shares the batch; it has not finished (its own `finish` gives the verdict, even
+/// when this gate's `finish` ran already).
+impl Clone for LayerGate {
+    fn clone(&self) -> Self {
+        LayerGate {
+            inner: self.inner.clone(),
+            stream: self.stream,
+            finished: false,
+        }
+    }
 }
 
 /// What every clone of one gate shares: the batch, its first failed wait, and its outcome

@@ -678,6 +678,28 @@ fn a_gate_that_finished_a_failed_load_keeps_refusing_its_layers() {
     assert!(gate.finish().unwrap().is_none(), "nothing left to take");
 }
 
+/// A clone of a gate that finished a failed load, attached to the cache again, gives the
+/// verdict at the cache's `finish_load`, so the cache settles it and the engine can write the
+/// tokens again. Before, the clone copied the finished mark: its `finish` said nothing was
+/// loading, the cache never settled, and every read and write of the tokens failed for good.
+#[test]
+fn a_clone_of_a_finished_gate_gives_the_verdict_again() {
+    let (_mock, mut cache) = failing_load(26, 0);
+    let mut first = cache.gate().clone();
+    assert!(first.finish().unwrap_err().is_load_failure());
+    assert!(
+        cache.finish_load().unwrap_err().is_load_failure(),
+        "the clone's verdict"
+    );
+    let mut cache = cache.with_load(first.clone());
+    assert!(
+        cache.finish_load().unwrap_err().is_load_failure(),
+        "and again"
+    );
+    cache.write(0, 0, &rows(8, 0.0)).unwrap();
+    assert_eq!(cache.layer(0, 8).unwrap().dims(), &[8, 6]);
+}
+
 /// A ticket's fields are public: one built by hand with a huge layer count is held to the
 /// loader's layers (no event list sized by it, no wait past the model). Before, `finish`
 /// sized its event list by the ticket: 64 GiB for `u32::MAX` layers.
