@@ -453,7 +453,7 @@ const MIN_RENEWAL_SLICE: Duration = Duration::from_millis(50);
 /// The batch's read session (`pins`) is renewed while it waits, when due: a wait for stages
 /// may outlast the store's read lease (a slow peer holds the exchange loop), and the objects
 /// still to be read would be evictable meanwhile. A renewal that fails here is left to the
-/// next read's own renewal to report.
+/// next read's own renewal to report (and is not tried again in this wait).
 fn free_stages(
     h: &Handoff<Option<LayerStage>, ReadLayer>,
     layers: usize,
@@ -475,7 +475,10 @@ fn free_stages(
                 Wait::TimedOut => {
                     if let Some(p) = pins.as_deref_mut() {
                         if let Err(e) = p.renew_if_due() {
+                            // Not tried again in this wait: each try is a store call, and the
+                            // stage may come back meanwhile.
                             tracing::debug!(error = %e, "renewing the read session while waiting for a stage failed");
+                            pins = None;
                         }
                     }
                 }
