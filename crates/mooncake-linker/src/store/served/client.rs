@@ -704,7 +704,8 @@ impl KvStore for SocketStore {
         // The session's pins last while this client has a connection open: make sure the
         // anchor is one.
         // One deadline for the anchor and the start: the call fails within the request timeout
-        // (then at most GIVE_UP_TIMEOUT more to give the start up).
+        // (then at most twice GIVE_UP_TIMEOUT more to give the start up: a second try when the
+        // connection broke under the first, see `give_up_start`).
         let deadline = kv_loader::deadline_after(self.timeout);
         self.keep_anchor(deadline)
             .map_err(|e| e.for_key(&self.address, key))?;
