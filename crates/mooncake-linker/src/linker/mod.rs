@@ -161,8 +161,11 @@ impl Inner {
                 self.run_batch(&mut gates, &job, held.as_ref())
             }));
             let result = ran.unwrap_or_else(|payload| {
-                // What the gates carried may be out of step with the peers' now.
-                gates = Gates::default();
+                // The gate count and the pending sample may be out of step with the peers'
+                // now; what this rank settled (loaded alone or not) and heard of the ranks
+                // ahead still holds, and a peer behind decides its batches from it.
+                gates.count = Default::default();
+                gates.pending = Default::default();
                 Err(self.batch_panicked(job.plan.logical.batch, payload.as_ref()))
             });
             let alone = matches!(&result, Ok(stats) if stats.alone.is_some());
