@@ -176,8 +176,11 @@ pub struct LinkerConfig {
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GroupFallback {
-    /// Batches and lookups fail at once with `KvLoadError::GroupDown` (the engine
-    /// recomputes); the default.
+    /// Batches and lookups fail while the group is down (the engine recomputes); the
+    /// default. The batch whose gate finds a peer gone fails by the collective's timeout
+    /// (`KvLoadError::Collective`); later ones fail with `KvLoadError::GroupDown` once the
+    /// group cannot be formed again, or by their own gate's timeout where a formation builds
+    /// fresh handles at once (ranks as threads).
     #[default]
     Fail,
     /// Each rank loads alone: it reads its own copy of every component, with no collective
