@@ -113,6 +113,22 @@ impl Drop for PinnedKeys<'_> {
     }
 }
 
+/// A fault-injecting store over an embedded one that holds one 8-byte object `key` (tests of
+/// read sessions).
+#[cfg(test)]
+pub(crate) fn faulty_store_holding(key: &str) -> std::sync::Arc<crate::store::FaultyStore> {
+    use crate::store::{EmbeddedStore, FaultyStore, KvStore, ObjectPut};
+    let inner = std::sync::Arc::new(EmbeddedStore::new(1 << 20));
+    let bytes = [7u8; 8];
+    let put = ObjectPut {
+        key,
+        parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
+    };
+    // SAFETY: `bytes` is a live slice, read-only for the call.
+    assert!(unsafe { inner.put(&[put]) }[0].is_ok());
+    std::sync::Arc::new(FaultyStore::new(inner))
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -125,15 +141,7 @@ mod tests {
     /// end, so a slow store left the pins to lapse before the renewal came.
     #[test]
     fn the_renewal_counts_from_the_session_calls_start() {
-        let inner = Arc::new(EmbeddedStore::new(1 << 20));
-        let k = [7u8; 8];
-        let put = crate::store::ObjectPut {
-            key: "k",
-            parts: [(k.as_ptr(), k.len())].into_iter().collect(),
-        };
-        // SAFETY: `k` is a live slice, read-only for the call.
-        assert!(unsafe { inner.put(&[put]) }[0].is_ok());
-        let faulty = Arc::new(FaultyStore::new(inner));
+        let faulty = faulty_store_holding("k");
         let slow = Duration::from_millis(150);
         faulty.inject_on(FaultCall::Session, FaultRule::default(), Fault::Delay(slow));
         let store: Arc<dyn KvStore> = faulty;

@@ -520,24 +520,15 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::store::{
-        EmbeddedStore, Fault, FaultCall, FaultRule, FaultyStore, KvStore, Stall, StoreCalls,
-    };
+    use crate::linker::session::faulty_store_holding;
+    use crate::store::{Fault, FaultCall, FaultRule, KvStore, Stall, StoreCalls};
 
     /// A reader waiting for a free stage renews its read session when due: the wait may
     /// outlast the store's read lease. Before, only a read renewed it (here: none in 600 ms at
     /// a 100 ms period).
     #[test]
     fn a_wait_for_stages_renews_the_read_session() {
-        let inner = Arc::new(EmbeddedStore::new(1 << 20));
-        let k = [7u8; 8];
-        let put = crate::store::ObjectPut {
-            key: "k",
-            parts: [(k.as_ptr(), k.len())].into_iter().collect(),
-        };
-        // SAFETY: `k` is a live slice, read-only for the call.
-        assert!(unsafe { inner.put(&[put]) }[0].is_ok());
-        let faulty = Arc::new(FaultyStore::new(inner));
+        let faulty = faulty_store_holding("k");
         let starts = Stall::new();
         starts.release();
         faulty.inject_on(
