@@ -169,6 +169,38 @@ fn a_rank_the_group_went_past_loads_alone_a_batch_its_peers_loaded_alone() {
     }
 }
 
+/// ... also when the engine's batch ids leave gaps (it numbers batches by scheduler step).
+/// Rank 1 loads batches 1 and 100 alone (its gate at 1 times out; at 100 the group cannot
+/// re-form without rank 0), then meets rank 0 at 200 while rank 0 is at batch 1. Before, the
+/// gate word told only of the last 64 ids (100 back to 37): rank 0 failed batch 1, which rank
+/// 1 had loaded.
+#[test]
+fn batch_ids_far_apart_still_tell_a_rank_behind_what_its_peer_loaded_alone() {
+    let (rs, hashes) = two_alone_ranks(Duration::from_secs(2));
+    for batch in [1, 100] {
+        let stats = load(&rs[1], batch, &hashes).expect("rank 1 alone");
+        assert!(stats.alone.is_some(), "rank 1, batch {batch}: {stats:?}");
+    }
+    let (zero, one_200) = std::thread::scope(|s| {
+        let one = s.spawn(|| load(&rs[1], 200, &hashes));
+        let zero = [1, 100, 200].map(|b| load(&rs[0], b, &hashes));
+        (zero, one.join().unwrap())
+    });
+    let [zero_1, zero_100, zero_200] = zero;
+    for (batch, stats) in [(1, zero_1), (100, zero_100)] {
+        let stats = stats.unwrap_or_else(|e| panic!("rank 0, batch {batch}: {e}"));
+        let why = stats.alone.clone().unwrap_or_default();
+        assert!(why.contains("went on past"), "batch {batch}: {why:?}");
+    }
+    for (rank, stats) in [(0, zero_200), (1, one_200)] {
+        let stats = stats.unwrap_or_else(|e| panic!("rank {rank}, batch 200: {e}"));
+        assert!(stats.alone.is_none(), "rank {rank}: batch 200 in step");
+    }
+    for (rank, r) in rs.iter().enumerate() {
+        rank_matches(r, &hashes, rank as u32).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
+
 /// ... and fails it when a peer ahead failed it. Rank 1 refuses batch 1 (a slot twice): its
 /// refusal meets no one by the timeout and the group breaks; at batch 2 it re-forms and meets
 /// rank 0, only now at batch 1. Rank 0 must not load a batch rank 1 failed (its gate word says

@@ -25,6 +25,7 @@ use std::time::Instant;
 use kv_loader::LogicalPlan;
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::alone::{AloneLoads, RanksAhead, ALONE_WIRE};
 use crate::{Collective, CollectiveError};
 
 /// Seed of the plan digest; changing the digest's definition changes the seed, so ranks that
@@ -142,16 +143,17 @@ pub fn check_digest(
 
 /// What a batch gate word says: the plan digest, the batch, how many gates this rank has held
 /// on its handle before this one, the rank's share-mode proposal, how long its previous batch
-/// took, and which of its last batches it loaded alone. 64 bytes on the wire: `"KVG2"`,
+/// took, and which of its batches it loaded alone. 200 bytes on the wire: `"KVG3"`,
 /// `last_batch_us` as a little-endian `u32`, the digest, then batch, count and proposal as
-/// little-endian `u64`, then [`AloneLoads`]' last batch and mask.
+/// little-endian `u64`, then the [`AloneLoads`] record (152 bytes).
 ///
 /// ```
 /// use dedup_broadcast::GateWord;
-/// let word = GateWord {
+/// let mut word = GateWord {
 ///     digest: [7; 16], batch: 3, count: 2, proposal: 1, last_batch_us: 812_345,
-///     alone: dedup_broadcast::AloneLoads { last: 2, mask: 0b11 },
+///     alone: Default::default(),
 /// };
+/// word.alone.settled(1, true);
 /// assert_eq!(GateWord::decode(&word.encode()), Some(word));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,96 +175,14 @@ pub struct GateWord {
     /// not the one gated just before). The group's time of a batch is the slowest rank's: the
     /// group's next batch waits for it at its gate.
     pub last_batch_us: u32,
-    /// Which of the batches this rank settled last it loaded alone (without the group; the
+    /// Which of the batches this rank settled it loaded alone (without the group; the
     /// default, none). A rank the group went past learns from it whether the ranks ahead
     /// loaded its batch ([`GateStep::Behind`]).
     pub alone: AloneLoads,
 }
 
-/// Which of a rank's last 64 batch ids it loaded alone: bit `k` of `mask` is batch
-/// `last - k`, set when the rank settled that batch loaded alone, clear when it settled it
-/// otherwise (loaded with the group, failed, refused, cancelled) or never ran it. The default
-/// covers no batch.
-///
-/// ```
-/// use dedup_broadcast::AloneLoads;
-/// let mut a = AloneLoads::default();
-/// a.settled(7, true);
-/// a.settled(8, false);   // refused: batch 7 stays loaded alone
-/// assert!(a.covers(7) && !a.covers(8) && !a.covers(6) && !a.covers(9));
-/// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct AloneLoads {
-    /// The last batch settled.
-    pub last: u64,
-    /// Bit `k`: batch `last - k` was loaded alone.
-    pub mask: u64,
-}
-
-impl AloneLoads {
-    /// Batch `batch` is settled, loaded alone or not. Batch ids increase; a lower one (an id
-    /// started again) begins the record anew.
-    pub fn settled(&mut self, batch: u64, alone: bool) {
-        let kept = match batch.checked_sub(self.last) {
-            Some(shift) if shift < 64 => self.mask << shift,
-            _ => 0,
-        };
-        self.last = batch;
-        self.mask = kept | u64::from(alone);
-    }
-
-    /// Whether batch `batch` was loaded alone (as far as the last 64 ids tell).
-    pub fn covers(&self, batch: u64) -> bool {
-        self.last
-            .checked_sub(batch)
-            .is_some_and(|k| k < 64 && self.mask >> k & 1 == 1)
-    }
-}
-
-/// What the ranks at a later batch than this rank's said at a gate: each one's batch and
-/// which batches it had loaded alone. A rank behind keeps it past the gate: should the group
-/// then break before it catches up (the ranks ahead gave up waiting for it), it still settles
-/// each batch it is behind on as they did, failing a batch a rank ahead did not load alone.
-///
-/// ```
-/// use dedup_broadcast::{AloneLoads, RanksAhead};
-/// let mut loaded = AloneLoads::default();
-/// loaded.settled(4, true);
-/// loaded.settled(5, false);
-/// let ahead = RanksAhead { ranks: vec![(6, loaded)] };
-/// assert_eq!(ahead.settled_alone(4), Some(true));
-/// assert_eq!(ahead.settled_alone(5), Some(false));
-/// assert_eq!(ahead.settled_alone(6), None); // no rank was past batch 6
-/// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RanksAhead {
-    /// Each rank ahead's batch at the gate and its [`GateWord::alone`].
-    pub ranks: Vec<(u64, AloneLoads)>,
-}
-
-impl RanksAhead {
-    /// The ranks ahead of `mine` among `words`.
-    fn of(mine: u64, words: &[GateWord]) -> RanksAhead {
-        RanksAhead {
-            ranks: words
-                .iter()
-                .filter(|w| w.batch > mine)
-                .map(|w| (w.batch, w.alone))
-                .collect(),
-        }
-    }
-
-    /// Whether every rank that was past `batch` loaded it alone; `None` when no rank was
-    /// past it (nothing known of it: those ranks had not settled it yet).
-    pub fn settled_alone(&self, batch: u64) -> Option<bool> {
-        let mut past = self.ranks.iter().filter(|(at, _)| *at > batch).peekable();
-        past.peek()?;
-        Some(past.all(|(_, alone)| alone.covers(batch)))
-    }
-}
-
-const GATE_MAGIC: &[u8; 4] = b"KVG2";
-const GATE_WORD: usize = 64;
+const GATE_MAGIC: &[u8; 4] = b"KVG3";
+const GATE_WORD: usize = 48 + ALONE_WIRE;
 
 impl GateWord {
     /// The wire bytes.
@@ -274,8 +194,7 @@ impl GateWord {
         w[24..32].copy_from_slice(&self.batch.to_le_bytes());
         w[32..40].copy_from_slice(&self.count.to_le_bytes());
         w[40..48].copy_from_slice(&self.proposal.to_le_bytes());
-        w[48..56].copy_from_slice(&self.alone.last.to_le_bytes());
-        w[56..64].copy_from_slice(&self.alone.mask.to_le_bytes());
+        w[48..].copy_from_slice(&self.alone.encode());
         w
     }
 
@@ -299,10 +218,7 @@ impl GateWord {
             count: u(32),
             proposal: u(40),
             last_batch_us: u32::from_le_bytes(us),
-            alone: AloneLoads {
-                last: u(48),
-                mask: u(56),
-            },
+            alone: AloneLoads::decode(&bytes[48..])?,
         })
     }
 }
@@ -318,8 +234,8 @@ pub enum GateStep {
     Behind {
         /// The latest batch another rank gated.
         latest: u64,
-        /// Every rank at a later batch loaded this one alone (its [`GateWord::alone`] covers
-        /// it): a rank that may load alone loads it alone too, so that no rank fails a batch
+        /// Every rank at a later batch whose [`GateWord::alone`] tells of this one loaded it
+        /// alone, and one at least does ([`RanksAhead::settled_alone`]): a rank that may load alone loads it alone too, so that no rank fails a batch
         /// another loaded, nor loads one the others failed.
         settled_alone: bool,
     },
@@ -408,7 +324,13 @@ pub fn judge_gate(mine: &GateWord, all: &[Vec<u8>]) -> BatchGate {
         ));
     }
     if earliest != latest {
-        let ahead = RanksAhead::of(mine.batch, &words);
+        let ahead = RanksAhead {
+            ranks: words
+                .iter()
+                .filter(|w| w.batch > mine.batch)
+                .map(|w| (w.batch, w.alone))
+                .collect(),
+        };
         let step = match ahead.settled_alone(mine.batch) {
             Some(settled_alone) => GateStep::Behind {
                 latest,

@@ -47,6 +47,7 @@
 //! assert!(results.iter().all(|layer| layer == &vec![7u8; 4096]));
 //! ```
 
+mod alone;
 mod collective;
 mod formation;
 mod gate;
@@ -60,6 +61,7 @@ mod process;
 mod share;
 mod status;
 
+pub use alone::{AloneLoads, RanksAhead, ALONE_RUNS};
 pub use collective::{
     all_gather_in_place, all_gather_slices, broadcast_slice, Collective, CollectiveError,
     FormationFailure, MemorySupport, SocketError,
@@ -67,8 +69,7 @@ pub use collective::{
 pub use formation::{GroupFormation, GroupHandles, InProcessFormation};
 pub use gate::{
     agree_lookup, check_batch, check_digest, check_plan, judge_gate, lookup_digest, plan_digest,
-    AloneLoads, BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, RanksAhead,
-    PLAN_DIGEST_SEED,
+    BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, PLAN_DIGEST_SEED,
 };
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};

@@ -185,10 +185,10 @@ proptest! {
         count in any::<u64>(),
         proposal in any::<u64>(),
         last_batch_us in any::<u32>(),
-        last in any::<u64>(),
-        mask in any::<u64>(),
+        settles in prop::collection::vec((any::<u64>(), any::<bool>()), 0..12),
     ) {
-        let alone = AloneLoads { last, mask };
+        let mut alone = AloneLoads::default();
+        settles.iter().for_each(|&(b, a)| alone.settled(b, a));
         let w = GateWord { digest, batch, count, proposal, last_batch_us, alone };
         prop_assert_eq!(GateWord::decode(&w.encode()), Some(w));
     }
@@ -197,7 +197,8 @@ proptest! {
 #[test]
 fn the_previous_batch_time_sits_in_bytes_4_to_8() {
     let w = gate_word(5, 1, 0x0102_0304).encode();
-    assert_eq!(&w[..4], b"KVG2");
+    assert_eq!(&w[..4], b"KVG3");
+    assert_eq!(w.len(), 200);
     assert_eq!(&w[4..8], &[4, 3, 2, 1], "little-endian µs");
     // No sample: those bytes are zero, as the reserved bytes of a word without the field were.
     let none = gate_word(5, 1, 0).encode();
@@ -298,17 +299,32 @@ fn a_rank_behind_learns_whether_every_rank_ahead_loaded_its_batch_alone() {
         with(7, AloneLoads::default()),
     ];
     assert_eq!(behind(&peer_behind), step(true));
-    // 64 batches on, the record no longer tells.
+    // Far apart ids (an engine that numbers batches by scheduler step): the record still
+    // tells. Before, it kept the last 64 ids only, so rank 1 said it had not loaded 7 alone.
     let far = [
         with(7, AloneLoads::default()),
-        with(90, loads(&[(7, true), (71, true)])),
+        with(900, loads(&[(7, true), (171, true)])),
         with(7, AloneLoads::default()),
     ];
     assert_eq!(
         behind(&far),
         GateStep::Behind {
-            latest: 90,
-            settled_alone: false
+            latest: 900,
+            settled_alone: true
+        }
+    );
+    // A rank ahead whose record does not reach back to 7 (it started again at 50) does not
+    // count: rank 1 loaded 7 alone, so rank 0 loads it alone too.
+    let restarted = [
+        with(7, AloneLoads::default()),
+        with(9, alone_5_to_8),
+        with(60, loads(&[(50, false)])),
+    ];
+    assert_eq!(
+        behind(&restarted),
+        GateStep::Behind {
+            latest: 60,
+            settled_alone: true
         }
     );
 }
