@@ -23,6 +23,7 @@ use tracing::{debug, info_span, warn};
 
 use super::checksum_cache::ChecksumCache;
 use super::gate::{GateMiss, Gates};
+use super::group::GroupDown;
 use super::group_time::BatchSample;
 use super::handle_use::Channel;
 use super::outcomes::HeldOutcome;
@@ -156,15 +157,13 @@ fn mode_may_have_failed(e: &KvLoadError) -> bool {
     )
 }
 
-/// With the group down (`down` says why), a batch this rank is behind on that a rank ahead
-/// did not load alone (at the last gate judged: the ranks ahead gave up waiting for this rank
-/// before it caught up) fails here too rather than load alone: the error. `None` when every
-/// rank ahead loaded it alone, or none was past it (then this rank loads it alone).
-fn failed_ahead(
-    gates: &Gates,
-    batch: BatchId,
-    down: &dyn std::fmt::Display,
-) -> Option<KvLoadError> {
+/// With the group down (`down`: why, the typed error this batch would fail with), a batch
+/// this rank is behind on that a rank ahead did not load alone (at the last gate judged: the
+/// ranks ahead gave up waiting for this rank before it caught up) fails here too rather than
+/// load alone: the error, of `down`'s kind (`GroupDown` found before the gate, `Collective`
+/// when the gate broke), whose words say why and whose cause keeps `down`'s. `None` when
+/// every rank ahead loaded it alone, or none was past it (then this rank loads it alone).
+fn failed_ahead(gates: &Gates, batch: BatchId, down: &KvLoadError) -> Option<KvLoadError> {
     // The record was taken at an earlier gate of this rank: it tells of the batches after.
     if batch.0 <= gates.ahead_at || gates.ahead.settled_alone(batch.0) != Some(false) {
         return None;
@@ -177,13 +176,30 @@ fn failed_ahead(
         .max()
         .unwrap_or(batch.0);
     warn!(%batch, latest, down = %down, "the group is down and a rank ahead did not load this batch alone: failing it");
-    Some(collective_failure(
-        batch,
-        format!(
-            "the group is down ({down}) and a rank ahead (at batch {latest}) did not load this \
-             batch alone; this batch is skipped to catch up"
+    let why = format!(
+        "a rank ahead (at batch {latest}) did not load this batch alone; this batch is skipped \
+         to catch up"
+    );
+    Some(match down {
+        KvLoadError::GroupDown {
+            missing,
+            refused,
+            detail,
+            ..
+        } => KvLoadError::GroupDown {
+            batch: Some(batch),
+            missing: missing.clone(),
+            refused: *refused,
+            detail: detail.clone().context(format!("{why} (the group is down)")),
+        },
+        other => collective_failure(
+            batch,
+            kv_loader::Cause::with_source(
+                format!("the group is down ({other}) and {why}"),
+                other.clone(),
+            ),
         ),
-    ))
+    })
 }
 
 impl Inner {
@@ -238,11 +254,11 @@ impl Inner {
                 Ok(h) => Ok(h),
                 Err(down) => match self.config.group_fallback {
                     GroupFallback::Fail => return Err(down.error(Some(batch))),
-                    GroupFallback::ReadAlone => Err(down.to_string()),
+                    GroupFallback::ReadAlone => Err(Some(down)),
                 },
             },
             // A rank alone has nobody to keep in step with.
-            None => Err(String::new()),
+            None => Err(None),
         };
         let (handles, _in_use) = match handles {
             Ok(h) => h,
@@ -312,30 +328,30 @@ impl Inner {
     }
 
     /// A batch this rank runs without the group: no gate, so whatever it does it leaves no
-    /// time for the group. Refused here, or loaded alone; `alone` says why the group is down
-    /// (empty for a rank alone, which has nobody to keep in step with).
+    /// time for the group. Refused here, or loaded alone; `down` says why the group is down
+    /// (`None` for a rank alone, which has nobody to keep in step with).
     fn run_alone(
         &self,
         gates: &mut Gates,
         job: &BatchJob,
         refusal: Option<KvLoadError>,
-        alone: String,
+        down: Option<GroupDown>,
         held: Option<&Arc<HeldOutcome>>,
     ) -> Result<LoadStats, KvLoadError> {
         gates.pending.clear();
         if let Some(e) = refusal {
             return Err(e);
         }
-        if alone.is_empty() {
+        let Some(down) = down else {
             return self.load_batch(None, job, ShareMode::AllRanks, 0, held);
-        }
+        };
         let batch = job.plan.logical.batch;
-        if let Some(failed) = failed_ahead(gates, batch, &alone) {
+        if let Some(failed) = failed_ahead(gates, batch, &down.error(Some(batch))) {
             return Err(failed);
         }
-        warn!(%batch, reason = %alone, "loading alone: the TP group is down");
+        warn!(%batch, reason = %down, "loading alone: the TP group is down");
         let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
-        stats.alone = Some(alone);
+        stats.alone = Some(down.to_string());
         Ok(stats)
     }
 
@@ -682,5 +698,81 @@ mod tests {
             BatchId(1),
             "gate"
         )));
+    }
+
+    /// Gates whose last judged gate (at batch 3) saw a rank at batch 10 that loaded batch 5
+    /// alone and failed batch 6.
+    fn behind_at_3() -> Gates {
+        let mut record = dedup_broadcast::AloneLoads::default();
+        record.settled(5, true);
+        record.settled(6, false);
+        Gates {
+            ahead: dedup_broadcast::RanksAhead {
+                ranks: vec![(10, record)],
+            },
+            ahead_at: 3,
+            ..Gates::default()
+        }
+    }
+
+    /// A batch a rank ahead failed fails with the kind the group's state gave (`GroupDown`
+    /// found before the gate keeps its ranks, its words and its typed cause); one it loaded
+    /// alone, or one the record was taken at or before, does not fail.
+    #[test]
+    fn a_batch_a_rank_ahead_failed_fails_keeping_why_the_group_is_down() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("the formation's own error")]
+        struct Formation;
+        let gates = behind_at_3();
+        let down = KvLoadError::GroupDown {
+            batch: Some(BatchId(6)),
+            missing: vec![2],
+            refused: false,
+            detail: kv_loader::Cause::with_source("rank 2 is not back", Formation),
+        };
+        assert!(
+            failed_ahead(&gates, BatchId(5), &down).is_none(),
+            "loaded alone ahead"
+        );
+        assert!(
+            failed_ahead(&gates, BatchId(3), &down).is_none(),
+            "the gate's own batch"
+        );
+        assert!(
+            failed_ahead(&gates, BatchId(11), &down).is_none(),
+            "no rank past it"
+        );
+        match failed_ahead(&gates, BatchId(6), &down) {
+            Some(KvLoadError::GroupDown {
+                batch,
+                missing,
+                refused,
+                detail,
+            }) => {
+                assert_eq!(
+                    (batch, missing, refused),
+                    (Some(BatchId(6)), vec![2], false)
+                );
+                assert!(detail.detail().contains("rank 2 is not back"), "{detail}");
+                assert!(detail.detail().contains("skipped to catch up"), "{detail}");
+                assert!(detail.downcast_ref::<Formation>().is_some(), "{detail:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The gate broke: a collective failure whose source is the gate's.
+        let gate = collective_failure(BatchId(6), "gate: timed out");
+        match failed_ahead(&gates, BatchId(6), &gate) {
+            Some(e @ KvLoadError::Collective { .. }) => {
+                let source = std::error::Error::source(&e)
+                    .and_then(std::error::Error::source)
+                    .and_then(|s| s.downcast_ref::<KvLoadError>());
+                assert_eq!(
+                    source.map(|s| s.to_string()),
+                    Some(gate.to_string()),
+                    "{e:?}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }
