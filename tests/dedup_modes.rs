@@ -413,7 +413,7 @@ fn auto_measures_each_mode_then_keeps_one() {
     assert_eq!(&modes[..3], &MODES, "one round of every mode first");
     // It measures 3 batches per mode (6 in a close call), and runs one more while the last
     // one's group time travels to the next gate (which it keeps depends on this machine's
-    // timing; the decision rule is unit-tested in mooncake-linker's auto.rs), then keeps one.
+    // timing; the decision rule is unit-tested in mooncake-linker's linker/auto/), then keeps one.
     let kept = rs[0]
         .linker
         .auto_decision()
