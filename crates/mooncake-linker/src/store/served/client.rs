@@ -228,8 +228,10 @@ impl SocketStore {
             anchor: Mutex::new(None),
             next_session_tag: AtomicU64::new(0),
         };
-        s.health()?;
-        s.keep_anchor(kv_loader::deadline_after(timeout))
+        // One deadline for both steps: the timeout bounds the whole connect.
+        let deadline = kv_loader::deadline_after(timeout);
+        s.single_by(deadline, &health_request(), "", |_| Ok(()))?;
+        s.keep_anchor(deadline)
             .map_err(|e| e.for_key(address, "connect"))?;
         Ok(s)
     }
@@ -432,7 +434,18 @@ impl SocketStore {
         key: &str,
         value: impl Fn(&mut Dec<'_>) -> Result<T, Malformed>,
     ) -> Result<T, StoreError> {
-        let r = self.call(|c, deadline| {
+        self.single_by(kv_loader::deadline_after(self.timeout), body, key, value)
+    }
+
+    /// [`single`](Self::single) by `deadline`.
+    fn single_by<T>(
+        &self,
+        deadline: Instant,
+        body: &Enc,
+        key: &str,
+        value: impl Fn(&mut Dec<'_>) -> Result<T, Malformed>,
+    ) -> Result<T, StoreError> {
+        let r = self.call_by(deadline, |c, deadline| {
             let reply = Self::request(c, &body.0, deadline)?;
             let mut d = Dec::new(&reply);
             let result = d.result(&value)?;
@@ -754,8 +767,13 @@ impl KvStore for SocketStore {
     }
 
     fn health(&self) -> Result<(), StoreError> {
-        let mut body = Enc::default();
-        body.u8(op::HEALTH);
-        self.single(&body, "", |_| Ok(()))
+        self.single(&health_request(), "", |_| Ok(()))
     }
+}
+
+/// The body of a health check.
+fn health_request() -> Enc {
+    let mut body = Enc::default();
+    body.u8(op::HEALTH);
+    body
 }

@@ -523,6 +523,47 @@ fn a_connection_the_server_ends_is_closed_for_its_client_at_once() {
     assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
 }
 
+/// A server that answers the connect's health check late and never greets its second
+/// connection: the connect fails by its one timeout. Before, the health check and the
+/// anchor connection each had the whole timeout (here 1.5 s + 2 s).
+#[test]
+fn a_connect_ends_by_its_timeout_over_both_its_steps() {
+    use std::io::{Read, Write};
+    let name = format!("kvlink-slow-store-{}", std::process::id());
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind_addr(&a).unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut c, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 32];
+        c.read_exact(&mut hello).unwrap();
+        c.write_all(&0u32.to_le_bytes()).unwrap();
+        let mut len = [0u8; 4];
+        c.read_exact(&mut len).unwrap();
+        let mut req = vec![0u8; u32::from_le_bytes(len) as usize];
+        c.read_exact(&mut req).unwrap();
+        assert_eq!(req[0], op::HEALTH);
+        std::thread::sleep(Duration::from_millis(1500));
+        let mut reply = Enc::default();
+        reply.result(&Ok(()), |_, _| {});
+        c.write_all(&frame_len(&reply.0)).unwrap();
+        c.write_all(&reply.0).unwrap();
+        // The anchor connection: its hello is read and never answered, until the client
+        // closes it (or 10 s pass).
+        let (mut anchor, _) = listener.accept().unwrap();
+        anchor
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let _ = anchor.read_exact(&mut hello);
+        let _ = anchor.read(&mut [0u8; 1]);
+    });
+    let started = Instant::now();
+    let got = SocketStore::connect_with(&format!("unix:@{name}"), Duration::from_secs(2));
+    let took = started.elapsed();
+    assert!(got.is_err(), "the anchor is never greeted");
+    assert!(took < Duration::from_millis(2_900), "took {took:?}");
+    fake.join().unwrap();
+}
+
 #[test]
 fn a_reply_with_more_results_than_keys_is_refused() {
     use std::io::{Read, Write};
