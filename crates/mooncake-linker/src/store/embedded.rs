@@ -1,6 +1,7 @@
 //! The embedded store: in-process, thread-safe, byte-bounded with LRU eviction.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -137,46 +138,33 @@ impl EmbeddedStore {
         Some(e.data.clone())
     }
 
-    /// Bytes of objects no session pins.
-    fn unpinned_bytes(&self) -> u64 {
-        self.shards
-            .iter()
-            .map(|shard| {
-                shard
-                    .read()
-                    .values()
-                    .filter(|e| !Self::is_pinned(e))
-                    .map(|e| e.data.len() as u64)
-                    .sum::<u64>()
-            })
-            .sum()
-    }
-
     /// Frees at least `need` bytes by evicting unpinned objects, oldest first; evicts nothing
     /// when even all of them would not free enough. Called with `used` locked, so evictions
     /// and reservations do not race, and no pin comes in between (pins are taken under it).
+    /// One pass over the objects, then the oldest taken off a heap one by one: O(N + K log N)
+    /// for K evictions among N objects (a scan per eviction was O(K x N) under the lock).
     fn evict_for(&self, used: &mut u64, need: u64) -> bool {
         let short = (*used + need).saturating_sub(self.capacity);
         if short == 0 {
             return true;
         }
-        if self.unpinned_bytes() < short {
-            return false;
-        }
-        while *used + need > self.capacity {
-            let mut oldest: Option<(u64, usize, String)> = None;
-            for (i, shard) in self.shards.iter().enumerate() {
-                for (k, e) in shard.read().iter() {
-                    if Self::is_pinned(e) {
-                        continue;
-                    }
+        let mut unpinned = 0u64;
+        let mut candidates = Vec::new();
+        for (i, shard) in self.shards.iter().enumerate() {
+            for (k, e) in shard.read().iter() {
+                if !Self::is_pinned(e) {
+                    unpinned += e.data.len() as u64;
                     let t = e.last_used.load(Ordering::Relaxed);
-                    if oldest.as_ref().is_none_or(|o| t < o.0) {
-                        oldest = Some((t, i, k.clone()));
-                    }
+                    candidates.push(Reverse((t, i, k.clone())));
                 }
             }
-            let Some((_, i, key)) = oldest else {
+        }
+        if unpinned < short {
+            return false;
+        }
+        let mut oldest_first = BinaryHeap::from(candidates);
+        while *used + need > self.capacity {
+            let Some(Reverse((_, i, key))) = oldest_first.pop() else {
                 return false;
             };
             if let Some(e) = self.shards[i].write().remove(&key) {
@@ -555,6 +543,65 @@ mod tests {
         s.end_session(&sess).unwrap();
         assert_eq!(put(&s, "e", &[0; 10]), Ok(PutOutcome::Written));
         assert_eq!(s.used_bytes(), 30);
+    }
+
+    /// One put that needs the room of thousands of small objects evicts them, oldest first,
+    /// in one pass (it scanned every object once per object evicted).
+    #[test]
+    fn one_put_evicts_thousands_of_objects_oldest_first() {
+        let s = EmbeddedStore::new(20_000);
+        for i in 0..20_000 {
+            put(&s, &format!("o{i}"), &[1]).unwrap();
+        }
+        get(&s, "o0", 1).unwrap(); // the oldest is now the newest
+        assert_eq!(put(&s, "big", &[0; 15_000]), Ok(PutOutcome::Written));
+        assert_eq!(s.len(), 5_001);
+        assert_eq!(s.used_bytes(), 20_000);
+        let kept = |k: &str| s.exists(&[k])[0] == Ok(true);
+        assert!(kept("o0") && kept("o19999") && kept("o15001"));
+        assert!(!kept("o1") && !kept("o15000"));
+    }
+
+    proptest::proptest! {
+        /// Puts and gets against a model LRU list: the store holds what the model holds.
+        #[test]
+        fn eviction_follows_least_recent_use(
+            ops in proptest::collection::vec((0u8..12, 0usize..=11, proptest::bool::ANY), 1..60),
+        ) {
+            let s = EmbeddedStore::new(30);
+            // Oldest use first: (key, size).
+            let mut model: Vec<(String, usize)> = Vec::new();
+            for (k, size, is_put) in ops {
+                let key = format!("k{k}");
+                let at = model.iter().position(|(m, _)| *m == key);
+                if is_put {
+                    let got = put(&s, &key, &vec![k; size]);
+                    match at {
+                        Some(_) => proptest::prop_assert_eq!(got, Ok(PutOutcome::AlreadyPresent)),
+                        None if size > 30 => proptest::prop_assert!(got.is_err()),
+                        None => {
+                            proptest::prop_assert_eq!(got, Ok(PutOutcome::Written));
+                            while model.iter().map(|(_, n)| n).sum::<usize>() + size > 30 {
+                                model.remove(0);
+                            }
+                            model.push((key, size));
+                        }
+                    }
+                } else {
+                    let got = get(&s, &key, 16);
+                    proptest::prop_assert_eq!(got.is_ok(), at.is_some());
+                    if let Some(at) = at {
+                        let used = model.remove(at);
+                        model.push(used);
+                    }
+                }
+                for k in 0..12u8 {
+                    let key = format!("k{k}");
+                    let held = model.iter().any(|(m, _)| *m == key);
+                    proptest::prop_assert_eq!(s.exists(&[key.as_str()]), vec![Ok(held)], "{}", key);
+                }
+            }
+        }
     }
 
     #[test]
