@@ -126,6 +126,16 @@ pub enum RendezvousError {
         #[source]
         source: Arc<std::io::Error>,
     },
+    /// The ranks met and connected, but the settled gather that confirms the connections on
+    /// every rank failed (a rank that failed to reach another dropped its connections): the
+    /// collective's error, whose gone or missing ranks [`missing_ranks`](Self::missing_ranks)
+    /// gives.
+    #[error("confirming the group's connections on every rank: {source}")]
+    Unconfirmed {
+        /// The settled gather's error.
+        #[source]
+        source: crate::CollectiveError,
+    },
     /// A message from another rank did not decode.
     #[error("rendezvous message: {0}")]
     Protocol(String),
@@ -160,6 +170,12 @@ impl RendezvousError {
         match self {
             RendezvousError::Timeout { missing, .. } => missing.clone(),
             RendezvousError::Peer { rank, .. } => vec![*rank],
+            RendezvousError::Unconfirmed { source } => match source {
+                crate::CollectiveError::Timeout { missing, .. }
+                | crate::CollectiveError::Aborted { missing, .. } => missing.clone(),
+                crate::CollectiveError::RankGone { gone, .. } => gone.clone(),
+                _ => Vec::new(),
+            },
             _ => Vec::new(),
         }
     }
@@ -209,5 +225,25 @@ mod tests {
             RendezvousError::Unresolved("rank0.example: resolver down".into()),
         ];
         assert!(!passing.iter().any(RendezvousError::is_refusal));
+    }
+
+    /// A connect whose confirming gather failed keeps the collective's error, and names the
+    /// ranks it found gone (they reach the linker's `GroupDown { missing, .. }`). Before, the
+    /// error was wrapped as I/O: no ranks, and a chain that skipped the collective's error.
+    #[test]
+    fn an_unconfirmed_connect_names_the_ranks_gone() {
+        let gone = crate::CollectiveError::RankGone {
+            op: "all_gather_u64",
+            seq: 0,
+            gone: vec![2],
+        };
+        let e = RendezvousError::Unconfirmed {
+            source: gone.clone(),
+        };
+        assert_eq!(e.missing_ranks(), vec![2]);
+        let source =
+            std::error::Error::source(&e).and_then(|s| s.downcast_ref::<crate::CollectiveError>());
+        assert_eq!(source, Some(&gone));
+        assert!(!e.is_refusal());
     }
 }

@@ -408,12 +408,9 @@ impl FormedGroup {
             return Ok(());
         };
         let epoch = self.welcome.epoch;
-        let words = first.all_gather_u64_settled(epoch, deadline).map_err(|e| {
-            RendezvousError::io(
-                "confirming the group's connections on every rank",
-                std::io::Error::other(e),
-            )
-        })?;
+        let words = first
+            .all_gather_u64_settled(epoch, deadline)
+            .map_err(|source| RendezvousError::Unconfirmed { source })?;
         if words.iter().any(|&w| w != epoch) {
             return Err(RendezvousError::Protocol(format!(
                 "the ranks confirmed epochs {words:?}, not {epoch}"
