@@ -333,6 +333,14 @@ impl SocketCollective {
     }
 
     /// The completion round of rows operation `seq`: a bare header to and from every peer.
+    ///
+    /// One window stays open: a rank that sent its confirmation and then reached its deadline
+    /// waiting for a late peer's fails the operation, while that peer, within its own later
+    /// deadline, reads the confirmation and ends `Ok` (over TCP its own confirmation still
+    /// goes out to a socket only shut; over Unix sockets that send fails, and so does the
+    /// peer). Failing on a peer's hang-up would close it, but a peer that ended the round `Ok`
+    /// and then closed its sockets looks the same on the wire, and the slower rank would then
+    /// fail a round every other rank completed. Deadlines far apart across ranks widen it.
     fn confirm(
         &self,
         st: &mut OpState,
