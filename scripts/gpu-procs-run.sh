@@ -85,4 +85,13 @@ done
 [[ $rc -eq 124 || $rc -eq 137 ]] && echo "== tp_procs stopped after ${KVLINK_PROCS_TIMEOUT:-290} s: rows so far are in the stderr log above"
 echo "== tp_procs exit status $rc; result table:"
 cat "$out/tp_procs.stdout.log"
+# A tp_procs that exited non-zero (stopped at its limit, crashed, bad flags) with no failed row
+# of its own counts as one failure: the rows it never printed must not read as "0 failed", and
+# the output still ends with its closing count.
+read -r pp pf < <(awk '/^[0-9]+ passed, [0-9]+ failed$/ { p = $1; f = $3 } END { print p + 0, f + 0 }' \
+  "$out/tp_procs.stdout.log")
+if (( rc != 0 && pf == 0 )); then
+  echo "gpu-procs-run: tp_procs exited $rc with no failed row: counted as 1 failed"
+  echo "$pp passed, 1 failed"
+fi
 exit "$rc"

@@ -1,7 +1,8 @@
 //! The GPU scripts clear what they write before they run: a reused `$OUT` (a warm GPU machine,
 //! a fixed folder) must not show an earlier run's table, with its "N passed, 0 failed", as the
 //! result of a run that was cut off or stopped early. Runs without a GPU: with no binaries the
-//! scripts stop at once (exit 2), after the clearing.
+//! scripts stop at once (exit 2), after the clearing. With stub binaries, the scripts' exit
+//! status and closing count say what the binaries did.
 
 use std::path::Path;
 use std::process::Command;
@@ -71,4 +72,64 @@ fn gpu_procs_run_clears_its_earlier_outputs() {
         "env_procs.txt",
     ];
     assert_eq!(left_after("gpu-procs-run.sh", &stale), Vec::<String>::new());
+}
+
+/// Runs `script` with stub binaries (`name`, its bash body) and `env`; its exit status and the
+/// last line of its output.
+fn run_stubbed(script: &str, stubs: &[(&str, &str)], env: &[(&str, &str)]) -> (i32, String) {
+    use std::os::unix::fs::PermissionsExt;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tmp =
+        std::env::temp_dir().join(format!("kvlink-gpu-stubs-{}-{script}", std::process::id()));
+    let (bin, out) = (tmp.join("bin"), tmp.join("out"));
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::create_dir_all(&out).unwrap();
+    for (name, body) in stubs {
+        let path = bin.join(name);
+        std::fs::write(&path, format!("#!/usr/bin/env bash\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let mut cmd = Command::new("bash");
+    cmd.arg(root.join("scripts").join(script))
+        .env("KVLINK_GPU_BIN", &bin)
+        .env("OUT", &out);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let got = cmd.output().unwrap();
+    let _ = std::fs::remove_dir_all(&tmp);
+    let stdout = String::from_utf8_lossy(&got.stdout);
+    let last = stdout.lines().last().unwrap_or_default().to_string();
+    (got.status.code().unwrap_or(-1), last)
+}
+
+/// A failed GPU test fails the run even when the benchmarks exit 2 (their "CUDA unavailable"):
+/// before, the run exited 2, which reads as "skipped, no GPU".
+#[test]
+fn gpu_run_fails_on_a_failed_test_whatever_the_benchmarks_exit() {
+    let (code, last) = run_stubbed(
+        "gpu-run.sh",
+        &[
+            ("gpu_tests", "echo '0 passed, 1 failed'; exit 1"),
+            ("gpu_check", "exit 2"),
+        ],
+        &[],
+    );
+    // The benchmarks' exit 2 with no row of theirs counts as one failure too.
+    assert_eq!((code, last.as_str()), (1, "0 passed, 2 failed"));
+}
+
+/// A `tp_procs` stopped at its limit before its table still leaves a closing count, with the
+/// stop counted as a failure: before, the output ended with the empty table.
+#[test]
+fn gpu_procs_run_counts_a_stopped_run_as_failed() {
+    let (code, last) = run_stubbed(
+        "gpu-procs-run.sh",
+        &[
+            ("tp_procs", "echo 'row 1 PASS' >&2; sleep 30"),
+            ("glm_prefill", "exit 0"),
+        ],
+        &[("KVLINK_PROCS_TIMEOUT", "1")],
+    );
+    assert_eq!((code, last.as_str()), (124, "0 passed, 1 failed"));
 }
