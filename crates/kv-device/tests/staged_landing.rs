@@ -898,6 +898,25 @@ fn a_layer_open_in_one_stage_is_refused_to_another() {
     landing.open(&mut b[0], 1, soon()).unwrap();
 }
 
+/// A land refused (the landing finished) leaves its stage's layer as it was: a second try
+/// gives the same reason. Before, the first cleared the layer, and the second said "no layer
+/// is open".
+#[test]
+fn a_refused_land_keeps_its_stages_layer() {
+    let g = geometry();
+    let mut landing = small_landing(BatchShape::own_only(all(&g))).unwrap();
+    let mut stages = landing.take_stages();
+    landing.open(&mut stages[0], 1, soon()).unwrap();
+    landing.finish();
+    for attempt in 0..2 {
+        let e = landing.land(&mut stages[0]).unwrap_err();
+        assert!(
+            e.to_string().contains("after the landing finished"),
+            "attempt {attempt}: {e}"
+        );
+    }
+}
+
 /// A landing of two plan pages on `dev` whose one shared component is `k` (its share area of
 /// `len` bytes per layer: two rows), with two stages; `k` and `len`.
 fn shared_k_landing(dev: &Arc<CpuDevice>) -> (StagedLanding, kv_geometry::ComponentLayout, usize) {

@@ -588,18 +588,21 @@ impl LayerLanding for StagedLanding {
             "landing a stage",
             "landing a stage whose device work failed",
         )?;
-        // The layer stays this stage's until the stage is opened again, which first waits for
-        // the copies queued here: only then may another stage take the layer.
-        stage.set_layer(None);
         if self.slots.is_empty() {
+            stage.set_layer(None);
             return Ok(LayerReady::Resident);
         }
+        // Checked before the stage lets go of its layer: a refused land leaves the stage as it
+        // was, so a second try gives the same reason.
         let lease = self.lease_ref()?;
         let base = self.shape.share_len(layer) as u64;
         let writes = self.slot_writes.read();
         if writes.is_none() {
             return Err(stage_err("landing a layer after the landing finished"));
         }
+        // The layer stays this stage's until the stage is opened again, which first waits for
+        // the copies queued here: only then may another stage take the layer.
+        stage.set_layer(None);
         let ((), ev) = self.fenced(h, || {
             for c in self.pool.geometry().components() {
                 if !self.shape.own.contains(&c.id) || c.position(layer).is_none() {
