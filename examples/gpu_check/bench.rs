@@ -485,8 +485,16 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
             timeline_svg(&times, &tag, wall),
         );
     }
-    let ok = wall <= (read_sum + copy_sum) * 0.98 || copy_sum < 0.05 * read_sum;
+    // With copies under 5 % of the reads, overlap cannot show against the noise of the reads:
+    // the row says so rather than pass as overlapped.
+    let measurable = copy_sum >= 0.05 * read_sum;
+    let ok = !measurable || wall <= (read_sum + copy_sum) * 0.98;
     let verdict = if ok { "" } else { " — NOT overlapped" };
+    let overlap = if measurable {
+        "overlapped"
+    } else {
+        "overlap not measurable: copies under 5 % of the reads"
+    };
     if !ok {
         return Err(format!(
             "{:.2} GB: pipelined {wall:.0} ms vs sum of parts {:.0} ms (read {read_sum:.0} + copy {copy_sum:.0}){verdict}",
@@ -495,7 +503,7 @@ fn store_load(dev: &Arc<CudaDevice>, tokens: u64, args: &Args) -> Result<String,
         ));
     }
     Ok(format!(
-        "{bytes:.2} GB in {wall:.0} ms (best of {reps}; {:.1} GB/s); sum of parts {:.0} ms (read {read_sum:.0} with {readers} threads + H2D {copy_sum:.0}); bound max+1 layer {bound:.0} ms; {detail}; store fill {fill_s:.1} s; {:.0} MB sampled equal",
+        "{bytes:.2} GB in {wall:.0} ms (best of {reps}; {:.1} GB/s); sum of parts {:.0} ms (read {read_sum:.0} with {readers} threads + H2D {copy_sum:.0}; {overlap}); bound max+1 layer {bound:.0} ms; {detail}; store fill {fill_s:.1} s; {:.0} MB sampled equal",
         bytes / (wall / 1e3),
         read_sum + copy_sum,
         checked as f64 / 1e6
