@@ -307,10 +307,19 @@ fn compare(
     served: &[Served],
     reference: &[kvlink_candle::candle_core::Tensor],
 ) -> anyhow::Result<(f32, bool)> {
+    // Every rank compared: a rank missing from either list is a failure, not a skipped row.
+    anyhow::ensure!(
+        served.len() == reference.len(),
+        "{} ranks served, {} reference ranks",
+        served.len(),
+        reference.len()
+    );
     let mut worst = 0f32;
     let mut same = true;
     for (s, r) in served.iter().zip(reference) {
-        let rows = r.dim(0)? - s.hit_tokens;
+        let rows = r.dim(0)?.checked_sub(s.hit_tokens).ok_or_else(|| {
+            anyhow::anyhow!("{} tokens hit, past the reference's rows", s.hit_tokens)
+        })?;
         let want = r.narrow(0, s.hit_tokens, rows)?;
         worst = worst.max(max_abs_diff(&s.logits, &want)?);
         same &= bit_identical(&s.logits, &want)?;
