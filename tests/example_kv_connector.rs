@@ -19,6 +19,7 @@ fn the_connector_hydrates_saves_and_falls_back() {
     assert_eq!(s.hydrated, 6, "{text}");
     assert!(s.bytes_match, "{text}");
     assert_eq!(s.after_fault, None, "{text}");
+    assert!(s.fault_hits > 0, "the injected fault fired: {text}");
     assert_eq!(s.stats.actions, vec![EngineAction::Recompute]);
     assert_eq!(s.stats.blocks_saved, 6);
     assert_eq!((s.stats.evictions, s.stats.loads_failed), (7, 1));

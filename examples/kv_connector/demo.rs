@@ -35,6 +35,8 @@ pub struct Summary {
     pub bytes_match: bool,
     /// Blocks request 3 got (its load failed: none).
     pub after_fault: Option<Vec<usize>>,
+    /// Keys the injected read fault hit (request 3 fell back because of it, not otherwise).
+    pub fault_hits: u32,
     /// Free blocks at the end (every failed load's blocks given back).
     pub free_blocks: usize,
     /// The connector's counters.
@@ -114,7 +116,8 @@ pub fn run(out: &mut dyn Write) -> Result<Summary> {
     let free = Arc::new(FreeList(Mutex::new((0..BLOCKS as usize).rev().collect())));
     let connector = KvlinkConnector::new(loader.clone(), geometry, free.clone());
 
-    // Request 1: 100 tokens, 6 full blocks; the engine computes them and caches them.
+    // Request 1: 100 tokens in 7 blocks, 6 of them full; the engine computes them and caches
+    // them (the connector saves the full ones).
     let prompt: Vec<u32> = (0..100).map(|t| t * 7 + 3).collect();
     let hashes = page_hashes(&prompt, BLOCK, None);
     let blocks = free
@@ -126,14 +129,16 @@ pub fn run(out: &mut dyn Write) -> Result<Summary> {
     connector.observe_store(&hashes, &blocks, hashes.len());
     writeln!(
         out,
-        "request 1: computed {} blocks, saved {} through the connector",
+        "request 1: computed {} blocks ({} full), saved {} through the connector",
         blocks.len(),
+        hashes.len(),
         connector.stats().blocks_saved
     )?;
 
     // The engine evicts them (and the blocks are reused: zeroed here).
     for (i, &b) in blocks.iter().enumerate() {
-        connector.observe_evict(&hashes[i.min(hashes.len() - 1)..][..1], b);
+        // A full block with its hash; the partial last block has none.
+        connector.observe_evict(hashes.get(i..=i).unwrap_or_default(), b);
         write_block(&pool, b, |_| vec![0u8; (BLOCK * ROW_BYTES) as usize])?;
     }
     free.free(&blocks);
@@ -194,6 +199,7 @@ pub fn run(out: &mut dyn Write) -> Result<Summary> {
         hydrated: got.len(),
         bytes_match,
         after_fault,
+        fault_hits: faults.faults_hit(),
         free_blocks,
         stats,
     })

@@ -17,7 +17,7 @@ fn main() -> ExitCode {
     let mut out = std::io::stdout();
     let verdict = match demo::run(&mut out) {
         Ok(s) => {
-            let ok = s.bytes_match && s.after_fault.is_none();
+            let ok = s.bytes_match && s.after_fault.is_none() && s.fault_hits > 0;
             let line = format!(
                 "{}: {} blocks hydrated, {} free of the pool's blocks at the end; connector {:?}",
                 if ok { "ok" } else { "FAILED" },

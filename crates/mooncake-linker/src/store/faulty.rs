@@ -182,7 +182,14 @@ impl Armed {
             return false;
         }
         match self.rule.times {
-            None => true,
+            None => {
+                let _ = self
+                    .hits
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
+                        Some(h.saturating_add(1))
+                    });
+                true
+            }
             Some(t) => self
                 .hits
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
@@ -250,6 +257,16 @@ impl FaultyStore {
     pub fn clear(&self) {
         self.rules.lock().clear();
         self.down.store(false, Ordering::Release);
+    }
+
+    /// Keys its rules' faults hit so far, over every rule in place (a demo or test checks
+    /// that the fault it injected fired, not only what followed).
+    pub fn faults_hit(&self) -> u32 {
+        self.rules
+            .lock()
+            .iter()
+            .map(|r| r.hits.load(Ordering::Acquire))
+            .sum()
     }
 
     /// True while a [`Fault::Down`] holds.
