@@ -478,6 +478,8 @@ struct Race {
     object_unread: bool,
     /// The save's object put is answered as the store did (`AlreadyPresent` when `whole`).
     object_found: bool,
+    /// The other writer writes the save's own bytes (a second save of the same page).
+    same_bytes: bool,
 }
 
 impl KvStore for RacedByAnother {
@@ -534,7 +536,16 @@ fn raced_save(
     } = two_pages(&inner, 26);
     let object = keys[0][1].clone();
     let c = &g.components()[0];
-    let theirs = vec![5u8; c.object_bytes() as usize];
+    let theirs = if race.same_bytes {
+        // What this save writes: saved first into a store of its own.
+        let scratch: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
+        let first = Linker::new(g.clone(), scratch.clone(), pool.clone(), config()).unwrap();
+        first.save(&plan).unwrap();
+        first.close().unwrap();
+        get(scratch.as_ref(), &object).unwrap()
+    } else {
+        vec![5u8; c.object_bytes() as usize]
+    };
     let sums = ObjectChecksums::of_object(&theirs, c.page_layer_bytes)
         .unwrap()
         .encode();
@@ -626,6 +637,33 @@ fn another_writers_companion_beside_its_own_object_stays() {
         "their companion stays beside their object"
     );
     assert_eq!(report.objects_present, 1, "{report:?}");
+}
+
+/// Two saves of one page with the same bytes racing: the other writer's pair landed first,
+/// and the store answered this save's companion put `Written` (it came after the wheel's
+/// check). The companion read back holds this save's bytes, and so does the object: the pair
+/// is whole and stays. Before, the companion was discarded as written beside another writer's
+/// object, leaving the object checked by length only.
+#[test]
+fn a_companion_beside_an_object_of_the_same_bytes_stays() {
+    let race = Race {
+        whole: true,
+        object_found: true,
+        same_bytes: true,
+        ..Race::default()
+    };
+    let (report, inner, object, theirs) = raced_save(race);
+    assert_eq!(
+        get(inner.as_ref(), &object),
+        Some(theirs),
+        "the object stays"
+    );
+    assert_eq!(
+        inner.exists(&[&checksum_key(&object)]),
+        vec![Ok(true)],
+        "its companion stays: {report:?}"
+    );
+    assert_eq!(report.objects_discarded, 0, "{report:?}");
 }
 
 /// Two saves of one page racing: the store keeps this save's object beside the other

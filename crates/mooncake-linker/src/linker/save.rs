@@ -355,7 +355,9 @@ impl Inner {
     /// - a companion this save wrote whose object was already there (another writer, such as
     ///   SGLang, wrote it since the save looked, with bytes of its own): the companion is read
     ///   back and discarded when it holds the save's bytes (or cannot be read), and the object
-    ///   stays, checked by length only as any without one; a companion of other bytes is
+    ///   stays, checked by length only as any without one, unless the object holds the save's
+    ///   bytes too (a second save of the same page: the pair is whole and stays); a companion
+    ///   of other bytes is
     ///   another writer's, put with its object (the store answered this save `Written` for it
     ///   all the same), and stays with it;
     /// - a companion this save wrote whose object's put failed: the object (which the store
@@ -380,7 +382,8 @@ impl Inner {
             })
             .map(|((&page, s), _)| (checksum_key(&comp.keys[page]), s.encode()))
             .collect();
-        let companions_beside_foreign_objects = self.own_companions(&beside_foreign);
+        let companions_beside_foreign_objects =
+            self.unless_objects_match(comp, &beside_foreign, self.own_companions(&beside_foreign));
         self.discard_unpaired(
             &companions_beside_foreign_objects,
             "companions written beside an object another writer wrote first",
@@ -428,6 +431,55 @@ impl Inner {
                 }
             })
             .map(|((key, _), _)| key.clone())
+            .collect()
+    }
+
+    /// Of `own` (companion keys among `written`, each with the checksums this save put under
+    /// it), those whose object does not hold the bytes the checksums describe: the object
+    /// another writer put first may be the same bytes (a second save of the same page), and
+    /// then the companion is its own and stays. An object that cannot be read is taken as
+    /// not matching (the companion goes, as before: the object stays, checked by length).
+    fn unless_objects_match(
+        &self,
+        comp: &ComponentKeys,
+        written: &[(String, Vec<u8>)],
+        own: Vec<String>,
+    ) -> Vec<String> {
+        if own.is_empty() {
+            return own;
+        }
+        let object_of = |companion: &str| {
+            comp.keys
+                .iter()
+                .find(|k| checksum_key(k) == companion)
+                .cloned()
+        };
+        let pairs: Vec<(String, String)> = own
+            .into_iter()
+            .filter_map(|c| object_of(&c).map(|o| (c, o)))
+            .collect();
+        let keys: Vec<&str> = pairs.iter().map(|(_, o)| o.as_str()).collect();
+        let lens = vec![comp.layout.object_bytes() as usize; keys.len()];
+        let read = self
+            .calls
+            .read_whole_owned(&keys, &lens, self.store_deadline());
+        pairs
+            .into_iter()
+            .zip(read)
+            .filter(|((companion, _), object)| {
+                let ours = written.iter().find(|(k, _)| k == companion).map(|(_, b)| b);
+                let matches = object.as_ref().ok().and_then(|o| {
+                    ObjectChecksums::of_object(o, comp.layout.page_layer_bytes).ok()
+                });
+                match (ours, matches) {
+                    (Some(ours), Some(sums)) if sums.encode() == *ours => {
+                        debug!(companion, "the object another writer put first holds this save's bytes: its companion stays");
+                        false
+                    }
+                    _ => true,
+                }
+            })
+            .map(|((companion, _), _)| companion)
             .collect()
     }
 
