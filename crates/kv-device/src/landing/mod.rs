@@ -294,6 +294,13 @@ pub trait DeviceShare: Send + Sync {
 
     /// Enqueues on the load stream, after `after` (the collective's event), the scatter of
     /// `blocks` from device staging into this rank's slots.
+    ///
+    /// The load stream waits for `after` on the device, with no bound (a CUDA stream wait
+    /// has none): an event that never completes (a collective whose peer died inside NCCL)
+    /// holds everything queued on that stream behind it, other batches' copies and the pool's
+    /// slot reads and writes, until each fails at its own host-side limit. Wait for `after`
+    /// on the host first, with a deadline (as the linker does before every scatter), unless
+    /// it is known to complete.
     fn scatter(
         &self,
         stage: &mut LayerStage,
