@@ -4,24 +4,29 @@
 //! A rank that finds the group down may load a batch alone (`GroupFallback::ReadAlone`); when
 //! it meets the group again, a peer still at that batch must end it the same way: load it
 //! alone where every rank ahead did, fail it otherwise. The record says so by batch id, in
-//! runs: one outage of the group (batches loaded alone one after another) is one run,
-//! whatever gaps the engine leaves between its batch ids. It keeps the last [`ALONE_RUNS`]
-//! runs; older ones drop out, and the batches they covered are no longer told of.
+//! runs: batches loaded alone one after another are one run, whatever gaps the engine leaves
+//! between its batch ids (a batch settled otherwise, refused or failed, ends a run). It keeps
+//! the last [`ALONE_RUNS`] runs, and besides them a mask of the last 64 batch ids (as the
+//! record was before it had runs): a batch whose run dropped out is told by the mask while it
+//! is among the last 64 ids, and not told of after.
 
 use std::ops::RangeInclusive;
 
-/// Runs of batches loaded alone one record keeps (one run per outage of the group).
-pub const ALONE_RUNS: usize = 8;
+/// Runs of batches loaded alone one record keeps.
+pub const ALONE_RUNS: usize = 16;
 
-/// Bytes of a record on the wire: the batches told of (first and last, 16 bytes), a flag
-/// and the number of runs (8 bytes, the rest zero), then each run's first and last batch.
-pub(crate) const ALONE_WIRE: usize = 24 + 16 * ALONE_RUNS;
+/// Bytes of a record on the wire: the runs' span (first and last batch, 16 bytes), a flag and
+/// the number of runs (8 bytes, the rest zero), the record's origin and the mask of the last
+/// 64 ids (16 bytes), then each run's first and last batch; integers little-endian.
+pub(crate) const ALONE_WIRE: usize = 40 + 16 * ALONE_RUNS;
 
-/// Which of a rank's settled batches it loaded alone. The record tells of the batch ids from
-/// its first to its last settled batch (the first moves up as old runs drop out): a batch in
-/// that span was loaded alone when a run covers it, and settled otherwise (loaded with the
-/// group, failed, refused, cancelled) when none does. Ids the rank never ran inside the span
-/// read as the run around them says (a rank is only asked of batches it ran).
+/// Which of a rank's settled batches it loaded alone. The runs tell of the batch ids from the
+/// first settled to the last (the first moves up as old runs drop out): a batch in that span
+/// was loaded alone when a run covers it, and settled otherwise (loaded with the group,
+/// failed, refused, cancelled) when none does. Below that span, the mask of the last 64 ids
+/// tells, back to the record's origin (its first batch since it started, or started again).
+/// Ids the rank never ran read as the run around them says, or as not loaded alone (a rank
+/// is asked only of batches it ran).
 ///
 /// ```
 /// use dedup_broadcast::AloneLoads;
@@ -38,8 +43,12 @@ pub(crate) const ALONE_WIRE: usize = 24 + 16 * ALONE_RUNS;
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct AloneLoads {
-    /// The first and last batch ids the record tells of (`None`: nothing settled yet).
+    /// The first and last batch ids the runs tell of (`None`: nothing settled yet).
     told: Option<(u64, u64)>,
+    /// The first batch settled since the record started: nothing before it is told.
+    origin: u64,
+    /// Bit `k`: batch `last - k` was loaded alone (clear for ids before `origin`).
+    mask: u64,
     /// Runs of batches loaded alone, oldest first, disjoint, inside `told`; `runs[len..]` are
     /// zero.
     runs: [(u64, u64); ALONE_RUNS],
@@ -49,16 +58,25 @@ pub struct AloneLoads {
 impl AloneLoads {
     /// Batch `batch` is settled, loaded alone or not. Batch ids increase; an id not above the
     /// last (an id run again, or ids started again) replaces what the record said of it and
-    /// of every later id (and an id at or below the first told starts the record anew).
+    /// of every later id (and an id at or below the record's origin starts it anew).
     pub fn settled(&mut self, batch: u64, alone: bool) {
-        if let Some((first, last)) = self.told {
-            if batch <= first {
+        if let Some((_, last)) = self.told {
+            if batch <= self.origin {
                 *self = AloneLoads::default();
             } else if batch <= last {
                 self.forget_from(batch);
             }
         }
         let previous = self.told.map(|(_, last)| last);
+        // `batch` is above `previous` here: the mask moves on by the ids between.
+        let kept = match previous.map(|p| batch - p) {
+            Some(shift) if shift < 64 => self.mask << shift,
+            _ => 0,
+        };
+        self.mask = kept | u64::from(alone);
+        if self.told.is_none() {
+            self.origin = batch;
+        }
         self.told = Some((self.told.map_or(batch, |(first, _)| first), batch));
         if !alone {
             return;
@@ -70,17 +88,26 @@ impl AloneLoads {
     }
 
     /// Whether this rank loaded batch `batch` alone; `None` when the record does not tell
-    /// (before its first batch, after its last, or nothing settled).
+    /// (before its origin, after its last batch, below the runs and 64 ids or more before
+    /// the last, or nothing settled).
     pub fn loaded_alone(&self, batch: u64) -> Option<bool> {
         let (first, last) = self.told?;
-        (first..=last).contains(&batch).then(|| {
-            self.runs[..self.len]
-                .iter()
-                .any(|&(a, b)| (a..=b).contains(&batch))
-        })
+        if batch > last || batch < self.origin {
+            return None;
+        }
+        if batch >= first {
+            return Some(
+                self.runs[..self.len]
+                    .iter()
+                    .any(|&(a, b)| (a..=b).contains(&batch)),
+            );
+        }
+        let k = last - batch;
+        (k < 64).then(|| self.mask >> k & 1 == 1)
     }
 
-    /// The batch ids the record tells of (`None`: nothing settled yet).
+    /// The batch ids the runs tell of (`None`: nothing settled yet); the mask tells of the
+    /// last 64 ids, back to the record's origin.
     pub fn told(&self) -> Option<RangeInclusive<u64>> {
         self.told.map(|(first, last)| first..=last)
     }
@@ -90,7 +117,7 @@ impl AloneLoads {
         self.runs[..self.len].iter().map(|&(a, b)| a..=b)
     }
 
-    /// Drops what the record says of `batch` and later ids (`batch` is above the first told).
+    /// Drops what the record says of `batch` and later ids (`batch` is above the origin).
     fn forget_from(&mut self, batch: u64) {
         let kept = self.runs[..self.len]
             .iter()
@@ -101,7 +128,15 @@ impl AloneLoads {
         }
         self.runs[kept..].fill((0, 0));
         self.len = kept;
-        if let Some((_, last)) = &mut self.told {
+        if let Some((first, last)) = &mut self.told {
+            // Bits 0 ..= last - batch are the ids dropped.
+            let dropped = *last - batch + 1;
+            self.mask = if dropped < 64 {
+                self.mask >> dropped
+            } else {
+                0
+            };
+            *first = (*first).min(batch);
             *last = batch - 1;
         }
     }
@@ -130,8 +165,10 @@ impl AloneLoads {
         w[8..16].copy_from_slice(&last.to_le_bytes());
         w[16] = u8::from(self.told.is_some());
         w[17] = self.len as u8;
+        w[24..32].copy_from_slice(&self.origin.to_le_bytes());
+        w[32..40].copy_from_slice(&self.mask.to_le_bytes());
         for (i, (a, b)) in self.runs.iter().enumerate() {
-            let at = 24 + 16 * i;
+            let at = 40 + 16 * i;
             w[at..at + 8].copy_from_slice(&a.to_le_bytes());
             w[at + 8..at + 16].copy_from_slice(&b.to_le_bytes());
         }
@@ -160,20 +197,27 @@ impl AloneLoads {
         }
         let mut record = AloneLoads {
             told,
+            origin: u(24),
+            mask: u(32),
             len,
             ..AloneLoads::default()
         };
         for (i, run) in record.runs.iter_mut().enumerate() {
-            *run = (u(24 + 16 * i), u(32 + 16 * i));
+            *run = (u(40 + 16 * i), u(48 + 16 * i));
         }
         (record.encode()[..] == *bytes && record.well_formed()).then_some(record)
     }
 
-    /// Runs in order, disjoint and inside the span told of; nothing told, no runs.
+    /// Runs in order, disjoint and inside the span told of, which starts at or after the
+    /// origin; no mask bit before the origin; nothing told, nothing else.
     fn well_formed(&self) -> bool {
         let Some((first, last)) = self.told else {
-            return self.len == 0;
+            return self.len == 0 && self.origin == 0 && self.mask == 0;
         };
+        let span = last.saturating_sub(self.origin);
+        if self.origin > first || (span < 63 && self.mask >> (span + 1) != 0) {
+            return false;
+        }
         let mut floor = first;
         for &(a, b) in &self.runs[..self.len] {
             if a < floor || a > b || b > last {
@@ -257,17 +301,36 @@ mod tests {
 
     #[test]
     fn the_oldest_run_drops_out_and_is_no_longer_told() {
-        // Nine outages: batches 10k alone, 10k + 1 with the group.
-        let settles: Vec<_> = (1..=9u64)
-            .flat_map(|k| [(10 * k, true), (10 * k + 1, false)])
+        // More runs than a record keeps, 100 ids apart: batches 100k alone, 100k + 1 not.
+        let outages = ALONE_RUNS as u64 + 1;
+        let settles: Vec<_> = (1..=outages)
+            .flat_map(|k| [(100 * k, true), (100 * k + 1, false)])
             .collect();
         let a = record(&settles);
         assert_eq!(a.runs().count(), ALONE_RUNS);
-        assert_eq!(a.told(), Some(11..=91));
-        assert_eq!(a.loaded_alone(10), None, "dropped out");
-        assert_eq!(a.loaded_alone(11), Some(false));
-        assert_eq!(a.loaded_alone(20), Some(true));
-        assert_eq!(a.loaded_alone(90), Some(true));
+        assert_eq!(a.told(), Some(101..=100 * outages + 1));
+        assert_eq!(a.loaded_alone(100), None, "dropped out, and past the mask");
+        assert_eq!(a.loaded_alone(101), Some(false));
+        assert_eq!(a.loaded_alone(200), Some(true));
+        assert_eq!(a.loaded_alone(100 * outages), Some(true));
+    }
+
+    /// Runs cut short by batches settled otherwise (an engine that refuses every other batch
+    /// while the group is down) use up the runs: the mask of the last 64 ids still tells of
+    /// the batches whose run dropped out. Before the mask was kept beside the runs, batch 1
+    /// read as not told, and a rank behind failed it while this rank had loaded it.
+    #[test]
+    fn runs_cut_short_leave_the_last_64_ids_to_the_mask() {
+        let pairs = ALONE_RUNS as u64 + 1;
+        let settles: Vec<_> = (0..pairs)
+            .flat_map(|k| [(2 * k + 1, true), (2 * k + 2, false)])
+            .collect();
+        let a = record(&settles);
+        assert_eq!(a.told(), Some(2..=2 * pairs), "the first run dropped out");
+        assert_eq!(a.loaded_alone(1), Some(true));
+        assert_eq!(a.loaded_alone(2), Some(false));
+        assert_eq!(a.loaded_alone(3), Some(true));
+        assert_eq!(a.loaded_alone(0), None, "before the origin");
     }
 
     #[test]
@@ -314,15 +377,22 @@ mod tests {
         too_many[17] = ALONE_RUNS as u8 + 1;
         let mut out_of_order = good;
         // Runs (9, 9) and (9, 9): not disjoint.
-        out_of_order[24..32].copy_from_slice(&9u64.to_le_bytes());
-        out_of_order[32..40].copy_from_slice(&9u64.to_le_bytes());
+        out_of_order[40..48].copy_from_slice(&9u64.to_le_bytes());
+        out_of_order[48..56].copy_from_slice(&9u64.to_le_bytes());
         let mut reserved = good;
         reserved[20] = 1;
+        // A mask bit for an id before the origin (5): bit 5 is batch 4.
+        let mut before_origin = good;
+        before_origin[32] |= 1 << 5;
+        let mut origin_past_runs = good;
+        origin_past_runs[24..32].copy_from_slice(&6u64.to_le_bytes());
         for (what, bytes) in [
             ("flag", bad_flag),
             ("runs", too_many),
             ("order", out_of_order),
             ("reserved", reserved),
+            ("mask", before_origin),
+            ("origin", origin_past_runs),
         ] {
             assert_eq!(AloneLoads::decode(&bytes), None, "{what}");
         }
@@ -346,9 +416,13 @@ mod tests {
             }
             let first = a.told().map_or(u64::MAX, |t| *t.start());
             for (b, alone) in truth {
-                // Below the first id told: started again, or dropped out with an old run.
-                let told = if b < first { None } else { Some(alone) };
-                prop_assert_eq!(a.loaded_alone(b), told, "batch {}", b);
+                match a.loaded_alone(b) {
+                    // What it tells is the truth...
+                    Some(told) => prop_assert_eq!(told, alone, "batch {}", b),
+                    // ... and it tells of every id the runs span (below them: before the
+                    // record started again, or 64 ids back and more).
+                    None => prop_assert!(b < first, "batch {} untold", b),
+                }
             }
             prop_assert_eq!(a.told().map(|t| *t.end()), settles.last().map(|s| s.0));
         }

@@ -143,9 +143,9 @@ pub fn check_digest(
 
 /// What a batch gate word says: the plan digest, the batch, how many gates this rank has held
 /// on its handle before this one, the rank's share-mode proposal, how long its previous batch
-/// took, and which of its batches it loaded alone. 200 bytes on the wire: `"KVG3"`,
+/// took, and which of its batches it loaded alone. 344 bytes on the wire: `"KVG3"`,
 /// `last_batch_us` as a little-endian `u32`, the digest, then batch, count and proposal as
-/// little-endian `u64`, then the [`AloneLoads`] record (152 bytes).
+/// little-endian `u64`, then the [`AloneLoads`] record (296 bytes).
 ///
 /// ```
 /// use dedup_broadcast::GateWord;
@@ -235,8 +235,10 @@ pub enum GateStep {
         /// The latest batch another rank gated.
         latest: u64,
         /// Every rank at a later batch whose [`GateWord::alone`] tells of this one loaded it
-        /// alone, and one at least does ([`RanksAhead::settled_alone`]): a rank that may load alone loads it alone too, so that no rank fails a batch
-        /// another loaded, nor loads one the others failed.
+        /// alone, and one at least does ([`RanksAhead::settled_alone`]): a rank that may load
+        /// alone loads it alone too, so that no rank fails a batch another loaded, nor loads
+        /// one the others failed (a rank whose record no longer tells of the batch, as one
+        /// that started again, is not heard).
         settled_alone: bool,
     },
     /// Another rank gated an earlier batch: it is behind and moves on to its next batch; this

@@ -198,7 +198,7 @@ proptest! {
 fn the_previous_batch_time_sits_in_bytes_4_to_8() {
     let w = gate_word(5, 1, 0x0102_0304).encode();
     assert_eq!(&w[..4], b"KVG3");
-    assert_eq!(w.len(), 200);
+    assert_eq!(w.len(), 344);
     assert_eq!(&w[4..8], &[4, 3, 2, 1], "little-endian µs");
     // No sample: those bytes are zero, as the reserved bytes of a word without the field were.
     let none = gate_word(5, 1, 0).encode();

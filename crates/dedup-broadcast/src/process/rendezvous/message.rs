@@ -20,7 +20,8 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// sender's nonce of the welcome and are acked with the acceptor's, and connecting ends with a
 /// settled gather of the epoch on the first handle. 5: a batch's gate word is 64 bytes
 /// (`"KVG2"`, with which of its last 64 batches the rank loaded alone). 6: the gate word is
-/// 200 bytes (`"KVG3"`: the batches loaded alone as runs of batch ids, `AloneLoads`).
+/// 344 bytes (`"KVG3"`: the batches loaded alone as runs of batch ids and a mask of the last
+/// 64 ids, `AloneLoads`).
 pub(crate) const PROTOCOL: u32 = 6;
 
 /// Where a rank's collective listens.
