@@ -160,8 +160,9 @@ fn mode_may_have_failed(e: &KvLoadError) -> bool {
 /// With the group down (`down`: why, the typed error this batch would fail with), a batch
 /// this rank is behind on that a rank ahead did not load alone (at the last gate judged: the
 /// ranks ahead gave up waiting for this rank before it caught up) fails here too rather than
-/// load alone: the error, of `down`'s kind (`GroupDown` found before the gate, `Collective`
-/// when the gate broke), whose words say why and whose cause keeps `down`'s. `None` when
+/// load alone: the error, of `down`'s kind (`GroupDown` found before the gate, never
+/// `refused`; `Collective` when the gate broke), whose words say why and whose cause keeps
+/// `down`'s. `None` when
 /// every rank ahead loaded it alone, or none was past it (then this rank loads it alone).
 fn failed_ahead(gates: &Gates, batch: BatchId, down: &KvLoadError) -> Option<KvLoadError> {
     // The record was taken at an earlier gate of this rank: it tells of the batches after.
@@ -181,15 +182,14 @@ fn failed_ahead(gates: &Gates, batch: BatchId, down: &KvLoadError) -> Option<KvL
          to catch up"
     );
     Some(match down {
+        // Not `refused`, whatever the formation was: the batch is skipped to stay with the
+        // group, not for the engine's input (a refusal would tell the engine to fix it).
         KvLoadError::GroupDown {
-            missing,
-            refused,
-            detail,
-            ..
+            missing, detail, ..
         } => KvLoadError::GroupDown {
             batch: Some(batch),
             missing: missing.clone(),
-            refused: *refused,
+            refused: false,
             detail: detail.clone().context(format!("{why} (the group is down)")),
         },
         other => collective_failure(
@@ -724,10 +724,12 @@ mod tests {
         #[error("the formation's own error")]
         struct Formation;
         let gates = behind_at_3();
+        // A formation refused (a restarted peer of another version): still not the engine's
+        // input to fix, for a batch skipped to stay with the group.
         let down = KvLoadError::GroupDown {
             batch: Some(BatchId(6)),
             missing: vec![2],
-            refused: false,
+            refused: true,
             detail: kv_loader::Cause::with_source("rank 2 is not back", Formation),
         };
         assert!(
