@@ -523,41 +523,71 @@ fn a_connection_the_server_ends_is_closed_for_its_client_at_once() {
     assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
 }
 
+/// A fake server's listener on a fresh abstract name (`tag` in it), and its address.
+fn fake_listener(tag: &str) -> (std::os::unix::net::UnixListener, String) {
+    let name = format!("kvlink-{tag}-{}", std::process::id());
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind_addr(&a).unwrap();
+    (listener, format!("unix:@{name}"))
+}
+
+/// The fake server's next connection, its hello read and answered as the server does.
+fn accept_greeted(listener: &std::os::unix::net::UnixListener) -> std::os::unix::net::UnixStream {
+    use std::io::{Read, Write};
+    let (mut c, _) = listener.accept().unwrap();
+    let mut hello = [0u8; 32];
+    c.read_exact(&mut hello).unwrap();
+    c.write_all(&0u32.to_le_bytes()).unwrap();
+    c
+}
+
+/// The operation of the next request on `c` (the request read whole).
+fn next_request(c: &mut std::os::unix::net::UnixStream) -> u8 {
+    use std::io::Read;
+    let mut len = [0u8; 4];
+    c.read_exact(&mut len).unwrap();
+    let mut req = vec![0u8; u32::from_le_bytes(len) as usize];
+    c.read_exact(&mut req).unwrap();
+    req[0]
+}
+
+/// Sends `reply` on `c` as one frame.
+fn send_reply(c: &mut std::os::unix::net::UnixStream, reply: &Enc) {
+    use std::io::Write;
+    c.write_all(&frame_len(&reply.0)).unwrap();
+    c.write_all(&reply.0).unwrap();
+}
+
+/// A health check's answer: `Ok`.
+fn healthy() -> Enc {
+    let mut reply = Enc::default();
+    reply.result(&Ok(()), |_, _| {});
+    reply
+}
+
 /// A server that answers the connect's health check late and never greets its second
 /// connection: the connect fails by its one timeout. Before, the health check and the
 /// anchor connection each had the whole timeout (here 1.5 s + 2 s).
 #[test]
 fn a_connect_ends_by_its_timeout_over_both_its_steps() {
-    use std::io::{Read, Write};
-    let name = format!("kvlink-slow-store-{}", std::process::id());
-    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
-    let listener = std::os::unix::net::UnixListener::bind_addr(&a).unwrap();
+    use std::io::Read;
+    let (listener, address) = fake_listener("slow-store");
     let fake = std::thread::spawn(move || {
-        let (mut c, _) = listener.accept().unwrap();
-        let mut hello = [0u8; 32];
-        c.read_exact(&mut hello).unwrap();
-        c.write_all(&0u32.to_le_bytes()).unwrap();
-        let mut len = [0u8; 4];
-        c.read_exact(&mut len).unwrap();
-        let mut req = vec![0u8; u32::from_le_bytes(len) as usize];
-        c.read_exact(&mut req).unwrap();
-        assert_eq!(req[0], op::HEALTH);
+        let mut c = accept_greeted(&listener);
+        assert_eq!(next_request(&mut c), op::HEALTH);
         std::thread::sleep(Duration::from_millis(1500));
-        let mut reply = Enc::default();
-        reply.result(&Ok(()), |_, _| {});
-        c.write_all(&frame_len(&reply.0)).unwrap();
-        c.write_all(&reply.0).unwrap();
+        send_reply(&mut c, &healthy());
         // The anchor connection: its hello is read and never answered, until the client
         // closes it (or 10 s pass).
         let (mut anchor, _) = listener.accept().unwrap();
         anchor
             .set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
-        let _ = anchor.read_exact(&mut hello);
+        let _ = anchor.read_exact(&mut [0u8; 32]);
         let _ = anchor.read(&mut [0u8; 1]);
     });
     let started = Instant::now();
-    let got = SocketStore::connect_with(&format!("unix:@{name}"), Duration::from_secs(2));
+    let got = SocketStore::connect_with(&address, Duration::from_secs(2));
     let took = started.elapsed();
     assert!(got.is_err(), "the anchor is never greeted");
     assert!(took < Duration::from_millis(2_900), "took {took:?}");
@@ -566,34 +596,17 @@ fn a_connect_ends_by_its_timeout_over_both_its_steps() {
 
 #[test]
 fn a_reply_with_more_results_than_keys_is_refused() {
-    use std::io::{Read, Write};
+    use std::io::Read;
     // A fake server: accepts the hello, then answers one `exists` of one key with two
     // results.
-    let name = format!("kvlink-fake-store-{}", std::process::id());
-    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
-    let listener = std::os::unix::net::UnixListener::bind_addr(&a).unwrap();
+    let (listener, address) = fake_listener("fake-store");
     let fake = std::thread::spawn(move || {
-        let (mut c, _) = listener.accept().unwrap();
-        let mut hello = [0u8; 32];
-        c.read_exact(&mut hello).unwrap();
-        c.write_all(&0u32.to_le_bytes()).unwrap();
-        let next_request = |c: &mut std::os::unix::net::UnixStream| {
-            let mut len = [0u8; 4];
-            c.read_exact(&mut len).unwrap();
-            let mut req = vec![0u8; u32::from_le_bytes(len) as usize];
-            c.read_exact(&mut req).unwrap();
-            req[0]
-        };
+        let mut c = accept_greeted(&listener);
         // The connection's health check, answered right.
         assert_eq!(next_request(&mut c), op::HEALTH);
-        let mut reply = Enc::default();
-        reply.result(&Ok(()), |_, _| {});
-        c.write_all(&frame_len(&reply.0)).unwrap();
-        c.write_all(&reply.0).unwrap();
+        send_reply(&mut c, &healthy());
         // The client's idle connection, kept open while it lives.
-        let (mut anchor, _) = listener.accept().unwrap();
-        anchor.read_exact(&mut hello).unwrap();
-        anchor.write_all(&0u32.to_le_bytes()).unwrap();
+        let _anchor = accept_greeted(&listener);
         // Then `exists`, answered with a result too many.
         assert_eq!(next_request(&mut c), op::EXISTS);
         let mut reply = Enc::default();
@@ -602,12 +615,11 @@ fn a_reply_with_more_results_than_keys_is_refused() {
                 e.u8(u8::from(*v));
             });
         }
-        c.write_all(&frame_len(&reply.0)).unwrap();
-        c.write_all(&reply.0).unwrap();
+        send_reply(&mut c, &reply);
         // Keep the connection until the client has read the reply.
         let _ = c.read(&mut [0u8; 1]);
     });
-    let client = SocketStore::connect(&format!("unix:@{name}")).unwrap();
+    let client = SocketStore::connect(&address).unwrap();
     let got = client.exists(&["a"]);
     assert!(got[0].is_err(), "{got:?}");
     drop(client);
