@@ -165,6 +165,32 @@ fn a_rank_gone_after_the_meeting_is_named_by_those_that_cannot_reach_it() {
     assert!(!e.is_refusal(), "{e}");
 }
 
+/// Rank 0's connect of a group failed (rank 1 met it and went away): rank 0 no longer answers
+/// that the group is live, so rank 1's next attempt is not told `Occupied` (it times out
+/// naming rank 0, which is not forming). Before, rank 0 named the failed group live until
+/// its own next formation.
+#[test]
+fn a_group_rank_0_could_not_connect_is_not_live() {
+    let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0")).unwrap();
+    let at = r0.listen_addr().unwrap().to_string();
+    let mut ranks = vec![r0, Rendezvous::new(tcp(1, 2, &at)).unwrap()];
+    let mut formed = form_all(&mut ranks).into_iter().map(Result::unwrap);
+    let (g0, g1) = (formed.next().unwrap(), formed.next().unwrap());
+    drop(g1);
+    let connected = g0.connect_by(1, kv_loader::deadline_after(Duration::from_secs(2)));
+    assert!(connected.is_err(), "rank 1 never connects");
+    let mut second = Rendezvous::new(tcp(1, 2, &at).timeout(Duration::from_millis(400))).unwrap();
+    let e = second.form().unwrap_err();
+    assert!(
+        matches!(&e, RendezvousError::Timeout { missing, .. } if missing == &[0]),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("connecting the group of epoch"),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_rank_held_by_a_live_group_is_told_so() {
     let r0 = Rendezvous::new(tcp(0, 2, "127.0.0.1:0")).unwrap();

@@ -259,12 +259,19 @@ impl Rendezvous {
         }
         self.last_epoch = welcome.epoch;
         tracing::info!(rank, epoch = welcome.epoch, transport = ?welcome.transport, "group formed");
+        let live = match (&self.config.meet, &self.leader) {
+            (MeetingPoint::Tcp(_), Some(leader)) if rank == 0 => {
+                Some(leader.live_group(welcome.epoch))
+            }
+            _ => None,
+        };
         Ok(FormedGroup {
             rank,
             welcome,
             listener,
             rendezvous_ip,
             timeout: self.config.timeout,
+            live,
         })
     }
 }
@@ -288,6 +295,9 @@ pub struct FormedGroup {
     listener: MeshListener,
     rendezvous_ip: Option<IpAddr>,
     timeout: Duration,
+    /// Rank 0's (over TCP): what its listener answers of this group, ended should the
+    /// connect fail.
+    live: Option<tcp::LiveGroup>,
 }
 
 impl std::fmt::Debug for FormedGroup {
@@ -364,6 +374,19 @@ impl FormedGroup {
     /// [`connect`](Self::connect) by `deadline` instead of the rendezvous timeout.
     pub fn connect_by(
         self,
+        handles: u32,
+        deadline: Instant,
+    ) -> Result<Vec<SocketCollective>, RendezvousError> {
+        let connected = self.mesh_by(handles, deadline);
+        if let (Err(e), Some(live)) = (&connected, &self.live) {
+            live.connect_failed(e);
+        }
+        connected
+    }
+
+    /// The meshes of [`connect_by`](Self::connect_by), settled on every rank.
+    fn mesh_by(
+        &self,
         handles: u32,
         deadline: Instant,
     ) -> Result<Vec<SocketCollective>, RendezvousError> {

@@ -285,7 +285,37 @@ fn hung_up(stream: &TcpStream) -> bool {
     r > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
+/// Rank 0's handle on a group it formed: should its connect fail, the group is not live.
+pub(crate) struct LiveGroup {
+    state: Arc<Mutex<LeaderState>>,
+    epoch: u64,
+}
+
+impl LiveGroup {
+    /// The group's connect failed on rank 0: unless a later formation made another, no group
+    /// is live, and joiners hear why (they heard the group's epoch, and ended `Occupied` at
+    /// their deadline, until rank 0's next formation).
+    pub(crate) fn connect_failed(&self, why: &RendezvousError) {
+        let mut st = self.state.lock();
+        if st.live_epoch == Some(self.epoch) {
+            st.live_epoch = None;
+            st.last_failure = Some(format!(
+                "connecting the group of epoch {} failed: {why}",
+                self.epoch
+            ));
+        }
+    }
+}
+
 impl TcpLeader {
+    /// The handle on the group of `epoch` this leader formed.
+    pub(crate) fn live_group(&self, epoch: u64) -> LiveGroup {
+        LiveGroup {
+            state: self.state.clone(),
+            epoch,
+        }
+    }
+
     /// Listens at `addr` (rank 0's rendezvous address) for the life of the rendezvous.
     pub(crate) fn bind(addr: &str, version: String) -> Result<Self, RendezvousError> {
         // Rank 0's own address: bad syntax is its configuration's fault and never passes; a
