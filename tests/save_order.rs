@@ -157,3 +157,66 @@ fn a_host_pool_save_after_an_event_waits_for_it_on_the_host() {
 fn kv_loader_deadline(d: Duration) -> Instant {
     kvlink::kv_loader::deadline_after(d)
 }
+
+/// A save plan naming one slot twice for the same page (two requests sharing a prefix block,
+/// saved in one plan) saves that page, from a host pool and from a device pool (whose gather
+/// reads the slot twice); a slot named for two pages is still refused. Before, both plans
+/// were refused (`DuplicateSlot`), and nothing of either request was saved.
+#[test]
+fn a_save_may_name_a_slot_twice_for_the_same_page() {
+    use kvlink::kv_loader::{KvLoadError, PlanError};
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let pages = page_hashes(&prompt(43, 2, spec.page_size), spec.page_size, None);
+    let dev = CpuDevice::new(0).unwrap();
+    let device_pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging = StagingPool::new(dev, StagingPool::half_bytes_for(&g, 3, 1), 2).unwrap();
+    let landings = Arc::new(StagedLandingFactory::new(device_pool.clone(), staging));
+    let host_pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    common::fill_pool(&host_pool, &pages[..1], &[2]);
+    for pool in ["host", "device"] {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 26));
+        let linker = match pool {
+            "host" => Linker::new(
+                g.clone(),
+                store.clone(),
+                host_pool.clone(),
+                LinkerConfig::default(),
+            ),
+            _ => Linker::with_landings(
+                g.clone(),
+                store.clone(),
+                device_pool.clone(),
+                landings.clone(),
+                LinkerConfig::default(),
+                None,
+            ),
+        }
+        .unwrap();
+        let twice = load_plan(&g, 1, &[pages[0], pages[0]], vec![2, 2]);
+        let report = linker
+            .save(&twice)
+            .unwrap_or_else(|e| panic!("{pool}: {e}"));
+        assert!(report.pages_not_saved.is_empty(), "{pool}: {report:?}");
+        let keys = linker.object_keys(&twice).unwrap();
+        for key in keys.iter().flatten() {
+            assert_eq!(
+                store.exists(&[key.as_str()]),
+                vec![Ok(true)],
+                "{pool}: {key}"
+            );
+        }
+        let two_pages = load_plan(&g, 2, &pages, vec![3, 3]);
+        assert!(
+            matches!(
+                linker.save(&two_pages),
+                Err(KvLoadError::InvalidPlan {
+                    reason: PlanError::DuplicateSlot { .. },
+                    ..
+                })
+            ),
+            "{pool}"
+        );
+        linker.close().unwrap();
+    }
+}

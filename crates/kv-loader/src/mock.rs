@@ -322,13 +322,22 @@ impl MockKvLoader {
 }
 
 /// Why a plan is refused without a geometry: [`BatchPlan::check_shape`], or a slot twice.
-fn slot_problem(plan: &BatchPlan) -> Option<crate::PlanError> {
+fn slot_problem(plan: &BatchPlan, save: bool) -> Option<crate::PlanError> {
     if let Err(e) = plan.check_shape() {
         return Some(e);
     }
     let mut first = HashMap::with_capacity(plan.slots.len());
+    let pages: Vec<_> = if save {
+        plan.logical.pages().collect()
+    } else {
+        Vec::new()
+    };
     for (page, &slot) in plan.slots.iter().enumerate() {
         if let Some(&f) = first.get(&slot) {
+            // A save reads its slots: one named again for the same page is read twice.
+            if save && pages.get(f).is_some() && pages.get(f) == pages.get(page) {
+                continue;
+            }
             return Some(crate::PlanError::DuplicateSlot {
                 slot,
                 first: f,
@@ -375,7 +384,7 @@ impl KvLoader for MockKvLoader {
             pages: plan.logical.num_pages(),
         })?;
         // The checks a plan needs no geometry for, as the Linker's `BatchPlan::validate` does.
-        if let Some(reason) = slot_problem(&plan) {
+        if let Some(reason) = slot_problem(&plan, false) {
             return Err(KvLoadError::InvalidPlan { batch, reason });
         }
         let mut state = self.state.lock();
@@ -553,7 +562,7 @@ impl KvLoader for MockKvLoader {
         // the rule the docs give engines. Stricter than the linker, which lets a load's slots
         // go a little after its last layer whether or not its outcome was taken; it refuses a
         // busy slot as this does, a device error.
-        if let Some(reason) = slot_problem(plan) {
+        if let Some(reason) = slot_problem(plan, true) {
             return Err(KvLoadError::InvalidPlan { batch, reason });
         }
         let busy = {
@@ -837,6 +846,40 @@ mod tests {
     /// A save is checked as the linker checks it: a plan without one slot per page is
     /// `InvalidPlan`, and a slot of a load still in flight (a time-out) is refused (the load
     /// may still write it); once a reset cancelled it the save goes through.
+    /// As the linker: a save may name a slot again for the same page (it reads the slot
+    /// twice), not for another page; a load may not name a slot twice at all.
+    #[test]
+    fn a_save_may_name_a_slot_twice_for_the_same_page() {
+        use crate::RequestPages;
+        let plan = |b, pages: [u8; 2]| BatchPlan {
+            logical: crate::LogicalPlan {
+                batch: BatchId(b),
+                requests: pages
+                    .iter()
+                    .map(|&p| RequestPages {
+                        request: format!("r{p}").as_str().into(),
+                        pages: vec![PageHash([p; 32])],
+                    })
+                    .collect(),
+                components: vec![kv_geometry::ComponentId(0)],
+            },
+            slots: vec![4, 4],
+        };
+        let mock = MockKvLoader::new(2, MockScript::default());
+        mock.save(&plan(1, [7, 7])).unwrap();
+        let duplicate = |r| {
+            matches!(
+                r,
+                Err(KvLoadError::InvalidPlan {
+                    reason: crate::PlanError::DuplicateSlot { .. },
+                    ..
+                })
+            )
+        };
+        assert!(duplicate(mock.save(&plan(2, [7, 8])).map(drop)));
+        assert!(duplicate(mock.start_load(plan(3, [7, 7])).map(drop)));
+    }
+
     #[test]
     fn a_save_is_refused_a_bad_plan_and_the_slots_of_a_load_in_flight() {
         use crate::RequestPages;

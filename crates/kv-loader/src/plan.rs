@@ -1,5 +1,7 @@
 //! Plans: the logical part every TP rank must agree on, and the per-rank slots.
 
+use std::collections::HashMap;
+
 use kv_geometry::{ComponentId, KvGeometry, PageHash};
 
 use crate::{BatchId, KvLoadError, PlanError, RequestId};
@@ -162,12 +164,52 @@ impl BatchPlan {
     /// per page, every slot inside the pool, no slot twice, components (at least one, when
     /// there are pages) known and not repeated.
     pub fn validate(&self, geometry: &KvGeometry, pool_pages: u32) -> Result<(), KvLoadError> {
+        self.validate_slots(geometry, pool_pages, false)
+    }
+
+    /// [`validate`](Self::validate) for a save, which only reads the slots: a slot may be
+    /// named again for the same page (two requests sharing a prefix block, saved in one
+    /// plan); a slot named for two different pages is still refused.
+    ///
+    /// ```
+    /// use kv_geometry::{ComponentSpec, ElementType, KvGeometry, ModelKvSpec, PageHash, RowUnit};
+    /// use kv_loader::{BatchId, BatchPlan, LogicalPlan, RequestId, RequestPages};
+    /// let spec = ModelKvSpec::new("m", 1, 4,
+    ///     vec![ComponentSpec::new("k", RowUnit::Token, ElementType::Bytes, 8)]).unwrap();
+    /// let g = KvGeometry::new(spec, 1, 0).unwrap();
+    /// let plan = |pages: [u8; 2]| BatchPlan {
+    ///     logical: LogicalPlan {
+    ///         batch: BatchId(1),
+    ///         requests: pages.iter().map(|&p| RequestPages {
+    ///             request: RequestId(format!("r{p}")), pages: vec![PageHash([p; 32])],
+    ///         }).collect(),
+    ///         components: vec![g.components()[0].id],
+    ///     },
+    ///     slots: vec![0, 0],
+    /// };
+    /// assert!(plan([1, 1]).validate_save(&g, 4).is_ok());
+    /// assert!(plan([1, 1]).validate(&g, 4).is_err());
+    /// assert!(plan([1, 2]).validate_save(&g, 4).is_err());
+    /// ```
+    pub fn validate_save(&self, geometry: &KvGeometry, pool_pages: u32) -> Result<(), KvLoadError> {
+        self.validate_slots(geometry, pool_pages, true)
+    }
+
+    fn validate_slots(
+        &self,
+        geometry: &KvGeometry,
+        pool_pages: u32,
+        same_page_again: bool,
+    ) -> Result<(), KvLoadError> {
         let batch = self.logical.batch;
         let bad = |reason| KvLoadError::InvalidPlan { batch, reason };
         self.check_shape_with(|c| geometry.component(c).is_ok())
             .map_err(bad)?;
         // Bitset of used slots, plus who used them first for the error.
         let mut used = vec![0u64; (pool_pages as usize).div_ceil(64)];
+        // For a save, once a slot comes again: each slot's first position and every page,
+        // so that each repeat is checked at once.
+        let mut seen: Option<(HashMap<u32, usize>, Vec<&PageHash>)> = None;
         for (page, &slot) in self.slots.iter().enumerate() {
             if slot >= pool_pages {
                 return Err(bad(PlanError::SlotOutOfPool {
@@ -178,6 +220,24 @@ impl BatchPlan {
             }
             let (w, b) = (slot as usize / 64, slot % 64);
             if used[w] & (1 << b) != 0 {
+                if same_page_again {
+                    let (firsts, pages) = seen.get_or_insert_with(|| {
+                        let mut firsts = HashMap::new();
+                        for (i, &s) in self.slots.iter().enumerate().rev() {
+                            firsts.insert(s, i);
+                        }
+                        (firsts, self.logical.pages().collect())
+                    });
+                    let first = firsts.get(&slot).copied().unwrap_or(0);
+                    if pages.get(first).is_some() && pages.get(first) == pages.get(page) {
+                        continue;
+                    }
+                    return Err(bad(PlanError::DuplicateSlot {
+                        slot,
+                        first,
+                        second: page,
+                    }));
+                }
                 let first = self.slots.iter().position(|&s| s == slot).unwrap_or(0);
                 return Err(bad(PlanError::DuplicateSlot {
                     slot,

@@ -29,7 +29,7 @@ impl Inner {
         plan: &BatchPlan,
         after: Option<&SharedEvent>,
     ) -> Result<SaveReport, KvLoadError> {
-        plan.validate(&self.geometry, self.pool.pages())?;
+        plan.validate_save(&self.geometry, self.pool.pages())?;
         let batch = plan.logical.batch;
         let _span = info_span!("save_batch", %batch, pages = plan.logical.num_pages()).entered();
         let mut report = SaveReport::default();
