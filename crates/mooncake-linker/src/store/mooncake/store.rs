@@ -355,6 +355,23 @@ fn mark_abandoned_after<T>(
     })
 }
 
+/// A put's failure that says the key is there already (OBJECT_ALREADY_EXISTS: another writer
+/// put it first, or the key came twice in one call): first write wins, so the key is
+/// present, not failed, and no transfer of it ran.
+fn already_there(e: &StoreError) -> bool {
+    matches!(e, StoreError::Other { code, .. }
+        if *code == i64::from(mooncake_sys::sys::codes::OBJECT_ALREADY_EXISTS))
+}
+
+/// A put's result for one key: written, or present already ([`already_there`]).
+fn put_outcome(r: Result<(), StoreError>) -> Result<PutOutcome, StoreError> {
+    match r {
+        Ok(()) => Ok(PutOutcome::Written),
+        Err(e) if already_there(&e) => Ok(PutOutcome::AlreadyPresent),
+        Err(e) => Err(e),
+    }
+}
+
 /// Marks every failure of `results` (one per key of `keys`) `Abandoned`, with the detail
 /// `why` gives, but those refused before any transfer began. True when there was one.
 fn abandon_failures<T>(
@@ -372,6 +389,7 @@ fn abandon_failures<T>(
             | Err(StoreError::NoSpace { .. })
             | Err(StoreError::Lease { .. })
             | Err(StoreError::InvalidArgument { .. }) => continue,
+            Err(e) if already_there(e) => continue,
             Err(StoreError::Abandoned { .. }) => {
                 any = true;
                 continue;
@@ -873,11 +891,11 @@ impl KvStore for MooncakeStore {
             let injected: Option<StoreError> = None;
             out[i] = match injected {
                 Some(e) => Err(e),
-                None => self
-                    .client
-                    .put(keys[i], &buf, self.config.replicate_config())
-                    .map(|()| PutOutcome::Written)
-                    .map_err(|e| store_error(keys[i], &e)),
+                None => put_outcome(
+                    self.client
+                        .put(keys[i], &buf, self.config.replicate_config())
+                        .map_err(|e| store_error(keys[i], &e)),
+                ),
             };
             // A failure that may have waited out the client's transfer timeout (by its kind,
             // or by how long it took) stops the rest (the caller has given up); one about this
@@ -944,7 +962,7 @@ impl KvStore for MooncakeStore {
             drop(transfer);
         }
         for (&i, r) in to_write.iter().zip(written) {
-            out[i] = r.map(|()| PutOutcome::Written);
+            out[i] = put_outcome(r);
         }
         drop(staging);
         out
@@ -1345,6 +1363,26 @@ mod tests {
         );
         assert_eq!(late[2], Err(StoreError::NotFound { key: "n".into() }));
         assert_eq!(late[3], results()[3]);
+    }
+
+    /// A key another writer put first (OBJECT_ALREADY_EXISTS) is present, not failed, and no
+    /// transfer of it ran: a late call does not abandon it. Before, it was a permanent `Other`
+    /// failure, and a late one was marked `Abandoned` (its staging leaked, the gate closed).
+    #[test]
+    fn a_key_put_first_by_another_writer_is_present_not_failed() {
+        let exists = || code_error("k", mooncake_sys::ErrorCode(-705));
+        assert_eq!(put_outcome(Err(exists())), Ok(PutOutcome::AlreadyPresent));
+        assert_eq!(put_outcome(Ok(())), Ok(PutOutcome::Written));
+        let mut late: Vec<Result<(), StoreError>> = vec![Err(exists())];
+        let end = CallEnd {
+            span: mooncake_sys::CallSpan {
+                monotonic: Duration::from_secs(60),
+                wall: Some(Duration::from_secs(60)),
+            },
+            cut_short: false,
+        };
+        assert!(!mark_abandoned("batch_put_from", end, &["k"], &mut late));
+        assert_eq!(late, vec![Err(exists())]);
     }
 
     /// The client times its 60 s on the wall clock: a call of 0.2 s across which the wall
