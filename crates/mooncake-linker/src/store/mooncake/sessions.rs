@@ -116,6 +116,11 @@ pub(super) struct SessionTable {
     keys: Mutex<HashMap<String, KeySession>>,
     /// Held across every session call to the master.
     calls: Mutex<()>,
+    /// Keys a leaving read found unused while another thread's master call held `calls`:
+    /// their sessions are ended by whoever takes `calls` next, or when that call lets go
+    /// (see [`end_due`](Self::end_due)), so that a read that is done never waits on a
+    /// master call of another read.
+    ends_due: Mutex<Vec<String>>,
     /// The explicit sessions open, by token: when each started, and the keys it added a
     /// user to.
     open: Mutex<HashMap<u64, (Instant, Vec<String>)>>,
@@ -137,6 +142,7 @@ impl SessionTable {
         SessionTable {
             keys: Mutex::default(),
             calls: Mutex::default(),
+            ends_due: Mutex::default(),
             open: Mutex::default(),
             last_token: AtomicU64::new(0),
             lease,
@@ -163,6 +169,17 @@ impl SessionTable {
     /// Opens (or joins) sessions for `keys` for one ranged read: per distinct key, whether it
     /// is in a session now; the read leaves the keys that are when the returned join drops.
     pub(super) fn join<'t, C: SessionCalls + ?Sized>(
+        &'t self,
+        client: &'t C,
+        keys: &[&str],
+    ) -> JoinedKeys<'t, C> {
+        let joined = self.join_keys(client, keys);
+        self.end_due(client);
+        joined
+    }
+
+    /// [`join`](Self::join), but for the ends due.
+    fn join_keys<'t, C: SessionCalls + ?Sized>(
         &'t self,
         client: &'t C,
         keys: &[&str],
@@ -269,14 +286,40 @@ impl SessionTable {
     }
 
     /// Undoes [`join`](Self::join) for the keys it put in a session.
+    ///
+    /// Never waits for another thread's master call: while one holds `calls`, the keys left
+    /// unused are ended when it lets go (a read that is done was held for the whole of a slow
+    /// session start on other keys, and could be reported overdue).
     pub(super) fn leave<'a>(
         &self,
         client: &(impl SessionCalls + ?Sized),
         keys: impl Iterator<Item = &'a str>,
     ) {
         let keys: Vec<&str> = keys.collect();
-        if self.drop_users(&keys, |s| &mut s.implicit) {
-            if let Err(e) = self.end_unused(client, &keys) {
+        if !self.drop_users(&keys, |s| &mut s.implicit) {
+            return;
+        }
+        self.ends_due
+            .lock()
+            .extend(keys.iter().map(|k| (*k).to_owned()));
+        self.end_due(client);
+    }
+
+    /// Ends the sessions of the keys due to end ([`leave`](Self::leave)) that are still
+    /// unused, unless another thread holds `calls` (it ends them when it lets go). Called
+    /// after every use of `calls` that has a client, so a key due is ended by the last of
+    /// the threads racing for it.
+    fn end_due(&self, client: &(impl SessionCalls + ?Sized)) {
+        loop {
+            let Some(calls) = self.calls.try_lock() else {
+                return;
+            };
+            let due = std::mem::take(&mut *self.ends_due.lock());
+            if due.is_empty() {
+                return;
+            }
+            let keys: Vec<&str> = due.iter().map(String::as_str).collect();
+            if let Err(e) = self.end_unused_held(client, &keys, calls) {
                 warn!(error = %e, "mooncake: ending read sessions failed");
             }
         }
@@ -286,6 +329,17 @@ impl SessionTable {
     /// lease). On failure, what this call opened is ended again and what was open before
     /// kept. On success, the session's token, for [`end`](Self::end).
     pub(super) fn start(
+        &self,
+        client: &(impl SessionCalls + ?Sized),
+        keys: &[&str],
+    ) -> Result<u64, StoreError> {
+        let started = self.start_keys(client, keys);
+        self.end_due(client);
+        started
+    }
+
+    /// [`start`](Self::start), but for the ends due.
+    fn start_keys(
         &self,
         client: &(impl SessionCalls + ?Sized),
         keys: &[&str],
@@ -396,7 +450,18 @@ impl SessionTable {
         client: &(impl SessionCalls + ?Sized),
         keys: &[&str],
     ) -> Result<(), StoreError> {
-        let _calls = self.calls.lock();
+        let ended = self.end_unused_held(client, keys, self.calls.lock());
+        self.end_due(client);
+        ended
+    }
+
+    /// [`end_unused`](Self::end_unused) with `calls` held (`_calls`, let go at the end).
+    fn end_unused_held(
+        &self,
+        client: &(impl SessionCalls + ?Sized),
+        keys: &[&str],
+        _calls: parking_lot::MutexGuard<'_, ()>,
+    ) -> Result<(), StoreError> {
         let mut to_end: Vec<&str> = Vec::new();
         {
             let mut table = self.keys.lock();
@@ -966,5 +1031,63 @@ mod tests {
         master.failing.store(false, Ordering::Relaxed);
         table.end(&master, token).unwrap();
         assert!(table.keys.lock().is_empty());
+    }
+
+    /// A master whose start of a key named "slow" holds until released (or 10 s).
+    #[derive(Default)]
+    struct HeldStart {
+        open: MasterSessions,
+        inside: std::sync::atomic::AtomicBool,
+        released: std::sync::atomic::AtomicBool,
+    }
+
+    impl SessionCalls for HeldStart {
+        fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            if keys.contains(&"slow") {
+                self.inside.store(true, Ordering::Release);
+                let until = Instant::now() + Duration::from_secs(10);
+                while !self.released.load(Ordering::Acquire) && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+            self.open.start(keys, |_| false)
+        }
+
+        fn end(&self, keys: &[&str]) -> Result<(), StoreError> {
+            self.open.end(keys)
+        }
+    }
+
+    /// A read that is done leaves its keys without waiting for another read's slow session
+    /// start: the session of a key it leaves unused ends once that start lets go. Before, the
+    /// leave waited for the start (a finished read held for a master call on other keys).
+    #[test]
+    fn a_read_that_is_done_does_not_wait_for_another_reads_master_call() {
+        let master = HeldStart::default();
+        let table = SessionTable::with_lease(Duration::from_secs(10));
+        let first = table.join(&master, &["k"]);
+        let second = table.join(&master, &["k"]);
+        drop(first);
+        std::thread::scope(|s| {
+            let slow = s.spawn(|| table.start(&master, &["slow"]));
+            while !master.inside.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let t0 = Instant::now();
+            drop(second);
+            assert!(
+                t0.elapsed() < Duration::from_millis(500),
+                "{:?}",
+                t0.elapsed()
+            );
+            assert!(
+                master.open.has("k"),
+                "its end waits for the start to let go"
+            );
+            master.released.store(true, Ordering::Release);
+            slow.join().unwrap().unwrap();
+        });
+        assert!(!master.open.has("k"), "ended once the start let go");
+        assert!(!table.keys.lock().contains_key("k"));
     }
 }
