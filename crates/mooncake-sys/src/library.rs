@@ -8,7 +8,10 @@
 //! dynamic loader's own search path is trusted to name the C library: the deployment chooses
 //! it. What can be checked is: the shim's ABI report (version and struct layouts) and every
 //! symbol are checked before a call, so a stale shim or another library exporting none of them
-//! is refused. [`Library::open`] and [`Library::load_default`] stay safe functions on that
+//! is refused. The report describes the shim as it was built, not the wheel's `store.so` it
+//! resolves at run time (through its `RPATH`): a wheel changed in place under a built shim is
+//! not detected (its structs may differ from the shim's); keep the shim and the wheel it was
+//! built against together. [`Library::open`] and [`Library::load_default`] stay safe functions on that
 //! assumption, as CUDA bindings load libcuda by name; point them only at a shim you built or
 //! trust the same way.
 
