@@ -220,7 +220,7 @@ impl BatchPlan {
             }
             let (w, b) = (slot as usize / 64, slot % 64);
             if used[w] & (1 << b) != 0 {
-                if same_page_again {
+                let first = if same_page_again {
                     let (firsts, pages) = seen.get_or_insert_with(|| {
                         let mut firsts = HashMap::new();
                         for (i, &s) in self.slots.iter().enumerate().rev() {
@@ -232,13 +232,10 @@ impl BatchPlan {
                     if pages.get(first).is_some() && pages.get(first) == pages.get(page) {
                         continue;
                     }
-                    return Err(bad(PlanError::DuplicateSlot {
-                        slot,
-                        first,
-                        second: page,
-                    }));
-                }
-                let first = self.slots.iter().position(|&s| s == slot).unwrap_or(0);
+                    first
+                } else {
+                    self.slots.iter().position(|&s| s == slot).unwrap_or(0)
+                };
                 return Err(bad(PlanError::DuplicateSlot {
                     slot,
                     first,

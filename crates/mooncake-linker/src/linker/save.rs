@@ -448,15 +448,13 @@ impl Inner {
         if own.is_empty() {
             return own;
         }
-        let object_of = |companion: &str| {
-            comp.keys
-                .iter()
-                .find(|k| checksum_key(k) == companion)
-                .cloned()
-        };
+        // A companion's key is its object's with the suffix.
         let pairs: Vec<(String, String)> = own
             .into_iter()
-            .filter_map(|c| object_of(&c).map(|o| (c, o)))
+            .filter_map(|c| {
+                let object = c.strip_suffix(kv_geometry::CHECKSUM_KEY_SUFFIX)?.to_owned();
+                Some((c, object))
+            })
             .collect();
         let keys: Vec<&str> = pairs.iter().map(|(_, o)| o.as_str()).collect();
         let lens = vec![comp.layout.object_bytes() as usize; keys.len()];
