@@ -360,7 +360,7 @@ fn mark_abandoned_after<T>(
 /// present, not failed, and no transfer of it ran.
 fn already_there(e: &StoreError) -> bool {
     matches!(e, StoreError::Other { code, .. }
-        if *code == i64::from(mooncake_sys::sys::codes::OBJECT_ALREADY_EXISTS))
+        if i32::try_from(*code).is_ok_and(|c| ErrorCode(c).kind() == ErrorKind::AlreadyExists))
 }
 
 /// A put's result for one key: written, or present already ([`already_there`]).
