@@ -125,6 +125,20 @@ pub enum CollectiveError {
         #[source]
         source: SocketError,
     },
+    /// This rank's wait on the sockets to its peers (`poll`) failed (a group of processes):
+    /// its own failure, no peer's. The wait's error is the source.
+    #[error("{op} #{seq}: rank {rank}: waiting on the sockets to its peers: {source}")]
+    Wait {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// This rank.
+        rank: u32,
+        /// The wait's error.
+        #[source]
+        source: SocketError,
+    },
     /// A device call the collective depends on failed (its stream, an event, a copy); the
     /// device's error is the source.
     #[error("collective backend: {what}: {source}")]
@@ -203,7 +217,8 @@ impl CollectiveError {
             | CollectiveError::SizeMismatch { seq, .. }
             | CollectiveError::Mismatch { seq, .. }
             | CollectiveError::InvalidArgument { seq, .. }
-            | CollectiveError::Socket { seq, .. } => Some(*seq),
+            | CollectiveError::Socket { seq, .. }
+            | CollectiveError::Wait { seq, .. } => Some(*seq),
             CollectiveError::Backend(_)
             | CollectiveError::Device { .. }
             | CollectiveError::Unsupported { .. }

@@ -55,6 +55,7 @@ fn collective_kind(e: &CollectiveError) -> &'static str {
         CollectiveError::Backend(_) => "Backend",
         CollectiveError::Device { .. } => "Device",
         CollectiveError::Socket { .. } => "Socket",
+        CollectiveError::Wait { .. } => "Wait",
         CollectiveError::Unsupported { .. } => "Unsupported",
         CollectiveError::Formation { .. } => "Formation",
     }

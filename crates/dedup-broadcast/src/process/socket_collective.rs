@@ -305,11 +305,23 @@ impl SocketCollective {
                 cause,
             });
         }
-        let seq = header.seq;
-        let err = match failure {
+        Err(self.fail(self.failure_error(op, header.seq, &st.hung, failure)))
+    }
+
+    /// The error a run that ended in `failure` reports (the handle not broken by `abort`);
+    /// `hung` marks the peers known to have hung up before.
+    fn failure_error(
+        &self,
+        op: &'static str,
+        seq: u64,
+        hung: &[bool],
+        failure: Failure,
+    ) -> CollectiveError {
+        let me = self.rank;
+        match failure {
             Failure::Gone(peers) => {
                 let mut gone: Vec<u32> = (0..self.size)
-                    .filter(|&r| st.hung[r as usize])
+                    .filter(|&r| hung.get(r as usize).copied().unwrap_or(false))
                     .chain(peers)
                     .collect();
                 gone.sort_unstable();
@@ -325,11 +337,13 @@ impl SocketCollective {
                 peer,
                 source: error.into(),
             },
-            Failure::Wait(error) => CollectiveError::Backend(format!(
-                "{op} #{seq}: rank {me}: waiting on the sockets to its peers (poll): {error}"
-            )),
-        };
-        Err(self.fail(err))
+            Failure::Wait(error) => CollectiveError::Wait {
+                op,
+                seq,
+                rank: me,
+                source: error.into(),
+            },
+        }
     }
 
     /// The completion round of rows operation `seq`: a bare header to and from every peer.
@@ -651,6 +665,34 @@ mod confirm_tests {
             "{late:?}"
         );
         assert!(early.is_err(), "the peer that confirmed in time: {early:?}");
+    }
+
+    /// A failed wait on the sockets (`poll`) is this rank's own typed failure with the wait's
+    /// error as the source; it was `Backend` text.
+    #[test]
+    fn a_failed_wait_keeps_its_error_as_the_source() {
+        use std::error::Error as _;
+        let ranks = SocketCollective::over_socket_pairs(2, Algorithm::Direct).unwrap();
+        let wait = std::io::Error::from_raw_os_error(libc::EINVAL);
+        let err = ranks[1].failure_error("gather", 7, &[false, false], Failure::Wait(wait));
+        assert!(
+            matches!(
+                &err,
+                CollectiveError::Wait {
+                    op: "gather",
+                    seq: 7,
+                    rank: 1,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(err.seq(), Some(7));
+        let source = err.source().expect("the wait's error is kept");
+        let io = source
+            .downcast_ref::<crate::SocketError>()
+            .expect("a socket error");
+        assert_eq!(io.io().kind(), std::io::ErrorKind::InvalidInput, "{io}");
     }
 
     /// An operation that cannot take the handle by its deadline (another thread's operation
