@@ -79,6 +79,10 @@ pub struct PagedLatentCache {
     /// The tokens a load attached to this cache covers (`new`'s `loaded_tokens`): what
     /// `loaded_tokens` is again when a load is attached after a failed one.
     load_extent: usize,
+    /// The first token a load covers (a page boundary; 0 unless
+    /// [`load_starts_at`](Self::load_starts_at) says): the tokens before it are the
+    /// sequence's own prefix, never the load's.
+    load_start: usize,
     gate: LayerGate,
     /// Set when a load's outcome could not be taken: it may still be writing the slots of
     /// the tokens counted here (the loaded tokens when it was found), so they stay fenced for
@@ -110,10 +114,31 @@ impl PagedLatentCache {
             page_table,
             loaded_tokens,
             load_extent: loaded_tokens,
+            load_start: 0,
             gate: LayerGate::open(),
             unsettled: None,
             recompute: None,
         }
+    }
+
+    /// The same cache, its load covering tokens `tokens..loaded_tokens` only: the first
+    /// `tokens` (rounded down to a page boundary, at most `loaded_tokens`) are the sequence's
+    /// own prefix, already in the pool (the engine's prefix cache found them; the load fills
+    /// the pages after them). A failed load leaves them readable, the engine recomputes from
+    /// the load's first token on ([`CandleKvError::NotRecomputed`] names no token before it),
+    /// and a load that does not settle fences its own tokens only.
+    ///
+    /// Without it the load is taken to cover every token from 0: after a failure the engine
+    /// would have to write its own (possibly shared) prefix pages again before reading.
+    pub fn load_starts_at(mut self, tokens: usize) -> Self {
+        let ps = self.pool.page_size().max(1);
+        self.load_start = (tokens.min(self.load_extent) / ps) * ps;
+        self
+    }
+
+    /// The first token the load covers (see [`load_starts_at`](Self::load_starts_at)).
+    pub fn load_start(&self) -> usize {
+        self.load_start
     }
 
     /// The same cache, its reads gated on `gate`'s load. A load already attached is finished
@@ -178,7 +203,7 @@ impl PagedLatentCache {
     /// A failed load gives [`CandleKvError::Load`]; once its outcome was taken, a read of its
     /// tokens before the engine wrote them again gives [`CandleKvError::NotRecomputed`].
     pub fn layer(&self, layer: u32, tokens: usize) -> Result<Tensor, CandleKvError> {
-        self.fence(tokens > 0, 0)?;
+        self.fence(0, tokens)?;
         self.gate.wait_on_host(layer)?;
         self.recomputed(layer, tokens)?;
         // SAFETY: the slots are this cache's alone (`new`'s contract); the load into them has
@@ -190,7 +215,7 @@ impl PagedLatentCache {
     /// Like [`layer`](Self::layer), in the paged form `[pages, page_size, width]` for the
     /// first `pages` pages.
     pub fn layer_pages(&self, layer: u32, pages: usize) -> Result<Tensor, CandleKvError> {
-        self.fence(pages > 0, 0)?;
+        self.fence(0, pages.saturating_mul(self.pool.page_size()))?;
         self.gate.wait_on_host(layer)?;
         self.recomputed(layer, pages.saturating_mul(self.pool.page_size()))?;
         let have = self.page_table.len();
@@ -210,14 +235,15 @@ impl PagedLatentCache {
     /// Writes layer `layer`'s rows `[n, width]` of tokens `start..start + n`. Rows inside
     /// the loaded prefix wait for the layer's load first (they would race it otherwise).
     pub fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), CandleKvError> {
-        self.fence(true, start)?;
+        let n = rows.dims().first().copied().unwrap_or(0);
+        self.fence(start, start.saturating_add(n))?;
         if self.touches(start, self.loaded_tokens) {
             self.gate.wait_on_host(layer)?;
         }
         // SAFETY: the slots are this cache's alone (`new`'s contract), `&mut self` excludes
         // its own readers, and the load's layer has landed wherever the rows overlap it.
         unsafe { self.pool.write_tokens(layer, &self.page_table, start, rows) }?;
-        if let (Some(r), Some(&n)) = (self.recompute.as_mut(), rows.dims().first()) {
+        if let Some(r) = self.recompute.as_mut() {
             r.wrote(layer, start, start.saturating_add(n));
         }
         Ok(())
@@ -226,8 +252,10 @@ impl PagedLatentCache {
     /// Takes the load's outcome (see [`LayerGate::finish`]); after a failure the gate is
     /// detached (the cache's gate is open and the fences below answer for the tokens). After a
     /// failure the loaded tokens drop to zero: the engine recomputes them into the same
-    /// slots, and until it has written a layer's rows again (from token 0 on), a read of
-    /// them gives [`CandleKvError::NotRecomputed`] instead of the stale rows. When the load may still be writing them (no outcome could be taken,
+    /// slots, and until it has written a layer's rows again (from the load's first token on:
+    /// 0, or what [`load_starts_at`](Self::load_starts_at) said), a read of them gives
+    /// [`CandleKvError::NotRecomputed`] instead of the stale rows. When the load may still be
+    /// writing them (no outcome could be taken,
     /// [`CandleKvError::Unsettled`], or a failure whose
     /// [`needs_reset`](CandleKvError::needs_reset) is true) every later access to the loaded
     /// tokens fails with [`CandleKvError::Unsettled`] (reset the loader and build a new cache).
@@ -256,7 +284,8 @@ impl PagedLatentCache {
             Err(_) => {
                 if self.loaded_tokens > 0 {
                     let layers = self.pool.pool().geometry().num_layers() as usize;
-                    self.recompute = Some(Recompute::new(layers, self.loaded_tokens));
+                    self.recompute =
+                        Some(Recompute::new(layers, self.load_start, self.loaded_tokens));
                 }
                 self.loaded_tokens = 0;
             }
@@ -285,11 +314,15 @@ impl PagedLatentCache {
         start / ps < tokens.div_ceil(ps)
     }
 
-    /// Refuses an access from token `start` on (`any`: it touches a token at all) that
-    /// reaches the fenced tokens of a load that did not settle.
-    fn fence(&self, any: bool, start: usize) -> Result<(), CandleKvError> {
+    /// Refuses an access to tokens `start..end` that reaches a page of the fenced tokens of a
+    /// load that did not settle (from the load's first token on).
+    fn fence(&self, start: usize, end: usize) -> Result<(), CandleKvError> {
         match &self.unsettled {
-            Some((e, fenced)) if any && self.touches(start, *fenced) => {
+            Some((e, fenced))
+                if start < end
+                    && self.touches(start, *fenced)
+                    && self.touches(self.load_start, end) =>
+            {
                 Err(CandleKvError::Unsettled { source: e.clone() })
             }
             _ => Ok(()),

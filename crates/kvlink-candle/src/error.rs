@@ -88,7 +88,7 @@ pub enum CandleKvError {
     },
     /// A read reached rows of a failed load's tokens that the engine has not written again
     /// since the failure ([`PagedLatentCache::write`](crate::PagedLatentCache::write), from
-    /// token 0 on): they hold whatever the slots held before, not this prompt's KV. An engine
+    /// the load's first token on): they hold whatever the slots held before, not this prompt's KV. An engine
     /// bug (recompute the layer's rows first), not a load failure.
     #[error("layer {layer}: tokens {from}..{to} of a failed load are not recomputed yet")]
     NotRecomputed {

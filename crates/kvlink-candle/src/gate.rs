@@ -36,8 +36,9 @@ use crate::CandleKvError;
 pub struct LayerGate {
     inner: Option<Arc<Inner>>,
     stream: Option<RawStream>,
-    /// This gate's own `finish` ran: a second one has nothing left to take (`Ok(None)`),
-    /// while waits keep answering the verdict.
+    /// This gate's own `finish` ran: a second one has no statistics left to hand out
+    /// (`Ok(None)` after a load) and answers a failure's verdict again, while waits keep
+    /// answering the verdict.
     finished: bool,
 }
 
@@ -213,8 +214,10 @@ impl LayerGate {
 
     /// Takes the batch's outcome (waiting, bounded by the loader, for it to finish). The gate
     /// keeps the verdict: every later [`wait`](Self::wait) answers with it (a failed load's
-    /// layers never read as ready), and a second `finish` of this gate returns `Ok(None)`.
-    /// `Ok(None)`: nothing was loading, or this gate finished before. `Err(Load)`: the prefix is not in the pool; the batch's own failure is the
+    /// layers never read as ready); a second `finish` of this gate returns `Ok(None)` after a
+    /// load, and the same error again after a failure (a gate finished and then attached to a
+    /// cache still tells the cache the load failed). `Ok(None)`: nothing was loading, or this
+    /// gate finished a load before. `Err(Load)`: the prefix is not in the pool; the batch's own failure is the
     /// same verdict on every TP rank. `Err(WaitFailed)`: a failure only this rank's wait saw
     /// (a layer wait past its deadline on a batch that then loaded) is this rank's alone:
     /// ranks that must agree compare their verdicts themselves; the load has ended (no reset
@@ -223,9 +226,16 @@ impl LayerGate {
     /// each layer is waited for (no host block on device events: they are kept, and a clone's
     /// later wait waits on its layer's event, as before the verdict).
     pub fn finish(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
-        let Some(i) = self.inner.as_ref().filter(|_| !self.finished) else {
+        let Some(i) = self.inner.as_ref() else {
             return Ok(None);
         };
+        if self.finished {
+            // The verdict was taken (by this gate): a failure stays one.
+            return match i.taken() {
+                Some(Err(e)) => Err(e),
+                _ => Ok(None),
+            };
+        }
         self.finished = true;
         // A clone that panicked while taking the outcome left none: this one takes it.
         let mut taken = i.outcome.lock().unwrap_or_else(|p| p.into_inner());

@@ -5,8 +5,9 @@ use std::ops::Range;
 
 /// After a load into a sequence's slots failed, the rows of its tokens hold whatever the
 /// slots held before (another sequence's KV, or zeros), not this prompt's. Per layer, the
-/// first token the engine has not yet written again, up to the failed load's extent: a read
-/// reaching past the mark would return those stale rows as if computed.
+/// first token the engine has not yet written again, from the load's first token up to its
+/// extent: a read reaching past the mark would return those stale rows as if computed. The
+/// tokens before the load's first (the engine's own prefix) were never the load's.
 #[derive(Debug, Clone)]
 pub(crate) struct Recompute {
     /// Tokens the failed load covered.
@@ -16,11 +17,11 @@ pub(crate) struct Recompute {
 }
 
 impl Recompute {
-    /// Nothing recomputed yet of the first `extent` tokens on `layers` layers.
-    pub(crate) fn new(layers: usize, extent: usize) -> Self {
+    /// Nothing recomputed yet of tokens `start..extent` on `layers` layers.
+    pub(crate) fn new(layers: usize, start: usize, extent: usize) -> Self {
         Recompute {
             extent,
-            next: vec![0; layers],
+            next: vec![start.min(extent); layers],
         }
     }
 
@@ -51,7 +52,7 @@ mod tests {
 
     #[test]
     fn a_layer_is_stale_until_its_tokens_are_written_again_from_the_start() {
-        let mut r = Recompute::new(2, 8);
+        let mut r = Recompute::new(2, 0, 8);
         assert_eq!(r.stale(0, 8), Some(0..8));
         assert_eq!(r.stale(0, 20), Some(0..8), "past the load: computed anyway");
         r.wrote(0, 4, 8);
@@ -69,6 +70,20 @@ mod tests {
         assert_eq!(r.stale(2, 8), None, "no such layer: the pool refuses it");
     }
 
+    #[test]
+    fn tokens_before_the_load_were_never_stale() {
+        let mut r = Recompute::new(1, 4, 12);
+        assert_eq!(r.stale(0, 4), None, "the engine's own prefix");
+        assert_eq!(r.stale(0, 6), Some(4..6));
+        r.wrote(0, 4, 12);
+        assert_eq!(r.stale(0, 12), None);
+        assert_eq!(
+            Recompute::new(1, 20, 12).stale(0, 30),
+            None,
+            "a start past the extent"
+        );
+    }
+
     proptest! {
         /// Whatever the writes, a read is never called fresh while a token it reads of the
         /// failed load's was not written again: the stale range runs from the first unwritten
@@ -84,7 +99,7 @@ mod tests {
             if in_order {
                 writes.sort();
             }
-            let mut r = Recompute::new(1, extent);
+            let mut r = Recompute::new(1, 0, extent);
             let mut written = [false; 64];
             for &(start, n) in &writes {
                 r.wrote(0, start, start + n);

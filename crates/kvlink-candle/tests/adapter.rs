@@ -368,6 +368,90 @@ fn a_failed_loads_tokens_are_refused_until_the_engine_writes_them_again() {
     assert_eq!(cache.layer(0, 8).unwrap().dims(), &[8, 6]);
 }
 
+/// The engine's own prefix (its prefix cache's pages, maybe shared with other sequences) comes
+/// before the pages the load fills: after a failed load the engine recomputes from the load's
+/// first token, as the integration guide says, and reads its own prefix as it is. Before, the
+/// cache counted the load from token 0: a write from the load's first token never lifted the
+/// refusal, and the only way on was to rewrite the shared prefix pages.
+#[test]
+fn after_a_failed_load_the_engines_own_prefix_stays_readable_and_recompute_starts_after_it() {
+    let (mock, cache) = failing_load(31, 0);
+    // Page 0 is the engine's own (tokens 0..4), page 1 the load's (tokens 4..8).
+    let mut cache = cache.load_starts_at(4);
+    assert_eq!(cache.load_start(), 4);
+    assert!(cache.finish_load().unwrap_err().is_load_failure());
+    assert_eq!(cache.layer(0, 4).unwrap().dims(), &[4, 6], "its own prefix");
+    assert!(matches!(
+        cache.layer(0, 8),
+        Err(CandleKvError::NotRecomputed {
+            layer: 0,
+            from: 4,
+            to: 8
+        })
+    ));
+    cache.write(0, 4, &rows(4, 0.0)).unwrap();
+    assert_eq!(cache.layer(0, 8).unwrap().dims(), &[8, 6]);
+    assert!(matches!(
+        cache.layer(1, 8),
+        Err(CandleKvError::NotRecomputed {
+            layer: 1,
+            from: 4,
+            to: 8
+        })
+    ));
+    // A start off a page boundary is the page's: loads land whole pages.
+    let t = mock.start_load(plan(32)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `t`.
+    let cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .load_starts_at(6)
+        .with_load(LayerGate::new(mock.clone(), t));
+    assert_eq!(cache.load_start(), 4);
+}
+
+/// A load that did not settle fences its own tokens, not the engine's prefix before them.
+#[test]
+fn a_load_that_did_not_settle_fences_only_the_tokens_it_covers() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let ticket = mock.start_load(plan(33)).unwrap();
+    // SAFETY: the test's own pool; the only load into slot 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .load_starts_at(4)
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    mock.wait_batch(&ticket).unwrap();
+    assert!(cache.finish_load().unwrap_err().needs_reset());
+    assert_eq!(cache.layer(0, 4).unwrap().dims(), &[4, 6], "its own prefix");
+    assert!(matches!(
+        cache.layer(0, 5),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+    assert!(matches!(
+        cache.write(0, 4, &rows(1, 0.0)),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+}
+
+/// A gate whose own `finish` took a failure, then attached to a cache, still tells the cache
+/// the load failed: before, its second `finish` said `Ok(None)`, the cache never settled, and
+/// an open gate attached next let the failed load's stale rows read as `Ok`.
+#[test]
+fn a_gate_finished_on_a_failure_then_attached_still_fails_the_cache() {
+    let mut script = MockScript::default();
+    script.fail_at_layer.insert(kv_loader::BatchId(35), 0);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(35)).unwrap();
+    let mut gate = LayerGate::new(mock.clone(), ticket);
+    assert!(gate.finish().unwrap_err().is_load_failure());
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }.with_load(gate);
+    assert!(cache.finish_load().unwrap_err().is_load_failure());
+    let cache = cache.with_load(LayerGate::open());
+    assert!(
+        matches!(cache.layer(0, 8), Err(CandleKvError::NotRecomputed { .. })),
+        "{:?}",
+        cache.layer(0, 8)
+    );
+}
+
 /// An open gate attached after a failed load covers nothing: the failed load's tokens stay
 /// refused until the engine writes them again. Before, `with_load` counted the tokens loaded
 /// again for any gate, and with an open one the stale rows read as `Ok`.
@@ -675,7 +759,8 @@ fn a_gate_that_finished_a_failed_load_keeps_refusing_its_layers() {
             assert!(e.is_load_failure(), "{which}, layer {layer}: {e}");
         }
     }
-    assert!(gate.finish().unwrap().is_none(), "nothing left to take");
+    let again = gate.finish().unwrap_err();
+    assert!(again.is_load_failure(), "a failure stays one: {again}");
 }
 
 /// A clone of a gate that finished a failed load, attached to the cache again, gives the
