@@ -95,7 +95,10 @@ pub struct MockScript {
     /// [`KvLoadError::SlotsHeld`], `wait_batch` times out, `completed` skips it, and a `reset`
     /// or `close` answers `SlotsHeld` naming it, until [`MockKvLoader::release`] says the call
     /// returned; its outcome is then the batch's own store failure (a reset between does not
-    /// make it `Cancelled`). Their slots must stay out of use until then.
+    /// make it `Cancelled`); after a `reset` or `close` its waits find the ticket ended
+    /// ([`KvLoadError::StaleTicket`]). Their slots must stay out of use until then: a load
+    /// started into one of them (or into a slot of a `time_out` batch not cancelled yet)
+    /// fails with [`KvLoadError::Device`], as the linker's landing refused the slot.
     pub hold_slots: Vec<BatchId>,
     /// Tokens per page, used to hash lookups (0 makes every lookup a `Config` error).
     pub page_size: u32,
@@ -140,6 +143,10 @@ struct MockState {
     /// Batches a reset or close ended whose outcomes are not taken yet: their tickets are
     /// ended for waits (`StaleTicket`), as the linker's counter reset ends them.
     ended: std::collections::HashSet<BatchId>,
+    /// Batches started into a slot that a batch in flight (held, or timing out) still writes:
+    /// the slot of the first such, for the device error they fail with (as the linker's
+    /// landing, refused the slot, fails the batch).
+    busy: HashMap<BatchId, u32>,
     closed: bool,
 }
 
@@ -286,11 +293,20 @@ impl MockKvLoader {
     /// The outcome of a batch taken out of `live`; `cancelled`: a reset cancelled it (its
     /// marker taken under the same lock, so that a new batch of the same id started since
     /// cannot inherit it).
-    fn outcome(&self, ticket: &LoadTicket, pages: u32, cancelled: bool) -> BatchOutcome {
+    fn outcome(
+        &self,
+        ticket: &LoadTicket,
+        pages: u32,
+        cancelled: bool,
+        busy: Option<u32>,
+    ) -> BatchOutcome {
         let b = ticket.batch;
         let result = if self.script.hold_slots.contains(&b) {
             // The batch failed on its store call; a reset does not change what it failed of.
             Err(self.held_failure(b))
+        } else if let Some(slot) = busy {
+            // It failed at its landing, before a reset could cancel it.
+            Err(busy_failure(slot))
         } else if cancelled {
             Err(KvLoadError::Cancelled { batch: b })
         } else if let Some(&l) = self.script.fail_at_layer.get(&b) {
@@ -319,6 +335,14 @@ impl MockKvLoader {
         };
         BatchOutcome { batch: b, result }
     }
+}
+
+/// The failure of a batch started into `slot` while a batch in flight still writes it.
+fn busy_failure(slot: u32) -> KvLoadError {
+    KvLoadError::Device(crate::Cause::from(format!(
+        "mock: page slot {slot} is busy: a load still in flight (its store call held, or \
+         timing out) writes it"
+    )))
 }
 
 /// Why a plan is refused without a geometry: [`BatchPlan::check_shape`], or a slot twice.
@@ -388,9 +412,21 @@ impl KvLoader for MockKvLoader {
             return Err(KvLoadError::InvalidPlan { batch, reason });
         }
         let mut state = self.state.lock();
+        if state.closed {
+            // `close` ran since `record` checked (as the linker, which checks again).
+            return Err(KvLoadError::Closed);
+        }
         if state.live.contains_key(&batch) {
             return Err(KvLoadError::DuplicateBatch { batch });
         }
+        // As the linker's landing, which claims its slots: one a load in flight still writes
+        // fails the batch (a device error), the rule `SlotsHeld` tells engines to keep.
+        let busy = plan.slots.iter().copied().find(|slot| {
+            state
+                .slots
+                .iter()
+                .any(|(b, slots)| self.in_flight(&state, b) && slots.contains(slot))
+        });
         let counter = self
             .counter
             .begin(self.num_layers.max(1))
@@ -413,6 +449,9 @@ impl KvLoader for MockKvLoader {
         let pages = u32::try_from(plan.logical.num_pages()).unwrap_or(u32::MAX);
         state.live.insert(batch, (ticket, pages));
         state.slots.insert(batch, plan.slots.clone());
+        if let Some(slot) = busy {
+            state.busy.insert(batch, slot);
+        }
         if self.script.hold_slots.contains(&batch) {
             state.held.insert(batch);
         }
@@ -426,14 +465,23 @@ impl KvLoader for MockKvLoader {
             layer,
         });
         self.live_ticket(ticket)?;
-        let (ended, held) = {
+        let (ended, held, busy) = {
             let st = self.state.lock();
             (
                 // A cancelled batch is one of those a reset or close ended.
                 st.ended.contains(&ticket.batch),
                 st.held.contains(&ticket.batch),
+                st.busy.get(&ticket.batch).copied(),
             )
         };
+        if ended {
+            // As the Linker: a reset ends the batch's tickets (a thread already waiting then
+            // hears `Cancelled`; the mock never blocks, so every wait after is this), a
+            // held batch's too (its outcome still waits for the call).
+            return Err(KvLoadError::StaleTicket {
+                batch: ticket.batch,
+            });
+        }
         if held {
             // As the Linker: the batch failed while its store call is out; the slots stay
             // held until the call returns and the outcome is taken.
@@ -441,12 +489,8 @@ impl KvLoader for MockKvLoader {
                 batches: vec![ticket.batch].into(),
             });
         }
-        if ended {
-            // As the Linker: a reset ends the batch's tickets (a thread already waiting then
-            // hears `Cancelled`; the mock never blocks, so every wait after is this).
-            return Err(KvLoadError::StaleTicket {
-                batch: ticket.batch,
-            });
+        if let Some(slot) = busy {
+            return Err(busy_failure(slot));
         }
         if self.script.hold_slots.contains(&ticket.batch) {
             // Released, outcome not taken: as the Linker's counter, which keeps the batch's
@@ -496,15 +540,16 @@ impl KvLoader for MockKvLoader {
         }
         // Checked and taken under one lock: of two threads taking the same outcome (two
         // waits, or a wait and `completed`), one gets it and the other a stale ticket.
-        let (pages, cancelled) = {
+        let (pages, cancelled, busy) = {
             let mut st = self.state.lock();
             match st.live.get(&ticket.batch) {
                 Some((t, _)) if t == ticket => {
                     st.slots.remove(&ticket.batch);
                     st.ended.remove(&ticket.batch);
                     let cancelled = st.cancelled.remove(&ticket.batch);
+                    let busy = st.busy.remove(&ticket.batch);
                     let pages = st.live.remove(&ticket.batch).map_or(0, |(_, p)| p);
-                    (pages, cancelled)
+                    (pages, cancelled, busy)
                 }
                 _ => {
                     return Err(KvLoadError::StaleTicket {
@@ -514,14 +559,14 @@ impl KvLoader for MockKvLoader {
             }
         };
         let _ = self.counter.finish(ticket.counter);
-        Ok(self.outcome(ticket, pages, cancelled))
+        Ok(self.outcome(ticket, pages, cancelled, busy))
     }
 
     fn completed(&self) -> Vec<BatchOutcome> {
         self.record_open_or_closed(MockCall::Completed);
         // As the linker: a batch still in flight (a time-out not cancelled) or whose store call
         // has not returned (held) has no outcome yet.
-        let live: Vec<(LoadTicket, u32, bool)> = {
+        let live: Vec<(LoadTicket, u32, bool, Option<u32>)> = {
             let mut st = self.state.lock();
             let ready: Vec<BatchId> = st
                 .live
@@ -534,18 +579,19 @@ impl KvLoader for MockKvLoader {
                 st.slots.remove(b);
                 st.ended.remove(b);
                 let cancelled = st.cancelled.remove(b);
+                let busy = st.busy.remove(b);
                 if let Some((t, p)) = st.live.remove(b) {
-                    taken.push((t, p, cancelled));
+                    taken.push((t, p, cancelled, busy));
                 }
             }
             taken
         };
-        for (t, _, _) in &live {
+        for (t, ..) in &live {
             let _ = self.counter.finish(t.counter);
         }
         let mut out: Vec<BatchOutcome> = live
             .iter()
-            .map(|(t, p, c)| self.outcome(t, *p, *c))
+            .map(|(t, p, c, b)| self.outcome(t, *p, *c, *b))
             .collect();
         out.sort_by_key(|o| o.batch);
         out
@@ -584,12 +630,13 @@ impl KvLoader for MockKvLoader {
             ))));
         }
         let pages = plan.logical.num_pages();
+        let objects = pages.saturating_mul(plan.logical.components.len());
         let mut report = SaveReport {
-            objects_written: (pages * plan.logical.components.len()) as u32,
+            objects_written: u32::try_from(objects).unwrap_or(u32::MAX),
             ..SaveReport::default()
         };
         if !plan.logical.components.is_empty() {
-            report.pages_written = (0..pages as u32).collect();
+            report.pages_written = (0..u32::try_from(pages).unwrap_or(u32::MAX)).collect();
         }
         report.settle_pages(pages);
         Ok(report)
@@ -955,6 +1002,114 @@ mod tests {
             })
         ));
         mock.reset().unwrap();
+    }
+
+    /// After a reset (or close) a held batch's layer wait finds its ticket ended
+    /// (`StaleTicket`), as the linker's counter reset ends it and as the docs say; it said
+    /// `SlotsHeld`.
+    #[test]
+    fn a_reset_ends_a_held_batchs_ticket_for_waits() {
+        for close in [false, true] {
+            let script = MockScript {
+                hold_slots: vec![BatchId(3)],
+                ..MockScript::default()
+            };
+            let mock = MockKvLoader::new(2, script);
+            let t = mock.start_load(plan(3)).unwrap();
+            let ended = if close { mock.close() } else { mock.reset() };
+            assert!(
+                matches!(ended, Err(KvLoadError::SlotsHeld { .. })),
+                "{ended:?}"
+            );
+            assert!(
+                matches!(
+                    mock.wait_layer(&t, 0),
+                    Err(KvLoadError::StaleTicket { batch: BatchId(3) })
+                ),
+                "close {close}: {:?}",
+                mock.wait_layer(&t, 0)
+            );
+        }
+    }
+
+    /// A load into a slot that a load in flight still writes (its store call held, or timing
+    /// out) fails with a device error, as the linker's landing refused the slot does; the mock
+    /// loaded it.
+    #[test]
+    fn a_load_into_a_slot_a_load_in_flight_writes_fails() {
+        let script = MockScript {
+            hold_slots: vec![BatchId(3)],
+            time_out: vec![BatchId(4)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        let _held = mock.start_load(one_page_plan(3, 4)).unwrap();
+        let _late = mock.start_load(one_page_plan(4, 6)).unwrap();
+        for (batch, slot) in [(5, 4), (6, 6)] {
+            let t = mock.start_load(one_page_plan(batch, slot)).unwrap();
+            assert!(matches!(
+                mock.wait_layer(&t, 0),
+                Err(KvLoadError::Device(_))
+            ));
+            let out = mock.wait_batch(&t).unwrap();
+            assert!(matches!(out.result, Err(KvLoadError::Device(_))), "{out:?}");
+        }
+        // Another slot loads; once the held call returned and its outcome is taken, the slot
+        // loads again.
+        let free = mock.start_load(one_page_plan(7, 5)).unwrap();
+        assert!(mock.wait_batch(&free).unwrap().result.is_ok());
+        mock.release(BatchId(3));
+        assert_eq!(mock.completed().len(), 1);
+        let again = mock.start_load(one_page_plan(8, 4)).unwrap();
+        assert!(mock.wait_batch(&again).unwrap().result.is_ok());
+    }
+
+    /// A start that raced `close` past its first check is refused under the lock: no batch is
+    /// left live after `close` returned.
+    #[test]
+    fn a_start_racing_close_leaves_no_live_batch() {
+        for _ in 0..200 {
+            let mock = std::sync::Arc::new(MockKvLoader::new(2, MockScript::default()));
+            let starter = {
+                let mock = mock.clone();
+                std::thread::spawn(move || mock.start_load(plan(1)))
+            };
+            mock.close().unwrap();
+            if let Ok(t) = starter.join().unwrap() {
+                // Started before close: close ended it.
+                assert!(matches!(
+                    mock.wait_layer(&t, 0),
+                    Err(KvLoadError::StaleTicket { .. })
+                ));
+            }
+        }
+    }
+
+    /// The save report's object count saturates instead of wrapping.
+    #[test]
+    fn a_save_reports_objects_without_wrapping() {
+        let components: Vec<kv_geometry::ComponentId> =
+            (0..=u16::MAX).map(kv_geometry::ComponentId).collect();
+        let plan = BatchPlan {
+            logical: crate::LogicalPlan {
+                batch: BatchId(1),
+                requests: vec![crate::RequestPages {
+                    request: "r".into(),
+                    pages: (0..65_536u64)
+                        .map(|i| {
+                            let mut h = [0; 32];
+                            h[..8].copy_from_slice(&i.to_le_bytes());
+                            PageHash(h)
+                        })
+                        .collect(),
+                }],
+                components,
+            },
+            slots: (0..65_536).collect(),
+        };
+        let mock = MockKvLoader::new(2, MockScript::default());
+        let report = mock.save(&plan).unwrap();
+        assert_eq!(report.objects_written, u32::MAX);
     }
 
     #[test]
