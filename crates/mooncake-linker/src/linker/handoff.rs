@@ -81,7 +81,9 @@ impl<S, L> Handoff<S, L> {
     }
 
     /// Reader: the next free stage, waiting (until `deadline`) for the exchange loop to give
-    /// one back. `Closed` once the exchange loop left.
+    /// one back. `Closed` once the exchange loop left. A wait that times out says nothing of
+    /// why the reader stops: the caller may wait again (a slice of its wait, to renew its read
+    /// session), and says so ([`reader_stopped`](Self::reader_stopped)) when it gives up.
     pub(crate) fn free_stage(&self, deadline: Instant) -> Wait<S> {
         let mut st = self.lock();
         loop {
@@ -94,10 +96,6 @@ impl<S, L> Handoff<S, L> {
             let (g, in_time) = self.wait(st, deadline);
             st = g;
             if !in_time {
-                st.stopped.get_or_insert_with(|| {
-                    "its wait for a free stage ran out (the exchange loop gave none back in time)"
-                        .into()
-                });
                 return Wait::TimedOut;
             }
         }
@@ -215,5 +213,21 @@ mod tests {
         assert_eq!(h.exchange_done(), (vec![], vec![]));
         assert_eq!(h.free_stage(soon()), Wait::Closed);
         assert_eq!(h.hand_over(12, soon()), Err(12));
+    }
+
+    /// A free-stage wait that timed out and was waited again says nothing of why the reader
+    /// stops: its later reason (a panic) is the one kept. Before, the first timed-out slice
+    /// wrote "its wait for a free stage ran out" for good.
+    #[test]
+    fn a_timed_out_slice_of_a_stage_wait_is_not_the_readers_reason() {
+        let h: Handoff<u8, u32> = Handoff::new([], 1);
+        assert_eq!(
+            h.free_stage(Instant::now() + Duration::from_millis(5)),
+            Wait::TimedOut
+        );
+        h.give_back(1);
+        assert_eq!(h.free_stage(soon()), Wait::Got(1));
+        h.reader_stopped("it panicked: boom".into());
+        assert_eq!(h.why_reader_stopped().as_deref(), Some("it panicked: boom"));
     }
 }

@@ -471,7 +471,14 @@ fn free_stages(
             match h.free_stage(by) {
                 Wait::Got(stage) => break stage,
                 Wait::Closed => return None,
-                Wait::TimedOut if Instant::now() >= deadline => return None,
+                Wait::TimedOut if Instant::now() >= deadline => {
+                    h.reader_stopped(
+                        "its wait for a free stage ran out (the exchange loop gave none back in \
+                         time)"
+                            .into(),
+                    );
+                    return None;
+                }
                 Wait::TimedOut => {
                     if let Some(p) = pins.as_deref_mut() {
                         if let Err(e) = p.renew_if_due() {
@@ -550,5 +557,19 @@ mod tests {
         });
         assert_eq!(got.map(|v| v.len()), Some(1));
         assert!(starts.hits() >= 4, "{} session starts", starts.hits());
+        assert_eq!(
+            h.why_reader_stopped(),
+            None,
+            "the wait went on and got its stage"
+        );
+    }
+
+    /// A wait for stages that gives up says why, for the exchange loop's error.
+    #[test]
+    fn a_wait_for_stages_that_gives_up_says_why() {
+        let h: Handoff<Option<LayerStage>, ReadLayer> = Handoff::new([], 2);
+        assert!(free_stages(&h, 1, Duration::from_millis(20), None).is_none());
+        let why = h.why_reader_stopped().unwrap_or_default();
+        assert!(why.contains("free stage ran out"), "{why}");
     }
 }
