@@ -211,11 +211,26 @@ impl GroupFormation for InProcessFormation {
                 },
             })?;
             if handles.len() != self.size as usize {
-                return Err(CollectiveError::Backend(format!(
-                    "built {} handles for {} ranks",
-                    handles.len(),
-                    self.size
-                )));
+                let detail = format!("built {} handles for {} ranks", handles.len(), self.size);
+                // Dropped after the lock, as stale ones are (an NCCL handle's drop is slow).
+                stale.push(
+                    handles
+                        .into_iter()
+                        .map(|(data, control)| {
+                            Some(GroupHandles {
+                                data,
+                                control,
+                                epoch,
+                            })
+                        })
+                        .collect(),
+                );
+                return Err(CollectiveError::Formation {
+                    epoch,
+                    missing: Vec::new(),
+                    detail,
+                    cause: None,
+                });
             }
             // Older epochs are stale: a rank that asks for this one will not need them. (An
             // epoch whose handles were all taken stays until then, so that asking twice for it
@@ -320,6 +335,40 @@ mod tests {
             );
             drop(r1);
             assert_eq!(r0.join().unwrap().ok(), Some(2));
+        });
+    }
+
+    /// A build that gives the wrong number of handles fails the formation (`Formation`, it
+    /// was `Backend`) and drops them after the lock: a peer asking meanwhile is not held up.
+    /// Before, the drop ran under the lock and the peer failed "still building".
+    #[test]
+    fn a_wrong_sized_build_drops_its_handles_outside_the_lock() {
+        let formation = InProcessFormation::new(2, || {
+            Ok((0..1)
+                .map(|r| {
+                    (
+                        Arc::new(SlowToDrop(r, 2)) as Arc<dyn Collective>,
+                        Arc::new(SlowToDrop(r, 2)) as Arc<dyn Collective>,
+                    )
+                })
+                .collect())
+        });
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        std::thread::scope(|s| {
+            let r0 = s.spawn(|| formation.reform(0, 1, soon()).map(|h| h.epoch));
+            std::thread::sleep(Duration::from_millis(100));
+            let r1 = formation.reform(1, 1, kv_loader::deadline_after(Duration::from_millis(400)));
+            match r1 {
+                Err(CollectiveError::Formation { detail, .. }) => {
+                    assert!(detail.contains("built 1 handles"), "{detail}")
+                }
+                other => panic!("{:?}", other.map(|h| h.epoch)),
+            }
+            let r0 = r0.join().unwrap();
+            assert!(
+                matches!(&r0, Err(CollectiveError::Formation { detail, .. }) if detail.contains("built 1")),
+                "{r0:?}"
+            );
         });
     }
 
