@@ -99,11 +99,14 @@ impl InProcessCollective {
                     })
                     .collect();
             }
-            if self.group.cv.wait_until(st, limit).timed_out() {
+            // Checked after the look at `posted`: a post made as the wait timed out (before
+            // this rank had the lock again) still counts.
+            if Instant::now() >= limit {
                 return Err(CollectiveError::Backend(
                     "peers did not enqueue their copies in time".into(),
                 ));
             }
+            self.group.cv.wait_until(st, limit);
         }
     }
 
