@@ -550,7 +550,8 @@ impl NcclCollective {
             ));
             return Err(unsent(CollectiveError::Timeout {
                 op: name,
-                seq: u64::MAX,
+                // The number it would have had (the operation holding the handle has its own).
+                seq: self.seq.load(Ordering::Acquire),
                 missing: Vec::new(),
             }));
         };
@@ -887,7 +888,9 @@ impl Collective for NcclCollective {
         };
         let (reply_tx, reply_rx) = mpsc::sync_channel(1);
         let request = Request {
-            seq: self.seq.fetch_add(1, Ordering::AcqRel),
+            // Not an operation of the group: it takes no sequence number (the rank's next
+            // operation keeps the number its peers give theirs).
+            seq: self.seq.load(Ordering::Acquire),
             op: Op::Abort {
                 cause: cause.to_string(),
             },

@@ -145,6 +145,24 @@ fn a_comm_thread_that_ends_while_starting_is_no_timeout() {
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
 }
 
+/// An abort takes no sequence number: the rank's next operation reports the number its peers
+/// give theirs. Before, each abort moved this rank's numbers one ahead.
+#[test]
+fn an_abort_takes_no_sequence_number() {
+    let s = silent(0, 2, Duration::from_millis(20), Instant::now());
+    let h = &s.pending.handle;
+    h.abort("test: a peer failed");
+    let r = h.all_gather_bytes(
+        &[1u8; 8],
+        kv_loader::deadline_after(Duration::from_millis(30)),
+    );
+    assert!(
+        matches!(r, Err(CollectiveError::Aborted { seq: 0, .. })),
+        "{r:?}"
+    );
+    drop(s.release);
+}
+
 /// A handle whose comm thread is known silent is dropped at once, not after its grace.
 #[test]
 fn a_handle_whose_comm_thread_is_silent_drops_at_once() {
