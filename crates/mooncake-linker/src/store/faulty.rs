@@ -95,12 +95,14 @@ pub enum Fault {
 /// Which calls a rule hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultCall {
-    /// Ranged reads (`get_ranges`) of objects: what [`FaultyStore::inject`] hits.
+    /// Ranged reads (`get_ranges`) of objects (not of checksum companions): what
+    /// [`FaultyStore::inject`] hits.
     Read,
-    /// Ranged reads of checksum companions (keys ending in
-    /// [`CHECKSUM_KEY_SUFFIX`](kv_geometry::CHECKSUM_KEY_SUFFIX)).
+    /// Reads of checksum companions (keys ending in
+    /// [`CHECKSUM_KEY_SUFFIX`](kv_geometry::CHECKSUM_KEY_SUFFIX)), ranged or whole (the
+    /// linker reads them whole, `get_into`).
     Checksums,
-    /// Whole-object reads (`get_into`).
+    /// Whole-object reads (`get_into`) of any key, checksum companions included.
     ReadWhole,
     /// `exists` (lookups, saves).
     Exists,
@@ -149,16 +151,16 @@ struct Armed {
 
 impl Armed {
     fn matches(&self, call: FaultCall, key: &str, ranges: &[ReadRange]) -> bool {
-        let call = match call {
-            FaultCall::Read if key.ends_with(kv_geometry::CHECKSUM_KEY_SUFFIX) => {
-                FaultCall::Checksums
+        let companion = key.ends_with(kv_geometry::CHECKSUM_KEY_SUFFIX);
+        let hits_call = match self.call {
+            FaultCall::Any => !matches!(call, FaultCall::Register | FaultCall::Unregister),
+            FaultCall::Checksums => {
+                companion && matches!(call, FaultCall::Read | FaultCall::ReadWhole)
             }
-            c => c,
+            FaultCall::Read => call == FaultCall::Read && !companion,
+            own => own == call,
         };
-        let registry = matches!(call, FaultCall::Register | FaultCall::Unregister);
-        if (self.call == FaultCall::Any && registry)
-            || (self.call != FaultCall::Any && self.call != call)
-        {
+        if !hits_call {
             return false;
         }
         if let Some(k) = &self.rule.key_contains {
@@ -629,6 +631,52 @@ mod tests {
         faulty.clear();
         faulty.inject_on(FaultCall::ReadWhole, FaultRule::default(), Fault::Down);
         assert!(matches!(read(&faulty), Err(StoreError::Unavailable { .. })));
+    }
+
+    /// A `Checksums` rule hits a companion's whole read (`get_into`, as the linker reads
+    /// companions), not an object's; `ReadWhole` hits both. Before, `Checksums` matched ranged
+    /// reads only, so a rule on it never fired on the linker's reads.
+    #[test]
+    fn a_checksums_rule_hits_whole_reads_of_companions() {
+        let inner = Arc::new(EmbeddedStore::new(1 << 10));
+        let companion = format!("k{}", kv_geometry::CHECKSUM_KEY_SUFFIX);
+        let data = [5u8; 8];
+        for key in ["k", companion.as_str()] {
+            let put = ObjectPut {
+                key,
+                parts: smallvec::smallvec![(data.as_ptr(), data.len())],
+            };
+            // SAFETY: `data` outlives the call and is only read.
+            assert!(unsafe { inner.put(&[put]) }[0].is_ok());
+        }
+        let faulty = FaultyStore::new(inner);
+        let read = |key: &str| {
+            let mut buf = [0u8; 8];
+            let g = ObjectGet {
+                key,
+                dst: buf.as_mut_ptr(),
+                len: buf.len(),
+            };
+            // SAFETY: `buf` is ours for the call.
+            unsafe { faulty.get_into(&[g]) }.remove(0)
+        };
+        let injected = StoreError::Unavailable {
+            detail: "injected".into(),
+        };
+        faulty.inject_on(
+            FaultCall::Checksums,
+            FaultRule::default(),
+            Fault::Error(injected),
+        );
+        assert!(read("k").is_ok(), "an object's read");
+        assert!(matches!(
+            read(&companion),
+            Err(StoreError::Unavailable { .. })
+        ));
+        assert_eq!(faulty.faults_hit(), 1);
+        faulty.clear();
+        faulty.inject_on(FaultCall::ReadWhole, FaultRule::default(), Fault::Down);
+        assert!(read(&companion).is_err(), "ReadWhole hits companions too");
     }
 
     /// A `Corrupt` rule with an offset flips a byte of the range at that offset (the layer it
