@@ -2,7 +2,8 @@
 //! TP 4, on host pools and on the device path (CPU devices), ranks as threads of this process
 //! (in-process groups); the failing rank is rank 0, a middle rank or the last, at the first, a
 //! middle or the last layer, and the fault is one of: an error, a short read, a slow read past
-//! the deadline, a store call that hangs, the store going down, the rank leaving the group,
+//! the deadline, a store call that hangs, a store call that panics (a defect in the client
+//! library under it), the store going down, the rank leaving the group,
 //! a plan that differs on that rank (no layer: the gate catches it before any).
 //!
 //! Every cell runs one batch with the fault and the next batch without it, and counts: hangs
@@ -54,16 +55,18 @@ enum Kind {
     Short,
     Slow,
     Hung,
+    Panic,
     StoreDown,
     RankGone,
     PlanMismatch,
 }
 
-const KINDS: [Kind; 7] = [
+const KINDS: [Kind; 8] = [
     Kind::Error,
     Kind::Short,
     Kind::Slow,
     Kind::Hung,
+    Kind::Panic,
     Kind::StoreDown,
     Kind::RankGone,
     Kind::PlanMismatch,
@@ -76,6 +79,7 @@ impl Kind {
             Kind::Short => "short read",
             Kind::Slow => "slow read",
             Kind::Hung => "hung call",
+            Kind::Panic => "call panics",
             Kind::StoreDown => "store down",
             Kind::RankGone => "rank gone",
             Kind::PlanMismatch => "plan mismatch",
@@ -179,6 +183,7 @@ fn arm(set: &Ranks, kind: Kind, rank: u32, layer: u32) -> Option<Stall> {
             r.faults.inject(rule, Fault::Stall(s.clone()));
             return Some(s);
         }
+        Kind::Panic => Fault::Panic,
         Kind::StoreDown => Fault::Down,
         Kind::RankGone => {
             set.gone.iter().for_each(|m| m.arm());
@@ -423,8 +428,8 @@ fn every_cell_runs_no_hang_no_panic_no_wrong_byte_and_the_next_batch_loads() {
         total.cells,
         t0.elapsed().as_secs_f64()
     );
-    // 2 paths × 2 TPs × 4 modes × 3 ranks × (6 kinds × 3 layers + 1 plan mismatch).
-    assert_eq!(total.cells, 2 * 2 * 4 * 3 * (6 * 3 + 1));
+    // 2 paths × 2 TPs × 4 modes × 3 ranks × (7 kinds × 3 layers + 1 plan mismatch).
+    assert_eq!(total.cells, 2 * 2 * 4 * 3 * (7 * 3 + 1));
     assert_eq!(
         (total.hangs, total.panics, total.wrong_bytes, total.split),
         (0, 0, 0, 0)

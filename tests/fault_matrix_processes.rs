@@ -2,8 +2,8 @@
 //! group formed at a rendezvous (socket collectives), rank 0 serving the store the others read
 //! through. Every mode (AllRanks, Rank0Broadcast, SplitAllGather, Auto), failing rank 0 / 1 / 2,
 //! layer first / middle / last, kinds that make sense without re-forming a process group: an
-//! error, a short read, a slow read past the deadline, a store call that hangs, the store going
-//! down (for that rank), a plan that differs. (A rank that dies is `kill -9` plus the group's
+//! error, a short read, a slow read past the deadline, a store call that hangs, a store call
+//! that panics, the store going down (for that rank), a plan that differs. (A rank that dies is `kill -9` plus the group's
 //! re-forming at the rendezvous: the process-group formation's own tests.) Each rank runs the
 //! same cells in the same order and reports each; the parent prints the matrix and requires
 //! every cell run, 0 hangs, 0 panics, 0 wrong bytes, 0 split verdicts, the next batch loaded.
@@ -42,7 +42,7 @@ const WORLD: u32 = 3;
 const PAGES: usize = 4;
 const LAYERS: [u32; 3] = [0, 2, 4];
 const READ_TIMEOUT: Duration = Duration::from_millis(200);
-const KINDS: [&str; 6] = ["error", "short", "slow", "hung", "down", "plan"];
+const KINDS: [&str; 7] = ["error", "short", "slow", "hung", "panic", "down", "plan"];
 
 fn modes() -> Vec<(&'static str, LinkerConfig)> {
     every_mode(|c| fault_deadlines(READ_TIMEOUT, c))
@@ -157,6 +157,7 @@ fn rank_main(role: &HashMap<String, String>) {
                     code: -800,
                 }),
                 "short" => Fault::Short,
+                "panic" => Fault::Panic,
                 "slow" => Fault::Delay(READ_TIMEOUT + Duration::from_millis(150)),
                 "hung" => {
                     let s = Stall::new();
