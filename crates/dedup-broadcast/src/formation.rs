@@ -276,7 +276,8 @@ mod tests {
     use std::time::Duration;
 
     /// A handle whose drop takes a while (as an NCCL handle's joins its comm thread).
-    struct SlowToDrop(u32, u32);
+    /// Its rank, the group's size, and a count of drops begun (shared by a test's handles).
+    struct SlowToDrop(u32, u32, Arc<std::sync::atomic::AtomicU32>);
 
     impl Collective for SlowToDrop {
         fn rank(&self) -> u32 {
@@ -298,6 +299,7 @@ mod tests {
 
     impl Drop for SlowToDrop {
         fn drop(&mut self) {
+            self.2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             std::thread::sleep(Duration::from_millis(500));
         }
     }
@@ -308,12 +310,14 @@ mod tests {
     /// its deadline.
     #[test]
     fn stale_handles_drop_outside_the_formations_lock() {
-        let formation = InProcessFormation::new(2, || {
+        let dropping = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let drops = dropping.clone();
+        let formation = InProcessFormation::new(2, move || {
             Ok((0..2)
                 .map(|r| {
                     (
-                        Arc::new(SlowToDrop(r, 2)) as Arc<dyn Collective>,
-                        Arc::new(SlowToDrop(r, 2)) as Arc<dyn Collective>,
+                        Arc::new(SlowToDrop(r, 2, drops.clone())) as Arc<dyn Collective>,
+                        Arc::new(SlowToDrop(r, 2, drops.clone())) as Arc<dyn Collective>,
                     )
                 })
                 .collect())
@@ -321,10 +325,21 @@ mod tests {
         let soon = || kv_loader::deadline_after(Duration::from_secs(5));
         // Epoch 1: rank 1 never takes its handles.
         drop(formation.reform(0, 1, soon()).unwrap());
+        // Those were rank 0's own handles: count the stale ones' drops only.
+        dropping.store(0, std::sync::atomic::Ordering::SeqCst);
         std::thread::scope(|s| {
             // Rank 0 moves to epoch 2, dropping rank 1's stale handles (1 s).
             let r0 = s.spawn(|| formation.reform(0, 2, soon()).map(|h| h.epoch));
-            std::thread::sleep(Duration::from_millis(100));
+            // Rank 0 has built epoch 2 once it drops the stale handles (it took them under
+            // the lock): wait for that, not for a guess at the scheduler.
+            let waiting = Instant::now();
+            while dropping.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                assert!(
+                    waiting.elapsed() < Duration::from_secs(10),
+                    "rank 0 never built"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
             let t0 = Instant::now();
             let r1 = formation.reform(1, 2, kv_loader::deadline_after(Duration::from_millis(400)));
             assert_eq!(r1.as_ref().map(|h| h.epoch).ok(), Some(2), "{:?}", r1.err());
@@ -343,12 +358,13 @@ mod tests {
     /// Before, the drop ran under the lock and the peer failed "still building".
     #[test]
     fn a_wrong_sized_build_drops_its_handles_outside_the_lock() {
-        let formation = InProcessFormation::new(2, || {
+        let drops = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let formation = InProcessFormation::new(2, move || {
             Ok((0..1)
                 .map(|r| {
                     (
-                        Arc::new(SlowToDrop(r, 2)) as Arc<dyn Collective>,
-                        Arc::new(SlowToDrop(r, 2)) as Arc<dyn Collective>,
+                        Arc::new(SlowToDrop(r, 2, drops.clone())) as Arc<dyn Collective>,
+                        Arc::new(SlowToDrop(r, 2, drops.clone())) as Arc<dyn Collective>,
                     )
                 })
                 .collect())
