@@ -17,6 +17,14 @@ const STACK: [&str; 9] = [
     "kvlink",
 ];
 
+/// Development-only crates: they may use any crate of the stack, and no crate of the stack
+/// may use them (they are dev-dependencies only).
+const DEV_ONLY: [&str; 1] = ["kvlink-rig"];
+
+fn workspace_crate(name: &str) -> bool {
+    STACK.contains(&name) || DEV_ONLY.contains(&name)
+}
+
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
@@ -39,7 +47,7 @@ fn uses(manifest: &str) -> BTreeSet<String> {
             .next()
             .unwrap_or_default()
             .trim();
-        if STACK.contains(&name) {
+        if workspace_crate(name) {
             out.insert(name.to_string());
         }
     }
@@ -65,14 +73,15 @@ fn doc_table() -> Vec<(String, BTreeSet<String>)> {
             if cells.len() != 4 {
                 return None;
             }
-            let krate = cells[1].trim_end_matches(" (facade)");
-            if !STACK.contains(&krate) {
+            // "kvlink (facade)", "kvlink-rig (dev-only)": the name before any note.
+            let krate = cells[1].split(" (").next().unwrap_or_default();
+            if !workspace_crate(krate) {
                 return None;
             }
             let used = cells[2]
                 .split(',')
                 .map(str::trim)
-                .filter(|c| STACK.contains(c))
+                .filter(|c| workspace_crate(c))
                 .map(String::from)
                 .collect();
             Some((krate.to_string(), used))
@@ -86,8 +95,13 @@ fn the_documented_arrows_are_the_cargo_arrows() {
     let listed: BTreeSet<&str> = table.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(
         listed,
-        STACK.iter().copied().collect(),
+        STACK.iter().chain(&DEV_ONLY).copied().collect(),
         "docs/architecture.md lists every workspace crate once"
+    );
+    assert_eq!(
+        table.len(),
+        STACK.len() + DEV_ONLY.len(),
+        "no crate listed twice"
     );
     for (krate, doc_uses) in &table {
         assert_eq!(
@@ -104,6 +118,15 @@ fn every_arrow_points_down_the_stack() {
         for used in uses(&manifest_of(krate)) {
             let j = STACK.iter().position(|c| *c == used).unwrap();
             assert!(j < i, "{krate} uses {used}, which is above it in the stack");
+        }
+    }
+    // Development-only crates are no crate's normal dependency.
+    for krate in STACK {
+        for dev in DEV_ONLY {
+            assert!(
+                !uses(&manifest_of(krate)).contains(dev),
+                "{krate} uses the development-only {dev}"
+            );
         }
     }
     // mooncake-sys is used by mooncake-linker alone.
