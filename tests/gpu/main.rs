@@ -21,7 +21,8 @@
 //! Without a GPU (no driver, or the driver sees none) every test prints why and passes: `cargo
 //! test --workspace --all-features` on a machine without a GPU builds and skips them. On the GPU
 //! machine `scripts/gpu-run.sh` and `scripts/gpu-tp-run.sh` run the binary that
-//! `scripts/gpu-build.sh` builds (`cargo test --release --features cuda --test gpu --no-run`).
+//! `scripts/gpu-build.sh` builds (`cargo test --release --features cuda,failpoints --test gpu
+//! --no-run`: without `failpoints` the check that makes a comm thread panic is skipped).
 //! `KVLINK_GPU_QUICK=1` runs the smaller sizes; `KVLINK_REQUIRE_GPU=1` fails a test that finds
 //! no GPU.
 #![allow(clippy::print_stdout, missing_docs)]

@@ -61,6 +61,10 @@ impl PrivateMaster {
         let port = free_port();
         let metrics = free_port();
         let log = std::env::temp_dir().join(format!("kvlink-master-{port}.log"));
+        // One file for both streams (two `create`s would each write from offset 0 over the
+        // other's lines).
+        let out = std::fs::File::create(&log).unwrap();
+        let err = out.try_clone().unwrap();
         let child = Command::new(bin)
             .arg("--rpc_address=127.0.0.1")
             .arg(format!("--rpc_port={port}"))
@@ -69,8 +73,8 @@ impl PrivateMaster {
             .arg("--enable_http_metadata_server=false")
             .args(extra)
             .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .stdout(out)
+            .stderr(Stdio::from(err))
             .spawn()
             .expect("start mooncake_master");
         let addr = format!("127.0.0.1:{port}");
