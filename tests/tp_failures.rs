@@ -13,12 +13,81 @@ use common::tp::{
     config, fail_v_read, mixed_spec, paths, rank_matches, run, run_ok, run_timed, same_verdict,
     tp_ranks, Path, TpRank,
 };
+use kvlink::dedup_broadcast::{CollectiveError, GroupFormation, GroupHandles};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
 use kvlink::kv_loader::{KvLoader, ShareMode};
 use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, Stall};
-use kvlink::mooncake_linker::LinkerConfig;
+use kvlink::mooncake_linker::{LinkerConfig, TpGroup};
+
+/// A formation whose re-formation ends 100 ms past the caller's deadline (as an NCCL group's
+/// start-up or a rendezvous's connect may: their own bounds may end past it).
+struct LateFormation(Arc<dyn GroupFormation>);
+
+impl GroupFormation for LateFormation {
+    fn reform(
+        &self,
+        rank: u32,
+        epoch: u64,
+        deadline: Instant,
+    ) -> Result<GroupHandles, CollectiveError> {
+        let formed = self.0.reform(rank, epoch, deadline);
+        let late = deadline + Duration::from_millis(100);
+        std::thread::sleep(late.saturating_duration_since(Instant::now()));
+        formed
+    }
+}
+
+/// A lookup whose re-formation ended past the lookup's deadline still agrees on the hit: its
+/// exchange has a bound of its own. Before, the gather timed out at once and aborted the group
+/// every rank had just formed (and again at the next re-formation).
+#[test]
+fn a_lookup_after_a_late_re_formation_still_agrees() {
+    let spec = mixed_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let cfg = LinkerConfig {
+        collective_timeout: Duration::from_millis(600),
+        ..config(ShareMode::AllRanks)
+    };
+    let controls = std::sync::Mutex::new(Vec::new());
+    let wrap = |_rank: u32, g: TpGroup| {
+        controls.lock().unwrap().push(g.control.clone());
+        TpGroup {
+            formation: g
+                .formation
+                .clone()
+                .map(|f| Arc::new(LateFormation(f)) as Arc<dyn GroupFormation>),
+            ..g
+        }
+    };
+    let (rs, hashes) = common::tp::tp_ranks_built(
+        &spec,
+        2,
+        store,
+        4,
+        &cfg,
+        Path::Host,
+        &common::tp::RankBuild::wrapped(&wrap),
+    );
+    for c in controls.lock().unwrap().iter() {
+        c.abort("test: a lookup's collective failed");
+    }
+    let pages = &hashes;
+    let hits: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = rs
+            .iter()
+            .map(|r| s.spawn(move || r.linker.lookup_pages(pages, 0)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, hit) in hits.iter().enumerate() {
+        let hit = hit.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(hit.pages.len(), 4, "rank {rank}");
+    }
+    // The group formed is left whole: the next batch loads on it.
+    run_ok(&rs, 1, &hashes, "after the late re-formation");
+}
 
 const MODES: [ShareMode; 3] = [
     ShareMode::AllRanks,

@@ -79,9 +79,9 @@ impl Inner {
             batch: None,
             detail: kv_loader::Cause::with_source(format!("lookup: {e}"), e),
         };
-        let deadline = kv_loader::deadline_after(self.config.collective_timeout);
+        let reform_by = kv_loader::deadline_after(self.config.collective_timeout);
         // Marked in use to the lookup's end: a re-formation on the load thread leaves it.
-        let (coll, _in_use) = match link.handles_for(Channel::Control, deadline) {
+        let (coll, _in_use) = match link.handles_for(Channel::Control, reform_by) {
             Ok((handles, in_use)) => (handles.control, in_use),
             Err(down) => {
                 return match self.config.group_fallback {
@@ -93,6 +93,10 @@ impl Inner {
                 };
             }
         };
+        // The exchange's own bound, as a batch's gate takes after its re-formation: one that
+        // just ended (it may end past `reform_by`) must not leave the gather no time, failing
+        // and aborting the group every rank just formed.
+        let deadline = kv_loader::deadline_after(self.config.collective_timeout);
         let digest = lookup_digest(first as u64, candidates);
         let mine = local.as_ref().ok().map(|&h| h as u64);
         let agreed = agree_lookup(coll.as_ref(), &digest, mine, deadline).map_err(|e| {
