@@ -14,7 +14,7 @@ use common::tp::{
 use common::{load_plan, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::{
-    CpuDevice, DeviceKvPool, ScatterStrategy, StagedLandingFactory, StagingPool,
+    CpuDevice, DeviceKvPool, HostKvPool, ScatterStrategy, StagedLandingFactory, StagingPool,
 };
 use kvlink::kv_geometry::{
     ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash, RowUnit,
@@ -410,6 +410,25 @@ fn a_device_landing_needs_a_group_that_moves_device_memory() {
     );
     assert!(
         matches!(r, Err(KvLoadError::Config(ref m)) if m.contains("Device")),
+        "{:?}",
+        r.err()
+    );
+}
+
+/// A group whose data and control handles are one handle is refused at build: the load
+/// thread's and the lookups' collectives would pair across ranks in no agreed order. It built.
+#[test]
+fn a_group_with_one_handle_for_data_and_control_is_refused() {
+    let g = KvGeometry::new(mixed_spec(), 2, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let group = TpGroup::in_process(2).remove(0);
+    let one = TpGroup {
+        control: group.data.clone(),
+        ..group
+    };
+    let r = Linker::with_group(g, store(), pool, LinkerConfig::default(), one);
+    assert!(
+        matches!(r, Err(KvLoadError::Config(ref m)) if m.to_string().contains("one handle")),
         "{:?}",
         r.err()
     );

@@ -326,6 +326,14 @@ impl Linker {
                  collective moves {memory:?}"
             )));
         }
+        if std::ptr::addr_eq(Arc::as_ptr(&group.data), Arc::as_ptr(&group.control)) {
+            // The load thread and lookups issue collectives apart: on one handle their
+            // operations would pair across ranks in no agreed order.
+            return Err(KvLoadError::config(
+                "the group's data and control handles are one handle: a TP group needs two \
+                 (TpGroup's constructors make them)",
+            ));
+        }
         if group.rank() != geometry.tp_rank()
             || group.size() != geometry.tp_size()
             || group.control.rank() != group.rank()
