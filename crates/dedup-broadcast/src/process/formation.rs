@@ -174,14 +174,28 @@ impl RendezvousFormation {
     /// Forms the group (the first time, or in a restarted process), bounded by the
     /// rendezvous timeout.
     pub fn form(&self) -> Result<GroupHandles, RendezvousError> {
+        self.form_meeting().map(|(handles, _)| handles)
+    }
+
+    /// [`form`](Self::form), with the meeting these handles came from (what
+    /// [`last`](Self::last) says unless another thread formed again since).
+    pub fn form_meeting(&self) -> Result<(GroupHandles, Meeting), RendezvousError> {
         // Not the rendezvous's lock: a formation under way on another thread holds it, and
         // waiting for it here before the deadline starts would double the bound.
-        self.form_by(kv_loader::deadline_after(self.form_timeout))
+        self.form_meeting_by(kv_loader::deadline_after(self.form_timeout))
     }
 
     /// Forms the group by `deadline`: meets every rank, then connects both handles (a
     /// connection that does not come within the rendezvous timeout fails it too).
     pub fn form_by(&self, deadline: Instant) -> Result<GroupHandles, RendezvousError> {
+        self.form_meeting_by(deadline).map(|(handles, _)| handles)
+    }
+
+    /// [`form_by`](Self::form_by), with the meeting these handles came from.
+    fn form_meeting_by(
+        &self,
+        deadline: Instant,
+    ) -> Result<(GroupHandles, Meeting), RendezvousError> {
         let Some(mut rv) = self.rendezvous.try_lock_until(deadline) else {
             return Err(RendezvousError::Timeout {
                 missing: Vec::new(),
@@ -213,12 +227,15 @@ impl RendezvousFormation {
             "group formed at the rendezvous"
         );
         let epoch = meeting.epoch;
-        *self.last.lock() = Some(meeting);
-        Ok(GroupHandles {
-            data,
-            control,
-            epoch,
-        })
+        *self.last.lock() = Some(meeting.clone());
+        Ok((
+            GroupHandles {
+                data,
+                control,
+                epoch,
+            },
+            meeting,
+        ))
     }
 
     #[allow(clippy::type_complexity)]

@@ -224,7 +224,10 @@ impl Inner {
         Err(GateMiss::Failed(self.group_failed(
             coll,
             batch,
-            format!("ranks still out of step after {MAX_CATCH_UP} gates"),
+            format!(
+                "ranks still out of step after {} gates (the first and {MAX_CATCH_UP} held again)",
+                MAX_CATCH_UP + 1
+            ),
         )))
     }
 

@@ -19,7 +19,8 @@ pub struct FormedTpGroup {
     /// The two handles, and the formation that re-forms them: ready for
     /// [`LinkerBuilder::group`](crate::LinkerBuilder::group).
     pub group: TpGroup,
-    /// The group's epoch: it grows every time the group re-forms.
+    /// The group's epoch when it was formed here (the rendezvous's numbering; a later
+    /// re-formation gives a higher one, which this value does not follow).
     pub epoch: u64,
     /// The NCCL unique ids (data, control), when the rendezvous asked for NCCL.
     pub nccl: Option<NcclIds>,
@@ -69,10 +70,9 @@ impl TpGroup {
     pub fn from_formation(
         formation: Arc<RendezvousFormation>,
     ) -> Result<FormedTpGroup, RendezvousError> {
-        let handles = formation.form()?;
-        let meeting = formation
-            .last()
-            .ok_or_else(|| RendezvousError::Protocol("a formation without a meeting".into()))?;
+        // The meeting these handles came from (not `last`: the formation may be shared with
+        // a linker that re-forms meanwhile).
+        let (handles, meeting) = formation.form_meeting()?;
         Ok(FormedTpGroup {
             group: TpGroup {
                 data: handles.data,
