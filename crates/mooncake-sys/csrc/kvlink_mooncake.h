@@ -74,10 +74,17 @@ int mooncake_store_unregister_buffer(mooncake_store_t store, void *buffer);
 
 /* The shim's own error codes (Mooncake's ErrorCode never uses this range). */
 #define KVLINK_MC_ERR_NULL_ARG (-90001)      /* a required pointer (or key) was NULL */
-#define KVLINK_MC_ERR_EXCEPTION (-90002)     /* a C++ exception was caught; see kvlink_mc_last_error */
-#define KVLINK_MC_ERR_OUT_OF_MEMORY (-90003) /* std::bad_alloc was caught */
+/* A C++ exception (or std::bad_alloc) thrown inside a client call that moves bytes: the call was
+   cut short and its transfers may still run. See kvlink_mc_last_error. */
+#define KVLINK_MC_ERR_EXCEPTION (-90002)
+#define KVLINK_MC_ERR_OUT_OF_MEMORY (-90003)
 #define KVLINK_MC_ERR_INVALID_ARG (-90004)   /* counts overflow, buffer too small, ... */
 #define KVLINK_MC_ERR_BAD_RESULT (-90005)    /* the client returned a result vector of the wrong length */
+/* A C++ exception (or std::bad_alloc) in the shim's own work before or after the client's call
+   (copying keys and arguments, results), or in a client call that moves no bytes: no transfer
+   of the call runs. See kvlink_mc_last_error. */
+#define KVLINK_MC_ERR_SHIM_EXCEPTION (-90006)
+#define KVLINK_MC_ERR_SHIM_OUT_OF_MEMORY (-90007)
 
 typedef struct kvlink_mc_abi_info {
     uint32_t abi_version;           /* KVLINK_MC_ABI_VERSION the shim was built with */

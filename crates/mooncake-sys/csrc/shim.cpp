@@ -43,6 +43,21 @@ struct ShimError {
 
 thread_local std::string t_last_error;
 
+// Set while a client call that moves bytes runs (`transfer`): an exception that leaves it cut
+// the call short, with transfers it may have submitted and never waited for.
+thread_local bool t_in_transfer = false;
+
+// Runs the client's call `f`, which moves bytes: an exception thrown out of it is reported as
+// cutting the call short (KVLINK_MC_ERR_EXCEPTION / _OUT_OF_MEMORY), one before or after it as
+// the shim's own (KVLINK_MC_ERR_SHIM_*).
+template <class F>
+auto transfer(F &&f) -> decltype(f()) {
+    t_in_transfer = true;
+    auto r = f();
+    t_in_transfer = false;
+    return r;
+}
+
 void remember(const char *msg) noexcept {
     try {
         t_last_error.assign(msg ? msg : "");
@@ -67,19 +82,21 @@ template <class R, class F>
 R guarded(F &&f) noexcept {
     try {
         t_last_error.clear();
+        t_in_transfer = false;
         return f();
     } catch (const ShimError &e) {
         remember(e.what);
         return failure<R>(e.code);
     } catch (const std::bad_alloc &e) {
         remember(e.what());
-        return failure<R>(KVLINK_MC_ERR_OUT_OF_MEMORY);
+        return failure<R>(t_in_transfer ? KVLINK_MC_ERR_OUT_OF_MEMORY
+                                        : KVLINK_MC_ERR_SHIM_OUT_OF_MEMORY);
     } catch (const std::exception &e) {
         remember(e.what());
-        return failure<R>(KVLINK_MC_ERR_EXCEPTION);
+        return failure<R>(t_in_transfer ? KVLINK_MC_ERR_EXCEPTION : KVLINK_MC_ERR_SHIM_EXCEPTION);
     } catch (...) {
         remember("unknown C++ exception");
-        return failure<R>(KVLINK_MC_ERR_EXCEPTION);
+        return failure<R>(t_in_transfer ? KVLINK_MC_ERR_EXCEPTION : KVLINK_MC_ERR_SHIM_EXCEPTION);
     }
 }
 
@@ -138,6 +155,8 @@ const char *shim_code_name(int32_t code) noexcept {
         case KVLINK_MC_ERR_OUT_OF_MEMORY: return "KVLINK_MC_ERR_OUT_OF_MEMORY";
         case KVLINK_MC_ERR_INVALID_ARG: return "KVLINK_MC_ERR_INVALID_ARG";
         case KVLINK_MC_ERR_BAD_RESULT: return "KVLINK_MC_ERR_BAD_RESULT";
+        case KVLINK_MC_ERR_SHIM_EXCEPTION: return "KVLINK_MC_ERR_SHIM_EXCEPTION";
+        case KVLINK_MC_ERR_SHIM_OUT_OF_MEMORY: return "KVLINK_MC_ERR_SHIM_OUT_OF_MEMORY";
         default: return nullptr;
     }
 }
@@ -216,7 +235,9 @@ int mooncake_store_put(mooncake_store_t store, const char *key, const void *valu
         const std::string k = str(key, "key is NULL");
         if (size > 0) require(value, "value is NULL");
         const ReplicateConfig rc = config_of(cfg);
-        return c.put(k, std::span<const char>(static_cast<const char *>(value), size), rc);
+        return transfer([&] {
+            return c.put(k, std::span<const char>(static_cast<const char *>(value), size), rc);
+        });
     });
 }
 
@@ -226,7 +247,8 @@ int mooncake_store_put_from(mooncake_store_t store, const char *key, void *buffe
         RealClient &c = client_of(store);
         const std::string k = str(key, "key is NULL");
         require(buffer, "buffer is NULL");
-        return c.put_from(k, buffer, size, config_of(cfg));
+        const ReplicateConfig rc = config_of(cfg);
+        return transfer([&] { return c.put_from(k, buffer, size, rc); });
     });
 }
 
@@ -243,7 +265,8 @@ int mooncake_store_batch_put_from(mooncake_store_t store, const char **keys, voi
         std::vector<void *> b(buffers, buffers + count);
         for (void *p : b) require(p, "a buffer is NULL");
         const std::vector<size_t> s(sizes, sizes + count);
-        copy_results(c.batch_put_from(k, b, s, config_of(cfg)), count, results_out);
+        const ReplicateConfig rc = config_of(cfg);
+        copy_results(transfer([&] { return c.batch_put_from(k, b, s, rc); }), count, results_out);
         return 0;
     });
 }
@@ -254,7 +277,7 @@ int64_t mooncake_store_get_into(mooncake_store_t store, const char *key, void *b
         RealClient &c = client_of(store);
         const std::string k = str(key, "key is NULL");
         require(buffer, "buffer is NULL");
-        return c.get_into(k, buffer, size);
+        return transfer([&] { return c.get_into(k, buffer, size); });
     });
 }
 
@@ -270,7 +293,7 @@ int mooncake_store_batch_get_into(mooncake_store_t store, const char **keys, voi
         std::vector<void *> b(buffers, buffers + count);
         for (void *p : b) require(p, "a buffer is NULL");
         const std::vector<size_t> s(sizes, sizes + count);
-        copy_results(c.batch_get_into(k, b, s), count, results_out);
+        copy_results(transfer([&] { return c.batch_get_into(k, b, s); }), count, results_out);
         return 0;
     });
 }
@@ -423,8 +446,10 @@ int kvlink_mc_batch_get_ranges(mooncake_store_t store, const char **keys, size_t
         }
         if (next != range_total)
             throw ShimError{KVLINK_MC_ERR_INVALID_ARG, "range_counts do not add up to range_total"};
-        copy_results(c.batch_get_into_multi_buffer_ranges(k, dst, sizes, offsets), count,
-                     results_out);
+        copy_results(transfer([&] {
+                         return c.batch_get_into_multi_buffer_ranges(k, dst, sizes, offsets);
+                     }),
+                     count, results_out);
         return 0;
     });
 }
@@ -461,7 +486,9 @@ int kvlink_mc_batch_upsert_from(mooncake_store_t store, const char **keys, void 
         std::vector<void *> b(buffers, buffers + count);
         for (void *p : b) require(p, "a buffer is NULL");
         const std::vector<size_t> s(sizes, sizes + count);
-        copy_results(c.batch_upsert_from(k, b, s, config_of(cfg)), count, results_out);
+        const ReplicateConfig rc = config_of(cfg);
+        copy_results(transfer([&] { return c.batch_upsert_from(k, b, s, rc); }), count,
+                     results_out);
         return 0;
     });
 }

@@ -261,6 +261,8 @@ mod tests {
         assert!(cut_short(&status(shim_codes::EXCEPTION)));
         assert!(cut_short(&status(shim_codes::OUT_OF_MEMORY)));
         assert!(!cut_short(&status(-704)), "a status of the wheel's own");
+        assert!(!cut_short(&status(shim_codes::SHIM_EXCEPTION)));
+        assert!(!cut_short(&status(shim_codes::SHIM_OUT_OF_MEMORY)));
         assert!(!cut_short(&Ok(())));
         let b = CallBuffer::zeroed("test", 8).unwrap();
         assert!(b.after(true, true).is_none(), "kept");

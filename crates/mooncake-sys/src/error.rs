@@ -197,15 +197,18 @@ impl MooncakeError {
         }
     }
 
-    /// True when the shim cut the call short: it caught an exception thrown inside the
-    /// wheel's call, or an allocation failure (`KVLINK_MC_ERR_EXCEPTION`,
+    /// True when the shim cut the call short: it caught an exception or an allocation
+    /// failure thrown inside the wheel's call that moves bytes (`KVLINK_MC_ERR_EXCEPTION`,
     /// `KVLINK_MC_ERR_OUT_OF_MEMORY`). The wheel may have submitted transfers it then never
     /// waited for, so the call's memory must be kept as if the client had given up on them.
+    /// One thrown in the shim's own work before or after that call
+    /// (`KVLINK_MC_ERR_SHIM_EXCEPTION`, `_SHIM_OUT_OF_MEMORY`) ran no transfer: not cut short.
     ///
     /// ```
     /// use mooncake_sys::{ErrorCode, MooncakeError};
     /// let status = |code| MooncakeError::Status { operation: "get_into", key: None, code: ErrorCode(code), message: None };
     /// assert!(status(-90002).cut_short());
+    /// assert!(!status(-90006).cut_short(), "the shim's own, outside the wheel's call");
     /// assert!(!status(-704).cut_short());
     /// ```
     pub fn cut_short(&self) -> bool {

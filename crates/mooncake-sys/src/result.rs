@@ -128,6 +128,8 @@ fn status(lib: &Library, operation: &'static str, key: Option<&str>, code: i64) 
             | sys::shim_codes::NULL_ARG
             | sys::shim_codes::INVALID_ARG
             | sys::shim_codes::BAD_RESULT
+            | sys::shim_codes::SHIM_EXCEPTION
+            | sys::shim_codes::SHIM_OUT_OF_MEMORY
     ) {
         lib.last_error()
     } else {
@@ -670,5 +672,46 @@ mod tests {
         assert_eq!(key_at(&keys, 1).as_deref(), Some("b"));
         assert_eq!(key_at(&keys, 2), None);
         assert_eq!(key_at(&keys, usize::MAX), None);
+    }
+
+    /// An exception in the shim's own work before the wheel's call (here: reserving room for
+    /// more keys than a vector can hold) is the shim's code, which says no transfer of the call
+    /// runs; it was `KVLINK_MC_ERR_EXCEPTION`, which says the wheel's transfers may still run
+    /// (the call's memory kept for good). Needs the shim (`scripts/with-mooncake.sh`); skips
+    /// without it unless `KVLINK_REQUIRE_MOONCAKE=1`. No master is contacted.
+    #[test]
+    fn an_exception_before_the_wheels_call_is_the_shims_own() {
+        let lib = match Library::load_default() {
+            Ok(lib) => lib,
+            Err(e) if std::env::var("KVLINK_REQUIRE_MOONCAKE").is_ok_and(|v| v == "1") => {
+                panic!("KVLINK_REQUIRE_MOONCAKE=1 but the shim did not load: {e}")
+            }
+            Err(_) => return,
+        };
+        let store = create(&lib).unwrap();
+        let key = c"k";
+        let keys = [key.as_ptr()];
+        let mut byte = 0u8;
+        let buffers = [(&mut byte as *mut u8).cast::<c_void>()];
+        let sizes = [1usize];
+        let mut results = [0i64];
+        // SAFETY: a live handle of `lib`; every pointer is valid for one element, and the
+        // shim refuses the count before it reads any element (its key vector cannot reserve
+        // that many), so nothing past them is touched.
+        let rc = unsafe {
+            (lib.core.batch_get_into)(
+                store,
+                keys.as_ptr(),
+                buffers.as_ptr(),
+                sizes.as_ptr(),
+                usize::MAX / 4,
+                results.as_mut_ptr(),
+            )
+        };
+        // SAFETY: the handle is live, used by no other thread, destroyed once.
+        unsafe { destroy(&lib, store) };
+        assert_eq!(rc, sys::shim_codes::SHIM_EXCEPTION, "{rc}");
+        let e = status(&lib, "batch_get_into", None, i64::from(rc));
+        assert!(!e.cut_short(), "{e}");
     }
 }

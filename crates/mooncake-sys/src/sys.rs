@@ -240,14 +240,21 @@ pub mod symbols {
 pub mod shim_codes {
     /// A required pointer (or key) was NULL.
     pub const NULL_ARG: i32 = -90001;
-    /// A C++ exception was caught (message: `kvlink_mc_last_error`).
+    /// A C++ exception was thrown inside a client call that moves bytes (message:
+    /// `kvlink_mc_last_error`): the call was cut short, its transfers may still run.
     pub const EXCEPTION: i32 = -90002;
-    /// `std::bad_alloc` was caught.
+    /// `std::bad_alloc` was thrown inside a client call that moves bytes: as [`EXCEPTION`].
     pub const OUT_OF_MEMORY: i32 = -90003;
     /// Invalid arguments (counts overflow, buffer too small, ...).
     pub const INVALID_ARG: i32 = -90004;
     /// The client returned a result vector of the wrong length.
     pub const BAD_RESULT: i32 = -90005;
+    /// A C++ exception in the shim's own work before or after the client's call (copying keys,
+    /// arguments, results), or in a client call that moves no bytes: no transfer of the call
+    /// runs (message: `kvlink_mc_last_error`).
+    pub const SHIM_EXCEPTION: i32 = -90006;
+    /// `std::bad_alloc` where [`SHIM_EXCEPTION`] says.
+    pub const SHIM_OUT_OF_MEMORY: i32 = -90007;
 }
 
 /// Mooncake's `mooncake::ErrorCode` values as the pinned wheel defines them.
@@ -348,6 +355,8 @@ pub fn code_name(code: i32) -> Option<&'static str> {
         shim_codes::OUT_OF_MEMORY => Some("KVLINK_MC_ERR_OUT_OF_MEMORY"),
         shim_codes::INVALID_ARG => Some("KVLINK_MC_ERR_INVALID_ARG"),
         shim_codes::BAD_RESULT => Some("KVLINK_MC_ERR_BAD_RESULT"),
+        shim_codes::SHIM_EXCEPTION => Some("KVLINK_MC_ERR_SHIM_EXCEPTION"),
+        shim_codes::SHIM_OUT_OF_MEMORY => Some("KVLINK_MC_ERR_SHIM_OUT_OF_MEMORY"),
         _ => codes::ALL
             .binary_search_by_key(&code, |&(c, _)| c)
             .ok()
