@@ -172,7 +172,9 @@ impl PagedLatentCache {
         self.unsettled = Some((source, fenced.max(self.loaded_tokens)));
     }
 
-    /// Tokens fenced for good because a load into their slots did not settle (0: none).
+    /// The end of the tokens fenced for good because a load into their slots did not settle
+    /// (0: none); they run from the load's first token
+    /// ([`load_start`](Self::load_start)) to here.
     pub fn fenced_tokens(&self) -> usize {
         self.unsettled.as_ref().map_or(0, |(_, t)| *t)
     }

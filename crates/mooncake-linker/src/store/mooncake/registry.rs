@@ -3,6 +3,12 @@
 //! holds the same memory) is one registration with the wheel, let go only when its last
 //! holder lets go: otherwise the first unregister would take the memory away from the
 //! other holder's transfers.
+//!
+//! Keyed by address and length while the wheel unregisters by address alone: the two cannot
+//! disagree, because the wheel refuses a registration that shares any byte with one it holds
+//! (`TransferEngineImpl::registerLocalMemory`, `ERR_ADDRESS_OVERLAPPED`, read in Mooncake
+//! 0.3.12.post1 and later, the strings found in the pinned wheel's `store.so`): a second region
+//! at the same address, or overlapping one, fails its `register` and is never counted here.
 
 use std::collections::HashMap;
 
