@@ -304,16 +304,14 @@ mod tests {
         }
     }
 
-    /// A stale epoch's handles a rank never took are dropped after the formation's lock is
-    /// let go: a peer asking for the new epoch meanwhile gets it at once. Before, it waited
-    /// for every stale handle's drop (an NCCL handle's: up to seconds each) and could fail at
-    /// its deadline.
-    #[test]
-    fn stale_handles_drop_outside_the_formations_lock() {
-        let dropping = Arc::new(std::sync::atomic::AtomicU32::new(0));
-        let drops = dropping.clone();
-        let formation = InProcessFormation::new(2, move || {
-            Ok((0..2)
+    /// A formation of 2 ranks whose build gives `built` pairs of [`SlowToDrop`] handles,
+    /// counting their drops in `drops`.
+    fn slow_to_drop_formation(
+        built: u32,
+        drops: Arc<std::sync::atomic::AtomicU32>,
+    ) -> InProcessFormation {
+        InProcessFormation::new(2, move || {
+            Ok((0..built)
                 .map(|r| {
                     (
                         Arc::new(SlowToDrop(r, 2, drops.clone())) as Arc<dyn Collective>,
@@ -321,7 +319,17 @@ mod tests {
                     )
                 })
                 .collect())
-        });
+        })
+    }
+
+    /// A stale epoch's handles a rank never took are dropped after the formation's lock is
+    /// let go: a peer asking for the new epoch meanwhile gets it at once. Before, it waited
+    /// for every stale handle's drop (an NCCL handle's: up to seconds each) and could fail at
+    /// its deadline.
+    #[test]
+    fn stale_handles_drop_outside_the_formations_lock() {
+        let dropping = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let formation = slow_to_drop_formation(2, dropping.clone());
         let soon = || kv_loader::deadline_after(Duration::from_secs(5));
         // Epoch 1: rank 1 never takes its handles.
         drop(formation.reform(0, 1, soon()).unwrap());
@@ -358,17 +366,7 @@ mod tests {
     /// Before, the drop ran under the lock and the peer failed "still building".
     #[test]
     fn a_wrong_sized_build_drops_its_handles_outside_the_lock() {
-        let drops = Arc::new(std::sync::atomic::AtomicU32::new(0));
-        let formation = InProcessFormation::new(2, move || {
-            Ok((0..1)
-                .map(|r| {
-                    (
-                        Arc::new(SlowToDrop(r, 2, drops.clone())) as Arc<dyn Collective>,
-                        Arc::new(SlowToDrop(r, 2, drops.clone())) as Arc<dyn Collective>,
-                    )
-                })
-                .collect())
-        });
+        let formation = slow_to_drop_formation(1, Arc::new(std::sync::atomic::AtomicU32::new(0)));
         let soon = || kv_loader::deadline_after(Duration::from_secs(5));
         std::thread::scope(|s| {
             let r0 = s.spawn(|| formation.reform(0, 1, soon()).map(|h| h.epoch));

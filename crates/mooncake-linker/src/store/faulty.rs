@@ -602,22 +602,26 @@ mod tests {
         }
     }
 
+    /// A whole read of 8 bytes of `key` through `faulty`.
+    fn read_whole(faulty: &FaultyStore, key: &str) -> Result<u64, StoreError> {
+        let mut buf = [0u8; 8];
+        let g = ObjectGet {
+            key,
+            dst: buf.as_mut_ptr(),
+            len: buf.len(),
+        };
+        // SAFETY: `buf` is ours for the call and outlives it (a store that abandons a read
+        // writes nothing in these tests).
+        unsafe { faulty.get_into(&[g]) }.remove(0)
+    }
+
     #[test]
     fn an_injected_error_never_hides_an_abandoned_read() {
         let inner = Arc::new(Abandons {
             inner: EmbeddedStore::new(1 << 10),
         });
         let faulty = FaultyStore::new(inner);
-        let read = |faulty: &FaultyStore| {
-            let mut buf = [0u8; 8];
-            let g = ObjectGet {
-                key: "k",
-                dst: buf.as_mut_ptr(),
-                len: buf.len(),
-            };
-            // SAFETY: `buf` is ours for the call; the inner store writes nothing.
-            unsafe { faulty.get_into(&[g]) }.remove(0)
-        };
+        let read = |faulty: &FaultyStore| read_whole(faulty, "k");
         let injected = StoreError::Unavailable {
             detail: "injected".into(),
         };
@@ -650,16 +654,7 @@ mod tests {
             assert!(unsafe { inner.put(&[put]) }[0].is_ok());
         }
         let faulty = FaultyStore::new(inner);
-        let read = |key: &str| {
-            let mut buf = [0u8; 8];
-            let g = ObjectGet {
-                key,
-                dst: buf.as_mut_ptr(),
-                len: buf.len(),
-            };
-            // SAFETY: `buf` is ours for the call.
-            unsafe { faulty.get_into(&[g]) }.remove(0)
-        };
+        let read = |key: &str| read_whole(&faulty, key);
         let injected = StoreError::Unavailable {
             detail: "injected".into(),
         };
