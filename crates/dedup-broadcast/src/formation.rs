@@ -210,21 +210,20 @@ impl GroupFormation for InProcessFormation {
                     cause: Some(crate::FormationFailure::new(e, false)),
                 },
             })?;
-            if handles.len() != self.size as usize {
-                let detail = format!("built {} handles for {} ranks", handles.len(), self.size);
+            let built: Vec<Option<GroupHandles>> = handles
+                .into_iter()
+                .map(|(data, control)| {
+                    Some(GroupHandles {
+                        data,
+                        control,
+                        epoch,
+                    })
+                })
+                .collect();
+            if built.len() != self.size as usize {
+                let detail = format!("built {} handles for {} ranks", built.len(), self.size);
                 // Dropped after the lock, as stale ones are (an NCCL handle's drop is slow).
-                stale.push(
-                    handles
-                        .into_iter()
-                        .map(|(data, control)| {
-                            Some(GroupHandles {
-                                data,
-                                control,
-                                epoch,
-                            })
-                        })
-                        .collect(),
-                );
+                stale.push(built);
                 return Err(CollectiveError::Formation {
                     epoch,
                     missing: Vec::new(),
@@ -237,19 +236,7 @@ impl GroupFormation for InProcessFormation {
             // is an error rather than a new group.)
             let older: Vec<u64> = epochs.keys().copied().filter(|&e| e <= epoch).collect();
             stale.extend(older.iter().filter_map(|e| epochs.remove(e)));
-            epochs.insert(
-                epoch,
-                handles
-                    .into_iter()
-                    .map(|(data, control)| {
-                        Some(GroupHandles {
-                            data,
-                            control,
-                            epoch,
-                        })
-                    })
-                    .collect(),
-            );
+            epochs.insert(epoch, built);
         }
         let slots = epochs
             .get_mut(&epoch)
