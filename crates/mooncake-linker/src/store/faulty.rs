@@ -1,7 +1,7 @@
 //! A [`KvStore`] wrapper that injects failures into chosen calls: fault injection for tests
 //! of every failure rule (and for engines' own tests).
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -224,6 +224,9 @@ pub struct FaultyStore {
     inner: Arc<dyn KvStore>,
     rules: Mutex<Vec<Arc<Armed>>>,
     down: AtomicBool,
+    /// Counts [`clear`](FaultyStore::clear)s: a call that a delay or stall held across one
+    /// applies no more of the rules it took before it.
+    cleared: AtomicU64,
 }
 
 /// A fault hit by a call, key by key.
@@ -236,6 +239,7 @@ impl FaultyStore {
             inner,
             rules: Mutex::new(Vec::new()),
             down: AtomicBool::new(false),
+            cleared: AtomicU64::new(0),
         }
     }
 
@@ -255,9 +259,13 @@ impl FaultyStore {
         }));
     }
 
-    /// Removes every rule, and brings the store back up.
+    /// Removes every rule, and brings the store back up. A call held by a delay or stall
+    /// meanwhile applies none of its rules after that (it does not take the store down again
+    /// once released).
     pub fn clear(&self) {
-        self.rules.lock().clear();
+        let mut rules = self.rules.lock();
+        rules.clear();
+        self.cleared.fetch_add(1, Ordering::AcqRel);
         self.down.store(false, Ordering::Release);
     }
 
@@ -302,10 +310,17 @@ impl FaultyStore {
         call: FaultCall,
         keys: impl Iterator<Item = (&'a str, &'a [ReadRange])>,
     ) -> Vec<Option<(Fault, Option<u64>)>> {
-        let rules: Vec<Arc<Armed>> = self.rules.lock().clone();
+        let (rules, taken_at) = {
+            let rules = self.rules.lock();
+            (rules.clone(), self.cleared.load(Ordering::Acquire))
+        };
         keys.map(|(key, ranges)| {
             let mut hit = None;
             for r in &rules {
+                if self.cleared.load(Ordering::Acquire) != taken_at {
+                    // Cleared while a delay or stall held this call: its rules are gone.
+                    break;
+                }
                 if !r.matches(call, key, ranges) {
                     continue;
                 }
@@ -635,6 +650,59 @@ mod tests {
         faulty.clear();
         faulty.inject_on(FaultCall::ReadWhole, FaultRule::default(), Fault::Down);
         assert!(matches!(read(&faulty), Err(StoreError::Unavailable { .. })));
+    }
+
+    /// A call held by a stall across a `clear` applies none of its rules after it: a `Down`
+    /// rule on a later key of the call does not take the store down again once the stall is
+    /// released. Before, it did (the call had taken the rules before the clear), and every
+    /// later call failed "the store is down" with no rule in place.
+    #[test]
+    fn a_call_held_across_a_clear_applies_no_more_of_its_rules() {
+        let inner = Arc::new(EmbeddedStore::new(1 << 10));
+        let data = [5u8; 8];
+        for key in ["a", "b"] {
+            let put = ObjectPut {
+                key,
+                parts: smallvec::smallvec![(data.as_ptr(), data.len())],
+            };
+            // SAFETY: `data` outlives the call and is only read.
+            assert!(unsafe { inner.put(&[put]) }[0].is_ok());
+        }
+        let faulty = FaultyStore::new(inner);
+        let stall = Stall::new();
+        let on = |key: &str| FaultRule {
+            key_contains: Some(key.into()),
+            ..FaultRule::default()
+        };
+        faulty.inject_on(FaultCall::ReadWhole, on("a"), Fault::Stall(stall.clone()));
+        faulty.inject_on(FaultCall::ReadWhole, on("b"), Fault::Down);
+        std::thread::scope(|s| {
+            let held = s.spawn(|| {
+                let (mut x, mut y) = ([0u8; 8], [0u8; 8]);
+                let gets = [
+                    ObjectGet {
+                        key: "a",
+                        dst: x.as_mut_ptr(),
+                        len: x.len(),
+                    },
+                    ObjectGet {
+                        key: "b",
+                        dst: y.as_mut_ptr(),
+                        len: y.len(),
+                    },
+                ];
+                // SAFETY: both buffers are ours for the call.
+                unsafe { faulty.get_into(&gets) }
+            });
+            while stall.hits() == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            faulty.clear();
+            stall.release();
+            let _ = held.join().unwrap();
+        });
+        assert!(!faulty.is_down(), "taken down after the clear");
+        assert!(read_whole(&faulty, "b").is_ok());
     }
 
     /// A `Checksums` rule hits a companion's whole read (`get_into`, as the linker reads
