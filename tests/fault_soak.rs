@@ -1,0 +1,339 @@
+//! A seeded soak of combined faults: where the fault matrix puts one fault on one rank's own
+//! shard per batch, each round here puts up to three at once, on any rank, on a replicated
+//! component as well as the shard, of mixed kinds (an error, a short read, a slow read, a call
+//! that panics, one that hangs until released, the store going down for that rank), while
+//! every rank also runs a lookup on its control handle beside the batch. TP 3, every mode, host
+//! pools and the device path (CPU devices), ranks as threads.
+//!
+//! Every round must end within its bound (no hang), with no panic, the same verdict on every
+//! rank (all loaded or all failed), every byte right in the layers a rank published (all of
+//! them when it loaded), the lookups that answered agreeing, and the next batch, without
+//! faults, loading on every rank. The seed of each set is printed; `KVLINK_SOAK_SEED` replays
+//! one, `KVLINK_SOAK_ROUNDS` runs more rounds.
+
+/// Writes a line straight to this process's stdout: the test harness does not capture it, so
+/// the soak's summary shows in CI logs whether the test passes or fails.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+mod common;
+
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use common::tp::{every_mode, fault_deadlines, mixed_spec, paths, rank_matches_below, run_ok};
+use common::tp::{tp_ranks, Path, TpRank};
+use kvlink::kv_geometry::PageHash;
+use kvlink::kv_loader::KvLoader;
+use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore, Stall, StoreError};
+
+const TP: u32 = 3;
+const PAGES: usize = 4;
+const READ_TIMEOUT: Duration = Duration::from_millis(200);
+/// A round not done by then counts as a hang.
+const ROUND_LIMIT: Duration = Duration::from_secs(60);
+
+/// A small deterministic generator (xorshift64*), so that a seed replays a round exactly.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Error,
+    Short,
+    Slow,
+    Panic,
+    Hung,
+    Down,
+}
+
+const KINDS: [Kind; 6] = [
+    Kind::Error,
+    Kind::Short,
+    Kind::Slow,
+    Kind::Panic,
+    Kind::Hung,
+    Kind::Down,
+];
+
+/// One fault of a round: its kind, on which rank's store, on the range of which component,
+/// page and layer.
+#[derive(Debug, Clone)]
+struct Planned {
+    kind: Kind,
+    rank: u32,
+    component: &'static str,
+    page: usize,
+    layer: u32,
+}
+
+/// Up to three faults, each on a layer its component has.
+fn plan_round(rng: &mut Rng, ranks: &[TpRank]) -> Vec<Planned> {
+    let g = ranks[0].linker.geometry();
+    (0..rng.below(4))
+        .map(|_| {
+            let component = ["k", "indexer", "v"][rng.below(3)];
+            let layers = &g.component_by_name(component).unwrap().layers;
+            Planned {
+                kind: KINDS[rng.below(KINDS.len())],
+                rank: rng.below(TP as usize) as u32,
+                component,
+                page: rng.below(PAGES),
+                layer: layers[rng.below(layers.len())],
+            }
+        })
+        .collect()
+}
+
+/// Arms `faults` on their ranks' stores (each on one ranged read of its object's layer,
+/// once); the stalls to release after the round's waits.
+fn arm(ranks: &[TpRank], pages: &[PageHash], batch: u64, faults: &[Planned]) -> Vec<Stall> {
+    let mut stalls = Vec::new();
+    for f in faults {
+        let r = &ranks[f.rank as usize];
+        let g = r.linker.geometry();
+        let plan = common::load_plan(g, batch, pages, r.slots.clone());
+        let c = g.component_by_name(f.component).unwrap();
+        let keys = r.linker.object_keys(&plan).unwrap();
+        let rule = FaultRule {
+            key_contains: Some(keys[c.id.0 as usize][f.page].clone()),
+            offset: Some(c.layer_range(f.layer).unwrap().start),
+            times: Some(1),
+            ..FaultRule::default()
+        };
+        let fault = match f.kind {
+            Kind::Error => Fault::Error(StoreError::TransferFailed {
+                key: "injected".into(),
+                code: -800,
+            }),
+            Kind::Short => Fault::Short,
+            Kind::Slow => Fault::Delay(READ_TIMEOUT + Duration::from_millis(150)),
+            Kind::Panic => Fault::Panic,
+            Kind::Hung => {
+                let s = Stall::new();
+                stalls.push(s.clone());
+                Fault::Stall(s)
+            }
+            Kind::Down => Fault::Down,
+        };
+        r.faults.inject(rule, fault);
+    }
+    stalls
+}
+
+/// What went wrong in one round (empty: nothing), and whether its batch failed (on every rank).
+fn round(
+    ranks: &[TpRank],
+    pages: &[PageHash],
+    batch: u64,
+    faults: &[Planned],
+) -> (Vec<String>, bool) {
+    let mut wrong = Vec::new();
+    let stalls = arm(ranks, pages, batch, faults);
+    // Every rank starts the batch and waits its layers, a lookup beside it on another thread.
+    let waited: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .map(|r| {
+                let lookup = s.spawn(move || r.linker.lookup_pages(pages, 0));
+                let load = s.spawn(move || {
+                    let plan =
+                        common::load_plan(r.linker.geometry(), batch, pages, r.slots.clone());
+                    let t = r.linker.start_load(plan).unwrap();
+                    let published = (0..r.linker.num_layers())
+                        .take_while(|&l| r.linker.wait_layer(&t, l).is_ok())
+                        .count() as u32;
+                    (t, published)
+                });
+                (load, lookup)
+            })
+            .collect();
+        hs.into_iter()
+            .map(|(load, lookup)| (load.join(), lookup.join()))
+            .collect()
+    });
+    for r in ranks {
+        r.faults.clear();
+    }
+    for s in &stalls {
+        s.release();
+    }
+    let mut loaded = Vec::new();
+    let mut hits = Vec::new();
+    for (rank, (load, lookup)) in waited.into_iter().enumerate() {
+        match lookup {
+            Ok(Ok(hit)) => hits.push(hit.pages.len()),
+            Ok(Err(_)) => {}
+            Err(_) => wrong.push(format!("rank {rank}: the lookup panicked")),
+        }
+        let Ok((t, published)) = load else {
+            wrong.push(format!("rank {rank}: the load panicked"));
+            continue;
+        };
+        let r = &ranks[rank];
+        let ok = matches!(r.linker.wait_batch(&t), Ok(o) if o.result.is_ok());
+        loaded.push(ok);
+        let upto = if ok { u32::MAX } else { published };
+        if let Err(e) = rank_matches_below(r, pages, rank as u32, &r.slots, upto) {
+            wrong.push(format!("rank {rank}: wrong bytes: {e}"));
+        }
+        if ok && published != r.linker.num_layers() {
+            wrong.push(format!(
+                "rank {rank}: loaded, but only {published} layers were ready"
+            ));
+        }
+    }
+    if !(loaded.iter().all(|&l| l) || loaded.iter().all(|&l| !l)) {
+        wrong.push(format!("split verdict: {loaded:?}"));
+    }
+    if faults.is_empty() && !loaded.iter().all(|&l| l) {
+        wrong.push("a round without faults failed".into());
+    }
+    if hits.windows(2).any(|w| w[0] != w[1]) || hits.iter().any(|&h| h > PAGES) {
+        wrong.push(format!("lookups disagree: {hits:?}"));
+    }
+    // The next batch, without faults, loads on every rank.
+    let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run_ok(ranks, batch + 1, pages, "the next batch")
+    }));
+    if next.is_err() {
+        wrong.push("the next batch did not load on every rank".into());
+    }
+    let failed = !loaded.is_empty() && loaded.iter().all(|&l| !l);
+    (wrong, failed)
+}
+
+/// What one set's rounds came to.
+#[derive(Default)]
+struct Soaked {
+    rounds: usize,
+    /// Rounds whose batch failed on every rank (the faults fired).
+    failed: usize,
+    problems: Vec<String>,
+}
+
+/// Runs `rounds` rounds on fresh ranks of `(path, mode)` from `seed`.
+fn soak(path: Path, mode: &'static str, seed: u64, rounds: usize) -> Soaked {
+    let cfg = every_mode(|c| fault_deadlines(READ_TIMEOUT, c))
+        .into_iter()
+        .find(|(m, _)| *m == mode)
+        .unwrap()
+        .1;
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 28));
+    let (ranks, pages) = tp_ranks(&mixed_spec(), TP, store, PAGES, &cfg, path);
+    let ranks = Arc::new(ranks);
+    let pages = Arc::new(pages);
+    run_ok(&ranks, 1, &pages, "fresh ranks");
+    let mut rng = Rng(seed | 1);
+    let mut soaked = Soaked::default();
+    for i in 0..rounds {
+        let faults = plan_round(&mut rng, &ranks);
+        let batch = 2 + 2 * i as u64;
+        let (tx, rx) = mpsc::channel();
+        let (rs, ps, fs) = (ranks.clone(), pages.clone(), faults.clone());
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                round(&rs, &ps, batch, &fs)
+            }));
+            let _ = tx.send(r);
+        });
+        soaked.rounds += 1;
+        let wrong = match rx.recv_timeout(ROUND_LIMIT) {
+            Ok(Ok((wrong, failed))) => {
+                soaked.failed += usize::from(failed);
+                wrong
+            }
+            Ok(Err(_)) => vec!["the round panicked".into()],
+            Err(_) => {
+                // Its ranks are stuck: no later round can use them.
+                soaked.problems.push(format!(
+                    "{path:?} {mode} seed {seed:#x} round {i}: hang ({faults:?})"
+                ));
+                return soaked;
+            }
+        };
+        for w in wrong {
+            soaked.problems.push(format!(
+                "{path:?} {mode} seed {seed:#x} round {i} ({faults:?}): {w}"
+            ));
+        }
+    }
+    soaked
+}
+
+#[test]
+fn combined_faults_with_lookups_beside_never_hang_split_or_land_wrong_bytes() {
+    let t0 = Instant::now();
+    let base: u64 = std::env::var("KVLINK_SOAK_SEED")
+        .ok()
+        .and_then(|s| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok())
+        .unwrap_or(0x5eed_0f_fa17);
+    let rounds: usize = std::env::var("KVLINK_SOAK_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8);
+    let mut sets = Vec::new();
+    for (p, path) in paths().into_iter().enumerate() {
+        for (m, (mode, _)) in every_mode(|c| c).into_iter().enumerate() {
+            let seed = base ^ ((p as u64) << 40) ^ ((m as u64) << 32);
+            sets.push((path, mode, seed));
+        }
+    }
+    // Two sets at a time: most of a slow or hung round is waiting for a deadline.
+    let work = std::sync::Mutex::new(sets);
+    let results = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| loop {
+                let Some((path, mode, seed)) = work.lock().unwrap().pop() else {
+                    return;
+                };
+                let soaked = soak(path, mode, seed, rounds);
+                out!(
+                    "soak {path:?} {mode}: seed {seed:#x}, {} rounds ({} failed on every \
+                     rank), {} problems",
+                    soaked.rounds,
+                    soaked.failed,
+                    soaked.problems.len()
+                );
+                results.lock().unwrap().push(soaked);
+            });
+        }
+    });
+    let results = results.into_inner().unwrap();
+    let ran: usize = results.iter().map(|s| s.rounds).sum();
+    let failed: usize = results.iter().map(|s| s.failed).sum();
+    let problems: Vec<String> = results.into_iter().flat_map(|s| s.problems).collect();
+    for p in &problems {
+        out!("  {p}");
+    }
+    out!(
+        "SOAK: {ran} rounds run, {failed} failed on every rank, {} problems ({:.1} s)",
+        problems.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(
+        problems.is_empty(),
+        "{} problems: {problems:#?}",
+        problems.len()
+    );
+    assert_eq!(ran, 2 * 4 * rounds, "every round of every set ran");
+    // The faults fired: most rounds carry one, and a fault on any read fails its batch.
+    assert!(failed * 3 >= ran, "only {failed} of {ran} rounds failed");
+}
