@@ -283,7 +283,7 @@ fn combined_faults_with_lookups_beside_never_hang_split_or_land_wrong_bytes() {
     let base: u64 = std::env::var("KVLINK_SOAK_SEED")
         .ok()
         .and_then(|s| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok())
-        .unwrap_or(0x5eed_0f_fa17);
+        .unwrap_or(0x005e_ed0f_fa17);
     let rounds: usize = std::env::var("KVLINK_SOAK_ROUNDS")
         .ok()
         .and_then(|s| s.parse().ok())
