@@ -85,12 +85,20 @@ pub struct PagedLatentCache {
     load_start: usize,
     gate: LayerGate,
     /// Set when a load's outcome could not be taken: it may still be writing the slots of
-    /// the tokens counted here (the loaded tokens when it was found), so they stay fenced for
+    /// the tokens fenced here (the loaded tokens when it was found), so they stay fenced for
     /// the life of the cache, whatever later loads or failures do to `loaded_tokens`.
-    unsettled: Option<(KvLoadError, usize)>,
+    unsettled: Option<Fence>,
     /// Set when a load failed (and settled): per layer, its tokens not yet written again,
     /// which reads refuse ([`CandleKvError::NotRecomputed`]) instead of returning stale rows.
     recompute: Option<Recompute>,
+}
+
+/// Tokens `from..to` of a load that did not settle (`source`): the load may still write them.
+#[derive(Debug)]
+struct Fence {
+    source: KvLoadError,
+    from: usize,
+    to: usize,
 }
 
 impl PagedLatentCache {
@@ -130,7 +138,15 @@ impl PagedLatentCache {
     ///
     /// Without it the load is taken to cover every token from 0: after a failure the engine
     /// would have to write its own (possibly shared) prefix pages again before reading.
-    pub fn load_starts_at(mut self, tokens: usize) -> Self {
+    ///
+    /// A fence already in place (a load that did not settle) keeps its own first token.
+    ///
+    /// # Safety
+    /// No load attached to this cache, now or later ([`with_load`](Self::with_load)), writes
+    /// the slots of the pages before `tokens` (its plan names only the slots of the pages from
+    /// there on): the cache reads and writes those pages without waiting for a load or
+    /// fencing them.
+    pub unsafe fn load_starts_at(mut self, tokens: usize) -> Self {
         let ps = self.pool.page_size().max(1);
         self.load_start = (tokens.min(self.load_extent) / ps) * ps;
         self
@@ -168,15 +184,18 @@ impl PagedLatentCache {
 
     /// Fences the loaded tokens (and any fenced before) for good: `source` could not settle.
     fn mark_unsettled(&mut self, source: KvLoadError) {
-        let fenced = self.unsettled.as_ref().map_or(0, |(_, t)| *t);
-        self.unsettled = Some((source, fenced.max(self.loaded_tokens)));
+        let (from, to) = match &self.unsettled {
+            Some(f) => (f.from.min(self.load_start), f.to.max(self.loaded_tokens)),
+            None => (self.load_start, self.loaded_tokens),
+        };
+        self.unsettled = Some(Fence { source, from, to });
     }
 
     /// The end of the tokens fenced for good because a load into their slots did not settle
-    /// (0: none); they run from the load's first token
+    /// (0: none); they run from the load's first token when it was fenced
     /// ([`load_start`](Self::load_start)) to here.
     pub fn fenced_tokens(&self) -> usize {
-        self.unsettled.as_ref().map_or(0, |(_, t)| *t)
+        self.unsettled.as_ref().map_or(0, |f| f.to)
     }
 
     /// The page table (slot of each page, in sequence order).
@@ -210,7 +229,9 @@ impl PagedLatentCache {
         self.recomputed(layer, tokens)?;
         // SAFETY: the slots are this cache's alone (`new`'s contract); the load into them has
         // landed this layer (the wait above blocks the host on a device layer's event, also
-        // for a gate built `on_stream`), and writes need `&mut self`.
+        // for a gate built `on_stream`), or it did not settle and the fence above refused
+        // every page it may write (from its first token: no load writes the pages before,
+        // `load_starts_at`'s contract); writes need `&mut self`.
         unsafe { self.pool.read_tokens(layer, &self.page_table, tokens) }
     }
 
@@ -243,7 +264,8 @@ impl PagedLatentCache {
             self.gate.wait_on_host(layer)?;
         }
         // SAFETY: the slots are this cache's alone (`new`'s contract), `&mut self` excludes
-        // its own readers, and the load's layer has landed wherever the rows overlap it.
+        // its own readers, and the load's layer has landed wherever the rows overlap it (a
+        // load that did not settle: the fence above refused its pages, as in `layer`).
         unsafe { self.pool.write_tokens(layer, &self.page_table, start, rows) }?;
         if let Some(r) = self.recompute.as_mut() {
             r.wrote(layer, start, start.saturating_add(n));
@@ -317,15 +339,13 @@ impl PagedLatentCache {
     }
 
     /// Refuses an access to tokens `start..end` that reaches a page of the fenced tokens of a
-    /// load that did not settle (from the load's first token on).
+    /// load that did not settle.
     fn fence(&self, start: usize, end: usize) -> Result<(), CandleKvError> {
         match &self.unsettled {
-            Some((e, fenced))
-                if start < end
-                    && self.touches(start, *fenced)
-                    && self.touches(self.load_start, end) =>
-            {
-                Err(CandleKvError::Unsettled { source: e.clone() })
+            Some(f) if start < end && self.touches(start, f.to) && self.touches(f.from, end) => {
+                Err(CandleKvError::Unsettled {
+                    source: f.source.clone(),
+                })
             }
             _ => Ok(()),
         }

@@ -377,7 +377,8 @@ fn a_failed_loads_tokens_are_refused_until_the_engine_writes_them_again() {
 fn after_a_failed_load_the_engines_own_prefix_stays_readable_and_recompute_starts_after_it() {
     let (mock, cache) = failing_load(31, 0);
     // Page 0 is the engine's own (tokens 0..4), page 1 the load's (tokens 4..8).
-    let mut cache = cache.load_starts_at(4);
+    // SAFETY: the mock's load writes no slot (and none of page 0's).
+    let mut cache = unsafe { cache.load_starts_at(4) };
     assert_eq!(cache.load_start(), 4);
     assert!(cache.finish_load().unwrap_err().is_load_failure());
     assert_eq!(cache.layer(0, 4).unwrap().dims(), &[4, 6], "its own prefix");
@@ -401,9 +402,9 @@ fn after_a_failed_load_the_engines_own_prefix_stays_readable_and_recompute_start
     ));
     // A start off a page boundary is the page's: loads land whole pages.
     let t = mock.start_load(plan(32)).unwrap();
-    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `t`.
-    let cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
-        .load_starts_at(6)
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `t`, which
+    // writes none of page 0's.
+    let cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8).load_starts_at(6) }
         .with_load(LayerGate::new(mock.clone(), t));
     assert_eq!(cache.load_start(), 4);
 }
@@ -413,10 +414,10 @@ fn after_a_failed_load_the_engines_own_prefix_stays_readable_and_recompute_start
 fn a_load_that_did_not_settle_fences_only_the_tokens_it_covers() {
     let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
     let ticket = mock.start_load(plan(33)).unwrap();
-    // SAFETY: the test's own pool; the only load into slot 1 is the mock's `ticket`.
-    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
-        .load_starts_at(4)
-        .with_load(LayerGate::new(mock.clone(), ticket));
+    // SAFETY: the test's own pool; the only load into slot 1 (page 1) is the mock's `ticket`.
+    let mut cache =
+        unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8).load_starts_at(4) }
+            .with_load(LayerGate::new(mock.clone(), ticket));
     mock.wait_batch(&ticket).unwrap();
     assert!(cache.finish_load().unwrap_err().needs_reset());
     assert_eq!(cache.layer(0, 4).unwrap().dims(), &[4, 6], "its own prefix");
@@ -426,6 +427,25 @@ fn a_load_that_did_not_settle_fences_only_the_tokens_it_covers() {
     ));
     assert!(matches!(
         cache.write(0, 4, &rows(1, 0.0)),
+        Err(CandleKvError::Unsettled { .. })
+    ));
+}
+
+/// A fence in place keeps its own first token: a later `load_starts_at` does not narrow it
+/// (the load that did not settle may still write from token 0).
+#[test]
+fn a_later_load_start_does_not_narrow_a_fence_in_place() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let ticket = mock.start_load(plan(36)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(f32_latents(4), vec![0, 1], 8) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    mock.wait_batch(&ticket).unwrap();
+    assert!(cache.finish_load().unwrap_err().needs_reset());
+    // SAFETY: later loads (none here) would write page 1's slot only.
+    let cache = unsafe { cache.load_starts_at(4) };
+    assert!(matches!(
+        cache.layer(0, 4),
         Err(CandleKvError::Unsettled { .. })
     ));
 }
