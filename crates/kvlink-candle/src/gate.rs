@@ -236,10 +236,13 @@ impl LayerGate {
                 _ => Ok(None),
             };
         }
-        self.finished = true;
-        // A clone that panicked while taking the outcome left none: this one takes it.
+        // A clone that panicked while taking the outcome left none: this one takes it. This
+        // gate counts as finished only once a verdict is kept (after a panic here, its next
+        // `finish` takes the outcome again rather than answering `Ok(None)`).
         let mut taken = i.outcome.lock().unwrap_or_else(|p| p.into_inner());
         let verdict = taken.get_or_insert_with(|| i.take_outcome(false)).clone();
+        drop(taken);
+        self.finished = true;
         verdict.map_err(Verdict::error)
     }
 }

@@ -431,6 +431,27 @@ fn a_load_that_did_not_settle_fences_only_the_tokens_it_covers() {
     ));
 }
 
+/// A gate whose `finish` panicked (the loader's `wait_batch` did) kept no verdict: its next
+/// `finish` takes the outcome. Before, the gate counted as finished and answered `Ok(None)`
+/// ("finished a load before"), so a cache took a load it never settled as good.
+#[test]
+fn a_finish_that_panicked_is_taken_again_not_answered_ok() {
+    let mut script = MockScript::default();
+    script.fail_at_layer.insert(kv_loader::BatchId(37), 0);
+    let loader = Arc::new(EventLoader {
+        inner: MockKvLoader::new(2, script),
+        event: Arc::new(CountingEvent::default()),
+        outcome_error: None,
+        panics: AtomicU32::new(1),
+    });
+    let ticket = loader.start_load(plan(37)).unwrap();
+    let mut gate = LayerGate::new(loader.clone(), ticket);
+    let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gate.finish()));
+    assert!(first.is_err(), "the loader panicked");
+    let again = gate.finish().unwrap_err();
+    assert!(again.is_load_failure(), "{again}");
+}
+
 /// A fence in place keeps its own first token: a later `load_starts_at` does not narrow it
 /// (the load that did not settle may still write from token 0).
 #[test]
@@ -609,6 +630,8 @@ struct EventLoader {
     event: Arc<CountingEvent>,
     /// What every batch outcome says instead of the mock's (`None`: the mock's).
     outcome_error: Option<KvLoadError>,
+    /// `wait_batch` panics this many more times (a defect in the loader) before it answers.
+    panics: AtomicU32,
 }
 
 #[derive(Debug, Default)]
@@ -651,6 +674,13 @@ impl KvLoader for EventLoader {
         Ok(LayerReady::Event(self.event.clone()))
     }
     fn wait_batch(&self, t: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
+        if self
+            .panics
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            panic!("test: the loader's wait_batch panics");
+        }
         let outcome = self.inner.wait_batch(t)?;
         Ok(match &self.outcome_error {
             Some(e) => BatchOutcome {
@@ -681,6 +711,7 @@ fn event_loader(layers: u32) -> (Arc<EventLoader>, Arc<CountingEvent>) {
         inner: MockKvLoader::new(layers, MockScript::default()),
         event: event.clone(),
         outcome_error: None,
+        panics: AtomicU32::new(0),
     });
     (loader, event)
 }
@@ -1097,6 +1128,7 @@ fn a_failed_load_that_needs_a_reset_fences_the_loaded_tokens() {
             layer: 1,
             waited: std::time::Duration::from_secs(5),
         }),
+        panics: AtomicU32::new(0),
     });
     let ticket = loader.start_load(plan(13)).unwrap();
     // SAFETY: the test's own pool; the only load into slots 0, 1 and 2 is `ticket`'s.
