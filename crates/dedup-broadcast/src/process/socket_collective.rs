@@ -116,6 +116,9 @@ pub struct SocketCollective {
     /// Index = peer rank; `None` at this rank's own index.
     links: Vec<Option<Link>>,
     op: Mutex<OpState>,
+    /// The number the next operation takes (`OpState::seq`, readable while another
+    /// operation holds `op`: an operation that cannot start reports the number it would have).
+    next_seq: std::sync::atomic::AtomicU64,
     broken: Mutex<Option<String>>,
 }
 
@@ -168,6 +171,7 @@ impl SocketCollective {
                 seq: 0,
                 hung: vec![false; size as usize],
             }),
+            next_seq: std::sync::atomic::AtomicU64::new(0),
             broken: Mutex::new(None),
         }
     }
@@ -220,12 +224,14 @@ impl SocketCollective {
             ));
             return Err(CollectiveError::Timeout {
                 op,
-                seq: u64::MAX,
+                seq: self.next_seq.load(std::sync::atomic::Ordering::Acquire),
                 missing: Vec::new(),
             });
         };
         let seq = st.seq;
         st.seq += 1;
+        self.next_seq
+            .store(st.seq, std::sync::atomic::Ordering::Release);
         if let Some(cause) = self.broken() {
             return Err(CollectiveError::Aborted {
                 op,
@@ -707,8 +713,9 @@ mod confirm_tests {
                 s.spawn(|| ranks[0].all_gather_u64(1, Instant::now() + Duration::from_secs(2)));
             std::thread::sleep(Duration::from_millis(100));
             let second = ranks[0].all_gather_u64(2, Instant::now() + Duration::from_millis(100));
+            // The number it would have had: the holder took 0 (it was u64::MAX).
             assert!(
-                matches!(second, Err(CollectiveError::Timeout { .. })),
+                matches!(second, Err(CollectiveError::Timeout { seq: 1, .. })),
                 "{second:?}"
             );
             assert!(ranks[0].broken().is_some());
