@@ -179,8 +179,12 @@ pub struct MockKvLoader {
     /// Runs in `start_load` between its first check and its state lock (a test of that
     /// window: a `close` there).
     #[cfg(test)]
-    between_checks: Mutex<Option<Box<dyn FnOnce(&MockKvLoader) + Send>>>,
+    between_checks: Mutex<Option<BetweenChecks>>,
 }
+
+/// A test's step in `start_load`'s window (see `MockKvLoader::between_checks`).
+#[cfg(test)]
+type BetweenChecks = Box<dyn FnOnce(&MockKvLoader) + Send>;
 
 impl MockKvLoader {
     /// A mock for a model of `num_layers` layers.
