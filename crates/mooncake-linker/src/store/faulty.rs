@@ -329,6 +329,12 @@ impl FaultyStore {
                     Fault::Stall(s) => s.hold(),
                     Fault::Panic => panic!("injected: the store call panics ({key})"),
                     Fault::Down => {
+                        // Under the rules' lock, as `clear` brings the store up: a clear since
+                        // this call took its rules wins.
+                        let _rules = self.rules.lock();
+                        if self.cleared.load(Ordering::Acquire) != taken_at {
+                            break;
+                        }
                         self.down.store(true, Ordering::Release);
                         hit = Some((Fault::Down, None));
                     }
