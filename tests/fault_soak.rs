@@ -6,10 +6,12 @@
 //! pools and the device path (CPU devices), ranks as threads.
 //!
 //! Every round must end within its bound (no hang), with no panic, the same verdict on every
-//! rank (all loaded or all failed), every byte right in the layers a rank published (all of
-//! them when it loaded), the lookups that answered agreeing, and the next batch, without
-//! faults, loading on every rank. The seed of each set is printed; `KVLINK_SOAK_SEED` replays
-//! one, `KVLINK_SOAK_ROUNDS` runs more rounds.
+//! rank (all loaded or all failed; failed exactly when a fault fired), every byte right in the
+//! layers a rank published (all of them when it loaded; the slots are poisoned before each
+//! round, so a layer reported ready that never landed shows), every lookup answering the whole
+//! prefix unless a store went down, and the next batch, without faults, loading on every rank.
+//! Each set's seed is printed; `KVLINK_SOAK_SEED=<hex>` runs every set from that seed (a
+//! printed one replays its set), `KVLINK_SOAK_ROUNDS` runs more rounds.
 
 /// Writes a line straight to this process's stdout: the test harness does not capture it, so
 /// the soak's summary shows in CI logs whether the test passes or fails.
@@ -145,6 +147,9 @@ fn round(
     faults: &[Planned],
 ) -> (Vec<String>, bool) {
     let mut wrong = Vec::new();
+    for r in ranks {
+        r.pool.poison(r.linker.geometry(), &r.slots, 0xa5);
+    }
     let stalls = arm(ranks, pages, batch, faults);
     // Every rank starts the batch and waits its layers, a lookup beside it on another thread.
     let waited: Vec<_> = std::thread::scope(|s| {
@@ -168,17 +173,21 @@ fn round(
             .map(|(load, lookup)| (load.join(), lookup.join()))
             .collect()
     });
+    let fired: u32 = ranks.iter().map(|r| r.faults.faults_hit()).sum();
     for r in ranks {
         r.faults.clear();
     }
     for s in &stalls {
         s.release();
     }
+    // A store down answers every call of its rank: the lookups beside may fail there.
+    let down = faults.iter().any(|f| matches!(f.kind, Kind::Down));
     let mut loaded = Vec::new();
     let mut hits = Vec::new();
     for (rank, (load, lookup)) in waited.into_iter().enumerate() {
         match lookup {
             Ok(Ok(hit)) => hits.push(hit.pages.len()),
+            Ok(Err(e)) if !down => wrong.push(format!("rank {rank}: the lookup failed: {e}")),
             Ok(Err(_)) => {}
             Err(_) => wrong.push(format!("rank {rank}: the lookup panicked")),
         }
@@ -187,7 +196,13 @@ fn round(
             continue;
         };
         let r = &ranks[rank];
-        let ok = matches!(r.linker.wait_batch(&t), Ok(o) if o.result.is_ok());
+        let ok = match r.linker.wait_batch(&t) {
+            Ok(o) => o.result.is_ok(),
+            Err(e) => {
+                wrong.push(format!("rank {rank}: no outcome: {e}"));
+                false
+            }
+        };
         loaded.push(ok);
         let upto = if ok { u32::MAX } else { published };
         if let Err(e) = rank_matches_below(r, pages, rank as u32, &r.slots, upto) {
@@ -202,11 +217,19 @@ fn round(
     if !(loaded.iter().all(|&l| l) || loaded.iter().all(|&l| !l)) {
         wrong.push(format!("split verdict: {loaded:?}"));
     }
-    if faults.is_empty() && !loaded.iter().all(|&l| l) {
-        wrong.push("a round without faults failed".into());
+    // A fault that fired fails the batch (a slow read past its deadline, an error, a short
+    // read, a panic, a hung call, a store down); with none, it loads.
+    let all_loaded = loaded.iter().all(|&l| l);
+    if fired == 0 && !all_loaded {
+        wrong.push("no fault fired, yet the batch failed".into());
     }
-    if hits.windows(2).any(|w| w[0] != w[1]) || hits.iter().any(|&h| h > PAGES) {
-        wrong.push(format!("lookups disagree: {hits:?}"));
+    if fired > 0 && loaded.iter().any(|&l| l) {
+        wrong.push(format!(
+            "{fired} faults fired, yet the batch loaded: {loaded:?}"
+        ));
+    }
+    if hits.windows(2).any(|w| w[0] != w[1]) || (!down && hits.iter().any(|&h| h != PAGES)) {
+        wrong.push(format!("lookups disagree or miss pages: {hits:?}"));
     }
     // The next batch, without faults, loads on every rank.
     let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -280,18 +303,18 @@ fn soak(path: Path, mode: &'static str, seed: u64, rounds: usize) -> Soaked {
 #[test]
 fn combined_faults_with_lookups_beside_never_hang_split_or_land_wrong_bytes() {
     let t0 = Instant::now();
-    let base: u64 = std::env::var("KVLINK_SOAK_SEED")
+    let replay: Option<u64> = std::env::var("KVLINK_SOAK_SEED")
         .ok()
-        .and_then(|s| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok())
-        .unwrap_or(0x005e_ed0f_fa17);
+        .and_then(|s| u64::from_str_radix(s.trim().trim_start_matches("0x"), 16).ok());
     let rounds: usize = std::env::var("KVLINK_SOAK_ROUNDS")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(8);
+    let base: u64 = 0x005e_ed0f_fa17;
     let mut sets = Vec::new();
     for (p, path) in paths().into_iter().enumerate() {
         for (m, (mode, _)) in every_mode(|c| c).into_iter().enumerate() {
-            let seed = base ^ ((p as u64) << 40) ^ ((m as u64) << 32);
+            let seed = replay.unwrap_or(base ^ ((p as u64) << 40) ^ ((m as u64) << 32));
             sets.push((path, mode, seed));
         }
     }

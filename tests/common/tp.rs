@@ -60,6 +60,26 @@ pub enum RankPool {
 }
 
 impl RankPool {
+    /// Fills every component's layers of `slots` with `byte` (a poison a batch must
+    /// overwrite): no batch of the rank may be in flight.
+    pub fn poison(&self, g: &KvGeometry, slots: &[u32], byte: u8) {
+        for c in g.components() {
+            let bytes = vec![byte; c.page_layer_bytes as usize];
+            for &layer in &c.layers {
+                for &slot in slots {
+                    match self {
+                        // SAFETY: no batch of the rank is in flight (the caller's promise),
+                        // and nothing else touches the rank's pool meanwhile.
+                        RankPool::Host(p) => unsafe { p.write_slot(c.id, layer, slot, &bytes) },
+                        // SAFETY: as for the host pool.
+                        RankPool::Device(p) => unsafe { p.write_slot(c.id, layer, slot, &bytes) },
+                    }
+                    .unwrap();
+                }
+            }
+        }
+    }
+
     fn read(&self, c: &ComponentLayout, layer: u32, slot: u32, out: &mut [u8]) {
         match self {
             // SAFETY: callers compare after the batch they loaded has finished (its outcome
