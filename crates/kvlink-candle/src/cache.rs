@@ -56,7 +56,8 @@ use crate::{CandleKvError, LatentPool, LayerGate};
 ///
 /// Building one is `unsafe`: the cache reads and writes its slots through raw copies, so
 /// the engine promises once, here, that nothing else writes them meanwhile (see
-/// [`new`](Self::new)).
+/// [`new`](Self::new); [`load_starts_at`](Self::load_starts_at), also `unsafe`, adds that no
+/// load writes the pages before the given token).
 ///
 /// ```compile_fail,E0133
 /// # use std::sync::Arc;
@@ -192,8 +193,8 @@ impl PagedLatentCache {
     }
 
     /// The end of the tokens fenced for good because a load into their slots did not settle
-    /// (0: none); they run from the load's first token when it was fenced
-    /// ([`load_start`](Self::load_start)) to here.
+    /// (0: none). They run to here from the first token of the first load fenced (what
+    /// [`load_start`](Self::load_start) was then: a later `load_starts_at` does not move it).
     pub fn fenced_tokens(&self) -> usize {
         self.unsettled.as_ref().map_or(0, |f| f.to)
     }

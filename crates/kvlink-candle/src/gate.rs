@@ -36,9 +36,9 @@ use crate::CandleKvError;
 pub struct LayerGate {
     inner: Option<Arc<Inner>>,
     stream: Option<RawStream>,
-    /// This gate's own `finish` ran: a second one has no statistics left to hand out
-    /// (`Ok(None)` after a load) and answers a failure's verdict again, while waits keep
-    /// answering the verdict.
+    /// This gate's own `finish` kept a verdict (one whose loader panicked did not): a second
+    /// one has no statistics left to hand out (`Ok(None)` after a load) and answers a
+    /// failure's verdict again, while waits keep answering the verdict.
     finished: bool,
 }
 

@@ -44,7 +44,8 @@ use crate::{CandleKvError, LatentFormat};
 ///
 /// The reads and writes are `unsafe` (the caller vouches that no one writes the slots
 /// meanwhile); [`PagedLatentCache`](crate::PagedLatentCache) takes that promise once per
-/// sequence and then waits for the load itself.
+/// sequence (and, with `load_starts_at`, that no load writes its pages before a token) and
+/// then waits for the load itself.
 #[derive(Clone)]
 pub struct LatentPool {
     pool: Arc<dyn KvPool>,
