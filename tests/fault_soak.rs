@@ -32,6 +32,7 @@ use common::tp::{tp_ranks, Path, TpRank};
 use kvlink::kv_geometry::PageHash;
 use kvlink::kv_loader::KvLoader;
 use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore, Stall, StoreError};
+use kvlink::mooncake_linker::LinkerConfig;
 
 const TP: u32 = 3;
 const PAGES: usize = 4;
@@ -251,15 +252,10 @@ struct Soaked {
     problems: Vec<String>,
 }
 
-/// Runs `rounds` rounds on fresh ranks of `(path, mode)` from `seed`.
-fn soak(path: Path, mode: &'static str, seed: u64, rounds: usize) -> Soaked {
-    let cfg = every_mode(|c| fault_deadlines(READ_TIMEOUT, c))
-        .into_iter()
-        .find(|(m, _)| *m == mode)
-        .unwrap()
-        .1;
+/// Runs `rounds` rounds on fresh ranks of `(path, mode)`, configured `cfg`, from `seed`.
+fn soak(path: Path, mode: &'static str, cfg: &LinkerConfig, seed: u64, rounds: usize) -> Soaked {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 28));
-    let (ranks, pages) = tp_ranks(&mixed_spec(), TP, store, PAGES, &cfg, path);
+    let (ranks, pages) = tp_ranks(&mixed_spec(), TP, store, PAGES, cfg, path);
     let ranks = Arc::new(ranks);
     let pages = Arc::new(pages);
     run_ok(&ranks, 1, &pages, "fresh ranks");
@@ -313,9 +309,10 @@ fn combined_faults_with_lookups_beside_never_hang_split_or_land_wrong_bytes() {
     let base: u64 = 0x005e_ed0f_fa17;
     let mut sets = Vec::new();
     for (p, path) in paths().into_iter().enumerate() {
-        for (m, (mode, _)) in every_mode(|c| c).into_iter().enumerate() {
+        let modes = every_mode(|c| fault_deadlines(READ_TIMEOUT, c));
+        for (m, (mode, cfg)) in modes.into_iter().enumerate() {
             let seed = replay.unwrap_or(base ^ ((p as u64) << 40) ^ ((m as u64) << 32));
-            sets.push((path, mode, seed));
+            sets.push((path, mode, cfg, seed));
         }
     }
     // Two sets at a time: most of a slow or hung round is waiting for a deadline.
@@ -324,10 +321,10 @@ fn combined_faults_with_lookups_beside_never_hang_split_or_land_wrong_bytes() {
     std::thread::scope(|s| {
         for _ in 0..2 {
             s.spawn(|| loop {
-                let Some((path, mode, seed)) = work.lock().unwrap().pop() else {
+                let Some((path, mode, cfg, seed)) = work.lock().unwrap().pop() else {
                     return;
                 };
-                let soaked = soak(path, mode, seed, rounds);
+                let soaked = soak(path, mode, &cfg, seed, rounds);
                 out!(
                     "soak {path:?} {mode}: seed {seed:#x}, {} rounds ({} failed on every \
                      rank), {} problems",
