@@ -1,9 +1,11 @@
 //! A seeded soak of combined faults: where the fault matrix puts one fault on one rank's own
 //! shard per batch, each round here puts up to three at once, on any rank, on a replicated
 //! component as well as the shard, of mixed kinds (an error, a short read, a slow read, a call
-//! that panics, one that hangs until released, the store going down for that rank), while
-//! every rank also runs a lookup on its control handle beside the batch. TP 3, every mode, host
-//! pools and the device path (CPU devices), ranks as threads.
+//! that panics, one that hangs until released, the store going down for that rank; and, once
+//! per set each, a rank leaving the group and a rank's collective panicking at a layer's status
+//! exchange, after which the group re-forms at the next batch), while
+//! every rank also runs a lookup on its control handle beside the batch. TP 3 (`KVLINK_SOAK_TP`
+//! sets 2, 4 or 6), every mode, host pools and the device path (CPU devices), ranks as threads.
 //!
 //! Every round must end within its bound (no hang), with no panic, the same verdict on every
 //! rank (all loaded or all failed; failed exactly when a fault fired), every byte right in the
@@ -27,14 +29,23 @@ mod common;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use common::coll::{Misbehave, Misbehaving};
 use common::tp::{every_mode, fault_deadlines, mixed_spec, paths, rank_matches_below, run_ok};
-use common::tp::{tp_ranks, Path, TpRank};
+use common::tp::{tp_ranks_built, Path, RankBuild, TpRank};
 use kvlink::kv_geometry::PageHash;
 use kvlink::kv_loader::KvLoader;
 use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultRule, KvStore, Stall, StoreError};
-use kvlink::mooncake_linker::LinkerConfig;
+use kvlink::mooncake_linker::{LinkerConfig, TpGroup};
 
-const TP: u32 = 3;
+/// The TP size: 3 unless `KVLINK_SOAK_TP` says otherwise (2, 4 or 6: the sharded component's
+/// 12 heads must divide among the ranks).
+fn tp() -> u32 {
+    std::env::var("KVLINK_SOAK_TP")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .filter(|tp| [2, 3, 4, 6].contains(tp))
+        .unwrap_or(3)
+}
 const PAGES: usize = 4;
 const READ_TIMEOUT: Duration = Duration::from_millis(200);
 /// A round not done by then counts as a hang.
@@ -64,16 +75,80 @@ enum Kind {
     Panic,
     Hung,
     Down,
+    /// The set's gone rank leaves the group (its data handle is dropped) at its layer's status
+    /// exchange: once per set, the first round it reaches that exchange armed.
+    Gone,
+    /// The set's panicking rank's data collective panics at its layer's status exchange: once
+    /// per set, likewise.
+    CollectivePanic,
 }
 
-const KINDS: [Kind; 6] = [
+const KINDS: [Kind; 8] = [
     Kind::Error,
     Kind::Short,
     Kind::Slow,
     Kind::Panic,
     Kind::Hung,
     Kind::Down,
+    Kind::Gone,
+    Kind::CollectivePanic,
 ];
+
+/// A set's two misbehaving data collectives (each misbehaves once, in the first round that
+/// arms it and reaches its layer; a re-formed group's handles are not wrapped).
+struct Group {
+    gone: Arc<Misbehaving>,
+    panics: Arc<Misbehaving>,
+}
+
+impl Group {
+    fn of(&self, kind: Kind) -> Option<&Misbehaving> {
+        match kind {
+            Kind::Gone => Some(&self.gone),
+            Kind::CollectivePanic => Some(&self.panics),
+            _ => None,
+        }
+    }
+
+    /// How many of the two have misbehaved.
+    fn struck(&self) -> u32 {
+        u32::from(self.gone.done()) + u32::from(self.panics.done())
+    }
+
+    /// Ranks as threads whose data collectives misbehave as drawn from `rng`: one rank leaves
+    /// the group, one (the same or another) panics, each at a layer's status exchange.
+    fn build(rng: &mut Rng, cfg: &LinkerConfig, path: Path) -> (Vec<TpRank>, Vec<PageHash>, Self) {
+        let tp = tp();
+        let layers = mixed_spec().num_layers as usize;
+        let gone_at = (rng.below(tp as usize) as u32, rng.below(layers) as u32);
+        let panic_at = (rng.below(tp as usize) as u32, rng.below(layers) as u32);
+        let made = std::sync::Mutex::new((None, None));
+        let wrap = |rank: u32, g: TpGroup| {
+            let mut made = made.lock().unwrap();
+            let mut data = g.data.clone();
+            if rank == gone_at.0 {
+                let m = Misbehaving::new(data, Misbehave::GoneAtLayer { layer: gone_at.1 });
+                made.0 = Some(m.clone());
+                data = m;
+            }
+            if rank == panic_at.0 {
+                let m = Misbehaving::new(data, Misbehave::PanicAtLayer { layer: panic_at.1 });
+                made.1 = Some(m.clone());
+                data = m;
+            }
+            TpGroup { data, ..g }
+        };
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 28));
+        let build = RankBuild::wrapped(&wrap);
+        let (ranks, pages) = tp_ranks_built(&mixed_spec(), tp, store, PAGES, cfg, path, &build);
+        let (gone, panics) = made.into_inner().unwrap();
+        let group = Group {
+            gone: gone.unwrap(),
+            panics: panics.unwrap(),
+        };
+        (ranks, pages, group)
+    }
+}
 
 /// One fault of a round: its kind, on which rank's store, on the range of which component,
 /// page and layer.
@@ -95,7 +170,7 @@ fn plan_round(rng: &mut Rng, ranks: &[TpRank]) -> Vec<Planned> {
             let layers = &g.component_by_name(component).unwrap().layers;
             Planned {
                 kind: KINDS[rng.below(KINDS.len())],
-                rank: rng.below(TP as usize) as u32,
+                rank: rng.below(ranks.len()) as u32,
                 component,
                 page: rng.below(PAGES),
                 layer: layers[rng.below(layers.len())],
@@ -105,10 +180,23 @@ fn plan_round(rng: &mut Rng, ranks: &[TpRank]) -> Vec<Planned> {
 }
 
 /// Arms `faults` on their ranks' stores (each on one ranged read of its object's layer,
-/// once); the stalls to release after the round's waits.
-fn arm(ranks: &[TpRank], pages: &[PageHash], batch: u64, faults: &[Planned]) -> Vec<Stall> {
+/// once) or, for a rank leaving or a collective panicking, the set's misbehaving collective
+/// (unless it misbehaved already); the stalls to release after the round's waits.
+fn arm(
+    ranks: &[TpRank],
+    group: &Group,
+    pages: &[PageHash],
+    batch: u64,
+    faults: &[Planned],
+) -> Vec<Stall> {
     let mut stalls = Vec::new();
     for f in faults {
+        if let Some(m) = group.of(f.kind) {
+            if !m.done() {
+                m.arm();
+            }
+            continue;
+        }
         let r = &ranks[f.rank as usize];
         let g = r.linker.geometry();
         let plan = common::load_plan(g, batch, pages, r.slots.clone());
@@ -134,24 +222,37 @@ fn arm(ranks: &[TpRank], pages: &[PageHash], batch: u64, faults: &[Planned]) -> 
                 Fault::Stall(s)
             }
             Kind::Down => Fault::Down,
+            Kind::Gone | Kind::CollectivePanic => unreachable!("armed on the collective above"),
         };
         r.faults.inject(rule, fault);
     }
     stalls
 }
 
-/// What went wrong in one round (empty: nothing), and whether its batch failed (on every rank).
+/// What one round came to.
+struct Round {
+    /// What went wrong (empty: nothing).
+    wrong: Vec<String>,
+    /// Its batch failed (on every rank).
+    failed: bool,
+    /// How many of the set's misbehaving collectives struck in it.
+    struck: u32,
+}
+
+/// Runs one round: its batch on every rank with `faults` armed, a lookup beside each.
 fn round(
     ranks: &[TpRank],
+    group: &Group,
     pages: &[PageHash],
     batch: u64,
     faults: &[Planned],
-) -> (Vec<String>, bool) {
+) -> Round {
     let mut wrong = Vec::new();
     for r in ranks {
         r.pool.poison(r.linker.geometry(), &r.slots, 0xa5);
     }
-    let stalls = arm(ranks, pages, batch, faults);
+    let struck_before = group.struck();
+    let stalls = arm(ranks, group, pages, batch, faults);
     // Every rank starts the batch and waits its layers, a lookup beside it on another thread.
     let waited: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = ranks
@@ -174,10 +275,15 @@ fn round(
             .map(|(load, lookup)| (load.join(), lookup.join()))
             .collect()
     });
-    let fired: u32 = ranks.iter().map(|r| r.faults.faults_hit()).sum();
+    let struck = group.struck() - struck_before;
+    let fired: u32 = ranks.iter().map(|r| r.faults.faults_hit()).sum::<u32>() + struck;
     for r in ranks {
         r.faults.clear();
     }
+    // A collective armed whose layer this batch never reached (it failed before) must not
+    // misbehave in the next one.
+    group.gone.disarm();
+    group.panics.disarm();
     for s in &stalls {
         s.release();
     }
@@ -240,7 +346,11 @@ fn round(
         wrong.push("the next batch did not load on every rank".into());
     }
     let failed = !loaded.is_empty() && loaded.iter().all(|&l| !l);
-    (wrong, failed)
+    Round {
+        wrong,
+        failed,
+        struck,
+    }
 }
 
 /// What one set's rounds came to.
@@ -249,34 +359,37 @@ struct Soaked {
     rounds: usize,
     /// Rounds whose batch failed on every rank (the faults fired).
     failed: usize,
+    /// Rounds where a rank left the group or its collective panicked (at most two a set).
+    struck: usize,
     problems: Vec<String>,
 }
 
 /// Runs `rounds` rounds on fresh ranks of `(path, mode)`, configured `cfg`, from `seed`.
 fn soak(path: Path, mode: &'static str, cfg: &LinkerConfig, seed: u64, rounds: usize) -> Soaked {
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 28));
-    let (ranks, pages) = tp_ranks(&mixed_spec(), TP, store, PAGES, cfg, path);
+    let mut rng = Rng(seed | 1);
+    let (ranks, pages, group) = Group::build(&mut rng, cfg, path);
     let ranks = Arc::new(ranks);
     let pages = Arc::new(pages);
+    let group = Arc::new(group);
     run_ok(&ranks, 1, &pages, "fresh ranks");
-    let mut rng = Rng(seed | 1);
     let mut soaked = Soaked::default();
     for i in 0..rounds {
         let faults = plan_round(&mut rng, &ranks);
         let batch = 2 + 2 * i as u64;
         let (tx, rx) = mpsc::channel();
-        let (rs, ps, fs) = (ranks.clone(), pages.clone(), faults.clone());
+        let (rs, gs, ps, fs) = (ranks.clone(), group.clone(), pages.clone(), faults.clone());
         std::thread::spawn(move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                round(&rs, &ps, batch, &fs)
+                round(&rs, &gs, &ps, batch, &fs)
             }));
             let _ = tx.send(r);
         });
         soaked.rounds += 1;
         let wrong = match rx.recv_timeout(ROUND_LIMIT) {
-            Ok(Ok((wrong, failed))) => {
-                soaked.failed += usize::from(failed);
-                wrong
+            Ok(Ok(r)) => {
+                soaked.failed += usize::from(r.failed);
+                soaked.struck += r.struck as usize;
+                r.wrong
             }
             Ok(Err(_)) => vec!["the round panicked".into()],
             Err(_) => {
@@ -327,9 +440,10 @@ fn combined_faults_with_lookups_beside_never_hang_split_or_land_wrong_bytes() {
                 let soaked = soak(path, mode, &cfg, seed, rounds);
                 out!(
                     "soak {path:?} {mode}: seed {seed:#x}, {} rounds ({} failed on every \
-                     rank), {} problems",
+                     rank, {} with a rank gone or a collective panicking), {} problems",
                     soaked.rounds,
                     soaked.failed,
+                    soaked.struck,
                     soaked.problems.len()
                 );
                 results.lock().unwrap().push(soaked);
@@ -339,12 +453,15 @@ fn combined_faults_with_lookups_beside_never_hang_split_or_land_wrong_bytes() {
     let results = results.into_inner().unwrap();
     let ran: usize = results.iter().map(|s| s.rounds).sum();
     let failed: usize = results.iter().map(|s| s.failed).sum();
+    let struck: usize = results.iter().map(|s| s.struck).sum();
     let problems: Vec<String> = results.into_iter().flat_map(|s| s.problems).collect();
     for p in &problems {
         out!("  {p}");
     }
     out!(
-        "SOAK: {ran} rounds run, {failed} failed on every rank, {} problems ({:.1} s)",
+        "SOAK: TP {}, {ran} rounds run, {failed} failed on every rank ({struck} with a rank gone \
+         or a collective panicking), {} problems ({:.1} s)",
+        tp(),
         problems.len(),
         t0.elapsed().as_secs_f64()
     );
@@ -356,4 +473,9 @@ fn combined_faults_with_lookups_beside_never_hang_split_or_land_wrong_bytes() {
     assert_eq!(ran, 2 * 4 * rounds, "every round of every set ran");
     // The faults fired: most rounds carry one, and a fault on any read fails its batch.
     assert!(failed * 3 >= ran, "only {failed} of {ran} rounds failed");
+    // Each set has a rank to leave and a collective to panic: with 8 rounds a set, several do.
+    assert!(
+        struck > 0,
+        "no rank left the group and no collective panicked"
+    );
 }

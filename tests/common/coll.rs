@@ -62,6 +62,11 @@ impl Misbehaving {
         self.armed.store(true, Ordering::Release);
     }
 
+    /// Stops it misbehaving unless it did already (an arm whose layer no batch reached).
+    pub fn disarm(&self) {
+        self.armed.store(false, Ordering::Release);
+    }
+
     /// True once it misbehaved.
     pub fn done(&self) -> bool {
         self.done.load(Ordering::Acquire)
