@@ -43,6 +43,10 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(20);
 /// connection is closed unread (its rank retries), so a burst of connections that send
 /// nothing cannot take every thread and descriptor of rank 0's process.
 const MAX_HELLOS_IN_FLIGHT: usize = 128;
+/// Most hellos of another group size kept for the decision (which they refuse for every rank,
+/// naming the first): past it, one is refused alone at once, so that processes of another size
+/// that connect and stay cannot hold rank 0's descriptors without bound.
+const MAX_OTHER_SIZES: usize = 4;
 
 /// What joiners hear when rank 0's formation ended without deciding (it unwound).
 const ENDED_ABNORMALLY: &str = "rank 0's formation ended abnormally";
@@ -70,6 +74,9 @@ struct LeaderState {
     forming: Option<mpsc::Sender<Arrival>>,
     live_epoch: Option<u64>,
     last_failure: Option<String>,
+    /// Tests: how many of the accepting thread's next polls fail (as out of memory).
+    #[cfg(test)]
+    failing_polls: u32,
 }
 
 impl LeaderState {
@@ -150,12 +157,15 @@ impl Joiners {
     }
 
     /// Takes one arrival: a hello joins, a rank of `world` of another version waits for the
-    /// decision, any other bad hello is refused at once, and so is a hello that can be no
-    /// member (rank 0, or a rank past a group of its own size `world`: a broken or foreign
-    /// client must not fail the formation of the others). A hello for a rank already claimed
-    /// replaces the earlier claim, which is refused with `DuplicateRank`: a process whose host
-    /// went away without a hang-up (a crash, a cut link) leaves a claim that never reads as
-    /// gone, and its restart must still join.
+    /// decision, and so does a hello of another group size (up to [`MAX_OTHER_SIZES`] of them);
+    /// any other bad hello is refused at once, and so is a hello that can be no member (rank 0,
+    /// or a rank past a group of its own size `world`: a broken or foreign client must not fail
+    /// the formation of the others). A member's hello (this version, this size) for a rank
+    /// already claimed replaces the earlier claim, which is refused with `DuplicateRank`: a
+    /// process whose host went away without a hang-up (a crash, a cut link) leaves a claim that
+    /// never reads as gone, and its restart must still join. A hello of another version or
+    /// size replaces only such a claim of its rank, never a member's: a stray process must not
+    /// knock a live rank out (both stay, and the decision refuses every rank, naming it).
     fn take(&mut self, world: u32, Arrival { stream, hello }: Arrival) {
         let outside = |rank: u32| rank == 0 || rank >= world;
         let refused = match hello {
@@ -165,13 +175,25 @@ impl Joiners {
                 expected: format!("1 to {} (rank 0 leads)", world.saturating_sub(1)),
                 got: h.rank.to_string(),
             },
+            Ok(h) if h.world != world => {
+                self.supersede(h.rank, |j| j.world != world, false);
+                if self.other_sizes(world) < MAX_OTHER_SIZES {
+                    self.joined.push((stream, h));
+                    return;
+                }
+                RendezvousError::WorldSizeMismatch {
+                    rank: h.rank,
+                    expected: world,
+                    got: h.world,
+                }
+            }
             Ok(h) => {
-                self.supersede(h.rank);
+                self.supersede(h.rank, |_| true, true);
                 self.joined.push((stream, h));
                 return;
             }
             Err(e @ RendezvousError::VersionMismatch { rank, .. }) if !outside(rank) => {
-                self.supersede(rank);
+                self.supersede(rank, |_| false, true);
                 self.foreign.push((stream, rank, e));
                 return;
             }
@@ -181,12 +203,25 @@ impl Joiners {
         let _ = reply(&mut s, &Reply::Refused(refused));
     }
 
-    /// Refuses and lets go of the earlier claim of `rank` (joined, or of another version), if
-    /// any: a newer hello claims it.
-    fn supersede(&mut self, rank: u32) {
-        let earlier = if let Some(i) = self.joined.iter().position(|(_, j)| j.rank == rank) {
+    /// How many joined hellos are of a group size other than `world`.
+    fn other_sizes(&self, world: u32) -> usize {
+        self.joined.iter().filter(|(_, j)| j.world != world).count()
+    }
+
+    /// Refuses and lets go of the earlier claim of `rank` that a newer hello replaces, if any:
+    /// a joined one that `joined` accepts, or (when `foreign`) one of another version.
+    fn supersede(&mut self, rank: u32, joined: impl Fn(&Hello) -> bool, foreign: bool) {
+        let earlier = if let Some(i) = self
+            .joined
+            .iter()
+            .position(|(_, j)| j.rank == rank && joined(j))
+        {
             self.joined.swap_remove(i).0
-        } else if let Some(i) = self.foreign.iter().position(|(_, r, _)| *r == rank) {
+        } else if let Some(i) = self
+            .foreign
+            .iter()
+            .position(|(_, r, _)| foreign && *r == rank)
+        {
             self.foreign.swap_remove(i).0
         } else {
             return;
@@ -465,11 +500,47 @@ fn accept_loop(
     version: String,
 ) {
     let mut reads = HelloReads::default();
-    if accept_until_woken(&listener, &wake, &state, &version, &mut reads) {
-        reads.end();
+    accept_until_woken(&listener, &wake, &state, &version, &mut reads);
+    reads.end();
+}
+
+/// Waits, up to `PRUNE_EVERY_MS`, for a connection or the wake-up; how many of the two are
+/// ready.
+fn poll_listener(
+    fds: &mut [libc::pollfd; 2],
+    _state: &Mutex<LeaderState>,
+) -> std::io::Result<libc::c_int> {
+    #[cfg(test)]
+    {
+        let mut state = _state.lock();
+        if state.failing_polls > 0 {
+            state.failing_polls -= 1;
+            return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+        }
     }
-    // Otherwise (its poll failed) a formation may still run and take their hellos: they end
-    // by themselves, within their read and reply timeouts.
+    // SAFETY: `fds` is two live pollfds for the call.
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, PRUNE_EVERY_MS) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(r)
+}
+
+/// Whether the leader asked its accepting thread to end (a byte on `wake`, or its end gone),
+/// without waiting.
+fn woken(wake: &UnixStream) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: `byte` is one writable byte for the call; the descriptor is `wake`'s, open for
+    // the call's length. MSG_PEEK leaves the byte for the poll that may follow.
+    let r = unsafe {
+        libc::recv(
+            wake.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_DONTWAIT | libc::MSG_PEEK,
+        )
+    };
+    r >= 0
 }
 
 /// How often, at most, rank 0's accepting thread lets go of answered hellos' connections.
@@ -500,15 +571,16 @@ impl HelloReads {
     }
 }
 
-/// The accept loop proper: `true` when woken (the leader ends), `false` when `poll` failed.
+/// The accept loop proper, until woken (the leader ends).
 fn accept_until_woken(
     listener: &TcpListener,
     wake: &UnixStream,
     state: &Arc<Mutex<LeaderState>>,
     version: &str,
     reads: &mut HelloReads,
-) -> bool {
+) {
     let mut failed_accepts = 0u32;
+    let mut failed_polls = 0u32;
     loop {
         let mut fds = [
             libc::pollfd {
@@ -525,21 +597,33 @@ fn accept_until_woken(
         // Woken at least every `PRUNE_EVERY` to let go of the connections of hellos already
         // answered (their second descriptor, kept to shut them when the leader ends): they
         // would stay open, in CLOSE_WAIT, until the next connection came (hours, maybe).
-        // SAFETY: two live pollfds for the call.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, PRUNE_EVERY_MS) };
+        let r = match poll_listener(&mut fds, state) {
+            Ok(r) => r,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            // Out of memory, say: rest and try again (stopping would leave rank 0 accepting
+            // no rank until the engine built a new rendezvous), still ending when woken.
+            Err(e) => {
+                if failed_polls == 0 {
+                    tracing::error!(error = %e, "rank 0's rendezvous poll failed; trying again");
+                }
+                failed_polls = failed_polls.saturating_add(1);
+                if woken(wake) {
+                    return;
+                }
+                std::thread::sleep(ACCEPT_RETRY);
+                continue;
+            }
+        };
+        if failed_polls > 0 {
+            tracing::info!(failed_polls, "rank 0's rendezvous polls again");
+            failed_polls = 0;
+        }
         if r == 0 {
             reads.running();
             continue;
         }
-        if r < 0 {
-            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            tracing::error!("rank 0's rendezvous poll failed; it stops accepting");
-            return false;
-        }
         if fds[1].revents != 0 {
-            return true;
+            return;
         }
         let (stream, peer) = match listener.accept() {
             Ok(c) => {
@@ -1101,6 +1185,111 @@ mod tests {
             all_welcomed([&mut one, &mut two]);
         });
         assert!(decision.is_ok(), "{decision:?}");
+    }
+
+    /// Rank `rank`'s hello from a process configured for a group of `world`.
+    fn sized(rank: u32, world: u32) -> Hello {
+        Hello {
+            world,
+            ..hello(rank)
+        }
+    }
+
+    /// A hello of another group size for a rank a member claimed does not evict the member:
+    /// both stay and the decision refuses every rank for the size. Before, the stray hello
+    /// replaced the claim (the member was refused as a duplicate, at once).
+    #[test]
+    fn a_hello_of_another_size_does_not_evict_a_members_claim() {
+        let decision = form_while(|addr| {
+            let mut one = send(addr, &hello(1));
+            settle();
+            let mut stray = send(addr, &sized(1, 8));
+            settle();
+            let mut two = send(addr, &hello(2));
+            for s in [&mut one, &mut stray, &mut two] {
+                let got = answer(s);
+                assert!(
+                    matches!(
+                        got,
+                        Reply::Refused(RendezvousError::WorldSizeMismatch {
+                            rank: 1,
+                            expected: 3,
+                            got: 8
+                        })
+                    ),
+                    "{got:?}"
+                );
+            }
+        });
+        assert!(
+            matches!(decision, Err(RendezvousError::WorldSizeMismatch { .. })),
+            "{decision:?}"
+        );
+    }
+
+    /// Hellos of other sizes kept for the decision are bounded: past `MAX_OTHER_SIZES`, one is
+    /// refused at once. Before, each was kept (with its descriptor) until the decision.
+    #[test]
+    fn hellos_of_other_sizes_past_the_bound_are_refused_at_once() {
+        let decision = form_while(|addr| {
+            let kept: Vec<TcpStream> = (0..MAX_OTHER_SIZES as u32)
+                .map(|i| send(addr, &sized(10 + i, 20)))
+                .collect();
+            settle();
+            let mut past = send(addr, &sized(30, 40));
+            let by = kv_loader::deadline_after(Duration::from_secs(3));
+            let got = Reply::decode(&read_frame(&mut past, by).unwrap()).unwrap();
+            assert!(
+                matches!(
+                    got,
+                    Reply::Refused(RendezvousError::WorldSizeMismatch {
+                        rank: 30,
+                        expected: 3,
+                        got: 40
+                    })
+                ),
+                "{got:?}"
+            );
+            let members = [send(addr, &hello(1)), send(addr, &hello(2))];
+            for mut s in kept.into_iter().chain(members) {
+                let got = answer(&mut s);
+                assert!(
+                    matches!(
+                        got,
+                        Reply::Refused(RendezvousError::WorldSizeMismatch { rank: 10, .. })
+                    ),
+                    "{got:?}"
+                );
+            }
+        });
+        assert!(decision.is_err(), "{decision:?}");
+    }
+
+    /// A failed poll in the accepting thread (out of memory) is tried again. Before, the thread
+    /// stopped accepting for good: every later rank's hello went unread and the formation
+    /// timed out missing it. Here three polls fail after the first rank's arrival.
+    #[test]
+    fn a_failed_poll_does_not_stop_rank_0_accepting() {
+        let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
+        let addr = leader.local_addr();
+        let decision = std::thread::scope(|s| {
+            let forming =
+                s.spawn(|| leader.form(&hello(0), None, Instant::now() + Duration::from_secs(5)));
+            while leader.state.lock().forming.is_none() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            leader.state.lock().failing_polls = 3;
+            let mut one = send(addr, &hello(1));
+            settle();
+            let mut two = send(addr, &hello(2));
+            all_welcomed([&mut one, &mut two]);
+            forming.join().unwrap()
+        });
+        assert!(decision.is_ok(), "{decision:?}");
+        assert_eq!(leader.state.lock().failing_polls, 0, "the polls failed");
+        let t = Instant::now();
+        drop(leader);
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     }
 
     /// Before, a connection that sent no hello kept its thread and socket for the whole read
