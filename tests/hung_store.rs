@@ -488,3 +488,59 @@ fn a_hung_unregister_does_not_hold_close_past_its_bound_and_keeps_the_memory_unt
         Arc::strong_count(&pool) == 1
     });
 }
+
+/// A save whose put hangs past `store_call_timeout` fails, and its put may still read the host
+/// pool's slots in place: they stay claimed for reading until it returns. Before, nothing said
+/// when the engine could write them again (the guide said "at once"), and `write_slot` wrote
+/// them under the put's read; now `write_slot` refuses them (`SlotBusy`) and
+/// `SlotClaims::wait_free` waits for the put, bounded.
+#[test]
+fn a_hung_save_keeps_its_host_slots_claimed_until_the_put_returns() {
+    use kvlink::kv_device::{DeviceError, KvPool, SlotClaims};
+    use kvlink::kv_geometry::ComponentId;
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 30))));
+    let stall = Stall::new();
+    faulty.inject_on(
+        FaultCall::Put,
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Stall(stall.clone()),
+    );
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let pages = kvlink::kv_geometry::page_hashes(&prompt(9, 2, spec.page_size), 4, None);
+    let slots = vec![3, 5];
+    common::fill_pool(&pool, &pages, &slots);
+    let linker = Linker::new(g.clone(), faulty.clone(), pool.clone(), cfg()).unwrap();
+    let t0 = Instant::now();
+    let err = linker
+        .save(&load_plan(&g, 1, &pages, slots.clone()))
+        .unwrap_err();
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "{:?}: {err}",
+        t0.elapsed()
+    );
+    let row = vec![0u8; g.component(ComponentId(0)).unwrap().page_layer_bytes as usize];
+    // SAFETY: this test is the engine: nothing else writes slot 3 (the late put only reads it).
+    let refused = unsafe { pool.write_slot(ComponentId(0), 0, 3, &row) };
+    assert!(
+        matches!(refused, Err(DeviceError::SlotBusy { slot: 3, .. })),
+        "{refused:?}"
+    );
+    let soon = Instant::now() + Duration::from_millis(100);
+    let waited = SlotClaims::wait_free(pool.as_ref() as &dyn KvPool, &slots, soon);
+    assert!(
+        matches!(waited, Err(DeviceError::SlotBusy { .. })),
+        "{waited:?}"
+    );
+    // The put returns: the slots are free again.
+    stall.release();
+    let by = Instant::now() + Duration::from_secs(10);
+    SlotClaims::wait_free(pool.as_ref() as &dyn KvPool, &slots, by).unwrap();
+    // SAFETY: as above; no save or load of the slot runs now.
+    unsafe { pool.write_slot(ComponentId(0), 0, 3, &row) }.unwrap();
+}

@@ -2,7 +2,8 @@
 //! copies on a device stream) and which a save is reading, so that kvlink's own safe paths
 //! never write a slot row while another of them reads or writes it. The engine's own slot copies
 //! ([`KvPool::read_slot`](crate::KvPool::read_slot) / `write_slot`) are `unsafe` and keep
-//! their own contract; these claims cover what kvlink does.
+//! their own contract; these claims cover what kvlink does (a host pool's `write_slot` also
+//! refuses a slot they hold), and [`SlotClaims::wait_free`] lets an engine wait for them.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -117,6 +118,77 @@ impl SlotClaims {
         })
     }
 
+    /// Waits until no save reads and no landing writes any slot of `slots` of `pool`, or
+    /// `deadline`: then [`DeviceError::SlotBusy`] naming a slot still claimed (a slot past the
+    /// pool is [`DeviceError::OutOfPool`]; a pool that keeps no claims has none to wait for).
+    ///
+    /// An engine calls it before writing slots a failed save named: a put that outlived its
+    /// deadline (`store_call_timeout`) may still read a host pool's slots in place, and keeps
+    /// them claimed until it returns; a put the store gave up on while its transfer may still
+    /// run keeps them for good. Checks only: a claim may start right after it returns, so
+    /// the engine must not start a load or save of these slots meanwhile.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::{Duration, Instant};
+    /// use kv_device::{HostKvPool, KvPool, SlotClaims};
+    /// use kv_geometry::{KvGeometry, ModelKvSpec};
+    /// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+    /// let pool: Arc<dyn KvPool> = Arc::new(HostKvPool::new(g, 4).unwrap());
+    /// let soon = || Instant::now() + Duration::from_millis(20);
+    /// let read = SlotClaims::read(&pool, 2).unwrap(); // as a save's source holds it
+    /// assert!(SlotClaims::wait_free(pool.as_ref(), &[1, 2], soon()).is_err());
+    /// drop(read);
+    /// assert!(SlotClaims::wait_free(pool.as_ref(), &[1, 2], soon()).is_ok());
+    /// ```
+    pub fn wait_free(
+        pool: &dyn KvPool,
+        slots: &[u32],
+        deadline: std::time::Instant,
+    ) -> Result<(), DeviceError> {
+        let Some(claims) = pool.slot_claims() else {
+            return Ok(());
+        };
+        let mut pause = std::time::Duration::from_micros(200);
+        loop {
+            let mut busy = None;
+            for &slot in slots {
+                match claims.state(slot)?.load(Ordering::Acquire) {
+                    0 => {}
+                    WRITER => busy = busy.or(Some((slot, "a landing writes it"))),
+                    _ => busy = busy.or(Some((slot, "a save still reads it"))),
+                }
+            }
+            let Some((slot, reason)) = busy else {
+                return Ok(());
+            };
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return Err(DeviceError::SlotBusy { slot, reason });
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// Holds `slot` for the guard's life as a landing's claim does (for a copy of the pool's
+    /// own): refused ([`DeviceError::SlotBusy`]) while a save reads it or a landing writes it.
+    pub(crate) fn hold_write(&self, slot: u32) -> Result<HeldWrite<'_>, DeviceError> {
+        self.state(slot)?
+            .compare_exchange(0, WRITER, Ordering::Acquire, Ordering::Relaxed)
+            .map_err(|held| DeviceError::SlotBusy {
+                slot,
+                reason: if held == WRITER {
+                    "a landing writes it"
+                } else {
+                    "a save reads it"
+                },
+            })?;
+        Ok(HeldWrite {
+            state: &self.states[slot as usize],
+        })
+    }
+
     /// One more reader of `slot`, unless a landing writes it.
     fn add_reader(&self, slot: u32) -> Result<(), DeviceError> {
         let state = self.state(slot)?;
@@ -142,6 +214,17 @@ impl SlotClaims {
 pub struct WriteClaim {
     pool: Arc<dyn KvPool>,
     slots: Box<[u32]>,
+}
+
+/// A slot held for one of the pool's own copies ([`SlotClaims::hold_write`]).
+pub(crate) struct HeldWrite<'a> {
+    state: &'a AtomicU32,
+}
+
+impl Drop for HeldWrite<'_> {
+    fn drop(&mut self) {
+        self.state.store(0, Ordering::Release);
+    }
 }
 
 /// Calls `release` on the state of every slot of `slots` in `pool`'s claims.

@@ -69,6 +69,10 @@ pub trait KvLoader: Send + Sync {
 
     /// Writes the plan's pages from this rank's pool to the store, skipping objects the store
     /// already has and objects this rank does not own.
+    ///
+    /// A save that fails because a store call outlived its deadline may leave that call
+    /// reading the slots (kvlink's linker on a host pool reads them in place): the pool's
+    /// claims say when they are free again (kvlink's `SlotClaims::wait_free`).
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError>;
 
     /// Cancels every batch in flight and waits, bounded, until nothing is in flight; waiters

@@ -95,12 +95,16 @@ impl HostKvPool {
 
     /// Copies `data` into one page slot's slice of (component, layer), as an engine's
     /// attention would write new KV. `data` must be exactly the slice's length (else an
-    /// error).
+    /// error). Refused ([`DeviceError::SlotBusy`]) while a save reads the slot (a put past
+    /// its deadline keeps reading it until it returns: [`SlotClaims::wait_free`] waits for
+    /// it) or a landing writes it; two `write_slot`s of one slot on two threads refuse each
+    /// other likewise.
     ///
     /// # Safety
     /// Nothing else reads or writes this slot's slice during the call: no
-    /// [`read_slot`](Self::read_slot) or `write_slot` of it on another thread, no load whose
-    /// plan lands in `slot` in flight, and no save of it in progress.
+    /// [`read_slot`](Self::read_slot) of it on another thread, no load whose plan lands in
+    /// `slot` in flight, and no save of it in progress (the claims catch those they see:
+    /// kvlink's own landings and saves).
     pub unsafe fn write_slot(
         &self,
         component: ComponentId,
@@ -109,8 +113,11 @@ impl HostKvPool {
         data: &[u8],
     ) -> Result<(), DeviceError> {
         let dst = self.slice_ptr(component, layer, slot, data.len())?;
+        // A save's source or a landing holds the slot's claim: refused, not raced.
+        let _held = self.claims.hold_write(slot)?;
         // SAFETY: `dst` points inside our own buffer with `data.len()` bytes available; no
-        // one else touches the slice during the copy (the caller's promise); `data` is a
+        // one else touches the slice during the copy (kvlink's landings and saves hold the
+        // slot's claim, which `_held` excludes; the rest is the caller's promise); `data` is a
         // distinct slice.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
         Ok(())
@@ -209,6 +216,36 @@ mod tests {
             HostKvPool::new(g, u32::MAX),
             Err(DeviceError::Alloc { .. })
         ));
+    }
+
+    /// Before, `write_slot` wrote a slot a save's source still read (a put past its deadline).
+    #[test]
+    fn write_slot_refuses_a_slot_a_save_or_a_landing_holds() {
+        let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+        let pool: std::sync::Arc<dyn KvPool> = std::sync::Arc::new(HostKvPool::new(g, 4).unwrap());
+        let row = vec![1u8; 41_984];
+        let source = crate::SaveSource::slot(&pool, ComponentId(0), 0, 2).unwrap();
+        // SAFETY: the pool is this test's alone; the source only holds the claim here.
+        let got = unsafe { pool.write_slot(ComponentId(0), 0, 2, &row) };
+        assert!(
+            matches!(got, Err(DeviceError::SlotBusy { slot: 2, .. })),
+            "{got:?}"
+        );
+        // SAFETY: as above (another slot).
+        unsafe { pool.write_slot(ComponentId(0), 0, 1, &row) }.unwrap();
+        drop(source);
+        let landing = SlotClaims::write(&pool, &[2]).unwrap();
+        // SAFETY: as above.
+        let got = unsafe { pool.write_slot(ComponentId(0), 0, 2, &row) };
+        assert!(
+            matches!(got, Err(DeviceError::SlotBusy { slot: 2, .. })),
+            "{got:?}"
+        );
+        drop(landing);
+        // SAFETY: as above; nothing holds the slot now.
+        unsafe { pool.write_slot(ComponentId(0), 0, 2, &row) }.unwrap();
+        // The write's own hold ended with it.
+        assert!(SlotClaims::read(&pool, 2).is_ok());
     }
 
     #[test]

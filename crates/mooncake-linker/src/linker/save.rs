@@ -3,8 +3,9 @@
 //! ([`SaveSource`], minted by kv-device: a host pool's slot rows read in place, or bytes the
 //! put shares), so this module never handles an address. Every store call is bounded
 //! (`LinkerConfig::store_call_timeout`); a put past its deadline holds its sources, and so
-//! keeps the memory it reads allocated, until it returns, and what it wrote then is discarded
-//! (the save failed for the engine, which may have written those slots again meanwhile).
+//! keeps the memory it reads allocated and a host pool's slots claimed for reading (the
+//! engine waits with `SlotClaims::wait_free` before writing them; `write_slot` refuses them),
+//! until it returns, and what it wrote then is discarded (the save failed for the engine).
 
 use std::sync::Arc;
 

@@ -77,8 +77,9 @@ impl StoreCalls {
                     .collect();
                 // SAFETY: every part is a `SaveSource` this closure owns until the call has
                 // returned: its bytes stay allocated meanwhile, and nothing writes them (a source's
-                // own bytes are never written again; the engine does not write a pool slot while a
-                // save of it is in progress).
+                // own bytes are never written again; a pool slot's source holds the slot's read
+                // claim, which kvlink's landings and `write_slot` respect, and the engine's own
+                // writes wait for, by the pool's contract: `SlotClaims::wait_free`).
                 let r = unsafe { s.put(&puts) };
                 if r.iter()
                     .any(|r| r.as_ref().is_err_and(StoreError::may_still_transfer))
@@ -98,10 +99,10 @@ impl StoreCalls {
     }
 }
 
-/// A put that returned after its caller gave up: the caller reported the save failed, and
-/// may have written the sources again (a host pool's slots are read in place) while the put
-/// still read them. What it wrote is discarded, so no torn object stays under first write
-/// wins: the objects first, then the checksum companions, each only once its object is gone
+/// A put that returned after its caller gave up: the caller reported the save failed (its
+/// host slots stayed claimed meanwhile; an engine that wrote them all the same raced the put).
+/// What it wrote is discarded, so no object the engine was told failed, torn or not, stays
+/// under first write wins: the objects first, then the checksum companions, each only once its object is gone
 /// (discarded now, already absent, or not written by this put): an object left without its
 /// companion would pass later loads on its length alone.
 fn discard_late_writes(
