@@ -1,10 +1,13 @@
 //! `MooncakeStore::unregister` beside a registration that hangs in the wheel with the store's
 //! table of regions held, against a real Mooncake master: the unregister returns within its
 //! bound (`UNREGISTER_WAIT`) and the region stays registered, where it waited for the hung
-//! registration without a bound.
+//! registration without a bound. And a read beside an unregistration that hangs in the wheel
+//! with the transfer gate held: it fails at its bound (`TRANSFER_WAIT`) rather than park its
+//! worker until the unregistration returns.
 //!
-//! Needs the feature `failpoints` (the hang is the failpoint "mooncake-register-held"), and a
-//! binary of its own: a failpoint's setting holds for the whole process.
+//! Needs the feature `failpoints` (the hangs are the failpoints "mooncake-register-held" and
+//! "mooncake-unregister-held"), and a binary of its own: a failpoint's setting holds for the
+//! whole process.
 //!
 //! Run: `scripts/with-mooncake.sh cargo test -p mooncake-linker --features failpoints --test
 //! mooncake_register_hang`. Without `MOONCAKE_MASTER_BIN` the test skips with a message;
@@ -16,8 +19,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{available, PrivateMaster};
-use mooncake_linker::store::mooncake::{MooncakeStore, UNREGISTER_WAIT};
-use mooncake_linker::store::{KvStore, MemoryRegion, StoreError};
+use mooncake_linker::store::mooncake::{MooncakeStore, TRANSFER_WAIT, UNREGISTER_WAIT};
+use mooncake_linker::store::{KvStore, MemoryRegion, ObjectGet, ObjectPut, StoreError};
 
 #[test]
 fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
@@ -79,5 +82,89 @@ fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
         .unregister(held_region)
         .expect("unregister once the table is free");
     store.unregister(hung_region).expect("unregister");
+    drop(store);
+}
+
+/// Before, the read waited on the gate without a bound, until the unregistration returned.
+#[test]
+fn a_read_beside_a_hung_unregistration_fails_at_its_bound() {
+    if !available(
+        "a_read_beside_a_hung_unregistration_fails_at_its_bound",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
+    let data = vec![5u8; 1 << 12];
+    let put = ObjectPut {
+        key: "gate-held",
+        parts: [(data.as_ptr(), data.len())].into_iter().collect(),
+    };
+    // SAFETY: `data` is valid for reads of its length for the whole call.
+    unsafe { store.put(&[put]) }.remove(0).expect("put");
+    // A registered destination (read in place, through the gate) and a region to unregister.
+    let mut dst = vec![0u8; 1 << 16];
+    let mut gone = vec![0u8; 1 << 16];
+    let region = |buf: &mut Vec<u8>| MemoryRegion {
+        addr: buf.as_mut_ptr() as usize,
+        len: buf.len(),
+    };
+    let (dst_region, gone_region) = (region(&mut dst), region(&mut gone));
+    // SAFETY: both outlive their registrations: unregistered below before they drop (a
+    // failing test may free them registered, with no transfer of them in flight).
+    unsafe { store.register(dst_region) }.expect("register");
+    // SAFETY: as above.
+    unsafe { store.register(gone_region) }.expect("register");
+    let hang = TRANSFER_WAIT + Duration::from_secs(3);
+    let (held_now, gate_held) = std::sync::mpsc::channel::<()>();
+    let held_now = std::sync::Mutex::new(Some(held_now));
+    fail::cfg_callback("mooncake-unregister-held", move || {
+        let first = held_now.lock().unwrap().take();
+        if let Some(tx) = first {
+            let _ = tx.send(());
+            std::thread::sleep(hang);
+        }
+    })
+    .unwrap();
+    std::thread::scope(|s| {
+        let unregistering = s.spawn(|| store.unregister(gone_region));
+        gate_held
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the unregistration reached its failpoint");
+        let get = ObjectGet {
+            key: "gate-held",
+            dst: dst.as_mut_ptr(),
+            len: data.len(),
+        };
+        let t0 = Instant::now();
+        // SAFETY: `dst` is valid for writes of `len` bytes, registered, and not otherwise
+        // accessed during the call.
+        let got = unsafe { store.get_into(&[get]) }.remove(0);
+        let took = t0.elapsed();
+        assert!(
+            matches!(&got, Err(StoreError::Unavailable { .. })),
+            "{got:?}"
+        );
+        assert!(
+            took >= TRANSFER_WAIT - Duration::from_millis(500) && took < hang,
+            "returned after {took:?}"
+        );
+        unregistering
+            .join()
+            .unwrap()
+            .expect("the hung unregistration ends");
+    });
+    fail::remove("mooncake-unregister-held");
+    // The gate is free again: the same read lands.
+    let get = ObjectGet {
+        key: "gate-held",
+        dst: dst.as_mut_ptr(),
+        len: data.len(),
+    };
+    // SAFETY: as above.
+    let n = unsafe { store.get_into(&[get]) }.remove(0).expect("read");
+    assert_eq!(&dst[..n as usize], &data[..]);
+    store.unregister(dst_region).expect("unregister");
     drop(store);
 }

@@ -7,9 +7,17 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crate::store::StoreError;
+
 /// How long an unregister waits for the store's transfers in flight to end before it gives
 /// up (the region then stays registered, and its memory must be kept).
 pub const UNREGISTER_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a call that moves bytes waits for the gate: an unregister holds it alone only for
+/// the second half of its wait and its wheel call, so this much says that call hangs (a
+/// metadata service that does not answer). The call then fails (`Unavailable`) rather than
+/// park its store-call worker until the unregister returns.
+pub const TRANSFER_WAIT: Duration = Duration::from_secs(10);
 
 /// Shared by transfers, exclusive for unregistering; closed to unregistering for good once a
 /// transfer was given up on.
@@ -21,10 +29,23 @@ pub(crate) struct TransferGate {
     abandoned: AtomicBool,
 }
 
+/// Why a call that moves bytes did not run: an unregister held the gate (`key`: the call's
+/// first key).
+pub(crate) fn gate_held(key: &str) -> StoreError {
+    StoreError::Unavailable {
+        detail: format!(
+            "`{key}`: not moved: a memory unregistration held the store's transfers for \
+             {TRANSFER_WAIT:?} (its wheel call hangs)"
+        )
+        .into(),
+    }
+}
+
 impl TransferGate {
-    /// Held for the length of one call that moves bytes.
-    pub(crate) fn transfer(&self) -> RwLockReadGuard<'_, ()> {
-        self.lock.read()
+    /// Held for the length of one call that moves bytes; `None` when an unregister held the
+    /// gate for [`TRANSFER_WAIT`].
+    pub(crate) fn transfer(&self) -> Option<RwLockReadGuard<'_, ()>> {
+        self.lock.try_read_for(TRANSFER_WAIT)
     }
 
     /// Ends a call (`guard`) whose client gave up on a transfer that may still run: no region
@@ -44,7 +65,8 @@ impl TransferGate {
     /// ones wait for it at most that long.
     pub(crate) fn quiet(&self, wait: Duration) -> Option<RwLockWriteGuard<'_, ()>> {
         let deadline = kv_loader::deadline_after(wait);
-        let prefer_from = deadline - wait / 2;
+        // (`deadline_after` caps a huge wait: so may this.)
+        let prefer_from = deadline.checked_sub(wait / 2).unwrap_or_else(Instant::now);
         let mut pause = Duration::from_micros(100);
         let quiet = loop {
             if self.abandoned.load(Ordering::Acquire) {
@@ -70,6 +92,13 @@ mod tests {
     use super::*;
     use std::sync::mpsc;
     use std::time::Instant;
+
+    /// Before, a wait past what `deadline_after` caps (100 years) overflowed `Instant`.
+    #[test]
+    fn quiet_takes_any_wait() {
+        let gate = TransferGate::default();
+        assert!(gate.quiet(Duration::MAX).is_some());
+    }
 
     #[test]
     fn quiet_waits_for_transfers_in_flight_and_gives_up_in_bounded_time() {
@@ -136,7 +165,7 @@ mod tests {
     #[test]
     fn a_gate_with_an_abandoned_transfer_refuses_unregistering_at_once() {
         let gate = TransferGate::default();
-        gate.abandon(gate.transfer());
+        gate.abandon(gate.transfer().unwrap());
         let t0 = Instant::now();
         assert!(gate.quiet(Duration::from_secs(5)).is_none());
         assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());

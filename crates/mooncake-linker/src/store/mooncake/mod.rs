@@ -29,6 +29,6 @@ pub use config::{
     auto_read_streams, parse_size, MooncakeConfig, MooncakeConfigError,
     DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LEASE, DEFAULT_LOCAL_BUFFER_SIZE, MAX_READ_STREAMS,
 };
-pub use gate::UNREGISTER_WAIT;
+pub use gate::{TRANSFER_WAIT, UNREGISTER_WAIT};
 pub use mooncake_sys::ReplicateConfig;
 pub use store::{code_error, store_error, MooncakeStore, MAX_WHOLE_READS_PER_CALL};

@@ -12,7 +12,7 @@ use std::time::Duration;
 use mooncake_sys::{CKeys, Client, KeyResult as WheelResult, MooncakeError, Range};
 use parking_lot::Mutex;
 
-use super::gate::TransferGate;
+use super::gate::{gate_held, TransferGate};
 use super::parts::run_parts;
 use super::ranges::{partition, scratch_calls, shape, Shaped, Target};
 use super::store::{not_read, store_error, wheel_read, MooncakeStore, CLIENT_GIVES_UP_AFTER};
@@ -428,6 +428,21 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
                 };
             }
         };
+        // Held shared for the call: `unregister` waits for it. Not had in time: an unregister's
+        // wheel call hangs; this call and the stream's later ones fail rather than wait.
+        let Some(transfer) = self.transfers.transfer() else {
+            let why = gate_held(names.first().copied().unwrap_or("<no key>"));
+            return ReadCall {
+                results: names.iter().map(|k| Err(gate_held(k))).collect(),
+                scratch: Vec::new(),
+                key_scratch: vec![0; names.len()],
+                shaped,
+                ranges_to_hash: None,
+                keys: names,
+                abandoned: false,
+                given_up: Some(why.to_string()),
+            };
+        };
         let mut scratch = self.take_scratch(need as usize);
         let base = scratch.as_mut_ptr();
         let mut key_scratch = Vec::with_capacity(part.len());
@@ -452,8 +467,6 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
             }
             at += s.scratch;
         }
-        // Held shared for the call: `unregister` waits for it.
-        let transfer = self.transfers.transfer();
         // SAFETY: every caller destination comes from a range whose
         // `dst` the caller of `get_ranges` (an `unsafe fn`) promised, by KvStore's buffer
         // contract, valid for writes of its length, untouched by anyone else during the call

@@ -11,7 +11,7 @@ use tracing::{debug, warn};
 
 use super::bounce::Bounces;
 use super::config::MooncakeConfig;
-use super::gate::{TransferGate, UNREGISTER_WAIT};
+use super::gate::{gate_held, TransferGate, UNREGISTER_WAIT};
 use super::parts::run_parts;
 use super::registry::{moves_in_place, RegionCounts, Release};
 use super::sessions::SessionTable;
@@ -874,7 +874,12 @@ impl KvStore for MooncakeStore {
                 });
                 continue;
             }
-            let _transfer = self.transfers.transfer();
+            let Some(_transfer) = self.transfers.transfer() else {
+                let e = gate_held(keys[i]);
+                failed = Some(e.to_string());
+                out[i] = Err(e);
+                continue;
+            };
             let began = Instant::now();
             // Fault injection (feature `failpoints`): a copying put that failed as a transfer.
             #[cfg(feature = "failpoints")]
@@ -927,7 +932,12 @@ impl KvStore for MooncakeStore {
             return out;
         }
         let names: Vec<&str> = to_write.iter().map(|&i| keys[i]).collect();
-        let transfer = self.transfers.transfer();
+        let Some(transfer) = self.transfers.transfer() else {
+            for &i in &to_write {
+                out[i] = Err(gate_held(keys[i]));
+            }
+            return out;
+        };
         let clock = mooncake_sys::CallClock::start();
         let results = match CKeys::new(&names) {
             // SAFETY: every pointer is either a caller's single source part (valid for reads of
@@ -1069,6 +1079,10 @@ impl KvStore for MooncakeStore {
             Release::Last => {}
             Release::NotHeld | Release::StillHeld => return Ok(()),
         }
+        // Fault injection (feature `failpoints`): a `sleep` here is an unregistration that
+        // hangs in the wheel with the transfer gate held alone.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("mooncake-unregister-held");
         // SAFETY: no transfer of this store is in flight (the gate is held exclusively), and
         // every transfer goes through this store's client.
         unsafe { self.client.unregister_buffer(region.addr as *mut u8) }
@@ -1128,7 +1142,13 @@ impl MooncakeStore {
         );
         // Marked abandoned as soon as a call is (not after the loop): a later call that
         // panicked would otherwise unwind past the mark.
-        let mut transfer = Some(self.transfers.transfer());
+        let Some(held) = self.transfers.transfer() else {
+            for &i in &valid {
+                out[i] = Err(gate_held(keys[i]));
+            }
+            return out;
+        };
+        let mut transfer = Some(held);
         // The wheel's `batch_get_into` stalls (until its 60 s transfer timeout) when one call
         // carries thousands of keys over TCP: at most MAX_WHOLE_READS_PER_CALL keys per call.
         // Once a call fails whole (or every key of it fails its transfer), the later parts are
