@@ -29,17 +29,30 @@ pub(crate) fn nccl_result_text(code: sys::ncclResult_t) -> String {
 /// text); it is quoted as a hint, labelled so.
 pub(crate) fn nccl_last_error(comm: sys::ncclComm_t) -> String {
     // SAFETY: ncclGetLastError accepts a live communicator or null and returns a pointer to
-    // NCCL's static 1024-byte message buffer, always NUL-terminated within it (NCCL writes it
-    // with a bounded vsnprintf, whose last byte is only ever the terminator), so the scan
-    // below ends inside it even if another thread rewrites the text meanwhile; we copy it out
-    // at once.
+    // NCCL's static message buffer of `LAST_ERROR_BYTES` bytes (or null).
     let p = unsafe { sys::ncclGetLastError(comm) };
     if p.is_null() {
         return String::new();
     }
-    // SAFETY: as above.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    // Copied out byte by byte with volatile reads, never through a reference: another thread
+    // (NCCL's own, or another communicator's) may rewrite the buffer meanwhile, which a `&CStr`
+    // over it would forbid. Bounded by the buffer's size, whatever its terminator does.
+    let mut text = Vec::new();
+    for i in 0..LAST_ERROR_BYTES {
+        // SAFETY: `p + i` lies inside NCCL's static buffer (`i` < its size), which lives for
+        // the process; a byte read cannot tear.
+        let byte = unsafe { std::ptr::read_volatile(p.cast::<u8>().add(i)) };
+        if byte == 0 {
+            break;
+        }
+        text.push(byte);
+    }
+    String::from_utf8_lossy(&text).into_owned()
 }
+
+/// The size of NCCL's last-error buffer (`ncclLastError[1024]` in NCCL's debug.cc), NUL
+/// included: a text that reaches it is cut there.
+const LAST_ERROR_BYTES: usize = 1024;
 
 /// An NCCL failure of `call` as a [`CollectiveError::Backend`]: the code's name, NCCL's text
 /// for it, and NCCL's last error message (process-wide: [`nccl_last_error`]).

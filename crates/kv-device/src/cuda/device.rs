@@ -190,11 +190,15 @@ impl CudaDevice {
                 ));
             }
         }
-        let ev = super::event::CudaLayerEvent::record_raw(
-            &self.ctx,
-            stream.as_raw() as cudarc::driver::sys::CUstream,
-            u32::MAX,
-        )?;
+        // SAFETY: `RawStream::from_raw`'s caller vouched that the handle is a live stream (or a
+        // default stream handle, checked above to be on kvlink's context).
+        let ev = unsafe {
+            super::event::CudaLayerEvent::record_raw(
+                &self.ctx,
+                stream.as_raw() as cudarc::driver::sys::CUstream,
+                u32::MAX,
+            )
+        }?;
         Ok(ev)
     }
 

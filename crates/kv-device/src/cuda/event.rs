@@ -49,11 +49,17 @@ impl fmt::Debug for CudaLayerEvent {
 impl CudaLayerEvent {
     /// Records a new event for `layer` on `stream` (after the work enqueued on it so far).
     pub fn record_on(stream: &CudaStream, layer: u32) -> Result<Arc<Self>, DeviceError> {
-        Self::record_raw(stream.context(), stream.cu_stream(), layer)
+        // SAFETY: a cudarc stream's own handle is live while `stream` is borrowed.
+        unsafe { Self::record_raw(stream.context(), stream.cu_stream(), layer) }
     }
 
     /// Records a new event on a raw stream of context `ctx`.
-    pub(crate) fn record_raw(
+    ///
+    /// # Safety
+    /// `stream` is a live stream handle for the call (or the legacy / per-thread default
+    /// stream handle): one of this backend's own, or a `RawStream` whose `unsafe`
+    /// constructor's caller vouched for it.
+    pub(crate) unsafe fn record_raw(
         ctx: &Arc<CudaContext>,
         stream: sys::CUstream,
         layer: u32,
@@ -72,10 +78,9 @@ impl CudaLayerEvent {
             layer,
             restore: ContextRestore::default(),
         };
-        // SAFETY: `event` was just created in this context; `stream` is a live stream handle:
-        // a stream of this backend's own, or a `RawStream` whose `unsafe` constructor's caller
-        // vouched that it is live (`CudaDevice::record_on`); a stream of another context makes
-        // the driver return an error.
+        // SAFETY: `event` was just created in this context; `stream` is a live stream handle
+        // (this function's contract); a stream of another context makes the driver return an
+        // error.
         unsafe { sys::cuEventRecord(ev.event, stream) }
             .result()
             .map_err(drv("cuEventRecord"))?;
@@ -102,11 +107,16 @@ impl CudaLayerEvent {
 
     /// Makes the cudarc `stream` wait for this event (device-side; returns at once).
     pub fn wait_on(&self, stream: &CudaStream) -> Result<(), DeviceError> {
-        self.wait_raw(stream.cu_stream())
-            .map_err(drv("cuStreamWaitEvent"))
+        // SAFETY: a cudarc stream's own handle is live while `stream` is borrowed.
+        unsafe { self.wait_raw(stream.cu_stream()) }.map_err(drv("cuStreamWaitEvent"))
     }
 
-    fn wait_raw(&self, stream: sys::CUstream) -> Result<(), DriverError> {
+    /// Makes `stream` wait for this event (device-side).
+    ///
+    /// # Safety
+    /// `stream` is a live stream handle for the call (or a default stream handle): a cudarc
+    /// stream's own, or a `RawStream` whose `unsafe` constructor's caller vouched for it.
+    unsafe fn wait_raw(&self, stream: sys::CUstream) -> Result<(), DriverError> {
         // The engine's thread keeps its own current context (a stream handle names its
         // context); ours is made current only where none is, and only for the call.
         let _current = if cudarc::driver::result::ctx::get_current()?.is_none() {
@@ -114,9 +124,8 @@ impl CudaLayerEvent {
         } else {
             None
         };
-        // SAFETY: the event is live (we own it); `stream` is a live stream handle: a cudarc
-        // stream's own, or a `RawStream` whose `unsafe` constructor's caller vouched for it
-        // (any context may wait on an event of another context).
+        // SAFETY: the event is live (we own it); `stream` is a live stream handle (this
+        // function's contract; any context may wait on an event of another context).
         unsafe { sys::cuStreamWaitEvent(stream, self.event, 0) }.result()
     }
 
@@ -159,18 +168,18 @@ impl StreamWaitable for CudaLayerEvent {
     /// `stream` is a `CUstream` (the engine's compute stream) cast to `usize`; its maker
     /// vouched that it is live ([`RawStream::from_raw`]).
     fn wait_on_stream(&self, stream: RawStream) -> Result<(), KvLoadError> {
-        self.wait_raw(stream.as_raw() as sys::CUstream)
-            .map_err(|e| {
-                // The driver's error stays the source (an engine can tell a sticky fault).
-                KvLoadError::Device(kv_loader::Cause::with_source(
-                    format!(
-                        "cuStreamWaitEvent (layer {}): {}",
-                        self.layer,
-                        driver_error_text(e)
-                    ),
-                    e,
-                ))
-            })
+        // SAFETY: `RawStream::from_raw`'s caller vouched that the handle is a live stream.
+        unsafe { self.wait_raw(stream.as_raw() as sys::CUstream) }.map_err(|e| {
+            // The driver's error stays the source (an engine can tell a sticky fault).
+            KvLoadError::Device(kv_loader::Cause::with_source(
+                format!(
+                    "cuStreamWaitEvent (layer {}): {}",
+                    self.layer,
+                    driver_error_text(e)
+                ),
+                e,
+            ))
+        })
     }
 
     /// Polls until the event completes, at most a minute (never an unbounded

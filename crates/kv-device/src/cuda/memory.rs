@@ -84,7 +84,8 @@ impl DeviceBuffer {
         let memset = unsafe { result::memset_d8_async(b.ptr, 0, len, stream) };
         // Queued: only its event tells when it is done.
         let event = memset
-            .map(|()| CudaLayerEvent::record_raw(ctx, stream, u32::MAX))
+            // SAFETY: `stream` was just made here and is destroyed only below.
+            .map(|()| unsafe { CudaLayerEvent::record_raw(ctx, stream, u32::MAX) })
             .map_err(drv("cuMemsetD8Async"));
         // SAFETY: the stream is ours and used by nothing else; the driver destroys it once
         // its queued work (the memset) has run, which the event above still tells.

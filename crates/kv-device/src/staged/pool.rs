@@ -114,7 +114,10 @@ impl DeviceKvPool {
     /// slice during the call other than work already enqueued on the load stream (no
     /// [`write_slot`](Self::write_slot) of it on another thread, no load of it on another
     /// stream). On the CPU device the copies are plain memory copies by its stream threads,
-    /// so a race would be a data race.
+    /// so a race would be a data race. A copy that ran past its limit (an error) stays queued
+    /// on the load stream and may still read the slice after the call: nothing may write it
+    /// until that work has run (a later slot copy of this pool returning `Ok` shows it has:
+    /// each waits for everything queued before it).
     pub unsafe fn read_slot(
         &self,
         component: ComponentId,
@@ -133,7 +136,10 @@ impl DeviceKvPool {
     /// # Safety
     /// As [`HostKvPool::write_slot`](crate::HostKvPool::write_slot): nothing else reads or
     /// writes this slot's slice during the call (no read or write of it on another thread, no
-    /// load of it in flight, no save of it in progress).
+    /// load of it in flight, no save of it in progress). A copy that ran past its limit (an
+    /// error) stays queued on the load stream and may still write the slice after the call:
+    /// nothing may read or write it until that work has run (as for
+    /// [`read_slot`](Self::read_slot)).
     pub unsafe fn write_slot(
         &self,
         component: ComponentId,
