@@ -63,7 +63,7 @@ impl std::fmt::Debug for MeetingPoint {
 pub struct RendezvousConfig {
     /// This rank, `0..world`. Rank 0 leads every formation.
     pub rank: u32,
-    /// Ranks in the group.
+    /// Ranks in the group (at most 65,536).
     pub world: u32,
     /// Where to meet.
     pub meet: MeetingPoint,
@@ -89,6 +89,9 @@ pub struct RendezvousConfig {
     /// ranks' are not sent.
     pub attributes: BTreeMap<String, String>,
 }
+
+/// The most ranks a process group may have (a TP group is 8, 16 at most today).
+pub(crate) const MAX_WORLD: u32 = 1 << 16;
 
 impl RendezvousConfig {
     /// Rank `rank` of `world`, meeting at `meet`; a 60 s timeout, this build's version, no
@@ -234,6 +237,13 @@ impl RendezvousConfig {
                 self.rank, self.world
             )));
         }
+        // The transport's rank arithmetic stays in `u32` well below this.
+        if self.world > MAX_WORLD {
+            return Err(RendezvousError::Config(format!(
+                "a group of {} ranks: at most {MAX_WORLD}",
+                self.world
+            )));
+        }
         if self.timeout.is_zero() {
             return Err(RendezvousError::Config("a zero rendezvous timeout".into()));
         }
@@ -303,6 +313,10 @@ mod tests {
             assert!(matches!(e, RendezvousError::Config(_)), "{bad:?}: {e:?}");
         }
         let c = RendezvousConfig::new(2, 2, MeetingPoint::Tcp("h:1".into()));
+        assert!(matches!(c.validate(), Err(RendezvousError::Config(_)))); // Past the bound, the transport's rank arithmetic could overflow.
+        let c = RendezvousConfig::new(0, MAX_WORLD + 1, MeetingPoint::Tcp("h:1".into()));
         assert!(matches!(c.validate(), Err(RendezvousError::Config(_))));
+        let c = RendezvousConfig::new(0, MAX_WORLD, MeetingPoint::Tcp("h:1".into()));
+        assert!(c.validate().is_ok());
     }
 }

@@ -396,9 +396,9 @@ impl<'a> Dec<'a> {
             .filter(|&e| e <= self.buf.len())
             .ok_or_else(|| {
                 Malformed(format!(
-                    "message ends at {} of {}",
+                    "message ends at {} of {} + {n}",
                     self.buf.len(),
-                    self.pos + n
+                    self.pos
                 ))
             })?;
         let s = &self.buf[self.pos..end];
