@@ -12,11 +12,15 @@ use kv_loader::{BatchId, BatchOutcome, KvLoadError, LayerReady, LoadTicket};
 use layerwise_counter::{CounterError, LayerCounter, Ticket, WaitOutcome};
 use parking_lot::{Condvar, Mutex};
 
+/// One run's layer events: its ticket, and per layer what the layer's wait hands back.
+type RunEvents = (Ticket, Vec<Option<LayerReady>>);
+
 /// Batches of one linker from `start_load` to their outcome being taken.
 pub(crate) struct Outcomes {
     counter: LayerCounter<KvLoadError>,
-    /// Per batch, what each ready layer's wait hands back (device pools only).
-    readies: Mutex<HashMap<BatchId, Vec<Option<LayerReady>>>>,
+    /// Per batch, the run (its ticket) and what each ready layer's wait hands back (device
+    /// pools only).
+    readies: Mutex<HashMap<BatchId, RunEvents>>,
     /// Finished batches not yet taken, with their counter tickets (released when taken).
     done: Mutex<HashMap<BatchId, (Ticket, BatchOutcome)>>,
     done_cv: Condvar,
@@ -89,7 +93,16 @@ impl Outcomes {
     ) {
         if let LayerReady::Event(_) = &ready {
             let mut r = self.readies.lock();
-            let slots = r.entry(batch).or_default();
+            let (run, slots) = r.entry(batch).or_insert_with(|| (ticket, Vec::new()));
+            if *run != ticket {
+                if self.counter.ready_layers(*run).is_ok() {
+                    // Another run of this id is live: this one is stale (a reset's), and its
+                    // event must not stand for the live run's layer.
+                    return;
+                }
+                *run = ticket;
+                slots.clear();
+            }
             slots.resize(num_layers as usize, None);
             slots[layer as usize] = Some(ready);
         }
@@ -198,21 +211,31 @@ impl Outcomes {
     /// between) fails with the stale ticket: `forget` makes the ticket stale before it drops
     /// the events, so a layer published without one keeps a live ticket and a forgotten one
     /// does not.
+    ///
+    /// A ticket whose batch id names another run (a ticket built by hand, or one of a run
+    /// since forgotten) is stale: it never gets the other run's event.
     fn ready_of(
         &self,
         ticket: &LoadTicket,
         layer: u32,
         events: bool,
     ) -> Result<Option<LayerReady>, WaitFailure> {
-        let ready = self
-            .readies
-            .lock()
-            .get(&ticket.batch)
-            .and_then(|v| v.get(layer as usize).cloned().flatten());
+        let ready = match self.readies.lock().get(&ticket.batch) {
+            Some((run, slots)) if *run == ticket.counter => {
+                slots.get(layer as usize).cloned().flatten()
+            }
+            _ => None,
+        };
         if ready.is_none() && events {
             self.counter
                 .is_ready(ticket.counter, layer)
                 .map_err(WaitFailure::Counter)?;
+            // Not locked with `readies` (`cancel_all` takes `in_flight` first).
+            if self.in_flight.lock().get(&ticket.batch) != Some(&ticket.counter) {
+                return Err(WaitFailure::Counter(CounterError::StaleTicket {
+                    ticket: ticket.counter,
+                }));
+            }
         }
         Ok(ready)
     }
@@ -271,11 +294,24 @@ impl Outcomes {
         out
     }
 
+    /// Ends `ticket`'s run of `batch`: its counter slot, its events, its id in flight. Only
+    /// that run's: a reset may have forgotten it while its outcome was being taken, and the
+    /// id started again since (the new run keeps its id and its events).
     fn forget(&self, ticket: Ticket, batch: BatchId) {
         // Already stale after a reset; otherwise this frees the batch's counter slot.
         let _ = self.counter.finish(ticket);
-        self.readies.lock().remove(&batch);
-        self.in_flight.lock().remove(&batch);
+        {
+            let mut readies = self.readies.lock();
+            if readies.get(&batch).is_some_and(|(run, _)| *run == ticket) {
+                readies.remove(&batch);
+            }
+        }
+        {
+            let mut in_flight = self.in_flight.lock();
+            if in_flight.get(&batch) == Some(&ticket) {
+                in_flight.remove(&batch);
+            }
+        }
         // Another waiter for the same batch looks again, and finds its ticket spent.
         let _done = self.done.lock();
         self.done_cv.notify_all();
@@ -309,7 +345,9 @@ impl Outcomes {
             in_flight.retain(|b, t| {
                 held.contains(b) || untaken.contains(b) || self.counter.ready_layers(*t).is_ok()
             });
-            self.readies.lock().retain(|b, _| in_flight.contains_key(b));
+            self.readies
+                .lock()
+                .retain(|b, (run, _)| in_flight.get(b) == Some(run));
         }
         idle
     }
@@ -559,6 +597,79 @@ mod tests {
                 }
             });
         }
+    }
+
+    /// The race a review found, its steps made certain: a taker has the outcome of batch 5's
+    /// first run out of `done` (not yet forgotten), a reset forgets the run, and the id starts
+    /// again. Before, the taker's `forget` then removed the new run's id and events by batch id
+    /// alone: its layer (published with an event) read as resident, a third start of the id
+    /// was accepted beside it, and its `wait_batch` was stale at once.
+    #[test]
+    fn taking_an_outcome_a_reset_forgot_leaves_a_new_run_of_the_id_alone() {
+        let o = Outcomes::new(4);
+        let batch = BatchId(5);
+        let first = o.begin(batch, 2).unwrap();
+        o.publish(batch, first, 0, LayerReady::Event(Arc::new(PendingCopy)), 2);
+        o.finish(first, outcome_ok(batch));
+        // The taker's first half (`take`, or `drain`): out of `done`, not yet forgotten.
+        let (t, _) = o.done.lock().remove(&batch).unwrap();
+        let soon = kv_loader::deadline_after(std::time::Duration::from_millis(10));
+        assert!(o.cancel_all(soon, || {}));
+        let second = o.begin(batch, 2).unwrap();
+        o.publish(
+            batch,
+            second,
+            0,
+            LayerReady::Event(Arc::new(PendingCopy)),
+            2,
+        );
+        // The taker's second half.
+        o.forget(t, batch);
+        let live = LoadTicket {
+            batch,
+            num_layers: 2,
+            counter: second,
+        };
+        assert!(
+            matches!(o.ready_of(&live, 0, true), Ok(Some(LayerReady::Event(_)))),
+            "the new run lost its layer's event"
+        );
+        assert!(matches!(
+            o.begin(batch, 2),
+            Err(KvLoadError::DuplicateBatch { .. })
+        ));
+        o.finish(second, outcome_ok(batch));
+        assert!(o.take(&live, soon).unwrap().is_some());
+    }
+
+    /// A ticket built by hand with one run's counter ticket and another batch's id: before, its
+    /// wait was handed the other batch's event (or "resident" where that batch had none).
+    #[test]
+    fn a_ticket_pairing_one_run_with_another_batch_gets_no_event() {
+        let o = Outcomes::new(4);
+        let (b1, b2) = (BatchId(1), BatchId(2));
+        let t1 = o.begin(b1, 2).unwrap();
+        let t2 = o.begin(b2, 2).unwrap();
+        o.publish(b1, t1, 0, LayerReady::Event(Arc::new(PendingCopy)), 2);
+        o.publish(b2, t2, 0, LayerReady::Event(Arc::new(PendingCopy)), 2);
+        let mixed = LoadTicket {
+            batch: b2,
+            num_layers: 2,
+            counter: t1,
+        };
+        assert!(matches!(
+            o.ready_of(&mixed, 0, true),
+            Err(WaitFailure::Counter(CounterError::StaleTicket { .. }))
+        ));
+        let own = LoadTicket {
+            batch: b1,
+            num_layers: 2,
+            counter: t1,
+        };
+        assert!(matches!(
+            o.ready_of(&own, 0, true),
+            Ok(Some(LayerReady::Event(_)))
+        ));
     }
 
     fn outcome_ok(batch: BatchId) -> BatchOutcome {
