@@ -818,6 +818,9 @@ impl KvLoader for Linker {
     }
 }
 
+/// Closes the linker. Its answer can only be logged here: an engine that must hear a
+/// `SlotsHeld` (slots a store call past its deadline may still write) calls
+/// [`close`](KvLoader::close) itself first.
 impl Drop for Linker {
     fn drop(&mut self) {
         if let Err(e) = self.close() {

@@ -330,7 +330,7 @@ impl Inner {
                 }
                 (Ok(PutOutcome::AlreadyPresent), _) => report.objects_present += 1,
                 (Err(e), _) => {
-                    warn!(key = put.key, error = %e, "object not saved");
+                    debug!(key = put.key, error = %e, "object not saved");
                     failed
                         .get_or_insert_with(|| (e, Vec::new()))
                         .1
@@ -338,10 +338,18 @@ impl Inner {
                 }
             }
         }
-        for ((key, _), r) in companions.iter().zip(companion_results) {
-            if let Err(e) = r {
-                warn!(key, error = %e, "checksum companion not written: its object is checked by length only");
-            }
+        // One line per store call, not per key: a full or hung store fails every key of every
+        // save, hundreds a call.
+        if let Some((e, pages)) = &failed {
+            warn!(%batch, component = %comp.layout.name, objects = pages.len(), first_error = %e, "objects not saved");
+        }
+        let missing: Vec<(&String, &crate::store::StoreError)> = companions
+            .iter()
+            .zip(companion_results)
+            .filter_map(|((key, _), r)| r.as_ref().err().map(|e| (key, e)))
+            .collect();
+        if let Some((key, e)) = missing.first() {
+            warn!(%batch, companions = missing.len(), first_key = %key, first_error = %e, "checksum companions not written: their objects are checked by length only");
         }
         failed.map_or(Ok(()), |(e, pages)| {
             Err(store_failure(batch, None, pages, e))

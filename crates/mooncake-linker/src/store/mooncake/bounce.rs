@@ -59,6 +59,29 @@ struct BounceState {
     failed_at: Option<Instant>,
 }
 
+impl BounceState {
+    /// Whether a new buffer of `len` bytes fits the budget: refused for now while buffers in
+    /// use fill it (one comes back), for good when the buffers kept for good do (they never
+    /// come back; said so, rather than as a passing refusal every read would retry).
+    fn room_for(&self, len: usize) -> Result<(), StoreError> {
+        if self.total.saturating_add(len) <= MAX_BOUNCE_TOTAL {
+            return Ok(());
+        }
+        let kept: usize = self.kept.iter().map(|b| b.len()).sum();
+        if kept.saturating_add(len) > MAX_BOUNCE_TOTAL {
+            return Err(StoreError::InvalidArgument {
+                key: "<bounce>".into(),
+                detail: format!(
+                    "no bounce for a read into unregistered memory: {kept} bytes of the \
+                     {MAX_BOUNCE_TOTAL}-byte budget are kept for good by transfers the store \
+                     gave up on; none is lent again (read into registered memory)"
+                ),
+            });
+        }
+        Err(refused("the store's bounce buffers are all in use"))
+    }
+}
+
 /// A bounce buffer lent to one call. Given back or kept explicitly; one dropped otherwise (an
 /// unwind between lending and giving back) is leaked, never freed: it is registered, and a
 /// transfer may still write it.
@@ -113,9 +136,7 @@ impl Bounces {
                     "a bounce registration failed less than a minute ago",
                 ));
             }
-            if st.total.saturating_add(len) > MAX_BOUNCE_TOTAL {
-                return Err(refused("the store's bounce buffers are all in use"));
-            }
+            st.room_for(len)?;
             st.total += len;
         }
         let mut buf = Vec::new();
@@ -162,7 +183,16 @@ impl Bounces {
     /// A buffer a given-up transfer may still write: never lent again.
     fn keep(&self, mut lent: Lent) {
         if let Some(buf) = lent.0.take() {
-            self.state.lock().kept.push(buf);
+            let mut st = self.state.lock();
+            let bytes = buf.len();
+            st.kept.push(buf);
+            let kept: usize = st.kept.iter().map(|b| b.len()).sum();
+            tracing::warn!(
+                bytes,
+                kept,
+                budget = MAX_BOUNCE_TOTAL,
+                "a bounce buffer a given-up transfer may still write is kept for good"
+            );
         }
     }
 }
@@ -300,6 +330,30 @@ mod tests {
         assert!(busy.failure().is_retryable());
         // Too large to bounce at all: refused as before.
         assert_eq!(not_bounced(read.clone(), &keys, &[1, 2], None), read);
+    }
+
+    /// Before, a budget filled by buffers kept for good was refused as "all in use", a passing
+    /// reason every read retried, for good.
+    #[test]
+    fn a_budget_filled_by_kept_buffers_is_refused_for_good() {
+        let mut st = BounceState::default();
+        let mib = 1 << 20;
+        assert!(st.room_for(mib).is_ok());
+        // In use (lent): refused for now.
+        st.total = MAX_BOUNCE_TOTAL;
+        let busy = st.room_for(mib).unwrap_err();
+        assert!(busy.failure().is_retryable(), "{busy:?}");
+        // Kept for good: refused for good.
+        st.kept = (0..MAX_BOUNCE_TOTAL / (16 * mib))
+            .map(|_| vec![0u8; 16 * mib].into_boxed_slice())
+            .collect();
+        let gone = st.room_for(mib).unwrap_err();
+        assert!(!gone.failure().is_retryable(), "{gone:?}");
+        assert!(gone.to_string().contains("kept for good"), "{gone}");
+        // (The test's kept buffers are plain memory: freed, unlike a store's.)
+        for buf in std::mem::take(&mut st.kept) {
+            drop(buf);
+        }
     }
 
     /// A bounce that could not be had for good (its registrations failed) is told about each
