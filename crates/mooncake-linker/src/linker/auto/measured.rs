@@ -55,6 +55,9 @@ pub(crate) struct Measured {
     pub(super) suspect: Option<ShareMode>,
     /// The mode of the last event when it was a failure (`None` after a measured batch).
     pub(super) last_failed: Option<ShareMode>,
+    /// Two modes that failed back to back (the second's failure cleared the first's
+    /// suspicion, as an outage would): see [`FailingPair`].
+    pub(super) pair: Option<FailingPair>,
     /// The mode kept for good.
     pub(super) kept: Option<ShareMode>,
     /// Proposals made while measuring (see [`AUTO_GIVE_UP`](super::AUTO_GIVE_UP)).
@@ -77,6 +80,25 @@ pub(crate) struct Measured {
     /// Modes whose probe failed since the kept mode last loaded: the next probe tries another
     /// (a fault may fail some modes only: the kept one and the probe's).
     pub(super) probe_failed: [bool; ShareMode::COUNT],
+}
+
+/// Two modes failing back to back, one's failure clearing the other's suspicion as an outage
+/// would. A third mode's measured batch right after shows it was no outage of the whole
+/// group or store (a fault of those two only, such as their share step's); seen twice, both
+/// fail on their own account. Before, the pair cleared each other's suspicion for ever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FailingPair {
+    modes: [ShareMode; 2],
+    /// Times a third mode's batch was measured right after the pair failed back to back.
+    seen: u8,
+    /// The pair just failed back to back: the next measured batch counts if a third mode's.
+    armed: bool,
+}
+
+impl FailingPair {
+    fn has(&self, m: ShareMode) -> bool {
+        self.modes.contains(&m)
+    }
 }
 
 impl Measured {
@@ -128,6 +150,20 @@ impl Measured {
             Some(s) if s != mode => self.fail_out(s),
             _ => {}
         }
+        self.pair = match self.pair.take() {
+            Some(p) if p.has(mode) => None,
+            Some(mut p) if p.armed => {
+                p.seen += 1;
+                p.armed = false;
+                if p.seen >= 2 {
+                    p.modes.into_iter().for_each(|m| self.fail_out(m));
+                    None
+                } else {
+                    Some(p)
+                }
+            }
+            other => other,
+        };
         self.samples[slot(mode)].push(seconds_per_byte);
         let size = &mut self.sizes[slot(mode)];
         *size = Some(size.map_or((bytes, bytes), |(lo, hi)| (lo.min(bytes), hi.max(bytes))));
@@ -180,9 +216,21 @@ impl Measured {
         // Two modes failing one after the other: an outage, not a mode.
         let after_another = self.last_failed.is_some_and(|x| x != mode);
         self.last_failed = Some(mode);
+        // A third mode failing: an outage after all.
+        if self.pair.is_some_and(|p| !p.has(mode)) {
+            self.pair = None;
+        }
         match self.suspect {
             Some(s) if s != mode => {
                 self.suspect = None;
+                self.pair = Some(match self.pair {
+                    Some(p) if p.has(s) && p.has(mode) => FailingPair { armed: true, ..p },
+                    _ => FailingPair {
+                        modes: [s, mode],
+                        seen: 0,
+                        armed: true,
+                    },
+                });
                 false
             }
             Some(_) => false,

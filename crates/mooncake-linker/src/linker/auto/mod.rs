@@ -64,7 +64,9 @@
 //! measured. Failing again after that, it is suspected; it fails on its own account (never
 //! proposed again) when the next event is another mode's measured batch, and is cleared when
 //! it is another mode's failure: a store or group outage, however short, fails every mode
-//! alike (two modes failing one after the other suspect neither). Should every mode still
+//! alike (two modes failing one after the other suspect neither). Two modes that do so
+//! twice, each time with a third mode's batch measured right after, fail out together: a
+//! fault of those two alone, such as their share step's, not an outage. Should every mode still
 //! measured wait after failing, a mode dropped as slower is tried; should none be left, the
 //! modes dropped as slower come back. Only failures a mode may cause count (a collective's, a device's, a
 //! layer wait's timeout, a transfer, a lease, an RPC timeout, a short read, ranks out of

@@ -721,3 +721,28 @@ proptest! {
         }
     }
 }
+
+/// Two modes that always fail (a fault of the share step: both shared modes fail, `AllRanks`
+/// loads): each failure of one came right after the other's, which read as an outage and
+/// cleared the suspicion, so neither failed out and Auto went on proposing them until it gave
+/// up (about 74 batches, half failed, by a review's simulation). Now a pair that fails back
+/// to back twice, with a third mode loading in between, fails out both.
+#[test]
+fn two_modes_that_always_fail_fail_out_together() {
+    use ShareMode::*;
+    for good in [AllRanks, Rank0Broadcast, SplitAllGather] {
+        let Failing {
+            proposed,
+            kept,
+            failed_out,
+            ..
+        } = run_failing(3, |m, _| m != good);
+        assert_eq!(kept, good, "{good:?}: {proposed:?}");
+        assert_eq!(failed_out.len(), 2, "{good:?}: {proposed:?}");
+        let failed = proposed.iter().filter(|m| **m != good).count();
+        assert!(
+            failed <= 8,
+            "{good:?}: {failed} failed batches: {proposed:?}"
+        );
+    }
+}
