@@ -18,6 +18,12 @@ use super::Inner;
 /// Gates a rank ahead of others holds again for the same batch before it gives up.
 const MAX_CATCH_UP: u32 = 8;
 
+/// Set in a gate word's proposal when the proposing rank's `Auto` has kept that mode for good:
+/// a rank that has not decided (one restarted, whose measures start again while rank 0 keeps
+/// proposing one mode) follows rank 0's decision. Ranks of one group run one kvlink version
+/// (the rendezvous checks it), so no peer reads the bit as a mode.
+const PROPOSAL_KEPT: u64 = 1 << 63;
+
 /// The gates held on the current data handle: the gate word's sequence number, equal on every
 /// rank while the ranks are in step, and 0 again on a freshly formed handle (a new epoch).
 #[derive(Debug, Default)]
@@ -158,7 +164,12 @@ impl Inner {
                 digest,
                 batch: batch.0,
                 count,
-                proposal: proposal.wire_code(),
+                proposal: proposal.wire_code()
+                    | if self.auto.kept() == Some(proposal) {
+                        PROPOSAL_KEPT
+                    } else {
+                        0
+                    },
                 last_batch_us: mine.map_or(0, |s| s.word_us()),
                 alone: gates.alone,
             };
@@ -173,15 +184,15 @@ impl Inner {
             gates.ahead_at = batch.0;
             match gate.step {
                 GateStep::InStep => {
-                    let mode = gate
-                        .proposals
-                        .first()
-                        .and_then(|&c| ShareMode::from_wire_code(c))
+                    let code = gate.proposals.first().copied().unwrap_or(0);
+                    let mode = ShareMode::from_wire_code(code & !PROPOSAL_KEPT)
                         .unwrap_or(ShareMode::AllRanks);
                     let (mode, plans_differ) = match gate.verdict {
                         GateVerdict::Agreed => {
                             if coll.rank() == 0 {
                                 info!(%batch, ?mode, why, "share mode");
+                            } else {
+                                self.auto.follow(mode, code & PROPOSAL_KEPT != 0);
                             }
                             (mode, Vec::new())
                         }

@@ -60,6 +60,10 @@ pub(crate) struct Measured {
     pub(super) pair: Option<FailingPair>,
     /// The mode kept for good.
     pub(super) kept: Option<ShareMode>,
+    /// `kept` is rank 0's decision this rank follows (see `AutoMode::follow`), not its own.
+    pub(super) followed: bool,
+    /// Proposals in a row rank 0 did not flag as kept while this rank follows it.
+    pub(super) follow_misses: u8,
     /// Proposals made while measuring (see [`AUTO_GIVE_UP`](super::AUTO_GIVE_UP)).
     pub(super) proposals: u32,
     /// Per mode, its batches that failed since its last measured one: such a mode waits

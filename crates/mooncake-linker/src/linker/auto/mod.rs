@@ -85,7 +85,9 @@
 //!
 //! Only rank 0's proposal is used (the ranks exchange proposals at the gate), so rank 0's
 //! state decides for the group; every rank keeps its own, fed the same group times (each
-//! divided by the bytes that rank landed).
+//! divided by the bytes that rank landed). A proposal says whether its mode is kept: a rank
+//! that has not decided (one restarted, measuring again from nothing) follows rank 0's kept
+//! mode rather than wait to give up.
 
 use std::time::Duration;
 
@@ -99,6 +101,10 @@ mod measured;
 mod tests;
 
 use measured::Measured;
+
+/// Proposals in a row that rank 0 no longer flags as kept before a rank following its kept mode
+/// lets it go (see [`AutoMode::follow`]).
+const FOLLOW_LOST: u8 = 3;
 
 /// Weight of a new observation in the running bandwidth averages.
 const EWMA: f64 = 0.2;
@@ -304,5 +310,35 @@ impl AutoMode {
     /// The mode kept, once decided.
     pub(crate) fn kept(&self) -> Option<ShareMode> {
         self.seen.lock().kept
+    }
+
+    /// A rank other than 0: rank 0's proposal for this batch was `mode`, kept for good by
+    /// rank 0 when `kept`. Only rank 0's decision counts for the group; this rank's own `Auto`
+    /// (its read-ahead and pins at lookup, [`kept`](Self::kept)) follows it: a rank that
+    /// restarted measures again from nothing, and would otherwise only decide by giving up,
+    /// having seen just the one mode rank 0 keeps. A mode followed is let go once rank 0
+    /// proposes [`FOLLOW_LOST`] batches in a row not kept (it measures again; a single one is
+    /// a probe while its kept mode fails).
+    pub(crate) fn follow(&self, mode: ShareMode, kept: bool) {
+        if self.choice != ModeChoice::Auto || self.configured.all_known() {
+            return;
+        }
+        let mut s = self.seen.lock();
+        if kept {
+            s.follow_misses = 0;
+            if s.kept != Some(mode) {
+                tracing::info!(?mode, "Auto: following rank 0, which keeps this mode");
+                s.kept = Some(mode);
+                s.followed = true;
+            }
+        } else if s.followed {
+            s.follow_misses = s.follow_misses.saturating_add(1);
+            if s.follow_misses >= FOLLOW_LOST {
+                tracing::info!("Auto: rank 0 measures again; no longer following it");
+                s.kept = None;
+                s.followed = false;
+                s.follow_misses = 0;
+            }
+        }
     }
 }

@@ -746,3 +746,31 @@ fn two_modes_that_always_fail_fail_out_together() {
         );
     }
 }
+
+/// A rank other than 0 that restarted measures again from nothing, and sees only the one mode
+/// rank 0 keeps: before, it decided only by giving up (about 37 measured batches, with no
+/// read-ahead or pins at lookup meanwhile, and `auto_decision` differing across ranks). It
+/// now follows rank 0's kept mode at once, keeps it through a probe, and lets it go when rank
+/// 0 measures again.
+#[test]
+fn a_restarted_rank_follows_rank_0s_kept_mode() {
+    use ShareMode::*;
+    let auto = AutoMode::new(ModeChoice::Auto, Bandwidths::UNKNOWN, 3);
+    auto.follow(SplitAllGather, false);
+    assert_eq!(auto.kept(), None, "rank 0 still measures");
+    auto.follow(SplitAllGather, true);
+    assert_eq!(auto.kept(), Some(SplitAllGather));
+    // A probe (rank 0's kept mode failing): one proposal not kept.
+    auto.follow(AllRanks, false);
+    assert_eq!(auto.kept(), Some(SplitAllGather));
+    auto.follow(SplitAllGather, true);
+    // Rank 0 measures again.
+    for m in [AllRanks, Rank0Broadcast, SplitAllGather] {
+        auto.follow(m, false);
+    }
+    assert_eq!(auto.kept(), None);
+    // A fixed mode follows nothing.
+    let fixed = AutoMode::new(ModeChoice::Fixed(AllRanks), Bandwidths::UNKNOWN, 3);
+    fixed.follow(SplitAllGather, true);
+    assert_eq!(fixed.kept(), None);
+}
