@@ -202,6 +202,9 @@ fn a_read_the_store_gave_up_on_keeps_its_slots_and_registrations_for_good() {
         matches!(&err, KvLoadError::SlotsHeld { batches } if batches[..] == [BatchId(1)]),
         "{err:?}"
     );
+    // The engine's metrics say so (process-wide: other tests may keep memory too).
+    let kept = linker.metrics().kept_for_good;
+    assert!(kept.calls >= 1 && kept.bytes > 0, "{kept:?}");
     // Other slots load meanwhile.
     loads_into_other_slots(&linker, &o, &pool);
     // Batch 1's slots are held now and later: its outcome is never handed out.

@@ -115,6 +115,11 @@ pub struct MetricsSnapshot {
     pub companions_reread: u64,
     /// Store calls that did not return by their deadline (filled by `Linker::metrics`).
     pub overdue_calls: u64,
+    /// Memory kept for good in this process (every store and linker of it): store calls
+    /// whose transfer the store gave up on, and the bytes they may still use, never freed
+    /// (filled by `Linker::metrics`). A figure that keeps growing is a store that keeps
+    /// stalling past its client's transfer timeout.
+    pub kept_for_good: crate::store::KeptForGood,
     /// Failed batch outcomes by kind (`KvLoadError::kind_name`). In a TP group every rank's
     /// outcome of a batch a rank failed while loading is `peer_failed`; what failed is in
     /// `own_failures` of the rank it was.
@@ -251,6 +256,7 @@ impl LinkerMetrics {
             kept_checksums_stale: self.kept_checksums_stale.load(Ordering::Relaxed),
             companions_reread: self.companions_reread.load(Ordering::Relaxed),
             overdue_calls: 0,
+            kept_for_good: crate::store::KeptForGood::default(),
             failures: self.failures.lock().clone(),
             own_failures: self.own_failures.lock().clone(),
         }

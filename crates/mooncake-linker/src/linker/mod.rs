@@ -465,6 +465,7 @@ impl Linker {
     pub fn metrics(&self) -> MetricsSnapshot {
         let mut m = self.inner.metrics.snapshot();
         m.overdue_calls = self.inner.calls.overdue_calls();
+        m.kept_for_good = crate::store::kept_for_good();
         m
     }
 

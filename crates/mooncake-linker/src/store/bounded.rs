@@ -579,6 +579,8 @@ impl StoreCalls {
                         }),
                     })
                     .collect();
+                let bytes = bufs.iter().map(|b| b.len() as u64).sum();
+                super::keep_for_good(bytes, "whole reads' buffers");
                 std::mem::forget(bufs);
                 return failed;
             }

@@ -9,6 +9,7 @@ mod error;
 #[cfg(any(test, feature = "testing"))]
 mod faulty;
 mod forward;
+mod kept;
 mod kv_store;
 pub mod mooncake;
 mod registration;
@@ -29,6 +30,8 @@ pub use error::StoreError;
 /// remote link.
 #[cfg(any(test, feature = "testing"))]
 pub use faulty::{Fault, FaultCall, FaultRule, FaultyStore, Stall, STALL_LIMIT};
+pub(crate) use kept::keep_for_good;
+pub use kept::{kept_for_good, KeptForGood};
 pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
     ReadSession,

@@ -86,6 +86,8 @@ impl StoreCalls {
                 {
                     // The store gave up on a transfer that may still read these sources: kept for
                     // good.
+                    let bytes = parts.iter().flatten().map(|p| p.len() as u64).sum();
+                    super::keep_for_good(bytes, "a put's sources");
                     std::mem::forget(parts);
                     std::mem::forget(hold);
                 } else {

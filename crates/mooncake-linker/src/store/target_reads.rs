@@ -291,6 +291,12 @@ unsafe fn read_part(
         // The store gave up on a transfer that may still write these targets: their loans
         // (and the batch's memory hold with them) are kept for good, so nothing is handed on
         // or freed.
+        let bytes = gets
+            .iter()
+            .flat_map(|g| g.ranges.iter())
+            .map(|r| r.len as u64)
+            .sum();
+        super::keep_for_good(bytes, "read targets (staging or pool rows)");
         std::mem::forget(loans);
     } else {
         drop(loans);

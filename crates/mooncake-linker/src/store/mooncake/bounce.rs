@@ -184,15 +184,8 @@ impl Bounces {
     fn keep(&self, mut lent: Lent) {
         if let Some(buf) = lent.0.take() {
             let mut st = self.state.lock();
-            let bytes = buf.len();
+            crate::store::keep_for_good(buf.len() as u64, "a bounce buffer");
             st.kept.push(buf);
-            let kept: usize = st.kept.iter().map(|b| b.len()).sum();
-            tracing::warn!(
-                bytes,
-                kept,
-                budget = MAX_BOUNCE_TOTAL,
-                "a bounce buffer a given-up transfer may still write is kept for good"
-            );
         }
     }
 }

@@ -568,7 +568,7 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
             self.return_scratch(ManuallyDrop::into_inner(scratch));
         } else {
             // A transfer the client gave up on may still write it: kept for good.
-            tracing::debug!(bytes = scratch.len(), "scratch of an abandoned call kept");
+            crate::store::keep_for_good(scratch.len() as u64, "a ranged read's scratch");
         }
         out
     }

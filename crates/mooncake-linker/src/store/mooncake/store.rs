@@ -965,6 +965,8 @@ impl KvStore for MooncakeStore {
         let abandoned = mark_abandoned("batch_put_from", end, &names, &mut written);
         if abandoned {
             // Transfers may still read the staging and the registered sources.
+            let bytes = staging.iter().map(|b| b.len() as u64).sum();
+            crate::store::keep_for_good(bytes, "a put's gathered staging");
             std::mem::forget(staging);
             self.transfers.abandon(transfer);
             staging = Vec::new();
