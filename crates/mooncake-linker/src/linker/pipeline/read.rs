@@ -340,18 +340,15 @@ impl LayerPipeline<'_> {
         let took = t0.elapsed();
         // A call that ran into its deadline, returned past it, or answered "RPC timeout" is a
         // failure: it does not count among the reads that landed, nor in Auto's measure. The
-        // read-cost fit takes it as a censored sample (`censored`): slower than the fit
-        // predicted, by a bounded factor. A store grown slow still teaches the plan its cost
-        // over a few calls, while one hung call, or a store's early "RPC timeout" (nothing
-        // read), does not set the per-call cost to the whole limit (20 s by default: one such
-        // sample moved it from 2 ms to about 0.4 s, and the plan to a few large groups).
+        // read-cost fit takes it at the limit (a censored sample): a store grown slow still
+        // teaches the plan smaller groups, one hung call does not skew the fit by its whole
+        // length, and a store's early "RPC timeout" (nothing read) is not taken for its bytes
+        // read in no time.
         let limit = inner.config.layer_read_timeout;
         let timed_out = || {
-            let n = group.len() as u32;
-            let predicted = inner.reads.cost(layers.mode).call_time(n, asked);
-            if let Some(sample) = censored(took, predicted, limit) {
-                inner.reads.observe(layers.mode, n, asked, sample);
-            }
+            inner
+                .reads
+                .observe(layers.mode, group.len() as u32, asked, limit);
         };
         let read = read.inspect_err(|e| {
             inner.metrics.layer_read_failed(took);
@@ -525,42 +522,8 @@ fn hand_over(
     true
 }
 
-/// How much slower than predicted a failed (timed-out) read is taken to be, at most.
-const CENSORED_FACTOR: u32 = 4;
-
-/// The time the read-cost fit takes for a call that failed by time after `took` (at most
-/// `limit`), where the fit predicted `predicted`: between the prediction and
-/// [`CENSORED_FACTOR`] times it (a failed call says only "slower than predicted"), never past
-/// the limit. `None` when the fit predicts nothing (no cost known: nothing to learn).
-fn censored(took: Duration, predicted: Duration, limit: Duration) -> Option<Duration> {
-    if predicted.is_zero() {
-        return None;
-    }
-    let most = predicted.saturating_mul(CENSORED_FACTOR);
-    Some(took.clamp(predicted, most).min(limit))
-}
-
 #[cfg(test)]
 mod tests {
-    /// Before, every timed-out call was taken at the whole limit.
-    #[test]
-    fn a_timed_out_read_teaches_the_fit_a_bounded_slowdown() {
-        use super::censored;
-        use std::time::Duration;
-        let ms = Duration::from_millis;
-        let limit = Duration::from_secs(20);
-        // An early "RPC timeout" (nothing read, 1 ms): slower than predicted, no more.
-        assert_eq!(censored(ms(1), ms(2), limit), Some(ms(2)));
-        // A call that hung to the limit: four times the prediction.
-        assert_eq!(censored(limit, ms(2), limit), Some(ms(8)));
-        // In between: as it took.
-        assert_eq!(censored(ms(5), ms(2), limit), Some(ms(5)));
-        // A prediction past the limit: the limit.
-        assert_eq!(censored(ms(1), Duration::from_secs(30), limit), Some(limit));
-        // A prediction of nothing (a prior of zero): nothing learned.
-        assert_eq!(censored(ms(3), Duration::ZERO, limit), None);
-    }
-
     use std::sync::Arc;
 
     use super::*;
