@@ -145,9 +145,40 @@ pub(crate) struct GroupLink {
     formation: Option<Arc<dyn GroupFormation>>,
     reforming: Mutex<()>,
     uses: Arc<HandleUses>,
+    /// The last refusal logged at `error`, and when: the same refusal again within
+    /// [`REFUSAL_LOG_EVERY`] goes to `debug` (every batch and lookup re-forms while the group
+    /// is refused).
+    refusal_logged: Mutex<Option<(String, Instant)>>,
+}
+
+/// How often the same refusal of the group is logged at `error` while it lasts.
+const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Whether `text` is the refusal `last` logged, less than [`REFUSAL_LOG_EVERY`] before `now`.
+fn logged_lately(last: Option<&(String, Instant)>, text: &str, now: Instant) -> bool {
+    last.is_some_and(|(t, at)| t == text && now.saturating_duration_since(*at) < REFUSAL_LOG_EVERY)
 }
 
 impl GroupLink {
+    /// Logs a refusal of the group at `error`: once while the same one lasts, again every
+    /// [`REFUSAL_LOG_EVERY`] (and at `debug` in between).
+    fn log_refusal(&self, epoch: u64, e: &CollectiveError) {
+        let text = e.to_string();
+        let mut last = self.refusal_logged.lock();
+        if logged_lately(last.as_ref(), &text, Instant::now()) {
+            tracing::debug!(rank = self.rank, epoch, error = %e, "the group is still refused");
+            return;
+        }
+        tracing::error!(
+            rank = self.rank,
+            epoch,
+            error = %e,
+            "the group was refused as configured: batches and lookups fail until a rank's \
+             settings change (logged again every minute while it lasts)"
+        );
+        *last = Some((text, Instant::now()));
+    }
+
     /// The link of `group`, when this linker shares with other ranks.
     pub(crate) fn of(group: Option<&TpGroup>) -> Option<Arc<GroupLink>> {
         group.filter(|g| g.size() > 1).map(|g| {
@@ -161,6 +192,7 @@ impl GroupLink {
                 formation: g.formation.clone(),
                 reforming: Mutex::new(()),
                 uses: Arc::default(),
+                refusal_logged: Mutex::new(None),
             })
         })
     }
@@ -233,13 +265,7 @@ impl GroupLink {
             Err(e) => {
                 let refused = e.is_refusal();
                 if refused {
-                    tracing::error!(
-                        rank = self.rank,
-                        epoch,
-                        error = %e,
-                        "the group was refused as configured: batches and lookups fail until a \
-                         rank's settings change"
-                    );
+                    self.log_refusal(epoch, &e);
                 }
                 Err(GroupDown {
                     missing: match &e {
@@ -260,6 +286,21 @@ impl GroupLink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Before, every batch and lookup of a refused group logged the refusal at `error`.
+    #[test]
+    fn the_same_refusal_is_logged_once_a_minute() {
+        let t0 = Instant::now();
+        let last = ("refused: world 4 against 8".to_string(), t0);
+        assert!(!logged_lately(None, &last.0, t0));
+        assert!(logged_lately(
+            Some(&last),
+            &last.0,
+            t0 + REFUSAL_LOG_EVERY / 2
+        ));
+        assert!(!logged_lately(Some(&last), &last.0, t0 + REFUSAL_LOG_EVERY));
+        assert!(!logged_lately(Some(&last), "another refusal", t0));
+    }
     use std::time::Duration;
 
     /// The lookup thread finds the control handle broken and re-forms while a batch holds the
