@@ -165,7 +165,8 @@ pub struct GateWord {
     /// Gates this rank held on this handle before (every rank's count is the same while the
     /// ranks are in step).
     pub count: u64,
-    /// This rank's share-mode proposal (rank 0's wins).
+    /// This rank's share-mode proposal (rank 0's wins): the mode's wire code, and in the top
+    /// bit whatever flag the caller adds (kvlink's linker: rank 0's `Auto` keeps that mode).
     pub proposal: u64,
     /// How long this rank's previous batch on this handle took, from its gate until the rank
     /// was done with it (its last layer ready, the closing status exchange, its read session

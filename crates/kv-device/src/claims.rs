@@ -179,7 +179,7 @@ impl SlotClaims {
             .map_err(|held| DeviceError::SlotBusy {
                 slot,
                 reason: if held == WRITER {
-                    "a landing writes it"
+                    "a landing, or another write_slot of the slot, writes it"
                 } else {
                     "a save reads it"
                 },

@@ -187,6 +187,11 @@ impl LatentPool {
     /// of tokens `start..start + n` of the sequence whose page table is `page_table`. Pages
     /// only partly covered keep their other rows.
     ///
+    /// A slot a save still reads (a put past its deadline) or a landing writes is refused
+    /// with `DeviceError::SlotBusy` (as `CandleKvError::Pool`), possibly after earlier pages
+    /// of the range were written: wait with `kv_device::SlotClaims::wait_free` and write the
+    /// range again.
+    ///
     /// # Safety
     /// The caller owns the slots written: during the call nobody else reads or writes layer
     /// `layer` of them (no load into them in flight, no concurrent read or write, no save).

@@ -40,7 +40,9 @@ pub(crate) fn nccl_last_error(comm: sys::ncclComm_t) -> String {
     let mut text = Vec::new();
     for i in 0..LAST_ERROR_BYTES {
         // SAFETY: `p + i` lies inside NCCL's static buffer (`i` < its size), which lives for
-        // the process; a byte read cannot tear.
+        // the process. A write by NCCL at the same time is memory outside Rust's model that no
+        // Rust reference covers; the volatile read copies whatever byte is there (the text may
+        // come out garbled, and is quoted as a hint only).
         let byte = unsafe { std::ptr::read_volatile(p.cast::<u8>().add(i)) };
         if byte == 0 {
             break;

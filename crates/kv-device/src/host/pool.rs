@@ -98,7 +98,8 @@ impl HostKvPool {
     /// error). Refused ([`DeviceError::SlotBusy`]) while a save reads the slot (a put past
     /// its deadline keeps reading it until it returns: [`SlotClaims::wait_free`] waits for
     /// it) or a landing writes it; two `write_slot`s of one slot on two threads refuse each
-    /// other likewise.
+    /// other likewise, also of different layers or components (claims are per slot: write a
+    /// slot's rows from one thread).
     ///
     /// # Safety
     /// Nothing else reads or writes this slot's slice during the call: no

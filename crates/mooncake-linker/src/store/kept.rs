@@ -17,7 +17,8 @@ static BYTES: AtomicU64 = AtomicU64::new(0);
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KeptForGood {
-    /// Store calls whose memory was kept.
+    /// Times memory was kept: one store call given up on may keep several buffers (a ranged
+    /// read its scratch and its targets, a put its staging and its sources), each counted.
     pub calls: u64,
     /// The bytes of that memory (buffers of the calls' own, and pool or staging rows they
     /// held, which stay out of use).

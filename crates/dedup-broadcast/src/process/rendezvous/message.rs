@@ -21,8 +21,9 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// settled gather of the epoch on the first handle. 5: a batch's gate word is 64 bytes
 /// (`"KVG2"`, with which of its last 64 batches the rank loaded alone). 6: the gate word is
 /// 344 bytes (`"KVG3"`: the batches loaded alone as runs of batch ids and a mask of the last
-/// 64 ids, `AloneLoads`).
-pub(crate) const PROTOCOL: u32 = 6;
+/// 64 ids, `AloneLoads`). 7: the gate word's proposal carries a flag in its top bit (the
+/// proposing rank's `Auto` keeps that mode; an older rank would read it as no mode).
+pub(crate) const PROTOCOL: u32 = 7;
 
 /// Where a rank's collective listens.
 #[derive(Debug, Clone, PartialEq, Eq)]

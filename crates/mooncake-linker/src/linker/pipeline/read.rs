@@ -343,7 +343,9 @@ impl LayerPipeline<'_> {
         // read-cost fit takes it at the limit (a censored sample): a store grown slow still
         // teaches the plan smaller groups, one hung call does not skew the fit by its whole
         // length, and a store's early "RPC timeout" (nothing read) is not taken for its bytes
-        // read in no time.
+        // read in no time. The cost, weighed and kept: one such sample raises the fit's
+        // per-call cost for dozens of calls (a slower load, larger groups), where taking it at a
+        // few times the prediction would fail several batches before a slow store is learned.
         let limit = inner.config.layer_read_timeout;
         let timed_out = || {
             inner
