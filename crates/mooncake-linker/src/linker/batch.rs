@@ -349,7 +349,15 @@ impl Inner {
         if let Some(failed) = failed_ahead(gates, batch, &down.error(Some(batch))) {
             return Err(failed);
         }
-        warn!(%batch, reason = %down, "loading alone: the TP group is down");
+        if self
+            .group
+            .as_ref()
+            .is_none_or(|g| g.down_log.due("loading alone"))
+        {
+            warn!(%batch, reason = %down, "loading alone: the TP group is down (logged once a minute while it lasts)");
+        } else {
+            debug!(%batch, reason = %down, "loading alone: the TP group is down");
+        }
         let mut stats = self.load_batch(None, job, ShareMode::AllRanks, 0, held)?;
         stats.alone = Some(down.to_string());
         Ok(stats)

@@ -13,6 +13,7 @@ use kv_loader::{BatchId, Cause, KvLoadError};
 use parking_lot::Mutex;
 
 use super::handle_use::{Channel, HandleInUse, HandleUses, Replaced};
+use super::log_every::LogEvery;
 
 /// One rank's handles on its TP group: `data` carries the per-layer exchanges of the load
 /// thread, `control` the lookups of the engine's thread. Two handles, because the two
@@ -145,27 +146,19 @@ pub(crate) struct GroupLink {
     formation: Option<Arc<dyn GroupFormation>>,
     reforming: Mutex<()>,
     uses: Arc<HandleUses>,
-    /// The last refusal logged at `error`, and when: the same refusal again within
-    /// [`REFUSAL_LOG_EVERY`] goes to `debug` (every batch and lookup re-forms while the group
-    /// is refused).
-    refusal_logged: Mutex<Option<(String, Instant)>>,
-}
-
-/// How often the same refusal of the group is logged at `error` while it lasts.
-const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// Whether `text` is the refusal `last` logged, less than [`REFUSAL_LOG_EVERY`] before `now`.
-fn logged_lately(last: Option<&(String, Instant)>, text: &str, now: Instant) -> bool {
-    last.is_some_and(|(t, at)| t == text && now.saturating_duration_since(*at) < REFUSAL_LOG_EVERY)
+    /// The refusal logged last at `error` (every batch and lookup re-forms while the group is
+    /// refused).
+    refusal_log: LogEvery,
+    /// The group-down line logged last at `warn` by a batch or lookup going alone
+    /// (`GroupFallback::ReadAlone`): each of them does while the group is down.
+    pub(crate) down_log: LogEvery,
 }
 
 impl GroupLink {
     /// Logs a refusal of the group at `error`: once while the same one lasts, again every
-    /// [`REFUSAL_LOG_EVERY`] (and at `debug` in between).
+    /// minute (and at `debug` in between).
     fn log_refusal(&self, epoch: u64, e: &CollectiveError) {
-        let text = e.to_string();
-        let mut last = self.refusal_logged.lock();
-        if logged_lately(last.as_ref(), &text, Instant::now()) {
+        if !self.refusal_log.due(&e.to_string()) {
             tracing::debug!(rank = self.rank, epoch, error = %e, "the group is still refused");
             return;
         }
@@ -176,7 +169,6 @@ impl GroupLink {
             "the group was refused as configured: batches and lookups fail until a rank's \
              settings change (logged again every minute while it lasts)"
         );
-        *last = Some((text, Instant::now()));
     }
 
     /// The link of `group`, when this linker shares with other ranks.
@@ -192,7 +184,8 @@ impl GroupLink {
                 formation: g.formation.clone(),
                 reforming: Mutex::new(()),
                 uses: Arc::default(),
-                refusal_logged: Mutex::new(None),
+                refusal_log: LogEvery::default(),
+                down_log: LogEvery::default(),
             })
         })
     }
@@ -286,21 +279,6 @@ impl GroupLink {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Before, every batch and lookup of a refused group logged the refusal at `error`.
-    #[test]
-    fn the_same_refusal_is_logged_once_a_minute() {
-        let t0 = Instant::now();
-        let last = ("refused: world 4 against 8".to_string(), t0);
-        assert!(!logged_lately(None, &last.0, t0));
-        assert!(logged_lately(
-            Some(&last),
-            &last.0,
-            t0 + REFUSAL_LOG_EVERY / 2
-        ));
-        assert!(!logged_lately(Some(&last), &last.0, t0 + REFUSAL_LOG_EVERY));
-        assert!(!logged_lately(Some(&last), "another refusal", t0));
-    }
     use std::time::Duration;
 
     /// The lookup thread finds the control handle broken and re-forms while a batch holds the
