@@ -57,9 +57,14 @@ impl LayerPipeline<'_> {
             run: ReadRun::default(),
         };
         let c = &self.inner.config;
+        // Longer than one step of the exchange loop can take with each of its phases just
+        // under its own bound (its check's store calls, the status exchange, the share step
+        // and its event: about 4 x `collective_timeout` on a device pool), so that the reader
+        // never gives up on a stage the loop is still entitled to hold (that failed the batch
+        // as `Internal` on every rank). The loop's end (`ExchangeDone`) ends this wait anyway.
         let wait = c
             .layer_read_timeout
-            .saturating_add(c.collective_timeout.saturating_mul(2));
+            .saturating_add(c.collective_timeout.saturating_mul(5));
         let reader = LayerReader {
             calls: &self.inner.calls,
             batch,
