@@ -57,7 +57,11 @@ pub trait KvLoader: Send + Sync {
     /// An error here does not settle the batch: the load may still be copying another layer
     /// (a `Cancelled` from a `reset` on another thread comes before that reset has waited
     /// for the batch). Take the batch's outcome ([`wait_batch`](Self::wait_batch)) before
-    /// touching its slots; the error's [`action`](KvLoadError::action) applies then.
+    /// touching its slots; the error's [`action`](KvLoadError::action) applies then. In a TP
+    /// group, on a batch that fails, the last layer a rank saw ready may be one more than on
+    /// another rank (a failure after the layer's status exchange): an engine whose layers run
+    /// collectives of their own stops its forward pass symmetrically (a rank whose wait failed
+    /// still enters them, with a failure flag).
     fn wait_layer(&self, ticket: &LoadTicket, layer: u32) -> Result<LayerReady, KvLoadError>;
 
     /// Waits (bounded) for the batch to finish and takes its outcome.
