@@ -279,6 +279,11 @@ pub trait DeviceShare: Send + Sync {
 
     /// Enqueues on the load stream one host→device copy of `range` of the share area (this
     /// rank's part; may be empty), and records the event the collective starts after.
+    ///
+    /// The copy is ordered on the device after the stage's earlier work, an earlier
+    /// collective's event included, with no bound: as for [`scatter`](Self::scatter), wait for
+    /// a collective's event on the host first (with a deadline) before uploading again to its
+    /// stage.
     fn upload(&self, stage: &mut LayerStage, range: Range<usize>) -> Result<(), DeviceError>;
 
     /// The share area in device memory, for a collective, ordered after this layer's
@@ -293,7 +298,9 @@ pub trait DeviceShare: Send + Sync {
     ) -> Result<DeviceStage<'s>, DeviceError>;
 
     /// Enqueues on the load stream, after `after` (the collective's event), the scatter of
-    /// `blocks` from device staging into this rank's slots.
+    /// `blocks` from device staging into this rank's slots. Blocks outside this rank's
+    /// uploaded range hold what the collective wrote there: scatter them only after one ran
+    /// on this upload (otherwise device staging still holds an earlier layer's bytes).
     ///
     /// The load stream waits for `after` on the device, with no bound (a CUDA stream wait
     /// has none): an event that never completes (a collective whose peer died inside NCCL)
