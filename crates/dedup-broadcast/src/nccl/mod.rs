@@ -390,6 +390,10 @@ pub struct NcclCollective {
     seq: AtomicU64,
     last_ms: AtomicU64,
     unusable: Arc<AtomicBool>,
+    /// The comm thread is ending, not stuck (it dropped its side of a call: a panic under an
+    /// operation): `close` waits for its end within its bound, rather than at once as for a
+    /// thread that stopped answering.
+    ending: AtomicBool,
     /// Set by the comm thread when it aborts its communicator.
     aborted: Arc<Mutex<Option<String>>>,
     /// Shared by the handles of one in-process group: set when any of them is aborted.
@@ -498,6 +502,7 @@ impl NcclCollective {
                 seq: AtomicU64::new(0),
                 last_ms: AtomicU64::new(f64::NAN.to_bits()),
                 unusable: Arc::new(AtomicBool::new(false)),
+                ending: AtomicBool::new(false),
                 aborted,
                 group,
                 thread: Mutex::new(Some(thread)),
@@ -581,6 +586,7 @@ impl NcclCollective {
             })
             .map_err(|_| {
                 // No operation can run any more: the handle is broken, so the group re-forms.
+                self.ending.store(true, Ordering::Release);
                 self.unusable.store(true, Ordering::Release);
                 unsent(CollectiveError::Backend(format!(
                     "rank {}: the comm thread has ended",
@@ -614,6 +620,7 @@ impl NcclCollective {
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 // The comm thread died mid-operation (a panic under it): its operation's end is
                 // unknown and nothing more runs; broken, so the group re-forms.
+                self.ending.store(true, Ordering::Release);
                 self.unusable.store(true, Ordering::Release);
                 Err(CallFailure {
                     error: CollectiveError::Backend(format!(
@@ -943,11 +950,10 @@ impl NcclCollective {
         let Some(t) = self.thread.lock().take() else {
             return false;
         };
-        let bound = if self.unusable.load(Ordering::Acquire) {
-            Instant::now()
-        } else {
-            bound
-        };
+        // A thread that stopped answering is not waited for; one that is ending (it may still
+        // be unwinding when its call saw it go) is, within the bound.
+        let stuck = self.unusable.load(Ordering::Acquire) && !self.ending.load(Ordering::Acquire);
+        let bound = if stuck { Instant::now() } else { bound };
         let done = self.done.lock().take();
         // The thread sends on `done` as it ends; a closed channel also means it ended.
         let finished = done.is_some_and(|d| {
