@@ -352,7 +352,7 @@ impl Inner {
         if self
             .group
             .as_ref()
-            .is_none_or(|g| g.down_log.due("loading alone"))
+            .is_none_or(|g| g.down_batch_log.due("loading alone"))
         {
             warn!(%batch, reason = %down, "loading alone: the TP group is down (logged once a minute while it lasts)");
         } else {

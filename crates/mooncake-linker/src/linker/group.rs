@@ -149,9 +149,11 @@ pub(crate) struct GroupLink {
     /// The refusal logged last at `error` (every batch and lookup re-forms while the group is
     /// refused).
     refusal_log: LogEvery,
-    /// The group-down line logged last at `warn` by a batch or lookup going alone
-    /// (`GroupFallback::ReadAlone`): each of them does while the group is down.
-    pub(crate) down_log: LogEvery,
+    /// The group-down lines logged last at `warn` by a batch, and by a lookup, going alone
+    /// (`GroupFallback::ReadAlone`): each of them does while the group is down (one each:
+    /// lookups and batches alternate). Cleared when the group re-forms.
+    pub(crate) down_batch_log: LogEvery,
+    pub(crate) down_lookup_log: LogEvery,
 }
 
 impl GroupLink {
@@ -185,7 +187,8 @@ impl GroupLink {
                 reforming: Mutex::new(()),
                 uses: Arc::default(),
                 refusal_log: LogEvery::default(),
-                down_log: LogEvery::default(),
+                down_batch_log: LogEvery::default(),
+                down_lookup_log: LogEvery::default(),
             })
         })
     }
@@ -253,6 +256,14 @@ impl GroupLink {
                     "group re-formed"
                 );
                 *self.current.lock() = fresh.clone();
+                // The outage ended: the next one's lines go out at once.
+                for log in [
+                    &self.refusal_log,
+                    &self.down_batch_log,
+                    &self.down_lookup_log,
+                ] {
+                    log.clear();
+                }
                 Ok(fresh)
             }
             Err(e) => {

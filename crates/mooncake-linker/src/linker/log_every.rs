@@ -16,8 +16,15 @@ pub(crate) struct LogEvery {
 }
 
 impl LogEvery {
+    /// Forgets the line logged last: the next is due at once (its condition ended, and a new
+    /// one starts).
+    pub(crate) fn clear(&self) {
+        *self.last.lock() = None;
+    }
+
     /// Whether the line keyed `key` is due at its own level now: not logged in the last
-    /// [`LOG_EVERY`] (under this key). When due, it counts as logged from now.
+    /// [`LOG_EVERY`] (under this key). When due, it counts as logged from now. One key at a
+    /// time: lines that alternate need one `LogEvery` each.
     pub(crate) fn due(&self, key: &str) -> bool {
         let now = Instant::now();
         let mut last = self.last.lock();
@@ -50,6 +57,9 @@ mod tests {
         let every = LogEvery::default();
         assert!(every.due("down"));
         assert!(!every.due("down"));
+        assert!(every.due("refused"));
+        // A new condition after the last one ended: due at once.
+        every.clear();
         assert!(every.due("refused"));
     }
 }

@@ -87,7 +87,7 @@ impl Inner {
                 return match self.config.group_fallback {
                     GroupFallback::Fail => Err(down.error(None)),
                     GroupFallback::ReadAlone => {
-                        if link.down_log.due("lookup alone") {
+                        if link.down_lookup_log.due("lookup alone") {
                             warn!(reason = %down, "lookup alone: the TP group is down (logged once a minute while it lasts)");
                         } else {
                             tracing::debug!(reason = %down, "lookup alone: the TP group is down");

@@ -115,9 +115,10 @@ pub struct MetricsSnapshot {
     pub companions_reread: u64,
     /// Store calls that did not return by their deadline (filled by `Linker::metrics`).
     pub overdue_calls: u64,
-    /// Memory kept for good in this process (every store and linker of it): store calls
-    /// whose transfer the store gave up on, and the bytes they may still use, never freed
-    /// (filled by `Linker::metrics`). A figure that keeps growing is a store that keeps
+    /// Memory kept for good in this process (every store and linker of it): how many times
+    /// memory was kept (one store call whose transfer the store gave up on may keep several
+    /// buffers, each counted) and the bytes they may still use, never freed (filled by
+    /// `Linker::metrics`). A figure that keeps growing is a store that keeps
     /// stalling past its client's transfer timeout.
     pub kept_for_good: crate::store::KeptForGood,
     /// Failed batch outcomes by kind (`KvLoadError::kind_name`). In a TP group every rank's
