@@ -65,17 +65,7 @@ impl SlotClaims {
     pub fn write(pool: &Arc<dyn KvPool>, slots: &[u32]) -> Result<WriteClaim, DeviceError> {
         let claims = Self::of(pool)?;
         for (i, &slot) in slots.iter().enumerate() {
-            let taken = claims.state(slot).and_then(|s| {
-                s.compare_exchange(0, WRITER, Ordering::Acquire, Ordering::Relaxed)
-                    .map_err(|held| DeviceError::SlotBusy {
-                        slot,
-                        reason: if held == WRITER {
-                            "a landing (or this one, named twice) writes it"
-                        } else {
-                            "a save reads it"
-                        },
-                    })
-            });
+            let taken = claims.take_writer(slot, "a landing (or this one, named twice) writes it");
             if let Err(e) = taken {
                 for &done in &slots[..i] {
                     claims.states[done as usize].store(0, Ordering::Release);
@@ -174,19 +164,28 @@ impl SlotClaims {
     /// Holds `slot` for the guard's life as a landing's claim does (for a copy of the pool's
     /// own): refused ([`DeviceError::SlotBusy`]) while a save reads it or a landing writes it.
     pub(crate) fn hold_write(&self, slot: u32) -> Result<HeldWrite<'_>, DeviceError> {
-        self.state(slot)?
+        let state = self.take_writer(
+            slot,
+            "a landing, or another write_slot of the slot, writes it",
+        )?;
+        Ok(HeldWrite { state })
+    }
+
+    /// Makes `slot` written (free before): refused ([`DeviceError::SlotBusy`]) while a save
+    /// reads it, or, saying `writer`, while a writer holds it. Its state, to release.
+    fn take_writer(&self, slot: u32, writer: &'static str) -> Result<&AtomicU32, DeviceError> {
+        let state = self.state(slot)?;
+        state
             .compare_exchange(0, WRITER, Ordering::Acquire, Ordering::Relaxed)
             .map_err(|held| DeviceError::SlotBusy {
                 slot,
                 reason: if held == WRITER {
-                    "a landing, or another write_slot of the slot, writes it"
+                    writer
                 } else {
                     "a save reads it"
                 },
             })?;
-        Ok(HeldWrite {
-            state: &self.states[slot as usize],
-        })
+        Ok(state)
     }
 
     /// One more reader of `slot`, unless a landing writes it.

@@ -22,6 +22,22 @@ use common::{available, PrivateMaster};
 use mooncake_linker::store::mooncake::{MooncakeStore, TRANSFER_WAIT, UNREGISTER_WAIT};
 use mooncake_linker::store::{KvStore, MemoryRegion, ObjectGet, ObjectPut, StoreError};
 
+/// Makes the first pass through failpoint `name` say so (on the receiver returned) and then
+/// sleep `hang`, with whatever the store holds there held; later passes go straight on.
+fn hang_once(name: &str, hang: Duration) -> std::sync::mpsc::Receiver<()> {
+    let (reached, rx) = std::sync::mpsc::channel::<()>();
+    let reached = std::sync::Mutex::new(Some(reached));
+    fail::cfg_callback(name, move || {
+        let first = reached.lock().unwrap().take();
+        if let Some(tx) = first {
+            let _ = tx.send(());
+            std::thread::sleep(hang);
+        }
+    })
+    .unwrap();
+    rx
+}
+
 #[test]
 fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
     if !available(
@@ -44,16 +60,7 @@ fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
     unsafe { store.register(held_region) }.expect("register");
     let hang = UNREGISTER_WAIT + Duration::from_secs(2);
     // The registration below takes the table, says so, then sleeps with it held.
-    let (held_now, table_held) = std::sync::mpsc::channel::<()>();
-    let held_now = std::sync::Mutex::new(Some(held_now));
-    fail::cfg_callback("mooncake-register-held", move || {
-        let first = held_now.lock().unwrap().take();
-        if let Some(tx) = first {
-            let _ = tx.send(());
-            std::thread::sleep(hang);
-        }
-    })
-    .unwrap();
+    let table_held = hang_once("mooncake-register-held", hang);
     std::thread::scope(|s| {
         // SAFETY: as above, for `hung`.
         let registering = s.spawn(|| unsafe { store.register(hung_region) });
@@ -117,16 +124,7 @@ fn a_read_beside_a_hung_unregistration_fails_at_its_bound() {
     // SAFETY: as above.
     unsafe { store.register(gone_region) }.expect("register");
     let hang = TRANSFER_WAIT + Duration::from_secs(3);
-    let (held_now, gate_held) = std::sync::mpsc::channel::<()>();
-    let held_now = std::sync::Mutex::new(Some(held_now));
-    fail::cfg_callback("mooncake-unregister-held", move || {
-        let first = held_now.lock().unwrap().take();
-        if let Some(tx) = first {
-            let _ = tx.send(());
-            std::thread::sleep(hang);
-        }
-    })
-    .unwrap();
+    let gate_held = hang_once("mooncake-unregister-held", hang);
     std::thread::scope(|s| {
         let unregistering = s.spawn(|| store.unregister(gone_region));
         gate_held

@@ -58,6 +58,29 @@ struct ReadCall<'g> {
 // inside that call and joined before it returns.
 unsafe impl Send for ReadCall<'_> {}
 
+impl<'g> ReadCall<'g> {
+    /// A call not made: every key of `keys` failed with `error(key)`, no scratch taken; the
+    /// stream's later calls given up for `given_up`, if any.
+    fn not_made(
+        keys: Vec<&'g str>,
+        shaped: &'g [Shaped],
+        error: impl Fn(&str) -> StoreError,
+        given_up: Option<String>,
+    ) -> Self {
+        ReadCall {
+            results: keys.iter().map(|k| Err(error(k))).collect(),
+            scratch: Vec::new(),
+            // One entry per key, as `copy_out` pairs them (every key failed).
+            key_scratch: vec![0; keys.len()],
+            shaped,
+            ranges_to_hash: None,
+            keys,
+            abandoned: false,
+            given_up,
+        }
+    }
+}
+
 impl ReadCall<'_> {
     /// True when no key of the call has anything to copy out of scratch.
     fn copies_nothing(&self) -> bool {
@@ -414,34 +437,13 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
         let names: Vec<&str> = part.iter().map(|&i| gets[i].key).collect();
         let ckeys = match CKeys::new(&names) {
             Ok(k) => k,
-            Err(e) => {
-                return ReadCall {
-                    results: names.iter().map(|k| Err(store_error(k, &e))).collect(),
-                    scratch: Vec::new(),
-                    // One entry per key, as `copy_out` pairs them (every key failed).
-                    key_scratch: vec![0; names.len()],
-                    shaped,
-                    ranges_to_hash: None,
-                    keys: names,
-                    abandoned: false,
-                    given_up: None,
-                };
-            }
+            Err(e) => return ReadCall::not_made(names, shaped, |k| store_error(k, &e), None),
         };
         // Held shared for the call: `unregister` waits for it. Not had in time: an unregister's
         // wheel call hangs; this call and the stream's later ones fail rather than wait.
         let Some(transfer) = self.transfers.transfer() else {
-            let why = gate_held(names.first().copied().unwrap_or("<no key>"));
-            return ReadCall {
-                results: names.iter().map(|k| Err(gate_held(k))).collect(),
-                scratch: Vec::new(),
-                key_scratch: vec![0; names.len()],
-                shaped,
-                ranges_to_hash: None,
-                keys: names,
-                abandoned: false,
-                given_up: Some(why.to_string()),
-            };
+            let why = gate_held(names.first().copied().unwrap_or("<no key>")).to_string();
+            return ReadCall::not_made(names, shaped, gate_held, Some(why));
         };
         let mut scratch = self.take_scratch(need as usize);
         let base = scratch.as_mut_ptr();
