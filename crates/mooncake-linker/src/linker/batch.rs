@@ -354,7 +354,11 @@ impl Inner {
             .as_ref()
             .is_none_or(|g| g.down_batch_log.due("loading alone"))
         {
-            warn!(%batch, reason = %down, "loading alone: the TP group is down (logged once a minute while it lasts)");
+            warn!(
+                %batch,
+                reason = %down,
+                "loading alone: the TP group is down (logged once a minute while it lasts)"
+            );
         } else {
             debug!(%batch, reason = %down, "loading alone: the TP group is down");
         }

@@ -88,7 +88,11 @@ impl Inner {
                     GroupFallback::Fail => Err(down.error(None)),
                     GroupFallback::ReadAlone => {
                         if link.down_lookup_log.due("lookup alone") {
-                            warn!(reason = %down, "lookup alone: the TP group is down (logged once a minute while it lasts)");
+                            warn!(
+                                reason = %down,
+                                "lookup alone: the TP group is down (logged once a minute \
+                                 while it lasts)"
+                            );
                         } else {
                             tracing::debug!(reason = %down, "lookup alone: the TP group is down");
                         }

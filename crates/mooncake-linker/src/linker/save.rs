@@ -341,7 +341,13 @@ impl Inner {
         // One line per store call, not per key: a full or hung store fails every key of every
         // save, hundreds a call.
         if let Some((e, pages)) = &failed {
-            warn!(%batch, component = %comp.layout.name, objects = pages.len(), first_error = %e, "objects not saved");
+            warn!(
+                %batch,
+                component = %comp.layout.name,
+                objects = pages.len(),
+                first_error = %e,
+                "objects not saved"
+            );
         }
         let missing: Vec<(&String, &crate::store::StoreError)> = companions
             .iter()
@@ -349,7 +355,13 @@ impl Inner {
             .filter_map(|((key, _), r)| r.as_ref().err().map(|e| (key, e)))
             .collect();
         if let Some((key, e)) = missing.first() {
-            warn!(%batch, companions = missing.len(), first_key = %key, first_error = %e, "checksum companions not written: their objects are checked by length only");
+            warn!(
+                %batch,
+                companions = missing.len(),
+                first_key = %key,
+                first_error = %e,
+                "checksum companions not written: their objects are checked by length only"
+            );
         }
         failed.map_or(Ok(()), |(e, pages)| {
             Err(store_failure(batch, None, pages, e))

@@ -104,9 +104,9 @@ impl StoreCalls {
 /// A put that returned after its caller gave up: the caller reported the save failed (its
 /// host slots stayed claimed meanwhile; an engine that wrote them all the same raced the put).
 /// What it wrote is discarded, so no object the engine was told failed, torn or not, stays
-/// under first write wins: the objects first, then the checksum companions, each only once its object is gone
-/// (discarded now, already absent, or not written by this put): an object left without its
-/// companion would pass later loads on its length alone.
+/// under first write wins: the objects first, then the checksum companions, each only once
+/// its object is gone (discarded now, already absent, or not written by this put): an object
+/// left without its companion would pass later loads on its length alone.
 fn discard_late_writes(
     store: &dyn KvStore,
     keys: &[&str],

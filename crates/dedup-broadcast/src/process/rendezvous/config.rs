@@ -313,7 +313,8 @@ mod tests {
             assert!(matches!(e, RendezvousError::Config(_)), "{bad:?}: {e:?}");
         }
         let c = RendezvousConfig::new(2, 2, MeetingPoint::Tcp("h:1".into()));
-        assert!(matches!(c.validate(), Err(RendezvousError::Config(_)))); // Past the bound, the transport's rank arithmetic could overflow.
+        assert!(matches!(c.validate(), Err(RendezvousError::Config(_))));
+        // Past the bound, the transport's rank arithmetic could overflow.
         let c = RendezvousConfig::new(0, MAX_WORLD + 1, MeetingPoint::Tcp("h:1".into()));
         assert!(matches!(c.validate(), Err(RendezvousError::Config(_))));
         let c = RendezvousConfig::new(0, MAX_WORLD, MeetingPoint::Tcp("h:1".into()));
