@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::tp::{config, mixed_spec, rank_matches_at, tp_ranks, Path, TpRank};
 use common::{load_plan, pool_matches, prompt, save_prefix, small_spec, wait_all};
+use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::{
     CpuDevice, DeviceKvPool, HostKvPool, ScatterStrategy, StagedLandingFactory, StagingPool,
 };
@@ -546,4 +547,91 @@ fn a_hung_save_keeps_its_host_slots_claimed_until_the_put_returns() {
     SlotClaims::wait_free(pool.as_ref() as &dyn KvPool, &slots, by).unwrap();
     // SAFETY: as above; no save or load of the slot runs now.
     unsafe { pool.write_slot(ComponentId(0), 0, 3, &row) }.unwrap();
+}
+
+/// A device pool over a traced CPU device whose load stream stalls for `stall` at layer 2's
+/// first slot copy (the fifth upload: the slot table, layer 0's two components, layer 1's
+/// one), the read of layer 3 hanging: the linker, the device, and the stall's end.
+fn stalled_landing(drain: Duration, stall: Duration) -> (One, Linker, Arc<CpuDevice>) {
+    let o = one();
+    let traced = kvlink::kv_device::cpu::CpuDeviceConfig {
+        trace: true,
+        ..Default::default()
+    };
+    let dev = CpuDevice::with_config(0, traced).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), o.g.clone(), 16).unwrap());
+    let staging =
+        StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&o.g, 4, 1), 2).unwrap();
+    let landings =
+        Arc::new(StagedLandingFactory::new(pool.clone(), staging).with_drain_limit(drain));
+    let linker =
+        Linker::with_landings(o.g.clone(), o.store.clone(), pool, landings, cfg(), None).unwrap();
+    dev.stall_at(CpuOp::ToDevice, 4, stall);
+    (o, linker, dev)
+}
+
+/// Slot copies of the load stream that finished after `at`.
+fn copies_after(dev: &CpuDevice, at: Instant) -> Vec<kvlink::kv_device::cpu::TraceOp> {
+    dev.trace()
+        .into_iter()
+        .filter(|o| {
+            o.stream == 0 && matches!(o.op, CpuOp::ToDevice | CpuOp::Rows | CpuOp::OnDevice)
+        })
+        .filter(|o| o.finished > at)
+        .collect()
+}
+
+/// A batch that fails while a hung read keeps its landing alive (so the landing's drop does
+/// not drain its work) and its layer 2's copy into the slots is stalled: its outcome, which
+/// tells the engine to recompute into the slots, comes only once that copy has finished.
+#[test]
+fn a_failed_batchs_outcome_comes_after_its_queued_slot_copies() {
+    let stall = Duration::from_millis(1000);
+    let (o, linker, dev) = stalled_landing(Duration::from_secs(5), stall);
+    let t = hung_batch_fails_in_time(&linker, &o, vec![1, 2, 3, 4], false);
+    let outcome = linker.wait_batch(&t).unwrap().result;
+    let at = Instant::now();
+    assert!(
+        matches!(outcome, Err(KvLoadError::Store { layer: Some(3), .. })),
+        "{outcome:?}"
+    );
+    let stalled = dev
+        .trace()
+        .iter()
+        .filter(|o| o.op == CpuOp::ToDevice)
+        .count();
+    assert!(
+        stalled >= 5,
+        "the stalled copy ran before the outcome: {stalled} uploads"
+    );
+    let late = copies_after(&dev, at);
+    assert!(
+        late.is_empty(),
+        "slot copies after the failed outcome: {late:?}"
+    );
+    o.stall.release();
+    linker.close().unwrap();
+}
+
+/// The same, the copy stalled past the landing's drain limit: the outcome says the slots may
+/// still be written (a device failure: reset, then recompute), not a plain recompute.
+#[test]
+fn a_failed_batch_whose_slot_copies_outlast_the_drain_limit_is_a_device_failure() {
+    let (o, linker, _dev) = stalled_landing(Duration::from_millis(200), Duration::from_secs(2));
+    let t = linker
+        .start_load(load_plan(&o.g, 1, &o.pages, vec![1, 2, 3, 4]))
+        .unwrap();
+    let t0 = Instant::now();
+    let outcome = linker.wait_batch(&t).unwrap().result;
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(1500), "{took:?}");
+    let err = outcome.unwrap_err();
+    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
+    assert!(err.to_string().contains("did not finish"), "{err}");
+    assert_eq!(
+        err.action(),
+        kvlink::kv_loader::EngineAction::ResetThenRecompute
+    );
+    o.stall.release();
+    linker.close().unwrap();
 }

@@ -229,6 +229,17 @@ pub trait LayerLanding: Send + Sync {
     /// until it and every loan of it are dropped.
     fn finish(&self) {}
 
+    /// Waits, bounded by the landing's own limit, until the device copies it queued into
+    /// the slots (land and scatter) have finished: what a failed batch needs before its
+    /// outcome tells the engine to recompute into those slots on a stream of its own, which
+    /// nothing orders after this landing's copies. A read past its deadline may keep the
+    /// landing (and so this work's end) from the drain its drop does. `Err` when they did
+    /// not finish in time: the slots may still be written. The default has nothing queued: a
+    /// landing the store writes through is waited for by the batch's outcome instead.
+    fn settle(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+
     /// Bytes moved so far, per model layer, by direction.
     fn transfers(&self) -> Vec<TransferBytes>;
 

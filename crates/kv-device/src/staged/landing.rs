@@ -11,6 +11,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::copy::{self, Moved, RowSpan, ScatterStrategy, Staged};
 use super::pool::DeviceKvPool;
+use super::slot_copies::SlotCopies;
 use super::staging::{slots_work, StagingLease};
 use super::sync;
 use crate::landing::{next_landing_id, Fences, StageLent, TransferLog};
@@ -31,6 +32,15 @@ pub struct LandingStats {
     pub kernel_launches: u64,
     /// Times `open` found a stage's previous work still running and waited for it.
     pub reuse_waits: u64,
+}
+
+/// What work a landing queues on the load stream writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writes {
+    /// The batch's pool slots (a land's or a scatter's copies).
+    Slots,
+    /// Device staging only (an upload).
+    Staging,
 }
 
 /// One stage's state.
@@ -96,6 +106,8 @@ pub struct StagedLanding {
     /// stream, and every later landing's copies and every save's gather
     /// ([`StagedLandingFactory`](super::StagedLandingFactory)) are ordered after them there.
     slot_writes: RwLock<Option<WriteClaim>>,
+    /// The ends of the copies queued into the slots ([`LayerLanding::settle`]).
+    slot_copies: SlotCopies,
 }
 
 fn stage_err(reason: &'static str) -> DeviceError {
@@ -182,6 +194,7 @@ impl StagedLanding {
             drain: Duration::from_secs(30),
             open: Mutex::new(vec![None; ring]),
             slot_writes: RwLock::new(Some(claim)),
+            slot_copies: SlotCopies::default(),
         })
     }
 
@@ -343,18 +356,29 @@ impl StagedLanding {
 
     /// Runs `enqueue` (work on the load stream that uses stage `h`), then fences the stage
     /// after whatever of it was enqueued, failed or not; a stage whose fence cannot be recorded
-    /// is poisoned for good. The fence is returned with `enqueue`'s result.
+    /// is poisoned for good. The fence is returned with `enqueue`'s result. Copies into the
+    /// slots ([`Writes::Slots`]) also keep the fence as their end ([`SlotCopies`]), or say
+    /// that none tells it.
     fn fenced<T>(
         &self,
         h: usize,
+        writes: Writes,
         enqueue: impl FnOnce() -> Result<T, DeviceError>,
     ) -> Result<(T, SharedEvent), DeviceError> {
         let r = enqueue();
         match self.fence(h) {
-            Ok(ev) => r.map(|t| (t, ev)),
+            Ok(ev) => {
+                if writes == Writes::Slots {
+                    self.slot_copies.ended_by(ev.clone());
+                }
+                r.map(|t| (t, ev))
+            }
             Err(e) => {
                 if let Ok(state) = self.state(h) {
                     state.fences.poison_unfenced();
+                }
+                if writes == Writes::Slots {
+                    self.slot_copies.end_unknown();
                 }
                 Err(r.err().unwrap_or(e))
             }
@@ -603,7 +627,7 @@ impl LayerLanding for StagedLanding {
         // The layer stays this stage's until the stage is opened again, which first waits for
         // the copies queued here: only then may another stage take the layer.
         stage.set_layer(None);
-        let ((), ev) = self.fenced(h, || {
+        let ((), ev) = self.fenced(h, Writes::Slots, || {
             for c in self.pool.geometry().components() {
                 if !self.shape.own.contains(&c.id) || c.position(layer).is_none() {
                     continue;
@@ -634,6 +658,12 @@ impl LayerLanding for StagedLanding {
     /// queued is ordered before any later landing's copies or save's gather.
     fn finish(&self) {
         drop(self.slot_writes.write().take());
+    }
+
+    fn settle(&self) -> Result<(), DeviceError> {
+        // Only this landing's copies into the slots: a collective still running writes device
+        // staging alone (a scatter is queued only once its collective is known complete).
+        self.slot_copies.wait(kv_loader::deadline_after(self.drain))
     }
 
     fn poison(&self, stage: &mut LayerStage) {
@@ -693,7 +723,7 @@ impl DeviceShare for StagedLanding {
         // A failed upload leaves none: the stage is not shared on an earlier upload's event.
         *self.state(h)?.upload.lock() = None;
         let lease = self.lease_ref()?;
-        let ((), ev) = self.fenced(h, || {
+        let ((), ev) = self.fenced(h, Writes::Staging, || {
             // After every earlier use of the stage's device area: a collective a caller ran
             // on it since the layer's last upload (its fences) must not meet this copy, nor
             // (an empty upload's event included) a collective that starts after it.
@@ -822,7 +852,7 @@ impl DeviceShare for StagedLanding {
                 "scattering a stage with no upload of its layer (none made, or it failed)",
             ));
         }
-        self.fenced(h, || {
+        self.fenced(h, Writes::Slots, || {
             // The caller's event, and every fence of the stage (its collective's, whatever
             // event the caller named).
             self.stream.wait(after)?;

@@ -10,6 +10,7 @@ mod copy;
 mod factory;
 mod landing;
 mod pool;
+mod slot_copies;
 mod staging;
 pub(crate) mod sync;
 

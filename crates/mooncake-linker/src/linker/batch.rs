@@ -495,7 +495,7 @@ impl Inner {
         let finishing = FinishOnDrop(landing.as_deref());
         let run = pipeline.run(prep, stages);
         drop(finishing);
-        let run = run?;
+        let run = run.map_err(|e| settle_failed(batch, landing.as_deref(), e))?;
         // With a group, `Auto` records the group's time of this batch at the next gate.
         let last_layer = job.started.elapsed();
         let layer_transfers = landing.as_ref().map(|l| l.transfers()).unwrap_or_default();
@@ -658,6 +658,33 @@ fn leave_sample(
     }
 }
 
+/// A failed batch's error once the copies its landing queued into the slots have finished
+/// (bounded, [`LayerLanding::settle`]): its outcome tells the engine to recompute into those
+/// slots, on a stream nothing orders after them. The landing's drop drains the same work, but a
+/// read past its deadline may keep the landing alive past the outcome. Copies that did not
+/// finish in time make the error a device failure (`ResetThenRecompute`: the slots may still
+/// be written), unless it was one already.
+fn settle_failed(
+    batch: BatchId,
+    landing: Option<&dyn LayerLanding>,
+    e: KvLoadError,
+) -> KvLoadError {
+    let Some(landing) = landing else {
+        return e;
+    };
+    match landing.settle() {
+        Ok(()) => e,
+        Err(_) if matches!(e, KvLoadError::Device(_)) => e,
+        Err(d) => {
+            tracing::error!(%batch, error = %e, device = %d,
+                "the batch failed and copies it queued into its slots did not finish in time");
+            KvLoadError::Device(kv_loader::Cause::from_error(d).context(format!(
+                "{batch}: failed ({e}), and copies queued into its slots did not finish"
+            )))
+        }
+    }
+}
+
 /// Finishes its landing ([`LayerLanding::finish`]) when dropped, also while unwinding from a
 /// panic in the batch's run (which the load thread catches before it goes on).
 struct FinishOnDrop<'l>(Option<&'l dyn LayerLanding>);
@@ -666,6 +693,14 @@ impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         if let Some(l) = self.0 {
             l.finish();
+            // Unwinding: the batch fails `Internal` (Recompute); its copies are waited for
+            // here, as a failed run's are, and a wait that fails is logged.
+            if std::thread::panicking() {
+                if let Err(e) = l.settle() {
+                    tracing::error!(error = %e,
+                        "a panicked batch's copies into its slots did not finish in time");
+                }
+            }
         }
     }
 }
