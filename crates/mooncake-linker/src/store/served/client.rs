@@ -25,10 +25,10 @@ use dedup_broadcast::{AddressLookups, ResolveFailure};
 use kv_loader::Cause;
 use parking_lot::Mutex;
 
+use super::hello::{self, answer, Role, NONCE_LEN, PROOF_LEN};
 use super::protocol::{
-    frame_len, hello as answer, location, op, read_all_vectored, read_exact_by, read_frame,
-    split_address, write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, MAX_FRAME,
-    MAX_ITEMS, PROTOCOL,
+    frame_len, location, op, read_all_vectored, read_exact_by, read_frame, split_address,
+    write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, MAX_FRAME, MAX_ITEMS, PROTOCOL,
 };
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
@@ -185,6 +185,13 @@ fn connect_tcp(lookups: &Mutex<AddressLookups>, deadline: Instant) -> Result<Tcp
     })
 }
 
+/// One `u32` answer of the server's hello.
+fn read_answer(conn: &mut Conn, deadline: Instant) -> Result<u32, CallError> {
+    let mut a = [0u8; 4];
+    read_exact_by(conn, &mut a, deadline)?;
+    Ok(u32::from_le_bytes(a))
+}
+
 /// A failed connect: one that ran out its deadline is the call's timeout (`RpcTimeout`, as a
 /// request past it); any other, the store is unreachable.
 fn connect_error(e: io::Error) -> CallError {
@@ -269,21 +276,59 @@ impl SocketStore {
                 format!("address {:?} is neither unix: nor tcp:", self.address).into(),
             ));
         };
-        let mut hello = Enc::default();
-        hello.u32(MAGIC).u32(PROTOCOL).u64(self.client);
-        let key = self.key.map_or([0; 16], |k| k.0);
-        let parts = &mut [IoSlice::new(&hello.0), IoSlice::new(&key)];
-        write_all_vectored(&mut conn, parts, deadline)?;
-        let mut ok = [0u8; 4];
-        read_exact_by(&mut conn, &mut ok, deadline)?;
-        match u32::from_le_bytes(ok) {
-            answer::ACCEPTED => Ok(conn),
+        self.say_hello(&mut conn, deadline)?;
+        Ok(conn)
+    }
+
+    /// The hello ([`hello`](super::hello)): the server proves the address's key first, then
+    /// this client does. An address without a key proves the all-zero one (test servers).
+    fn say_hello(&self, conn: &mut Conn, deadline: Instant) -> Result<(), CallError> {
+        let key = self.key.unwrap_or(StoreKey([0; 16]));
+        let ours = hello::nonce().map_err(connect_error)?;
+        let mut head = Enc::default();
+        head.u32(MAGIC).u32(PROTOCOL).u64(self.client);
+        write_all_vectored(
+            conn,
+            &mut [IoSlice::new(&head.0), IoSlice::new(&ours)],
+            deadline,
+        )?;
+        match read_answer(conn, deadline)? {
+            answer::PROVE => {}
+            answer::OTHER_PROTOCOL => {
+                return Err(CallError::Down("the server speaks another protocol".into()))
+            }
+            other => {
+                return Err(CallError::Down(
+                    format!("the server answered the hello with {other}, not a proof").into(),
+                ))
+            }
+        }
+        let mut theirs = [0u8; NONCE_LEN];
+        let mut proved = [0u8; PROOF_LEN];
+        read_exact_by(conn, &mut theirs, deadline)?;
+        read_exact_by(conn, &mut proved, deadline)?;
+        if !hello::same_proof(&proved, &hello::proof(Role::Server, &key, &ours, &theirs)) {
+            tracing::warn!(address = %location(&self.address),
+                "the server at this store address does not hold its key: nothing was sent to it");
+            return Err(CallError::Down(
+                "the server at this address could not prove it holds the address's key (a \
+                 server started anew there, whose new address was not passed on, or another \
+                 process took the address): nothing was sent to it"
+                    .into(),
+            ));
+        }
+        let mine = hello::proof(Role::Client, &key, &ours, &theirs);
+        write_all_vectored(conn, &mut [IoSlice::new(&mine)], deadline)?;
+        match read_answer(conn, deadline)? {
+            answer::ACCEPTED => Ok(()),
             answer::WRONG_KEY => Err(CallError::Down(
                 "the server refused this client's key: connect with the address the server \
                  announced, its `#key=` part included"
                     .into(),
             )),
-            _ => Err(CallError::Down("the server speaks another protocol".into())),
+            other => Err(CallError::Down(
+                format!("the server answered the client's proof with {other}").into(),
+            )),
         }
     }
 

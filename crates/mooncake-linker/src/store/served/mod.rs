@@ -14,6 +14,7 @@
 //! Linux only (abstract Unix sockets).
 
 mod client;
+mod hello;
 mod protocol;
 mod server;
 

@@ -15,15 +15,10 @@ pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
 /// ([`StoreError::Abandoned`]); version 4: a session is named by the token its start answers
 /// (its end sends the token, not keys), and `DISCARD`; version 5: a session start carries
 /// the client's tag for it, and `END_SESSION_TAG` ends a start whose answer the client never
-/// got; version 6: the hello carries the server's key ([`StoreKey`]). A peer of another
-/// version is refused at hello.
-pub(crate) const PROTOCOL: u32 = 6;
-/// The hello's answers: accepted, another protocol, a wrong key.
-pub(crate) mod hello {
-    pub(crate) const ACCEPTED: u32 = 0;
-    pub(crate) const OTHER_PROTOCOL: u32 = 1;
-    pub(crate) const WRONG_KEY: u32 = 2;
-}
+/// got; version 6: the hello carries the server's key ([`StoreKey`]); version 7: each side
+/// proves the key to the other without sending it ([`hello`](super::hello)). A peer of
+/// another version is refused at hello.
+pub(crate) const PROTOCOL: u32 = 7;
 /// The code of a [`StoreError::TransferFailed`] that the served store's own store gave up on
 /// (sent as [`StoreError::Abandoned`]).
 pub(crate) const ABANDONED_ON_SERVER: i64 = -12;
@@ -82,11 +77,6 @@ impl StoreKey {
     pub(crate) fn in_address(&self, address: &str) -> String {
         let hex: String = self.0.iter().map(|b| format!("{b:02x}")).collect();
         format!("{address}{KEY_MARK}{hex}")
-    }
-
-    /// Equal to `other`, compared in time that does not depend on where they differ.
-    pub(crate) fn matches(&self, other: &[u8; 16]) -> bool {
-        self.0.iter().zip(other).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0
     }
 }
 
@@ -170,6 +160,14 @@ impl Conn {
         let mut byte = [MaybeUninit::<u8>::uninit()];
         let peeked = sock.recv_with_flags(&mut byte, libc::MSG_PEEK | libc::MSG_DONTWAIT);
         !matches!(&peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+
+    /// True when at least `n` bytes wait to be read on this connection; never waits (a peek,
+    /// as [`is_closed`](Self::is_closed)'s).
+    pub(crate) fn has_waiting(&self, n: usize) -> bool {
+        let mut buf = vec![MaybeUninit::<u8>::uninit(); n];
+        let flags = libc::MSG_PEEK | libc::MSG_DONTWAIT;
+        matches!(self.sock().recv_with_flags(&mut buf, flags), Ok(got) if got >= n)
     }
 
     pub(crate) fn try_clone(&self) -> io::Result<Conn> {
@@ -557,8 +555,7 @@ mod tests {
         ] {
             assert!(split_address(bad).is_err(), "{bad}");
         }
-        assert!(key.matches(&[0xa5; 16]));
-        assert!(!key.matches(&[0xa4; 16]));
+        assert_eq!(key, StoreKey([0xa5; 16]));
         assert_ne!(StoreKey::fresh().unwrap(), StoreKey::fresh().unwrap());
         assert_eq!(format!("{key:?}"), "StoreKey(..)");
     }
@@ -687,6 +684,27 @@ mod tests {
         assert!(!ours.is_closed(), "idle again");
         drop(theirs);
         assert!(ours.is_closed(), "the peer closed it");
+    }
+
+    /// What the server's greeting bound looks at before it closes a waiting connection: the
+    /// whole hello in the socket, taking nothing from it.
+    #[test]
+    fn a_whole_hello_waiting_is_seen_without_being_taken() {
+        use std::io::Write;
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let ours = Conn::Unix(ours);
+        assert!(!ours.has_waiting(32), "nothing yet");
+        theirs.write_all(&[7; 31]).unwrap();
+        assert!(!ours.has_waiting(32), "one byte short");
+        theirs.write_all(&[7]).unwrap();
+        assert!(ours.has_waiting(32));
+        assert!(ours.has_waiting(32), "the peek took nothing");
+        let Conn::Unix(mut s) = ours else {
+            unreachable!()
+        };
+        let mut b = [0u8; 32];
+        s.read_exact(&mut b).unwrap();
+        assert_eq!(b, [7; 32]);
     }
 
     #[test]

@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::hello::{self, answer, Role, HELLO_LEN, NONCE_LEN, PROOF_LEN};
 use super::protocol::{
-    frame_len, hello as answer, location, op, outcome_code, read_body, read_exact_by,
-    write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, PROTOCOL,
+    frame_len, location, op, outcome_code, read_body, read_exact_by, write_all_vectored, Conn, Dec,
+    Enc, Malformed, StoreKey, MAGIC, PROTOCOL,
 };
 use crate::store::embedded::new_object;
 use crate::store::{EmbeddedStore, KvStore, StoreError};
@@ -34,6 +35,9 @@ use crate::store::{EmbeddedStore, KvStore, StoreError};
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often an idle connection thread looks at the stop flag.
 const IDLE_CHECK: Duration = Duration::from_millis(500);
+/// How long a put waits for room among the puts being received (their bytes held at most
+/// the store's capacity) before it fails `Unavailable`.
+const RECEIVE_WAIT: Duration = Duration::from_secs(5);
 /// How long a connection may take to say its hello (a client sends it as soon as it is
 /// connected): the socket's name is listed to every user of the host, and anyone may connect.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -182,6 +186,8 @@ struct Served {
     /// capacity, so that many connections each putting an object up to the capacity at once
     /// cannot ask the host for many times it.
     receiving: Mutex<u64>,
+    /// Told when bytes of `receiving` are let go.
+    received: parking_lot::Condvar,
     /// Connections accepted and not yet through their hello, by number, with when each was
     /// accepted, oldest first (at most [`MAX_GREETING`]).
     greeting: Mutex<VecDeque<(u64, Instant)>>,
@@ -194,10 +200,13 @@ struct Served {
 /// dropped. Clients: [`SocketStore`](super::SocketStore).
 ///
 /// Its [`address`](Self::address) carries a key made at start (`…#key=<32 hex digits>`)
-/// that a client must say: only processes given the address (through the group's
-/// rendezvous, [`STORE_ATTRIBUTE`](super::STORE_ATTRIBUTE)) can use the store, not every
-/// user of the host that lists its abstract socket, nor anyone who reaches its TCP port.
-/// Pass the address whole; a client without the key, or with another, is refused at hello.
+/// that a client must prove at hello, after the server proved it (neither sends it): only
+/// processes given the address (through the group's rendezvous,
+/// [`STORE_ATTRIBUTE`](super::STORE_ATTRIBUTE)) can use the store, not every user of the
+/// host that lists its abstract socket, nor anyone who reaches its TCP port; and a process
+/// that takes the address once this server is gone gets nothing from its clients. Pass the
+/// address whole; a client without the key, or with another, is refused at hello. After the
+/// hello the bytes travel in the clear: `tcp:` is for networks whose hosts are trusted.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -295,6 +304,7 @@ impl StoreServer {
             clients: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
             receiving: Mutex::new(0),
+            received: parking_lot::Condvar::new(),
             greeting: Mutex::new(VecDeque::new()),
             refused: AtomicU64::new(0),
         });
@@ -518,21 +528,29 @@ fn next_request(conn: &mut Conn, served: &Served) -> Option<Vec<u8>> {
 
 /// Closes the oldest connections still to say their hello while more than [`MAX_GREETING`]
 /// are: each once it has waited [`GREETING_GRACE`], or at once past [`MAX_GREETING_HARD`].
-/// Never waits. True when one was closed.
+/// A connection whose whole hello already waits to be read (its thread has not run yet: a
+/// real client on a busy host) is passed over. Never waits. True when one was closed.
 fn make_room(served: &Served) -> bool {
     let mut greeting = served.greeting.lock();
     let mut closed = false;
+    let mut next = 0;
     while greeting.len() > MAX_GREETING {
-        let Some(&(old, at)) = greeting.front() else {
+        let Some(&(old, at)) = greeting.get(next) else {
             break;
         };
         if greeting.len() <= MAX_GREETING_HARD && at.elapsed() < GREETING_GRACE {
             break;
         }
-        greeting.pop_front();
+        let open = served.open.lock();
+        let conn = open.get(&old);
+        if conn.is_some_and(|c| c.has_waiting(HELLO_LEN)) {
+            next += 1;
+            continue;
+        }
+        greeting.remove(next);
         // Shut under the lock: its thread, done with the hello, finds its entry gone only
         // after this (and stops), never serving a connection shut beneath it.
-        if let Some(c) = served.open.lock().get(&old) {
+        if let Some(c) = conn {
             c.shutdown();
         }
         closed = true;
@@ -598,9 +616,10 @@ fn serve_connection(mut conn: Conn, served: &Served, greeting: Greeting) {
     }
 }
 
-/// Reads a connection's hello: the client's id and the answer it gets (`None`: the
-/// connection ended or sent no hello). A hello of another protocol is answered without its
-/// key being read (its layout may differ); a wrong key is refused and logged.
+/// Hears a connection's hello ([`hello`](super::hello)): the client's id and the answer it
+/// gets (`None`: the connection ended, sent no hello, or did not answer this server's proof).
+/// A hello of another protocol is answered without its nonce being read (its layout may
+/// differ); a client whose proof does not match this server's key is refused and logged.
 fn read_hello(conn: &mut Conn, served: &Served, deadline: Instant) -> Option<(u64, u32)> {
     let mut head = [0u8; 16];
     read_exact_by(conn, &mut head, deadline).ok()?;
@@ -622,15 +641,40 @@ fn read_hello(conn: &mut Conn, served: &Served, deadline: Instant) -> Option<(u6
         }
         return Some((client, answer::OTHER_PROTOCOL));
     }
-    let mut key = [0u8; 16];
-    read_exact_by(conn, &mut key, deadline).ok()?;
-    if !served.key.matches(&key) {
+    let mut theirs = [0u8; NONCE_LEN];
+    read_exact_by(conn, &mut theirs, deadline).ok()?;
+    let ours = match hello::nonce() {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!(error = %e, "store connection closed: no random nonce for its hello");
+            return None;
+        }
+    };
+    let prove = answer::PROVE.to_le_bytes();
+    let proof = hello::proof(Role::Server, &served.key, &theirs, &ours);
+    let challenge = &mut [
+        IoSlice::new(&prove),
+        IoSlice::new(&ours),
+        IoSlice::new(&proof),
+    ];
+    write_all_vectored(conn, challenge, deadline).ok()?;
+    let mut proved = [0u8; PROOF_LEN];
+    if read_exact_by(conn, &mut proved, deadline).is_err() {
+        // A client that found this server's proof wrong (a stale address) sends nothing.
+        tracing::debug!(
+            client,
+            "store connection ended at hello, the client's proof unsent"
+        );
+        return None;
+    }
+    let want = hello::proof(Role::Client, &served.key, &theirs, &ours);
+    if !hello::same_proof(&proved, &want) {
         let refused = served.refused.fetch_add(1, Ordering::Relaxed) + 1;
         if refused % 100 == 1 {
             tracing::warn!(
                 client,
                 refused,
-                "store connection refused: the client did not say this server's key (an \
+                "store connection refused: the client did not prove this server's key (an \
                  address without it, or another server's; one in a hundred refusals logged)"
             );
         }
@@ -935,19 +979,19 @@ fn put(conn: &mut Conn, served: &Served, d: &mut Dec<'_>, deadline: Instant) -> 
                 drain(conn, len, deadline)?;
                 answer
             }
-            None => match Receiving::take(served, len) {
+            None => match Receiving::take(served, len, kv_loader::deadline_after(RECEIVE_WAIT)) {
                 Some(_receiving) => {
                     let data = new_object(len as usize, |dst| read_exact_by(conn, dst, deadline))?;
                     store.insert(&key, data)
                 }
                 None => {
                     drain(conn, len, deadline)?;
-                    Err(StoreError::NoSpace {
-                        key,
-                        detail: format!(
-                            "a put of {len} bytes beside the puts being received, which \
-                             already hold up to the store's capacity"
-                        ),
+                    // Passing: the store itself had room (`admit`).
+                    Err(StoreError::Unavailable {
+                        detail: kv_loader::Cause::new(format!(
+                            "`{key}`: a put of {len} bytes waited {RECEIVE_WAIT:?} beside the \
+                             puts being received, which hold up to the store's capacity"
+                        )),
                     })
                 }
             },
@@ -966,16 +1010,29 @@ struct Receiving<'s> {
 }
 
 impl<'s> Receiving<'s> {
-    /// Counts `len` bytes more, unless that takes the puts being received past the store's
-    /// capacity.
-    fn take(served: &'s Served, len: u64) -> Option<Self> {
-        let mut receiving = served.receiving.lock();
-        let total = receiving.checked_add(len)?;
-        if total > served.store.capacity() {
+    /// Counts `len` bytes more once that keeps the puts being received within the store's
+    /// capacity, waiting for others to be let go until `until`; `None` past it, or at once
+    /// for more than the capacity.
+    fn take(served: &'s Served, len: u64, until: Instant) -> Option<Self> {
+        let capacity = served.store.capacity();
+        if len > capacity {
             return None;
         }
-        *receiving = total;
-        Some(Receiving { served, len })
+        let mut receiving = served.receiving.lock();
+        loop {
+            let total = receiving.checked_add(len)?;
+            if total <= capacity {
+                *receiving = total;
+                return Some(Receiving { served, len });
+            }
+            if served
+                .received
+                .wait_until(&mut receiving, until)
+                .timed_out()
+            {
+                return None;
+            }
+        }
     }
 }
 
@@ -983,6 +1040,7 @@ impl Drop for Receiving<'_> {
     fn drop(&mut self) {
         let mut receiving = self.served.receiving.lock();
         *receiving = receiving.saturating_sub(self.len);
+        self.served.received.notify_all();
     }
 }
 
@@ -1021,29 +1079,63 @@ mod accept_tests {
 mod receiving_tests {
     use super::*;
 
-    #[test]
-    fn puts_being_received_hold_at_most_the_stores_capacity() {
-        let served = Served {
-            store: Arc::new(EmbeddedStore::new(1000)),
+    fn served(capacity: u64) -> Served {
+        Served {
+            store: Arc::new(EmbeddedStore::new(capacity)),
             key: StoreKey([0; 16]),
             stop: AtomicBool::new(false),
             clients: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
             receiving: Mutex::new(0),
+            received: parking_lot::Condvar::new(),
             greeting: Mutex::new(VecDeque::new()),
             refused: AtomicU64::new(0),
-        };
-        let a = Receiving::take(&served, 600).unwrap();
-        assert!(Receiving::take(&served, 500).is_none(), "past the capacity");
-        let b = Receiving::take(&served, 400).unwrap();
-        assert!(Receiving::take(&served, 1).is_none());
+        }
+    }
+
+    #[test]
+    fn puts_being_received_hold_at_most_the_stores_capacity() {
+        let served = served(1000);
+        let now = Instant::now;
+        let a = Receiving::take(&served, 600, now()).unwrap();
+        assert!(
+            Receiving::take(&served, 500, now()).is_none(),
+            "past the capacity"
+        );
+        let b = Receiving::take(&served, 400, now()).unwrap();
+        assert!(Receiving::take(&served, 1, now()).is_none());
         drop(a);
         assert!(
-            Receiving::take(&served, 600).is_some(),
+            Receiving::take(&served, 600, now()).is_some(),
             "a's bytes counted no more"
         );
         drop(b);
         assert_eq!(*served.receiving.lock(), 0);
-        assert!(Receiving::take(&served, u64::MAX).is_none());
+        let t0 = Instant::now();
+        let far = t0 + Duration::from_secs(30);
+        assert!(Receiving::take(&served, u64::MAX, far).is_none());
+        assert!(Receiving::take(&served, 1001, far).is_none());
+        assert!(t0.elapsed() < Duration::from_secs(5), "refused at once");
+    }
+
+    /// A put that does not fit beside the puts being received waits (bounded) for one of them
+    /// to be let go, rather than fail at once as if the store were full.
+    #[test]
+    fn a_put_waits_for_room_among_the_puts_being_received() {
+        let served = served(1000);
+        std::thread::scope(|s| {
+            let a = Receiving::take(&served, 800, Instant::now()).unwrap();
+            let waiter = s.spawn(|| {
+                Receiving::take(&served, 500, Instant::now() + Duration::from_secs(10))
+                    .map(|r| r.len)
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            drop(a);
+            assert_eq!(waiter.join().unwrap(), Some(500));
+        });
+        let _full = Receiving::take(&served, 1000, Instant::now()).unwrap();
+        let t0 = Instant::now();
+        let late = Receiving::take(&served, 1, t0 + Duration::from_millis(100));
+        assert!(late.is_none() && t0.elapsed() >= Duration::from_millis(90));
     }
 }

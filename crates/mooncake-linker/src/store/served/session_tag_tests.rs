@@ -7,7 +7,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::protocol::{frame_len, op, Dec, Enc, MAGIC, PROTOCOL};
+use super::protocol::{frame_len, op, Dec, Enc};
 use super::*;
 use crate::store::{EmbeddedStore, KvStore, ObjectPut, PutOutcome, StoreError};
 
@@ -18,13 +18,8 @@ fn raw_connection(server: &StoreServer, client: u64) -> UnixStream {
     let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
     let mut raw = UnixStream::connect_addr(&a).unwrap();
     raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut hello = Enc::default();
-    hello.u32(MAGIC).u32(PROTOCOL).u64(client);
-    raw.write_all(&hello.0).unwrap();
-    raw.write_all(&key.unwrap().0).unwrap();
-    let mut ok = [0u8; 4];
-    raw.read_exact(&mut ok).unwrap();
-    assert_eq!(u32::from_le_bytes(ok), 0, "hello accepted");
+    let verdict = super::hello::by_hand::as_client(&mut raw, client, &key.unwrap());
+    assert_eq!(verdict, super::hello::answer::ACCEPTED, "hello accepted");
     raw
 }
 
@@ -150,9 +145,7 @@ fn accept(l: &UnixListener) -> UnixStream {
     };
     c.set_nonblocking(false).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut hello = [0u8; 32];
-    c.read_exact(&mut hello).unwrap();
-    c.write_all(&0u32.to_le_bytes()).unwrap();
+    super::hello::by_hand::as_server(&mut c);
     c
 }
 

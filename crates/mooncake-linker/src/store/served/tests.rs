@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use std::os::linux::net::SocketAddrExt;
 
-use super::protocol::{frame_len, op, Enc, MAGIC, PROTOCOL};
+use super::protocol::{frame_len, op, Enc};
 use super::*;
 use crate::store::{
     EmbeddedStore, KvStore, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadRange, StoreError,
@@ -253,7 +253,9 @@ fn concurrent_clients_and_threads_see_whole_objects() {
             s.spawn(move || {
                 for i in 0..100u32 {
                     let key = format!("k{}", i % 20);
-                    let _ = put(c.as_ref(), &key, &[&[t; 512]]);
+                    // Stored, or already there (a put never replaces an object).
+                    put(c.as_ref(), &key, &[&[t; 512]])
+                        .unwrap_or_else(|e| panic!("thread {t} put {i}: {e}"));
                     let mut out = [0u8; 512];
                     let g = ObjectGet {
                         key: &key,
@@ -261,9 +263,11 @@ fn concurrent_clients_and_threads_see_whole_objects() {
                         len: 512,
                     };
                     // SAFETY: `out` is this thread's own.
-                    if unsafe { c.get_into(&[g]) }[0] == Ok(512) {
-                        assert!(out.iter().all(|&x| x == out[0]));
-                    }
+                    let got = unsafe { c.get_into(&[g]) }.remove(0);
+                    // Nothing removes or evicts it (the store holds far more): whole, one
+                    // writer's bytes.
+                    assert_eq!(got, Ok(512), "thread {t} get {i}");
+                    assert!(out.iter().all(|&x| x == out[0] && usize::from(x) < 4));
                 }
             });
         }
@@ -283,16 +287,10 @@ fn silent_connection(server: &StoreServer) -> std::os::unix::net::UnixStream {
 
 /// A raw connection to `server` that has said hello (as a client would, or a hostile peer).
 fn raw_connection(server: &StoreServer) -> std::os::unix::net::UnixStream {
-    use std::io::{Read, Write};
     let (_, key) = super::protocol::split_address(server.address()).unwrap();
     let mut raw = silent_connection(server);
-    let mut hello = Enc::default();
-    hello.u32(MAGIC).u32(PROTOCOL).u64(0xfeed);
-    raw.write_all(&hello.0).unwrap();
-    raw.write_all(&key.unwrap().0).unwrap();
-    let mut ok = [0u8; 4];
-    raw.read_exact(&mut ok).unwrap();
-    assert_eq!(u32::from_le_bytes(ok), 0, "hello accepted");
+    let verdict = super::hello::by_hand::as_client(&mut raw, 0xfeed, &key.unwrap());
+    assert_eq!(verdict, super::hello::answer::ACCEPTED, "hello accepted");
     raw
 }
 
@@ -340,7 +338,6 @@ fn connections_that_say_nothing_are_bounded() {
 #[test]
 fn a_burst_of_clients_past_the_greeting_bound_is_not_cut() {
     use super::server::MAX_GREETING;
-    use std::io::{Read, Write};
     let (server, _client) = serve(1 << 10);
     let (_, key) = super::protocol::split_address(server.address()).unwrap();
     let key = key.unwrap();
@@ -356,17 +353,18 @@ fn a_burst_of_clients_past_the_greeting_bound_is_not_cut() {
         std::thread::sleep(Duration::from_millis(2));
     }
     std::thread::sleep(Duration::from_millis(100));
-    for (i, raw) in burst.iter_mut().enumerate() {
-        let mut hello = Enc::default();
-        hello.u32(MAGIC).u32(PROTOCOL).u64(0xb00 + i as u64);
-        raw.write_all(&hello.0).unwrap();
-        raw.write_all(&key.0).unwrap();
-    }
-    for (i, raw) in burst.iter_mut().enumerate() {
-        let mut ok = [0u8; 4];
-        raw.read_exact(&mut ok)
-            .unwrap_or_else(|e| panic!("connection {i} of the burst: {e}"));
-        assert_eq!(u32::from_le_bytes(ok), 0, "connection {i}: hello accepted");
+    let nonces: Vec<_> = burst
+        .iter_mut()
+        .enumerate()
+        .map(|(i, raw)| super::hello::by_hand::send_head(raw, 0xb00 + i as u64))
+        .collect();
+    for (i, (raw, ours)) in burst.iter_mut().zip(&nonces).enumerate() {
+        let verdict = super::hello::by_hand::finish_as_client(raw, &key, ours);
+        assert_eq!(
+            verdict,
+            super::hello::answer::ACCEPTED,
+            "connection {i}: hello accepted"
+        );
     }
 }
 
@@ -533,11 +531,8 @@ fn fake_listener(tag: &str) -> (std::os::unix::net::UnixListener, String) {
 
 /// The fake server's next connection, its hello read and answered as the server does.
 fn accept_greeted(listener: &std::os::unix::net::UnixListener) -> std::os::unix::net::UnixStream {
-    use std::io::{Read, Write};
     let (mut c, _) = listener.accept().unwrap();
-    let mut hello = [0u8; 32];
-    c.read_exact(&mut hello).unwrap();
-    c.write_all(&0u32.to_le_bytes()).unwrap();
+    super::hello::by_hand::as_server(&mut c);
     c
 }
 
@@ -869,10 +864,11 @@ fn a_client_without_the_servers_key_is_refused() {
             StoreServer::start(Arc::new(EmbeddedStore::new(1 << 10)), ServeAt::Unix).unwrap();
         let (_, other_key) = other.address().split_once('#').unwrap();
         for wrong in [location.to_string(), format!("{location}#{other_key}")] {
+            // The server's proof fails first: the client sends nothing more.
             match SocketStore::connect_with(&wrong, Duration::from_secs(5)) {
                 Err(StoreError::Unavailable { detail }) => {
                     assert!(
-                        detail.to_string().contains("refused this client's key"),
+                        detail.to_string().contains("could not prove it holds"),
                         "{detail}"
                     )
                 }
@@ -889,6 +885,70 @@ fn a_client_without_the_servers_key_is_refused() {
         assert_eq!(client.exists(&["k"]), vec![Ok(false)]);
         assert!(!format!("{server:?}{client:?}").contains(&key[4..]));
     }
+}
+
+/// A process at a served store's address that does not hold its key (the server's process
+/// gone, its abstract name taken by another) learns nothing from a client of that address:
+/// the client checks the server's proof before it proves anything, so the impostor gets the
+/// client's id and nonce, never the key, a put's bytes or a request; the client fails
+/// `Unavailable`, saying why. Before, the hello carried the key itself, and the client took
+/// any answer of 0 as the real server.
+#[test]
+fn a_process_without_the_key_at_the_stores_address_gets_nothing_from_a_client() {
+    use std::io::Read;
+    let (listener, location) = fake_listener("impostor");
+    let key = super::protocol::StoreKey([0x5a; 16]);
+    let address = key.in_address(&location);
+    let impostor = std::thread::spawn(move || {
+        let (mut c, _) = listener.accept().unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        // Plays the server with a key of its own (the all-zero one), then reads whatever
+        // the client sends until it closes.
+        let mut seen =
+            super::hello::by_hand::as_server_of(&mut c, &super::protocol::StoreKey([0; 16]))
+                .to_vec();
+        let _ = c.read_to_end(&mut seen);
+        seen
+    });
+    let got = SocketStore::connect_with(&address, Duration::from_secs(5));
+    match got {
+        Err(StoreError::Unavailable { detail }) => {
+            assert!(
+                detail.to_string().contains("could not prove it holds"),
+                "{detail}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    let seen = impostor.join().unwrap();
+    assert_eq!(
+        seen.len(),
+        super::hello::HELLO_LEN,
+        "only the hello reached the impostor"
+    );
+    assert!(
+        !seen.windows(16).any(|w| w == key.0),
+        "the key never travels"
+    );
+}
+
+/// A client whose proof does not match the server's key (one that did not check the server's
+/// proof, or forged its own) is refused `WRONG_KEY` and its connection ends: no request is
+/// served.
+#[test]
+fn a_client_whose_proof_is_wrong_is_refused() {
+    use std::io::{Read, Write};
+    let (server, _client) = serve(1 << 10);
+    let mut raw = silent_connection(&server);
+    super::hello::by_hand::send_head(&mut raw, 0xbad);
+    let mut challenge = [0u8; 4 + super::hello::NONCE_LEN + super::hello::PROOF_LEN];
+    raw.read_exact(&mut challenge).unwrap();
+    assert_eq!(challenge[..4], super::hello::answer::PROVE.to_le_bytes());
+    raw.write_all(&[0u8; super::hello::PROOF_LEN]).unwrap();
+    let mut verdict = [0u8; 4];
+    raw.read_exact(&mut verdict).unwrap();
+    assert_eq!(u32::from_le_bytes(verdict), super::hello::answer::WRONG_KEY);
+    assert!(closed_by_server(&mut raw), "the refused connection ends");
 }
 
 /// A put whose keys alone pass the protocol's frame limit is refused before anything is sent
