@@ -61,7 +61,9 @@ for v in python contiguous staged linker; do
   } > "$file"
   # The sampler writes its table to a file of its own (atomically) when stopped; the command
   # waits for it, also when the bench fails.
-  timeout -k 10 300 "${runner[@]}" bash -c '
+  # -k past with-mooncake's own 10 s grace for the command's group (a group of its own, which
+  # timeout's KILL does not reach): with-mooncake stops it before it is killed itself.
+  timeout -k 20 300 "${runner[@]}" bash -c '
     python3 "$1" --interval 0.2 --out "$2" & sp=$!
     sleep 0.5
     shift 2

@@ -77,6 +77,11 @@ for pair in "gpu_tests:$trc:$tf" "gpu_check:$rc:$cf"; do
     if [[ "$name" == gpu_tests ]]; then tf=1; else cf=1; fi
   fi
 done
+# Tests that ran no check (a filter or module renamed) must not read as a pass.
+if (( tp + tf == 0 )); then
+  echo "gpu-run: gpu_tests ran no check: counted as 1 failed"
+  tf=1
+fi
 echo "$((tp + cp)) passed, $((tf + cf)) failed" | tee "$out/gpu_result.txt"
 # A failed test is a failure whatever gpu_check said (its 2, "CUDA unavailable", included).
 if (( trc != 0 )); then

@@ -28,13 +28,13 @@
 #   --host-mem-gib G host memory to plan with (default here: the machine's size, see below)
 #   --threads T      store fill threads
 #   --no-tests       benchmarks only (skip the TP tests)
-# Output in $OUT when set (else gpu-bin/out/), eight files (the GPU machine's runner brought
-# back at most 8): env_tp.txt, gpu_tests_tp.stdout.log (the tests' tables),
+# Output in $OUT when set (else gpu-bin/out/), nine files: env_tp.txt, gpu_tests_tp.stdout.log (the tests' tables),
 # gpu_tests_tp.stderr.log (every row as it was produced), tp_gpu.stdout.log (benchmark
 # tables, then the result table), tp_gpu.stderr.log (every row as it was produced, warnings),
 # tp_gpu_bench_tp<N>.md (the benchmark tables), tp_gpu_<gpu>x<gpus>_ranks<N>.txt (tables +
 # result table: commit it under docs/results/, e.g. tp_gpu_h200x1_ranks8.txt),
-# timelines_tp<N>.tar (per size and mode: timeline_*.svg/.csv).
+# timelines_tp<N>.tar (per size and mode: timeline_*.svg/.csv), tp_result.txt (the closing
+# "N passed, N failed" line).
 # The tests and tp_gpu together are stopped after KVLINK_TP_TIMEOUT seconds (default 580, inside
 # the 600 s a command could run on the GPU machine) so that the logs are still packed and
 # printed; tp_gpu itself starts no prefix size that would end past --budget-s.

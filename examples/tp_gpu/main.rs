@@ -236,6 +236,16 @@ fn main() -> ExitCode {
         "total run time",
         format!("{:.1} s", started.elapsed().as_secs_f64()),
     );
+    if !report.failed() && report.passed() == 0 {
+        // Every size skipped (none in range, too little memory, out of budget): a run that
+        // measured nothing is not a pass, in its table as in its exit status.
+        report.push(
+            "env",
+            "measured",
+            Status::Fail,
+            "nothing was measured or checked (every row skipped)",
+        );
+    }
     let text = report.table();
     // "NVIDIA H200" → "h200": the first word of the GPU's name with a digit in it.
     let machine = if args.cpu {
@@ -263,11 +273,6 @@ fn main() -> ExitCode {
     }
     println!("{text}");
     if report.failed() {
-        ExitCode::from(1)
-    } else if report.passed() == 0 {
-        // Every size skipped (none in range, too little memory, out of budget): a run that
-        // measured nothing is not a pass.
-        eprintln!("tp_gpu: nothing was measured or checked (every row skipped)");
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS

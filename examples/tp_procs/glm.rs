@@ -40,15 +40,25 @@ fn output_within(cmd: &mut Command, limit: Duration) -> std::io::Result<Output> 
     let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
     let deadline = Instant::now() + limit;
     let mut killed = false;
+    // The whole group: the rank processes hold the pipes too.
+    let kill_group = |child: &mut std::process::Child| {
+        let group = format!("-{}", child.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        let _ = child.kill();
+    };
     let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) => {}
+            Err(e) => {
+                // Not left running when its wait cannot be asked.
+                kill_group(&mut child);
+                let _ = child.wait();
+                return Err(e);
+            }
         }
         if Instant::now() >= deadline {
-            // The whole group: the rank processes hold the pipes too.
-            let group = format!("-{}", child.id());
-            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
-            let _ = child.kill();
+            kill_group(&mut child);
             killed = true;
             break child.wait()?;
         }
@@ -98,27 +108,24 @@ pub fn run(args: &Args, report: &mut Report) {
             "TP {tp}, {tokens} tokens, ranks as {shape}: --mode compare, every pool verified"
         );
         let t = Instant::now();
-        let run = output_within(
-            Command::new(&args.glm_bin)
-                .args([
-                    "--mode",
-                    "compare",
-                    "--tp",
-                    &tp,
-                    "--tokens",
-                    &tokens,
-                    "--ranks-as",
-                    shape,
-                    "--svg",
-                ])
-                .arg(
-                    args.out
-                        .as_ref()
-                        .map(|d| d.join(format!("glm_prefill_{shape}.svg")))
-                        .unwrap_or_else(|| format!("/tmp/glm_prefill_{shape}.svg").into()),
-                ),
-            RUN_LIMIT,
-        );
+        let mut glm = Command::new(&args.glm_bin);
+        glm.args([
+            "--mode",
+            "compare",
+            "--tp",
+            &tp,
+            "--tokens",
+            &tokens,
+            "--ranks-as",
+            shape,
+        ]);
+        // The chart goes with the results; without a results folder, none is drawn (a
+        // fixed file in /tmp was left behind, and overwritten by a concurrent run).
+        if let Some(d) = &args.out {
+            glm.arg("--svg")
+                .arg(d.join(format!("glm_prefill_{shape}.svg")));
+        }
+        let run = output_within(&mut glm, RUN_LIMIT);
         let out = match run {
             Ok(o) => o,
             Err(e) => {

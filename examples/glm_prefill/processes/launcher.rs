@@ -161,9 +161,16 @@ pub(crate) fn launch(args: &Args, out: &mut dyn Write, spawn: &ChildSpawner) -> 
         "glm_prefill launcher: {tp} rank processes ended after {:.1} s:",
         started.elapsed().as_secs_f64()
     )?;
+    // The processes have ended, but their readers may still hold the last lines (an error
+    // report, say): each is read until its pipe closes, within one short bound.
+    let drained_by = kvlink::kv_loader::deadline_after(Duration::from_secs(2));
     for (i, rx) in others.iter().enumerate() {
-        for line in rx.try_iter() {
-            writeln!(out, "  [rank {}] {line}", i + 1)?;
+        loop {
+            let left = drained_by.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) => writeln!(out, "  [rank {}] {line}", i + 1)?,
+                Err(_) => break,
+            }
         }
     }
     for (rank, s) in statuses.iter().enumerate() {
