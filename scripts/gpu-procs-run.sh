@@ -63,7 +63,10 @@ source scripts/gpu-common.sh
   ls -l /usr/lib/x86_64-linux-gnu/libnccl.so* 2>&1
 } > "$out/env_procs.txt"
 
-timeout -k 10 "${KVLINK_PROCS_TIMEOUT:-290}" "$bin_dir/tp_procs" --out "$out" \
+# tp_procs ends every wait 20 s before the limit, so that a silent rank fails its row and the
+# tables are still written.
+limit=${KVLINK_PROCS_TIMEOUT:-290}
+timeout -k 10 "$limit" "$bin_dir/tp_procs" --out "$out" --limit-s $(( limit > 40 ? limit - 20 : limit / 2 )) \
   --glm-bin "$bin_dir/glm_prefill" "$@" \
   > "$out/tp_procs.stdout.log" 2> "$out/tp_procs.stderr.log"
 rc=$?

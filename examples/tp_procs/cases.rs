@@ -15,8 +15,20 @@ use kvlink_rig::tp::{save_prefix, MODES};
 const SEC_ONE: &str = "1 process";
 const SEC_GROUP: &str = "processes";
 
-fn deadline(s: u64) -> Instant {
-    kvlink::kv_loader::deadline_after(Duration::from_secs(s))
+/// When the whole run must be done by (`--limit-s`): every wait ends by then at the latest,
+/// so that a silent rank fails its row and the tables are still written before the script's
+/// own limit stops the program.
+static END: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
+/// Sets the run's end, `limit` from now (the first call only).
+pub fn end_by(limit: Duration) {
+    let _ = END.set(kvlink::kv_loader::deadline_after(limit));
+}
+
+/// `s` seconds from now, or the run's end if sooner.
+pub(crate) fn deadline(s: u64) -> Instant {
+    let d = kvlink::kv_loader::deadline_after(Duration::from_secs(s));
+    END.get().map_or(d, |&end| d.min(end))
 }
 
 /// Parts 1 and 2.

@@ -125,7 +125,9 @@ pub fn run(args: &Args, report: &mut Report) {
             glm.arg("--svg")
                 .arg(d.join(format!("glm_prefill_{shape}.svg")));
         }
-        let run = output_within(&mut glm, RUN_LIMIT);
+        let left =
+            super::cases::deadline(RUN_LIMIT.as_secs()).saturating_duration_since(Instant::now());
+        let run = output_within(&mut glm, left);
         let out = match run {
             Ok(o) => o,
             Err(e) => {

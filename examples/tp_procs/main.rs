@@ -36,7 +36,7 @@ mod launch;
 mod rank;
 
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvlink::kv_device::cuda::cuda_device_count;
 use tracing_subscriber::EnvFilter;
@@ -69,7 +69,8 @@ pub struct Args {
 }
 
 const USAGE: &str = "usage: tp_procs [--cpu] [--tp N] [--pages N] [--quick] [--threads T] \
-                     [--glm-bin PATH|none] [--glm-tp N] [--glm-tokens T] [--out DIR]";
+                     [--glm-bin PATH|none] [--glm-tp N] [--glm-tokens T] [--out DIR] \
+                     [--limit-s S]";
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
@@ -120,6 +121,7 @@ fn parse_args() -> Result<Args, String> {
             "--glm-tp" => a.glm_tp = num::<u32>("--glm-tp", it.next())?.max(1),
             "--glm-tokens" => a.glm_tokens = num("--glm-tokens", it.next())?,
             "--out" => a.out = Some(it.next().ok_or("--out needs a directory")?.into()),
+            "--limit-s" => cases::end_by(Duration::from_secs(num("--limit-s", it.next())?)),
             // A rank process (started by the launcher).
             "--rank" => {
                 is_rank = true;
