@@ -69,7 +69,9 @@ pub enum ChecksumError {
     /// A layer's bytes are not as long as the layout says.
     #[error("layer {layer}: {got} bytes, {expected} expected")]
     Length {
-        /// Model layer.
+        /// The layer: a model layer from [`ObjectChecksums::verify_layer`]; the range's
+        /// position in the object (0 for a whole object of the wrong length) from
+        /// [`ObjectChecksums::of_layers`] and [`ObjectChecksums::of_object`].
         layer: u32,
         /// Bytes expected.
         expected: u64,

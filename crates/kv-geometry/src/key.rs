@@ -16,6 +16,13 @@ use crate::{ComponentLayout, KvGeometry, PageHash};
 ///   SGLang's HiCache `MooncakeStore` path uses other suffixes, see [`KeyScheme`]).
 /// - [`Namespace::Exact`]: any prefix, given as is (`""`: none). `"text".into()` makes one.
 ///
+/// Only [`Namespace::Model`] commits to the KV format (its fingerprint). Under an exact or
+/// SGLang prefix, two deployments whose objects have the same size but other bytes (bf16
+/// against f16 latents, another layer map of the same count) share keys, and nothing in the
+/// objects or their checksum companions tells them apart (the companions record sizes, not
+/// the format): each would load the other's KV as its own, verified. Give such prefixes one
+/// KV format each (a tag per dtype, say), as SGLang's own keys require.
+///
 /// ```
 /// use kv_geometry::{KvGeometry, ModelKvSpec, Namespace};
 /// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 8, 0).unwrap();

@@ -1,6 +1,6 @@
 //! Model KV specs: the components of a model's KV cache, and the presets kvlink knows.
 
-use crate::{ComponentSpec, ElementType, GeometryError, LayerMap, RowUnit};
+use crate::{ComponentSpec, ElementType, GeometryError, LayerMap, Replication, RowUnit};
 
 /// MLA latent width: `kv_lora_rank + qk_rope_head_dim` elements per token per layer.
 pub const MLA_LATENT_ELEMENTS: u32 = 512 + 64;
@@ -126,6 +126,19 @@ impl ModelKvSpec {
                 return Err(bad("zero-byte rows"));
             }
             at_most("row bytes", c.row_bytes.into(), MAX_ROW_BYTES.into())?;
+            let element = c.element.size();
+            if !c.row_bytes.is_multiple_of(element) {
+                // Half an element per row (a bf16 row of 1153 bytes) lays out no tensor.
+                return Err(bad("rows must hold a whole number of elements"));
+            }
+            if let Replication::Sharded { heads } = c.replication {
+                if heads > 0
+                    && c.row_bytes.is_multiple_of(heads)
+                    && !(c.row_bytes / heads).is_multiple_of(element)
+                {
+                    return Err(bad("each head's part of a row must hold whole elements"));
+                }
+            }
             if self.components[..i].iter().any(|o| o.name == c.name) {
                 return Err(bad("two components share this name"));
             }

@@ -164,6 +164,39 @@ fn a_component_named_as_checksum_companions_end_is_refused() {
     ));
 }
 
+/// Rows that cannot hold whole elements lay out no tensor: a bf16 row of an odd byte count, a
+/// sharded bf16 row whose heads get an odd byte count each, are refused; the same bytes
+/// declared as raw bytes, or with whole elements per head, are taken.
+#[test]
+fn rows_of_part_elements_are_refused() {
+    let spec = |c: ComponentSpec| ModelKvSpec::new("m", 2, 4, vec![c]);
+    let half = ComponentSpec::new("k", RowUnit::Token, ElementType::Bf16, 1153);
+    assert!(
+        matches!(&spec(half), Err(GeometryError::BadComponent { reason, .. }) if reason.contains("whole number of elements")),
+    );
+    assert!(spec(ComponentSpec::new(
+        "k",
+        RowUnit::Token,
+        ElementType::Bytes,
+        1153
+    ))
+    .is_ok());
+    assert!(spec(ComponentSpec::new(
+        "k",
+        RowUnit::Token,
+        ElementType::Bf16,
+        1152
+    ))
+    .is_ok());
+    // 4 heads of 3 bytes: whole bytes per head, but not whole bf16 elements.
+    let split = ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 12).sharded(4);
+    assert!(
+        matches!(&spec(split), Err(GeometryError::BadComponent { reason, .. }) if reason.contains("each head")),
+    );
+    let whole = ComponentSpec::new("v", RowUnit::Token, ElementType::Bf16, 16).sharded(4);
+    assert!(spec(whole).is_ok());
+}
+
 fn json_number() -> impl Strategy<Value = String> {
     prop_oneof![
         any::<u64>().prop_map(|v| v.to_string()),
