@@ -65,9 +65,15 @@ source scripts/gpu-common.sh
 
 # tp_procs ends every wait 20 s before the limit, so that a silent rank fails its row and the
 # tables are still written.
+# A limit in whole seconds only (`timeout` also takes "5m"; then no --limit-s is passed), and a
+# --limit-s among the arguments comes first, so it wins.
 limit=${KVLINK_PROCS_TIMEOUT:-290}
-timeout -k 10 "$limit" "$bin_dir/tp_procs" --out "$out" --limit-s $(( limit > 40 ? limit - 20 : limit / 2 )) \
-  --glm-bin "$bin_dir/glm_prefill" "$@" \
+run_limit=()
+if [[ "$limit" =~ ^[0-9]+$ ]]; then
+  run_limit=(--limit-s $(( limit > 40 ? limit - 20 : (limit + 1) / 2 )))
+fi
+timeout -k 10 "$limit" "$bin_dir/tp_procs" --out "$out" \
+  --glm-bin "$bin_dir/glm_prefill" "$@" "${run_limit[@]}" \
   > "$out/tp_procs.stdout.log" 2> "$out/tp_procs.stderr.log"
 rc=$?
 svgs=$(cd "$out" && ls glm_prefill_*.svg 2>/dev/null)

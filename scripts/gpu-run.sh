@@ -83,8 +83,9 @@ if (( tp + tf == 0 )); then
   tf=1
 fi
 echo "$((tp + cp)) passed, $((tf + cf)) failed" | tee "$out/gpu_result.txt"
-# A failed test is a failure whatever gpu_check said (its 2, "CUDA unavailable", included).
-if (( trc != 0 )); then
+# A failed test is a failure whatever gpu_check said (its 2, "CUDA unavailable", included);
+# so is a failed row, or tests that ran no check.
+if (( trc != 0 || tf + cf > 0 )); then
   exit 1
 fi
 exit "$rc"

@@ -287,9 +287,10 @@ fn one_size(
             Ok(m) => {
                 let want = effective(mode, tp);
                 // The point of sharing on the device path: a rank's PCIe bytes are its ideal
-                // (a receiver moves nothing over PCIe). Within 1 % of the prefix: a split
-                // rank's part is whole pages, and the slot tables go over PCIe too.
-                let slack = prefix.bytes / 100;
+                // (a receiver moves nothing over PCIe). Within 1 % of the prefix, and at
+                // least one page of every layer: a split rank's part is whole pages, and the
+                // slot tables go over PCIe too.
+                let slack = (prefix.bytes / 100).max(prefix.bytes / (n as u64).max(1));
                 let off: Vec<u32> = (0..tp)
                     .filter(|&r| {
                         let ideal = ideal_pcie(want, r, tp, prefix.bytes);

@@ -127,6 +127,15 @@ pub fn run(args: &Args, report: &mut Report) {
         }
         let left =
             super::cases::deadline(RUN_LIMIT.as_secs()).saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            report.push(
+                SEC,
+                name,
+                Status::Fail,
+                "not run: the run's --limit-s has passed",
+            );
+            continue;
+        }
         let run = output_within(&mut glm, left);
         let out = match run {
             Ok(o) => o,

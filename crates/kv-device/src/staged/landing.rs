@@ -663,7 +663,15 @@ impl LayerLanding for StagedLanding {
     fn settle(&self) -> Result<(), DeviceError> {
         // Only this landing's copies into the slots: a collective still running writes device
         // staging alone (a scatter is queued only once its collective is known complete).
-        self.slot_copies.wait(kv_loader::deadline_after(self.drain))
+        let settled = self.slot_copies.wait(kv_loader::deadline_after(self.drain));
+        if settled.is_err() {
+            // The device has not run them within the drain limit: the drop quarantines the
+            // lease with its fences at once, rather than wait the limit out again.
+            for state in &self.stages_state {
+                state.fences.poison();
+            }
+        }
+        settled
     }
 
     fn poison(&self, stage: &mut LayerStage) {

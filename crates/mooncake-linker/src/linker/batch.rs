@@ -672,9 +672,13 @@ fn settle_failed(
     let Some(landing) = landing else {
         return e;
     };
+    if matches!(e, KvLoadError::Device(_)) {
+        // Already `ResetThenRecompute` (copies may be in flight): no wait on a device that
+        // likely stalled already.
+        return e;
+    }
     match landing.settle() {
         Ok(()) => e,
-        Err(_) if matches!(e, KvLoadError::Device(_)) => e,
         Err(d) => {
             tracing::error!(%batch, error = %e, device = %d,
                 "the batch failed and copies it queued into its slots did not finish in time");
@@ -693,16 +697,29 @@ impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         if let Some(l) = self.0 {
             l.finish();
-            // Unwinding: the batch fails `Internal` (Recompute); its copies are waited for
-            // here, as a failed run's are, and a wait that fails is logged.
+            // Unwinding: its copies are waited for here, as a failed run's are; copies that
+            // did not finish make the panicked batch a device failure ([`take_unsettled`]).
             if std::thread::panicking() {
                 if let Err(e) = l.settle() {
                     tracing::error!(error = %e,
                         "a panicked batch's copies into its slots did not finish in time");
+                    UNSETTLED.with(|u| u.set(Some(e.to_string())));
                 }
             }
         }
     }
+}
+
+thread_local! {
+    /// On the load thread: why the copies of the batch that just panicked did not finish, set
+    /// while it unwound ([`FinishOnDrop`]), taken when its outcome is made.
+    static UNSETTLED: std::cell::Cell<Option<String>> = const { std::cell::Cell::new(None) };
+}
+
+/// Why the copies of the batch that just panicked on this thread did not finish in time, if
+/// they did not (taken: the next batch starts clear).
+pub(crate) fn take_unsettled() -> Option<String> {
+    UNSETTLED.with(|u| u.take())
 }
 
 #[cfg(test)]

@@ -176,7 +176,8 @@ impl Inner {
     }
 
     /// A batch's run panicked (a defect here, or in a store, landing or collective the engine
-    /// supplied): the batch fails with `Internal`, its outcome is delivered as any other, and
+    /// supplied): the batch fails with `Internal` (with `Device` when copies it queued into
+    /// its slots did not finish within the drain limit), its outcome is delivered as any other, and
     /// the load thread goes on with the next batch. The data handle the batch used is aborted
     /// as its use unwinds (`HandleInUse`), since the run may have left the collectives out of
     /// step: every rank re-forms the group at its next batch, and peers still waiting in this
@@ -190,7 +191,13 @@ impl Inner {
         let what = kv_loader::Cause::from_panic(payload);
         let why = format!("the load thread panicked: {what}");
         tracing::error!(%batch, why, "batch failed");
-        KvLoadError::internal(batch, why)
+        match batch::take_unsettled() {
+            // Copies it queued may still write the slots: not a plain recompute.
+            Some(d) => KvLoadError::Device(kv_loader::Cause::new(format!(
+                "{batch}: {why}, and copies queued into its slots did not finish: {d}"
+            ))),
+            None => KvLoadError::internal(batch, why),
+        }
     }
 
     /// When a store call other than a layer's reads must have returned.

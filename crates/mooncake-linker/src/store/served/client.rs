@@ -25,7 +25,7 @@ use dedup_broadcast::{AddressLookups, ResolveFailure};
 use kv_loader::Cause;
 use parking_lot::Mutex;
 
-use super::hello::{self, answer, Role, NONCE_LEN, PROOF_LEN};
+use super::hello::{self, answer, Role, HELLO_LEN, NONCE_LEN, PROOF_LEN};
 use super::protocol::{
     frame_len, location, op, read_all_vectored, read_exact_by, read_frame, split_address,
     write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, MAX_FRAME, MAX_ITEMS, PROTOCOL,
@@ -284,14 +284,12 @@ impl SocketStore {
     /// this client does. An address without a key proves the all-zero one (test servers).
     fn say_hello(&self, conn: &mut Conn, deadline: Instant) -> Result<(), CallError> {
         let key = self.key.unwrap_or(StoreKey([0; 16]));
-        let ours = hello::nonce().map_err(connect_error)?;
         let mut head = Enc::default();
         head.u32(MAGIC).u32(PROTOCOL).u64(self.client);
-        write_all_vectored(
-            conn,
-            &mut [IoSlice::new(&head.0), IoSlice::new(&ours)],
-            deadline,
-        )?;
+        let mut said = [0u8; HELLO_LEN];
+        said[..HELLO_LEN - NONCE_LEN].copy_from_slice(&head.0);
+        said[HELLO_LEN - NONCE_LEN..].copy_from_slice(&hello::nonce().map_err(connect_error)?);
+        write_all_vectored(conn, &mut [IoSlice::new(&said)], deadline)?;
         match read_answer(conn, deadline)? {
             answer::PROVE => {}
             answer::OTHER_PROTOCOL => {
@@ -307,17 +305,22 @@ impl SocketStore {
         let mut proved = [0u8; PROOF_LEN];
         read_exact_by(conn, &mut theirs, deadline)?;
         read_exact_by(conn, &mut proved, deadline)?;
-        if !hello::same_proof(&proved, &hello::proof(Role::Server, &key, &ours, &theirs)) {
+        if !hello::same_proof(&proved, &hello::proof(Role::Server, &key, &said, &theirs)) {
             tracing::warn!(address = %location(&self.address),
                 "the server at this store address does not hold its key: nothing was sent to it");
             return Err(CallError::Down(
-                "the server at this address could not prove it holds the address's key (a \
-                 server started anew there, whose new address was not passed on, or another \
-                 process took the address): nothing was sent to it"
-                    .into(),
+                if self.key.is_none() {
+                    "the address names no key (its `#key=` part is missing): connect with the \
+                     address the server announced; nothing was sent to the server"
+                } else {
+                    "the server at this address could not prove it holds the address's key (a \
+                     server started anew there, whose new address was not passed on, or \
+                     another process took the address): nothing was sent to it"
+                }
+                .into(),
             ));
         }
-        let mine = hello::proof(Role::Client, &key, &ours, &theirs);
+        let mine = hello::proof(Role::Client, &key, &said, &theirs);
         write_all_vectored(conn, &mut [IoSlice::new(&mine)], deadline)?;
         match read_answer(conn, deadline)? {
             answer::ACCEPTED => Ok(()),

@@ -60,13 +60,14 @@ pub(crate) fn nonce() -> io::Result<[u8; NONCE_LEN]> {
     Ok(n)
 }
 
-/// `role`'s proof that it holds `key`, for the connection whose nonces are `client` and
-/// `server`: SHA-256 over a fixed label, the role, the key and the nonces (every part of a
-/// fixed length).
+/// `role`'s proof that it holds `key`, for the connection whose client hello (step 1: magic,
+/// protocol, client id, the client's nonce) is `hello` and whose server nonce is `server`:
+/// SHA-256 over a fixed label, the role, the key, the hello and the server's nonce (every
+/// part of a fixed length), so a proof also vouches for the hello's client id and protocol.
 pub(crate) fn proof(
     role: Role,
     key: &StoreKey,
-    client: &[u8; NONCE_LEN],
+    hello: &[u8; HELLO_LEN],
     server: &[u8; NONCE_LEN],
 ) -> [u8; PROOF_LEN] {
     let mut h = Sha256::new();
@@ -76,7 +77,7 @@ pub(crate) fn proof(
         Role::Client => b"client",
     });
     h.update(key.0);
-    h.update(client);
+    h.update(hello);
     h.update(server);
     h.finalize().into()
 }
@@ -99,25 +100,26 @@ pub(crate) mod by_hand {
     /// Says a client's hello (as client `client`, proving `key`) on `raw` and returns the
     /// server's last answer; panics when the server's proof does not match `key`.
     pub(crate) fn as_client(raw: &mut UnixStream, client: u64, key: &StoreKey) -> u32 {
-        let ours = send_head(raw, client);
-        finish_as_client(raw, key, &ours)
+        let hello = send_head(raw, client);
+        finish_as_client(raw, key, &hello)
     }
 
-    /// The client's first 32 bytes; its nonce.
-    pub(crate) fn send_head(raw: &mut UnixStream, client: u64) -> [u8; NONCE_LEN] {
-        let ours = nonce().unwrap();
+    /// The client's first 32 bytes (its hello, with a fresh nonce), sent; returned.
+    pub(crate) fn send_head(raw: &mut UnixStream, client: u64) -> [u8; HELLO_LEN] {
         let mut head = Enc::default();
         head.u32(MAGIC).u32(PROTOCOL).u64(client);
-        raw.write_all(&head.0).unwrap();
-        raw.write_all(&ours).unwrap();
-        ours
+        let mut hello = [0u8; HELLO_LEN];
+        hello[..HELLO_LEN - NONCE_LEN].copy_from_slice(&head.0);
+        hello[HELLO_LEN - NONCE_LEN..].copy_from_slice(&nonce().unwrap());
+        raw.write_all(&hello).unwrap();
+        hello
     }
 
-    /// The rest of [`as_client`] once the head (with nonce `ours`) went out.
+    /// The rest of [`as_client`] once `hello` went out.
     pub(crate) fn finish_as_client(
         raw: &mut UnixStream,
         key: &StoreKey,
-        ours: &[u8; NONCE_LEN],
+        hello: &[u8; HELLO_LEN],
     ) -> u32 {
         assert_eq!(read_u32(raw), answer::PROVE, "the server's proof follows");
         let mut theirs = [0u8; NONCE_LEN];
@@ -125,10 +127,10 @@ pub(crate) mod by_hand {
         raw.read_exact(&mut theirs).unwrap();
         raw.read_exact(&mut proved).unwrap();
         assert!(
-            same_proof(&proved, &proof(Role::Server, key, ours, &theirs)),
+            same_proof(&proved, &proof(Role::Server, key, hello, &theirs)),
             "the server proved the key"
         );
-        raw.write_all(&proof(Role::Client, key, ours, &theirs))
+        raw.write_all(&proof(Role::Client, key, hello, &theirs))
             .unwrap();
         read_u32(raw)
     }
@@ -144,18 +146,16 @@ pub(crate) mod by_hand {
     pub(crate) fn as_server_of(c: &mut UnixStream, key: &StoreKey) -> [u8; HELLO_LEN] {
         let mut hello = [0u8; HELLO_LEN];
         c.read_exact(&mut hello).unwrap();
-        let mut theirs = [0u8; NONCE_LEN];
-        theirs.copy_from_slice(&hello[HELLO_LEN - NONCE_LEN..]);
         let ours = nonce().unwrap();
         c.write_all(&answer::PROVE.to_le_bytes()).unwrap();
         c.write_all(&ours).unwrap();
-        c.write_all(&proof(Role::Server, key, &theirs, &ours))
+        c.write_all(&proof(Role::Server, key, &hello, &ours))
             .unwrap();
         let mut proved = [0u8; PROOF_LEN];
         if c.read_exact(&mut proved).is_err() {
             return hello;
         }
-        let verdict = if same_proof(&proved, &proof(Role::Client, key, &theirs, &ours)) {
+        let verdict = if same_proof(&proved, &proof(Role::Client, key, &hello, &ours)) {
             answer::ACCEPTED
         } else {
             answer::WRONG_KEY
@@ -176,17 +176,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_proof_is_bound_to_its_role_key_and_both_nonces() {
+    fn a_proof_is_bound_to_its_role_key_hello_and_nonce() {
         let key = StoreKey([7; 16]);
-        let (c, s) = ([1; NONCE_LEN], [2; NONCE_LEN]);
+        let (c, s) = ([1; HELLO_LEN], [2; NONCE_LEN]);
         let p = proof(Role::Server, &key, &c, &s);
         assert!(same_proof(&p, &proof(Role::Server, &key, &c, &s)));
+        let mut other_client = c;
+        other_client[8] ^= 1;
         for other in [
             proof(Role::Client, &key, &c, &s),
             proof(Role::Server, &StoreKey([8; 16]), &c, &s),
-            proof(Role::Server, &key, &[3; NONCE_LEN], &s),
+            proof(Role::Server, &key, &[3; HELLO_LEN], &s),
+            proof(Role::Server, &key, &other_client, &s),
             proof(Role::Server, &key, &c, &[3; NONCE_LEN]),
-            proof(Role::Server, &key, &s, &c),
         ] {
             assert!(!same_proof(&p, &other));
         }

@@ -420,18 +420,7 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
         };
         let id = next_id;
         next_id += 1;
-        served.greeting.lock().push_back((id, Instant::now()));
-        if make_room(&served) {
-            closed_silent += 1;
-            if closed_silent % 100 == 1 {
-                tracing::warn!(
-                    closed_silent,
-                    "a store connection that had not said its hello closed: {MAX_GREETING} \
-                     newer ones were waiting to"
-                );
-            }
-        }
-        let greeting = Greeting(Some((served.clone(), id)));
+        // Tracked before it is counted as greeting: `make_room` may shut it at once.
         match conn.try_clone() {
             Ok(clone) => {
                 served.open.lock().insert(id, clone);
@@ -441,6 +430,18 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
                 // stops: not served.
                 tracing::warn!(error = %e, "a store connection closed: it cannot be tracked");
                 continue;
+            }
+        }
+        served.greeting.lock().push_back((id, Instant::now()));
+        let greeting = Greeting(Some((served.clone(), id)));
+        if make_room(&served) {
+            closed_silent += 1;
+            if closed_silent % 100 == 1 {
+                tracing::warn!(
+                    closed_silent,
+                    "a store connection that had not said its hello closed: {MAX_GREETING} \
+                     newer ones were waiting to"
+                );
             }
         }
         let s = served.clone();
@@ -621,9 +622,10 @@ fn serve_connection(mut conn: Conn, served: &Served, greeting: Greeting) {
 /// A hello of another protocol is answered without its nonce being read (its layout may
 /// differ); a client whose proof does not match this server's key is refused and logged.
 fn read_hello(conn: &mut Conn, served: &Served, deadline: Instant) -> Option<(u64, u32)> {
-    let mut head = [0u8; 16];
-    read_exact_by(conn, &mut head, deadline).ok()?;
-    let mut d = Dec::new(&head);
+    let mut said = [0u8; HELLO_LEN];
+    let (head, theirs) = said.split_at_mut(HELLO_LEN - NONCE_LEN);
+    read_exact_by(conn, head, deadline).ok()?;
+    let mut d = Dec::new(head);
     let (magic, protocol, client) = match (d.u32(), d.u32(), d.u64()) {
         (Ok(m), Ok(p), Ok(c)) => (m, p, c),
         _ => return None,
@@ -641,8 +643,7 @@ fn read_hello(conn: &mut Conn, served: &Served, deadline: Instant) -> Option<(u6
         }
         return Some((client, answer::OTHER_PROTOCOL));
     }
-    let mut theirs = [0u8; NONCE_LEN];
-    read_exact_by(conn, &mut theirs, deadline).ok()?;
+    read_exact_by(conn, theirs, deadline).ok()?;
     let ours = match hello::nonce() {
         Ok(n) => n,
         Err(e) => {
@@ -651,7 +652,7 @@ fn read_hello(conn: &mut Conn, served: &Served, deadline: Instant) -> Option<(u6
         }
     };
     let prove = answer::PROVE.to_le_bytes();
-    let proof = hello::proof(Role::Server, &served.key, &theirs, &ours);
+    let proof = hello::proof(Role::Server, &served.key, &said, &ours);
     let challenge = &mut [
         IoSlice::new(&prove),
         IoSlice::new(&ours),
@@ -667,7 +668,7 @@ fn read_hello(conn: &mut Conn, served: &Served, deadline: Instant) -> Option<(u6
         );
         return None;
     }
-    let want = hello::proof(Role::Client, &served.key, &theirs, &ours);
+    let want = hello::proof(Role::Client, &served.key, &said, &ours);
     if !hello::same_proof(&proved, &want) {
         let refused = served.refused.fetch_add(1, Ordering::Relaxed) + 1;
         if refused % 100 == 1 {
@@ -973,13 +974,16 @@ fn put(conn: &mut Conn, served: &Served, d: &mut Dec<'_>, deadline: Instant) -> 
     // Before any of its bytes are taken from the connection.
     d.finish()?;
     let mut out = Enc::default();
+    // One wait for room for the whole request, within its deadline: a put of many items
+    // beside others being received is answered before its client gives up.
+    let room_by = kv_loader::deadline_after(RECEIVE_WAIT).min(deadline);
     for (key, len) in items {
         let r = match store.admit(&key, len) {
             Some(answer) => {
                 drain(conn, len, deadline)?;
                 answer
             }
-            None => match Receiving::take(served, len, kv_loader::deadline_after(RECEIVE_WAIT)) {
+            None => match Receiving::take(served, len, room_by) {
                 Some(_receiving) => {
                     let data = new_object(len as usize, |dst| read_exact_by(conn, dst, deadline))?;
                     store.insert(&key, data)
@@ -989,8 +993,9 @@ fn put(conn: &mut Conn, served: &Served, d: &mut Dec<'_>, deadline: Instant) -> 
                     // Passing: the store itself had room (`admit`).
                     Err(StoreError::Unavailable {
                         detail: kv_loader::Cause::new(format!(
-                            "`{key}`: a put of {len} bytes waited {RECEIVE_WAIT:?} beside the \
-                             puts being received, which hold up to the store's capacity"
+                            "`{key}`: a put of {len} bytes found no room (its request waits up \
+                             to {RECEIVE_WAIT:?}) beside the puts being received, which hold \
+                             up to the store's capacity"
                         )),
                     })
                 }
@@ -1011,8 +1016,8 @@ struct Receiving<'s> {
 
 impl<'s> Receiving<'s> {
     /// Counts `len` bytes more once that keeps the puts being received within the store's
-    /// capacity, waiting for others to be let go until `until`; `None` past it, or at once
-    /// for more than the capacity.
+    /// capacity, waiting for others to be let go until `until`; `None` past it, once the
+    /// server stops, or at once for more than the capacity.
     fn take(served: &'s Served, len: u64, until: Instant) -> Option<Self> {
         let capacity = served.store.capacity();
         if len > capacity {
@@ -1025,13 +1030,12 @@ impl<'s> Receiving<'s> {
                 *receiving = total;
                 return Some(Receiving { served, len });
             }
-            if served
-                .received
-                .wait_until(&mut receiving, until)
-                .timed_out()
-            {
+            if Instant::now() >= until || served.stop.load(Ordering::Acquire) {
                 return None;
             }
+            // In slices, to see the stop flag (a server's drop waits for this thread).
+            let slice = kv_loader::deadline_after(IDLE_CHECK).min(until);
+            served.received.wait_until(&mut receiving, slice);
         }
     }
 }
@@ -1137,5 +1141,16 @@ mod receiving_tests {
         let t0 = Instant::now();
         let late = Receiving::take(&served, 1, t0 + Duration::from_millis(100));
         assert!(late.is_none() && t0.elapsed() >= Duration::from_millis(90));
+        // A server that stops ends the wait within one idle check, whatever its bound.
+        std::thread::scope(|s| {
+            let t0 = Instant::now();
+            let until = t0 + Duration::from_secs(30);
+            let served = &served;
+            let waiter = s.spawn(move || Receiving::take(served, 1, until).is_none());
+            std::thread::sleep(Duration::from_millis(50));
+            served.stop.store(true, Ordering::Release);
+            assert!(waiter.join().unwrap(), "no room was taken");
+            assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        });
     }
 }

@@ -353,13 +353,13 @@ fn a_burst_of_clients_past_the_greeting_bound_is_not_cut() {
         std::thread::sleep(Duration::from_millis(2));
     }
     std::thread::sleep(Duration::from_millis(100));
-    let nonces: Vec<_> = burst
+    let hellos: Vec<_> = burst
         .iter_mut()
         .enumerate()
         .map(|(i, raw)| super::hello::by_hand::send_head(raw, 0xb00 + i as u64))
         .collect();
-    for (i, (raw, ours)) in burst.iter_mut().zip(&nonces).enumerate() {
-        let verdict = super::hello::by_hand::finish_as_client(raw, &key, ours);
+    for (i, (raw, said)) in burst.iter_mut().zip(&hellos).enumerate() {
+        let verdict = super::hello::by_hand::finish_as_client(raw, &key, said);
         assert_eq!(
             verdict,
             super::hello::answer::ACCEPTED,
@@ -863,14 +863,17 @@ fn a_client_without_the_servers_key_is_refused() {
         let other =
             StoreServer::start(Arc::new(EmbeddedStore::new(1 << 10)), ServeAt::Unix).unwrap();
         let (_, other_key) = other.address().split_once('#').unwrap();
-        for wrong in [location.to_string(), format!("{location}#{other_key}")] {
+        for (wrong, why) in [
+            (location.to_string(), "names no key"),
+            (
+                format!("{location}#{other_key}"),
+                "could not prove it holds",
+            ),
+        ] {
             // The server's proof fails first: the client sends nothing more.
             match SocketStore::connect_with(&wrong, Duration::from_secs(5)) {
                 Err(StoreError::Unavailable { detail }) => {
-                    assert!(
-                        detail.to_string().contains("could not prove it holds"),
-                        "{detail}"
-                    )
+                    assert!(detail.to_string().contains(why), "{detail}")
                 }
                 other => panic!("{wrong}: {other:?}"),
             }
@@ -930,6 +933,60 @@ fn a_process_without_the_key_at_the_stores_address_gets_nothing_from_a_client() 
         !seen.windows(16).any(|w| w == key.0),
         "the key never travels"
     );
+}
+
+/// A peer of the previous protocol (6, whose hello carried the key itself) is answered
+/// `OTHER_PROTOCOL` before anything of its hello past the protocol is read, and its connection
+/// ends; the server goes on serving.
+#[test]
+fn a_client_of_the_previous_protocol_is_refused_at_hello() {
+    use std::io::{Read, Write};
+    let (server, client) = serve(1 << 10);
+    let mut raw = silent_connection(&server);
+    let mut head = Enc::default();
+    head.u32(super::protocol::MAGIC).u32(6).u64(0x01d);
+    raw.write_all(&head.0).unwrap();
+    raw.write_all(&[0u8; 16]).unwrap();
+    let mut verdict = [0u8; 4];
+    raw.read_exact(&mut verdict).unwrap();
+    assert_eq!(
+        u32::from_le_bytes(verdict),
+        super::hello::answer::OTHER_PROTOCOL
+    );
+    // Ended: the rest of its hello unread, the close may come as a reset.
+    let mut more = [0u8; 8];
+    match raw.read(&mut more) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the refused connection stays open: {other:?}"),
+    }
+    assert_eq!(client.exists(&["k"]), vec![Ok(false)]);
+}
+
+/// A server of another protocol (it answers `OTHER_PROTOCOL`) is refused by the client
+/// with that reason, and sent nothing past the hello.
+#[test]
+fn a_server_of_another_protocol_is_refused_by_the_client() {
+    use std::io::{Read, Write};
+    let (listener, address) = fake_listener("old-server");
+    let fake = std::thread::spawn(move || {
+        let (mut c, _) = listener.accept().unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut hello = [0u8; super::hello::HELLO_LEN];
+        c.read_exact(&mut hello).unwrap();
+        c.write_all(&super::hello::answer::OTHER_PROTOCOL.to_le_bytes())
+            .unwrap();
+        let mut rest = Vec::new();
+        let _ = c.read_to_end(&mut rest);
+        rest.len()
+    });
+    match SocketStore::connect_with(&address, Duration::from_secs(5)) {
+        Err(StoreError::Unavailable { detail }) => {
+            assert!(detail.to_string().contains("another protocol"), "{detail}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fake.join().unwrap(), 0, "nothing past the hello");
 }
 
 /// A client whose proof does not match the server's key (one that did not check the server's
