@@ -635,3 +635,128 @@ fn a_failed_batch_whose_slot_copies_outlast_the_drain_limit_is_a_device_failure(
     o.stall.release();
     linker.close().unwrap();
 }
+
+/// A staged landing whose third `land` panics after queuing its copies (a defect in an
+/// engine's landing, say): the load thread unwinds with those copies still on the load stream.
+struct PanicsAtThirdLand {
+    inner: Box<dyn kvlink::kv_device::LayerLanding>,
+    lands: std::sync::atomic::AtomicU32,
+}
+
+impl kvlink::kv_device::LayerLanding for PanicsAtThirdLand {
+    fn take_stages(&mut self) -> Vec<kvlink::kv_device::LayerStage> {
+        self.inner.take_stages()
+    }
+    fn open(
+        &self,
+        stage: &mut kvlink::kv_device::LayerStage,
+        layer: u32,
+        deadline: Instant,
+    ) -> Result<(), kvlink::kv_device::DeviceError> {
+        self.inner.open(stage, layer, deadline)
+    }
+    fn lend(
+        &self,
+        stage: &mut kvlink::kv_device::LayerStage,
+    ) -> Result<kvlink::kv_device::StageLoan, kvlink::kv_device::DeviceError> {
+        self.inner.lend(stage)
+    }
+    fn target(
+        &self,
+        loan: &kvlink::kv_device::StageLoan,
+        component: kvlink::kv_geometry::ComponentId,
+        plan_page: usize,
+    ) -> Result<kvlink::kv_device::ReadTarget, kvlink::kv_device::DeviceError> {
+        self.inner.target(loan, component, plan_page)
+    }
+    fn target_bytes<'s>(
+        &'s self,
+        stage: &'s kvlink::kv_device::LayerStage,
+        component: kvlink::kv_geometry::ComponentId,
+        plan_page: usize,
+    ) -> Result<&'s [u8], kvlink::kv_device::DeviceError> {
+        self.inner.target_bytes(stage, component, plan_page)
+    }
+    fn land(
+        &self,
+        stage: &mut kvlink::kv_device::LayerStage,
+    ) -> Result<kvlink::kv_loader::LayerReady, kvlink::kv_device::DeviceError> {
+        let ready = self.inner.land(stage);
+        if self.lands.fetch_add(1, Ordering::SeqCst) == 2 {
+            panic!("an engine's landing panicked after queuing its copies");
+        }
+        ready
+    }
+    fn poison(&self, stage: &mut kvlink::kv_device::LayerStage) {
+        self.inner.poison(stage)
+    }
+    fn finish(&self) {
+        self.inner.finish()
+    }
+    fn settle(&self) -> Result<(), kvlink::kv_device::DeviceError> {
+        self.inner.settle()
+    }
+    fn transfers(&self) -> Vec<kvlink::kv_loader::TransferBytes> {
+        self.inner.transfers()
+    }
+    fn share(&self) -> kvlink::kv_device::ShareSide<'_> {
+        self.inner.share()
+    }
+}
+
+struct PanickingLandings(StagedLandingFactory);
+
+impl kvlink::kv_device::LandingFactory for PanickingLandings {
+    fn begin(
+        &self,
+        slots: Arc<[u32]>,
+        shape: kvlink::kv_device::BatchShape,
+    ) -> Result<Box<dyn kvlink::kv_device::LayerLanding>, kvlink::kv_device::DeviceError> {
+        Ok(Box::new(PanicsAtThirdLand {
+            inner: self.0.begin(slots, shape)?,
+            lands: Default::default(),
+        }))
+    }
+    fn store_regions(&self) -> Vec<kvlink::kv_device::StoreRegion> {
+        self.0.store_regions()
+    }
+    fn share_path(&self) -> kvlink::kv_device::SharePath {
+        self.0.share_path()
+    }
+}
+
+/// A batch whose load panics (here, in its landing) with copies into its slots still queued
+/// past the drain limit (layer 2's, on a stalled load stream) fails as a device failure
+/// (`ResetThenRecompute`: the slots may still be written), not `Internal` (`Recompute`), which
+/// told the engine to recompute into slots a queued copy could still overwrite.
+#[test]
+fn a_panicked_batch_with_slot_copies_unfinished_is_a_device_failure() {
+    let o = one();
+    let traced = kvlink::kv_device::cpu::CpuDeviceConfig {
+        trace: true,
+        ..Default::default()
+    };
+    let dev = CpuDevice::with_config(0, traced).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), o.g.clone(), 16).unwrap());
+    let staging =
+        StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&o.g, 4, 1), 2).unwrap();
+    let landings = Arc::new(PanickingLandings(
+        StagedLandingFactory::new(pool.clone(), staging)
+            .with_drain_limit(Duration::from_millis(200)),
+    ));
+    let linker =
+        Linker::with_landings(o.g.clone(), o.store.clone(), pool, landings, cfg(), None).unwrap();
+    dev.stall_at(CpuOp::ToDevice, 4, Duration::from_secs(2));
+    let t = linker
+        .start_load(load_plan(&o.g, 1, &o.pages, vec![1, 2, 3, 4]))
+        .unwrap();
+    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
+    assert!(err.to_string().contains("panicked"), "{err}");
+    assert_eq!(
+        err.action(),
+        kvlink::kv_loader::EngineAction::ResetThenRecompute
+    );
+    o.stall.release();
+    linker.close().unwrap();
+}
