@@ -989,6 +989,34 @@ fn a_server_of_another_protocol_is_refused_by_the_client() {
     assert_eq!(fake.join().unwrap(), 0, "nothing past the hello");
 }
 
+/// A put whose client goes away part-way through its bytes lets go of the receive budget it
+/// took (nothing of it is stored), so the next put of nearly the store's capacity is taken at
+/// once, not refused or kept waiting for room that never comes back.
+#[test]
+fn a_put_cut_off_part_way_lets_its_room_go() {
+    use std::io::Write;
+    let (server, client) = serve(1000);
+    let mut raw = raw_connection(&server);
+    let mut body = Enc::default();
+    body.u8(op::PUT).u32(1).str("cut").u64(900);
+    raw.write_all(&frame_len(&body.0)).unwrap();
+    raw.write_all(&body.0).unwrap();
+    raw.write_all(&[5u8; 100]).unwrap();
+    // Let the server take the room and start reading the bytes, then go away.
+    std::thread::sleep(Duration::from_millis(100));
+    drop(raw);
+    let t0 = Instant::now();
+    let mut got = put(&client, "whole", &[&[7u8; 900]]);
+    while got.is_err() && t0.elapsed() < Duration::from_secs(10) {
+        // The server may not have seen the end of the cut connection yet.
+        std::thread::sleep(Duration::from_millis(20));
+        got = put(&client, "whole", &[&[7u8; 900]]);
+    }
+    assert_eq!(got, Ok(PutOutcome::Written), "after {:?}", t0.elapsed());
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!(client.exists(&["cut", "whole"]), vec![Ok(false), Ok(true)]);
+}
+
 /// A client whose proof does not match the server's key (one that did not check the server's
 /// proof, or forged its own) is refused `WRONG_KEY` and its connection ends: no request is
 /// served.
