@@ -21,8 +21,9 @@
 //! **Every wait is bounded.** Each store call waits at most `layer_read_timeout` (a call still
 //! running then fails its group of layers; the batch's memory hold keeps what it writes until it
 //! returns), a stage is reopened after a bounded wait for its device work, the reader waits
-//! for each free stage at most `layer_read_timeout + 5 × collective_timeout` (longer than one
-//! exchange-loop step may take, which also ends it), it waits for the
+//! for each free stage at most `layer_read_timeout + 5 × max(collective_timeout,
+//! store_call_timeout)` (longer than one exchange-loop step may take, which also ends it), it
+//! waits for the
 //! preflight's verdicts until four fifths of `collective_timeout` after the group's read
 //! started (the batch's gate, for the first group; a rank alone: six store calls and a
 //! quarter after the batch's start, or for a later group two store calls after its read's

@@ -61,10 +61,15 @@ impl LayerPipeline<'_> {
         // under its own bound (its check's store calls, the status exchange, the share step
         // and its event: about 4 x `collective_timeout` on a device pool), so that the reader
         // never gives up on a stage the loop is still entitled to hold (that failed the batch
-        // as `Internal` on every rank). The loop's end (`ExchangeDone`) ends this wait anyway.
-        let wait = c
-            .layer_read_timeout
-            .saturating_add(c.collective_timeout.saturating_mul(5));
+        // as `Internal` on every rank). A rank alone has no collectives, but its check's store
+        // calls are bounded by `store_call_timeout` each (up to four, after a wait for a read
+        // ahead), not by a share of `collective_timeout`: the larger of the two counts. The
+        // loop's end (`ExchangeDone`) ends this wait anyway.
+        let wait = c.layer_read_timeout.saturating_add(
+            c.collective_timeout
+                .max(c.store_call_timeout)
+                .saturating_mul(5),
+        );
         let reader = LayerReader {
             calls: &self.inner.calls,
             batch,
