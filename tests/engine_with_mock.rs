@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use kvlink::kv_geometry::{page_hashes, ComponentId};
 use kvlink::kv_loader::mock::{MockCall, MockKvLoader, MockScript};
-use kvlink::kv_loader::{BatchId, BatchPlan, KvLoader, LogicalPlan, LookupRequest, RequestPages};
+use kvlink::kv_loader::{
+    BatchId, BatchPlan, KvLoader, LayerReady, LogicalPlan, LookupRequest, RequestPages,
+};
 
 /// What the engine did for one request.
 #[derive(Debug, PartialEq, Eq)]
@@ -41,8 +43,14 @@ fn prefill(loader: &dyn KvLoader, batch: u64, tokens: &[u32]) -> Forward {
     let mut layers_run = 0;
     let mut load_failed = false;
     for layer in 0..loader.num_layers() {
-        if !load_failed && loader.wait_layer(&ticket, layer).is_err() {
-            load_failed = true; // stop waiting; the prefix will be recomputed
+        if !load_failed {
+            match loader.wait_layer(&ticket, layer) {
+                Ok(LayerReady::Resident) => {}
+                // A device pool: the layer's copies may still be queued. A real engine
+                // makes its compute stream wait (`wait_on_stream`); this one has no stream.
+                Ok(LayerReady::Event(ev)) => ev.synchronize().expect("the layer's event"),
+                Err(_) => load_failed = true, // stop waiting; the prefix will be recomputed
+            }
         }
         layers_run += 1; // attention on this layer
     }
@@ -142,6 +150,41 @@ fn engine_loop_loads_or_falls_back_to_recompute() {
         .unwrap()
         .pages,
         page_hashes(&tokens, 4, None)[1..4]
+    );
+}
+
+/// With device events (as the linker answers on a device pool), the mock tells which layers
+/// an engine read without waiting on their event: the loop above waits on every one; a loop
+/// that takes `wait_layer`'s `Ok` as "resident" (fine on a host pool) is caught.
+#[test]
+fn the_mock_catches_an_engine_that_reads_a_layer_without_waiting_on_its_event() {
+    let script = MockScript {
+        page_size: 4,
+        device_events: true,
+        ..MockScript::default()
+    };
+    let mock = MockKvLoader::new(3, script);
+    let tokens: Vec<u32> = (0..12).collect();
+    let ok = prefill(&mock, 1, &tokens);
+    assert_eq!(ok.loaded_pages, 3);
+    assert_eq!(mock.events_not_waited(), vec![]);
+    // The host-pool habit: `is_ok()` and read on.
+    let plan = BatchPlan {
+        logical: LogicalPlan {
+            batch: BatchId(2),
+            requests: vec![],
+            components: vec![],
+        },
+        slots: vec![],
+    };
+    let t = mock.start_load(plan).unwrap();
+    for layer in 0..3 {
+        assert!(mock.wait_layer(&t, layer).is_ok());
+    }
+    mock.wait_batch(&t).unwrap().result.unwrap();
+    assert_eq!(
+        mock.events_not_waited(),
+        vec![(BatchId(2), 0), (BatchId(2), 1), (BatchId(2), 2)]
     );
 }
 

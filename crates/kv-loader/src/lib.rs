@@ -26,6 +26,8 @@ mod loader;
 mod lookup;
 #[cfg(feature = "mock")]
 pub mod mock;
+#[cfg(feature = "mock")]
+mod mock_event;
 mod outcome;
 mod plan;
 mod share_mode;

@@ -1,11 +1,14 @@
 //! A scriptable, recording `KvLoader` for engines' own tests (feature `mock`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use kv_geometry::{page_hashes, KvGeometry, PageHash};
 use layerwise_counter::LayerCounter;
 use parking_lot::Mutex;
+
+pub use crate::mock_event::MockLayerEvent;
 
 use crate::{
     BatchId, BatchOutcome, BatchPlan, KvLoadError, KvLoader, LayerReady, LoadStats, LoadTicket,
@@ -102,6 +105,11 @@ pub struct MockScript {
     pub hold_slots: Vec<BatchId>,
     /// Tokens per page, used to hash lookups (0 makes every lookup a `Config` error).
     pub page_size: u32,
+    /// Layer waits answer [`LayerReady::Event`] (a [`MockLayerEvent`]), as the linker does on
+    /// a device pool, whose copies may still be queued when the layer is ready: an engine
+    /// that reads the layer without waiting on the event shows in
+    /// [`MockKvLoader::events_not_waited`]. Off: [`LayerReady::Resident`] (a host pool).
+    pub device_events: bool,
 }
 
 impl Default for MockScript {
@@ -114,6 +122,7 @@ impl Default for MockScript {
             wait_time_out_from: HashMap::new(),
             hold_slots: Vec::new(),
             page_size: MOCK_PAGE_SIZE,
+            device_events: false,
         }
     }
 }
@@ -131,6 +140,8 @@ impl MockScript {
 #[derive(Default)]
 struct MockState {
     calls: Vec<MockCall>,
+    /// Every layer event handed out (`MockScript::device_events`).
+    events: Vec<Arc<MockLayerEvent>>,
     live: HashMap<BatchId, (LoadTicket, u32)>,
     /// The slots of each batch whose outcome is not taken yet (a save of those of a batch
     /// still in flight is refused).
@@ -204,6 +215,34 @@ impl MockKvLoader {
     /// is.
     pub fn release(&self, batch: BatchId) {
         self.state.lock().held.remove(&batch);
+    }
+
+    /// The layer events handed out ([`MockScript::device_events`]) that the engine never
+    /// waited on, as (batch, layer): each is a layer it may have read before its bytes landed
+    /// on a device pool.
+    ///
+    /// ```
+    /// use kv_loader::mock::{MockKvLoader, MockScript};
+    /// use kv_loader::{BatchId, BatchPlan, KvLoader, LayerReady, LogicalPlan};
+    /// let mock = MockKvLoader::new(2, MockScript { device_events: true, ..Default::default() });
+    /// let plan = BatchPlan {
+    ///     logical: LogicalPlan { batch: BatchId(1), requests: vec![], components: vec![] },
+    ///     slots: vec![],
+    /// };
+    /// let t = mock.start_load(plan).unwrap();
+    /// let LayerReady::Event(ev) = mock.wait_layer(&t, 0).unwrap() else { panic!() };
+    /// let _forgotten = mock.wait_layer(&t, 1).unwrap();
+    /// ev.synchronize().unwrap();
+    /// assert_eq!(mock.events_not_waited(), vec![(BatchId(1), 1)]);
+    /// ```
+    pub fn events_not_waited(&self) -> Vec<(BatchId, u32)> {
+        self.state
+            .lock()
+            .events
+            .iter()
+            .filter(|e| !e.waited())
+            .map(|e| (e.batch, e.layer))
+            .collect()
     }
 
     /// Every call so far, in order.
@@ -533,6 +572,11 @@ impl KvLoader for MockKvLoader {
         }
         match self.script.fail_at_layer.get(&ticket.batch) {
             Some(&l) if layer >= l => Err(self.failure(ticket.batch, l)),
+            _ if self.script.device_events => {
+                let ev = Arc::new(MockLayerEvent::new(ticket.batch, layer));
+                self.state.lock().events.push(ev.clone());
+                Ok(LayerReady::Event(ev))
+            }
             _ => Ok(LayerReady::Resident),
         }
     }
