@@ -236,7 +236,9 @@ pub enum KvLoadError {
     /// source where there is one (`Cause::downcast_ref`).
     #[error("device failure: {0}")]
     Device(#[source] Cause),
-    /// The ticket belongs to a batch that is finished, or from before a reset.
+    /// The ticket belongs to a batch whose outcome was taken (`wait_batch`, `completed`), or
+    /// one a `reset` or `close` ended. A batch that finished and whose outcome is not taken yet
+    /// still answers its layer waits.
     #[error("stale ticket for {batch}")]
     StaleTicket {
         /// The batch the ticket named.

@@ -17,7 +17,8 @@ pub struct LookupRequest<'a> {
 pub struct LookupHit {
     /// Hashes of the loadable pages (chained from the start of the prompt).
     pub pages: Vec<PageHash>,
-    /// Index of the first loadable page in the prompt (= `skip_pages`).
+    /// Index of the first loadable page in the prompt: `skip_pages`, or the prompt's whole
+    /// pages when it has no more than that (then `pages` is empty).
     pub first_page: usize,
     /// Tokens covered by the loadable pages.
     pub tokens: usize,
