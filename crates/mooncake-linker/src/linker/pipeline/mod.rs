@@ -225,15 +225,12 @@ impl LayerPipeline<'_> {
             .map(|l| layers.read_bytes(l))
             .collect();
         let c = &self.inner.config;
-        // The ranks of the group that read at the same time in this mode share the store's
-        // bytes in flight (rank 0 alone in Rank0Broadcast). A rank of several with no group
-        // (no sharing, or loading alone while the group is down) reads beside every other
-        // rank, which do the same.
-        let readers = match (self.coll, layers.mode) {
-            (Some(_), ShareMode::Rank0Broadcast) => 1,
-            (Some(coll), _) => u64::from(coll.size().max(1)),
-            (None, _) => u64::from(self.inner.geometry.tp_size().max(1)),
-        };
+        let readers = readers_at_once(
+            self.coll.map(|c| c.size()),
+            layers.mode,
+            !layers.own.is_empty(),
+            self.inner.geometry.tp_size(),
+        );
         let limits = CallLimits {
             time: c.layer_read_timeout / 4,
             bytes: c.read_bytes_in_flight / readers,
@@ -241,6 +238,19 @@ impl LayerPipeline<'_> {
         self.inner
             .reads
             .plan(&bytes, ring, limits, layers.mode, readers)
+    }
+}
+
+/// How many ranks read the store at the same time in a batch, sharing its bytes in flight: the
+/// group's size (`group`), rank 0 alone in `Rank0Broadcast` unless every rank also reads
+/// components of its own (`own`: sharded ones, never shared), and with no group (no sharing,
+/// or loading alone while the group is down) every rank of the TP size, which do the same.
+/// Every rank computes the same (the split is the same on all).
+fn readers_at_once(group: Option<u32>, mode: ShareMode, own: bool, tp_size: u32) -> u64 {
+    match (group, mode) {
+        (Some(_), ShareMode::Rank0Broadcast) if !own => 1,
+        (Some(size), _) => u64::from(size.max(1)),
+        (None, _) => u64::from(tp_size.max(1)),
     }
 }
 
@@ -303,4 +313,26 @@ fn companions_bound(store_call_timeout: Duration) -> Duration {
 /// share one deadline: one store call), and one store call as slack.
 fn alone_verdicts_bound(store_call_timeout: Duration) -> Duration {
     companions_bound(store_call_timeout).saturating_add(store_call_timeout.saturating_mul(2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rank 0 reads alone in `Rank0Broadcast` only when no rank reads components of its own:
+    /// with sharded components beside (every rank reads its shard at the same time), the
+    /// group's ranks share the bytes in flight, as in the other modes. Before, such a batch
+    /// at TP 8 could have up to 8 x `read_bytes_in_flight` in flight.
+    #[test]
+    fn ranks_reading_at_once_count_every_rank_that_reads() {
+        use ShareMode::*;
+        assert_eq!(readers_at_once(Some(8), Rank0Broadcast, false, 8), 1);
+        assert_eq!(readers_at_once(Some(8), Rank0Broadcast, true, 8), 8);
+        for mode in [AllRanks, SplitAllGather] {
+            assert_eq!(readers_at_once(Some(4), mode, false, 4), 4);
+            assert_eq!(readers_at_once(Some(4), mode, true, 4), 4);
+        }
+        assert_eq!(readers_at_once(None, Rank0Broadcast, false, 8), 8);
+        assert_eq!(readers_at_once(None, AllRanks, true, 0), 1);
+    }
 }
