@@ -69,11 +69,12 @@ source scripts/gpu-common.sh
 # --limit-s among the arguments comes first, so it wins.
 limit=${KVLINK_PROCS_TIMEOUT:-290}
 run_limit=()
-if [[ "$limit" =~ ^[0-9]+$ ]]; then
-  run_limit=(--limit-s $(( limit > 40 ? limit - 20 : (limit + 1) / 2 )))
+if [[ "$limit" =~ ^[0-9]+$ ]] && (( 10#$limit > 0 )); then
+  secs=$(( 10#$limit ))
+  run_limit=(--limit-s $(( secs > 40 ? secs - 20 : (secs + 1) / 2 )))
 fi
 timeout -k 10 "$limit" "$bin_dir/tp_procs" --out "$out" \
-  --glm-bin "$bin_dir/glm_prefill" "$@" "${run_limit[@]}" \
+  --glm-bin "$bin_dir/glm_prefill" "$@" ${run_limit[@]+"${run_limit[@]}"} \
   > "$out/tp_procs.stdout.log" 2> "$out/tp_procs.stderr.log"
 rc=$?
 svgs=$(cd "$out" && ls glm_prefill_*.svg 2>/dev/null)

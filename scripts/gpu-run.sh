@@ -9,8 +9,8 @@
 # Usage: bash scripts/gpu-run.sh [gpu_check flags: --quick, --no-128k]   (--quick also runs the
 #        tests' smaller sizes: KVLINK_GPU_QUICK=1)
 # Logs, CSV and SVG timelines go to $OUT when set (else gpu-bin/out/).
-# Exit status: 0 all passed; 1 a check or a test failed; 2 CUDA unavailable (gpu_check's, with
-# every test passed).
+# Exit status: 0 all passed; 1 a check or a test failed, or a binary exited non-zero (CUDA
+# unavailable included: gpu_check's 2 is counted as a failed row).
 #
 # From the build machine: scripts/gpu-build.sh, then copy gpu-bin/ to the GPU machine with the
 # working tree and run there `bash scripts/gpu-run.sh`.

@@ -75,13 +75,19 @@ struct One {
 }
 
 fn one() -> One {
+    let stall = Stall::new();
+    one_faulted(Fault::Stall(stall.clone()), stall)
+}
+
+/// [`one`] with `fault` on the read of layer 3 of `k` instead of a stall (`stall`: the one the
+/// test releases at its end, whatever the fault).
+fn one_faulted(fault: Fault, stall: Stall) -> One {
     let spec = small_spec();
     let base: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
     let tokens = prompt(5, 4, spec.page_size);
     let pages = save_prefix(&spec, base.clone(), &tokens, &cfg());
     let faulty = Arc::new(FaultyStore::new(base));
     let g = KvGeometry::new(spec, 1, 0).unwrap();
-    let stall = Stall::new();
     faulty.inject(
         FaultRule {
             offset: Some(
@@ -94,7 +100,7 @@ fn one() -> One {
             times: Some(1),
             ..FaultRule::default()
         },
-        Fault::Stall(stall.clone()),
+        fault,
     );
     One {
         store: Arc::new(Regions {
@@ -553,7 +559,15 @@ fn a_hung_save_keeps_its_host_slots_claimed_until_the_put_returns() {
 /// first slot copy (the fifth upload: the slot table, layer 0's two components, layer 1's
 /// one), the read of layer 3 hanging: the linker, the device, and the stall's end.
 fn stalled_landing(drain: Duration, stall: Duration) -> (One, Linker, Arc<CpuDevice>) {
-    let o = one();
+    stalled_landing_of(one(), drain, stall).0
+}
+
+/// [`stalled_landing`] over `o`; with its staging pool.
+fn stalled_landing_of(
+    o: One,
+    drain: Duration,
+    stall: Duration,
+) -> ((One, Linker, Arc<CpuDevice>), Arc<StagingPool>) {
     let traced = kvlink::kv_device::cpu::CpuDeviceConfig {
         trace: true,
         ..Default::default()
@@ -563,11 +577,11 @@ fn stalled_landing(drain: Duration, stall: Duration) -> (One, Linker, Arc<CpuDev
     let staging =
         StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&o.g, 4, 1), 2).unwrap();
     let landings =
-        Arc::new(StagedLandingFactory::new(pool.clone(), staging).with_drain_limit(drain));
+        Arc::new(StagedLandingFactory::new(pool.clone(), staging.clone()).with_drain_limit(drain));
     let linker =
         Linker::with_landings(o.g.clone(), o.store.clone(), pool, landings, cfg(), None).unwrap();
     dev.stall_at(CpuOp::ToDevice, 4, stall);
-    (o, linker, dev)
+    ((o, linker, dev), staging)
 }
 
 /// Slot copies of the load stream that finished after `at`.
@@ -633,6 +647,38 @@ fn a_failed_batch_whose_slot_copies_outlast_the_drain_limit_is_a_device_failure(
         kvlink::kv_loader::EngineAction::ResetThenRecompute
     );
     o.stall.release();
+    linker.close().unwrap();
+}
+
+/// A batch that fails at once (a store error at layer 3, no read left hanging) while layer 2's
+/// copies are stalled past the drain limit: its outcome is a device failure after one drain
+/// limit, and its landing's drop quarantines the staging at once (the settle that timed out
+/// poisoned the stages) rather than wait the limit out a second time before the outcome.
+#[test]
+fn a_batch_whose_copies_outlast_the_drain_limit_waits_it_out_once() {
+    let drain = Duration::from_millis(1000);
+    let o = one_faulted(
+        Fault::Error(StoreError::TransferFailed {
+            key: "k".into(),
+            code: -1,
+        }),
+        Stall::new(),
+    );
+    let ((o, linker, _dev), staging) = stalled_landing_of(o, drain, Duration::from_secs(4));
+    let t0 = Instant::now();
+    let t = linker
+        .start_load(load_plan(&o.g, 1, &o.pages, vec![1, 2, 3, 4]))
+        .unwrap();
+    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    let took = t0.elapsed();
+    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
+    assert!(took >= drain, "{took:?}");
+    // A second drain in the drop would make it two limits.
+    assert!(took < drain.mul_f64(1.7), "{took:?}");
+    assert_eq!(staging.available(), 1, "the stalled lease is quarantined");
+    eventually("the lease comes back once its copies ran", || {
+        staging.available() == 2
+    });
     linker.close().unwrap();
 }
 

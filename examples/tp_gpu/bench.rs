@@ -307,7 +307,10 @@ fn one_size(
                 let verdict = if off.is_empty() {
                     String::new()
                 } else {
-                    format!("; PCIe bytes off their ideal by more than 1 % on ranks {off:?}")
+                    format!(
+                        "; PCIe bytes off their ideal by more than {} on ranks {off:?}",
+                        fmt_bytes(slack)
+                    )
                 };
                 report.push(
                     SEC,

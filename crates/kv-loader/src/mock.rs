@@ -108,7 +108,8 @@ pub struct MockScript {
     /// Layer waits answer [`LayerReady::Event`] (a [`MockLayerEvent`]), as the linker does on
     /// a device pool, whose copies may still be queued when the layer is ready: an engine
     /// that reads the layer without waiting on the event shows in
-    /// [`MockKvLoader::events_not_waited`]. Off: [`LayerReady::Resident`] (a host pool).
+    /// [`MockKvLoader::events_not_waited`]. Off: [`LayerReady::Resident`] (a host pool). The
+    /// mock keeps every event it hands out (a test tool: one per layer wait).
     pub device_events: bool,
 }
 
@@ -236,13 +237,23 @@ impl MockKvLoader {
     /// assert_eq!(mock.events_not_waited(), vec![(BatchId(1), 1)]);
     /// ```
     pub fn events_not_waited(&self) -> Vec<(BatchId, u32)> {
-        self.state
-            .lock()
+        let st = self.state.lock();
+        // A layer waited for twice counts as waited when either of its events was.
+        let waited: std::collections::HashSet<(BatchId, u32)> = st
             .events
             .iter()
-            .filter(|e| !e.waited())
+            .filter(|e| e.waited())
             .map(|e| (e.batch, e.layer))
-            .collect()
+            .collect();
+        let mut not: Vec<(BatchId, u32)> = st
+            .events
+            .iter()
+            .map(|e| (e.batch, e.layer))
+            .filter(|k| !waited.contains(k))
+            .collect();
+        not.sort_unstable();
+        not.dedup();
+        not
     }
 
     /// Every call so far, in order.

@@ -672,13 +672,13 @@ fn settle_failed(
     let Some(landing) = landing else {
         return e;
     };
-    if matches!(e, KvLoadError::Device(_)) {
-        // Already `ResetThenRecompute` (copies may be in flight): no wait on a device that
-        // likely stalled already.
-        return e;
-    }
+    // Also for a batch that failed `Device` already: its copies of earlier layers may still
+    // be queued while a read past its deadline keeps the landing (and its drain) alive, and a
+    // reset does not wait for them. A settle that times out poisons the stages, so the drop
+    // does not wait the limit out again.
     match landing.settle() {
         Ok(()) => e,
+        Err(_) if matches!(e, KvLoadError::Device(_)) => e,
         Err(d) => {
             tracing::error!(%batch, error = %e, device = %d,
                 "the batch failed and copies it queued into its slots did not finish in time");
@@ -700,10 +700,15 @@ impl Drop for FinishOnDrop<'_> {
             // Unwinding: its copies are waited for here, as a failed run's are; copies that
             // did not finish make the panicked batch a device failure ([`take_unsettled`]).
             if std::thread::panicking() {
-                if let Err(e) = l.settle() {
+                // A second panic here (in a landing the engine supplied) would abort.
+                let settled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| l.settle()))
+                    .unwrap_or(Err(kv_device::DeviceError::Poisoned(
+                        "the landing panicked while its copies were waited for",
+                    )));
+                if let Err(e) = settled {
                     tracing::error!(error = %e,
                         "a panicked batch's copies into its slots did not finish in time");
-                    UNSETTLED.with(|u| u.set(Some(e.to_string())));
+                    UNSETTLED.with(|u| u.set(Some(e)));
                 }
             }
         }
@@ -713,12 +718,13 @@ impl Drop for FinishOnDrop<'_> {
 thread_local! {
     /// On the load thread: why the copies of the batch that just panicked did not finish, set
     /// while it unwound ([`FinishOnDrop`]), taken when its outcome is made.
-    static UNSETTLED: std::cell::Cell<Option<String>> = const { std::cell::Cell::new(None) };
+    static UNSETTLED: std::cell::Cell<Option<kv_device::DeviceError>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// Why the copies of the batch that just panicked on this thread did not finish in time, if
 /// they did not (taken: the next batch starts clear).
-pub(crate) fn take_unsettled() -> Option<String> {
+pub(crate) fn take_unsettled() -> Option<kv_device::DeviceError> {
     UNSETTLED.with(|u| u.take())
 }
 

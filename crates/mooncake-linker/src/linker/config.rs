@@ -114,7 +114,8 @@ pub struct LinkerConfig {
     /// Bytes the ranks of a group may have in one store call each at once, with adaptive
     /// granularity: each call of a rank reads at most this divided by the ranks that read at
     /// the same time in the batch's mode (every rank in `AllRanks` and `SplitAllGather`, rank
-    /// 0 alone in `Rank0Broadcast`; every rank of the geometry's TP size for a rank loading
+    /// 0 alone in `Rank0Broadcast` unless every rank also reads sharded components of its
+    /// own; every rank of the geometry's TP size for a rank loading
     /// without its group: no sharing, or alone while the group is down). A store's read leases (Mooncake's: 10 s by default) must
     /// outlast a call even when every rank reads at once: 2 GiB in flight over one storage
     /// node is about half a second on a 16-core host over TCP loopback.

@@ -193,9 +193,10 @@ impl Inner {
         tracing::error!(%batch, why, "batch failed");
         match batch::take_unsettled() {
             // Copies it queued may still write the slots: not a plain recompute.
-            Some(d) => KvLoadError::Device(kv_loader::Cause::new(format!(
-                "{batch}: {why}, and copies queued into its slots did not finish: {d}"
-            ))),
+            Some(d) => KvLoadError::Device(kv_loader::Cause::with_source(
+                format!("{batch}: {why}, and copies queued into its slots did not finish: {d}"),
+                d,
+            )),
             None => KvLoadError::internal(batch, why),
         }
     }

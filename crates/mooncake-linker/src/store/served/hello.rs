@@ -3,7 +3,7 @@
 //!
 //! 1. The client sends 32 bytes: magic, protocol, its id, and a fresh random nonce.
 //! 2. The server answers [`answer::PROVE`], a nonce of its own, and its proof: a hash of the
-//!    key and both nonces ([`proof`], [`Role::Server`]). A peer of another protocol is
+//!    key, the client's whole hello and the server's nonce ([`proof`], [`Role::Server`]). A peer of another protocol is
 //!    answered [`answer::OTHER_PROTOCOL`] instead.
 //! 3. The client checks the server's proof, and only then sends its own ([`Role::Client`]);
 //!    a server that cannot prove the key gets nothing more.
@@ -13,7 +13,8 @@
 //! the server's process is gone anyone may bind it. A client that sent its key at hello (as
 //! protocol 6 did) would hand it, and then every put (other users' KV) to such a process,
 //! and read whatever bytes it served, its checksum companions included. The proofs are bound
-//! to both nonces, so one seen on the wire proves nothing on another connection.
+//! to both nonces (and the client's id and protocol), so one seen on the wire proves nothing
+//! on another connection.
 //!
 //! Not a secure channel: after the hello the bytes travel in the clear, and a peer on the path
 //! of a TCP connection could read or relay them. `tcp:` addresses are for networks whose
