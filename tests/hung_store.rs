@@ -562,12 +562,9 @@ fn stalled_landing(drain: Duration, stall: Duration) -> (One, Linker, Arc<CpuDev
     stalled_landing_of(one(), drain, stall).0
 }
 
-/// [`stalled_landing`] over `o`; with its staging pool.
-fn stalled_landing_of(
-    o: One,
-    drain: Duration,
-    stall: Duration,
-) -> ((One, Linker, Arc<CpuDevice>), Arc<StagingPool>) {
+/// A traced CPU device, a device pool of 16 slots for `o`'s model on it, and staging of two
+/// stages for batches of 4 pages.
+fn traced_device_pool(o: &One) -> (Arc<CpuDevice>, Arc<DeviceKvPool>, Arc<StagingPool>) {
     let traced = kvlink::kv_device::cpu::CpuDeviceConfig {
         trace: true,
         ..Default::default()
@@ -576,6 +573,16 @@ fn stalled_landing_of(
     let pool = Arc::new(DeviceKvPool::new(dev.clone(), o.g.clone(), 16).unwrap());
     let staging =
         StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&o.g, 4, 1), 2).unwrap();
+    (dev, pool, staging)
+}
+
+/// [`stalled_landing`] over `o`; with its staging pool.
+fn stalled_landing_of(
+    o: One,
+    drain: Duration,
+    stall: Duration,
+) -> ((One, Linker, Arc<CpuDevice>), Arc<StagingPool>) {
+    let (dev, pool, staging) = traced_device_pool(&o);
     let landings =
         Arc::new(StagedLandingFactory::new(pool.clone(), staging.clone()).with_drain_limit(drain));
     let linker =
@@ -778,14 +785,7 @@ impl kvlink::kv_device::LandingFactory for PanickingLandings {
 #[test]
 fn a_panicked_batch_with_slot_copies_unfinished_is_a_device_failure() {
     let o = one();
-    let traced = kvlink::kv_device::cpu::CpuDeviceConfig {
-        trace: true,
-        ..Default::default()
-    };
-    let dev = CpuDevice::with_config(0, traced).unwrap();
-    let pool = Arc::new(DeviceKvPool::new(dev.clone(), o.g.clone(), 16).unwrap());
-    let staging =
-        StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&o.g, 4, 1), 2).unwrap();
+    let (dev, pool, staging) = traced_device_pool(&o);
     let landings = Arc::new(PanickingLandings(
         StagedLandingFactory::new(pool.clone(), staging)
             .with_drain_limit(Duration::from_millis(200)),
