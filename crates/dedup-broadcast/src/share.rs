@@ -193,14 +193,18 @@ impl StagingLayout {
         };
         let too_large = || ShareError::TooLarge { pages };
         let mut staged: Vec<StagedComponent> = Vec::new();
+        // Every component named so far, carried on this layer or not: a repeat is refused on
+        // every layer alike.
+        let mut named: Vec<ComponentId> = Vec::new();
         let mut chunk_bytes = 0usize;
         for c in components {
             if !c.replicated {
                 return Err(ShareError::Sharded(c.name.clone()));
             }
-            if staged.iter().any(|s| s.id == c.id) {
+            if named.contains(&c.id) {
                 return Err(ShareError::DuplicateComponent(c.id.0));
             }
+            named.push(c.id);
             if c.position(layer).is_none() {
                 continue;
             }

@@ -178,6 +178,16 @@ fn refusals() {
         StagingLayout::new(ShareMode::Rank0Broadcast, 0, [k, k], 3, 2),
         Err(ShareError::DuplicateComponent(k.id.0))
     );
+    // Also on a layer the repeated component does not carry (the indexer is on some layers
+    // only): refused on every layer alike, not only where it is carried.
+    let ix = g.component_by_name("indexer").unwrap();
+    let bare = (0..g.num_layers())
+        .find(|&l| ix.position(l).is_none())
+        .unwrap();
+    assert_eq!(
+        StagingLayout::new(ShareMode::Rank0Broadcast, bare, [ix, ix], 3, 2),
+        Err(ShareError::DuplicateComponent(ix.id.0))
+    );
     let mha = KvGeometry::new(ModelKvSpec::llama3_70b(), 2, 0).unwrap();
     assert!(matches!(
         StagingLayout::new(ShareMode::Rank0Broadcast, 0, mha.components(), 3, 2),
