@@ -68,6 +68,15 @@ pub trait KeyValueExchange: Send + Sync {
     /// Sets `key` to `value` only if `key` is absent, atomically; true when this call set it.
     fn create(&self, key: &str, value: &[u8], deadline: Instant) -> Result<bool, ExchangeError>;
 
+    /// Removes `keys` (absent ones are no error): rank 0 removes the keys of epochs two
+    /// re-formations back, so that an exchange does not keep a key per rank per re-formation
+    /// while a group stays down. The default keeps them (an exchange that cannot remove;
+    /// `TCPStore`: `delete_key` each).
+    fn remove(&self, keys: &[&str], deadline: Instant) -> Result<(), ExchangeError> {
+        let _ = (keys, deadline);
+        Ok(())
+    }
+
     /// Waits until every key of `keys` is present (`Ok(true)`) or `deadline` (`Ok(false)`).
     /// The default polls [`get`](KeyValueExchange::get) every 10 ms.
     fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
@@ -131,6 +140,14 @@ impl KeyValueExchange for MemoryExchange {
         m.insert(key.to_string(), value.to_vec());
         self.changed.notify_all();
         Ok(true)
+    }
+
+    fn remove(&self, keys: &[&str], _deadline: Instant) -> Result<(), ExchangeError> {
+        let mut m = self.map.lock();
+        for k in keys {
+            m.remove(*k);
+        }
+        Ok(())
     }
 
     fn wait(&self, keys: &[&str], deadline: Instant) -> Result<bool, ExchangeError> {
@@ -310,7 +327,27 @@ pub(crate) fn lead(
     if let Err(e) = x.set(&k.closed(), &epoch.to_le_bytes(), late) {
         tracing::warn!(epoch, error = %e, "could not mark the epoch closed: the verdict stands");
     }
+    forget_epoch(x, &k, epoch.saturating_sub(2), world, late);
     decision
+}
+
+/// Removes the keys of epoch `old` (none for epoch 0), logged when that fails. Its joiners are
+/// done: every rank of the two later epochs left it (a rank still waiting on its verdict, stuck
+/// past two of rank 0's leads, waits out its own deadline and meets again, as when a verdict is
+/// lost).
+fn forget_epoch(x: &dyn KeyValueExchange, k: &Keys<'_>, old: u64, world: u32, deadline: Instant) {
+    if old == 0 {
+        return;
+    }
+    let mut keys = vec![k.open(old), k.verdict(old)];
+    for r in 0..world {
+        keys.push(k.hello(old, r));
+        keys.push(k.dup(old, r));
+    }
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    if let Err(e) = x.remove(&refs, deadline) {
+        tracing::warn!(epoch = old, error = %e, "could not remove an old epoch's keys from the exchange");
+    }
 }
 
 /// A joiner's rank claimed twice in one epoch is no refusal here (see
@@ -659,6 +696,36 @@ mod tests {
         exercise(&MemoryExchange::new());
         let dir = std::env::temp_dir().join(format!("kvlink-fx-{}", super::super::fresh_nonce()));
         exercise(&FileExchange::new(&dir).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A group that re-forms again and again over an exchange of files (a group down for
+    /// hours, a re-formation per batch) keeps the files of its last two epochs only, not a file
+    /// per rank per re-formation; each meeting still forms.
+    #[test]
+    fn re_formations_leave_the_files_of_two_epochs_only() {
+        use super::super::decide::tests::hello;
+        let dir = std::env::temp_dir().join(format!("kvlink-fx-{}", super::super::fresh_nonce()));
+        let x = FileExchange::new(&dir).unwrap();
+        let leader = hello(0);
+        let files = || std::fs::read_dir(&dir).unwrap().count();
+        let mut after_two = 0;
+        for round in 1..=8u64 {
+            let deadline = kv_loader::deadline_after(Duration::from_secs(10));
+            let (led, joined) = meet(&x, &leader, deadline);
+            assert_eq!(led.unwrap().epoch, round);
+            assert!(joined.iter().all(|j| j.is_ok()), "{joined:?}");
+            if round == 2 {
+                after_two = files();
+            }
+        }
+        // `current`, `closed`, and two epochs' keys, as after the second meeting.
+        assert_eq!(
+            files(),
+            after_two,
+            "{:?}",
+            std::fs::read_dir(&dir).unwrap().count()
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -211,6 +211,25 @@ impl KeyValueExchange for FileExchange {
             }
         })
     }
+
+    /// One bounded call removes every file of `keys`.
+    fn remove(&self, keys: &[&str], deadline: Instant) -> Result<(), ExchangeError> {
+        let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        self.bounded(
+            format!("removing {} keys", keys.len()),
+            deadline,
+            move |dir| {
+                for key in &keys {
+                    match std::fs::remove_file(Self::path(dir, key)) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(ExchangeError::new(format!("removing {key}: {e}"))),
+                    }
+                }
+                Ok(())
+            },
+        )
+    }
 }
 
 #[cfg(test)]
