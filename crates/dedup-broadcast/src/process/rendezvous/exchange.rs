@@ -68,10 +68,10 @@ pub trait KeyValueExchange: Send + Sync {
     /// Sets `key` to `value` only if `key` is absent, atomically; true when this call set it.
     fn create(&self, key: &str, value: &[u8], deadline: Instant) -> Result<bool, ExchangeError>;
 
-    /// Removes `keys` (absent ones are no error): rank 0 removes the keys of epochs two
-    /// re-formations back, so that an exchange does not keep a key per rank per re-formation
-    /// while a group stays down. The default keeps them (an exchange that cannot remove;
-    /// `TCPStore`: `delete_key` each).
+    /// Removes `keys`, in order (absent ones are no error): rank 0 removes the keys of epochs
+    /// two re-formations back, so that an exchange does not keep a key per rank per
+    /// re-formation while a group stays down. The default keeps them (an exchange that cannot
+    /// remove; `TCPStore`: `delete_key` each).
     fn remove(&self, keys: &[&str], deadline: Instant) -> Result<(), ExchangeError> {
         let _ = (keys, deadline);
         Ok(())
@@ -323,27 +323,35 @@ pub(crate) fn lead(
     let late = kv_loader::deadline_after(Duration::from_secs(5));
     x.set(&k.verdict(epoch), &reply.encode(), late)?;
     // Once the verdict is out the joiners act on it: rank 0 must too. `closed` is a hint
-    // (`open_epoch` never reuses an epoch), so failing to write it is logged, not returned.
-    if let Err(e) = x.set(&k.closed(), &epoch.to_le_bytes(), late) {
-        tracing::warn!(epoch, error = %e, "could not mark the epoch closed: the verdict stands");
+    // (`open_epoch` opens above it, and never reuses an epoch whose `open` key stays), so
+    // failing to write it is logged, not returned; an old epoch's keys are removed only once
+    // `closed` is past it (a leader reading an older `closed` would reopen a removed epoch).
+    match x.set(&k.closed(), &epoch.to_le_bytes(), late) {
+        Ok(()) => forget_epoch(x, &k, epoch.saturating_sub(2), world, late),
+        Err(e) => {
+            tracing::warn!(epoch, error = %e, "could not mark the epoch closed: the verdict stands");
+        }
     }
-    forget_epoch(x, &k, epoch.saturating_sub(2), world, late);
     decision
 }
 
 /// Removes the keys of epoch `old` (none for epoch 0), logged when that fails. Its joiners are
-/// done: every rank of the two later epochs left it (a rank still waiting on its verdict, stuck
-/// past two of rank 0's leads, waits out its own deadline and meets again, as when a verdict is
-/// lost).
+/// done: `current` is two epochs past it, which a joiner still waiting on its verdict sees and
+/// moves on. The claims go first and the `open` key last, so that a removal cut short leaves
+/// the epoch reserved (never opened again over claims left behind). Keys of ranks at or past
+/// `world` (a joiner of another group size) and of epochs a lead abandoned when it moved to a
+/// newer one stay.
 fn forget_epoch(x: &dyn KeyValueExchange, k: &Keys<'_>, old: u64, world: u32, deadline: Instant) {
     if old == 0 {
         return;
     }
-    let mut keys = vec![k.open(old), k.verdict(old)];
+    let mut keys = Vec::with_capacity(2 * world as usize + 2);
     for r in 0..world {
         keys.push(k.hello(old, r));
         keys.push(k.dup(old, r));
     }
+    keys.push(k.verdict(old));
+    keys.push(k.open(old));
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     if let Err(e) = x.remove(&refs, deadline) {
         tracing::warn!(epoch = old, error = %e, "could not remove an old epoch's keys from the exchange");
@@ -720,12 +728,11 @@ mod tests {
             }
         }
         // `current`, `closed`, and two epochs' keys, as after the second meeting.
-        assert_eq!(
-            files(),
-            after_two,
-            "{:?}",
-            std::fs::read_dir(&dir).unwrap().count()
-        );
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(files(), after_two, "{names:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -23,7 +23,8 @@ const HEX_KEY_MAX: usize = 120;
 /// a temporary file to the key's name (fails when the key exists: atomic too). Every rank of
 /// one host, or of hosts sharing a POSIX file system, can meet through it. A file is named
 /// by its key's bytes in hex, or by the key's 128-bit hash for keys of more than 120 bytes.
-/// Files of past epochs stay (a few per rank and formation): remove the directory between
+/// Rank 0 removes the files of an epoch two formations back; a few may stay (a joiner of
+/// another group size, an epoch abandoned for a newer one): remove the directory between
 /// deployments.
 ///
 /// Each call runs its file calls on a thread of its own and waits for them until its
@@ -212,21 +213,27 @@ impl KeyValueExchange for FileExchange {
         })
     }
 
-    /// One bounded call removes every file of `keys`.
+    /// One bounded call removes every file of `keys`, in order; each is tried, and the first
+    /// failure is the answer.
     fn remove(&self, keys: &[&str], deadline: Instant) -> Result<(), ExchangeError> {
         let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
         self.bounded(
             format!("removing {} keys", keys.len()),
             deadline,
             move |dir| {
+                let mut first = None;
                 for key in &keys {
                     match std::fs::remove_file(Self::path(dir, key)) {
                         Ok(()) => {}
                         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                        Err(e) => return Err(ExchangeError::new(format!("removing {key}: {e}"))),
+                        Err(e) => {
+                            first.get_or_insert_with(|| {
+                                ExchangeError::new(format!("removing {key}: {e}"))
+                            });
+                        }
                     }
                 }
-                Ok(())
+                first.map_or(Ok(()), Err)
             },
         )
     }
