@@ -11,7 +11,6 @@ use parking_lot::{Mutex, RwLock};
 
 use super::copy::{self, Moved, RowSpan, ScatterStrategy, Staged};
 use super::pool::DeviceKvPool;
-use super::slot_copies::SlotCopies;
 use super::staging::{slots_work, StagingLease};
 use super::sync;
 use crate::landing::{next_landing_id, Fences, StageLent, TransferLog};
@@ -106,8 +105,9 @@ pub struct StagedLanding {
     /// stream, and every later landing's copies and every save's gather
     /// ([`StagedLandingFactory`](super::StagedLandingFactory)) are ordered after them there.
     slot_writes: RwLock<Option<WriteClaim>>,
-    /// The ends of the copies queued into the slots ([`LayerLanding::settle`]).
-    slot_copies: SlotCopies,
+    /// The events recorded after the copies queued into the slots, poisoned where one could
+    /// not be recorded (their end unknown): what [`LayerLanding::settle`] waits for.
+    slot_copies: Fences,
 }
 
 fn stage_err(reason: &'static str) -> DeviceError {
@@ -194,7 +194,7 @@ impl StagedLanding {
             drain: Duration::from_secs(30),
             open: Mutex::new(vec![None; ring]),
             slot_writes: RwLock::new(Some(claim)),
-            slot_copies: SlotCopies::default(),
+            slot_copies: Fences::default(),
         })
     }
 
@@ -357,7 +357,7 @@ impl StagedLanding {
     /// Runs `enqueue` (work on the load stream that uses stage `h`), then fences the stage
     /// after whatever of it was enqueued, failed or not; a stage whose fence cannot be recorded
     /// is poisoned for good. The fence is returned with `enqueue`'s result. Copies into the
-    /// slots ([`Writes::Slots`]) also keep the fence as their end ([`SlotCopies`]), or say
+    /// slots ([`Writes::Slots`]) also keep the fence as their end (`slot_copies`), or say
     /// that none tells it.
     fn fenced<T>(
         &self,
@@ -369,7 +369,7 @@ impl StagedLanding {
         match self.fence(h) {
             Ok(ev) => {
                 if writes == Writes::Slots {
-                    self.slot_copies.ended_by(ev.clone());
+                    self.slot_copies.push(ev.clone());
                 }
                 r.map(|t| (t, ev))
             }
@@ -378,7 +378,7 @@ impl StagedLanding {
                     state.fences.poison_unfenced();
                 }
                 if writes == Writes::Slots {
-                    self.slot_copies.end_unknown();
+                    self.slot_copies.poison_unfenced();
                 }
                 Err(r.err().unwrap_or(e))
             }
@@ -663,7 +663,10 @@ impl LayerLanding for StagedLanding {
     fn settle(&self) -> Result<(), DeviceError> {
         // Only this landing's copies into the slots: a collective still running writes device
         // staging alone (a scatter is queued only once its collective is known complete).
-        let settled = self.slot_copies.wait(kv_loader::deadline_after(self.drain));
+        let settled = self.slot_copies.drain(
+            kv_loader::deadline_after(self.drain),
+            "the batch's copies into its slots",
+        );
         if settled.is_err() {
             // The device has not run them within the drain limit: the drop quarantines the
             // lease with its fences at once, rather than wait the limit out again.

@@ -10,7 +10,6 @@ mod copy;
 mod factory;
 mod landing;
 mod pool;
-mod slot_copies;
 mod staging;
 pub(crate) mod sync;
 
