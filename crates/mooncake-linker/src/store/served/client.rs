@@ -25,10 +25,10 @@ use dedup_broadcast::{AddressLookups, ResolveFailure};
 use kv_loader::Cause;
 use parking_lot::Mutex;
 
-use super::hello::{self, answer, Role, HELLO_LEN, NONCE_LEN, PROOF_LEN};
+use super::hello::{self, answer, Role, NONCE_LEN, PROOF_LEN};
 use super::protocol::{
     frame_len, location, op, read_all_vectored, read_exact_by, read_frame, split_address,
-    write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAGIC, MAX_FRAME, MAX_ITEMS, PROTOCOL,
+    write_all_vectored, Conn, Dec, Enc, Malformed, StoreKey, MAX_FRAME, MAX_ITEMS,
 };
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangedGet, ReadSession, StoreError,
@@ -284,11 +284,7 @@ impl SocketStore {
     /// this client does. An address without a key proves the all-zero one (test servers).
     fn say_hello(&self, conn: &mut Conn, deadline: Instant) -> Result<(), CallError> {
         let key = self.key.unwrap_or(StoreKey([0; 16]));
-        let mut head = Enc::default();
-        head.u32(MAGIC).u32(PROTOCOL).u64(self.client);
-        let mut said = [0u8; HELLO_LEN];
-        said[..HELLO_LEN - NONCE_LEN].copy_from_slice(&head.0);
-        said[HELLO_LEN - NONCE_LEN..].copy_from_slice(&hello::nonce().map_err(connect_error)?);
+        let said = hello::client_hello(self.client).map_err(connect_error)?;
         write_all_vectored(conn, &mut [IoSlice::new(&said)], deadline)?;
         match read_answer(conn, deadline)? {
             answer::PROVE => {}

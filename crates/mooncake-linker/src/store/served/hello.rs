@@ -24,7 +24,7 @@ use std::io::{self, Read};
 
 use sha2::{Digest, Sha256};
 
-use super::protocol::StoreKey;
+use super::protocol::{Enc, StoreKey, MAGIC, PROTOCOL};
 
 /// Bytes of the client's hello (step 1).
 pub(crate) const HELLO_LEN: usize = 32;
@@ -52,6 +52,16 @@ pub(crate) enum Role {
     Server,
     /// The client's proof (step 3).
     Client,
+}
+
+/// Client `client`'s hello (step 1): magic, protocol, its id, and a fresh nonce.
+pub(crate) fn client_hello(client: u64) -> io::Result<[u8; HELLO_LEN]> {
+    let mut head = Enc::default();
+    head.u32(MAGIC).u32(PROTOCOL).u64(client);
+    let mut said = [0u8; HELLO_LEN];
+    said[..HELLO_LEN - NONCE_LEN].copy_from_slice(&head.0);
+    said[HELLO_LEN - NONCE_LEN..].copy_from_slice(&nonce()?);
+    Ok(said)
 }
 
 /// A fresh random nonce from the kernel's random source.
@@ -95,7 +105,6 @@ pub(crate) mod by_hand {
     use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
 
-    use super::super::protocol::{Enc, MAGIC, PROTOCOL};
     use super::*;
 
     /// Says a client's hello (as client `client`, proving `key`) on `raw` and returns the
@@ -107,11 +116,7 @@ pub(crate) mod by_hand {
 
     /// The client's first 32 bytes (its hello, with a fresh nonce), sent; returned.
     pub(crate) fn send_head(raw: &mut UnixStream, client: u64) -> [u8; HELLO_LEN] {
-        let mut head = Enc::default();
-        head.u32(MAGIC).u32(PROTOCOL).u64(client);
-        let mut hello = [0u8; HELLO_LEN];
-        hello[..HELLO_LEN - NONCE_LEN].copy_from_slice(&head.0);
-        hello[HELLO_LEN - NONCE_LEN..].copy_from_slice(&nonce().unwrap());
+        let hello = client_hello(client).unwrap();
         raw.write_all(&hello).unwrap();
         hello
     }

@@ -68,9 +68,8 @@ pub(crate) struct StoreKey(pub(crate) [u8; 16]);
 impl StoreKey {
     /// A fresh key from the kernel's random source.
     pub(crate) fn fresh() -> io::Result<StoreKey> {
-        let mut k = [0u8; 16];
-        std::fs::File::open("/dev/urandom")?.read_exact(&mut k)?;
-        Ok(StoreKey(k))
+        // As many random bytes as a hello's nonce, from the same source.
+        super::hello::nonce().map(StoreKey)
     }
 
     /// `address` with this key.

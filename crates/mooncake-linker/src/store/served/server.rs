@@ -196,6 +196,23 @@ struct Served {
     refused: AtomicU64,
 }
 
+impl Served {
+    /// What a server of `store` under `key` shares with its threads, before any connection.
+    fn new(store: Arc<EmbeddedStore>, key: StoreKey) -> Self {
+        Served {
+            store,
+            key,
+            stop: AtomicBool::new(false),
+            clients: Mutex::new(HashMap::new()),
+            open: Mutex::new(HashMap::new()),
+            receiving: Mutex::new(0),
+            received: parking_lot::Condvar::new(),
+            greeting: Mutex::new(VecDeque::new()),
+            refused: AtomicU64::new(0),
+        }
+    }
+}
+
 /// Serves an [`EmbeddedStore`] over a socket; stops (and closes every connection) when
 /// dropped. Clients: [`SocketStore`](super::SocketStore).
 ///
@@ -297,17 +314,7 @@ impl StoreServer {
             }
         };
         let key = StoreKey::fresh()?;
-        let served = Arc::new(Served {
-            store,
-            key,
-            stop: AtomicBool::new(false),
-            clients: Mutex::new(HashMap::new()),
-            open: Mutex::new(HashMap::new()),
-            receiving: Mutex::new(0),
-            received: parking_lot::Condvar::new(),
-            greeting: Mutex::new(VecDeque::new()),
-            refused: AtomicU64::new(0),
-        });
+        let served = Arc::new(Served::new(store, key));
         let s = served.clone();
         let thread = std::thread::Builder::new()
             .name("kvlink-store-accept".into())
@@ -1084,17 +1091,7 @@ mod receiving_tests {
     use super::*;
 
     fn served(capacity: u64) -> Served {
-        Served {
-            store: Arc::new(EmbeddedStore::new(capacity)),
-            key: StoreKey([0; 16]),
-            stop: AtomicBool::new(false),
-            clients: Mutex::new(HashMap::new()),
-            open: Mutex::new(HashMap::new()),
-            receiving: Mutex::new(0),
-            received: parking_lot::Condvar::new(),
-            greeting: Mutex::new(VecDeque::new()),
-            refused: AtomicU64::new(0),
-        }
+        Served::new(Arc::new(EmbeddedStore::new(capacity)), StoreKey([0; 16]))
     }
 
     #[test]
