@@ -237,23 +237,16 @@ impl MockKvLoader {
     /// assert_eq!(mock.events_not_waited(), vec![(BatchId(1), 1)]);
     /// ```
     pub fn events_not_waited(&self) -> Vec<(BatchId, u32)> {
-        let st = self.state.lock();
         // A layer waited for twice counts as waited when either of its events was.
-        let waited: std::collections::HashSet<(BatchId, u32)> = st
-            .events
-            .iter()
-            .filter(|e| e.waited())
-            .map(|e| (e.batch, e.layer))
-            .collect();
-        let mut not: Vec<(BatchId, u32)> = st
-            .events
-            .iter()
-            .map(|e| (e.batch, e.layer))
-            .filter(|k| !waited.contains(k))
-            .collect();
-        not.sort_unstable();
-        not.dedup();
-        not
+        let mut waited = std::collections::BTreeMap::<(BatchId, u32), bool>::new();
+        for e in &self.state.lock().events {
+            *waited.entry((e.batch, e.layer)).or_default() |= e.waited();
+        }
+        waited
+            .into_iter()
+            .filter(|&(_, w)| !w)
+            .map(|(layer, _)| layer)
+            .collect()
     }
 
     /// Every call so far, in order.
