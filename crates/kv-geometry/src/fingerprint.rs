@@ -48,6 +48,7 @@ fn element_code(e: ElementType) -> u8 {
         ElementType::F16 => 1,
         ElementType::Fp8E4m3 => 2,
         ElementType::Bytes => 3,
+        ElementType::F32 => 4,
     }
 }
 
@@ -61,7 +62,7 @@ impl KvGeometry {
     /// tp_size u32 if any component is sharded, else 0,
     /// component count u32, then per component in spec order:
     ///   name length u32, name (UTF-8),
-    ///   row unit u8 (0 token, 1 page), element u8 (0 bf16, 1 f16, 2 fp8 e4m3, 3 bytes),
+    ///   row unit u8 (0 token, 1 page), element u8 (0 bf16, 1 f16, 2 fp8 e4m3, 3 bytes, 4 f32),
     ///   row_bytes u32 (whole model, before any TP split),
     ///   replication u8 0 | u8 1 + heads u32,
     ///   layers u8 0 (every layer) | u8 1 + count u32 + each layer u32

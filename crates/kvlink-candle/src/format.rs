@@ -70,7 +70,8 @@ impl LatentFormat {
     }
 
     /// Checks this format against a pool component: token rows, this row size, and an
-    /// element type that agrees (`Bytes` components take any dtype of the right size).
+    /// element type that agrees (`Bytes` components take any dtype of the right size: the
+    /// engine vouches for what opaque bytes hold).
     pub fn check(
         &self,
         geometry: &KvGeometry,
@@ -98,8 +99,10 @@ impl LatentFormat {
         let agrees = match spec.element {
             ElementType::Bf16 => self.dtype == DType::BF16,
             ElementType::F16 => self.dtype == DType::F16,
-            ElementType::Fp8E4m3 => false,
+            ElementType::F32 => self.dtype == DType::F32,
             ElementType::Bytes => true,
+            // FP8 and any later format: not a dtype this adapter moves.
+            _ => false,
         };
         if !agrees {
             return Err(CandleKvError::Format(format!(
@@ -166,5 +169,40 @@ mod tests {
         assert!(LatentFormat::new(1 << 31, 0, DType::BF16).is_err());
         let glm = LatentFormat::new(512, 64, DType::BF16).unwrap();
         assert_eq!((glm.width(), glm.row_bytes()), (576, 1152));
+    }
+
+    fn geometry_of(element: ElementType, row_bytes: u32) -> KvGeometry {
+        use kv_geometry::{ComponentSpec, ModelKvSpec};
+        let spec = ModelKvSpec::new(
+            "m",
+            2,
+            4,
+            vec![ComponentSpec::new("k", RowUnit::Token, element, row_bytes)],
+        )
+        .unwrap();
+        KvGeometry::new(spec, 1, 0).unwrap()
+    }
+
+    /// A component's element type must be the format's dtype (f32 latents included: they had
+    /// no element type of their own and were declared opaque bytes); opaque bytes take any
+    /// dtype of the row's size; FP8 none.
+    #[test]
+    fn element_type_must_agree_with_the_dtype() {
+        let cases = [
+            (ElementType::F32, DType::F32, true),
+            (ElementType::F32, DType::BF16, false),
+            (ElementType::Bf16, DType::BF16, true),
+            (ElementType::Bf16, DType::F16, false),
+            (ElementType::F16, DType::F16, true),
+            (ElementType::Bytes, DType::F32, true),
+            (ElementType::Bytes, DType::BF16, true),
+            (ElementType::Fp8E4m3, DType::BF16, false),
+        ];
+        for (element, dtype, ok) in cases {
+            let format = LatentFormat::new(8, 4, dtype).unwrap();
+            let g = geometry_of(element, format.row_bytes() as u32);
+            let got = format.check(&g, &g.components()[0]);
+            assert_eq!(got.is_ok(), ok, "{element:?} with {dtype:?}: {got:?}");
+        }
     }
 }
