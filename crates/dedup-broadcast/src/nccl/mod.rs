@@ -102,8 +102,13 @@ impl Default for NcclConfig {
     }
 }
 
-/// Checks that the NCCL library can be loaded (without a call that could panic) and returns
-/// its version code (e.g. 22803 for 2.28.3).
+/// The oldest NCCL this crate drives (2.17): the non-blocking communicator's config is laid
+/// out as 2.17 has it, and the calls it makes (`ncclCommInitRankConfig`, `ncclCommFinalize`,
+/// `ncclGetLastError`) are missing from older libraries, where calling them would panic.
+pub const MIN_NCCL_VERSION: i32 = 21_700;
+
+/// Checks that the NCCL library can be loaded (without a call that could panic) and is at
+/// least [`MIN_NCCL_VERSION`], and returns its version code (e.g. 22803 for 2.28.3).
 pub fn nccl_version() -> Result<i32, CollectiveError> {
     cuda_device_count().map_err(|source| CollectiveError::Device {
         what: "CUDA availability",
@@ -115,8 +120,16 @@ pub fn nccl_version() -> Result<i32, CollectiveError> {
             "NCCL unavailable: libnccl.so is not on the library path".into(),
         ));
     }
-    cudarc::nccl::result::get_nccl_version()
-        .map_err(|e| CollectiveError::Backend(format!("ncclGetVersion: {}", nccl_result_name(e.0))))
+    let version = cudarc::nccl::result::get_nccl_version().map_err(|e| {
+        CollectiveError::Backend(format!("ncclGetVersion: {}", nccl_result_name(e.0)))
+    })?;
+    if version < MIN_NCCL_VERSION {
+        return Err(CollectiveError::Backend(format!(
+            "NCCL {version} is older than {MIN_NCCL_VERSION} (2.17), the oldest this crate \
+             drives: install a newer libnccl"
+        )));
+    }
+    Ok(version)
 }
 
 /// A fresh NCCL unique id (`ncclGetUniqueId`), to ship to every rank of a new group out of
@@ -356,6 +369,11 @@ impl Pending {
             Ok(Err(e)) => Err(e),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 self.handle.unusable.store(true, Ordering::Release);
+                // A comm thread that answers late aborts its communicator rather than keep
+                // one its caller gave up on.
+                self.handle
+                    .interrupt
+                    .ask("its start was not confirmed in time");
                 Err(CollectiveError::Timeout {
                     op: "init",
                     seq: 0,
@@ -475,6 +493,7 @@ impl NcclCollective {
             init_deadline: deadline,
             broken: aborted.clone(),
             interrupt: interrupt.clone(),
+            group: group.clone(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-nccl-r{rank}"))
@@ -608,6 +627,10 @@ impl NcclCollective {
             Ok(Err(e)) => Err(unsent(e)),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 self.unusable.store(true, Ordering::Release);
+                // The caller gave up: a comm thread that comes back aborts the communicator
+                // (its peers have moved on) rather than keep it and finalize it with them.
+                self.interrupt
+                    .ask(&format!("{name} #{seq} was not answered in time"));
                 Err(CallFailure {
                     error: CollectiveError::Timeout {
                         op: name,
@@ -857,11 +880,16 @@ impl Collective for NcclCollective {
             ));
         }
         let chunk = region.len / size;
-        let send = Span::device(
-            region.ordinal,
-            region.addr + (self.rank as usize * chunk) as u64,
-            chunk,
-        );
+        let Some(own) = region.addr.checked_add((self.rank as usize * chunk) as u64) else {
+            return Err(self.invalid(
+                "all_gather_device",
+                format!(
+                    "a region at {:#x} of {} bytes wraps around",
+                    region.addr, region.len
+                ),
+            ));
+        };
+        let send = Span::device(region.ordinal, own, chunk);
         let recv = Span::device(region.ordinal, region.addr, region.len);
         match self.call(Op::AllGatherAsync { send, recv, after }, deadline)? {
             Reply::Event(ev) => Ok(ev),

@@ -141,6 +141,10 @@ pub(crate) struct Setup {
     pub(crate) broken: Arc<parking_lot::Mutex<Option<String>>>,
     /// Where the handle asks for an abort.
     pub(crate) interrupt: Arc<AbortRequest>,
+    /// The flag the handles of one in-process group share: set with `broken`, so that the
+    /// peers of a communicator this thread aborted by itself (a timeout, an NCCL error, a
+    /// panic) stop issuing operations their group can no longer complete.
+    pub(crate) group: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 /// `ncclConfig_t` as NCCL 2.17 laid it out. NCCL reads the leading `size` field and copies
@@ -161,6 +165,10 @@ struct NcclConfigV217 {
 }
 
 const NCCL_CONFIG_UNDEF_INT: c_int = c_int::MIN;
+
+/// The smallest scratch and pinned stage (bytes): both are allocated at this size when the
+/// comm thread starts, and grown (to a power of two) only by an operation larger than them.
+const MIN_BUFFER: usize = 1 << 16;
 
 impl NcclConfigV217 {
     fn non_blocking() -> Self {
@@ -210,6 +218,8 @@ pub(crate) struct Worker {
     broken: Arc<parking_lot::Mutex<Option<String>>>,
     /// An abort the handle asked for.
     interrupt: Arc<AbortRequest>,
+    /// The in-process group's shared flag (see [`Setup::group`]).
+    group: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 /// A failed driver call of the worker, keeping the driver's error as the source.
@@ -253,8 +263,27 @@ impl Worker {
             aborted: None,
             broken: s.broken.clone(),
             interrupt: s.interrupt.clone(),
+            group: s.group.clone(),
         };
         w.init_comm(s)?;
+        // The scratch and the stage of the small operations (a gate's words, a lookup's
+        // hits), allocated before this rank is ready: allocated inside its first operation,
+        // after its peers may have launched theirs, the driver could order the allocation
+        // after their kernels on this GPU (the two communicators of a rank share it), which
+        // wait for this rank's part.
+        let buffers = w
+            .scratch(MIN_BUFFER)
+            .and_then(|_| match w.stage(MIN_BUFFER) {
+                Ok(_) => Ok(()),
+                Err(Fail::Error(e)) => Err(e),
+                Err(Fail::Deadline | Fail::Interrupted(_)) => Err(CollectiveError::Backend(
+                    "allocating the pinned stage ended without an error".into(),
+                )),
+            });
+        if let Err(e) = buffers {
+            w.abort_comm("allocating the scratch failed");
+            return Err(e);
+        }
         Ok(w)
     }
 
@@ -437,9 +466,10 @@ impl Worker {
     /// Aborts the communicator (ncclCommAbort also stops NCCL kernels still waiting for a
     /// peer), then waits a bounded time for the comm stream to drain.
     fn abort_comm(&mut self, cause: &str) {
-        self.broken
-            .lock()
-            .get_or_insert_with(|| format!("rank {}: {cause}", self.rank));
+        for flag in [&self.broken, &self.group] {
+            flag.lock()
+                .get_or_insert_with(|| format!("rank {}: {cause}", self.rank));
+        }
         if self.comm.is_null() {
             self.aborted.get_or_insert_with(|| cause.to_string());
             return;
@@ -469,7 +499,7 @@ impl Worker {
     fn scratch(&mut self, len: usize) -> Result<u64, CollectiveError> {
         if self.scratch.as_ref().is_none_or(|b| b.len() < len) {
             self.scratch = None;
-            let cap = len.max(1 << 16).next_power_of_two();
+            let cap = len.max(MIN_BUFFER).next_power_of_two();
             self.scratch = Some(
                 DeviceBuffer::alloc(self.device.context(), cap, "NCCL host-op scratch")
                     .map_err(cerr)?,
@@ -566,7 +596,7 @@ impl Worker {
     fn stage(&mut self, len: usize) -> Result<usize, Fail> {
         if self.host_stage.as_ref().is_none_or(|b| b.len() < len) {
             self.host_stage = None;
-            let cap = len.max(1 << 16).next_power_of_two();
+            let cap = len.max(MIN_BUFFER).next_power_of_two();
             self.host_stage = Some(
                 PinnedBuffer::zeroed(self.device.context(), cap, "NCCL host-op stage")
                     .map_err(|e| Fail::Error(cerr(e)))?,
@@ -746,7 +776,7 @@ impl Worker {
                 "send and recv must both be host or both device memory".into(),
             )));
         }
-        let in_place = send.addr == recv.addr + self.rank as usize * n;
+        let in_place = recv.addr.checked_add(self.rank as usize * n) == Some(send.addr);
         if send.overlaps(&recv) && !in_place {
             return Err(Fail::Error(self.invalid(
                 op,
@@ -869,7 +899,7 @@ impl Worker {
                 "an asynchronous all-gather moves device memory only".into(),
             )));
         }
-        let in_place = send.addr == recv.addr + self.rank as usize * n;
+        let in_place = recv.addr.checked_add(self.rank as usize * n) == Some(send.addr);
         if send.overlaps(&recv) && !in_place {
             return Err(Fail::Error(self.invalid(
                 op,
@@ -1041,14 +1071,66 @@ impl Drop for Worker {
 }
 
 /// `NCCL_COMM_BLOCKING` set to a true value: NCCL's `envConfigOverride` then makes every
-/// communicator blocking whatever its config asks.
+/// communicator blocking whatever its config asks. NCCL reads the value with `strtol` (base
+/// 0), so `01`, `0x1` and `+1` count as 1 too. (A value from `/etc/nccl.conf` or
+/// `NCCL_CONF_FILE` is not seen here: NCCL's init then blocks, bounded only by the caller's
+/// wait for the comm thread, which leaves that thread behind.)
 fn env_forces_blocking() -> bool {
-    std::env::var("NCCL_COMM_BLOCKING").is_ok_and(|v| v.trim() == "1")
+    std::env::var("NCCL_COMM_BLOCKING").is_ok_and(|v| strtol_base0(&v) == 1)
+}
+
+/// The number C's `strtol(s, NULL, 0)` reads from `s`: leading blanks, a sign, then `0x`
+/// (hex), `0` (octal) or decimal digits, up to the first other character; 0 when none.
+fn strtol_base0(s: &str) -> i64 {
+    let s = s.trim_start();
+    let (negative, s) = match s.as_bytes().first() {
+        Some(b'-') => (true, &s[1..]),
+        Some(b'+') => (false, &s[1..]),
+        _ => (false, s),
+    };
+    let (radix, digits) = if let Some(hex) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        (16, hex)
+    } else if s.len() > 1 && s.starts_with('0') {
+        (8, &s[1..])
+    } else {
+        (10, s)
+    };
+    let end = digits
+        .find(|c: char| !c.is_digit(radix))
+        .unwrap_or(digits.len());
+    let value = i64::from_str_radix(&digits[..end], radix).unwrap_or(0);
+    if negative {
+        -value
+    } else {
+        value
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `NCCL_COMM_BLOCKING=01` (or `0x1`, `+1`) forced blocking mode past the check, which
+    /// matched the text "1" only.
+    #[test]
+    fn blocking_values_read_as_nccl_reads_them() {
+        for (v, n) in [
+            ("1", 1),
+            ("01", 1),
+            ("0x1", 1),
+            ("+1", 1),
+            (" 1", 1),
+            ("1abc", 1),
+            ("0", 0),
+            ("", 0),
+            ("true", 0),
+            ("-1", -1),
+            ("010", 8),
+            ("0x", 0),
+        ] {
+            assert_eq!(strtol_base0(v), n, "{v:?}");
+        }
+    }
 
     #[test]
     fn an_abort_request_is_seen_from_another_thread_with_its_first_cause() {
