@@ -6,7 +6,7 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -75,7 +75,23 @@ impl MeshListener {
     }
 
     /// Accepts one connection before `deadline` (`None` at the deadline).
+    #[cfg(test)]
     fn accept(&self, transport: Transport, deadline: Instant) -> std::io::Result<Option<Link>> {
+        Ok(match self.accept_watching(transport, &[], deadline)? {
+            Accepted::Link(link) => Some(link),
+            Accepted::HungUp(_) | Accepted::Deadline => None,
+        })
+    }
+
+    /// Accepts one connection before `deadline`, or says which of the `watched` links (a
+    /// rank and the link's descriptor) hung up first: a peer whose formation ended after it
+    /// connected (it failed to reach another rank) will not be part of the mesh.
+    fn accept_watching(
+        &self,
+        transport: Transport,
+        watched: &[(u32, RawFd)],
+        deadline: Instant,
+    ) -> std::io::Result<Accepted> {
         let fd = match (transport, &self.unix) {
             (Transport::Unix, Some(u)) => u.as_raw_fd(),
             _ => self.tcp.as_raw_fd(),
@@ -83,16 +99,19 @@ impl MeshListener {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Ok(None);
+                return Ok(Accepted::Deadline);
             }
-            let mut pfd = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
+            let mut pfds: Vec<libc::pollfd> = std::iter::once((fd, libc::POLLIN))
+                .chain(watched.iter().map(|&(_, w)| (w, libc::POLLRDHUP)))
+                .map(|(fd, events)| libc::pollfd {
+                    fd,
+                    events,
+                    revents: 0,
+                })
+                .collect();
             let ms = left.as_millis().saturating_add(1).min(i32::MAX as u128) as libc::c_int;
-            // SAFETY: one live pollfd for the call.
-            let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+            // SAFETY: `pfds` is a live array of `pfds.len()` pollfds for the call.
+            let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
             if r < 0 {
                 let e = std::io::Error::last_os_error();
                 if e.kind() == std::io::ErrorKind::Interrupted {
@@ -101,6 +120,18 @@ impl MeshListener {
                 return Err(e);
             }
             if r == 0 {
+                continue;
+            }
+            let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+            if let Some(&(rank, _)) = watched
+                .iter()
+                .zip(&pfds[1..])
+                .find(|(_, p)| p.revents & gone != 0)
+                .map(|(w, _)| w)
+            {
+                return Ok(Accepted::HungUp(rank));
+            }
+            if pfds[0].revents == 0 {
                 continue;
             }
             let accepted = match (transport, &self.unix) {
@@ -114,7 +145,7 @@ impl MeshListener {
                 }),
             };
             match accepted {
-                Ok(link) => return Ok(Some(link)),
+                Ok(link) => return Ok(Accepted::Link(link)),
                 Err(e) => match accept_retry(&e) {
                     Some(pause) => {
                         tracing::debug!(error = %e, "accepting a peer failed; polling again");
@@ -156,6 +187,16 @@ fn accept_retry(e: &std::io::Error) -> Option<Duration> {
         }
         _ => None,
     }
+}
+
+/// What a wait at a mesh listener ended with.
+enum Accepted {
+    /// A connection (not yet greeted).
+    Link(Link),
+    /// This watched rank's link hung up.
+    HungUp(u32),
+    /// The deadline passed.
+    Deadline,
 }
 
 /// A connecting rank's greeting: the group's epoch, the handle, its rank and the peer's, and
@@ -402,20 +443,45 @@ fn accept_higher_ranks(
     let me = plan.rank;
     let mut expected = (world - 1 - me) * handles;
     while expected > 0 {
-        let Some(link) = listener
-            .accept(plan.transport, deadline)
+        // The links already accepted: one that hangs up is a peer that gave up on this
+        // formation (it failed to reach another rank), which every rank learns at once this
+        // way rather than at the deadline (a minute on a first formation).
+        let watched: Vec<(u32, RawFd)> = meshes
+            .iter()
+            .flat_map(|m| m.iter().enumerate())
+            .filter_map(|(peer, l)| l.as_ref().map(|l| (peer as u32, l.fd())))
+            .collect();
+        let link = match listener
+            .accept_watching(plan.transport, &watched, deadline)
             .map_err(|e| RendezvousError::io("accepting a peer", e))?
-        else {
-            let missing: Vec<u32> = (me + 1..world)
-                .filter(|&p| meshes.iter().any(|m| m[p as usize].is_none()))
-                .collect();
-            return Err(RendezvousError::Timeout {
-                missing,
-                detail: format!("rank {me} waiting for its peers' connections"),
-            });
+        {
+            Accepted::Link(link) => link,
+            Accepted::HungUp(peer) => {
+                return Err(RendezvousError::peer(
+                    peer,
+                    "waiting for the other ranks' connections",
+                    std::io::Error::new(
+                        std::io::ErrorKind::ConnectionAborted,
+                        "it hung up before the mesh was formed",
+                    ),
+                ))
+            }
+            Accepted::Deadline => {
+                let missing: Vec<u32> = (me + 1..world)
+                    .filter(|&p| meshes.iter().any(|m| m[p as usize].is_none()))
+                    .collect();
+                return Err(RendezvousError::Timeout {
+                    missing,
+                    detail: format!("rank {me} waiting for its peers' connections"),
+                });
+            }
         };
-        let Some((h, from)) = admit_peer(plan, &link, handles, meshes, deadline) else {
-            continue;
+        let (h, from) = match admit_peer(plan, &link, handles, meshes, deadline) {
+            None => continue,
+            Some(Ok(place)) => place,
+            Some(Err((from, e))) => {
+                return Err(RendezvousError::peer(from, "acking its handshake", e));
+            }
         };
         meshes[h as usize][from as usize] = Some(link);
         expected -= 1;
@@ -425,14 +491,15 @@ fn accept_higher_ranks(
 
 /// Reads an accepted connection's handshake and acks it when it is meant for this rank's
 /// meshes and its place there is still empty; its handle and rank, or `None` for a
-/// connection to drop (silent, meant for another group, or not acked in time).
+/// connection to drop (silent, or meant for another group), or the member and the ack's
+/// failure when the member greeted and was gone before its ack (it gave up on the formation).
 fn admit_peer(
     plan: &MeshPlan<'_>,
     link: &Link,
     handles: u32,
     meshes: &[Vec<Option<Link>>],
     deadline: Instant,
-) -> Option<(u32, u32)> {
+) -> Option<Result<(u32, u32), (u32, std::io::Error)>> {
     let world = plan.members.len() as u32;
     let me = plan.rank;
     let mut b = [0u8; HANDSHAKE];
@@ -468,10 +535,11 @@ fn admit_peer(
         );
         return None;
     }
-    if write_all_by(link, &ack(plan.nonce(me)), short).is_err() {
-        return None;
+    if let Err(e) = write_all_by(link, &ack(plan.nonce(me)), short) {
+        // The member greeted (with its nonce) and is gone: it gave up on this formation.
+        return Some(Err((from, e)));
     }
-    Some((h, from))
+    Some(Ok((h, from)))
 }
 
 /// Waits for each lower rank's ack of this rank's handshake, and puts each acked link in
@@ -603,6 +671,50 @@ mod tests {
             assert!(r.is_err(), "{transport:?}");
             assert!(
                 t0.elapsed() < Duration::from_secs(2),
+                "{transport:?}: {:?}",
+                t0.elapsed()
+            );
+        }
+    }
+
+    /// Rank 2 of three greets rank 0, then finds rank 1 gone (its listener closed) and gives
+    /// up: rank 0 learns it from the link's hang-up at once. Before, rank 0 waited for rank
+    /// 2's other connections until its deadline (a minute on a first formation).
+    #[test]
+    fn a_peer_that_gives_up_after_connecting_fails_the_lower_ranks_at_once() {
+        for transport in [Transport::Tcp, Transport::Unix] {
+            let ip = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+            let unix = transport == Transport::Unix;
+            let listeners: Vec<MeshListener> = (0..3)
+                .map(|r| MeshListener::bind(ip, unix, 40 + r).unwrap())
+                .collect();
+            let members: Vec<Endpoint> = listeners.iter().map(|l| l.endpoint.clone()).collect();
+            let nonces = [40, 41, 42];
+            let mut listeners = listeners.into_iter();
+            let (l0, l1, l2) = (
+                listeners.next().unwrap(),
+                listeners.next().unwrap(),
+                listeners.next().unwrap(),
+            );
+            drop(l1);
+            let deadline = kv_loader::deadline_after(Duration::from_secs(20));
+            let t0 = Instant::now();
+            let (zero, two) = std::thread::scope(|s| {
+                let zero = s.spawn(|| {
+                    connect_meshes(&plan(&members, &nonces, 0, transport), &l0, 1, deadline)
+                });
+                let two = s.spawn(|| {
+                    connect_meshes(&plan(&members, &nonces, 2, transport), &l2, 1, deadline)
+                });
+                (zero.join().unwrap(), two.join().unwrap())
+            });
+            assert!(two.is_err(), "{transport:?}: rank 1 is gone");
+            match zero {
+                Err(RendezvousError::Peer { rank: 2, .. }) => {}
+                other => panic!("{transport:?}: rank 0 got {:?}", other.map(drop)),
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
                 "{transport:?}: {:?}",
                 t0.elapsed()
             );

@@ -455,21 +455,37 @@ pub(crate) fn join(
         // slice, so that a rank 0 gone between the two steps costs a few calls per second,
         // not a hundred loops' calls (a thread each through a `FileExchange`).
         let mut idle = POLL;
+        // The last read of the exchange that failed here, reported at the deadline.
+        let mut unread: Option<RendezvousError> = None;
         // An open epoch not decided yet. One at or below this process's last group's means the
         // exchange restarted empty: the hello says so, and rank 0 opens a newer epoch.
         let epoch = loop {
             if Instant::now() >= deadline {
-                return Err(timed_out.take().unwrap_or(RendezvousError::Timeout {
-                    missing: vec![0],
-                    detail: format!("rank 0 opened no new epoch under {prefix:?}"),
-                }));
+                return Err(timed_out.take().or(unread.take()).unwrap_or(
+                    RendezvousError::Timeout {
+                        missing: vec![0],
+                        detail: format!("rank 0 opened no new epoch under {prefix:?}"),
+                    },
+                ));
             }
             // Waited for through the exchange: the current epoch's key, or (the current one
-            // decided) the next epoch's opening, which rank 0 makes first.
-            let awaited = match read_u64(x, &k.current(), deadline)? {
-                Some(e) if x.get(&k.verdict(e), deadline)?.is_none() => break e,
-                Some(e) => k.open(e.saturating_add(1)),
-                None => k.current(),
+            // decided) the next epoch's opening, which rank 0 makes first. A read that fails
+            // (a store hiccup) is "not yet", as a failed wait is: nothing of this rank is in
+            // the exchange yet, and rank 0 waits for it until its own deadline anyway.
+            let current = read_u64(x, &k.current(), deadline).and_then(|current| match current {
+                Some(e) => Ok(Some((e, x.get(&k.verdict(e), deadline)?.is_none()))),
+                None => Ok(None),
+            });
+            let awaited = match current {
+                Ok(Some((e, true))) => break e,
+                Ok(Some((e, false))) => k.open(e.saturating_add(1)),
+                Ok(None) => k.current(),
+                Err(e) => {
+                    tracing::debug!(rank, error = %e, "reading the exchange failed: taken as not yet");
+                    unread = Some(e);
+                    pause(deadline);
+                    continue;
+                }
             };
             // There already (rank 0 between opening an epoch and making it current): a pause.
             if wait_slice(x, &[awaited], deadline) {
@@ -987,6 +1003,32 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
+    }
+
+    /// A joiner's reads before it claims its place fail a few times (a store hiccup): it
+    /// tries again and joins. Before, the first failed read ended its formation at once,
+    /// while rank 0 waited for it until its deadline.
+    #[test]
+    fn a_joiner_whose_first_reads_fail_tries_again() {
+        use super::super::decide::tests::hello;
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static FAILS_LEFT: AtomicU32 = AtomicU32::new(3);
+        let x = Hiccup::new(
+            |_| false,
+            |_, key| {
+                key == "p/current"
+                    && FAILS_LEFT
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                        .is_ok()
+            },
+        );
+        let deadline = kv_loader::deadline_after(Duration::from_secs(10));
+        let (led, joined) = meet(&x, &hello(0), deadline);
+        let led = led.unwrap();
+        for j in joined {
+            assert_eq!(j.unwrap().epoch, led.epoch);
+        }
+        assert_eq!(FAILS_LEFT.load(Ordering::SeqCst), 0, "the reads failed");
     }
 
     /// A joiner whose wait for the verdict fails (a store hiccup) withdraws its hello, as at

@@ -25,6 +25,22 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// proposing rank's `Auto` keeps that mode; an older rank would read it as no mode).
 pub(crate) const PROTOCOL: u32 = 7;
 
+/// Longest version or host string a hello may carry (bytes). Both go into refusals rank 0
+/// sends every member and keeps for later idle replies: a peer's megabyte string made each
+/// of those past the frame limit, so none was delivered.
+pub(crate) const MAX_PEER_TEXT: usize = 1024;
+
+/// `s`, refused when longer than [`MAX_PEER_TEXT`].
+fn peer_text(what: &str, s: String) -> Result<String, Malformed> {
+    if s.len() > MAX_PEER_TEXT {
+        return Err(Malformed(format!(
+            "a {what} of {} bytes (at most {MAX_PEER_TEXT})",
+            s.len()
+        )));
+    }
+    Ok(s)
+}
+
 /// Where a rank's collective listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Endpoint {
@@ -164,7 +180,7 @@ fn read_endpoint(d: &mut Decoder<'_>) -> Result<Endpoint, Malformed> {
     Ok(Endpoint {
         tcp,
         unix: d.opt_str("unix name")?,
-        host: d.str("host")?,
+        host: peer_text("host", d.str("host")?)?,
     })
 }
 
@@ -224,7 +240,9 @@ impl Hello {
             if d.u32("magic")? != MAGIC {
                 return Err(Malformed("not a kvlink hello".into()));
             }
-            Ok((d.u32("protocol")?, d.str("version")?, d.u32("rank")?))
+            let protocol = d.u32("protocol")?;
+            let version = peer_text("version", d.str("version")?)?;
+            Ok((protocol, version, d.u32("rank")?))
         })();
         let (protocol, version, rank) = head.map_err(malformed)?;
         if protocol != PROTOCOL {
@@ -610,5 +628,30 @@ pub(crate) mod tests {
         ));
         let bytes = hello(1).encode();
         assert!(Hello::decode(&bytes[..bytes.len() - 3], "0.1.0").is_err());
+    }
+
+    /// A version or host string past the bound is a malformed hello (refused to its sender
+    /// alone). Before, it went whole into the refusal rank 0 sends every member, which a
+    /// megabyte string pushed past the frame limit: no member was told.
+    #[test]
+    fn a_hello_with_a_huge_version_or_host_is_malformed() {
+        let mut other = hello(2);
+        other.protocol = PROTOCOL + 1;
+        other.version = "9".repeat(MAX_PEER_TEXT + 1);
+        assert!(matches!(
+            Hello::decode(&other.encode(), "0.1.0"),
+            Err(RendezvousError::Protocol(_))
+        ));
+        let mut far = hello(1);
+        far.endpoint.host = "h".repeat(MAX_PEER_TEXT + 1);
+        assert!(matches!(
+            Hello::decode(&far.encode(), "0.1.0"),
+            Err(RendezvousError::Protocol(_))
+        ));
+        // At the bound both still decode.
+        let mut long = hello(1);
+        long.version = "9".repeat(MAX_PEER_TEXT);
+        long.endpoint.host = "h".repeat(MAX_PEER_TEXT);
+        assert_eq!(Hello::decode(&long.encode(), "0.1.0").unwrap(), long);
     }
 }

@@ -32,6 +32,10 @@ const LATE_ANSWERS: Duration = Duration::from_secs(1);
 const REPLY_GRACE: Duration = Duration::from_millis(500);
 /// Pause between a joiner's attempts.
 const RETRY: Duration = Duration::from_millis(50);
+/// Longest pause between a joiner's attempts while rank 0 answers that its group is live
+/// (a restarted rank waiting for the others to re-form): the pause doubles from [`RETRY`] up
+/// to this, each attempt costing rank 0 a connection and a thread.
+const IDLE_RETRY: Duration = Duration::from_millis(500);
 /// Pause between a joiner's attempts while rank 0's name does not resolve: each attempt asks
 /// the resolver, so not every `RETRY`.
 const LOOKUP_RETRY: Duration = Duration::from_millis(500);
@@ -77,6 +81,9 @@ struct LeaderState {
     /// Tests: how many of the accepting thread's next polls fail (as out of memory).
     #[cfg(test)]
     failing_polls: u32,
+    /// Tests: hellos answered idle (no formation in progress).
+    #[cfg(test)]
+    idle_answers: u32,
 }
 
 impl LeaderState {
@@ -708,6 +715,10 @@ fn admit(
         }
     }
     let idle = st.idle();
+    #[cfg(test)]
+    {
+        st.idle_answers += 1;
+    }
     drop(st);
     let _ = reply(&mut arrival.stream, &idle);
 }
@@ -765,6 +776,7 @@ pub(crate) fn join(
     let mut lookups = AddressLookups::new(addr, RENDEZVOUS);
     let mut timed_out: Option<RendezvousError> = None;
     let mut listener: Option<HelloAt> = None;
+    let mut pace = RETRY;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -792,13 +804,21 @@ pub(crate) fn join(
                 },
                 _,
             )) => {
+                pace = if live_epoch.is_some() {
+                    (pace * 2).min(IDLE_RETRY)
+                } else {
+                    RETRY
+                };
                 heard = Heard::Idle {
                     live_epoch,
                     last_failure,
-                }
+                };
+                std::thread::sleep(pace.min(deadline.saturating_duration_since(Instant::now())));
+                continue;
             }
             None => {}
         }
+        pace = RETRY;
         std::thread::sleep(RETRY.min(deadline.saturating_duration_since(Instant::now())));
     }
 }
@@ -1414,6 +1434,33 @@ mod tests {
             Some("127.0.0.1".parse().unwrap()),
             "a listener for the new address"
         );
+    }
+
+    /// A restarted rank asks a rank 0 whose group is live: its attempts slow down (each is a
+    /// connection and a thread on rank 0). Before, one every 50 ms until its deadline.
+    #[test]
+    fn a_joiner_answered_that_the_group_is_live_backs_off() {
+        let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
+        leader.state.lock().live_epoch = Some(3);
+        let nonce = 0x5eed_0002 ^ u64::from(std::process::id());
+        let deadline = kv_loader::deadline_after(Duration::from_secs(3));
+        let r = join(
+            &leader.local_addr().to_string(),
+            1,
+            |ip| {
+                let l = MeshListener::bind(ip, false, nonce)
+                    .map_err(|e| RendezvousError::io("binding the mesh listener", e))?;
+                Ok((hello(1), l))
+            },
+            deadline,
+        );
+        assert!(
+            matches!(r, Err(RendezvousError::Occupied { rank: 1, epoch: 3 })),
+            "{:?}",
+            r.map(drop)
+        );
+        let asked = leader.state.lock().idle_answers;
+        assert!((2..=12).contains(&asked), "{asked} attempts in 3 s");
     }
 
     #[test]
