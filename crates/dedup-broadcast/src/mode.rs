@@ -48,7 +48,8 @@ pub fn choose_mode(
     bytes_per_layer: u64,
 ) -> (ShareMode, String) {
     let (mode, why) = decide(choice, bw, tp_size, bytes_per_layer);
-    tracing::info!(
+    // Debug: decided for every batch.
+    tracing::debug!(
         ?choice,
         ?mode,
         tp_size,

@@ -210,6 +210,7 @@ impl SlotClaims {
 
 /// Slots a landing writes: no save reads them and no other landing writes them until this
 /// drops (see [`SlotClaims::write`]).
+#[must_use = "the claim lasts until it drops: dropped at once, it claims nothing"]
 pub struct WriteClaim {
     pool: Arc<dyn KvPool>,
     slots: Box<[u32]>,
@@ -251,6 +252,7 @@ impl std::fmt::Debug for WriteClaim {
 }
 
 /// A slot a save reads: no landing writes it until this drops (see [`SlotClaims::read`]).
+#[must_use = "the claim lasts until it drops: dropped at once, it claims nothing"]
 pub struct ReadClaim {
     pool: Arc<dyn KvPool>,
     slot: u32,
@@ -274,6 +276,7 @@ impl std::fmt::Debug for ReadClaim {
 
 /// Slots a save reads: no landing writes them until this drops (see
 /// [`SlotClaims::read_all`]).
+#[must_use = "the claims last until they drop: dropped at once, they claim nothing"]
 pub struct ReadClaims {
     pool: Arc<dyn KvPool>,
     slots: Box<[u32]>,

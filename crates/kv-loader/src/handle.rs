@@ -38,6 +38,7 @@ use crate::{
 /// assert!(outcome.result.is_ok());
 /// # }
 /// ```
+#[must_use = "finish it (or take its outcome): a dropped handle leaves its outcome in the loader"]
 pub struct LoadHandle {
     loader: Arc<dyn KvLoader>,
     ticket: LoadTicket,

@@ -33,6 +33,7 @@ use crate::CandleKvError;
 /// With [`LayerReady::Event`](kv_loader::LayerReady::Event) (device pools), the gate blocks
 /// on the event on the host, or, if built [`on_stream`](Self::on_stream), makes that compute
 /// stream wait instead (per clone: each may name its own stream).
+#[must_use = "a gate must be finished to take the load's outcome"]
 pub struct LayerGate {
     inner: Option<Arc<Inner>>,
     stream: Option<RawStream>,

@@ -290,7 +290,9 @@ impl GroupFormation for RendezvousFormation {
         }
         let by = deadline.min(kv_loader::deadline_after(self.reform_timeout));
         self.form_by(by).map_err(|e| {
-            tracing::warn!(rank, epoch, error = %e, "re-forming the group failed");
+            // Debug: the caller says it (a linker at most once a minute while its group is
+            // down, tried again on every batch and lookup).
+            tracing::debug!(rank, epoch, error = %e, "re-forming the group failed");
             let missing = e.missing_ranks();
             CollectiveError::Formation {
                 epoch,

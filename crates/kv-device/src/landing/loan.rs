@@ -89,6 +89,7 @@ fn next_loan_id() -> u64 {
 /// drop(loan);
 /// assert!(landing.target_bytes(&stages[0], ComponentId(0), 1).is_ok());
 /// ```
+#[must_use = "a loan dropped at once returns its stages unused"]
 pub struct StageLoan {
     id: u64,
     landing: u64,

@@ -295,8 +295,12 @@ impl Drop for DeviceKvPool {
         // stalled device) may still write the buffers: keep them rather than free them. A copy
         // of the pool already known stuck (parked in its bounce) is not waited for again: the
         // stream is behind it, so the wait would only spend its whole limit.
+        let bytes: usize = self.buffers.iter().map(|b| b.len()).sum();
+        let ordinal = self.device.ordinal();
         if self.bounce.stuck() {
             tracing::error!(
+                bytes,
+                ordinal,
                 "device pool dropped while one of its copies is stuck; leaking its buffers"
             );
             for b in self.buffers.drain(..) {
@@ -305,7 +309,8 @@ impl Drop for DeviceKvPool {
             return;
         }
         if let Err(e) = sync::drain(&self.device.load_stream(), SYNC_LIMIT) {
-            tracing::error!(error = %e, "device pool dropped with load-stream work pending; leaking its buffers");
+            tracing::error!(error = %e, bytes, ordinal,
+                "device pool dropped with load-stream work pending; leaking its buffers");
             for b in self.buffers.drain(..) {
                 std::mem::forget(b);
             }

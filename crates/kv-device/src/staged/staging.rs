@@ -347,6 +347,7 @@ impl Drop for StagingPool {
 
 /// A leased staging buffer; returns to its pool on drop. The holder waits for the device work
 /// that uses it before dropping it, or [quarantines](StagingLease::quarantine) it.
+#[must_use = "a lease dropped at once returns its buffer unused"]
 pub struct StagingLease {
     pool: Arc<StagingPool>,
     pair: Option<StagingPair>,

@@ -236,7 +236,13 @@ impl Inner {
         held: Option<&Arc<HeldOutcome>>,
     ) -> Result<LoadStats, KvLoadError> {
         let batch = job.plan.logical.batch;
-        let span = info_span!("load_batch", %batch, pages = job.plan.logical.num_pages());
+        let span = info_span!(
+            "load_batch",
+            %batch,
+            rank = self.geometry.tp_rank(),
+            pages = job.plan.logical.num_pages(),
+            epoch = tracing::field::Empty
+        );
         let _enter = span.enter();
         debug!(%batch, queued = ?job.started.elapsed(), "batch starts");
         // A batch id may be started again once its outcome was taken: nothing its earlier
@@ -264,6 +270,7 @@ impl Inner {
             Ok(h) => h,
             Err(alone) => return self.run_alone(gates, job, refusal, alone, held),
         };
+        span.record("epoch", handles.epoch);
         let coll = handles.data.as_ref();
         let gated = match self.gate(gates, handles.epoch, coll, job) {
             Ok(g) => g,

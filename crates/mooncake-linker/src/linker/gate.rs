@@ -9,7 +9,7 @@ use dedup_broadcast::{
     GroupStatus, LayerStatus, RanksAhead,
 };
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, ShareMode};
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use super::batch::{collective_failure, BatchJob};
 use super::group_time::{BatchSample, PendingSample};
@@ -190,7 +190,7 @@ impl Inner {
                     let (mode, plans_differ) = match gate.verdict {
                         GateVerdict::Agreed => {
                             if coll.rank() == 0 {
-                                info!(%batch, ?mode, why, "share mode");
+                                debug!(%batch, ?mode, why, "share mode");
                             } else {
                                 self.auto.follow(mode, code & PROPOSAL_KEPT != 0);
                             }

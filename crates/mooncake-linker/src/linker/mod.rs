@@ -60,7 +60,7 @@ use kv_loader::{
 };
 use layerwise_counter::CounterError;
 use parking_lot::Mutex;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::read_plan::ReadCost;
 use crate::store::{KvStore, StoreCalls};
@@ -133,7 +133,8 @@ impl Inner {
         match &result {
             Ok(stats) => {
                 self.metrics.batch(true);
-                info!(%batch, pages = stats.pages, bytes = stats.bytes_read,
+                // Debug: one per batch per rank (the metrics count them).
+                debug!(%batch, pages = stats.pages, bytes = stats.bytes_read,
                       last_layer = ?stats.last_layer, "batch loaded");
             }
             Err(e) => {

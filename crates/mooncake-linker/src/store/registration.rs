@@ -29,6 +29,7 @@ use super::{KvStore, MemoryRegion, StoreCalls, StoreError};
 /// let reg = Registration::new(&store, region).unwrap();
 /// reg.release().unwrap();
 /// ```
+#[must_use = "the memory stays registered until this is released or dropped"]
 pub struct Registration {
     store: Arc<dyn KvStore>,
     region: Option<StoreRegion>,

@@ -194,7 +194,11 @@ impl Measured {
     pub(super) fn keep_when_measured(&mut self, per_mode: u32) {
         let enough = self.enough(per_mode);
         if self.live().all(|m| self.samples[slot(m)].len() >= enough) {
-            self.kept = Some(self.leader());
+            let kept = self.leader();
+            if self.kept != Some(kept) {
+                tracing::info!(mode = ?kept, batches = self.batches, "Auto keeps a share mode");
+            }
+            self.kept = Some(kept);
         }
     }
 

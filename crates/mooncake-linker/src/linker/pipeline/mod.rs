@@ -150,10 +150,14 @@ impl LayerPipeline<'_> {
         let handoff: Handoff<Option<LayerStage>, ReadLayer> =
             Handoff::new((0..ring).map(|_| stages.next()), ring);
         let h = &handoff;
+        // The batch's span (batch, rank, epoch) on the reader's lines too: the store's own
+        // lines (an overdue call, a failed read) then say which batch they were for.
+        let span = tracing::Span::current();
         std::thread::scope(|s| {
             let reader = std::thread::Builder::new()
                 .name(format!("kvlink-read-r{}", self.inner.geometry.tp_rank()))
                 .spawn_scoped(s, move || {
+                    let _span = span.enter();
                     // The exchange loop learns at once that the reader left, even if it
                     // panicked.
                     let _done = ReaderDone(h);

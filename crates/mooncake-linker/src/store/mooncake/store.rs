@@ -520,6 +520,13 @@ pub(super) fn wheel_read(
 
 /// Maps a whole-call mooncake-sys error to the [`StoreError`] of `key`.
 pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
+    store_error_logged(key, e, true)
+}
+
+/// [`store_error`], logging the failure (where the error has no room for the shim's
+/// message) only when `log`: a batched call's failure is logged once by its caller, not once
+/// per key.
+fn store_error_logged(key: &str, e: &MooncakeError, log: bool) -> StoreError {
     match e {
         MooncakeError::Status {
             code,
@@ -529,7 +536,7 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
         } => {
             let typed = code_error(key, *code);
             let typed = match message {
-                Some(message) => with_message(typed, operation, message),
+                Some(message) => with_message(typed, operation, message, log),
                 None => typed,
             };
             match typed {
@@ -561,7 +568,7 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
 /// `e` with the message of the C++ exception behind it (the shim's): in its detail where it
 /// has one, else in a log line beside it (the kinds without a detail cross the served
 /// protocol as they are).
-fn with_message(e: StoreError, operation: &str, message: &str) -> StoreError {
+fn with_message(e: StoreError, operation: &str, message: &str, log: bool) -> StoreError {
     let more = |detail: String| format!("{detail}; {operation}: {message}");
     match e {
         StoreError::NoSpace { key, detail } => StoreError::NoSpace {
@@ -580,7 +587,9 @@ fn with_message(e: StoreError, operation: &str, message: &str) -> StoreError {
             detail: more(detail.to_string()).into(),
         },
         other => {
-            tracing::warn!(error = %other, operation, message, "Mooncake call failed");
+            if log {
+                tracing::warn!(error = %other, operation, message, "Mooncake call failed");
+            }
             other
         }
     }
@@ -599,8 +608,18 @@ pub(super) fn per_key<T>(
             }
         }
         Err(e) => {
+            // One line for the call: the same failure for each of its keys (hundreds of
+            // pages times components) would be as many lines.
+            if let Some(&first) = valid.first() {
+                tracing::warn!(
+                    error = %e,
+                    keys = valid.len(),
+                    first_key = keys[first],
+                    "Mooncake call failed for every key it named"
+                );
+            }
             for &i in valid {
-                out[i] = Err(store_error(keys[i], &e));
+                out[i] = Err(store_error_logged(keys[i], &e, false));
             }
         }
     }
