@@ -457,7 +457,7 @@ fn a_hung_register_fails_the_linkers_build_in_time_and_is_undone_when_it_returns
     let t0 = Instant::now();
     let built = Linker::new(o.g.clone(), o.store.clone(), pool.clone(), cfg());
     let took = t0.elapsed();
-    let e = built.err().expect("the build fails");
+    let e = built.expect_err("the build fails");
     assert!(e.to_string().contains("register"), "{e}");
     // One store call (2 s) and a second per GB of the pool's region: well under 4 s here.
     assert!(took < Duration::from_secs(4), "{took:?}");

@@ -194,6 +194,15 @@ pub struct MockKvLoader {
     between_checks: Mutex<Option<BetweenChecks>>,
 }
 
+impl std::fmt::Debug for MockKvLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MockKvLoader")
+            .field("num_layers", &self.num_layers)
+            .field("script", &self.script)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A test's step in `start_load`'s window (see `MockKvLoader::between_checks`).
 #[cfg(test)]
 type BetweenChecks = Box<dyn FnOnce(&MockKvLoader) + Send>;

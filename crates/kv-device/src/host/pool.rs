@@ -37,6 +37,17 @@ pub struct HostKvPool {
     claims: SlotClaims,
 }
 
+impl std::fmt::Debug for HostKvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostKvPool")
+            .field("model", &self.geometry.spec().model)
+            .field("tp_rank", &self.geometry.tp_rank())
+            .field("pages", &self.pages)
+            .field("buffers", &self.buffers.len())
+            .finish_non_exhaustive()
+    }
+}
+
 impl HostKvPool {
     /// A zeroed pool of `pages` page slots for `geometry`.
     pub fn new(geometry: KvGeometry, pages: u32) -> Result<Self, DeviceError> {

@@ -34,6 +34,18 @@ pub struct TpGroup {
     pub formation: Option<Arc<dyn GroupFormation>>,
 }
 
+impl std::fmt::Debug for TpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpGroup")
+            .field("rank", &self.data.rank())
+            .field("size", &self.data.size())
+            .field("data_broken", &self.data.broken())
+            .field("control_broken", &self.control.broken())
+            .field("formation", &self.formation.is_some())
+            .finish()
+    }
+}
+
 impl TpGroup {
     /// Handles for `size` ranks that are threads of this process, moving host memory (rank
     /// `r` gets element `r`).

@@ -280,6 +280,20 @@ pub struct Linker {
     ended: Mutex<Option<mpsc::Receiver<()>>>,
 }
 
+impl std::fmt::Debug for Linker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = &self.inner.geometry;
+        f.debug_struct("Linker")
+            .field("model", &g.spec().model)
+            .field("tp_rank", &g.tp_rank())
+            .field("tp_size", &g.tp_size())
+            .field("grouped", &self.inner.group.is_some())
+            .field("mode", &self.inner.config.mode)
+            .field("running", &self.jobs.lock().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Linker {
     /// A linker for one rank (`geometry.tp_rank`) over `store`, landing into the host
     /// `pool`: `Linker::builder(geometry, store, pool).config(config).build()`.

@@ -64,6 +64,16 @@ pub struct EmbeddedStore {
     next_session: AtomicU64,
 }
 
+impl std::fmt::Debug for EmbeddedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedStore")
+            .field("capacity", &self.capacity)
+            .field("used", &*self.used.lock())
+            .field("sessions", &self.sessions.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
 /// A new object's buffer of `len` bytes, allocated once and filled in place by `fill` (an
 /// object kept as `Arc<[u8]>` built from a `Vec` would be copied once more, and held twice
 /// meanwhile).
