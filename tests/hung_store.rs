@@ -16,7 +16,8 @@ use common::tp::{config, mixed_spec, rank_matches_at, tp_ranks, Path, TpRank};
 use common::{load_plan, pool_matches, prompt, save_prefix, small_spec, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::{
-    CpuDevice, DeviceKvPool, HostKvPool, ScatterStrategy, StagedLandingFactory, StagingPool,
+    CpuDevice, DeviceKvPool, HostKvPool, KvPool, ScatterStrategy, SlotClaims, StagedLandingFactory,
+    StagingPool,
 };
 use kvlink::kv_geometry::{KvGeometry, PageHash};
 use kvlink::kv_loader::{BatchId, KvLoadError, KvLoader, LoadTicket, ShareMode};
@@ -653,6 +654,50 @@ fn a_failed_batch_whose_slot_copies_outlast_the_drain_limit_is_a_device_failure(
         err.action(),
         kvlink::kv_loader::EngineAction::ResetThenRecompute
     );
+    o.stall.release();
+    linker.close().unwrap();
+}
+
+/// The same: the failed batch's slots stay claimed (no later landing or save takes them,
+/// `SlotClaims::wait_free` waits) until the stalled copies have finished, then are free.
+/// Before, the claim went as the batch finished, and a `reset` (which finds nothing in
+/// flight) left the engine nothing to wait on before it recomputed into them.
+#[test]
+fn a_failed_batchs_slots_stay_claimed_until_its_unfinished_copies_end() {
+    let o = one();
+    let (dev, pool, staging) = traced_device_pool(&o);
+    let landings = Arc::new(
+        StagedLandingFactory::new(pool.clone(), staging)
+            .with_drain_limit(Duration::from_millis(200)),
+    );
+    let linker = Linker::with_landings(
+        o.g.clone(),
+        o.store.clone(),
+        pool.clone(),
+        landings,
+        cfg(),
+        None,
+    )
+    .unwrap();
+    dev.stall_at(CpuOp::ToDevice, 4, Duration::from_secs(2));
+    let slots = vec![1, 2, 3, 4];
+    let t = linker
+        .start_load(load_plan(&o.g, 1, &o.pages, slots.clone()))
+        .unwrap();
+    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
+    let claims_of: &dyn KvPool = pool.as_ref();
+    let soon = Instant::now() + Duration::from_millis(100);
+    assert!(
+        SlotClaims::wait_free(claims_of, &slots, soon).is_err(),
+        "the slots were free while copies into them were stalled"
+    );
+    let mut held = claims_of.slot_claims().unwrap().held_slots();
+    held.sort_unstable();
+    assert_eq!(held, slots);
+    let later = Instant::now() + Duration::from_secs(10);
+    SlotClaims::wait_free(claims_of, &slots, later).expect("free once the copies finished");
+    assert!(claims_of.slot_claims().unwrap().held_slots().is_empty());
     o.stall.release();
     linker.close().unwrap();
 }

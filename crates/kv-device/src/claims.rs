@@ -8,7 +8,9 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use crate::{DeviceError, KvPool};
+use parking_lot::Mutex;
+
+use crate::{DeviceError, KvPool, SharedEvent};
 
 /// A slot claimed for writing (no reader, no other writer).
 const WRITER: u32 = u32::MAX;
@@ -30,6 +32,33 @@ const WRITER: u32 = u32::MAX;
 #[derive(Debug)]
 pub struct SlotClaims {
     states: Box<[AtomicU32]>,
+    /// Write claims kept past their holder ([`WriteClaim::hold_until`]): released once their
+    /// events have completed (never, for `None`), looked at by every claim and wait.
+    held: Mutex<Vec<HeldUntil>>,
+}
+
+/// Slots claimed for writing until device work finishes.
+struct HeldUntil {
+    slots: Box<[u32]>,
+    until: Option<Vec<SharedEvent>>,
+}
+
+impl std::fmt::Debug for HeldUntil {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeldUntil")
+            .field("slots", &self.slots)
+            .field("events", &self.until.as_ref().map(Vec::len))
+            .finish()
+    }
+}
+
+impl HeldUntil {
+    /// Every event completed (an event whose query fails never does).
+    fn done(&self) -> bool {
+        self.until
+            .as_ref()
+            .is_some_and(|events| events.iter().all(|e| matches!(e.is_complete(), Ok(true))))
+    }
 }
 
 impl SlotClaims {
@@ -37,7 +66,39 @@ impl SlotClaims {
     pub fn new(pages: u32) -> Self {
         SlotClaims {
             states: (0..pages).map(|_| AtomicU32::new(0)).collect(),
+            held: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Releases the held write claims whose work has finished.
+    fn release_finished(&self) {
+        let mut held = self.held.lock();
+        if held.is_empty() {
+            return;
+        }
+        held.retain(|h| {
+            if !h.done() {
+                return true;
+            }
+            for &slot in h.slots.iter() {
+                if let Some(state) = self.states.get(slot as usize) {
+                    state.store(0, Ordering::Release);
+                }
+            }
+            tracing::info!(slots = ?h.slots, "slots held for unfinished device copies are free");
+            false
+        });
+    }
+
+    /// Slots claimed past their claim's holder until device work finishes
+    /// ([`WriteClaim::hold_until`]), that work not yet known finished.
+    pub fn held_slots(&self) -> Vec<u32> {
+        self.release_finished();
+        self.held
+            .lock()
+            .iter()
+            .flat_map(|h| h.slots.iter().copied())
+            .collect()
     }
 
     fn of(pool: &Arc<dyn KvPool>) -> Result<&SlotClaims, DeviceError> {
@@ -64,6 +125,7 @@ impl SlotClaims {
     /// claim drops.
     pub fn write(pool: &Arc<dyn KvPool>, slots: &[u32]) -> Result<WriteClaim, DeviceError> {
         let claims = Self::of(pool)?;
+        claims.release_finished();
         for (i, &slot) in slots.iter().enumerate() {
             let taken = claims.take_writer(slot, "a landing (or this one, named twice) writes it");
             if let Err(e) = taken {
@@ -82,7 +144,9 @@ impl SlotClaims {
     /// Claims `slot` of `pool` for reading (beside other readers): refused
     /// ([`DeviceError::SlotBusy`]) while a landing writes it. Released when the claim drops.
     pub fn read(pool: &Arc<dyn KvPool>, slot: u32) -> Result<ReadClaim, DeviceError> {
-        Self::of(pool)?.add_reader(slot)?;
+        let claims = Self::of(pool)?;
+        claims.release_finished();
+        claims.add_reader(slot)?;
         Ok(ReadClaim {
             pool: pool.clone(),
             slot,
@@ -94,6 +158,7 @@ impl SlotClaims {
     /// named twice is read twice. Released when the claim drops.
     pub fn read_all(pool: &Arc<dyn KvPool>, slots: &[u32]) -> Result<ReadClaims, DeviceError> {
         let claims = Self::of(pool)?;
+        claims.release_finished();
         for (i, &slot) in slots.iter().enumerate() {
             if let Err(e) = claims.add_reader(slot) {
                 for &done in &slots[..i] {
@@ -141,6 +206,7 @@ impl SlotClaims {
         };
         let mut pause = std::time::Duration::from_micros(200);
         loop {
+            claims.release_finished();
             let mut busy = None;
             for &slot in slots {
                 match claims.state(slot)?.load(Ordering::Acquire) {
@@ -164,6 +230,7 @@ impl SlotClaims {
     /// Holds `slot` for the guard's life as a landing's claim does (for a copy of the pool's
     /// own): refused ([`DeviceError::SlotBusy`]) while a save reads it or a landing writes it.
     pub(crate) fn hold_write(&self, slot: u32) -> Result<HeldWrite<'_>, DeviceError> {
+        self.release_finished();
         let state = self.take_writer(
             slot,
             "a landing, or another write_slot of the slot, writes it",
@@ -237,6 +304,25 @@ fn release_each(pool: &Arc<dyn KvPool>, slots: &[u32], release: impl Fn(&AtomicU
     }
 }
 
+impl WriteClaim {
+    /// Keeps these slots claimed after this claim is gone, until every event of `until` has
+    /// completed (for good when `None`: work whose end no event tells): for copies into the
+    /// slots that may still run after their batch failed. The pool's claims release them
+    /// when a later claim, read or [`SlotClaims::wait_free`] finds the events complete;
+    /// [`SlotClaims::held_slots`] lists them meanwhile.
+    pub fn hold_until(mut self, until: Option<Vec<SharedEvent>>) {
+        let slots = std::mem::take(&mut self.slots);
+        if let Some(claims) = self.pool.slot_claims() {
+            tracing::warn!(
+                ?slots,
+                events = until.as_ref().map(Vec::len),
+                "slots stay claimed until copies queued into them have finished"
+            );
+            claims.held.lock().push(HeldUntil { slots, until });
+        }
+    }
+}
+
 impl Drop for WriteClaim {
     fn drop(&mut self) {
         release_each(&self.pool, &self.slots, |s| s.store(0, Ordering::Release));
@@ -307,6 +393,56 @@ mod tests {
     fn pool() -> Arc<dyn KvPool> {
         let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
         Arc::new(HostKvPool::new(g, 4).unwrap())
+    }
+
+    /// An event complete once the test says so.
+    #[derive(Debug, Default)]
+    struct Done(std::sync::atomic::AtomicBool);
+
+    impl kv_loader::StreamWaitable for Done {
+        fn wait_on_stream(&self, _: kv_loader::RawStream) -> Result<(), kv_loader::KvLoadError> {
+            Ok(())
+        }
+        fn synchronize(&self) -> Result<(), kv_loader::KvLoadError> {
+            Ok(())
+        }
+    }
+
+    impl crate::DeviceEvent for Done {
+        fn is_complete(&self) -> Result<bool, DeviceError> {
+            Ok(self.0.load(Ordering::Acquire))
+        }
+        fn wait_until(&self, _: std::time::Instant) -> Result<bool, DeviceError> {
+            self.is_complete()
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    /// Slots held past their claim until device work ends: refused to readers and writers
+    /// (and waited for) until the event completes; for good without an event.
+    #[test]
+    fn a_claim_held_until_events_is_released_once_they_complete() {
+        let pool = pool();
+        let done = Arc::new(Done::default());
+        let ev: SharedEvent = done.clone();
+        SlotClaims::write(&pool, &[1, 2])
+            .unwrap()
+            .hold_until(Some(vec![ev]));
+        SlotClaims::write(&pool, &[3]).unwrap().hold_until(None);
+        let claims = pool.slot_claims().unwrap();
+        assert_eq!(claims.held_slots(), vec![1, 2, 3]);
+        assert!(SlotClaims::read(&pool, 1).is_err());
+        assert!(SlotClaims::write(&pool, &[2]).is_err());
+        let soon = std::time::Instant::now() + std::time::Duration::from_millis(20);
+        assert!(SlotClaims::wait_free(pool.as_ref(), &[1], soon).is_err());
+        done.0.store(true, Ordering::Release);
+        let later = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        SlotClaims::wait_free(pool.as_ref(), &[1, 2], later).unwrap();
+        assert!(SlotClaims::read(&pool, 1).is_ok());
+        assert_eq!(claims.held_slots(), vec![3], "work whose end nothing tells");
+        assert!(SlotClaims::read(&pool, 3).is_err());
     }
 
     #[test]

@@ -112,6 +112,12 @@ impl Fences {
         Ok(())
     }
 
+    /// The fences (left in place), or `None` when some work has no fence here (its end is
+    /// unknown).
+    pub(crate) fn known(&self) -> Option<Vec<SharedEvent>> {
+        (!self.is_unfenced()).then(|| self.events.lock().clone())
+    }
+
     /// The fences, for a release that must wait for them elsewhere.
     pub(crate) fn take(&self) -> Vec<SharedEvent> {
         std::mem::take(&mut *self.events.lock())

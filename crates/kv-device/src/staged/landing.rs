@@ -2,6 +2,7 @@
 //! buffer.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -108,6 +109,8 @@ pub struct StagedLanding {
     /// The events recorded after the copies queued into the slots, poisoned where one could
     /// not be recorded (their end unknown): what [`LayerLanding::settle`] waits for.
     slot_copies: Fences,
+    /// Set once a failed settle kept the slots claimed until those copies finish.
+    slots_held: AtomicBool,
 }
 
 fn stage_err(reason: &'static str) -> DeviceError {
@@ -195,6 +198,7 @@ impl StagedLanding {
             open: Mutex::new(vec![None; ring]),
             slot_writes: RwLock::new(Some(claim)),
             slot_copies: Fences::default(),
+            slots_held: AtomicBool::new(false),
         })
     }
 
@@ -365,13 +369,30 @@ impl StagedLanding {
         writes: Writes,
         enqueue: impl FnOnce() -> Result<T, DeviceError>,
     ) -> Result<(T, SharedEvent), DeviceError> {
-        let r = enqueue();
+        // A panic part-way (a backend's copy) leaves what it queued fenced too, then goes on:
+        // the stage and the slots' settle wait for it as for a failure's.
+        let r = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(enqueue)) {
+            Ok(r) => r,
+            Err(payload) => {
+                let _ = self.fence_after(h, writes);
+                std::panic::resume_unwind(payload);
+            }
+        };
+        match self.fence_after(h, writes) {
+            Ok(ev) => r.map(|t| (t, ev)),
+            Err(e) => Err(r.err().unwrap_or(e)),
+        }
+    }
+
+    /// Fences stage `h` after the work just queued (and the slots' copies, for
+    /// [`Writes::Slots`]), or poisons them where no fence can be recorded.
+    fn fence_after(&self, h: usize, writes: Writes) -> Result<SharedEvent, DeviceError> {
         match self.fence(h) {
             Ok(ev) => {
                 if writes == Writes::Slots {
                     self.slot_copies.push(ev.clone());
                 }
-                r.map(|t| (t, ev))
+                Ok(ev)
             }
             Err(e) => {
                 if let Ok(state) = self.state(h) {
@@ -380,7 +401,7 @@ impl StagedLanding {
                 if writes == Writes::Slots {
                     self.slot_copies.poison_unfenced();
                 }
-                Err(r.err().unwrap_or(e))
+                Err(e)
             }
         }
     }
@@ -672,6 +693,23 @@ impl LayerLanding for StagedLanding {
             // lease with its fences at once, rather than wait the limit out again.
             for state in &self.stages_state {
                 state.fences.poison();
+            }
+            // The batch fails and the engine recomputes into the slots: they stay claimed
+            // (no later landing or save takes them, `SlotClaims::wait_free` waits) until the
+            // copies have finished. Their claim went at `finish` (claimed again here: nothing
+            // took them since, as the batch's outcome is not out yet), or goes now.
+            if !self.slots_held.swap(true, Ordering::AcqRel) {
+                let pool: Arc<dyn KvPool> = self.pool.clone();
+                let taken = self.slot_writes.write().take();
+                let claim = match taken {
+                    Some(claim) => Ok(claim),
+                    None => SlotClaims::write(&pool, &self.slots),
+                };
+                match claim {
+                    Ok(claim) => claim.hold_until(self.slot_copies.known()),
+                    Err(e) => tracing::error!(landing = self.id, error = %e,
+                        "the slots of copies that did not finish could not be kept claimed"),
+                }
             }
         }
         settled

@@ -265,8 +265,10 @@ impl StagingPool {
     }
 
     /// What holds each quarantined buffer, e.g. `"save gather of pool slots [3, 7]"`: for a
-    /// health report, or to see which pool slots stay claimed (a landing into them is
-    /// refused [`DeviceError::SlotBusy`]) while the work may still run.
+    /// health report, or to see which pool slots the work may still use. A save gather's
+    /// slots stay claimed for reading meanwhile (a landing into them is refused
+    /// [`DeviceError::SlotBusy`]); a landing's stay claimed only when its batch failed with
+    /// copies into them unfinished ([`SlotClaims::held_slots`](crate::SlotClaims::held_slots)).
     ///
     /// ```
     /// use kv_device::{CpuDevice, StagingPool};

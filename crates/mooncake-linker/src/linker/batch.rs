@@ -685,7 +685,12 @@ fn settle_failed(
     // does not wait the limit out again.
     match landing.settle() {
         Ok(()) => e,
-        Err(_) if matches!(e, KvLoadError::Device(_)) => e,
+        Err(d) if matches!(e, KvLoadError::Device(_)) => {
+            tracing::error!(%batch, error = %e, device = %d,
+                "the batch failed on the device and copies it queued into its slots did not \
+                 finish in time");
+            e
+        }
         Err(d) => {
             tracing::error!(%batch, error = %e, device = %d,
                 "the batch failed and copies it queued into its slots did not finish in time");
@@ -703,20 +708,24 @@ struct FinishOnDrop<'l>(Option<&'l dyn LayerLanding>);
 impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         if let Some(l) = self.0 {
-            l.finish();
-            // Unwinding: its copies are waited for here, as a failed run's are; copies that
-            // did not finish make the panicked batch a device failure ([`take_unsettled`]).
-            if std::thread::panicking() {
-                // A second panic here (in a landing the engine supplied) would abort.
-                let settled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| l.settle()))
-                    .unwrap_or(Err(kv_device::DeviceError::Poisoned(
-                        "the landing panicked while its copies were waited for",
-                    )));
-                if let Err(e) = settled {
-                    tracing::error!(error = %e,
-                        "a panicked batch's copies into its slots did not finish in time");
-                    UNSETTLED.with(|u| u.set(Some(e)));
-                }
+            if !std::thread::panicking() {
+                l.finish();
+                return;
+            }
+            // Unwinding: a second panic (in a landing the engine supplied) would abort.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| l.finish())).is_err() {
+                tracing::error!("a panicked batch's landing panicked again as it finished");
+            }
+            // Its copies are waited for here, as a failed run's are; copies that did not
+            // finish make the panicked batch a device failure ([`take_unsettled`]).
+            let settled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| l.settle()))
+                .unwrap_or(Err(kv_device::DeviceError::Poisoned(
+                    "the landing panicked while its copies were waited for",
+                )));
+            if let Err(e) = settled {
+                tracing::error!(error = %e,
+                    "a panicked batch's copies into its slots did not finish in time");
+                UNSETTLED.with(|u| u.set(Some(e)));
             }
         }
     }
