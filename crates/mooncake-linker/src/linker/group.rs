@@ -13,7 +13,7 @@ use kv_loader::{BatchId, Cause, KvLoadError};
 use parking_lot::Mutex;
 
 use super::handle_use::{Channel, HandleInUse, HandleUses, Replaced};
-use super::log_every::LogEvery;
+use crate::log_every::LogEvery;
 
 /// One rank's handles on its TP group: `data` carries the per-layer exchanges of the load
 /// thread, `control` the lookups of the engine's thread. Two handles, because the two

@@ -25,7 +25,6 @@ mod group_time;
 mod handle_use;
 mod handoff;
 mod landed;
-mod log_every;
 mod lookup;
 mod metrics;
 mod outcomes;

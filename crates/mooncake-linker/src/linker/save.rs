@@ -510,13 +510,14 @@ impl Inner {
         }
         warn!(keys = keys.len(), "{what}: discarded");
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        for (key, r) in refs
+        let results = self.calls.discard(&refs, self.store_deadline());
+        let mut failed = refs
             .iter()
-            .zip(self.calls.discard(&refs, self.store_deadline()))
-        {
-            if let Err(e) = r {
-                warn!(key, error = %e, "{what}: this one stays");
-            }
+            .zip(&results)
+            .filter_map(|(k, r)| r.as_ref().err().map(|e| (k, e)));
+        if let Some((key, e)) = failed.next() {
+            warn!(stay = 1 + failed.count(), first = key, error = %e,
+                "{what}: these could not be discarded and stay");
         }
     }
 }

@@ -23,6 +23,7 @@ use tracing::{debug, error, warn};
 
 use super::{KvStore, ObjectGet, ReadSession};
 use super::{ReadSession as Session, StoreError};
+use crate::log_every::LogEvery;
 
 /// Most store calls running at once, hung ones included.
 pub const MAX_WORKERS: usize = 256;
@@ -45,6 +46,8 @@ struct Workers {
     idle: Arc<AtomicUsize>,
     /// Workers alive (idle, busy or hung).
     alive: Arc<AtomicUsize>,
+    /// "Every worker is busy or hung": at `error` once a minute while it lasts.
+    all_busy_log: LogEvery,
 }
 
 impl Workers {
@@ -55,6 +58,7 @@ impl Workers {
             rx: Arc::new(Mutex::new(rx)),
             idle: Arc::new(AtomicUsize::new(0)),
             alive: Arc::new(AtomicUsize::new(0)),
+            all_busy_log: LogEvery::default(),
         }
     }
 
@@ -85,10 +89,16 @@ impl Workers {
     fn spawn(&self) -> Result<(), StoreError> {
         if self.alive.fetch_add(1, Ordering::AcqRel) >= MAX_WORKERS {
             self.alive.fetch_sub(1, Ordering::AcqRel);
-            error!(
-                max = MAX_WORKERS,
-                "every store-call worker is busy or hung: failing the call"
-            );
+            // Every call fails so while the hang lasts: one line a minute at `error`.
+            if self.all_busy_log.due("all busy") {
+                error!(
+                    max = MAX_WORKERS,
+                    "every store-call worker is busy or hung: failing the call (and the \
+                     calls after it, logged at debug for a minute)"
+                );
+            } else {
+                debug!(max = MAX_WORKERS, "every store-call worker is busy or hung");
+            }
             return Err(StoreError::Unavailable {
                 detail: format!("{MAX_WORKERS} store calls are running or hung").into(),
             });
@@ -142,6 +152,8 @@ pub struct StoreCalls {
     store: Arc<dyn KvStore>,
     workers: Workers,
     overdue: Arc<AtomicU64>,
+    /// "A call's deadline passed before it started": at `warn` once a minute per kind.
+    not_started_log: LogEvery,
 }
 
 /// Why a call gave its caller no result.
@@ -283,6 +295,7 @@ impl StoreCalls {
             store,
             workers: Workers::new(),
             overdue: Arc::new(AtomicU64::new(0)),
+            not_started_log: LogEvery::default(),
         }
     }
 
@@ -366,10 +379,18 @@ impl StoreCalls {
         if Instant::now() >= deadline {
             // Its caller's bound (a TP peer's wait, say) is spent: the call would only be
             // given up at once, its memory held until it returned.
-            warn!(
-                call = what,
-                "a store call's deadline passed before it started: not sent"
-            );
+            if self.not_started_log.due(what) {
+                warn!(
+                    call = what,
+                    "a store call's deadline passed before it started: not sent (more such \
+                     calls are logged at debug for a minute)"
+                );
+            } else {
+                debug!(
+                    call = what,
+                    "a store call's deadline passed before it started"
+                );
+            }
             return Ok(Err(Unanswered::NotStarted));
         }
         Ok(self.submit(what, call, late)?.wait(deadline))

@@ -28,6 +28,8 @@ pub(crate) fn objects_then_companions(
 ) -> usize {
     let mut discarded = 0;
     let mut staying = std::collections::HashSet::new();
+    // One line per kind: a failed call fails every key alike (a store down).
+    let mut first_failure: Option<(&str, StoreError)> = None;
     if !objects.is_empty() {
         for (key, r) in objects
             .iter()
@@ -37,11 +39,15 @@ pub(crate) fn objects_then_companions(
                 Ok(()) => discarded += 1,
                 Err(StoreError::NotFound { .. }) => {}
                 Err(e) => {
-                    warn!(key, error = %e, "an object could not be discarded: it stays, and so does its companion");
+                    first_failure.get_or_insert((key, e));
                     staying.insert(checksum_key(key));
                 }
             }
         }
+    }
+    if let Some((key, e)) = first_failure.take() {
+        warn!(objects = staying.len(), first = key, error = %e,
+            "objects could not be discarded: they stay, and so do their companions");
     }
     let companions: Vec<&str> = companions
         .iter()
@@ -49,14 +55,22 @@ pub(crate) fn objects_then_companions(
         .filter(|c| !staying.contains(*c))
         .collect();
     if !companions.is_empty() {
+        let mut failed = 0usize;
         for (key, r) in companions
             .iter()
             .zip(checked_results(&companions, discard(&companions)))
         {
             match r {
                 Ok(()) | Err(StoreError::NotFound { .. }) => {}
-                Err(e) => warn!(key, error = %e, "a companion could not be discarded"),
+                Err(e) => {
+                    failed += 1;
+                    first_failure.get_or_insert((key, e));
+                }
             }
+        }
+        if let Some((key, e)) = first_failure {
+            warn!(companions = failed, first = key, error = %e,
+                "checksum companions could not be discarded");
         }
     }
     discarded
