@@ -739,6 +739,7 @@ fn a_batch_whose_copies_outlast_the_drain_limit_waits_it_out_once() {
 struct PanicsAtThirdLand {
     inner: Box<dyn kvlink::kv_device::LayerLanding>,
     lands: std::sync::atomic::AtomicU32,
+    finish_panics: bool,
 }
 
 impl kvlink::kv_device::LayerLanding for PanicsAtThirdLand {
@@ -789,7 +790,10 @@ impl kvlink::kv_device::LayerLanding for PanicsAtThirdLand {
         self.inner.poison(stage)
     }
     fn finish(&self) {
-        self.inner.finish()
+        self.inner.finish();
+        if self.finish_panics {
+            panic!("an engine's landing panicked again as it finished");
+        }
     }
     fn settle(&self) -> Result<(), kvlink::kv_device::DeviceError> {
         self.inner.settle()
@@ -802,7 +806,8 @@ impl kvlink::kv_device::LayerLanding for PanicsAtThirdLand {
     }
 }
 
-struct PanickingLandings(StagedLandingFactory);
+/// Landings that panic at their third `land`, and in `finish` too when `.1`.
+struct PanickingLandings(StagedLandingFactory, bool);
 
 impl kvlink::kv_device::LandingFactory for PanickingLandings {
     fn begin(
@@ -813,6 +818,7 @@ impl kvlink::kv_device::LandingFactory for PanickingLandings {
         Ok(Box::new(PanicsAtThirdLand {
             inner: self.0.begin(slots, shape)?,
             lands: Default::default(),
+            finish_panics: self.1,
         }))
     }
     fn store_regions(&self) -> Vec<kvlink::kv_device::StoreRegion> {
@@ -829,11 +835,23 @@ impl kvlink::kv_device::LandingFactory for PanickingLandings {
 /// told the engine to recompute into slots a queued copy could still overwrite.
 #[test]
 fn a_panicked_batch_with_slot_copies_unfinished_is_a_device_failure() {
+    panicked_batch_with_slot_copies_unfinished(false);
+}
+
+/// The same with a landing that panics again in `finish` as the batch unwinds: caught (a
+/// second panic while unwinding aborts the process), the outcome the same.
+#[test]
+fn a_landing_that_panics_again_as_it_finishes_does_not_abort() {
+    panicked_batch_with_slot_copies_unfinished(true);
+}
+
+fn panicked_batch_with_slot_copies_unfinished(finish_panics: bool) {
     let o = one();
     let (dev, pool, staging) = traced_device_pool(&o);
     let landings = Arc::new(PanickingLandings(
         StagedLandingFactory::new(pool.clone(), staging)
             .with_drain_limit(Duration::from_millis(200)),
+        finish_panics,
     ));
     let linker =
         Linker::with_landings(o.g.clone(), o.store.clone(), pool, landings, cfg(), None).unwrap();

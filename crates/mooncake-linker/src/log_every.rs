@@ -9,36 +9,64 @@ use parking_lot::Mutex;
 /// How often the same line is logged at its own level while its condition lasts.
 pub(crate) const LOG_EVERY: Duration = Duration::from_secs(60);
 
-/// The last line logged at its own level (by its key), and when.
-#[derive(Debug, Default)]
+/// Most keys a [`LogEvery`] remembers: past them the one logged longest ago is forgotten
+/// (its next line is due at once).
+const KEYS: usize = 16;
+
+/// The lines logged at their own level lately (by key), and when: each key is due once a
+/// [`LOG_EVERY`], apart from the others.
+#[derive(Debug)]
 pub(crate) struct LogEvery {
-    last: Mutex<Option<(String, Instant)>>,
+    last: Mutex<Vec<(String, Instant)>>,
+}
+
+impl Default for LogEvery {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl LogEvery {
-    /// Forgets the line logged last: the next is due at once (its condition ended, and a new
-    /// one starts).
+    /// Nothing logged yet (`const`: usable in a `static`).
+    pub(crate) const fn new() -> Self {
+        LogEvery {
+            last: parking_lot::const_mutex(Vec::new()),
+        }
+    }
+
+    /// Forgets the lines logged: the next of each is due at once (its condition ended, and a
+    /// new one starts).
     pub(crate) fn clear(&self) {
-        *self.last.lock() = None;
+        self.last.lock().clear();
     }
 
     /// Whether the line keyed `key` is due at its own level now: not logged in the last
-    /// [`LOG_EVERY`] (under this key). When due, it counts as logged from now. One key at a
-    /// time: lines that alternate need one `LogEvery` each.
+    /// [`LOG_EVERY`] under this key. When due, it counts as logged from now.
     pub(crate) fn due(&self, key: &str) -> bool {
         let now = Instant::now();
         let mut last = self.last.lock();
-        if logged_lately(last.as_ref(), key, now) {
-            return false;
+        match last.iter_mut().find(|(k, _)| k == key) {
+            Some((_, at)) if logged_lately(*at, now) => false,
+            Some((_, at)) => {
+                *at = now;
+                true
+            }
+            None => {
+                if last.len() >= KEYS {
+                    if let Some(oldest) = (0..last.len()).min_by_key(|&i| last[i].1) {
+                        last.swap_remove(oldest);
+                    }
+                }
+                last.push((key.to_owned(), now));
+                true
+            }
         }
-        *last = Some((key.to_owned(), now));
-        true
     }
 }
 
-/// Whether `key` is the line `last` logged, less than [`LOG_EVERY`] before `now`.
-fn logged_lately(last: Option<&(String, Instant)>, key: &str, now: Instant) -> bool {
-    last.is_some_and(|(k, at)| k == key && now.saturating_duration_since(*at) < LOG_EVERY)
+/// Whether a line logged `at` was logged less than [`LOG_EVERY`] before `now`.
+fn logged_lately(at: Instant, now: Instant) -> bool {
+    now.saturating_duration_since(at) < LOG_EVERY
 }
 
 #[cfg(test)]
@@ -49,11 +77,8 @@ mod tests {
     #[test]
     fn the_same_line_is_due_once_a_minute() {
         let t0 = Instant::now();
-        let last = ("refused: world 4 against 8".to_string(), t0);
-        assert!(!logged_lately(None, &last.0, t0));
-        assert!(logged_lately(Some(&last), &last.0, t0 + LOG_EVERY / 2));
-        assert!(!logged_lately(Some(&last), &last.0, t0 + LOG_EVERY));
-        assert!(!logged_lately(Some(&last), "another refusal", t0));
+        assert!(logged_lately(t0, t0 + LOG_EVERY / 2));
+        assert!(!logged_lately(t0, t0 + LOG_EVERY));
         let every = LogEvery::default();
         assert!(every.due("down"));
         assert!(!every.due("down"));
@@ -61,5 +86,21 @@ mod tests {
         // A new condition after the last one ended: due at once.
         every.clear();
         assert!(every.due("refused"));
+    }
+
+    /// Lines that alternate are each due once a minute (before, one key was remembered:
+    /// each change of line logged at its level again).
+    #[test]
+    fn alternating_lines_are_each_limited() {
+        let every = LogEvery::new();
+        assert!(every.due("get"));
+        assert!(every.due("exists"));
+        assert!(!every.due("get"));
+        assert!(!every.due("exists"));
+        // Past the keys it remembers, the oldest is forgotten.
+        for k in 0..KEYS {
+            every.due(&format!("k{k}"));
+        }
+        assert!(every.due("get"));
     }
 }

@@ -290,8 +290,9 @@ impl GroupFormation for RendezvousFormation {
         }
         let by = deadline.min(kv_loader::deadline_after(self.reform_timeout));
         self.form_by(by).map_err(|e| {
-            // Debug: the caller says it (a linker at most once a minute while its group is
-            // down, tried again on every batch and lookup).
+            // Debug: the caller has the error (a linker tries again on every batch and lookup
+            // while its group is down, and says so in its own lines: the batch's failure, or
+            // its loading alone once a minute).
             tracing::debug!(rank, epoch, error = %e, "re-forming the group failed");
             let missing = e.missing_ranks();
             CollectiveError::Formation {

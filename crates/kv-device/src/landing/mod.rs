@@ -233,10 +233,11 @@ pub trait LayerLanding: Send + Sync {
     /// the slots (land and scatter) have finished: what a failed batch needs before its
     /// outcome tells the engine to recompute into those slots on a stream of its own, which
     /// nothing orders after this landing's copies. A read past its deadline may keep the
-    /// landing (and so this work's end) from the drain its drop does. Called after
-    /// [`finish`](Self::finish) (copies queued later would not be waited for). `Err` when they
-    /// did not finish in time: the slots may still be written, and a staged landing keeps
-    /// them claimed until they have ([`WriteClaim::hold_until`](crate::WriteClaim::hold_until):
+    /// landing (and so this work's end) from the drain its drop does. Called once no more
+    /// `land` or `scatter` comes (copies queued later would not be waited for), best before
+    /// [`finish`](Self::finish) lets the slots' claim go. `Err` when they did not finish in
+    /// time: the slots may still be written, and a staged landing keeps them claimed until
+    /// they have ([`WriteClaim::hold_until`](crate::WriteClaim::hold_until):
     /// no later landing or save takes them, [`SlotClaims::wait_free`](crate::SlotClaims::wait_free)
     /// waits for them). The default has nothing queued: a landing the store writes through is
     /// waited for by the batch's outcome instead.

@@ -696,8 +696,9 @@ impl LayerLanding for StagedLanding {
             }
             // The batch fails and the engine recomputes into the slots: they stay claimed
             // (no later landing or save takes them, `SlotClaims::wait_free` waits) until the
-            // copies have finished. Their claim went at `finish` (claimed again here: nothing
-            // took them since, as the batch's outcome is not out yet), or goes now.
+            // copies have finished. The landing's own claim moves there (the linker settles
+            // before it finishes); one that went at `finish` already is claimed again, which
+            // a save that took the slots meanwhile refuses (logged).
             if !self.slots_held.swap(true, Ordering::AcqRel) {
                 let pool: Arc<dyn KvPool> = self.pool.clone();
                 let taken = self.slot_writes.write().take();

@@ -501,8 +501,12 @@ impl Inner {
         // on the slots), though a read past its deadline may keep the landing alive.
         let finishing = FinishOnDrop(landing.as_deref());
         let run = pipeline.run(prep, stages);
+        // A failed run's copies are waited for while the landing still claims the slots (a
+        // settle that times out keeps them claimed until the copies end): no save takes them
+        // in between.
+        let run = run.map_err(|e| settle_failed(batch, landing.as_deref(), e));
         drop(finishing);
-        let run = run.map_err(|e| settle_failed(batch, landing.as_deref(), e))?;
+        let run = run?;
         // With a group, `Auto` records the group's time of this batch at the next gate.
         let last_layer = job.started.elapsed();
         let layer_transfers = landing.as_ref().map(|l| l.transfers()).unwrap_or_default();
@@ -712,12 +716,10 @@ impl Drop for FinishOnDrop<'_> {
                 l.finish();
                 return;
             }
-            // Unwinding: a second panic (in a landing the engine supplied) would abort.
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| l.finish())).is_err() {
-                tracing::error!("a panicked batch's landing panicked again as it finished");
-            }
-            // Its copies are waited for here, as a failed run's are; copies that did not
-            // finish make the panicked batch a device failure ([`take_unsettled`]).
+            // Unwinding: its copies are waited for here (before the slots' claim goes), as a
+            // failed run's are; copies that did not finish make the panicked batch a device
+            // failure ([`take_unsettled`]). A second panic (in a landing the engine supplied)
+            // would abort: both calls are caught.
             let settled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| l.settle()))
                 .unwrap_or(Err(kv_device::DeviceError::Poisoned(
                     "the landing panicked while its copies were waited for",
@@ -726,6 +728,9 @@ impl Drop for FinishOnDrop<'_> {
                 tracing::error!(error = %e,
                     "a panicked batch's copies into its slots did not finish in time");
                 UNSETTLED.with(|u| u.set(Some(e)));
+            }
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| l.finish())).is_err() {
+                tracing::error!("a panicked batch's landing panicked again as it finished");
             }
         }
     }

@@ -152,7 +152,8 @@ pub struct StoreCalls {
     store: Arc<dyn KvStore>,
     workers: Workers,
     overdue: Arc<AtomicU64>,
-    /// "A call's deadline passed before it started": at `warn` once a minute per kind.
+    /// "A call's deadline passed before it started": at `warn` once a minute per kind of
+    /// call.
     not_started_log: LogEvery,
 }
 

@@ -476,6 +476,10 @@ pub(crate) fn join(
                 Some(e) => Ok(Some((e, x.get(&k.verdict(e), deadline)?.is_none()))),
                 None => Ok(None),
             });
+            if current.is_ok() {
+                // Reported at the deadline only while reads keep failing.
+                unread = None;
+            }
             let awaited = match current {
                 Ok(Some((e, true))) => break e,
                 Ok(Some((e, false))) => k.open(e.saturating_add(1)),

@@ -595,6 +595,9 @@ fn with_message(e: StoreError, operation: &str, message: &str, log: bool) -> Sto
     }
 }
 
+/// Whole batched calls that failed, logged at `warn` once a minute per operation.
+static CALL_FAILED_LOG: crate::log_every::LogEvery = crate::log_every::LogEvery::new();
+
 pub(super) fn per_key<T>(
     keys: &[&str],
     results: Result<Vec<mooncake_sys::KeyResult<T>>, MooncakeError>,
@@ -609,14 +612,21 @@ pub(super) fn per_key<T>(
         }
         Err(e) => {
             // One line for the call: the same failure for each of its keys (hundreds of
-            // pages times components) would be as many lines.
+            // pages times components) would be as many lines; and at `warn` once a minute
+            // per operation (a master down fails every lookup's call alike), else at debug.
             if let Some(&first) = valid.first() {
-                tracing::warn!(
-                    error = %e,
-                    keys = valid.len(),
-                    first_key = keys[first],
-                    "Mooncake call failed for every key it named"
-                );
+                let operation = match &e {
+                    MooncakeError::Status { operation, .. } => operation,
+                    _ => "other",
+                };
+                if CALL_FAILED_LOG.due(operation) {
+                    tracing::warn!(error = %e, keys = valid.len(), first_key = keys[first],
+                        "Mooncake call failed for every key it named (more such failures of \
+                         this call are logged at debug for a minute)");
+                } else {
+                    tracing::debug!(error = %e, keys = valid.len(), first_key = keys[first],
+                        "Mooncake call failed for every key it named");
+                }
             }
             for &i in valid {
                 out[i] = Err(store_error_logged(keys[i], &e, false));
