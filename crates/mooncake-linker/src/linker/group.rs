@@ -39,8 +39,6 @@ impl std::fmt::Debug for TpGroup {
         f.debug_struct("TpGroup")
             .field("rank", &self.data.rank())
             .field("size", &self.data.size())
-            .field("data_broken", &self.data.broken())
-            .field("control_broken", &self.control.broken())
             .field("formation", &self.formation.is_some())
             .finish()
     }

@@ -288,7 +288,8 @@ impl std::fmt::Debug for Linker {
             .field("tp_size", &g.tp_size())
             .field("grouped", &self.inner.group.is_some())
             .field("mode", &self.inner.config.mode)
-            .field("running", &self.jobs.lock().is_some())
+            // `try_lock`: formatting never waits (nor deadlocks under the lock).
+            .field("running", &self.jobs.try_lock().map(|j| j.is_some()))
             .finish_non_exhaustive()
     }
 }
