@@ -139,9 +139,20 @@ pub enum RendezvousError {
     /// A message from another rank did not decode.
     #[error("rendezvous message: {0}")]
     Protocol(String),
-    /// Rank 0 could not create the NCCL unique ids the group asked for.
+    /// Rank 0 could not create the NCCL unique ids the group asked for (or the group was
+    /// formed without NCCL).
     #[error("NCCL unique id: {0}")]
     Nccl(String),
+    /// This rank could not join the formed group's NCCL communicators
+    /// ([`FormedGroup::join_nccl`](super::FormedGroup::join_nccl)): the collective's error,
+    /// whose missing ranks (an init that timed out) [`missing_ranks`](Self::missing_ranks)
+    /// gives.
+    #[error("joining the group's NCCL communicators: {source}")]
+    NcclJoin {
+        /// The communicator's start error.
+        #[source]
+        source: crate::CollectiveError,
+    },
     /// The engine's key-value exchange failed.
     #[error("key-value exchange: {0}")]
     Exchange(#[from] super::ExchangeError),
@@ -170,12 +181,14 @@ impl RendezvousError {
         match self {
             RendezvousError::Timeout { missing, .. } => missing.clone(),
             RendezvousError::Peer { rank, .. } => vec![*rank],
-            RendezvousError::Unconfirmed { source } => match source {
-                crate::CollectiveError::Timeout { missing, .. }
-                | crate::CollectiveError::Aborted { missing, .. } => missing.clone(),
-                crate::CollectiveError::RankGone { gone, .. } => gone.clone(),
-                _ => Vec::new(),
-            },
+            RendezvousError::Unconfirmed { source } | RendezvousError::NcclJoin { source } => {
+                match source {
+                    crate::CollectiveError::Timeout { missing, .. }
+                    | crate::CollectiveError::Aborted { missing, .. } => missing.clone(),
+                    crate::CollectiveError::RankGone { gone, .. } => gone.clone(),
+                    _ => Vec::new(),
+                }
+            }
             _ => Vec::new(),
         }
     }
@@ -225,6 +238,25 @@ mod tests {
             RendezvousError::Unresolved("rank0.example: resolver down".into()),
         ];
         assert!(!passing.iter().any(RendezvousError::is_refusal));
+    }
+
+    /// A failed NCCL join keeps the collective's error (it was flattened to text) and names
+    /// the ranks an init that timed out was missing.
+    #[test]
+    fn a_failed_nccl_join_keeps_its_error_and_names_the_missing_ranks() {
+        let late = crate::CollectiveError::Timeout {
+            op: "init",
+            seq: 0,
+            missing: vec![1, 3],
+        };
+        let e = RendezvousError::NcclJoin {
+            source: late.clone(),
+        };
+        assert_eq!(e.missing_ranks(), vec![1, 3]);
+        let source =
+            std::error::Error::source(&e).and_then(|s| s.downcast_ref::<crate::CollectiveError>());
+        assert_eq!(source, Some(&late));
+        assert!(!e.is_refusal());
     }
 
     /// A connect whose confirming gather failed keeps the collective's error, and names the

@@ -28,7 +28,7 @@ impl FormedGroup {
         let (rank, world) = (self.rank(), self.world());
         let join = |id| {
             NcclCollective::join_by((id, rank, world), ordinal, config, deadline)
-                .map_err(|e| RendezvousError::Nccl(e.to_string()))
+                .map_err(|source| RendezvousError::NcclJoin { source })
         };
         let data = join(ids.data)?;
         let control = match join(ids.control) {
