@@ -90,6 +90,29 @@ impl SlotClaims {
         });
     }
 
+    /// Releases every slot held past its claim ([`WriteClaim::hold_until`]) at once, whatever
+    /// its events say: for an engine that has made sure the work is over another way (it
+    /// synchronized or reset the device), where an event's query fails for good or no event
+    /// tells the work's end. The slots it released.
+    ///
+    /// # Safety
+    /// No copy the held slots wait for can still write them: kvlink's own landings and
+    /// saves take them at once after this, and a copy still running would race them.
+    pub unsafe fn release_held(&self) -> Vec<u32> {
+        let held = std::mem::take(&mut *self.held.lock());
+        let mut released = Vec::new();
+        for h in held {
+            for &slot in h.slots.iter() {
+                if let Some(state) = self.states.get(slot as usize) {
+                    state.store(0, Ordering::Release);
+                    released.push(slot);
+                }
+            }
+        }
+        tracing::warn!(slots = ?released, "slots held for device copies released by the engine");
+        released
+    }
+
     /// Slots claimed past their claim's holder until device work finishes
     /// ([`WriteClaim::hold_until`]), that work not yet known finished.
     pub fn held_slots(&self) -> Vec<u32> {
@@ -443,6 +466,10 @@ mod tests {
         assert!(SlotClaims::read(&pool, 1).is_ok());
         assert_eq!(claims.held_slots(), vec![3], "work whose end nothing tells");
         assert!(SlotClaims::read(&pool, 3).is_err());
+        // SAFETY: no copy writes slot 3 (none was ever queued in this test).
+        assert_eq!(unsafe { claims.release_held() }, vec![3]);
+        assert!(claims.held_slots().is_empty());
+        assert!(SlotClaims::read(&pool, 3).is_ok());
     }
 
     #[test]
