@@ -72,22 +72,27 @@ impl SlotClaims {
 
     /// Releases the held write claims whose work has finished.
     fn release_finished(&self) {
-        let mut held = self.held.lock();
-        if held.is_empty() {
-            return;
-        }
-        held.retain(|h| {
-            if !h.done() {
-                return true;
+        // Taken out under the lock, released, logged and dropped (their events destroyed)
+        // after it: claims of other slots do not wait behind the log or the driver.
+        let finished: Vec<HeldUntil> = {
+            let mut held = self.held.lock();
+            if held.is_empty() {
+                return;
             }
+            let (done, waiting) = std::mem::take(&mut *held)
+                .into_iter()
+                .partition(HeldUntil::done);
+            *held = waiting;
+            done
+        };
+        for h in finished {
             for &slot in h.slots.iter() {
                 if let Some(state) = self.states.get(slot as usize) {
                     state.store(0, Ordering::Release);
                 }
             }
             tracing::info!(slots = ?h.slots, "slots held for unfinished device copies are free");
-            false
-        });
+        }
     }
 
     /// Releases every slot held past its claim ([`WriteClaim::hold_until`]) at once, whatever
