@@ -282,19 +282,7 @@ fn a_hung_read_on_a_device_pool_keeps_its_staging_out_of_other_batches_until_it_
     let dev = CpuDevice::new(0).unwrap();
     let pool = Arc::new(DeviceKvPool::new(dev.clone(), o.g.clone(), 16).unwrap());
     let staging = StagingPool::new(dev, StagingPool::half_bytes_for(&o.g, 4, 1), 2).unwrap();
-    let landings = Arc::new(
-        StagedLandingFactory::new(pool.clone(), staging.clone())
-            .with_drain_limit(Duration::from_secs(2)),
-    );
-    let linker = Linker::with_landings(
-        o.g.clone(),
-        o.store.clone(),
-        pool.clone(),
-        landings,
-        cfg(),
-        None,
-    )
-    .unwrap();
+    let linker = staged_linker(&o, &pool, staging.clone(), Duration::from_secs(2));
     let t = hung_batch_fails_in_time(&linker, &o, vec![1, 2, 3, 4], false);
     // The device's slots are written from staging only, so the outcome is handed out now;
     // the staging the call writes is kept from other batches.
@@ -584,12 +572,30 @@ fn stalled_landing_of(
     stall: Duration,
 ) -> ((One, Linker, Arc<CpuDevice>), Arc<StagingPool>) {
     let (dev, pool, staging) = traced_device_pool(&o);
-    let landings =
-        Arc::new(StagedLandingFactory::new(pool.clone(), staging.clone()).with_drain_limit(drain));
-    let linker =
-        Linker::with_landings(o.g.clone(), o.store.clone(), pool, landings, cfg(), None).unwrap();
+    let linker = staged_linker(&o, &pool, staging.clone(), drain);
     dev.stall_at(CpuOp::ToDevice, 4, stall);
     ((o, linker, dev), staging)
+}
+
+/// A linker of `o`'s store landing into the device `pool` through `staging`, whose landings
+/// wait `drain` at most for their copies.
+fn staged_linker(
+    o: &One,
+    pool: &Arc<DeviceKvPool>,
+    staging: Arc<StagingPool>,
+    drain: Duration,
+) -> Linker {
+    let landings =
+        Arc::new(StagedLandingFactory::new(pool.clone(), staging).with_drain_limit(drain));
+    Linker::with_landings(
+        o.g.clone(),
+        o.store.clone(),
+        pool.clone(),
+        landings,
+        cfg(),
+        None,
+    )
+    .unwrap()
 }
 
 /// Slot copies of the load stream that finished after `at`.
@@ -666,19 +672,7 @@ fn a_failed_batch_whose_slot_copies_outlast_the_drain_limit_is_a_device_failure(
 fn a_failed_batchs_slots_stay_claimed_until_its_unfinished_copies_end() {
     let o = one();
     let (dev, pool, staging) = traced_device_pool(&o);
-    let landings = Arc::new(
-        StagedLandingFactory::new(pool.clone(), staging)
-            .with_drain_limit(Duration::from_millis(200)),
-    );
-    let linker = Linker::with_landings(
-        o.g.clone(),
-        o.store.clone(),
-        pool.clone(),
-        landings,
-        cfg(),
-        None,
-    )
-    .unwrap();
+    let linker = staged_linker(&o, &pool, staging, Duration::from_millis(200));
     dev.stall_at(CpuOp::ToDevice, 4, Duration::from_secs(2));
     let slots = vec![1, 2, 3, 4];
     let t = linker
