@@ -30,25 +30,6 @@ use tracing::warn;
 use super::store::{code_error, split_valid, store_error};
 use crate::store::StoreError;
 
-/// Longest a session start or end (or a removal's forgetting) waits for the master call
-/// another thread makes under the table's `calls` lock: that call may hang (a master that
-/// does not answer), and its waiters would each park a store-call worker until every call of
-/// the store failed. Past it the call fails `Unavailable`.
-#[cfg(not(test))]
-const CALLS_WAIT: Duration = Duration::from_secs(10);
-#[cfg(test)]
-const CALLS_WAIT: Duration = Duration::from_millis(200);
-
-/// The error of a call that waited [`CALLS_WAIT`] for another master call.
-fn calls_busy() -> StoreError {
-    StoreError::Unavailable {
-        detail: format!(
-            "another read session's master call held the session table for {CALLS_WAIT:?}"
-        )
-        .into(),
-    }
-}
-
 /// Read-session bookkeeping of one key.
 #[derive(Debug, Default)]
 struct KeySession {
@@ -222,14 +203,7 @@ impl SessionTable {
             joined.results = in_session(distinct.iter());
             return joined;
         }
-        let Some(_calls) = self.calls.try_lock_for(CALLS_WAIT) else {
-            let e = calls_busy();
-            joined.results = distinct
-                .iter()
-                .map(|k| ((*k).to_owned(), Err(e.clone())))
-                .collect();
-            return joined;
-        };
+        let _calls = self.calls.lock();
         let to_start = self.join_present(&distinct, false);
         // The keys joined so far count this read as a user from here on: left on drop, also
         // when the master call below unwinds.
@@ -277,17 +251,14 @@ impl SessionTable {
     /// Taken under `calls`: a start asked of the master before the removal cannot write its
     /// (older) renewal back after this. Only this store's table hears of it: another
     /// process's sessions of the key lapse with their lease.
-    /// `Unavailable` when another master call held `calls` past [`CALLS_WAIT`]: the keys are
-    /// forgotten all the same (a start under way may still write its renewal back).
-    pub(super) fn forget_replicas(&self, keys: &[&str]) -> Result<(), StoreError> {
-        let calls = self.calls.try_lock_for(CALLS_WAIT);
+    pub(super) fn forget_replicas(&self, keys: &[&str]) {
+        let _calls = self.calls.lock();
         let mut table = self.keys.lock();
         for k in keys {
             if let Some(s) = table.get_mut(*k) {
                 s.renewed = None;
             }
         }
-        calls.map(drop).ok_or_else(calls_busy)
     }
 
     /// Joins the keys of `keys` in a fresh session now; returns the others (absent, or
@@ -374,9 +345,7 @@ impl SessionTable {
         keys: &[&str],
     ) -> Result<u64, StoreError> {
         self.drop_lapsed(client);
-        let Some(_calls) = self.calls.try_lock_for(CALLS_WAIT) else {
-            return Err(calls_busy());
-        };
+        let _calls = self.calls.lock();
         // Counted from the call's start, as above.
         let asked = Instant::now();
         let results = client.start(keys);
@@ -481,11 +450,7 @@ impl SessionTable {
         client: &(impl SessionCalls + ?Sized),
         keys: &[&str],
     ) -> Result<(), StoreError> {
-        let Some(calls) = self.calls.try_lock_for(CALLS_WAIT) else {
-            // Their sessions lapse with their lease.
-            return Err(calls_busy());
-        };
-        let ended = self.end_unused_held(client, keys, calls);
+        let ended = self.end_unused_held(client, keys, self.calls.lock());
         self.end_due(client);
         ended
     }
@@ -661,44 +626,11 @@ mod tests {
             1,
             "joined while fresh"
         );
-        table.forget_replicas(&["k"]).unwrap();
+        table.forget_replicas(&["k"]);
         let again = table.join(&master, &["k"]);
         assert_eq!(master.starts.load(Ordering::Relaxed), 2, "asked again");
         assert!(matches!(again.result("k"), Some(Ok(()))));
         drop((held, again));
-    }
-
-    /// A master call that does not return holds the table's `calls`: a read that must start
-    /// a session, and a removal's forgetting, fail `Unavailable` by their bound rather than
-    /// park their store-call worker behind it (past 256 parked, every store call failed).
-    #[test]
-    fn calls_behind_a_hung_master_call_fail_by_their_bound() {
-        let master = counting();
-        let table = SessionTable::with_lease(Duration::from_secs(10));
-        let hung = table.calls.lock();
-        let t0 = Instant::now();
-        let joined = table.join(&master, &["k"]);
-        assert!(
-            matches!(
-                joined.result("k"),
-                Some(Err(StoreError::Unavailable { .. }))
-            ),
-            "{:?}",
-            joined.result("k")
-        );
-        assert!(matches!(
-            table.forget_replicas(&["k"]),
-            Err(StoreError::Unavailable { .. })
-        ));
-        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
-        assert_eq!(master.starts.load(Ordering::Relaxed), 0);
-        drop(hung);
-        drop(joined);
-        assert!(matches!(
-            table.join(&master, &["k"]).result("k"),
-            Some(Ok(()))
-        ));
-        assert!(table.forget_replicas(&["k"]).is_ok());
     }
 
     /// Before, any failed renewal of a session with a quarter of its lease left let the read

@@ -11,7 +11,7 @@ use tracing::{debug, warn};
 
 use super::bounce::Bounces;
 use super::config::MooncakeConfig;
-use super::gate::{gate_held, TransferGate, TRANSFER_WAIT, UNREGISTER_WAIT};
+use super::gate::{gate_held, TransferGate, UNREGISTER_WAIT};
 use super::parts::run_parts;
 use super::registry::{moves_in_place, RegionCounts, Release};
 use super::sessions::SessionTable;
@@ -1011,15 +1011,13 @@ impl KvStore for MooncakeStore {
 
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
         // Before and after the master call: a read joining in between asks the master.
-        if let Err(e) = self.sessions.forget_replicas(keys) {
-            return keys.iter().map(|_| Err(e.clone())).collect();
-        }
+        self.sessions.forget_replicas(keys);
         let out = keys
             .iter()
             .map(|k| self.client.remove(k, false).map_err(|e| store_error(k, &e)))
             .collect();
         // The replicas their sessions resolved may go to new puts: the next read asks again.
-        self.forget_after_removal(keys);
+        self.sessions.forget_replicas(keys);
         out
     }
 
@@ -1029,30 +1027,17 @@ impl KvStore for MooncakeStore {
     /// object's.
     fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
         // Before and after the master call: a read joining in between asks the master.
-        if let Err(e) = self.sessions.forget_replicas(keys) {
-            return keys.iter().map(|_| Err(e.clone())).collect();
-        }
+        self.sessions.forget_replicas(keys);
         let out = keys
             .iter()
             .map(|k| self.client.remove(k, true).map_err(|e| store_error(k, &e)))
             .collect();
-        self.forget_after_removal(keys);
+        self.sessions.forget_replicas(keys);
         out
     }
 
     unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        // Another registration holds the table across its wheel call, which may hang: waited
-        // for within a bound (as `unregister` does), then this one fails.
-        let Some(mut registered) = self.registered.try_lock_for(TRANSFER_WAIT) else {
-            return Err(StoreError::Unavailable {
-                detail: format!(
-                    "<region {:#x}+{}>: another registration held the table for \
-                     {TRANSFER_WAIT:?}",
-                    region.addr, region.len
-                )
-                .into(),
-            });
-        };
+        let mut registered = self.registered.lock();
         if registered.hold_again(&region) {
             return Ok(());
         }
@@ -1167,16 +1152,6 @@ impl KvStore for MooncakeStore {
 }
 
 impl MooncakeStore {
-    /// Forgets `keys`' session replicas after their removal; a table held past its bound by
-    /// another master call forgets them all the same, logged (a start under way may still
-    /// write its renewal back, and a read join the old session until its lease ends).
-    fn forget_after_removal(&self, keys: &[&str]) {
-        if let Err(e) = self.sessions.forget_replicas(keys) {
-            warn!(keys = keys.len(), error = %e,
-                "forgetting removed objects' read sessions waited past its bound");
-        }
-    }
-
     /// [`KvStore::get_into`] with every destination written in place (none is routed through
     /// the bounce; one the transport cannot write is refused).
     ///
