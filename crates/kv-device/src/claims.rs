@@ -72,25 +72,28 @@ impl SlotClaims {
 
     /// Releases the held write claims whose work has finished.
     fn release_finished(&self) {
-        // Taken out under the lock, released, logged and dropped (their events destroyed)
-        // after it: claims of other slots do not wait behind the log or the driver.
+        // Released under the lock (a claim that finds the entry gone finds its slots free),
+        // logged and dropped (their events destroyed) after it: claims of other slots do not
+        // wait behind the log line or the events' destruction.
         let finished: Vec<HeldUntil> = {
             let mut held = self.held.lock();
             if held.is_empty() {
                 return;
             }
-            let (done, waiting) = std::mem::take(&mut *held)
+            let (done, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut *held)
                 .into_iter()
                 .partition(HeldUntil::done);
             *held = waiting;
+            for h in &done {
+                for &slot in h.slots.iter() {
+                    if let Some(state) = self.states.get(slot as usize) {
+                        state.store(0, Ordering::Release);
+                    }
+                }
+            }
             done
         };
         for h in finished {
-            for &slot in h.slots.iter() {
-                if let Some(state) = self.states.get(slot as usize) {
-                    state.store(0, Ordering::Release);
-                }
-            }
             tracing::info!(slots = ?h.slots, "slots held for unfinished device copies are free");
         }
     }
@@ -114,7 +117,9 @@ impl SlotClaims {
                 }
             }
         }
-        tracing::warn!(slots = ?released, "slots held for device copies released by the engine");
+        if !released.is_empty() {
+            tracing::warn!(slots = ?released, "slots held for device copies released by the engine");
+        }
         released
     }
 

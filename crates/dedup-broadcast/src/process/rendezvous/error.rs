@@ -144,9 +144,9 @@ pub enum RendezvousError {
     #[error("NCCL unique id: {0}")]
     Nccl(String),
     /// This rank could not join the formed group's NCCL communicators
-    /// ([`FormedGroup::join_nccl`](super::FormedGroup::join_nccl)): the collective's error,
-    /// whose missing ranks (an init that timed out) [`missing_ranks`](Self::missing_ranks)
-    /// gives.
+    /// ([`FormedGroup::join_nccl`](super::FormedGroup::join_nccl)): the collective's error
+    /// (an init timeout, a device error), kept as the source. (NCCL's init names no missing
+    /// rank: [`missing_ranks`](Self::missing_ranks) passes on what the error names.)
     #[error("joining the group's NCCL communicators: {source}")]
     NcclJoin {
         /// The communicator's start error.
@@ -240,8 +240,8 @@ mod tests {
         assert!(!passing.iter().any(RendezvousError::is_refusal));
     }
 
-    /// A failed NCCL join keeps the collective's error (it was flattened to text) and names
-    /// the ranks an init that timed out was missing.
+    /// A failed NCCL join keeps the collective's error (it was flattened to text), and
+    /// passes on the ranks it names.
     #[test]
     fn a_failed_nccl_join_keeps_its_error_and_names_the_missing_ranks() {
         let late = crate::CollectiveError::Timeout {
