@@ -107,16 +107,21 @@ impl SlotClaims {
     /// No copy the held slots wait for can still write them: kvlink's own landings and
     /// saves take them at once after this, and a copy still running would race them.
     pub unsafe fn release_held(&self) -> Vec<u32> {
-        let held = std::mem::take(&mut *self.held.lock());
         let mut released = Vec::new();
-        for h in held {
-            for &slot in h.slots.iter() {
-                if let Some(state) = self.states.get(slot as usize) {
-                    state.store(0, Ordering::Release);
-                    released.push(slot);
+        // Reset under the lock, as `release_finished` does; the events dropped after it.
+        let held = {
+            let mut held = self.held.lock();
+            for h in held.iter() {
+                for &slot in h.slots.iter() {
+                    if let Some(state) = self.states.get(slot as usize) {
+                        state.store(0, Ordering::Release);
+                        released.push(slot);
+                    }
                 }
             }
-        }
+            std::mem::take(&mut *held)
+        };
+        drop(held);
         if !released.is_empty() {
             tracing::warn!(slots = ?released, "slots held for device copies released by the engine");
         }

@@ -101,7 +101,8 @@ pub struct StagedLanding {
     /// ready event covers every copy into its slots.
     open: Mutex<Vec<Option<u32>>>,
     /// The batch's slots, claimed for writing while this landing may queue copies into them:
-    /// `None` once it has [finished](LayerLanding::finish). `land` and `scatter` hold it read
+    /// `None` once it has [finished](LayerLanding::finish), or once a failed
+    /// [settle](LayerLanding::settle) moved the claim to the pool's held claims. `land` and `scatter` hold it read
     /// while they queue copies. Copies already queued need no claim: they are on the load
     /// stream, and every later landing's copies and every save's gather
     /// ([`StagedLandingFactory`](super::StagedLandingFactory)) are ordered after them there.
