@@ -433,37 +433,12 @@ mod tests {
         Arc::new(HostKvPool::new(g, 4).unwrap())
     }
 
-    /// An event complete once the test says so.
-    #[derive(Debug, Default)]
-    struct Done(std::sync::atomic::AtomicBool);
-
-    impl kv_loader::StreamWaitable for Done {
-        fn wait_on_stream(&self, _: kv_loader::RawStream) -> Result<(), kv_loader::KvLoadError> {
-            Ok(())
-        }
-        fn synchronize(&self) -> Result<(), kv_loader::KvLoadError> {
-            Ok(())
-        }
-    }
-
-    impl crate::DeviceEvent for Done {
-        fn is_complete(&self) -> Result<bool, DeviceError> {
-            Ok(self.0.load(Ordering::Acquire))
-        }
-        fn wait_until(&self, _: std::time::Instant) -> Result<bool, DeviceError> {
-            self.is_complete()
-        }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
-    }
-
     /// Slots held past their claim until device work ends: refused to readers and writers
     /// (and waited for) until the event completes; for good without an event.
     #[test]
     fn a_claim_held_until_events_is_released_once_they_complete() {
         let pool = pool();
-        let done = Arc::new(Done::default());
+        let done = Arc::new(crate::scripted_event::ScriptedEvent::new(Ok(false)));
         let ev: SharedEvent = done.clone();
         SlotClaims::write(&pool, &[1, 2])
             .unwrap()
@@ -475,7 +450,7 @@ mod tests {
         assert!(SlotClaims::write(&pool, &[2]).is_err());
         let soon = std::time::Instant::now() + std::time::Duration::from_millis(20);
         assert!(SlotClaims::wait_free(pool.as_ref(), &[1], soon).is_err());
-        done.0.store(true, Ordering::Release);
+        done.answer(Ok(true));
         let later = std::time::Instant::now() + std::time::Duration::from_secs(5);
         SlotClaims::wait_free(pool.as_ref(), &[1, 2], later).unwrap();
         assert!(SlotClaims::read(&pool, 1).is_ok());

@@ -27,6 +27,8 @@ mod host;
 mod landing;
 mod pool;
 mod region;
+#[cfg(test)]
+mod scripted_event;
 mod source;
 mod staged;
 

@@ -263,32 +263,8 @@ impl<'a> DeviceStage<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scripted_event::ScriptedEvent;
     use std::sync::Arc;
-
-    /// An event whose device failed: asking it is an error.
-    #[derive(Debug)]
-    struct Faulted;
-
-    impl kv_loader::StreamWaitable for Faulted {
-        fn wait_on_stream(&self, _: kv_loader::RawStream) -> Result<(), kv_loader::KvLoadError> {
-            Ok(())
-        }
-        fn synchronize(&self) -> Result<(), kv_loader::KvLoadError> {
-            Ok(())
-        }
-    }
-
-    impl crate::DeviceEvent for Faulted {
-        fn is_complete(&self) -> Result<bool, DeviceError> {
-            Err(DeviceError::Driver("test: the device faulted".into()))
-        }
-        fn wait_until(&self, _: Instant) -> Result<bool, DeviceError> {
-            self.is_complete()
-        }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
-    }
 
     /// Before, a fence that could not be asked counted as work still queued: a stage lent
     /// then was refused as "queued since it was opened", hiding the device's fault.
@@ -296,7 +272,9 @@ mod tests {
     fn a_fence_that_cannot_be_asked_is_its_error_not_busy() {
         let f = Fences::default();
         assert!(!f.busy().unwrap());
-        f.push(Arc::new(Faulted));
+        f.push(Arc::new(ScriptedEvent::new(Err(
+            "test: the device faulted".into(),
+        ))));
         assert_eq!(
             f.busy(),
             Err(DeviceError::Driver("test: the device faulted".into()))

@@ -527,46 +527,11 @@ impl Drop for StagingLease {
 
 #[cfg(test)]
 mod tests {
-    use std::any::Any;
     use std::sync::Arc;
-    use std::time::Instant;
-
-    use kv_loader::{KvLoadError, RawStream, StreamWaitable};
-    use parking_lot::Mutex;
 
     use super::StagingPool;
-    use crate::{CpuDevice, DeviceError, DeviceEvent, SharedEvent};
-
-    /// An event whose next answers the test sets.
-    #[derive(Debug)]
-    struct Scripted(Mutex<Result<bool, String>>);
-
-    impl Scripted {
-        fn answer(&self, answer: Result<bool, String>) {
-            *self.0.lock() = answer;
-        }
-    }
-
-    impl StreamWaitable for Scripted {
-        fn wait_on_stream(&self, _: RawStream) -> Result<(), KvLoadError> {
-            Ok(())
-        }
-        fn synchronize(&self) -> Result<(), KvLoadError> {
-            Ok(())
-        }
-    }
-
-    impl DeviceEvent for Scripted {
-        fn is_complete(&self) -> Result<bool, DeviceError> {
-            self.0.lock().clone().map_err(DeviceError::Driver)
-        }
-        fn wait_until(&self, _: Instant) -> Result<bool, DeviceError> {
-            self.is_complete()
-        }
-        fn as_any(&self) -> &dyn Any {
-            self
-        }
-    }
+    use crate::scripted_event::ScriptedEvent as Scripted;
+    use crate::{CpuDevice, DeviceError, SharedEvent};
 
     fn pool_of_one() -> Arc<StagingPool> {
         StagingPool::with_stages(CpuDevice::new(0).unwrap(), 4096, 2, 1).unwrap()
@@ -575,7 +540,7 @@ mod tests {
     #[test]
     fn a_quarantined_buffer_comes_back_once_its_fence_completes() {
         let pool = pool_of_one();
-        let fence = Arc::new(Scripted(Mutex::new(Ok(false))));
+        let fence = Arc::new(Scripted::new(Ok(false)));
         pool.lease()
             .unwrap()
             .quarantine(vec![fence.clone() as SharedEvent], Vec::new());
@@ -602,7 +567,7 @@ mod tests {
     #[test]
     fn quarantined_work_lists_what_holds_each_buffer_until_it_settles() {
         let pool = pool_of_one();
-        let fence = Arc::new(Scripted(Mutex::new(Ok(false))));
+        let fence = Arc::new(Scripted::new(Ok(false)));
         let lease = pool.lease().unwrap();
         lease.quarantine_owned(
             super::slots_work("save gather", &[2, 9]),
@@ -624,7 +589,7 @@ mod tests {
     #[test]
     fn a_fence_that_fails_to_answer_keeps_its_buffer_quarantined_for_good() {
         let pool = pool_of_one();
-        let fence = Arc::new(Scripted(Mutex::new(Err("context broken".into()))));
+        let fence = Arc::new(Scripted::new(Err("context broken".into())));
         pool.lease()
             .unwrap()
             .quarantine(vec![fence.clone() as SharedEvent], Vec::new());
