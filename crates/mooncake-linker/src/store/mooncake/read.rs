@@ -16,6 +16,7 @@ use super::gate::{gate_held, TransferGate};
 use super::parts::run_parts;
 use super::ranges::{partition, scratch_calls, shape, Shaped, Target};
 use super::store::{not_read, store_error, wheel_read, MooncakeStore, CLIENT_GIVES_UP_AFTER};
+use crate::log_every::LogEvery;
 use crate::store::{RangeChecksums, RangedGet, StoreError};
 
 /// Below this many bytes per stream a ranged read is not split (thread start-up and the
@@ -257,6 +258,8 @@ pub(super) struct ReadPath<'s, W: ?Sized> {
     /// A failed transfer of a call that took this long may still run (the client gave up on
     /// it): [`CLIENT_GIVES_UP_AFTER`] for the wheel.
     pub(super) gives_up_after: Duration,
+    /// The store's limiter of lines about calls that failed whole.
+    pub(super) failures: &'s LogEvery,
     /// Tests only: every copy-out panics (a fault outside the wheel's call).
     #[cfg(test)]
     pub(super) copy_out_panics: bool,
@@ -272,6 +275,7 @@ impl MooncakeStore {
             streams: self.config.read_streams_count(),
             stage: self.config.staged_merge_enabled(),
             gives_up_after: CLIENT_GIVES_UP_AFTER,
+            failures: &self.call_failures,
             #[cfg(test)]
             copy_out_panics: false,
         }
@@ -484,6 +488,7 @@ impl<W: RangedCall + ?Sized> ReadPath<'_, W> {
             "ranged read",
             &names,
             self.gives_up_after,
+            self.failures,
             call,
         );
         let (mut out, given_up, abandoned) = (read.results, read.given_up, read.abandoned);
@@ -784,6 +789,7 @@ mod tests {
             streams: 1,
             stage: true,
             gives_up_after,
+            failures: &LogEvery::new(),
             copy_out_panics: false,
         };
         let mut out: Vec<KeyResult> = gets.iter().map(|g| failed_placeholder(g.key)).collect();
@@ -916,6 +922,7 @@ mod tests {
             streams: 1,
             stage: true,
             gives_up_after: Duration::ZERO,
+            failures: &LogEvery::new(),
             copy_out_panics: true,
         };
         let mut out: Vec<KeyResult> = gets.iter().map(|g| failed_placeholder(g.key)).collect();

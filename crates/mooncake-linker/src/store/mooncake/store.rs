@@ -15,6 +15,7 @@ use super::gate::{gate_held, TransferGate, UNREGISTER_WAIT};
 use super::parts::run_parts;
 use super::registry::{moves_in_place, RegionCounts, Release};
 use super::sessions::SessionTable;
+use crate::log_every::LogEvery;
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
     ReadSession, StoreError,
@@ -71,6 +72,9 @@ pub struct MooncakeStore {
     /// Registered buffers that whole-object reads into unregistered memory go through (see
     /// `bounce.rs`). Dropped after `client`, which is declared first.
     pub(super) bounces: Bounces,
+    /// Whole batched calls that failed, logged at `warn` once a minute per operation (per
+    /// store: ranks as threads each have their own).
+    pub(super) call_failures: LogEvery,
 }
 
 impl std::fmt::Debug for MooncakeStore {
@@ -148,6 +152,7 @@ impl MooncakeStore {
             in_place: RwLock::new(Vec::new()),
             scratch: Mutex::new(Vec::new()),
             bounces: Bounces::default(),
+            call_failures: LogEvery::new(),
         })
     }
 
@@ -473,12 +478,14 @@ pub(super) struct WheelRead {
 /// Runs one read call of the wheel (`call` names it, `what` in the messages) over `keys`,
 /// timed and with a panic caught: the call's results per key, or every key failed when it
 /// panicked (`Abandoned` past `limit`, the client's own timeout; else `Panicked`), with the
-/// failed transfers of a call that ran to `limit` marked `Abandoned`.
+/// failed transfers of a call that ran to `limit` marked `Abandoned`; a call that failed
+/// whole is logged through `failures`.
 pub(super) fn wheel_read(
     call: &'static str,
     what: &str,
     keys: &[&str],
     limit: Duration,
+    failures: &LogEvery,
     run: impl FnOnce() -> Result<Vec<mooncake_sys::KeyResult<u64>>, MooncakeError>,
 ) -> WheelRead {
     let clock = mooncake_sys::CallClock::start();
@@ -491,7 +498,7 @@ pub(super) fn wheel_read(
         Ok(r) => {
             let why = gives_up(&r, what);
             let positions: Vec<usize> = (0..keys.len()).collect();
-            per_key(keys, r, &positions, &mut results);
+            per_key(failures, keys, r, &positions, &mut results);
             why
         }
         Err(_) => {
@@ -595,10 +602,11 @@ fn with_message(e: StoreError, operation: &str, message: &str, log: bool) -> Sto
     }
 }
 
-/// Whole batched calls that failed, logged at `warn` once a minute per operation.
-static CALL_FAILED_LOG: crate::log_every::LogEvery = crate::log_every::LogEvery::new();
-
+/// Each key's result of a batched call over the keys at `valid` (of `keys`), into `out`:
+/// the call's own failure, when it failed whole, for each of them (logged once, through
+/// `failures`, the store's limiter).
 pub(super) fn per_key<T>(
+    failures: &LogEvery,
     keys: &[&str],
     results: Result<Vec<mooncake_sys::KeyResult<T>>, MooncakeError>,
     valid: &[usize],
@@ -619,7 +627,7 @@ pub(super) fn per_key<T>(
                     MooncakeError::Status { operation, .. } => operation,
                     _ => "other",
                 };
-                if CALL_FAILED_LOG.due(operation) {
+                if failures.due(operation) {
                     tracing::warn!(error = %e, keys = valid.len(), first_key = keys[first],
                         "Mooncake call failed for every key it named (more such failures of \
                          this call are logged at debug for a minute)");
@@ -675,7 +683,13 @@ impl KvStore for MooncakeStore {
             return out;
         }
         let names: Vec<&str> = valid.iter().map(|&i| keys[i]).collect();
-        per_key(keys, self.client.batch_is_exist(&names), &valid, &mut out);
+        per_key(
+            &self.call_failures,
+            keys,
+            self.client.batch_is_exist(&names),
+            &valid,
+            &mut out,
+        );
         out
     }
 
@@ -989,7 +1003,13 @@ impl KvStore for MooncakeStore {
             .map(|&i| failed_placeholder(keys[i]))
             .collect();
         let positions: Vec<usize> = (0..to_write.len()).collect();
-        per_key(&names, results, &positions, &mut written);
+        per_key(
+            &self.call_failures,
+            &names,
+            results,
+            &positions,
+            &mut written,
+        );
         let end = CallEnd { span, cut_short };
         let abandoned = mark_abandoned("batch_put_from", end, &names, &mut written);
         if abandoned {
@@ -1215,6 +1235,7 @@ impl MooncakeStore {
                 "whole-object read",
                 &names,
                 CLIENT_GIVES_UP_AFTER,
+                &self.call_failures,
                 call,
             );
             given_up = read.given_up;
@@ -1456,6 +1477,30 @@ mod tests {
         assert!(matches!(&results[0], Err(StoreError::Abandoned { .. })));
     }
 
+    /// A call that failed whole is logged through the limiter it is given (its store's):
+    /// before, one `static` limited every store of the process, so ranks as threads shared
+    /// one line a minute per operation and a second store's first failure went to `debug`.
+    #[test]
+    fn a_call_that_failed_whole_is_logged_through_its_stores_limiter() {
+        let failed = || {
+            Err(MooncakeError::Status {
+                operation: "batch_is_exist",
+                key: None,
+                code: ErrorCode(-1),
+                message: None,
+            })
+        };
+        let (one, other) = (LogEvery::new(), LogEvery::new());
+        let mut out: Vec<Result<bool, StoreError>> = vec![failed_placeholder("a")];
+        per_key::<bool>(&one, &["a"], failed(), &[0], &mut out);
+        assert!(out[0].is_err());
+        assert!(!one.due("batch_is_exist"), "the line went through `one`");
+        assert!(
+            other.due("batch_is_exist"),
+            "another store's limiter is its own"
+        );
+    }
+
     /// Before, only a key's transfer code was taken as abandoned: a late call that failed
     /// whole (the wheel throwing while it built its results) left its scratch reused, its
     /// staging freed and the gate open to unregistering while its transfers could still run.
@@ -1473,6 +1518,7 @@ mod tests {
             "ranged read",
             &keys,
             Duration::ZERO,
+            &LogEvery::new(),
             || Err(whole),
         );
         assert!(read.abandoned);
@@ -1497,6 +1543,7 @@ mod tests {
             "ranged read",
             &keys,
             Duration::from_secs(60),
+            &LogEvery::new(),
             || Err(whole(bad_result)),
         );
         assert!(!read.abandoned);
@@ -1517,6 +1564,7 @@ mod tests {
                 "ranged read",
                 &keys,
                 Duration::from_secs(60),
+                &LogEvery::new(),
                 || Err(whole(code)),
             );
             assert!(read.abandoned, "{code}");
