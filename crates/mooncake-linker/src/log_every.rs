@@ -13,11 +13,20 @@ pub(crate) const LOG_EVERY: Duration = Duration::from_secs(60);
 /// (its next line is due at once).
 const KEYS: usize = 16;
 
-/// The lines logged at their own level lately (by key), and when: each key is due once a
-/// [`LOG_EVERY`], apart from the others.
+/// The lines logged at their own level lately (by key), when, and how many of each were
+/// not due since: each key is due once a [`LOG_EVERY`], apart from the others.
 #[derive(Debug)]
 pub(crate) struct LogEvery {
-    last: Mutex<Vec<(String, Instant)>>,
+    last: Mutex<Vec<Logged>>,
+}
+
+/// A key's line: when it was last logged at its own level, and how many times it was not due
+/// since.
+#[derive(Debug)]
+struct Logged {
+    key: String,
+    at: Instant,
+    skipped: u64,
 }
 
 impl Default for LogEvery {
@@ -43,22 +52,35 @@ impl LogEvery {
     /// Whether the line keyed `key` is due at its own level now: not logged in the last
     /// [`LOG_EVERY`] under this key. When due, it counts as logged from now.
     pub(crate) fn due(&self, key: &str) -> bool {
+        self.due_after(key).is_some()
+    }
+
+    /// [`due`](Self::due), telling when due how many times the key was not due since its
+    /// last line at its own level (for that line to say how many went to `debug`).
+    pub(crate) fn due_after(&self, key: &str) -> Option<u64> {
         let now = Instant::now();
         let mut last = self.last.lock();
-        match last.iter_mut().find(|(k, _)| k == key) {
-            Some((_, at)) if logged_lately(*at, now) => false,
-            Some((_, at)) => {
-                *at = now;
-                true
+        match last.iter_mut().find(|l| l.key == key) {
+            Some(l) if logged_lately(l.at, now) => {
+                l.skipped = l.skipped.saturating_add(1);
+                None
+            }
+            Some(l) => {
+                l.at = now;
+                Some(std::mem::take(&mut l.skipped))
             }
             None => {
                 if last.len() >= KEYS {
-                    if let Some(oldest) = (0..last.len()).min_by_key(|&i| last[i].1) {
+                    if let Some(oldest) = (0..last.len()).min_by_key(|&i| last[i].at) {
                         last.swap_remove(oldest);
                     }
                 }
-                last.push((key.to_owned(), now));
-                true
+                last.push(Logged {
+                    key: key.to_owned(),
+                    at: now,
+                    skipped: 0,
+                });
+                Some(0)
             }
         }
     }
@@ -102,5 +124,21 @@ mod tests {
             every.due(&format!("k{k}"));
         }
         assert!(every.due("get"));
+    }
+
+    /// A line that is due tells how many of its key were not due since it was last logged.
+    #[test]
+    fn a_due_line_counts_the_ones_skipped() {
+        let every = LogEvery::new();
+        assert_eq!(every.due_after("failed"), Some(0));
+        assert_eq!(every.due_after("failed"), None);
+        assert_eq!(every.due_after("failed"), None);
+        // Due again (as a minute later): two went to debug meanwhile, and the count restarts.
+        {
+            let mut last = every.last.lock();
+            last[0].at = last[0].at.checked_sub(LOG_EVERY).expect("up a minute");
+        }
+        assert_eq!(every.due_after("failed"), Some(2));
+        assert_eq!(every.due_after("failed"), None);
     }
 }

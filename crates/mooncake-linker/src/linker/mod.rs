@@ -61,6 +61,7 @@ use layerwise_counter::CounterError;
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
+use crate::log_every::LogEvery;
 use crate::read_plan::ReadCost;
 use crate::store::{KvStore, StoreCalls};
 use auto::AutoMode;
@@ -98,6 +99,8 @@ pub(crate) struct Inner {
     pub(crate) reads: ReadGroups,
     pub(crate) outcomes: Arc<Outcomes>,
     pub(crate) metrics: LinkerMetrics,
+    /// Failed batches logged at `warn` lately, by kind of failure.
+    pub(crate) failed_log: LogEvery,
     /// Checksum companions read by earlier loads (and ahead of loads, at lookup).
     pub(crate) checksums: checksum_cache::ChecksumCache,
     /// Objects a batch found at the wrong size and discarded (why a later check of the
@@ -139,13 +142,30 @@ impl Inner {
             Err(e) => {
                 self.metrics.batch(false);
                 self.metrics.failure(e.kind_name());
-                warn!(%batch, error = %e, "batch failed");
+                self.log_failed(batch, e);
             }
         }
         let outcome = BatchOutcome { batch, result };
         match held {
             Some(h) => self.outcomes.finish_held(h, ticket.counter, outcome),
             None => self.outcomes.finish(ticket.counter, outcome),
+        }
+    }
+
+    /// Logs a failed batch: at `warn` once a minute per kind of failure (a store or group
+    /// down fails every batch alike: one line each was as many lines as requests), saying
+    /// how many of its kind went to `debug` since; a cancelled one (the engine's own doing)
+    /// at `debug`. The metrics count every one.
+    fn log_failed(&self, batch: kv_loader::BatchId, e: &KvLoadError) {
+        if matches!(e, KvLoadError::Cancelled { .. }) {
+            debug!(%batch, error = %e, "batch cancelled");
+            return;
+        }
+        match self.failed_log.due_after(e.kind_name()) {
+            Some(skipped) => warn!(%batch, error = %e, kind = e.kind_name(), skipped,
+                "batch failed (`skipped`: failures of this kind logged at debug since the \
+                 last such line; more within a minute go to debug)"),
+            None => debug!(%batch, error = %e, "batch failed"),
         }
     }
 
@@ -446,6 +466,7 @@ impl Linker {
             metrics: LinkerMetrics::default(),
             checksums,
             wrong_sized: wrong_sized::WrongSized::default(),
+            failed_log: LogEvery::new(),
             prefetch: prefetch::CompanionPrefetch::default(),
             pins_ahead: Arc::default(),
             epoch: AtomicU64::new(0),
