@@ -1,7 +1,8 @@
 //! Memory kept for good: buffers (and pool rows) a store call's transfer may still use after
-//! the store gave up on it (`StoreError::Abandoned`). They are never freed nor handed on, so a
-//! store that keeps stalling grows the process's memory with each such call: counted here,
-//! process-wide, for the engine's metrics ([`kept_for_good`]), and logged as each is kept.
+//! the store gave up on it (`StoreError::Abandoned`), and registered regions the store did
+//! not unregister. They are never freed nor handed on, so a store that keeps stalling grows
+//! the process's memory with each such call: counted here, process-wide, for the engine's
+//! metrics ([`kept_for_good`]), and logged as each is kept.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -18,7 +19,9 @@ static BYTES: AtomicU64 = AtomicU64::new(0);
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KeptForGood {
     /// Times memory was kept: one store call given up on may keep several buffers (a ranged
-    /// read its scratch and its targets, a put its staging and its sources), each counted.
+    /// read its scratch and its targets, a put its staging and its sources), each counted;
+    /// so is each registered region the store did not unregister (refused, or no worker to
+    /// ask it), which stays registered and allocated.
     pub calls: u64,
     /// The bytes of that memory (buffers of the calls' own, and pool or staging rows they
     /// held, which stay out of use).
@@ -35,10 +38,7 @@ pub fn kept_for_good() -> KeptForGood {
 
 /// One call's memory, `bytes` of it (`what` it was), is kept for good.
 pub(crate) fn keep_for_good(bytes: u64, what: &'static str) {
-    let calls = CALLS.fetch_add(1, Ordering::Relaxed).saturating_add(1);
-    let total = BYTES
-        .fetch_add(bytes, Ordering::Relaxed)
-        .saturating_add(bytes);
+    let (calls, total) = count_kept(bytes);
     tracing::error!(
         bytes,
         what,
@@ -46,6 +46,16 @@ pub(crate) fn keep_for_good(bytes: u64, what: &'static str) {
         total,
         "memory kept for good: a transfer the store gave up on may still use it"
     );
+}
+
+/// Counts `bytes` kept for good (once), not logged: for a caller that logs its own line.
+/// The counts so far (calls, bytes), this one included.
+pub(crate) fn count_kept(bytes: u64) -> (u64, u64) {
+    let calls = CALLS.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+    let total = BYTES
+        .fetch_add(bytes, Ordering::Relaxed)
+        .saturating_add(bytes);
+    (calls, total)
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ pub use error::StoreError;
 /// remote link.
 #[cfg(any(test, feature = "testing"))]
 pub use faulty::{Fault, FaultCall, FaultRule, FaultyStore, Stall, STALL_LIMIT};
-pub(crate) use kept::keep_for_good;
+pub(crate) use kept::{count_kept, keep_for_good};
 pub use kept::{kept_for_good, KeptForGood};
 pub use kv_store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,

@@ -55,7 +55,10 @@ fn unregister_owned(store: &dyn KvStore, region: StoreRegion) -> Result<(), Stor
             Ok(())
         }
         Err(e) => {
-            tracing::error!(error = %e, bytes = region.len(), "memory stays registered with the store: kept, never freed");
+            let (kept, total) = super::count_kept(region.len() as u64);
+            tracing::error!(error = %e, bytes = region.len(), kept, total,
+                "memory stays registered with the store: kept for good, never freed (`kept`, \
+                 `total`: what this process keeps for good so far)");
             Err(e)
         }
     }
@@ -323,7 +326,7 @@ impl Unregistering {
             Err(e) => {
                 if let Some(region) = slot.lock().take() {
                     tracing::error!(error = %e, region = %name, "no worker to unregister: the memory stays registered, kept for good");
-                    std::mem::forget(region);
+                    keep_for_good(vec![region]);
                 }
                 Unregistering::Answered(Err(e))
             }
@@ -471,9 +474,12 @@ impl Drop for LateUnregisters {
 }
 
 /// Keeps `regions` registered and their memory allocated for good: what nothing will
-/// unregister any more.
+/// unregister any more (counted in [`kept_for_good`](super::kept_for_good)).
 fn keep_for_good(regions: Vec<StoreRegion>) {
-    regions.into_iter().for_each(std::mem::forget);
+    for region in regions {
+        super::count_kept(region.len() as u64);
+        std::mem::forget(region);
+    }
 }
 
 /// Keeps the regions still in the list registered and allocated for good when dropped (a
@@ -511,6 +517,51 @@ mod tests {
         );
         reg.release().unwrap();
         assert_eq!(Arc::strong_count(&buf), 1, "released: the owner is let go");
+    }
+
+    /// A store that registers and never unregisters (refuses).
+    struct RefusingUnregister {
+        inner: EmbeddedStore,
+    }
+
+    impl KvStore for RefusingUnregister {
+        crate::forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put,
+            remove, discard, start_session, end_session, health, register);
+
+        fn name(&self) -> &str {
+            "refusing-unregister"
+        }
+
+        fn unregister(&self, _: MemoryRegion) -> Result<(), StoreError> {
+            Err(StoreError::Unavailable {
+                detail: "injected: unregister refused".into(),
+            })
+        }
+    }
+
+    /// A region the store did not unregister stays allocated for good, and is counted in
+    /// `kept_for_good` (before, it was only logged: the metric said nothing was kept).
+    #[test]
+    fn a_region_the_store_did_not_unregister_is_counted_as_kept_for_good() {
+        let store: Arc<dyn KvStore> = Arc::new(RefusingUnregister {
+            inner: EmbeddedStore::new(1 << 20),
+        });
+        let buf: Arc<Vec<u8>> = Arc::new(vec![0; 3 << 20]);
+        let before = crate::store::kept_for_good();
+        let reg = Registration::new(&store, region_of(&buf)).unwrap();
+        assert!(reg.release().is_err());
+        let after = crate::store::kept_for_good();
+        assert!(after.calls > before.calls);
+        // Other tests of this process may keep memory meanwhile: at least this region.
+        assert!(
+            after.bytes >= before.bytes + (3 << 20),
+            "{before:?} -> {after:?}"
+        );
+        assert_eq!(
+            Arc::strong_count(&buf),
+            2,
+            "the owner is kept, never let go"
+        );
     }
 
     /// A store whose `register` and `unregister` wait until the gate opens (a metadata service
