@@ -231,6 +231,14 @@ impl<E: Clone + Send + Sync + 'static> LayerCounter<E> {
     }
 }
 
+#[cfg(test)]
+impl<E: Clone + Send + Sync + 'static> LayerCounter<E> {
+    /// Threads blocked waiting on any slot now.
+    pub(crate) fn waiting(&self) -> u32 {
+        self.slots.iter().map(Slot::waiting).sum()
+    }
+}
+
 impl<E: Clone + Send + Sync + 'static> Default for LayerCounter<E> {
     fn default() -> Self {
         Self::new()

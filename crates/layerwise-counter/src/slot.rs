@@ -79,6 +79,12 @@ pub(crate) struct Released<E> {
 }
 
 impl<E: Clone> Slot<E> {
+    /// Threads blocked waiting on this slot now (tests: to know a waiter is in its wait).
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> u32 {
+        self.state.lock().waiters
+    }
+
     /// A free slot.
     pub(crate) fn new() -> Self {
         Self {

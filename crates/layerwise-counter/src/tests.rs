@@ -14,6 +14,17 @@ fn soon() -> Instant {
     Instant::now() + Duration::from_secs(10)
 }
 
+/// Returns once `n` threads are blocked in a wait of `c` (a fixed sleep let a waiter that
+/// started late, on a loaded machine, reach its wait after the release: stale, not
+/// cancelled).
+fn until_waiting(c: &Counter, n: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.waiting() < n {
+        assert!(Instant::now() < deadline, "{} of {n} waiting", c.waiting());
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A small xorshift generator: the tests need varied orders, not good randomness.
 struct Rng(u64);
 
@@ -84,7 +95,7 @@ fn waiter_is_woken_by_a_completion_on_another_thread() {
         let c = Arc::clone(&c);
         thread::spawn(move || c.wait(t, 1, soon()))
     };
-    thread::sleep(Duration::from_millis(20));
+    until_waiting(&c, 1);
     c.complete(t, 1).unwrap();
     thread::sleep(Duration::from_millis(20));
     assert!(
@@ -205,7 +216,7 @@ fn failure_wakes_all_waiters_with_the_first_error() {
             thread::spawn(move || c.wait(t, 2, soon()))
         })
         .collect();
-    thread::sleep(Duration::from_millis(20));
+    until_waiting(&c, 4);
     c.fail(t, "boom".to_owned()).unwrap();
     c.fail(t, "second".to_owned()).unwrap();
     for w in waiters {
@@ -252,7 +263,7 @@ fn reset_cancels_waiters_and_makes_tickets_stale() {
             thread::spawn(move || c.wait(t, l, soon()))
         })
         .collect();
-    thread::sleep(Duration::from_millis(30));
+    until_waiting(&c, 3);
     c.reset();
     for w in waiters {
         assert_eq!(w.join().unwrap(), Ok(WaitOutcome::Cancelled));
@@ -279,7 +290,7 @@ fn finish_while_waiting_cancels() {
         let c = Arc::clone(&c);
         thread::spawn(move || c.wait(t, 0, soon()))
     };
-    thread::sleep(Duration::from_millis(20));
+    until_waiting(&c, 1);
     c.finish(t).unwrap();
     assert_eq!(w.join().unwrap(), Ok(WaitOutcome::Cancelled));
 }
