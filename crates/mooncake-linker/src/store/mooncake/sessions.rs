@@ -250,15 +250,20 @@ impl SessionTable {
     /// again instead of joining the old session. Reads and starts holding them keep them.
     /// Taken under `calls`: a start asked of the master before the removal cannot write its
     /// (older) renewal back after this. Only this store's table hears of it: another
-    /// process's sessions of the key lapse with their lease.
-    pub(super) fn forget_replicas(&self, keys: &[&str]) {
-        let _calls = self.calls.lock();
-        let mut table = self.keys.lock();
-        for k in keys {
-            if let Some(s) = table.get_mut(*k) {
-                s.renewed = None;
+    /// process's sessions of the key lapse with their lease. Then ends the sessions left due
+    /// meanwhile ([`end_due`](Self::end_due): a read that left while this held `calls`
+    /// counted on it).
+    pub(super) fn forget_replicas(&self, client: &(impl SessionCalls + ?Sized), keys: &[&str]) {
+        {
+            let _calls = self.calls.lock();
+            let mut table = self.keys.lock();
+            for k in keys {
+                if let Some(s) = table.get_mut(*k) {
+                    s.renewed = None;
+                }
             }
         }
+        self.end_due(client);
     }
 
     /// Joins the keys of `keys` in a fresh session now; returns the others (absent, or
@@ -316,7 +321,13 @@ impl SessionTable {
             };
             let due = std::mem::take(&mut *self.ends_due.lock());
             if due.is_empty() {
-                return;
+                // A key made due after the take, by a thread that found `calls` held (by
+                // this one), counts on this one: looked at again once `calls` is let go.
+                drop(calls);
+                if self.ends_due.lock().is_empty() {
+                    return;
+                }
+                continue;
             }
             let keys: Vec<&str> = due.iter().map(String::as_str).collect();
             if let Err(e) = self.end_unused_held(client, &keys, calls) {
@@ -626,11 +637,34 @@ mod tests {
             1,
             "joined while fresh"
         );
-        table.forget_replicas(&["k"]);
+        table.forget_replicas(&master, &["k"]);
         let again = table.join(&master, &["k"]);
         assert_eq!(master.starts.load(Ordering::Relaxed), 2, "asked again");
         assert!(matches!(again.result("k"), Some(Ok(()))));
         drop((held, again));
+    }
+
+    /// A read that leaves while another thread holds `calls` leaves its keys due to end, for
+    /// that thread to end when it lets go: a removal's forgetting held `calls` and ended
+    /// none (before), so the session stayed open with no user until a later session call or
+    /// its lease (and kept the object pinned against the removal itself).
+    #[test]
+    fn keys_left_while_a_removal_forgets_replicas_are_ended_by_it() {
+        let master = FakeMaster::default();
+        let table = SessionTable::with_lease(Duration::from_secs(10));
+        let joined = table.join(&master, &["k"]);
+        assert!(master.in_session("k"));
+        {
+            // As `forget_replicas` holds it while the read leaves.
+            let _calls = table.calls.lock();
+            drop(joined);
+        }
+        assert!(
+            master.in_session("k"),
+            "left due: not ended while `calls` was held"
+        );
+        table.forget_replicas(&master, &["other"]);
+        assert!(!master.in_session("k"), "ended once the forgetting let go");
     }
 
     /// Before, any failed renewal of a session with a quarter of its lease left let the read

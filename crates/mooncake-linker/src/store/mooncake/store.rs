@@ -1031,13 +1031,13 @@ impl KvStore for MooncakeStore {
 
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
         // Before and after the master call: a read joining in between asks the master.
-        self.sessions.forget_replicas(keys);
+        self.sessions.forget_replicas(&self.client, keys);
         let out = keys
             .iter()
             .map(|k| self.client.remove(k, false).map_err(|e| store_error(k, &e)))
             .collect();
         // The replicas their sessions resolved may go to new puts: the next read asks again.
-        self.sessions.forget_replicas(keys);
+        self.sessions.forget_replicas(&self.client, keys);
         out
     }
 
@@ -1047,12 +1047,12 @@ impl KvStore for MooncakeStore {
     /// object's.
     fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
         // Before and after the master call: a read joining in between asks the master.
-        self.sessions.forget_replicas(keys);
+        self.sessions.forget_replicas(&self.client, keys);
         let out = keys
             .iter()
             .map(|k| self.client.remove(k, true).map_err(|e| store_error(k, &e)))
             .collect();
-        self.sessions.forget_replicas(keys);
+        self.sessions.forget_replicas(&self.client, keys);
         out
     }
 
