@@ -728,15 +728,26 @@ fn a_batch_whose_copies_outlast_the_drain_limit_waits_it_out_once() {
     linker.close().unwrap();
 }
 
-/// A staged landing whose third `land` panics after queuing its copies (a defect in an
-/// engine's landing, say): the load thread unwinds with those copies still on the load stream.
-struct PanicsAtThirdLand {
-    inner: Box<dyn kvlink::kv_device::LayerLanding>,
-    lands: std::sync::atomic::AtomicU32,
-    finish_panics: bool,
+/// What a [`FaultAtThirdLand`] does at its third `land`, after queuing its copies.
+#[derive(Clone, Copy, PartialEq)]
+enum AtThirdLand {
+    /// Panics (a defect in an engine's landing, say): the load thread unwinds with those
+    /// copies still on the load stream.
+    Panics,
+    /// Panics, and again in `finish`.
+    PanicsAndInFinish,
+    /// Fails as the device would (the batch fails `Device`).
+    Fails,
 }
 
-impl kvlink::kv_device::LayerLanding for PanicsAtThirdLand {
+/// A staged landing whose third `land` misbehaves after queuing its copies.
+struct FaultAtThirdLand {
+    inner: Box<dyn kvlink::kv_device::LayerLanding>,
+    lands: std::sync::atomic::AtomicU32,
+    fault: AtThirdLand,
+}
+
+impl kvlink::kv_device::LayerLanding for FaultAtThirdLand {
     fn take_stages(&mut self) -> Vec<kvlink::kv_device::LayerStage> {
         self.inner.take_stages()
     }
@@ -776,6 +787,11 @@ impl kvlink::kv_device::LayerLanding for PanicsAtThirdLand {
     ) -> Result<kvlink::kv_loader::LayerReady, kvlink::kv_device::DeviceError> {
         let ready = self.inner.land(stage);
         if self.lands.fetch_add(1, Ordering::SeqCst) == 2 {
+            if self.fault == AtThirdLand::Fails {
+                return Err(kvlink::kv_device::DeviceError::Poisoned(
+                    "injected: the device failed after queuing the copies",
+                ));
+            }
             panic!("an engine's landing panicked after queuing its copies");
         }
         ready
@@ -785,12 +801,15 @@ impl kvlink::kv_device::LayerLanding for PanicsAtThirdLand {
     }
     fn finish(&self) {
         self.inner.finish();
-        if self.finish_panics {
+        if self.fault == AtThirdLand::PanicsAndInFinish {
             panic!("an engine's landing panicked again as it finished");
         }
     }
     fn settle(&self) -> Result<(), kvlink::kv_device::DeviceError> {
         self.inner.settle()
+    }
+    fn settle_within(&self, limit: Duration) -> Result<(), kvlink::kv_device::DeviceError> {
+        self.inner.settle_within(limit)
     }
     fn transfers(&self) -> Vec<kvlink::kv_loader::TransferBytes> {
         self.inner.transfers()
@@ -801,18 +820,18 @@ impl kvlink::kv_device::LayerLanding for PanicsAtThirdLand {
 }
 
 /// Landings that panic at their third `land`, and in `finish` too when `.1`.
-struct PanickingLandings(StagedLandingFactory, bool);
+struct FaultyLandings(StagedLandingFactory, AtThirdLand);
 
-impl kvlink::kv_device::LandingFactory for PanickingLandings {
+impl kvlink::kv_device::LandingFactory for FaultyLandings {
     fn begin(
         &self,
         slots: Arc<[u32]>,
         shape: kvlink::kv_device::BatchShape,
     ) -> Result<Box<dyn kvlink::kv_device::LayerLanding>, kvlink::kv_device::DeviceError> {
-        Ok(Box::new(PanicsAtThirdLand {
+        Ok(Box::new(FaultAtThirdLand {
             inner: self.0.begin(slots, shape)?,
             lands: Default::default(),
-            finish_panics: self.1,
+            fault: self.1,
         }))
     }
     fn store_regions(&self) -> Vec<kvlink::kv_device::StoreRegion> {
@@ -829,23 +848,23 @@ impl kvlink::kv_device::LandingFactory for PanickingLandings {
 /// told the engine to recompute into slots a queued copy could still overwrite.
 #[test]
 fn a_panicked_batch_with_slot_copies_unfinished_is_a_device_failure() {
-    panicked_batch_with_slot_copies_unfinished(false);
+    panicked_batch_with_slot_copies_unfinished(AtThirdLand::Panics);
 }
 
 /// The same with a landing that panics again in `finish` as the batch unwinds: caught (a
 /// second panic while unwinding aborts the process), the outcome the same.
 #[test]
 fn a_landing_that_panics_again_as_it_finishes_does_not_abort() {
-    panicked_batch_with_slot_copies_unfinished(true);
+    panicked_batch_with_slot_copies_unfinished(AtThirdLand::PanicsAndInFinish);
 }
 
-fn panicked_batch_with_slot_copies_unfinished(finish_panics: bool) {
+fn panicked_batch_with_slot_copies_unfinished(fault: AtThirdLand) {
     let o = one();
     let (dev, pool, staging) = traced_device_pool(&o);
-    let landings = Arc::new(PanickingLandings(
+    let landings = Arc::new(FaultyLandings(
         StagedLandingFactory::new(pool.clone(), staging)
             .with_drain_limit(Duration::from_millis(200)),
-        finish_panics,
+        fault,
     ));
     let linker =
         Linker::with_landings(o.g.clone(), o.store.clone(), pool, landings, cfg(), None).unwrap();
@@ -860,6 +879,54 @@ fn panicked_batch_with_slot_copies_unfinished(finish_panics: bool) {
         err.action(),
         kvlink::kv_loader::EngineAction::ResetThenRecompute
     );
+    o.stall.release();
+    linker.close().unwrap();
+}
+
+/// A batch that fails on the device (its third `land`, after queuing copies the stalled load
+/// stream has not run) gets its outcome without waiting the drain limit out: before, its
+/// settle waited the whole limit (30 s by default) on a device that likely stopped with it,
+/// delaying the engine's reset. Its slots stay claimed until the copies end all the same.
+#[test]
+fn a_batch_that_failed_on_the_device_does_not_wait_the_drain_limit_for_its_copies() {
+    let o = one();
+    let (dev, pool, staging) = traced_device_pool(&o);
+    let drain = Duration::from_secs(3);
+    let landings = Arc::new(FaultyLandings(
+        StagedLandingFactory::new(pool.clone(), staging).with_drain_limit(drain),
+        AtThirdLand::Fails,
+    ));
+    let linker = Linker::with_landings(
+        o.g.clone(),
+        o.store.clone(),
+        pool.clone(),
+        landings,
+        cfg(),
+        None,
+    )
+    .unwrap();
+    dev.stall_at(CpuOp::ToDevice, 4, Duration::from_secs(5));
+    let slots = vec![1, 2, 3, 4];
+    let t0 = Instant::now();
+    let t = linker
+        .start_load(load_plan(&o.g, 1, &o.pages, slots.clone()))
+        .unwrap();
+    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    let took = t0.elapsed();
+    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
+    assert!(
+        took < Duration::from_millis(2500),
+        "waited the drain limit: {took:?}"
+    );
+    let claims_of: &dyn KvPool = pool.as_ref();
+    let mut held = claims_of.slot_claims().unwrap().held_slots();
+    held.sort_unstable();
+    assert_eq!(
+        held, slots,
+        "the slots stay claimed while copies into them are stalled"
+    );
+    SlotClaims::wait_free(claims_of, &slots, Instant::now() + Duration::from_secs(15))
+        .expect("free once the copies finished");
     o.stall.release();
     linker.close().unwrap();
 }

@@ -27,7 +27,7 @@ mod loan;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kv_geometry::ComponentId;
 use kv_loader::{LayerReady, TransferBytes};
@@ -243,6 +243,16 @@ pub trait LayerLanding: Send + Sync {
     /// waited for by the batch's outcome instead.
     fn settle(&self) -> Result<(), DeviceError> {
         Ok(())
+    }
+
+    /// [`settle`](Self::settle), waiting at most `limit` (or the landing's own limit, if
+    /// shorter): for a batch that failed on the device already, whose copies likely stalled
+    /// with it, so that its outcome does not wait a drain limit more (the slots stay claimed
+    /// as after any settle that timed out). The default is `settle` (a landing with nothing
+    /// queued does not wait).
+    fn settle_within(&self, limit: Duration) -> Result<(), DeviceError> {
+        let _ = limit;
+        self.settle()
     }
 
     /// Bytes moved so far, per model layer, by direction.

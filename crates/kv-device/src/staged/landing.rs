@@ -683,10 +683,14 @@ impl LayerLanding for StagedLanding {
     }
 
     fn settle(&self) -> Result<(), DeviceError> {
+        self.settle_within(self.drain)
+    }
+
+    fn settle_within(&self, limit: Duration) -> Result<(), DeviceError> {
         // Only this landing's copies into the slots: a collective still running writes device
         // staging alone (a scatter is queued only once its collective is known complete).
         let settled = self.slot_copies.drain(
-            kv_loader::deadline_after(self.drain),
+            kv_loader::deadline_after(limit.min(self.drain)),
             "the batch's copies into its slots",
         );
         if settled.is_err() {

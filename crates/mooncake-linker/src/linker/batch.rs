@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use dedup_broadcast::{Collective, StagingLayout};
 use kv_device::{BatchShape, LayerLanding};
@@ -669,6 +669,10 @@ fn leave_sample(
     }
 }
 
+/// Longest a batch that failed on the device waits for its copies into the slots before its
+/// outcome goes out ([`settle_failed`]).
+const DEVICE_FAILED_SETTLE: Duration = Duration::from_millis(100);
+
 /// A failed batch's error once the copies its landing queued into the slots have finished
 /// (bounded, [`LayerLanding::settle`]): its outcome tells the engine to recompute into those
 /// slots, on a stream nothing orders after them. The landing's drop drains the same work, but a
@@ -685,9 +689,16 @@ fn settle_failed(
     };
     // Also for a batch that failed `Device` already: its copies of earlier layers may still
     // be queued while a read past its deadline keeps the landing (and its drain) alive, and a
-    // reset does not wait for them. A settle that times out poisons the stages, so the drop
-    // does not wait the limit out again.
-    match landing.settle() {
+    // reset does not wait for them. But briefly: on a device that stopped making progress
+    // the drain limit would only delay the engine's reset (the slots stay claimed until the
+    // copies end all the same). A settle that times out poisons the stages, so the drop does
+    // not wait the limit out again.
+    let settled = if matches!(e, KvLoadError::Device(_)) {
+        landing.settle_within(DEVICE_FAILED_SETTLE)
+    } else {
+        landing.settle()
+    };
+    match settled {
         Ok(()) => e,
         Err(d) if matches!(e, KvLoadError::Device(_)) => {
             tracing::error!(%batch, error = %e, device = %d,
