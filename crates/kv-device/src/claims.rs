@@ -99,9 +99,16 @@ impl SlotClaims {
     }
 
     /// Releases every slot held past its claim ([`WriteClaim::hold_until`]) at once, whatever
-    /// its events say: for an engine that has made sure the work is over another way (it
-    /// synchronized or reset the device), where an event's query fails for good or no event
-    /// tells the work's end. The slots it released.
+    /// its events say: for an engine that has made sure the work is over another way, where
+    /// an event's query fails for good or no event tells the work's end. The slots it
+    /// released.
+    ///
+    /// On CUDA "over" means a context-wide synchronization of the pool's device
+    /// (`cuCtxSynchronize` on its primary context, or `cudaDeviceSynchronize`) that
+    /// returned success: kvlink's copies run on its own non-blocking load stream, which
+    /// synchronizing the engine's stream does not cover. A device that was reset
+    /// (`cudaDeviceReset`) lost its primary context and the pool's memory with it: build a
+    /// new pool rather than release the old one's slots.
     ///
     /// # Safety
     /// No copy the held slots wait for can still write them: kvlink's own landings and

@@ -1306,3 +1306,39 @@ fn batches_reuse_their_staging_buffers_slot_table_instead_of_allocating_one_each
     land_batch_by_kernel(&r, &large[700..1400]);
     assert_eq!(r.dev.allocations("slot table"), 2);
 }
+
+/// A copy into the slots whose fence could not be recorded (its end unknown) is told by a
+/// fresh event on the load stream, which runs in order: a settle that times out keeps the
+/// slots claimed until the stream has passed the copy, then they are free. Before, they were
+/// held for good (only the engine's `unsafe` release let go).
+#[test]
+fn slots_of_a_copy_whose_fence_failed_are_held_until_the_load_stream_passes_it() {
+    let r = rig(CpuDeviceConfig::default(), 10, 2, 1);
+    let slots = vec![3, 5];
+    let mut landing = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        slots.clone().into(),
+        BatchShape::own_only(all(&r.g)),
+    )
+    .unwrap();
+    let mut stages = landing.take_stages();
+    fill_layer(&r.g, &landing, &mut stages[0], 0, slots.len());
+    // The layer's copies are queued on a stalled device; the fence after them cannot be
+    // recorded.
+    r.dev.stall_for(Duration::from_millis(600));
+    r.dev.fail_enqueue(CpuOp::Record, 0);
+    let landed = landing.land(&mut stages[0]);
+    assert!(matches!(landed, Err(DeviceError::Driver(_))), "{landed:?}");
+    assert!(landing.settle_within(Duration::from_millis(50)).is_err());
+    let pool: &dyn kv_device::KvPool = r.pool.as_ref();
+    let claims = pool.slot_claims().unwrap();
+    let mut held = claims.held_slots();
+    held.sort_unstable();
+    assert_eq!(held, slots, "claimed while the copies may still write them");
+    kv_device::SlotClaims::wait_free(pool, &slots, Instant::now() + Duration::from_secs(10))
+        .expect("free once the load stream passed the copies");
+    assert!(claims.held_slots().is_empty());
+    drop(stages);
+    drop(landing);
+}

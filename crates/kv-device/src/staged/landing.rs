@@ -385,6 +385,42 @@ impl StagedLanding {
         }
     }
 
+    /// Waits until `deadline` for the copies this landing queued into the slots (only
+    /// those: a collective still running writes device staging alone, and a scatter is
+    /// queued only once its collective is known complete). The wait's result, and the events
+    /// that tell when the copies end (`None` when nothing can). A copy whose fence could not
+    /// be recorded is told by a fresh event on the load stream, which runs in order: it
+    /// completes once every copy queued before it has (before, such slots were held for
+    /// good, until the engine's `unsafe` release).
+    fn wait_slot_copies(
+        &self,
+        deadline: Instant,
+    ) -> (Result<(), DeviceError>, Option<Vec<SharedEvent>>) {
+        const WHAT: &str = "the batch's copies into its slots";
+        if !self.slot_copies.is_unfenced() {
+            return (
+                self.slot_copies.drain(deadline, WHAT),
+                self.slot_copies.known(),
+            );
+        }
+        let ev = match self.stream.record() {
+            Ok(ev) => ev,
+            Err(e) => return (Err(e), None),
+        };
+        let started = Instant::now();
+        match ev.wait_until(deadline) {
+            Ok(true) => (Ok(()), Some(Vec::new())),
+            Ok(false) => (
+                Err(DeviceError::Timeout {
+                    what: WHAT,
+                    waited: started.elapsed(),
+                }),
+                Some(vec![ev]),
+            ),
+            Err(e) => (Err(e), None),
+        }
+    }
+
     /// Fences stage `h` after the work just queued (and the slots' copies, for
     /// [`Writes::Slots`]), or poisons them where no fence can be recorded.
     fn fence_after(&self, h: usize, writes: Writes) -> Result<SharedEvent, DeviceError> {
@@ -687,12 +723,8 @@ impl LayerLanding for StagedLanding {
     }
 
     fn settle_within(&self, limit: Duration) -> Result<(), DeviceError> {
-        // Only this landing's copies into the slots: a collective still running writes device
-        // staging alone (a scatter is queued only once its collective is known complete).
-        let settled = self.slot_copies.drain(
-            kv_loader::deadline_after(limit.min(self.drain)),
-            "the batch's copies into its slots",
-        );
+        let (settled, until) =
+            self.wait_slot_copies(kv_loader::deadline_after(limit.min(self.drain)));
         if settled.is_err() {
             // The device has not run them within the drain limit: the drop quarantines the
             // lease with its fences at once, rather than wait the limit out again.
@@ -712,7 +744,7 @@ impl LayerLanding for StagedLanding {
                     None => SlotClaims::write(&pool, &self.slots),
                 };
                 match claim {
-                    Ok(claim) => claim.hold_until(self.slot_copies.known()),
+                    Ok(claim) => claim.hold_until(until),
                     Err(e) => tracing::error!(landing = self.id, error = %e,
                         "the slots of copies that did not finish could not be kept claimed"),
                 }
