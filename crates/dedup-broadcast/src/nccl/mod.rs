@@ -880,7 +880,11 @@ impl Collective for NcclCollective {
             ));
         }
         let chunk = region.len / size;
-        let Some(own) = region.addr.checked_add((self.rank as usize * chunk) as u64) else {
+        let own = region
+            .addr
+            .checked_add(region.len as u64)
+            .and_then(|_| region.addr.checked_add((self.rank as usize * chunk) as u64));
+        let Some(own) = own else {
             return Err(self.invalid(
                 "all_gather_device",
                 format!(

@@ -1072,17 +1072,20 @@ impl Drop for Worker {
 
 /// `NCCL_COMM_BLOCKING` set to a true value: NCCL's `envConfigOverride` then makes every
 /// communicator blocking whatever its config asks. NCCL reads the value with `strtol` (base
-/// 0), so `01`, `0x1` and `+1` count as 1 too. (A value from `/etc/nccl.conf` or
+/// 0), so `01`, `0x1` and `+1` count as 1 too, into an `int` (so `4294967297` is 1 as
+/// well; a value past 64 bits is refused there, as 0 is here). (A value from `/etc/nccl.conf` or
 /// `NCCL_CONF_FILE` is not seen here: NCCL's init then blocks, bounded only by the caller's
 /// wait for the comm thread, which leaves that thread behind.)
 fn env_forces_blocking() -> bool {
-    std::env::var("NCCL_COMM_BLOCKING").is_ok_and(|v| strtol_base0(&v) == 1)
+    std::env::var("NCCL_COMM_BLOCKING").is_ok_and(|v| strtol_base0(&v) as i32 == 1)
 }
 
 /// The number C's `strtol(s, NULL, 0)` reads from `s`: leading blanks, a sign, then `0x`
-/// (hex), `0` (octal) or decimal digits, up to the first other character; 0 when none.
+/// (hex), `0` (octal) or decimal digits, up to the first other character; 0 when none (and
+/// when the number does not fit 64 bits).
 fn strtol_base0(s: &str) -> i64 {
-    let s = s.trim_start();
+    // C's `isspace`, not Unicode's white space.
+    let s = s.trim_start_matches([' ', '\t', '\n', '\u{0b}', '\u{0c}', '\r']);
     let (negative, s) = match s.as_bytes().first() {
         Some(b'-') => (true, &s[1..]),
         Some(b'+') => (false, &s[1..]),
@@ -1127,9 +1130,15 @@ mod tests {
             ("-1", -1),
             ("010", 8),
             ("0x", 0),
+            ("\u{a0}1", 0),
+            ("\u{0b}1", 1),
+            ("4294967297", 4294967297),
         ] {
             assert_eq!(strtol_base0(v), n, "{v:?}");
         }
+        // NCCL keeps the value in an `int`.
+        assert_eq!(strtol_base0("4294967297") as i32, 1);
+        assert_eq!(strtol_base0("0x100000001") as i32, 1);
     }
 
     #[test]
