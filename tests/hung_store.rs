@@ -476,6 +476,13 @@ fn a_hung_unregister_does_not_hold_close_past_its_bound_and_keeps_the_memory_unt
     let took = t0.elapsed();
     // Every region's unregister side by side, one store call's bound (2 s) for all.
     assert!(took < Duration::from_secs(4), "{took:?}");
+    // Counted as the linker's overdue store calls (before, registrations ran on store calls
+    // of their own, whose count no metric read).
+    assert!(
+        linker.metrics().overdue_calls >= 1,
+        "{:?}",
+        linker.metrics()
+    );
     drop(linker);
     assert!(
         Arc::strong_count(&pool) > 1,

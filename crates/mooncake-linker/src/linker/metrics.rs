@@ -113,7 +113,8 @@ pub struct MetricsSnapshot {
     /// checked again against one read afresh: that read may have come before the batch's pin
     /// took, and the object been written again (other bytes, its own companion) in between.
     pub companions_reread: u64,
-    /// Store calls that did not return by their deadline (filled by `Linker::metrics`).
+    /// Store calls that did not return by their deadline, the landing memory's
+    /// registrations and unregistrations included (filled by `Linker::metrics`).
     pub overdue_calls: u64,
     /// Memory kept for good in this process (every store and linker of it): how many times
     /// memory was kept (one store call whose transfer the store gave up on may keep several

@@ -426,8 +426,10 @@ impl Linker {
             ));
         }
         config.check()?;
+        let calls = StoreCalls::new(store.clone());
+        // Registrations on workers of their own; their overdue calls count with the rest.
         let registered =
-            Registered::new(store.clone(), landings.clone(), config.store_call_timeout)?;
+            Registered::new(calls.beside(), landings.clone(), config.store_call_timeout)?;
         let keys = KeyScheme::new(
             &config.namespace.resolve(&geometry),
             geometry.tp_rank(),
@@ -457,7 +459,7 @@ impl Linker {
             reads: ReadGroups::new(config.read_granularity),
             geometry,
             keys,
-            calls: StoreCalls::new(store.clone()),
+            calls,
             store,
             pool,
             landings,

@@ -13,7 +13,7 @@ use std::time::Duration;
 use kv_device::LandingFactory;
 use kv_loader::KvLoadError;
 
-use crate::store::{KvStore, Registration, StoreCalls};
+use crate::store::{Registration, StoreCalls};
 
 /// The landing memory registered with the store, let go (unregistered) when the last holder
 /// drops it: the linker, and every store call past its deadline that may still write that
@@ -30,12 +30,13 @@ impl Registered {
     /// Registers every store region of `landings` with `store`, side by side, all waited for
     /// at most `bound` and a second per GB of them (each later unregister for `bound`); on a
     /// failure, lets go of those already registered.
+    /// `calls`: of the store, on workers of their own (their overdue calls are the linker's).
     pub(crate) fn new(
-        store: Arc<dyn KvStore>,
+        calls: StoreCalls,
         landings: Arc<dyn LandingFactory>,
         bound: Duration,
     ) -> Result<Arc<Self>, KvLoadError> {
-        let calls = Arc::new(StoreCalls::new(store));
+        let calls = Arc::new(calls);
         let regions = landings.store_regions();
         let bytes = regions
             .iter()

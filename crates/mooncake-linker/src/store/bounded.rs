@@ -300,6 +300,18 @@ impl StoreCalls {
         }
     }
 
+    /// Bounded calls of the same store on workers of their own (a call parked on one set
+    /// does not take a worker of the other), counting their overdue calls with these: one
+    /// [`overdue_calls`](Self::overdue_calls) for both.
+    pub(crate) fn beside(&self) -> Self {
+        StoreCalls {
+            store: self.store.clone(),
+            workers: Workers::new(),
+            overdue: self.overdue.clone(),
+            not_started_log: LogEvery::default(),
+        }
+    }
+
     /// The store.
     pub fn store(&self) -> &Arc<dyn KvStore> {
         &self.store
