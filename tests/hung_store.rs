@@ -276,6 +276,28 @@ fn a_hung_read_on_a_host_pool_keeps_its_slots_and_registrations_until_it_returns
     pool_matches(&pool, &o.pages, &hung_slots, 3).unwrap();
 }
 
+/// The bytes read count as each store call lands: while layer 3's read hangs, the three
+/// layers before it are counted. Before, a batch's bytes were counted as its reader ended, so
+/// a scrape during a long batch saw none and then a spike.
+#[test]
+fn bytes_read_count_as_each_store_call_lands() {
+    let o = one();
+    let pool = Arc::new(HostKvPool::new(o.g.clone(), 16).unwrap());
+    let linker = Linker::new(o.g.clone(), o.store.clone(), pool, cfg()).unwrap();
+    let t = linker
+        .start_load(load_plan(&o.g, 1, &o.pages, vec![1, 2, 3, 4]))
+        .unwrap();
+    for l in 0..3 {
+        linker.wait_layer(&t, l).unwrap();
+    }
+    let read = linker.metrics().bytes_read;
+    assert!(read > 0 && read < 4 * o.g.bytes_per_page(), "{read}");
+    assert!(linker.wait_layer(&t, 3).is_err());
+    o.stall.release();
+    eventually("the batch ends", || !linker.completed().is_empty());
+    linker.close().unwrap();
+}
+
 #[test]
 fn a_hung_read_on_a_device_pool_keeps_its_staging_out_of_other_batches_until_it_returns() {
     let o = one();

@@ -204,7 +204,6 @@ impl LayerPipeline<'_> {
             // Bounded: every wait of the reader is (see the module docs), and the exchange loop
             // has left, which ends the reader's waits on the hand-off at once.
             let read = reader.join().unwrap_or_default();
-            self.inner.metrics.read(read.bytes);
             exchanged.map(|(landed, first_layer)| PipelineRun {
                 bytes_read: read.bytes,
                 read_groups: read.groups,

@@ -395,6 +395,9 @@ impl LayerPipeline<'_> {
                 .into(),
             });
         }
+        // Counted as each call lands (with the call's time), not when the batch ends: a scrape
+        // during a long batch saw no bytes then a spike, and a reader that panicked lost them.
+        inner.metrics.read(n);
         inner.metrics.layer_read(group.len() as u32, took);
         inner
             .reads
