@@ -52,7 +52,7 @@ pub struct LinkerMetrics {
     own_failures: Mutex<BTreeMap<&'static str, u64>>,
 }
 
-/// A copy of the counters at one moment.
+/// A copy of the counters ([`LinkerMetrics::snapshot`] says how they hang together).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MetricsSnapshot {
     /// Bytes read from the store.
@@ -182,9 +182,11 @@ impl LinkerMetrics {
             .fetch_add(length_only, Ordering::Relaxed);
     }
 
+    /// After [`verified`](Self::verified) counted them among the ranges checksummed:
+    /// `Release`, so a snapshot that sees these sees those ([`snapshot`](Self::snapshot)).
     pub(crate) fn checksummed_as_landed(&self, n: u64) {
         self.ranges_checksummed_as_landed
-            .fetch_add(n, Ordering::Relaxed);
+            .fetch_add(n, Ordering::Release);
     }
 
     pub(crate) fn companions_kept(&self, n: u64) {
@@ -227,12 +229,20 @@ impl LinkerMetrics {
         *self.own_failures.lock().entry(kind).or_default() += 1;
     }
 
-    /// The counters now.
+    /// The counters now, each read on its own while the linker runs: counters that move
+    /// together may be one update apart. Two pairs keep their order (an exporter subtracts
+    /// them): `ranges_checksummed_as_landed` never exceeds `ranges_checksummed`, and the
+    /// `failures` never add up to more than `batches_failed`; each is read before the
+    /// counter it is part of.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut hist = [0; 12];
         for (h, a) in hist.iter_mut().zip(&self.layer_hist) {
             *h = a.load(Ordering::Relaxed);
         }
+        // Before the counters they are part of (see above); `failures` is counted under its
+        // lock after `batches_failed`, whose increment the lock then shows this thread.
+        let as_landed = self.ranges_checksummed_as_landed.load(Ordering::Acquire);
+        let failures = self.failures.lock().clone();
         MetricsSnapshot {
             bytes_read: self.bytes_read.load(Ordering::Relaxed),
             bytes_written: self.bytes_written.load(Ordering::Relaxed),
@@ -247,7 +257,7 @@ impl LinkerMetrics {
             failed_read_calls: self.failed_read_calls.load(Ordering::Relaxed),
             failed_read_time: Duration::from_micros(self.failed_read_us.load(Ordering::Relaxed)),
             ranges_checksummed: self.ranges_checksummed.load(Ordering::Relaxed),
-            ranges_checksummed_as_landed: self.ranges_checksummed_as_landed.load(Ordering::Relaxed),
+            ranges_checksummed_as_landed: as_landed,
             ranges_length_only: self.ranges_length_only.load(Ordering::Relaxed),
             bad_objects: self.bad_objects.load(Ordering::Relaxed),
             companions_kept: self.companions_kept.load(Ordering::Relaxed),
@@ -259,8 +269,46 @@ impl LinkerMetrics {
             companions_reread: self.companions_reread.load(Ordering::Relaxed),
             overdue_calls: 0,
             kept_for_good: crate::store::KeptForGood::default(),
-            failures: self.failures.lock().clone(),
+            failures,
             own_failures: self.own_failures.lock().clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Snapshots taken while a batch's counters move keep the two ordered pairs in order.
+    /// Before, `ranges_checksummed` was read before `ranges_checksummed_as_landed` (and
+    /// `batches_failed` before `failures`): a snapshot between the two could show more
+    /// ranges checksummed as landed than checksummed, and an exporter's difference wrapped.
+    #[test]
+    fn snapshots_keep_the_ordered_pairs_in_order_while_counters_move() {
+        let m = LinkerMetrics::default();
+        std::thread::scope(|s| {
+            // Ends by itself (a failed assertion below must not leave the scope waiting).
+            let writer = s.spawn(|| {
+                let t0 = std::time::Instant::now();
+                while t0.elapsed() < Duration::from_millis(300) {
+                    m.verified(3, 0);
+                    m.checksummed_as_landed(3);
+                    m.batch(false);
+                    m.failure("store_transfer");
+                }
+            });
+            let mut seen = 0;
+            while !writer.is_finished() {
+                let snap = m.snapshot();
+                assert!(
+                    snap.ranges_checksummed_as_landed <= snap.ranges_checksummed,
+                    "{snap:?}"
+                );
+                let failed: u64 = snap.failures.values().sum();
+                assert!(failed <= snap.batches_failed, "{snap:?}");
+                seen += 1;
+            }
+            assert!(seen > 10, "{seen} snapshots");
+        });
     }
 }
