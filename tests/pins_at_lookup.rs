@@ -298,6 +298,10 @@ fn a_load_beside_a_pin_stalled_past_its_wait_pins_for_itself_and_the_late_pin_is
         "the late pin was ended: {:?}",
         r.sessions.counts()
     );
+    // Counted as started though no load took it (before, only a wanted pin counted, so
+    // `pins_ahead - pins_ahead_taken` hid the master calls made for nothing).
+    let m = r.linker.metrics();
+    assert_eq!((m.pins_ahead, m.pins_ahead_taken), (1, 0), "{m:?}");
     assert!(r.sessions.pinned().is_empty());
     r.linker.close().unwrap();
     assert_eq!(r.sessions.counts(), (2, 2));

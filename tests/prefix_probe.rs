@@ -127,6 +127,10 @@ fn lookup_and_probe_store_errors_keep_their_typed_source() {
         skip_pages: 0,
     };
     check(ranks[0].linker.lookup(&req), "lookup");
+    // The failed lookup counts as asked, with nothing found (before, not at all: the hit
+    // ratio held still through a store outage).
+    let m = ranks[0].linker.metrics();
+    assert_eq!((m.pages_looked_up, m.pages_hit), (4, 0), "{m:?}");
     let faulty = Arc::new(FaultyStore::new(store));
     faulty.inject_on(
         FaultCall::Exists,

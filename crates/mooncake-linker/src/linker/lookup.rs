@@ -36,9 +36,11 @@ impl Inner {
         let candidates = &all[first..];
         let local = self.local_hit(candidates, first);
         let hit = match &self.group {
-            None => local?,
-            Some(link) => self.group_hit(link, candidates, first, local)?,
-        };
+            None => local,
+            Some(link) => self.group_hit(link, candidates, first, local),
+        }
+        // A failed lookup asked too and found nothing: the hit ratio falls with an outage.
+        .inspect_err(|_| self.metrics.lookup(candidates.len() as u64, 0))?;
         self.metrics.lookup(candidates.len() as u64, hit as u64);
         debug!(candidates = candidates.len(), hit, "lookup");
         Ok(LookupHit {

@@ -55,13 +55,15 @@ pub struct LinkerMetrics {
 /// A copy of the counters ([`LinkerMetrics::snapshot`] says how they hang together).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MetricsSnapshot {
-    /// Bytes read from the store.
+    /// Bytes of KV layers read from the store for loads, counted as each store call lands
+    /// (checksum companions and objects read again to check them are not counted).
     pub bytes_read: u64,
-    /// Bytes written to the store.
+    /// Bytes of KV objects written to the store by saves (checksum companions not counted).
     pub bytes_written: u64,
     /// Pages found by lookups.
     pub pages_hit: u64,
-    /// Pages asked about by lookups.
+    /// Pages asked about by lookups, failed lookups too (with no page found): the hit
+    /// ratio falls while the store or the group is down.
     pub pages_looked_up: u64,
     /// Batches loaded whole.
     pub batches_loaded: u64,
@@ -102,7 +104,8 @@ pub struct MetricsSnapshot {
     /// counted when the wait starts.
     pub read_ahead_waits: u64,
     /// Read sessions started at a lookup for the load to come
-    /// (`LinkerConfig::pin_at_lookup`).
+    /// (`LinkerConfig::pin_at_lookup`), counted as they start (also those no load took:
+    /// `pins_ahead - pins_ahead_taken` is the master calls made for nothing).
     pub pins_ahead: u64,
     /// Loads that took over the read session their lookup started instead of starting one.
     pub pins_ahead_taken: u64,

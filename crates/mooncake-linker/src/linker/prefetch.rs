@@ -441,6 +441,9 @@ impl Inner {
                 return;
             }
         };
+        // Counted as started, wanted or not: `pins_ahead - pins_ahead_taken` is the master
+        // calls a lookup made for no load.
+        self.metrics.pins_ahead();
         let finished = under_way.finish(session, started);
         if let Some(unwanted) = &finished.unwanted {
             tracing::debug!(
@@ -449,7 +452,6 @@ impl Inner {
             );
             self.end_session_logged(unwanted);
         } else {
-            self.metrics.pins_ahead();
             tracing::debug!(keys = keys.len(), took = ?started.elapsed(),
                             replaced = finished.replaced.len(), "pinned at lookup");
         }
