@@ -159,7 +159,8 @@ fn fixed_mode(
             Err(e) => format!("{e:#}"),
         },
     );
-    result.store_check(rig.tp, prefix.bytes, report, label);
+    let one_copy = (prefix.bytes, prefix.pages.len() as u64);
+    result.store_check(rig.tp, one_copy, report, label);
     Ok(result)
 }
 
