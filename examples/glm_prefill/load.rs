@@ -20,6 +20,8 @@ pub(super) struct RankDone {
     pub(super) stats: LoadStats,
     pub(super) store_bytes_read: u64,
     pub(super) forward_done: Duration,
+    /// The engine's waits for layers 1.. after computing the one before (the wait for layer
+    /// 0 is the first layer's ready time).
     pub(super) stalled: Duration,
     pub(super) compute: Duration,
 }

@@ -22,7 +22,7 @@ pub(super) fn report_run(ctx: &Ctx, run: &LoadRun, out: &mut dyn Write) -> Resul
         "first layer ready",
         "last layer ready",
         "forward done (SIM. compute)",
-        "engine waited for layers",
+        "engine waited after layer 0",
     ]);
     for (rank, r) in run.ranks.iter().enumerate() {
         t.row(vec![
