@@ -210,6 +210,11 @@ pub(crate) struct Worker {
     /// Pinned host memory that a host span's bytes are copied through on their way to the
     /// scratch (an asynchronous copy on the comm stream needs pinned memory of ours).
     host_stage: Option<PinnedBuffer>,
+    /// Scratch and stages outgrown by a larger host operation, kept until the worker ends:
+    /// freeing them mid-run (`cuMemFree`, `cuMemFreeHost`) synchronizes the device, which
+    /// in an in-process group can wait behind a peer's kernel that waits for this rank.
+    /// Power-of-two growth keeps them under the current buffer's size in all.
+    retired: Retired,
     /// Recorded after the last work enqueued on the comm stream.
     last: Option<Arc<CudaLayerEvent>>,
     /// Set once the communicator was aborted; every later operation fails with it.
@@ -220,6 +225,13 @@ pub(crate) struct Worker {
     interrupt: Arc<AbortRequest>,
     /// The in-process group's shared flag (see [`Setup::group`]).
     group: Arc<parking_lot::Mutex<Option<String>>>,
+}
+
+/// Buffers a worker outgrew (see `Worker::retired`).
+#[derive(Default)]
+struct Retired {
+    scratch: Vec<DeviceBuffer>,
+    stages: Vec<PinnedBuffer>,
 }
 
 /// A failed driver call of the worker, keeping the driver's error as the source.
@@ -259,6 +271,7 @@ impl Worker {
             grace: s.config.abort_grace,
             scratch: None,
             host_stage: None,
+            retired: Retired::default(),
             last: None,
             aborted: None,
             broken: s.broken.clone(),
@@ -491,6 +504,7 @@ impl Worker {
             );
             std::mem::forget(self.scratch.take());
             std::mem::forget(self.host_stage.take());
+            std::mem::forget(std::mem::take(&mut self.retired));
         }
         self.last = None;
     }
@@ -498,7 +512,9 @@ impl Worker {
     /// A device scratch buffer of at least `len` bytes (for host buffers).
     fn scratch(&mut self, len: usize) -> Result<u64, CollectiveError> {
         if self.scratch.as_ref().is_none_or(|b| b.len() < len) {
-            self.scratch = None;
+            if let Some(old) = self.scratch.take() {
+                self.retired.scratch.push(old);
+            }
             let cap = len.max(MIN_BUFFER).next_power_of_two();
             self.scratch = Some(
                 DeviceBuffer::alloc(self.device.context(), cap, "NCCL host-op scratch")
@@ -595,7 +611,9 @@ impl Worker {
     /// copy on the comm stream still using the stage (see [`h2d`](Self::h2d)).
     fn stage(&mut self, len: usize) -> Result<usize, Fail> {
         if self.host_stage.as_ref().is_none_or(|b| b.len() < len) {
-            self.host_stage = None;
+            if let Some(old) = self.host_stage.take() {
+                self.retired.stages.push(old);
+            }
             let cap = len.max(MIN_BUFFER).next_power_of_two();
             self.host_stage = Some(
                 PinnedBuffer::zeroed(self.device.context(), cap, "NCCL host-op stage")
