@@ -49,6 +49,7 @@ pub(super) fn run_ranks(
                         stats: Err("not started".into()),
                         store_bytes_read: 0,
                     };
+                    let read_before = linker.metrics().bytes_read;
                     let ticket = match linker.start_load(plan) {
                         Ok(t) => t,
                         Err(e) => {
@@ -88,7 +89,8 @@ pub(super) fn run_ranks(
                     // This batch's own reads (Auto ran calibration batches before it).
                     raw.store_bytes_read = match &raw.stats {
                         Ok(stats) => stats.bytes_read,
-                        Err(_) => linker.metrics().bytes_read,
+                        // Counted as each call landed: what this batch read before it failed.
+                        Err(_) => linker.metrics().bytes_read.saturating_sub(read_before),
                     };
                     raw
                 })

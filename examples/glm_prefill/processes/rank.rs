@@ -455,6 +455,7 @@ fn load(ctx: &Ctx, rank: u32, linker: &Linker, slots: &[u32], rep: &mut RankRepo
     );
     let progress = progress(rank, "load", u64::from(layers), "layers");
     let start = Instant::now();
+    let read_before = linker.metrics().bytes_read;
     let ticket = match linker.start_load(plan) {
         Ok(t) => t,
         Err(e) => {
@@ -504,7 +505,8 @@ fn load(ctx: &Ctx, rank: u32, linker: &Linker, slots: &[u32], rep: &mut RankRepo
         }
         Ok(Err(e)) | Err(e) => {
             rep.batch_err = Some(e.to_string());
-            rep.store_bytes_read = linker.metrics().bytes_read;
+            // Counted as each call landed: what this batch read before it failed.
+            rep.store_bytes_read = linker.metrics().bytes_read.saturating_sub(read_before);
         }
     }
 }
