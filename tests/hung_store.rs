@@ -837,8 +837,8 @@ impl kvlink::kv_device::LayerLanding for FaultAtThirdLand {
     fn settle(&self) -> Result<(), kvlink::kv_device::DeviceError> {
         self.inner.settle()
     }
-    fn settle_within(&self, limit: Duration) -> Result<(), kvlink::kv_device::DeviceError> {
-        self.inner.settle_within(limit)
+    fn settle_unless_stalled(&self, idle: Duration) -> Result<(), kvlink::kv_device::DeviceError> {
+        self.inner.settle_unless_stalled(idle)
     }
     fn transfers(&self) -> Vec<kvlink::kv_loader::TransferBytes> {
         self.inner.transfers()

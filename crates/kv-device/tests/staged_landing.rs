@@ -1326,19 +1326,65 @@ fn slots_of_a_copy_whose_fence_failed_are_held_until_the_load_stream_passes_it()
     fill_layer(&r.g, &landing, &mut stages[0], 0, slots.len());
     // The layer's copies are queued on a stalled device; the fence after them cannot be
     // recorded.
-    r.dev.stall_for(Duration::from_millis(600));
+    r.dev.stall_for(Duration::from_secs(30));
     r.dev.fail_enqueue(CpuOp::Record, 0);
     let landed = landing.land(&mut stages[0]);
     assert!(matches!(landed, Err(DeviceError::Driver(_))), "{landed:?}");
-    assert!(landing.settle_within(Duration::from_millis(50)).is_err());
+    assert!(landing
+        .settle_unless_stalled(Duration::from_millis(50))
+        .is_err());
     let pool: &dyn kv_device::KvPool = r.pool.as_ref();
     let claims = pool.slot_claims().unwrap();
     let mut held = claims.held_slots();
     held.sort_unstable();
     assert_eq!(held, slots, "claimed while the copies may still write them");
+    r.dev.resume();
     kv_device::SlotClaims::wait_free(pool, &slots, Instant::now() + Duration::from_secs(10))
         .expect("free once the load stream passed the copies");
     assert!(claims.held_slots().is_empty());
+    drop(stages);
+    drop(landing);
+}
+
+/// A settle that gives up on a stalled device still waits for one that keeps finishing the
+/// copies: two layers whose uploads each wait 400 ms finish 800 ms in, past an idle bound of
+/// 700 ms but each within it of the one before. Before, the bound was on the whole wait (a
+/// busy, healthy device's failed batch left copies running under its outcome).
+#[test]
+fn a_settle_unless_stalled_waits_for_copies_that_keep_finishing() {
+    let r = rig(CpuDeviceConfig::default(), 10, 2, 1);
+    let slots = vec![3, 5];
+    let mut landing = StagedLanding::new(
+        r.pool.clone(),
+        r.staging.lease().unwrap(),
+        slots.clone().into(),
+        BatchShape::own_only(all(&r.g)),
+    )
+    .unwrap();
+    let mut stages = landing.take_stages();
+    for (layer, stage) in stages.iter_mut().enumerate() {
+        fill_layer(&r.g, &landing, stage, layer as u32, slots.len());
+    }
+    // Each layer's first copy waits 400 ms on the device, one after the other (layer 0
+    // lands its two components' rows in four copies: the second stall is layer 1's first).
+    r.dev
+        .stall_at(CpuOp::ToDevice, 0, Duration::from_millis(400));
+    r.dev
+        .stall_at(CpuOp::ToDevice, 3, Duration::from_millis(400));
+    let t0 = Instant::now();
+    for stage in stages.iter_mut() {
+        landing.land(stage).unwrap();
+    }
+    landing
+        .settle_unless_stalled(Duration::from_millis(700))
+        .expect("the copies kept finishing");
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(750),
+        "{took:?}: both stalls ran"
+    );
+    let pool: &dyn kv_device::KvPool = r.pool.as_ref();
+    assert!(pool.slot_claims().unwrap().held_slots().is_empty());
     drop(stages);
     drop(landing);
 }

@@ -3,7 +3,7 @@
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kv_loader::TransferBytes;
 use parking_lot::Mutex;
@@ -78,13 +78,26 @@ impl Fences {
     /// Waits for every fence until `deadline`; clears them when all completed. A fence that
     /// does not complete in time, or fails, poisons the stage.
     pub(crate) fn drain(&self, deadline: Instant, what: &'static str) -> Result<(), DeviceError> {
+        self.drain_while(deadline, None, what)
+    }
+
+    /// [`drain`](Self::drain), and with `idle` giving up once no fence has completed for
+    /// `idle` (each completion restarts it): a device that keeps finishing the work is
+    /// waited for until `deadline`, one that stopped for `idle` only.
+    pub(crate) fn drain_while(
+        &self,
+        deadline: Instant,
+        idle: Option<Duration>,
+        what: &'static str,
+    ) -> Result<(), DeviceError> {
         if self.is_poisoned() {
             return Err(DeviceError::Poisoned(what));
         }
         let mut events = self.events.lock();
         let started = Instant::now();
         for ev in events.iter() {
-            match ev.wait_until(deadline) {
+            let by = idle.map_or(deadline, |i| deadline.min(kv_loader::deadline_after(i)));
+            match ev.wait_until(by) {
                 Ok(true) => {}
                 Ok(false) => {
                     self.poison();

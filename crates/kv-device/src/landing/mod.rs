@@ -245,13 +245,14 @@ pub trait LayerLanding: Send + Sync {
         Ok(())
     }
 
-    /// [`settle`](Self::settle), waiting at most `limit` (or the landing's own limit, if
-    /// shorter): for a batch that failed on the device already, whose copies likely stalled
-    /// with it, so that its outcome does not wait a drain limit more (the slots stay claimed
-    /// as after any settle that timed out). The default is `settle` (a landing with nothing
-    /// queued does not wait).
-    fn settle_within(&self, limit: Duration) -> Result<(), DeviceError> {
-        let _ = limit;
+    /// [`settle`](Self::settle), but giving up once no copy has finished for `idle`: for a
+    /// batch that failed on the device already, whose copies may have stalled with it. A
+    /// device that keeps finishing them (busy, not stalled) is waited for as `settle` waits;
+    /// one that stopped costs `idle`, not the drain limit, before the engine hears of the
+    /// failure (the slots stay claimed as after any settle that timed out). The default is
+    /// `settle` (a landing with nothing queued does not wait).
+    fn settle_unless_stalled(&self, idle: Duration) -> Result<(), DeviceError> {
+        let _ = idle;
         self.settle()
     }
 

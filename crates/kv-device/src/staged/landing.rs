@@ -385,7 +385,42 @@ impl StagedLanding {
         }
     }
 
-    /// Waits until `deadline` for the copies this landing queued into the slots (only
+    /// [`LayerLanding::settle`] (`idle`: `None`) or [`LayerLanding::settle_unless_stalled`]:
+    /// waits up to the drain limit (and, with `idle`, while a copy finished within the last
+    /// `idle`) for the copies into the slots; when they have not all finished, keeps the
+    /// slots claimed until they do.
+    fn settle_idle(&self, idle: Option<Duration>) -> Result<(), DeviceError> {
+        let (settled, until) = self.wait_slot_copies(kv_loader::deadline_after(self.drain), idle);
+        if settled.is_err() {
+            // The device has not run them within the drain limit: the drop quarantines the
+            // lease with its fences at once, rather than wait the limit out again.
+            for state in &self.stages_state {
+                state.fences.poison();
+            }
+            // The batch fails and the engine recomputes into the slots: they stay claimed
+            // (no later landing or save takes them, `SlotClaims::wait_free` waits) until the
+            // copies have finished. The landing's own claim moves there (the linker settles
+            // before it finishes); one that went at `finish` already is claimed again, which
+            // a save that took the slots meanwhile refuses (logged).
+            if !self.slots_held.swap(true, Ordering::AcqRel) {
+                let pool: Arc<dyn KvPool> = self.pool.clone();
+                let taken = self.slot_writes.write().take();
+                let claim = match taken {
+                    Some(claim) => Ok(claim),
+                    None => SlotClaims::write(&pool, &self.slots),
+                };
+                match claim {
+                    Ok(claim) => claim.hold_until(until),
+                    Err(e) => tracing::error!(landing = self.id, error = %e,
+                        "the slots of copies that did not finish could not be kept claimed"),
+                }
+            }
+        }
+        settled
+    }
+
+    /// Waits until `deadline` (and, with `idle`, while one finished within the last `idle`)
+    /// for the copies this landing queued into the slots (only
     /// those: a collective still running writes device staging alone, and a scatter is
     /// queued only once its collective is known complete). The wait's result, and the events
     /// that tell when the copies end (`None` when nothing can). A copy whose fence could not
@@ -395,14 +430,17 @@ impl StagedLanding {
     fn wait_slot_copies(
         &self,
         deadline: Instant,
+        idle: Option<Duration>,
     ) -> (Result<(), DeviceError>, Option<Vec<SharedEvent>>) {
         const WHAT: &str = "the batch's copies into its slots";
         if !self.slot_copies.is_unfenced() {
             return (
-                self.slot_copies.drain(deadline, WHAT),
+                self.slot_copies.drain_while(deadline, idle, WHAT),
                 self.slot_copies.known(),
             );
         }
+        // One event for all of them: no progress to see, so the idle bound is its bound.
+        let deadline = idle.map_or(deadline, |i| deadline.min(kv_loader::deadline_after(i)));
         let ev = match self.stream.record() {
             Ok(ev) => ev,
             Err(e) => return (Err(e), None),
@@ -719,38 +757,11 @@ impl LayerLanding for StagedLanding {
     }
 
     fn settle(&self) -> Result<(), DeviceError> {
-        self.settle_within(self.drain)
+        self.settle_idle(None)
     }
 
-    fn settle_within(&self, limit: Duration) -> Result<(), DeviceError> {
-        let (settled, until) =
-            self.wait_slot_copies(kv_loader::deadline_after(limit.min(self.drain)));
-        if settled.is_err() {
-            // The device has not run them within the drain limit: the drop quarantines the
-            // lease with its fences at once, rather than wait the limit out again.
-            for state in &self.stages_state {
-                state.fences.poison();
-            }
-            // The batch fails and the engine recomputes into the slots: they stay claimed
-            // (no later landing or save takes them, `SlotClaims::wait_free` waits) until the
-            // copies have finished. The landing's own claim moves there (the linker settles
-            // before it finishes); one that went at `finish` already is claimed again, which
-            // a save that took the slots meanwhile refuses (logged).
-            if !self.slots_held.swap(true, Ordering::AcqRel) {
-                let pool: Arc<dyn KvPool> = self.pool.clone();
-                let taken = self.slot_writes.write().take();
-                let claim = match taken {
-                    Some(claim) => Ok(claim),
-                    None => SlotClaims::write(&pool, &self.slots),
-                };
-                match claim {
-                    Ok(claim) => claim.hold_until(until),
-                    Err(e) => tracing::error!(landing = self.id, error = %e,
-                        "the slots of copies that did not finish could not be kept claimed"),
-                }
-            }
-        }
-        settled
+    fn settle_unless_stalled(&self, idle: Duration) -> Result<(), DeviceError> {
+        self.settle_idle(Some(idle))
     }
 
     fn poison(&self, stage: &mut LayerStage) {

@@ -669,9 +669,9 @@ fn leave_sample(
     }
 }
 
-/// Longest a batch that failed on the device waits for its copies into the slots before its
-/// outcome goes out ([`settle_failed`]).
-const DEVICE_FAILED_SETTLE: Duration = Duration::from_millis(100);
+/// How long a batch that failed on the device waits for its next copy into the slots to
+/// finish before it takes the device as stalled ([`settle_failed`]).
+const DEVICE_FAILED_IDLE: Duration = Duration::from_secs(1);
 
 /// A failed batch's error once the copies its landing queued into the slots have finished
 /// (bounded, [`LayerLanding::settle`]): its outcome tells the engine to recompute into those
@@ -689,12 +689,12 @@ fn settle_failed(
     };
     // Also for a batch that failed `Device` already: its copies of earlier layers may still
     // be queued while a read past its deadline keeps the landing (and its drain) alive, and a
-    // reset does not wait for them. But briefly: on a device that stopped making progress
-    // the drain limit would only delay the engine's reset (the slots stay claimed until the
-    // copies end all the same). A settle that times out poisons the stages, so the drop does
-    // not wait the limit out again.
+    // reset does not wait for them. While they keep finishing (a busy device) as long as
+    // any batch's; but on a device that stopped making progress the drain limit would only
+    // delay the engine's reset (the slots stay claimed until the copies end all the same). A
+    // settle that times out poisons the stages, so the drop does not wait the limit out again.
     let settled = if matches!(e, KvLoadError::Device(_)) {
-        landing.settle_within(DEVICE_FAILED_SETTLE)
+        landing.settle_unless_stalled(DEVICE_FAILED_IDLE)
     } else {
         landing.settle()
     };
