@@ -49,7 +49,11 @@ fn raw(region: &StoreRegion) -> MemoryRegion {
 /// kept for the rest of the process (leaked, never freed under the store).
 fn unregister_owned(store: &dyn KvStore, region: StoreRegion) -> Result<(), StoreError> {
     let region = ManuallyDrop::new(region);
-    match store.unregister(raw(&region)) {
+    // Counted as kept for good if the store's call unwinds (the region stays leaked).
+    let unwinding = KeptIfUnwinding(region.len() as u64);
+    let answer = store.unregister(raw(&region));
+    std::mem::forget(unwinding);
+    match answer {
         Ok(()) => {
             drop(ManuallyDrop::into_inner(region));
             Ok(())
@@ -61,6 +65,22 @@ fn unregister_owned(store: &dyn KvStore, region: StoreRegion) -> Result<(), Stor
                  `total`: what this process keeps for good so far)");
             Err(e)
         }
+    }
+}
+
+/// Counts its bytes as kept for good when dropped: armed across a store call that keeps its
+/// region when it panics, and forgotten once the call returned.
+struct KeptIfUnwinding(u64);
+
+impl Drop for KeptIfUnwinding {
+    fn drop(&mut self) {
+        let (kept, total) = super::count_kept(self.0);
+        tracing::error!(
+            bytes = self.0,
+            kept,
+            total,
+            "the store panicked unregistering memory: it stays registered, kept for good"
+        );
     }
 }
 
@@ -537,6 +557,49 @@ mod tests {
                 detail: "injected: unregister refused".into(),
             })
         }
+    }
+
+    /// A store that panics unregistering.
+    struct PanickingUnregister {
+        inner: EmbeddedStore,
+    }
+
+    impl KvStore for PanickingUnregister {
+        crate::forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put,
+            remove, discard, start_session, end_session, health, register);
+
+        fn name(&self) -> &str {
+            "panicking-unregister"
+        }
+
+        fn unregister(&self, _: MemoryRegion) -> Result<(), StoreError> {
+            panic!("injected: unregister panicked")
+        }
+    }
+
+    /// A region whose unregister panicked is kept for good and counted (before, only a
+    /// refusal was).
+    #[test]
+    fn a_region_whose_unregister_panicked_is_counted_as_kept_for_good() {
+        let store = PanickingUnregister {
+            inner: EmbeddedStore::new(1 << 20),
+        };
+        let buf: Arc<Vec<u8>> = Arc::new(vec![0; 5 << 20]);
+        let before = crate::store::kept_for_good();
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            unregister_owned(&store, region_of(&buf))
+        }));
+        assert!(unwound.is_err());
+        let after = crate::store::kept_for_good();
+        assert!(
+            after.bytes >= before.bytes + (5 << 20),
+            "{before:?} -> {after:?}"
+        );
+        assert_eq!(
+            Arc::strong_count(&buf),
+            2,
+            "the owner is kept, never let go"
+        );
     }
 
     /// A region the store did not unregister stays allocated for good, and is counted in
