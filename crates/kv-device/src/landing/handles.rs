@@ -94,26 +94,17 @@ impl Fences {
             return Err(DeviceError::Poisoned(what));
         }
         let mut events = self.events.lock();
-        let started = Instant::now();
-        for ev in events.iter() {
-            let by = idle.map_or(deadline, |i| deadline.min(kv_loader::deadline_after(i)));
-            match ev.wait_until(by) {
-                Ok(true) => {}
-                Ok(false) => {
-                    self.poison();
-                    return Err(DeviceError::Timeout {
-                        what,
-                        waited: started.elapsed(),
-                    });
-                }
-                Err(e) => {
-                    self.poison();
-                    return Err(e);
-                }
-            }
+        if let Err(e) = wait_in_order(&events, deadline, idle, what) {
+            self.poison();
+            return Err(e);
         }
         events.clear();
         Ok(())
+    }
+
+    /// The fences now (left in place), whether or not some work has none here.
+    pub(crate) fn recorded(&self) -> Vec<SharedEvent> {
+        self.events.lock().clone()
     }
 
     /// Makes `stream` wait (device-side) for every fence of the stage: work it queues next
@@ -135,6 +126,28 @@ impl Fences {
     pub(crate) fn take(&self) -> Vec<SharedEvent> {
         std::mem::take(&mut *self.events.lock())
     }
+}
+
+/// Waits for `events` in order until `deadline`, and with `idle` only while one completed
+/// within the last `idle` (the window restarts at each completion; it starts at the call,
+/// so work queued before the first event counts against it).
+pub(crate) fn wait_in_order(
+    events: &[SharedEvent],
+    deadline: Instant,
+    idle: Option<Duration>,
+    what: &'static str,
+) -> Result<(), DeviceError> {
+    let started = Instant::now();
+    for ev in events {
+        let by = idle.map_or(deadline, |i| deadline.min(kv_loader::deadline_after(i)));
+        if !ev.wait_until(by)? {
+            return Err(DeviceError::Timeout {
+                what,
+                waited: started.elapsed(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Rows of host memory lent for one collective: pool slots of one layer of a batch, in the

@@ -35,8 +35,8 @@ use kv_loader::{LayerReady, TransferBytes};
 use crate::{DeviceError, SharedEvent};
 
 pub use direct::{DirectLanding, DirectLandingFactory};
+pub(crate) use handles::{wait_in_order, Fences, TransferLog};
 pub use handles::{DeviceStage, HostRows};
-pub(crate) use handles::{Fences, TransferLog};
 pub(crate) use loan::StageLent;
 pub use loan::{first_overlap, ReadTarget, StageLoan};
 
@@ -249,8 +249,10 @@ pub trait LayerLanding: Send + Sync {
     /// batch that failed on the device already, whose copies may have stalled with it. A
     /// device that keeps finishing them (busy, not stalled) is waited for as `settle` waits;
     /// one that stopped costs `idle`, not the drain limit, before the engine hears of the
-    /// failure (the slots stay claimed as after any settle that timed out). The default is
-    /// `settle` (a landing with nothing queued does not wait).
+    /// failure (the slots stay claimed as after any settle that timed out). The window
+    /// starts at the call: work queued on the same stream before this landing's copies
+    /// (another batch's, a save's) counts against it. The default is `settle` (a landing
+    /// with nothing queued does not wait).
     fn settle_unless_stalled(&self, idle: Duration) -> Result<(), DeviceError> {
         let _ = idle;
         self.settle()

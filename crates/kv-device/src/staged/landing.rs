@@ -439,22 +439,16 @@ impl StagedLanding {
                 self.slot_copies.known(),
             );
         }
-        // One event for all of them: no progress to see, so the idle bound is its bound.
-        let deadline = idle.map_or(deadline, |i| deadline.min(kv_loader::deadline_after(i)));
         let ev = match self.stream.record() {
             Ok(ev) => ev,
             Err(e) => return (Err(e), None),
         };
-        let started = Instant::now();
-        match ev.wait_until(deadline) {
-            Ok(true) => (Ok(()), Some(Vec::new())),
-            Ok(false) => (
-                Err(DeviceError::Timeout {
-                    what: WHAT,
-                    waited: started.elapsed(),
-                }),
-                Some(vec![ev]),
-            ),
+        // The fences that were recorded show progress (with `idle`); the fresh one last.
+        let mut events = self.slot_copies.recorded();
+        events.push(ev.clone());
+        match crate::landing::wait_in_order(&events, deadline, idle, WHAT) {
+            Ok(()) => (Ok(()), Some(Vec::new())),
+            Err(e @ DeviceError::Timeout { .. }) => (Err(e), Some(vec![ev])),
             Err(e) => (Err(e), None),
         }
     }

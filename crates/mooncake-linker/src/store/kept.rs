@@ -20,8 +20,8 @@ static BYTES: AtomicU64 = AtomicU64::new(0);
 pub struct KeptForGood {
     /// Times memory was kept: one store call given up on may keep several buffers (a ranged
     /// read its scratch and its targets, a put its staging and its sources), each counted;
-    /// so is each registered region the store did not unregister (refused, or no worker to
-    /// ask it), which stays registered and allocated.
+    /// so is each registered region the store did not unregister (refused, panicked, or no
+    /// worker to ask it), which stays registered and allocated.
     pub calls: u64,
     /// The bytes of that memory (buffers of the calls' own, and pool or staging rows they
     /// held, which stay out of use).
