@@ -616,6 +616,15 @@ fn staged_linker(
 ) -> Linker {
     let landings =
         Arc::new(StagedLandingFactory::new(pool.clone(), staging).with_drain_limit(drain));
+    linker_landing_through(o, pool, landings)
+}
+
+/// A linker of `o`'s store landing into `pool` through `landings`.
+fn linker_landing_through(
+    o: &One,
+    pool: &Arc<DeviceKvPool>,
+    landings: Arc<dyn kvlink::kv_device::LandingFactory>,
+) -> Linker {
     Linker::with_landings(
         o.g.clone(),
         o.store.clone(),
@@ -895,8 +904,7 @@ fn panicked_batch_with_slot_copies_unfinished(fault: AtThirdLand) {
             .with_drain_limit(Duration::from_millis(200)),
         fault,
     ));
-    let linker =
-        Linker::with_landings(o.g.clone(), o.store.clone(), pool, landings, cfg(), None).unwrap();
+    let linker = linker_landing_through(&o, &pool, landings);
     dev.stall_at(CpuOp::ToDevice, 4, Duration::from_secs(2));
     let t = linker
         .start_load(load_plan(&o.g, 1, &o.pages, vec![1, 2, 3, 4]))
@@ -925,15 +933,7 @@ fn a_batch_that_failed_on_the_device_does_not_wait_the_drain_limit_for_its_copie
         StagedLandingFactory::new(pool.clone(), staging).with_drain_limit(drain),
         AtThirdLand::Fails,
     ));
-    let linker = Linker::with_landings(
-        o.g.clone(),
-        o.store.clone(),
-        pool.clone(),
-        landings,
-        cfg(),
-        None,
-    )
-    .unwrap();
+    let linker = linker_landing_through(&o, &pool, landings);
     dev.stall_at(CpuOp::ToDevice, 4, Duration::from_secs(5));
     let slots = vec![1, 2, 3, 4];
     let t0 = Instant::now();

@@ -1315,13 +1315,7 @@ fn batches_reuse_their_staging_buffers_slot_table_instead_of_allocating_one_each
 fn slots_of_a_copy_whose_fence_failed_are_held_until_the_load_stream_passes_it() {
     let r = rig(CpuDeviceConfig::default(), 10, 2, 1);
     let slots = vec![3, 5];
-    let mut landing = StagedLanding::new(
-        r.pool.clone(),
-        r.staging.lease().unwrap(),
-        slots.clone().into(),
-        BatchShape::own_only(all(&r.g)),
-    )
-    .unwrap();
+    let mut landing = own_landing(&r, &slots).unwrap();
     let mut stages = landing.take_stages();
     fill_layer(&r.g, &landing, &mut stages[0], 0, slots.len());
     // The layer's copies are queued on a stalled device; the fence after them cannot be
@@ -1354,13 +1348,7 @@ fn slots_of_a_copy_whose_fence_failed_are_held_until_the_load_stream_passes_it()
 fn a_settle_unless_stalled_waits_for_copies_that_keep_finishing() {
     let r = rig(CpuDeviceConfig::default(), 10, 2, 1);
     let slots = vec![3, 5];
-    let mut landing = StagedLanding::new(
-        r.pool.clone(),
-        r.staging.lease().unwrap(),
-        slots.clone().into(),
-        BatchShape::own_only(all(&r.g)),
-    )
-    .unwrap();
+    let mut landing = own_landing(&r, &slots).unwrap();
     let mut stages = landing.take_stages();
     for (layer, stage) in stages.iter_mut().enumerate() {
         fill_layer(&r.g, &landing, stage, layer as u32, slots.len());
