@@ -539,55 +539,26 @@ mod tests {
         assert_eq!(Arc::strong_count(&buf), 1, "released: the owner is let go");
     }
 
-    /// A store that registers and never unregisters (refuses).
-    struct RefusingUnregister {
-        inner: EmbeddedStore,
-    }
-
-    impl KvStore for RefusingUnregister {
-        crate::forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put,
-            remove, discard, start_session, end_session, health, register);
-
-        fn name(&self) -> &str {
-            "refusing-unregister"
-        }
-
-        fn unregister(&self, _: MemoryRegion) -> Result<(), StoreError> {
-            Err(StoreError::Unavailable {
-                detail: "injected: unregister refused".into(),
-            })
-        }
-    }
-
-    /// A store that panics unregistering.
-    struct PanickingUnregister {
-        inner: EmbeddedStore,
-    }
-
-    impl KvStore for PanickingUnregister {
-        crate::forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put,
-            remove, discard, start_session, end_session, health, register);
-
-        fn name(&self) -> &str {
-            "panicking-unregister"
-        }
-
-        fn unregister(&self, _: MemoryRegion) -> Result<(), StoreError> {
-            panic!("injected: unregister panicked")
-        }
+    /// A store whose unregister fails with `fault` (the test store's rule).
+    fn unregister_faulted(fault: crate::store::Fault) -> Arc<dyn KvStore> {
+        let store = crate::store::FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 20)));
+        store.inject_on(
+            crate::store::FaultCall::Unregister,
+            crate::store::FaultRule::default(),
+            fault,
+        );
+        Arc::new(store)
     }
 
     /// A region whose unregister panicked is kept for good and counted (before, only a
     /// refusal was).
     #[test]
     fn a_region_whose_unregister_panicked_is_counted_as_kept_for_good() {
-        let store = PanickingUnregister {
-            inner: EmbeddedStore::new(1 << 20),
-        };
+        let store = unregister_faulted(crate::store::Fault::Panic);
         let buf: Arc<Vec<u8>> = Arc::new(vec![0; 259 << 20]);
         let before = crate::store::kept_for_good();
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            unregister_owned(&store, region_of(&buf))
+            unregister_owned(store.as_ref(), region_of(&buf))
         }));
         assert!(unwound.is_err());
         let after = crate::store::kept_for_good();
@@ -606,9 +577,9 @@ mod tests {
     /// `kept_for_good` (before, it was only logged: the metric said nothing was kept).
     #[test]
     fn a_region_the_store_did_not_unregister_is_counted_as_kept_for_good() {
-        let store: Arc<dyn KvStore> = Arc::new(RefusingUnregister {
-            inner: EmbeddedStore::new(1 << 20),
-        });
+        let store = unregister_faulted(crate::store::Fault::Error(StoreError::Unavailable {
+            detail: "injected: unregister refused".into(),
+        }));
         let buf: Arc<Vec<u8>> = Arc::new(vec![0; 257 << 20]);
         let before = crate::store::kept_for_good();
         let reg = Registration::new(&store, region_of(&buf)).unwrap();
