@@ -3,7 +3,8 @@
 //! bound (`UNREGISTER_WAIT`) and the region stays registered, where it waited for the hung
 //! registration without a bound. And a read beside an unregistration that hangs in the wheel
 //! with the transfer gate held: it fails at its bound (`TRANSFER_WAIT`) rather than park its
-//! worker until the unregistration returns.
+//! worker until the unregistration returns. And bounded registrations behind a hung one give
+//! their store-call workers back when their callers give up.
 //!
 //! Needs the feature `failpoints` (the hangs are the failpoints "mooncake-register-held" and
 //! "mooncake-unregister-held"), and a binary of its own: a failpoint's setting holds for the
@@ -16,11 +17,19 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{available, PrivateMaster};
+use kv_device::StoreRegion;
 use mooncake_linker::store::mooncake::{MooncakeStore, TRANSFER_WAIT, UNREGISTER_WAIT};
-use mooncake_linker::store::{KvStore, MemoryRegion, ObjectGet, ObjectPut, StoreError};
+use mooncake_linker::store::{
+    KvStore, MemoryRegion, ObjectGet, ObjectPut, Registration, StoreCalls, StoreError,
+};
+
+/// Held by each test that sets "mooncake-register-held": a failpoint's setting is the whole
+/// process's, and the tests of this binary run side by side.
+static REGISTER_FAILPOINT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Makes the first pass through failpoint `name` say so (on the receiver returned) and then
 /// sleep `hang`, with whatever the store holds there held; later passes go straight on.
@@ -46,6 +55,7 @@ fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
     ) {
         return;
     }
+    let _failpoint = REGISTER_FAILPOINT.lock().unwrap_or_else(|e| e.into_inner());
     let master = PrivateMaster::start(&[]);
     let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
     let mut held = vec![0u8; 1 << 16];
@@ -90,6 +100,73 @@ fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
         .expect("unregister once the table is free");
     store.unregister(hung_region).expect("unregister");
     drop(store);
+}
+
+/// Registrations through bounded store calls, behind one that hangs with the table held:
+/// each fails at its caller's deadline and its worker comes back, so the workers alive stay
+/// few. Before, each waited for the table without a bound and parked its worker until the
+/// hung one returned (past `MAX_WORKERS`, every store call failed).
+#[test]
+fn bounded_registrations_behind_a_hung_one_give_their_workers_back() {
+    if !available(
+        "bounded_registrations_behind_a_hung_one_give_their_workers_back",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let _failpoint = REGISTER_FAILPOINT.lock().unwrap_or_else(|e| e.into_inner());
+    let master = PrivateMaster::start(&[]);
+    let store: Arc<dyn KvStore> =
+        Arc::new(MooncakeStore::connect(master.config(16 << 20)).expect("connect"));
+    let calls = Arc::new(StoreCalls::new(store.clone()));
+    let mut hung = vec![0u8; 1 << 16];
+    let hung_region = MemoryRegion {
+        addr: hung.as_mut_ptr() as usize,
+        len: hung.len(),
+    };
+    let hang = Duration::from_secs(6);
+    let table_held = hang_once("mooncake-register-held", hang);
+    const BEHIND: usize = 16;
+    std::thread::scope(|s| {
+        // SAFETY: `hung` outlives its registration: unregistered below before it drops.
+        let registering = s.spawn(|| unsafe { store.register(hung_region) });
+        table_held
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the registration reached its failpoint");
+        let t0 = Instant::now();
+        for _ in 0..BEHIND {
+            let buf: Arc<Vec<u8>> = Arc::new(vec![0; 4096]);
+            // SAFETY: `buf`'s bytes stay allocated while `buf` (the region's owner) lives.
+            let region = unsafe { StoreRegion::new(buf.as_ptr() as usize, buf.len(), buf.clone()) };
+            let got = Registration::bounded(
+                &calls,
+                region,
+                Instant::now() + Duration::from_millis(50),
+                Duration::from_secs(5),
+            );
+            assert!(
+                matches!(&got, Err(StoreError::Overdue { .. })),
+                "{:?}",
+                got.as_ref().map(|_| ())
+            );
+        }
+        // Each worker comes back within a look of its caller giving up (10 ms).
+        std::thread::sleep(Duration::from_millis(200));
+        let alive = calls.workers();
+        let took = t0.elapsed();
+        registering
+            .join()
+            .unwrap()
+            .expect("the hung registration ends");
+        assert!(took < hang, "the registrations behind took {took:?}");
+        assert!(
+            alive <= 2,
+            "{alive} store-call workers alive after {BEHIND} registrations gave up"
+        );
+    });
+    fail::remove("mooncake-register-held");
+    store.unregister(hung_region).expect("unregister");
+    drop((calls, store));
 }
 
 /// Before, the read waited on the gate without a bound, until the unregistration returned.

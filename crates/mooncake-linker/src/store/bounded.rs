@@ -200,6 +200,12 @@ enum Answer<T> {
     Detached,
 }
 
+impl<T: Send> super::caller::Awaited for Slot<T> {
+    fn given_up(&self) -> bool {
+        matches!(*self.state.lock(), Answer::Abandoned)
+    }
+}
+
 /// A call started on a worker.
 pub(super) struct Pending<T> {
     slot: Arc<Slot<T>>,
@@ -345,6 +351,9 @@ impl StoreCalls {
         let started = Instant::now();
         self.workers.submit(Box::new(move || {
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // The store's own waits (for a lock another call holds across a master call)
+                // end once this caller gives up (`super::caller`).
+                let _caller = super::caller::enter(theirs.clone());
                 call(store.as_ref())
             }));
             let Ok(out) = out else {
@@ -659,6 +668,37 @@ mod tests {
         };
         // SAFETY: `bytes` is live and unchanged during the call.
         assert!(unsafe { store.put(&[p]) }[0].is_ok());
+    }
+
+    /// A store call that waits inside the store for a lock another call holds (across a master
+    /// call that hangs) stops waiting once its caller gave up at the deadline: its worker
+    /// comes back. Before, it stayed parked until the holder let go; behind a hung holder,
+    /// every session call parked one until no worker was left for any call.
+    #[test]
+    fn a_wait_inside_the_store_ends_once_its_caller_gave_up() {
+        let calls = StoreCalls::new(Arc::new(EmbeddedStore::new(1 << 20)));
+        let lock = Arc::new(Mutex::new(()));
+        let held = lock.lock();
+        let theirs = lock.clone();
+        let (tx, rx) = mpsc::channel();
+        let pending = calls
+            .submit(
+                "exists",
+                move |_| super::super::caller::lock_while_awaited(&theirs).is_some(),
+                move |_, took| {
+                    let _ = tx.send(took);
+                },
+            )
+            .unwrap();
+        let why = pending.wait(Instant::now() + Duration::from_millis(100));
+        assert!(matches!(why, Err(Unanswered::Overdue(_))));
+        let answer = rx.recv_timeout(Duration::from_secs(5));
+        drop(held);
+        assert_eq!(
+            answer,
+            Ok(false),
+            "the wait ended with its caller, lock not taken"
+        );
     }
 
     /// A discard past its deadline is still sent: the object goes.

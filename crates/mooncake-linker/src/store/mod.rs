@@ -2,6 +2,7 @@
 //! [`EmbeddedStore`], and Mooncake.
 
 mod bounded;
+pub(crate) mod caller;
 mod checked;
 mod discard;
 mod embedded;

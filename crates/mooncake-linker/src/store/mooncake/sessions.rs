@@ -15,6 +15,12 @@
 //! after its transfer, to end that key's session. A key stays in the table, at zero users,
 //! until the holder of `calls` ends it; one that gains a user meanwhile is not ended.
 //!
+//! A wait for `calls` lasts while the store call's caller waits ([`crate::store::caller`]):
+//! behind a master call that hangs, each session call would otherwise park its store-call
+//! worker for good. A caller that gave up fails its read's keys (`Unavailable`), or leaves an
+//! end's keys due, ended when the holder lets go. A removal's forgetting of replicas takes
+//! no `calls` at all: a start that overlapped it does not record its renewal.
+//!
 //! An explicit session is named by a token the table hands out; ending it takes the users
 //! that session added and nothing else, once: a session ended twice, or one not started here,
 //! ends nothing (another holder's count of the same key stays).
@@ -28,7 +34,20 @@ use parking_lot::Mutex;
 use tracing::warn;
 
 use super::store::{code_error, split_valid, store_error};
+use crate::store::caller::lock_while_awaited;
 use crate::store::StoreError;
+
+/// The error of a session call whose caller gave up while it waited for another thread's
+/// master call (which may hang) to let the table go.
+fn gave_up_waiting(key: &str) -> StoreError {
+    StoreError::Unavailable {
+        detail: format!(
+            "{key}: the caller gave up while another read-session call to the master held the \
+             table"
+        )
+        .into(),
+    }
+}
 
 /// Read-session bookkeeping of one key.
 #[derive(Debug, Default)]
@@ -124,6 +143,9 @@ pub(super) struct SessionTable {
     /// The explicit sessions open, by token: when each started, and the keys it added a
     /// user to.
     open: Mutex<HashMap<u64, (Instant, Vec<String>)>>,
+    /// Removals whose replicas [`forget_replicas`](Self::forget_replicas) forgot so far
+    /// (changed under `keys`' lock): a start that overlapped one does not record its renewal.
+    forgets: AtomicU64,
     /// The last token handed out (tokens start at 1; 0 names no session of this table).
     last_token: AtomicU64,
     /// The master's read lease.
@@ -144,6 +166,7 @@ impl SessionTable {
             calls: Mutex::default(),
             ends_due: Mutex::default(),
             open: Mutex::default(),
+            forgets: AtomicU64::new(0),
             last_token: AtomicU64::new(0),
             lease,
         }
@@ -203,7 +226,14 @@ impl SessionTable {
             joined.results = in_session(distinct.iter());
             return joined;
         }
-        let _calls = self.calls.lock();
+        let Some(_calls) = lock_while_awaited(&self.calls) else {
+            // The read's caller gave up while another master call held `calls` (maybe hung).
+            joined.results = distinct
+                .iter()
+                .map(|k| ((*k).to_owned(), Err(gave_up_waiting(k))))
+                .collect();
+            return joined;
+        };
         let to_start = self.join_present(&distinct, false);
         // The keys joined so far count this read as a user from here on: left on drop, also
         // when the master call below unwinds.
@@ -216,16 +246,18 @@ impl SessionTable {
         // out of the table: the master's lease ends them.
         // The lease may begin anywhere inside the call: counted from its start, so that a
         // slow start does not let later reads join a session whose lease already ran out.
+        let forgets = self.forgets.load(Ordering::Acquire);
         let asked = Instant::now();
         let started = client.start(&to_start);
         let now = Instant::now();
         let mut table = self.keys.lock();
+        let renewed = self.renewal(forgets, asked);
         for (k, r) in to_start.iter().zip(started) {
             let r = match (r, table.get_mut(*k)) {
                 (Ok(()), _) => {
                     let s = table.entry((*k).to_owned()).or_default();
                     s.implicit += 1;
-                    s.renewed = Some(asked);
+                    s.renewed = renewed.or(s.renewed);
                     Ok(())
                 }
                 // A renewal that failed for a passing reason (the master slow or unreachable)
@@ -248,15 +280,14 @@ impl SessionTable {
     /// Forgets where `keys`' sessions were resolved (their objects were removed: the replicas
     /// the master named may be given to new puts): the next read of each asks the master
     /// again instead of joining the old session. Reads and starts holding them keep them.
-    /// Taken under `calls`: a start asked of the master before the removal cannot write its
-    /// (older) renewal back after this. Only this store's table hears of it: another
-    /// process's sessions of the key lapse with their lease. Then ends the sessions left due
-    /// meanwhile ([`end_due`](Self::end_due): a read that left while this held `calls`
-    /// counted on it).
+    /// Never waits for a master call: a start asked of the master before the removal does
+    /// not write its (older) renewal back after this ([`renewal`](Self::renewal)). Only this
+    /// store's table hears of it: another process's sessions of the key lapse with their
+    /// lease. Then ends the sessions left due meanwhile ([`end_due`](Self::end_due)).
     pub(super) fn forget_replicas(&self, client: &(impl SessionCalls + ?Sized), keys: &[&str]) {
         {
-            let _calls = self.calls.lock();
             let mut table = self.keys.lock();
+            self.forgets.fetch_add(1, Ordering::AcqRel);
             for k in keys {
                 if let Some(s) = table.get_mut(*k) {
                     s.renewed = None;
@@ -264,6 +295,15 @@ impl SessionTable {
             }
         }
         self.end_due(client);
+    }
+
+    /// When a start asked at `asked` renewed its keys' sessions, to record under the table's
+    /// lock: `None` (keep what the table has) when a removal forgot replicas since `forgets`
+    /// was read, before the start was asked. Which keys it forgot is not looked at: a start
+    /// that overlapped any removal leaves the next read of its keys to ask the master again
+    /// (one master call, 4-5 ms, on the rare read after a removal).
+    fn renewal(&self, forgets: u64, asked: Instant) -> Option<Instant> {
+        (self.forgets.load(Ordering::Acquire) == forgets).then_some(asked)
     }
 
     /// Joins the keys of `keys` in a fresh session now; returns the others (absent, or
@@ -356,7 +396,10 @@ impl SessionTable {
         keys: &[&str],
     ) -> Result<u64, StoreError> {
         self.drop_lapsed(client);
-        let _calls = self.calls.lock();
+        let Some(_calls) = lock_while_awaited(&self.calls) else {
+            return Err(gave_up_waiting(keys.first().copied().unwrap_or_default()));
+        };
+        let forgets = self.forgets.load(Ordering::Acquire);
         // Counted from the call's start, as above.
         let asked = Instant::now();
         let results = client.start(keys);
@@ -380,10 +423,11 @@ impl SessionTable {
         }
         {
             let mut table = self.keys.lock();
+            let renewed = self.renewal(forgets, asked);
             for k in keys {
                 let s = table.entry((*k).to_owned()).or_default();
                 s.explicit += 1;
-                s.renewed = Some(asked);
+                s.renewed = renewed.or(s.renewed);
             }
         }
         let token = self.last_token.fetch_add(1, Ordering::Relaxed) + 1;
@@ -455,13 +499,29 @@ impl SessionTable {
     }
 
     /// Ends the client's session of each of `keys` with no user left (one that gained a user
-    /// since stays).
+    /// since stays). When the caller gives up while another master call holds `calls`, the
+    /// keys are left due, ended by that call's thread when it lets go (as a leaving read's).
     fn end_unused(
         &self,
         client: &(impl SessionCalls + ?Sized),
         keys: &[&str],
     ) -> Result<(), StoreError> {
-        let ended = self.end_unused_held(client, keys, self.calls.lock());
+        let ended = match lock_while_awaited(&self.calls) {
+            Some(calls) => self.end_unused_held(client, keys, calls),
+            None => {
+                self.ends_due
+                    .lock()
+                    .extend(keys.iter().map(|k| (*k).to_owned()));
+                Err(StoreError::Unavailable {
+                    detail: format!(
+                        "{}: the caller gave up while another read-session call to the master \
+                         held the table; the sessions end when that call returns",
+                        keys.first().copied().unwrap_or_default()
+                    )
+                    .into(),
+                })
+            }
+        };
         self.end_due(client);
         ended
     }
@@ -521,6 +581,7 @@ fn passing(e: &StoreError) -> bool {
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
     use std::time::Duration;
 
     use super::*;
@@ -645,9 +706,9 @@ mod tests {
     }
 
     /// A read that leaves while another thread holds `calls` leaves its keys due to end, for
-    /// that thread to end when it lets go: a removal's forgetting held `calls` and ended
-    /// none (before), so the session stayed open with no user until a later session call or
-    /// its lease (and kept the object pinned against the removal itself).
+    /// that thread to end when it lets go; a removal's forgetting ends them too (before, it
+    /// ended none: the session stayed open with no user until a later session call or its
+    /// lease, and kept the object pinned against the removal itself).
     #[test]
     fn keys_left_while_a_removal_forgets_replicas_are_ended_by_it() {
         let master = FakeMaster::default();
@@ -655,7 +716,7 @@ mod tests {
         let joined = table.join(&master, &["k"]);
         assert!(master.in_session("k"));
         {
-            // As `forget_replicas` holds it while the read leaves.
+            // As another thread's master call holds it while the read leaves.
             let _calls = table.calls.lock();
             drop(joined);
         }
@@ -1073,10 +1134,21 @@ mod tests {
         open: MasterSessions,
         inside: std::sync::atomic::AtomicBool,
         released: std::sync::atomic::AtomicBool,
+        starts: AtomicU64,
+    }
+
+    impl HeldStart {
+        /// Waits until a start of "slow" is inside the master call.
+        fn wait_inside(&self) {
+            while !self.inside.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
     }
 
     impl SessionCalls for HeldStart {
         fn start(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
+            self.starts.fetch_add(1, Ordering::Relaxed);
             if keys.contains(&"slow") {
                 self.inside.store(true, Ordering::Release);
                 let until = Instant::now() + Duration::from_secs(10);
@@ -1123,5 +1195,98 @@ mod tests {
         });
         assert!(!master.open.has("k"), "ended once the start let go");
         assert!(!table.keys.lock().contains_key("k"));
+    }
+
+    /// Behind a master call that does not return (it holds `calls`), a read's join, an
+    /// explicit start and an explicit end stop waiting once their caller gives up (before,
+    /// each parked its store-call worker until the holder let go); the end leaves its keys
+    /// due, ended when the holder lets go. A removal's forgetting does not wait at all.
+    #[test]
+    fn session_calls_behind_a_hung_master_call_end_with_their_caller() {
+        use crate::store::caller::testing::{as_call_of, TestCaller};
+        let master = HeldStart::default();
+        let table = SessionTable::with_lease(Duration::from_secs(10));
+        let token = table.start(&master, &["e"]).unwrap();
+        let gone = Arc::new(TestCaller::default());
+        gone.give_up();
+        std::thread::scope(|s| {
+            let holder = s.spawn(|| table.start(&master, &["slow"]));
+            master.wait_inside();
+            let waiting = Arc::new(TestCaller::default());
+            let read = s.spawn({
+                let waiting = waiting.clone();
+                let (table, master) = (&table, &master);
+                move || {
+                    as_call_of(&waiting, || {
+                        let joined = table.join(master, &["k"]);
+                        joined.result("k").cloned()
+                    })
+                }
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            let still_waiting = !read.is_finished();
+            waiting.give_up();
+            let t0 = Instant::now();
+            let read = read.join().unwrap();
+            let start = as_call_of(&gone, || table.start(&master, &["k2"]));
+            let end = as_call_of(&gone, || table.end(&master, token));
+            table.forget_replicas(&master, &["k"]);
+            let waited = t0.elapsed();
+            let e_open_while_held = master.open.has("e");
+            master.released.store(true, Ordering::Release);
+            holder.join().unwrap().unwrap();
+            assert!(still_waiting, "waited while its caller waited");
+            assert!(
+                matches!(read, Some(Err(StoreError::Unavailable { .. }))),
+                "{read:?}"
+            );
+            assert!(
+                matches!(start, Err(StoreError::Unavailable { .. })),
+                "{start:?}"
+            );
+            assert!(
+                matches!(end, Err(StoreError::Unavailable { .. })),
+                "{end:?}"
+            );
+            assert!(waited < Duration::from_secs(3), "{waited:?}");
+            assert!(e_open_while_held, "its end is left to the holder");
+        });
+        assert!(!master.open.has("e"), "ended once the holder let go");
+        assert!(
+            !master.open.has("k") && !master.open.has("k2"),
+            "never started"
+        );
+        assert_eq!(master.starts.load(Ordering::Relaxed), 2, "e and slow only");
+    }
+
+    /// A start asked of the master before a removal forgot its key's replicas does not
+    /// record its renewal after the forgetting (which no longer waits for it): the next read
+    /// asks the master again instead of joining a session that resolved the removed object.
+    #[test]
+    fn a_start_that_overlapped_a_removal_does_not_record_its_renewal() {
+        let master = HeldStart::default();
+        let table = SessionTable::with_lease(Duration::from_secs(10));
+        std::thread::scope(|s| {
+            let reader = s.spawn(|| table.join(&master, &["slow"]));
+            master.wait_inside();
+            let t0 = Instant::now();
+            table.forget_replicas(&master, &["slow"]);
+            let forgot_in = t0.elapsed();
+            master.released.store(true, Ordering::Release);
+            // Still reading: the key stays in the table, and in its session.
+            let first = reader.join().unwrap();
+            assert!(matches!(first.result("slow"), Some(Ok(()))));
+            assert!(forgot_in < Duration::from_secs(3), "{forgot_in:?}");
+            assert_eq!(master.starts.load(Ordering::Relaxed), 1);
+            let again = table.join(&master, &["slow"]);
+            assert!(matches!(again.result("slow"), Some(Ok(()))));
+            assert_eq!(
+                master.starts.load(Ordering::Relaxed),
+                2,
+                "asked again, not joined under the overlapped start's renewal"
+            );
+            drop((first, again));
+        });
+        assert!(!master.open.has("slow"), "ended with its last reader");
     }
 }

@@ -1057,7 +1057,20 @@ impl KvStore for MooncakeStore {
     }
 
     unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
-        let mut registered = self.registered.lock();
+        // Another registration holds the table across its wheel call, which may hang (a
+        // metadata service that does not answer) or only be slow (RDMA pins about a second
+        // per GB): waited for while this call's caller waits.
+        let Some(mut registered) = crate::store::caller::lock_while_awaited(&self.registered)
+        else {
+            return Err(StoreError::Unavailable {
+                detail: format!(
+                    "<region {:#x}+{}>: the caller gave up while another registration held \
+                     the table",
+                    region.addr, region.len
+                )
+                .into(),
+            });
+        };
         if registered.hold_again(&region) {
             return Ok(());
         }
