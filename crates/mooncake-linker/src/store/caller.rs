@@ -60,12 +60,15 @@ pub(crate) fn caller_gave_up() -> bool {
 /// Takes `lock` once it is free, or `None` as soon as this thread's caller has given up (see
 /// the module docs); with no caller, waits as long as it takes.
 pub(crate) fn lock_while_awaited<T: ?Sized>(lock: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    if let Some(held) = lock.try_lock() {
+        return Some(held);
+    }
     loop {
-        if let Some(held) = lock.try_lock_for(LOOK_EVERY) {
-            return Some(held);
-        }
         if caller_gave_up() {
             return None;
+        }
+        if let Some(held) = lock.try_lock_for(LOOK_EVERY) {
+            return Some(held);
         }
     }
 }

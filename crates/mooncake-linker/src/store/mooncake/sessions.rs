@@ -758,20 +758,31 @@ mod tests {
     }
 
     /// Stress: threads join and leave (ranged reads) and start and end (explicit sessions)
-    /// overlapping keys at once, with master calls that overlap in time. Whoever holds a key
-    /// finds it in a session at the master; at the end the table is empty and every session
-    /// ended.
+    /// overlapping keys at once, with master calls that overlap in time, removals forgetting
+    /// replicas, and calls whose caller has given up (they stop waiting for `calls`: a join
+    /// fails, an end leaves its keys due). Whoever holds a key finds it in a session at the
+    /// master; at the end the table is empty and every session ended.
     #[test]
     fn a_key_held_is_always_in_a_session_at_the_master() {
+        use crate::store::caller::testing::TestCaller;
+        use crate::store::caller::Awaited;
         let master = FakeMaster::default();
         let table = SessionTable::default();
         let keys: Vec<String> = (0..6).map(|i| format!("k{i}")).collect();
+        let gone = Arc::new(TestCaller::default());
+        gone.give_up();
+        let waiting = Arc::new(TestCaller::default());
+        let gave_up = AtomicU64::new(0);
         std::thread::scope(|s| {
             for t in 0..8u64 {
-                let (master, table, keys) = (&master, &table, &keys);
+                let (master, table, keys, gave_up) = (&master, &table, &keys, &gave_up);
+                let callers = [waiting.clone(), gone.clone()];
                 s.spawn(move || {
                     let mut x = t * 7919 + 1;
                     for i in 0..300u64 {
+                        // One call in four (on odd threads) for a caller that gave up.
+                        let caller = &callers[usize::from(t % 2 == 1 && (x >> 12) % 4 == 0)];
+                        let _scope = crate::store::caller::enter(caller.clone());
                         x ^= x << 13;
                         x ^= x >> 7;
                         x ^= x << 17;
@@ -786,15 +797,33 @@ mod tests {
                                 assert!(master.in_session(k), "thread {t}, step {i}: {k} held");
                             }
                         };
-                        if (x >> 8) % 3 == 0 {
+                        if (x >> 10) % 11 == 0 {
+                            table.forget_replicas(master, &held);
+                        } else if (x >> 8) % 3 == 0 {
                             if let Ok(token) = table.start(master, &held) {
                                 check(&held);
                                 pause(x);
                                 check(&held);
-                                table.end(master, token).unwrap();
+                                match table.end(master, token) {
+                                    Ok(()) => {}
+                                    // Left due, for the holder of `calls` to end.
+                                    Err(StoreError::Unavailable { .. }) if caller.given_up() => {
+                                        gave_up.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                    Err(e) => panic!("thread {t}, step {i}: {e}"),
+                                }
                             }
                         } else {
                             let joined = table.join(master, &held);
+                            if held.iter().any(|k| {
+                                matches!(
+                                    joined.result(k),
+                                    Some(Err(StoreError::Unavailable { .. }))
+                                )
+                            }) && caller.given_up()
+                            {
+                                gave_up.fetch_add(1, Ordering::Relaxed);
+                            }
                             let ok: Vec<&str> = joined.users().collect();
                             check(&ok);
                             pause(x);
@@ -809,6 +838,10 @@ mod tests {
             assert!(!master.in_session(k), "{k} left in a session");
         }
         assert!(master.starts.load(Ordering::Relaxed) > 100);
+        assert!(
+            gave_up.load(Ordering::Relaxed) > 0,
+            "no call's caller gave up while another held `calls`: the path went untested"
+        );
     }
 
     /// A master whose start fails for `bad`, panics for `panics` (a defect in the client
