@@ -27,9 +27,9 @@ use mooncake_linker::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, Registration, StoreCalls, StoreError,
 };
 
-/// Held by each test that sets "mooncake-register-held": a failpoint's setting is the whole
-/// process's, and the tests of this binary run side by side.
-static REGISTER_FAILPOINT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Held by each test of this binary: a failpoint's setting is the whole process's, and the
+/// tests would otherwise run side by side (one's registration passing another's failpoint).
+static FAILPOINTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Makes the first pass through failpoint `name` say so (on the receiver returned) and then
 /// sleep `hang`, with whatever the store holds there held; later passes go straight on.
@@ -55,7 +55,7 @@ fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
     ) {
         return;
     }
-    let _failpoint = REGISTER_FAILPOINT.lock().unwrap_or_else(|e| e.into_inner());
+    let _failpoints = FAILPOINTS.lock().unwrap_or_else(|e| e.into_inner());
     let master = PrivateMaster::start(&[]);
     let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
     let mut held = vec![0u8; 1 << 16];
@@ -114,7 +114,7 @@ fn bounded_registrations_behind_a_hung_one_give_their_workers_back() {
     ) {
         return;
     }
-    let _failpoint = REGISTER_FAILPOINT.lock().unwrap_or_else(|e| e.into_inner());
+    let _failpoints = FAILPOINTS.lock().unwrap_or_else(|e| e.into_inner());
     let master = PrivateMaster::start(&[]);
     let store: Arc<dyn KvStore> =
         Arc::new(MooncakeStore::connect(master.config(16 << 20)).expect("connect"));
@@ -159,8 +159,10 @@ fn bounded_registrations_behind_a_hung_one_give_their_workers_back() {
             .unwrap()
             .expect("the hung registration ends");
         assert!(took < hang, "the registrations behind took {took:?}");
+        // Two take turns when each is back before the next registration; a loaded machine
+        // may start a few more. Without the rule, one per registration.
         assert!(
-            alive <= 2,
+            alive <= BEHIND / 4,
             "{alive} store-call workers alive after {BEHIND} registrations gave up"
         );
     });
@@ -178,6 +180,7 @@ fn a_read_beside_a_hung_unregistration_fails_at_its_bound() {
     ) {
         return;
     }
+    let _failpoints = FAILPOINTS.lock().unwrap_or_else(|e| e.into_inner());
     let master = PrivateMaster::start(&[]);
     let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
     let data = vec![5u8; 1 << 12];

@@ -201,8 +201,10 @@ enum Answer<T> {
 }
 
 impl<T: Send> super::caller::Awaited for Slot<T> {
+    /// Given up at its deadline, or sent without a caller waiting (cleanup past its deadline,
+    /// a registration left to its worker): no one takes the answer.
     fn given_up(&self) -> bool {
-        matches!(*self.state.lock(), Answer::Abandoned)
+        matches!(*self.state.lock(), Answer::Abandoned | Answer::Detached)
     }
 }
 

@@ -3,15 +3,17 @@
 //! [`StoreCalls`](super::StoreCalls) runs each call on a worker and gives it up at its
 //! deadline. A store whose call waits for a lock that another of its calls holds across a
 //! master or transfer-engine call (which may hang: a master that does not answer) can stop
-//! waiting once its own caller has given up: nothing is lost (the caller already has its
+//! waiting once no one waits for its answer: nothing is lost (the caller already has its
 //! `Overdue`), and the worker goes back to the pool instead of staying parked behind the hung
 //! holder until every store call fails for want of one. Which waits are "hung" and which are
 //! only slow (a registration pins about a second per GB over RDMA) is the caller's bound to
 //! say, not a fixed one here.
 //!
-//! A call made outside [`StoreCalls`] (a test, a server thread) or sent without a caller
-//! waiting for it (cleanup: a discard or session end past its deadline, a registration left
-//! to its worker) has no caller to give up: its waits are unbounded, as a plain lock's.
+//! A call sent without a caller waiting for it (cleanup past its deadline: a discard or a
+//! session end; a registration left to its worker) counts as given up from the start: it
+//! takes a lock that is free, and does not wait for one that is held (a session end then
+//! leaves its keys to the holder). A call made outside [`StoreCalls`] (a test, a server
+//! thread) has no caller: its waits are unbounded, as a plain lock's.
 
 use std::cell::RefCell;
 use std::sync::Arc;

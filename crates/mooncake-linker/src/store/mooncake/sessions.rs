@@ -135,10 +135,10 @@ pub(super) struct SessionTable {
     keys: Mutex<HashMap<String, KeySession>>,
     /// Held across every session call to the master.
     calls: Mutex<()>,
-    /// Keys a leaving read found unused while another thread's master call held `calls`:
-    /// their sessions are ended by whoever takes `calls` next, or when that call lets go
-    /// (see [`end_due`](Self::end_due)), so that a read that is done never waits on a
-    /// master call of another read.
+    /// Keys a leaving read found unused while another thread's master call held `calls`, and
+    /// those of an end whose caller gave up waiting for it: their sessions are ended by
+    /// whoever takes `calls` next, or when that call lets go (see [`end_due`](Self::end_due)),
+    /// so that a read that is done never waits on a master call of another read.
     ends_due: Mutex<Vec<String>>,
     /// The explicit sessions open, by token: when each started, and the keys it added a
     /// user to.
@@ -710,7 +710,7 @@ mod tests {
     /// ended none: the session stayed open with no user until a later session call or its
     /// lease, and kept the object pinned against the removal itself).
     #[test]
-    fn keys_left_while_a_removal_forgets_replicas_are_ended_by_it() {
+    fn keys_left_while_another_master_call_holds_calls_are_ended_after_it() {
         let master = FakeMaster::default();
         let table = SessionTable::with_lease(Duration::from_secs(10));
         let joined = table.join(&master, &["k"]);
@@ -1171,9 +1171,14 @@ mod tests {
     }
 
     impl HeldStart {
-        /// Waits until a start of "slow" is inside the master call.
+        /// Waits until a start of "slow" is inside the master call (at most 10 s).
         fn wait_inside(&self) {
+            let until = Instant::now() + Duration::from_secs(10);
             while !self.inside.load(Ordering::Acquire) {
+                assert!(
+                    Instant::now() < until,
+                    "no start of \"slow\" reached the master"
+                );
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
@@ -1321,5 +1326,35 @@ mod tests {
             drop((first, again));
         });
         assert!(!master.open.has("slow"), "ended with its last reader");
+    }
+
+    /// As above for an explicit start of a key the table already holds fresh (a read's): the
+    /// forgetting during the start is not undone by the start's renewal.
+    #[test]
+    fn an_explicit_start_that_overlapped_a_removal_does_not_record_its_renewal() {
+        let master = HeldStart::default();
+        let table = SessionTable::with_lease(Duration::from_secs(10));
+        master.released.store(true, Ordering::Release);
+        let reading = table.join(&master, &["slow"]);
+        master.released.store(false, Ordering::Release);
+        master.inside.store(false, Ordering::Release);
+        let token = std::thread::scope(|s| {
+            let starting = s.spawn(|| table.start(&master, &["slow"]));
+            master.wait_inside();
+            table.forget_replicas(&master, &["slow"]);
+            master.released.store(true, Ordering::Release);
+            starting.join().unwrap().unwrap()
+        });
+        assert_eq!(master.starts.load(Ordering::Relaxed), 2);
+        let again = table.join(&master, &["slow"]);
+        assert!(matches!(again.result("slow"), Some(Ok(()))));
+        assert_eq!(
+            master.starts.load(Ordering::Relaxed),
+            3,
+            "asked again, not joined under the overlapped start's renewal"
+        );
+        drop((reading, again));
+        table.end(&master, token).unwrap();
+        assert!(!master.open.has("slow"));
     }
 }
