@@ -31,6 +31,46 @@ use mooncake_linker::store::{
 /// tests would otherwise run side by side (one's registration passing another's failpoint).
 static FAILPOINTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The test's own master, with every failpoint of the binary to itself while the guard lives;
+/// `None` (the test skips, saying so) without a master binary.
+fn private_master(test: &str) -> Option<(std::sync::MutexGuard<'static, ()>, PrivateMaster)> {
+    if !available(test, &["MOONCAKE_MASTER_BIN"]) {
+        return None;
+    }
+    let failpoints = FAILPOINTS.lock().unwrap_or_else(|e| e.into_inner());
+    Some((failpoints, PrivateMaster::start(&[])))
+}
+
+/// Starts registering `region` on a thread of `scope`, a registration that takes the store's
+/// table of regions and sleeps `hang` with it held (the failpoint "mooncake-register-held");
+/// returns once it holds the table.
+///
+/// # Safety
+/// As [`KvStore::register`]: `region` stays allocated until it is unregistered or the store
+/// is dropped.
+unsafe fn hung_registration<'scope, S: KvStore + ?Sized>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    store: &'scope S,
+    region: MemoryRegion,
+    hang: Duration,
+) -> std::thread::ScopedJoinHandle<'scope, Result<(), StoreError>> {
+    let table_held = hang_once("mooncake-register-held", hang);
+    // SAFETY: the caller's promise, for the same region.
+    let registering = scope.spawn(move || unsafe { store.register(region) });
+    table_held
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the registration reached its failpoint");
+    registering
+}
+
+/// The memory of `buf`, as a store registers it.
+fn region_of(buf: &mut [u8]) -> MemoryRegion {
+    MemoryRegion {
+        addr: buf.as_mut_ptr() as usize,
+        len: buf.len(),
+    }
+}
+
 /// Makes the first pass through failpoint `name` say so (on the receiver returned) and then
 /// sleep `hang`, with whatever the store holds there held; later passes go straight on.
 fn hang_once(name: &str, hang: Duration) -> std::sync::mpsc::Receiver<()> {
@@ -49,34 +89,23 @@ fn hang_once(name: &str, hang: Duration) -> std::sync::mpsc::Receiver<()> {
 
 #[test]
 fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
-    if !available(
-        "an_unregister_beside_a_hung_registration_returns_at_its_bound",
-        &["MOONCAKE_MASTER_BIN"],
-    ) {
+    let Some((_failpoints, master)) =
+        private_master("an_unregister_beside_a_hung_registration_returns_at_its_bound")
+    else {
         return;
-    }
-    let _failpoints = FAILPOINTS.lock().unwrap_or_else(|e| e.into_inner());
-    let master = PrivateMaster::start(&[]);
+    };
     let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
     let mut held = vec![0u8; 1 << 16];
     let mut hung = vec![0u8; 1 << 16];
-    let region = |buf: &mut Vec<u8>| MemoryRegion {
-        addr: buf.as_mut_ptr() as usize,
-        len: buf.len(),
-    };
+    let region = |buf: &mut Vec<u8>| region_of(buf);
     let (held_region, hung_region) = (region(&mut held), region(&mut hung));
     // SAFETY: `held` outlives its registration: unregistered below before it drops (a failing
     // test may free it registered, with no transfer of it in flight).
     unsafe { store.register(held_region) }.expect("register");
     let hang = UNREGISTER_WAIT + Duration::from_secs(2);
-    // The registration below takes the table, says so, then sleeps with it held.
-    let table_held = hang_once("mooncake-register-held", hang);
     std::thread::scope(|s| {
         // SAFETY: as above, for `hung`.
-        let registering = s.spawn(|| unsafe { store.register(hung_region) });
-        table_held
-            .recv_timeout(Duration::from_secs(10))
-            .expect("the registration reached its failpoint");
+        let registering = unsafe { hung_registration(s, &store, hung_region, hang) };
         let t0 = Instant::now();
         let got = store.unregister(held_region);
         let took = t0.elapsed();
@@ -108,31 +137,21 @@ fn an_unregister_beside_a_hung_registration_returns_at_its_bound() {
 /// hung one returned (past `MAX_WORKERS`, every store call failed).
 #[test]
 fn bounded_registrations_behind_a_hung_one_give_their_workers_back() {
-    if !available(
-        "bounded_registrations_behind_a_hung_one_give_their_workers_back",
-        &["MOONCAKE_MASTER_BIN"],
-    ) {
+    let Some((_failpoints, master)) =
+        private_master("bounded_registrations_behind_a_hung_one_give_their_workers_back")
+    else {
         return;
-    }
-    let _failpoints = FAILPOINTS.lock().unwrap_or_else(|e| e.into_inner());
-    let master = PrivateMaster::start(&[]);
+    };
     let store: Arc<dyn KvStore> =
         Arc::new(MooncakeStore::connect(master.config(16 << 20)).expect("connect"));
     let calls = Arc::new(StoreCalls::new(store.clone()));
     let mut hung = vec![0u8; 1 << 16];
-    let hung_region = MemoryRegion {
-        addr: hung.as_mut_ptr() as usize,
-        len: hung.len(),
-    };
+    let hung_region = region_of(&mut hung);
     let hang = Duration::from_secs(6);
-    let table_held = hang_once("mooncake-register-held", hang);
     const BEHIND: usize = 16;
     std::thread::scope(|s| {
         // SAFETY: `hung` outlives its registration: unregistered below before it drops.
-        let registering = s.spawn(|| unsafe { store.register(hung_region) });
-        table_held
-            .recv_timeout(Duration::from_secs(10))
-            .expect("the registration reached its failpoint");
+        let registering = unsafe { hung_registration(s, &*store, hung_region, hang) };
         let t0 = Instant::now();
         for _ in 0..BEHIND {
             let buf: Arc<Vec<u8>> = Arc::new(vec![0; 4096]);
@@ -174,14 +193,11 @@ fn bounded_registrations_behind_a_hung_one_give_their_workers_back() {
 /// Before, the read waited on the gate without a bound, until the unregistration returned.
 #[test]
 fn a_read_beside_a_hung_unregistration_fails_at_its_bound() {
-    if !available(
-        "a_read_beside_a_hung_unregistration_fails_at_its_bound",
-        &["MOONCAKE_MASTER_BIN"],
-    ) {
+    let Some((_failpoints, master)) =
+        private_master("a_read_beside_a_hung_unregistration_fails_at_its_bound")
+    else {
         return;
-    }
-    let _failpoints = FAILPOINTS.lock().unwrap_or_else(|e| e.into_inner());
-    let master = PrivateMaster::start(&[]);
+    };
     let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
     let data = vec![5u8; 1 << 12];
     let put = ObjectPut {
@@ -193,10 +209,7 @@ fn a_read_beside_a_hung_unregistration_fails_at_its_bound() {
     // A registered destination (read in place, through the gate) and a region to unregister.
     let mut dst = vec![0u8; 1 << 16];
     let mut gone = vec![0u8; 1 << 16];
-    let region = |buf: &mut Vec<u8>| MemoryRegion {
-        addr: buf.as_mut_ptr() as usize,
-        len: buf.len(),
-    };
+    let region = |buf: &mut Vec<u8>| region_of(buf);
     let (dst_region, gone_region) = (region(&mut dst), region(&mut gone));
     // SAFETY: both outlive their registrations: unregistered below before they drop (a
     // failing test may free them registered, with no transfer of them in flight).
