@@ -905,3 +905,166 @@ fn a_duplicate_batch_id_in_flight_is_refused_and_nothing_is_lost() {
     wait_all(&linker, &t).unwrap();
     assert!(linker.wait_batch(&t).unwrap().result.is_ok());
 }
+
+/// Two batches in flight naming the same slot: the second is refused (typed, naming the slot
+/// and the batch) until the first's outcome is taken. Before, the first landed, dropped its
+/// slot claims with its run, and the second wrote its pages over the first's: the engine read
+/// the second prompt's KV for the first with no error.
+#[test]
+fn a_slot_of_a_batch_in_flight_is_refused_until_its_outcome_is_taken() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let config = LinkerConfig {
+        max_in_flight: 2,
+        ..cfg()
+    };
+    let (linker, pool) = rank_linker(&r, 1, 0, 16, config);
+    let t1 = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![3, 4, 5]))
+        .unwrap();
+    wait_all(&linker, &t1).unwrap();
+    for _ in 0..3 {
+        let second = linker.start_load(load_plan(&g, 2, &r.pages, vec![9, 8, 5]));
+        assert!(
+            matches!(
+                &second,
+                Err(KvLoadError::InvalidPlan {
+                    batch: BatchId(2),
+                    reason: PlanError::SlotInFlight {
+                        slot: 5,
+                        page: 2,
+                        batch: BatchId(1)
+                    },
+                })
+            ),
+            "{second:?}"
+        );
+    }
+    // The refusals took no counter slot: a batch on other slots fits beside the first.
+    let t3 = linker
+        .start_load(load_plan(&g, 3, &r.pages, vec![10, 11, 12]))
+        .unwrap();
+    assert!(linker.wait_batch(&t1).unwrap().result.is_ok());
+    pool_matches(&pool, &r.pages, &[3, 4, 5], g.num_layers()).unwrap();
+    // Taken: its slots are free for the next batch.
+    let t2 = linker
+        .start_load(load_plan(&g, 2, &r.pages, vec![9, 8, 5]))
+        .unwrap();
+    for t in [t2, t3] {
+        wait_all(&linker, &t).unwrap();
+        assert!(linker.wait_batch(&t).unwrap().result.is_ok());
+    }
+    pool_matches(&pool, &r.pages, &[9, 8, 5], g.num_layers()).unwrap();
+}
+
+/// After a reset, the slots of a batch it cancelled go to the next batch at once (its
+/// outcome, `Cancelled`, not taken yet: an engine frees a cancelled request's blocks), while
+/// those of a batch that had loaded stay its own until its outcome is taken (the engine may
+/// still read them).
+#[test]
+fn a_reset_frees_the_slots_of_the_batches_it_cancelled_not_of_those_loaded() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let (linker, _pool) = rank_linker(&r, 1, 0, 16, cfg());
+    let loaded = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    wait_all(&linker, &loaded).unwrap();
+    r.faulty.inject(
+        FaultRule::default(),
+        Fault::Delay(Duration::from_millis(300)),
+    );
+    let cancelled = linker
+        .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    linker.reset().unwrap();
+    r.faulty.clear();
+    let over_loaded = linker.start_load(load_plan(&g, 3, &r.pages, vec![6, 7, 2]));
+    assert!(
+        matches!(
+            &over_loaded,
+            Err(KvLoadError::InvalidPlan {
+                reason: PlanError::SlotInFlight {
+                    slot: 2,
+                    batch: BatchId(1),
+                    ..
+                },
+                ..
+            })
+        ),
+        "{over_loaded:?}"
+    );
+    let t = linker
+        .start_load(load_plan(&g, 4, &r.pages, vec![3, 4, 5]))
+        .unwrap();
+    wait_all(&linker, &t).unwrap();
+    assert!(linker.wait_batch(&t).unwrap().result.is_ok());
+    assert!(matches!(
+        linker.wait_batch(&cancelled).unwrap().result,
+        Err(KvLoadError::Cancelled { .. })
+    ));
+    assert!(linker.wait_batch(&loaded).unwrap().result.is_ok());
+}
+
+/// Starts `plan` as soon as the slots it names are let go (within 5 s): a batch abandoned
+/// before its outcome came lets them go once the load thread is done with it.
+fn start_once_free(linker: &Linker, plan: impl Fn() -> kvlink::kv_loader::BatchPlan) -> LoadTicket {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        match linker.start_load(plan()) {
+            Err(KvLoadError::InvalidPlan {
+                reason: PlanError::SlotInFlight { .. },
+                ..
+            }) if Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
+            started => return started.unwrap(),
+        }
+    }
+}
+
+/// A batch the engine abandons (a dropped handle, `KvLoader::abandon`) or whose
+/// `wait_batch` timed out lets its slots go to another batch once its load is over, before
+/// its outcome is taken (an engine frees an aborted request's blocks at once); the outcome
+/// is still handed out.
+#[test]
+fn an_abandoned_or_timed_out_batch_lets_its_slots_go_once_over() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let config = LinkerConfig {
+        wait_deadline: Duration::from_millis(100),
+        ..cfg()
+    };
+    let (linker, pool) = rank_linker(&r, 1, 0, 16, config);
+    // Abandoned while it loads (each layer's read 50 ms late).
+    r.faulty.inject(
+        FaultRule::default(),
+        Fault::Delay(Duration::from_millis(50)),
+    );
+    let abandoned = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    linker.abandon(&abandoned);
+    // Timed out (the wait's 100 ms are shorter than the load).
+    let timed_out = linker
+        .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))
+        .unwrap();
+    assert!(matches!(
+        linker.wait_batch(&timed_out),
+        Err(KvLoadError::Timeout { .. })
+    ));
+    r.faulty.clear();
+    let over_1 = start_once_free(&linker, || load_plan(&g, 3, &r.pages, vec![2, 1, 0]));
+    let over_2 = start_once_free(&linker, || load_plan(&g, 4, &r.pages, vec![5, 4, 3]));
+    for t in [over_1, over_2] {
+        wait_all(&linker, &t).unwrap();
+        assert!(linker.wait_batch(&t).unwrap().result.is_ok());
+    }
+    pool_matches(&pool, &r.pages, &[2, 1, 0], g.num_layers()).unwrap();
+    pool_matches(&pool, &r.pages, &[5, 4, 3], g.num_layers()).unwrap();
+    let left: Vec<BatchId> = linker.completed().iter().map(|o| o.batch).collect();
+    assert_eq!(
+        left,
+        [BatchId(1), BatchId(2)],
+        "their outcomes are still handed out"
+    );
+}

@@ -69,6 +69,21 @@ pub enum PlanError {
         /// Pages in the plan.
         pages: usize,
     },
+    /// A slot that a batch in flight (started, its outcome not taken yet) lands in too: the
+    /// two would write each other's pages, and the engine read the later batch's KV for the
+    /// earlier one. Take the other batch's outcome first.
+    #[error(
+        "slot {slot} (page {page} of the plan) belongs to batch {batch}, in flight (its \
+         outcome not taken yet)"
+    )]
+    SlotInFlight {
+        /// The slot.
+        slot: u32,
+        /// Plan page.
+        page: usize,
+        /// The batch in flight that lands in it.
+        batch: crate::BatchId,
+    },
     /// A layer past the model.
     #[error("layer {layer} is out of range for {num_layers} layers")]
     LayerOutOfRange {

@@ -15,7 +15,9 @@ use crate::{
 /// layer waited on twice asks the counter twice (one atomic load once it is ready).
 ///
 /// Take the outcome with [`finish`] (or the loader's `completed`); a handle dropped
-/// unfinished leaves its outcome to [`KvLoader::completed`] and logs that it did.
+/// unfinished abandons the batch ([`KvLoader::abandon`]: its slots may go to another batch
+/// once the load is over), leaves its outcome to [`KvLoader::completed`] (until taken it
+/// counts toward the loader's capacity), and logs that it did, at `warn`.
 ///
 /// [`wait_layer`]: LoadHandle::wait_layer
 /// [`finish`]: LoadHandle::finish
@@ -126,9 +128,14 @@ impl LoadHandle {
 impl Drop for LoadHandle {
     fn drop(&mut self) {
         if !self.finished {
-            tracing::debug!(
+            // Its slots may go to another batch once the load is over; until taken, the
+            // outcome counts toward the loader's capacity (`Busy` past it).
+            self.loader.abandon(&self.ticket);
+            tracing::warn!(
                 batch = %self.ticket.batch,
-                "load handle dropped unfinished: its outcome is left to completed()"
+                "load handle dropped unfinished: its slots are let go once the load is over; \
+                 its outcome is left to completed() (it counts toward the loader's capacity \
+                 until taken)"
             );
         }
     }
@@ -185,5 +192,37 @@ mod tests {
         let done = mock.completed();
         assert_eq!(done.len(), 1);
         assert_eq!(done[0].batch, BatchId(5));
+    }
+
+    /// A handle dropped unfinished abandons its batch: the batch's slot goes to the next
+    /// batch at once (the mock's load is over), and its outcome is still handed out by
+    /// `completed`. While the handle lives, the slot is refused (`SlotInFlight`).
+    #[test]
+    fn a_dropped_handle_lets_its_slots_go_and_leaves_its_outcome() {
+        let one_page = |b: u64| BatchPlan {
+            logical: LogicalPlan {
+                batch: BatchId(b),
+                requests: vec![crate::RequestPages {
+                    request: "r".into(),
+                    pages: vec![kv_geometry::PageHash([7; 32])],
+                }],
+                components: vec![kv_geometry::ComponentId(0)],
+            },
+            slots: vec![5],
+        };
+        let loader: Arc<dyn KvLoader> = Arc::new(MockKvLoader::new(3, MockScript::default()));
+        let first = LoadHandle::start(loader.clone(), one_page(1)).unwrap();
+        assert!(matches!(
+            LoadHandle::start(loader.clone(), one_page(2)),
+            Err(KvLoadError::InvalidPlan {
+                reason: crate::PlanError::SlotInFlight { slot: 5, .. },
+                ..
+            })
+        ));
+        drop(first);
+        let second = LoadHandle::start(loader.clone(), one_page(3)).unwrap();
+        assert!(second.finish().unwrap().result.is_ok());
+        let left: Vec<BatchId> = loader.completed().iter().map(|o| o.batch).collect();
+        assert_eq!(left, [BatchId(1)]);
     }
 }

@@ -71,6 +71,19 @@ pub trait KvLoader: Send + Sync {
     /// `wait_batch`).
     fn completed(&self) -> Vec<BatchOutcome>;
 
+    /// The engine will not read the batch's pages (its request was aborted, its handle
+    /// dropped): its slots may go to another batch's plan once the load is over, before its
+    /// outcome is taken. Until then `start_load` refuses a plan that lands in a slot of a
+    /// batch whose outcome is not taken (`PlanError::SlotInFlight`), so that two batches never
+    /// write each other's pages. The outcome is still handed out (`wait_batch`, `completed`).
+    /// A [`wait_batch`](Self::wait_batch) that times out abandons its batch the same way (the
+    /// engine resets and recomputes into the slots).
+    ///
+    /// The default does nothing: the slots stay the batch's until its outcome is taken.
+    fn abandon(&self, ticket: &LoadTicket) {
+        let _ = ticket;
+    }
+
     /// Writes the plan's pages from this rank's pool to the store, skipping objects the store
     /// already has and objects this rank does not own.
     ///

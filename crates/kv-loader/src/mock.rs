@@ -155,10 +155,10 @@ struct MockState {
     /// Batches a reset or close ended whose outcomes are not taken yet: their tickets are
     /// ended for waits (`StaleTicket`), as the linker's counter reset ends them.
     ended: std::collections::HashSet<BatchId>,
-    /// Batches started into a slot that a batch in flight (held, or timing out) still writes:
-    /// the slot of the first such, for the device error they fail with (as the linker's
-    /// landing, refused the slot, fails the batch).
-    busy: HashMap<BatchId, u32>,
+    /// Batches the engine abandoned ([`KvLoader::abandon`], or a `wait_batch` that timed
+    /// out) whose outcomes are not taken yet: their slots go to other batches once they are
+    /// not in flight.
+    abandoned: std::collections::HashSet<BatchId>,
     closed: bool,
 }
 
@@ -285,6 +285,21 @@ impl MockKvLoader {
             || (self.script.time_out.contains(batch) && !st.cancelled.contains(batch))
     }
 
+    /// Whether `batch`'s slots may go to other batches before its outcome is taken: the
+    /// engine abandoned it and it is not in flight, or a reset or close ended it failed (as
+    /// the linker lets them go); a held store call's batch keeps its slots.
+    fn slots_let_go(&self, st: &MockState, batch: &BatchId) -> bool {
+        if st.abandoned.contains(batch) && !self.in_flight(st, batch) {
+            return true;
+        }
+        st.ended.contains(batch)
+            && !st.held.contains(batch)
+            && !self.script.hold_slots.contains(batch)
+            && (st.cancelled.contains(batch)
+                || self.script.fail_at_layer.contains_key(batch)
+                || self.script.time_out.contains(batch))
+    }
+
     /// Cancels every batch in flight (`reset`, `close`); the batches whose store call has not
     /// returned (their outcomes wait for `release`).
     fn cancel_in_flight(&self) -> Vec<BatchId> {
@@ -355,20 +370,11 @@ impl MockKvLoader {
     /// The outcome of a batch taken out of `live`; `cancelled`: a reset cancelled it (its
     /// marker taken under the same lock, so that a new batch of the same id started since
     /// cannot inherit it).
-    fn outcome(
-        &self,
-        ticket: &LoadTicket,
-        pages: u32,
-        cancelled: bool,
-        busy: Option<u32>,
-    ) -> BatchOutcome {
+    fn outcome(&self, ticket: &LoadTicket, pages: u32, cancelled: bool) -> BatchOutcome {
         let b = ticket.batch;
         let result = if self.script.hold_slots.contains(&b) {
             // The batch failed on its store call; a reset does not change what it failed of.
             Err(self.held_failure(b))
-        } else if let Some(slot) = busy {
-            // It failed at its landing, before a reset could cancel it.
-            Err(busy_failure(slot))
         } else if cancelled {
             Err(KvLoadError::Cancelled { batch: b })
         } else if let Some(&l) = self.script.fail_at_layer.get(&b) {
@@ -397,14 +403,6 @@ impl MockKvLoader {
         };
         BatchOutcome { batch: b, result }
     }
-}
-
-/// The failure of a batch started into `slot` while a batch in flight still writes it.
-fn busy_failure(slot: u32) -> KvLoadError {
-    KvLoadError::Device(crate::Cause::from(format!(
-        "mock: page slot {slot} is busy: a load still in flight (its store call held, or \
-         timing out) writes it"
-    )))
 }
 
 /// Why a plan is refused without a geometry: [`BatchPlan::check_shape`], or a slot twice.
@@ -485,14 +483,24 @@ impl KvLoader for MockKvLoader {
         if state.live.contains_key(&batch) {
             return Err(KvLoadError::DuplicateBatch { batch });
         }
-        // As the linker's landing, which claims its slots: one a load in flight still writes
-        // fails the batch (a device error), the rule `SlotsHeld` tells engines to keep.
-        let busy = plan.slots.iter().copied().find(|slot| {
+        // As the linker: a slot of a batch whose outcome is not taken (loading, held or done)
+        // is refused, the rule `SlotsHeld` and the docs give engines; not one of a batch a
+        // reset ended failed (its pages are not to be used).
+        let taken_by = plan.slots.iter().enumerate().find_map(|(page, slot)| {
             state
                 .slots
                 .iter()
-                .any(|(b, slots)| self.in_flight(&state, b) && slots.contains(slot))
+                .filter(|(b, _)| !self.slots_let_go(&state, b))
+                .find(|(_, slots)| slots.contains(slot))
+                .map(|(b, _)| crate::PlanError::SlotInFlight {
+                    slot: *slot,
+                    page,
+                    batch: *b,
+                })
         });
+        if let Some(reason) = taken_by {
+            return Err(KvLoadError::InvalidPlan { batch, reason });
+        }
         let counter = self
             .counter
             .begin(self.num_layers.max(1))
@@ -515,9 +523,6 @@ impl KvLoader for MockKvLoader {
         let pages = u32::try_from(plan.logical.num_pages()).unwrap_or(u32::MAX);
         state.live.insert(batch, (ticket, pages));
         state.slots.insert(batch, plan.slots.clone());
-        if let Some(slot) = busy {
-            state.busy.insert(batch, slot);
-        }
         if self.script.hold_slots.contains(&batch) {
             state.held.insert(batch);
         }
@@ -531,13 +536,12 @@ impl KvLoader for MockKvLoader {
             layer,
         });
         self.live_ticket(ticket)?;
-        let (ended, held, busy) = {
+        let (ended, held) = {
             let st = self.state.lock();
             (
                 // A cancelled batch is one of those a reset or close ended.
                 st.ended.contains(&ticket.batch),
                 st.held.contains(&ticket.batch),
-                st.busy.get(&ticket.batch).copied(),
             )
         };
         if ended {
@@ -554,9 +558,6 @@ impl KvLoader for MockKvLoader {
             return Err(KvLoadError::SlotsHeld {
                 batches: vec![ticket.batch].into(),
             });
-        }
-        if let Some(slot) = busy {
-            return Err(busy_failure(slot));
         }
         if self.script.hold_slots.contains(&ticket.batch) {
             // Released, outcome not taken: as the Linker's counter, which keeps the batch's
@@ -602,7 +603,9 @@ impl KvLoader for MockKvLoader {
         let in_flight = self.in_flight(&self.state.lock(), &ticket.batch);
         if in_flight {
             // As the Linker: no outcome came by the wait's deadline, so there is none to
-            // return; the batch stays in flight (unsettled: the engine resets the loader).
+            // return; the batch stays in flight (unsettled: the engine resets the loader,
+            // and recomputes into the slots: abandoned).
+            self.state.lock().abandoned.insert(ticket.batch);
             return Err(KvLoadError::Timeout {
                 batch: ticket.batch,
                 layer: ticket.num_layers.saturating_sub(1),
@@ -611,16 +614,16 @@ impl KvLoader for MockKvLoader {
         }
         // Checked and taken under one lock: of two threads taking the same outcome (two
         // waits, or a wait and `completed`), one gets it and the other a stale ticket.
-        let (pages, cancelled, busy) = {
+        let (pages, cancelled) = {
             let mut st = self.state.lock();
             match st.live.get(&ticket.batch) {
                 Some((t, _)) if t == ticket => {
                     st.slots.remove(&ticket.batch);
+                    st.abandoned.remove(&ticket.batch);
                     st.ended.remove(&ticket.batch);
                     let cancelled = st.cancelled.remove(&ticket.batch);
-                    let busy = st.busy.remove(&ticket.batch);
                     let pages = st.live.remove(&ticket.batch).map_or(0, |(_, p)| p);
-                    (pages, cancelled, busy)
+                    (pages, cancelled)
                 }
                 _ => {
                     return Err(KvLoadError::StaleTicket {
@@ -630,14 +633,22 @@ impl KvLoader for MockKvLoader {
             }
         };
         let _ = self.counter.finish(ticket.counter);
-        Ok(self.outcome(ticket, pages, cancelled, busy))
+        Ok(self.outcome(ticket, pages, cancelled))
+    }
+
+    /// As the linker (not recorded as a call).
+    fn abandon(&self, ticket: &LoadTicket) {
+        let mut st = self.state.lock();
+        if st.live.get(&ticket.batch).is_some_and(|(t, _)| t == ticket) {
+            st.abandoned.insert(ticket.batch);
+        }
     }
 
     fn completed(&self) -> Vec<BatchOutcome> {
         self.record_open_or_closed(MockCall::Completed);
         // As the linker: a batch still in flight (a time-out not cancelled) or whose store call
         // has not returned (held) has no outcome yet.
-        let live: Vec<(LoadTicket, u32, bool, Option<u32>)> = {
+        let live: Vec<(LoadTicket, u32, bool)> = {
             let mut st = self.state.lock();
             let ready: Vec<BatchId> = st
                 .live
@@ -648,11 +659,11 @@ impl KvLoader for MockKvLoader {
             let mut taken = Vec::with_capacity(ready.len());
             for b in &ready {
                 st.slots.remove(b);
+                st.abandoned.remove(b);
                 st.ended.remove(b);
                 let cancelled = st.cancelled.remove(b);
-                let busy = st.busy.remove(b);
                 if let Some((t, p)) = st.live.remove(b) {
-                    taken.push((t, p, cancelled, busy));
+                    taken.push((t, p, cancelled));
                 }
             }
             taken
@@ -662,7 +673,7 @@ impl KvLoader for MockKvLoader {
         }
         let mut out: Vec<BatchOutcome> = live
             .iter()
-            .map(|(t, p, c, b)| self.outcome(t, *p, *c, *b))
+            .map(|(t, p, c)| self.outcome(t, *p, *c))
             .collect();
         out.sort_by_key(|o| o.batch);
         out
@@ -1103,11 +1114,13 @@ mod tests {
         }
     }
 
-    /// A load into a slot that a load in flight still writes (its store call held, or timing
-    /// out) fails with a device error, as the linker's landing refused the slot does; the mock
-    /// loaded it.
+    /// A load into a slot of a batch whose outcome is not taken (its store call held, timing
+    /// out, or done) is refused at its start, naming the slot and the batch, as the linker
+    /// refuses it; once the outcome is taken the slot loads again. Before, the mock failed
+    /// such a load with `Device` only while the other's call was out, and loaded it over a
+    /// finished batch's slots.
     #[test]
-    fn a_load_into_a_slot_a_load_in_flight_writes_fails() {
+    fn a_load_into_a_slot_of_a_batch_in_flight_is_refused() {
         let script = MockScript {
             hold_slots: vec![BatchId(3)],
             time_out: vec![BatchId(4)],
@@ -1116,23 +1129,55 @@ mod tests {
         let mock = MockKvLoader::new(2, script);
         let _held = mock.start_load(one_page_plan(3, 4)).unwrap();
         let _late = mock.start_load(one_page_plan(4, 6)).unwrap();
-        for (batch, slot) in [(5, 4), (6, 6)] {
-            let t = mock.start_load(one_page_plan(batch, slot)).unwrap();
-            assert!(matches!(
-                mock.wait_layer(&t, 0),
-                Err(KvLoadError::Device(_))
-            ));
-            let out = mock.wait_batch(&t).unwrap();
-            assert!(matches!(out.result, Err(KvLoadError::Device(_))), "{out:?}");
+        let done = mock.start_load(one_page_plan(9, 8)).unwrap();
+        for (batch, slot, owner) in [(5, 4, 3), (6, 6, 4), (10, 8, 9)] {
+            let refused = mock.start_load(one_page_plan(batch, slot));
+            assert!(
+                matches!(
+                    &refused,
+                    Err(KvLoadError::InvalidPlan {
+                        reason: crate::PlanError::SlotInFlight { slot: s, page: 0, batch: b },
+                        ..
+                    }) if *s == slot && b.0 == owner
+                ),
+                "{refused:?}"
+            );
         }
-        // Another slot loads; once the held call returned and its outcome is taken, the slot
-        // loads again.
+        // Another slot loads; once an outcome is taken, its slot loads again.
         let free = mock.start_load(one_page_plan(7, 5)).unwrap();
         assert!(mock.wait_batch(&free).unwrap().result.is_ok());
+        assert!(mock.wait_batch(&done).unwrap().result.is_ok());
+        let again = mock.start_load(one_page_plan(10, 8)).unwrap();
+        assert!(mock.wait_batch(&again).unwrap().result.is_ok());
         mock.release(BatchId(3));
         assert_eq!(mock.completed().len(), 1);
         let again = mock.start_load(one_page_plan(8, 4)).unwrap();
         assert!(mock.wait_batch(&again).unwrap().result.is_ok());
+    }
+
+    /// After a reset, a cancelled batch's slots go to the next batch before its outcome is
+    /// taken; a batch that had loaded keeps its slots until then (as the linker).
+    #[test]
+    fn a_reset_frees_the_slots_of_the_batches_it_cancelled() {
+        let script = MockScript {
+            time_out: vec![BatchId(2)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        let loaded = mock.start_load(one_page_plan(1, 0)).unwrap();
+        let cancelled = mock.start_load(one_page_plan(2, 3)).unwrap();
+        mock.reset().unwrap();
+        let next = mock.start_load(one_page_plan(3, 3)).unwrap();
+        assert!(matches!(
+            mock.start_load(one_page_plan(4, 0)),
+            Err(KvLoadError::InvalidPlan {
+                reason: crate::PlanError::SlotInFlight { slot: 0, .. },
+                ..
+            })
+        ));
+        assert!(mock.wait_batch(&next).unwrap().result.is_ok());
+        assert!(mock.wait_batch(&cancelled).unwrap().result.is_err());
+        assert!(mock.wait_batch(&loaded).unwrap().result.is_ok());
     }
 
     /// A `close` after a start's first check and before its state lock (the window, entered

@@ -728,7 +728,7 @@ impl KvLoader for Linker {
         s.check_open()?;
         let begun = plan
             .validate(&s.geometry, s.pool.pages())
-            .and_then(|()| s.outcomes.begin(batch, num_layers));
+            .and_then(|()| s.outcomes.begin(batch, num_layers, &plan.slots));
         let counter = match begun {
             Ok(c) => c,
             Err(e) => {
@@ -756,7 +756,7 @@ impl KvLoader for Linker {
             started: Instant::now(),
         };
         if !self.send(job) {
-            s.outcomes.abandon(batch, counter);
+            s.outcomes.never_started(batch, counter);
             return Err(KvLoadError::Closed);
         }
         Ok(ticket)
@@ -808,17 +808,25 @@ impl KvLoader for Linker {
         let deadline = kv_loader::deadline_after(s.config.wait_deadline);
         match s.outcomes.take(ticket, deadline) {
             Ok(Some(outcome)) => Ok(outcome),
-            Ok(None) => Err(KvLoadError::Timeout {
-                batch: ticket.batch,
-                layer: ticket.num_layers.saturating_sub(1),
-                waited: s.config.wait_deadline,
-            }),
+            Ok(None) => {
+                // The engine resets and recomputes into the slots (`ResetThenRecompute`).
+                s.outcomes.abandon(ticket.batch, ticket.counter);
+                Err(KvLoadError::Timeout {
+                    batch: ticket.batch,
+                    layer: ticket.num_layers.saturating_sub(1),
+                    waited: s.config.wait_deadline,
+                })
+            }
             Err(e) => Err(Inner::counter_error(ticket, e)),
         }
     }
 
     fn completed(&self) -> Vec<BatchOutcome> {
         self.inner.outcomes.drain()
+    }
+
+    fn abandon(&self, ticket: &LoadTicket) {
+        self.inner.outcomes.abandon(ticket.batch, ticket.counter);
     }
 
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {

@@ -1,14 +1,15 @@
 //! Outcome bookkeeping of one linker, in one place: the readiness counter and its tickets,
 //! what each ready layer's wait hands back, finished batches not yet taken, the batch ids in
-//! flight (a second `start_load` of one is refused), the batches whose outcome waits for a
-//! store call that outlived its deadline ([`HeldOutcome`]), and the count of batches the load
-//! thread still has to finish.
+//! flight and their slots (a second `start_load` of one, or of a plan landing in one of
+//! their slots, is refused), the batches whose outcome waits for a store call that outlived
+//! its deadline ([`HeldOutcome`]), and the count of batches the load thread still has to
+//! finish.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kv_loader::{BatchId, BatchOutcome, KvLoadError, LayerReady, LoadTicket};
+use kv_loader::{BatchId, BatchOutcome, KvLoadError, LayerReady, LoadTicket, PlanError};
 use layerwise_counter::{CounterError, LayerCounter, Ticket, WaitOutcome};
 use parking_lot::{Condvar, Mutex};
 
@@ -27,8 +28,8 @@ pub(crate) struct Outcomes {
     /// Batches submitted and not yet finished by the load thread.
     pending: Mutex<usize>,
     idle: Condvar,
-    /// Batch ids started and not yet taken (nor forgotten by a reset), with their tickets.
-    in_flight: Mutex<HashMap<BatchId, Ticket>>,
+    /// Batches started and not yet taken (nor forgotten by a reset): their tickets and slots.
+    in_flight: Mutex<InFlight>,
     /// Batches the load thread finished whose outcome waits for a store call that may still
     /// write their slots.
     held: Mutex<HashSet<BatchId>>,
@@ -43,18 +44,28 @@ impl Outcomes {
             done_cv: Condvar::new(),
             pending: Mutex::new(0),
             idle: Condvar::new(),
-            in_flight: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(InFlight::default()),
             held: Mutex::new(HashSet::new()),
         }
     }
 
-    /// A counter ticket for a new batch of `num_layers` layers, counted as pending. A batch id
-    /// already in flight is refused ([`KvLoadError::DuplicateBatch`]) before anything is
-    /// counted.
-    pub(crate) fn begin(&self, batch: BatchId, num_layers: u32) -> Result<Ticket, KvLoadError> {
+    /// A counter ticket for a new batch of `num_layers` layers landing in `slots`, counted as
+    /// pending. Refused before anything is counted: a batch id already in flight
+    /// ([`KvLoadError::DuplicateBatch`]), a slot of a batch in flight (its outcome not taken,
+    /// unless a reset ended it failed: [`PlanError::SlotInFlight`]), and a batch past the
+    /// counter's capacity ([`KvLoadError::Busy`]).
+    pub(crate) fn begin(
+        &self,
+        batch: BatchId,
+        num_layers: u32,
+        slots: &[u32],
+    ) -> Result<Ticket, KvLoadError> {
         let mut in_flight = self.in_flight.lock();
-        if in_flight.contains_key(&batch) {
+        if in_flight.runs.contains_key(&batch) {
             return Err(KvLoadError::DuplicateBatch { batch });
+        }
+        if let Some(reason) = in_flight.conflict(slots) {
+            return Err(KvLoadError::InvalidPlan { batch, reason });
         }
         let t = self.counter.begin(num_layers).map_err(|e| match e {
             CounterError::Full { capacity } => KvLoadError::Busy {
@@ -63,15 +74,32 @@ impl Outcomes {
             },
             other => KvLoadError::internal(batch, kv_loader::Cause::from_error(other)),
         })?;
-        in_flight.insert(batch, t);
+        in_flight.insert(batch, t, slots);
         *self.pending.lock() += 1;
         Ok(t)
     }
 
-    /// A batch that `begin` counted never reached the load thread.
+    /// The engine will not read `ticket`'s run of `batch`: its slots are let go once the load
+    /// thread is done with it (now, if its outcome is in), its outcome kept to be taken.
     pub(crate) fn abandon(&self, batch: BatchId, ticket: Ticket) {
+        // `done` before `in_flight`, as everywhere.
+        let done = self.done.lock();
+        let delivered = done.get(&batch).is_some_and(|(t, _)| *t == ticket);
+        let mut in_flight = self.in_flight.lock();
+        if in_flight.ticket(batch) != Some(ticket) {
+            return;
+        }
+        if delivered {
+            in_flight.free_slots(batch);
+        } else {
+            in_flight.abandoned.insert(batch);
+        }
+    }
+
+    /// A batch that `begin` counted never reached the load thread.
+    pub(crate) fn never_started(&self, batch: BatchId, ticket: Ticket) {
         let _ = self.counter.finish(ticket);
-        self.in_flight.lock().remove(&batch);
+        self.in_flight.lock().remove(batch, ticket);
         self.finished();
     }
 
@@ -165,13 +193,23 @@ impl Outcomes {
     }
 
     fn deliver(&self, ticket: Ticket, outcome: BatchOutcome) {
-        self.done.lock().insert(outcome.batch, (ticket, outcome));
+        let mut done = self.done.lock();
+        {
+            // The load thread is done with it: an abandoned batch's slots go now.
+            let mut in_flight = self.in_flight.lock();
+            if in_flight.ticket(outcome.batch) == Some(ticket)
+                && in_flight.abandoned.remove(&outcome.batch)
+            {
+                in_flight.free_slots(outcome.batch);
+            }
+        }
+        done.insert(outcome.batch, (ticket, outcome));
         self.done_cv.notify_all();
     }
 
     /// The batches started and not yet finished (their outcome not published), sorted.
     pub(crate) fn in_flight(&self) -> Vec<BatchId> {
-        let mut v: Vec<BatchId> = self.in_flight.lock().keys().copied().collect();
+        let mut v: Vec<BatchId> = self.in_flight.lock().runs.keys().copied().collect();
         v.sort();
         v
     }
@@ -231,7 +269,7 @@ impl Outcomes {
                 .is_ready(ticket.counter, layer)
                 .map_err(WaitFailure::Counter)?;
             // Not locked with `readies` (`cancel_all` takes `in_flight` first).
-            if self.in_flight.lock().get(&ticket.batch) != Some(&ticket.counter) {
+            if self.in_flight.lock().ticket(ticket.batch) != Some(ticket.counter) {
                 return Err(WaitFailure::Counter(CounterError::StaleTicket {
                     ticket: ticket.counter,
                 }));
@@ -260,7 +298,7 @@ impl Outcomes {
             Some((t, _)) if *t == ticket.counter => Ok(done.remove(&batch)),
             Some(_) => Err(stale()),
             // Taken, forgotten by a reset, or the id started again by another run.
-            None if self.in_flight.lock().get(&batch) != Some(&ticket.counter) => Err(stale()),
+            None if self.in_flight.lock().ticket(batch) != Some(ticket.counter) => Err(stale()),
             None => Ok(None),
         };
         let mut done = self.done.lock();
@@ -306,12 +344,7 @@ impl Outcomes {
                 readies.remove(&batch);
             }
         }
-        {
-            let mut in_flight = self.in_flight.lock();
-            if in_flight.get(&batch) == Some(&ticket) {
-                in_flight.remove(&batch);
-            }
-        }
+        self.in_flight.lock().remove(batch, ticket);
         // Another waiter for the same batch looks again, and finds its ticket spent.
         let _done = self.done.lock();
         self.done_cv.notify_all();
@@ -340,16 +373,108 @@ impl Outcomes {
             // events. `held` first: a held outcome is delivered into `done` before it leaves
             // `held`, so under `held`'s lock a batch is in one or the other.
             let held = self.held.lock();
-            let untaken: HashSet<BatchId> = self.done.lock().keys().copied().collect();
+            let (untaken, failed): (HashSet<BatchId>, Vec<BatchId>) = {
+                let done = self.done.lock();
+                let failed = done
+                    .iter()
+                    .filter(|(_, (_, o))| o.result.is_err())
+                    .map(|(b, _)| *b)
+                    .collect();
+                (done.keys().copied().collect(), failed)
+            };
             let mut in_flight = self.in_flight.lock();
             in_flight.retain(|b, t| {
-                held.contains(b) || untaken.contains(b) || self.counter.ready_layers(*t).is_ok()
+                held.contains(&b) || untaken.contains(&b) || self.counter.ready_layers(t).is_ok()
             });
+            // A batch the reset ended failed (cancelled, or failed before) is over, and its
+            // pages are not to be used: its slots may go to the next batch before its outcome
+            // is taken (an engine frees a cancelled request's blocks at once). One that had
+            // loaded keeps them until taken: the engine may still read them.
+            for b in failed {
+                in_flight.free_slots(b);
+            }
             self.readies
                 .lock()
-                .retain(|b, (run, _)| in_flight.get(b) == Some(run));
+                .retain(|b, (run, _)| in_flight.ticket(*b) == Some(*run));
         }
         idle
+    }
+}
+
+/// The batches in flight, their tickets and the slots they land in.
+#[derive(Default)]
+struct InFlight {
+    /// Per batch: its run's ticket and its slots.
+    runs: HashMap<BatchId, (Ticket, Box<[u32]>)>,
+    /// Per slot of a batch in flight: that batch (a plan names a slot once).
+    owners: HashMap<u32, BatchId>,
+    /// Batches the engine abandoned whose outcome is not in yet: their slots go when it is.
+    abandoned: HashSet<BatchId>,
+}
+
+impl InFlight {
+    /// The ticket of `batch`'s run in flight.
+    fn ticket(&self, batch: BatchId) -> Option<Ticket> {
+        self.runs.get(&batch).map(|(t, _)| *t)
+    }
+
+    /// The first of `slots` a batch in flight lands in.
+    fn conflict(&self, slots: &[u32]) -> Option<PlanError> {
+        slots.iter().enumerate().find_map(|(page, slot)| {
+            self.owners.get(slot).map(|&batch| PlanError::SlotInFlight {
+                slot: *slot,
+                page,
+                batch,
+            })
+        })
+    }
+
+    fn insert(&mut self, batch: BatchId, ticket: Ticket, slots: &[u32]) {
+        self.owners.extend(slots.iter().map(|s| (*s, batch)));
+        self.runs.insert(batch, (ticket, slots.into()));
+    }
+
+    /// Ends `ticket`'s run of `batch` (only that run's), freeing its slots.
+    fn remove(&mut self, batch: BatchId, ticket: Ticket) {
+        if self.ticket(batch) != Some(ticket) {
+            return;
+        }
+        if let Some((_, slots)) = self.runs.remove(&batch) {
+            self.abandoned.remove(&batch);
+            self.free(batch, &slots);
+        }
+    }
+
+    /// Frees `batch`'s slots, keeping its run (its id and ticket).
+    fn free_slots(&mut self, batch: BatchId) {
+        if let Some((_, slots)) = self.runs.get_mut(&batch) {
+            let slots = std::mem::take(slots);
+            self.free(batch, &slots);
+        }
+    }
+
+    /// Keeps the runs `keep` says, freeing the others' slots.
+    fn retain(&mut self, mut keep: impl FnMut(BatchId, Ticket) -> bool) {
+        let mut gone: Vec<(BatchId, Box<[u32]>)> = Vec::new();
+        self.runs.retain(|b, (t, slots)| {
+            let kept = keep(*b, *t);
+            if !kept {
+                gone.push((*b, std::mem::take(slots)));
+            }
+            kept
+        });
+        for (batch, slots) in gone {
+            self.abandoned.remove(&batch);
+            self.free(batch, &slots);
+        }
+    }
+
+    fn free(&mut self, batch: BatchId, slots: &[u32]) {
+        for s in slots {
+            if self.owners.get(s) == Some(&batch) {
+                self.owners.remove(s);
+            }
+        }
     }
 }
 
@@ -412,20 +537,20 @@ mod tests {
     #[test]
     fn a_duplicate_batch_is_refused_without_a_slot_and_the_first_keeps_its_outcome() {
         let o = Outcomes::new(2);
-        let t = o.begin(BatchId(1), 4).unwrap();
+        let t = o.begin(BatchId(1), 4, &[]).unwrap();
         assert!(matches!(
-            o.begin(BatchId(1), 4),
+            o.begin(BatchId(1), 4, &[]),
             Err(KvLoadError::DuplicateBatch { batch: BatchId(1) })
         ));
         // The refusal took no counter slot: another batch still fits.
-        let t2 = o.begin(BatchId(2), 4).unwrap();
+        let t2 = o.begin(BatchId(2), 4, &[]).unwrap();
         o.finish(t, ok(1));
         o.finish(t2, ok(2));
         let deadline = kv_loader::deadline_after(std::time::Duration::from_secs(1));
         let first = ticket(1, t);
         assert_eq!(o.take(&first, deadline).unwrap().unwrap().batch, BatchId(1));
         // Taken: the id is free again, and so is the slot.
-        let again = o.begin(BatchId(1), 4).unwrap();
+        let again = o.begin(BatchId(1), 4, &[]).unwrap();
         // The new run's outcome is its own: the first run's ticket cannot take it.
         o.finish(again, ok(1));
         assert!(matches!(
@@ -439,7 +564,7 @@ mod tests {
     #[test]
     fn a_ticket_whose_outcome_is_taken_is_stale_at_once_for_every_other_waiter() {
         let o = Arc::new(Outcomes::new(2));
-        let t = o.begin(BatchId(3), 4).unwrap();
+        let t = o.begin(BatchId(3), 4, &[]).unwrap();
         let long = kv_loader::deadline_after(std::time::Duration::from_secs(30));
         // A second waiter already waiting when the first takes the outcome.
         let waiting = {
@@ -469,7 +594,7 @@ mod tests {
         ));
         assert!(t0.elapsed() < std::time::Duration::from_secs(1));
         // The id started again and still running: the spent ticket is stale at once too.
-        let again = o.begin(BatchId(3), 4).unwrap();
+        let again = o.begin(BatchId(3), 4, &[]).unwrap();
         let t0 = Instant::now();
         assert!(matches!(
             o.take(&ticket(3, t), long),
@@ -491,7 +616,7 @@ mod tests {
     #[test]
     fn a_held_outcome_comes_when_the_last_holder_lets_go() {
         let o = Arc::new(Outcomes::new(2));
-        let t = o.begin(BatchId(7), 4).unwrap();
+        let t = o.begin(BatchId(7), 4, &[]).unwrap();
         let hold = HeldOutcome::new(o.clone());
         let late_call = hold.clone();
         o.finish_held(hold, t, ok(7));
@@ -501,7 +626,7 @@ mod tests {
         // A reset keeps the held id in flight.
         assert!(o.cancel_all(soon, || {}));
         assert!(matches!(
-            o.begin(BatchId(7), 4),
+            o.begin(BatchId(7), 4, &[]),
             Err(KvLoadError::DuplicateBatch { .. })
         ));
         drop(late_call);
@@ -528,7 +653,7 @@ mod tests {
     fn a_ready_layer_whose_event_is_gone_is_a_stale_ticket_not_resident() {
         let o = Outcomes::new(2);
         let batch = BatchId(7);
-        let counter = o.begin(batch, 2).unwrap();
+        let counter = o.begin(batch, 2, &[]).unwrap();
         let t = LoadTicket {
             batch,
             num_layers: 2,
@@ -568,7 +693,7 @@ mod tests {
         let deadline = || kv_loader::deadline_after(std::time::Duration::from_secs(5));
         for i in 0..3000u64 {
             let batch = BatchId(i);
-            let counter = o.begin(batch, 2).unwrap();
+            let counter = o.begin(batch, 2, &[]).unwrap();
             let t = LoadTicket {
                 batch,
                 num_layers: 2,
@@ -608,14 +733,14 @@ mod tests {
     fn taking_an_outcome_a_reset_forgot_leaves_a_new_run_of_the_id_alone() {
         let o = Outcomes::new(4);
         let batch = BatchId(5);
-        let first = o.begin(batch, 2).unwrap();
+        let first = o.begin(batch, 2, &[]).unwrap();
         o.publish(batch, first, 0, LayerReady::Event(Arc::new(PendingCopy)), 2);
         o.finish(first, outcome_ok(batch));
         // The taker's first half (`take`, or `drain`): out of `done`, not yet forgotten.
         let (t, _) = o.done.lock().remove(&batch).unwrap();
         let soon = kv_loader::deadline_after(std::time::Duration::from_millis(10));
         assert!(o.cancel_all(soon, || {}));
-        let second = o.begin(batch, 2).unwrap();
+        let second = o.begin(batch, 2, &[]).unwrap();
         o.publish(
             batch,
             second,
@@ -635,7 +760,7 @@ mod tests {
             "the new run lost its layer's event"
         );
         assert!(matches!(
-            o.begin(batch, 2),
+            o.begin(batch, 2, &[]),
             Err(KvLoadError::DuplicateBatch { .. })
         ));
         o.finish(second, outcome_ok(batch));
@@ -648,8 +773,8 @@ mod tests {
     fn a_ticket_pairing_one_run_with_another_batch_gets_no_event() {
         let o = Outcomes::new(4);
         let (b1, b2) = (BatchId(1), BatchId(2));
-        let t1 = o.begin(b1, 2).unwrap();
-        let t2 = o.begin(b2, 2).unwrap();
+        let t1 = o.begin(b1, 2, &[]).unwrap();
+        let t2 = o.begin(b2, 2, &[]).unwrap();
         o.publish(b1, t1, 0, LayerReady::Event(Arc::new(PendingCopy)), 2);
         o.publish(b2, t2, 0, LayerReady::Event(Arc::new(PendingCopy)), 2);
         let mixed = LoadTicket {
