@@ -1068,3 +1068,45 @@ fn an_abandoned_or_timed_out_batch_lets_its_slots_go_once_over() {
         "their outcomes are still handed out"
     );
 }
+
+/// Two shutdown paths close at once while a load is stuck past the close's bound: both hear
+/// `SlotsHeld` naming it. Before, the second `close` returned `Ok` at once while the first
+/// was still cancelling, and its caller took the slots for free.
+#[test]
+fn a_close_beside_another_close_gets_the_same_answer() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let config = LinkerConfig {
+        wait_deadline: Duration::from_millis(300),
+        ..cfg()
+    };
+    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
+    r.faulty.inject(
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Delay(Duration::from_secs(2)),
+    );
+    let _t = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let (first, second) = std::thread::scope(|s| {
+        let first = s.spawn(|| linker.close());
+        std::thread::sleep(Duration::from_millis(50));
+        let second = linker.close();
+        (first.join().unwrap(), second)
+    });
+    for (which, answer) in [("first", &first), ("second", &second)] {
+        assert!(
+            matches!(answer, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(1)]),
+            "{which}: {answer:?}"
+        );
+    }
+    assert_eq!(
+        format!("{:?}", linker.close()),
+        format!("{first:?}"),
+        "a later close answers the same"
+    );
+}

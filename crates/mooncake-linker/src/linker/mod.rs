@@ -297,6 +297,9 @@ pub struct Linker {
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Closed when the load thread ends.
     ended: Mutex<Option<mpsc::Receiver<()>>>,
+    /// The first `close`'s answer, once it has one (later and concurrent calls return it).
+    close_answer: Mutex<Option<Result<(), KvLoadError>>>,
+    close_done: parking_lot::Condvar,
 }
 
 impl std::fmt::Debug for Linker {
@@ -495,6 +498,8 @@ impl Linker {
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
             ended: Mutex::new(Some(ended_rx)),
+            close_answer: Mutex::new(None),
+            close_done: parking_lot::Condvar::new(),
         })
     }
 
@@ -843,8 +848,53 @@ impl KvLoader for Linker {
 
     fn close(&self) -> Result<(), KvLoadError> {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
-            return Ok(());
+            return self.first_close_answer();
         }
+        let answer = self.close_first();
+        *self.close_answer.lock() = Some(answer.clone());
+        self.close_done.notify_all();
+        answer
+    }
+}
+
+impl Linker {
+    /// What the first `close` answered, waiting for it (as long as a close may take) when it
+    /// is still running: a second caller (another shutdown path) hears the same `SlotsHeld`,
+    /// not an `Ok` while the first still cancels. Past that bound: the batches still in
+    /// flight, as `SlotsHeld`.
+    fn first_close_answer(&self) -> Result<(), KvLoadError> {
+        let c = &self.inner.config;
+        let bound = c.wait_deadline.saturating_add(c.store_call_timeout);
+        let deadline = kv_loader::deadline_after(bound);
+        let mut answer = self.close_answer.lock();
+        while answer.is_none() {
+            if self
+                .close_done
+                .wait_until(&mut answer, deadline)
+                .timed_out()
+            {
+                break;
+            }
+        }
+        match answer.as_ref() {
+            Some(a) => a.clone(),
+            None => {
+                let batches = self.inner.outcomes.in_flight();
+                warn!(?bound, "a close waited for the first close past its bound");
+                if batches.is_empty() {
+                    Ok(())
+                } else {
+                    Err(KvLoadError::SlotsHeld {
+                        batches: batches.into(),
+                    })
+                }
+            }
+        }
+    }
+
+    /// The first `close`: cancels, ends the read ahead, the load thread and the landing
+    /// memory, all within one bound.
+    fn close_first(&self) -> Result<(), KvLoadError> {
         info!("linker close");
         // One bound for all close waits for, as `reset`'s: the cancel, then a read of
         // companions ahead begun meanwhile, then the load thread (before, each step after the
@@ -879,6 +929,10 @@ impl KvLoader for Linker {
 /// [`close`](KvLoader::close) itself first.
 impl Drop for Linker {
     fn drop(&mut self) {
+        // Closed already: that close's caller heard its answer.
+        if self.inner.closed.load(Ordering::Acquire) {
+            return;
+        }
         if let Err(e) = self.close() {
             warn!(error = %e, "closing the linker on drop");
         }
