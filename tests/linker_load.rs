@@ -1044,6 +1044,18 @@ fn an_abandoned_or_timed_out_batch_lets_its_slots_go_once_over() {
         .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
         .unwrap();
     linker.abandon(&abandoned);
+    // Still loading: its slots stay refused (the load may still write them).
+    assert!(matches!(
+        linker.start_load(load_plan(&g, 2, &r.pages, vec![7, 8, 0])),
+        Err(KvLoadError::InvalidPlan {
+            reason: PlanError::SlotInFlight {
+                slot: 0,
+                page: 2,
+                batch: BatchId(1)
+            },
+            ..
+        })
+    ));
     // Timed out (the wait's 100 ms are shorter than the load).
     let timed_out = linker
         .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))

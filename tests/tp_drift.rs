@@ -19,7 +19,7 @@ use common::{load_plan, prompt, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
-use kvlink::kv_loader::{EngineAction, KvLoadError, KvLoader, LookupRequest};
+use kvlink::kv_loader::{BatchId, EngineAction, KvLoadError, KvLoader, LookupRequest, PlanError};
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, StoreError,
 };
@@ -264,6 +264,60 @@ fn a_duplicate_batch_id_on_one_rank_is_refused_and_nothing_shifts() {
             l.unwrap_or_else(|e| panic!("{what}: {e}"));
         }
         3
+    });
+}
+
+/// One rank's plan lands in a slot of its batch whose outcome it has not taken: that rank
+/// refuses the batch (`SlotInFlight`), every other rank fails it (no hang), and the group
+/// goes on in step.
+#[test]
+fn a_slot_in_flight_on_one_rank_fails_the_batch_on_every_rank() {
+    every_case("slot in flight", false, |rs, hashes, fail, what| {
+        let loaded = each(rs, |rank, r| {
+            let g = r.linker.geometry().clone();
+            let two = r
+                .linker
+                .start_load(load_plan(&g, 2, hashes, batch_slots(rank, 2)))
+                .unwrap();
+            wait_all(&r.linker, &two).unwrap();
+            if rank != fail {
+                assert!(r.linker.wait_batch(&two).unwrap().result.is_ok());
+                let t = r
+                    .linker
+                    .start_load(load_plan(&g, 3, hashes, batch_slots(rank, 3)))
+                    .unwrap();
+                let _ = wait_all(&r.linker, &t);
+                return r
+                    .linker
+                    .wait_batch(&t)
+                    .unwrap()
+                    .result
+                    .map_err(|e| e.kind_name());
+            }
+            // Batch 3 into batch 2's slots, whose outcome this rank has not taken.
+            let three = r
+                .linker
+                .start_load(load_plan(&g, 3, hashes, batch_slots(rank, 2)));
+            let refused = match three {
+                Err(KvLoadError::InvalidPlan {
+                    reason: PlanError::SlotInFlight { batch, .. },
+                    ..
+                }) => batch,
+                other => panic!("{what}: {:?}", other.map(|t| t.batch)),
+            };
+            assert_eq!(refused, BatchId(2), "{what}");
+            assert!(r.linker.wait_batch(&two).unwrap().result.is_ok());
+            Err("refused")
+        });
+        for (rank, l) in loaded.into_iter().enumerate() {
+            let expected = if rank as u32 == fail {
+                "refused"
+            } else {
+                "peer_failed"
+            };
+            assert_eq!(l.map(drop), Err(expected), "{what}: rank {rank}");
+        }
+        4
     });
 }
 

@@ -373,26 +373,23 @@ impl Outcomes {
             // events. `held` first: a held outcome is delivered into `done` before it leaves
             // `held`, so under `held`'s lock a batch is in one or the other.
             let held = self.held.lock();
-            let (untaken, failed): (HashSet<BatchId>, Vec<BatchId>) = {
-                let done = self.done.lock();
-                let failed = done
-                    .iter()
-                    .filter(|(_, (_, o))| o.result.is_err())
-                    .map(|(b, _)| *b)
-                    .collect();
-                (done.keys().copied().collect(), failed)
-            };
+            // `done` stays locked until the slots are freed: an outcome taken meanwhile and its
+            // id started again would otherwise lose the new run's slots.
+            let done = self.done.lock();
             let mut in_flight = self.in_flight.lock();
             in_flight.retain(|b, t| {
-                held.contains(&b) || untaken.contains(&b) || self.counter.ready_layers(t).is_ok()
+                held.contains(&b) || done.contains_key(&b) || self.counter.ready_layers(t).is_ok()
             });
             // A batch the reset ended failed (cancelled, or failed before) is over, and its
             // pages are not to be used: its slots may go to the next batch before its outcome
             // is taken (an engine frees a cancelled request's blocks at once). One that had
             // loaded keeps them until taken: the engine may still read them.
-            for b in failed {
-                in_flight.free_slots(b);
+            for (b, (t, o)) in done.iter() {
+                if o.result.is_err() && in_flight.ticket(*b) == Some(*t) {
+                    in_flight.free_slots(*b);
+                }
             }
+            drop(done);
             self.readies
                 .lock()
                 .retain(|b, (run, _)| in_flight.ticket(*b) == Some(*run));
@@ -525,7 +522,7 @@ mod tests {
     use super::*;
     use kv_loader::LoadStats;
 
-    fn ok(batch: u64) -> BatchOutcome {
+    fn cancelled(batch: u64) -> BatchOutcome {
         BatchOutcome {
             batch: BatchId(batch),
             result: Err(KvLoadError::Cancelled {
@@ -544,15 +541,15 @@ mod tests {
         ));
         // The refusal took no counter slot: another batch still fits.
         let t2 = o.begin(BatchId(2), 4, &[]).unwrap();
-        o.finish(t, ok(1));
-        o.finish(t2, ok(2));
+        o.finish(t, cancelled(1));
+        o.finish(t2, cancelled(2));
         let deadline = kv_loader::deadline_after(std::time::Duration::from_secs(1));
         let first = ticket(1, t);
         assert_eq!(o.take(&first, deadline).unwrap().unwrap().batch, BatchId(1));
         // Taken: the id is free again, and so is the slot.
         let again = o.begin(BatchId(1), 4, &[]).unwrap();
         // The new run's outcome is its own: the first run's ticket cannot take it.
-        o.finish(again, ok(1));
+        o.finish(again, cancelled(1));
         assert!(matches!(
             o.take(&first, deadline),
             Err(CounterError::StaleTicket { .. })
@@ -575,7 +572,7 @@ mod tests {
             })
         };
         std::thread::sleep(std::time::Duration::from_millis(50));
-        o.finish(t, ok(3));
+        o.finish(t, cancelled(3));
         let first = o.take(&ticket(3, t), long);
         let (second, waited) = waiting.join().unwrap();
         // One of the two took it; the other is told its ticket is spent, at once.
@@ -601,7 +598,7 @@ mod tests {
             Err(CounterError::StaleTicket { .. })
         ));
         assert!(t0.elapsed() < std::time::Duration::from_secs(1));
-        o.finish(again, ok(3));
+        o.finish(again, cancelled(3));
         assert!(o.take(&ticket(3, again), long).unwrap().is_some());
     }
 
@@ -619,7 +616,7 @@ mod tests {
         let t = o.begin(BatchId(7), 4, &[]).unwrap();
         let hold = HeldOutcome::new(o.clone());
         let late_call = hold.clone();
-        o.finish_held(hold, t, ok(7));
+        o.finish_held(hold, t, cancelled(7));
         assert_eq!(o.held(), vec![BatchId(7)]);
         let soon = kv_loader::deadline_after(std::time::Duration::from_millis(10));
         assert!(o.take(&ticket(7, t), soon).unwrap().is_none(), "held back");
@@ -815,5 +812,71 @@ mod tests {
                 plans_differ: Vec::new(),
             }),
         }
+    }
+
+    /// The slot and batch of a `SlotInFlight` refusal (`None`: not one).
+    fn refused_slot(begun: Result<Ticket, KvLoadError>) -> Option<(u32, BatchId)> {
+        match begun {
+            Err(KvLoadError::InvalidPlan {
+                reason: PlanError::SlotInFlight { slot, batch, .. },
+                ..
+            }) => Some((slot, batch)),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_slot_goes_to_another_batch_once_its_batch_is_taken_abandoned_and_over_or_reset_failed() {
+        let o = Outcomes::new(8);
+        let soon = kv_loader::deadline_after(std::time::Duration::from_millis(10));
+        // Loaded and not taken: its slots are refused; taken: free.
+        let t1 = o.begin(BatchId(1), 4, &[0, 1]).unwrap();
+        o.finish(t1, outcome_ok(BatchId(1)));
+        assert_eq!(
+            refused_slot(o.begin(BatchId(9), 4, &[3, 1])),
+            Some((1, BatchId(1)))
+        );
+        assert!(o.take(&ticket(1, t1), soon).unwrap().is_some());
+        let t9 = o.begin(BatchId(9), 4, &[1]).unwrap();
+        // Abandoned while it loads: refused until the load is over, then free; its outcome
+        // is still handed out.
+        o.abandon(BatchId(9), t9);
+        assert_eq!(
+            refused_slot(o.begin(BatchId(10), 4, &[1])),
+            Some((1, BatchId(9)))
+        );
+        o.finish(t9, outcome_ok(BatchId(9)));
+        let t10 = o.begin(BatchId(10), 4, &[1]).unwrap();
+        assert!(o.take(&ticket(9, t9), soon).unwrap().is_some());
+        // Abandoned once its outcome is in: free at once. An abandon naming another run of
+        // the id does nothing.
+        o.finish(t10, outcome_ok(BatchId(10)));
+        o.abandon(BatchId(10), t9);
+        assert_eq!(
+            refused_slot(o.begin(BatchId(11), 4, &[1])),
+            Some((1, BatchId(10)))
+        );
+        o.abandon(BatchId(10), t10);
+        let t11 = o.begin(BatchId(11), 4, &[1]).unwrap();
+        // A reset lets a cancelled batch's slots go at once; a loaded one keeps its slots
+        // until its outcome is taken.
+        let t12 = o.begin(BatchId(12), 4, &[2]).unwrap();
+        o.finish(t11, outcome_ok(BatchId(11)));
+        o.finish(t12, cancelled(12));
+        assert!(o.cancel_all(soon, || {}));
+        assert_eq!(
+            refused_slot(o.begin(BatchId(13), 4, &[1])),
+            Some((1, BatchId(11)))
+        );
+        let t13 = o.begin(BatchId(13), 4, &[2]).unwrap();
+        for (batch, t) in [(10, t10), (11, t11), (12, t12)] {
+            assert!(
+                o.take(&ticket(batch, t), soon).unwrap().is_some(),
+                "batch {batch}"
+            );
+        }
+        o.finish(t13, outcome_ok(BatchId(13)));
+        assert!(o.take(&ticket(13, t13), soon).unwrap().is_some());
+        assert!(o.in_flight.lock().owners.is_empty(), "every slot free");
     }
 }
