@@ -188,6 +188,9 @@ pub struct MockKvLoader {
     script: MockScript,
     state: Mutex<MockState>,
     counter: LayerCounter<()>,
+    /// The first `close`'s answer, held while it runs: a later or concurrent `close` returns
+    /// it, as the linker's does.
+    close_answer: Mutex<Option<Result<(), KvLoadError>>>,
     /// Runs in `start_load` between its first check and its state lock (a test of that
     /// window: a `close` there).
     #[cfg(test)]
@@ -215,6 +218,7 @@ impl MockKvLoader {
             script,
             state: Mutex::new(MockState::default()),
             counter: LayerCounter::new(),
+            close_answer: Mutex::new(None),
             #[cfg(test)]
             between_checks: Mutex::new(None),
         }
@@ -741,19 +745,25 @@ impl KvLoader for MockKvLoader {
 
     fn close(&self) -> Result<(), KvLoadError> {
         self.record_open_or_closed(MockCall::Close);
-        // As the linker: a second close does nothing; the first cancels what is in flight,
-        // and every outcome stays to be taken (`wait_batch`, `completed`) after it.
-        if std::mem::replace(&mut self.state.lock().closed, true) {
-            return Ok(());
+        // As the linker: a second close answers as the first did (`SlotsHeld` included); the
+        // first cancels what is in flight, and every outcome stays to be taken
+        // (`wait_batch`, `completed`) after it.
+        let mut answer = self.close_answer.lock();
+        if let Some(first) = answer.as_ref() {
+            return first.clone();
         }
+        self.state.lock().closed = true;
         let mut held = self.cancel_in_flight();
-        if held.is_empty() {
-            return Ok(());
-        }
-        held.sort();
-        Err(KvLoadError::SlotsHeld {
-            batches: held.into(),
-        })
+        let first = if held.is_empty() {
+            Ok(())
+        } else {
+            held.sort();
+            Err(KvLoadError::SlotsHeld {
+                batches: held.into(),
+            })
+        };
+        *answer = Some(first.clone());
+        first
     }
 }
 
@@ -1110,6 +1120,25 @@ mod tests {
                 ),
                 "close {close}: {:?}",
                 mock.wait_layer(&t, 0)
+            );
+        }
+    }
+
+    /// A second `close` (another shutdown path) answers as the first: `SlotsHeld` while a
+    /// held store call may still write the slots, as the linker's. It answered `Ok`.
+    #[test]
+    fn a_second_close_answers_as_the_first() {
+        let script = MockScript {
+            hold_slots: vec![BatchId(1)],
+            ..MockScript::default()
+        };
+        let mock = MockKvLoader::new(2, script);
+        let _t = mock.start_load(one_page_plan(1, 0)).unwrap();
+        for which in ["first", "second"] {
+            let answer = mock.close();
+            assert!(
+                matches!(&answer, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(1)]),
+                "{which}: {answer:?}"
             );
         }
     }

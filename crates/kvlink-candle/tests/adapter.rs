@@ -690,6 +690,9 @@ impl KvLoader for EventLoader {
             None => outcome,
         })
     }
+    fn abandon(&self, t: &LoadTicket) {
+        self.inner.abandon(t)
+    }
     fn completed(&self) -> Vec<BatchOutcome> {
         self.inner.completed()
     }

@@ -850,10 +850,34 @@ impl KvLoader for Linker {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return self.first_close_answer();
         }
+        // Later closes get an answer whatever happens here (a panic included).
+        let mut first = FirstClose {
+            linker: self,
+            answer: None,
+        };
         let answer = self.close_first();
-        *self.close_answer.lock() = Some(answer.clone());
-        self.close_done.notify_all();
+        first.answer = Some(answer.clone());
         answer
+    }
+}
+
+/// Hands the first `close`'s answer to the closes waiting for it when the first ends; one
+/// that panicked answers `Internal` (its batches' slots are not known to be free).
+struct FirstClose<'a> {
+    linker: &'a Linker,
+    answer: Option<Result<(), KvLoadError>>,
+}
+
+impl Drop for FirstClose<'_> {
+    fn drop(&mut self) {
+        let answer = self.answer.take().unwrap_or_else(|| {
+            Err(KvLoadError::internal(
+                None,
+                "the first close of the linker panicked",
+            ))
+        });
+        *self.linker.close_answer.lock() = Some(answer);
+        self.linker.close_done.notify_all();
     }
 }
 
