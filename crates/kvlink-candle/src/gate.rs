@@ -1,5 +1,6 @@
 //! The per-layer wait in front of a loaded prefix.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kv_loader::{
@@ -70,6 +71,9 @@ struct Inner {
     /// loader forgets them with the ticket): a clone's wait after the verdict waits on its
     /// layer's event, since the copies may still be queued on the load stream.
     events: OnceLock<Vec<Option<Arc<dyn StreamWaitable>>>>,
+    /// The layers a wait found ready, each with its device event (`None`: resident): a
+    /// reset may end the ticket before `finish` asks again, and a landed layer stays landed.
+    seen: Mutex<HashMap<u32, Option<Arc<dyn StreamWaitable>>>>,
 }
 
 /// A failed verdict, kept to hand to every clone.
@@ -128,6 +132,7 @@ impl LayerGate {
                 failure: OnceLock::new(),
                 outcome: Mutex::new(None),
                 events: OnceLock::new(),
+                seen: Mutex::new(HashMap::new()),
             })),
             stream: None,
             finished: false,
@@ -193,9 +198,14 @@ impl LayerGate {
                 source: e.clone(),
             });
         }
+        let seen = i.seen(layer);
         let Err(e) = i.wait_layer_on(layer, stream) else {
             return Ok(());
         };
+        if let Some(event) = seen {
+            // A wait saw it ready before, and the ticket has ended since (a reset): landed.
+            return i.wait_event(layer, event, stream);
+        }
         // Another clone may have taken the outcome meanwhile (its `finish` holds the lock
         // while it does, so this waits for it): then the wait failed on the forgotten ticket,
         // and the verdict answers instead of a failure recorded for every clone.
@@ -293,12 +303,18 @@ impl Inner {
     /// [`LoadHandle::wait_layer_on`], without the handle (another clone may be taking it for
     /// the outcome meanwhile).
     fn wait_layer_on(&self, layer: u32, stream: Option<RawStream>) -> Result<(), KvLoadError> {
-        match self.loader.wait_layer(&self.ticket, layer)? {
-            LayerReady::Resident => Ok(()),
-            LayerReady::Event(ev) => match stream {
-                Some(s) => ev.wait_on_stream(s),
-                None => ev.synchronize(),
-            },
+        let event = match self.loader.wait_layer(&self.ticket, layer)? {
+            LayerReady::Resident => None,
+            LayerReady::Event(ev) => Some(ev),
+        };
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(layer, event.clone());
+        match (event, stream) {
+            (None, _) => Ok(()),
+            (Some(ev), Some(s)) => ev.wait_on_stream(s),
+            (Some(ev), None) => ev.synchronize(),
         }
     }
 
@@ -309,6 +325,17 @@ impl Inner {
             .events
             .get()
             .and_then(|e| e.get(layer as usize)?.clone());
+        self.wait_event(layer, event, stream)
+    }
+
+    /// Layer `layer`'s device event waited on by `stream` (`None`: the host); no event: the
+    /// layer is resident.
+    fn wait_event(
+        &self,
+        layer: u32,
+        event: Option<Arc<dyn StreamWaitable>>,
+        stream: Option<RawStream>,
+    ) -> Result<(), CandleKvError> {
         let Some(ev) = event else {
             return Ok(());
         };
@@ -320,6 +347,12 @@ impl Inner {
             layer: Some(layer),
             source,
         })
+    }
+
+    /// Whether a wait saw layer `layer` ready, and its device event (`Some(None)`: resident).
+    fn seen(&self, layer: u32) -> Option<Option<Arc<dyn StreamWaitable>>> {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.get(&layer).cloned()
     }
 
     /// Each layer's event, asked of the loader before the outcome is taken (the batch has
@@ -339,6 +372,12 @@ impl Inner {
                     Ok(LayerReady::Event(ev)) => events[layer as usize] = Some(ev),
                     Ok(LayerReady::Resident) => {}
                     Err(e) => {
+                        // A wait saw it ready before (the ticket ended since, by a reset):
+                        // its event, or resident.
+                        if let Some(ev) = self.seen(layer) {
+                            events[layer as usize] = ev;
+                            continue;
+                        }
                         missed = Some((layer, e));
                         events.clear();
                         break;

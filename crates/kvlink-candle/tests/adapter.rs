@@ -1169,3 +1169,39 @@ fn a_clone_that_waits_after_another_finished_answers_from_the_verdict() {
     );
     assert!(second.finish().unwrap().is_some(), "the same verdict");
 }
+
+/// A reset (another batch's timeout, say) between the engine's last layer wait and the gate's
+/// `finish` ends the ticket, not the load: every layer was waited for and landed, so the
+/// verdict is the load's (`Ok`), and a clone's wait, before or after `finish`, answers ready
+/// (a device layer's event kept from the wait that saw it). Before, `finish` asked the loader again for each
+/// layer, met the ended ticket and failed the prefix on this rank (`WaitFailed`).
+#[test]
+fn a_reset_after_every_layer_was_waited_leaves_the_verdict_the_loads() {
+    for device_events in [false, true] {
+        let script = MockScript {
+            device_events,
+            ..MockScript::default()
+        };
+        let mock = Arc::new(MockKvLoader::new(3, script));
+        let ticket = mock.start_load(plan(40)).unwrap();
+        let mut gate = LayerGate::new(mock.clone(), ticket);
+        let clone = gate.clone();
+        for layer in 0..3 {
+            gate.wait(layer).unwrap();
+        }
+        mock.reset().unwrap();
+        // A clone's wait between the reset and `finish` answers ready too.
+        clone.wait(1).unwrap();
+        let verdict = gate.finish();
+        assert!(
+            matches!(verdict, Ok(Some(_))),
+            "events {device_events}: {verdict:?}"
+        );
+        for layer in 0..3 {
+            clone.wait(layer).unwrap();
+        }
+        if device_events {
+            assert!(mock.events_not_waited().is_empty());
+        }
+    }
+}
