@@ -202,8 +202,9 @@ impl LayerGate {
         let Err(e) = i.wait_layer_on(layer, stream) else {
             return Ok(());
         };
-        if let Some(event) = seen {
+        if let (Some(event), KvLoadError::StaleTicket { .. }) = (seen, &e) {
             // A wait saw it ready before, and the ticket has ended since (a reset): landed.
+            // Any other failure is the batch's, kept for every clone as below.
             return i.wait_event(layer, event, stream);
         }
         // Another clone may have taken the outcome meanwhile (its `finish` holds the lock
@@ -374,7 +375,8 @@ impl Inner {
                     Err(e) => {
                         // A wait saw it ready before (the ticket ended since, by a reset):
                         // its event, or resident.
-                        if let Some(ev) = self.seen(layer) {
+                        if let (Some(ev), KvLoadError::StaleTicket { .. }) = (self.seen(layer), &e)
+                        {
                             events[layer as usize] = ev;
                             continue;
                         }
