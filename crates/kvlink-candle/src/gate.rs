@@ -14,7 +14,9 @@ use crate::CandleKvError;
 /// layer reads it.
 ///
 /// Readiness is the loader's: a layer waited on again asks its counter again (one atomic
-/// load once ready); the gate keeps no copy. A failed wait is kept: every later
+/// load once ready). The gate remembers which layers a wait found ready (with their device
+/// events) only for when a reset ends the ticket before `finish` (the load is not undone:
+/// those layers answer ready from what was seen). A failed wait is kept: every later
 /// [`wait`](Self::wait) returns the same [`CandleKvError::Load`] without calling the loader
 /// again, until a clone's `finish` took the outcome (waits then answer its verdict).
 /// [`finish`](Self::finish) takes the batch outcome (call it once per started batch,
@@ -198,15 +200,9 @@ impl LayerGate {
                 source: e.clone(),
             });
         }
-        let seen = i.seen(layer);
         let Err(e) = i.wait_layer_on(layer, stream) else {
             return Ok(());
         };
-        if let (Some(event), KvLoadError::StaleTicket { .. }) = (seen, &e) {
-            // A wait saw it ready before, and the ticket has ended since (a reset): landed.
-            // Any other failure is the batch's, kept for every clone as below.
-            return i.wait_event(layer, event, stream);
-        }
         // Another clone may have taken the outcome meanwhile (its `finish` holds the lock
         // while it does, so this waits for it): then the wait failed on the forgotten ticket,
         // and the verdict answers instead of a failure recorded for every clone.
@@ -304,15 +300,7 @@ impl Inner {
     /// [`LoadHandle::wait_layer_on`], without the handle (another clone may be taking it for
     /// the outcome meanwhile).
     fn wait_layer_on(&self, layer: u32, stream: Option<RawStream>) -> Result<(), KvLoadError> {
-        let event = match self.loader.wait_layer(&self.ticket, layer)? {
-            LayerReady::Resident => None,
-            LayerReady::Event(ev) => Some(ev),
-        };
-        self.seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(layer, event.clone());
-        match (event, stream) {
+        match (self.ready_event(layer)?, stream) {
             (None, _) => Ok(()),
             (Some(ev), Some(s)) => ev.wait_on_stream(s),
             (Some(ev), None) => ev.synchronize(),
@@ -350,36 +338,43 @@ impl Inner {
         })
     }
 
-    /// Whether a wait saw layer `layer` ready, and its device event (`Some(None)`: resident).
-    fn seen(&self, layer: u32) -> Option<Option<Arc<dyn StreamWaitable>>> {
-        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.get(&layer).cloned()
+    /// The loader's answer for layer `layer`: its device event (`None`: resident), kept as
+    /// seen. When the ticket has ended since a wait saw the layer ready (a reset: the load
+    /// is not undone), what that wait saw; any other failure is the loader's.
+    fn ready_event(&self, layer: u32) -> Result<Option<Arc<dyn StreamWaitable>>, KvLoadError> {
+        let seen = || self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        match self.loader.wait_layer(&self.ticket, layer) {
+            Ok(ready) => {
+                let event = match ready {
+                    LayerReady::Resident => None,
+                    LayerReady::Event(ev) => Some(ev),
+                };
+                seen().insert(layer, event.clone());
+                Ok(event)
+            }
+            // Read after the failed call: another clone's wait may have seen it meanwhile.
+            Err(e @ KvLoadError::StaleTicket { .. }) => seen().get(&layer).cloned().ok_or(e),
+            Err(e) => Err(e),
+        }
     }
 
     /// Each layer's event, asked of the loader before the outcome is taken (the batch has
     /// ended or is about to: `finish` waits for it anyway), last layer first: once it is
     /// ready the others answer at once, and the loader's compute meter (which times the gaps
     /// between waits on consecutive layers) sees no back-to-back pair to take for compute.
-    /// Stops at the first wait that fails, which it returns: no event is kept then, and a
-    /// batch that loads anyway is failed on this rank (`WaitFailed`), since a clone's later
-    /// wait could not wait on the events it missed.
+    /// Stops at the first wait that fails (a layer a wait saw ready before a reset ended the
+    /// ticket answers what was seen), which it returns: no event is kept then, and a batch
+    /// that loads anyway is failed on this rank (`WaitFailed`), since a clone's later wait
+    /// could not wait on the events it missed.
     fn keep_events(&self) -> Option<(u32, KvLoadError)> {
         let n = self.num_layers();
         let mut events = vec![None; n as usize];
         let mut missed = None;
         if self.failure.get().is_none() {
             for layer in (0..n).rev() {
-                match self.loader.wait_layer(&self.ticket, layer) {
-                    Ok(LayerReady::Event(ev)) => events[layer as usize] = Some(ev),
-                    Ok(LayerReady::Resident) => {}
+                match self.ready_event(layer) {
+                    Ok(event) => events[layer as usize] = event,
                     Err(e) => {
-                        // A wait saw it ready before (the ticket ended since, by a reset):
-                        // its event, or resident.
-                        if let (Some(ev), KvLoadError::StaleTicket { .. }) = (self.seen(layer), &e)
-                        {
-                            events[layer as usize] = ev;
-                            continue;
-                        }
                         missed = Some((layer, e));
                         events.clear();
                         break;

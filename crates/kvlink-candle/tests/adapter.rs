@@ -274,7 +274,7 @@ fn every_read_of_a_loaded_layer_asks_the_loader_first() {
     }
     cache.layer_pages(0, 2).unwrap();
     // Writing a new token after the loaded prefix needs no wait; into the prefix it does.
-    // Readiness is the loader's (its counter): the gate keeps no copy, so each read asks.
+    // Readiness is the loader's (its counter): each read asks it again.
     cache.write(2, 4, &rows(1, 0.0)).unwrap();
     assert_eq!(waits(&mock), vec![1, 1, 1, 0]);
     cache.write(2, 0, &rows(1, 0.0)).unwrap();
@@ -1204,4 +1204,145 @@ fn a_reset_after_every_layer_was_waited_leaves_the_verdict_the_loads() {
             assert!(mock.events_not_waited().is_empty());
         }
     }
+}
+
+/// The mock with a hook before each layer wait and one over its answer.
+struct HookedLoader {
+    inner: MockKvLoader,
+    before_wait: Box<dyn Fn(u32) + Send + Sync>,
+    answer: Box<dyn Fn(u32, LayerReady) -> LayerReady + Send + Sync>,
+}
+
+impl KvLoader for HookedLoader {
+    fn num_layers(&self) -> u32 {
+        self.inner.num_layers()
+    }
+    fn lookup(&self, r: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
+        self.inner.lookup(r)
+    }
+    fn lookup_pages(
+        &self,
+        p: &[kv_geometry::PageHash],
+        s: usize,
+    ) -> Result<LookupHit, KvLoadError> {
+        self.inner.lookup_pages(p, s)
+    }
+    fn start_load(&self, p: BatchPlan) -> Result<LoadTicket, KvLoadError> {
+        self.inner.start_load(p)
+    }
+    fn wait_layer(&self, t: &LoadTicket, l: u32) -> Result<LayerReady, KvLoadError> {
+        (self.before_wait)(l);
+        let ready = self.inner.wait_layer(t, l)?;
+        Ok((self.answer)(l, ready))
+    }
+    fn wait_batch(&self, t: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
+        self.inner.wait_batch(t)
+    }
+    fn abandon(&self, t: &LoadTicket) {
+        self.inner.abandon(t)
+    }
+    fn completed(&self) -> Vec<BatchOutcome> {
+        self.inner.completed()
+    }
+    fn save(&self, p: &BatchPlan) -> Result<SaveReport, KvLoadError> {
+        self.inner.save(p)
+    }
+    fn reset(&self) -> Result<(), KvLoadError> {
+        self.inner.reset()
+    }
+    fn close(&self) -> Result<(), KvLoadError> {
+        self.inner.close()
+    }
+}
+
+/// An event whose first wait succeeds and every later one fails (a device fault).
+#[derive(Debug, Default)]
+struct FailsAfterOnce {
+    waits: AtomicU32,
+}
+
+impl StreamWaitable for FailsAfterOnce {
+    fn wait_on_stream(&self, _stream: RawStream) -> Result<(), KvLoadError> {
+        self.synchronize()
+    }
+    fn synchronize(&self) -> Result<(), KvLoadError> {
+        if self.waits.fetch_add(1, Ordering::SeqCst) == 0 {
+            Ok(())
+        } else {
+            Err(KvLoadError::Device("event wait failed (test)".into()))
+        }
+    }
+}
+
+/// A layer seen ready whose event wait then fails (no reset): the failure is kept for every
+/// clone and the verdict is `WaitFailed`, as for any failed wait; what was seen stands in only
+/// for a ticket a reset ended. (A first version took any failed wait of a seen layer for
+/// ready: the clone's next wait answered `Ok` and the verdict was `Ok`.)
+#[test]
+fn a_failed_event_wait_of_a_layer_seen_ready_is_kept() {
+    let event = Arc::new(FailsAfterOnce::default());
+    let layer_0 = event.clone();
+    let loader = Arc::new(HookedLoader {
+        inner: MockKvLoader::new(2, MockScript::default()),
+        before_wait: Box::new(|_| {}),
+        answer: Box::new(move |l, ready| match l {
+            0 => LayerReady::Event(layer_0.clone()),
+            _ => ready,
+        }),
+    });
+    let ticket = loader.start_load(plan(41)).unwrap();
+    let mut gate = LayerGate::new(loader.clone(), ticket);
+    let clone = gate.clone();
+    gate.wait(0).unwrap();
+    gate.wait(1).unwrap();
+    assert!(clone.wait(0).unwrap_err().is_load_failure());
+    assert!(clone.wait(1).unwrap_err().is_load_failure(), "kept");
+    assert_eq!(
+        event.waits.load(Ordering::SeqCst),
+        2,
+        "each event waited once"
+    );
+    let verdict = gate.finish();
+    assert!(
+        matches!(verdict, Err(CandleKvError::WaitFailed { layer: 0, .. })),
+        "{verdict:?}"
+    );
+}
+
+/// Two clones wait for one layer at once and a reset lands between: the clone whose wait
+/// meets the ended ticket answers what the other's wait saw, and the verdict is the load's.
+/// (A first version read what was seen before asking the loader: `WaitFailed`.)
+#[test]
+fn a_wait_that_meets_a_reset_answers_what_another_clones_wait_saw() {
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (parked_tx, parked_rx) = std::sync::mpsc::sync_channel::<()>(1);
+    let go = std::sync::Mutex::new(Some(go_rx));
+    let loader = Arc::new(HookedLoader {
+        inner: MockKvLoader::new(2, MockScript::default()),
+        // The first wait of layer 1 on thread "b" parks until the test lets it go.
+        before_wait: Box::new(move |l| {
+            if l == 1 && std::thread::current().name() == Some("b") {
+                if let Some(go) = go.lock().unwrap().take() {
+                    parked_tx.send(()).unwrap();
+                    go.recv().unwrap();
+                }
+            }
+        }),
+        answer: Box::new(|_, ready| ready),
+    });
+    let ticket = loader.start_load(plan(42)).unwrap();
+    let mut gate = LayerGate::new(loader.clone(), ticket);
+    let clone = gate.clone();
+    let b = std::thread::Builder::new()
+        .name("b".into())
+        .spawn(move || clone.wait(1))
+        .unwrap();
+    parked_rx.recv().unwrap();
+    gate.wait(0).unwrap();
+    gate.wait(1).unwrap();
+    loader.reset().unwrap();
+    go_tx.send(()).unwrap();
+    b.join().unwrap().unwrap();
+    let verdict = gate.finish();
+    assert!(matches!(verdict, Ok(Some(_))), "{verdict:?}");
 }

@@ -380,7 +380,8 @@ impl Outcomes {
             in_flight.retain(|b, t| {
                 held.contains(&b) || done.contains_key(&b) || self.counter.ready_layers(t).is_ok()
             });
-            // A batch the reset ended failed (cancelled, or failed before) is over, and its
+            // A batch with a failed outcome (the reset cancelled it, it failed before, or it
+            // started and failed since the reset found the load thread idle) is over, and its
             // pages are not to be used: its slots may go to the next batch before its outcome
             // is taken (an engine frees a cancelled request's blocks at once). One that had
             // loaded keeps them until taken: the engine may still read them.
