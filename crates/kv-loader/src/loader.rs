@@ -105,7 +105,8 @@ pub trait KvLoader: Send + Sync {
     /// Like `reset`, then releases every resource. Later `lookup`, `lookup_pages`,
     /// `start_load`, `save` and `reset` return `Closed`; `wait_batch` and `completed` still
     /// hand out the outcomes not taken yet, a layer wait on a ticket of before is
-    /// `StaleTicket` (close ended its batch), and a second `close` does nothing. Its wait is
-    /// bounded as `reset`'s: `SlotsHeld` names the batches that may still write their slots.
+    /// `StaleTicket` (close ended its batch), and a second `close` (or one beside it) answers
+    /// as the first did. Its wait is bounded as `reset`'s: `SlotsHeld` names the batches
+    /// that may still write their slots.
     fn close(&self) -> Result<(), KvLoadError>;
 }

@@ -100,8 +100,9 @@ pub struct MockScript {
     /// returned; its outcome is then the batch's own store failure (a reset between does not
     /// make it `Cancelled`); after a `reset` or `close` its waits find the ticket ended
     /// ([`KvLoadError::StaleTicket`]). Their slots must stay out of use until then: a load
-    /// started into one of them (or into a slot of a `time_out` batch not cancelled yet)
-    /// fails with [`KvLoadError::Device`], as the linker's landing refused the slot.
+    /// started into one of them (or into a slot of any batch whose outcome is not taken) is
+    /// refused, [`KvLoadError::InvalidPlan`] with [`PlanError::SlotInFlight`](crate::PlanError::SlotInFlight), as the
+    /// linker's `start_load` refuses it.
     pub hold_slots: Vec<BatchId>,
     /// Tokens per page, used to hash lookups (0 makes every lookup a `Config` error).
     pub page_size: u32,
@@ -277,7 +278,7 @@ impl MockKvLoader {
     }
 
     /// Records a call that still answers after `close` (as the linker's: outcomes stay to be
-    /// taken, and a second close is a no-op).
+    /// taken, and a second close answers as the first).
     fn record_open_or_closed(&self, call: MockCall) {
         self.state.lock().calls.push(call);
     }
@@ -700,9 +701,12 @@ impl KvLoader for MockKvLoader {
         let busy = {
             let st = self.state.lock();
             // A batch a reset or close ended (cancelled in flight, or finished with its outcome
-            // not taken) lets its slots go; a held store call's keep them.
+            // not taken) lets its slots go, and so does one abandoned whose load is over (as
+            // for a load into them); a held store call's keep them.
             let holds = |b: &BatchId| {
-                st.held.contains(b) || !(st.cancelled.contains(b) || st.ended.contains(b))
+                let abandoned = st.abandoned.contains(b) && !self.in_flight(&st, b);
+                st.held.contains(b)
+                    || !(abandoned || st.cancelled.contains(b) || st.ended.contains(b))
             };
             plan.slots.iter().copied().find(|slot| {
                 st.slots
@@ -1305,11 +1309,11 @@ mod tests {
         ));
     }
 
-    /// After `close`, as with the linker: a second close is a no-op, and outcomes not taken
-    /// (a loaded batch's, a cancelled one's) are still handed out. Before, the second close
-    /// failed `Closed` and the outcomes were dropped.
+    /// After `close`, as with the linker: a second close answers as the first (here `Ok`),
+    /// and outcomes not taken (a loaded batch's, a cancelled one's) are still handed out.
+    /// Before, the second close failed `Closed` and the outcomes were dropped.
     #[test]
-    fn outcomes_stay_to_be_taken_after_close_and_a_second_close_is_a_no_op() {
+    fn outcomes_stay_to_be_taken_after_close_and_a_second_close_answers_again() {
         let script = MockScript {
             time_out: vec![BatchId(2)],
             ..MockScript::default()
