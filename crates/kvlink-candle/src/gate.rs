@@ -15,8 +15,10 @@ use crate::CandleKvError;
 ///
 /// Readiness is the loader's: a layer waited on again asks its counter again (one atomic
 /// load once ready). The gate remembers which layers a wait found ready (with their device
-/// events) only for when a reset ends the ticket before `finish` (the load is not undone:
-/// those layers answer ready from what was seen). A failed wait is kept: every later
+/// events) for when a reset ends the ticket before `finish`: a wait that meets the ended
+/// ticket on such a layer takes the outcome as `finish` would and answers its verdict (a
+/// loaded batch's layers stay ready; a failed one's slots may be another batch's by now).
+/// A failed wait is kept: every later
 /// [`wait`](Self::wait) returns the same [`CandleKvError::Load`] without calling the loader
 /// again, until a clone's `finish` took the outcome (waits then answer its verdict).
 /// [`finish`](Self::finish) takes the batch outcome (call it once per started batch,
@@ -206,7 +208,16 @@ impl LayerGate {
         // Another clone may have taken the outcome meanwhile (its `finish` holds the lock
         // while it does, so this waits for it): then the wait failed on the forgotten ticket,
         // and the verdict answers instead of a failure recorded for every clone.
-        let outcome = i.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        let mut outcome = i.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        if outcome.is_none()
+            && matches!(e, KvLoadError::StaleTicket { .. })
+            && i.seen(layer).is_some()
+        {
+            // A reset ended the ticket after a wait saw this layer ready: the load is over,
+            // and only its outcome says whether the layer stands (a failed batch's slots may
+            // be another batch's by now). Taken here, as `finish` takes it.
+            outcome.get_or_insert_with(|| i.take_outcome(false));
+        }
         if let Some(v) = outcome.as_ref() {
             let verdict = v.clone().map(drop).map_err(Verdict::error);
             drop(outcome);
@@ -339,23 +350,23 @@ impl Inner {
     }
 
     /// The loader's answer for layer `layer`: its device event (`None`: resident), kept as
-    /// seen. When the ticket has ended since a wait saw the layer ready (a reset: the load
-    /// is not undone), what that wait saw; any other failure is the loader's.
+    /// seen.
     fn ready_event(&self, layer: u32) -> Result<Option<Arc<dyn StreamWaitable>>, KvLoadError> {
-        let seen = || self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        match self.loader.wait_layer(&self.ticket, layer) {
-            Ok(ready) => {
-                let event = match ready {
-                    LayerReady::Resident => None,
-                    LayerReady::Event(ev) => Some(ev),
-                };
-                seen().insert(layer, event.clone());
-                Ok(event)
-            }
-            // Read after the failed call: another clone's wait may have seen it meanwhile.
-            Err(e @ KvLoadError::StaleTicket { .. }) => seen().get(&layer).cloned().ok_or(e),
-            Err(e) => Err(e),
-        }
+        let event = match self.loader.wait_layer(&self.ticket, layer)? {
+            LayerReady::Resident => None,
+            LayerReady::Event(ev) => Some(ev),
+        };
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(layer, event.clone());
+        Ok(event)
+    }
+
+    /// Whether a wait saw layer `layer` ready, and its device event (`Some(None)`: resident).
+    fn seen(&self, layer: u32) -> Option<Option<Arc<dyn StreamWaitable>>> {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.get(&layer).cloned()
     }
 
     /// Each layer's event, asked of the loader before the outcome is taken (the batch has
@@ -372,7 +383,13 @@ impl Inner {
         let mut missed = None;
         if self.failure.get().is_none() {
             for layer in (0..n).rev() {
-                match self.ready_event(layer) {
+                // A layer a wait saw ready before a reset ended the ticket: what was seen
+                // (read after the failed call: another clone's wait may have seen it meanwhile).
+                let ready = match self.ready_event(layer) {
+                    Err(e @ KvLoadError::StaleTicket { .. }) => self.seen(layer).ok_or(e),
+                    other => other,
+                };
+                match ready {
                     Ok(event) => events[layer as usize] = event,
                     Err(e) => {
                         missed = Some((layer, e));

@@ -1346,3 +1346,22 @@ fn a_wait_that_meets_a_reset_answers_what_another_clones_wait_saw() {
     let verdict = gate.finish();
     assert!(matches!(verdict, Ok(Some(_))), "{verdict:?}");
 }
+
+/// A layer seen ready, then the batch fails and a reset lets its slot go to another batch:
+/// a clone's wait of that layer answers the failure (the outcome, taken there), not ready
+/// from what was seen, and `finish` gives the same verdict. (A first version answered ready
+/// while the slot was the next batch's.)
+#[test]
+fn a_layer_seen_ready_of_a_batch_that_failed_is_not_ready_after_a_reset() {
+    let mut script = MockScript::default();
+    script.fail_at_layer.insert(BatchId(43), 1);
+    let mock = Arc::new(MockKvLoader::new(3, script));
+    let ticket = mock.start_load(plan(43)).unwrap();
+    let mut gate = LayerGate::new(mock.clone(), ticket);
+    let clone = gate.clone();
+    gate.wait(0).unwrap();
+    mock.reset().unwrap();
+    let e = clone.wait(0).unwrap_err();
+    assert!(e.is_load_failure(), "{e}");
+    assert!(gate.finish().unwrap_err().is_load_failure());
+}
