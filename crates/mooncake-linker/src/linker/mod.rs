@@ -884,8 +884,8 @@ impl Drop for FirstClose<'_> {
 impl Linker {
     /// What the first `close` answered, waiting for it (as long as a close may take) when it
     /// is still running: a second caller (another shutdown path) hears the same `SlotsHeld`,
-    /// not an `Ok` while the first still cancels. Past that bound: the batches still in
-    /// flight, as `SlotsHeld`.
+    /// not an `Ok` while the first still cancels. Past that bound: the batches whose load
+    /// may still write their slots (not one whose outcome waits to be taken), as `SlotsHeld`.
     fn first_close_answer(&self) -> Result<(), KvLoadError> {
         let c = &self.inner.config;
         let bound = c.wait_deadline.saturating_add(c.store_call_timeout);
@@ -903,7 +903,7 @@ impl Linker {
         match answer.as_ref() {
             Some(a) => a.clone(),
             None => {
-                let batches = self.inner.outcomes.in_flight();
+                let batches = self.inner.outcomes.still_loading();
                 warn!(?bound, "a close waited for the first close past its bound");
                 if batches.is_empty() {
                     Ok(())

@@ -207,6 +207,25 @@ impl Outcomes {
         self.done_cv.notify_all();
     }
 
+    /// The batches whose load may still write their slots, sorted: their outcome is not in
+    /// yet, or it waits for a store call past its deadline (held).
+    pub(crate) fn still_loading(&self) -> Vec<BatchId> {
+        // `held`, `done`, `in_flight`: the order of every other caller.
+        let held = self.held.lock();
+        let done = self.done.lock();
+        let in_flight = self.in_flight.lock();
+        let mut v: Vec<BatchId> = in_flight
+            .runs
+            .iter()
+            .filter(|(b, (t, _))| {
+                held.contains(b) || done.get(b).is_none_or(|(delivered, _)| delivered != t)
+            })
+            .map(|(b, _)| *b)
+            .collect();
+        v.sort();
+        v
+    }
+
     /// The batches started and not yet finished (their outcome not published), sorted.
     pub(crate) fn in_flight(&self) -> Vec<BatchId> {
         let mut v: Vec<BatchId> = self.in_flight.lock().runs.keys().copied().collect();
@@ -879,5 +898,22 @@ mod tests {
         o.finish(t13, outcome_ok(BatchId(13)));
         assert!(o.take(&ticket(13, t13), soon).unwrap().is_some());
         assert!(o.in_flight.lock().owners.is_empty(), "every slot free");
+    }
+
+    #[test]
+    fn still_loading_names_batches_without_an_outcome_or_held_not_those_to_be_taken() {
+        let o = Arc::new(Outcomes::new(4));
+        let loading = o.begin(BatchId(1), 4, &[0]).unwrap();
+        let loaded = o.begin(BatchId(2), 4, &[1]).unwrap();
+        o.finish(loaded, outcome_ok(BatchId(2)));
+        let held = o.begin(BatchId(3), 4, &[2]).unwrap();
+        let hold = HeldOutcome::new(o.clone());
+        let late_call = hold.clone();
+        o.finish_held(hold, held, cancelled(3));
+        assert_eq!(o.still_loading(), [BatchId(1), BatchId(3)]);
+        assert_eq!(o.in_flight(), [BatchId(1), BatchId(2), BatchId(3)]);
+        drop(late_call);
+        o.finish(loading, cancelled(1));
+        assert!(o.still_loading().is_empty());
     }
 }
