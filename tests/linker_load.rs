@@ -1126,3 +1126,38 @@ fn a_close_beside_another_close_gets_the_same_answer() {
         "a later close answers the same"
     );
 }
+
+/// A reset whose wait ends with the load thread still busy names the batches whose load may
+/// still write their slots, not a batch that had loaded and whose outcome waits to be taken
+/// (nothing writes its slots). Before, it named every batch in flight.
+#[test]
+fn a_reset_past_its_bound_names_only_the_batches_still_loading() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let config = LinkerConfig {
+        wait_deadline: Duration::from_millis(300),
+        ..cfg()
+    };
+    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
+    let loaded = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    wait_all(&linker, &loaded).unwrap();
+    r.faulty.inject(
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Delay(Duration::from_secs(2)),
+    );
+    let _slow = linker
+        .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let reset = linker.reset();
+    assert!(
+        matches!(&reset, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(2)]),
+        "{reset:?}"
+    );
+    assert!(linker.wait_batch(&loaded).unwrap().result.is_ok());
+}

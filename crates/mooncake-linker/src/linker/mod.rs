@@ -604,7 +604,7 @@ impl Linker {
     /// Cancels every batch in flight and waits (until `deadline`) until the load thread is
     /// idle. `Err(SlotsHeld)` names the batches whose slots may still be written: a store call
     /// past its deadline (their outcomes come when it returns), or, when the load thread is
-    /// still busy at the deadline, every batch still in flight. The flag says the load thread
+    /// still busy at the deadline, every batch whose outcome is not in yet. The flag says the load thread
     /// was still busy.
     fn cancel_all(&self, deadline: Instant) -> (Result<(), KvLoadError>, bool) {
         let s = &self.inner;
@@ -624,16 +624,16 @@ impl Linker {
         s.prefetch.wait_idle(deadline);
         s.end_pins(taken, deadline);
         s.end_pins_ahead(deadline);
-        let mut held = s.outcomes.held();
-        if busy {
+        let held = if busy {
             warn!(
                 waited = ?s.config.wait_deadline,
                 "the load thread is still busy after reset: its batches' slots stay held"
             );
-            held.extend(s.outcomes.in_flight());
-            held.sort();
-            held.dedup();
-        }
+            // Not a batch whose outcome is in and not held: nothing writes its slots.
+            s.outcomes.still_loading()
+        } else {
+            s.outcomes.held()
+        };
         if !held.is_empty() {
             return (
                 Err(KvLoadError::SlotsHeld {

@@ -226,13 +226,6 @@ impl Outcomes {
         v
     }
 
-    /// The batches started and not yet finished (their outcome not published), sorted.
-    pub(crate) fn in_flight(&self) -> Vec<BatchId> {
-        let mut v: Vec<BatchId> = self.in_flight.lock().runs.keys().copied().collect();
-        v.sort();
-        v
-    }
-
     /// Batches whose outcome waits for a store call past its deadline.
     pub(crate) fn held(&self) -> Vec<BatchId> {
         let mut v: Vec<BatchId> = self.held.lock().iter().copied().collect();
@@ -911,7 +904,6 @@ mod tests {
         let late_call = hold.clone();
         o.finish_held(hold, held, cancelled(3));
         assert_eq!(o.still_loading(), [BatchId(1), BatchId(3)]);
-        assert_eq!(o.in_flight(), [BatchId(1), BatchId(2), BatchId(3)]);
         drop(late_call);
         o.finish(loading, cancelled(1));
         assert!(o.still_loading().is_empty());
