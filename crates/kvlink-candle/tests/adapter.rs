@@ -443,6 +443,7 @@ fn a_finish_that_panicked_is_taken_again_not_answered_ok() {
         event: Arc::new(CountingEvent::default()),
         outcome_error: None,
         panics: AtomicU32::new(1),
+        hook: None,
     });
     let ticket = loader.start_load(plan(37)).unwrap();
     let mut gate = LayerGate::new(loader.clone(), ticket);
@@ -624,7 +625,7 @@ fn an_open_gate_never_calls_a_loader() {
     assert!(format!("{:?}", cache.gate()).contains("open"));
 }
 
-/// A loader whose layers come back as device events (like a CUDA pool's).
+/// A loader whose layers come back as device events (like a CUDA pool's), or as a test's hook says.
 struct EventLoader {
     inner: MockKvLoader,
     event: Arc<CountingEvent>,
@@ -632,6 +633,14 @@ struct EventLoader {
     outcome_error: Option<KvLoadError>,
     /// `wait_batch` panics this many more times (a defect in the loader) before it answers.
     panics: AtomicU32,
+    /// Layer waits through a test's hook instead of answering `event` (`None`: `event`).
+    hook: Option<WaitHook>,
+}
+
+/// A hook around a layer wait: run before the mock's, and over its answer.
+struct WaitHook {
+    before: Box<dyn Fn(u32) + Send + Sync>,
+    answer: Box<dyn Fn(u32, LayerReady) -> LayerReady + Send + Sync>,
 }
 
 #[derive(Debug, Default)]
@@ -670,8 +679,13 @@ impl KvLoader for EventLoader {
         self.inner.start_load(p)
     }
     fn wait_layer(&self, t: &LoadTicket, l: u32) -> Result<LayerReady, KvLoadError> {
-        self.inner.wait_layer(t, l)?;
-        Ok(LayerReady::Event(self.event.clone()))
+        let Some(hook) = &self.hook else {
+            self.inner.wait_layer(t, l)?;
+            return Ok(LayerReady::Event(self.event.clone()));
+        };
+        (hook.before)(l);
+        let ready = self.inner.wait_layer(t, l)?;
+        Ok((hook.answer)(l, ready))
     }
     fn wait_batch(&self, t: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
         if self
@@ -715,6 +729,7 @@ fn event_loader(layers: u32) -> (Arc<EventLoader>, Arc<CountingEvent>) {
         event: event.clone(),
         outcome_error: None,
         panics: AtomicU32::new(0),
+        hook: None,
     });
     (loader, event)
 }
@@ -1132,6 +1147,7 @@ fn a_failed_load_that_needs_a_reset_fences_the_loaded_tokens() {
             waited: std::time::Duration::from_secs(5),
         }),
         panics: AtomicU32::new(0),
+        hook: None,
     });
     let ticket = loader.start_load(plan(13)).unwrap();
     // SAFETY: the test's own pool; the only load into slots 0, 1 and 2 is `ticket`'s.
@@ -1206,55 +1222,6 @@ fn a_reset_after_every_layer_was_waited_leaves_the_verdict_the_loads() {
     }
 }
 
-/// The mock with a hook before each layer wait and one over its answer.
-struct HookedLoader {
-    inner: MockKvLoader,
-    before_wait: Box<dyn Fn(u32) + Send + Sync>,
-    answer: Box<dyn Fn(u32, LayerReady) -> LayerReady + Send + Sync>,
-}
-
-impl KvLoader for HookedLoader {
-    fn num_layers(&self) -> u32 {
-        self.inner.num_layers()
-    }
-    fn lookup(&self, r: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
-        self.inner.lookup(r)
-    }
-    fn lookup_pages(
-        &self,
-        p: &[kv_geometry::PageHash],
-        s: usize,
-    ) -> Result<LookupHit, KvLoadError> {
-        self.inner.lookup_pages(p, s)
-    }
-    fn start_load(&self, p: BatchPlan) -> Result<LoadTicket, KvLoadError> {
-        self.inner.start_load(p)
-    }
-    fn wait_layer(&self, t: &LoadTicket, l: u32) -> Result<LayerReady, KvLoadError> {
-        (self.before_wait)(l);
-        let ready = self.inner.wait_layer(t, l)?;
-        Ok((self.answer)(l, ready))
-    }
-    fn wait_batch(&self, t: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
-        self.inner.wait_batch(t)
-    }
-    fn abandon(&self, t: &LoadTicket) {
-        self.inner.abandon(t)
-    }
-    fn completed(&self) -> Vec<BatchOutcome> {
-        self.inner.completed()
-    }
-    fn save(&self, p: &BatchPlan) -> Result<SaveReport, KvLoadError> {
-        self.inner.save(p)
-    }
-    fn reset(&self) -> Result<(), KvLoadError> {
-        self.inner.reset()
-    }
-    fn close(&self) -> Result<(), KvLoadError> {
-        self.inner.close()
-    }
-}
-
 /// An event whose first wait succeeds and every later one fails (a device fault).
 #[derive(Debug, Default)]
 struct FailsAfterOnce {
@@ -1282,12 +1249,17 @@ impl StreamWaitable for FailsAfterOnce {
 fn a_failed_event_wait_of_a_layer_seen_ready_is_kept() {
     let event = Arc::new(FailsAfterOnce::default());
     let layer_0 = event.clone();
-    let loader = Arc::new(HookedLoader {
+    let loader = Arc::new(EventLoader {
         inner: MockKvLoader::new(2, MockScript::default()),
-        before_wait: Box::new(|_| {}),
-        answer: Box::new(move |l, ready| match l {
-            0 => LayerReady::Event(layer_0.clone()),
-            _ => ready,
+        event: Arc::new(CountingEvent::default()),
+        outcome_error: None,
+        panics: AtomicU32::new(0),
+        hook: Some(WaitHook {
+            before: Box::new(|_| {}),
+            answer: Box::new(move |l, ready| match l {
+                0 => LayerReady::Event(layer_0.clone()),
+                _ => ready,
+            }),
         }),
     });
     let ticket = loader.start_load(plan(41)).unwrap();
@@ -1317,18 +1289,23 @@ fn a_wait_that_meets_a_reset_answers_what_another_clones_wait_saw() {
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let (parked_tx, parked_rx) = std::sync::mpsc::sync_channel::<()>(1);
     let go = std::sync::Mutex::new(Some(go_rx));
-    let loader = Arc::new(HookedLoader {
+    let loader = Arc::new(EventLoader {
         inner: MockKvLoader::new(2, MockScript::default()),
-        // The first wait of layer 1 on thread "b" parks until the test lets it go.
-        before_wait: Box::new(move |l| {
-            if l == 1 && std::thread::current().name() == Some("b") {
-                if let Some(go) = go.lock().unwrap().take() {
-                    parked_tx.send(()).unwrap();
-                    go.recv().unwrap();
+        event: Arc::new(CountingEvent::default()),
+        outcome_error: None,
+        panics: AtomicU32::new(0),
+        hook: Some(WaitHook {
+            // The first wait of layer 1 on thread "b" parks until the test lets it go.
+            before: Box::new(move |l| {
+                if l == 1 && std::thread::current().name() == Some("b") {
+                    if let Some(go) = go.lock().unwrap().take() {
+                        parked_tx.send(()).unwrap();
+                        go.recv().unwrap();
+                    }
                 }
-            }
+            }),
+            answer: Box::new(|_, ready| ready),
         }),
-        answer: Box::new(|_, ready| ready),
     });
     let ticket = loader.start_load(plan(42)).unwrap();
     let mut gate = LayerGate::new(loader.clone(), ticket);
