@@ -101,8 +101,9 @@ pub struct MockScript {
     /// make it `Cancelled`); after a `reset` or `close` its waits find the ticket ended
     /// ([`KvLoadError::StaleTicket`]). Their slots must stay out of use until then: a load
     /// started into one of them (or into a slot of any batch whose outcome is not taken) is
-    /// refused, [`KvLoadError::InvalidPlan`] with [`PlanError::SlotInFlight`](crate::PlanError::SlotInFlight), as the
-    /// linker's `start_load` refuses it.
+    /// refused, [`KvLoadError::InvalidPlan`] with
+    /// [`PlanError::SlotInFlight`](crate::PlanError::SlotInFlight), as the linker's
+    /// `start_load` refuses it.
     pub hold_slots: Vec<BatchId>,
     /// Tokens per page, used to hash lookups (0 makes every lookup a `Config` error).
     pub page_size: u32,

@@ -1189,8 +1189,9 @@ fn a_clone_that_waits_after_another_finished_answers_from_the_verdict() {
 /// A reset (another batch's timeout, say) between the engine's last layer wait and the gate's
 /// `finish` ends the ticket, not the load: every layer was waited for and landed, so the
 /// verdict is the load's (`Ok`), and a clone's wait, before or after `finish`, answers ready
-/// (a device layer's event kept from the wait that saw it). Before, `finish` asked the loader again for each
-/// layer, met the ended ticket and failed the prefix on this rank (`WaitFailed`).
+/// (a device layer's event kept from the wait that saw it). Before, `finish` asked the loader
+/// again for each layer, met the ended ticket and failed the prefix on this rank
+/// (`WaitFailed`).
 #[test]
 fn a_reset_after_every_layer_was_waited_leaves_the_verdict_the_loads() {
     for device_events in [false, true] {

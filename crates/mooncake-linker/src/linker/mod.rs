@@ -604,8 +604,8 @@ impl Linker {
     /// Cancels every batch in flight and waits (until `deadline`) until the load thread is
     /// idle. `Err(SlotsHeld)` names the batches whose slots may still be written: a store call
     /// past its deadline (their outcomes come when it returns), or, when the load thread is
-    /// still busy at the deadline, every batch whose outcome is not in yet. The flag says the load thread
-    /// was still busy.
+    /// still busy at the deadline, every batch whose outcome is not in yet. The flag says the
+    /// load thread was still busy.
     fn cancel_all(&self, deadline: Instant) -> (Result<(), KvLoadError>, bool) {
         let s = &self.inner;
         s.epoch.fetch_add(1, Ordering::AcqRel);
