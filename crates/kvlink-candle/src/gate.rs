@@ -18,9 +18,9 @@ use crate::CandleKvError;
 /// events) for when a reset ends the ticket before `finish`: a wait that meets the ended
 /// ticket on such a layer takes the outcome as `finish` would and answers its verdict (a
 /// loaded batch's layers stay ready; a failed one's slots may be another batch's by now).
-/// A failed wait is kept: every later
-/// [`wait`](Self::wait) returns the same [`CandleKvError::Load`] without calling the loader
-/// again, until a clone's `finish` took the outcome (waits then answer its verdict).
+/// A failed wait is kept: every later [`wait`](Self::wait) returns the same
+/// [`CandleKvError::Load`] without calling the loader again, until a clone's `finish` took
+/// the outcome (waits then answer its verdict).
 /// [`finish`](Self::finish) takes the batch outcome (call it once per started batch,
 /// even after a failure, so the loader can forget the batch).
 ///
@@ -325,17 +325,6 @@ impl Inner {
             .events
             .get()
             .and_then(|e| e.get(layer as usize)?.clone());
-        self.wait_event(layer, event, stream)
-    }
-
-    /// Layer `layer`'s device event waited on by `stream` (`None`: the host); no event: the
-    /// layer is resident.
-    fn wait_event(
-        &self,
-        layer: u32,
-        event: Option<Arc<dyn StreamWaitable>>,
-        stream: Option<RawStream>,
-    ) -> Result<(), CandleKvError> {
         let Some(ev) = event else {
             return Ok(());
         };
