@@ -394,7 +394,7 @@ pub(crate) fn connect_meshes(
     // Outbound first (never waits on a peer's progress: its listener queues us), then
     // inbound, then the acks of the outbound ones.
     let outbound = connect_to_lower_ranks(plan, handles, deadline)?;
-    accept_higher_ranks(plan, listener, handles, &mut meshes, deadline)?;
+    accept_higher_ranks(plan, listener, handles, &outbound, &mut meshes, deadline)?;
     take_acks(plan, outbound, &mut meshes, deadline)?;
     for link in meshes.iter().flatten().flatten() {
         link.prepare()
@@ -431,11 +431,14 @@ fn connect_to_lower_ranks(
 }
 
 /// Accepts every higher rank's connection for every handle into `meshes`, dropping those
-/// meant for another group; a timeout naming the ranks still missing at `deadline`.
+/// meant for another group; a timeout naming the ranks still missing at `deadline`. A hang-up
+/// on a link already accepted or on one of this rank's `outbound` links (to the lower ranks,
+/// still waiting for their acks) fails it at once, naming that peer.
 fn accept_higher_ranks(
     plan: &MeshPlan<'_>,
     listener: &MeshListener,
     handles: u32,
+    outbound: &[(u32, u32, Link)],
     meshes: &mut [Vec<Option<Link>>],
     deadline: Instant,
 ) -> Result<(), RendezvousError> {
@@ -443,13 +446,15 @@ fn accept_higher_ranks(
     let me = plan.rank;
     let mut expected = (world - 1 - me) * handles;
     while expected > 0 {
-        // The links already accepted: one that hangs up is a peer that gave up on this
-        // formation (it failed to reach another rank), which every rank learns at once this
-        // way rather than at the deadline (a minute on a first formation).
+        // The links already accepted and this rank's own to the lower ranks: one that hangs
+        // up is a peer that gave up on this formation (it failed to reach another rank, or
+        // timed out waiting for one), which every rank learns at once this way rather than
+        // at the deadline (a minute on a first formation).
         let watched: Vec<(u32, RawFd)> = meshes
             .iter()
             .flat_map(|m| m.iter().enumerate())
             .filter_map(|(peer, l)| l.as_ref().map(|l| (peer as u32, l.fd())))
+            .chain(outbound.iter().map(|(_, peer, l)| (*peer, l.fd())))
             .collect();
         let link = match listener
             .accept_watching(plan.transport, &watched, deadline)
@@ -712,6 +717,47 @@ mod tests {
             match zero {
                 Err(RendezvousError::Peer { rank: 2, .. }) => {}
                 other => panic!("{transport:?}: rank 0 got {:?}", other.map(drop)),
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "{transport:?}: {:?}",
+                t0.elapsed()
+            );
+        }
+    }
+
+    /// Rank 1 of three greets rank 0 and waits for rank 2, which never comes; rank 0 gives up
+    /// (its own, short deadline) and hangs up: rank 1 learns it from its own link to rank 0
+    /// at once. Before, it watched only the links it had accepted, waited out its deadline
+    /// and blamed rank 2 (`Timeout { missing: [2] }`).
+    #[test]
+    fn a_lower_rank_that_gives_up_fails_the_ranks_waiting_for_higher_ones_at_once() {
+        for transport in [Transport::Tcp, Transport::Unix] {
+            let ip = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+            let unix = transport == Transport::Unix;
+            let listeners: Vec<MeshListener> = (0..3)
+                .map(|r| MeshListener::bind(ip, unix, 50 + r).unwrap())
+                .collect();
+            let members: Vec<Endpoint> = listeners.iter().map(|l| l.endpoint.clone()).collect();
+            let nonces = [50, 51, 52];
+            let short = kv_loader::deadline_after(Duration::from_millis(300));
+            let long = kv_loader::deadline_after(Duration::from_secs(10));
+            let t0 = Instant::now();
+            let (zero, one) = std::thread::scope(|s| {
+                let zero = s.spawn(|| {
+                    let p = plan(&members, &nonces, 0, transport);
+                    connect_meshes(&p, &listeners[0], 1, short)
+                });
+                let one = s.spawn(|| {
+                    let p = plan(&members, &nonces, 1, transport);
+                    connect_meshes(&p, &listeners[1], 1, long)
+                });
+                (zero.join().unwrap(), one.join().unwrap())
+            });
+            assert!(zero.is_err(), "{transport:?}: rank 2 never came");
+            match one {
+                Err(RendezvousError::Peer { rank: 0, .. }) => {}
+                other => panic!("{transport:?}: rank 1 got {:?}", other.map(drop)),
             }
             assert!(
                 t0.elapsed() < Duration::from_secs(5),
