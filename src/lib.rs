@@ -12,6 +12,8 @@
 //! - `testing`: the store's test doubles, `mooncake_linker::store::FaultyStore` (scripted
 //!   faults and stalls) and `SimulatedRemoteStore` (a simulation of a remote link).
 //! - `cuda`: the CUDA backend of kv-device and the NCCL collective.
+//! - `failpoints`: the crates' failpoints (the `fail` crate), for fault-injection tests; off
+//!   unless a test turns it on.
 //! - `candle`: [`candle`] (the kvlink-candle crate), a layer of the KV pool as candle
 //!   tensors for candle engines: `kvlink::candle::{PagedLatentCache, LatentPool, LayerGate}`.
 

@@ -229,8 +229,10 @@ pub enum KvLoadError {
     },
     /// The TP group is down: it broke (a rank died, a collective was aborted) and could not
     /// be re-formed in time (`missing`: the ranks that are not back; empty when the group has
-    /// no formation or a rank was refused, as `detail` says). Nothing was read or moved; the
-    /// engine recomputes, and a later batch or lookup tries to re-form the group again.
+    /// no formation or a rank was refused, as `detail` says). Nothing was read or moved. The
+    /// action says what to do: a batch's pages are recomputed (`Recompute`), a lookup's
+    /// answer is retried later (`RetryLater`), and a later batch or lookup tries to re-form
+    /// the group again; a refused group is `FixInput`.
     /// `refused`: the group was refused as configured (the ranks differ in world size,
     /// geometry, version or group settings, or a rank was claimed twice), which trying again
     /// does not cure until a rank's settings change.

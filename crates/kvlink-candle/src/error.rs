@@ -77,7 +77,7 @@ pub enum CandleKvError {
         source: KvLoadError,
     },
     /// The batch's outcome could not be taken (`wait_batch` itself failed: its deadline
-    /// passed, the loader is closed, the ticket is stale). The prefix is unusable **and the
+    /// passed, or the ticket is stale). The prefix is unusable **and the
     /// load may still be writing its slots**: `reset()` the loader (it cancels and waits for
     /// everything in flight) before recomputing into them.
     #[error("the prefix load did not settle: {source}")]
