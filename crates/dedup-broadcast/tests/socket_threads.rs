@@ -178,7 +178,15 @@ fn a_rank_that_never_arrives_times_out_the_others_at_their_deadline() {
         let e = c
             .all_gather_u64(0, kv_loader::deadline_after(Duration::from_millis(150)))
             .unwrap_err();
-        assert!(t.elapsed() >= Duration::from_millis(140));
+        // A rank that timed out waited its deadline; the other may learn of it sooner (by as
+        // much as the two threads' start apart), from the first one's sockets shutting.
+        if matches!(e, CollectiveError::Timeout { .. }) {
+            assert!(
+                t.elapsed() >= Duration::from_millis(140),
+                "{:?}",
+                t.elapsed()
+            );
+        }
         assert!(t.elapsed() < Duration::from_secs(10));
         e
     });

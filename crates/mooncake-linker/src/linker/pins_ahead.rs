@@ -421,9 +421,10 @@ mod tests {
     fn a_load_waits_for_its_pin_under_way_and_takes_it_once_in() {
         let p = pins();
         let a = p.begin(0, &keys(&["a", "b"])).unwrap();
+        // From before the spawn: a waiter thread that starts late still waited for the pin.
+        let t0 = Instant::now();
         std::thread::scope(|s| {
             let waiting = s.spawn(|| {
-                let t0 = Instant::now();
                 let got = p.take_covering(&["a"], Instant::now() + Duration::from_secs(10));
                 (got, t0.elapsed())
             });
