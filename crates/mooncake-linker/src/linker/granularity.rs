@@ -163,7 +163,7 @@ impl ReadGroups {
     /// costs one client reading alone, with its per-byte cost taken `readers` times (the
     /// ranks share the store's bandwidth). Without that, the first `SplitAllGather` batch at
     /// TP 8 planned its reads as 8 times faster than they were: its last call read 40 layers,
-    /// whose share steps then all came after the reads (200–250 ms more than the later
+    /// whose share steps then all came after the reads (190–250 ms more than the later
     /// batches on the GPU host).
     pub(crate) fn cost_planned(&self, mode: ShareMode, readers: u64) -> ReadCost {
         let est = &self.estimators.lock()[mode.index()];
