@@ -210,7 +210,7 @@ fn only_a_host_buffer_the_comm_thread_may_still_use_is_leaked() {
 /// waited for against one bound, not one after another.
 #[test]
 fn a_group_given_up_asks_every_rank_to_abort_and_waits_once() {
-    let grace = Duration::from_millis(150);
+    let grace = Duration::from_millis(300);
     let ranks: Vec<Silent> = (0..6)
         .map(|r| silent(r, 6, grace, Instant::now()))
         .collect();
@@ -226,14 +226,11 @@ fn a_group_given_up_asks_every_rank_to_abort_and_waits_once() {
             Some("test: control failed")
         );
     }
-    // One bound of twice the grace for all six (one after another: six times that).
-    assert!(took < grace * 2 + Duration::from_millis(400), "{took:?}");
+    // One bound of twice the grace for all six (one after another: six times that, 3.6 s),
+    // with room for a loaded machine.
+    assert!(took < grace * 2 + Duration::from_millis(1200), "{took:?}");
     // Closed: dropping them now waits no more.
     let t1 = Instant::now();
     drop(ranks);
-    assert!(
-        t1.elapsed() < Duration::from_millis(200),
-        "{:?}",
-        t1.elapsed()
-    );
+    assert!(t1.elapsed() < grace, "{:?}", t1.elapsed());
 }
