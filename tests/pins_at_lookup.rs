@@ -413,6 +413,64 @@ fn a_reset_with_ending_pins_stalled_returns_within_its_wait_deadline() {
     r.linker.close().unwrap();
 }
 
+/// Pins whose end fails (a store that refuses `end_session`) hold their objects only until
+/// the embedded store's lease is over: then a put that needs their room evicts them. Before,
+/// the embedded store had no lease, and pins the linker could not end (it says "left to the
+/// store's lease") held their objects for the store's life: once they filled it, every save
+/// failed `NoSpace`.
+#[test]
+fn pins_whose_end_fails_give_their_room_back_at_the_stores_lease() {
+    let lease = Duration::from_secs(2);
+    let spec = small_spec();
+    let tokens = prompt(81, 3, spec.page_size);
+    // A store that holds exactly the prefix: any other object needs the room of the pinned.
+    let sizing = Arc::new(EmbeddedStore::new(1 << 24));
+    save_prefix(&spec, sizing.clone(), &tokens, &config());
+    let store = Arc::new(EmbeddedStore::new(sizing.used_bytes()).with_lease(Some(lease)));
+    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+    assert_eq!(store.used_bytes(), store.capacity());
+    let faulty = Arc::new(FaultyStore::new(store.clone()));
+    faulty.inject_on(
+        FaultCall::EndSession,
+        FaultRule::default(),
+        Fault::Error(StoreError::RpcTimeout {
+            key: "test: the end of a session fails".into(),
+        }),
+    );
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g, faulty.clone(), pool, config()).unwrap();
+    let pinned = eventually(|| {
+        linker.lookup_pages(&pages, 0).unwrap();
+        eventually_within(Duration::from_millis(50), || {
+            linker.metrics().pins_ahead > 0
+        })
+    });
+    let t_pinned = Instant::now();
+    assert!(pinned, "the lookup pinned");
+    // `close` tries to end the pins; the store refuses.
+    linker.close().unwrap();
+    // Half the store: more than its unpinned objects (the checksum companions) free.
+    let other = vec![7u8; store.capacity() as usize / 2];
+    let put = || {
+        let p = kvlink::mooncake_linker::store::ObjectPut {
+            key: "other",
+            parts: [(other.as_ptr(), other.len())].into_iter().collect(),
+        };
+        // SAFETY: `other` is a live vector, read-only for the call.
+        unsafe { store.put(&[p]) }.remove(0)
+    };
+    if t_pinned.elapsed() < lease / 2 {
+        assert!(
+            matches!(put(), Err(StoreError::NoSpace { .. })),
+            "pinned within the lease"
+        );
+    }
+    std::thread::sleep(lease.saturating_sub(t_pinned.elapsed()) + Duration::from_millis(200));
+    assert!(put().is_ok(), "the pins went at the lease");
+    assert!(store.used_bytes() <= store.capacity());
+}
+
 /// Pins taken longer than `lease_renewal` before the load are renewed before its first read,
 /// as a load's own session would be; the old and the renewed session are both ended.
 #[test]

@@ -19,7 +19,8 @@
 //! requests ahead of their loads each find theirs. Each is ended by the load that takes it
 //! (as its own session, on its drop), or else: once a later lookup's pins cover all its keys,
 //! once [`KEPT`] later lookups have pinned, by `reset`, or by `close`; the store's lease also
-//! lets pins go on its own (Mooncake's default is 10 s), so an unused pin costs two master
+//! lets pins go on its own (Mooncake's default is 10 s, the embedded store's a minute), so an
+//! unused pin costs two master
 //! calls and holds its objects that long at most. A load that finds a pin of its keys still
 //! under way waits for it to come in and takes it (a load's own session start would wait
 //! for that pin's master call anyway: the Mooncake store makes session calls one at a time),

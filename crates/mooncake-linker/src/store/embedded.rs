@@ -4,9 +4,10 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet,
@@ -27,6 +28,12 @@ struct Entry {
 /// What one read session pinned: each key with the generation of the object pinned.
 type SessionPins = Vec<(String, u64)>;
 
+/// An open read session: what it pinned, and when.
+struct OpenSession {
+    pins: SessionPins,
+    started: Instant,
+}
+
 /// An in-process [`KvStore`]: the default of the example and of most tests, with no setup.
 ///
 /// Thread-safe (keys spread over 16 lock shards; bytes are copied outside the locks), bounded
@@ -35,6 +42,13 @@ type SessionPins = Vec<(String, u64)>;
 /// and then nothing is evicted for it. A read session pins the objects present when it starts
 /// and lets go of exactly those when it ends (once); `remove` refuses a pinned object
 /// (`Lease`), `discard` takes it regardless.
+///
+/// A session lasts its lease ([`EmbeddedStore::DEFAULT_LEASE`], or
+/// [`with_lease`](EmbeddedStore::with_lease)) unless ended before, as Mooncake's do: a session
+/// whose end never came (its caller gave up on the call, or the end failed) is ended by the
+/// store once the lease is over, when a put needs its room, a `remove` meets its pin, or a
+/// session starts. A reader renews its pins by starting a session again before the lease
+/// ends (the linker does, every `LinkerConfig::lease_renewal`).
 ///
 /// ```
 /// use mooncake_linker::store::{EmbeddedStore, KvStore, ObjectPut, RangedGet, ReadRange};
@@ -60,8 +74,10 @@ pub struct EmbeddedStore {
     used: Mutex<u64>,
     clock: AtomicU64,
     /// Open read sessions by token, with what each pinned.
-    sessions: Mutex<HashMap<u64, SessionPins>>,
+    sessions: Mutex<HashMap<u64, OpenSession>>,
     next_session: AtomicU64,
+    /// How long a session lasts unless ended (`None`: until ended).
+    lease: Option<Duration>,
 }
 
 impl std::fmt::Debug for EmbeddedStore {
@@ -71,6 +87,7 @@ impl std::fmt::Debug for EmbeddedStore {
             // `try_lock`: formatting never waits (nor deadlocks under the lock).
             .field("used", &self.used.try_lock().map(|u| *u))
             .field("sessions", &self.sessions.try_lock().map(|s| s.len()))
+            .field("lease", &self.lease)
             .finish_non_exhaustive()
     }
 }
@@ -121,7 +138,12 @@ fn shard_of(key: &str) -> usize {
 }
 
 impl EmbeddedStore {
-    /// An empty store holding at most `capacity` bytes of objects.
+    /// How long a read session lasts unless ended or renewed: a minute, far longer than the
+    /// linker's renewal period (2 s by default) and its bounds on a load's waits.
+    pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+
+    /// An empty store holding at most `capacity` bytes of objects, its sessions lasting
+    /// [`DEFAULT_LEASE`](Self::DEFAULT_LEASE).
     pub fn new(capacity: u64) -> Self {
         EmbeddedStore {
             shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
@@ -130,7 +152,52 @@ impl EmbeddedStore {
             clock: AtomicU64::new(1),
             sessions: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
+            lease: Some(Self::DEFAULT_LEASE),
         }
+    }
+
+    /// The same store with its sessions lasting `lease` unless ended (`None`: until ended,
+    /// so a session whose end never comes pins its objects for the store's life).
+    pub fn with_lease(mut self, lease: Option<Duration>) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long a read session lasts unless ended (`None`: until ended).
+    pub fn lease(&self) -> Option<Duration> {
+        self.lease
+    }
+
+    /// Ends the sessions whose lease is over (their end never came), letting go of their
+    /// pins; how many it ended. Never called with a shard locked (it takes shard locks to
+    /// unpin); `used` may be held (nothing takes `used` under `sessions`).
+    fn end_expired(&self) -> usize {
+        let Some(lease) = self.lease else {
+            return 0;
+        };
+        let expired: Vec<(u64, OpenSession)> = {
+            let mut sessions = self.sessions.lock();
+            let tokens: Vec<u64> = sessions
+                .iter()
+                .filter(|(_, s)| s.started.elapsed() >= lease)
+                .map(|(t, _)| *t)
+                .collect();
+            tokens
+                .into_iter()
+                .filter_map(|t| sessions.remove(&t).map(|s| (t, s)))
+                .collect()
+        };
+        for (token, session) in &expired {
+            warn!(
+                token,
+                keys = session.pins.len(),
+                lease = ?lease,
+                "embedded store: a read session outlived its lease without an end; its pins \
+                 are let go"
+            );
+            self.unpin(&session.pins);
+        }
+        expired.len()
     }
 
     /// The most bytes of objects it holds.
@@ -274,6 +341,10 @@ impl EmbeddedStore {
         // before anything is evicted for this one.
         if self.shards[shard_of(key)].read().contains_key(key) {
             return Ok(PutOutcome::AlreadyPresent);
+        }
+        if *used + len > self.capacity {
+            // Sessions whose end never came give their room back first.
+            self.end_expired();
         }
         if !self.evict_for(&mut used, len) {
             return Err(StoreError::NoSpace {
@@ -467,7 +538,18 @@ impl KvStore for EmbeddedStore {
     }
 
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
-        keys.iter().map(|k| self.remove_one(k, false)).collect()
+        let mut expired_ended = false;
+        keys.iter()
+            .map(|k| match self.remove_one(k, false) {
+                // A pin of a session whose end never came goes once its lease is over.
+                Err(StoreError::Lease { .. }) if !expired_ended => {
+                    expired_ended = true;
+                    self.end_expired();
+                    self.remove_one(k, false)
+                }
+                r => r,
+            })
+            .collect()
     }
 
     fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
@@ -485,17 +567,23 @@ impl KvStore for EmbeddedStore {
     /// Pins every key, or fails with the first absent one's `NotFound` and pins nothing, as
     /// Mooncake's session start does (it resolves every key's replicas).
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
+        // Sessions whose end never came do not pile up in the table.
+        self.end_expired();
         let token = self.next_session.fetch_add(1, Ordering::Relaxed);
+        // The lease runs from before the pins are taken, as the caller counts it.
+        let started = Instant::now();
         let pins = self.pin_present(keys);
         if pins.len() < keys.len() {
             let absent = first_absent(keys, &pins).map_or_else(String::new, |k| k.to_string());
             self.unpin(&pins);
             return Err(StoreError::NotFound { key: absent });
         }
-        self.sessions.lock().insert(token, pins);
+        self.sessions
+            .lock()
+            .insert(token, OpenSession { pins, started });
         Ok(ReadSession {
             keys: keys.iter().map(|k| k.to_string()).collect(),
-            lease: None,
+            lease: self.lease,
             token,
         })
     }
@@ -503,12 +591,13 @@ impl KvStore for EmbeddedStore {
     /// Lets go of what the session pinned; a session ended before, or not started here,
     /// lets go of nothing.
     fn end_session(&self, session: &ReadSession) -> Result<(), StoreError> {
-        let pins = self.sessions.lock().remove(&session.token);
-        match pins {
-            Some(pins) => self.unpin(&pins),
+        let open = self.sessions.lock().remove(&session.token);
+        match open {
+            Some(open) => self.unpin(&open.pins),
             None => debug!(
                 token = session.token,
-                "embedded store: a session ended that is not open (ended before)"
+                "embedded store: a session ended that is not open (ended before, or past its \
+                 lease)"
             ),
         }
         Ok(())
@@ -773,6 +862,82 @@ mod tests {
             "still pinned by the second"
         );
         s.end_session(&second).unwrap();
+    }
+
+    /// A session whose end never comes (its caller gave up on the call, or the end failed)
+    /// pins its objects until its lease is over, then gives their room to a put and lets a
+    /// `remove` take them; its late end does nothing. Before, the store had no lease: such a
+    /// session pinned its objects for the store's life, and once they filled it every put
+    /// failed `NoSpace`.
+    #[test]
+    fn a_session_never_ended_lets_go_at_the_end_of_its_lease() {
+        let lease = Duration::from_millis(100);
+        let s = EmbeddedStore::new(20).with_lease(Some(lease));
+        put(&s, "a", &[1; 10]).unwrap();
+        put(&s, "b", &[2; 10]).unwrap();
+        let left = s.start_session(&["a", "b"]).unwrap();
+        assert_eq!(left.lease, Some(lease));
+        std::thread::sleep(lease + Duration::from_millis(50));
+        // The put needs a's room: the session is over, a (the oldest) goes.
+        assert_eq!(put(&s, "c", &[3; 10]), Ok(PutOutcome::Written));
+        assert_eq!(
+            s.exists(&["a", "b", "c"]),
+            vec![Ok(false), Ok(true), Ok(true)]
+        );
+        // Its pin of b went too.
+        assert_eq!(s.remove(&["b"]), vec![Ok(())]);
+        // The late end lets go of nothing (c was never its pin; b's pin is not taken twice).
+        let c_pin = s.start_session(&["c"]).unwrap();
+        s.end_session(&left).unwrap();
+        assert!(matches!(
+            &s.remove(&["c"])[0],
+            Err(StoreError::Lease { .. })
+        ));
+        s.end_session(&c_pin).unwrap();
+        assert_eq!(s.remove(&["c"]), vec![Ok(())]);
+        assert_eq!(s.used_bytes(), 0);
+    }
+
+    /// Within its lease a session keeps its pins (a put that needs their room is refused, a
+    /// remove too), and one without a lease keeps them until ended; a renewal (a session
+    /// started again over the keys before the first ends) keeps them past the first's lease.
+    #[test]
+    fn a_session_keeps_its_pins_within_its_lease_and_a_renewal_extends_them() {
+        assert_eq!(
+            EmbeddedStore::new(1).lease(),
+            Some(EmbeddedStore::DEFAULT_LEASE)
+        );
+        for lease in [None, Some(Duration::from_secs(30))] {
+            let s = EmbeddedStore::new(10).with_lease(lease);
+            put(&s, "a", &[1; 10]).unwrap();
+            let pin = s.start_session(&["a"]).unwrap();
+            assert_eq!(pin.lease, lease);
+            assert!(matches!(
+                put(&s, "b", &[2; 10]),
+                Err(StoreError::NoSpace { .. })
+            ));
+            assert!(matches!(
+                &s.remove(&["a"])[0],
+                Err(StoreError::Lease { .. })
+            ));
+            s.end_session(&pin).unwrap();
+        }
+        // Renewed at 0.6 of the lease, checked at 1.2 of the first's: 0.4 of a lease (400 ms)
+        // of room for a late wake-up.
+        let lease = Duration::from_secs(1);
+        let s = EmbeddedStore::new(10).with_lease(Some(lease));
+        put(&s, "a", &[1; 10]).unwrap();
+        let first = s.start_session(&["a"]).unwrap();
+        std::thread::sleep(lease * 6 / 10);
+        let renewed = s.start_session(&["a"]).unwrap();
+        s.end_session(&first).unwrap();
+        std::thread::sleep(lease * 6 / 10);
+        assert!(matches!(
+            put(&s, "b", &[2; 10]),
+            Err(StoreError::NoSpace { .. })
+        ));
+        s.end_session(&renewed).unwrap();
+        assert_eq!(put(&s, "b", &[2; 10]), Ok(PutOutcome::Written));
     }
 
     #[test]

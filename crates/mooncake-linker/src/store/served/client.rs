@@ -778,11 +778,11 @@ impl KvStore for SocketStore {
             sent = true;
             let reply = Self::request(c, &body.0, deadline)?;
             let mut d = Dec::new(&reply);
-            let result = d.result(|d| d.u64())?;
+            let result = d.result(|d| Ok((d.u64()?, d.u64()?)))?;
             d.finish()?;
             Ok(result)
         });
-        let token = match answer {
+        let (token, lease_ms) = match answer {
             Ok(answered) => answered?,
             Err(e) => {
                 if sent && !matches!(e, CallError::TooLarge(_)) {
@@ -795,7 +795,8 @@ impl KvStore for SocketStore {
         };
         Ok(ReadSession {
             keys: keys.iter().map(|k| k.to_string()).collect(),
-            lease: None,
+            // The server's store's lease (0: until ended, or the client's connections close).
+            lease: (lease_ms > 0).then(|| std::time::Duration::from_millis(lease_ms)),
             token,
         })
     }

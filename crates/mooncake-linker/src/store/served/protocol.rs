@@ -16,9 +16,10 @@ pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVST");
 /// (its end sends the token, not keys), and `DISCARD`; version 5: a session start carries
 /// the client's tag for it, and `END_SESSION_TAG` ends a start whose answer the client never
 /// got; version 6: the hello carries the server's key ([`StoreKey`]); version 7: each side
-/// proves the key to the other without sending it ([`hello`](super::hello)). A peer of
-/// another version is refused at hello.
-pub(crate) const PROTOCOL: u32 = 7;
+/// proves the key to the other without sending it ([`hello`](super::hello)); version 8: a
+/// session start answers the store's lease after the token. A peer of another version is
+/// refused at hello.
+pub(crate) const PROTOCOL: u32 = 8;
 /// The code of a [`StoreError::TransferFailed`] that the served store's own store gave up on
 /// (sent as [`StoreError::Abandoned`]).
 pub(crate) const ABANDONED_ON_SERVER: i64 = -12;

@@ -5,7 +5,9 @@
 //! objects' bytes, no copy); a put's bytes go from the socket straight into the buffer the
 //! store then keeps. Pins (read sessions) are kept per client (each
 //! [`SocketStore`](super::SocketStore): two in one process are two clients) and released when
-//! its last connection closes, so a rank that dies never pins objects forever.
+//! its last connection closes, so a rank that dies never pins objects forever; a session
+//! whose end never comes from a live client goes at the end of the store's lease
+//! ([`EmbeddedStore::lease`]), which a session start answers with its token.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read};
@@ -742,6 +744,13 @@ fn end_clients_session(served: &Served, client: u64, token: u64) {
     }
 }
 
+/// A session's lease on the wire: whole milliseconds, at least 1; 0 for none (until ended).
+pub(super) fn lease_ms(lease: Option<std::time::Duration>) -> u64 {
+    lease.map_or(0, |l| {
+        u64::try_from(l.as_millis()).unwrap_or(u64::MAX).max(1)
+    })
+}
+
 /// Ends the store's session `token` (the embedded store's end cannot fail).
 fn end_session(store: &EmbeddedStore, token: u64) {
     let session = crate::store::ReadSession {
@@ -808,8 +817,8 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
             let tag = d.u64()?;
             let ks = keys(&mut d)?;
             let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
-            let mut r = store.start_session(&refs).map(|s| s.token);
-            if let Ok(token) = r {
+            let mut r = store.start_session(&refs).map(|s| (s.token, s.lease));
+            if let Ok((token, _)) = r {
                 let kept = served
                     .clients
                     .lock()
@@ -830,11 +839,12 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
                     });
                 }
             }
-            out.result(&r, |e, t| {
-                e.u64(*t);
+            // The token, then the lease in milliseconds (0: until ended).
+            out.result(&r, |e, (t, lease)| {
+                e.u64(*t).u64(lease_ms(*lease));
             });
             let sent = Reply::new(out).send(conn, deadline);
-            if let (Err(_), Ok(token)) = (&sent, r) {
+            if let (Err(_), Ok((token, _))) = (&sent, r) {
                 // The client never learns the token, so it can never end the session: end
                 // it here rather than keep its pins for as long as the client stays.
                 end_clients_session(served, client, token);

@@ -209,6 +209,39 @@ fn a_client_that_leaves_releases_its_pins() {
     }
 }
 
+/// A live client whose session end never comes (its call gave up, or the end failed) holds
+/// its pins until the server's store's lease is over, not for as long as it stays connected;
+/// a session start answers that lease. Before, the pins stayed until the client left, and
+/// once they filled the store every put of every rank failed `NoSpace`.
+#[test]
+fn a_live_clients_session_never_ended_lets_go_at_the_lease() {
+    let lease = Duration::from_millis(200);
+    let store = Arc::new(EmbeddedStore::new(20).with_lease(Some(lease)));
+    let server = StoreServer::start(store, ServeAt::Unix).unwrap();
+    let client = SocketStore::connect(server.address()).unwrap();
+    put(&client, "a", &[&[0u8; 10]]).unwrap();
+    put(&client, "b", &[&[0u8; 10]]).unwrap();
+    let left = client.start_session(&["a", "b"]).unwrap();
+    assert_eq!(left.lease, Some(lease));
+    std::thread::sleep(lease + Duration::from_millis(100));
+    let other = SocketStore::connect(server.address()).unwrap();
+    assert_eq!(put(&other, "c", &[&[0u8; 10]]), Ok(PutOutcome::Written));
+    // The client is still connected; its late end does nothing.
+    client.end_session(&left).unwrap();
+    assert_eq!(other.exists(&["c"]), vec![Ok(true)]);
+    // A store without a lease says so: pins until ended (or the client leaves).
+    let (_server, unleased) = {
+        let store = Arc::new(EmbeddedStore::new(20).with_lease(None));
+        let server = StoreServer::start(store, ServeAt::Unix).unwrap();
+        let client = SocketStore::connect(server.address()).unwrap();
+        (server, client)
+    };
+    put(&unleased, "a", &[&[0u8; 10]]).unwrap();
+    let pin = unleased.start_session(&["a"]).unwrap();
+    assert_eq!(pin.lease, None);
+    unleased.end_session(&pin).unwrap();
+}
+
 #[test]
 fn calls_fail_fast_once_the_server_is_gone() {
     let (server, client) = serve(1 << 20);
