@@ -46,9 +46,11 @@ pub struct LinkerConfig {
     /// returns), and a layer whose reads took longer in all fails it too.
     pub layer_read_timeout: Duration,
     /// Renew read sessions (lease pins) this often during a load, between store calls. Keep
-    /// it well under the store's lease (Mooncake's `default_kv_lease_ttl`: 10 s by default): a call
-    /// that ends after the lease its session took fails with `LEASE_EXPIRED`, so the renewal
-    /// period plus one call's time (see `read_bytes_in_flight`) must stay under the lease.
+    /// it well under the store's lease (Mooncake's `default_kv_lease_ttl`: 10 s by default;
+    /// the embedded store's `EmbeddedStore::DEFAULT_LEASE`: a minute): a call that ends after
+    /// the lease its session took fails with `LEASE_EXPIRED` on Mooncake, and on the embedded
+    /// store the objects may be evicted, so the renewal period plus one call's time (see
+    /// `read_bytes_in_flight`) must stay under the lease.
     pub lease_renewal: Duration,
     /// Check that each object's size matches the geometry (one store query per object,
     /// beside the first reads). Where every object has a checksum companion (and
