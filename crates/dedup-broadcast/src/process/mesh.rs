@@ -461,7 +461,8 @@ fn accept_higher_ranks(
             .map_err(|e| RendezvousError::io("accepting a peer", e))?
         {
             Accepted::Link(link) => link,
-            Accepted::HungUp(peer) => {
+            // A higher rank that hangs up gave up on this formation: named, as before.
+            Accepted::HungUp(peer) if peer > me => {
                 return Err(RendezvousError::peer(
                     peer,
                     "waiting for the other ranks' connections",
@@ -471,12 +472,22 @@ fn accept_higher_ranks(
                     ),
                 ))
             }
-            Accepted::Deadline => {
-                let missing: Vec<u32> = (me + 1..world)
-                    .filter(|&p| meshes.iter().any(|m| m[p as usize].is_none()))
-                    .collect();
+            // A lower rank that hangs up gave up too, most often because a higher rank this
+            // rank also waits for never came (it timed out on it first): the answer names the
+            // higher ranks still missing, as this rank's own deadline would have, only now.
+            Accepted::HungUp(lower) => {
                 return Err(RendezvousError::Timeout {
-                    missing,
+                    missing: still_missing(me, world, meshes),
+                    detail: format!(
+                        "rank {me} waiting for its peers' connections stopped early: rank \
+                         {lower}, which it had connected to, hung up (it gave up on this \
+                         formation)"
+                    ),
+                })
+            }
+            Accepted::Deadline => {
+                return Err(RendezvousError::Timeout {
+                    missing: still_missing(me, world, meshes),
                     detail: format!("rank {me} waiting for its peers' connections"),
                 });
             }
@@ -492,6 +503,13 @@ fn accept_higher_ranks(
         expected -= 1;
     }
     Ok(())
+}
+
+/// The higher ranks some of whose connections this rank has not accepted yet.
+fn still_missing(me: u32, world: u32, meshes: &[Vec<Option<Link>>]) -> Vec<u32> {
+    (me + 1..world)
+        .filter(|&p| meshes.iter().any(|m| m[p as usize].is_none()))
+        .collect()
 }
 
 /// Reads an accepted connection's handshake and acks it when it is meant for this rank's
@@ -728,35 +746,40 @@ mod tests {
 
     /// Rank 1 of three greets rank 0 and waits for rank 2, which never comes; rank 0 gives up
     /// (its own, short deadline) and hangs up: rank 1 learns it from its own link to rank 0
-    /// at once. Before, it watched only the links it had accepted, waited out its deadline
-    /// and blamed rank 2 (`Timeout { missing: [2] }`).
+    /// at once, and names rank 2 missing, as its deadline would have. Before, it watched only
+    /// the links it had accepted and waited out its deadline.
     #[test]
     fn a_lower_rank_that_gives_up_fails_the_ranks_waiting_for_higher_ones_at_once() {
         for transport in [Transport::Tcp, Transport::Unix] {
             let ip = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
             let unix = transport == Transport::Unix;
-            let listeners: Vec<MeshListener> = (0..3)
-                .map(|r| MeshListener::bind(ip, unix, 50 + r).unwrap())
+            let mut listeners = (0..3).map(|r| MeshListener::bind(ip, unix, 50 + r).unwrap());
+            let (l0, l1) = (listeners.next().unwrap(), listeners.next().unwrap());
+            let members: Vec<Endpoint> = [&l0.endpoint, &l1.endpoint]
+                .into_iter()
+                .cloned()
+                .chain(listeners.map(|l| l.endpoint.clone()))
                 .collect();
-            let members: Vec<Endpoint> = listeners.iter().map(|l| l.endpoint.clone()).collect();
-            let nonces = [50, 51, 52];
+            let (members, nonces) = (&members, &[50, 51, 52]);
             let short = kv_loader::deadline_after(Duration::from_millis(300));
             let long = kv_loader::deadline_after(Duration::from_secs(10));
             let t0 = Instant::now();
             let (zero, one) = std::thread::scope(|s| {
-                let zero = s.spawn(|| {
-                    let p = plan(&members, &nonces, 0, transport);
-                    connect_meshes(&p, &listeners[0], 1, short)
+                // Rank 0's listener goes with its failure, as a formation's does: a connection
+                // still queued on it is refused then, not left waiting.
+                let zero = s.spawn(move || {
+                    connect_meshes(&plan(members, nonces, 0, transport), &l0, 1, short)
                 });
-                let one = s.spawn(|| {
-                    let p = plan(&members, &nonces, 1, transport);
-                    connect_meshes(&p, &listeners[1], 1, long)
-                });
+                let one =
+                    s.spawn(|| connect_meshes(&plan(members, nonces, 1, transport), &l1, 1, long));
                 (zero.join().unwrap(), one.join().unwrap())
             });
             assert!(zero.is_err(), "{transport:?}: rank 2 never came");
             match one {
-                Err(RendezvousError::Peer { rank: 0, .. }) => {}
+                Err(RendezvousError::Timeout { missing, detail }) => {
+                    assert_eq!(missing, [2], "{transport:?}: {detail}");
+                    assert!(detail.contains("rank 0"), "{transport:?}: {detail}");
+                }
                 other => panic!("{transport:?}: rank 1 got {:?}", other.map(drop)),
             }
             assert!(
