@@ -168,6 +168,12 @@ impl EmbeddedStore {
         self.lease
     }
 
+    /// Whether session `token` is open (started here, not ended, not past its lease and
+    /// ended by the store).
+    pub(crate) fn session_open(&self, token: u64) -> bool {
+        self.sessions.lock().contains_key(&token)
+    }
+
     /// Ends the sessions whose lease is over (their end never came), letting go of their
     /// pins; how many it ended. Never called with a shard locked (it takes shard locks to
     /// unpin); `used` may be held (nothing takes `used` under `sessions`).
@@ -922,9 +928,9 @@ mod tests {
             ));
             s.end_session(&pin).unwrap();
         }
-        // Renewed at 0.6 of the lease, checked at 1.2 of the first's: 0.4 of a lease (400 ms)
+        // Renewed at 0.6 of the lease, checked at 1.2 of the first's: 0.4 of a lease (800 ms)
         // of room for a late wake-up.
-        let lease = Duration::from_secs(1);
+        let lease = Duration::from_secs(2);
         let s = EmbeddedStore::new(10).with_lease(Some(lease));
         put(&s, "a", &[1; 10]).unwrap();
         let first = s.start_session(&["a"]).unwrap();

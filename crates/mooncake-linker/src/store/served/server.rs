@@ -819,12 +819,14 @@ fn handle(conn: &mut Conn, served: &Served, client: u64, body: &[u8]) -> io::Res
             let refs: Vec<&str> = ks.iter().map(String::as_str).collect();
             let mut r = store.start_session(&refs).map(|s| (s.token, s.lease));
             if let Ok((token, _)) = r {
-                let kept = served
-                    .clients
-                    .lock()
-                    .entry(client)
-                    .or_default()
-                    .started(token, tag);
+                let kept = {
+                    let mut clients = served.clients.lock();
+                    let sessions = clients.entry(client).or_default();
+                    // Sessions the store ended at their lease (their end never came) leave the
+                    // client's record too, which else grew with every lost end.
+                    sessions.sessions.retain(|t, _| store.session_open(*t));
+                    sessions.started(token, tag)
+                };
                 if !kept {
                     // Its client gave it up (its call ran out) before it ran: nobody will
                     // end it. Nor is its token answered: that session is gone.
@@ -1159,5 +1161,41 @@ mod receiving_tests {
             assert!(waiter.join().unwrap(), "no room was taken");
             assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
         });
+    }
+}
+
+#[cfg(test)]
+mod lease_tests {
+    use super::*;
+    use crate::store::{KvStore, ObjectPut, SocketStore};
+
+    /// Sessions the store ended at their lease leave the client's record at its next start.
+    /// Before, a live client whose ends were lost kept a record of each for its life.
+    #[test]
+    fn sessions_past_their_lease_leave_the_clients_record() {
+        let lease = Duration::from_millis(100);
+        let store = Arc::new(EmbeddedStore::new(1 << 10).with_lease(Some(lease)));
+        let server = StoreServer::start(store, ServeAt::Unix).unwrap();
+        let client = SocketStore::connect(server.address()).unwrap();
+        let data = [1u8; 8];
+        let put = ObjectPut {
+            key: "a",
+            parts: [(data.as_ptr(), data.len())].into_iter().collect(),
+        };
+        // SAFETY: `data` is a live array, read-only for the call.
+        assert!(unsafe { client.put(&[put]) }[0].is_ok());
+        let recorded = || -> usize {
+            let clients = server.served.clients.lock();
+            clients.values().map(|c| c.sessions.len()).sum()
+        };
+        for _ in 0..3 {
+            client.start_session(&["a"]).unwrap();
+        }
+        assert_eq!(recorded(), 3, "never ended");
+        std::thread::sleep(lease + Duration::from_millis(100));
+        let last = client.start_session(&["a"]).unwrap();
+        assert_eq!(recorded(), 1, "only the session still open");
+        client.end_session(&last).unwrap();
+        assert_eq!(recorded(), 0);
     }
 }
