@@ -507,6 +507,15 @@ impl KvLoader for MockKvLoader {
         if let Some(reason) = taken_by {
             return Err(KvLoadError::InvalidPlan { batch, reason });
         }
+        // As the linker: every batch whose outcome is not taken counts toward the capacity,
+        // those a reset ended included (the counter's reset gave their slots back).
+        let capacity = self.counter.capacity();
+        if state.live.len() >= capacity as usize {
+            return Err(KvLoadError::Busy {
+                capacity,
+                peers_fail: false,
+            });
+        }
         let counter = self
             .counter
             .begin(self.num_layers.max(1))
@@ -985,6 +994,29 @@ mod tests {
             matches!(after[0].result, Err(KvLoadError::Cancelled { .. })),
             "{after:?}"
         );
+    }
+
+    /// As the linker: outcomes a reset leaves to be taken still count toward the capacity, so
+    /// an engine that never takes them meets `Busy` rather than growing them without bound;
+    /// taking them frees it.
+    #[test]
+    fn outcomes_a_reset_leaves_untaken_count_toward_the_capacity() {
+        let mock = MockKvLoader::new(2, MockScript::default());
+        let capacity = layerwise_counter::DEFAULT_CAPACITY as u64;
+        for b in 1..=capacity {
+            let t = mock.start_load(plan(b)).unwrap();
+            mock.abandon(&t);
+        }
+        for _ in 0..2 {
+            mock.reset().unwrap();
+            assert!(matches!(
+                mock.start_load(plan(capacity + 1)),
+                Err(KvLoadError::Busy { .. })
+            ));
+        }
+        assert_eq!(mock.completed().len(), capacity as usize);
+        let t = mock.start_load(plan(capacity + 1)).unwrap();
+        assert!(mock.wait_batch(&t).unwrap().result.is_ok());
     }
 
     /// A save is checked as the linker checks it: a plan without one slot per page is

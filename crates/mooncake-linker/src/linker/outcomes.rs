@@ -53,7 +53,8 @@ impl Outcomes {
     /// pending. Refused before anything is counted: a batch id already in flight
     /// ([`KvLoadError::DuplicateBatch`]), a slot of a batch in flight (its outcome not taken,
     /// unless a reset ended it failed: [`PlanError::SlotInFlight`]), and a batch past the
-    /// counter's capacity ([`KvLoadError::Busy`]).
+    /// capacity ([`KvLoadError::Busy`]): the counter's, which counts every batch whose outcome
+    /// is not taken, including those a reset ended (their outcomes stay to be taken).
     pub(crate) fn begin(
         &self,
         batch: BatchId,
@@ -66,6 +67,18 @@ impl Outcomes {
         }
         if let Some(reason) = in_flight.conflict(slots) {
             return Err(KvLoadError::InvalidPlan { batch, reason });
+        }
+        // Every batch whose outcome is not taken stays in `runs`: before a reset these are the
+        // counter's live batches; after one, also the batches it ended whose outcomes wait to
+        // be taken (or whose load is still running). They count toward the capacity as
+        // before the reset. Else an engine that never takes abandoned batches' outcomes (a
+        // dropped `LoadHandle`) and resets after each timeout kept them without bound.
+        let capacity = self.counter.capacity();
+        if in_flight.runs.len() >= capacity as usize {
+            return Err(KvLoadError::Busy {
+                capacity,
+                peers_fail: false,
+            });
         }
         let t = self.counter.begin(num_layers).map_err(|e| match e {
             CounterError::Full { capacity } => KvLoadError::Busy {
