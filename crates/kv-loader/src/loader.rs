@@ -94,7 +94,8 @@ pub trait KvLoader: Send + Sync {
 
     /// Cancels every batch in flight and waits, bounded, until nothing is in flight; waiters
     /// get `Cancelled`. The loader stays usable. Outcomes not yet taken stay to be taken (by
-    /// [`completed`](Self::completed)), and their batch ids stay in use until then.
+    /// [`completed`](Self::completed)), and their batch ids stay in use until then; they count
+    /// toward the loader's capacity as before the reset ([`KvLoadError::Busy`] past it).
     ///
     /// The wait is bounded (kvlink's linker: its `wait_deadline`). When a batch may still
     /// write its slots at the bound (a store call past its deadline, or work still running),
