@@ -279,15 +279,17 @@ impl Drop for Inner {
         }
         let batch = self.ticket.batch;
         match self.take_outcome(true).map_err(Verdict::error) {
+            // Debug: an aborted request drops its cache this way, routinely.
             Ok(_) => {
-                tracing::warn!(%batch, "layer gate dropped unfinished: its outcome taken on drop (the batch loaded)")
+                tracing::debug!(%batch, "layer gate dropped unfinished: its outcome taken on drop (the batch loaded)")
             }
             // The load may still write the slots (no outcome, or one whose error says so).
             Err(e) if e.needs_reset() => {
                 tracing::error!(%batch, error = %e, "layer gate dropped unfinished: the load may still write its slots; keep them out of use until the loader frees them (a reset, or for SlotsHeld the store call's return)")
             }
+            // Debug: the loader logs the batch's failure itself.
             Err(e) => {
-                tracing::warn!(%batch, error = %e, "layer gate dropped unfinished: its outcome taken on drop (the batch failed; its slots are free)")
+                tracing::debug!(%batch, error = %e, "layer gate dropped unfinished: its outcome taken on drop (the batch failed; its slots are free)")
             }
         }
     }

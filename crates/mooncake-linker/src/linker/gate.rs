@@ -274,7 +274,16 @@ impl Inner {
         tag: u8,
         why: KvLoadError,
     ) -> Result<LoadStats, KvLoadError> {
-        warn!(%batch, error = %why, "batch refused on this rank: the group fails it");
+        if matches!(
+            why,
+            KvLoadError::Cancelled { .. } | KvLoadError::Busy { .. }
+        ) {
+            // The engine's own doing (a reset, back-pressure): every queued batch of a reset
+            // comes here, and the batch's failure is logged once a minute per kind anyway.
+            debug!(%batch, error = %why, "batch refused on this rank: the group fails it");
+        } else {
+            warn!(%batch, error = %why, "batch refused on this rank: the group fails it");
+        }
         let mut status = GroupStatus::default();
         status
             .exchange_tagged(

@@ -23,9 +23,11 @@ pub(crate) fn discard_objects(calls: &StoreCalls, objects: &[&str], deadline: In
     let companions: Vec<&str> = companions.iter().map(String::as_str).collect();
     let discarded =
         objects_then_companions(|keys| calls.discard(keys, deadline), objects, &companions);
+    // How many went: a failure, or a discard sent past its deadline (not waited for), was
+    // logged where it happened.
     warn!(
         objects = objects.len(),
-        discarded, "bad objects discarded for the next save to rewrite"
+        discarded, "bad objects found; `discarded` of them removed for the next save to rewrite"
     );
     discarded
 }

@@ -151,10 +151,19 @@ impl Drop for Workers {
 pub struct StoreCalls {
     store: Arc<dyn KvStore>,
     workers: Workers,
-    overdue: Arc<AtomicU64>,
+    overdue: Arc<OverdueCalls>,
     /// "A call's deadline passed before it started": at `warn` once a minute per kind of
     /// call.
     not_started_log: LogEvery,
+}
+
+/// The calls that did not return by their deadline: how many, and their log lines (a master
+/// that answers late fails every call alike: at its level once a minute per kind of call, at
+/// `debug` in between).
+#[derive(Default)]
+pub(super) struct OverdueCalls {
+    count: AtomicU64,
+    log: LogEvery,
 }
 
 /// Why a call gave its caller no result.
@@ -213,7 +222,7 @@ pub(super) struct Pending<T> {
     slot: Arc<Slot<T>>,
     what: &'static str,
     started: Instant,
-    overdue: Arc<AtomicU64>,
+    overdue: Arc<OverdueCalls>,
 }
 
 impl<T> Pending<T> {
@@ -228,9 +237,17 @@ impl<T> Pending<T> {
                 Answer::Panicked => return Err(Unanswered::Panicked),
                 _ if Instant::now() >= deadline => {
                     *state = Answer::Abandoned;
-                    self.overdue.fetch_add(1, Ordering::Relaxed);
+                    self.overdue.count.fetch_add(1, Ordering::Relaxed);
                     let waited = self.started.elapsed();
-                    error!(call = self.what, ?waited, "a store call is overdue: it fails now; its memory is kept until it returns");
+                    match self.overdue.log.due_after(self.what) {
+                        Some(skipped) => {
+                            error!(call = self.what, ?waited, skipped,
+                            "a store call is overdue: it fails now; its memory is kept until it \
+                             returns (`skipped`: calls of this kind overdue since the last such \
+                             line, logged at debug)")
+                        }
+                        None => debug!(call = self.what, ?waited, "a store call is overdue"),
+                    }
                     return Err(Unanswered::Overdue(waited));
                 }
                 _ => {
@@ -303,7 +320,7 @@ impl StoreCalls {
         StoreCalls {
             store,
             workers: Workers::new(),
-            overdue: Arc::new(AtomicU64::new(0)),
+            overdue: Arc::default(),
             not_started_log: LogEvery::default(),
         }
     }
@@ -327,7 +344,7 @@ impl StoreCalls {
 
     /// Calls that did not return by their deadline so far.
     pub fn overdue_calls(&self) -> u64 {
-        self.overdue.load(Ordering::Relaxed)
+        self.overdue.count.load(Ordering::Relaxed)
     }
 
     /// Store-call workers alive now (idle, running or hung).
@@ -351,7 +368,12 @@ impl StoreCalls {
         let theirs = slot.clone();
         let store = self.store.clone();
         let started = Instant::now();
+        let overdue = self.overdue.clone();
+        // The caller's span (its batch, its rank) on the worker too: the store's lines name
+        // what they were for.
+        let span = tracing::Span::current();
         self.workers.submit(Box::new(move || {
+            let _span = span.enter();
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // The store's own waits (for a lock another call holds across a master call)
                 // end once this caller gives up (`super::caller`).
@@ -374,7 +396,12 @@ impl StoreCalls {
                 drop(state);
                 let took = started.elapsed();
                 if waited_for {
-                    warn!(call = what, ?took, "a store call returned after its deadline; its memory is released now");
+                    match overdue.log.due_after(&format!("{what} returned late")) {
+                        Some(skipped) => warn!(call = what, ?took, skipped,
+                            "a store call returned after its deadline; its memory is released \
+                             now (`skipped`: such returns since the last such line, at debug)"),
+                        None => debug!(call = what, ?took, "a store call returned after its deadline"),
+                    }
                 } else {
                     debug!(call = what, ?took, "a store call sent without waiting returned");
                 }
@@ -500,7 +527,22 @@ impl StoreCalls {
                 let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
                 s.discard(&refs)
             },
-            |_, _| {},
+            // Whether the objects went, once the store answers (the caller already moved on).
+            |_, results: Vec<Result<(), StoreError>>| {
+                let failed: Vec<&StoreError> = results
+                    .iter()
+                    .filter_map(|r| r.as_ref().err())
+                    .filter(|e| !matches!(e, StoreError::NotFound { .. }))
+                    .collect();
+                match failed.first() {
+                    Some(e) => warn!(keys = results.len(), failed = failed.len(), error = %e,
+                        "a discard sent past its deadline returned: some objects stay"),
+                    None => debug!(
+                        keys = results.len(),
+                        "a discard sent past its deadline returned: the objects are gone"
+                    ),
+                }
+            },
         );
         match sent {
             Ok(pending) => {
@@ -530,7 +572,11 @@ impl StoreCalls {
             // A session that started after its caller gave up is ended at once.
             |s, r| {
                 if let Ok(session) = r {
-                    let _ = s.end_session(&session);
+                    if let Err(e) = s.end_session(&session) {
+                        warn!(keys = session.keys.len(), error = %e,
+                            "ending a session that started after its caller gave up failed: \
+                             its pins stay until the store's lease ends them");
+                    }
                 }
             },
         )?;

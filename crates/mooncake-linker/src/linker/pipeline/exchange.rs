@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use dedup_broadcast::{GroupStatus, LayerStatus};
 use kv_device::LayerStage;
 use kv_loader::{KvLoadError, StoreFailure};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::{alone_verdicts_bound, check_bound, reader_bound, LayerPipeline, ReadLayer};
 use crate::linker::batch::collective_failure;
@@ -276,7 +276,8 @@ impl LayerPipeline<'_> {
                 }
             }
             Err(StepError::Local(e)) => {
-                warn!(%batch, layer, error = %e, "share step failed on this rank");
+                // Debug: the batch's failure carries it (logged once a minute per kind).
+                debug!(%batch, layer, error = %e, "share step failed on this rank");
                 progress.carried = Some(e);
             }
             Err(StepError::Fatal(e)) => return Err(Stop::Fatal(e)),
@@ -374,7 +375,8 @@ impl LayerPipeline<'_> {
             return Err(match (self.coll, progress.own) {
                 (None, Some(own)) => own,
                 (Some(c), Some(own)) => {
-                    warn!(%batch, error = %own, "this rank's own failure of the batch");
+                    // Its words go into the group's error, logged once a minute per kind.
+                    debug!(%batch, error = %own, "this rank's own failure of the batch");
                     with_own_words(group, c.rank(), &own)
                 }
                 (_, None) => group,

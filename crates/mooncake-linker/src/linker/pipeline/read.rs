@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kv_device::{LayerLanding, LayerStage, ShareSide, StageLoan};
 use kv_loader::{KvLoadError, StoreFailure};
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::{
     after, alone_verdicts_bound, companions_bound, peers_wait_bound, Abandon, LayerPipeline,
@@ -147,7 +147,9 @@ impl LayerPipeline<'_> {
                 let read_failed = read_failed || (index == 0 && pin_not_found);
                 match checks.due(index, groups.len(), read_failed, by) {
                     Err(e) if !earlier => {
-                        warn!(%batch, error = %e, "preflight (object sizes, checksums)");
+                        // Debug: the batch's failure carries it, and is logged once a minute
+                        // per kind (`log_failed`); a store down fails every batch alike.
+                        debug!(%batch, error = %e, "preflight (object sizes, checksums)");
                         reading.failure = Some(e);
                     }
                     Err(e) => {
@@ -196,7 +198,8 @@ impl LayerPipeline<'_> {
                 (false, read.landed)
             }
             Err(e) => {
-                warn!(%batch, layers = ?group, error = %e, "read failed");
+                // Debug: the batch's failure carries it (logged once a minute per kind).
+                debug!(%batch, layers = ?group, error = %e, "read failed");
                 reading.failure = Some(e);
                 (true, Vec::new())
             }

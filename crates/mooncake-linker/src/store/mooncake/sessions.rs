@@ -33,7 +33,7 @@ use mooncake_sys::Client;
 use parking_lot::Mutex;
 use tracing::warn;
 
-use super::store::{code_error, split_valid, store_error};
+use super::store::{code_error, split_valid, store_error, store_error_logged};
 use crate::store::caller::lock_while_awaited;
 use crate::store::StoreError;
 
@@ -252,6 +252,9 @@ impl SessionTable {
         let now = Instant::now();
         let mut table = self.keys.lock();
         let renewed = self.renewal(forgets, asked);
+        // Renewals that failed with the read going ahead under the session still open: one
+        // line per call (a master down fails every key's renewal alike, on every read).
+        let mut read_anyway: Option<(&str, StoreError, usize)> = None;
         for (k, r) in to_start.iter().zip(started) {
             let r = match (r, table.get_mut(*k)) {
                 (Ok(()), _) => {
@@ -266,13 +269,21 @@ impl SessionTable {
                 // says the object is gone (`NotFound`: removed, maybe discarded as bad): the
                 // replica the old session resolved may hold another object's bytes by now.
                 (Err(e), Some(s)) if self.alive(s, now) && passing(&e) => {
-                    warn!(key = *k, error = %e, "mooncake: renewing a read session failed; reading under the one still open");
+                    match &mut read_anyway {
+                        Some((_, _, n)) => *n += 1,
+                        None => read_anyway = Some((*k, e, 1)),
+                    }
                     s.implicit += 1;
                     Ok(())
                 }
                 (Err(e), _) => Err(e),
             };
             joined.results.insert((*k).to_owned(), r);
+        }
+        drop(table);
+        if let Some((first_key, error, keys)) = read_anyway {
+            warn!(keys, first_key, error = %error,
+                  "mooncake: renewing read sessions failed; reading under the ones still open");
         }
         joined
     }
@@ -561,8 +572,9 @@ fn start_sessions(client: &Client, keys: &[&str]) -> Vec<Result<(), StoreError>>
             }
         }
         Err(e) => {
-            for &i in &valid {
-                out[i] = Err(store_error(keys[i], &e));
+            // One line for the call, not one per key.
+            for (n, &i) in valid.iter().enumerate() {
+                out[i] = Err(store_error_logged(keys[i], &e, n == 0));
             }
         }
     }

@@ -533,7 +533,7 @@ pub fn store_error(key: &str, e: &MooncakeError) -> StoreError {
 /// [`store_error`], logging the failure (where the error has no room for the shim's
 /// message) only when `log`: a batched call's failure is logged once by its caller, not once
 /// per key.
-fn store_error_logged(key: &str, e: &MooncakeError, log: bool) -> StoreError {
+pub(super) fn store_error_logged(key: &str, e: &MooncakeError, log: bool) -> StoreError {
     match e {
         MooncakeError::Status {
             code,
@@ -697,7 +697,7 @@ impl KvStore for MooncakeStore {
     /// batch's keys are asked on up to `SIZE_QUERY_THREADS` threads at once: the calls are
     /// round trips, not CPU work.
     fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
-        let one = |k: &&str| self.client.get_size(k).map_err(|e| store_error(k, &e));
+        let one = |k: &&str| self.client.get_size(k).map_err(|e| self.key_error(k, &e));
         let threads = (keys.len() / SIZE_QUERY_KEYS_PER_THREAD).clamp(1, SIZE_QUERY_THREADS);
         if threads == 1 {
             return keys.iter().map(one).collect();
@@ -942,7 +942,7 @@ impl KvStore for MooncakeStore {
                 None => put_outcome(
                     self.client
                         .put(keys[i], &buf, self.config.replicate_config())
-                        .map_err(|e| store_error(keys[i], &e)),
+                        .map_err(|e| self.key_error(keys[i], &e)),
                 ),
             };
             // A failure that may have waited out the client's transfer timeout (by its kind,
@@ -1034,7 +1034,11 @@ impl KvStore for MooncakeStore {
         self.sessions.forget_replicas(&self.client, keys);
         let out = keys
             .iter()
-            .map(|k| self.client.remove(k, false).map_err(|e| store_error(k, &e)))
+            .map(|k| {
+                self.client
+                    .remove(k, false)
+                    .map_err(|e| self.key_error(k, &e))
+            })
             .collect();
         // The replicas their sessions resolved may go to new puts: the next read asks again.
         self.sessions.forget_replicas(&self.client, keys);
@@ -1050,7 +1054,11 @@ impl KvStore for MooncakeStore {
         self.sessions.forget_replicas(&self.client, keys);
         let out = keys
             .iter()
-            .map(|k| self.client.remove(k, true).map_err(|e| store_error(k, &e)))
+            .map(|k| {
+                self.client
+                    .remove(k, true)
+                    .map_err(|e| self.key_error(k, &e))
+            })
             .collect();
         self.sessions.forget_replicas(&self.client, keys);
         out
@@ -1185,6 +1193,18 @@ impl KvStore for MooncakeStore {
 }
 
 impl MooncakeStore {
+    /// [`store_error`] for a call of one key, its log line (where the error has no room for
+    /// the shim's message) through the store's limiter: at `warn` once a minute per
+    /// operation. A master down fails every key's call alike (an object-size query per key,
+    /// a remove per key): one line each was as many lines as keys.
+    fn key_error(&self, key: &str, e: &MooncakeError) -> StoreError {
+        let operation = match e {
+            MooncakeError::Status { operation, .. } => operation,
+            _ => "other",
+        };
+        store_error_logged(key, e, self.call_failures.due(operation))
+    }
+
     /// [`KvStore::get_into`] with every destination written in place (none is routed through
     /// the bounce; one the transport cannot write is refused).
     ///
@@ -1229,8 +1249,9 @@ impl MooncakeStore {
             let ckeys = match CKeys::new(&names) {
                 Ok(k) => k,
                 Err(e) => {
-                    for &i in part {
-                        out[i] = Err(store_error(keys[i], &e));
+                    // One line for the call, not one per key.
+                    for (n, &i) in part.iter().enumerate() {
+                        out[i] = Err(store_error_logged(keys[i], &e, n == 0));
                     }
                     continue;
                 }
