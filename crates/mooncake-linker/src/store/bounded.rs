@@ -811,6 +811,69 @@ mod tests {
         }
     }
 
+    /// The events logged on this thread while `f` runs: each one's level and message.
+    fn logged<R>(f: impl FnOnce() -> R) -> (R, Vec<(tracing::Level, String)>) {
+        use tracing_subscriber::layer::{Context, SubscriberExt};
+
+        #[derive(Clone, Default)]
+        struct Events(Arc<Mutex<Vec<(tracing::Level, String)>>>);
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                if f.name() == "message" {
+                    self.0 = format!("{v:?}");
+                }
+            }
+        }
+        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Events {
+            fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+                let mut m = Message(String::new());
+                event.record(&mut m);
+                self.0.lock().push((*event.metadata().level(), m.0));
+            }
+        }
+        let events = Events::default();
+        let subscriber = tracing_subscriber::registry().with(events.clone());
+        let out = tracing::subscriber::with_default(subscriber, f);
+        let seen = events.0.lock().clone();
+        (out, seen)
+    }
+
+    /// A store that answers late fails every call alike: the "overdue" line is logged at
+    /// `error` once a minute per kind of call, the rest at `debug`. Before, each call logged
+    /// one at `error` (a master that answers late: thousands a minute).
+    #[test]
+    fn overdue_calls_of_one_kind_are_logged_at_their_level_once_a_minute() {
+        let stall = Stall::new();
+        let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 20))));
+        faulty.inject_on(
+            crate::store::FaultCall::ReadWhole,
+            FaultRule::default(),
+            Fault::Stall(stall.clone()),
+        );
+        let calls = StoreCalls::new(faulty);
+        let ((), lines) = logged(|| {
+            for _ in 0..5 {
+                let soon = Instant::now() + Duration::from_millis(10);
+                let got = calls.read_whole_owned(&["a"], &[8], soon);
+                assert!(
+                    matches!(got[..], [Err(StoreError::Overdue { .. })]),
+                    "{got:?}"
+                );
+            }
+        });
+        stall.release();
+        assert_eq!(calls.overdue_calls(), 5);
+        let overdue = |level| {
+            lines
+                .iter()
+                .filter(|(l, m)| *l == level && m.contains("overdue"))
+                .count()
+        };
+        assert_eq!(overdue(tracing::Level::ERROR), 1, "{lines:?}");
+        assert_eq!(overdue(tracing::Level::DEBUG), 4, "{lines:?}");
+    }
+
     /// A discard sent past its deadline to a slow store is not waited for, and is no overdue
     /// call: before, it was waited for 1 ms, then counted (and logged) as overdue, a false
     /// alarm in `LinkerMetrics::overdue_calls` on every replace after a peer's bound.
