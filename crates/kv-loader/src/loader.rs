@@ -48,6 +48,9 @@ pub trait KvLoader: Send + Sync {
         -> Result<LookupHit, KvLoadError>;
 
     /// Validates `plan` (typed errors, before any I/O) and starts loading it layer by layer.
+    /// [`KvLoadError::Busy`] when as many batches as the loader's capacity are in flight
+    /// (started, their outcomes not taken; a reset frees the count of those it ended): take
+    /// outcomes first.
     fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError>;
 
     /// Waits (bounded by the loader's deadline) for layer `layer` of the batch. Host pools:
@@ -94,8 +97,9 @@ pub trait KvLoader: Send + Sync {
 
     /// Cancels every batch in flight and waits, bounded, until nothing is in flight; waiters
     /// get `Cancelled`. The loader stays usable. Outcomes not yet taken stay to be taken (by
-    /// [`completed`](Self::completed)), and their batch ids stay in use until then; they count
-    /// toward the loader's capacity as before the reset ([`KvLoadError::Busy`] past it).
+    /// [`completed`](Self::completed)), and their batch ids stay in use until then. Of those
+    /// no one takes, a loader may keep only its capacity's worth (kvlink's linker and the
+    /// mock keep the newest, and let older ones go with a line at `warn`).
     ///
     /// The wait is bounded (kvlink's linker: its `wait_deadline`). When a batch may still
     /// write its slots at the bound (a store call past its deadline, or work still running),

@@ -230,7 +230,9 @@ impl MockKvLoader {
     /// batch's store failure) can be taken from now on, and its slots may be reused once it
     /// is.
     pub fn release(&self, batch: BatchId) {
-        self.state.lock().held.remove(&batch);
+        let mut st = self.state.lock();
+        st.held.remove(&batch);
+        self.trim_ended(&mut st);
     }
 
     /// The layer events handed out ([`MockScript::device_events`]) that the engine never
@@ -319,7 +321,36 @@ impl MockKvLoader {
         st.cancelled.extend(in_flight);
         let live: Vec<BatchId> = st.live.keys().copied().collect();
         st.ended.extend(live);
+        self.trim_ended(&mut st);
         st.held.iter().copied().collect()
+    }
+
+    /// As the linker: at most the capacity's worth of outcomes of batches a reset or close
+    /// ended are kept untaken (those a held store call keeps aside); past it the oldest
+    /// (lowest batch ids) go.
+    fn trim_ended(&self, st: &mut MockState) {
+        let capacity = self.counter.capacity() as usize;
+        let mut ended: Vec<BatchId> = st
+            .ended
+            .iter()
+            .copied()
+            .filter(|b| !st.held.contains(b))
+            .collect();
+        if ended.len() <= capacity {
+            return;
+        }
+        ended.sort_unstable();
+        ended.truncate(ended.len() - capacity);
+        for b in &ended {
+            st.live.remove(b);
+            st.slots.remove(b);
+            st.ended.remove(b);
+            st.cancelled.remove(b);
+            st.abandoned.remove(b);
+        }
+        tracing::warn!(batches = ?ended, kept = capacity,
+            "mock: outcomes of batches a reset or close ended were never taken: the oldest are \
+             let go");
     }
 
     fn live_ticket(&self, ticket: &LoadTicket) -> Result<(), KvLoadError> {
@@ -506,15 +537,6 @@ impl KvLoader for MockKvLoader {
         });
         if let Some(reason) = taken_by {
             return Err(KvLoadError::InvalidPlan { batch, reason });
-        }
-        // As the linker: every batch whose outcome is not taken counts toward the capacity,
-        // those a reset ended included (the counter's reset gave their slots back).
-        let capacity = self.counter.capacity();
-        if state.live.len() >= capacity as usize {
-            return Err(KvLoadError::Busy {
-                capacity,
-                peers_fail: false,
-            });
         }
         let counter = self
             .counter
@@ -996,26 +1018,26 @@ mod tests {
         );
     }
 
-    /// As the linker: outcomes a reset leaves to be taken still count toward the capacity, so
-    /// an engine that never takes them meets `Busy` rather than growing them without bound;
-    /// taking them frees it.
+    /// As the linker: at most the capacity's worth of outcomes a reset left untaken are kept
+    /// (the newest); an engine that never takes them neither meets `Busy` nor keeps them
+    /// without bound.
     #[test]
-    fn outcomes_a_reset_leaves_untaken_count_toward_the_capacity() {
+    fn outcomes_a_reset_leaves_untaken_are_kept_up_to_the_capacity() {
         let mock = MockKvLoader::new(2, MockScript::default());
         let capacity = layerwise_counter::DEFAULT_CAPACITY as u64;
-        for b in 1..=capacity {
-            let t = mock.start_load(plan(b)).unwrap();
-            mock.abandon(&t);
-        }
-        for _ in 0..2 {
+        let mut next = 1;
+        for _ in 0..3 {
+            for _ in 0..capacity {
+                let t = mock.start_load(plan(next)).unwrap();
+                mock.abandon(&t);
+                next += 1;
+            }
             mock.reset().unwrap();
-            assert!(matches!(
-                mock.start_load(plan(capacity + 1)),
-                Err(KvLoadError::Busy { .. })
-            ));
         }
-        assert_eq!(mock.completed().len(), capacity as usize);
-        let t = mock.start_load(plan(capacity + 1)).unwrap();
+        let kept: Vec<u64> = mock.completed().iter().map(|o| o.batch.0).collect();
+        let newest: Vec<u64> = (next - capacity..next).collect();
+        assert_eq!(kept, newest);
+        let t = mock.start_load(plan(next)).unwrap();
         assert!(mock.wait_batch(&t).unwrap().result.is_ok());
     }
 

@@ -53,8 +53,7 @@ impl Outcomes {
     /// pending. Refused before anything is counted: a batch id already in flight
     /// ([`KvLoadError::DuplicateBatch`]), a slot of a batch in flight (its outcome not taken,
     /// unless a reset ended it failed: [`PlanError::SlotInFlight`]), and a batch past the
-    /// capacity ([`KvLoadError::Busy`]): the counter's, which counts every batch whose outcome
-    /// is not taken, including those a reset ended (their outcomes stay to be taken).
+    /// counter's capacity ([`KvLoadError::Busy`]).
     pub(crate) fn begin(
         &self,
         batch: BatchId,
@@ -67,18 +66,6 @@ impl Outcomes {
         }
         if let Some(reason) = in_flight.conflict(slots) {
             return Err(KvLoadError::InvalidPlan { batch, reason });
-        }
-        // Every batch whose outcome is not taken stays in `runs`: before a reset these are the
-        // counter's live batches; after one, also the batches it ended whose outcomes wait to
-        // be taken (or whose load is still running). They count toward the capacity as
-        // before the reset. Else an engine that never takes abandoned batches' outcomes (a
-        // dropped `LoadHandle`) and resets after each timeout kept them without bound.
-        let capacity = self.counter.capacity();
-        if in_flight.runs.len() >= capacity as usize {
-            return Err(KvLoadError::Busy {
-                capacity,
-                peers_fail: false,
-            });
         }
         let t = self.counter.begin(num_layers).map_err(|e| match e {
             CounterError::Full { capacity } => KvLoadError::Busy {
@@ -157,6 +144,7 @@ impl Outcomes {
             let _ = self.counter.fail(ticket, e.clone());
         }
         self.deliver(ticket, outcome);
+        self.trim_ended();
         self.finished();
     }
 
@@ -420,7 +408,56 @@ impl Outcomes {
                 .lock()
                 .retain(|b, (run, _)| in_flight.ticket(*b) == Some(*run));
         }
+        if idle {
+            self.trim_ended();
+        }
         idle
+    }
+
+    /// Keeps at most the capacity's worth of outcomes of batches a reset or close ended that
+    /// no one has taken (`completed` or `wait_batch` on their tickets may still take them):
+    /// past it the oldest (lowest batch ids) go, logged at `warn`, with their ids and their
+    /// layers' events. Outcomes a store call past its deadline still holds are not counted:
+    /// their engine waits for them (`SlotsHeld`). Before, an engine that abandoned its batches
+    /// (a dropped `LoadHandle`, a timed-out wait) and reset after each kept every such outcome
+    /// for good: a reset gives the counter's slots back, so nothing bounded them.
+    fn trim_ended(&self) {
+        let capacity = self.counter.capacity() as usize;
+        // `held`, `done`, `in_flight`: the order of every other caller.
+        let held = self.held.lock();
+        let mut done = self.done.lock();
+        let mut ended: Vec<(BatchId, Ticket)> = done
+            .iter()
+            .filter(|(b, (t, _))| !held.contains(*b) && self.counter.ready_layers(*t).is_err())
+            .map(|(b, (t, _))| (*b, *t))
+            .collect();
+        if ended.len() <= capacity {
+            return;
+        }
+        ended.sort_unstable_by_key(|(b, _)| *b);
+        ended.truncate(ended.len() - capacity);
+        let mut in_flight = self.in_flight.lock();
+        for (b, t) in &ended {
+            done.remove(b);
+            in_flight.remove(*b, *t);
+        }
+        drop(in_flight);
+        drop(done);
+        drop(held);
+        let mut readies = self.readies.lock();
+        for (b, t) in &ended {
+            if readies.get(b).is_some_and(|(run, _)| run == t) {
+                readies.remove(b);
+            }
+        }
+        drop(readies);
+        let batches: Vec<BatchId> = ended.iter().map(|(b, _)| *b).collect();
+        tracing::warn!(
+            ?batches,
+            kept = capacity,
+            "outcomes of batches a reset or close ended were never taken: the oldest are let \
+             go (take outcomes with completed() or wait_batch after a reset)"
+        );
     }
 }
 
@@ -539,6 +576,7 @@ impl Drop for HeldOutcome {
             if self.outcomes.held.lock().remove(&batch) {
                 tracing::info!(%batch, "the store calls past their deadline returned: outcome handed out");
             }
+            self.outcomes.trim_ended();
         }
     }
 }
