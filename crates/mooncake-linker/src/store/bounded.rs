@@ -834,7 +834,12 @@ mod tests {
         }
         let events = Events::default();
         let subscriber = tracing_subscriber::registry().with(events.clone());
-        let out = tracing::subscriber::with_default(subscriber, f);
+        let out = tracing::subscriber::with_default(subscriber, || {
+            // A line first met on another thread with no subscriber may have cached itself
+            // as never wanted: asked again with this one in place.
+            tracing::callsite::rebuild_interest_cache();
+            f()
+        });
         let seen = events.0.lock().clone();
         (out, seen)
     }

@@ -375,9 +375,19 @@ impl LayerPipeline<'_> {
             return Err(match (self.coll, progress.own) {
                 (None, Some(own)) => own,
                 (Some(c), Some(own)) => {
-                    // Its words go into the group's error, logged once a minute per kind.
-                    debug!(%batch, error = %own, "this rank's own failure of the batch");
-                    with_own_words(group, c.rank(), &own)
+                    let rank = c.rank();
+                    let first =
+                        matches!(&group, KvLoadError::PeerFailed { rank: r, .. } if *r == rank);
+                    if first {
+                        // Its words go into the group's error, logged once a minute per kind.
+                        debug!(%batch, error = %own, "this rank's own failure of the batch");
+                    } else {
+                        // Another rank's failure is the group's: this one's cause would reach
+                        // no line at `warn` on any rank.
+                        warn!(%batch, error = %own,
+                              "this rank's own failure of the batch (the group reports another's)");
+                    }
+                    with_own_words(group, rank, &own)
                 }
                 (_, None) => group,
             });

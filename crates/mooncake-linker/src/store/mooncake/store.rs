@@ -602,6 +602,18 @@ fn with_message(e: StoreError, operation: &str, message: &str, log: bool) -> Sto
     }
 }
 
+/// Whether `e`'s kind carries the shim's message in its words ([`with_message`]); the others
+/// log it beside them.
+fn has_room_for_message(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::NoSpace { .. }
+            | StoreError::Lease { .. }
+            | StoreError::InvalidArgument { .. }
+            | StoreError::Unavailable { .. }
+    )
+}
+
 /// Each key's result of a batched call over the keys at `valid` (of `keys`), into `out`:
 /// the call's own failure, when it failed whole, for each of them (logged once, through
 /// `failures`, the store's limiter).
@@ -1198,11 +1210,25 @@ impl MooncakeStore {
     /// operation. A master down fails every key's call alike (an object-size query per key,
     /// a remove per key): one line each was as many lines as keys.
     fn key_error(&self, key: &str, e: &MooncakeError) -> StoreError {
-        let operation = match e {
-            MooncakeError::Status { operation, .. } => operation,
-            _ => "other",
-        };
-        store_error_logged(key, e, self.call_failures.due(operation))
+        let typed = store_error_logged(key, e, false);
+        if let MooncakeError::Status {
+            operation,
+            message: Some(message),
+            ..
+        } = e
+        {
+            if !has_room_for_message(&typed) {
+                match self.call_failures.due_after(operation) {
+                    Some(skipped) => tracing::warn!(error = %typed, operation, message, skipped,
+                        "Mooncake call failed (`skipped`: failures of this call since the last \
+                         such line, logged at debug)"),
+                    None => {
+                        tracing::debug!(error = %typed, operation, message, "Mooncake call failed")
+                    }
+                }
+            }
+        }
+        typed
     }
 
     /// [`KvStore::get_into`] with every destination written in place (none is routed through
