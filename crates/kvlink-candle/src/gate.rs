@@ -287,7 +287,7 @@ impl Drop for Inner {
             Err(e) if e.needs_reset() => {
                 tracing::error!(%batch, error = %e, "layer gate dropped unfinished: the load may still write its slots; keep them out of use until the loader frees them (a reset, or for SlotsHeld the store call's return)")
             }
-            // Debug: the loader logs the batch's failure itself.
+            // Debug: kvlink's linker logs the batch's failure itself (once a minute per kind).
             Err(e) => {
                 tracing::debug!(%batch, error = %e, "layer gate dropped unfinished: its outcome taken on drop (the batch failed; its slots are free)")
             }
