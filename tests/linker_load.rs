@@ -1121,6 +1121,71 @@ fn outcomes_a_reset_leaves_untaken_are_kept_up_to_the_capacity() {
     assert!(linker.wait_batch(&t).unwrap().result.is_ok());
 }
 
+/// Outcomes the engine may still wait for outlast abandoned ones: a batch a `SlotsHeld`
+/// answer named is never let go untaken (its engine keeps its slots aside until its outcome
+/// comes), and one the engine did not abandon goes only after every abandoned one. Before,
+/// the lowest batch ids went first: the held batch's outcome was let go as it came, and the
+/// engine never saw it.
+#[test]
+fn outcomes_the_engine_waits_for_outlast_abandoned_ones() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let config = LinkerConfig {
+        max_in_flight: 2,
+        wait_deadline: Duration::from_millis(300),
+        ..cfg()
+    };
+    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
+    // Batch 1 loads; the engine holds on to it (not abandoned, not taken yet).
+    let held_on = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    wait_all(&linker, &held_on).unwrap();
+    // Batch 2's read outlasts the reset's bound: the reset names it.
+    r.faulty.inject(
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Delay(Duration::from_secs(2)),
+    );
+    let _slow = linker
+        .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let reset = linker.reset();
+    assert!(
+        matches!(&reset, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(2)]),
+        "{reset:?}"
+    );
+    // Once batch 2's read returns, a reset finds the loader idle; its outcome is in, not
+    // taken.
+    let until = Instant::now() + Duration::from_secs(10);
+    while linker.reset().is_err() {
+        assert!(Instant::now() < until, "batch 2's read never returned");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Rounds of abandoned batches, each ended by a reset, more than the capacity keeps.
+    let mut next = 3u64;
+    for _ in 0..3 {
+        for slots in [vec![6, 7, 8], vec![9, 10, 11]] {
+            let t = linker
+                .start_load(load_plan(&g, next, &r.pages, slots))
+                .unwrap_or_else(|e| panic!("batch {next}: {e}"));
+            wait_all(&linker, &t).unwrap();
+            linker.abandon(&t);
+            next += 1;
+        }
+        linker.reset().unwrap();
+    }
+    let kept: Vec<u64> = linker.completed().iter().map(|o| o.batch.0).collect();
+    assert_eq!(
+        kept,
+        [1, 2, next - 1],
+        "the held-on, the named and the latest abandoned"
+    );
+}
+
 /// Two shutdown paths close at once while a load is stuck past the close's bound: both hear
 /// `SlotsHeld` naming it. Before, the second `close` returned `Ok` at once while the first
 /// was still cancelling, and its caller took the slots for free.

@@ -17,7 +17,8 @@ use crate::{
 /// Take the outcome with [`finish`] (or the loader's `completed`); a handle dropped
 /// unfinished abandons the batch ([`KvLoader::abandon`]: its slots may go to another batch
 /// once the load is over), leaves its outcome to [`KvLoader::completed`] (until taken it
-/// counts toward the loader's capacity), and logs that it did, at `warn`.
+/// counts toward the loader's capacity; after a reset, kvlink's loaders may let it go first
+/// once more than their capacity of such outcomes wait), and logs that it did, at `warn`.
 ///
 /// [`wait_layer`]: LoadHandle::wait_layer
 /// [`finish`]: LoadHandle::finish

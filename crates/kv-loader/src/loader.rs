@@ -99,7 +99,8 @@ pub trait KvLoader: Send + Sync {
     /// get `Cancelled`. The loader stays usable. Outcomes not yet taken stay to be taken (by
     /// [`completed`](Self::completed)), and their batch ids stay in use until then. Of those
     /// no one takes, a loader may keep only its capacity's worth (kvlink's linker and the
-    /// mock keep the newest, and let older ones go with a line at `warn`).
+    /// mock let those of abandoned batches go first, then the earliest started, with a line
+    /// at `warn`; never one a `SlotsHeld` answer named).
     ///
     /// The wait is bounded (kvlink's linker: its `wait_deadline`). When a batch may still
     /// write its slots at the bound (a store call past its deadline, or work still running),

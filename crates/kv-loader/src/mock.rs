@@ -161,6 +161,9 @@ struct MockState {
     /// out) whose outcomes are not taken yet: their slots go to other batches once they are
     /// not in flight.
     abandoned: std::collections::HashSet<BatchId>,
+    /// Batches a `SlotsHeld` answer named whose outcomes are not taken yet: their engine
+    /// waits for them (never let go untaken).
+    named: std::collections::HashSet<BatchId>,
     closed: bool,
 }
 
@@ -321,36 +324,48 @@ impl MockKvLoader {
         st.cancelled.extend(in_flight);
         let live: Vec<BatchId> = st.live.keys().copied().collect();
         st.ended.extend(live);
+        let held: Vec<BatchId> = st.held.iter().copied().collect();
+        // Named in the `SlotsHeld` answer.
+        st.named.extend(held.iter().copied());
         self.trim_ended(&mut st);
-        st.held.iter().copied().collect()
+        held
     }
 
     /// As the linker: at most the capacity's worth of outcomes of batches a reset or close
-    /// ended are kept untaken (those a held store call keeps aside); past it the oldest
-    /// (lowest batch ids) go.
+    /// ended are kept untaken; past it, those of abandoned batches go first, then the others,
+    /// each the earliest started first. Never one held (`hold_slots`) nor one a `SlotsHeld`
+    /// answer named.
     fn trim_ended(&self, st: &mut MockState) {
         let capacity = self.counter.capacity() as usize;
-        let mut ended: Vec<BatchId> = st
+        let mut ended: Vec<(bool, u64, BatchId)> = st
             .ended
             .iter()
             .copied()
-            .filter(|b| !st.held.contains(b))
+            .filter(|b| !st.held.contains(b) && !st.named.contains(b))
+            .map(|b| {
+                let started = st.live.get(&b).map_or(0, |(t, _)| t.counter.generation());
+                (!st.abandoned.contains(&b), started, b)
+            })
             .collect();
         if ended.len() <= capacity {
             return;
         }
         ended.sort_unstable();
         ended.truncate(ended.len() - capacity);
-        for b in &ended {
+        let batches: Vec<BatchId> = ended.into_iter().map(|(_, _, b)| b).collect();
+        for b in &batches {
             st.live.remove(b);
             st.slots.remove(b);
             st.ended.remove(b);
             st.cancelled.remove(b);
             st.abandoned.remove(b);
         }
-        tracing::warn!(batches = ?ended, kept = capacity,
-            "mock: outcomes of batches a reset or close ended were never taken: the oldest are \
-             let go");
+        tracing::warn!(
+            ?batches,
+            kept = capacity,
+            "mock: outcomes of batches a reset or close ended were never taken: the earliest \
+             are let go"
+        );
     }
 
     fn live_ticket(&self, ticket: &LoadTicket) -> Result<(), KvLoadError> {
@@ -657,6 +672,7 @@ impl KvLoader for MockKvLoader {
                 Some((t, _)) if t == ticket => {
                     st.slots.remove(&ticket.batch);
                     st.abandoned.remove(&ticket.batch);
+                    st.named.remove(&ticket.batch);
                     st.ended.remove(&ticket.batch);
                     let cancelled = st.cancelled.remove(&ticket.batch);
                     let pages = st.live.remove(&ticket.batch).map_or(0, |(_, p)| p);
@@ -697,6 +713,7 @@ impl KvLoader for MockKvLoader {
             for b in &ready {
                 st.slots.remove(b);
                 st.abandoned.remove(b);
+                st.named.remove(b);
                 st.ended.remove(b);
                 let cancelled = st.cancelled.remove(b);
                 if let Some((t, p)) = st.live.remove(b) {
@@ -1039,6 +1056,41 @@ mod tests {
         assert_eq!(kept, newest);
         let t = mock.start_load(plan(next)).unwrap();
         assert!(mock.wait_batch(&t).unwrap().result.is_ok());
+    }
+
+    /// As the linker: a batch a `SlotsHeld` answer named is never let go untaken, and one the
+    /// engine did not abandon goes only after every abandoned one.
+    #[test]
+    fn outcomes_the_engine_waits_for_outlast_abandoned_ones() {
+        let mut script = MockScript::default();
+        script.hold_slots.push(BatchId(2));
+        let mock = MockKvLoader::new(2, script);
+        let _held_on = mock.start_load(plan(1)).unwrap();
+        let _slow = mock.start_load(plan(2)).unwrap();
+        assert!(matches!(
+            mock.reset(),
+            Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(2)]
+        ));
+        mock.release(BatchId(2));
+        let capacity = layerwise_counter::DEFAULT_CAPACITY as u64;
+        let mut next = 3;
+        for _ in 0..2 {
+            for _ in 0..capacity {
+                let t = mock.start_load(plan(next)).unwrap();
+                mock.abandon(&t);
+                next += 1;
+            }
+            mock.reset().unwrap();
+        }
+        let kept: Vec<u64> = mock.completed().iter().map(|o| o.batch.0).collect();
+        // The capacity's worth, and the named batch beside them (it is not counted).
+        assert_eq!(kept.len(), capacity as usize + 1);
+        assert_eq!(
+            kept[..2],
+            [1, 2],
+            "the held-on and the named first: {kept:?}"
+        );
+        assert_eq!(kept.last(), Some(&(next - 1)));
     }
 
     /// A save is checked as the linker checks it: a plan without one slot per page is

@@ -124,7 +124,10 @@ pub struct LinkerConfig {
     pub read_bytes_in_flight: u64,
     /// Objects per store call when saving.
     pub save_chunk: usize,
-    /// Batches tracked at once (started and not yet taken).
+    /// Batches tracked at once (started and not yet taken; `Busy` past it). A reset frees
+    /// the count of the batches it ended; of their outcomes no one takes, this many are kept
+    /// (those of abandoned batches go first, then the earliest started; never one a
+    /// `SlotsHeld` answer named).
     pub max_in_flight: u32,
     /// How replicated components are shared among TP ranks (with a [`TpGroup`](crate::TpGroup);
     /// a linker without one always reads its own copy): `ModeChoice::Fixed(ShareMode::…)` or

@@ -91,6 +91,7 @@ impl Outcomes {
         }
         if delivered {
             in_flight.free_slots(batch);
+            in_flight.given_up.insert(batch);
         } else {
             in_flight.abandoned.insert(batch);
         }
@@ -202,6 +203,7 @@ impl Outcomes {
                 && in_flight.abandoned.remove(&outcome.batch)
             {
                 in_flight.free_slots(outcome.batch);
+                in_flight.given_up.insert(outcome.batch);
             }
         }
         done.insert(outcome.batch, (ticket, outcome));
@@ -214,7 +216,7 @@ impl Outcomes {
         // `held`, `done`, `in_flight`: the order of every other caller.
         let held = self.held.lock();
         let done = self.done.lock();
-        let in_flight = self.in_flight.lock();
+        let mut in_flight = self.in_flight.lock();
         let mut v: Vec<BatchId> = in_flight
             .runs
             .iter()
@@ -224,13 +226,18 @@ impl Outcomes {
             .map(|(b, _)| *b)
             .collect();
         v.sort();
+        // Named in a `SlotsHeld` answer: its engine waits for its outcome.
+        in_flight.named.extend(v.iter().copied());
         v
     }
 
     /// Batches whose outcome waits for a store call past its deadline.
     pub(crate) fn held(&self) -> Vec<BatchId> {
-        let mut v: Vec<BatchId> = self.held.lock().iter().copied().collect();
+        let held = self.held.lock();
+        let mut v: Vec<BatchId> = held.iter().copied().collect();
         v.sort();
+        // Named in a `SlotsHeld` answer: its engine waits for its outcome.
+        self.in_flight.lock().named.extend(v.iter().copied());
         v
     }
 
@@ -416,28 +423,34 @@ impl Outcomes {
 
     /// Keeps at most the capacity's worth of outcomes of batches a reset or close ended that
     /// no one has taken (`completed` or `wait_batch` on their tickets may still take them):
-    /// past it the oldest (lowest batch ids) go, logged at `warn`, with their ids and their
-    /// layers' events. Outcomes a store call past its deadline still holds are not counted:
-    /// their engine waits for them (`SlotsHeld`). Before, an engine that abandoned its batches
-    /// (a dropped `LoadHandle`, a timed-out wait) and reset after each kept every such outcome
+    /// past it, those of batches the engine abandoned go first, then the others, each the
+    /// earliest started first, logged at `warn`, with their ids and their layers' events.
+    /// Never one a store call past its deadline still holds, nor one a `SlotsHeld` answer
+    /// named: their engine waits for them. Before, an engine that abandoned its batches (a
+    /// dropped `LoadHandle`, a timed-out wait) and reset after each kept every such outcome
     /// for good: a reset gives the counter's slots back, so nothing bounded them.
     fn trim_ended(&self) {
         let capacity = self.counter.capacity() as usize;
         // `held`, `done`, `in_flight`: the order of every other caller.
         let held = self.held.lock();
         let mut done = self.done.lock();
-        let mut ended: Vec<(BatchId, Ticket)> = done
+        let mut in_flight = self.in_flight.lock();
+        let mut ended: Vec<(bool, u64, BatchId, Ticket)> = done
             .iter()
-            .filter(|(b, (t, _))| !held.contains(*b) && self.counter.ready_layers(*t).is_err())
-            .map(|(b, (t, _))| (*b, *t))
+            .filter(|(b, (t, _))| {
+                !held.contains(*b)
+                    && !in_flight.named.contains(*b)
+                    && self.counter.ready_layers(*t).is_err()
+            })
+            .map(|(b, (t, _))| (!in_flight.given_up.contains(b), t.generation(), *b, *t))
             .collect();
         if ended.len() <= capacity {
             return;
         }
-        ended.sort_unstable_by_key(|(b, _)| *b);
+        // Abandoned first (`false` sorts first), then by start.
+        ended.sort_unstable_by_key(|(kept_by_engine, started, _, _)| (*kept_by_engine, *started));
         ended.truncate(ended.len() - capacity);
-        let mut in_flight = self.in_flight.lock();
-        for (b, t) in &ended {
+        for (_, _, b, t) in &ended {
             done.remove(b);
             in_flight.remove(*b, *t);
         }
@@ -445,17 +458,17 @@ impl Outcomes {
         drop(done);
         drop(held);
         let mut readies = self.readies.lock();
-        for (b, t) in &ended {
+        for (_, _, b, t) in &ended {
             if readies.get(b).is_some_and(|(run, _)| run == t) {
                 readies.remove(b);
             }
         }
         drop(readies);
-        let batches: Vec<BatchId> = ended.iter().map(|(b, _)| *b).collect();
+        let batches: Vec<BatchId> = ended.iter().map(|(_, _, b, _)| *b).collect();
         tracing::warn!(
             ?batches,
             kept = capacity,
-            "outcomes of batches a reset or close ended were never taken: the oldest are let \
+            "outcomes of batches a reset or close ended were never taken: the earliest are let \
              go (take outcomes with completed() or wait_batch after a reset)"
         );
     }
@@ -470,6 +483,12 @@ struct InFlight {
     owners: HashMap<u32, BatchId>,
     /// Batches the engine abandoned whose outcome is not in yet: their slots go when it is.
     abandoned: HashSet<BatchId>,
+    /// Batches the engine abandoned whose outcome is in: no one waits for it (a reset may let
+    /// it go first, [`Outcomes::trim_ended`]).
+    given_up: HashSet<BatchId>,
+    /// Batches a `SlotsHeld` answer named: their engine waits for their outcomes, which are
+    /// never let go untaken.
+    named: HashSet<BatchId>,
 }
 
 impl InFlight {
@@ -500,7 +519,7 @@ impl InFlight {
             return;
         }
         if let Some((_, slots)) = self.runs.remove(&batch) {
-            self.abandoned.remove(&batch);
+            self.forget_marks(batch);
             self.free(batch, &slots);
         }
     }
@@ -524,9 +543,16 @@ impl InFlight {
             kept
         });
         for (batch, slots) in gone {
-            self.abandoned.remove(&batch);
+            self.forget_marks(batch);
             self.free(batch, &slots);
         }
+    }
+
+    /// `batch` leaves the sets that mark its run.
+    fn forget_marks(&mut self, batch: BatchId) {
+        self.abandoned.remove(&batch);
+        self.given_up.remove(&batch);
+        self.named.remove(&batch);
     }
 
     fn free(&mut self, batch: BatchId, slots: &[u32]) {
