@@ -1186,6 +1186,47 @@ fn outcomes_the_engine_waits_for_outlast_abandoned_ones() {
     );
 }
 
+/// A batch whose layer waits were told `SlotsHeld` (a read past its limit) keeps its outcome
+/// after a reset, however many others wait untaken: the engine waits for it before it reuses
+/// the slots. Before, only the batches a reset or close named were kept, and this one, the
+/// earliest started, was the first to go.
+#[test]
+fn an_outcome_whose_waits_were_told_slots_held_is_kept() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let config = LinkerConfig {
+        max_in_flight: 2,
+        layer_read_timeout: Duration::from_millis(300),
+        ..cfg()
+    };
+    once_at_k_layer(&r, 2, Fault::Delay(Duration::from_millis(600)));
+    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
+    let t1 = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    let err = wait_all(&linker, &t1).unwrap_err();
+    assert!(
+        matches!(&err, KvLoadError::SlotsHeld { batches } if batches[..] == [BatchId(1)]),
+        "{err}"
+    );
+    // The late read returns (600 ms from its start) before anything else happens.
+    std::thread::sleep(Duration::from_millis(1500));
+    // Three more batches load, each ended by a reset; the engine takes none of them.
+    for (b, slots) in [(2, vec![3, 4, 5]), (3, vec![6, 7, 8]), (4, vec![9, 10, 11])] {
+        let t = linker
+            .start_load(load_plan(&g, b, &r.pages, slots))
+            .unwrap();
+        wait_all(&linker, &t).unwrap();
+        linker.reset().unwrap();
+    }
+    let kept: Vec<u64> = linker.completed().iter().map(|o| o.batch.0).collect();
+    assert_eq!(
+        kept,
+        [1, 3, 4],
+        "the one told SlotsHeld is not counted, nor let go"
+    );
+}
+
 /// Two shutdown paths close at once while a load is stuck past the close's bound: both hear
 /// `SlotsHeld` naming it. Before, the second `close` returned `Ok` at once while the first
 /// was still cancelling, and its caller took the slots for free.

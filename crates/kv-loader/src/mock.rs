@@ -577,6 +577,9 @@ impl KvLoader for MockKvLoader {
         state.slots.insert(batch, plan.slots.clone());
         if self.script.hold_slots.contains(&batch) {
             state.held.insert(batch);
+            // Its waits answer `SlotsHeld` (as the linker's, whose engine waits for the
+            // outcome): never let go untaken.
+            state.named.insert(batch);
         }
         Ok(ticket)
     }

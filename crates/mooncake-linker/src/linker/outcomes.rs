@@ -173,6 +173,12 @@ impl Outcomes {
                     "the batch failed while a store call past its deadline may still write its \
                      slots: its layer waiters are told the slots are held"
                 );
+                // Named in a `SlotsHeld` answer: its engine waits for its outcome.
+                let mut in_flight = self.in_flight.lock();
+                if in_flight.ticket(outcome.batch) == Some(ticket) {
+                    in_flight.named.insert(outcome.batch);
+                }
+                drop(in_flight);
                 KvLoadError::SlotsHeld {
                     batches: Arc::from([outcome.batch]),
                 }
@@ -236,8 +242,15 @@ impl Outcomes {
         let held = self.held.lock();
         let mut v: Vec<BatchId> = held.iter().copied().collect();
         v.sort();
-        // Named in a `SlotsHeld` answer: its engine waits for its outcome.
-        self.in_flight.lock().named.extend(v.iter().copied());
+        // Named in a `SlotsHeld` answer: its engine waits for its outcome (only a batch with
+        // a run: one taken while its holder lets go is over).
+        let mut in_flight = self.in_flight.lock();
+        for b in &v {
+            if in_flight.runs.contains_key(b) {
+                in_flight.named.insert(*b);
+            }
+        }
+        drop(in_flight);
         v
     }
 
@@ -509,6 +522,8 @@ impl InFlight {
     }
 
     fn insert(&mut self, batch: BatchId, ticket: Ticket, slots: &[u32]) {
+        // A new run of the id starts with no marks of an earlier one.
+        self.forget_marks(batch);
         self.owners.extend(slots.iter().map(|s| (*s, batch)));
         self.runs.insert(batch, (ticket, slots.into()));
     }
