@@ -1085,6 +1085,40 @@ fn an_abandoned_or_timed_out_batch_lets_its_slots_go_once_over() {
     );
 }
 
+/// A linker of `max_in_flight` batches over `r` where batch 1 (slots 0-2) has loaded and
+/// waits to be taken, and batch 2's read (slots 3-5) outlasts a reset's 300 ms bound: the
+/// reset, already run, named batch 2 alone (`SlotsHeld`). Its ticket for batch 1.
+fn loaded_beside_a_batch_a_reset_named(r: &Rig, max_in_flight: u32) -> (Linker, LoadTicket) {
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let config = LinkerConfig {
+        max_in_flight,
+        wait_deadline: Duration::from_millis(300),
+        ..cfg()
+    };
+    let (linker, _pool) = rank_linker(r, 1, 0, 16, config);
+    let loaded = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    wait_all(&linker, &loaded).unwrap();
+    r.faulty.inject(
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Delay(Duration::from_secs(2)),
+    );
+    let _slow = linker
+        .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let reset = linker.reset();
+    assert!(
+        matches!(&reset, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(2)]),
+        "{reset:?}"
+    );
+    (linker, loaded)
+}
+
 /// Outcomes a reset leaves untaken are kept up to the loader's capacity (the newest; an
 /// engine may still take them): an engine that abandons its batches (a dropped `LoadHandle`,
 /// a timed-out wait) and never calls `completed` neither meets `Busy` nor keeps them without
@@ -1130,34 +1164,8 @@ fn outcomes_a_reset_leaves_untaken_are_kept_up_to_the_capacity() {
 fn outcomes_the_engine_waits_for_outlast_abandoned_ones() {
     let r = rig(3);
     let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
-    let config = LinkerConfig {
-        max_in_flight: 2,
-        wait_deadline: Duration::from_millis(300),
-        ..cfg()
-    };
-    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
-    // Batch 1 loads; the engine holds on to it (not abandoned, not taken yet).
-    let held_on = linker
-        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
-        .unwrap();
-    wait_all(&linker, &held_on).unwrap();
-    // Batch 2's read outlasts the reset's bound: the reset names it.
-    r.faulty.inject(
-        FaultRule {
-            times: Some(1),
-            ..FaultRule::default()
-        },
-        Fault::Delay(Duration::from_secs(2)),
-    );
-    let _slow = linker
-        .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(50));
-    let reset = linker.reset();
-    assert!(
-        matches!(&reset, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(2)]),
-        "{reset:?}"
-    );
+    // Batch 1 loaded: the engine holds on to it (not abandoned, not taken yet).
+    let (linker, _held_on) = loaded_beside_a_batch_a_reset_named(&r, 2);
     // Once batch 2's read returns, a reset finds the loader idle; its outcome is in, not
     // taken.
     let until = Instant::now() + Duration::from_secs(10);
@@ -1274,32 +1282,6 @@ fn a_close_beside_another_close_gets_the_same_answer() {
 /// (nothing writes its slots). Before, it named every batch in flight.
 #[test]
 fn a_reset_past_its_bound_names_only_the_batches_still_loading() {
-    let r = rig(3);
-    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
-    let config = LinkerConfig {
-        wait_deadline: Duration::from_millis(300),
-        ..cfg()
-    };
-    let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
-    let loaded = linker
-        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
-        .unwrap();
-    wait_all(&linker, &loaded).unwrap();
-    r.faulty.inject(
-        FaultRule {
-            times: Some(1),
-            ..FaultRule::default()
-        },
-        Fault::Delay(Duration::from_secs(2)),
-    );
-    let _slow = linker
-        .start_load(load_plan(&g, 2, &r.pages, vec![3, 4, 5]))
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(50));
-    let reset = linker.reset();
-    assert!(
-        matches!(&reset, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(2)]),
-        "{reset:?}"
-    );
+    let (linker, loaded) = loaded_beside_a_batch_a_reset_named(&rig(3), 64);
     assert!(linker.wait_batch(&loaded).unwrap().result.is_ok());
 }

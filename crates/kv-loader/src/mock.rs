@@ -1038,6 +1038,20 @@ mod tests {
         );
     }
 
+    /// `rounds` times: a capacity's worth of batches from id `next` on, each abandoned, then
+    /// a reset. The next id.
+    fn abandoned_rounds(mock: &MockKvLoader, mut next: u64, rounds: usize) -> u64 {
+        for _ in 0..rounds {
+            for _ in 0..layerwise_counter::DEFAULT_CAPACITY {
+                let t = mock.start_load(plan(next)).unwrap();
+                mock.abandon(&t);
+                next += 1;
+            }
+            mock.reset().unwrap();
+        }
+        next
+    }
+
     /// As the linker: at most the capacity's worth of outcomes a reset left untaken are kept
     /// (the newest); an engine that never takes them neither meets `Busy` nor keeps them
     /// without bound.
@@ -1045,15 +1059,7 @@ mod tests {
     fn outcomes_a_reset_leaves_untaken_are_kept_up_to_the_capacity() {
         let mock = MockKvLoader::new(2, MockScript::default());
         let capacity = layerwise_counter::DEFAULT_CAPACITY as u64;
-        let mut next = 1;
-        for _ in 0..3 {
-            for _ in 0..capacity {
-                let t = mock.start_load(plan(next)).unwrap();
-                mock.abandon(&t);
-                next += 1;
-            }
-            mock.reset().unwrap();
-        }
+        let next = abandoned_rounds(&mock, 1, 3);
         let kept: Vec<u64> = mock.completed().iter().map(|o| o.batch.0).collect();
         let newest: Vec<u64> = (next - capacity..next).collect();
         assert_eq!(kept, newest);
@@ -1076,15 +1082,7 @@ mod tests {
         ));
         mock.release(BatchId(2));
         let capacity = layerwise_counter::DEFAULT_CAPACITY as u64;
-        let mut next = 3;
-        for _ in 0..2 {
-            for _ in 0..capacity {
-                let t = mock.start_load(plan(next)).unwrap();
-                mock.abandon(&t);
-                next += 1;
-            }
-            mock.reset().unwrap();
-        }
+        let next = abandoned_rounds(&mock, 3, 2);
         let kept: Vec<u64> = mock.completed().iter().map(|o| o.batch.0).collect();
         // The capacity's worth, and the named batch beside them (it is not counted).
         assert_eq!(kept.len(), capacity as usize + 1);
