@@ -1085,6 +1085,30 @@ fn an_abandoned_or_timed_out_batch_lets_its_slots_go_once_over() {
     );
 }
 
+/// `rounds` times: two batches from id `next` on, into `slots`, each loaded and abandoned
+/// (its slots go once it is over: the next round reuses them), then a reset. The next id.
+fn abandoned_rounds(
+    linker: &Linker,
+    r: &Rig,
+    mut next: u64,
+    rounds: usize,
+    slots: [[u32; 3]; 2],
+) -> u64 {
+    let g = linker.geometry();
+    for _ in 0..rounds {
+        for s in &slots {
+            let t = linker
+                .start_load(load_plan(g, next, &r.pages, s.to_vec()))
+                .unwrap_or_else(|e| panic!("batch {next}: {e}"));
+            wait_all(linker, &t).unwrap();
+            linker.abandon(&t);
+            next += 1;
+        }
+        linker.reset().unwrap();
+    }
+    next
+}
+
 /// A linker of `max_in_flight` batches over `r` where batch 1 (slots 0-2) has loaded and
 /// waits to be taken, and batch 2's read (slots 3-5) outlasts a reset's 300 ms bound: the
 /// reset, already run, named batch 2 alone (`SlotsHeld`). Its ticket for batch 1.
@@ -1133,19 +1157,7 @@ fn outcomes_a_reset_leaves_untaken_are_kept_up_to_the_capacity() {
         ..cfg()
     };
     let (linker, _pool) = rank_linker(&r, 1, 0, 16, config);
-    let mut next = 1u64;
-    for _ in 0..4 {
-        for slots in [vec![0, 1, 2], vec![3, 4, 5]] {
-            let t = linker
-                .start_load(load_plan(&g, next, &r.pages, slots))
-                .unwrap_or_else(|e| panic!("batch {next}: {e}"));
-            wait_all(&linker, &t).unwrap();
-            // Its slots go once it is over: the next round reuses them.
-            linker.abandon(&t);
-            next += 1;
-        }
-        linker.reset().unwrap();
-    }
+    let next = abandoned_rounds(&linker, &r, 1, 4, [[0, 1, 2], [3, 4, 5]]);
     let kept: Vec<u64> = linker.completed().iter().map(|o| o.batch.0).collect();
     assert_eq!(kept, [next - 2, next - 1], "the newest two");
     let t = linker
@@ -1163,7 +1175,6 @@ fn outcomes_a_reset_leaves_untaken_are_kept_up_to_the_capacity() {
 #[test]
 fn outcomes_the_engine_waits_for_outlast_abandoned_ones() {
     let r = rig(3);
-    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
     // Batch 1 loaded: the engine holds on to it (not abandoned, not taken yet).
     let (linker, _held_on) = loaded_beside_a_batch_a_reset_named(&r, 2);
     // Once batch 2's read returns, a reset finds the loader idle; its outcome is in, not
@@ -1174,18 +1185,7 @@ fn outcomes_the_engine_waits_for_outlast_abandoned_ones() {
         std::thread::sleep(Duration::from_millis(20));
     }
     // Rounds of abandoned batches, each ended by a reset, more than the capacity keeps.
-    let mut next = 3u64;
-    for _ in 0..3 {
-        for slots in [vec![6, 7, 8], vec![9, 10, 11]] {
-            let t = linker
-                .start_load(load_plan(&g, next, &r.pages, slots))
-                .unwrap_or_else(|e| panic!("batch {next}: {e}"));
-            wait_all(&linker, &t).unwrap();
-            linker.abandon(&t);
-            next += 1;
-        }
-        linker.reset().unwrap();
-    }
+    let next = abandoned_rounds(&linker, &r, 3, 3, [[6, 7, 8], [9, 10, 11]]);
     let kept: Vec<u64> = linker.completed().iter().map(|o| o.batch.0).collect();
     assert_eq!(
         kept,
