@@ -19,6 +19,7 @@
 //! TP group every rank's connector must see the same calls in the same order (`lookup` and
 //! `start_load` are collective).
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -92,6 +93,11 @@ pub struct ConnectorStats {
     pub evictions: u64,
     /// Blocks the engine reused from its own cache (no store traffic).
     pub local_hits: u64,
+    /// Blocks kept out of the pool after a reset said a late store call may still write them
+    /// (`SlotsHeld`), and not given back yet.
+    pub blocks_held_out: u64,
+    /// Blocks given back once the outcomes of the loads that held them came.
+    pub blocks_reclaimed: u64,
     /// The last error a hook swallowed (hooks return no errors), in words.
     pub last_error: Option<String>,
 }
@@ -103,6 +109,9 @@ pub struct KvlinkConnector {
     blocks: Arc<dyn BlockSource>,
     next_batch: AtomicU64,
     stats: Mutex<ConnectorStats>,
+    /// Blocks a late store call may still write, with the batches whose outcomes say when it
+    /// returned (a `SlotsHeld` answer's): given back once every one of them came.
+    held_out: Mutex<Vec<(HashSet<BatchId>, Vec<usize>)>>,
 }
 
 impl KvlinkConnector {
@@ -118,6 +127,7 @@ impl KvlinkConnector {
             blocks,
             next_batch: AtomicU64::new(1),
             stats: Mutex::new(ConnectorStats::default()),
+            held_out: Mutex::new(Vec::new()),
         }
     }
 
@@ -132,6 +142,31 @@ impl KvlinkConnector {
 
     fn stats_mut(&self) -> std::sync::MutexGuard<'_, ConnectorStats> {
         self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Gives back the held-out blocks whose loads' outcomes came (`completed`): their late
+    /// store calls returned, and nothing writes the blocks any more. This connector takes
+    /// every other outcome through its `LoadHandle`, so what `completed` hands out here is
+    /// the held loads'.
+    fn reclaim_held_out(&self) {
+        let mut held = self.held_out.lock().unwrap_or_else(|e| e.into_inner());
+        if held.is_empty() {
+            return;
+        }
+        let came: HashSet<BatchId> = self.loader.completed().iter().map(|o| o.batch).collect();
+        let mut freed = 0u64;
+        held.retain_mut(|(batches, blocks)| {
+            batches.retain(|b| !came.contains(b));
+            if batches.is_empty() {
+                self.blocks.free(blocks);
+                freed += blocks.len() as u64;
+            }
+            !batches.is_empty()
+        });
+        drop(held);
+        let mut s = self.stats_mut();
+        s.blocks_held_out -= freed;
+        s.blocks_reclaimed += freed;
     }
 
     fn plan(&self, pages: Vec<PageHash>, blocks: &[usize]) -> BatchPlan {
@@ -173,6 +208,7 @@ impl KvCacheConnector for KvlinkConnector {
         max_blocks: usize,
     ) -> Option<Vec<usize>> {
         self.stats_mut().lookups += 1;
+        self.reclaim_held_out();
         if group_ids.len() > 1 {
             return None; // one KV cache group (MLA's latent); hybrid caches are not mapped here
         }
@@ -199,8 +235,17 @@ impl KvCacheConnector for KvlinkConnector {
                 drop(s);
                 if action == EngineAction::ResetThenRecompute {
                     if let Err(e) = self.loader.reset() {
-                        // SlotsHeld: a late store call may still write them; keep them out.
+                        // SlotsHeld: a late store call may still write them; keep them out
+                        // until the outcomes of the batches it names come.
                         self.note(format!("reset: {e}; blocks kept out of the pool"));
+                        if let KvLoadError::SlotsHeld { batches } = &e {
+                            let batches = batches.iter().copied().collect();
+                            self.held_out
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push((batches, blocks.clone()));
+                        }
+                        self.stats_mut().blocks_held_out += blocks.len() as u64;
                         return None;
                     }
                 }
