@@ -813,7 +813,7 @@ fn outcomes_taken_by_completed_free_their_slots() {
             taken.extend(outcomes.iter().map(|o| o.batch));
             std::thread::sleep(Duration::from_millis(2));
         }
-        linker
+        let _ = linker
             .start_load(load_plan(&g, batch, &r.pages, vec![6, 7]))
             .unwrap();
     }

@@ -18,6 +18,7 @@ use kv_device::{DeviceRegion, HostRow, SharedEvent};
 /// Callers that act on a result alone settle it (the `*_settled` gathers, or a status
 /// exchange after the data).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CollectiveError {
     /// A participant's deadline passed before every rank had arrived; `missing` are the ranks
     /// that had not arrived by then.

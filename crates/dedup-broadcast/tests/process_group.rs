@@ -58,6 +58,7 @@ fn collective_kind(e: &CollectiveError) -> &'static str {
         CollectiveError::Wait { .. } => "Wait",
         CollectiveError::Unsupported { .. } => "Unsupported",
         CollectiveError::Formation { .. } => "Formation",
+        _ => "Other",
     }
 }
 

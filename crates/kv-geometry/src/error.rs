@@ -2,6 +2,7 @@
 
 /// What went wrong building or querying a KV geometry.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum GeometryError {
     /// A sharded component's heads do not divide evenly by the tensor-parallel size.
     #[error("component `{component}`: {heads} heads do not divide by TP size {tp_size}")]

@@ -106,6 +106,7 @@ pub enum PlanError {
 
 /// The kind of a store failure, as the linker saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum StoreFailure {
     /// The object is not in the store.
     NotFound,

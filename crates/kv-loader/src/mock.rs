@@ -950,7 +950,7 @@ mod tests {
             taken[1].result,
             Err(KvLoadError::Cancelled { .. })
         ));
-        mock.start_load(plan(1)).unwrap();
+        let _ = mock.start_load(plan(1)).unwrap();
         assert!(
             mock.completed()[0].result.is_ok(),
             "a new run's own outcome"
@@ -1010,9 +1010,9 @@ mod tests {
             }
         ));
         two_pages.slots = vec![3, 4];
-        mock.start_load(two_pages).unwrap();
+        let _ = mock.start_load(two_pages).unwrap();
         for b in 2..=layerwise_counter::DEFAULT_CAPACITY as u64 {
-            mock.start_load(plan(b)).unwrap();
+            let _ = mock.start_load(plan(b)).unwrap();
         }
         assert!(matches!(
             mock.start_load(plan(1000)),
@@ -1155,7 +1155,7 @@ mod tests {
             mock.save(&plan(1, vec![])),
             Err(KvLoadError::InvalidPlan { .. })
         ));
-        mock.start_load(plan(2, vec![5])).unwrap();
+        let _ = mock.start_load(plan(2, vec![5])).unwrap();
         assert!(matches!(
             mock.save(&plan(3, vec![5])),
             Err(KvLoadError::Device(_))
@@ -1428,7 +1428,7 @@ mod tests {
         };
         let mock = MockKvLoader::new(2, script);
         let loaded = mock.start_load(plan(1)).unwrap();
-        mock.start_load(plan(2)).unwrap();
+        let _ = mock.start_load(plan(2)).unwrap();
         mock.close().unwrap();
         mock.close().unwrap();
         assert!(matches!(mock.start_load(plan(3)), Err(KvLoadError::Closed)));
@@ -1466,8 +1466,8 @@ mod tests {
             ..MockScript::default()
         };
         let mock = MockKvLoader::new(2, script);
-        mock.start_load(one_page_plan(1, 5)).unwrap();
-        mock.start_load(one_page_plan(3, 6)).unwrap();
+        let _ = mock.start_load(one_page_plan(1, 5)).unwrap();
+        let _ = mock.start_load(one_page_plan(3, 6)).unwrap();
         assert!(
             mock.save(&one_page_plan(2, 5)).is_err(),
             "outcome not taken"
@@ -1509,7 +1509,7 @@ mod tests {
                 ..MockScript::default()
             };
             let mock = MockKvLoader::new(2, script);
-            mock.start_load(one_page_plan(1, 5)).unwrap();
+            let _ = mock.start_load(one_page_plan(1, 5)).unwrap();
             mock.reset().unwrap();
             std::thread::scope(|s| {
                 let old = s.spawn(|| mock.completed());

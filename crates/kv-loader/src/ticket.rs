@@ -7,6 +7,7 @@ use crate::{BatchId, KvLoadError};
 
 /// A batch in flight on one rank, as `start_load` returned it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[must_use = "take the batch's outcome (wait_batch, completed) or abandon it: its slots stay in use until then"]
 pub struct LoadTicket {
     /// The batch.
     pub batch: BatchId,

@@ -983,7 +983,7 @@ fn a_cache_dropped_unfinished_settles_its_load() {
     );
     drop(clone);
     assert!(mock.completed().is_empty(), "the outcome was taken on drop");
-    mock.start_load(plan(11)).unwrap();
+    let _ = mock.start_load(plan(11)).unwrap();
 }
 
 #[test]

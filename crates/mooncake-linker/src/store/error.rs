@@ -4,6 +4,7 @@ use kv_loader::StoreFailure;
 
 /// A failed store operation on one key (or on the whole store).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The object is not in the store.
     #[error("`{key}`: not found")]

@@ -235,6 +235,7 @@ impl Served {
 /// let client = SocketStore::connect(server.address()).unwrap();
 /// assert_eq!(client.exists(&["nothing"]), vec![Ok(false)]);
 /// ```
+#[must_use = "dropping the server stops serving the store"]
 pub struct StoreServer {
     /// Where it listens, with its key.
     address: String,
