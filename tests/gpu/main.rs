@@ -47,6 +47,7 @@ mod tp_dedup;
 mod tp_nccl_one;
 
 /// The settings the checks read.
+#[derive(Debug)]
 pub struct Args {
     /// Smaller sizes (`KVLINK_GPU_QUICK=1`).
     pub quick: bool,

@@ -105,6 +105,12 @@ pub struct InProcessFormation {
     epochs: Mutex<Epochs>,
 }
 
+impl std::fmt::Debug for InProcessFormation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InProcessFormation").finish_non_exhaustive()
+    }
+}
+
 impl InProcessFormation {
     /// Handles built by `build`, which returns one `(data, control)` pair per rank, rank `r`
     /// at index `r`.

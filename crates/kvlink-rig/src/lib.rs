@@ -14,6 +14,7 @@
 //!
 //! A development crate (`publish = false`), not part of kvlink's API: its functions return
 //! `String` errors, made to become a table row, and the table logs its rows to stderr.
+#![allow(missing_debug_implementations)] // development only: no engine holds its types
 #![allow(clippy::print_stderr)]
 
 pub mod child;

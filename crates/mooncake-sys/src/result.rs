@@ -82,6 +82,12 @@ pub struct CKeys {
     ptrs: Vec<*const c_char>,
 }
 
+impl std::fmt::Debug for CKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CKeys").finish_non_exhaustive()
+    }
+}
+
 impl CKeys {
     /// Copies `keys`; a key containing a NUL byte is an error.
     pub fn new<K: AsRef<str>>(keys: &[K]) -> Result<Self> {

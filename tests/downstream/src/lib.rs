@@ -33,6 +33,14 @@ pub struct TinyEngine {
     next_batch: u64,
 }
 
+impl std::fmt::Debug for TinyEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TinyEngine")
+            .field("page_size", &self.page_size)
+            .finish_non_exhaustive()
+    }
+}
+
 impl TinyEngine {
     /// An engine over `loader`, whose pages hold `page_size` tokens.
     pub fn new(loader: Arc<dyn KvLoader>, page_size: u32) -> Self {

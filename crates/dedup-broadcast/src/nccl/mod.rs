@@ -143,6 +143,7 @@ pub fn nccl_unique_id() -> Result<[u8; 128], CollectiveError> {
 }
 
 /// Constructors of NCCL groups.
+#[derive(Debug)]
 pub struct NcclGroup;
 
 impl NcclGroup {

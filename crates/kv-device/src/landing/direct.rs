@@ -50,6 +50,12 @@ pub struct DirectLanding {
     log: TransferLog,
 }
 
+impl std::fmt::Debug for DirectLanding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectLanding").finish_non_exhaustive()
+    }
+}
+
 impl DirectLanding {
     /// Landing of a batch whose plan page `i` goes to page slot `slots[i]` of `pool` (a host
     /// pool that keeps [`SlotClaims`](crate::SlotClaims)), for the components of `shape`.
@@ -283,6 +289,13 @@ fn overlapping(rows: &[HostRow]) -> bool {
 /// ```
 pub struct DirectLandingFactory {
     pool: Arc<dyn KvPool>,
+}
+
+impl std::fmt::Debug for DirectLandingFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectLandingFactory")
+            .finish_non_exhaustive()
+    }
 }
 
 impl DirectLandingFactory {

@@ -273,6 +273,12 @@ pub enum ShareSide<'a> {
     Device(&'a dyn DeviceShare),
 }
 
+impl std::fmt::Debug for ShareSide<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShareSide").finish_non_exhaustive()
+    }
+}
+
 /// Sharing through host memory.
 pub trait HostShare: Send + Sync {
     /// The pool slots of `blocks` (in order, every page of each) at the stage's layer, for a

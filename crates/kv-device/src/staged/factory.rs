@@ -44,6 +44,13 @@ pub struct StagedLandingFactory {
     save_stream: SaveStream,
 }
 
+impl std::fmt::Debug for StagedLandingFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagedLandingFactory")
+            .finish_non_exhaustive()
+    }
+}
+
 /// The factory's shared save stream, cleared by a gather that found it stuck.
 type SaveStream = Arc<Mutex<Option<Arc<dyn Stream>>>>;
 

@@ -114,6 +114,12 @@ pub struct StagedLanding {
     slots_held: AtomicBool,
 }
 
+impl std::fmt::Debug for StagedLanding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagedLanding").finish_non_exhaustive()
+    }
+}
+
 fn stage_err(reason: &'static str) -> DeviceError {
     DeviceError::InvalidStage(reason)
 }

@@ -45,6 +45,12 @@ pub struct LinkerBuilder {
     group: Option<TpGroup>,
 }
 
+impl std::fmt::Debug for LinkerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkerBuilder").finish_non_exhaustive()
+    }
+}
+
 impl Linker {
     /// A builder for the linker of rank `geometry.tp_rank` over `store`, landing into
     /// `pool`. A host pool needs nothing more; a device pool lands through its backend

@@ -157,6 +157,12 @@ pub struct StoreCalls {
     not_started_log: LogEvery,
 }
 
+impl std::fmt::Debug for StoreCalls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreCalls").finish_non_exhaustive()
+    }
+}
+
 /// The calls that did not return by their deadline: how many, and their log lines (a master
 /// that answers late fails every call alike: at its level once a minute per kind of call, at
 /// `debug` in between).

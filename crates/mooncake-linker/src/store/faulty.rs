@@ -229,6 +229,12 @@ pub struct FaultyStore {
     cleared: AtomicU64,
 }
 
+impl std::fmt::Debug for FaultyStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultyStore").finish_non_exhaustive()
+    }
+}
+
 /// A fault hit by a call, key by key.
 type Hits = Vec<Option<Fault>>;
 

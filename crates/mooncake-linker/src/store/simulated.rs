@@ -62,6 +62,13 @@ pub struct SimulatedRemoteStore {
     name: String,
 }
 
+impl std::fmt::Debug for SimulatedRemoteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimulatedRemoteStore")
+            .finish_non_exhaustive()
+    }
+}
+
 impl SimulatedRemoteStore {
     /// A client with a link of `client_gbps` to a store whose node link (`shared`) all
     /// clients made with the same `shared` use.
