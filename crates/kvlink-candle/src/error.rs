@@ -105,6 +105,32 @@ pub enum CandleKvError {
 }
 
 impl CandleKvError {
+    /// What the engine does about a failed prefix load, as [`KvLoadError::action`] says it
+    /// (`HoldSlots` included, which [`needs_reset`](Self::needs_reset) cannot say): a `Load`
+    /// error's own action; `ResetThenRecompute` for [`Unsettled`](Self::Unsettled);
+    /// `Recompute` for [`WaitFailed`](Self::WaitFailed) (the load ended). `None` for the
+    /// errors that are no load's failure (a tensor shape, a page table, a candle operation:
+    /// the engine's own input).
+    ///
+    /// ```
+    /// use kv_loader::{BatchId, EngineAction, KvLoadError};
+    /// use kvlink_candle::CandleKvError;
+    /// let held = CandleKvError::Load {
+    ///     layer: Some(2),
+    ///     source: KvLoadError::SlotsHeld { batches: vec![BatchId(1)].into() },
+    /// };
+    /// assert_eq!(held.action(), Some(EngineAction::HoldSlots));
+    /// assert!(!held.needs_reset());
+    /// ```
+    pub fn action(&self) -> Option<kv_loader::EngineAction> {
+        match self {
+            CandleKvError::Load { source, .. } => Some(source.action()),
+            CandleKvError::Unsettled { .. } => Some(kv_loader::EngineAction::ResetThenRecompute),
+            CandleKvError::WaitFailed { .. } => Some(kv_loader::EngineAction::Recompute),
+            _ => None,
+        }
+    }
+
     /// True when the loaded prefix is unusable because its load failed (or did not
     /// settle): recompute it.
     pub fn is_load_failure(&self) -> bool {
@@ -151,5 +177,40 @@ impl CandleKvError {
             }
             _ => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod action_tests {
+    use super::*;
+    use kv_loader::{BatchId, EngineAction, KvLoadError};
+
+    /// Each load failure says its action, as the loader's error would; an error that is no
+    /// load's failure says none.
+    #[test]
+    fn each_failure_says_what_the_engine_does() {
+        let batch = BatchId(1);
+        let cancelled = KvLoadError::Cancelled { batch };
+        let load = CandleKvError::Load {
+            layer: None,
+            source: cancelled.clone(),
+        };
+        assert_eq!(load.action(), Some(cancelled.action()));
+        let unsettled = CandleKvError::Unsettled {
+            source: KvLoadError::StaleTicket { batch },
+        };
+        assert_eq!(unsettled.action(), Some(EngineAction::ResetThenRecompute));
+        assert!(unsettled.needs_reset());
+        let wait = CandleKvError::WaitFailed {
+            layer: 3,
+            source: cancelled,
+        };
+        assert_eq!(wait.action(), Some(EngineAction::Recompute));
+        let shape = CandleKvError::LayerOutOfRange {
+            layer: 9,
+            num_layers: 4,
+        };
+        assert_eq!(shape.action(), None);
+        assert!(!shape.is_load_failure());
     }
 }
