@@ -43,6 +43,29 @@ pub struct LoadStats {
     pub plans_differ: Vec<u32>,
 }
 
+/// Nothing loaded, in [`ShareMode::AllRanks`] (every rank reads its own copy, the mode of a
+/// rank alone): for a [`KvLoader`](crate::KvLoader) of another crate to fill in the fields it
+/// knows, `LoadStats { pages, layers, ..LoadStats::default() }`, and keep building when a
+/// field is added.
+impl Default for LoadStats {
+    fn default() -> Self {
+        LoadStats {
+            pages: 0,
+            layers: 0,
+            bytes_read: 0,
+            bytes_landed: 0,
+            mode: ShareMode::AllRanks,
+            first_layer: Duration::ZERO,
+            last_layer: Duration::ZERO,
+            transfers: TransferBytes::default(),
+            layer_transfers: Vec::new(),
+            alone: None,
+            read_groups: Vec::new(),
+            plans_differ: Vec::new(),
+        }
+    }
+}
+
 /// A finished batch: loaded, or failed with the same error on every rank.
 #[derive(Debug, Clone)]
 pub struct BatchOutcome {
@@ -155,5 +178,18 @@ mod tests {
             prop_assert!(written.iter().all(|p| r.pages_written.contains(p)));
             prop_assert!(not_saved.iter().all(|p| r.pages_not_saved.contains(p)));
         }
+    }
+
+    /// A loader of another crate fills in what it knows and leaves the rest at nothing.
+    #[test]
+    fn default_stats_are_nothing_loaded_by_every_rank() {
+        let s = LoadStats {
+            pages: 3,
+            layers: 61,
+            ..LoadStats::default()
+        };
+        assert_eq!((s.pages, s.layers, s.bytes_read), (3, 61, 0));
+        assert_eq!(s.mode, ShareMode::AllRanks);
+        assert!(s.alone.is_none() && s.layer_transfers.is_empty() && s.plans_differ.is_empty());
     }
 }
