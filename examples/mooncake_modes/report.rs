@@ -544,9 +544,7 @@ fn calibration_medians(run: &AutoRun) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
-    use kvlink::kv_loader::{LoadStats, ShareMode, TransferBytes};
+    use kvlink::kv_loader::{LoadStats, ShareMode};
 
     use super::ModeResult;
     use crate::rig::RankRun;
@@ -556,16 +554,8 @@ mod tests {
             stats: LoadStats {
                 pages: 1,
                 layers: 1,
-                bytes_read: 0,
-                bytes_landed: 0,
                 mode,
-                first_layer: Duration::ZERO,
-                last_layer: Duration::ZERO,
-                transfers: TransferBytes::default(),
-                layer_transfers: Vec::new(),
-                alone: None,
-                read_groups: Vec::new(),
-                plans_differ: Vec::new(),
+                ..LoadStats::default()
             },
             first: 0.1,
             last: 0.2,
