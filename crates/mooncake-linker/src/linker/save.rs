@@ -339,15 +339,20 @@ impl Inner {
             }
         }
         // One line per store call, not per key: a full or hung store fails every key of every
-        // save, hundreds a call.
+        // save, hundreds a call; at `warn` once a minute (the save's error says it each time).
         if let Some((e, pages)) = &failed {
-            warn!(
-                %batch,
-                component = %comp.layout.name,
-                objects = pages.len(),
-                first_error = %e,
-                "objects not saved"
-            );
+            match self.failed_log.due_after("save: objects not saved") {
+                Some(skipped) => warn!(
+                    %batch,
+                    component = %comp.layout.name,
+                    objects = pages.len(),
+                    first_error = %e,
+                    skipped,
+                    "objects not saved (`skipped`: such lines since the last, logged at debug)"
+                ),
+                None => debug!(%batch, component = %comp.layout.name, objects = pages.len(),
+                               first_error = %e, "objects not saved"),
+            }
         }
         let missing: Vec<(&String, &crate::store::StoreError)> = companions
             .iter()
@@ -355,13 +360,19 @@ impl Inner {
             .filter_map(|((key, _), r)| r.as_ref().err().map(|e| (key, e)))
             .collect();
         if let Some((key, e)) = missing.first() {
-            warn!(
-                %batch,
-                companions = missing.len(),
-                first_key = %key,
-                first_error = %e,
-                "checksum companions not written: their objects are checked by length only"
-            );
+            match self.failed_log.due_after("save: companions not written") {
+                Some(skipped) => warn!(
+                    %batch,
+                    companions = missing.len(),
+                    first_key = %key,
+                    first_error = %e,
+                    skipped,
+                    "checksum companions not written: their objects are checked by length only \
+                     (`skipped`: such lines since the last, logged at debug)"
+                ),
+                None => debug!(%batch, companions = missing.len(), first_key = %key,
+                               first_error = %e, "checksum companions not written"),
+            }
         }
         failed.map_or(Ok(()), |(e, pages)| {
             Err(store_failure(batch, None, pages, e))

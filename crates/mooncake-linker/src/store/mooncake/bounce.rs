@@ -221,13 +221,24 @@ impl MooncakeStore {
                     Some(Err(e)) => Some(e),
                     _ => None,
                 };
-                tracing::warn!(
-                    why = why.as_ref().map_or_else(
-                        || format!("more than {MAX_BOUNCE_BYTES} bytes"),
-                        |e| e.to_string()
-                    ),
-                    "reads into unregistered memory not bounced"
+                let why_words = why.as_ref().map_or_else(
+                    || format!("more than {MAX_BOUNCE_BYTES} bytes"),
+                    |e| e.to_string(),
                 );
+                // Once a minute at `warn`: a refusal that lasts (the budget held by buffers
+                // kept for good) meets every later read of unregistered memory.
+                match self.call_failures.due_after("bounce refused") {
+                    Some(skipped) => tracing::warn!(
+                        why = why_words,
+                        skipped,
+                        "reads into unregistered memory not bounced (`skipped`: such reads \
+                         since the last line, logged at debug)"
+                    ),
+                    None => tracing::debug!(
+                        why = why_words,
+                        "reads into unregistered memory not bounced"
+                    ),
+                }
                 // SAFETY: the caller's promise, for the same gets.
                 let read = unsafe { self.get_into_in_place(gets) };
                 let keys: Vec<&str> = gets.iter().map(|g| g.key).collect();
