@@ -145,9 +145,10 @@ impl KvlinkConnector {
     }
 
     /// Gives back the held-out blocks whose loads' outcomes came (`completed`): their late
-    /// store calls returned, and nothing writes the blocks any more. This connector takes
-    /// every other outcome through its `LoadHandle`, so what `completed` hands out here is
-    /// the held loads'.
+    /// store calls returned, and nothing writes the blocks any more. `completed` hands out
+    /// every finished outcome: this connector must be its loader's only user (the engine's
+    /// one scheduler thread calls it). Besides the held loads', it takes there only the
+    /// outcomes of loads it reset after their `finish` failed, which it needs no more.
     fn reclaim_held_out(&self) {
         let mut held = self.held_out.lock().unwrap_or_else(|e| e.into_inner());
         if held.is_empty() {
@@ -238,6 +239,8 @@ impl KvCacheConnector for KvlinkConnector {
                         // SlotsHeld: a late store call may still write them; keep them out
                         // until the outcomes of the batches it names come.
                         self.note(format!("reset: {e}; blocks kept out of the pool"));
+                        // Counted before it can be reclaimed (by a lookup on another thread).
+                        self.stats_mut().blocks_held_out += blocks.len() as u64;
                         if let KvLoadError::SlotsHeld { batches } = &e {
                             let batches = batches.iter().copied().collect();
                             self.held_out
@@ -245,7 +248,6 @@ impl KvCacheConnector for KvlinkConnector {
                                 .unwrap_or_else(|e| e.into_inner())
                                 .push((batches, blocks.clone()));
                         }
-                        self.stats_mut().blocks_held_out += blocks.len() as u64;
                         return None;
                     }
                 }

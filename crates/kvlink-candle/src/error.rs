@@ -109,8 +109,9 @@ impl CandleKvError {
     /// (`HoldSlots` included, which [`needs_reset`](Self::needs_reset) cannot say): a `Load`
     /// error's own action; `ResetThenRecompute` for [`Unsettled`](Self::Unsettled);
     /// `Recompute` for [`WaitFailed`](Self::WaitFailed) (the load ended). `None` for the
-    /// errors that are no load's failure (a tensor shape, a page table, a candle operation:
-    /// the engine's own input).
+    /// errors that are no load's failure: the engine's own input (a format, a tensor shape, a
+    /// page table, a layer, a token not recomputed, a candle operation) and the pool's own
+    /// refusal or stuck copy ([`Pool`](Self::Pool): see its words).
     ///
     /// ```
     /// use kv_loader::{BatchId, EngineAction, KvLoadError};
@@ -127,7 +128,15 @@ impl CandleKvError {
             CandleKvError::Load { source, .. } => Some(source.action()),
             CandleKvError::Unsettled { .. } => Some(kv_loader::EngineAction::ResetThenRecompute),
             CandleKvError::WaitFailed { .. } => Some(kv_loader::EngineAction::Recompute),
-            _ => None,
+            // Listed, so that a new load failure cannot answer `None` unnoticed.
+            CandleKvError::Format(_)
+            | CandleKvError::Geometry(_)
+            | CandleKvError::Pool(_)
+            | CandleKvError::PageTable { .. }
+            | CandleKvError::Shape { .. }
+            | CandleKvError::LayerOutOfRange { .. }
+            | CandleKvError::NotRecomputed { .. }
+            | CandleKvError::Candle(_) => None,
         }
     }
 
