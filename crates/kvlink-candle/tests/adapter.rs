@@ -637,6 +637,19 @@ struct EventLoader {
     hook: Option<WaitHook>,
 }
 
+impl EventLoader {
+    /// A loader of two layers over the default script whose layer waits go through `hook`.
+    fn hooked(hook: WaitHook) -> Arc<EventLoader> {
+        Arc::new(EventLoader {
+            inner: MockKvLoader::new(2, MockScript::default()),
+            event: Arc::new(CountingEvent::default()),
+            outcome_error: None,
+            panics: AtomicU32::new(0),
+            hook: Some(hook),
+        })
+    }
+}
+
 /// A hook around a layer wait: run before the mock's, and over its answer.
 struct WaitHook {
     before: Box<dyn Fn(u32) + Send + Sync>,
@@ -1250,17 +1263,11 @@ impl StreamWaitable for FailsAfterOnce {
 fn a_failed_event_wait_of_a_layer_seen_ready_is_kept() {
     let event = Arc::new(FailsAfterOnce::default());
     let layer_0 = event.clone();
-    let loader = Arc::new(EventLoader {
-        inner: MockKvLoader::new(2, MockScript::default()),
-        event: Arc::new(CountingEvent::default()),
-        outcome_error: None,
-        panics: AtomicU32::new(0),
-        hook: Some(WaitHook {
-            before: Box::new(|_| {}),
-            answer: Box::new(move |l, ready| match l {
-                0 => LayerReady::Event(layer_0.clone()),
-                _ => ready,
-            }),
+    let loader = EventLoader::hooked(WaitHook {
+        before: Box::new(|_| {}),
+        answer: Box::new(move |l, ready| match l {
+            0 => LayerReady::Event(layer_0.clone()),
+            _ => ready,
         }),
     });
     let ticket = loader.start_load(plan(41)).unwrap();
@@ -1290,23 +1297,17 @@ fn a_wait_that_meets_a_reset_answers_what_another_clones_wait_saw() {
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let (parked_tx, parked_rx) = std::sync::mpsc::sync_channel::<()>(1);
     let go = std::sync::Mutex::new(Some(go_rx));
-    let loader = Arc::new(EventLoader {
-        inner: MockKvLoader::new(2, MockScript::default()),
-        event: Arc::new(CountingEvent::default()),
-        outcome_error: None,
-        panics: AtomicU32::new(0),
-        hook: Some(WaitHook {
-            // The first wait of layer 1 on thread "b" parks until the test lets it go.
-            before: Box::new(move |l| {
-                if l == 1 && std::thread::current().name() == Some("b") {
-                    if let Some(go) = go.lock().unwrap().take() {
-                        parked_tx.send(()).unwrap();
-                        go.recv().unwrap();
-                    }
+    let loader = EventLoader::hooked(WaitHook {
+        // The first wait of layer 1 on thread "b" parks until the test lets it go.
+        before: Box::new(move |l| {
+            if l == 1 && std::thread::current().name() == Some("b") {
+                if let Some(go) = go.lock().unwrap().take() {
+                    parked_tx.send(()).unwrap();
+                    go.recv().unwrap();
                 }
-            }),
-            answer: Box::new(|_, ready| ready),
+            }
         }),
+        answer: Box::new(|_, ready| ready),
     });
     let ticket = loader.start_load(plan(42)).unwrap();
     let mut gate = LayerGate::new(loader.clone(), ticket);
