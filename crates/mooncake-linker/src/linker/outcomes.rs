@@ -447,6 +447,11 @@ impl Outcomes {
         // `held`, `done`, `in_flight`: the order of every other caller.
         let held = self.held.lock();
         let mut done = self.done.lock();
+        // Every batch it could let go is in `done`: at most the capacity there, nothing to do
+        // (the common case, on every batch's finish).
+        if done.len() <= capacity {
+            return;
+        }
         let mut in_flight = self.in_flight.lock();
         let mut ended: Vec<(bool, u64, BatchId, Ticket)> = done
             .iter()
