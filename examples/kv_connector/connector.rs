@@ -239,7 +239,7 @@ impl KvCacheConnector for KvlinkConnector {
                         // SlotsHeld: a late store call may still write them; keep them out
                         // until the outcomes of the batches it names come.
                         self.note(format!("reset: {e}; blocks kept out of the pool"));
-                        // Counted before it can be reclaimed (by a lookup on another thread).
+                        // Counted before the entry is there to be reclaimed.
                         self.stats_mut().blocks_held_out += blocks.len() as u64;
                         if let KvLoadError::SlotsHeld { batches } = &e {
                             let batches = batches.iter().copied().collect();

@@ -91,10 +91,8 @@ impl Outcomes {
         }
         if delivered {
             in_flight.free_slots(batch);
-            in_flight.given_up.insert(batch);
-        } else {
-            in_flight.abandoned.insert(batch);
         }
+        in_flight.abandoned.insert(batch);
     }
 
     /// A batch that `begin` counted never reached the load thread.
@@ -206,10 +204,9 @@ impl Outcomes {
             // The load thread is done with it: an abandoned batch's slots go now.
             let mut in_flight = self.in_flight.lock();
             if in_flight.ticket(outcome.batch) == Some(ticket)
-                && in_flight.abandoned.remove(&outcome.batch)
+                && in_flight.abandoned.contains(&outcome.batch)
             {
                 in_flight.free_slots(outcome.batch);
-                in_flight.given_up.insert(outcome.batch);
             }
         }
         done.insert(outcome.batch, (ticket, outcome));
@@ -460,7 +457,7 @@ impl Outcomes {
                     && !in_flight.named.contains(*b)
                     && self.counter.ready_layers(*t).is_err()
             })
-            .map(|(b, (t, _))| (!in_flight.given_up.contains(b), t.generation(), *b, *t))
+            .map(|(b, (t, _))| (!in_flight.abandoned.contains(b), t.generation(), *b, *t))
             .collect();
         if ended.len() <= capacity {
             return;
@@ -499,11 +496,9 @@ struct InFlight {
     runs: HashMap<BatchId, (Ticket, Box<[u32]>)>,
     /// Per slot of a batch in flight: that batch (a plan names a slot once).
     owners: HashMap<u32, BatchId>,
-    /// Batches the engine abandoned whose outcome is not in yet: their slots go when it is.
+    /// Batches the engine abandoned: their slots go once their outcome is in, and no one
+    /// waits for that outcome (a reset may let it go first, [`Outcomes::trim_ended`]).
     abandoned: HashSet<BatchId>,
-    /// Batches the engine abandoned whose outcome is in: no one waits for it (a reset may let
-    /// it go first, [`Outcomes::trim_ended`]).
-    given_up: HashSet<BatchId>,
     /// Batches a `SlotsHeld` answer named: their engine waits for their outcomes, which are
     /// never let go untaken.
     named: HashSet<BatchId>,
@@ -571,7 +566,6 @@ impl InFlight {
     /// `batch` leaves the sets that mark its run.
     fn forget_marks(&mut self, batch: BatchId) {
         self.abandoned.remove(&batch);
-        self.given_up.remove(&batch);
         self.named.remove(&batch);
     }
 

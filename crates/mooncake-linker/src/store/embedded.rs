@@ -181,18 +181,12 @@ impl EmbeddedStore {
         let Some(lease) = self.lease else {
             return 0;
         };
-        let expired: Vec<(u64, OpenSession)> = {
-            let mut sessions = self.sessions.lock();
-            let tokens: Vec<u64> = sessions
-                .iter()
-                .filter(|(_, s)| s.started.elapsed() >= lease)
-                .map(|(t, _)| *t)
-                .collect();
-            tokens
-                .into_iter()
-                .filter_map(|t| sessions.remove(&t).map(|s| (t, s)))
-                .collect()
-        };
+        let now = Instant::now();
+        let expired: Vec<(u64, OpenSession)> = self
+            .sessions
+            .lock()
+            .extract_if(|_, s| now.saturating_duration_since(s.started) >= lease)
+            .collect();
         for (token, session) in &expired {
             warn!(
                 token,
