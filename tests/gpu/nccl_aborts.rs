@@ -47,6 +47,19 @@ pub fn run_aborts(gpus: u32, report: &mut Report) {
         "1 rank: the comm thread panics under an operation: the call fails at once, the communicator aborted",
         comm_thread_panics,
     );
+    #[cfg(feature = "failpoints")]
+    report.check(
+        SEC,
+        "rank 0 of 2 cannot allocate its scratch: it never joins, its error at once",
+        buffers_fail_before_join,
+    );
+    #[cfg(not(feature = "failpoints"))]
+    report.push(
+        SEC,
+        "rank 0 of 2 cannot allocate its scratch",
+        Status::Skip,
+        "built without feature `failpoints`".to_string(),
+    );
     #[cfg(not(feature = "failpoints"))]
     report.push(
         SEC,
@@ -121,6 +134,37 @@ fn comm_thread_panics() -> Result<String, String> {
         took.as_secs_f64(),
         dropped.as_secs_f64()
     ))
+}
+
+/// A rank whose scratch cannot be allocated (injected through the failpoint "nccl-buffers")
+/// fails before it joins its communicator, so it never joins: its peers' initialisation fails
+/// at their deadline, as for any rank that never came, and no rank's join answers `Ok` for a
+/// group one rank cannot serve. Here rank 0 of 2 joins alone: it answers the allocation
+/// error at once. Allocating after the join, it would wait its 20 s `init_timeout` for rank 1
+/// and answer `Timeout`.
+#[cfg(feature = "failpoints")]
+fn buffers_fail_before_join() -> Result<String, String> {
+    let id = nccl_unique_id().map_err(ce)?;
+    let cfg = NcclConfig {
+        init_timeout: Duration::from_secs(20),
+        ..NcclConfig::default()
+    };
+    fail::cfg("nccl-buffers", "1*return(test)").map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let r = NcclCollective::join(id, 0, 2, 0, cfg);
+    let took = t0.elapsed();
+    fail::remove("nccl-buffers");
+    match r {
+        Err(e @ CollectiveError::Backend(_))
+            if e.to_string().contains("injected") && took < Duration::from_secs(5) =>
+        {
+            Ok(format!("{e} after {:.3} s", took.as_secs_f64()))
+        }
+        Err(e) => Err(format!(
+            "expected the injected Backend error at once, got {e} after {took:?}"
+        )),
+        Ok(_) => Err("the join answered Ok with its scratch not allocated".into()),
+    }
 }
 
 fn init_timeout() -> Result<String, String> {

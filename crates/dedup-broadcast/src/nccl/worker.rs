@@ -246,6 +246,19 @@ fn cerr(source: kv_device::DeviceError) -> CollectiveError {
     }
 }
 
+/// Fault injection (feature `failpoints`): "nccl-buffers" set to `return(why)` fails the
+/// allocation of a starting rank's scratch, before it joins its communicator.
+fn injected_buffer_failure() -> Result<(), CollectiveError> {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("nccl-buffers", |why: Option<String>| Err(
+        CollectiveError::Backend(format!(
+            "allocating the scratch: injected failure ({})",
+            why.unwrap_or_default()
+        ))
+    ));
+    Ok(())
+}
+
 impl Worker {
     /// Opens the device, the comm stream and the communicator (waiting for every rank up to
     /// `init_deadline`).
@@ -278,14 +291,16 @@ impl Worker {
             interrupt: s.interrupt.clone(),
             group: s.group.clone(),
         };
-        w.init_comm(s)?;
         // The scratch and the stage of the small operations (a gate's words, a lookup's
-        // hits), allocated before this rank is ready: allocated inside its first operation,
-        // after its peers may have launched theirs, the driver could order the allocation
-        // after their kernels on this GPU (the two communicators of a rank share it), which
-        // wait for this rank's part.
-        let buffers = w
-            .scratch(MIN_BUFFER)
+        // hits) are allocated before this rank joins the communicator. A rank that cannot
+        // allocate them then never joins: its peers' initialisation fails at its deadline
+        // with this rank's, and no rank's join returns `Ok` for a group that cannot work.
+        // (Allocated after the join, a failure here left the peers formed, to fail their
+        // first batch instead.) Allocated inside the first operation, after the peers may
+        // have launched theirs, the driver could order the allocation after their kernels
+        // on this GPU (the two communicators of a rank share it), which wait for this rank.
+        let buffers = injected_buffer_failure()
+            .and_then(|()| w.scratch(MIN_BUFFER))
             .and_then(|_| match w.stage(MIN_BUFFER) {
                 Ok(_) => Ok(()),
                 Err(Fail::Error(e)) => Err(e),
@@ -297,6 +312,7 @@ impl Worker {
             w.abort_comm("allocating the scratch failed");
             return Err(e);
         }
+        w.init_comm(s)?;
         Ok(w)
     }
 
