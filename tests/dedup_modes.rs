@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::tp::{
-    fail_v_read, rank_matches, run, same_verdict, tp_ranks, tp_ranks_built, Path, RankBuild, TpRank,
+    fail_v_read, poison_all, rank_matches, run, same_verdict, tp_ranks, tp_ranks_built, Path,
+    RankBuild, TpRank,
 };
 use common::*;
 use kvlink::kv_geometry::{ComponentSpec, ElementType, LayerMap, ModelKvSpec, PageHash, RowUnit};
@@ -181,7 +182,9 @@ fn a_failure_on_any_rank_at_any_layer_fails_every_rank_the_same_way() {
                 for r in &rs {
                     assert_eq!(r.linker.metrics().batches_failed, 1);
                 }
-                // The next batch loads on every rank.
+                // The next batch loads on every rank (the layers the failed one published
+                // are poisoned first, so they cannot pass for this one's).
+                poison_all(&rs);
                 for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &pages)).enumerate() {
                     o.result
                         .unwrap_or_else(|e| panic!("{mode:?} after failure, rank {rank}: {e}"));

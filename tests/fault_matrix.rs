@@ -8,8 +8,11 @@
 //!
 //! Every cell runs one batch with the fault and the next batch without it, and counts: hangs
 //! (a cell not done within its bound), panics, wrong bytes (in any layer a rank published, or
-//! in a batch that loaded), split verdicts (ranks that disagree on the batch), and whether the
-//! next batch loaded on every rank, byte for byte, in the group's mode. It prints the matrix
+//! in a batch that loaded; the slots are poisoned before each batch), split verdicts (ranks
+//! that disagree on the batch), whether every rank's verdict is the fault's (`PeerFailed`
+//! naming the failing rank; for a plan mismatch `AllRanks` naming the ranks whose plan
+//! differs), and whether the next batch loaded on every rank, byte for byte, in the group's
+//! mode. It prints the matrix
 //! and requires every cell run, 0 hangs, 0 panics, 0 wrong bytes, 0 split verdicts and the
 //! next batch loaded every time. Small sizes (5 layers, 4 pages), short deadlines; sets of
 //! ranks run two at a time (most of a slow or hung cell is waiting).
@@ -33,8 +36,8 @@ use std::time::{Duration, Instant};
 use common::coll::{Misbehave, Misbehaving};
 use common::load_plan;
 use common::tp::{
-    every_mode, fault_deadlines, mixed_spec, paths, rank_matches_below, run_ok, tp_ranks_built,
-    Path, RankBuild, TpRank,
+    every_mode, fault_deadlines, mixed_spec, paths, poison_all, rank_matches_below, run_ok,
+    tp_ranks_built, Path, RankBuild, TpRank,
 };
 use kvlink::kv_geometry::PageHash;
 use kvlink::kv_loader::{BatchPlan, KvLoader, LoadTicket, RequestPages, ShareMode};
@@ -104,7 +107,9 @@ struct Seen {
     panics: u32,
     wrong_bytes: u32,
     split: u32,
-    /// The faulty batch ended as the kind says (failed everywhere, or loaded everywhere).
+    /// The faulty batch ended as the kind says on every rank: failed with `PeerFailed` naming
+    /// the failing rank (a rank leaving: failed), or, for a plan mismatch, loaded `AllRanks`
+    /// naming the ranks whose plan differs.
     as_expected: u32,
     next_loaded: u32,
 }
@@ -215,6 +220,8 @@ fn cell(set: &Ranks, kind: Kind, fail: u32, layer: u32) -> Seen {
         ..Seen::default()
     };
     let batch = set.batch.fetch_add(2, Ordering::SeqCst) as u64;
+    // Bytes an earlier batch left in the slots must not pass for this one's.
+    poison_all(&set.rs);
     let stall = arm(set, kind, fail, layer);
     // Phase A: every rank starts the batch and waits its layers like an engine.
     let waited: Vec<std::thread::Result<(LoadTicket, u32)>> = std::thread::scope(|s| {
@@ -246,6 +253,7 @@ fn cell(set: &Ranks, kind: Kind, fail: u32, layer: u32) -> Seen {
         s.release();
     }
     let mut loaded = Vec::new();
+    let mut verdicts_as_expected = true;
     for (rank, w) in waited.into_iter().enumerate() {
         let Ok((t, published)) = w else {
             seen.panics += 1;
@@ -255,6 +263,9 @@ fn cell(set: &Ranks, kind: Kind, fail: u32, layer: u32) -> Seen {
         let outcome = r.linker.wait_batch(&t);
         let ok = matches!(&outcome, Ok(o) if o.result.is_ok());
         loaded.push(ok);
+        verdicts_as_expected &= outcome
+            .as_ref()
+            .is_ok_and(|o| verdict_as_expected(kind, fail, set.rs.len() as u32, &o.result));
         let upto = if ok { u32::MAX } else { published };
         if rank_matches_below(r, &set.hashes, rank as u32, &r.slots, upto).is_err() {
             seen.wrong_bytes += 1;
@@ -265,7 +276,10 @@ fn cell(set: &Ranks, kind: Kind, fail: u32, layer: u32) -> Seen {
     if !(all || none) {
         seen.split += 1;
     }
-    if loaded.len() == set.rs.len() && (if kind.loads() { all } else { none }) {
+    if loaded.len() == set.rs.len()
+        && (if kind.loads() { all } else { none })
+        && verdicts_as_expected
+    {
         seen.as_expected += 1;
     }
     // The next batch loads on every rank, in the group's mode.
@@ -278,6 +292,32 @@ fn cell(set: &Ranks, kind: Kind, fail: u32, layer: u32) -> Seen {
         Err(_) => {}
     }
     seen
+}
+
+/// Whether one rank's result is what a fault of `kind` on rank `fail` (of `tp`) must give: a
+/// plan mismatch loads `AllRanks` on every rank, each naming the ranks whose plan differs
+/// from rank 0's; a rank leaving fails the batch (how its peers see it depends on when it
+/// left); every other fault fails every rank with `PeerFailed` naming `fail` (its own error
+/// gated to the others, not a timeout of theirs).
+fn verdict_as_expected(
+    kind: Kind,
+    fail: u32,
+    tp: u32,
+    result: &Result<kvlink::kv_loader::LoadStats, kvlink::kv_loader::KvLoadError>,
+) -> bool {
+    match (kind, result) {
+        (Kind::PlanMismatch, Ok(stats)) => {
+            let differ: Vec<u32> = if fail == 0 {
+                (1..tp).collect()
+            } else {
+                vec![fail]
+            };
+            stats.mode == ShareMode::AllRanks && stats.plans_differ == differ
+        }
+        (Kind::RankGone, Err(_)) => true,
+        (_, Err(kvlink::kv_loader::KvLoadError::PeerFailed { rank, .. })) => *rank == fail,
+        _ => false,
+    }
 }
 
 type Key = (Kind, &'static str, u32);

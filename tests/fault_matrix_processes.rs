@@ -6,7 +6,10 @@
 //! that panics, the store going down (for that rank), a plan that differs. (A rank that dies is `kill -9` plus the group's
 //! re-forming at the rendezvous: the process-group formation's own tests.) Each rank runs the
 //! same cells in the same order and reports each; the parent prints the matrix and requires
-//! every cell run, 0 hangs, 0 panics, 0 wrong bytes, 0 split verdicts, the next batch loaded.
+//! every cell run, 0 hangs, 0 panics, 0 wrong bytes (the slots are poisoned before each
+//! batch), 0 split verdicts, every rank's verdict the fault's (`PeerFailed` naming the failing
+//! rank; for a plan mismatch `AllRanks` naming the ranks whose plan differs), the next batch
+//! loaded.
 #![cfg(target_os = "linux")]
 
 /// Writes a line straight to this process's stdout: the test harness does not capture it, so
@@ -31,7 +34,7 @@ use common::{load_plan, prompt};
 use kvlink::dedup_broadcast::{MeetingPoint, Rendezvous, RendezvousConfig};
 use kvlink::kv_device::HostKvPool;
 use kvlink::kv_geometry::{page_hashes, KvGeometry, PageHash};
-use kvlink::kv_loader::{KvLoader, RequestPages};
+use kvlink::kv_loader::{BatchOutcome, KvLoadError, KvLoader, RequestPages};
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultRule, FaultyStore, KvStore, ServeAt, Stall, StoreError,
 };
@@ -91,6 +94,50 @@ fn bytes_ok(
             })
         })
     })
+}
+
+/// Fills every layer of `slots` with a poison byte, so that bytes an earlier batch left there
+/// cannot pass for the next one's (no batch may be in flight).
+fn poison(pool: &HostKvPool, g: &KvGeometry, slots: &[u32]) {
+    for c in g.components() {
+        let bytes = vec![0xa5; c.page_layer_bytes as usize];
+        for &l in &c.layers {
+            for &slot in slots {
+                // SAFETY: no batch of this rank is in flight (every outcome was taken), and
+                // nothing else writes the pool.
+                unsafe { pool.write_slot(c.id, l, slot, &bytes) }.unwrap();
+            }
+        }
+    }
+}
+
+/// What a rank's batch ended as, in one word: `<mode>/<ranks whose plan differs>` when it
+/// loaded, `peer_failed/<rank>` when a rank's failure failed it, else the error's kind.
+fn verdict(outcome: &Result<BatchOutcome, KvLoadError>) -> String {
+    match outcome.as_ref().map(|o| &o.result) {
+        Ok(Ok(stats)) => {
+            let differ: Vec<String> = stats.plans_differ.iter().map(u32::to_string).collect();
+            format!("{:?}/{}", stats.mode, differ.join("+"))
+        }
+        Ok(Err(KvLoadError::PeerFailed { rank, .. })) => format!("peer_failed/{rank}"),
+        Ok(Err(e)) => e.kind_name().to_string(),
+        Err(e) => format!("wait/{}", e.kind_name()),
+    }
+}
+
+/// The verdict every rank must give for a fault of `kind` on rank `fail`: a plan mismatch
+/// loads `AllRanks`, naming the ranks whose plan differs from rank 0's; any other fault fails
+/// every rank with `PeerFailed` naming the failing rank.
+fn expected_verdict(kind: &str, fail: u32) -> String {
+    if kind != "plan" {
+        return format!("peer_failed/{fail}");
+    }
+    let differ: Vec<String> = if fail == 0 {
+        (1..WORLD).map(|r| r.to_string()).collect()
+    } else {
+        vec![fail.to_string()]
+    };
+    format!("AllRanks/{}", differ.join("+"))
 }
 
 fn rank_main(role: &HashMap<String, String>) {
@@ -175,6 +222,7 @@ fn rank_main(role: &HashMap<String, String>) {
                 pages: pages.clone(),
             }];
         }
+        poison(pool, &g, &slots);
         let t = linker.start_load(plan).unwrap();
         let published = (0..linker.num_layers())
             .take_while(|&l| linker.wait_layer(&t, l).is_ok())
@@ -183,12 +231,11 @@ fn rank_main(role: &HashMap<String, String>) {
         if let Some(s) = stall {
             s.release();
         }
-        let loaded = linker
-            .wait_batch(&t)
-            .map(|o| o.result.is_ok())
-            .unwrap_or(false);
+        let outcome = linker.wait_batch(&t);
+        let loaded = matches!(&outcome, Ok(o) if o.result.is_ok());
         let upto = if loaded { u32::MAX } else { published };
         let ok = bytes_ok(pool, &g, &pages, &slots, upto);
+        poison(pool, &g, &slots);
         let t = linker
             .start_load(load_plan(&g, batch + 1, &pages, slots.clone()))
             .unwrap();
@@ -199,8 +246,9 @@ fn rank_main(role: &HashMap<String, String>) {
             .map(|s| format!("{:?}", s.mode));
         let next_ok = next_mode.is_some() && bytes_ok(pool, &g, &pages, &slots, u32::MAX);
         report(&format!(
-            "cell mode={mode} kind={kind} fail={fail} layer={layer} loaded={} bytes={} next={} nextmode={}",
+            "cell mode={mode} kind={kind} fail={fail} layer={layer} loaded={} verdict={} bytes={} next={} nextmode={}",
             u8::from(loaded),
+            verdict(&outcome),
             u8::from(ok),
             u8::from(next_ok),
             next_mode.unwrap_or_else(|| "-".into())
@@ -267,7 +315,13 @@ fn every_cell_on_a_process_group_runs_without_hang_panic_or_wrong_byte() {
         let all = loaded.iter().all(|&l| l);
         let none = loaded.iter().all(|&l| !l);
         row.split += u32::from(!(all || none));
-        row.as_expected += u32::from(if kind == "plan" { all } else { none });
+        let verdict = expected_verdict(kind, fail);
+        let verdicts_ok = got.iter().all(|g| field(g, "verdict") == verdict);
+        if !verdicts_ok {
+            let seen: Vec<&str> = got.iter().map(|g| field(g, "verdict")).collect();
+            out!("  cell {mode} {kind} rank {fail} layer {layer}: verdicts {seen:?}, expected {verdict}");
+        }
+        row.as_expected += u32::from((if kind == "plan" { all } else { none }) && verdicts_ok);
         let modes: Vec<&str> = got.iter().map(|g| field(g, "nextmode")).collect();
         let first = base
             .entry(mode)

@@ -19,7 +19,9 @@ use common::{load_plan, prompt, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
-use kvlink::kv_loader::{BatchId, EngineAction, KvLoadError, KvLoader, LookupRequest, PlanError};
+use kvlink::kv_loader::{
+    BatchId, EngineAction, KvLoadError, KvLoader, LoadStats, LookupRequest, PlanError,
+};
 use kvlink::mooncake_linker::store::{
     EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, StoreError,
 };
@@ -100,8 +102,18 @@ fn batch_slots(rank: u32, b: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Starts `batch`, waits every layer, takes the outcome: whether it loaded.
-fn load(r: &TpRank, batch: u64, hashes: &[PageHash]) -> bool {
+/// What a batch ended as, in a word: `loaded`, `peer_failed/<the rank named>`, or the error's
+/// kind.
+fn verdict(result: &Result<LoadStats, KvLoadError>) -> String {
+    match result {
+        Ok(_) => "loaded".into(),
+        Err(KvLoadError::PeerFailed { rank, .. }) => format!("peer_failed/{rank}"),
+        Err(e) => e.kind_name().into(),
+    }
+}
+
+/// Starts `batch`, waits every layer, takes the outcome: its [`verdict`].
+fn load(r: &TpRank, batch: u64, hashes: &[PageHash]) -> String {
     let t = r
         .linker
         .start_load(load_plan(
@@ -112,7 +124,7 @@ fn load(r: &TpRank, batch: u64, hashes: &[PageHash]) -> bool {
         ))
         .unwrap();
     let _ = wait_all(&r.linker, &t);
-    r.linker.wait_batch(&t).unwrap().result.is_ok()
+    verdict(&r.linker.wait_batch(&t).unwrap().result)
 }
 
 #[test]
@@ -143,16 +155,20 @@ fn a_queued_batch_cancelled_by_reset_still_meets_the_group() {
             r.linker.reset().unwrap();
             // As an engine does after a reset: the outcomes it ended are taken (their slots
             // are free again).
-            let taken: Vec<bool> = [t2, t3]
+            let taken: Vec<String> = [t2, t3]
                 .iter()
-                .map(|t| r.linker.wait_batch(t).unwrap().result.is_ok())
+                .map(|t| verdict(&r.linker.wait_batch(t).unwrap().result))
                 .collect();
-            (taken[0], taken[1])
+            (taken[0].clone(), taken[1].clone())
         });
+        // The rank that reset still met its peers at each batch's gate, failed: every rank
+        // fails each with `PeerFailed` naming it (the peers not at their collective timeout).
+        let expected = format!("peer_failed/{fail}");
         for (rank, (two, three)) in loaded.into_iter().enumerate() {
-            assert!(
-                !two && !three,
-                "{what}: rank {rank} loaded a cancelled batch"
+            assert_eq!(
+                (&two, &three),
+                (&expected, &expected),
+                "{what}: rank {rank}"
             );
         }
         rs[fail as usize].faults.clear();
@@ -203,16 +219,25 @@ fn a_batch_refused_as_busy_on_one_rank_still_meets_the_group() {
                             // The peers fail batch 4 (below): this rank recomputes it too.
                             // Before, `RetryLater`: a start of it again met peers past it.
                             assert_eq!(e.action(), EngineAction::Recompute, "{what}: {e}");
-                            false
+                            "busy".to_string()
                         }
                         Err(e) => panic!("{what}: rank {rank}: {e}"),
                         Ok(t) => {
                             let _ = wait_all(&r.linker, &t);
-                            r.linker.wait_batch(&t).unwrap().result.is_ok()
+                            verdict(&r.linker.wait_batch(&t).unwrap().result)
                         }
                     }
                 });
-                assert!(four.iter().all(|l| !l), "{what}: {four:?}");
+                // The full rank still met its peers at batch 4's gate, failed: they fail it
+                // with `PeerFailed` naming it (not at their collective timeout).
+                for (rank, v) in four.iter().enumerate() {
+                    let expected = if rank as u32 == fail {
+                        "busy".to_string()
+                    } else {
+                        format!("peer_failed/{fail}")
+                    };
+                    assert_eq!(*v, expected, "{what}: rank {rank}");
+                }
                 for t in kept {
                     assert!(rs[fail as usize]
                         .linker
@@ -368,10 +393,15 @@ fn a_device_error_while_landing_on_one_rank_leaves_the_group_in_step() {
             .unwrap()
             .fail_enqueue(CpuOp::ToDevice, 3);
         let outcomes = common::tp::run(rs, 2, hashes);
-        assert!(
-            outcomes.iter().all(|o| o.result.is_err()),
-            "{what}: every rank fails the batch: {outcomes:?}"
-        );
+        // Every rank fails the batch with `PeerFailed` naming the failing rank (its own
+        // error gated to the others, not a timeout of theirs).
+        for (rank, o) in outcomes.iter().enumerate() {
+            assert_eq!(
+                verdict(&o.result),
+                format!("peer_failed/{fail}"),
+                "{what}: rank {rank}: {o:?}"
+            );
+        }
         3
     });
 }

@@ -91,6 +91,17 @@ impl RankPool {
     }
 }
 
+/// Poisons every rank's slots (see [`RankPool::poison`]): no batch of any rank may be in
+/// flight.
+pub fn poison_all(ranks: &[TpRank]) {
+    for r in ranks {
+        r.pool.poison(r.linker.geometry(), &r.slots, POISON);
+    }
+}
+
+/// The byte [`poison_all`] writes.
+pub const POISON: u8 = 0xa5;
+
 /// One rank: its linker, pool, store decorator for faults, slots, and its CPU device.
 pub struct TpRank {
     pub linker: Linker,
@@ -441,8 +452,11 @@ pub fn run_timed(
     })
 }
 
-/// Every rank loaded `batch` whole, in one mode, every byte in place; the mode.
+/// Every rank loaded `batch` whole, in one mode, every byte in place; the mode. The ranks'
+/// slots are poisoned first, so that bytes an earlier batch left there cannot pass for this
+/// one's (no batch of any rank may be in flight).
 pub fn run_ok(ranks: &[TpRank], batch: u64, pages: &[PageHash], what: &str) -> ShareMode {
+    poison_all(ranks);
     let outcomes = run(ranks, batch, pages);
     let mut modes = Vec::new();
     for (rank, (r, o)) in ranks.iter().zip(outcomes).enumerate() {
