@@ -17,7 +17,7 @@ use kvlink::dedup_broadcast::{CollectiveError, GroupFormation, GroupHandles};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::ScatterStrategy;
 use kvlink::kv_geometry::PageHash;
-use kvlink::kv_loader::{KvLoader, ShareMode};
+use kvlink::kv_loader::{KvLoadError, KvLoader, ShareMode};
 use kvlink::mooncake_linker::store::{EmbeddedStore, Fault, FaultCall, FaultRule, KvStore, Stall};
 use kvlink::mooncake_linker::{LinkerConfig, TpGroup};
 
@@ -762,4 +762,56 @@ fn close_waits_one_wait_deadline_in_all() {
         );
         let _ = one.join().unwrap();
     });
+}
+
+/// A rank whose linker closed has left the group (ranks as threads): its peers' batches fail
+/// at once with every later formation too, not each at its collective timeout. Before, a
+/// re-formation built a handle for the closed rank that nobody took, so each later gate
+/// waited the whole timeout for it (and each lookup with it).
+#[test]
+fn after_a_rank_closes_its_peers_fail_at_once_batch_after_batch() {
+    let timeout = Duration::from_secs(5);
+    for path in paths() {
+        for mode in [ShareMode::AllRanks, ShareMode::Rank0Broadcast] {
+            let cfg = LinkerConfig {
+                collective_timeout: timeout,
+                ..config(mode)
+            };
+            let what = format!("{path:?} {mode:?}");
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+            let (rs, hashes) = tp_ranks(&mixed_spec(), 3, store, 4, &cfg, path);
+            run_ok(&rs, 1, &hashes, &what);
+            rs[1].linker.close().unwrap();
+            let left = [&rs[0], &rs[2]];
+            for batch in 2..5 {
+                let t0 = Instant::now();
+                let hashes = &hashes;
+                let outcomes = std::thread::scope(|s| {
+                    let hs: Vec<_> = left
+                        .iter()
+                        .map(|&r| s.spawn(move || run(std::slice::from_ref(r), batch, hashes)))
+                        .collect();
+                    hs.into_iter()
+                        .map(|h| h.join().unwrap())
+                        .collect::<Vec<_>>()
+                });
+                let took = t0.elapsed();
+                for o in outcomes.iter().flatten() {
+                    match &o.result {
+                        // The group aborted by the rank's leaving (the batch after it).
+                        Err(_) if batch == 2 => {}
+                        // Each later one: the group does not form without the rank.
+                        Err(KvLoadError::GroupDown { missing, .. }) => {
+                            assert_eq!(missing, &[1], "{what}: batch {batch}")
+                        }
+                        other => panic!("{what}: batch {batch}: {other:?}"),
+                    }
+                }
+                assert!(
+                    took < timeout / 2,
+                    "{what}: batch {batch} took {took:?}: a rank waited for the closed one"
+                );
+            }
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! Re-forming a group after an abort: at a batch boundary, a rank whose handles are
 //! [broken](crate::Collective::broken) asks the group's formation for fresh ones.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -73,6 +73,25 @@ pub trait GroupFormation: Send + Sync {
         epoch: u64,
         deadline: Instant,
     ) -> Result<GroupHandles, CollectiveError>;
+
+    /// Rank `rank` has one more user of its handles (a linker built on them). Formations
+    /// that know when a rank leaves count them; the default does nothing.
+    fn enter(&self, rank: u32) {
+        let _ = rank;
+    }
+
+    /// A user of rank `rank`'s handles is done with them for good (its linker closed).
+    /// `true` when it was the rank's last one: the rank has left the group, and the caller
+    /// aborts its handles, so that its peers fail at once rather than at their deadline. A
+    /// formation that answers `true` must then not form the group without that rank as if it
+    /// were there (it fails the formation, naming the rank missing) until the rank enters or
+    /// re-forms again. The default answers `false`: nothing is aborted, and the peers of a
+    /// rank that left meet its absence as a formation across processes does (its sockets
+    /// close when its process ends; its rendezvous seat stays empty).
+    fn leave(&self, rank: u32) -> bool {
+        let _ = rank;
+        false
+    }
 }
 
 /// Builds every rank's `(data, control)` handles of one in-process group, rank `r` at index
@@ -84,12 +103,23 @@ type Build = dyn Fn() -> Result<Vec<(Arc<dyn Collective>, Arc<dyn Collective>)>,
 /// Per epoch, the handles no rank has taken yet.
 type Epochs = HashMap<u64, Vec<Option<GroupHandles>>>;
 
+/// Who uses each rank's handles ([`GroupFormation::enter`], [`GroupFormation::leave`]).
+#[derive(Debug, Default)]
+struct Members {
+    /// Per rank, the users of its handles (linkers) not yet closed.
+    users: HashMap<u32, u32>,
+    /// Ranks whose last user left, and that have not entered or re-formed since.
+    left: BTreeSet<u32>,
+}
+
 /// The formation of a group whose ranks are threads of this process: the first rank to ask for
 /// an epoch builds every rank's handles at once (with `build`), each rank takes its own. A rank
 /// that lags joins the newest epoch its peers built, or builds the next one when that group
 /// was aborted already (its peers gave up on it). A rank waits for another only while that one
 /// is building (an NCCL group's set-up, up to its init timeout), and then at most until its
-/// own deadline.
+/// own deadline. A rank whose last linker closed ([`GroupFormation::leave`]) has left: the
+/// group is not formed without it (the formation fails at once, naming it missing) until it
+/// enters or re-forms again; its peers then fail their batches at once, or read alone.
 ///
 /// ```
 /// use std::time::{Duration, Instant};
@@ -103,6 +133,7 @@ pub struct InProcessFormation {
     size: u32,
     build: Box<Build>,
     epochs: Mutex<Epochs>,
+    members: Mutex<Members>,
 }
 
 impl std::fmt::Debug for InProcessFormation {
@@ -125,6 +156,7 @@ impl InProcessFormation {
             size,
             build: Box::new(build),
             epochs: Mutex::new(HashMap::new()),
+            members: Mutex::new(Members::default()),
         }
     }
 
@@ -176,6 +208,23 @@ impl GroupFormation for InProcessFormation {
                 "rank {rank} of a group of {}",
                 self.size
             )));
+        }
+        let left = {
+            let mut members = self.members.lock();
+            // A rank asking is there, whatever it said before.
+            members.left.remove(&rank);
+            members.left.iter().copied().collect::<Vec<u32>>()
+        };
+        if !left.is_empty() {
+            return Err(CollectiveError::Formation {
+                epoch,
+                detail: format!(
+                    "rank(s) {left:?} left the group (their linkers closed): it is not formed \
+                     without them"
+                ),
+                missing: left,
+                cause: None,
+            });
         }
         // Stale epochs' handles taken out below: declared before the lock's guard, so dropped
         // after it (an NCCL handle's drop joins its comm thread, up to seconds: the other
@@ -252,6 +301,27 @@ impl GroupFormation for InProcessFormation {
         })?;
         tracing::info!(rank, epoch, "group re-formed");
         Ok(handles)
+    }
+
+    fn enter(&self, rank: u32) {
+        let mut members = self.members.lock();
+        *members.users.entry(rank).or_default() += 1;
+        members.left.remove(&rank);
+    }
+
+    fn leave(&self, rank: u32) -> bool {
+        let mut members = self.members.lock();
+        let Some(users) = members.users.get_mut(&rank).filter(|n| **n > 0) else {
+            // Never entered: not a user this formation counted.
+            return false;
+        };
+        *users -= 1;
+        if *users > 0 {
+            return false;
+        }
+        members.left.insert(rank);
+        tracing::info!(rank, "rank left the group: its last linker closed");
+        true
     }
 }
 
@@ -405,5 +475,29 @@ mod tests {
         let other = InProcessFormation::host(2);
         assert_eq!(other.reform(1, 1, soon()).unwrap().epoch, 1);
         assert_eq!(other.reform(0, 1, soon()).unwrap().epoch, 1);
+    }
+
+    /// A rank whose last user left is missing from every formation until it enters again;
+    /// one user of two leaving is not the rank leaving.
+    #[test]
+    fn a_rank_whose_last_user_left_is_missing_until_it_enters_again() {
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        let f = InProcessFormation::host(3);
+        for rank in 0..3 {
+            f.enter(rank);
+        }
+        f.enter(1);
+        assert!(!f.leave(1), "rank 1 has another user");
+        assert!(f.reform(0, 1, soon()).is_ok());
+        assert!(f.leave(1), "rank 1's last user");
+        assert!(!f.leave(1), "not counted twice");
+        assert!(!f.leave(7), "a rank never entered");
+        match f.reform(2, 2, soon()) {
+            Err(CollectiveError::Formation { missing, .. }) => assert_eq!(missing, vec![1]),
+            other => panic!("{other:?}"),
+        }
+        f.enter(1);
+        assert_eq!(f.reform(2, 2, soon()).unwrap().epoch, 2);
+        assert_eq!(f.reform(1, 2, soon()).unwrap().epoch, 2);
     }
 }

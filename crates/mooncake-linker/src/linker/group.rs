@@ -1,6 +1,7 @@
 //! The TP group a linker shares replicated KV with, and the linker's live handles on it
 //! ([`GroupLink`]), re-formed (data and control together) when either broke.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -164,6 +165,8 @@ pub(crate) struct GroupLink {
     /// lookups and batches alternate). Cleared when the group re-forms.
     pub(crate) down_batch_log: LogEvery,
     pub(crate) down_lookup_log: LogEvery,
+    /// Set once this linker told the formation it left ([`leave`](Self::leave)).
+    left: AtomicBool,
 }
 
 impl GroupLink {
@@ -186,6 +189,9 @@ impl GroupLink {
     /// The link of `group`, when this linker shares with other ranks.
     pub(crate) fn of(group: Option<&TpGroup>) -> Option<Arc<GroupLink>> {
         group.filter(|g| g.size() > 1).map(|g| {
+            if let Some(f) = &g.formation {
+                f.enter(g.rank());
+            }
             Arc::new(GroupLink {
                 rank: g.rank(),
                 current: Mutex::new(GroupHandles {
@@ -199,8 +205,30 @@ impl GroupLink {
                 refusal_log: LogEvery::default(),
                 down_batch_log: LogEvery::default(),
                 down_lookup_log: LogEvery::default(),
+                left: AtomicBool::new(false),
             })
         })
+    }
+
+    /// This linker is done with the group (it closed; once). When it was the rank's last
+    /// user the formation counts, the rank has left: its handles are aborted, so that peers
+    /// waiting on them fail now, and fail each later formation at once, rather than each at
+    /// its deadline.
+    pub(crate) fn leave(&self) {
+        if self.left.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some(formation) = &self.formation else {
+            return;
+        };
+        if formation.leave(self.rank) {
+            let handles = self.current.lock().clone();
+            tracing::info!(rank = self.rank, epoch = handles.epoch, "leaving the group");
+            handles.abort(&format!(
+                "rank {} left the group (its linker closed)",
+                self.rank
+            ));
+        }
     }
 
     /// The handles to use now, with `channel`'s marked in use until the mark is dropped (a
@@ -294,6 +322,14 @@ impl GroupLink {
                 })
             }
         }
+    }
+}
+
+/// A link dropped without [`GroupLink::leave`] (its linker's build failed after it was made)
+/// still leaves, so that the formation's count of the rank's users stays true.
+impl Drop for GroupLink {
+    fn drop(&mut self) {
+        self.leave();
     }
 }
 

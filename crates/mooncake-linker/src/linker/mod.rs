@@ -944,6 +944,11 @@ impl Linker {
             let registered = self.inner.registered.lock().take();
             drop(registered);
         }
+        // This rank leaves the group: peers of a group whose formation counts linkers fail
+        // their batches at once from now on, not each at its collective timeout.
+        if let Some(link) = &self.inner.group {
+            link.leave();
+        }
         cancelled
     }
 }
