@@ -10,6 +10,7 @@ pub mod store;
 pub use linker::{
     auto_verify_threads, GroupFallback, Linker, LinkerBuilder, LinkerConfig, LinkerMetrics,
     MetricsSnapshot, PrefixProbe, ReadGranularity, TpGroup, LAYER_LATENCY_BUCKETS_US,
+    MAX_READ_PARALLELISM,
 };
 #[cfg(target_os = "linux")]
 pub use linker::{serve_group_store, FormedTpGroup};

@@ -91,8 +91,11 @@ pub struct LinkerConfig {
     /// is kept until it returns).
     pub store_call_timeout: Duration,
     /// Store calls each group's reads are split into, issued at once from scoped threads
-    /// (1: one batched call per group of layers). Stores whose batched call is served by one
-    /// thread (the embedded store) read faster with more.
+    /// (1: one batched call per group of layers; 0 counts as 1). Stores whose batched call is
+    /// served by one thread (the embedded store) read faster with more. At most
+    /// [`MAX_READ_PARALLELISM`]: every store call runs on one of
+    /// [`MAX_WORKERS`](crate::store::MAX_WORKERS) workers, which lookups, sessions and saves
+    /// share (a linker refuses more).
     pub read_parallelism: usize,
     /// Threads one layer's checksum verification may use at most (a layer under 8 MiB is
     /// checked on the load thread alone; 0 counts as 1). The check sits on the load thread
@@ -122,9 +125,10 @@ pub struct LinkerConfig {
     /// outlast a call even when every rank reads at once: 2 GiB in flight over one storage
     /// node is about half a second on a 16-core host over TCP loopback.
     pub read_bytes_in_flight: u64,
-    /// Objects per store call when saving.
+    /// Objects per store call when saving (0 counts as 1).
     pub save_chunk: usize,
-    /// Batches tracked at once (started and not yet taken; `Busy` past it). A reset frees
+    /// Batches tracked at once (started and not yet taken; `Busy` past it; 0 counts as 1, and
+    /// at most 65,536 are). A reset frees
     /// the count of the batches it ended; of their outcomes no one takes, this many are kept
     /// (those of abandoned batches go first, then the earliest started; never one a
     /// `SlotsHeld` answer named).
@@ -223,11 +227,17 @@ pub fn auto_verify_threads(cores: usize) -> usize {
     cores.clamp(1, 4)
 }
 
+/// The most store calls a group's reads may be split into
+/// ([`LinkerConfig::read_parallelism`]).
+pub const MAX_READ_PARALLELISM: usize = 64;
+
 impl LinkerConfig {
     /// The values no linker can run with, refused at build (and by a
     /// [`PrefixProbe`](crate::PrefixProbe) of its store bound): a zero bound (every store call,
-    /// read or collective would fail at once) and an adaptive granularity's prior that is not
-    /// [valid](crate::read_plan::ReadCost::is_valid) (it was replaced by the default unsaid).
+    /// read or collective would fail at once), a zero `lease_renewal` (a session start before
+    /// every store call), a `read_parallelism` past [`MAX_READ_PARALLELISM`], and an adaptive
+    /// granularity's prior that is not [valid](crate::read_plan::ReadCost::is_valid) (it was
+    /// replaced by the default unsaid).
     pub(crate) fn check(&self) -> Result<(), KvLoadError> {
         let bounds = [
             ("layer_read_timeout", self.layer_read_timeout),
@@ -238,6 +248,21 @@ impl LinkerConfig {
         if let Some((name, _)) = bounds.iter().find(|(_, d)| d.is_zero()) {
             return Err(KvLoadError::config(format!(
                 "LinkerConfig::{name} is zero: every call it bounds would fail at once"
+            )));
+        }
+        if self.lease_renewal.is_zero() {
+            return Err(KvLoadError::config(
+                "LinkerConfig::lease_renewal is zero: a read session would be started again \
+                 before every store call",
+            ));
+        }
+        if self.read_parallelism > MAX_READ_PARALLELISM {
+            return Err(KvLoadError::config(format!(
+                "LinkerConfig::read_parallelism is {}, past {MAX_READ_PARALLELISM}: each of a \
+                 load's calls takes one of the {} store-call workers the linker's lookups, \
+                 sessions and saves share, and the calls past them would fail every batch",
+                self.read_parallelism,
+                crate::store::MAX_WORKERS
             )));
         }
         if let ReadGranularity::Adaptive { prior, .. } = self.read_granularity {
@@ -286,5 +311,44 @@ impl Default for LinkerConfig {
             collective_timeout: Duration::from_secs(25),
             group_fallback: GroupFallback::Fail,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(c: LinkerConfig) -> String {
+        match c.check() {
+            Err(e @ KvLoadError::Config(_)) => e.to_string(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The values no linker can run with are refused as `Config`, saying which; the defaults
+    /// and the largest `read_parallelism` are not.
+    #[test]
+    fn values_no_linker_can_run_with_are_refused() {
+        LinkerConfig::default().check().unwrap();
+        let most = LinkerConfig {
+            read_parallelism: MAX_READ_PARALLELISM,
+            ..LinkerConfig::default()
+        };
+        most.check().unwrap();
+        let e = refused(LinkerConfig {
+            store_call_timeout: Duration::ZERO,
+            ..LinkerConfig::default()
+        });
+        assert!(e.contains("store_call_timeout"), "{e}");
+        let e = refused(LinkerConfig {
+            lease_renewal: Duration::ZERO,
+            ..LinkerConfig::default()
+        });
+        assert!(e.contains("lease_renewal"), "{e}");
+        let e = refused(LinkerConfig {
+            read_parallelism: MAX_READ_PARALLELISM + 1,
+            ..LinkerConfig::default()
+        });
+        assert!(e.contains("read_parallelism"), "{e}");
     }
 }

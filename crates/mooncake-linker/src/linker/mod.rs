@@ -67,7 +67,7 @@ use crate::store::{KvStore, StoreCalls};
 use auto::AutoMode;
 use batch::BatchJob;
 pub use builder::LinkerBuilder;
-pub use config::{auto_verify_threads, GroupFallback, LinkerConfig};
+pub use config::{auto_verify_threads, GroupFallback, LinkerConfig, MAX_READ_PARALLELISM};
 use gate::Gates;
 pub use granularity::ReadGranularity;
 use granularity::ReadGroups;

@@ -15,7 +15,29 @@ pub(crate) struct PinnedKeys<'a> {
     /// What a renewal pins: the batch's own keys (an adopted session may cover more).
     keys: Vec<String>,
     renewed: Instant,
+    /// The renewal period: the configured one, or half the session's lease when that is
+    /// shorter ([`period`]).
     every: Duration,
+    /// The configured renewal period (`LinkerConfig::lease_renewal`).
+    configured: Duration,
+}
+
+/// How often a session is renewed: `configured`, or half the lease the store granted when
+/// that is shorter. A store whose lease is at most the configured period (an embedded store
+/// `with_lease` a second, say, against the default two) would otherwise let the pins lapse
+/// between renewals: its objects could be evicted under the load.
+fn period(configured: Duration, session: Option<&ReadSession>) -> Duration {
+    match session.and_then(|s| s.lease) {
+        Some(lease) if lease / 2 < configured => {
+            tracing::debug!(
+                ?lease,
+                ?configured,
+                "renewing the read session at half the store's lease, under lease_renewal"
+            );
+            lease / 2
+        }
+        _ => configured,
+    }
 }
 
 impl<'a> PinnedKeys<'a> {
@@ -41,10 +63,11 @@ impl<'a> PinnedKeys<'a> {
         Ok(PinnedKeys {
             calls,
             timeout,
+            every: period(every, session.as_ref()),
             session,
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             renewed: started,
-            every,
+            configured: every,
         })
     }
 
@@ -62,10 +85,11 @@ impl<'a> PinnedKeys<'a> {
         PinnedKeys {
             calls,
             timeout,
+            every: period(every, Some(&session)),
             session: Some(session),
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             renewed: started,
-            every,
+            configured: every,
         }
     }
 
@@ -93,6 +117,7 @@ impl<'a> PinnedKeys<'a> {
         // Counted from the call's start, as in `start`.
         let started = Instant::now();
         let fresh = self.calls.start_session(&keys, self.deadline())?;
+        self.every = period(self.configured, Some(&fresh));
         if let Some(old) = self.session.replace(fresh) {
             if let Err(e) = self.calls.end_session(&old, self.deadline()) {
                 warn!(error = %e, "ending a renewed read session failed");
@@ -152,6 +177,29 @@ mod tests {
             pins.renewed.elapsed() >= every,
             "the renewal is due once the slow call returns"
         );
+    }
+
+    /// A store whose lease is shorter than twice the configured period is renewed at half
+    /// its lease. Before, an embedded store `with_lease` a second under the default two
+    /// seconds' renewal let the pins lapse between renewals (its objects evictable mid-load).
+    #[test]
+    fn a_lease_shorter_than_the_renewal_is_renewed_at_half_the_lease() {
+        let store = EmbeddedStore::new(1 << 20).with_lease(Some(Duration::from_secs(1)));
+        let bytes = [7u8; 8];
+        let put = crate::store::ObjectPut {
+            key: "k",
+            parts: [(bytes.as_ptr(), bytes.len())].into_iter().collect(),
+        };
+        // SAFETY: `bytes` is a live slice, read-only for the call.
+        assert!(unsafe { store.put(&[put]) }[0].is_ok());
+        let calls = StoreCalls::new(Arc::new(store) as Arc<dyn KvStore>);
+        let timeout = Duration::from_secs(5);
+        let every = Duration::from_secs(2);
+        let pins = PinnedKeys::start(&calls, &["k"], every, timeout).unwrap();
+        assert_eq!(pins.renewal_period(), Duration::from_millis(500));
+        // A lease longer than twice the period leaves the period as configured.
+        let pins = PinnedKeys::start(&calls, &["k"], Duration::from_millis(400), timeout).unwrap();
+        assert_eq!(pins.renewal_period(), Duration::from_millis(400));
     }
 
     /// Before, a rank that reads nothing of a batch still started (and renewed) a read
