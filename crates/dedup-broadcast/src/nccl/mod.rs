@@ -91,6 +91,26 @@ pub struct NcclConfig {
     pub timing: bool,
 }
 
+impl NcclConfig {
+    /// Refuses settings no group can run with: a zero `init_timeout` (every start would time
+    /// out at once) or a zero `abort_grace` (the handle would stop waiting for the comm
+    /// thread's reply the moment an operation's deadline passed, and count every timeout as
+    /// a silent thread: its buffers leaked, its thread never joined).
+    pub fn check(&self) -> Result<(), CollectiveError> {
+        for (name, value) in [
+            ("init_timeout", self.init_timeout),
+            ("abort_grace", self.abort_grace),
+        ] {
+            if value.is_zero() {
+                return Err(CollectiveError::Backend(format!(
+                    "NcclConfig::{name} is zero: no NCCL group can run with it"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for NcclConfig {
     fn default() -> Self {
         NcclConfig {
@@ -174,6 +194,7 @@ impl NcclGroup {
         config: NcclConfig,
         deadline: Instant,
     ) -> Result<Vec<NcclCollective>, CollectiveError> {
+        config.check()?;
         if ordinals.is_empty() {
             return Err(CollectiveError::Backend(
                 "an NCCL group needs a rank".into(),
@@ -457,6 +478,7 @@ impl NcclCollective {
         config: NcclConfig,
         deadline: Instant,
     ) -> Result<Self, CollectiveError> {
+        config.check()?;
         nccl_version()?;
         let deadline = deadline.min(kv_loader::deadline_after(config.init_timeout));
         let group = Arc::new(Mutex::new(None));

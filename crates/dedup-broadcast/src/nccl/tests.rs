@@ -234,3 +234,30 @@ fn a_group_given_up_asks_every_rank_to_abort_and_waits_once() {
     drop(ranks);
     assert!(t1.elapsed() < grace, "{:?}", t1.elapsed());
 }
+
+/// Settings no group can run with are refused before any NCCL call (no library needed).
+#[test]
+fn a_zero_init_timeout_or_abort_grace_is_refused() {
+    assert!(NcclConfig::default().check().is_ok());
+    for config in [
+        NcclConfig {
+            init_timeout: Duration::ZERO,
+            ..NcclConfig::default()
+        },
+        NcclConfig {
+            abort_grace: Duration::ZERO,
+            ..NcclConfig::default()
+        },
+    ] {
+        let far = kv_loader::deadline_after(Duration::from_secs(5));
+        for r in [
+            NcclCollective::join_by(([0; 128], 0, 2), 0, config, far).map(drop),
+            NcclGroup::new_in_process_with(&[0, 1], config).map(drop),
+        ] {
+            match r {
+                Err(CollectiveError::Backend(m)) => assert!(m.contains("is zero"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}
