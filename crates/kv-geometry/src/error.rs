@@ -56,7 +56,8 @@ pub enum GeometryError {
     },
     /// A number past kvlink's documented bound ([`MAX_LAYERS`](crate::MAX_LAYERS),
     /// [`MAX_PAGE_SIZE`](crate::MAX_PAGE_SIZE), [`MAX_ROW_BYTES`](crate::MAX_ROW_BYTES),
-    /// [`MAX_COMPONENTS`](crate::MAX_COMPONENTS)): refused before anything is sized by it.
+    /// [`MAX_COMPONENTS`](crate::MAX_COMPONENTS), [`MAX_TP_SIZE`](crate::MAX_TP_SIZE)):
+    /// refused before anything is sized by it.
     #[error("{what}: {value} is more than the most kvlink takes ({max})")]
     TooLarge {
         /// What was counted.

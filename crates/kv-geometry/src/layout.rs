@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use crate::{GeometryError, ModelKvSpec, RowUnit};
+use crate::{GeometryError, ModelKvSpec, RowUnit, MAX_TP_SIZE};
 
 /// Index of a component in its model spec (and in a [`KvGeometry`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -89,6 +89,7 @@ impl KvGeometry {
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(GeometryError::BadTpRank { tp_rank, tp_size });
         }
+        crate::model::at_most("TP size", u64::from(tp_size), u64::from(MAX_TP_SIZE))?;
         let mut components = Vec::with_capacity(spec.components.len());
         for (i, c) in spec.components.iter().enumerate() {
             let row_bytes = c.rank_row_bytes(tp_size)?;

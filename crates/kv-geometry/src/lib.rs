@@ -43,5 +43,5 @@ pub use key::{KeyScheme, Namespace};
 pub use layout::{ComponentId, ComponentLayout, KvGeometry};
 pub use model::{
     ModelKvSpec, DSA_FP8_ROW_BYTES, DSA_INDEX_HEAD_DIM, GLM52_INDEXER_LAYERS, MAX_COMPONENTS,
-    MAX_LAYERS, MAX_PAGE_SIZE, MAX_ROW_BYTES, MLA_LATENT_ELEMENTS,
+    MAX_LAYERS, MAX_PAGE_SIZE, MAX_ROW_BYTES, MAX_TP_SIZE, MLA_LATENT_ELEMENTS,
 };

@@ -28,8 +28,11 @@ pub const MAX_ROW_BYTES: u32 = 1 << 24;
 /// fits `u64` (256 such components would not).
 pub const MAX_COMPONENTS: usize = 255;
 
+/// Most TP ranks a geometry may be split over (as many as a rendezvous takes).
+pub const MAX_TP_SIZE: u32 = 1 << 16;
+
 /// `value` against `max`: a [`GeometryError::TooLarge`] past it.
-fn at_most(what: &'static str, value: u64, max: u64) -> Result<(), GeometryError> {
+pub(crate) fn at_most(what: &'static str, value: u64, max: u64) -> Result<(), GeometryError> {
     if value > max {
         return Err(GeometryError::TooLarge { what, value, max });
     }

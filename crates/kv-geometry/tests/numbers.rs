@@ -112,6 +112,16 @@ fn gqa_shards_by_head() {
         KvGeometry::new(ModelKvSpec::llama3_70b(), 2, 2),
         Err(GeometryError::BadTpRank { .. })
     ));
+    // A TP size past the bound is refused, even for a model with nothing to shard (which
+    // no heads check would stop): a probe sized by it built a key scheme per rank.
+    assert!(KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), kv_geometry::MAX_TP_SIZE, 0).is_ok());
+    assert!(matches!(
+        KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), u32::MAX, 0),
+        Err(GeometryError::TooLarge {
+            what: "TP size",
+            ..
+        })
+    ));
 }
 
 #[test]

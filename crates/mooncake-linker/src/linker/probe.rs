@@ -39,7 +39,8 @@ use crate::store::{KvStore, StoreCalls};
 pub struct PrefixProbe {
     /// Rank 0's geometry: pages, components, and which are sharded.
     geometry: KvGeometry,
-    /// One key scheme per TP rank (the sharded components' keys differ by rank).
+    /// One key scheme per TP rank (the sharded components' keys differ by rank); rank 0's
+    /// alone when no component is sharded.
     schemes: Vec<KeyScheme>,
     calls: StoreCalls,
     store_call_timeout: Duration,
@@ -56,7 +57,11 @@ impl PrefixProbe {
     ) -> Result<Self, KvLoadError> {
         config.check()?;
         let geometry = KvGeometry::new(spec, tp_size, 0)?;
-        let schemes = (0..tp_size)
+        // Every rank reads the same keys of replicated components: rank 0's scheme names
+        // them all.
+        let sharded = geometry.components().iter().any(|c| !c.replicated);
+        let ranks = if sharded { tp_size } else { 1 };
+        let schemes = (0..ranks)
             .map(|rank| {
                 let g = KvGeometry::new(geometry.spec().clone(), tp_size, rank)?;
                 Ok(KeyScheme::new(
@@ -126,7 +131,7 @@ impl std::fmt::Debug for PrefixProbe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PrefixProbe")
             .field("model", &self.geometry.spec().model)
-            .field("tp_size", &self.schemes.len())
+            .field("tp_size", &self.geometry.tp_size())
             .finish_non_exhaustive()
     }
 }
