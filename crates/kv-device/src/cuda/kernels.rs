@@ -50,6 +50,26 @@ impl Drop for Kernels {
 /// Threads per block of the copy kernel.
 const BLOCK: u32 = 256;
 
+/// The kernel source `KVLINK_KERNELS` names (`nvrtc` or `ptx`, any case, blanks around):
+/// `None` when unset or empty, and for anything else, with a warning (a typo would otherwise
+/// leave the automatic choice unsaid).
+fn kernels_from_env(value: Option<String>) -> Option<KernelSource> {
+    let value = value?;
+    match value.trim().to_ascii_lowercase().as_str() {
+        "nvrtc" => Some(KernelSource::Nvrtc),
+        "ptx" => Some(KernelSource::EmbeddedPtx),
+        "" => None,
+        _ => {
+            tracing::warn!(
+                value,
+                "KVLINK_KERNELS is neither `nvrtc` nor `ptx`: choosing the kernels' source as \
+                 if it were unset"
+            );
+            None
+        }
+    }
+}
+
 impl Kernels {
     /// Loads the kernels into `ctx` (current on this thread). `force`: a given source;
     /// `None`: `KVLINK_KERNELS=nvrtc|ptx` if set, else NVRTC when `libnvrtc` is present,
@@ -58,11 +78,7 @@ impl Kernels {
         ctx: &Arc<CudaContext>,
         force: Option<KernelSource>,
     ) -> Result<Self, DeviceError> {
-        let wanted = force.or_else(|| match std::env::var("KVLINK_KERNELS").as_deref() {
-            Ok("nvrtc") => Some(KernelSource::Nvrtc),
-            Ok("ptx") => Some(KernelSource::EmbeddedPtx),
-            _ => None,
-        });
+        let wanted = force.or_else(|| kernels_from_env(std::env::var("KVLINK_KERNELS").ok()));
         match wanted {
             Some(KernelSource::Nvrtc) => Self::from_nvrtc(ctx),
             Some(KernelSource::EmbeddedPtx) => Self::from_ptx(ctx),
@@ -259,6 +275,17 @@ mod tests {
         // At the row limit the last row plus one grid step still fits in the kernel's u32.
         let (_, y) = grid(MAX_ROWS, 1);
         assert!(u64::from(MAX_ROWS - 1) + u64::from(y) <= u64::from(u32::MAX));
+    }
+
+    /// `KVLINK_KERNELS` in any case, with blanks, names its source; empty or unknown, none.
+    #[test]
+    fn kvlink_kernels_is_read_in_any_case() {
+        let from = |v: &str| kernels_from_env(Some(v.to_string()));
+        assert!(matches!(from(" PTX "), Some(KernelSource::EmbeddedPtx)));
+        assert!(matches!(from("Nvrtc"), Some(KernelSource::Nvrtc)));
+        assert!(from("").is_none());
+        assert!(from("pxt").is_none());
+        assert!(kernels_from_env(None).is_none());
     }
 
     #[test]

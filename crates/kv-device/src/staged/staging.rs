@@ -165,14 +165,20 @@ impl StagingPool {
         Self::with_stages(device, half_bytes, 2, count)
     }
 
-    /// `count` staging buffers of `stages` stages (at least 2) of `stage_bytes` each: a batch
-    /// can then read up to `stages - 1` layers per store call.
+    /// `count` staging buffers (at least one) of `stages` stages (at least 2) of
+    /// `stage_bytes` each: a batch can then read up to `stages - 1` layers per store call.
     pub fn with_stages(
         device: Arc<dyn Device>,
         stage_bytes: usize,
         stages: usize,
         count: usize,
     ) -> Result<Arc<Self>, DeviceError> {
+        if count == 0 {
+            // Every batch would fail as if each buffer were leased or quarantined.
+            return Err(DeviceError::Unsupported(
+                "a staging pool of no buffers (count 0): no batch could stage",
+            ));
+        }
         let stages = stages.max(2);
         let total = stage_bytes.checked_mul(stages).ok_or(DeviceError::Alloc {
             bytes: u64::MAX,
@@ -535,6 +541,16 @@ mod tests {
 
     fn pool_of_one() -> Arc<StagingPool> {
         StagingPool::with_stages(CpuDevice::new(0).unwrap(), 4096, 2, 1).unwrap()
+    }
+
+    /// A pool of no buffers is refused at once: every batch failed later as if each buffer
+    /// were leased or quarantined.
+    #[test]
+    fn a_pool_of_no_buffers_is_refused() {
+        match StagingPool::with_stages(CpuDevice::new(0).unwrap(), 4096, 2, 0) {
+            Err(e @ DeviceError::Unsupported(_)) => assert!(e.to_string().contains("count 0")),
+            other => panic!("{:?}", other.map(|p| p.available())),
+        }
     }
 
     #[test]

@@ -184,8 +184,11 @@ impl RendezvousConfig {
     /// | algorithm | `KVLINK_COLLECTIVE` (`ring`, `direct`) | `ring` |
     ///
     /// In a process where torch itself already listens on `MASTER_PORT` (its own store), set
-    /// `KVLINK_RENDEZVOUS` to another port.
+    /// `KVLINK_RENDEZVOUS` to another port. A variable set to nothing counts as unset.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self, RendezvousError> {
+        // A variable set to nothing (or blanks) counts as unset, as the Mooncake settings'
+        // reader takes it: `KVLINK_RANK=` falls back to `RANK`, not to an error.
+        let var = |k: &str| var(k).filter(|v| !v.trim().is_empty());
         let pick = |a: &str, b: &str| var(a).or_else(|| var(b));
         let num = |a: &str, b: &str| -> Result<u32, RendezvousError> {
             let v = pick(a, b)
@@ -282,6 +285,28 @@ mod tests {
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.transport, TransportChoice::Tcp);
         assert_eq!(c.algorithm, Algorithm::Direct);
+    }
+
+    /// A variable set to nothing counts as unset: the torch names behind it are taken.
+    #[test]
+    fn empty_kvlink_variables_fall_back_to_torch_names() {
+        let c = RendezvousConfig::from_vars(vars(&[
+            ("KVLINK_RANK", ""),
+            ("RANK", "1"),
+            ("KVLINK_WORLD_SIZE", " "),
+            ("WORLD_SIZE", "2"),
+            ("KVLINK_RENDEZVOUS", ""),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "7"),
+            ("KVLINK_RENDEZVOUS_TIMEOUT", ""),
+        ]))
+        .unwrap();
+        assert_eq!((c.rank, c.world), (1, 2));
+        assert!(matches!(c.meet, MeetingPoint::Tcp(ref a) if a == "h:7"));
+        assert_eq!(
+            c.timeout,
+            RendezvousConfig::new(0, 1, c.meet.clone()).timeout
+        );
     }
 
     #[test]

@@ -221,6 +221,14 @@ impl SocketStore {
     /// a request at most 60 s (its arrival, then its handling and reply): a longer timeout
     /// waits longer for a reply, but a request the server gave up on ends as `Unavailable`.
     pub fn connect_with(address: &str, timeout: Duration) -> Result<SocketStore, StoreError> {
+        if timeout.is_zero() {
+            return Err(StoreError::InvalidArgument {
+                key: "connect".into(),
+                detail: "a served store's request timeout of zero: every request would time \
+                         out at once"
+                    .into(),
+            });
+        }
         let (address, key) = split_address(address)
             .map_err(|e| CallError::Down(e.into()).for_key(location(address), "connect"))?;
         let s = SocketStore {

@@ -1147,3 +1147,13 @@ fn an_end_on_a_connection_that_breaks_is_tried_again_and_the_pins_go() {
     }
     assert_eq!(y.exists(&["k"]), vec![Ok(false)], "k stayed pinned");
 }
+
+/// A zero request timeout is refused when connecting: every request would time out at once,
+/// which read as a network fault.
+#[test]
+fn a_zero_request_timeout_is_refused() {
+    match SocketStore::connect_with("unix:@kvlink-no-such-store", Duration::ZERO) {
+        Err(StoreError::InvalidArgument { detail, .. }) => assert!(detail.contains("zero")),
+        other => panic!("{:?}", other.map(drop)),
+    }
+}
