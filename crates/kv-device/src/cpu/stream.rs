@@ -18,6 +18,12 @@ enum Work {
     Wait(SharedEvent),
 }
 
+/// `share` (0 to 1) of `max`, at most `max`: `Duration::mul_f64` panics where the product
+/// rounds past `Duration::MAX` (a `max_op_delay` near it, `share` 1).
+fn fraction_of(max: Duration, share: f64) -> Duration {
+    Duration::try_from_secs_f64(max.as_secs_f64() * share).map_or(max, |d| d.min(max))
+}
+
 impl Work {
     fn op(&self) -> (CpuOp, u64) {
         match self {
@@ -172,7 +178,7 @@ impl Worker {
             self.rng ^= self.rng << 13;
             self.rng ^= self.rng >> 7;
             self.rng ^= self.rng << 17;
-            std::thread::sleep(max.mul_f64((self.rng % 1024) as f64 / 1023.0));
+            std::thread::sleep(fraction_of(max, (self.rng % 1024) as f64 / 1023.0));
         }
     }
 
@@ -183,7 +189,13 @@ impl Worker {
                 Some(why) => ev.fail(why),
             },
             _ if self.failed.is_some() => {}
-            Work::Wait(ev) => self.wait(&*ev),
+            // On the CPU event itself (`wait` checked there is one): a wrapper whose `as_any`
+            // names it could answer its own waits early, and the stream must hold for the
+            // event the driver would wait on, as a CUDA stream waits on the `CUevent`.
+            Work::Wait(ev) => match ev.as_any().downcast_ref::<CpuEvent>() {
+                Some(cpu) => self.wait(cpu),
+                None => self.wait(&*ev),
+            },
             // SAFETY: the enqueuer promised (Stream::transfer) that both ranges are valid and
             // untouched by anything else until an event recorded after this copy completes,
             // which cannot happen before this runs.
@@ -253,5 +265,72 @@ unsafe fn run_rows(c: RowCopy) {
         // SAFETY: the caller promised every named row lies in its buffer, destination rows
         // are distinct and overlap no source row.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, row) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An event that answers its own waits at once but names an incomplete CPU event as
+    /// what it is (`as_any`), as a wrapper may.
+    #[derive(Debug)]
+    struct EarlyWrapper(CpuEvent);
+
+    impl kv_loader::StreamWaitable for EarlyWrapper {
+        fn wait_on_stream(&self, _: kv_loader::RawStream) -> Result<(), kv_loader::KvLoadError> {
+            Ok(())
+        }
+        fn synchronize(&self) -> Result<(), kv_loader::KvLoadError> {
+            Ok(())
+        }
+    }
+
+    impl DeviceEvent for EarlyWrapper {
+        fn is_complete(&self) -> Result<bool, DeviceError> {
+            Ok(true)
+        }
+
+        fn wait_until(&self, _deadline: Instant) -> Result<bool, DeviceError> {
+            Ok(true)
+        }
+
+        fn as_any(&self) -> &dyn std::any::Any {
+            &self.0
+        }
+    }
+
+    /// A stream waits for the CPU event a wrapper names, not for the wrapper's own answer.
+    #[test]
+    fn a_stream_waits_on_the_cpu_event_a_wrapper_names() {
+        let device = crate::CpuDevice::new(0).unwrap();
+        let stream = crate::Device::new_stream(&*device).unwrap();
+        let wrapper: SharedEvent = Arc::new(EarlyWrapper(CpuEvent::new(Duration::from_secs(5))));
+        stream.wait(&wrapper).unwrap();
+        let after = stream.record().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            !after.is_complete().unwrap(),
+            "work after the wait ran before the CPU event completed"
+        );
+        wrapper
+            .as_any()
+            .downcast_ref::<CpuEvent>()
+            .unwrap()
+            .complete();
+        assert!(after
+            .wait_until(kv_loader::deadline_after(Duration::from_secs(5)))
+            .unwrap());
+    }
+
+    /// A share of a delay near `Duration::MAX` saturates at it instead of panicking.
+    #[test]
+    fn a_share_of_the_longest_delay_is_at_most_it() {
+        assert_eq!(fraction_of(Duration::MAX, 1.0), Duration::MAX);
+        assert_eq!(
+            fraction_of(Duration::from_secs(2), 0.5),
+            Duration::from_secs(1)
+        );
+        assert_eq!(fraction_of(Duration::from_secs(2), 0.0), Duration::ZERO);
     }
 }
