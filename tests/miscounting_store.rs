@@ -67,7 +67,10 @@ impl Miscounting {
     }
 }
 
-impl KvStore for Miscounting {
+// SAFETY: a test decorator: every call runs the inner store's within the call (no thread of
+// its own); the results it alters are its test's point, over an embedded store whose calls
+// end before they return, so none of them is an `Abandoned` it could hide.
+unsafe impl KvStore for Miscounting {
     kvlink::mooncake_linker::forward_store_calls!(inner => get_into, remove, discard, register, unregister,
         start_session, end_session, health);
 

@@ -126,7 +126,8 @@ struct DeviceLike(Arc<HostKvPool>);
 
 // SAFETY: every address and region is the wrapped host pool's (which keeps the promises);
 // marked device-resident, it is only reached through a landing's staging and a gatherer,
-// which on the CPU device backend treat device memory as host memory, as it is here.
+// which on the CPU device backend treat device memory as host memory, as it is here. The
+// tests read the wrapped pool directly only once a batch's outcome is taken (no claim then).
 unsafe impl KvPool for DeviceLike {
     fn geometry(&self) -> &KvGeometry {
         self.0.geometry()
@@ -403,7 +404,10 @@ struct WrittenFirstByAnother {
     bytes: Vec<u8>,
 }
 
-impl KvStore for WrittenFirstByAnother {
+// SAFETY: a test decorator: every call runs the inner store's within the call (no thread of
+// its own); the results it alters are its test's point, over an embedded store whose calls
+// end before they return, so none of them is an `Abandoned` it could hide.
+unsafe impl KvStore for WrittenFirstByAnother {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
         get_ranges, remove, discard, register, unregister, start_session, end_session, health);
 
@@ -482,7 +486,10 @@ struct Race {
     same_bytes: bool,
 }
 
-impl KvStore for RacedByAnother {
+// SAFETY: a test decorator: every call runs the inner store's within the call (no thread of
+// its own); the results it alters are its test's point, over an embedded store whose calls
+// end before they return, so none of them is an `Abandoned` it could hide.
+unsafe impl KvStore for RacedByAnother {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
         get_ranges, remove, discard, register, unregister, start_session, end_session, health);
 
@@ -729,7 +736,10 @@ struct AnswersWritten {
     inner: Arc<dyn KvStore>,
 }
 
-impl KvStore for AnswersWritten {
+// SAFETY: a test decorator: every call runs the inner store's within the call (no thread of
+// its own); the results it alters are its test's point, over an embedded store whose calls
+// end before they return, so none of them is an `Abandoned` it could hide.
+unsafe impl KvStore for AnswersWritten {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
         get_ranges, remove, discard, register, unregister, start_session, end_session, health);
 
@@ -856,7 +866,10 @@ struct TakesNoChecksums {
     inner: Arc<dyn KvStore>,
 }
 
-impl KvStore for TakesNoChecksums {
+// SAFETY: a test decorator: every call runs the inner store's within the call (no thread of
+// its own); the results it alters are its test's point, over an embedded store whose calls
+// end before they return, so none of them is an `Abandoned` it could hide.
+unsafe impl KvStore for TakesNoChecksums {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into,
         get_ranges, put, remove, discard, register, unregister, start_session, end_session,
         health);
@@ -1371,7 +1384,10 @@ struct RewrittenMidBatch {
     rewrite: std::sync::Mutex<Option<(Vec<u8>, Vec<u8>)>>,
 }
 
-impl KvStore for RewrittenMidBatch {
+// SAFETY: a test decorator: every call runs the inner store's within the call (no thread of
+// its own); the results it alters are its test's point, over an embedded store whose calls
+// end before they return, so none of them is an `Abandoned` it could hide.
+unsafe impl KvStore for RewrittenMidBatch {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, put,
         remove, discard, register, unregister, start_session, end_session, health);
 
@@ -2113,7 +2129,10 @@ struct StaleCompanionOnce {
     stale: std::sync::Mutex<Option<(String, Vec<u8>)>>,
 }
 
-impl KvStore for StaleCompanionOnce {
+// SAFETY: a test decorator: every call runs the inner store's within the call (no thread of
+// its own); the results it alters are its test's point, over an embedded store whose calls
+// end before they return, so none of them is an `Abandoned` it could hide.
+unsafe impl KvStore for StaleCompanionOnce {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_ranges, put,
         remove, discard, register, unregister, start_session, end_session, health);
 

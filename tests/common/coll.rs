@@ -154,9 +154,15 @@ pub trait DeviceEventHook {
 
 /// The device operations of a test decorator of a collective, forwarded to the handle that
 /// `self.$handle(op)?` gives (`op`: the operation's name); each event returned goes through
-/// [`DeviceEventHook::device_event`].
+/// [`DeviceEventHook::device_event`]. `may_leave_work` is the inner handle's (with no handle
+/// left: `true`).
 macro_rules! forward_device_ops {
     ($handle:ident) => {
+        fn may_leave_work(&self, error: &kvlink::dedup_broadcast::CollectiveError) -> bool {
+            self.$handle("may_leave_work")
+                .map_or(true, |h| h.may_leave_work(error))
+        }
+
         unsafe fn broadcast_device(
             &self,
             region: kvlink::kv_device::DeviceRegion,
@@ -246,7 +252,10 @@ impl StreamWaitable for FailedEvent {
     }
 }
 
-impl Collective for Misbehaving {
+// SAFETY: every operation, `broken` and `may_leave_work` go to the inner handle (with the
+// handle gone, `broken` says so and nothing is issued); the events it returns are the inner
+// ones, or a `FailedEvent` that answers only once the inner one completed.
+unsafe impl Collective for Misbehaving {
     fn rank(&self) -> u32 {
         self.rank
     }

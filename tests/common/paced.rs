@@ -62,7 +62,10 @@ pub struct TimedReads {
     pub timeline: Timeline,
 }
 
-impl KvStore for TimedReads {
+// SAFETY: a test decorator: the calls it forwards (`forward_store_calls!`) and those it
+// writes reach the inner store, whose results it returns as they are or fails before it
+// (touching nothing); it starts no thread that touches caller memory.
+unsafe impl KvStore for TimedReads {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, put,
         remove, discard, register, unregister, start_session, end_session, health);
 
@@ -136,7 +139,9 @@ impl PacedShares {
 
 impl super::coll::DeviceEventHook for PacedShares {}
 
-impl Collective for PacedShares {
+// SAFETY: a gate that only delays, then every operation, `broken` and `may_leave_work` on
+// the inner handle, whose events it returns as they are.
+unsafe impl Collective for PacedShares {
     fn rank(&self) -> u32 {
         self.inner.rank()
     }

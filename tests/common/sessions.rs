@@ -71,7 +71,10 @@ impl Sessions {
     }
 }
 
-impl KvStore for Sessions {
+// SAFETY: a test decorator: the calls it forwards (`forward_store_calls!`) and those it
+// writes reach the inner store, whose results it returns as they are or fails before it
+// (touching nothing); it starts no thread that touches caller memory.
+unsafe impl KvStore for Sessions {
     kvlink::mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, put, remove,
         discard, register, unregister, health);
 

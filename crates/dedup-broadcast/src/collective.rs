@@ -386,7 +386,22 @@ const SETTLED: u64 = 0x5e77_1ed0;
 /// On `Ok`, host rows hold the result and may be reused at once; device regions are done
 /// once the returned event completes. On `Err`, receiving memory holds unspecified bytes
 /// (never used as data: the operation failed on every rank that got the error).
-pub trait Collective: Send + Sync {
+///
+/// # Safety
+/// Implementing it: the safe wrappers free or reuse memory on an implementation's word, so
+/// an implementation promises:
+/// - a host operation (`*_rows`) touches no row once it has returned or unwound;
+/// - a device operation's returned event completes only after every access of the operation
+///   to its region, on every stream and thread (it is the region's only fence);
+/// - a device operation that fails with work of it possibly still in flight on the region
+///   says so: [`may_leave_work`](Collective::may_leave_work) answers `true` for that error
+///   (the default answers `true` whenever [`broken`](Collective::broken) does, so a handle
+///   that may leave work behind must report itself broken, or override `may_leave_work`).
+///
+/// A decorator that forwards the device operations to another handle forwards `broken` (and
+/// `may_leave_work` where the inner one overrides it), and returns the inner event or one that
+/// completes after it.
+pub unsafe trait Collective: Send + Sync {
     /// This rank, `0..size()`.
     fn rank(&self) -> u32;
 

@@ -34,7 +34,11 @@ pub enum Residence {
 /// - [`slot_claims`](Self::slot_claims) answers the same on every call for as long as the
 ///   pool lives: always `None`, or always the same [`SlotClaims`](crate::SlotClaims) of
 ///   `pages()` slots (the exclusion between a landing's writes and a save's reads, and a
-///   claim's release on drop, rest on it).
+///   claim's release on drop, rest on it);
+/// - no other `KvPool` names any byte of `regions()` under other slot claims (two pools over
+///   the same memory, say one for a loading linker and one for a saving one, would each claim
+///   the same slot apart: a landing could write it while a save reads it). Share one pool
+///   (`Arc`), or have a wrapper answer the wrapped pool's `slot_claims`.
 pub unsafe trait KvPool: Send + Sync {
     /// The geometry this pool is laid out for.
     fn geometry(&self) -> &KvGeometry;

@@ -42,7 +42,10 @@ impl SessionCount {
     }
 }
 
-impl KvStore for SessionCount {
+// SAFETY: a test decorator: the calls it forwards (`forward_store_calls!`) and those it
+// writes reach the inner store, whose results it returns as they are or fails before it
+// (touching nothing); it starts no thread that touches caller memory.
+unsafe impl KvStore for SessionCount {
     mooncake_linker::forward_store_calls!(inner => exists, object_size, get_into, get_ranges,
         put, remove, discard, register, unregister, end_session, health);
 

@@ -241,7 +241,12 @@ impl Drop for InProcessCollective {
     }
 }
 
-impl Collective for InProcessCollective {
+// SAFETY: host rows are copied under the group's lock within the call, a rank's rows only
+// until its copies are counted (none after it returns or unwinds); a device round's returned
+// event is recorded after this rank's copies and waits on its peers' copy events; and
+// `may_leave_work` answers `true` for every error after a round committed (the only rounds
+// that enqueue copies).
+unsafe impl Collective for InProcessCollective {
     fn rank(&self) -> u32 {
         self.rank
     }

@@ -769,7 +769,13 @@ unsafe fn scatter_from(buf: &[u8], at: usize, rows: &[HostRow]) {
     }
 }
 
-impl Collective for NcclCollective {
+// SAFETY: every operation runs on the comm thread on the comm stream; host buffers are
+// staged through the worker's own pinned and device memory and copied back before the reply
+// (a reply that does not come leaks the buffer instead of returning it); a device
+// operation's event is recorded on the comm stream after the NCCL call; every error after an
+// enqueue aborts the communicator, so `broken` (and the default `may_leave_work`) answers
+// `true` for it.
+unsafe impl Collective for NcclCollective {
     fn rank(&self) -> u32 {
         self.rank
     }

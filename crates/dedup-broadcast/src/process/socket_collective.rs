@@ -579,7 +579,10 @@ impl SocketCollective {
     }
 }
 
-impl Collective for SocketCollective {
+// SAFETY: host memory only (the device operations keep the default `Unsupported`, which
+// enqueues nothing); rows are read and written by this call's own non-blocking socket I/O on
+// the calling thread, which ends with the call (returned or unwound).
+unsafe impl Collective for SocketCollective {
     fn rank(&self) -> u32 {
         self.rank
     }

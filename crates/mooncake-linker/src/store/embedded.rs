@@ -435,7 +435,9 @@ impl EmbeddedStore {
     }
 }
 
-impl KvStore for EmbeddedStore {
+// SAFETY: every read and write copies between the caller's memory and the store's own on
+// the calling thread, within the call; the store starts no thread that touches caller memory.
+unsafe impl KvStore for EmbeddedStore {
     fn name(&self) -> &str {
         "embedded"
     }

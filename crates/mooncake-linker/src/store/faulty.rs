@@ -428,7 +428,10 @@ impl FaultyStore {
     }
 }
 
-impl KvStore for FaultyStore {
+// SAFETY: every call goes to the inner store (or fails before it, touching nothing); a
+// delay or stall holds the call itself; results the inner store marked as possibly still
+// transferring (`Abandoned`) are returned as they are, never replaced by an injected fault.
+unsafe impl KvStore for FaultyStore {
     unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
         if let Some(e) = self.registry_fault(FaultCall::Register, &region) {
             return Err(e);
@@ -608,7 +611,10 @@ mod tests {
         inner: EmbeddedStore,
     }
 
-    impl KvStore for Abandons {
+    // SAFETY: a test store over an embedded one: its whole-object reads end within the call
+    // and it answers them `Abandoned` (which only costs the caller their memory); everything
+    // else is forwarded and returned unchanged.
+    unsafe impl KvStore for Abandons {
         crate::forward_store_calls!(inner => exists, object_size, get_ranges, put, remove,
             discard, register, unregister, start_session, end_session, health);
 

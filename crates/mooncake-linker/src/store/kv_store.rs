@@ -156,7 +156,16 @@ pub struct ReadSession {
 /// and [`put`](super::StoreCalls::put) take typed regions minted by kv-device
 /// ([`StageLoan`](kv_device::StageLoan)/[`ReadTarget`](kv_device::ReadTarget),
 /// [`SaveSource`](kv_device::SaveSource)), check them, and uphold this contract for them.
-pub trait KvStore: Send + Sync {
+///
+/// # Safety
+/// Those safe wrappers free, reuse or hand on a call's memory on the store's word, so an
+/// implementation promises the store's half above: it touches none of a call's memory once
+/// the call has returned or unwound, unless a key of that call failed with
+/// [`StoreError::Abandoned`]. (Answering `Abandoned` where nothing runs on only costs the
+/// caller that memory; any other answer where a transfer may run on is unsound.) A decorator
+/// that forwards calls to another store returns the inner results' `Abandoned` as they are:
+/// an error it maps or injects must not replace one.
+pub unsafe trait KvStore: Send + Sync {
     /// A short name for logs ("embedded", "mooncake").
     fn name(&self) -> &str;
 

@@ -650,7 +650,10 @@ mod tests {
         }
     }
 
-    impl KvStore for HangingRegistry {
+    // SAFETY: a test decorator: the calls it forwards (`forward_store_calls!`) and those it
+    // writes reach the inner store, whose results it returns as they are or fails before it
+    // (touching nothing); it starts no thread that touches caller memory.
+    unsafe impl KvStore for HangingRegistry {
         crate::forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put,
             remove, discard, start_session, end_session, health);
 

@@ -106,7 +106,9 @@ impl SimulatedRemoteStore {
     }
 }
 
-impl KvStore for SimulatedRemoteStore {
+// SAFETY: every call goes to the inner store and its results come back unchanged; the
+// pacing only sleeps within the call.
+unsafe impl KvStore for SimulatedRemoteStore {
     crate::forward_store_calls!(inner => exists, object_size, put, remove, discard, register,
         unregister, start_session, end_session, health);
 

@@ -147,7 +147,10 @@ mod tests {
         seen: AtomicU64,
     }
 
-    impl KvStore for Discards {
+    // SAFETY: a test decorator: the calls it forwards (`forward_store_calls!`) and those it
+    // writes reach the inner store, whose results it returns as they are or fails before it
+    // (touching nothing); it starts no thread that touches caller memory.
+    unsafe impl KvStore for Discards {
         crate::forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put,
             remove, register, unregister, start_session, end_session, health);
 

@@ -682,7 +682,12 @@ pub(super) fn failed_placeholder<T>(key: &str) -> Result<T, StoreError> {
     })
 }
 
-impl KvStore for MooncakeStore {
+// SAFETY: a wheel call's transfers end before it returns, except where the client gave up on
+// them (its own transfer timeout) or the shim cut the call short: then every failure of that
+// call is marked `Abandoned` (`mark_abandoned`), the bounce and staging memory the call used
+// are kept for good, and a late call's results are marked the same way; a panicking wheel
+// call's keys past the client's timeout are `Abandoned` too.
+unsafe impl KvStore for MooncakeStore {
     fn name(&self) -> &str {
         "mooncake"
     }

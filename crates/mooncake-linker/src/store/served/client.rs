@@ -609,7 +609,10 @@ fn all_err<T>(n: usize, e: StoreError) -> Vec<Result<T, StoreError>> {
     (0..n).map(|_| Err(e.clone())).collect()
 }
 
-impl KvStore for SocketStore {
+// SAFETY: a request's frames are built from the caller's memory and its reply read into the
+// client's own buffers on the calling thread, then copied into the caller's memory within the
+// call; no other thread touches caller memory.
+unsafe impl KvStore for SocketStore {
     fn name(&self) -> &str {
         "embedded (served)"
     }
