@@ -40,9 +40,12 @@ pub(crate) fn nccl_last_error(comm: sys::ncclComm_t) -> String {
     let mut text = Vec::new();
     for i in 0..LAST_ERROR_BYTES {
         // SAFETY: `p + i` lies inside NCCL's static buffer (`i` < its size), which lives for
-        // the process. A write by NCCL at the same time is memory outside Rust's model that no
-        // Rust reference covers; the volatile read copies whatever byte is there (the text may
-        // come out garbled, and is quoted as a hint only).
+        // the process, and no Rust reference covers it. A write by another thread of NCCL at
+        // the same time would race this read: Rust's model leaves a race undefined, even a
+        // volatile one, so this rests on what a one-byte volatile load does on the platforms
+        // NCCL runs on (it reads some byte; every byte is a valid `u8`). The text may come out
+        // garbled, and is quoted as a hint only. It is read right after the failing call on
+        // the thread that made it, when NCCL's own threads have no cause to write it.
         let byte = unsafe { std::ptr::read_volatile(p.cast::<u8>().add(i)) };
         if byte == 0 {
             break;

@@ -11,6 +11,7 @@
 //! most 256 MiB of bounces exist per store, and after a failed registration none is tried for
 //! a minute (the reads are refused meanwhile, as they were before the bounce).
 
+use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -44,9 +45,10 @@ pub(super) struct Bounces {
 struct BounceState {
     /// Registered and free.
     free: Vec<Box<[u8]>>,
-    /// Registered, and possibly still written by a transfer the client gave up on: never
-    /// lent again nor freed (see `Drop`).
-    kept: Vec<Box<[u8]>>,
+    /// Bytes of the buffers registered, and possibly still written by a transfer the client
+    /// gave up on: leaked when kept (never lent again nor freed; no `Box` of them is held,
+    /// which would claim them unique while the transfer writes them).
+    kept: usize,
     /// Bytes of every buffer made and still the store's (free, lent, kept).
     total: usize,
     /// Registrations that failed, each leaking its buffer (a registration that failed part
@@ -67,7 +69,7 @@ impl BounceState {
         if self.total.saturating_add(len) <= MAX_BOUNCE_TOTAL {
             return Ok(());
         }
-        let kept: usize = self.kept.iter().map(|b| b.len()).sum();
+        let kept = self.kept;
         if kept.saturating_add(len) > MAX_BOUNCE_TOTAL {
             return Err(StoreError::InvalidArgument {
                 key: "<bounce>".into(),
@@ -82,33 +84,22 @@ impl BounceState {
     }
 }
 
-/// A bounce buffer lent to one call. Given back or kept explicitly; one dropped otherwise (an
-/// unwind between lending and giving back) is leaked, never freed: it is registered, and a
-/// transfer may still write it.
-pub(super) struct Lent(Option<Box<[u8]>>);
+/// A bounce buffer lent to one call, held as the raw pointer of its leaked `Box` while the
+/// call's transfers may write it (a `Box` moved or held then would claim it unique). Given
+/// back (boxed again) or kept explicitly; one dropped otherwise (an unwind between lending
+/// and giving back) stays leaked, never freed: it is registered, and a transfer may still
+/// write it.
+pub(super) struct Lent(Option<NonNull<[u8]>>);
 
 impl Lent {
-    fn buf(&mut self) -> &mut [u8] {
-        self.0.as_deref_mut().unwrap_or(&mut [])
+    fn of(buf: Box<[u8]>) -> Lent {
+        Lent(Some(NonNull::from(Box::leak(buf))))
     }
-}
 
-impl Drop for Lent {
-    fn drop(&mut self) {
-        if let Some(buf) = self.0.take() {
-            std::mem::forget(buf);
-        }
-    }
-}
-
-impl Drop for Bounces {
-    /// Kept buffers are never freed, even with the store (as a caller's buffer a given-up
-    /// transfer may still write is never freed): a transfer the client gave up on is not
-    /// known to have stopped when its client drops.
-    fn drop(&mut self) {
-        for buf in std::mem::take(&mut self.state.get_mut().kept) {
-            std::mem::forget(buf);
-        }
+    /// The buffer's first byte (dangling for none).
+    fn base(&self) -> *mut u8 {
+        self.0
+            .map_or(NonNull::dangling().as_ptr(), |p| p.as_ptr().cast())
     }
 }
 
@@ -119,7 +110,7 @@ impl Bounces {
         {
             let mut st = self.state.lock();
             if let Some(i) = st.free.iter().position(|b| b.len() >= need) {
-                return Ok(Lent(Some(st.free.swap_remove(i))));
+                return Ok(Lent::of(st.free.swap_remove(i)));
             }
             if st.failed_registrations >= MAX_FAILED_REGISTRATIONS {
                 // Permanent: retrying cannot pass.
@@ -170,22 +161,29 @@ impl Bounces {
             bytes = len,
             "registered a bounce buffer for reads into unregistered memory"
         );
-        Ok(Lent(Some(buf)))
+        Ok(Lent::of(buf))
     }
 
     /// A buffer whose call is over: free for the next.
     fn give_back(&self, mut lent: Lent) {
-        if let Some(buf) = lent.0.take() {
+        if let Some(raw) = lent.0.take() {
+            // SAFETY: `raw` is the leaked `Box` of `Lent::of`, taken out of the loan (no other
+            // pointer to it is used again), and the call that used it is over with no transfer
+            // left running (the caller keeps it otherwise).
+            let buf = unsafe { Box::from_raw(raw.as_ptr()) };
             self.state.lock().free.push(buf);
         }
     }
 
-    /// A buffer a given-up transfer may still write: never lent again.
+    /// A buffer a given-up transfer may still write: never lent again, never freed (not even
+    /// with the store: a transfer the client gave up on is not known to have stopped when its
+    /// client drops). It stays leaked: no `Box` of it is made again.
     fn keep(&self, mut lent: Lent) {
-        if let Some(buf) = lent.0.take() {
+        if let Some(raw) = lent.0.take() {
+            let len = raw.len();
+            crate::store::keep_for_good(len as u64, "a bounce buffer");
             let mut st = self.state.lock();
-            crate::store::keep_for_good(buf.len() as u64, "a bounce buffer");
-            st.kept.push(buf);
+            st.kept = st.kept.saturating_add(len);
         }
     }
 }
@@ -245,8 +243,7 @@ impl MooncakeStore {
                 return not_bounced(read, &keys, outside, why);
             }
         };
-        let mut lent = lent;
-        let base = lent.buf().as_mut_ptr();
+        let base = lent.base();
         let mut at = vec![None; gets.len()];
         let mut off = 0usize;
         for &i in outside {
@@ -348,16 +345,10 @@ mod tests {
         let busy = st.room_for(mib).unwrap_err();
         assert!(busy.failure().is_retryable(), "{busy:?}");
         // Kept for good: refused for good.
-        st.kept = (0..MAX_BOUNCE_TOTAL / (16 * mib))
-            .map(|_| vec![0u8; 16 * mib].into_boxed_slice())
-            .collect();
+        st.kept = MAX_BOUNCE_TOTAL;
         let gone = st.room_for(mib).unwrap_err();
         assert!(!gone.failure().is_retryable(), "{gone:?}");
         assert!(gone.to_string().contains("kept for good"), "{gone}");
-        // (The test's kept buffers are plain memory: freed, unlike a store's.)
-        for buf in std::mem::take(&mut st.kept) {
-            drop(buf);
-        }
     }
 
     /// A bounce that could not be had for good (its registrations failed) is told about each
