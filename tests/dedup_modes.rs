@@ -222,6 +222,65 @@ fn a_failed_shared_read_on_the_reader_fails_every_rank() {
     }
 }
 
+/// At TP 3 in `SplitAllGather` each rank reads a share of the replicated pages for all: a
+/// failed read on whichever rank reads a page (the middle one included) fails every rank
+/// with `PeerFailed` naming that rank, and the next batch loads.
+#[test]
+fn a_failed_shared_read_on_any_reader_at_tp3_fails_every_rank() {
+    // `v` of 12 heads: TP 3 divides it.
+    let spec = common::tp::mixed_spec();
+    let mut readers = Vec::new();
+    for page in 0..6usize {
+        let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+        let (rs, pages) = ranks(&spec, 3, store, 6, &cfg(ShareMode::SplitAllGather));
+        let k = rs[0]
+            .linker
+            .geometry()
+            .component_by_name("k")
+            .unwrap()
+            .clone();
+        // Armed on every rank: only the rank that reads the page for the group hits it.
+        for r in &rs {
+            r.faults.inject(
+                FaultRule {
+                    key_contains: Some(format!("{}_cp0_pp0_k", pages[page])),
+                    offset: Some(k.layer_range(2).unwrap().start),
+                    times: Some(1),
+                    ..FaultRule::default()
+                },
+                Fault::Short,
+            );
+        }
+        let outcomes = run(&rs, 1, &pages);
+        let hit: Vec<u32> = rs.iter().map(|r| r.faults.faults_hit()).collect();
+        let reader = hit.iter().position(|&h| h > 0).expect("the fault was hit") as u32;
+        assert_eq!(
+            hit.iter().sum::<u32>(),
+            1,
+            "page {page}: one reader: {hit:?}"
+        );
+        same_verdict(
+            &outcomes,
+            reader,
+            2,
+            &format!("page {page} read by rank {reader}"),
+        );
+        for r in &rs {
+            r.faults.clear();
+        }
+        poison_all(&rs);
+        for (rank, (r, o)) in rs.iter().zip(run(&rs, 2, &pages)).enumerate() {
+            o.result
+                .unwrap_or_else(|e| panic!("page {page}: the next batch, rank {rank}: {e}"));
+            rank_matches(r, &pages, rank as u32).unwrap();
+        }
+        readers.push(reader);
+    }
+    readers.sort_unstable();
+    readers.dedup();
+    assert_eq!(readers, vec![0, 1, 2], "every rank read some page");
+}
+
 #[test]
 fn a_rank_that_never_arrives_fails_the_others_within_the_deadline() {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));

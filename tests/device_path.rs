@@ -477,19 +477,24 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
     }
 
     // A stalled copy: the lease waits in quarantine until its fences complete, then returns.
-    let stall = Duration::from_millis(1000);
+    // Long beside the batch's failure (its collective timeout), so that the lease is seen
+    // in quarantine on a loaded machine too.
+    let stall = Duration::from_millis(4000);
     rs[1].stall_first_device_copy(stall);
     let t0 = Instant::now();
     let outcomes = run(&rs, 5, &hashes);
     assert!(outcomes.iter().all(|o| o.result.is_err()), "{outcomes:?}");
     let quarantined = rs[1].staging.as_ref().unwrap();
-    if t0.elapsed() < stall {
-        assert_eq!(
-            quarantined.quarantined(),
-            1,
-            "kept while the stalled copy may run"
-        );
-    }
+    let failed_after = t0.elapsed();
+    assert!(
+        failed_after < stall,
+        "the batch failed only after {failed_after:?}, past the stall: its quarantine was not seen"
+    );
+    assert_eq!(
+        quarantined.quarantined(),
+        1,
+        "kept while the stalled copy may run"
+    );
     // Back once its fences completed (polled, bounded: the reclaim runs on the device's own
     // thread after the stall).
     std::thread::sleep(stall.saturating_sub(t0.elapsed()));

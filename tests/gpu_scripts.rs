@@ -7,6 +7,14 @@
 use std::path::Path;
 use std::process::Command;
 
+/// `bash` under coreutils' `timeout`: a script that hangs ends (exit 124, killed 5 s after)
+/// instead of holding the test.
+fn bounded_bash() -> Command {
+    let mut c = Command::new("timeout");
+    c.args(["-k", "5", "120", "bash"]);
+    c
+}
+
 /// Runs `script` with an empty binaries folder and `OUT` holding `stale` files; the files
 /// still there afterwards.
 fn left_after(script: &str, stale: &[&str]) -> Vec<String> {
@@ -21,7 +29,7 @@ fn left_after(script: &str, stale: &[&str]) -> Vec<String> {
     for name in stale {
         std::fs::write(out.join(name), "9 passed, 0 failed\n").unwrap();
     }
-    let status = Command::new("bash")
+    let status = bounded_bash()
         .arg(root.join("scripts").join(script))
         .env("KVLINK_GPU_BIN", &bin)
         .env("OUT", &out)
@@ -89,7 +97,7 @@ fn run_stubbed(script: &str, stubs: &[(&str, &str)], env: &[(&str, &str)]) -> (i
         std::fs::write(&path, format!("#!/usr/bin/env bash\n{body}\n")).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
-    let mut cmd = Command::new("bash");
+    let mut cmd = bounded_bash();
     cmd.arg(root.join("scripts").join(script))
         .env("KVLINK_GPU_BIN", &bin)
         .env("OUT", &out);

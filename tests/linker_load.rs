@@ -1259,10 +1259,14 @@ fn a_close_beside_another_close_gets_the_same_answer() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let (first, second) = std::thread::scope(|s| {
-        let first = s.spawn(|| linker.close());
+        let first = s.spawn(|| (linker.close(), Instant::now()));
         std::thread::sleep(Duration::from_millis(50));
+        let second_began = Instant::now();
         let second = linker.close();
-        (first.join().unwrap(), second)
+        let (first, first_ended) = first.join().unwrap();
+        // Otherwise the second was only a later close, not one beside the first.
+        assert!(second_began < first_ended, "the first close ended first");
+        (first, second)
     });
     for (which, answer) in [("first", &first), ("second", &second)] {
         assert!(

@@ -59,6 +59,7 @@ const SLOW_COLLECTIVE: Duration = Duration::from_secs(2);
 const RECOVERY_BATCH: u64 = 3;
 
 #[test]
+#[ignore = "a rank process's entry: its parent test runs it with --ignored"]
 fn rank_process() {
     let Some(role) = role() else { return };
     match role.get("role").map(String::as_str) {

@@ -216,14 +216,21 @@ pub fn run(args: &Args, fabric: Fabric, report: &mut Report) {
         let mut fail_ranks = vec![0u32, tp / 2, tp - 1];
         fail_ranks.dedup();
         for fr in fail_ranks {
-            ok &= report.check(
-                SEC,
-                &format!(
+            // A rank that reads nothing in this mode (not rank 0 in Rank0Broadcast) is not a
+            // failure case: the row says what it checks (the fault armed there is never
+            // reached, and every rank loads).
+            let what = if reads_in(effective(mode, tp), fr) {
+                format!(
                     "{name}: read failure on rank {fr} at layer {} → same outcome on every rank",
                     layers / 2
-                ),
-                || failure(&mut ctx, mode, fr),
-            );
+                )
+            } else {
+                format!(
+                    "{name}: a read fault armed on rank {fr}, which reads nothing in this mode \
+                     → never reached, every rank loads"
+                )
+            };
+            ok &= report.check(SEC, &what, || failure(&mut ctx, mode, fr));
         }
         if let Err(e) = close_all(std::mem::take(&mut ctx.linkers)) {
             report.push(SEC, format!("{name}: close"), Status::Fail, e);
@@ -322,12 +329,18 @@ fn failure(ctx: &mut Ctx<'_>, mode: ShareMode, fail_rank: u32) -> Result<String,
         }),
     );
     let runs = ctx.run(None);
+    let hit = ctx.faults[fail_rank as usize].faults_hit();
     for f in &ctx.faults {
         f.clear();
     }
     let runs = runs?;
     let slowest_ms = runs.iter().map(|r| r.outcome_ms).fold(0.0, f64::max);
     let verdict = if reads_in(want, fail_rank) {
+        if hit == 0 {
+            return Err(format!(
+                "rank {fail_rank}'s injected read failure was never hit"
+            ));
+        }
         let mut errs = Vec::new();
         for (r, run) in runs.iter().enumerate() {
             match &run.outcome.result {
@@ -381,6 +394,11 @@ fn failure(ctx: &mut Ctx<'_>, mode: ShareMode, fail_rank: u32) -> Result<String,
         format!("every rank within {slowest_ms:.0} ms: \"{first}\"; layers 0..{mid} right on every rank")
     } else {
         // Rank `fail_rank` reads nothing in this mode: the armed fault is never reached.
+        if hit != 0 {
+            return Err(format!(
+                "rank {fail_rank} reads nothing in {want:?}, yet its fault was hit {hit} times"
+            ));
+        }
         ctx.loaded(&runs, want).map_err(|e| {
             format!("rank {fail_rank} reads nothing in {want:?}, yet the batch failed: {e}")
         })?;

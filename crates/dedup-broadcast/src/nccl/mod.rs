@@ -352,14 +352,14 @@ fn give_up<'h>(handles: impl IntoIterator<Item = &'h NcclCollective>, cause: &st
 }
 
 /// Ends the comm threads of `handles` together: every channel closed first, then each thread
-/// waited for against one bound (twice the largest `abort_grace`; none for a handle whose
+/// waited for against one bound (three times the largest `abort_grace`; none for a handle whose
 /// thread is known silent), so that `n` handles take one grace, not `n`, and no thread waits
 /// for a peer whose own end has not been asked for yet.
 fn close_all(handles: &[&NcclCollective]) {
     for h in handles {
         h.hang_up();
     }
-    let slack = handles.iter().map(|h| h.reply_slack()).max();
+    let slack = handles.iter().map(|h| h.shutdown_slack()).max();
     let bound = kv_loader::deadline_after(slack.unwrap_or_default());
     for h in handles {
         let _ = h.close(bound);
@@ -562,6 +562,15 @@ impl NcclCollective {
     /// silent thread.
     fn reply_slack(&self) -> Duration {
         self.grace.saturating_mul(2)
+    }
+
+    /// How long a closing handle waits for its comm thread to end: the thread's shutdown
+    /// drains and finalizes within one `abort_grace`, and one that runs out of it aborts
+    /// (`ncclCommAbort`) and waits up to another grace for the comm stream to drain; a third
+    /// covers the abort itself. Waited less, a thread that was still ending was left running
+    /// (logged at `error`), its scratch and stream with it.
+    fn shutdown_slack(&self) -> Duration {
+        self.grace.saturating_mul(3)
     }
 
     /// The GPU of this rank.
@@ -1055,6 +1064,6 @@ fn run_comm_thread(rank: u32, done: mpsc::SyncSender<()>, body: impl FnOnce()) {
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        let _ = self.close(kv_loader::deadline_after(self.reply_slack()));
+        let _ = self.close(kv_loader::deadline_after(self.shutdown_slack()));
     }
 }

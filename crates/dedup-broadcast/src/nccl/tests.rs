@@ -226,9 +226,9 @@ fn a_group_given_up_asks_every_rank_to_abort_and_waits_once() {
             Some("test: control failed")
         );
     }
-    // One bound of twice the grace for all six (one after another: six times that, 3.6 s),
-    // with room for a loaded machine.
-    assert!(took < grace * 2 + Duration::from_millis(1200), "{took:?}");
+    // One bound of three times the grace for all six (one after another: six times that,
+    // 5.4 s), with room for a loaded machine.
+    assert!(took < grace * 3 + Duration::from_millis(1200), "{took:?}");
     // Closed: dropping them now waits no more.
     let t1 = Instant::now();
     drop(ranks);

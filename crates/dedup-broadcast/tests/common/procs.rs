@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 /// The environment variable that carries a child's role.
 pub const ROLE_VAR: &str = "KVLINK_TEST_ROLE";
-/// The test function every child runs (it does nothing without a role).
+/// The test function every child runs (`#[ignore]`d: a normal run skips it; children run it
+/// with `--ignored`).
 pub const ENTRY: &str = "rank_process";
 /// What starts a report line.
 pub const MARK: &str = "KVLINK|";
@@ -56,7 +57,14 @@ impl RankProc {
     pub fn spawn(name: &str, role: &str) -> RankProc {
         let exe = std::env::current_exe().expect("test binary path");
         let mut child = Command::new(exe)
-            .args(["--exact", ENTRY, "--nocapture", "--test-threads=1", "-q"])
+            .args([
+                "--exact",
+                ENTRY,
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+                "-q",
+            ])
             .env(ROLE_VAR, role)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

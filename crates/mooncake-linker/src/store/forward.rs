@@ -24,7 +24,8 @@
 ///     started: AtomicU64,
 /// }
 ///
-/// impl KvStore for Sessions {
+/// // SAFETY: every call reaches the embedded store, whose results come back unchanged.
+/// unsafe impl KvStore for Sessions {
 ///     forward_store_calls!(inner => exists, object_size, get_into, get_ranges, put, remove,
 ///         discard, register, unregister, end_session, health);
 ///

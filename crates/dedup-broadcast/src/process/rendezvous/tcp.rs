@@ -1320,13 +1320,16 @@ mod tests {
         let leader = TcpLeader::bind("127.0.0.1:0", VERSION.into()).unwrap();
         let mut silent = TcpStream::connect(leader.local_addr()).unwrap();
         // Let the accept loop take it and start its read.
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(Duration::from_millis(500));
         let started = Instant::now();
         drop(leader);
         silent.set_read_timeout(Some(MESSAGE_TIMEOUT * 2)).unwrap();
         let mut byte = [0u8; 1];
         let got = silent.read(&mut byte);
-        assert!(matches!(got, Ok(0) | Err(_)), "{got:?}");
+        // An end of stream: the read thread took the connection and its shutdown closed it.
+        // (A connection never accepted is reset when the listener goes: an error, which
+        // would not show the reads ending.)
+        assert!(matches!(got, Ok(0)), "{got:?}");
         let took = started.elapsed();
         assert!(took < MESSAGE_TIMEOUT / 2, "{took:?}");
     }
