@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::tp::{
     config, fail_v_read, mixed_spec, paths, rank_matches, run, run_ok, run_timed, same_verdict,
-    tp_ranks, Path, TpRank,
+    tp_ranks, tp_ranks_built, Path, RankBuild, TpRank,
 };
 use kvlink::dedup_broadcast::{CollectiveError, GroupFormation, GroupHandles};
 use kvlink::kv_device::cpu::CpuOp;
@@ -811,6 +811,50 @@ fn after_a_rank_closes_its_peers_fail_at_once_batch_after_batch() {
                     took < timeout / 2,
                     "{what}: batch {batch} took {took:?}: a rank waited for the closed one"
                 );
+            }
+        }
+    }
+}
+
+/// Sets of linkers built one after another on the same groups (as a benchmark builds one set
+/// per share mode): each set closes, leaving the group, and the next one forms it again and
+/// loads. Before, the third set never formed: it asked for the epoch the second had taken
+/// and dropped, and was told it had taken it already, batch after batch.
+#[test]
+fn linkers_built_again_and_again_on_one_group_form_it_each_time() {
+    // Host pools: the kept groups move host rows (a device group is tied to its devices).
+    for path in [Path::Host] {
+        let cfg = LinkerConfig {
+            collective_timeout: Duration::from_secs(5),
+            ..config(ShareMode::SplitAllGather)
+        };
+        let groups = std::sync::Mutex::new(None::<Vec<TpGroup>>);
+        let keep = |rank: u32, fresh: TpGroup| {
+            let mut g = groups.lock().unwrap();
+            // The first set's groups, kept for every later set (the fresh ones go).
+            let kept = g.get_or_insert_with(Vec::new);
+            if kept.len() <= rank as usize {
+                kept.push(fresh);
+            }
+            kept[rank as usize].clone()
+        };
+        for set in 0..4 {
+            let what = format!("{path:?} set {set}");
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+            let build = RankBuild {
+                wrap: &keep,
+                ..RankBuild::default()
+            };
+            let (rs, hashes) = tp_ranks_built(&mixed_spec(), 3, store, 4, &cfg, path, &build);
+            for batch in 1..3 {
+                assert_eq!(
+                    run_ok(&rs, batch, &hashes, &what),
+                    ShareMode::SplitAllGather,
+                    "{what}"
+                );
+            }
+            for r in &rs {
+                r.linker.close().unwrap();
             }
         }
     }

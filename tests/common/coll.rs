@@ -254,7 +254,8 @@ impl StreamWaitable for FailedEvent {
 
 // SAFETY: every operation, `broken` and `may_leave_work` go to the inner handle (with the
 // handle gone, `broken` says so and nothing is issued); the events it returns are the inner
-// ones, or a `FailedEvent` that answers only once the inner one completed.
+// ones, or a `FailedEvent`, which reports complete (as a failure) only once the inner one
+// completed, and fails a stream wait or a synchronize at once (no work is ordered after it).
 unsafe impl Collective for Misbehaving {
     fn rank(&self) -> u32 {
         self.rank

@@ -2,7 +2,7 @@
 //! [broken](crate::Collective::broken) asks the group's formation for fresh ones.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -100,8 +100,39 @@ type Build = dyn Fn() -> Result<Vec<(Arc<dyn Collective>, Arc<dyn Collective>)>,
     + Send
     + Sync;
 
-/// Per epoch, the handles no rank has taken yet.
-type Epochs = HashMap<u64, Vec<Option<GroupHandles>>>;
+/// One rank's seat in one epoch's group.
+enum Seat {
+    /// Built, not taken yet.
+    Open(GroupHandles),
+    /// Taken: the handles, weakly (only the rank's linkers keep them alive, so that a rank
+    /// that drops them is seen gone by its peers).
+    Taken {
+        data: Weak<dyn Collective>,
+        control: Weak<dyn Collective>,
+    },
+}
+
+impl Seat {
+    /// The taken handles, while they live.
+    fn held(&self, epoch: u64) -> Option<GroupHandles> {
+        match self {
+            Seat::Open(_) => None,
+            Seat::Taken { data, control } => Some(GroupHandles {
+                data: data.upgrade()?,
+                control: control.upgrade()?,
+                epoch,
+            }),
+        }
+    }
+
+    /// Taken, and dropped since by every user of the rank.
+    fn lost(&self) -> bool {
+        matches!(self, Seat::Taken { .. }) && self.held(0).is_none()
+    }
+}
+
+/// Per epoch, every rank's seat.
+type Epochs = HashMap<u64, Vec<Seat>>;
 
 /// Who uses each rank's handles ([`GroupFormation::enter`], [`GroupFormation::leave`]).
 #[derive(Debug, Default)]
@@ -119,7 +150,10 @@ struct Members {
 /// is building (an NCCL group's set-up, up to its init timeout), and then at most until its
 /// own deadline. A rank whose last linker closed ([`GroupFormation::leave`]) has left: the
 /// group is not formed without it (the formation fails at once, naming it missing) until it
-/// enters or re-forms again; its peers then fail their batches at once, or read alone.
+/// enters or re-forms again; its peers then fail their batches at once, or read alone. Taken
+/// handles are kept weakly: a rank that asks again for an epoch whose handles it still holds
+/// gets those (a second linker of the rank), and an epoch whose handles were all dropped (or
+/// the asking rank's) is over, so that a new set of linkers on the same groups forms the next.
 ///
 /// ```
 /// use std::time::{Duration, Instant};
@@ -250,10 +284,19 @@ impl GroupFormation for InProcessFormation {
             .filter(|&e| e >= epoch)
             .max()
             .unwrap_or(epoch);
-        let epoch = match epochs.get(&newest) {
-            Some(slots) if aborted(slots) => newest.saturating_add(1),
+        let mut epoch = match epochs.get(&newest) {
+            Some(seats) if aborted(seats) => newest.saturating_add(1),
             _ => newest,
         };
+        // This rank took its seat there and every user of it dropped it since (its linker
+        // closed and a new one asks): its peers see it gone, and re-form next.
+        if epochs
+            .get(&epoch)
+            .and_then(|seats| seats.get(rank as usize))
+            .is_some_and(Seat::lost)
+        {
+            epoch = epoch.saturating_add(1);
+        }
         if !epochs.contains_key(&epoch) {
             let handles = (self.build)().map_err(|e| match e {
                 // Already a formation's error (a refusal keeps saying so).
@@ -265,10 +308,10 @@ impl GroupFormation for InProcessFormation {
                     cause: Some(crate::FormationFailure::new(e, false)),
                 },
             })?;
-            let built: Vec<Option<GroupHandles>> = handles
+            let built: Vec<Seat> = handles
                 .into_iter()
                 .map(|(data, control)| {
-                    Some(GroupHandles {
+                    Seat::Open(GroupHandles {
                         data,
                         control,
                         epoch,
@@ -286,19 +329,38 @@ impl GroupFormation for InProcessFormation {
                     cause: None,
                 });
             }
+            // A rank that left while the group was being built: its seat is aborted now,
+            // so that the peers that take theirs fail at once (the check above came before).
+            for r in self.members.lock().left.iter() {
+                if let Some(Seat::Open(h)) = built.get(*r as usize) {
+                    h.abort(&format!("rank {r} left the group (its linkers closed)"));
+                }
+            }
             // Older epochs are stale: a rank that asks for this one will not need them. (An
-            // epoch whose handles were all taken stays until then, so that asking twice for it
-            // is an error rather than a new group.)
+            // epoch whose handles were all taken stays until then: a rank that asks for it
+            // again gets the handles it holds, not a new group.)
             let older: Vec<u64> = epochs.keys().copied().filter(|&e| e <= epoch).collect();
             stale.extend(older.iter().filter_map(|e| epochs.remove(e)));
             epochs.insert(epoch, built);
         }
-        let slots = epochs
+        let seats = epochs
             .get_mut(&epoch)
             .ok_or_else(|| CollectiveError::Backend(format!("epoch {epoch} vanished")))?;
-        let handles = slots[rank as usize].take().ok_or_else(|| {
-            CollectiveError::Backend(format!("rank {rank} already took epoch {epoch}"))
-        })?;
+        let seat = seats
+            .get_mut(rank as usize)
+            .ok_or_else(|| CollectiveError::Backend(format!("no seat for rank {rank}")))?;
+        let handles = match &*seat {
+            Seat::Open(h) => h.clone(),
+            // Asked again while its handles live (a second linker of the rank, built on the
+            // handles the group started with): the same handles, not a group of its own.
+            taken => taken.held(epoch).ok_or_else(|| {
+                CollectiveError::Backend(format!("rank {rank}'s handles of epoch {epoch} are gone"))
+            })?,
+        };
+        *seat = Seat::Taken {
+            data: Arc::downgrade(&handles.data),
+            control: Arc::downgrade(&handles.control),
+        };
         tracing::info!(rank, epoch, "group re-formed");
         Ok(handles)
     }
@@ -320,17 +382,39 @@ impl GroupFormation for InProcessFormation {
             return false;
         }
         members.left.insert(rank);
+        drop(members);
         tracing::info!(rank, "rank left the group: its last linker closed");
+        // Its seats not taken yet (its peers re-formed, and it never came): aborted, so that
+        // the peers that took theirs fail at once. Not waited for while a rank builds a group
+        // (up to an NCCL init timeout): a build checks for ranks that left when it is done.
+        if let Some(epochs) = self.epochs.try_lock() {
+            for seats in epochs.values() {
+                if let Some(Seat::Open(h)) = seats.get(rank as usize) {
+                    h.abort(&format!("rank {rank} left the group (its linkers closed)"));
+                }
+            }
+        }
         true
     }
 }
 
-/// Whether the group of an epoch's handles was aborted (as any handle not yet taken tells).
-fn aborted(slots: &[Option<GroupHandles>]) -> bool {
-    slots
-        .iter()
-        .flatten()
-        .any(|h| h.data.broken().is_some() || h.control.broken().is_some())
+/// Whether the group of an epoch is over: aborted (as any of its handles still alive tells),
+/// or every handle of it dropped.
+fn aborted(seats: &[Seat]) -> bool {
+    let mut alive = 0;
+    for seat in seats {
+        let handles = match seat {
+            Seat::Open(h) => Some(h.clone()),
+            taken => taken.held(0),
+        };
+        if let Some(h) = handles {
+            if h.broken().is_some() {
+                return true;
+            }
+            alive += 1;
+        }
+    }
+    alive == 0
 }
 
 #[cfg(test)]
@@ -501,5 +585,53 @@ mod tests {
         f.enter(1);
         assert_eq!(f.reform(2, 2, soon()).unwrap().epoch, 2);
         assert_eq!(f.reform(1, 2, soon()).unwrap().epoch, 2);
+    }
+
+    /// A rank asking again for an epoch whose handles it holds gets the same ones; once every
+    /// handle of an epoch was dropped, asking for it forms the next; and a rank's own handles
+    /// dropped make its next ask form the next epoch too. Before, each of these was "rank r
+    /// already took epoch e", for good.
+    #[test]
+    fn taken_handles_are_handed_again_while_held_and_a_dropped_epoch_is_over() {
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        let f = InProcessFormation::host(2);
+        let a0 = f.reform(0, 1, soon()).unwrap();
+        let a1 = f.reform(1, 1, soon()).unwrap();
+        let again = f.reform(0, 1, soon()).unwrap();
+        assert_eq!(again.epoch, 1);
+        assert!(
+            Arc::ptr_eq(&again.data, &a0.data),
+            "the held handles, not a new group"
+        );
+        drop((a0, a1, again));
+        let b0 = f.reform(0, 1, soon()).unwrap();
+        let b1 = f.reform(1, 1, soon()).unwrap();
+        assert_eq!(
+            (b0.epoch, b1.epoch),
+            (2, 2),
+            "every handle of epoch 1 was dropped"
+        );
+        drop(b0);
+        let c0 = f.reform(0, 2, soon()).unwrap();
+        assert_eq!(c0.epoch, 3, "rank 0's own handles of epoch 2 were dropped");
+        assert_eq!(f.reform(1, 3, soon()).unwrap().epoch, 3);
+        drop(b1);
+    }
+
+    /// A rank that leaves aborts its seat nobody took: its peers that took theirs fail at
+    /// once instead of waiting for it.
+    #[test]
+    fn leaving_aborts_the_seat_the_rank_never_took() {
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        let f = InProcessFormation::host(2);
+        f.enter(0);
+        f.enter(1);
+        let peer = f.reform(0, 1, soon()).unwrap();
+        assert!(peer.broken().is_none());
+        assert!(f.leave(1));
+        assert!(
+            peer.broken().is_some(),
+            "the group of rank 1's open seat was aborted"
+        );
     }
 }

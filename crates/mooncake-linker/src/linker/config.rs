@@ -50,7 +50,9 @@ pub struct LinkerConfig {
     /// the embedded store's `EmbeddedStore::DEFAULT_LEASE`: a minute): a call that ends after
     /// the lease its session took fails with `LEASE_EXPIRED` on Mooncake, and on the embedded
     /// store the objects may be evicted, so the renewal period plus one call's time (see
-    /// `read_bytes_in_flight`) must stay under the lease.
+    /// `read_bytes_in_flight`) must stay under the lease. A session whose store says its lease
+    /// ([`ReadSession::lease`](crate::store::ReadSession::lease)) is renewed at half that lease
+    /// where it is shorter than this (at least every 50 ms). Zero is refused.
     pub lease_renewal: Duration,
     /// Check that each object's size matches the geometry (one store query per object,
     /// beside the first reads). Where every object has a checksum companion (and

@@ -162,7 +162,9 @@ impl PinsAhead {
         self.state.lock().entries.iter().any(|e| {
             let fresh = match &e.pin {
                 Pin::Starting => true,
-                Pin::Held { started, .. } => started.elapsed() < fresh_for,
+                Pin::Held { started, session } => {
+                    started.elapsed() < super::session::period(fresh_for, Some(session))
+                }
             };
             fresh && e.covers(keys.iter().map(String::as_str))
         })

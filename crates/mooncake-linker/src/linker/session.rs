@@ -25,8 +25,10 @@ pub(crate) struct PinnedKeys<'a> {
 /// How often a session is renewed: `configured`, or half the lease the store granted when
 /// that is shorter. A store whose lease is at most the configured period (an embedded store
 /// `with_lease` a second, say, against the default two) would otherwise let the pins lapse
-/// between renewals: its objects could be evicted under the load.
-fn period(configured: Duration, session: Option<&ReadSession>) -> Duration {
+/// between renewals: its objects could be evicted under the load. (At least [`MIN_PERIOD`], or
+/// `configured` itself when that is shorter still: a lease is never renewed more often than
+/// every [`MIN_PERIOD`]).
+pub(super) fn period(configured: Duration, session: Option<&ReadSession>) -> Duration {
     match session.and_then(|s| s.lease) {
         Some(lease) if lease / 2 < configured => {
             tracing::debug!(
@@ -34,11 +36,15 @@ fn period(configured: Duration, session: Option<&ReadSession>) -> Duration {
                 ?configured,
                 "renewing the read session at half the store's lease, under lease_renewal"
             );
-            lease / 2
+            (lease / 2).max(MIN_PERIOD.min(configured))
         }
         _ => configured,
     }
 }
+
+/// The shortest renewal period a store's short lease brings (a session start before every
+/// store call is what a zero `lease_renewal` is refused for).
+const MIN_PERIOD: Duration = Duration::from_millis(50);
 
 impl<'a> PinnedKeys<'a> {
     /// A session over `keys`, renewed every `every`; each session call waits at most
@@ -98,8 +104,14 @@ impl<'a> PinnedKeys<'a> {
     }
 
     /// How often the session is renewed.
+    #[cfg(test)]
     pub(crate) fn renewal_period(&self) -> Duration {
         self.every
+    }
+
+    /// How long until the next renewal is due (zero when it is).
+    pub(crate) fn until_due(&self) -> Duration {
+        self.every.saturating_sub(self.renewed.elapsed())
     }
 
     /// Renews the pins if the renewal period has passed. Renewal extends: the fresh session
@@ -197,6 +209,13 @@ mod tests {
         let every = Duration::from_secs(2);
         let pins = PinnedKeys::start(&calls, &["k"], every, timeout).unwrap();
         assert_eq!(pins.renewal_period(), Duration::from_millis(500));
+        // A lease of next to nothing is not renewed before every call.
+        let tiny = ReadSession {
+            keys: Vec::new(),
+            lease: Some(Duration::from_millis(1)),
+            token: 0,
+        };
+        assert_eq!(period(every, Some(&tiny)), MIN_PERIOD);
         // A lease longer than twice the period leaves the period as configured.
         let pins = PinnedKeys::start(&calls, &["k"], Duration::from_millis(400), timeout).unwrap();
         assert_eq!(pins.renewal_period(), Duration::from_millis(400));

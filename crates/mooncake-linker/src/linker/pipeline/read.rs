@@ -484,7 +484,7 @@ fn free_stages(
         let stage = loop {
             let slice = pins
                 .as_ref()
-                .map_or(wait, |p| p.renewal_period().max(MIN_RENEWAL_SLICE));
+                .map_or(wait, |p| p.until_due().max(MIN_RENEWAL_SLICE));
             let by = deadline.min(kv_loader::deadline_after(slice));
             match h.free_stage(by) {
                 Wait::Got(stage) => break stage,

@@ -609,9 +609,9 @@ fn all_err<T>(n: usize, e: StoreError) -> Vec<Result<T, StoreError>> {
     (0..n).map(|_| Err(e.clone())).collect()
 }
 
-// SAFETY: a request's frames are built from the caller's memory and its reply read into the
-// client's own buffers on the calling thread, then copied into the caller's memory within the
-// call; no other thread touches caller memory.
+// SAFETY: a request is written from the caller's memory and its reply read straight into it
+// by this call's own socket I/O, on the calling thread, synchronously: nothing touches that
+// memory once the call has returned or unwound.
 unsafe impl KvStore for SocketStore {
     fn name(&self) -> &str {
         "embedded (served)"
