@@ -16,9 +16,11 @@ use crate::ranks::all_ok;
 
 /// The groups of the linkers (data and control handles per rank, and the formation that
 /// re-forms the data group after an abort), made once and reused by every linker of the run,
-/// since linkers run one set at a time and every rank issues the same collectives. `reset`
-/// drops them (after a failure that may have left a group aborted); the next `get` makes new
-/// ones.
+/// since linkers run one set at a time and every rank issues the same collectives. The rig
+/// counts as one more user of every rank's handles while it holds them
+/// ([`GroupFormation::enter`]), so that a set of linkers closing does not make the ranks
+/// leave the group (which aborts it) before the next set. `reset` drops them (after a failure
+/// that may have left a group aborted); the next `get` makes new ones.
 pub struct Groups {
     fabric: Fabric,
     devices: Vec<Arc<dyn Device>>,
@@ -49,6 +51,11 @@ impl Groups {
             Fabric::Nccl { tp } => nccl_groups(tp)?,
         };
         self.made += 1;
+        for g in &groups {
+            if let Some(f) = &g.formation {
+                f.enter(g.rank());
+            }
+        }
         self.current = Some(groups.clone());
         Ok(groups)
     }
@@ -57,6 +64,12 @@ impl Groups {
     /// comm thread). The linkers that used them must be dropped first.
     pub fn reset(&mut self) {
         if let Some(groups) = self.current.take() {
+            for g in &groups {
+                if let Some(f) = &g.formation {
+                    // The rig's own use ends; the groups are dropped next, so nothing to abort.
+                    let _ = f.leave(g.rank());
+                }
+            }
             std::thread::scope(|s| {
                 for g in groups {
                     s.spawn(move || drop(g));
