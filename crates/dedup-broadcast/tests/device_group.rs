@@ -273,7 +273,11 @@ fn a_formation_gives_every_rank_a_fresh_working_group() {
         let pairs: Vec<_> = (0..2)
             .map(|r| f.reform(r, epoch, soon()).unwrap())
             .collect();
-        assert!(f.reform(0, epoch, soon()).is_err(), "taken once");
+        // Asked again while held (a second user of rank 0): the same handles, not a group
+        // of its own.
+        let again = f.reform(0, epoch, soon()).unwrap();
+        assert!(Arc::ptr_eq(&again.data, &pairs[0].data), "the held handles again");
+        drop(again);
         assert!(pairs.iter().all(|p| p.epoch == epoch));
         // Device data handles, host control handles.
         assert!(pairs
