@@ -276,7 +276,10 @@ fn a_formation_gives_every_rank_a_fresh_working_group() {
         // Asked again while held (a second user of rank 0): the same handles, not a group
         // of its own.
         let again = f.reform(0, epoch, soon()).unwrap();
-        assert!(Arc::ptr_eq(&again.data, &pairs[0].data), "the held handles again");
+        assert!(
+            Arc::ptr_eq(&again.data, &pairs[0].data),
+            "the held handles again"
+        );
         drop(again);
         assert!(pairs.iter().all(|p| p.epoch == epoch));
         // Device data handles, host control handles.
