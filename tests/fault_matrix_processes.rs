@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tp::{every_mode, fault_deadlines, mixed_spec, rank_byte};
+use common::tp::{every_mode, fault_deadlines, mixed_spec, rank_byte, RankPool, POISON};
 use common::{load_plan, prompt};
 use kvlink::dedup_broadcast::{MeetingPoint, Rendezvous, RendezvousConfig};
 use kvlink::kv_device::HostKvPool;
@@ -95,21 +95,6 @@ fn bytes_ok(
             })
         })
     })
-}
-
-/// Fills every layer of `slots` with a poison byte, so that bytes an earlier batch left there
-/// cannot pass for the next one's (no batch may be in flight).
-fn poison(pool: &HostKvPool, g: &KvGeometry, slots: &[u32]) {
-    for c in g.components() {
-        let bytes = vec![0xa5; c.page_layer_bytes as usize];
-        for &l in &c.layers {
-            for &slot in slots {
-                // SAFETY: no batch of this rank is in flight (every outcome was taken), and
-                // nothing else writes the pool.
-                unsafe { pool.write_slot(c.id, l, slot, &bytes) }.unwrap();
-            }
-        }
-    }
 }
 
 /// What a rank's batch ended as, in one word: `<mode>/<ranks whose plan differs>` when it
@@ -223,7 +208,7 @@ fn rank_main(role: &HashMap<String, String>) {
                 pages: pages.clone(),
             }];
         }
-        poison(pool, &g, &slots);
+        RankPool::Host(pool.clone()).poison(&g, &slots, POISON);
         let t = linker.start_load(plan).unwrap();
         let published = (0..linker.num_layers())
             .take_while(|&l| linker.wait_layer(&t, l).is_ok())
@@ -236,7 +221,7 @@ fn rank_main(role: &HashMap<String, String>) {
         let loaded = matches!(&outcome, Ok(o) if o.result.is_ok());
         let upto = if loaded { u32::MAX } else { published };
         let ok = bytes_ok(pool, &g, &pages, &slots, upto);
-        poison(pool, &g, &slots);
+        RankPool::Host(pool.clone()).poison(&g, &slots, POISON);
         let t = linker
             .start_load(load_plan(&g, batch + 1, &pages, slots.clone()))
             .unwrap();

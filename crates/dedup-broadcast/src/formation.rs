@@ -125,9 +125,15 @@ impl Seat {
         }
     }
 
-    /// Taken, and dropped since by every user of the rank.
+    /// Taken, and dropped since by every user of the rank (counted, not upgraded: an upgrade
+    /// dropped here could be a handle's last, whose drop may join a comm thread under the lock).
     fn lost(&self) -> bool {
-        matches!(self, Seat::Taken { .. }) && self.held(0).is_none()
+        match self {
+            Seat::Open(_) => false,
+            Seat::Taken { data, control } => {
+                data.strong_count() == 0 || control.strong_count() == 0
+            }
+        }
     }
 }
 

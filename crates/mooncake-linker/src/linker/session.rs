@@ -30,14 +30,7 @@ pub(crate) struct PinnedKeys<'a> {
 /// every [`MIN_PERIOD`]).
 pub(super) fn period(configured: Duration, session: Option<&ReadSession>) -> Duration {
     match session.and_then(|s| s.lease) {
-        Some(lease) if lease / 2 < configured => {
-            tracing::debug!(
-                ?lease,
-                ?configured,
-                "renewing the read session at half the store's lease, under lease_renewal"
-            );
-            (lease / 2).max(MIN_PERIOD.min(configured))
-        }
+        Some(lease) if lease / 2 < configured => (lease / 2).max(MIN_PERIOD.min(configured)),
         _ => configured,
     }
 }
@@ -66,10 +59,18 @@ impl<'a> PinnedKeys<'a> {
         } else {
             Some(calls.start_session(keys, kv_loader::deadline_after(timeout))?)
         };
+        let period = period(every, session.as_ref());
+        if period < every {
+            tracing::debug!(
+                ?period,
+                configured = ?every,
+                "renewing the read session at half the store's lease, under lease_renewal"
+            );
+        }
         Ok(PinnedKeys {
             calls,
             timeout,
-            every: period(every, session.as_ref()),
+            every: period,
             session,
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             renewed: started,
