@@ -113,15 +113,24 @@ enum Seat {
 }
 
 impl Seat {
-    /// The taken handles, while they live.
-    fn held(&self, epoch: u64) -> Option<GroupHandles> {
+    /// The taken handles, while they live. A handle upgraded alone (its pair was gone) goes
+    /// into `upgraded`, for the caller to drop after its lock: it may be that handle's last
+    /// reference, whose drop may join a comm thread.
+    fn held(&self, epoch: u64, upgraded: &mut Vec<Arc<dyn Collective>>) -> Option<GroupHandles> {
         match self {
             Seat::Open(_) => None,
-            Seat::Taken { data, control } => Some(GroupHandles {
-                data: data.upgrade()?,
-                control: control.upgrade()?,
-                epoch,
-            }),
+            Seat::Taken { data, control } => {
+                let data = data.upgrade()?;
+                let Some(control) = control.upgrade() else {
+                    upgraded.push(data);
+                    return None;
+                };
+                Some(GroupHandles {
+                    data,
+                    control,
+                    epoch,
+                })
+            }
         }
     }
 
@@ -270,6 +279,9 @@ impl GroupFormation for InProcessFormation {
         // after it (an NCCL handle's drop joins its comm thread, up to seconds: the other
         // ranks' `reform` must not wait for that).
         let mut stale = Vec::new();
+        // Taken handles upgraded under the lock (to ask whether they broke): dropped after it
+        // as well, since a holder may drop its own meanwhile and leave ours the last.
+        let mut upgraded = Vec::new();
         // Another rank may be building the group (an NCCL group's set-up takes up to its
         // init timeout): wait for it until `deadline` only; the caller asks again later.
         let Some(mut epochs) = self.epochs.try_lock_until(deadline) else {
@@ -291,7 +303,7 @@ impl GroupFormation for InProcessFormation {
             .max()
             .unwrap_or(epoch);
         let mut epoch = match epochs.get(&newest) {
-            Some(seats) if aborted(seats) => newest.saturating_add(1),
+            Some(seats) if aborted(seats, &mut upgraded) => newest.saturating_add(1),
             _ => newest,
         };
         // This rank took its seat there and every user of it dropped it since (its linker
@@ -359,7 +371,7 @@ impl GroupFormation for InProcessFormation {
             Seat::Open(h) => h.clone(),
             // Asked again while its handles live (a second linker of the rank, built on the
             // handles the group started with): the same handles, not a group of its own.
-            taken => taken.held(epoch).ok_or_else(|| {
+            taken => taken.held(epoch, &mut upgraded).ok_or_else(|| {
                 CollectiveError::Backend(format!("rank {rank}'s handles of epoch {epoch} are gone"))
             })?,
         };
@@ -405,20 +417,26 @@ impl GroupFormation for InProcessFormation {
 }
 
 /// Whether the group of an epoch is over: aborted (as any of its handles still alive tells),
-/// or every handle of it dropped.
-fn aborted(seats: &[Seat]) -> bool {
+/// or every handle of it dropped. Taken handles it upgrades to ask go into `upgraded`, for the
+/// caller to drop after its lock (a holder that drops its own meanwhile leaves ours the last).
+fn aborted(seats: &[Seat], upgraded: &mut Vec<Arc<dyn Collective>>) -> bool {
     let mut alive = 0;
     for seat in seats {
-        let handles = match seat {
-            Seat::Open(h) => Some(h.clone()),
-            taken => taken.held(0),
+        let broken = match seat {
+            Seat::Open(h) => h.broken(),
+            taken => match taken.held(0, upgraded) {
+                Some(h) => {
+                    let broken = h.broken();
+                    upgraded.extend([h.data, h.control]);
+                    broken
+                }
+                None => continue,
+            },
         };
-        if let Some(h) = handles {
-            if h.broken().is_some() {
-                return true;
-            }
-            alive += 1;
+        if broken.is_some() {
+            return true;
         }
+        alive += 1;
     }
     alive == 0
 }
@@ -622,6 +640,118 @@ mod tests {
         assert_eq!(c0.epoch, 3, "rank 0's own handles of epoch 2 were dropped");
         assert_eq!(f.reform(1, 3, soon()).unwrap().epoch, 3);
         drop(b1);
+    }
+
+    /// What [`Gated`] handles share: a gate in `broken` and where their drops ran.
+    #[derive(Default)]
+    struct GateProbe {
+        /// (armed, entered, released).
+        state: parking_lot::Mutex<(bool, bool, bool)>,
+        moved: parking_lot::Condvar,
+        formation: std::sync::OnceLock<Weak<InProcessFormation>>,
+        /// Drops of rank 0's data handle that ran while the formation's lock was held.
+        dropped_under_lock: std::sync::atomic::AtomicU32,
+        /// Drops of rank 0's data handle.
+        dropped: std::sync::atomic::AtomicU32,
+    }
+
+    /// A handle whose `broken` waits at the probe's gate while armed (rank 0's data handle
+    /// only), and whose drop records whether it ran under the formation's lock.
+    struct Gated(u32, Arc<GateProbe>, bool);
+
+    // SAFETY: it moves no memory: its one operation fails, the others keep the defaults.
+    unsafe impl Collective for Gated {
+        fn rank(&self) -> u32 {
+            self.0
+        }
+
+        fn size(&self) -> u32 {
+            2
+        }
+
+        fn all_gather_bytes(
+            &self,
+            _value: &[u8],
+            _deadline: Instant,
+        ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+            Err(CollectiveError::Backend("a test handle".into()))
+        }
+
+        fn broken(&self) -> Option<String> {
+            if !self.2 {
+                return None;
+            }
+            let mut state = self.1.state.lock();
+            if state.0 {
+                state.0 = false;
+                state.1 = true;
+                self.1.moved.notify_all();
+                let until = Instant::now() + Duration::from_secs(10);
+                while !state.2 && !self.1.moved.wait_until(&mut state, until).timed_out() {}
+            }
+            None
+        }
+    }
+
+    impl Drop for Gated {
+        fn drop(&mut self) {
+            use std::sync::atomic::Ordering::SeqCst;
+            if !self.2 {
+                return;
+            }
+            self.1.dropped.fetch_add(1, SeqCst);
+            let formation = self.1.formation.get().and_then(Weak::upgrade);
+            if formation.is_some_and(|f| f.epochs.is_locked()) {
+                self.1.dropped_under_lock.fetch_add(1, SeqCst);
+            }
+        }
+    }
+
+    /// A taken handle the formation upgraded under its lock to ask whether it broke, whose
+    /// holder dropped it meanwhile, is dropped after the lock (its drop may join a comm
+    /// thread). Before, it was dropped under the lock, holding up every rank's `reform`.
+    #[test]
+    fn a_handle_upgraded_to_ask_is_dropped_after_the_lock() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let probe = Arc::new(GateProbe::default());
+        let built = probe.clone();
+        let f = Arc::new(InProcessFormation::new(2, move || {
+            Ok((0..2)
+                .map(|r| {
+                    (
+                        Arc::new(Gated(r, built.clone(), r == 0)) as Arc<dyn Collective>,
+                        Arc::new(Gated(r, built.clone(), false)) as Arc<dyn Collective>,
+                    )
+                })
+                .collect())
+        }));
+        probe.formation.set(Arc::downgrade(&f)).ok();
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        let zero = f.reform(0, 1, soon()).unwrap();
+        let one = f.reform(1, 1, soon()).unwrap();
+        probe.state.lock().0 = true;
+        std::thread::scope(|s| {
+            // Rank 1 asks again for epoch 1: the formation asks rank 0's handles whether the
+            // group broke, and waits in `broken` at the gate.
+            let again = s.spawn(|| f.reform(1, 1, soon()).map(|h| h.epoch));
+            let mut state = probe.state.lock();
+            let until = Instant::now() + Duration::from_secs(10);
+            while !state.1 && !probe.moved.wait_until(&mut state, until).timed_out() {}
+            assert!(state.1, "the formation never asked rank 0's handle");
+            // Meanwhile rank 0's linker drops its handles: the formation's are the last.
+            drop(zero);
+            state.2 = true;
+            probe.moved.notify_all();
+            drop(state);
+            assert_eq!(again.join().unwrap().ok(), Some(1));
+        });
+        assert_eq!(
+            probe.dropped.load(SeqCst),
+            1,
+            "rank 0's data handle was dropped"
+        );
+        assert_eq!(probe.dropped_under_lock.load(SeqCst), 0);
+        drop(one);
     }
 
     /// A rank that leaves aborts its seat nobody took: its peers that took theirs fail at
