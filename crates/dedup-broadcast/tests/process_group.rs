@@ -31,6 +31,10 @@ fn rank_process() {
         Some("script") => child_script(&role),
         Some("recover") => child_recover(&role),
         Some("refuse") => child_refuse(&role),
+        Some("idle") => {
+            report(&format!("idle pid={}", std::process::id()));
+            std::thread::sleep(Duration::from_secs(60));
+        }
         other => panic!("unknown role {other:?}"),
     }
 }
@@ -502,4 +506,21 @@ fn a_wrong_world_size_is_refused_through_a_file_exchange_too() {
         p.succeeds(WAIT);
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank process ends with the thread that spawned it: a test binary killed without running
+/// its drops (a CI time limit, a SIGKILL) leaves no rank behind. Before, one lived on until its
+/// own lifetime ran out (two minutes).
+#[test]
+fn a_rank_process_ends_with_the_thread_that_spawned_it() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut idle = std::thread::spawn(|| {
+        let mut p = RankProc::spawn("idle", "role=idle");
+        p.expect("idle ", WAIT);
+        p
+    })
+    .join()
+    .expect("the spawning thread");
+    let status = idle.exit_status(Duration::from_secs(10));
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
 }

@@ -1,8 +1,10 @@
 //! Ranks as real processes under `cargo test`: the test binary spawns itself, running only
 //! the test named [`ENTRY`] with a role in [`ROLE_VAR`]. A child reports on stdout with lines
 //! that start with [`MARK`]; the parent reads them with deadlines. Every child is killed
-//! and reaped when its handle drops (also when a test panics), and a child exits by itself
-//! after [`CHILD_LIFETIME`] in case its parent vanished without killing it.
+//! and reaped when its handle drops (also when a test panics). A child is killed when the
+//! thread that spawned it ends (`PR_SET_PDEATHSIG`: also when the test binary is killed, by
+//! a signal or a time limit, without running any drop), and exits by itself after
+//! [`CHILD_LIFETIME`] in any case.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -56,7 +58,8 @@ impl RankProc {
     /// Starts this test binary as a child with `role` (`k=v,k=v`).
     pub fn spawn(name: &str, role: &str) -> RankProc {
         let exe = std::env::current_exe().expect("test binary path");
-        let mut child = Command::new(exe)
+        let mut cmd = Command::new(exe);
+        let mut child = end_with_spawning_thread(&mut cmd)
             .args([
                 "--exact",
                 ENTRY,
@@ -157,6 +160,29 @@ impl Drop for RankProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Makes the child started by `cmd` receive SIGKILL when the thread that spawns it ends
+/// (a test's thread outlives its `RankProc`s, which it owns), and refuses to start one whose
+/// parent is already gone.
+fn end_with_spawning_thread(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: getpid runs here, in the parent, and only reads this process's id.
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: the closure runs in the child between fork and exec and calls only prctl,
+    // getppid and errno access, which are async-signal-safe; it allocates nothing (the error
+    // is built from a raw OS code).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        })
     }
 }
 
