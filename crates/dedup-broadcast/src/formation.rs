@@ -321,7 +321,11 @@ impl GroupFormation for InProcessFormation {
                 e @ CollectiveError::Formation { .. } => e,
                 e => CollectiveError::Formation {
                     epoch,
-                    missing: Vec::new(),
+                    // The ranks a timed-out build names (whose start never answered).
+                    missing: match &e {
+                        CollectiveError::Timeout { missing, .. } => missing.clone(),
+                        _ => Vec::new(),
+                    },
                     detail: format!("building the group failed: {e}"),
                     cause: Some(crate::FormationFailure::new(e, false)),
                 },
@@ -752,6 +756,23 @@ mod tests {
         );
         assert_eq!(probe.dropped_under_lock.load(SeqCst), 0);
         drop(one);
+    }
+
+    /// A build that timed out on some ranks' starts fails the formation naming them missing
+    /// (the linker's `GroupDown` passes them on). Before, `missing` was empty.
+    #[test]
+    fn a_timed_out_build_names_the_ranks_missing() {
+        let f = InProcessFormation::new(3, || {
+            Err(CollectiveError::Timeout {
+                op: "init",
+                seq: 0,
+                missing: vec![2],
+            })
+        });
+        match f.reform(0, 1, kv_loader::deadline_after(Duration::from_secs(5))) {
+            Err(CollectiveError::Formation { missing, .. }) => assert_eq!(missing, vec![2]),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A rank that leaves aborts its seat nobody took: its peers that took theirs fail at

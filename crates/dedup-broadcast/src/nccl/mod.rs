@@ -297,17 +297,30 @@ fn start_all(pending: Vec<Pending>) -> Result<Vec<NcclCollective>, CollectiveErr
                 }
             }
         }
-        if let Some(e) = answers.iter().flatten().find_map(|r| r.as_ref().err()) {
+        let first_failed = pending.iter().zip(&answers).find_map(|(p, a)| match a {
+            Some(Err(e)) => Some((p.handle.rank, p.handle.ordinal, e)),
+            _ => None,
+        });
+        if let Some((rank, ordinal, e)) = first_failed {
+            tracing::warn!(rank, ordinal, error = %e, "a rank's NCCL communicator failed to start");
             break Some(e.clone());
         }
         if answers.iter().all(Option::is_some) {
             break None;
         }
         if Instant::now() >= until {
+            // The ranks whose start never answered: an operator drains their GPUs.
+            let missing: Vec<u32> = pending
+                .iter()
+                .zip(&answers)
+                .filter(|(_, a)| a.is_none())
+                .map(|(p, _)| p.handle.rank)
+                .collect();
+            tracing::warn!(?missing, "ranks' NCCL communicators did not start in time");
             break Some(CollectiveError::Timeout {
                 op: "init",
                 seq: 0,
-                missing: Vec::new(),
+                missing,
             });
         }
         std::thread::sleep(Duration::from_millis(1));

@@ -127,6 +127,32 @@ fn a_failed_start_gives_up_on_every_silent_rank_within_one_bound() {
     drop(releases);
 }
 
+/// A start of an in-process group that times out names the ranks whose start never answered
+/// (an operator drains their GPUs). Before, `missing` was empty.
+#[test]
+fn a_timed_out_start_names_the_ranks_that_never_answered() {
+    let grace = Duration::from_millis(50);
+    let deadline = kv_loader::deadline_after(Duration::from_millis(50));
+    // Rank 0 and 2 start; rank 1 and 3 never answer.
+    let mut ranks: Vec<Silent> = (0..4).map(|r| silent(r, 4, grace, deadline)).collect();
+    for r in [0, 2] {
+        let (ok_tx, ok_rx) = mpsc::sync_channel(1);
+        ok_tx.send(Ok(())).unwrap();
+        ranks[r].pending.ready = ok_rx;
+    }
+    let (pending, releases): (Vec<_>, Vec<_>) = ranks
+        .into_iter()
+        .map(|s| (s.pending, (s.release, s._requests)))
+        .unzip();
+    let r = start_all(pending);
+    assert!(
+        matches!(&r, Err(CollectiveError::Timeout { op: "init", missing, .. }) if missing == &[1, 3]),
+        "{:?}",
+        r.err()
+    );
+    drop(releases);
+}
+
 /// A comm thread that ends before it says whether it started (a panic in its start, say) is
 /// reported as that, at once: before, the join answered `Timeout` as if a peer were late.
 #[test]
