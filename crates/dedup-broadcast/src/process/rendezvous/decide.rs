@@ -175,8 +175,13 @@ pub(crate) fn decide(
         }
     }
     let nccl = if leader.nccl {
+        // Not curable by trying again: a refusal, which every rank reports as rank 0's.
         let ids = ids.ok_or_else(|| {
-            RendezvousError::Nccl("this build of kvlink has no NCCL (feature `nccl`)".into())
+            RendezvousError::Config(
+                "the group asks for NCCL communicators, and rank 0's build of kvlink has no \
+                 NCCL (feature `nccl`)"
+                    .into(),
+            )
         })?;
         Some(NcclIds {
             data: ids().map_err(RendezvousError::Nccl)?,
@@ -425,10 +430,21 @@ pub(super) mod tests {
         l.nccl = true;
         let mut j = vec![hello(1), hello(2)];
         j.iter_mut().for_each(|h| h.nccl = true);
-        assert!(matches!(
-            decide(&l, &j, None, Rank0Address::Rewritten),
-            Err(RendezvousError::Nccl(_))
-        ));
+        // A rank 0 built without NCCL: a refusal (trying again cannot cure it).
+        let no_nccl = decide(&l, &j, None, Rank0Address::Rewritten).err();
+        assert!(
+            matches!(&no_nccl, Some(e @ RendezvousError::Config(d)) if d.contains("rank 0's build")
+                && e.is_refusal()),
+            "{no_nccl:?}"
+        );
+        // A rank 0 whose NCCL fails to make ids: every rank's report names rank 0.
+        let failing = || Err("libnccl.so.2: cannot open shared object file".to_string());
+        let failed = decide(&l, &j, Some(&failing), Rank0Address::Rewritten).err();
+        assert!(
+            matches!(&failed, Some(e @ RendezvousError::Nccl(_))
+                if e.to_string().starts_with("rank 0 could not make") && !e.is_refusal()),
+            "{failed:?}"
+        );
         let n = std::sync::atomic::AtomicU8::new(1);
         let src = move || Ok([n.fetch_add(1, std::sync::atomic::Ordering::Relaxed); 128]);
         let ids = decide(&l, &j, Some(&src), Rank0Address::Rewritten)

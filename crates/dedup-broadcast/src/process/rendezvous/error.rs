@@ -139,9 +139,10 @@ pub enum RendezvousError {
     /// A message from another rank did not decode.
     #[error("rendezvous message: {0}")]
     Protocol(String),
-    /// Rank 0 could not create the NCCL unique ids the group asked for (or the group was
-    /// formed without NCCL).
-    #[error("NCCL unique id: {0}")]
+    /// Rank 0 could not create the NCCL unique ids the group asked for (every rank reports
+    /// this, naming rank 0: the cause is on rank 0's host, such as its NCCL library). A build
+    /// of rank 0 without NCCL is a [`Config`](Self::Config) refusal instead.
+    #[error("rank 0 could not make the group's NCCL unique ids: {0}")]
     Nccl(String),
     /// This rank could not join the formed group's NCCL communicators
     /// ([`FormedGroup::join_nccl`](super::FormedGroup::join_nccl)): the collective's error
