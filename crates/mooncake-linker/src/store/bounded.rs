@@ -411,6 +411,9 @@ impl StoreCalls {
                 } else {
                     debug!(call = what, ?took, "a store call sent without waiting returned");
                 }
+                // Still this call's given-up caller: a store call `late` makes (ending a
+                // session that started late) waits for no hung holder of the store's locks.
+                let _caller = super::caller::enter(theirs.clone());
                 late(store.as_ref(), out);
                 return;
             }
@@ -755,6 +758,33 @@ mod tests {
             Ok(false),
             "the wait ended with its caller, lock not taken"
         );
+    }
+
+    /// A store call that a late result's handler makes (ending a session that started after
+    /// its caller gave up) waits for no lock another call holds: its caller gave up. Before,
+    /// the handler ran with no caller and waited as long as the holder (a hung master call),
+    /// parking its worker.
+    #[test]
+    fn a_late_handlers_wait_inside_the_store_does_not_outlast_the_holder() {
+        let calls = StoreCalls::new(Arc::new(EmbeddedStore::new(1 << 20)));
+        let lock = Arc::new(Mutex::new(()));
+        let held = lock.lock();
+        let theirs = lock.clone();
+        let (tx, rx) = mpsc::channel();
+        let pending = calls
+            .submit(
+                "start_session",
+                |_| std::thread::sleep(Duration::from_millis(150)),
+                move |_, ()| {
+                    let _ = tx.send(super::super::caller::lock_while_awaited(&theirs).is_some());
+                },
+            )
+            .unwrap();
+        let why = pending.wait(Instant::now() + Duration::from_millis(50));
+        assert!(matches!(why, Err(Unanswered::Overdue(_))));
+        let answer = rx.recv_timeout(Duration::from_secs(5));
+        drop(held);
+        assert_eq!(answer, Ok(false), "the late handler waited for the holder");
     }
 
     /// A discard past its deadline is still sent: the object goes.
