@@ -351,13 +351,6 @@ impl GroupFormation for InProcessFormation {
                     cause: None,
                 });
             }
-            // A rank that left while the group was being built: its seat is aborted now,
-            // so that the peers that take theirs fail at once (the check above came before).
-            for r in self.members.lock().left.iter() {
-                if let Some(Seat::Open(h)) = built.get(*r as usize) {
-                    h.abort(&format!("rank {r} left the group (its linkers closed)"));
-                }
-            }
             // Older epochs are stale: a rank that asks for this one will not need them. (An
             // epoch whose handles were all taken stays until then: a rank that asks for it
             // again gets the handles it holds, not a new group.)
@@ -383,6 +376,24 @@ impl GroupFormation for InProcessFormation {
             data: Arc::downgrade(&handles.data),
             control: Arc::downgrade(&handles.control),
         };
+        // A rank that left since the check above (while this rank built the group, or waited
+        // for the lock: its `leave` does not wait for it) has its open seat aborted, so that
+        // the peers that took theirs fail at once. Aborted after the lock (an NCCL abort may
+        // wait for its comm thread).
+        let gone: Vec<(u32, GroupHandles)> = self
+            .members
+            .lock()
+            .left
+            .iter()
+            .filter_map(|&r| match seats.get(r as usize) {
+                Some(Seat::Open(h)) => Some((r, h.clone())),
+                _ => None,
+            })
+            .collect();
+        drop(epochs);
+        for (r, h) in gone {
+            h.abort(&format!("rank {r} left the group (its linkers closed)"));
+        }
         tracing::info!(rank, epoch, "group re-formed");
         Ok(handles)
     }
@@ -773,6 +784,39 @@ mod tests {
             Err(CollectiveError::Formation { missing, .. }) => assert_eq!(missing, vec![2]),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A rank that leaves while a peer holds the formation's lock (joining an epoch where the
+    /// leaving rank's seat is open) still has that seat aborted: the peer's handles are broken
+    /// or its formation fails naming the rank. Before, `leave` found the lock held, aborted
+    /// nothing, and the peer waited its whole deadline on a rank that was gone.
+    #[test]
+    fn a_rank_that_leaves_while_a_peer_holds_the_lock_still_aborts_its_seat() {
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        let f = InProcessFormation::host(3);
+        for rank in 0..3 {
+            f.enter(rank);
+        }
+        // Rank 2 builds epoch 1 and takes its seat; ranks 0 and 1 have not yet.
+        let two = f.reform(2, 1, soon()).unwrap();
+        let held = f.epochs.lock();
+        std::thread::scope(|s| {
+            let zero = s.spawn(|| f.reform(0, 1, soon()));
+            // Rank 0 has read who left (nobody) and waits for the lock (if it has not got
+            // that far, it sees rank 1 gone at once, which the check below accepts too).
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(f.leave(1), "rank 1's last user");
+            drop(held);
+            match zero.join().unwrap() {
+                Ok(h) => assert!(
+                    h.broken().is_some(),
+                    "rank 0 joined a group whose rank 1 left, unbroken"
+                ),
+                Err(CollectiveError::Formation { missing, .. }) => assert_eq!(missing, vec![1]),
+                Err(e) => panic!("{e:?}"),
+            }
+        });
+        assert!(two.broken().is_some(), "rank 2's group lost rank 1");
     }
 
     /// A rank that leaves aborts its seat nobody took: its peers that took theirs fail at
