@@ -633,3 +633,140 @@ fn one_layer_spec(name: &str) -> ModelKvSpec {
     )
     .unwrap()
 }
+
+/// What [`SlowWaits`] streams share: while `armed`, each `wait` first says so on `entered`,
+/// then takes `delay` (a driver call that blocks on a full queue).
+#[derive(Debug)]
+struct SlowWaitState {
+    armed: std::sync::atomic::AtomicBool,
+    entered: std::sync::Mutex<std::sync::mpsc::Sender<()>>,
+    delay: Duration,
+}
+
+/// A CPU device whose new streams (the comm streams) wait slowly while armed.
+#[derive(Debug)]
+struct SlowWaits {
+    inner: Arc<CpuDevice>,
+    state: Arc<SlowWaitState>,
+}
+
+// SAFETY: every promise is the inner CPU device's: each method forwards to it, and its streams
+// are wrapped by `SlowStream`, which keeps theirs.
+unsafe impl Device for SlowWaits {
+    fn ordinal(&self) -> u32 {
+        self.inner.ordinal()
+    }
+
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+
+    fn alloc(
+        &self,
+        len: usize,
+        what: &'static str,
+    ) -> Result<DeviceMemory, kv_device::DeviceError> {
+        self.inner.alloc(len, what)
+    }
+
+    fn alloc_pinned(
+        &self,
+        len: usize,
+        what: &'static str,
+    ) -> Result<PinnedMemory, kv_device::DeviceError> {
+        self.inner.alloc_pinned(len, what)
+    }
+
+    fn load_stream(&self) -> Arc<dyn kv_device::Stream> {
+        self.inner.load_stream()
+    }
+
+    fn new_stream(&self) -> Result<Arc<dyn kv_device::Stream>, kv_device::DeviceError> {
+        Ok(Arc::new(SlowStream {
+            inner: self.inner.new_stream()?,
+            state: self.state.clone(),
+        }))
+    }
+}
+
+#[derive(Debug)]
+struct SlowStream {
+    inner: Arc<dyn kv_device::Stream>,
+    state: Arc<SlowWaitState>,
+}
+
+// SAFETY: every operation is the inner stream's, in the same order; `wait` only takes longer
+// before it forwards.
+unsafe impl kv_device::Stream for SlowStream {
+    unsafe fn transfer(&self, t: Transfer) -> Result<(), kv_device::DeviceError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.transfer(t) }
+    }
+
+    unsafe fn copy_rows(&self, c: kv_device::RowCopy) -> Result<(), kv_device::DeviceError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.copy_rows(c) }
+    }
+
+    fn record(&self) -> Result<SharedEvent, kv_device::DeviceError> {
+        self.inner.record()
+    }
+
+    fn wait(&self, event: &SharedEvent) -> Result<(), kv_device::DeviceError> {
+        if self.state.armed.load(std::sync::atomic::Ordering::SeqCst) {
+            let _ = self.state.entered.lock().unwrap().send(());
+            thread::sleep(self.state.delay);
+        }
+        self.inner.wait(event)
+    }
+}
+
+/// A comm stream whose `wait` blocks (a driver call on a full queue) holds up no other rank's
+/// use of the group: `broken` and `abort` answer at once. Before, a round's completion made its
+/// stream calls under the group's lock, and every peer's `broken`, `abort` and drop waited for
+/// them.
+#[test]
+fn a_comm_stream_that_blocks_holds_up_no_peers_look_at_the_group() {
+    let (entered, entries) = std::sync::mpsc::channel();
+    let state = Arc::new(SlowWaitState {
+        armed: false.into(),
+        entered: std::sync::Mutex::new(entered),
+        delay: Duration::from_millis(1500),
+    });
+    let dev: Arc<dyn Device> = Arc::new(SlowWaits {
+        inner: CpuDevice::new(0).unwrap(),
+        state: state.clone(),
+    });
+    let ranks = InProcessGroup::on_devices(vec![dev.clone(), dev.clone()]).unwrap();
+    state.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let len = 4096;
+    thread::scope(|s| {
+        let rounds: Vec<_> = ranks
+            .iter()
+            .map(|c| {
+                let dev = dev.clone();
+                s.spawn(move || {
+                    let mem = Mem::new(dev, len);
+                    // SAFETY: `mem.region` is this rank's own; it is read only after the
+                    // returned event, and freed after that.
+                    let done = unsafe { c.broadcast_device(mem.region.region(), None, 0, soon()) }
+                        .unwrap();
+                    mem.read(&done).len()
+                })
+            })
+            .collect();
+        entries
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a comm stream's wait");
+        let t0 = Instant::now();
+        assert!(ranks[0].broken().is_none());
+        let took = t0.elapsed();
+        assert!(
+            took < Duration::from_millis(500),
+            "broken() waited {took:?}"
+        );
+        for r in rounds {
+            assert_eq!(r.join().unwrap(), len);
+        }
+    });
+}

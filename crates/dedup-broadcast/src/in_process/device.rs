@@ -111,7 +111,9 @@ impl InProcessCollective {
     }
 
     /// Finishes a device round after its copies: the completion event waits (device-side) for
-    /// `own` and every `peer` event. Any failure breaks the group.
+    /// `own` and every `peer` event. Any failure breaks the group. The stream calls run with the
+    /// group's lock let go (a backend may block in one: the peers' `broken`, `abort` and grace
+    /// checks must not wait for it); the round stays until this rank leaves it, after them.
     fn complete(
         &self,
         dev: &RankDevice,
@@ -122,10 +124,12 @@ impl InProcessCollective {
         own: Option<SharedEvent>,
     ) -> Result<SharedEvent, CollectiveError> {
         let done = readers.and_then(|evs| {
-            for ev in evs.iter().chain(own.iter()) {
-                dev.comm.wait(ev).map_err(backend)?;
-            }
-            dev.comm.record().map_err(backend)
+            MutexGuard::unlocked(st, || {
+                for ev in evs.iter().chain(own.iter()) {
+                    dev.comm.wait(ev).map_err(backend)?;
+                }
+                dev.comm.record().map_err(backend)
+            })
         });
         let result = done.map_err(|e| {
             let cause = format!("{op} #{seq} on rank {}: {}", self.rank, backend_text(&e));
