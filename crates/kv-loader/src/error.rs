@@ -333,6 +333,29 @@ pub enum KvLoadError {
     },
 }
 
+/// Whether an error of kind `kind` ([`KvLoadError::kind_name`], or a group's code name such
+/// as `out_of_step`) may pass when tried again, as [`KvLoadError::is_retryable`] answers for
+/// that kind. A kind that does not say (a rank's `busy` or `group_down`, whose flags are not
+/// in the name; a group's own codes; one unknown to this build) counts as retryable.
+fn kind_is_retryable(kind: &str) -> bool {
+    !matches!(
+        kind,
+        "invalid_plan"
+            | "store_not_found"
+            | "store_invalid_argument"
+            | "store_other"
+            | "stale_ticket"
+            | "closed"
+            | "geometry"
+            | "config"
+            | "duplicate_batch"
+            | "bad_object"
+            | "slots_held"
+            | "internal"
+            | "device"
+    )
+}
+
 fn pages_suffix(pages: &[u32]) -> String {
     match pages.len() {
         0 => String::new(),
@@ -343,14 +366,20 @@ fn pages_suffix(pages: &[u32]) -> String {
 
 impl KvLoadError {
     /// Whether the same load may succeed if tried again (the engine may also recompute).
+    /// A [`PeerFailed`](KvLoadError::PeerFailed) answers as the failing rank's own error
+    /// would (its kind leads `detail`): an object missing from the store is not retryable in a
+    /// TP group either. A [`Busy`](KvLoadError::Busy) refusal the peers fail too is not: they
+    /// are past the batch.
     pub fn is_retryable(&self) -> bool {
         match self {
             KvLoadError::Store { kind, .. } => kind.is_retryable(),
             KvLoadError::GroupDown { refused, .. } => !refused,
+            KvLoadError::Busy { peers_fail, .. } => !peers_fail,
+            KvLoadError::PeerFailed { detail, .. } => {
+                kind_is_retryable(detail.split(':').next().unwrap_or_default().trim())
+            }
             KvLoadError::Timeout { .. }
-            | KvLoadError::PeerFailed { .. }
             | KvLoadError::Collective { .. }
-            | KvLoadError::Busy { .. }
             | KvLoadError::Cancelled { .. } => true,
             _ => false,
         }
@@ -446,6 +475,93 @@ impl KvLoadError {
 mod tests {
     use super::*;
     use std::error::Error as _;
+
+    /// A rank's failure reported to its TP peers (`PeerFailed`, its kind leading `detail`) is
+    /// retryable exactly when the rank's own error is. Before, every `PeerFailed` was: an
+    /// object missing from the store was "retryable" in a TP group and not on one rank.
+    #[test]
+    fn a_peers_failure_is_retryable_as_the_failing_ranks_own_error() {
+        use std::time::Duration;
+        let b = BatchId(3);
+        let store = |kind| KvLoadError::Store {
+            batch: Some(b),
+            layer: Some(1),
+            pages: vec![0].into(),
+            kind,
+            detail: String::new().into(),
+        };
+        let own = [
+            store(StoreFailure::NotFound),
+            store(StoreFailure::NoSpace),
+            store(StoreFailure::TransferFailed),
+            store(StoreFailure::Lease),
+            store(StoreFailure::RpcTimeout),
+            store(StoreFailure::InvalidArgument),
+            store(StoreFailure::Unavailable),
+            store(StoreFailure::ShortRead),
+            store(StoreFailure::Other),
+            KvLoadError::Timeout {
+                batch: b,
+                layer: 0,
+                waited: Duration::ZERO,
+            },
+            KvLoadError::Cancelled { batch: b },
+            KvLoadError::Collective {
+                batch: Some(b),
+                detail: Cause::new("a peer's socket closed"),
+            },
+            KvLoadError::Device(Cause::new("copy failed")),
+            KvLoadError::StaleTicket { batch: b },
+            KvLoadError::Busy {
+                capacity: 4,
+                peers_fail: false,
+            },
+            KvLoadError::Closed,
+            KvLoadError::config("bad"),
+            KvLoadError::DuplicateBatch { batch: b },
+            KvLoadError::BadObject {
+                batch: b,
+                key: "k".into(),
+                layer: Some(2),
+                detail: "checksum".into(),
+            },
+            KvLoadError::SlotsHeld {
+                batches: vec![b].into(),
+            },
+            KvLoadError::internal(b, "a step out of order"),
+            KvLoadError::InvalidPlan {
+                batch: b,
+                reason: crate::PlanError::BadComponent(9),
+            },
+        ];
+        for e in &own {
+            let kind = e.kind_name();
+            for detail in [kind.to_string(), format!("{kind}: {e}")] {
+                let peer = KvLoadError::PeerFailed {
+                    batch: b,
+                    rank: 2,
+                    layer: 1,
+                    detail,
+                };
+                assert_eq!(peer.is_retryable(), e.is_retryable(), "{kind}");
+            }
+        }
+        assert!(!own[0].is_retryable(), "an object not found");
+        // A refusal its peers fail too: they are past the batch.
+        let busy = KvLoadError::Busy {
+            capacity: 4,
+            peers_fail: true,
+        };
+        assert!(!busy.is_retryable());
+        // The group's own codes (the ranks out of step) may pass on a later batch.
+        let out_of_step = KvLoadError::PeerFailed {
+            batch: b,
+            rank: 0,
+            layer: 0,
+            detail: "out_of_step".into(),
+        };
+        assert!(out_of_step.is_retryable());
+    }
 
     #[test]
     fn config_and_internal_keep_their_typed_source() {
