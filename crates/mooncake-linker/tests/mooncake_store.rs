@@ -874,9 +874,15 @@ impl Drop for StorageNode {
     }
 }
 
+/// The median: the middle value, or the mean of the two middle ones for an even count (NaN
+/// when empty).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// Rust `MooncakeStore` ranged batched reads vs the wheel's Python client `batch_get_into`, on
