@@ -74,6 +74,19 @@ esac
 out="${OUT:-$repo/gpu-mooncake/out}"
 mkdir -p "$out"
 export OUT="$out"
+# This part's earlier tables go first: a reused $OUT (a warm machine, the default folder) must
+# not show an earlier run's table, with its "N passed, 0 failed", as this run's (a size not
+# reached this time, a run stopped at its limit). Other parts' tables stay: the parts run one
+# after another into one folder.
+rm -f "$out/$part.stdout.log" "$out/$part.stderr.log" "$out/env_$part.txt"
+case "$part" in
+  host)   rm -f "$out"/mooncake_modes_*_host_*_n1.md ;;
+  nodes)  rm -f "$out"/mooncake_modes_*_host_*_n"${KVLINK_TABLE_NODES:-4}".md ;;
+  device) rm -f "$out"/mooncake_modes_*_gpu_*_n1.md "$out"/mooncake_modes_*_nccl_*_n1.md \
+                "$out"/mooncake_modes_*_cpu-device_*_n1.md ;;
+  reads)  rm -f "$out"/mooncake_read_*.md ;;
+  procs)  rm -f "$out"/glm_prefill_procs_*.md "$out/procs.help.stderr.log" ;;
+esac
 
 # The machine: "h200x1" from the first GPU's name and the GPU count; "cpu<cores>" without one.
 # shellcheck source=scripts/machine-name.sh

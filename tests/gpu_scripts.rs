@@ -1,4 +1,4 @@
-//! The GPU scripts clear what they write before they run: a reused `$OUT` (a warm GPU machine,
+//! The GPU scripts (and each part of gpu-mooncake-table.sh) clear what they write before they run: a reused `$OUT` (a warm GPU machine,
 //! a fixed folder) must not show an earlier run's table, with its "N passed, 0 failed", as the
 //! result of a run that was cut off or stopped early. Runs without a GPU: with no binaries the
 //! scripts stop at once (exit 2), after the clearing. With stub binaries, the scripts' exit
@@ -80,6 +80,69 @@ fn gpu_procs_run_clears_its_earlier_outputs() {
         "env_procs.txt",
     ];
     assert_eq!(left_after("gpu-procs-run.sh", &stale), Vec::<String>::new());
+}
+
+/// `gpu-mooncake-table.sh` clears its part's earlier tables, and only its part's (the parts run
+/// one after another into one folder). Run from a copy of `scripts/` with no Mooncake bundle
+/// beside it: the part stops at once (its run finds no bundle), after the clearing.
+#[test]
+fn gpu_mooncake_table_clears_its_parts_earlier_tables_only() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tmp = std::env::temp_dir().join(format!("kvlink-mc-table-{}", std::process::id()));
+    let (scripts, out) = (tmp.join("repo").join("scripts"), tmp.join("out"));
+    std::fs::create_dir_all(&scripts).unwrap();
+    std::fs::create_dir_all(&out).unwrap();
+    for entry in std::fs::read_dir(root.join("scripts")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "sh") {
+            std::fs::copy(&path, scripts.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let host = "mooncake_modes_h200x1_host_32k_n1.md";
+    let host_128k = "mooncake_modes_h200x1_host_128k_n1.md";
+    let nodes = "mooncake_modes_h200x1_host_32k_n4.md";
+    let device = "mooncake_modes_h200x1_gpu_32k_n1.md";
+    let reads = "mooncake_read_h200x1_32k.md";
+    let procs = "glm_prefill_procs_h200x1_tp8_32k_n1.md";
+    let run = |part: &str, stale: &[&str]| -> Vec<&'static str> {
+        for name in stale {
+            std::fs::write(out.join(name), "9 passed, 0 failed\n").unwrap();
+        }
+        let got = bounded_bash()
+            .arg(scripts.join("gpu-mooncake-table.sh"))
+            .args(["--part", part])
+            .env("OUT", &out)
+            .output()
+            .unwrap();
+        assert_ne!(
+            got.status.code(),
+            Some(0),
+            "{part}: ran with no bundle: {got:?}"
+        );
+        [host, host_128k, nodes, device, reads, procs]
+            .into_iter()
+            .filter(|n| out.join(n).exists())
+            .collect()
+    };
+    let all = [host, host_128k, nodes, device, reads, procs];
+    assert_eq!(run("host", &all), vec![nodes, device, reads, procs]);
+    assert_eq!(
+        run("reads", &all),
+        vec![host, host_128k, nodes, device, procs]
+    );
+    assert_eq!(
+        run("procs", &all),
+        vec![host, host_128k, nodes, device, reads]
+    );
+    assert_eq!(
+        run("device", &all),
+        vec![host, host_128k, nodes, reads, procs]
+    );
+    assert_eq!(
+        run("nodes", &all),
+        vec![host, host_128k, device, reads, procs]
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
 }
 
 /// Runs `script` with stub binaries (`name`, its bash body) and `env`; its exit status and the
