@@ -1,6 +1,7 @@
-//! The GPU scripts (and each part of gpu-mooncake-table.sh) clear what they write before they run: a reused `$OUT` (a warm GPU machine,
-//! a fixed folder) must not show an earlier run's table, with its "N passed, 0 failed", as the
-//! result of a run that was cut off or stopped early. Runs without a GPU: with no binaries the
+//! The GPU scripts (and each part of gpu-mooncake-table.sh) clear what they write before they
+//! run: a reused `$OUT` (a warm GPU machine, a fixed folder) must not show an earlier run's
+//! table, with its "N passed, 0 failed", as the result of a run that was cut off or stopped
+//! early. Runs without a GPU: with no binaries the
 //! scripts stop at once (exit 2), after the clearing. With stub binaries, the scripts' exit
 //! status and closing count say what the binaries did.
 
