@@ -73,7 +73,14 @@ for v in python contiguous staged linker; do
     >> "$file" 2> "$out/read_bound_${v}.stderr.log" || { echo "variant $v failed: $?" >> "$file"; failed=1; }
   # A sampler cut off by the timeout may still be writing: give it a moment.
   for _ in 1 2 3 4 5; do [[ -f "$file.threads" ]] && break; sleep 1; done
-  { echo; cat "$file.threads" 2>/dev/null || echo "(no thread table: the sampler did not finish)"; } >> "$file"
+  {
+    echo
+    echo "The thread table below samples the whole run, not the timed reads alone: it starts 0.5 s"
+    echo "before the bench, so it also covers the object writes (the storage node's thread busy),"
+    echo "the client's start and the size queries. Busy shares are of that whole window."
+    echo
+    cat "$file.threads" 2>/dev/null || echo "(no thread table: the sampler did not finish)"
+  } >> "$file"
   rm -f "$file.threads"
   echo "== $v"; grep -E "^\| (Python|kvlink|[0-9.]+ ms \| [0-9])" "$file" | cut -c1-200 | head -4 || true
 done
