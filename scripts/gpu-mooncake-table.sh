@@ -178,9 +178,13 @@ case "$part" in
       echo
       cat "$out/reads.stdout.log"
       # mooncake_read compares every variant's bytes and every Linker pool with the objects in
-      # round 1 and exits non-zero on a mismatch (or any failure).
-      echo
-      if [[ $read_rc -eq 0 ]]; then echo "1 passed, 0 failed"; else echo "0 passed, 1 failed (exit $read_rc)"; fi
+      # round 1, ends with its count of those checks, and exits non-zero on a mismatch (or any
+      # failure). A run that ended without its count (killed, an older build) is one failure.
+      if ! tail -n 1 "$out/reads.stdout.log" | grep -Eq '^[0-9]+ passed, [0-9]+ failed$'; then
+        echo
+        echo "mooncake_read ended without its count of checks (exit $read_rc):"
+        echo "0 passed, 1 failed"
+      fi
     } > "$out/mooncake_read_${machine}_${tag}.md"
     ;;
   procs)

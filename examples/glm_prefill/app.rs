@@ -237,7 +237,13 @@ fn run_namespace(store: StoreKind) -> String {
 /// another mode with more than one rank, or its start was refused), after the tables were
 /// written: a comparison missing a mode is not a passing run. With one rank every mode runs
 /// as AllRanks (nothing to share), which is no failure.
-fn fail_on_failed_modes(results: &[(ModeArg, ModeOutcome)], tp: u32) -> Result<()> {
+/// Closes the report with one check per mode (loaded in the mode asked for, every rank's pool
+/// verified), as `N passed, N failed`, and fails the run when any failed.
+fn fail_on_failed_modes(
+    results: &[(ModeArg, ModeOutcome)],
+    tp: u32,
+    out: &mut dyn Write,
+) -> Result<()> {
     let failed: Vec<String> = results
         .iter()
         .filter_map(|(m, o)| match o {
@@ -249,6 +255,18 @@ fn fail_on_failed_modes(results: &[(ModeArg, ModeOutcome)], tp: u32) -> Result<(
             _ => None,
         })
         .collect();
+    say!(out);
+    say!(
+        out,
+        "Checks, one per mode (loaded in that mode, every rank's pool byte-identical to the saved \
+         bytes):"
+    );
+    say!(
+        out,
+        "{} passed, {} failed",
+        results.len() - failed.len(),
+        failed.len()
+    );
     if !failed.is_empty() {
         bail!("{}", failed.join("; "));
     }
@@ -329,6 +347,6 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     if args.mode == ModeSel::Compare {
         compare_table(&ctx, &results, out)?;
     }
-    fail_on_failed_modes(&results, ctx.tp())?;
+    fail_on_failed_modes(&results, ctx.tp(), out)?;
     Ok(())
 }

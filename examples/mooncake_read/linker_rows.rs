@@ -290,6 +290,7 @@ impl LinkerReader {
         let stats = self.linker.wait_batch(&ticket)?.result?;
         if check {
             self.verify(objects)?;
+            crate::check_passed();
         }
         Ok(LinkerTiming {
             first: ready.first().copied().unwrap_or(f64::NAN),

@@ -234,6 +234,7 @@ fn kvlink_once(
             Read::Ranged { dest, .. } => *dest,
         };
         objects.verify(dest)?;
+        check_passed();
     }
     Ok(timing)
 }
@@ -383,6 +384,29 @@ fn policy(
         )?;
     }
     Ok(())
+}
+
+/// Byte checks that passed so far: each kvlink variant's destination and each Linker row's
+/// pool, compared with the objects in the first round. A check that fails ends the run.
+static CHECKS_PASSED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Counts one byte check that passed.
+fn check_passed() {
+    CHECKS_PASSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The closing count: the checks that passed, and the one that ended the run if it failed.
+fn write_checks(out: &mut impl Write, failed: u32) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "\nChecks (round 1: each kvlink variant's bytes and each Linker row's pool equal to the \
+         objects; a failed check or any other failure ends the run and counts as one):"
+    )?;
+    writeln!(
+        out,
+        "{} passed, {failed} failed",
+        CHECKS_PASSED.load(std::sync::atomic::Ordering::Relaxed)
+    )
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -612,8 +636,12 @@ fn main() -> ExitCode {
     let a = args::parse();
     let mut out = std::io::stdout().lock();
     match run(&a, &mut out) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            let _ = write_checks(&mut out, 0);
+            ExitCode::SUCCESS
+        }
         Err(e) => {
+            let _ = write_checks(&mut out, 1);
             let _ = out.flush();
             let _ = writeln!(std::io::stderr(), "error: {e:#}");
             ExitCode::FAILURE

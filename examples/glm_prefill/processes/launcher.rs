@@ -176,6 +176,14 @@ pub(crate) fn launch(args: &Args, out: &mut dyn Write, spawn: &ChildSpawner) -> 
     for (rank, s) in statuses.iter().enumerate() {
         writeln!(out, "  rank {rank}: {s}")?;
     }
+    let ok = statuses.iter().filter(|s| s.success()).count();
+    writeln!(out)?;
+    writeln!(
+        out,
+        "Checks, one per rank process (it loaded in every mode and its own pool is \
+         byte-identical to the saved bytes):"
+    )?;
+    writeln!(out, "{ok} passed, {} failed", statuses.len() - ok)?;
     drop(server);
     if statuses.iter().any(|s| !s.success()) {
         bail!("a rank process failed (see above)");

@@ -238,7 +238,7 @@ pub(super) fn finish(
              start_load, every rank starting after a barrier)"
         )?;
     }
-    fail_on_failed_modes(results, ctx.tp())
+    fail_on_failed_modes(results, ctx.tp(), out)
 }
 
 /// A rank other than 0: one line per mode about its own pool (rank 0 prints the tables).
