@@ -61,6 +61,12 @@ fn small_prefix_loads_and_verifies_on_every_rank() {
     // Every rank read the whole prefix itself (AllRanks): 3 copies in total.
     assert!(out.contains("= 3.00 × one copy of the prefix"), "{out}");
     assert!(out.contains("SIMULATED"), "{out}");
+    // The report ends with its count of checks: the one mode asked for, verified.
+    assert_eq!(
+        out.trim_end().lines().last(),
+        Some("1 passed, 0 failed"),
+        "{out}"
+    );
     let picture = std::fs::read_to_string(&svg).unwrap();
     let _ = std::fs::remove_file(&svg);
     assert!(picture.starts_with("<svg"), "{picture}");
