@@ -6,6 +6,8 @@ mod linker;
 mod log_every;
 pub mod read_plan;
 pub mod store;
+#[cfg(test)]
+mod test_logs;
 
 pub use linker::{
     auto_verify_threads, GroupFallback, Linker, LinkerBuilder, LinkerConfig, LinkerMetrics,

@@ -849,39 +849,6 @@ mod tests {
         }
     }
 
-    /// The events logged on this thread while `f` runs: each one's level and message.
-    fn logged<R>(f: impl FnOnce() -> R) -> (R, Vec<(tracing::Level, String)>) {
-        use tracing_subscriber::layer::{Context, SubscriberExt};
-
-        #[derive(Clone, Default)]
-        struct Events(Arc<Mutex<Vec<(tracing::Level, String)>>>);
-        struct Message(String);
-        impl tracing::field::Visit for Message {
-            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
-                if f.name() == "message" {
-                    self.0 = format!("{v:?}");
-                }
-            }
-        }
-        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Events {
-            fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
-                let mut m = Message(String::new());
-                event.record(&mut m);
-                self.0.lock().push((*event.metadata().level(), m.0));
-            }
-        }
-        let events = Events::default();
-        let subscriber = tracing_subscriber::registry().with(events.clone());
-        let out = tracing::subscriber::with_default(subscriber, || {
-            // A line first met on another thread with no subscriber may have cached itself
-            // as never wanted: asked again with this one in place.
-            tracing::callsite::rebuild_interest_cache();
-            f()
-        });
-        let seen = events.0.lock().clone();
-        (out, seen)
-    }
-
     /// A store that answers late fails every call alike: the "overdue" line is logged at
     /// `error` once a minute per kind of call, the rest at `debug`. Before, each call logged
     /// one at `error` (a master that answers late: thousands a minute).
@@ -895,7 +862,7 @@ mod tests {
             Fault::Stall(stall.clone()),
         );
         let calls = StoreCalls::new(faulty);
-        let ((), lines) = logged(|| {
+        let ((), lines) = crate::test_logs::logged(|| {
             for _ in 0..5 {
                 let soon = Instant::now() + Duration::from_millis(10);
                 let got = calls.read_whole_owned(&["a"], &[8], soon);
@@ -910,7 +877,7 @@ mod tests {
         let overdue = |level| {
             lines
                 .iter()
-                .filter(|(l, m)| *l == level && m.contains("overdue"))
+                .filter(|e| e.level == level && e.message.contains("overdue"))
                 .count()
         };
         assert_eq!(overdue(tracing::Level::ERROR), 1, "{lines:?}");

@@ -55,6 +55,8 @@ pub struct SocketStore {
     anchor: Mutex<Option<Conn>>,
     /// The tag of this client's next session start.
     next_session_tag: AtomicU64,
+    /// The "no reply in time" line, at `warn` once a minute while calls time out.
+    timeouts: crate::log_every::LogEvery,
 }
 
 impl std::fmt::Debug for SocketStore {
@@ -242,6 +244,7 @@ impl SocketStore {
                 .map(|hp| Mutex::new(AddressLookups::new(hp, "served store address"))),
             anchor: Mutex::new(None),
             next_session_tag: AtomicU64::new(0),
+            timeouts: crate::log_every::LogEvery::new(),
         };
         // One deadline for both steps: the timeout bounds the whole connect.
         let deadline = kv_loader::deadline_after(timeout);
@@ -397,6 +400,20 @@ impl SocketStore {
             // Nothing was sent: the connection is still in step.
             Err(e @ CallError::TooLarge(_)) => {
                 self.pool.lock().push(conn);
+                return Err(e);
+            }
+            Err(e @ CallError::Timeout) => {
+                // The error (`RpcTimeout`, per key) has no room for where: the log says it,
+                // so that a hung server is told from a slow Mooncake master behind it.
+                let waited = self.timeout;
+                match self.timeouts.due_after("timeout") {
+                    Some(skipped) => tracing::warn!(address = %self.address, ?waited, skipped,
+                        "served store: no reply by a call's deadline (its error: RPC timeout); \
+                         the connection is dropped (`skipped`: such calls since the last such \
+                         line, at debug)"),
+                    None => tracing::debug!(address = %self.address, ?waited,
+                        "served store: no reply by a call's deadline"),
+                }
                 return Err(e);
             }
             Err(e) => return Err(e),

@@ -228,3 +228,49 @@ fn a_session_start_never_sent_is_not_given_up() {
     );
     drop(client);
 }
+
+/// Calls to a served store that never replies fail `RpcTimeout` (which names no address), and
+/// the log says where: one line at `warn` naming the server, the next at `debug` within the
+/// minute. Before, nothing told a hung server from a slow Mooncake master behind it.
+#[test]
+fn calls_a_served_store_never_answers_are_logged_naming_it_once_a_minute() {
+    let (listener, name) = fake_listener("mute");
+    let (done, client_done) = std::sync::mpsc::channel::<()>();
+    let fake = std::thread::spawn(move || {
+        let mut c = accept(&listener);
+        answer_health(&mut c);
+        let _anchor = accept(&listener);
+        // The first call's request, unanswered; its connection is dropped, and the second
+        // call comes on a new one, unanswered too.
+        assert_eq!(read_frame(&mut c)[0], op::EXISTS);
+        let mut again = accept(&listener);
+        assert_eq!(read_frame(&mut again)[0], op::EXISTS);
+        client_done
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the client's calls returned");
+    });
+    // 1.5 s: the connect's two connections open within it on a loaded machine too.
+    let client =
+        SocketStore::connect_with(&format!("unix:@{name}"), Duration::from_millis(1500)).unwrap();
+    let (got, lines) = crate::test_logs::logged(|| [client.exists(&["k"]), client.exists(&["k"])]);
+    done.send(()).unwrap();
+    for r in &got {
+        assert!(
+            matches!(r[..], [Err(StoreError::RpcTimeout { .. })]),
+            "{r:?}"
+        );
+    }
+    let mute: Vec<_> = lines
+        .iter()
+        .filter(|e| e.message.contains("no reply by a call's deadline"))
+        .collect();
+    let at = |level| mute.iter().filter(|e| e.level == level).count();
+    assert_eq!(
+        (at(tracing::Level::WARN), at(tracing::Level::DEBUG)),
+        (1, 1),
+        "{lines:?}"
+    );
+    assert!(mute.iter().all(|e| e.fields.contains(&name)), "{mute:?}");
+    drop(client);
+    fake.join().unwrap();
+}
