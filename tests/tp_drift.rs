@@ -138,6 +138,7 @@ fn a_queued_batch_cancelled_by_reset_still_meets_the_group() {
             },
             Fault::Delay(Duration::from_millis(250)),
         );
+        let before: Vec<_> = rs.iter().map(|r| r.linker.metrics()).collect();
         let loaded = each(rs, |rank, r| {
             let g = r.linker.geometry().clone();
             if rank != fail {
@@ -169,6 +170,30 @@ fn a_queued_batch_cancelled_by_reset_still_meets_the_group() {
                 (&two, &three),
                 (&expected, &expected),
                 "{what}: rank {rank}"
+            );
+        }
+        // The metrics count both as cancelled on every rank, as on a rank alone: the engine's
+        // doing, no rank's failure. Before, every rank counted two `peer_failed` and no rank
+        // a cause (or the resetting rank an own `cancelled` failure).
+        for (rank, (r, before)) in rs.iter().zip(&before).enumerate() {
+            let now = r.linker.metrics();
+            let more = |now: &std::collections::BTreeMap<&str, u64>,
+                        was: &std::collections::BTreeMap<&str, u64>,
+                        kind| {
+                now.get(kind).copied().unwrap_or(0) - was.get(kind).copied().unwrap_or(0)
+            };
+            assert_eq!(
+                (
+                    more(&now.failures, &before.failures, "cancelled"),
+                    more(&now.failures, &before.failures, "peer_failed"),
+                    now.own_failures.values().sum::<u64>()
+                        - before.own_failures.values().sum::<u64>(),
+                    now.batches_failed - before.batches_failed,
+                ),
+                (2, 0, 0, 2),
+                "{what}: rank {rank}: {:?}, own {:?}",
+                now.failures,
+                now.own_failures
             );
         }
         rs[fail as usize].faults.clear();

@@ -71,17 +71,20 @@ pub struct MetricsSnapshot {
     pub batches_failed: u64,
     /// Layers read (a store call that read a group of `k` layers counts `k`).
     pub layer_reads: u64,
-    /// Store calls that read them (one per group of layers).
+    /// Reads of a group of layers that read them: one per group, however many store calls it
+    /// made (with `LinkerConfig::read_parallelism` above 1, a group's ranges are split over
+    /// up to that many store calls at once, counted here as one).
     pub layer_read_calls: u64,
-    /// Total time of those calls.
+    /// Total time of those group reads, each from its start to its last store call's end.
     pub layer_read_time: Duration,
-    /// Read calls per latency bucket (see [`LAYER_LATENCY_BUCKETS_US`]): one entry per call,
-    /// of however many layers.
+    /// Group reads per latency bucket (see [`LAYER_LATENCY_BUCKETS_US`]): one entry per
+    /// group, of however many layers and store calls.
     pub layer_read_histogram: [u64; 12],
-    /// Store read calls of layers that failed (an error, a transfer given up, a deadline):
-    /// not in the three figures above, which time the calls that read their layers.
+    /// Group reads of layers that failed (an error, a transfer given up, a deadline, also one
+    /// refused or out of time before any store call was made): not in the three figures
+    /// above, which time the group reads that read their layers.
     pub failed_read_calls: u64,
-    /// Total time of the failed calls, from their start to their error.
+    /// Total time of the failed group reads, from their start to their error.
     pub failed_read_time: Duration,
     /// (object, layer) ranges loaded and verified against the checksums written with the
     /// object.
@@ -119,18 +122,25 @@ pub struct MetricsSnapshot {
     /// Store calls that did not return by their deadline, the landing memory's
     /// registrations and unregistrations included (filled by `Linker::metrics`).
     pub overdue_calls: u64,
-    /// Memory kept for good in this process (every store and linker of it): how many times
-    /// memory was kept (one store call whose transfer the store gave up on may keep several
-    /// buffers, each counted) and the bytes they may still use, never freed (filled by
-    /// `Linker::metrics`). A figure that keeps growing is a store that keeps
-    /// stalling past its client's transfer timeout.
+    /// Memory kept for good in this process (every store, linker and NCCL group of it): how
+    /// many times memory was kept (one store call whose transfer the store gave up on may keep
+    /// several buffers, each counted; so is a host buffer left to a silent NCCL comm thread,
+    /// and an aborted communicator's scratch) and the bytes they may still use, never freed
+    /// (filled by `Linker::metrics`: the store's `kept_for_good` and dedup-broadcast's
+    /// `memory_kept`). A figure that keeps growing is a store that keeps stalling past its
+    /// client's transfer timeout, or comm threads that keep going silent. Process-wide: every
+    /// linker of the process (ranks as threads) reports the same figure; export it once.
     pub kept_for_good: crate::store::KeptForGood,
     /// Failed batch outcomes by kind (`KvLoadError::kind_name`). In a TP group every rank's
     /// outcome of a batch a rank failed while loading is `peer_failed`; what failed is in
-    /// `own_failures` of the rank it was.
+    /// `own_failures` of the rank it was. A batch a rank cancelled (a reset, a close) or
+    /// refused at `start_load` (`busy`, `duplicate_batch`, `closed`) counts under that kind
+    /// on every rank that started it, as on a rank alone (the refusing rank's engine has the
+    /// refusal as `start_load`'s error; a batch refused there is not counted on that rank).
     pub failures: BTreeMap<&'static str, u64>,
     /// This rank's own failures while loading a batch's layers (a read, a verification, an
-    /// upload, a share step), by kind, alone or in a group: at most one per batch.
+    /// upload, a share step), by kind, alone or in a group: at most one per batch. A
+    /// cancellation is not one.
     pub own_failures: BTreeMap<&'static str, u64>,
 }
 
@@ -143,12 +153,14 @@ impl LinkerMetrics {
         self.bytes_written.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// `pages_hit` after `pages_looked_up`, `Release`: a snapshot that sees the hits sees
+    /// the pages asked about ([`snapshot`](Self::snapshot)).
     pub(crate) fn lookup(&self, asked: u64, hit: u64) {
         self.pages_looked_up.fetch_add(asked, Ordering::Relaxed);
-        self.pages_hit.fetch_add(hit, Ordering::Relaxed);
+        self.pages_hit.fetch_add(hit, Ordering::Release);
     }
 
-    /// A store call read `layers` layers in `took`.
+    /// A group read (one or more store calls) read `layers` layers in `took`.
     pub(crate) fn layer_read(&self, layers: u32, took: Duration) {
         let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
         self.layer_reads
@@ -208,8 +220,10 @@ impl LinkerMetrics {
         self.pins_ahead.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// After the pin's [`pins_ahead`](Self::pins_ahead) (which the pin's hand-over orders
+    /// before this): `Release`, so a snapshot that sees this sees that.
     pub(crate) fn pins_ahead_taken(&self) {
-        self.pins_ahead_taken.fetch_add(1, Ordering::Relaxed);
+        self.pins_ahead_taken.fetch_add(1, Ordering::Release);
     }
 
     pub(crate) fn kept_checksums_stale(&self, n: u64) {
@@ -233,10 +247,11 @@ impl LinkerMetrics {
     }
 
     /// The counters now, each read on its own while the linker runs: counters that move
-    /// together may be one update apart. Two pairs keep their order (an exporter subtracts
-    /// them): `ranges_checksummed_as_landed` never exceeds `ranges_checksummed`, and the
-    /// `failures` never add up to more than `batches_failed`; each is read before the
-    /// counter it is part of.
+    /// together may be one update apart. Four pairs keep their order (an exporter subtracts
+    /// or divides them): `ranges_checksummed_as_landed` never exceeds `ranges_checksummed`,
+    /// the `failures` never add up to more than `batches_failed`, `pins_ahead_taken` never
+    /// exceeds `pins_ahead`, and `pages_hit` never exceeds `pages_looked_up`; each is read
+    /// before the counter it is part of.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut hist = [0; 12];
         for (h, a) in hist.iter_mut().zip(&self.layer_hist) {
@@ -246,10 +261,12 @@ impl LinkerMetrics {
         // lock after `batches_failed`, whose increment the lock then shows this thread.
         let as_landed = self.ranges_checksummed_as_landed.load(Ordering::Acquire);
         let failures = self.failures.lock().clone();
+        let taken = self.pins_ahead_taken.load(Ordering::Acquire);
+        let hit = self.pages_hit.load(Ordering::Acquire);
         MetricsSnapshot {
             bytes_read: self.bytes_read.load(Ordering::Relaxed),
             bytes_written: self.bytes_written.load(Ordering::Relaxed),
-            pages_hit: self.pages_hit.load(Ordering::Relaxed),
+            pages_hit: hit,
             pages_looked_up: self.pages_looked_up.load(Ordering::Relaxed),
             batches_loaded: self.batches_loaded.load(Ordering::Relaxed),
             batches_failed: self.batches_failed.load(Ordering::Relaxed),
@@ -267,7 +284,7 @@ impl LinkerMetrics {
             companions_prefetched: self.companions_prefetched.load(Ordering::Relaxed),
             read_ahead_waits: self.read_ahead_waits.load(Ordering::Relaxed),
             pins_ahead: self.pins_ahead.load(Ordering::Relaxed),
-            pins_ahead_taken: self.pins_ahead_taken.load(Ordering::Relaxed),
+            pins_ahead_taken: taken,
             kept_checksums_stale: self.kept_checksums_stale.load(Ordering::Relaxed),
             companions_reread: self.companions_reread.load(Ordering::Relaxed),
             overdue_calls: 0,
@@ -298,6 +315,9 @@ mod tests {
                     m.checksummed_as_landed(3);
                     m.batch(false);
                     m.failure("store_transfer");
+                    m.pins_ahead();
+                    m.pins_ahead_taken();
+                    m.lookup(4, 4);
                 }
             });
             let mut seen = 0;
@@ -309,6 +329,8 @@ mod tests {
                 );
                 let failed: u64 = snap.failures.values().sum();
                 assert!(failed <= snap.batches_failed, "{snap:?}");
+                assert!(snap.pins_ahead_taken <= snap.pins_ahead, "{snap:?}");
+                assert!(snap.pages_hit <= snap.pages_looked_up, "{snap:?}");
                 seen += 1;
             }
             assert!(seen > 10, "{seen} snapshots");

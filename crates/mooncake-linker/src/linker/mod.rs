@@ -118,6 +118,24 @@ pub(crate) struct Inner {
     closed: AtomicBool,
 }
 
+/// Kinds of a batch's failure that are the engine's doing, not a failure while loading: a
+/// batch cancelled by a reset or close, or refused at `start_load`.
+const ENGINE_SIDE_KINDS: [&str; 4] = ["cancelled", "busy", "duplicate_batch", "closed"];
+
+/// The kind a failed batch counts under in `failures`: its error's kind, except that a group's
+/// verdict on a batch a rank cancelled or refused (`PeerFailed`, the kind leading its detail)
+/// counts as that kind, on every rank as on a rank alone. A failure while loading stays
+/// `peer_failed` (its cause is in the failing rank's `own_failures`).
+fn failure_kind(e: &KvLoadError) -> &'static str {
+    if let KvLoadError::PeerFailed { detail, .. } = e {
+        let kind = detail.split(':').next().unwrap_or_default().trim();
+        if let Some(k) = ENGINE_SIDE_KINDS.iter().find(|k| **k == kind) {
+            return k;
+        }
+    }
+    e.kind_name()
+}
+
 impl Inner {
     fn finish_job(
         &self,
@@ -141,7 +159,7 @@ impl Inner {
             }
             Err(e) => {
                 self.metrics.batch(false);
-                self.metrics.failure(e.kind_name());
+                self.metrics.failure(failure_kind(e));
                 self.log_failed(batch, e);
             }
         }
@@ -157,7 +175,7 @@ impl Inner {
     /// how many of its kind went to `debug` since; a cancelled one (the engine's own doing)
     /// at `debug`. The metrics count every one.
     fn log_failed(&self, batch: kv_loader::BatchId, e: &KvLoadError) {
-        if matches!(e, KvLoadError::Cancelled { .. }) {
+        if failure_kind(e) == "cancelled" {
             debug!(%batch, error = %e, "batch cancelled");
             return;
         }
@@ -518,6 +536,9 @@ impl Linker {
         let mut m = self.inner.metrics.snapshot();
         m.overdue_calls = self.inner.calls.overdue_calls();
         m.kept_for_good = crate::store::kept_for_good();
+        let collectives = dedup_broadcast::memory_kept();
+        m.kept_for_good.calls = m.kept_for_good.calls.saturating_add(collectives.times);
+        m.kept_for_good.bytes = m.kept_for_good.bytes.saturating_add(collectives.bytes);
         m
     }
 

@@ -348,7 +348,12 @@ impl LayerPipeline<'_> {
                 self.exchange(&mut progress.status, num_layers, word).err()
             }
         };
-        if let Some(own) = &progress.own {
+        // A cancellation (a reset or close) is the engine's doing, not this rank's failure.
+        if let Some(own) = progress
+            .own
+            .as_ref()
+            .filter(|e| !matches!(e, KvLoadError::Cancelled { .. }))
+        {
             self.inner.metrics.own_failure(own.kind_name());
         }
         if let Some(e) = fatal {
