@@ -50,6 +50,12 @@ pub fn run_aborts(gpus: u32, report: &mut Report) {
     #[cfg(feature = "failpoints")]
     report.check(
         SEC,
+        "1 rank: the comm thread goes silent under an operation: its host buffer is left to it and counted kept for good",
+        silent_comm_thread_keeps_its_buffer_counted,
+    );
+    #[cfg(feature = "failpoints")]
+    report.check(
+        SEC,
         "rank 0 of 2 cannot allocate its scratch: it never joins, its error at once",
         buffers_fail_before_join,
     );
@@ -133,6 +139,47 @@ fn comm_thread_panics() -> Result<String, String> {
         "warm-up gathered {warm:?}; then {failed} after {:.3} s; broken: {broken}; dropped in {:.3} s",
         took.as_secs_f64(),
         dropped.as_secs_f64()
+    ))
+}
+
+/// A comm thread that goes silent under an operation (a sleep injected through the failpoint
+/// "nccl-comm-op", past the call's deadline and its reply slack): the call fails unanswered,
+/// its host buffer is left to the thread (the thread may still write it), and that buffer is
+/// counted kept for good, process-wide (`memory_kept`, which a linker's `kept_for_good`
+/// includes). Before, only the handle counted it, and a re-formed group dropped that count.
+#[cfg(feature = "failpoints")]
+fn silent_comm_thread_keeps_its_buffer_counted() -> Result<String, String> {
+    use kvlink::dedup_broadcast::memory_kept;
+    let ranks = NcclGroup::new_in_process_with(&[0], short_grace()).map_err(ce)?;
+    ranks[0].all_gather_u64(1, soon()).map_err(ce)?;
+    let before = memory_kept();
+    fail::cfg("nccl-comm-op", "1*sleep(8000)").map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let r = ranks[0].all_gather_bytes(
+        &[7u8; 4096],
+        kvlink::kv_loader::deadline_after(Duration::from_millis(300)),
+    );
+    let took = t0.elapsed();
+    fail::remove("nccl-comm-op");
+    let leaked = ranks[0].leaked_host_bytes();
+    let after = memory_kept();
+    let Err(e) = r else {
+        return Err("the call succeeded with its comm thread asleep".into());
+    };
+    if leaked == 0 {
+        return Err(format!(
+            "no buffer left to the silent thread: {e} after {took:?}"
+        ));
+    }
+    if after.times <= before.times || after.bytes < before.bytes + leaked {
+        return Err(format!(
+            "{leaked} B left to the thread, but memory_kept went {before:?} → {after:?}"
+        ));
+    }
+    drop(ranks);
+    Ok(format!(
+        "{e} after {:.1} s; {leaked} B left to the comm thread; memory_kept {before:?} → {after:?}",
+        took.as_secs_f64()
     ))
 }
 

@@ -52,6 +52,7 @@ mod collective;
 mod formation;
 mod gate;
 mod in_process;
+mod kept;
 mod mode;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -72,6 +73,7 @@ pub use gate::{
     BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, PLAN_DIGEST_SEED,
 };
 pub use in_process::{InProcessCollective, InProcessGroup};
+pub use kept::{memory_kept, MemoryKept};
 pub use mode::{choose_mode, layer_times, Bandwidths, ModeChoice, ModeTimes};
 pub use ops::{share_rows, share_stage, RowsShare, StageShare};
 #[cfg(target_os = "linux")]

@@ -725,6 +725,7 @@ impl NcclCollective {
                     );
                     self.leaked
                         .fetch_add(buf.capacity() as u64, Ordering::Relaxed);
+                    crate::kept::count_kept(buf.capacity() as u64);
                     std::mem::forget(buf);
                 }
                 Err(f.error)

@@ -514,10 +514,26 @@ impl Worker {
         let drained = CudaLayerEvent::record_on(&self.stream, u32::MAX)
             .and_then(|ev| ev.wait_until(kv_loader::deadline_after(self.grace)));
         if !matches!(drained, Ok(true)) {
+            let bytes = self.scratch.as_ref().map_or(0, DeviceBuffer::len)
+                + self.host_stage.as_ref().map_or(0, PinnedBuffer::len)
+                + self
+                    .retired
+                    .scratch
+                    .iter()
+                    .map(DeviceBuffer::len)
+                    .sum::<usize>()
+                + self
+                    .retired
+                    .stages
+                    .iter()
+                    .map(PinnedBuffer::len)
+                    .sum::<usize>();
             tracing::error!(
                 rank = self.rank,
+                bytes,
                 "comm stream not known to be idle after ncclCommAbort; its buffers may still be in use: leaking the scratch"
             );
+            crate::kept::count_kept(bytes as u64);
             std::mem::forget(self.scratch.take());
             std::mem::forget(self.host_stage.take());
             std::mem::forget(std::mem::take(&mut self.retired));
