@@ -40,11 +40,17 @@ pub fn available(test: &str, needs: &[&str]) -> bool {
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    free_ports::<1>()[0]
+}
+
+/// `N` distinct free ports: each held while the next is taken (ports taken one after another,
+/// each let go first, may be the same: a master given one port for RPC and metrics serves HTTP
+/// where its clients expect RPC, and every client fails "Client not available").
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().unwrap().port())
 }
 
 /// A `mooncake_master` of this test only, on 127.0.0.1; killed on drop.
@@ -58,8 +64,7 @@ pub struct PrivateMaster {
 impl PrivateMaster {
     pub fn start(extra: &[&str]) -> Self {
         let bin = env("MOONCAKE_MASTER_BIN").expect("MOONCAKE_MASTER_BIN");
-        let port = free_port();
-        let metrics = free_port();
+        let [port, metrics] = free_ports::<2>();
         let log = std::env::temp_dir().join(format!("kvlink-master-{port}.log"));
         // One file for both streams (two `create`s would each write from offset 0 over the
         // other's lines).
