@@ -7,6 +7,10 @@ use kv_loader::{KvLoadError, LoadStats};
 use crate::recompute::Recompute;
 use crate::{CandleKvError, LatentPool, LayerGate};
 
+/// How long a write into a page the load landed waits, once the load's last layer is in, for
+/// its landing to let go of the page's slot (it does so as its batch ends: at once).
+pub const LANDED_SLOTS_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// One sequence's MLA latent cache in a kvlink pool: its page table (slot of each page, in
 /// sequence order), the [`LayerGate`] of the load filling its first `loaded_tokens` tokens,
 /// and the [`LatentPool`] to read and write through.
@@ -257,12 +261,19 @@ impl PagedLatentCache {
     }
 
     /// Writes layer `layer`'s rows `[n, width]` of tokens `start..start + n`. Rows inside
-    /// the loaded prefix wait for the layer's load first (they would race it otherwise).
+    /// the loaded prefix wait for the layer's load first (they would race it otherwise); while
+    /// the load is under way, rows in a page it lands (a `loaded_tokens` that ends mid-page, or
+    /// a loaded token computed again) wait for the whole load: its landing holds each of its
+    /// slots, every layer, until its batch is done (a pool that tracks claims refuses the
+    /// write until then, [`CandleKvError::Pool`] with `SlotBusy`, which this wait avoids; it
+    /// is bounded by the loader's waits, then by [`LANDED_SLOTS_WAIT`]).
     pub fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), CandleKvError> {
         let n = rows.dims().first().copied().unwrap_or(0);
-        self.fence(start, start.saturating_add(n))?;
+        let end = start.saturating_add(n);
+        self.fence(start, end)?;
         if self.touches(start, self.loaded_tokens) {
             self.gate.wait_on_host(layer)?;
+            self.wait_landed_slots(layer, start, end)?;
         }
         // SAFETY: the slots are this cache's alone (`new`'s contract), `&mut self` excludes
         // its own readers, and the load's layer has landed wherever the rows overlap it (a
@@ -334,6 +345,32 @@ impl PagedLatentCache {
     /// Whether an access from token `start` on reaches a page of the first `tokens` tokens:
     /// loads land whole pages, so the page holding the last of them is the load's whole, its
     /// later tokens too (a write there rewrites the page beside the load).
+    /// Waits until the load attached no longer claims the slots of the loaded pages among
+    /// tokens `start..end` (written at `layer`, waited for already): for its last layer
+    /// (through the gate, bounded by the loader),
+    /// then for the claims to go (bounded by [`LANDED_SLOTS_WAIT`]). Nothing to wait for once
+    /// its outcome was taken, or with no load attached.
+    fn wait_landed_slots(&self, layer: u32, start: usize, end: usize) -> Result<(), CandleKvError> {
+        let Some(layers) = self.gate.num_layers().filter(|_| self.gate.is_loading()) else {
+            return Ok(());
+        };
+        let ps = self.pool.page_size().max(1);
+        let pages = start / ps..end.div_ceil(ps).min(self.loaded_tokens.div_ceil(ps));
+        let Some(slots) = self.page_table.get(pages).filter(|s| !s.is_empty()) else {
+            return Ok(());
+        };
+        let last = layers.saturating_sub(1);
+        if layer != last {
+            self.gate.wait_on_host(last)?;
+        }
+        kv_device::SlotClaims::wait_free(
+            self.pool.pool().as_ref(),
+            slots,
+            kv_loader::deadline_after(LANDED_SLOTS_WAIT),
+        )?;
+        Ok(())
+    }
+
     fn touches(&self, start: usize, tokens: usize) -> bool {
         let ps = self.pool.page_size().max(1);
         start / ps < tokens.div_ceil(ps)

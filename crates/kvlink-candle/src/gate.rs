@@ -157,6 +157,11 @@ impl LayerGate {
         self.inner.as_ref().is_some_and(|i| i.taken().is_none())
     }
 
+    /// The layers of the attached batch (`None` for an open gate).
+    pub(crate) fn num_layers(&self) -> Option<u32> {
+        self.inner.as_ref().map(|i| i.num_layers())
+    }
+
     /// The batch's ticket, if one is attached.
     pub fn ticket(&self) -> Option<&LoadTicket> {
         self.inner.as_ref().map(|i| &i.ticket)

@@ -45,7 +45,7 @@ mod gate;
 mod pool;
 mod recompute;
 
-pub use cache::PagedLatentCache;
+pub use cache::{PagedLatentCache, LANDED_SLOTS_WAIT};
 pub use error::CandleKvError;
 pub use format::LatentFormat;
 pub use gate::LayerGate;

@@ -1063,12 +1063,50 @@ fn a_write_into_the_last_loaded_page_waits_for_the_load() {
     cache.write(1, loaded, &rows(1, 0.0)).unwrap();
     assert_eq!(
         waits(&mock),
-        vec![1],
-        "the write into page 1 waited for layer 1"
+        vec![1, 2],
+        "the write into page 1 waited for layer 1, then for the load's last layer (its \
+         landing holds the slot until the batch is done)"
     );
     cache.write(1, 2 * PAGE as usize, &rows(1, 0.0)).unwrap();
-    assert_eq!(waits(&mock), vec![1], "page 2 is not the load's");
+    assert_eq!(waits(&mock), vec![1, 2], "page 2 is not the load's");
     cache.finish_load().unwrap();
+}
+
+/// A write into a page the load lands, on a pool that tracks claims, waits until the landing
+/// lets go of the slot (as the batch ends) instead of failing `SlotBusy`. Before, it waited
+/// for its own layer only and then failed while later layers were still landing.
+#[test]
+fn a_write_into_a_loaded_page_waits_for_the_landing_to_let_go_of_its_slot() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let ticket = mock.start_load(plan(14)).unwrap();
+    let lp = f32_latents(4);
+    let pool: Arc<dyn KvPool> = lp.pool().clone();
+    // The landing's claim on slot 1, let go a moment later (as its batch ends).
+    let landing = kv_device::SlotClaims::write(&pool, &[1]).unwrap();
+    let loaded = PAGE as usize + 2;
+    // SAFETY: the test's own pool; the only load into slots 0 and 1 is the mock's `ticket`.
+    let mut cache = unsafe { PagedLatentCache::new(lp, vec![0, 1, 2], loaded) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            drop(landing);
+        });
+        let t0 = std::time::Instant::now();
+        cache.write(0, loaded, &rows(1, 7.0)).unwrap();
+        assert!(
+            t0.elapsed() >= std::time::Duration::from_millis(150),
+            "the write did not wait for the claim: {:?}",
+            t0.elapsed()
+        );
+    });
+    cache.finish_load().unwrap();
+    let got = cache
+        .layer(0, loaded + 1)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert_eq!(got[loaded], rows(1, 7.0).to_vec2::<f32>().unwrap()[0]);
 }
 
 /// Attaching a second load finishes the first (its outcome taken) instead of leaving it
