@@ -17,7 +17,9 @@ use crate::CandleKvError;
 /// load once ready). The gate remembers which layers a wait found ready (with their device
 /// events) for when a reset ends the ticket before `finish`: a wait that meets the ended
 /// ticket on such a layer takes the outcome as `finish` would and answers its verdict (a
-/// loaded batch's layers stay ready; a failed one's slots may be another batch's by now).
+/// loaded batch's layers a wait saw stay ready; a failed one's slots may be another batch's
+/// by now). A layer no wait saw before the reset fails its wait (`StaleTicket`), and `finish`
+/// then answers `WaitFailed`: the batch's pages are recomputed.
 /// A failed wait is kept: every later [`wait`](Self::wait) returns the same
 /// [`CandleKvError::Load`] without calling the loader again, until a clone's `finish` took
 /// the outcome (waits then answer its verdict).
