@@ -86,6 +86,16 @@ impl LatentFormat {
                 component.name
             )));
         }
+        // An MLA latent is the same bytes on every rank: a component split among the ranks
+        // holds a slice of heads here, which `split` would cut as `[c_kv | k_pe]`.
+        if !component.replicated && geometry.tp_size() > 1 {
+            return Err(CandleKvError::Format(format!(
+                "component `{}` is split among the {} TP ranks (a slice of heads on each), not \
+                 a latent every rank holds whole",
+                component.name,
+                geometry.tp_size()
+            )));
+        }
         if component.row_bytes as usize != self.row_bytes() {
             return Err(CandleKvError::Format(format!(
                 "component `{}` rows are {} B on this rank; {} x {:?} is {} B",
@@ -181,6 +191,29 @@ mod tests {
         )
         .unwrap();
         KvGeometry::new(spec, 1, 0).unwrap()
+    }
+
+    /// A component split among TP ranks is refused at TP > 1 even when a rank's slice has the
+    /// latent's row size: it is a slice of heads, not `[c_kv | k_pe]`. Before, it passed.
+    #[test]
+    fn a_component_split_among_ranks_is_no_latent() {
+        use kv_geometry::{ComponentSpec, ModelKvSpec};
+        let format = LatentFormat::new(8, 4, DType::F32).unwrap();
+        // 2 heads of one latent row each: at TP 2 a rank's slice is one latent row's size.
+        let rows = 2 * format.row_bytes() as u32;
+        let spec = ModelKvSpec::new(
+            "m",
+            2,
+            4,
+            vec![ComponentSpec::new("k", RowUnit::Token, ElementType::F32, rows).sharded(2)],
+        )
+        .unwrap();
+        let tp2 = KvGeometry::new(spec.clone(), 2, 1).unwrap();
+        assert_eq!(tp2.components()[0].row_bytes as usize, format.row_bytes());
+        assert!(matches!(
+            format.check(&tp2, &tp2.components()[0]),
+            Err(CandleKvError::Format(m)) if m.contains("split among the 2 TP ranks")
+        ));
     }
 
     /// A component's element type must be the format's dtype (f32 latents included: they had
