@@ -1382,3 +1382,38 @@ fn a_layer_seen_ready_of_a_batch_that_failed_is_not_ready_after_a_reset() {
     assert!(e.is_load_failure(), "{e}");
     assert!(gate.finish().unwrap_err().is_load_failure());
 }
+
+/// A gated read returns the rows of its own layer from the sequence's slots, in page-table
+/// order (the other tests of the gate check shapes and waits): the landed bytes, not another
+/// layer's or slot's.
+#[test]
+fn a_gated_read_returns_its_layers_rows_from_the_sequences_slots() {
+    let mock = Arc::new(MockKvLoader::new(3, MockScript::default()));
+    let ticket = mock.start_load(plan(15)).unwrap();
+    let lp = f32_latents(4);
+    let table = vec![2u32, 0];
+    // What the load landed: layer 0 and layer 1 differ; slot 1 (not the sequence's) too.
+    write(&lp, 0, &table, 0, &rows(6, 100.0)).unwrap();
+    write(&lp, 1, &table, 0, &rows(6, 0.0)).unwrap();
+    write(&lp, 1, &[1], 0, &rows(4, 500.0)).unwrap();
+    // SAFETY: the test's own pool; the only load into slots 2 and 0 is the mock's `ticket`.
+    let cache = unsafe { PagedLatentCache::new(lp, table, 2 * PAGE as usize) }
+        .with_load(LayerGate::new(mock.clone(), ticket));
+    let want = |base| rows(6, base).to_vec2::<f32>().unwrap();
+    assert_eq!(
+        cache.layer(1, 6).unwrap().to_vec2::<f32>().unwrap(),
+        want(0.0)
+    );
+    assert_eq!(
+        cache.layer(0, 6).unwrap().to_vec2::<f32>().unwrap(),
+        want(100.0)
+    );
+    let paged = cache.layer_pages(1, 2).unwrap();
+    assert_eq!(paged.dims(), &[2, PAGE as usize, 6]);
+    let flat = paged.reshape((2 * PAGE as usize, 6)).unwrap();
+    assert_eq!(
+        flat.narrow(0, 0, 6).unwrap().to_vec2::<f32>().unwrap(),
+        want(0.0)
+    );
+    assert_eq!(waits(&mock), vec![1, 0, 1]);
+}
