@@ -284,7 +284,7 @@ impl GroupFormation for InProcessFormation {
         let mut upgraded = Vec::new();
         // Another rank may be building the group (an NCCL group's set-up takes up to its
         // init timeout): wait for it until `deadline` only; the caller asks again later.
-        let Some(mut epochs) = self.epochs.try_lock_until(deadline) else {
+        let Some(epochs) = self.epochs.try_lock_until(deadline) else {
             return Err(CollectiveError::Formation {
                 epoch,
                 missing: Vec::new(),
@@ -292,6 +292,8 @@ impl GroupFormation for InProcessFormation {
                 cause: None,
             });
         };
+        // Let go (on every path) aborting the open seats of ranks that left meanwhile.
+        let mut epochs = HeldEpochs::new(self, epochs);
         // A rank that lags joins the newest formation its peers already made (one built for an
         // older epoch would hold this rank alone: the others have moved past it), unless that
         // group was aborted since (its ranks gave up on this one): its first collective would
@@ -377,23 +379,8 @@ impl GroupFormation for InProcessFormation {
             control: Arc::downgrade(&handles.control),
         };
         // A rank that left since the check above (while this rank built the group, or waited
-        // for the lock: its `leave` does not wait for it) has its open seat aborted, so that
-        // the peers that took theirs fail at once. Aborted after the lock (an NCCL abort may
-        // wait for its comm thread).
-        let gone: Vec<(u32, GroupHandles)> = self
-            .members
-            .lock()
-            .left
-            .iter()
-            .filter_map(|&r| match seats.get(r as usize) {
-                Some(Seat::Open(h)) => Some((r, h.clone())),
-                _ => None,
-            })
-            .collect();
+        // for the lock) has its open seat aborted as `epochs` is let go.
         drop(epochs);
-        for (r, h) in gone {
-            h.abort(&format!("rank {r} left the group (its linkers closed)"));
-        }
         tracing::info!(rank, epoch, "group re-formed");
         Ok(handles)
     }
@@ -418,16 +405,83 @@ impl GroupFormation for InProcessFormation {
         drop(members);
         tracing::info!(rank, "rank left the group: its last linker closed");
         // Its seats not taken yet (its peers re-formed, and it never came): aborted, so that
-        // the peers that took theirs fail at once. Not waited for while a rank builds a group
-        // (up to an NCCL init timeout): a build checks for ranks that left when it is done.
+        // the peers that took theirs fail at once, as the lock is let go. Not waited for while
+        // a rank holds it (a build: up to an NCCL init timeout): that rank lets it go the same
+        // way, and aborts them then.
         if let Some(epochs) = self.epochs.try_lock() {
-            for seats in epochs.values() {
-                if let Some(Seat::Open(h)) = seats.get(rank as usize) {
-                    h.abort(&format!("rank {rank} left the group (its linkers closed)"));
-                }
-            }
+            drop(HeldEpochs::new(self, epochs));
         }
         true
+    }
+}
+
+/// The formation's epochs, held. When let go, every open seat of a rank that left is aborted,
+/// after the lock (an NCCL abort may wait for its comm thread), so that the peers that took
+/// their seats fail at once. A rank's `leave` does not wait for the lock: whoever holds it
+/// then aborts that rank's seats as it lets go, and the members lock, held from the look at
+/// who left until the epochs are let go, keeps a `leave` from slipping in between.
+// The fields drop in this order after `drop`: the epochs' lock, the members', then the aborts.
+struct HeldEpochs<'f> {
+    epochs: parking_lot::MutexGuard<'f, Epochs>,
+    members: Option<parking_lot::MutexGuard<'f, Members>>,
+    aborts: AbortOnDrop,
+    formation: &'f InProcessFormation,
+}
+
+impl<'f> HeldEpochs<'f> {
+    fn new(formation: &'f InProcessFormation, epochs: parking_lot::MutexGuard<'f, Epochs>) -> Self {
+        HeldEpochs {
+            epochs,
+            members: None,
+            aborts: AbortOnDrop(Vec::new()),
+            formation,
+        }
+    }
+}
+
+impl std::ops::Deref for HeldEpochs<'_> {
+    type Target = Epochs;
+
+    fn deref(&self) -> &Epochs {
+        &self.epochs
+    }
+}
+
+impl std::ops::DerefMut for HeldEpochs<'_> {
+    fn deref_mut(&mut self) -> &mut Epochs {
+        &mut self.epochs
+    }
+}
+
+impl Drop for HeldEpochs<'_> {
+    fn drop(&mut self) {
+        let members = self.formation.members.lock();
+        let epochs = &self.epochs;
+        self.aborts.0 = members
+            .left
+            .iter()
+            .flat_map(|&r| {
+                epochs
+                    .values()
+                    .filter_map(move |seats| match seats.get(r as usize) {
+                        Some(Seat::Open(h)) if h.broken().is_none() => Some((r, h.clone())),
+                        _ => None,
+                    })
+            })
+            .collect();
+        // Let go with the epochs (the field order), before the aborts.
+        self.members = Some(members);
+    }
+}
+
+/// Open seats of ranks that left, aborted when dropped (after the locks).
+struct AbortOnDrop(Vec<(u32, GroupHandles)>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for (r, h) in self.0.drain(..) {
+            h.abort(&format!("rank {r} left the group (its linkers closed)"));
+        }
     }
 }
 
@@ -786,12 +840,13 @@ mod tests {
         }
     }
 
-    /// A rank that leaves while a peer holds the formation's lock (joining an epoch where the
-    /// leaving rank's seat is open) still has that seat aborted: the peer's handles are broken
-    /// or its formation fails naming the rank. Before, `leave` found the lock held, aborted
-    /// nothing, and the peer waited its whole deadline on a rank that was gone.
+    /// A rank that leaves while another rank holds the formation's lock (building a group, or
+    /// joining an epoch where the leaving rank's seat is open) has its open seats aborted as
+    /// that rank lets the lock go: the peers that took theirs fail at once. Before, `leave`
+    /// found the lock held and aborted nothing, and its peers waited their whole deadline on a
+    /// rank that was gone.
     #[test]
-    fn a_rank_that_leaves_while_a_peer_holds_the_lock_still_aborts_its_seat() {
+    fn a_rank_that_leaves_while_the_lock_is_held_has_its_seats_aborted_as_it_is_let_go() {
         let soon = || kv_loader::deadline_after(Duration::from_secs(5));
         let f = InProcessFormation::host(3);
         for rank in 0..3 {
@@ -799,24 +854,18 @@ mod tests {
         }
         // Rank 2 builds epoch 1 and takes its seat; ranks 0 and 1 have not yet.
         let two = f.reform(2, 1, soon()).unwrap();
-        let held = f.epochs.lock();
-        std::thread::scope(|s| {
-            let zero = s.spawn(|| f.reform(0, 1, soon()));
-            // Rank 0 has read who left (nobody) and waits for the lock (if it has not got
-            // that far, it sees rank 1 gone at once, which the check below accepts too).
-            std::thread::sleep(Duration::from_millis(100));
-            assert!(f.leave(1), "rank 1's last user");
-            drop(held);
-            match zero.join().unwrap() {
-                Ok(h) => assert!(
-                    h.broken().is_some(),
-                    "rank 0 joined a group whose rank 1 left, unbroken"
-                ),
-                Err(CollectiveError::Formation { missing, .. }) => assert_eq!(missing, vec![1]),
-                Err(e) => panic!("{e:?}"),
-            }
-        });
+        let held = HeldEpochs::new(&f, f.epochs.lock());
+        assert!(f.leave(1), "rank 1's last user");
+        assert!(
+            two.broken().is_none(),
+            "nothing aborted while the lock is held"
+        );
+        drop(held);
         assert!(two.broken().is_some(), "rank 2's group lost rank 1");
+        match f.reform(0, 1, soon()) {
+            Err(CollectiveError::Formation { missing, .. }) => assert_eq!(missing, vec![1]),
+            other => panic!("{:?}", other.map(|h| h.epoch)),
+        }
     }
 
     /// A rank that leaves aborts its seat nobody took: its peers that took theirs fail at
