@@ -333,14 +333,16 @@ pub enum KvLoadError {
     },
 }
 
-/// Whether an error of kind `kind` ([`KvLoadError::kind_name`], or a group's code name such
-/// as `out_of_step`) may pass when tried again, as [`KvLoadError::is_retryable`] answers for
-/// that kind. A kind that does not say (a rank's `busy` or `group_down`, whose flags are not
+/// Whether a peer's error of kind `kind` ([`KvLoadError::kind_name`], or a group's code name
+/// such as `out_of_step`) may pass when tried again, as [`KvLoadError::is_retryable`] answers
+/// for that kind on the failing rank. A peer's `busy` is a refusal its peers fail too
+/// (`peers_fail`): not retryable. A kind that does not say (`group_down`, whose flag is not
 /// in the name; a group's own codes; one unknown to this build) counts as retryable.
 fn kind_is_retryable(kind: &str) -> bool {
     !matches!(
         kind,
-        "invalid_plan"
+        "busy"
+            | "invalid_plan"
             | "store_not_found"
             | "store_invalid_argument"
             | "store_other"
@@ -512,9 +514,10 @@ mod tests {
             },
             KvLoadError::Device(Cause::new("copy failed")),
             KvLoadError::StaleTicket { batch: b },
+            // In a group a rank's refusal is one its peers fail too.
             KvLoadError::Busy {
                 capacity: 4,
-                peers_fail: false,
+                peers_fail: true,
             },
             KvLoadError::Closed,
             KvLoadError::config("bad"),
@@ -547,12 +550,12 @@ mod tests {
             }
         }
         assert!(!own[0].is_retryable(), "an object not found");
-        // A refusal its peers fail too: they are past the batch.
-        let busy = KvLoadError::Busy {
+        // A refusal its peers fail too: they are past the batch. One alone may pass later.
+        let alone = KvLoadError::Busy {
             capacity: 4,
-            peers_fail: true,
+            peers_fail: false,
         };
-        assert!(!busy.is_retryable());
+        assert!(alone.is_retryable());
         // The group's own codes (the ranks out of step) may pass on a later batch.
         let out_of_step = KvLoadError::PeerFailed {
             batch: b,
