@@ -482,3 +482,23 @@ fn a_silent_connection_does_not_delay_the_others_hellos() {
     );
     drop(silent);
 }
+
+/// Joining the NCCL communicators of a group formed without NCCL is this rank's own
+/// configuration's fault: a `Config` refusal, not `Nccl`, whose words blame rank 0's ids.
+#[cfg(feature = "nccl")]
+#[test]
+fn joining_nccl_of_a_group_formed_without_it_is_a_config_refusal() {
+    let x = Arc::new(MemoryExchange::new());
+    let mut ranks = exchange_ranks(1, &x);
+    let group = form_all(&mut ranks).pop().unwrap().unwrap();
+    let got = group.join_nccl(
+        0,
+        dedup_broadcast::nccl::NcclConfig::default(),
+        kv_loader::deadline_after(Duration::from_secs(5)),
+    );
+    match got {
+        Err(e @ RendezvousError::Config(_)) => assert!(e.is_refusal(), "{e}"),
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("joined NCCL of a group formed without it"),
+    }
+}

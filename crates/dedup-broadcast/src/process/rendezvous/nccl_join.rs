@@ -20,9 +20,12 @@ impl FormedGroup {
         config: NcclConfig,
         deadline: Instant,
     ) -> Result<(NcclCollective, NcclCollective), RendezvousError> {
+        // This rank's own configuration, not rank 0's ids: a `Config` error.
         let ids = self.nccl_ids().ok_or_else(|| {
-            RendezvousError::Nccl(
-                "the group was formed without NCCL (RendezvousConfig::nccl)".into(),
+            RendezvousError::Config(
+                "joining NCCL communicators of a group formed without NCCL \
+                 (RendezvousConfig::nccl)"
+                    .into(),
             )
         })?;
         let (rank, world) = (self.rank(), self.world());
