@@ -39,7 +39,8 @@ pub const LANDED_SLOTS_WAIT: std::time::Duration = std::time::Duration::from_sec
 ///
 /// // The loader finds the first 2 pages of a 10-token prompt; the engine gives the
 /// // sequence slots 3, 0, 6 and starts the load.
-/// let loader: Arc<dyn KvLoader> = Arc::new(MockKvLoader::new(2, MockScript { page_size: 4, ..Default::default() }));
+/// let script = MockScript { page_size: 4, ..Default::default() };
+/// let loader: Arc<dyn KvLoader> = Arc::new(MockKvLoader::new(2, script));
 /// let tokens: Vec<u32> = (0..10).collect();
 /// let hit = loader.lookup(&LookupRequest { tokens: &tokens, skip_pages: 0 }).unwrap();
 /// let table = vec![3, 0, 6];
@@ -112,14 +113,14 @@ impl PagedLatentCache {
     /// they are taken as already in the pool).
     ///
     /// # Safety
-    /// The slots of `page_table` are distinct (a slot named twice holds two pages' rows at
-    /// once: each write of one overwrites the other). While the cache lives, nothing writes the slots of `page_table` but this cache and the
-    /// one load attached with `with_load` (covering the first `loaded_tokens` tokens), and
-    /// nothing reads the slots this cache writes while it may be writing them: another cache
-    /// or [`LatentPool`] call over them, or a save of them, runs only between the cache's
-    /// calls, ordered after them (the same thread, say: the save after prefill). Slots only
-    /// read here (a prefix shared with other sequences, below `loaded_tokens` and never
-    /// written) may be read by others at any time. The cache itself waits for the load's
+    /// The slots of `page_table` are distinct (a slot named twice holds two pages' rows at once:
+    /// each write of one overwrites the other). While the cache lives, nothing writes the slots of
+    /// `page_table` but this cache and the one load attached with `with_load` (covering the first
+    /// `loaded_tokens` tokens), and nothing reads the slots this cache writes while it may be
+    /// writing them: another cache or [`LatentPool`] call over them, or a save of them, runs only
+    /// between the cache's calls, ordered after them (the same thread, say: the save after
+    /// prefill). Slots only read here (a prefix shared with other sequences, below `loaded_tokens`
+    /// and never written) may be read by others at any time. The cache itself waits for the load's
     /// layer before it touches the loaded tokens.
     pub unsafe fn new(pool: LatentPool, page_table: Vec<u32>, loaded_tokens: usize) -> Self {
         PagedLatentCache {
@@ -263,10 +264,11 @@ impl PagedLatentCache {
     /// Writes layer `layer`'s rows `[n, width]` of tokens `start..start + n`. Rows inside
     /// the loaded prefix wait for the layer's load first (they would race it otherwise); while
     /// the load is under way, rows in a page it lands (a `loaded_tokens` that ends mid-page, or
-    /// a loaded token computed again) wait for the whole load: its landing holds each of its
-    /// slots, every layer, until its batch is done (a pool that tracks claims refuses the
-    /// write until then, [`CandleKvError::Pool`] with `SlotBusy`, which this wait avoids; it
-    /// is bounded by the loader's waits, then by [`LANDED_SLOTS_WAIT`]).
+    /// a loaded token computed again) wait for the whole load on a pool that tracks slot
+    /// claims: its landing holds each of its slots, every layer, until its batch is done (the
+    /// pool refuses the write until then, [`CandleKvError::Pool`] with `SlotBusy`, which this
+    /// wait avoids; it is bounded by the loader's waits, then by [`LANDED_SLOTS_WAIT`]). A load
+    /// that fails at a later layer then fails the write too ([`CandleKvError::Load`]).
     pub fn write(&mut self, layer: u32, start: usize, rows: &Tensor) -> Result<(), CandleKvError> {
         let n = rows.dims().first().copied().unwrap_or(0);
         let end = start.saturating_add(n);
@@ -342,21 +344,26 @@ impl PagedLatentCache {
         }
     }
 
-    /// Whether an access from token `start` on reaches a page of the first `tokens` tokens:
-    /// loads land whole pages, so the page holding the last of them is the load's whole, its
-    /// later tokens too (a write there rewrites the page beside the load).
-    /// Waits until the load attached no longer claims the slots of the loaded pages among
+    /// Waits until the load attached no longer claims the slots of the pages it lands among
     /// tokens `start..end` (written at `layer`, waited for already): for its last layer
-    /// (through the gate, bounded by the loader),
-    /// then for the claims to go (bounded by [`LANDED_SLOTS_WAIT`]). Nothing to wait for once
-    /// its outcome was taken, or with no load attached.
+    /// (through the gate, bounded by the loader), then for the claims to go (bounded by
+    /// [`LANDED_SLOTS_WAIT`]). Nothing to wait for on a pool that tracks no claims, once the
+    /// load's outcome was taken, with no load attached, or below the load's first page.
     fn wait_landed_slots(&self, layer: u32, start: usize, end: usize) -> Result<(), CandleKvError> {
+        if self.pool.pool().slot_claims().is_none() {
+            return Ok(());
+        }
         let Some(layers) = self.gate.num_layers().filter(|_| self.gate.is_loading()) else {
             return Ok(());
         };
         let ps = self.pool.page_size().max(1);
-        let pages = start / ps..end.div_ceil(ps).min(self.loaded_tokens.div_ceil(ps));
-        let Some(slots) = self.page_table.get(pages).filter(|s| !s.is_empty()) else {
+        let first = start.max(self.load_start) / ps;
+        let pages = first..end.div_ceil(ps).min(self.loaded_tokens.div_ceil(ps));
+        let Some(slots) = self
+            .page_table
+            .get(pages.start.min(pages.end)..pages.end)
+            .filter(|s| !s.is_empty())
+        else {
             return Ok(());
         };
         let last = layers.saturating_sub(1);
@@ -371,6 +378,9 @@ impl PagedLatentCache {
         Ok(())
     }
 
+    /// Whether an access from token `start` on reaches a page of the first `tokens` tokens:
+    /// loads land whole pages, so the page holding the last of them is the load's whole, its
+    /// later tokens too (a write there rewrites the page beside the load).
     fn touches(&self, start: usize, tokens: usize) -> bool {
         let ps = self.pool.page_size().max(1);
         start / ps < tokens.div_ceil(ps)
