@@ -179,10 +179,13 @@ case "$part" in
       cat "$out/reads.stdout.log"
       # mooncake_read compares every variant's bytes and every Linker pool with the objects in
       # round 1, ends with its count of those checks, and exits non-zero on a mismatch (or any
-      # failure). A run that ended without its count (killed, an older build) is one failure.
-      if ! tail -n 1 "$out/reads.stdout.log" | grep -Eq '^[0-9]+ passed, [0-9]+ failed$'; then
+      # failure). A run that ended without its count (killed, an older build), or that exited
+      # non-zero after a count of no failure (a crash past it), is one failure more.
+      last=$(tail -n 1 "$out/reads.stdout.log")
+      if ! grep -Eq '^[0-9]+ passed, [0-9]+ failed$' <<< "$last" \
+         || { [[ $read_rc -ne 0 ]] && grep -Eq ' 0 failed$' <<< "$last"; }; then
         echo
-        echo "mooncake_read ended without its count of checks (exit $read_rc):"
+        echo "mooncake_read ended (exit $read_rc) without a count of checks that says so:"
         echo "0 passed, 1 failed"
       fi
     } > "$out/mooncake_read_${machine}_${tag}.md"

@@ -284,10 +284,10 @@ fn two_ranks_timeout() -> Result<String, String> {
     ))
 }
 
-/// Rank 1 issues the operation late, against a peer that aborted: it must end by its own
-/// bound (2 s deadline plus twice `grace`), not hang. It may end either way. On two H200s
-/// over NVLink it completed (2026-12-04), most likely because rank 0's kernel had pushed its
-/// share into rank 1's buffers before the abort. That is why the linker decides a batch by its status words and
+/// Rank 1 issues the operation late, against a peer that aborted: it must end by its own bound (2 s
+/// deadline plus twice `grace`), not hang. It may end either way. On two H200s over NVLink it
+/// completed (2026-12-04), most likely because rank 0's kernel had pushed its share into rank 1's
+/// buffers before the abort. That is why the linker decides a batch by its status words and
 /// verdict, not by one collective's return.
 fn late_rank_1(rank1: &NcclCollective, grace: Duration) -> Result<String, String> {
     let t1 = Instant::now();

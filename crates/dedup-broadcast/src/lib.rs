@@ -36,7 +36,8 @@
 //!         .iter()
 //!         .map(|coll| {
 //!             s.spawn(move || {
-//!                 let mut layer = if coll.rank() == 0 { vec![7u8; 4096] } else { vec![0u8; 4096] };
+//!                 let fill = if coll.rank() == 0 { 7u8 } else { 0u8 };
+//!                 let mut layer = vec![fill; 4096];
 //!                 broadcast_slice(coll, &mut layer, 0, deadline).unwrap();
 //!                 layer
 //!             })

@@ -731,7 +731,7 @@ fn a_comm_stream_that_blocks_holds_up_no_peers_look_at_the_group() {
     let state = Arc::new(SlowWaitState {
         armed: false.into(),
         entered: std::sync::Mutex::new(entered),
-        delay: Duration::from_millis(1500),
+        delay: Duration::from_millis(3000),
     });
     let dev: Arc<dyn Device> = Arc::new(SlowWaits {
         inner: CpuDevice::new(0).unwrap(),
@@ -761,10 +761,7 @@ fn a_comm_stream_that_blocks_holds_up_no_peers_look_at_the_group() {
         let t0 = Instant::now();
         assert!(ranks[0].broken().is_none());
         let took = t0.elapsed();
-        assert!(
-            took < Duration::from_millis(500),
-            "broken() waited {took:?}"
-        );
+        assert!(took < Duration::from_secs(1), "broken() waited {took:?}");
         for r in rounds {
             assert_eq!(r.join().unwrap(), len);
         }

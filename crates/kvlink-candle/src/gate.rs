@@ -238,19 +238,19 @@ impl LayerGate {
         })
     }
 
-    /// Takes the batch's outcome (waiting, bounded by the loader, for it to finish). The gate
-    /// keeps the verdict: every later [`wait`](Self::wait) answers with it (a failed load's
-    /// layers never read as ready); a second `finish` of this gate returns `Ok(None)` after a
-    /// load, and the same error again after a failure (a gate finished and then attached to a
-    /// cache still tells the cache the load failed). `Ok(None)`: nothing was loading, or this
-    /// gate finished a load before. `Err(Load)`: the prefix is not in the pool; the batch's own failure is the
-    /// same verdict on every TP rank. `Err(WaitFailed)`: a failure only this rank's wait saw
-    /// (a layer wait past its deadline on a batch that then loaded) is this rank's alone:
-    /// ranks that must agree compare their verdicts themselves; the load has ended (no reset
-    /// needed). `Err(Unsettled)`: no outcome could be taken; reset the loader before reusing
-    /// the slots. Clones of the gate get the verdict the first of them took; before taking it,
-    /// each layer is waited for (no host block on device events: they are kept, and a clone's
-    /// later wait waits on its layer's event, as before the verdict).
+    /// Takes the batch's outcome (waiting, bounded by the loader, for it to finish). The gate keeps
+    /// the verdict: every later [`wait`](Self::wait) answers with it (a failed load's layers never
+    /// read as ready); a second `finish` of this gate returns `Ok(None)` after a load, and the same
+    /// error again after a failure (a gate finished and then attached to a cache still tells the
+    /// cache the load failed). `Ok(None)`: nothing was loading, or this gate finished a load
+    /// before. `Err(Load)`: the prefix is not in the pool; the batch's own failure is the same
+    /// verdict on every TP rank. `Err(WaitFailed)`: a failure only this rank's wait saw (a layer
+    /// wait past its deadline on a batch that then loaded) is this rank's alone: ranks that must
+    /// agree compare their verdicts themselves; the load has ended (no reset needed).
+    /// `Err(Unsettled)`: no outcome could be taken; reset the loader before reusing the slots.
+    /// Clones of the gate get the verdict the first of them took; before taking it, each layer is
+    /// waited for (no host block on device events: they are kept, and a clone's later wait waits on
+    /// its layer's event, as before the verdict).
     pub fn finish(&mut self) -> Result<Option<LoadStats>, CandleKvError> {
         let Some(i) = self.inner.as_ref() else {
             return Ok(None);

@@ -19,32 +19,32 @@
 //! are gathered into one host buffer, moved through a device scratch buffer of the comm thread,
 //! and scattered back: host pools work over NCCL too, with two copies over PCIe per rank.
 //!
-//! **Deadlines and aborts.** The communicator is created *non-blocking*
-//! (`ncclConfig_t.blocking = 0`; a start with `NCCL_COMM_BLOCKING=1` in the environment,
-//! which NCCL takes over the config, is refused), so no NCCL call blocks the comm thread: it polls
-//! `ncclCommGetAsyncError` and the operation's event until the request's deadline. When an
-//! operation cannot finish by then (a rank never issued it) or NCCL reports an error, the
-//! comm thread calls **`ncclCommAbort`**, which also stops NCCL kernels still waiting for the
-//! missing peer, waits (bounded by [`NcclConfig::abort_grace`]) for the comm stream to drain,
-//! and replies [`CollectiveError::Timeout`] (or `Backend`). The abort is done by the comm
-//! thread itself because NCCL calls on one communicator must not race. An
-//! [`abort`](Collective::abort) from another thread is a request the comm thread checks at
-//! every poll, so it also ends an operation already in flight (which returns
-//! [`CollectiveError::Aborted`]) rather than waiting for that operation's deadline. From then
-//! on every operation of that rank fails at once with [`CollectiveError::Aborted`]. A rank
-//! whose peer aborted fails by its own deadline, none hangs; one operation of it may still
-//! complete, where the peer's share had landed before the abort (seen on two H200s over
-//! NVLink), and its next exchange with the aborted peer fails. So one collective's return does
-//! not decide a batch on every rank alike: the linker's status words and verdict do, and the
-//! verdict and a batch's gate go through the settled gathers, which here are the trait's
-//! default (the gather, then a confirming second gather: a peer that timed out after its
-//! share landed never takes part in the second). Recovering
-//! means building a new group (a new unique id). The caller waits for the reply at most `deadline + 2 × abort_grace`; should the comm
+//! **Deadlines and aborts.** The communicator is created *non-blocking* (`ncclConfig_t.blocking =
+//! 0`; a start with `NCCL_COMM_BLOCKING=1` in the environment, which NCCL takes over the config, is
+//! refused), so no NCCL call blocks the comm thread: it polls `ncclCommGetAsyncError` and the
+//! operation's event until the request's deadline. When an operation cannot finish by then (a rank
+//! never issued it) or NCCL reports an error, the comm thread calls **`ncclCommAbort`**, which also
+//! stops NCCL kernels still waiting for the missing peer, waits (bounded by
+//! [`NcclConfig::abort_grace`]) for the comm stream to drain, and replies
+//! [`CollectiveError::Timeout`] (or `Backend`). The abort is done by the comm thread itself because
+//! NCCL calls on one communicator must not race. An [`abort`](Collective::abort) from another
+//! thread is a request the comm thread checks at every poll, so it also ends an operation already
+//! in flight (which returns [`CollectiveError::Aborted`]) rather than waiting for that operation's
+//! deadline. From then on every operation of that rank fails at once with
+//! [`CollectiveError::Aborted`]. A rank whose peer aborted fails by its own deadline, none hangs;
+//! one operation of it may still complete, where the peer's share had landed before the abort (seen
+//! on two H200s over NVLink), and its next exchange with the aborted peer fails. So one
+//! collective's return does not decide a batch on every rank alike: the linker's status words and
+//! verdict do, and the verdict and a batch's gate go through the settled gathers, which here are
+//! the trait's default (the gather, then a confirming second gather: a peer that timed out after
+//! its share landed never takes part in the second). Recovering means building a new group (a new
+//! unique id). The caller waits for the reply at most `deadline + 2 × abort_grace`; should the comm
 //! thread not answer by then (a driver that hangs inside `ncclCommAbort`), the handle is marked
-//! unusable and the call returns `Timeout` (its buffers may then still be referenced by the
-//! device: the caller should not free them).
+//! unusable and the call returns `Timeout` (its buffers may then still be referenced by the device:
+//! the caller should not free them).
 //!
-//! What NCCL cannot tell: which rank is missing (`Timeout::missing` is empty), nor a length
+//! What NCCL cannot tell: which rank is missing from an operation (`Timeout::missing` is
+//! empty; an in-process group's start names the ranks whose start never answered), nor a length
 //! or root that differs between ranks (a mismatch shows as a timeout or garbage, not as
 //! `SizeMismatch`): the plan gate and the status exchange keep ranks in step. An empty
 //! operation (no bytes) still meets the peers: NCCL discards an empty collective at once,

@@ -559,10 +559,12 @@ impl Linker {
     /// let g = KvGeometry::new(ModelKvSpec::deepseek_v3(ElementType::Fp8E4m3), 1, 0).unwrap();
     /// let dev = CpuDevice::new(0).unwrap();
     /// let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 4).unwrap());
-    /// let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 2, 1), 2).unwrap();
+    /// let half = StagingPool::half_bytes_for(&g, 2, 1);
+    /// let staging = StagingPool::new(dev.clone(), half, 2).unwrap();
     /// let landings = Arc::new(StagedLandingFactory::new(pool.clone(), staging));
     /// let store = Arc::new(EmbeddedStore::new(1 << 30));
-    /// let linker = Linker::with_landings(g.clone(), store, pool, landings, LinkerConfig::default(), None).unwrap();
+    /// let config = LinkerConfig::default();
+    /// let linker = Linker::with_landings(g.clone(), store, pool, landings, config, None).unwrap();
     /// // The engine's compute stream wrote slots 0 and 1; the save waits for it.
     /// let compute = dev.new_stream().unwrap();
     /// let done = compute.record().unwrap();
