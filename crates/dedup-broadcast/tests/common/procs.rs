@@ -59,7 +59,7 @@ impl RankProc {
     pub fn spawn(name: &str, role: &str) -> RankProc {
         let exe = std::env::current_exe().expect("test binary path");
         let mut cmd = Command::new(exe);
-        let mut child = end_with_spawning_thread(&mut cmd)
+        let mut child = end_with_parent(&mut cmd)
             .args([
                 "--exact",
                 ENTRY,
@@ -163,28 +163,10 @@ impl Drop for RankProc {
     }
 }
 
-/// Makes the child started by `cmd` receive SIGKILL when the thread that spawns it ends
-/// (a test's thread outlives its `RankProc`s, which it owns), and refuses to start one whose
-/// parent is already gone.
-fn end_with_spawning_thread(cmd: &mut Command) -> &mut Command {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: getpid runs here, in the parent, and only reads this process's id.
-    let parent = unsafe { libc::getpid() };
-    // SAFETY: the closure runs in the child between fork and exec and calls only prctl,
-    // getppid and errno access, which are async-signal-safe; it allocates nothing (the error
-    // is built from a raw OS code).
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != parent {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        })
-    }
-}
+// kvlink-rig's (this crate's tests cannot depend on it: it depends on this crate).
+#[path = "../../../kvlink-rig/src/child/end_with_parent.rs"]
+mod end_with_parent;
+use end_with_parent::end_with_parent;
 
 /// A `key=value` of a role, parsed.
 pub fn arg<T: std::str::FromStr>(role: &HashMap<String, String>, key: &str) -> T {
