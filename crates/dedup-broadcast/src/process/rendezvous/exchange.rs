@@ -327,7 +327,17 @@ pub(crate) fn lead(
     // failing to write it is logged, not returned; an old epoch's keys are removed only once
     // `closed` is past it (a leader reading an older `closed` would reopen a removed epoch).
     match x.set(&k.closed(), &epoch.to_le_bytes(), late) {
-        Ok(()) => forget_epoch(x, &k, epoch.saturating_sub(2), world, late),
+        // Every epoch the last close kept (`closed - 1`) up to two before this one: epochs
+        // skipped in between (a rank 0 that died in one, a lead that failed before closing
+        // it) are forgotten too, or their keys would stay for good.
+        Ok(()) => forget_epochs(
+            x,
+            &k,
+            closed.saturating_sub(1),
+            epoch.saturating_sub(2),
+            world,
+            late,
+        ),
         Err(e) => {
             tracing::warn!(epoch, error = %e, "could not mark the epoch closed: the verdict stands");
         }
@@ -335,26 +345,41 @@ pub(crate) fn lead(
     decision
 }
 
-/// Removes the keys of epoch `old` (none for epoch 0), logged when that fails. Its joiners are
-/// done: `current` is two epochs past it, which a joiner still waiting on its verdict sees and
-/// moves on. The claims go first and the `open` key last, so that a removal cut short leaves
-/// the epoch reserved (never opened again over claims left behind). Keys of ranks at or past
-/// `world` (a joiner of another group size) and of epochs a lead abandoned when it moved to a
-/// newer one stay.
-fn forget_epoch(x: &dyn KeyValueExchange, k: &Keys<'_>, old: u64, world: u32, deadline: Instant) {
-    if old == 0 {
+/// Most epochs one close forgets: past them (an exchange that restarted empty, a jump to an
+/// epoch above a member's last), the older ones were never in this exchange.
+const FORGET_AT_MOST: u64 = 64;
+
+/// Removes the keys of epochs `from..=to` (at most the last [`FORGET_AT_MOST`]; none for
+/// epoch 0), in one call, logged when that fails. Their joiners are done: `current` is two
+/// epochs past them, which a joiner still waiting on a verdict sees and moves on. Per epoch,
+/// the claims go first and the `open` key last, so that a removal cut short leaves the epoch
+/// reserved (never opened again over claims left behind). Keys of ranks at or past `world` (a
+/// joiner of another group size) and of epochs a lead abandoned when it moved to a newer one
+/// stay; so do those of a removal that failed.
+fn forget_epochs(
+    x: &dyn KeyValueExchange,
+    k: &Keys<'_>,
+    from: u64,
+    to: u64,
+    world: u32,
+    deadline: Instant,
+) {
+    let from = from.max(1).max(to.saturating_sub(FORGET_AT_MOST - 1));
+    if from > to {
         return;
     }
-    let mut keys = Vec::with_capacity(2 * world as usize + 2);
-    for r in 0..world {
-        keys.push(k.hello(old, r));
-        keys.push(k.dup(old, r));
+    let mut keys = Vec::new();
+    for old in from..=to {
+        for r in 0..world {
+            keys.push(k.hello(old, r));
+            keys.push(k.dup(old, r));
+        }
+        keys.push(k.verdict(old));
+        keys.push(k.open(old));
     }
-    keys.push(k.verdict(old));
-    keys.push(k.open(old));
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     if let Err(e) = x.remove(&refs, deadline) {
-        tracing::warn!(epoch = old, error = %e, "could not remove an old epoch's keys from the exchange");
+        tracing::warn!(from, to, error = %e, "could not remove old epochs' keys from the exchange");
     }
 }
 
@@ -755,6 +780,39 @@ mod tests {
         // `current`, `closed`, and two epochs' keys, as after the second meeting.
         let left = files();
         assert_eq!(left.len(), after_two, "{left:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An epoch rank 0 opened and never closed (it died in it) does not leave the epoch kept
+    /// before it for good: the next close forgets every epoch from the one the last close kept
+    /// up to two before its own. Before, each close forgot one epoch, and the one the skipped
+    /// close would have forgotten stayed (its claims and verdict files).
+    #[test]
+    fn an_epoch_rank_0_never_closed_leaves_no_epoch_behind() {
+        use super::super::decide::tests::hello;
+        let dir = std::env::temp_dir().join(format!("kvlink-fx-{}", super::super::fresh_nonce()));
+        let x = FileExchange::new(&dir).unwrap();
+        let leader = hello(0);
+        let files = || std::fs::read_dir(&dir).unwrap().count();
+        let soon = || kv_loader::deadline_after(Duration::from_secs(10));
+        let mut after_two = 0;
+        for round in 1..=3u64 {
+            let (led, joined) = meet(&x, &leader, soon());
+            assert_eq!(led.unwrap().epoch, round);
+            assert!(joined.iter().all(|j| j.is_ok()), "{joined:?}");
+            if round == 2 {
+                after_two = files();
+            }
+        }
+        // Rank 0 opened epoch 4 and died before closing it.
+        assert!(x.create(&Keys("p").open(4), &[0], soon()).unwrap());
+        for epoch in 5..=9u64 {
+            let (led, joined) = meet(&x, &leader, soon());
+            assert_eq!(led.unwrap().epoch, epoch);
+            assert!(joined.iter().all(|j| j.is_ok()), "{joined:?}");
+        }
+        // `current`, `closed`, and two epochs' keys, as after the second meeting.
+        assert_eq!(files(), after_two);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
