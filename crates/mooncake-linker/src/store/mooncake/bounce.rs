@@ -149,7 +149,9 @@ impl Bounces {
         // failed registration below); free buffers are freed when the store drops, after its
         // client (the store's first field).
         if let Err(e) = unsafe { store.register(region) } {
-            // A registration that failed part way may have left the pages registered: leaked.
+            // A registration that failed part way may have left the pages registered: leaked,
+            // and counted as kept for good (at most `MAX_FAILED_REGISTRATIONS` such buffers).
+            crate::store::keep_for_good(len as u64, "a bounce buffer whose registration failed");
             std::mem::forget(buf);
             let mut st = self.state.lock();
             st.failed_at = Some(Instant::now());
