@@ -406,6 +406,9 @@ fn accept_loop(listener: Listener, served: Arc<Served>) {
             break;
         }
         if !ready {
+            // Threads of connections that ended are reaped while none comes too (their
+            // stacks stay mapped until joined).
+            conns.retain(|h| !h.is_finished());
             continue;
         }
         let accepted = listener.accept();
