@@ -464,7 +464,13 @@ impl Drop for HeldEpochs<'_> {
                 epochs
                     .values()
                     .filter_map(move |seats| match seats.get(r as usize) {
-                        Some(Seat::Open(h)) if h.broken().is_none() => Some((r, h.clone())),
+                        // Either handle still working (data and control break apart): `abort`
+                        // is a no-op on the one already broken.
+                        Some(Seat::Open(h))
+                            if h.data.broken().is_none() || h.control.broken().is_none() =>
+                        {
+                            Some((r, h.clone()))
+                        }
                         _ => None,
                     })
             })
@@ -866,6 +872,29 @@ mod tests {
             Err(CollectiveError::Formation { missing, .. }) => assert_eq!(missing, vec![1]),
             other => panic!("{:?}", other.map(|h| h.epoch)),
         }
+    }
+
+    /// An open seat whose control handle broke (a lookup's group aborted) still has its data
+    /// handle aborted when its rank leaves: the two break apart. A look at the pair's
+    /// `broken` (either handle) skipped the seat, and the data group's peers waited.
+    #[test]
+    fn a_seat_broken_on_one_handle_has_the_other_aborted_when_its_rank_leaves() {
+        let soon = || kv_loader::deadline_after(Duration::from_secs(5));
+        let f = InProcessFormation::host(3);
+        for rank in 0..3 {
+            f.enter(rank);
+        }
+        let two = f.reform(2, 1, soon()).unwrap();
+        match f.epochs.lock().get(&1).and_then(|seats| seats.get(1)) {
+            Some(Seat::Open(h)) => h.control.abort("test: a lookup's group gave up"),
+            _ => panic!("rank 1's seat of epoch 1 is not open"),
+        }
+        assert!(two.data.broken().is_none() && two.control.broken().is_some());
+        assert!(f.leave(1));
+        assert!(
+            two.data.broken().is_some(),
+            "rank 2's data group lost rank 1"
+        );
     }
 
     /// A rank that leaves aborts its seat nobody took: its peers that took theirs fail at
