@@ -17,7 +17,8 @@
 //!    open a new epoch above it, as in step 1: the joiners see `P/current` move
 //!    and claim their rank there. So the epoch grows past every member's last, as over TCP.
 //!    Once every hello is there (or at the deadline) rank 0 decides exactly as over TCP, and
-//!    writes the reply to `P/E/verdict`, then `P/closed = E`. Every rank waits for the verdict; a joiner whose nonce is not the
+//!    writes the reply to `P/E/verdict`, then `P/closed = E`. Every rank waits for the
+//!    verdict; a joiner whose nonce is not the
 //!    accepted one for its rank was the duplicate. A joiner that sees `P/current` move past
 //!    `E` (rank 0 restarted) joins the newer epoch instead. A joiner that gives up at its
 //!    deadline overwrites its claim with a withdrawal, so that its next attempt takes the
@@ -69,7 +70,7 @@ pub trait KeyValueExchange: Send + Sync {
     fn create(&self, key: &str, value: &[u8], deadline: Instant) -> Result<bool, ExchangeError>;
 
     /// Removes `keys`, in order (absent ones are no error): rank 0 removes the keys of epochs
-    /// two re-formations back, so that an exchange does not keep a key per rank per
+    /// more than one re-formation back, so that an exchange does not keep a key per rank per
     /// re-formation while a group stays down. The default keeps them (an exchange that cannot
     /// remove; `TCPStore`: `delete_key` each).
     fn remove(&self, keys: &[&str], deadline: Instant) -> Result<(), ExchangeError> {
@@ -354,8 +355,8 @@ const FORGET_AT_MOST: u64 = 64;
 /// epochs past them, which a joiner still waiting on a verdict sees and moves on. Per epoch,
 /// the claims go first and the `open` key last, so that a removal cut short leaves the epoch
 /// reserved (never opened again over claims left behind). Keys of ranks at or past `world` (a
-/// joiner of another group size) and of epochs a lead abandoned when it moved to a newer one
-/// stay; so do those of a removal that failed.
+/// joiner of another group size), of epochs past the [`FORGET_AT_MOST`] window, and of a
+/// removal that failed stay.
 fn forget_epochs(
     x: &dyn KeyValueExchange,
     k: &Keys<'_>,

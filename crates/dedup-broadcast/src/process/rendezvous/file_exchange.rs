@@ -23,9 +23,9 @@ const HEX_KEY_MAX: usize = 120;
 /// a temporary file to the key's name (fails when the key exists: atomic too). Every rank of
 /// one host, or of hosts sharing a POSIX file system, can meet through it. A file is named
 /// by its key's bytes in hex, or by the key's 128-bit hash for keys of more than 120 bytes.
-/// Rank 0 removes the files of an epoch two formations back; a few may stay (a joiner of
-/// another group size, an epoch abandoned for a newer one): remove the directory between
-/// deployments.
+/// Rank 0 removes the files of the epochs more than one formation back as it closes each; a
+/// few may stay (a joiner of another group size, a removal that failed): remove the directory
+/// between deployments.
 ///
 /// Each call runs its file calls on a thread of its own and waits for them until its
 /// deadline (and at least 100 ms): a file system that hangs (an NFS server gone) fails the

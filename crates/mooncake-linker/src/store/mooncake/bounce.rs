@@ -151,7 +151,10 @@ impl Bounces {
         if let Err(e) = unsafe { store.register(region) } {
             // A registration that failed part way may have left the pages registered: leaked,
             // and counted as kept for good (at most `MAX_FAILED_REGISTRATIONS` such buffers).
-            crate::store::keep_for_good(len as u64, "a bounce buffer whose registration failed");
+            let (times, total) = crate::store::count_kept(len as u64);
+            tracing::error!(bytes = len, times, total, error = %e,
+                "memory kept for good: a bounce buffer whose registration failed part way may \
+                 stay registered");
             std::mem::forget(buf);
             let mut st = self.state.lock();
             st.failed_at = Some(Instant::now());
