@@ -377,13 +377,35 @@ impl KvLoadError {
             KvLoadError::Store { kind, .. } => kind.is_retryable(),
             KvLoadError::GroupDown { refused, .. } => !refused,
             KvLoadError::Busy { peers_fail, .. } => !peers_fail,
-            KvLoadError::PeerFailed { detail, .. } => {
-                kind_is_retryable(detail.split(':').next().unwrap_or_default().trim())
-            }
+            KvLoadError::PeerFailed { .. } => kind_is_retryable(self.cause_kind()),
             KvLoadError::Timeout { .. }
             | KvLoadError::Collective { .. }
             | KvLoadError::Cancelled { .. } => true,
             _ => false,
+        }
+    }
+
+    /// The kind of what failed: [`kind_name`](Self::kind_name), except for a
+    /// [`PeerFailed`](KvLoadError::PeerFailed), the failing rank's own kind that leads its
+    /// `detail` (`store_not_found`, `cancelled`, ...; a group's own codes such as
+    /// `out_of_step` too).
+    ///
+    /// ```
+    /// use kv_loader::{BatchId, KvLoadError};
+    /// let e = KvLoadError::PeerFailed {
+    ///     batch: BatchId(3),
+    ///     rank: 1,
+    ///     layer: 0,
+    ///     detail: "store_not_found: batch 3: `k`: not found".into(),
+    /// };
+    /// assert_eq!((e.kind_name(), e.cause_kind()), ("peer_failed", "store_not_found"));
+    /// ```
+    pub fn cause_kind(&self) -> &str {
+        match self {
+            KvLoadError::PeerFailed { detail, .. } => {
+                detail.split(':').next().unwrap_or_default().trim()
+            }
+            e => e.kind_name(),
         }
     }
 

@@ -138,12 +138,8 @@ pub(crate) fn collective_failure(batch: BatchId, e: impl Into<kv_loader::Cause>)
 /// mode in `Auto`. In a group the failure is the first failing rank's, its kind first in
 /// `PeerFailed`'s detail.
 fn mode_may_have_failed(e: &KvLoadError) -> bool {
-    let kind = match e {
-        KvLoadError::PeerFailed { detail, .. } => detail.split(':').next().unwrap_or_default(),
-        e => e.kind_name(),
-    };
     matches!(
-        kind,
+        e.cause_kind(),
         "collective"
             | "device"
             | "timeout"

@@ -127,13 +127,12 @@ const ENGINE_SIDE_KINDS: [&str; 4] = ["cancelled", "busy", "duplicate_batch", "c
 /// counts as that kind, on every rank as on a rank alone. A failure while loading stays
 /// `peer_failed` (its cause is in the failing rank's `own_failures`).
 fn failure_kind(e: &KvLoadError) -> &'static str {
-    if let KvLoadError::PeerFailed { detail, .. } = e {
-        let kind = detail.split(':').next().unwrap_or_default().trim();
-        if let Some(k) = ENGINE_SIDE_KINDS.iter().find(|k| **k == kind) {
-            return k;
-        }
-    }
-    e.kind_name()
+    let cause = e.cause_kind();
+    ENGINE_SIDE_KINDS
+        .iter()
+        .find(|k| **k == cause)
+        .copied()
+        .unwrap_or_else(|| e.kind_name())
 }
 
 impl Inner {
