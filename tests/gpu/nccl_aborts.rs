@@ -44,13 +44,13 @@ pub fn run_aborts(gpus: u32, report: &mut Report) {
     #[cfg(feature = "failpoints")]
     report.check(
         SEC,
-        "1 rank: the comm thread panics under an operation: the call fails at once, the communicator aborted",
+        "1 rank: the comm thread panics under an operation: the call fails at once, the communicator aborted, no work left",
         comm_thread_panics,
     );
     #[cfg(feature = "failpoints")]
     report.check(
         SEC,
-        "1 rank: the comm thread goes silent under an operation: its host buffer is left to it and counted kept for good",
+        "1 rank: the comm thread goes silent under an operation: its host buffer is left to it and counted kept for good, work may be left",
         silent_comm_thread_keeps_its_buffer_counted,
     );
     #[cfg(feature = "failpoints")]
@@ -125,6 +125,11 @@ fn comm_thread_panics() -> Result<String, String> {
             "the communicator was not aborted by the panic: broken = {broken:?}"
         ));
     }
+    // The abort drained the comm stream before the reply: no work of the handle is left on
+    // the device, so a staging buffer a device operation failed on is not lost for good.
+    if ranks[0].may_leave_work(&failed) {
+        return Err("broken with its abort drained, yet may_leave_work answers true".into());
+    }
     match ranks[0].all_gather_u64(3, soon()) {
         Err(CollectiveError::Aborted { .. }) => {}
         other => return Err(format!("the next call: expected Aborted, got {other:?}")),
@@ -166,6 +171,10 @@ fn silent_comm_thread_keeps_its_buffer_counted() -> Result<String, String> {
     let Err(e) = r else {
         return Err("the call succeeded with its comm thread asleep".into());
     };
+    // Unanswered: the comm thread has not aborted, so its work's end is unknown.
+    if !ranks[0].may_leave_work(&e) {
+        return Err(format!("{e} unanswered, yet may_leave_work answers false"));
+    }
     if leaked == 0 {
         return Err(format!(
             "no buffer left to the silent thread: {e} after {took:?}"

@@ -592,8 +592,9 @@ pub unsafe trait Collective: Send + Sync {
     /// work in flight on its region: then the region must never be reused or freed (a stage is
     /// poisoned). The default says so whenever the handle is [`broken`](Self::broken) after the
     /// failure, as one whose failure may leave work behind is. An implementation that knows
-    /// nothing was enqueued (a round that failed before it committed) answers `false`, so that
-    /// a group broken by an abort that raced the call does not cost the caller its staging.
+    /// nothing was enqueued (a round that failed before it committed), or that the work it
+    /// enqueued has ended (NCCL's once its abort drained the comm stream), answers `false`, so
+    /// that a failed share does not cost the caller its staging for good.
     fn may_leave_work(&self, error: &CollectiveError) -> bool {
         let _ = error;
         self.broken().is_some()

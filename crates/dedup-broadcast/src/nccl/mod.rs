@@ -451,6 +451,9 @@ pub struct NcclCollective {
     aborted: Arc<Mutex<Option<String>>>,
     /// Shared by the handles of one in-process group: set when any of them is aborted.
     group: Arc<Mutex<Option<String>>>,
+    /// Set by the comm thread once its abort drained the comm stream: no operation of this
+    /// handle can still touch the device ([`may_leave_work`](Collective::may_leave_work)).
+    quiet: Arc<AtomicBool>,
     thread: Mutex<Option<JoinHandle<()>>>,
     done: Mutex<Option<mpsc::Receiver<()>>>,
     /// Bytes of host buffers leaked to a silent comm thread.
@@ -520,6 +523,7 @@ impl NcclCollective {
         let (done_tx, done_rx) = mpsc::sync_channel::<()>(1);
         let aborted = Arc::new(Mutex::new(None));
         let interrupt = Arc::new(AbortRequest::default());
+        let quiet = Arc::new(AtomicBool::new(false));
         let setup = Setup {
             rank,
             size,
@@ -530,6 +534,7 @@ impl NcclCollective {
             broken: aborted.clone(),
             interrupt: interrupt.clone(),
             group: group.clone(),
+            quiet: quiet.clone(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("kvlink-nccl-r{rank}"))
@@ -560,6 +565,7 @@ impl NcclCollective {
                 ending: AtomicBool::new(false),
                 aborted,
                 group,
+                quiet,
                 thread: Mutex::new(Some(thread)),
                 done: Mutex::new(Some(done_rx)),
                 leaked: AtomicU64::new(0),
@@ -796,8 +802,9 @@ unsafe fn scatter_from(buf: &[u8], at: usize, rows: &[HostRow]) {
 // staged through the worker's own pinned and device memory and copied back before the reply
 // (a reply that does not come leaks the buffer instead of returning it); a device
 // operation's event is recorded on the comm stream after the NCCL call; every error after an
-// enqueue aborts the communicator, so `broken` (and the default `may_leave_work`) answers
-// `true` for it.
+// enqueue aborts the communicator, so `broken` answers `true` for it, and `may_leave_work`
+// does unless that abort drained the comm stream (on the comm thread, before its reply; no
+// operation runs after an abort), which ends every operation's work on its region.
 unsafe impl Collective for NcclCollective {
     fn rank(&self) -> u32 {
         self.rank
@@ -1015,6 +1022,16 @@ unsafe impl Collective for NcclCollective {
         self.unusable
             .load(Ordering::Acquire)
             .then(|| "the comm thread stopped answering".to_string())
+    }
+
+    /// `true` while the handle is broken and its comm thread has not drained the comm stream
+    /// after aborting the communicator: a failed device operation's region may still be in
+    /// NCCL's hands. Once the abort drained, nothing of the handle runs on the device any
+    /// more, so a stage it failed on can be reused (before, every failed share over NCCL lost
+    /// its staging buffer for good, and a rank whose buffers were all lost failed every batch).
+    fn may_leave_work(&self, error: &CollectiveError) -> bool {
+        let _ = error;
+        self.broken().is_some() && !self.quiet.load(Ordering::Acquire)
     }
 }
 

@@ -55,6 +55,7 @@ fn handle(
         ending: AtomicBool::new(false),
         aborted: Arc::new(Mutex::new(None)),
         group: Arc::new(Mutex::new(None)),
+        quiet: Arc::new(AtomicBool::new(false)),
         thread: Mutex::new(Some(thread)),
         done: Mutex::new(Some(done)),
         leaked: AtomicU64::new(0),
@@ -95,6 +96,45 @@ fn a_comm_thread_that_panics_fails_its_call_and_is_joined() {
     assert!(h.broken().is_some());
     assert!(h.close(kv_loader::deadline_after(Duration::from_secs(5))));
     assert!(!h.close(Instant::now()), "a second close does nothing");
+}
+
+/// A failed operation may leave work on the device until the comm thread's abort has drained
+/// the comm stream, which the real thread tells (`quiet`) before its reply: then
+/// `may_leave_work` answers `false`, so the stage a failed share used is reused. Before, it
+/// answered `true` whenever the handle was broken, and every failed share over NCCL lost its
+/// staging buffer for good (a rank whose buffers were all lost failed every batch).
+#[test]
+fn a_failure_whose_abort_drained_leaves_no_work_behind() {
+    for drained in [false, true] {
+        let (tx, rx) = mpsc::channel::<Request>();
+        let (done_tx, done_rx) = mpsc::sync_channel::<()>(1);
+        let aborted = Arc::new(Mutex::new(None));
+        let quiet = Arc::new(AtomicBool::new(false));
+        let (a, q) = (aborted.clone(), quiet.clone());
+        let thread = std::thread::spawn(move || {
+            run_comm_thread(0, done_tx, move || {
+                while let Ok(req) = rx.recv() {
+                    // As `Worker::serve` on a timeout: abort (drained or not), then reply.
+                    *a.lock() = Some("test: the operation timed out".into());
+                    q.store(drained, Ordering::Release);
+                    let _ = req.reply.send(Err(CollectiveError::Timeout {
+                        op: req.op.name(),
+                        seq: req.seq,
+                        missing: Vec::new(),
+                    }));
+                }
+            })
+        });
+        let mut h = handle(0, 1, Duration::from_secs(5), tx, thread, done_rx);
+        h.aborted = aborted;
+        h.quiet = quiet;
+        let e = h
+            .all_gather_bytes(&[1u8; 8], kv_loader::deadline_after(Duration::from_secs(5)))
+            .unwrap_err();
+        assert!(h.broken().is_some(), "{e}");
+        assert_eq!(h.may_leave_work(&e), !drained, "drained: {drained}, {e}");
+        assert!(h.close(kv_loader::deadline_after(Duration::from_secs(5))));
+    }
 }
 
 /// A failed start of an in-process group gives up on the ranks still starting together: one

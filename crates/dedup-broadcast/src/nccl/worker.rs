@@ -145,6 +145,10 @@ pub(crate) struct Setup {
     /// peers of a communicator this thread aborted by itself (a timeout, an NCCL error, a
     /// panic) stop issuing operations their group can no longer complete.
     pub(crate) group: Arc<parking_lot::Mutex<Option<String>>>,
+    /// Where the worker says that its communicator was aborted and its comm stream drained
+    /// after the abort: no operation of this handle can still touch the device (see
+    /// [`Worker::abort_comm`]).
+    pub(crate) quiet: Arc<AtomicBool>,
 }
 
 /// `ncclConfig_t` as NCCL 2.17 laid it out. NCCL reads the leading `size` field and copies
@@ -225,6 +229,8 @@ pub(crate) struct Worker {
     interrupt: Arc<AbortRequest>,
     /// The in-process group's shared flag (see [`Setup::group`]).
     group: Arc<parking_lot::Mutex<Option<String>>>,
+    /// The handle's view of a drained abort (`Setup::quiet`).
+    quiet: Arc<AtomicBool>,
 }
 
 /// Buffers a worker outgrew (see `Worker::retired`).
@@ -290,6 +296,7 @@ impl Worker {
             broken: s.broken.clone(),
             interrupt: s.interrupt.clone(),
             group: s.group.clone(),
+            quiet: s.quiet.clone(),
         };
         // The scratch and the stage of the small operations (a gate's words, a lookup's
         // hits) are allocated before this rank joins the communicator. A rank that cannot
@@ -513,7 +520,12 @@ impl Worker {
         self.aborted.get_or_insert_with(|| cause.to_string());
         let drained = CudaLayerEvent::record_on(&self.stream, u32::MAX)
             .and_then(|ev| ev.wait_until(kv_loader::deadline_after(self.grace)));
-        if !matches!(drained, Ok(true)) {
+        if matches!(drained, Ok(true)) {
+            // Every operation ran on the comm stream, which is now idle, and none runs after
+            // an abort: the regions of operations that failed are free of NCCL's work (told
+            // before the failed operation's reply, which follows this call).
+            self.quiet.store(true, Ordering::Release);
+        } else {
             let bytes = self.scratch.as_ref().map_or(0, DeviceBuffer::len)
                 + self.host_stage.as_ref().map_or(0, PinnedBuffer::len)
                 + self
