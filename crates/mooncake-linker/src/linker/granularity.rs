@@ -100,6 +100,10 @@ const UNMEASURED_COMPUTE: Duration = Duration::from_micros(1);
 /// Weight of a new batch in the running mean of a mode's share step per layer.
 const SHARE_EWMA: f64 = 0.5;
 
+/// How many times its predicted time a call that failed for time is taken at
+/// ([`ReadGroups::observe_failed`]).
+const CENSORED_FACTOR: u32 = 4;
+
 /// The per-linker state of read granularity: each mode's cost estimate, the compute meter, and
 /// each mode's share step per layer.
 ///
@@ -151,6 +155,27 @@ impl ReadGroups {
         if bytes > 0 {
             self.estimators.lock()[mode.index()].observe(layers, bytes, took);
         }
+    }
+
+    /// A group call of a batch in `mode` that failed for time (ran into its limit `limit`,
+    /// returned past it, or answered "RPC timeout"): a censored sample, its true time unknown,
+    /// taken at [`CENSORED_FACTOR`] times the call's predicted time (at most `limit`). Taken
+    /// at the limit, one such call (20 s by default, or "forever") raised the fit's fixed cost
+    /// so far that the plan read in the fewest, largest groups (layer 0 no longer alone) for
+    /// hundreds of calls after it. A store grown slow for good is learned over several failed
+    /// calls (each a few times slower than the fit says) and the calls that then land.
+    pub(crate) fn observe_failed(&self, mode: ShareMode, layers: u32, bytes: u64, limit: Duration) {
+        if bytes == 0 {
+            return;
+        }
+        let mut estimators = self.estimators.lock();
+        let est = &mut estimators[mode.index()];
+        let predicted = est.estimate().call_time(layers, bytes);
+        est.observe(
+            layers,
+            bytes,
+            predicted.saturating_mul(CENSORED_FACTOR).min(limit),
+        );
     }
 
     /// The cost of a call in `mode` now.
@@ -543,6 +568,47 @@ mod tests {
             r.cost_planned(ShareMode::SplitAllGather, 8),
             r.cost(ShareMode::SplitAllGather)
         );
+    }
+
+    /// One call that failed for time, on a store otherwise healthy (2 ms a call, 0.4 ns a
+    /// byte), leaves the plan reading layer 0 alone: it is taken at a few times its predicted
+    /// time. Taken at its limit (20 s, or `Duration::MAX` for "forever"), it raised the fit's
+    /// fixed cost to about 0.4 s (to about 10^14 s with `MAX`), and the plan read everything
+    /// in one call, the first layer ready only with the last.
+    #[test]
+    fn one_call_that_failed_for_time_leaves_the_plan_reading_layer_0_alone() {
+        for limit in [Duration::from_secs(20), Duration::MAX] {
+            let r = ReadGroups::new(ReadGranularity::Adaptive {
+                max_layers_per_call: u32::MAX,
+                compute_per_layer: Some(Duration::from_millis(5)),
+                prior: ReadGranularity::DEFAULT_PRIOR,
+            });
+            let healthy = |layers: u32, bytes: u64| {
+                Duration::from_nanos(2_000_000 + bytes * 2 / 5)
+                    + Duration::from_secs_f64(
+                        f64::from(layers) * ReadGranularity::DEFAULT_PRIOR.per_layer.as_secs_f64(),
+                    )
+            };
+            let layer = 21_495_808u64;
+            for i in 0..300u32 {
+                let layers = 1 + i % 8;
+                let bytes = layer * u64::from(layers);
+                r.observe(ShareMode::AllRanks, layers, bytes, healthy(layers, bytes));
+            }
+            let before = r.cost(ShareMode::AllRanks);
+            r.observe_failed(ShareMode::AllRanks, 1, layer, limit);
+            let after = r.cost(ShareMode::AllRanks);
+            assert!(
+                after.per_call < Duration::from_millis(20),
+                "{limit:?}: {after:?}"
+            );
+            assert!(
+                after.call_time(1, layer) > before.call_time(1, layer),
+                "the failed call taught the fit something: {before:?} → {after:?}"
+            );
+            let g = r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks, 1);
+            assert_eq!(g[0], 0..1, "{limit:?}: {:?}", sizes(&g));
+        }
     }
 
     #[test]

@@ -353,17 +353,15 @@ impl LayerPipeline<'_> {
         let took = t0.elapsed();
         // A call that ran into its deadline, returned past it, or answered "RPC timeout" is a
         // failure: it does not count among the reads that landed, nor in Auto's measure. The
-        // read-cost fit takes it at the limit (a censored sample): a store grown slow still
-        // teaches the plan smaller groups, one hung call does not skew the fit by its whole
-        // length, and a store's early "RPC timeout" (nothing read) is not taken for its bytes
-        // read in no time. The cost, weighed and kept: one such sample raises the fit's
-        // per-call cost for dozens of calls (a slower load, larger groups), where taking it at a
-        // few times the prediction would fail several batches before a slow store is learned.
+        // read-cost fit takes it as a censored sample (`observe_failed`: a few times its
+        // predicted time, within the limit): a store grown slow still teaches the plan, one
+        // hung call does not skew the fit for hundreds of calls after it, and a store's early
+        // "RPC timeout" (nothing read) is not taken for its bytes read in no time.
         let limit = inner.config.layer_read_timeout;
         let timed_out = || {
             inner
                 .reads
-                .observe(layers.mode, group.len() as u32, asked, limit);
+                .observe_failed(layers.mode, group.len() as u32, asked, limit);
         };
         let read = read.inspect_err(|e| {
             inner.metrics.layer_read_failed(took);
