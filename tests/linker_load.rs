@@ -1089,6 +1089,48 @@ fn an_abandoned_or_timed_out_batch_lets_its_slots_go_once_over() {
     );
 }
 
+/// A batch the engine abandoned gives its place among `max_in_flight` back once its load is
+/// over, not only once its outcome is taken or a reset ends it; its outcome is still handed
+/// out. Before, after `max_in_flight` abandoned batches every start failed `Busy`, and the
+/// engine's ways out each broke live requests (`completed` takes their outcomes too, a reset
+/// cancels them).
+#[test]
+fn an_abandoned_batch_gives_its_place_in_flight_back_once_over() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let config = LinkerConfig {
+        max_in_flight: 2,
+        ..cfg()
+    };
+    let (linker, pool) = rank_linker(&r, 1, 0, 16, config);
+    for (batch, slots) in [(1, vec![0, 1, 2]), (2, vec![3, 4, 5])] {
+        let t = linker
+            .start_load(load_plan(&g, batch, &r.pages, slots))
+            .unwrap();
+        wait_all(&linker, &t).unwrap();
+        linker.abandon(&t);
+    }
+    // Their outcomes come in just after their last layers: `Busy` only until then.
+    let until = Instant::now() + Duration::from_secs(5);
+    let t = loop {
+        match linker.start_load(load_plan(&g, 3, &r.pages, vec![6, 7, 8])) {
+            Err(KvLoadError::Busy { .. }) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            started => break started.unwrap(),
+        }
+    };
+    wait_all(&linker, &t).unwrap();
+    assert!(linker.wait_batch(&t).unwrap().result.is_ok());
+    pool_matches(&pool, &r.pages, &[6, 7, 8], g.num_layers()).unwrap();
+    let left: Vec<BatchId> = linker.completed().iter().map(|o| o.batch).collect();
+    assert_eq!(
+        left,
+        [BatchId(1), BatchId(2)],
+        "their outcomes are still handed out"
+    );
+}
+
 /// `rounds` times: two batches from id `next` on, into `slots`, each loaded and abandoned
 /// (its slots go once it is over: the next round reuses them), then a reset. The next id.
 fn abandoned_rounds(

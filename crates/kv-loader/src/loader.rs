@@ -78,7 +78,9 @@ pub trait KvLoader: Send + Sync {
     /// dropped): its slots may go to another batch's plan once the load is over, before its
     /// outcome is taken. Until then `start_load` refuses a plan that lands in a slot of a
     /// batch whose outcome is not taken (`PlanError::SlotInFlight`), so that two batches never
-    /// write each other's pages. The outcome is still handed out (`wait_batch`, `completed`).
+    /// write each other's pages. The outcome is still handed out (`wait_batch`, `completed`),
+    /// and the batch's place among those in flight goes with its slots (an implementation's
+    /// bound on batches in flight, such as the linker's `max_in_flight`, counts it no more).
     /// A [`wait_batch`](Self::wait_batch) that times out abandons its batch the same way (the
     /// engine resets and recomputes into the slots).
     ///

@@ -130,7 +130,8 @@ pub struct LinkerConfig {
     /// Objects per store call when saving (0 counts as 1).
     pub save_chunk: usize,
     /// Batches tracked at once (started and not yet taken; `Busy` past it; 0 counts as 1, and
-    /// at most 65,536 are). A reset frees
+    /// at most 65,536 are). A batch the engine abandoned (`abandon`, a dropped `LoadHandle`,
+    /// a `wait_batch` that timed out) stops counting once its load is over, and a reset frees
     /// the count of the batches it ended; of their outcomes no one takes, this many are kept
     /// (those of abandoned batches go first, then the earliest started; never one a
     /// `SlotsHeld` answer named).

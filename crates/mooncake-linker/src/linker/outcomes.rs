@@ -79,8 +79,13 @@ impl Outcomes {
         Ok(t)
     }
 
-    /// The engine will not read `ticket`'s run of `batch`: its slots are let go once the load
-    /// thread is done with it (now, if its outcome is in), its outcome kept to be taken.
+    /// The engine will not read `ticket`'s run of `batch`: its slots and its counter slot
+    /// (its place among `max_in_flight`) are let go once the load thread is done with it
+    /// (now, if its outcome is in), its outcome kept to be taken (among the ended ones
+    /// `trim_ended` bounds). Before, its counter slot stayed until the outcome was taken or a
+    /// reset: after `max_in_flight` abandoned batches every start failed `Busy`, and the
+    /// engine's ways out (`completed`, which takes live batches' outcomes too, or a reset)
+    /// each broke live requests.
     pub(crate) fn abandon(&self, batch: BatchId, ticket: Ticket) {
         // `done` before `in_flight`, as everywhere.
         let done = self.done.lock();
@@ -93,6 +98,19 @@ impl Outcomes {
             in_flight.free_slots(batch);
         }
         in_flight.abandoned.insert(batch);
+        drop(in_flight);
+        drop(done);
+        if delivered {
+            self.end_abandoned(ticket);
+        }
+    }
+
+    /// An abandoned batch's outcome is in: its counter slot goes (its ticket stale; its
+    /// outcome still taken by batch and ticket), and the ended outcomes kept are trimmed.
+    fn end_abandoned(&self, ticket: Ticket) {
+        // Stale already after a reset: nothing to free.
+        let _ = self.counter.finish(ticket);
+        self.trim_ended();
     }
 
     /// A batch that `begin` counted never reached the load thread.
@@ -200,17 +218,22 @@ impl Outcomes {
 
     fn deliver(&self, ticket: Ticket, outcome: BatchOutcome) {
         let mut done = self.done.lock();
-        {
+        let abandoned = {
             // The load thread is done with it: an abandoned batch's slots go now.
             let mut in_flight = self.in_flight.lock();
-            if in_flight.ticket(outcome.batch) == Some(ticket)
-                && in_flight.abandoned.contains(&outcome.batch)
-            {
+            let abandoned = in_flight.ticket(outcome.batch) == Some(ticket)
+                && in_flight.abandoned.contains(&outcome.batch);
+            if abandoned {
                 in_flight.free_slots(outcome.batch);
             }
-        }
+            abandoned
+        };
         done.insert(outcome.batch, (ticket, outcome));
         self.done_cv.notify_all();
+        drop(done);
+        if abandoned {
+            self.end_abandoned(ticket);
+        }
     }
 
     /// The batches whose load may still write their slots, sorted: their outcome is not in
