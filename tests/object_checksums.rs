@@ -12,7 +12,7 @@ use kvlink::kv_device::{
     Residence, SaveGather, SharePath,
 };
 use kvlink::kv_geometry::{
-    checksum_key, ComponentId, KvGeometry, ObjectChecksums, PageHash, Verified,
+    checksum_key, ComponentId, KvGeometry, Namespace, ObjectChecksums, PageHash, Verified,
 };
 use kvlink::kv_loader::{KvLoadError, KvLoader, PlanError, StoreFailure};
 use kvlink::mooncake_linker::store::{
@@ -37,12 +37,26 @@ struct Saved {
 
 /// Saves `n` pages of prompt `seed` (with the checksum companions this file's config writes).
 fn saved(seed: u32, n: usize) -> Saved {
+    saved_in(seed, n, &config())
+}
+
+/// [`saved`] with `cfg` (its namespace).
+fn saved_in(seed: u32, n: usize, cfg: &LinkerConfig) -> Saved {
     let spec = small_spec();
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 24));
     let tokens = prompt(seed, n, spec.page_size);
-    let pages = save_prefix(&spec, store.clone(), &tokens, &config());
+    let pages = save_prefix(&spec, store.clone(), &tokens, cfg);
     let g = KvGeometry::new(spec, 1, 0).unwrap();
     Saved { store, pages, g }
+}
+
+/// This file's config in the model's namespace (`Namespace::Model`, the default), where every
+/// writer of a key agrees on its geometry.
+fn model_config() -> LinkerConfig {
+    LinkerConfig {
+        namespace: Namespace::Model,
+        ..config()
+    }
 }
 
 /// Loads `pages` as batch `batch` into `slots` of rank 0's host `pool`: the batch succeeds
@@ -1741,21 +1755,30 @@ fn lengthen_page_1_without_companion(s: &Saved, linker: &Linker) -> String {
 /// length-only pass (a row's length is fixed). On the embedded store the preflight's own size
 /// check may get there first; holding it back to tell the two apart made the test racy (the
 /// rank alone waits for that check), so this checks the outcome only.
+///
+/// Such an object is discarded in the model's namespace (which names the geometry: a wrong
+/// size is a broken object) and left in place in a namespace other writers may share (this
+/// file's `Exact` one, as SGLang's): a writer of another geometry (SGLang with MTP draft
+/// layers) writes other sizes without a companion, and removing its objects destroyed its
+/// cache. Before, it was discarded in every namespace.
 #[test]
 fn a_rewritten_wrong_size_object_without_companion_fails_its_size_check() {
-    let s = saved(44, 3);
-    let (linker, pool, _) = counting_companions(&s, config());
-    load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
-    let key = lengthen_page_1_without_companion(&s, &linker);
-    let t = linker
-        .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
-        .unwrap();
-    let first = linker.wait_layer(&t, 0).unwrap_err();
-    assert!(is_object_size(&first), "{first}");
-    let failed = linker.wait_batch(&t).unwrap().result.unwrap_err();
-    assert!(is_object_size(&failed), "{failed}");
-    assert!(get(s.store.as_ref(), &key).is_none(), "discarded");
-    linker.close().unwrap();
+    for (cfg, discarded) in [(model_config(), true), (config(), false)] {
+        let s = saved_in(44, 3, &cfg);
+        let (linker, pool, _) = counting_companions(&s, cfg.clone());
+        load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);
+        let key = lengthen_page_1_without_companion(&s, &linker);
+        let t = linker
+            .start_load(load_plan(&s.g, 2, &s.pages, vec![4, 5, 6]))
+            .unwrap();
+        let first = linker.wait_layer(&t, 0).unwrap_err();
+        assert!(is_object_size(&first), "{first}");
+        let failed = linker.wait_batch(&t).unwrap().result.unwrap_err();
+        assert!(is_object_size(&failed), "{failed}");
+        let ns = &cfg.namespace;
+        assert_eq!(get(s.store.as_ref(), &key).is_none(), discarded, "{ns:?}");
+        linker.close().unwrap();
+    }
 }
 
 /// The same rewrite, with each layer read by a call of its own (as when the engine's compute
@@ -1767,16 +1790,16 @@ fn a_rewritten_wrong_size_object_without_companion_fails_its_size_check() {
 /// discarding the object meanwhile, so its answer is `NotFound`. The batch fails with the
 /// wrong size in either order (its record of why it discarded the object), not with the
 /// `NotFound` of the check that came second. (reader.rs's unit test makes the second check
-/// deterministically.)
+/// deterministically.) In the model's namespace, where such an object is discarded.
 #[test]
 fn a_wrong_size_found_by_a_layer_check_is_not_replaced_by_a_check_that_found_the_object_gone() {
     use kvlink::mooncake_linker::ReadGranularity;
-    let s = saved(45, 3);
+    let s = saved_in(45, 3, &model_config());
     let faults = Arc::new(FaultyStore::new(s.store.clone()));
     let pool = Arc::new(HostKvPool::new(s.g.clone(), 8).unwrap());
     let cfg = LinkerConfig {
         read_granularity: ReadGranularity::Fixed { layers_per_call: 1 },
-        ..config()
+        ..model_config()
     };
     let linker = Linker::new(s.g.clone(), faults.clone(), pool.clone(), cfg).unwrap();
     load_verified(&linker, &pool, &s.pages, 1, &[0, 1, 2]);

@@ -57,7 +57,7 @@ impl KvLoadError {
     ///
     /// | variant | action |
     /// |---|---|
-    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's, not refused), `BadObject`, `Internal`, `Cancelled`, `InvalidPlan` of an object of the wrong size (`PlanError::ObjectSize`: store data, discarded), `Busy` refused in a TP group (`peers_fail`) | `Recompute` |
+    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's, not refused), `BadObject`, `Internal`, `Cancelled`, `InvalidPlan` of an object of the wrong size (`PlanError::ObjectSize`: store data, discarded unless another writer's), `Busy` refused in a TP group (`peers_fail`) | `Recompute` |
     /// | `Timeout`, `Device` | `ResetThenRecompute` |
     /// | `Busy` of one rank (not `peers_fail`), `GroupDown` (a lookup's, `batch: None`, not refused) | `RetryLater` |
     /// | `InvalidPlan` (any other reason), `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry`, `GroupDown` (`refused`) | `FixInput` |

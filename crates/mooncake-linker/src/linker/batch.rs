@@ -28,7 +28,7 @@ use super::group_time::BatchSample;
 use super::handle_use::Channel;
 use super::outcomes::HeldOutcome;
 use super::pipeline::LayerPipeline;
-use super::reader::{store_failure, ComponentKeys, LayerReader};
+use super::reader::{store_failure, ComponentKeys, LayerReader, WrongSizeAction};
 use super::regions::Registered;
 use super::session::PinnedKeys;
 use super::wrong_sized::WrongSized;
@@ -629,14 +629,15 @@ impl Inner {
 
 impl BatchLayers {
     /// Checks that every object this rank reads holds exactly the bytes the geometry expects
-    /// (a wrong one is discarded so the next save writes it again).
+    /// (a wrong one is discarded so the next save writes it again, where `on_wrong` says so).
     pub(crate) fn verify_sizes(
         &self,
         reader: &LayerReader<'_>,
         known: (&ChecksumCache, &WrongSized),
+        on_wrong: WrongSizeAction,
     ) -> Result<(), KvLoadError> {
-        reader.verify_sizes(&self.own, 0..self.pages, known)?;
-        reader.verify_sizes(&self.shared, self.my_pages(), known)
+        reader.verify_sizes(&self.own, 0..self.pages, known, on_wrong)?;
+        reader.verify_sizes(&self.shared, self.my_pages(), known, on_wrong)
     }
 }
 

@@ -59,8 +59,12 @@ pub struct LinkerConfig {
     /// `verify_checksums` is on) the verdict is needed only before the last layer is handed
     /// over, since each layer's bytes are checked against their checksums anyway; otherwise it
     /// is needed before the first. Either way a batch with a wrong-sized object fails
-    /// ([`PlanError::ObjectSize`](kv_loader::PlanError::ObjectSize)) and the object is
-    /// discarded.
+    /// ([`PlanError::ObjectSize`](kv_loader::PlanError::ObjectSize)), and the object is
+    /// discarded (the next save writes it again) where its key is in the model's namespace
+    /// (`Namespace::Model`, which names the geometry) or kvlink wrote it (its checksum
+    /// companion is there). One without a companion under another namespace, which other
+    /// writers may share, is left in place (logged at `warn`): a writer of another geometry
+    /// (SGLang with MTP draft layers) writes other sizes, and its cache is not ours to remove.
     pub verify_object_sizes: bool,
     /// Check each (object, layer) range against the checksums kvlink wrote beside the object
     /// before the layer is reported loaded (objects without them, e.g. written by SGLang, are

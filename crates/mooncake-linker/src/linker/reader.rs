@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use dedup_broadcast::StagingLayout;
 use kv_device::{DeviceError, DeviceShare, LayerLanding, ReadTarget, StageLoan};
-use kv_geometry::{ComponentId, ComponentLayout};
+use kv_geometry::{checksum_key, ComponentId, ComponentLayout, Namespace};
 use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
 use smallvec::SmallVec;
 
@@ -342,11 +342,13 @@ impl LayerReader<'_> {
         components: &[ComponentKeys],
         pages: Range<usize>,
         (kept, wrong): (&ChecksumCache, &WrongSized),
+        on_wrong: WrongSizeAction,
     ) -> Result<(), KvLoadError> {
         check_object_sizes(
             self.calls,
             (kept, wrong),
             self.batch,
+            on_wrong,
             components,
             pages,
             self.deadline,
@@ -354,15 +356,54 @@ impl LayerReader<'_> {
     }
 }
 
+/// What a size check does with an object of the wrong size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WrongSizeAction {
+    /// Discard it, so the next save writes it again: its key is in the model's namespace
+    /// (`Namespace::Model`), which names the geometry, so every writer of the key agrees on
+    /// its bytes and a wrong size is a broken object.
+    Discard,
+    /// Discard it only if kvlink wrote it (its checksum companion is there): its key is in a
+    /// namespace other writers may share (SGLang's, or any `Namespace::Exact`), and one whose
+    /// geometry differs (SGLang with MTP draft layers packed after the model's) writes other
+    /// sizes, with no companion. Removing theirs destroyed their cache, under their own reads
+    /// too (the removal is forced); it is left in place, and the batch fails all the same.
+    DiscardOwn,
+}
+
+impl WrongSizeAction {
+    /// The action for objects under `namespace`.
+    pub(crate) fn under(namespace: &Namespace) -> Self {
+        match namespace {
+            Namespace::Model => WrongSizeAction::Discard,
+            Namespace::Exact(_) => WrongSizeAction::DiscardOwn,
+        }
+    }
+
+    /// Whether `key`, found at the wrong size, is to be discarded (one store call where only
+    /// kvlink's own go: a companion whose presence cannot be told spares the object).
+    fn discards(self, calls: &StoreCalls, key: &str, deadline: Instant) -> bool {
+        match self {
+            WrongSizeAction::Discard => true,
+            WrongSizeAction::DiscardOwn => {
+                let companion = checksum_key(key);
+                let found = calls.exists(&[companion.as_str()], deadline);
+                matches!(found.first(), Some(Ok(true)))
+            }
+        }
+    }
+}
+
 /// Checks that the objects of `components` at plan pages `pages` hold exactly the bytes the
-/// geometry expects; a wrong one is discarded (the next save writes it again), its kept
-/// checksums with it, recorded in `wrong`, and fails the batch with
-/// [`PlanError::ObjectSize`]. An object gone that this batch discarded for its size (another
+/// geometry expects; a wrong one fails the batch with [`PlanError::ObjectSize`] and, where
+/// `on_wrong` says so, is discarded (the next save writes it again), its kept checksums with
+/// it, recorded in `wrong`. An object gone that this batch discarded for its size (another
 /// check of the batch got there first) fails with that same error.
 pub(crate) fn check_object_sizes(
     calls: &StoreCalls,
     (kept, wrong): (&ChecksumCache, &WrongSized),
     batch: BatchId,
+    on_wrong: WrongSizeAction,
     components: &[ComponentKeys],
     pages: Range<usize>,
     deadline: Instant,
@@ -386,9 +427,22 @@ pub(crate) fn check_object_sizes(
                             actual,
                         },
                     };
+                    kept.remove(keys[i]);
+                    if !on_wrong.discards(calls, keys[i], deadline) {
+                        tracing::warn!(
+                            %batch,
+                            key = keys[i],
+                            expected,
+                            actual,
+                            "an object of the wrong size, without kvlink's checksum companion, \
+                             in a namespace other writers may share: left in place (its \
+                             writer's geometry may differ, e.g. SGLang with MTP draft layers); \
+                             the batch fails and its pages are recomputed"
+                        );
+                        return Err(error);
+                    }
                     // Recorded before the discard: a check that finds it gone knows why.
                     wrong.record(batch, keys[i], &error);
-                    kept.remove(keys[i]);
                     super::replace::discard_objects(calls, &[keys[i]], deadline);
                     return Err(error);
                 }
@@ -442,6 +496,7 @@ mod tests {
             &calls,
             (&kept, &wrong),
             BatchId(1),
+            WrongSizeAction::Discard,
             std::slice::from_ref(&comp),
             0..2,
             soon(),
@@ -464,7 +519,15 @@ mod tests {
         // fails with the same wrong size, not NotFound; another batch hears NotFound.
         let again = |batch| {
             let comps = std::slice::from_ref(&comp);
-            check_object_sizes(&calls, (&kept, &wrong), batch, comps, 1..2, soon())
+            check_object_sizes(
+                &calls,
+                (&kept, &wrong),
+                batch,
+                WrongSizeAction::Discard,
+                comps,
+                1..2,
+                soon(),
+            )
         };
         assert!(matches!(
             again(BatchId(1)),

@@ -1,6 +1,8 @@
 //! The replace path: an object a load found bad (wrong size, failed checksum) is discarded
 //! with its checksum companion, so that the next save writes both again despite
-//! first-write-wins, instead of every later hit failing and every save skipping it.
+//! first-write-wins, instead of every later hit failing and every save skipping it. (A
+//! wrong-sized object without a companion under a namespace other writers may share is left
+//! in place: another writer's geometry may differ; see `reader::WrongSizeAction`.)
 
 use std::time::Instant;
 

@@ -20,7 +20,7 @@ use super::batch::BatchLayers;
 use super::companion::{companion_of, CompanionRead};
 use super::fresh_companion::{first_disagreement, written_again_twice, StaleRow};
 use super::landed::LandedSums;
-use super::reader::{check_object_sizes, store_failure, ComponentKeys};
+use super::reader::{check_object_sizes, store_failure, ComponentKeys, WrongSizeAction};
 use super::Inner;
 
 /// The companions of one batch's objects this rank reads: per component (own, then shared, in
@@ -243,6 +243,7 @@ impl Inner {
             &self.calls,
             (&self.checksums, &self.wrong_sized),
             batch,
+            WrongSizeAction::under(&self.config.namespace),
             comps,
             page..page + 1,
             deadline,

@@ -18,6 +18,7 @@ use crate::linker::landed::LandedSums;
 use crate::linker::preflight::{Check, PreflightChecks};
 use crate::linker::reader::{
     store_failure, GroupRead, GroupReads, LayerReader, OwnRows, ReadPart, RowTarget, ShareArea,
+    WrongSizeAction,
 };
 use crate::linker::session::PinnedKeys;
 use crate::linker::verify::BatchChecksums;
@@ -270,7 +271,8 @@ impl LayerPipeline<'_> {
                 ..*reader
             };
             let known = (&self.inner.checksums, &self.inner.wrong_sized);
-            let r = self.layers.verify_sizes(&fresh, known);
+            let on_wrong = WrongSizeAction::under(&self.inner.config.namespace);
+            let r = self.layers.verify_sizes(&fresh, known, on_wrong);
             tracing::debug!(%batch, rank, took = ?t0.elapsed(), "preflight sizes");
             r
         };
