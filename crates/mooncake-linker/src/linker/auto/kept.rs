@@ -13,6 +13,7 @@ impl Measured {
     /// mode is kept, the kept mode's batch clears its failures, and a probe's says the kept
     /// mode's failures are its own (see [`kept_failure`](Self::kept_failure)).
     pub(crate) fn record_loaded(&mut self, mode: ShareMode) {
+        self.parole();
         let Some(k) = self.kept else {
             return;
         };

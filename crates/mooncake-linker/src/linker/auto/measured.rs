@@ -4,7 +4,7 @@
 
 use kv_loader::ShareMode;
 
-use super::{AUTO_DOUBT, AUTO_DOUBT_ROUNDS, AUTO_DROP, AUTO_KEPT_STRIKES, AUTO_TIE};
+use super::{AUTO_DOUBT, AUTO_DOUBT_ROUNDS, AUTO_DROP, AUTO_KEPT_STRIKES, AUTO_PAROLE, AUTO_TIE};
 
 /// Modes `Auto` measures, in the order of each round.
 pub(super) const AUTO_MODES: [ShareMode; ShareMode::COUNT] = ShareMode::ALL;
@@ -46,8 +46,13 @@ pub(crate) struct Measured {
     /// Modes no longer measured (clearly slower after the first round). Brought back should
     /// every other mode fail on its own account (see [`Measured::record_batch`]).
     pub(super) dropped: [bool; ShareMode::COUNT],
-    /// Modes that fail on their own account: never proposed again.
+    /// Modes that fail on their own account: not proposed again until paroled (see
+    /// [`Measured::parole`]).
     pub(super) failed_out: [bool; ShareMode::COUNT],
+    /// Per mode, the batches loaded (in any mode) since it last failed out.
+    pub(super) out_for: [u32; ShareMode::COUNT],
+    /// Per mode, the times it failed out (each doubles its time out).
+    pub(super) fail_outs: [u32; ShareMode::COUNT],
     /// A mode that failed again after another mode's batch was measured: not proposed; it
     /// fails on its own account (`failed_out`) once the next event is another mode's
     /// measured batch, and is cleared when the next event is another mode's failure (the
@@ -250,14 +255,59 @@ impl Measured {
         }
     }
 
-    /// `m` fails on its own account: never proposed again. Should no mode be left live, the
-    /// modes dropped as slower come back (they may be the only ones that load).
+    /// `m` fails on its own account: not proposed again until paroled. Should no mode be left
+    /// live, the modes dropped as slower come back (they may be the only ones that load).
     pub(super) fn fail_out(&mut self, m: ShareMode) {
         self.failed_out[slot(m)] = true;
+        self.out_for[slot(m)] = 0;
+        self.fail_outs[slot(m)] = self.fail_outs[slot(m)].saturating_add(1);
         if self.live().next().is_none() {
             for x in AUTO_MODES {
                 self.dropped[slot(x)] = false;
             }
+        }
+    }
+
+    /// A batch loaded: each mode failed out for [`AUTO_PAROLE`] loaded batches (doubled each
+    /// time it failed out before, at most 2^10 times) is paroled, and `Auto` measures again
+    /// with it unless it follows rank 0 (rank 0's own parole leads the group). Before, a
+    /// mode failed out stayed out for the process's life: a store or fabric that flapped
+    /// after the pick (three failures, the probe loading, one more failure) made the fastest
+    /// mode the kept one's loser for good.
+    pub(super) fn parole(&mut self) {
+        let mut paroled = Vec::new();
+        for m in AUTO_MODES {
+            let i = slot(m);
+            if !self.failed_out[i] {
+                continue;
+            }
+            self.out_for[i] = self.out_for[i].saturating_add(1);
+            let shift = self.fail_outs[i].saturating_sub(1).min(10);
+            if self.out_for[i] >= AUTO_PAROLE << shift {
+                self.failed_out[i] = false;
+                self.out_for[i] = 0;
+                self.failing[i] = 0;
+                self.last_failure[i] = None;
+                paroled.push(m);
+            }
+        }
+        if paroled.is_empty() {
+            return;
+        }
+        tracing::info!(
+            modes = ?paroled,
+            kept = ?self.kept,
+            "Auto: modes that failed out are tried again"
+        );
+        if self.kept.is_some() && !self.followed {
+            self.kept = None;
+            self.kept_failing = 0;
+            self.probe_loaded = false;
+            self.probe_failed = [false; ShareMode::COUNT];
+            self.suspect = None;
+            self.last_failed = None;
+            self.pair = None;
+            self.proposals = 0;
         }
     }
 

@@ -61,8 +61,9 @@
 //!
 //! **A mode that fails is not proposed for ever.** A failed batch sends no time. Its mode
 //! then waits (is not proposed while another mode may be) until another mode's batch is
-//! measured. Failing again after that, it is suspected; it fails on its own account (never
-//! proposed again) when the next event is another mode's measured batch, and is cleared when
+//! measured. Failing again after that, it is suspected; it fails on its own account (not
+//! proposed again until paroled, below) when the next event is another mode's measured
+//! batch, and is cleared when
 //! it is another mode's failure: a store or group outage, however short, fails every mode
 //! alike (two modes failing one after the other suspect neither). Two modes that do so
 //! twice, each time with a third mode's batch measured right after, fail out together: a
@@ -82,6 +83,12 @@
 //! once more it fails on its own account: `Auto` measures again without it (the other modes
 //! keep their samples, so the next pick comes within a batch or two when they were measured
 //! enough). A kept mode that loads again clears its count.
+//!
+//! **A mode failed out is tried again later.** After [`AUTO_PAROLE`] loaded batches (256;
+//! doubled for each earlier time the mode failed out, up to 2^10 times), it is paroled:
+//! `Auto` measures again with it (its earlier samples kept), so a fault that flapped after
+//! the pick does not keep the fastest mode out for good, and a mode that is truly broken
+//! costs a few failed batches at ever longer intervals.
 //!
 //! Only rank 0's proposal is used (the ranks exchange proposals at the gate), so rank 0's
 //! state decides for the group; every rank keeps its own, fed the same group times (each
@@ -120,6 +127,10 @@ pub(crate) const AUTO_GIVE_UP: u32 = 4;
 /// Batches of the kept mode failed in a row after which one batch tries another mode (see the
 /// module docs: a kept mode that goes bad).
 pub(crate) const AUTO_KEPT_STRIKES: u32 = 3;
+
+/// Batches loaded after which a mode that failed on its own account is tried again (doubled
+/// for each time it failed out before): see [`Measured::parole`](measured::Measured::parole).
+pub(crate) const AUTO_PAROLE: u32 = 256;
 
 /// Modes whose median is within this fraction of the best median count as equally fast.
 pub(crate) const AUTO_TIE: f64 = 0.10;

@@ -196,6 +196,45 @@ fn a_kept_mode_that_goes_bad_is_given_up() {
     assert!(failures <= 6, "{failures} failed batches: {proposed:?}");
 }
 
+/// A fault that flaps after the pick (three failures of the kept mode, the probe loads, one
+/// more failure) fails the kept mode out; after [`AUTO_PAROLE`] loaded batches it is tried
+/// again, and, the fastest, kept again. Before, it stayed out for the process's life.
+#[test]
+fn a_mode_failed_out_by_a_flapping_fault_is_tried_again_and_kept() {
+    let (mut m, kept) = kept_state(3);
+    let proposed = drive(&mut m, 5, 3, |_, i| i != 3);
+    assert!(m.failed_out[slot(kept)], "{proposed:?}");
+    let other = m.kept.or_else(|| {
+        drive(&mut m, 10, 3, |_, _| false);
+        m.kept
+    });
+    assert!(other.is_some_and(|o| o != kept), "{other:?}");
+    let later = drive(&mut m, AUTO_PAROLE as usize + 20, 3, |_, _| false);
+    assert!(!m.failed_out[slot(kept)]);
+    assert_eq!(
+        m.kept,
+        Some(kept),
+        "{:?}",
+        &later[AUTO_PAROLE as usize - 5..]
+    );
+    assert!(later[later.len() - 5..].iter().all(|x| *x == kept));
+}
+
+/// A mode that fails whenever it runs is tried again at ever longer intervals: out for
+/// [`AUTO_PAROLE`] loaded batches, then twice that, and so on; its failed batches stay few.
+#[test]
+fn a_mode_that_always_fails_is_tried_again_at_ever_longer_intervals() {
+    let (mut m, kept) = kept_state(3);
+    let proposed = drive(&mut m, 8 * AUTO_PAROLE as usize, 3, |x, _| x == kept);
+    let failed = proposed.iter().filter(|x| **x == kept).count();
+    // Out after at most 6 batches, paroled at 256, 768 and 1792 loaded batches after its
+    // first fail-out (each parole costing a few more), not again before 2048 loaded.
+    assert!(m.fail_outs[slot(kept)] >= 3, "{:?}", m.fail_outs);
+    assert!(m.fail_outs[slot(kept)] <= 4, "{:?}", m.fail_outs);
+    assert!(failed <= 6 * 4, "{failed} failed batches");
+    assert_ne!(m.kept, Some(kept));
+}
+
 /// An outage after the pick fails every mode: the probe fails too, so the kept mode stays
 /// (one batch in four tries another mode while it lasts), and it is kept after.
 #[test]
