@@ -142,6 +142,11 @@ impl EmbeddedStore {
     /// linker's renewal period (2 s by default) and its bounds on a load's waits.
     pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 
+    /// The shortest lease [`with_lease`](Self::with_lease) sets (100 ms): the linker renews a
+    /// session at most every 50 ms, so a shorter lease would end sessions a load still reads
+    /// under (a zero one, every session at the next start).
+    pub const MIN_LEASE: Duration = Duration::from_millis(100);
+
     /// An empty store holding at most `capacity` bytes of objects, its sessions lasting
     /// [`DEFAULT_LEASE`](Self::DEFAULT_LEASE).
     pub fn new(capacity: u64) -> Self {
@@ -157,9 +162,20 @@ impl EmbeddedStore {
     }
 
     /// The same store with its sessions lasting `lease` unless ended (`None`: until ended,
-    /// so a session whose end never comes pins its objects for the store's life).
+    /// so a session whose end never comes pins its objects for the store's life). A lease
+    /// under [`MIN_LEASE`](Self::MIN_LEASE) is raised to it (logged at `warn`).
     pub fn with_lease(mut self, lease: Option<Duration>) -> Self {
-        self.lease = lease;
+        self.lease = lease.map(|l| {
+            if l < Self::MIN_LEASE {
+                warn!(
+                    asked = ?l,
+                    used = ?Self::MIN_LEASE,
+                    "embedded store: a read lease under the shortest the linker's renewals keep \
+                     up with: raised"
+                );
+            }
+            l.max(Self::MIN_LEASE)
+        });
         self
     }
 
@@ -864,6 +880,26 @@ mod tests {
             "still pinned by the second"
         );
         s.end_session(&second).unwrap();
+    }
+
+    /// A lease under the shortest the linker's renewals keep up with is raised to it: a zero
+    /// one ended every open session at the next start, under a load still reading.
+    #[test]
+    fn a_lease_too_short_to_renew_is_raised_to_the_shortest() {
+        let s = EmbeddedStore::new(20).with_lease(Some(Duration::ZERO));
+        assert_eq!(s.lease(), Some(EmbeddedStore::MIN_LEASE));
+        put(&s, "a", &[1; 10]).unwrap();
+        put(&s, "b", &[2; 10]).unwrap();
+        let first = s.start_session(&["a"]).unwrap();
+        let second = s.start_session(&["b"]).unwrap();
+        assert!(
+            s.session_open(first.token),
+            "the first session outlives the second's start"
+        );
+        s.end_session(&first).unwrap();
+        s.end_session(&second).unwrap();
+        let longer = EmbeddedStore::new(20).with_lease(Some(Duration::from_secs(3)));
+        assert_eq!(longer.lease(), Some(Duration::from_secs(3)));
     }
 
     /// A session whose end never comes (its caller gave up on the call, or the end failed)

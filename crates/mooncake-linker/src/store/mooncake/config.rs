@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use mooncake_sys::ReplicateConfig;
 
+use crate::store::StoreError;
+
 /// Where [`MooncakeConfig::from_env`] could not use a variable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MooncakeConfigError {
@@ -77,6 +79,11 @@ pub const DEFAULT_GLOBAL_SEGMENT_SIZE: u64 = 4 << 30;
 pub const DEFAULT_LOCAL_BUFFER_SIZE: u64 = 16 << 20;
 /// The master's default read lease (`--default_kv_lease_ttl`, 10 s).
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+/// The shortest read lease [`MooncakeStore::connect`](super::MooncakeStore::connect) takes
+/// ([`MooncakeConfig::lease`], 100 ms): the linker renews a session at most every 50 ms, and
+/// the store drops its record of a session at twice the lease, so a shorter one ends the
+/// sessions a load still reads under (a zero one, every session at the next start).
+pub const MIN_LEASE: Duration = Duration::from_millis(100);
 /// The most read streams [`MooncakeConfig::read_streams`] takes (the wheel's ceiling on TCP
 /// connections per storage node, `MC_TCP_LANES_PER_PEER`, is 16).
 pub const MAX_READ_STREAMS: usize = 16;
@@ -264,7 +271,7 @@ impl MooncakeConfig {
     }
 
     /// The master's read lease (`--default_kv_lease_ttl`), reported in read sessions so that
-    /// callers renew in time.
+    /// callers renew in time. Under [`MIN_LEASE`] the store refuses to connect.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -353,6 +360,22 @@ impl MooncakeConfig {
     /// See [`lease`](Self::lease).
     pub fn lease_duration(&self) -> Duration {
         self.lease
+    }
+
+    /// A lease under [`MIN_LEASE`] is an `InvalidArgument`.
+    pub(crate) fn check_lease(&self) -> Result<(), StoreError> {
+        if self.lease >= MIN_LEASE {
+            return Ok(());
+        }
+        Err(StoreError::InvalidArgument {
+            key: "<config>".into(),
+            detail: format!(
+                "a read lease of {:?} is under the shortest the linker's renewals keep up with \
+                 ({MIN_LEASE:?}): set MooncakeConfig::lease to the master's \
+                 --default_kv_lease_ttl",
+                self.lease
+            ),
+        })
     }
 
     /// See [`read_streams`](Self::read_streams).
@@ -451,6 +474,20 @@ mod tests {
         assert!(!only.gathered_puts_zero_copy());
         assert!(!only.staged_merge_enabled());
         assert_eq!(only.protocol_name(), "tcp");
+    }
+
+    /// A lease under the shortest the linker's renewals keep up with is refused at connect
+    /// (it was taken: a zero one dropped every open session at each start).
+    #[test]
+    fn a_lease_under_the_shortest_is_refused() {
+        let c = MooncakeConfig::new("m:1");
+        assert!(c.check_lease().is_ok(), "the default");
+        assert!(c.clone().lease(MIN_LEASE).check_lease().is_ok());
+        let zero = c.lease(Duration::ZERO).check_lease();
+        assert!(
+            matches!(&zero, Err(StoreError::InvalidArgument { detail, .. }) if detail.contains("lease")),
+            "{zero:?}"
+        );
     }
 
     #[test]

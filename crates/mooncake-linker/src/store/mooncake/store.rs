@@ -119,6 +119,7 @@ impl MooncakeStore {
 
     /// Like [`connect`](Self::connect), with an already loaded library.
     pub fn connect_with(library: Arc<Library>, config: MooncakeConfig) -> Result<Self, StoreError> {
+        config.check_lease()?;
         let client = Client::connect(library, &config.setup_args()).map_err(|e| {
             StoreError::Unavailable {
                 detail: Cause::with_source(
