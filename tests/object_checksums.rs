@@ -2349,6 +2349,46 @@ fn a_companion_beside_an_object_whose_put_failed_is_discarded() {
     );
 }
 
+/// A save that fails part way leaves the pages before the failing call whole (every
+/// component), a shorter prefix a lookup finds: the components are put page chunk by page
+/// chunk. Before, they were put component by component, so a failure in the first
+/// component's puts left no page with its `indexer` too: the lookup hit nothing.
+#[test]
+fn a_save_that_fails_part_way_leaves_a_shorter_prefix_whole() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    let spec = small_spec();
+    let tokens = prompt(29, 4, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 24))));
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let slots: Vec<u32> = (0..4).collect();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 4).unwrap());
+    fill_pool(&pool, &pages, &slots);
+    let cfg = LinkerConfig {
+        save_chunk: 1,
+        ..config()
+    };
+    let linker = Linker::new(g.clone(), faulty.clone(), pool, cfg).unwrap();
+    let plan = load_plan(&g, 0, &pages, slots);
+    let keys = linker.object_keys(&plan).unwrap();
+    assert_eq!(keys.len(), 2, "k and indexer");
+    faulty.inject_on(
+        FaultCall::Put,
+        FaultRule {
+            key_contains: Some(keys[0][2].clone()),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::NoSpace {
+            key: keys[0][2].clone(),
+            detail: "injected".into(),
+        }),
+    );
+    assert!(linker.save(&plan).is_err());
+    let hit = linker.lookup_pages(&pages, 0).unwrap();
+    assert_eq!(hit.pages, pages[..2], "pages 0 and 1 whole");
+}
+
 /// A save whose puts fail for several pages of one call names every one of them in its error
 /// (each is logged too); before, only the first was named and the others left no trace.
 #[test]

@@ -38,49 +38,78 @@ impl Inner {
             // A host pool is read in place: wait (bounded) for the compute that wrote it.
             self.host_wait(ev)?;
         }
+        let mut todo = Vec::new();
         for comp in self.component_keys(plan)? {
             if comp.layout.replicated && self.geometry.tp_rank() != 0 {
                 report.objects_not_owned += comp.keys.len() as u32;
                 continue;
             }
-            let todo = self.missing_objects(plan, &comp, &mut report)?;
-            for chunk in todo.chunks(self.config.save_chunk.max(1)) {
-                if self.pool.residence() != Residence::Host {
-                    self.save_gathered(plan, &comp, chunk, &mut report, after)
+            let missing = self.missing_objects(plan, &comp, &mut report)?;
+            todo.push((comp, missing));
+        }
+        // Page by page, not component by component: round `r` puts every component's `r`th
+        // chunk of missing objects, so a save that fails leaves the pages before the failing
+        // chunk whole (every component), a shorter prefix a lookup still finds. Component by
+        // component, a failure in the first component's chunks left no page with all its
+        // components: a lookup hit nothing of the whole save.
+        let per_call = self.config.save_chunk.max(1);
+        let rounds = todo
+            .iter()
+            .map(|(_, missing)| missing.len().div_ceil(per_call))
+            .max()
+            .unwrap_or(0);
+        for round in 0..rounds {
+            for (comp, missing) in &todo {
+                if let Some(chunk) = missing.chunks(per_call).nth(round) {
+                    self.save_chunk_of(plan, comp, chunk, &mut report, after)
                         .map_err(|e| with_twins(plan, e))?;
-                    continue;
                 }
-                let mut puts = Vec::with_capacity(chunk.len());
-                let mut sums = Vec::with_capacity(chunk.len());
-                for &page in chunk {
-                    let slot = plan.slots[page];
-                    let mut parts: SmallVec<[SaveSource; 4]> = SmallVec::new();
-                    let mut layer_sums = Vec::with_capacity(comp.layout.layers.len());
-                    for &layer in &comp.layout.layers {
-                        let row = SaveSource::slot(&self.pool, comp.layout.id, layer, slot)
-                            .map_err(KvLoadError::from)?;
-                        layer_sums.push(layer_checksum(row.bytes()));
-                        parts.push(row);
-                    }
-                    sums.push(ObjectChecksums {
-                        layer_bytes: comp.layout.page_layer_bytes,
-                        sums: layer_sums,
-                    });
-                    puts.push(SourcePut {
-                        key: &comp.keys[page],
-                        parts,
-                    });
-                }
-                // The sources keep the pool; a put past its deadline keeps its registration too.
-                let hold: Hold = Arc::new(self.registered.lock().clone());
-                self.put_chunk(batch, &comp, &puts, &sums, chunk, &mut report, hold)
-                    .map_err(|e| with_twins(plan, e))?;
             }
         }
         not_saved_twins(plan, &mut report);
         report.settle_pages(plan.logical.num_pages());
         debug!(?report, "saved");
         Ok(report)
+    }
+
+    /// Saves plan pages `chunk` of one component (one store call of objects and companions):
+    /// a host pool's slot rows read in place, another pool's gathered first.
+    fn save_chunk_of(
+        &self,
+        plan: &BatchPlan,
+        comp: &ComponentKeys,
+        chunk: &[usize],
+        report: &mut SaveReport,
+        after: Option<&SharedEvent>,
+    ) -> Result<(), KvLoadError> {
+        if self.pool.residence() != Residence::Host {
+            return self.save_gathered(plan, comp, chunk, report, after);
+        }
+        let mut puts = Vec::with_capacity(chunk.len());
+        let mut sums = Vec::with_capacity(chunk.len());
+        for &page in chunk {
+            let slot = plan.slots[page];
+            let mut parts: SmallVec<[SaveSource; 4]> = SmallVec::new();
+            let mut layer_sums = Vec::with_capacity(comp.layout.layers.len());
+            for &layer in &comp.layout.layers {
+                let row = SaveSource::slot(&self.pool, comp.layout.id, layer, slot)
+                    .map_err(KvLoadError::from)?;
+                layer_sums.push(layer_checksum(row.bytes()));
+                parts.push(row);
+            }
+            sums.push(ObjectChecksums {
+                layer_bytes: comp.layout.page_layer_bytes,
+                sums: layer_sums,
+            });
+            puts.push(SourcePut {
+                key: &comp.keys[page],
+                parts,
+            });
+        }
+        // The sources keep the pool; a put past its deadline keeps its registration too.
+        let hold: Hold = Arc::new(self.registered.lock().clone());
+        let batch = plan.logical.batch;
+        self.put_chunk(batch, comp, &puts, &sums, chunk, report, hold)
     }
 
     /// Waits on this thread, at most `store_call_timeout`, for `ev`.
