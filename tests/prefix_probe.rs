@@ -140,3 +140,53 @@ fn lookup_and_probe_store_errors_keep_their_typed_source() {
     let probe = PrefixProbe::new(spec, 1, faulty, &cfg).unwrap();
     check(probe.probe(&tokens, 0), "probe");
 }
+
+/// A store error on a later page's presence ends the hit before that page (the pages before it
+/// are present), for the lookup and the probe alike; on the first page it is still the
+/// lookup's error. Before, any page's error failed the whole lookup: a transient error on page
+/// 1,000 threw away a 999-page hit.
+#[test]
+fn a_store_error_on_a_later_page_cuts_the_hit_short() {
+    use kvlink::mooncake_linker::store::{Fault, FaultCall, FaultRule, FaultyStore, StoreError};
+    let spec = mixed_spec();
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let cfg = config(ShareMode::AllRanks);
+    let (ranks, pages) = tp_ranks(&spec, 1, store.clone(), 6, &cfg, Path::Host);
+    let tokens = prompt(11, 6, spec.page_size);
+    let faulty = Arc::new(FaultyStore::new(store));
+    let probe = PrefixProbe::new(spec, 1, faulty.clone(), &cfg).unwrap();
+    let req = LookupRequest {
+        tokens: &tokens,
+        skip_pages: 0,
+    };
+    for (page, hit) in [(4, Some(4)), (0, None)] {
+        let on = |faults: &FaultyStore| {
+            faults.inject_on(
+                FaultCall::Exists,
+                FaultRule {
+                    key_contains: Some(key(&ranks[0], &pages, 0, page)),
+                    ..FaultRule::default()
+                },
+                Fault::Error(StoreError::RpcTimeout {
+                    key: "exists".into(),
+                }),
+            )
+        };
+        on(&ranks[0].faults);
+        on(&faulty);
+        let looked = ranks[0].linker.lookup(&req).map(|h| h.pages.len());
+        let probed = probe.probe(&tokens, 0).map(|h| h.pages.len());
+        match hit {
+            Some(n) => {
+                assert_eq!(looked.unwrap(), n, "page {page}");
+                assert_eq!(probed.unwrap(), n, "page {page}");
+            }
+            None => {
+                assert!(looked.is_err(), "page {page}: {looked:?}");
+                assert!(probed.is_err(), "page {page}: {probed:?}");
+            }
+        }
+        ranks[0].faults.clear();
+        faulty.clear();
+    }
+}

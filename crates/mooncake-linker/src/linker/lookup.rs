@@ -15,6 +15,7 @@ use tracing::{debug, warn};
 use super::group::GroupLink;
 use super::handle_use::Channel;
 use super::{GroupFallback, Inner};
+use crate::log_every::LogEvery;
 use crate::store::StoreCalls;
 
 impl Inner {
@@ -137,7 +138,10 @@ impl Inner {
 
 /// How many pages in a row, from the first, have every one of their `per_page` keys in the
 /// store: `keys` holds `per_page` keys per page, page after page (one batched `exists`). A
-/// store error is the lookup's, naming plan page `first + i`.
+/// store error on the first page is the lookup's, naming plan page `first`; one on a later
+/// page ends the run there (the pages before it are present: a shorter hit, as SGLang's
+/// `batch_exists` answers), logged at `warn` once a minute. Before, it failed the whole
+/// lookup: a transient error on page 1,000 threw away a 999-page hit.
 pub(crate) fn present_run(
     calls: &StoreCalls,
     keys: &[String],
@@ -154,6 +158,15 @@ pub(crate) fn present_run(
             match present.get(i * per_page + j) {
                 Some(Ok(true)) => {}
                 Some(Ok(false)) | None => return Ok(hit),
+                Some(Err(e)) if hit > 0 => {
+                    static CUT_SHORT: LogEvery = LogEvery::new();
+                    if CUT_SHORT.due("cut short") {
+                        warn!(hit, page = first + i, error = %e, "lookup: a later page's presence could not be told: the hit ends before it");
+                    } else {
+                        debug!(hit, page = first + i, error = %e, "lookup: a later page's presence could not be told: the hit ends before it");
+                    }
+                    return Ok(hit);
+                }
                 Some(Err(e)) => {
                     return Err(KvLoadError::Store {
                         batch: None,
