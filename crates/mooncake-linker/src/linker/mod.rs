@@ -544,10 +544,13 @@ impl Linker {
     /// [`save`](KvLoader::save), ordered after `after`: an event the engine recorded on its
     /// compute stream after the work that wrote the plan's pages (CUDA:
     /// `CudaDevice::record_on(compute_stream)`; any backend: an event of its `Stream`). On a
-    /// device pool the gather waits for it device-side, so the save sees those bytes and no
-    /// thread blocks on the compute; on a host pool (read in place) this thread waits for it,
-    /// at most `store_call_timeout`. Plain `save` on a device pool reads the slots as the
-    /// device has them when its gather runs: use it only once the compute is known complete.
+    /// device pool the gather is queued behind it device-side, so the save sees those bytes;
+    /// the calling thread then waits for the gather (queued after the compute), so it blocks
+    /// until the compute and the gather have run, at most `kv_device`'s host-sync limit (60
+    /// s) per gathered layer: call it off the forward thread (a save runs off the critical
+    /// path). On a host pool (read in place) this thread waits for the event, at most
+    /// `store_call_timeout`. Plain `save` on a device pool reads the slots as the device has
+    /// them when its gather runs: use it only once the compute is known complete.
     ///
     /// ```
     /// use std::sync::Arc;
