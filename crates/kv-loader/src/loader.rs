@@ -81,6 +81,9 @@ pub trait KvLoader: Send + Sync {
     /// write each other's pages. The outcome is still handed out (`wait_batch`, `completed`),
     /// and the batch's place among those in flight goes with its slots (an implementation's
     /// bound on batches in flight, such as the linker's `max_in_flight`, counts it no more).
+    /// The linker also stops the load at its next group of layers (the outcome is then
+    /// `Cancelled`; in a TP group the batch fails on every rank alike, as one a reset
+    /// cancels), so the batches queued behind it are not held up.
     /// A [`wait_batch`](Self::wait_batch) that times out abandons its batch the same way (the
     /// engine resets and recomputes into the slots).
     ///

@@ -244,7 +244,12 @@ impl Inner {
         // A batch id may be started again once its outcome was taken: nothing its earlier
         // run found (all its checks are over) explains what this run finds.
         self.wrong_sized.forget(batch);
-        let cancelled = self.epoch.load(std::sync::atomic::Ordering::Acquire) != job.epoch;
+        // Reset since it was started, or abandoned by the engine while it queued.
+        let cancelled = self.epoch.load(std::sync::atomic::Ordering::Acquire) != job.epoch
+            || job
+                .ticket
+                .as_ref()
+                .is_some_and(|t| self.outcomes.is_abandoned(t.batch, t.counter));
         let refusal = job
             .refusal
             .clone()

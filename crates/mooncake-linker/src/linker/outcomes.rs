@@ -105,6 +105,13 @@ impl Outcomes {
         }
     }
 
+    /// Whether the engine abandoned `ticket`'s run of `batch`: its load stops at its next
+    /// group of layers (nothing more is read for it).
+    pub(crate) fn is_abandoned(&self, batch: BatchId, ticket: Ticket) -> bool {
+        let in_flight = self.in_flight.lock();
+        in_flight.ticket(batch) == Some(ticket) && in_flight.abandoned.contains(&batch)
+    }
+
     /// An abandoned batch's outcome is in: its counter slot goes (its ticket stale; its
     /// outcome still taken by batch and ticket), and the ended outcomes kept are trimmed.
     fn end_abandoned(&self, ticket: Ticket) {
