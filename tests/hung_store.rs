@@ -412,7 +412,9 @@ fn each_rank<T: Send>(rs: &[TpRank], f: impl Fn(&TpRank) -> T + Sync) -> Vec<T> 
 
 /// A load thread still busy when `reset`'s wait ends (its pin hangs; the store call's own
 /// bound is longer than the wait): `reset` says the batch's slots are held (`HoldSlots`), not
-/// that they may be recomputed into at once.
+/// that they may be recomputed into at once. Only that batch's: one queued behind it never
+/// started, and the reset made it stale (it never reads). Before, it was named too, and its
+/// engine kept its slots out of use for nothing.
 #[test]
 fn a_reset_that_finds_the_load_thread_busy_holds_the_batchs_slots() {
     let o = one();
@@ -437,6 +439,9 @@ fn a_reset_that_finds_the_load_thread_busy_holds_the_batchs_slots() {
         .unwrap();
     // The load thread is in the hung pin (bounded by store_call_timeout, 2 s).
     eventually("the pin hangs", || session.hits() == 1);
+    let queued = linker
+        .start_load(load_plan(&o.g, 8, &o.pages, vec![5, 6, 7, 8]))
+        .unwrap();
     let t0 = Instant::now();
     let r = linker.reset();
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
@@ -449,6 +454,13 @@ fn a_reset_that_finds_the_load_thread_busy_holds_the_batchs_slots() {
         kvlink::kv_loader::EngineAction::HoldSlots
     );
     session.release();
+    // The queued batch ends cancelled, never having read.
+    let out = linker.wait_batch(&queued);
+    assert!(
+        matches!(&out, Ok(o) if matches!(o.result, Err(KvLoadError::Cancelled { .. })))
+            || matches!(&out, Err(KvLoadError::StaleTicket { .. })),
+        "{out:?}"
+    );
 }
 
 /// A store whose `register` or `unregister` hangs (its metadata service stopped answering);

@@ -195,6 +195,7 @@ impl Inner {
         while let Ok(job) = jobs.recv() {
             let held = (slots_written_by_store && job.ticket.is_some())
                 .then(|| HeldOutcome::new(self.outcomes.clone()));
+            self.outcomes.set_running(Some(job.plan.logical.batch));
             let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 self.run_batch(&mut gates, &job, held.as_ref())
             }));
@@ -209,6 +210,7 @@ impl Inner {
             let alone = matches!(&result, Ok(stats) if stats.alone.is_some());
             gates.settled(job.plan.logical.batch, alone);
             self.finish_job(job, result, held);
+            self.outcomes.set_running(None);
         }
     }
 

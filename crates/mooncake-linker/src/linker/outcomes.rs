@@ -33,6 +33,10 @@ pub(crate) struct Outcomes {
     /// Batches the load thread finished whose outcome waits for a store call that may still
     /// write their slots.
     held: Mutex<HashSet<BatchId>>,
+    /// The batch the load thread runs now (from its start to its outcome's delivery): of the
+    /// batches without an outcome, the only one that may write its slots; the others still
+    /// queue, and a reset has made them stale (they never read).
+    running: Mutex<Option<BatchId>>,
 }
 
 impl Outcomes {
@@ -46,7 +50,14 @@ impl Outcomes {
             idle: Condvar::new(),
             in_flight: Mutex::new(InFlight::default()),
             held: Mutex::new(HashSet::new()),
+            running: Mutex::new(None),
         }
+    }
+
+    /// The load thread starts running `batch` (`Some`), or is done with it and its outcome is
+    /// delivered (`None`).
+    pub(crate) fn set_running(&self, batch: Option<BatchId>) {
+        *self.running.lock() = batch;
     }
 
     /// A counter ticket for a new batch of `num_layers` layers landing in `slots`, counted as
@@ -243,9 +254,14 @@ impl Outcomes {
         }
     }
 
-    /// The batches whose load may still write their slots, sorted: their outcome is not in
-    /// yet, or it waits for a store call past its deadline (held).
+    /// The batches whose load may still write their slots, sorted: the one the load thread
+    /// runs, its outcome not in yet, and those whose outcome waits for a store call past its
+    /// deadline (held). Called after a reset made every queued batch stale: those never read,
+    /// so their slots are not named (before, every batch without an outcome was, and an engine
+    /// kept the slots of batches that never started out of use).
     pub(crate) fn still_loading(&self) -> Vec<BatchId> {
+        // Read apart: a queued batch that starts after this is stale (it never reads).
+        let running = *self.running.lock();
         // `held`, `done`, `in_flight`: the order of every other caller.
         let held = self.held.lock();
         let done = self.done.lock();
@@ -254,7 +270,9 @@ impl Outcomes {
             .runs
             .iter()
             .filter(|(b, (t, _))| {
-                held.contains(b) || done.get(b).is_none_or(|(delivered, _)| delivered != t)
+                held.contains(b)
+                    || (running == Some(**b)
+                        && done.get(b).is_none_or(|(delivered, _)| delivered != t))
             })
             .map(|(b, _)| *b)
             .collect();
@@ -1014,8 +1032,10 @@ mod tests {
         assert!(o.in_flight.lock().owners.is_empty(), "every slot free");
     }
 
+    /// The batch running without an outcome and the held ones are named; not one whose
+    /// outcome is in, nor one still queued (it never read: a reset has made it stale).
     #[test]
-    fn still_loading_names_batches_without_an_outcome_or_held_not_those_to_be_taken() {
+    fn still_loading_names_the_running_batch_and_those_held_not_those_to_be_taken_or_queued() {
         let o = Arc::new(Outcomes::new(4));
         let loading = o.begin(BatchId(1), 4, &[0]).unwrap();
         let loaded = o.begin(BatchId(2), 4, &[1]).unwrap();
@@ -1024,9 +1044,16 @@ mod tests {
         let hold = HeldOutcome::new(o.clone());
         let late_call = hold.clone();
         o.finish_held(hold, held, cancelled(3));
+        let queued = o.begin(BatchId(4), 4, &[3]).unwrap();
+        o.set_running(Some(BatchId(1)));
         assert_eq!(o.still_loading(), [BatchId(1), BatchId(3)]);
         drop(late_call);
         o.finish(loading, cancelled(1));
+        o.set_running(None);
+        assert!(o.still_loading().is_empty());
+        o.set_running(Some(BatchId(4)));
+        assert_eq!(o.still_loading(), [BatchId(4)]);
+        o.finish(queued, cancelled(4));
         assert!(o.still_loading().is_empty());
     }
 }
