@@ -17,7 +17,10 @@
 //! Block hashes must be kvlink's page hashes (`kv_geometry::page_hashes(tokens, block_size,
 //! None)`), the block size kvlink's page size, and a block id a page slot of the pool. In a
 //! TP group every rank's connector must see the same calls in the same order (`lookup` and
-//! `start_load` are collective).
+//! `start_load` are collective), and every rank's block pool must answer an allocation
+//! alike (one scheduler decides for all ranks, as in vLLM and mistral.rs): a rank whose
+//! `allocate` failed after the collective lookup skips the `start_load` its peers make, and
+//! they wait for it until their `collective_timeout`, then fail the batch.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -222,6 +225,7 @@ impl KvCacheConnector for KvlinkConnector {
                 return None;
             }
         };
+        // Alike on every rank of a TP group (see the module docs), or the ranks part here.
         let blocks = self.blocks.allocate(hit.pages.len())?;
         match self.hydrate(self.plan(hit.pages, &blocks)) {
             Ok(()) => {
