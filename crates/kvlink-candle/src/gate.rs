@@ -40,6 +40,38 @@ use crate::CandleKvError;
 /// With [`LayerReady::Event`](kv_loader::LayerReady::Event) (device pools), the gate blocks
 /// on the event on the host, or, if built [`on_stream`](Self::on_stream), makes that compute
 /// stream wait instead (per clone: each may name its own stream).
+///
+/// ```
+/// use std::sync::Arc;
+/// use kv_geometry::{ComponentSpec, ElementType, KvGeometry, ModelKvSpec, RowUnit};
+/// use kv_loader::mock::{MockKvLoader, MockScript};
+/// use kv_loader::{BatchId, BatchPlan, KvLoader, LookupRequest, RequestPages};
+/// use kvlink_candle::LayerGate;
+///
+/// let spec = ModelKvSpec::new("tiny", 3, 4, vec![ComponentSpec::new(
+///     "k", RowUnit::Token, ElementType::Bytes, 8)]).unwrap();
+/// let geometry = KvGeometry::new(spec, 1, 0).unwrap();
+/// let script = MockScript { page_size: 4, ..Default::default() };
+/// let loader: Arc<dyn KvLoader> = Arc::new(MockKvLoader::new(3, script));
+/// // Two sequences of one batch, each with the 2 cached pages of its own prompt.
+/// let mut requests = Vec::new();
+/// for (name, first) in [("a", 0u32), ("b", 100)] {
+///     let tokens: Vec<u32> = (first..first + 9).collect();
+///     let hit = loader.lookup(&LookupRequest { tokens: &tokens, skip_pages: 0 }).unwrap();
+///     requests.push(RequestPages { request: name.into(), pages: hit.pages });
+/// }
+/// let plan = BatchPlan::all_components(&geometry, BatchId(7), requests, vec![0, 1, 2, 3]);
+/// let gate = LayerGate::new(loader.clone(), loader.start_load(plan).unwrap());
+/// // One clone per sequence (each in its own cache); they share the batch.
+/// let (mut a, mut b) = (gate.clone(), gate);
+/// for layer in 0..3 {
+///     a.wait(layer).unwrap(); // before attention on `layer` reads sequence a's rows
+///     b.wait(layer).unwrap();
+/// }
+/// // The first finish takes the outcome; the other clone gets the same verdict.
+/// assert!(a.finish().unwrap().is_some());
+/// assert!(b.finish().unwrap().is_some());
+/// ```
 #[must_use = "a gate must be finished to take the load's outcome"]
 pub struct LayerGate {
     inner: Option<Arc<Inner>>,

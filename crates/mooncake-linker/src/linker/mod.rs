@@ -288,7 +288,10 @@ impl Inner {
 /// let g = KvGeometry::new(ModelKvSpec::deepseek_v3(ElementType::Fp8E4m3), 1, 0).unwrap();
 /// let store = Arc::new(EmbeddedStore::new(1 << 30));
 /// let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-/// let linker = Linker::new(g, store, pool, LinkerConfig::default()).unwrap();
+/// let linker = Linker::builder(g, store, pool)
+///     .config(LinkerConfig::default()) // a TP rank adds `.group(..)` and a sharing mode
+///     .build()
+///     .unwrap();
 ///
 /// // Request 1 computed 2 pages into slots 0 and 1; save them.
 /// let tokens: Vec<u32> = (0..128).collect();
