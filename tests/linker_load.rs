@@ -1052,14 +1052,19 @@ fn an_abandoned_or_timed_out_batch_lets_its_slots_go_once_over() {
         ..cfg()
     };
     let (linker, pool) = rank_linker(&r, 1, 0, 16, config);
-    // Abandoned while it loads (each layer's read 50 ms late).
-    r.faulty.inject(
-        FaultRule::default(),
-        Fault::Delay(Duration::from_millis(50)),
-    );
+    // Abandoned while it loads: its first read is held in the store (an abandoned batch stops
+    // at its next group of layers, so it must be abandoned inside a read to still be loading).
+    let read = kvlink::mooncake_linker::store::Stall::new();
+    r.faulty
+        .inject(FaultRule::default(), Fault::Stall(read.clone()));
     let abandoned = linker
         .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
         .unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while read.hits() == 0 {
+        assert!(Instant::now() < until, "the first read never came");
+        std::thread::sleep(Duration::from_millis(2));
+    }
     linker.abandon(&abandoned);
     // Still loading: its slots stay refused (the load may still write them).
     assert!(matches!(
@@ -1082,6 +1087,7 @@ fn an_abandoned_or_timed_out_batch_lets_its_slots_go_once_over() {
         Err(KvLoadError::Timeout { .. })
     ));
     r.faulty.clear();
+    read.release();
     let over_1 = start_once_free(&linker, || load_plan(&g, 3, &r.pages, vec![2, 1, 0]));
     let over_2 = start_once_free(&linker, || load_plan(&g, 4, &r.pages, vec![5, 4, 3]));
     for t in [over_1, over_2] {
