@@ -15,10 +15,11 @@ use crate::{
 /// layer waited on twice asks the counter twice (one atomic load once it is ready).
 ///
 /// Take the outcome with [`finish`] (or the loader's `completed`); a handle dropped
-/// unfinished abandons the batch ([`KvLoader::abandon`]: its slots may go to another batch
-/// once the load is over), leaves its outcome to [`KvLoader::completed`] (until taken it
-/// counts toward the loader's capacity; after a reset, kvlink's loaders may let it go first
-/// once more than their capacity of such outcomes wait), and logs that it did, at `warn`.
+/// unfinished abandons the batch ([`KvLoader::abandon`]: kvlink's linker stops its load at
+/// the next group of layers; its slots may go to another batch once the load is over, and its
+/// place among those in flight when a start needs it), leaves its outcome to
+/// [`KvLoader::completed`] (kvlink's loaders let the oldest such outcomes go once more than
+/// their capacity wait), and logs that it did, at `warn`.
 ///
 /// [`wait_layer`]: LoadHandle::wait_layer
 /// [`finish`]: LoadHandle::finish
@@ -129,14 +130,12 @@ impl LoadHandle {
 impl Drop for LoadHandle {
     fn drop(&mut self) {
         if !self.finished {
-            // Its slots may go to another batch once the load is over; until taken, the
-            // outcome counts toward the loader's capacity (`Busy` past it).
+            // Its load stops; its slots go once it is over, its place when a start needs it.
             self.loader.abandon(&self.ticket);
             tracing::warn!(
                 batch = %self.ticket.batch,
-                "load handle dropped unfinished: its slots are let go once the load is over; \
-                 its outcome is left to completed() (it counts toward the loader's capacity \
-                 until taken)"
+                "load handle dropped unfinished: the batch is abandoned (its load stops, its \
+                 slots are let go once it is over); its outcome is left to completed()"
             );
         }
     }

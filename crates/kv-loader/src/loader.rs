@@ -78,12 +78,13 @@ pub trait KvLoader: Send + Sync {
     /// dropped): its slots may go to another batch's plan once the load is over, before its
     /// outcome is taken. Until then `start_load` refuses a plan that lands in a slot of a
     /// batch whose outcome is not taken (`PlanError::SlotInFlight`), so that two batches never
-    /// write each other's pages. The outcome is still handed out (`wait_batch`, `completed`),
-    /// and the batch's place among those in flight goes with its slots (an implementation's
-    /// bound on batches in flight, such as the linker's `max_in_flight`, counts it no more).
-    /// The linker also stops the load at its next group of layers (the outcome is then
-    /// `Cancelled`; in a TP group the batch fails on every rank alike, as one a reset
-    /// cancels), so the batches queued behind it are not held up.
+    /// write each other's pages. The outcome is still handed out (`wait_batch`, `completed`);
+    /// once the load is over, the batch's place among those in flight is taken back when a
+    /// start needs it (an implementation's bound on batches in flight, such as the linker's
+    /// `max_in_flight`; its ticket then goes stale). The linker also stops the load at its
+    /// next group of layers (the outcome is then `Cancelled`, or in a TP group `PeerFailed`
+    /// of kind `cancelled` on every rank alike, as for a batch a reset cancels), so the
+    /// batches queued behind it are not held up.
     /// A [`wait_batch`](Self::wait_batch) that times out abandons its batch the same way (the
     /// engine resets and recomputes into the slots).
     ///

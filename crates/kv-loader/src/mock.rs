@@ -331,6 +331,25 @@ impl MockKvLoader {
         held
     }
 
+    /// As the linker: the counter slots of abandoned batches whose load is over (not held,
+    /// not timing out) are taken back; their outcomes count among the ended ones. How many.
+    fn reclaim_abandoned(&self, st: &mut MockState) -> usize {
+        let over: Vec<LoadTicket> = st
+            .abandoned
+            .iter()
+            .filter(|b| !self.in_flight(st, b) && !st.ended.contains(*b))
+            .filter_map(|b| st.live.get(b).map(|(t, _)| t.clone()))
+            .collect();
+        for t in &over {
+            let _ = self.counter.finish(t.counter);
+            st.ended.insert(t.batch);
+        }
+        if !over.is_empty() {
+            self.trim_ended(st);
+        }
+        over.len()
+    }
+
     /// As the linker: at most the capacity's worth of outcomes of batches a reset or close
     /// ended are kept untaken; past it, those of abandoned batches go first, then the others,
     /// each the earliest started first. Never one held (`hold_slots`) nor one a `SlotsHeld`
@@ -553,20 +572,28 @@ impl KvLoader for MockKvLoader {
         if let Some(reason) = taken_by {
             return Err(KvLoadError::InvalidPlan { batch, reason });
         }
-        let counter = self
-            .counter
-            .begin(self.num_layers.max(1))
-            .map_err(|e| match e {
-                // As the Linker: too many batches in flight is back-pressure, not a fault.
-                layerwise_counter::CounterError::Full { capacity } => KvLoadError::Busy {
-                    capacity,
-                    peers_fail: false,
-                },
-                other => KvLoadError::internal(
-                    batch,
-                    crate::Cause::with_source(format!("mock: {other}"), other),
-                ),
-            })?;
+        let layers = self.num_layers.max(1);
+        let counter = match self.counter.begin(layers) {
+            // As the Linker: the counter slots of abandoned batches whose load is over are
+            // taken back when a start needs them (their outcomes stay, among the ended ones).
+            Err(layerwise_counter::CounterError::Full { .. })
+                if self.reclaim_abandoned(&mut state) > 0 =>
+            {
+                self.counter.begin(layers)
+            }
+            started => started,
+        }
+        .map_err(|e| match e {
+            // As the Linker: too many batches in flight is back-pressure, not a fault.
+            layerwise_counter::CounterError::Full { capacity } => KvLoadError::Busy {
+                capacity,
+                peers_fail: false,
+            },
+            other => KvLoadError::internal(
+                batch,
+                crate::Cause::with_source(format!("mock: {other}"), other),
+            ),
+        })?;
         let ticket = LoadTicket {
             batch,
             num_layers: self.num_layers,
@@ -1050,6 +1077,24 @@ mod tests {
             mock.reset().unwrap();
         }
         next
+    }
+
+    /// As the linker: batches abandoned once over give their places back when a start needs
+    /// them, without a reset; their outcomes are still handed out, the capacity's worth of
+    /// the newest. Before, the capacity's worth of abandoned batches made every start `Busy`.
+    #[test]
+    fn abandoned_batches_give_their_places_back_without_a_reset() {
+        let mock = MockKvLoader::new(2, MockScript::default());
+        let capacity = layerwise_counter::DEFAULT_CAPACITY as u64;
+        for b in 1..=2 * capacity {
+            let t = mock.start_load(plan(b)).unwrap();
+            mock.abandon(&t);
+        }
+        let live = mock.start_load(plan(2 * capacity + 1)).unwrap();
+        let kept: Vec<u64> = mock.completed().iter().map(|o| o.batch.0).collect();
+        let newest: Vec<u64> = (capacity + 1..=2 * capacity + 1).collect();
+        assert_eq!(kept, newest, "the newest abandoned ones, and the live one");
+        assert!(mock.wait_batch(&live).is_err(), "taken by completed");
     }
 
     /// As the linker: at most the capacity's worth of outcomes a reset left untaken are kept

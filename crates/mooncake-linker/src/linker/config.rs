@@ -135,7 +135,8 @@ pub struct LinkerConfig {
     pub save_chunk: usize,
     /// Batches tracked at once (started and not yet taken; `Busy` past it; 0 counts as 1, and
     /// at most 65,536 are). A batch the engine abandoned (`abandon`, a dropped `LoadHandle`,
-    /// a `wait_batch` that timed out) stops counting once its load is over, and a reset frees
+    /// a `wait_batch` that timed out) stops counting once its load is over (its place taken
+    /// back when a start needs it), and a reset frees
     /// the count of the batches it ended; of their outcomes no one takes, this many are kept
     /// (those of abandoned batches go first, then the earliest started; never one a
     /// `SlotsHeld` answer named).

@@ -64,8 +64,23 @@ impl Outcomes {
     /// pending. Refused before anything is counted: a batch id already in flight
     /// ([`KvLoadError::DuplicateBatch`]), a slot of a batch in flight (its outcome not taken,
     /// unless a reset ended it failed: [`PlanError::SlotInFlight`]), and a batch past the
-    /// counter's capacity ([`KvLoadError::Busy`]).
+    /// counter's capacity ([`KvLoadError::Busy`]) once the counter slots of abandoned batches
+    /// whose load is over are taken back ([`reclaim_abandoned`](Self::reclaim_abandoned)).
     pub(crate) fn begin(
+        &self,
+        batch: BatchId,
+        num_layers: u32,
+        slots: &[u32],
+    ) -> Result<Ticket, KvLoadError> {
+        match self.try_begin(batch, num_layers, slots) {
+            Err(KvLoadError::Busy { .. }) if self.reclaim_abandoned() > 0 => {
+                self.try_begin(batch, num_layers, slots)
+            }
+            started => started,
+        }
+    }
+
+    fn try_begin(
         &self,
         batch: BatchId,
         num_layers: u32,
@@ -90,13 +105,46 @@ impl Outcomes {
         Ok(t)
     }
 
-    /// The engine will not read `ticket`'s run of `batch`: its slots and its counter slot
-    /// (its place among `max_in_flight`) are let go once the load thread is done with it
-    /// (now, if its outcome is in), its outcome kept to be taken (among the ended ones
-    /// `trim_ended` bounds). Before, its counter slot stayed until the outcome was taken or a
+    /// Takes back the counter slots (places among `max_in_flight`) of the batches the engine
+    /// abandoned whose outcome is in (their loads are over), when a start finds the counter
+    /// full: their tickets go stale (a wait on one answers `StaleTicket`; the engine said it
+    /// will not read them), their outcomes stay to be taken (by batch and ticket), among the
+    /// ended ones `trim_ended` bounds. How many it took back. Taken back only then, so a wait
+    /// after an abandon (a `wait_batch` that timed out) still answers the batch's verdict
+    /// while there is room. Before, such a slot stayed until the outcome was taken or a
     /// reset: after `max_in_flight` abandoned batches every start failed `Busy`, and the
-    /// engine's ways out (`completed`, which takes live batches' outcomes too, or a reset)
-    /// each broke live requests.
+    /// engine's ways out (`completed`, which takes live batches' outcomes too, or a reset,
+    /// which cancels them) each broke live requests.
+    fn reclaim_abandoned(&self) -> usize {
+        let tickets: Vec<Ticket> = {
+            // `done` before `in_flight`, as everywhere.
+            let done = self.done.lock();
+            let in_flight = self.in_flight.lock();
+            in_flight
+                .abandoned
+                .iter()
+                .filter_map(|b| {
+                    let t = in_flight.ticket(*b)?;
+                    let delivered = done.get(b).is_some_and(|(d, _)| *d == t);
+                    (delivered && self.counter.ready_layers(t).is_ok()).then_some(t)
+                })
+                .collect()
+        };
+        let taken = tickets
+            .into_iter()
+            .filter(|t| self.counter.finish(*t).is_ok())
+            .count();
+        if taken > 0 {
+            tracing::debug!(taken, "counter slots of abandoned batches taken back");
+            self.trim_ended();
+        }
+        taken
+    }
+
+    /// The engine will not read `ticket`'s run of `batch`: its slots are let go once the load
+    /// thread is done with it (now, if its outcome is in), and its counter slot once a start
+    /// needs it ([`reclaim_abandoned`](Self::reclaim_abandoned)); its outcome is kept to be
+    /// taken.
     pub(crate) fn abandon(&self, batch: BatchId, ticket: Ticket) {
         // `done` before `in_flight`, as everywhere.
         let done = self.done.lock();
@@ -109,11 +157,6 @@ impl Outcomes {
             in_flight.free_slots(batch);
         }
         in_flight.abandoned.insert(batch);
-        drop(in_flight);
-        drop(done);
-        if delivered {
-            self.end_abandoned(ticket);
-        }
     }
 
     /// Whether the engine abandoned `ticket`'s run of `batch`: its load stops at its next
@@ -121,14 +164,6 @@ impl Outcomes {
     pub(crate) fn is_abandoned(&self, batch: BatchId, ticket: Ticket) -> bool {
         let in_flight = self.in_flight.lock();
         in_flight.ticket(batch) == Some(ticket) && in_flight.abandoned.contains(&batch)
-    }
-
-    /// An abandoned batch's outcome is in: its counter slot goes (its ticket stale; its
-    /// outcome still taken by batch and ticket), and the ended outcomes kept are trimmed.
-    fn end_abandoned(&self, ticket: Ticket) {
-        // Stale already after a reset: nothing to free.
-        let _ = self.counter.finish(ticket);
-        self.trim_ended();
     }
 
     /// A batch that `begin` counted never reached the load thread.
@@ -236,22 +271,17 @@ impl Outcomes {
 
     fn deliver(&self, ticket: Ticket, outcome: BatchOutcome) {
         let mut done = self.done.lock();
-        let abandoned = {
+        {
             // The load thread is done with it: an abandoned batch's slots go now.
             let mut in_flight = self.in_flight.lock();
-            let abandoned = in_flight.ticket(outcome.batch) == Some(ticket)
-                && in_flight.abandoned.contains(&outcome.batch);
-            if abandoned {
+            if in_flight.ticket(outcome.batch) == Some(ticket)
+                && in_flight.abandoned.contains(&outcome.batch)
+            {
                 in_flight.free_slots(outcome.batch);
             }
-            abandoned
-        };
+        }
         done.insert(outcome.batch, (ticket, outcome));
         self.done_cv.notify_all();
-        drop(done);
-        if abandoned {
-            self.end_abandoned(ticket);
-        }
     }
 
     /// The batches whose load may still write their slots, sorted: the one the load thread
@@ -528,6 +558,15 @@ impl Outcomes {
         }
         drop(readies);
         let batches: Vec<BatchId> = ended.iter().map(|(_, _, b, _)| *b).collect();
+        // Abandoned batches' outcomes are the engine's to leave (a dropped `LoadHandle`).
+        if ended.iter().all(|(kept_by_engine, ..)| !kept_by_engine) {
+            tracing::debug!(
+                ?batches,
+                kept = capacity,
+                "outcomes of abandoned batches never taken: the earliest are let go"
+            );
+            return;
+        }
         tracing::warn!(
             ?batches,
             kept = capacity,
