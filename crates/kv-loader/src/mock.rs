@@ -338,7 +338,7 @@ impl MockKvLoader {
             .abandoned
             .iter()
             .filter(|b| !self.in_flight(st, b) && !st.ended.contains(*b))
-            .filter_map(|b| st.live.get(b).map(|(t, _)| t.clone()))
+            .filter_map(|b| st.live.get(b).map(|(t, _)| *t))
             .collect();
         for t in &over {
             let _ = self.counter.finish(t.counter);
