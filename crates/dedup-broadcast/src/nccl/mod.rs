@@ -232,7 +232,11 @@ impl NcclGroup {
                 }
             }
         }
-        start_all(pending)
+        let mut ranks = start_all(pending)?;
+        for r in &mut ranks {
+            r.peers_in_process = size > 1;
+        }
+        Ok(ranks)
     }
 
     /// The formation of in-process groups on `ordinals`: each epoch two fresh
@@ -454,6 +458,10 @@ pub struct NcclCollective {
     /// Set by the comm thread once its abort drained the comm stream: no operation of this
     /// handle can still touch the device ([`may_leave_work`](Collective::may_leave_work)).
     quiet: Arc<AtomicBool>,
+    /// Its peers are handles of this process (`new_in_process` of more than one GPU): NCCL's
+    /// P2P transport may then let a peer's kernel write into this rank's buffer directly,
+    /// which this rank's drain does not cover.
+    peers_in_process: bool,
     thread: Mutex<Option<JoinHandle<()>>>,
     done: Mutex<Option<mpsc::Receiver<()>>>,
     /// Bytes of host buffers leaked to a silent comm thread.
@@ -566,6 +574,7 @@ impl NcclCollective {
                 aborted,
                 group,
                 quiet,
+                peers_in_process: false,
                 thread: Mutex::new(Some(thread)),
                 done: Mutex::new(Some(done_rx)),
                 leaked: AtomicU64::new(0),
@@ -1029,9 +1038,13 @@ unsafe impl Collective for NcclCollective {
     /// NCCL's hands. Once the abort drained, nothing of the handle runs on the device any
     /// more, so a stage it failed on can be reused (before, every failed share over NCCL lost
     /// its staging buffer for good, and a rank whose buffers were all lost failed every batch).
+    /// Ranks in different processes only (one per GPU, as an engine runs them; `join`): peers
+    /// write into NCCL's own buffers there, not into this rank's region. With peers in this
+    /// process (`new_in_process` of more than one GPU), a peer's kernel may write into the
+    /// region directly (NCCL's P2P direct mode) after this rank's drain: still `true` then.
     fn may_leave_work(&self, error: &CollectiveError) -> bool {
         let _ = error;
-        self.broken().is_some() && !self.quiet.load(Ordering::Acquire)
+        self.broken().is_some() && (self.peers_in_process || !self.quiet.load(Ordering::Acquire))
     }
 }
 
