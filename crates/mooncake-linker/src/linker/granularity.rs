@@ -100,8 +100,8 @@ const UNMEASURED_COMPUTE: Duration = Duration::from_micros(1);
 /// Weight of a new batch in the running mean of a mode's share step per layer.
 const SHARE_EWMA: f64 = 0.5;
 
-/// How many times its predicted time a call that failed for time is taken at
-/// ([`ReadGroups::observe_failed`]).
+/// How many times its predicted time a call that failed for time is taken at, raised to the
+/// power of such failures in a row ([`ReadGroups::observe_failed`]).
 const CENSORED_FACTOR: u32 = 4;
 
 /// The per-linker state of read granularity: each mode's cost estimate, the compute meter, and
@@ -117,6 +117,9 @@ pub(crate) struct ReadGroups {
     granularity: ReadGranularity,
     /// By [`ShareMode::index`].
     estimators: Mutex<[ReadCostEstimator; ShareMode::COUNT]>,
+    /// Calls that failed for time in a row since the last that landed, by
+    /// [`ShareMode::index`] (under the estimators' lock's order: taken after it).
+    failed_in_a_row: Mutex<[u32; ShareMode::COUNT]>,
     pub(crate) compute: ComputeMeter,
     /// Seconds per layer the exchange loop spent in each mode's share step (collective,
     /// scatter, land): a running mean over batches, by [`ShareMode::index`].
@@ -132,6 +135,7 @@ impl ReadGroups {
         ReadGroups {
             granularity,
             estimators: Mutex::new(std::array::from_fn(|_| ReadCostEstimator::new(prior))),
+            failed_in_a_row: Mutex::new([0; ShareMode::COUNT]),
             compute: ComputeMeter::default(),
             share: Mutex::new([None; ShareMode::COUNT]),
         }
@@ -153,29 +157,36 @@ impl ReadGroups {
     /// A group call of a batch in `mode` read `layers` layers, `bytes` bytes, in `took`.
     pub(crate) fn observe(&self, mode: ShareMode, layers: u32, bytes: u64, took: Duration) {
         if bytes > 0 {
-            self.estimators.lock()[mode.index()].observe(layers, bytes, took);
+            let mut estimators = self.estimators.lock();
+            estimators[mode.index()].observe(layers, bytes, took);
+            self.failed_in_a_row.lock()[mode.index()] = 0;
         }
     }
 
     /// A group call of a batch in `mode` that failed for time (ran into its limit `limit`,
     /// returned past it, or answered "RPC timeout"): a censored sample, its true time unknown,
-    /// taken at [`CENSORED_FACTOR`] times the call's predicted time (at most `limit`). Taken
-    /// at the limit, one such call (20 s by default, or "forever") raised the fit's fixed cost
-    /// so far that the plan read in the fewest, largest groups (layer 0 no longer alone) for
-    /// hundreds of calls after it. A store grown slow for good is learned over several failed
-    /// calls (each a few times slower than the fit says) and the calls that then land.
+    /// taken at [`CENSORED_FACTOR`]`^n` times the call's predicted time, `n` the calls of the
+    /// mode that failed for time in a row (at most `limit`). Taken at the limit, one such
+    /// call (20 s by default, or "forever") raised the fit's fixed cost so far that the plan
+    /// read in the fewest, largest groups (layer 0 no longer alone) for hundreds of calls
+    /// after it; a single hiccup now counts four times the prediction, while a store grown
+    /// slow for good, failing call after call, reaches the limit within a few (4, 16, 64,
+    /// ... times).
     pub(crate) fn observe_failed(&self, mode: ShareMode, layers: u32, bytes: u64, limit: Duration) {
         if bytes == 0 {
             return;
         }
         let mut estimators = self.estimators.lock();
+        let n = {
+            let mut row = self.failed_in_a_row.lock();
+            let n = &mut row[mode.index()];
+            *n = n.saturating_add(1);
+            *n
+        };
         let est = &mut estimators[mode.index()];
         let predicted = est.estimate().call_time(layers, bytes);
-        est.observe(
-            layers,
-            bytes,
-            predicted.saturating_mul(CENSORED_FACTOR).min(limit),
-        );
+        let factor = CENSORED_FACTOR.saturating_pow(n);
+        est.observe(layers, bytes, predicted.saturating_mul(factor).min(limit));
     }
 
     /// The cost of a call in `mode` now.
@@ -609,6 +620,44 @@ mod tests {
             let g = r.plan(&glm(512), 79, unlimited(), ShareMode::AllRanks, 1);
             assert_eq!(g[0], 0..1, "{limit:?}: {:?}", sizes(&g));
         }
+    }
+
+    /// Calls that fail for time one after another are taken at 4, 16, 64, ... times their
+    /// prediction (at most the limit), so a store grown slow for good is learned within a few
+    /// failed calls; a call that lands starts the count again.
+    #[test]
+    fn calls_failing_for_time_in_a_row_are_taken_ever_slower_up_to_the_limit() {
+        let r = ReadGroups::new(ReadGranularity::ADAPTIVE);
+        let layer = 21_495_808u64;
+        let limit = Duration::from_secs(20);
+        // A healthy history first (2 ms a call, 0.4 ns a byte): one failure weighs little.
+        for i in 0..300u32 {
+            let layers = 1 + i % 8;
+            let bytes = layer * u64::from(layers);
+            r.observe(
+                ShareMode::AllRanks,
+                layers,
+                bytes,
+                Duration::from_nanos(2_000_000 + bytes * 2 / 5),
+            );
+        }
+        let predicted = |r: &ReadGroups| r.cost(ShareMode::AllRanks).call_time(1, layer);
+        let start = predicted(&r);
+        for _ in 0..6 {
+            r.observe_failed(ShareMode::AllRanks, 1, layer, limit);
+        }
+        let after_six = predicted(&r);
+        // Four times the prediction each (not escalating), the fit had moved by about half.
+        assert!(
+            after_six > start * 10,
+            "six failures in a row: {start:?} → {after_six:?}"
+        );
+        assert!(after_six <= limit, "{after_six:?}");
+        // A call that lands: the next failure counts four times its prediction again.
+        r.observe(ShareMode::AllRanks, 1, layer, start);
+        assert_eq!(r.failed_in_a_row.lock()[ShareMode::AllRanks.index()], 0);
+        r.observe_failed(ShareMode::AllRanks, 1, layer, limit);
+        assert_eq!(r.failed_in_a_row.lock()[ShareMode::AllRanks.index()], 1);
     }
 
     #[test]

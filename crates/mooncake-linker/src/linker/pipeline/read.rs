@@ -355,10 +355,11 @@ impl LayerPipeline<'_> {
         let took = t0.elapsed();
         // A call that ran into its deadline, returned past it, or answered "RPC timeout" is a
         // failure: it does not count among the reads that landed, nor in Auto's measure. The
-        // read-cost fit takes it as a censored sample (`observe_failed`: a few times its
-        // predicted time, within the limit): a store grown slow still teaches the plan, one
-        // hung call does not skew the fit for hundreds of calls after it, and a store's early
-        // "RPC timeout" (nothing read) is not taken for its bytes read in no time.
+        // read-cost fit takes it as a censored sample (`observe_failed`: 4^n times its
+        // predicted time for the n-th such call in a row, within the limit): a store grown
+        // slow still teaches the plan within a few calls, one hung call does not skew the fit
+        // for hundreds of calls after it, and a store's early "RPC timeout" (nothing read) is
+        // not taken for its bytes read in no time.
         let limit = inner.config.layer_read_timeout;
         let timed_out = || {
             inner
