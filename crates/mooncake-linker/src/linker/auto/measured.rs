@@ -299,7 +299,9 @@ impl Measured {
             kept = ?self.kept,
             "Auto: modes that failed out are tried again"
         );
-        if self.kept.is_some() && !self.followed {
+        // Measured again only for a mode it may pick (one dropped as slower stays dropped).
+        let pickable = paroled.iter().any(|m| !self.dropped[slot(*m)]);
+        if pickable && self.kept.is_some() && !self.followed {
             self.kept = None;
             self.kept_failing = 0;
             self.probe_loaded = false;

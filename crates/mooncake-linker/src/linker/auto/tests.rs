@@ -220,6 +220,25 @@ fn a_mode_failed_out_by_a_flapping_fault_is_tried_again_and_kept() {
     assert!(later[later.len() - 5..].iter().all(|x| *x == kept));
 }
 
+/// A mode paroled that was also dropped as slower is not measured again: the kept mode stays
+/// kept (re-measuring could not pick it).
+#[test]
+fn a_paroled_mode_dropped_as_slower_leaves_the_kept_mode_kept() {
+    let (mut m, kept) = kept_state(3);
+    let other = AUTO_MODES.into_iter().find(|x| *x != kept).unwrap();
+    m.fail_out(other);
+    m.dropped[slot(other)] = true;
+    for _ in 0..AUTO_PAROLE {
+        m.record_loaded(kept);
+    }
+    assert!(!m.failed_out[slot(other)], "paroled");
+    assert_eq!(
+        m.kept,
+        Some(kept),
+        "still kept: the paroled mode stays dropped"
+    );
+}
+
 /// A mode that fails whenever it runs is tried again at ever longer intervals: out for
 /// [`AUTO_PAROLE`] loaded batches, then twice that, and so on; its failed batches stay few.
 #[test]
