@@ -1204,6 +1204,32 @@ fn an_abandoned_batch_stops_reading_and_lets_the_next_one_load() {
     );
 }
 
+/// The last clone of a candle layer gate dropped unfinished (a request aborted mid-prefill)
+/// abandons its batch before it takes the outcome: the load stops at its next group, so the
+/// dropping thread waits one read, not the rest of the load (6 layers at 600 ms a read here:
+/// about 3 s once its first layer landed).
+#[test]
+fn a_gate_dropped_unfinished_stops_its_load_before_it_waits() {
+    let r = rig(3);
+    let g = KvGeometry::new(r.spec.clone(), 1, 0).unwrap();
+    let (linker, _pool) = rank_linker(&r, 1, 0, 16, cfg());
+    let linker: Arc<dyn KvLoader> = Arc::new(linker);
+    r.faulty.inject(
+        FaultRule::default(),
+        Fault::Delay(Duration::from_millis(600)),
+    );
+    let t = linker
+        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .unwrap();
+    let gate = kvlink_candle::LayerGate::new(linker.clone(), t);
+    gate.wait(0).unwrap();
+    let t0 = Instant::now();
+    drop(gate);
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(2400), "{took:?}");
+    assert!(linker.completed().is_empty(), "the drop took the outcome");
+}
+
 /// `rounds` times: two batches from id `next` on, into `slots`, each loaded and abandoned
 /// (its slots go once it is over: the next round reuses them), then a reset. The next id.
 fn abandoned_rounds(

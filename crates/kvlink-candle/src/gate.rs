@@ -306,10 +306,12 @@ impl LayerGate {
 }
 
 /// The last clone dropped without [`LayerGate::finish`] (a request aborted mid-prefill, a
-/// cache dropped unfinished): the outcome is taken here, waiting as `finish` does (bounded by
-/// the loader), so that the load is not left writing slots the engine hands to another
-/// sequence once the cache is gone, nor its batch id and counter slot held until someone
-/// drains `KvLoader::completed` (which a gated batch's engine does not).
+/// cache dropped unfinished): the batch is abandoned first (no clone will read it: kvlink's
+/// linker stops its load at the next group of layers, so the wait below is short), then the
+/// outcome is taken here, waiting as `finish` does (bounded by the loader), so that the load
+/// is not left writing slots the engine hands to another sequence once the cache is gone,
+/// nor its batch id and counter slot held until someone drains `KvLoader::completed` (which a
+/// gated batch's engine does not).
 impl Drop for Inner {
     fn drop(&mut self) {
         let outcome = self.outcome.get_mut().unwrap_or_else(|p| p.into_inner());
@@ -317,6 +319,7 @@ impl Drop for Inner {
             return;
         }
         let batch = self.ticket.batch;
+        self.loader.abandon(&self.ticket);
         match self.take_outcome(true).map_err(Verdict::error) {
             // Debug: an aborted request drops its cache this way, routinely.
             Ok(_) => {
