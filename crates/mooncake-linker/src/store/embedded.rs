@@ -143,8 +143,9 @@ impl EmbeddedStore {
     pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 
     /// The shortest lease [`with_lease`](Self::with_lease) sets (100 ms): the linker renews a
-    /// session at most every 50 ms, so a shorter lease would end sessions a load still reads
-    /// under (a zero one, every session at the next start).
+    /// session at most every 50 ms, and only between store calls, so a shorter lease would end
+    /// sessions a load still reads under (a zero one, every session at the next start). A
+    /// lease must still outlast each store call (a group read over 100 ms needs a longer one).
     pub const MIN_LEASE: Duration = Duration::from_millis(100);
 
     /// An empty store holding at most `capacity` bytes of objects, its sessions lasting
@@ -170,8 +171,8 @@ impl EmbeddedStore {
                 warn!(
                     asked = ?l,
                     used = ?Self::MIN_LEASE,
-                    "embedded store: a read lease under the shortest the linker's renewals keep \
-                     up with: raised"
+                    "embedded store: a read lease under the shortest taken (the linker renews at \
+                     most every 50 ms): raised"
                 );
             }
             l.max(Self::MIN_LEASE)
@@ -882,7 +883,7 @@ mod tests {
         s.end_session(&second).unwrap();
     }
 
-    /// A lease under the shortest the linker's renewals keep up with is raised to it: a zero
+    /// A lease under the shortest taken (100 ms) is raised to it: a zero
     /// one ended every open session at the next start, under a load still reading.
     #[test]
     fn a_lease_too_short_to_renew_is_raised_to_the_shortest() {

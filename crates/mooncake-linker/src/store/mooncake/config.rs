@@ -82,7 +82,9 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 /// The shortest read lease [`MooncakeStore::connect`](super::MooncakeStore::connect) takes
 /// ([`MooncakeConfig::lease`], 100 ms): the linker renews a session at most every 50 ms, and
 /// the store drops its record of a session at twice the lease, so a shorter one ends the
-/// sessions a load still reads under (a zero one, every session at the next start).
+/// sessions a load still reads under (a zero one, every session at the next start). This is a
+/// floor against nonsense, not a fit: the lease must outlast each store call (the master's
+/// default is 10 s).
 pub const MIN_LEASE: Duration = Duration::from_millis(100);
 /// The most read streams [`MooncakeConfig::read_streams`] takes (the wheel's ceiling on TCP
 /// connections per storage node, `MC_TCP_LANES_PER_PEER`, is 16).
@@ -370,8 +372,8 @@ impl MooncakeConfig {
         Err(StoreError::InvalidArgument {
             key: "<config>".into(),
             detail: format!(
-                "a read lease of {:?} is under the shortest the linker's renewals keep up with \
-                 ({MIN_LEASE:?}): set MooncakeConfig::lease to the master's \
+                "a read lease of {:?} is under the shortest taken ({MIN_LEASE:?}; the linker \
+                 renews at most every 50 ms): set MooncakeConfig::lease to the master's \
                  --default_kv_lease_ttl",
                 self.lease
             ),
@@ -476,7 +478,7 @@ mod tests {
         assert_eq!(only.protocol_name(), "tcp");
     }
 
-    /// A lease under the shortest the linker's renewals keep up with is refused at connect
+    /// A lease under the shortest taken (100 ms) is refused at connect
     /// (it was taken: a zero one dropped every open session at each start).
     #[test]
     fn a_lease_under_the_shortest_is_refused() {
