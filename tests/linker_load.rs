@@ -565,11 +565,7 @@ fn a_wait_never_outlives_its_deadline() {
         assert!(Instant::now() < limit, "the batch never ended");
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert!(
-        matches!(outcome.result, Err(KvLoadError::Cancelled { .. })),
-        "{:?}",
-        outcome.result
-    );
+    assert_cancelled(&outcome);
 }
 
 #[test]
@@ -1033,10 +1029,29 @@ fn start_once_free(linker: &Linker, plan: impl Fn() -> kvlink::kv_loader::BatchP
             Err(KvLoadError::InvalidPlan {
                 reason: PlanError::SlotInFlight { .. },
                 ..
-            }) if Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
+            })
+            | Err(KvLoadError::Busy { .. })
+                if Instant::now() < until =>
+            {
+                std::thread::sleep(Duration::from_millis(5))
+            }
             started => return started.unwrap(),
         }
     }
+}
+
+/// The batch ended `Cancelled` (a reset, or the engine abandoned it).
+fn assert_cancelled(outcome: &kvlink::kv_loader::BatchOutcome) {
+    assert!(
+        matches!(outcome.result, Err(KvLoadError::Cancelled { .. })),
+        "{:?}",
+        outcome.result
+    );
+}
+
+/// The outcomes `completed` still hands out, by batch.
+fn outcomes_left(linker: &Linker) -> Vec<BatchId> {
+    linker.completed().iter().map(|o| o.batch).collect()
 }
 
 /// A batch the engine abandons (a dropped handle, `KvLoader::abandon`) or whose
@@ -1096,12 +1111,8 @@ fn an_abandoned_or_timed_out_batch_lets_its_slots_go_once_over() {
     }
     pool_matches(&pool, &r.pages, &[2, 1, 0], g.num_layers()).unwrap();
     pool_matches(&pool, &r.pages, &[5, 4, 3], g.num_layers()).unwrap();
-    let left: Vec<BatchId> = linker.completed().iter().map(|o| o.batch).collect();
-    assert_eq!(
-        left,
-        [BatchId(1), BatchId(2)],
-        "their outcomes are still handed out"
-    );
+    let left = outcomes_left(&linker);
+    assert_eq!(left, [BatchId(1), BatchId(2)], "still handed out");
 }
 
 /// A batch the engine abandoned gives its place among `max_in_flight` back once its load is
@@ -1126,24 +1137,12 @@ fn an_abandoned_batch_gives_its_place_in_flight_back_once_over() {
         linker.abandon(&t);
     }
     // Their outcomes come in just after their last layers: `Busy` only until then.
-    let until = Instant::now() + Duration::from_secs(5);
-    let t = loop {
-        match linker.start_load(load_plan(&g, 3, &r.pages, vec![6, 7, 8])) {
-            Err(KvLoadError::Busy { .. }) if Instant::now() < until => {
-                std::thread::sleep(Duration::from_millis(5))
-            }
-            started => break started.unwrap(),
-        }
-    };
+    let t = start_once_free(&linker, || load_plan(&g, 3, &r.pages, vec![6, 7, 8]));
     wait_all(&linker, &t).unwrap();
     assert!(linker.wait_batch(&t).unwrap().result.is_ok());
     pool_matches(&pool, &r.pages, &[6, 7, 8], g.num_layers()).unwrap();
-    let left: Vec<BatchId> = linker.completed().iter().map(|o| o.batch).collect();
-    assert_eq!(
-        left,
-        [BatchId(1), BatchId(2)],
-        "their outcomes are still handed out"
-    );
+    let left = outcomes_left(&linker);
+    assert_eq!(left, [BatchId(1), BatchId(2)], "still handed out");
 }
 
 /// A batch the engine abandons stops reading at its next group of layers (it fails
@@ -1178,11 +1177,7 @@ fn an_abandoned_batch_stops_reading_and_lets_the_next_one_load() {
     // At most the read under way, or two (the pin's and the first group's), not six.
     assert!(took < Duration::from_millis(2400), "{took:?}");
     let out = linker.wait_batch(&slow).unwrap();
-    assert!(
-        matches!(out.result, Err(KvLoadError::Cancelled { .. })),
-        "{:?}",
-        out.result
-    );
+    assert_cancelled(&out);
     // Abandoned after its first layer landed: the read under way ends it.
     let slow = linker
         .start_load(load_plan(&g, 3, &r.pages[..1], vec![0]))
@@ -1197,11 +1192,7 @@ fn an_abandoned_batch_stops_reading_and_lets_the_next_one_load() {
     let took = t0.elapsed();
     assert!(took < Duration::from_millis(2400), "{took:?}");
     let out = linker.wait_batch(&slow).unwrap();
-    assert!(
-        matches!(out.result, Err(KvLoadError::Cancelled { .. })),
-        "{:?}",
-        out.result
-    );
+    assert_cancelled(&out);
 }
 
 /// The last clone of a candle layer gate dropped unfinished (a request aborted mid-prefill)
