@@ -454,8 +454,15 @@ fn a_reset_that_finds_the_load_thread_busy_holds_the_batchs_slots() {
         kvlink::kv_loader::EngineAction::HoldSlots
     );
     session.release();
-    // The queued batch ends cancelled, never having read.
-    let out = linker.wait_batch(&queued);
+    // The queued batch ends cancelled, never having read (its wait's 300 ms may run out
+    // while the released batch ends first: waited again, bounded).
+    let until = Instant::now() + Duration::from_secs(10);
+    let out = loop {
+        match linker.wait_batch(&queued) {
+            Err(KvLoadError::Timeout { .. }) if Instant::now() < until => continue,
+            out => break out,
+        }
+    };
     assert!(
         matches!(&out, Ok(o) if matches!(o.result, Err(KvLoadError::Cancelled { .. })))
             || matches!(&out, Err(KvLoadError::StaleTicket { .. })),

@@ -1197,8 +1197,9 @@ fn an_abandoned_batch_stops_reading_and_lets_the_next_one_load() {
 
 /// The last clone of a candle layer gate dropped unfinished (a request aborted mid-prefill)
 /// abandons its batch before it takes the outcome: the load stops at its next group, so the
-/// dropping thread waits one read, not the rest of the load (6 layers at 600 ms a read here:
-/// about 3 s once its first layer landed).
+/// dropping thread waits one read, not the rest of the load (one page, 6 layers at 600 ms a
+/// read here: about 3 s once its first layer landed; before, the drop waited its 10 s
+/// `wait_deadline`).
 #[test]
 fn a_gate_dropped_unfinished_stops_its_load_before_it_waits() {
     let r = rig(3);
@@ -1206,11 +1207,14 @@ fn a_gate_dropped_unfinished_stops_its_load_before_it_waits() {
     let (linker, _pool) = rank_linker(&r, 1, 0, 16, cfg());
     let linker: Arc<dyn KvLoader> = Arc::new(linker);
     r.faulty.inject(
-        FaultRule::default(),
+        FaultRule {
+            key_contains: Some(r.pages[0].to_hex()),
+            ..FaultRule::default()
+        },
         Fault::Delay(Duration::from_millis(600)),
     );
     let t = linker
-        .start_load(load_plan(&g, 1, &r.pages, vec![0, 1, 2]))
+        .start_load(load_plan(&g, 1, &r.pages[..1], vec![0]))
         .unwrap();
     let gate = kvlink_candle::LayerGate::new(linker.clone(), t);
     gate.wait(0).unwrap();

@@ -49,7 +49,8 @@ pub trait KvLoader: Send + Sync {
 
     /// Validates `plan` (typed errors, before any I/O) and starts loading it layer by layer.
     /// [`KvLoadError::Busy`] when as many batches as the loader's capacity are in flight
-    /// (started, their outcomes not taken; a reset frees the count of those it ended): take
+    /// (started, their outcomes not taken; a reset frees the count of those it ended, and
+    /// kvlink's loaders take back the places of abandoned batches whose load is over): take
     /// outcomes first.
     fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError>;
 
@@ -106,7 +107,8 @@ pub trait KvLoader: Send + Sync {
     /// [`completed`](Self::completed)), and their batch ids stay in use until then. Of those
     /// no one takes, a loader may keep only its capacity's worth (kvlink's linker and the
     /// mock let those of abandoned batches go first, then the earliest started, with a line
-    /// at `warn`; never one a `SlotsHeld` answer named).
+    /// at `warn`, or `debug` when all are abandoned ones; never one a `SlotsHeld` answer
+    /// named).
     ///
     /// The wait is bounded (kvlink's linker: its `wait_deadline`). When a batch may still
     /// write its slots at the bound (a store call past its deadline, or work still running),

@@ -371,6 +371,8 @@ impl MockKvLoader {
         }
         ended.sort_unstable();
         ended.truncate(ended.len() - capacity);
+        // As the linker: abandoned batches' outcomes are the engine's to leave.
+        let all_abandoned = ended.iter().all(|(kept_by_engine, ..)| !kept_by_engine);
         let batches: Vec<BatchId> = ended.into_iter().map(|(_, _, b)| b).collect();
         for b in &batches {
             st.live.remove(b);
@@ -378,6 +380,14 @@ impl MockKvLoader {
             st.ended.remove(b);
             st.cancelled.remove(b);
             st.abandoned.remove(b);
+        }
+        if all_abandoned {
+            tracing::debug!(
+                ?batches,
+                kept = capacity,
+                "mock: outcomes of abandoned batches never taken: the earliest are let go"
+            );
+            return;
         }
         tracing::warn!(
             ?batches,

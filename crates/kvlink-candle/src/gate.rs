@@ -307,7 +307,8 @@ impl LayerGate {
 
 /// The last clone dropped without [`LayerGate::finish`] (a request aborted mid-prefill, a
 /// cache dropped unfinished): the batch is abandoned first (no clone will read it: kvlink's
-/// linker stops its load at the next group of layers, so the wait below is short), then the
+/// linker stops its load at the next group of layers, so once the batch runs the wait below
+/// is about one store call; a batch still queued waits for those ahead of it), then the
 /// outcome is taken here, waiting as `finish` does (bounded by the loader), so that the load
 /// is not left writing slots the engine hands to another sequence once the cache is gone,
 /// nor its batch id and counter slot held until someone drains `KvLoader::completed` (which a

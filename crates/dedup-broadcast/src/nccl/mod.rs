@@ -481,7 +481,12 @@ impl std::fmt::Debug for NcclCollective {
 impl NcclCollective {
     /// Rank `rank` of a group of `size` on GPU `ordinal`, joining the group of `unique_id`
     /// (from [`nccl_unique_id`] on one rank, shipped to the others): for ranks in different
-    /// processes. Blocks until every rank joined or `config.init_timeout` passed.
+    /// processes, one rank per process. Blocks until every rank joined or
+    /// `config.init_timeout` passed. Ranks that are threads of one process use
+    /// [`NcclGroup::new_in_process`]: a handle joined here takes its peers for other
+    /// processes, and after a failed share whose abort drained its comm stream it lets the
+    /// stage be reused ([`may_leave_work`](Collective::may_leave_work) `false`), which a
+    /// peer kernel of the same process (NCCL's P2P direct mode) may still write.
     pub fn join(
         unique_id: [u8; 128],
         rank: u32,
@@ -813,7 +818,9 @@ unsafe fn scatter_from(buf: &[u8], at: usize, rows: &[HostRow]) {
 // operation's event is recorded on the comm stream after the NCCL call; every error after an
 // enqueue aborts the communicator, so `broken` answers `true` for it, and `may_leave_work`
 // does unless that abort drained the comm stream (on the comm thread, before its reply; no
-// operation runs after an abort), which ends every operation's work on its region.
+// operation runs after an abort), which ends this rank's work on its region, and the
+// group's peers are other processes (`peers_in_process` false: `join`'s contract, one rank
+// per process), whose kernels write NCCL's own buffers, not this rank's region.
 unsafe impl Collective for NcclCollective {
     fn rank(&self) -> u32 {
         self.rank

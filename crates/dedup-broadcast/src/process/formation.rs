@@ -123,7 +123,9 @@ impl RendezvousFormation {
 
     /// Groups whose handles are NCCL communicators on GPU `ordinal` (feature `nccl`): the
     /// rendezvous must ask for NCCL ([`RendezvousConfig::nccl`](super::RendezvousConfig::nccl)),
-    /// so that rank 0 makes two unique ids per formation.
+    /// so that rank 0 makes two unique ids per formation. One rank per process, as
+    /// [`NcclCollective::join`](crate::nccl::NcclCollective::join) asks (ranks that are
+    /// threads of one process use `NcclGroup::formation`).
     #[cfg(feature = "nccl")]
     pub fn nccl(
         rendezvous: Rendezvous,

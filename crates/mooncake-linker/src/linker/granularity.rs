@@ -165,23 +165,34 @@ impl ReadGroups {
 
     /// A group call of a batch in `mode` that failed for time (ran into its limit `limit`,
     /// returned past it, or answered "RPC timeout"): a censored sample, its true time unknown,
-    /// taken at [`CENSORED_FACTOR`]`^n` times the call's predicted time, `n` the calls of the
-    /// mode that failed for time in a row (at most `limit`). Taken at the limit, one such
-    /// call (20 s by default, or "forever") raised the fit's fixed cost so far that the plan
-    /// read in the fewest, largest groups (layer 0 no longer alone) for hundreds of calls
-    /// after it; a single hiccup now counts four times the prediction, while a store grown
-    /// slow for good, failing call after call, reaches the limit within a few (4, 16, 64,
-    /// ... times).
-    pub(crate) fn observe_failed(&self, mode: ShareMode, layers: u32, bytes: u64, limit: Duration) {
+    /// taken at [`CENSORED_FACTOR`] times the call's predicted time, and, for a call that ran
+    /// into or past the limit (`ran_long`), at [`CENSORED_FACTOR`]`^n`, `n` the mode's calls in
+    /// a row that did (at most `n` = 10; a call that lands resets it); never past `limit`.
+    /// Taken at the limit, one such call (20 s by default, or "forever") raised the fit's
+    /// fixed cost so far that the plan read in the fewest, largest groups (layer 0 no longer
+    /// alone) for hundreds of calls after it; a single hiccup now counts four times the
+    /// prediction, while a store grown slow for good, its calls running into the limit one
+    /// after another, is learned within a few (4, 16, 64, ... times). Early "RPC timeout"
+    /// answers (an outage of the master) stay at four times: they say nothing of how slow a
+    /// read is.
+    pub(crate) fn observe_failed(
+        &self,
+        mode: ShareMode,
+        (layers, bytes): (u32, u64),
+        limit: Duration,
+        ran_long: bool,
+    ) {
         if bytes == 0 {
             return;
         }
         let mut estimators = self.estimators.lock();
-        let n = {
+        let n = if ran_long {
             let mut row = self.failed_in_a_row.lock();
             let n = &mut row[mode.index()];
             *n = n.saturating_add(1);
-            *n
+            (*n).min(10)
+        } else {
+            1
         };
         let est = &mut estimators[mode.index()];
         let predicted = est.estimate().call_time(layers, bytes);
@@ -607,7 +618,7 @@ mod tests {
                 r.observe(ShareMode::AllRanks, layers, bytes, healthy(layers, bytes));
             }
             let before = r.cost(ShareMode::AllRanks);
-            r.observe_failed(ShareMode::AllRanks, 1, layer, limit);
+            r.observe_failed(ShareMode::AllRanks, (1, layer), limit, true);
             let after = r.cost(ShareMode::AllRanks);
             assert!(
                 after.per_call < Duration::from_millis(20),
@@ -622,29 +633,42 @@ mod tests {
         }
     }
 
-    /// Calls that fail for time one after another are taken at 4, 16, 64, ... times their
-    /// prediction (at most the limit), so a store grown slow for good is learned within a few
-    /// failed calls; a call that lands starts the count again.
+    /// Calls that run into their limit one after another are taken at 4, 16, 64, ... times
+    /// their prediction (at most the limit), so a store grown slow for good is learned within
+    /// a few failed calls; a call that lands starts the count again. Early "RPC timeout"
+    /// answers (an outage) stay at four times: they say nothing of a read's speed.
     #[test]
     fn calls_failing_for_time_in_a_row_are_taken_ever_slower_up_to_the_limit() {
+        let healthy = |r: &ReadGroups| {
+            for i in 0..300u32 {
+                let layers = 1 + i % 8;
+                let bytes = 21_495_808u64 * u64::from(layers);
+                r.observe(
+                    ShareMode::AllRanks,
+                    layers,
+                    bytes,
+                    Duration::from_nanos(2_000_000 + bytes * 2 / 5),
+                );
+            }
+        };
+        let early = ReadGroups::new(ReadGranularity::ADAPTIVE);
+        healthy(&early);
+        let before = early.cost(ShareMode::AllRanks).call_time(1, 21_495_808);
+        for _ in 0..6 {
+            let call = (1, 21_495_808);
+            early.observe_failed(ShareMode::AllRanks, call, Duration::from_secs(20), false);
+        }
+        let after = early.cost(ShareMode::AllRanks).call_time(1, 21_495_808);
+        assert!(after < before * 4, "early answers: {before:?} → {after:?}");
         let r = ReadGroups::new(ReadGranularity::ADAPTIVE);
         let layer = 21_495_808u64;
         let limit = Duration::from_secs(20);
         // A healthy history first (2 ms a call, 0.4 ns a byte): one failure weighs little.
-        for i in 0..300u32 {
-            let layers = 1 + i % 8;
-            let bytes = layer * u64::from(layers);
-            r.observe(
-                ShareMode::AllRanks,
-                layers,
-                bytes,
-                Duration::from_nanos(2_000_000 + bytes * 2 / 5),
-            );
-        }
+        healthy(&r);
         let predicted = |r: &ReadGroups| r.cost(ShareMode::AllRanks).call_time(1, layer);
         let start = predicted(&r);
         for _ in 0..6 {
-            r.observe_failed(ShareMode::AllRanks, 1, layer, limit);
+            r.observe_failed(ShareMode::AllRanks, (1, layer), limit, true);
         }
         let after_six = predicted(&r);
         // Four times the prediction each (not escalating), the fit had moved by about half.
@@ -656,7 +680,7 @@ mod tests {
         // A call that lands: the next failure counts four times its prediction again.
         r.observe(ShareMode::AllRanks, 1, layer, start);
         assert_eq!(r.failed_in_a_row.lock()[ShareMode::AllRanks.index()], 0);
-        r.observe_failed(ShareMode::AllRanks, 1, layer, limit);
+        r.observe_failed(ShareMode::AllRanks, (1, layer), limit, true);
         assert_eq!(r.failed_in_a_row.lock()[ShareMode::AllRanks.index()], 1);
     }
 

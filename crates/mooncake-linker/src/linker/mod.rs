@@ -195,7 +195,9 @@ impl Inner {
         while let Ok(job) = jobs.recv() {
             let held = (slots_written_by_store && job.ticket.is_some())
                 .then(|| HeldOutcome::new(self.outcomes.clone()));
-            self.outcomes.set_running(Some(job.plan.logical.batch));
+            // A refused job (no ticket) never reads: not named in a reset's `SlotsHeld`.
+            let running = job.ticket.as_ref().map(|t| t.batch);
+            self.outcomes.set_running(running);
             let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 self.run_batch(&mut gates, &job, held.as_ref())
             }));

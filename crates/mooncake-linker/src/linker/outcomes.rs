@@ -109,7 +109,8 @@ impl Outcomes {
     /// abandoned whose outcome is in (their loads are over), when a start finds the counter
     /// full: their tickets go stale (a wait on one answers `StaleTicket`; the engine said it
     /// will not read them), their outcomes stay to be taken (by batch and ticket), among the
-    /// ended ones `trim_ended` bounds. How many it took back. Taken back only then, so a wait
+    /// ended ones `trim_ended` bounds. How many it found (a concurrent `take` may have freed
+    /// one first: the start is tried again all the same). Taken back only then, so a wait
     /// after an abandon (a `wait_batch` that timed out) still answers the batch's verdict
     /// while there is room. Before, such a slot stayed until the outcome was taken or a
     /// reset: after `max_in_flight` abandoned batches every start failed `Busy`, and the
@@ -130,15 +131,16 @@ impl Outcomes {
                 })
                 .collect()
         };
+        let found = tickets.len();
         let taken = tickets
             .into_iter()
             .filter(|t| self.counter.finish(*t).is_ok())
             .count();
-        if taken > 0 {
+        if found > 0 {
             tracing::debug!(taken, "counter slots of abandoned batches taken back");
             self.trim_ended();
         }
-        taken
+        found
     }
 
     /// The engine will not read `ticket`'s run of `batch`: its slots are let go once the load
@@ -509,10 +511,12 @@ impl Outcomes {
         idle
     }
 
-    /// Keeps at most the capacity's worth of outcomes of batches a reset or close ended that
-    /// no one has taken (`completed` or `wait_batch` on their tickets may still take them):
-    /// past it, those of batches the engine abandoned go first, then the others, each the
-    /// earliest started first, logged at `warn`, with their ids and their layers' events.
+    /// Keeps at most the capacity's worth of outcomes of ended batches (a reset or close ended
+    /// them, or their abandoned places were taken back) that no one has taken (`completed` or
+    /// `wait_batch` on their tickets may still take them): past it, those of batches the
+    /// engine abandoned go first, then the others, each the earliest started first, with
+    /// their ids and their layers' events (logged at `warn`; at `debug` when all are
+    /// abandoned ones).
     /// Never one a store call past its deadline still holds, nor one a `SlotsHeld` answer
     /// named: their engine waits for them. Before, an engine that abandoned its batches (a
     /// dropped `LoadHandle`, a timed-out wait) and reset after each kept every such outcome
@@ -583,8 +587,9 @@ struct InFlight {
     runs: HashMap<BatchId, (Ticket, Box<[u32]>)>,
     /// Per slot of a batch in flight: that batch (a plan names a slot once).
     owners: HashMap<u32, BatchId>,
-    /// Batches the engine abandoned: their slots go once their outcome is in, and no one
-    /// waits for that outcome (a reset may let it go first, [`Outcomes::trim_ended`]).
+    /// Batches the engine abandoned: their slots go once their outcome is in, their counter
+    /// slots when a start needs them ([`Outcomes::reclaim_abandoned`]), and no one waits for
+    /// that outcome (it goes first when [`Outcomes::trim_ended`] trims).
     abandoned: HashSet<BatchId>,
     /// Batches a `SlotsHeld` answer named: their engine waits for their outcomes, which are
     /// never let go untaken.
@@ -917,6 +922,33 @@ mod tests {
     /// again. Before, the taker's `forget` then removed the new run's id and events by batch id
     /// alone: its layer (published with an event) read as resident, a third start of the id
     /// was accepted beside it, and its `wait_batch` was stale at once.
+    /// An abandoned batch whose outcome is in keeps its counter slot while there is room (a
+    /// wait on it still answers), gives it back when a start finds the counter full (its
+    /// ticket then stale), and its outcome is still taken by batch and ticket.
+    #[test]
+    fn an_abandoned_batchs_counter_slot_is_taken_back_only_when_a_start_needs_it() {
+        let o = Outcomes::new(1);
+        let soon = || kv_loader::deadline_after(std::time::Duration::from_millis(10));
+        let t1 = o.begin(BatchId(1), 1, &[0]).unwrap();
+        o.publish(BatchId(1), t1, 0, LayerReady::Resident, 1);
+        o.finish(t1, outcome_ok(BatchId(1)));
+        o.abandon(BatchId(1), t1);
+        let waited = o.wait_layer(&ticket(1, t1), 0, soon(), false);
+        assert!(waited.is_ok(), "still counted: the wait answers");
+        let t2 = o.begin(BatchId(2), 1, &[1]).unwrap();
+        assert!(
+            o.wait_layer(&ticket(1, t1), 0, soon(), false).is_err(),
+            "taken back: stale"
+        );
+        let taken = o.take(&ticket(1, t1), soon()).unwrap();
+        assert!(taken.is_some_and(|out| out.result.is_ok()));
+        assert!(
+            matches!(o.begin(BatchId(3), 1, &[2]), Err(KvLoadError::Busy { .. })),
+            "batch 2 is live: nothing to take back"
+        );
+        o.finish(t2, outcome_ok(BatchId(2)));
+    }
+
     #[test]
     fn taking_an_outcome_a_reset_forgot_leaves_a_new_run_of_the_id_alone() {
         let o = Outcomes::new(4);

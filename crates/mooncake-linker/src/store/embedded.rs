@@ -891,12 +891,16 @@ mod tests {
         assert_eq!(s.lease(), Some(EmbeddedStore::MIN_LEASE));
         put(&s, "a", &[1; 10]).unwrap();
         put(&s, "b", &[2; 10]).unwrap();
+        let t0 = Instant::now();
         let first = s.start_session(&["a"]).unwrap();
         let second = s.start_session(&["b"]).unwrap();
-        assert!(
-            s.session_open(first.token),
-            "the first session outlives the second's start"
-        );
+        // Within the raised lease (a machine stalled past it checks nothing here).
+        if t0.elapsed() < EmbeddedStore::MIN_LEASE / 2 {
+            assert!(
+                s.session_open(first.token),
+                "the first session outlives the second's start"
+            );
+        }
         s.end_session(&first).unwrap();
         s.end_session(&second).unwrap();
         let longer = EmbeddedStore::new(20).with_lease(Some(Duration::from_secs(3)));

@@ -13,7 +13,8 @@ impl FormedGroup {
     /// `config.init_timeout`). The group must have been formed with
     /// [`RendezvousConfig::nccl`](super::RendezvousConfig::nccl). When the control
     /// communicator does not form, the data one is aborted (its peers may be gone), not
-    /// finalized with them.
+    /// finalized with them. One rank per process, as
+    /// [`NcclCollective::join`](crate::nccl::NcclCollective::join) asks.
     pub fn join_nccl(
         &self,
         ordinal: u32,

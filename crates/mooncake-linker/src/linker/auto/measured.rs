@@ -63,7 +63,7 @@ pub(crate) struct Measured {
     /// Two modes that failed back to back (the second's failure cleared the first's
     /// suspicion, as an outage would): see [`FailingPair`].
     pub(super) pair: Option<FailingPair>,
-    /// The mode kept for good.
+    /// The mode kept (until a parole measures again, or it fails out).
     pub(super) kept: Option<ShareMode>,
     /// `kept` is rank 0's decision this rank follows (see `AutoMode::follow`), not its own.
     pub(super) followed: bool,
@@ -270,7 +270,8 @@ impl Measured {
 
     /// A batch loaded: each mode failed out for [`AUTO_PAROLE`] loaded batches (doubled each
     /// time it failed out before, at most 2^10 times) is paroled, and `Auto` measures again
-    /// with it unless it follows rank 0 (rank 0's own parole leads the group). Before, a
+    /// with it unless it follows rank 0 (rank 0's own parole leads the group) or the mode was
+    /// also dropped as slower (it could not be picked: the kept mode stays kept). Before, a
     /// mode failed out stayed out for the process's life: a store or fabric that flapped
     /// after the pick (three failures, the probe loading, one more failure) made the fastest
     /// mode the kept one's loser for good.

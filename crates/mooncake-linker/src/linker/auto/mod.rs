@@ -86,7 +86,8 @@
 //!
 //! **A mode failed out is tried again later.** After [`AUTO_PAROLE`] loaded batches (256;
 //! doubled for each earlier time the mode failed out, up to 2^10 times), it is paroled:
-//! `Auto` measures again with it (its earlier samples kept), so a fault that flapped after
+//! `Auto` measures again with it (its earlier samples kept; not when it was also dropped as
+//! slower, which it could not pick), so a fault that flapped after
 //! the pick does not keep the fastest mode out for good, and a mode that is truly broken
 //! costs a few failed batches at ever longer intervals.
 //!

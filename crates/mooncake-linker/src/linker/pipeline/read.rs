@@ -355,16 +355,19 @@ impl LayerPipeline<'_> {
         let took = t0.elapsed();
         // A call that ran into its deadline, returned past it, or answered "RPC timeout" is a
         // failure: it does not count among the reads that landed, nor in Auto's measure. The
-        // read-cost fit takes it as a censored sample (`observe_failed`: 4^n times its
-        // predicted time for the n-th such call in a row, within the limit): a store grown
-        // slow still teaches the plan within a few calls, one hung call does not skew the fit
-        // for hundreds of calls after it, and a store's early "RPC timeout" (nothing read) is
-        // not taken for its bytes read in no time.
+        // read-cost fit takes it as a censored sample (`observe_failed`: four times its
+        // predicted time, 4^n for the n-th call in a row that ran into the limit, within the
+        // limit): a store grown slow still teaches the plan within a few calls, one hung call
+        // does not skew the fit for hundreds of calls after it, and a store's early "RPC
+        // timeout" (nothing read) is not taken for its bytes read in no time.
         let limit = inner.config.layer_read_timeout;
-        let timed_out = || {
+        // Ran into the limit (the linker's own deadline, or past it), not an early answer.
+        let timed_out = |took: Duration| {
+            let ran_long = took >= limit.mul_f64(0.9);
+            let call = (group.len() as u32, asked);
             inner
                 .reads
-                .observe_failed(layers.mode, group.len() as u32, asked, limit);
+                .observe_failed(layers.mode, call, limit, ran_long);
         };
         let read = read.inspect_err(|e| {
             inner.metrics.layer_read_failed(took);
@@ -375,7 +378,7 @@ impl LayerPipeline<'_> {
                     ..
                 }
             ) {
-                timed_out();
+                timed_out(took);
             }
         })?;
         let n = read.bytes;
@@ -386,7 +389,7 @@ impl LayerPipeline<'_> {
         tracing::debug!(%batch, rank = layers.rank, layers = ?group, bytes = n, ?took, "group read");
         if took > limit {
             inner.metrics.layer_read_failed(took);
-            timed_out();
+            timed_out(took);
             return Err(KvLoadError::Store {
                 batch: Some(batch),
                 layer: Some(group.start),
