@@ -917,11 +917,6 @@ mod tests {
         }
     }
 
-    /// The race a review found, its steps made certain: a taker has the outcome of batch 5's
-    /// first run out of `done` (not yet forgotten), a reset forgets the run, and the id starts
-    /// again. Before, the taker's `forget` then removed the new run's id and events by batch id
-    /// alone: its layer (published with an event) read as resident, a third start of the id
-    /// was accepted beside it, and its `wait_batch` was stale at once.
     /// An abandoned batch whose outcome is in keeps its counter slot while there is room (a
     /// wait on it still answers), gives it back when a start finds the counter full (its
     /// ticket then stale), and its outcome is still taken by batch and ticket.
@@ -949,6 +944,11 @@ mod tests {
         o.finish(t2, outcome_ok(BatchId(2)));
     }
 
+    /// The race a review found, its steps made certain: a taker has the outcome of batch 5's
+    /// first run out of `done` (not yet forgotten), a reset forgets the run, and the id starts
+    /// again. Before, the taker's `forget` then removed the new run's id and events by batch id
+    /// alone: its layer (published with an event) read as resident, a third start of the id
+    /// was accepted beside it, and its `wait_batch` was stale at once.
     #[test]
     fn taking_an_outcome_a_reset_forgot_leaves_a_new_run_of_the_id_alone() {
         let o = Outcomes::new(4);
