@@ -199,6 +199,19 @@ fn failed_ahead(gates: &Gates, batch: BatchId, down: &KvLoadError) -> Option<KvL
 }
 
 impl Inner {
+    /// A reset since `job` started, or the engine abandoned it (`abandon`, a dropped
+    /// `LoadHandle`, a `wait_batch` that timed out): still queued it does not read, running
+    /// its reads stop at the next group, and it fails `Cancelled` (in a group, on every rank
+    /// alike, as one a reset cancels). Before, an abandoned batch read and landed every layer,
+    /// holding up the batches queued behind it.
+    pub(crate) fn cancelled(&self, job: &BatchJob) -> bool {
+        self.epoch.load(std::sync::atomic::Ordering::Acquire) != job.epoch
+            || job
+                .ticket
+                .as_ref()
+                .is_some_and(|t| self.outcomes.is_abandoned(t.batch, t.counter))
+    }
+
     /// The keys of every planned component, in plan page order.
     pub(crate) fn component_keys(
         &self,
@@ -244,12 +257,7 @@ impl Inner {
         // A batch id may be started again once its outcome was taken: nothing its earlier
         // run found (all its checks are over) explains what this run finds.
         self.wrong_sized.forget(batch);
-        // Reset since it was started, or abandoned by the engine while it queued.
-        let cancelled = self.epoch.load(std::sync::atomic::Ordering::Acquire) != job.epoch
-            || job
-                .ticket
-                .as_ref()
-                .is_some_and(|t| self.outcomes.is_abandoned(t.batch, t.counter));
+        let cancelled = self.cancelled(job);
         let refusal = job
             .refusal
             .clone()

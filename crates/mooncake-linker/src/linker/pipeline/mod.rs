@@ -213,17 +213,9 @@ impl LayerPipeline<'_> {
         })
     }
 
-    /// A reset since the batch started, or the engine abandoned it (`abandon`, a dropped
-    /// `LoadHandle`, a `wait_batch` that timed out): its reads stop at the next group, and it
-    /// fails `Cancelled` (in a group, on every rank alike, as one a reset cancels). Before, an
-    /// abandoned batch read and landed every layer, holding up the batches queued behind it.
+    /// See [`Inner::cancelled`].
     fn cancelled(&self) -> bool {
-        self.inner.epoch.load(Ordering::Acquire) != self.job.epoch
-            || self
-                .job
-                .ticket
-                .as_ref()
-                .is_some_and(|t| self.inner.outcomes.is_abandoned(t.batch, t.counter))
+        self.inner.cancelled(self.job)
     }
 
     /// The layer groups this rank reads, one store call each (see [`ReadGranularity`]):
