@@ -47,5 +47,5 @@ pub use region::{first_overlap_by, DeviceEvent, DeviceRegion, HostRow, SharedEve
 pub use source::SaveSource;
 pub use staged::{
     DeviceKvPool, LandingStats, ScatterStrategy, StagedLanding, StagedLandingFactory, StagingLease,
-    StagingPool, DIRECT_RUNS_MAX,
+    StagingPool, DEFAULT_LEASE_WAIT, DIRECT_RUNS_MAX,
 };

@@ -1148,6 +1148,50 @@ fn own_landing(r: &Rig, slots: &[u32]) -> Result<StagedLanding, DeviceError> {
     )
 }
 
+/// Loads and saves share the staging pool. Before, a batch that started while a save's gather
+/// held the only buffer failed at once (`Alloc`, its request recomputed); it now waits for the
+/// buffer, up to the factory's lease wait.
+#[test]
+fn a_landing_waits_for_a_save_to_give_the_staging_back() {
+    let r = rig(CpuDeviceConfig::default(), 16, 5, 1);
+    let f = StagedLandingFactory::new(r.pool.clone(), r.staging.clone());
+    let shape = || BatchShape::own_only(all(&r.g));
+    let save = f.begin_save(vec![1, 2].into()).unwrap();
+    let quick = StagedLandingFactory::new(r.pool.clone(), r.staging.clone())
+        .with_lease_wait(Duration::ZERO);
+    let t0 = Instant::now();
+    let refused = quick.begin(vec![5, 6].into(), shape()).map(|_| ());
+    assert!(
+        matches!(refused, Err(DeviceError::Alloc { .. })),
+        "{refused:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_millis(500), "no wait asked");
+    let hold = Duration::from_millis(200);
+    let giver = std::thread::spawn(move || {
+        std::thread::sleep(hold);
+        drop(save);
+    });
+    let t0 = Instant::now();
+    let landing = f.begin(vec![5, 6].into(), shape());
+    let waited = t0.elapsed();
+    giver.join().unwrap();
+    assert!(landing.is_ok(), "{:?}", landing.err());
+    assert!(
+        waited >= hold / 2,
+        "it waited {waited:?}: the save held the buffer"
+    );
+    // Held past the wait: refused with the same error as before, after the wait.
+    let short = StagedLandingFactory::new(r.pool.clone(), r.staging.clone())
+        .with_lease_wait(Duration::from_millis(50));
+    let t0 = Instant::now();
+    let refused = short.begin_save(vec![9].into()).map(|_| ());
+    assert!(
+        matches!(refused, Err(DeviceError::Alloc { .. })),
+        "{refused:?}"
+    );
+    assert!(t0.elapsed() >= Duration::from_millis(50));
+}
+
 /// A device pool's slots are claimed as a host pool's are: a staged landing writes its slots
 /// alone, and a save's gather (on its own stream, which orders itself only after the load
 /// stream's work so far) never reads a slot a landing may still write.

@@ -369,6 +369,13 @@ pub trait LandingFactory: Send + Sync {
     /// Which memory this backend's landings share rows through.
     fn share_path(&self) -> SharePath;
 
+    /// Staging buffers this backend holds back because device work or a store read may still
+    /// use them (none for a backend without staging): each one fewer for loads and saves, and
+    /// one held for good is a leak to alarm on.
+    fn staging_quarantined(&self) -> usize {
+        0
+    }
+
     /// For saving from a pool the store cannot read directly (device memory): a gatherer of
     /// the slices of plan page `i` (slot `slots[i]`) into host memory. Host pools are read in
     /// place and need none. The gatherer claims the slots for reading while it lives (and

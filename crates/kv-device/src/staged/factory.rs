@@ -16,6 +16,10 @@ use crate::{
 };
 use parking_lot::Mutex;
 
+/// How long a landing or a gather waits for a staging buffer by default
+/// ([`StagedLandingFactory::with_lease_wait`]).
+pub const DEFAULT_LEASE_WAIT: Duration = Duration::from_secs(1);
+
 /// Staged landings into a device pool, each batch leasing a staging buffer of `staging`.
 ///
 /// ```
@@ -37,6 +41,8 @@ pub struct StagedLandingFactory {
     staging: Arc<StagingPool>,
     strategy: ScatterStrategy,
     drain: Duration,
+    /// Longest a batch or a save waits for a staging buffer to come back.
+    lease_wait: Duration,
     /// The stream saves without an engine event gather on (made at the first such save, made
     /// again after a gather on it got stuck or failed): apart from the load stream, so a save
     /// never holds a load's copies back. A save that waits for an engine event gets a stream
@@ -62,8 +68,19 @@ impl StagedLandingFactory {
             staging,
             strategy: ScatterStrategy::Auto,
             drain: Duration::from_secs(30),
+            lease_wait: DEFAULT_LEASE_WAIT,
             save_stream: Arc::default(),
         }
+    }
+
+    /// Longest a batch's landing or a save's gather waits for a staging buffer when every
+    /// buffer is leased (a save gathering, another batch releasing its buffer) or quarantined
+    /// (device work still running), before it fails [`DeviceError::Alloc`] (default 1 s;
+    /// zero fails at once). Loads and saves share the pool: without a wait, a load that
+    /// starts while saves hold every buffer fails and its request recomputes.
+    pub fn with_lease_wait(mut self, wait: Duration) -> Self {
+        self.lease_wait = wait;
+        self
     }
 
     /// How landings move rows into scattered slots.
@@ -107,7 +124,7 @@ impl StagedLandingFactory {
             self.pool.clone(),
             stream,
             shared,
-            self.staging.lease()?,
+            self.staging.lease_within(self.lease_wait)?,
             slots,
             self.strategy,
             after,
@@ -121,7 +138,7 @@ impl LandingFactory for StagedLandingFactory {
         slots: Arc<[u32]>,
         shape: BatchShape,
     ) -> Result<Box<dyn LayerLanding>, DeviceError> {
-        let lease = self.staging.lease()?;
+        let lease = self.staging.lease_within(self.lease_wait)?;
         Ok(Box::new(
             StagedLanding::new(self.pool.clone(), lease, slots, shape)?
                 .with_strategy(self.strategy)
@@ -135,6 +152,10 @@ impl LandingFactory for StagedLandingFactory {
 
     fn share_path(&self) -> SharePath {
         SharePath::Device
+    }
+
+    fn staging_quarantined(&self) -> usize {
+        self.staging.quarantined()
     }
 
     fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {

@@ -14,7 +14,7 @@ mod staging;
 pub(crate) mod sync;
 
 pub use copy::{ScatterStrategy, DIRECT_RUNS_MAX};
-pub use factory::StagedLandingFactory;
+pub use factory::{StagedLandingFactory, DEFAULT_LEASE_WAIT};
 pub use landing::{LandingStats, StagedLanding};
 pub use pool::DeviceKvPool;
 pub use staging::{StagingLease, StagingPool};

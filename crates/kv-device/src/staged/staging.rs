@@ -12,9 +12,10 @@ use std::any::Any;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kv_geometry::KvGeometry;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::{Device, DeviceError, DeviceMemory, PinnedMemory, SharedEvent, StoreRegion};
 
@@ -139,6 +140,9 @@ pub struct StagingPool {
     stage_bytes: usize,
     stages: usize,
     free: Mutex<Vec<StagingPair>>,
+    /// Notified when a buffer goes back to `free` or into quarantine (a
+    /// [`lease_within`](StagingPool::lease_within) then looks again).
+    returned: Condvar,
     quarantine: Mutex<Vec<Quarantined>>,
     host_regions: Vec<(usize, usize)>,
     count: usize,
@@ -203,6 +207,7 @@ impl StagingPool {
             stage_bytes,
             stages,
             free: Mutex::new(free),
+            returned: Condvar::new(),
             quarantine: Mutex::new(Vec::new()),
             host_regions,
             count,
@@ -319,6 +324,9 @@ impl StagingPool {
                 }
             }
         }
+        if !settled.is_empty() {
+            self.returned.notify_all();
+        }
         drop(settled);
     }
 
@@ -335,7 +343,73 @@ impl StagingPool {
             pair: Some(pair),
         })
     }
+
+    /// [`lease`](Self::lease), waiting up to `wait` for a buffer to come back (a save's
+    /// gather or another batch ending, a quarantined buffer's work ending: looked at every 2 ms
+    /// while one is quarantined) before it fails [`DeviceError::Alloc`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kv_device::{CpuDevice, StagingPool};
+    /// let pool = StagingPool::new(CpuDevice::new(0).unwrap(), 1 << 12, 1).unwrap();
+    /// let held = pool.lease().unwrap();
+    /// let waiter = std::thread::spawn({
+    ///     let pool = pool.clone();
+    ///     move || pool.lease_within(Duration::from_secs(30))
+    /// });
+    /// drop(held); // the waiter gets the buffer now, not after 30 s
+    /// let got = waiter.join().unwrap().unwrap();
+    /// assert!(pool.lease_within(Duration::from_millis(1)).is_err()); // `got` holds it
+    /// drop(got);
+    /// ```
+    pub fn lease_within(self: &Arc<Self>, wait: Duration) -> Result<StagingLease, DeviceError> {
+        let start = Instant::now();
+        let mut waited = false;
+        loop {
+            self.reclaim();
+            // Looked at before `free` is locked: `reclaim` locks quarantine, then free.
+            let polling = !self.quarantine.lock().is_empty();
+            let mut free = self.free.lock();
+            if let Some(pair) = free.pop() {
+                if waited {
+                    tracing::debug!(waited = ?start.elapsed(), "a staging buffer came back");
+                }
+                return Ok(StagingLease {
+                    pool: self.clone(),
+                    pair: Some(pair),
+                });
+            }
+            let left = wait.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                drop(free);
+                if wait > Duration::ZERO {
+                    tracing::warn!(
+                        ?wait,
+                        capacity = self.count,
+                        quarantined = self.quarantine.lock().len(),
+                        "no staging buffer came back within the wait"
+                    );
+                }
+                return Err(DeviceError::Alloc {
+                    bytes: (self.stage_bytes * self.stages) as u64,
+                    what: "staging buffer (every buffer of the pool stayed leased or \
+                           quarantined through the wait)",
+                });
+            }
+            let nap = if polling {
+                left.min(QUARANTINE_POLL)
+            } else {
+                left
+            };
+            self.returned.wait_for(&mut free, nap);
+            waited = true;
+        }
+    }
 }
+
+/// How often a [`StagingPool::lease_within`] looks at quarantined buffers' work (their
+/// events cannot wake it).
+pub(crate) const QUARANTINE_POLL: Duration = Duration::from_millis(2);
 
 impl Drop for StagingPool {
     fn drop(&mut self) {
@@ -519,6 +593,8 @@ impl StagingLease {
                 _extra: extra,
                 _owners: owners,
             });
+            // A waiter that saw no quarantine sleeps unpolled: it looks again now.
+            self.pool.returned.notify_all();
         }
     }
 }
@@ -527,6 +603,7 @@ impl Drop for StagingLease {
     fn drop(&mut self) {
         if let Some(pair) = self.pair.take() {
             self.pool.free.lock().push(pair);
+            self.pool.returned.notify_one();
         }
     }
 }
@@ -598,6 +675,30 @@ mod tests {
         fence.answer(Ok(true));
         assert!(pool.quarantined_work().is_empty());
         assert_eq!(pool.available(), 1);
+    }
+
+    /// A lease that waits sees a quarantined buffer come back when its fence completes,
+    /// though no event wakes it.
+    #[test]
+    fn a_waiting_lease_takes_a_quarantined_buffer_once_its_fence_completes() {
+        let pool = pool_of_one();
+        let fence = Arc::new(Scripted::new(Ok(false)));
+        pool.lease()
+            .unwrap()
+            .quarantine(vec![fence.clone() as SharedEvent], Vec::new());
+        let t0 = std::time::Instant::now();
+        let answer = std::thread::spawn({
+            let fence = fence.clone();
+            move || {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                fence.answer(Ok(true));
+            }
+        });
+        let lease = pool.lease_within(std::time::Duration::from_secs(20));
+        answer.join().unwrap();
+        assert!(lease.is_ok(), "{:?}", lease.err());
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+        assert_eq!(pool.quarantined(), 0);
     }
 
     /// Before, a fence whose query failed counted as completed, and its buffer was leased

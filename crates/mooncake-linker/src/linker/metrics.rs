@@ -122,6 +122,12 @@ pub struct MetricsSnapshot {
     /// Store calls that did not return by their deadline, the landing memory's
     /// registrations and unregistrations included (filled by `Linker::metrics`).
     pub overdue_calls: u64,
+    /// Staging buffers of this linker's landings held back now because device work or a
+    /// store read may still use them (a device pool's staging; zero on a host pool), filled
+    /// by `Linker::metrics`: each is one fewer buffer for loads and saves. One that stays is
+    /// held for good (its work's end is unknown) and its batches fail for want of a buffer
+    /// once none is left; the logs name the work that holds it.
+    pub staging_quarantined: u64,
     /// Memory kept for good in this process (every store, linker and NCCL group of it): how
     /// many times memory was kept (one store call whose transfer the store gave up on may keep
     /// several buffers, each counted; so is a host buffer left to a silent NCCL comm thread,
@@ -288,6 +294,7 @@ impl LinkerMetrics {
             kept_checksums_stale: self.kept_checksums_stale.load(Ordering::Relaxed),
             companions_reread: self.companions_reread.load(Ordering::Relaxed),
             overdue_calls: 0,
+            staging_quarantined: 0,
             kept_for_good: crate::store::KeptForGood::default(),
             failures,
             own_failures: self.own_failures.lock().clone(),
