@@ -9,12 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::tp::{
-    config, mixed_spec, rank_matches, rank_matches_below, run, tp_ranks, Path, TpRank,
+    config, mixed_spec, rank_matches, rank_matches_below, run, tp_ranks, tp_ranks_built, Path,
+    RankBuild, TpRank,
 };
 use common::{load_plan, wait_all};
 use kvlink::kv_device::cpu::CpuOp;
 use kvlink::kv_device::{
-    CpuDevice, DeviceKvPool, HostKvPool, ScatterStrategy, StagedLandingFactory, StagingPool,
+    CpuDevice, Device, DeviceKvPool, HostKvPool, KvPool, ScatterStrategy, SlotClaims,
+    StagedLandingFactory, StagingPool,
 };
 use kvlink::kv_geometry::{
     ComponentSpec, ElementType, KvGeometry, LayerMap, ModelKvSpec, PageHash, RowUnit,
@@ -417,6 +419,41 @@ fn a_device_landing_needs_a_group_that_moves_device_memory() {
     );
 }
 
+/// A group bound to another GPU than the pool's (a rank given its global rank as its GPU
+/// where the local one was meant) is refused at build. Before, it built, and every batch's
+/// first share failed (the region on another device) and re-formed the group.
+#[test]
+fn a_device_group_on_another_gpu_than_the_pool_is_refused() {
+    let g = KvGeometry::new(mixed_spec(), 2, 0).unwrap();
+    let on_0 = CpuDevice::new(0).unwrap();
+    let on_1 = CpuDevice::new(1).unwrap();
+    let build = |group_devices: Vec<Arc<dyn Device>>| {
+        let pool = Arc::new(DeviceKvPool::new(on_0.clone(), g.clone(), 8).unwrap());
+        let staging =
+            StagingPool::new(on_0.clone(), StagingPool::half_bytes_for(&g, 4, 2), 1).unwrap();
+        let landings = Arc::new(StagedLandingFactory::new(pool.clone(), staging));
+        let group = TpGroup::in_process_on_devices(group_devices)
+            .unwrap()
+            .remove(0);
+        Linker::with_landings(
+            g.clone(),
+            store(),
+            pool,
+            landings,
+            LinkerConfig::default(),
+            Some(group),
+        )
+    };
+    let r = build(vec![on_1.clone(), on_0.clone()]);
+    assert!(
+        matches!(r, Err(KvLoadError::Config(ref m)) if m.contains("GPU 1") && m.contains("GPU 0")),
+        "{:?}",
+        r.err()
+    );
+    let ok = build(vec![on_0.clone(), on_1.clone()]);
+    ok.unwrap().close().unwrap();
+}
+
 /// A group whose data and control handles are one handle is refused at build: the load
 /// thread's and the lookups' collectives would pair across ranks in no agreed order. It built.
 #[test]
@@ -465,6 +502,8 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
         1,
         "the lease the broken group may write is kept"
     );
+    // The engine's metrics show it.
+    assert_eq!(rs[2].linker.metrics().staging_quarantined, 1);
     // The next batches load on a re-formed group, with the other leases; the kept one stays.
     for batch in 2..=4 {
         for (rank, (r, o)) in rs.iter().zip(run(&rs, batch, &hashes)).enumerate() {
@@ -507,6 +546,84 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
         std::thread::sleep(Duration::from_millis(20));
     }
     for (rank, (r, o)) in rs.iter().zip(run(&rs, 6, &hashes)).enumerate() {
+        o.result
+            .unwrap_or_else(|e| panic!("after the stall, rank {rank}: {e}"));
+        rank_matches(r, &hashes, rank as u32).unwrap();
+    }
+}
+
+/// A middle rank of three whose last copy into its slots stalls past its landing's drain
+/// limit after every layer was queued. Before, that rank's outcome was `Ok` with the copy
+/// still queued (its slots unclaimed); it is now that rank's device failure, carried by the
+/// batch's verdict to every rank (each fails, the peers `PeerFailed`), and the next batch
+/// loads on every rank once the device runs again.
+#[test]
+fn a_middle_ranks_slot_copies_stalled_past_the_drain_limit_fail_the_batch_on_every_rank() {
+    let spec = mixed_spec();
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
+    let cfg = config(ShareMode::Rank0Broadcast);
+    let build = RankBuild {
+        drain: Duration::from_millis(300),
+        ..RankBuild::default()
+    };
+    let (rs, hashes) = tp_ranks_built(&spec, 3, store(), 6, &cfg, path, &build);
+    let dev = rs[1].device.clone().unwrap();
+    for (rank, o) in run(&rs, 1, &hashes).into_iter().enumerate() {
+        o.result
+            .unwrap_or_else(|e| panic!("batch 1 rank {rank}: {e}"));
+    }
+    // Batch 1's last copy into the slots (the load stream's), and how many operations of its
+    // kind ran up to it: batch 2 stalls at the same one.
+    let trace = dev.trace();
+    let slot_copy = |o: &&kvlink::kv_device::cpu::TraceOp| {
+        o.stream == 0 && matches!(o.op, CpuOp::ToDevice | CpuOp::Rows | CpuOp::OnDevice)
+    };
+    let last = trace
+        .iter()
+        .filter(slot_copy)
+        .max_by_key(|o| o.started)
+        .unwrap();
+    let before = trace
+        .iter()
+        .filter(|o| o.op == last.op && o.started < last.started)
+        .count();
+    let after = trace
+        .iter()
+        .filter(|o| o.op == last.op && o.started > last.started)
+        .count();
+    assert_eq!(
+        after, 0,
+        "batch 1's last {:?} is its last of that kind",
+        last.op
+    );
+    dev.stall_at(last.op, before as u32, Duration::from_secs(2));
+    let outcomes = run(&rs, 2, &hashes);
+    for (rank, o) in outcomes.iter().enumerate() {
+        assert!(o.result.is_err(), "rank {rank}: {:?}", o.result);
+    }
+    assert!(
+        matches!(outcomes[1].result, Err(KvLoadError::Device(_))),
+        "{:?}",
+        outcomes[1].result
+    );
+    assert_eq!(rs[1].linker.metrics().own_failures.get("device"), Some(&1));
+    for rank in [0, 2] {
+        assert!(
+            matches!(outcomes[rank].result, Err(KvLoadError::PeerFailed { .. })),
+            "rank {rank}: {:?}",
+            outcomes[rank].result
+        );
+    }
+    // Rank 1's slots stay claimed while the copy may run, free once it did.
+    let common::tp::RankPool::Device(pool) = &rs[1].pool else {
+        unreachable!("a device path")
+    };
+    let claims_of: &dyn KvPool = pool.as_ref();
+    let held = claims_of.slot_claims().unwrap().held_slots();
+    assert!(!held.is_empty(), "no slot held while the copy is stalled");
+    let by = Instant::now() + Duration::from_secs(10);
+    SlotClaims::wait_free(claims_of, &rs[1].slots, by).expect("free once the copy ran");
+    for (rank, (r, o)) in rs.iter().zip(run(&rs, 3, &hashes)).enumerate() {
         o.result
             .unwrap_or_else(|e| panic!("after the stall, rank {rank}: {e}"));
         rank_matches(r, &hashes, rank as u32).unwrap();

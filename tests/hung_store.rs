@@ -724,6 +724,43 @@ fn a_failed_batch_whose_slot_copies_outlast_the_drain_limit_is_a_device_failure(
     linker.close().unwrap();
 }
 
+/// A batch whose every layer read and was queued, its last layer's copy into the slots stalled
+/// past the landing's drain limit. Before, its outcome was `Ok` with that copy still queued
+/// (the landing's drop quarantined the staging, and the slots' claim was gone): an engine that
+/// freed the slots after the `Ok` (an aborted request) would reuse them on a stream nothing
+/// orders after the copy. The outcome is a device failure now, the slots claimed until the
+/// copy ran.
+#[test]
+fn a_loaded_batchs_outcome_is_not_ok_while_copies_into_its_slots_are_stalled() {
+    let o = one_faulted(Fault::Delay(Duration::ZERO), Stall::new());
+    let (dev, pool, staging) = traced_device_pool(&o);
+    let linker = staged_linker(&o, &pool, staging, Duration::from_millis(200));
+    // The ninth upload: the slot table, then layers 0 to 4's (2, 1, 2, 1, 1): the last
+    // layer's first, which no later stage reuse waits for.
+    dev.stall_at(CpuOp::ToDevice, 8, Duration::from_secs(2));
+    let slots = vec![1, 2, 3, 4];
+    let t = linker
+        .start_load(load_plan(&o.g, 1, &o.pages, slots.clone()))
+        .unwrap();
+    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
+    assert!(err.to_string().contains("did not finish"), "{err}");
+    let claims_of: &dyn KvPool = pool.as_ref();
+    let soon = Instant::now() + Duration::from_millis(100);
+    assert!(
+        SlotClaims::wait_free(claims_of, &slots, soon).is_err(),
+        "the slots were free while copies into them were stalled"
+    );
+    let later = Instant::now() + Duration::from_secs(10);
+    SlotClaims::wait_free(claims_of, &slots, later).expect("free once the copies finished");
+    // The next batch loads.
+    let t = linker
+        .start_load(load_plan(&o.g, 2, &o.pages, vec![8, 9, 10, 11]))
+        .unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    linker.close().unwrap();
+}
+
 /// The same: the failed batch's slots stay claimed (no later landing or save takes them,
 /// `SlotClaims::wait_free` waits) until the stalled copies have finished, then are free.
 /// Before, the claim went as the batch finished, and a `reset` (which finds nothing in

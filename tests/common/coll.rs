@@ -304,6 +304,12 @@ unsafe impl Collective for Misbehaving {
             })
     }
 
+    fn device_ordinal(&self) -> Option<u32> {
+        self.handle("device_ordinal")
+            .ok()
+            .and_then(|h| h.device_ordinal())
+    }
+
     unsafe fn broadcast_rows(
         &self,
         rows: &[HostRow],

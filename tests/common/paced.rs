@@ -182,6 +182,10 @@ unsafe impl Collective for PacedShares {
         self.inner.memory()
     }
 
+    fn device_ordinal(&self) -> Option<u32> {
+        self.inner.device_ordinal()
+    }
+
     unsafe fn broadcast_rows(
         &self,
         rows: &[HostRow],

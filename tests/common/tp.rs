@@ -177,6 +177,8 @@ pub struct RankBuild<'a> {
     /// Each rank's store passes through this (a test store decorator on some rank), under
     /// the rank's `FaultyStore`.
     pub store: &'a dyn Fn(u32, Arc<dyn KvStore>) -> Arc<dyn KvStore>,
+    /// Device landings wait this long at most for their copies (the drain limit).
+    pub drain: Duration,
 }
 
 impl Default for RankBuild<'_> {
@@ -185,6 +187,7 @@ impl Default for RankBuild<'_> {
             wrap: &|_, g| g,
             stages: 2,
             store: &|_, s| s,
+            drain: Duration::from_secs(5),
         }
     }
 }
@@ -273,7 +276,7 @@ pub fn tp_ranks_built(
                     let landings = Arc::new(
                         StagedLandingFactory::new(pool.clone(), staging.clone())
                             .with_strategy(strategy)
-                            .with_drain_limit(Duration::from_secs(5)),
+                            .with_drain_limit(build.drain),
                     );
                     let l = Linker::with_landings(
                         g,

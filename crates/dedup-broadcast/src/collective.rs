@@ -478,6 +478,14 @@ pub unsafe trait Collective: Send + Sync {
         }
     }
 
+    /// The GPU (its ordinal) this handle's device operations run on, for a collective bound
+    /// to one GPU (NCCL; an in-process group's rank on its device), so that a linker can
+    /// refuse a pool on another GPU at build instead of failing every share; `None` (the
+    /// default) when it is bound to none or does not say. A wrapper should forward it.
+    fn device_ordinal(&self) -> Option<u32> {
+        None
+    }
+
     /// **Host rows, broadcast.** `rows` are the same count with the same lengths on every
     /// rank (a layer's replicated rows in plan order); root's rows are read, every other
     /// rank's rows receive root's row `i` into its row `i`. Completes before it returns.

@@ -294,6 +294,10 @@ unsafe impl Collective for InProcessCollective {
         }
     }
 
+    fn device_ordinal(&self) -> Option<u32> {
+        self.device.as_ref().map(|d| d.device.ordinal())
+    }
+
     unsafe fn broadcast_rows(
         &self,
         rows: &[HostRow],

@@ -860,6 +860,10 @@ unsafe impl Collective for NcclCollective {
         }
     }
 
+    fn device_ordinal(&self) -> Option<u32> {
+        Some(self.ordinal)
+    }
+
     unsafe fn broadcast_rows(
         &self,
         rows: &[HostRow],

@@ -512,7 +512,7 @@ impl Inner {
         let run = pipeline.run(prep, stages);
         // A failed run's copies are waited for while the landing still claims the slots (a
         // settle that times out keeps them claimed until the copies end): no save takes them
-        // in between.
+        // in between. A run that loaded every layer waited for them before its verdict.
         let run = run.map_err(|e| settle_failed(batch, landing.as_deref(), e));
         drop(finishing);
         let run = run?;

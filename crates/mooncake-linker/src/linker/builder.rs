@@ -119,7 +119,7 @@ impl LinkerBuilder {
             None => Linker::host_landings(&self.pool)?,
         };
         if let Some(g) = &self.group {
-            Linker::check_group(&self.geometry, g, landings.as_ref())?;
+            Linker::check_group(&self.geometry, g, landings.as_ref(), self.pool.as_ref())?;
         }
         Linker::build(
             self.geometry,

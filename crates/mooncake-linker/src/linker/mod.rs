@@ -379,11 +379,13 @@ impl Linker {
         Ok(Arc::new(DirectLandingFactory::new(pool.clone())))
     }
 
-    /// The group must match the geometry, and move the memory the landings share through.
+    /// The group must match the geometry, move the memory the landings share through, and,
+    /// bound to a GPU, be on the pool's.
     fn check_group(
         geometry: &KvGeometry,
         group: &TpGroup,
         landings: &dyn LandingFactory,
+        pool: &dyn KvPool,
     ) -> Result<(), KvLoadError> {
         let memory = group.data.memory();
         let path = landings.share_path();
@@ -396,6 +398,19 @@ impl Linker {
                 "the landings share rows through {path:?} memory, but the group's data \
                  collective moves {memory:?}"
             )));
+        }
+        if let (SharePath::Device, Residence::Device { ordinal }, Some(on)) =
+            (path, pool.residence(), group.data.device_ordinal())
+        {
+            if on != ordinal {
+                // Found at build: at the first share every batch would fail `InvalidArgument`
+                // (the region on another GPU) and re-form the group.
+                return Err(KvLoadError::config(format!(
+                    "the group's data collective runs on GPU {on}, but the pool is on GPU \
+                     {ordinal} (a rank given the global rank where the local one was meant, \
+                     or the other way round, under CUDA_VISIBLE_DEVICES)"
+                )));
+            }
         }
         if std::ptr::addr_eq(Arc::as_ptr(&group.data), Arc::as_ptr(&group.control)) {
             // The load thread and lookups issue collectives apart: on one handle their
@@ -541,6 +556,8 @@ impl Linker {
     pub fn metrics(&self) -> MetricsSnapshot {
         let mut m = self.inner.metrics.snapshot();
         m.overdue_calls = self.inner.calls.overdue_calls();
+        m.staging_quarantined =
+            u64::try_from(self.inner.landings.staging_quarantined()).unwrap_or(u64::MAX);
         m.kept_for_good = crate::store::kept_for_good();
         let collectives = dedup_broadcast::memory_kept();
         m.kept_for_good.calls = m.kept_for_good.calls.saturating_add(collectives.times);

@@ -322,6 +322,28 @@ impl LayerPipeline<'_> {
         .err()
     }
 
+    /// Waits for the copies this rank's landing queued into the slots (bounded by the
+    /// landing's drain limit) before a verdict says every layer landed: an engine that frees
+    /// the slots after an `Ok` outcome (an aborted request) reuses them on a stream nothing
+    /// orders after those copies. Copies that did not finish in time are this rank's failure,
+    /// carried by the verdict word to every rank (a peer that gave up waiting for the word
+    /// aborts the group: the batch fails everywhere too); the slots stay claimed until the
+    /// copies end.
+    fn settle_loaded(&self) -> Result<(), KvLoadError> {
+        let Some(landing) = self.landing else {
+            return Ok(());
+        };
+        let batch = self.job.plan.logical.batch;
+        landing.settle().map_err(|d| {
+            tracing::error!(%batch, device = %d,
+                "every layer of the batch was queued, but its copies into the slots did not \
+                 finish in time");
+            KvLoadError::Device(kv_loader::Cause::from_error(d).context(format!(
+                "{batch}: copies queued into its slots did not finish"
+            )))
+        })
+    }
+
     /// The batch's end on this rank. After every layer, one more status exchange carries the
     /// last layer's share-step failure to every rank. A fatal stop, or a failure of that last
     /// exchange, aborts the data group if there is one (every rank re-forms it at its next
@@ -337,6 +359,9 @@ impl LayerPipeline<'_> {
             Some(Stop::Fatal(e)) => Some(e),
             Some(Stop::Group) => None,
             None => {
+                if progress.carried.is_none() {
+                    progress.carried = self.settle_loaded().err();
+                }
                 if let Some(e) = &progress.carried {
                     progress.own.get_or_insert_with(|| e.clone());
                 }
