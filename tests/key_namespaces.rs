@@ -72,3 +72,102 @@ fn an_sglang_namespace_writes_sglangs_keys() {
     assert_eq!(store.exists(&[&key]), vec![Ok(true)]);
     assert_eq!(hits(&spec, store, &tokens, cfg), 1);
 }
+
+/// Three ranks of one TP group, the middle one configured with another namespace (a
+/// deployment tag set apart on one process), whose objects for the same page hashes hold
+/// other bytes. Before, the batch gate did not see the namespace: rank 0 read its own
+/// namespace's objects and broadcast them, and rank 1 landed them under an `Ok` outcome. The
+/// gate's digest covers the key space now: the plans differ, the batch runs `AllRanks`, and
+/// every rank lands its own namespace's bytes.
+#[test]
+fn ranks_of_different_namespaces_never_land_each_others_objects() {
+    use common::tp::{config, mixed_spec, save};
+    use kvlink::kv_loader::ShareMode;
+    use kvlink::mooncake_linker::TpGroup;
+
+    const OTHER: u8 = 0x5a;
+    let spec = mixed_spec();
+    let pages = 4;
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 26));
+    let cfg_a = config(ShareMode::Rank0Broadcast);
+    let cfg_b = LinkerConfig {
+        namespace: "tp-other".into(),
+        ..cfg_a.clone()
+    };
+    let hashes = save(&spec, 3, store.clone(), pages, &cfg_a);
+    // Namespace b: the same page hashes, every byte OTHER.
+    for rank in 0..3 {
+        let g = KvGeometry::new(spec.clone(), 3, rank).unwrap();
+        let pool = HostKvPool::new(g.clone(), pages as u32).unwrap();
+        let slots: Vec<u32> = (0..pages as u32).collect();
+        for c in g.components() {
+            for &l in &c.layers {
+                for &slot in &slots {
+                    let row = vec![OTHER; c.page_layer_bytes as usize];
+                    // SAFETY: a new pool, no batch of it in flight.
+                    unsafe { pool.write_slot(c.id, l, slot, &row) }.unwrap();
+                }
+            }
+        }
+        let linker = Linker::new(g.clone(), store.clone(), Arc::new(pool), cfg_b.clone()).unwrap();
+        linker.save(&load_plan(&g, 0, &hashes, slots)).unwrap();
+        linker.close().unwrap();
+    }
+    let ranks: Vec<(Linker, Arc<HostKvPool>)> = TpGroup::in_process(3)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let g = KvGeometry::new(spec.clone(), 3, rank as u32).unwrap();
+            let pool = Arc::new(HostKvPool::new(g.clone(), pages as u32).unwrap());
+            let cfg = if rank == 1 { &cfg_b } else { &cfg_a };
+            let linker =
+                Linker::with_group(g, store.clone(), pool.clone(), cfg.clone(), group).unwrap();
+            (linker, pool)
+        })
+        .collect();
+    let slots: Vec<u32> = (0..pages as u32).collect();
+    let outcomes: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|(linker, _)| {
+                let slots = slots.clone();
+                let hashes = &hashes;
+                s.spawn(move || {
+                    let plan = load_plan(linker.geometry(), 1, hashes, slots);
+                    let t = linker.start_load(plan).unwrap();
+                    linker.wait_batch(&t).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, o) in outcomes.iter().enumerate() {
+        let stats = o
+            .result
+            .as_ref()
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(
+            stats.mode,
+            ShareMode::AllRanks,
+            "rank {rank}: the plans differ"
+        );
+    }
+    let (linker, pool) = &ranks[1];
+    for c in linker.geometry().components() {
+        for &l in &c.layers {
+            for &slot in &slots {
+                let mut got = vec![0u8; c.page_layer_bytes as usize];
+                // SAFETY: the batch is over (its outcome taken); nothing writes the pool.
+                unsafe { pool.read_slot(c.id, l, slot, &mut got) }.unwrap();
+                assert!(
+                    got.iter().all(|&b| b == OTHER),
+                    "rank 1, {} layer {l} slot {slot}: another namespace's bytes",
+                    c.name
+                );
+            }
+        }
+    }
+    for (linker, _) in ranks {
+        linker.close().unwrap();
+    }
+}

@@ -3,10 +3,14 @@
 //! the batch falls back to every rank reading its own copy.
 //!
 //! # The digest
-//! [`plan_digest`] is XXH3-128 (seeded with [`PLAN_DIGEST_SEED`]) over
+//! [`plan_digest`] is XXH3-128 (seeded with [`PLAN_DIGEST_SEED`]) over the length-prefixed
+//! key space the ranks read in ([`plan_digest_in`]; empty for `plan_digest`), then
 //! [`LogicalPlan::write_canonical`]'s encoding: version, batch id, components, then every
 //! request's id and page hashes, integers little-endian, variable parts length-prefixed. The
-//! encoding is injective, so two plans digest alike only through a hash collision.
+//! encoding is injective, so two plans digest alike only through a hash collision. The key
+//! space (the linker's resolved namespace and its context- and pipeline-parallel ranks) is
+//! in: ranks configured with different namespaces read different objects for the same page
+//! hashes, and a receiver must not land a peer's.
 //!
 //! Why not SHA-256: the ranks of a TP group are one server's threads or processes, trusted by
 //! each other; the gate catches *accidental* divergence (different adoption of pages, allocator
@@ -30,7 +34,7 @@ use crate::{Collective, CollectiveError};
 
 /// Seed of the plan digest; changing the digest's definition changes the seed, so ranks that
 /// run different versions disagree (and fall back) rather than compare unlike digests.
-pub const PLAN_DIGEST_SEED: u64 = 0x6b76_6c69_6e6b_0001; // "kvlink" v1
+pub const PLAN_DIGEST_SEED: u64 = 0x6b76_6c69_6e6b_0002; // "kvlink" v2: the key space in
 
 /// Pieces of the canonical encoding are gathered into blocks of this many bytes before they
 /// reach the hasher: XXH3's streaming update costs more per call than per byte, and the
@@ -52,7 +56,30 @@ const BLOCK: usize = 4096;
 /// assert_ne!(plan_digest(&plan(1)), plan_digest(&plan(2)));
 /// ```
 pub fn plan_digest(plan: &LogicalPlan) -> [u8; 16] {
+    plan_digest_in(plan, b"")
+}
+
+/// [`plan_digest`] of `plan` read in `key_space` (whatever names the objects the ranks read
+/// for its page hashes: a namespace, with the context- and pipeline-parallel ranks): plans
+/// read in different key spaces differ.
+///
+/// ```
+/// use kv_geometry::{ComponentId, PageHash};
+/// use kv_loader::{BatchId, LogicalPlan, RequestPages};
+/// use dedup_broadcast::{plan_digest, plan_digest_in};
+/// let plan = LogicalPlan {
+///     batch: BatchId(1),
+///     requests: vec![RequestPages { request: "r".into(), pages: vec![PageHash([7; 32])] }],
+///     components: vec![ComponentId(0)],
+/// };
+/// assert_eq!(plan_digest_in(&plan, b"glm/a"), plan_digest_in(&plan, b"glm/a"));
+/// assert_ne!(plan_digest_in(&plan, b"glm/a"), plan_digest_in(&plan, b"glm/b"));
+/// assert_eq!(plan_digest_in(&plan, b""), plan_digest(&plan));
+/// ```
+pub fn plan_digest_in(plan: &LogicalPlan, key_space: &[u8]) -> [u8; 16] {
     let mut hasher = Xxh3::with_seed(PLAN_DIGEST_SEED);
+    hasher.update(&(key_space.len() as u64).to_le_bytes());
+    hasher.update(key_space);
     let mut block = [0u8; BLOCK];
     let mut fill = 0usize;
     plan.write_canonical(&mut |piece: &[u8]| {

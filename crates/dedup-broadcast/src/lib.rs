@@ -71,7 +71,7 @@ pub use collective::{
 pub use formation::{GroupFormation, GroupHandles, InProcessFormation};
 pub use gate::{
     agree_lookup, check_batch, check_digest, check_plan, judge_gate, lookup_digest, plan_digest,
-    BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, PLAN_DIGEST_SEED,
+    plan_digest_in, BatchGate, GateStep, GateVerdict, GateWord, LookupAgreement, PLAN_DIGEST_SEED,
 };
 pub use in_process::{InProcessCollective, InProcessGroup};
 pub use kept::{memory_kept, MemoryKept};

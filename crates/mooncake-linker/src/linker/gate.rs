@@ -5,8 +5,8 @@
 //! records the group's time (see `group_time`).
 
 use dedup_broadcast::{
-    check_batch, plan_digest, AloneLoads, BatchGate, Collective, GateStep, GateVerdict, GateWord,
-    GroupStatus, LayerStatus, RanksAhead,
+    check_batch, plan_digest_in, AloneLoads, BatchGate, Collective, GateStep, GateVerdict,
+    GateWord, GroupStatus, LayerStatus, RanksAhead,
 };
 use kv_loader::{BatchId, BatchPlan, KvLoadError, LoadStats, ShareMode};
 use tracing::{debug, warn};
@@ -135,6 +135,20 @@ impl Inner {
             / u64::from(self.geometry.num_layers().max(1))
     }
 
+    /// What names the objects this rank reads for a plan's page hashes beside the hashes
+    /// themselves (the resolved namespace, the context- and pipeline-parallel ranks), for the
+    /// gate's digest: ranks configured apart read different objects, and a receiver must not
+    /// land a peer's (their plans differ, and the batch runs `AllRanks`).
+    fn key_space(&self) -> Vec<u8> {
+        let k = &self.keys;
+        let mut space = Vec::with_capacity(k.namespace.len() + 9);
+        space.extend_from_slice(k.namespace.as_bytes());
+        space.push(0);
+        space.extend_from_slice(&k.cp_rank.to_le_bytes());
+        space.extend_from_slice(&k.pp_rank.to_le_bytes());
+        space
+    }
+
     /// Every rank: the batch gate (see the module docs), until the ranks are in step at this
     /// batch; then rank 0's mode (`AllRanks` when the plans differ). The first gate word
     /// carries the previous batch's time, when it is due here; once in step, `Auto` records
@@ -147,7 +161,7 @@ impl Inner {
         job: &BatchJob,
     ) -> Result<Gated, GateMiss> {
         let batch = job.plan.logical.batch;
-        let digest = plan_digest(&job.plan.logical);
+        let digest = plan_digest_in(&job.plan.logical, &self.key_space());
         let mut sample = gates.pending.take_for(epoch, gates.count.peek(epoch));
         // The proposal goes in the same word as the previous batch's time, so that batch is
         // still in flight for `Auto` (it counts it, without its time).
