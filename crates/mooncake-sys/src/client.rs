@@ -35,9 +35,12 @@ pub enum Health {
 /// Memory handed to the client: the methods taking slices copy them into (or out of) a buffer
 /// of their own, which they keep for good when a call failed late enough that its transfers
 /// may still run ([`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER) on either clock, or
-/// across a wall-clock step: [`CallClock`](crate::CallClock)): Mooncake's calls wait for their
-/// transfers for 60 s at most, timed on the wall clock. The `*_raw` methods take raw pointers for
-/// zero-copy into registered regions; their contracts are on each.
+/// across a wall-clock step: [`CallClock`](crate::CallClock)): Mooncake's whole-object calls
+/// wait for their transfers for 60 s at most, timed on the wall clock. Its ranged reads
+/// ([`batch_get_ranges_raw`](Self::batch_get_ranges_raw)) wait for every transfer with no time
+/// limit (a storage node that stops sending mid-payload holds the call until its socket
+/// fails): bound the caller yourself. The `*_raw` methods take raw pointers for zero-copy
+/// into registered regions; their contracts are on each.
 ///
 /// Only over TCP does the wheel move bytes from and to memory it has not registered: over any
 /// other transport (RDMA) the slice methods but [`put`](Self::put) (the copying put, through
@@ -369,11 +372,11 @@ impl Client {
     ///
     /// # Safety
     /// Every `ranges[j].dst` is valid for writes of `ranges[j].size` bytes, not accessed by
-    /// anything else during the call (for good when it fails and a
-    /// [`CallClock`](crate::CallClock) started before it says
-    /// [`past`](crate::CallSpan::past)`(`[`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER)`)`
-    /// after it: its transfers may still run), and lies in a registered region (required by
-    /// RDMA).
+    /// anything else during the call (for good when the call was cut short,
+    /// [`MooncakeError::cut_short`](crate::MooncakeError::cut_short): the wheel may have
+    /// submitted transfers it never waited for; otherwise the wheel's ranged read returns
+    /// only once every transfer it submitted has ended, however late), and lies in a
+    /// registered region (required by RDMA).
     pub unsafe fn batch_get_ranges_raw(
         &self,
         keys: &CKeys,

@@ -59,7 +59,9 @@ impl ErrorCode {
             | sys::shim_codes::NULL_ARG
             | sys::shim_codes::INVALID_ARG => ErrorKind::InvalidArgument,
             c::OBJECT_ALREADY_EXISTS => ErrorKind::AlreadyExists,
-            c::REPLICA_IS_NOT_READY | c::OBJECT_REPLICA_BUSY => ErrorKind::Busy,
+            // ILLEGAL_CLIENT: the key's put (or copy, move) was started by another client
+            // since ours, e.g. a writer that removed and put it again.
+            c::REPLICA_IS_NOT_READY | c::OBJECT_REPLICA_BUSY | c::ILLEGAL_CLIENT => ErrorKind::Busy,
             _ => ErrorKind::Other,
         }
     }
@@ -244,3 +246,28 @@ fn display_message(message: &Option<String>) -> String {
 
 /// `Result` of mooncake-sys.
 pub type Result<T, E = MooncakeError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::{ErrorCode, ErrorKind};
+    use crate::sys::codes;
+
+    /// Before, ILLEGAL_CLIENT (another client's put of the key since ours) fell through to
+    /// `Other`, an error class that names no cause.
+    #[test]
+    fn codes_of_a_put_another_client_owns_are_busy() {
+        for code in [
+            codes::REPLICA_IS_NOT_READY,
+            codes::OBJECT_REPLICA_BUSY,
+            codes::ILLEGAL_CLIENT,
+        ] {
+            assert_eq!(
+                ErrorCode(code).kind(),
+                ErrorKind::Busy,
+                "{}",
+                ErrorCode(code)
+            );
+        }
+        assert_eq!(ErrorCode(-12345).kind(), ErrorKind::Other);
+    }
+}

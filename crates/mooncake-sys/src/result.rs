@@ -8,7 +8,9 @@
 //! Memory a call reads or writes "for the call" must also stay allocated, and untouched by
 //! anything else, **for good** when the call fails after
 //! [`CLIENT_GIVES_UP_AFTER`](crate::CLIENT_GIVES_UP_AFTER): Mooncake's client stops waiting
-//! for its transfers after 60 s and returns with them still in flight.
+//! for its transfers after 60 s and returns with them still in flight. Its ranged read
+//! (`batch_get_into_multi_buffer_ranges`, a scatter transfer) is the exception: it waits for
+//! every transfer with no limit, so only a call the shim cut short may leave one running.
 
 use std::ffi::{c_char, c_int, c_void, CString};
 

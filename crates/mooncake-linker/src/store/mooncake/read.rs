@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use super::gate::{gate_held, TransferGate};
 use super::parts::run_parts;
 use super::ranges::{partition, scratch_calls, shape, Shaped, Target};
-use super::store::{not_read, store_error, wheel_read, MooncakeStore, CLIENT_GIVES_UP_AFTER};
+use super::store::{not_read, store_error, wheel_read, MooncakeStore, WAITS_FOR_EVERY_TRANSFER};
 use crate::log_every::LogEvery;
 use crate::store::{RangeChecksums, RangedGet, StoreError};
 
@@ -256,7 +256,8 @@ pub(super) struct ReadPath<'s, W: ?Sized> {
     /// Ranges that continue in the object only are staged through scratch.
     pub(super) stage: bool,
     /// A failed transfer of a call that took this long may still run (the client gave up on
-    /// it): [`CLIENT_GIVES_UP_AFTER`] for the wheel.
+    /// it): [`WAITS_FOR_EVERY_TRANSFER`] for the wheel (its ranged reads wait for each
+    /// transfer, however long).
     pub(super) gives_up_after: Duration,
     /// The store's limiter of lines about calls that failed whole.
     pub(super) failures: &'s LogEvery,
@@ -274,7 +275,7 @@ impl MooncakeStore {
             scratch: &self.scratch,
             streams: self.config.read_streams_count(),
             stage: self.config.staged_merge_enabled(),
-            gives_up_after: CLIENT_GIVES_UP_AFTER,
+            gives_up_after: WAITS_FOR_EVERY_TRANSFER,
             failures: &self.call_failures,
             #[cfg(test)]
             copy_out_panics: false,

@@ -178,11 +178,6 @@ impl SessionTable {
             .is_some_and(|at| now.saturating_duration_since(at) < age)
     }
 
-    /// True when `s`'s session has at least a quarter of its lease left.
-    fn alive(&self, s: &KeySession, now: Instant) -> bool {
-        Self::renewed_within(s, now, self.lease.saturating_mul(3) / 4)
-    }
-
     /// True when `s`'s session may be joined without the master: started within half the
     /// lease.
     fn fresh(&self, s: &KeySession, now: Instant) -> bool {
@@ -249,42 +244,24 @@ impl SessionTable {
         let forgets = self.forgets.load(Ordering::Acquire);
         let asked = Instant::now();
         let started = client.start(&to_start);
-        let now = Instant::now();
         let mut table = self.keys.lock();
         let renewed = self.renewal(forgets, asked);
-        // Renewals that failed with the read going ahead under the session still open: one
-        // line per call (a master down fails every key's renewal alike, on every read).
-        let mut read_anyway: Option<(&str, StoreError, usize)> = None;
         for (k, r) in to_start.iter().zip(started) {
-            let r = match (r, table.get_mut(*k)) {
-                (Ok(()), _) => {
+            match &r {
+                Ok(()) => {
                     let s = table.entry((*k).to_owned()).or_default();
                     s.implicit += 1;
                     s.renewed = renewed.or(s.renewed);
-                    Ok(())
                 }
-                // A renewal that failed for a passing reason (the master slow or unreachable)
-                // while the session still has a quarter of its lease left: the read goes
-                // ahead under it, as it would have without the renewal. Not when the master
-                // says the object is gone (`NotFound`: removed, maybe discarded as bad): the
-                // replica the old session resolved may hold another object's bytes by now.
-                (Err(e), Some(s)) if self.alive(s, now) && passing(&e) => {
-                    match &mut read_anyway {
-                        Some((_, _, n)) => *n += 1,
-                        None => read_anyway = Some((*k, e, 1)),
-                    }
-                    s.implicit += 1;
-                    Ok(())
-                }
-                (Err(e), _) => Err(e),
-            };
+                // Mooncake's client erases a key's session when its start fails (whatever
+                // the reason: the master unreachable too), and a ranged read of a key with no
+                // session fails (`INVALID_PARAMS`): the read fails with the start's error, and
+                // no later read joins the key without starting it again.
+                Err(_) => lapse(&mut table, k),
+            }
             joined.results.insert((*k).to_owned(), r);
         }
         drop(table);
-        if let Some((first_key, error, keys)) = read_anyway {
-            warn!(keys, first_key, error = %error,
-                  "mooncake: renewing read sessions failed; reading under the ones still open");
-        }
         joined
     }
 
@@ -306,6 +283,16 @@ impl SessionTable {
             }
         }
         self.end_due(client);
+    }
+
+    /// Marks `keys`' sessions as not open at the client any more (a ranged read of them came
+    /// back `LEASE_EXPIRED`: the client erased the session): the next read of each starts it
+    /// again instead of joining it.
+    pub(super) fn lapsed(&self, keys: &[&str]) {
+        let mut table = self.keys.lock();
+        for k in keys {
+            lapse(&mut table, k);
+        }
     }
 
     /// When a start asked at `asked` renewed its keys' sessions, to record under the table's
@@ -416,9 +403,13 @@ impl SessionTable {
         let results = client.start(keys);
         if let Some(first) = results.iter().find_map(|r| r.as_ref().err()) {
             // No key enters or leaves the table without `calls`: what is absent now was
-            // opened by this call.
+            // opened by this call. The client erased the session of each key that failed
+            // (see `join_keys`).
             let opened: Vec<&str> = {
-                let table = self.keys.lock();
+                let mut table = self.keys.lock();
+                for (k, _) in keys.iter().zip(&results).filter(|(_, r)| r.is_err()) {
+                    lapse(&mut table, k);
+                }
                 keys.iter()
                     .zip(&results)
                     .filter(|(k, r)| r.is_ok() && !table.contains_key(**k))
@@ -581,13 +572,11 @@ fn start_sessions(client: &Client, keys: &[&str]) -> Vec<Result<(), StoreError>>
     out
 }
 
-/// A failure that may pass: the master slow or unreachable (a session still open may be read
-/// under), not an answer about the object.
-fn passing(e: &StoreError) -> bool {
-    matches!(
-        e.failure(),
-        kv_loader::StoreFailure::Unavailable | kv_loader::StoreFailure::RpcTimeout
-    )
+/// Forgets when `key`'s session was started, if the table has it: the next read starts it.
+fn lapse(table: &mut HashMap<String, KeySession>, key: &str) {
+    if let Some(s) = table.get_mut(key) {
+        s.renewed = None;
+    }
 }
 
 #[cfg(test)]
@@ -740,24 +729,30 @@ mod tests {
         assert!(!master.in_session("k"), "ended once the forgetting let go");
     }
 
-    /// Before, any failed renewal of a session with a quarter of its lease left let the read
-    /// go ahead under the old one, also when the master said the object is gone: only a
-    /// passing failure (the master slow or unreachable) does now.
+    /// Before, a failed renewal of a session with a quarter of its lease left let the read go
+    /// ahead under the old one when the failure could pass (the master slow or unreachable).
+    /// Mooncake's client erases a key's session when its start fails, whatever the reason, so
+    /// such a read failed `INVALID_PARAMS` at the client: every failed renewal fails the read
+    /// with its own error now, and the next read starts the key again.
     #[test]
-    fn a_renewal_that_finds_the_object_gone_fails_the_read() {
+    fn a_failed_renewal_fails_the_read_whatever_the_reason() {
         let master = counting();
         let table = SessionTable::with_lease(Duration::from_secs(6));
         let first = table.join(&master, &["k"]);
-        // Past half the lease (a renewal is asked), within three quarters (still alive), with
-        // more than a second of room either way for a loaded machine.
+        // Past half the lease (a renewal is asked), within three quarters (where the read
+        // went ahead before), with more than a second of room either way.
         std::thread::sleep(Duration::from_millis(3300));
         *master.answer.lock() = Some(StoreError::Unavailable {
             detail: "injected".into(),
         });
         let passing = table.join(&master, &["k"]);
         assert!(
-            matches!(passing.result("k"), Some(Ok(()))),
-            "read under the open one"
+            matches!(
+                passing.result("k"),
+                Some(Err(StoreError::Unavailable { .. }))
+            ),
+            "{:?}",
+            passing.result("k")
         );
         *master.answer.lock() = Some(StoreError::NotFound { key: "k".into() });
         let gone = table.join(&master, &["k"]);
@@ -767,6 +762,36 @@ mod tests {
             gone.result("k")
         );
         drop((first, passing, gone));
+    }
+
+    /// Before, a key whose explicit start failed (the client erased its session) was still
+    /// joined without the master by the next read for the rest of half the lease (a read
+    /// of it then failed at the client); so was a key whose read came back `LEASE_EXPIRED`.
+    #[test]
+    fn a_key_whose_session_the_client_erased_is_started_again_by_the_next_read() {
+        let master = counting();
+        let table = SessionTable::with_lease(Duration::from_secs(10));
+        let held = table.join(&master, &["k"]);
+        *master.answer.lock() = Some(StoreError::RpcTimeout { key: "k".into() });
+        assert!(table.start(&master, &["k"]).is_err());
+        *master.answer.lock() = None;
+        let after_start = table.join(&master, &["k"]);
+        assert_eq!(master.starts.load(Ordering::Relaxed), 3, "asked again");
+        assert!(matches!(after_start.result("k"), Some(Ok(()))));
+        drop(table.join(&master, &["k"]));
+        assert_eq!(
+            master.starts.load(Ordering::Relaxed),
+            3,
+            "fresh again: joined"
+        );
+        table.lapsed(&["k"]);
+        drop(table.join(&master, &["k"]));
+        assert_eq!(
+            master.starts.load(Ordering::Relaxed),
+            4,
+            "lapsed: asked again"
+        );
+        drop((held, after_start));
     }
 
     /// Stress: threads join and leave (ranged reads) and start and end (explicit sessions)
@@ -1145,31 +1170,31 @@ mod tests {
         }
     }
 
-    /// A renewal that fails while the session still has a quarter of its lease left lets
-    /// the read go ahead under it (as before renewals); past that, the read fails with the
-    /// renewal's error.
+    /// A renewal that fails fails the read with its error (the client erased the session),
+    /// and once the master answers again the next read starts the key again.
     #[test]
-    fn a_failed_renewal_reads_under_a_session_with_lease_left() {
+    fn a_failed_renewal_of_an_explicit_session_fails_the_read_until_the_master_answers() {
         let master = FlakyMaster::default();
         // Windows of a second or more, for a loaded machine's late wake-ups.
         let lease = Duration::from_secs(4);
         let table = SessionTable::with_lease(lease);
         let token = table.start(&master, &["a"]).unwrap();
         master.failing.store(true, Ordering::Relaxed);
-        // Past half the lease, before three quarters: renewed, which fails; read anyway.
+        // Past half the lease: renewed, which fails (before, the read went ahead until three
+        // quarters of the lease).
         std::thread::sleep(Duration::from_millis(2200));
         let joined = table.join(&master, &["a"]);
-        assert_eq!(joined.result("a"), Some(&Ok(())));
-        drop(joined);
-        // Past three quarters: the renewal's error.
-        std::thread::sleep(Duration::from_millis(1200));
-        let joined = table.join(&master, &["a"]);
-        assert!(matches!(
-            joined.result("a"),
-            Some(Err(StoreError::RpcTimeout { .. }))
-        ));
+        assert!(
+            matches!(joined.result("a"), Some(Err(StoreError::RpcTimeout { .. }))),
+            "{:?}",
+            joined.result("a")
+        );
         drop(joined);
         master.failing.store(false, Ordering::Relaxed);
+        let joined = table.join(&master, &["a"]);
+        assert_eq!(joined.result("a"), Some(&Ok(())));
+        assert!(master.inner.in_session("a"));
+        drop(joined);
         table.end(&master, token).unwrap();
         assert!(table.keys.lock().is_empty());
     }

@@ -262,6 +262,7 @@ fn too_long(total: u64) -> Option<&'static str> {
 /// | NO_AVAILABLE_HANDLE (-200), BUFFER_OVERFLOW, quota/limit codes | `NoSpace` |
 /// | OBJECT_HAS_LEASE (-706), LEASE_EXPIRED (-707) | `Lease` |
 /// | REPLICA_IS_NOT_READY (-703), OBJECT_REPLICA_BUSY (-714): a put still in progress | `Lease` |
+/// | ILLEGAL_CLIENT (-601): another client put the key since our put started | `Lease` |
 /// | TRANSFER_FAIL (-800), CHECKSUM_MISMATCH, WRITE_FAIL | `TransferFailed` |
 /// | RPC_TIMEOUT (-901) | `RpcTimeout` |
 /// | RPC_FAIL (-900), SEGMENT/CLIENT_NOT_FOUND, UNAVAILABLE_* | `Unavailable` |
@@ -310,6 +311,14 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
 /// client gave up on.
 pub(super) const CLIENT_GIVES_UP_AFTER: Duration = mooncake_sys::CLIENT_GIVES_UP_AFTER;
 
+/// The client's give-up time of a call that waits for every transfer it submitted, however
+/// long they take: Mooncake's ranged read (`batch_get_into_multi_buffer_ranges`, a scatter
+/// transfer whose wait has no time limit). Such a call that failed late left nothing running:
+/// it is never taken as abandoned for its time (only when the shim cut it short). Its time is
+/// bounded by the caller's deadline alone (`StoreCalls`: the caller is answered `Overdue`,
+/// the worker stays with the call until the wheel returns).
+pub(super) const WAITS_FOR_EVERY_TRANSFER: Duration = Duration::MAX;
+
 /// How a wheel call ended, for [`mark_abandoned`]: after how long, on both clocks the client's
 /// give-up depends on (see [`mooncake_sys::CallClock`]), and whether the shim cut it short
 /// ([`MooncakeError::cut_short`]: an exception caught inside the call).
@@ -350,7 +359,8 @@ fn mark_abandoned_after<T>(
             format!("{e}: the call was cut short by an exception; its transfers may still run")
         });
     }
-    if !end.span.past(limit) {
+    // `WAITS_FOR_EVERY_TRANSFER`: the call returns only once each of its transfers ended.
+    if limit == WAITS_FOR_EVERY_TRANSFER || !end.span.past(limit) {
         return false;
     }
     abandon_failures(call, keys, results, |e| match e {
@@ -454,7 +464,7 @@ fn panicked_call(
     limit: Duration,
 ) -> StoreError {
     let took = span.monotonic;
-    if span.past(limit) {
+    if limit != WAITS_FOR_EVERY_TRANSFER && span.past(limit) {
         StoreError::Abandoned {
             key: key.to_owned(),
             call,
@@ -820,6 +830,15 @@ unsafe impl KvStore for MooncakeStore {
                 out[i] = failed_placeholder(keys[i]);
             }
             self.read_streamed(gets, &readable, &mut out, sums);
+            // A read under a session whose lease ran out erased it at the client.
+            let lapsed: Vec<&str> = readable
+                .iter()
+                .filter(|&&i| matches!(out[i], Err(StoreError::Lease { .. })))
+                .map(|&i| keys[i])
+                .collect();
+            if !lapsed.is_empty() {
+                self.sessions.lapsed(&lapsed);
+            }
         }
         out
     }
@@ -1355,10 +1374,11 @@ mod tests {
     }
 
     /// Before, the master's "replica not ready" / "replica busy" (a put of the object still in
-    /// progress, as when a load races a save) came back as `Other`, a permanent failure.
+    /// progress, as when a load races a save) came back as `Other`, a permanent failure; so
+    /// did "illegal client" (another client put the key again since this one's put started).
     #[test]
     fn a_replica_still_being_put_is_a_retryable_failure() {
-        for code in [mooncake_sys::ErrorCode(-703), mooncake_sys::ErrorCode(-714)] {
+        for code in [-703, -714, -601].map(mooncake_sys::ErrorCode) {
             let e = code_error("k", code);
             assert!(e.failure().is_retryable(), "{code}: {e:?}");
         }
@@ -1501,6 +1521,62 @@ mod tests {
         );
         assert_eq!(late[2], Err(StoreError::NotFound { key: "n".into() }));
         assert_eq!(late[3], results()[3]);
+    }
+
+    /// Mooncake's ranged read waits for every transfer of its scatter with no time limit:
+    /// one that failed after a minute, or across a wall-clock step, left nothing running.
+    /// Before, it was taken as abandoned (its memory kept for good, the transfer gate closed to
+    /// unregistering for the process's life) as a whole-object read's is.
+    #[test]
+    fn a_late_ranged_read_left_nothing_running() {
+        let failed = || -> Vec<Result<u64, StoreError>> {
+            vec![Err(StoreError::TransferFailed {
+                key: "k".into(),
+                code: -800,
+            })]
+        };
+        for span in [
+            mooncake_sys::CallSpan {
+                monotonic: Duration::from_secs(600),
+                wall: Some(Duration::from_secs(600)),
+            },
+            mooncake_sys::CallSpan {
+                monotonic: Duration::from_millis(200),
+                wall: None,
+            },
+        ] {
+            let end = CallEnd {
+                span,
+                cut_short: false,
+            };
+            let mut results = failed();
+            assert!(!mark_abandoned_after(
+                "batch_get_ranges",
+                end,
+                WAITS_FOR_EVERY_TRANSFER,
+                &["k"],
+                &mut results
+            ));
+            assert_eq!(results, failed(), "{span:?}");
+            let mut whole = failed();
+            assert!(mark_abandoned("batch_get_into", end, &["k"], &mut whole));
+        }
+        // Cut short by an exception inside the call: its transfers may not have been waited.
+        let mut results = failed();
+        let cut = CallEnd {
+            span: mooncake_sys::CallSpan {
+                monotonic: Duration::from_millis(1),
+                wall: Some(Duration::from_millis(1)),
+            },
+            cut_short: true,
+        };
+        assert!(mark_abandoned_after(
+            "batch_get_ranges",
+            cut,
+            WAITS_FOR_EVERY_TRANSFER,
+            &["k"],
+            &mut results
+        ));
     }
 
     /// A key another writer put first (OBJECT_ALREADY_EXISTS) is present, not failed, and no
