@@ -171,3 +171,32 @@ fn ranks_of_different_namespaces_never_land_each_others_objects() {
         linker.close().unwrap();
     }
 }
+
+/// Requests of one prompt under different LoRA adapters (or images behind the same
+/// placeholder tokens) must not share objects: their page hashes, chained from a salt naming
+/// the adapter, find only their own saves, and a plain lookup of the tokens finds neither.
+#[test]
+fn pages_chained_from_different_salts_never_hit_each_other() {
+    use kvlink::kv_geometry::{page_hashes, PageHash};
+    let spec = named("deepseek-ai/DeepSeek-V3", ElementType::Fp8E4m3);
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 26));
+    let tokens = prompt(4, 2, 64);
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let pool = Arc::new(HostKvPool::new(g.clone(), 4).unwrap());
+    let linker = Linker::new(g.clone(), store, pool, LinkerConfig::default()).unwrap();
+    let salted = |adapter: &[u8]| page_hashes(&tokens, 64, Some(PageHash::salt(adapter)));
+    let a = salted(b"lora:a");
+    linker.save(&load_plan(&g, 0, &a, vec![0, 1])).unwrap();
+    assert_eq!(linker.lookup_pages(&a, 0).unwrap().pages, a);
+    assert!(linker
+        .lookup_pages(&salted(b"lora:b"), 0)
+        .unwrap()
+        .pages
+        .is_empty());
+    let plain = LookupRequest {
+        tokens: &tokens,
+        skip_pages: 0,
+    };
+    assert!(linker.lookup(&plain).unwrap().pages.is_empty());
+    linker.close().unwrap();
+}

@@ -22,6 +22,31 @@ impl PageHash {
         PageHash(h.finalize().into())
     }
 
+    /// The hash to chain a request's first page from (`page_hashes(tokens, page_size,
+    /// Some(PageHash::salt(extra)))`) when its KV depends on more than its tokens: a LoRA
+    /// adapter, the images behind placeholder tokens, anything else the engine's attention
+    /// inputs depend on. `extra` names it (an adapter's id, the images' content hashes, in a
+    /// fixed order); requests of one prompt with different `extra` then never share a page's
+    /// objects. SHA-256 of a kvlink domain tag, `extra`'s length and `extra`: it differs from
+    /// every page hash of plain tokens unless those tokens' bytes spell the tag.
+    ///
+    /// ```
+    /// use kv_geometry::{page_hashes, PageHash};
+    /// let tokens: Vec<u32> = (0..128).collect();
+    /// let plain = page_hashes(&tokens, 64, None);
+    /// let lora_a = page_hashes(&tokens, 64, Some(PageHash::salt(b"lora:adapter-a")));
+    /// let lora_b = page_hashes(&tokens, 64, Some(PageHash::salt(b"lora:adapter-b")));
+    /// assert!(plain.iter().all(|p| !lora_a.contains(p)));
+    /// assert!(lora_a.iter().all(|p| !lora_b.contains(p)));
+    /// ```
+    pub fn salt(extra: &[u8]) -> PageHash {
+        let mut h = Sha256::new();
+        h.update(b"kvlink page salt v1\0");
+        h.update((extra.len() as u64).to_le_bytes());
+        h.update(extra);
+        PageHash(h.finalize().into())
+    }
+
     /// Lower-case hex, 64 characters.
     pub fn to_hex(&self) -> String {
         const HEX: &[u8; 16] = b"0123456789abcdef";
