@@ -65,6 +65,10 @@ pub struct LinkerConfig {
     /// companion is there). One without a companion under another namespace, which other
     /// writers may share, is left in place (logged at `warn`): a writer of another geometry
     /// (SGLang with MTP draft layers) writes other sizes, and its cache is not ours to remove.
+    /// Off, an object without a checksum companion (SGLang's) is checked by nothing at all:
+    /// its "length-only" check is of the ranges read, which are as long as the geometry asks
+    /// whatever the object holds, so a larger object laid out otherwise lands its wrong bytes.
+    /// Turn it off only where every object has a companion, or the namespace is kvlink's alone.
     pub verify_object_sizes: bool,
     /// Check each (object, layer) range against the checksums kvlink wrote beside the object
     /// before the layer is reported loaded (objects without them, e.g. written by SGLang, are
