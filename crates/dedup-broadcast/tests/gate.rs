@@ -154,14 +154,19 @@ fn digest_is_xxh3_128_of_the_canonical_bytes_whatever_the_piece_sizes() {
             request: kv_loader::RequestId("x".repeat(id_len)),
             pages: (0..200).map(page).collect(),
         });
-        let expected = xxhash_rust::xxh3::xxh3_128_with_seed(
-            &p.canonical_bytes(),
-            dedup_broadcast::PLAN_DIGEST_SEED,
-        );
+        // The key space, length-prefixed, then the plan's canonical bytes.
+        let digest_of = |space: &[u8]| {
+            let mut bytes = (space.len() as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(space);
+            bytes.extend_from_slice(&p.canonical_bytes());
+            xxhash_rust::xxh3::xxh3_128_with_seed(&bytes, dedup_broadcast::PLAN_DIGEST_SEED)
+                .to_le_bytes()
+        };
+        assert_eq!(plan_digest(&p), digest_of(b""), "id of {id_len} bytes");
         assert_eq!(
-            plan_digest(&p),
-            expected.to_le_bytes(),
-            "id of {id_len} bytes"
+            dedup_broadcast::plan_digest_in(&p, b"glm-5.2/tag"),
+            digest_of(b"glm-5.2/tag"),
+            "id of {id_len} bytes, in a key space"
         );
     }
 }
