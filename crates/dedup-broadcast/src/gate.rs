@@ -412,9 +412,13 @@ pub enum LookupAgreement {
 
 const LOOKUP_WORD: usize = 24;
 
+/// Seed of [`lookup_digest`]: the plan digest's first seed with "look" mixed in, kept when
+/// the plan digest's definition (and seed) changed, as the lookup digest's did not.
+const LOOKUP_DIGEST_SEED: u64 = 0x6b76_6c69_6e6b_0001 ^ 0x6c6f_6f6b; // "look"
+
 /// The digest of a lookup's candidate pages (after the engine's own `first_page`).
 pub fn lookup_digest(first_page: u64, candidates: &[kv_geometry::PageHash]) -> [u8; 16] {
-    let mut h = Xxh3::with_seed(PLAN_DIGEST_SEED ^ 0x6c6f_6f6b); // "look"
+    let mut h = Xxh3::with_seed(LOOKUP_DIGEST_SEED);
     h.update(&first_page.to_le_bytes());
     h.update(&(candidates.len() as u64).to_le_bytes());
     for p in candidates {

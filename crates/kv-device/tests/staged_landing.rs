@@ -1154,7 +1154,9 @@ fn own_landing(r: &Rig, slots: &[u32]) -> Result<StagedLanding, DeviceError> {
 #[test]
 fn a_landing_waits_for_a_save_to_give_the_staging_back() {
     let r = rig(CpuDeviceConfig::default(), 16, 5, 1);
-    let f = StagedLandingFactory::new(r.pool.clone(), r.staging.clone());
+    // A wait far past the save's hold, for a loaded machine's late wake-ups.
+    let f = StagedLandingFactory::new(r.pool.clone(), r.staging.clone())
+        .with_lease_wait(Duration::from_secs(20));
     let shape = || BatchShape::own_only(all(&r.g));
     let save = f.begin_save(vec![1, 2].into()).unwrap();
     let quick = StagedLandingFactory::new(r.pool.clone(), r.staging.clone())

@@ -258,6 +258,14 @@ pub trait LayerLanding: Send + Sync {
         self.settle()
     }
 
+    /// [`settle`](Self::settle), waiting until `deadline` at most (and never past the
+    /// landing's own limit): for a rank whose peers wait for its next word within their own
+    /// bound. The default is `settle`.
+    fn settle_by(&self, deadline: std::time::Instant) -> Result<(), DeviceError> {
+        let _ = deadline;
+        self.settle()
+    }
+
     /// Bytes moved so far, per model layer, by direction.
     fn transfers(&self) -> Vec<TransferBytes>;
 

@@ -396,7 +396,20 @@ impl StagedLanding {
     /// `idle`) for the copies into the slots; when they have not all finished, keeps the
     /// slots claimed until they do.
     fn settle_idle(&self, idle: Option<Duration>) -> Result<(), DeviceError> {
-        let (settled, until) = self.wait_slot_copies(kv_loader::deadline_after(self.drain), idle);
+        self.settle_until(kv_loader::deadline_after(self.drain), idle)
+    }
+
+    /// [`settle_idle`](Self::settle_idle) waiting until `deadline` at most. A landing whose
+    /// earlier settle timed out answers at once: its copies are known unfinished and its slots
+    /// held until they end (a second wait of the whole limit would only delay the outcome).
+    fn settle_until(&self, deadline: Instant, idle: Option<Duration>) -> Result<(), DeviceError> {
+        if self.slots_held.load(Ordering::Acquire) {
+            return Err(DeviceError::Timeout {
+                what: "the batch's copies into its slots (an earlier settle timed out)",
+                waited: Duration::ZERO,
+            });
+        }
+        let (settled, until) = self.wait_slot_copies(deadline, idle);
         if settled.is_err() {
             // The device has not run them within the drain limit: the drop quarantines the
             // lease with its fences at once, rather than wait the limit out again.
@@ -762,6 +775,10 @@ impl LayerLanding for StagedLanding {
 
     fn settle_unless_stalled(&self, idle: Duration) -> Result<(), DeviceError> {
         self.settle_idle(Some(idle))
+    }
+
+    fn settle_by(&self, deadline: Instant) -> Result<(), DeviceError> {
+        self.settle_until(deadline.min(kv_loader::deadline_after(self.drain)), None)
     }
 
     fn poison(&self, stage: &mut LayerStage) {

@@ -346,7 +346,8 @@ impl StagingPool {
 
     /// [`lease`](Self::lease), waiting up to `wait` for a buffer to come back (a save's
     /// gather or another batch ending, a quarantined buffer's work ending: looked at every 2 ms
-    /// while one is quarantined) before it fails [`DeviceError::Alloc`].
+    /// while one is quarantined) before it fails [`DeviceError::Alloc`]; at once where every
+    /// buffer is quarantined for good (no event tells when its work ends).
     ///
     /// ```
     /// use std::time::Duration;
@@ -368,7 +369,11 @@ impl StagingPool {
         loop {
             self.reclaim();
             // Looked at before `free` is locked: `reclaim` locks quarantine, then free.
-            let polling = !self.quarantine.lock().is_empty();
+            let (polling, held_for_good) = {
+                let q = self.quarantine.lock();
+                let for_good = q.iter().filter(|q| q.fences.is_none()).count();
+                (!q.is_empty(), for_good)
+            };
             let mut free = self.free.lock();
             if let Some(pair) = free.pop() {
                 if waited {
@@ -379,7 +384,12 @@ impl StagingPool {
                     pair: Some(pair),
                 });
             }
-            let left = wait.saturating_sub(start.elapsed());
+            // Every buffer held for good (no event will say its work ended): none comes back.
+            let left = if held_for_good >= self.count {
+                Duration::ZERO
+            } else {
+                wait.saturating_sub(start.elapsed())
+            };
             if left.is_zero() {
                 drop(free);
                 if wait > Duration::ZERO {
@@ -387,7 +397,9 @@ impl StagingPool {
                         ?wait,
                         capacity = self.count,
                         quarantined = self.quarantine.lock().len(),
-                        "no staging buffer came back within the wait"
+                        held_for_good,
+                        "no staging buffer came back within the wait (none can where every \
+                         buffer is held for good)"
                     );
                 }
                 return Err(DeviceError::Alloc {
@@ -396,11 +408,13 @@ impl StagingPool {
                            quarantined through the wait)",
                 });
             }
-            let nap = if polling {
-                left.min(QUARANTINE_POLL)
+            // Capped even with nothing quarantined: a buffer quarantined between the look above
+            // and this wait notifies before the wait began.
+            let nap = left.min(if polling {
+                QUARANTINE_POLL
             } else {
-                left
-            };
+                UNPOLLED_NAP
+            });
             self.returned.wait_for(&mut free, nap);
             waited = true;
         }
@@ -410,6 +424,10 @@ impl StagingPool {
 /// How often a [`StagingPool::lease_within`] looks at quarantined buffers' work (their
 /// events cannot wake it).
 pub(crate) const QUARANTINE_POLL: Duration = Duration::from_millis(2);
+
+/// The longest a [`StagingPool::lease_within`] sleeps between looks with nothing quarantined
+/// (a return wakes it at once).
+const UNPOLLED_NAP: Duration = Duration::from_millis(50);
 
 impl Drop for StagingPool {
     fn drop(&mut self) {
@@ -699,6 +717,22 @@ mod tests {
         assert!(lease.is_ok(), "{:?}", lease.err());
         assert!(t0.elapsed() < std::time::Duration::from_secs(10));
         assert_eq!(pool.quarantined(), 0);
+    }
+
+    /// A pool whose every buffer is held for good fails a waiting lease at once: none will
+    /// come back, and each batch would otherwise wait the whole lease wait.
+    #[test]
+    fn a_waiting_lease_fails_at_once_when_every_buffer_is_held_for_good() {
+        let pool = pool_of_one();
+        pool.lease().unwrap().quarantine(Vec::new(), Vec::new());
+        let t0 = std::time::Instant::now();
+        let got = pool.lease_within(std::time::Duration::from_secs(20));
+        assert!(matches!(got, Err(DeviceError::Alloc { .. })));
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            t0.elapsed()
+        );
     }
 
     /// Before, a fence whose query failed counted as completed, and its buffer was leased

@@ -122,11 +122,12 @@ pub struct MetricsSnapshot {
     /// Store calls that did not return by their deadline, the landing memory's
     /// registrations and unregistrations included (filled by `Linker::metrics`).
     pub overdue_calls: u64,
-    /// Staging buffers of this linker's landings held back now because device work or a
-    /// store read may still use them (a device pool's staging; zero on a host pool), filled
-    /// by `Linker::metrics`: each is one fewer buffer for loads and saves. One that stays is
-    /// held for good (its work's end is unknown) and its batches fail for want of a buffer
-    /// once none is left; the logs name the work that holds it.
+    /// Staging buffers of the staging pool this linker's landings lease from, held back now
+    /// because device work or a store read may still use them (a device pool's staging; zero
+    /// on a host pool), filled by `Linker::metrics` (linkers sharing one staging pool report
+    /// the same figure): each is one fewer buffer for loads and saves. One that stays is held
+    /// for good (its work's end is unknown), and once every buffer is, each batch fails at
+    /// once for want of one; the logs name the work that holds each.
     pub staging_quarantined: u64,
     /// Memory kept for good in this process (every store, linker and NCCL group of it): how
     /// many times memory was kept (one store call whose transfer the store gave up on may keep

@@ -322,19 +322,25 @@ impl LayerPipeline<'_> {
         .err()
     }
 
-    /// Waits for the copies this rank's landing queued into the slots (bounded by the
-    /// landing's drain limit) before a verdict says every layer landed: an engine that frees
-    /// the slots after an `Ok` outcome (an aborted request) reuses them on a stream nothing
-    /// orders after those copies. Copies that did not finish in time are this rank's failure,
-    /// carried by the verdict word to every rank (a peer that gave up waiting for the word
-    /// aborts the group: the batch fails everywhere too); the slots stay claimed until the
-    /// copies end.
+    /// Waits for the copies this rank's landing queued into the slots before a verdict says
+    /// every layer landed: an engine that frees the slots after an `Ok` outcome (an aborted
+    /// request) reuses them on a stream nothing orders after those copies. Bounded by the
+    /// landing's drain limit, and in a group by half `collective_timeout` (the peers wait for
+    /// the verdict word that long from their own arrival, about now): copies that did not
+    /// finish by then are this rank's failure, carried by the verdict word to every rank; the
+    /// slots stay claimed until the copies end.
     fn settle_loaded(&self) -> Result<(), KvLoadError> {
         let Some(landing) = self.landing else {
             return Ok(());
         };
         let batch = self.job.plan.logical.batch;
-        landing.settle().map_err(|d| {
+        let settled = match self.coll {
+            Some(_) => landing.settle_by(kv_loader::deadline_after(
+                self.inner.config.collective_timeout / 2,
+            )),
+            None => landing.settle(),
+        };
+        settled.map_err(|d| {
             tracing::error!(%batch, device = %d,
                 "every layer of the batch was queued, but its copies into the slots did not \
                  finish in time");

@@ -280,11 +280,12 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
             key,
             detail: code.to_string(),
         },
-        // The object's put is still in progress (a load or prefetch racing a save): it may
-        // be ready a moment later, as a held lease lets go.
+        // The object's put is still in progress (a load or prefetch racing a save), or
+        // another client's put of it took over this one's: it may be ready a moment later,
+        // as a held lease lets go.
         ErrorKind::Busy => StoreError::Lease {
             key,
-            detail: format!("{code} (a put of it still in progress)"),
+            detail: format!("{code} (a put of it in progress, this client's or another's)"),
         },
         ErrorKind::Transfer => StoreError::TransferFailed {
             key,
