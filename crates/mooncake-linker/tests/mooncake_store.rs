@@ -57,6 +57,25 @@ fn get_one(store: &dyn KvStore, key: &str, cap: usize) -> Result<Vec<u8>, StoreE
     Ok(buf)
 }
 
+/// One ranged read of `key`'s first `len` bytes (through its read session).
+fn ranged_one(store: &dyn KvStore, key: &str, len: usize) -> Result<Vec<u8>, StoreError> {
+    let mut buf = vec![0u8; len];
+    let get = RangedGet {
+        key,
+        ranges: [ReadRange {
+            dst: buf.as_mut_ptr(),
+            len,
+            offset: 0,
+        }]
+        .into_iter()
+        .collect(),
+    };
+    // SAFETY: `buf` is valid for writes of `len` bytes and not otherwise accessed.
+    let n = unsafe { store.get_ranges(&[get]) }.remove(0)?;
+    buf.truncate(n as usize);
+    Ok(buf)
+}
+
 /// Runs the wheel's Python client on `script`, bounded: `timeout` ends it after two minutes
 /// (a hung client would hold the test for good).
 fn python(script: &str, args: &[&str]) -> std::process::Output {
@@ -818,6 +837,87 @@ fn master_killed_mid_batch_is_a_typed_error_in_bounded_time() {
     report(&format!(
         "master killed: first failed batch after {elapsed:?} ({err}); health unavailable after {:?}",
         killed_at.elapsed()
+    ));
+}
+
+/// A master that crashes and is restarted on its port by its supervisor (empty: it lost its
+/// objects and segments). The client must come back to it without a new store: its calls are
+/// typed errors meanwhile, then answer again (the lost objects missing), a put is written and
+/// reads back byte for byte, and a read of a lost object fails rather than returning bytes.
+#[test]
+fn a_master_restarted_on_its_port_serves_the_client_again() {
+    if !available(
+        "a_master_restarted_on_its_port_serves_the_client_again",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let mut master = PrivateMaster::start(&[]);
+    let store = MooncakeStore::connect(master.config(64 << 20)).expect("connect");
+    const SIZE: usize = 256 << 10;
+    let lost = unique("restart-lost");
+    let lost_data = pattern(8, SIZE);
+    let data = pattern(9, SIZE);
+    put_one(&store, &lost, &lost_data).unwrap();
+    assert_eq!(get_one(&store, &lost, SIZE).unwrap(), lost_data);
+    // A ranged read opens the key's read session (the store joins it without the master for
+    // half the lease).
+    assert_eq!(ranged_one(&store, &lost, SIZE).unwrap(), lost_data);
+    let restarted_at = Instant::now();
+    master.restart();
+    // Bounded: the client answers again within a minute (its heartbeat reconnects, then
+    // remounts its segment).
+    let fresh = unique("restart-fresh");
+    let by = restarted_at + Duration::from_secs(60);
+    let mut last = None;
+    let written = loop {
+        assert!(
+            Instant::now() < by,
+            "no put written a minute after the restart: {last:?}"
+        );
+        match put_one(&store, &fresh, &data) {
+            Ok(outcome) => break outcome,
+            Err(e) => {
+                assert!(
+                    matches!(
+                        e,
+                        StoreError::Unavailable { .. }
+                            | StoreError::RpcTimeout { .. }
+                            | StoreError::NoSpace { .. }
+                            | StoreError::TransferFailed { .. }
+                            | StoreError::Other { .. }
+                    ),
+                    "{e:?}"
+                );
+                last = Some(e);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
+    let served_after = restarted_at.elapsed();
+    assert_eq!(written, PutOutcome::Written);
+    assert_eq!(get_one(&store, &fresh, SIZE).unwrap(), data);
+    // The session of the lost key, opened before the restart: a ranged read of it must not
+    // return bytes (the remounted segment's space may hold the fresh object by now).
+    let ranged = ranged_one(&store, &lost, SIZE);
+    assert!(
+        ranged.is_err(),
+        "a lost object's ranged read returned bytes {:.1} s after its session began (the \
+         fresh object's: {})",
+        restarted_at.elapsed().as_secs_f64(),
+        ranged.as_ref().is_ok_and(|b| *b == data)
+    );
+    assert_eq!(
+        store.exists(&[&lost])[0],
+        Ok(false),
+        "the restarted master lost it"
+    );
+    assert!(
+        get_one(&store, &lost, SIZE).is_err(),
+        "a lost object's read returned bytes"
+    );
+    report(&format!(
+        "master restarted: first put written after {served_after:?} (last error before: {last:?})"
     ));
 }
 

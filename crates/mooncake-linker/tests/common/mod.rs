@@ -59,16 +59,40 @@ pub struct PrivateMaster {
     pub addr: String,
     metrics: String,
     log: PathBuf,
+    /// The ports and extra arguments it was started with (a restart reuses them).
+    ports: [u16; 2],
+    extra: Vec<String>,
 }
 
 impl PrivateMaster {
     pub fn start(extra: &[&str]) -> Self {
-        let bin = env("MOONCAKE_MASTER_BIN").expect("MOONCAKE_MASTER_BIN");
         let [port, metrics] = free_ports::<2>();
         let log = std::env::temp_dir().join(format!("kvlink-master-{port}.log"));
+        // Built before the wait, so that a master that never listens is killed (on drop) by
+        // the wait's own failure too.
+        let mut master = Self {
+            child: None,
+            addr: format!("127.0.0.1:{port}"),
+            metrics: format!("127.0.0.1:{metrics}"),
+            log,
+            ports: [port, metrics],
+            extra: extra.iter().map(|a| (*a).to_owned()).collect(),
+        };
+        master.spawn();
+        master
+    }
+
+    /// Starts the master process on its ports and waits (bounded) until it listens.
+    fn spawn(&mut self) {
+        let bin = env("MOONCAKE_MASTER_BIN").expect("MOONCAKE_MASTER_BIN");
+        let [port, metrics] = self.ports;
         // One file for both streams (two `create`s would each write from offset 0 over the
-        // other's lines).
-        let out = std::fs::File::create(&log).unwrap();
+        // other's lines); a restart appends.
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
         let err = out.try_clone().unwrap();
         let child = Command::new(bin)
             .arg("--rpc_address=127.0.0.1")
@@ -76,32 +100,30 @@ impl PrivateMaster {
             .arg("--metrics_host=127.0.0.1")
             .arg(format!("--metrics_port={metrics}"))
             .arg("--enable_http_metadata_server=false")
-            .args(extra)
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(Stdio::from(err))
             .spawn()
             .expect("start mooncake_master");
-        let addr = format!("127.0.0.1:{port}");
-        // Built before the wait, so that a master that never listens is killed (on drop) by
-        // the wait's own failure too.
-        let master = Self {
-            child: Some(child),
-            addr,
-            metrics: format!("127.0.0.1:{metrics}"),
-            log,
-        };
+        self.child = Some(child);
         let deadline = kv_loader::deadline_after(Duration::from_secs(20));
-        while TcpStream::connect(&master.addr).is_err() {
+        while TcpStream::connect(&self.addr).is_err() {
             assert!(
                 Instant::now() < deadline,
                 "private master not listening on {}; log {}",
-                master.addr,
-                master.log.display()
+                self.addr,
+                self.log.display()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        master
+    }
+
+    /// SIGKILL, then a fresh master (empty: no objects, no segments) on the same ports, as a
+    /// master process that crashed and was restarted by its supervisor.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
     }
 
     /// The master's counter `name` from its Prometheus endpoint (`GET /metrics` on the
