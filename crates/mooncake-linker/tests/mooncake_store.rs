@@ -840,6 +840,66 @@ fn master_killed_mid_batch_is_a_typed_error_in_bounded_time() {
     ));
 }
 
+/// What the host process's signal handling is for the signals the wheel's `ResourceTracker`
+/// takes when it finds no Python (SIGINT, SIGTERM, SIGHUP): blocked in this thread, and the
+/// handler installed.
+fn signal_state() -> Vec<(i32, bool, usize)> {
+    [libc::SIGINT, libc::SIGTERM, libc::SIGHUP]
+        .into_iter()
+        .map(|sig| {
+            // SAFETY: plain queries: `sigset_t` and `sigaction` are plain data the calls fill;
+            // a null new-set / new-action changes nothing.
+            unsafe {
+                let mut mask: libc::sigset_t = std::mem::zeroed();
+                assert_eq!(
+                    libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut mask),
+                    0
+                );
+                let mut action: libc::sigaction = std::mem::zeroed();
+                assert_eq!(libc::sigaction(sig, std::ptr::null(), &mut action), 0);
+                (sig, libc::sigismember(&mask, sig) == 1, action.sa_sigaction)
+            }
+        })
+        .collect()
+}
+
+/// The wheel's `ResourceTracker`, when it finds no Python in the process, blocks SIGINT,
+/// SIGTERM and SIGHUP in the thread that creates the first client (threads spawned from it
+/// inherit the mask) and takes them on a thread of its own, which tears the clients down and
+/// ends the process: an engine's own graceful shutdown on SIGTERM would never run. The shim
+/// makes Python visible to it; a wheel upgrade that changes that fails here.
+#[test]
+fn connecting_a_client_leaves_the_processs_signals_alone() {
+    if !available(
+        "connecting_a_client_leaves_the_processs_signals_alone",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let master = PrivateMaster::start(&[]);
+    // A thread of its own: the state it starts with is the test harness's, whatever other
+    // tests of this binary did on theirs.
+    let before_and_after = std::thread::spawn(move || {
+        let before = signal_state();
+        let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
+        let after = signal_state();
+        let spawned = std::thread::spawn(signal_state).join().unwrap();
+        drop(store);
+        (before, after, spawned)
+    })
+    .join()
+    .unwrap();
+    let (before, after, spawned) = before_and_after;
+    assert_eq!(
+        after, before,
+        "the connecting thread's signal mask or handlers changed"
+    );
+    assert_eq!(
+        spawned, before,
+        "a thread spawned after the connect inherits a changed mask"
+    );
+}
+
 /// A master that crashes and is restarted on its port by its supervisor (empty: it lost its
 /// objects and segments). The client must come back to it without a new store: its calls are
 /// typed errors meanwhile, then answer again (the lost objects missing), a put is written and
