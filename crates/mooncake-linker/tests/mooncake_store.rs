@@ -70,10 +70,20 @@ fn ranged_one(store: &dyn KvStore, key: &str, len: usize) -> Result<Vec<u8>, Sto
         .into_iter()
         .collect(),
     };
-    // SAFETY: `buf` is valid for writes of `len` bytes and not otherwise accessed.
-    let n = unsafe { store.get_ranges(&[get]) }.remove(0)?;
-    buf.truncate(n as usize);
-    Ok(buf)
+    // SAFETY: `buf` is valid for writes of `len` bytes and not otherwise accessed during the
+    // call; kept for good below when the read ends `Abandoned` (its transfer may still write).
+    match unsafe { store.get_ranges(&[get]) }.remove(0) {
+        Ok(n) => {
+            buf.truncate(n as usize);
+            Ok(buf)
+        }
+        Err(e) => {
+            if matches!(e, StoreError::Abandoned { .. }) {
+                std::mem::forget(buf);
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Runs the wheel's Python client on `script`, bounded: `timeout` ends it after two minutes
@@ -840,66 +850,6 @@ fn master_killed_mid_batch_is_a_typed_error_in_bounded_time() {
     ));
 }
 
-/// What the host process's signal handling is for the signals the wheel's `ResourceTracker`
-/// takes when it finds no Python (SIGINT, SIGTERM, SIGHUP): blocked in this thread, and the
-/// handler installed.
-fn signal_state() -> Vec<(i32, bool, usize)> {
-    [libc::SIGINT, libc::SIGTERM, libc::SIGHUP]
-        .into_iter()
-        .map(|sig| {
-            // SAFETY: plain queries: `sigset_t` and `sigaction` are plain data the calls fill;
-            // a null new-set / new-action changes nothing.
-            unsafe {
-                let mut mask: libc::sigset_t = std::mem::zeroed();
-                assert_eq!(
-                    libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut mask),
-                    0
-                );
-                let mut action: libc::sigaction = std::mem::zeroed();
-                assert_eq!(libc::sigaction(sig, std::ptr::null(), &mut action), 0);
-                (sig, libc::sigismember(&mask, sig) == 1, action.sa_sigaction)
-            }
-        })
-        .collect()
-}
-
-/// The wheel's `ResourceTracker`, when it finds no Python in the process, blocks SIGINT,
-/// SIGTERM and SIGHUP in the thread that creates the first client (threads spawned from it
-/// inherit the mask) and takes them on a thread of its own, which tears the clients down and
-/// ends the process: an engine's own graceful shutdown on SIGTERM would never run. The shim
-/// makes Python visible to it; a wheel upgrade that changes that fails here.
-#[test]
-fn connecting_a_client_leaves_the_processs_signals_alone() {
-    if !available(
-        "connecting_a_client_leaves_the_processs_signals_alone",
-        &["MOONCAKE_MASTER_BIN"],
-    ) {
-        return;
-    }
-    let master = PrivateMaster::start(&[]);
-    // A thread of its own: the state it starts with is the test harness's, whatever other
-    // tests of this binary did on theirs.
-    let before_and_after = std::thread::spawn(move || {
-        let before = signal_state();
-        let store = MooncakeStore::connect(master.config(16 << 20)).expect("connect");
-        let after = signal_state();
-        let spawned = std::thread::spawn(signal_state).join().unwrap();
-        drop(store);
-        (before, after, spawned)
-    })
-    .join()
-    .unwrap();
-    let (before, after, spawned) = before_and_after;
-    assert_eq!(
-        after, before,
-        "the connecting thread's signal mask or handlers changed"
-    );
-    assert_eq!(
-        spawned, before,
-        "a thread spawned after the connect inherits a changed mask"
-    );
-}
-
 /// A master that crashes and is restarted on its port by its supervisor (empty: it lost its
 /// objects and segments). The client must come back to it without a new store: its calls are
 /// typed errors meanwhile, then answer again (the lost objects missing), a put is written and
@@ -912,31 +862,37 @@ fn a_master_restarted_on_its_port_serves_the_client_again() {
     ) {
         return;
     }
-    let mut master = PrivateMaster::start(&[]);
-    let store = MooncakeStore::connect(master.config(64 << 20)).expect("connect");
+    // A long lease (the master's and the store's alike): the session opened below is still
+    // joined without the master after the restart.
+    let mut master = PrivateMaster::start(&["--default_kv_lease_ttl=60000"]);
+    let store = MooncakeStore::connect(master.config(64 << 20).lease(Duration::from_secs(60)))
+        .expect("connect");
     const SIZE: usize = 256 << 10;
     let lost = unique("restart-lost");
     let lost_data = pattern(8, SIZE);
     let data = pattern(9, SIZE);
     put_one(&store, &lost, &lost_data).unwrap();
     assert_eq!(get_one(&store, &lost, SIZE).unwrap(), lost_data);
-    // A ranged read opens the key's read session (the store joins it without the master for
-    // half the lease).
+    // A read session held across the restart (as a load's pin): a ranged read joins it
+    // without the master for half the lease.
+    let session = store.start_session(&[&lost]).unwrap();
     assert_eq!(ranged_one(&store, &lost, SIZE).unwrap(), lost_data);
     let restarted_at = Instant::now();
     master.restart();
     // Bounded: the client answers again within a minute (its heartbeat reconnects, then
     // remounts its segment).
-    let fresh = unique("restart-fresh");
     let by = restarted_at + Duration::from_secs(60);
     let mut last = None;
-    let written = loop {
+    // A key of its own per attempt: a put that got part way cannot answer the next one
+    // `AlreadyPresent`.
+    let (fresh, written) = loop {
         assert!(
             Instant::now() < by,
             "no put written a minute after the restart: {last:?}"
         );
+        let fresh = unique("restart-fresh");
         match put_one(&store, &fresh, &data) {
-            Ok(outcome) => break outcome,
+            Ok(outcome) => break (fresh, outcome),
             Err(e) => {
                 assert!(
                     matches!(
@@ -944,6 +900,7 @@ fn a_master_restarted_on_its_port_serves_the_client_again() {
                         StoreError::Unavailable { .. }
                             | StoreError::RpcTimeout { .. }
                             | StoreError::NoSpace { .. }
+                            | StoreError::Lease { .. }
                             | StoreError::TransferFailed { .. }
                             | StoreError::Other { .. }
                     ),
@@ -957,9 +914,11 @@ fn a_master_restarted_on_its_port_serves_the_client_again() {
     let served_after = restarted_at.elapsed();
     assert_eq!(written, PutOutcome::Written);
     assert_eq!(get_one(&store, &fresh, SIZE).unwrap(), data);
-    // The session of the lost key, opened before the restart: a ranged read of it must not
-    // return bytes (the remounted segment's space may hold the fresh object by now).
+    // The session of the lost key, opened before the restart and still held: a ranged read
+    // of it must not return bytes (the remounted segment's space may hold the fresh object
+    // by now).
     let ranged = ranged_one(&store, &lost, SIZE);
+    let _ = store.end_session(&session);
     assert!(
         ranged.is_err(),
         "a lost object's ranged read returned bytes {:.1} s after its session began (the \

@@ -78,6 +78,8 @@ impl PrivateMaster {
             ports: [port, metrics],
             extra: extra.iter().map(|a| (*a).to_owned()).collect(),
         };
+        // A log left by an earlier failed run on the same port is not mixed in.
+        let _ = std::fs::remove_file(&master.log);
         master.spawn();
         master
     }

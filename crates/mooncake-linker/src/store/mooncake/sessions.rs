@@ -285,6 +285,20 @@ impl SessionTable {
         self.end_due(client);
     }
 
+    /// Forgets every key's start (as [`forget_replicas`](Self::forget_replicas) does for some):
+    /// after the master was unreachable. A master that restarts comes back empty, and the
+    /// client remounts its segment afresh: a new put may take the space an old object's
+    /// session still names, and the client's ranged read under that session (no master call)
+    /// returns the new object's bytes as the old one's (measured against the pinned wheel).
+    /// The next read of each key asks the master, which no longer knows a lost object.
+    pub(super) fn forget_all(&self) {
+        let mut table = self.keys.lock();
+        self.forgets.fetch_add(1, Ordering::AcqRel);
+        for s in table.values_mut() {
+            s.renewed = None;
+        }
+    }
+
     /// Marks `keys`' sessions as not open at the client any more (a ranged read of them came
     /// back `LEASE_EXPIRED`: the client erased the session): the next read of each starts it
     /// again instead of joining it.
@@ -703,6 +717,26 @@ mod tests {
         let again = table.join(&master, &["k"]);
         assert_eq!(master.starts.load(Ordering::Relaxed), 2, "asked again");
         assert!(matches!(again.result("k"), Some(Ok(()))));
+        drop((held, again));
+    }
+
+    /// After the master was unreachable (it may have restarted empty) no key's session is
+    /// joined without the master: every next read starts its keys again.
+    #[test]
+    fn every_key_is_asked_of_the_master_again_after_it_was_unreachable() {
+        let master = counting();
+        let table = SessionTable::with_lease(Duration::from_secs(10));
+        let held = table.join(&master, &["a", "b"]);
+        drop(table.join(&master, &["a", "b"]));
+        assert_eq!(
+            master.starts.load(Ordering::Relaxed),
+            1,
+            "joined while fresh"
+        );
+        table.forget_all();
+        let again = table.join(&master, &["a", "b"]);
+        assert_eq!(master.starts.load(Ordering::Relaxed), 2, "asked again");
+        assert!(matches!(again.result("b"), Some(Ok(()))));
         drop((held, again));
     }
 

@@ -306,6 +306,14 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
     }
 }
 
+/// The master did not answer (a restart among the causes).
+fn master_unreachable(e: &StoreError) -> bool {
+    matches!(
+        e.failure(),
+        kv_loader::StoreFailure::Unavailable | kv_loader::StoreFailure::RpcTimeout
+    )
+}
+
 /// How long Mooncake's client waits for a call's transfers before it gives up on them and
 /// returns with them still in flight (`TransferEngineOperationState::wait_for_completion`,
 /// 60 s), less a margin: a call that failed a transfer after this long is taken as one the
@@ -719,7 +727,7 @@ unsafe impl KvStore for MooncakeStore {
             &valid,
             &mut out,
         );
-        out
+        self.seen(out)
     }
 
     /// The pinned wheel asks the master once per key (no batched size query), so a large
@@ -729,10 +737,10 @@ unsafe impl KvStore for MooncakeStore {
         let one = |k: &&str| self.client.get_size(k).map_err(|e| self.key_error(k, &e));
         let threads = (keys.len() / SIZE_QUERY_KEYS_PER_THREAD).clamp(1, SIZE_QUERY_THREADS);
         if threads == 1 {
-            return keys.iter().map(one).collect();
+            return self.seen(keys.iter().map(one).collect());
         }
         let parts: Vec<&[&str]> = keys.chunks(keys.len().div_ceil(threads)).collect();
-        run_parts(
+        let sizes = run_parts(
             "size-query",
             &parts,
             |part| part.iter().map(one).collect::<Vec<_>>(),
@@ -749,7 +757,8 @@ unsafe impl KvStore for MooncakeStore {
         )
         .into_iter()
         .flatten()
-        .collect()
+        .collect();
+        self.seen(sizes)
     }
 
     unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
@@ -1070,7 +1079,7 @@ unsafe impl KvStore for MooncakeStore {
     fn remove(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
         // Before and after the master call: a read joining in between asks the master.
         self.sessions.forget_replicas(&self.client, keys);
-        let out = keys
+        let out: Vec<_> = keys
             .iter()
             .map(|k| {
                 self.client
@@ -1080,7 +1089,7 @@ unsafe impl KvStore for MooncakeStore {
             .collect();
         // The replicas their sessions resolved may go to new puts: the next read asks again.
         self.sessions.forget_replicas(&self.client, keys);
-        out
+        self.seen(out)
     }
 
     /// A forced remove: a bad object goes even while a read lease (a load, a lookup) holds it.
@@ -1090,7 +1099,7 @@ unsafe impl KvStore for MooncakeStore {
     fn discard(&self, keys: &[&str]) -> Vec<Result<(), StoreError>> {
         // Before and after the master call: a read joining in between asks the master.
         self.sessions.forget_replicas(&self.client, keys);
-        let out = keys
+        let out: Vec<_> = keys
             .iter()
             .map(|k| {
                 self.client
@@ -1099,7 +1108,7 @@ unsafe impl KvStore for MooncakeStore {
             })
             .collect();
         self.sessions.forget_replicas(&self.client, keys);
-        out
+        self.seen(out)
     }
 
     unsafe fn register(&self, region: MemoryRegion) -> Result<(), StoreError> {
@@ -1203,7 +1212,11 @@ unsafe impl KvStore for MooncakeStore {
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
-        let token = self.sessions.start(&self.client, keys)?;
+        let token = self.sessions.start(&self.client, keys).inspect_err(|e| {
+            if master_unreachable(e) {
+                self.sessions.forget_all();
+            }
+        })?;
         Ok(ReadSession {
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             lease: Some(self.config.lease_duration()),
@@ -1231,6 +1244,22 @@ unsafe impl KvStore for MooncakeStore {
 }
 
 impl MooncakeStore {
+    /// Results of a call to the master: one that found it unreachable (`Unavailable`,
+    /// `RpcTimeout`) makes every read session's key ask the master again before its next read
+    /// ([`SessionTable::forget_all`](super::sessions::SessionTable::forget_all)): the master
+    /// may have restarted empty. A restart no call of this store saw is found by each key's
+    /// next renewal (`LinkerConfig::lease_renewal` for a load's pin) or once half the lease has
+    /// passed.
+    fn seen<T>(&self, results: Vec<Result<T, StoreError>>) -> Vec<Result<T, StoreError>> {
+        if results
+            .iter()
+            .any(|r| r.as_ref().is_err_and(master_unreachable))
+        {
+            self.sessions.forget_all();
+        }
+        results
+    }
+
     /// [`store_error`] for a call of one key, its log line (where the error has no room for
     /// the shim's message) through the store's limiter: at `warn` once a minute per
     /// operation. A master down fails every key's call alike (an object-size query per key,
