@@ -559,13 +559,41 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
 /// loads on every rank once the device runs again.
 #[test]
 fn a_middle_ranks_slot_copies_stalled_past_the_drain_limit_fail_the_batch_on_every_rank() {
-    let spec = mixed_spec();
-    let path = Path::device_per_rank(ScatterStrategy::Auto);
-    let cfg = config(ShareMode::Rank0Broadcast);
     // A drain limit the clean batches' copies keep well within on a loaded machine, and a
     // stall well past it.
+    stalled_last_slot_copy(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+        Duration::from_secs(4),
+    );
+}
+
+/// The same with a drain limit past the peers' wait for the verdict word
+/// (`collective_timeout`): the rank settles within half that wait instead, so its failure
+/// still reaches the peers as `PeerFailed`. Waiting the drain limit out, the peers gave up
+/// first and the group was aborted.
+#[test]
+fn a_stalled_slot_copy_is_settled_within_the_peers_wait() {
+    stalled_last_slot_copy(
+        Duration::from_secs(30),
+        Duration::from_secs(3),
+        Duration::from_secs(6),
+    );
+}
+
+/// Three device ranks whose landings drain for `drain` at most and whose collectives wait
+/// `collective_timeout`; batch 2 stalls rank 1's last copy into its slots for `stall`: every
+/// rank fails it (rank 1 `Device`, the others `PeerFailed`), rank 1's slots stay claimed until
+/// the copy ran, and batch 3 loads everywhere.
+fn stalled_last_slot_copy(drain: Duration, collective_timeout: Duration, stall: Duration) {
+    let spec = mixed_spec();
+    let path = Path::device_per_rank(ScatterStrategy::Auto);
+    let cfg = LinkerConfig {
+        collective_timeout,
+        ..config(ShareMode::Rank0Broadcast)
+    };
     let build = RankBuild {
-        drain: Duration::from_secs(1),
+        drain,
         ..RankBuild::default()
     };
     let (rs, hashes) = tp_ranks_built(&spec, 3, store(), 6, &cfg, path, &build);
@@ -574,35 +602,7 @@ fn a_middle_ranks_slot_copies_stalled_past_the_drain_limit_fail_the_batch_on_eve
         o.result
             .unwrap_or_else(|e| panic!("batch 1 rank {rank}: {e}"));
     }
-    // Batch 1's last copy into the slots (the load stream's, of a kind no other stream runs,
-    // so that the count below is the load stream's order alone), and how many operations of
-    // its kind ran up to it: batch 2 stalls at the same one.
-    let trace = dev.trace();
-    let load_stream_only = |op: CpuOp| trace.iter().all(|o| o.op != op || o.stream == 0);
-    let slot_copy = |o: &&kvlink::kv_device::cpu::TraceOp| {
-        o.stream == 0
-            && matches!(o.op, CpuOp::ToDevice | CpuOp::Rows | CpuOp::OnDevice)
-            && load_stream_only(o.op)
-    };
-    let last = trace
-        .iter()
-        .filter(slot_copy)
-        .max_by_key(|o| o.started)
-        .unwrap();
-    let before = trace
-        .iter()
-        .filter(|o| o.op == last.op && o.started < last.started)
-        .count();
-    let after = trace
-        .iter()
-        .filter(|o| o.op == last.op && o.started > last.started)
-        .count();
-    assert_eq!(
-        after, 0,
-        "batch 1's last {:?} is its last of that kind",
-        last.op
-    );
-    dev.stall_at(last.op, before as u32, Duration::from_secs(4));
+    stall_at_last_slot_copy(&dev, stall);
     let outcomes = run(&rs, 2, &hashes);
     for (rank, o) in outcomes.iter().enumerate() {
         assert!(o.result.is_err(), "rank {rank}: {:?}", o.result);
@@ -627,13 +627,36 @@ fn a_middle_ranks_slot_copies_stalled_past_the_drain_limit_fail_the_batch_on_eve
     let claims_of: &dyn KvPool = pool.as_ref();
     let held = claims_of.slot_claims().unwrap().held_slots();
     assert!(!held.is_empty(), "no slot held while the copy is stalled");
-    let by = Instant::now() + Duration::from_secs(10);
+    let by = Instant::now() + stall + Duration::from_secs(10);
     SlotClaims::wait_free(claims_of, &rs[1].slots, by).expect("free once the copy ran");
     for (rank, (r, o)) in rs.iter().zip(run(&rs, 3, &hashes)).enumerate() {
         o.result
             .unwrap_or_else(|e| panic!("after the stall, rank {rank}: {e}"));
         rank_matches(r, &hashes, rank as u32).unwrap();
     }
+}
+
+/// Stalls `dev` for `stall` at the next batch's last copy into the slots: the last one of the
+/// batch just run (the load stream's, of a kind no other stream runs, so that counting that
+/// kind's operations gives the load stream's order alone).
+fn stall_at_last_slot_copy(dev: &CpuDevice, stall: Duration) {
+    let trace = dev.trace();
+    let load_stream_only = |op: CpuOp| trace.iter().all(|o| o.op != op || o.stream == 0);
+    let slot_copy = |o: &&kvlink::kv_device::cpu::TraceOp| {
+        o.stream == 0
+            && matches!(o.op, CpuOp::ToDevice | CpuOp::Rows | CpuOp::OnDevice)
+            && load_stream_only(o.op)
+    };
+    let last = trace
+        .iter()
+        .filter(slot_copy)
+        .max_by_key(|o| o.started)
+        .unwrap();
+    let before = trace
+        .iter()
+        .filter(|o| o.op == last.op && o.started < last.started)
+        .count();
+    dev.stall_at(last.op, before as u32, stall);
 }
 
 /// A rank whose upload of a layer's share area fails (its enqueue fails, as a driver call

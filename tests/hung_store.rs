@@ -736,8 +736,9 @@ fn a_loaded_batchs_outcome_is_not_ok_while_copies_into_its_slots_are_stalled() {
     let (dev, pool, staging) = traced_device_pool(&o);
     let linker = staged_linker(&o, &pool, staging, Duration::from_millis(200));
     // The ninth upload: the slot table, then layers 0 to 4's (2, 1, 2, 1, 1): the last
-    // layer's first, which no later stage reuse waits for.
-    dev.stall_at(CpuOp::ToDevice, 8, Duration::from_secs(2));
+    // layer's first, which no later stage reuse waits for. Long beside the drain limit, so
+    // that the claims are seen inside it on a loaded machine.
+    dev.stall_at(CpuOp::ToDevice, 8, Duration::from_secs(5));
     let slots = vec![1, 2, 3, 4];
     let t = linker
         .start_load(load_plan(&o.g, 1, &o.pages, slots.clone()))

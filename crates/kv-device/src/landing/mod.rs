@@ -260,7 +260,8 @@ pub trait LayerLanding: Send + Sync {
 
     /// [`settle`](Self::settle), waiting until `deadline` at most (and never past the
     /// landing's own limit): for a rank whose peers wait for its next word within their own
-    /// bound. The default is `settle`.
+    /// bound. The default is `settle` (for a landing with nothing queued); a wrapper should
+    /// forward it.
     fn settle_by(&self, deadline: std::time::Instant) -> Result<(), DeviceError> {
         let _ = deadline;
         self.settle()

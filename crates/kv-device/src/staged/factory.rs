@@ -77,7 +77,9 @@ impl StagedLandingFactory {
     /// buffer is leased (a save gathering, another batch releasing its buffer) or quarantined
     /// (device work still running), before it fails [`DeviceError::Alloc`] (default 1 s;
     /// zero fails at once). Loads and saves share the pool: without a wait, a load that
-    /// starts while saves hold every buffer fails and its request recomputes.
+    /// starts while saves hold every buffer fails and its request recomputes. In a TP group a
+    /// batch's landing begins after its gate, so its peers wait for this rank meanwhile: keep
+    /// the wait well under the linker's `collective_timeout`.
     pub fn with_lease_wait(mut self, wait: Duration) -> Self {
         self.lease_wait = wait;
         self

@@ -127,7 +127,9 @@ pub struct MetricsSnapshot {
     /// on a host pool), filled by `Linker::metrics` (linkers sharing one staging pool report
     /// the same figure): each is one fewer buffer for loads and saves. One that stays is held
     /// for good (its work's end is unknown), and once every buffer is, each batch fails at
-    /// once for want of one; the logs name the work that holds each.
+    /// once for want of one; the logs name the work that holds each. Counting first gives
+    /// back the buffers whose work has ended (a query of each one's events, on the thread that
+    /// asks for the metrics).
     pub staging_quarantined: u64,
     /// Memory kept for good in this process (every store, linker and NCCL group of it): how
     /// many times memory was kept (one store call whose transfer the store gave up on may keep

@@ -335,10 +335,10 @@ impl LayerPipeline<'_> {
         };
         let batch = self.job.plan.logical.batch;
         let settled = match self.coll {
-            Some(_) => landing.settle_by(kv_loader::deadline_after(
+            Some(c) if c.size() > 1 => landing.settle_by(kv_loader::deadline_after(
                 self.inner.config.collective_timeout / 2,
             )),
-            None => landing.settle(),
+            _ => landing.settle(),
         };
         settled.map_err(|d| {
             tracing::error!(%batch, device = %d,
