@@ -724,6 +724,25 @@ fn a_failed_batch_whose_slot_copies_outlast_the_drain_limit_is_a_device_failure(
     linker.close().unwrap();
 }
 
+/// The same: the failed batch's slots stay claimed (no later landing or save takes them,
+/// `SlotClaims::wait_free` waits) until the stalled copies have finished, then are free.
+/// Before, the claim went as the batch finished, and a `reset` (which finds nothing in
+/// flight) left the engine nothing to wait on before it recomputed into them.
+#[test]
+fn a_failed_batchs_slots_stay_claimed_until_its_unfinished_copies_end() {
+    let o = one();
+    let (linker, pool, slots) = device_failure_with_slots_claimed(&o, 4, Duration::from_secs(2));
+    let claims_of: &dyn KvPool = pool.as_ref();
+    let mut held = claims_of.slot_claims().unwrap().held_slots();
+    held.sort_unstable();
+    assert_eq!(held, slots);
+    let later = Instant::now() + Duration::from_secs(10);
+    SlotClaims::wait_free(claims_of, &slots, later).expect("free once the copies finished");
+    assert!(claims_of.slot_claims().unwrap().held_slots().is_empty());
+    o.stall.release();
+    linker.close().unwrap();
+}
+
 /// A batch whose every layer read and was queued, its last layer's copy into the slots stalled
 /// past the landing's drain limit. Before, its outcome was `Ok` with that copy still queued
 /// (the landing's drop quarantined the staging, and the slots' claim was gone): an engine that
@@ -733,12 +752,32 @@ fn a_failed_batch_whose_slot_copies_outlast_the_drain_limit_is_a_device_failure(
 #[test]
 fn a_loaded_batchs_outcome_is_not_ok_while_copies_into_its_slots_are_stalled() {
     let o = one_faulted(Fault::Delay(Duration::ZERO), Stall::new());
-    let (dev, pool, staging) = traced_device_pool(&o);
-    let linker = staged_linker(&o, &pool, staging, Duration::from_millis(200));
     // The ninth upload: the slot table, then layers 0 to 4's (2, 1, 2, 1, 1): the last
     // layer's first, which no later stage reuse waits for. Long beside the drain limit, so
     // that the claims are seen inside it on a loaded machine.
-    dev.stall_at(CpuOp::ToDevice, 8, Duration::from_secs(5));
+    let (linker, pool, slots) = device_failure_with_slots_claimed(&o, 8, Duration::from_secs(5));
+    let claims_of: &dyn KvPool = pool.as_ref();
+    let later = Instant::now() + Duration::from_secs(10);
+    SlotClaims::wait_free(claims_of, &slots, later).expect("free once the copies finished");
+    // The next batch loads.
+    let t = linker
+        .start_load(load_plan(&o.g, 2, &o.pages, vec![8, 9, 10, 11]))
+        .unwrap();
+    linker.wait_batch(&t).unwrap().result.unwrap();
+    linker.close().unwrap();
+}
+
+/// A linker over a traced device pool (200 ms drain limit) whose upload after `skip` others
+/// stalls for `stall`: batch 1 into slots 1..=4 fails `Device` ("did not finish"), its slots
+/// still claimed 100 ms later. The linker, the pool and the slots.
+fn device_failure_with_slots_claimed(
+    o: &One,
+    skip: u32,
+    stall: Duration,
+) -> (Linker, Arc<DeviceKvPool>, Vec<u32>) {
+    let (dev, pool, staging) = traced_device_pool(o);
+    let linker = staged_linker(o, &pool, staging, Duration::from_millis(200));
+    dev.stall_at(CpuOp::ToDevice, skip, stall);
     let slots = vec![1, 2, 3, 4];
     let t = linker
         .start_load(load_plan(&o.g, 1, &o.pages, slots.clone()))
@@ -752,46 +791,7 @@ fn a_loaded_batchs_outcome_is_not_ok_while_copies_into_its_slots_are_stalled() {
         SlotClaims::wait_free(claims_of, &slots, soon).is_err(),
         "the slots were free while copies into them were stalled"
     );
-    let later = Instant::now() + Duration::from_secs(10);
-    SlotClaims::wait_free(claims_of, &slots, later).expect("free once the copies finished");
-    // The next batch loads.
-    let t = linker
-        .start_load(load_plan(&o.g, 2, &o.pages, vec![8, 9, 10, 11]))
-        .unwrap();
-    linker.wait_batch(&t).unwrap().result.unwrap();
-    linker.close().unwrap();
-}
-
-/// The same: the failed batch's slots stay claimed (no later landing or save takes them,
-/// `SlotClaims::wait_free` waits) until the stalled copies have finished, then are free.
-/// Before, the claim went as the batch finished, and a `reset` (which finds nothing in
-/// flight) left the engine nothing to wait on before it recomputed into them.
-#[test]
-fn a_failed_batchs_slots_stay_claimed_until_its_unfinished_copies_end() {
-    let o = one();
-    let (dev, pool, staging) = traced_device_pool(&o);
-    let linker = staged_linker(&o, &pool, staging, Duration::from_millis(200));
-    dev.stall_at(CpuOp::ToDevice, 4, Duration::from_secs(2));
-    let slots = vec![1, 2, 3, 4];
-    let t = linker
-        .start_load(load_plan(&o.g, 1, &o.pages, slots.clone()))
-        .unwrap();
-    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
-    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
-    let claims_of: &dyn KvPool = pool.as_ref();
-    let soon = Instant::now() + Duration::from_millis(100);
-    assert!(
-        SlotClaims::wait_free(claims_of, &slots, soon).is_err(),
-        "the slots were free while copies into them were stalled"
-    );
-    let mut held = claims_of.slot_claims().unwrap().held_slots();
-    held.sort_unstable();
-    assert_eq!(held, slots);
-    let later = Instant::now() + Duration::from_secs(10);
-    SlotClaims::wait_free(claims_of, &slots, later).expect("free once the copies finished");
-    assert!(claims_of.slot_claims().unwrap().held_slots().is_empty());
-    o.stall.release();
-    linker.close().unwrap();
+    (linker, pool, slots)
 }
 
 /// A batch that fails at once (a store error at layer 3, no read left hanging) while layer 2's
