@@ -246,6 +246,12 @@ impl SessionTable {
         let started = client.start(&to_start);
         let mut table = self.keys.lock();
         let renewed = self.renewal(forgets, asked);
+        if started
+            .iter()
+            .any(|r| r.as_ref().is_err_and(master_unreachable))
+        {
+            self.forget_all_in(&mut table);
+        }
         for (k, r) in to_start.iter().zip(started) {
             match &r {
                 Ok(()) => {
@@ -291,8 +297,14 @@ impl SessionTable {
     /// session still names, and the client's ranged read under that session (no master call)
     /// returns the new object's bytes as the old one's (measured against the pinned wheel).
     /// The next read of each key asks the master, which no longer knows a lost object.
+    /// Every session start that finds the master unreachable calls it, whatever store call
+    /// made it (a ranged read's join, a pin).
     pub(super) fn forget_all(&self) {
-        let mut table = self.keys.lock();
+        self.forget_all_in(&mut self.keys.lock());
+    }
+
+    /// [`forget_all`](Self::forget_all) with the table's lock held.
+    fn forget_all_in(&self, table: &mut HashMap<String, KeySession>) {
         self.forgets.fetch_add(1, Ordering::AcqRel);
         for s in table.values_mut() {
             s.renewed = None;
@@ -421,6 +433,12 @@ impl SessionTable {
             // (see `join_keys`).
             let opened: Vec<&str> = {
                 let mut table = self.keys.lock();
+                if results
+                    .iter()
+                    .any(|r| r.as_ref().is_err_and(master_unreachable))
+                {
+                    self.forget_all_in(&mut table);
+                }
                 for (k, _) in keys.iter().zip(&results).filter(|(_, r)| r.is_err()) {
                     lapse(&mut table, k);
                 }
@@ -586,6 +604,15 @@ fn start_sessions(client: &Client, keys: &[&str]) -> Vec<Result<(), StoreError>>
     out
 }
 
+/// The master did not answer (a restart among the causes: see
+/// [`SessionTable::forget_all`]).
+pub(super) fn master_unreachable(e: &StoreError) -> bool {
+    matches!(
+        e.failure(),
+        kv_loader::StoreFailure::Unavailable | kv_loader::StoreFailure::RpcTimeout
+    )
+}
+
 /// Forgets when `key`'s session was started, if the table has it: the next read starts it.
 fn lapse(table: &mut HashMap<String, KeySession>, key: &str) {
     if let Some(s) = table.get_mut(key) {
@@ -738,6 +765,27 @@ mod tests {
         assert_eq!(master.starts.load(Ordering::Relaxed), 2, "asked again");
         assert!(matches!(again.result("b"), Some(Ok(()))));
         drop((held, again));
+    }
+
+    /// A read's own session start that finds the master unreachable (the most frequent
+    /// master call) forgets every key's start too, not only its own keys'.
+    #[test]
+    fn a_join_that_finds_the_master_unreachable_forgets_every_key() {
+        let master = counting();
+        let table = SessionTable::with_lease(Duration::from_secs(10));
+        let held = table.join(&master, &["a"]);
+        *master.answer.lock() = Some(StoreError::Unavailable {
+            detail: "injected".into(),
+        });
+        let failed = table.join(&master, &["b"]);
+        assert!(matches!(
+            failed.result("b"),
+            Some(Err(StoreError::Unavailable { .. }))
+        ));
+        *master.answer.lock() = None;
+        drop(table.join(&master, &["a"]));
+        assert_eq!(master.starts.load(Ordering::Relaxed), 3, "`a` asked again");
+        drop((held, failed));
     }
 
     /// A read that leaves while another thread holds `calls` leaves its keys due to end, for

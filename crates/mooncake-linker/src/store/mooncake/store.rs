@@ -14,7 +14,7 @@ use super::config::MooncakeConfig;
 use super::gate::{gate_held, TransferGate, UNREGISTER_WAIT};
 use super::parts::run_parts;
 use super::registry::{moves_in_place, RegionCounts, Release};
-use super::sessions::SessionTable;
+use super::sessions::{master_unreachable, SessionTable};
 use crate::log_every::LogEvery;
 use crate::store::{
     KvStore, MemoryRegion, ObjectGet, ObjectPut, PutOutcome, RangeChecksums, RangedGet, ReadRange,
@@ -304,14 +304,6 @@ pub fn code_error(key: &str, code: ErrorCode) -> StoreError {
             code: i64::from(code.raw()),
         },
     }
-}
-
-/// The master did not answer (a restart among the causes).
-fn master_unreachable(e: &StoreError) -> bool {
-    matches!(
-        e.failure(),
-        kv_loader::StoreFailure::Unavailable | kv_loader::StoreFailure::RpcTimeout
-    )
 }
 
 /// How long Mooncake's client waits for a call's transfers before it gives up on them and
@@ -1212,11 +1204,7 @@ unsafe impl KvStore for MooncakeStore {
     }
 
     fn start_session(&self, keys: &[&str]) -> Result<ReadSession, StoreError> {
-        let token = self.sessions.start(&self.client, keys).inspect_err(|e| {
-            if master_unreachable(e) {
-                self.sessions.forget_all();
-            }
-        })?;
+        let token = self.sessions.start(&self.client, keys)?;
         Ok(ReadSession {
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
             lease: Some(self.config.lease_duration()),
