@@ -333,15 +333,7 @@ impl StagingPool {
     /// Leases a buffer; [`DeviceError::Alloc`] when every buffer is leased or quarantined (the
     /// caller limits batches in flight to the pool's capacity).
     pub fn lease(self: &Arc<Self>) -> Result<StagingLease, DeviceError> {
-        self.reclaim();
-        let pair = self.free.lock().pop().ok_or(DeviceError::Alloc {
-            bytes: (self.stage_bytes * self.stages) as u64,
-            what: "staging buffer (every buffer of the pool is leased or quarantined)",
-        })?;
-        Ok(StagingLease {
-            pool: self.clone(),
-            pair: Some(pair),
-        })
+        self.lease_within(Duration::ZERO)
     }
 
     /// [`lease`](Self::lease), waiting up to `wait` for a buffer to come back (a save's
@@ -404,8 +396,8 @@ impl StagingPool {
                 }
                 return Err(DeviceError::Alloc {
                     bytes: (self.stage_bytes * self.stages) as u64,
-                    what: "staging buffer (every buffer of the pool stayed leased or \
-                           quarantined through the wait)",
+                    what: "staging buffer (every buffer of the pool was leased or quarantined, \
+                           through the wait if any)",
                 });
             }
             // Capped even with nothing quarantined: a buffer quarantined between the look above
