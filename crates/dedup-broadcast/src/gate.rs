@@ -209,8 +209,8 @@ pub struct GateWord {
     pub alone: AloneLoads,
 }
 
-const GATE_MAGIC: &[u8; 4] = b"KVG3";
-const GATE_WORD: usize = 48 + ALONE_WIRE;
+pub(crate) const GATE_MAGIC: &[u8; 4] = b"KVG3";
+pub(crate) const GATE_WORD: usize = 48 + ALONE_WIRE;
 
 impl GateWord {
     /// The wire bytes.
@@ -410,11 +410,11 @@ pub enum LookupAgreement {
     },
 }
 
-const LOOKUP_WORD: usize = 24;
+pub(crate) const LOOKUP_WORD: usize = 24;
 
 /// Seed of [`lookup_digest`]: the plan digest's first seed with "look" mixed in, kept when
 /// the plan digest's definition (and seed) changed, as the lookup digest's did not.
-const LOOKUP_DIGEST_SEED: u64 = 0x6b76_6c69_6e6b_0001 ^ 0x6c6f_6f6b; // "look"
+pub(crate) const LOOKUP_DIGEST_SEED: u64 = 0x6b76_6c69_6e6b_0001 ^ 0x6c6f_6f6b; // "look"
 
 /// The digest of a lookup's candidate pages (after the engine's own `first_page`).
 pub fn lookup_digest(first_page: u64, candidates: &[kv_geometry::PageHash]) -> [u8; 16] {

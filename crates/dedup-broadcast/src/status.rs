@@ -17,7 +17,7 @@ use kv_loader::{BatchId, KvLoadError};
 
 use crate::{Collective, CollectiveError};
 
-const MAGIC: u64 = 0x5a;
+pub(crate) const MAGIC: u64 = 0x5a;
 
 /// Codes 1..=25 are the kinds of [`KvLoadError`], in this order (`KvLoadError::kind_name`);
 /// new kinds are appended, so a code never changes meaning.

@@ -704,7 +704,7 @@ fn verdict_for(
     hello: &Hello,
 ) -> Result<Result<Welcome, RendezvousError>, RendezvousError> {
     let rank = hello.rank;
-    Ok(match Reply::decode(v)? {
+    Ok(match Reply::decode_for(v, hello)? {
         // A group without this rank: rank 0 runs a smaller world (it never reads a claim past
         // its own size, so only this rank can tell). A refusal, of this rank alone.
         Reply::Welcome(w) if rank as usize >= w.nonces.len() => {

@@ -22,8 +22,14 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// (`"KVG2"`, with which of its last 64 batches the rank loaded alone). 6: the gate word is
 /// 344 bytes (`"KVG3"`: the batches loaded alone as runs of batch ids and a mask of the last
 /// 64 ids, `AloneLoads`). 7: the gate word's proposal carries a flag in its top bit (the
-/// proposing rank's `Auto` keeps that mode; an older rank would read it as no mode).
-pub(crate) const PROTOCOL: u32 = 7;
+/// proposing rank's `Auto` keeps that mode; an older rank would read it as no mode). 8: the
+/// plan digest covers each rank's key space (`PLAN_DIGEST_SEED` v2): a rank of protocol 7
+/// would disagree at every gate and load `AllRanks`, so the two are refused instead.
+///
+/// What the formed group speaks includes the gate's digests and words and the status word:
+/// a change to any of them bumps this number (`the_wire_of_this_protocol_is_pinned` fails
+/// until it does), since kvlink's version string alone does not tell builds apart.
+pub(crate) const PROTOCOL: u32 = 8;
 
 /// Longest version or host string a hello may carry (bytes). Both go into refusals rank 0
 /// sends every member and keeps for later idle replies: a peer's megabyte string made each
@@ -330,6 +336,25 @@ impl Reply {
         e.0
     }
 
+    /// Decodes rank 0's reply to `own`, this rank's hello. A reply of another rendezvous
+    /// protocol (rank 0 runs another kvlink build) is [`RendezvousError::VersionMismatch`],
+    /// a refusal like the one rank 0 sends a hello of another protocol: retrying cannot
+    /// cure it, so it must not read as a garbled message (`Protocol`, which may pass).
+    pub(crate) fn decode_for(buf: &[u8], own: &Hello) -> Result<Reply, RendezvousError> {
+        let mut d = Decoder::new(buf);
+        if let (Ok(MAGIC), Ok(protocol)) = (d.u32("magic"), d.u32("protocol")) {
+            if protocol != PROTOCOL {
+                return Err(RendezvousError::VersionMismatch {
+                    rank: own.rank,
+                    expected: format!("a build of rendezvous protocol {protocol}"),
+                    got: format!("{} (rendezvous protocol {PROTOCOL})", own.version),
+                });
+            }
+        }
+        Self::decode(buf)
+    }
+
+    /// Decodes a reply of this protocol; anything else is malformed.
     pub(crate) fn decode(buf: &[u8]) -> Result<Reply, RendezvousError> {
         let mut d = Decoder::new(buf);
         let r = (|| {
@@ -608,6 +633,67 @@ pub(crate) mod tests {
                 live_epoch: Some(3),
                 last_failure: None
             }
+        ));
+    }
+
+    /// What a formed group speaks, pinned to the protocol number: ranks of one protocol must
+    /// agree on all of it, and the version string (the crate's, `0.1.0` since the start) does
+    /// not tell builds apart. Changing any of these values means bumping [`PROTOCOL`] and
+    /// this pin together (the plan digest's seed once changed without it: ranks of the two
+    /// builds formed a group and disagreed at every gate).
+    #[test]
+    fn the_wire_of_this_protocol_is_pinned() {
+        use crate::gate::{GATE_MAGIC, GATE_WORD, LOOKUP_DIGEST_SEED, LOOKUP_WORD};
+        let wire = (
+            PROTOCOL,
+            crate::PLAN_DIGEST_SEED,
+            LOOKUP_DIGEST_SEED,
+            GATE_MAGIC,
+            GATE_WORD,
+            LOOKUP_WORD,
+            crate::status::MAGIC,
+        );
+        let pinned = (
+            8,
+            0x6b76_6c69_6e6b_0002,
+            0x6b76_6c69_6e6b_0001 ^ 0x6c6f_6f6b,
+            b"KVG3",
+            344,
+            24,
+            0x5a,
+        );
+        assert_eq!(
+            wire, pinned,
+            "the group's wire changed: bump PROTOCOL, then this pin"
+        );
+    }
+
+    /// A joiner reading rank 0's reply from a build of another protocol: a refusal (retrying
+    /// cannot cure it), as rank 0's own answer to such a hello is; it read as a garbled
+    /// message before (`Protocol`, not a refusal: the linker retried it as an outage).
+    #[test]
+    fn a_reply_of_another_protocol_is_a_version_mismatch_refusal() {
+        let idle = Reply::Idle {
+            live_epoch: None,
+            last_failure: None,
+        };
+        let mut bytes = idle.encode();
+        bytes[4..8].copy_from_slice(&(PROTOCOL + 1).to_le_bytes());
+        let err = Reply::decode_for(&bytes, &hello(3)).unwrap_err();
+        assert!(
+            matches!(&err, RendezvousError::VersionMismatch { rank: 3, expected, .. }
+                if expected.contains(&(PROTOCOL + 1).to_string())),
+            "{err:?}"
+        );
+        assert!(err.is_refusal());
+        // Garbage and this protocol's replies decode as before.
+        assert!(matches!(
+            Reply::decode_for(b"nonsense", &hello(3)),
+            Err(RendezvousError::Protocol(_))
+        ));
+        assert!(matches!(
+            Reply::decode_for(&idle.encode(), &hello(3)),
+            Ok(Reply::Idle { .. })
         ));
     }
 

@@ -912,7 +912,7 @@ fn say_hello(
         .checked_add(REPLY_GRACE)
         .unwrap_or(deadline);
     match read_frame(stream, answer_by) {
-        Ok(body) => Ok(Some(Reply::decode(&body)?)),
+        Ok(body) => Ok(Some(Reply::decode_for(&body, h)?)),
         Err(e) => {
             *heard = Heard::Nothing(format!("rank 0 hung up or went silent: {e}"));
             Ok(None)
