@@ -14,6 +14,7 @@ use tracing::{debug, warn};
 use super::batch::{collective_failure, BatchJob};
 use super::group_time::{BatchSample, PendingSample};
 use super::Inner;
+use crate::log_every::LogEvery;
 
 /// Gates a rank ahead of others holds again for the same batch before it gives up.
 const MAX_CATCH_UP: u32 = 8;
@@ -66,6 +67,25 @@ pub(crate) struct Gates {
     /// The batch this rank gated when `ahead` was judged: the record speaks of later batches
     /// only (a batch id started again, or lower, finds none).
     pub(crate) ahead_at: u64,
+    /// The "plans differ" lines logged at `warn` lately, by the ranks that differ: ranks
+    /// configured apart differ at every batch, which must not flood the log.
+    pub(crate) differ_log: LogEvery,
+}
+
+/// Logs that the plans (or key spaces) of ranks `differing` differ from rank 0's at `batch`:
+/// at `warn` once a minute for the same ranks (saying how many batches went to `debug`
+/// since), at `debug` in between.
+fn log_plans_differ(log: &LogEvery, batch: BatchId, differing: &[u32]) {
+    match log.due_after(&format!("{differing:?}")) {
+        Some(since) => warn!(
+            %batch,
+            ?differing,
+            batches_at_debug_since = since,
+            "plans or key spaces (namespace, cp/pp ranks) differ across ranks: this batch reads \
+             AllRanks (logged again every minute while the same ranks differ)"
+        ),
+        None => debug!(%batch, ?differing, "plans differ across ranks: this batch reads AllRanks"),
+    }
 }
 
 impl Gates {
@@ -211,7 +231,7 @@ impl Inner {
                             (mode, Vec::new())
                         }
                         GateVerdict::Mismatch { differing } => {
-                            warn!(%batch, ?differing, "plans differ across ranks: this batch reads AllRanks");
+                            log_plans_differ(&gates.differ_log, batch, &differing);
                             (ShareMode::AllRanks, differing)
                         }
                     };
@@ -320,7 +340,7 @@ impl Inner {
 
 #[cfg(test)]
 mod tests {
-    use super::GateCount;
+    use super::{log_plans_differ, BatchId, GateCount, LogEvery};
 
     #[test]
     fn gates_count_per_handle_and_peek_does_not_count() {
@@ -334,5 +354,31 @@ mod tests {
         assert_eq!(g.peek(2), 0);
         assert_eq!(g.next(2), 0);
         assert_eq!(g.next(2), 1);
+    }
+
+    /// Ranks configured apart (another namespace) differ at every batch: one `warn` line a
+    /// minute for the same ranks, not one a batch on every rank; other ranks get their own.
+    #[test]
+    fn plans_that_differ_at_every_batch_warn_once_a_minute() {
+        let log = LogEvery::default();
+        let ((), lines) = crate::test_logs::logged(|| {
+            for b in 0..50 {
+                log_plans_differ(&log, BatchId(b), &[2]);
+            }
+            log_plans_differ(&log, BatchId(50), &[1, 2]);
+        });
+        let warns: Vec<_> = lines
+            .iter()
+            .filter(|l| l.level == tracing::Level::WARN)
+            .collect();
+        assert_eq!(warns.len(), 2, "{lines:?}");
+        assert!(warns[0].fields.contains("differing=[2]"), "{:?}", warns[0]);
+        assert!(
+            warns[1].fields.contains("differing=[1, 2]"),
+            "{:?}",
+            warns[1]
+        );
+        let debugs = lines.iter().filter(|l| l.level == tracing::Level::DEBUG);
+        assert_eq!(debugs.count(), 49);
     }
 }
