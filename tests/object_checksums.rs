@@ -1122,6 +1122,58 @@ fn a_companion_longer_than_its_format_makes_its_object_bad() {
     });
 }
 
+/// The companion of component `comp`'s object of page 0 is replaced by what a newer kvlink
+/// writer could write: version 2, `extra` bytes more, the trailer made again. The load is
+/// `Ok` with every byte saved, that object checked by length only, and the object and its
+/// companion stay in the store. Before, a reader of version 1 took it for a bad companion
+/// and discarded a good object with it (and in a rolling upgrade the two builds erased each
+/// other's cache).
+fn a_newer_writers_companion_leaves_its_object_loadable(seed: u32, comp: usize, extra: usize) {
+    let Saved { store, pages, g } = saved(seed, 2);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), store.clone(), pool.clone(), config()).unwrap();
+    let key = linker
+        .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
+        .unwrap()[comp][0]
+        .clone();
+    let companion = checksum_key(&key);
+    let mut bytes = get(store.as_ref(), &companion).unwrap();
+    bytes.truncate(bytes.len() - 8);
+    bytes[4] = 2;
+    bytes.extend(std::iter::repeat_n(0xa5, extra));
+    // The trailer is XXH3-64 (seed 0) of what precedes it, as a layer's checksum is.
+    let trailer = kvlink::kv_geometry::layer_checksum(&bytes);
+    bytes.extend_from_slice(&trailer.to_le_bytes());
+    assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
+    put(store.as_ref(), &companion, &bytes);
+    load_verified(&linker, &pool, &pages, 1, &[2, 3]);
+    let m = linker.metrics();
+    let layers = g.components()[comp].layers.len() as u64;
+    assert_eq!(
+        m.ranges_length_only, layers,
+        "that object's ranges, by length"
+    );
+    assert_eq!(
+        store.exists(&[key.as_str(), &companion]),
+        vec![Ok(true), Ok(true)]
+    );
+    assert_eq!(
+        get(store.as_ref(), &companion).unwrap(),
+        bytes,
+        "left as written"
+    );
+}
+
+#[test]
+fn a_newer_writers_companion_of_the_same_length_is_not_taken_for_a_bad_one() {
+    a_newer_writers_companion_leaves_its_object_loadable(36, 0, 0);
+}
+
+#[test]
+fn a_newer_writers_longer_companion_is_not_taken_for_a_bad_one() {
+    a_newer_writers_companion_leaves_its_object_loadable(37, 1, 24);
+}
+
 /// Page 1's object of component 0 gets `extra` bytes appended: every layer range still holds
 /// the saved bytes (and passes its checksum), only the size is wrong. Returns the key.
 fn lengthen_page_1(store: &dyn KvStore, g: &KvGeometry, pages: &[PageHash]) -> String {

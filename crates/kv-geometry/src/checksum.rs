@@ -17,6 +17,12 @@
 //!
 //! Objects without a companion (written by SGLang, or whose companion was lost) are still
 //! loadable: their check is only the byte count ([`Verified::LengthOnly`]), which is weaker.
+//!
+//! What every later version keeps, so that a reader of this version can tell a newer writer's
+//! companion from a bad one: the magic first, the version and algorithm bytes after it, and
+//! the XXH3-64 trailer of everything before it last. A companion that keeps these but carries
+//! another version or algorithm is [`ChecksumError::Unsupported`] (its object is not bad: a
+//! reader checks it as it checks an object with no companion), whatever its length.
 
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
@@ -81,6 +87,19 @@ pub enum ChecksumError {
     /// The component does not carry this layer.
     #[error("the component has no layer {0}")]
     NoLayer(u32),
+    /// The companion is a whole kvlink checksum object (magic and trailer good) of a version
+    /// or algorithm this build does not read: a newer writer's. Not a sign that its object
+    /// is bad.
+    #[error(
+        "checksum object of version {version}, algorithm {algorithm}: this build reads \
+         version 1, algorithm 1 (XXH3-64)"
+    )]
+    Unsupported {
+        /// The version byte it carries.
+        version: u8,
+        /// The algorithm byte it carries.
+        algorithm: u8,
+    },
     /// A layer's bytes do not match the checksum written with the object.
     #[error("layer {layer}: checksum {actual:#018x}, {expected:#018x} written")]
     Mismatch {
@@ -191,8 +210,24 @@ impl ObjectChecksums {
         out
     }
 
-    /// Parses a companion object; anything else is [`ChecksumError::Malformed`], never a
-    /// panic.
+    /// Parses a companion object: a newer writer's whole one is
+    /// [`ChecksumError::Unsupported`], anything else that is not one of this version
+    /// [`ChecksumError::Malformed`]; never a panic.
+    ///
+    /// ```
+    /// use kv_geometry::{ChecksumError, ObjectChecksums};
+    /// let mut bytes = ObjectChecksums { layer_bytes: 8, sums: vec![1, 2] }.encode();
+    /// bytes[4] = 2; // version 2, the trailer made again: a newer writer's companion
+    /// let n = bytes.len() - 8;
+    /// let trailer = xxhash_rust::xxh3::xxh3_64(&bytes[..n]);
+    /// bytes[n..].copy_from_slice(&trailer.to_le_bytes());
+    /// assert_eq!(
+    ///     ObjectChecksums::decode(&bytes),
+    ///     Err(ChecksumError::Unsupported { version: 2, algorithm: 1 })
+    /// );
+    /// bytes[9] ^= 1; // any changed byte: the trailer no longer matches
+    /// assert!(matches!(ObjectChecksums::decode(&bytes), Err(ChecksumError::Malformed(_))));
+    /// ```
     pub fn decode(bytes: &[u8]) -> Result<Self, ChecksumError> {
         let bad = ChecksumError::Malformed;
         let (body, trailer) = bytes
@@ -200,7 +235,9 @@ impl ObjectChecksums {
             .checked_sub(8)
             .map(|n| bytes.split_at(n))
             .ok_or(bad("shorter than a header"))?;
-        if body.len() < HEADER {
+        // The magic, version and algorithm first (what every version keeps), the rest of
+        // this version's header after the trailer and those are known good.
+        if body.len() < 6 {
             return Err(bad("shorter than a header"));
         }
         let u64_at = |b: &[u8], at: usize| {
@@ -214,8 +251,17 @@ impl ObjectChecksums {
         if &body[..4] != MAGIC {
             return Err(bad("not a kvlink checksum object"));
         }
+        if body[4] == 0 {
+            return Err(bad("version 0"));
+        }
         if body[4] != VERSION || body[5] != XXH3_64 {
-            return Err(bad("unknown version or algorithm"));
+            return Err(ChecksumError::Unsupported {
+                version: body[4],
+                algorithm: body[5],
+            });
+        }
+        if body.len() < HEADER {
+            return Err(bad("shorter than a header"));
         }
         if body[6..8] != [0, 0] {
             return Err(bad("reserved bytes are not zero"));

@@ -71,6 +71,27 @@ proptest! {
         }
     }
 
+    /// A newer writer's companion (magic and trailer kept, another version or algorithm, any
+    /// length past the magic and those two bytes) is `Unsupported`, never `Malformed`: a
+    /// reader of version 1 must not take it for a bad one and discard a good object.
+    #[test]
+    fn a_whole_companion_of_another_version_is_unsupported_whatever_its_length(
+        version in 1u8..=255,
+        algorithm in any::<u8>(),
+        rest in proptest::collection::vec(any::<u8>(), 0..200),
+    ) {
+        prop_assume!((version, algorithm) != (1, 1));
+        let mut b = b"KVCS".to_vec();
+        b.extend_from_slice(&[version, algorithm]);
+        b.extend_from_slice(&rest);
+        let trailer = xxhash_rust::xxh3::xxh3_64(&b);
+        b.extend_from_slice(&trailer.to_le_bytes());
+        prop_assert_eq!(
+            ObjectChecksums::decode(&b),
+            Err(ChecksumError::Unsupported { version, algorithm })
+        );
+    }
+
     #[test]
     fn a_changed_or_cut_companion_is_refused(
         sums in proptest::collection::vec(any::<u64>(), 1..20),

@@ -3,12 +3,22 @@
 //! (verify.rs) and the recheck of stale kept checksums (fresh_companion.rs) judge a companion
 //! alike through [`Inner::judge_companion`]; the read ahead at lookup (prefetch.rs) finds it
 //! with [`companion_of`] and keeps only companions that decode (anything else is left to the
-//! load's own read).
+//! load's own read). A newer writer's companion (another version of the format) is neither
+//! good nor bad: its object is checked by length only and the pair left alone.
 
-use kv_geometry::{checksum_key, ComponentLayout, ObjectChecksums};
+use kv_geometry::{checksum_key, ChecksumError, ComponentLayout, ObjectChecksums};
+use tracing::{debug, warn};
 
 use super::Inner;
+use crate::log_every::LogEvery;
 use crate::store::StoreError;
+
+/// Longest companion read again at its own size to tell a newer writer's from a bad one (a
+/// companion of this version is 36 B + 8 B a layer: 660 B for 78 layers).
+const MAX_COMPANION_BYTES: u64 = 1 << 20;
+
+/// The "newer writer's companion" lines logged at `warn` lately (once a minute).
+static UNSUPPORTED_LOG: LogEvery = LogEvery::new();
 
 /// The companion of object `object_key` of `layout`: its key and its exact length.
 pub(crate) fn companion_of(object_key: &str, layout: &ComponentLayout) -> (String, usize) {
@@ -25,6 +35,10 @@ pub(crate) enum CompanionRead {
     Sums(ObjectChecksums),
     /// The store holds no companion (objects another writer saved): checked by length only.
     Absent,
+    /// The companion is a newer kvlink writer's (another version of the format, this text
+    /// says which): nothing here can check it, and it does not make the object bad. Its
+    /// object is checked by length only, and the pair stays in the store.
+    Unsupported(String),
     /// The companion is not one (malformed, for another layout, cut short, too long): its
     /// object is bad.
     Bad(String),
@@ -45,24 +59,62 @@ impl Inner {
         got: Result<Vec<u8>, StoreError>,
         deadline: std::time::Instant,
     ) -> CompanionRead {
-        match got {
+        let judged = match got {
             Ok(bytes) => match ObjectChecksums::decode_for(&bytes, layout) {
                 Ok(sums) => CompanionRead::Sums(sums),
+                Err(e @ ChecksumError::Unsupported { .. }) => {
+                    CompanionRead::Unsupported(e.to_string())
+                }
                 Err(e) => CompanionRead::Bad(e.to_string()),
             },
             Err(StoreError::NotFound { .. }) => CompanionRead::Absent,
-            Err(StoreError::ShortRead { got, expected, .. }) => CompanionRead::Bad(format!(
-                "checksum object of {got} bytes, {expected} expected"
-            )),
+            Err(StoreError::ShortRead { got, expected, .. }) => {
+                let why = format!("checksum object of {got} bytes, {expected} expected");
+                self.newer_or_bad(key, got, why, deadline)
+            }
             Err(e @ StoreError::InvalidArgument { .. }) => {
                 match self.longer_than(key, len, deadline) {
-                    Some(size) => CompanionRead::Bad(format!(
-                        "checksum object of {size} bytes, {len} expected ({e})"
-                    )),
+                    Some(size) => {
+                        let why = format!("checksum object of {size} bytes, {len} expected ({e})");
+                        self.newer_or_bad(key, size, why, deadline)
+                    }
                     None => CompanionRead::Failed(e),
                 }
             }
             Err(e) => CompanionRead::Failed(e),
+        };
+        if let CompanionRead::Unsupported(why) = &judged {
+            log_unsupported(key, why);
+        }
+        judged
+    }
+
+    /// A companion of another length than this version's (`size` bytes): read again whole at
+    /// its size (one bounded call) and [`CompanionRead::Unsupported`] when it is a newer
+    /// writer's whole companion, else [`CompanionRead::Bad`] for `why` (also when it cannot
+    /// be read again, or is longer than any companion).
+    fn newer_or_bad(
+        &self,
+        key: &str,
+        size: u64,
+        why: String,
+        deadline: std::time::Instant,
+    ) -> CompanionRead {
+        if size > MAX_COMPANION_BYTES {
+            return CompanionRead::Bad(why);
+        }
+        match self
+            .calls
+            .read_whole_owned(&[key], &[size as usize], deadline)
+            .pop()
+        {
+            Some(Ok(bytes)) => match ObjectChecksums::decode(&bytes) {
+                Err(e @ ChecksumError::Unsupported { .. }) => {
+                    CompanionRead::Unsupported(format!("{e} ({size} bytes)"))
+                }
+                _ => CompanionRead::Bad(why),
+            },
+            _ => CompanionRead::Bad(why),
         }
     }
 
@@ -73,6 +125,24 @@ impl Inner {
             Some(Ok(size)) if size > len as u64 => Some(size),
             _ => None,
         }
+    }
+}
+
+/// Says that companion `key` is a newer writer's: at `warn` once a minute (this server reads
+/// an older format than a writer sharing its store: upgrade it), at `debug` in between.
+fn log_unsupported(key: &str, why: &str) {
+    match UNSUPPORTED_LOG.due_after("unsupported") {
+        Some(since) => warn!(
+            key,
+            why,
+            companions_at_debug_since = since,
+            "a checksum companion of a newer kvlink writer: its object is checked by length only \
+             and left in the store; upgrade this server (logged again every minute while it lasts)"
+        ),
+        None => debug!(
+            key,
+            why, "a newer writer's checksum companion: checked by length only"
+        ),
     }
 }
 

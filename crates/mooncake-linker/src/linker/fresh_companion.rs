@@ -137,8 +137,14 @@ impl Inner {
                     let why = (Some(layer), detail);
                     return Err(self.bad_object(batch, comp, page, why, deadline));
                 }
-                CompanionRead::Absent => {
+                gone @ (CompanionRead::Absent | CompanionRead::Unsupported(_)) => {
                     sizes(comp, page)?;
+                    let since = match gone {
+                        CompanionRead::Unsupported(why) => {
+                            format!("was replaced since by a newer writer's ({why})")
+                        }
+                        _ => "is gone since".to_owned(),
+                    };
                     return Err(KvLoadError::Store {
                         batch: Some(batch),
                         layer: Some(layer),
@@ -146,8 +152,8 @@ impl Inner {
                         kind: StoreFailure::TransferFailed,
                         detail: format!(
                             "`{}` does not match the checksums read for it, and its \
-                             companion is gone since: not loaded, nothing discarded (the next \
-                             load checks the object by length)",
+                             companion {since}: not loaded, nothing discarded (the next load \
+                             checks the object by length)",
                             comp.keys[page]
                         )
                         .into(),

@@ -93,6 +93,8 @@ impl Inner {
                             ReadBack::Unknown
                         }
                     }
+                    // A newer writer's: nothing here can check the pair against it.
+                    CompanionRead::Unsupported(_) => ReadBack::Unchecked,
                     CompanionRead::Absent | CompanionRead::Bad(_) => ReadBack::Discarded,
                 },
             };

@@ -138,7 +138,8 @@ impl Inner {
     /// use; no `exists` first either, since a companion the store does not hold comes back
     /// `NotFound` and its object is then checked by length only) and decodes them. A companion
     /// that is not one (malformed, another layout, cut short) makes its object bad: both are
-    /// discarded and the batch fails on this rank. Sets `plan`'s count of absent companions.
+    /// discarded and the batch fails on this rank. A newer writer's (another format version)
+    /// is checked as none: its object by length only. Sets `plan`'s count of absent companions.
     pub(crate) fn read_companions(
         &self,
         layers: &BatchLayers,
@@ -170,7 +171,8 @@ impl Inner {
                     }
                     continue;
                 }
-                CompanionRead::Absent => {
+                // A newer writer's companion: checked as one with none (logged by the judge).
+                CompanionRead::Absent | CompanionRead::Unsupported(_) => {
                     plan.absent += 1;
                     continue;
                 }
