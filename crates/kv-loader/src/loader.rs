@@ -97,6 +97,16 @@ pub trait KvLoader: Send + Sync {
     /// Writes the plan's pages from this rank's pool to the store, skipping objects the store
     /// already has and objects this rank does not own.
     ///
+    /// Nothing orders the save after the engine's device work: on a device pool it reads the
+    /// slots as they are when it runs, and stores (with checksums of those bytes) whatever
+    /// the engine's kernels have not written yet. Call it once the compute that wrote the
+    /// pages has finished (its stream synchronized), or use a loader's ordered save (kvlink's
+    /// `Linker::save_after`, given an event recorded on the compute stream). Host pools are
+    /// written by the engine's own thread before it calls this: nothing to order.
+    ///
+    /// It blocks the calling thread for the store calls it makes (kvlink's linker: one bounded
+    /// wait per call, several per chunk of pages): call it off the forward thread.
+    ///
     /// A save that fails because a store call outlived its deadline may leave that call
     /// reading the slots (kvlink's linker on a host pool reads them in place): the pool's
     /// claims say when they are free again (kvlink's `SlotClaims::wait_free`).
