@@ -187,6 +187,46 @@ impl CandleKvError {
             _ => false,
         }
     }
+
+    /// The kvlink error inside `e`, a candle error made from one (`?` or `From` in a function
+    /// returning `candle_core::Result`, such as a mistral.rs attention layer's), through the
+    /// contexts, paths and backtraces candle wraps around it, so that the engine can still ask
+    /// it for its [`action`](Self::action). `None` when `e` holds none, also when it was made
+    /// with `candle_core::Error::wrap` (which keeps only the words: use `?` or `into()`).
+    ///
+    /// ```
+    /// use kv_loader::{BatchId, EngineAction, KvLoadError};
+    /// use kvlink_candle::CandleKvError;
+    /// fn attention() -> candle_core::Result<()> {
+    ///     let failed = KvLoadError::Cancelled { batch: BatchId(1) };
+    ///     Err(CandleKvError::Load { layer: Some(3), source: failed })?
+    /// }
+    /// let e = attention().map_err(|e| e.context("layer 3")).unwrap_err();
+    /// let kv = CandleKvError::find_in(&e).expect("kept whole");
+    /// assert_eq!(kv.action(), Some(EngineAction::Recompute));
+    /// ```
+    pub fn find_in(e: &candle_core::Error) -> Option<&CandleKvError> {
+        use candle_core::Error;
+        match e {
+            Error::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<CandleKvError>(),
+            Error::Context { inner, .. }
+            | Error::WithBacktrace { inner, .. }
+            | Error::WithPath { inner, .. } => Self::find_in(inner),
+            _ => None,
+        }
+    }
+}
+
+/// A kvlink error as a candle error, kept whole (not as words): `?` in a function returning
+/// `candle_core::Result` passes it on, and [`CandleKvError::find_in`] gets it back.
+impl From<CandleKvError> for candle_core::Error {
+    fn from(e: CandleKvError) -> Self {
+        candle_core::Error::WrappedContext {
+            wrapped: Box::new(e),
+            context: "kvlink".to_owned(),
+        }
+        .bt()
+    }
 }
 
 #[cfg(test)]
@@ -221,5 +261,33 @@ mod action_tests {
         };
         assert_eq!(shape.action(), None);
         assert!(!shape.is_load_failure());
+    }
+
+    /// A load failure that crossed a `candle_core::Result` boundary (a mistral.rs attention
+    /// layer's) is still typed: through a context, a backtrace and a path it keeps its
+    /// action, `HoldSlots` included, which its words alone would not give.
+    #[test]
+    fn a_load_failure_inside_a_candle_error_keeps_its_action() {
+        let held = KvLoadError::SlotsHeld {
+            batches: vec![BatchId(4)].into(),
+        };
+        let as_candle: candle_core::Error = CandleKvError::Load {
+            layer: Some(1),
+            source: held.clone(),
+        }
+        .into();
+        let wrapped = candle_core::Error::WithBacktrace {
+            inner: Box::new(as_candle.context("attention layer 1").with_path("model")),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        let found = CandleKvError::find_in(&wrapped).expect("the kvlink error, whole");
+        assert_eq!(found.action(), Some(held.action()));
+        assert_eq!(found.action(), Some(EngineAction::HoldSlots));
+        // Made with `wrap`, only its words are left: nothing to find.
+        let words = candle_core::Error::wrap(CandleKvError::LayerOutOfRange {
+            layer: 9,
+            num_layers: 4,
+        });
+        assert!(CandleKvError::find_in(&words).is_none());
     }
 }
