@@ -135,6 +135,24 @@ fn failure_kind(e: &KvLoadError) -> &'static str {
         .unwrap_or_else(|| e.kind_name())
 }
 
+/// Logs a failed batch: at `warn` once a minute per kind of failure (a store or group down
+/// fails every batch alike: one line each was as many lines as requests), saying how many of
+/// its kind went to `debug` since; a cancelled one (the engine's own doing) at `debug`. The
+/// metrics count every one. A peer's failure is keyed by its cause's kind too: in a group
+/// every failure is `PeerFailed`, and a new cause must not wait out another's minute.
+fn log_batch_failed(log: &LogEvery, batch: kv_loader::BatchId, e: &KvLoadError) {
+    if failure_kind(e) == "cancelled" {
+        debug!(%batch, error = %e, "batch cancelled");
+        return;
+    }
+    match log.due_after(&format!("{}:{}", e.kind_name(), e.cause_kind())) {
+        Some(skipped) => warn!(%batch, error = %e, kind = e.kind_name(), skipped,
+            "batch failed (`skipped`: failures of this kind logged at debug since the last \
+             such line; more within a minute go to debug)"),
+        None => debug!(%batch, error = %e, "batch failed"),
+    }
+}
+
 impl Inner {
     fn finish_job(
         &self,
@@ -169,21 +187,9 @@ impl Inner {
         }
     }
 
-    /// Logs a failed batch: at `warn` once a minute per kind of failure (a store or group
-    /// down fails every batch alike: one line each was as many lines as requests), saying
-    /// how many of its kind went to `debug` since; a cancelled one (the engine's own doing)
-    /// at `debug`. The metrics count every one.
+    /// Logs a failed batch ([`log_batch_failed`]).
     fn log_failed(&self, batch: kv_loader::BatchId, e: &KvLoadError) {
-        if failure_kind(e) == "cancelled" {
-            debug!(%batch, error = %e, "batch cancelled");
-            return;
-        }
-        match self.failed_log.due_after(e.kind_name()) {
-            Some(skipped) => warn!(%batch, error = %e, kind = e.kind_name(), skipped,
-                "batch failed (`skipped`: failures of this kind logged at debug since the \
-                 last such line; more within a minute go to debug)"),
-            None => debug!(%batch, error = %e, "batch failed"),
-        }
+        log_batch_failed(&self.failed_log, batch, e);
     }
 
     fn load_loop(self: Arc<Self>, jobs: mpsc::Receiver<BatchJob>) {
@@ -1014,5 +1020,46 @@ impl Drop for Linker {
         if let Err(e) = self.close() {
             warn!(error = %e, "closing the linker on drop");
         }
+    }
+}
+
+#[cfg(test)]
+mod failure_log_tests {
+    use super::*;
+    use kv_loader::BatchId;
+
+    fn peer_failed(batch: u64, cause: &str) -> KvLoadError {
+        KvLoadError::PeerFailed {
+            batch: BatchId(batch),
+            rank: 1,
+            layer: 0,
+            detail: format!("{cause}: batch {batch}: on rank 1"),
+        }
+    }
+
+    /// In a group every failure is `PeerFailed`: a new cause gets its own `warn` line at once
+    /// (it went to `debug` for the rest of the minute of the first one), while the same cause
+    /// again within the minute goes to `debug`.
+    #[test]
+    fn a_peer_failure_of_a_new_cause_is_not_held_back_by_another_causes_minute() {
+        let log = LogEvery::new();
+        let ((), lines) = crate::test_logs::logged(|| {
+            log_batch_failed(&log, BatchId(1), &peer_failed(1, "store_rpc_timeout"));
+            log_batch_failed(&log, BatchId(2), &peer_failed(2, "store_rpc_timeout"));
+            log_batch_failed(&log, BatchId(3), &peer_failed(3, "bad_object"));
+            log_batch_failed(
+                &log,
+                BatchId(4),
+                &KvLoadError::Cancelled { batch: BatchId(4) },
+            );
+        });
+        let warned: Vec<&str> = lines
+            .iter()
+            .filter(|l| l.level == tracing::Level::WARN)
+            .map(|l| l.fields.as_str())
+            .collect();
+        assert_eq!(warned.len(), 2, "{lines:?}");
+        assert!(warned[0].contains("store_rpc_timeout"), "{warned:?}");
+        assert!(warned[1].contains("bad_object"), "{warned:?}");
     }
 }

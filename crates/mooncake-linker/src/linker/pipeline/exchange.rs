@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use dedup_broadcast::{GroupStatus, LayerStatus};
 use kv_device::LayerStage;
-use kv_loader::{KvLoadError, StoreFailure};
+use kv_loader::{BatchId, KvLoadError, StoreFailure};
 use tracing::{debug, warn};
 
 use super::{alone_verdicts_bound, check_bound, reader_bound, LayerPipeline, ReadLayer};
@@ -14,6 +14,7 @@ use crate::linker::batch::collective_failure;
 use crate::linker::handoff::{Handoff, Wait};
 use crate::linker::share::{step_for, LayerCx, ShareStep, StepError};
 use crate::linker::verify::LayerCheck;
+use crate::log_every::LogEvery;
 
 /// The group's failure of a batch, on rank `rank` whose own failure was `own`: a
 /// `PeerFailed` naming this rank carries `own`'s words after its code.
@@ -31,6 +32,24 @@ fn with_own_words(group: KvLoadError, rank: u32, own: &KvLoadError) -> KvLoadErr
             detail: format!("{detail}: {own}"),
         },
         e => e,
+    }
+}
+
+/// Logs this rank's own failure of `batch` where the group reports another rank's: the one
+/// line at `warn` that names this cause (on no rank else), once a minute per kind (a store
+/// down fails every rank's batch alike: one line each was TP - 1 lines a request), at `debug`
+/// in between; a cancellation (a request aborted, a reset: the engine's doing) always at
+/// `debug`.
+fn log_own_beside_the_groups(log: &LogEvery, batch: BatchId, own: &KvLoadError) {
+    if matches!(own, KvLoadError::Cancelled { .. }) {
+        debug!(%batch, error = %own, "this rank's batch was cancelled (the group reports another's failure)");
+        return;
+    }
+    match log.due_after(&format!("own:{}", own.kind_name())) {
+        Some(skipped) => warn!(%batch, error = %own, kind = own.kind_name(), skipped,
+            "this rank's own failure of the batch (the group reports another's; `skipped`: \
+             failures of this kind at debug since the last such line)"),
+        None => debug!(%batch, error = %own, "this rank's own failure of the batch"),
     }
 }
 
@@ -418,10 +437,7 @@ impl LayerPipeline<'_> {
                         // Its words go into the group's error, logged once a minute per kind.
                         debug!(%batch, error = %own, "this rank's own failure of the batch");
                     } else {
-                        // Another rank's failure is the group's: this one's cause would reach
-                        // no line at `warn` on any rank.
-                        warn!(%batch, error = %own,
-                              "this rank's own failure of the batch (the group reports another's)");
+                        log_own_beside_the_groups(&self.inner.failed_log, batch, &own);
                     }
                     with_own_words(group, rank, &own)
                 }
@@ -429,5 +445,38 @@ impl LayerPipeline<'_> {
             });
         }
         Ok((progress.landed, progress.first_layer))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store down fails every rank's batch alike; the ranks the group does not report log
+    /// their own cause at `warn` once a minute per kind, not once a batch, and a cancelled
+    /// batch (a request aborted) never at `warn`.
+    #[test]
+    fn a_ranks_own_failure_beside_the_groups_warns_once_a_minute_and_never_for_a_cancel() {
+        let log = LogEvery::new();
+        let failed = |b: u64| KvLoadError::Store {
+            batch: Some(BatchId(b)),
+            layer: Some(0),
+            pages: vec![0].into(),
+            kind: StoreFailure::RpcTimeout,
+            detail: "the master did not answer".into(),
+        };
+        let ((), lines) = crate::test_logs::logged(|| {
+            for b in 0..20 {
+                log_own_beside_the_groups(&log, BatchId(b), &failed(b));
+            }
+            for b in 20..30 {
+                let cancelled = KvLoadError::Cancelled { batch: BatchId(b) };
+                log_own_beside_the_groups(&log, BatchId(b), &cancelled);
+            }
+        });
+        let warns = lines.iter().filter(|l| l.level == tracing::Level::WARN);
+        assert_eq!(warns.count(), 1, "{lines:?}");
+        let debugs = lines.iter().filter(|l| l.level == tracing::Level::DEBUG);
+        assert_eq!(debugs.count(), 29);
     }
 }
