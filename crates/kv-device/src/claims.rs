@@ -130,7 +130,8 @@ impl SlotClaims {
         };
         drop(held);
         if !released.is_empty() {
-            tracing::warn!(slots = ?released, "slots held for device copies released by the engine");
+            let slots = crate::staged::slots_work("released", &released);
+            tracing::warn!(%slots, "slots held for device copies released by the engine");
         }
         released
     }
@@ -359,7 +360,7 @@ impl WriteClaim {
         let slots = std::mem::take(&mut self.slots);
         if let Some(claims) = self.pool.slot_claims() {
             tracing::warn!(
-                ?slots,
+                slots = %crate::staged::slots_work("held", &slots),
                 events = until.as_ref().map(Vec::len),
                 "slots stay claimed until copies queued into them have finished"
             );

@@ -710,6 +710,12 @@ fn settle_failed(
     };
     match settled {
         Ok(()) => e,
+        // A settle of this landing timed out already (the one before the verdict, which said
+        // so at `error`): its copies are known unfinished; one line per cause is enough.
+        Err(d @ kv_device::DeviceError::Poisoned(_)) if matches!(e, KvLoadError::Device(_)) => {
+            tracing::debug!(%batch, error = %e, device = %d, "the batch's copies into its slots are still unfinished");
+            e
+        }
         Err(d) if matches!(e, KvLoadError::Device(_)) => {
             tracing::error!(%batch, error = %e, device = %d,
                 "the batch failed on the device and copies it queued into its slots did not \

@@ -31,9 +31,10 @@ use std::time::{Duration, Instant};
 
 use mooncake_sys::Client;
 use parking_lot::Mutex;
-use tracing::warn;
+use tracing::{debug, info, warn};
 
 use super::store::{code_error, split_valid, store_error, store_error_logged};
+use crate::log_every::LogEvery;
 use crate::store::caller::lock_while_awaited;
 use crate::store::StoreError;
 
@@ -146,6 +147,8 @@ pub(super) struct SessionTable {
     /// Removals whose replicas [`forget_replicas`](Self::forget_replicas) forgot so far
     /// (changed under `keys`' lock): a start that overlapped one does not record its renewal.
     forgets: AtomicU64,
+    /// The "sessions forgotten" line at `info` lately (once a minute).
+    forget_log: LogEvery,
     /// The last token handed out (tokens start at 1; 0 names no session of this table).
     last_token: AtomicU64,
     /// The master's read lease.
@@ -167,6 +170,7 @@ impl SessionTable {
             ends_due: Mutex::default(),
             open: Mutex::default(),
             forgets: AtomicU64::new(0),
+            forget_log: LogEvery::new(),
             last_token: AtomicU64::new(0),
             lease,
         }
@@ -308,6 +312,20 @@ impl SessionTable {
         self.forgets.fetch_add(1, Ordering::AcqRel);
         for s in table.values_mut() {
             s.renewed = None;
+        }
+        // Every call that finds the master unreachable comes here: one line a minute.
+        match self.forget_log.due_after("forget all") {
+            Some(since) => info!(
+                keys = table.len(),
+                times_since_last_line = since,
+                "the Mooncake master was unreachable: every key's read session is started \
+                 again before its next read (a restarted master has lost its objects; their \
+                 reads then fail as not found)"
+            ),
+            None => debug!(
+                keys = table.len(),
+                "read sessions forgotten: the master was unreachable"
+            ),
         }
     }
 
@@ -760,7 +778,17 @@ mod tests {
             1,
             "joined while fresh"
         );
-        table.forget_all();
+        // Said once a minute at `info` (every call in an outage forgets), `debug` between.
+        let ((), lines) = crate::test_logs::logged(|| {
+            table.forget_all();
+            table.forget_all();
+        });
+        let infos: Vec<_> = lines
+            .iter()
+            .filter(|l| l.level == tracing::Level::INFO)
+            .collect();
+        assert_eq!(infos.len(), 1, "{lines:?}");
+        assert!(infos[0].fields.contains("keys=2"), "{infos:?}");
         let again = table.join(&master, &["a", "b"]);
         assert_eq!(master.starts.load(Ordering::Relaxed), 2, "asked again");
         assert!(matches!(again.result("b"), Some(Ok(()))));
