@@ -151,6 +151,11 @@ fn ranks_of_different_namespaces_never_land_each_others_objects() {
             ShareMode::AllRanks,
             "rank {rank}: the plans differ"
         );
+        assert_eq!(
+            ranks[rank].0.metrics().batches_plans_differ,
+            1,
+            "rank {rank}"
+        );
     }
     let (linker, pool) = &ranks[1];
     for c in linker.geometry().components() {

@@ -2320,6 +2320,8 @@ fn a_leftover_companion_that_cannot_be_discarded_fails_the_save_and_writes_no_ob
     // The fault is spent: the next save discards the leftover and writes the pair.
     linker.save(&plan).unwrap();
     assert_paired(store.as_ref(), &g, &keys[0][0]);
+    let m = linker.metrics();
+    assert_eq!((m.saves, m.saves_failed), (2, 1), "counted for an operator");
 }
 
 /// A leftover companion that is gone by the time the save discards it (a load that found its

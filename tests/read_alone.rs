@@ -85,6 +85,8 @@ fn a_rank_that_alone_finds_the_group_down_leaves_no_rank_failing_the_batch() {
                 assert!(stats.alone.is_some(), "{mode:?} batch {batch} rank {rank}");
                 rank_matches(r, &hashes, rank as u32)
                     .unwrap_or_else(|e| panic!("{mode:?} batch {batch}: {e}"));
+                // Counted for an operator to alert on, not only in each batch's stats.
+                assert_eq!(r.linker.metrics().batches_alone, batch, "rank {rank}");
             }
         }
     }
@@ -115,6 +117,7 @@ fn lookups_go_alone_on_every_rank_when_one_rank_finds_the_group_down() {
     for (rank, hit) in hits.into_iter().enumerate() {
         let hit = hit.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!(hit.pages.len(), hashes.len(), "rank {rank}");
+        assert_eq!(rs[rank].linker.metrics().lookups_alone, 1, "rank {rank}");
     }
 }
 

@@ -626,6 +626,10 @@ fn a_panic_on_a_load_thread_fails_its_batch_and_the_next_batch_loads() {
         }
         peers_ended_by(&ended, t0, collective * 2, &what);
         run_ok(&rs, 2, &hashes, &what);
+        for (rank, r) in rs.iter().enumerate() {
+            let reforms = r.linker.metrics().group_reforms;
+            assert_eq!(reforms, 1, "{what}: rank {rank} re-formed the group once");
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! The TP group a linker shares replicated KV with, and the linker's live handles on it
 //! ([`GroupLink`]), re-formed (data and control together) when either broke.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -167,6 +167,8 @@ pub(crate) struct GroupLink {
     pub(crate) down_lookup_log: LogEvery,
     /// Set once this linker told the formation it left ([`leave`](Self::leave)).
     left: AtomicBool,
+    /// Re-formations this link made that completed (`MetricsSnapshot::group_reforms`).
+    reforms: AtomicU64,
 }
 
 impl GroupLink {
@@ -206,8 +208,14 @@ impl GroupLink {
                 down_batch_log: LogEvery::default(),
                 down_lookup_log: LogEvery::default(),
                 left: AtomicBool::new(false),
+                reforms: AtomicU64::new(0),
             })
         })
+    }
+
+    /// Re-formations this link made that completed.
+    pub(crate) fn reforms(&self) -> u64 {
+        self.reforms.load(Ordering::Relaxed)
     }
 
     /// This linker is done with the group (it closed; once). When it was the rank's last
@@ -287,6 +295,7 @@ impl GroupLink {
         let epoch = now.epoch.saturating_add(1);
         match formation.reform(self.rank, epoch, deadline) {
             Ok(fresh) => {
+                self.reforms.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(
                     rank = self.rank,
                     epoch = fresh.epoch,

@@ -48,6 +48,11 @@ pub struct LinkerMetrics {
     pins_ahead_taken: AtomicU64,
     kept_checksums_stale: AtomicU64,
     companions_reread: AtomicU64,
+    batches_alone: AtomicU64,
+    batches_plans_differ: AtomicU64,
+    lookups_alone: AtomicU64,
+    saves: AtomicU64,
+    saves_failed: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
     own_failures: Mutex<BTreeMap<&'static str, u64>>,
 }
@@ -119,6 +124,26 @@ pub struct MetricsSnapshot {
     /// checked again against one read afresh: that read may have come before the batch's pin
     /// took, and the object been written again (other bytes, its own companion) in between.
     pub companions_reread: u64,
+    /// Batches this rank loaded alone, reading its own copy with no collective, because its
+    /// TP group was down (`GroupFallback::ReadAlone`; `LoadStats::alone`). Each is a batch
+    /// the group did not share: a figure that grows is a group that stays down.
+    pub batches_alone: u64,
+    /// Batches loaded `AllRanks` because the ranks' plans or key spaces differed
+    /// (`LoadStats::plans_differ`): ranks scheduled or configured apart.
+    pub batches_plans_differ: u64,
+    /// Lookups this rank answered alone because its TP group was down
+    /// (`GroupFallback::ReadAlone`).
+    pub lookups_alone: u64,
+    /// Re-formations of the TP group this rank took part in and saw complete (filled by
+    /// `Linker::metrics`; zero without a group): each follows a broken group (a rank died, a
+    /// collective was aborted).
+    pub group_reforms: u64,
+    /// Saves that returned (successful or not), and of them those that failed (their
+    /// `SaveReport` never reached the engine; the pages not written stay missing until a
+    /// later save).
+    pub saves: u64,
+    /// See `saves`.
+    pub saves_failed: u64,
     /// Store calls that did not return by their deadline, the landing memory's
     /// registrations and unregistrations included (filled by `Linker::metrics`).
     pub overdue_calls: u64,
@@ -247,6 +272,30 @@ impl LinkerMetrics {
         self.bad_objects.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A batch loaded: counted by how it was shared.
+    pub(crate) fn loaded_how(&self, stats: &kv_loader::LoadStats) {
+        if stats.alone.is_some() {
+            self.batches_alone.fetch_add(1, Ordering::Relaxed);
+        }
+        if !stats.plans_differ.is_empty() {
+            self.batches_plans_differ.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn lookup_alone(&self) {
+        self.lookups_alone.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A save returned; `failed` when with an error. `saves` first, then `saves_failed`
+    /// with `Release`: a snapshot that sees a failure sees its save
+    /// ([`snapshot`](Self::snapshot)).
+    pub(crate) fn saved(&self, failed: bool) {
+        self.saves.fetch_add(1, Ordering::Relaxed);
+        if failed {
+            self.saves_failed.fetch_add(1, Ordering::Release);
+        }
+    }
+
     pub(crate) fn failure(&self, kind: &'static str) {
         *self.failures.lock().entry(kind).or_default() += 1;
     }
@@ -256,11 +305,11 @@ impl LinkerMetrics {
     }
 
     /// The counters now, each read on its own while the linker runs: counters that move
-    /// together may be one update apart. Four pairs keep their order (an exporter subtracts
+    /// together may be one update apart. Five pairs keep their order (an exporter subtracts
     /// or divides them): `ranges_checksummed_as_landed` never exceeds `ranges_checksummed`,
     /// the `failures` never add up to more than `batches_failed`, `pins_ahead_taken` never
-    /// exceeds `pins_ahead`, and `pages_hit` never exceeds `pages_looked_up`; each is read
-    /// before the counter it is part of.
+    /// exceeds `pins_ahead`, `pages_hit` never exceeds `pages_looked_up`, and `saves_failed`
+    /// never exceeds `saves`; each is read before the counter it is part of.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut hist = [0; 12];
         for (h, a) in hist.iter_mut().zip(&self.layer_hist) {
@@ -272,6 +321,7 @@ impl LinkerMetrics {
         let failures = self.failures.lock().clone();
         let taken = self.pins_ahead_taken.load(Ordering::Acquire);
         let hit = self.pages_hit.load(Ordering::Acquire);
+        let saves_failed = self.saves_failed.load(Ordering::Acquire);
         MetricsSnapshot {
             bytes_read: self.bytes_read.load(Ordering::Relaxed),
             bytes_written: self.bytes_written.load(Ordering::Relaxed),
@@ -296,6 +346,12 @@ impl LinkerMetrics {
             pins_ahead_taken: taken,
             kept_checksums_stale: self.kept_checksums_stale.load(Ordering::Relaxed),
             companions_reread: self.companions_reread.load(Ordering::Relaxed),
+            batches_alone: self.batches_alone.load(Ordering::Relaxed),
+            batches_plans_differ: self.batches_plans_differ.load(Ordering::Relaxed),
+            lookups_alone: self.lookups_alone.load(Ordering::Relaxed),
+            group_reforms: 0,
+            saves: self.saves.load(Ordering::Relaxed),
+            saves_failed,
             overdue_calls: 0,
             staging_quarantined: 0,
             kept_for_good: crate::store::KeptForGood::default(),
@@ -328,6 +384,7 @@ mod tests {
                     m.pins_ahead();
                     m.pins_ahead_taken();
                     m.lookup(4, 4);
+                    m.saved(true);
                 }
             });
             let mut seen = 0;
@@ -341,6 +398,7 @@ mod tests {
                 assert!(failed <= snap.batches_failed, "{snap:?}");
                 assert!(snap.pins_ahead_taken <= snap.pins_ahead, "{snap:?}");
                 assert!(snap.pages_hit <= snap.pages_looked_up, "{snap:?}");
+                assert!(snap.saves_failed <= snap.saves, "{snap:?}");
                 seen += 1;
             }
             assert!(seen > 10, "{seen} snapshots");

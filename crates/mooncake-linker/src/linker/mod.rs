@@ -170,6 +170,7 @@ impl Inner {
         match &result {
             Ok(stats) => {
                 self.metrics.batch(true);
+                self.metrics.loaded_how(stats);
                 // Debug: one per batch per rank (the metrics count them).
                 debug!(%batch, pages = stats.pages, bytes = stats.bytes_read,
                       last_layer = ?stats.last_layer, "batch loaded");
@@ -562,6 +563,7 @@ impl Linker {
     pub fn metrics(&self) -> MetricsSnapshot {
         let mut m = self.inner.metrics.snapshot();
         m.overdue_calls = self.inner.calls.overdue_calls();
+        m.group_reforms = self.inner.group.as_ref().map_or(0, |g| g.reforms());
         m.staging_quarantined =
             u64::try_from(self.inner.landings.staging_quarantined()).unwrap_or(u64::MAX);
         m.kept_for_good = crate::store::kept_for_good();

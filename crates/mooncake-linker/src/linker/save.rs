@@ -21,11 +21,22 @@ use super::Inner;
 use crate::store::{Hold, PutOutcome, SourcePut};
 
 impl Inner {
+    /// [`save_pages`](Self::save_pages), counted in the metrics (`saves`, `saves_failed`).
+    pub(crate) fn save(
+        &self,
+        plan: &BatchPlan,
+        after: Option<&SharedEvent>,
+    ) -> Result<SaveReport, KvLoadError> {
+        let saved = self.save_pages(plan, after);
+        self.metrics.saved(saved.is_err());
+        saved
+    }
+
     /// Writes every object of the plan this rank owns and the store lacks, each with its
     /// checksum companion in the same store call. Replicated components are written by TP
     /// rank 0 only; sharded ones by every rank. Objects already present are left as they
     /// are (and get no companion: an object SGLang wrote stays checked by length only).
-    pub(crate) fn save(
+    fn save_pages(
         &self,
         plan: &BatchPlan,
         after: Option<&SharedEvent>,
