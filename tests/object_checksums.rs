@@ -1123,15 +1123,27 @@ fn a_companion_longer_than_its_format_makes_its_object_bad() {
 }
 
 /// The companion of component `comp`'s object of page 0 is replaced by what a newer kvlink
-/// writer could write: version 2, `extra` bytes more, the trailer made again. The load is
-/// `Ok` with every byte saved, that object checked by length only, and the object and its
-/// companion stay in the store. Before, a reader of version 1 took it for a bad companion
-/// and discarded a good object with it (and in a rolling upgrade the two builds erased each
-/// other's cache).
-fn a_newer_writers_companion_leaves_its_object_loadable(seed: u32, comp: usize, extra: usize) {
+/// writer could write: version 2, `change` bytes more (fewer when negative), the trailer
+/// made again. The load is `Ok` with every byte saved, that object checked by length only,
+/// and the object and its companion stay in the store. Before, a reader of version 1 took it
+/// for a bad companion and discarded a good object with it (and in a rolling upgrade the two
+/// builds erased each other's cache). Returns the linker, its pool, the store (behind a
+/// `FaultyStore` with no rule yet), the pages and the companion's key.
+fn a_newer_writers_companion_leaves_its_object_loadable(
+    seed: u32,
+    comp: usize,
+    change: isize,
+) -> (
+    Linker,
+    Arc<HostKvPool>,
+    Arc<FaultyStore>,
+    Vec<PageHash>,
+    String,
+) {
     let Saved { store, pages, g } = saved(seed, 2);
+    let faulty = Arc::new(FaultyStore::new(store.clone()));
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-    let linker = Linker::new(g.clone(), store.clone(), pool.clone(), config()).unwrap();
+    let linker = Linker::new(g.clone(), faulty.clone(), pool.clone(), config()).unwrap();
     let key = linker
         .object_keys(&load_plan(&g, 0, &pages, vec![0, 1]))
         .unwrap()[comp][0]
@@ -1140,7 +1152,10 @@ fn a_newer_writers_companion_leaves_its_object_loadable(seed: u32, comp: usize, 
     let mut bytes = get(store.as_ref(), &companion).unwrap();
     bytes.truncate(bytes.len() - 8);
     bytes[4] = 2;
-    bytes.extend(std::iter::repeat_n(0xa5, extra));
+    match usize::try_from(change) {
+        Ok(more) => bytes.extend(std::iter::repeat_n(0xa5, more)),
+        Err(_) => bytes.truncate(bytes.len() - change.unsigned_abs()),
+    }
     // The trailer is XXH3-64 (seed 0) of what precedes it, as a layer's checksum is.
     let trailer = kvlink::kv_geometry::layer_checksum(&bytes);
     bytes.extend_from_slice(&trailer.to_le_bytes());
@@ -1153,6 +1168,7 @@ fn a_newer_writers_companion_leaves_its_object_loadable(seed: u32, comp: usize, 
         m.ranges_length_only, layers,
         "that object's ranges, by length"
     );
+    assert_eq!(m.companions_unsupported, 1);
     assert_eq!(
         store.exists(&[key.as_str(), &companion]),
         vec![Ok(true), Ok(true)]
@@ -1162,6 +1178,7 @@ fn a_newer_writers_companion_leaves_its_object_loadable(seed: u32, comp: usize, 
         bytes,
         "left as written"
     );
+    (linker, pool, faulty, pages, companion)
 }
 
 #[test]
@@ -1170,8 +1187,31 @@ fn a_newer_writers_companion_of_the_same_length_is_not_taken_for_a_bad_one() {
 }
 
 #[test]
-fn a_newer_writers_longer_companion_is_not_taken_for_a_bad_one() {
-    a_newer_writers_companion_leaves_its_object_loadable(37, 1, 24);
+fn a_newer_writers_shorter_companion_is_not_taken_for_a_bad_one() {
+    a_newer_writers_companion_leaves_its_object_loadable(38, 0, -16);
+}
+
+/// A newer writer's companion of another length costs its size and a read at that size to
+/// tell from a bad one: remembered, the next load reads it once (at this version's length)
+/// and no more. Here every read of it after that one fails: a second read, at its size, would
+/// make it a bad companion, its object discarded and the load failed.
+#[test]
+fn a_newer_writers_longer_companion_is_not_taken_for_a_bad_one_and_is_remembered() {
+    let (linker, pool, faulty, pages, companion) =
+        a_newer_writers_companion_leaves_its_object_loadable(37, 1, 24);
+    faulty.inject_on(
+        FaultCall::Checksums,
+        FaultRule {
+            key_contains: Some(companion),
+            skip: 1,
+            ..FaultRule::default()
+        },
+        Fault::Error(StoreError::Unavailable {
+            detail: "injected: one read of the companion only".into(),
+        }),
+    );
+    load_verified(&linker, &pool, &pages, 2, &[4, 5]);
+    assert_eq!(linker.metrics().companions_unsupported, 2);
 }
 
 /// Page 1's object of component 0 gets `extra` bytes appended: every layer range still holds

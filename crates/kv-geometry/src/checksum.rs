@@ -56,8 +56,9 @@ pub fn layer_checksum(bytes: &[u8]) -> u64 {
 /// Why a companion object or a layer's bytes were refused.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ChecksumError {
-    /// The companion object is not one (truncated, another magic, version or algorithm, a
-    /// bad trailer).
+    /// The companion object is not one (truncated, another magic, version 0, a bad trailer,
+    /// a header of this version that does not add up). A whole one of another version or
+    /// algorithm is [`Unsupported`](Self::Unsupported) instead.
     #[error("checksum object: {0}")]
     Malformed(&'static str),
     /// The companion describes an object of another layout than the geometry's.

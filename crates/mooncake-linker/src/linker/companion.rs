@@ -6,7 +6,11 @@
 //! load's own read). A newer writer's companion (another version of the format) is neither
 //! good nor bad: its object is checked by length only and the pair left alone.
 
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
 use kv_geometry::{checksum_key, ChecksumError, ComponentLayout, ObjectChecksums};
+use parking_lot::Mutex;
 use tracing::{debug, warn};
 
 use super::Inner;
@@ -14,11 +18,49 @@ use crate::log_every::LogEvery;
 use crate::store::StoreError;
 
 /// Longest companion read again at its own size to tell a newer writer's from a bad one (a
-/// companion of this version is 36 B + 8 B a layer: 660 B for 78 layers).
+/// companion of this version is 28 B + 8 B a layer: 652 B for 78 layers).
 const MAX_COMPANION_BYTES: u64 = 1 << 20;
 
 /// The "newer writer's companion" lines logged at `warn` lately (once a minute).
 static UNSUPPORTED_LOG: LogEvery = LogEvery::new();
+
+/// How long a companion of another length found to be a newer writer's is taken as one
+/// without asking the store again.
+const NEWER_REMEMBERED: Duration = Duration::from_secs(60);
+
+/// Most companions remembered as a newer writer's (past it the memory starts afresh).
+const NEWER_KEYS: usize = 1 << 16;
+
+/// Companions of another length than this version's found to be a newer writer's, by key:
+/// in a rolling upgrade every object of the newer servers has one, and telling each from a
+/// bad one costs two store calls (its size, a read at that size). Remembered for
+/// [`NEWER_REMEMBERED`]: a key written again meanwhile by an older writer is checked by
+/// length only until then (what its companion would be checked as, the newer one's).
+#[derive(Debug, Default)]
+pub(crate) struct NewerCompanions {
+    seen: Mutex<HashMap<String, Instant>>,
+}
+
+impl NewerCompanions {
+    /// Whether `key` was found a newer writer's within [`NEWER_REMEMBERED`].
+    fn remembered(&self, key: &str) -> bool {
+        self.seen
+            .lock()
+            .get(key)
+            .is_some_and(|at| at.elapsed() < NEWER_REMEMBERED)
+    }
+
+    fn remember(&self, key: &str) {
+        let mut seen = self.seen.lock();
+        if seen.len() >= NEWER_KEYS {
+            seen.retain(|_, at| at.elapsed() < NEWER_REMEMBERED);
+            if seen.len() >= NEWER_KEYS {
+                seen.clear();
+            }
+        }
+        seen.insert(key.to_owned(), Instant::now());
+    }
+}
 
 /// The companion of object `object_key` of `layout`: its key and its exact length.
 pub(crate) fn companion_of(object_key: &str, layout: &ComponentLayout) -> (String, usize) {
@@ -68,6 +110,14 @@ impl Inner {
                 Err(e) => CompanionRead::Bad(e.to_string()),
             },
             Err(StoreError::NotFound { .. }) => CompanionRead::Absent,
+            Err(StoreError::ShortRead { .. } | StoreError::InvalidArgument { .. })
+                if self.newer_companions.remembered(key) =>
+            {
+                CompanionRead::Unsupported(format!(
+                    "a newer writer's companion of another length (found so within {}s)",
+                    NEWER_REMEMBERED.as_secs()
+                ))
+            }
             Err(StoreError::ShortRead { got, expected, .. }) => {
                 let why = format!("checksum object of {got} bytes, {expected} expected");
                 self.newer_or_bad(key, got, why, deadline)
@@ -84,6 +134,7 @@ impl Inner {
             Err(e) => CompanionRead::Failed(e),
         };
         if let CompanionRead::Unsupported(why) = &judged {
+            self.metrics.companion_unsupported();
             log_unsupported(key, why);
         }
         judged
@@ -110,6 +161,7 @@ impl Inner {
         {
             Some(Ok(bytes)) => match ObjectChecksums::decode(&bytes) {
                 Err(e @ ChecksumError::Unsupported { .. }) => {
+                    self.newer_companions.remember(key);
                     CompanionRead::Unsupported(format!("{e} ({size} bytes)"))
                 }
                 _ => CompanionRead::Bad(why),

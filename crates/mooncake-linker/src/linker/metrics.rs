@@ -49,6 +49,7 @@ pub struct LinkerMetrics {
     kept_checksums_stale: AtomicU64,
     companions_reread: AtomicU64,
     batches_alone: AtomicU64,
+    companions_unsupported: AtomicU64,
     batches_plans_differ: AtomicU64,
     lookups_alone: AtomicU64,
     saves: AtomicU64,
@@ -124,6 +125,10 @@ pub struct MetricsSnapshot {
     /// checked again against one read afresh: that read may have come before the batch's pin
     /// took, and the object been written again (other bytes, its own companion) in between.
     pub companions_reread: u64,
+    /// Checksum companions found to be a newer kvlink writer's (another format version):
+    /// their objects were checked by length only (also in `ranges_length_only`) and left in
+    /// the store. Non-zero in a rolling upgrade: this server is the older one.
+    pub companions_unsupported: u64,
     /// Batches this rank loaded alone, reading its own copy with no collective, because its
     /// TP group was down (`GroupFallback::ReadAlone`; `LoadStats::alone`). Each is a batch
     /// the group did not share: a figure that grows is a group that stays down.
@@ -131,8 +136,8 @@ pub struct MetricsSnapshot {
     /// Batches loaded `AllRanks` because the ranks' plans or key spaces differed
     /// (`LoadStats::plans_differ`): ranks scheduled or configured apart.
     pub batches_plans_differ: u64,
-    /// Lookups this rank answered alone because its TP group was down
-    /// (`GroupFallback::ReadAlone`).
+    /// Lookups this rank answered alone (its own hit, no error) because its TP group was
+    /// down (`GroupFallback::ReadAlone`).
     pub lookups_alone: u64,
     /// Re-formations of the TP group this rank took part in and saw complete (filled by
     /// `Linker::metrics`; zero without a group): each follows a broken group (a rank died, a
@@ -140,7 +145,8 @@ pub struct MetricsSnapshot {
     pub group_reforms: u64,
     /// Saves that returned (successful or not), and of them those that failed (their
     /// `SaveReport` never reached the engine; the pages not written stay missing until a
-    /// later save).
+    /// later save). A plan the save refused (`InvalidPlan`: the engine's bug) counts as
+    /// failed; a save on a closed linker (`Closed`) is not counted.
     pub saves: u64,
     /// See `saves`.
     pub saves_failed: u64,
@@ -282,6 +288,10 @@ impl LinkerMetrics {
         }
     }
 
+    pub(crate) fn companion_unsupported(&self) {
+        self.companions_unsupported.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn lookup_alone(&self) {
         self.lookups_alone.fetch_add(1, Ordering::Relaxed);
     }
@@ -346,6 +356,7 @@ impl LinkerMetrics {
             pins_ahead_taken: taken,
             kept_checksums_stale: self.kept_checksums_stale.load(Ordering::Relaxed),
             companions_reread: self.companions_reread.load(Ordering::Relaxed),
+            companions_unsupported: self.companions_unsupported.load(Ordering::Relaxed),
             batches_alone: self.batches_alone.load(Ordering::Relaxed),
             batches_plans_differ: self.batches_plans_differ.load(Ordering::Relaxed),
             lookups_alone: self.lookups_alone.load(Ordering::Relaxed),

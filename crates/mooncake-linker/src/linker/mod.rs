@@ -106,6 +106,9 @@ pub(crate) struct Inner {
     /// Objects a batch found at the wrong size and discarded (why a later check of the
     /// batch finds them gone).
     pub(crate) wrong_sized: wrong_sized::WrongSized,
+    /// Companions of another length found to be a newer writer's, remembered a while so
+    /// that each load does not ask their size and read them again.
+    pub(crate) newer_companions: companion::NewerCompanions,
     /// The companions of a looked-up prefix being read ahead of its load.
     pub(crate) prefetch: prefetch::CompanionPrefetch,
     /// The read session a lookup took for its load.
@@ -518,6 +521,7 @@ impl Linker {
             checksums,
             wrong_sized: wrong_sized::WrongSized::default(),
             failed_log: LogEvery::new(),
+            newer_companions: companion::NewerCompanions::default(),
             prefetch: prefetch::CompanionPrefetch::default(),
             pins_ahead: Arc::default(),
             epoch: AtomicU64::new(0),
