@@ -208,7 +208,11 @@ impl CandleKvError {
     pub fn find_in(e: &candle_core::Error) -> Option<&CandleKvError> {
         use candle_core::Error;
         match e {
-            Error::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<CandleKvError>(),
+            // `From` below makes these around a kvlink error; candle's own `Context` trait
+            // makes them around a candle error (which may hold one further in).
+            Error::WrappedContext { wrapped, .. } => wrapped
+                .downcast_ref::<CandleKvError>()
+                .or_else(|| wrapped.downcast_ref::<Error>().and_then(Self::find_in)),
             Error::Context { inner, .. }
             | Error::WithBacktrace { inner, .. }
             | Error::WithPath { inner, .. } => Self::find_in(inner),
@@ -221,9 +225,12 @@ impl CandleKvError {
 /// `candle_core::Result` passes it on, and [`CandleKvError::find_in`] gets it back.
 impl From<CandleKvError> for candle_core::Error {
     fn from(e: CandleKvError) -> Self {
+        // candle prints this variant as the wrapped error's `Debug`, then the context's: the
+        // context carries the readable words.
+        let words = e.to_string();
         candle_core::Error::WrappedContext {
             wrapped: Box::new(e),
-            context: "kvlink".to_owned(),
+            context: words,
         }
         .bt()
     }
@@ -282,6 +289,13 @@ mod action_tests {
         };
         let found = CandleKvError::find_in(&wrapped).expect("the kvlink error, whole");
         assert_eq!(found.action(), Some(held.action()));
+        assert_eq!(found.action(), Some(EngineAction::HoldSlots));
+        // candle's own `Context` trait on a `candle_core::Result` wraps the candle error in
+        // another `WrappedContext`: still found.
+        use candle_core::Context as _;
+        let traited: candle_core::Result<()> = Err(wrapped);
+        let outer = traited.context("the forward pass").unwrap_err();
+        let found = CandleKvError::find_in(&outer).expect("through candle's Context trait");
         assert_eq!(found.action(), Some(EngineAction::HoldSlots));
         // Made with `wrap`, only its words are left: nothing to find.
         let words = candle_core::Error::wrap(CandleKvError::LayerOutOfRange {
