@@ -40,7 +40,7 @@ pub use host::HostKvPool;
 pub use landing::{
     first_overlap, BatchShape, DeviceShare, DeviceStage, DirectLanding, DirectLandingFactory,
     HostRows, HostShare, LandingFactory, LayerLanding, LayerStage, ReadTarget, RowBlock,
-    SaveGather, SharePath, ShareSide, StageLoan,
+    SaveGather, SharePath, ShareSide, StageLoan, EARLIER_SETTLE_TIMED_OUT,
 };
 pub use pool::{KvPool, Residence};
 pub use region::{first_overlap_by, DeviceEvent, DeviceRegion, HostRow, SharedEvent, StoreRegion};

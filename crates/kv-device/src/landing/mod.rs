@@ -163,6 +163,13 @@ pub(crate) fn next_landing_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
+/// What a landing's settle answers, as [`DeviceError::Poisoned`], once an earlier settle of
+/// it timed out: its copies into the slots are known unfinished (the slots stay claimed until
+/// they end), so it answers at once rather than wait its limit again. A caller that already
+/// reported that timeout can tell this answer from a new failure.
+pub const EARLIER_SETTLE_TIMED_OUT: &str = "an earlier settle of this landing timed out: its \
+     copies into the slots may still run (the slots stay claimed until they end)";
+
 /// One batch's landing on one rank: it lends the batch's ring of [`LayerStage`]s, hands out
 /// targets for the store, shares rows ([`ShareSide`]) and lands layers.
 pub trait LayerLanding: Send + Sync {

@@ -404,10 +404,7 @@ impl StagedLanding {
     /// held until they end (a second wait of the whole limit would only delay the outcome).
     fn settle_until(&self, deadline: Instant, idle: Option<Duration>) -> Result<(), DeviceError> {
         if self.slots_held.load(Ordering::Acquire) {
-            return Err(DeviceError::Poisoned(
-                "an earlier settle of this landing timed out: its copies into the slots may \
-                 still run (the slots stay claimed until they end)",
-            ));
+            return Err(DeviceError::Poisoned(crate::EARLIER_SETTLE_TIMED_OUT));
         }
         let (settled, until) = self.wait_slot_copies(deadline, idle);
         if settled.is_err() {

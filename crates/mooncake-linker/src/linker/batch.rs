@@ -712,8 +712,11 @@ fn settle_failed(
         Ok(()) => e,
         // A settle of this landing timed out already (the one before the verdict, which said
         // so at `error`): its copies are known unfinished; one line per cause is enough.
-        Err(d @ kv_device::DeviceError::Poisoned(_)) if matches!(e, KvLoadError::Device(_)) => {
-            tracing::debug!(%batch, error = %e, device = %d, "the batch's copies into its slots are still unfinished");
+        Err(kv_device::DeviceError::Poisoned(why))
+            if why == kv_device::EARLIER_SETTLE_TIMED_OUT
+                && matches!(e, KvLoadError::Device(_)) =>
+        {
+            tracing::debug!(%batch, error = %e, "its copies into the slots are still unfinished");
             e
         }
         Err(d) if matches!(e, KvLoadError::Device(_)) => {
