@@ -94,7 +94,8 @@ impl SlotClaims {
             done
         };
         for h in finished {
-            tracing::info!(slots = ?h.slots, "slots held for unfinished device copies are free");
+            let slots = slot_list(&h.slots);
+            tracing::info!(%slots, "slots held for unfinished device copies are free");
         }
     }
 
@@ -130,7 +131,7 @@ impl SlotClaims {
         };
         drop(held);
         if !released.is_empty() {
-            let slots = crate::staged::slots_work("released", &released);
+            let slots = slot_list(&released);
             tracing::warn!(%slots, "slots held for device copies released by the engine");
         }
         released
@@ -360,7 +361,7 @@ impl WriteClaim {
         let slots = std::mem::take(&mut self.slots);
         if let Some(claims) = self.pool.slot_claims() {
             tracing::warn!(
-                slots = %crate::staged::slots_work("held", &slots),
+                slots = %slot_list(&slots),
                 events = until.as_ref().map(Vec::len),
                 "slots stay claimed until copies queued into them have finished"
             );
@@ -430,11 +431,34 @@ impl std::fmt::Debug for ReadClaims {
     }
 }
 
+/// `slots` for a log line: the first 16 and how many in all (a batch may hold thousands).
+pub(crate) fn slot_list(slots: &[u32]) -> String {
+    const SHOWN: usize = 16;
+    match slots.get(..SHOWN) {
+        Some(first) if slots.len() > SHOWN => format!("{first:?}.. ({} slots)", slots.len()),
+        _ => format!("{slots:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::HostKvPool;
     use kv_geometry::{KvGeometry, ModelKvSpec};
+
+    /// A batch of thousands of slots logs 16 of them and the count, not one enormous line.
+    #[test]
+    fn a_slot_list_for_the_log_shows_sixteen_and_the_count() {
+        assert_eq!(slot_list(&[3, 1]), "[3, 1]");
+        let many: Vec<u32> = (0..4096).collect();
+        let line = slot_list(&many);
+        assert!(line.ends_with(".. (4096 slots)"), "{line}");
+        assert!(
+            line.starts_with("[0, 1, 2") && line.contains(", 15]"),
+            "{line}"
+        );
+        assert!(!line.contains(", 16"), "{line}");
+    }
 
     fn pool() -> Arc<dyn KvPool> {
         let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();

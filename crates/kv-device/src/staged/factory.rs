@@ -307,7 +307,7 @@ impl SaveGather for StagedGather {
             Err(e) => {
                 tracing::error!(
                     error = %e,
-                    slots = ?self.slots,
+                    slots = %crate::claims::slot_list(&self.slots),
                     "save gather queued but not fenced: its staging, slot table and pool are \
                      kept for good, and its slots stay claimed for reading (landings into them \
                      are refused SlotBusy; the device is likely broken: rebuild the pool)"

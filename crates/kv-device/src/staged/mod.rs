@@ -17,5 +17,4 @@ pub use copy::{ScatterStrategy, DIRECT_RUNS_MAX};
 pub use factory::{StagedLandingFactory, DEFAULT_LEASE_WAIT};
 pub use landing::{LandingStats, StagedLanding};
 pub use pool::DeviceKvPool;
-pub(crate) use staging::slots_work;
 pub use staging::{StagingLease, StagingPool};
