@@ -21,7 +21,7 @@ pub(crate) const MAGIC: u64 = 0x5a;
 
 /// Codes 1..=25 are the kinds of [`KvLoadError`], in this order (`KvLoadError::kind_name`);
 /// new kinds are appended, so a code never changes meaning.
-const KIND_NAMES: [&str; 25] = [
+pub(crate) const KIND_NAMES: [&str; 25] = [
     "invalid_plan",
     "store_not_found",
     "store_no_space",

@@ -666,6 +666,26 @@ pub(crate) mod tests {
             wire, pinned,
             "the group's wire changed: bump PROTOCOL, then this pin"
         );
+        // The layout too, not only the sizes: one gate word's bytes, and how many status
+        // kinds a peer can name (new kinds are appended; an older peer reads them as other).
+        let mut word = crate::GateWord {
+            digest: [7; 16],
+            batch: 3,
+            count: 2,
+            proposal: 1 | (1 << 63),
+            last_batch_us: 812_345,
+            alone: Default::default(),
+        };
+        word.alone.settled(1, true);
+        let layout = (
+            xxhash_rust::xxh3::xxh3_64(&word.encode()),
+            crate::status::KIND_NAMES.len(),
+        );
+        assert_eq!(
+            layout,
+            (0x0e82_b059_4cc4_17bf, 25),
+            "the group's wire changed: bump PROTOCOL, then this pin"
+        );
     }
 
     /// A joiner reading rank 0's reply from a build of another protocol: a refusal (retrying
