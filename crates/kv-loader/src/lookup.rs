@@ -20,6 +20,9 @@ pub struct LookupHit {
     /// Index of the first loadable page in the prompt: `skip_pages`, or the prompt's whole
     /// pages when it has no more than that (then `pages` is empty).
     pub first_page: usize,
-    /// Tokens covered by the loadable pages.
+    /// Tokens covered by the loadable pages: a count, not a position. With `skip_pages`
+    /// above 0 the loadable tokens end at `(first_page + pages.len()) * page_size`, which is
+    /// what a cache that takes "the first N tokens come from the load" needs
+    /// (kvlink-candle's `PagedLatentCache::new`), not this count.
     pub tokens: usize,
 }

@@ -47,8 +47,11 @@ pub const LANDED_SLOTS_WAIT: std::time::Duration = std::time::Duration::from_sec
 /// let plan = BatchPlan::all_components(&geometry, BatchId(1),
 ///     vec![RequestPages { request: "r".into(), pages: hit.pages.clone() }], table[..2].to_vec());
 /// let ticket = loader.start_load(plan).unwrap();
+/// // The loaded tokens end after the hit's last page (`hit.tokens` is a count: the same
+/// // here only because the lookup skipped no pages).
+/// let loaded_end = (hit.first_page + hit.pages.len()) * 4;
 /// // SAFETY: slots 3, 0, 6 are this sequence's alone; the only load into them is `ticket`'s.
-/// let mut cache = unsafe { PagedLatentCache::new(latents, table, hit.tokens) }
+/// let mut cache = unsafe { PagedLatentCache::new(latents, table, loaded_end) }
 ///     .with_load(LayerGate::new(loader.clone(), ticket));
 ///
 /// // Attention on layer 1 over tokens 8 and 9: write their rows, then read all 10.

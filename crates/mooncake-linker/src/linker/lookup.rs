@@ -99,7 +99,9 @@ impl Inner {
                         } else {
                             tracing::debug!(reason = %down, "lookup alone: the TP group is down");
                         }
-                        self.metrics.lookup_alone();
+                        if local.is_ok() {
+                            self.metrics.lookup_alone();
+                        }
                         local
                     }
                 };
@@ -120,7 +122,9 @@ impl Inner {
             // As a batch whose gate failed: a peer that found the group down looks up alone,
             // and so does this rank.
             warn!(error = %e, "the lookup's collective failed: looking up alone");
-            self.metrics.lookup_alone();
+            if local.is_ok() {
+                self.metrics.lookup_alone();
+            }
             return local;
         }
         match agreed? {
