@@ -502,8 +502,11 @@ fn staging_a_failed_collective_may_still_write_is_never_reused() {
         1,
         "the lease the broken group may write is kept"
     );
-    // The engine's metrics show it.
-    assert_eq!(rs[2].linker.metrics().staging_quarantined, 1);
+    // The engine's metrics show it, held for good, of the pool's capacity.
+    let m = rs[2].linker.metrics();
+    assert_eq!(m.staging_quarantined, 1);
+    let capacity = staging.capacity() as u64;
+    assert_eq!((m.staging_held_for_good, m.staging_capacity), (1, capacity));
     // The next batches load on a re-formed group, with the other leases; the kept one stays.
     for batch in 2..=4 {
         for (rank, (r, o)) in rs.iter().zip(run(&rs, batch, &hashes)).enumerate() {

@@ -392,6 +392,14 @@ pub trait LandingFactory: Send + Sync {
         0
     }
 
+    /// Of [`staging_quarantined`](Self::staging_quarantined), the buffers held for good (no
+    /// event tells when their work ends), and the staging buffers there are in all: once the
+    /// two are equal every batch fails at once for want of one (rebuild the pool). `(0, 0)`
+    /// for a backend without staging.
+    fn staging_held_for_good(&self) -> (usize, usize) {
+        (0, 0)
+    }
+
     /// For saving from a pool the store cannot read directly (device memory): a gatherer of
     /// the slices of plan page `i` (slot `slots[i]`) into host memory. Host pools are read in
     /// place and need none. The gatherer claims the slots for reading while it lives (and

@@ -160,6 +160,10 @@ impl LandingFactory for StagedLandingFactory {
         self.staging.quarantined()
     }
 
+    fn staging_held_for_good(&self) -> (usize, usize) {
+        (self.staging.held_for_good(), self.staging.capacity())
+    }
+
     fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
         self.gather(slots, None)
     }

@@ -146,7 +146,14 @@ pub struct StagingPool {
     quarantine: Mutex<Vec<Quarantined>>,
     host_regions: Vec<(usize, usize)>,
     count: usize,
+    /// When a lease last said at `warn` that no buffer came back, and how many shortages
+    /// went to `debug` since: once a minute (once every buffer is held for good, every
+    /// landing and save meets one).
+    shortage_log: Mutex<(Option<Instant>, u64)>,
 }
+
+/// How often a staging shortage is logged at `warn`.
+const SHORTAGE_LOG_EVERY: Duration = Duration::from_secs(60);
 
 impl fmt::Debug for StagingPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -211,6 +218,7 @@ impl StagingPool {
             quarantine: Mutex::new(Vec::new()),
             host_regions,
             count,
+            shortage_log: Mutex::new((None, 0)),
         }))
     }
 
@@ -273,6 +281,33 @@ impl StagingPool {
     pub fn quarantined(&self) -> usize {
         self.reclaim();
         self.quarantine.lock().len()
+    }
+
+    /// Of the [`quarantined`](Self::quarantined) buffers, those held for good (no event
+    /// tells when their work ends): once they are all of [`capacity`](Self::capacity), every lease
+    /// fails at once, and the pool must be rebuilt.
+    pub fn held_for_good(&self) -> usize {
+        self.quarantine
+            .lock()
+            .iter()
+            .filter(|q| q.fences.is_none())
+            .count()
+    }
+
+    /// Whether a shortage is due at `warn` (once a [`SHORTAGE_LOG_EVERY`]); with how many
+    /// went to `debug` since the last.
+    fn shortage_due(&self) -> Option<u64> {
+        let mut log = self.shortage_log.lock();
+        match log.0 {
+            Some(at) if at.elapsed() < SHORTAGE_LOG_EVERY => {
+                log.1 += 1;
+                None
+            }
+            _ => {
+                log.0 = Some(Instant::now());
+                Some(std::mem::take(&mut log.1))
+            }
+        }
     }
 
     /// What holds each quarantined buffer, e.g. `"save gather of pool slots [3, 7]"`: for a
@@ -385,14 +420,19 @@ impl StagingPool {
             if left.is_zero() {
                 drop(free);
                 if wait > Duration::ZERO {
-                    tracing::warn!(
-                        ?wait,
-                        capacity = self.count,
-                        quarantined = self.quarantine.lock().len(),
-                        held_for_good,
-                        "no staging buffer came back within the wait (none can where every \
-                         buffer is held for good)"
-                    );
+                    let quarantined = self.quarantine.lock().len();
+                    match self.shortage_due() {
+                        Some(since) => tracing::warn!(
+                            ?wait,
+                            capacity = self.count,
+                            quarantined,
+                            held_for_good,
+                            shortages_at_debug_since = since,
+                            "no staging buffer came back within the wait (none can where every \
+                             buffer is held for good; logged once a minute)"
+                        ),
+                        None => tracing::debug!(quarantined, held_for_good, "no staging buffer"),
+                    }
                 }
                 return Err(DeviceError::Alloc {
                     bytes: (self.stage_bytes * self.stages) as u64,
@@ -718,6 +758,7 @@ mod tests {
         let pool = pool_of_one();
         pool.lease().unwrap().quarantine(Vec::new(), Vec::new());
         let t0 = std::time::Instant::now();
+        assert_eq!((pool.held_for_good(), pool.capacity()), (1, 1));
         let got = pool.lease_within(std::time::Duration::from_secs(20));
         assert!(matches!(got, Err(DeviceError::Alloc { .. })));
         assert!(

@@ -162,6 +162,12 @@ pub struct MetricsSnapshot {
     /// back the buffers whose work has ended (a query of each one's events, on the thread that
     /// asks for the metrics).
     pub staging_quarantined: u64,
+    /// Of `staging_quarantined`, the buffers held for good, and the staging buffers there
+    /// are in all (filled by `Linker::metrics`; zero on a host pool): alert when the first
+    /// reaches the second, since every batch then fails at once (rebuild the pool).
+    pub staging_held_for_good: u64,
+    /// See `staging_held_for_good`.
+    pub staging_capacity: u64,
     /// Memory kept for good in this process (every store, linker and NCCL group of it): how
     /// many times memory was kept (one store call whose transfer the store gave up on may keep
     /// several buffers, each counted; so is a host buffer left to a silent NCCL comm thread,
@@ -365,6 +371,8 @@ impl LinkerMetrics {
             saves_failed,
             overdue_calls: 0,
             staging_quarantined: 0,
+            staging_held_for_good: 0,
+            staging_capacity: 0,
             kept_for_good: crate::store::KeptForGood::default(),
             failures,
             own_failures: self.own_failures.lock().clone(),

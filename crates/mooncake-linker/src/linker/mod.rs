@@ -202,7 +202,12 @@ impl Inner {
         // by the device from staging, which the landing keeps instead.
         let slots_written_by_store = self.pool.residence() == Residence::Host;
         let mut gates = Gates::default();
+        let rank = self.geometry.tp_rank();
         while let Ok(job) = jobs.recv() {
+            // Its outcome's lines too (logged after `run_batch`'s own span closed) name the
+            // rank: with ranks as threads of one process nothing else tells them apart.
+            let _job =
+                tracing::info_span!("batch_job", rank, batch = %job.plan.logical.batch).entered();
             let held = (slots_written_by_store && job.ticket.is_some())
                 .then(|| HeldOutcome::new(self.outcomes.clone()));
             // A refused job (no ticket) never reads: not named in a reset's `SlotsHeld`.
@@ -570,6 +575,9 @@ impl Linker {
         m.group_reforms = self.inner.group.as_ref().map_or(0, |g| g.reforms());
         m.staging_quarantined =
             u64::try_from(self.inner.landings.staging_quarantined()).unwrap_or(u64::MAX);
+        let (held, capacity) = self.inner.landings.staging_held_for_good();
+        m.staging_held_for_good = u64::try_from(held).unwrap_or(u64::MAX);
+        m.staging_capacity = u64::try_from(capacity).unwrap_or(u64::MAX);
         m.kept_for_good = crate::store::kept_for_good();
         let collectives = dedup_broadcast::memory_kept();
         m.kept_for_good.calls = m.kept_for_good.calls.saturating_add(collectives.times);
@@ -760,6 +768,7 @@ impl KvLoader for Linker {
     }
 
     fn lookup(&self, request: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
+        let _lookup = tracing::info_span!("lookup", rank = self.inner.geometry.tp_rank()).entered();
         self.inner.check_open()?;
         let hit = self.inner.lookup(request)?;
         self.inner.read_ahead_at_lookup(&hit.pages);
@@ -771,6 +780,7 @@ impl KvLoader for Linker {
         pages: &[kv_geometry::PageHash],
         skip_pages: usize,
     ) -> Result<LookupHit, KvLoadError> {
+        let _lookup = tracing::info_span!("lookup", rank = self.inner.geometry.tp_rank()).entered();
         self.inner.check_open()?;
         let hit = self.inner.lookup_pages(pages, skip_pages)?;
         self.inner.read_ahead_at_lookup(&hit.pages);

@@ -43,7 +43,9 @@ impl Inner {
     ) -> Result<SaveReport, KvLoadError> {
         plan.validate_save(&self.geometry, self.pool.pages())?;
         let batch = plan.logical.batch;
-        let _span = info_span!("save_batch", %batch, pages = plan.logical.num_pages()).entered();
+        let rank = self.geometry.tp_rank();
+        let pages = plan.logical.num_pages();
+        let _span = info_span!("save_batch", %batch, rank, pages).entered();
         let mut report = SaveReport::default();
         if let (Some(ev), Residence::Host) = (after, self.pool.residence()) {
             // A host pool is read in place: wait (bounded) for the compute that wrote it.
