@@ -12,8 +12,19 @@
 //! next attempt.
 
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+/// Most lookup threads running at once in this process. Each [`AddressLookups`] starts a
+/// fresh lookup beside one still running after `FRESH_AFTER`, and every joiner attempt or
+/// client makes its own: a resolver that never answers (a name service stuck on a dead
+/// server) would otherwise leak a thread every few seconds until the process has none. At
+/// the cap a caller waits on the lookup it has running, or fails (it may pass later).
+const MAX_RUNNING_LOOKUPS: usize = 16;
+
+/// Lookup threads running now in this process.
+static RUNNING_LOOKUPS: AtomicUsize = AtomicUsize::new(0);
 
 /// Why an address gave no socket address.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,8 +146,9 @@ impl AddressLookups {
                 return Ok(kept.clone());
             }
         }
+        let at_cap = || RUNNING_LOOKUPS.load(Ordering::Acquire) >= MAX_RUNNING_LOOKUPS;
         let (rx, began) = match self.running.take() {
-            Some((rx, began)) if began.elapsed() < FRESH_AFTER => (rx, began),
+            Some((rx, began)) if began.elapsed() < FRESH_AFTER || at_cap() => (rx, began),
             _ => {
                 self.started = self.started.saturating_add(1);
                 (spawn_lookup(addr, what)?, Instant::now())
@@ -177,17 +189,53 @@ impl AddressLookups {
 /// Starts looking `addr` up on a thread of its own; its answer comes on the receiver.
 fn spawn_lookup(addr: &str, what: &str) -> Result<mpsc::Receiver<Answer>, ResolveFailure> {
     let owned = addr.to_owned();
+    spawn_counted(&RUNNING_LOOKUPS, (addr, what), move || {
+        owned.to_socket_addrs().map(Iterator::collect::<Vec<_>>)
+    })
+}
+
+/// Runs `lookup` (of `addr`, called `what`) on a thread of its own, counted in `running`
+/// (the process's [`RUNNING_LOOKUPS`]) while it runs; refused at [`MAX_RUNNING_LOOKUPS`].
+fn spawn_counted(
+    running: &'static AtomicUsize,
+    (addr, what): (&str, &str),
+    lookup: impl FnOnce() -> Answer + Send + 'static,
+) -> Result<mpsc::Receiver<Answer>, ResolveFailure> {
+    let claimed = running.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+        (n < MAX_RUNNING_LOOKUPS).then_some(n + 1)
+    });
+    if claimed.is_err() {
+        tracing::warn!(
+            addr,
+            what,
+            "name lookups are not answering: not starting another"
+        );
+        return Err(ResolveFailure::Lookup(format!(
+            "looking up {what} {addr:?}: {MAX_RUNNING_LOOKUPS} lookups of names are still \
+             running in this process (the system resolver does not answer): none started"
+        )));
+    }
+    /// Counts the lookup's thread out when it ends, however.
+    struct Running(&'static AtomicUsize);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
     let (tx, rx) = mpsc::sync_channel(1);
-    let lookup = move || {
-        let found = owned.to_socket_addrs().map(Iterator::collect::<Vec<_>>);
+    let counted = Running(running);
+    let run = move || {
+        let found = lookup();
+        drop(counted);
         // The caller may have stopped waiting: its receiver is then gone.
         let _ = tx.send(found);
     };
     std::thread::Builder::new()
         .name("kvlink-resolve".into())
-        .spawn(lookup)
+        .spawn(run)
         .map(|_| rx)
         .map_err(|e| {
+            // The closure, and the count with it, was dropped with the failed spawn.
             ResolveFailure::Lookup(format!(
                 "looking up {what} {addr:?}: no thread to look it up on: {e}"
             ))
@@ -212,6 +260,45 @@ fn check_syntax(addr: &str, what: &str) -> Result<(), ResolveFailure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A resolver that never answers costs at most the cap in threads, however many
+    /// lookups are asked for; the count falls as lookups end.
+    #[test]
+    fn lookups_that_never_answer_are_capped_process_wide() {
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let hold = std::sync::Arc::new(std::sync::Mutex::new(hold));
+        let stuck = || {
+            let hold = hold.clone();
+            move || {
+                let _ = hold.lock().unwrap().recv_timeout(Duration::from_secs(30));
+                Ok(Vec::new())
+            }
+        };
+        // A count of its own: the process's is left to the other tests of this binary.
+        static RUNNING: AtomicUsize = AtomicUsize::new(0);
+        let mut started = Vec::new();
+        let mut refused = 0;
+        for _ in 0..MAX_RUNNING_LOOKUPS + 8 {
+            match spawn_counted(&RUNNING, ("stuck.invalid:1", "test address"), stuck()) {
+                Ok(rx) => started.push(rx),
+                Err(ResolveFailure::Lookup(m)) => {
+                    assert!(m.contains("still running"), "{m}");
+                    refused += 1;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!((started.len(), refused), (MAX_RUNNING_LOOKUPS, 8));
+        drop(release);
+        for rx in started {
+            assert!(rx.recv_timeout(Duration::from_secs(10)).is_ok());
+        }
+        // Counted out as they end (the count falls just before each answer is sent).
+        assert_eq!(RUNNING.load(Ordering::Acquire), 0);
+        assert!(
+            spawn_counted(&RUNNING, ("a.invalid:1", "test address"), || Ok(Vec::new())).is_ok()
+        );
+    }
 
     #[test]
     fn numeric_addresses_parse_without_a_lookup() {
