@@ -30,14 +30,13 @@ fn get(store: &dyn KvStore, key: &str, len: usize) -> Vec<u8> {
     buf
 }
 
-#[test]
-fn a_device_pool_save_waits_for_the_engines_compute_that_wrote_the_pages() {
-    let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
-    let dev = CpuDevice::new(0).unwrap();
-    let blocker = CpuDevice::new(1).unwrap();
+/// A linker over a device pool of 8 slots on `dev` (staged landings), its pool and store.
+fn device_linker(
+    dev: &Arc<CpuDevice>,
+    g: &KvGeometry,
+) -> (Linker, Arc<DeviceKvPool>, Arc<dyn KvStore>) {
     let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
-    let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 3, 1), 2).unwrap();
+    let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(g, 3, 1), 2).unwrap();
     let landings = Arc::new(StagedLandingFactory::new(pool.clone(), staging));
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 26));
     let config = LinkerConfig {
@@ -53,6 +52,67 @@ fn a_device_pool_save_waits_for_the_engines_compute_that_wrote_the_pages() {
         None,
     )
     .unwrap();
+    (linker, pool, store)
+}
+
+/// Through the trait an engine holds (`Arc<dyn KvLoader>`), a device pool's save names the
+/// engine's compute stream (`save_after_stream`): the linker records its event on the pool's
+/// device and orders the gather after it. The CPU device's engine has no stream (its work is
+/// done when it asks: the event is complete at once), so this checks the path and the bytes;
+/// the ordering itself is checked on a GPU (`tests/gpu`, `linker`).
+#[test]
+fn a_device_pool_save_through_the_trait_names_the_engines_stream() {
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let dev = CpuDevice::new(0).unwrap();
+    let (linker, pool, store) = device_linker(&dev, &g);
+    let pages = page_hashes(&prompt(43, 2, spec.page_size), spec.page_size, None);
+    let slots = vec![2u32, 6];
+    for (page, &slot) in pages.iter().zip(&slots) {
+        for c in g.components() {
+            for &l in &c.layers {
+                let row: Vec<u8> = (0..c.page_layer_bytes as usize)
+                    .map(|i| page_byte(page, c.id.0, l, i))
+                    .collect();
+                // SAFETY: nothing else touches the pool (no load or save has started).
+                unsafe { pool.write_slot(c.id, l, slot, &row) }.unwrap();
+            }
+        }
+    }
+    let plan = load_plan(&g, 1, &pages, slots);
+    let keys = linker.object_keys(&plan).unwrap();
+    let loader: Arc<dyn KvLoader> = Arc::new(linker);
+    // SAFETY: 0 names the default stream, which the CPU device does not use.
+    let stream = unsafe { kvlink::kv_loader::RawStream::from_raw(0) };
+    let report = loader.save_after_stream(&plan, stream).unwrap();
+    assert_eq!(
+        report.objects_written as usize,
+        pages.len() * g.components().len()
+    );
+    for (c, keys) in g.components().iter().zip(&keys) {
+        for (page, key) in pages.iter().zip(keys) {
+            let object = get(store.as_ref(), key, c.object_bytes() as usize);
+            for &l in &c.layers {
+                let r = c.layer_range(l).unwrap();
+                let at = r.start as usize;
+                assert_eq!(
+                    object[at + 5],
+                    page_byte(page, c.id.0, l, 5),
+                    "{key} layer {l}"
+                );
+            }
+        }
+    }
+    loader.close().unwrap();
+}
+
+#[test]
+fn a_device_pool_save_waits_for_the_engines_compute_that_wrote_the_pages() {
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let dev = CpuDevice::new(0).unwrap();
+    let blocker = CpuDevice::new(1).unwrap();
+    let (linker, pool, store) = device_linker(&dev, &g);
     let pages = page_hashes(&prompt(41, 3, spec.page_size), spec.page_size, None);
     let slots = vec![5u32, 1, 3];
     // What the slots held before the compute: zeros.

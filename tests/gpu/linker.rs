@@ -73,6 +73,125 @@ pub fn run(args: &Args, report: &mut Report) {
         status(&r),
         r.unwrap_or_else(|e| e),
     );
+    let r = save_after_the_engines_stream(&dev);
+    report.push(
+        SEC,
+        "Linker: a save through the trait named the engine's stream: pages its kernels wrote late",
+        status(&r),
+        r.unwrap_or_else(|e| e),
+    );
+}
+
+/// The byte page `page` of a save's plan holds in every layer: not the zeros the pool starts
+/// with.
+fn late_byte(page: usize) -> u8 {
+    0xa0 + page as u8
+}
+
+/// An engine's compute stream writes two pages into a device pool behind about a hundred
+/// milliseconds of other work (memsets of a scratch buffer); the engine then saves through the
+/// trait it holds, naming that stream (`KvLoader::save_after_stream`). Every saved object must
+/// hold the late bytes: the gather waited for the stream device-side. (Plain `save` would read
+/// the slots' zeros while the memsets run.)
+fn save_after_the_engines_stream(dev: &Arc<CudaDevice>) -> Result<String, String> {
+    use kvlink::kv_device::cuda::cudarc::driver::result as cu;
+    let n = 2;
+    let p = saved_prefix(n, 17)?;
+    let fresh = Arc::new(EmbeddedStore::new(
+        p.g.bytes_per_page() * n as u64 + (1 << 30),
+    ));
+    let (saver, pool) = device_linker(1, dev, &p.g, fresh.clone(), 8, n)?;
+    let slots = vec![5u32, 2];
+    let ctx = dev.context();
+    let engine = ctx.new_stream().map_err(|e| e.to_string())?;
+    let mut scratch = engine
+        .alloc_zeros::<u8>(1 << 30)
+        .map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    for _ in 0..300 {
+        engine
+            .memset_zeros(&mut scratch)
+            .map_err(|e| e.to_string())?;
+    }
+    let mut sources = Vec::new();
+    ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    for (page, &slot) in slots.iter().enumerate() {
+        for c in p.g.components() {
+            let row = c.page_layer_bytes as usize;
+            let bytes = vec![late_byte(page); row];
+            for &l in &c.layers {
+                let (buf, len) = pool.buffer(c.id, l).map_err(de)?;
+                let at = slot as usize * row;
+                if at + row > len {
+                    return Err(format!("slot {slot} past the pool buffer"));
+                }
+                // SAFETY: the destination is slot `slot`'s row of this pool buffer (inside it,
+                // checked above), which nothing else writes or reads until the save below
+                // (this check is the engine); `bytes` outlives the copy (kept in `sources`
+                // until the save, which waits for the stream, returned).
+                unsafe { cu::memcpy_htod_async(buf + at as u64, &bytes, engine.cu_stream()) }
+                    .map_err(|e| e.to_string())?;
+            }
+            sources.push(bytes);
+        }
+    }
+    let queued_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let plan = plan(&p.g, 1, &p.pages, slots);
+    let keys = saver.object_keys(&plan).map_err(|e| e.to_string())?;
+    let loader: Arc<dyn KvLoader> = Arc::new(saver);
+    // SAFETY: `engine` is a live stream of this process's context, kept until the save returned.
+    let stream = unsafe { kvlink::kv_loader::RawStream::from_raw(engine.cu_stream() as usize) };
+    let report = loader
+        .save_after_stream(&plan, stream)
+        .map_err(|e| e.to_string())?;
+    let saved_ms = t0.elapsed().as_secs_f64() * 1e3;
+    engine.synchronize().map_err(|e| e.to_string())?;
+    drop(sources);
+    let expected = n * p.g.components().len();
+    if report.objects_written as usize != expected {
+        return Err(format!(
+            "{} objects written, {expected} expected",
+            report.objects_written
+        ));
+    }
+    let mut compared = 0u64;
+    for (c, keys) in p.g.components().iter().zip(&keys) {
+        for (page, key) in keys.iter().enumerate() {
+            let object = get_object(fresh.as_ref(), key, c.object_bytes() as usize)?;
+            if let Some(at) = object.iter().position(|&b| b != late_byte(page)) {
+                return Err(format!(
+                    "{key}: byte {at} is {:#x}, not the engine's {:#x}: the save read the slot \
+                     before the engine's stream wrote it",
+                    object[at],
+                    late_byte(page)
+                ));
+            }
+            compared += object.len() as u64;
+        }
+    }
+    loader.close().map_err(|e| e.to_string())?;
+    Ok(format!(
+        "{} objects ({:.1} MB) hold the late bytes; the engine's work queued in {queued_ms:.0} ms, \
+         the save returned at {saved_ms:.0} ms",
+        report.objects_written,
+        compared as f64 / 1e6
+    ))
+}
+
+/// Object `key` of `store`, `len` bytes.
+fn get_object(store: &EmbeddedStore, key: &str, len: usize) -> Result<Vec<u8>, String> {
+    use kvlink::mooncake_linker::store::{KvStore, ObjectGet};
+    let mut buf = vec![0u8; len];
+    let g = ObjectGet {
+        key,
+        dst: buf.as_mut_ptr(),
+        len,
+    };
+    // SAFETY: `buf` is ours, valid for `len` bytes and untouched during the call.
+    match unsafe { store.get_into(&[g]) }.pop() {
+        Some(Ok(n)) if n == len as u64 => Ok(buf),
+        other => Err(format!("{key}: {other:?}")),
+    }
 }
 
 fn status(r: &Result<String, String>) -> Status {

@@ -154,6 +154,17 @@ pub unsafe trait Device: Send + Sync + fmt::Debug {
 
     /// A new stream (e.g. a rank's comm stream).
     fn new_stream(&self) -> Result<Arc<dyn Stream>, DeviceError>;
+
+    /// An event that completes once the work queued so far on `stream`, a stream of the
+    /// engine's on this device (the compute that wrote pages a save reads), has run: what a
+    /// save is ordered after, device-side. The default says the backend cannot
+    /// ([`DeviceError::Unsupported`]).
+    fn record_on(&self, stream: kv_loader::RawStream) -> Result<SharedEvent, DeviceError> {
+        let _ = stream;
+        Err(DeviceError::Unsupported(
+            "this device records no event on an engine's stream",
+        ))
+    }
 }
 
 /// Device memory, freed when dropped (by the backend's allocation it holds).

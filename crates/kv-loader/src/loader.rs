@@ -4,7 +4,7 @@ use kv_geometry::PageHash;
 
 use crate::{
     BatchOutcome, BatchPlan, KvLoadError, LayerReady, LoadTicket, LookupHit, LookupRequest,
-    SaveReport,
+    RawStream, SaveReport,
 };
 
 /// What an LLM server calls, on every TP rank, between its prefix cache and its attention
@@ -100,8 +100,8 @@ pub trait KvLoader: Send + Sync {
     /// Nothing orders the save after the engine's device work: on a device pool it reads the
     /// slots as they are when it runs, and stores (with checksums of those bytes) whatever
     /// the engine's kernels have not written yet. Call it once the compute that wrote the
-    /// pages has finished (its stream synchronized), or use a loader's ordered save (kvlink's
-    /// `Linker::save_after`, given an event recorded on the compute stream). Host pools are
+    /// pages has finished (its stream synchronized), or use
+    /// [`save_after_stream`](Self::save_after_stream) with the compute stream. Host pools are
     /// written by the engine's own thread before it calls this: nothing to order.
     ///
     /// It blocks the calling thread for the store calls it makes (kvlink's linker: one bounded
@@ -111,6 +111,25 @@ pub trait KvLoader: Send + Sync {
     /// reading the slots (kvlink's linker on a host pool reads them in place): the pool's
     /// claims say when they are free again (kvlink's `SlotClaims::wait_free`).
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError>;
+
+    /// [`save`](Self::save), ordered after the work queued so far on `stream`, the engine's
+    /// device stream whose compute wrote the pages: nothing of the pool is read before that
+    /// work has run (device-side where the loader can: the calling thread does not wait for
+    /// the compute to be queued further). The save still blocks the calling thread until its
+    /// store calls end.
+    ///
+    /// kvlink's linker records an event on `stream` and orders its gather after it (a host
+    /// pool's save: nothing to order). The default ignores `stream` and calls `save`: right
+    /// only for a loader whose pools the engine writes from its own thread (host memory). A
+    /// loader with device pools overrides it.
+    fn save_after_stream(
+        &self,
+        plan: &BatchPlan,
+        stream: RawStream,
+    ) -> Result<SaveReport, KvLoadError> {
+        let _ = stream;
+        self.save(plan)
+    }
 
     /// Cancels every batch in flight and waits, bounded, until nothing is in flight; waiters
     /// get `Cancelled`. The loader stays usable. Outcomes not yet taken stay to be taken (by

@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::event::CpuEvent;
 use super::stream::CpuStream;
 use crate::host::HostBuffer;
-use crate::{Device, DeviceError, DeviceMemory, DeviceRegion, PinnedMemory, Stream};
+use crate::{Device, DeviceError, DeviceMemory, DeviceRegion, PinnedMemory, SharedEvent, Stream};
 
 /// Settings of a [`CpuDevice`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -287,5 +288,14 @@ unsafe impl Device for CpuDevice {
     fn new_stream(&self) -> Result<Arc<dyn Stream>, DeviceError> {
         let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
         Ok(CpuStream::spawn(id, self.control.clone())?)
+    }
+
+    /// A CPU engine has no device stream: its work is done by the time it asks, so the
+    /// event is complete at once (`stream` is not used).
+    fn record_on(&self, stream: kv_loader::RawStream) -> Result<SharedEvent, DeviceError> {
+        let _ = stream;
+        let ev = CpuEvent::new(self.control.config.wait_limit);
+        ev.complete();
+        Ok(Arc::new(ev))
     }
 }

@@ -279,4 +279,10 @@ unsafe impl Device for CudaDevice {
         let stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         Ok(Arc::new(CuStream::new(stream, self.kernels.clone())))
     }
+
+    /// [`CudaDevice::record_on`] (the inherent method: its rules for the default-stream
+    /// handles hold).
+    fn record_on(&self, stream: kv_loader::RawStream) -> Result<crate::SharedEvent, DeviceError> {
+        CudaDevice::record_on(self, stream)
+    }
 }

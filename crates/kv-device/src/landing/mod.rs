@@ -400,6 +400,22 @@ pub trait LandingFactory: Send + Sync {
         (0, 0)
     }
 
+    /// An event after the work queued so far on the engine's `stream` (its compute that wrote
+    /// the pages a save reads), recorded on the pool's device ([`Device::record_on`]): what
+    /// [`begin_save_after`](Self::begin_save_after) is then given. The default (a backend
+    /// with no device) says it cannot ([`DeviceError::Unsupported`]).
+    ///
+    /// [`Device::record_on`]: crate::Device::record_on
+    fn record_on_engine_stream(
+        &self,
+        stream: kv_loader::RawStream,
+    ) -> Result<SharedEvent, DeviceError> {
+        let _ = stream;
+        Err(DeviceError::Unsupported(
+            "this backend's pool is host memory: it has no engine stream to order after",
+        ))
+    }
+
     /// For saving from a pool the store cannot read directly (device memory): a gatherer of
     /// the slices of plan page `i` (slot `slots[i]`) into host memory. Host pools are read in
     /// place and need none. The gatherer claims the slots for reading while it lives (and

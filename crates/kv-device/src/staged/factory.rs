@@ -164,6 +164,13 @@ impl LandingFactory for StagedLandingFactory {
         (self.staging.held_for_good(), self.staging.capacity())
     }
 
+    fn record_on_engine_stream(
+        &self,
+        stream: kv_loader::RawStream,
+    ) -> Result<SharedEvent, DeviceError> {
+        self.pool.device().record_on(stream)
+    }
+
     fn begin_save(&self, slots: Arc<[u32]>) -> Result<Box<dyn SaveGather>, DeviceError> {
         self.gather(slots, None)
     }

@@ -910,6 +910,35 @@ impl KvLoader for Linker {
         self.inner.save(plan, None)
     }
 
+    /// On a device pool: an event recorded on `stream` (the pool's device,
+    /// `Device::record_on`), which the gather waits for device-side, as
+    /// [`save_after`](Linker::save_after)'s. On a host pool, `save` (the engine wrote the
+    /// slots from its own thread).
+    fn save_after_stream(
+        &self,
+        plan: &BatchPlan,
+        stream: kv_loader::RawStream,
+    ) -> Result<SaveReport, KvLoadError> {
+        self.inner.check_open()?;
+        if self.inner.pool.residence() == Residence::Host {
+            return self.inner.save(plan, None);
+        }
+        let after = self
+            .inner
+            .landings
+            .record_on_engine_stream(stream)
+            .map_err(|e| {
+                KvLoadError::Device(kv_loader::Cause::with_source(
+                    format!(
+                        "{}: recording an event on the engine's stream before a save: {e}",
+                        plan.logical.batch
+                    ),
+                    e,
+                ))
+            })?;
+        self.inner.save(plan, Some(&after))
+    }
+
     fn reset(&self) -> Result<(), KvLoadError> {
         self.inner.check_open()?;
         info!("linker reset");
