@@ -60,10 +60,22 @@ fn default_stream_of_another_context_refused() -> Result<String, String> {
                 other.map(|_| "an event")
             )),
         }?;
-        let plain = std::thread::spawn(move || dev.record_on(default).map(drop).map_err(de))
-            .join()
-            .map_err(|_| "a thread panicked".to_string())?;
-        plain.map(|()| "refused under another context; recorded on a thread with none".into())
+        // SAFETY: 2 is the per-thread default stream handle, live in every context.
+        let per_thread = unsafe { kvlink::kv_loader::RawStream::from_raw(2) };
+        let plain = std::thread::spawn(move || -> Result<(), String> {
+            dev.record_on(default).map(drop).map_err(de)?;
+            match dev.record_on(per_thread) {
+                Err(kvlink::kv_device::DeviceError::Unsupported(_)) => Ok(()),
+                other => Err(format!("handle 2: {:?}", other.map(|_| "an event"))),
+            }
+        })
+        .join()
+        .map_err(|_| "a thread panicked".to_string())?;
+        plain.map(|()| {
+            "refused under another context; recorded on a thread with none; the per-thread \
+             handle refused on every thread"
+                .into()
+        })
     });
     theirs
         .join()

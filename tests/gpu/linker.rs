@@ -119,8 +119,8 @@ fn late_byte(page: usize) -> u8 {
     0xa0 + page as u8
 }
 
-/// Two pages written into a fresh device pool by an engine stream behind ~300 memsets of
-/// 1 GiB, then saved (`ordered`: through `save_after_stream` naming that stream; else plain
+/// Two pages written into a fresh device pool by an engine stream (device-side memsets)
+/// behind ~300 memsets of 1 GiB, then saved (`ordered`: through `save_after_stream` naming that stream; else plain
 /// `save`) into a fresh store; how many saved objects hold the late bytes.
 fn late_save(dev: &Arc<CudaDevice>, ordered: bool) -> Result<LateSave, String> {
     use kvlink::kv_device::cuda::cudarc::driver::result as cu;
@@ -139,12 +139,10 @@ fn late_save(dev: &Arc<CudaDevice>, ordered: bool) -> Result<LateSave, String> {
     for _ in 0..300 {
         engine.memset_zeros(&mut scratch).map_err(err)?;
     }
-    let mut sources = Vec::new();
     ctx.bind_to_thread().map_err(err)?;
     for (page, &slot) in slots.iter().enumerate() {
         for c in p.g.components() {
             let row = c.page_layer_bytes as usize;
-            let bytes = vec![late_byte(page); row];
             for &l in &c.layers {
                 let (buf, len) = pool.buffer(c.id, l).map_err(de)?;
                 let at = slot as usize * row;
@@ -153,20 +151,30 @@ fn late_save(dev: &Arc<CudaDevice>, ordered: bool) -> Result<LateSave, String> {
                 }
                 // SAFETY: the destination is slot `slot`'s row of this pool buffer (inside it,
                 // checked above), which nothing else writes until the save below (this check
-                // is the engine); `bytes` outlives the copy (kept in `sources` until the
-                // stream is synchronized below).
-                unsafe { cu::memcpy_htod_async(buf + at as u64, &bytes, engine.cu_stream()) }
-                    .map_err(err)?;
+                // is the engine). A device-side memset: no host memory whose staging could
+                // make the driver wait for the stream here.
+                unsafe {
+                    cu::memset_d8_async(buf + at as u64, late_byte(page), row, engine.cu_stream())
+                }
+                .map_err(err)?;
             }
-            sources.push(bytes);
         }
     }
+    // The engine's writes must still be queued when the save starts, or the run shows
+    // nothing (a device that ran the memsets before this point): inconclusive, not a pass.
+    let written = engine.record_event(None).map_err(err)?;
     let queued_ms = t0.elapsed().as_secs_f64() * 1e3;
     let plan = plan(&p.g, 1, &p.pages, slots);
     let keys = saver.object_keys(&plan).map_err(|e| e.to_string())?;
     let loader: Arc<dyn KvLoader> = Arc::new(saver);
     // SAFETY: `engine` is a live stream of this process's context, kept past the save.
     let stream = unsafe { kvlink::kv_loader::RawStream::from_raw(engine.cu_stream() as usize) };
+    if written.try_is_complete().map_err(err)? {
+        return Err(format!(
+            "inconclusive: the engine's writes had run before the save started ({:.0} ms)",
+            t0.elapsed().as_secs_f64() * 1e3
+        ));
+    }
     let report = if ordered {
         loader.save_after_stream(&plan, stream)
     } else {
@@ -176,7 +184,6 @@ fn late_save(dev: &Arc<CudaDevice>, ordered: bool) -> Result<LateSave, String> {
     let saved_ms = t0.elapsed().as_secs_f64() * 1e3;
     engine.synchronize().map_err(err)?;
     let done_ms = t0.elapsed().as_secs_f64() * 1e3;
-    drop(sources);
     let objects = n * p.g.components().len();
     if report.objects_written as usize != objects {
         return Err(format!(

@@ -118,17 +118,24 @@ pub trait KvLoader: Send + Sync {
     /// the compute to be queued further). The save still blocks the calling thread until its
     /// store calls end.
     ///
-    /// kvlink's linker records an event on `stream` and orders its gather after it (a host
-    /// pool's save: nothing to order). The default ignores `stream` and calls `save`: right
-    /// only for a loader whose pools the engine writes from its own thread (host memory). A
-    /// loader with device pools overrides it.
+    /// kvlink's linker records an event on `stream` and orders its gather after it. On a host
+    /// pool it saves at once, `stream` unused: the engine writes host slots from its own
+    /// thread before it calls (one that fills them with device-to-host copies on `stream`
+    /// synchronizes it first). The mock records the call and saves.
+    ///
+    /// The default refuses ([`KvLoadError::Config`]): a loader that does not know how to
+    /// order its save after `stream` must not store pages the engine may not have written.
+    /// The engine then synchronizes the stream and calls `save`.
     fn save_after_stream(
         &self,
         plan: &BatchPlan,
         stream: RawStream,
     ) -> Result<SaveReport, KvLoadError> {
-        let _ = stream;
-        self.save(plan)
+        let _ = (plan, stream);
+        Err(KvLoadError::config(
+            "this loader cannot order a save after an engine stream: synchronize the stream, \
+             then call `save`",
+        ))
     }
 
     /// Cancels every batch in flight and waits, bounded, until nothing is in flight; waiters

@@ -60,6 +60,14 @@ pub enum MockCall {
         /// Its pages.
         pages: usize,
     },
+    /// `save_after_stream` of this batch with this many pages (the stream is not kept: the
+    /// mock's pools have none).
+    SaveAfterStream {
+        /// The batch.
+        batch: BatchId,
+        /// Its pages.
+        pages: usize,
+    },
     /// `reset`.
     Reset,
     /// `close`.
@@ -216,6 +224,52 @@ impl std::fmt::Debug for MockKvLoader {
 type BetweenChecks = Box<dyn FnOnce(&MockKvLoader) + Send>;
 
 impl MockKvLoader {
+    /// What `save` and `save_after_stream` do once recorded: the plan's checks, then a report
+    /// of every page written.
+    fn saved(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
+        let batch = plan.logical.batch;
+        // The plan's checks that need no geometry (as the linker), and no slot of a load whose
+        // outcome is not taken unless a reset ended that load (a held store call's stay busy):
+        // the rule the docs give engines. Stricter than the linker, which lets a load's slots
+        // go a little after its last layer whether or not its outcome was taken; it refuses a
+        // busy slot as this does, a device error.
+        if let Some(reason) = slot_problem(plan, true) {
+            return Err(KvLoadError::InvalidPlan { batch, reason });
+        }
+        let busy = {
+            let st = self.state.lock();
+            // A batch a reset or close ended (cancelled in flight, or finished with its outcome
+            // not taken) lets its slots go, and so does one abandoned whose load is over (as
+            // for a load into them); a held store call's keep them.
+            let holds = |b: &BatchId| {
+                let abandoned = st.abandoned.contains(b) && !self.in_flight(&st, b);
+                st.held.contains(b)
+                    || !(abandoned || st.cancelled.contains(b) || st.ended.contains(b))
+            };
+            plan.slots.iter().copied().find(|slot| {
+                st.slots
+                    .iter()
+                    .any(|(b, slots)| holds(b) && slots.contains(slot))
+            })
+        };
+        if let Some(slot) = busy {
+            return Err(KvLoadError::Device(crate::Cause::from(format!(
+                "mock: page slot {slot} is busy: a load whose outcome is not taken holds it"
+            ))));
+        }
+        let pages = plan.logical.num_pages();
+        let objects = pages.saturating_mul(plan.logical.components.len());
+        let mut report = SaveReport {
+            objects_written: u32::try_from(objects).unwrap_or(u32::MAX),
+            ..SaveReport::default()
+        };
+        if !plan.logical.components.is_empty() {
+            report.pages_written = (0..u32::try_from(pages).unwrap_or(u32::MAX)).collect();
+        }
+        report.settle_pages(pages);
+        Ok(report)
+    }
+
     /// A mock for a model of `num_layers` layers.
     pub fn new(num_layers: u32, script: MockScript) -> Self {
         MockKvLoader {
@@ -774,51 +828,26 @@ impl KvLoader for MockKvLoader {
     }
 
     fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
-        let batch = plan.logical.batch;
         self.record(MockCall::Save {
-            batch,
+            batch: plan.logical.batch,
             pages: plan.logical.num_pages(),
         })?;
-        // The plan's checks that need no geometry (as the linker), and no slot of a load whose
-        // outcome is not taken unless a reset ended that load (a held store call's stay busy):
-        // the rule the docs give engines. Stricter than the linker, which lets a load's slots
-        // go a little after its last layer whether or not its outcome was taken; it refuses a
-        // busy slot as this does, a device error.
-        if let Some(reason) = slot_problem(plan, true) {
-            return Err(KvLoadError::InvalidPlan { batch, reason });
-        }
-        let busy = {
-            let st = self.state.lock();
-            // A batch a reset or close ended (cancelled in flight, or finished with its outcome
-            // not taken) lets its slots go, and so does one abandoned whose load is over (as
-            // for a load into them); a held store call's keep them.
-            let holds = |b: &BatchId| {
-                let abandoned = st.abandoned.contains(b) && !self.in_flight(&st, b);
-                st.held.contains(b)
-                    || !(abandoned || st.cancelled.contains(b) || st.ended.contains(b))
-            };
-            plan.slots.iter().copied().find(|slot| {
-                st.slots
-                    .iter()
-                    .any(|(b, slots)| holds(b) && slots.contains(slot))
-            })
-        };
-        if let Some(slot) = busy {
-            return Err(KvLoadError::Device(crate::Cause::from(format!(
-                "mock: page slot {slot} is busy: a load whose outcome is not taken holds it"
-            ))));
-        }
-        let pages = plan.logical.num_pages();
-        let objects = pages.saturating_mul(plan.logical.components.len());
-        let mut report = SaveReport {
-            objects_written: u32::try_from(objects).unwrap_or(u32::MAX),
-            ..SaveReport::default()
-        };
-        if !plan.logical.components.is_empty() {
-            report.pages_written = (0..u32::try_from(pages).unwrap_or(u32::MAX)).collect();
-        }
-        report.settle_pages(pages);
-        Ok(report)
+        self.saved(plan)
+    }
+
+    /// Recorded as its own call, so that an engine's test can tell it named its stream; saved
+    /// as `save` is.
+    fn save_after_stream(
+        &self,
+        plan: &BatchPlan,
+        stream: crate::RawStream,
+    ) -> Result<SaveReport, KvLoadError> {
+        let _ = stream;
+        self.record(MockCall::SaveAfterStream {
+            batch: plan.logical.batch,
+            pages: plan.logical.num_pages(),
+        })?;
+        self.saved(plan)
     }
 
     fn reset(&self) -> Result<(), KvLoadError> {
@@ -905,6 +934,68 @@ mod tests {
             },
             slots: vec![],
         }
+    }
+
+    /// A save naming the engine's stream is its own call (an engine's test can tell it used
+    /// the ordered save) and saves as `save` does. A loader that keeps the trait's default
+    /// refuses it (`Config`): it cannot order the save, and must not store pages the engine
+    /// may not have written yet.
+    #[test]
+    fn a_save_after_the_engines_stream_is_recorded_and_the_default_refuses() {
+        let mock = MockKvLoader::new(2, MockScript::default());
+        // SAFETY: the mock never uses the handle.
+        let stream = unsafe { crate::RawStream::from_raw(0x10) };
+        let report = mock
+            .save_after_stream(&one_page_plan(1, 3), stream)
+            .unwrap();
+        assert_eq!(report.objects_written, 1);
+        assert_eq!(
+            mock.calls(),
+            vec![MockCall::SaveAfterStream {
+                batch: BatchId(1),
+                pages: 1
+            }]
+        );
+        /// A loader of the trait's defaults, forwarding the rest to the mock.
+        struct Plain(MockKvLoader);
+        impl KvLoader for Plain {
+            fn num_layers(&self) -> u32 {
+                self.0.num_layers()
+            }
+            fn lookup(&self, r: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
+                self.0.lookup(r)
+            }
+            fn lookup_pages(&self, p: &[PageHash], s: usize) -> Result<LookupHit, KvLoadError> {
+                self.0.lookup_pages(p, s)
+            }
+            fn start_load(&self, plan: BatchPlan) -> Result<LoadTicket, KvLoadError> {
+                self.0.start_load(plan)
+            }
+            fn wait_layer(&self, t: &LoadTicket, layer: u32) -> Result<LayerReady, KvLoadError> {
+                self.0.wait_layer(t, layer)
+            }
+            fn wait_batch(&self, t: &LoadTicket) -> Result<BatchOutcome, KvLoadError> {
+                self.0.wait_batch(t)
+            }
+            fn completed(&self) -> Vec<BatchOutcome> {
+                self.0.completed()
+            }
+            fn save(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
+                self.0.save(plan)
+            }
+            fn reset(&self) -> Result<(), KvLoadError> {
+                self.0.reset()
+            }
+            fn close(&self) -> Result<(), KvLoadError> {
+                self.0.close()
+            }
+        }
+        let plain = Plain(MockKvLoader::new(2, MockScript::default()));
+        let err = plain
+            .save_after_stream(&one_page_plan(2, 4), stream)
+            .unwrap_err();
+        assert!(matches!(err, KvLoadError::Config(_)), "{err}");
+        assert!(plain.0.calls().is_empty(), "nothing saved");
     }
 
     /// A plan of one page into `slot`.

@@ -41,10 +41,12 @@ impl RawStream {
     /// Wraps a raw stream handle.
     ///
     /// # Safety
-    /// `raw` is a live stream of the backend whose events will be waited on with it (for
-    /// CUDA: a `CUstream` of a context of this process, or 0 for the legacy default
-    /// stream), and it stays live for as long as this value (or a copy) may be passed to
-    /// [`StreamWaitable::wait_on_stream`].
+    /// `raw` is a live stream of the backend whose events will be waited on with it, or
+    /// recorded on it (for CUDA: a `CUstream` of a context of this process, or 0 for the
+    /// legacy default stream), and it stays live for as long as this value (or a copy) may
+    /// be passed to kvlink: [`StreamWaitable::wait_on_stream`],
+    /// [`KvLoader::save_after_stream`](crate::KvLoader::save_after_stream) (a device's
+    /// `record_on`).
     pub const unsafe fn from_raw(raw: usize) -> Self {
         RawStream(raw)
     }

@@ -412,7 +412,8 @@ pub trait LandingFactory: Send + Sync {
     ) -> Result<SharedEvent, DeviceError> {
         let _ = stream;
         Err(DeviceError::Unsupported(
-            "this backend's pool is host memory: it has no engine stream to order after",
+            "this landing factory records no event on an engine stream (a wrapper must \
+             forward `record_on_engine_stream`)",
         ))
     }
 

@@ -52,16 +52,7 @@ pub(crate) const SLOT_TABLE_MIN: usize = 4096;
 /// Names work on pool slots for the logs: `"<what> of pool slots [3, 7]"`, the first 16 and a
 /// count past that (a batch may hold thousands).
 pub(crate) fn slots_work(what: &str, slots: &[u32]) -> String {
-    const SHOWN: usize = 16;
-    if slots.len() <= SHOWN {
-        format!("{what} of pool slots {slots:?}")
-    } else {
-        format!(
-            "{what} of {} pool slots, the first {SHOWN} {:?}",
-            slots.len(),
-            &slots[..SHOWN]
-        )
-    }
+    format!("{what} of pool slots {}", crate::claims::slot_list(slots))
 }
 
 /// What a quarantined pair's fences say.
@@ -287,6 +278,7 @@ impl StagingPool {
     /// tells when their work ends): once they are all of [`capacity`](Self::capacity), every lease
     /// fails at once, and the pool must be rebuilt.
     pub fn held_for_good(&self) -> usize {
+        self.reclaim();
         self.quarantine
             .lock()
             .iter()
@@ -701,10 +693,10 @@ mod tests {
         let many: Vec<u32> = (0..40).collect();
         let named = super::slots_work("landing 5", &many);
         assert!(
-            named.starts_with("landing 5 of 40 pool slots, the first 16 [0, 1, 2,"),
+            named.starts_with("landing 5 of pool slots [0, 1, 2,"),
             "{named}"
         );
-        assert!(named.ends_with("14, 15]"), "{named}");
+        assert!(named.ends_with("14, 15].. (40 slots)"), "{named}");
     }
 
     #[test]

@@ -35,7 +35,8 @@ const NEWER_KEYS: usize = 1 << 16;
 /// in a rolling upgrade every object of the newer servers has one, and telling each from a
 /// bad one costs two store calls (its size, a read at that size). Remembered for
 /// [`NEWER_REMEMBERED`]: a key written again meanwhile by an older writer is checked by
-/// length only until then (what its companion would be checked as, the newer one's).
+/// length only until then (what its companion would be checked as, the newer one's), and a
+/// store's refusal of such a key's read (`InvalidArgument`) reads as the newer companion too.
 #[derive(Debug, Default)]
 pub(crate) struct NewerCompanions {
     seen: Mutex<HashMap<String, Instant>>,
@@ -48,6 +49,11 @@ impl NewerCompanions {
             .lock()
             .get(key)
             .is_some_and(|at| at.elapsed() < NEWER_REMEMBERED)
+    }
+
+    /// Forgets them all (with the kept checksums: the store was emptied, say).
+    pub(crate) fn clear(&self) {
+        self.seen.lock().clear();
     }
 
     fn remember(&self, key: &str) {

@@ -125,9 +125,10 @@ pub struct MetricsSnapshot {
     /// checked again against one read afresh: that read may have come before the batch's pin
     /// took, and the object been written again (other bytes, its own companion) in between.
     pub companions_reread: u64,
-    /// Checksum companions found to be a newer kvlink writer's (another format version):
-    /// their objects were checked by length only (also in `ranges_length_only`) and left in
-    /// the store. Non-zero in a rolling upgrade: this server is the older one.
+    /// Times a checksum companion was found to be a newer kvlink writer's (another format
+    /// version; by a load, a recheck or a save's read-back): a load then checks its object by
+    /// length only (its ranges in `ranges_length_only`) and leaves the pair in the store.
+    /// Non-zero in a rolling upgrade: this server is the older one.
     pub companions_unsupported: u64,
     /// Batches this rank loaded alone, reading its own copy with no collective, because its
     /// TP group was down (`GroupFallback::ReadAlone`; `LoadStats::alone`). Each is a batch

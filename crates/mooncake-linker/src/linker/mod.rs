@@ -646,6 +646,7 @@ impl Linker {
     /// (benchmarks use it to measure a prefix's first load more than once).
     pub fn forget_kept_checksums(&self) {
         self.inner.checksums.clear();
+        self.inner.newer_companions.clear();
     }
 
     /// The mode `Auto` keeps, once it has measured enough (`None` while it measures, and for
@@ -912,8 +913,10 @@ impl KvLoader for Linker {
 
     /// On a device pool: an event recorded on `stream` (the pool's device,
     /// `Device::record_on`), which the gather waits for device-side, as
-    /// [`save_after`](Linker::save_after)'s. On a host pool, `save` (the engine wrote the
-    /// slots from its own thread).
+    /// [`save_after`](Linker::save_after)'s; a stream that cannot be recorded on (a
+    /// default-stream handle under another context) is `Config`. On a host pool, `save`
+    /// (the engine wrote the slots from its own thread; one that fills them with copies on
+    /// `stream` synchronizes it first).
     fn save_after_stream(
         &self,
         plan: &BatchPlan,
@@ -928,14 +931,28 @@ impl KvLoader for Linker {
             .landings
             .record_on_engine_stream(stream)
             .map_err(|e| {
-                KvLoadError::Device(kv_loader::Cause::with_source(
-                    format!(
-                        "{}: recording an event on the engine's stream before a save: {e}",
-                        plan.logical.batch
-                    ),
-                    e,
-                ))
-            })?;
+                let words = format!(
+                    "{}: recording an event on the engine's stream before a save: {e}",
+                    plan.logical.batch
+                );
+                // A stream or backend that cannot be ordered after is the engine's to fix
+                // (a default-stream handle under another context, a factory that does not
+                // forward the call); anything else is the device's failure.
+                match e {
+                    kv_device::DeviceError::Unsupported(_) => {
+                        KvLoadError::config(kv_loader::Cause::with_source(words, e))
+                    }
+                    e => KvLoadError::Device(kv_loader::Cause::with_source(words, e)),
+                }
+            });
+        let after = match after {
+            Ok(after) => after,
+            Err(e) => {
+                // Counted as a failed save, as one that failed inside.
+                self.inner.metrics.saved(true);
+                return Err(e);
+            }
+        };
         self.inner.save(plan, Some(&after))
     }
 

@@ -146,10 +146,17 @@ impl AddressLookups {
                 return Ok(kept.clone());
             }
         }
-        let at_cap = || RUNNING_LOOKUPS.load(Ordering::Acquire) >= MAX_RUNNING_LOOKUPS;
         let (rx, began) = match self.running.take() {
-            Some((rx, began)) if began.elapsed() < FRESH_AFTER || at_cap() => (rx, began),
-            _ => {
+            Some((rx, began)) if began.elapsed() < FRESH_AFTER => (rx, began),
+            // A fresh lookup beside the old one; at the process's cap, the old one again.
+            Some((old, began)) => match spawn_lookup(addr, what) {
+                Ok(rx) => {
+                    self.started = self.started.saturating_add(1);
+                    (rx, Instant::now())
+                }
+                Err(_) => (old, began),
+            },
+            None => {
                 self.started = self.started.saturating_add(1);
                 (spawn_lookup(addr, what)?, Instant::now())
             }
@@ -205,7 +212,8 @@ fn spawn_counted(
         (n < MAX_RUNNING_LOOKUPS).then_some(n + 1)
     });
     if claimed.is_err() {
-        tracing::warn!(
+        // The caller's error says it (logged where it is handled).
+        tracing::debug!(
             addr,
             what,
             "name lookups are not answering: not starting another"

@@ -42,7 +42,7 @@ fn with_own_words(group: KvLoadError, rank: u32, own: &KvLoadError) -> KvLoadErr
 /// `debug`.
 fn log_own_beside_the_groups(log: &LogEvery, batch: BatchId, own: &KvLoadError) {
     if matches!(own, KvLoadError::Cancelled { .. }) {
-        debug!(%batch, error = %own, "this rank's batch was cancelled (the group reports another's)");
+        debug!(%batch, error = %own, "this rank's batch was cancelled (the group reports more)");
         return;
     }
     match log.due_after(&format!("own:{}", own.kind_name())) {
