@@ -64,7 +64,8 @@ fn default_stream_of_another_context_refused() -> Result<String, String> {
         let per_thread = unsafe { kvlink::kv_loader::RawStream::from_raw(2) };
         let plain = std::thread::spawn(move || -> Result<(), String> {
             dev.record_on(default).map(drop).map_err(de)?;
-            match dev.record_on(per_thread) {
+            // Through the trait (a save through `KvLoader::save_after_stream`).
+            match kvlink::kv_device::Device::record_on(&*dev, per_thread) {
                 Err(kvlink::kv_device::DeviceError::Unsupported(_)) => Ok(()),
                 other => Err(format!("handle 2: {:?}", other.map(|_| "an event"))),
             }
@@ -73,7 +74,7 @@ fn default_stream_of_another_context_refused() -> Result<String, String> {
         .map_err(|_| "a thread panicked".to_string())?;
         plain.map(|()| {
             "refused under another context; recorded on a thread with none; the per-thread \
-             handle refused on every thread"
+             handle refused through the trait"
                 .into()
         })
     });

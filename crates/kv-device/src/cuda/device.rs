@@ -175,19 +175,14 @@ impl CudaDevice {
     /// The special handles 0 (the default stream), 1 (legacy) and 2 (per-thread) name a
     /// stream of whichever context is current: on a thread whose current context is not
     /// this device's they are refused ([`DeviceError::Unsupported`]), since the event would
-    /// land on this context's default stream and not cover the engine's work. Handle 2 is
-    /// refused on every thread: it names the calling thread's own stream, and a save is
-    /// made off the thread that computed (name that thread's stream itself).
+    /// land on this context's default stream and not cover the engine's work. (Through the
+    /// `Device` trait, what `KvLoader::save_after_stream` calls, handle 2 is refused on every
+    /// thread: it names the calling thread's own stream, and that save runs off the thread
+    /// that computed. Here, on the engine's own thread, it is its stream.)
     pub fn record_on(
         &self,
         stream: kv_loader::RawStream,
     ) -> Result<crate::SharedEvent, DeviceError> {
-        if stream.as_raw() == 2 {
-            return Err(DeviceError::Unsupported(
-                "recording on the per-thread default stream (handle 2), which names the \
-                 calling thread's own: name the engine's stream itself",
-            ));
-        }
         if stream.as_raw() <= 2 {
             let current =
                 cudarc::driver::result::ctx::get_current().map_err(drv("cuCtxGetCurrent"))?;
@@ -289,8 +284,15 @@ unsafe impl Device for CudaDevice {
     }
 
     /// [`CudaDevice::record_on`] (the inherent method: its rules for the default-stream
-    /// handles hold).
+    /// handles hold), refusing the per-thread handle 2 on every thread: it names the calling
+    /// thread's own stream, and a save through the trait runs off the thread that computed.
     fn record_on(&self, stream: kv_loader::RawStream) -> Result<crate::SharedEvent, DeviceError> {
+        if stream.as_raw() == 2 {
+            return Err(DeviceError::Unsupported(
+                "recording on the per-thread default stream (handle 2), which names the \
+                 calling thread's own: name the engine's stream itself",
+            ));
+        }
         CudaDevice::record_on(self, stream)
     }
 }

@@ -98,8 +98,10 @@ impl Inner {
     /// Judges `got`, the whole read of companion `key` (`len` bytes expected) of an object of
     /// `layout`. A store refuses a companion longer than its buffer as `InvalidArgument`, which
     /// it says for other causes too (a bad key, the call's arguments): only one whose size
-    /// query (one bounded call, until `deadline`) shows it too long is bad; else the refusal is
-    /// the store failure it is.
+    /// query (a bounded call, until `deadline`) shows it too long is bad, unless a read at its
+    /// size (another bounded call) shows a newer writer's whole companion (`Unsupported`,
+    /// remembered a minute: [`NewerCompanions`]); else the refusal is the store failure it is.
+    /// A companion shorter than this version's is judged by a read at its size the same way.
     pub(crate) fn judge_companion(
         &self,
         (key, len): (&str, usize),
@@ -148,8 +150,10 @@ impl Inner {
 
     /// A companion of another length than this version's (`size` bytes): read again whole at
     /// its size (one bounded call) and [`CompanionRead::Unsupported`] when it is a newer
-    /// writer's whole companion, else [`CompanionRead::Bad`] for `why` (also when it cannot
-    /// be read again, or is longer than any companion).
+    /// writer's whole companion, else [`CompanionRead::Bad`] for `why` (also when it is
+    /// longer than any companion, or its size changed again). A store that fails the read
+    /// says nothing of it ([`CompanionRead::Failed`]: nothing discarded); one gone meanwhile
+    /// is [`CompanionRead::Absent`].
     fn newer_or_bad(
         &self,
         key: &str,
@@ -172,7 +176,11 @@ impl Inner {
                 }
                 _ => CompanionRead::Bad(why),
             },
-            _ => CompanionRead::Bad(why),
+            Some(Err(StoreError::NotFound { .. })) => CompanionRead::Absent,
+            Some(Err(StoreError::ShortRead { .. } | StoreError::InvalidArgument { .. })) | None => {
+                CompanionRead::Bad(why)
+            }
+            Some(Err(e)) => CompanionRead::Failed(e),
         }
     }
 
