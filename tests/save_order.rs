@@ -14,7 +14,7 @@ use kvlink::kv_device::{
     CpuDevice, Device, DeviceKvPool, HostKvPool, StagedLandingFactory, StagingPool, Transfer,
 };
 use kvlink::kv_geometry::{page_hashes, KvGeometry};
-use kvlink::kv_loader::KvLoader;
+use kvlink::kv_loader::{KvLoadError, KvLoader};
 use kvlink::mooncake_linker::store::{EmbeddedStore, KvStore, ObjectGet};
 use kvlink::mooncake_linker::{Linker, LinkerConfig};
 
@@ -279,4 +279,78 @@ fn a_save_may_name_a_slot_twice_for_the_same_page() {
         );
         linker.close().unwrap();
     }
+}
+
+/// A device pool's staged factory that forwards all but `record_on_engine_stream` (a wrapper
+/// written before the method existed).
+struct Unforwarded(StagedLandingFactory);
+
+impl kvlink::kv_device::LandingFactory for Unforwarded {
+    fn begin(
+        &self,
+        slots: Arc<[u32]>,
+        shape: kvlink::kv_device::BatchShape,
+    ) -> Result<Box<dyn kvlink::kv_device::LayerLanding>, kvlink::kv_device::DeviceError> {
+        self.0.begin(slots, shape)
+    }
+    fn store_regions(&self) -> Vec<kvlink::kv_device::StoreRegion> {
+        self.0.store_regions()
+    }
+    fn share_path(&self) -> kvlink::kv_device::SharePath {
+        self.0.share_path()
+    }
+    fn begin_save(
+        &self,
+        slots: Arc<[u32]>,
+    ) -> Result<Box<dyn kvlink::kv_device::SaveGather>, kvlink::kv_device::DeviceError> {
+        self.0.begin_save(slots)
+    }
+}
+
+/// A save through the trait on a device pool whose factory cannot record on the engine's
+/// stream is refused as the engine's to fix (`Config`, not a device failure that would
+/// reset every batch), nothing is stored, and it counts as a failed save. On a host pool the
+/// stream is not needed: the save writes the pages.
+#[test]
+fn a_save_after_a_stream_that_cannot_be_ordered_is_refused_and_a_host_pool_saves() {
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let dev = CpuDevice::new(0).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 3, 1), 2).unwrap();
+    let landings = Arc::new(Unforwarded(StagedLandingFactory::new(
+        pool.clone(),
+        staging,
+    )));
+    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 26));
+    let config = LinkerConfig {
+        namespace: "order".into(),
+        ..LinkerConfig::default()
+    };
+    let linker = Linker::with_landings(
+        g.clone(),
+        store.clone(),
+        pool,
+        landings,
+        config.clone(),
+        None,
+    )
+    .unwrap();
+    let pages = page_hashes(&prompt(47, 2, spec.page_size), spec.page_size, None);
+    let plan = load_plan(&g, 1, &pages, vec![1, 4]);
+    // SAFETY: never used: the factory records nothing.
+    let stream = unsafe { kvlink::kv_loader::RawStream::from_raw(0x20) };
+    let err = linker.save_after_stream(&plan, stream).unwrap_err();
+    assert!(matches!(err, KvLoadError::Config(_)), "{err}");
+    let m = linker.metrics();
+    assert_eq!((m.saves, m.saves_failed, m.bytes_written), (1, 1, 0));
+    linker.close().unwrap();
+    let host = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let linker = Linker::new(g.clone(), store, host, config).unwrap();
+    let report = linker.save_after_stream(&plan, stream).unwrap();
+    assert_eq!(
+        report.objects_written as usize,
+        pages.len() * g.components().len()
+    );
+    linker.close().unwrap();
 }

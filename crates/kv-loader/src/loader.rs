@@ -114,9 +114,9 @@ pub trait KvLoader: Send + Sync {
 
     /// [`save`](Self::save), ordered after the work queued so far on `stream`, the engine's
     /// device stream whose compute wrote the pages: nothing of the pool is read before that
-    /// work has run (device-side where the loader can: the calling thread does not wait for
-    /// the compute to be queued further). The save still blocks the calling thread until its
-    /// store calls end.
+    /// work has run (kvlink's linker orders its gather device-side). The calling thread is
+    /// blocked until the compute, the gather and the save's store calls have all run: call
+    /// it off the forward thread.
     ///
     /// kvlink's linker records an event on `stream` and orders its gather after it. On a host
     /// pool it saves at once, `stream` unused: the engine writes host slots from its own

@@ -290,8 +290,10 @@ unsafe impl Device for CpuDevice {
         Ok(CpuStream::spawn(id, self.control.clone())?)
     }
 
-    /// A CPU engine has no device stream: its work is done by the time it asks, so the
-    /// event is complete at once (`stream` is not used).
+    /// An event complete at once (`stream` is not used): a CPU engine computes on its own
+    /// thread, done by the time it asks. Work it queued on a stream of this device (a
+    /// `CpuStream`, as the tests do) is not covered: order a save after that with
+    /// `Linker::save_after` and an event recorded on that stream.
     fn record_on(&self, stream: kv_loader::RawStream) -> Result<SharedEvent, DeviceError> {
         let _ = stream;
         let ev = CpuEvent::new(self.control.config.wait_limit);

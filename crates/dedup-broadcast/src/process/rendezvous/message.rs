@@ -27,7 +27,8 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// would disagree at every gate and load `AllRanks`, so the two are refused instead.
 ///
 /// What the formed group speaks includes the gate's digests and words and the status word:
-/// a change to any of them bumps this number (`the_wire_of_this_protocol_is_pinned` fails
+/// a change to any of them (kinds appended to the status word excepted: an older peer reads
+/// them as "other") bumps this number (`the_wire_of_this_protocol_is_pinned` fails
 /// until it does), since kvlink's version string alone does not tell builds apart.
 pub(crate) const PROTOCOL: u32 = 8;
 
