@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{load_plan, page_byte, prompt, small_spec};
 use kvlink::kv_device::{
-    CpuDevice, Device, DeviceKvPool, HostKvPool, StagedLandingFactory, StagingPool, Transfer,
+    CpuDevice, Device, DeviceKvPool, HostKvPool, LandingFactory, StagedLandingFactory, StagingPool,
+    Transfer,
 };
 use kvlink::kv_geometry::{page_hashes, KvGeometry};
 use kvlink::kv_loader::{KvLoadError, KvLoader};
@@ -30,29 +31,43 @@ fn get(store: &dyn KvStore, key: &str, len: usize) -> Vec<u8> {
     buf
 }
 
-/// A linker over a device pool of 8 slots on `dev` (staged landings), its pool and store.
-fn device_linker(
+/// This file's linker config.
+fn config() -> LinkerConfig {
+    LinkerConfig {
+        namespace: "order".into(),
+        ..LinkerConfig::default()
+    }
+}
+
+/// A linker over a device pool of 8 slots on `dev` (staged landings, wrapped by `wrap`), its
+/// pool and store.
+fn device_linker_with<F: LandingFactory + 'static>(
     dev: &Arc<CpuDevice>,
     g: &KvGeometry,
+    wrap: impl FnOnce(StagedLandingFactory) -> F,
 ) -> (Linker, Arc<DeviceKvPool>, Arc<dyn KvStore>) {
     let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
     let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(g, 3, 1), 2).unwrap();
-    let landings = Arc::new(StagedLandingFactory::new(pool.clone(), staging));
+    let landings = Arc::new(wrap(StagedLandingFactory::new(pool.clone(), staging)));
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 26));
-    let config = LinkerConfig {
-        namespace: "order".into(),
-        ..LinkerConfig::default()
-    };
     let linker = Linker::with_landings(
         g.clone(),
         store.clone(),
         pool.clone(),
         landings,
-        config,
+        config(),
         None,
     )
     .unwrap();
     (linker, pool, store)
+}
+
+/// [`device_linker_with`] the staged factory itself.
+fn device_linker(
+    dev: &Arc<CpuDevice>,
+    g: &KvGeometry,
+) -> (Linker, Arc<DeviceKvPool>, Arc<dyn KvStore>) {
+    device_linker_with(dev, g, |f| f)
 }
 
 /// Through the trait an engine holds (`Arc<dyn KvLoader>`), a device pool's save names the
@@ -285,7 +300,7 @@ fn a_save_may_name_a_slot_twice_for_the_same_page() {
 /// written before the method existed).
 struct Unforwarded(StagedLandingFactory);
 
-impl kvlink::kv_device::LandingFactory for Unforwarded {
+impl LandingFactory for Unforwarded {
     fn begin(
         &self,
         slots: Arc<[u32]>,
@@ -316,26 +331,7 @@ fn a_save_after_a_stream_that_cannot_be_ordered_is_refused_and_a_host_pool_saves
     let spec = small_spec();
     let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
     let dev = CpuDevice::new(0).unwrap();
-    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
-    let staging = StagingPool::new(dev.clone(), StagingPool::half_bytes_for(&g, 3, 1), 2).unwrap();
-    let landings = Arc::new(Unforwarded(StagedLandingFactory::new(
-        pool.clone(),
-        staging,
-    )));
-    let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 26));
-    let config = LinkerConfig {
-        namespace: "order".into(),
-        ..LinkerConfig::default()
-    };
-    let linker = Linker::with_landings(
-        g.clone(),
-        store.clone(),
-        pool,
-        landings,
-        config.clone(),
-        None,
-    )
-    .unwrap();
+    let (linker, _, store) = device_linker_with(&dev, &g, Unforwarded);
     let pages = page_hashes(&prompt(47, 2, spec.page_size), spec.page_size, None);
     let plan = load_plan(&g, 1, &pages, vec![1, 4]);
     // SAFETY: never used: the factory records nothing.
@@ -346,7 +342,7 @@ fn a_save_after_a_stream_that_cannot_be_ordered_is_refused_and_a_host_pool_saves
     assert_eq!((m.saves, m.saves_failed, m.bytes_written), (1, 1, 0));
     linker.close().unwrap();
     let host = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-    let linker = Linker::new(g.clone(), store, host, config).unwrap();
+    let linker = Linker::new(g.clone(), store, host, config()).unwrap();
     let report = linker.save_after_stream(&plan, stream).unwrap();
     assert_eq!(
         report.objects_written as usize,
