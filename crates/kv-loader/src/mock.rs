@@ -224,6 +224,19 @@ impl std::fmt::Debug for MockKvLoader {
 type BetweenChecks = Box<dyn FnOnce(&MockKvLoader) + Send>;
 
 impl MockKvLoader {
+    /// A mock for a model of `num_layers` layers.
+    pub fn new(num_layers: u32, script: MockScript) -> Self {
+        MockKvLoader {
+            num_layers,
+            script,
+            state: Mutex::new(MockState::default()),
+            counter: LayerCounter::new(),
+            close_answer: Mutex::new(None),
+            #[cfg(test)]
+            between_checks: Mutex::new(None),
+        }
+    }
+
     /// What `save` and `save_after_stream` do once recorded: the plan's checks, then a report
     /// of every page written.
     fn saved(&self, plan: &BatchPlan) -> Result<SaveReport, KvLoadError> {
@@ -268,19 +281,6 @@ impl MockKvLoader {
         }
         report.settle_pages(pages);
         Ok(report)
-    }
-
-    /// A mock for a model of `num_layers` layers.
-    pub fn new(num_layers: u32, script: MockScript) -> Self {
-        MockKvLoader {
-            num_layers,
-            script,
-            state: Mutex::new(MockState::default()),
-            counter: LayerCounter::new(),
-            close_answer: Mutex::new(None),
-            #[cfg(test)]
-            between_checks: Mutex::new(None),
-        }
     }
 
     /// The store call held by `batch` (`MockScript::hold_slots`) returned: its outcome (the

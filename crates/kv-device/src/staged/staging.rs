@@ -55,6 +55,11 @@ pub(crate) fn slots_work(what: &str, slots: &[u32]) -> String {
     format!("{what} of pool slots {}", crate::claims::slot_list(slots))
 }
 
+/// Of `quarantine`, the buffers held for good: no fence tells when their work ends.
+fn held_for_good_in(quarantine: &[Quarantined]) -> usize {
+    quarantine.iter().filter(|q| q.fences.is_none()).count()
+}
+
 /// What a quarantined pair's fences say.
 enum Fenced {
     /// Every fence has completed.
@@ -279,11 +284,7 @@ impl StagingPool {
     /// fails at once, and the pool must be rebuilt.
     pub fn held_for_good(&self) -> usize {
         self.reclaim();
-        self.quarantine
-            .lock()
-            .iter()
-            .filter(|q| q.fences.is_none())
-            .count()
+        held_for_good_in(&self.quarantine.lock())
     }
 
     /// Whether a shortage is due at `warn` (once a [`SHORTAGE_LOG_EVERY`]); with how many
@@ -390,8 +391,7 @@ impl StagingPool {
             // Looked at before `free` is locked: `reclaim` locks quarantine, then free.
             let (polling, held_for_good) = {
                 let q = self.quarantine.lock();
-                let for_good = q.iter().filter(|q| q.fences.is_none()).count();
-                (!q.is_empty(), for_good)
+                (!q.is_empty(), held_for_good_in(&q))
             };
             let mut free = self.free.lock();
             if let Some(pair) = free.pop() {

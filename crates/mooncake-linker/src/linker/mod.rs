@@ -926,34 +926,26 @@ impl KvLoader for Linker {
         if self.inner.pool.residence() == Residence::Host {
             return self.inner.save(plan, None);
         }
-        let after = self
-            .inner
-            .landings
-            .record_on_engine_stream(stream)
-            .map_err(|e| {
-                let words = format!(
-                    "{}: recording an event on the engine's stream before a save: {e}",
-                    plan.logical.batch
-                );
-                // A stream or backend that cannot be ordered after is the engine's to fix
-                // (a default-stream handle under another context, a factory that does not
-                // forward the call); anything else is the device's failure.
-                match e {
-                    kv_device::DeviceError::Unsupported(_) => {
-                        KvLoadError::config(kv_loader::Cause::with_source(words, e))
-                    }
-                    e => KvLoadError::Device(kv_loader::Cause::with_source(words, e)),
-                }
-            });
-        let after = match after {
-            Ok(after) => after,
-            Err(e) => {
-                // Counted as a failed save, as one that failed inside.
-                self.inner.metrics.saved(true);
-                return Err(e);
-            }
+        let e = match self.inner.landings.record_on_engine_stream(stream) {
+            Ok(after) => return self.inner.save(plan, Some(&after)),
+            Err(e) => e,
         };
-        self.inner.save(plan, Some(&after))
+        // Counted as a failed save, as one that failed inside.
+        self.inner.metrics.saved(true);
+        let words = format!(
+            "{}: recording an event on the engine's stream before a save: {e}",
+            plan.logical.batch
+        );
+        // A stream or backend that cannot be ordered after is the engine's to fix (a
+        // default-stream handle under another context, a factory that does not forward the
+        // call); anything else is the device's failure.
+        let engines_to_fix = matches!(e, kv_device::DeviceError::Unsupported(_));
+        let cause = kv_loader::Cause::with_source(words, e);
+        Err(if engines_to_fix {
+            KvLoadError::config(cause)
+        } else {
+            KvLoadError::Device(cause)
+        })
     }
 
     fn reset(&self) -> Result<(), KvLoadError> {
