@@ -9,7 +9,9 @@
 //! not at its deadline, and its worker goes on to the next call.
 //!
 //! Workers are kept and reused (a call costs a hand-off, not a thread start); a call that
-//! hangs keeps its worker, and a new one is started for the next call. At most
+//! hangs keeps its worker, and a new one is started for the next call. A worker idle for
+//! [`WORKER_IDLE_RETIRE`] ends (after a burst of hung calls, their workers do not stay for the
+//! server's life). At most
 //! [`MAX_WORKERS`] calls run at once: past that (a store that hangs every call) a call fails
 //! at once with [`StoreError::Unavailable`].
 
@@ -27,6 +29,10 @@ use crate::log_every::LogEvery;
 
 /// Most store calls running at once, hung ones included.
 pub const MAX_WORKERS: usize = 256;
+
+/// How long a store-call worker waits for a call before it ends (the next call past the
+/// idle ones starts a new worker).
+pub const WORKER_IDLE_RETIRE: Duration = Duration::from_secs(60);
 
 /// What a call keeps alive (and away from others) until it returns.
 pub type Hold = Arc<dyn Any + Send + Sync>;
@@ -46,6 +52,8 @@ struct Workers {
     idle: Arc<AtomicUsize>,
     /// Workers alive (idle, busy or hung).
     alive: Arc<AtomicUsize>,
+    /// How long a worker waits for a job before it ends ([`WORKER_IDLE_RETIRE`]).
+    retire_after: Duration,
     /// "Every worker is busy or hung": at `error` once a minute while it lasts.
     all_busy_log: LogEvery,
 }
@@ -58,6 +66,7 @@ impl Workers {
             rx: Arc::new(Mutex::new(rx)),
             idle: Arc::new(AtomicUsize::new(0)),
             alive: Arc::new(AtomicUsize::new(0)),
+            retire_after: WORKER_IDLE_RETIRE,
             all_busy_log: LogEvery::default(),
         }
     }
@@ -104,12 +113,11 @@ impl Workers {
             });
         }
         let (rx, idle, alive) = (self.rx.clone(), self.idle.clone(), self.alive.clone());
+        let retire_after = self.retire_after;
         let spawned = std::thread::Builder::new()
             .name("kvlink-store-call".into())
             .spawn(move || {
-                loop {
-                    let job = rx.lock().recv();
-                    let Ok(job) = job else { break };
+                while let Some(job) = next_job(&rx, &idle, retire_after) {
                     // A call's own panic is caught inside the job (its caller gets `Panicked`);
                     // this catches one of its `late` handler, so the worker lives on either way.
                     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
@@ -128,6 +136,36 @@ impl Workers {
                 ),
             }
         })
+    }
+}
+
+/// A worker's next job; `None` when the queue is closed, or when it waited `retire_after`
+/// with none while another idle worker is left for every job sent (`idle`, the idle workers
+/// no submitted job has claimed, above zero: it takes itself out of that count and ends).
+fn next_job(
+    rx: &Mutex<mpsc::Receiver<Job>>,
+    idle: &AtomicUsize,
+    retire_after: Duration,
+) -> Option<Job> {
+    loop {
+        // Idle workers queue for the receiver: each waits its time for it, then for a job.
+        let got = match rx.try_lock_for(retire_after) {
+            Some(rx) => rx.recv_timeout(retire_after),
+            None => Err(mpsc::RecvTimeoutError::Timeout),
+        };
+        match got {
+            Ok(job) => return Some(job),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                // At zero every idle worker is claimed by a job on its way: wait for it.
+                let unclaimed =
+                    idle.fetch_update(Ordering::AcqRel, Ordering::Acquire, |i| i.checked_sub(1));
+                if unclaimed.is_ok() {
+                    debug!(idle_for = ?retire_after, "a store-call worker ends, idle");
+                    return None;
+                }
+            }
+        }
     }
 }
 
@@ -1159,6 +1197,75 @@ mod tests {
             Err(StoreError::Unavailable { .. })
         ));
         workers.alive.store(0, Ordering::Release);
+    }
+
+    /// Waits up to 10 s for `workers` to have `n` alive.
+    fn until_alive(workers: &Workers, n: usize) {
+        let t0 = Instant::now();
+        while workers.alive.load(Ordering::Acquire) != n {
+            let alive = workers.alive.load(Ordering::Acquire);
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{alive} alive, not {n}"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Before, the workers of a burst of hung calls stayed for the store's life (up to
+    /// `MAX_WORKERS` threads): idle ones now end, and a later call starts one again.
+    #[test]
+    fn idle_workers_end_and_a_later_call_starts_one() {
+        let mut workers = Workers::new();
+        workers.retire_after = Duration::from_millis(20);
+        let go_tx = Arc::new(Mutex::new(()));
+        let hold = go_tx.lock();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        for _ in 0..4 {
+            let (go, done) = (go_tx.clone(), done_tx.clone());
+            workers
+                .submit(Box::new(move || {
+                    drop(go.lock());
+                    let _ = done.send(());
+                }))
+                .unwrap();
+        }
+        // Four calls "hung" at once: four workers.
+        assert_eq!(workers.alive.load(Ordering::Acquire), 4);
+        drop(hold);
+        for _ in 0..4 {
+            done_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        }
+        until_alive(&workers, 0);
+        let done = done_tx.clone();
+        workers
+            .submit(Box::new(move || drop(done.send(()))))
+            .unwrap();
+        done_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        until_alive(&workers, 0);
+    }
+
+    /// Workers ending while calls come: no call is left without a worker (each one runs).
+    #[test]
+    fn workers_ending_never_strand_a_call() {
+        let mut workers = Workers::new();
+        workers.retire_after = Duration::from_micros(200);
+        let (done_tx, done_rx) = mpsc::channel::<u32>();
+        for i in 0..2000u32 {
+            let done = done_tx.clone();
+            workers
+                .submit(Box::new(move || drop(done.send(i))))
+                .unwrap();
+            if i % 7 == 0 {
+                std::thread::sleep(Duration::from_micros(u64::from(i % 400)));
+            }
+        }
+        let mut got: Vec<u32> = (0..2000)
+            .map(|_| done_rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        got.sort_unstable();
+        assert!(got.iter().copied().eq(0..2000));
+        until_alive(&workers, 0);
     }
 
     /// A call whose caller dropped its `Pending` without waiting is given up: its result goes
