@@ -1239,7 +1239,9 @@ mod tests {
         until_alive(&workers, 0);
         let done = done_tx.clone();
         workers
-            .submit(Box::new(move || drop(done.send(()))))
+            .submit(Box::new(move || {
+                let _ = done.send(());
+            }))
             .unwrap();
         done_rx.recv_timeout(Duration::from_secs(10)).unwrap();
         until_alive(&workers, 0);
@@ -1254,7 +1256,9 @@ mod tests {
         for i in 0..2000u32 {
             let done = done_tx.clone();
             workers
-                .submit(Box::new(move || drop(done.send(i))))
+                .submit(Box::new(move || {
+                    let _ = done.send(i);
+                }))
                 .unwrap();
             if i % 7 == 0 {
                 std::thread::sleep(Duration::from_micros(u64::from(i % 400)));
