@@ -134,8 +134,7 @@ pub fn nccl_version() -> Result<i32, CollectiveError> {
         what: "CUDA availability",
         source,
     })?;
-    // SAFETY: only tries to dlopen the candidate names of libnccl.
-    if !unsafe { sys::is_culib_present() } {
+    if !kv_device::cuda::library_loadable("nccl") {
         return Err(CollectiveError::Backend(
             "NCCL unavailable: libnccl.so is not on the library path".into(),
         ));

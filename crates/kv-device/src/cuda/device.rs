@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaContext, CudaStream};
+use cudarc::driver::{result, CudaContext, CudaStream};
 
 use super::current::{ContextRestore, Current, ThreadContext};
 use super::error::{driver_error_text, drv};
@@ -24,9 +24,7 @@ use crate::{Device, DeviceError, DeviceMemory, DeviceRegion, PinnedMemory, Strea
 /// ([`DeviceError::Unavailable`] without the library, [`DeviceError::CudaUnavailable`] when
 /// `cuInit` or `cuDeviceGetCount` fails).
 pub fn cuda_device_count() -> Result<u32, DeviceError> {
-    // SAFETY: `is_culib_present` only tries to dlopen the candidate library names (and drops
-    // the handles); it calls no CUDA function.
-    if !unsafe { sys::is_culib_present() } {
+    if !super::library_loadable("cuda") {
         return Err(DeviceError::Unavailable(
             "CUDA unavailable: the driver library (libcuda.so.1) is not on this machine".into(),
         ));

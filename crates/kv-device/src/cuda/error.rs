@@ -18,9 +18,7 @@ pub(crate) fn driver_error_text(e: DriverError) -> String {
 /// `CUDA_ERROR_NAME (description)` for a driver error (the text of [`DeviceError::Cuda`]);
 /// the name alone where the driver library is absent (cudarc would panic asking it).
 pub(crate) fn describe(e: &DriverError) -> String {
-    // SAFETY: `is_culib_present` only tries to dlopen the candidate library names (and drops
-    // the handles); it calls no CUDA function.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !super::library_loadable("cuda") {
         return format!("{:?}", e.0);
     }
     match e.error_string() {

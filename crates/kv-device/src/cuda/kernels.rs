@@ -93,8 +93,7 @@ impl Kernels {
     }
 
     fn from_nvrtc(ctx: &Arc<CudaContext>) -> Result<Self, DeviceError> {
-        // SAFETY: `is_culib_present` only tries to dlopen the candidate names of libnvrtc.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        if !super::library_loadable("nvrtc") {
             return Err(DeviceError::Unavailable(
                 "libnvrtc is not on the library path".into(),
             ));

@@ -9,7 +9,8 @@
 //! ([`cuda_device_count`]); a machine without it, or without a device, gets an error for
 //! which [`DeviceError::is_unavailable`] is true (cudarc itself would panic).
 //!
-//! Files, each depending only on those before it: `error` (driver errors as
+//! Files, each depending only on those before it: `library` (whether a CUDA library loads),
+//! `error` (driver errors as
 //! [`DeviceError`]s), `current` (our context current for a call, the thread's own restored
 //! after), `memory`, `kernels` (and the per-context kernel cache), `event`, `stream`,
 //! `device`.
@@ -23,12 +24,14 @@ mod device;
 pub(crate) mod error;
 mod event;
 mod kernels;
+mod library;
 mod memory;
 mod stream;
 
 pub use device::{cuda_device_count, CudaDevice};
 pub use event::CudaLayerEvent;
 pub use kernels::{KernelSource, Kernels, COPY_ROWS_PTX, COPY_ROWS_SRC};
+pub use library::{library_loadable, library_names};
 pub use memory::{DeviceBuffer, PinnedBuffer};
 
 /// The device KV pool on a GPU: [`DeviceKvPool`](crate::DeviceKvPool) over a [`CudaDevice`].
