@@ -133,11 +133,21 @@ fn unreachable_endpoint(
     })
 }
 
+/// The largest epoch a group forms at, and that a peer's message or the exchange may say
+/// (larger is malformed). Formations count up by one from 1: far past any server's life,
+/// and far enough below `u64::MAX` that a hostile or corrupt value cannot leave every later
+/// formation without a next epoch.
+pub(crate) const MAX_EPOCH: u64 = 1 << 62;
+
 /// The epoch after `last` (a rank's hello or the exchange says `last`: peer input), refused
-/// where there is none.
+/// where there is none at most [`MAX_EPOCH`].
 pub(crate) fn next_epoch(last: u64) -> Result<u64, RendezvousError> {
-    last.checked_add(1)
-        .ok_or_else(|| RendezvousError::Protocol(format!("epoch {last} has no next one")))
+    if last >= MAX_EPOCH {
+        return Err(RendezvousError::Protocol(format!(
+            "epoch {last} has no next one (epochs end at {MAX_EPOCH})"
+        )));
+    }
+    Ok(last + 1)
 }
 
 /// Whether the peers reach rank 0's mesh at the IP it announced, or at the one they reached
@@ -353,15 +363,17 @@ pub(super) mod tests {
     fn a_hello_with_the_last_epoch_there_is_is_refused_not_overflowed() {
         let l = hello(0);
         let mut j = vec![hello(1), hello(2)];
-        j[1].last_epoch = u64::MAX;
-        assert!(matches!(
-            decide(&l, &j, None, Rank0Address::Rewritten),
-            Err(RendezvousError::Protocol(_))
-        ));
-        j[1].last_epoch = u64::MAX - 1;
+        for last in [u64::MAX, u64::MAX - 1, MAX_EPOCH] {
+            j[1].last_epoch = last;
+            assert!(matches!(
+                decide(&l, &j, None, Rank0Address::Rewritten),
+                Err(RendezvousError::Protocol(_))
+            ));
+        }
+        j[1].last_epoch = MAX_EPOCH - 1;
         assert_eq!(
             decide(&l, &j, None, Rank0Address::Rewritten).unwrap().epoch,
-            u64::MAX
+            MAX_EPOCH
         );
         assert_eq!(next_epoch(3).unwrap(), 4);
     }

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::decide::{decide, missing, next_epoch, IdSource, Rank0Address};
+use super::decide::{decide, missing, next_epoch, IdSource, Rank0Address, MAX_EPOCH};
 use super::message::{Hello, Reply, Welcome};
 use super::RendezvousError;
 
@@ -188,14 +188,29 @@ impl Keys<'_> {
     }
 }
 
-fn read_u64(
+/// The epoch at `key` (`closed`, `current`); absent when not 8 bytes or past [`MAX_EPOCH`]
+/// (corrupt: taken as never written, so that the next opening writes it anew, where a huge
+/// value would leave no next epoch for every formation after).
+fn read_epoch(
     x: &dyn KeyValueExchange,
     key: &str,
     deadline: Instant,
 ) -> Result<Option<u64>, RendezvousError> {
-    Ok(x.get(key, deadline)?
-        .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
-        .map(u64::from_le_bytes))
+    let Some(v) = x.get(key, deadline)? else {
+        return Ok(None);
+    };
+    let epoch = <[u8; 8]>::try_from(v.as_slice())
+        .ok()
+        .map(u64::from_le_bytes)
+        .filter(|e| *e <= MAX_EPOCH);
+    if epoch.is_none() {
+        tracing::warn!(
+            key,
+            bytes = v.len(),
+            "the exchange's epoch is not one (corrupt): taken as absent"
+        );
+    }
+    Ok(epoch)
 }
 
 const POLL: Duration = Duration::from_millis(10);
@@ -248,7 +263,7 @@ pub(crate) fn lead(
     deadline: Instant,
 ) -> Result<Welcome, RendezvousError> {
     let k = Keys(prefix);
-    let closed = read_u64(x, &k.closed(), deadline)?.unwrap_or(0);
+    let closed = read_epoch(x, &k.closed(), deadline)?.unwrap_or(0);
     let mut epoch = open_epoch(x, &k, leader, closed.max(leader.last_epoch), deadline)?;
     let world = leader.world;
     let mut absent: Vec<u32> = (1..world).collect();
@@ -498,7 +513,7 @@ pub(crate) fn join(
             // decided) the next epoch's opening, which rank 0 makes first. A read that fails
             // (a store hiccup) is "not yet", as a failed wait is: nothing of this rank is in
             // the exchange yet, and rank 0 waits for it until its own deadline anyway.
-            let current = read_u64(x, &k.current(), deadline).and_then(|current| match current {
+            let current = read_epoch(x, &k.current(), deadline).and_then(|current| match current {
                 Some(e) => Ok(Some((e, x.get(&k.verdict(e), deadline)?.is_none()))),
                 None => Ok(None),
             });
@@ -589,7 +604,7 @@ fn await_verdict(
         if Instant::now() >= deadline {
             return Ok(Awaited::Deadline);
         }
-        if read_u64(x, &k.current(), deadline)?.is_some_and(|c| c > epoch) {
+        if read_epoch(x, &k.current(), deadline)?.is_some_and(|c| c > epoch) {
             return Ok(Awaited::NextEpoch(None));
         }
         wait_slice(x, &[k.verdict(epoch)], deadline);
@@ -874,7 +889,7 @@ mod tests {
         use super::super::decide::tests::hello;
         let x = MemoryExchange::new();
         let (leader, mut late) = (hello(0), hello(1));
-        late.last_epoch = u64::MAX;
+        late.last_epoch = MAX_EPOCH;
         let deadline = kv_loader::deadline_after(Duration::from_secs(10));
         let started = Instant::now();
         let (led, joined) = std::thread::scope(|s| {
@@ -892,6 +907,25 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
+    }
+
+    /// A corrupt `closed` marker (past `MAX_EPOCH`, or not 8 bytes) is taken as absent. Before,
+    /// `u64::MAX` there left no next epoch: every formation failed before any verdict, and
+    /// every joiner waited out its deadline, for as long as the exchange kept the key.
+    #[test]
+    fn a_corrupt_closed_marker_does_not_stop_formations() {
+        use super::super::decide::tests::hello;
+        let leader = hello(0);
+        for corrupt in [u64::MAX.to_le_bytes().to_vec(), vec![7; 3]] {
+            let x = MemoryExchange::new();
+            let soon = || kv_loader::deadline_after(Duration::from_secs(10));
+            x.set(&Keys("p").closed(), &corrupt, soon()).unwrap();
+            for epoch in 1..=2u64 {
+                let (led, joined) = meet(&x, &leader, soon());
+                assert_eq!(led.unwrap().epoch, epoch);
+                assert!(joined.iter().all(|j| j.is_ok()), "{joined:?}");
+            }
+        }
     }
 
     /// A joiner of a larger world claims a rank past rank 0's group: rank 0 never reads that

@@ -9,6 +9,22 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::exchange::{ExchangeError, KeyValueExchange};
+use crate::process::wire::MAX_FRAME;
+
+/// The largest value read from the directory: a hello or reply frame's limit. A larger file
+/// at a key is refused unread (rank 0 reads every claim a few times a second: a huge file
+/// there would be read into memory each time).
+const MAX_VALUE: usize = MAX_FRAME;
+
+/// The file at `path`, `None` when larger than [`MAX_VALUE`] (at most that much is read).
+fn read_capped(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let mut v = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_VALUE as u64 + 1)
+        .read_to_end(&mut v)?;
+    Ok((v.len() <= MAX_VALUE).then_some(v))
+}
 
 /// How long a call is waited for at least, its deadline spent or not: a local file call takes
 /// microseconds, and a poll made at its deadline (`wait`'s last) should still be answered.
@@ -191,8 +207,11 @@ impl KeyValueExchange for FileExchange {
         self.bounded(
             format!("reading {key}"),
             deadline,
-            move |dir| match std::fs::read(Self::path(dir, &key)) {
-                Ok(v) => Ok(Some(v)),
+            move |dir| match read_capped(&Self::path(dir, &key)) {
+                Ok(Some(v)) => Ok(Some(v)),
+                Ok(None) => Err(ExchangeError::new(format!(
+                    "reading {key}: more than {MAX_VALUE} bytes, no value the rendezvous writes"
+                ))),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
                 Err(e) => Err(ExchangeError::new(format!("reading {key}: {e}"))),
             },
@@ -263,6 +282,25 @@ mod tests {
         let short = "g/1/open";
         x.set(short, b"short", soon).unwrap();
         assert_eq!(x.get(short, soon).unwrap().as_deref(), Some(&b"short"[..]));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Before, a file of any size at a key was read whole (rank 0 reads every claim a few
+    /// times a second): now one past a frame's limit is refused, and at the limit it reads.
+    #[test]
+    fn a_value_past_a_frames_limit_is_refused() {
+        let dir =
+            std::env::temp_dir().join(format!("kvlink-fx-big-{}", super::super::fresh_nonce()));
+        let x = FileExchange::new(&dir).unwrap();
+        let soon = kv_loader::deadline_after(Duration::from_secs(5));
+        x.set("big", &vec![1; MAX_VALUE + 1], soon).unwrap();
+        let e = x.get("big", soon).unwrap_err();
+        assert!(e.to_string().contains("more than"), "{e}");
+        x.set("full", &vec![1; MAX_VALUE], soon).unwrap();
+        assert_eq!(
+            x.get("full", soon).unwrap().map(|v| v.len()),
+            Some(MAX_VALUE)
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -7,6 +7,7 @@
 
 use std::net::SocketAddr;
 
+use super::decide::MAX_EPOCH;
 use super::RendezvousError;
 use crate::process::socket_collective::Algorithm;
 use crate::process::wire::{Decoder, Encoder, Malformed};
@@ -177,18 +178,35 @@ fn endpoint(e: &mut Encoder, ep: &Endpoint) {
 }
 
 fn read_endpoint(d: &mut Decoder<'_>) -> Result<Endpoint, Malformed> {
+    // Each string capped: an endpoint goes into the welcome every rank reads (one too long
+    // for a frame refused the whole group, `Config` at rank 0).
     let tcp = match d.opt_str("tcp address")? {
         Some(s) => Some(
-            s.parse()
-                .map_err(|_| Malformed(format!("tcp address {s:?}")))?,
+            peer_text("tcp address", s)?
+                .parse()
+                .map_err(|e| Malformed(format!("tcp address: {e}")))?,
         ),
+        None => None,
+    };
+    let unix = match d.opt_str("unix name")? {
+        Some(s) => Some(peer_text("unix name", s)?),
         None => None,
     };
     Ok(Endpoint {
         tcp,
-        unix: d.opt_str("unix name")?,
+        unix,
         host: peer_text("host", d.str("host")?)?,
     })
+}
+
+/// An epoch a peer sent, refused past [`MAX_EPOCH`] (no formation counts that far: a group
+/// formed there would leave no next epoch, and every later formation would be refused).
+fn epoch(d: &mut Decoder<'_>, what: &str) -> Result<u64, Malformed> {
+    let e = d.u64(what)?;
+    if e > MAX_EPOCH {
+        return Err(Malformed(format!("{what} {e} (at most {MAX_EPOCH})")));
+    }
+    Ok(e)
 }
 
 fn algorithm_code(a: Algorithm) -> u8 {
@@ -266,7 +284,7 @@ impl Hello {
                 .try_into()
                 .map_err(|_| Malformed("fingerprint of the wrong length".into()))?;
             let nccl = d.u8("nccl")? != 0;
-            let last_epoch = d.u64("last epoch")?;
+            let last_epoch = epoch(&mut d, "last epoch")?;
             let nonce = d.u64("nonce")?;
             let t = d.u8("transport")?;
             let transport =
@@ -370,7 +388,7 @@ impl Reply {
             }
             match d.u8("reply kind")? {
                 REPLY_WELCOME => {
-                    let epoch = d.u64("epoch")?;
+                    let epoch = epoch(&mut d, "epoch")?;
                     let transport = match d.u8("transport")? {
                         0 => Transport::Tcp,
                         1 => Transport::Unix,
@@ -404,7 +422,7 @@ impl Reply {
                 }
                 REPLY_REFUSED => Ok(Reply::Refused(decode_error(&mut d)?)),
                 REPLY_IDLE => {
-                    let e = d.u64("live epoch")?;
+                    let e = epoch(&mut d, "live epoch")?;
                     Ok(Reply::Idle {
                         live_epoch: (e != 0).then_some(e),
                         last_failure: d.opt_str("last failure")?,
@@ -586,6 +604,13 @@ pub(crate) mod tests {
             Reply::Welcome(got) => assert_eq!(*got, w),
             other => panic!("{other:?}"),
         }
+        // A welcome at an epoch past the last one is malformed (the rank would keep it as its
+        // last epoch, and no formation after would have a next one).
+        let far = Welcome {
+            epoch: MAX_EPOCH + 1,
+            ..w.clone()
+        };
+        assert!(Reply::decode(&Reply::Welcome(Box::new(far)).encode()).is_err());
         for err in [
             RendezvousError::WorldSizeMismatch {
                 rank: 2,
@@ -744,6 +769,18 @@ pub(crate) mod tests {
     /// alone). Before, it went whole into the refusal rank 0 sends every member, which a
     /// megabyte string pushed past the frame limit: no member was told.
     #[test]
+    fn an_epoch_past_the_last_one_is_malformed() {
+        let mut h = hello(1);
+        h.last_epoch = MAX_EPOCH + 1;
+        assert!(matches!(
+            Hello::decode(&h.encode(), "0.1.0"),
+            Err(RendezvousError::Protocol(_))
+        ));
+        h.last_epoch = MAX_EPOCH;
+        assert_eq!(Hello::decode(&h.encode(), "0.1.0").unwrap(), h);
+    }
+
+    #[test]
     fn a_hello_with_a_huge_version_or_host_is_malformed() {
         let mut other = hello(2);
         other.protocol = PROTOCOL + 1;
@@ -758,6 +795,20 @@ pub(crate) mod tests {
             Hello::decode(&far.encode(), "0.1.0"),
             Err(RendezvousError::Protocol(_))
         ));
+        // An endpoint's names too: each goes into the welcome every rank reads. Before, a unix
+        // name of a frame's size made rank 0's welcome too large for a frame: every rank was
+        // refused (`Config`).
+        let mut far = hello(1);
+        far.endpoint.unix = Some("u".repeat(MAX_PEER_TEXT + 1));
+        assert!(matches!(
+            Hello::decode(&far.encode(), "0.1.0"),
+            Err(RendezvousError::Protocol(_))
+        ));
+        let mut e = Encoder::default();
+        e.opt_str(Some(&"1".repeat(MAX_PEER_TEXT + 1)))
+            .opt_str(None)
+            .str("h");
+        assert!(read_endpoint(&mut Decoder::new(&e.0)).is_err());
         // At the bound both still decode.
         let mut long = hello(1);
         long.version = "9".repeat(MAX_PEER_TEXT);

@@ -407,9 +407,12 @@ impl<'a> Dec<'a> {
         Ok(self.take(1)?[0])
     }
     /// A count of items that each take at least `item_bytes` of what follows: refused past
-    /// [`MAX_ITEMS`], and when the message cannot hold that many (so a count from the wire sizes an allocation of at
-    /// most the message's length times an item's size in memory over `item_bytes`: a put's
-    /// items, 32 bytes each for at least 12 on the wire, about 2.7 times the message).
+    /// [`MAX_ITEMS`], and when the message cannot hold that many (so a count from the wire
+    /// sizes an allocation of at most the message's length times an item's size in memory
+    /// over `item_bytes`: a put's items, 32 bytes each for at least 12 on the wire, about 2.7
+    /// times the message; a ranged read's, its 16-byte ranges then a 32-byte piece and a
+    /// 16-byte reply slice each, about 4 times: 256 MiB for a 64 MiB request of ranges, one
+    /// request at a time per connection of a client that proved its key).
     pub(crate) fn count(&mut self, item_bytes: usize) -> Result<usize, Malformed> {
         let n = self.u32()? as usize;
         if n > MAX_ITEMS {
