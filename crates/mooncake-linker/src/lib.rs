@@ -25,3 +25,7 @@ pub use kv_loader::{Bandwidths, ModeChoice, ShareMode};
 
 /// Re-exported: how the linker shares replicated KV (collectives, staging, mode choice).
 pub use dedup_broadcast;
+
+/// Re-exported: the small vectors of [`store::KvStore`]'s signatures (a store written outside
+/// kvlink names them through this, without a `smallvec` line of its own).
+pub use smallvec;
