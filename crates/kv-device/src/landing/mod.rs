@@ -400,6 +400,13 @@ pub trait LandingFactory: Send + Sync {
         (0, 0)
     }
 
+    /// Longest [`begin`](Self::begin) or a save's gather waits for a staging buffer before it
+    /// fails (a linker in a TP group says at build when this is not well under its collective
+    /// bound). Zero, the default, for a backend without staging; a wrapper forwards it.
+    fn lease_wait(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
+
     /// An event after the work queued so far on the engine's `stream` (its compute that wrote
     /// the pages a save reads), recorded on the pool's device ([`Device::record_on`]): what
     /// [`begin_save_after`](Self::begin_save_after) is then given. The default (a backend

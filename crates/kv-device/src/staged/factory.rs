@@ -79,7 +79,8 @@ impl StagedLandingFactory {
     /// zero fails at once). Loads and saves share the pool: without a wait, a load that
     /// starts while saves hold every buffer fails and its request recomputes. In a TP group a
     /// batch's landing begins after its gate, so its peers wait for this rank meanwhile: keep
-    /// the wait well under the linker's `collective_timeout`.
+    /// the wait well under the linker's `collective_timeout` (a linker in a group says at
+    /// `warn` when it builds with a wait of half that or more).
     pub fn with_lease_wait(mut self, wait: Duration) -> Self {
         self.lease_wait = wait;
         self
@@ -162,6 +163,10 @@ impl LandingFactory for StagedLandingFactory {
 
     fn staging_held_for_good(&self) -> (usize, usize) {
         (self.staging.held_for_good(), self.staging.capacity())
+    }
+
+    fn lease_wait(&self) -> Duration {
+        self.lease_wait
     }
 
     fn record_on_engine_stream(

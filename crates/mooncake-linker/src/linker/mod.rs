@@ -493,20 +493,8 @@ impl Linker {
             config.cp_rank,
             config.pp_rank,
         );
-        if group.as_ref().is_some_and(|g| g.size() > 1)
-            && (config.collective_timeout <= config.layer_read_timeout
-                || config.collective_timeout <= config.store_call_timeout)
-        {
-            // Not refused (a short collective bound is a valid choice for a fast local store),
-            // but said: a rank whose read or store call runs to its own bound then makes its
-            // peers time out in the collective instead of reading its failure.
-            tracing::warn!(
-                collective_timeout = ?config.collective_timeout,
-                layer_read_timeout = ?config.layer_read_timeout,
-                store_call_timeout = ?config.store_call_timeout,
-                "collective_timeout is not above the store bounds: a slow read shows on the \
-                 peers as a collective timeout"
-            );
+        if group.as_ref().is_some_and(|g| g.size() > 1) {
+            warn_collective_bounds(&config, landings.lease_wait());
         }
         let link = GroupLink::of(group.as_ref());
         let checksums = checksum_cache::ChecksumCache::new(config.checksum_cache_entries);
@@ -1074,6 +1062,57 @@ impl Drop for Linker {
         if let Err(e) = self.close() {
             warn!(error = %e, "closing the linker on drop");
         }
+    }
+}
+
+/// Says (not refused: a short collective bound is a valid choice for a fast local store) where
+/// `collective_timeout` is not above a rank's own waits before or inside a batch (its store
+/// calls' bounds, and `lease_wait`, how long a landing waits for a staging buffer): a rank
+/// that waits to its own bound makes its peers time out in the collective instead of reading
+/// its failure.
+fn warn_collective_bounds(config: &LinkerConfig, lease_wait: Duration) {
+    if config.collective_timeout <= config.layer_read_timeout
+        || config.collective_timeout <= config.store_call_timeout
+    {
+        tracing::warn!(
+            collective_timeout = ?config.collective_timeout,
+            layer_read_timeout = ?config.layer_read_timeout,
+            store_call_timeout = ?config.store_call_timeout,
+            "collective_timeout is not above the store bounds: a slow read shows on the \
+             peers as a collective timeout"
+        );
+    }
+    // A landing begins after the batch's gate, its peers waiting meanwhile.
+    if lease_wait.saturating_mul(2) >= config.collective_timeout {
+        tracing::warn!(
+            collective_timeout = ?config.collective_timeout,
+            lease_wait = ?lease_wait,
+            "the staging lease wait is not well under collective_timeout: a rank short of \
+             staging shows on its peers as a collective timeout"
+        );
+    }
+}
+
+#[cfg(test)]
+mod bounds_log_tests {
+    use super::*;
+
+    /// A staging lease wait of half the collective bound or more is said at build; the
+    /// default (1 s against 25 s) and a backend without staging (zero) are not.
+    #[test]
+    fn a_lease_wait_near_the_collective_bound_is_said() {
+        let config = LinkerConfig::default();
+        let warns = |wait: Duration| {
+            let ((), lines) = crate::test_logs::logged(|| warn_collective_bounds(&config, wait));
+            lines
+                .iter()
+                .filter(|l| l.level == tracing::Level::WARN && l.message.contains("lease wait"))
+                .count()
+        };
+        assert_eq!(warns(config.collective_timeout / 2), 1);
+        assert_eq!(warns(config.collective_timeout * 3), 1);
+        assert_eq!(warns(kv_device::DEFAULT_LEASE_WAIT), 0);
+        assert_eq!(warns(Duration::ZERO), 0);
     }
 }
 
