@@ -134,7 +134,7 @@ pub fn nccl_version() -> Result<i32, CollectiveError> {
         what: "CUDA availability",
         source,
     })?;
-    if !kv_device::cuda::library_loadable("nccl") {
+    if !kv_device::cuda::CudaLibrary::Nccl.loadable() {
         return Err(CollectiveError::Backend(
             "NCCL unavailable: libnccl.so is not on the library path".into(),
         ));

@@ -24,7 +24,7 @@ use crate::{Device, DeviceError, DeviceMemory, DeviceRegion, PinnedMemory, Strea
 /// ([`DeviceError::Unavailable`] without the library, [`DeviceError::CudaUnavailable`] when
 /// `cuInit` or `cuDeviceGetCount` fails).
 pub fn cuda_device_count() -> Result<u32, DeviceError> {
-    if !super::library_loadable("cuda") {
+    if !super::CudaLibrary::Driver.loadable() {
         return Err(DeviceError::Unavailable(
             "CUDA unavailable: the driver library (libcuda.so.1) is not on this machine".into(),
         ));

@@ -18,7 +18,7 @@ pub(crate) fn driver_error_text(e: DriverError) -> String {
 /// `CUDA_ERROR_NAME (description)` for a driver error (the text of [`DeviceError::Cuda`]);
 /// the name alone where the driver library is absent (cudarc would panic asking it).
 pub(crate) fn describe(e: &DriverError) -> String {
-    if !super::library_loadable("cuda") {
+    if !super::CudaLibrary::Driver.loadable() {
         return format!("{:?}", e.0);
     }
     match e.error_string() {

@@ -93,7 +93,7 @@ impl Kernels {
     }
 
     fn from_nvrtc(ctx: &Arc<CudaContext>) -> Result<Self, DeviceError> {
-        if !super::library_loadable("nvrtc") {
+        if !super::CudaLibrary::Nvrtc.loadable() {
             return Err(DeviceError::Unavailable(
                 "libnvrtc is not on the library path".into(),
             ));

@@ -31,7 +31,7 @@ mod stream;
 pub use device::{cuda_device_count, CudaDevice};
 pub use event::CudaLayerEvent;
 pub use kernels::{KernelSource, Kernels, COPY_ROWS_PTX, COPY_ROWS_SRC};
-pub use library::{library_loadable, library_names};
+pub use library::CudaLibrary;
 pub use memory::{DeviceBuffer, PinnedBuffer};
 
 /// The device KV pool on a GPU: [`DeviceKvPool`](crate::DeviceKvPool) over a [`CudaDevice`].
