@@ -30,8 +30,9 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::decide::{decide, missing, next_epoch, IdSource, Rank0Address, MAX_EPOCH};
-use super::message::{Hello, Reply, Welcome};
+use super::message::{fits_a_frame, Hello, Reply, Welcome};
 use super::RendezvousError;
+use crate::process::wire::MAX_FRAME;
 
 /// A key-value exchange failed (the engine's store is unreachable, a file cannot be written).
 #[derive(Debug, Clone, thiserror::Error)]
@@ -324,12 +325,15 @@ pub(crate) fn lead(
             unusable_claims = false;
         }
     };
-    // The epoch is the one opened (above every member's last: each was at most `closed`).
+    // The epoch is the one opened (above every member's last: each was at most `closed`). A
+    // welcome past a frame is refused to every rank, as over TCP (no joiner reads a larger
+    // value: before, rank 0 formed alone while every joiner failed to read it).
     let decision = decision
         .map(|mut w| {
             w.epoch = epoch;
             w
         })
+        .and_then(fits_a_frame)
         .map_err(|e| claimed_twice(e, epoch));
     let reply = match &decision {
         Ok(w) => Reply::Welcome(Box::new(w.clone())),
@@ -488,6 +492,14 @@ pub(crate) fn join(
 ) -> Result<Welcome, RendezvousError> {
     let k = Keys(prefix);
     let rank = hello.rank;
+    // As over TCP, where a frame carries it: rank 0 reads no larger value.
+    let len = hello.encode().len();
+    if len > MAX_FRAME {
+        return Err(RendezvousError::Config(format!(
+            "rank {rank}'s hello is {len} bytes, past the {MAX_FRAME}-byte message limit: its \
+             attributes are too large"
+        )));
+    }
     // Rank 0's last formation that timed out (a rank missing): not a refusal of this rank,
     // which waits for the next epoch until its own deadline.
     let mut timed_out: Option<RendezvousError> = None;
@@ -906,6 +918,51 @@ mod tests {
             started.elapsed() < Duration::from_secs(5),
             "{:?}",
             started.elapsed()
+        );
+    }
+
+    /// A welcome past a frame (rank 0's attributes) is refused to every rank, as over TCP;
+    /// before, rank 0 formed while every joiner failed to read it (or, with `FileExchange`'s
+    /// cap, could not). A joiner's own hello past a frame is refused at once, unwritten.
+    #[test]
+    fn a_welcome_or_hello_past_a_frame_is_refused_to_every_rank() {
+        use super::super::decide::tests::hello;
+        let x = MemoryExchange::new();
+        let huge = Hello {
+            attributes: vec![("big".into(), "x".repeat(MAX_FRAME))],
+            ..hello(0)
+        };
+        let (led, joined) = meet(
+            &x,
+            &huge,
+            kv_loader::deadline_after(Duration::from_secs(10)),
+        );
+        assert!(
+            matches!(led, Err(RendezvousError::Config(_))),
+            "{:?}",
+            led.map(|w| w.epoch)
+        );
+        for j in joined {
+            assert!(
+                matches!(j, Err(RendezvousError::Config(_))),
+                "{:?}",
+                j.map(|w| w.epoch)
+            );
+        }
+        let big_joiner = Hello {
+            attributes: vec![("big".into(), "x".repeat(MAX_FRAME))],
+            ..hello(1)
+        };
+        let got = join(
+            &x,
+            "q",
+            &big_joiner,
+            kv_loader::deadline_after(Duration::from_secs(10)),
+        );
+        assert!(
+            matches!(got, Err(RendezvousError::Config(_))),
+            "{:?}",
+            got.map(|w| w.epoch)
         );
     }
 

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use super::decide::MAX_EPOCH;
 use super::RendezvousError;
 use crate::process::socket_collective::Algorithm;
-use crate::process::wire::{Decoder, Encoder, Malformed};
+use crate::process::wire::{Decoder, Encoder, Malformed, MAX_FRAME};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"KVRZ");
 /// Version of these messages and of what the formed group speaks; ranks with another refuse
@@ -207,6 +207,20 @@ fn epoch(d: &mut Decoder<'_>, what: &str) -> Result<u64, Malformed> {
         return Err(Malformed(format!("{what} {e} (at most {MAX_EPOCH})")));
     }
     Ok(e)
+}
+
+/// `welcome` when its message fits a frame; else a refusal to every rank (the same each
+/// time: rank 0's attributes are too large), where writing it would fail for every rank.
+pub(crate) fn fits_a_frame(welcome: Welcome) -> Result<Welcome, RendezvousError> {
+    let reply = Reply::Welcome(Box::new(welcome));
+    let len = reply.encode().len();
+    match reply {
+        Reply::Welcome(w) if len <= MAX_FRAME => Ok(*w),
+        _ => Err(RendezvousError::Config(format!(
+            "rank 0's welcome is {len} bytes, past the {MAX_FRAME}-byte message limit: its \
+             attributes are too large"
+        ))),
+    }
 }
 
 fn algorithm_code(a: Algorithm) -> u8 {

@@ -16,11 +16,11 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::decide::{decide, missing, IdSource, Rank0Address};
-use super::message::{Hello, Reply, Welcome};
+use super::message::{fits_a_frame, Hello, Reply, Welcome};
 use super::resolve::{resolve_within, AddressLookups, ResolveFailure, RENDEZVOUS};
 use super::RendezvousError;
 use crate::process::mesh::MeshListener;
-use crate::process::wire::{read_frame, write_frame, MAX_FRAME};
+use crate::process::wire::{read_frame, write_frame};
 
 /// How long rank 0 waits for a connected rank's hello, and gives a reply to go out.
 const MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -427,20 +427,6 @@ impl TcpLeader {
             let _ = reply_by(&mut a.stream, &idle, by);
         }
         decision
-    }
-}
-
-/// `welcome` when its message fits a frame; else a refusal to every rank (the same each
-/// time: rank 0's attributes are too large), where writing it would fail for every rank.
-fn fits_a_frame(welcome: Welcome) -> Result<Welcome, RendezvousError> {
-    let reply = Reply::Welcome(Box::new(welcome));
-    let len = reply.encode().len();
-    match reply {
-        Reply::Welcome(w) if len <= MAX_FRAME => Ok(*w),
-        _ => Err(RendezvousError::Config(format!(
-            "rank 0's welcome is {len} bytes, past the {MAX_FRAME}-byte message limit: its \
-             attributes are too large"
-        ))),
     }
 }
 
@@ -941,6 +927,7 @@ fn welcomed(
 mod tests {
     use super::*;
     use crate::process::rendezvous::message::tests::hello;
+    use crate::process::wire::MAX_FRAME;
 
     /// The version of the tests' hellos.
     const VERSION: &str = "0.1.0";
