@@ -758,6 +758,21 @@ impl NcclCollective {
         self.leaked.load(Ordering::Relaxed)
     }
 
+    /// A zeroed host buffer of `len` bytes for `op`'s rows; refused (`InvalidArgument`) when
+    /// the allocator cannot give it, where `vec!` would abort the process (a layer's rows of
+    /// a multi-million-token batch are gigabytes).
+    fn host_buffer(&self, op: &'static str, len: usize) -> Result<Vec<u8>, CollectiveError> {
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(len).map_err(|e| {
+            self.invalid(
+                op,
+                format!("a host buffer of {len} bytes for the rows: {e}"),
+            )
+        })?;
+        buf.resize(len, 0);
+        Ok(buf)
+    }
+
     fn invalid(&self, op: &'static str, reason: String) -> CollectiveError {
         CollectiveError::InvalidArgument {
             op,
@@ -870,7 +885,7 @@ unsafe impl Collective for NcclCollective {
         deadline: Instant,
     ) -> Result<(), CollectiveError> {
         let total: usize = rows.iter().map(|r| r.len).sum();
-        let mut buf = vec![0u8; total];
+        let mut buf = self.host_buffer("broadcast_rows", total)?;
         if self.rank == root {
             // SAFETY: the root's rows are valid for reads (the caller's promise).
             unsafe { gather_into(rows, &mut buf, 0) };
@@ -907,7 +922,7 @@ unsafe impl Collective for NcclCollective {
         let chunk = owners.iter().map(|(_, b)| *b).max().unwrap_or(0);
         let size = self.size as usize;
         let me = self.rank as usize;
-        let mut buf = vec![0u8; chunk * size];
+        let mut buf = self.host_buffer(op, chunk.saturating_mul(size))?;
         // SAFETY: this rank's rows are valid for reads (the caller's promise).
         unsafe { gather_into(&rows[owners[me].0.clone()], &mut buf, me * chunk) };
         let buf = self.host_call(

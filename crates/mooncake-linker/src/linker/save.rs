@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kv_device::{Residence, SaveSource, SharedEvent};
 use kv_geometry::{checksum_key, layer_checksum, ObjectChecksums};
-use kv_loader::{BatchPlan, KvLoadError, SaveReport};
+use kv_loader::{BatchId, BatchPlan, KvLoadError, SaveReport, StoreFailure};
 use smallvec::SmallVec;
 use tracing::{debug, info_span, warn};
 
@@ -224,7 +224,7 @@ impl Inner {
         .map_err(KvLoadError::from)?;
         let row = comp.layout.page_layer_bytes as usize;
         let object = comp.layout.object_bytes() as usize;
-        let mut objects = vec![0u8; object * chunk.len()];
+        let mut objects = objects_buffer(batch, &comp.layout.name, chunk, object)?;
         // What a failed gather names: the component, layer and plan pages it was saving.
         let pages = match (chunk.first(), chunk.last()) {
             (Some(a), Some(b)) if a != b => format!("plan pages {a}..={b}"),
@@ -595,6 +595,34 @@ fn not_saved_twins(plan: &BatchPlan, report: &mut SaveReport) {
     }
 }
 
+/// The zeroed buffer a chunk's objects are gathered into (`object` bytes a page); a store
+/// `NoSpace` failure of the chunk's pages when the allocator cannot give it, where `vec!`
+/// would abort the process (`save_chunk` objects of a large model are hundreds of MB).
+fn objects_buffer(
+    batch: BatchId,
+    component: &str,
+    chunk: &[usize],
+    object: usize,
+) -> Result<Vec<u8>, KvLoadError> {
+    let len = object.saturating_mul(chunk.len());
+    let mut buf = Vec::new();
+    if let Err(e) = buf.try_reserve_exact(len) {
+        return Err(KvLoadError::Store {
+            batch: Some(batch),
+            layer: None,
+            pages: chunk.iter().map(|&p| p as u32).collect(),
+            kind: StoreFailure::NoSpace,
+            detail: format!(
+                "{batch}: {len} bytes to gather `{component}` objects for saving could not \
+                 be allocated: {e}"
+            )
+            .into(),
+        });
+    }
+    buf.resize(len, 0);
+    Ok(buf)
+}
+
 /// A store failure of a save naming plan pages also names their twins (the same page named
 /// again: it counted the object present, and the store lacks it as well).
 fn with_twins(plan: &BatchPlan, e: KvLoadError) -> KvLoadError {
@@ -623,5 +651,29 @@ fn with_twins(plan: &BatchPlan, e: KvLoadError) -> KvLoadError {
             }
         }
         e => e,
+    }
+}
+
+#[cfg(test)]
+mod objects_buffer_tests {
+    use super::*;
+
+    /// Before, `vec!` aborted the process when a chunk's objects could not be allocated (a
+    /// large `save_chunk` of a large model): now the chunk's pages fail `NoSpace`.
+    #[test]
+    fn a_chunk_past_what_can_be_allocated_fails_its_pages() {
+        let e = objects_buffer(BatchId(3), "k", &[4, 5], usize::MAX / 2).unwrap_err();
+        match e {
+            KvLoadError::Store {
+                kind: StoreFailure::NoSpace,
+                pages,
+                ..
+            } => assert_eq!(&*pages, &[4, 5]),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            objects_buffer(BatchId(3), "k", &[4, 5], 8).unwrap(),
+            vec![0; 16]
+        );
     }
 }
