@@ -743,3 +743,46 @@ fn a_failed_save_gather_names_its_component_layer_and_pages() {
         "{text}"
     );
 }
+
+/// A batch larger than the staging holds fails as `InvalidPlan` (`LargerThanStaging`), whose
+/// action is a plain recompute: nothing was started. Before, it failed as a `Device` error,
+/// whose action reset the loader (cancelling every other batch in flight) on every such
+/// request. A batch of the pages `StagingPool::max_batch_pages` says then loads.
+#[test]
+fn a_batch_larger_than_the_staging_is_recomputed_without_a_reset() {
+    use kvlink::kv_loader::{EngineAction, PlanError};
+    let spec = mixed_spec();
+    let store = store();
+    let tokens = common::prompt(7, 4, spec.page_size);
+    let cfg = config(ShareMode::AllRanks);
+    let hashes = common::save_prefix(&spec, store.clone(), &tokens, &cfg);
+    let g = KvGeometry::new(spec, 1, 0).unwrap();
+    let dev = CpuDevice::new(0).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging = StagingPool::new(dev, StagingPool::half_bytes_for(&g, 2, 1), 2).unwrap();
+    assert_eq!(staging.max_batch_pages(&g), 2);
+    let linker = Linker::builder_staged(g.clone(), store, pool, staging)
+        .config(cfg)
+        .build()
+        .unwrap();
+    let ticket = linker
+        .start_load(load_plan(&g, 1, &hashes, vec![0, 1, 2, 3]))
+        .unwrap();
+    let err = wait_all(&linker, &ticket).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            KvLoadError::InvalidPlan {
+                reason: PlanError::LargerThanStaging { .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(err.action(), EngineAction::Recompute);
+    let _ = linker.wait_batch(&ticket);
+    let ticket = linker
+        .start_load(load_plan(&g, 2, &hashes[..2], vec![4, 5]))
+        .unwrap();
+    wait_all(&linker, &ticket).unwrap();
+}

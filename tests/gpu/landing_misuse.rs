@@ -44,7 +44,7 @@ pub fn misuse(dev: &Arc<CudaDevice>, pages: u32) -> Result<String, String> {
     )?;
     expect(
         "staging half too small",
-        Kind::Alloc,
+        Kind::StageTooSmall,
         new((0..64).collect()).map(|_| ()),
     )?;
     let mut l = new(vec![3, 1, 2, 0]).map_err(de)?;
@@ -118,6 +118,7 @@ pub fn misuse(dev: &Arc<CudaDevice>, pages: u32) -> Result<String, String> {
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     OutOfPool,
+    StageTooSmall,
     Alloc,
     InvalidStage,
     Lent,
@@ -128,6 +129,7 @@ impl Kind {
         matches!(
             (self, e),
             (Kind::OutOfPool, DeviceError::OutOfPool { .. })
+                | (Kind::StageTooSmall, DeviceError::StageTooSmall { .. })
                 | (Kind::Alloc, DeviceError::Alloc { .. })
                 | (Kind::InvalidStage, DeviceError::InvalidStage(_))
                 | (Kind::Lent, DeviceError::Lent(_))

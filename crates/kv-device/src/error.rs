@@ -22,6 +22,18 @@ pub enum DeviceError {
         /// Why.
         reason: &'static str,
     },
+    /// A batch's layer needs more bytes than a staging stage holds (the staging pool was sized
+    /// for fewer pages: [`StagingPool::max_batch_pages`](crate::StagingPool::max_batch_pages)).
+    /// Nothing was started: the batch can be recomputed, no reset needed.
+    #[error("layer {layer} of this batch needs {need} bytes of staging, a stage holds {stage}")]
+    StageTooSmall {
+        /// The first layer that does not fit.
+        layer: u32,
+        /// Its bytes.
+        need: u64,
+        /// A stage's bytes.
+        stage: u64,
+    },
     /// Memory could not be allocated.
     #[error("could not allocate {bytes} bytes of {what}")]
     Alloc {

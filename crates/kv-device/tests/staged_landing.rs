@@ -656,7 +656,7 @@ fn shapes_that_do_not_fit_or_do_not_match_are_refused() {
             too_many.into(),
             BatchShape::own_only(all(g))
         ),
-        Err(DeviceError::Alloc { .. })
+        Err(DeviceError::StageTooSmall { layer: 0, .. })
     ));
     let sharded_shared = BatchShape {
         own: vec![],

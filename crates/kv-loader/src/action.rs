@@ -57,7 +57,7 @@ impl KvLoadError {
     ///
     /// | variant | action |
     /// |---|---|
-    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's, not refused), `BadObject`, `Internal`, `Cancelled`, `InvalidPlan` of an object of the wrong size (`PlanError::ObjectSize`: store data, discarded unless another writer's), `Busy` refused in a TP group (`peers_fail`) | `Recompute` |
+    /// | `Store`, `PeerFailed`, `Collective`, `GroupDown` (a batch's, not refused), `BadObject`, `Internal`, `Cancelled`, `InvalidPlan` of an object of the wrong size (`PlanError::ObjectSize`: store data, discarded unless another writer's) or of a batch larger than the staging (`PlanError::LargerThanStaging`: nothing started), `Busy` refused in a TP group (`peers_fail`) | `Recompute` |
     /// | `Timeout`, `Device` | `ResetThenRecompute` |
     /// | `Busy` of one rank (not `peers_fail`), `GroupDown` (a lookup's, `batch: None`, not refused) | `RetryLater` |
     /// | `InvalidPlan` (any other reason), `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry`, `GroupDown` (`refused`) | `FixInput` |
@@ -78,6 +78,11 @@ impl KvLoadError {
             // rewrites it, so the same plan later misses instead of failing again.
             KvLoadError::InvalidPlan {
                 reason: crate::PlanError::ObjectSize { .. },
+                ..
+            } => EngineAction::Recompute,
+            // Nothing was started: recomputing needs no reset.
+            KvLoadError::InvalidPlan {
+                reason: crate::PlanError::LargerThanStaging { .. },
                 ..
             } => EngineAction::Recompute,
             KvLoadError::GroupDown { refused: true, .. } => EngineAction::FixInput,
@@ -182,6 +187,18 @@ mod tests {
                         key: "k".into(),
                         expected: 64,
                         actual: 32,
+                    },
+                },
+                EngineAction::Recompute,
+            ),
+            // A batch larger than the staging: nothing started, no reset needed.
+            (
+                KvLoadError::InvalidPlan {
+                    batch: b,
+                    reason: PlanError::LargerThanStaging {
+                        layer: 0,
+                        need: 64,
+                        stage: 32,
                     },
                 },
                 EngineAction::Recompute,

@@ -102,6 +102,18 @@ pub enum PlanError {
         /// Bytes found.
         actual: u64,
     },
+    /// A layer of the batch needs more staging than a stage holds: the loader's staging was
+    /// sized for fewer pages (nothing was started; recompute, and cap later hits at what the
+    /// staging holds).
+    #[error("layer {layer} needs {need} bytes of staging, a stage holds {stage}")]
+    LargerThanStaging {
+        /// The first layer that does not fit.
+        layer: u32,
+        /// Its bytes.
+        need: u64,
+        /// A stage's bytes.
+        stage: u64,
+    },
 }
 
 /// The kind of a store failure, as the linker saw it.

@@ -597,9 +597,10 @@ fn check_shape(
             .checked_add(shape.share_len(l) as u64)
             .ok_or_else(too_large)?;
         if need > stage_bytes as u64 {
-            return Err(DeviceError::Alloc {
-                bytes: need,
-                what: "staging stage (a stage is smaller than one layer of this batch)",
+            return Err(DeviceError::StageTooSmall {
+                layer: l,
+                need,
+                stage: stage_bytes as u64,
             });
         }
     }

@@ -233,6 +233,22 @@ impl StagingPool {
         self.stage_bytes
     }
 
+    /// The most pages of a batch a stage holds for `geometry` (every component, its widest
+    /// layer): an engine caps a lookup's hit at this, since a larger batch fails as its landing
+    /// begins ([`DeviceError::StageTooSmall`]).
+    ///
+    /// ```
+    /// use kv_device::{CpuDevice, StagingPool};
+    /// use kv_geometry::{KvGeometry, ModelKvSpec};
+    /// let g = KvGeometry::new(ModelKvSpec::glm52_dsa_fp8(), 1, 0).unwrap();
+    /// let half = StagingPool::half_bytes_for(&g, 512, 1);
+    /// let staging = StagingPool::new(CpuDevice::new(0).unwrap(), half, 2).unwrap();
+    /// assert_eq!(staging.max_batch_pages(&g), 512);
+    /// ```
+    pub fn max_batch_pages(&self, geometry: &KvGeometry) -> usize {
+        self.stage_bytes / (geometry.max_layer_bytes_per_page() as usize).max(1)
+    }
+
     /// Stages per buffer (a batch's ring).
     pub fn stages(&self) -> usize {
         self.stages

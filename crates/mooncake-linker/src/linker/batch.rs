@@ -545,6 +545,14 @@ impl Inner {
         landing_error: Option<&kv_device::DeviceError>,
     ) -> Result<(), KvLoadError> {
         match landing_error {
+            // Nothing was started: the batch is refused as larger than the staging, which an
+            // engine recomputes without a reset (a `Device` failure asks for one).
+            Some(&kv_device::DeviceError::StageTooSmall { layer, need, stage }) => {
+                Err(KvLoadError::InvalidPlan {
+                    batch,
+                    reason: kv_loader::PlanError::LargerThanStaging { layer, need, stage },
+                })
+            }
             Some(e) => Err(KvLoadError::Device(kv_loader::Cause::with_source(
                 format!("{batch}: landing: {e}"),
                 e.clone(),
