@@ -849,7 +849,9 @@ unsafe impl KvStore for MooncakeStore {
         let keys: Vec<&str> = puts.iter().map(|p| p.key).collect();
         let mut out: Vec<Result<PutOutcome, StoreError>> =
             keys.iter().map(|k| failed_placeholder(k)).collect();
-        // First write wins: find the keys already there.
+        // First write wins: find the keys already there. Needed: the wheel's put of a key
+        // there already answers success (measured against a real master: the round-trip test
+        // in tests/mooncake_store.rs reads `Written` without this call).
         let exists = self.exists(&keys);
         let mut to_write = Vec::new();
         for (i, e) in exists.into_iter().enumerate() {
