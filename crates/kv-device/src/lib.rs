@@ -36,7 +36,7 @@ pub use backend::{Device, DeviceMemory, PinnedMemory, RowCopy, Stream, Transfer}
 pub use claims::{ReadClaim, ReadClaims, SlotClaims, WriteClaim};
 pub use cpu::{CpuDevice, CpuDeviceConfig};
 pub use error::DeviceError;
-pub use host::HostKvPool;
+pub use host::{zeroed_bytes, HostKvPool};
 pub use landing::{
     first_overlap, BatchShape, DeviceShare, DeviceStage, DirectLanding, DirectLandingFactory,
     HostRows, HostShare, LandingFactory, LayerLanding, LayerStage, ReadTarget, RowBlock,

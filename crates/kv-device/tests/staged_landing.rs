@@ -1423,3 +1423,37 @@ fn a_settle_unless_stalled_waits_for_copies_that_keep_finishing() {
     drop(stages);
     drop(landing);
 }
+
+/// A batch no stage holds fails `StageTooSmall` at once, before any lease. Before, it waited
+/// for a buffer (the lease wait) and, with every buffer leased, failed as the lease's `Alloc`
+/// (a `Device` error, whose action resets the loader) instead.
+#[test]
+fn a_batch_no_stage_holds_is_refused_before_the_lease() {
+    let r = rig(CpuDeviceConfig::default(), 16, 2, 1);
+    let factory = StagedLandingFactory::new(r.pool.clone(), r.staging.clone())
+        .with_lease_wait(Duration::from_secs(5));
+    let _held = r.staging.lease().unwrap();
+    let t0 = Instant::now();
+    let too_many: Vec<u32> = (0..8).collect();
+    let e = factory
+        .begin(too_many.into(), BatchShape::own_only(all(&r.g)))
+        .err()
+        .unwrap();
+    assert!(matches!(e, DeviceError::StageTooSmall { .. }), "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+}
+
+/// `max_batch_pages` is a multiple of the TP size: a stage of three pages' widest layer at TP 2
+/// holds two (`SplitAllGather` pads the shared rows to four), and a batch of that many fits.
+#[test]
+fn max_batch_pages_leaves_room_for_the_padded_share() {
+    let r = rig(CpuDeviceConfig::default(), 16, 2, 1);
+    let w = r.g.max_layer_bytes_per_page() as usize;
+    let staging = StagingPool::new(r.dev.clone(), 3 * w, 1).unwrap();
+    assert_eq!(staging.max_batch_pages(&r.g), 2);
+    let factory = StagedLandingFactory::new(r.pool.clone(), staging);
+    let slots: Vec<u32> = (0..2).collect();
+    assert!(factory
+        .begin(slots.into(), BatchShape::own_only(all(&r.g)))
+        .is_ok());
+}

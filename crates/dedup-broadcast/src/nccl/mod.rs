@@ -760,17 +760,15 @@ impl NcclCollective {
 
     /// A zeroed host buffer of `len` bytes for `op`'s rows; refused (`InvalidArgument`) when
     /// the allocator cannot give it, where `vec!` would abort the process (a layer's rows of
-    /// a multi-million-token batch are gigabytes).
+    /// a multi-million-token batch are gigabytes). The peers, already in the operation, time
+    /// out in it and the group is re-formed, as for any refusal only this rank makes.
     fn host_buffer(&self, op: &'static str, len: usize) -> Result<Vec<u8>, CollectiveError> {
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(len).map_err(|e| {
+        kv_device::zeroed_bytes(len).ok_or_else(|| {
             self.invalid(
                 op,
-                format!("a host buffer of {len} bytes for the rows: {e}"),
+                format!("a host buffer of {len} bytes for the rows could not be allocated"),
             )
-        })?;
-        buf.resize(len, 0);
-        Ok(buf)
+        })
     }
 
     fn invalid(&self, op: &'static str, reason: String) -> CollectiveError {

@@ -2,6 +2,8 @@
 
 mod buffer;
 mod pool;
+mod zeroed;
 
 pub(crate) use buffer::HostBuffer;
 pub use pool::HostKvPool;
+pub use zeroed::zeroed_bytes;

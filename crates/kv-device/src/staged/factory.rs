@@ -141,6 +141,9 @@ impl LandingFactory for StagedLandingFactory {
         slots: Arc<[u32]>,
         shape: BatchShape,
     ) -> Result<Box<dyn LayerLanding>, DeviceError> {
+        // Before the lease: a batch no stage holds fails as that at once, not after a wait for
+        // a buffer (nor as the lease's `Alloc` when every buffer is busy).
+        super::landing::check_shape(&self.pool, &shape, slots.len(), self.staging.stage_bytes())?;
         let lease = self.staging.lease_within(self.lease_wait)?;
         Ok(Box::new(
             StagedLanding::new(self.pool.clone(), lease, slots, shape)?

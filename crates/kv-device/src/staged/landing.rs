@@ -557,7 +557,7 @@ fn upload_slots(
 }
 
 /// Checks a batch's shape against the pool and the stage size.
-fn check_shape(
+pub(crate) fn check_shape(
     pool: &DeviceKvPool,
     shape: &BatchShape,
     pages: usize,

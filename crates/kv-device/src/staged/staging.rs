@@ -234,8 +234,9 @@ impl StagingPool {
     }
 
     /// The most pages of a batch a stage holds for `geometry` (every component, its widest
-    /// layer): an engine caps a lookup's hit at this, since a larger batch fails as its landing
-    /// begins ([`DeviceError::StageTooSmall`]).
+    /// layer), a multiple of its TP size (`SplitAllGather` pads the shared rows to one): an
+    /// engine caps a batch's pages at this, since a larger batch fails as its landing begins
+    /// ([`DeviceError::StageTooSmall`]).
     ///
     /// ```
     /// use kv_device::{CpuDevice, StagingPool};
@@ -246,7 +247,8 @@ impl StagingPool {
     /// assert_eq!(staging.max_batch_pages(&g), 512);
     /// ```
     pub fn max_batch_pages(&self, geometry: &KvGeometry) -> usize {
-        self.stage_bytes / (geometry.max_layer_bytes_per_page() as usize).max(1)
+        let tp = geometry.tp_size().max(1) as usize;
+        self.stage_bytes / (geometry.max_layer_bytes_per_page() as usize).max(1) / tp * tp
     }
 
     /// Stages per buffer (a batch's ring).

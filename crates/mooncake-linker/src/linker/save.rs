@@ -605,22 +605,17 @@ fn objects_buffer(
     object: usize,
 ) -> Result<Vec<u8>, KvLoadError> {
     let len = object.saturating_mul(chunk.len());
-    let mut buf = Vec::new();
-    if let Err(e) = buf.try_reserve_exact(len) {
-        return Err(KvLoadError::Store {
-            batch: Some(batch),
-            layer: None,
-            pages: chunk.iter().map(|&p| p as u32).collect(),
-            kind: StoreFailure::NoSpace,
-            detail: format!(
-                "{batch}: {len} bytes to gather `{component}` objects for saving could not \
-                 be allocated: {e}"
-            )
-            .into(),
-        });
-    }
-    buf.resize(len, 0);
-    Ok(buf)
+    kv_device::zeroed_bytes(len).ok_or_else(|| KvLoadError::Store {
+        batch: Some(batch),
+        layer: None,
+        pages: chunk.iter().map(|&p| p as u32).collect(),
+        kind: StoreFailure::NoSpace,
+        detail: format!(
+            "{batch}: {len} bytes of host memory to gather `{component}` objects for saving \
+             could not be allocated"
+        )
+        .into(),
+    })
 }
 
 /// A store failure of a save naming plan pages also names their twins (the same page named

@@ -851,7 +851,7 @@ unsafe impl KvStore for MooncakeStore {
             keys.iter().map(|k| failed_placeholder(k)).collect();
         // First write wins: find the keys already there. Needed: the wheel's put of a key
         // there already answers success (measured against a real master: the round-trip test
-        // in tests/mooncake_store.rs reads `Written` without this call).
+        // in crates/mooncake-linker/tests/mooncake_store.rs reads `Written` without this call).
         let exists = self.exists(&keys);
         let mut to_write = Vec::new();
         for (i, e) in exists.into_iter().enumerate() {
