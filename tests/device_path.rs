@@ -786,3 +786,28 @@ fn a_batch_larger_than_the_staging_is_recomputed_without_a_reset() {
         .unwrap();
     wait_all(&linker, &ticket).unwrap();
 }
+
+/// A device pool's save gathers each chunk's layer through one staging stage: chunks are cut
+/// to what a stage holds. Before, a save of more missing pages than the stage held failed
+/// (`Device`) every time, with `save_chunk` at its default of 64 and staging sized for fewer.
+#[test]
+fn a_device_save_is_cut_into_chunks_a_stage_holds() {
+    let spec = mixed_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let dev = CpuDevice::new(0).unwrap();
+    let pool = Arc::new(DeviceKvPool::new(dev.clone(), g.clone(), 8).unwrap());
+    let staging = StagingPool::new(dev, StagingPool::half_bytes_for(&g, 2, 1), 2).unwrap();
+    let linker = Linker::builder_staged(g.clone(), store(), pool, staging)
+        .config(config(ShareMode::AllRanks))
+        .build()
+        .unwrap();
+    let tokens = common::prompt(11, 5, spec.page_size);
+    let pages = kvlink::kv_geometry::page_hashes(&tokens, spec.page_size, None);
+    let report = linker
+        .save(&load_plan(&g, 1, &pages, vec![0, 1, 2, 3, 4]))
+        .unwrap();
+    assert_eq!(
+        report.objects_written as usize,
+        pages.len() * g.components().len()
+    );
+}

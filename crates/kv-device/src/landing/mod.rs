@@ -400,6 +400,13 @@ pub trait LandingFactory: Send + Sync {
         (0, 0)
     }
 
+    /// The bytes of one staging stage, where landings and gathers go through staging (`None`,
+    /// the default, where they do not): a save's gather of more pages than a stage holds a
+    /// layer of fails, so the linker saves in chunks a stage holds.
+    fn stage_bytes(&self) -> Option<usize> {
+        None
+    }
+
     /// Longest [`begin`](Self::begin) or a save's gather waits for a staging buffer before it
     /// fails (a linker in a TP group says at build when this is not well under its collective
     /// bound). Zero, the default, for a backend without staging; a wrapper forwards it.

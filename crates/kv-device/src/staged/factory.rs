@@ -172,6 +172,10 @@ impl LandingFactory for StagedLandingFactory {
         self.lease_wait
     }
 
+    fn stage_bytes(&self) -> Option<usize> {
+        Some(self.staging.stage_bytes())
+    }
+
     fn record_on_engine_stream(
         &self,
         stream: kv_loader::RawStream,

@@ -65,7 +65,7 @@ impl Inner {
         // chunk whole (every component), a shorter prefix a lookup still finds. Component by
         // component, a failure in the first component's chunks left no page with all its
         // components: a lookup hit nothing of the whole save.
-        let per_call = self.config.save_chunk.max(1);
+        let per_call = self.save_per_call(&todo);
         let rounds = todo
             .iter()
             .map(|(_, missing)| missing.len().div_ceil(per_call))
@@ -83,6 +83,30 @@ impl Inner {
         report.settle_pages(plan.logical.num_pages());
         debug!(?report, "saved");
         Ok(report)
+    }
+
+    /// Objects per store call: `save_chunk`, and for a pool saved through staging no more than
+    /// a stage holds of the widest component's layer (a gather of more failed every save of
+    /// that many missing pages, `Device`, where the staging was sized for fewer).
+    fn save_per_call(&self, todo: &[(ComponentKeys, Vec<usize>)]) -> usize {
+        let chunk = self.config.save_chunk.max(1);
+        let Some(stage) = self.landings.stage_bytes() else {
+            return chunk;
+        };
+        if self.pool.residence() == Residence::Host {
+            return chunk;
+        }
+        let widest = todo
+            .iter()
+            .map(|(c, _)| c.layout.page_layer_bytes)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        chunk.min(
+            usize::try_from(stage as u64 / widest)
+                .unwrap_or(usize::MAX)
+                .max(1),
+        )
     }
 
     /// Saves plan pages `chunk` of one component (one store call of objects and companions):
