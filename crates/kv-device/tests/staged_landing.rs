@@ -1443,10 +1443,10 @@ fn a_batch_no_stage_holds_is_refused_before_the_lease() {
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
 }
 
-/// `max_batch_pages` is a multiple of the TP size: a stage of three pages' widest layer at TP 2
-/// holds two (`SplitAllGather` pads the shared rows to four), and a batch of that many fits.
+/// `max_batch_pages` is a multiple of the TP size (`SplitAllGather` pads its shared rows to
+/// one): a stage of three pages' widest layer at TP 2 says two, and a batch of two fits.
 #[test]
-fn max_batch_pages_leaves_room_for_the_padded_share() {
+fn max_batch_pages_is_a_multiple_of_the_tp_size() {
     let r = rig(CpuDeviceConfig::default(), 16, 2, 1);
     let w = r.g.max_layer_bytes_per_page() as usize;
     let staging = StagingPool::new(r.dev.clone(), 3 * w, 1).unwrap();

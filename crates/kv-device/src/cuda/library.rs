@@ -11,6 +11,7 @@
 
 /// A library cudarc loads at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum CudaLibrary {
     /// The driver, `libcuda`.
     Driver,

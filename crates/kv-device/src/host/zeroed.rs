@@ -2,10 +2,10 @@
 
 /// A zeroed buffer of `len` bytes, `None` when the allocator cannot give it.
 ///
-/// Zeroed by the allocator (`calloc`: large areas come from the kernel already zero, not
-/// written here), unlike `try_reserve` and `resize`, which write every byte; and fallible,
-/// unlike `vec![0; len]`, which aborts the process when the allocation fails. For buffers a
-/// batch sizes (a layer's rows, a save chunk's objects: hundreds of MB for long prompts).
+/// Zeroed by the allocator (`calloc`: large areas come from the kernel already zero), as
+/// `vec![0; len]` is, but fallible: `vec!` aborts the process when the allocation fails
+/// (`try_reserve` then `resize` would write every byte). For buffers a batch sizes (a
+/// layer's rows, a save chunk's objects: hundreds of MB for long prompts).
 ///
 /// ```
 /// let buf = kv_device::zeroed_bytes(1 << 20).unwrap();

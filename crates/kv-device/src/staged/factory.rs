@@ -297,9 +297,10 @@ impl SaveGather for StagedGather {
         // pass the bound below and the gather would write past the stage.
         let bytes = c.page_layer_bytes.saturating_mul(self.slots.len() as u64);
         if bytes > lease.stage_bytes() as u64 {
-            return Err(DeviceError::Alloc {
-                bytes,
-                what: "staging stage (smaller than one layer of the saved pages)",
+            return Err(DeviceError::StageTooSmall {
+                layer,
+                need: bytes,
+                stage: lease.stage_bytes() as u64,
             });
         }
         let (pool_buf, _) = self.pool.buffer(component, layer)?;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kv_device::{Residence, SaveSource, SharedEvent};
 use kv_geometry::{checksum_key, layer_checksum, ObjectChecksums};
-use kv_loader::{BatchId, BatchPlan, KvLoadError, SaveReport, StoreFailure};
+use kv_loader::{BatchId, BatchPlan, KvLoadError, SaveReport};
 use smallvec::SmallVec;
 use tracing::{debug, info_span, warn};
 
@@ -619,9 +619,10 @@ fn not_saved_twins(plan: &BatchPlan, report: &mut SaveReport) {
     }
 }
 
-/// The zeroed buffer a chunk's objects are gathered into (`object` bytes a page); a store
-/// `NoSpace` failure of the chunk's pages when the allocator cannot give it, where `vec!`
-/// would abort the process (`save_chunk` objects of a large model are hundreds of MB).
+/// The zeroed buffer a chunk's objects are gathered into (`object` bytes a page); an
+/// `Internal` failure naming the chunk's pages when the allocator cannot give it (host
+/// memory, not the store's: not `NoSpace`), where `vec!` would abort the process
+/// (`save_chunk` objects of a large model are hundreds of MB).
 fn objects_buffer(
     batch: BatchId,
     component: &str,
@@ -629,16 +630,14 @@ fn objects_buffer(
     object: usize,
 ) -> Result<Vec<u8>, KvLoadError> {
     let len = object.saturating_mul(chunk.len());
-    kv_device::zeroed_bytes(len).ok_or_else(|| KvLoadError::Store {
-        batch: Some(batch),
-        layer: None,
-        pages: chunk.iter().map(|&p| p as u32).collect(),
-        kind: StoreFailure::NoSpace,
-        detail: format!(
-            "{batch}: {len} bytes of host memory to gather `{component}` objects for saving \
-             could not be allocated"
+    kv_device::zeroed_bytes(len).ok_or_else(|| {
+        KvLoadError::internal(
+            batch,
+            format!(
+                "{len} bytes of host memory to gather `{component}` objects (plan pages \
+                 {chunk:?}) for saving could not be allocated"
+            ),
         )
-        .into(),
     })
 }
 
@@ -678,18 +677,14 @@ mod objects_buffer_tests {
     use super::*;
 
     /// Before, `vec!` aborted the process when a chunk's objects could not be allocated (a
-    /// large `save_chunk` of a large model): now the chunk's pages fail `NoSpace`.
+    /// large `save_chunk` of a large model): now the save fails `Internal`, naming the pages.
     #[test]
     fn a_chunk_past_what_can_be_allocated_fails_its_pages() {
         let e = objects_buffer(BatchId(3), "k", &[4, 5], usize::MAX / 2).unwrap_err();
-        match e {
-            KvLoadError::Store {
-                kind: StoreFailure::NoSpace,
-                pages,
-                ..
-            } => assert_eq!(&*pages, &[4, 5]),
-            other => panic!("{other:?}"),
-        }
+        assert!(
+            matches!(e, KvLoadError::Internal { .. }) && e.to_string().contains("[4, 5]"),
+            "{e}"
+        );
         assert_eq!(
             objects_buffer(BatchId(3), "k", &[4, 5], 8).unwrap(),
             vec![0; 16]

@@ -25,7 +25,7 @@ pub use checked::checked_results;
 pub(crate) use discard::objects_then_companions;
 pub use embedded::EmbeddedStore;
 
-pub use bounded::{no_hold, Hold, StoreCalls, MAX_WORKERS};
+pub use bounded::{no_hold, Hold, StoreCalls, MAX_WORKERS, WORKER_IDLE_RETIRE};
 pub use error::StoreError;
 /// Test doubles (feature `testing`): a store that injects faults, and one throttled like a
 /// remote link.

@@ -134,9 +134,10 @@ fn unreachable_endpoint(
 }
 
 /// The largest epoch a group forms at, and that a peer's message or the exchange may say
-/// (larger is malformed). Formations count up by one from 1: far past any server's life,
-/// and far enough below `u64::MAX` that a hostile or corrupt value cannot leave every later
-/// formation without a next epoch.
+/// (larger is malformed). Formations count up by one from 1: far past any server's life.
+/// A corrupt value is now most likely past it (refused, or taken as absent) rather than one
+/// that left no next epoch; one just below it still forms once there and leaves none after
+/// (a hostile peer can still do that: the epoch is not authenticated).
 pub(crate) const MAX_EPOCH: u64 = 1 << 62;
 
 /// The epoch after `last` (a rank's hello or the exchange says `last`: peer input), refused

@@ -195,6 +195,7 @@ impl Keys<'_> {
 fn read_epoch(
     x: &dyn KeyValueExchange,
     key: &str,
+    level: EpochLog,
     deadline: Instant,
 ) -> Result<Option<u64>, RendezvousError> {
     let Some(v) = x.get(key, deadline)? else {
@@ -205,13 +206,28 @@ fn read_epoch(
         .map(u64::from_le_bytes)
         .filter(|e| *e <= MAX_EPOCH);
     if epoch.is_none() {
-        tracing::warn!(
-            key,
-            bytes = v.len(),
-            "the exchange's epoch is not one (corrupt): taken as absent"
-        );
+        match level {
+            EpochLog::Warn => tracing::warn!(
+                key,
+                bytes = v.len(),
+                "the exchange's epoch is not one (corrupt): taken as absent"
+            ),
+            EpochLog::Debug => tracing::debug!(
+                key,
+                bytes = v.len(),
+                "the exchange's epoch is not one (corrupt): taken as absent"
+            ),
+        }
     }
     Ok(epoch)
+}
+
+/// How [`read_epoch`] says a corrupt epoch: `Warn` where it is read once a formation (rank
+/// 0's `closed`), `Debug` where joiners poll it (`current`, every few milliseconds).
+#[derive(Clone, Copy)]
+enum EpochLog {
+    Warn,
+    Debug,
 }
 
 const POLL: Duration = Duration::from_millis(10);
@@ -264,7 +280,7 @@ pub(crate) fn lead(
     deadline: Instant,
 ) -> Result<Welcome, RendezvousError> {
     let k = Keys(prefix);
-    let closed = read_epoch(x, &k.closed(), deadline)?.unwrap_or(0);
+    let closed = read_epoch(x, &k.closed(), EpochLog::Warn, deadline)?.unwrap_or(0);
     let mut epoch = open_epoch(x, &k, leader, closed.max(leader.last_epoch), deadline)?;
     let world = leader.world;
     let mut absent: Vec<u32> = (1..world).collect();
@@ -437,7 +453,11 @@ fn read_hellos(
     let mut foreign = Vec::new();
     for r in 1..leader.world {
         for key in [k.hello(epoch, r), k.dup(epoch, r)] {
-            if let Some(v) = x.get(&key, deadline)?.filter(|v| v != WITHDRAWN) {
+            // One past a frame is no hello kvlink writes (an exchange may cut it there).
+            if let Some(v) = x
+                .get(&key, deadline)?
+                .filter(|v| v != WITHDRAWN && v.len() <= MAX_FRAME)
+            {
                 match Hello::decode(&v, &leader.version) {
                     Ok(h) => hellos.push(h),
                     Err(e @ RendezvousError::VersionMismatch { .. }) => foreign.push((r, e)),
@@ -525,10 +545,13 @@ pub(crate) fn join(
             // decided) the next epoch's opening, which rank 0 makes first. A read that fails
             // (a store hiccup) is "not yet", as a failed wait is: nothing of this rank is in
             // the exchange yet, and rank 0 waits for it until its own deadline anyway.
-            let current = read_epoch(x, &k.current(), deadline).and_then(|current| match current {
-                Some(e) => Ok(Some((e, x.get(&k.verdict(e), deadline)?.is_none()))),
-                None => Ok(None),
-            });
+            let current =
+                read_epoch(x, &k.current(), EpochLog::Debug, deadline).and_then(|current| {
+                    match current {
+                        Some(e) => Ok(Some((e, x.get(&k.verdict(e), deadline)?.is_none()))),
+                        None => Ok(None),
+                    }
+                });
             if current.is_ok() {
                 // Reported at the deadline only while reads keep failing.
                 unread = None;
@@ -616,7 +639,7 @@ fn await_verdict(
         if Instant::now() >= deadline {
             return Ok(Awaited::Deadline);
         }
-        if read_epoch(x, &k.current(), deadline)?.is_some_and(|c| c > epoch) {
+        if read_epoch(x, &k.current(), EpochLog::Debug, deadline)?.is_some_and(|c| c > epoch) {
             return Ok(Awaited::NextEpoch(None));
         }
         wait_slice(x, &[k.verdict(epoch)], deadline);

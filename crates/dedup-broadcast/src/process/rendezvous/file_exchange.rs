@@ -11,19 +11,20 @@ use parking_lot::{Condvar, Mutex};
 use super::exchange::{ExchangeError, KeyValueExchange};
 use crate::process::wire::MAX_FRAME;
 
-/// The largest value read from the directory: a hello or reply frame's limit. A larger file
-/// at a key is refused unread (rank 0 reads every claim a few times a second: a huge file
-/// there would be read into memory each time).
+/// The most of a value read from the directory: a hello or reply frame's limit. A larger
+/// file at a key reads as its first `MAX_VALUE + 1` bytes, a value past the limit that the
+/// rendezvous takes as no value of its own (rank 0 reads every claim a few times a second: a
+/// huge file there would be read into memory whole each time).
 const MAX_VALUE: usize = MAX_FRAME;
 
-/// The file at `path`, `None` when larger than [`MAX_VALUE`] (at most that much is read).
-fn read_capped(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
+/// The file at `path`, at most its first `MAX_VALUE + 1` bytes.
+fn read_capped(path: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
     let mut v = Vec::new();
     std::fs::File::open(path)?
         .take(MAX_VALUE as u64 + 1)
         .read_to_end(&mut v)?;
-    Ok((v.len() <= MAX_VALUE).then_some(v))
+    Ok(v)
 }
 
 /// How long a call is waited for at least, its deadline spent or not: a local file call takes
@@ -208,10 +209,7 @@ impl KeyValueExchange for FileExchange {
             format!("reading {key}"),
             deadline,
             move |dir| match read_capped(&Self::path(dir, &key)) {
-                Ok(Some(v)) => Ok(Some(v)),
-                Ok(None) => Err(ExchangeError::new(format!(
-                    "reading {key}: more than {MAX_VALUE} bytes, no value the rendezvous writes"
-                ))),
+                Ok(v) => Ok(Some(v)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
                 Err(e) => Err(ExchangeError::new(format!("reading {key}: {e}"))),
             },
@@ -286,16 +284,20 @@ mod tests {
     }
 
     /// Before, a file of any size at a key was read whole (rank 0 reads every claim a few
-    /// times a second): now one past a frame's limit is refused, and at the limit it reads.
+    /// times a second): now one past a frame's limit reads as one byte past it, and at the
+    /// limit it reads whole.
     #[test]
-    fn a_value_past_a_frames_limit_is_refused() {
+    fn a_value_past_a_frames_limit_is_read_only_past_it() {
         let dir =
             std::env::temp_dir().join(format!("kvlink-fx-big-{}", super::super::fresh_nonce()));
         let x = FileExchange::new(&dir).unwrap();
         let soon = kv_loader::deadline_after(Duration::from_secs(5));
         x.set("big", &vec![1; MAX_VALUE + 1], soon).unwrap();
-        let e = x.get("big", soon).unwrap_err();
-        assert!(e.to_string().contains("more than"), "{e}");
+        x.set("huge", &vec![1; 8 * MAX_VALUE], soon).unwrap();
+        for key in ["big", "huge"] {
+            let got = x.get(key, soon).unwrap().map(|v| v.len());
+            assert_eq!(got, Some(MAX_VALUE + 1), "{key}");
+        }
         x.set("full", &vec![1; MAX_VALUE], soon).unwrap();
         assert_eq!(
             x.get("full", soon).unwrap().map(|v| v.len()),

@@ -779,9 +779,7 @@ pub(crate) mod tests {
         assert!(Hello::decode(&bytes[..bytes.len() - 3], "0.1.0").is_err());
     }
 
-    /// A version or host string past the bound is a malformed hello (refused to its sender
-    /// alone). Before, it went whole into the refusal rank 0 sends every member, which a
-    /// megabyte string pushed past the frame limit: no member was told.
+    /// An epoch past `MAX_EPOCH` is a malformed hello.
     #[test]
     fn an_epoch_past_the_last_one_is_malformed() {
         let mut h = hello(1);
@@ -794,6 +792,9 @@ pub(crate) mod tests {
         assert_eq!(Hello::decode(&h.encode(), "0.1.0").unwrap(), h);
     }
 
+    /// A version or host string past the bound is a malformed hello (refused to its sender
+    /// alone). Before, it went whole into the refusal rank 0 sends every member, which a
+    /// megabyte string pushed past the frame limit: no member was told.
     #[test]
     fn a_hello_with_a_huge_version_or_host_is_malformed() {
         let mut other = hello(2);
