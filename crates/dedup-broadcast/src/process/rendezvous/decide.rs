@@ -36,6 +36,22 @@ fn refusal(leader: &Hello, joiners: &[Hello]) -> Option<RendezvousError> {
             got: h.world,
         });
     }
+    // An epoch further past rank 0's than any group forms in its life: corrupt or hostile.
+    // Formed at, it would leave few or no next epochs (`MAX_EPOCH`) for every later group.
+    if let Some(h) = by_rank
+        .iter()
+        .find(|h| h.last_epoch > leader.last_epoch.saturating_add(EPOCH_JUMP_MAX))
+    {
+        return Some(RendezvousError::SettingsMismatch {
+            rank: h.rank,
+            what: "the last epoch".into(),
+            expected: format!(
+                "at most {EPOCH_JUMP_MAX} past rank 0's {}",
+                leader.last_epoch
+            ),
+            got: h.last_epoch.to_string(),
+        });
+    }
     // A rank past the group (a foreign or broken client: a rank's own check refuses it)
     // would make a group of more members than its size, which every rank then refuses.
     if let Some(h) = by_rank.iter().find(|h| h.rank >= leader.world) {
@@ -135,10 +151,13 @@ fn unreachable_endpoint(
 
 /// The largest epoch a group forms at, and that a peer's message or the exchange may say
 /// (larger is malformed). Formations count up by one from 1: far past any server's life.
-/// A corrupt value is now most likely past it (refused, or taken as absent) rather than one
-/// that left no next epoch; one just below it still forms once there and leaves none after
-/// (a hostile peer can still do that: the epoch is not authenticated).
+/// A member's epoch more than [`EPOCH_JUMP_MAX`] past rank 0's is refused, and the exchange's
+/// `closed` that far past is taken as absent, so no value forms a group near this bound.
 pub(crate) const MAX_EPOCH: u64 = 1 << 62;
+
+/// How far past rank 0's last epoch a member's (or the exchange's `closed`) may be: 2^32
+/// formations, more than any deployment's life. A larger one is corrupt or hostile.
+pub(crate) const EPOCH_JUMP_MAX: u64 = 1 << 32;
 
 /// The epoch after `last` (a rank's hello or the exchange says `last`: peer input), refused
 /// where there is none at most [`MAX_EPOCH`].
@@ -360,22 +379,34 @@ pub(super) mod tests {
         ));
     }
 
+    /// A member's last epoch further past rank 0's than any group forms in its life is
+    /// refused, naming it. Before, one just below the last epoch there is formed a group there,
+    /// and every later formation had no next epoch.
     #[test]
-    fn a_hello_with_the_last_epoch_there_is_is_refused_not_overflowed() {
-        let l = hello(0);
+    fn a_hello_with_an_epoch_far_past_rank_0s_is_refused() {
+        let mut l = hello(0);
         let mut j = vec![hello(1), hello(2)];
-        for last in [u64::MAX, u64::MAX - 1, MAX_EPOCH] {
+        for last in [u64::MAX, MAX_EPOCH, MAX_EPOCH - 1, EPOCH_JUMP_MAX + 1] {
             j[1].last_epoch = last;
-            assert!(matches!(
-                decide(&l, &j, None, Rank0Address::Rewritten),
-                Err(RendezvousError::Protocol(_))
-            ));
+            assert!(
+                matches!(
+                    decide(&l, &j, None, Rank0Address::Rewritten),
+                    Err(RendezvousError::SettingsMismatch { rank: 2, .. })
+                ),
+                "{last}"
+            );
         }
-        j[1].last_epoch = MAX_EPOCH - 1;
-        assert_eq!(
-            decide(&l, &j, None, Rank0Address::Rewritten).unwrap().epoch,
-            MAX_EPOCH
-        );
+        // Up to the jump from rank 0's it forms (a rank 0 that restarted knows no epoch).
+        j[1].last_epoch = EPOCH_JUMP_MAX;
+        let w = decide(&l, &j, None, Rank0Address::Rewritten).unwrap();
+        assert_eq!(w.epoch, EPOCH_JUMP_MAX + 1);
+        // The last epoch there is: no next one, refused rather than overflowed.
+        l.last_epoch = MAX_EPOCH;
+        j[1].last_epoch = MAX_EPOCH;
+        assert!(matches!(
+            decide(&l, &j, None, Rank0Address::Rewritten),
+            Err(RendezvousError::Protocol(_))
+        ));
         assert_eq!(next_epoch(3).unwrap(), 4);
     }
 

@@ -29,7 +29,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::decide::{decide, missing, next_epoch, IdSource, Rank0Address, MAX_EPOCH};
+use super::decide::{
+    decide, missing, next_epoch, IdSource, Rank0Address, EPOCH_JUMP_MAX, MAX_EPOCH,
+};
 use super::message::{fits_a_frame, Hello, Reply, Welcome};
 use super::RendezvousError;
 use crate::process::wire::MAX_FRAME;
@@ -281,6 +283,18 @@ pub(crate) fn lead(
 ) -> Result<Welcome, RendezvousError> {
     let k = Keys(prefix);
     let closed = read_epoch(x, &k.closed(), EpochLog::Warn, deadline)?.unwrap_or(0);
+    // Further past this rank's last epoch than any group forms in its life: corrupt.
+    let closed = if closed > leader.last_epoch.saturating_add(EPOCH_JUMP_MAX) {
+        tracing::warn!(
+            closed,
+            last_epoch = leader.last_epoch,
+            "the exchange's closed epoch is \
+            further past this rank's than any group forms (corrupt): taken as absent"
+        );
+        0
+    } else {
+        closed
+    };
     let mut epoch = open_epoch(x, &k, leader, closed.max(leader.last_epoch), deadline)?;
     let world = leader.world;
     let mut absent: Vec<u32> = (1..world).collect();
@@ -989,14 +1003,20 @@ mod tests {
         );
     }
 
-    /// A corrupt `closed` marker (past `MAX_EPOCH`, or not 8 bytes) is taken as absent. Before,
+    /// A corrupt `closed` marker (past `MAX_EPOCH`, further past this rank's last epoch than
+    /// `EPOCH_JUMP_MAX`, or not 8 bytes) is taken as absent. Before,
     /// `u64::MAX` there left no next epoch: every formation failed before any verdict, and
     /// every joiner waited out its deadline, for as long as the exchange kept the key.
     #[test]
     fn a_corrupt_closed_marker_does_not_stop_formations() {
         use super::super::decide::tests::hello;
         let leader = hello(0);
-        for corrupt in [u64::MAX.to_le_bytes().to_vec(), vec![7; 3]] {
+        for corrupt in [
+            u64::MAX.to_le_bytes().to_vec(),
+            MAX_EPOCH.to_le_bytes().to_vec(),
+            (EPOCH_JUMP_MAX + 1).to_le_bytes().to_vec(),
+            vec![7; 3],
+        ] {
             let x = MemoryExchange::new();
             let soon = || kv_loader::deadline_after(Duration::from_secs(10));
             x.set(&Keys("p").closed(), &corrupt, soon()).unwrap();
