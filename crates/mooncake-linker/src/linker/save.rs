@@ -90,12 +90,10 @@ impl Inner {
     /// that many missing pages, `Device`, where the staging was sized for fewer).
     fn save_per_call(&self, todo: &[(ComponentKeys, Vec<usize>)]) -> usize {
         let chunk = self.config.save_chunk.max(1);
+        // A host pool's landings go through no staging (`None`): its rows are read in place.
         let Some(stage) = self.landings.stage_bytes() else {
             return chunk;
         };
-        if self.pool.residence() == Residence::Host {
-            return chunk;
-        }
         let widest = todo
             .iter()
             .map(|(c, _)| c.layout.page_layer_bytes)

@@ -130,15 +130,13 @@ impl Bounces {
             st.room_for(len)?;
             st.total += len;
         }
-        let mut buf = Vec::new();
-        if buf.try_reserve_exact(len).is_err() {
+        let Some(buf) = kv_device::zeroed_bytes(len) else {
             self.state.lock().total -= len;
             return Err(StoreError::NoSpace {
                 key: "<bounce>".into(),
                 detail: format!("{len} bytes for a registered bounce could not be allocated"),
             });
-        }
-        buf.resize(len, 0u8);
+        };
         let buf = buf.into_boxed_slice();
         let region = MemoryRegion {
             addr: buf.as_ptr() as usize,
