@@ -25,6 +25,8 @@ pub mod cuda;
 mod error;
 mod host;
 mod landing;
+#[doc(hidden)]
+pub mod log_every;
 mod pool;
 mod region;
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! drives the layer counter.
 
 mod linker;
-mod log_every;
+pub(crate) use kv_device::log_every;
 pub mod read_plan;
 pub mod store;
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! out) is **quarantined**, not returned: it is handed out again only once every event that
 //! fences it has completed, and never freed before.
 
+use crate::log_every::LogEvery;
 use std::any::Any;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -142,14 +143,10 @@ pub struct StagingPool {
     quarantine: Mutex<Vec<Quarantined>>,
     host_regions: Vec<(usize, usize)>,
     count: usize,
-    /// When a lease last said at `warn` that no buffer came back, and how many shortages
-    /// went to `debug` since: once a minute (once every buffer is held for good, every
-    /// landing and save meets one).
-    shortage_log: Mutex<(Option<Instant>, u64)>,
+    /// "No buffer came back" at `warn` once a minute, at `debug` in between (once every
+    /// buffer is held for good, every landing and save meets one).
+    shortage_log: LogEvery,
 }
-
-/// How often a staging shortage is logged at `warn`.
-const SHORTAGE_LOG_EVERY: Duration = Duration::from_secs(60);
 
 impl fmt::Debug for StagingPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -214,7 +211,7 @@ impl StagingPool {
             quarantine: Mutex::new(Vec::new()),
             host_regions,
             count,
-            shortage_log: Mutex::new((None, 0)),
+            shortage_log: LogEvery::new(),
         }))
     }
 
@@ -303,22 +300,6 @@ impl StagingPool {
     pub fn held_for_good(&self) -> usize {
         self.reclaim();
         held_for_good_in(&self.quarantine.lock())
-    }
-
-    /// Whether a shortage is due at `warn` (once a [`SHORTAGE_LOG_EVERY`]); with how many
-    /// went to `debug` since the last.
-    fn shortage_due(&self) -> Option<u64> {
-        let mut log = self.shortage_log.lock();
-        match log.0 {
-            Some(at) if at.elapsed() < SHORTAGE_LOG_EVERY => {
-                log.1 += 1;
-                None
-            }
-            _ => {
-                log.0 = Some(Instant::now());
-                Some(std::mem::take(&mut log.1))
-            }
-        }
     }
 
     /// What holds each quarantined buffer, e.g. `"save gather of pool slots [3, 7]"`: for a
@@ -431,7 +412,7 @@ impl StagingPool {
                 drop(free);
                 if wait > Duration::ZERO {
                     let quarantined = self.quarantine.lock().len();
-                    match self.shortage_due() {
+                    match self.shortage_log.due_after("shortage") {
                         Some(since) => tracing::warn!(
                             ?wait,
                             capacity = self.count,

@@ -1,13 +1,14 @@
-//! Log lines that repeat while a condition lasts (the group down, the group refused): each
-//! batch and lookup meets the condition again, so the same line is logged at its own level at
-//! most once a minute, and at `debug` in between.
+//! Log lines that repeat while a condition lasts (the group down, the group refused, staging
+//! short): each batch and lookup meets the condition again, so the same line is logged at its
+//! own level at most once a minute, and at `debug` in between. kvlink's own crates use it
+//! (here, for the lowest of them that logs such lines); not part of its API.
 
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 /// How often the same line is logged at its own level while its condition lasts.
-pub(crate) const LOG_EVERY: Duration = Duration::from_secs(60);
+pub const LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// Most keys a [`LogEvery`] remembers: past them the one logged longest ago is forgotten
 /// (its next line is due at once).
@@ -16,7 +17,7 @@ const KEYS: usize = 16;
 /// The lines logged at their own level lately (by key), when, and how many of each were
 /// not due since: each key is due once a [`LOG_EVERY`], apart from the others.
 #[derive(Debug)]
-pub(crate) struct LogEvery {
+pub struct LogEvery {
     last: Mutex<Vec<Logged>>,
 }
 
@@ -37,7 +38,7 @@ impl Default for LogEvery {
 
 impl LogEvery {
     /// Nothing logged yet (`const`: usable in a `static`).
-    pub(crate) const fn new() -> Self {
+    pub const fn new() -> Self {
         LogEvery {
             last: parking_lot::const_mutex(Vec::new()),
         }
@@ -45,19 +46,19 @@ impl LogEvery {
 
     /// Forgets the lines logged: the next of each is due at once (its condition ended, and a
     /// new one starts).
-    pub(crate) fn clear(&self) {
+    pub fn clear(&self) {
         self.last.lock().clear();
     }
 
     /// Whether the line keyed `key` is due at its own level now: not logged in the last
     /// [`LOG_EVERY`] under this key. When due, it counts as logged from now.
-    pub(crate) fn due(&self, key: &str) -> bool {
+    pub fn due(&self, key: &str) -> bool {
         self.due_after(key).is_some()
     }
 
     /// [`due`](Self::due), telling when due how many times the key was not due since its
     /// last line at its own level (for that line to say how many went to `debug`).
-    pub(crate) fn due_after(&self, key: &str) -> Option<u64> {
+    pub fn due_after(&self, key: &str) -> Option<u64> {
         let now = Instant::now();
         let mut last = self.last.lock();
         match last.iter_mut().find(|l| l.key == key) {
