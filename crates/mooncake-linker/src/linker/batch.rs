@@ -245,10 +245,9 @@ impl Inner {
         held: Option<&Arc<HeldOutcome>>,
     ) -> Result<LoadStats, KvLoadError> {
         let batch = job.plan.logical.batch;
+        // Inside the load loop's `batch_job` span, which names the batch and the rank.
         let span = info_span!(
             "load_batch",
-            %batch,
-            rank = self.geometry.tp_rank(),
             pages = job.plan.logical.num_pages(),
             epoch = tracing::field::Empty
         );
