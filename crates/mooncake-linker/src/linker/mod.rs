@@ -561,9 +561,12 @@ impl Linker {
         let mut m = self.inner.metrics.snapshot();
         m.overdue_calls = self.inner.calls.overdue_calls();
         m.group_reforms = self.inner.group.as_ref().map_or(0, |g| g.reforms());
+        // Held for good first: those buffers never leave the quarantine, so the count of it
+        // read after includes them (read the other way, one quarantined between the two
+        // reads could make `held_for_good` exceed `quarantined`).
+        let (held, capacity) = self.inner.landings.staging_held_for_good();
         m.staging_quarantined =
             u64::try_from(self.inner.landings.staging_quarantined()).unwrap_or(u64::MAX);
-        let (held, capacity) = self.inner.landings.staging_held_for_good();
         m.staging_held_for_good = u64::try_from(held).unwrap_or(u64::MAX);
         m.staging_capacity = u64::try_from(capacity).unwrap_or(u64::MAX);
         m.kept_for_good = crate::store::kept_for_good();
