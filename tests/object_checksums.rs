@@ -1122,6 +1122,24 @@ fn a_companion_longer_than_its_format_makes_its_object_bad() {
     });
 }
 
+/// Replaces companion `key` in `store` by what a newer kvlink writer could write: version 2,
+/// `change` bytes more (fewer when negative), the trailer made again. Returns its bytes.
+fn as_a_newer_writers(store: &dyn KvStore, key: &str, change: isize) -> Vec<u8> {
+    let mut bytes = get(store, key).unwrap();
+    bytes.truncate(bytes.len() - 8);
+    bytes[4] = 2;
+    match usize::try_from(change) {
+        Ok(more) => bytes.extend(std::iter::repeat_n(0xa5, more)),
+        Err(_) => bytes.truncate(bytes.len() - change.unsigned_abs()),
+    }
+    // The trailer is XXH3-64 (seed 0) of what precedes it, as a layer's checksum is.
+    let trailer = kvlink::kv_geometry::layer_checksum(&bytes);
+    bytes.extend_from_slice(&trailer.to_le_bytes());
+    assert_eq!(store.remove(&[key]), vec![Ok(())]);
+    put(store, key, &bytes);
+    bytes
+}
+
 /// The companion of component `comp`'s object of page 0 is replaced by what a newer kvlink
 /// writer could write: version 2, `change` bytes more (fewer when negative), the trailer
 /// made again. The load is `Ok` with every byte saved, that object checked by length only,
@@ -1149,18 +1167,7 @@ fn a_newer_writers_companion_leaves_its_object_loadable(
         .unwrap()[comp][0]
         .clone();
     let companion = checksum_key(&key);
-    let mut bytes = get(store.as_ref(), &companion).unwrap();
-    bytes.truncate(bytes.len() - 8);
-    bytes[4] = 2;
-    match usize::try_from(change) {
-        Ok(more) => bytes.extend(std::iter::repeat_n(0xa5, more)),
-        Err(_) => bytes.truncate(bytes.len() - change.unsigned_abs()),
-    }
-    // The trailer is XXH3-64 (seed 0) of what precedes it, as a layer's checksum is.
-    let trailer = kvlink::kv_geometry::layer_checksum(&bytes);
-    bytes.extend_from_slice(&trailer.to_le_bytes());
-    assert_eq!(store.remove(&[&companion]), vec![Ok(())]);
-    put(store.as_ref(), &companion, &bytes);
+    let bytes = as_a_newer_writers(store.as_ref(), &companion, change);
     load_verified(&linker, &pool, &pages, 1, &[2, 3]);
     let m = linker.metrics();
     let layers = g.components()[comp].layers.len() as u64;
@@ -1212,6 +1219,82 @@ fn a_newer_writers_longer_companion_is_not_taken_for_a_bad_one_and_is_remembered
     );
     load_verified(&linker, &pool, &pages, 2, &[4, 5]);
     assert_eq!(linker.metrics().companions_unsupported, 2);
+}
+
+/// Counts the calls that name a checksum companion: size queries and whole reads.
+struct CompanionCalls {
+    inner: Arc<dyn KvStore>,
+    sizes: std::sync::atomic::AtomicU32,
+    whole_reads: std::sync::atomic::AtomicU32,
+}
+
+impl CompanionCalls {
+    fn count(
+        &self,
+        keys: impl IntoIterator<Item = impl AsRef<str>>,
+        calls: &std::sync::atomic::AtomicU32,
+    ) {
+        let suffix = kvlink::kv_geometry::CHECKSUM_KEY_SUFFIX;
+        if keys.into_iter().any(|k| k.as_ref().ends_with(suffix)) {
+            calls.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
+    }
+}
+
+// SAFETY: a test decorator: every call reaches the inner store with the caller's arguments
+// and its results come back unchanged; it only counts.
+unsafe impl KvStore for CompanionCalls {
+    kvlink::mooncake_linker::forward_store_calls!(inner => exists, get_ranges, put, remove,
+        discard, register, unregister, start_session, end_session, health);
+
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn object_size(&self, keys: &[&str]) -> Vec<Result<u64, StoreError>> {
+        self.count(keys, &self.sizes);
+        self.inner.object_size(keys)
+    }
+
+    unsafe fn get_into(&self, gets: &[ObjectGet<'_>]) -> Vec<Result<u64, StoreError>> {
+        self.count(gets.iter().map(|g| g.key), &self.whole_reads);
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe { self.inner.get_into(gets) }
+    }
+}
+
+/// In a rolling upgrade every object of the newer servers has a newer writer's companion:
+/// telling them all from bad ones takes one size query and one read at their sizes for the
+/// batch, not two calls per object (before, 2 x 8 serial calls here, before layer 0).
+#[test]
+fn newer_writers_companions_are_told_from_bad_ones_in_one_query_and_one_read() {
+    let Saved { store, pages, g } = saved(39, 4);
+    let plan = load_plan(&g, 0, &pages, vec![0, 1, 2, 3]);
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let counted = Arc::new(CompanionCalls {
+        inner: store.clone(),
+        sizes: Default::default(),
+        whole_reads: Default::default(),
+    });
+    let linker = Linker::new(g.clone(), counted.clone(), pool.clone(), config()).unwrap();
+    let keys: Vec<String> = linker.object_keys(&plan).unwrap().concat();
+    assert!(keys.len() >= 8, "{keys:?}");
+    for key in &keys {
+        as_a_newer_writers(store.as_ref(), &checksum_key(key), 24);
+    }
+    load_verified(&linker, &pool, &pages, 1, &[4, 5, 6, 7]);
+    assert_eq!(linker.metrics().companions_unsupported, keys.len() as u64);
+    let calls = |c: &std::sync::atomic::AtomicU32| c.load(std::sync::atomic::Ordering::Acquire);
+    assert_eq!(
+        calls(&counted.sizes),
+        1,
+        "one size query for every companion"
+    );
+    assert_eq!(
+        calls(&counted.whole_reads),
+        2,
+        "the batch's read, one read at their sizes"
+    );
 }
 
 /// Page 1's object of component 0 gets `extra` bytes appended: every layer range still holds

@@ -1,7 +1,7 @@
 //! An object's checksum companion (`{key}_kvsum`, written by kvlink's save): where it is, how
 //! long it must be, and what one whole read of it says. The batch's companion read
 //! (verify.rs) and the recheck of stale kept checksums (fresh_companion.rs) judge a companion
-//! alike through [`Inner::judge_companion`]; the read ahead at lookup (prefetch.rs) finds it
+//! alike through [`Inner::judge_companions`]; the read ahead at lookup (prefetch.rs) finds it
 //! with [`companion_of`] and keeps only companions that decode (anything else is left to the
 //! load's own read). A newer writer's companion (another version of the format) is neither
 //! good nor bad: its object is checked by length only and the pair left alone.
@@ -94,21 +94,84 @@ pub(crate) enum CompanionRead {
     Failed(StoreError),
 }
 
+/// The whole read of one companion, to judge: its key, the length this version's has, the
+/// layout of its object, and what the read returned.
+pub(crate) struct CompanionGot<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) len: usize,
+    pub(crate) layout: &'a ComponentLayout,
+    pub(crate) got: Result<Vec<u8>, StoreError>,
+}
+
+/// A companion on its way to a verdict.
+enum Judging {
+    Judged(CompanionRead),
+    /// Refused as `InvalidArgument` (this error): its size tells a longer one.
+    Refused(StoreError),
+    /// Of another length than this version's (`size` bytes): read again at its size, it is a
+    /// newer writer's or bad for `why`.
+    OtherLength {
+        size: u64,
+        why: String,
+    },
+}
+
+impl Judging {
+    /// The verdict, where no further call is to be made: a refusal stays the store failure it
+    /// is, a companion of another length not read again is bad.
+    fn verdict(self) -> CompanionRead {
+        match self {
+            Judging::Judged(judged) => judged,
+            Judging::Refused(e) => CompanionRead::Failed(e),
+            Judging::OtherLength { why, .. } => CompanionRead::Bad(why),
+        }
+    }
+}
+
 impl Inner {
-    /// Judges `got`, the whole read of companion `key` (`len` bytes expected) of an object of
-    /// `layout`. A store refuses a companion longer than its buffer as `InvalidArgument`, which
-    /// it says for other causes too (a bad key, the call's arguments): only one whose size
-    /// query (a bounded call, until `deadline`) shows it too long is bad, unless a read at its
-    /// size (another bounded call) shows a newer writer's whole companion (`Unsupported`,
-    /// remembered a minute: [`NewerCompanions`]); else the refusal is the store failure it is.
-    /// A companion shorter than this version's is judged by a read at its size the same way.
-    pub(crate) fn judge_companion(
+    /// Judges each of `reads`, whole reads of companions. A store refuses a companion longer
+    /// than its buffer as `InvalidArgument`, which it says for other causes too (a bad key,
+    /// the call's arguments): only one whose size query shows it too long is bad, unless a
+    /// read at its size shows a newer writer's whole companion (`Unsupported`, remembered a
+    /// minute: [`NewerCompanions`]); else the refusal is the store failure it is. A companion
+    /// shorter than this version's is judged by a read at its size the same way. Those calls
+    /// are made for all of `reads` together, each bounded by `deadline`: one size query for
+    /// every refused companion, one read for every one of another length (in a rolling
+    /// upgrade every object of the newer servers has one: a call per key, serially, would
+    /// hold layer 0 for twice as many store calls as objects).
+    pub(crate) fn judge_companions(
         &self,
-        (key, len): (&str, usize),
+        reads: Vec<CompanionGot<'_>>,
+        deadline: std::time::Instant,
+    ) -> Vec<CompanionRead> {
+        let keys: Vec<(&str, usize)> = reads.iter().map(|r| (r.key, r.len)).collect();
+        let judging: Vec<Judging> = reads
+            .into_iter()
+            .map(|r| self.first_look(r.key, r.layout, r.got))
+            .collect();
+        let judging = self.size_refused(&keys, judging, deadline);
+        let judging = self.read_other_lengths(&keys, judging, deadline);
+        judging
+            .into_iter()
+            .zip(&keys)
+            .map(|(j, (key, _))| {
+                let judged = j.verdict();
+                if let CompanionRead::Unsupported(why) = &judged {
+                    self.metrics.companion_unsupported();
+                    log_unsupported(key, why);
+                }
+                judged
+            })
+            .collect()
+    }
+
+    /// What a companion's whole read says without another store call.
+    fn first_look(
+        &self,
+        key: &str,
         layout: &ComponentLayout,
         got: Result<Vec<u8>, StoreError>,
-        deadline: std::time::Instant,
-    ) -> CompanionRead {
+    ) -> Judging {
         let judged = match got {
             Ok(bytes) => match ObjectChecksums::decode_for(&bytes, layout) {
                 Ok(sums) => CompanionRead::Sums(sums),
@@ -128,47 +191,99 @@ impl Inner {
             }
             Err(StoreError::ShortRead { got, expected, .. }) => {
                 let why = format!("checksum object of {got} bytes, {expected} expected");
-                self.newer_or_bad(key, got, why, deadline)
+                return Judging::OtherLength { size: got, why };
             }
-            Err(e @ StoreError::InvalidArgument { .. }) => {
-                match self.longer_than(key, len, deadline) {
-                    Some(size) => {
-                        let why = format!("checksum object of {size} bytes, {len} expected ({e})");
-                        self.newer_or_bad(key, size, why, deadline)
-                    }
-                    None => CompanionRead::Failed(e),
-                }
-            }
+            Err(e @ StoreError::InvalidArgument { .. }) => return Judging::Refused(e),
             Err(e) => CompanionRead::Failed(e),
         };
-        if let CompanionRead::Unsupported(why) = &judged {
-            self.metrics.companion_unsupported();
-            log_unsupported(key, why);
-        }
-        judged
+        Judging::Judged(judged)
     }
 
-    /// A companion of another length than this version's (`size` bytes): read again whole at
-    /// its size (one bounded call) and [`CompanionRead::Unsupported`] when it is a newer
-    /// writer's whole companion, else [`CompanionRead::Bad`] for `why` (also when it is
-    /// longer than any companion, or its size changed again). A store that fails the read
-    /// says nothing of it ([`CompanionRead::Failed`]: nothing discarded); one gone meanwhile
-    /// is [`CompanionRead::Absent`].
+    /// The companions refused as `InvalidArgument`, their sizes asked in one bounded query:
+    /// one longer than this version's goes on as of another length, any other keeps its
+    /// refusal as the store failure it is (also when the query fails).
+    fn size_refused(
+        &self,
+        keys: &[(&str, usize)],
+        judging: Vec<Judging>,
+        deadline: std::time::Instant,
+    ) -> Vec<Judging> {
+        let asked: Vec<&str> = judging
+            .iter()
+            .zip(keys)
+            .filter(|(j, _)| matches!(j, Judging::Refused(_)))
+            .map(|(_, &(key, _))| key)
+            .collect();
+        if asked.is_empty() {
+            return judging;
+        }
+        let mut sizes = self.calls.object_size(&asked, deadline).into_iter();
+        let sized = |e: StoreError, len: usize, size: Option<Result<u64, StoreError>>| match size {
+            Some(Ok(size)) if size > len as u64 => {
+                let why = format!("checksum object of {size} bytes, {len} expected ({e})");
+                Judging::OtherLength { size, why }
+            }
+            _ => Judging::Judged(CompanionRead::Failed(e)),
+        };
+        judging
+            .into_iter()
+            .zip(keys)
+            .map(|(j, &(_, len))| match j {
+                Judging::Refused(e) => sized(e, len, sizes.next()),
+                other => other,
+            })
+            .collect()
+    }
+
+    /// The companions of another length, read again whole at their sizes in one bounded
+    /// call: [`CompanionRead::Unsupported`] for a newer writer's whole companion, else
+    /// [`CompanionRead::Bad`] (also when it is longer than any companion, or its size changed
+    /// again). A store that fails the read says nothing of it ([`CompanionRead::Failed`]:
+    /// nothing discarded); one gone meanwhile is [`CompanionRead::Absent`].
+    fn read_other_lengths(
+        &self,
+        keys: &[(&str, usize)],
+        judging: Vec<Judging>,
+        deadline: std::time::Instant,
+    ) -> Vec<Judging> {
+        let (asked, lens): (Vec<&str>, Vec<usize>) = judging
+            .iter()
+            .zip(keys)
+            .filter_map(|(j, &(key, _))| match j {
+                Judging::OtherLength { size, .. } if *size <= MAX_COMPANION_BYTES => {
+                    Some((key, *size as usize))
+                }
+                _ => None,
+            })
+            .unzip();
+        if asked.is_empty() {
+            return judging;
+        }
+        let mut got = self
+            .calls
+            .read_whole_owned(&asked, &lens, deadline)
+            .into_iter();
+        judging
+            .into_iter()
+            .zip(keys)
+            .map(|(j, &(key, _))| match j {
+                Judging::OtherLength { size, why } if size <= MAX_COMPANION_BYTES => {
+                    Judging::Judged(self.newer_or_bad(key, (size, why), got.next()))
+                }
+                other => other,
+            })
+            .collect()
+    }
+
+    /// The verdict on companion `key` of `size` bytes, bad for `why` unless `got`, its read
+    /// at that size, is a newer writer's whole companion.
     fn newer_or_bad(
         &self,
         key: &str,
-        size: u64,
-        why: String,
-        deadline: std::time::Instant,
+        (size, why): (u64, String),
+        got: Option<Result<Vec<u8>, StoreError>>,
     ) -> CompanionRead {
-        if size > MAX_COMPANION_BYTES {
-            return CompanionRead::Bad(why);
-        }
-        match self
-            .calls
-            .read_whole_owned(&[key], &[size as usize], deadline)
-            .pop()
-        {
+        match got {
             Some(Ok(bytes)) => match ObjectChecksums::decode(&bytes) {
                 Err(e @ ChecksumError::Unsupported { .. }) => {
                     self.newer_companions.remember(key);
@@ -181,15 +296,6 @@ impl Inner {
                 CompanionRead::Bad(why)
             }
             Some(Err(e)) => CompanionRead::Failed(e),
-        }
-    }
-
-    /// The size of object `key` when the store holds it with more than `len` bytes (one
-    /// bounded query; `None` otherwise, or when the query fails).
-    fn longer_than(&self, key: &str, len: usize, deadline: std::time::Instant) -> Option<u64> {
-        match self.calls.object_size(&[key], deadline).pop() {
-            Some(Ok(size)) if size > len as u64 => Some(size),
-            _ => None,
         }
     }
 }

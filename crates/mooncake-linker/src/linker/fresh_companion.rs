@@ -9,7 +9,7 @@ use std::sync::Arc;
 use kv_geometry::{ComponentLayout, ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError, StoreFailure};
 
-use super::companion::{companion_of, CompanionRead};
+use super::companion::{companion_of, CompanionGot, CompanionRead};
 use super::reader::{store_failure, ComponentKeys};
 use super::Inner;
 
@@ -124,10 +124,19 @@ impl Inner {
             self.wrong_size_of_bad_object(batch, comp, page, deadline)
         };
         let read = self.calls.read_whole_owned(&refs, &lens, deadline);
+        let reads = (rows.iter().zip(read).zip(refs.iter().zip(&lens)))
+            .map(|((r, got), (key, &len))| CompanionGot {
+                key,
+                len,
+                layout: &r.component.layout,
+                got,
+            })
+            .collect();
+        let judged = self.judge_companions(reads, deadline);
         let mut verdicts = Vec::with_capacity(rows.len());
-        for ((r, got), (key, len)) in rows.iter().zip(read).zip(refs.iter().zip(&lens)) {
+        for (r, judged) in rows.iter().zip(judged) {
             let (comp, page) = (r.component, r.page);
-            let fresh = match self.judge_companion((key, *len), &comp.layout, got, deadline) {
+            let fresh = match judged {
                 CompanionRead::Sums(s) => s,
                 CompanionRead::Bad(e) => {
                     if let Some(e) = wrong_size(comp, page) {

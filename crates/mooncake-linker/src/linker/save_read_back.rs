@@ -23,7 +23,7 @@ use std::time::Instant;
 use kv_geometry::{ComponentLayout, ObjectChecksums};
 use tracing::warn;
 
-use super::companion::{companion_of, CompanionRead};
+use super::companion::{companion_of, CompanionGot, CompanionRead};
 use super::reader::ComponentKeys;
 use super::Inner;
 use crate::store::{PutOutcome, StoreError};
@@ -76,27 +76,41 @@ impl Inner {
             .unzip();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let read = self.calls.read_whole_owned(&refs, &lens, deadline);
+        // Those that are not the save's bytes, judged together.
+        let mut others = Vec::new();
+        for ((&i, got), (key, &len)) in pairs.iter().zip(read).zip(refs.iter().zip(&lens)) {
+            match got {
+                Ok(bytes) if bytes == sums[i].encode() => verdicts[i] = Some(ReadBack::Ours),
+                got => others.push((
+                    (i, *key),
+                    CompanionGot {
+                        key,
+                        len,
+                        layout: &comp.layout,
+                        got,
+                    },
+                )),
+            }
+        }
+        let (at, reads): (Vec<(usize, &str)>, Vec<CompanionGot<'_>>) = others.into_iter().unzip();
         let mut discard: Vec<&str> = Vec::new();
-        for ((&i, got), (key, len)) in pairs.iter().zip(read).zip(refs.iter().zip(&lens)) {
+        for ((i, key), judged) in at.into_iter().zip(self.judge_companions(reads, deadline)) {
             let object = comp.keys[chunk[i]].as_str();
-            let verdict = match got {
-                Ok(bytes) if bytes == sums[i].encode() => ReadBack::Ours,
-                got => match self.judge_companion((key, *len), &comp.layout, got, deadline) {
-                    CompanionRead::Sums(theirs) => {
-                        self.object_matches(object, &comp.layout, theirs, deadline)
+            let verdict = match judged {
+                CompanionRead::Sums(theirs) => {
+                    self.object_matches(object, &comp.layout, theirs, deadline)
+                }
+                CompanionRead::Failed(e) => {
+                    warn!(key, error = %e, "a saved checksum companion could not be read back: the pair stays as the store reported it");
+                    if found(i) {
+                        ReadBack::Unchecked
+                    } else {
+                        ReadBack::Unknown
                     }
-                    CompanionRead::Failed(e) => {
-                        warn!(key, error = %e, "a saved checksum companion could not be read back: the pair stays as the store reported it");
-                        if found(i) {
-                            ReadBack::Unchecked
-                        } else {
-                            ReadBack::Unknown
-                        }
-                    }
-                    // A newer writer's: nothing here can check the pair against it.
-                    CompanionRead::Unsupported(_) => ReadBack::Unchecked,
-                    CompanionRead::Absent | CompanionRead::Bad(_) => ReadBack::Discarded,
-                },
+                }
+                // A newer writer's: nothing here can check the pair against it.
+                CompanionRead::Unsupported(_) => ReadBack::Unchecked,
+                CompanionRead::Absent | CompanionRead::Bad(_) => ReadBack::Discarded,
             };
             if verdict == ReadBack::Discarded {
                 discard.push(object);

@@ -17,7 +17,7 @@ use kv_geometry::{ChecksumError, ObjectChecksums, Verified};
 use kv_loader::{BatchId, KvLoadError};
 
 use super::batch::BatchLayers;
-use super::companion::{companion_of, CompanionRead};
+use super::companion::{companion_of, CompanionGot, CompanionRead};
 use super::fresh_companion::{first_disagreement, written_again_twice, StaleRow};
 use super::landed::LandedSums;
 use super::reader::{check_object_sizes, store_failure, ComponentKeys, WrongSizeAction};
@@ -100,10 +100,6 @@ impl BatchChecksums {
 }
 
 impl Inner {
-    fn store_call_deadline(&self) -> std::time::Instant {
-        kv_loader::deadline_after(self.config.store_call_timeout)
-    }
-
     /// The companions this rank wants for `layers` (own components: every page; shared ones:
     /// this rank's share): the bookkeeping to read them into. No store call.
     pub(crate) fn wanted_companions(&self, layers: &BatchLayers) -> CompanionPlan {
@@ -158,11 +154,19 @@ impl Inner {
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let got = self
             .calls
-            .read_whole_owned(&refs, &lens, self.store_call_deadline());
-        for ((w, r), (key, &len)) in plan.wanted.iter().zip(got).zip(refs.iter().zip(&lens)) {
+            .read_whole_owned(&refs, &lens, self.store_deadline());
+        let reads = (plan.wanted.iter().zip(got).zip(refs.iter().zip(&lens)))
+            .map(|((w, got), (key, &len))| CompanionGot {
+                key,
+                len,
+                layout: &wanted_component(layers, w).layout,
+                got,
+            })
+            .collect();
+        let judged = self.judge_companions(reads, self.store_deadline());
+        for (w, judged) in plan.wanted.iter().zip(judged) {
             let comp = wanted_component(layers, w);
-            let deadline = self.store_call_deadline();
-            let detail = match self.judge_companion((key, len), &comp.layout, r, deadline) {
+            let detail = match judged {
                 CompanionRead::Sums(sums) => {
                     let sums = std::sync::Arc::new(sums);
                     self.checksums.insert(&comp.keys[w.page], sums.clone());
@@ -183,11 +187,11 @@ impl Inner {
             };
             // A companion that does not fit the geometry most often means the object itself
             // was written for another one: say so, as the size check would.
-            let deadline = self.store_call_deadline();
+            let deadline = self.store_deadline();
             if let Some(e) = self.wrong_size_of_bad_object(batch, comp, w.page, deadline) {
                 return Err(e);
             }
-            let deadline = self.store_call_deadline();
+            let deadline = self.store_deadline();
             return Err(self.bad_object(batch, comp, w.page, (None, detail), deadline));
         }
         Ok(())
@@ -421,7 +425,7 @@ impl LayerCheck<'_> {
                     row.component,
                     row.page,
                     (Some(layer), e.to_string()),
-                    self.bounded(self.inner.store_call_deadline()),
+                    self.bounded(self.inner.store_deadline()),
                 ));
             };
             match self.renewed(row, companion, layer) {
