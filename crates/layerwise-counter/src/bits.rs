@@ -37,7 +37,7 @@ impl LayerBits {
     }
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(kvlink_loom)))]
 mod tests {
     use super::LayerBits;
 

@@ -64,7 +64,7 @@
 //!
 //! # Concurrency checks
 //! Both: `tests/loom.rs` runs small models under [loom](https://docs.rs/loom) (built with
-//! `RUSTFLAGS="--cfg loom" cargo test -p layerwise-counter --test loom --release`;
+//! `RUSTFLAGS="--cfg kvlink_loom" cargo test -p layerwise-counter --test loom --release`;
 //! `src/sync.rs` switches atomics, mutexes and condvars to loom's). Loom explores every
 //! interleaving (up to a preemption bound) and the weak-memory orderings of the atomics,
 //! which checks the seqlock fast path on a recycled slot, hook order and exactly-once
@@ -85,7 +85,7 @@ mod slot;
 mod sync;
 mod ticket;
 
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(kvlink_loom)))]
 mod tests;
 
 pub use counter::{LayerCounter, DEFAULT_CAPACITY, MAX_CAPACITY, MAX_LAYERS};

@@ -1,5 +1,5 @@
 //! Synchronisation primitives: std atomics and parking_lot normally, loom's under
-//! `--cfg loom` so that `tests/loom.rs` can explore the interleavings.
+//! `--cfg kvlink_loom` so that `tests/loom.rs` can explore the interleavings.
 //!
 //! The wrappers give both the same small API: `Mutex::lock` returns the guard directly,
 //! `Condvar::wait_until` takes the guard by value and gives it back.
@@ -7,7 +7,7 @@
 pub(crate) use imp::{AtomicU32, AtomicU64, Condvar, Mutex, MutexGuard};
 pub(crate) use std::sync::atomic::Ordering;
 
-#[cfg(not(loom))]
+#[cfg(not(kvlink_loom))]
 mod imp {
     use std::time::Instant;
 
@@ -54,7 +54,7 @@ mod imp {
     }
 }
 
-#[cfg(loom)]
+#[cfg(kvlink_loom)]
 mod imp {
     use std::time::Instant;
 

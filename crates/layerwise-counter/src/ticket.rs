@@ -39,7 +39,7 @@ impl fmt::Display for Ticket {
     }
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(kvlink_loom)))]
 mod tests {
     use super::Ticket;
 

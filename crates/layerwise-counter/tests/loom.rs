@@ -1,10 +1,10 @@
 //! Loom models of the counter's races. Run with
-//! `RUSTFLAGS="--cfg loom" cargo test -p layerwise-counter --test loom --release`.
+//! `RUSTFLAGS="--cfg kvlink_loom" cargo test -p layerwise-counter --test loom --release`.
 //!
 //! Loom has no clock: waits end only on a notification (a lost wake-up is reported as a
 //! deadlock), and deadlines are far in the future. Hook records use a std mutex whose
 //! critical sections contain no loom operation.
-#![cfg(loom)]
+#![cfg(kvlink_loom)]
 
 use std::sync::{Arc as StdArc, Mutex as StdMutex};
 use std::time::{Duration, Instant};

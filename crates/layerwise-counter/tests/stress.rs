@@ -3,7 +3,7 @@
 //! yields. Every wait has a deadline; invariants are checked after every answer.
 //!
 //! `STRESS_SCHEDULES=N` runs N schedules instead of the default.
-#![cfg(not(loom))]
+#![cfg(not(kvlink_loom))]
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};

@@ -3,10 +3,10 @@
 //! layers over, the exchange loop takes layers and gives stages back, either side may leave
 //! early. Checked in every interleaving (preemption bound 3): no lost wake-up (loom reports a
 //! deadlock), no stage lost, layers in order, a side that leaves never strands the other.
-//! Run with `RUSTFLAGS="--cfg loom" cargo test -p mooncake-linker --test loom_handoff --release`.
+//! Run with `RUSTFLAGS="--cfg kvlink_loom" cargo test -p mooncake-linker --test loom_handoff --release`.
 //!
 //! Loom has no clock: the deadlines are far away and waits end only on a notification.
-#![cfg(loom)]
+#![cfg(kvlink_loom)]
 
 #[path = "../src/linker/handoff.rs"]
 #[allow(dead_code)]

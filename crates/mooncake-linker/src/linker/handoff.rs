@@ -4,15 +4,15 @@
 //!
 //! It is one small state machine behind one mutex and one condition variable, so that loom
 //! can check it (`tests/loom_handoff.rs` builds this very file with loom's primitives under
-//! `--cfg loom`: no lost wake-up, no stage lost, layers in order, a side that leaves never
+//! `--cfg kvlink_loom`: no lost wake-up, no stage lost, layers in order, a side that leaves never
 //! strands the other). Loom has no clock: there, waits end only on a notification.
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
-#[cfg(loom)]
+#[cfg(kvlink_loom)]
 use loom::sync::{Condvar, Mutex, MutexGuard};
-#[cfg(not(loom))]
+#[cfg(not(kvlink_loom))]
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// What a wait got.
@@ -184,7 +184,7 @@ impl<S, L> Handoff<S, L> {
     }
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(kvlink_loom)))]
 mod tests {
     use super::*;
     use std::time::Duration;
