@@ -351,6 +351,54 @@ fn lookups_agree_on_the_group_minimum() {
     assert_eq!(hits, vec![4, 4]);
 }
 
+/// An engine that looks up from several threads of one rank (a tokio server's tasks, each on
+/// a blocking thread): two lookups of one rank at once take the control handle in turn (a
+/// collective's calls on one handle must not overlap), and agree with the peer's two. Before,
+/// their gathers overlapped on the one handle.
+#[test]
+fn two_lookups_at_once_on_one_rank_take_turns_on_the_group() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let spec = mixed_spec();
+    let full: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let most = Arc::new(AtomicUsize::new(0));
+    let wrap = |rank: u32, mut g: kvlink::mooncake_linker::TpGroup| {
+        if rank == 0 {
+            g.control = Arc::new(common::coll::Overlaps::new(g.control, most.clone()));
+            g.formation = None;
+        }
+        g
+    };
+    let build = RankBuild::wrapped(&wrap);
+    let cfg = cfg(ShareMode::SplitAllGather);
+    let (rs, _pages) = tp_ranks_built(&spec, 2, full, 6, &cfg, Path::Host, &build);
+    let tokens = prompt(11, 6, spec.page_size);
+    let lookup = |r: &TpRank| {
+        r.linker
+            .lookup(&LookupRequest {
+                tokens: &tokens,
+                skip_pages: 0,
+            })
+            .unwrap()
+            .pages
+            .len()
+    };
+    for _ in 0..5 {
+        let hits: Vec<usize> = std::thread::scope(|s| {
+            let at_once = [s.spawn(|| lookup(&rs[0])), s.spawn(|| lookup(&rs[0]))];
+            let in_turn = s.spawn(|| [lookup(&rs[1]), lookup(&rs[1])]);
+            let mut hits: Vec<usize> = at_once.into_iter().map(|h| h.join().unwrap()).collect();
+            hits.extend(in_turn.join().unwrap());
+            hits
+        });
+        assert_eq!(hits, vec![6; 4]);
+    }
+    assert_eq!(
+        most.load(Ordering::Acquire),
+        1,
+        "gathers at once on rank 0's handle"
+    );
+}
+
 /// A lookup reads ahead the companions each rank's load will read, in every mode: its
 /// sharded component's on every page, and of the replicated ones the pages the mode has it
 /// read (all in `AllRanks` and on rank 0 of `Rank0Broadcast`, none on the other ranks there,

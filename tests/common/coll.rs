@@ -351,3 +351,117 @@ unsafe impl Collective for Misbehaving {
         }
     }
 }
+
+/// Counts a handle's gathers in progress at once, and holds each one a few milliseconds so
+/// that calls that may overlap do: the most seen at once is the answer to "did two calls on
+/// this one handle overlap" (which a collective's callers must not let happen).
+pub struct Overlaps {
+    inner: Arc<dyn Collective>,
+    now: std::sync::atomic::AtomicUsize,
+    most: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Overlaps {
+    /// `inner`, its most calls at once counted in `most`.
+    pub fn new(inner: Arc<dyn Collective>, most: Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        Overlaps {
+            inner,
+            now: Default::default(),
+            most,
+        }
+    }
+
+    fn handle(&self, _op: &'static str) -> Result<Arc<dyn Collective>, CollectiveError> {
+        Ok(self.inner.clone())
+    }
+
+    fn counted<T>(&self, call: impl FnOnce() -> T) -> T {
+        use std::sync::atomic::Ordering::AcqRel;
+        let at_once = self.now.fetch_add(1, AcqRel) + 1;
+        self.most.fetch_max(at_once, AcqRel);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let r = call();
+        self.now.fetch_sub(1, AcqRel);
+        r
+    }
+}
+
+impl DeviceEventHook for Overlaps {}
+
+// SAFETY: every operation, `broken` and `may_leave_work` go to the inner handle unchanged (the
+// gathers after a pause); its events are returned as they are.
+unsafe impl Collective for Overlaps {
+    fn rank(&self) -> u32 {
+        self.inner.rank()
+    }
+
+    fn size(&self) -> u32 {
+        self.inner.size()
+    }
+
+    fn all_gather_u64(&self, value: u64, deadline: Instant) -> Result<Vec<u64>, CollectiveError> {
+        self.counted(|| self.inner.all_gather_u64(value, deadline))
+    }
+
+    fn all_gather_u64_settled(
+        &self,
+        value: u64,
+        deadline: Instant,
+    ) -> Result<Vec<u64>, CollectiveError> {
+        self.counted(|| self.inner.all_gather_u64_settled(value, deadline))
+    }
+
+    fn all_gather_bytes(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.counted(|| self.inner.all_gather_bytes(value, deadline))
+    }
+
+    fn all_gather_bytes_settled(
+        &self,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.counted(|| self.inner.all_gather_bytes_settled(value, deadline))
+    }
+
+    fn memory(&self) -> MemorySupport {
+        self.inner.memory()
+    }
+
+    fn device_ordinal(&self) -> Option<u32> {
+        self.inner.device_ordinal()
+    }
+
+    unsafe fn broadcast_rows(
+        &self,
+        rows: &[HostRow],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe { self.inner.broadcast_rows(rows, root, deadline) }
+    }
+
+    unsafe fn all_gather_rows(
+        &self,
+        rows: &[HostRow],
+        counts: &[usize],
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        // SAFETY: forwarded with the caller's own promise.
+        unsafe { self.inner.all_gather_rows(rows, counts, deadline) }
+    }
+
+    forward_device_ops!(handle);
+
+    fn abort(&self, cause: &str) {
+        self.inner.abort(cause)
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.inner.broken()
+    }
+}

@@ -169,6 +169,9 @@ pub(crate) struct GroupLink {
     left: AtomicBool,
     /// Re-formations this link made that completed (`MetricsSnapshot::group_reforms`).
     reforms: AtomicU64,
+    /// Held by a lookup across its collective on the control handle: calls on one handle
+    /// must not overlap, and an engine may look up from several threads of one rank.
+    pub(crate) lookup_turn: Mutex<()>,
 }
 
 impl GroupLink {
@@ -209,6 +212,7 @@ impl GroupLink {
                 down_lookup_log: LogEvery::default(),
                 left: AtomicBool::new(false),
                 reforms: AtomicU64::new(0),
+                lookup_turn: Mutex::new(()),
             })
         })
     }

@@ -82,6 +82,9 @@ impl Inner {
             batch: None,
             detail: kv_loader::Cause::with_source(format!("lookup: {e}"), e),
         };
+        // One lookup at a time on this rank's control handle (each bounded below): two at
+        // once would interleave their gathers. Their order across ranks is the engine's.
+        let _turn = link.lookup_turn.lock();
         let reform_by = kv_loader::deadline_after(self.config.collective_timeout);
         // Marked in use to the lookup's end: a re-formation on the load thread leaves it.
         let (coll, _in_use) = match link.handles_for(Channel::Control, reform_by) {
