@@ -587,7 +587,8 @@ fn a_stalled_slot_copy_is_settled_within_the_peers_wait() {
 /// Three device ranks whose landings drain for `drain` at most and whose collectives wait
 /// `collective_timeout`; batch 2 stalls rank 1's last copy into its slots for `stall`: every
 /// rank fails it (rank 1 `Device`, the others `PeerFailed`), rank 1's slots stay claimed until
-/// the copy ran, and batch 3 loads everywhere.
+/// the copy ran, rank 1's outcome comes only then (its engine recomputes into those slots once
+/// it has it), and batch 3 loads everywhere.
 fn stalled_last_slot_copy(drain: Duration, collective_timeout: Duration, stall: Duration) {
     let spec = mixed_spec();
     let path = Path::device_per_rank(ScatterStrategy::Auto);
@@ -606,7 +607,50 @@ fn stalled_last_slot_copy(drain: Duration, collective_timeout: Duration, stall: 
             .unwrap_or_else(|e| panic!("batch 1 rank {rank}: {e}"));
     }
     stall_at_last_slot_copy(&dev, stall);
-    let outcomes = run(&rs, 2, &hashes);
+    let common::tp::RankPool::Device(pool) = &rs[1].pool else {
+        unreachable!("a device path")
+    };
+    let claims_of: &dyn KvPool = pool.as_ref();
+    let held = || claims_of.slot_claims().unwrap().held_slots();
+    // Rank 1's slots are held once the batch failed (its last layer's waiter has the event of
+    // the stalled copy), before its outcome comes, and no longer once it is in.
+    let held_soon = || {
+        let by = Instant::now() + drain + Duration::from_secs(3);
+        loop {
+            let h = held();
+            if !h.is_empty() || Instant::now() > by {
+                return h;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let (outcomes, held_then): (Vec<_>, Vec<_>) = std::thread::scope(|s| {
+        let hs: Vec<_> = rs
+            .iter()
+            .enumerate()
+            .map(|(rank, r)| {
+                let hashes = &hashes;
+                s.spawn(move || {
+                    let plan = load_plan(r.linker.geometry(), 2, hashes, r.slots.clone());
+                    let t = r.linker.start_load(plan).unwrap();
+                    let _ = wait_all(&r.linker, &t);
+                    let failed = (rank == 1).then(held_soon);
+                    let outcome = r.linker.wait_batch(&t).unwrap();
+                    (outcome, failed.map(|f| (f, held())))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).unzip()
+    });
+    let (at_failure, at_outcome) = held_then[1].clone().unwrap();
+    assert!(
+        !at_failure.is_empty(),
+        "no slot held while the copy is stalled"
+    );
+    assert!(
+        at_outcome.is_empty(),
+        "{at_outcome:?} held when the outcome came"
+    );
     for (rank, o) in outcomes.iter().enumerate() {
         assert!(o.result.is_err(), "rank {rank}: {:?}", o.result);
     }
@@ -623,14 +667,7 @@ fn stalled_last_slot_copy(drain: Duration, collective_timeout: Duration, stall: 
             outcomes[rank].result
         );
     }
-    // Rank 1's slots stay claimed while the copy may run, free once it did.
-    let common::tp::RankPool::Device(pool) = &rs[1].pool else {
-        unreachable!("a device path")
-    };
-    let claims_of: &dyn KvPool = pool.as_ref();
-    let held = claims_of.slot_claims().unwrap().held_slots();
-    assert!(!held.is_empty(), "no slot held while the copy is stalled");
-    let by = Instant::now() + stall + Duration::from_secs(10);
+    let by = Instant::now() + Duration::from_secs(1);
     SlotClaims::wait_free(claims_of, &rs[1].slots, by).expect("free once the copy ran");
     for (rank, (r, o)) in rs.iter().zip(run(&rs, 3, &hashes)).enumerate() {
         o.result

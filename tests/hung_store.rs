@@ -595,6 +595,52 @@ fn a_hung_save_keeps_its_host_slots_claimed_until_the_put_returns() {
     unsafe { pool.write_slot(ComponentId(0), 0, 3, &row) }.unwrap();
 }
 
+/// A save reads a host pool's slots chunk by chunk; all of them are claimed for reading from
+/// its start until it returns: an engine that writes one a later chunk reads (the block of a
+/// finished request handed to the next one while the save runs) is refused (`SlotBusy`).
+/// Before, only the chunk being put was claimed, and the next request's bytes were saved under
+/// this request's page hashes, with checksums of those same bytes.
+#[test]
+fn a_save_claims_every_slot_it_reads_until_it_returns() {
+    use kvlink::kv_device::DeviceError;
+    use kvlink::kv_geometry::ComponentId;
+    let spec = small_spec();
+    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
+    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 30))));
+    let stall = Stall::new();
+    faulty.inject_on(
+        FaultCall::Put,
+        FaultRule {
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        Fault::Stall(stall.clone()),
+    );
+    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+    let pages = kvlink::kv_geometry::page_hashes(&prompt(10, 2, spec.page_size), 4, None);
+    let slots = vec![3, 5];
+    common::fill_pool(&pool, &pages, &slots);
+    let one_page_a_call = LinkerConfig {
+        save_chunk: 1,
+        ..cfg()
+    };
+    let linker = Linker::new(g.clone(), faulty.clone(), pool.clone(), one_page_a_call).unwrap();
+    let plan = load_plan(&g, 1, &pages, slots.clone());
+    std::thread::scope(|s| {
+        let saving = s.spawn(|| linker.save(&plan));
+        eventually("the first page's put is held", || stall.hits() >= 1);
+        let row = vec![0u8; g.component(ComponentId(0)).unwrap().page_layer_bytes as usize];
+        // SAFETY: this test is the engine: nothing else writes slot 5 (the save only reads it).
+        let refused = unsafe { pool.write_slot(ComponentId(0), 0, 5, &row) };
+        assert!(
+            matches!(refused, Err(DeviceError::SlotBusy { slot: 5, .. })),
+            "{refused:?}"
+        );
+        stall.release();
+        let _ = saving.join().unwrap();
+    });
+}
+
 /// A device pool over a traced CPU device whose load stream stalls for `stall` at layer 2's
 /// first slot copy (the fifth upload: the slot table, layer 0's two components, layer 1's
 /// one), the read of layer 3 hanging: the linker, the device, and the stall's end.
@@ -701,44 +747,18 @@ fn a_failed_batchs_outcome_comes_after_its_queued_slot_copies() {
     linker.close().unwrap();
 }
 
-/// The same, the copy stalled past the landing's drain limit: the outcome says the slots may
-/// still be written (a device failure: reset, then recompute), not a plain recompute.
+/// The same, the copy stalled past the landing's drain limit: the batch's layer waiters are
+/// told within about the limit to hold its slots, which stay claimed (no later landing or save
+/// takes them, `SlotClaims::wait_free` waits), a reset names the batch, and its outcome comes
+/// once the stalled copies have run: a device failure (reset, then recompute), not a plain
+/// recompute. Before, the outcome came at the drain limit and a reset answered `Ok` while the
+/// copies still ran: an engine recomputed into slots they then overwrote.
 #[test]
-fn a_failed_batch_whose_slot_copies_outlast_the_drain_limit_is_a_device_failure() {
-    let (o, linker, _dev) = stalled_landing(Duration::from_millis(200), Duration::from_secs(2));
-    let t = linker
-        .start_load(load_plan(&o.g, 1, &o.pages, vec![1, 2, 3, 4]))
-        .unwrap();
-    let t0 = Instant::now();
-    let outcome = linker.wait_batch(&t).unwrap().result;
-    let took = t0.elapsed();
-    assert!(took < Duration::from_millis(1500), "{took:?}");
-    let err = outcome.unwrap_err();
-    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
-    assert!(err.to_string().contains("did not finish"), "{err}");
-    assert_eq!(
-        err.action(),
-        kvlink::kv_loader::EngineAction::ResetThenRecompute
-    );
-    o.stall.release();
-    linker.close().unwrap();
-}
-
-/// The same: the failed batch's slots stay claimed (no later landing or save takes them,
-/// `SlotClaims::wait_free` waits) until the stalled copies have finished, then are free.
-/// Before, the claim went as the batch finished, and a `reset` (which finds nothing in
-/// flight) left the engine nothing to wait on before it recomputed into them.
-#[test]
-fn a_failed_batchs_slots_stay_claimed_until_its_unfinished_copies_end() {
+fn a_failed_batchs_outcome_waits_for_its_slot_copies_that_outlast_the_drain_limit() {
     let o = one();
-    let (linker, pool, slots) = device_failure_with_slots_claimed(&o, 4, Duration::from_secs(2));
-    let claims_of: &dyn KvPool = pool.as_ref();
-    let mut held = claims_of.slot_claims().unwrap().held_slots();
-    held.sort_unstable();
-    assert_eq!(held, slots);
-    let later = Instant::now() + Duration::from_secs(10);
-    SlotClaims::wait_free(claims_of, &slots, later).expect("free once the copies finished");
-    assert!(claims_of.slot_claims().unwrap().held_slots().is_empty());
+    let (linker, _pool, _slots, told) =
+        device_failure_with_slots_claimed(&o, 4, Duration::from_secs(2));
+    assert!(told < Duration::from_millis(1500), "{told:?}");
     o.stall.release();
     linker.close().unwrap();
 }
@@ -755,10 +775,7 @@ fn a_loaded_batchs_outcome_is_not_ok_while_copies_into_its_slots_are_stalled() {
     // The ninth upload: the slot table, then layers 0 to 4's (2, 1, 2, 1, 1): the last
     // layer's first, which no later stage reuse waits for. Long beside the drain limit, so
     // that the claims are seen inside it on a loaded machine.
-    let (linker, pool, slots) = device_failure_with_slots_claimed(&o, 8, Duration::from_secs(5));
-    let claims_of: &dyn KvPool = pool.as_ref();
-    let later = Instant::now() + Duration::from_secs(10);
-    SlotClaims::wait_free(claims_of, &slots, later).expect("free once the copies finished");
+    let (linker, ..) = device_failure_with_slots_claimed(&o, 8, Duration::from_secs(5));
     // The next batch loads.
     let t = linker
         .start_load(load_plan(&o.g, 2, &o.pages, vec![8, 9, 10, 11]))
@@ -768,13 +785,14 @@ fn a_loaded_batchs_outcome_is_not_ok_while_copies_into_its_slots_are_stalled() {
 }
 
 /// A linker over a traced device pool (200 ms drain limit) whose upload after `skip` others
-/// stalls for `stall`: batch 1 into slots 1..=4 fails `Device` ("did not finish"), its slots
-/// still claimed 100 ms later. The linker, the pool and the slots.
+/// stalls for `stall`: batch 1 into slots 1..=4 fails while copies into its slots are stalled
+/// ([`fails_while_copies_run`]), its outcome a `Device` failure once they have run. The
+/// linker, the pool, the slots and when the batch's waiter was told.
 fn device_failure_with_slots_claimed(
     o: &One,
     skip: u32,
     stall: Duration,
-) -> (Linker, Arc<DeviceKvPool>, Vec<u32>) {
+) -> (Linker, Arc<DeviceKvPool>, Vec<u32>, Duration) {
     let (dev, pool, staging) = traced_device_pool(o);
     let linker = staged_linker(o, &pool, staging, Duration::from_millis(200));
     dev.stall_at(CpuOp::ToDevice, skip, stall);
@@ -782,16 +800,75 @@ fn device_failure_with_slots_claimed(
     let t = linker
         .start_load(load_plan(&o.g, 1, &o.pages, slots.clone()))
         .unwrap();
-    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    let told = fails_while_copies_run(&linker, &t, &pool, &slots);
+    let err = outcome_once_copies_ran(&linker, &dev, &pool).unwrap_err();
     assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
     assert!(err.to_string().contains("did not finish"), "{err}");
+    assert_eq!(
+        err.action(),
+        kvlink::kv_loader::EngineAction::ResetThenRecompute
+    );
+    (linker, pool, slots, told)
+}
+
+/// Batch `t` into `slots` of `pool` fails while copies it queued into them are stalled: its
+/// last layer's waiter is told to hold the slots (`SlotsHeld` naming it; unless that layer
+/// was published, with the event its stalled copy ends at), which stay claimed, and a reset
+/// names it too. Before, the outcome (`Device`) came at once and a reset answered `Ok`: an
+/// engine that then recomputed into the slots raced the stalled copies. The time the waiter
+/// was answered.
+fn fails_while_copies_run(
+    linker: &Linker,
+    t: &LoadTicket,
+    pool: &Arc<DeviceKvPool>,
+    slots: &[u32],
+) -> Duration {
+    let t0 = Instant::now();
+    let last = linker.geometry().num_layers() - 1;
+    let waited = linker.wait_layer(t, last);
+    let took = t0.elapsed();
+    let held_batch_1 = |e: &KvLoadError| matches!(e, KvLoadError::SlotsHeld { batches } if batches[..] == [BatchId(1)]);
+    if let Err(err) = waited {
+        assert!(held_batch_1(&err), "{err:?}");
+        assert_eq!(err.action(), kvlink::kv_loader::EngineAction::HoldSlots);
+    }
     let claims_of: &dyn KvPool = pool.as_ref();
     let soon = Instant::now() + Duration::from_millis(100);
     assert!(
-        SlotClaims::wait_free(claims_of, &slots, soon).is_err(),
+        SlotClaims::wait_free(claims_of, slots, soon).is_err(),
         "the slots were free while copies into them were stalled"
     );
-    (linker, pool, slots)
+    let reset = linker.reset().unwrap_err();
+    assert!(held_batch_1(&reset), "{reset:?}");
+    took
+}
+
+/// The outcome of the one batch in flight, once it comes (within 15 s).
+fn the_outcome(linker: &Linker) -> kvlink::kv_loader::BatchOutcome {
+    let t0 = Instant::now();
+    loop {
+        if let Some(o) = linker.completed().pop() {
+            return o;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(15), "no outcome");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The outcome of the one batch in flight, once it comes (within 15 s), and that no copy
+/// into a slot finished after it came, nor is any slot of `pool` held then.
+fn outcome_once_copies_ran(
+    linker: &Linker,
+    dev: &CpuDevice,
+    pool: &Arc<DeviceKvPool>,
+) -> Result<kvlink::kv_loader::LoadStats, KvLoadError> {
+    let outcome = the_outcome(linker);
+    let at = Instant::now();
+    let late = copies_after(dev, at);
+    assert!(late.is_empty(), "slot copies after the outcome: {late:?}");
+    let claims_of: &dyn KvPool = pool.as_ref();
+    assert!(claims_of.slot_claims().unwrap().held_slots().is_empty());
+    outcome.result
 }
 
 /// A batch that fails at once (a store error at layer 3, no read left hanging) while layer 2's
@@ -813,9 +890,10 @@ fn a_batch_whose_copies_outlast_the_drain_limit_waits_it_out_once() {
     let t = linker
         .start_load(load_plan(&o.g, 1, &o.pages, vec![1, 2, 3, 4]))
         .unwrap();
-    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    // Its waiters are told to hold the slots once it failed; its outcome waits for the copies.
+    let err = linker.wait_layer(&t, o.g.num_layers() - 1).unwrap_err();
     let took = t0.elapsed();
-    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
+    assert!(matches!(err, KvLoadError::SlotsHeld { .. }), "{err:?}");
     assert!(took >= drain, "{took:?}");
     // A second drain in the drop would make it two limits.
     assert!(took < drain.mul_f64(1.7), "{took:?}");
@@ -823,6 +901,8 @@ fn a_batch_whose_copies_outlast_the_drain_limit_waits_it_out_once() {
     eventually("the lease comes back once its copies ran", || {
         staging.available() == 2
     });
+    let err = the_outcome(&linker).result.unwrap_err();
+    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
     linker.close().unwrap();
 }
 
@@ -966,10 +1046,12 @@ fn panicked_batch_with_slot_copies_unfinished(fault: AtThirdLand) {
     ));
     let linker = linker_landing_through(&o, &pool, landings);
     dev.stall_at(CpuOp::ToDevice, 4, Duration::from_secs(2));
+    let slots = vec![1, 2, 3, 4];
     let t = linker
-        .start_load(load_plan(&o.g, 1, &o.pages, vec![1, 2, 3, 4]))
+        .start_load(load_plan(&o.g, 1, &o.pages, slots.clone()))
         .unwrap();
-    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
+    fails_while_copies_run(&linker, &t, &pool, &slots);
+    let err = outcome_once_copies_ran(&linker, &dev, &pool).unwrap_err();
     assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
     assert!(err.to_string().contains("panicked"), "{err}");
     assert_eq!(
@@ -996,13 +1078,10 @@ fn a_batch_that_failed_on_the_device_does_not_wait_the_drain_limit_for_its_copie
     let linker = linker_landing_through(&o, &pool, landings);
     dev.stall_at(CpuOp::ToDevice, 4, Duration::from_secs(5));
     let slots = vec![1, 2, 3, 4];
-    let t0 = Instant::now();
     let t = linker
         .start_load(load_plan(&o.g, 1, &o.pages, slots.clone()))
         .unwrap();
-    let err = linker.wait_batch(&t).unwrap().result.unwrap_err();
-    let took = t0.elapsed();
-    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
+    let took = fails_while_copies_run(&linker, &t, &pool, &slots);
     assert!(
         took < Duration::from_millis(2500),
         "waited the drain limit: {took:?}"
@@ -1014,8 +1093,8 @@ fn a_batch_that_failed_on_the_device_does_not_wait_the_drain_limit_for_its_copie
         held, slots,
         "the slots stay claimed while copies into them are stalled"
     );
-    SlotClaims::wait_free(claims_of, &slots, Instant::now() + Duration::from_secs(15))
-        .expect("free once the copies finished");
+    let err = outcome_once_copies_ran(&linker, &dev, &pool).unwrap_err();
+    assert!(matches!(err, KvLoadError::Device(_)), "{err:?}");
     o.stall.release();
     linker.close().unwrap();
 }

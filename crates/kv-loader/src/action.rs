@@ -42,12 +42,14 @@ pub enum EngineAction {
     /// The call was wrong (plan, ticket, configuration, a closed loader): the same call
     /// fails again. Fix the input; the batch's pages, if any, are recomputed.
     FixInput,
-    /// `reset`/`close` returned while store calls past their deadline may still write the
-    /// slots of these batches ([`KvLoadError::SlotsHeld`]): keep those slots out of use
-    /// (recompute into other slots) until each batch's outcome is handed out. A layer wait
-    /// answers the same when its batch failed while such a call is still out: take the
-    /// batch's outcome (it comes once the call returns, and names what failed) before
-    /// reusing the slots.
+    /// `reset`/`close` returned while store calls past their deadline (or device copies past
+    /// the drain limit) may still write the slots of these batches
+    /// ([`KvLoadError::SlotsHeld`]): keep those slots out of use (recompute into other slots)
+    /// until each batch's outcome is handed out. A layer wait answers the same when its batch
+    /// failed while such a call or copy is still out: take the batch's outcome (it comes once
+    /// they end, and names what failed) before reusing the slots. A `start_load` refused
+    /// for a slot of a batch in flight (`PlanError::SlotInFlight`) answers the same: that
+    /// batch (named in the error) may still write the slot; its pages go into other slots.
     HoldSlots,
 }
 
@@ -61,7 +63,7 @@ impl KvLoadError {
     /// | `Timeout`, `Device` | `ResetThenRecompute` |
     /// | `Busy` of one rank (not `peers_fail`), `GroupDown` (a lookup's, `batch: None`, not refused) | `RetryLater` |
     /// | `InvalidPlan` (any other reason), `StaleTicket`, `DuplicateBatch`, `Closed`, `Config`, `Geometry`, `GroupDown` (`refused`) | `FixInput` |
-    /// | `SlotsHeld` | `HoldSlots` |
+    /// | `SlotsHeld`, `InvalidPlan` of a slot of a batch in flight (`PlanError::SlotInFlight`) | `HoldSlots` |
     ///
     /// `Timeout` is a layer wait's deadline: the batch is still in flight. `Device` may
     /// leave copies in flight. `DuplicateBatch` leaves the batch in flight untouched: use a
@@ -85,6 +87,12 @@ impl KvLoadError {
                 reason: crate::PlanError::LargerThanStaging { .. },
                 ..
             } => EngineAction::Recompute,
+            // The named batch may still write the slot: recomputing into it would race it
+            // (the engine reused the slot before that batch's outcome, say after an abort).
+            KvLoadError::InvalidPlan {
+                reason: crate::PlanError::SlotInFlight { .. },
+                ..
+            } => EngineAction::HoldSlots,
             KvLoadError::GroupDown { refused: true, .. } => EngineAction::FixInput,
             KvLoadError::GroupDown { batch: Some(_), .. } => EngineAction::Recompute,
             KvLoadError::Busy {
@@ -233,6 +241,17 @@ mod tests {
             (
                 KvLoadError::SlotsHeld {
                     batches: vec![b].into(),
+                },
+                EngineAction::HoldSlots,
+            ),
+            (
+                KvLoadError::InvalidPlan {
+                    batch: BatchId(2),
+                    reason: PlanError::SlotInFlight {
+                        slot: 3,
+                        page: 0,
+                        batch: b,
+                    },
                 },
                 EngineAction::HoldSlots,
             ),

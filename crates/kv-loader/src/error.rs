@@ -332,13 +332,14 @@ pub enum KvLoadError {
         /// What did not match.
         detail: String,
     },
-    /// `reset` or `close` returned while store calls that outlived their deadline may still
-    /// write these batches' slots: keep those slots out of use until each batch's outcome is
-    /// handed out (`wait_batch`/`completed`), which happens when its last such call returns.
+    /// `reset` or `close` returned while store calls that outlived their deadline, or device
+    /// copies a failed batch queued that outlived the landing's drain limit, may still write
+    /// these batches' slots: keep those slots out of use until each batch's outcome is handed
+    /// out (`wait_batch`/`completed`), which happens when its last such call or copy ends.
     /// A layer wait answers the same, on this rank alone (its peers get the batch's error),
-    /// when the batch failed while such a call is still out; the outcome carries the batch's
-    /// own error.
-    #[error("store calls past their deadline may still write the slots of {batches:?}; their outcomes come when the calls return")]
+    /// when the batch failed while such a call or copy is still out; the outcome carries the
+    /// batch's own error.
+    #[error("store calls past their deadline or unfinished device copies may still write the slots of {batches:?}; their outcomes come when those end")]
     SlotsHeld {
         /// The batches whose slots are held.
         batches: Arc<[BatchId]>,

@@ -14,15 +14,20 @@ use crate::{
 /// Readiness lives in the loader's layer counter; the handle keeps no copy of it, so a
 /// layer waited on twice asks the counter twice (one atomic load once it is ready).
 ///
-/// Take the outcome with [`finish`] (or the loader's `completed`); a handle dropped
-/// unfinished abandons the batch ([`KvLoader::abandon`]: kvlink's linker stops its load at
-/// the next group of layers; its slots may go to another batch once the load is over, and its
-/// place among those in flight when a start needs it), leaves its outcome to
-/// [`KvLoader::completed`] (kvlink's loaders let the oldest such outcomes go once more than
-/// their capacity wait), and logs that it did, at `warn`.
+/// Take the outcome with [`finish`] (or the loader's `completed`). For a request aborted or
+/// preempted mid-load, [`abort`] stops the load and takes its outcome: once it returns `Ok`,
+/// nothing of the load writes the batch's slots, and they may go back to the free list. A
+/// handle dropped unfinished abandons the batch ([`KvLoader::abandon`]: kvlink's linker stops
+/// its load at the next group of layers; its slots may go to another batch's load once the
+/// load is over, and its place among those in flight when a start needs it), leaves its
+/// outcome to [`KvLoader::completed`] (kvlink's loaders let the oldest such outcomes go once
+/// more than their capacity wait), and logs that it did, at `warn`. After a drop, the load
+/// may still be writing the slots for a while: do not write them yourself (your own kernels
+/// do not look at kvlink's claims) before the batch's outcome comes through `completed`.
 ///
 /// [`wait_layer`]: LoadHandle::wait_layer
 /// [`finish`]: LoadHandle::finish
+/// [`abort`]: LoadHandle::abort
 ///
 /// ```
 /// # #[cfg(feature = "mock")] {
@@ -125,6 +130,22 @@ impl LoadHandle {
         self.finished = true;
         self.loader.wait_batch(&self.ticket)
     }
+
+    /// Abandons the batch ([`KvLoader::abandon`]: its request was aborted or preempted; the
+    /// load stops at its next group of layers), then waits (bounded) for its outcome and
+    /// takes it, consuming the handle: an engine frees the batch's slots on `Ok`, whatever
+    /// the outcome says (most often `Cancelled`; the pages are not read), since nothing of the
+    /// load writes them any more. `Err(e)`: as [`finish`](Self::finish), the load may still
+    /// write the slots (keep them out of use, and reset:
+    /// [`EngineAction::ResetThenRecompute`](crate::EngineAction::ResetThenRecompute)). In a
+    /// TP group every rank aborts its own handle of the batch; a rank that aborts fails the
+    /// batch on every rank.
+    pub fn abort(mut self) -> Result<BatchOutcome, KvLoadError> {
+        self.finished = true;
+        self.loader.abandon(&self.ticket);
+        tracing::debug!(batch = %self.ticket.batch, "load aborted: waiting for its outcome");
+        self.loader.wait_batch(&self.ticket)
+    }
 }
 
 impl Drop for LoadHandle {
@@ -182,6 +203,25 @@ mod tests {
             .filter(|c| matches!(c, MockCall::WaitBatch { .. }))
             .count();
         assert_eq!(waits, 2, "each finish takes its batch's outcome once");
+    }
+
+    /// An aborted handle abandons its batch and takes its outcome: nothing is left to
+    /// `completed`, and the slot is free for the next batch at once.
+    #[test]
+    fn an_aborted_handle_abandons_its_batch_and_takes_its_outcome() {
+        let mock = Arc::new(MockKvLoader::new(2, MockScript::default()));
+        let h = LoadHandle::start(mock.clone(), plan(6)).unwrap();
+        let outcome = h.abort().unwrap();
+        assert_eq!(outcome.batch, BatchId(6));
+        assert!(mock.completed().is_empty());
+        let calls = mock.calls();
+        let abandoned = calls
+            .iter()
+            .position(|c| matches!(c, MockCall::Abandon { batch } if *batch == BatchId(6)));
+        let waited = calls
+            .iter()
+            .position(|c| matches!(c, MockCall::WaitBatch { batch } if *batch == BatchId(6)));
+        assert!(abandoned.is_some() && abandoned < waited, "{calls:?}");
     }
 
     #[test]

@@ -37,6 +37,10 @@ pub trait KvLoader: Send + Sync {
     /// read). A lookup never followed by a load must be harmless: whatever it holds is let
     /// go within a bound the implementation documents, and by [`reset`](KvLoader::reset) and
     /// [`close`](KvLoader::close).
+    ///
+    /// In a TP group a lookup is collective: every rank makes the same lookups in the same
+    /// order, so call it (and `start_load`) from one issuer per rank (the scheduler's thread;
+    /// in an async server one task awaiting each call in turn, not a task per request).
     fn lookup(&self, request: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError>;
 
     /// [`lookup`](KvLoader::lookup) in the language of [`save`](KvLoader::save) and of a
@@ -147,7 +151,8 @@ pub trait KvLoader: Send + Sync {
     /// named).
     ///
     /// The wait is bounded (kvlink's linker: its `wait_deadline`). When a batch may still
-    /// write its slots at the bound (a store call past its deadline, or work still running),
+    /// write its slots at the bound (a store call past its deadline, device copies past the
+    /// drain limit, or work still running),
     /// the answer is [`KvLoadError::SlotsHeld`] naming those batches: their slots must not be
     /// reused until their outcomes come (through [`completed`](Self::completed)).
     fn reset(&self) -> Result<(), KvLoadError>;

@@ -51,6 +51,11 @@ pub enum MockCall {
         /// The batch.
         batch: BatchId,
     },
+    /// `abandon` of this batch.
+    Abandon {
+        /// The batch.
+        batch: BatchId,
+    },
     /// `completed`.
     Completed,
     /// `save` of this batch with this many pages.
@@ -786,6 +791,9 @@ impl KvLoader for MockKvLoader {
     /// As the linker (not recorded as a call).
     fn abandon(&self, ticket: &LoadTicket) {
         let mut st = self.state.lock();
+        st.calls.push(MockCall::Abandon {
+            batch: ticket.batch,
+        });
         if st.live.get(&ticket.batch).is_some_and(|(t, _)| t == ticket) {
             st.abandoned.insert(ticket.batch);
         }

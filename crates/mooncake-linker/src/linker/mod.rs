@@ -17,6 +17,7 @@ mod checksum_cache;
 mod companion;
 mod compute;
 mod config;
+mod copies_held;
 mod fresh_companion;
 mod gate;
 mod granularity;
@@ -226,6 +227,13 @@ impl Inner {
             });
             let alone = matches!(&result, Ok(stats) if stats.alone.is_some());
             gates.settled(job.plan.logical.batch, alone);
+            // A device pool's failed batch whose copies into its slots did not finish: its
+            // outcome waits for them too.
+            let held = held.or_else(|| {
+                (result.is_err() && job.ticket.is_some()).then(|| {
+                    copies_held::hold_while_copies_run(&self.pool, &job.plan.slots, &self.outcomes)
+                })?
+            });
             self.finish_job(job, result, held);
             self.outcomes.set_running(None);
         }

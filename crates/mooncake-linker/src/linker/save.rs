@@ -60,6 +60,7 @@ impl Inner {
             let missing = self.missing_objects(plan, &comp, &mut report)?;
             todo.push((comp, missing));
         }
+        let _reading = self.claim_for_save(plan, &todo)?;
         // Page by page, not component by component: round `r` puts every component's `r`th
         // chunk of missing objects, so a save that fails leaves the pages before the failing
         // chunk whole (every component), a shorter prefix a lookup still finds. Component by
@@ -83,6 +84,32 @@ impl Inner {
         report.settle_pages(plan.logical.num_pages());
         debug!(?report, "saved");
         Ok(report)
+    }
+
+    /// The slots of every page some component of `todo` saves, claimed for reading (beside
+    /// other readers) until the save returns: its chunks read them one after the other, and
+    /// an engine that writes one before the chunk that reads it (the block of a finished
+    /// request handed to the next one while the save runs) is refused (`SlotBusy`: kvlink's
+    /// `write_slot` and landings) rather than have its bytes saved under this plan's page
+    /// hashes. `None` for a pool that keeps no claims.
+    fn claim_for_save(
+        &self,
+        plan: &BatchPlan,
+        todo: &[(ComponentKeys, Vec<usize>)],
+    ) -> Result<Option<kv_device::ReadClaims>, KvLoadError> {
+        if self.pool.slot_claims().is_none() {
+            return Ok(None);
+        }
+        let mut slots: Vec<u32> = todo
+            .iter()
+            .flat_map(|(_, missing)| missing.iter().filter_map(|&page| plan.slots.get(page)))
+            .copied()
+            .collect();
+        slots.sort_unstable();
+        slots.dedup();
+        kv_device::SlotClaims::read_all(&self.pool, &slots)
+            .map(Some)
+            .map_err(KvLoadError::from)
     }
 
     /// Objects per store call: `save_chunk`, and for a pool saved through staging no more than
