@@ -58,7 +58,7 @@ check_shim() { # $1: the library to check
   [[ -z "$missing" ]] || mc_die "unresolved dependencies of $lib (apt-get install libibverbs1?):
 $missing"
   for sym in mooncake_store_create mooncake_store_setup mooncake_store_batch_get_into kvlink_mc_abi_info \
-             kvlink_mc_batch_get_ranges kvlink_mc_batch_get_session_start kvlink_mc_batch_upsert_from; do
+             kvlink_mc_batch_get_ranges kvlink_mc_batch_get_session_start kvlink_mc_batch_upsert_from kvlink_mc_setup; do
     nm -D --defined-only "$lib" | grep -w "$sym" >/dev/null || mc_die "$lib does not export $sym"
   done
   readelf -d "$lib" | grep "NEEDED.*\[$MC_PYTHON_SONAME\]" >/dev/null || mc_die "$lib does not NEED $MC_PYTHON_SONAME"

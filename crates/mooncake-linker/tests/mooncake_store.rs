@@ -233,6 +233,59 @@ fn discard_removes_an_object_a_lease_holds() {
     );
 }
 
+/// On a master in strict multi-tenant mode (`--enable_multi_tenants`, tenants `tenant-a` and
+/// `tenant-b` registered), clients of one tenant share objects and clients of the other do
+/// not see them (`MooncakeConfig::tenant`, `MOONCAKE_TENANT_ID`). Before, every kvlink client
+/// joined the `default` tenant whatever the deployment said: there, unregistered, every put
+/// failed, and kvlink found none of its tenant's objects. (Without strict mode this wheel's
+/// master keeps one key space for every tenant: measured, with its Python client too.)
+#[test]
+fn clients_of_a_tenant_share_objects_and_other_tenants_do_not_see_them() {
+    if !available(
+        "clients_of_a_tenant_share_objects_and_other_tenants_do_not_see_them",
+        &["MOONCAKE_MASTER_BIN"],
+    ) {
+        return;
+    }
+    let policy = std::env::temp_dir().join(format!("{}.yaml", unique("kvlink-tenants")));
+    let quota = 1u64 << 30;
+    std::fs::write(
+        &policy,
+        format!(
+            "version: 1\ntenants:\n  - name: tenant-a\n    quota: {quota}\n  - name: \
+             tenant-b\n    quota: {quota}\n"
+        ),
+    )
+    .unwrap();
+    let uri = format!("--tenant_quota_connector_uri={}", policy.display());
+    let master = PrivateMaster::start(&["--enable_multi_tenants=true", &uri]);
+    let of = |tenant: &str| {
+        MooncakeStore::connect(master.config(32 << 20).tenant(tenant)).expect("connect")
+    };
+    let (a, a_again, b) = (of("tenant-a"), of("tenant-a"), of("tenant-b"));
+    let unregistered = of("default");
+    assert!(
+        put_one(&unregistered, &unique("tenant"), &pattern(8, 4096)).is_err(),
+        "a put of an unregistered tenant"
+    );
+    let key = unique("tenant");
+    let data = pattern(9, 8192);
+    assert_eq!(put_one(&a, &key, &data), Ok(PutOutcome::Written));
+    assert_eq!(a_again.exists(&[&key]), vec![Ok(true)]);
+    assert_eq!(get_one(&a_again, &key, 8192).unwrap(), data);
+    assert_eq!(
+        b.exists(&[&key]),
+        vec![Ok(false)],
+        "another tenant's object"
+    );
+    // The other tenant writes its own object under the same key.
+    let theirs = pattern(10, 8192);
+    assert_eq!(put_one(&b, &key, &theirs), Ok(PutOutcome::Written));
+    assert_eq!(get_one(&b, &key, 8192).unwrap(), theirs);
+    assert_eq!(get_one(&a, &key, 8192).unwrap(), data);
+    let _ = std::fs::remove_file(&policy);
+}
+
 /// A copying put (registered-only memory, as over RDMA) goes through the client's local
 /// buffer: an object larger than it is refused saying so, and the puts after it in the same
 /// call still go. Before, the wheel's INVALID_PARAMS came back, and the first failure made

@@ -70,7 +70,7 @@ int mooncake_store_unregister_buffer(mooncake_store_t store, void *buffer);
 /* ---------------------------------------------------------------- part 2: kvlink extensions */
 
 /* Bumped whenever a kvlink_mc_* signature or struct changes. */
-#define KVLINK_MC_ABI_VERSION 1
+#define KVLINK_MC_ABI_VERSION 2
 
 /* The shim's own error codes (Mooncake's ErrorCode never uses this range). */
 #define KVLINK_MC_ERR_NULL_ARG (-90001)      /* a required pointer (or key) was NULL */
@@ -140,6 +140,14 @@ int kvlink_mc_batch_get_session_end(mooncake_store_t store, const char **keys, s
 int kvlink_mc_batch_upsert_from(mooncake_store_t store, const char **keys, void **buffers,
                                 const size_t *sizes, size_t count,
                                 const mooncake_replicate_config_t *cfg, int *results_out);
+
+/* mooncake_store_setup in Mooncake tenant `tenant_id` (the wheel's MOONCAKE_TENANT_ID; "default"
+ * is what mooncake_store_setup uses): objects are put and found within the tenant's key space.
+ * Returns 0, or non-zero on failure. (ABI 2.) */
+int kvlink_mc_setup(mooncake_store_t store, const char *local_hostname,
+                    const char *metadata_server, uint64_t global_segment_size,
+                    uint64_t local_buffer_size, const char *protocol, const char *device_name,
+                    const char *master_server_addr, const char *tenant_id);
 
 #ifdef __cplusplus
 }

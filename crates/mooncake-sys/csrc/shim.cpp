@@ -209,19 +209,9 @@ int mooncake_store_setup(mooncake_store_t store, const char *local_hostname,
                          const char *metadata_server, uint64_t global_segment_size,
                          uint64_t local_buffer_size, const char *protocol,
                          const char *device_name, const char *master_server_addr) {
-    return guarded<int>([&]() -> int {
-        RealClient &c = client_of(store);
-        const std::string host = str(local_hostname, "local_hostname is NULL");
-        const std::string meta = str(metadata_server, "metadata_server is NULL");
-        const std::string proto = str(protocol, "protocol is NULL");
-        const std::string dev = device_name ? std::string(device_name) : std::string();
-        const std::string master = str(master_server_addr, "master_server_addr is NULL");
-        const std::shared_ptr<mooncake::TransferEngine> no_engine;
-        return c.setup_real(host, meta, global_segment_size, local_buffer_size, proto, dev, master,
-                            no_engine, /*ipc_socket_path=*/"", /*enable_ssd_offload=*/false,
-                            /*ssd_offload_path=*/"", /*tenant_id=*/"default",
-                            /*enable_client_http_server=*/false, /*client_http_port=*/9300);
-    });
+    return kvlink_mc_setup(store, local_hostname, metadata_server, global_segment_size,
+                           local_buffer_size, protocol, device_name, master_server_addr,
+                           "default");
 }
 
 int mooncake_store_health_check(mooncake_store_t store) {
@@ -470,6 +460,26 @@ int kvlink_mc_batch_get_session_end(mooncake_store_t store, const char **keys, s
         RealClient &c = client_of(store);
         if (count == 0) return 0;
         return c.batch_get_session_end(keys_of(keys, count));
+    });
+}
+
+int kvlink_mc_setup(mooncake_store_t store, const char *local_hostname,
+                    const char *metadata_server, uint64_t global_segment_size,
+                    uint64_t local_buffer_size, const char *protocol, const char *device_name,
+                    const char *master_server_addr, const char *tenant_id) {
+    return guarded<int>([&]() -> int {
+        RealClient &c = client_of(store);
+        const std::string host = str(local_hostname, "local_hostname is NULL");
+        const std::string meta = str(metadata_server, "metadata_server is NULL");
+        const std::string proto = str(protocol, "protocol is NULL");
+        const std::string dev = device_name ? std::string(device_name) : std::string();
+        const std::string master = str(master_server_addr, "master_server_addr is NULL");
+        const std::string tenant = str(tenant_id, "tenant_id is NULL");
+        const std::shared_ptr<mooncake::TransferEngine> no_engine;
+        return c.setup_real(host, meta, global_segment_size, local_buffer_size, proto, dev, master,
+                            no_engine, /*ipc_socket_path=*/"", /*enable_ssd_offload=*/false,
+                            /*ssd_offload_path=*/"", tenant,
+                            /*enable_client_http_server=*/false, /*client_http_port=*/9300);
     });
 }
 

@@ -39,7 +39,6 @@ pub const ENV_DIR: &str = "KVLINK_MOONCAKE_DIR";
 pub(crate) struct Core {
     pub create: sys::FnCreate,
     pub destroy: sys::FnDestroy,
-    pub setup: sys::FnSetup,
     pub health_check: sys::FnHealthCheck,
     pub put: sys::FnPut,
     pub put_from: sys::FnPutFrom,
@@ -67,6 +66,7 @@ pub(crate) struct Extensions {
     pub batch_get_session_start: sys::FnBatchGetSessionStart,
     pub batch_get_session_end: sys::FnBatchGetSessionEnd,
     pub batch_upsert_from: sys::FnBatchUpsertFrom,
+    pub setup: sys::FnMcSetup,
 }
 
 /// What the shim reports about the ABI it was compiled against (`kvlink_mc_abi_info`).
@@ -223,7 +223,6 @@ impl Library {
         let core = Core {
             create: symbol(&handle, &path, symbols::CREATE)?,
             destroy: symbol(&handle, &path, symbols::DESTROY)?,
-            setup: symbol(&handle, &path, symbols::SETUP)?,
             health_check: symbol(&handle, &path, symbols::HEALTH_CHECK)?,
             put: symbol(&handle, &path, symbols::PUT)?,
             put_from: symbol(&handle, &path, symbols::PUT_FROM)?,
@@ -259,6 +258,7 @@ impl Library {
                 batch_get_session_start: symbol(&handle, &path, symbols::BATCH_GET_SESSION_START)?,
                 batch_get_session_end: symbol(&handle, &path, symbols::BATCH_GET_SESSION_END)?,
                 batch_upsert_from: symbol(&handle, &path, symbols::BATCH_UPSERT_FROM)?,
+                setup: symbol(&handle, &path, symbols::MC_SETUP)?,
             }),
         };
         let abi = match &ext {

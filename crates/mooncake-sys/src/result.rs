@@ -199,6 +199,9 @@ pub struct SetupArgs {
     pub device_name: String,
     /// The master's RPC address, `"host:port"`.
     pub master_server_addr: String,
+    /// The Mooncake tenant whose key space the client puts and finds objects in
+    /// (`"default"`, the wheel's own default and `MOONCAKE_TENANT_ID`'s).
+    pub tenant_id: String,
 }
 
 /// `mooncake_store_create`: a new, not yet set up client.
@@ -224,7 +227,7 @@ pub unsafe fn destroy(lib: &Library, store: MooncakeStoreT) {
     unsafe { (lib.core.destroy)(store) }
 }
 
-/// `mooncake_store_setup`.
+/// `kvlink_mc_setup` (`mooncake_store_setup` in a tenant).
 ///
 /// # Safety
 /// `store` is a live handle of `lib` (see the module docs).
@@ -234,9 +237,11 @@ pub unsafe fn setup(lib: &Library, store: MooncakeStoreT, args: &SetupArgs) -> R
     let proto = cstring("protocol", &args.protocol)?;
     let dev = cstring("device_name", &args.device_name)?;
     let master = cstring("master_server_addr", &args.master_server_addr)?;
+    let tenant = cstring("tenant_id", &args.tenant_id)?;
+    let f = lib.extensions("setup")?.setup;
     // SAFETY: live handle (caller); every string is a NUL-terminated CString alive for the call.
     let rc = unsafe {
-        (lib.core.setup)(
+        f(
             store,
             host.as_ptr(),
             meta.as_ptr(),
@@ -245,6 +250,7 @@ pub unsafe fn setup(lib: &Library, store: MooncakeStoreT, args: &SetupArgs) -> R
             proto.as_ptr(),
             dev.as_ptr(),
             master.as_ptr(),
+            tenant.as_ptr(),
         )
     };
     // setup returns 0 on success and any non-zero value (not only negatives) on failure.

@@ -164,13 +164,25 @@ pub type FnBatchGetSessionEnd =
     unsafe extern "C" fn(MooncakeStoreT, *const *const c_char, usize) -> c_int;
 /// `kvlink_mc_batch_upsert_from`.
 pub type FnBatchUpsertFrom = FnBatchPutFrom;
+/// `kvlink_mc_setup`: `mooncake_store_setup`'s arguments, then the tenant.
+pub type FnMcSetup = unsafe extern "C" fn(
+    MooncakeStoreT,
+    *const c_char,
+    *const c_char,
+    u64,
+    u64,
+    *const c_char,
+    *const c_char,
+    *const c_char,
+    *const c_char,
+) -> c_int;
 
 // ---------------------------------------------------------------------------------------------
 // ABI expectations: what this crate was written against. A shim reporting anything else is
 // refused at load time (see `Library::open`).
 
 /// `KVLINK_MC_ABI_VERSION` this crate speaks.
-pub const KVLINK_MC_ABI_VERSION: u32 = 1;
+pub const KVLINK_MC_ABI_VERSION: u32 = 2;
 /// The wheel version the shim must have been built for.
 pub const EXPECTED_WHEEL_VERSION: &str = "0.3.13.post1";
 /// Expected `sizeof(mooncake::ReplicateConfig)` (x86_64, libstdc++) for the pinned wheel.
@@ -231,6 +243,8 @@ pub mod symbols {
     pub const BATCH_GET_SESSION_END: &[u8] = b"kvlink_mc_batch_get_session_end\0";
     /// See [`ABI_INFO`].
     pub const BATCH_UPSERT_FROM: &[u8] = b"kvlink_mc_batch_upsert_from\0";
+    /// See [`ABI_INFO`] (ABI 2).
+    pub const MC_SETUP: &[u8] = b"kvlink_mc_setup\0";
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ fn setup_args(master: String) -> SetupArgs {
         protocol: env_or("MOONCAKE_PROTOCOL", "tcp"),
         device_name: std::env::var("MOONCAKE_DEVICE").unwrap_or_default(),
         master_server_addr: master,
+        tenant_id: env_or("MOONCAKE_TENANT_ID", "default"),
     }
 }
 

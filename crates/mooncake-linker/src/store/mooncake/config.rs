@@ -42,6 +42,7 @@ pub enum MooncakeConfigError {
 /// | `MOONCAKE_GLOBAL_SEGMENT_SIZE` | [`global_segment_size`](Self::global_segment_size) | 4 GiB | RAM this process lends to the pool (`0`: pure client); bytes or `4gb`, `512MB`, `1 GB` (1024-based) |
 /// | `MOONCAKE_LOCAL_BUFFER_SIZE` (else `SGLANG_MOONCAKE_LOCAL_BUFFER_SIZE`) | [`local_buffer_size`](Self::local_buffer_size) | 16 MiB | the client's staging buffer for copying puts/gets |
 /// | `MOONCAKE_LOCAL_HOSTNAME` (else `LOCAL_HOSTNAME`) | [`local_hostname`](Self::local_hostname) | `localhost` | address other clients reach this one at |
+/// | `MOONCAKE_TENANT_ID` | [`tenant`](Self::tenant) | [`DEFAULT_TENANT`] | the Mooncake tenant (key space) objects are put and found in, as the wheel and SGLang read it |
 /// | `MOONCAKE_STORE_LIBRARY` | [`library`](Self::library) | search (mooncake-sys) | the store library (kvlink shim) to load |
 /// | `KVLINK_MOONCAKE_READ_STREAMS` | [`read_streams`](Self::read_streams) | [`auto_read_streams`] | concurrent calls one ranged read is split into (kvlink's own) |
 /// | `KVLINK_MOONCAKE_STAGED_MERGE` | [`staged_merge`](Self::staged_merge) | on for `tcp` (not used over other protocols) | read a key's ranges that continue in the object as one range through scratch (kvlink's own; `0`/`1`) |
@@ -71,7 +72,11 @@ pub struct MooncakeConfig {
     read_streams: usize,
     staged_merge: Option<bool>,
     registered_only: bool,
+    tenant: String,
 }
+
+/// The Mooncake tenant a client joins unless told otherwise (the wheel's default).
+pub const DEFAULT_TENANT: &str = "default";
 
 /// SGLang's default global segment: "4gb".
 pub const DEFAULT_GLOBAL_SEGMENT_SIZE: u64 = 4 << 30;
@@ -145,6 +150,7 @@ impl MooncakeConfig {
             read_streams: default_read_streams(),
             staged_merge: None,
             registered_only: false,
+            tenant: DEFAULT_TENANT.into(),
         }
     }
 
@@ -192,6 +198,9 @@ impl MooncakeConfig {
         }
         if let Some(h) = var("MOONCAKE_LOCAL_HOSTNAME").or_else(|| var("LOCAL_HOSTNAME")) {
             cfg.local_hostname = h.trim().to_owned();
+        }
+        if let Some(t) = var("MOONCAKE_TENANT_ID") {
+            cfg.tenant = t.trim().to_owned();
         }
         if let Some(l) = var("MOONCAKE_STORE_LIBRARY") {
             cfg.library = Some(PathBuf::from(l));
@@ -257,6 +266,18 @@ impl MooncakeConfig {
     /// Address other clients reach this one at.
     pub fn local_hostname(mut self, hostname: impl Into<String>) -> Self {
         self.local_hostname = hostname.into();
+        self
+    }
+
+    /// The Mooncake tenant whose key space this client puts and finds objects in: servers
+    /// that share a cache (kvlink's and SGLang's alike) name the same one, and tenants
+    /// meant to be apart name different ones. Tenants have key spaces of their own on a
+    /// master in strict multi-tenant mode (`--enable_multi_tenants`, tenants registered in
+    /// its quota policy), where an unregistered tenant's puts fail
+    /// (`TENANT_NOT_REGISTERED`); without it the pinned wheel's master keeps one key space
+    /// for every tenant (measured).
+    pub fn tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant = tenant.into();
         self
     }
 
@@ -349,6 +370,11 @@ impl MooncakeConfig {
         &self.local_hostname
     }
 
+    /// See [`tenant`](Self::tenant).
+    pub fn tenant_id(&self) -> &str {
+        &self.tenant
+    }
+
     /// See [`library`](Self::library).
     pub fn library_path(&self) -> Option<&std::path::Path> {
         self.library.as_deref()
@@ -414,6 +440,7 @@ impl MooncakeConfig {
             protocol: self.protocol.clone(),
             device_name: self.device.clone(),
             master_server_addr: self.master.clone(),
+            tenant_id: self.tenant.clone(),
         }
     }
 }
@@ -490,6 +517,22 @@ mod tests {
             matches!(&zero, Err(StoreError::InvalidArgument { detail, .. }) if detail.contains("lease")),
             "{zero:?}"
         );
+    }
+
+    /// The tenant is the wheel's: `MOONCAKE_TENANT_ID`, else `default`, and goes to setup.
+    /// Before, every kvlink client joined `default` whatever the deployment said.
+    #[test]
+    fn the_tenant_is_read_and_set_up() {
+        let plain = MooncakeConfig::from_lookup(lookup(&[("MOONCAKE_MASTER", "h:1")])).unwrap();
+        assert_eq!(plain.tenant_id(), DEFAULT_TENANT);
+        let vars = [
+            ("MOONCAKE_MASTER", "h:1"),
+            ("MOONCAKE_TENANT_ID", " tenant-a "),
+        ];
+        let cfg = MooncakeConfig::from_lookup(lookup(&vars)).unwrap();
+        assert_eq!(cfg.tenant_id(), "tenant-a");
+        assert_eq!(cfg.setup_args().tenant_id, "tenant-a");
+        assert_eq!(cfg.tenant("b").setup_args().tenant_id, "b");
     }
 
     #[test]

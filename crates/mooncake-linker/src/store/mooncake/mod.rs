@@ -27,8 +27,8 @@ mod store;
 
 pub use config::{
     auto_read_streams, parse_size, MooncakeConfig, MooncakeConfigError,
-    DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LEASE, DEFAULT_LOCAL_BUFFER_SIZE, MAX_READ_STREAMS,
-    MIN_LEASE,
+    DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LEASE, DEFAULT_LOCAL_BUFFER_SIZE, DEFAULT_TENANT,
+    MAX_READ_STREAMS, MIN_LEASE,
 };
 pub use gate::{TRANSFER_WAIT, UNREGISTER_WAIT};
 pub use mooncake_sys::ReplicateConfig;
