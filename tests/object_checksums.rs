@@ -312,6 +312,48 @@ fn a_wrong_size_object_is_replaced_by_the_next_save() {
     load_verified(&linker, &pool, &pages, 3, &[0, 1, 2]);
 }
 
+/// Another kvlink deployment sharing the namespace with another geometry (a TP size, an
+/// indexer layer count) writes a key at another size, with a companion that describes its
+/// object whole: a load here fails its size check, and leaves the pair in place in a
+/// namespace other writers may share (in the model's, which names the geometry, it is
+/// discarded). Before, it was discarded wherever a companion was found, and the two
+/// deployments removed each other's objects in turn.
+#[test]
+fn another_deployments_object_of_another_geometry_is_left_in_place() {
+    for (cfg, discarded) in [(model_config(), true), (config(), false)] {
+        let Saved { store, pages, g } = saved_in(46, 3, &cfg);
+        let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
+        let linker = Linker::new(g.clone(), store.clone(), pool, cfg.clone()).unwrap();
+        let plan = load_plan(&g, 0, &pages, vec![0, 1, 2]);
+        let key = linker.object_keys(&plan).unwrap()[0][1].clone();
+        let layer_bytes = g.components()[0].page_layer_bytes as usize;
+        // Its object: one layer more than this geometry's, and the companion of that.
+        let mut theirs = get(store.as_ref(), &key).unwrap();
+        theirs.extend(std::iter::repeat_n(0x5a, layer_bytes));
+        let sums = ObjectChecksums::of_object(&theirs, layer_bytes as u64).unwrap();
+        let companion = checksum_key(&key);
+        assert_eq!(
+            store.remove(&[key.as_str(), &companion]),
+            vec![Ok(()), Ok(())]
+        );
+        put(store.as_ref(), &key, &theirs);
+        put(store.as_ref(), &companion, &sums.encode());
+        let t = linker
+            .start_load(load_plan(&g, 1, &pages, vec![4, 5, 6]))
+            .unwrap();
+        let failed = linker.wait_batch(&t).unwrap().result.unwrap_err();
+        assert!(is_object_size(&failed), "{failed}");
+        let ns = &cfg.namespace;
+        assert_eq!(get(store.as_ref(), &key).is_none(), discarded, "{ns:?}");
+        assert_eq!(
+            get(store.as_ref(), &companion).is_none(),
+            discarded,
+            "{ns:?}"
+        );
+        linker.close().unwrap();
+    }
+}
+
 /// Two pages of prompt `seed` for rank 0 of TP 1 of [`small_spec`]: the plan (slots 0 and 1),
 /// its object keys (component, then page) and a pool holding the pages' bytes in those slots.
 struct TwoPages {

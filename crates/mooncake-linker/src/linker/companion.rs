@@ -19,7 +19,7 @@ use crate::store::StoreError;
 
 /// Longest companion read again at its own size to tell a newer writer's from a bad one (a
 /// companion of this version is 28 B + 8 B a layer: 652 B for 78 layers).
-const MAX_COMPANION_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_COMPANION_BYTES: u64 = 1 << 20;
 
 /// The "newer writer's companion" lines logged at `warn` lately (once a minute).
 static UNSUPPORTED_LOG: LogEvery = LogEvery::new();

@@ -14,11 +14,12 @@ use std::time::Instant;
 
 use dedup_broadcast::StagingLayout;
 use kv_device::{DeviceError, DeviceShare, LayerLanding, ReadTarget, StageLoan};
-use kv_geometry::{checksum_key, ComponentId, ComponentLayout, Namespace};
+use kv_geometry::{checksum_key, ComponentId, ComponentLayout, Namespace, ObjectChecksums};
 use kv_loader::{BatchId, KvLoadError, PlanError, StoreFailure};
 use smallvec::SmallVec;
 
 use super::checksum_cache::ChecksumCache;
+use super::companion::MAX_COMPANION_BYTES;
 use super::landed::LandedSums;
 use super::wrong_sized::WrongSized;
 
@@ -363,11 +364,14 @@ pub(crate) enum WrongSizeAction {
     /// (`Namespace::Model`), which names the geometry, so every writer of the key agrees on
     /// its bytes and a wrong size is a broken object.
     Discard,
-    /// Discard it only if kvlink wrote it (its checksum companion is there): its key is in a
-    /// namespace other writers may share (SGLang's, or any `Namespace::Exact`), and one whose
-    /// geometry differs (SGLang with MTP draft layers packed after the model's) writes other
-    /// sizes, with no companion. Removing theirs destroyed their cache, under their own reads
-    /// too (the removal is forced); it is left in place, and the batch fails all the same.
+    /// Discard it only if it is a broken object of kvlink's (its checksum companion is there
+    /// and does not describe it): its key is in a namespace other writers may share
+    /// (SGLang's, or any `Namespace::Exact`), and one whose geometry differs writes other
+    /// sizes: SGLang with MTP draft layers packed after the model's (no companion), or
+    /// another kvlink deployment (another TP size, another indexer layer count) whose
+    /// companion describes its object whole. Removing theirs destroyed their cache, under
+    /// their own reads too (the removal is forced), and the two deployments took turns
+    /// removing each other's; it is left in place, and the batch fails all the same.
     DiscardOwn,
 }
 
@@ -380,18 +384,49 @@ impl WrongSizeAction {
         }
     }
 
-    /// Whether `key`, found at the wrong size, is to be discarded (one store call where only
-    /// kvlink's own go: a companion whose presence cannot be told spares the object).
-    fn discards(self, calls: &StoreCalls, key: &str, deadline: Instant) -> bool {
+    /// Whether `key`, found at `actual` bytes (the wrong size), is to be discarded. Where
+    /// only kvlink's broken objects go, its companion is asked for (its size, then a read at
+    /// it): none, one that describes `actual` bytes whole (another kvlink deployment's
+    /// object of another geometry), or one whose state cannot be told (a store error) spares
+    /// the object.
+    fn discards(self, calls: &StoreCalls, key: &str, actual: u64, deadline: Instant) -> bool {
         match self {
             WrongSizeAction::Discard => true,
             WrongSizeAction::DiscardOwn => {
                 let companion = checksum_key(key);
-                let found = calls.exists(&[companion.as_str()], deadline);
-                matches!(found.first(), Some(Ok(true)))
+                let size = match calls.object_size(&[companion.as_str()], deadline).pop() {
+                    Some(Ok(size)) => size,
+                    _ => return false,
+                };
+                if size > MAX_COMPANION_BYTES {
+                    return true;
+                }
+                let read =
+                    calls.read_whole_owned(&[companion.as_str()], &[size as usize], deadline);
+                match read.into_iter().next() {
+                    Some(Ok(bytes)) => match ObjectChecksums::decode(&bytes) {
+                        Ok(sums) if describes(&sums, actual) => {
+                            tracing::warn!(
+                                key,
+                                actual,
+                                layers = sums.sums.len(),
+                                layer_bytes = sums.layer_bytes,
+                                "an object of another geometry whose companion describes it                                  whole (another kvlink deployment sharing this namespace):                                  left in place"
+                            );
+                            false
+                        }
+                        _ => true,
+                    },
+                    _ => false,
+                }
             }
         }
     }
+}
+
+/// Whether `sums` describe an object of `bytes` bytes whole (its layers end to end).
+fn describes(sums: &ObjectChecksums, bytes: u64) -> bool {
+    (sums.sums.len() as u64).checked_mul(sums.layer_bytes) == Some(bytes)
 }
 
 /// Checks that the objects of `components` at plan pages `pages` hold exactly the bytes the
@@ -428,16 +463,17 @@ pub(crate) fn check_object_sizes(
                         },
                     };
                     kept.remove(keys[i]);
-                    if !on_wrong.discards(calls, keys[i], deadline) {
+                    if !on_wrong.discards(calls, keys[i], actual, deadline) {
                         tracing::warn!(
                             %batch,
                             key = keys[i],
                             expected,
                             actual,
-                            "an object of the wrong size, without kvlink's checksum companion, \
-                             in a namespace other writers may share: left in place (its \
-                             writer's geometry may differ, e.g. SGLang with MTP draft layers); \
-                             the batch fails and its pages are recomputed"
+                            "an object of the wrong size, not a broken one of kvlink's, in a \
+                             namespace other writers may share: left in place (its writer's \
+                             geometry may differ, e.g. SGLang with MTP draft layers, or another \
+                             kvlink deployment's TP size); the batch fails and its pages are \
+                             recomputed"
                         );
                         return Err(error);
                     }
