@@ -42,6 +42,48 @@ pub fn run(report: &mut Report) {
         "an event on the default stream is refused where another context is current",
         default_stream_of_another_context_refused,
     );
+    report.check(
+        SEC,
+        "a wait on the default stream is refused where another context is current",
+        default_stream_wait_of_another_context_refused,
+    );
+}
+
+/// Before, a layer event's wait on stream handle 0 on a thread running another context (a
+/// pooled thread that served another GPU) was queued on that context's default stream:
+/// `Ok`, and the engine's attention on this GPU ordered after nothing.
+fn default_stream_wait_of_another_context_refused() -> Result<String, String> {
+    let dev = CudaDevice::new(0).map_err(de)?;
+    // SAFETY: events and raw copies of this crate's memory on the load stream: no
+    // `CudaSlice` is made through it.
+    let ev = std::sync::Arc::new(
+        CudaLayerEvent::record_on(unsafe { dev.cuda_load_stream() }, 0).map_err(de)?,
+    );
+    let theirs = ev.clone();
+    std::thread::spawn(move || -> Result<(), String> {
+        let _engine = EngineContext::new()?;
+        for handle in [0, 1, 2] {
+            // SAFETY: 0, 1 and 2 are the default stream handles, live in every context.
+            let default = unsafe { kvlink::kv_loader::RawStream::from_raw(handle) };
+            if theirs.wait_on_stream(default).is_ok() {
+                return Err(format!("handle {handle} waited under another context"));
+            }
+        }
+        Ok(())
+    })
+    .join()
+    .map_err(|_| "the engine thread panicked".to_string())??;
+    std::thread::spawn(move || -> Result<(), String> {
+        // SAFETY: as above.
+        let default = unsafe { kvlink::kv_loader::RawStream::from_raw(0) };
+        ev.wait_on_stream(default).map_err(|e| e.to_string())
+    })
+    .join()
+    .map_err(|_| "a thread panicked".to_string())??;
+    Ok(
+        "handles 0, 1, 2 refused under another context; handle 0 waited on a thread with none"
+            .into(),
+    )
 }
 
 /// Before, `record_on` with stream handle 0 on a thread running another context recorded on

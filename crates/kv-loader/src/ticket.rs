@@ -47,6 +47,11 @@ impl RawStream {
     /// be passed to kvlink: [`StreamWaitable::wait_on_stream`],
     /// [`KvLoader::save_after_stream`](crate::KvLoader::save_after_stream) (a device's
     /// `record_on`).
+    ///
+    /// CUDA's default stream handles (0, 1 legacy, 2 per-thread) name a stream of whichever
+    /// context is current on the calling thread: kvlink refuses them (`Unsupported`) on a
+    /// thread whose current context is not kvlink's device's, where the wait or event would
+    /// not order the engine's work on that device. Prefer the engine's stream itself.
     pub const unsafe fn from_raw(raw: usize) -> Self {
         RawStream(raw)
     }
