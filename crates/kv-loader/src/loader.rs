@@ -22,6 +22,12 @@ use crate::{
 ///    outcome (on failure, [`KvLoadError::action`] says what to do).
 /// 5. After prefill: [`save`](KvLoader::save) of the new pages.
 ///
+/// Every method is synchronous and may block the calling thread, each wait bounded (kvlink's
+/// linker lists the bounds in docs/integration.md, "Which calls block the calling thread"):
+/// an async engine calls them from `spawn_blocking` or a thread of its own, never on its
+/// runtime's worker threads. [`start_load`](KvLoader::start_load) and
+/// [`abandon`](KvLoader::abandon) do no I/O and return at once.
+///
 /// ```
 /// use kv_loader::KvLoader;
 /// fn assert_object_safe(_: &dyn KvLoader) {}
