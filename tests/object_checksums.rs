@@ -317,7 +317,7 @@ fn a_wrong_size_object_is_replaced_by_the_next_save() {
 /// object whole: a load here fails its size check, and leaves the pair in place in a
 /// namespace other writers may share (in the model's, which names the geometry, it is
 /// discarded). Before, it was discarded wherever a companion was found, and the two
-/// deployments removed each other's objects in turn.
+/// deployments removed each other's objects in turn. The same with a newer writer's companion.
 #[test]
 fn another_deployments_object_of_another_geometry_is_left_in_place() {
     for (cfg, discarded) in [(model_config(), true), (config(), false)] {
@@ -338,18 +338,25 @@ fn another_deployments_object_of_another_geometry_is_left_in_place() {
         );
         put(store.as_ref(), &key, &theirs);
         put(store.as_ref(), &companion, &sums.encode());
-        let t = linker
-            .start_load(load_plan(&g, 1, &pages, vec![4, 5, 6]))
-            .unwrap();
-        let failed = linker.wait_batch(&t).unwrap().result.unwrap_err();
-        assert!(is_object_size(&failed), "{failed}");
-        let ns = &cfg.namespace;
-        assert_eq!(get(store.as_ref(), &key).is_none(), discarded, "{ns:?}");
-        assert_eq!(
-            get(store.as_ref(), &companion).is_none(),
-            discarded,
-            "{ns:?}"
-        );
+        for (batch, newer) in [(1, false), (2, true)] {
+            if newer {
+                // Then a newer kvlink writer's companion of it (a format this version
+                // cannot read): left in place too.
+                as_a_newer_writers(store.as_ref(), &companion, 16);
+            }
+            let t = linker
+                .start_load(load_plan(&g, batch, &pages, vec![4, 5, 6]))
+                .unwrap();
+            let failed = linker.wait_batch(&t).unwrap().result.unwrap_err();
+            assert!(is_object_size(&failed), "{failed}");
+            let ns = &cfg.namespace;
+            let gone = |k: &str| get(store.as_ref(), k).is_none();
+            assert_eq!(gone(&key), discarded, "{ns:?} newer {newer}");
+            assert_eq!(gone(&companion), discarded, "{ns:?} newer {newer}");
+            if discarded {
+                break;
+            }
+        }
         linker.close().unwrap();
     }
 }

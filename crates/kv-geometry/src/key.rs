@@ -117,8 +117,10 @@ impl From<&String> for Namespace {
 /// How object keys are named for one rank: the namespace and the parallel ranks that go in
 /// the suffix. Replicated components carry `cp{c}_pp{p}`; sharded ones `tp{t}_cp{c}_pp{p}`, so
 /// all TP ranks share one copy of a replicated object. These are the keys of SGLang's
-/// Mooncake direct linker (`_storage_suffix`); SGLang's HiCache `MooncakeStore` names pages
-/// `{hash}__k` (MLA) or `{hash}_{tp}_k` / `_v` (MHA), which this scheme does not produce.
+/// Mooncake direct linker (`_storage_suffix`), which builds pools for DSA and DeepSeek-V4
+/// models only: sharded MHA components' keys have no SGLang writer today. SGLang's HiCache
+/// `MooncakeStore` names pages `{hash}__k` (MLA) or `{hash}_{tp}_k` / `_v` (MHA), which this
+/// scheme does not produce.
 ///
 /// ```
 /// use kv_geometry::{KeyScheme, KvGeometry, ModelKvSpec, PageHash};

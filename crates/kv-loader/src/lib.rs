@@ -52,3 +52,15 @@ pub use transfer::TransferBytes;
 
 /// Re-exported so engines name one crate.
 pub use layerwise_counter;
+
+/// An async engine moves these between tasks and threads (`Arc<dyn KvLoader>` across tasks, a
+/// handle held across an `.await`, an error sent on a channel): checked when this crate builds.
+const _: fn() = || {
+    fn movable<T: Send + Sync + 'static>() {}
+    movable::<std::sync::Arc<dyn KvLoader>>();
+    movable::<LoadHandle>();
+    movable::<LoadTicket>();
+    movable::<KvLoadError>();
+    movable::<BatchOutcome>();
+    movable::<LayerReady>();
+};

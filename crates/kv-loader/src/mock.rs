@@ -788,7 +788,7 @@ impl KvLoader for MockKvLoader {
         Ok(self.outcome(ticket, pages, cancelled))
     }
 
-    /// As the linker (not recorded as a call).
+    /// As the linker (recorded as [`MockCall::Abandon`]).
     fn abandon(&self, ticket: &LoadTicket) {
         let mut st = self.state.lock();
         st.calls.push(MockCall::Abandon {

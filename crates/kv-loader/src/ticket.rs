@@ -49,7 +49,8 @@ impl RawStream {
     /// `record_on`).
     ///
     /// CUDA's default stream handles (0, 1 legacy, 2 per-thread) name a stream of whichever
-    /// context is current on the calling thread: kvlink refuses them (`Unsupported`) on a
+    /// context is current on the calling thread: kvlink refuses them (`Config` for a wait,
+    /// `Unsupported` from a device's `record_on`) on a
     /// thread whose current context is not kvlink's device's, where the wait or event would
     /// not order the engine's work on that device. Prefer the engine's stream itself.
     pub const unsafe fn from_raw(raw: usize) -> Self {

@@ -53,3 +53,12 @@ pub use pool::LatentPool;
 
 /// Re-exported so engines and examples name the same candle.
 pub use candle_core;
+
+/// An async engine moves these between tasks and threads: checked when this crate builds.
+const _: fn() = || {
+    fn movable<T: Send + Sync + 'static>() {}
+    movable::<PagedLatentCache>();
+    movable::<LayerGate>();
+    movable::<LatentPool>();
+    movable::<CandleKvError>();
+};

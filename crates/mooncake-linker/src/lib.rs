@@ -29,3 +29,12 @@ pub use dedup_broadcast;
 /// Re-exported: the small vectors of [`store::KvStore`]'s signatures (a store written outside
 /// kvlink names them through this, without a `smallvec` line of its own).
 pub use smallvec;
+
+/// An async engine shares these between tasks and threads: checked when this crate builds.
+const _: fn() = || {
+    fn movable<T: Send + Sync + 'static>() {}
+    movable::<Linker>();
+    movable::<PrefixProbe>();
+    movable::<MetricsSnapshot>();
+    movable::<TpGroup>();
+};

@@ -257,6 +257,7 @@ fn clients_of_a_tenant_share_objects_and_other_tenants_do_not_see_them() {
         ),
     )
     .unwrap();
+    let _policy_removed = RemovedOnDrop(policy.clone());
     let uri = format!("--tenant_quota_connector_uri={}", policy.display());
     let master = PrivateMaster::start(&["--enable_multi_tenants=true", &uri]);
     let of = |tenant: &str| {
@@ -283,7 +284,15 @@ fn clients_of_a_tenant_share_objects_and_other_tenants_do_not_see_them() {
     assert_eq!(put_one(&b, &key, &theirs), Ok(PutOutcome::Written));
     assert_eq!(get_one(&b, &key, 8192).unwrap(), theirs);
     assert_eq!(get_one(&a, &key, 8192).unwrap(), data);
-    let _ = std::fs::remove_file(&policy);
+}
+
+/// Removes its file when dropped (a test's temporary file, also when the test fails).
+struct RemovedOnDrop(std::path::PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// A copying put (registered-only memory, as over RDMA) goes through the client's local

@@ -59,7 +59,6 @@ pub(crate) struct Core {
 /// The kvlink extensions (`kvlink_mc_*`), present in the kvlink shim only.
 #[derive(Clone, Copy)]
 pub(crate) struct Extensions {
-    pub abi_info: sys::FnAbiInfo,
     pub error_name: sys::FnErrorName,
     pub last_error: sys::FnLastError,
     pub batch_get_ranges: sys::FnBatchGetRanges,
@@ -243,28 +242,27 @@ impl Library {
         // complete kvlink shim. One without it (upstream's store_c.h library) is refused: the
         // layouts this crate passes (`ReplicateConfig`) differ between upstream revisions, and
         // only the shim's ABI report lets them be checked.
-        let ext = match symbol::<sys::FnAbiInfo>(&handle, &path, symbols::ABI_INFO) {
+        let abi_info = match symbol::<sys::FnAbiInfo>(&handle, &path, symbols::ABI_INFO) {
             Err(_) => {
                 return Err(MooncakeError::AbiMismatch {
                     path,
                     detail: "no kvlink_mc_abi_info (not the kvlink shim): its struct layouts cannot be checked; build the shim with scripts/mooncake-build-shim.sh".into(),
                 })
             }
-            Ok(abi_info) => Some(Extensions {
-                abi_info,
-                error_name: symbol(&handle, &path, symbols::ERROR_NAME)?,
-                last_error: symbol(&handle, &path, symbols::LAST_ERROR)?,
-                batch_get_ranges: symbol(&handle, &path, symbols::BATCH_GET_RANGES)?,
-                batch_get_session_start: symbol(&handle, &path, symbols::BATCH_GET_SESSION_START)?,
-                batch_get_session_end: symbol(&handle, &path, symbols::BATCH_GET_SESSION_END)?,
-                batch_upsert_from: symbol(&handle, &path, symbols::BATCH_UPSERT_FROM)?,
-                setup: symbol(&handle, &path, symbols::MC_SETUP)?,
-            }),
+            Ok(abi_info) => abi_info,
         };
-        let abi = match &ext {
-            None => None,
-            Some(ext) => Some(check_abi(&path, ext.abi_info)?),
-        };
+        // The report first: a shim of another ABI lacks symbols of this one (ABI 1 had no
+        // `kvlink_mc_setup`), and must be refused as such (rebuild it), not as a missing symbol.
+        let abi = Some(check_abi(&path, abi_info)?);
+        let ext = Some(Extensions {
+            error_name: symbol(&handle, &path, symbols::ERROR_NAME)?,
+            last_error: symbol(&handle, &path, symbols::LAST_ERROR)?,
+            batch_get_ranges: symbol(&handle, &path, symbols::BATCH_GET_RANGES)?,
+            batch_get_session_start: symbol(&handle, &path, symbols::BATCH_GET_SESSION_START)?,
+            batch_get_session_end: symbol(&handle, &path, symbols::BATCH_GET_SESSION_END)?,
+            batch_upsert_from: symbol(&handle, &path, symbols::BATCH_UPSERT_FROM)?,
+            setup: symbol(&handle, &path, symbols::MC_SETUP)?,
+        });
         Ok(Self {
             path,
             core,

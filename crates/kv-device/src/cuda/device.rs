@@ -181,15 +181,11 @@ impl CudaDevice {
         &self,
         stream: kv_loader::RawStream,
     ) -> Result<crate::SharedEvent, DeviceError> {
-        if stream.as_raw() <= 2 {
-            let current =
-                cudarc::driver::result::ctx::get_current().map_err(drv("cuCtxGetCurrent"))?;
-            if current.is_some_and(|c| c != self.ctx.cu_ctx()) {
-                return Err(DeviceError::Unsupported(
-                    "recording on the default stream (handle 0, 1 or 2) of a thread whose \
-                     current context is not kvlink's: name the engine's stream itself",
-                ));
-            }
+        if super::event::default_stream_of_another_context(stream, &self.ctx)? {
+            return Err(DeviceError::Unsupported(
+                "recording on the default stream (handle 0, 1 or 2) of a thread whose \
+                 current context is not kvlink's: name the engine's stream itself",
+            ));
         }
         // SAFETY: `RawStream::from_raw`'s caller vouched that the handle is a live stream (or a
         // default stream handle, checked above to be on kvlink's context).

@@ -164,6 +164,19 @@ impl CudaLayerEvent {
     }
 }
 
+/// Whether `stream` is one of the default stream handles (0, 1, 2), which name a stream of the
+/// calling thread's current context, while that context is another than `ctx`.
+pub(super) fn default_stream_of_another_context(
+    stream: RawStream,
+    ctx: &CudaContext,
+) -> Result<bool, DeviceError> {
+    if stream.as_raw() > 2 {
+        return Ok(false);
+    }
+    let current = cudarc::driver::result::ctx::get_current().map_err(drv("cuCtxGetCurrent"))?;
+    Ok(current.is_some_and(|c| c != ctx.cu_ctx()))
+}
+
 impl StreamWaitable for CudaLayerEvent {
     /// `stream` is a `CUstream` (the engine's compute stream) cast to `usize`; its maker
     /// vouched that it is live ([`RawStream::from_raw`]).
@@ -172,19 +185,15 @@ impl StreamWaitable for CudaLayerEvent {
     /// stream of whichever context is current: on a thread whose current context is not
     /// kvlink's they are refused ([`DeviceError::Unsupported`]), since the wait would land on
     /// that context's stream and order none of the engine's work on this device (a pooled
-    /// thread may still hold another GPU's context). On a thread with no current context
-    /// they name kvlink's context's streams.
+    /// thread may still hold another GPU's context): `Config` (`FixInput`), as a save after
+    /// such a stream is. On a thread with no current context they name kvlink's context's
+    /// streams.
     fn wait_on_stream(&self, stream: RawStream) -> Result<(), KvLoadError> {
-        if stream.as_raw() <= 2 {
-            let current = cudarc::driver::result::ctx::get_current()
-                .map_err(|e| KvLoadError::from(drv("cuCtxGetCurrent")(e)))?;
-            if current.is_some_and(|c| c != self.ctx.cu_ctx()) {
-                return Err(DeviceError::Unsupported(
-                    "waiting on the default stream (handle 0, 1 or 2) of a thread whose \
-                     current context is not kvlink's: name the engine's stream itself",
-                )
-                .into());
-            }
+        if default_stream_of_another_context(stream, &self.ctx)? {
+            return Err(KvLoadError::config(
+                "waiting on the default stream (handle 0, 1 or 2) of a thread whose current \
+                 context is not kvlink's: name the engine's stream itself",
+            ));
         }
         // SAFETY: `RawStream::from_raw`'s caller vouched that the handle is a live stream.
         unsafe { self.wait_raw(stream.as_raw() as sys::CUstream) }.map_err(|e| {

@@ -21,6 +21,9 @@ use crate::store::StoreError;
 /// companion of this version is 28 B + 8 B a layer: 652 B for 78 layers).
 pub(crate) const MAX_COMPANION_BYTES: u64 = 1 << 20;
 
+/// Most bytes one call reads again of companions of another length (a batch's may be many).
+const REREAD_BYTES: usize = 16 << 20;
+
 /// The "newer writer's companion" lines logged at `warn` lately (once a minute).
 static UNSUPPORTED_LOG: LogEvery = LogEvery::new();
 
@@ -259,10 +262,7 @@ impl Inner {
         if asked.is_empty() {
             return judging;
         }
-        let mut got = self
-            .calls
-            .read_whole_owned(&asked, &lens, deadline)
-            .into_iter();
+        let mut got = self.read_in_parts(&asked, &lens, deadline).into_iter();
         judging
             .into_iter()
             .zip(keys)
@@ -273,6 +273,32 @@ impl Inner {
                 other => other,
             })
             .collect()
+    }
+
+    /// Whole reads of `keys` at `lens`, in calls of at most [`REREAD_BYTES`] each (or of one
+    /// key): companions of another length may be as long as [`MAX_COMPANION_BYTES`] each.
+    fn read_in_parts(
+        &self,
+        keys: &[&str],
+        lens: &[usize],
+        deadline: std::time::Instant,
+    ) -> Vec<Result<Vec<u8>, StoreError>> {
+        let mut got = Vec::with_capacity(keys.len());
+        let mut start = 0;
+        while start < keys.len() {
+            let mut end = start + 1;
+            let mut bytes = lens[start];
+            while end < keys.len() && bytes + lens[end] <= REREAD_BYTES {
+                bytes += lens[end];
+                end += 1;
+            }
+            got.extend(
+                self.calls
+                    .read_whole_owned(&keys[start..end], &lens[start..end], deadline),
+            );
+            start = end;
+        }
+        got
     }
 
     /// The verdict on companion `key` of `size` bytes, bad for `why` unless `got`, its read

@@ -8,6 +8,7 @@
 //! host pool) until the pool no longer holds any of the batch's slots. Meanwhile its layer
 //! waiters and a reset answer `SlotsHeld` naming the batch.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +24,13 @@ const LAST_LOOK: Duration = Duration::from_millis(200);
 
 /// The hold of a failed batch into `slots` of `pool` while the pool holds any of them for
 /// unfinished copies (`None` when it holds none, or keeps no claims): a thread lets go of
-/// its reference once they are free, which hands the outcome out.
+/// its reference once they are free, which hands the outcome out. Only their end, or the
+/// engine's `SlotClaims::release_held`, frees slots held for copies no event tells the end of:
+/// until then the thread looks on (and keeps the pool). Without a thread to watch, the load
+/// thread waits for them itself before the outcome goes out (`None`).
+///
+/// (The pool's held slots are every batch's: a batch refused because another's copies hold
+/// its slots is held until those end too, which is what its engine needs before writing them.)
 pub(crate) fn hold_while_copies_run(
     pool: &Arc<dyn KvPool>,
     slots: &[u32],
@@ -35,31 +42,37 @@ pub(crate) fn hold_while_copies_run(
     }
     let hold = HeldOutcome::new(outcomes.clone());
     let watch = hold.clone();
-    let count = slots.len();
-    let (pool, slots): (Arc<dyn KvPool>, Box<[u32]>) = (pool.clone(), slots.into());
+    let slots: Arc<[u32]> = slots.into();
+    let (watched_pool, watched_slots) = (pool.clone(), slots.clone());
     let spawned = std::thread::Builder::new()
         .name("kvlink-copies-held".into())
         .spawn(move || {
-            let mut pause = FIRST_LOOK;
-            while pool.slot_claims().is_some_and(|c| any_held(c, &slots)) {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(LAST_LOOK);
-            }
+            wait_while_held(&watched_pool, &watched_slots);
             drop(watch);
         });
     match spawned {
         Ok(_) => Some(hold),
         Err(e) => {
-            // The outcome goes out at once, as before: the slots stay claimed all the same.
-            tracing::error!(error = %e, slots = count,
-                "no thread to hold a failed batch's outcome while copies into its slots run");
+            tracing::error!(error = %e, slots = slots.len(),
+                "no thread to hold a failed batch's outcome while copies into its slots run: \
+                 the load thread waits for them");
+            wait_while_held(pool, &slots);
             None
         }
     }
 }
 
+/// Returns once `pool` holds none of `slots` for unfinished copies.
+fn wait_while_held(pool: &Arc<dyn KvPool>, slots: &[u32]) {
+    let mut pause = FIRST_LOOK;
+    while pool.slot_claims().is_some_and(|c| any_held(c, slots)) {
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(LAST_LOOK);
+    }
+}
+
 /// Whether `claims` holds any of `slots` for unfinished copies.
 fn any_held(claims: &SlotClaims, slots: &[u32]) -> bool {
-    let held = claims.held_slots();
+    let held: HashSet<u32> = claims.held_slots().into_iter().collect();
     !held.is_empty() && slots.iter().any(|s| held.contains(s))
 }

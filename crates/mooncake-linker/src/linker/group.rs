@@ -171,10 +171,19 @@ pub(crate) struct GroupLink {
     reforms: AtomicU64,
     /// Held by a lookup across its collective on the control handle: calls on one handle
     /// must not overlap, and an engine may look up from several threads of one rank.
-    pub(crate) lookup_turn: Mutex<()>,
+    lookup_turn: Mutex<()>,
 }
 
 impl GroupLink {
+    /// This rank's turn on the control handle for one lookup, waited for until `by` (`None`
+    /// past it: another lookup of this rank held it that long).
+    pub(crate) fn lookup_turn(
+        &self,
+        by: std::time::Instant,
+    ) -> Option<parking_lot::MutexGuard<'_, ()>> {
+        self.lookup_turn.try_lock_until(by)
+    }
+
     /// Logs a refusal of the group at `error`: once while the same one lasts, again every
     /// minute (and at `debug` in between).
     fn log_refusal(&self, epoch: u64, e: &CollectiveError) {

@@ -83,8 +83,18 @@ impl Inner {
             detail: kv_loader::Cause::with_source(format!("lookup: {e}"), e),
         };
         // One lookup at a time on this rank's control handle (each bounded below): two at
-        // once would interleave their gathers. Their order across ranks is the engine's.
-        let _turn = link.lookup_turn.lock();
+        // once would interleave their gathers. Their order across ranks is the engine's. A
+        // lookup takes at most two `collective_timeout`s on the handle; one that waited that
+        // long for its turn fails (its peers' gather times out and the group re-forms).
+        let turn_by = kv_loader::deadline_after(self.config.collective_timeout * 2);
+        let Some(_turn) = link.lookup_turn(turn_by) else {
+            return Err(KvLoadError::Collective {
+                batch: None,
+                detail: "lookup: another lookup of this rank held the group handle past two \
+                         collective_timeouts (make group calls from one issuer per rank)"
+                    .into(),
+            });
+        };
         let reform_by = kv_loader::deadline_after(self.config.collective_timeout);
         // Marked in use to the lookup's end: a re-formation on the load thread leaves it.
         let (coll, _in_use) = match link.handles_for(Channel::Control, reform_by) {

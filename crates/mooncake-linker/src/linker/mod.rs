@@ -229,11 +229,13 @@ impl Inner {
             gates.settled(job.plan.logical.batch, alone);
             // A device pool's failed batch whose copies into its slots did not finish: its
             // outcome waits for them too.
-            let held = held.or_else(|| {
-                (result.is_err() && job.ticket.is_some()).then(|| {
+            let held = match held {
+                Some(held) => Some(held),
+                None if result.is_err() && job.ticket.is_some() => {
                     copies_held::hold_while_copies_run(&self.pool, &job.plan.slots, &self.outcomes)
-                })?
-            });
+                }
+                None => None,
+            };
             self.finish_job(job, result, held);
             self.outcomes.set_running(None);
         }

@@ -2,7 +2,7 @@
 //! what each ready layer's wait hands back, finished batches not yet taken, the batch ids in
 //! flight and their slots (a second `start_load` of one, or of a plan landing in one of
 //! their slots, is refused), the batches whose outcome waits for a store call that outlived
-//! its deadline ([`HeldOutcome`]), and the count of batches the load thread still has to
+//! its deadline or device copies past the drain limit ([`HeldOutcome`]), and the count of batches the load thread still has to
 //! finish.
 
 use std::collections::{HashMap, HashSet};
@@ -241,8 +241,9 @@ impl Outcomes {
                 tracing::warn!(
                     batch = %outcome.batch,
                     error = %e,
-                    "the batch failed while a store call past its deadline may still write its \
-                     slots: its layer waiters are told the slots are held"
+                    "the batch failed while a store call past its deadline (or a device copy past \
+                     the drain limit) may still write its slots: its layer waiters are told the \
+                     slots are held"
                 );
                 // Named in a `SlotsHeld` answer: its engine waits for its outcome.
                 let mut in_flight = self.in_flight.lock();
@@ -266,7 +267,7 @@ impl Outcomes {
         if let Some(last) = Arc::into_inner(hold) {
             drop(last);
         } else {
-            tracing::warn!(%batch, "the batch's outcome waits for a store call past its deadline");
+            tracing::warn!(%batch, "the batch's outcome waits for a store call past its deadline or device copies past the drain limit");
         }
         self.finished();
     }
@@ -314,7 +315,8 @@ impl Outcomes {
         v
     }
 
-    /// Batches whose outcome waits for a store call past its deadline.
+    /// Batches whose outcome waits for a store call past its deadline (or, on a device pool,
+    /// copies into their slots past the drain limit: `copies_held`).
     pub(crate) fn held(&self) -> Vec<BatchId> {
         let held = self.held.lock();
         let mut v: Vec<BatchId> = held.iter().copied().collect();
@@ -683,8 +685,9 @@ pub(crate) enum WaitFailure {
 }
 
 /// A batch's outcome, kept back while a store call that may still write the batch's slots
-/// runs: every such call holds a reference (through its memory hold), and the last one to let
-/// go hands the outcome out. Until then the engine cannot take the outcome, so it does not
+/// runs (every such call holds a reference, through its memory hold) or, on a device pool,
+/// while copies into them past the drain limit run (`copies_held`'s watcher holds one): the
+/// last one to let go hands the outcome out. Until then the engine cannot take the outcome, so it does not
 /// reuse the slots (its rule: never before the outcome is taken).
 pub(crate) struct HeldOutcome {
     outcomes: Arc<Outcomes>,
@@ -706,7 +709,7 @@ impl Drop for HeldOutcome {
             let batch = outcome.batch;
             self.outcomes.deliver(ticket, outcome);
             if self.outcomes.held.lock().remove(&batch) {
-                tracing::info!(%batch, "the store calls past their deadline returned: outcome handed out");
+                tracing::info!(%batch, "what could still write its slots has ended (store calls past their deadline, device copies): outcome handed out");
             }
             self.outcomes.trim_ended();
         }

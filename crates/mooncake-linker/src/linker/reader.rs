@@ -387,8 +387,8 @@ impl WrongSizeAction {
     /// Whether `key`, found at `actual` bytes (the wrong size), is to be discarded. Where
     /// only kvlink's broken objects go, its companion is asked for (its size, then a read at
     /// it): none, one that describes `actual` bytes whole (another kvlink deployment's
-    /// object of another geometry), or one whose state cannot be told (a store error) spares
-    /// the object.
+    /// object of another geometry), a newer writer's (a format this version cannot read), or
+    /// one whose state cannot be told (a store error) spares the object.
     fn discards(self, calls: &StoreCalls, key: &str, actual: u64, deadline: Instant) -> bool {
         match self {
             WrongSizeAction::Discard => true,
@@ -405,17 +405,12 @@ impl WrongSizeAction {
                     calls.read_whole_owned(&[companion.as_str()], &[size as usize], deadline);
                 match read.into_iter().next() {
                     Some(Ok(bytes)) => match ObjectChecksums::decode(&bytes) {
-                        Ok(sums) if describes(&sums, actual) => {
-                            tracing::warn!(
-                                key,
-                                actual,
-                                layers = sums.sums.len(),
-                                layer_bytes = sums.layer_bytes,
-                                "an object of another geometry whose companion describes it                                  whole (another kvlink deployment sharing this namespace):                                  left in place"
-                            );
-                            false
-                        }
-                        _ => true,
+                        // Another deployment's whole object (its geometry), or a newer
+                        // writer's companion this version cannot read: left in place (the
+                        // caller says so).
+                        Ok(sums) => !describes(&sums, actual),
+                        Err(kv_geometry::ChecksumError::Unsupported { .. }) => false,
+                        Err(_) => true,
                     },
                     _ => false,
                 }
@@ -469,8 +464,9 @@ pub(crate) fn check_object_sizes(
                             key = keys[i],
                             expected,
                             actual,
-                            "an object of the wrong size, not a broken one of kvlink's, in a \
-                             namespace other writers may share: left in place (its writer's \
+                            "an object of the wrong size, not a broken one of kvlink's (no \
+                             companion, or one that describes it whole or is a newer writer's), \
+                             in a namespace other writers may share: left in place (its writer's \
                              geometry may differ, e.g. SGLang with MTP draft layers, or another \
                              kvlink deployment's TP size); the batch fails and its pages are \
                              recomputed"
