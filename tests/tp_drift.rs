@@ -371,6 +371,53 @@ fn a_slot_in_flight_on_one_rank_fails_the_batch_on_every_rank() {
     });
 }
 
+/// An engine aborts a request mid-load on one rank (`abandon`, then its outcome, which is
+/// what `LoadHandle::abort` does): that rank's wait for the outcome returns within its
+/// deadline, the ranks agree on the batch (`PeerFailed` naming the aborting rank on every
+/// rank, itself included, or every rank loaded where the load ended first), and the next
+/// batches load in the group's mode.
+#[test]
+fn a_batch_aborted_on_one_rank_fails_it_on_every_rank_and_nothing_shifts() {
+    every_case("aborted", false, |rs, hashes, fail, what| {
+        // The aborting rank's own reads are slow, so that its abort lands mid-load.
+        rs[fail as usize].faults.inject(
+            FaultRule {
+                key_contains: Some("_v".into()),
+                ..FaultRule::default()
+            },
+            Fault::Delay(Duration::from_millis(60)),
+        );
+        let verdicts = each(rs, |rank, r| {
+            let g = r.linker.geometry().clone();
+            let t = r
+                .linker
+                .start_load(load_plan(&g, 2, hashes, r.slots.clone()))
+                .unwrap();
+            if rank != fail {
+                let _ = wait_all(&r.linker, &t);
+                return verdict(&r.linker.wait_batch(&t).unwrap().result);
+            }
+            let _ = r.linker.wait_layer(&t, 0);
+            r.linker.abandon(&t);
+            let t0 = Instant::now();
+            let outcome = r.linker.wait_batch(&t);
+            let took = t0.elapsed();
+            assert!(took < Duration::from_secs(10), "{what}: {took:?}");
+            verdict(&outcome.unwrap_or_else(|e| panic!("{what}: {e}")).result)
+        });
+        rs[fail as usize].faults.clear();
+        let aborting = &verdicts[fail as usize];
+        for (rank, v) in verdicts.iter().enumerate() {
+            let expected = match aborting.as_str() {
+                "loaded" => "loaded".to_string(),
+                _ => format!("peer_failed/{fail}"),
+            };
+            assert_eq!(*v, expected, "{what}: rank {rank} ({verdicts:?})");
+        }
+        3
+    });
+}
+
 #[test]
 fn a_store_error_in_a_lookup_on_one_rank_leaves_the_control_channel_in_step() {
     every_case("lookup", false, |rs, hashes, fail, what| {
