@@ -331,6 +331,107 @@ fn a_hung_read_on_a_device_pool_keeps_its_staging_out_of_other_batches_until_it_
     linker.close().unwrap();
 }
 
+/// A read the store gave up on while its transfer may still run (`Abandoned`) on the middle
+/// rank of three: every rank fails the batch in time (the others `PeerFailed` naming rank
+/// 1), and the next batch into other slots loads on every rank. On a host pool (the store
+/// wrote the slots) rank 1 keeps the batch's slots for good: its outcome never comes and a
+/// reset names it; on a device pool (the store wrote staging) the outcome comes and the
+/// staging lease is kept for good instead.
+#[test]
+fn a_read_the_store_gave_up_on_on_a_middle_rank_fails_every_rank_and_the_group_goes_on() {
+    for path in [Path::Host, Path::device_per_rank(ScatterStrategy::Auto)] {
+        for mode in [
+            ShareMode::AllRanks,
+            ShareMode::Rank0Broadcast,
+            ShareMode::SplitAllGather,
+        ] {
+            let what = format!("{path:?} {mode:?}");
+            let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+            let (rs, hashes) = tp_ranks(&mixed_spec(), 3, store, 6, &config(mode), path);
+            let v = rs[1]
+                .linker
+                .geometry()
+                .component_by_name("v")
+                .unwrap()
+                .clone();
+            rs[1].faults.inject(
+                FaultRule {
+                    key_contains: Some("tp1_cp0_pp0_v".into()),
+                    offset: Some(v.layer_range(2).unwrap().start),
+                    times: Some(1),
+                    ..FaultRule::default()
+                },
+                Fault::Error(StoreError::Abandoned {
+                    key: "injected".into(),
+                    call: "get_ranges",
+                    detail: "the client's transfer timeout (injected)".into(),
+                }),
+            );
+            let leases = rs[1].staging.as_ref().map(|s| s.available());
+            let failed = each_rank(&rs, |r| {
+                let t = r
+                    .linker
+                    .start_load(load_plan(r.linker.geometry(), 1, &hashes, r.slots.clone()))
+                    .unwrap();
+                wait_all(&r.linker, &t).is_err()
+            });
+            assert!(failed.iter().all(|f| *f), "{what}: {failed:?}");
+            for rank in [0, 2] {
+                let outcome = eventually_outcome(&rs[rank].linker, &what);
+                assert!(
+                    matches!(outcome, Err(KvLoadError::PeerFailed { rank: 1, .. })),
+                    "{what}: rank {rank}: {outcome:?}"
+                );
+            }
+            match (&rs[1].staging, leases) {
+                (Some(staging), Some(before)) => {
+                    let outcome = eventually_outcome(&rs[1].linker, &what);
+                    assert!(outcome.is_err(), "{what}");
+                    assert_eq!(staging.available(), before - 1, "{what}: kept for good");
+                }
+                _ => {
+                    std::thread::sleep(Duration::from_millis(200));
+                    assert!(rs[1].linker.completed().is_empty(), "{what}");
+                    let r = rs[1].linker.reset();
+                    assert!(
+                        matches!(&r, Err(KvLoadError::SlotsHeld { batches }) if batches[..] == [BatchId(1)]),
+                        "{what}: {r:?}"
+                    );
+                }
+            }
+            let shifted = |r: &TpRank| r.slots.iter().map(|s| s + 1).collect::<Vec<u32>>();
+            for (rank, (r, o)) in rs
+                .iter()
+                .zip(common::tp::run_at(&rs, 2, &hashes, &shifted))
+                .enumerate()
+            {
+                o.result
+                    .unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
+                rank_matches_at(r, &hashes, rank as u32, &shifted(r)).unwrap();
+            }
+        }
+    }
+}
+
+/// Batch 1's outcome on `linker`, once it comes (within 10 s).
+fn eventually_outcome(
+    linker: &Linker,
+    what: &str,
+) -> Result<kvlink::kv_loader::LoadStats, KvLoadError> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(o) = linker
+            .completed()
+            .into_iter()
+            .find(|o| o.batch == BatchId(1))
+        {
+            return o.result;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "{what}: no outcome");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn a_hung_read_on_a_middle_rank_fails_every_rank_in_time_and_the_group_goes_on() {
     for path in [Path::Host, Path::device_per_rank(ScatterStrategy::Auto)] {
