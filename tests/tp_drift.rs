@@ -522,3 +522,85 @@ fn a_rank_whose_collectives_shift_is_caught_and_the_group_resynchronises() {
         t0.elapsed()
     );
 }
+
+/// The batch rank 1 runs from `first` to 12 in turn (each waited for), while ranks 0 and 2
+/// run batch 12: what each of rank 1's batches ended as, in order, and ranks 0's and 2's.
+fn rank_1_behind_from(rs: &[TpRank], hashes: &[PageHash], first: u64) -> Vec<Vec<String>> {
+    each(rs, |rank, r| {
+        let batches: Vec<u64> = if rank == 1 {
+            (first..=12).collect()
+        } else {
+            vec![12]
+        };
+        batches
+            .into_iter()
+            .map(|b| {
+                let t = r
+                    .linker
+                    .start_load(load_plan(r.linker.geometry(), b, hashes, r.slots.clone()))
+                    .unwrap();
+                let _ = wait_all(&r.linker, &t);
+                match r.linker.wait_batch(&t).unwrap().result {
+                    Ok(_) => "loaded".to_string(),
+                    Err(e) => e.to_string(),
+                }
+            })
+            .collect()
+    })
+}
+
+/// A rank one batch behind its peers (it starts batch 11 where they start 12) has that batch
+/// skipped to catch up, and every rank then loads batch 12 together (the peers hold their
+/// gate once more); on both pool paths.
+#[test]
+fn a_rank_one_batch_behind_skips_it_and_the_group_loads_the_next_together() {
+    for path in paths() {
+        let cfg = &configs()[0].1;
+        let (rs, hashes) = tp_ranks(&mixed_spec(), TP, store(), PAGES, cfg, path);
+        run_ok(&rs, 1, &hashes, "first");
+        let ended = rank_1_behind_from(&rs, &hashes, 11);
+        assert!(
+            ended[1][0].contains("skipped to catch up"),
+            "{path:?}: {ended:?}"
+        );
+        for (rank, e) in ended.iter().enumerate() {
+            assert_eq!(
+                e.last().unwrap(),
+                "loaded",
+                "{path:?}: rank {rank}: {ended:?}"
+            );
+        }
+        for r in &rs {
+            assert_eq!(r.linker.metrics().group_reforms, 0, "{path:?}");
+        }
+    }
+}
+
+/// A rank further behind than the gate catches up (its peers hold their gate nine times,
+/// each time meeting one more of its batches, skipped): the peers fail the batch, the group
+/// is aborted and re-forms, and the next batch loads on every rank; on both pool paths.
+#[test]
+fn a_rank_more_than_nine_batches_behind_aborts_the_group_and_the_next_batch_loads() {
+    for path in paths() {
+        let what = format!("{path:?}");
+        let cfg = &configs()[0].1;
+        let (rs, hashes) = tp_ranks(&mixed_spec(), TP, store(), PAGES, cfg, path);
+        run_ok(&rs, 1, &hashes, &what);
+        let ended = rank_1_behind_from(&rs, &hashes, 2);
+        for rank in [0, 2] {
+            assert!(
+                ended[rank][0].contains("still out of step after 9 gates"),
+                "{what}: rank {rank}: {ended:?}"
+            );
+        }
+        // The first nine of rank 1's batches met the peers' nine gates, each skipped.
+        for e in &ended[1][..9] {
+            assert!(e.contains("skipped to catch up"), "{what}: {ended:?}");
+        }
+        run_ok(&rs, 13, &hashes, &what);
+        assert!(
+            rs.iter().all(|r| r.linker.metrics().group_reforms >= 1),
+            "{what}"
+        );
+    }
+}
