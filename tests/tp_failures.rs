@@ -675,7 +675,18 @@ fn ranks_panicking_at_layer_2(
     cfg: &LinkerConfig,
     path: Path,
 ) -> (Vec<TpRank>, Vec<PageHash>, Arc<common::coll::Misbehaving>) {
-    use common::coll::{Misbehave, Misbehaving};
+    let panics = common::coll::Misbehave::PanicAtLayer { layer: 2 };
+    ranks_misbehaving_on_rank_1(spec, cfg, path, panics)
+}
+
+/// Three ranks of `spec` on `path`, rank 1's data handle misbehaving `how` once armed.
+fn ranks_misbehaving_on_rank_1(
+    spec: &kvlink::kv_geometry::ModelKvSpec,
+    cfg: &LinkerConfig,
+    path: Path,
+    how: common::coll::Misbehave,
+) -> (Vec<TpRank>, Vec<PageHash>, Arc<common::coll::Misbehaving>) {
+    use common::coll::Misbehaving;
     use common::tp::{tp_ranks_built, RankBuild};
     use kvlink::mooncake_linker::TpGroup;
     use std::sync::Mutex;
@@ -685,7 +696,7 @@ fn ranks_panicking_at_layer_2(
         if rank != 1 {
             return g;
         }
-        let m = Misbehaving::new(g.data.clone(), Misbehave::PanicAtLayer { layer: 2 });
+        let m = Misbehaving::new(g.data.clone(), how);
         *armed.lock().unwrap() = Some(m.clone());
         let data: Arc<dyn kvlink::dedup_broadcast::Collective> = m;
         TpGroup { data, ..g }
@@ -694,6 +705,41 @@ fn ranks_panicking_at_layer_2(
     let (rs, hashes) = tp_ranks_built(spec, 3, store, 6, cfg, path, &RankBuild::wrapped(&wrap));
     let m = armed.lock().unwrap().clone().unwrap();
     (rs, hashes, m)
+}
+
+/// A middle rank of three hung, not dead, at layer 2's status exchange (past its peers'
+/// `collective_timeout`): every rank fails the batch, the peers within two collective
+/// timeouts, and the next batch loads on every rank once the group re-formed. Before, only
+/// the device path and ranks as processes were tested for a peer that hangs.
+#[test]
+fn a_middle_rank_that_hangs_in_a_collective_fails_the_batch_and_the_group_re_forms() {
+    let spec = mixed_spec();
+    let collective = Duration::from_secs(2);
+    let cfg = LinkerConfig {
+        collective_timeout: collective,
+        ..config(ShareMode::SplitAllGather)
+    };
+    for path in paths() {
+        let what = format!("{path:?}");
+        let stall = common::coll::Misbehave::StallAtLayer {
+            layer: 2,
+            stall: collective + collective / 2,
+        };
+        let (rs, hashes, m) = ranks_misbehaving_on_rank_1(&spec, &cfg, path, stall);
+        m.arm();
+        let t0 = Instant::now();
+        let (outcomes, ended) = run_timed(&rs, 1, &hashes);
+        assert!(m.done(), "{what}: rank 1 stalled");
+        for (rank, o) in outcomes.iter().enumerate() {
+            assert!(o.result.is_err(), "{what}: rank {rank} loaded");
+        }
+        peers_ended_by(&ended, t0, collective * 2, &what);
+        run_ok(&rs, 2, &hashes, &what);
+        for (rank, r) in rs.iter().enumerate() {
+            let reforms = r.linker.metrics().group_reforms;
+            assert!(reforms >= 1, "{what}: rank {rank} did not re-form");
+        }
+    }
 }
 
 /// Ranks 0 and 2 (the peers of a failing middle rank of three) ended their batch, started at

@@ -26,6 +26,12 @@ pub enum Misbehave {
     /// The event of its `nth` device collective (0-based) reports a device error once the
     /// collective completed: the device failed under it.
     FailedDeviceEvent { nth: u64 },
+    /// At the first status exchange of `layer` (armed), it sleeps `stall` (a rank hung, not
+    /// dead: a stopped process, a stalled host), then issues the exchange.
+    StallAtLayer {
+        layer: u32,
+        stall: std::time::Duration,
+    },
 }
 
 /// The decorator.
@@ -97,9 +103,9 @@ impl Misbehaving {
         }
         let hit = match self.how {
             Misbehave::SkipStatus { nth } => self.statuses.fetch_add(1, Ordering::AcqRel) == nth,
-            Misbehave::GoneAtLayer { layer: l } | Misbehave::PanicAtLayer { layer: l } => {
-                layer == l
-            }
+            Misbehave::GoneAtLayer { layer: l }
+            | Misbehave::PanicAtLayer { layer: l }
+            | Misbehave::StallAtLayer { layer: l, .. } => layer == l,
             Misbehave::FailedDeviceEvent { .. } => false,
         };
         if hit {
@@ -116,8 +122,19 @@ impl Misbehaving {
         deadline: Instant,
     ) -> Result<Vec<u64>, CollectiveError> {
         if self.strikes(value) {
+            if let Misbehave::StallAtLayer { stall, .. } = self.how {
+                std::thread::sleep(stall);
+                let h = self.handle("all_gather_u64")?;
+                return if settled {
+                    h.all_gather_u64_settled(value, deadline)
+                } else {
+                    h.all_gather_u64(value, deadline)
+                };
+            }
             return match self.how {
-                Misbehave::FailedDeviceEvent { .. } => unreachable!("never strikes a status"),
+                Misbehave::FailedDeviceEvent { .. } | Misbehave::StallAtLayer { .. } => {
+                    unreachable!("never strikes here")
+                }
                 Misbehave::SkipStatus { .. } => Err(CollectiveError::Backend(
                     "injected: this status exchange was never issued".into(),
                 )),
