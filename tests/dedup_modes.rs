@@ -399,6 +399,93 @@ fn two_lookups_at_once_on_one_rank_take_turns_on_the_group() {
     );
 }
 
+/// Notes every key an `exists` asks for; everything else is forwarded.
+struct ExistsKeys {
+    inner: Arc<dyn KvStore>,
+    asked: std::sync::Mutex<Vec<String>>,
+}
+
+// SAFETY: a test decorator: every call reaches the inner store with the caller's arguments
+// and its results come back unchanged; it only notes keys.
+unsafe impl KvStore for ExistsKeys {
+    kvlink::mooncake_linker::forward_store_calls!(inner => object_size, get_into, get_ranges,
+        put, remove, discard, register, unregister, start_session, end_session, health);
+
+    fn name(&self) -> &str {
+        "exists-keys"
+    }
+
+    fn exists(&self, keys: &[&str]) -> Vec<Result<bool, StoreError>> {
+        let mut asked = self.asked.lock().unwrap();
+        asked.extend(keys.iter().map(|k| k.to_string()));
+        drop(asked);
+        self.inner.exists(keys)
+    }
+}
+
+/// In a TP group only rank 0 asks the store whether the replicated components' objects are
+/// there (their keys are every rank's); the group's hit still ends where any is missing.
+/// Before, every rank asked the same replicated keys (TP times the master's work per lookup).
+#[test]
+fn only_rank_0_asks_for_the_replicated_objects_at_lookup() {
+    let spec = mixed_spec();
+    let full: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
+    let noted: Vec<Arc<ExistsKeys>> = (0..4)
+        .map(|_| {
+            Arc::new(ExistsKeys {
+                inner: full.clone(),
+                asked: Default::default(),
+            })
+        })
+        .collect();
+    let per_rank =
+        |rank: u32, _: Arc<dyn KvStore>| -> Arc<dyn KvStore> { noted[rank as usize].clone() };
+    let build = RankBuild {
+        store: &per_rank,
+        ..RankBuild::default()
+    };
+    let cfg = cfg(ShareMode::SplitAllGather);
+    let (rs, pages) = tp_ranks_built(&spec, 4, full.clone(), 6, &cfg, Path::Host, &build);
+    let tokens = prompt(11, 6, spec.page_size);
+    // Page 4's replicated `k` is gone: the group's hit is 4 pages, on every rank.
+    let keys = rs[0]
+        .linker
+        .object_keys(&load_plan(rs[0].linker.geometry(), 9, &pages, vec![0; 6]))
+        .unwrap();
+    assert!(full.remove(&[keys[0][4].as_str()])[0].is_ok());
+    for n in &noted {
+        n.asked.lock().unwrap().clear();
+    }
+    let hits: Vec<usize> = std::thread::scope(|s| {
+        let hs: Vec<_> = rs
+            .iter()
+            .map(|r| {
+                let tokens = &tokens;
+                s.spawn(move || {
+                    let req = LookupRequest {
+                        tokens,
+                        skip_pages: 0,
+                    };
+                    r.linker.lookup(&req).unwrap().pages.len()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(hits, vec![4; 4]);
+    for (rank, n) in noted.iter().enumerate() {
+        let asked = n.asked.lock().unwrap();
+        let replicated = asked.iter().filter(|k| !k.contains("_tp")).count();
+        let sharded = asked
+            .iter()
+            .filter(|k| k.contains(&format!("_tp{rank}_")))
+            .count();
+        assert_eq!(sharded, 6, "rank {rank}: {asked:?}");
+        let expected = if rank == 0 { 12 } else { 0 };
+        assert_eq!(replicated, expected, "rank {rank}: {asked:?}");
+    }
+}
+
 /// A lookup reads ahead the companions each rank's load will read, in every mode: its
 /// sharded component's on every page, and of the replicated ones the pages the mode has it
 /// read (all in `AllRanks` and on rank 0 of `Rank0Broadcast`, none on the other ranks there,

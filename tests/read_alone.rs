@@ -94,10 +94,29 @@ fn a_rank_that_alone_finds_the_group_down_leaves_no_rank_failing_the_batch() {
 
 #[test]
 fn lookups_go_alone_on_every_rank_when_one_rank_finds_the_group_down() {
+    lookups_alone_with_page_gone(None);
+}
+
+/// The same with page 3's replicated `k` gone: every rank alone finds 3 pages, the ranks
+/// other than 0 too, though in the group they leave the replicated objects to rank 0.
+#[test]
+fn lookups_alone_ask_for_the_replicated_objects_on_every_rank() {
+    lookups_alone_with_page_gone(Some(3));
+}
+
+/// One rank finds the group down; every rank looks up alone, with the replicated `k` of
+/// page `gone` removed first (if any): every rank's hit ends there.
+fn lookups_alone_with_page_gone(gone: Option<usize>) {
     let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
     let build = RankBuild::wrapped(&split);
     let cfg = alone_config(ShareMode::SplitAllGather);
-    let (rs, hashes) = tp_ranks_built(&mixed_spec(), 3, store, 5, &cfg, Path::Host, &build);
+    let (rs, hashes) = tp_ranks_built(&mixed_spec(), 3, store.clone(), 5, &cfg, Path::Host, &build);
+    if let Some(page) = gone {
+        let plan = common::load_plan(rs[0].linker.geometry(), 9, &hashes, vec![0; 5]);
+        let keys = rs[0].linker.object_keys(&plan).unwrap();
+        assert!(store.remove(&[keys[0][page].as_str()])[0].is_ok());
+    }
+    let expected = gone.unwrap_or(hashes.len());
     let tokens = common::prompt(11, hashes.len(), mixed_spec().page_size);
     let hits: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = rs
@@ -116,7 +135,7 @@ fn lookups_go_alone_on_every_rank_when_one_rank_finds_the_group_down() {
     });
     for (rank, hit) in hits.into_iter().enumerate() {
         let hit = hit.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert_eq!(hit.pages.len(), hashes.len(), "rank {rank}");
+        assert_eq!(hit.pages.len(), expected, "rank {rank}");
         assert_eq!(rs[rank].linker.metrics().lookups_alone, 1, "rank {rank}");
     }
 }

@@ -19,8 +19,9 @@ use crate::log_every::LogEvery;
 use crate::store::StoreCalls;
 
 impl Inner {
-    /// One batched `exists` over every component's key of every candidate page; the hit
-    /// ends at the first page with any component missing; then the group's minimum.
+    /// One batched `exists` over every component's key of every candidate page (in a group,
+    /// the replicated components' on rank 0 only); the hit ends at the first page with any
+    /// component missing; then the group's minimum.
     pub(crate) fn lookup(&self, req: &LookupRequest<'_>) -> Result<LookupHit, KvLoadError> {
         let all = page_hashes(req.tokens, self.geometry.page_size(), None);
         self.lookup_pages(&all, req.skip_pages)
@@ -35,10 +36,14 @@ impl Inner {
         let page_size = self.geometry.page_size();
         let first = skip_pages.min(all.len());
         let candidates = &all[first..];
-        let local = self.local_hit(candidates, first);
         let hit = match &self.group {
-            None => local,
-            Some(link) => self.group_hit(link, candidates, first, local),
+            None => self.local_hit(candidates, first, true),
+            Some(link) => {
+                // The replicated components' keys are every rank's: rank 0 alone asks for
+                // them, and the group's minimum covers them on every rank.
+                let local = self.local_hit(candidates, first, self.geometry.tp_rank() == 0);
+                self.group_hit(link, candidates, first, local)
+            }
         }
         // A failed lookup asked too and found nothing: the hit ratio falls with an outage.
         .inspect_err(|_| self.metrics.lookup(candidates.len() as u64, 0))?;
@@ -51,12 +56,26 @@ impl Inner {
         })
     }
 
-    /// This rank's own hit: pages in a row whose every component the store holds.
-    fn local_hit(&self, candidates: &[PageHash], first: usize) -> Result<usize, KvLoadError> {
-        let comps = self.geometry.components();
+    /// This rank's own hit: pages in a row whose every component (with `replicated`; else
+    /// its sharded ones only) the store holds. With none to ask for, every candidate.
+    fn local_hit(
+        &self,
+        candidates: &[PageHash],
+        first: usize,
+        replicated: bool,
+    ) -> Result<usize, KvLoadError> {
+        let comps: Vec<_> = self
+            .geometry
+            .components()
+            .iter()
+            .filter(|c| replicated || !c.replicated)
+            .collect();
+        if comps.is_empty() {
+            return Ok(candidates.len());
+        }
         let keys: Vec<String> = candidates
             .iter()
-            .flat_map(|p| comps.iter().map(move |c| (p, c)))
+            .flat_map(|p| comps.iter().map(move |c| (p, *c)))
             .map(|(p, c)| self.keys.object_key(p, c))
             .collect();
         present_run(
@@ -66,6 +85,21 @@ impl Inner {
             first,
             self.store_deadline(),
         )
+    }
+
+    /// The hit of a rank that looks up alone (`GroupFallback::ReadAlone`, the group down):
+    /// `local`, asked with every component on rank 0; a rank that left the replicated ones
+    /// to rank 0 asks for them now.
+    fn alone_hit(
+        &self,
+        candidates: &[PageHash],
+        first: usize,
+        local: Result<usize, KvLoadError>,
+    ) -> Result<usize, KvLoadError> {
+        if self.geometry.tp_rank() == 0 {
+            return local;
+        }
+        self.local_hit(candidates, first, true)
     }
 
     /// The group's hit: one settled gather on the control handle whatever `local` is (this
@@ -112,10 +146,11 @@ impl Inner {
                         } else {
                             tracing::debug!(reason = %down, "lookup alone: the TP group is down");
                         }
-                        if local.is_ok() {
+                        let alone = self.alone_hit(candidates, first, local);
+                        if alone.is_ok() {
                             self.metrics.lookup_alone();
                         }
-                        local
+                        alone
                     }
                 };
             }
@@ -135,10 +170,11 @@ impl Inner {
             // As a batch whose gate failed: a peer that found the group down looks up alone,
             // and so does this rank.
             warn!(error = %e, "the lookup's collective failed: looking up alone");
-            if local.is_ok() {
+            let alone = self.alone_hit(candidates, first, local);
+            if alone.is_ok() {
                 self.metrics.lookup_alone();
             }
-            return local;
+            return alone;
         }
         match agreed? {
             LookupAgreement::Hit(min) => {
