@@ -120,7 +120,7 @@ impl Inner {
         // once would interleave their gathers. Their order across ranks is the engine's. A
         // lookup takes at most two `collective_timeout`s on the handle; one that waited that
         // long for its turn fails (its peers' gather times out and the group re-forms).
-        let turn_by = kv_loader::deadline_after(self.config.collective_timeout * 2);
+        let turn_by = kv_loader::deadline_after(self.config.collective_timeout.saturating_mul(2));
         let Some(_turn) = link.lookup_turn(turn_by) else {
             return Err(KvLoadError::Collective {
                 batch: None,
