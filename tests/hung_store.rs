@@ -640,15 +640,19 @@ fn a_hung_unregister_does_not_hold_close_past_its_bound_and_keeps_the_memory_unt
     });
 }
 
-/// A save whose put hangs past `store_call_timeout` fails, and its put may still read the host
-/// pool's slots in place: they stay claimed for reading until it returns. Before, nothing said
-/// when the engine could write them again (the guide said "at once"), and `write_slot` wrote
-/// them under the put's read; now `write_slot` refuses them (`SlotBusy`) and
-/// `SlotClaims::wait_free` waits for the put, bounded.
-#[test]
-fn a_hung_save_keeps_its_host_slots_claimed_until_the_put_returns() {
-    use kvlink::kv_device::{DeviceError, KvPool, SlotClaims};
-    use kvlink::kv_geometry::ComponentId;
+/// A host pool of [`small_spec`] holding two pages of a prompt in slots 3 and 5, and a store
+/// whose first put stalls until `stall` is released.
+struct FirstPutStalled {
+    g: KvGeometry,
+    faulty: Arc<FaultyStore>,
+    stall: Stall,
+    pool: Arc<HostKvPool>,
+    pages: Vec<PageHash>,
+    slots: Vec<u32>,
+}
+
+/// [`FirstPutStalled`] of prompt `seed`.
+fn first_put_stalled(seed: u32) -> FirstPutStalled {
     let spec = small_spec();
     let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
     let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 30))));
@@ -662,9 +666,36 @@ fn a_hung_save_keeps_its_host_slots_claimed_until_the_put_returns() {
         Fault::Stall(stall.clone()),
     );
     let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-    let pages = kvlink::kv_geometry::page_hashes(&prompt(9, 2, spec.page_size), 4, None);
+    let pages = kvlink::kv_geometry::page_hashes(&prompt(seed, 2, spec.page_size), 4, None);
     let slots = vec![3, 5];
     common::fill_pool(&pool, &pages, &slots);
+    FirstPutStalled {
+        g,
+        faulty,
+        stall,
+        pool,
+        pages,
+        slots,
+    }
+}
+
+/// A save whose put hangs past `store_call_timeout` fails, and its put may still read the host
+/// pool's slots in place: they stay claimed for reading until it returns. Before, nothing said
+/// when the engine could write them again (the guide said "at once"), and `write_slot` wrote
+/// them under the put's read; now `write_slot` refuses them (`SlotBusy`) and
+/// `SlotClaims::wait_free` waits for the put, bounded.
+#[test]
+fn a_hung_save_keeps_its_host_slots_claimed_until_the_put_returns() {
+    use kvlink::kv_device::{DeviceError, KvPool, SlotClaims};
+    use kvlink::kv_geometry::ComponentId;
+    let FirstPutStalled {
+        g,
+        faulty,
+        stall,
+        pool,
+        pages,
+        slots,
+    } = first_put_stalled(9);
     let linker = Linker::new(g.clone(), faulty.clone(), pool.clone(), cfg()).unwrap();
     let t0 = Instant::now();
     let err = linker
@@ -705,22 +736,14 @@ fn a_hung_save_keeps_its_host_slots_claimed_until_the_put_returns() {
 fn a_save_claims_every_slot_it_reads_until_it_returns() {
     use kvlink::kv_device::DeviceError;
     use kvlink::kv_geometry::ComponentId;
-    let spec = small_spec();
-    let g = KvGeometry::new(spec.clone(), 1, 0).unwrap();
-    let faulty = Arc::new(FaultyStore::new(Arc::new(EmbeddedStore::new(1 << 30))));
-    let stall = Stall::new();
-    faulty.inject_on(
-        FaultCall::Put,
-        FaultRule {
-            times: Some(1),
-            ..FaultRule::default()
-        },
-        Fault::Stall(stall.clone()),
-    );
-    let pool = Arc::new(HostKvPool::new(g.clone(), 8).unwrap());
-    let pages = kvlink::kv_geometry::page_hashes(&prompt(10, 2, spec.page_size), 4, None);
-    let slots = vec![3, 5];
-    common::fill_pool(&pool, &pages, &slots);
+    let FirstPutStalled {
+        g,
+        faulty,
+        stall,
+        pool,
+        pages,
+        slots,
+    } = first_put_stalled(10);
     let one_page_a_call = LinkerConfig {
         save_chunk: 1,
         ..cfg()
