@@ -473,16 +473,27 @@ fn only_rank_0_asks_for_the_replicated_objects_at_lookup() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(hits, vec![4; 4]);
-    for (rank, n) in noted.iter().enumerate() {
+    for (rank, (n, r)) in noted.iter().zip(&rs).enumerate() {
         let asked = n.asked.lock().unwrap();
-        let replicated = asked.iter().filter(|k| !k.contains("_tp")).count();
-        let sharded = asked
-            .iter()
-            .filter(|k| k.contains(&format!("_tp{rank}_")))
-            .count();
+        let plan = load_plan(r.linker.geometry(), 9, &pages, vec![0; 6]);
+        let components = r.linker.geometry().components();
+        let (mut replicated, mut sharded) = (0, 0);
+        for (c, keys) in components.iter().zip(r.linker.object_keys(&plan).unwrap()) {
+            let n = keys.iter().filter(|k| asked.contains(k)).count();
+            if c.replicated {
+                replicated += n;
+            } else {
+                sharded += n;
+            }
+        }
         assert_eq!(sharded, 6, "rank {rank}: {asked:?}");
         let expected = if rank == 0 { 12 } else { 0 };
         assert_eq!(replicated, expected, "rank {rank}: {asked:?}");
+        assert_eq!(
+            asked.len(),
+            sharded + replicated,
+            "rank {rank}: only its keys"
+        );
     }
 }
 

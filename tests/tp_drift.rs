@@ -378,6 +378,7 @@ fn a_slot_in_flight_on_one_rank_fails_the_batch_on_every_rank() {
 /// batches load in the group's mode.
 #[test]
 fn a_batch_aborted_on_one_rank_fails_it_on_every_rank_and_nothing_shifts() {
+    let mid_load = std::sync::atomic::AtomicUsize::new(0);
     every_case("aborted", false, |rs, hashes, fail, what| {
         // The aborting rank's own reads are slow, so that its abort lands mid-load.
         rs[fail as usize].faults.inject(
@@ -407,6 +408,9 @@ fn a_batch_aborted_on_one_rank_fails_it_on_every_rank_and_nothing_shifts() {
         });
         rs[fail as usize].faults.clear();
         let aborting = &verdicts[fail as usize];
+        if aborting != "loaded" {
+            mid_load.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         for (rank, v) in verdicts.iter().enumerate() {
             let expected = match aborting.as_str() {
                 "loaded" => "loaded".to_string(),
@@ -416,6 +420,10 @@ fn a_batch_aborted_on_one_rank_fails_it_on_every_rank_and_nothing_shifts() {
         }
         3
     });
+    // Each of the 24 cases either aborted mid-load or loaded first; most must have aborted
+    // (the aborting rank's reads are slowed), else the abort went untested.
+    let aborted = mid_load.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(aborted >= 12, "only {aborted} of 24 cases aborted mid-load");
 }
 
 #[test]

@@ -42,7 +42,16 @@ impl Inner {
                 // The replicated components' keys are every rank's: rank 0 alone asks for
                 // them, and the group's minimum covers them on every rank.
                 let local = self.local_hit(candidates, first, self.geometry.tp_rank() == 0);
-                self.group_hit(link, candidates, first, local)
+                match self.group_hit(link, candidates, first, local) {
+                    GroupHit::Agreed(hit) => hit,
+                    GroupHit::Alone(local) => {
+                        let alone = self.alone_hit(candidates, first, local);
+                        if alone.is_ok() {
+                            self.metrics.lookup_alone();
+                        }
+                        alone
+                    }
+                }
             }
         }
         // A failed lookup asked too and found nothing: the hit ratio falls with an outage.
@@ -103,31 +112,26 @@ impl Inner {
     }
 
     /// The group's hit: one settled gather on the control handle whatever `local` is (this
-    /// rank's own hit when the group is down and the engine configured reading alone).
+    /// rank's own hit, or its sharded components' on a rank other than 0), or, where the
+    /// group cannot answer and the engine configured reading alone, [`GroupHit::Alone`].
+    /// Returns once it let go of the control handle and its turn on it.
     fn group_hit(
         &self,
         link: &GroupLink,
         candidates: &[PageHash],
         first: usize,
         local: Result<usize, KvLoadError>,
-    ) -> Result<usize, KvLoadError> {
-        // The collective's error stays the detail's source (`downcast_ref::<CollectiveError>`).
-        let failed = |e: dedup_broadcast::CollectiveError| KvLoadError::Collective {
-            batch: None,
-            detail: kv_loader::Cause::with_source(format!("lookup: {e}"), e),
-        };
+    ) -> GroupHit {
         // One lookup at a time on this rank's control handle (each bounded below): two at
         // once would interleave their gathers. Their order across ranks is the engine's. A
-        // lookup takes at most two `collective_timeout`s on the handle; one that waited that
-        // long for its turn fails (its peers' gather times out and the group re-forms).
+        // lookup holds the handle at most two `collective_timeout`s (a re-formation, then the
+        // gather); one that waited that long for its turn goes without the group (its peers'
+        // gather times out and the group re-forms).
         let turn_by = kv_loader::deadline_after(self.config.collective_timeout.saturating_mul(2));
         let Some(_turn) = link.lookup_turn(turn_by) else {
-            return Err(KvLoadError::Collective {
-                batch: None,
-                detail: "lookup: another lookup of this rank held the group handle past two \
-                         collective_timeouts (make group calls from one issuer per rank)"
-                    .into(),
-            });
+            let why = "another lookup of this rank held the group handle past two \
+                       collective_timeouts (make group calls from one issuer per rank)";
+            return self.without_group(why, local);
         };
         let reform_by = kv_loader::deadline_after(self.config.collective_timeout);
         // Marked in use to the lookup's end: a re-formation on the load thread leaves it.
@@ -135,7 +139,7 @@ impl Inner {
             Ok((handles, in_use)) => (handles.control, in_use),
             Err(down) => {
                 return match self.config.group_fallback {
-                    GroupFallback::Fail => Err(down.error(None)),
+                    GroupFallback::Fail => GroupHit::Agreed(Err(down.error(None))),
                     GroupFallback::ReadAlone => {
                         if link.down_lookup_log.due("lookup alone") {
                             warn!(
@@ -146,11 +150,7 @@ impl Inner {
                         } else {
                             tracing::debug!(reason = %down, "lookup alone: the TP group is down");
                         }
-                        let alone = self.alone_hit(candidates, first, local);
-                        if alone.is_ok() {
-                            self.metrics.lookup_alone();
-                        }
-                        alone
+                        GroupHit::Alone(local)
                     }
                 };
             }
@@ -161,34 +161,60 @@ impl Inner {
         let deadline = kv_loader::deadline_after(self.config.collective_timeout);
         let digest = lookup_digest(first as u64, candidates);
         let mine = local.as_ref().ok().map(|&h| h as u64);
-        let agreed = agree_lookup(coll.as_ref(), &digest, mine, deadline).map_err(|e| {
-            // The ranks may no longer be in step on this channel: re-form it.
-            coll.abort(&format!("lookup collective failed: {e}"));
-            failed(e)
-        });
-        if let (Err(e), GroupFallback::ReadAlone) = (&agreed, self.config.group_fallback) {
-            // As a batch whose gate failed: a peer that found the group down looks up alone,
-            // and so does this rank.
-            warn!(error = %e, "the lookup's collective failed: looking up alone");
-            let alone = self.alone_hit(candidates, first, local);
-            if alone.is_ok() {
-                self.metrics.lookup_alone();
+        match agree_lookup(coll.as_ref(), &digest, mine, deadline) {
+            Ok(LookupAgreement::Hit(min)) => {
+                GroupHit::Agreed(local.map(|hit| hit.min(min as usize)))
             }
-            return alone;
-        }
-        match agreed? {
-            LookupAgreement::Hit(min) => {
-                let hit = local?;
-                Ok(hit.min(min as usize))
-            }
-            LookupAgreement::Mismatch { differing } => {
+            Ok(LookupAgreement::Mismatch { differing }) => {
                 warn!(?differing, "ranks looked up different pages: no hit on any rank; the group re-forms at its next use");
                 coll.abort("lookups differ across ranks");
-                local?;
-                Ok(0)
+                GroupHit::Agreed(local.map(|_| 0))
+            }
+            Err(e) => {
+                // The ranks may no longer be in step on this channel: re-form it.
+                coll.abort(&format!("lookup collective failed: {e}"));
+                match self.config.group_fallback {
+                    // As a batch whose gate failed: a peer that found the group down looks up
+                    // alone, and so does this rank.
+                    GroupFallback::ReadAlone => {
+                        warn!(error = %e, "the lookup's collective failed: looking up alone");
+                        GroupHit::Alone(local)
+                    }
+                    // The collective's error stays the detail's source
+                    // (`downcast_ref::<CollectiveError>`).
+                    GroupFallback::Fail => GroupHit::Agreed(Err(KvLoadError::Collective {
+                        batch: None,
+                        detail: kv_loader::Cause::with_source(format!("lookup: {e}"), e),
+                    })),
+                }
             }
         }
     }
+
+    /// The lookup could not take its turn on the group handle (`why`): alone under
+    /// `GroupFallback::ReadAlone`, else a `Collective` failure saying why.
+    fn without_group(&self, why: &str, local: Result<usize, KvLoadError>) -> GroupHit {
+        match self.config.group_fallback {
+            GroupFallback::ReadAlone => {
+                warn!(why, "looking up alone");
+                GroupHit::Alone(local)
+            }
+            GroupFallback::Fail => GroupHit::Agreed(Err(KvLoadError::Collective {
+                batch: None,
+                detail: format!("lookup: {why}").into(),
+            })),
+        }
+    }
+}
+
+/// What the group said of a lookup.
+enum GroupHit {
+    /// The group's hit on this rank, or why there is none.
+    Agreed(Result<usize, KvLoadError>),
+    /// The group could not answer and the engine configured reading alone: this rank's own
+    /// hit (as asked in the group: a rank other than 0 asks for the replicated components
+    /// again, [`Inner::alone_hit`], once it let go of the group handle).
+    Alone(Result<usize, KvLoadError>),
 }
 
 /// How many pages in a row, from the first, have every one of their `per_page` keys in the

@@ -110,6 +110,8 @@ pub(crate) struct Inner {
     /// Companions of another length found to be a newer writer's, remembered a while so
     /// that each load does not ask their size and read them again.
     pub(crate) newer_companions: companion::NewerCompanions,
+    /// Failed batches' outcomes held while device copies into their slots run.
+    pub(crate) copies_watch: Arc<copies_held::CopiesWatch>,
     /// The companions of a looked-up prefix being read ahead of its load.
     pub(crate) prefetch: prefetch::CompanionPrefetch,
     /// The read session a lookup took for its load.
@@ -232,7 +234,8 @@ impl Inner {
             let held = match held {
                 Some(held) => Some(held),
                 None if result.is_err() && job.ticket.is_some() => {
-                    copies_held::hold_while_copies_run(&self.pool, &job.plan.slots, &self.outcomes)
+                    self.copies_watch
+                        .hold(&self.pool, &job.plan.slots, &self.outcomes)
                 }
                 None => None,
             };
@@ -525,6 +528,7 @@ impl Linker {
             wrong_sized: wrong_sized::WrongSized::default(),
             failed_log: LogEvery::new(),
             newer_companions: companion::NewerCompanions::default(),
+            copies_watch: Arc::default(),
             prefetch: prefetch::CompanionPrefetch::default(),
             pins_ahead: Arc::default(),
             epoch: AtomicU64::new(0),
