@@ -348,19 +348,8 @@ fn a_read_the_store_gave_up_on_on_a_middle_rank_fails_every_rank_and_the_group_g
             let what = format!("{path:?} {mode:?}");
             let store: Arc<dyn KvStore> = Arc::new(EmbeddedStore::new(1 << 30));
             let (rs, hashes) = tp_ranks(&mixed_spec(), 3, store, 6, &config(mode), path);
-            let v = rs[1]
-                .linker
-                .geometry()
-                .component_by_name("v")
-                .unwrap()
-                .clone();
-            rs[1].faults.inject(
-                FaultRule {
-                    key_contains: Some("tp1_cp0_pp0_v".into()),
-                    offset: Some(v.layer_range(2).unwrap().start),
-                    times: Some(1),
-                    ..FaultRule::default()
-                },
+            fault_rank_1_v_at_layer_2(
+                &rs,
                 Fault::Error(StoreError::Abandoned {
                     key: "injected".into(),
                     call: "get_ranges",
@@ -399,17 +388,36 @@ fn a_read_the_store_gave_up_on_on_a_middle_rank_fails_every_rank_and_the_group_g
                     );
                 }
             }
-            let shifted = |r: &TpRank| r.slots.iter().map(|s| s + 1).collect::<Vec<u32>>();
-            for (rank, (r, o)) in rs
-                .iter()
-                .zip(common::tp::run_at(&rs, 2, &hashes, &shifted))
-                .enumerate()
-            {
-                o.result
-                    .unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
-                rank_matches_at(r, &hashes, rank as u32, &shifted(r)).unwrap();
-            }
+            batch_2_loads_into_other_slots(&rs, &hashes, &what);
         }
+    }
+}
+
+/// Rank 1's read of its shard `v` at layer 2 (every mode reads it) meets `fault`, once.
+fn fault_rank_1_v_at_layer_2(rs: &[TpRank], fault: Fault) {
+    let v = rs[1].linker.geometry().component_by_name("v").unwrap();
+    rs[1].faults.inject(
+        FaultRule {
+            key_contains: Some("tp1_cp0_pp0_v".into()),
+            offset: Some(v.layer_range(2).unwrap().start),
+            times: Some(1),
+            ..FaultRule::default()
+        },
+        fault,
+    );
+}
+
+/// Batch 2 into other slots (each rank's moved by one) loads on every rank, every byte.
+fn batch_2_loads_into_other_slots(rs: &[TpRank], hashes: &[PageHash], what: &str) {
+    let shifted = |r: &TpRank| r.slots.iter().map(|s| s + 1).collect::<Vec<u32>>();
+    for (rank, (r, o)) in rs
+        .iter()
+        .zip(common::tp::run_at(rs, 2, hashes, &shifted))
+        .enumerate()
+    {
+        o.result
+            .unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
+        rank_matches_at(r, hashes, rank as u32, &shifted(r)).unwrap();
     }
 }
 
@@ -449,21 +457,7 @@ fn a_hung_read_on_a_middle_rank_fails_every_rank_in_time_and_the_group_goes_on()
             let (rs, hashes) = tp_ranks(&mixed_spec(), 3, store, 6, &c, path);
             let stall = Stall::new();
             // Rank 1's read of its shard `v` at layer 2 hangs (every mode reads it).
-            let v = rs[1]
-                .linker
-                .geometry()
-                .component_by_name("v")
-                .unwrap()
-                .clone();
-            rs[1].faults.inject(
-                FaultRule {
-                    key_contains: Some("tp1_cp0_pp0_v".into()),
-                    offset: Some(v.layer_range(2).unwrap().start),
-                    times: Some(1),
-                    ..FaultRule::default()
-                },
-                Fault::Stall(stall.clone()),
-            );
+            fault_rank_1_v_at_layer_2(&rs, Fault::Stall(stall.clone()));
             let t0 = Instant::now();
             let failed = each_rank(&rs, |r| {
                 let t = r
@@ -479,16 +473,7 @@ fn a_hung_read_on_a_middle_rank_fails_every_rank_in_time_and_the_group_goes_on()
                 t0.elapsed()
             );
             // Batch 2 into other slots loads on every rank while the call still hangs.
-            let shifted = |r: &TpRank| r.slots.iter().map(|s| s + 1).collect::<Vec<u32>>();
-            for (rank, (r, o)) in rs
-                .iter()
-                .zip(common::tp::run_at(&rs, 2, &hashes, &shifted))
-                .enumerate()
-            {
-                o.result
-                    .unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
-                rank_matches_at(r, &hashes, rank as u32, &shifted(r)).unwrap();
-            }
+            batch_2_loads_into_other_slots(&rs, &hashes, &what);
             stall.release();
             // Every rank's outcome of batch 1 comes, failed (the hung rank's once its call
             // returned, on a host pool).
