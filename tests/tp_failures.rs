@@ -596,35 +596,53 @@ fn a_slow_renewal_and_read_fail_a_later_layer_before_the_peers_stop_waiting() {
 /// three.
 #[test]
 fn a_panic_on_a_load_thread_fails_its_batch_and_the_next_batch_loads() {
-    use kvlink::kv_loader::KvLoadError;
-
-    let spec = mixed_spec();
-    let collective = Duration::from_secs(2);
-    let cfg = LinkerConfig {
-        collective_timeout: collective,
-        ..config(ShareMode::SplitAllGather)
-    };
     // The device path's ring of two stages leaves the reader waiting for a free stage while
     // the exchange loop unwinds: it must learn at once that the loop left.
-    for path in paths() {
-        let what = format!("{path:?}");
-        let (rs, hashes, m) = ranks_panicking_at_layer_2(&spec, &cfg, path);
-        m.arm();
-        let t0 = Instant::now();
-        let (outcomes, ended) = run_timed(&rs, 1, &hashes);
-        assert!(m.done(), "{what}: the collective panicked");
+    let panics = common::coll::Misbehave::PanicAtLayer { layer: 2 };
+    middle_rank_misbehaves(panics, |what, outcomes, took| {
         match &outcomes[1].result {
             Err(e @ KvLoadError::Internal { .. }) => {
                 assert!(e.to_string().contains("panicked"), "{what}: {e}")
             }
             other => panic!("{what}: rank 1: {other:?}"),
         }
-        let took = ended[1] - t0;
-        assert!(took < collective * 2, "{what}: rank 1 ended after {took:?}");
+        assert!(
+            took[1] < COLLECTIVE * 2,
+            "{what}: rank 1 ended after {:?}",
+            took[1]
+        );
         for peer in [0, 2] {
             assert!(outcomes[peer].result.is_err(), "{what}: rank {peer} loaded");
         }
-        peers_ended_by(&ended, t0, collective * 2, &what);
+    });
+}
+
+/// The `collective_timeout` of [`middle_rank_misbehaves`].
+const COLLECTIVE: Duration = Duration::from_secs(2);
+
+/// Rank 1 of three (`SplitAllGather`, [`COLLECTIVE`]) misbehaves `how` in batch 1, on each
+/// pool path: `judge` checks the ranks' outcomes and how long each took; the peers end within
+/// two collective timeouts, batch 2 loads on every rank, and every rank re-formed the group
+/// exactly once.
+fn middle_rank_misbehaves(
+    how: common::coll::Misbehave,
+    judge: impl Fn(&str, &[kvlink::kv_loader::BatchOutcome], &[Duration]),
+) {
+    let spec = mixed_spec();
+    let cfg = LinkerConfig {
+        collective_timeout: COLLECTIVE,
+        ..config(ShareMode::SplitAllGather)
+    };
+    for path in paths() {
+        let what = format!("{path:?}");
+        let (rs, hashes, m) = ranks_misbehaving_on_rank_1(&spec, &cfg, path, how);
+        m.arm();
+        let t0 = Instant::now();
+        let (outcomes, ended) = run_timed(&rs, 1, &hashes);
+        assert!(m.done(), "{what}: rank 1 misbehaved");
+        let took: Vec<Duration> = ended.iter().map(|e| *e - t0).collect();
+        judge(&what, &outcomes, &took);
+        peers_ended_by(&ended, t0, COLLECTIVE * 2, &what);
         run_ok(&rs, 2, &hashes, &what);
         for (rank, r) in rs.iter().enumerate() {
             let reforms = r.linker.metrics().group_reforms;
@@ -713,33 +731,15 @@ fn ranks_misbehaving_on_rank_1(
 /// the device path and ranks as processes were tested for a peer that hangs.
 #[test]
 fn a_middle_rank_that_hangs_in_a_collective_fails_the_batch_and_the_group_re_forms() {
-    let spec = mixed_spec();
-    let collective = Duration::from_secs(2);
-    let cfg = LinkerConfig {
-        collective_timeout: collective,
-        ..config(ShareMode::SplitAllGather)
+    let stall = common::coll::Misbehave::StallAtLayer {
+        layer: 2,
+        stall: COLLECTIVE + COLLECTIVE / 2,
     };
-    for path in paths() {
-        let what = format!("{path:?}");
-        let stall = common::coll::Misbehave::StallAtLayer {
-            layer: 2,
-            stall: collective + collective / 2,
-        };
-        let (rs, hashes, m) = ranks_misbehaving_on_rank_1(&spec, &cfg, path, stall);
-        m.arm();
-        let t0 = Instant::now();
-        let (outcomes, ended) = run_timed(&rs, 1, &hashes);
-        assert!(m.done(), "{what}: rank 1 stalled");
+    middle_rank_misbehaves(stall, |what, outcomes, _| {
         for (rank, o) in outcomes.iter().enumerate() {
             assert!(o.result.is_err(), "{what}: rank {rank} loaded");
         }
-        peers_ended_by(&ended, t0, collective * 2, &what);
-        run_ok(&rs, 2, &hashes, &what);
-        for (rank, r) in rs.iter().enumerate() {
-            let reforms = r.linker.metrics().group_reforms;
-            assert!(reforms >= 1, "{what}: rank {rank} did not re-form");
-        }
-    }
+    });
 }
 
 /// Ranks 0 and 2 (the peers of a failing middle rank of three) ended their batch, started at
