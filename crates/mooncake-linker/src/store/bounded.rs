@@ -9,15 +9,15 @@
 //! not at its deadline, and its worker goes on to the next call.
 //!
 //! Workers are kept and reused (a call costs a hand-off, not a thread start); a call that
-//! hangs keeps its worker, and a new one is started for the next call. A worker idle for
-//! [`WORKER_IDLE_RETIRE`] ends (after a burst of hung calls, their workers do not stay for the
-//! server's life). At most
+//! hangs keeps its worker, and a new one is started for the next call. A call goes to the
+//! most recently idle worker, and a worker idle for [`WORKER_IDLE_RETIRE`] ends (after a burst
+//! of hung calls, their workers do not stay for the server's life, under traffic too). At most
 //! [`MAX_WORKERS`] calls run at once: past that (a store that hangs every call) a call fails
 //! at once with [`StoreError::Unavailable`].
 
 use std::any::Any;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -44,12 +44,21 @@ pub fn no_hold() -> Hold {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// An idle worker's mailbox: the job handed to it (`None` while it waits).
+#[derive(Default)]
+struct Mailbox {
+    job: Mutex<Option<Job>>,
+    ready: Condvar,
+}
+
 /// The worker threads of one [`StoreCalls`].
 struct Workers {
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
-    rx: Arc<Mutex<mpsc::Receiver<Job>>>,
-    /// Workers waiting for a job that no submitted job has claimed.
-    idle: Arc<AtomicUsize>,
+    /// Idle workers' mailboxes, the most recently idle last: a job goes to it, so that under
+    /// steady traffic the same few workers serve and the others' waits run out (handed out
+    /// in turn, every idle worker got a job now and then and none ever ended).
+    idle: Arc<Mutex<Vec<Arc<Mailbox>>>>,
+    /// Set when the [`StoreCalls`] goes: idle workers end, busy ones after their call.
+    closed: Arc<AtomicBool>,
     /// Workers alive (idle, busy or hung).
     alive: Arc<AtomicUsize>,
     /// How long a worker waits for a job before it ends ([`WORKER_IDLE_RETIRE`]).
@@ -60,42 +69,38 @@ struct Workers {
 
 impl Workers {
     fn new() -> Self {
-        let (tx, rx) = mpsc::channel();
         Workers {
-            tx: Mutex::new(Some(tx)),
-            rx: Arc::new(Mutex::new(rx)),
-            idle: Arc::new(AtomicUsize::new(0)),
+            idle: Arc::default(),
+            closed: Arc::default(),
             alive: Arc::new(AtomicUsize::new(0)),
             retire_after: WORKER_IDLE_RETIRE,
             all_busy_log: LogEvery::default(),
         }
     }
 
-    /// Hands `job` to an idle worker, or to a new one.
-    fn submit(&self, job: Job) -> Result<(), StoreError> {
-        let claimed = self
-            .idle
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |i| i.checked_sub(1))
-            .is_ok();
-        if !claimed {
-            self.spawn()?;
-        }
-        let sent = self
-            .tx
-            .lock()
-            .as_ref()
-            .is_some_and(|tx| tx.send(job).is_ok());
-        if sent {
-            Ok(())
-        } else {
-            Err(StoreError::Unavailable {
-                detail: "the store's call workers have stopped".into(),
-            })
-        }
+    /// Workers waiting for a job.
+    #[cfg(test)]
+    fn idle_count(&self) -> usize {
+        self.idle.lock().len()
     }
 
-    /// Starts a worker, already claimed for the job about to be sent.
-    fn spawn(&self) -> Result<(), StoreError> {
+    /// Hands `job` to the most recently idle worker, or to a new one.
+    fn submit(&self, job: Job) -> Result<(), StoreError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(StoreError::Unavailable {
+                detail: "the store's call workers have stopped".into(),
+            });
+        }
+        let Some(mailbox) = self.idle.lock().pop() else {
+            return self.spawn(job);
+        };
+        *mailbox.job.lock() = Some(job);
+        mailbox.ready.notify_one();
+        Ok(())
+    }
+
+    /// Starts a worker with `job`, its first.
+    fn spawn(&self, job: Job) -> Result<(), StoreError> {
         if self.alive.fetch_add(1, Ordering::AcqRel) >= MAX_WORKERS {
             self.alive.fetch_sub(1, Ordering::AcqRel);
             // Every call fails so while the hang lasts: one line a minute at `error`.
@@ -112,18 +117,25 @@ impl Workers {
                 detail: format!("{MAX_WORKERS} store calls are running or hung").into(),
             });
         }
-        let (rx, idle, alive) = (self.rx.clone(), self.idle.clone(), self.alive.clone());
-        let retire_after = self.retire_after;
+        let worker = Worker {
+            idle: self.idle.clone(),
+            closed: self.closed.clone(),
+            mailbox: Arc::default(),
+            retire_after: self.retire_after,
+        };
+        let alive = self.alive.clone();
         let spawned = std::thread::Builder::new()
             .name("kvlink-store-call".into())
             .spawn(move || {
-                while let Some(job) = next_job(&rx, &idle, retire_after) {
-                    // A call's own panic is caught inside the job (its caller gets `Panicked`);
-                    // this catches one of its `late` handler, so the worker lives on either way.
-                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                let mut job = Some(job);
+                while let Some(next) = job {
+                    // A call's own panic is caught inside the job (its caller gets
+                    // `Panicked`); this catches one of its `late` handler, so the worker lives
+                    // on either way.
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(next)).is_err() {
                         error!("a store call panicked");
                     }
-                    idle.fetch_add(1, Ordering::AcqRel);
+                    job = worker.next_job();
                 }
                 alive.fetch_sub(1, Ordering::AcqRel);
             });
@@ -139,30 +151,43 @@ impl Workers {
     }
 }
 
-/// A worker's next job; `None` when the queue is closed, or when it waited `retire_after`
-/// with none while another idle worker is left for every job sent (`idle`, the idle workers
-/// no submitted job has claimed, above zero: it takes itself out of that count and ends).
-fn next_job(
-    rx: &Mutex<mpsc::Receiver<Job>>,
-    idle: &AtomicUsize,
+/// What one worker thread waits with.
+struct Worker {
+    idle: Arc<Mutex<Vec<Arc<Mailbox>>>>,
+    closed: Arc<AtomicBool>,
+    mailbox: Arc<Mailbox>,
     retire_after: Duration,
-) -> Option<Job> {
-    loop {
-        // Idle workers queue for the receiver: each waits its time for it, then for a job.
-        let got = match rx.try_lock_for(retire_after) {
-            Some(rx) => rx.recv_timeout(retire_after),
-            None => Err(mpsc::RecvTimeoutError::Timeout),
-        };
-        match got {
-            Ok(job) => return Some(job),
-            Err(mpsc::RecvTimeoutError::Disconnected) => return None,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                // At zero every idle worker is claimed by a job on its way: wait for it.
-                let unclaimed =
-                    idle.fetch_update(Ordering::AcqRel, Ordering::Acquire, |i| i.checked_sub(1));
-                if unclaimed.is_ok() {
-                    debug!(idle_for = ?retire_after, "a store-call worker ends, idle");
+}
+
+impl Worker {
+    /// Its next job; `None` when the calls are closed, or when it waited `retire_after` with
+    /// none (it takes its mailbox off the idle ones and ends; one already taken off has a job
+    /// on its way, which it waits for).
+    fn next_job(&self) -> Option<Job> {
+        let mut job = self.mailbox.job.lock();
+        if self.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        self.idle.lock().push(self.mailbox.clone());
+        let until = kv_loader::deadline_after(self.retire_after);
+        loop {
+            if let Some(next) = job.take() {
+                return Some(next);
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return None;
+            }
+            if self.mailbox.ready.wait_until(&mut job, until).timed_out() && job.is_none() {
+                let mut idle = self.idle.lock();
+                if let Some(at) = idle.iter().position(|m| Arc::ptr_eq(m, &self.mailbox)) {
+                    idle.remove(at);
+                    debug!(idle_for = ?self.retire_after, "a store-call worker ends, idle");
                     return None;
+                }
+                drop(idle);
+                // Taken off by a submit: its job is on its way (it locks this mailbox next).
+                while job.is_none() && !self.closed.load(Ordering::Acquire) {
+                    self.mailbox.ready.wait(&mut job);
                 }
             }
         }
@@ -171,8 +196,14 @@ fn next_job(
 
 impl Drop for Workers {
     fn drop(&mut self) {
-        // Closing the queue ends the idle workers; busy ones end when their call returns.
-        self.tx.lock().take();
+        // Idle workers end now; busy ones when their call returns.
+        self.closed.store(true, Ordering::Release);
+        // Taken out first: a worker locks its mailbox, then the idle list, never the other way.
+        let idle = std::mem::take(&mut *self.idle.lock());
+        for mailbox in idle {
+            let _held = mailbox.job.lock();
+            mailbox.ready.notify_one();
+        }
     }
 }
 
@@ -757,6 +788,7 @@ mod tests {
     use crate::store::{ObjectPut, TargetRange, TargetRead};
     use kv_device::{BatchShape, DirectLanding, HostKvPool, LayerLanding, LayerStage};
     use kv_geometry::{ComponentId, KvGeometry, ModelKvSpec};
+    use std::sync::mpsc;
 
     fn put(store: &dyn KvStore, key: &str, bytes: &[u8]) {
         let p = ObjectPut {
@@ -1150,7 +1182,7 @@ mod tests {
         assert_eq!(calls.overdue_calls(), 0);
         // The worker lives on: it comes back idle (it counts itself so after answering).
         let t0 = Instant::now();
-        while calls.workers.idle.load(Ordering::Acquire) == 0 {
+        while calls.workers.idle_count() == 0 {
             assert!(
                 t0.elapsed() < Duration::from_secs(5),
                 "the worker did not come back"
@@ -1245,6 +1277,45 @@ mod tests {
             .unwrap();
         done_rx.recv_timeout(Duration::from_secs(10)).unwrap();
         until_alive(&workers, 0);
+    }
+
+    /// Under steady traffic the workers a burst left behind still end: the calls go to the
+    /// most recently idle worker, and the others' waits run out. Before, idle workers took
+    /// calls in turn: sixteen of them, a call every 10 ms and 200 ms to retire, and none ended.
+    #[test]
+    fn spare_workers_end_under_steady_traffic() {
+        let mut workers = Workers::new();
+        workers.retire_after = Duration::from_millis(200);
+        let gate = Arc::new(Mutex::new(()));
+        let held = gate.lock();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        for _ in 0..16 {
+            let (gate, done) = (gate.clone(), done_tx.clone());
+            workers
+                .submit(Box::new(move || {
+                    drop(gate.lock());
+                    let _ = done.send(());
+                }))
+                .unwrap();
+        }
+        assert_eq!(workers.alive.load(Ordering::Acquire), 16);
+        drop(held);
+        for _ in 0..16 {
+            done_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_millis(1500) {
+            let done = done_tx.clone();
+            workers
+                .submit(Box::new(move || {
+                    let _ = done.send(());
+                }))
+                .unwrap();
+            done_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let alive = workers.alive.load(Ordering::Acquire);
+        assert!(alive <= 2, "{alive} workers alive under steady traffic");
     }
 
     /// Workers ending while calls come: no call is left without a worker (each one runs).
