@@ -40,7 +40,7 @@ fn refusal(leader: &Hello, joiners: &[Hello]) -> Option<RendezvousError> {
     // Formed at, it would leave few or no next epochs (`MAX_EPOCH`) for every later group.
     if let Some(h) = by_rank
         .iter()
-        .find(|h| h.last_epoch > leader.last_epoch.saturating_add(EPOCH_JUMP_MAX))
+        .find(|h| past_jump(leader.last_epoch, h.last_epoch))
     {
         return Some(RendezvousError::SettingsMismatch {
             rank: h.rank,
@@ -158,6 +158,11 @@ pub(crate) const MAX_EPOCH: u64 = 1 << 62;
 /// How far past rank 0's last epoch a member's (or the exchange's `closed`) may be: 2^32
 /// formations, more than any deployment's life. A larger one is corrupt or hostile.
 pub(crate) const EPOCH_JUMP_MAX: u64 = 1 << 32;
+
+/// Whether `epoch` is further past `base` (rank 0's last epoch) than [`EPOCH_JUMP_MAX`].
+pub(crate) fn past_jump(base: u64, epoch: u64) -> bool {
+    epoch > base.saturating_add(EPOCH_JUMP_MAX)
+}
 
 /// The epoch after `last` (a rank's hello or the exchange says `last`: peer input), refused
 /// where there is none at most [`MAX_EPOCH`].

@@ -29,9 +29,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::decide::{
-    decide, missing, next_epoch, IdSource, Rank0Address, EPOCH_JUMP_MAX, MAX_EPOCH,
-};
+use super::decide::{decide, missing, next_epoch, past_jump, IdSource, Rank0Address, MAX_EPOCH};
 use super::message::{fits_a_frame, Hello, Reply, Welcome};
 use super::RendezvousError;
 use crate::process::wire::MAX_FRAME;
@@ -284,7 +282,7 @@ pub(crate) fn lead(
     let k = Keys(prefix);
     let closed = read_epoch(x, &k.closed(), EpochLog::Warn, deadline)?.unwrap_or(0);
     // Further past this rank's last epoch than any group forms in its life: corrupt.
-    let closed = if closed > leader.last_epoch.saturating_add(EPOCH_JUMP_MAX) {
+    let closed = if past_jump(leader.last_epoch, closed) {
         tracing::warn!(
             closed,
             last_epoch = leader.last_epoch,
@@ -792,6 +790,7 @@ fn verdict_for(
 
 #[cfg(test)]
 mod tests {
+    use super::super::decide::EPOCH_JUMP_MAX;
     use super::super::file_exchange::FileExchange;
     use super::*;
 
